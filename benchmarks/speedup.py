@@ -1,0 +1,141 @@
+"""The naive loop vs redline's auto Plan on the built-in examples, side by side in one run.
+
+The naive loop is the way a tutorial writes it: eager fp32, ``.to(device)`` per batch, a default
+DataLoader. The auto run is ``redline.Runtime()`` with every option on "auto" and the run's length
+given as ``planned_steps``. Each pair runs in alternating order; the figures are the medians of the
+ratios naive/auto (above 1 means redline is faster): end to end (model set-up, compile and all
+steps) and at steady state (samples/s after the first tenth of the steps).
+
+    python benchmarks/speedup.py [--device cpu|cuda] [--steps 300] [--repeats 3] [--write NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+import environment
+import redline
+
+
+@dataclass
+class Timing:
+    total_s: float
+    steady_samples_per_s: float
+    plan: str = ""
+
+
+def _timed_steps(steps: int, batches: Iterable[Any], step_fn: Any, device: torch.device, start: float) -> Timing:
+    warm = max(1, steps // 10)
+    samples = 0
+    mark = start
+    for i, (inputs, targets) in enumerate(itertools.islice(batches, steps)):
+        step_fn(inputs, targets)
+        if i + 1 == warm:
+            _sync(device)
+            mark = time.perf_counter()
+        elif i + 1 > warm:
+            samples += len(targets)
+    _sync(device)
+    end = time.perf_counter()
+    return Timing(total_s=end - start, steady_samples_per_s=samples / (end - mark))
+
+
+def naive(task: redline.Task, device: torch.device, steps: int) -> Timing:
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = task.build_model().to(device)
+    optimizer = task.optimizer(model.parameters())
+    loader = DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True, drop_last=True)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss = task.loss_fn(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return _timed_steps(steps, _forever(loader), step, device, start)
+
+
+def auto(task: redline.Task, device: torch.device, steps: int) -> Timing:
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    rt = redline.Runtime(devices=str(device), planned_steps=steps)
+    model, optimizer = rt.setup(task.build_model(), task.optimizer)
+    loader = rt.setup_loader(DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True, drop_last=True))
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        with rt.autocast():
+            loss = task.loss_fn(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(optimizer)
+
+    timing = _timed_steps(steps, _forever(loader), step, device, start)
+    timing.plan = "; ".join(f"{axis}={value}" for axis, value, _ in rt.explain().rows())
+    return timing
+
+
+def _forever(loader: Iterable[Any]) -> Any:
+    return itertools.chain.from_iterable(itertools.repeat(loader))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tasks", default="example:digits,example:chargpt")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    body = [
+        f"{args.steps} steps per run, {args.repeats} pairs per task in alternating order; ratios are naive/auto "
+        "(above 1: redline faster).",
+        "",
+        "| task | naive total (s) | auto total (s) | end-to-end speed-up | naive samples/s | auto samples/s "
+        "| steady-state speed-up |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    plans = []
+    for spec in args.tasks.split(","):
+        task = redline.load_task(spec)
+        runs: dict[str, list[Timing]] = {"naive": [], "auto": []}
+        for i in range(args.repeats):
+            order = [("naive", naive), ("auto", auto)]
+            for name, fn in order if i % 2 == 0 else order[::-1]:
+                runs[name].append(fn(task, device, args.steps))
+        end_to_end = [n.total_s / a.total_s for n, a in zip(runs["naive"], runs["auto"], strict=True)]
+        steady = [
+            a.steady_samples_per_s / n.steady_samples_per_s for n, a in zip(runs["naive"], runs["auto"], strict=True)
+        ]
+        med = environment.median
+        body.append(
+            f"| {spec} | {med([r.total_s for r in runs['naive']]):.2f} | {med([r.total_s for r in runs['auto']]):.2f} "
+            f"| **{med(end_to_end):.3f}x** | {med([r.steady_samples_per_s for r in runs['naive']]):,.0f} "
+            f"| {med([r.steady_samples_per_s for r in runs['auto']]):,.0f} | **{med(steady):.3f}x** |"
+        )
+        plans.append(f"- {spec}: {runs['auto'][0].plan}")
+        print(body[-1], flush=True)
+    body += ["", "The auto Plan chose:", *plans]
+    print("\n".join(body))
+    if args.write:
+        title = "Speed-up of the auto Plan over the naive loop"
+        print(f"wrote {environment.write(args.write, title, body, args.device)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""`python -m redline` runs the command line."""
+
+from redline.cli.main import main
+
+main()

@@ -1,0 +1,27 @@
+"""The package's errors: one base class, each message saying what was passed, what is allowed, and the fix."""
+
+from __future__ import annotations
+
+
+class RedlineError(Exception):
+    """Base class of every error redline raises on purpose."""
+
+
+class ConfigError(RedlineError, ValueError):
+    """An argument or option has a value redline cannot use."""
+
+
+class DeviceUnavailableError(RedlineError, RuntimeError):
+    """A device was asked for that this machine does not have or cannot use that way."""
+
+
+class TaskSpecError(RedlineError, ValueError):
+    """A task spec string could not be loaded into a Task."""
+
+
+def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigError:
+    """Build a ConfigError in the house format: passed -> allowed -> hint."""
+    message = f"{name}={value!r} is not allowed; expected {allowed}"
+    if hint:
+        message += f"\nhint: {hint}"
+    return ConfigError(message)

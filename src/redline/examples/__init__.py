@@ -1,0 +1,1 @@
+"""The built-in example workloads: ``example:digits`` and ``example:chargpt``."""

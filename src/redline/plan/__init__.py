@@ -1,0 +1,86 @@
+"""The Plan: every automatic choice of a run, each with the reason it was made.
+
+Each axis (device, precision, compile, memory layout, optimizer implementation, data loading) has
+one module here with one pure resolver: requested value and device facts in, a ``Choice`` out.
+The Runtime gathers the choices into a frozen ``Plan``; ``Runtime.explain()`` returns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
+
+from redline.errors import invalid
+
+T = TypeVar("T", covariant=True)
+
+
+@dataclass(frozen=True)
+class Choice(Generic[T]):
+    """A resolved value and the reason it was chosen."""
+
+    value: T
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{_show(self.value)}: {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The resolved configuration of a run. Fields still ``None`` were not decided yet."""
+
+    device: Choice[str]
+    precision: Choice[str]
+    tf32: Choice[bool]
+    grad_accum: Choice[int]
+    clip_grad_norm: Choice[float | None]
+    channels_last: Choice[bool] | None = None
+    compile: Choice[bool] | None = None
+    optimizer: Choice[str] | None = None
+    loader: Choice[Any] | None = None
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """Return ``(axis, value, reason)`` for every decided axis, in a stable order."""
+        out = []
+        for field in fields(self):
+            choice = getattr(self, field.name)
+            if choice is not None:
+                out.append((field.name, _show(choice.value), choice.reason))
+        return out
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Return the plan as JSON-ready data: ``{axis: {"value": ..., "reason": ...}}``."""
+        out = {}
+        for field in fields(self):
+            choice = getattr(self, field.name)
+            if choice is not None:
+                value = choice.value
+                plain = value is None or isinstance(value, bool | int | float | str)
+                out[field.name] = {"value": value if plain else str(value), "reason": choice.reason}
+        return out
+
+    def __str__(self) -> str:
+        rows = self.rows()
+        width = max(len(axis) for axis, _, _ in rows)
+        value_width = max(len(value) for _, value, _ in rows)
+        return "\n".join(f"{axis:<{width}}  {value:<{value_width}}  {reason}" for axis, value, reason in rows)
+
+
+def parse_switch(name: str, requested: object) -> bool | None:
+    """Read an on/off/auto option: ``True``/"on", ``False``/"off", or ``None`` for "auto"."""
+    if requested is True or requested == "on":
+        return True
+    if requested is False or requested == "off":
+        return False
+    if requested == "auto":
+        return None
+    raise invalid(name, requested, "'auto', 'on' or 'off'")
+
+
+def _show(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    return str(value)

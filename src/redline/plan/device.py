@@ -1,0 +1,58 @@
+"""Device axis: which device a run uses."""
+
+from __future__ import annotations
+
+import re
+
+from redline.errors import DeviceUnavailableError, invalid
+from redline.hardware.device import Accelerators
+from redline.plan import Choice
+
+ALLOWED = "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+_PATTERN = re.compile(r"^(auto|cpu|mps|cuda)(?::(\d+))?$")
+
+
+def resolve_device(requested: str, found: Accelerators) -> Choice[str]:
+    """Resolve ``requested`` against the accelerators found: "auto" prefers CUDA, then MPS, then CPU."""
+    match = _PATTERN.match(requested.strip().lower()) if isinstance(requested, str) else None
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise invalid("devices", requested, ALLOWED)
+    kind, index = match.group(1), match.group(2)
+    if kind == "auto":
+        if found.cuda_count:
+            plural = "s" if found.cuda_count > 1 else ""
+            return Choice("cuda:0", f"auto: {found.cuda_count} CUDA device{plural} visible")
+        if found.mps:
+            return Choice("mps", "auto: no CUDA device; Apple MPS available")
+        return Choice("cpu", "auto: no CUDA or MPS device visible")
+    if kind == "cpu":
+        return Choice("cpu", "requested")
+    if kind == "mps":
+        if not found.mps:
+            raise DeviceUnavailableError(
+                "devices='mps' was requested but MPS is not available on this machine; allowed here: "
+                f"{_available(found)}\nhint: MPS needs Apple silicon and a macOS build of torch; "
+                "use devices='auto'"
+            )
+        return Choice("mps", "requested")
+    number = int(index) if index is not None else 0
+    if found.cuda_count == 0:
+        raise DeviceUnavailableError(
+            f"devices={requested!r} was requested but torch sees no CUDA device; allowed here: "
+            f"{_available(found)}\nhint: check the driver and that torch is a CUDA build "
+            "(`redline doctor` says which), or use devices='auto'"
+        )
+    if number >= found.cuda_count:
+        raise DeviceUnavailableError(
+            f"devices={requested!r} was requested but only {found.cuda_count} CUDA device(s) are "
+            f"visible (cuda:0..cuda:{found.cuda_count - 1})\nhint: check CUDA_VISIBLE_DEVICES"
+        )
+    return Choice(f"cuda:{number}", "requested")
+
+
+def _available(found: Accelerators) -> str:
+    names = ["cpu"]
+    names += [f"cuda:{i}" for i in range(found.cuda_count)]
+    if found.mps:
+        names.append("mps")
+    return ", ".join(names)

@@ -1,0 +1,28 @@
+"""Memory-layout axis: channels_last for convolutional models."""
+
+from __future__ import annotations
+
+from redline.hardware.device import DeviceFacts
+from redline.plan import Choice, parse_switch
+
+
+def resolve_channels_last(
+    requested: str | bool, facts: DeviceFacts, *, has_conv2d: bool, precision: str
+) -> Choice[bool]:
+    """Use channels_last where tensor cores run the convolutions.
+
+    cuDNN's tensor-core convolutions want NHWC; in NCHW they pay transposes around every layer
+    (https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html).
+    """
+    value = parse_switch("channels_last", requested)
+    if value is None:
+        if not has_conv2d:
+            return Choice(False, "auto: the model has no 2-d convolution")
+        if not facts.tensor_cores:
+            return Choice(False, f"auto: no tensor cores on {facts.name}; NCHW is as fast")
+        if precision == "fp32" and (facts.capability or (0, 0)) < (8, 0):
+            return Choice(False, "auto: fp32 convolutions without TF32 do not use tensor cores")
+        return Choice(True, f"auto: convolutions run on {facts.name}'s tensor cores, which want NHWC")
+    if value and not has_conv2d:
+        return Choice(False, "requested, but the model has no 2-d convolution")
+    return Choice(bool(value), "requested")

@@ -1,0 +1,81 @@
+"""Data-loading axis: worker processes, pinned memory and prefetching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redline.hardware.device import DeviceFacts
+from redline.plan import Choice
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderFacts:
+    """What the resolver needs to know about the user's data loader."""
+
+    is_dataloader: bool
+    map_style: bool
+    in_memory: bool  # items are slices of tensors already in memory (TensorDataset)
+    num_workers: int
+    pin_memory: bool
+    local_devices: int = 1  # devices sharing this machine's cores
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderSettings:
+    """How a DataLoader should be configured; ``rebuild`` says whether it differs from the user's."""
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+    rebuild: bool
+
+    def __str__(self) -> str:
+        text = f"workers={self.num_workers} pin_memory={'on' if self.pin_memory else 'off'}"
+        if self.num_workers:
+            text += f" persistent={'on' if self.persistent_workers else 'off'} prefetch={self.prefetch_factor}"
+        return text
+
+
+MAX_WORKERS = 8
+PREFETCH = 4
+
+
+def resolve_loader(loader: LoaderFacts, facts: DeviceFacts) -> Choice[LoaderSettings]:
+    """Pin memory and add workers for a GPU; leave a CPU run's loader alone."""
+    keep = LoaderSettings(
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        persistent_workers=loader.num_workers > 0,
+        prefetch_factor=None,
+        rebuild=False,
+    )
+    if not loader.is_dataloader:
+        return Choice(keep, "not a DataLoader: batches are moved to the device as they come")
+    if facts.type != "cuda":
+        return Choice(keep, f"kept: on {facts.type} workers would compete with the model for cores")
+    if not loader.map_style:
+        pinned = LoaderSettings(
+            num_workers=loader.num_workers,
+            pin_memory=True,
+            persistent_workers=loader.num_workers > 0,
+            prefetch_factor=PREFETCH if loader.num_workers else None,
+            rebuild=not loader.pin_memory,
+        )
+        return Choice(pinned, "pinned; workers kept: an iterable dataset shards itself across workers")
+    if loader.num_workers > 0:
+        workers, why = loader.num_workers, f"{loader.num_workers} workers set by the user"
+    elif loader.in_memory:
+        workers, why = 0, "in-memory tensors index faster than worker processes can send them"
+    else:
+        per_device = max(1, facts.cpu_count // max(1, loader.local_devices))
+        workers = max(1, min(MAX_WORKERS, per_device - 1))
+        why = f"{workers} workers from {per_device} cores per device, one left for the training process"
+    settings = LoaderSettings(
+        num_workers=workers,
+        pin_memory=True,
+        persistent_workers=workers > 0,
+        prefetch_factor=PREFETCH if workers else None,
+        rebuild=True,
+    )
+    return Choice(settings, f"pinned memory for non-blocking copies; {why}")

@@ -1,0 +1,1 @@
+"""Rendering results: the same result data as a terminal table or JSON."""

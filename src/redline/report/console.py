@@ -1,0 +1,30 @@
+"""Rich tables for the terminal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.table import Table
+
+from redline.plan import Plan
+
+
+def plan_table(plan: Plan, title: str = "Plan") -> Table:
+    """Return the Plan as a table: axis, chosen value, reason."""
+    table = Table(title=title, title_justify="left", show_lines=False)
+    table.add_column("axis", style="bold")
+    table.add_column("value", style="cyan")
+    table.add_column("why")
+    for axis, value, reason in plan.rows():
+        table.add_row(axis, value, reason)
+    return table
+
+
+def key_value_table(rows: Iterable[tuple[str, str]], title: str) -> Table:
+    """Return a two-column table of named figures."""
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table

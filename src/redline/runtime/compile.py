@@ -1,0 +1,93 @@
+"""torch.compile with its time recorded and a fall back to eager when compiling fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compile_supported(device_type: str) -> tuple[bool, str]:
+    """Return whether torch.compile can run for ``device_type`` here, and if not, why."""
+    try:
+        import torch._dynamo as dynamo
+    except Exception as exc:  # a broken install must not stop the run: eager still works
+        return False, f"torch._dynamo does not import ({exc})"
+    if not dynamo.is_dynamo_supported():
+        return False, f"torch.compile does not support Python {sys.version_info.major}.{sys.version_info.minor} here"
+    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed, which torch.compile needs for CUDA kernels"
+    if device_type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        return False, "no C++ compiler found, which torch.compile needs for CPU kernels"
+    if device_type == "mps":
+        return False, "torch.compile's MPS backend is still experimental"
+    return True, ""
+
+
+@dataclass
+class CompileRecord:
+    """What happened to a compiled module: compile time (its first call) and any fall back."""
+
+    seconds: float | None = None
+    fell_back: str | None = None
+
+
+def _is_compiler_error(exc: BaseException) -> bool:
+    # Errors raised by the compiler stack itself; a user's own bug re-raises from the eager rerun.
+    module = type(exc).__module__
+    return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx"))
+
+
+def _describe(exc: BaseException) -> str:
+    # Compiler errors wrap the real failure: name the innermost cause, on one line.
+    inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    while inner is not None:
+        exc = inner
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")
+
+
+def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
+    """Compile ``model``'s forward in place and return its record.
+
+    The module stays the same object with the same parameter names (no ``_orig_mod.`` prefix).
+    ``nn.Module.compile()`` is not used: it compiles ``_call_impl``, a torch.nn frame that dynamo
+    skips, so a model built only from torch.nn layers (an ``nn.Sequential``) got no graph at all.
+    The first call is timed as the compile time. If the compiler fails, the model warns once with
+    the reason and runs eagerly from then on.
+    """
+    eager = model.forward
+    compiled = torch.compile(eager, **options)
+    record = CompileRecord()
+
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as exc:
+            if not _is_compiler_error(exc):
+                raise
+            record.fell_back = _describe(exc)
+            record.seconds = time.perf_counter() - start
+            warnings.warn(
+                f"torch.compile failed for {type(model).__name__} ({record.fell_back}); running eagerly. "
+                "hint: pass compile='off' to skip the attempt",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            model.forward = eager
+            return eager(*args, **kwargs)
+        record.seconds = time.perf_counter() - start
+        model.forward = compiled
+        return out
+
+    model.forward = first_call
+    return record

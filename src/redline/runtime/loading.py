@@ -1,0 +1,120 @@
+"""Data loading: DataLoader tuning and device loaders that overlap the copy with compute."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from redline.plan.loader import LoaderFacts, LoaderSettings
+from redline.runtime.transfer import move_to, tensors_in
+
+
+def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
+    """Read what the loader resolver needs from a loader (a DataLoader or any iterable of batches)."""
+    if not isinstance(loader, DataLoader):
+        return LoaderFacts(is_dataloader=False, map_style=False, in_memory=False, num_workers=0, pin_memory=False)
+    dataset = loader.dataset
+    return LoaderFacts(
+        is_dataloader=True,
+        map_style=not isinstance(dataset, IterableDataset),
+        in_memory=_in_memory(dataset),
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        local_devices=local_devices,
+    )
+
+
+def _in_memory(dataset: Any) -> bool:
+    # Subset and similar wrappers hold the real dataset in .dataset.
+    while not isinstance(dataset, TensorDataset) and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return isinstance(dataset, TensorDataset)
+
+
+def rebuild_dataloader(loader: DataLoader[Any], settings: LoaderSettings) -> DataLoader[Any]:
+    """Return a DataLoader over the same data, sampler and collation, with ``settings`` applied.
+
+    The order is the same in the first epoch. With persistent workers torch draws no new worker
+    seed from the generator in later epochs, so a seeded shuffle stays deterministic but departs
+    from the order the untuned loader would have given.
+    """
+    common: dict[str, Any] = {
+        "num_workers": settings.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": settings.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": settings.persistent_workers and settings.num_workers > 0,
+    }
+    if settings.num_workers > 0 and settings.prefetch_factor is not None:
+        common["prefetch_factor"] = settings.prefetch_factor
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
+    if loader.batch_size is not None:
+        # The same sampler object: the user's shuffling, generator and position carry over.
+        return DataLoader(
+            loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **common
+        )
+    if loader.batch_sampler is not None:  # the user's own batch sampler
+        return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
+    return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **common)  # single items
+
+
+class DeviceLoader:
+    """Iterate a loader with each batch already on the device.
+
+    On CUDA the next batch is copied on a side stream while the current step computes; the
+    compute stream waits for that copy before it reads the batch.
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device, *, channels_last: bool = False) -> None:
+        self.loader = loader
+        self.device = device
+        self.channels_last = channels_last
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type == "cuda":
+            return self._prefetch_cuda()
+        if self.device.type == "cpu" and not self.channels_last:
+            return iter(self.loader)
+        return (move_to(b, self.device, channels_last=self.channels_last) for b in self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reach through to the loader for .dataset, .sampler, .batch_size and friends.
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def _prefetch_cuda(self) -> Iterator[Any]:
+        stream = torch.cuda.Stream(self.device)
+
+        def copy(batch: Any) -> Any:
+            with torch.cuda.stream(stream):
+                return move_to(batch, self.device, non_blocking=True, channels_last=self.channels_last)
+
+        source = iter(self.loader)
+        try:
+            ready = copy(next(source))
+        except StopIteration:
+            return
+        while True:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)
+            for tensor in tensors_in(ready):
+                # Memory allocated on the side stream is used on the compute stream.
+                tensor.record_stream(current)
+            batch = ready
+            try:
+                ready = copy(next(source))
+            except StopIteration:
+                yield batch
+                return
+            yield batch

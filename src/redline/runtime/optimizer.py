@@ -1,0 +1,61 @@
+"""Building the user's optimizer, and rebuilding it with another implementation."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.errors import ConfigError, invalid
+
+OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
+
+
+def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer:
+    """Return ``optimizer`` as an instance: built from a factory ``params -> Optimizer`` if need be."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _check_params(optimizer, model)
+        return optimizer
+    if not callable(optimizer):
+        raise invalid("optimizer", type(optimizer).__name__, "an Optimizer or a factory params -> Optimizer")
+    built = optimizer(model.parameters())
+    if not isinstance(built, torch.optim.Optimizer):
+        raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")
+    return built
+
+
+def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    own = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in own:
+                raise ConfigError(
+                    "the optimizer holds a parameter that is not in the model passed with it\n"
+                    "hint: build the optimizer from this model's parameters, or pass a factory "
+                    "`lambda params: torch.optim.AdamW(params, lr=...)`"
+                )
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.optim.Optimizer:
+    """Return a new optimizer of the same class, groups and hyperparameters, with ``impl`` changed.
+
+    Only an optimizer that holds no state yet can be rebuilt without changing the run.
+    """
+    if any(optimizer.state.values()):
+        raise ConfigError(
+            f"cannot rebuild {type(optimizer).__name__}: it already holds state\n"
+            "hint: pass the optimizer before its first step, or as a factory"
+        )
+    groups = [{**group, **impl} for group in optimizer.param_groups]
+    defaults = {**optimizer.defaults, **impl}
+    if impl.get("fused"):  # fused and foreach are exclusive
+        for options in (defaults, *groups):
+            if "foreach" in options:
+                options["foreach"] = None
+    # defaults may hold keys the constructor sets itself (AdamW's decoupled_weight_decay): pass only
+    # the ones it takes; every group keeps all of its own keys.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})

@@ -1,0 +1,207 @@
+"""Runtime: keep your own training loop, and run it as fast as this machine allows.
+
+rt = Runtime()
+model, optimizer = rt.setup(model, optimizer)
+for inputs, targets in rt.setup_loader(loader):
+    with rt.autocast():
+        loss = loss_fn(model(inputs), targets)
+    rt.backward(loss)
+    rt.step(optimizer)
+print(rt.explain())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from redline.errors import invalid
+from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.plan import Choice, Plan
+from redline.plan.compile import resolve_compile
+from redline.plan.device import resolve_device
+from redline.plan.layout import resolve_channels_last
+from redline.plan.loader import resolve_loader
+from redline.plan.optimizer import optimizer_facts, resolve_optimizer
+from redline.plan.precision import Precision, resolve_precision, resolve_tf32
+from redline.runtime.compile import CompileRecord, compile_module, compile_supported
+from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
+from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer
+from redline.runtime.seed import seed_everything
+from redline.runtime.transfer import move_to
+
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class Runtime:
+    """Accelerate a plain PyTorch loop: device, precision, compile, layout, optimizer and loading.
+
+    Every "auto" is resolved into a ``Plan`` whose choices carry their reasons (``explain()``).
+    ``planned_steps`` tells the compile decision how long the run is; without it, "auto" does not
+    compile, since a compile that never repays itself would make the run slower.
+    """
+
+    def __init__(
+        self,
+        devices: str = "auto",
+        precision: str = "auto",
+        compile: str | bool = "auto",
+        channels_last: str | bool = "auto",
+        grad_accum: int = 1,
+        clip_grad_norm: float | None = None,
+        seed: int | None = None,
+        *,
+        planned_steps: int | None = None,
+    ) -> None:
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise invalid("grad_accum", grad_accum, "a positive integer (micro-batches per optimizer step)")
+        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, int | float) and clip_grad_norm > 0):
+            raise invalid("clip_grad_norm", clip_grad_norm, "None or a positive number")
+        if planned_steps is not None and (not isinstance(planned_steps, int) or planned_steps < 1):
+            raise invalid("planned_steps", planned_steps, "None or a positive integer")
+        if seed is not None:
+            seed_everything(seed)
+        self._requested = {"compile": compile, "channels_last": channels_last}
+        self.planned_steps = planned_steps
+        device = resolve_device(devices, probe_accelerators())
+        self.device = torch.device(device.value)
+        self.facts: DeviceFacts = probe_device(self.device)
+        chosen = resolve_precision(precision, self.facts)
+        self.precision: Precision = chosen.value
+        tf32 = resolve_tf32(self.facts)
+        if tf32.value:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.grad_accum = grad_accum
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16-mixed" else None
+        self._plan = Plan(
+            device=Choice(device.value, f"{device.reason} ({self.facts.name})"),
+            precision=chosen,
+            tf32=tf32,
+            grad_accum=Choice(grad_accum, "requested" if grad_accum > 1 else "default: a step per batch"),
+            clip_grad_norm=Choice(clip_grad_norm, "requested" if clip_grad_norm else "default: no clipping"),
+        )
+        self._compile_records: list[CompileRecord] = []
+        self._micro_steps: dict[int, int] = {}
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Place ``model`` on the device, build or rebuild the optimizer, and compile if planned.
+
+        ``optimizer`` is an instance built on ``model``'s parameters, or a factory params -> Optimizer.
+        The model is changed in place and returned; keep using the returned optimizer.
+        """
+        if not isinstance(model, nn.Module):
+            raise invalid("model", type(model).__name__, "a torch.nn.Module")
+        has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        layout = resolve_channels_last(
+            self._requested["channels_last"], self.facts, has_conv2d=has_conv2d, precision=self.precision
+        )
+        model.to(self.device)
+        if layout.value:
+            model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        built = build_optimizer(optimizer, model)
+        impl = resolve_optimizer(optimizer_facts(built), self.facts)
+        if impl.value == "fused":
+            built = rebuild_optimizer(built, fused=True)
+        planned = resolve_compile(
+            self._requested["compile"],
+            self.facts,
+            planned_steps=self.planned_steps,
+            supported=lambda: compile_supported(self.device.type),
+        )
+        if planned.value:
+            self._compile_records.append(compile_module(model))
+        self._plan = dataclasses.replace(self._plan, channels_last=layout, compile=planned, optimizer=impl)
+        return model, built
+
+    def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
+        """Return ``loader`` tuned for the device, yielding batches already on it."""
+        chosen = resolve_loader(loader_facts(loader, local_devices), self.facts)
+        if chosen.value.rebuild and isinstance(loader, DataLoader):
+            loader = rebuild_dataloader(loader, chosen.value)
+        self._plan = dataclasses.replace(self._plan, loader=chosen)
+        channels_last = self._plan.channels_last is not None and self._plan.channels_last.value
+        return DeviceLoader(loader, self.device, channels_last=channels_last)
+
+    def to_device(self, batch: Any) -> Any:
+        """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
+        channels_last = self._plan.channels_last is not None and self._plan.channels_last.value
+        return move_to(batch, self.device, non_blocking=self.device.type == "cuda", channels_last=channels_last)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Return the context that runs the forward pass in the planned precision."""
+        dtype = _AUTOCAST_DTYPES.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
+        if self.grad_accum > 1:
+            loss = loss / self.grad_accum
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, zero the gradients.
+
+        Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
+        step whose gradients overflowed; that is the normal start of loss scaling.
+        """
+        key = id(optimizer)
+        count = self._micro_steps.get(key, 0) + 1
+        if count < self.grad_accum:
+            self._micro_steps[key] = count
+            return False
+        self._micro_steps[key] = 0
+        if self.scaler is not None:
+            if self.clip_grad_norm is not None:
+                self.scaler.unscale_(optimizer)
+                self._clip(optimizer)
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            if self.clip_grad_norm is not None:
+                self._clip(optimizer)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def _clip(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)  # type: ignore[arg-type]
+
+    # -- explaining ----------------------------------------------------------------------------
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Seconds the compiled models' first calls took (the compile time), once they have run."""
+        seconds = [r.seconds for r in self._compile_records if r.seconds is not None]
+        return sum(seconds) if seconds else None
+
+    def explain(self) -> Plan:
+        """Return the resolved Plan: each axis with its value and the reason for it."""
+        plan = self._plan
+        fell_back = [r.fell_back for r in self._compile_records if r.fell_back]
+        if plan.compile is not None and fell_back:
+            plan = dataclasses.replace(plan, compile=Choice(False, f"compile failed, ran eagerly: {fell_back[0]}"))
+        elif plan.compile is not None and plan.compile.value and self.compile_seconds is not None:
+            reason = f"{plan.compile.reason}; compiled in {self.compile_seconds:.1f} s"
+            plan = dataclasses.replace(plan, compile=Choice(True, reason))
+        return plan
+
+    def __repr__(self) -> str:
+        return f"Runtime(device={self.device}, precision={self.precision})"

@@ -1,0 +1,64 @@
+"""Moving nested batches to a device."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def move_to(batch: Any, device: torch.device, *, non_blocking: bool = False, channels_last: bool = False) -> Any:
+    """Return ``batch`` with every tensor on ``device``.
+
+    Tensors may sit in tuples, lists, dicts, namedtuples and dataclasses, nested to any depth;
+    anything else passes through unchanged. With ``channels_last``, 4-d floating tensors (images)
+    are also laid out NHWC. ``non_blocking`` only overlaps the copy when the source is pinned.
+    """
+
+    def move(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            if channels_last and item.dim() == 4 and item.is_floating_point():
+                return item.to(device, non_blocking=non_blocking, memory_format=torch.channels_last)
+            return item.to(device, non_blocking=non_blocking)
+        if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
+            return type(item)(*(move(x) for x in item))
+        if isinstance(item, list | tuple):
+            return type(item)(move(x) for x in item)
+        if isinstance(item, dict):  # a copy keeps a subclass's extras (defaultdict's factory)
+            moved = copy.copy(item)
+            moved.update((k, move(v)) for k, v in item.items())
+            return moved
+        if isinstance(item, Mapping):
+            return type(item)({k: move(v) for k, v in item.items()})  # type: ignore[call-arg]
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            fresh = copy.copy(item)  # every field, init=False ones too; frozen ones through object
+            for f in dataclasses.fields(item):
+                object.__setattr__(fresh, f.name, move(getattr(item, f.name)))
+            return fresh
+        return item
+
+    return move(batch)
+
+
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    """Return every tensor inside a nested batch."""
+    found: list[torch.Tensor] = []
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, list | tuple):
+            for x in item:
+                visit(x)
+        elif isinstance(item, Mapping):
+            for x in item.values():
+                visit(x)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            for f in dataclasses.fields(item):
+                visit(getattr(item, f.name))
+
+    visit(batch)
+    return found

@@ -1,0 +1,192 @@
+"""Task: the one description of a workload that every redline command understands.
+
+A Task names the model, the loss, the data, the optimizer factory and the batch size. It is built in
+Python, or loaded from a spec string: ``example:NAME`` (built in), ``pkg.module:factory`` or
+``path/to/file.py:factory``, where ``factory(**options)`` returns a Task.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from redline.errors import TaskSpecError, invalid
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+EXAMPLES = {
+    "digits": "redline.examples.digits:digits",
+    "chargpt": "redline.examples.chargpt:chargpt",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """A training workload: model, loss, data, optimizer factory and batch size.
+
+    ``model`` is a module, or a zero-argument callable returning a fresh one; tools that need a fresh
+    copy call ``build_model()``. ``loss_fn(outputs, targets)`` returns a scalar tensor. Each item of
+    ``train_data`` is ``(inputs, targets)``. ``metric(outputs, targets)`` returns a float where higher
+    is better (accuracy, say); ``sample(model)`` returns text that shows what the model learned.
+    ``epochs`` is how long the task trains by default.
+    """
+
+    model: nn.Module | Callable[[], nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    train_data: Dataset[Any]
+    val_data: Dataset[Any] | None = None
+    optimizer: OptimizerFactory = lambda params: torch.optim.AdamW(params, lr=1e-3)
+    batch_size: int = 64
+    scheduler: SchedulerFactory | None = None
+    metric: Callable[[Any, Any], float] | None = None
+    sample: Callable[[nn.Module], str] | None = None
+    epochs: int = 1
+    name: str = "task"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.model, nn.Module) or callable(self.model)):
+            raise invalid("model", type(self.model).__name__, "an nn.Module or a callable returning one")
+        if not callable(self.loss_fn):
+            raise invalid("loss_fn", self.loss_fn, "a callable (outputs, targets) -> scalar tensor")
+        if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
+            raise invalid(
+                "optimizer",
+                type(self.optimizer).__name__,
+                "a factory params -> Optimizer",
+                "write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
+            )
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise invalid("batch_size", self.batch_size, "a positive integer")
+        if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
+            raise invalid("epochs", self.epochs, "a positive integer")
+        if not hasattr(self.train_data, "__getitem__") and not hasattr(self.train_data, "__iter__"):
+            raise invalid("train_data", type(self.train_data).__name__, "a torch Dataset")
+
+    def build_model(self) -> nn.Module:
+        """Return a fresh model: the factory's result, or a deep copy of the given module."""
+        if isinstance(self.model, nn.Module):
+            return copy.deepcopy(self.model)
+        model = self.model()
+        if not isinstance(model, nn.Module):
+            raise invalid("model()", type(model).__name__, "the factory to return an nn.Module")
+        return model
+
+    def fingerprint(self) -> str:
+        """Return a short hash of what shapes the workload: model structure, parameters, batch, data."""
+        model = self.model if isinstance(self.model, nn.Module) else self.build_model()
+        digest = hashlib.sha256()
+        digest.update(repr(model).encode())
+        for name, tensor in model.state_dict().items():
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(f"batch={self.batch_size}".encode())
+        size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
+        digest.update(f"train={size}".encode())
+        return digest.hexdigest()[:16]
+
+
+def load_task(spec: str, **options: Any) -> Task:
+    """Load a Task from a spec string, passing ``options`` to the factory as keywords.
+
+    Forms: ``example:digits`` or ``example:chargpt``; ``pkg.module:factory``;
+    ``path/to/file.py:factory``.
+    """
+    module_name, factory_name = _split_spec(spec)
+    module = _import_module(spec, module_name)
+    factory = getattr(module, factory_name, None)
+    if factory is None or not callable(factory):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise TaskSpecError(
+            f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
+            f"callables there: {', '.join(public[:12]) or 'none'}"
+        )
+    _check_options(spec, factory, options)
+    try:
+        task = factory(**options)
+    except TaskSpecError:
+        raise
+    except Exception as exc:
+        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(task, Task):
+        raise TaskSpecError(f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task")
+    return task
+
+
+FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:factory'"
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    forms = FORMS.format(", ".join(EXAMPLES))
+    if not isinstance(spec, str) or ":" not in spec:
+        raise TaskSpecError(f"task spec {spec!r} has no ':'; expected {forms}")
+    head, _, tail = spec.rpartition(":")
+    if head == "example":
+        if tail not in EXAMPLES:
+            raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}")
+        head, _, tail = EXAMPLES[tail].partition(":")
+    if not head or not tail.isidentifier():
+        raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}")
+    return head, tail
+
+
+def _import_module(spec: str, module_name: str) -> Any:
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        path = Path(module_name).expanduser()
+        if not path.is_file():
+            raise TaskSpecError(f"task spec {spec!r}: file {str(path)!r} does not exist")
+        name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
+        file_spec = importlib.util.spec_from_file_location(name, path)
+        if file_spec is None or file_spec.loader is None:
+            raise TaskSpecError(f"task spec {spec!r}: cannot import {str(path)!r} as Python")
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[name] = module
+        try:
+            file_spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}") from exc
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
+            raise TaskSpecError(
+                f"task spec {spec!r}: importing {module_name!r} failed: it imports {exc.name!r}, which is "
+                f"not installed\nhint: pip install the package that provides {exc.name!r}"
+            ) from exc
+        raise TaskSpecError(
+            f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
+            f"expected {FORMS.format(', '.join(EXAMPLES))}"
+        ) from exc
+    except Exception as exc:
+        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+
+
+def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    if not options:
+        return
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    allowed = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TaskSpecError(
+            f"task spec {spec!r}: unknown option(s) {', '.join(unknown)}; "
+            f"the factory accepts: {', '.join(allowed) or 'no options'}"
+        )

@@ -1,0 +1,1 @@
+"""Training loops written for the user: the first-version loop behind `redline train`."""

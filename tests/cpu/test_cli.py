@@ -1,0 +1,79 @@
+"""`redline train` from the command line: JSON on stdout, files on disk, clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from redline.cli.train import parse_task_args
+from redline.errors import ConfigError
+from redline.task import load_task
+
+
+def redline_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+def test_train_json_and_out_dir(tmp_path):
+    out = tmp_path / "run"
+    result = redline_cli(
+        "train", "--task", "example:digits", "--max-steps", "6", "--seed", "0", "--json", "--out", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)  # stdout holds the JSON alone; progress went to stderr
+    assert {"plan", "final_loss", "val_metric", "samples_per_s", "device"} <= set(summary)
+    assert summary["steps"] == 6 and summary["device"] == "cpu"
+    assert summary["plan"]["precision"] == {"value": "fp32", "reason": summary["plan"]["precision"]["reason"]}
+    assert summary["plan"]["compile"]["value"] is False
+    assert 0.0 <= summary["val_metric"] <= 1.0 and summary["samples_per_s"] > 0
+    assert "step 6/6" in result.stderr
+    assert json.loads((out / "summary.json").read_text()) == summary
+    weights = load_file(out / "model.safetensors")
+    expected = load_task("example:digits").build_model().state_dict()
+    assert set(weights) == set(expected)
+    assert not any(name.startswith(("_orig_mod.", "module.")) for name in weights)
+
+
+def test_train_prints_the_plan_table():
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "2", "--task-arg", "width=8")
+    assert result.returncode == 0, result.stderr
+    for text in ("precision", "fp32", "no fast bf16", "samples/s", "val metric"):
+        assert text in result.stdout
+
+
+def test_bad_task_spec_is_one_clear_line():
+    result = redline_cli("train", "--task", "example:nope", "--max-steps", "1")
+    assert result.returncode == 2
+    assert "no built-in example 'nope'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unavailable_device_exits_with_the_fix():
+    result = redline_cli("train", "--task", "example:digits", "--devices", "cuda", "--max-steps", "1")
+    assert result.returncode == 2
+    assert "no CUDA device" in result.stderr and "hint:" in result.stderr
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--out", str(blocker))
+    assert result.returncode == 2 and "not a writable directory" in result.stderr
+
+
+def test_task_args_are_python_literals_or_words():
+    assert parse_task_args(["n_layer=4", "lr=3e-4", "bias=False", "name=tiny", "sizes=[1, 2]"]) == {
+        "n_layer": 4,
+        "lr": 3e-4,
+        "bias": False,
+        "name": "tiny",
+        "sizes": [1, 2],
+    }
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_task_args(["n_layer"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_task_args(["2x=1"])

@@ -1,0 +1,306 @@
+"""DataLoader facts, the loader resolver's decisions, rebuilding a DataLoader and DeviceLoader on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
+
+from redline.hardware.device import DeviceFacts
+from redline.plan.loader import LoaderFacts, LoaderSettings, resolve_loader
+from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
+
+H100 = DeviceFacts(type="cuda", name="NVIDIA H100 80GB HBM3", index=0, capability=(9, 0), mem_gib=80.0, cpu_count=16)
+SMALL_CPU = DeviceFacts(type="cpu", name="cpu", cpu_count=2)
+
+
+class Squares(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A map-style dataset that computes its items: what a dataset reading files looks like."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([float(i)]), torch.tensor(i * i)
+
+
+class Counting(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(6))
+
+
+def tensor_data(rows: int = 20) -> TensorDataset:
+    return TensorDataset(torch.arange(rows, dtype=torch.float32).unsqueeze(1), torch.arange(rows))
+
+
+def as_lists(loader: Any) -> list[list[list[float]]]:
+    return [[part.tolist() for part in batch] for batch in loader]
+
+
+# --- loader_facts -------------------------------------------------------------------------------
+
+
+def test_facts_of_a_tensor_dataset_loader() -> None:
+    facts = loader_facts(DataLoader(tensor_data(), batch_size=4, num_workers=0), local_devices=2)
+    assert facts == LoaderFacts(
+        is_dataloader=True, map_style=True, in_memory=True, num_workers=0, pin_memory=False, local_devices=2
+    )
+
+
+def test_a_subset_of_a_tensor_dataset_is_still_in_memory() -> None:
+    facts = loader_facts(DataLoader(Subset(tensor_data(), [0, 2, 4]), batch_size=2))
+    assert facts.in_memory
+    assert facts.map_style
+
+
+def test_a_custom_dataset_is_not_in_memory() -> None:
+    facts = loader_facts(DataLoader(Squares(8), batch_size=2, num_workers=2, pin_memory=True))
+    assert (facts.is_dataloader, facts.map_style, facts.in_memory) == (True, True, False)
+    assert (facts.num_workers, facts.pin_memory) == (2, True)
+
+
+def test_an_iterable_dataset_is_not_map_style() -> None:
+    facts = loader_facts(DataLoader(Counting(), batch_size=2))
+    assert facts.is_dataloader
+    assert not facts.map_style
+    assert not facts.in_memory
+
+
+def test_a_plain_list_of_batches_is_not_a_dataloader() -> None:
+    facts = loader_facts([(torch.ones(2, 1), torch.zeros(2))])
+    assert not facts.is_dataloader
+    assert (facts.num_workers, facts.pin_memory) == (0, False)
+
+
+# --- resolve_loader -----------------------------------------------------------------------------
+
+
+def facts(**overrides: Any) -> LoaderFacts:
+    values: dict[str, Any] = {
+        "is_dataloader": True,
+        "map_style": True,
+        "in_memory": False,
+        "num_workers": 0,
+        "pin_memory": False,
+    }
+    values.update(overrides)
+    return LoaderFacts(**values)
+
+
+def test_cpu_keeps_the_users_loader() -> None:
+    choice = resolve_loader(facts(num_workers=2, pin_memory=False), SMALL_CPU)
+    assert choice.value == LoaderSettings(
+        num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=None, rebuild=False
+    )
+    assert "kept" in choice.reason
+
+
+def test_cuda_with_in_memory_tensors_pins_without_workers() -> None:
+    choice = resolve_loader(facts(in_memory=True), H100)
+    assert choice.value == LoaderSettings(
+        num_workers=0, pin_memory=True, persistent_workers=False, prefetch_factor=None, rebuild=True
+    )
+    assert "in-memory" in choice.reason
+
+
+def test_cuda_with_a_custom_dataset_uses_workers_up_to_the_cap() -> None:
+    choice = resolve_loader(facts(), H100)
+    # min(MAX_WORKERS=8, 16 cores - 1 for the training process) = 8
+    assert choice.value == LoaderSettings(
+        num_workers=8, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=True
+    )
+    assert "pinned" in choice.reason
+
+
+@pytest.mark.parametrize(("local_devices", "workers"), [(8, 1), (4, 3), (2, 7), (1, 8), (32, 1)])
+def test_cores_are_shared_between_the_local_devices(local_devices: int, workers: int) -> None:
+    choice = resolve_loader(facts(local_devices=local_devices), H100)
+    assert choice.value.num_workers == workers
+    assert choice.value.persistent_workers
+    assert choice.value.prefetch_factor == 4
+
+
+def test_workers_set_by_the_user_are_kept_on_cuda() -> None:
+    choice = resolve_loader(facts(num_workers=3), H100)
+    assert choice.value == LoaderSettings(
+        num_workers=3, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=True
+    )
+    assert "user" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("workers", "pinned", "expected"),
+    [
+        (
+            0,
+            False,
+            LoaderSettings(
+                num_workers=0, pin_memory=True, persistent_workers=False, prefetch_factor=None, rebuild=True
+            ),
+        ),
+        (
+            2,
+            False,
+            LoaderSettings(num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=True),
+        ),
+        (
+            2,
+            True,
+            LoaderSettings(num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=False),
+        ),
+    ],
+)
+def test_an_iterable_dataset_is_pinned_and_keeps_its_workers(
+    workers: int, pinned: bool, expected: LoaderSettings
+) -> None:
+    choice = resolve_loader(facts(map_style=False, num_workers=workers, pin_memory=pinned), H100)
+    assert choice.value == expected
+    assert "iterable" in choice.reason
+
+
+def test_something_that_is_not_a_dataloader_is_kept() -> None:
+    choice = resolve_loader(facts(is_dataloader=False), H100)
+    assert not choice.value.rebuild
+    assert choice.value.num_workers == 0
+    assert not choice.value.pin_memory
+    assert "not a DataLoader" in choice.reason
+
+
+# --- rebuild_dataloader -------------------------------------------------------------------------
+
+WORKERS = LoaderSettings(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=2, rebuild=True)
+
+
+def shuffled_loader(**kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(
+        tensor_data(),
+        batch_size=3,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )
+
+
+def epochs_of(make_loader: Callable[[], DataLoader[Any]], epochs: int = 1) -> list[list[Any]]:
+    """Return the batches of each epoch; the loader (and its persistent workers) ends with this call."""
+    loader = make_loader()
+    return [list(loader) for _ in range(epochs)]
+
+
+def test_rebuilt_loader_takes_the_worker_settings() -> None:
+    rebuilt = rebuild_dataloader(DataLoader(Squares(7), batch_size=3), WORKERS)
+    assert (rebuilt.num_workers, rebuilt.persistent_workers, rebuilt.prefetch_factor) == (2, True, 2)
+    assert not rebuilt.pin_memory
+
+
+def test_rebuilt_loader_yields_the_same_batches_in_the_same_order() -> None:
+    reference = as_lists(shuffled_loader())
+    (rebuilt,) = epochs_of(lambda: rebuild_dataloader(shuffled_loader(), WORKERS))
+
+    assert as_lists(rebuilt) == reference
+    assert len(reference) == 6
+    # Shuffled: the order is not just the dataset's.
+    assert [row for batch in reference for row in batch[1]] != list(range(18))
+
+
+def test_rebuilt_loader_with_persistent_workers_is_deterministic_across_epochs() -> None:
+    """Documented: later epochs depart from the untuned loader's order, but a seed still fixes them."""
+    first = [as_lists(epoch) for epoch in epochs_of(lambda: rebuild_dataloader(shuffled_loader(), WORKERS), epochs=2)]
+    again = [as_lists(epoch) for epoch in epochs_of(lambda: rebuild_dataloader(shuffled_loader(), WORKERS), epochs=2)]
+    assert first == again
+    assert first[0] != first[1]  # still reshuffled every epoch
+
+
+def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    return {"x": torch.stack([x for x, _ in items]), "n": len(items)}
+
+
+def test_rebuilt_loader_keeps_batch_size_drop_last_and_collate_fn() -> None:
+    original = DataLoader(Squares(7), batch_size=3, drop_last=True, collate_fn=collate)
+    rebuilt = rebuild_dataloader(original, WORKERS)
+    assert rebuilt.collate_fn is collate
+    assert len(rebuilt) == 2
+
+    (batches,) = epochs_of(lambda: rebuild_dataloader(original, WORKERS))
+    assert [b["n"] for b in batches] == [3, 3]
+    assert [b["x"].flatten().tolist() for b in batches] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_rebuilt_loader_reports_the_users_batch_size_and_drop_last() -> None:
+    original = DataLoader(Squares(7), batch_size=3, drop_last=True)
+    rebuilt = rebuild_dataloader(original, WORKERS)
+    assert DeviceLoader(rebuilt, torch.device("cpu")).batch_size == 3
+    assert rebuilt.drop_last
+
+
+def test_rebuilt_loader_keeps_the_last_short_batch_without_drop_last() -> None:
+    original = DataLoader(Squares(7), batch_size=3)
+    rebuilt = rebuild_dataloader(original, dataclasses.replace(WORKERS, num_workers=0, persistent_workers=True))
+    assert rebuilt.num_workers == 0
+    assert not rebuilt.persistent_workers
+    assert as_lists(rebuilt) == as_lists(original)
+    assert len(rebuilt) == 3
+
+
+def test_rebuilt_iterable_loader_keeps_its_batches() -> None:
+    original = DataLoader(Counting(), batch_size=4, drop_last=True)
+    rebuilt = rebuild_dataloader(original, dataclasses.replace(WORKERS, num_workers=0))
+    assert [b.tolist() for b in rebuilt] == [[0, 1, 2, 3]]
+
+
+def test_rebuilt_loader_without_automatic_batching_yields_single_items() -> None:
+    original = DataLoader(tensor_data(4), batch_size=None)
+    rebuilt = rebuild_dataloader(original, dataclasses.replace(WORKERS, num_workers=0))
+    items = list(rebuilt)
+    assert all(isinstance(part, torch.Tensor) for item in items for part in item)
+    assert as_lists(items) == as_lists(original)
+
+
+# --- DeviceLoader -------------------------------------------------------------------------------
+
+
+def test_device_loader_on_cpu_passes_batches_through() -> None:
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])), (torch.randn(2, 3), torch.tensor([1, 1]))]
+    out = list(DeviceLoader(batches, torch.device("cpu")))
+    assert len(out) == 2
+    for given, got in zip(batches, out, strict=True):
+        assert got is given
+
+
+def test_device_loader_matches_the_wrapped_dataloader() -> None:
+    loader = DataLoader(tensor_data(10), batch_size=4)
+    wrapped = DeviceLoader(loader, torch.device("cpu"))
+    assert len(wrapped) == 3
+    assert wrapped.dataset is loader.dataset
+    assert wrapped.batch_size == 4
+    assert as_lists(wrapped) == as_lists(loader)
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute  # noqa: B018
+
+
+def test_device_loader_moves_batches_to_its_device() -> None:
+    loader = DataLoader(tensor_data(6), batch_size=4)
+    out = list(DeviceLoader(loader, torch.device("meta")))
+    assert [tuple(x.shape) for x, _ in out] == [(4, 1), (2, 1)]
+    assert all(t.device.type == "meta" for batch in out for t in batch)
+
+
+def test_device_loader_with_channels_last_lays_out_images_nhwc() -> None:
+    images = torch.randn(4, 3, 5, 5)
+    loader = DataLoader(TensorDataset(images, torch.arange(4)), batch_size=2)
+    out = list(DeviceLoader(loader, torch.device("cpu"), channels_last=True))
+
+    assert len(out) == 2
+    for i, (x, y) in enumerate(out):
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert not x.is_contiguous()
+        assert torch.equal(x, images[2 * i : 2 * i + 2])
+        assert y.tolist() == [2 * i, 2 * i + 1]

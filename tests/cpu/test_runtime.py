@@ -1,0 +1,213 @@
+"""The Runtime on CPU: parity with the plain loop, accumulation, clipping, precision, compile, errors."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import redline
+from redline.errors import ConfigError, DeviceUnavailableError
+from redline.runtime.compile import compile_module
+from redline.runtime.optimizer import rebuild_optimizer
+
+STEPS = 12
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10)
+    )
+
+
+def make_loader(batch_size: int = 16, seed: int = 0) -> DataLoader:
+    gen = torch.Generator().manual_seed(123)
+    data = TensorDataset(
+        torch.randn(STEPS * 16, 1, 8, 8, generator=gen), torch.randint(0, 10, (STEPS * 16,), generator=gen)
+    )
+    return DataLoader(data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def plain_loop(model: nn.Module, loader: DataLoader, clip: float | None = None) -> nn.Module:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for inputs, targets in loader:
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return model
+
+
+def runtime_loop(rt: redline.Runtime, model: nn.Module, loader: DataLoader) -> nn.Module:
+    model, optimizer = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=1e-2))
+    for inputs, targets in rt.setup_loader(loader):
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(optimizer)
+    return model
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.allclose(x, y, rtol=0, atol=atol), f"{name} differs by {(x - y).abs().max():.3g}"
+
+
+@pytest.fixture
+def initial() -> nn.Module:
+    torch.manual_seed(0)
+    return make_model()
+
+
+def test_parity_with_the_plain_loop(initial):
+    """fp32, compile off, everything else auto: the same weights as the plain loop (atol 1e-6)."""
+    expected = plain_loop(copy.deepcopy(initial), make_loader())
+    got = runtime_loop(
+        redline.Runtime(devices="cpu", precision="fp32", compile="off"), copy.deepcopy(initial), make_loader()
+    )
+    assert_same_weights(got, expected)
+    changed = any(not torch.equal(a, b) for a, b in zip(got.parameters(), initial.parameters(), strict=True))
+    assert changed, "training did not change the weights; the parity check would be empty"
+
+
+def test_grad_accum_matches_the_full_batch(initial):
+    """Two micro-batches of 8 with accumulation step like one batch of 16 (a mean loss, no BatchNorm)."""
+    expected = plain_loop(copy.deepcopy(initial), make_loader(batch_size=16))
+    rt = redline.Runtime(devices="cpu", precision="fp32", compile="off", grad_accum=2)
+    model, optimizer = rt.setup(copy.deepcopy(initial), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    stepped = []
+    for inputs, targets in make_loader(batch_size=16):
+        for half in (slice(0, 8), slice(8, 16)):
+            loss = nn.functional.cross_entropy(model(inputs[half]), targets[half])
+            rt.backward(loss)
+            stepped.append(rt.step(optimizer))
+    assert stepped == [False, True] * STEPS
+    assert_same_weights(model, expected, atol=1e-5)
+
+
+def test_clipping_matches_clip_grad_norm(initial):
+    expected = plain_loop(copy.deepcopy(initial), make_loader(), clip=0.1)
+    got = runtime_loop(
+        redline.Runtime(devices="cpu", precision="fp32", compile="off", clip_grad_norm=0.1),
+        copy.deepcopy(initial),
+        make_loader(),
+    )
+    assert_same_weights(got, expected)
+    unclipped = plain_loop(copy.deepcopy(initial), make_loader())
+    assert any(not torch.allclose(a, b) for a, b in zip(got.parameters(), unclipped.parameters(), strict=True))
+
+
+def test_bf16_mixed_runs_the_forward_in_bf16(initial):
+    rt = redline.Runtime(devices="cpu", precision="bf16-mixed", compile="off")
+    model, _ = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    with rt.autocast():
+        out = model(torch.randn(2, 1, 8, 8))
+    assert out.dtype == torch.bfloat16
+    assert rt.explain().precision.value == "bf16-mixed"
+
+
+def test_fp16_mixed_scales_the_loss_and_still_learns(initial):
+    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off", clip_grad_norm=1.0)
+    assert rt.scaler is not None
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.05))
+    before = copy.deepcopy(model.state_dict())
+    for inputs, targets in rt.setup_loader(make_loader()):
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(optimizer)
+    assert rt.scaler.get_scale() > 0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_explain_lists_every_axis_after_setup(initial):
+    rt = redline.Runtime(devices="cpu")
+    rt.setup(initial, lambda params: torch.optim.AdamW(params))
+    rt.setup_loader(make_loader())
+    plan = rt.explain()
+    assert [row[0] for row in plan.rows()] == [
+        "device", "precision", "tf32", "grad_accum", "clip_grad_norm", "channels_last", "compile", "optimizer", "loader"
+    ]  # fmt: skip
+    assert plan.precision.value == "fp32" and plan.compile.value is False
+    assert all(reason for _, _, reason in plan.rows())
+
+
+def test_optimizer_instance_is_accepted_and_checked(initial):
+    rt = redline.Runtime(devices="cpu", compile="off")
+    optimizer = torch.optim.SGD(initial.parameters(), lr=0.1)
+    _, got = rt.setup(initial, optimizer)
+    assert got is optimizer
+    with pytest.raises(ConfigError, match="not in the model"):
+        rt.setup(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
+
+
+def test_rebuild_keeps_groups_and_hyperparameters(initial):
+    params = list(initial.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": params[:2], "lr": 0.1}, {"params": params[2:]}], lr=0.01, weight_decay=0.5
+    )
+    rebuilt = rebuild_optimizer(optimizer, fused=True)
+    assert type(rebuilt) is torch.optim.AdamW
+    assert [g["lr"] for g in rebuilt.param_groups] == [0.1, 0.01]
+    assert all(g["fused"] and g["weight_decay"] == 0.5 for g in rebuilt.param_groups)
+    assert [p for g in rebuilt.param_groups for p in g["params"]] == params
+    initial(torch.randn(2, 1, 8, 8)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ConfigError, match="already holds state"):
+        rebuild_optimizer(optimizer, fused=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"devices": "cuda"}, DeviceUnavailableError, "no CUDA device"),
+        ({"devices": "gpu"}, ConfigError, "cuda:N"),
+        ({"precision": "bf16"}, ConfigError, "bf16-mixed"),
+        ({"grad_accum": 0}, ConfigError, "grad_accum"),
+        ({"clip_grad_norm": -1.0}, ConfigError, "clip_grad_norm"),
+        ({"compile": "sometimes"}, ConfigError, "compile"),
+    ],
+)
+def test_wrong_arguments_say_what_is_allowed(kwargs, error, match, initial):
+    with pytest.raises(error, match=match):
+        rt = redline.Runtime(**kwargs)
+        rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_compile_failure_falls_back_to_eager_with_a_warning(initial):
+    def broken_backend(graph_module, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    expected = initial(torch.ones(2, 1, 8, 8))
+    record = compile_module(initial, backend=broken_backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = initial(torch.ones(2, 1, 8, 8))
+    assert torch.allclose(out, expected)
+    assert record.fell_back is not None and "backend exploded" in record.fell_back
+    assert any("running eagerly" in str(w.message) for w in caught)
+    assert initial.forward == type(initial).forward.__get__(initial)  # later calls stay eager
+
+
+def test_a_user_error_inside_a_compiled_model_is_not_swallowed(initial):
+    compile_module(initial, backend="eager")
+    with pytest.raises(RuntimeError):
+        initial(torch.ones(2, 3, 8, 8))  # wrong channel count: the user's error, raised as such
+
+
+@pytest.mark.slow
+def test_compiled_runtime_matches_eager(initial):
+    """The one real inductor compile of the suite: same weights as eager (atol 1e-4), compile timed."""
+    expected = plain_loop(copy.deepcopy(initial), make_loader())
+    rt = redline.Runtime(devices="cpu", precision="fp32", compile="on")
+    got = runtime_loop(rt, copy.deepcopy(initial), make_loader())
+    plan = rt.explain()
+    assert plan.compile.value is True, plan.compile.reason
+    assert rt.compile_seconds is not None and "compiled in" in plan.compile.reason
+    assert_same_weights(got, expected, atol=1e-4)
+    assert list(got.state_dict()) == list(initial.state_dict())  # no _orig_mod. prefixes

@@ -1,0 +1,17 @@
+"""Device facts as data: the machines the resolver tests feed in."""
+
+from redline.hardware.device import Accelerators, DeviceFacts
+
+H100 = DeviceFacts(type="cuda", name="NVIDIA H100 80GB HBM3", index=0, capability=(9, 0), mem_gib=79.1, cpu_count=26)
+A100 = DeviceFacts(type="cuda", name="NVIDIA A100-SXM4-40GB", index=0, capability=(8, 0), mem_gib=39.4, cpu_count=16)
+V100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-16GB", index=0, capability=(7, 0), mem_gib=15.8, cpu_count=8)
+T4 = DeviceFacts(type="cuda", name="Tesla T4", index=0, capability=(7, 5), mem_gib=14.6, cpu_count=4)
+P100 = DeviceFacts(type="cuda", name="Tesla P100-PCIE-16GB", index=0, capability=(6, 0), mem_gib=15.9, cpu_count=4)
+CPU = DeviceFacts(type="cpu", name="AMD EPYC", cpu_count=2)
+CPU_AMX = DeviceFacts(type="cpu", name="Intel Xeon Platinum 8480+", cpu_count=56, cpu_fast_bf16=True)
+MPS = DeviceFacts(type="mps", name="Apple MPS", cpu_count=10)
+
+NO_ACCELERATOR = Accelerators()
+ONE_GPU = Accelerators(cuda_count=1)
+EIGHT_GPUS = Accelerators(cuda_count=8)
+MAC = Accelerators(mps=True)

@@ -1,0 +1,74 @@
+"""The Runtime on a CUDA device: bf16 parity, the fused optimizer, side-stream loading, TF32."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import redline
+
+pytestmark = pytest.mark.gpu
+
+# bf16 autocast in both loops; redline's fused AdamW rounds differently from the default foreach
+# implementation, so weights agree to this tolerance rather than bitwise.
+BF16_ATOL = 2e-3
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 64, 10))
+
+
+def make_loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(256, 1, 8, 8, generator=gen), torch.randint(0, 10, (256,), generator=gen))
+    return DataLoader(data, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+
+
+def test_bf16_parity_with_the_plain_autocast_loop():
+    torch.manual_seed(0)
+    initial = make_model()
+    plain = copy.deepcopy(initial).cuda()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for inputs, targets in make_loader():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(plain(inputs.cuda()), targets.cuda())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    rt = redline.Runtime(devices="cuda", precision="bf16-mixed", compile="off")
+    model, opt = rt.setup(copy.deepcopy(initial), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    for inputs, targets in rt.setup_loader(make_loader()):
+        assert inputs.is_cuda and targets.is_cuda
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(opt)
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    print(f"bf16 parity: max abs weight difference {worst:.3g} (tolerance {BF16_ATOL})")
+    assert worst <= BF16_ATOL
+    plan = rt.explain()
+    assert plan.optimizer.value == "fused" and plan.tf32.value is True
+    assert plan.channels_last.value is True
+
+
+def test_side_stream_loader_delivers_the_same_batches():
+    rt = redline.Runtime(devices="cuda", precision="fp32", compile="off", channels_last="off")
+    expected = list(make_loader())
+    got = [(x.cpu(), y.cpu()) for x, y in rt.setup_loader(make_loader())]
+    assert len(got) == len(expected)
+    for (a, b), (c, d) in zip(got, expected, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, d)
+    assert rt.explain().loader.value.pin_memory is True
+
+
+def test_auto_plan_on_this_gpu_is_explained():
+    rt = redline.Runtime(planned_steps=10_000)
+    rt.setup(make_model(), lambda params: torch.optim.AdamW(params))
+    plan = rt.explain()
+    print(plan)
+    assert plan.device.value.startswith("cuda")
+    major, _ = torch.cuda.get_device_capability()
+    assert plan.precision.value == ("bf16-mixed" if major >= 8 else "fp16-mixed")

@@ -1,0 +1,218 @@
+"""Every resolver decision, fed device facts as data."""
+
+import pytest
+
+from devices import A100, CPU, CPU_AMX, EIGHT_GPUS, H100, MAC, MPS, NO_ACCELERATOR, ONE_GPU, P100, T4, V100
+from redline.errors import ConfigError, DeviceUnavailableError
+from redline.plan import Choice, Plan, parse_switch
+from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
+from redline.plan.device import resolve_device
+from redline.plan.layout import resolve_channels_last
+from redline.plan.optimizer import OptimizerFacts, resolve_optimizer
+from redline.plan.precision import resolve_precision, resolve_tf32
+
+SUPPORTED = lambda: (True, "")  # noqa: E731
+
+
+# -- device -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("requested", "found", "expected"),
+    [
+        ("auto", EIGHT_GPUS, "cuda:0"),
+        ("auto", MAC, "mps"),
+        ("auto", NO_ACCELERATOR, "cpu"),
+        ("cpu", EIGHT_GPUS, "cpu"),
+        ("cuda", ONE_GPU, "cuda:0"),
+        ("cuda:7", EIGHT_GPUS, "cuda:7"),
+        (" CUDA:1 ", EIGHT_GPUS, "cuda:1"),
+        ("mps", MAC, "mps"),
+    ],
+)
+def test_device_resolves(requested, found, expected):
+    assert resolve_device(requested, found).value == expected
+
+
+def test_auto_device_says_why():
+    assert "8 CUDA devices" in resolve_device("auto", EIGHT_GPUS).reason
+    assert "no CUDA or MPS" in resolve_device("auto", NO_ACCELERATOR).reason
+
+
+@pytest.mark.parametrize("requested", ["gpu", "cuda:x", "cpu:1", "tpu", "", "mps:0"])
+def test_unknown_device_names_the_forms(requested):
+    with pytest.raises(ConfigError, match="'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"):
+        resolve_device(requested, ONE_GPU)
+
+
+def test_cuda_without_gpu_says_how_to_fix():
+    with pytest.raises(DeviceUnavailableError, match="no CUDA device") as err:
+        resolve_device("cuda", NO_ACCELERATOR)
+    assert "hint:" in str(err.value) and "allowed here: cpu" in str(err.value)
+
+
+def test_cuda_index_out_of_range():
+    with pytest.raises(DeviceUnavailableError, match=r"(?s)only 1 CUDA device.*CUDA_VISIBLE_DEVICES"):
+        resolve_device("cuda:1", ONE_GPU)
+
+
+def test_mps_missing():
+    with pytest.raises(DeviceUnavailableError, match="MPS is not available"):
+        resolve_device("mps", ONE_GPU)
+
+
+# -- precision ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("facts", "expected"),
+    [
+        (H100, "bf16-mixed"),
+        (A100, "bf16-mixed"),
+        (V100, "fp16-mixed"),
+        (T4, "fp16-mixed"),
+        (P100, "fp32"),
+        (CPU, "fp32"),
+        (CPU_AMX, "fp32"),
+        (MPS, "fp32"),
+    ],
+)
+def test_auto_precision(facts, expected):
+    choice = resolve_precision("auto", facts)
+    assert choice.value == expected
+    assert choice.reason.startswith("auto:")
+
+
+def test_auto_precision_reason_names_the_architecture():
+    assert "sm90" in resolve_precision("auto", H100).reason
+    assert "no bf16" in resolve_precision("auto", V100).reason
+    assert "no fast bf16" in resolve_precision("auto", CPU).reason
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
+def test_explicit_precision_is_kept_where_possible(precision):
+    assert resolve_precision(precision, H100) == Choice(precision, "requested")
+    assert resolve_precision(precision, CPU).value == precision
+
+
+def test_bf16_on_v100_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"no native bf16.*'fp16-mixed'") as err:
+        resolve_precision("bf16-mixed", V100)
+    assert "7.0" in str(err.value) and "hint:" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", ["bf16", "fp16", "16-mixed", "float32", None])
+def test_unknown_precision(bad):
+    with pytest.raises(ConfigError, match="'fp32', 'bf16-mixed', 'fp16-mixed'"):
+        resolve_precision(bad, H100)
+
+
+@pytest.mark.parametrize(("facts", "expected"), [(H100, True), (A100, True), (V100, False), (T4, False), (CPU, False)])
+def test_tf32(facts, expected):
+    assert resolve_tf32(facts).value is expected
+
+
+# -- compile ------------------------------------------------------------------------------------
+
+
+def test_compile_off_never_asks_whether_supported():
+    def boom():
+        raise AssertionError("supported() must not be called")
+
+    assert resolve_compile("off", H100, planned_steps=10**6, supported=boom) == Choice(False, "requested")
+    assert resolve_compile("auto", CPU, planned_steps=10**6, supported=boom).value is False
+
+
+def test_compile_auto_weighs_the_run_length():
+    assert resolve_compile("auto", H100, planned_steps=MIN_STEPS_CUDA, supported=SUPPORTED).value is True
+    short = resolve_compile("auto", H100, planned_steps=MIN_STEPS_CUDA - 1, supported=SUPPORTED)
+    assert short.value is False and "too few" in short.reason
+    unknown = resolve_compile("auto", H100, planned_steps=None, supported=SUPPORTED)
+    assert unknown.value is False and "unknown" in unknown.reason
+
+
+def test_compile_auto_stays_eager_on_cpu_and_mps():
+    assert resolve_compile("auto", CPU, planned_steps=10**6, supported=SUPPORTED).value is False
+    assert resolve_compile("auto", MPS, planned_steps=10**6, supported=SUPPORTED).value is False
+
+
+def test_compile_requested_but_unsupported_runs_eagerly_and_says_why():
+    choice = resolve_compile(True, CPU, planned_steps=None, supported=lambda: (False, "no C++ compiler found"))
+    assert choice.value is False and "no C++ compiler found" in choice.reason
+    auto = resolve_compile("auto", H100, planned_steps=10**6, supported=lambda: (False, "triton is not installed"))
+    assert auto.value is False and "triton" in auto.reason
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.5, "maybe", None])
+def test_compile_bad_value(bad):
+    with pytest.raises(ConfigError, match="'auto', 'on' or 'off'"):
+        resolve_compile(bad, CPU, planned_steps=None, supported=SUPPORTED)
+
+
+# -- channels_last ------------------------------------------------------------------------------
+
+
+def test_channels_last_auto():
+    assert resolve_channels_last("auto", H100, has_conv2d=True, precision="bf16-mixed").value is True
+    assert resolve_channels_last("auto", V100, has_conv2d=True, precision="fp16-mixed").value is True
+    assert resolve_channels_last("auto", A100, has_conv2d=True, precision="fp32").value is True  # TF32
+    assert resolve_channels_last("auto", V100, has_conv2d=True, precision="fp32").value is False
+    assert resolve_channels_last("auto", H100, has_conv2d=False, precision="bf16-mixed").value is False
+    assert resolve_channels_last("auto", CPU, has_conv2d=True, precision="fp32").value is False
+    assert resolve_channels_last("auto", P100, has_conv2d=True, precision="fp32").value is False
+
+
+def test_channels_last_explicit():
+    assert resolve_channels_last("on", CPU, has_conv2d=True, precision="fp32") == Choice(True, "requested")
+    assert resolve_channels_last(False, H100, has_conv2d=True, precision="bf16-mixed").value is False
+    no_conv = resolve_channels_last("on", H100, has_conv2d=False, precision="fp32")
+    assert no_conv.value is False and "no 2-d convolution" in no_conv.reason
+
+
+# -- optimizer ----------------------------------------------------------------------------------
+
+
+def facts_of(**overrides):
+    base = {"name": "AdamW", "has_fused": True, "has_state": False, "impl_set_by_user": False}
+    return OptimizerFacts(**{**base, **overrides})
+
+
+def test_optimizer_fused_on_cuda_only():
+    assert resolve_optimizer(facts_of(), H100).value == "fused"
+    assert resolve_optimizer(facts_of(), CPU).value == "as given"
+    assert resolve_optimizer(facts_of(), MPS).value == "as given"
+
+
+def test_optimizer_kept_when_rebuilding_would_change_the_run():
+    stateful = resolve_optimizer(facts_of(has_state=True), H100)
+    assert stateful.value == "as given" and "state" in stateful.reason
+    user = resolve_optimizer(facts_of(impl_set_by_user=True), H100)
+    assert user.value == "as given" and "user" in user.reason
+    custom = resolve_optimizer(facts_of(name="Lion", has_fused=False), H100)
+    assert custom.value == "as given" and "no fused" in custom.reason
+
+
+# -- the Plan -----------------------------------------------------------------------------------
+
+
+def test_plan_renders_every_decided_axis_with_its_reason():
+    plan = Plan(
+        device=Choice("cuda:0", "auto: 1 CUDA device visible"),
+        precision=Choice("bf16-mixed", "auto: runs bf16 natively (sm90)"),
+        tf32=Choice(True, "TF32 tensor cores"),
+        grad_accum=Choice(4, "requested"),
+        clip_grad_norm=Choice(None, "default: no clipping"),
+    )
+    text = str(plan)
+    assert "bf16-mixed" in text and "sm90" in text and "compile" not in text
+    data = plan.to_dict()
+    assert data["tf32"] == {"value": True, "reason": "TF32 tensor cores"}
+    assert data["clip_grad_norm"]["value"] is None
+    assert [row[0] for row in plan.rows()] == ["device", "precision", "tf32", "grad_accum", "clip_grad_norm"]
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [("on", True), (True, True), ("off", False), (False, False), ("auto", None)]
+)
+def test_parse_switch(given, expected):
+    assert parse_switch("x", given) is expected
