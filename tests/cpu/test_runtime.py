@@ -211,3 +211,14 @@ def test_compiled_runtime_matches_eager(initial):
     assert rt.compile_seconds is not None and "compiled in" in plan.compile.reason
     assert_same_weights(got, expected, atol=1e-4)
     assert list(got.state_dict()) == list(initial.state_dict())  # no _orig_mod. prefixes
+
+
+def test_an_optimizer_that_already_stepped_is_kept_with_its_state(initial):
+    optimizer = torch.optim.AdamW(initial.parameters(), lr=1e-2)
+    initial(torch.randn(2, 1, 8, 8)).sum().backward()
+    optimizer.step()
+    moments = {k: v["exp_avg"].clone() for k, v in enumerate(optimizer.state.values())}
+    rt = redline.Runtime(devices="cpu", compile="off")
+    _, got = rt.setup(initial, optimizer)
+    assert got is optimizer and rt.explain().optimizer.value == "as given"
+    assert all(torch.equal(moments[k], v["exp_avg"]) for k, v in enumerate(got.state.values()))

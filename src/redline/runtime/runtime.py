@@ -75,8 +75,8 @@ class Runtime:
         chosen = resolve_precision(precision, self.facts)
         self.precision: Precision = chosen.value
         tf32 = resolve_tf32(self.facts)
-        if tf32.value:
-            torch.backends.cuda.matmul.allow_tf32 = True
+        if tf32.value:  # process-wide, as torch's settings are
+            torch.set_float32_matmul_precision("high")
             torch.backends.cudnn.allow_tf32 = True
         self.grad_accum = grad_accum
         self.clip_grad_norm = clip_grad_norm
@@ -109,7 +109,10 @@ class Runtime:
         if layout.value:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         built = build_optimizer(optimizer, model)
-        impl = resolve_optimizer(optimizer_facts(built), self.facts)
+        facts = optimizer_facts(built)
+        if facts.has_state:  # loading its own state casts the moments onto the parameters' device
+            built.load_state_dict(built.state_dict())
+        impl = resolve_optimizer(facts, self.facts)
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
         planned = resolve_compile(
