@@ -43,11 +43,12 @@ def spy(name, real):
     return wrapped
 for name in ("_lazy_init", "is_available", "device_count", "init"):
     setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+before = set(sys.modules)  # torch itself may import some (torch.cuda tries pynvml)
 import redline
 print(json.dumps({
     "cuda_calls": calls,
     "cuda_initialized": torch.cuda.is_initialized(),
-    "loaded": sorted(m for m in %r if m in sys.modules),
+    "loaded": sorted(m for m in %r if m in set(sys.modules) - before),
 }))
 """
 
