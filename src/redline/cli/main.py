@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from redline.cli import doctor as doctor_cmd
 from redline.cli import train as train_cmd
 from redline.errors import RedlineError
 
@@ -17,6 +18,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("train")(train_cmd.train)
+app.command("doctor")(doctor_cmd.doctor)
 
 
 @app.callback()

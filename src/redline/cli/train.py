@@ -1,4 +1,4 @@
-"""`redline train`: train a Task with the Runtime and print the Plan and the summary."""
+"""`redline train`: train a Task with the Trainer and print the Plan and the summary."""
 
 from __future__ import annotations
 
@@ -12,15 +12,21 @@ from rich.console import Console
 
 from redline.errors import invalid
 from redline.report.console import key_value_table, plan_table
+from redline.runtime.runtime import RuntimeOptions
 from redline.task import load_task
-from redline.train.loop import TrainConfig, TrainSummary
-from redline.train.loop import train as run_training
+from redline.train.callbacks import EarlyStopping
+from redline.train.trainer import Trainer, TrainSummary
 
 
 class Switch(str, Enum):
     auto = "auto"
     on = "on"
     off = "off"
+
+
+class Monitor(str, Enum):
+    val_loss = "val_loss"
+    val_metric = "val_metric"
 
 
 def parse_task_args(pairs: list[str]) -> dict[str, Any]:
@@ -52,51 +58,97 @@ def train(
     devices: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
     clip_grad_norm: Annotated[float | None, typer.Option(help="Clip the gradient norm to this value.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed every random number generator.")] = None,
-    out: Annotated[str | None, typer.Option(help="Write summary.json and model.safetensors here.")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed every RNG and the data order (default 0 for the order).")
+    ] = None,
+    out: Annotated[str | None, typer.Option(help="Write checkpoints, logs, summary.json, model.safetensors.")] = None,
+    resume: Annotated[str | None, typer.Option(help="'auto' (newest valid checkpoint in OUT) or a path.")] = None,
+    eval_every: Annotated[int | None, typer.Option(help="Evaluate every N steps (default: each epoch).")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="Checkpoint every N steps (and at the end).")] = None,
+    keep_checkpoints: Annotated[int, typer.Option(help="Keep the newest K checkpoints.")] = 3,
+    logger: Annotated[
+        list[str] | None, typer.Option("--logger", help="csv, jsonl, tensorboard; repeatable (default csv+jsonl).")
+    ] = None,
+    log_every: Annotated[int, typer.Option(help="Read losses and log every N steps.")] = 50,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress on stderr.")] = True,
+    early_stopping_patience: Annotated[
+        int | None, typer.Option(help="Stop after N evaluations without improvement.")
+    ] = None,
+    early_stopping_monitor: Annotated[Monitor, typer.Option(help="The metric early stopping watches.")] = (
+        Monitor.val_loss
+    ),
+    deterministic: Annotated[bool, typer.Option(help="torch.use_deterministic_algorithms(True).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Train a Task with every automatic choice explained, and print the summary."""
     loaded = load_task(task, **parse_task_args(task_arg or []))
-    config = TrainConfig(
-        epochs=epochs,
+    trainer = Trainer(
+        loaded,
+        runtime=RuntimeOptions(
+            devices=devices,
+            precision=precision,
+            compile=compile.value,
+            channels_last=channels_last.value,
+            grad_accum=grad_accum,
+            clip_grad_norm=clip_grad_norm,
+            seed=seed,
+        ),
         max_steps=max_steps,
+        max_epochs=epochs,
         batch_size=batch_size,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
         out_dir=out,
-        runtime={
-            "devices": devices,
-            "precision": precision,
-            "compile": compile.value,
-            "channels_last": channels_last.value,
-            "grad_accum": grad_accum,
-            "clip_grad_norm": clip_grad_norm,
-            "seed": seed,
-        },
+        loggers=tuple(logger) if logger else ("csv", "jsonl"),
+        log_every=log_every,
+        progress=progress,
+        early_stopping=(
+            EarlyStopping(monitor=early_stopping_monitor.value, patience=early_stopping_patience)
+            if early_stopping_patience
+            else None
+        ),
+        resume=resume,
+        deterministic=deterministic,
     )
-    err = Console(stderr=True)
-    summary = run_training(loaded, config, log=lambda line: err.print(line, highlight=False))
+    summary = trainer.fit()
     if json_output:
         print(json.dumps(summary.to_dict(), indent=2))
         return
     console = Console()
     console.print(plan_table(summary.plan))
-    console.print(key_value_table(_summary_rows(summary), title=f"Trained {summary.task}"))
+    console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
     if summary.sample:
         console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
 
 
-def _summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
+def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
+    """Return the summary's figures as (name, text) rows for a table."""
     rows = [
         ("device", summary.device),
-        ("steps", f"{summary.steps} ({summary.epochs:g} epochs, {summary.samples} samples)"),
+        (
+            "steps",
+            f"{summary.steps} ({summary.epochs:g} epochs, {summary.samples} samples; stopped: {summary.stopped})",
+        ),
         ("final loss", f"{summary.final_loss:.4f} (mean of the last steps)"),
         ("samples/s", f"{summary.samples_per_s:,.0f} (after the first step)"),
-        ("train time", f"{summary.train_seconds:.1f} s"),
     ]
+    if summary.tokens_per_s:
+        rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
+    rows.append(("MFU", f"{summary.mfu:.1%} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
+    if summary.measured_peak_ratio is not None:
+        rows.append(("of measured matmul peak", f"{summary.measured_peak_ratio:.1%}"))
+    rows.append(("train time", f"{summary.train_seconds:.1f} s"))
     if summary.compile_seconds is not None:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))
+    if summary.skipped_steps:
+        rows.append(("fp16 steps skipped", str(summary.skipped_steps)))
     if summary.val_loss is not None:
         rows.append(("val loss", f"{summary.val_loss:.4f}"))
     if summary.val_metric is not None:
         rows.append(("val metric", f"{summary.val_metric:.4f}"))
+    if summary.checkpoint:
+        rows.append(("checkpoint", summary.checkpoint))
+    if summary.resumed_from:
+        rows.append(("resumed from", summary.resumed_from))
     return rows

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,49 @@ from redline.runtime.seed import seed_everything
 from redline.runtime.transfer import move_to
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOptions:
+    """The Runtime's requested options, as one value tools pass around and store."""
+
+    devices: str = "auto"
+    precision: str = "auto"
+    compile: str | bool = "auto"
+    channels_last: str | bool = "auto"
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    seed: int | None = None
+
+    @classmethod
+    def from_plan(cls, plan: Mapping[str, Mapping[str, Any]], *, seed: int | None = None) -> RuntimeOptions:
+        """Return options that reproduce a stored Plan's resolved choices (``Plan.to_dict()``)."""
+
+        def switch(axis: str) -> str:
+            return "on" if plan.get(axis, {}).get("value") else "off"
+
+        return cls(
+            devices=str(plan["device"]["value"]),
+            precision=str(plan["precision"]["value"]),
+            compile=switch("compile"),
+            channels_last=switch("channels_last"),
+            grad_accum=int(plan["grad_accum"]["value"]),
+            clip_grad_norm=plan["clip_grad_norm"]["value"],
+            seed=seed,
+        )
+
+    def runtime(self, *, planned_steps: int | None = None) -> Runtime:
+        """Build the Runtime these options describe."""
+        return Runtime(
+            devices=self.devices,
+            precision=self.precision,
+            compile=self.compile,
+            channels_last=self.channels_last,
+            grad_accum=self.grad_accum,
+            clip_grad_norm=self.clip_grad_norm,
+            seed=self.seed,
+            planned_steps=planned_steps,
+        )
 
 
 class Runtime:
@@ -90,6 +134,7 @@ class Runtime:
         )
         self._compile_records: list[CompileRecord] = []
         self._micro_steps: dict[int, int] = {}
+        self._skipped: torch.Tensor | None = None  # fp16 steps the scaler skipped, counted on the device
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -174,8 +219,13 @@ class Runtime:
             if self.clip_grad_norm is not None:
                 self.scaler.unscale_(optimizer)
                 self._clip(optimizer)
+            scale = self.scaler._scale  # the scale only drops when a step's gradients overflowed
+            before = scale.clone() if scale is not None else None
             self.scaler.step(optimizer)
             self.scaler.update()
+            if before is not None and self.scaler._scale is not None:
+                dropped = (self.scaler._scale < before).int()
+                self._skipped = dropped if self._skipped is None else self._skipped + dropped
         else:
             if self.clip_grad_norm is not None:
                 self._clip(optimizer)
@@ -186,6 +236,11 @@ class Runtime:
     def _clip(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)  # type: ignore[arg-type]
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 optimizer steps the grad scaler skipped on overflow (reading it syncs the device)."""
+        return int(self._skipped.item()) if self._skipped is not None else 0
 
     # -- explaining ----------------------------------------------------------------------------
 
@@ -205,6 +260,15 @@ class Runtime:
             reason = f"{plan.compile.reason}; compiled in {self.compile_seconds:.1f} s"
             plan = dataclasses.replace(plan, compile=Choice(True, reason))
         return plan
+
+    def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
+        """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""
+        changes = {}
+        for axis, current in self._plan.to_dict().items():
+            old = stored.get(axis)
+            if old is not None and old.get("value") == current["value"]:
+                changes[axis] = Choice(getattr(self._plan, axis).value, f"{note}: {old.get('reason', '')}")
+        self._plan = dataclasses.replace(self._plan, **changes)
 
     def __repr__(self) -> str:
         return f"Runtime(device={self.device}, precision={self.precision})"

@@ -1,0 +1,46 @@
+"""The doctor's checks: pure functions of a Snapshot, one per id, in the order the report lists them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from redline.doctor.checks import cuda, host, libraries, measured, visible
+from redline.doctor.checks.machine import Machine
+from redline.doctor.report import Check, fail
+from redline.doctor.snapshot import Snapshot
+
+CHECKS: dict[str, Callable[[Machine], Check]] = {
+    "python": host.python,
+    "nvidia-driver": cuda.nvidia_driver,
+    "torch-build": cuda.torch_build,
+    "cuda-available": cuda.cuda_available,
+    "driver-runtime-compat": cuda.driver_runtime_compat,
+    "gpu-arch-supported": cuda.gpu_arch_supported,
+    "visible-devices": visible.visible_devices,
+    "cudnn": libraries.cudnn,
+    "nccl": libraries.nccl,
+    "shm-size": host.shm_size,
+    "library-shadowing": libraries.library_shadowing,
+    "torch-companions": libraries.torch_companions,
+    "cpu-threads": host.cpu_threads,
+    "mps": host.mps,
+    "device-smoke": measured.device_smoke,
+    "h2d-bandwidth": measured.h2d_bandwidth,
+}
+
+BUG_REPORT_FIX = "report this redline bug with the snapshot from `redline doctor --save-probe snapshot.json`"
+
+
+def run_checks(snapshot: Snapshot, checks: dict[str, Callable[[Machine], Check]] = CHECKS) -> list[Check]:
+    """Judge the snapshot with every check; a check that raises becomes a failed check, never a crash."""
+    machine = Machine(snapshot)
+    results = []
+    for check_id, check in checks.items():
+        try:
+            result = check(machine)
+            if result.id != check_id:
+                raise ValueError(f"returned the verdict of {result.id!r}")
+        except Exception as exc:  # the doctor must never crash on an odd snapshot
+            result = fail(check_id, f"redline could not judge this: {type(exc).__name__}: {exc}", BUG_REPORT_FIX)
+        results.append(result)
+    return results

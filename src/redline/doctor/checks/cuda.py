@@ -1,0 +1,186 @@
+"""Checks of the NVIDIA stack: driver, torch build, CUDA start-up, driver vs runtime, GPU architecture."""
+
+from __future__ import annotations
+
+from redline.doctor.checks.machine import DRIVER_DOWNLOAD, HANG_FIX, Machine, device_ranges, first_line, mentions
+from redline.doctor.compat import arch_support, best_channel, compat_floor, min_driver, parse_version
+from redline.doctor.report import Check, fail, ok, skip, warn
+
+REBOOT_FIX = (
+    "reboot; or, with no GPU process running, reload the driver: "
+    "`sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && sudo modprobe nvidia nvidia_uvm`; "
+    "then `sudo apt-mark hold` the driver packages so unattended upgrades do not do it again"
+)
+
+
+def nvidia_driver(m: Machine) -> Check:
+    driver = m.snap.driver
+    if driver.source is None:
+        error = driver.error or "no answer"
+        if mentions(error, "mismatch"):
+            return fail("nvidia-driver", f"the kernel module and the driver library differ: {error}", REBOOT_FIX)
+        if mentions(error, "hung", "no answer within"):
+            return fail("nvidia-driver", f"the driver did not answer: {error}", HANG_FIX)
+        if driver.device_nodes:
+            if m.snap.system.wsl:
+                step = "install the NVIDIA driver on Windows, never inside WSL (/usr/lib/wsl/lib holds its libraries)"
+            elif m.snap.system.container:
+                step = "start the container with `--gpus all` (NVIDIA Container Toolkit) to mount the driver libraries"
+            else:
+                step = "install the utilities of the loaded driver (e.g. `sudo apt install nvidia-utils-<branch>`)"
+            return fail(
+                "nvidia-driver", f"NVIDIA device files exist but the driver library cannot be read: {error}", step
+            )
+        hint = "; in a container, a GPU needs `docker run --gpus all`" if m.snap.system.container else ""
+        return skip("nvidia-driver", f"no NVIDIA driver ({error}){hint}")
+    module = driver.kernel_module_version
+    if module and driver.version and module != driver.version:
+        detail = f"kernel module {module} but driver library {driver.version}: upgraded without a reboot"
+        return fail("nvidia-driver", detail, REBOOT_FIX)
+    runs = f" (runs CUDA {driver.cuda_version} and older)" if driver.cuda_version else ""
+    if not m.gpus:
+        return warn(
+            "nvidia-driver",
+            f"driver {driver.version}{runs} lists no GPU",
+            "run `nvidia-smi -L`; in a container, start it with `--gpus all`",
+        )
+    return ok("nvidia-driver", f"driver {driver.version}{runs} via {driver.source}: {m.gpu_summary()}")
+
+
+def torch_build(m: Machine) -> Check:
+    facts = m.snap.torch
+    if facts is None:
+        return fail("torch-build", f"importing torch in a child process {m.child_failure()}", m.child_fix())
+    if facts.import_error:
+        error = first_line(facts.import_error)
+        if mentions(error, "undefined symbol", "cannot open shared object") and m.snap.library_path:
+            fix = f"{m.ld_path_without(m.cuda_library_dirs())} (it hands torch other CUDA libraries)"
+        else:
+            pinned = m.snap.packages.get("torch")
+            fix = f"pip install --force-reinstall torch{'==' + pinned if pinned else ''}"
+        return fail("torch-build", f"import torch failed: {error}", fix)
+    version = facts.version
+    if m.build == "rocm":
+        if m.gpus:
+            return fail("torch-build", f"torch {version} is a ROCm build on a machine with NVIDIA GPUs", m.wheel_fix())
+        return ok("torch-build", f"torch {version}: a ROCm {facts.hip} build")
+    if m.build == "cuda":
+        archs = " ".join(facts.arch_list) or "unknown architectures"
+        where = f"for {m.gpu_summary()}" if m.gpus else "(no NVIDIA GPU here, so it runs on the CPU)"
+        return ok("torch-build", f"torch {version}: a CUDA {facts.cuda} build with {archs} {where}")
+    if m.gpus:
+        detail = f"torch {version} is a CPU-only build, but the driver lists {len(m.gpus)} NVIDIA GPU(s)"
+        return fail("torch-build", detail, m.wheel_fix())
+    mps = " with MPS" if facts.mps_built else ""
+    return ok("torch-build", f"torch {version}: a CPU-only build{mps}; no NVIDIA GPU found")
+
+
+def cuda_available(m: Machine) -> Check:
+    facts = m.torch
+    if facts is None:
+        return skip("cuda-available", "torch did not import (see torch-build)")
+    if m.build == "cpu":
+        if m.gpus:
+            return fail(
+                "cuda-available", f"torch {facts.version} is CPU-only, so it cannot use the GPUs", m.wheel_fix()
+            )
+        return skip("cuda-available", "no NVIDIA GPU and a CPU-only torch build")
+    if facts.cuda_available is None:
+        return fail("cuda-available", f"starting CUDA {m.child_failure()}", m.child_fix())
+    if facts.cuda_available:
+        by_name: dict[str, list[str]] = {}
+        for device in facts.devices:
+            by_name.setdefault(device.name, []).append(f"cuda:{device.index}")
+        names = "; ".join(f"{device_ranges(ids)} {name}" for name, ids in by_name.items())
+        return ok("cuda-available", f"torch sees {facts.device_count} device(s): {names}")
+    if not m.gpus and not m.snap.driver.device_nodes:
+        return skip("cuda-available", f"a {m.build} build of torch, but no GPU on this machine")
+    reasons = [text for text in (facts.cuda_error, *facts.warnings) if text]
+    detail = "torch.cuda.is_available() is False" + (f": {first_line(reasons[0])}" if reasons else "")
+    return fail("cuda-available", detail, cuda_start_fix(m, " ".join(reasons)))
+
+
+def cuda_start_fix(m: Machine, text: str) -> str:
+    """Name the fix for a CUDA that will not start, from what torch said (see docs/doctor.md)."""
+    if mentions(text, "too old", "insufficient"):
+        return driver_upgrade_fix(m)
+    if mentions(m.snap.driver.error or "", "mismatch") or mentions(text, r"\b804\b"):
+        return REBOOT_FIX
+    if mentions(text, r"\b802\b", "not yet initialized"):
+        return (
+            f"start NVIDIA Fabric Manager of the driver's version ({m.snap.driver.version}): install "
+            "nvidia-fabricmanager-<branch>, then `sudo systemctl enable --now nvidia-fabricmanager`"
+        )
+    if mentions(text, r"\b803\b", "unsupported display driver"):
+        return (
+            "a CUDA forward-compatibility library (cuda-compat) does not fit this driver: drop it from LD_LIBRARY_PATH"
+        )
+    if mentions(text, "unknown error", r"\b999\b"):
+        return (
+            "reload the unified-memory module (suspend breaks it): `sudo rmmod nvidia_uvm && sudo modprobe nvidia_uvm`"
+        )
+    if "CUDA_VISIBLE_DEVICES" in m.snap.env:
+        return "CUDA_VISIBLE_DEVICES hides the GPUs (see visible-devices): `unset CUDA_VISIBLE_DEVICES`"
+    if m.snap.system.container and not m.snap.driver.device_nodes:
+        return "start the container with `--gpus all` (NVIDIA Container Toolkit)"
+    return (
+        "run `nvidia-smi`: if it fails, reinstall the driver or reboot; check `ls -l /dev/nvidia*` is readable by you"
+    )
+
+
+def driver_runtime_compat(m: Machine) -> Check:
+    facts, driver = m.torch, m.snap.driver
+    if facts is None or not facts.cuda:
+        return skip("driver-runtime-compat", "no CUDA build of torch")
+    if driver.version is None:
+        return skip("driver-runtime-compat", "no NVIDIA driver found")
+    runtime, have = parse_version(facts.cuda), parse_version(driver.version)
+    if runtime is None or have is None:
+        return skip("driver-runtime-compat", f"cannot read driver {driver.version!r} or CUDA {facts.cuda!r}")
+    detail = f"driver {driver.version} for the wheel's CUDA {facts.cuda} runtime"
+    need, floor = min_driver(runtime, m.windows), compat_floor(runtime[0], m.windows)
+    need_v, floor_v = parse_version(need), parse_version(floor)
+    if need_v is None:  # a CUDA newer than the table: trust what the driver says it runs
+        if m.max_cuda is not None and m.max_cuda >= runtime[:2]:
+            return ok("driver-runtime-compat", f"{detail}; the driver runs CUDA {driver.cuda_version}")
+        return skip("driver-runtime-compat", f"{detail}: redline's driver table does not cover CUDA {facts.cuda}")
+    if have >= need_v:
+        return ok("driver-runtime-compat", f"{detail} (needs {need} or newer)")
+    if floor_v is not None and have >= floor_v:
+        detail += f": below the {need} it asks for, so it runs in minor-version compatibility, where PTX newer than "
+        detail += "the driver (Triton and torch.compile kernels) fails to load"
+        return warn("driver-runtime-compat", detail, driver_upgrade_fix(m))
+    detail += f": too old, CUDA {facts.cuda} needs {need} or newer, so CUDA will not start"
+    return fail("driver-runtime-compat", detail, driver_upgrade_fix(m))
+
+
+def driver_upgrade_fix(m: Machine) -> str:
+    """Return: upgrade the driver to what the wheel's CUDA needs, or keep it and install a wheel it runs."""
+    runtime = parse_version(m.torch.cuda if m.torch else None)
+    need = min_driver(runtime, m.windows) if runtime else None
+    upgrade = f"upgrade the NVIDIA driver to {need or 'a newer release'} or newer ({DRIVER_DOWNLOAD})"
+    older = best_channel(m.capabilities, m.max_cuda, m.channels()[0])
+    return upgrade + (f"; or keep the driver and install a wheel it runs: {m.install(older)}" if older else "")
+
+
+def gpu_arch_supported(m: Machine) -> Check:
+    facts = m.torch
+    if facts is None or not facts.cuda:
+        return skip("gpu-arch-supported", "no CUDA build of torch")
+    listed = [(g.name, g.capability) for g in m.gpus] or [(d.name, d.capability) for d in facts.devices]
+    gpus = [(name, cap) for name, cap in listed if cap is not None]
+    if not gpus:
+        return skip("gpu-arch-supported", "no NVIDIA GPU with a known compute capability")
+    if not facts.arch_list:
+        return skip("gpu-arch-supported", "torch did not report the architectures it was built for")
+    built = " ".join(facts.arch_list)
+    verdicts = {f"{name} (sm_{a}{b})": arch_support(10 * a + b, facts.arch_list) for name, (a, b) in gpus}
+    missing = [gpu for gpu, verdict in verdicts.items() if verdict is None]
+    if missing:
+        detail = f"{', '.join(missing)} not covered by the wheel's kernels ({built}): 'no kernel image is available'"
+        return fail("gpu-arch-supported", detail, m.wheel_fix())
+    jit = [gpu for gpu, verdict in verdicts.items() if verdict == "ptx"]
+    if jit:
+        detail = f"{', '.join(jit)} runs the wheel's PTX ({built}), compiled by the driver at start-up: slow first run"
+        return warn("gpu-arch-supported", detail, m.wheel_fix())
+    return ok("gpu-arch-supported", f"{', '.join(sorted(set(verdicts)))} covered by the wheel's kernels ({built})")

@@ -1,0 +1,199 @@
+"""Checks of the libraries around torch: cuDNN, NCCL, LD_LIBRARY_PATH shadowing, torchvision and torchaudio."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from redline.doctor.checks.machine import Machine, first_line, mentions
+from redline.doctor.checks.measured import MAX_REL_ERR
+from redline.doctor.compat import (
+    INDEX_URL,
+    Version,
+    companion_version,
+    dotted,
+    local_tag,
+    parse_version,
+    tag_cuda,
+)
+from redline.doctor.report import Check, fail, ok, skip, warn
+
+CUDNN_PROBE = "python -c 'import torch; print(torch.backends.cudnn.version())'"
+NCCL_SLOW_SWITCHES = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")
+
+
+def cudnn_text(version: int) -> str:
+    """Format torch.backends.cudnn.version(): 90100 -> "9.1.0" (cuDNN 9), 8902 -> "8.9.2" (cuDNN 8)."""
+    if version >= 10000:
+        return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+
+
+def cudnn(m: Machine) -> Check:
+    facts = m.torch
+    if facts is None:
+        return skip("cudnn", "torch did not import (see torch-build)")
+    if m.build != "cuda":
+        return skip("cudnn", "ROCm build: MIOpen instead of cuDNN" if m.build == "rocm" else "CPU-only torch build")
+    system_copies = [e.path for e in m.snap.library_path if any(lib.startswith("libcudnn") for lib in e.libs)]
+    reinstall = m.install(facts.cuda)
+    if facts.cudnn_error:
+        fix = m.ld_path_without(system_copies) if system_copies else reinstall
+        return fail("cudnn", f"torch cannot use cuDNN: {first_line(facts.cudnn_error)}", fix)
+    if facts.cudnn_version is None:
+        return fail(
+            "cudnn",
+            "torch found no cuDNN it can load",
+            m.ld_path_without(system_copies) if system_copies else reinstall,
+        )
+    loaded = cudnn_text(facts.cudnn_version)
+    convs = [r for r in m.snap.measurements if r.device.startswith("cuda:") and r.conv_rel_err is not None]
+    bad = [r.device for r in convs if not (r.conv_rel_err is not None and r.conv_rel_err <= MAX_REL_ERR)]
+    if bad:
+        return fail(
+            "cudnn",
+            f"cuDNN {loaded}: a convolution on {', '.join(bad)} disagrees with the CPU",
+            "look for ECC and Xid errors: `nvidia-smi -q -d ECC` and `sudo dmesg | grep -i xid`",
+        )
+    wheel = next(((n, v) for n, v in m.snap.packages.items() if n.startswith("nvidia-cudnn")), None)
+    wheel_v = parse_version(wheel[1]) if wheel else None
+    if wheel and wheel_v and wheel_v[:2] != (parse_version(loaded) or ())[:2]:
+        find = f"find the copy that loads and remove it: `LD_DEBUG=libs {CUDNN_PROBE} 2>&1 | grep -i libcudnn`"
+        fix = m.ld_path_without(system_copies) if system_copies else find
+        return warn("cudnn", f"torch loaded cuDNN {loaded}, but the wheel {wheel[0]} is {wheel[1]}", fix)
+    tested = f"; a convolution on {convs[0].device} matches the CPU" if convs else ""
+    return ok("cudnn", f"cuDNN {loaded}{tested}")
+
+
+def nccl(m: Machine) -> Check:
+    if not m.linux:
+        return skip("nccl", f"NCCL runs on Linux only, not {m.snap.system.os or 'this OS'}")
+    facts = m.torch
+    if facts is None or m.build != "cuda":
+        return skip("nccl", "no CUDA build of torch")
+    if facts.nccl_version is None:
+        detail = "this torch build has no NCCL, so multi-GPU training falls back to the much slower gloo"
+        return warn("nccl", detail, m.install(facts.cuda))
+    switches = [name for name in NCCL_SLOW_SWITCHES if m.snap.env.get(name, "0") not in ("", "0")]
+    if switches:
+        return warn(
+            "nccl",
+            f"NCCL {facts.nccl_version} with {', '.join(switches)} set, which slows every collective",
+            f"unset {' '.join(switches)}; if a multi-GPU run hangs without NCCL_P2P_DISABLE, fix the cause "
+            "instead: disable PCI ACS or boot with iommu=pt (NCCL troubleshooting guide, 'GPU Direct')",
+        )
+    return ok("nccl", f"NCCL {facts.nccl_version}")
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """A CUDA library on LD_LIBRARY_PATH that the dynamic loader finds before the wheel's copy."""
+
+    directory: str
+    soname: str
+    found: Version | None
+    wheel: Version | None
+
+
+def soname_of(filename: str) -> tuple[str, Version] | None:
+    """Split "libnvJitLink.so.12.1.105" into ("libnvJitLink.so.12", (12, 1, 105))."""
+    match = re.fullmatch(r"(lib\w+\.so\.(\d+))((?:\.\d+)*)", filename)
+    if match is None:
+        return None
+    return match.group(1), tuple(int(p) for p in (match.group(2) + match.group(3)).split("."))
+
+
+def shadows(m: Machine) -> list[Shadow]:
+    """Find LD_LIBRARY_PATH libraries with the same soname as one in the nvidia-* wheels beside torch."""
+    wheel: dict[str, Version | None] = {}
+    for directory in m.snap.wheel_libs:
+        package = "nvidia-" + PurePosixPath(directory.path).parent.name.replace("_", "-")
+        pip = next((v for n, v in m.snap.packages.items() if n == package or n.startswith(package + "-cu")), None)
+        for lib in directory.libs:
+            if (parsed := soname_of(lib)) is not None:
+                wheel[parsed[0]] = parse_version(pip)
+    found: list[Shadow] = []
+    for entry in m.snap.library_path:
+        versions: dict[str, Version] = {}
+        for lib in entry.libs:
+            if (parsed := soname_of(lib)) is not None and parsed[0] in wheel:
+                versions[parsed[0]] = max(versions.get(parsed[0], ()), parsed[1])
+        toolkit = re.search(r"cuda-(\d+)\.(\d+)", entry.path)  # /usr/local/cuda-12.1/lib64
+        for soname, version in versions.items():
+            if len(version) < 2 and toolkit and not soname.startswith(("libcudnn", "libnccl")):
+                version = (int(toolkit.group(1)), int(toolkit.group(2)))
+            found.append(Shadow(entry.path, soname, version if len(version) >= 2 else None, wheel[soname]))
+    return found
+
+
+def library_shadowing(m: Machine) -> Check:
+    if not m.linux:
+        return skip("library-shadowing", "LD_LIBRARY_PATH is a Linux matter")
+    import_error = m.snap.torch.import_error if m.snap.torch else None
+    if import_error and mentions(import_error, "undefined symbol") and m.snap.library_path:
+        detail = f"import torch failed with {first_line(import_error)!r} while LD_LIBRARY_PATH is set"
+        return fail("library-shadowing", detail, m.ld_path_without(m.cuda_library_dirs()))
+    if not m.snap.library_path:
+        return ok("library-shadowing", "LD_LIBRARY_PATH is unset")
+    if m.build is not None and m.build != "cuda":
+        return skip("library-shadowing", "torch is not a CUDA build, so it loads no CUDA library")
+    if not m.snap.wheel_libs:
+        return ok(
+            "library-shadowing", "torch uses the CUDA libraries on the system path (no nvidia-* wheels beside it)"
+        )
+    found = shadows(m)
+    older = [s for s in found if s.found and s.wheel and s.found[: len(s.wheel)] < s.wheel]
+    unknown = [s for s in found if s.found is None or s.wheel is None]
+    if older:
+        names = ", ".join(
+            f"{s.directory}/{s.soname} {dotted(s.found or ())} (wheel: {dotted(s.wheel or ())})" for s in older
+        )
+        detail = (
+            f"LD_LIBRARY_PATH puts older CUDA libraries before the wheel's: {names}; expect 'undefined symbol' errors"
+        )
+        return fail("library-shadowing", detail, m.ld_path_without(sorted({s.directory for s in older})))
+    if unknown:
+        names = ", ".join(f"{s.directory}/{s.soname}" for s in unknown)
+        return warn(
+            "library-shadowing",
+            f"LD_LIBRARY_PATH puts CUDA libraries of unknown version before the wheel's: {names}",
+            m.ld_path_without(sorted({s.directory for s in unknown})),
+        )
+    if found:
+        return ok(
+            "library-shadowing", f"LD_LIBRARY_PATH holds {len(found)} CUDA libraries, none older than the wheel's"
+        )
+    return ok("library-shadowing", "no CUDA library on LD_LIBRARY_PATH shadows the wheel's")
+
+
+def torch_companions(m: Machine) -> Check:
+    installed = {name: m.snap.packages[name] for name in m.companions}
+    if not installed:
+        return skip("torch-companions", "torchvision and torchaudio are not installed")
+    torch_version = m.torch_version
+    if torch_version is None:
+        return skip("torch-companions", "torch's version is unknown")
+    torch_tag = local_tag(torch_version)
+    torch_cuda = tag_cuda(torch_tag) or parse_version(m.torch.cuda if m.torch else None)
+    problems, pins = [], []
+    for name, version in installed.items():
+        want, have, tag = companion_version(name, torch_version), parse_version(version), local_tag(version)
+        if want is not None and have is not None and have[:2] != want:
+            problems.append(f"{name} {version} is not the {dotted(want, 2)} built for torch {torch_version}")
+        elif tag and torch_tag and (tag == "cpu") != (torch_tag == "cpu"):
+            problems.append(f"{name} {version} and torch {torch_version} differ in CPU vs CUDA build")
+        elif (cuda := tag_cuda(tag)) and torch_cuda and cuda[0] != torch_cuda[0]:
+            problems.append(f"{name} {version} is built for CUDA {dotted(cuda)}, torch for CUDA {dotted(torch_cuda)}")
+        else:
+            continue
+        pins.append(f"{name}=={dotted(want, 2)}.*" if want else name)
+    if problems:
+        index = f" --index-url {INDEX_URL}/{torch_tag}" if torch_tag else ""
+        fix = f"pip install --force-reinstall --no-deps {' '.join(pins)}{index}"
+        detail = (
+            "; ".join(problems) + "; a mismatched build fails at import ('operator torchvision::nms does not exist')"
+        )
+        return fail("torch-companions", detail, fix)
+    listed = ", ".join(f"{name} {version}" for name, version in installed.items())
+    return ok("torch-companions", f"{listed} match torch {torch_version}")

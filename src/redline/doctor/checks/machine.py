@@ -1,0 +1,174 @@
+"""A read-only view of a Snapshot with the facts several checks derive: the build, the GPUs, the right wheel."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+from redline.doctor.compat import (
+    FALLBACK_CHANNELS,
+    Version,
+    best_channel,
+    driver_cuda,
+    install_torch,
+    min_driver,
+    parse_version,
+)
+from redline.doctor.snapshot import GpuFacts, Snapshot, TorchFacts
+
+DRIVER_DOWNLOAD = "https://www.nvidia.com/Download/index.aspx"
+HANG_FIX = (
+    "a driver call hung: run `nvidia-smi`; if it hangs too the driver is stuck, so reboot; "
+    "otherwise enable persistence mode (`sudo nvidia-smi -pm 1`) and rerun `redline doctor`"
+)
+CRASH_FIX = (
+    "run `python -c \"import torch; print(torch.zeros(1, device='cuda'))\"` to see the error, "
+    "and look for driver errors with `sudo dmesg | grep -i -e xid -e nvrm`"
+)
+
+
+@dataclass(frozen=True)
+class Machine:
+    snap: Snapshot
+
+    @property
+    def torch(self) -> TorchFacts | None:
+        """torch's facts, or None when torch did not import (torch-build says why)."""
+        facts = self.snap.torch
+        return None if facts is None or facts.import_error else facts
+
+    @property
+    def build(self) -> Literal["cuda", "rocm", "cpu"] | None:
+        facts = self.torch
+        if facts is None:
+            return None
+        return "cuda" if facts.cuda else "rocm" if facts.hip else "cpu"
+
+    @property
+    def gpus(self) -> list[GpuFacts]:
+        """The NVIDIA GPUs the driver lists, whether or not torch can use them."""
+        return self.snap.driver.gpus
+
+    @property
+    def linux(self) -> bool:
+        return self.snap.system.os == "Linux"
+
+    @property
+    def windows(self) -> bool:
+        return self.snap.system.os == "Windows"
+
+    @property
+    def torch_version(self) -> str | None:
+        return (
+            self.snap.torch.version if self.snap.torch and self.snap.torch.version else self.snap.packages.get("torch")
+        )
+
+    @property
+    def capabilities(self) -> list[int]:
+        """Compute capabilities of the GPUs (90 for 9.0): the driver's list, else torch's."""
+        caps = [gpu.capability for gpu in self.gpus] or [
+            d.capability for d in (self.torch.devices if self.torch else [])
+        ]
+        return [10 * major + minor for major, minor in (cap for cap in caps if cap)]
+
+    @property
+    def max_cuda(self) -> Version | None:
+        """The newest CUDA the driver runs: what NVML says, else what Table 3 implies."""
+        reported = parse_version(self.snap.driver.cuda_version)
+        return reported[:2] if reported else driver_cuda(self.snap.driver.version, self.windows)
+
+    @property
+    def companions(self) -> list[str]:
+        return [name for name in ("torchvision", "torchaudio") if name in self.snap.packages]
+
+    def gpu_summary(self) -> str:
+        counts = Counter(gpu.name for gpu in self.gpus)
+        return ", ".join(f"{n}x {name}" if n > 1 else name for name, n in counts.items())
+
+    def channels(self) -> tuple[dict[str, list[int]], bool]:
+        """Return the wheel channels for this torch and whether they came from torch itself."""
+        own = self.snap.torch.release_channels if self.snap.torch else None
+        return (own, True) if own else (FALLBACK_CHANNELS, False)
+
+    def install(self, channel: str | None) -> str:
+        return install_torch(self.torch_version, channel, self.companions, self.channels()[1])
+
+    def wheel_fix(self) -> str:
+        """Return how to get a torch whose kernels run on every GPU and whose CUDA the driver runs."""
+        channels, _ = self.channels()
+        caps = self.capabilities
+        channel = best_channel(caps, self.max_cuda, channels)
+        if channel is not None:
+            return self.install(channel)
+        newest = best_channel(caps, None, channels)
+        if newest is None:
+            archs = " ".join(f"sm_{cc}" for cc in sorted(set(caps)))
+            return f"no official torch wheel has kernels for {archs}: pick a release that does at https://pytorch.org/get-started/locally/"
+        need = min_driver(parse_version(newest) or (), self.windows)
+        return f"upgrade the NVIDIA driver to {need} or newer ({DRIVER_DOWNLOAD}), then {self.install(newest)}"
+
+    def child_failure(self) -> str:
+        """Describe how the child process that touched CUDA failed: a hang, a crash, or never starting."""
+        run = self.snap.child
+        if run is None:
+            return "did not run: " + self.snap.probe_errors.get("child", "unknown reason")
+        where = f" in stage {run.unfinished_stage!r}" if run.unfinished_stage else ""
+        if run.timed_out:
+            return f"hung for {run.timeout_s:.0f} s{where} and was killed"
+        if run.exit_code is not None and run.exit_code < 0:
+            return f"was killed by {_signal_name(-run.exit_code)}{where}"
+        tail = run.stderr_tail.strip().splitlines()
+        return f"exited with code {run.exit_code}{where}" + (f": {tail[-1]}" if tail else "")
+
+    def child_fix(self) -> str:
+        run = self.snap.child
+        return HANG_FIX if run is not None and run.timed_out else CRASH_FIX
+
+    def cuda_library_dirs(self) -> list[str]:
+        """Return the LD_LIBRARY_PATH entries holding CUDA libraries (all of them if none is known to)."""
+        entries = self.snap.library_path
+        return [e.path for e in entries if e.libs] or [e.path for e in entries]
+
+    def ld_path_without(self, drop: list[str]) -> str:
+        """Return the command that removes ``drop`` from LD_LIBRARY_PATH, keeping the other entries."""
+        keep = [entry.path for entry in self.snap.library_path if entry.path not in drop]
+        return f"export LD_LIBRARY_PATH={os.pathsep.join(keep)}" if keep else "unset LD_LIBRARY_PATH"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def first_line(text: str | None, limit: int = 240) -> str:
+    """Return the first non-empty line of an error message, shortened."""
+    line = next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def device_ranges(ids: list[str]) -> str:
+    """Shorten device ids: ["cuda:0", "cuda:1", "cuda:2"] -> "cuda:0-2"; anything else is listed."""
+    indices = [int(i.removeprefix("cuda:")) for i in ids if re.fullmatch(r"cuda:\d+", i)]
+    if len(ids) > 2 and len(indices) == len(ids) and indices == list(range(indices[0], indices[0] + len(ids))):
+        return f"cuda:{indices[0]}-{indices[-1]}"
+    return ", ".join(ids)
+
+
+def span(values: list[float]) -> str:
+    """Show figures of several devices as one value, or as their range when they differ by more than 1%."""
+    low, high = min(values), max(values)
+    return f"{high:.3g}" if high <= 1.01 * low else f"{low:.3g}-{high:.3g}"
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def mentions(text: str, *patterns: str) -> bool:
+    return any(re.search(pattern, text, re.IGNORECASE) for pattern in patterns)

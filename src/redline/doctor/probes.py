@@ -1,0 +1,211 @@
+"""Gather the facts of this machine into a Snapshot; no probe raises, none starts CUDA here.
+
+In this process: the OS, Python, environment, installed distributions (read from their metadata,
+never imported), /dev/shm, the CUDA libraries on LD_LIBRARY_PATH and in the wheel, and the driver
+through NVML. Everything that imports torch's CUDA side runs in a child process with a deadline
+(``redline.doctor.child``). A probe that raises leaves its facts at their defaults and records the
+error under ``probe_errors``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from redline.doctor import child as child_process
+from redline.doctor.driver import probe_driver
+from redline.doctor.snapshot import LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts
+
+# The environment variables the checks read; only those that are set are recorded.
+ENV_VARS = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "NCCL_IB_DISABLE",
+    "PYTORCH_ENABLE_MPS_FALLBACK",
+    "CUDA_LAUNCH_BLOCKING",
+)
+PACKAGES = ("torch", "torchvision", "torchaudio", "triton", "numpy", "nvidia-ml-py")
+# The CUDA libraries torch loads; a file of one of these on LD_LIBRARY_PATH can shadow the wheel's.
+CUDA_LIB = re.compile(
+    r"lib(cudart|cublas|cublasLt|cudnn\w*|nccl|nvJitLink|cusparse\w*|cufft|curand|cusolver|nvrtc|cupti)\.so(\.\d+)*"
+)
+
+T = TypeVar("T")
+
+
+def take_snapshot(
+    *,
+    quick: bool = False,
+    child_timeout_s: float = child_process.DEFAULT_TIMEOUT_S,
+    child_script: Path = child_process.CHILD_SCRIPT,
+) -> Snapshot:
+    """Probe this machine; ``quick`` skips the measurements. Never raises."""
+    from redline import __version__
+
+    snap = Snapshot(
+        redline_version=__version__,
+        taken_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        quick=quick,
+    )
+    errors = snap.probe_errors
+    try:
+        child: child_process.Child | None = child_process.Child(
+            quick=quick, timeout_s=child_timeout_s, script=child_script
+        )
+    except Exception as exc:  # the interpreter would not start, say: torch-build reports it
+        child, errors["child"] = None, f"{type(exc).__name__}: {exc}"
+    snap.system = _guard(errors, "system", probe_system, snap.system)
+    snap.python = _guard(errors, "python", lambda: probe_python(snap.system.os), snap.python)
+    snap.env = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
+    snap.packages = _guard(errors, "packages", probe_packages, {})
+    snap.shm = _guard(errors, "shm", probe_shm, None)
+    snap.library_path = _guard(errors, "library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
+    snap.wheel_libs = _guard(errors, "wheel_libs", wheel_library_dirs, [])
+    snap.driver = _guard(errors, "driver", lambda: probe_driver(snap.system.wsl), snap.driver)
+    if child is not None:
+        try:
+            child_process.apply_report(snap, *child.wait())
+        except Exception as exc:  # a doctor must report, not crash
+            errors["child"] = f"{type(exc).__name__}: {exc}"
+    return snap
+
+
+def _guard(errors: dict[str, str], name: str, probe: Callable[[], T], default: T) -> T:
+    try:
+        return probe()
+    except Exception as exc:  # the error is itself a fact
+        errors[name] = f"{type(exc).__name__}: {exc}"
+        return default
+
+
+def probe_system() -> SystemFacts:
+    system = platform.system()
+    return SystemFacts(
+        os=system,
+        release=platform.release(),
+        machine=platform.machine(),
+        mac_version=(platform.mac_ver()[0] or None) if system == "Darwin" else None,
+        wsl="microsoft" in _read("/proc/version").lower(),
+        container=container_kind(),
+        cpu_name=cpu_name(system),
+        logical_cpus=os.cpu_count() or 1,
+        usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+        cpu_quota=cgroup_cpu_quota(),
+    )
+
+
+def probe_python(system: str) -> PythonFacts:
+    return PythonFacts(
+        version=platform.python_version(),
+        implementation=platform.python_implementation(),
+        bits=struct.calcsize("P") * 8,
+        executable=sys.executable,
+        translated=system == "Darwin" and _command(["sysctl", "-n", "sysctl.proc_translated"]) == "1",
+    )
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _command(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def container_kind() -> str | None:
+    """Name the container runtime this process runs under, if any."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return "kubernetes"
+    if Path("/.dockerenv").exists():
+        return "docker"
+    if Path("/run/.containerenv").exists():
+        return "podman"
+    cgroup = _read("/proc/1/cgroup")
+    for marker, kind in (("kubepods", "kubernetes"), ("docker", "docker"), ("containerd", "containerd")):
+        if marker in cgroup:
+            return kind
+    return None
+
+
+def cpu_name(system: str) -> str:
+    if system == "Darwin":
+        return _command(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.processor()
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cgroup_cpu_quota() -> float | None:
+    """Return the cgroup CPU limit in cores (v2 cpu.max, else v1 cfs quota); None when unlimited."""
+    quota, _, period = _read("/sys/fs/cgroup/cpu.max").strip().partition(" ")
+    if not quota:
+        quota = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").strip()
+        period = _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us").strip()
+    try:
+        cores = int(quota) / int(period)
+    except ValueError:  # "max", or no cgroup files
+        return None
+    return round(cores, 2) if cores > 0 else None
+
+
+def probe_packages() -> dict[str, str]:
+    """Return the versions of torch, its companions and every nvidia-* distribution, from metadata."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in PACKAGES or name.startswith("nvidia-"):
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+def probe_shm(path: str = "/dev/shm") -> ShmFacts | None:
+    if not os.path.isdir(path):
+        return None
+    stat = os.statvfs(path)
+    return ShmFacts(path=path, total_bytes=stat.f_blocks * stat.f_frsize, free_bytes=stat.f_bavail * stat.f_frsize)
+
+
+def library_dirs(search_path: str) -> list[LibraryDir]:
+    """List each directory of a PATH-style string with the CUDA libraries in it."""
+    return [LibraryDir(path=entry, libs=cuda_libs(entry)) for entry in search_path.split(os.pathsep) if entry]
+
+
+def cuda_libs(directory: str) -> list[str]:
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(name for name in names if CUDA_LIB.fullmatch(name))
+
+
+def wheel_library_dirs() -> list[LibraryDir]:
+    """List the nvidia-* wheels' library directories that torch's RUNPATH points at (../../nvidia/*/lib)."""
+    spec = importlib.util.find_spec("torch")  # locates torch without importing it
+    if spec is None or spec.origin is None:
+        return []
+    nvidia = Path(spec.origin).parent.parent / "nvidia"
+    if not nvidia.is_dir():
+        return []
+    return [LibraryDir(path=str(lib), libs=cuda_libs(str(lib))) for lib in sorted(nvidia.glob("*/lib")) if lib.is_dir()]

@@ -1,0 +1,221 @@
+"""The GPU catalog: datasheet peaks, memory and power of each GPU, every row with its source.
+
+The rows live in ``catalog.toml`` next to this module, as data. ``find_gpu`` maps the name torch
+reports to a row; an unknown name gives ``None``, never a near match, because a wrong peak makes a
+confident, wrong MFU (a B300 read as an A100 showed 88% MFU where the truth was 12%:
+https://github.com/allenai/OLMo-core/pull/817).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from redline.errors import ConfigError, invalid
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 reads TOML through the tomli backport
+    import tomli as tomllib
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]  # the values of redline.plan.precision.Precision
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+# Which peak a training precision runs at (fp32 moves to the TF32 peak when TF32 is on).
+_PEAK_FIELDS: dict[str, str] = {
+    "fp32": "peak_tflops_fp32",
+    "tf32": "peak_tflops_tf32",
+    "bf16-mixed": "peak_tflops_bf16",
+    "fp16-mixed": "peak_tflops_fp16",
+}
+_OPTIONAL_NUMBERS = (
+    "tdp_w",
+    "peak_tflops_fp32",
+    "peak_tflops_tf32",
+    "peak_tflops_bf16",
+    "peak_tflops_fp16",
+    "peak_tflops_fp8",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One GPU SKU as its datasheet gives it; a peak the sources do not give is ``None``.
+
+    Peaks are dense TFLOP/s (no 2:4 sparsity); bf16 and fp16 are tensor-core rates with FP32
+    accumulate. ``match`` holds the names torch reports for the SKU, ``*`` standing for any text.
+    """
+
+    id: str
+    name: str
+    architecture: str
+    compute_capability: tuple[int, int]
+    match: tuple[str, ...]
+    mem_gib: float
+    mem_bw_gbs: float
+    source: str
+    tdp_w: float | None = None
+    peak_tflops_fp32: float | None = None
+    peak_tflops_tf32: float | None = None
+    peak_tflops_bf16: float | None = None
+    peak_tflops_fp16: float | None = None
+    peak_tflops_fp8: float | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("id", "name", "architecture"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise invalid(name, value, "a non-empty string")
+        if not isinstance(self.note, str):
+            raise invalid("note", self.note, "a string")
+        if not isinstance(self.source, str) or not self.source.startswith("https://"):
+            raise invalid("source", self.source, "an https:// URL of the vendor's datasheet")
+        cc = self.compute_capability
+        if not (isinstance(cc, tuple) and len(cc) == 2 and all(_is_int(v) and v >= 0 for v in cc)):
+            raise invalid("compute_capability", cc, "two non-negative integers, [major, minor] such as [9, 0]")
+        if not self.match or not all(isinstance(p, str) and p.strip() for p in self.match):
+            raise invalid("match", self.match, "a non-empty list of non-empty name patterns")
+        for name in ("mem_gib", "mem_bw_gbs"):
+            if not _is_positive(getattr(self, name)):
+                raise invalid(name, getattr(self, name), "a positive number")
+        for name in _OPTIONAL_NUMBERS:
+            value = getattr(self, name)
+            if value is not None and not _is_positive(value):
+                raise invalid(name, value, "a positive number, or the field left out when no source gives it")
+
+
+_FIELDS = {f.name for f in fields(GPUSpec)}
+_REQUIRED = {"id", "name", "architecture", "compute_capability", "match", "mem_gib", "mem_bw_gbs", "source"}
+
+
+def peak_tflops(spec: GPUSpec | None, precision: str, *, tf32: bool) -> float | None:
+    """Return the dense peak TFLOP/s that a run at ``precision`` can reach on ``spec``, or None if unknown.
+
+    ``tf32`` says whether fp32 matmuls run on TF32 tensor cores (the Plan's tf32 choice); it only
+    matters for ``precision="fp32"``.
+    """
+    if precision not in PRECISIONS:
+        raise invalid("precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}")
+    if spec is None:
+        return None
+    key = "tf32" if precision == "fp32" and tf32 else precision
+    value: float | None = getattr(spec, _PEAK_FIELDS[key])
+    return value
+
+
+def find_gpu(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec | None:
+    """Return the catalog row whose pattern matches ``name`` most specifically, or None.
+
+    A pattern matches the whole name, ignoring case and repeated spaces; the most specific is the one
+    with the most literal characters. An unknown name, or a tie between two rows, gives None.
+    """
+    wanted = _normalise(name)
+    best: list[tuple[int, GPUSpec]] = []
+    for spec in load_catalog() if catalog is None else catalog:
+        scores = [_specificity(p) for p in spec.match if _pattern(p).fullmatch(wanted)]
+        if scores:
+            best.append((max(scores), spec))
+    if not best:
+        return None
+    best.sort(key=lambda item: item[0], reverse=True)
+    if len(best) > 1 and best[0][0] == best[1][0]:
+        return None  # two rows fit equally well: refusing beats guessing
+    return best[0][1]
+
+
+def load_catalog(path: str | Path | None = None) -> tuple[GPUSpec, ...]:
+    """Return the rows of ``path``, or of the packaged catalog (read once, then cached).
+
+    A malformed row raises ConfigError naming the row and the field.
+    """
+    if path is None:
+        return _packaged_catalog()
+    where = Path(path)
+    return _parse(where.read_text(encoding="utf-8"), origin=str(where))
+
+
+@functools.cache
+def _packaged_catalog() -> tuple[GPUSpec, ...]:
+    text = resources.files("redline.hardware").joinpath("catalog.toml").read_text(encoding="utf-8")
+    return _parse(text, origin="redline/hardware/catalog.toml")
+
+
+def _parse(text: str, *, origin: str) -> tuple[GPUSpec, ...]:
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{origin} is not valid TOML: {exc}") from exc
+    rows = document.get("gpu")
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{origin} has no [[gpu]] rows\nhint: each SKU is a [[gpu]] table; see catalog.toml")
+    specs = tuple(_row(row, f"{origin}: [[gpu]] row {i + 1}") for i, row in enumerate(rows))
+    _check_unique(specs, origin)
+    return specs
+
+
+def _row(row: Any, where: str) -> GPUSpec:
+    if not isinstance(row, Mapping):
+        raise ConfigError(f"{where} is not a table")
+    label = f"{where} (id={row['id']!r})" if "id" in row else where
+    unknown = sorted(set(row) - _FIELDS)
+    if unknown:
+        raise ConfigError(f"{label}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_FIELDS))}")
+    missing = sorted(_REQUIRED - set(row))
+    if missing:
+        raise ConfigError(f"{label}: field {missing[0]!r} is missing; every row needs {', '.join(sorted(_REQUIRED))}")
+    values = dict(row)
+    for name in ("compute_capability", "match"):
+        if isinstance(values[name], list):
+            values[name] = tuple(values[name])
+    try:
+        return GPUSpec(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+
+
+def _check_unique(specs: tuple[GPUSpec, ...], origin: str) -> None:
+    ids: set[str] = set()
+    owners: dict[str, str] = {}
+    for spec in specs:
+        if spec.id in ids:
+            raise ConfigError(f"{origin}: id {spec.id!r} appears twice; each row needs its own id")
+        ids.add(spec.id)
+        for pattern in spec.match:
+            key = _normalise(pattern)
+            if key in owners and owners[key] != spec.id:
+                raise ConfigError(
+                    f"{origin}: match pattern {pattern!r} is in rows {owners[key]!r} and {spec.id!r}; "
+                    "a name must lead to one row"
+                )
+            owners[key] = spec.id
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+@functools.cache
+def _pattern(pattern: str) -> re.Pattern[str]:
+    parts = _normalise(pattern).split("*")
+    return re.compile(".*".join(re.escape(part) for part in parts))
+
+
+def _specificity(pattern: str) -> int:
+    return len(_normalise(pattern).replace("*", ""))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive(value: object) -> bool:
+    # bool is an int subclass: `tdp_w = true` is a typo, not 1 W.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

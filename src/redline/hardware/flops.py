@@ -1,0 +1,159 @@
+"""FLOPs of a training step, a measured matmul peak, and model FLOPs utilisation (MFU).
+
+``count_train_flops`` counts with ``torch.utils.flop_counter.FlopCounterMode`` on the meta device:
+the model's structure is copied with meta tensors in place of its weights, so counting a large model
+that lives on a GPU costs neither compute nor memory. FlopCounterMode counts matmuls, convolutions
+and attention (2 FLOPs per multiply-add); elementwise work, norms and softmax count as zero, as in
+the PaLM definition of MFU (https://arxiv.org/abs/2204.02311, appendix B).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
+
+from redline.errors import invalid
+
+log = logging.getLogger(__name__)
+
+
+def count_train_flops(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any) -> int | None:
+    """Return the FLOPs of one training step, forward and backward, on ``batch = (inputs, targets)``.
+
+    The count runs ``loss_fn(model(inputs), targets)`` and its backward on a meta copy of the model,
+    so the real model keeps its weights, gradients, mode and the global RNG state. Any failure (a
+    model that cannot run on meta tensors, say) returns None, which MFU shows as "n/a"; it never
+    raises. The optimizer step is not counted (elementwise), nor is activation recomputation.
+    """
+    try:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(f"batch is a {type(batch).__name__}, not an (inputs, targets) pair")
+        inputs, targets = batch
+        memo: dict[int, Any] = {}
+        clone = _meta_clone(_unwrap(model), memo)
+        loss_clone = _meta_clone(loss_fn, memo) if isinstance(loss_fn, nn.Module) else loss_fn
+        # Dropout on meta tensors draws nothing, but a model may draw from the CPU generator itself
+        # (torch.rand without a device); the count must not shift the run's random stream.
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), FlopCounterMode(display=False) as counter:
+            loss = loss_clone(clone(_to_meta(inputs)), _to_meta(targets))
+            if loss.requires_grad:
+                loss.backward()
+        return int(counter.get_total_flops())
+    except Exception as exc:  # a diagnostic must never stop training: the caller shows "n/a"
+        log.debug("counting FLOPs on the meta device failed: %s: %s", type(exc).__name__, exc)
+        return None
+
+
+def measure_matmul_tflops(
+    device: torch.device, dtype: torch.dtype, *, size: int | None = None, repeats: int = 20
+) -> float:
+    """Time ``repeats`` square matmuls of side ``size`` on ``device`` after a warm-up; return TFLOP/s.
+
+    The default size is 4096 on an accelerator and 256 on a CPU, where the whole call takes a few
+    tens of milliseconds. The operands come from a private generator, so the global RNG is untouched.
+    """
+    n = size if size is not None else (256 if device.type == "cpu" else 4096)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise invalid("size", size, "a positive integer, or None for the device's default")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise invalid("repeats", repeats, "a positive integer")
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(3):  # warm-up: kernel selection, clocks, caches
+        torch.mm(a, b, out=out)
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b, out=out)
+    _synchronize(device)
+    elapsed = time.perf_counter() - start
+    return 2 * n**3 * repeats / max(elapsed, 1e-9) / 1e12
+
+
+def mfu(flops_per_s: float, peak_tflops: float | None) -> float | None:
+    """Return model FLOPs utilisation, achieved FLOP/s over the peak (0.45 means 45%); None without a peak."""
+    if peak_tflops is None or peak_tflops <= 0:
+        return None
+    return flops_per_s / (peak_tflops * 1e12)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # Count the plain module under torch.compile's OptimizedModule and (Distributed)DataParallel:
+    # running those wrappers would compile for meta tensors or start gradient communication.
+    while True:
+        inner = (
+            getattr(model, "module", None) if isinstance(model, (nn.DataParallel, DistributedDataParallel)) else None
+        )
+        inner = inner if inner is not None else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _meta_clone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """Return a shallow copy of ``module``'s tree whose parameters and buffers are empty meta tensors.
+
+    Each module is copied, not deep-copied: attributes are shared, but what the count's forward
+    assigns (a cache, a counter) lands on the copy. Tied weights and shared modules stay tied.
+    """
+    if id(module) in memo:
+        clone: nn.Module = memo[id(module)]
+        return clone
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    state = clone.__dict__
+    state["_parameters"] = {k: None if p is None else _meta_parameter(p, memo) for k, p in module._parameters.items()}
+    state["_buffers"] = {k: None if b is None else _meta_tensor(b, memo) for k, b in module._buffers.items()}
+    state["_modules"] = {k: None if m is None else _meta_clone(m, memo) for k, m in module._modules.items()}
+    # An instance-level forward (torch.compile's wrapper, redline's compile_module) is bound to the
+    # real module and would run its real weights; the copy runs the class's own, eager forward.
+    forward = state.pop("forward", None)
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        state["forward"] = types.MethodType(forward.__func__, clone)
+    return clone
+
+
+def _meta_parameter(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+    if id(param) not in memo:
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    meta: nn.Parameter = memo[id(param)]
+    return meta
+
+
+def _meta_tensor(tensor: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+    if id(tensor) not in memo:
+        memo[id(tensor)] = torch.empty_like(tensor, device="meta")
+    meta: torch.Tensor = memo[id(tensor)]
+    return meta
+
+
+def _to_meta(obj: Any) -> Any:
+    """Return ``obj`` with every tensor, however nested in tuples, lists and dicts, as an empty meta tensor."""
+    if isinstance(obj, torch.Tensor):
+        meta = torch.empty_like(obj, device="meta")
+        return meta.requires_grad_() if obj.requires_grad else meta
+    if isinstance(obj, Mapping):
+        return {k: _to_meta(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_to_meta(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_meta(v) for v in obj)
+    return obj

@@ -1,0 +1,75 @@
+"""Callbacks: small hooks into the Trainer's loop, and early stopping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from redline.errors import invalid
+
+if TYPE_CHECKING:
+    from redline.train.trainer import Trainer
+
+
+class Callback:
+    """Override the hooks you need; each is called with the Trainer and plain values."""
+
+    def on_step(self, trainer: Trainer, step: int, loss: float) -> None:
+        """Called at every logging point with the latest step's loss (no extra device sync)."""
+
+    def on_evaluate(self, trainer: Trainer, step: int, metrics: dict[str, float | None]) -> None:
+        """Called after each evaluation."""
+
+    def on_checkpoint(self, trainer: Trainer, step: int, path: str) -> None:
+        """Called after a checkpoint is committed."""
+
+    def on_fit_end(self, trainer: Trainer, summary: Any) -> None:
+        """Called once fit() has its summary."""
+
+
+@dataclass(kw_only=True)
+class EarlyStopping:
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` evaluations.
+
+    ``mode`` "auto" minimises losses and maximises anything else (val_metric is accuracy-like).
+    """
+
+    monitor: Literal["val_loss", "val_metric"] = "val_loss"
+    patience: int = 3
+    min_delta: float = 0.0
+    mode: Literal["auto", "min", "max"] = "auto"
+    best: float | None = field(default=None, init=False)
+    bad_evals: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.monitor not in ("val_loss", "val_metric"):
+            raise invalid("early_stopping.monitor", self.monitor, "'val_loss' or 'val_metric'")
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise invalid("early_stopping.patience", self.patience, "a positive integer")
+        if self.mode not in ("auto", "min", "max"):
+            raise invalid("early_stopping.mode", self.mode, "'auto', 'min' or 'max'")
+        if self.min_delta < 0:
+            raise invalid("early_stopping.min_delta", self.min_delta, "a number >= 0")
+
+    @property
+    def minimise(self) -> bool:
+        return self.mode == "min" or (self.mode == "auto" and self.monitor.endswith("loss"))
+
+    def should_stop(self, metrics: dict[str, float | None]) -> bool:
+        """Record an evaluation; return True once patience has run out."""
+        value = metrics.get(self.monitor)
+        if value is None or math.isnan(value):
+            raise invalid("early_stopping.monitor", self.monitor, f"a metric the evaluation reports: {sorted(metrics)}")
+        sign = -1.0 if self.minimise else 1.0
+        if self.best is None or sign * (value - self.best) > self.min_delta:
+            self.best, self.bad_evals = value, 0
+        else:
+            self.bad_evals += 1
+        return self.bad_evals >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_evals = state["best"], int(state["bad_evals"])

@@ -1,0 +1,216 @@
+"""Checkpoints that survive a crash at any moment, and resume a run exactly.
+
+A checkpoint is a directory ``checkpoints/step-00000100/`` holding the model's weights as
+safetensors (the unwrapped model's names, tied weights once), the optimizer's state, the
+trainer's state (LR scheduler, grad scaler, RNG states, data position) and the Plan. It is written
+under a temporary name, every file fsynced, a manifest with each file's SHA-256 written last, and
+only then renamed into place: a directory without a valid manifest is not a checkpoint. Loading
+never unpickles arbitrary objects (safetensors, and torch.load with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from redline.errors import RedlineError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PREFIX = "step-"
+
+
+class CheckpointError(RedlineError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint directory and its manifest."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    plan: dict[str, Any],
+    keep: int,
+) -> Checkpoint:
+    """Write a checkpoint for ``step`` under ``root`` atomically; keep only the newest ``keep``."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    writers: dict[str, Callable[[Path], None]] = {
+        "model.safetensors": lambda path: save_model(model, str(path)),
+        "optimizer.pt": lambda path: torch.save(optimizer.state_dict(), path),
+        "trainer.pt": lambda path: torch.save(state, path),
+        "plan.json": lambda path: _write_json(path, plan),
+    }
+    files = {}
+    for name, write in writers.items():
+        write(tmp / name)
+        files[name] = {"sha256": _fsync_and_hash(tmp / name), "bytes": (tmp / name).stat().st_size}
+    manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    _fsync_and_hash(tmp / MANIFEST)
+    _fsync_dir(tmp)
+    _commit(tmp, final)
+    _fsync_dir(root)
+    for old in find_checkpoints(root)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return Checkpoint(final, step, manifest)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    # A rename is atomic; an older checkpoint of the same step (a resumed run) is moved aside first.
+    if final.exists():
+        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+        final.rename(aside)
+        tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
+def _fsync_and_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb+") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+        os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def find_checkpoints(root: Path) -> list[Checkpoint]:
+    """Return the committed checkpoints under ``root`` (readable manifest), oldest first."""
+    found: list[Checkpoint] = []
+    if not root.is_dir():
+        return found
+    for path in root.glob(f"{PREFIX}*"):
+        try:
+            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+            found.append(Checkpoint(path, int(manifest["step"]), manifest))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no manifest: the write never finished
+    return sorted(found, key=lambda c: c.step)
+
+
+def verify(checkpoint: Checkpoint) -> None:
+    """Check every file of ``checkpoint`` against its manifest; raise CheckpointError if one differs."""
+    if checkpoint.manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{checkpoint.path}: format {checkpoint.manifest.get('format')!r}, expected 1")
+    for name, entry in checkpoint.manifest["files"].items():
+        path = checkpoint.path / name
+        if not path.is_file():
+            raise CheckpointError(f"{checkpoint.path}: {name} is missing")
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{checkpoint.path}: {name} does not match its checksum (corrupt)")
+
+
+def open_checkpoint(where: str | Path, root: Path, warn: Callable[[str], None]) -> Checkpoint | None:
+    """Return the checkpoint to resume from: ``"auto"`` picks the newest that verifies, else a path.
+
+    A corrupt checkpoint met on the way is reported through ``warn`` and skipped for an older one.
+    """
+    if str(where) != "auto":
+        path = Path(where)
+        candidates = [c for c in find_checkpoints(path.parent) if c.path.resolve() == path.resolve()]
+        if not candidates:
+            raise CheckpointError(
+                f"--resume {str(where)!r}: not a checkpoint directory with a manifest\n"
+                f"hint: checkpoints live in OUT/checkpoints/step-NNNNNNNN; or pass --resume auto"
+            )
+        verify(candidates[0])
+        return candidates[0]
+    for checkpoint in reversed(find_checkpoints(root)):
+        try:
+            verify(checkpoint)
+        except CheckpointError as exc:
+            warn(f"skipping a corrupt checkpoint: {exc}")
+            continue
+        return checkpoint
+    return None
+
+
+def load_weights(checkpoint: Checkpoint, model: nn.Module) -> None:
+    """Load the checkpoint's weights into ``model`` (on whatever device it is)."""
+    load_model(model, str(checkpoint.path / "model.safetensors"), strict=True, device=_device_of(model))
+
+
+def load_tensors(checkpoint: Checkpoint, name: str, device: torch.device) -> Any:
+    """Load ``optimizer.pt`` or ``trainer.pt`` without unpickling arbitrary objects."""
+    return torch.load(checkpoint.path / name, map_location=device, weights_only=True)
+
+
+def load_plan(checkpoint: Checkpoint) -> dict[str, Any]:
+    """Return the Plan the checkpoint was written under, as ``{axis: {"value", "reason"}}``."""
+    return dict(json.loads((checkpoint.path / "plan.json").read_text(encoding="utf-8")))
+
+
+def _device_of(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return str(param.device) if param is not None else "cpu"
+
+
+def capture_rng() -> dict[str, Any]:
+    """Return every RNG state a run draws from, in types that load with weights_only=True."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "cached": cached},
+        "torch": torch.get_rng_state(),
+    }  # fmt: skip
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the RNG states ``capture_rng`` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached"])))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,0 +1,35 @@
+"""Evaluating a model on a Task's validation data."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from redline.runtime.runtime import Runtime
+from redline.task import Task
+from redline.train.data import eval_loader
+
+
+@torch.no_grad()
+def evaluate_model(task: Task, model: nn.Module, rt: Runtime, batch_size: int) -> dict[str, float | None]:
+    """Return the mean validation loss and metric, weighting each batch by its size."""
+    assert task.val_data is not None
+    was_training = model.training
+    model.eval()
+    total_loss, total_metric, count = 0.0, 0.0, 0
+    for batch in eval_loader(task.val_data, batch_size=batch_size):
+        inputs, targets = rt.to_device(batch)
+        with rt.autocast():
+            outputs = model(inputs)
+            loss = task.loss_fn(outputs, targets)
+        n = len(targets)
+        total_loss += loss.item() * n
+        if task.metric is not None:
+            total_metric += float(task.metric(outputs, targets)) * n
+        count += n
+    model.train(was_training)
+    if count == 0:
+        return {"val_loss": math.nan, "val_metric": None}
+    return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}

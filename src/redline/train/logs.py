@@ -1,0 +1,283 @@
+"""Training metrics as CSV, JSONL and TensorBoard: appended and flushed per call, cut back to the checkpoint on resume.
+
+A resumed run drops the rows the interrupted run wrote after its last checkpoint, so each log reads as one
+unbroken run. Rows arrive in batches (one row per optimizer step, every ``log_every`` steps), so logging never
+forces a device sync per step; only the process that owns the run (rank 0) should open loggers.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
+
+from redline.errors import ConfigError, invalid
+from redline.train.output import write_atomic
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+LoggerName = Literal["csv", "jsonl", "tensorboard"]
+LOGGER_NAMES: tuple[str, ...] = get_args(LoggerName)
+TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
+EVAL_COLUMNS = ("step", "val_loss", "val_metric")
+
+Value = float | int | str | None
+Row = Mapping[str, Value]
+T = TypeVar("T")
+
+
+class _FileLog(Protocol):
+    def write(self, rows: Sequence[Row]) -> None: ...
+    def close(self) -> None: ...
+
+
+class Loggers:
+    """The run's open logs; build it with `open_loggers`, close it (or use ``with``) when the run ends."""
+
+    def __init__(self, train: list[_FileLog], evals: list[_FileLog], tensorboard: SummaryWriter | None) -> None:
+        self._train = train
+        self._evals = evals
+        self._tensorboard = tensorboard
+        self._closed = False
+
+    def log(self, rows: Sequence[Row]) -> None:
+        """Append one row per optimizer step; each row needs an int "step". On disk when this returns."""
+        self._check_open()
+        for row in rows:
+            _check_step(row.get("step"))
+        if not rows:
+            return
+        for log in self._train:
+            log.write(rows)
+        if self._tensorboard is not None:
+            for row in rows:
+                self._add_scalars(row, prefix="", strip="")
+            self._tensorboard.flush()
+
+    def log_eval(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        """Append the evaluation at ``step``; TensorBoard shows ``val_loss`` as ``val/loss``."""
+        self._check_open()
+        _check_step(step)
+        row: dict[str, Value] = {"step": step, **metrics}
+        for log in self._evals:
+            log.write([row])
+        if self._tensorboard is not None:
+            self._add_scalars(row, prefix="val/", strip="val_")
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        """Close every file; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for log in self._train + self._evals:
+            log.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def __enter__(self) -> Loggers:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _add_scalars(self, row: Row, *, prefix: str, strip: str) -> None:
+        assert self._tensorboard is not None
+        step = row["step"]
+        for key, value in row.items():
+            # bool is an int, but a flag is not a curve; strings and None have no scalar to plot
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tensorboard.add_scalar(prefix + key.removeprefix(strip), value, step)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("these Loggers are closed; open new ones with open_loggers()")
+
+
+def open_loggers(
+    names: Sequence[str],
+    out_dir: Path,
+    *,
+    columns: Sequence[str] = TRAIN_COLUMNS,
+    eval_columns: Sequence[str] = EVAL_COLUMNS,
+    resume_step: int | None = None,
+) -> Loggers:
+    """Open the named logs in ``out_dir``: metrics.csv/.jsonl, eval.csv/.jsonl, tensorboard/.
+
+    Without ``resume_step`` old files are replaced (a new run). With it, rows past ``resume_step`` are dropped
+    from each file, atomically, before anything is appended. ``columns`` fix the CSV header; JSONL keeps every key.
+    """
+    chosen = _check_names(names)
+    for name, value in (("columns", columns), ("eval_columns", eval_columns)):
+        if "step" not in value:
+            raise invalid(name, tuple(value), "column names that include 'step'")
+    if resume_step is not None:
+        _check_step(resume_step, name="resume_step")
+    # Import before touching any file, so a missing package leaves the old run's logs as they were.
+    writer_class = _summary_writer_class() if "tensorboard" in chosen else None
+    if chosen:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    train: list[_FileLog] = []
+    evals: list[_FileLog] = []
+    if "csv" in chosen:
+        train.append(_CsvLog(out_dir / "metrics.csv", tuple(columns), resume_step))
+        evals.append(_CsvLog(out_dir / "eval.csv", tuple(eval_columns), resume_step))
+    if "jsonl" in chosen:
+        train.append(_JsonlLog(out_dir / "metrics.jsonl", resume_step))
+        evals.append(_JsonlLog(out_dir / "eval.jsonl", resume_step))
+    tensorboard = None
+    if writer_class is not None:
+        tensorboard = _open_tensorboard(writer_class, out_dir / "tensorboard", resume_step)
+    return Loggers(train, evals, tensorboard)
+
+
+class _CsvLog:
+    """A CSV file whose columns are fixed when it is created; keys outside them are ignored, missing ones empty."""
+
+    def __init__(self, path: Path, columns: tuple[str, ...], resume_step: int | None) -> None:
+        self.path = path
+        self.columns = columns
+        _restart(path, resume_step, self._cut)
+        self._file: io.TextIOWrapper | None = None
+        self._writer: csv.DictWriter[str] | None = None
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self._writer is None or self._file is None:
+            is_new = not self.path.exists() or self.path.stat().st_size == 0
+            self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+            self._writer = self._dict_writer(self._file)
+            if is_new:
+                self._writer.writeheader()
+        self._writer.writerows(rows)  # floats as repr(): full precision
+        # flush, not fsync: a killed process keeps what reached the OS, and an fsync per call would stall the loop
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def _dict_writer(self, file: io.TextIOBase) -> csv.DictWriter[str]:
+        return csv.DictWriter(file, self.columns, restval="", extrasaction="ignore", lineterminator="\n")
+
+    def _cut(self, text: str, resume_step: int) -> str:
+        reader = csv.DictReader(io.StringIO(text))
+        if reader.fieldnames is not None and "step" not in reader.fieldnames:
+            raise _cannot_resume(self.path, f"its header {reader.fieldnames} has no 'step' column")
+        kept = _rows_up_to(list(reader), resume_step, self.path, lambda row: int(row["step"]))
+        out = io.StringIO()
+        writer = self._dict_writer(out)  # the current columns, matched by name: the header may have changed
+        writer.writeheader()
+        writer.writerows(kept)
+        return out.getvalue()
+
+
+class _JsonlLog:
+    """A JSON Lines file: one object per row, every key kept, missing keys simply absent."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        _restart(path, resume_step, self._cut)
+        self._file: io.TextIOWrapper | None = None
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+        # json writes floats as repr(), and NaN/Infinity as Python's json reads them: a diverged loss stays visible
+        self._file.write("".join(json.dumps(dict(row)) + "\n" for row in rows))
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def _cut(self, text: str, resume_step: int) -> str:
+        lines = [line + "\n" for line in text.split("\n")[:-1]]
+        return "".join(_rows_up_to(lines, resume_step, self.path, _json_step))
+
+
+def _restart(path: Path, resume_step: int | None, cut: Callable[[str, int], str]) -> None:
+    """Remove ``path`` for a new run; for a resumed one, rewrite it atomically as ``cut`` returns it."""
+    if resume_step is None:
+        path.unlink(missing_ok=True)
+        return
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    # Each row ends in a newline, so bytes after the last one are a row the killed run was writing.
+    complete = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
+    text = cut(complete, resume_step)
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8", newline="")
+
+    write_atomic(path, write)
+
+
+def _rows_up_to(items: list[T], resume_step: int, path: Path, step_of: Callable[[T], int]) -> list[T]:
+    """Keep the items whose step is <= ``resume_step``, in order; an unreadable last item is skipped."""
+    kept = []
+    for index, item in enumerate(items):
+        try:
+            step = step_of(item)
+        except (KeyError, TypeError, ValueError) as exc:
+            if index == len(items) - 1:
+                break  # a final row the interrupted run left unreadable
+            raise _cannot_resume(path, f"row {index + 1} has no readable step ({exc})") from exc
+        if step <= resume_step:
+            kept.append(item)
+    return kept
+
+
+def _json_step(line: str) -> int:
+    row = json.loads(line)
+    step = row["step"]
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"step={step!r} is not an int")
+    return step
+
+
+def _cannot_resume(path: Path, why: str) -> ConfigError:
+    return ConfigError(
+        f"{path} cannot be cut back for the resumed run: {why}\n"
+        f"hint: fix or delete {path.name}, or start a new run in another out_dir"
+    )
+
+
+def _check_names(names: Sequence[str]) -> list[str]:
+    for name in names:
+        if name not in LOGGER_NAMES:
+            raise invalid("logger", name, "one of " + ", ".join(repr(n) for n in LOGGER_NAMES))
+    return list(dict.fromkeys(names))
+
+
+def _check_step(step: object, name: str = "step") -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise invalid(name, step, "a non-negative int (the optimizer step)")
+
+
+def _summary_writer_class() -> type[SummaryWriter]:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ConfigError(
+            f"logger='tensorboard' needs the tensorboard package, which is not importable ({exc})\n"
+            "hint: pip install tensorboard, or log to csv/jsonl"
+        ) from exc
+    return SummaryWriter
+
+
+def _open_tensorboard(writer_class: type[SummaryWriter], log_dir: Path, resume_step: int | None) -> SummaryWriter:
+    if resume_step is None:
+        # A new run: TensorBoard would draw the old run's event files as part of this one.
+        for old in log_dir.glob("events.out.tfevents.*"):
+            old.unlink()
+        return writer_class(log_dir=str(log_dir))
+    # purge_step hides the events the interrupted run wrote at or after it (torch SummaryWriter docs).
+    return writer_class(log_dir=str(log_dir), purge_step=resume_step + 1)

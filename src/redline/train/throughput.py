@@ -1,0 +1,106 @@
+"""Throughput and MFU of a training run, measured without a device sync per step."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.hardware.catalog import find_gpu, peak_tflops
+from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
+from redline.runtime.runtime import Runtime
+from redline.task import Task
+
+_MATMUL_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
+
+
+def is_tokens(targets: Any) -> bool:
+    """Whether targets are token ids (an integer tensor with a sequence axis), so tokens/s applies."""
+    return isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point()
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A run's throughput after its first step, and its model FLOPs utilisation."""
+
+    samples_per_s: float
+    tokens_per_s: float | None
+    flops_per_step: int | None
+    mfu: float | None  # achieved FLOP/s over the datasheet's dense peak; None on a CPU or unknown GPU
+    peak_tflops: float | None
+    measured_peak_ratio: float | None  # achieved FLOP/s over a matmul measured on this device
+
+
+class Throughput:
+    """Count FLOPs once, time the run from after its first step, and report per window and in total."""
+
+    def __init__(self, rt: Runtime, task: Task, samples_per_step: int) -> None:
+        self.rt = rt
+        self.task = task
+        self.samples_per_step = samples_per_step
+        self.flops_per_step: int | None = None
+        self.start: float | None = None
+        self.steps = self.samples = self.tokens = 0
+
+    def first_step_done(self, step: int, inputs: Any, targets: Any, model: nn.Module) -> None:
+        """Mark the end of the warm-up step and count one step's FLOPs; later calls only count."""
+        if self.start is not None:
+            self.steps += 1
+            self.samples += len(targets)
+            self.tokens += targets.numel() if is_tokens(targets) else 0
+            return
+        flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
+        self.flops_per_step = flops * self.rt.grad_accum if flops is not None else None
+        self._sync()
+        self.start = time.perf_counter()
+
+    def window(self, elapsed_s: float, steps: int, samples: int, tokens: int) -> dict[str, float | None]:
+        """Return the logged figures of a window of ``steps`` steps that took ``elapsed_s``."""
+        return {
+            "samples_per_s": samples / elapsed_s if elapsed_s > 0 else None,
+            "tokens_per_s": tokens / elapsed_s if tokens and elapsed_s > 0 else None,
+            "step_time_ms": 1e3 * elapsed_s / steps if steps else None,
+            "mem_gib": self.memory_gib(),
+        }
+
+    def memory_gib(self) -> float:
+        """Peak memory: allocated on the GPU, or the process's resident set on a CPU."""
+        if self.rt.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.rt.device) / 2**30
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+    def totals(self) -> Figures:
+        """Return the run's figures from after its first step (syncs once)."""
+        self._sync()
+        elapsed = time.perf_counter() - self.start if self.start is not None else 0.0
+        if not self.steps or elapsed <= 0:
+            return Figures(float("nan"), None, self.flops_per_step, None, None, None)
+        achieved = self.flops_per_step * self.steps / elapsed if self.flops_per_step else None
+        plan = self.rt.explain()
+        spec = find_gpu(self.rt.facts.name) if self.rt.device.type == "cuda" else None
+        peak = peak_tflops(spec, self.rt.precision, tf32=plan.tf32.value) if spec else None
+        measured = None
+        if achieved is not None:
+            dtype = _MATMUL_DTYPES.get(self.rt.precision, torch.float32)
+            try:
+                measured = achieved / (measure_matmul_tflops(self.rt.device, dtype) * 1e12)
+            except torch.OutOfMemoryError:  # the run may have left the GPU full; the ratio is optional
+                measured = None
+        return Figures(
+            samples_per_s=self.samples / elapsed,
+            tokens_per_s=self.tokens / elapsed if self.tokens else None,
+            flops_per_step=self.flops_per_step,
+            mfu=mfu(achieved, peak) if achieved is not None else None,
+            peak_tflops=peak,
+            measured_peak_ratio=measured,
+        )
+
+    def _sync(self) -> None:
+        if self.rt.device.type == "cuda":
+            torch.cuda.synchronize(self.rt.device)

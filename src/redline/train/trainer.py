@@ -1,0 +1,454 @@
+"""Trainer: the training loop written for you, done right, and read top to bottom in ``fit()``.
+
+    trainer = redline.Trainer(task, max_steps=1000, out_dir="runs/digits", checkpoint_every=100)
+    summary = trainer.fit()          # resumable: Trainer(..., resume="auto").fit() continues it
+
+Every step runs through the Runtime (device, precision, compile, loading). Losses stay on the
+device and are read every ``log_every`` steps, never per step. Checkpoints are atomic and resume
+bitwise-exactly on CPU (same thread count, deterministic dataset). SIGTERM or SIGINT finishes the
+current step, writes a checkpoint and returns.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.errors import ConfigError, RedlineError, invalid
+from redline.runtime.loading import DeviceLoader
+from redline.runtime.runtime import Runtime, RuntimeOptions
+from redline.task import Task
+from redline.train import checkpoint as ckpt
+from redline.train.callbacks import Callback, EarlyStopping
+from redline.train.data import EpochSampler, batches_per_epoch, eval_loader, train_loader
+from redline.train.evaluation import evaluate_model
+from redline.train.logs import Loggers, open_loggers
+from redline.train.output import prepare_out_dir, save_weights, write_json
+from redline.train.progress import Progress
+from redline.train.signals import StopOnSignal
+from redline.train.summary import TrainSummary
+from redline.train.throughput import Throughput, is_tokens
+
+LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
+LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
+
+
+class TrainingError(RedlineError):
+    """Training cannot go on: a non-finite loss, or a batch the model cannot take."""
+
+
+@dataclass
+class _Position:
+    """Where the run stands; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    samples: int = 0
+
+
+@dataclass
+class _Window:
+    """Per-step values gathered on the device between two logging points."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Run:
+    """Everything one fit() works with: built once in ``_start``, updated by the loop."""
+
+    rt: Runtime
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: EpochSampler
+    batches: DeviceLoader
+    pos: _Position
+    total: float
+    loggers: Loggers
+    progress: Progress
+    meter: Throughput
+    resumed: ckpt.Checkpoint | None
+    last_ckpt: ckpt.Checkpoint | None
+    start: float = field(default_factory=time.perf_counter)
+    window: _Window = field(default_factory=_Window)
+    micro_loss: torch.Tensor | None = None
+    losses: list[float] = field(default_factory=list)
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    stopped: str = ""
+
+
+class Trainer:
+    """Train a Task with checkpoints, exact resume, logs, progress, throughput and MFU."""
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        runtime: RuntimeOptions | None = None,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        batch_size: int | None = None,
+        eval_every: int | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        out_dir: str | Path | None = None,
+        loggers: Sequence[str] = ("csv", "jsonl"),
+        log_every: int = 50,
+        progress: bool = True,
+        early_stopping: EarlyStopping | None = None,
+        callbacks: Sequence[Callback] = (),
+        resume: str | Path | None = None,
+        deterministic: bool = False,
+    ) -> None:
+        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("batch_size", batch_size),
+                            ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):  # fmt: skip
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise invalid(name, value, "a positive integer or None")
+        for name, value in (("keep_checkpoints", keep_checkpoints), ("log_every", log_every)):
+            if not isinstance(value, int) or value < 1:
+                raise invalid(name, value, "a positive integer")
+        if resume is not None and out_dir is None and str(resume) == "auto":
+            raise ConfigError("resume='auto' needs out_dir: it looks for OUT/checkpoints\nhint: pass --out DIR")
+        self.task = task
+        self.options = runtime or RuntimeOptions()
+        self.max_steps, self.max_epochs = max_steps, max_epochs or task.epochs
+        self.batch_size = batch_size or task.batch_size
+        self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
+        self.keep_checkpoints, self.log_every = keep_checkpoints, log_every
+        self.out_dir = prepare_out_dir(out_dir) if out_dir is not None else None
+        self.logger_names, self.show_progress = tuple(loggers), progress
+        self.early_stopping, self.callbacks = early_stopping, list(callbacks)
+        self.resume, self.deterministic = resume, deterministic
+        self.seed = self.options.seed if self.options.seed is not None else 0
+        self._signals = StopOnSignal()
+        self._batches_per_epoch = 1
+        self._evaluated_at: int | None = None
+        self.rt: Runtime | None = None
+        self.model: nn.Module | None = None
+
+    # -- fit: the loop ---------------------------------------------------------------------------
+
+    def fit(self) -> TrainSummary:
+        """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
+        run = self._start()
+        with self._signals, run.loggers:
+            while not run.stopped and run.pos.epoch < self.max_epochs:
+                run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
+                for inputs, targets in run.batches:
+                    if self._train_step(run, inputs, targets):
+                        run.stopped = self._after_step(run)
+                        if run.stopped:
+                            break
+                else:
+                    run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
+                    run.stopped = self._after_epoch(run)
+            self._finish(run)
+        run.progress.close()
+        summary = self._summary(run)
+        if self.out_dir:
+            save_weights(self.out_dir / "model.safetensors", run.model)
+            write_json(self.out_dir / "summary.json", summary.to_dict())
+        for callback in self.callbacks:
+            callback.on_fit_end(self, summary)
+        return summary
+
+    def _train_step(self, run: _Run, inputs: Any, targets: Any) -> bool:
+        """Run one micro-batch; return whether it completed an optimizer step."""
+        loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
+        run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
+        run.pos.batches_in_epoch += 1
+        run.pos.samples += len(targets)
+        run.window.samples += len(targets)
+        run.window.tokens += targets.numel() if is_tokens(targets) else 0
+        if not run.rt.step(run.optimizer):
+            return False
+        if run.scheduler is not None:
+            run.scheduler.step()
+        run.pos.step += 1
+        run.window.losses.append(run.micro_loss / self.options.grad_accum)  # the step's mean loss
+        run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
+        run.micro_loss = None
+        run.meter.first_step_done(run.pos.step, inputs, targets, run.model)
+        return True
+
+    def _after_step(self, run: _Run) -> str:
+        """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
+        step = run.pos.step
+        stopped = self._stop_reason(step, run.total)
+        due_ckpt = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+        if step % self.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
+            self._flush(run)
+        eval_due = self.eval_every and step % self.eval_every == 0 and self.task.val_data is not None
+        if eval_due and self._evaluate(run):
+            stopped = stopped or "early stopping"
+        if self.out_dir and (due_ckpt or stopped):
+            run.last_ckpt = self._checkpoint(run)
+        return stopped
+
+    def _after_epoch(self, run: _Run) -> str:
+        """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
+        if not self.eval_every and self.task.val_data is not None and self._evaluate(run):
+            return "early stopping"
+        return ""
+
+    def _finish(self, run: _Run) -> None:
+        """Log the last steps, write the final checkpoint, and evaluate the final model."""
+        if run.window.losses:
+            self._flush(run)
+        if self.out_dir and (run.last_ckpt is None or run.last_ckpt.step != run.pos.step):
+            run.last_ckpt = self._checkpoint(run)
+        if self.task.val_data is not None and self._evaluated_at != run.pos.step:
+            self._evaluate(run)
+        run.stopped = run.stopped or "epochs"
+
+    def _forward_backward(
+        self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: _Position
+    ) -> torch.Tensor:
+        try:
+            with rt.autocast():
+                loss = self.task.loss_fn(model(inputs), targets)
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            raise TrainingError(
+                f"step {pos.step + 1}: the model or loss failed on a batch with inputs {_shapes(inputs)} and "
+                f"targets {_shapes(targets)}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
+                "hint: check that the dataset's items are (inputs, targets) shaped as the model expects"
+            ) from exc
+        rt.backward(loss)
+        return loss
+
+    def _stop_reason(self, step: int, total: float) -> str:
+        if self._signals.received is not None:
+            return f"signal {signal.Signals(self._signals.received).name}"
+        if self.max_steps is not None and step >= self.max_steps:
+            return "max_steps"
+        return "epochs" if step >= total else ""
+
+    # -- setup and resume -----------------------------------------------------------------------
+
+    def _start(self) -> _Run:
+        loader, sampler = train_loader(self.task.train_data, batch_size=self.batch_size, seed=self.seed)
+        self._batches_per_epoch = batches_per_epoch(len(sampler), self.batch_size)
+        per_epoch = self._batches_per_epoch // self.options.grad_accum or 1
+        total = min(self.max_epochs * per_epoch, self.max_steps or math.inf)
+        rt, model, optimizer, scheduler, pos, resumed = self._setup(planned_steps=int(total))
+        model.train()
+        return _Run(
+            rt=rt,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=sampler,
+            batches=rt.setup_loader(loader),
+            pos=pos,
+            total=total,
+            loggers=self._loggers(pos.step if resumed else None),
+            progress=Progress(int(total), enabled=self.show_progress, start_step=pos.step),
+            meter=Throughput(rt, self.task, self.batch_size * self.options.grad_accum),
+            resumed=resumed,
+            last_ckpt=resumed,
+        )
+
+    def _setup(self, planned_steps: int) -> tuple[Runtime, nn.Module, Any, Any, _Position, ckpt.Checkpoint | None]:
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=False)
+        found = self._find_resume()
+        options = self.options
+        if found is not None:  # the resumed run reuses the Plan it was written under
+            options = RuntimeOptions.from_plan(ckpt.load_plan(found), seed=self.options.seed)
+            options = _available_device(options)
+        rt = options.runtime(planned_steps=planned_steps)
+        try:
+            built = self.task.build_model()
+        except RedlineError:
+            raise
+        except Exception as exc:
+            raise TrainingError(f"task {self.task.name!r}: building the model raised {exc!r}") from exc
+        model, optimizer = rt.setup(built, self.task.optimizer)
+        scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
+        pos = _Position()
+        if found is not None:
+            ckpt.load_weights(found, model)
+            optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
+            state = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
+            pos = _Position(**state["position"])
+            if scheduler is not None and state.get("scheduler") is not None:
+                scheduler.load_state_dict(state["scheduler"])
+            if rt.scaler is not None and state.get("scaler"):
+                rt.scaler.load_state_dict(state["scaler"])
+            if self.early_stopping is not None and state.get("early_stopping"):
+                self.early_stopping.load_state_dict(state["early_stopping"])
+            ckpt.restore_rng(state["rng"])
+            rt.adopt_reasons(ckpt.load_plan(found), note=f"from checkpoint step {found.step}")
+        self.rt, self.model = rt, model
+        return rt, model, optimizer, scheduler, pos, found
+
+    def _find_resume(self) -> ckpt.Checkpoint | None:
+        if self.resume is None:
+            return None
+        root = self.out_dir / "checkpoints" if self.out_dir else Path(".")
+        found = ckpt.open_checkpoint(self.resume, root, warn=lambda text: print(text, file=sys.stderr))
+        if found is None:
+            print(f"no checkpoint under {root}; starting from scratch", file=sys.stderr)
+        return found
+
+    def _checkpoint(self, run: _Run) -> ckpt.Checkpoint:
+        assert self.out_dir is not None
+        rt, pos, scheduler = run.rt, run.pos, run.scheduler
+        state = {
+            "position": vars(pos).copy(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
+            "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+            "rng": ckpt.capture_rng(),
+        }
+        written = ckpt.save_checkpoint(
+            self.out_dir / "checkpoints",
+            pos.step,
+            model=run.model,
+            optimizer=run.optimizer,
+            state=state,
+            plan=rt.explain().to_dict(),
+            keep=self.keep_checkpoints,
+        )
+        for callback in self.callbacks:
+            callback.on_checkpoint(self, pos.step, str(written.path))
+        return written
+
+    # -- logging, evaluation, summary ------------------------------------------------------------
+
+    def _loggers(self, resume_step: int | None) -> Loggers:
+        if self.out_dir is None:
+            return open_loggers((), Path("."), columns=LOG_COLUMNS)
+        return open_loggers(self.logger_names, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
+
+    def _flush(self, run: _Run) -> None:
+        """Read the window's losses (one device sync), check them, and log a row per step."""
+        window, pos = run.window, run.pos
+        losses = torch.stack(window.losses).float().tolist()
+        elapsed = time.perf_counter() - window.start
+        first = pos.step - len(losses) + 1
+        for offset, value in enumerate(losses):
+            if not math.isfinite(value):
+                last = run.last_ckpt
+                where = f"the last good checkpoint is {last.path}" if last else "no checkpoint was written yet"
+                raise TrainingError(
+                    f"step {first + offset}: the loss is {value}; training stopped ({where})\n"
+                    "hint: lower the learning rate, clip gradients (--clip-grad-norm 1.0), or use bf16-mixed "
+                    "instead of fp16-mixed"
+                )
+        rates = run.meter.window(elapsed, len(losses), window.samples, window.tokens)
+        rows = [
+            {"step": first + i, "epoch": pos.epoch, "loss": value, "lr": window.lrs[i], **rates}
+            for i, value in enumerate(losses)
+        ]
+        run.loggers.log(rows)
+        run.progress.update(pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1)
+        for callback in self.callbacks:
+            callback.on_step(self, pos.step, losses[-1])
+        run.losses += losses
+        run.window = _Window()
+
+    def _evaluate(self, run: _Run) -> bool:
+        """Evaluate, log and tell callbacks; return whether early stopping says stop."""
+        run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size)
+        self._evaluated_at = run.pos.step
+        run.loggers.log_eval(run.pos.step, run.metrics)
+        for callback in self.callbacks:
+            callback.on_evaluate(self, run.pos.step, run.metrics)
+        return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
+
+    def _summary(self, run: _Run) -> TrainSummary:
+        rt, model, pos, metrics = run.rt, run.model, run.pos, run.metrics
+        seconds = time.perf_counter() - run.start
+        figures = run.meter.totals()
+        tail = run.losses[-LOSS_WINDOW:]
+        return TrainSummary(
+            task=self.task.name,
+            device=str(rt.device),
+            plan=rt.explain(),
+            steps=pos.step,
+            epochs=round(pos.epoch + pos.batches_in_epoch / self._batches_per_epoch, 3),
+            samples=pos.samples,
+            final_loss=sum(tail) / len(tail) if tail else math.nan,
+            val_loss=metrics.get("val_loss"),
+            val_metric=metrics.get("val_metric"),
+            samples_per_s=figures.samples_per_s,
+            tokens_per_s=figures.tokens_per_s,
+            train_seconds=seconds,
+            compile_seconds=rt.compile_seconds,
+            flops_per_step=figures.flops_per_step,
+            mfu=figures.mfu,
+            mfu_peak_tflops=figures.peak_tflops,
+            measured_peak_ratio=figures.measured_peak_ratio,
+            skipped_steps=rt.skipped_steps,
+            stopped=run.stopped,
+            resumed_from=str(run.resumed.path) if run.resumed else None,
+            checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
+            sample=self.task.sample(model) if self.task.sample else None,
+        )
+
+    # -- evaluate and predict --------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float | None]:
+        """Return validation loss and metric of the trained model (or of a fresh/resumed one)."""
+        if self.task.val_data is None:
+            raise ConfigError(f"task {self.task.name!r} has no val_data to evaluate on")
+        rt, model = self._ready()
+        return evaluate_model(self.task, model, rt, self.batch_size)
+
+    @torch.no_grad()
+    def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
+        """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
+        rt, model = self._ready()
+        was_training = model.training
+        model.eval()
+        outputs = []
+        for batch in eval_loader(data, batch_size=batch_size or self.batch_size):
+            inputs = batch[0] if isinstance(batch, list | tuple) else batch
+            with rt.autocast():
+                outputs.append(model(rt.to_device(inputs)).float().cpu())
+        model.train(was_training)
+        return torch.cat(outputs)
+
+    def _ready(self) -> tuple[Runtime, nn.Module]:
+        if self.rt is None or self.model is None:
+            self._setup(planned_steps=1)
+        assert self.rt is not None and self.model is not None
+        return self.rt, self.model
+
+
+def _shapes(batch: Any) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"{tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"
+    if isinstance(batch, list | tuple):
+        return "(" + ", ".join(_shapes(b) for b in batch) + ")"
+    return type(batch).__name__
+
+
+def _available_device(options: RuntimeOptions) -> RuntimeOptions:
+    # A checkpoint written on cuda:3 resumes where that device exists, else on "auto".
+    from dataclasses import replace
+
+    from redline.hardware.device import probe_accelerators
+
+    found = probe_accelerators()
+    device = options.devices
+    usable = device == "cpu" or (device == "mps" and found.mps)
+    if device.startswith("cuda"):
+        usable = int(device.partition(":")[2] or 0) < found.cuda_count
+    return options if usable else replace(options, devices="auto")

@@ -1,0 +1,154 @@
+"""`redline doctor` on this machine: real probes, the command line, and a child process that hangs or dies."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import redline
+from redline.cli.doctor import doctor as doctor_command
+from redline.doctor import DoctorReport, judge, load_snapshot, take_snapshot
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
+# The command alone, so these tests do not depend on the other commands importing; `python -m redline doctor`
+# below goes through the real entry point.
+app = typer.Typer()
+app.command("doctor")(doctor_command)
+app.command("unused")(lambda: None)  # with two commands, typer keeps the command name on the command line
+GPU_CHECKS = ["cuda-available", "driver-runtime-compat", "gpu-arch-supported", "cudnn", "nccl", "h2d-bandwidth"]
+
+
+@pytest.fixture(scope="module")
+def full_report() -> tuple[DoctorReport, float]:
+    start = time.perf_counter()
+    report = redline.doctor()
+    return report, time.perf_counter() - start
+
+
+def test_doctor_passes_here_skips_gpu_checks_and_measures_the_cpu(full_report):
+    report, seconds = full_report
+    assert report.exit_code == 0, [c for c in report.checks if c.status == "fail"]
+    assert seconds < 15
+    statuses = {c.id: c for c in report.checks}
+    if statuses["nvidia-driver"].status == "skip":  # this machine has no GPU
+        for check_id in GPU_CHECKS:
+            assert statuses[check_id].status == "skip" and statuses[check_id].detail
+    assert statuses["device-smoke"].status == "ok" and "cpu correct" in statuses["device-smoke"].detail
+    cpu = report.devices[0]
+    assert cpu.id == "cpu" and cpu.correct is True and cpu.fp32_tflops and cpu.fp32_tflops > 0
+    assert report.versions["torch"] and report.versions["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_json_quick_save_probe_and_probe_file_give_the_same_checks(tmp_path):
+    runner = CliRunner()
+    saved = tmp_path / "snapshot.json"
+    first = runner.invoke(app, ["doctor", "--json", "--quick", "--save-probe", str(saved)])
+    assert first.exit_code == 0, first.output
+    report = json.loads(first.stdout)
+    assert set(report) == {"checks", "devices", "versions"}
+    assert set(report["checks"][0]) == {"id", "status", "detail", "fix"}
+    assert {c["id"]: c["status"] for c in report["checks"]}["device-smoke"] == "skip"  # --quick measures nothing
+    assert load_snapshot(saved).quick is True
+    second = runner.invoke(app, ["doctor", "--json", "--probe-file", str(saved)])
+    assert second.exit_code == 0, second.output
+    assert json.loads(second.stdout) == report
+
+
+def test_a_broken_snapshot_prints_the_fix_and_exits_1():
+    result = CliRunner().invoke(app, ["doctor", "--probe-file", str(FIXTURES / "shm-64mb-docker.json")])
+    assert result.exit_code == 1
+    for text in ("redline doctor", "shm-size", "fail", "fix:", "--ipc=host", "Devices", "H100"):
+        assert text in result.stdout
+
+
+def test_bad_arguments_and_bad_files_exit_2_with_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format_version": 1, "driver": {"gpus": "many"}}))
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "doctor", "--probe-file", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "driver.gpus" in result.stderr and "Traceback" not in result.stderr
+    combined = CliRunner().invoke(app, ["doctor", "--quick", "--probe-file", str(bad)])
+    assert combined.exit_code != 0 and "no effect with --probe-file" in str(combined.exception)
+
+
+HANGING_CHILD = """
+import json, time
+print("@redline-doctor " + json.dumps({"stage": "import", "status": "begin"}), flush=True)
+print("@redline-doctor " + json.dumps({"stage": "import", "status": "done", "facts": {"version": "2.7.1+cu128",
+      "cuda": "12.8", "arch_list": ["sm_90"], "num_threads": 2}}), flush=True)
+print("@redline-doctor " + json.dumps({"stage": "cuda", "status": "begin"}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_hung_cuda_call_becomes_a_failed_check_not_a_hang(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING_CHILD)
+    start = time.perf_counter()
+    snapshot = take_snapshot(quick=True, child_timeout_s=2, child_script=script)
+    assert time.perf_counter() - start < 30
+    assert snapshot.child is not None and snapshot.child.timed_out and snapshot.child.unfinished_stage == "cuda"
+    check = judge(snapshot).check("cuda-available")
+    assert check.status == "fail" and "hung for 2 s in stage 'cuda'" in check.detail
+    assert check.fix is not None and "nvidia-smi" in check.fix
+
+
+def test_a_crashing_child_becomes_a_failed_check(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import os, signal\n"
+        'print(\'@redline-doctor {"stage": "import", "status": "begin"}\', flush=True)\n'
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    report = judge(take_snapshot(quick=True, child_script=script))
+    check = report.check("torch-build")
+    assert check.status == "fail" and "killed by SIGKILL in stage 'import'" in check.detail and check.fix
+    assert report.exit_code == 1
+
+
+NO_CUDA_IN_PARENT = """
+import json, sys
+import torch
+calls = []
+def spy(name, real):
+    def wrapped(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+    return wrapped
+for name in ("_lazy_init", "is_available", "device_count", "init"):
+    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+import redline
+before = type(redline.doctor).__name__
+report = redline.doctor(quick=True)
+import redline.doctor.checks
+after = redline.doctor(probe_file=sys.argv[1])
+print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(), "before": before,
+                  "types": [type(report).__name__, type(after).__name__], "exit": after.exit_code}))
+"""
+
+
+def test_the_doctor_never_starts_cuda_in_its_own_process_and_redline_doctor_stays_callable():
+    out = subprocess.run(
+        [sys.executable, "-c", NO_CUDA_IN_PARENT, str(FIXTURES / "driver-too-old.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {
+        "calls": [],
+        "initialized": False,
+        "before": "function",
+        "types": ["DoctorReport", "DoctorReport"],
+        "exit": 1,
+    }

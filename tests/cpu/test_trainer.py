@@ -1,0 +1,202 @@
+"""The Trainer on CPU: exact resume after SIGKILL, corrupt checkpoints, SIGTERM, NaN, early stopping."""
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.errors import ConfigError
+from redline.train import checkpoint as ckpt
+from redline.train.callbacks import EarlyStopping
+from redline.train.trainer import Trainer, TrainingError
+
+JOB = Path(__file__).with_name("trainer_job.py")
+STEPS = 20
+
+
+def run_job(out: Path, *args: str, steps: int = STEPS) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(JOB), str(out), str(steps), *args], capture_output=True, text=True, timeout=240
+    )
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs by {(a[name] - b[name]).abs().max():.3g}"
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("unbroken")
+    result = run_job(out)
+    assert result.returncode == 0, result.stderr
+    return weights(out)
+
+
+@pytest.mark.parametrize(
+    "kill",
+    [
+        ["--kill-at-step", "7"],  # between steps, mid-epoch, after the checkpoint of step 6
+        ["--kill-at-step", "14"],  # the step after an epoch boundary (13 batches an epoch)
+        ["--kill-in-checkpoint", "12"],  # while checkpoint 12 is being committed: 9 must be used
+    ],
+    ids=["between-steps", "after-epoch-boundary", "during-checkpoint-write"],
+)
+def test_sigkill_then_resume_is_bitwise_equal_to_the_unbroken_run(tmp_path, kill, unbroken):
+    killed = run_job(tmp_path, *kill)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "model.safetensors").exists()
+    resumed = run_job(tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"done steps={STEPS}" in resumed.stdout
+    assert_bitwise_equal(weights(tmp_path), unbroken)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from"] and "from checkpoint step" in summary["plan"]["precision"]["reason"]
+    steps = [int(row["step"]) for row in csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines())]
+    assert steps == list(range(1, STEPS + 1)), "the log should read as one unbroken run"
+
+
+def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_used(tmp_path, unbroken):
+    assert run_job(tmp_path, "--kill-at-step", "13").returncode == -signal.SIGKILL
+    newest = ckpt.find_checkpoints(tmp_path / "checkpoints")[-1]
+    assert newest.step == 12
+    blob = bytearray((newest.path / "optimizer.pt").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (newest.path / "optimizer.pt").write_bytes(bytes(blob))
+    resumed = run_job(tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "corrupt" in resumed.stderr and "step-00000012" in resumed.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["resumed_from"].endswith("step-00000009")
+    assert_bitwise_equal(weights(tmp_path), unbroken)
+
+
+def test_a_half_written_checkpoint_directory_is_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-00000099").mkdir(parents=True)
+    (root / "step-00000099" / "model.safetensors").write_bytes(b"partial")
+    (root / ".tmp-step-00000100-123").mkdir()
+    assert ckpt.find_checkpoints(root) == []
+    assert ckpt.open_checkpoint("auto", root, warn=print) is None
+
+
+def test_resume_from_an_explicit_corrupt_path_fails_clearly(tmp_path):
+    assert run_job(tmp_path, "--kill-at-step", "4").returncode == -signal.SIGKILL
+    only = ckpt.find_checkpoints(tmp_path / "checkpoints")[-1]
+    (only.path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match="checksum"):
+        ckpt.open_checkpoint(str(only.path), tmp_path / "checkpoints", warn=print)
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), str(tmp_path), "100000", "--sleep", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "checkpoints").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped=signal SIGTERM" in stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["checkpoint"].endswith(f"step-{summary['steps']:08d}")
+    assert ckpt.find_checkpoints(tmp_path / "checkpoints")[-1].step == summary["steps"]
+
+
+def tiny_task(**overrides) -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=gen), torch.randint(0, 2, (64,), generator=gen))
+    fields = {
+        "model": lambda: nn.Linear(4, 2),
+        "loss_fn": nn.functional.cross_entropy,
+        "train_data": data,
+        "val_data": data,
+        "batch_size": 8,
+        "epochs": 50,
+        "metric": lambda out, y: (out.argmax(-1) == y).float().mean().item(),
+    }
+    return redline.Task(**{**fields, **overrides})
+
+
+def quiet(task: redline.Task, **kwargs) -> Trainer:
+    return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
+
+
+def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
+    calls = {"n": 0}
+
+    def loss_fn(out, y):
+        # Count training steps only: the FLOP count runs the loss on meta tensors, evaluation without grad.
+        calls["n"] += out.device.type != "meta" and torch.is_grad_enabled()
+        loss = nn.functional.cross_entropy(out, y)
+        return loss * float("nan") if calls["n"] == 9 else loss
+
+    trainer = quiet(tiny_task(loss_fn=loss_fn), max_steps=30, checkpoint_every=4, log_every=5, out_dir=tmp_path)
+    with pytest.raises(TrainingError, match=r"step 9: the loss is nan") as err:
+        trainer.fit()
+    assert "step-00000008" in str(err.value)  # the checkpoint at 8 was written before the NaN
+    assert [c.step for c in ckpt.find_checkpoints(tmp_path / "checkpoints")] == [4, 8]
+
+
+def test_early_stopping_stops_when_the_metric_stops_improving():
+    frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    summary = quiet(frozen, eval_every=2, early_stopping=EarlyStopping(monitor="val_loss", patience=2)).fit()
+    assert summary.stopped == "early stopping"
+    assert summary.steps == 6  # evals at 2 (best), 4 and 6 without improvement
+
+
+def test_a_batch_of_the_wrong_shape_names_the_step_and_the_shapes():
+    wrong = TensorDataset(torch.randn(16, 5), torch.randint(0, 2, (16,)))
+    with pytest.raises(TrainingError, match=r"(?s)step 1: .*inputs \(8, 5\) float32.*hint"):
+        quiet(tiny_task(train_data=wrong, val_data=None), max_steps=2).fit()
+
+
+def test_scheduler_steps_with_the_optimizer_and_lr_is_logged(tmp_path):
+    warmup = tiny_task(
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)),
+    )
+    quiet(warmup, max_steps=6, log_every=3, out_dir=tmp_path).fit()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
+    assert [float(r["lr"]) for r in rows] == pytest.approx([0.05, 0.075, 0.1, 0.1, 0.1, 0.1])
+
+
+def test_evaluate_and_predict():
+    trainer = quiet(tiny_task(), max_steps=10)
+    summary = trainer.fit()
+    metrics = trainer.evaluate()
+    assert metrics["val_loss"] == pytest.approx(summary.val_loss)
+    outputs = trainer.predict(tiny_task().train_data)
+    assert outputs.shape == (64, 2) and outputs.device.type == "cpu"
+
+
+def test_summary_reports_throughput_and_mfu_na_on_cpu():
+    summary = quiet(tiny_task(), max_steps=12, log_every=4).fit()
+    assert summary.samples_per_s > 0 and summary.steps == 12
+    assert summary.mfu is None  # a CPU has no datasheet peak: n/a, never a guess
+    assert summary.flops_per_step == 2 * (2 * 8 * 4 * 2)  # forward and weight-gradient matmuls of Linear(4, 2)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ConfigError, match="max_steps"):
+        quiet(tiny_task(), max_steps=0)
+    with pytest.raises(ConfigError, match="out_dir"):
+        quiet(tiny_task(), resume="auto")
