@@ -131,7 +131,8 @@ def test_explain_lists_every_axis_after_setup(initial):
     rt.setup_loader(make_loader())
     plan = rt.explain()
     assert [row[0] for row in plan.rows()] == [
-        "device", "precision", "tf32", "grad_accum", "clip_grad_norm", "channels_last", "compile", "optimizer", "loader"
+        "device", "precision", "tf32", "grad_accum", "clip_grad_norm", "channels_last", "compile", "optimizer",
+        "zero_grad", "loader"
     ]  # fmt: skip
     assert plan.precision.value == "fp32" and plan.compile.value is False
     assert all(reason for _, _, reason in plan.rows())
@@ -222,3 +223,20 @@ def test_an_optimizer_that_already_stepped_is_kept_with_its_state(initial):
     _, got = rt.setup(initial, optimizer)
     assert got is optimizer and rt.explain().optimizer.value == "as given"
     assert all(torch.equal(moments[k], v["exp_avg"]) for k, v in enumerate(got.state.values()))
+
+
+def test_gradients_are_freed_before_the_next_backward_on_cpu(initial):
+    rt = redline.Runtime(devices="cpu", compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    assert rt.explain().zero_grad.value == "before backward"
+    x = torch.randn(2, 1, 8, 8)
+    rt.backward(model(x).sum())
+    assert rt.step(optimizer)
+    first = [p.grad.clone() for p in model.parameters()]
+    rt.backward(model(x).sum())  # must start from zero, not accumulate onto the last step's grads
+    fresh = copy.deepcopy(model)
+    for p in fresh.parameters():
+        p.grad = None
+    fresh(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), fresh.parameters(), strict=True))
+    assert any(not torch.equal(a, p.grad) for a, p in zip(first, model.parameters(), strict=True))

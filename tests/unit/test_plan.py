@@ -8,7 +8,7 @@ from redline.plan import Choice, Plan, parse_switch
 from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
 from redline.plan.device import resolve_device
 from redline.plan.layout import resolve_channels_last
-from redline.plan.optimizer import OptimizerFacts, resolve_optimizer
+from redline.plan.optimizer import OptimizerFacts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import resolve_precision, resolve_tf32
 
 SUPPORTED = lambda: (True, "")  # noqa: E731
@@ -216,3 +216,9 @@ def test_plan_renders_every_decided_axis_with_its_reason():
 )
 def test_parse_switch(given, expected):
     assert parse_switch("x", given) is expected
+
+
+def test_zero_grad_timing():
+    assert resolve_zero_grad(H100).value == "after step"
+    assert resolve_zero_grad(CPU).value == "before backward"
+    assert resolve_zero_grad(MPS).value == "before backward"

@@ -38,6 +38,7 @@ class Plan:
     channels_last: Choice[bool] | None = None
     compile: Choice[bool] | None = None
     optimizer: Choice[str] | None = None
+    zero_grad: Choice[str] | None = None
     loader: Choice[Any] | None = None
 
     def rows(self) -> list[tuple[str, str, str]]:

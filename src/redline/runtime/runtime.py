@@ -29,7 +29,7 @@ from redline.plan.compile import resolve_compile
 from redline.plan.device import resolve_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
-from redline.plan.optimizer import optimizer_facts, resolve_optimizer
+from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import Precision, resolve_precision, resolve_tf32
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
@@ -125,7 +125,11 @@ class Runtime:
         self.grad_accum = grad_accum
         self.clip_grad_norm = clip_grad_norm
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16-mixed" else None
+        zero_grad = resolve_zero_grad(self.facts)
+        self._zero_after_step = zero_grad.value == "after step"
+        self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._plan = Plan(
+            zero_grad=zero_grad,
             device=Choice(device.value, f"{device.reason} ({self.facts.name})"),
             precision=chosen,
             tf32=tf32,
@@ -196,6 +200,10 @@ class Runtime:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
+        if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
+            for optimizer in self._pending_zero.values():
+                optimizer.zero_grad(set_to_none=True)
+            self._pending_zero.clear()
         if self.grad_accum > 1:
             loss = loss / self.grad_accum
         if self.scaler is not None:
@@ -204,8 +212,10 @@ class Runtime:
             loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, zero the gradients.
+        """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
 
+        The gradients are freed (set to None) right after the step on CUDA, and on other devices
+        just before the next ``backward`` (the Plan's ``zero_grad`` axis says which, and why).
         Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
@@ -230,7 +240,10 @@ class Runtime:
             if self.clip_grad_norm is not None:
                 self._clip(optimizer)
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if self._zero_after_step:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self._pending_zero[key] = optimizer
         return True
 
     def _clip(self, optimizer: torch.optim.Optimizer) -> None:
