@@ -38,6 +38,7 @@ from redline.runtime.seed import seed_everything
 from redline.runtime.transfer import move_to
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +196,7 @@ class Runtime:
         """Return the context that runs the forward pass in the planned precision."""
         dtype = _AUTOCAST_DTYPES.get(self.precision)
         if dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST  # reusable: the fp32 loop pays for no new object per step
         return torch.autocast(self.device.type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -220,11 +221,12 @@ class Runtime:
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
         key = id(optimizer)
-        count = self._micro_steps.get(key, 0) + 1
-        if count < self.grad_accum:
-            self._micro_steps[key] = count
-            return False
-        self._micro_steps[key] = 0
+        if self.grad_accum > 1:
+            count = self._micro_steps.get(key, 0) + 1
+            if count < self.grad_accum:
+                self._micro_steps[key] = count
+                return False
+            self._micro_steps[key] = 0
         if self.scaler is not None:
             if self.clip_grad_norm is not None:
                 self.scaler.unscale_(optimizer)
