@@ -240,3 +240,18 @@ def test_gradients_are_freed_before_the_next_backward_on_cpu(initial):
     fresh(x).sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), fresh.parameters(), strict=True))
     assert any(not torch.equal(a, p.grad) for a, p in zip(first, model.parameters(), strict=True))
+
+
+def test_fp16_overflow_steps_are_skipped_and_counted(initial):
+    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    before = copy.deepcopy(model.state_dict())
+    with rt.autocast():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    rt.backward(loss)
+    scale = rt.scaler.get_scale()
+    next(model.parameters()).grad.view(-1)[0] = float("inf")  # what an fp16 overflow leaves behind
+    assert rt.step(optimizer)
+    assert rt.skipped_steps == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # weights untouched
+    assert rt.scaler.get_scale() == scale / 2  # the scale backed off

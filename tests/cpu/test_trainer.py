@@ -200,3 +200,12 @@ def test_bad_options_are_refused():
         quiet(tiny_task(), max_steps=0)
     with pytest.raises(ConfigError, match="out_dir"):
         quiet(tiny_task(), resume="auto")
+
+
+def test_tensorboard_logger_writes_events_tensorboard_can_read(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    quiet(tiny_task(), max_steps=6, log_every=3, out_dir=tmp_path, loggers=("csv", "tensorboard")).fit()
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
+    assert "val/loss" in events.Tags()["scalars"]
