@@ -15,3 +15,19 @@ NO_ACCELERATOR = Accelerators()
 ONE_GPU = Accelerators(cuda_count=1)
 EIGHT_GPUS = Accelerators(cuda_count=8)
 MAC = Accelerators(mps=True)
+
+
+# Python source that records every CUDA query a child process makes after it: prepend it to a probe
+# script, which then reads the list `calls`.
+CUDA_SPY = """
+import json, sys
+import torch
+calls = []
+def spy(name, real):
+    def wrapped(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+    return wrapped
+for name in ("_lazy_init", "is_available", "device_count", "init"):
+    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+"""

@@ -11,6 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 import redline
+from devices import CUDA_SPY
 from redline.cli.doctor import doctor as doctor_command
 from redline.doctor import DoctorReport, judge, load_snapshot, take_snapshot
 
@@ -115,17 +116,9 @@ def test_a_crashing_child_becomes_a_failed_check(tmp_path):
     assert report.exit_code == 1
 
 
-NO_CUDA_IN_PARENT = """
-import json, sys
-import torch
-calls = []
-def spy(name, real):
-    def wrapped(*args, **kwargs):
-        calls.append(name)
-        return real(*args, **kwargs)
-    return wrapped
-for name in ("_lazy_init", "is_available", "device_count", "init"):
-    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+NO_CUDA_IN_PARENT = (
+    CUDA_SPY
+    + """
 import redline
 before = type(redline.doctor).__name__
 report = redline.doctor(quick=True)
@@ -134,6 +127,7 @@ after = redline.doctor(probe_file=sys.argv[1])
 print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(), "before": before,
                   "types": [type(report).__name__, type(after).__name__], "exit": after.exit_code}))
 """
+)
 
 
 def test_the_doctor_never_starts_cuda_in_its_own_process_and_redline_doctor_stays_callable():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import redline
+from devices import CUDA_SPY
 
 PACKAGE = Path(redline.__file__).parent
 
@@ -32,17 +33,9 @@ NOT_ON_IMPORT = [
     "redline.examples",
 ]
 
-PROBE = """
-import json, sys
-import torch
-calls = []
-def spy(name, real):
-    def wrapped(*args, **kwargs):
-        calls.append(name)
-        return real(*args, **kwargs)
-    return wrapped
-for name in ("_lazy_init", "is_available", "device_count", "init"):
-    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+PROBE = (
+    CUDA_SPY
+    + """
 before = set(sys.modules)  # torch itself may import some (torch.cuda tries pynvml)
 import redline
 print(json.dumps({
@@ -51,6 +44,7 @@ print(json.dumps({
     "loaded": sorted(m for m in %r if m in set(sys.modules) - before),
 }))
 """
+)
 
 
 def test_import_touches_no_cuda_and_no_optional_extra():

@@ -72,16 +72,7 @@ class RuntimeOptions:
 
     def runtime(self, *, planned_steps: int | None = None) -> Runtime:
         """Build the Runtime these options describe."""
-        return Runtime(
-            devices=self.devices,
-            precision=self.precision,
-            compile=self.compile,
-            channels_last=self.channels_last,
-            grad_accum=self.grad_accum,
-            clip_grad_norm=self.clip_grad_norm,
-            seed=self.seed,
-            planned_steps=planned_steps,
-        )
+        return Runtime(**dataclasses.asdict(self), planned_steps=planned_steps)
 
 
 class Runtime:
