@@ -64,11 +64,11 @@ LAYERS = {
     "task": 2,
     "plan": 2,
     "runtime": 3,
+    "dist": 3,  # the Runtime detects torchrun's environment and wraps for DDP/FSDP
     "examples": 4,
     "train": 4,
     "report": 4,
     "doctor": 4,
-    "dist": 4,
     "memory": 4,
     "bench": 4,
     "serve": 4,

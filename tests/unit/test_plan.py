@@ -222,3 +222,27 @@ def test_zero_grad_timing():
     assert resolve_zero_grad(H100).value == "after step"
     assert resolve_zero_grad(CPU).value == "before backward"
     assert resolve_zero_grad(MPS).value == "before backward"
+
+
+# -- strategy -----------------------------------------------------------------------------------
+
+
+def test_strategy_auto():
+    from redline.plan.strategy import resolve_strategy
+
+    assert resolve_strategy("auto", world_size=1, params=10**9, device_mem_gib=80).value == "single"
+    small = resolve_strategy("auto", world_size=8, params=124 * 10**6, device_mem_gib=80)  # GPT-2 small: 1.8 GiB
+    assert small.value == "ddp" and "fit in half of 80 GiB" in small.reason
+    big = resolve_strategy("auto", world_size=8, params=7 * 10**9, device_mem_gib=80)  # 7B: 104 GiB of state
+    assert big.value == "fsdp" and "13.0 GiB each" in big.reason
+    assert resolve_strategy("auto", world_size=2, params=10**6, device_mem_gib=None).value == "ddp"  # CPU
+
+
+def test_strategy_explicit_and_wrong():
+    from redline.plan.strategy import resolve_strategy
+
+    assert resolve_strategy("fsdp", world_size=2, params=1, device_mem_gib=80).value == "fsdp"
+    with pytest.raises(ConfigError, match="'auto' or one of 'single', 'ddp', 'fsdp'"):
+        resolve_strategy("zero3", world_size=2, params=1, device_mem_gib=80)
+    with pytest.raises(ConfigError, match="several processes"):
+        resolve_strategy("single", world_size=2, params=1, device_mem_gib=80)

@@ -7,6 +7,7 @@ import sys
 import typer
 
 from redline.cli import doctor as doctor_cmd
+from redline.cli import launch as launch_cmd
 from redline.cli import train as train_cmd
 from redline.errors import RedlineError
 
@@ -19,6 +20,9 @@ app = typer.Typer(
 )
 app.command("train")(train_cmd.train)
 app.command("doctor")(doctor_cmd.doctor)
+app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    launch_cmd.launch_command
+)
 
 
 @app.callback()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import sys
 from enum import Enum
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from redline.cli.launch import parse_nproc
+from redline.dist.launch import LaunchConfig, launch
 from redline.errors import invalid
 from redline.report.console import key_value_table, plan_table
 from redline.runtime.runtime import RuntimeOptions
@@ -78,9 +82,19 @@ def train(
         Monitor.val_loss
     ),
     deterministic: Annotated[bool, typer.Option(help="torch.use_deterministic_algorithms(True).")] = False,
+    strategy: Annotated[str, typer.Option(help="auto, single, ddp or fsdp (with several processes).")] = "auto",
+    nproc: Annotated[
+        str | None, typer.Option(help="Run on N processes (or auto: every GPU) through redline launch.")
+    ] = None,
+    max_restarts: Annotated[int, typer.Option(help="With --nproc: restart failed workers up to K times.")] = 0,
+    hang_timeout: Annotated[float | None, typer.Option(help="With --nproc: seconds before a hang report.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
 ) -> None:
     """Train a Task with every automatic choice explained, and print the summary."""
+    if nproc is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
+        config = LaunchConfig(nproc=parse_nproc(nproc), max_restarts=max_restarts, hang_timeout_s=hang_timeout)
+        launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
+        return
     loaded = load_task(task, **parse_task_args(task_arg or []))
     trainer = Trainer(
         loaded,
@@ -92,6 +106,7 @@ def train(
             grad_accum=grad_accum,
             clip_grad_norm=clip_grad_norm,
             seed=seed,
+            strategy=strategy,
         ),
         max_steps=max_steps,
         max_epochs=epochs,
@@ -112,6 +127,8 @@ def train(
         deterministic=deterministic,
     )
     summary = trainer.fit()
+    if not trainer.env.is_main:
+        return  # rank 0 reports for the job
     if json_output:
         print(json.dumps(summary.to_dict(), indent=2))
         return
@@ -120,6 +137,23 @@ def train(
     console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
     if summary.sample:
         console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
+
+
+LAUNCH_OPTIONS = ("--nproc", "--max-restarts", "--hang-timeout")
+
+
+def without_launch_options(argv: list[str]) -> list[str]:
+    """Return ``argv`` less the options that start the workers (each worker runs the rest)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in LAUNCH_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{name}=" for name in LAUNCH_OPTIONS)):
+            out.append(arg)
+    return out
 
 
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ class Plan:
     tf32: Choice[bool]
     grad_accum: Choice[int]
     clip_grad_norm: Choice[float | None]
+    strategy: Choice[str] | None = None
     channels_last: Choice[bool] | None = None
     compile: Choice[bool] | None = None
     optimizer: Choice[str] | None = None

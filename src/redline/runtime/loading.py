@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.transfer import move_to, tensors_in
@@ -34,7 +34,9 @@ def _in_memory(dataset: Any) -> bool:
     return isinstance(dataset, TensorDataset)
 
 
-def rebuild_dataloader(loader: DataLoader[Any], settings: LoaderSettings) -> DataLoader[Any]:
+def rebuild_dataloader(
+    loader: DataLoader[Any], settings: LoaderSettings, *, batch_sampler: Sampler[list[int]] | None = None
+) -> DataLoader[Any]:
     """Return a DataLoader over the same data, sampler and collation, with ``settings`` applied.
 
     The order is the same in the first epoch. With persistent workers torch draws no new worker
@@ -53,6 +55,8 @@ def rebuild_dataloader(loader: DataLoader[Any], settings: LoaderSettings) -> Dat
     }
     if settings.num_workers > 0 and settings.prefetch_factor is not None:
         common["prefetch_factor"] = settings.prefetch_factor
+    if batch_sampler is not None:  # a new order, such as this rank's share of each global batch
+        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **common)
     if isinstance(loader.dataset, IterableDataset):
         return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
     if loader.batch_size is not None:

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from redline.dist.env import init_process_group, read_env
+from redline.dist.strategies import gradient_sync, unwrap, wrap_ddp
 from redline.errors import invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan import Choice, Plan
@@ -31,14 +33,16 @@ from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import Precision, resolve_precision, resolve_tf32
+from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler
 from redline.runtime.seed import seed_everything
 from redline.runtime.transfer import move_to
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-_NO_AUTOCAST = contextlib.nullcontext()
+_NOTHING = contextlib.nullcontext()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,10 +56,17 @@ class RuntimeOptions:
     grad_accum: int = 1
     clip_grad_norm: float | None = None
     seed: int | None = None
+    strategy: str = "auto"
 
     @classmethod
-    def from_plan(cls, plan: Mapping[str, Mapping[str, Any]], *, seed: int | None = None) -> RuntimeOptions:
-        """Return options that reproduce a stored Plan's resolved choices (``Plan.to_dict()``)."""
+    def from_plan(
+        cls, plan: Mapping[str, Mapping[str, Any]], *, seed: int | None = None, strategy: str = "auto"
+    ) -> RuntimeOptions:
+        """Return options that reproduce a stored Plan's resolved choices (``Plan.to_dict()``).
+
+        The strategy is not taken from the Plan: it follows the number of processes, which may
+        differ in the resumed run.
+        """
 
         def switch(axis: str) -> str:
             return "on" if plan.get(axis, {}).get("value") else "off"
@@ -68,6 +79,7 @@ class RuntimeOptions:
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],
             seed=seed,
+            strategy=strategy,
         )
 
     def runtime(self, *, planned_steps: int | None = None) -> Runtime:
@@ -92,6 +104,7 @@ class Runtime:
         grad_accum: int = 1,
         clip_grad_norm: float | None = None,
         seed: int | None = None,
+        strategy: str = "auto",
         *,
         planned_steps: int | None = None,
     ) -> None:
@@ -103,10 +116,15 @@ class Runtime:
             raise invalid("planned_steps", planned_steps, "None or a positive integer")
         if seed is not None:
             seed_everything(seed)
-        self._requested = {"compile": compile, "channels_last": channels_last}
+        self._requested = {"compile": compile, "channels_last": channels_last, "strategy": strategy}
         self.planned_steps = planned_steps
+        self.seed = seed
+        self.env = read_env()
         device = resolve_device(devices, probe_accelerators())
+        if self.env.distributed and device.value.startswith("cuda"):  # one GPU per worker
+            device = Choice(f"cuda:{self.env.local_rank}", f"{device.reason}; worker {self.env.local_rank}'s GPU")
         self.device = torch.device(device.value)
+        init_process_group(self.env, self.device.type)
         self.facts: DeviceFacts = probe_device(self.device)
         chosen = resolve_precision(precision, self.facts)
         self.precision: Precision = chosen.value
@@ -129,6 +147,8 @@ class Runtime:
             clip_grad_norm=Choice(clip_grad_norm, "requested" if clip_grad_norm else "default: no clipping"),
         )
         self._compile_records: list[CompileRecord] = []
+        self._wrapped: nn.Module | None = None  # the DDP/FSDP module whose gradient sync backward controls
+        self._backwards = 0
         self._micro_steps: dict[int, int] = {}
         self._skipped: torch.Tensor | None = None  # fp16 steps the scaler skipped, counted on the device
 
@@ -149,7 +169,18 @@ class Runtime:
         model.to(self.device)
         if layout.value:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        built = build_optimizer(optimizer, model)
+        strategy = resolve_strategy(
+            str(self._requested["strategy"]),
+            world_size=self.env.world_size,
+            params=sum(p.numel() for p in model.parameters()),
+            device_mem_gib=self.facts.mem_gib,
+        )
+        if strategy.value == "ddp":
+            model = wrap_ddp(model, self.device)
+            self._wrapped = model
+        elif strategy.value == "fsdp":
+            raise invalid("strategy", "fsdp", "'auto', 'single' or 'ddp' for now", "FSDP2 is being wired in")
+        built = build_optimizer(optimizer, unwrap(model))
         facts = optimizer_facts(built)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
@@ -164,17 +195,40 @@ class Runtime:
         )
         if planned.value:
             self._compile_records.append(compile_module(model))
-        self._plan = dataclasses.replace(self._plan, channels_last=layout, compile=planned, optimizer=impl)
+        self._plan = dataclasses.replace(
+            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl
+        )
         return model, built
 
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
         """Return ``loader`` tuned for the device, yielding batches already on it."""
         chosen = resolve_loader(loader_facts(loader, local_devices), self.facts)
-        if chosen.value.rebuild and isinstance(loader, DataLoader):
-            loader = rebuild_dataloader(loader, chosen.value)
+        batches = self._global_batches(loader)
+        if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
+            loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
+        if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):
+            split = loader.batch_sampler
+            reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
+            chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
         channels_last = self._plan.channels_last is not None and self._plan.channels_last.value
         return DeviceLoader(loader, self.device, channels_last=channels_last)
+
+    def _global_batches(self, loader: Iterable[Any]) -> GlobalBatchSampler | None:
+        """Under several processes, a batch sampler that gives this rank its share of each global batch."""
+        if not self.env.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
+            return None  # one process, an iterable of batches, or the user's own batch sampler
+        if isinstance(loader.dataset, IterableDataset) or isinstance(loader.batch_sampler, GlobalBatchSampler):
+            return None  # an iterable dataset shards itself; the Trainer's loader is split already
+        order = EpochSampler(
+            len(loader.dataset),  # type: ignore[arg-type]
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=self.seed or 0,  # the same order on every rank
+            auto_epoch=True,
+        )
+        return GlobalBatchSampler(
+            order, global_batch=loader.batch_size, rank=self.env.rank, world_size=self.env.world_size
+        )
 
     def to_device(self, batch: Any) -> Any:
         """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
@@ -187,7 +241,7 @@ class Runtime:
         """Return the context that runs the forward pass in the planned precision."""
         dtype = _AUTOCAST_DTYPES.get(self.precision)
         if dtype is None:
-            return _NO_AUTOCAST  # reusable: the fp32 loop pays for no new object per step
+            return _NOTHING  # reusable: the fp32 loop pays for no new object per step
         return torch.autocast(self.device.type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -196,12 +250,15 @@ class Runtime:
             for optimizer in self._pending_zero.values():
                 optimizer.zero_grad(set_to_none=True)
             self._pending_zero.clear()
+        self._backwards += 1
+        sync = self._backwards % self.grad_accum == 0  # all-reduce gradients on the last micro-batch only
         if self.grad_accum > 1:
             loss = loss / self.grad_accum
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        with gradient_sync(self._wrapped, sync) if self._wrapped is not None else _NOTHING:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.

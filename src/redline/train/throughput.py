@@ -39,10 +39,10 @@ class Figures:
 class Throughput:
     """Count FLOPs once, time the run from after its first step, and report per window and in total."""
 
-    def __init__(self, rt: Runtime, task: Task, samples_per_step: int) -> None:
+    def __init__(self, rt: Runtime, task: Task, *, world_size: int = 1) -> None:
         self.rt = rt
         self.task = task
-        self.samples_per_step = samples_per_step
+        self.world_size = world_size  # every rank runs an equal share: global figures are world x local
         self.flops_per_step: int | None = None
         self.start: float | None = None
         self.steps = self.samples = self.tokens = 0
@@ -55,12 +55,13 @@ class Throughput:
             self.tokens += targets.numel() if is_tokens(targets) else 0
             return
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
-        self.flops_per_step = flops * self.rt.grad_accum if flops is not None else None
+        self.flops_per_step = flops * self.rt.grad_accum * self.world_size if flops is not None else None
         self._sync()
         self.start = time.perf_counter()
 
     def window(self, elapsed_s: float, steps: int, samples: int, tokens: int) -> dict[str, float | None]:
         """Return the logged figures of a window of ``steps`` steps that took ``elapsed_s``."""
+        samples, tokens = samples * self.world_size, tokens * self.world_size
         return {
             "samples_per_s": samples / elapsed_s if elapsed_s > 0 else None,
             "tokens_per_s": tokens / elapsed_s if tokens and elapsed_s > 0 else None,
@@ -81,7 +82,8 @@ class Throughput:
         elapsed = time.perf_counter() - self.start if self.start is not None else 0.0
         if not self.steps or elapsed <= 0:
             return Figures(float("nan"), None, self.flops_per_step, None, None, None)
-        achieved = self.flops_per_step * self.steps / elapsed if self.flops_per_step else None
+        # Per device: the MFU of one device equals the job's when every rank runs an equal share.
+        achieved = self.flops_per_step / self.world_size * self.steps / elapsed if self.flops_per_step else None
         plan = self.rt.explain()
         spec = find_gpu(self.rt.facts.name) if self.rt.device.type == "cuda" else None
         peak = peak_tflops(spec, self.rt.precision, tf32=plan.tf32.value) if spec else None
@@ -93,8 +95,8 @@ class Throughput:
             except torch.OutOfMemoryError:  # the run may have left the GPU full; the ratio is optional
                 measured = None
         return Figures(
-            samples_per_s=self.samples / elapsed,
-            tokens_per_s=self.tokens / elapsed if self.tokens else None,
+            samples_per_s=self.samples * self.world_size / elapsed,
+            tokens_per_s=self.tokens * self.world_size / elapsed if self.tokens else None,
             flops_per_step=self.flops_per_step,
             mfu=mfu(achieved, peak) if achieved is not None else None,
             peak_tflops=peak,

@@ -23,13 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.dist.collectives import all_reduce_sum, barrier, gather_objects
+from redline.dist.env import read_env
+from redline.dist.strategies import unwrap
 from redline.errors import ConfigError, RedlineError, invalid
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime, RuntimeOptions
+from redline.runtime.sampling import EpochSampler, batches_per_epoch
 from redline.task import Task
 from redline.train import checkpoint as ckpt
 from redline.train.callbacks import Callback, EarlyStopping
-from redline.train.data import EpochSampler, batches_per_epoch, eval_loader, train_loader
+from redline.train.data import eval_loader, train_loader
 from redline.train.evaluation import evaluate_model
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, save_weights, write_json
@@ -136,6 +140,7 @@ class Trainer:
         self.resume, self.deterministic = resume, deterministic
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
+        self.env = read_env()
         self._batches_per_epoch = 1
         self._evaluated_at: int | None = None
         self.rt: Runtime | None = None
@@ -160,8 +165,8 @@ class Trainer:
             self._finish(run)
         run.progress.close()
         summary = self._summary(run)
-        if self.out_dir:
-            save_weights(self.out_dir / "model.safetensors", run.model)
+        if self.out_dir and self.env.is_main:
+            save_weights(self.out_dir / "model.safetensors", unwrap(run.model))
             write_json(self.out_dir / "summary.json", summary.to_dict())
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
@@ -192,7 +197,8 @@ class Trainer:
         stopped = self._stop_reason(step, run.total)
         due_ckpt = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
         if step % self.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
-            self._flush(run)
+            agreed = self._flush(run)
+            stopped = stopped or agreed
         eval_due = self.eval_every and step % self.eval_every == 0 and self.task.val_data is not None
         if eval_due and self._evaluate(run):
             stopped = stopped or "early stopping"
@@ -232,7 +238,7 @@ class Trainer:
         return loss
 
     def _stop_reason(self, step: int, total: float) -> str:
-        if self._signals.received is not None:
+        if self._signals.received is not None and not self.env.distributed:
             return f"signal {signal.Signals(self._signals.received).name}"
         if self.max_steps is not None and step >= self.max_steps:
             return "max_steps"
@@ -241,12 +247,18 @@ class Trainer:
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> _Run:
-        loader, sampler = train_loader(self.task.train_data, batch_size=self.batch_size, seed=self.seed)
-        self._batches_per_epoch = batches_per_epoch(len(sampler), self.batch_size)
+        self.env = read_env()
+        size = len(self.task.train_data)  # type: ignore[arg-type]
+        self._batches_per_epoch = batches_per_epoch(size, self.batch_size, self.env.world_size)
         per_epoch = self._batches_per_epoch // self.options.grad_accum or 1
         total = min(self.max_epochs * per_epoch, self.max_steps or math.inf)
         rt, model, optimizer, scheduler, pos, resumed = self._setup(planned_steps=int(total))
+        loader, sampler = train_loader(
+            self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
+            world_size=self.env.world_size,
+        )  # fmt: skip
         model.train()
+        main = self.env.is_main
         return _Run(
             rt=rt,
             model=model,
@@ -256,9 +268,9 @@ class Trainer:
             batches=rt.setup_loader(loader),
             pos=pos,
             total=total,
-            loggers=self._loggers(pos.step if resumed else None),
-            progress=Progress(int(total), enabled=self.show_progress, start_step=pos.step),
-            meter=Throughput(rt, self.task, self.batch_size * self.options.grad_accum),
+            loggers=self._loggers(pos.step if resumed else None, main),
+            progress=Progress(int(total), enabled=self.show_progress and main, start_step=pos.step),
+            meter=Throughput(rt, self.task, world_size=self.env.world_size),
             resumed=resumed,
             last_ckpt=resumed,
         )
@@ -269,7 +281,9 @@ class Trainer:
         found = self._find_resume()
         options = self.options
         if found is not None:  # the resumed run reuses the Plan it was written under
-            options = RuntimeOptions.from_plan(ckpt.load_plan(found), seed=self.options.seed)
+            options = RuntimeOptions.from_plan(
+                ckpt.load_plan(found), seed=self.options.seed, strategy=self.options.strategy
+            )
             options = _available_device(options)
         rt = options.runtime(planned_steps=planned_steps)
         try:
@@ -282,7 +296,7 @@ class Trainer:
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
         pos = _Position()
         if found is not None:
-            ckpt.load_weights(found, model)
+            ckpt.load_weights(found, unwrap(model))
             optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
             state = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
             pos = _Position(**state["position"])
@@ -292,54 +306,77 @@ class Trainer:
                 rt.scaler.load_state_dict(state["scaler"])
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
-            ckpt.restore_rng(state["rng"])
+            per_rank = state.get("rng_per_rank") or [state["rng"]]
+            # Same world size: each rank continues its own random stream; otherwise rank 0's is shared.
+            ckpt.restore_rng(per_rank[rt.env.rank] if len(per_rank) == rt.env.world_size else per_rank[0])
             rt.adopt_reasons(ckpt.load_plan(found), note=f"from checkpoint step {found.step}")
         self.rt, self.model = rt, model
         return rt, model, optimizer, scheduler, pos, found
 
     def _find_resume(self) -> ckpt.Checkpoint | None:
-        if self.resume is None:
+        resume = self.resume
+        if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
+            resume = "auto"  # torchrun restarted this worker (--max-restarts): continue from the last checkpoint
+        if resume is None:
             return None
         root = self.out_dir / "checkpoints" if self.out_dir else Path(".")
-        found = ckpt.open_checkpoint(self.resume, root, warn=lambda text: print(text, file=sys.stderr))
+        found = ckpt.open_checkpoint(resume, root, warn=lambda text: print(text, file=sys.stderr))
         if found is None:
             print(f"no checkpoint under {root}; starting from scratch", file=sys.stderr)
         return found
 
-    def _checkpoint(self, run: _Run) -> ckpt.Checkpoint:
+    def _checkpoint(self, run: _Run) -> ckpt.Checkpoint | None:
+        """Write a checkpoint from rank 0 (every rank's RNG state in it); the others wait for it."""
         assert self.out_dir is not None
         rt, pos, scheduler = run.rt, run.pos, run.scheduler
+        rng = gather_objects(ckpt.capture_rng())
+        root = self.out_dir / "checkpoints"
+        if not self.env.is_main:  # every rank keeps the same record of the checkpoint rank 0 commits
+            barrier()
+            return ckpt.Checkpoint(root / f"{ckpt.PREFIX}{pos.step:08d}", pos.step, {})
         state = {
             "position": vars(pos).copy(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
-            "rng": ckpt.capture_rng(),
+            "rng": rng[0],
+            "rng_per_rank": rng,
         }
         written = ckpt.save_checkpoint(
-            self.out_dir / "checkpoints",
+            root,
             pos.step,
-            model=run.model,
+            model=unwrap(run.model),
             optimizer=run.optimizer,
             state=state,
             plan=rt.explain().to_dict(),
             keep=self.keep_checkpoints,
         )
+        barrier()
         for callback in self.callbacks:
             callback.on_checkpoint(self, pos.step, str(written.path))
         return written
 
     # -- logging, evaluation, summary ------------------------------------------------------------
 
-    def _loggers(self, resume_step: int | None) -> Loggers:
-        if self.out_dir is None:
+    def _loggers(self, resume_step: int | None, main: bool) -> Loggers:
+        if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
         return open_loggers(self.logger_names, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
 
-    def _flush(self, run: _Run) -> None:
-        """Read the window's losses (one device sync), check them, and log a row per step."""
+    def _flush(self, run: _Run) -> str:
+        """Read the window's losses (one device sync), check them, log a row per step; return an agreed stop.
+
+        Under several processes the losses are averaged over the ranks in the same collective that
+        tells every rank whether one of them received SIGTERM/SIGINT, so all stop at the same step.
+        """
         window, pos = run.window, run.pos
-        losses = torch.stack(window.losses).float().tolist()
+        stacked = torch.stack(window.losses).float()
+        stop = ""
+        if self.env.distributed:
+            flag = torch.tensor([1.0 if self._signals.received is not None else 0.0], device=stacked.device)
+            both = all_reduce_sum(torch.cat([stacked / self.env.world_size, flag]))
+            stacked, stop = both[:-1], "signal (agreed by all ranks)" if both[-1].item() > 0 else ""
+        losses = stacked.tolist()
         elapsed = time.perf_counter() - window.start
         first = pos.step - len(losses) + 1
         for offset, value in enumerate(losses):
@@ -362,10 +399,11 @@ class Trainer:
             callback.on_step(self, pos.step, losses[-1])
         run.losses += losses
         run.window = _Window()
+        return stop
 
     def _evaluate(self, run: _Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
-        run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size)
+        run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env)
         self._evaluated_at = run.pos.step
         run.loggers.log_eval(run.pos.step, run.metrics)
         for callback in self.callbacks:
@@ -399,7 +437,7 @@ class Trainer:
             stopped=run.stopped,
             resumed_from=str(run.resumed.path) if run.resumed else None,
             checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
-            sample=self.task.sample(model) if self.task.sample else None,
+            sample=self.task.sample(unwrap(model)) if self.task.sample and self.env.is_main else None,
         )
 
     # -- evaluate and predict --------------------------------------------------------------------

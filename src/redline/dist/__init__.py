@@ -1,0 +1,1 @@
+"""Using every GPU: launching workers, distributed strategies, sharded checkpoints, the hang watchdog."""

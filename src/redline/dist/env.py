@@ -1,0 +1,91 @@
+"""The distributed environment a worker runs in, as torchrun describes it, and its process group."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+
+from redline.errors import ConfigError
+
+# Longer than any hang watchdog timeout, so the watchdog's diagnosis comes before torch's own error.
+COLLECTIVE_TIMEOUT = dt.timedelta(minutes=30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """Rank, world size and restart count of this worker; a single process is rank 0 of 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    restart_count: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this worker logs, shows progress and writes files (rank 0)."""
+        return self.rank == 0
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...); none set means one process."""
+    env = os.environ if environ is None else environ
+
+    def number(name: str, default: int) -> int:
+        text = env.get(name)
+        if text is None or text == "":
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{name}={text!r} is not an integer\nhint: launch with `redline launch`") from None
+
+    world = number("WORLD_SIZE", 1)
+    rank = number("RANK", 0)
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent\nhint: launch with `redline launch`")
+    return DistEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=number("LOCAL_RANK", 0),
+        local_world_size=number("LOCAL_WORLD_SIZE", 1),
+        restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
+    )
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_process_group(env: DistEnv, device_type: str) -> bool:
+    """Join the process group torchrun set up (once); return whether this call created it."""
+    if not env.distributed or torch_dist.is_initialized():
+        return False
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+    backend = backend_for(device_type)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+        # A restarted worker (--max-restarts) meets the others in torchrun's long-lived store, where the
+        # previous attempt's addresses still stand (seen with torch 2.13 and --standalone: the new
+        # workers dialled the dead ones). A prefix per attempt keeps each attempt's keys apart.
+        store = torch_dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+            timeout=COLLECTIVE_TIMEOUT,
+        )  # fmt: skip
+        prefixed = torch_dist.PrefixStore(f"redline/attempt-{env.restart_count}", store)
+        torch_dist.init_process_group(
+            backend=backend, store=prefixed, rank=env.rank, world_size=env.world_size, timeout=COLLECTIVE_TIMEOUT
+        )
+    else:
+        torch_dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    return True

@@ -1,0 +1,108 @@
+"""Starting a script on N processes or N machines through torch.distributed.run (torchrun).
+
+redline builds torchrun's arguments and calls its entry point in this process; rendezvous,
+worker supervision and restarts are torchrun's own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redline.errors import ConfigError, RedlineError, invalid
+
+HANG_TIMEOUT_ENV = "REDLINE_HANG_TIMEOUT"
+_ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
+
+
+class LaunchError(RedlineError):
+    """A worker of a launched job failed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How many workers, on how many machines, and how they meet."""
+
+    nproc: int | str = "auto"
+    nnodes: int = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+    hang_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.nproc != "auto" and (not isinstance(self.nproc, int) or self.nproc < 1):
+            raise invalid("nproc", self.nproc, "'auto' or a positive integer")
+        if self.nnodes < 1:
+            raise invalid("nnodes", self.nnodes, "a positive integer")
+        if self.max_restarts < 0:
+            raise invalid("max_restarts", self.max_restarts, "an integer >= 0")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise invalid("hang_timeout", self.hang_timeout_s, "a number of seconds > 0")
+        if self.rdzv_endpoint is not None and not _ENDPOINT.match(self.rdzv_endpoint):
+            raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            missing = [n for n in ("node_rank", "master_addr", "master_port") if getattr(self, n) is None]
+            if missing:
+                raise ConfigError(
+                    f"nnodes={self.nnodes} needs --{' --'.join(m.replace('_', '-') for m in missing)} "
+                    "(or --rdzv-endpoint HOST:PORT)\nhint: run the same command on every machine, each with its "
+                    "own --node-rank, all with the first machine's address as --master-addr"
+                )
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise invalid("node_rank", self.node_rank, f"0..{self.nnodes - 1} for --nnodes {self.nnodes}")
+
+
+def processes_per_node(nproc: int | str, cuda_count: int) -> tuple[int, str]:
+    """Resolve ``--nproc auto``: every visible GPU, or one process on a CPU; return the count and why."""
+    if nproc != "auto":
+        return int(nproc), "requested"
+    if cuda_count:
+        return cuda_count, f"auto: one process per visible GPU ({cuda_count})"
+    return 1, "auto: no GPU visible, one process"
+
+
+def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, module: bool = False) -> list[str]:
+    """Return torchrun's command-line arguments for ``target`` (a script and its arguments)."""
+    if not target:
+        raise ConfigError("nothing to launch\nhint: redline launch [OPTIONS] SCRIPT [ARGS...]")
+    args = [f"--nproc-per-node={nproc}", f"--max-restarts={config.max_restarts}"]
+    if config.rdzv_endpoint is not None:
+        args += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
+                 "--rdzv-id=redline"]  # fmt: skip
+    elif config.nnodes > 1:
+        args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
+                 f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
+    elif config.master_port is not None:
+        args += ["--nnodes=1", "--node-rank=0", f"--master-addr={config.master_addr or '127.0.0.1'}",
+                 f"--master-port={config.master_port}"]  # fmt: skip
+    else:
+        args.append("--standalone")  # one machine: a local rendezvous on a free port
+    if module:
+        args.append("--module")
+    return [*args, *target]
+
+
+def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
+    """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from redline.hardware.device import probe_accelerators
+
+    nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
+    if config.hang_timeout_s is not None:
+        os.environ[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)  # the workers inherit it
+    args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        failures = "; ".join(
+            f"rank {rank} exited with {failure.exitcode}" for rank, failure in sorted(exc.failures.items())
+        )
+        raise LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above") from None
+

@@ -1,0 +1,99 @@
+"""Data order that resumes exactly and splits a global batch across ranks.
+
+``EpochSampler`` fixes the order of every epoch by (seed, epoch) and can start mid-epoch.
+``GlobalBatchSampler`` cuts that order into global batches and hands each rank its contiguous
+share, so a run's batches, and for models without batch-dependent layers its results, do not
+depend on the number of processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from redline.errors import ConfigError
+
+
+class EpochSampler(Sampler[int]):
+    """Yield a dataset's indices in an order fixed by ``seed`` and the epoch, from any position.
+
+    The permutation of epoch ``e`` comes from a generator seeded with ``seed + e``, so it does not
+    depend on anything else the run does with random numbers and is the same on every rank;
+    ``set_epoch(e, skip=k)`` starts the epoch after its first ``k`` indices, which is how a
+    resumed run continues mid-epoch. With ``auto_epoch`` each new iteration moves to the next epoch
+    (for loops that never call set_epoch).
+    """
+
+    def __init__(self, size: int, *, shuffle: bool, seed: int, auto_epoch: bool = False) -> None:
+        self.size = size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.auto_epoch = auto_epoch
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch = epoch
+        self.skip = min(skip, self.size)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        indices = order[self.skip :].tolist()
+        if self.auto_epoch:
+            self.epoch, self.skip = self.epoch + 1, 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return self.size - self.skip
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Batches of ``global_batch`` indices, of which this rank takes its contiguous 1/world share.
+
+    A last batch whose size does not split evenly across the ranks is dropped (with one process,
+    it is kept): uneven shares would weigh samples differently in the averaged gradient.
+    """
+
+    def __init__(self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1) -> None:
+        if global_batch % world_size:
+            nearest = global_batch + (-global_batch) % world_size
+            raise ConfigError(
+                f"batch_size={global_batch} does not split across {world_size} processes; the batch size is the "
+                f"global batch\nhint: use a multiple of {world_size}, e.g. {nearest}"
+            )
+        self.sampler = sampler
+        self.global_batch = global_batch
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == self.global_batch:
+                yield self._share(batch)
+                batch = []
+        if batch and len(batch) % self.world_size == 0:
+            yield self._share(batch)
+
+    def _share(self, batch: list[int]) -> list[int]:
+        n = len(batch) // self.world_size
+        return batch[self.rank * n : (self.rank + 1) * n]
+
+    def __len__(self) -> int:
+        return batches_per_epoch(len(self.sampler), self.global_batch, self.world_size)
+
+
+def batches_per_epoch(size: int, global_batch: int, world_size: int = 1) -> int:
+    """Return the number of global batches in ``size`` samples, counting a last one that splits evenly."""
+    full, rest = divmod(size, global_batch)
+    return full + (1 if rest and rest % world_size == 0 else 0)

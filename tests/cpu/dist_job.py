@@ -1,0 +1,80 @@
+"""A training job the distributed tests start under `redline launch` (or alone, as one process).
+
+    python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S] [--batch B] [--checkpoint-every N]
+
+A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
+--kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
+(torchrun's TORCHELASTIC_RESTART_COUNT is 0), to test --max-restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.train.callbacks import Callback
+from redline.train.trainer import Trainer
+
+
+def make_task(batch: int) -> redline.Task:
+    gen = torch.Generator().manual_seed(11)
+    data = TensorDataset(torch.randn(96, 10, generator=gen), torch.randint(0, 4, (96,), generator=gen))
+    val = TensorDataset(torch.randn(41, 10, generator=gen), torch.randint(0, 4, (41,), generator=gen))
+    return redline.Task(
+        model=lambda: nn.Sequential(nn.Linear(10, 24), nn.Tanh(), nn.Linear(24, 4)),
+        loss_fn=nn.functional.cross_entropy,
+        train_data=data,
+        val_data=val,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        metric=lambda out, y: (out.argmax(-1) == y).float().mean().item(),
+        batch_size=batch,
+        epochs=100,
+        name="dist-job",
+    )
+
+
+class KillAt(Callback):
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step(self, trainer: Trainer, step: int, loss: float) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.env.rank == self.rank and step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--checkpoint-every", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    trainer = Trainer(
+        make_task(args.batch),
+        runtime=redline.RuntimeOptions(devices="cpu", seed=5),
+        max_steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        eval_every=args.steps,
+        log_every=1,
+        out_dir=args.out,
+        progress=False,
+        callbacks=[KillAt(args.kill_rank, args.kill_step)] if args.kill_rank >= 0 else [],
+        resume="auto" if args.resume else None,
+    )
+    summary = trainer.fit()
+    print(f"rank {trainer.env.rank} done steps={summary.steps} val_loss={summary.val_loss!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
