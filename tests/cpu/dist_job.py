@@ -1,6 +1,7 @@
 """A training job the distributed tests start under `redline launch` (or alone, as one process).
 
-    python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S] [--batch B] [--checkpoint-every N]
+    python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S [--sleep SECONDS]] [--batch B]
+                       [--checkpoint-every N]
 
 A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
 --kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -40,13 +42,16 @@ def make_task(batch: int) -> redline.Task:
 
 
 class KillAt(Callback):
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, sleep_s: float = 0.0) -> None:
+        self.rank, self.step, self.sleep_s = rank, step, sleep_s
 
     def on_step(self, trainer: Trainer, step: int, loss: float) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.env.rank == self.rank and step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.sleep_s:
+                time.sleep(self.sleep_s)  # a stalled rank: the hang watchdog must name it
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -56,6 +61,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=0)
+    parser.add_argument("--sleep", type=float, default=0.0, help="with --kill-rank/--kill-step: sleep instead")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--checkpoint-every", type=int, default=4)
     args = parser.parse_args()
@@ -69,7 +75,7 @@ def main() -> None:
         log_every=1,
         out_dir=args.out,
         progress=False,
-        callbacks=[KillAt(args.kill_rank, args.kill_step)] if args.kill_rank >= 0 else [],
+        callbacks=[KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else [],
         resume="auto" if args.resume else None,
     )
     summary = trainer.fit()

@@ -145,3 +145,19 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(rdzv_endpoint="nohost")
     with pytest.raises(ConfigError, match="nproc"):
         LaunchConfig(nproc=0)
+
+
+def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):
+    import time
+
+    start = time.monotonic()
+    result = launch(
+        "--nproc", "2", "--hang-timeout", "3", JOB, str(tmp_path), "20",
+        "--kill-rank", "1", "--kill-step", "5", "--sleep", "120",
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s; the watchdog should end it within the timeout plus a few s"
+    assert "rank 1 stopped at step 5" in result.stderr, result.stderr[-3000:]
+    assert (tmp_path / "hang.txt").is_file() and (tmp_path / "hang-rank1.txt").is_file()
+    assert "on_step" in (tmp_path / "hang-rank1.txt").read_text()  # rank 1's own stack shows where it sleeps

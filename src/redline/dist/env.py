@@ -14,6 +14,7 @@ from redline.errors import ConfigError
 
 # Longer than any hang watchdog timeout, so the watchdog's diagnosis comes before torch's own error.
 COLLECTIVE_TIMEOUT = dt.timedelta(minutes=30)
+_store: torch_dist.Store | None = None  # the store the process group met in, for the hang watchdog
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,9 +84,24 @@ def init_process_group(env: DistEnv, device_type: str) -> bool:
             timeout=COLLECTIVE_TIMEOUT,
         )  # fmt: skip
         prefixed = torch_dist.PrefixStore(f"redline/attempt-{env.restart_count}", store)
+        global _store
+        _store = prefixed
         torch_dist.init_process_group(
             backend=backend, store=prefixed, rank=env.rank, world_size=env.world_size, timeout=COLLECTIVE_TIMEOUT
         )
     else:
         torch_dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
     return True
+
+
+def process_group_store() -> torch_dist.Store | None:
+    """Return the store the process group met in (None outside a distributed run)."""
+    if _store is not None:
+        return _store
+    if not torch_dist.is_initialized():
+        return None
+    default = getattr(torch_dist.distributed_c10d, "_get_default_store", None)  # private; tolerated if absent
+    try:
+        return default() if default is not None else None
+    except (RuntimeError, ValueError):
+        return None

@@ -94,13 +94,19 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
 
     from redline.hardware.device import probe_accelerators
 
+    from redline.dist.watchdog import HANG_EXIT_CODE, enable_torch_debug
+
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     if config.hang_timeout_s is not None:
         os.environ[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)  # the workers inherit it
+        os.environ.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
     args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
     try:
         run(args)
     except ChildFailedError as exc:
+        hangs = [f.message for f in exc.failures.values() if f.exitcode == HANG_EXIT_CODE and f.message]
+        if hangs:  # the watchdog's diagnosis, once
+            raise LaunchError(str(hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]))
         failures = "; ".join(
             f"rank {rank} exited with {failure.exitcode}" for rank, failure in sorted(exc.failures.items())
         )

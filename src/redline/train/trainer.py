@@ -11,7 +11,9 @@ current step, writes a checkpoint and returns.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -24,8 +26,10 @@ import torch
 from torch import nn
 
 from redline.dist.collectives import all_reduce_sum, barrier, gather_objects
-from redline.dist.env import read_env
+from redline.dist.env import process_group_store, read_env
+from redline.dist.launch import HANG_TIMEOUT_ENV
 from redline.dist.strategies import unwrap
+from redline.dist.watchdog import Watchdog
 from redline.errors import ConfigError, RedlineError, invalid
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime, RuntimeOptions
@@ -94,6 +98,12 @@ class _Run:
     losses: list[float] = field(default_factory=list)
     metrics: dict[str, float | None] = field(default_factory=dict)
     stopped: str = ""
+    watchdog: Watchdog | None = None
+
+    def beat(self, where: str, step: int | None = None) -> None:
+        """Tell the hang watchdog where this rank is (costs well under a microsecond)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(self.pos.step if step is None else step, where)
 
 
 class Trainer:
@@ -118,6 +128,7 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         resume: str | Path | None = None,
         deterministic: bool = False,
+        hang_timeout_s: float | None = None,
     ) -> None:
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("batch_size", batch_size),
                             ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):  # fmt: skip
@@ -138,6 +149,7 @@ class Trainer:
         self.logger_names, self.show_progress = tuple(loggers), progress
         self.early_stopping, self.callbacks = early_stopping, list(callbacks)
         self.resume, self.deterministic = resume, deterministic
+        self.hang_timeout_s = hang_timeout_s
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
@@ -151,7 +163,8 @@ class Trainer:
     def fit(self) -> TrainSummary:
         """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
         run = self._start()
-        with self._signals, run.loggers:
+        with self._signals, run.loggers, self._watchdog() as watchdog:
+            run.watchdog = watchdog
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
                 for inputs, targets in run.batches:
@@ -174,6 +187,7 @@ class Trainer:
 
     def _train_step(self, run: _Run, inputs: Any, targets: Any) -> bool:
         """Run one micro-batch; return whether it completed an optimizer step."""
+        run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
         run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
         run.pos.batches_in_epoch += 1
@@ -197,6 +211,7 @@ class Trainer:
         stopped = self._stop_reason(step, run.total)
         due_ckpt = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
         if step % self.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
+            run.beat("logging (loss all-reduce)")
             agreed = self._flush(run)
             stopped = stopped or agreed
         eval_due = self.eval_every and step % self.eval_every == 0 and self.task.val_data is not None
@@ -236,6 +251,14 @@ class Trainer:
             ) from exc
         rt.backward(loss)
         return loss
+
+    def _watchdog(self) -> contextlib.AbstractContextManager[Watchdog | None]:
+        """The hang watchdog of a distributed run launched with --hang-timeout (else nothing)."""
+        timeout = self.hang_timeout_s or float(os.environ.get(HANG_TIMEOUT_ENV, 0) or 0)
+        store = process_group_store() if self.env.distributed and timeout else None
+        if store is None:
+            return contextlib.nullcontext()
+        return Watchdog(store, self.env.rank, self.env.world_size, timeout, self.out_dir)
 
     def _stop_reason(self, step: int, total: float) -> str:
         if self._signals.received is not None and not self.env.distributed:
@@ -329,6 +352,7 @@ class Trainer:
         """Write a checkpoint from rank 0 (every rank's RNG state in it); the others wait for it."""
         assert self.out_dir is not None
         rt, pos, scheduler = run.rt, run.pos, run.scheduler
+        run.beat("checkpoint")
         rng = gather_objects(ckpt.capture_rng())
         root = self.out_dir / "checkpoints"
         if not self.env.is_main:  # every rank keeps the same record of the checkpoint rank 0 commits
@@ -403,6 +427,7 @@ class Trainer:
 
     def _evaluate(self, run: _Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
+        run.beat("evaluate")
         run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env)
         self._evaluated_at = run.pos.step
         run.loggers.log_eval(run.pos.step, run.metrics)
