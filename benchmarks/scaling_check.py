@@ -50,6 +50,7 @@ def main() -> None:
     per_step = sum(counted) / args.steps
     expected = params * 4
     sent = 2 * (world - 1) / world * per_step  # ring all-reduce: each rank sends (and receives) this much
+    ring = 2 * (world - 1) / world * expected
     if dist.get_rank() == 0:
         body = [
             f"Task `{args.task}`, {params:,} parameters, {world} processes (gloo), {args.steps} steps, fp32.",
@@ -57,7 +58,7 @@ def main() -> None:
             "| figure | formula | measured |",
             "| --- | --- | --- |",
             f"| bytes all-reduced per step | 4 x params = {expected:,} | {per_step:,.0f} |",
-            f"| bytes each rank sends per step (ring) | 2(N-1)/N x 4 x params = {2 * (world - 1) / world * expected:,.0f} "
+            f"| bytes each rank sends per step (ring) | 2(N-1)/N x 4 x params = {ring:,.0f} "
             f"| {sent:,.0f} (from the measured buckets) |",
             f"| gradient buckets per step | - | {len(counted) / args.steps:.0f} |",
         ]
