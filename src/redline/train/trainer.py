@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,8 @@ from redline.dist.launch import HANG_TIMEOUT_ENV
 from redline.dist.strategies import unwrap
 from redline.dist.watchdog import Watchdog
 from redline.errors import ConfigError, RedlineError, invalid
-from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime, RuntimeOptions
-from redline.runtime.sampling import EpochSampler, batches_per_epoch
+from redline.runtime.sampling import batches_per_epoch
 from redline.task import Task
 from redline.train import checkpoint as ckpt
 from redline.train.callbacks import Callback, EarlyStopping
@@ -43,6 +41,7 @@ from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, save_weights, write_json
 from redline.train.progress import Progress
 from redline.train.signals import StopOnSignal
+from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary
 from redline.train.throughput import Throughput, is_tokens
 
@@ -52,58 +51,6 @@ LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "
 
 class TrainingError(RedlineError):
     """Training cannot go on: a non-finite loss, or a batch the model cannot take."""
-
-
-@dataclass
-class _Position:
-    """Where the run stands; saved in every checkpoint."""
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    samples: int = 0
-
-
-@dataclass
-class _Window:
-    """Per-step values gathered on the device between two logging points."""
-
-    losses: list[torch.Tensor] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
-    samples: int = 0
-    tokens: int = 0
-    start: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _Run:
-    """Everything one fit() works with: built once in ``_start``, updated by the loop."""
-
-    rt: Runtime
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    sampler: EpochSampler
-    batches: DeviceLoader
-    pos: _Position
-    total: float
-    loggers: Loggers
-    progress: Progress
-    meter: Throughput
-    resumed: ckpt.Checkpoint | None
-    last_ckpt: ckpt.Checkpoint | None
-    start: float = field(default_factory=time.perf_counter)
-    window: _Window = field(default_factory=_Window)
-    micro_loss: torch.Tensor | None = None
-    losses: list[float] = field(default_factory=list)
-    metrics: dict[str, float | None] = field(default_factory=dict)
-    stopped: str = ""
-    watchdog: Watchdog | None = None
-
-    def beat(self, where: str, step: int | None = None) -> None:
-        """Tell the hang watchdog where this rank is (costs well under a microsecond)."""
-        if self.watchdog is not None:
-            self.watchdog.beat(self.pos.step if step is None else step, where)
 
 
 class Trainer:
@@ -185,7 +132,7 @@ class Trainer:
             callback.on_fit_end(self, summary)
         return summary
 
-    def _train_step(self, run: _Run, inputs: Any, targets: Any) -> bool:
+    def _train_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         """Run one micro-batch; return whether it completed an optimizer step."""
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
@@ -205,7 +152,7 @@ class Trainer:
         run.meter.first_step_done(run.pos.step, inputs, targets, run.model)
         return True
 
-    def _after_step(self, run: _Run) -> str:
+    def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
         stopped = self._stop_reason(step, run.total)
@@ -221,13 +168,13 @@ class Trainer:
             run.last_ckpt = self._checkpoint(run)
         return stopped
 
-    def _after_epoch(self, run: _Run) -> str:
+    def _after_epoch(self, run: Run) -> str:
         """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
         if not self.eval_every and self.task.val_data is not None and self._evaluate(run):
             return "early stopping"
         return ""
 
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: Run) -> None:
         """Log the last steps, write the final checkpoint, and evaluate the final model."""
         if run.window.losses:
             self._flush(run)
@@ -238,7 +185,7 @@ class Trainer:
         run.stopped = run.stopped or "epochs"
 
     def _forward_backward(
-        self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: _Position
+        self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: Position
     ) -> torch.Tensor:
         try:
             with rt.autocast():
@@ -269,7 +216,7 @@ class Trainer:
 
     # -- setup and resume -----------------------------------------------------------------------
 
-    def _start(self) -> _Run:
+    def _start(self) -> Run:
         self.env = read_env()
         size = len(self.task.train_data)  # type: ignore[arg-type]
         self._batches_per_epoch = batches_per_epoch(size, self.batch_size, self.env.world_size)
@@ -282,7 +229,7 @@ class Trainer:
         )  # fmt: skip
         model.train()
         main = self.env.is_main
-        return _Run(
+        return Run(
             rt=rt,
             model=model,
             optimizer=optimizer,
@@ -298,7 +245,7 @@ class Trainer:
             last_ckpt=resumed,
         )
 
-    def _setup(self, planned_steps: int) -> tuple[Runtime, nn.Module, Any, Any, _Position, ckpt.Checkpoint | None]:
+    def _setup(self, planned_steps: int) -> tuple[Runtime, nn.Module, Any, Any, Position, ckpt.Checkpoint | None]:
         if self.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=False)
         found = self._find_resume()
@@ -317,12 +264,12 @@ class Trainer:
             raise TrainingError(f"task {self.task.name!r}: building the model raised {exc!r}") from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
-        pos = _Position()
+        pos = Position()
         if found is not None:
             ckpt.load_weights(found, unwrap(model))
             optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
             state = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
-            pos = _Position(**state["position"])
+            pos = Position(**state["position"])
             if scheduler is not None and state.get("scheduler") is not None:
                 scheduler.load_state_dict(state["scheduler"])
             if rt.scaler is not None and state.get("scaler"):
@@ -348,7 +295,7 @@ class Trainer:
             print(f"no checkpoint under {root}; starting from scratch", file=sys.stderr)
         return found
 
-    def _checkpoint(self, run: _Run) -> ckpt.Checkpoint | None:
+    def _checkpoint(self, run: Run) -> ckpt.Checkpoint | None:
         """Write a checkpoint from rank 0 (every rank's RNG state in it); the others wait for it."""
         assert self.out_dir is not None
         rt, pos, scheduler = run.rt, run.pos, run.scheduler
@@ -387,7 +334,7 @@ class Trainer:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
         return open_loggers(self.logger_names, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
 
-    def _flush(self, run: _Run) -> str:
+    def _flush(self, run: Run) -> str:
         """Read the window's losses (one device sync), check them, log a row per step; return an agreed stop.
 
         Under several processes the losses are averaged over the ranks in the same collective that
@@ -422,10 +369,10 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_step(self, pos.step, losses[-1])
         run.losses += losses
-        run.window = _Window()
+        run.window = Window()
         return stop
 
-    def _evaluate(self, run: _Run) -> bool:
+    def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
         run.beat("evaluate")
         run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env)
@@ -435,7 +382,7 @@ class Trainer:
             callback.on_evaluate(self, run.pos.step, run.metrics)
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
 
-    def _summary(self, run: _Run) -> TrainSummary:
+    def _summary(self, run: Run) -> TrainSummary:
         rt, model, pos, metrics = run.rt, run.model, run.pos, run.metrics
         seconds = time.perf_counter() - run.start
         figures = run.meter.totals()

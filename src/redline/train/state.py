@@ -1,0 +1,71 @@
+"""The state one fit() works with: where the run stands, and what it gathers between log points."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.dist.watchdog import Watchdog
+from redline.runtime.loading import DeviceLoader
+from redline.runtime.runtime import Runtime
+from redline.runtime.sampling import EpochSampler
+from redline.train import checkpoint as ckpt
+from redline.train.logs import Loggers
+from redline.train.progress import Progress
+from redline.train.throughput import Throughput
+
+
+@dataclass
+class Position:
+    """Where the run stands; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    samples: int = 0
+
+
+@dataclass
+class Window:
+    """Per-step values gathered on the device between two logging points."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Run:
+    """Everything one fit() works with: built once in ``_start``, updated by the loop."""
+
+    rt: Runtime
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: EpochSampler
+    batches: DeviceLoader
+    pos: Position
+    total: float
+    loggers: Loggers
+    progress: Progress
+    meter: Throughput
+    resumed: ckpt.Checkpoint | None
+    last_ckpt: ckpt.Checkpoint | None
+    start: float = field(default_factory=time.perf_counter)
+    window: Window = field(default_factory=Window)
+    micro_loss: torch.Tensor | None = None
+    losses: list[float] = field(default_factory=list)
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    stopped: str = ""
+    watchdog: Watchdog | None = None
+
+    def beat(self, where: str, step: int | None = None) -> None:
+        """Tell the hang watchdog where this rank is (costs well under a microsecond)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(self.pos.step if step is None else step, where)
