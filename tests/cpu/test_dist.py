@@ -161,3 +161,17 @@ def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):
     assert "rank 1 stopped at step 5" in result.stderr, result.stderr[-3000:]
     assert (tmp_path / "hang.txt").is_file() and (tmp_path / "hang-rank1.txt").is_file()
     assert "on_step" in (tmp_path / "hang-rank1.txt").read_text()  # rank 1's own stack shows where it sleeps
+
+
+def test_train_nproc_1_with_ddp_runs_the_launched_path(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "3", "--nproc", "1",
+         "--strategy", "ddp", "--json", "--no-progress", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    summary = json.loads(result.stdout)
+    assert summary["plan"]["strategy"]["value"] == "ddp" and summary["steps"] == 3
+    assert not any(name.startswith("module.") for name in weights(tmp_path))  # saved unwrapped

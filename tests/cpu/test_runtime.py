@@ -256,3 +256,9 @@ def test_fp16_overflow_steps_are_skipped_and_counted(initial):
     assert rt.skipped_steps == 1
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # weights untouched
     assert rt.scaler.get_scale() == scale / 2  # the scale backed off
+
+
+def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):
+    rt = redline.Runtime(devices="cpu", strategy="ddp")
+    with pytest.raises(ConfigError, match="redline launch"):
+        rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))

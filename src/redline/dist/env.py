@@ -26,6 +26,7 @@ class DistEnv:
     local_rank: int = 0
     local_world_size: int = 1
     restart_count: int = 0
+    launched: bool = False  # started by torchrun (even as 1 process): a process group can be formed
 
     @property
     def distributed(self) -> bool:
@@ -60,6 +61,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_rank=number("LOCAL_RANK", 0),
         local_world_size=number("LOCAL_WORLD_SIZE", 1),
         restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
+        launched="RANK" in env and "MASTER_ADDR" in env,
     )
 
 
@@ -70,7 +72,7 @@ def backend_for(device_type: str) -> str:
 
 def init_process_group(env: DistEnv, device_type: str) -> bool:
     """Join the process group torchrun set up (once); return whether this call created it."""
-    if not env.distributed or torch_dist.is_initialized():
+    if not (env.distributed or env.launched) or torch_dist.is_initialized():
         return False
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)

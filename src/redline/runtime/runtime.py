@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from redline.dist.env import init_process_group, read_env
 from redline.dist.strategies import gradient_sync, unwrap, wrap_ddp
-from redline.errors import invalid
+from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan import Choice, Plan
 from redline.plan.compile import resolve_compile
@@ -175,6 +175,11 @@ class Runtime:
             params=sum(p.numel() for p in model.parameters()),
             device_mem_gib=self.facts.mem_gib,
         )
+        if strategy.value != "single" and not torch.distributed.is_initialized():
+            raise ConfigError(
+                f"strategy={strategy.value!r} needs a process group, and this process was not launched as a "
+                "worker\nhint: start it with `redline launch` (or `redline train --nproc N`), or use strategy='auto'"
+            )
         if strategy.value == "ddp":
             model = wrap_ddp(model, self.device)
             self._wrapped = model
