@@ -1,0 +1,176 @@
+"""Sharded checkpoints: each rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a directory ``step-00000100/`` holding DCP's files (one ``__R_0.distcp`` per rank and
+``.metadata``), ``extra.pt`` (the trainer's small state, from rank 0) and ``manifest.json``. The commit
+is atomic as in the single-process format (train/checkpoint.py): every rank writes into
+``.tmp-step-00000100/``, a barrier waits for all of them, then rank 0 writes the manifest last and
+renames the directory into place. A directory without a valid manifest is not a checkpoint. The
+directory must be on a file system every rank sees.
+
+DCP stores each tensor with its global shape and the piece each rank held, so a checkpoint loads on
+a different number of ranks, the pieces redistributed ("load-time resharding":
+https://pytorch.org/docs/stable/distributed.checkpoint.html). The contract, tested: saved by FSDP2 on
+N ranks, it loads into FSDP2 on M ranks (2 -> 1, 1 -> 2; one rank means a 1-rank process group), and
+into a plain unsharded model in a process without a process group. The model and optimizer state go
+through ``get_state_dict`` / ``set_state_dict``, which name every tensor by its parameter's
+fully-qualified name whatever the wrapping, so the state is not tied to how the model was wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from redline.errors import RedlineError, invalid
+
+FORMAT = "redline-sharded-1"
+MANIFEST = "manifest.json"
+PREFIX = "step-"  # train/checkpoint.py's naming: its find_checkpoints lists these too, by the manifest's step
+EXTRA = "extra.pt"
+
+
+class ShardedCheckpointError(RedlineError):
+    """A sharded checkpoint is missing, incomplete or corrupt."""
+
+
+def save_sharded(
+    path_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], keep: int
+) -> Path:
+    """Write the checkpoint of ``step`` under ``path_root`` from every rank; keep the newest ``keep``.
+
+    Every rank must call it (it is collective) with the same ``path_root`` and ``step``. ``extra`` is
+    rank 0's: tensors and primitives that ``torch.load(weights_only=True)`` reads back. Returns the
+    committed directory once every rank may see it.
+    """
+    if not isinstance(keep, int) or keep < 1:
+        raise invalid("keep", keep, "a positive integer (the newest checkpoints to keep)")
+    final = path_root / f"{PREFIX}{step:08d}"
+    tmp = path_root / f".tmp-{final.name}"  # one name for all ranks, so no process id in it
+    if _rank() == 0:
+        path_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+        tmp.mkdir()
+    _barrier()
+    # An optimizer without state yet gets some from get_state_dict: it steps once with lr=0 (DCP's
+    # _init_optim_state), which for Adam counts a step and would change every later update. That
+    # state is saved, but dropped again from the live optimizer so the run goes on unchanged.
+    fresh = not optimizer.state
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # DCP's file writer fsyncs each file it writes (FileSystemWriter's sync_files=True).
+    with _single_process_is_intended():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    if fresh:
+        optimizer.state.clear()
+    if _rank() == 0:
+        torch.save(extra, tmp / EXTRA)
+        _fsync(tmp / EXTRA)
+    _barrier()  # every rank's shards are on disk: only now may the manifest say so
+    if _rank() == 0:
+        files = {p.name: {"bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        _commit(tmp, final)
+        _fsync(path_root)
+        for old in _committed(path_root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()  # no rank goes on (to load it, or to the next save) before the rename
+    return final
+
+
+def load_sharded(checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a committed checkpoint into ``model`` and ``optimizer`` in place; return its ``extra``.
+
+    Collective when a process group is initialised: every rank calls it. The model must be wrapped
+    (sharded or not) as it will be trained, and the optimizer built on its parameters.
+    """
+    _check_manifest(checkpoint_dir)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=checkpoint_dir)  # in place, each rank reading the pieces it holds
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra: dict[str, Any] = torch.load(checkpoint_dir / EXTRA, map_location="cpu", weights_only=True)
+    return extra
+
+
+def _check_manifest(path: Path) -> None:
+    try:
+        manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ShardedCheckpointError(
+            f"{path}: no readable {MANIFEST}, so not a committed checkpoint ({exc})\n"
+            f"hint: pass a directory {PREFIX}NNNNNNNN that save_sharded committed"
+        ) from exc
+    if manifest.get("format") != FORMAT:
+        raise ShardedCheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    # DCP keeps no checksums; a size check catches the truncated or missing shard a lost node leaves.
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != entry["bytes"]:
+            raise ShardedCheckpointError(f"{path}: {name} is missing or truncated")
+
+
+def _committed(root: Path) -> list[Path]:
+    """Return the committed checkpoint directories under ``root``, oldest step first."""
+    found = []
+    for path in root.glob(f"{PREFIX}*"):
+        try:
+            found.append((int(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["step"]), path))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no manifest: the write never finished
+    return [path for _, path in sorted(found)]
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    # A rename is atomic; an older checkpoint of the same step (a resumed run) is moved aside first.
+    if final.exists():
+        aside = final.with_name(f".old-{final.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+        tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes a single process: here that is the contract.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
