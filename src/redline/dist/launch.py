@@ -92,9 +92,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from redline.hardware.device import probe_accelerators
-
     from redline.dist.watchdog import HANG_EXIT_CODE, enable_torch_debug
+    from redline.hardware.device import probe_accelerators
 
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     if config.hang_timeout_s is not None:
@@ -106,7 +105,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     except ChildFailedError as exc:
         hangs = [f.message for f in exc.failures.values() if f.exitcode == HANG_EXIT_CODE and f.message]
         if hangs:  # the watchdog's diagnosis, once
-            raise LaunchError(str(hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]))
+            message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
+            raise LaunchError(str(message)) from None
         failures = "; ".join(
             f"rank {rank} exited with {failure.exitcode}" for rank, failure in sorted(exc.failures.items())
         )
