@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from redline.dist.env import init_process_group, read_env
+from redline.dist.fsdp import shard_with_optimizer
 from redline.dist.strategies import gradient_sync, unwrap, wrap_ddp
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -183,13 +184,18 @@ class Runtime:
         if strategy.value == "ddp":
             model = wrap_ddp(model, self.device)
             self._wrapped = model
-        elif strategy.value == "fsdp":
-            raise invalid("strategy", "fsdp", "'auto', 'single' or 'ddp' for now", "FSDP2 is being wired in")
-        built = build_optimizer(optimizer, unwrap(model))
+            built = build_optimizer(optimizer, unwrap(model))
+        elif strategy.value == "fsdp":  # fully_shard replaces the parameters: the optimizer is rebuilt on them
+            model, built = shard_with_optimizer(model, build_optimizer(optimizer, model), precision=self.precision)
+            self._wrapped = model
+        else:
+            built = build_optimizer(optimizer, model)
         facts = optimizer_facts(built)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
         impl = resolve_optimizer(facts, self.facts)
+        if impl.value == "fused" and strategy.value == "fsdp":
+            impl = Choice("as given", f"{facts.name} on FSDP2's sharded (DTensor) parameters: torch's default")
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
         planned = resolve_compile(

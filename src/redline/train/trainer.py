@@ -263,6 +263,13 @@ class Trainer:
         except Exception as exc:
             raise TrainingError(f"task {self.task.name!r}: building the model raised {exc!r}") from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
+        plan = rt.explain()
+        if plan.strategy is not None and plan.strategy.value == "fsdp" and self.out_dir is not None:
+            raise ConfigError(
+                "the Trainer does not write checkpoints of FSDP-sharded models yet (sharded checkpoints exist in "
+                "redline.dist.sharded_checkpoint and are being wired in)\nhint: run FSDP without --out, or "
+                "use --strategy ddp"
+            )
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
         pos = Position()
         if found is not None:
@@ -409,7 +416,8 @@ class Trainer:
             stopped=run.stopped,
             resumed_from=str(run.resumed.path) if run.resumed else None,
             checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
-            sample=self.task.sample(unwrap(model)) if self.task.sample and self.env.is_main else None,
+            # every rank samples: under FSDP each forward gathers the shards, a collective
+            sample=self.task.sample(unwrap(model)) if self.task.sample else None,
         )
 
     # -- evaluate and predict --------------------------------------------------------------------
