@@ -53,14 +53,14 @@ class KillAt(Callback):
 
 
 def kill_in_checkpoint(step: int) -> None:
-    real_commit = ckpt._commit
+    real_commit = ckpt.commit_directory
 
     def commit(tmp, final):  # type: ignore[no-untyped-def]
         if final.name == f"{ckpt.PREFIX}{step:08d}":
             os.kill(os.getpid(), signal.SIGKILL)
         real_commit(tmp, final)
 
-    ckpt._commit = commit
+    ckpt.commit_directory = commit
 
 
 def main() -> None:

@@ -60,6 +60,7 @@ def test_import_touches_no_cuda_and_no_optional_extra():
 # Layers of DESIGN.md, lowest first: a module may import its own layer or a lower one, never a higher.
 LAYERS = {
     "errors": 0,
+    "atomic": 0,
     "hardware": 1,
     "task": 2,
     "plan": 2,

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from redline.atomic import commit_directory, fsync_path
 from redline.errors import RedlineError, invalid
 
 FORMAT = "redline-sharded-1"
@@ -75,16 +76,15 @@ def save_sharded(
         optimizer.state.clear()
     if _rank() == 0:
         torch.save(extra, tmp / EXTRA)
-        _fsync(tmp / EXTRA)
+        fsync_path(tmp / EXTRA)
     _barrier()  # every rank's shards are on disk: only now may the manifest say so
     if _rank() == 0:
         files = {p.name: {"bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
         manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-        _fsync(tmp / MANIFEST)
-        _fsync(tmp)
-        _commit(tmp, final)
-        _fsync(path_root)
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)
+        commit_directory(tmp, final)
         for old in _committed(path_root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()  # no rank goes on (to load it, or to the next save) before the rename
@@ -133,26 +133,6 @@ def _committed(root: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError):
             continue  # no manifest: the write never finished
     return [path for _, path in sorted(found)]
-
-
-def _commit(tmp: Path, final: Path) -> None:
-    # A rename is atomic; an older checkpoint of the same step (a resumed run) is moved aside first.
-    if final.exists():
-        aside = final.with_name(f".old-{final.name}")
-        shutil.rmtree(aside, ignore_errors=True)
-        final.rename(aside)
-        tmp.rename(final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        tmp.rename(final)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

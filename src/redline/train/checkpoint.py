@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from redline.atomic import commit_directory, fsync_path
 from redline.errors import RedlineError
 
 FORMAT_VERSION = 1
@@ -74,9 +75,8 @@ def save_checkpoint(
     manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     _fsync_and_hash(tmp / MANIFEST)
-    _fsync_dir(tmp)
-    _commit(tmp, final)
-    _fsync_dir(root)
+    fsync_path(tmp)
+    commit_directory(tmp, final)
     for old in find_checkpoints(root)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
     return Checkpoint(final, step, manifest)
@@ -86,17 +86,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    # A rename is atomic; an older checkpoint of the same step (a resumed run) is moved aside first.
-    if final.exists():
-        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
-        final.rename(aside)
-        tmp.rename(final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        tmp.rename(final)
-
-
 def _fsync_and_hash(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb+") as handle:
@@ -104,14 +93,6 @@ def _fsync_and_hash(path: Path) -> str:
             digest.update(block)
         os.fsync(handle.fileno())
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def find_checkpoints(root: Path) -> list[Checkpoint]:
