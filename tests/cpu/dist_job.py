@@ -79,6 +79,7 @@ def main() -> None:
         resume="auto" if args.resume else None,
     )
     summary = trainer.fit()
+    trainer.rt.close()
     print(f"rank {trainer.env.rank} done steps={summary.steps} val_loss={summary.val_loss!r}", flush=True)
 
 

@@ -126,7 +126,11 @@ def train(
         resume=resume,
         deterministic=deterministic,
     )
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    finally:
+        if trainer.rt is not None:
+            trainer.rt.close()
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:
