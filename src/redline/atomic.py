@@ -1,9 +1,11 @@
-"""Committing a directory so that a crash at any moment leaves either the old one or the new one."""
+"""Writing files and directories so that a crash at any moment leaves either the old one or the new one."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -31,3 +33,16 @@ def commit_directory(tmp: Path, final: Path) -> None:
     else:
         tmp.rename(final)
     fsync_path(final.parent)
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
+from redline.atomic import write_atomic
 from redline.errors import ConfigError, invalid
-from redline.train.output import write_atomic
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

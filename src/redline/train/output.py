@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_model
 from torch import nn
 
+from redline.atomic import write_atomic
 from redline.errors import ConfigError
 
 
@@ -28,20 +28,6 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
             "hint: pass --out to a directory you can write to"
         ) from exc
     return out
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ current step, writes a checkpoint and returns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -29,7 +30,9 @@ from redline.dist.env import process_group_store, read_env
 from redline.dist.launch import HANG_TIMEOUT_ENV
 from redline.dist.strategies import unwrap
 from redline.dist.watchdog import Watchdog
-from redline.errors import ConfigError, RedlineError, invalid
+from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, invalid
+from redline.hardware.device import probe_accelerators
+from redline.plan.device import resolve_device
 from redline.runtime.runtime import Runtime, RuntimeOptions
 from redline.runtime.sampling import batches_per_epoch
 from redline.task import Task
@@ -459,14 +462,9 @@ def _shapes(batch: Any) -> str:
 
 
 def _available_device(options: RuntimeOptions) -> RuntimeOptions:
-    # A checkpoint written on cuda:3 resumes where that device exists, else on "auto".
-    from dataclasses import replace
-
-    from redline.hardware.device import probe_accelerators
-
-    found = probe_accelerators()
-    device = options.devices
-    usable = device == "cpu" or (device == "mps" and found.mps)
-    if device.startswith("cuda"):
-        usable = int(device.partition(":")[2] or 0) < found.cuda_count
-    return options if usable else replace(options, devices="auto")
+    """Keep a checkpoint's device where this machine has it (the device resolver decides), else use "auto"."""
+    try:
+        resolve_device(options.devices, probe_accelerators())
+    except DeviceUnavailableError:
+        return dataclasses.replace(options, devices="auto")
+    return options
