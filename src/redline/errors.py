@@ -6,6 +6,8 @@ from __future__ import annotations
 class RedlineError(Exception):
     """Base class of every error redline raises on purpose."""
 
+    exit_code = 2  # what the command line exits with
+
 
 class ConfigError(RedlineError, ValueError):
     """An argument or option has a value redline cannot use."""

@@ -1,7 +1,7 @@
 """A training job the distributed tests start under `redline launch` (or alone, as one process).
 
     python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S [--sleep SECONDS]] [--batch B]
-                       [--checkpoint-every N]
+                       [--checkpoint-every N] [--strategy auto|ddp|fsdp|single] [--term-launcher-step S]
 
 A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
 --kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
@@ -41,6 +41,24 @@ def make_task(batch: int) -> redline.Task:
     )
 
 
+class SignalLauncherAt(Callback):
+    """Rank 0 sends SIGTERM to the launcher at a step, as a scheduler preempting the job would.
+
+    It then waits until the launcher has passed the signal back to it, so the ranks agree to stop at
+    the next step's log point whatever the machine's load.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, trainer: Trainer, step: int, loss: float) -> None:
+        if trainer.env.rank == 0 and step == self.step:
+            os.kill(os.getppid(), signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while trainer._signals.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
 class KillAt(Callback):
     def __init__(self, rank: int, step: int, sleep_s: float = 0.0) -> None:
         self.rank, self.step, self.sleep_s = rank, step, sleep_s
@@ -64,23 +82,31 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0, help="with --kill-rank/--kill-step: sleep instead")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--checkpoint-every", type=int, default=4)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--term-launcher-step", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    callbacks: list[Callback] = [KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else []
+    if args.term_launcher_step:
+        callbacks.append(SignalLauncherAt(args.term_launcher_step))
     trainer = Trainer(
         make_task(args.batch),
-        runtime=redline.RuntimeOptions(devices="cpu", seed=5),
+        runtime=redline.RuntimeOptions(devices="cpu", seed=5, strategy=args.strategy),
         max_steps=args.steps,
         checkpoint_every=args.checkpoint_every,
         eval_every=args.steps,
         log_every=1,
         out_dir=args.out,
         progress=False,
-        callbacks=[KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else [],
+        callbacks=callbacks,
         resume="auto" if args.resume else None,
     )
     summary = trainer.fit()
     trainer.rt.close()
-    print(f"rank {trainer.env.rank} done steps={summary.steps} val_loss={summary.val_loss!r}", flush=True)
+    print(
+        f"rank {trainer.env.rank} done steps={summary.steps} val_loss={summary.val_loss!r} stopped={summary.stopped}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

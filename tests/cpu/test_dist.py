@@ -117,6 +117,17 @@ def test_two_nodes_on_loopback_train_together(tmp_path, two_processes):
     assert_close(weights(tmp_path), weights(two_processes))
 
 
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, one_process):
+    stopped = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--term-launcher-step", "5")
+    assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM" in stopped.stderr and "--resume auto" in stopped.stderr
+    assert stopped.stdout.count("done steps=6 ") == 2 and "stopped=signal (agreed by all ranks)" in stopped.stdout
+    assert (tmp_path / "checkpoints" / "step-00000006" / "manifest.json").is_file()
+    resumed = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_close(weights(tmp_path), weights(one_process))
+
+
 def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
     result = launch("--nproc", "2", JOB, str(tmp_path), "2", "--batch", "15")
     assert result.returncode != 0
@@ -204,7 +215,65 @@ def test_fsdp_through_the_trainer_matches_ddp():
     assert fsdp["sample"] and fsdp["sample"] == ddp["sample"]
 
 
-def test_fsdp_checkpoints_are_refused_until_wired(tmp_path):
-    result = train_json("--nproc", "2", "--strategy", "fsdp", "--out", str(tmp_path))
-    assert result.returncode != 0
-    assert "does not write checkpoints of FSDP-sharded models yet" in result.stderr
+def manifest(checkpoint: Path) -> dict:
+    import json
+
+    return json.loads((checkpoint / "manifest.json").read_text())
+
+
+def test_fsdp_checkpoints_resume_from_two_processes_on_one(tmp_path, one_process):
+    first = launch("--nproc", "2", JOB, str(tmp_path), "6", "--strategy", "fsdp")
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = sorted((tmp_path / "checkpoints").glob("step-*"))
+    assert [p.name for p in written] == ["step-00000004", "step-00000006"]
+    assert manifest(written[-1])["format"] == "redline-sharded-1" and manifest(written[-1])["world_size"] == 2
+    assert (written[-1] / "plan.json").is_file() and (written[-1] / "__1_0.distcp").is_file()
+    resumed = alone(tmp_path, str(STEPS), "--resume")  # one process, no process group: an unsharded model
+    assert resumed.returncode == 0, resumed.stderr
+    assert_close(weights(tmp_path), weights(one_process))
+
+
+def test_a_truncated_shard_is_skipped_for_the_checkpoint_before(tmp_path, one_process):
+    assert launch("--nproc", "2", JOB, str(tmp_path), "6", "--strategy", "fsdp").returncode == 0
+    shard = tmp_path / "checkpoints" / "step-00000006" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-8])  # rank 1's node lost the end of its write
+    resumed = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--strategy", "fsdp", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "skipping a corrupt checkpoint" in resumed.stderr
+    assert "__1_0.distcp is missing or truncated" in resumed.stderr
+    assert_close(weights(tmp_path), weights(one_process))  # resumed from step 4 instead: the same run
+
+
+def test_fsdp_checkpoints_resume_from_one_process_on_two(tmp_path, one_process):
+    first = launch("--nproc", "1", JOB, str(tmp_path), "6", "--strategy", "fsdp")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert manifest(tmp_path / "checkpoints" / "step-00000006")["world_size"] == 1
+    resumed = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--strategy", "fsdp", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the final weights are gathered from the 2 ranks' shards into one file, as the unsharded run writes them
+    assert_close(weights(tmp_path), weights(one_process))
+
+
+def test_whole_checkpoints_are_not_loaded_into_fsdp_shards(tmp_path):
+    assert alone(tmp_path, "4").returncode == 0
+    resumed = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--strategy", "fsdp", "--resume")
+    assert resumed.returncode != 0
+    assert "holds whole weights" in resumed.stderr and "--strategy ddp" in resumed.stderr
+
+
+def test_fsdp_writes_a_gpt_whose_tied_weights_load_into_the_plain_model(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    from redline.cli.train import parse_task_args
+    from redline.task import load_task
+
+    result = train_json("--nproc", "2", "--strategy", "fsdp", "--out", str(tmp_path), "--checkpoint-every", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    task = load_task("example:chargpt", **parse_task_args(TINY_GPT[3::2]))
+    model = task.build_model()
+    load_model(model, str(tmp_path / "model.safetensors"), strict=True)  # wte and lm_head: one tensor, both names
+    assert model.lm_head.weight is model.wte.weight
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        assert handle.metadata()["wte.weight"] == "lm_head.weight"  # the alias noted as save_model notes it
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step-*"))] == ["step-00000002", "step-00000004"]

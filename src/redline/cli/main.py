@@ -31,9 +31,9 @@ def _root() -> None:
 
 
 def main() -> None:
-    """Entry point of the console script: a RedlineError becomes one clear message and exit code 2."""
+    """Entry point of the console script: a RedlineError becomes one clear message and its exit code (2)."""
     try:
         app()
     except RedlineError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exc.exit_code)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from redline.errors import ConfigError, invalid
 from redline.plan.precision import PRECISIONS, Precision
 from redline.runtime.optimizer import rebuild_optimizer
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -151,3 +154,25 @@ def shard_with_optimizer(
     for group in optimizer.param_groups:  # the old optimizer is discarded: point its groups at the new parameters
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model, rebuild_optimizer(optimizer)
+
+
+def full_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Gather a sharded model's whole weights onto rank 0's CPU; collective: every rank calls it.
+
+    Returns, on rank 0, the weights under the unwrapped model's names with a tied weight once, and
+    ``{dropped alias: kept name}``; empty dicts on the other ranks. The kept name is the first of a
+    tied weight's names in sorted order, as safetensors' ``save_model`` keeps (and notes the alias
+    in the file's metadata the same way), so the file loads with ``load_model`` into the plain model.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # plain CPU tensors
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    aliases: dict[str, str] = {}
+    for group in names.values():
+        kept, *dropped = sorted(group)
+        for alias in dropped:
+            if state.pop(alias, None) is not None:
+                aliases[alias] = kept
+    return state, aliases

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,19 @@ _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 
 class LaunchError(RedlineError):
     """A worker of a launched job failed."""
+
+
+class LaunchStopped(LaunchError):
+    """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
+
+    def __init__(self, signum: int) -> None:
+        self.exit_code = 128 + signum  # the shell's convention: a scheduler reads it as "terminated"
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name}: the launcher passed it to every worker; a Trainer with --out finishes its step, "
+            "and all ranks write a checkpoint at the same step before they exit (they have torchrun's 30 s)\n"
+            "hint: run the same command again with --resume auto to continue from it"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +103,7 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
 
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
     """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -102,6 +117,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
     try:
         run(args)
+    except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
+        raise LaunchStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         hangs = [f.message for f in exc.failures.values() if f.exitcode == HANG_EXIT_CODE and f.message]
         if hangs:  # the watchdog's diagnosis, once

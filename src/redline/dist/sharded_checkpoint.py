@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,21 @@ class ShardedCheckpointError(RedlineError):
 
 
 def save_sharded(
-    path_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], keep: int
+    path_root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    keep: int,
+    *,
+    documents: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``path_root`` from every rank; keep the newest ``keep``.
 
     Every rank must call it (it is collective) with the same ``path_root`` and ``step``. ``extra`` is
-    rank 0's: tensors and primitives that ``torch.load(weights_only=True)`` reads back. Returns the
-    committed directory once every rank may see it.
+    rank 0's: tensors and primitives that ``torch.load(weights_only=True)`` reads back. ``documents``
+    are rank 0's JSON files to write beside it (``{"plan.json": {...}}``), readable without torch.
+    Returns the committed directory once every rank may see it.
     """
     if not isinstance(keep, int) or keep < 1:
         raise invalid("keep", keep, "a positive integer (the newest checkpoints to keep)")
@@ -77,6 +85,9 @@ def save_sharded(
     if _rank() == 0:
         torch.save(extra, tmp / EXTRA)
         fsync_path(tmp / EXTRA)
+        for name, document in (documents or {}).items():
+            (tmp / name).write_text(json.dumps(document, indent=2), encoding="utf-8")
+            fsync_path(tmp / name)
     _barrier()  # every rank's shards are on disk: only now may the manifest say so
     if _rank() == 0:
         files = {p.name: {"bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
@@ -97,7 +108,7 @@ def load_sharded(checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.
     Collective when a process group is initialised: every rank calls it. The model must be wrapped
     (sharded or not) as it will be trained, and the optimizer built on its parameters.
     """
-    _check_manifest(checkpoint_dir)
+    check_manifest(checkpoint_dir)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     with _single_process_is_intended():
@@ -107,7 +118,8 @@ def load_sharded(checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.
     return extra
 
 
-def _check_manifest(path: Path) -> None:
+def check_manifest(path: Path) -> None:
+    """Check that ``path`` is a committed sharded checkpoint with every file whole; else raise."""
     try:
         manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

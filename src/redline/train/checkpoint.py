@@ -6,6 +6,10 @@ trainer's state (LR scheduler, grad scaler, RNG states, data position) and the P
 under a temporary name, every file fsynced, a manifest with each file's SHA-256 written last, and
 only then renamed into place: a directory without a valid manifest is not a checkpoint. Loading
 never unpickles arbitrary objects (safetensors, and torch.load with weights_only=True).
+
+A checkpoint of an FSDP run is the sharded kind that redline.dist.sharded_checkpoint writes (each
+rank its shards, the Plan and trainer state beside them), under the same names and with the step in
+its manifest: ``find_checkpoints``, ``verify`` and ``open_checkpoint`` take both kinds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from redline.atomic import commit_directory, fsync_path
+from redline.dist import sharded_checkpoint as sharded
 from redline.errors import RedlineError
 
 FORMAT_VERSION = 1
@@ -109,8 +114,19 @@ def find_checkpoints(root: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+def is_sharded(checkpoint: Checkpoint) -> bool:
+    """Whether ``checkpoint`` holds per-rank shards (an FSDP run's, redline.dist.sharded_checkpoint)."""
+    return checkpoint.manifest.get("format") == sharded.FORMAT
+
+
 def verify(checkpoint: Checkpoint) -> None:
     """Check every file of ``checkpoint`` against its manifest; raise CheckpointError if one differs."""
+    if is_sharded(checkpoint):
+        try:
+            sharded.check_manifest(checkpoint.path)
+        except sharded.ShardedCheckpointError as exc:
+            raise CheckpointError(str(exc).split("\n")[0]) from exc
+        return
     if checkpoint.manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{checkpoint.path}: format {checkpoint.manifest.get('format')!r}, expected 1")
     for name, entry in checkpoint.manifest["files"].items():

@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_model
+import torch
+from safetensors.torch import save_file, save_model
 from torch import nn
 
 from redline.atomic import write_atomic
@@ -43,3 +44,9 @@ def _write_text(path: Path, text: str) -> None:
 def save_weights(path: Path, model: nn.Module) -> None:
     """Save ``model``'s weights as safetensors, atomically; tied weights are stored once."""
     write_atomic(path, lambda tmp: save_model(model, str(tmp)))
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Save named tensors (a gathered state dict, tied weights already once) as safetensors, atomically."""
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt", **(metadata or {})}))

@@ -27,7 +27,9 @@ from torch import nn
 
 from redline.dist.collectives import all_reduce_sum, barrier, gather_objects
 from redline.dist.env import process_group_store, read_env
+from redline.dist.fsdp import full_weights
 from redline.dist.launch import HANG_TIMEOUT_ENV
+from redline.dist.sharded_checkpoint import load_sharded, save_sharded
 from redline.dist.strategies import unwrap
 from redline.dist.watchdog import Watchdog
 from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, invalid
@@ -41,7 +43,7 @@ from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.data import eval_loader, train_loader
 from redline.train.evaluation import evaluate_model
 from redline.train.logs import Loggers, open_loggers
-from redline.train.output import prepare_out_dir, save_weights, write_json
+from redline.train.output import prepare_out_dir, save_tensors, save_weights, write_json
 from redline.train.progress import Progress
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
@@ -128,12 +130,24 @@ class Trainer:
             self._finish(run)
         run.progress.close()
         summary = self._summary(run)
-        if self.out_dir and self.env.is_main:
-            save_weights(self.out_dir / "model.safetensors", unwrap(run.model))
-            write_json(self.out_dir / "summary.json", summary.to_dict())
+        if self.out_dir:
+            self._write_results(run, summary)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
+
+    def _write_results(self, run: Run, summary: TrainSummary) -> None:
+        """Write the final weights (whole, gathered from the shards under FSDP) and the summary, from rank 0."""
+        assert self.out_dir is not None
+        path = self.out_dir / "model.safetensors"
+        if _sharded(run.rt):
+            weights, aliases = full_weights(run.model)  # collective: every rank sends its shards
+            if self.env.is_main:
+                save_tensors(path, weights, metadata=aliases)
+        elif self.env.is_main:
+            save_weights(path, unwrap(run.model))
+        if self.env.is_main:
+            write_json(self.out_dir / "summary.json", summary.to_dict())
 
     def _train_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         """Run one micro-batch; return whether it completed an optimizer step."""
@@ -266,19 +280,10 @@ class Trainer:
         except Exception as exc:
             raise TrainingError(f"task {self.task.name!r}: building the model raised {exc!r}") from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
-        plan = rt.explain()
-        if plan.strategy is not None and plan.strategy.value == "fsdp" and self.out_dir is not None:
-            raise ConfigError(
-                "the Trainer does not write checkpoints of FSDP-sharded models yet (sharded checkpoints exist in "
-                "redline.dist.sharded_checkpoint and are being wired in)\nhint: run FSDP without --out, or "
-                "use --strategy ddp"
-            )
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
         pos = Position()
         if found is not None:
-            ckpt.load_weights(found, unwrap(model))
-            optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
-            state = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
+            state = self._restore(found, rt, model, optimizer)
             pos = Position(**state["position"])
             if scheduler is not None and state.get("scheduler") is not None:
                 scheduler.load_state_dict(state["scheduler"])
@@ -293,6 +298,24 @@ class Trainer:
         self.rt, self.model = rt, model
         return rt, model, optimizer, scheduler, pos, found
 
+    def _restore(self, found: ckpt.Checkpoint, rt: Runtime, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """Load a checkpoint's weights and optimizer state into the set-up model; return the trainer's state.
+
+        A sharded checkpoint (an FSDP run's) loads into any strategy on any number of processes, DCP
+        redistributing the pieces; a whole one loads into an unsharded model.
+        """
+        if ckpt.is_sharded(found):
+            return load_sharded(found.path, model, optimizer)  # collective: every rank reads its pieces
+        if _sharded(rt):
+            raise ConfigError(
+                f"{found.path} holds whole weights (a run without FSDP), and this run shards the model with FSDP\n"
+                "hint: resume it with --strategy ddp (or on one process), then checkpoint; or start the FSDP run afresh"
+            )
+        ckpt.load_weights(found, unwrap(model))
+        optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
+        state: dict[str, Any] = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
+        return state
+
     def _find_resume(self) -> ckpt.Checkpoint | None:
         resume = self.resume
         if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
@@ -306,13 +329,13 @@ class Trainer:
         return found
 
     def _checkpoint(self, run: Run) -> ckpt.Checkpoint | None:
-        """Write a checkpoint from rank 0 (every rank's RNG state in it); the others wait for it."""
+        """Write a checkpoint (every rank's RNG state in it): from rank 0, or under FSDP each rank its shards."""
         assert self.out_dir is not None
         rt, pos, scheduler = run.rt, run.pos, run.scheduler
         run.beat("checkpoint")
         rng = gather_objects(ckpt.capture_rng())
         root = self.out_dir / "checkpoints"
-        if not self.env.is_main:  # every rank keeps the same record of the checkpoint rank 0 commits
+        if not self.env.is_main and not _sharded(rt):  # every rank keeps the record of the checkpoint rank 0 commits
             barrier()
             return ckpt.Checkpoint(root / f"{ckpt.PREFIX}{pos.step:08d}", pos.step, {})
         state = {
@@ -323,16 +346,20 @@ class Trainer:
             "rng": rng[0],
             "rng_per_rank": rng,
         }
-        written = ckpt.save_checkpoint(
-            root,
-            pos.step,
-            model=unwrap(run.model),
-            optimizer=run.optimizer,
-            state=state,
-            plan=rt.explain().to_dict(),
-            keep=self.keep_checkpoints,
-        )
-        barrier()
+        plan = rt.explain().to_dict()
+        if _sharded(rt):
+            path = save_sharded(
+                root, pos.step, run.model, run.optimizer, state, self.keep_checkpoints, documents={"plan.json": plan}
+            )
+            written = ckpt.Checkpoint(path, pos.step, {})
+            if not self.env.is_main:
+                return written
+        else:
+            written = ckpt.save_checkpoint(
+                root, pos.step, model=unwrap(run.model), optimizer=run.optimizer, state=state, plan=plan,
+                keep=self.keep_checkpoints,
+            )  # fmt: skip
+            barrier()
         for callback in self.callbacks:
             callback.on_checkpoint(self, pos.step, str(written.path))
         return written
@@ -459,6 +486,12 @@ def _shapes(batch: Any) -> str:
     if isinstance(batch, list | tuple):
         return "(" + ", ".join(_shapes(b) for b in batch) + ")"
     return type(batch).__name__
+
+
+def _sharded(rt: Runtime) -> bool:
+    """Whether the Runtime shards the model with FSDP: checkpoints are then sharded, and collective."""
+    strategy = rt.explain().strategy
+    return strategy is not None and strategy.value == "fsdp"
 
 
 def _available_device(options: RuntimeOptions) -> RuntimeOptions:
