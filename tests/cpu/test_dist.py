@@ -97,6 +97,24 @@ def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path, two_proces
     assert_close(weights(tmp_path), weights(two_processes))
 
 
+def test_a_killed_fsdp_worker_is_restarted_from_its_sharded_checkpoint(tmp_path, one_process):
+    result = launch(
+        "--nproc", "2", "--max-restarts", "1", JOB, str(tmp_path), str(STEPS), "--kill-rank", "1", "--kill-step", "6",
+        "--strategy", "fsdp",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(f"done steps={STEPS}") == 2
+    assert_close(weights(tmp_path), weights(one_process))
+
+
+def test_a_broken_collective_is_told_from_a_bad_batch():
+    from redline.dist.collectives import is_collective_failure
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    assert is_collective_failure(gloo) and is_collective_failure(torch.distributed.DistBackendError("NCCL error"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x10 and 12x24)"))
+
+
 def test_two_nodes_on_loopback_train_together(tmp_path, two_processes):
     port = str(free_port())
     node = ["--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
@@ -254,11 +272,12 @@ def test_fsdp_checkpoints_resume_from_one_process_on_two(tmp_path, one_process):
     assert_close(weights(tmp_path), weights(one_process))
 
 
-def test_whole_checkpoints_are_not_loaded_into_fsdp_shards(tmp_path):
-    assert alone(tmp_path, "4").returncode == 0
+def test_a_whole_checkpoint_resumes_under_fsdp_on_two(tmp_path, one_process):
+    assert alone(tmp_path, "6").returncode == 0  # one process: whole weights and optimizer state
     resumed = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--strategy", "fsdp", "--resume")
-    assert resumed.returncode != 0
-    assert "holds whole weights" in resumed.stderr and "--strategy ddp" in resumed.stderr
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert manifest(tmp_path / "checkpoints" / "step-00000010")["format"] == "redline-sharded-1"
+    assert_close(weights(tmp_path), weights(one_process))
 
 
 def test_fsdp_writes_a_gpt_whose_tied_weights_load_into_the_plain_model(tmp_path):

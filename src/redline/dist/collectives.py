@@ -34,3 +34,14 @@ def gather_objects(obj: Any) -> list[Any]:
     gathered: list[Any] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that broke (a peer died or hung up), not an error of this rank's own.
+
+    NCCL raises ``DistBackendError``; gloo a plain RuntimeError from its transport, named in the text.
+    """
+    if isinstance(exc, torch_dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text)

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from redline.errors import ConfigError, invalid
 from redline.plan.precision import PRECISIONS, Precision
 from redline.runtime.optimizer import rebuild_optimizer
-
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -176,3 +175,49 @@ def full_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
             if state.pop(alias, None) is not None:
                 aliases[alias] = kept
     return state, aliases
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+) -> None:
+    """Load whole weights and an unsharded optimizer's ``state_dict()`` into a sharded model and its optimizer.
+
+    The way from a checkpoint of one device or DDP to FSDP: every rank passes the same whole state
+    and keeps its own pieces. ``weights`` holds a tied weight under one of its names (as safetensors
+    writes it); ``optimizer_state`` numbers parameters in the order of the optimizer's groups, which
+    is the order of the sharded optimizer's groups when both were built by the same factory.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    full: dict[str, Any] = {}
+    for group in names.values():
+        present = [name for name in group if name in weights]
+        if not present:
+            raise ConfigError(
+                f"the checkpoint's weights lack {group[0]!r}\nhint: resume with the model it was written by"
+            )
+        full.update(dict.fromkeys(group, weights[present[0]]))
+    first = {id(param): name for name, param in model.named_parameters()}
+    order = [first[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    if len(order) != sum(len(group["params"]) for group in optimizer_state["param_groups"]):
+        raise ConfigError(
+            f"the checkpoint's optimizer holds a different number of parameters than this run's ({len(order)})\n"
+            "hint: resume with the optimizer the checkpoint was written with"
+        )
+    by_name: dict[str, Any] = {
+        "state": {order[index]: value for index, value in optimizer_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [order[i] for i in group["params"]]} for group in optimizer_state["param_groups"]
+        ],
+    }
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=full,
+        optim_state_dict=by_name,
+        options=StateDictOptions(full_state_dict=True),
+    )

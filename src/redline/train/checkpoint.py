@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
 from redline.atomic import commit_directory, fsync_path
@@ -169,6 +169,11 @@ def open_checkpoint(where: str | Path, root: Path, warn: Callable[[str], None]) 
 def load_weights(checkpoint: Checkpoint, model: nn.Module) -> None:
     """Load the checkpoint's weights into ``model`` (on whatever device it is)."""
     load_model(model, str(checkpoint.path / "model.safetensors"), strict=True, device=_device_of(model))
+
+
+def load_tensors_file(checkpoint: Checkpoint, name: str) -> dict[str, torch.Tensor]:
+    """Return the named tensors of a safetensors file of the checkpoint, on the CPU."""
+    return load_file(checkpoint.path / name, device="cpu")
 
 
 def load_tensors(checkpoint: Checkpoint, name: str, device: torch.device) -> Any:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.dist.collectives import all_reduce_sum, barrier, gather_objects
+from redline.dist.collectives import all_reduce_sum, barrier, gather_objects, is_collective_failure
 from redline.dist.env import process_group_store, read_env
-from redline.dist.fsdp import full_weights
+from redline.dist.fsdp import full_weights, load_full_state
 from redline.dist.launch import HANG_TIMEOUT_ENV
 from redline.dist.sharded_checkpoint import load_sharded, save_sharded
 from redline.dist.strategies import unwrap
@@ -208,6 +208,12 @@ class Trainer:
             with rt.autocast():
                 loss = self.task.loss_fn(model(inputs), targets)
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            if is_collective_failure(exc):  # FSDP gathers weights in the forward: a dead peer surfaces here
+                raise TrainingError(
+                    f"step {pos.step + 1}: a collective with the other ranks failed in the forward: "
+                    f"{str(exc).splitlines()[0]}\nhint: another rank stopped first; its log says why (with "
+                    "--max-restarts K the job restarts from the last checkpoint)"
+                ) from exc
             raise TrainingError(
                 f"step {pos.step + 1}: the model or loss failed on a batch with inputs {_shapes(inputs)} and "
                 f"targets {_shapes(targets)}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
@@ -302,17 +308,17 @@ class Trainer:
         """Load a checkpoint's weights and optimizer state into the set-up model; return the trainer's state.
 
         A sharded checkpoint (an FSDP run's) loads into any strategy on any number of processes, DCP
-        redistributing the pieces; a whole one loads into an unsharded model.
+        redistributing the pieces; a whole one (one device's or DDP's) into an unsharded model, or under
+        FSDP each rank reads it whole and keeps its pieces.
         """
         if ckpt.is_sharded(found):
             return load_sharded(found.path, model, optimizer)  # collective: every rank reads its pieces
         if _sharded(rt):
-            raise ConfigError(
-                f"{found.path} holds whole weights (a run without FSDP), and this run shards the model with FSDP\n"
-                "hint: resume it with --strategy ddp (or on one process), then checkpoint; or start the FSDP run afresh"
-            )
-        ckpt.load_weights(found, unwrap(model))
-        optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
+            weights = ckpt.load_tensors_file(found, "model.safetensors")
+            load_full_state(model, optimizer, weights, ckpt.load_tensors(found, "optimizer.pt", torch.device("cpu")))
+        else:
+            ckpt.load_weights(found, unwrap(model))
+            optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
         state: dict[str, Any] = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
         return state
 
