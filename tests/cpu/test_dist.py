@@ -233,6 +233,15 @@ def test_fsdp_through_the_trainer_matches_ddp():
     assert fsdp["sample"] and fsdp["sample"] == ddp["sample"]
 
 
+def test_the_plan_states_the_split_and_what_it_changes():
+    import json
+
+    result = train_json("--nproc", "2", "--task-arg", "dropout=0.1", "--max-steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    loader = json.loads(result.stdout)["plan"]["loader"]["reason"]
+    assert "global batch 8 = 2 x 4" in loader and "dropout draws from each rank's own random stream" in loader
+
+
 def manifest(checkpoint: Path) -> dict:
     import json
 

@@ -39,7 +39,7 @@ from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, split_caveats
 from redline.runtime.seed import seed_everything
 from redline.runtime.transfer import move_to
 
@@ -153,6 +153,7 @@ class Runtime:
         self._backwards = 0
         self._micro_steps: dict[int, int] = {}
         self._skipped: torch.Tensor | None = None  # fp16 steps the scaler skipped, counted on the device
+        self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -165,6 +166,7 @@ class Runtime:
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        self._split_caveats = split_caveats(model)
         layout = resolve_channels_last(
             self._requested["channels_last"], self.facts, has_conv2d=has_conv2d, precision=self.precision
         )
@@ -221,6 +223,7 @@ class Runtime:
         if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):
             split = loader.batch_sampler
             reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
+            reason = "; ".join([reason, *self._split_caveats])
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
         channels_last = self._plan.channels_last is not None and self._plan.channels_last.value

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 from torch.utils.data import Sampler
 
 from redline.errors import ConfigError
@@ -97,3 +98,22 @@ def batches_per_epoch(size: int, global_batch: int, world_size: int = 1) -> int:
     """Return the number of global batches in ``size`` samples, counting a last one that splits evenly."""
     full, rest = divmod(size, global_batch)
     return full + (1 if rest and rest % world_size == 0 else 0)
+
+
+def split_caveats(model: nn.Module) -> list[str]:
+    """Say which of ``model``'s layers make its results depend on how the global batch is split.
+
+    BatchNorm normalises over the samples of one rank, not the global batch (``nn.SyncBatchNorm``
+    would make them global); dropout draws its masks from each rank's own random stream.
+    """
+    caveats = []
+    norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+                for m in model.modules())  # fmt: skip
+    if norms:
+        caveats.append(
+            f"{norms} BatchNorm layer(s) use each rank's share of the batch for their statistics, so results differ "
+            "from one process (torch.nn.SyncBatchNorm.convert_sync_batchnorm makes them global)"
+        )
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        caveats.append("dropout draws from each rank's own random stream, so its masks differ from one process")
+    return caveats

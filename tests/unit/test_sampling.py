@@ -1,0 +1,52 @@
+"""The data order and the split of a global batch across ranks, without processes."""
+
+import pytest
+from torch import nn
+
+from redline.errors import ConfigError
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, split_caveats
+
+
+def ranks(size: int, global_batch: int, world: int, epoch: int = 0, skip: int = 0) -> list[list[list[int]]]:
+    """Each rank's batches of one epoch."""
+    out = []
+    for rank in range(world):
+        sampler = EpochSampler(size, shuffle=True, seed=3)
+        sampler.set_epoch(epoch, skip=skip)
+        out.append(list(GlobalBatchSampler(sampler, global_batch=global_batch, rank=rank, world_size=world)))
+    return out
+
+
+def test_the_ranks_shares_put_together_are_the_one_process_batches():
+    (alone,) = ranks(20, 8, 1)
+    two = ranks(20, 8, 2)
+    assert [a + b for a, b in zip(*two, strict=True)] == alone  # 8, 8, and the last 4 split evenly: kept
+    assert [len(batch) for batch in two[0]] == [4, 4, 2]
+    assert sorted(i for rank in two for batch in rank for i in batch) == list(range(20))  # each sample once
+
+
+def test_a_last_batch_that_does_not_split_is_dropped_rather_than_padded():
+    three = ranks(19, 6, 3)  # 3 full batches and a last one of 1
+    assert [len(batches) for batches in three] == [3, 3, 3]
+    assert batches_per_epoch(19, 6, 3) == 3 and batches_per_epoch(19, 6, 1) == 4
+
+
+def test_the_order_depends_on_seed_and_epoch_only_and_resumes_mid_epoch():
+    full = ranks(20, 4, 2, epoch=1)
+    resumed = ranks(20, 4, 2, epoch=1, skip=8)  # two global batches already trained
+    assert [batches[2:] for batches in full] == resumed
+    assert ranks(20, 4, 2, epoch=2) != full
+
+
+def test_an_indivisible_global_batch_names_the_nearest_that_splits():
+    with pytest.raises(ConfigError, match=r"(?s)batch_size=10 does not split across 4 processes.*e\.g\. 12"):
+        GlobalBatchSampler(EpochSampler(40, shuffle=False, seed=0), global_batch=10, rank=0, world_size=4)
+
+
+def test_the_layers_that_depend_on_the_split_are_named():
+    assert split_caveats(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))) == []
+    caveats = split_caveats(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.BatchNorm1d(2), nn.Dropout(0.1)))
+    assert len(caveats) == 2
+    assert caveats[0].startswith("2 BatchNorm layer(s)") and "SyncBatchNorm" in caveats[0]
+    assert "dropout" in caveats[1]
+    assert split_caveats(nn.SyncBatchNorm(2)) == []  # already global
