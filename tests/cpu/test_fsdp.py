@@ -316,6 +316,18 @@ def test_sharded_checkpoints_keep_the_newest_and_refuse_a_truncated_shard(tmp_pa
         load_sharded(tmp_path / "step-00000003", model, optimizer)
 
 
+def test_a_shard_that_rank_0_cannot_see_is_not_committed(tmp_path: Path) -> None:
+    from redline.dist.sharded_checkpoint import _commit
+
+    tmp = tmp_path / ".tmp-step-00000001"
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"rank 0")
+    views = [{"__0_0.distcp": 6}, {"__1_0.distcp": 6}]  # rank 1 wrote onto its own node's disk
+    with pytest.raises(ShardedCheckpointError, match=r"rank 1 wrote __1_0\.distcp.*every rank shares"):
+        _commit(tmp, tmp_path / "step-00000001", 1, {"step": 1}, {}, views, keep=1)
+    assert not (tmp_path / "step-00000001").exists() and not (tmp / "manifest.json").exists()
+
+
 def test_a_checkpoint_before_the_first_step_leaves_the_run_unchanged(tmp_path: Path) -> None:
     runs = []
     for save in (False, True):

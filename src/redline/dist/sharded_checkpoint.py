@@ -3,9 +3,12 @@
 A checkpoint is a directory ``step-00000100/`` holding DCP's files (one ``__R_0.distcp`` per rank and
 ``.metadata``), ``extra.pt`` (the trainer's small state, from rank 0) and ``manifest.json``. The commit
 is atomic as in the single-process format (train/checkpoint.py): every rank writes into
-``.tmp-step-00000100/``, a barrier waits for all of them, then rank 0 writes the manifest last and
-renames the directory into place. A directory without a valid manifest is not a checkpoint. The
-directory must be on a file system every rank sees.
+``.tmp-step-00000100/``, then tells rank 0 which files it sees there; rank 0 checks that it sees
+them too (the directory must be on a file system every rank shares: a node-local one is refused),
+writes the manifest last and renames the directory into place. A failure on rank 0 is passed to
+every rank, so none is left waiting. A directory without a valid manifest is not a checkpoint. The
+manifest records each file's size, not a checksum (DCP's shards can be large): a truncated or
+missing shard is caught, a flipped bit inside one is not.
 
 DCP stores each tensor with its global shape and the piece each rank held, so a checkpoint loads on
 a different number of ranks, the pieces redistributed ("load-time resharding":
@@ -23,7 +26,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from redline.atomic import commit_directory, fsync_path
+from redline.dist.collectives import gather_objects
 from redline.errors import RedlineError, invalid
 
 FORMAT = "redline-sharded-1"
@@ -67,11 +71,7 @@ def save_sharded(
         raise invalid("keep", keep, "a positive integer (the newest checkpoints to keep)")
     final = path_root / f"{PREFIX}{step:08d}"
     tmp = path_root / f".tmp-{final.name}"  # one name for all ranks, so no process id in it
-    if _rank() == 0:
-        path_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
-        tmp.mkdir()
-    _barrier()
+    _on_rank0(lambda: _prepare(tmp))
     # An optimizer without state yet gets some from get_state_dict: it steps once with lr=0 (DCP's
     # _init_optim_state), which for Adam counts a step and would change every later update. That
     # state is saved, but dropped again from the live optimizer so the run goes on unchanged.
@@ -82,24 +82,68 @@ def save_sharded(
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
     if fresh:
         optimizer.state.clear()
+    views = gather_objects(_listing(tmp))  # what every rank sees of the directory, once its shards are on disk
+    _on_rank0(lambda: _commit(tmp, final, step, extra, documents or {}, views, keep))
+    return final  # every rank returns after the rename: none goes on to load it, or save again, before
+
+
+def _prepare(tmp: Path) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+    tmp.mkdir()
+
+
+def _commit(
+    tmp: Path, final: Path, step: int, extra: dict[str, Any], documents: Mapping[str, Any],
+    views: list[dict[str, int]], keep: int,
+) -> None:  # fmt: skip
+    """On rank 0: write the small files, check every rank's shards are here, write the manifest, rename."""
+    torch.save(extra, tmp / EXTRA)
+    fsync_path(tmp / EXTRA)
+    for name, document in documents.items():
+        (tmp / name).write_text(json.dumps(document, indent=2), encoding="utf-8")
+        fsync_path(tmp / name)
+    here = _listing(tmp)
+    for rank, view in enumerate(views):
+        unseen = sorted(name for name, size in view.items() if here.get(name) != size)
+        if unseen:  # a node-local --out: rank 0 would commit a checkpoint without the others' shards
+            raise ShardedCheckpointError(
+                f"rank {rank} wrote {', '.join(unseen)} into {tmp}, and rank 0 does not see it there: the "
+                "checkpoint directory must be on a file system every rank shares\n"
+                "hint: point --out at shared storage (NFS, Lustre, a cloud file system) mounted on every node"
+            )
+    files = {name: {"bytes": size} for name, size in sorted(here.items())}
+    manifest = {"format": FORMAT, "step": step, "world_size": len(views), "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    fsync_path(tmp / MANIFEST)
+    fsync_path(tmp)
+    commit_directory(tmp, final)
+    for old in _committed(final.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    """Return ``{file name: size}`` of the files directly in ``directory`` (empty when it is not there)."""
+    if not directory.is_dir():
+        return {}
+    return {path.name: path.stat().st_size for path in directory.iterdir() if path.is_file()}
+
+
+def _on_rank0(action: Callable[[], None]) -> None:
+    """Run ``action`` on rank 0; every rank waits for it and raises if it failed, so none is left waiting."""
+    if not dist.is_initialized():
+        action()
+        return
+    error = None
     if _rank() == 0:
-        torch.save(extra, tmp / EXTRA)
-        fsync_path(tmp / EXTRA)
-        for name, document in (documents or {}).items():
-            (tmp / name).write_text(json.dumps(document, indent=2), encoding="utf-8")
-            fsync_path(tmp / name)
-    _barrier()  # every rank's shards are on disk: only now may the manifest say so
-    if _rank() == 0:
-        files = {p.name: {"bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-        manifest = {"format": FORMAT, "step": step, "world_size": _world_size(), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-        fsync_path(tmp / MANIFEST)
-        fsync_path(tmp)
-        commit_directory(tmp, final)
-        for old in _committed(path_root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()  # no rank goes on (to load it, or to the next save) before the rename
-    return final
+        try:
+            action()
+        except Exception as exc:  # passed to every rank, then raised there
+            error = f"{type(exc).__name__}: {exc}"
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ShardedCheckpointError(f"saving the checkpoint failed on rank 0: {box[0]}")
 
 
 def load_sharded(checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -157,12 +201,3 @@ def _single_process_is_intended() -> Iterator[None]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
