@@ -165,16 +165,17 @@ def full_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # plain CPU tensors
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
     aliases: dict[str, str] = {}
-    for group in names.values():
+    for group in _names_by_parameter(model):
         kept, *dropped = sorted(group)
         for alias in dropped:
             if state.pop(alias, None) is not None:
                 aliases[alias] = kept
     return state, aliases
+
+
+# How an optimizer runs, not what it learnt: this run's choice (the Plan's), never the checkpoint's.
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def load_full_state(
@@ -186,34 +187,37 @@ def load_full_state(
     """Load whole weights and an unsharded optimizer's ``state_dict()`` into a sharded model and its optimizer.
 
     The way from a checkpoint of one device or DDP to FSDP: every rank passes the same whole state
-    and keeps its own pieces. ``weights`` holds a tied weight under one of its names (as safetensors
-    writes it); ``optimizer_state`` numbers parameters in the order of the optimizer's groups, which
-    is the order of the sharded optimizer's groups when both were built by the same factory.
+    and keeps its own pieces (each rank holds the whole state in host memory while it loads).
+    ``weights`` holds a tied weight under one of its names (as safetensors writes it) and must fit
+    the model exactly; ``optimizer_state`` numbers parameters in the order of the optimizer's groups,
+    which is the order of the sharded optimizer's groups when both were built by the same factory.
     """
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    full: dict[str, Any] = {}
-    for group in names.values():
+    full: dict[str, Any] = dict(weights)
+    for group in _names_by_parameter(model):
         present = [name for name in group if name in weights]
-        if not present:
-            raise ConfigError(
-                f"the checkpoint's weights lack {group[0]!r}\nhint: resume with the model it was written by"
-            )
-        full.update(dict.fromkeys(group, weights[present[0]]))
+        if present:
+            full.update(dict.fromkeys(group, weights[present[0]]))
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - full.keys()), sorted(full.keys() - expected)
+    if missing or unexpected:
+        raise ConfigError(
+            f"the checkpoint's weights do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}\n"
+            "hint: resume with the model (and task options) the checkpoint was written by"
+        )
     first = {id(param): name for name, param in model.named_parameters()}
     order = [first[id(param)] for group in optimizer.param_groups for param in group["params"]]
-    if len(order) != sum(len(group["params"]) for group in optimizer_state["param_groups"]):
+    saved = [len(group["params"]) for group in optimizer_state["param_groups"]]
+    if saved != [len(group["params"]) for group in optimizer.param_groups]:
         raise ConfigError(
-            f"the checkpoint's optimizer holds a different number of parameters than this run's ({len(order)})\n"
+            f"the checkpoint's optimizer groups hold {saved} parameters, this run's "
+            f"{[len(group['params']) for group in optimizer.param_groups]}\n"
             "hint: resume with the optimizer the checkpoint was written with"
         )
-    by_name: dict[str, Any] = {
-        "state": {order[index]: value for index, value in optimizer_state["state"].items()},
-        "param_groups": [
-            {**group, "params": [order[i] for i in group["params"]]} for group in optimizer_state["param_groups"]
-        ],
-    }
+    groups = []
+    for group, live in zip(optimizer_state["param_groups"], optimizer.param_groups, strict=True):
+        kept = {key: live[key] for key in _IMPLEMENTATION_KEYS if key in live}
+        groups.append({**group, **kept, "params": [order[i] for i in group["params"]]})
+    by_name: dict[str, Any] = {"state": {order[i]: v for i, v in optimizer_state["state"].items()}, "param_groups": groups}
     set_state_dict(
         model,
         optimizer,
@@ -221,3 +225,11 @@ def load_full_state(
         optim_state_dict=by_name,
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def _names_by_parameter(model: nn.Module) -> list[list[str]]:
+    """Return each parameter's names (a tied one has several), in the model's order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return list(names.values())
