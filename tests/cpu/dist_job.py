@@ -2,6 +2,7 @@
 
     python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S [--sleep SECONDS]] [--batch B]
                        [--checkpoint-every N] [--strategy auto|ddp|fsdp|single] [--term-launcher-step S]
+                       [--log-every N]
 
 A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
 --kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
@@ -24,12 +25,12 @@ from redline.train.callbacks import Callback
 from redline.train.trainer import Trainer
 
 
-def make_task(batch: int) -> redline.Task:
+def make_task(batch: int, term_step: int = 0) -> redline.Task:
     gen = torch.Generator().manual_seed(11)
     data = TensorDataset(torch.randn(96, 10, generator=gen), torch.randint(0, 4, (96,), generator=gen))
     val = TensorDataset(torch.randn(41, 10, generator=gen), torch.randint(0, 4, (41,), generator=gen))
     return redline.Task(
-        model=lambda: nn.Sequential(nn.Linear(10, 24), nn.Tanh(), nn.Linear(24, 4)),
+        model=lambda: signal_launcher_at(nn.Sequential(nn.Linear(10, 24), nn.Tanh(), nn.Linear(24, 4)), term_step),
         loss_fn=nn.functional.cross_entropy,
         train_data=data,
         val_data=val,
@@ -41,22 +42,32 @@ def make_task(batch: int) -> redline.Task:
     )
 
 
-class SignalLauncherAt(Callback):
-    """Rank 0 sends SIGTERM to the launcher at a step, as a scheduler preempting the job would.
+TRAINER: Trainer | None = None
 
-    It then waits until the launcher has passed the signal back to it, so the ranks agree to stop at
-    the next step's log point whatever the machine's load.
+
+def signal_launcher_at(model: nn.Module, step: int) -> nn.Module:
+    """Rank 0 sends SIGTERM to the launcher in the forward of a step, as a scheduler preempting the job would.
+
+    A forward hook, not a callback: callbacks run at log points, and the stop must not wait for one.
+    Rank 0 then waits until the launcher has passed the signal back to it, so where the ranks stop
+    does not depend on the machine's load: the vote of this step says stop, the next step reads it.
     """
+    if not step:
+        return model
+    calls = [0]
 
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step(self, trainer: Trainer, step: int, loss: float) -> None:
-        if trainer.env.rank == 0 and step == self.step:
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if not module.training or args[0].is_meta or os.environ.get("RANK", "0") != "0":
+            return  # (the Trainer counts FLOPs on a meta-device copy of the first step)
+        calls[0] += 1
+        if calls[0] == step:
             os.kill(os.getppid(), signal.SIGTERM)
             deadline = time.monotonic() + 30
-            while trainer._signals.received is None and time.monotonic() < deadline:
+            while (TRAINER is None or TRAINER._signals.received is None) and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+    model.register_forward_pre_hook(hook)
+    return model
 
 
 class KillAt(Callback):
@@ -84,18 +95,18 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--term-launcher-step", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     callbacks: list[Callback] = [KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else []
-    if args.term_launcher_step:
-        callbacks.append(SignalLauncherAt(args.term_launcher_step))
-    trainer = Trainer(
-        make_task(args.batch),
+    global TRAINER
+    TRAINER = trainer = Trainer(
+        make_task(args.batch, args.term_launcher_step),
         runtime=redline.RuntimeOptions(devices="cpu", seed=5, strategy=args.strategy),
         max_steps=args.steps,
         checkpoint_every=args.checkpoint_every,
         eval_every=args.steps,
-        log_every=1,
+        log_every=args.log_every,
         out_dir=args.out,
         progress=False,
         callbacks=callbacks,

@@ -39,6 +39,12 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.allclose(a[name], b[name], rtol=0, atol=ATOL), f"{name}: {(a[name] - b[name]).abs().max():.3g}"
 
 
+def manifest(checkpoint: Path) -> dict:
+    import json
+
+    return json.loads((checkpoint / "manifest.json").read_text())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -135,13 +141,22 @@ def test_two_nodes_on_loopback_train_together(tmp_path, two_processes):
     assert_close(weights(tmp_path), weights(two_processes))
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, one_process):
-    stopped = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--term-launcher-step", "5")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigterm_to_the_launcher_stops_every_rank_at_the_next_step_with_a_checkpoint(tmp_path, one_process, strategy):
+    # Rank 0 signals the launcher in step 6's forward, and with --log-every 50 no log point is near.
+    # Every rank stops at the step that reads a stop vote: 7 (rank 0's vote of step 6), or 6 when rank
+    # 1, still finishing step 5, got the signal before it voted. Both stop at the same step either way.
+    import re
+
+    args = [JOB, str(tmp_path), str(STEPS), "--strategy", strategy, "--log-every", "50"]
+    stopped = launch("--nproc", "2", *args, "--term-launcher-step", "6")
     assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
     assert "stopped by SIGTERM" in stopped.stderr and "--resume auto" in stopped.stderr
-    assert stopped.stdout.count("done steps=6 ") == 2 and "stopped=signal (agreed by all ranks)" in stopped.stdout
-    assert (tmp_path / "checkpoints" / "step-00000006" / "manifest.json").is_file()
-    resumed = launch("--nproc", "2", JOB, str(tmp_path), str(STEPS), "--resume")
+    # (the two ranks' lines may interleave in the shared pipe: match each on its own)
+    steps = re.findall(r"rank \d done steps=(\d+) val_loss=\S+ stopped=signal \(agreed by all ranks\)", stopped.stdout)
+    assert len(steps) == 2 and steps[0] == steps[1] and steps[0] in ("6", "7"), stopped.stdout
+    assert manifest(tmp_path / "checkpoints" / f"step-{int(steps[0]):08d}")["step"] == int(steps[0])
+    resumed = launch("--nproc", "2", *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_close(weights(tmp_path), weights(one_process))
 
@@ -240,12 +255,6 @@ def test_the_plan_states_the_split_and_what_it_changes():
     assert result.returncode == 0, result.stderr[-3000:]
     loader = json.loads(result.stdout)["plan"]["loader"]["reason"]
     assert "global batch 8 = 2 x 4" in loader and "dropout draws from each rank's own random stream" in loader
-
-
-def manifest(checkpoint: Path) -> dict:
-    import json
-
-    return json.loads((checkpoint / "manifest.json").read_text())
 
 
 def test_fsdp_checkpoints_resume_from_two_processes_on_one(tmp_path, one_process):

@@ -169,6 +169,39 @@ def test_a_batch_of_the_wrong_shape_names_the_step_and_the_shapes():
         quiet(tiny_task(train_data=wrong, val_data=None), max_steps=2).fit()
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_broken_collective_is_named_as_such_not_as_a_bad_batch(where):
+    class PeerDies(torch.autograd.Function):  # what a rank meets when another died: NCCL's error
+        @staticmethod
+        def forward(ctx, x):
+            if where == "forward":
+                raise torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0")
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0")
+
+    class Model(nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            return PeerDies.apply(out) if not out.is_meta and torch.is_grad_enabled() else out
+
+    with pytest.raises(TrainingError, match=r"(?s)step 1: a collective with the other ranks failed.*another") as err:
+        quiet(tiny_task(model=lambda: Model(4, 2), val_data=None), max_steps=2).fit()
+    assert "shaped as the model expects" not in str(err.value)
+
+
+def test_a_sharded_checkpoint_of_a_users_own_loop_is_refused_clearly(tmp_path):
+    from redline.dist.sharded_checkpoint import save_sharded
+
+    model = nn.Linear(4, 2)
+    save_sharded(tmp_path, 3, model, torch.optim.SGD(model.parameters(), lr=0.1), {"step": 3}, keep=1)
+    trainer = quiet(tiny_task(), max_steps=4, resume=tmp_path / "step-00000003")
+    with pytest.raises(ckpt.CheckpointError, match="not written by the Trainer"):
+        trainer.fit()
+
+
 def test_scheduler_steps_with_the_optimizer_and_lr_is_logged(tmp_path):
     warmup = tiny_task(
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),

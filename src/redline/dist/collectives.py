@@ -45,3 +45,39 @@ def is_collective_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text)
+
+
+class StopVote:
+    """Every rank learns, one step late and without waiting, whether any rank was asked to stop.
+
+    Each step every rank posts its vote (did it receive SIGTERM/SIGINT?) as an asynchronous sum on a
+    gloo group of its own, on the CPU, so the device is never synchronised and the training
+    collectives are not delayed; the next step reads the result, by then long complete. All ranks
+    read the same sum at the same step, so they stop together within two steps of the signal, whatever
+    ``log_every`` is. In one process the vote is the signal itself.
+    """
+
+    def __init__(self) -> None:
+        self.group = torch_dist.new_group(backend="gloo") if active() else None  # collective: every rank
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def vote(self, stop: bool) -> bool:
+        """Post this step's vote; return whether any rank voted to stop the step before (or now, alone)."""
+        if self.group is None:
+            return stop
+        agreed = self._read()
+        flag = torch.tensor([1.0 if stop else 0.0])
+        self._pending = (torch_dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        return agreed
+
+    def close(self) -> None:
+        """Wait for the last vote, which every rank posted: no collective is left in flight."""
+        self._read()
+
+    def _read(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        work.wait()
+        self._pending = None
+        return bool(flag.item() > 0)

@@ -29,9 +29,9 @@ class LaunchStopped(LaunchError):
         self.exit_code = 128 + signum  # the shell's convention: a scheduler reads it as "terminated"
         name = signal.Signals(signum).name
         super().__init__(
-            f"stopped by {name}: the launcher passed it to every worker; a Trainer with --out finishes its step, "
-            "and all ranks write a checkpoint at the same step before they exit (they have torchrun's 30 s)\n"
-            "hint: run the same command again with --resume auto to continue from it"
+            f"stopped by {name}: the launcher passed it to every worker; the Trainer's ranks stop together within "
+            "two steps and, with --out, write a checkpoint there (within torchrun's 30 s grace)\n"
+            "hint: run the same command again with --resume auto to continue from the last checkpoint"
         )
 
 

@@ -320,6 +320,11 @@ class Runtime:
         """fp16 optimizer steps the grad scaler skipped on overflow (reading it syncs the device)."""
         return int(self._skipped.item()) if self._skipped is not None else 0
 
+    @property
+    def sharded(self) -> bool:
+        """Whether setup sharded the model with FSDP2 (its state is then saved and loaded per rank)."""
+        return self._plan.strategy is not None and self._plan.strategy.value == "fsdp"
+
     # -- explaining ----------------------------------------------------------------------------
 
     @property

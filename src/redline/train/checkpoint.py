@@ -183,7 +183,13 @@ def load_tensors(checkpoint: Checkpoint, name: str, device: torch.device) -> Any
 
 def load_plan(checkpoint: Checkpoint) -> dict[str, Any]:
     """Return the Plan the checkpoint was written under, as ``{axis: {"value", "reason"}}``."""
-    return dict(json.loads((checkpoint.path / "plan.json").read_text(encoding="utf-8")))
+    path = checkpoint.path / "plan.json"
+    if not path.is_file():  # e.g. a sharded checkpoint that save_sharded wrote for a loop of the user's own
+        raise CheckpointError(
+            f"{checkpoint.path} has no plan.json: it was not written by the Trainer\n"
+            "hint: resume from a checkpoint the Trainer wrote, or load this one with redline.dist.sharded_checkpoint"
+        )
+    return dict(json.loads(path.read_text(encoding="utf-8")))
 
 
 def _device_of(model: nn.Module) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.dist.collectives import StopVote
 from redline.dist.watchdog import Watchdog
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
@@ -55,6 +56,7 @@ class Run:
     loggers: Loggers
     progress: Progress
     meter: Throughput
+    vote: StopVote
     resumed: ckpt.Checkpoint | None
     last_ckpt: ckpt.Checkpoint | None
     start: float = field(default_factory=time.perf_counter)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.dist.collectives import all_reduce_sum, barrier, gather_objects, is_collective_failure
+from redline.dist.collectives import StopVote, all_reduce_sum, barrier, gather_objects, is_collective_failure
 from redline.dist.env import process_group_store, read_env
 from redline.dist.fsdp import full_weights, load_full_state
 from redline.dist.launch import HANG_TIMEOUT_ENV
@@ -140,7 +140,7 @@ class Trainer:
         """Write the final weights (whole, gathered from the shards under FSDP) and the summary, from rank 0."""
         assert self.out_dir is not None
         path = self.out_dir / "model.safetensors"
-        if _sharded(run.rt):
+        if run.rt.sharded:
             weights, aliases = full_weights(run.model)  # collective: every rank sends its shards
             if self.env.is_main:
                 save_tensors(path, weights, metadata=aliases)
@@ -151,6 +151,18 @@ class Trainer:
 
     def _train_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         """Run one micro-batch; return whether it completed an optimizer step."""
+        try:
+            return self._micro_step(run, inputs, targets)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            raise TrainingError(  # a dead peer surfaces in this rank's next collective, wherever it is
+                f"step {run.pos.step + 1}: a collective with the other ranks failed: {str(exc).splitlines()[0]}\n"
+                "hint: another rank stopped first; its log says why (with --max-restarts K the job restarts from "
+                "the last checkpoint)"
+            ) from exc
+
+    def _micro_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
         run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
@@ -172,12 +184,12 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
-        stopped = self._stop_reason(step, run.total)
+        signalled = run.vote.vote(self._signals.received is not None)  # the same answer on every rank
+        stopped = self._stop_reason(step, run.total, signalled)
         due_ckpt = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
         if step % self.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
             run.beat("logging (loss all-reduce)")
-            agreed = self._flush(run)
-            stopped = stopped or agreed
+            self._flush(run)
         eval_due = self.eval_every and step % self.eval_every == 0 and self.task.val_data is not None
         if eval_due and self._evaluate(run):
             stopped = stopped or "early stopping"
@@ -193,6 +205,7 @@ class Trainer:
 
     def _finish(self, run: Run) -> None:
         """Log the last steps, write the final checkpoint, and evaluate the final model."""
+        run.vote.close()
         if run.window.losses:
             self._flush(run)
         if self.out_dir and (run.last_ckpt is None or run.last_ckpt.step != run.pos.step):
@@ -208,12 +221,8 @@ class Trainer:
             with rt.autocast():
                 loss = self.task.loss_fn(model(inputs), targets)
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            if is_collective_failure(exc):  # FSDP gathers weights in the forward: a dead peer surfaces here
-                raise TrainingError(
-                    f"step {pos.step + 1}: a collective with the other ranks failed in the forward: "
-                    f"{str(exc).splitlines()[0]}\nhint: another rank stopped first; its log says why (with "
-                    "--max-restarts K the job restarts from the last checkpoint)"
-                ) from exc
+            if is_collective_failure(exc):  # FSDP gathers weights in the forward: told apart in _train_step
+                raise
             raise TrainingError(
                 f"step {pos.step + 1}: the model or loss failed on a batch with inputs {_shapes(inputs)} and "
                 f"targets {_shapes(targets)}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
@@ -230,9 +239,11 @@ class Trainer:
             return contextlib.nullcontext()
         return Watchdog(store, self.env.rank, self.env.world_size, timeout, self.out_dir)
 
-    def _stop_reason(self, step: int, total: float) -> str:
-        if self._signals.received is not None and not self.env.distributed:
-            return f"signal {signal.Signals(self._signals.received).name}"
+    def _stop_reason(self, step: int, total: float, signalled: bool) -> str:
+        if signalled:
+            if self.env.distributed:
+                return "signal (agreed by all ranks)"
+            return f"signal {signal.Signals(self._signals.received or signal.SIGTERM).name}"
         if self.max_steps is not None and step >= self.max_steps:
             return "max_steps"
         return "epochs" if step >= total else ""
@@ -264,6 +275,7 @@ class Trainer:
             loggers=self._loggers(pos.step if resumed else None, main),
             progress=Progress(int(total), enabled=self.show_progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
+            vote=StopVote(),
             resumed=resumed,
             last_ckpt=resumed,
         )
@@ -312,8 +324,11 @@ class Trainer:
         FSDP each rank reads it whole and keeps its pieces.
         """
         if ckpt.is_sharded(found):
-            return load_sharded(found.path, model, optimizer)  # collective: every rank reads its pieces
-        if _sharded(rt):
+            extra = load_sharded(found.path, model, optimizer)  # collective: every rank reads its pieces
+            if "position" not in extra:
+                raise ckpt.CheckpointError(f"{found.path}: its extra.pt holds no trainer state; not the Trainer's")
+            return extra
+        if rt.sharded:
             weights = ckpt.load_tensors_file(found, "model.safetensors")
             load_full_state(model, optimizer, weights, ckpt.load_tensors(found, "optimizer.pt", torch.device("cpu")))
         else:
@@ -341,7 +356,7 @@ class Trainer:
         run.beat("checkpoint")
         rng = gather_objects(ckpt.capture_rng())
         root = self.out_dir / "checkpoints"
-        if not self.env.is_main and not _sharded(rt):  # every rank keeps the record of the checkpoint rank 0 commits
+        if not self.env.is_main and not rt.sharded:  # every rank keeps the record of the checkpoint rank 0 commits
             barrier()
             return ckpt.Checkpoint(root / f"{ckpt.PREFIX}{pos.step:08d}", pos.step, {})
         state = {
@@ -353,7 +368,7 @@ class Trainer:
             "rng_per_rank": rng,
         }
         plan = rt.explain().to_dict()
-        if _sharded(rt):
+        if rt.sharded:
             path = save_sharded(
                 root, pos.step, run.model, run.optimizer, state, self.keep_checkpoints, documents={"plan.json": plan}
             )
@@ -377,19 +392,12 @@ class Trainer:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
         return open_loggers(self.logger_names, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
 
-    def _flush(self, run: Run) -> str:
-        """Read the window's losses (one device sync), check them, log a row per step; return an agreed stop.
-
-        Under several processes the losses are averaged over the ranks in the same collective that
-        tells every rank whether one of them received SIGTERM/SIGINT, so all stop at the same step.
-        """
+    def _flush(self, run: Run) -> None:
+        """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
         window, pos = run.window, run.pos
         stacked = torch.stack(window.losses).float()
-        stop = ""
         if self.env.distributed:
-            flag = torch.tensor([1.0 if self._signals.received is not None else 0.0], device=stacked.device)
-            both = all_reduce_sum(torch.cat([stacked / self.env.world_size, flag]))
-            stacked, stop = both[:-1], "signal (agreed by all ranks)" if both[-1].item() > 0 else ""
+            stacked = all_reduce_sum(stacked / self.env.world_size)
         losses = stacked.tolist()
         elapsed = time.perf_counter() - window.start
         first = pos.step - len(losses) + 1
@@ -413,7 +421,6 @@ class Trainer:
             callback.on_step(self, pos.step, losses[-1])
         run.losses += losses
         run.window = Window()
-        return stop
 
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
@@ -492,12 +499,6 @@ def _shapes(batch: Any) -> str:
     if isinstance(batch, list | tuple):
         return "(" + ", ".join(_shapes(b) for b in batch) + ")"
     return type(batch).__name__
-
-
-def _sharded(rt: Runtime) -> bool:
-    """Whether the Runtime shards the model with FSDP: checkpoints are then sharded, and collective."""
-    strategy = rt.explain().strategy
-    return strategy is not None and strategy.value == "fsdp"
 
 
 def _available_device(options: RuntimeOptions) -> RuntimeOptions:
