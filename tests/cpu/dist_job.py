@@ -2,7 +2,7 @@
 
     python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S [--sleep SECONDS]] [--batch B]
                        [--checkpoint-every N] [--strategy auto|ddp|fsdp|single] [--term-launcher-step S]
-                       [--log-every N]
+                       [--log-every N] [--step-sleep SECONDS]
 
 A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
 --kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
@@ -25,12 +25,14 @@ from redline.train.callbacks import Callback
 from redline.train.trainer import Trainer
 
 
-def make_task(batch: int, term_step: int = 0) -> redline.Task:
+def make_task(batch: int, term_step: int = 0, step_sleep: float = 0.0) -> redline.Task:
     gen = torch.Generator().manual_seed(11)
     data = TensorDataset(torch.randn(96, 10, generator=gen), torch.randint(0, 4, (96,), generator=gen))
     val = TensorDataset(torch.randn(41, 10, generator=gen), torch.randint(0, 4, (41,), generator=gen))
     return redline.Task(
-        model=lambda: signal_launcher_at(nn.Sequential(nn.Linear(10, 24), nn.Tanh(), nn.Linear(24, 4)), term_step),
+        model=lambda: signal_launcher_at(
+            nn.Sequential(nn.Linear(10, 24), nn.Tanh(), nn.Linear(24, 4)), term_step, step_sleep
+        ),
         loss_fn=nn.functional.cross_entropy,
         train_data=data,
         val_data=val,
@@ -45,22 +47,24 @@ def make_task(batch: int, term_step: int = 0) -> redline.Task:
 TRAINER: Trainer | None = None
 
 
-def signal_launcher_at(model: nn.Module, step: int) -> nn.Module:
+def signal_launcher_at(model: nn.Module, step: int, step_sleep: float = 0.0) -> nn.Module:
     """Rank 0 sends SIGTERM to the launcher in the forward of a step, as a scheduler preempting the job would.
 
     A forward hook, not a callback: callbacks run at log points, and the stop must not wait for one.
     Rank 0 then waits until the launcher has passed the signal back to it, so where the ranks stop
-    does not depend on the machine's load: the vote of this step says stop, the next step reads it.
+    depends on the machine's load as little as it can. ``step_sleep`` slows every training forward
+    (on every rank) to give steps a length the stop vote paces itself by.
     """
-    if not step:
+    if not step and not step_sleep:
         return model
     calls = [0]
 
     def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        if not module.training or args[0].is_meta or os.environ.get("RANK", "0") != "0":
+        if not module.training or args[0].is_meta:
             return  # (the Trainer counts FLOPs on a meta-device copy of the first step)
+        time.sleep(step_sleep)
         calls[0] += 1
-        if calls[0] == step:
+        if calls[0] == step and os.environ.get("RANK", "0") == "0":
             os.kill(os.getppid(), signal.SIGTERM)
             deadline = time.monotonic() + 30
             while (TRAINER is None or TRAINER._signals.received is None) and time.monotonic() < deadline:
@@ -96,12 +100,13 @@ def main() -> None:
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--term-launcher-step", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     callbacks: list[Callback] = [KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else []
     global TRAINER
     TRAINER = trainer = Trainer(
-        make_task(args.batch, args.term_launcher_step),
+        make_task(args.batch, args.term_launcher_step, args.step_sleep),
         runtime=redline.RuntimeOptions(devices="cpu", seed=5, strategy=args.strategy),
         max_steps=args.steps,
         checkpoint_every=args.checkpoint_every,

@@ -113,14 +113,6 @@ def test_a_killed_fsdp_worker_is_restarted_from_its_sharded_checkpoint(tmp_path,
     assert_close(weights(tmp_path), weights(one_process))
 
 
-def test_a_broken_collective_is_told_from_a_bad_batch():
-    from redline.dist.collectives import is_collective_failure
-
-    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
-    assert is_collective_failure(gloo) and is_collective_failure(torch.distributed.DistBackendError("NCCL error"))
-    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x10 and 12x24)"))
-
-
 def test_two_nodes_on_loopback_train_together(tmp_path, two_processes):
     port = str(free_port())
     node = ["--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
@@ -141,24 +133,43 @@ def test_two_nodes_on_loopback_train_together(tmp_path, two_processes):
     assert_close(weights(tmp_path), weights(two_processes))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigterm_to_the_launcher_stops_every_rank_at_the_next_step_with_a_checkpoint(tmp_path, one_process, strategy):
-    # Rank 0 signals the launcher in step 6's forward, and with --log-every 50 no log point is near.
-    # Every rank stops at the step that reads a stop vote: 7 (rank 0's vote of step 6), or 6 when rank
-    # 1, still finishing step 5, got the signal before it voted. Both stop at the same step either way.
+@pytest.fixture(scope="module")
+def one_process_20(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one-20")
+    result = alone(out, "20")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "pacing", "stops_at"),
+    [
+        # No log point before the signal: the ranks vote every step. Rank 0 signals the launcher in
+        # step 6's forward; all stop at the step that reads a stop vote: 7 (rank 0's vote of step 6),
+        # or 6 when rank 1, still finishing step 5, got the signal before it voted.
+        ("ddp", ["--log-every", "50", "--checkpoint-every", "50"], (6, 7)),
+        # Steps of 70 ms, logged every step: from step 1 on the ranks vote every 2 steps (0.2 s / 70 ms),
+        # at 2, 4, 6, 8, so the stop comes at the vote after the one that says stop: 8. (On a loaded
+        # machine a step may pass 100 ms: then they vote every step, and stop at 6 or 7 as above.)
+        ("fsdp", ["--log-every", "1", "--checkpoint-every", "50", "--step-sleep", "0.07"], (6, 7, 8)),
+    ],
+)
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
+    tmp_path, one_process_20, strategy, pacing, stops_at
+):
     import re
 
-    args = [JOB, str(tmp_path), str(STEPS), "--strategy", strategy, "--log-every", "50"]
+    args = [JOB, str(tmp_path), "20", "--strategy", strategy, *pacing]
     stopped = launch("--nproc", "2", *args, "--term-launcher-step", "6")
     assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
     assert "stopped by SIGTERM" in stopped.stderr and "--resume auto" in stopped.stderr
     # (the two ranks' lines may interleave in the shared pipe: match each on its own)
     steps = re.findall(r"rank \d done steps=(\d+) val_loss=\S+ stopped=signal \(agreed by all ranks\)", stopped.stdout)
-    assert len(steps) == 2 and steps[0] == steps[1] and steps[0] in ("6", "7"), stopped.stdout
+    assert len(steps) == 2 and steps[0] == steps[1] and int(steps[0]) in stops_at, stopped.stdout
     assert manifest(tmp_path / "checkpoints" / f"step-{int(steps[0]):08d}")["step"] == int(steps[0])
     resumed = launch("--nproc", "2", *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_close(weights(tmp_path), weights(one_process))
+    assert_close(weights(tmp_path), weights(one_process_20))
 
 
 def test_a_batch_that_does_not_split_names_the_fix(tmp_path):

@@ -47,28 +47,48 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text)
 
 
-class StopVote:
-    """Every rank learns, one step late and without waiting, whether any rank was asked to stop.
+VOTE_PERIOD_S = 0.2  # how often, in training time, the ranks vote on stopping
+MAX_VOTE_INTERVAL = 1000
 
-    Each step every rank posts its vote (did it receive SIGTERM/SIGINT?) as an asynchronous sum on a
-    gloo group of its own, on the CPU, so the device is never synchronised and the training
-    collectives are not delayed; the next step reads the result, by then long complete. All ranks
-    read the same sum at the same step, so they stop together within two steps of the signal, whatever
-    ``log_every`` is. In one process the vote is the signal itself.
+
+def vote_interval(step_seconds: float) -> int:
+    """Return every how many steps to vote so a vote comes about every VOTE_PERIOD_S of training."""
+    if not step_seconds > 0:
+        return 1
+    return max(1, min(MAX_VOTE_INTERVAL, int(VOTE_PERIOD_S / step_seconds)))
+
+
+class StopVote:
+    """Every rank learns, a vote late and without waiting, whether any rank was asked to stop.
+
+    At a vote every rank posts whether it received SIGTERM/SIGINT as an asynchronous sum on a gloo
+    group of its own, on the CPU, so the device is never synchronised and the training collectives
+    are not delayed; the next vote reads the result, by then long complete. All ranks read the same
+    sum at the same step, so they stop together. Posting costs tens of microseconds, so the ranks vote
+    every step until they know the step time, then every ``vote_interval`` steps (about every 0.2 s):
+    a stop comes within two votes of the signal, whatever ``log_every`` is. In one process the vote is
+    the signal itself.
     """
 
     def __init__(self) -> None:
         self.group = torch_dist.new_group(backend="gloo") if active() else None  # collective: every rank
+        self.every = 1
         self._pending: tuple[Any, torch.Tensor] | None = None
 
-    def vote(self, stop: bool) -> bool:
-        """Post this step's vote; return whether any rank voted to stop the step before (or now, alone)."""
+    def vote(self, stop: bool, step: int) -> bool:
+        """At a voting step post this rank's vote; return whether any rank voted to stop at the vote before."""
         if self.group is None:
             return stop
+        if step % self.every:
+            return False
         agreed = self._read()
         flag = torch.tensor([1.0 if stop else 0.0])
         self._pending = (torch_dist.all_reduce(flag, group=self.group, async_op=True), flag)
         return agreed
+
+    def pace(self, step_seconds: float) -> None:
+        """Set the voting interval from the step time, which must be the same number on every rank."""
+        self.every = vote_interval(step_seconds)
 
     def close(self) -> None:
         """Wait for the last vote, which every rank posted: no collective is left in flight."""

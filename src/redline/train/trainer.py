@@ -184,7 +184,7 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
-        signalled = run.vote.vote(self._signals.received is not None)  # the same answer on every rank
+        signalled = run.vote.vote(self._signals.received is not None, step)  # the same answer on every rank
         stopped = self._stop_reason(step, run.total, signalled)
         due_ckpt = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
         if step % self.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
@@ -396,10 +396,13 @@ class Trainer:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
         window, pos = run.window, run.pos
         stacked = torch.stack(window.losses).float()
-        if self.env.distributed:
-            stacked = all_reduce_sum(stacked / self.env.world_size)
-        losses = stacked.tolist()
         elapsed = time.perf_counter() - window.start
+        if self.env.distributed:  # the step time rides along: every rank paces its stop vote by the same mean
+            step_s = torch.tensor([elapsed / len(window.losses)], device=stacked.device)
+            *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / self.env.world_size).tolist()
+            run.vote.pace(mean_step_s)
+        else:
+            losses = stacked.tolist()
         first = pos.step - len(losses) + 1
         for offset, value in enumerate(losses):
             if not math.isfinite(value):

@@ -1,0 +1,18 @@
+"""The collectives' single-process behaviour and the pure parts of the stop vote."""
+
+import torch
+
+from redline.dist.collectives import StopVote, is_collective_failure, vote_interval
+
+
+def test_a_broken_collective_is_told_from_a_bad_batch():
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    assert is_collective_failure(gloo) and is_collective_failure(torch.distributed.DistBackendError("NCCL error"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x10 and 12x24)"))
+
+
+def test_the_stop_vote_is_paced_to_about_every_fifth_of_a_second():
+    assert vote_interval(0.002) == 100 and vote_interval(0.5) == 1 and vote_interval(1e-7) == 1000
+    assert vote_interval(0.0) == 1 and vote_interval(float("nan")) == 1  # no step time yet: every step
+    alone = StopVote()  # one process: no group, the vote is the signal itself, at once
+    assert alone.vote(True, step=3) and not alone.vote(False, step=4)
