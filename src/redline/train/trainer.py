@@ -128,10 +128,11 @@ class Trainer:
                     run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
                     run.stopped = self._after_epoch(run)
             self._finish(run)
-        run.progress.close()
-        summary = self._summary(run)
-        if self.out_dir:
-            self._write_results(run, summary)
+            run.progress.close()
+            run.beat("summary and final weights (gathered under FSDP)")  # still watched: both are collective
+            summary = self._summary(run)
+            if self.out_dir:
+                self._write_results(run, summary)
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
