@@ -172,6 +172,20 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
     assert_close(weights(tmp_path), weights(one_process_20))
 
 
+def test_a_script_that_never_closes_its_runtime_leaves_the_group_at_exit(tmp_path):
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist, redline\n"
+        # atexit runs last-registered first: this check runs after the Runtime's own handler
+        "atexit.register(lambda: print(f'group at exit: {dist.is_initialized()}', flush=True))\n"
+        "rt = redline.Runtime(devices='cpu')\n"
+        "print(f'group: {dist.is_initialized()}', flush=True)\n"
+    )
+    result = launch("--nproc", "2", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("group: True") == 2 and result.stdout.count("group at exit: False") == 2
+
+
 def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
     result = launch("--nproc", "2", JOB, str(tmp_path), "2", "--batch", "15")
     assert result.returncode != 0

@@ -12,6 +12,7 @@ print(rt.explain())
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -127,6 +128,8 @@ class Runtime:
             device = Choice(f"cuda:{self.env.local_rank}", f"{device.reason}; worker {self.env.local_rank}'s GPU")
         self.device = torch.device(device.value)
         self._owns_group = init_process_group(self.env, self.device.type)
+        if self._owns_group and self.device.type == "cpu":  # gloo: leave the group at exit if the script does not
+            atexit.register(self.close)
         self.facts: DeviceFacts = probe_device(self.device)
         chosen = resolve_precision(precision, self.facts)
         self.precision: Precision = chosen.value
@@ -355,6 +358,8 @@ class Runtime:
 
     def close(self) -> None:
         """Leave the process group this Runtime joined (call once, at the end of a launched script).
+
+        On the CPU (gloo) it is also called at interpreter exit, for scripts that do not.
 
         Collecting garbage first matters on gloo: an FSDP model freed by the interpreter's final
         collection, after gloo's threads lost the GIL, aborted the process in about 5% of CPU runs.
