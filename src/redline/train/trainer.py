@@ -397,13 +397,14 @@ class Trainer:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
         window, pos = run.window, run.pos
         stacked = torch.stack(window.losses).float()
-        elapsed = time.perf_counter() - window.start
         if self.env.distributed:  # the step time rides along: every rank paces its stop vote by the same mean
-            step_s = torch.tensor([elapsed / len(window.losses)], device=stacked.device)
+            queued = time.perf_counter() - window.start  # the host's time, before the device catches up: enough
+            step_s = torch.tensor([queued / len(window.losses)], device=stacked.device)
             *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / self.env.world_size).tolist()
             run.vote.pace(mean_step_s)
         else:
             losses = stacked.tolist()
+        elapsed = time.perf_counter() - window.start  # after the sync above: the window's steps have run
         first = pos.step - len(losses) + 1
         for offset, value in enumerate(losses):
             if not math.isfinite(value):
