@@ -42,7 +42,7 @@ from redline.errors import RedlineError, invalid
 
 FORMAT = "redline-sharded-1"
 MANIFEST = "manifest.json"
-PREFIX = "step-"  # train/checkpoint.py's naming: its find_checkpoints lists these too, by the manifest's step
+PREFIX = "step-"  # the naming of both checkpoint formats (train/checkpoint.py uses these two)
 EXTRA = "extra.pt"
 
 
@@ -118,7 +118,7 @@ def _commit(
     fsync_path(tmp / MANIFEST)
     fsync_path(tmp)
     commit_directory(tmp, final)
-    for old in _committed(final.parent)[:-keep]:
+    for _, old, _ in committed(final.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -180,15 +180,19 @@ def check_manifest(path: Path) -> None:
             raise ShardedCheckpointError(f"{path}: {name} is missing or truncated")
 
 
-def _committed(root: Path) -> list[Path]:
-    """Return the committed checkpoint directories under ``root``, oldest step first."""
+def committed(root: Path) -> list[tuple[int, Path, dict[str, Any]]]:
+    """Return ``(step, directory, manifest)`` of each committed checkpoint under ``root``, oldest step first.
+
+    Both formats commit this way, so train/checkpoint.py lists its checkpoints through it too.
+    """
     found = []
-    for path in root.glob(f"{PREFIX}*"):
+    for path in root.glob(f"{PREFIX}*") if root.is_dir() else ():
         try:
-            found.append((int(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["step"]), path))
+            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+            found.append((int(manifest["step"]), path, manifest))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # no manifest: the write never finished
-    return [path for _, path in sorted(found)]
+    return sorted(found, key=lambda entry: entry[:2])
 
 
 @contextlib.contextmanager

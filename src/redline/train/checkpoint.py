@@ -31,11 +31,13 @@ from torch import nn
 
 from redline.atomic import commit_directory, fsync_path
 from redline.dist import sharded_checkpoint as sharded
+from redline.dist.collectives import barrier
+from redline.dist.fsdp import load_full_state
+from redline.dist.strategies import unwrap
 from redline.errors import RedlineError
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-PREFIX = "step-"
+MANIFEST, PREFIX = sharded.MANIFEST, sharded.PREFIX  # one naming for both formats
 
 
 class CheckpointError(RedlineError):
@@ -87,6 +89,59 @@ def save_checkpoint(
     return Checkpoint(final, step, manifest)
 
 
+def save_run(
+    root: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    plan: dict[str, Any],
+    keep: int,
+    sharded_model: bool,
+    main: bool,
+) -> Checkpoint:
+    """Write a run's checkpoint from every rank: sharded (each rank its shards), or whole from rank 0.
+
+    Collective: every rank calls it and returns once the checkpoint is committed, with the same record.
+    """
+    if sharded_model:
+        path = sharded.save_sharded(root, step, model, optimizer, state, keep, documents={"plan.json": plan})
+        return Checkpoint(path, step, {})
+    written = Checkpoint(root / f"{PREFIX}{step:08d}", step, {})
+    if main:
+        written = save_checkpoint(
+            root, step, model=unwrap(model), optimizer=optimizer, state=state, plan=plan, keep=keep
+        )
+    barrier()
+    return written
+
+
+def restore_run(
+    checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, *, sharded_model: bool,
+    device: torch.device,
+) -> dict[str, Any]:  # fmt: skip
+    """Load a checkpoint's weights and optimizer state into the set-up model; return the trainer's state.
+
+    A sharded checkpoint (an FSDP run's) loads into any strategy on any number of processes, DCP
+    redistributing the pieces; a whole one (one device's or DDP's) into an unsharded model, or under
+    FSDP each rank reads it whole and keeps its pieces.
+    """
+    if is_sharded(checkpoint):
+        extra = sharded.load_sharded(checkpoint.path, model, optimizer)  # collective: each rank reads its pieces
+        if "position" not in extra:
+            raise CheckpointError(f"{checkpoint.path}: its extra.pt holds no trainer state; not the Trainer's")
+        return extra
+    if sharded_model:
+        weights = load_file(checkpoint.path / "model.safetensors", device="cpu")
+        load_full_state(model, optimizer, weights, load_tensors(checkpoint, "optimizer.pt", torch.device("cpu")))
+    else:
+        load_weights(checkpoint, unwrap(model))
+        optimizer.load_state_dict(load_tensors(checkpoint, "optimizer.pt", device))
+    state: dict[str, Any] = load_tensors(checkpoint, "trainer.pt", torch.device("cpu"))
+    return state
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
@@ -102,16 +157,7 @@ def _fsync_and_hash(path: Path) -> str:
 
 def find_checkpoints(root: Path) -> list[Checkpoint]:
     """Return the committed checkpoints under ``root`` (readable manifest), oldest first."""
-    found: list[Checkpoint] = []
-    if not root.is_dir():
-        return found
-    for path in root.glob(f"{PREFIX}*"):
-        try:
-            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-            found.append(Checkpoint(path, int(manifest["step"]), manifest))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # no manifest: the write never finished
-    return sorted(found, key=lambda c: c.step)
+    return [Checkpoint(path, step, manifest) for step, path, manifest in sharded.committed(root)]
 
 
 def is_sharded(checkpoint: Checkpoint) -> bool:
@@ -169,11 +215,6 @@ def open_checkpoint(where: str | Path, root: Path, warn: Callable[[str], None]) 
 def load_weights(checkpoint: Checkpoint, model: nn.Module) -> None:
     """Load the checkpoint's weights into ``model`` (on whatever device it is)."""
     load_model(model, str(checkpoint.path / "model.safetensors"), strict=True, device=_device_of(model))
-
-
-def load_tensors_file(checkpoint: Checkpoint, name: str) -> dict[str, torch.Tensor]:
-    """Return the named tensors of a safetensors file of the checkpoint, on the CPU."""
-    return load_file(checkpoint.path / name, device="cpu")
 
 
 def load_tensors(checkpoint: Checkpoint, name: str, device: torch.device) -> Any:

@@ -25,11 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.dist.collectives import StopVote, all_reduce_sum, barrier, gather_objects, is_collective_failure
+from redline.dist.collectives import StopVote, all_reduce_sum, gather_objects, is_collective_failure
 from redline.dist.env import process_group_store, read_env
-from redline.dist.fsdp import full_weights, load_full_state
+from redline.dist.fsdp import full_weights
 from redline.dist.launch import HANG_TIMEOUT_ENV
-from redline.dist.sharded_checkpoint import load_sharded, save_sharded
 from redline.dist.strategies import unwrap
 from redline.dist.watchdog import Watchdog
 from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, invalid
@@ -302,7 +301,7 @@ class Trainer:
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
         pos = Position()
         if found is not None:
-            state = self._restore(found, rt, model, optimizer)
+            state = ckpt.restore_run(found, model, optimizer, sharded_model=rt.sharded, device=rt.device)
             pos = Position(**state["position"])
             if scheduler is not None and state.get("scheduler") is not None:
                 scheduler.load_state_dict(state["scheduler"])
@@ -317,27 +316,6 @@ class Trainer:
         self.rt, self.model = rt, model
         return rt, model, optimizer, scheduler, pos, found
 
-    def _restore(self, found: ckpt.Checkpoint, rt: Runtime, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-        """Load a checkpoint's weights and optimizer state into the set-up model; return the trainer's state.
-
-        A sharded checkpoint (an FSDP run's) loads into any strategy on any number of processes, DCP
-        redistributing the pieces; a whole one (one device's or DDP's) into an unsharded model, or under
-        FSDP each rank reads it whole and keeps its pieces.
-        """
-        if ckpt.is_sharded(found):
-            extra = load_sharded(found.path, model, optimizer)  # collective: every rank reads its pieces
-            if "position" not in extra:
-                raise ckpt.CheckpointError(f"{found.path}: its extra.pt holds no trainer state; not the Trainer's")
-            return extra
-        if rt.sharded:
-            weights = ckpt.load_tensors_file(found, "model.safetensors")
-            load_full_state(model, optimizer, weights, ckpt.load_tensors(found, "optimizer.pt", torch.device("cpu")))
-        else:
-            ckpt.load_weights(found, unwrap(model))
-            optimizer.load_state_dict(ckpt.load_tensors(found, "optimizer.pt", rt.device))
-        state: dict[str, Any] = ckpt.load_tensors(found, "trainer.pt", torch.device("cpu"))
-        return state
-
     def _find_resume(self) -> ckpt.Checkpoint | None:
         resume = self.resume
         if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
@@ -351,15 +329,11 @@ class Trainer:
         return found
 
     def _checkpoint(self, run: Run) -> ckpt.Checkpoint | None:
-        """Write a checkpoint (every rank's RNG state in it): from rank 0, or under FSDP each rank its shards."""
+        """Write a checkpoint (every rank's RNG state in it) from every rank; tell the callbacks on rank 0."""
         assert self.out_dir is not None
         rt, pos, scheduler = run.rt, run.pos, run.scheduler
         run.beat("checkpoint")
         rng = gather_objects(ckpt.capture_rng())
-        root = self.out_dir / "checkpoints"
-        if not self.env.is_main and not rt.sharded:  # every rank keeps the record of the checkpoint rank 0 commits
-            barrier()
-            return ckpt.Checkpoint(root / f"{ckpt.PREFIX}{pos.step:08d}", pos.step, {})
         state = {
             "position": vars(pos).copy(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -368,20 +342,12 @@ class Trainer:
             "rng": rng[0],
             "rng_per_rank": rng,
         }
-        plan = rt.explain().to_dict()
-        if rt.sharded:
-            path = save_sharded(
-                root, pos.step, run.model, run.optimizer, state, self.keep_checkpoints, documents={"plan.json": plan}
-            )
-            written = ckpt.Checkpoint(path, pos.step, {})
-            if not self.env.is_main:
-                return written
-        else:
-            written = ckpt.save_checkpoint(
-                root, pos.step, model=unwrap(run.model), optimizer=run.optimizer, state=state, plan=plan,
-                keep=self.keep_checkpoints,
-            )  # fmt: skip
-            barrier()
+        written = ckpt.save_run(
+            self.out_dir / "checkpoints", pos.step, model=run.model, optimizer=run.optimizer, state=state,
+            plan=rt.explain().to_dict(), keep=self.keep_checkpoints, sharded_model=rt.sharded, main=self.env.is_main,
+        )  # fmt: skip
+        if not self.env.is_main:
+            return written
         for callback in self.callbacks:
             callback.on_checkpoint(self, pos.step, str(written.path))
         return written
