@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import redline
-from redline.dist.fsdp import repeated_blocks
+from redline.parallel.fsdp import repeated_blocks
 
 # The names FSDP2 calls through torch.distributed (torch 2.13 uses the *_single ones, older the others).
 GATHERS = ("all_gather_single", "all_gather_into_tensor")

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from redline.dist.collectives import StopVote
+from redline.parallel.collectives import StopVote
 from redline.runtime.runtime import Runtime
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from redline.dist.launch import LaunchConfig, processes_per_node, torchrun_args
 from redline.errors import ConfigError
+from redline.launch.torchrun import LaunchConfig, processes_per_node, torchrun_args
 
 JOB = str(Path(__file__).with_name("dist_job.py"))
 STEPS = 10

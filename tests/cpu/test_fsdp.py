@@ -26,10 +26,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from redline.dist.fsdp import mixed_precision_policy, repeated_blocks, shard, shard_with_optimizer
-from redline.dist.sharded_checkpoint import ShardedCheckpointError, load_sharded, save_sharded
+from redline.checkpoint.sharded import ShardedCheckpointError, load_sharded, save_sharded
 from redline.errors import ConfigError
 from redline.examples.gpt import GPT, GPTConfig
+from redline.parallel.fsdp import mixed_precision_policy, repeated_blocks, shard
+from redline.runtime.optimizer import shard_with_optimizer
 
 STEPS = 6  # optimizer steps of every run
 SAVE_AT = 3  # the checkpoint the resumed runs start from
@@ -317,7 +318,7 @@ def test_sharded_checkpoints_keep_the_newest_and_refuse_a_truncated_shard(tmp_pa
 
 
 def test_a_shard_that_rank_0_cannot_see_is_not_committed(tmp_path: Path) -> None:
-    from redline.dist.sharded_checkpoint import _commit
+    from redline.checkpoint.sharded import _commit
 
     tmp = tmp_path / ".tmp-step-00000001"
     tmp.mkdir()

@@ -193,7 +193,7 @@ def test_a_broken_collective_is_named_as_such_not_as_a_bad_batch(where):
 
 
 def test_a_sharded_checkpoint_of_a_users_own_loop_is_refused_clearly(tmp_path):
-    from redline.dist.sharded_checkpoint import save_sharded
+    from redline.checkpoint.sharded import save_sharded
 
     model = nn.Linear(4, 2)
     save_sharded(tmp_path, 3, model, torch.optim.SGD(model.parameters(), lr=0.1), {"step": 3}, keep=1)

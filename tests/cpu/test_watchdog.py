@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from redline.dist.watchdog import HANG_EXIT_CODE, Position, Watchdog, diagnose, enable_torch_debug
 from redline.errors import ConfigError
+from redline.parallel.watchdog import HANG_EXIT_CODE, Position, Watchdog, diagnose, enable_torch_debug
 
 NOW = 1_000_000.0
 STALL_STEP = 5

@@ -2,7 +2,7 @@
 
 import torch
 
-from redline.dist.collectives import StopVote, is_collective_failure, vote_interval
+from redline.parallel.collectives import StopVote, is_collective_failure, vote_interval
 
 
 def test_a_broken_collective_is_told_from_a_bad_batch():

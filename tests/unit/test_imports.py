@@ -61,13 +61,16 @@ def test_import_touches_no_cuda_and_no_optional_extra():
 LAYERS = {
     "errors": 0,
     "atomic": 0,
+    "config": 0,
     "hardware": 1,
     "task": 2,
     "plan": 2,
     "runtime": 3,
-    "dist": 3,  # the Runtime detects torchrun's environment and wraps for DDP/FSDP
+    "parallel": 3,  # the Runtime detects torchrun's environment and wraps for DDP/FSDP
+    "checkpoint": 3,
     "examples": 4,
     "train": 4,
+    "launch": 4,
     "report": 4,
     "doctor": 4,
     "memory": 4,

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from redline.dist.launch import LaunchConfig, launch
+from redline.launch.torchrun import LaunchConfig, launch
 
 
 def parse_nproc(text: str) -> int | str:

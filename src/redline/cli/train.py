@@ -13,8 +13,8 @@ import typer
 from rich.console import Console
 
 from redline.cli.launch import parse_nproc
-from redline.dist.launch import LaunchConfig, launch
 from redline.errors import invalid
+from redline.launch.torchrun import LaunchConfig, launch
 from redline.report.console import key_value_table, plan_table
 from redline.runtime.runtime import RuntimeOptions
 from redline.task import load_task

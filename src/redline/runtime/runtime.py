@@ -24,11 +24,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from redline.dist.env import init_process_group, read_env
-from redline.dist.fsdp import shard_with_optimizer
-from redline.dist.strategies import gradient_sync, unwrap, wrap_ddp
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.parallel.env import init_process_group, read_env
+from redline.parallel.strategies import gradient_sync, unwrap, wrap_ddp
 from redline.plan import Choice, Plan
 from redline.plan.compile import resolve_compile
 from redline.plan.device import resolve_device
@@ -39,7 +38,7 @@ from redline.plan.precision import Precision, resolve_precision, resolve_tf32
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
-from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer
+from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer, shard_with_optimizer
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, split_caveats
 from redline.runtime.seed import seed_everything
 from redline.runtime.transfer import move_to

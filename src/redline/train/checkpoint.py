@@ -7,7 +7,7 @@ under a temporary name, every file fsynced, a manifest with each file's SHA-256 
 only then renamed into place: a directory without a valid manifest is not a checkpoint. Loading
 never unpickles arbitrary objects (safetensors, and torch.load with weights_only=True).
 
-A checkpoint of an FSDP run is the sharded kind that redline.dist.sharded_checkpoint writes (each
+A checkpoint of an FSDP run is the sharded kind that redline.checkpoint.sharded writes (each
 rank its shards, the Plan and trainer state beside them), under the same names and with the step in
 its manifest: ``find_checkpoints``, ``verify`` and ``open_checkpoint`` take both kinds.
 """
@@ -30,11 +30,11 @@ from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
 from redline.atomic import commit_directory, fsync_path
-from redline.dist import sharded_checkpoint as sharded
-from redline.dist.collectives import barrier
-from redline.dist.fsdp import load_full_state
-from redline.dist.strategies import unwrap
+from redline.checkpoint import sharded
 from redline.errors import RedlineError
+from redline.parallel.collectives import barrier
+from redline.parallel.fsdp import load_full_state
+from redline.parallel.strategies import unwrap
 
 FORMAT_VERSION = 1
 MANIFEST, PREFIX = sharded.MANIFEST, sharded.PREFIX  # one naming for both formats
@@ -161,7 +161,7 @@ def find_checkpoints(root: Path) -> list[Checkpoint]:
 
 
 def is_sharded(checkpoint: Checkpoint) -> bool:
-    """Whether ``checkpoint`` holds per-rank shards (an FSDP run's, redline.dist.sharded_checkpoint)."""
+    """Whether ``checkpoint`` holds per-rank shards (an FSDP run's, redline.checkpoint.sharded)."""
     return checkpoint.manifest.get("format") == sharded.FORMAT
 
 
@@ -228,7 +228,7 @@ def load_plan(checkpoint: Checkpoint) -> dict[str, Any]:
     if not path.is_file():  # e.g. a sharded checkpoint that save_sharded wrote for a loop of the user's own
         raise CheckpointError(
             f"{checkpoint.path} has no plan.json: it was not written by the Trainer\n"
-            "hint: resume from a checkpoint the Trainer wrote, or load this one with redline.dist.sharded_checkpoint"
+            "hint: resume from a checkpoint the Trainer wrote, or load this one with redline.checkpoint.sharded"
         )
     return dict(json.loads(path.read_text(encoding="utf-8")))
 

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from redline.dist.collectives import all_reduce_sum
-from redline.dist.env import DistEnv
+from redline.parallel.collectives import all_reduce_sum
+from redline.parallel.env import DistEnv
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.train.data import eval_loader

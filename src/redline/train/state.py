@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.dist.collectives import StopVote
-from redline.dist.watchdog import Watchdog
+from redline.parallel.collectives import StopVote
+from redline.parallel.watchdog import Watchdog
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import EpochSampler

@@ -25,14 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.dist.collectives import StopVote, all_reduce_sum, gather_objects, is_collective_failure
-from redline.dist.env import process_group_store, read_env
-from redline.dist.fsdp import full_weights
-from redline.dist.launch import HANG_TIMEOUT_ENV
-from redline.dist.strategies import unwrap
-from redline.dist.watchdog import Watchdog
 from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, invalid
 from redline.hardware.device import probe_accelerators
+from redline.parallel.collectives import StopVote, all_reduce_sum, gather_objects, is_collective_failure
+from redline.parallel.env import HANG_TIMEOUT_ENV, process_group_store, read_env
+from redline.parallel.fsdp import full_weights
+from redline.parallel.strategies import unwrap
+from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
 from redline.runtime.runtime import Runtime, RuntimeOptions
 from redline.runtime.sampling import batches_per_epoch

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redline.errors import ConfigError, RedlineError, invalid
+from redline.parallel.env import HANG_TIMEOUT_ENV
 
-HANG_TIMEOUT_ENV = "REDLINE_HANG_TIMEOUT"
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 
 
@@ -107,8 +107,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from redline.dist.watchdog import HANG_EXIT_CODE, enable_torch_debug
     from redline.hardware.device import probe_accelerators
+    from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     if config.hang_timeout_s is not None:
@@ -128,4 +128,3 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             f"rank {rank} exited with {failure.exitcode}" for rank, failure in sorted(exc.failures.items())
         )
         raise LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above") from None
-

@@ -12,6 +12,7 @@ import torch.distributed as torch_dist
 
 from redline.errors import ConfigError
 
+HANG_TIMEOUT_ENV = "REDLINE_HANG_TIMEOUT"  # the launcher hands --hang-timeout to its workers through it
 # Longer than any hang watchdog timeout, so the watchdog's diagnosis comes before torch's own error.
 COLLECTIVE_TIMEOUT = dt.timedelta(minutes=30)
 _store: torch_dist.Store | None = None  # the store the process group met in, for the hang watchdog

@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from redline.errors import ConfigError, invalid
 from redline.plan.precision import PRECISIONS, Precision
-from redline.runtime.optimizer import rebuild_optimizer
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -112,7 +111,7 @@ def shard(model: nn.Module, *, mesh: DeviceMesh | None = None, precision: Precis
     """Shard ``model`` in place with FSDP2: each repeated block, then the root; return it.
 
     Afterwards the model's parameters are new ``DTensor`` parameters: an optimizer built before must be
-    rebuilt on them (``shard_with_optimizer``). Tied weights stay tied when both users sit outside the
+    rebuilt on them (the Runtime does). Tied weights stay tied when both users sit outside the
     repeated blocks (GPT's ``wte`` and ``lm_head``): they fall into the root's group.
     """
     mesh = mesh if mesh is not None else _default_mesh()
@@ -125,34 +124,6 @@ def shard(model: nn.Module, *, mesh: DeviceMesh | None = None, precision: Precis
         fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     return model
-
-
-def shard_with_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, mesh: DeviceMesh | None = None, precision: Precision
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Shard ``model`` and rebuild ``optimizer``, built on its unsharded parameters, on the sharded ones.
-
-    The optimizer must hold no state yet (pass it before its first step). Its class, parameter groups
-    and hyperparameters carry over; each parameter is matched by its name in the model.
-    """
-    if any(optimizer.state.values()):  # checked before the model changes, not after
-        raise ConfigError(
-            f"cannot rebuild {type(optimizer).__name__} on the sharded parameters: it already holds state\n"
-            "hint: pass the optimizer before its first step, or as a factory"
-        )
-    names = {id(p): name for name, p in model.named_parameters()}
-    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
-    if foreign:
-        raise ConfigError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not in the model being sharded\n"
-            "hint: build the optimizer from this model's parameters, or pass a factory "
-            "`lambda params: torch.optim.AdamW(params, lr=...)`"
-        )
-    shard(model, mesh=mesh, precision=precision)
-    sharded = dict(model.named_parameters())
-    for group in optimizer.param_groups:  # the old optimizer is discarded: point its groups at the new parameters
-        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-    return model, rebuild_optimizer(optimizer)
 
 
 def full_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -217,7 +188,10 @@ def load_full_state(
     for group, live in zip(optimizer_state["param_groups"], optimizer.param_groups, strict=True):
         kept = {key: live[key] for key in _IMPLEMENTATION_KEYS if key in live}
         groups.append({**group, **kept, "params": [order[i] for i in group["params"]]})
-    by_name: dict[str, Any] = {"state": {order[i]: v for i, v in optimizer_state["state"].items()}, "param_groups": groups}
+    by_name: dict[str, Any] = {
+        "state": {order[i]: v for i, v in optimizer_state["state"].items()},
+        "param_groups": groups,
+    }
     set_state_dict(
         model,
         optimizer,

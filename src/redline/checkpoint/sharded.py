@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -37,8 +36,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from redline.atomic import commit_directory, fsync_path
-from redline.dist.collectives import gather_objects
 from redline.errors import RedlineError, invalid
+from redline.parallel.collectives import gather_objects
 
 FORMAT = "redline-sharded-1"
 MANIFEST = "manifest.json"

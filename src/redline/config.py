@@ -1,0 +1,52 @@
+"""Options that belong to their owner: documented dataclass fields, and the checks they share.
+
+Each component keeps a frozen, keyword-only options dataclass beside the code that uses it
+(``RuntimeOptions``, ``TrainerConfig``, ``LaunchConfig``); its fields carry their command-line help
+(``option(...)``), so the CLI derives its flags from them instead of listing the options again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from redline.errors import invalid
+
+
+def option(default: Any, help: str, *, flag: str | None = None, cli: bool = True) -> Any:
+    """Declare an options field: its default, its one-line help, and its command-line flag.
+
+    ``flag`` overrides the flag derived from the field's name (``--max-steps`` from ``max_steps``);
+    ``cli=False`` keeps a field off the command line (an object only Python can pass).
+    """
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "cli": cli})
+
+
+def positive_int(name: str, value: object, *, optional: bool = False) -> None:
+    """Check that ``value`` is a positive integer (or None when ``optional``); raise ConfigError if not."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise invalid(name, value, "a positive integer" + (" or None" if optional else ""))
+
+
+def non_negative_int(name: str, value: object) -> None:
+    """Check that ``value`` is an integer >= 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise invalid(name, value, "an integer >= 0")
+
+
+def positive_number(name: str, value: object, *, optional: bool = False) -> None:
+    """Check that ``value`` is a finite number > 0 (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise invalid(name, value, "a number > 0" + (" or None" if optional else ""))
+
+
+def one_of(name: str, value: object, allowed: Sequence[object]) -> None:
+    """Check that ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise invalid(name, value, "one of " + ", ".join(map(repr, allowed)))

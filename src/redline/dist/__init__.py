@@ -1,1 +1,0 @@
-"""Using every GPU: launching workers, distributed strategies, sharded checkpoints, the hang watchdog."""
