@@ -10,18 +10,22 @@ from typing import TYPE_CHECKING
 
 from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, TaskSpecError
 from redline.plan import Choice, Plan
-from redline.runtime.runtime import Runtime, RuntimeOptions
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.runtime import Runtime
 from redline.task import Task, load_task
+from redline.version import __version__
 
 if TYPE_CHECKING:
     from redline.doctor.report import DoctorReport
     from redline.train.callbacks import Callback, EarlyStopping
+    from redline.train.config import TrainerConfig
     from redline.train.summary import TrainSummary
     from redline.train.trainer import Trainer
 
 # The Trainer and its companions load on first use: they bring logging and progress modules.
 _LAZY = {
     "Trainer": "redline.train.trainer",
+    "TrainerConfig": "redline.train.config",
     "TrainSummary": "redline.train.summary",
     "Callback": "redline.train.callbacks",
     "EarlyStopping": "redline.train.callbacks",
@@ -34,9 +38,6 @@ def __getattr__(name: str) -> object:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'redline' has no attribute {name!r}")
-
-
-__version__ = "0.1.0"
 
 
 def doctor(*, quick: bool = False, probe_file: str | Path | None = None) -> DoctorReport:
@@ -63,6 +64,7 @@ __all__ = [
     "TaskSpecError",
     "TrainSummary",
     "Trainer",
+    "TrainerConfig",
     "__version__",
     "doctor",
     "load_task",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from redline.errors import invalid
+
+T = TypeVar("T")
 
 
 def option(default: Any, help: str, *, flag: str | None = None, cli: bool = True) -> Any:
@@ -50,3 +52,21 @@ def one_of(name: str, value: object, allowed: Sequence[object]) -> None:
     """Check that ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise invalid(name, value, "one of " + ", ".join(map(repr, allowed)))
+
+
+def boolean(name: str, value: object) -> None:
+    """Check that ``value`` is True or False (not 1, not "yes")."""
+    if not isinstance(value, bool):
+        raise invalid(name, value, "True or False")
+
+
+def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, what: str, hint: str = "") -> T:
+    """Return ``base`` (or ``owner``'s defaults) with ``changes``; a name ``owner`` lacks is a clear error.
+
+    ``what`` names the options in the message ("a Runtime option"); ``hint`` is shown with it.
+    """
+    known = {field.name for field in dataclasses.fields(owner) if field.init}  # type: ignore[arg-type]
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise invalid(unknown[0], changes[unknown[0]], f"{what}: " + ", ".join(sorted(known)), hint)
+    return dataclasses.replace(base, **changes) if base is not None else owner(**changes)  # type: ignore[type-var]

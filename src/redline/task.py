@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from redline.config import positive_int
 from redline.errors import TaskSpecError, invalid
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -68,10 +69,8 @@ class Task:
                 "a factory params -> Optimizer",
                 "write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
             )
-        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
-            raise invalid("batch_size", self.batch_size, "a positive integer")
-        if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
-            raise invalid("epochs", self.epochs, "a positive integer")
+        positive_int("batch_size", self.batch_size)
+        positive_int("epochs", self.epochs)
         if not hasattr(self.train_data, "__getitem__") and not hasattr(self.train_data, "__iter__"):
             raise invalid("train_data", type(self.train_data).__name__, "a torch Dataset")
 

@@ -2,7 +2,7 @@
 
     python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S [--sleep SECONDS]] [--batch B]
                        [--checkpoint-every N] [--strategy auto|ddp|fsdp|single] [--term-launcher-step S]
-                       [--log-every N] [--step-sleep SECONDS]
+                       [--log-every N] [--step-sleep SECONDS] [--evaluate]
 
 A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
 --kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--term-launcher-step", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--evaluate", action="store_true", help="after fit, evaluate again and count the samples")
     args = parser.parse_args()
     torch.set_num_threads(1)
     callbacks: list[Callback] = [KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else []
@@ -117,8 +118,18 @@ def main() -> None:
         callbacks=callbacks,
         resume="auto" if args.resume else None,
     )
-    summary = trainer.fit()
-    trainer.rt.close()
+    with trainer:
+        summary = trainer.fit()
+        if args.evaluate:
+            seen = [0]
+
+            def count(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+                seen[0] += 0 if module.training else len(inputs[0])
+
+            assert trainer.rt is not None
+            trainer.rt.module.register_forward_pre_hook(count)
+            val_loss = trainer.evaluate()["val_loss"]
+            print(f"rank {trainer.env.rank} evaluated {seen[0]} samples val_loss={val_loss!r}", flush=True)
     print(
         f"rank {trainer.env.rank} done steps={summary.steps} val_loss={summary.val_loss!r} stopped={summary.stopped}",
         flush=True,

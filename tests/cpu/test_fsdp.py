@@ -26,11 +26,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from redline.checkpoint.sharded import ShardedCheckpointError, load_sharded, save_sharded
+from redline.checkpoint import CheckpointError, prune, read_checkpoint, step_dir, verify
+from redline.checkpoint.sharded import _check_visible, load_sharded, save_sharded
 from redline.errors import ConfigError
 from redline.examples.gpt import GPT, GPTConfig
 from redline.parallel.fsdp import mixed_precision_policy, repeated_blocks, shard
-from redline.runtime.optimizer import shard_with_optimizer
+from redline.runtime.strategy.fsdp import FSDP
 
 STEPS = 6  # optimizer steps of every run
 SAVE_AT = 3  # the checkpoint the resumed runs start from
@@ -106,6 +107,24 @@ def train(
     return losses
 
 
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    extra = {"step": step}
+    save_sharded(step_dir(root, step), model, optimizer, runtime_state={}, extra=extra, plan={}, step=step)
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Verify the checkpoint at ``path`` against its manifest, load it, and return its extra state."""
+    checkpoint = read_checkpoint(path)
+    verify(checkpoint)
+    return load_sharded(checkpoint, model, optimizer)[1]
+
+
+def shard_with_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, precision: str
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return FSDP().wrap(model, optimizer, device=torch.device("cpu"), precision=precision)  # type: ignore[arg-type]
+
+
 def full_weights(model: nn.Module) -> dict[str, Any]:
     """Return the unsharded weights on rank 0 (empty elsewhere): gathered from FSDP, unwrapped from DDP."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -121,10 +140,10 @@ def fsdp_run(kind: str, out: Path, name: str, *, save_to: Path | None = None, re
     optimizer = make_optimizer(model.parameters())  # built on the sharded parameters
     start = 0
     if resume is not None:
-        start = int(load_sharded(resume, model, optimizer)["step"])
+        start = int(load(resume, model, optimizer)["step"])
     if save_to is not None:
         train(kind, model, optimizer, start, SAVE_AT)
-        save_sharded(save_to, SAVE_AT, model, optimizer, {"step": SAVE_AT}, keep=2)
+        save(save_to, SAVE_AT, model, optimizer)
         publish(full_weights(model), out / f"{name}-at-save.pt")
         start = SAVE_AT
     train(kind, model, optimizer, start, STEPS)
@@ -287,7 +306,7 @@ def test_a_sharded_checkpoint_resumes_on_the_same_ranks_bitwise(runs: Path) -> N
 def test_a_sharded_checkpoint_loads_into_a_plain_model_without_a_process_group(runs: Path) -> None:
     model = make_gpt()
     optimizer = adamw(model.parameters())
-    extra = load_sharded(runs / "ckpt-2" / f"step-{SAVE_AT:08d}", model, optimizer)
+    extra = load(runs / "ckpt-2" / f"step-{SAVE_AT:08d}", model, optimizer)
     assert extra == {"step": SAVE_AT}
     assert max_difference(model.state_dict(), weights(runs, "gpt-fsdp-2-at-save")) == 0.0
     assert all(int(state["step"]) == SAVE_AT for state in optimizer.state.values())
@@ -299,8 +318,8 @@ def test_an_optimizer_built_before_sharding_is_rebuilt_and_trains_the_same(runs:
 
 def test_an_uncommitted_checkpoint_is_refused(runs: Path, tmp_path: Path) -> None:
     model = make_gpt()
-    with pytest.raises(ShardedCheckpointError, match="manifest"):
-        load_sharded(tmp_path, model, adamw(model.parameters()))
+    with pytest.raises(CheckpointError, match="manifest"):
+        load(tmp_path, model, adamw(model.parameters()))
     assert not list((runs / "ckpt-2").glob(".tmp-*")), "the temporary directory was left behind"
 
 
@@ -309,33 +328,45 @@ def test_sharded_checkpoints_keep_the_newest_and_refuse_a_truncated_shard(tmp_pa
     optimizer = sgd(model.parameters())
     train("mlp", model, optimizer, 0, 1)
     for step in (1, 2, 3):
-        save_sharded(tmp_path, step, model, optimizer, {"step": step}, keep=2)
+        save(tmp_path, step, model, optimizer)
+        prune(tmp_path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
     shard_file = next((tmp_path / "step-00000003").glob("*.distcp"))
     shard_file.write_bytes(shard_file.read_bytes()[:-1])
-    with pytest.raises(ShardedCheckpointError, match="truncated"):
-        load_sharded(tmp_path / "step-00000003", model, optimizer)
+    with pytest.raises(CheckpointError, match="truncated"):
+        load(tmp_path / "step-00000003", model, optimizer)
 
 
-def test_a_shard_that_rank_0_cannot_see_is_not_committed(tmp_path: Path) -> None:
-    from redline.checkpoint.sharded import _commit
+def test_a_flipped_bit_inside_a_shard_is_caught_by_its_checksum(tmp_path: Path) -> None:
+    model = make_mlp()
+    optimizer = sgd(model.parameters())
+    train("mlp", model, optimizer, 0, 1)
+    save(tmp_path, 1, model, optimizer)
+    manifest = read_checkpoint(tmp_path / "step-00000001").manifest
+    assert all(len(entry["sha256"]) == 64 for entry in manifest["files"].values()), manifest
+    shard_file = next((tmp_path / "step-00000001").glob("*.distcp"))
+    blob = bytearray(shard_file.read_bytes())
+    blob[len(blob) // 2] ^= 0x01  # one bit, the size unchanged
+    shard_file.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=rf"{shard_file.name} does not match its checksum"):
+        load(tmp_path / "step-00000001", model, optimizer)
 
-    tmp = tmp_path / ".tmp-step-00000001"
-    tmp.mkdir()
-    (tmp / "__0_0.distcp").write_bytes(b"rank 0")
+
+def test_a_shard_that_rank_0_cannot_see_is_refused(tmp_path: Path) -> None:
+    here = {"__0_0.distcp": 6}
     views = [{"__0_0.distcp": 6}, {"__1_0.distcp": 6}]  # rank 1 wrote onto its own node's disk
-    with pytest.raises(ShardedCheckpointError, match=r"rank 1 wrote __1_0\.distcp.*every rank shares"):
-        _commit(tmp, tmp_path / "step-00000001", 1, {"step": 1}, {}, views, keep=1)
-    assert not (tmp_path / "step-00000001").exists() and not (tmp / "manifest.json").exists()
+    with pytest.raises(CheckpointError, match=r"rank 1 wrote __1_0\.distcp.*every rank shares"):
+        _check_visible(tmp_path, here, views)
+    _check_visible(tmp_path, {**here, "__1_0.distcp": 6}, views)  # a shared file system: nothing to say
 
 
 def test_a_checkpoint_before_the_first_step_leaves_the_run_unchanged(tmp_path: Path) -> None:
     runs = []
-    for save in (False, True):
+    for saved in (False, True):
         model = make_gpt()
         optimizer = adamw(model.parameters())
-        if save:  # DCP steps a stateless optimizer once to give it state to save; the run must not see it
-            save_sharded(tmp_path, 0, model, optimizer, {"step": 0}, keep=1)
+        if saved:  # DCP steps a stateless optimizer once to give it state to save; the run must not see it
+            save(tmp_path, 0, model, optimizer)
         train("gpt", model, optimizer, 0, 2)
         runs.append(model.state_dict())
     assert max_difference(*runs) == 0.0

@@ -1,7 +1,7 @@
 """The Runtime on CPU: parity with the plain loop, accumulation, clipping, precision, compile, errors."""
 
 import copy
-import warnings
+import logging
 
 import pytest
 import torch
@@ -112,7 +112,7 @@ def test_bf16_mixed_runs_the_forward_in_bf16(initial):
 
 def test_fp16_mixed_scales_the_loss_and_still_learns(initial):
     rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off", clip_grad_norm=1.0)
-    assert rt.scaler is not None
+    assert rt.precision.scaler is not None
     model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.05))
     before = copy.deepcopy(model.state_dict())
     for inputs, targets in rt.setup_loader(make_loader()):
@@ -120,7 +120,7 @@ def test_fp16_mixed_scales_the_loss_and_still_learns(initial):
             loss = nn.functional.cross_entropy(model(inputs), targets)
         rt.backward(loss)
         rt.step(optimizer)
-    assert rt.scaler.get_scale() > 0
+    assert rt.precision.scaler.get_scale() > 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -131,9 +131,8 @@ def test_explain_lists_every_axis_after_setup(initial):
     rt.setup_loader(make_loader())
     plan = rt.explain()
     assert [row[0] for row in plan.rows()] == [
-        "device", "precision", "tf32", "grad_accum", "clip_grad_norm", "strategy", "channels_last", "compile",
-        "optimizer",
-        "zero_grad", "loader"
+        "device", "precision", "tf32", "deterministic", "seed", "grad_accum", "clip_grad_norm", "strategy",
+        "channels_last", "compile", "optimizer", "zero_grad", "loader"
     ]  # fmt: skip
     assert plan.precision.value == "fp32" and plan.compile.value is False
     assert all(reason for _, _, reason in plan.rows())
@@ -181,18 +180,17 @@ def test_wrong_arguments_say_what_is_allowed(kwargs, error, match, initial):
         rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
 
 
-def test_compile_failure_falls_back_to_eager_with_a_warning(initial):
+def test_compile_failure_falls_back_to_eager_with_a_warning(initial, caplog):
     def broken_backend(graph_module, example_inputs):
         raise RuntimeError("backend exploded")
 
     expected = initial(torch.ones(2, 1, 8, 8))
     record = compile_module(initial, backend=broken_backend)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="redline"):
         out = initial(torch.ones(2, 1, 8, 8))
     assert torch.allclose(out, expected)
     assert record.fell_back is not None and "backend exploded" in record.fell_back
-    assert any("running eagerly" in str(w.message) for w in caught)
+    assert any("running eagerly" in r.getMessage() and "hint:" in r.getMessage() for r in caplog.records)
     assert initial.forward == type(initial).forward.__get__(initial)  # later calls stay eager
 
 
@@ -250,12 +248,12 @@ def test_fp16_overflow_steps_are_skipped_and_counted(initial):
     with rt.autocast():
         loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
     rt.backward(loss)
-    scale = rt.scaler.get_scale()
+    scale = rt.precision.scaler.get_scale()
     next(model.parameters()).grad.view(-1)[0] = float("inf")  # what an fp16 overflow leaves behind
     assert rt.step(optimizer)
     assert rt.skipped_steps == 1
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # weights untouched
-    assert rt.scaler.get_scale() == scale / 2  # the scale backed off
+    assert rt.precision.scaler.get_scale() == scale / 2  # the scale backed off
 
 
 def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):

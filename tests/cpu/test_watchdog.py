@@ -136,7 +136,7 @@ def test_flight_recorder_variables_use_the_names_of_the_torch_at_hand_and_leave_
 
 
 def test_a_timeout_that_is_not_positive_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"hang_timeout=0 is not allowed; expected a number of seconds > 0"):
+    with pytest.raises(ConfigError, match=r"hang_timeout=0 is not allowed; expected a number > 0"):
         Watchdog(dist.HashStore(), 0, 1, 0)
 
 

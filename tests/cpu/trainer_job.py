@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.train import checkpoint as ckpt
+from redline.checkpoint import layout as ckpt
 from redline.train.callbacks import Callback
 from redline.train.trainer import Trainer
 

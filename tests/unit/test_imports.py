@@ -57,34 +57,19 @@ def test_import_touches_no_cuda_and_no_optional_extra():
     assert result["loaded"] == []
 
 
-# Layers of DESIGN.md, lowest first: a module may import its own layer or a lower one, never a higher.
-LAYERS = {
-    "errors": 0,
-    "atomic": 0,
-    "config": 0,
-    "hardware": 1,
-    "task": 2,
-    "plan": 2,
-    "runtime": 3,
-    "parallel": 3,  # the Runtime detects torchrun's environment and wraps for DDP/FSDP
-    "checkpoint": 3,
-    "examples": 4,
-    "train": 4,
-    "launch": 4,
-    "report": 4,
-    "doctor": 4,
-    "memory": 4,
-    "bench": 4,
-    "serve": 4,
-    "advise": 4,
-    "profile": 4,
-    "cli": 5,
-    "__main__": 5,
-}
+# The layers of ../shared/DESIGN.md: Face -> Apps -> Core -> torch. A Core module never imports an App
+# or the Face; an App imports Core only, never another App (what two Apps share belongs in Core).
+FACE = {"cli", "report", "render", "__init__", "__main__"}
+APPS = {"train", "launch", "doctor", "memory", "bench", "serve", "advise", "profile"}
+CORE = {
+    "plan", "runtime", "parallel", "checkpoint", "hardware", "task", "examples", "errors", "atomic", "config",
+    "version",
+}  # fmt: skip
+FORBIDDEN_FOLDERS = {"dist", "build"}  # packaging tools own these names
 
 
 def redline_imports(path: Path) -> set[str]:
-    """Return the redline sub-packages a module imports, as their top-level names."""
+    """Return the redline sub-packages a module imports, as their top-level names ("" for `from redline import`)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
@@ -92,13 +77,17 @@ def redline_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
+            if node.module == "redline":  # `from redline import checkpoint` names a sub-package, or the face
+                names = [f"redline.{alias.name}" for alias in node.names if (PACKAGE / alias.name).is_dir()]
+                names += ["redline"] * any(not (PACKAGE / alias.name).is_dir() for alias in node.names)
+            else:
+                names = [node.module]
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             raise AssertionError(f"{path}: use absolute imports (from redline.x import y)")
         for name in names:
             parts = name.split(".")
-            if parts[0] == "redline" and len(parts) > 1:
-                found.add(parts[1])
+            if parts[0] == "redline":
+                found.add(parts[1] if len(parts) > 1 else "")
     return found
 
 
@@ -106,21 +95,89 @@ def layer_of(path: Path) -> str:
     return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
-MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+def kind_of(name: str) -> str:
+    for kind, members in (("face", FACE), ("app", APPS), ("core", CORE)):
+        if name in members:
+            return kind
+    raise AssertionError(f"redline.{name} has no layer; place it in FACE, APPS or CORE as DESIGN.md does")
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def allowed(source: str, target: str) -> bool:
+    """Whether a module of ``source`` may import ``target`` (both top-level names under redline)."""
+    if target == "":
+        return source in ("__main__",)  # inside the package, import what you need from where it lives
+    if source == target:
+        return True
+    kinds = kind_of(source), kind_of(target)
+    return kinds[0] == "face" or (kinds[1] == "core" and kinds[0] in ("app", "core"))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_flow_one_way(path):
     source = layer_of(path)
-    assert source in LAYERS, f"{source} has no layer; add it to LAYERS as DESIGN.md places it"
+    kind_of(source)
     for target in redline_imports(path):
-        assert target in LAYERS, f"{path.name} imports redline.{target}, which has no layer"
-        assert LAYERS[target] <= LAYERS[source], (
-            f"{path.relative_to(PACKAGE)} (layer {source}) imports redline.{target}, a higher layer"
+        if target:
+            kind_of(target)
+        assert allowed(source, target), (
+            f"{path.relative_to(PACKAGE)} ({kind_of(source)} {source}) imports "
+            f"redline.{target or '(the package)'}: {'a higher layer' if target else 'import from the module itself'}"
         )
 
 
-def test_the_layer_check_can_fail(tmp_path):
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        source = layer_of(path)
+        graph.setdefault(source, set()).update(t for t in redline_imports(path) if t and t != source)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """Return one cycle of the graph as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if state.get(nxt) is None and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if state.get(node) is None and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_sub_packages_import_each_other_without_a_cycle():
+    assert find_cycle(package_graph()) is None, f"package cycle: {' -> '.join(find_cycle(package_graph()) or [])}"
+
+
+def test_no_folder_takes_a_name_packaging_tools_own():
+    assert not {p.name for p in PACKAGE.iterdir() if p.is_dir()} & FORBIDDEN_FOLDERS
+
+
+def test_the_layer_checks_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from redline.cli.main import app\nimport redline.train.loop\n")
-    assert redline_imports(bad) == {"cli", "train"}
+    bad.write_text("from redline.cli.main import app\nimport redline.train.loop\nfrom redline import Runtime\n")
+    assert redline_imports(bad) == {"cli", "train", ""}
+    assert not allowed("runtime", "train") and not allowed("train", "doctor") and not allowed("train", "cli")
+    assert not allowed("runtime", "") and allowed("cli", "train") and allowed("train", "runtime")
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_is_over_500_lines(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= 500, f"{path.relative_to(PACKAGE)} has {lines} lines: it is asking for a concept of its own"

@@ -1,1 +1,30 @@
-"""Checkpoints that survive a crash at any moment: one directory layout, two formats (whole and sharded)."""
+"""Checkpoints that survive a crash at any moment: one directory layout, two formats.
+
+``layout`` names, commits, lists and verifies checkpoint directories; ``whole`` is the format one
+process writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP). The
+Runtime picks the format through its strategy (``Runtime.save`` / ``Runtime.load``).
+"""
+
+from redline.checkpoint.layout import (
+    Checkpoint,
+    CheckpointError,
+    find_checkpoints,
+    load_plan,
+    open_checkpoint,
+    prune,
+    read_checkpoint,
+    step_dir,
+    verify,
+)
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "find_checkpoints",
+    "load_plan",
+    "open_checkpoint",
+    "prune",
+    "read_checkpoint",
+    "step_dir",
+    "verify",
+]

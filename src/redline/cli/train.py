@@ -1,4 +1,8 @@
-"""`redline train`: train a Task with the Trainer and print the Plan and the summary."""
+"""`redline train`: train a Task with the Trainer and print the Plan and the summary.
+
+Every option but the task's own comes from an options dataclass (TrainerConfig, RuntimeOptions,
+EarlyStopping, LaunchConfig): the flags are derived from their fields (cli/options.py).
+"""
 
 from __future__ import annotations
 
@@ -6,31 +10,25 @@ import ast
 import json
 import os
 import sys
-from enum import Enum
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from redline.cli.launch import parse_nproc
+from redline.cli.options import command, flags, given, values
 from redline.errors import invalid
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.report.console import key_value_table, plan_table
-from redline.runtime.runtime import RuntimeOptions
+from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
 from redline.train.callbacks import EarlyStopping
-from redline.train.trainer import Trainer, TrainSummary
+from redline.train.config import TrainerConfig
+from redline.train.summary import TrainSummary
+from redline.train.trainer import Trainer
 
-
-class Switch(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
-
-
-class Monitor(str, Enum):
-    val_loss = "val_loss"
-    val_metric = "val_metric"
+# The options that start the workers (on one machine); each worker runs the rest of the command.
+LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
+EARLY_STOPPING = "early_stopping_"
 
 
 def parse_task_args(pairs: list[str]) -> dict[str, Any]:
@@ -48,89 +46,28 @@ def parse_task_args(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def train(
+def _train(
     task: Annotated[str, typer.Option(help="Task spec: example:digits, pkg.module:factory or file.py:factory.")],
     task_arg: Annotated[
         list[str] | None, typer.Option("--task-arg", help="KEY=VALUE option for the task factory; repeatable.")
     ] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many optimizer steps.")] = None,
-    epochs: Annotated[int | None, typer.Option(help="Epochs to train (default: the task's own).")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Batch size (default: the task's own).")] = None,
-    precision: Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")] = "auto",
-    compile: Annotated[Switch, typer.Option(help="torch.compile: auto, on or off.")] = Switch.auto,
-    channels_last: Annotated[Switch, typer.Option(help="channels_last memory layout: auto, on or off.")] = Switch.auto,
-    devices: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
-    grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
-    clip_grad_norm: Annotated[float | None, typer.Option(help="Clip the gradient norm to this value.")] = None,
-    seed: Annotated[
-        int | None, typer.Option(help="Seed every RNG and the data order (default 0 for the order).")
-    ] = None,
-    out: Annotated[str | None, typer.Option(help="Write checkpoints, logs, summary.json, model.safetensors.")] = None,
-    resume: Annotated[str | None, typer.Option(help="'auto' (newest valid checkpoint in OUT) or a path.")] = None,
-    eval_every: Annotated[int | None, typer.Option(help="Evaluate every N steps (default: each epoch).")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help="Checkpoint every N steps (and at the end).")] = None,
-    keep_checkpoints: Annotated[int, typer.Option(help="Keep the newest K checkpoints.")] = 3,
-    logger: Annotated[
-        list[str] | None, typer.Option("--logger", help="csv, jsonl, tensorboard; repeatable (default csv+jsonl).")
-    ] = None,
-    log_every: Annotated[int, typer.Option(help="Read losses and log every N steps.")] = 50,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress on stderr.")] = True,
-    early_stopping_patience: Annotated[
-        int | None, typer.Option(help="Stop after N evaluations without improvement.")
-    ] = None,
-    early_stopping_monitor: Annotated[Monitor, typer.Option(help="The metric early stopping watches.")] = (
-        Monitor.val_loss
-    ),
-    deterministic: Annotated[bool, typer.Option(help="torch.use_deterministic_algorithms(True).")] = False,
-    strategy: Annotated[str, typer.Option(help="auto, single, ddp or fsdp (with several processes).")] = "auto",
-    nproc: Annotated[
-        str | None, typer.Option(help="Run on N processes (or auto: every GPU) through redline launch.")
-    ] = None,
-    max_restarts: Annotated[int, typer.Option(help="With --nproc: restart failed workers up to K times.")] = 0,
-    hang_timeout: Annotated[float | None, typer.Option(help="With --nproc: seconds before a hang report.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    **parsed: Any,
 ) -> None:
     """Train a Task with every automatic choice explained, and print the summary."""
-    if nproc is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
-        config = LaunchConfig(nproc=parse_nproc(nproc), max_restarts=max_restarts, hang_timeout_s=hang_timeout)
+    launching = {name: parsed[name] for name in _LAUNCH_PARAMS}
+    if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
+        config = LaunchConfig(**values(LaunchConfig, launching))
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
     loaded = load_task(task, **parse_task_args(task_arg or []))
-    trainer = Trainer(
+    stopping = given(EarlyStopping, parsed, prefix=EARLY_STOPPING)
+    with Trainer(
         loaded,
-        runtime=RuntimeOptions(
-            devices=devices,
-            precision=precision,
-            compile=compile.value,
-            channels_last=channels_last.value,
-            grad_accum=grad_accum,
-            clip_grad_norm=clip_grad_norm,
-            seed=seed,
-            strategy=strategy,
-        ),
-        max_steps=max_steps,
-        max_epochs=epochs,
-        batch_size=batch_size,
-        eval_every=eval_every,
-        checkpoint_every=checkpoint_every,
-        keep_checkpoints=keep_checkpoints,
-        out_dir=out,
-        loggers=tuple(logger) if logger else ("csv", "jsonl"),
-        log_every=log_every,
-        progress=progress,
-        early_stopping=(
-            EarlyStopping(monitor=early_stopping_monitor.value, patience=early_stopping_patience)
-            if early_stopping_patience
-            else None
-        ),
-        resume=resume,
-        deterministic=deterministic,
-    )
-    try:
+        TrainerConfig(runtime=RuntimeOptions(**values(RuntimeOptions, parsed)), **values(TrainerConfig, parsed)),
+        callbacks=[EarlyStopping(**stopping)] if stopping else [],
+    ) as trainer:
         summary = trainer.fit()
-    finally:
-        if trainer.rt is not None:
-            trainer.rt.close()
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:
@@ -143,7 +80,16 @@ def train(
         console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
 
 
-LAUNCH_OPTIONS = ("--nproc", "--max-restarts", "--hang-timeout")
+_LAUNCH = flags(LaunchConfig, only=LAUNCH_FIELDS, optional=True)
+_LAUNCH_PARAMS = [flag.parameter.name for flag in _LAUNCH]
+LAUNCH_OPTIONS = tuple(flag.name for flag in _LAUNCH)
+train = command(
+    _train,
+    flags(TrainerConfig),
+    flags(RuntimeOptions),
+    flags(EarlyStopping, prefix=EARLY_STOPPING, optional=True),
+    _LAUNCH,
+)
 
 
 def without_launch_options(argv: list[str]) -> list[str]:

@@ -55,7 +55,7 @@ def take_snapshot(
     child_script: Path = child_process.CHILD_SCRIPT,
 ) -> Snapshot:
     """Probe this machine; ``quick`` skips the measurements. Never raises."""
-    from redline import __version__
+    from redline.version import __version__
 
     snap = Snapshot(
         redline_version=__version__,

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.optim.optimizer import ParamsT
 from torch.utils.data import Dataset
 
+from redline.config import positive_int
 from redline.errors import ConfigError, invalid
 from redline.examples.gpt import GPT, GPTConfig
 from redline.task import Task
@@ -62,8 +63,7 @@ def chargpt(
     )
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
         raise invalid("lr", lr, "a positive float", "1e-3 suits the default size; try 6e-4 for GPT-2 small")
-    if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
-        raise invalid("max_chars", max_chars, "a positive integer")
+    positive_int("max_chars", max_chars)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise invalid("seed", seed, "an integer")
 

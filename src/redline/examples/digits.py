@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim.optimizer import ParamsT
 from torch.utils.data import TensorDataset
 
+from redline.config import positive_int
 from redline.errors import invalid
 from redline.task import Task
 
@@ -38,8 +39,7 @@ def digits(
     """
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
         raise invalid("lr", lr, "a positive float")
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise invalid("width", width, "a positive integer (channels of the first conv layer)")
+    positive_int("width", width)  # channels of the first conv layer
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise invalid("seed", seed, "an integer")
     images, labels = load_digits()

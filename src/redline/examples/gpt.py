@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from redline.config import positive_int
 from redline.errors import invalid
 
 
@@ -30,10 +31,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            # bool is an int subclass; n_layer=True is a typo, not a request for one layer.
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise invalid(name, value, "a positive integer")
+            positive_int(name, getattr(self, name))  # n_layer=True is a typo, not a request for one layer
         if self.n_embd % self.n_head:
             raise invalid(
                 "n_embd",

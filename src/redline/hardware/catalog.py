@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 reads TOML through the tomli backport
     import tomli as tomllib
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]  # the values of redline.plan.precision.Precision
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]  # the values of redline.plan.precision.PrecisionName
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # Which peak a training precision runs at (fp32 moves to the TF32 peak when TF32 is on).

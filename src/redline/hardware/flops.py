@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
+from redline.config import positive_int
 from redline.errors import invalid
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ def measure_matmul_tflops(
     n = size if size is not None else (256 if device.type == "cpu" else 4096)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise invalid("size", size, "a positive integer, or None for the device's default")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise invalid("repeats", repeats, "a positive integer")
+    positive_int("repeats", repeats)
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)

@@ -6,12 +6,14 @@ worker supervision and restarts are torchrun's own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from redline.config import non_negative_int, option, positive_int, positive_number
 from redline.errors import ConfigError, RedlineError, invalid
 from redline.parallel.env import HANG_TIMEOUT_ENV
 
@@ -39,24 +41,25 @@ class LaunchStopped(LaunchError):
 class LaunchConfig:
     """How many workers, on how many machines, and how they meet."""
 
-    nproc: int | str = "auto"
-    nnodes: int = 1
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    rdzv_endpoint: str | None = None
-    max_restarts: int = 0
-    hang_timeout_s: float | None = None
+    nproc: int | str = option("auto", "Processes per machine: N or auto (every visible GPU, else 1).")
+    nnodes: int = option(1, "Number of machines.")
+    node_rank: int | None = option(None, "This machine's rank, 0..nnodes-1.")
+    master_addr: str | None = option(None, "Address of the node-rank 0 machine.")
+    master_port: int | None = option(None, "A free port on the node-rank 0 machine.")
+    rdzv_endpoint: str | None = option(None, "HOST:PORT of a c10d rendezvous (instead of the three above).")
+    max_restarts: int = option(0, "Restart failed workers up to K times (from the last checkpoint).")
+    hang_timeout_s: float | None = option(
+        None, "Seconds without progress before a hang report names the stalled rank.", flag="--hang-timeout"
+    )
 
     def __post_init__(self) -> None:
-        if self.nproc != "auto" and (not isinstance(self.nproc, int) or self.nproc < 1):
+        if isinstance(self.nproc, str) and self.nproc.isdigit():  # from the command line
+            object.__setattr__(self, "nproc", int(self.nproc))
+        if self.nproc != "auto" and (not isinstance(self.nproc, int) or isinstance(self.nproc, bool) or self.nproc < 1):
             raise invalid("nproc", self.nproc, "'auto' or a positive integer")
-        if self.nnodes < 1:
-            raise invalid("nnodes", self.nnodes, "a positive integer")
-        if self.max_restarts < 0:
-            raise invalid("max_restarts", self.max_restarts, "an integer >= 0")
-        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
-            raise invalid("hang_timeout", self.hang_timeout_s, "a number of seconds > 0")
+        positive_int("nnodes", self.nnodes)
+        non_negative_int("max_restarts", self.max_restarts)
+        positive_number("hang_timeout", self.hang_timeout_s, optional=True)
         if self.rdzv_endpoint is not None and not _ENDPOINT.match(self.rdzv_endpoint):
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
@@ -111,12 +114,14 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
+    workers: dict[str, str] = {}
     if config.hang_timeout_s is not None:
-        os.environ[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)  # the workers inherit it
-        os.environ.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
+        workers[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)
+        workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
     args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
     try:
-        run(args)
+        with worker_environment(workers):
+            run(args)
     except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
         raise LaunchStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
@@ -128,3 +133,18 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             f"rank {rank} exited with {failure.exitcode}" for rank, failure in sorted(exc.failures.items())
         )
         raise LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above") from None
+
+
+@contextlib.contextmanager
+def worker_environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """Give the workers ``variables``: torchrun starts them with this process's environment, put back after."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+
+from redline.errors import RedlineError
+
+T = TypeVar("T")
+
+
+class RankZeroError(RedlineError):
+    """Work that rank 0 did for every rank (a checkpoint's commit) failed there."""
 
 
 def active() -> bool:
@@ -19,6 +28,37 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()
         torch_dist.all_reduce(tensor)
     return tensor
+
+
+def rank_and_world() -> tuple[int, int]:
+    """Return this process's rank and the number of ranks ((0, 1) without a process group)."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_rank(), torch_dist.get_world_size()
+    return 0, 1
+
+
+def run_on_rank0(action: Callable[[], T], what: str) -> T:
+    """Run ``action`` on rank 0 and hand its result to every rank; if it fails, every rank raises.
+
+    No rank is left waiting for a rank 0 that failed: rank 0 re-raises its own error, the others a
+    RankZeroError carrying its whole message (hint included). The result must be picklable.
+    """
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return action()
+    result, failure = None, None
+    if torch_dist.get_rank() == 0:
+        try:
+            result = action()
+        except Exception as exc:  # handed to every rank, then raised there
+            failure = exc
+    box: list[Any] = [(result, f"{type(failure).__name__}: {failure}" if failure is not None else None)]
+    torch_dist.broadcast_object_list(box, src=0)  # the others' boxes are replaced by rank 0's
+    result, error = box[0]
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RankZeroError(f"{what} failed on rank 0: {error}")
+    return result
 
 
 def barrier() -> None:

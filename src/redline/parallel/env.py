@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class DistEnv:
     local_world_size: int = 1
     restart_count: int = 0
     launched: bool = False  # started by torchrun (even as 1 process): a process group can be formed
+    hang_timeout_s: float = 0.0  # the launcher's --hang-timeout (REDLINE_HANG_TIMEOUT); 0: no hang watchdog
 
     @property
     def distributed(self) -> bool:
@@ -63,7 +65,19 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_world_size=number("LOCAL_WORLD_SIZE", 1),
         restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
         launched="RANK" in env and "MASTER_ADDR" in env,
+        hang_timeout_s=_seconds(env, HANG_TIMEOUT_ENV),
     )
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    text = env.get(name) or "0"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds\nhint: launch with `redline launch`") from None
+    if not value >= 0:
+        raise ConfigError(f"{name}={text!r} must be >= 0 seconds\nhint: launch with `redline launch`")
+    return value
 
 
 def backend_for(device_type: str) -> str:
@@ -95,6 +109,17 @@ def init_process_group(env: DistEnv, device_type: str) -> bool:
     else:
         torch_dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
     return True
+
+
+def leave_process_group() -> None:
+    """Leave the default process group (the one ``init_process_group`` joined), if any.
+
+    Garbage is collected first: on gloo, an FSDP model freed by the interpreter's final collection,
+    after gloo's threads lost the GIL, aborted the process in about 5% of CPU runs.
+    """
+    if torch_dist.is_initialized():
+        gc.collect()
+        torch_dist.destroy_process_group()
 
 
 def process_group_store() -> torch_dist.Store | None:

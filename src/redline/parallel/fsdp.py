@@ -8,6 +8,7 @@ Works on CPU over gloo (a "cpu" device mesh) as on CUDA over NCCL.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any, cast
@@ -15,11 +16,16 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from redline.errors import ConfigError, invalid
-from redline.plan.precision import PRECISIONS, Precision
+from redline.plan.precision import PRECISIONS, PrecisionName
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -65,7 +71,7 @@ def _owns_its_parameters(block: nn.Module, uses: Counter[int]) -> bool:
     return all(uses[key] == count for key, count in inside.items())
 
 
-def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy | None:
+def mixed_precision_policy(precision: PrecisionName) -> MixedPrecisionPolicy | None:
     """Return FSDP2's mixed-precision policy for a Runtime precision; ``None`` for fp32.
 
     The parameters are all-gathered and computed in bf16/fp16 while the sharded fp32 parameters stay
@@ -107,23 +113,44 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def shard(model: nn.Module, *, mesh: DeviceMesh | None = None, precision: Precision) -> nn.Module:
+def shard(
+    model: nn.Module, *, mesh: DeviceMesh | None = None, precision: PrecisionName, reshard: bool = True
+) -> nn.Module:
     """Shard ``model`` in place with FSDP2: each repeated block, then the root; return it.
 
     Afterwards the model's parameters are new ``DTensor`` parameters: an optimizer built before must be
     rebuilt on them (the Runtime does). Tied weights stay tied when both users sit outside the
     repeated blocks (GPT's ``wte`` and ``lm_head``): they fall into the root's group.
+
+    ``reshard``: free each block's gathered parameters after its forward and gather them again in
+    the backward (the memory FSDP exists to save, for a second all-gather per block). Without it
+    the blocks stay gathered from their forward to their backward, which saves nothing on one rank.
     """
     mesh = mesh if mesh is not None else _default_mesh()
     policy = mixed_precision_policy(precision) or MixedPrecisionPolicy()  # the default casts nothing
     blocks = repeated_blocks(model)
     for index, block in enumerate(blocks):
-        # Reshard (free the gathered parameters) after forward to save memory, except the last block,
-        # whose parameters backward needs first; the root keeps its own for the same reason. These are
-        # torchtitan's choices, and FSDP2's default for the root.
-        fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1, mp_policy=policy)
+        # The last block is not resharded: its parameters are the first the backward needs; the root
+        # keeps its own for the same reason. These are torchtitan's choices, and FSDP2's default for the root.
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    _prefetch_in_order(blocks)
     return model
+
+
+def _prefetch_in_order(blocks: list[nn.Module]) -> None:
+    """Have each block's forward start the next block's all-gather before its own compute is issued.
+
+    FSDP2 overlaps an all-gather with the compute issued before it; when the host is the bottleneck
+    (small blocks, many kernels) issuing the next all-gather first keeps the device fed. This needs
+    a fixed order of blocks, which the children of one container have
+    (https://pytorch.org/docs/stable/notes/fsdp.html#fsdp-prefetch-nuances). The backward already
+    prefetches in the reverse order of the forward.
+    """
+    for block, after in itertools.pairwise(blocks):
+        setter = getattr(block, "set_modules_to_forward_prefetch", None)  # torch >= 2.5
+        if setter is not None:
+            setter([after])
 
 
 def full_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -149,19 +176,18 @@ def full_weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def load_full_state(
+def full_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     weights: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
-) -> None:
-    """Load whole weights and an unsharded optimizer's ``state_dict()`` into a sharded model and its optimizer.
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return whole weights and an unsharded optimizer's ``state_dict()`` as ``set_state_dict`` takes them.
 
-    The way from a checkpoint of one device or DDP to FSDP: every rank passes the same whole state
-    and keeps its own pieces (each rank holds the whole state in host memory while it loads).
-    ``weights`` holds a tied weight under one of its names (as safetensors writes it) and must fit
-    the model exactly; ``optimizer_state`` numbers parameters in the order of the optimizer's groups,
-    which is the order of the sharded optimizer's groups when both were built by the same factory.
+    ``weights`` holds a tied weight under one of its names (as safetensors writes it) and must fit the
+    model exactly; ``optimizer_state`` numbers parameters in the order of the optimizer's groups, which
+    is the order of the sharded optimizer's groups when both were built by the same factory. The
+    optimizer state is keyed by parameter name, with this run's implementation flags kept.
     """
     full: dict[str, Any] = dict(weights)
     for group in _names_by_parameter(model):
@@ -188,17 +214,26 @@ def load_full_state(
     for group, live in zip(optimizer_state["param_groups"], optimizer.param_groups, strict=True):
         kept = {key: live[key] for key in _IMPLEMENTATION_KEYS if key in live}
         groups.append({**group, **kept, "params": [order[i] for i in group["params"]]})
-    by_name: dict[str, Any] = {
-        "state": {order[i]: v for i, v in optimizer_state["state"].items()},
-        "param_groups": groups,
-    }
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=full,
-        optim_state_dict=by_name,
-        options=StateDictOptions(full_state_dict=True),
-    )
+    state = {order[i]: v for i, v in optimizer_state["state"].items()}
+    return full, {"state": state, "param_groups": groups}
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> None:
+    """Load whole states (``full_state``'s, on rank 0; empty dicts elsewhere) into a sharded model and optimizer.
+
+    Collective. Rank 0 alone holds the whole state in host memory and broadcasts it; each rank keeps
+    its own pieces (``broadcast_from_rank0``), so a model that fits a node once loads on eight ranks.
+    """
+    # One call each: set_state_dict treats an empty model state (the other ranks') as "optimizer only"
+    # and skips the model's broadcast there, while rank 0 waits in it (torch 2.13).
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 def _names_by_parameter(model: nn.Module) -> list[list[str]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import socket
 import sys
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.torch_version import TorchVersion
 
+from redline.config import positive_number
 from redline.errors import RedlineError, invalid
 
 HANG_EXIT_CODE = 124  # as coreutils timeout(1) uses; torchrun reports it as the worker's exitcode
@@ -45,6 +47,8 @@ FR_DIR = "flight_recorder"
 _GATHER_S = 5.0  # how long the first rank to fire waits for the others' stacks
 _STORE_TIMEOUT_S = 10.0  # the longest any store call of the watchdog blocks
 _DEADLINE_S = _GATHER_S + 3 * _STORE_TIMEOUT_S  # a firing rank exits by then, whatever the store or disk do
+
+log = logging.getLogger("redline")
 
 
 class HangError(RedlineError, RuntimeError):
@@ -187,8 +191,7 @@ class Watchdog:
     def __init__(
         self, store: torch_dist.Store, rank: int, world_size: int, timeout_s: float, out_dir: Path | None = None
     ) -> None:
-        if timeout_s <= 0:
-            raise invalid("hang_timeout", timeout_s, "a number of seconds > 0")
+        positive_number("hang_timeout", timeout_s)
         if not 0 <= rank < world_size:
             raise invalid("rank", rank, f"0..{world_size - 1} for world_size={world_size}")
         try:
@@ -248,13 +251,13 @@ class Watchdog:
             message = self._describe_all(position)
             if self.out_dir is not None:
                 _write(self.out_dir / REPORT_FILE, message + "\n")
-            print(message, file=sys.stderr, flush=True)
+            log.error("%s", message)
             self._store_call(self.store.set, self._key + "report", message)
         else:  # stay until the report exists: exiting first would let torchrun kill the reporting rank
             self._store_call(self.store.wait, [self._key + "report"], dt.timedelta(seconds=_GATHER_S + 2))
             report = self._store_call(self.store.get, self._key + "report") if self._reported() else None
             message = report.decode() if isinstance(report, bytes) else self._describe_all(position)
-            print(f"redline hang watchdog, rank {self.rank}: stack in {position.stack}", file=sys.stderr, flush=True)
+            log.error("redline hang watchdog, rank %d: stack in %s", self.rank, position.stack)
         _record_for_torchrun(message)
         deadline.cancel()
         self._exit(HANG_EXIT_CODE)
@@ -304,7 +307,7 @@ class Watchdog:
         path = self.out_dir / f"hang-rank{self.rank}.txt" if self.out_dir else None
         if path is not None and _write(path, text):
             return str(path)
-        print(text, file=sys.stderr, flush=True)
+        log.error("%s", text)
         return f"stderr of rank {self.rank}"
 
     def _publish(self, position: Position) -> None:

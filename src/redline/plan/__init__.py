@@ -33,6 +33,8 @@ class Plan:
     device: Choice[str]
     precision: Choice[str]
     tf32: Choice[bool]
+    deterministic: Choice[bool] | None = None
+    seed: Choice[int | None] | None = None
     grad_accum: Choice[int]
     clip_grad_norm: Choice[float | None]
     strategy: Choice[str] | None = None

@@ -12,12 +12,17 @@ ALLOWED = "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
 _PATTERN = re.compile(r"^(auto|cpu|mps|cuda)(?::(\d+))?$")
 
 
-def resolve_device(requested: str, found: Accelerators) -> Choice[str]:
-    """Resolve ``requested`` against the accelerators found: "auto" prefers CUDA, then MPS, then CPU."""
+def check_devices(requested: object) -> tuple[str, str | None]:
+    """Check the form of a device request; return its kind and index ("cuda", "1"). Raise ConfigError if malformed."""
     match = _PATTERN.match(requested.strip().lower()) if isinstance(requested, str) else None
     if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
         raise invalid("devices", requested, ALLOWED)
-    kind, index = match.group(1), match.group(2)
+    return match.group(1), match.group(2)
+
+
+def resolve_device(requested: str, found: Accelerators) -> Choice[str]:
+    """Resolve ``requested`` against the accelerators found: "auto" prefers CUDA, then MPS, then CPU."""
+    kind, index = check_devices(requested)
     if kind == "auto":
         if found.cuda_count:
             plural = "s" if found.cuda_count > 1 else ""

@@ -38,8 +38,11 @@ def optimizer_facts(optimizer: torch.optim.Optimizer) -> OptimizerFacts:
     )
 
 
-def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts) -> Choice[OptimizerImpl]:
-    """Use a fused kernel on CUDA where the optimizer has one; keep it as given everywhere else."""
+def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False) -> Choice[OptimizerImpl]:
+    """Use a fused kernel on CUDA where the optimizer has one; keep it as given everywhere else.
+
+    ``sharded``: the parameters are FSDP2's DTensors, for which torch's default implementation is kept.
+    """
     if optimizer.impl_set_by_user:
         return Choice("as given", f"{optimizer.name}: implementation set by the user")
     if facts.type != "cuda":
@@ -49,6 +52,8 @@ def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts) -> Choice[O
         return Choice("as given", f"{optimizer.name} has no fused implementation; torch uses foreach")
     if optimizer.has_state:
         return Choice("as given", f"{optimizer.name} already holds state; rebuilding it would lose it")
+    if sharded:
+        return Choice("as given", f"{optimizer.name} on FSDP2's sharded (DTensor) parameters: torch's default")
     return Choice("fused", f"{optimizer.name} rebuilt fused: one kernel updates every parameter")
 
 

@@ -8,11 +8,11 @@ from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
+PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
-def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[Precision]:
+def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionName]:
     """Resolve "auto" to bf16 where the device runs it natively, fp16 on older GPUs, else fp32."""
     if requested not in (*PRECISIONS, "auto"):
         raise invalid("precision", requested, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
@@ -25,10 +25,10 @@ def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[Precision]:
             "native bf16; allowed on this device: 'fp32', 'fp16-mixed'\n"
             "hint: use precision='fp16-mixed' (loss scaling is handled) or 'auto'"
         )
-    return Choice(cast(Precision, requested), "requested")
+    return Choice(cast(PrecisionName, requested), "requested")
 
 
-def _auto(facts: DeviceFacts) -> Choice[Precision]:
+def _auto(facts: DeviceFacts) -> Choice[PrecisionName]:
     if facts.type == "cuda":
         cc = "".join(map(str, facts.capability or (0, 0)))
         if facts.bf16:

@@ -7,8 +7,8 @@ from typing import Literal, cast, get_args
 from redline.errors import invalid
 from redline.plan import Choice
 
-Strategy = Literal["single", "ddp", "fsdp"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+StrategyName = Literal["single", "ddp", "fsdp"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 
 # Weights, gradients and Adam's two moments in fp32: 16 bytes a parameter (ZeRO paper, section 3:
 # https://arxiv.org/abs/1910.02054). DDP keeps all of it on every device; half the device is left for
@@ -17,7 +17,9 @@ BYTES_PER_PARAM = 16
 STATE_SHARE = 0.5
 
 
-def resolve_strategy(requested: str, *, world_size: int, params: int, device_mem_gib: float | None) -> Choice[Strategy]:
+def resolve_strategy(
+    requested: str, *, world_size: int, params: int, device_mem_gib: float | None
+) -> Choice[StrategyName]:
     """Pick DDP when model, gradients and optimizer state fit on one device, else FSDP."""
     if requested not in (*STRATEGIES, "auto"):
         raise invalid("strategy", requested, f"'auto' or one of {', '.join(map(repr, STRATEGIES))}")
@@ -27,7 +29,7 @@ def resolve_strategy(requested: str, *, world_size: int, params: int, device_mem
             raise invalid(
                 "strategy", requested, "'ddp' or 'fsdp' with several processes", "use strategy='auto' under launch"
             )
-        return Choice(cast(Strategy, requested), "requested")
+        return Choice(cast(StrategyName, requested), "requested")
     if world_size == 1:
         return Choice("single", "auto: one process")
     if device_mem_gib is None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger("redline")
 
 
 def compile_supported(device_type: str) -> tuple[bool, str]:
@@ -61,7 +63,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     The module stays the same object with the same parameter names (no ``_orig_mod.`` prefix).
     ``nn.Module.compile()`` is not used: it compiles ``_call_impl``, a torch.nn frame that dynamo
     skips, so a model built only from torch.nn layers (an ``nn.Sequential``) got no graph at all.
-    The first call is timed as the compile time. If the compiler fails, the model warns once with
+    The first call is timed as the compile time. If the compiler fails, the model logs a warning once with
     the reason and runs eagerly from then on.
     """
     eager = model.forward
@@ -77,11 +79,10 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
                 raise
             record.fell_back = _describe(exc)
             record.seconds = time.perf_counter() - start
-            warnings.warn(
-                f"torch.compile failed for {type(model).__name__} ({record.fell_back}); running eagerly. "
-                "hint: pass compile='off' to skip the attempt",
-                RuntimeWarning,
-                stacklevel=2,
+            log.warning(
+                "torch.compile failed for %s (%s); running eagerly\nhint: pass compile='off' to skip the attempt",
+                type(model).__name__,
+                record.fell_back,
             )
             model.forward = eager
             return eager(*args, **kwargs)

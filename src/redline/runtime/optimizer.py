@@ -8,11 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from redline.errors import ConfigError, invalid
-from redline.parallel.fsdp import shard
-from redline.plan.precision import Precision
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
 
@@ -62,31 +59,3 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.op
     # the ones it takes; every group keeps all of its own keys.
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})
-
-
-def shard_with_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, mesh: DeviceMesh | None = None, precision: Precision
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Shard ``model`` and rebuild ``optimizer``, built on its unsharded parameters, on the sharded ones.
-
-    The optimizer must hold no state yet (pass it before its first step). Its class, parameter groups
-    and hyperparameters carry over; each parameter is matched by its name in the model.
-    """
-    if any(optimizer.state.values()):  # checked before the model changes, not after
-        raise ConfigError(
-            f"cannot rebuild {type(optimizer).__name__} on the sharded parameters: it already holds state\n"
-            "hint: pass the optimizer before its first step, or as a factory"
-        )
-    names = {id(p): name for name, p in model.named_parameters()}
-    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names]
-    if foreign:
-        raise ConfigError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not in the model being sharded\n"
-            "hint: build the optimizer from this model's parameters, or pass a factory "
-            "`lambda params: torch.optim.AdamW(params, lr=...)`"
-        )
-    shard(model, mesh=mesh, precision=precision)
-    sharded = dict(model.named_parameters())
-    for group in optimizer.param_groups:  # the old optimizer is discarded: point its groups at the new parameters
-        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-    return model, rebuild_optimizer(optimizer)

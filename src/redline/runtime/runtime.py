@@ -1,13 +1,20 @@
 """Runtime: keep your own training loop, and run it as fast as this machine allows.
 
-rt = Runtime()
-model, optimizer = rt.setup(model, optimizer)
-for inputs, targets in rt.setup_loader(loader):
-    with rt.autocast():
-        loss = loss_fn(model(inputs), targets)
-    rt.backward(loss)
-    rt.step(optimizer)
+with Runtime() as rt:
+    model, optimizer = rt.setup(model, optimizer)
+    for inputs, targets in rt.setup_loader(loader):
+        with rt.autocast():
+            loss = loss_fn(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(optimizer)
+    rt.save("checkpoints/step-00001000")
 print(rt.explain())
+
+Every "auto" is decided by a pure resolver in redline.plan, into a Plan whose choices carry their
+reasons; the Runtime asks one object per axis to apply it: a Precision (autocast, loss scaling) and
+a Strategy (wrapping, gradient sync, checkpoints). What a run sets for the whole process (seeds,
+TF32, deterministic algorithms, a launched worker's process group) is entered when the Runtime
+starts (``with``, ``start()``, or the first ``setup()``) and left when it closes.
 """
 
 from __future__ import annotations
@@ -15,168 +22,142 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import gc
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from redline.checkpoint import Checkpoint, read_checkpoint, verify
+from redline.config import positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.parallel.env import init_process_group, read_env
-from redline.parallel.strategies import gradient_sync, unwrap, wrap_ddp
+from redline.parallel.collectives import gather_objects
+from redline.parallel.env import init_process_group, leave_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.compile import resolve_compile
 from redline.plan.device import resolve_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
-from redline.plan.precision import Precision, resolve_precision, resolve_tf32
+from redline.plan.precision import resolve_precision, resolve_tf32
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
-from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer, shard_with_optimizer
+from redline.runtime.optimizer import OptimizerLike, rebuild_optimizer
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.precision import Precision
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, split_caveats
-from redline.runtime.seed import seed_everything
+from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.settings import ProcessSettings
+from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _NOTHING = contextlib.nullcontext()
 
 
-@dataclass(frozen=True, kw_only=True)
-class RuntimeOptions:
-    """The Runtime's requested options, as one value tools pass around and store."""
-
-    devices: str = "auto"
-    precision: str = "auto"
-    compile: str | bool = "auto"
-    channels_last: str | bool = "auto"
-    grad_accum: int = 1
-    clip_grad_norm: float | None = None
-    seed: int | None = None
-    strategy: str = "auto"
-
-    @classmethod
-    def from_plan(
-        cls, plan: Mapping[str, Mapping[str, Any]], *, seed: int | None = None, strategy: str = "auto"
-    ) -> RuntimeOptions:
-        """Return options that reproduce a stored Plan's resolved choices (``Plan.to_dict()``).
-
-        The strategy is not taken from the Plan: it follows the number of processes, which may
-        differ in the resumed run.
-        """
-
-        def switch(axis: str) -> str:
-            return "on" if plan.get(axis, {}).get("value") else "off"
-
-        return cls(
-            devices=str(plan["device"]["value"]),
-            precision=str(plan["precision"]["value"]),
-            compile=switch("compile"),
-            channels_last=switch("channels_last"),
-            grad_accum=int(plan["grad_accum"]["value"]),
-            clip_grad_norm=plan["clip_grad_norm"]["value"],
-            seed=seed,
-            strategy=strategy,
-        )
-
-    def runtime(self, *, planned_steps: int | None = None) -> Runtime:
-        """Build the Runtime these options describe."""
-        return Runtime(**dataclasses.asdict(self), planned_steps=planned_steps)
-
-
 class Runtime:
-    """Accelerate a plain PyTorch loop: device, precision, compile, layout, optimizer and loading.
+    """Accelerate a plain PyTorch loop: device, precision, compile, layout, optimizer, loading and checkpoints.
 
-    Every "auto" is resolved into a ``Plan`` whose choices carry their reasons (``explain()``).
+    Pass a ``RuntimeOptions`` or its fields as keywords (``Runtime(precision="bf16-mixed")``).
     ``planned_steps`` tells the compile decision how long the run is; without it, "auto" does not
     compile, since a compile that never repays itself would make the run slower.
     """
 
     def __init__(
-        self,
-        devices: str = "auto",
-        precision: str = "auto",
-        compile: str | bool = "auto",
-        channels_last: str | bool = "auto",
-        grad_accum: int = 1,
-        clip_grad_norm: float | None = None,
-        seed: int | None = None,
-        strategy: str = "auto",
-        *,
-        planned_steps: int | None = None,
+        self, options: RuntimeOptions | None = None, /, *, planned_steps: int | None = None, **fields: Any
     ) -> None:
-        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
-            raise invalid("grad_accum", grad_accum, "a positive integer (micro-batches per optimizer step)")
-        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, int | float) and clip_grad_norm > 0):
-            raise invalid("clip_grad_norm", clip_grad_norm, "None or a positive number")
-        if planned_steps is not None and (not isinstance(planned_steps, int) or planned_steps < 1):
-            raise invalid("planned_steps", planned_steps, "None or a positive integer")
-        if seed is not None:
-            seed_everything(seed)
-        self._requested = {"compile": compile, "channels_last": channels_last, "strategy": strategy}
+        self.options = RuntimeOptions.build(options, **fields)
+        positive_int("planned_steps", planned_steps, optional=True)
         self.planned_steps = planned_steps
-        self.seed = seed
         self.env = read_env()
-        device = resolve_device(devices, probe_accelerators())
+        device = resolve_device(self.options.devices, probe_accelerators())
         if self.env.distributed and device.value.startswith("cuda"):  # one GPU per worker
             device = Choice(f"cuda:{self.env.local_rank}", f"{device.reason}; worker {self.env.local_rank}'s GPU")
         self.device = torch.device(device.value)
-        self._owns_group = init_process_group(self.env, self.device.type)
-        if self._owns_group and self.device.type == "cpu":  # gloo: leave the group at exit if the script does not
-            atexit.register(self.close)
         self.facts: DeviceFacts = probe_device(self.device)
-        chosen = resolve_precision(precision, self.facts)
-        self.precision: Precision = chosen.value
-        tf32 = resolve_tf32(self.facts)
-        if tf32.value:  # process-wide, as torch's settings are
-            torch.set_float32_matmul_precision("high")
-            torch.backends.cudnn.allow_tf32 = True
-        self.grad_accum = grad_accum
-        self.clip_grad_norm = clip_grad_norm
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16-mixed" else None
-        zero_grad = resolve_zero_grad(self.facts)
+        chosen = resolve_precision(self.options.precision, self.facts)
+        self.precision = Precision(chosen.value, self.device.type)
+        tf32, zero_grad = resolve_tf32(self.facts), resolve_zero_grad(self.facts)
+        self.settings = ProcessSettings(
+            tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed
+        )
         self._zero_after_step = zero_grad.value == "after step"
-        self._pending_zero: dict[int, torch.optim.Optimizer] = {}
+        accum, clip = self.options.grad_accum, self.options.clip_grad_norm
         self._plan = Plan(
-            zero_grad=zero_grad,
             device=Choice(device.value, f"{device.reason} ({self.facts.name})"),
             precision=chosen,
             tf32=tf32,
-            grad_accum=Choice(grad_accum, "requested" if grad_accum > 1 else "default: a step per batch"),
-            clip_grad_norm=Choice(clip_grad_norm, "requested" if clip_grad_norm else "default: no clipping"),
+            deterministic=_deterministic_choice(self.options.deterministic),
+            seed=_seed_choice(self.options.seed),
+            grad_accum=Choice(accum, "requested" if accum > 1 else "default: a step per batch"),
+            clip_grad_norm=Choice(clip, "requested" if clip else "default: no clipping"),
+            zero_grad=zero_grad,
         )
+        self.strategy: Strategy | None = None
+        self.model: nn.Module | None = None  # the set-up (wrapped) model and its optimizer: what save() writes
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._started: contextlib.ExitStack | None = None
         self._compile_records: list[CompileRecord] = []
-        self._wrapped: nn.Module | None = None  # the DDP/FSDP module whose gradient sync backward controls
         self._backwards = 0
         self._micro_steps: dict[int, int] = {}
-        self._skipped: torch.Tensor | None = None  # fp16 steps the scaler skipped, counted on the device
+        self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
+
+    # -- the run's process-wide state ------------------------------------------------------------
+
+    def start(self) -> Runtime:
+        """Join a launched job's process group and apply the process-wide settings; nothing happens twice.
+
+        ``setup()`` starts the Runtime if it was not; ``close()`` (or leaving ``with``) undoes it all.
+        """
+        if self._started is not None:
+            return self
+        stack = contextlib.ExitStack()
+        if init_process_group(self.env, self.device.type):
+            stack.callback(leave_process_group)
+            if self.device.type == "cpu":  # gloo: leave the group at exit too, for a script that never closes
+                atexit.register(self.close)
+                stack.callback(atexit.unregister, self.close)
+        stack.enter_context(self.settings.enter())
+        self._started = stack
+        return self
+
+    def close(self) -> None:
+        """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
+        stack, self._started = self._started, None
+        if stack is not None:
+            stack.close()
+
+    def __enter__(self) -> Runtime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Place ``model`` on the device, build or rebuild the optimizer, and compile if planned.
+        """Place ``model`` on the device, wrap it for the strategy, build or rebuild the optimizer, compile if planned.
 
         ``optimizer`` is an instance built on ``model``'s parameters, or a factory params -> Optimizer.
         The model is changed in place and returned; keep using the returned optimizer.
         """
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
+        self.start()
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
         self._split_caveats = split_caveats(model)
         layout = resolve_channels_last(
-            self._requested["channels_last"], self.facts, has_conv2d=has_conv2d, precision=self.precision
+            self.options.channels_last, self.facts, has_conv2d=has_conv2d, precision=self.precision.name
         )
         model.to(self.device)
         if layout.value:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         strategy = resolve_strategy(
-            str(self._requested["strategy"]),
+            self.options.strategy,
             world_size=self.env.world_size,
             params=sum(p.numel() for p in model.parameters()),
             device_mem_gib=self.facts.mem_gib,
@@ -186,25 +167,18 @@ class Runtime:
                 f"strategy={strategy.value!r} needs a process group, and this process was not launched as a "
                 "worker\nhint: start it with `redline launch` (or `redline train --nproc N`), or use strategy='auto'"
             )
-        if strategy.value == "ddp":
-            model = wrap_ddp(model, self.device)
-            self._wrapped = model
-            built = build_optimizer(optimizer, unwrap(model))
-        elif strategy.value == "fsdp":  # fully_shard replaces the parameters: the optimizer is rebuilt on them
-            model, built = shard_with_optimizer(model, build_optimizer(optimizer, model), precision=self.precision)
-            self._wrapped = model
-        else:
-            built = build_optimizer(optimizer, model)
+        self.strategy = build_strategy(strategy.value)
+        model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
+        if self.strategy.detail:
+            strategy = Choice(strategy.value, f"{strategy.reason}; {self.strategy.detail}")
         facts = optimizer_facts(built)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
-        impl = resolve_optimizer(facts, self.facts)
-        if impl.value == "fused" and strategy.value == "fsdp":
-            impl = Choice("as given", f"{facts.name} on FSDP2's sharded (DTensor) parameters: torch's default")
+        impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
         planned = resolve_compile(
-            self._requested["compile"],
+            self.options.compile,
             self.facts,
             planned_steps=self.planned_steps,
             supported=lambda: compile_supported(self.device.type),
@@ -214,6 +188,7 @@ class Runtime:
         self._plan = dataclasses.replace(
             self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl
         )
+        self.model, self.optimizer = model, built
         return model, built
 
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
@@ -228,8 +203,7 @@ class Runtime:
             reason = "; ".join([reason, *self._split_caveats])
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
-        channels_last = self._plan.channels_last is not None and self._plan.channels_last.value
-        return DeviceLoader(loader, self.device, channels_last=channels_last)
+        return DeviceLoader(loader, self.device, channels_last=self._channels_last)
 
     def _global_batches(self, loader: Iterable[Any]) -> GlobalBatchSampler | None:
         """Under several processes, a batch sampler that gives this rank its share of each global batch."""
@@ -240,26 +214,27 @@ class Runtime:
         order = EpochSampler(
             len(loader.dataset),  # type: ignore[arg-type]
             shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=self.seed or 0,  # the same order on every rank
+            seed=self.options.seed or 0,  # the same order on every rank
             auto_epoch=True,
         )
         return GlobalBatchSampler(
             order, global_batch=loader.batch_size, rank=self.env.rank, world_size=self.env.world_size
         )
 
+    @property
+    def _channels_last(self) -> bool:
+        return self._plan.channels_last is not None and self._plan.channels_last.value
+
     def to_device(self, batch: Any) -> Any:
         """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
-        channels_last = self._plan.channels_last is not None and self._plan.channels_last.value
-        return move_to(batch, self.device, non_blocking=self.device.type == "cuda", channels_last=channels_last)
+        non_blocking = self.device.type == "cuda"
+        return move_to(batch, self.device, non_blocking=non_blocking, channels_last=self._channels_last)
 
     # -- the loop ------------------------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in the planned precision."""
-        dtype = _AUTOCAST_DTYPES.get(self.precision)
-        if dtype is None:
-            return _NOTHING  # reusable: the fp32 loop pays for no new object per step
-        return torch.autocast(self.device.type, dtype=dtype)
+        return self.precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
@@ -268,14 +243,13 @@ class Runtime:
                 optimizer.zero_grad(set_to_none=True)
             self._pending_zero.clear()
         self._backwards += 1
-        sync = self._backwards % self.grad_accum == 0  # all-reduce gradients on the last micro-batch only
-        if self.grad_accum > 1:
-            loss = loss / self.grad_accum
-        with gradient_sync(self._wrapped, sync) if self._wrapped is not None else _NOTHING:
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
+        accum = self.options.grad_accum
+        sync = self._backwards % accum == 0  # reduce gradients over the ranks on the last micro-batch only
+        if accum > 1:
+            loss = loss / accum
+        no_strategy = self.strategy is None or self.model is None
+        with _NOTHING if no_strategy else self.strategy.gradient_sync(self.model, sync):  # type: ignore[union-attr,arg-type]
+            self.precision.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
@@ -286,27 +260,13 @@ class Runtime:
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
         key = id(optimizer)
-        if self.grad_accum > 1:
+        if self.options.grad_accum > 1:
             count = self._micro_steps.get(key, 0) + 1
-            if count < self.grad_accum:
+            if count < self.options.grad_accum:
                 self._micro_steps[key] = count
                 return False
             self._micro_steps[key] = 0
-        if self.scaler is not None:
-            if self.clip_grad_norm is not None:
-                self.scaler.unscale_(optimizer)
-                self._clip(optimizer)
-            scale = self.scaler._scale  # the scale only drops when a step's gradients overflowed
-            before = scale.clone() if scale is not None else None
-            self.scaler.step(optimizer)
-            self.scaler.update()
-            if before is not None and self.scaler._scale is not None:
-                dropped = (self.scaler._scale < before).int()
-                self._skipped = dropped if self._skipped is None else self._skipped + dropped
-        else:
-            if self.clip_grad_norm is not None:
-                self._clip(optimizer)
-            optimizer.step()
+        self.precision.step(optimizer, self._clip if self.options.clip_grad_norm is not None else None)
         if self._zero_after_step:
             optimizer.zero_grad(set_to_none=True)
         else:
@@ -315,17 +275,83 @@ class Runtime:
 
     def _clip(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)  # type: ignore[arg-type]
+        torch.nn.utils.clip_grad_norm_(params, self.options.clip_grad_norm)  # type: ignore[arg-type]
 
     @property
     def skipped_steps(self) -> int:
-        """fp16 optimizer steps the grad scaler skipped on overflow (reading it syncs the device)."""
-        return int(self._skipped.item()) if self._skipped is not None else 0
+        """fp16 optimizer steps the grad scaler skipped on overflow."""
+        return self.precision.skipped_steps
+
+    # -- state and checkpoints -------------------------------------------------------------------
 
     @property
-    def sharded(self) -> bool:
-        """Whether setup sharded the model with FSDP2 (its state is then saved and loaded per rank)."""
-        return self._plan.strategy is not None and self._plan.strategy.value == "fsdp"
+    def module(self) -> nn.Module:
+        """The user's module inside the set-up model (its parameter names as the user wrote them)."""
+        strategy, model, _ = self._prepared()
+        return strategy.module(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the run's state: model and optimizer (as the strategy holds them), loss scaling, RNG.
+
+        Like torch's own ``state_dict()``, it holds the live tensors: ``copy.deepcopy`` it to keep a snapshot.
+        """
+        strategy, model, optimizer = self._prepared()
+        state = strategy.state_dict(model, optimizer)
+        return {**state, "precision": self.precision.state_dict(), "rng": capture_rng()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what ``state_dict()`` returned into the set-up model, optimizer, loss scaling and RNG."""
+        strategy, model, optimizer = self._prepared()
+        strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
+        self.precision.load_state_dict(dict(state.get("precision") or {}))
+        if state.get("rng") is not None:
+            restore_rng(state["rng"])
+
+    def save(self, path: str | Path, *, extra: Mapping[str, Any] | None = None, step: int | None = None) -> Checkpoint:
+        """Write a checkpoint directory at ``path`` atomically: weights, optimizer, loss scaling, RNGs, the Plan.
+
+        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``. The
+        strategy picks the format: whole from one process (one device, DDP) or every rank its shards
+        (FSDP). Collective: under several processes every rank calls it.
+        """
+        strategy, model, optimizer = self._prepared()
+        runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
+        plan = self.explain().to_dict()
+        return strategy.save(
+            Path(path), model, optimizer, runtime_state=runtime_state, extra=dict(extra or {}), plan=plan, step=step
+        )
+
+    def load(self, checkpoint: str | Path | Checkpoint) -> dict[str, Any]:
+        """Load a checkpoint that ``save`` wrote into the set-up model and optimizer; return its ``extra``.
+
+        Either format loads under any strategy and any number of processes. A path is verified
+        against its manifest first (a ``Checkpoint`` from ``open_checkpoint`` was already). With the
+        same number of processes each rank continues its own random streams; otherwise all take
+        rank 0's. Collective under several processes.
+        """
+        strategy, model, optimizer = self._prepared()
+        if not isinstance(checkpoint, Checkpoint):
+            checkpoint = read_checkpoint(Path(checkpoint))
+            verify(checkpoint)
+        runtime_state, extra = strategy.load(checkpoint, model, optimizer)
+        self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
+        per_rank = runtime_state.get("rng") or []
+        if per_rank:
+            restore_rng(per_rank[self.env.rank] if len(per_rank) == self.env.world_size else per_rank[0])
+        return extra
+
+    def save_weights(self, path: str | Path) -> None:
+        """Write the whole weights as one safetensors file that loads into the plain model. Collective."""
+        strategy, model, _ = self._prepared()
+        strategy.save_weights(Path(path), model)
+
+    def _prepared(self) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
+        if self.strategy is None or self.model is None or self.optimizer is None:
+            raise ConfigError(
+                "the Runtime has no model yet: its state, checkpoints and weights are the set-up model's\n"
+                "hint: call rt.setup(model, optimizer) first"
+            )
+        return self.strategy, self.model, self.optimizer
 
     # -- explaining ----------------------------------------------------------------------------
 
@@ -355,18 +381,17 @@ class Runtime:
                 changes[axis] = Choice(getattr(self._plan, axis).value, f"{note}: {old.get('reason', '')}")
         self._plan = dataclasses.replace(self._plan, **changes)
 
-    def close(self) -> None:
-        """Leave the process group this Runtime joined (call once, at the end of a launched script).
-
-        On the CPU (gloo) it is also called at interpreter exit, for scripts that do not.
-
-        Collecting garbage first matters on gloo: an FSDP model freed by the interpreter's final
-        collection, after gloo's threads lost the GIL, aborted the process in about 5% of CPU runs.
-        """
-        if self._owns_group and torch.distributed.is_initialized():
-            gc.collect()
-            torch.distributed.destroy_process_group()
-            self._owns_group = False
-
     def __repr__(self) -> str:
-        return f"Runtime(device={self.device}, precision={self.precision})"
+        return f"Runtime(device={self.device}, precision={self.precision.name})"
+
+
+def _deterministic_choice(requested: bool) -> Choice[bool]:
+    if requested:
+        return Choice(True, "requested: torch.use_deterministic_algorithms(True) while the run lasts")
+    return Choice(False, "default: torch picks the fastest kernels, some of them nondeterministic")
+
+
+def _seed_choice(seed: int | None) -> Choice[int | None]:
+    if seed is None:
+        return Choice(None, "not set: the RNGs are left as they are (the Trainer's data order uses 0)")
+    return Choice(seed, "requested: Python, NumPy and torch seeded when the run starts")

@@ -1,8 +1,9 @@
-"""Seeding every random number generator a run touches."""
+"""Seeding every random number generator a run draws from, and capturing and restoring their states."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,3 +14,30 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Return every RNG state a run draws from, in types that load with ``torch.load(weights_only=True)``."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "cached": cached},
+        "torch": torch.get_rng_state(),
+    }  # fmt: skip
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the RNG states ``capture_rng`` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached"])))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from redline.config import option, positive_int
 from redline.errors import invalid
 
 if TYPE_CHECKING:
@@ -29,24 +30,23 @@ class Callback:
 
 
 @dataclass(kw_only=True)
-class EarlyStopping:
-    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` evaluations.
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` evaluations (pass it in ``callbacks``).
 
     ``mode`` "auto" minimises losses and maximises anything else (val_metric is accuracy-like).
     """
 
-    monitor: Literal["val_loss", "val_metric"] = "val_loss"
-    patience: int = 3
-    min_delta: float = 0.0
-    mode: Literal["auto", "min", "max"] = "auto"
+    monitor: Literal["val_loss", "val_metric"] = option("val_loss", "The metric early stopping watches.")
+    patience: int = option(3, "Stop after N evaluations without improvement.")
+    min_delta: float = option(0.0, "The least change that counts as an improvement.")
+    mode: Literal["auto", "min", "max"] = option("auto", "min, max, or auto (min for losses, max otherwise).")
     best: float | None = field(default=None, init=False)
     bad_evals: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.monitor not in ("val_loss", "val_metric"):
             raise invalid("early_stopping.monitor", self.monitor, "'val_loss' or 'val_metric'")
-        if not isinstance(self.patience, int) or self.patience < 1:
-            raise invalid("early_stopping.patience", self.patience, "a positive integer")
+        positive_int("early_stopping.patience", self.patience)
         if self.mode not in ("auto", "min", "max"):
             raise invalid("early_stopping.mode", self.mode, "'auto', 'min' or 'max'")
         if self.min_delta < 0:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any
+
+log = logging.getLogger("redline")
 
 
 class StopOnSignal:
@@ -27,7 +29,7 @@ class StopOnSignal:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
-        print(f"{signal.Signals(signum).name}: finishing this step, then writing a checkpoint", file=sys.stderr)
+        log.warning("%s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.checkpoint import Checkpoint
 from redline.parallel.collectives import StopVote
 from redline.parallel.watchdog import Watchdog
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import EpochSampler
-from redline.train import checkpoint as ckpt
 from redline.train.logs import Loggers
 from redline.train.progress import Progress
 from redline.train.throughput import Throughput
@@ -57,8 +57,8 @@ class Run:
     progress: Progress
     meter: Throughput
     vote: StopVote
-    resumed: ckpt.Checkpoint | None
-    last_ckpt: ckpt.Checkpoint | None
+    resumed: Checkpoint | None
+    last_ckpt: Checkpoint | None
     start: float = field(default_factory=time.perf_counter)
     window: Window = field(default_factory=Window)
     micro_loss: torch.Tensor | None = None

@@ -55,7 +55,7 @@ class Throughput:
             self.tokens += targets.numel() if is_tokens(targets) else 0
             return
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
-        self.flops_per_step = flops * self.rt.grad_accum * self.world_size if flops is not None else None
+        self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
         self._sync()
         self.start = time.perf_counter()
 
@@ -86,10 +86,10 @@ class Throughput:
         achieved = self.flops_per_step / self.world_size * self.steps / elapsed if self.flops_per_step else None
         plan = self.rt.explain()
         spec = find_gpu(self.rt.facts.name) if self.rt.device.type == "cuda" else None
-        peak = peak_tflops(spec, self.rt.precision, tf32=plan.tf32.value) if spec else None
+        peak = peak_tflops(spec, self.rt.precision.name, tf32=plan.tf32.value) if spec else None
         measured = None
         if achieved is not None:
-            dtype = _MATMUL_DTYPES.get(self.rt.precision, torch.float32)
+            dtype = _MATMUL_DTYPES.get(self.rt.precision.name, torch.float32)
             try:
                 measured = achieved / (measure_matmul_tflops(self.rt.device, dtype) * 1e12)
             except torch.OutOfMemoryError:  # the run may have left the GPU full; the ratio is optional

@@ -1,22 +1,23 @@
 """Trainer: the training loop written for you, done right, and read top to bottom in ``fit()``.
 
-    trainer = redline.Trainer(task, max_steps=1000, out_dir="runs/digits", checkpoint_every=100)
-    summary = trainer.fit()          # resumable: Trainer(..., resume="auto").fit() continues it
+    with redline.Trainer(task, max_steps=1000, out_dir="runs/digits", checkpoint_every=100) as trainer:
+        summary = trainer.fit()      # resumable: Trainer(..., resume="auto").fit() continues it
 
 Every step runs through the Runtime (device, precision, compile, loading). Losses stay on the
 device and are read every ``log_every`` steps, never per step. Checkpoints are atomic and resume
 bitwise-exactly on CPU (same thread count, deterministic dataset). SIGTERM or SIGINT finishes the
-current step, writes a checkpoint and returns.
+current step, writes a checkpoint and returns. The Trainer decides when to checkpoint and what
+run position to store; the Runtime writes and reads the checkpoint (``Runtime.save`` / ``load``).
+The process-wide settings the run needs stay applied until ``close()`` (or the end of ``with``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
-import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,29 +26,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, invalid
+from redline import checkpoint
+from redline.checkpoint import Checkpoint, CheckpointError
+from redline.errors import ConfigError, DeviceUnavailableError, RedlineError
 from redline.hardware.device import probe_accelerators
-from redline.parallel.collectives import StopVote, all_reduce_sum, gather_objects, is_collective_failure
-from redline.parallel.env import HANG_TIMEOUT_ENV, process_group_store, read_env
-from redline.parallel.fsdp import full_weights
-from redline.parallel.strategies import unwrap
+from redline.parallel.collectives import StopVote, all_reduce_sum, is_collective_failure
+from redline.parallel.env import process_group_store, read_env
 from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
-from redline.runtime.runtime import Runtime, RuntimeOptions
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
 from redline.task import Task
-from redline.train import checkpoint as ckpt
 from redline.train.callbacks import Callback, EarlyStopping
+from redline.train.config import TrainerConfig
 from redline.train.data import eval_loader, train_loader
 from redline.train.evaluation import evaluate_model
 from redline.train.logs import Loggers, open_loggers
-from redline.train.output import prepare_out_dir, save_tensors, save_weights, write_json
+from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary
 from redline.train.throughput import Throughput, is_tokens
 
+log = logging.getLogger("redline")
 LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
 LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
 
@@ -57,49 +60,27 @@ class TrainingError(RedlineError):
 
 
 class Trainer:
-    """Train a Task with checkpoints, exact resume, logs, progress, throughput and MFU."""
+    """Train a Task with checkpoints, exact resume, logs, progress, throughput and MFU.
+
+    Pass a ``TrainerConfig`` or its fields as keywords (``Trainer(task, max_steps=100)``); the
+    Runtime's options go in ``runtime=RuntimeOptions(...)``. ``callbacks`` hook into the loop; an
+    ``EarlyStopping`` among them stops the run when its metric stops improving.
+    """
 
     def __init__(
-        self,
-        task: Task,
-        *,
-        runtime: RuntimeOptions | None = None,
-        max_steps: int | None = None,
-        max_epochs: int | None = None,
-        batch_size: int | None = None,
-        eval_every: int | None = None,
-        checkpoint_every: int | None = None,
-        keep_checkpoints: int = 3,
-        out_dir: str | Path | None = None,
-        loggers: Sequence[str] = ("csv", "jsonl"),
-        log_every: int = 50,
-        progress: bool = True,
-        early_stopping: EarlyStopping | None = None,
-        callbacks: Sequence[Callback] = (),
-        resume: str | Path | None = None,
-        deterministic: bool = False,
-        hang_timeout_s: float | None = None,
+        self, task: Task, config: TrainerConfig | None = None, /, *, callbacks: Sequence[Callback] = (), **fields: Any
     ) -> None:
-        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("batch_size", batch_size),
-                            ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):  # fmt: skip
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise invalid(name, value, "a positive integer or None")
-        for name, value in (("keep_checkpoints", keep_checkpoints), ("log_every", log_every)):
-            if not isinstance(value, int) or value < 1:
-                raise invalid(name, value, "a positive integer")
-        if resume is not None and out_dir is None and str(resume) == "auto":
-            raise ConfigError("resume='auto' needs out_dir: it looks for OUT/checkpoints\nhint: pass --out DIR")
         self.task = task
-        self.options = runtime or RuntimeOptions()
-        self.max_steps, self.max_epochs = max_steps, max_epochs or task.epochs
-        self.batch_size = batch_size or task.batch_size
-        self.eval_every, self.checkpoint_every = eval_every, checkpoint_every
-        self.keep_checkpoints, self.log_every = keep_checkpoints, log_every
-        self.out_dir = prepare_out_dir(out_dir) if out_dir is not None else None
-        self.logger_names, self.show_progress = tuple(loggers), progress
-        self.early_stopping, self.callbacks = early_stopping, list(callbacks)
-        self.resume, self.deterministic = resume, deterministic
-        self.hang_timeout_s = hang_timeout_s
+        self.config = TrainerConfig.build(config, **fields)
+        self.options = self.config.runtime
+        self.max_epochs = self.config.max_epochs or task.epochs
+        self.batch_size = self.config.batch_size or task.batch_size
+        self.out_dir = prepare_out_dir(self.config.out_dir) if self.config.out_dir is not None else None
+        self.callbacks = list(callbacks)
+        stoppers = [c for c in self.callbacks if isinstance(c, EarlyStopping)]
+        if len(stoppers) > 1:
+            raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
+        self.early_stopping = stoppers[0] if stoppers else None
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
@@ -107,6 +88,17 @@ class Trainer:
         self._evaluated_at: int | None = None
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
+
+    def close(self) -> None:
+        """Put back the process-wide settings the run applied and leave its process group (idempotent)."""
+        if self.rt is not None:
+            self.rt.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- fit: the loop ---------------------------------------------------------------------------
 
@@ -138,13 +130,7 @@ class Trainer:
     def _write_results(self, run: Run, summary: TrainSummary) -> None:
         """Write the final weights (whole, gathered from the shards under FSDP) and the summary, from rank 0."""
         assert self.out_dir is not None
-        path = self.out_dir / "model.safetensors"
-        if run.rt.sharded:
-            weights, aliases = full_weights(run.model)  # collective: every rank sends its shards
-            if self.env.is_main:
-                save_tensors(path, weights, metadata=aliases)
-        elif self.env.is_main:
-            save_weights(path, unwrap(run.model))
+        run.rt.save_weights(self.out_dir / "model.safetensors")  # collective under FSDP
         if self.env.is_main:
             write_json(self.out_dir / "summary.json", summary.to_dict())
 
@@ -185,11 +171,11 @@ class Trainer:
         step = run.pos.step
         signalled = run.vote.vote(self._signals.received is not None, step)  # the same answer on every rank
         stopped = self._stop_reason(step, run.total, signalled)
-        due_ckpt = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
-        if step % self.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
+        due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0)
+        if step % self.config.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
             run.beat("logging (loss all-reduce)")
             self._flush(run)
-        eval_due = self.eval_every and step % self.eval_every == 0 and self.task.val_data is not None
+        eval_due = self.config.eval_every and step % self.config.eval_every == 0 and self.task.val_data is not None
         if eval_due and self._evaluate(run):
             stopped = stopped or "early stopping"
         if self.out_dir and (due_ckpt or stopped):
@@ -198,7 +184,7 @@ class Trainer:
 
     def _after_epoch(self, run: Run) -> str:
         """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
-        if not self.eval_every and self.task.val_data is not None and self._evaluate(run):
+        if not self.config.eval_every and self.task.val_data is not None and self._evaluate(run):
             return "early stopping"
         return ""
 
@@ -232,7 +218,7 @@ class Trainer:
 
     def _watchdog(self) -> contextlib.AbstractContextManager[Watchdog | None]:
         """The hang watchdog of a distributed run launched with --hang-timeout (else nothing)."""
-        timeout = self.hang_timeout_s or float(os.environ.get(HANG_TIMEOUT_ENV, 0) or 0)
+        timeout = self.config.hang_timeout_s or self.env.hang_timeout_s
         store = process_group_store() if self.env.distributed and timeout else None
         if store is None:
             return contextlib.nullcontext()
@@ -243,7 +229,7 @@ class Trainer:
             if self.env.distributed:
                 return "signal (agreed by all ranks)"
             return f"signal {signal.Signals(self._signals.received or signal.SIGTERM).name}"
-        if self.max_steps is not None and step >= self.max_steps:
+        if self.config.max_steps is not None and step >= self.config.max_steps:
             return "max_steps"
         return "epochs" if step >= total else ""
 
@@ -254,7 +240,7 @@ class Trainer:
         size = len(self.task.train_data)  # type: ignore[arg-type]
         self._batches_per_epoch = batches_per_epoch(size, self.batch_size, self.env.world_size)
         per_epoch = self._batches_per_epoch // self.options.grad_accum or 1
-        total = min(self.max_epochs * per_epoch, self.max_steps or math.inf)
+        total = min(self.max_epochs * per_epoch, self.config.max_steps or math.inf)
         rt, model, optimizer, scheduler, pos, resumed = self._setup(planned_steps=int(total))
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
@@ -272,24 +258,20 @@ class Trainer:
             pos=pos,
             total=total,
             loggers=self._loggers(pos.step if resumed else None, main),
-            progress=Progress(int(total), enabled=self.show_progress and main, start_step=pos.step),
+            progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
             resumed=resumed,
             last_ckpt=resumed,
         )
 
-    def _setup(self, planned_steps: int) -> tuple[Runtime, nn.Module, Any, Any, Position, ckpt.Checkpoint | None]:
-        if self.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=False)
+    def _setup(self, planned_steps: int) -> tuple[Runtime, nn.Module, Any, Any, Position, Checkpoint | None]:
         found = self._find_resume()
         options = self.options
         if found is not None:  # the resumed run reuses the Plan it was written under
-            options = RuntimeOptions.from_plan(
-                ckpt.load_plan(found), seed=self.options.seed, strategy=self.options.strategy
-            )
-            options = _available_device(options)
-        rt = options.runtime(planned_steps=planned_steps)
+            options = _available_device(options.with_plan(checkpoint.load_plan(found)))
+        rt = Runtime(options, planned_steps=planned_steps).start()  # seeded before the model is built
+        self.rt = rt
         try:
             built = self.task.build_model()
         except RedlineError:
@@ -300,55 +282,52 @@ class Trainer:
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
         pos = Position()
         if found is not None:
-            state = ckpt.restore_run(found, model, optimizer, sharded_model=rt.sharded, device=rt.device)
+            state = rt.load(found)
+            if "position" not in state:
+                raise CheckpointError(
+                    f"{found.path} holds no Trainer state: it was not written by the Trainer (Runtime.save in a "
+                    "loop of your own writes one)\nhint: load it with Runtime.load in that loop, or resume from a "
+                    "checkpoint `redline train` wrote"
+                )
             pos = Position(**state["position"])
             if scheduler is not None and state.get("scheduler") is not None:
                 scheduler.load_state_dict(state["scheduler"])
-            if rt.scaler is not None and state.get("scaler"):
-                rt.scaler.load_state_dict(state["scaler"])
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
-            per_rank = state.get("rng_per_rank") or [state["rng"]]
-            # Same world size: each rank continues its own random stream; otherwise rank 0's is shared.
-            ckpt.restore_rng(per_rank[rt.env.rank] if len(per_rank) == rt.env.world_size else per_rank[0])
-            rt.adopt_reasons(ckpt.load_plan(found), note=f"from checkpoint step {found.step}")
-        self.rt, self.model = rt, model
+            rt.adopt_reasons(checkpoint.load_plan(found), note=f"from checkpoint step {found.step}")
+        self.model = model
         return rt, model, optimizer, scheduler, pos, found
 
-    def _find_resume(self) -> ckpt.Checkpoint | None:
-        resume = self.resume
+    def _find_resume(self) -> Checkpoint | None:
+        resume = self.config.resume
         if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
             resume = "auto"  # torchrun restarted this worker (--max-restarts): continue from the last checkpoint
         if resume is None:
             return None
-        root = self.out_dir / "checkpoints" if self.out_dir else Path(".")
-        found = ckpt.open_checkpoint(resume, root, warn=lambda text: print(text, file=sys.stderr))
+        root = self._checkpoint_root()
+        found = checkpoint.open_checkpoint(resume, root)
         if found is None:
-            print(f"no checkpoint under {root}; starting from scratch", file=sys.stderr)
+            log.warning("no checkpoint under %s; starting from scratch", root)
         return found
 
-    def _checkpoint(self, run: Run) -> ckpt.Checkpoint | None:
-        """Write a checkpoint (every rank's RNG state in it) from every rank; tell the callbacks on rank 0."""
-        assert self.out_dir is not None
-        rt, pos, scheduler = run.rt, run.pos, run.scheduler
+    def _checkpoint_root(self) -> Path:
+        return self.out_dir / "checkpoints" if self.out_dir else Path(".")
+
+    def _checkpoint(self, run: Run) -> Checkpoint:
+        """Write the checkpoint of this step from every rank, keep the newest few, tell the callbacks on rank 0."""
         run.beat("checkpoint")
-        rng = gather_objects(ckpt.capture_rng())
-        state = {
+        pos, scheduler = run.pos, run.scheduler
+        extra = {
             "position": vars(pos).copy(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
-            "rng": rng[0],
-            "rng_per_rank": rng,
         }
-        written = ckpt.save_run(
-            self.out_dir / "checkpoints", pos.step, model=run.model, optimizer=run.optimizer, state=state,
-            plan=rt.explain().to_dict(), keep=self.keep_checkpoints, sharded_model=rt.sharded, main=self.env.is_main,
-        )  # fmt: skip
-        if not self.env.is_main:
-            return written
-        for callback in self.callbacks:
-            callback.on_checkpoint(self, pos.step, str(written.path))
+        root = self._checkpoint_root()
+        written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
+        if self.env.is_main:
+            checkpoint.prune(root, self.config.keep_checkpoints)
+            for callback in self.callbacks:
+                callback.on_checkpoint(self, pos.step, str(written.path))
         return written
 
     # -- logging, evaluation, summary ------------------------------------------------------------
@@ -356,7 +335,7 @@ class Trainer:
     def _loggers(self, resume_step: int | None, main: bool) -> Loggers:
         if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
-        return open_loggers(self.logger_names, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
+        return open_loggers(self.config.loggers, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
 
     def _flush(self, run: Run) -> None:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
@@ -403,7 +382,7 @@ class Trainer:
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
 
     def _summary(self, run: Run) -> TrainSummary:
-        rt, model, pos, metrics = run.rt, run.model, run.pos, run.metrics
+        rt, pos, metrics = run.rt, run.pos, run.metrics
         seconds = time.perf_counter() - run.start
         figures = run.meter.totals()
         tail = run.losses[-LOSS_WINDOW:]
@@ -430,7 +409,7 @@ class Trainer:
             resumed_from=str(run.resumed.path) if run.resumed else None,
             checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
             # every rank samples: under FSDP each forward gathers the shards, a collective
-            sample=self.task.sample(unwrap(model)) if self.task.sample else None,
+            sample=self.task.sample(rt.module) if self.task.sample else None,
         )
 
     # -- evaluate and predict --------------------------------------------------------------------
@@ -440,7 +419,7 @@ class Trainer:
         if self.task.val_data is None:
             raise ConfigError(f"task {self.task.name!r} has no val_data to evaluate on")
         rt, model = self._ready()
-        return evaluate_model(self.task, model, rt, self.batch_size)
+        return evaluate_model(self.task, model, rt, self.batch_size, self.env)
 
     @torch.no_grad()
     def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""The checkpoint directory both formats share: its name, its manifest, the atomic commit, listing and checks.
+
+A checkpoint is a directory ``step-00000100/``. It is written under ``.tmp-step-00000100/``; when
+every file is on disk and fsynced, a manifest with each file's size and SHA-256 is written last and
+the directory renamed into place. A directory without a readable manifest is not a checkpoint, so
+a crash at any moment leaves the last committed one. ``verify`` reads every file back against its
+manifest; under several processes each rank checks its share of the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redline.atomic import commit_directory, fsync_path
+from redline.errors import RedlineError
+from redline.parallel.collectives import gather_objects, rank_and_world
+
+PREFIX = "step-"
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+_BLOCK = 1 << 20
+
+log = logging.getLogger("redline")
+
+
+class CheckpointError(RedlineError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint directory and its manifest."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    @property
+    def format(self) -> str:
+        return str(self.manifest.get("format"))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank wrote its own shards (an FSDP run's) rather than one whole copy."""
+        return "sharded" in self.format
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Return the directory of ``step``'s checkpoint under ``root``."""
+    return root / f"{PREFIX}{step:08d}"
+
+
+def staging_dir(final: Path) -> Path:
+    """Return the directory ``final`` is written in before its commit (one name for every rank)."""
+    return final.parent / f".tmp-{final.name}"
+
+
+def stage(final: Path) -> Path:
+    """Create an empty staging directory for ``final`` (a crashed write's leftovers are removed)."""
+    tmp = staging_dir(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """Return a file's manifest entry, its size and SHA-256, and flush it to disk on the way."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_BLOCK), b""):
+            digest.update(block)
+        os.fsync(handle.fileno())
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def commit(
+    tmp: Path, final: Path, *, format: str, step: int | None, files: Mapping[str, Any], **fields: Any
+) -> Checkpoint:
+    """Write the manifest of the staged ``tmp`` (its files' entries), then rename it to ``final``."""
+    manifest = {"format": format, "step": step, **fields, "files": dict(sorted(files.items()))}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    fsync_path(tmp / MANIFEST)
+    fsync_path(tmp)
+    commit_directory(tmp, final)
+    return Checkpoint(final, _step_of(final, manifest), manifest)
+
+
+def write_json(path: Path, document: Mapping[str, Any]) -> None:
+    """Write a small JSON document of the checkpoint, readable without torch."""
+    path.write_text(json.dumps(document, indent=2), encoding="utf-8")
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Return the committed checkpoint at ``path``; raise CheckpointError if it has no readable manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("no files listed")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: not a committed checkpoint (no readable {MANIFEST}: {exc})\n"
+            f"hint: pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto"
+        ) from None
+    return Checkpoint(path, _step_of(path, manifest), manifest)
+
+
+def _step_of(path: Path, manifest: Mapping[str, Any]) -> int:
+    step = manifest.get("step")
+    if isinstance(step, int):
+        return step
+    digits = path.name.removeprefix(PREFIX)
+    return int(digits) if digits.isdigit() else 0
+
+
+def find_checkpoints(root: Path) -> list[Checkpoint]:
+    """Return the committed checkpoints under ``root`` (those with a readable manifest), oldest step first."""
+    found = []
+    for path in root.glob(f"{PREFIX}*") if root.is_dir() else ():
+        try:
+            found.append(read_checkpoint(path))
+        except CheckpointError:
+            continue  # no manifest: the write never finished
+    return sorted(found, key=lambda c: (c.step, c.path))
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` committed checkpoints under ``root``."""
+    for old in find_checkpoints(root)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+
+
+def verify(checkpoint: Checkpoint) -> None:
+    """Check every file of ``checkpoint`` against its manifest's size and SHA-256; raise CheckpointError if one differs.
+
+    Collective under several processes: the files are shared out among the ranks, each reads its
+    share, and every rank raises if any file failed, so a sharded checkpoint is read once, not once
+    per rank. Manifests of earlier versions without checksums are checked by size.
+    """
+    rank, world = rank_and_world()
+    names = sorted(checkpoint.manifest["files"])
+    problems = [p for name in names[rank::world] if (p := _check_file(checkpoint, name))]
+    problems = [p for share in gather_objects(problems) for p in share]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(
+            f"{checkpoint.path}: {problems[0]}{more}\n"
+            "hint: the checkpoint is corrupt; resume from an earlier one (--resume auto skips it)"
+        )
+
+
+def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
+    entry = checkpoint.manifest["files"][name]
+    path = checkpoint.path / name
+    if not path.is_file():
+        return f"{name} is missing"
+    if isinstance(entry, dict) and "bytes" in entry and path.stat().st_size != entry["bytes"]:
+        return f"{name} is truncated ({path.stat().st_size} of {entry['bytes']} bytes)"
+    expected = entry.get("sha256") if isinstance(entry, dict) else None
+    if expected is None:
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_BLOCK), b""):
+            digest.update(block)
+    return None if digest.hexdigest() == expected else f"{name} does not match its checksum (corrupt)"
+
+
+def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
+    """Return the checkpoint to resume from: ``"auto"`` picks the newest under ``root`` that verifies, else a path.
+
+    A corrupt checkpoint met on the way is logged and skipped for an older one; an explicit path
+    that does not verify is an error.
+    """
+    if str(where) != "auto":
+        checkpoint = read_checkpoint(Path(where))
+        verify(checkpoint)
+        return checkpoint
+    for checkpoint in reversed(find_checkpoints(root)):
+        try:
+            verify(checkpoint)
+        except CheckpointError as exc:
+            log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
+            continue
+        return checkpoint
+    return None
+
+
+def legacy_states(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split the one trainer state of redline 0.1's checkpoints into the runtime's and the Trainer's."""
+    runtime = {"precision": state.get("scaler") or {}, "rng": state.get("rng_per_rank") or [state["rng"]]}
+    return runtime, state
+
+
+def load_plan(checkpoint: Checkpoint) -> dict[str, Any]:
+    """Return the Plan the checkpoint was written under, as ``{axis: {"value", "reason"}}``."""
+    path = checkpoint.path / PLAN
+    if not path.is_file():
+        raise CheckpointError(
+            f"{checkpoint.path} has no {PLAN}: it was not written by the Runtime or the Trainer\n"
+            "hint: resume from a checkpoint that `redline train` or Runtime.save wrote"
+        )
+    return dict(json.loads(path.read_text(encoding="utf-8")))

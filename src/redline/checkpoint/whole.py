@@ -1,0 +1,111 @@
+"""The whole format: one process writes the model's weights (safetensors), the optimizer state and the run state.
+
+Used by one device and by DDP (every rank holds the same weights, rank 0 writes them). Files:
+``model.safetensors`` (the user's module's names, tied weights once), ``optimizer.pt``,
+``runtime.pt`` (loss scaling, every rank's RNG), ``extra.pt`` (the caller's own state, such as the
+Trainer's position) and ``plan.json``. Loading never unpickles arbitrary objects: safetensors, and
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from redline.atomic import write_atomic
+from redline.checkpoint.layout import (
+    PLAN,
+    Checkpoint,
+    CheckpointError,
+    commit,
+    file_entry,
+    legacy_states,
+    stage,
+    write_json,
+)
+
+FORMAT = "redline-whole-2"
+LEGACY_FORMAT = 1  # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
+WEIGHTS, OPTIMIZER, RUNTIME, EXTRA = "model.safetensors", "optimizer.pt", "runtime.pt", "extra.pt"
+
+
+def save_whole(
+    final: Path,
+    *,
+    module: nn.Module,
+    optimizer_state: Mapping[str, Any],
+    runtime_state: Mapping[str, Any],
+    extra: Mapping[str, Any],
+    plan: Mapping[str, Any],
+    step: int | None,
+) -> Checkpoint:
+    """Write a whole checkpoint to ``final`` atomically, from one process."""
+    tmp = stage(final)
+    writers: dict[str, Callable[[Path], None]] = {
+        WEIGHTS: lambda path: save_model(module, str(path)),
+        OPTIMIZER: lambda path: torch.save(dict(optimizer_state), path),
+        RUNTIME: lambda path: torch.save(dict(runtime_state), path),
+        EXTRA: lambda path: torch.save(dict(extra), path),
+        PLAN: lambda path: write_json(path, plan),
+    }
+    files = {}
+    for name, write in writers.items():
+        write(tmp / name)
+        files[name] = file_entry(tmp / name)
+    return commit(tmp, final, format=FORMAT, step=step, files=files)
+
+
+def is_whole(checkpoint: Checkpoint) -> bool:
+    return checkpoint.manifest.get("format") in (FORMAT, LEGACY_FORMAT)
+
+
+def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """Return the checkpoint's weights on the CPU, a tied weight under one of its names."""
+    return load_file(checkpoint.path / WEIGHTS, device="cpu")
+
+
+def load_weights(checkpoint: Checkpoint, module: nn.Module) -> None:
+    """Load the checkpoint's weights into ``module`` (strict: every name must match), on its own device."""
+    param = next(module.parameters(), None)
+    device = str(param.device) if param is not None else "cpu"
+    load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=device)
+
+
+def read_optimizer(checkpoint: Checkpoint, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Return the optimizer's ``state_dict()``, its tensors on ``device``."""
+    return _load(checkpoint, OPTIMIZER, device)
+
+
+def read_states(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return the checkpoint's runtime state and the caller's extra state."""
+    if checkpoint.manifest.get("format") == LEGACY_FORMAT:
+        return legacy_states(_load(checkpoint, "trainer.pt", "cpu"))
+    return _load(checkpoint, RUNTIME, "cpu"), _load(checkpoint, EXTRA, "cpu")
+
+
+def _load(checkpoint: Checkpoint, name: str, device: torch.device | str) -> dict[str, Any]:
+    path = checkpoint.path / name
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint.path}: {name} is missing\nhint: resume from another checkpoint")
+    loaded: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+    return loaded
+
+
+def save_weights_file(path: Path, module: nn.Module) -> None:
+    """Save ``module``'s weights as one safetensors file, atomically; tied weights are stored once."""
+    write_atomic(path, lambda tmp: save_model(module, str(tmp)))
+
+
+def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
+    """Save named tensors (gathered weights, a tied one once) as safetensors, atomically.
+
+    ``aliases`` (``{dropped name: kept name}``) go into the file's metadata the way safetensors'
+    ``save_model`` notes them, so ``load_model`` fills the tied names of the plain model.
+    """
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt", **aliases}))

@@ -1,0 +1,122 @@
+"""Command-line flags derived from the options dataclasses, so that a flag and its field cannot drift apart.
+
+Each options field declared with ``redline.config.option`` carries its help and, where it differs
+from the field's name, its flag. ``flags(RuntimeOptions)`` turns the fields into typer parameters;
+``values(RuntimeOptions, given)`` picks the parsed values back out for the dataclass's constructor.
+A command built with ``command`` takes its own parameters plus the derived ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import typer
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One derived command-line option: the field it sets and the parameter typer fills."""
+
+    owner: type
+    field: str
+    name: str  # the flag as typed, ``--max-steps``
+    parameter: inspect.Parameter
+
+
+def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None, optional: bool = False) -> list[Flag]:
+    """Return the flags of ``owner``'s command-line fields (those ``option(..., cli=True)`` declared).
+
+    ``prefix`` goes before each parameter and flag name (``early_stopping_patience``); ``optional``
+    makes every flag default to None, meaning "not given" (the dataclass's own default then applies).
+    """
+    hints = typing.get_type_hints(owner)
+    out = []
+    for field in dataclasses.fields(owner):
+        meta = field.metadata
+        if not field.init or not meta.get("cli", False) or (only is not None and field.name not in only):
+            continue
+        name = prefix + field.name
+        flag = meta.get("flag") or "--" + name.replace("_", "-")
+        kind = _cli_type(hints[field.name], name)
+        default = None if optional else field.default
+        if isinstance(kind, type) and issubclass(kind, enum.Enum) and default is not None:
+            default = kind(default)  # typer shows and checks choices as an Enum
+        if kind is bool and not optional:
+            info = typer.Option(f"{flag}/--no-{flag.removeprefix('--')}", help=meta["help"])
+        else:
+            info = typer.Option(flag, help=meta["help"])
+        annotation: Any = Annotated.__class_getitem__((kind if default is not None else kind | None, info))  # type: ignore[attr-defined]
+        parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+        out.append(Flag(owner, field.name, flag, parameter))
+    return out
+
+
+def _cli_type(hint: Any, name: str) -> Any:
+    """Return the type typer parses a field as: a Literal becomes an Enum of its values (a choice)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if len(args) == 1:
+            return _cli_type(args[0], name)
+        return str  # several types (nproc: N or "auto"): the dataclass reads the text
+    if origin is Literal:
+        return enum.Enum(name, {str(a): str(a) for a in args}, type=str)
+    if origin is tuple:
+        return list[str]
+    if hint in (int, float, str, bool, Path):
+        return hint
+    raise TypeError(f"no command-line type for {hint!r}")
+
+
+def values(owner: type, given: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
+    """Return the keyword arguments for ``owner`` from parsed flags: the ones given, lists as tuples."""
+    out = {}
+    for flag in (f for f in flags(owner, prefix=prefix) if f.parameter.name in given):
+        value = given[flag.parameter.name]
+        if value is None and flag.parameter.default is not None:
+            continue
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if isinstance(value, list | tuple):
+            value = tuple(value)
+        out[flag.field] = value
+    return out
+
+
+def given(owner: type, parsed: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
+    """Return the fields of ``owner`` whose optional flags (``flags(..., optional=True)``) were given."""
+    found = {f.field: parsed[f.parameter.name] for f in flags(owner, prefix=prefix, optional=True)}
+    return {name: v.value if isinstance(v, enum.Enum) else v for name, v in found.items() if v is not None}
+
+
+def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., Any]:
+    """Return ``function`` with its own parameters followed by every group's flags, for typer to read.
+
+    ``function`` takes its own parameters and ``**parsed`` for the derived ones.
+    """
+
+    @functools.wraps(function)
+    def wrapper(**parsed: Any) -> Any:
+        return function(**parsed)
+
+    own = [
+        p
+        for p in inspect.signature(function, eval_str=True).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    derived = [flag.parameter for group in groups for flag in group]
+    names = [p.name for p in [*own, *derived]]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise TypeError(f"{function.__name__}: options named twice: {repeated}")
+    wrapper.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + derived)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {}
+    return wrapper

@@ -1,0 +1,75 @@
+"""The Runtime's options: one validated value that tools pass around, store, and turn into flags."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from redline.config import boolean, one_of, option, positive_int, positive_number, with_changes
+from redline.errors import invalid
+from redline.plan.device import check_devices
+
+Switch = Literal["auto", "on", "off"]
+PrecisionRequest = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
+StrategyRequest = Literal["auto", "single", "ddp", "fsdp"]
+SWITCHES: tuple[str, ...] = get_args(Switch)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOptions:
+    """What a run asks of the Runtime; every "auto" is resolved into the Plan when the Runtime is built.
+
+    ``compile`` and ``channels_last`` also take True/False, kept as "on"/"off".
+    """
+
+    devices: str = option("auto", "auto, cpu, cuda, cuda:N or mps.")
+    precision: PrecisionRequest = option("auto", "auto, fp32, bf16-mixed or fp16-mixed.")
+    compile: Switch = option("auto", "torch.compile: auto, on or off.")
+    channels_last: Switch = option("auto", "channels_last memory layout: auto, on or off.")
+    grad_accum: int = option(1, "Micro-batches per optimizer step.")
+    clip_grad_norm: float | None = option(None, "Clip the gradient norm to this value.")
+    seed: int | None = option(None, "Seed every RNG and the data order (default 0 for the order).")
+    strategy: StrategyRequest = option("auto", "auto, single, ddp or fsdp (with several processes).")
+    deterministic: bool = option(False, "torch.use_deterministic_algorithms(True) while the run lasts.")
+
+    def __post_init__(self) -> None:
+        for name in ("compile", "channels_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                object.__setattr__(self, name, "on" if value else "off")
+            one_of(name, getattr(self, name), SWITCHES)
+        check_devices(self.devices)
+        one_of("precision", self.precision, get_args(PrecisionRequest))
+        one_of("strategy", self.strategy, get_args(StrategyRequest))
+        positive_int("grad_accum", self.grad_accum)
+        positive_number("clip_grad_norm", self.clip_grad_norm, optional=True)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise invalid("seed", self.seed, "an integer or None")
+        boolean("deterministic", self.deterministic)
+
+    @classmethod
+    def build(cls, options: RuntimeOptions | None = None, **changes: Any) -> RuntimeOptions:
+        """Return ``options`` (or the defaults) with ``changes``; an unknown name is a clear error."""
+        return with_changes(cls, options, changes, what="a Runtime option")
+
+    def with_plan(self, plan: Mapping[str, Mapping[str, Any]]) -> RuntimeOptions:
+        """Return these options with the axes a stored Plan fixed (``Plan.to_dict()``), for a resumed run.
+
+        Device, precision, compile, layout, accumulation and clipping come from the Plan, so the run
+        goes on as it started; the seed, the strategy (it follows the number of processes, which may
+        differ now) and determinism stay as asked for now.
+        """
+
+        def switch(axis: str) -> Switch:
+            return "on" if plan.get(axis, {}).get("value") else "off"
+
+        return RuntimeOptions.build(
+            self,
+            devices=str(plan["device"]["value"]),
+            precision=plan["precision"]["value"],
+            compile=switch("compile"),
+            channels_last=switch("channels_last"),
+            grad_accum=int(plan["grad_accum"]["value"]),
+            clip_grad_norm=plan["clip_grad_norm"]["value"],
+        )

@@ -1,0 +1,86 @@
+"""Applying the precision the resolver chose: autocast in the forward, loss scaling in backward and step.
+
+plan/precision.py decides (fp32, bf16-mixed, fp16-mixed, with the reason); a ``Precision`` applies
+that choice. Only fp16 needs a grad scaler: its narrow range underflows small gradients unless the
+loss is scaled up, and the gradients are unscaled before clipping and the step
+(https://pytorch.org/docs/stable/amp.html#gradient-scaling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from redline.plan.precision import PrecisionName
+
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+_NOTHING = contextlib.nullcontext()
+
+
+class Precision:
+    """One precision, applied: ``autocast()``, ``backward(loss)``, ``step(optimizer)``, and its state."""
+
+    def __init__(self, name: PrecisionName, device_type: str) -> None:
+        self.name: PrecisionName = name
+        self.device_type = device_type
+        self.dtype = _AUTOCAST_DTYPES.get(name)
+        self.scaler = torch.amp.GradScaler(device_type) if name == "fp16-mixed" else None
+        self._last_scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # the initial scale
+        self.skipped_steps = 0  # fp16 steps the scaler skipped because their gradients overflowed
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Return the context that runs the forward pass in this precision."""
+        if self.dtype is None:
+            return _NOTHING  # reusable: the fp32 loop pays for no new object per step
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss``, scaled up first under fp16."""
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[torch.optim.Optimizer], None] | None) -> None:
+        """Step ``optimizer``: unscale the gradients (fp16), clip them if asked, then step.
+
+        Under fp16 the scaler skips a step whose gradients overflowed, and lowers the scale; that is
+        the normal start of loss scaling, counted in ``skipped_steps``. The scaler reads its overflow
+        flag on the host at every step anyway, so reading the scale back costs no extra wait.
+        """
+        if self.scaler is None:
+            if clip is not None:
+                clip(optimizer)
+            optimizer.step()
+            return
+        if clip is not None:
+            self.scaler.unscale_(optimizer)
+            clip(optimizer)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        scale = self.scaler.get_scale()
+        if scale < self._last_scale:  # the scale only drops when a step's gradients overflowed
+            self.skipped_steps += 1
+        self._last_scale = scale
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what a resumed run needs: the loss scale and its growth tracker (empty without fp16)."""
+        if self.scaler is None:
+            return {}
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s state; a state from another precision is ignored (it holds nothing here)."""
+        if self.scaler is None or not state:
+            return
+        scaler = state.get("scaler", state)  # redline 0.1 stored the scaler's own state dict
+        if scaler:
+            self.scaler.load_state_dict(scaler)
+            self._last_scale = self.scaler.get_scale()
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r})"

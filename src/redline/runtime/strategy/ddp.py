@@ -1,0 +1,54 @@
+"""Data parallel (DDP): every rank holds the whole model; gradients are all-reduced during backward."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from redline.checkpoint import Checkpoint, whole
+from redline.parallel.collectives import run_on_rank0
+from redline.parallel.ddp import wrap_ddp
+from redline.plan.precision import PrecisionName
+from redline.plan.strategy import StrategyName
+from redline.runtime.optimizer import OptimizerLike, build_optimizer
+from redline.runtime.strategy.single import SingleDevice
+
+
+class DDP(SingleDevice):
+    """Replicate the model on every rank; rank 0 writes the whole checkpoint, which every rank reads back."""
+
+    name: StrategyName = "ddp"
+    detail = "gradients are views into DDP's buckets (no copy in or out)"
+
+    def wrap(
+        self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        wrapped = wrap_ddp(model, device)
+        return wrapped, build_optimizer(optimizer, model)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        if enabled or not isinstance(model, DistributedDataParallel):
+            return super().gradient_sync(model, enabled)
+        return model.no_sync()  # mid-accumulation: gradients stay local until the last micro-batch
+
+    def module(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, runtime_state: dict[str, Any],
+        extra: dict[str, Any], plan: dict[str, Any], step: int | None,
+    ) -> Checkpoint:  # fmt: skip
+        def write() -> Checkpoint:  # the ranks hold the same weights: one copy, from rank 0
+            return super(DDP, self).save(
+                path, model, optimizer, runtime_state=runtime_state, extra=extra, plan=plan, step=step
+            )
+
+        return run_on_rank0(write, "writing the checkpoint")
+
+    def save_weights(self, path: Path, model: nn.Module) -> None:
+        run_on_rank0(lambda: whole.save_weights_file(path, self.module(model)), "writing the weights")

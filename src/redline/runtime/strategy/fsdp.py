@@ -1,0 +1,107 @@
+"""Fully sharded data parallel (FSDP2): parameters, gradients and optimizer state split over the ranks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from redline.checkpoint import Checkpoint, whole
+from redline.checkpoint.sharded import is_sharded, load_sharded, save_sharded
+from redline.errors import ConfigError
+from redline.parallel.collectives import run_on_rank0
+from redline.parallel.fsdp import full_state, full_weights, load_full_state, shard
+from redline.plan.precision import PrecisionName
+from redline.plan.strategy import StrategyName
+from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer
+
+
+class FSDP:
+    """Shard each repeated block and the root with FSDP2; every rank writes its shards of a checkpoint."""
+
+    name: StrategyName = "fsdp"
+    detail = ""
+
+    def wrap(
+        self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Shard ``model`` in place and rebuild its optimizer on the sharded parameters.
+
+        ``fully_shard`` replaces the parameters with DTensors, so an optimizer built before must be
+        rebuilt on them: its class, groups and hyperparameters carry over, each parameter matched by
+        its name. It must hold no state yet (pass it before its first step, or as a factory).
+        """
+        built = build_optimizer(optimizer, model)
+        if any(built.state.values()):  # checked before the model changes, not after
+            raise ConfigError(
+                f"cannot rebuild {type(built).__name__} on the sharded parameters: it already holds state\n"
+                "hint: pass the optimizer before its first step, or as a factory"
+            )
+        names = {id(p): name for name, p in model.named_parameters()}
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        shard(model, precision=precision, reshard=world > 1)
+        self.detail = (
+            "blocks resharded after forward, gathered again in backward" if world > 1 else
+            "one rank: blocks stay gathered from forward to backward (resharding would free nothing)"
+        )  # fmt: skip
+        sharded = dict(model.named_parameters())
+        for group in built.param_groups:  # the old optimizer is discarded: point its groups at the new parameters
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return model, rebuild_optimizer(built)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        return _gradient_sync(model, enabled)
+
+    def module(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard changes the model in place: its names are the user's
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, as DTensors
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, runtime_state: dict[str, Any],
+        extra: dict[str, Any], plan: dict[str, Any], step: int | None,
+    ) -> Checkpoint:  # fmt: skip
+        return save_sharded(path, model, optimizer, runtime_state=runtime_state, extra=extra, plan=plan, step=step)
+
+    def load(
+        self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        if is_sharded(checkpoint):
+            return load_sharded(checkpoint, model, optimizer)
+        # A whole checkpoint (one device's, DDP's): rank 0 reads it once and broadcasts the pieces.
+        states: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
+
+        def read() -> None:
+            weights, optimizer_state = whole.read_weights(checkpoint), whole.read_optimizer(checkpoint)
+            states["model"], states["optimizer"] = full_state(model, optimizer, weights, optimizer_state)
+
+        run_on_rank0(read, "reading the whole checkpoint")
+        load_full_state(model, optimizer, states["model"], states["optimizer"])
+        return whole.read_states(checkpoint)
+
+    def save_weights(self, path: Path, model: nn.Module) -> None:
+        weights, aliases = full_weights(model)  # collective: every rank sends its shards to rank 0
+        run_on_rank0(lambda: whole.save_tensors_file(path, weights, aliases), "writing the weights")
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    setter = getattr(model, "set_requires_gradient_sync", None)  # an FSDP2 module
+    if enabled or setter is None:
+        yield
+        return
+    setter(False)  # mid-accumulation: gradients stay unreduced until the last micro-batch
+    try:
+        yield
+    finally:
+        setter(True)

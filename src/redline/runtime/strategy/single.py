@@ -1,0 +1,66 @@
+"""One device in one process: the model as given, and the whole checkpoint format."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.checkpoint import Checkpoint, whole
+from redline.checkpoint.sharded import is_sharded, load_sharded
+from redline.plan.precision import PrecisionName
+from redline.plan.strategy import StrategyName
+from redline.runtime.optimizer import OptimizerLike, build_optimizer
+
+_NOTHING = contextlib.nullcontext()
+
+
+class SingleDevice:
+    """Train the model as it is on one device; write whole checkpoints."""
+
+    name: StrategyName = "single"
+    detail = ""
+
+    def wrap(
+        self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, build_optimizer(optimizer, model)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        return _NOTHING  # one process: nothing to synchronise
+
+    def module(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": self.module(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self.module(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def save(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, runtime_state: dict[str, Any],
+        extra: dict[str, Any], plan: dict[str, Any], step: int | None,
+    ) -> Checkpoint:  # fmt: skip
+        return whole.save_whole(
+            path, module=self.module(model), optimizer_state=optimizer.state_dict(), runtime_state=runtime_state,
+            extra=extra, plan=plan, step=step,
+        )  # fmt: skip
+
+    def load(
+        self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        if is_sharded(checkpoint):  # an FSDP run's: DCP gathers the pieces into the whole model
+            return load_sharded(checkpoint, model, optimizer)
+        module = self.module(model)
+        whole.load_weights(checkpoint, module)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        optimizer.load_state_dict(whole.read_optimizer(checkpoint, device))
+        return whole.read_states(checkpoint)
+
+    def save_weights(self, path: Path, model: nn.Module) -> None:
+        whole.save_weights_file(path, self.module(model))

@@ -1,0 +1,64 @@
+"""TrainerConfig: how the Trainer runs a Task, as one validated value the CLI derives its flags from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from redline.config import boolean, option, positive_int, positive_number, with_changes
+from redline.errors import ConfigError, invalid
+from redline.runtime.options import RuntimeOptions
+from redline.train.logs import LOGGER_NAMES
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The run's length, evaluation, checkpoints and logs, and the Runtime's options (``runtime``)."""
+
+    runtime: RuntimeOptions = option(RuntimeOptions(), "The Runtime's options.", cli=False)
+    max_steps: int | None = option(None, "Stop after this many optimizer steps.")
+    max_epochs: int | None = option(None, "Epochs to train (default: the task's own).", flag="--epochs")
+    batch_size: int | None = option(None, "Batch size (default: the task's own).")
+    eval_every: int | None = option(None, "Evaluate every N steps (default: each epoch).")
+    checkpoint_every: int | None = option(None, "Checkpoint every N steps (and at the end).")
+    keep_checkpoints: int = option(3, "Keep the newest K checkpoints.")
+    out_dir: Path | None = option(None, "Write checkpoints, logs, summary.json, model.safetensors.", flag="--out")
+    resume: str | None = option(None, "'auto' (the newest valid checkpoint in OUT) or a checkpoint's path.")
+    loggers: tuple[str, ...] = option(("csv", "jsonl"), "csv, jsonl or tensorboard; repeatable.", flag="--logger")
+    log_every: int = option(50, "Read losses and log every N steps.")
+    progress: bool = option(True, "Show progress on stderr.")
+    hang_timeout_s: float | None = option(
+        None, "Seconds without progress before a hang report (default: the launcher's --hang-timeout).", cli=False
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runtime, RuntimeOptions):
+            raise invalid("runtime", type(self.runtime).__name__, "a RuntimeOptions")
+        for name in ("max_steps", "max_epochs", "batch_size", "eval_every", "checkpoint_every"):
+            positive_int(name, getattr(self, name), optional=True)
+        positive_int("keep_checkpoints", self.keep_checkpoints)
+        positive_int("log_every", self.log_every)
+        positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
+        if self.out_dir is not None and not isinstance(self.out_dir, Path):
+            object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.resume is not None:
+            object.__setattr__(self, "resume", str(self.resume))
+        if self.resume == "auto" and self.out_dir is None:
+            raise ConfigError("resume='auto' needs out_dir: it looks for OUT/checkpoints\nhint: pass --out DIR")
+        loggers = (self.loggers,) if isinstance(self.loggers, str) else tuple(self.loggers)
+        for name in loggers:
+            if name not in LOGGER_NAMES:
+                raise invalid("loggers", name, "one of " + ", ".join(map(repr, LOGGER_NAMES)))
+        object.__setattr__(self, "loggers", loggers)
+        boolean("progress", self.progress)
+
+    @classmethod
+    def build(cls, config: TrainerConfig | None = None, **changes: Any) -> TrainerConfig:
+        """Return ``config`` (or the defaults) with ``changes``; an unknown name is a clear error."""
+        runtime = sorted(set(changes) & _RUNTIME_FIELDS)
+        hint = f"{runtime[0]} is a Runtime option: pass runtime=RuntimeOptions(...)" if runtime else ""
+        return with_changes(cls, config, changes, what="a Trainer option", hint=hint)
+
+
+_RUNTIME_FIELDS = {f.name for f in fields(RuntimeOptions)}

@@ -1,0 +1,113 @@
+"""The Runtime owns its state: state_dict/load_state_dict, save/load, and the process-wide settings it enters."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import redline
+from redline.errors import ConfigError
+from redline.runtime.settings import ProcessSettings
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))  # dropout draws on the RNG
+
+
+def loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(48, 6, generator=gen), torch.randint(0, 3, (48,), generator=gen))
+    return DataLoader(data, batch_size=8)
+
+
+def run(rt: redline.Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list) -> None:
+    for inputs, targets in batches:
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(optimizer)
+
+
+def fresh(**options) -> tuple[redline.Runtime, nn.Module, torch.optim.Optimizer]:
+    rt = redline.Runtime(devices="cpu", seed=0, **options)
+    rt.start()  # seeds: the model's initial weights are the same in every fresh run
+    model, optimizer = rt.setup(make_model(), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    return rt, model, optimizer
+
+
+@pytest.mark.parametrize("how", ["state_dict", "save"])
+def test_a_run_continued_from_the_runtimes_state_equals_the_unbroken_run(tmp_path, how):
+    batches = list(loader())
+    rt, model, optimizer = fresh(precision="fp16-mixed")  # fp16: the loss scale is part of the state
+    run(rt, model, optimizer, batches[:3])
+    if how == "state_dict":
+        state = copy.deepcopy(rt.state_dict())  # like torch's, it holds the live tensors
+    else:
+        written = rt.save(tmp_path / "step-00000003", extra={"note": "mine"}, step=3)
+        assert written.step == 3
+    run(rt, model, optimizer, batches[3:])  # the unbroken run
+    unbroken = {k: v.clone() for k, v in model.state_dict().items()}
+    rt.close()
+
+    rt2, model2, optimizer2 = fresh(precision="fp16-mixed")
+    torch.manual_seed(12345)  # the RNG moves on: the state must put it back
+    if how == "state_dict":
+        rt2.load_state_dict(state)
+    else:
+        assert rt2.load(tmp_path / "step-00000003") == {"note": "mine"}
+    run(rt2, model2, optimizer2, batches[3:])
+    for name, value in model2.state_dict().items():
+        assert torch.equal(value, unbroken[name]), name
+    rt2.close()
+
+
+def test_state_before_setup_says_what_to_do():
+    rt = redline.Runtime(devices="cpu")
+    for call in (rt.state_dict, lambda: rt.save("x"), lambda: rt.load("x")):
+        with pytest.raises(ConfigError, match=r"(?s)no model yet.*hint: call rt.setup"):
+            call()
+
+
+def test_the_runtime_applies_its_settings_while_it_runs_and_puts_them_back():
+    assert not torch.are_deterministic_algorithms_enabled()
+    with redline.Runtime(devices="cpu", deterministic=True, seed=7) as rt:
+        assert torch.are_deterministic_algorithms_enabled()
+        drawn = torch.rand(3)
+        plan = rt.explain()
+    assert not torch.are_deterministic_algorithms_enabled()
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(3))
+    assert plan.deterministic.value is True and "while the run lasts" in plan.deterministic.reason
+    assert plan.seed.value == 7 and plan.tf32.value is False
+
+
+def test_a_runtime_that_is_never_started_changes_nothing_global():
+    torch.manual_seed(1)
+    expected = torch.rand(2)
+    torch.manual_seed(1)
+    redline.Runtime(devices="cpu", seed=99, deterministic=True)  # constructing resolves the Plan only
+    assert torch.equal(torch.rand(2), expected) and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_tf32_is_set_for_the_run_and_restored():
+    before = torch.get_float32_matmul_precision()
+    with ProcessSettings(tf32=True).enter():
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_the_trainer_leaves_the_process_as_it_found_it():
+    task = redline.Task(
+        model=lambda: nn.Linear(6, 3),
+        loss_fn=nn.functional.cross_entropy,
+        train_data=loader().dataset,
+        batch_size=8,
+    )
+    options = redline.RuntimeOptions(devices="cpu", deterministic=True)
+    with redline.Trainer(task, runtime=options, max_steps=3, progress=False) as trainer:
+        summary = trainer.fit()
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert summary.plan.deterministic.value is True

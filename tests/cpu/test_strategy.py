@@ -1,0 +1,151 @@
+"""The Strategy objects on their own: wrap, gradient sync, the user's module, state, checkpoints, weights.
+
+DDP and FSDP run here on a one-rank gloo group inside the test process; tests/cpu/test_dist.py and
+test_fsdp.py run them on two processes.
+"""
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from redline.checkpoint import read_checkpoint, verify
+from redline.runtime.strategy import Strategy, build_strategy
+from redline.runtime.strategy.single import SingleDevice
+
+CPU = torch.device("cpu")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, steps: int = 2) -> None:
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        inputs, targets = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        with strategy.gradient_sync(model, True):
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()  # FSDP modules sit in reference cycles; free them while gloo still runs
+        dist.destroy_process_group()
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def test_single_device_saves_and_loads_a_whole_checkpoint(tmp_path):
+    strategy = SingleDevice()
+    model, optimizer = strategy.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    train_steps(model, optimizer, strategy)
+    written = strategy.save(
+        tmp_path / "step-00000002", model, optimizer, runtime_state={"rng": []}, extra={"epoch": 3}, plan={},
+        step=2,
+    )  # fmt: skip
+    assert written.step == 2 and written.format == "redline-whole-2" and not written.sharded
+    verify(read_checkpoint(written.path))
+    fresh, fresh_optimizer = strategy.wrap(other_model(), adamw, device=CPU, precision="fp32")
+    runtime_state, extra = strategy.load(written, fresh, fresh_optimizer)
+    assert extra == {"epoch": 3} and runtime_state == {"rng": []}
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+    train_steps(model, optimizer, strategy, 1)
+    train_steps(fresh, fresh_optimizer, strategy, 1)  # the optimizer's moments came back too
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+def other_model() -> nn.Module:
+    """The same architecture with other weights: what a load must overwrite."""
+    model = make_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    return model
+
+
+def test_single_device_state_dict_round_trips_and_weights_load_into_the_plain_model(tmp_path):
+    strategy = SingleDevice()
+    model, optimizer = strategy.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    train_steps(model, optimizer, strategy)
+    state = strategy.state_dict(model, optimizer)
+    other, other_optimizer = strategy.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    strategy.load_state_dict(other, other_optimizer, state)
+    assert all(torch.equal(a, b) for a, b in zip(other.parameters(), model.parameters(), strict=True))
+    strategy.save_weights(tmp_path / "model.safetensors", model)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(make_model().state_dict())
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_ddp_wraps_unwraps_and_skips_the_gradient_sync_mid_accumulation(tmp_path):
+    strategy = build_strategy("ddp")
+    model, optimizer = strategy.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    assert isinstance(model, DistributedDataParallel) and strategy.module(model) is model.module
+    with strategy.gradient_sync(model, False):
+        assert model.require_backward_grad_sync is False
+    assert model.require_backward_grad_sync is True
+    train_steps(model, optimizer, strategy)
+    written = strategy.save(tmp_path / "ckpt", model, optimizer, runtime_state={}, extra={}, plan={}, step=None)
+    assert written.format == "redline-whole-2" and written.step == 0
+    assert not any(name.startswith("module.") for name in load_file(written.path / "model.safetensors"))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_fsdp_shards_rebuilds_the_optimizer_and_writes_shards_that_a_plain_model_loads(tmp_path):
+    strategy = build_strategy("fsdp")
+    given = make_model()
+    model, optimizer = strategy.wrap(given, adamw, device=CPU, precision="fp32")
+    assert model is given and all(isinstance(p, DTensor) for p in model.parameters())
+    assert all(isinstance(p, DTensor) for p in optimizer.param_groups[0]["params"])
+    with strategy.gradient_sync(model, False):
+        pass  # FSDP2 exposes no getter; that the switch is restored is checked by training on
+    train_steps(model, optimizer, strategy)
+    written = strategy.save(tmp_path / "ckpt", model, optimizer, runtime_state={"x": 1}, extra={"y": 2}, plan={},
+                            step=2)  # fmt: skip
+    assert written.sharded and written.manifest["world_size"] == 1
+    assert all("sha256" in entry for entry in written.manifest["files"].values())
+    expected = plain_state(model)
+    strategy.save_weights(tmp_path / "model.safetensors", model)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(on_disk[k], v) for k, v in expected.items())
+    plain = SingleDevice()
+    fresh, fresh_optimizer = plain.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    assert plain.load(written, fresh, fresh_optimizer) == ({"x": 1}, {"y": 2})
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_fsdp_loads_a_whole_checkpoint_read_once_on_rank_0(tmp_path):
+    single = SingleDevice()
+    model, optimizer = single.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    train_steps(model, optimizer, single)
+    written = single.save(tmp_path / "whole", model, optimizer, runtime_state={}, extra={"z": 3}, plan={}, step=2)
+    fsdp = build_strategy("fsdp")
+    sharded, sharded_optimizer = fsdp.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    assert fsdp.load(written, sharded, sharded_optimizer) == ({}, {"z": 3})
+    assert all(torch.equal(plain_state(sharded)[k], v) for k, v in model.state_dict().items())
+    train_steps(model, optimizer, single, 1)
+    train_steps(sharded, sharded_optimizer, fsdp, 1)  # the Adam moments were loaded too: the next step agrees
+    assert all(torch.allclose(plain_state(sharded)[k], v, atol=1e-6) for k, v in model.state_dict().items())

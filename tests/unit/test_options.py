@@ -1,0 +1,153 @@
+"""The options objects: validated once, and the command line derived from them so the two cannot drift."""
+
+import dataclasses
+import enum
+from pathlib import Path
+
+import pytest
+import typer
+
+from redline.cli import train as train_cli
+from redline.cli.launch import launch_command
+from redline.errors import ConfigError
+from redline.launch.torchrun import LaunchConfig
+from redline.runtime.options import RuntimeOptions
+from redline.train.callbacks import EarlyStopping
+from redline.train.config import TrainerConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("precision", "bf16", "precision='bf16'"),
+        ("devices", "gpu", "devices='gpu'"),
+        ("compile", "maybe", "compile='maybe'"),
+        ("strategy", "zero3", "strategy='zero3'"),
+        ("grad_accum", 0, "grad_accum=0"),
+        ("grad_accum", True, "grad_accum=True"),
+        ("clip_grad_norm", -1.0, "clip_grad_norm=-1.0"),
+        ("seed", "7", "seed='7'"),
+        ("deterministic", "yes", "deterministic='yes'"),
+    ],
+)
+def test_runtime_options_name_the_bad_field_and_what_is_allowed(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        RuntimeOptions(**{field: value})
+
+
+def test_runtime_options_keep_switches_as_words_and_build_from_changes():
+    options = RuntimeOptions(compile=True, channels_last=False)
+    assert (options.compile, options.channels_last) == ("on", "off")
+    assert RuntimeOptions.build(options, seed=3) == dataclasses.replace(options, seed=3)
+    with pytest.raises(ConfigError, match="a Runtime option: channels_last, clip_grad_norm"):
+        RuntimeOptions.build(precison="fp32")
+
+
+def test_a_stored_plan_fixes_the_numerics_and_keeps_this_runs_seed_and_strategy():
+    plan = {
+        "device": {"value": "cpu"}, "precision": {"value": "bf16-mixed"}, "compile": {"value": True},
+        "channels_last": {"value": False}, "grad_accum": {"value": 4}, "clip_grad_norm": {"value": 1.0},
+    }  # fmt: skip
+    now = RuntimeOptions(seed=9, strategy="fsdp", deterministic=True, precision="fp32")
+    resumed = now.with_plan(plan)
+    assert (resumed.precision, resumed.compile, resumed.channels_last) == ("bf16-mixed", "on", "off")
+    assert (resumed.grad_accum, resumed.clip_grad_norm) == (4, 1.0)
+    assert (resumed.seed, resumed.strategy, resumed.deterministic) == (9, "fsdp", True)
+
+
+def test_trainer_config_checks_and_normalises():
+    with pytest.raises(ConfigError, match="max_steps=0"):
+        TrainerConfig(max_steps=0)
+    with pytest.raises(ConfigError, match="needs out_dir"):
+        TrainerConfig(resume="auto")
+    with pytest.raises(ConfigError, match="loggers='wandb'"):
+        TrainerConfig(loggers=("csv", "wandb"))
+    config = TrainerConfig(out_dir="runs/x", loggers="csv")  # type: ignore[arg-type]
+    assert config.out_dir == Path("runs/x") and config.loggers == ("csv",)
+    with pytest.raises(ConfigError, match=r"(?s)precision=.*hint: precision is a Runtime option: pass runtime="):
+        TrainerConfig.build(precision="fp32")
+
+
+def test_launch_config_reads_nproc_as_text_and_checks_it():
+    assert LaunchConfig(nproc="4").nproc == 4  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="nproc='many'"):
+        LaunchConfig(nproc="many")
+    with pytest.raises(ConfigError, match="max_restarts=-1"):
+        LaunchConfig(max_restarts=-1)
+
+
+# -- the command line cannot drift from the options objects -------------------------------------
+
+
+def click_params(command) -> dict[str, object]:
+    app = typer.Typer()
+    app.command()(command)
+    return {p.name: p for p in typer.main.get_command(app).params}
+
+
+def cli_fields(owner: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(owner) if f.init and f.metadata.get("cli")]
+
+
+@pytest.mark.parametrize("owner", [TrainerConfig, RuntimeOptions])
+def test_every_field_of_the_trainer_and_runtime_is_a_train_flag_with_its_default(owner):
+    params = click_params(train_cli.train)
+    for field in cli_fields(owner):
+        assert field.name in params, f"{owner.__name__}.{field.name} has no `redline train` flag"
+        default = params[field.name].default
+        default = default.value if isinstance(default, enum.Enum) else default
+        default = tuple(default) if isinstance(default, list) else default  # a repeatable flag
+        assert default == field.default, f"--{field.name}: default {default!r}, field {field.default!r}"
+        assert params[field.name].help == field.metadata["help"]
+    uncovered = [f.name for f in dataclasses.fields(owner) if f.init and not f.metadata.get("cli")]
+    assert set(uncovered) <= {"runtime", "hang_timeout_s"}  # a nested object, and the launcher's job
+
+
+def test_every_launch_field_is_a_launch_flag_and_train_takes_the_one_machine_ones():
+    launch_params, train_params = click_params(launch_command), click_params(train_cli.train)
+    assert {f.name for f in cli_fields(LaunchConfig)} <= set(launch_params)
+    assert {"nproc", "max_restarts", "hang_timeout_s"} <= set(train_params)
+    assert train_cli.LAUNCH_OPTIONS == ("--nproc", "--max-restarts", "--hang-timeout")
+    assert {f"early_stopping_{f.name}" for f in cli_fields(EarlyStopping)} <= set(train_params)
+
+
+def test_a_command_line_parses_into_the_options_objects(monkeypatch):
+    """Run the real `redline train` command with the Trainer replaced: it receives the objects the flags say."""
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeTrainer:
+        def __init__(self, task, config, *, callbacks):
+            built.update(task=task, config=config, callbacks=callbacks)
+
+        def __enter__(self):
+            raise Stop
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(train_cli, "Trainer", FakeTrainer)
+    monkeypatch.setattr(train_cli, "load_task", lambda spec, **options: (spec, options))
+    monkeypatch.delenv("RANK", raising=False)
+    app = typer.Typer()
+    app.command()(train_cli.train)
+    argv = [
+        "--task", "example:digits", "--task-arg", "width=8", "--max-steps", "7", "--epochs", "2", "--out", "runs/a",
+        "--logger", "csv", "--logger", "tensorboard", "--no-progress", "--precision", "bf16-mixed",
+        "--compile", "off", "--grad-accum", "2", "--seed", "4", "--deterministic", "--early-stopping-patience", "5",
+    ]  # fmt: skip
+    with pytest.raises(Stop):
+        typer.main.get_command(app).main(argv, standalone_mode=False)
+    assert built["task"] == ("example:digits", {"width": 8})
+    assert built["config"] == TrainerConfig(
+        max_steps=7, max_epochs=2, out_dir=Path("runs/a"), loggers=("csv", "tensorboard"), progress=False,
+        runtime=RuntimeOptions(precision="bf16-mixed", compile="off", grad_accum=2, seed=4, deterministic=True),
+    )  # fmt: skip
+    assert built["callbacks"] == [EarlyStopping(patience=5)]
+
+
+def test_launch_options_are_removed_for_the_workers():
+    argv = ["train", "--task", "x", "--nproc", "2", "--max-restarts=1", "--hang-timeout", "9", "--seed", "1"]
+    assert train_cli.without_launch_options(argv) == ["train", "--task", "x", "--seed", "1"]
