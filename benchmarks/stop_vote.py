@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--write", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rt = Runtime(devices="cpu")  # joins the process group the launcher set up
+    rt = Runtime(devices="cpu").start()  # joins the process group the launcher set up
     a = torch.randn(64, 64)
     rows = []
     for paced in (False, True):
