@@ -97,7 +97,7 @@ BROKEN = {
         "h2d-bandwidth": ("warn", ["nvidia-smi -q -d PCI"]),
     },
 }
-HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-mac-m2"]
+HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-h200", "healthy-mac-m2"]
 
 
 def report_of(name: str) -> DoctorReport:
@@ -138,6 +138,20 @@ def test_the_8xh100_server_is_judged_on_every_gpu_check():
     assert "cuda:0-7" in report.check("device-smoke").detail
     assert [d.id for d in report.devices] == ["cpu", *(f"cuda:{i}" for i in range(8))]
     assert report.devices[1].lowp_tflops == 720.0 and report.devices[1].capability == "9.0"
+
+
+def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
+    # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
+    report = report_of("healthy-h200")
+    statuses = {c.id: c.status for c in report.checks}
+    assert statuses == {**dict.fromkeys(CHECKS, "ok"), "mps": "skip"}
+    assert "NVIDIA H200 (sm_90) covered" in report.check("gpu-arch-supported").detail
+    assert "bf16 703 TFLOP/s" in report.check("device-smoke").detail
+    assert [(d.id, d.name, d.capability, d.lowp_tflops) for d in report.devices] == [
+        ("cpu", "Intel(R) Xeon(R) Processor", None, None),
+        ("cuda:0", "NVIDIA H200", "9.0", 703.0),
+    ]
+    assert report.versions["torch"] == "2.11.0+cu130" and report.versions["cudnn"] == "9.19.0"
 
 
 def test_the_cpu_laptop_skips_gpu_checks_with_a_reason():
