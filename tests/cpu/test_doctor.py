@@ -27,7 +27,7 @@ GPU_CHECKS = ["cuda-available", "driver-runtime-compat", "gpu-arch-supported", "
 @pytest.fixture(scope="module")
 def full_report() -> tuple[DoctorReport, float]:
     start = time.perf_counter()
-    report = redline.doctor()
+    report = redline.doctor.check_machine()
     return report, time.perf_counter() - start
 
 
@@ -120,17 +120,15 @@ NO_CUDA_IN_PARENT = (
     CUDA_SPY
     + """
 import redline
-before = type(redline.doctor).__name__
-report = redline.doctor(quick=True)
-import redline.doctor.checks
-after = redline.doctor(probe_file=sys.argv[1])
-print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(), "before": before,
-                  "types": [type(report).__name__, type(after).__name__], "exit": after.exit_code}))
+report = redline.doctor.check_machine()
+saved = redline.doctor.check_machine(probe_file=sys.argv[1])
+print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(),
+                  "types": [type(report).__name__, type(saved).__name__], "exit": saved.exit_code}))
 """
 )
 
 
-def test_the_doctor_never_starts_cuda_in_its_own_process_and_redline_doctor_stays_callable():
+def test_the_doctor_never_starts_cuda_in_its_own_process():
     out = subprocess.run(
         [sys.executable, "-c", NO_CUDA_IN_PARENT, str(FIXTURES / "driver-too-old.json")],
         capture_output=True,
@@ -139,10 +137,4 @@ def test_the_doctor_never_starts_cuda_in_its_own_process_and_redline_doctor_stay
         check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {
-        "calls": [],
-        "initialized": False,
-        "before": "function",
-        "types": ["DoctorReport", "DoctorReport"],
-        "exit": 1,
-    }
+    assert result == {"calls": [], "initialized": False, "types": ["DoctorReport", "DoctorReport"], "exit": 1}
