@@ -1,5 +1,6 @@
 """Where `import torch` fails, `import redline`, `redline --help` and `redline doctor` still work and say why."""
 
+import ast
 import inspect
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import redline
+from redline.cli.main import SUBCOMMANDS
 
 PACKAGE = Path(redline.__file__).parent
 LIBCUDART_ERROR = "libcudart.so.12: cannot open shared object file: No such file or directory"
@@ -59,7 +61,7 @@ def doctor_modules() -> list[str]:
 
 
 def test_the_doctor_and_its_command_line_import_no_torch():
-    modules = [*doctor_modules(), "redline.report.doctor", "redline.cli.doctor"]
+    modules = [*doctor_modules(), "redline.report.doctor", "redline.cli.doctor", "redline.cli.main"]
     assert "redline.doctor.probes" in modules and "redline.doctor.checks.cuda" in modules
     out = subprocess.run(
         [sys.executable, "-c", IMPORT_ALL, *modules], capture_output=True, text=True, timeout=120, check=True
@@ -85,3 +87,52 @@ def test_every_public_name_resolves_and_doctor_is_the_subpackage():
     assert redline.Runtime.__module__ == "redline.runtime.runtime"
     with pytest.raises(AttributeError, match="no attribute 'doctorr'"):
         _ = redline.doctorr
+
+
+def test_each_subcommand_summary_is_the_first_line_of_its_docstring():
+    for name, spec in SUBCOMMANDS.items():
+        function = getattr(__import__(spec.module, fromlist=[spec.function]), spec.function)
+        assert spec.summary == inspect.getdoc(function).splitlines()[0], name
+
+
+HELP = """
+import sys
+from redline.cli.main import main
+sys.argv = ["redline", "--help"]
+try:
+    main()
+finally:  # typer exits after printing the help
+    print(sorted(m for m in sys.modules if m.startswith(("redline.cli.", "torch"))), file=sys.stderr)
+"""
+
+
+def test_help_lists_every_command_without_importing_one(broken_torch_env):
+    result = run(["-c", HELP], {**broken_torch_env, "COLUMNS": "160"})
+    assert result.returncode == 0, result.stderr
+    for name, spec in SUBCOMMANDS.items():
+        assert name in result.stdout and spec.summary in result.stdout
+    assert ast.literal_eval(result.stderr.strip().splitlines()[-1]) == ["redline.cli.main"]
+
+
+def test_full_doctor_reports_the_broken_torch_with_its_fix(broken_torch_env):
+    result = run(["-m", "redline", "doctor", "--json"], broken_torch_env)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
+    torch_build = checks["torch-build"]
+    assert torch_build["status"] == "fail"
+    assert f"import torch failed: ImportError: {LIBCUDART_ERROR}" in torch_build["detail"]
+    assert "pip install --force-reinstall torch" in torch_build["fix"]
+    assert checks["cuda-available"] == {
+        "id": "cuda-available",
+        "status": "skip",
+        "detail": "torch did not import (see torch-build)",
+        "fix": None,
+    }
+
+
+def test_a_command_that_needs_torch_says_to_run_the_doctor(broken_torch_env):
+    result = run(["-m", "redline", "train", "--task", "example:digits"], broken_torch_env)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert LIBCUDART_ERROR in result.stderr and "run `redline doctor`" in result.stderr
