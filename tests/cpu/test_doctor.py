@@ -54,7 +54,9 @@ def test_json_quick_save_probe_and_probe_file_give_the_same_checks(tmp_path):
     assert set(report) == {"checks", "devices", "versions"}
     assert set(report["checks"][0]) == {"id", "status", "detail", "fix"}
     assert {c["id"]: c["status"] for c in report["checks"]}["device-smoke"] == "skip"  # --quick measures nothing
-    assert load_snapshot(saved).quick is True
+    quick = load_snapshot(saved)
+    assert quick.quick is True and quick.child is None and quick.measurements == []  # no child process ran
+    assert quick.torch is not None and quick.torch.imported is False and quick.torch.version
     second = runner.invoke(app, ["doctor", "--json", "--probe-file", str(saved)])
     assert second.exit_code == 0, second.output
     assert json.loads(second.stdout) == report
@@ -95,7 +97,7 @@ def test_a_hung_cuda_call_becomes_a_failed_check_not_a_hang(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(HANGING_CHILD)
     start = time.perf_counter()
-    snapshot = take_snapshot(quick=True, child_timeout_s=2, child_script=script)
+    snapshot = take_snapshot(child_timeout_s=2, child_script=script)
     assert time.perf_counter() - start < 30
     assert snapshot.child is not None and snapshot.child.timed_out and snapshot.child.unfinished_stage == "cuda"
     check = judge(snapshot).check("cuda-available")
@@ -110,7 +112,7 @@ def test_a_crashing_child_becomes_a_failed_check(tmp_path):
         'print(\'@redline-doctor {"stage": "import", "status": "begin"}\', flush=True)\n'
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    report = judge(take_snapshot(quick=True, child_script=script))
+    report = judge(take_snapshot(child_script=script))
     check = report.check("torch-build")
     assert check.status == "fail" and "killed by SIGKILL in stage 'import'" in check.detail and check.fix
     assert report.exit_code == 1

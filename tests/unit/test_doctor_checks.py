@@ -235,6 +235,7 @@ _torch = st.builds(
     cuda=_text,
     hip=st.one_of(st.none(), st.just("6.2")),
     arch_list=st.lists(st.text(max_size=8) | st.sampled_from(["sm_90", "compute_120", "sm_90a"]), max_size=4),
+    imported=st.booleans(),
     release_channels=st.one_of(st.none(), st.dictionaries(st.text(max_size=5), st.lists(st.integers(0, 130)))),
     cudnn_version=st.one_of(st.none(), st.integers(0, 10**6)),
     num_threads=st.one_of(st.none(), st.integers(0, 512)),
@@ -297,3 +298,65 @@ def test_quick_snapshots_skip_the_measurements():
     report = judge(snap)
     assert report.check("device-smoke").status == "skip" and "--quick" in report.check("device-smoke").detail
     assert report.check("h2d-bandwidth").status == "skip"
+
+
+def as_quick(snap: Snapshot) -> Snapshot:
+    """Return what --quick records of the same machine: no child process, torch read from torch/version.py."""
+    torch = snap.torch
+    facts = None
+    if torch is not None:
+        facts = TorchFacts(
+            imported=False,
+            version=torch.version,
+            cuda=torch.cuda,
+            hip=torch.hip,
+            release_channels=torch.release_channels,
+        )
+    return replace(snap, quick=True, torch=facts, measurements=[], child=None)
+
+
+def test_quick_on_the_h200_checks_what_needs_no_import_and_says_how_to_check_the_rest():
+    report = judge(as_quick(load_snapshot(FIXTURES / "healthy-h200.json")))
+    statuses = {c.id: c.status for c in report.checks}
+    needs_torch = ["cuda-available", "gpu-arch-supported", "cudnn", "nccl", "cpu-threads"]
+    assert statuses == {
+        **dict.fromkeys(CHECKS, "ok"),
+        **dict.fromkeys([*needs_torch, "mps", "device-smoke", "h2d-bandwidth"], "skip"),
+    }
+    for check_id in needs_torch:
+        assert (
+            report.check(check_id).detail
+            == "skipped in --quick, which does not import torch: run `redline doctor` for this"
+        )
+    torch_build = report.check("torch-build").detail
+    assert torch_build.startswith("torch 2.11.0+cu130: a CUDA 13.0 build for NVIDIA H200") and "--quick" in torch_build
+    assert "needs 580.65.06 or newer" in report.check("driver-runtime-compat").detail
+    assert [(d.id, d.name, d.usable) for d in report.devices] == [
+        ("cpu", "Intel(R) Xeon(R) Processor", True),
+        ("gpu:0", "NVIDIA H200", None),  # --quick did not ask torch whether it sees the GPU
+    ]
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "check_id", "remedy"),
+    [
+        ("cpu-wheel-on-gpu", "torch-build", "download.pytorch.org/whl/cu126"),
+        ("driver-too-old", "driver-runtime-compat", "upgrade the NVIDIA driver to 580.65.06"),
+        ("torchvision-mismatch", "torch-companions", "--no-deps torchvision==0.19.*"),
+        ("shm-64mb-docker", "shm-size", "--ipc=host"),
+    ],
+)
+def test_quick_still_fails_what_it_can_see_without_importing_torch(name, check_id, remedy):
+    report = judge(as_quick(load_snapshot(FIXTURES / f"{name}.json")))
+    check = report.check(check_id)
+    assert check.status == "fail" and remedy in (check.fix or ""), check
+    assert report.exit_code == 1
+
+
+def test_quick_says_so_when_it_could_not_read_torchs_version():
+    snap = as_quick(load_snapshot(FIXTURES / "healthy-cpu-laptop.json"))
+    snap.torch, snap.probe_errors["torch"] = None, "FileNotFoundError: /site/torch/version.py"
+    check = judge(snap).check("torch-build")
+    assert check.status == "warn" and "FileNotFoundError: /site/torch/version.py" in check.detail
+    assert check.fix == "run `redline doctor` without --quick: it imports torch and reports what fails"

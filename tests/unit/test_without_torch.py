@@ -13,6 +13,7 @@ import pytest
 
 import redline
 from redline.cli.main import SUBCOMMANDS
+from redline.doctor.checks.machine import NOT_IMPORTED
 
 PACKAGE = Path(redline.__file__).parent
 LIBCUDART_ERROR = "libcudart.so.12: cannot open shared object file: No such file or directory"
@@ -136,3 +137,15 @@ def test_a_command_that_needs_torch_says_to_run_the_doctor(broken_torch_env):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert LIBCUDART_ERROR in result.stderr and "run `redline doctor`" in result.stderr
+
+
+def test_quick_doctor_reads_the_broken_torchs_build_without_importing_it(broken_torch_env):
+    result = run(["-m", "redline", "doctor", "--json", "--quick"], broken_torch_env)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
+    torch_build = checks["torch-build"]
+    assert torch_build["status"] == "ok" and torch_build["detail"].startswith("torch 2.5.1+cu124: a CUDA 12.4 build")
+    assert "--quick does not import torch" in torch_build["detail"]
+    assert checks["cuda-available"]["status"] == "skip"
+    assert checks["cuda-available"]["detail"] == NOT_IMPORTED and "run `redline doctor`" in NOT_IMPORTED

@@ -31,7 +31,8 @@ __all__ = [
 def check_machine(*, quick: bool = False, probe_file: str | Path | None = None) -> DoctorReport:
     """Check this machine (or the snapshot in ``probe_file``) and return the report.
 
-    ``quick`` skips the measurements. Takes a few seconds on a CPU-only machine; a hung driver call
+    ``quick`` starts no child process: no measurements, and torch's build read from its files
+    without importing it. A full run takes a few seconds on a CPU-only machine; a hung driver call
     is cut off after ``child.DEFAULT_TIMEOUT_S`` and reported as a failed check.
     """
     snapshot = load_snapshot(probe_file) if probe_file is not None else take_snapshot(quick=quick)
