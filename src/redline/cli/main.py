@@ -50,7 +50,7 @@ class LazyCommand(TyperCommand):
     """A subcommand known by its name and summary until it runs; then its module is imported."""
 
     def __init__(self, name: str, spec: Subcommand) -> None:
-        super().__init__(name=name, short_help=spec.summary, context_settings=spec.context_settings)
+        super().__init__(name=name, short_help=spec.summary)
         self.spec = spec
 
     def load(self) -> Any:

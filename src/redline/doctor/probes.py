@@ -86,6 +86,7 @@ def take_snapshot(
 
 
 def start_child(errors: dict[str, str], timeout_s: float, script: Path) -> child_process.Child | None:
+    """Start the child that imports torch; None, with the reason in ``errors``, when it cannot start."""
     try:
         return child_process.Child(timeout_s=timeout_s, script=script)
     except Exception as exc:  # the interpreter would not start, say: torch-build reports it
