@@ -360,3 +360,26 @@ def test_quick_says_so_when_it_could_not_read_torchs_version():
     check = judge(snap).check("torch-build")
     assert check.status == "warn" and "FileNotFoundError: /site/torch/version.py" in check.detail
     assert check.fix == "run `redline doctor` without --quick: it imports torch and reports what fails"
+
+
+@pytest.mark.parametrize(
+    ("installed", "fix"),
+    [
+        ("2.11.0", "pip install --force-reinstall torch==2.11.0"),  # PyPI's default wheel
+        (
+            "2.7.1+cu128",
+            "pip install --force-reinstall torch==2.7.1 --index-url https://download.pytorch.org/whl/cu128",
+        ),
+        ("2.13.0+cpu", "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"),
+        (None, "pip install --force-reinstall torch"),
+    ],
+)
+def test_a_torch_that_fails_to_import_is_reinstalled_from_the_index_its_build_came_from(installed, fix):
+    snap = Snapshot(
+        system=SystemFacts(os="Linux"),
+        packages={} if installed is None else {"torch": installed},
+        torch=TorchFacts(import_error="ImportError: libcudart.so.12: cannot open shared object file"),
+    )
+    check = judge(snap).check("torch-build")
+    assert check.status == "fail" and "libcudart.so.12" in check.detail
+    assert check.fix == fix

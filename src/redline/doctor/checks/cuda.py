@@ -11,7 +11,7 @@ from redline.doctor.checks.machine import (
     first_line,
     mentions,
 )
-from redline.doctor.compat import arch_support, best_channel, compat_floor, min_driver, parse_version
+from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
 REBOOT_FIX = (
@@ -71,8 +71,7 @@ def torch_build(m: Machine) -> Check:
         if mentions(error, "undefined symbol", "cannot open shared object") and m.snap.library_path:
             fix = f"{m.ld_path_without(m.cuda_library_dirs())} (it hands torch other CUDA libraries)"
         else:
-            pinned = m.snap.packages.get("torch")
-            fix = f"pip install --force-reinstall torch{'==' + pinned if pinned else ''}"
+            fix = reinstall_torch(m.snap.packages.get("torch"))
         return fail("torch-build", f"import torch failed: {error}", fix)
     version = facts.version
     # --quick read the build from torch/version.py: say that whether torch imports was not tried.
@@ -90,6 +89,19 @@ def torch_build(m: Machine) -> Check:
         return fail("torch-build", detail, m.wheel_fix())
     mps = " with MPS" if facts.mps_built else ""
     return ok("torch-build", f"torch {version}: a CPU-only build{mps}; no NVIDIA GPU found{read}")
+
+
+def reinstall_torch(installed: str | None) -> str:
+    """Return the pip command that reinstalls this torch build with the libraries it depends on.
+
+    A local tag names the download.pytorch.org index the build comes from ("2.7.1+cu128" from
+    .../whl/cu128); PyPI has no such version, so `pip install torch==2.7.1+cu128` alone finds nothing.
+    """
+    if installed is None:
+        return "pip install --force-reinstall torch"
+    version, _, tag = installed.partition("+")
+    index = f" --index-url {INDEX_URL}/{tag}" if tag else ""
+    return f"pip install --force-reinstall torch=={version}{index}"
 
 
 def cuda_available(m: Machine) -> Check:
