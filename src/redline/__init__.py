@@ -1,53 +1,62 @@
 """redline: run plain PyTorch training and inference as fast as the hardware allows, and say why.
 
-Importing redline initialises no CUDA context and imports no optional extra.
+Importing redline imports no torch, initialises no CUDA context and imports no optional extra:
+each public name loads its module on first use. So `redline doctor` runs, and says why, on a
+machine where `import torch` itself fails.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import importlib
 from typing import TYPE_CHECKING
 
-from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, TaskSpecError
-from redline.plan import Choice, Plan
-from redline.runtime.options import RuntimeOptions
-from redline.runtime.runtime import Runtime
-from redline.task import Task, load_task
 from redline.version import __version__
 
 if TYPE_CHECKING:
-    from redline.doctor.report import DoctorReport
+    from redline import doctor
+    from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, TaskSpecError
+    from redline.plan import Choice, Plan
+    from redline.runtime.options import RuntimeOptions
+    from redline.runtime.runtime import Runtime
+    from redline.task import Task, load_task
     from redline.train.callbacks import Callback, EarlyStopping
     from redline.train.config import TrainerConfig
     from redline.train.summary import TrainSummary
     from redline.train.trainer import Trainer
 
-# The Trainer and its companions load on first use: they bring logging and progress modules.
+# Public name -> the module that defines it; a subpackage (doctor) maps to itself.
 _LAZY = {
+    "Callback": "redline.train.callbacks",
+    "Choice": "redline.plan",
+    "ConfigError": "redline.errors",
+    "DeviceUnavailableError": "redline.errors",
+    "EarlyStopping": "redline.train.callbacks",
+    "Plan": "redline.plan",
+    "RedlineError": "redline.errors",
+    "Runtime": "redline.runtime.runtime",
+    "RuntimeOptions": "redline.runtime.options",
+    "Task": "redline.task",
+    "TaskSpecError": "redline.errors",
+    "TrainSummary": "redline.train.summary",
     "Trainer": "redline.train.trainer",
     "TrainerConfig": "redline.train.config",
-    "TrainSummary": "redline.train.summary",
-    "Callback": "redline.train.callbacks",
-    "EarlyStopping": "redline.train.callbacks",
+    "doctor": "redline.doctor",
+    "load_task": "redline.task",
 }
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'redline' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"redline.{name}" else getattr(module, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'redline' has no attribute {name!r}")
 
-
-def doctor(*, quick: bool = False, probe_file: str | Path | None = None) -> DoctorReport:
-    """Check this machine for GPU deep learning (or judge a saved snapshot); see `redline doctor`.
-
-    Imported on first call, so `import redline` stays cheap; ``quick`` skips the measurements.
-    """
-    from redline.doctor import doctor as run_doctor
-
-    return run_doctor(quick=quick, probe_file=probe_file)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

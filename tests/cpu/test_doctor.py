@@ -27,7 +27,7 @@ GPU_CHECKS = ["cuda-available", "driver-runtime-compat", "gpu-arch-supported", "
 @pytest.fixture(scope="module")
 def full_report() -> tuple[DoctorReport, float]:
     start = time.perf_counter()
-    report = redline.doctor()
+    report = redline.doctor.check_machine()
     return report, time.perf_counter() - start
 
 
@@ -54,7 +54,9 @@ def test_json_quick_save_probe_and_probe_file_give_the_same_checks(tmp_path):
     assert set(report) == {"checks", "devices", "versions"}
     assert set(report["checks"][0]) == {"id", "status", "detail", "fix"}
     assert {c["id"]: c["status"] for c in report["checks"]}["device-smoke"] == "skip"  # --quick measures nothing
-    assert load_snapshot(saved).quick is True
+    quick = load_snapshot(saved)
+    assert quick.quick is True and quick.child is None and quick.measurements == []  # no child process ran
+    assert quick.torch is not None and quick.torch.imported is False and quick.torch.version
     second = runner.invoke(app, ["doctor", "--json", "--probe-file", str(saved)])
     assert second.exit_code == 0, second.output
     assert json.loads(second.stdout) == report
@@ -95,7 +97,7 @@ def test_a_hung_cuda_call_becomes_a_failed_check_not_a_hang(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(HANGING_CHILD)
     start = time.perf_counter()
-    snapshot = take_snapshot(quick=True, child_timeout_s=2, child_script=script)
+    snapshot = take_snapshot(child_timeout_s=2, child_script=script)
     assert time.perf_counter() - start < 30
     assert snapshot.child is not None and snapshot.child.timed_out and snapshot.child.unfinished_stage == "cuda"
     check = judge(snapshot).check("cuda-available")
@@ -110,7 +112,7 @@ def test_a_crashing_child_becomes_a_failed_check(tmp_path):
         'print(\'@redline-doctor {"stage": "import", "status": "begin"}\', flush=True)\n'
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    report = judge(take_snapshot(quick=True, child_script=script))
+    report = judge(take_snapshot(child_script=script))
     check = report.check("torch-build")
     assert check.status == "fail" and "killed by SIGKILL in stage 'import'" in check.detail and check.fix
     assert report.exit_code == 1
@@ -120,17 +122,15 @@ NO_CUDA_IN_PARENT = (
     CUDA_SPY
     + """
 import redline
-before = type(redline.doctor).__name__
-report = redline.doctor(quick=True)
-import redline.doctor.checks
-after = redline.doctor(probe_file=sys.argv[1])
-print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(), "before": before,
-                  "types": [type(report).__name__, type(after).__name__], "exit": after.exit_code}))
+report = redline.doctor.check_machine()
+saved = redline.doctor.check_machine(probe_file=sys.argv[1])
+print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(),
+                  "types": [type(report).__name__, type(saved).__name__], "exit": saved.exit_code}))
 """
 )
 
 
-def test_the_doctor_never_starts_cuda_in_its_own_process_and_redline_doctor_stays_callable():
+def test_the_doctor_never_starts_cuda_in_its_own_process():
     out = subprocess.run(
         [sys.executable, "-c", NO_CUDA_IN_PARENT, str(FIXTURES / "driver-too-old.json")],
         capture_output=True,
@@ -139,10 +139,4 @@ def test_the_doctor_never_starts_cuda_in_its_own_process_and_redline_doctor_stay
         check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {
-        "calls": [],
-        "initialized": False,
-        "before": "function",
-        "types": ["DoctorReport", "DoctorReport"],
-        "exit": 1,
-    }
+    assert result == {"calls": [], "initialized": False, "types": ["DoctorReport", "DoctorReport"], "exit": 1}

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_doctor_starts_checks_and_measures_every_gpu():
-    report = redline.doctor()
+    report = redline.doctor.check_machine()
     statuses = {c.id: c.status for c in report.checks}
     for check_id in ("nvidia-driver", "torch-build", "cuda-available", "gpu-arch-supported", "device-smoke"):
         assert statuses[check_id] == "ok", report.check(check_id)

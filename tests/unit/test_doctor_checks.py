@@ -97,7 +97,7 @@ BROKEN = {
         "h2d-bandwidth": ("warn", ["nvidia-smi -q -d PCI"]),
     },
 }
-HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-mac-m2"]
+HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-h200", "healthy-mac-m2"]
 
 
 def report_of(name: str) -> DoctorReport:
@@ -138,6 +138,20 @@ def test_the_8xh100_server_is_judged_on_every_gpu_check():
     assert "cuda:0-7" in report.check("device-smoke").detail
     assert [d.id for d in report.devices] == ["cpu", *(f"cuda:{i}" for i in range(8))]
     assert report.devices[1].lowp_tflops == 720.0 and report.devices[1].capability == "9.0"
+
+
+def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
+    # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
+    report = report_of("healthy-h200")
+    statuses = {c.id: c.status for c in report.checks}
+    assert statuses == {**dict.fromkeys(CHECKS, "ok"), "mps": "skip"}
+    assert "NVIDIA H200 (sm_90) covered" in report.check("gpu-arch-supported").detail
+    assert "bf16 703 TFLOP/s" in report.check("device-smoke").detail
+    assert [(d.id, d.name, d.capability, d.lowp_tflops) for d in report.devices] == [
+        ("cpu", "Intel(R) Xeon(R) Processor", None, None),
+        ("cuda:0", "NVIDIA H200", "9.0", 703.0),
+    ]
+    assert report.versions["torch"] == "2.11.0+cu130" and report.versions["cudnn"] == "9.19.0"
 
 
 def test_the_cpu_laptop_skips_gpu_checks_with_a_reason():
@@ -221,6 +235,7 @@ _torch = st.builds(
     cuda=_text,
     hip=st.one_of(st.none(), st.just("6.2")),
     arch_list=st.lists(st.text(max_size=8) | st.sampled_from(["sm_90", "compute_120", "sm_90a"]), max_size=4),
+    imported=st.booleans(),
     release_channels=st.one_of(st.none(), st.dictionaries(st.text(max_size=5), st.lists(st.integers(0, 130)))),
     cudnn_version=st.one_of(st.none(), st.integers(0, 10**6)),
     num_threads=st.one_of(st.none(), st.integers(0, 512)),
@@ -283,3 +298,88 @@ def test_quick_snapshots_skip_the_measurements():
     report = judge(snap)
     assert report.check("device-smoke").status == "skip" and "--quick" in report.check("device-smoke").detail
     assert report.check("h2d-bandwidth").status == "skip"
+
+
+def as_quick(snap: Snapshot) -> Snapshot:
+    """Return what --quick records of the same machine: no child process, torch read from torch/version.py."""
+    torch = snap.torch
+    facts = None
+    if torch is not None:
+        facts = TorchFacts(
+            imported=False,
+            version=torch.version,
+            cuda=torch.cuda,
+            hip=torch.hip,
+            release_channels=torch.release_channels,
+        )
+    return replace(snap, quick=True, torch=facts, measurements=[], child=None)
+
+
+def test_quick_on_the_h200_checks_what_needs_no_import_and_says_how_to_check_the_rest():
+    report = judge(as_quick(load_snapshot(FIXTURES / "healthy-h200.json")))
+    statuses = {c.id: c.status for c in report.checks}
+    needs_torch = ["cuda-available", "gpu-arch-supported", "cudnn", "nccl", "cpu-threads"]
+    assert statuses == {
+        **dict.fromkeys(CHECKS, "ok"),
+        **dict.fromkeys([*needs_torch, "mps", "device-smoke", "h2d-bandwidth"], "skip"),
+    }
+    for check_id in needs_torch:
+        assert (
+            report.check(check_id).detail
+            == "skipped in --quick, which does not import torch: run `redline doctor` for this"
+        )
+    torch_build = report.check("torch-build").detail
+    assert torch_build.startswith("torch 2.11.0+cu130: a CUDA 13.0 build for NVIDIA H200") and "--quick" in torch_build
+    assert "needs 580.65.06 or newer" in report.check("driver-runtime-compat").detail
+    assert [(d.id, d.name, d.usable) for d in report.devices] == [
+        ("cpu", "Intel(R) Xeon(R) Processor", True),
+        ("gpu:0", "NVIDIA H200", None),  # --quick did not ask torch whether it sees the GPU
+    ]
+    assert report.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "check_id", "remedy"),
+    [
+        ("cpu-wheel-on-gpu", "torch-build", "download.pytorch.org/whl/cu126"),
+        ("driver-too-old", "driver-runtime-compat", "upgrade the NVIDIA driver to 580.65.06"),
+        ("torchvision-mismatch", "torch-companions", "--no-deps torchvision==0.19.*"),
+        ("shm-64mb-docker", "shm-size", "--ipc=host"),
+    ],
+)
+def test_quick_still_fails_what_it_can_see_without_importing_torch(name, check_id, remedy):
+    report = judge(as_quick(load_snapshot(FIXTURES / f"{name}.json")))
+    check = report.check(check_id)
+    assert check.status == "fail" and remedy in (check.fix or ""), check
+    assert report.exit_code == 1
+
+
+def test_quick_says_so_when_it_could_not_read_torchs_version():
+    snap = as_quick(load_snapshot(FIXTURES / "healthy-cpu-laptop.json"))
+    snap.torch, snap.probe_errors["torch"] = None, "FileNotFoundError: /site/torch/version.py"
+    check = judge(snap).check("torch-build")
+    assert check.status == "warn" and "FileNotFoundError: /site/torch/version.py" in check.detail
+    assert check.fix == "run `redline doctor` without --quick: it imports torch and reports what fails"
+
+
+@pytest.mark.parametrize(
+    ("installed", "fix"),
+    [
+        ("2.11.0", "pip install --force-reinstall torch==2.11.0"),  # PyPI's default wheel
+        (
+            "2.7.1+cu128",
+            "pip install --force-reinstall torch==2.7.1 --index-url https://download.pytorch.org/whl/cu128",
+        ),
+        ("2.13.0+cpu", "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"),
+        (None, "pip install --force-reinstall torch"),
+    ],
+)
+def test_a_torch_that_fails_to_import_is_reinstalled_from_the_index_its_build_came_from(installed, fix):
+    snap = Snapshot(
+        system=SystemFacts(os="Linux"),
+        packages={} if installed is None else {"torch": installed},
+        torch=TorchFacts(import_error="ImportError: libcudart.so.12: cannot open shared object file"),
+    )
+    check = judge(snap).check("torch-build")
+    assert check.status == "fail" and "libcudart.so.12" in check.detail
+    assert check.fix == fix

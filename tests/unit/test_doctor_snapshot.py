@@ -8,7 +8,8 @@ import pytest
 from redline.doctor import torch_child
 from redline.doctor.child import MARKER, apply_report, parse_lines
 from redline.doctor.driver import kernel_module_version, parse_nvidia_smi
-from redline.doctor.snapshot import FORMAT_VERSION, ChildRun, Snapshot, load_snapshot
+from redline.doctor.probes import literal_assignments, read_torch_build
+from redline.doctor.snapshot import FORMAT_VERSION, ChildRun, Snapshot, TorchFacts, load_snapshot
 from redline.errors import ConfigError
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
@@ -119,3 +120,28 @@ def test_nvidia_smi_and_the_kernel_module_version_parse(tmp_path):
     proc.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.90.07  Fri May 31 09:35:42 UTC 2024\n")
     assert kernel_module_version(str(proc)) == "550.90.07"
     assert kernel_module_version(str(tmp_path / "absent")) is None
+
+
+def test_quick_reads_the_installed_torchs_version_build_and_channels_from_its_files():
+    import torch
+
+    assert read_torch_build() == TorchFacts(
+        imported=False,
+        version=torch.__version__,
+        cuda=torch.version.cuda,
+        hip=torch.version.hip,
+        release_channels=torch_child.release_channels(torch),  # what the child reads from the imported torch
+    )
+
+
+def test_only_literal_top_level_assignments_are_read():
+    source = (
+        "from typing import Optional\n"
+        "__version__ = '2.7.1+cu128'\n"
+        "cuda: Optional[str] = '12.8'\n"
+        "hip = None\n"
+        "git_version = compute()\n"
+        "a, b = 1, 2\n"
+        "def f():\n    inner = 1\n"
+    )
+    assert literal_assignments(source) == {"__version__": "2.7.1+cu128", "cuda": "12.8", "hip": None}

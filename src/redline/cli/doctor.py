@@ -16,7 +16,10 @@ from redline.report.doctor import checks_table, devices_table, summary_line
 
 def doctor(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="Skip the measurements (matmul, host-to-device).")] = False,
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="The fast answer: no measurements, and torch read without importing it."),
+    ] = False,
     save_probe: Annotated[
         Path | None, typer.Option("--save-probe", help="Also write the machine's snapshot here, for a bug report.")
     ] = None,

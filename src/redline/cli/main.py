@@ -1,27 +1,92 @@
-"""The `redline` command: one thin module per subcommand, each parsing, calling the library, rendering."""
+"""The `redline` command: one thin module per subcommand, each parsing, calling the library, rendering.
+
+A subcommand's module is imported only when that subcommand runs: `redline train` needs torch,
+`redline doctor` must run where `import torch` fails, and `redline --help` needs neither. The
+group keeps each subcommand's one-line summary, so the help lists them without importing them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
-from redline.cli import doctor as doctor_cmd
-from redline.cli import launch as launch_cmd
-from redline.cli import train as train_cmd
 from redline.errors import RedlineError
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """Where a subcommand's function lives, and what `redline --help` says of it."""
+
+    module: str
+    function: str
+    summary: str  # the first line of the function's docstring; a test keeps the two equal
+    context_settings: dict[str, Any] = field(default_factory=dict)
+
+
+SUBCOMMANDS = {
+    "train": Subcommand(
+        "redline.cli.train", "train", "Train a Task with every automatic choice explained, and print the summary."
+    ),
+    "doctor": Subcommand(
+        "redline.cli.doctor",
+        "doctor",
+        "Check this machine for GPU deep learning, measure its devices, and give the fix for each problem.",
+    ),
+    "launch": Subcommand(
+        "redline.cli.launch",
+        "launch_command",
+        "Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed.",
+        {"allow_extra_args": True, "ignore_unknown_options": True},
+    ),
+}
+
+
+class LazyCommand(TyperCommand):
+    """A subcommand known by its name and summary until it runs; then its module is imported."""
+
+    def __init__(self, name: str, spec: Subcommand) -> None:
+        super().__init__(name=name, short_help=spec.summary)
+        self.spec = spec
+
+    def load(self) -> Any:
+        """Import the subcommand's module and return its command, as typer builds it."""
+        try:
+            module = importlib.import_module(self.spec.module)
+        except ImportError as exc:  # torch (or a library it loads) is broken: say where to look
+            raise RedlineError(
+                f"`redline {self.name}` could not start: {type(exc).__name__}: {exc}\n"
+                "hint: run `redline doctor`: it checks torch and its CUDA libraries and gives the fix"
+            ) from exc
+        single = typer.Typer(add_completion=False)
+        single.command(self.name, context_settings=self.spec.context_settings)(getattr(module, self.spec.function))
+        return typer.main.get_command(single)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        # The group invokes the command of the context made here: the real one, loaded now.
+        return self.load().make_context(info_name, args, parent=parent, **extra)
+
+
+class LazyGroup(TyperGroup):
+    """The root group: every entry of SUBCOMMANDS, each loaded when it runs."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        for name, spec in SUBCOMMANDS.items():
+            self.add_command(LazyCommand(name, spec))
+
 
 app = typer.Typer(
     name="redline",
+    cls=LazyGroup,
     help="Run plain PyTorch training and inference as fast as the hardware allows, and say why.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-)
-app.command("train")(train_cmd.train)
-app.command("doctor")(doctor_cmd.doctor)
-app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-    launch_cmd.launch_command
 )
 
 

@@ -35,11 +35,11 @@ class ChildReport:
 class Child:
     """The child process, started first so that it imports torch while this process probes the rest."""
 
-    def __init__(self, *, quick: bool, timeout_s: float = DEFAULT_TIMEOUT_S, script: Path = CHILD_SCRIPT) -> None:
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, script: Path = CHILD_SCRIPT) -> None:
         self.timeout_s = timeout_s
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), *(["--quick"] if quick else [])],
+            [sys.executable, str(script)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

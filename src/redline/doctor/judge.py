@@ -18,7 +18,7 @@ def judge(snapshot: Snapshot) -> DoctorReport:
 
 
 def devices(snap: Snapshot) -> list[DeviceReport]:
-    """List the CPU, each device torch sees, and each GPU the driver lists that torch does not."""
+    """List the CPU, each device torch sees, and each GPU the driver lists that torch does not (or was not asked)."""
     measured = {r.device: r for r in snap.measurements}
     torch = snap.torch if snap.torch and not snap.torch.import_error else None
     found = [DeviceReport(id="cpu", name=snap.system.cpu_name or "CPU", **_figures(measured.get("cpu")))]
@@ -36,13 +36,14 @@ def devices(snap: Snapshot) -> list[DeviceReport]:
             )
         )
     seen = {_uuid(d.uuid) for d in torch_devices}
+    usable = None if torch and not torch.imported else False  # --quick never asked torch
     for gpu in snap.driver.gpus:
         if torch_devices and (not gpu.uuid or "" in seen or _uuid(gpu.uuid) in seen):
             continue  # torch sees it (or cannot say which it sees)
         capability = f"{gpu.capability[0]}.{gpu.capability[1]}" if gpu.capability else None
         found.append(
             DeviceReport(
-                id=f"gpu:{gpu.index}", name=gpu.name, capability=capability, mem_gib=gpu.mem_total_gib, usable=False
+                id=f"gpu:{gpu.index}", name=gpu.name, capability=capability, mem_gib=gpu.mem_total_gib, usable=usable
             )
         )
     if torch and torch.mps_available:

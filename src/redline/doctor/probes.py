@@ -2,13 +2,16 @@
 
 In this process: the OS, Python, environment, installed distributions (read from their metadata,
 never imported), /dev/shm, the CUDA libraries on LD_LIBRARY_PATH and in the wheel, and the driver
-through NVML. Everything that imports torch's CUDA side runs in a child process with a deadline
-(``redline.doctor.child``). A probe that raises leaves its facts at their defaults and records the
-error under ``probe_errors``.
+through NVML. Everything that imports torch runs in a child process with a deadline
+(``redline.doctor.child``), started first so that it imports torch and starts CUDA while this
+process probes the rest. ``quick`` starts no child: torch's version and build are read from
+torch/version.py instead, and what only an imported torch can say stays unprobed. A probe that
+raises leaves its facts at their defaults and records the error under ``probe_errors``.
 """
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import importlib.metadata
 import importlib.util
@@ -24,7 +27,7 @@ from typing import TypeVar
 
 from redline.doctor import child as child_process
 from redline.doctor.driver import probe_driver
-from redline.doctor.snapshot import LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts
+from redline.doctor.snapshot import LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
 
 # The environment variables the checks read; only those that are set are recorded.
 ENV_VARS = (
@@ -54,7 +57,7 @@ def take_snapshot(
     child_timeout_s: float = child_process.DEFAULT_TIMEOUT_S,
     child_script: Path = child_process.CHILD_SCRIPT,
 ) -> Snapshot:
-    """Probe this machine; ``quick`` skips the measurements. Never raises."""
+    """Probe this machine; ``quick`` starts no child process (no torch import, no measurements). Never raises."""
     from redline.version import __version__
 
     snap = Snapshot(
@@ -63,12 +66,7 @@ def take_snapshot(
         quick=quick,
     )
     errors = snap.probe_errors
-    try:
-        child: child_process.Child | None = child_process.Child(
-            quick=quick, timeout_s=child_timeout_s, script=child_script
-        )
-    except Exception as exc:  # the interpreter would not start, say: torch-build reports it
-        child, errors["child"] = None, f"{type(exc).__name__}: {exc}"
+    child = None if quick else start_child(errors, child_timeout_s, child_script)
     snap.system = _guard(errors, "system", probe_system, snap.system)
     snap.python = _guard(errors, "python", lambda: probe_python(snap.system.os), snap.python)
     snap.env = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
@@ -77,12 +75,23 @@ def take_snapshot(
     snap.library_path = _guard(errors, "library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
     snap.wheel_libs = _guard(errors, "wheel_libs", wheel_library_dirs, [])
     snap.driver = _guard(errors, "driver", lambda: probe_driver(snap.system.wsl), snap.driver)
-    if child is not None:
+    if quick:
+        snap.torch = _guard(errors, "torch", read_torch_build, None)
+    elif child is not None:
         try:
             child_process.apply_report(snap, *child.wait())
         except Exception as exc:  # a doctor must report, not crash
             errors["child"] = f"{type(exc).__name__}: {exc}"
     return snap
+
+
+def start_child(errors: dict[str, str], timeout_s: float, script: Path) -> child_process.Child | None:
+    """Start the child that imports torch; None, with the reason in ``errors``, when it cannot start."""
+    try:
+        return child_process.Child(timeout_s=timeout_s, script=script)
+    except Exception as exc:  # the interpreter would not start, say: torch-build reports it
+        errors["child"] = f"{type(exc).__name__}: {exc}"
+        return None
 
 
 def _guard(errors: dict[str, str], name: str, probe: Callable[[], T], default: T) -> T:
@@ -209,3 +218,64 @@ def wheel_library_dirs() -> list[LibraryDir]:
     if not nvidia.is_dir():
         return []
     return [LibraryDir(path=str(lib), libs=cuda_libs(str(lib))) for lib in sorted(nvidia.glob("*/lib")) if lib.is_dir()]
+
+
+def read_torch_build() -> TorchFacts:
+    """Read torch's version, build and wheel channels from its files, parsed and never run (for --quick).
+
+    Importing torch loads its CUDA libraries, seconds on a GPU machine. torch/version.py, written by
+    torch's build, holds plain assignments (``__version__ = '2.7.1+cu128'``, ``cuda = '12.8'``, ``hip``).
+    """
+    spec = importlib.util.find_spec("torch")  # locates torch without importing it
+    if spec is None:  # exactly what `import torch` would raise
+        return TorchFacts(imported=False, import_error="ModuleNotFoundError: No module named 'torch'")
+    folders = list(spec.submodule_search_locations or [])
+    if not folders:
+        raise ValueError(f"torch at {spec.origin} is a module, not the torch package")
+    path = Path(folders[0]) / "version.py"
+    values = literal_assignments(path.read_text(encoding="utf-8"))
+    version = values.get("__version__")
+    if not isinstance(version, str):
+        raise ValueError(f"{path} assigns no __version__ string")
+    cuda, hip = values.get("cuda"), values.get("hip")
+    return TorchFacts(
+        imported=False,
+        version=version,
+        cuda=cuda if isinstance(cuda, str) else None,
+        hip=hip if isinstance(hip, str) else None,
+        release_channels=release_channels(Path(folders[0]) / "cuda" / "__init__.py"),
+    )
+
+
+def release_channels(path: Path) -> dict[str, list[int]] | None:
+    """Return torch's own PYTORCH_RELEASES_CODE_CC for this host, read from torch/cuda/__init__.py.
+
+    The same table the child reads from the imported torch: without it the wheel fix falls back to
+    redline's table, which may name a channel this torch release is not published on.
+    """
+    try:
+        table = literal_assignments(path.read_text(encoding="utf-8")).get("PYTORCH_RELEASES_CODE_CC")
+    except (OSError, SyntaxError, ValueError):  # an older torch without the file, or a newer Python's syntax
+        return None
+    if not isinstance(table, dict):
+        return None
+    host = "aarch64" if platform.machine().lower() in ("aarch64", "arm64") else "x86_64"
+    return {str(cuda): sorted(by_host.get(host, ())) for cuda, by_host in table.items() if isinstance(by_host, dict)}
+
+
+def literal_assignments(source: str) -> dict[str, object]:
+    """Return the names a module's top level assigns a literal to, without running the module."""
+    found: dict[str, object] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            try:
+                found[target.id] = ast.literal_eval(value)
+            except (ValueError, TypeError, SyntaxError):  # not a literal (a call, a name): not a fact we read
+                continue
+    return found

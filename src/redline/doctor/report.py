@@ -46,7 +46,7 @@ class DeviceReport:
     name: str
     capability: str | None = None  # "9.0"
     mem_gib: float | None = None
-    usable: bool = True  # torch sees it (False for a GPU only the driver lists)
+    usable: bool | None = True  # torch sees it; False: only the driver lists it; None: --quick did not ask torch
     error: str | None = None  # what stopped its measurement (device-smoke has the fix)
     correct: bool | None = None  # the matmul matched the float64 reference; None: not measured
     fp32_tflops: float | None = None

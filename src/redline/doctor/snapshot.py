@@ -100,8 +100,11 @@ class TorchDevice:
 
 @dataclass(kw_only=True)
 class TorchFacts:
-    """What torch says about itself and the devices, read in a child process."""
+    """What torch says about itself and the devices, read in a child process (or, --quick, from a file)."""
 
+    # False under --quick: version, cuda and hip were read from torch/version.py without importing
+    # torch, and every other field is empty because nothing asked torch.
+    imported: bool = True
     import_error: str | None = None
     version: str | None = None  # "2.7.1+cu128"
     cuda: str | None = None  # torch.version.cuda: "12.8"; None for CPU and ROCm builds
@@ -155,7 +158,7 @@ class Snapshot:
     format_version: int = FORMAT_VERSION
     redline_version: str = ""
     taken_at: str = ""  # ISO 8601, UTC
-    quick: bool = False  # measurements were skipped
+    quick: bool = False  # --quick: no child process, so no measurements and torch read without importing it
     system: SystemFacts = field(default_factory=SystemFacts)
     python: PythonFacts = field(default_factory=PythonFacts)
     env: dict[str, str] = field(default_factory=dict)  # the environment variables the checks read, when set

@@ -1,14 +1,14 @@
 """The doctor's child process: import torch, start CUDA, measure each device; report stage by stage.
 
-Run by path as ``python torch_child.py [--quick]``, never imported by redline: it needs only the
+Run by path as ``python torch_child.py``, never imported by redline: it needs only the
 standard library and torch, so whatever torch or the driver do here (hang, abort, segfault) cannot
 take the doctor's own process down, and the doctor's process never initialises CUDA.
 
 Protocol: each stage prints ``MARKER {"stage": ..., "status": "begin"}`` before it starts and
 ``MARKER {"stage": ..., "status": "done", "facts": {...}, "warnings": [...]}`` (or ``"error"``)
 after, one JSON object per line; other output is ignored. A stage that began and never ended is
-where the process hung or died. Stages: ``import``, ``cuda``, then unless ``--quick`` ``cpu``, one
-``cuda:N`` per CUDA device, and ``mps``.
+where the process hung or died. Stages: ``import``, ``cuda``, ``cpu``, one ``cuda:N`` per CUDA
+device, and ``mps``. `redline doctor --quick` does not run this process at all.
 """
 
 from __future__ import annotations
@@ -196,17 +196,14 @@ def mps_facts() -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     # Run by path, Python put this file's folder first on sys.path; its modules must not shadow any torch imports.
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         sys.path.pop(0)
-    quick = "--quick" in argv
     build = run_stage("import", build_facts)
     if build is None:
         return 0
     cuda = run_stage("cuda", cuda_facts) if build["cuda"] or build["hip"] else None
-    if quick:
-        return 0
     run_stage("cpu", cpu_facts)
     for device in (cuda or {}).get("devices", []):
         run_stage(f"cuda:{device['index']}", functools.partial(cuda_device_facts, device["index"]))
@@ -216,4 +213,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

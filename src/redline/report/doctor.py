@@ -52,7 +52,7 @@ def summary_line(report: DoctorReport) -> Text:
 
 def _name(device: DeviceReport) -> str:
     name = device.name + (f" (sm {device.capability})" if device.capability else "")
-    return name if device.usable else f"{name}: torch cannot see it"
+    return f"{name}: torch cannot see it" if device.usable is False else name
 
 
 def _memory(device: DeviceReport) -> str:

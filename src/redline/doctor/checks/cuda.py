@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from redline.doctor.checks.machine import DRIVER_DOWNLOAD, HANG_FIX, Machine, device_ranges, first_line, mentions
-from redline.doctor.compat import arch_support, best_channel, compat_floor, min_driver, parse_version
+from redline.doctor.checks.machine import (
+    DRIVER_DOWNLOAD,
+    HANG_FIX,
+    NOT_IMPORTED,
+    Machine,
+    device_ranges,
+    first_line,
+    mentions,
+)
+from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
 REBOOT_FIX = (
@@ -49,6 +57,13 @@ def nvidia_driver(m: Machine) -> Check:
 
 def torch_build(m: Machine) -> Check:
     facts = m.snap.torch
+    if facts is None and m.snap.quick:
+        error = m.snap.probe_errors.get("torch", "no reason recorded")
+        return warn(
+            "torch-build",
+            f"--quick could not read torch's version without importing it: {first_line(error)}",
+            "run `redline doctor` without --quick: it imports torch and reports what fails",
+        )
     if facts is None:
         return fail("torch-build", f"importing torch in a child process {m.child_failure()}", m.child_fix())
     if facts.import_error:
@@ -56,23 +71,37 @@ def torch_build(m: Machine) -> Check:
         if mentions(error, "undefined symbol", "cannot open shared object") and m.snap.library_path:
             fix = f"{m.ld_path_without(m.cuda_library_dirs())} (it hands torch other CUDA libraries)"
         else:
-            pinned = m.snap.packages.get("torch")
-            fix = f"pip install --force-reinstall torch{'==' + pinned if pinned else ''}"
+            fix = reinstall_torch(m.snap.packages.get("torch"))
         return fail("torch-build", f"import torch failed: {error}", fix)
     version = facts.version
+    # --quick read the build from torch/version.py: say that whether torch imports was not tried.
+    read = "" if m.imported else " (read from torch/version.py: --quick does not import torch)"
     if m.build == "rocm":
         if m.gpus:
             return fail("torch-build", f"torch {version} is a ROCm build on a machine with NVIDIA GPUs", m.wheel_fix())
-        return ok("torch-build", f"torch {version}: a ROCm {facts.hip} build")
+        return ok("torch-build", f"torch {version}: a ROCm {facts.hip} build{read}")
     if m.build == "cuda":
-        archs = " ".join(facts.arch_list) or "unknown architectures"
+        archs = f" with {' '.join(facts.arch_list) or 'unknown architectures'}" if m.imported else ""
         where = f"for {m.gpu_summary()}" if m.gpus else "(no NVIDIA GPU here, so it runs on the CPU)"
-        return ok("torch-build", f"torch {version}: a CUDA {facts.cuda} build with {archs} {where}")
+        return ok("torch-build", f"torch {version}: a CUDA {facts.cuda} build{archs} {where}{read}")
     if m.gpus:
         detail = f"torch {version} is a CPU-only build, but the driver lists {len(m.gpus)} NVIDIA GPU(s)"
         return fail("torch-build", detail, m.wheel_fix())
     mps = " with MPS" if facts.mps_built else ""
-    return ok("torch-build", f"torch {version}: a CPU-only build{mps}; no NVIDIA GPU found")
+    return ok("torch-build", f"torch {version}: a CPU-only build{mps}; no NVIDIA GPU found{read}")
+
+
+def reinstall_torch(installed: str | None) -> str:
+    """Return the pip command that reinstalls this torch build with the libraries it depends on.
+
+    A local tag names the download.pytorch.org index the build comes from ("2.7.1+cu128" from
+    .../whl/cu128); PyPI has no such version, so `pip install torch==2.7.1+cu128` alone finds nothing.
+    """
+    if installed is None:
+        return "pip install --force-reinstall torch"
+    version, _, tag = installed.partition("+")
+    index = f" --index-url {INDEX_URL}/{tag}" if tag else ""
+    return f"pip install --force-reinstall torch=={version}{index}"
 
 
 def cuda_available(m: Machine) -> Check:
@@ -85,6 +114,8 @@ def cuda_available(m: Machine) -> Check:
                 "cuda-available", f"torch {facts.version} is CPU-only, so it cannot use the GPUs", m.wheel_fix()
             )
         return skip("cuda-available", "no NVIDIA GPU and a CPU-only torch build")
+    if not m.imported:
+        return skip("cuda-available", NOT_IMPORTED)
     if facts.cuda_available is None:
         return fail("cuda-available", f"starting CUDA {m.child_failure()}", m.child_fix())
     if facts.cuda_available:
@@ -171,6 +202,8 @@ def gpu_arch_supported(m: Machine) -> Check:
     gpus = [(name, cap) for name, cap in listed if cap is not None]
     if not gpus:
         return skip("gpu-arch-supported", "no NVIDIA GPU with a known compute capability")
+    if not m.imported:
+        return skip("gpu-arch-supported", NOT_IMPORTED)
     if not facts.arch_list:
         return skip("gpu-arch-supported", "torch did not report the architectures it was built for")
     built = " ".join(facts.arch_list)

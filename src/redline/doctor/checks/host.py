@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from redline.doctor.checks.machine import Machine, gib
+from redline.doctor.checks.machine import NOT_IMPORTED, Machine, gib
 from redline.doctor.compat import parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
@@ -69,6 +69,8 @@ def cpu_threads(m: Machine) -> Check:
     cores, limit = system.usable_cpus, f"{system.usable_cpus} usable cores"
     if system.cpu_quota is not None and system.cpu_quota < cores:
         cores, limit = max(1, math.floor(system.cpu_quota)), f"a cgroup limit of {system.cpu_quota:g} cores"
+    if m.torch is not None and not m.imported:
+        return skip("cpu-threads", NOT_IMPORTED)
     if m.torch is None or m.torch.num_threads is None:
         return skip("cpu-threads", "torch did not report its thread count (see torch-build)")
     threads = m.torch.num_threads
@@ -100,6 +102,8 @@ def mps(m: Machine) -> Check:
         return fail("mps", "Python runs as x86_64 under Rosetta 2, which has no MPS", NATIVE_PYTHON_FIX)
     if m.torch is None:
         return skip("mps", "torch did not import (see torch-build)")
+    if not m.imported:
+        return skip("mps", NOT_IMPORTED)
     macos = system.mac_version or "unknown"
     if m.torch.mps_available:
         return ok("mps", f"MPS available on macOS {macos}")

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from redline.doctor.checks.machine import Machine, first_line, mentions
+from redline.doctor.checks.machine import NOT_IMPORTED, Machine, first_line, mentions
 from redline.doctor.checks.measured import MAX_REL_ERR
 from redline.doctor.compat import (
     INDEX_URL,
@@ -36,6 +36,8 @@ def cudnn(m: Machine) -> Check:
         return skip("cudnn", "torch did not import (see torch-build)")
     if m.build != "cuda":
         return skip("cudnn", "ROCm build: MIOpen instead of cuDNN" if m.build == "rocm" else "CPU-only torch build")
+    if not m.imported:
+        return skip("cudnn", NOT_IMPORTED)
     system_copies = [e.path for e in m.snap.library_path if any(lib.startswith("libcudnn") for lib in e.libs)]
     reinstall = m.install(facts.cuda)
     if facts.cudnn_error:
@@ -72,6 +74,8 @@ def nccl(m: Machine) -> Check:
     facts = m.torch
     if facts is None or m.build != "cuda":
         return skip("nccl", "no CUDA build of torch")
+    if not m.imported:
+        return skip("nccl", NOT_IMPORTED)
     if facts.nccl_version is None:
         detail = "this torch build has no NCCL, so multi-GPU training falls back to the much slower gloo"
         return warn("nccl", detail, m.install(facts.cuda))

@@ -25,6 +25,8 @@ HANG_FIX = (
     "a driver call hung: run `nvidia-smi`; if it hangs too the driver is stuck, so reboot; "
     "otherwise enable persistence mode (`sudo nvidia-smi -pm 1`) and rerun `redline doctor`"
 )
+# What a check says when it needs a fact only an imported torch gives, and --quick did not import it.
+NOT_IMPORTED = "skipped in --quick, which does not import torch: run `redline doctor` for this"
 CRASH_FIX = (
     "run `python -c \"import torch; print(torch.zeros(1, device='cuda'))\"` to see the error, "
     "and look for driver errors with `sudo dmesg | grep -i -e xid -e nvrm`"
@@ -40,6 +42,11 @@ class Machine:
         """torch's facts, or None when torch did not import (torch-build says why)."""
         facts = self.snap.torch
         return None if facts is None or facts.import_error else facts
+
+    @property
+    def imported(self) -> bool:
+        """torch imported in the child, so the facts only an import gives (devices, kernels, cuDNN) are there."""
+        return self.torch is not None and self.torch.imported
 
     @property
     def build(self) -> Literal["cuda", "rocm", "cpu"] | None:
