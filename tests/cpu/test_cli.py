@@ -77,3 +77,12 @@ def test_task_args_are_python_literals_or_words():
         parse_task_args(["n_layer"])
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_task_args(["2x=1"])
+
+
+def test_warnings_reach_stderr_through_the_one_logger(tmp_path):
+    result = redline_cli(
+        "train", "--task", "example:digits", "--max-steps", "1", "--out", str(tmp_path), "--resume", "auto", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"warning: no checkpoint under {tmp_path / 'checkpoints'}; starting from scratch" in result.stderr
+    json.loads(result.stdout)  # stdout still holds the JSON alone

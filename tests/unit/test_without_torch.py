@@ -62,7 +62,7 @@ def doctor_modules() -> list[str]:
 
 
 def test_the_doctor_and_its_command_line_import_no_torch():
-    modules = [*doctor_modules(), "redline.report.doctor", "redline.cli.doctor", "redline.cli.main"]
+    modules = [*doctor_modules(), "redline.render.doctor", "redline.cli.doctor", "redline.cli.main"]
     assert "redline.doctor.probes" in modules and "redline.doctor.checks.cuda" in modules
     out = subprocess.run(
         [sys.executable, "-c", IMPORT_ALL, *modules], capture_output=True, text=True, timeout=120, check=True

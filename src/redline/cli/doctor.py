@@ -11,7 +11,7 @@ from rich.console import Console
 
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import invalid
-from redline.report.doctor import checks_table, devices_table, summary_line
+from redline.render.doctor import checks_table, devices_table, summary_line
 
 
 def doctor(

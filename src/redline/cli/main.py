@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from redline.errors import RedlineError
+from redline.render.log import show_logs
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def _root() -> None:
 
 def main() -> None:
     """Entry point of the console script: a RedlineError becomes one clear message and its exit code (2)."""
+    show_logs()
     try:
         app()
     except RedlineError as exc:

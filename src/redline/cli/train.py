@@ -18,7 +18,7 @@ from rich.console import Console
 from redline.cli.options import command, flags, given, values
 from redline.errors import invalid
 from redline.launch.torchrun import LaunchConfig, launch
-from redline.report.console import key_value_table, plan_table
+from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
 from redline.train.callbacks import EarlyStopping
