@@ -3,6 +3,7 @@
 Run under the launcher; rank 0 prints a markdown table (and writes it with --write NAME):
 
     python -m redline launch --nproc 2 benchmarks/scaling_check.py [--strategy ddp|fsdp] [--write NAME]
+    python -m redline launch --nproc 1 benchmarks/scaling_check.py --strategy fsdp   # one rank
 
 DDP: a communication hook counts the bytes of every gradient bucket it all-reduces, then all-reduces
 it as DDP would; the formula is every parameter's gradient once per step, 4 bytes each in fp32.
@@ -10,8 +11,10 @@ it as DDP would; the formula is every parameter's gradient once per step, 4 byte
 FSDP2: the all-gathers and reduce-scatters FSDP2 issues are counted by wrapping torch.distributed's
 collective functions for the run, and each rank's share of the weights, gradients and Adam state is
 read off its local shards. The formulas: the forward all-gathers every weight, the backward again
-those of the blocks resharded after forward (all but the last block and the root, redline's choice),
-the gradients are reduce-scattered once; each rank holds 1/N of every state.
+those of the blocks resharded after forward (all but the last block and the root, redline's choice;
+none on one rank, where resharding frees nothing), the gradients are reduce-scattered once; each
+rank holds 1/N of every state. Every collective is counted as well as its bytes: each call pays a
+launch and a latency whatever its size.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
@@ -47,8 +50,11 @@ def main() -> None:
     plain = task.build_model()
     params = sum(p.numel() for p in plain.parameters())
     blocks = repeated_blocks(plain)
-    regathered = sum(p.numel() for block in blocks[:-1] for p in block.parameters())
     model, optimizer = rt.setup(plain, task.optimizer)
+    world = dist.get_world_size()
+    resharded = blocks[:-1] if world > 1 else []  # the strategy reshards only where it frees memory
+    regathered = sum(p.numel() for block in resharded for p in block.parameters())
+    units = len(blocks) + 1  # each block and the root: one all-gather and one reduce-scatter each
     counted: Counter[str] = Counter()
     if args.strategy == "ddp":
 
@@ -60,6 +66,7 @@ def main() -> None:
         model.register_comm_hook(None, counting_hook)  # type: ignore[operator]
     else:
         count_collectives(counted)
+        count_unshards(counted)
     loader = rt.setup_loader(torch.utils.data.DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True))
     for step, (inputs, targets) in enumerate(loader):
         with rt.autocast():
@@ -68,7 +75,6 @@ def main() -> None:
         rt.step(optimizer)
         if step + 1 == args.steps:
             break
-    world = dist.get_world_size()
     per_step = {name: value / args.steps for name, value in counted.items()}
     head = [
         f"Task `{args.task}`, {params:,} parameters, {world} processes (gloo), {args.steps} steps, fp32, "
@@ -81,6 +87,18 @@ def main() -> None:
         rows = ddp_rows(params, world, per_step)
     else:
         rows = fsdp_rows(params, regathered, world, per_step, model, optimizer)
+        if world > 1:
+            gathers = f"{units} units in forward + {len(resharded)} re-gathered = {units + len(resharded)}"
+            scatters = f"{units} units"
+        else:  # FSDP2 (torch 2.13) copies each parameter in and out instead of calling a collective
+            gathers = scatters = "none on one rank (a copy per parameter instead) = 0"
+        rows.append(f"| all-gathers per step | {gathers} | {per_step.get('all-gather calls', 0):.0f} |")
+        rows.append(f"| reduce-scatters per step | {scatters} | {per_step.get('reduce-scatter calls', 0):.0f} |")
+        rows.append(
+            f"| units unsharded per step (gathered, or on one rank copied in) | {units} in forward + "
+            f"{len(resharded)} in backward = {units + len(resharded)} | {per_step.get('unshards', 0):.0f} "
+            f"({per_step.get('parameters unsharded', 0):.0f} parameter tensors) |"
+        )
     if dist.get_rank() == 0:
         body = head + rows
         print("\n".join(body))
@@ -90,6 +108,7 @@ def main() -> None:
             title = f"Scaling check: {args.strategy.upper()} on {world} processes"
             print(f"wrote {environment.write(args.write, title, body)}")
     dist.barrier()
+    rt.close()
 
 
 def ddp_rows(params: int, world: int, per_step: dict[str, float]) -> list[str]:
@@ -100,15 +119,22 @@ def ddp_rows(params: int, world: int, per_step: dict[str, float]) -> list[str]:
         f"| bytes all-reduced per step | 4 x params = {expected:,} | {measured:,.0f} |",
         f"| bytes each rank sends per step (ring) | 2(N-1)/N x 4 x params = {ring * expected:,.0f} "
         f"| {ring * measured:,.0f} (from the measured buckets) |",
-        f"| gradient buckets per step | - | {per_step['buckets']:.0f} |",
+        f"| all-reduces (gradient buckets) per step | 1 MiB first, then 25 MiB each = {ddp_buckets(expected)} "
+        f"| {per_step['buckets']:.0f} |",
     ]
+
+
+def ddp_buckets(grad_bytes: int) -> int:
+    """DDP's buckets: the first capped at 1 MiB (so the first all-reduce starts early), then 25 MiB."""
+    first, rest = 1 << 20, 25 << 20
+    return 1 + -(-max(0, grad_bytes - first) // rest)
 
 
 def fsdp_rows(
     params: int, regathered: int, world: int, per_step: dict[str, float], model: Any, optimizer: Any
 ) -> list[str]:
-    gathered = 4 * (params + regathered)
-    scattered = 4 * params
+    gathered = 4 * (params + regathered) if world > 1 else 0  # one rank: no collective at all (see below)
+    scattered = 4 * params if world > 1 else 0
     ring = (world - 1) / world
     local = {
         "weights": sum(local_bytes(p) for p in model.parameters()),
@@ -118,10 +144,12 @@ def fsdp_rows(
         ),
     }
     totals = {name: all_ranks(value) for name, value in local.items()}
+    gather_formula = f"4 x (params + re-gathered {regathered:,})" if world > 1 else "none on one rank"
+    scatter_formula = "4 x params" if world > 1 else "none on one rank"
     rows = [
-        f"| bytes all-gathered per step (output) | 4 x (params + re-gathered {regathered:,}) = {gathered:,} "
+        f"| bytes all-gathered per step (output) | {gather_formula} = {gathered:,} "
         f"| {per_step.get('all-gather', 0):,.0f} |",
-        f"| bytes reduce-scattered per step (input) | 4 x params = {scattered:,} "
+        f"| bytes reduce-scattered per step (input) | {scatter_formula} = {scattered:,} "
         f"| {per_step.get('reduce-scatter', 0):,.0f} |",
         f"| bytes each rank sends per step (ring) | (N-1)/N x both = {ring * (gathered + scattered):,.0f} "
         f"| {ring * (per_step.get('all-gather', 0) + per_step.get('reduce-scatter', 0)):,.0f} |",
@@ -146,6 +174,7 @@ def count_collectives(counted: Counter[str]) -> None:
             if depth[0] == 0:
                 tensor = signature.bind(*args, **kwargs).arguments[full]
                 counted[kind] += tensor.numel() * tensor.element_size()
+                counted[f"{kind} calls"] += 1
             depth[0] += 1
             try:
                 return function(*args, **kwargs)
@@ -160,6 +189,21 @@ def count_collectives(counted: Counter[str]) -> None:
     for name in SCATTERS:  # the input is the full size
         if hasattr(dist, name):
             setattr(dist, name, wrap(getattr(dist, name), "reduce-scatter", "input"))
+
+
+def count_unshards(counted: Counter[str]) -> None:
+    """Count FSDP2's unshards (a private class of torch's; this benchmark alone reaches for it)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    real = FSDPParamGroup.wait_for_unshard
+
+    def counting(self: Any) -> Any:
+        if self._all_gather_result is not None:  # an unshard that was issued and is now completed
+            counted["unshards"] += 1
+            counted["parameters unsharded"] += len(self.fsdp_params)
+        return real(self)
+
+    FSDPParamGroup.wait_for_unshard = counting  # type: ignore[method-assign]
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
