@@ -18,6 +18,24 @@ def redline_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+def plan_table(stdout: str) -> dict[str, tuple[str, str]]:
+    """Read the printed Plan back as ``{axis: (value, why)}``, joining the lines rich wrapped."""
+    cells: dict[str, tuple[list[str], list[str]]] = {}
+    body = stdout.split("┩", 1)[1].split("└", 1)[0]  # the Plan comes first; its rows end at the bottom rule
+    for line in body.strip().splitlines():
+        axis, value, why = (cell.strip() for cell in line.strip().strip("│").split("│"))
+        if axis:  # a new row; an empty axis cell continues the row above
+            cells[axis] = ([], [])
+        last = cells[next(reversed(cells))]
+        last[0].append(value)
+        last[1].append(why)
+    return {axis: (" ".join(filter(None, value)), " ".join(filter(None, why))) for axis, (value, why) in cells.items()}
+
+
+CPU_AXES = ["device", "precision", "tf32", "grad_accum", "clip_grad_norm", "strategy", "channels_last", "compile",
+            "optimizer", "zero_grad", "loader"]  # fmt: skip
+
+
 def test_train_json_and_out_dir(tmp_path):
     out = tmp_path / "run"
     result = redline_cli(
@@ -41,7 +59,11 @@ def test_train_json_and_out_dir(tmp_path):
 def test_train_prints_the_plan_table():
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "2", "--task-arg", "width=8")
     assert result.returncode == 0, result.stderr
-    for text in ("precision", "fp32", "no fast bf16", "samples/s", "val metric"):
+    plan = plan_table(result.stdout)
+    assert list(plan) == CPU_AXES
+    assert all(why for _, why in plan.values())
+    assert plan["device"][0] == "cpu" and plan["precision"][0] == "fp32" and plan["compile"][0] == "off"
+    for text in ("samples/s", "val metric"):
         assert text in result.stdout
 
 
