@@ -8,12 +8,24 @@ is built, never at import, and only touches CUDA when a CUDA device was asked fo
 from __future__ import annotations
 
 import os
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
+from redline.errors import ConfigError
+
 DeviceType = Literal["cpu", "cuda", "mps"]
+
+# The CPU's best matrix instructions, best first; they decide how fast bf16 can be there.
+# "amx": AMX tiles (Sapphire Rapids and later), bf16 matmuls in hardware; "avx512_bf16": bf16 dot
+# products in AVX-512 registers (Cooper Lake, Zen 4) but no tiles; "avx512" and "avx2": no bf16
+# dot products; "arm": any 64-bit Arm CPU; "other": x86 without AVX2, POWER, s390x, ...
+# Which CPU has which: https://en.wikipedia.org/wiki/AVX-512#CPUs_with_AVX-512
+CpuIsa = Literal["amx", "avx512_bf16", "avx512", "avx2", "arm", "other"]
+CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,16 +38,24 @@ class DeviceFacts:
     capability: tuple[int, int] | None = None  # CUDA compute capability, (9, 0) for Hopper
     mem_gib: float | None = None
     cpu_count: int = 1
-    cpu_fast_bf16: bool = False  # AMX tiles: the only CPUs where bf16 matmul outruns fp32
+    cpu_isa: CpuIsa = "other"  # of the host CPU, whichever device the facts describe
+
+    def __post_init__(self) -> None:
+        if self.cpu_isa not in CPU_ISAS:
+            raise ConfigError(f"DeviceFacts.cpu_isa={self.cpu_isa!r} is not allowed; expected one of {_allowed_isas()}")
 
     @property
     def bf16(self) -> bool:
-        """Whether the device runs bf16 natively (Ampere and newer GPUs, Apple silicon, AMX CPUs)."""
+        """Whether the device has bf16 arithmetic: Ampere and newer GPUs, Apple silicon, x86 CPUs
+        with AMX or AVX512-BF16 (Arm CPUs with bf16 are not told apart yet).
+
+        Having it does not make bf16 autocast faster: the precision resolver weighs that.
+        """
         if self.type == "cuda":
             return self.capability is not None and self.capability >= (8, 0)
         if self.type == "mps":
             return True
-        return self.cpu_fast_bf16
+        return self.cpu_isa in ("amx", "avx512_bf16")
 
     @property
     def tensor_cores(self) -> bool:
@@ -74,6 +94,7 @@ def usable_cpu_count() -> int:
 def probe_device(device: torch.device) -> DeviceFacts:
     """Read the facts of ``device``; for CUDA this initialises the CUDA runtime."""
     cpus = usable_cpu_count()
+    isa = probe_cpu_isa()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
@@ -84,18 +105,79 @@ def probe_device(device: torch.device) -> DeviceFacts:
             capability=(props.major, props.minor),
             mem_gib=props.total_memory / 2**30,
             cpu_count=cpus,
+            cpu_isa=isa,
         )
     if device.type == "mps":
-        return DeviceFacts(type="mps", name="Apple MPS", cpu_count=cpus)
-    return DeviceFacts(type="cpu", name=_cpu_name(), cpu_count=cpus, cpu_fast_bf16=_cpu_has_amx())
+        return DeviceFacts(type="mps", name="Apple MPS", cpu_count=cpus, cpu_isa=isa)
+    return DeviceFacts(type="cpu", name=_cpu_name(), cpu_count=cpus, cpu_isa=isa)
 
 
-def _cpu_has_amx() -> bool:
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+def probe_cpu_isa() -> CpuIsa:
+    """Return this CPU's instruction set; never fails (an unknown CPU is "other")."""
+    return cpu_isa_of(platform.machine(), _cpu_feature_check())
+
+
+def cpu_isa_of(machine: str, has: Callable[[str], bool]) -> CpuIsa:
+    """Classify a CPU from ``platform.machine()`` and a test of Linux /proc/cpuinfo flag names."""
+    machine = machine.lower()
+    if machine in ("aarch64", "arm64"):
+        return "arm"
+    if machine not in ("x86_64", "amd64", "x64"):
+        return "other"
+    for flag, isa in _X86_FEATURES:
+        if has(flag):
+            return isa
+    return "other"
+
+
+# Best first: an AMX CPU (Sapphire Rapids and later) has AVX512-BF16 and AVX-512 as well, so the
+# first flag found names the CPU. Flag names as Linux spells them in /proc/cpuinfo.
+_X86_FEATURES: tuple[tuple[str, CpuIsa], ...] = (
+    ("amx_tile", "amx"),
+    ("avx512_bf16", "avx512_bf16"),
+    ("avx512f", "avx512"),
+    ("avx2", "avx2"),
+)
+
+
+# torch's own checks (its cpuinfo library, which reads CPUID on every OS); they are private, so each
+# falls back to the flags Linux lists in /proc/cpuinfo where this torch lacks it.
+_TORCH_CHECKS = {
+    "amx_tile": "_is_amx_tile_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "avx512f": "_is_avx512_supported",
+    "avx2": "_is_avx2_supported",
+}
+
+
+def _cpu_feature_check() -> Callable[[str], bool]:
+    flags = _cpuinfo_flags()
+
+    def has(flag: str) -> bool:
+        check = getattr(torch.cpu, _TORCH_CHECKS.get(flag, ""), None)
+        if check is None:
+            return flag in flags
+        try:
+            return bool(check())
+        except RuntimeError:
+            return flag in flags
+
+    return has
+
+
+def _cpuinfo_flags() -> frozenset[str]:
     try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
-        return False
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _allowed_isas() -> str:
+    return ", ".join(map(repr, CPU_ISAS))
 
 
 def _cpu_name() -> str:
