@@ -13,7 +13,7 @@ CPU_AVX512_BF16 = DeviceFacts(type="cpu", name="AMD EPYC 9654", cpu_count=96, cp
 CPU_AMX = DeviceFacts(type="cpu", name="Intel Xeon Platinum 8480+", cpu_count=56, cpu_isa="amx")
 CPU_ARM = DeviceFacts(type="cpu", name="Neoverse-V1", cpu_count=64, cpu_isa="arm")
 CPU = CPU_AVX2  # the CPU a resolver test means when the instruction set does not matter
-# Every CPU redline tells apart, by its instruction set.
+# Every CPU redline tells apart, by the REDLINE_CPU value that fakes it.
 CPUS = {"avx2": CPU_AVX2, "avx512": CPU_AVX512, "avx512_bf16": CPU_AVX512_BF16, "amx": CPU_AMX, "arm": CPU_ARM}
 MPS = DeviceFacts(type="mps", name="Apple MPS", cpu_count=10)
 

@@ -1,5 +1,7 @@
 """Every resolver decision, fed device facts as data."""
 
+import dataclasses
+
 import pytest
 
 from devices import A100, CPU, CPU_AMX, CPUS, EIGHT_GPUS, H100, MAC, MPS, NO_ACCELERATOR, ONE_GPU, P100, T4, V100
@@ -108,6 +110,13 @@ def test_auto_precision_is_fp32_on_every_cpu_and_names_what_it_saw(isa):
         assert phrase in choice.reason
     others = [CPU_REASONS[other][0] for other in CPUS if other != isa]
     assert not any(phrase in choice.reason for phrase in others), choice.reason  # no "AVX2 only" on AMX
+    assert "REDLINE_CPU" not in choice.reason  # probed, not faked
+
+
+def test_auto_precision_says_when_the_cpu_was_faked():
+    faked = dataclasses.replace(CPU_AMX, cpu_isa_faked=True)
+    reason = resolve_precision("auto", faked).reason
+    assert "AMX" in reason and "REDLINE_CPU=amx" in reason and "not this machine's" in reason
 
 
 @pytest.mark.parametrize(

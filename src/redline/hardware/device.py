@@ -3,6 +3,9 @@
 ``DeviceFacts`` is data: tests build an H100, a V100 or a CPU by hand and feed it to the resolvers
 in ``redline.plan``. ``probe_device`` reads the facts of a real device; it is called when a Runtime
 is built, never at import, and only touches CUDA when a CUDA device was asked for.
+
+The CPU's instruction set can be faked for planning with ``REDLINE_CPU`` (see ``probe_cpu_isa``):
+the Plan is then made as on that CPU, while the maths still runs on this one.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import torch
 
@@ -26,6 +29,7 @@ DeviceType = Literal["cpu", "cuda", "mps"]
 # Which CPU has which: https://en.wikipedia.org/wiki/AVX-512#CPUs_with_AVX-512
 CpuIsa = Literal["amx", "avx512_bf16", "avx512", "avx2", "arm", "other"]
 CPU_ISAS: tuple[CpuIsa, ...] = get_args(CpuIsa)
+FAKE_CPU_ENV = "REDLINE_CPU"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,7 @@ class DeviceFacts:
     mem_gib: float | None = None
     cpu_count: int = 1
     cpu_isa: CpuIsa = "other"  # of the host CPU, whichever device the facts describe
+    cpu_isa_faked: bool = False  # True when REDLINE_CPU set cpu_isa instead of the probe
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
@@ -92,9 +97,12 @@ def usable_cpu_count() -> int:
 
 
 def probe_device(device: torch.device) -> DeviceFacts:
-    """Read the facts of ``device``; for CUDA this initialises the CUDA runtime."""
+    """Read the facts of ``device``; for CUDA this initialises the CUDA runtime.
+
+    Raises ConfigError when ``REDLINE_CPU`` names no CPU redline knows.
+    """
     cpus = usable_cpu_count()
-    isa = probe_cpu_isa()
+    isa, faked = probe_cpu_isa()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
@@ -106,15 +114,30 @@ def probe_device(device: torch.device) -> DeviceFacts:
             mem_gib=props.total_memory / 2**30,
             cpu_count=cpus,
             cpu_isa=isa,
+            cpu_isa_faked=faked,
         )
     if device.type == "mps":
-        return DeviceFacts(type="mps", name="Apple MPS", cpu_count=cpus, cpu_isa=isa)
-    return DeviceFacts(type="cpu", name=_cpu_name(), cpu_count=cpus, cpu_isa=isa)
+        return DeviceFacts(type="mps", name="Apple MPS", cpu_count=cpus, cpu_isa=isa, cpu_isa_faked=faked)
+    return DeviceFacts(type="cpu", name=_cpu_name(), cpu_count=cpus, cpu_isa=isa, cpu_isa_faked=faked)
 
 
-def probe_cpu_isa() -> CpuIsa:
-    """Return this CPU's instruction set; never fails (an unknown CPU is "other")."""
-    return cpu_isa_of(platform.machine(), _cpu_feature_check())
+def probe_cpu_isa() -> tuple[CpuIsa, bool]:
+    """Return this CPU's instruction set and whether ``REDLINE_CPU`` faked it.
+
+    ``REDLINE_CPU=amx|avx512_bf16|avx512|avx2|arm|other`` makes a run plan as on that CPU; the maths
+    still runs on this one. It exists so that tests and trials can see every CPU's Plan on one
+    machine. An unknown value raises ConfigError; the probe itself never fails.
+    """
+    fake = os.environ.get(FAKE_CPU_ENV, "").strip().lower()
+    if fake:
+        if fake not in CPU_ISAS:
+            raise ConfigError(
+                f"{FAKE_CPU_ENV}={os.environ[FAKE_CPU_ENV]!r} is not a CPU redline can plan for; "
+                f"expected one of {_allowed_isas()}\n"
+                f"hint: unset {FAKE_CPU_ENV} to plan for this machine's CPU, or set it to one of those"
+            )
+        return cast(CpuIsa, fake), True
+    return cpu_isa_of(platform.machine(), _cpu_feature_check()), False
 
 
 def cpu_isa_of(machine: str, has: Callable[[str], bool]) -> CpuIsa:

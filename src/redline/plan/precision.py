@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal, cast, get_args
 
 from redline.errors import ConfigError, invalid
-from redline.hardware.device import CpuIsa, DeviceFacts
+from redline.hardware.device import FAKE_CPU_ENV, CpuIsa, DeviceFacts
 from redline.plan import Choice
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
@@ -42,7 +42,10 @@ def _auto(facts: DeviceFacts) -> Choice[Precision]:
     if facts.type == "mps":
         return Choice("fp32", "auto: mixed precision on MPS is not reliably faster; fp32 kept")
     # fp32 on every CPU until a trial measures bf16 on the user's own model: a rule cannot rank them.
-    return Choice("fp32", f"auto: {_CPU_REASONS[facts.cpu_isa]}")
+    reason = f"auto: {_CPU_REASONS[facts.cpu_isa]}"
+    if facts.cpu_isa_faked:
+        reason += f" ({FAKE_CPU_ENV}={facts.cpu_isa}: planned as that CPU, not this machine's)"
+    return Choice("fp32", reason)
 
 
 # What bf16 autocast does on each kind of CPU, as far as it was measured.
