@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run test test-cpus lint typecheck unit clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/python -m pytest -n auto -q
+
+# The suite once per kind of CPU, planned as on it (REDLINE_CPU; see the README): what CI machines
+# differ in. Each run is a full suite, so this is for a change to the CPU facts, not for every commit.
+FAKE_CPUS := avx2 avx512 amx arm
+test-cpus: lint typecheck
+	@failed=""; for cpu in $(FAKE_CPUS); do \
+		echo "== REDLINE_CPU=$$cpu"; \
+		REDLINE_CPU=$$cpu $(BIN)/python -m pytest -n auto -q || failed="$$failed $$cpu"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "failed as:$$failed"; exit 1; fi
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,11 +1,43 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from redline.errors import ConfigError
+from redline.hardware.device import CPU_ISAS, FAKE_CPU_ENV, probe_cpu_isa
+
 # The device fixtures in devices.py are shared by the unit and CPU tiers.
 sys.path.insert(0, str(Path(__file__).parent))
+
+pytest_plugins = ["pytester"]  # test_cpu_facts.py runs this conftest in an inner pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--redline-cpu",
+        choices=CPU_ISAS,
+        default=None,
+        help=f"plan every run as on this CPU, by setting {FAKE_CPU_ENV} for the tests and the processes they start",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Through the environment, so that `redline train` and `redline launch` children plan the same way;
+    # xdist's workers start after this and inherit it too.
+    fake = config.getoption("--redline-cpu")
+    if fake:
+        os.environ[FAKE_CPU_ENV] = fake
+    try:
+        probe_cpu_isa()
+    except ConfigError as exc:  # a bad REDLINE_CPU would otherwise fail every test that plans
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    isa, faked = probe_cpu_isa()
+    return f"redline plans as CPU: {isa} ({f'faked by {FAKE_CPU_ENV}' if faked else 'probed'})"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

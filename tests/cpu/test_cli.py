@@ -1,6 +1,7 @@
 """`redline train` from the command line: JSON on stdout, files on disk, clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,10 +13,33 @@ from redline.errors import ConfigError
 from redline.task import load_task
 
 
-def redline_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def redline_cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+        [sys.executable, "-m", "redline", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
     )
+
+
+def plan_table(stdout: str) -> dict[str, tuple[str, str]]:
+    """Read the printed Plan back as ``{axis: (value, why)}``, joining the lines rich wrapped."""
+    cells: dict[str, tuple[list[str], list[str]]] = {}
+    body = stdout.split("┩", 1)[1].split("└", 1)[0]  # the Plan comes first; its rows end at the bottom rule
+    for line in body.strip().splitlines():
+        axis, value, why = (cell.strip() for cell in line.strip().strip("│").split("│"))
+        if axis:  # a new row; an empty axis cell continues the row above
+            cells[axis] = ([], [])
+        last = cells[next(reversed(cells))]
+        last[0].append(value)
+        last[1].append(why)
+    return {axis: (" ".join(filter(None, value)), " ".join(filter(None, why))) for axis, (value, why) in cells.items()}
+
+
+CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum", "clip_grad_norm", "strategy",
+            "channels_last", "compile", "optimizer", "zero_grad", "loader"]  # fmt: skip
 
 
 def test_train_json_and_out_dir(tmp_path):
@@ -41,8 +65,33 @@ def test_train_json_and_out_dir(tmp_path):
 def test_train_prints_the_plan_table():
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "2", "--task-arg", "width=8")
     assert result.returncode == 0, result.stderr
-    for text in ("precision", "fp32", "no fast bf16", "samples/s", "val metric"):
+    plan = plan_table(result.stdout)
+    assert list(plan) == CPU_AXES
+    assert all(why for _, why in plan.values())
+    assert plan["device"][0] == "cpu" and plan["precision"][0] == "fp32" and plan["compile"][0] == "off"
+    for text in ("samples/s", "val metric"):
         assert text in result.stdout
+
+
+# The phrase each faked CPU's precision row must show (tests/unit/test_plan.py checks every wording).
+FAKE_CPUS = {"avx2": "AVX2 only", "avx512": "CPU has AVX-512", "amx": "CPU has AMX", "arm": "Arm CPU"}
+
+
+@pytest.mark.parametrize("isa", FAKE_CPUS)
+def test_redline_cpu_makes_the_plan_as_on_that_cpu(isa):
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": isa})
+    assert result.returncode == 0, result.stderr
+    value, why = plan_table(result.stdout)["precision"]
+    assert value == "fp32"
+    assert FAKE_CPUS[isa] in why and f"REDLINE_CPU={isa}" in why
+    assert not any(phrase in why for other, phrase in FAKE_CPUS.items() if other != isa)
+
+
+def test_unknown_redline_cpu_is_one_clear_line():
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": "avx3"})
+    assert result.returncode == 2
+    assert "REDLINE_CPU='avx3'" in result.stderr and "'amx'" in result.stderr and "hint:" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_bad_task_spec_is_one_clear_line():

@@ -1,8 +1,10 @@
 """Every resolver decision, fed device facts as data."""
 
+import dataclasses
+
 import pytest
 
-from devices import A100, CPU, CPU_AMX, EIGHT_GPUS, H100, MAC, MPS, NO_ACCELERATOR, ONE_GPU, P100, T4, V100
+from devices import A100, CPU, CPU_AMX, CPUS, EIGHT_GPUS, H100, MAC, MPS, NO_ACCELERATOR, ONE_GPU, P100, T4, V100
 from redline.errors import ConfigError, DeviceUnavailableError
 from redline.plan import Choice, Plan, parse_switch
 from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
@@ -86,7 +88,42 @@ def test_auto_precision(facts, expected):
 def test_auto_precision_reason_names_the_architecture():
     assert "sm90" in resolve_precision("auto", H100).reason
     assert "no bf16" in resolve_precision("auto", V100).reason
-    assert "no fast bf16" in resolve_precision("auto", CPU).reason
+
+
+# What each CPU's precision reason must say: the instruction set it saw (a phrase no other CPU's
+# reason has), and what that means for bf16.
+CPU_REASONS = {
+    "avx2": ("AVX2 only", "no fast bf16"),
+    "avx512": ("CPU has AVX-512", "no bf16 instructions"),
+    "avx512_bf16": ("CPU has AVX512-BF16", "no AMX"),
+    "amx": ("CPU has AMX", "casts can cost more"),
+    "arm": ("Arm CPU", "not measured"),
+}
+
+
+@pytest.mark.parametrize("isa", sorted(CPUS))
+def test_auto_precision_is_fp32_on_every_cpu_and_names_what_it_saw(isa):
+    choice = resolve_precision("auto", CPUS[isa])
+    assert choice.value == "fp32"
+    assert choice.reason.startswith("auto:")
+    for phrase in CPU_REASONS[isa]:
+        assert phrase in choice.reason
+    others = [CPU_REASONS[other][0] for other in CPUS if other != isa]
+    assert not any(phrase in choice.reason for phrase in others), choice.reason  # no "AVX2 only" on AMX
+    assert "REDLINE_CPU" not in choice.reason  # probed, not faked
+
+
+def test_auto_precision_says_when_the_cpu_was_faked():
+    faked = dataclasses.replace(CPU_AMX, cpu_isa_faked=True)
+    reason = resolve_precision("auto", faked).reason
+    assert "AMX" in reason and "REDLINE_CPU=amx" in reason and "not this machine's" in reason
+
+
+@pytest.mark.parametrize(
+    ("isa", "bf16"), [("avx2", False), ("avx512", False), ("avx512_bf16", True), ("amx", True), ("arm", False)]
+)
+def test_cpu_bf16_means_bf16_instructions(isa, bf16):
+    assert CPUS[isa].bf16 is bf16
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal, cast, get_args
 
 from redline.errors import ConfigError, invalid
-from redline.hardware.device import DeviceFacts
+from redline.hardware.device import FAKE_CPU_ENV, CpuIsa, DeviceFacts
 from redline.plan import Choice
 
 PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
@@ -13,7 +13,10 @@ PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
 def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionName]:
-    """Resolve "auto" to bf16 where the device runs it natively, fp16 on older GPUs, else fp32."""
+    """Resolve "auto" to bf16 where the device runs it natively, fp16 on older GPUs, else fp32.
+
+    On a CPU "auto" is fp32 whatever its instruction set; the reason names the set it saw.
+    """
     if requested not in (*PRECISIONS, "auto"):
         raise invalid("precision", requested, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
     if requested == "auto":
@@ -38,11 +41,27 @@ def _auto(facts: DeviceFacts) -> Choice[PrecisionName]:
         return Choice("fp32", f"auto: {facts.name} (sm{cc}) has no tensor cores; mixed precision gains little")
     if facts.type == "mps":
         return Choice("fp32", "auto: mixed precision on MPS is not reliably faster; fp32 kept")
-    if facts.cpu_fast_bf16:
-        # Even with AMX, a small model can lose to autocast's casts; the loop must never be slower.
-        return Choice("fp32", "auto: CPU has AMX bf16, but autocast's casts often cost more than they save")
-    # Measured on a 2-core AVX2 machine: bf16 autocast ran the digits CNN about 30x slower than fp32.
-    return Choice("fp32", "auto: this CPU has no fast bf16 (no AMX); bf16 autocast would be slower")
+    # fp32 on every CPU until a trial measures bf16 on the user's own model: a rule cannot rank them.
+    reason = f"auto: {_CPU_REASONS[facts.cpu_isa]}"
+    if facts.cpu_isa_faked:
+        reason += f" ({FAKE_CPU_ENV}={facts.cpu_isa}: planned as that CPU, not this machine's)"
+    return Choice("fp32", reason)
+
+
+# What bf16 autocast does on each kind of CPU, as far as it was measured.
+_CPU_REASONS: dict[CpuIsa, str] = {
+    # shared/reference/h200-measurements.md, 2-core Sapphire Rapids, `redline train --compile off`:
+    # the digits CNN ran 1.14-1.25x fp32 in bf16-mixed, chargpt 0.91x.
+    "amx": "CPU has AMX bf16, but autocast's casts can cost more than they save (a small GPT ran 0.91x fp32)",
+    # Not yet in benchmarks/: on a 2-core AMD EPYC (torch 2.13.0) a 1024x1024 bf16 matmul ran 2.1-2.3x
+    # fp32, while whole training steps were too noisy under load to rank.
+    "avx512_bf16": "CPU has AVX512-BF16 but no AMX: bf16 matmuls can outrun fp32, but autocast's casts may not pay",
+    "avx512": "CPU has AVX-512 but no bf16 instructions (no AVX512-BF16, no AMX): no fast bf16",
+    # shared/reference/h200-measurements.md: bf16 autocast ran the digits CNN about 30x slower than fp32.
+    "avx2": "AVX2 only, no fast bf16: bf16 autocast ran a CNN about 30x slower than fp32 on such a CPU",
+    "arm": "Arm CPU: bf16 autocast is not measured on Arm yet, so fp32 is kept",
+    "other": "CPU without AVX2 or bf16 instructions: no fast bf16",
+}
 
 
 def resolve_tf32(facts: DeviceFacts) -> Choice[bool]:
