@@ -46,8 +46,8 @@ def main() -> None:
     parser.add_argument("--write", default=None)
     args = parser.parse_args()
     task = redline.load_task(args.task)
-    rt = redline.Runtime(devices="cpu", precision="fp32", compile="off", seed=0, strategy=args.strategy)
-    plain = task.build_model()
+    rt = redline.Runtime(devices="cpu", precision="fp32", compile="off", seed=0, strategy=args.strategy).start()
+    plain = task.build_model()  # after the seed
     params = sum(p.numel() for p in plain.parameters())
     blocks = repeated_blocks(plain)
     model, optimizer = rt.setup(plain, task.optimizer)

@@ -65,6 +65,8 @@ def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, 
 
     ``what`` names the options in the message ("a Runtime option"); ``hint`` is shown with it.
     """
+    if base is not None and not isinstance(base, owner):
+        raise invalid("options", type(base).__name__, f"a {owner.__name__}, or its fields as keywords")
     known = {field.name for field in dataclasses.fields(owner) if field.init}  # type: ignore[arg-type]
     unknown = sorted(set(changes) - known)
     if unknown:

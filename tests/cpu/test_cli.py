@@ -135,3 +135,10 @@ def test_warnings_reach_stderr_through_the_one_logger(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"warning: no checkpoint under {tmp_path / 'checkpoints'}; starting from scratch" in result.stderr
     json.loads(result.stdout)  # stdout still holds the JSON alone
+
+
+def test_a_launch_option_without_nproc_is_refused_with_the_fix():
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--max-restarts", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--max-restarts concerns the worker processes that --nproc starts" in result.stderr
+    assert "hint: add --nproc N" in result.stderr

@@ -352,12 +352,19 @@ def test_a_flipped_bit_inside_a_shard_is_caught_by_its_checksum(tmp_path: Path) 
         load(tmp_path / "step-00000001", model, optimizer)
 
 
-def test_a_shard_that_rank_0_cannot_see_is_refused(tmp_path: Path) -> None:
-    here = {"__0_0.distcp": 6}
-    views = [{"__0_0.distcp": 6}, {"__1_0.distcp": 6}]  # rank 1 wrote onto its own node's disk
+def test_a_shard_that_rank_0_cannot_see_is_not_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from redline.checkpoint import sharded
+
+    def rank_1_wrote_elsewhere(mine: Any) -> list[Any]:  # rank 1's node-local disk holds a shard rank 0 lacks
+        return [mine, ({"__1_0.distcp": 6}, {})]
+
+    monkeypatch.setattr(sharded, "gather_objects", rank_1_wrote_elsewhere)
+    model = make_mlp()
     with pytest.raises(CheckpointError, match=r"rank 1 wrote __1_0\.distcp.*every rank shares"):
-        _check_visible(tmp_path, here, views)
-    _check_visible(tmp_path, {**here, "__1_0.distcp": 6}, views)  # a shared file system: nothing to say
+        save(tmp_path, 1, model, sgd(model.parameters()))
+    assert not (tmp_path / "step-00000001").exists()
+    assert not (tmp_path / ".tmp-step-00000001" / "manifest.json").exists()
+    _check_visible(tmp_path, {"__1_0.distcp": 6}, [{"__1_0.distcp": 6}])  # a shared file system: nothing to say
 
 
 def test_a_checkpoint_before_the_first_step_leaves_the_run_unchanged(tmp_path: Path) -> None:

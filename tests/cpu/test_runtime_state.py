@@ -111,3 +111,57 @@ def test_the_trainer_leaves_the_process_as_it_found_it():
         assert torch.are_deterministic_algorithms_enabled()
     assert not torch.are_deterministic_algorithms_enabled()
     assert summary.plan.deterministic.value is True
+
+
+def test_tf32_goes_through_the_per_backend_api_when_the_process_uses_it():
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no per-backend precision settings")
+    conv_before = torch.backends.cudnn.conv.fp32_precision
+    matmul.fp32_precision = "ieee"  # the newer API: reading the older global one now raises
+    try:
+        with redline.Runtime(devices="cpu", deterministic=True):  # starts without touching TF32 on a CPU
+            pass
+        with ProcessSettings(tf32=True).enter():
+            assert matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
+        assert matmul.fp32_precision == "ieee" and torch.backends.cudnn.conv.fp32_precision == conv_before
+    finally:
+        matmul.fp32_precision = "none"  # the process reads the global setting again
+
+
+def test_a_closed_runtime_does_not_start_again_and_one_model_is_saved():
+    rt = redline.Runtime(devices="cpu")
+    with rt:
+        rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(ConfigError, match=r"(?s)set up 2 models.*hint: use one Runtime per model"):
+            rt.state_dict()
+    with pytest.raises(ConfigError, match=r"(?s)was closed.*hint: build a new Runtime"):
+        rt.start()
+
+
+def test_a_seeded_runtime_started_by_setup_says_the_model_was_not_seeded(caplog):
+    rt = redline.Runtime(devices="cpu", seed=3)
+    with caplog.at_level("WARNING", logger="redline"):
+        rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+    rt.close()
+    assert any("seed=3" in r.getMessage() and "hint:" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="redline"), redline.Runtime(devices="cpu", seed=3) as started:
+        started.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not caplog.records
+
+
+def test_evaluate_then_fit_leaves_the_process_as_it_found_it():
+    task = redline.Task(
+        model=lambda: nn.Linear(6, 3),
+        loss_fn=nn.functional.cross_entropy,
+        train_data=loader().dataset,
+        val_data=loader().dataset,
+        batch_size=8,
+    )
+    options = redline.RuntimeOptions(devices="cpu", deterministic=True)
+    with redline.Trainer(task, runtime=options, max_steps=2, progress=False) as trainer:
+        trainer.evaluate()  # sets up a Runtime of its own
+        trainer.fit()  # which the fit replaces, closing it first
+    assert not torch.are_deterministic_algorithms_enabled()

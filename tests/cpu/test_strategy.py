@@ -119,8 +119,6 @@ def test_fsdp_shards_rebuilds_the_optimizer_and_writes_shards_that_a_plain_model
     model, optimizer = strategy.wrap(given, adamw, device=CPU, precision="fp32")
     assert model is given and all(isinstance(p, DTensor) for p in model.parameters())
     assert all(isinstance(p, DTensor) for p in optimizer.param_groups[0]["params"])
-    with strategy.gradient_sync(model, False):
-        pass  # FSDP2 exposes no getter; that the switch is restored is checked by training on
     train_steps(model, optimizer, strategy)
     written = strategy.save(tmp_path / "ckpt", model, optimizer, runtime_state={"x": 1}, extra={"y": 2}, plan={},
                             step=2)  # fmt: skip
@@ -149,3 +147,21 @@ def test_fsdp_loads_a_whole_checkpoint_read_once_on_rank_0(tmp_path):
     train_steps(model, optimizer, single, 1)
     train_steps(sharded, sharded_optimizer, fsdp, 1)  # the Adam moments were loaded too: the next step agrees
     assert all(torch.allclose(plain_state(sharded)[k], v, atol=1e-6) for k, v in model.state_dict().items())
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_fsdp_accumulates_unreduced_gradients_until_the_last_micro_batch():
+    strategy = build_strategy("fsdp")
+    gen = torch.Generator().manual_seed(5)
+    halves = [(torch.randn(4, 6, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(2)]
+    accumulated, _ = strategy.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    with strategy.gradient_sync(accumulated, False):
+        nn.functional.cross_entropy(accumulated(halves[0][0]), halves[0][1]).backward()
+    assert all(p.grad is None for p in accumulated.parameters()), "reduced before the last micro-batch"
+    with strategy.gradient_sync(accumulated, True):
+        nn.functional.cross_entropy(accumulated(halves[1][0]), halves[1][1]).backward()
+    whole, _ = strategy.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    for inputs, targets in halves:  # the same two backwards, each reduced at once
+        nn.functional.cross_entropy(whole(inputs), targets).backward()
+    for a, b in zip(accumulated.parameters(), whole.parameters(), strict=True):
+        assert torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), atol=1e-6)

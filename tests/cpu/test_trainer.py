@@ -243,3 +243,19 @@ def test_tensorboard_logger_writes_events_tensorboard_can_read(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     assert "val/loss" in events.Tags()["scalars"]
+
+
+def test_a_resumed_run_keeps_the_accumulation_its_checkpoint_was_written_with(tmp_path):
+    def losses(out: Path) -> list[float]:
+        return [float(row["loss"]) for row in csv.DictReader((out / "metrics.csv").read_text().splitlines())]
+
+    accumulating = redline.RuntimeOptions(devices="cpu", seed=0, grad_accum=2)
+    unbroken = tmp_path / "unbroken"
+    Trainer(tiny_task(), runtime=accumulating, progress=False, max_steps=6, log_every=1, out_dir=unbroken).fit()
+    resumed = tmp_path / "resumed"
+    Trainer(tiny_task(), runtime=accumulating, progress=False, max_steps=4, log_every=1, out_dir=resumed).fit()
+    summary = quiet(
+        tiny_task(), max_steps=6, log_every=1, out_dir=resumed, resume="auto"
+    ).fit()  # grad_accum not repeated
+    assert summary.plan.grad_accum.value == 2 and summary.steps == 6
+    assert losses(resumed) == losses(unbroken)  # the step's mean loss, not the sum of its micro-batches

@@ -59,7 +59,7 @@ def test_import_touches_no_cuda_and_no_optional_extra():
 
 # The layers of ../shared/DESIGN.md: Face -> Apps -> Core -> torch. A Core module never imports an App
 # or the Face; an App imports Core only, never another App (what two Apps share belongs in Core).
-FACE = {"cli", "report", "render", "__init__", "__main__"}
+FACE = {"cli", "render", "__init__", "__main__"}
 APPS = {"train", "launch", "doctor", "memory", "bench", "serve", "advise", "profile"}
 CORE = {
     "plan", "runtime", "parallel", "checkpoint", "hardware", "task", "examples", "errors", "atomic", "config",

@@ -21,11 +21,15 @@ from typing import Any
 
 from redline.atomic import commit_directory, fsync_path
 from redline.errors import RedlineError
-from redline.parallel.collectives import gather_objects, rank_and_world
+from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
+# The formats a manifest may name: whole (one process wrote it) and sharded (every rank its shards),
+# each with redline 0.1's first version, which still loads.
+WHOLE_FORMATS: tuple[object, ...] = ("redline-whole-2", 1)
+SHARDED_FORMATS: tuple[object, ...] = ("redline-sharded-2", "redline-sharded-1")
 _BLOCK = 1 << 20
 
 log = logging.getLogger("redline")
@@ -50,7 +54,7 @@ class Checkpoint:
     @property
     def sharded(self) -> bool:
         """Whether each rank wrote its own shards (an FSDP run's) rather than one whole copy."""
-        return "sharded" in self.format
+        return self.manifest.get("format") in SHARDED_FORMATS
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -110,6 +114,12 @@ def read_checkpoint(path: Path) -> Checkpoint:
             f"{path}: not a committed checkpoint (no readable {MANIFEST}: {exc})\n"
             f"hint: pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto"
         ) from None
+    if manifest.get("format") not in (*WHOLE_FORMATS, *SHARDED_FORMATS):
+        known = ", ".join(map(repr, (*WHOLE_FORMATS, *SHARDED_FORMATS)))
+        raise CheckpointError(
+            f"{path}: checkpoint format {manifest.get('format')!r} is not one this redline reads ({known})\n"
+            "hint: it was written by another version of redline: load it with that version"
+        )
     return Checkpoint(path, _step_of(path, manifest), manifest)
 
 
@@ -147,12 +157,16 @@ def verify(checkpoint: Checkpoint) -> None:
     """
     rank, world = rank_and_world()
     names = sorted(checkpoint.manifest["files"])
-    problems = [p for name in names[rank::world] if (p := _check_file(checkpoint, name))]
+    _agree(checkpoint.path, [p for name in names[rank::world] if (p := _check_file(checkpoint, name))])
+
+
+def _agree(path: Path, problems: list[str]) -> None:
+    """Raise on every rank if any rank found a problem with the checkpoint at ``path`` (collective)."""
     problems = [p for share in gather_objects(problems) for p in share]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(
-            f"{checkpoint.path}: {problems[0]}{more}\n"
+            f"{path}: {problems[0]}{more}\n"
             "hint: the checkpoint is corrupt; resume from an earlier one (--resume auto skips it)"
         )
 
@@ -160,43 +174,63 @@ def verify(checkpoint: Checkpoint) -> None:
 def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
     entry = checkpoint.manifest["files"][name]
     path = checkpoint.path / name
-    if not path.is_file():
-        return f"{name} is missing"
-    if isinstance(entry, dict) and "bytes" in entry and path.stat().st_size != entry["bytes"]:
-        return f"{name} is truncated ({path.stat().st_size} of {entry['bytes']} bytes)"
-    expected = entry.get("sha256") if isinstance(entry, dict) else None
-    if expected is None:
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(_BLOCK), b""):
-            digest.update(block)
+    try:
+        if not path.is_file():
+            return f"{name} is missing"
+        if isinstance(entry, dict) and "bytes" in entry and path.stat().st_size != entry["bytes"]:
+            return f"{name} is truncated ({path.stat().st_size} of {entry['bytes']} bytes)"
+        expected = entry.get("sha256") if isinstance(entry, dict) else None
+        if expected is None:
+            return None
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(_BLOCK), b""):
+                digest.update(block)
+    except OSError as exc:  # reported like any other problem, so the other ranks do not wait for this one
+        return f"{name} cannot be read ({exc.strerror or exc})"
     return None if digest.hexdigest() == expected else f"{name} does not match its checksum (corrupt)"
 
 
 def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     """Return the checkpoint to resume from: ``"auto"`` picks the newest under ``root`` that verifies, else a path.
 
-    A corrupt checkpoint met on the way is logged and skipped for an older one; an explicit path
-    that does not verify is an error.
+    Collective under several processes: rank 0 lists the checkpoints, so every rank considers the
+    same ones in the same order, and the ranks verify each together, so they agree on the one they
+    resume from. A corrupt checkpoint met on the way is logged and skipped for an older one; an
+    explicit path that does not verify is an error.
     """
     if str(where) != "auto":
-        checkpoint = read_checkpoint(Path(where))
-        verify(checkpoint)
-        return checkpoint
-    for checkpoint in reversed(find_checkpoints(root)):
+        return _open_everywhere(Path(where))
+    listed = run_on_rank0(lambda: [str(c.path) for c in find_checkpoints(root)], "listing the checkpoints")
+    for path in reversed(listed):
         try:
-            verify(checkpoint)
+            return _open_everywhere(Path(path))
         except CheckpointError as exc:
             log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
-            continue
-        return checkpoint
     return None
+
+
+def _open_everywhere(path: Path) -> Checkpoint:
+    """Read ``path``'s manifest on every rank and verify it together; every rank raises alike if one fails."""
+    try:
+        checkpoint, failure = read_checkpoint(path), None
+    except CheckpointError as exc:  # this rank cannot read it: the others must hear it, or they would wait
+        checkpoint, failure = None, exc
+    failures = [f for share in gather_objects([str(failure).split("\n")[0]] if failure else []) for f in share]
+    if failure is not None:
+        raise failure
+    if failures or checkpoint is None:
+        raise CheckpointError(
+            f"{failures[0]} (seen by another rank)\nhint: the checkpoint directory must be on storage every rank shares"
+        )
+    verify(checkpoint)
+    return checkpoint
 
 
 def legacy_states(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split the one trainer state of redline 0.1's checkpoints into the runtime's and the Trainer's."""
-    runtime = {"precision": state.get("scaler") or {}, "rng": state.get("rng_per_rank") or [state["rng"]]}
+    rng = state.get("rng_per_rank") or ([state["rng"]] if state.get("rng") is not None else [])
+    runtime = {"precision": state.get("scaler") or {}, "rng": rng}
     return runtime, state
 
 

@@ -60,10 +60,6 @@ def save_whole(
     return commit(tmp, final, format=FORMAT, step=step, files=files)
 
 
-def is_whole(checkpoint: Checkpoint) -> bool:
-    return checkpoint.manifest.get("format") in (FORMAT, LEGACY_FORMAT)
-
-
 def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     """Return the checkpoint's weights on the CPU, a tied weight under one of its names."""
     return load_file(checkpoint.path / WEIGHTS, device="cpu")

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from redline.cli.options import command, flags, given, values
-from redline.errors import invalid
+from redline.errors import ConfigError, invalid
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
@@ -56,6 +56,12 @@ def _train(
 ) -> None:
     """Train a Task with every automatic choice explained, and print the summary."""
     launching = {name: parsed[name] for name in _LAUNCH_PARAMS}
+    set_for_workers = [flag.name for flag in _LAUNCH if launching[flag.parameter.name] is not None]
+    if set_for_workers and launching["nproc"] is None:
+        raise ConfigError(
+            f"{set_for_workers[0]} concerns the worker processes that --nproc starts, and --nproc was not given\n"
+            f"hint: add --nproc N (1 for one process under the launcher), or drop {set_for_workers[0]}"
+        )
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
         config = LaunchConfig(**values(LaunchConfig, launching))
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)

@@ -1,4 +1,4 @@
-"""The few collectives the Trainer needs, each a no-op in a single process."""
+"""The few collectives the Runtime, the checkpoints and the Trainer need, each a no-op in a single process."""
 
 from __future__ import annotations
 
@@ -59,12 +59,6 @@ def run_on_rank0(action: Callable[[], T], what: str) -> T:
     if error is not None:
         raise RankZeroError(f"{what} failed on rank 0: {error}")
     return result
-
-
-def barrier() -> None:
-    """Wait for every rank."""
-    if active():
-        torch_dist.barrier()
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime as dt
 import gc
 import os
@@ -109,6 +111,21 @@ def init_process_group(env: DistEnv, device_type: str) -> bool:
     else:
         torch_dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
     return True
+
+
+def join_process_group(env: DistEnv, device_type: str) -> contextlib.ExitStack:
+    """Join the launched job's process group, unless this process already has one; closing the stack leaves it.
+
+    On gloo the group is also left at interpreter exit, for a script that never closes what joined
+    it: an FSDP model freed after gloo's threads stopped could abort the interpreter's last clean-up.
+    """
+    stack = contextlib.ExitStack()
+    if init_process_group(env, device_type):
+        stack.callback(leave_process_group)
+        if device_type == "cpu":
+            atexit.register(leave_process_group)
+            stack.callback(atexit.unregister, leave_process_group)
+    return stack
 
 
 def leave_process_group() -> None:

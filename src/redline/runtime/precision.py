@@ -23,13 +23,14 @@ _NOTHING = contextlib.nullcontext()
 class Precision:
     """One precision, applied: ``autocast()``, ``backward(loss)``, ``step(optimizer)``, and its state."""
 
-    def __init__(self, name: PrecisionName, device_type: str) -> None:
+    def __init__(self, name: PrecisionName, device: torch.device | str) -> None:
         self.name: PrecisionName = name
-        self.device_type = device_type
+        self.device = torch.device(device)
+        self.device_type = self.device.type
         self.dtype = _AUTOCAST_DTYPES.get(name)
-        self.scaler = torch.amp.GradScaler(device_type) if name == "fp16-mixed" else None
-        self._last_scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # the initial scale
-        self.skipped_steps = 0  # fp16 steps the scaler skipped because their gradients overflowed
+        self.scaler = torch.amp.GradScaler(self.device_type) if name == "fp16-mixed" else None
+        self._one: torch.Tensor | None = None
+        self._skipped: torch.Tensor | int = 0  # fp16 steps skipped on overflow, counted on the device
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in this precision."""
@@ -48,8 +49,9 @@ class Precision:
         """Step ``optimizer``: unscale the gradients (fp16), clip them if asked, then step.
 
         Under fp16 the scaler skips a step whose gradients overflowed, and lowers the scale; that is
-        the normal start of loss scaling, counted in ``skipped_steps``. The scaler reads its overflow
-        flag on the host at every step anyway, so reading the scale back costs no extra wait.
+        the normal start of loss scaling, counted in ``skipped_steps``. The count stays on the device
+        (the scale before and after, compared there), so the step never waits for the device: with a
+        fused optimizer nothing of the scaler's step is read back either.
         """
         if self.scaler is None:
             if clip is not None:
@@ -59,12 +61,22 @@ class Precision:
         if clip is not None:
             self.scaler.unscale_(optimizer)
             clip(optimizer)
+        before = self._scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        scale = self.scaler.get_scale()
-        if scale < self._last_scale:  # the scale only drops when a step's gradients overflowed
-            self.skipped_steps += 1
-        self._last_scale = scale
+        self._skipped = self._skipped + (self._scale() < before).int()  # the scale drops only on overflow
+
+    def _scale(self) -> torch.Tensor:
+        """The current loss scale as a device tensor: scaling a one, through the scaler's public API."""
+        assert self.scaler is not None
+        if self._one is None:
+            self._one = torch.ones((), device=self.device)
+        return self.scaler.scale(self._one)
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps the scaler skipped on overflow (reading it waits for the device once)."""
+        return int(self._skipped)
 
     def state_dict(self) -> dict[str, Any]:
         """Return what a resumed run needs: the loss scale and its growth tracker (empty without fp16)."""
@@ -79,8 +91,7 @@ class Precision:
         scaler = state.get("scaler", state)  # redline 0.1 stored the scaler's own state dict
         if scaler:
             self.scaler.load_state_dict(scaler)
-            self._last_scale = self.scaler.get_scale()
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._skipped = int(state.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"

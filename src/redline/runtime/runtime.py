@@ -19,9 +19,9 @@ starts (``with``, ``start()``, or the first ``setup()``) and left when it closes
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from redline.config import positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
-from redline.parallel.env import init_process_group, leave_process_group, read_env
+from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.compile import resolve_compile
 from redline.plan.device import resolve_device
@@ -56,6 +56,7 @@ from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 
 _NOTHING = contextlib.nullcontext()
+log = logging.getLogger("redline")
 
 
 class Runtime:
@@ -79,7 +80,7 @@ class Runtime:
         self.device = torch.device(device.value)
         self.facts: DeviceFacts = probe_device(self.device)
         chosen = resolve_precision(self.options.precision, self.facts)
-        self.precision = Precision(chosen.value, self.device.type)
+        self.precision = Precision(chosen.value, self.device)
         tf32, zero_grad = resolve_tf32(self.facts), resolve_zero_grad(self.facts)
         self.settings = ProcessSettings(
             tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed
@@ -100,6 +101,8 @@ class Runtime:
         self.model: nn.Module | None = None  # the set-up (wrapped) model and its optimizer: what save() writes
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
+        self._closed = False
+        self._setups = 0
         self._compile_records: list[CompileRecord] = []
         self._backwards = 0
         self._micro_steps: dict[int, int] = {}
@@ -115,12 +118,13 @@ class Runtime:
         """
         if self._started is not None:
             return self
+        if self._closed:
+            raise ConfigError(
+                "this Runtime was closed: its process-wide settings were put back and its process group left\n"
+                "hint: build a new Runtime for another run"
+            )
         stack = contextlib.ExitStack()
-        if init_process_group(self.env, self.device.type):
-            stack.callback(leave_process_group)
-            if self.device.type == "cpu":  # gloo: leave the group at exit too, for a script that never closes
-                atexit.register(self.close)
-                stack.callback(atexit.unregister, self.close)
+        stack.enter_context(join_process_group(self.env, self.device.type))
         stack.enter_context(self.settings.enter())
         self._started = stack
         return self
@@ -129,6 +133,7 @@ class Runtime:
         """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
         stack, self._started = self._started, None
         if stack is not None:
+            self._closed = True
             stack.close()
 
     def __enter__(self) -> Runtime:
@@ -147,7 +152,15 @@ class Runtime:
         """
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
+        if self._started is None and self.options.seed is not None:
+            log.warning(
+                "seed=%d was applied when setup() started the Runtime, after this model was built: its initial "
+                "weights did not come from the seed\nhint: build the model inside `with Runtime(seed=...) as rt:` "
+                "(or after rt.start())",
+                self.options.seed,
+            )
         self.start()
+        self._setups += 1
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
         self._split_caveats = split_caveats(model)
         layout = resolve_channels_last(
@@ -350,6 +363,11 @@ class Runtime:
             raise ConfigError(
                 "the Runtime has no model yet: its state, checkpoints and weights are the set-up model's\n"
                 "hint: call rt.setup(model, optimizer) first"
+            )
+        if self._setups > 1:
+            raise ConfigError(
+                f"this Runtime set up {self._setups} models; its state, checkpoints and weights are one model's\n"
+                "hint: use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
 

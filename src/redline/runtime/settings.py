@@ -2,13 +2,15 @@
 
 torch keeps these settings per process, so a library that sets them quietly changes its caller's
 program. The Runtime applies them when it starts and puts the previous values back when it closes;
-the Plan lists each (``tf32``, ``deterministic``, ``seed``).
+the Plan lists each (``tf32``, ``deterministic``, ``seed``). A setting the run does not change is
+neither read nor written.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 
 import torch
 
@@ -23,35 +25,52 @@ class ProcessSettings:
     deterministic: bool = False  # torch.use_deterministic_algorithms(True): an op without one raises
     seed: int | None = None  # seeds Python, NumPy and torch when the run starts; not undone after
 
-    def enter(self) -> _Applied:
-        """Apply the settings; the returned context (or its ``restore()``) puts the previous ones back."""
-        applied = _Applied()
+    def enter(self) -> contextlib.ExitStack:
+        """Apply the settings; closing the returned stack puts the previous ones back."""
+        undo = contextlib.ExitStack()
         if self.seed is not None:
             seed_everything(self.seed)
         if self.tf32:
-            torch.set_float32_matmul_precision("high")
-            torch.backends.cudnn.allow_tf32 = True
+            undo.callback(_tf32_on())
         if self.deterministic:
+            enabled, warn_only = torch.are_deterministic_algorithms_enabled(), _warn_only()
             torch.use_deterministic_algorithms(True, warn_only=False)
-        return applied
+            undo.callback(torch.use_deterministic_algorithms, enabled, warn_only=warn_only)
+        return undo
 
 
-class _Applied:
-    """The settings as they were before a run changed them."""
+def _warn_only() -> bool:
+    return torch.is_deterministic_algorithms_warn_only_enabled()
 
-    def __init__(self) -> None:
-        self.matmul_precision = torch.get_float32_matmul_precision()
-        self.cudnn_tf32 = torch.backends.cudnn.allow_tf32
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
 
-    def restore(self) -> None:
-        torch.set_float32_matmul_precision(self.matmul_precision)
-        torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
-        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+def _tf32_on() -> Callable[[], None]:
+    """Turn TF32 on through the API this process already uses; return what turns it back.
 
-    def __enter__(self) -> _Applied:
-        return self
+    torch 2.9 added per-backend settings (``torch.backends.cuda.matmul.fp32_precision``) and raises
+    when a process mixes them with the older global ones, so the setting goes through whichever the
+    process has used: https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices
+    """
+    try:
+        matmul = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the process set the per-backend API: reading the global one is refused
+        return _tf32_on_per_backend()
+    cudnn = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.restore()
+    def restore() -> None:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+    return restore
+
+
+def _tf32_on_per_backend() -> Callable[[], None]:
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
+    before = (matmul.fp32_precision, conv.fp32_precision)
+    matmul.fp32_precision, conv.fp32_precision = "tf32", "tf32"
+
+    def restore() -> None:
+        matmul.fp32_precision, conv.fp32_precision = before
+
+    return restore

@@ -8,10 +8,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file, save_model
-from torch import nn
-
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
 
@@ -39,14 +35,3 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
-
-
-def save_weights(path: Path, model: nn.Module) -> None:
-    """Save ``model``'s weights as safetensors, atomically; tied weights are stored once."""
-    write_atomic(path, lambda tmp: save_model(model, str(tmp)))
-
-
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Save named tensors (a gathered state dict, tied weights already once) as safetensors, atomically."""
-    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt", **(metadata or {})}))

@@ -31,7 +31,7 @@ from redline.checkpoint import Checkpoint, CheckpointError
 from redline.errors import ConfigError, DeviceUnavailableError, RedlineError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum, is_collective_failure
-from redline.parallel.env import process_group_store, read_env
+from redline.parallel.env import join_process_group, process_group_store, read_env
 from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
@@ -88,11 +88,13 @@ class Trainer:
         self._evaluated_at: int | None = None
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
+        self._group = contextlib.ExitStack()  # the launched job's process group, once joined
 
     def close(self) -> None:
         """Put back the process-wide settings the run applied and leave its process group (idempotent)."""
         if self.rt is not None:
             self.rt.close()
+        self._group.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -160,7 +162,7 @@ class Trainer:
         if run.scheduler is not None:
             run.scheduler.step()
         run.pos.step += 1
-        run.window.losses.append(run.micro_loss / self.options.grad_accum)  # the step's mean loss
+        run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
         run.micro_loss = None
         run.meter.first_step_done(run.pos.step, inputs, targets, run.model)
@@ -237,11 +239,13 @@ class Trainer:
 
     def _start(self) -> Run:
         self.env = read_env()
+        resumed = self._find_resume()
+        options = self._options(resumed)
         size = len(self.task.train_data)  # type: ignore[arg-type]
         self._batches_per_epoch = batches_per_epoch(size, self.batch_size, self.env.world_size)
-        per_epoch = self._batches_per_epoch // self.options.grad_accum or 1
+        per_epoch = self._batches_per_epoch // options.grad_accum or 1
         total = min(self.max_epochs * per_epoch, self.config.max_steps or math.inf)
-        rt, model, optimizer, scheduler, pos, resumed = self._setup(planned_steps=int(total))
+        rt, model, optimizer, scheduler, pos = self._setup(options, resumed, planned_steps=int(total))
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
             world_size=self.env.world_size,
@@ -265,11 +269,20 @@ class Trainer:
             last_ckpt=resumed,
         )
 
-    def _setup(self, planned_steps: int) -> tuple[Runtime, nn.Module, Any, Any, Position, Checkpoint | None]:
-        found = self._find_resume()
-        options = self.options
-        if found is not None:  # the resumed run reuses the Plan it was written under
-            options = _available_device(options.with_plan(checkpoint.load_plan(found)))
+    def _options(self, found: Checkpoint | None) -> RuntimeOptions:
+        """This run's Runtime options: a resumed run reuses the Plan it was written under."""
+        if found is None:
+            return self.options
+        resumed = self.options.with_plan(checkpoint.load_plan(found))
+        if self.env.distributed:  # the process group is already on this run's device: keep it
+            resumed = dataclasses.replace(resumed, devices=self.options.devices)
+        return _available_device(resumed)
+
+    def _setup(
+        self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int
+    ) -> tuple[Runtime, nn.Module, Any, Any, Position]:
+        if self.rt is not None:  # a second fit (or evaluate, then fit) starts from a fresh Runtime
+            self.rt.close()
         rt = Runtime(options, planned_steps=planned_steps).start()  # seeded before the model is built
         self.rt = rt
         try:
@@ -296,9 +309,11 @@ class Trainer:
                 self.early_stopping.load_state_dict(state["early_stopping"])
             rt.adopt_reasons(checkpoint.load_plan(found), note=f"from checkpoint step {found.step}")
         self.model = model
-        return rt, model, optimizer, scheduler, pos, found
+        return rt, model, optimizer, scheduler, pos
 
     def _find_resume(self) -> Checkpoint | None:
+        """Join the launched job's process group, then find the checkpoint to resume from, all ranks together."""
+        self._join_group()
         resume = self.config.resume
         if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
             resume = "auto"  # torchrun restarted this worker (--max-restarts): continue from the last checkpoint
@@ -309,6 +324,12 @@ class Trainer:
         if found is None:
             log.warning("no checkpoint under %s; starting from scratch", root)
         return found
+
+    def _join_group(self) -> None:
+        """Meet the other workers before anything they must agree on (the checkpoint to resume from)."""
+        if self.env.distributed or self.env.launched:
+            device = resolve_device(self.options.devices, probe_accelerators())
+            self._group.enter_context(join_process_group(self.env, torch.device(device.value).type))
 
     def _checkpoint_root(self) -> Path:
         return self.out_dir / "checkpoints" if self.out_dir else Path(".")
@@ -437,7 +458,8 @@ class Trainer:
 
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
-            self._setup(planned_steps=1)
+            found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
+            self._setup(self._options(found), found, planned_steps=1)
         assert self.rt is not None and self.model is not None
         return self.rt, self.model
 
