@@ -122,9 +122,7 @@ def main() -> None:
         "takes 1/N of it) and once on load (the ranks share the files out). The wall times go through this VM's "
         "virtual disk, whose speed varies from round to round; the CPU times are the steadier figure.",
     ]
-    print("\n".join(body))
-    if args.write:
-        print(f"wrote {environment.write(args.write, 'Checkpoint checksums: what they cost', body)}")
+    environment.publish(args.write, "Checkpoint checksums: what they cost", body)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,10 @@ def write(name: str, title: str, body: list[str], device: str = "cpu") -> Path:
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def publish(name: str | None, title: str, body: list[str], device: str = "cpu") -> None:
+    """Print a result's body; with a ``name`` (a benchmark's --write) also write ``results/<name>.md``."""
+    print("\n".join(body))
+    if name:
+        print(f"wrote {write(name, title, body, device)}")

@@ -106,9 +106,7 @@ def main() -> None:
         "| --- | --- | --- | --- |",
         *rows,
     ]
-    print("\n".join(body))
-    if args.write:
-        print(f"wrote {environment.write(args.write, 'The distributed path on one rank', body)}")
+    environment.publish(args.write, "The distributed path on one rank", body)
 
 
 if __name__ == "__main__":

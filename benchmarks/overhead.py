@@ -135,9 +135,7 @@ def main() -> None:
         )
         print(body[-1], flush=True)
     body += ["", "Goal: Runtime / plain <= 1.01."]
-    print("\n".join(body))
-    if args.write:
-        print(f"wrote {environment.write(args.write, 'Runtime overhead vs the plain loop', body, args.device)}")
+    environment.publish(args.write, "Runtime overhead vs the plain loop", body, args.device)
 
 
 if __name__ == "__main__":

@@ -100,13 +100,9 @@ def main() -> None:
             f"({per_step.get('parameters unsharded', 0):.0f} parameter tensors) |"
         )
     if dist.get_rank() == 0:
-        body = head + rows
-        print("\n".join(body))
-        if args.write:
-            import environment  # benchmarks/ is on sys.path when run as a script
+        import environment  # benchmarks/ is on sys.path when run as a script
 
-            title = f"Scaling check: {args.strategy.upper()} on {world} processes"
-            print(f"wrote {environment.write(args.write, title, body)}")
+        environment.publish(args.write, f"Scaling check: {args.strategy.upper()} on {world} processes", head + rows)
     dist.barrier()
     rt.close()
 

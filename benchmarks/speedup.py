@@ -137,10 +137,7 @@ def main() -> None:
         plans.append(f"- {spec}: {runs['auto'][0].plan}")
         print(body[-1], flush=True)
     body += ["", "The auto Plan chose:", *plans]
-    print("\n".join(body))
-    if args.write:
-        title = "Speed-up of the auto Plan over the naive loop"
-        print(f"wrote {environment.write(args.write, title, body, args.device)}")
+    environment.publish(args.write, "Speed-up of the auto Plan over the naive loop", body, args.device)
 
 
 if __name__ == "__main__":

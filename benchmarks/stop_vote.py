@@ -72,11 +72,9 @@ def main() -> None:
             "| --- | --- | --- | --- |",
             *rows,
         ]
-        print("\n".join(body))
-        if args.write:
-            import environment  # benchmarks/ is on sys.path when run as a script
+        import environment  # benchmarks/ is on sys.path when run as a script
 
-            print(f"wrote {environment.write(args.write, f'Stop vote cost on {world} processes', body)}")
+        environment.publish(args.write, f"Stop vote cost on {world} processes", body)
     rt.close()
 
 

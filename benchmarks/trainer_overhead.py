@@ -91,9 +91,7 @@ def main() -> None:
         "",
         "Goal: Trainer / plain <= 1.03.",
     ]
-    print("\n".join(body))
-    if args.write:
-        print(f"wrote {environment.write(args.write, 'Trainer overhead vs the plain loop', body)}")
+    environment.publish(args.write, "Trainer overhead vs the plain loop", body)
 
 
 if __name__ == "__main__":
