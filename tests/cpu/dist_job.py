@@ -12,9 +12,11 @@ A small MLP without dropout or BatchNorm, so results must not depend on the numb
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -129,7 +131,9 @@ def main() -> None:
             assert trainer.rt is not None
             trainer.rt.module.register_forward_pre_hook(count)
             val_loss = trainer.evaluate()["val_loss"]
-            print(f"rank {trainer.env.rank} evaluated {seen[0]} samples val_loss={val_loss!r}", flush=True)
+            # a file per rank: two ranks' lines can interleave in the launcher's shared stdout
+            result = {"samples": seen[0], "val_loss": val_loss}
+            (Path(args.out) / f"evaluate-rank{trainer.env.rank}.json").write_text(json.dumps(result))
     print(
         f"rank {trainer.env.rank} done steps={summary.steps} val_loss={summary.val_loss!r} stopped={summary.stopped}",
         flush=True,
