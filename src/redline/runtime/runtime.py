@@ -260,8 +260,10 @@ class Runtime:
         sync = self._backwards % accum == 0  # reduce gradients over the ranks on the last micro-batch only
         if accum > 1:
             loss = loss / accum
-        no_strategy = self.strategy is None or self.model is None
-        with _NOTHING if no_strategy else self.strategy.gradient_sync(self.model, sync):  # type: ignore[union-attr,arg-type]
+        synced: contextlib.AbstractContextManager[Any] = _NOTHING  # before setup: no model to synchronise
+        if self.strategy is not None and self.model is not None:
+            synced = self.strategy.gradient_sync(self.model, sync)
+        with synced:
             self.precision.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
