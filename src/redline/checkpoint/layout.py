@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from redline.atomic import commit_directory, fsync_path
 from redline.errors import RedlineError
@@ -28,8 +28,8 @@ MANIFEST = "manifest.json"
 PLAN = "plan.json"
 # The formats a manifest may name: whole (one process wrote it) and sharded (every rank its shards),
 # each with redline 0.1's first version, which still loads.
-WHOLE_FORMATS: tuple[object, ...] = ("redline-whole-2", 1)
-SHARDED_FORMATS: tuple[object, ...] = ("redline-sharded-2", "redline-sharded-1")
+WHOLE_FORMATS: tuple[str, int] = ("redline-whole-2", 1)  # (now, redline 0.1's)
+SHARDED_FORMATS: tuple[str, str] = ("redline-sharded-2", "redline-sharded-1")
 _BLOCK = 1 << 20
 
 log = logging.getLogger("redline")
@@ -62,14 +62,9 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:08d}"
 
 
-def staging_dir(final: Path) -> Path:
-    """Return the directory ``final`` is written in before its commit (one name for every rank)."""
-    return final.parent / f".tmp-{final.name}"
-
-
 def stage(final: Path) -> Path:
-    """Create an empty staging directory for ``final`` (a crashed write's leftovers are removed)."""
-    tmp = staging_dir(final)
+    """Create an empty staging directory for ``final``, one name for every rank (a crashed write's leftovers go)."""
+    tmp = final.parent / f".tmp-{final.name}"
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -78,12 +73,17 @@ def stage(final: Path) -> Path:
 
 def file_entry(path: Path) -> dict[str, Any]:
     """Return a file's manifest entry, its size and SHA-256, and flush it to disk on the way."""
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(_BLOCK), b""):
-            digest.update(block)
+        digest = _sha256(handle)
         os.fsync(handle.fileno())
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"bytes": path.stat().st_size, "sha256": digest}
+
+
+def _sha256(handle: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    for block in iter(lambda: handle.read(_BLOCK), b""):
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def commit(
@@ -182,13 +182,11 @@ def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
         expected = entry.get("sha256") if isinstance(entry, dict) else None
         if expected is None:
             return None
-        digest = hashlib.sha256()
         with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(_BLOCK), b""):
-                digest.update(block)
+            digest = _sha256(handle)
     except OSError as exc:  # reported like any other problem, so the other ranks do not wait for this one
         return f"{name} cannot be read ({exc.strerror or exc})"
-    return None if digest.hexdigest() == expected else f"{name} does not match its checksum (corrupt)"
+    return None if digest == expected else f"{name} does not match its checksum (corrupt)"
 
 
 def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
@@ -200,17 +198,17 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     explicit path that does not verify is an error.
     """
     if str(where) != "auto":
-        return _open_everywhere(Path(where))
+        return open_verified(Path(where))
     listed = run_on_rank0(lambda: [str(c.path) for c in find_checkpoints(root)], "listing the checkpoints")
     for path in reversed(listed):
         try:
-            return _open_everywhere(Path(path))
+            return open_verified(Path(path))
         except CheckpointError as exc:
             log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
     return None
 
 
-def _open_everywhere(path: Path) -> Checkpoint:
+def open_verified(path: Path) -> Checkpoint:
     """Read ``path``'s manifest on every rank and verify it together; every rank raises alike if one fails."""
     try:
         checkpoint, failure = read_checkpoint(path), None

@@ -34,12 +34,20 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from redline.checkpoint.layout import PLAN, Checkpoint, CheckpointError, commit, file_entry, legacy_states, stage
+from redline.checkpoint.layout import (
+    PLAN,
+    SHARDED_FORMATS,
+    Checkpoint,
+    CheckpointError,
+    commit,
+    file_entry,
+    legacy_states,
+    stage,
+)
 from redline.checkpoint.layout import write_json as write_document
 from redline.parallel.collectives import gather_objects, run_on_rank0
 
-FORMAT = "redline-sharded-2"
-LEGACY_FORMAT = "redline-sharded-1"  # redline 0.1: sizes only, and extra.pt held the whole trainer state
+FORMAT, LEGACY_FORMAT = SHARDED_FORMATS  # redline 0.1's: sizes only, and extra.pt held the whole trainer state
 RUNTIME, EXTRA = "runtime.pt", "extra.pt"
 
 
@@ -161,10 +169,6 @@ def _listing(directory: Path) -> dict[str, int]:
     return {path.name: path.stat().st_size for path in directory.iterdir() if path.is_file()}
 
 
-def is_sharded(checkpoint: Checkpoint) -> bool:
-    return checkpoint.manifest.get("format") in (FORMAT, LEGACY_FORMAT)
-
-
 def load_sharded(
     checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -173,7 +177,7 @@ def load_sharded(
     Collective when a process group is initialised: every rank calls it. The model must be wrapped
     (sharded or not) as it will be trained, and the optimizer built on its parameters.
     """
-    if not is_sharded(checkpoint):
+    if not checkpoint.sharded:
         raise CheckpointError(f"{checkpoint.path}: format {checkpoint.format!r} is not a sharded checkpoint")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}

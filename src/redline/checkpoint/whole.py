@@ -20,6 +20,7 @@ from torch import nn
 from redline.atomic import write_atomic
 from redline.checkpoint.layout import (
     PLAN,
+    WHOLE_FORMATS,
     Checkpoint,
     CheckpointError,
     commit,
@@ -29,8 +30,8 @@ from redline.checkpoint.layout import (
     write_json,
 )
 
-FORMAT = "redline-whole-2"
-LEGACY_FORMAT = 1  # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
+# redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
+FORMAT, LEGACY_FORMAT = WHOLE_FORMATS
 WEIGHTS, OPTIMIZER, RUNTIME, EXTRA = "model.safetensors", "optimizer.pt", "runtime.pt", "extra.pt"
 
 

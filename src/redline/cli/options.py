@@ -2,7 +2,7 @@
 
 Each options field declared with ``redline.config.option`` carries its help and, where it differs
 from the field's name, its flag. ``flags(RuntimeOptions)`` turns the fields into typer parameters;
-``values(RuntimeOptions, given)`` picks the parsed values back out for the dataclass's constructor.
+``values(RuntimeOptions, parsed)`` picks the parsed values back out for the dataclass's constructor.
 A command built with ``command`` takes its own parameters plus the derived ones.
 """
 
@@ -76,25 +76,20 @@ def _cli_type(hint: Any, name: str) -> Any:
     raise TypeError(f"no command-line type for {hint!r}")
 
 
-def values(owner: type, given: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
-    """Return the keyword arguments for ``owner`` from parsed flags: the ones given, lists as tuples."""
+def values(owner: type, parsed: Mapping[str, Any], *, prefix: str = "", optional: bool = False) -> dict[str, Any]:
+    """Return the keyword arguments for ``owner`` from parsed flags, choices as their text and lists as tuples.
+
+    With ``optional`` (flags made by ``flags(..., optional=True)``), only the flags that were given.
+    """
     out = {}
-    for flag in (f for f in flags(owner, prefix=prefix) if f.parameter.name in given):
-        value = given[flag.parameter.name]
-        if value is None and flag.parameter.default is not None:
+    for flag in flags(owner, prefix=prefix, optional=optional):
+        value = parsed.get(flag.parameter.name)
+        if flag.parameter.name not in parsed or (optional and value is None):
             continue
         if isinstance(value, enum.Enum):
             value = value.value
-        if isinstance(value, list | tuple):
-            value = tuple(value)
-        out[flag.field] = value
+        out[flag.field] = tuple(value) if isinstance(value, list | tuple) else value
     return out
-
-
-def given(owner: type, parsed: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
-    """Return the fields of ``owner`` whose optional flags (``flags(..., optional=True)``) were given."""
-    found = {f.field: parsed[f.parameter.name] for f in flags(owner, prefix=prefix, optional=True)}
-    return {name: v.value if isinstance(v, enum.Enum) else v for name, v in found.items() if v is not None}
 
 
 def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., Any]:

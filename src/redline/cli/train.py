@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from redline.cli.options import command, flags, given, values
+from redline.cli.options import command, flags, values
 from redline.errors import ConfigError, invalid
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, plan_table
@@ -63,11 +63,11 @@ def _train(
             f"hint: add --nproc N (1 for one process under the launcher), or drop {set_for_workers[0]}"
         )
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
-        config = LaunchConfig(**values(LaunchConfig, launching))
+        config = LaunchConfig(**values(LaunchConfig, launching, optional=True))
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
     loaded = load_task(task, **parse_task_args(task_arg or []))
-    stopping = given(EarlyStopping, parsed, prefix=EARLY_STOPPING)
+    stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)
     with Trainer(
         loaded,
         TrainerConfig(runtime=RuntimeOptions(**values(RuntimeOptions, parsed)), **values(TrainerConfig, parsed)),

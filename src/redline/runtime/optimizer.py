@@ -39,16 +39,21 @@ def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
                 )
 
 
+def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "") -> None:
+    """Refuse to rebuild an optimizer that has stepped: its moments would be lost (``onto``: what it is rebuilt on)."""
+    if any(optimizer.state.values()):
+        raise ConfigError(
+            f"cannot rebuild {type(optimizer).__name__}{onto}: it already holds state\n"
+            "hint: pass the optimizer before its first step, or as a factory"
+        )
+
+
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.optim.Optimizer:
     """Return a new optimizer of the same class, groups and hyperparameters, with ``impl`` changed.
 
     Only an optimizer that holds no state yet can be rebuilt without changing the run.
     """
-    if any(optimizer.state.values()):
-        raise ConfigError(
-            f"cannot rebuild {type(optimizer).__name__}: it already holds state\n"
-            "hint: pass the optimizer before its first step, or as a factory"
-        )
+    check_stateless(optimizer)
     groups = [{**group, **impl} for group in optimizer.param_groups]
     defaults = {**optimizer.defaults, **impl}
     if impl.get("fused"):  # fused and foreach are exclusive

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from redline.checkpoint import Checkpoint, read_checkpoint, verify
+from redline.checkpoint import Checkpoint, open_verified
 from redline.config import positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -346,8 +346,7 @@ class Runtime:
         """
         strategy, model, optimizer = self._prepared()
         if not isinstance(checkpoint, Checkpoint):
-            checkpoint = read_checkpoint(Path(checkpoint))
-            verify(checkpoint)
+            checkpoint = open_verified(Path(checkpoint))
         runtime_state, extra = strategy.load(checkpoint, model, optimizer)
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
         per_rank = runtime_state.get("rng") or []

@@ -12,13 +12,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from redline.checkpoint import Checkpoint, whole
-from redline.checkpoint.sharded import is_sharded, load_sharded, save_sharded
-from redline.errors import ConfigError
-from redline.parallel.collectives import run_on_rank0
+from redline.checkpoint.sharded import load_sharded, save_sharded
+from redline.parallel.collectives import rank_and_world, run_on_rank0
 from redline.parallel.fsdp import full_state, full_weights, load_full_state, shard
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
-from redline.runtime.optimizer import OptimizerLike, build_optimizer, rebuild_optimizer
+from redline.runtime.optimizer import OptimizerLike, build_optimizer, check_stateless, rebuild_optimizer
 
 
 class FSDP:
@@ -37,13 +36,9 @@ class FSDP:
         its name. It must hold no state yet (pass it before its first step, or as a factory).
         """
         built = build_optimizer(optimizer, model)
-        if any(built.state.values()):  # checked before the model changes, not after
-            raise ConfigError(
-                f"cannot rebuild {type(built).__name__} on the sharded parameters: it already holds state\n"
-                "hint: pass the optimizer before its first step, or as a factory"
-            )
+        check_stateless(built, " on the sharded parameters")  # before the model changes, not after
         names = {id(p): name for name, p in model.named_parameters()}
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        _, world = rank_and_world()
         shard(model, precision=precision, reshard=world > 1)
         self.detail = (
             "blocks resharded after forward, gathered again in backward" if world > 1 else
@@ -76,7 +71,7 @@ class FSDP:
     def load(
         self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        if is_sharded(checkpoint):
+        if checkpoint.sharded:
             return load_sharded(checkpoint, model, optimizer)
         # A whole checkpoint (one device's, DDP's): rank 0 reads it once and broadcasts the pieces.
         states: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from redline.checkpoint import Checkpoint, whole
-from redline.checkpoint.sharded import is_sharded, load_sharded
+from redline.checkpoint.sharded import load_sharded
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
 from redline.runtime.optimizer import OptimizerLike, build_optimizer
@@ -54,7 +54,7 @@ class SingleDevice:
     def load(
         self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        if is_sharded(checkpoint):  # an FSDP run's: DCP gathers the pieces into the whole model
+        if checkpoint.sharded:  # an FSDP run's: DCP gathers the pieces into the whole model
             return load_sharded(checkpoint, model, optimizer)
         module = self.module(model)
         whole.load_weights(checkpoint, module)
