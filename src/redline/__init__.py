@@ -14,7 +14,14 @@ from redline.version import __version__
 
 if TYPE_CHECKING:
     from redline import doctor
-    from redline.errors import ConfigError, DeviceUnavailableError, RedlineError, TaskSpecError
+    from redline.errors import (
+        ConfigError,
+        DeviceUnavailableError,
+        RedlineError,
+        TaskError,
+        TaskSpecError,
+        TrainingError,
+    )
     from redline.plan import Choice, Plan
     from redline.runtime.options import RuntimeOptions
     from redline.runtime.runtime import Runtime
@@ -36,7 +43,9 @@ _LAZY = {
     "Runtime": "redline.runtime.runtime",
     "RuntimeOptions": "redline.runtime.options",
     "Task": "redline.task",
+    "TaskError": "redline.errors",
     "TaskSpecError": "redline.errors",
+    "TrainingError": "redline.errors",
     "TrainSummary": "redline.train.summary",
     "Trainer": "redline.train.trainer",
     "TrainerConfig": "redline.train.config",
@@ -70,10 +79,12 @@ __all__ = [
     "Runtime",
     "RuntimeOptions",
     "Task",
+    "TaskError",
     "TaskSpecError",
     "TrainSummary",
     "Trainer",
     "TrainerConfig",
+    "TrainingError",
     "__version__",
     "doctor",
     "load_task",

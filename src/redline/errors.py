@@ -21,6 +21,14 @@ class TaskSpecError(RedlineError, ValueError):
     """A task spec string could not be loaded into a Task."""
 
 
+class TaskError(RedlineError, ValueError):
+    """A Task's data, loss or metric gave something the Trainer cannot use (an item that is not a pair, say)."""
+
+
+class TrainingError(RedlineError, RuntimeError):
+    """Training cannot go on: a non-finite loss, a failing forward, or a peer that stopped."""
+
+
 def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigError:
     """Build a ConfigError in the house format: passed -> allowed -> hint."""
     message = f"{name}={value!r} is not allowed; expected {allowed}"

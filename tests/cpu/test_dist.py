@@ -77,7 +77,9 @@ def test_two_processes_give_the_weights_and_metrics_of_one(one_process, two_proc
     assert two["plan"]["strategy"]["value"] == "ddp" and one["plan"]["strategy"]["value"] == "single"
     # 41 validation samples over 2 ranks: each counted exactly once, so the loss is the same
     assert two["val_loss"] == pytest.approx(one["val_loss"], abs=1e-6)
-    assert two["samples"] == one["samples"] // 2  # each rank saw half of every global batch
+    # each rank saw half of every global batch; the job's count is the whole: the same as one process's
+    assert two["samples"] == one["samples"] == STEPS * 16
+    assert two["epochs"] == one["epochs"]
 
 
 def test_evaluate_after_fit_counts_each_sample_once_over_the_ranks(two_processes):

@@ -167,7 +167,7 @@ def test_early_stopping_stops_when_the_metric_stops_improving():
 
 def test_a_batch_of_the_wrong_shape_names_the_step_and_the_shapes():
     wrong = TensorDataset(torch.randn(16, 5), torch.randint(0, 2, (16,)))
-    with pytest.raises(TrainingError, match=r"(?s)step 1: .*inputs \(8, 5\) float32.*hint"):
+    with pytest.raises(TrainingError, match=r"(?s)step 1: .*inputs Tensor\(8, 5\) float32.*hint"):
         quiet(tiny_task(train_data=wrong, val_data=None), max_steps=2).fit()
 
 

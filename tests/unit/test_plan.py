@@ -132,6 +132,12 @@ def test_explicit_precision_is_kept_where_possible(precision):
     assert resolve_precision(precision, CPU).value == precision
 
 
+def test_fp16_on_a_cpu_says_what_it_costs_and_what_to_use_instead():
+    reason = resolve_precision("fp16-mixed", CPU).reason
+    assert "loss scaling" in reason and "skipped" in reason and "bf16-mixed" in reason
+    assert resolve_precision("fp16-mixed", H100).reason == "requested"
+
+
 def test_bf16_on_v100_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"no native bf16.*'fp16-mixed'") as err:
         resolve_precision("bf16-mixed", V100)

@@ -114,14 +114,15 @@ def without_launch_options(argv: list[str]) -> list[str]:
 
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     """Return the summary's figures as (name, text) rows for a table."""
+    epochs = f"{summary.epochs:g} epochs, " if summary.epochs is not None else "streamed, "
     rows = [
         ("device", summary.device),
+        ("steps", f"{summary.steps} ({epochs}{summary.samples} samples; stopped: {summary.stopped})"),
+        ("final loss", "n/a" if summary.final_loss is None else f"{summary.final_loss:.4f} (mean of the last steps)"),
         (
-            "steps",
-            f"{summary.steps} ({summary.epochs:g} epochs, {summary.samples} samples; stopped: {summary.stopped})",
+            "samples/s",
+            "n/a" if summary.samples_per_s is None else f"{summary.samples_per_s:,.0f} (after the first step)",
         ),
-        ("final loss", f"{summary.final_loss:.4f} (mean of the last steps)"),
-        ("samples/s", f"{summary.samples_per_s:,.0f} (after the first step)"),
     ]
     if summary.tokens_per_s:
         rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))

@@ -64,6 +64,12 @@ class Plan:
                 out[field.name] = {"value": value if plain else str(value), "reason": choice.reason}
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> Plan:
+        """Read back ``to_dict()``'s data: each axis's value as stored (a loader's settings as their text)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{axis: Choice(d["value"], d["reason"]) for axis, d in data.items() if axis in names})
+
     def __str__(self) -> str:
         rows = self.rows()
         width = max(len(axis) for axis, _, _ in rows)

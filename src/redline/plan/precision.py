@@ -28,6 +28,12 @@ def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionNam
             "native bf16; allowed on this device: 'fp32', 'fp16-mixed'\n"
             "hint: use precision='fp16-mixed' (loss scaling is handled) or 'auto'"
         )
+    if requested == "fp16-mixed" and facts.type == "cpu":
+        return Choice(
+            "fp16-mixed",
+            "requested; on a CPU fp16 needs loss scaling (a step whose gradients overflow is skipped, and counted "
+            "in the summary) and has fast kernels only with AMX-FP16: bf16-mixed needs no scaling",
+        )
     return Choice(cast(PrecisionName, requested), "requested")
 
 

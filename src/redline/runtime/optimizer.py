@@ -27,6 +27,23 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
     return built
 
 
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train: no parameters, or none that requires a gradient."""
+    params = list(model.parameters())
+    name = type(model).__name__
+    if not params:
+        raise ConfigError(
+            f"the model ({name}) has no parameters: there is nothing to train\n"
+            "hint: make its layers attributes of the module (layers kept in a Python list are not registered: "
+            "use nn.ModuleList), and build them in __init__, not in forward"
+        )
+    if not any(p.requires_grad for p in params):
+        raise ConfigError(
+            f"none of the model's ({name}) {len(params)} parameter tensors requires a gradient: there is nothing "
+            "to train\nhint: unfreeze the layers to train (param.requires_grad_(True))"
+        )
+
+
 def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     own = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:

@@ -46,7 +46,7 @@ from redline.plan.precision import resolve_precision, resolve_tf32
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
-from redline.runtime.optimizer import OptimizerLike, rebuild_optimizer
+from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, split_caveats
@@ -152,6 +152,7 @@ class Runtime:
         """
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
+        check_trainable(model)
         if self._started is None and self.options.seed is not None:
             log.warning(
                 "seed=%d was applied when setup() started the Runtime, after this model was built: its initial "

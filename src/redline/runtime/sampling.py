@@ -61,12 +61,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1) -> None:
-        if global_batch % world_size:
-            nearest = global_batch + (-global_batch) % world_size
-            raise ConfigError(
-                f"batch_size={global_batch} does not split across {world_size} processes; the batch size is the "
-                f"global batch\nhint: use a multiple of {world_size}, e.g. {nearest}"
-            )
+        check_split(global_batch, world_size)
         self.sampler = sampler
         self.global_batch = global_batch
         self.rank = rank
@@ -92,6 +87,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return batches_per_epoch(len(self.sampler), self.global_batch, self.world_size)
+
+
+def check_split(global_batch: int, world_size: int) -> None:
+    """Refuse a global batch that does not split evenly across the processes."""
+    if global_batch % world_size:
+        nearest = global_batch + (-global_batch) % world_size
+        raise ConfigError(
+            f"batch_size={global_batch} does not split across {world_size} processes; the batch size is the "
+            f"global batch\nhint: use a multiple of {world_size}, e.g. {nearest}"
+        )
 
 
 def batches_per_epoch(size: int, global_batch: int, world_size: int = 1) -> int:

@@ -1,22 +1,98 @@
-"""The Trainer's data loaders: an exactly resumable training order, and an in-order evaluation."""
+"""The Trainer's data loaders: an exactly resumable training order, and an in-order evaluation.
+
+A map-style dataset is shuffled by epoch; a streaming one (an ``IterableDataset``) is read in its
+own order, each rank taking its share of every global batch, and a resumed run skips what the
+interrupted one consumed.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler
+from redline.errors import ConfigError, TaskError
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
+
+
+def is_stream(dataset: Dataset[Any]) -> bool:
+    """Whether ``dataset`` is read as a stream: an IterableDataset, or anything without a length."""
+    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")
+
+
+class StreamShard(IterableDataset[Any]):
+    """A stream's items, cut into global batches of which this rank takes its contiguous share.
+
+    ``set_epoch(e, skip=k)`` restarts the stream (passing the epoch on to a dataset that has
+    ``set_epoch``) and drops its first ``k`` items: how a resumed run continues where it stopped.
+    A last global batch that does not split evenly across the ranks is dropped, as in a map-style run.
+    """
+
+    def __init__(self, dataset: Dataset[Any], *, global_batch: int, rank: int = 0, world_size: int = 1) -> None:
+        check_split(global_batch, world_size)
+        self.dataset = dataset
+        self.global_batch = global_batch
+        self.rank = rank
+        self.world_size = world_size
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.skip = skip
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Any]:
+        share = self.global_batch // self.world_size
+        items = itertools.islice(iter(self.dataset), self.skip, None)
+        while batch := list(itertools.islice(items, self.global_batch)):
+            if len(batch) % self.world_size:
+                return
+            n = len(batch) // self.world_size if len(batch) < self.global_batch else share
+            yield from batch[self.rank * n : (self.rank + 1) * n]
+
+
+def plan_length(
+    data: Dataset[Any], *, batch_size: int, world_size: int, grad_accum: int, max_epochs: float, max_steps: int | None
+) -> tuple[float, int | None]:
+    """Return a run's optimizer steps, and its batches per epoch (None for a stream, whose length is unknown).
+
+    The epochs' steps are cut at ``max_steps``; a stream needs ``max_steps``.
+    """
+    if is_stream(data):
+        if max_steps is None:
+            raise ConfigError(
+                f"train_data is a stream ({type(data).__name__} has no length), so an epoch's end cannot be "
+                "planned\nhint: pass --max-steps N (max_steps=N); a stream that runs dry starts again as the next epoch"
+            )
+        return max_steps, None
+    size = len(data)  # type: ignore[arg-type]
+    per_epoch = batches_per_epoch(size, batch_size, world_size)
+    if not per_epoch:
+        found = "is empty" if not size else f"holds {size} item(s), not one batch of {batch_size}"
+        split = f" split across {world_size} processes" if world_size > 1 else ""
+        raise TaskError(
+            f"train_data {found}{split}: there is nothing to train on\n"
+            "hint: check the dataset's length, or lower the batch size"
+        )
+    steps = max_epochs * (per_epoch // grad_accum or 1)
+    return min(steps, max_steps or math.inf), per_epoch
 
 
 def train_loader(
     dataset: Dataset[Any], *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
-) -> tuple[DataLoader[Any], EpochSampler]:
-    """Return a shuffling DataLoader over ``dataset`` (this rank's share of each global batch) and its sampler."""
-    if not hasattr(dataset, "__len__"):
-        raise TypeError("the Trainer needs a map-style dataset with __len__ to resume exactly")
-    sampler = EpochSampler(len(dataset), shuffle=True, seed=seed)
+) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:
+    """Return a DataLoader over ``dataset`` (this rank's share of each global batch) and what sets its epoch.
+
+    A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order.
+    """
+    if is_stream(dataset):
+        stream = StreamShard(dataset, global_batch=batch_size, rank=rank, world_size=world_size)
+        return DataLoader(stream, batch_size=batch_size // world_size), stream
+    sampler = EpochSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
     batches = GlobalBatchSampler(sampler, global_batch=batch_size, rank=rank, world_size=world_size)
     # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
     # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
@@ -24,9 +100,24 @@ def train_loader(
 
 
 def eval_loader(dataset: Dataset[Any], *, batch_size: int, rank: int = 0, world_size: int = 1) -> DataLoader[Any]:
-    """Return an in-order DataLoader over this rank's contiguous shard: every sample is seen exactly once."""
-    if world_size > 1:
+    """Return an in-order DataLoader over this rank's shard: every sample is seen exactly once.
+
+    A map-style dataset is cut into contiguous shards; a stream is dealt out item by item.
+    """
+    if world_size > 1 and is_stream(dataset):
+        dataset = _EveryNth(dataset, start=rank, step=world_size)
+    elif world_size > 1:
         size = len(dataset)  # type: ignore[arg-type]
         start, stop = size * rank // world_size, size * (rank + 1) // world_size
         dataset = Subset(dataset, range(start, stop))
     return DataLoader(dataset, batch_size=batch_size, generator=torch.Generator().manual_seed(0))
+
+
+class _EveryNth(IterableDataset[Any]):
+    """Every ``step``-th item of a stream from ``start``: one rank's share, with no item dropped or repeated."""
+
+    def __init__(self, dataset: Dataset[Any], *, start: int, step: int) -> None:
+        self.dataset, self.start, self.step = dataset, start, step
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.dataset), self.start, None, self.step)

@@ -11,17 +11,18 @@ from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
 from redline.runtime.runtime import Runtime
 from redline.task import Task
+from redline.train.contract import check_loss, count_samples, metric_value, split_batch, user_code
 from redline.train.data import eval_loader
 
 
 @torch.no_grad()
 def evaluate_model(
-    task: Task, model: nn.Module, rt: Runtime, batch_size: int, env: DistEnv | None = None
+    task: Task, model: nn.Module, rt: Runtime, batch_size: int, env: DistEnv | None = None, *, where: str = "evaluation"
 ) -> dict[str, float | None]:
     """Return the mean validation loss and metric, weighting each batch by its size.
 
     Under several processes each rank evaluates its own contiguous shard and the sums are added
-    over the ranks, so every sample counts exactly once.
+    over the ranks, so every sample counts exactly once. ``where`` starts an error's message.
     """
     env = env or DistEnv()
     assert task.val_data is not None
@@ -29,14 +30,15 @@ def evaluate_model(
     model.eval()
     total_loss, total_metric, count = 0.0, 0.0, 0
     for batch in eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size):
-        inputs, targets = rt.to_device(batch)
-        with rt.autocast():
-            outputs = model(inputs)
-            loss = task.loss_fn(outputs, targets)
-        n = len(targets)
+        inputs, targets = split_batch(rt.to_device(batch), "val_data")
+        with user_code(where, inputs, targets):
+            with rt.autocast():
+                outputs = model(inputs)
+                loss = check_loss(task.loss_fn(outputs, targets), training=False)
+            metric = metric_value(task.metric(outputs, targets)) if task.metric is not None else 0.0
+        n = count_samples(inputs)
         total_loss += loss.item() * n
-        if task.metric is not None:
-            total_metric += float(task.metric(outputs, targets)) * n
+        total_metric += metric * n
         count += n
     model.train(was_training)
     total_loss, total_metric, count = all_reduce_sum(torch.tensor([total_loss, total_metric, float(count)])).tolist()

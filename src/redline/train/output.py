@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -10,6 +12,8 @@ from typing import Any
 
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
+
+log = logging.getLogger("redline")
 
 
 def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
@@ -28,9 +32,31 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as indented JSON, atomically."""
-    text = json.dumps(data, indent=2) + "\n"
+    """Write ``data`` as indented JSON, atomically; a NaN or infinity is written as null (strict JSON)."""
+    text = json.dumps(_finite(data), indent=2, allow_nan=False) + "\n"
     write_atomic(path, lambda tmp: _write_text(tmp, text))
+
+
+def read_summary(path: Path) -> dict[str, Any] | None:
+    """Return a run's summary.json as data, or None (with a warning) when it is missing or unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s cannot be read (%s); it will be written again", path, exc)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _write_text(path: Path, text: str) -> None:

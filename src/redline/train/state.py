@@ -15,6 +15,7 @@ from redline.parallel.watchdog import Watchdog
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import EpochSampler
+from redline.train.data import StreamShard
 from redline.train.logs import Loggers
 from redline.train.progress import Progress
 from redline.train.throughput import Throughput
@@ -36,7 +37,8 @@ class Window:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
-    samples: int = 0
+    epochs: list[int] = field(default_factory=list)  # the epoch each step ran in
+    samples: int = 0  # this rank's
     tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
 
@@ -49,7 +51,7 @@ class Run:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    sampler: EpochSampler
+    sampler: EpochSampler | StreamShard  # sets the epoch (and the resumed position) of the data
     batches: DeviceLoader
     pos: Position
     total: float

@@ -16,12 +16,12 @@ class TrainSummary:
     device: str
     plan: Plan
     steps: int
-    epochs: float
+    epochs: float | None  # None when the data is a stream: an epoch's length is unknown
     samples: int
-    final_loss: float
+    final_loss: float | None  # None when no step ran
     val_loss: float | None
     val_metric: float | None
-    samples_per_s: float
+    samples_per_s: float | None  # None when no step ran after the first
     tokens_per_s: float | None
     train_seconds: float
     compile_seconds: float | None
@@ -34,6 +34,14 @@ class TrainSummary:
     resumed_from: str | None
     checkpoint: str | None
     sample: str | None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainSummary:
+        """Read back ``to_dict()``'s data (a run's summary.json); a figure it lacks reads as None."""
+        names = {f.name for f in fields(cls)}
+        known: dict[str, Any] = {name: data.get(name) for name in names}
+        known["plan"] = Plan.from_dict(data.get("plan") or {})
+        return cls(**known)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the summary as JSON-ready data."""

@@ -28,7 +28,7 @@ def is_tokens(targets: Any) -> bool:
 class Figures:
     """A run's throughput after its first step, and its model FLOPs utilisation."""
 
-    samples_per_s: float
+    samples_per_s: float | None  # None until a step after the first has run
     tokens_per_s: float | None
     flops_per_step: int | None
     mfu: float | None  # achieved FLOP/s over the datasheet's dense peak; None on a CPU or unknown GPU
@@ -47,12 +47,16 @@ class Throughput:
         self.start: float | None = None
         self.steps = self.samples = self.tokens = 0
 
-    def first_step_done(self, step: int, inputs: Any, targets: Any, model: nn.Module) -> None:
-        """Mark the end of the warm-up step and count one step's FLOPs; later calls only count."""
+    def count(self, samples: int, tokens: int) -> None:
+        """Count one micro-batch of this rank's; the warm-up step's are left out."""
+        if self.start is not None:
+            self.samples += samples
+            self.tokens += tokens
+
+    def first_step_done(self, inputs: Any, targets: Any, model: nn.Module) -> None:
+        """Mark the end of the warm-up step and count one step's FLOPs; later calls count the steps."""
         if self.start is not None:
             self.steps += 1
-            self.samples += len(targets)
-            self.tokens += targets.numel() if is_tokens(targets) else 0
             return
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
         self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
@@ -81,7 +85,7 @@ class Throughput:
         self._sync()
         elapsed = time.perf_counter() - self.start if self.start is not None else 0.0
         if not self.steps or elapsed <= 0:
-            return Figures(float("nan"), None, self.flops_per_step, None, None, None)
+            return Figures(None, None, self.flops_per_step, None, None, None)
         # Per device: the MFU of one device equals the job's when every rank runs an equal share.
         achieved = self.flops_per_step / self.world_size * self.steps / elapsed if self.flops_per_step else None
         plan = self.rt.explain()

@@ -14,7 +14,6 @@ The process-wide settings the run needs stay applied until ``close()`` (or the e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import signal
@@ -28,7 +27,7 @@ from torch import nn
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
-from redline.errors import ConfigError, DeviceUnavailableError, RedlineError
+from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum, is_collective_failure
 from redline.parallel.env import join_process_group, process_group_store, read_env
@@ -36,15 +35,16 @@ from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
-from redline.runtime.sampling import batches_per_epoch
 from redline.task import Task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.data import eval_loader, train_loader
+from redline.train.contract import check_loss, count_samples, split_batch, user_code, user_line
+from redline.train.data import eval_loader, plan_length, train_loader
 from redline.train.evaluation import evaluate_model
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
+from redline.train.resume import resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary
@@ -55,8 +55,7 @@ LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss
 LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
 
 
-class TrainingError(RedlineError):
-    """Training cannot go on: a non-finite loss, or a batch the model cannot take."""
+__all__ = ["LOG_COLUMNS", "Trainer", "TrainingError"]
 
 
 class Trainer:
@@ -73,7 +72,8 @@ class Trainer:
         self.task = task
         self.config = TrainerConfig.build(config, **fields)
         self.options = self.config.runtime
-        self.max_epochs = self.config.max_epochs or task.epochs
+        # --max-steps alone decides the length; the task's own epochs apply when neither is given
+        self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
         self.batch_size = self.config.batch_size or task.batch_size
         self.out_dir = prepare_out_dir(self.config.out_dir) if self.config.out_dir is not None else None
         self.callbacks = list(callbacks)
@@ -81,11 +81,17 @@ class Trainer:
         if len(stoppers) > 1:
             raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
         self.early_stopping = stoppers[0] if stoppers else None
+        if self.early_stopping is not None and task.val_data is None:
+            raise ConfigError(
+                f"early stopping watches a validation metric, and task {task.name!r} has no val_data\n"
+                "hint: give the Task val_data=..., or drop the early stopping"
+            )
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
-        self._batches_per_epoch = 1
+        self._batches_per_epoch: int | None = 1  # None for a stream: its length is unknown
         self._evaluated_at: int | None = None
+        self._stored_stop = ""  # why the run the resumed checkpoint belongs to ended, if it did
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
         self._group = contextlib.ExitStack()  # the launched job's process group, once joined
@@ -107,16 +113,24 @@ class Trainer:
     def fit(self) -> TrainSummary:
         """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
         run = self._start()
+        if isinstance(run, TrainSummary):  # a rerun of a run that had ended: left as it was
+            return run
         with self._signals, run.loggers, self._watchdog() as watchdog:
             run.watchdog = watchdog
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
-                for inputs, targets in run.batches:
+                for batch in run.batches:
+                    inputs, targets = split_batch(batch, "train_data")
                     if self._train_step(run, inputs, targets):
                         run.stopped = self._after_step(run)
                         if run.stopped:
                             break
                 else:
+                    if run.pos.batches_in_epoch == 0:
+                        raise TaskError(
+                            f"train_data gave no batch in epoch {run.pos.epoch + 1}: a stream ran dry, or it holds "
+                            f"fewer items than the {self.env.world_size} processes share\nhint: check the dataset"
+                        )
                     run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
                     run.stopped = self._after_epoch(run)
             self._finish(run)
@@ -154,9 +168,11 @@ class Trainer:
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
         run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
         run.pos.batches_in_epoch += 1
-        run.pos.samples += len(targets)
-        run.window.samples += len(targets)
-        run.window.tokens += targets.numel() if is_tokens(targets) else 0
+        samples, tokens = count_samples(inputs), targets.numel() if is_tokens(targets) else 0
+        run.pos.samples += samples * self.env.world_size  # every rank takes an equal share of the global batch
+        run.window.samples += samples
+        run.window.tokens += tokens
+        run.meter.count(samples, tokens)
         if not run.rt.step(run.optimizer):
             return False
         if run.scheduler is not None:
@@ -164,8 +180,9 @@ class Trainer:
         run.pos.step += 1
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
+        run.window.epochs.append(run.pos.epoch)
         run.micro_loss = None
-        run.meter.first_step_done(run.pos.step, inputs, targets, run.model)
+        run.meter.first_step_done(inputs, targets, run.model)
         return True
 
     def _after_step(self, run: Run) -> str:
@@ -181,7 +198,7 @@ class Trainer:
         if eval_due and self._evaluate(run):
             stopped = stopped or "early stopping"
         if self.out_dir and (due_ckpt or stopped):
-            run.last_ckpt = self._checkpoint(run)
+            run.last_ckpt = self._checkpoint(run, stopped)
         return stopped
 
     def _after_epoch(self, run: Run) -> str:
@@ -195,26 +212,18 @@ class Trainer:
         run.vote.close()
         if run.window.losses:
             self._flush(run)
+        run.stopped = run.stopped or "epochs"
         if self.out_dir and (run.last_ckpt is None or run.last_ckpt.step != run.pos.step):
-            run.last_ckpt = self._checkpoint(run)
+            run.last_ckpt = self._checkpoint(run, run.stopped)
         if self.task.val_data is not None and self._evaluated_at != run.pos.step:
             self._evaluate(run)
-        run.stopped = run.stopped or "epochs"
 
     def _forward_backward(
         self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: Position
     ) -> torch.Tensor:
-        try:
-            with rt.autocast():
-                loss = self.task.loss_fn(model(inputs), targets)
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            if is_collective_failure(exc):  # FSDP gathers weights in the forward: told apart in _train_step
-                raise
-            raise TrainingError(
-                f"step {pos.step + 1}: the model or loss failed on a batch with inputs {_shapes(inputs)} and "
-                f"targets {_shapes(targets)}: {type(exc).__name__}: {str(exc).splitlines()[0]}\n"
-                "hint: check that the dataset's items are (inputs, targets) shaped as the model expects"
-            ) from exc
+        # a failed collective passes through: FSDP gathers weights in the forward (told apart in _train_step)
+        with user_code(f"step {pos.step + 1}", inputs, targets), rt.autocast():
+            loss = check_loss(self.task.loss_fn(model(inputs), targets), training=True)
         rt.backward(loss)
         return loss
 
@@ -237,15 +246,24 @@ class Trainer:
 
     # -- setup and resume -----------------------------------------------------------------------
 
-    def _start(self) -> Run:
+    def _start(self) -> Run | TrainSummary:
         self.env = read_env()
         resumed = self._find_resume()
-        options = self._options(resumed)
-        size = len(self.task.train_data)  # type: ignore[arg-type]
-        self._batches_per_epoch = batches_per_epoch(size, self.batch_size, self.env.world_size)
-        per_epoch = self._batches_per_epoch // options.grad_accum or 1
-        total = min(self.max_epochs * per_epoch, self.config.max_steps or math.inf)
+        options = resumed_options(self.options, resumed, self.env)
+        total, self._batches_per_epoch = plan_length(
+            self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
+            grad_accum=options.grad_accum, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
+        )  # fmt: skip
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, planned_steps=int(total))
+        ended = None
+        if resumed is not None and self.out_dir is not None and self._has_ended(pos):
+            ended = stored_summary(self.out_dir, self.env)
+        if ended is not None:
+            log.warning(
+                "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
+                "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
+            )  # fmt: skip
+            return ended
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
             world_size=self.env.world_size,
@@ -269,14 +287,10 @@ class Trainer:
             last_ckpt=resumed,
         )
 
-    def _options(self, found: Checkpoint | None) -> RuntimeOptions:
-        """This run's Runtime options: a resumed run reuses the Plan it was written under."""
-        if found is None:
-            return self.options
-        resumed = self.options.with_plan(checkpoint.load_plan(found))
-        if self.env.distributed:  # the process group is already on this run's device: keep it
-            resumed = dataclasses.replace(resumed, devices=self.options.devices)
-        return _available_device(resumed)
+    def _has_ended(self, pos: Position) -> bool:
+        """Whether the resumed run had ended: it reached this run's max_steps or epochs, or early stopping said so."""
+        max_steps = self.config.max_steps or math.inf
+        return self._stored_stop == "early stopping" or pos.step >= max_steps or pos.epoch >= self.max_epochs
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int
@@ -290,7 +304,9 @@ class Trainer:
         except RedlineError:
             raise
         except Exception as exc:
-            raise TrainingError(f"task {self.task.name!r}: building the model raised {exc!r}") from exc
+            raise TrainingError(
+                f"task {self.task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
+            ) from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
         pos = Position()
@@ -303,6 +319,7 @@ class Trainer:
                     "checkpoint `redline train` wrote"
                 )
             pos = Position(**state["position"])
+            self._stored_stop = state.get("stopped") or ""
             if scheduler is not None and state.get("scheduler") is not None:
                 scheduler.load_state_dict(state["scheduler"])
             if self.early_stopping is not None and state.get("early_stopping"):
@@ -334,12 +351,16 @@ class Trainer:
     def _checkpoint_root(self) -> Path:
         return self.out_dir / "checkpoints" if self.out_dir else Path(".")
 
-    def _checkpoint(self, run: Run) -> Checkpoint:
-        """Write the checkpoint of this step from every rank, keep the newest few, tell the callbacks on rank 0."""
+    def _checkpoint(self, run: Run, stopped: str) -> Checkpoint:
+        """Write the checkpoint of this step from every rank, keep the newest few, tell the callbacks on rank 0.
+
+        ``stopped`` is why the run ends here ("" while it goes on): a rerun of an ended run knows it.
+        """
         run.beat("checkpoint")
         pos, scheduler = run.pos, run.scheduler
         extra = {
             "position": vars(pos).copy(),
+            "stopped": stopped,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
         }
@@ -382,7 +403,7 @@ class Trainer:
                 )
         rates = run.meter.window(elapsed, len(losses), window.samples, window.tokens)
         rows = [
-            {"step": first + i, "epoch": pos.epoch, "loss": value, "lr": window.lrs[i], **rates}
+            {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}
             for i, value in enumerate(losses)
         ]
         run.loggers.log(rows)
@@ -395,7 +416,8 @@ class Trainer:
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
         run.beat("evaluate")
-        run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env)
+        where = f"evaluation at step {run.pos.step}"
+        run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env, where=where)
         self._evaluated_at = run.pos.step
         run.loggers.log_eval(run.pos.step, run.metrics)
         for callback in self.callbacks:
@@ -412,9 +434,11 @@ class Trainer:
             device=str(rt.device),
             plan=rt.explain(),
             steps=pos.step,
-            epochs=round(pos.epoch + pos.batches_in_epoch / self._batches_per_epoch, 3),
+            epochs=round(pos.epoch + pos.batches_in_epoch / self._batches_per_epoch, 3)
+            if self._batches_per_epoch
+            else None,
             samples=pos.samples,
-            final_loss=sum(tail) / len(tail) if tail else math.nan,
+            final_loss=sum(tail) / len(tail) if tail else None,
             val_loss=metrics.get("val_loss"),
             val_metric=metrics.get("val_metric"),
             samples_per_s=figures.samples_per_s,
@@ -459,23 +483,6 @@ class Trainer:
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
             found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
-            self._setup(self._options(found), found, planned_steps=1)
+            self._setup(resumed_options(self.options, found, self.env), found, planned_steps=1)
         assert self.rt is not None and self.model is not None
         return self.rt, self.model
-
-
-def _shapes(batch: Any) -> str:
-    if isinstance(batch, torch.Tensor):
-        return f"{tuple(batch.shape)} {str(batch.dtype).removeprefix('torch.')}"
-    if isinstance(batch, list | tuple):
-        return "(" + ", ".join(_shapes(b) for b in batch) + ")"
-    return type(batch).__name__
-
-
-def _available_device(options: RuntimeOptions) -> RuntimeOptions:
-    """Keep a checkpoint's device where this machine has it (the device resolver decides), else use "auto"."""
-    try:
-        resolve_device(options.devices, probe_accelerators())
-    except DeviceUnavailableError:
-        return dataclasses.replace(options, devices="auto")
-    return options

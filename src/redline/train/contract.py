@@ -1,0 +1,128 @@
+"""What the Trainer expects of a Task's data, loss and metric, checked where each first shows.
+
+Every check reads only what is already on the host (a batch's structure, a tensor's shape and
+flags): none waits for the device. A mistake is a ``TaskError`` that names the object, what was
+expected and what came; an exception raised inside the user's own code is a ``TrainingError``
+that shows the user's line, so a genuine bug there is not passed off as a data mistake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redline.errors import RedlineError, TaskError, TrainingError
+from redline.parallel.collectives import is_collective_failure
+
+PAIR_HINT = "return (inputs, targets) from the dataset's __getitem__ (a TensorDataset(x, y) does)"
+
+
+def split_batch(batch: Any, data: str) -> tuple[Any, Any]:
+    """Return a collated batch's (inputs, targets); ``data`` names the dataset ("train_data")."""
+    if isinstance(batch, list | tuple) and len(batch) == 2:
+        return batch[0], batch[1]
+    found = f"a {len(batch)}-tuple {describe(batch)}" if isinstance(batch, list | tuple) else describe(batch)
+    raise TaskError(f"each item of {data} must be a pair (inputs, targets); the loader gave {found}\nhint: {PAIR_HINT}")
+
+
+def check_loss(loss: Any, *, training: bool) -> torch.Tensor:
+    """Return ``loss`` if it is a one-element tensor (with a gradient when ``training``), else say what it is."""
+    where = "task.loss_fn(outputs, targets)"
+    if not isinstance(loss, torch.Tensor):
+        raise TaskError(
+            f"{where} returned {describe(loss)}; expected a scalar tensor\n"
+            "hint: compute the loss with torch operations on the outputs (e.g. F.cross_entropy(outputs, targets)), "
+            "not with Python numbers or .item()"
+        )
+    if loss.numel() != 1:
+        raise TaskError(
+            f"{where} returned a tensor of shape {tuple(loss.shape)}; expected a scalar (one value for the batch)\n"
+            "hint: reduce the per-sample losses, e.g. .mean(), or use the loss's default reduction='mean'"
+        )
+    if training and not loss.requires_grad:
+        raise TaskError(
+            f"{where} returned a tensor that does not depend on the model's parameters (requires_grad=False)\n"
+            "hint: build the loss from the model's outputs without .detach(), .item() or torch.no_grad()"
+        )
+    return loss
+
+
+def metric_value(value: Any) -> float:
+    """Return ``task.metric``'s result as a float: a number or a one-element tensor."""
+    if isinstance(value, bool) or not isinstance(value, int | float | torch.Tensor):
+        raise TaskError(
+            f"task.metric(outputs, targets) returned {describe(value)}; expected a number (higher is better)\n"
+            "hint: return a float or a one-element tensor, e.g. (outputs.argmax(1) == targets).float().mean()"
+        )
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise TaskError(
+            f"task.metric(outputs, targets) returned a tensor of shape {tuple(value.shape)}; expected one number\n"
+            "hint: reduce it over the batch, e.g. .mean()"
+        )
+    return float(value)
+
+
+def count_samples(inputs: Any) -> int:
+    """The batch size of ``inputs``: the first axis of its first tensor (in a tuple, list or dict)."""
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]) if inputs.dim() else 1
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs if isinstance(inputs, list | tuple) else ()
+    for value in values:
+        size = count_samples(value)
+        if size:
+            return size
+    return len(inputs) if hasattr(inputs, "__len__") else 0
+
+
+@contextlib.contextmanager
+def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
+    """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
+
+    A redline error passes unchanged, and so does a failed collective (a peer's death, told apart
+    by the caller).
+    """
+    try:
+        yield
+    except RedlineError:
+        raise
+    except Exception as exc:
+        if is_collective_failure(exc):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        line = user_line(exc)
+        hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
+        if line:
+            hint += "; if they are, the line above is where your code failed (its traceback is the error's __cause__)"
+        raise TrainingError(
+            f"{where}: the model or loss raised {type(exc).__name__}: {first}\n"
+            f"  batch: inputs {describe(inputs)}, targets {describe(targets)}{line}\nhint: {hint}"
+        ) from exc
+
+
+def user_line(exc: BaseException) -> str:
+    """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    code = f": {frame.line.strip()}" if frame.line else ""
+    return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}{code}"
+
+
+def describe(value: Any) -> str:
+    """A short description of a batch or a value: tensors by shape and dtype, containers by their parts."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(describe(v) for v in value[:4]) + (", ..." if len(value) > 4 else "") + ")"
+    if isinstance(value, Mapping):
+        keys = list(value)[:4]
+        return "{" + ", ".join(f"{k!r}: {describe(value[k])}" for k in keys) + (", ..." if len(value) > 4 else "") + "}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

@@ -1,0 +1,181 @@
+"""A newcomer's mistakes end in a redline error that names the problem and the fix, through the API and the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from redline import RuntimeOptions
+from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
+from redline.train.callbacks import EarlyStopping
+from redline.train.data import plan_length
+from redline.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mistake_tasks import mistake
+
+TASKS = Path(__file__).parent / "mistake_tasks.py"
+SPEC = f"{TASKS}:mistake"
+
+# kind -> (error type, what the message must say)
+MISTAKES = {
+    "bare_tensor": (TaskError, r"each item of train_data must be a pair \(inputs, targets\); the loader gave Tensor"),
+    "triple": (TaskError, r"must be a pair .* a 3-tuple \(Tensor\(8, 4\) float32, Tensor\(8, 1\) float32"),
+    "val_triple": (TaskError, r"each item of val_data must be a pair"),
+    "loss_per_sample": (TaskError, r"loss_fn\(outputs, targets\) returned a tensor of shape \(8,\); expected a scalar"),
+    "loss_number": (TaskError, r"returned float 1\.0; expected a scalar tensor"),
+    "loss_detached": (TaskError, r"does not depend on the model's parameters \(requires_grad=False\)"),
+    "metric_text": (TaskError, r"task\.metric\(outputs, targets\) returned str 'good'; expected a number"),
+    "no_params": (ConfigError, r"the model \(NoParams\) has no parameters"),
+    "listed_layers": (ConfigError, r"\(ListedLayers\) has no parameters.*nn\.ModuleList"),
+    "key_error": (
+        TrainingError,
+        r"step 1: the model or loss raised KeyError: 'pixels'.*mistake_tasks\.py:\d+ in forward",
+    ),
+    "attribute_error": (TrainingError, r"raised AttributeError: .*'head'.*mistake_tasks\.py:\d+ in forward"),
+    "type_error": (TrainingError, r"raised TypeError: .*mask.*\n  batch: inputs Tensor\(8, 4\) float32"),
+}
+
+
+@pytest.mark.parametrize("kind", MISTAKES)
+def test_a_mistake_is_a_redline_error_with_the_fix(kind):
+    error, message = MISTAKES[kind]
+    with pytest.raises(error, match=f"(?s){message}") as caught, Trainer(mistake(kind), max_steps=2) as trainer:
+        trainer.fit()
+    assert "\nhint: " in str(caught.value)
+
+
+def test_a_bug_in_the_users_code_keeps_its_traceback_for_the_python_api():
+    with pytest.raises(TrainingError) as caught, Trainer(mistake("key_error"), max_steps=2) as trainer:
+        trainer.fit()
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
+def test_a_stream_with_no_length_trains_by_steps_and_refuses_epochs():
+    with Trainer(mistake("stream"), max_steps=7, progress=False) as trainer:
+        summary = trainer.fit()  # 40 items of batch 8: the stream runs dry after 5 steps and starts again
+    assert (summary.steps, summary.samples, summary.stopped, summary.epochs) == (7, 56, "max_steps", None)
+    with pytest.raises(ConfigError, match=r"(?s)train_data is a stream \(Stream has no length\).*--max-steps"):
+        Trainer(mistake("stream"), max_epochs=2).fit()
+
+
+def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path):
+    seeded = {"progress": False, "runtime": RuntimeOptions(seed=0)}
+    with Trainer(mistake("stream"), max_steps=7, out_dir=tmp_path / "whole", **seeded) as trainer:
+        trainer.fit()
+    with Trainer(mistake("stream"), max_steps=3, out_dir=tmp_path / "halves", **seeded) as trainer:
+        trainer.fit()
+    with Trainer(mistake("stream"), max_steps=7, out_dir=tmp_path / "halves", resume="auto", **seeded) as trainer:
+        resumed = trainer.fit()
+    assert resumed.steps == 7 and resumed.samples == 56
+    whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert (tmp_path / "halves" / "model.safetensors").read_bytes() == whole
+
+
+def test_too_little_data_for_the_processes_names_the_sizes():
+    data = mistake("short").train_data  # one item; a batch of 2 split across 2 processes needs two
+    with pytest.raises(TaskError, match=r"(?s)train_data holds 1 item\(s\), not one batch of 2 split across 2.*hint"):
+        plan_length(data, batch_size=2, world_size=2, grad_accum=1, max_epochs=1, max_steps=None)
+    assert plan_length(data, batch_size=2, world_size=1, grad_accum=1, max_epochs=3, max_steps=None) == (3, 1)
+
+
+def test_samples_count_the_batch_axis_of_the_inputs_not_the_keys_of_the_targets():
+    with Trainer(mistake("dict_targets"), max_steps=4, progress=False) as trainer:
+        summary = trainer.fit()
+    assert summary.samples == 4 * 8
+
+
+def test_samples_count_every_micro_batch():
+    options = {"max_steps": 3, "progress": False}
+    with Trainer(mistake(), runtime=RuntimeOptions(grad_accum=2), **options) as trainer:
+        summary = trainer.fit()
+    assert summary.samples == 3 * 2 * 8
+
+
+def test_the_epoch_column_names_the_epoch_each_step_ran_in(tmp_path):
+    # 40 items of batch 8: 5 steps an epoch; windows of 3 steps straddle the epoch's end
+    with Trainer(mistake(), max_epochs=2, log_every=3, out_dir=tmp_path, progress=False) as trainer:
+        summary = trainer.fit()
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = [(int(row["step"]), int(row["epoch"])) for row in csv.DictReader(file)]
+    assert rows == [(step, (step - 1) // 5) for step in range(1, 11)]
+    assert (summary.steps, summary.epochs, summary.samples, summary.stopped) == (10, 2.0, 80, "epochs")
+
+
+def test_max_steps_alone_decides_the_length_over_the_tasks_epochs():
+    with Trainer(mistake(), max_steps=12, progress=False) as trainer:  # the task's one epoch is 5 steps
+        summary = trainer.fit()
+    assert (summary.steps, summary.stopped) == (12, "max_steps")
+    with Trainer(mistake(), max_steps=12, max_epochs=1, progress=False) as trainer:
+        assert trainer.fit().stopped == "epochs"
+
+
+def test_early_stopping_without_validation_data_is_refused():
+    with pytest.raises(ConfigError, match=r"(?s)has no val_data.*hint: give the Task val_data"):
+        Trainer(mistake(), callbacks=[EarlyStopping()])
+
+
+def test_a_finished_run_rerun_is_left_exactly_as_it_was(tmp_path, caplog):
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False) as trainer:
+        first = trainer.fit()
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        again = trainer.fit()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files
+    assert again.to_dict() == json.loads(files["summary.json"])
+    assert again.steps == first.steps == 4 and again.final_loss == pytest.approx(first.final_loss)
+    assert "ended at step 4 (stopped: max_steps)" in caplog.text and "raise --max-steps" in caplog.text
+    with Trainer(mistake(), max_steps=6, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        assert trainer.fit().steps == 6  # a higher limit trains on
+
+
+def test_the_summary_is_strict_json_when_a_figure_is_missing(tmp_path):
+    with Trainer(mistake(), max_steps=1, out_dir=tmp_path, progress=False) as trainer:
+        summary = trainer.fit()
+    assert summary.samples_per_s is None  # no step after the first was timed
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    data = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert data["samples_per_s"] is None and math.isfinite(data["final_loss"])
+
+
+# -- through the command line: exit 2, the message, no traceback ---------------------------------
+
+
+def redline_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=os.environ.copy()
+    )
+
+
+@pytest.mark.parametrize("kind", ["triple", "loss_per_sample", "metric_text", "listed_layers", "key_error"])
+def test_the_cli_says_the_mistake_in_one_message(kind):
+    result = redline_cli("train", "--task", SPEC, "--task-arg", f"kind={kind}", "--max-steps", "2", "--no-progress")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())  # rich may wrap the message's lines
+    expected = " ".join(MISTAKES[kind][1].replace("\\n", " ").split())
+    assert re.search(expected.replace(" ", r"\s*"), message), message
+    assert "hint:" in message
+
+
+def test_the_cli_trains_a_stream_and_counts_its_samples():
+    result = redline_cli("train", "--task", SPEC, "--task-arg", "kind=stream", "--max-steps", "6", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["steps"], summary["samples"], summary["epochs"]) == (6, 48, None)
+
+
+def test_errors_are_redline_errors():
+    for error in (TaskError, TrainingError):
+        assert issubclass(error, RedlineError) and error.exit_code == 2
