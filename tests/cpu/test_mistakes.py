@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from redline import RuntimeOptions
+from redline import Runtime, RuntimeOptions
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
+from redline.runtime.loss import check_loss
 from redline.train.callbacks import EarlyStopping
 from redline.train.data import plan_length
 from redline.train.trainer import Trainer
@@ -179,3 +182,16 @@ def test_the_cli_trains_a_stream_and_counts_its_samples():
 def test_errors_are_redline_errors():
     for error in (TaskError, TrainingError):
         assert issubclass(error, RedlineError) and error.exit_code == 2
+
+
+def test_the_runtime_refuses_a_loss_it_cannot_back_propagate_and_a_model_with_nothing_to_train():
+    with Runtime(devices="cpu") as rt:
+        model, _ = rt.setup(nn.Linear(4, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+        per_sample = (model(torch.randn(8, 4)) ** 2).squeeze(1)
+        with pytest.raises(TaskError, match=r"(?s)backward\(loss\) got a tensor of shape \(8,\).*hint: reduce"):
+            rt.backward(per_sample)
+        with pytest.raises(TaskError, match=r"backward\(loss\) got int 3; expected a scalar tensor"):
+            rt.backward(3)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"none of the model's \(Linear\) 2 parameter tensors requires"):
+            rt.setup(nn.Linear(4, 1).requires_grad_(False), lambda params: torch.optim.SGD(params, lr=0.1))
+    assert check_loss(torch.tensor(1.0), training=False).item() == 1.0  # evaluation needs no gradient

@@ -46,6 +46,7 @@ from redline.plan.precision import resolve_precision, resolve_tf32
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
+from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
@@ -252,6 +253,7 @@ class Runtime:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
+        check_loss(loss, training=True, source="backward(loss) got")
         if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
             for optimizer in self._pending_zero.values():
                 optimizer.zero_grad(set_to_none=True)

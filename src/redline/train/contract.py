@@ -18,6 +18,9 @@ import torch
 
 from redline.errors import RedlineError, TaskError, TrainingError
 from redline.parallel.collectives import is_collective_failure
+from redline.runtime.loss import check_loss
+
+__all__ = ["check_loss", "count_samples", "describe", "metric_value", "split_batch", "user_code", "user_line"]
 
 PAIR_HINT = "return (inputs, targets) from the dataset's __getitem__ (a TensorDataset(x, y) does)"
 
@@ -28,28 +31,6 @@ def split_batch(batch: Any, data: str) -> tuple[Any, Any]:
         return batch[0], batch[1]
     found = f"a {len(batch)}-tuple {describe(batch)}" if isinstance(batch, list | tuple) else describe(batch)
     raise TaskError(f"each item of {data} must be a pair (inputs, targets); the loader gave {found}\nhint: {PAIR_HINT}")
-
-
-def check_loss(loss: Any, *, training: bool) -> torch.Tensor:
-    """Return ``loss`` if it is a one-element tensor (with a gradient when ``training``), else say what it is."""
-    where = "task.loss_fn(outputs, targets)"
-    if not isinstance(loss, torch.Tensor):
-        raise TaskError(
-            f"{where} returned {describe(loss)}; expected a scalar tensor\n"
-            "hint: compute the loss with torch operations on the outputs (e.g. F.cross_entropy(outputs, targets)), "
-            "not with Python numbers or .item()"
-        )
-    if loss.numel() != 1:
-        raise TaskError(
-            f"{where} returned a tensor of shape {tuple(loss.shape)}; expected a scalar (one value for the batch)\n"
-            "hint: reduce the per-sample losses, e.g. .mean(), or use the loss's default reduction='mean'"
-        )
-    if training and not loss.requires_grad:
-        raise TaskError(
-            f"{where} returned a tensor that does not depend on the model's parameters (requires_grad=False)\n"
-            "hint: build the loss from the model's outputs without .detach(), .item() or torch.no_grad()"
-        )
-    return loss
 
 
 def metric_value(value: Any) -> float:
