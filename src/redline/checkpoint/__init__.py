@@ -1,8 +1,9 @@
 """Checkpoints that survive a crash at any moment: one directory layout, two formats.
 
 ``layout`` names, commits, lists and verifies checkpoint directories; ``whole`` is the format one
-process writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP). The
-Runtime picks the format through its strategy (``Runtime.save`` / ``Runtime.load``).
+process writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP); both
+refuse, through ``shapes``, a checkpoint of another model before loading it. The Runtime picks the
+format through its strategy (``Runtime.save`` / ``Runtime.load``).
 """
 
 from redline.checkpoint.layout import (
