@@ -142,3 +142,41 @@ def test_a_launch_option_without_nproc_is_refused_with_the_fix():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--max-restarts concerns the worker processes that --nproc starts" in result.stderr
     assert "hint: add --nproc N" in result.stderr
+
+
+MLP_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+
+
+def mlp(hidden=16):
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    return redline.Task(model=lambda: nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2)),
+                        loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+"""
+
+
+def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path):
+    (tmp_path / "mlp_task.py").write_text(MLP_TASK)
+    task, out = f"{tmp_path / 'mlp_task.py'}:mlp", tmp_path / "run"
+    first = redline_cli("train", "--task", task, "--out", str(out), "--max-steps", "2", "--json")
+    assert first.returncode == 0, first.stderr
+    again = redline_cli(
+        "train", "--task", task, "--task-arg", "hidden=8", "--out", str(out), "--resume", "auto", "--max-steps", "4"
+    )
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert "Missing key" not in again.stderr and "size mismatch" not in again.stderr
+    message = " ".join(again.stderr.split())  # as one line, however the terminal wrapped it
+    assert (
+        f"error: {out / 'checkpoints' / 'step-00000002'}: the checkpoint's model differs from this run's model: "
+        "shapes differ: 0.weight ([16, 4] in the checkpoint, [8, 4] in this model), 0.bias ([16] in the "
+        "checkpoint, [8] in this model), 2.weight ([2, 16] in the checkpoint, [2, 8] in this model)" in message
+    )
+    assert (
+        "hint: this run's model is not the one that wrote the checkpoint: use another --out (or --resume a "
+        "checkpoint of this model)" in message
+    )
