@@ -9,6 +9,7 @@ format through its strategy (``Runtime.save`` / ``Runtime.load``).
 from redline.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
+    clean_staging,
     find_checkpoints,
     load_plan,
     open_checkpoint,
@@ -22,6 +23,7 @@ from redline.checkpoint.layout import (
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "clean_staging",
     "find_checkpoints",
     "load_plan",
     "open_checkpoint",
