@@ -1,4 +1,4 @@
-"""The checkpoint directory: what killed writes leave is removed."""
+"""The checkpoint directory: what killed writes leave is removed, and a checkpoint skipped on resume is named."""
 
 import logging
 
@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
+from redline.checkpoint import find_checkpoints, open_checkpoint, step_dir
 from redline.train.trainer import Trainer
 
 
@@ -33,3 +34,18 @@ def test_a_run_removes_the_staging_directories_killed_writes_left(tmp_path, capl
         ".tmp-step-00000007, .tmp-step-00000300"
     ]
 
+
+def test_a_newest_checkpoint_whose_manifest_cannot_be_read_is_named_and_skipped(tmp_path, caplog):
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path, step), step=step)
+    newest = step_dir(tmp_path, 2)
+    (newest / "manifest.json").write_text('{"format": "redline-whole-2", "files": {')  # cut short
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.path == step_dir(tmp_path, 1)
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1]
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"skipping a corrupt checkpoint: {newest}: not a committed checkpoint (no readable ")
+    assert "manifest.json" in warning and "Expecting" in warning  # the JSON parser's reason

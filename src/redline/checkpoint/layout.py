@@ -215,18 +215,24 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
 
     Collective under several processes: rank 0 lists the checkpoints, so every rank considers the
     same ones in the same order, and the ranks verify each together, so they agree on the one they
-    resume from. A corrupt checkpoint met on the way is logged and skipped for an older one; an
-    explicit path that does not verify is an error.
+    resume from. A checkpoint met on the way that does not verify, or whose manifest cannot be read,
+    is logged and skipped for an older one; an explicit path that does not verify is an error.
     """
     if str(where) != "auto":
         return open_verified(Path(where))
-    listed = run_on_rank0(lambda: [str(c.path) for c in find_checkpoints(root)], "listing the checkpoints")
+    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root)], "listing the checkpoints")
     for path in reversed(listed):
         try:
             return open_verified(Path(path))
         except CheckpointError as exc:
             log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
     return None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first."""
+    paths = [path for path in root.glob(f"{PREFIX}*") if path.is_dir()] if root.is_dir() else []
+    return sorted(paths, key=lambda path: (_step_of(path, {}), path))
 
 
 def open_verified(path: Path) -> Checkpoint:
