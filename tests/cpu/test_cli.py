@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -152,7 +154,7 @@ from torch.utils.data import TensorDataset
 import redline
 
 
-def mlp(hidden=16):
+def mlp(hidden: int = 16):
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
     return redline.Task(model=lambda: nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2)),
@@ -180,3 +182,52 @@ def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path)
         "hint: this run's model is not the one that wrote the checkpoint: use another --out (or --resume a "
         "checkpoint of this model)" in message
     )
+
+
+def start_training(out, *args: str, env=None) -> subprocess.Popen:
+    """Start `redline train` on the digits for far longer than a test waits; return once it has logged a step."""
+    command = [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "100000",
+               "--epochs", "10000", "--log-every", "1", "--out", str(out), *args]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.csv").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc
+
+
+def test_sigterm_stops_one_process_with_exit_143_after_the_summary_and_a_checkpoint(tmp_path):
+    out, finished = tmp_path / "run", tmp_path / "finished"
+    proc = start_training(out, "--json", env={"REDLINE_FINISHED_FILE": str(finished)})
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    summary = json.loads(stdout)  # printed first, as for a run that finished
+    assert summary["stopped"] == "signal SIGTERM"
+    checkpoint = out / "checkpoints" / f"step-{summary['steps']:08d}"
+    assert summary["checkpoint"] == str(checkpoint) and (checkpoint / "manifest.json").is_file()
+    message = " ".join(stderr.split())
+    assert f"error: stopped by SIGTERM at step {summary['steps']}, its checkpoint written to {checkpoint}" in message
+    assert "hint: run the same command again with --resume auto to continue from it" in message
+    assert "Traceback" not in stderr
+    assert not finished.exists(), "a stopped run must not tell a launcher that it finished"
+
+
+def test_a_run_that_finished_its_work_exits_0_and_says_so_to_the_launcher(tmp_path):
+    finished = tmp_path / "finished"
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--json",
+                         env={"REDLINE_FINISHED_FILE": str(finished)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["stopped"] == "max_steps" and finished.is_file()
+
+
+def test_sigterm_to_the_launcher_of_one_worker_exits_143_after_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = start_training(out, "--nproc", "1")
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler sends it; torchrun passes it on
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "error: stopped by SIGTERM: the launcher passed it to every worker" in stderr and "--resume auto" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "signal SIGTERM" and summary["checkpoint"].endswith(f"step-{summary['steps']:08d}")
+    assert (out / "checkpoints" / f"step-{summary['steps']:08d}" / "manifest.json").is_file()
