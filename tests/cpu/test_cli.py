@@ -1,5 +1,6 @@
 """`redline train` from the command line: JSON on stdout, files on disk, clear errors."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,9 +11,11 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from redline.cli.train import parse_task_args
+from redline.cli.train import parse_task_args, stopped_early
 from redline.errors import ConfigError
+from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
+from redline.train.trainer import Trainer
 
 
 def redline_cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
@@ -231,3 +234,14 @@ def test_sigterm_to_the_launcher_of_one_worker_exits_143_after_its_checkpoint(tm
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "signal SIGTERM" and summary["checkpoint"].endswith(f"step-{summary['steps']:08d}")
     assert (out / "checkpoints" / f"step-{summary['steps']:08d}" / "manifest.json").is_file()
+
+
+def test_sigint_without_out_exits_130_and_says_nothing_was_saved():
+    trainer = Trainer(load_task("example:digits"), runtime=RuntimeOptions(devices="cpu"), max_steps=1, progress=False)
+    summary = dataclasses.replace(trainer.fit(), stopped="signal SIGINT")  # as the Trainer reports a Ctrl-C
+    stopped = stopped_early(summary)
+    assert stopped.exit_code == 130
+    assert str(stopped) == (
+        "stopped by SIGINT at step 1; nothing was saved: the run has no --out\n"
+        "hint: pass --out DIR to write a checkpoint there that the run can continue from (--resume auto)"
+    )

@@ -107,16 +107,16 @@ train = command(
 
 def stopped_early(summary: TrainSummary) -> StoppedBySignal:
     """The error a one-process run stopped by a signal exits with (128 + its number), saying how to go on."""
-    name = summary.stopped.removeprefix("signal ")  # "signal SIGTERM"
+    signum = signal.SIGINT if "SIGINT" in summary.stopped else signal.SIGTERM  # "signal SIGTERM": the two it stops on
     if summary.checkpoint is None:
         return StoppedBySignal(
-            signal.Signals[name],
-            f"stopped by {name} at step {summary.steps}; nothing was saved: the run has no --out\n"
+            signum,
+            f"stopped by {signum.name} at step {summary.steps}; nothing was saved: the run has no --out\n"
             "hint: pass --out DIR to write a checkpoint there that the run can continue from (--resume auto)",
         )
     return StoppedBySignal(
-        signal.Signals[name],
-        f"stopped by {name} at step {summary.steps}, its checkpoint written to {summary.checkpoint}\n"
+        signum,
+        f"stopped by {signum.name} at step {summary.steps}, its checkpoint written to {summary.checkpoint}\n"
         "hint: run the same command again with --resume auto to continue from it",
     )
 

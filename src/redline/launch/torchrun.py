@@ -24,7 +24,7 @@ from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 log = logging.getLogger("redline")
 
-if TYPE_CHECKING:  # torch is imported when a launch runs, not with this module
+if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
