@@ -17,6 +17,14 @@ class DeviceUnavailableError(RedlineError, RuntimeError):
     """A device was asked for that this machine does not have or cannot use that way."""
 
 
+class StoppedBySignal(RedlineError):
+    """A run stopped early by SIGTERM or SIGINT: the command line exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention (130, 143): a scheduler reads it as "terminated"
+
+
 class TaskSpecError(RedlineError, ValueError):
     """A task spec string could not be loaded into a Task."""
 

@@ -1,4 +1,4 @@
-"""Checkpoints of redline 0.1 still load; a format this version does not know is refused clearly."""
+"""Checkpoints of redline 0.1 still load; another version's format, or another model's checkpoint, is refused."""
 
 import hashlib
 import json
@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 import redline
 from redline.checkpoint import CheckpointError, read_checkpoint
+from redline.checkpoint.sharded import save_sharded
 from redline.runtime.seed import capture_rng
 from redline.train.trainer import Trainer
 
@@ -75,3 +76,49 @@ def test_a_format_this_version_does_not_know_is_refused(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "redline-whole-9", "step": 1, "files": {}}))
     with pytest.raises(CheckpointError, match=r"(?s)format 'redline-whole-9' is not one.*hint: .*another version"):
         read_checkpoint(tmp_path)
+
+
+def mlp(hidden: int, extra_layer: bool = False) -> nn.Sequential:
+    layers = [nn.Linear(4, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 2)]
+    return nn.Sequential(*layers, *([nn.Linear(2, 2)] if extra_layer else []))
+
+
+def save_in_format(path: Path, model: nn.Module, format: str) -> None:
+    if format == "whole":
+        with redline.Runtime(devices="cpu") as rt:
+            rt.setup(model, lambda params: torch.optim.AdamW(params))
+            rt.save(path)
+    else:  # every rank its shards; one process here, without a process group
+        optimizer = torch.optim.AdamW(model.parameters())
+        save_sharded(path, model, optimizer, runtime_state={}, extra={}, plan={}, step=1)
+
+
+@pytest.mark.parametrize("format", ["whole", "sharded"])
+def test_loading_the_checkpoint_of_another_model_names_the_differences(tmp_path, format):
+    path = tmp_path / "step-00000001"
+    save_in_format(path, mlp(16), format)
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(mlp(8, extra_layer=True), lambda params: torch.optim.AdamW(params))
+        before = {name: tensor.clone() for name, tensor in rt.module.state_dict().items()}
+        with pytest.raises(CheckpointError) as raised:
+            rt.load(path)
+        after = rt.module.state_dict()
+    assert str(raised.value) == (
+        f"{path}: the checkpoint's model differs from this run's model: missing from the checkpoint: 4.weight, "
+        "4.bias; shapes differ: 0.weight ([16, 4] in the checkpoint, [8, 4] in this model), 0.bias ([16] in the "
+        "checkpoint, [8] in this model), 1.weight ([16, 16] in the checkpoint, [8, 8] in this model) and 4 more\n"
+        "hint: this run's model is not the one that wrote the checkpoint: use another --out (or --resume a "
+        "checkpoint of this model)"
+    )
+    assert all(torch.equal(before[name], after[name]) for name in before), "nothing is loaded"
+
+
+@pytest.mark.parametrize("format", ["whole", "sharded"])
+def test_a_checkpoint_with_tensors_this_model_lacks_is_refused(tmp_path, format):
+    path = tmp_path / "step-00000001"
+    save_in_format(path, mlp(8, extra_layer=True), format)
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(mlp(8), lambda params: torch.optim.AdamW(params))
+        lacks = r"differs from this run's model: not in this model: 4\.\w+, 4\.\w+\n"
+        with pytest.raises(CheckpointError, match=lacks):
+            rt.load(path)

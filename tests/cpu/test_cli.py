@@ -1,16 +1,21 @@
 """`redline train` from the command line: JSON on stdout, files on disk, clear errors."""
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
 
-from redline.cli.train import parse_task_args
+from redline.cli.train import parse_task_args, stopped_early
 from redline.errors import ConfigError
+from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
+from redline.train.trainer import Trainer
 
 
 def redline_cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
@@ -142,3 +147,101 @@ def test_a_launch_option_without_nproc_is_refused_with_the_fix():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--max-restarts concerns the worker processes that --nproc starts" in result.stderr
     assert "hint: add --nproc N" in result.stderr
+
+
+MLP_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+
+
+def mlp(hidden: int = 16):
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    return redline.Task(model=lambda: nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2)),
+                        loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+"""
+
+
+def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path):
+    (tmp_path / "mlp_task.py").write_text(MLP_TASK)
+    task, out = f"{tmp_path / 'mlp_task.py'}:mlp", tmp_path / "run"
+    first = redline_cli("train", "--task", task, "--out", str(out), "--max-steps", "2", "--json")
+    assert first.returncode == 0, first.stderr
+    again = redline_cli(
+        "train", "--task", task, "--task-arg", "hidden=8", "--out", str(out), "--resume", "auto", "--max-steps", "4"
+    )
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert "Missing key" not in again.stderr and "size mismatch" not in again.stderr
+    message = " ".join(again.stderr.split())  # as one line, however the terminal wrapped it
+    assert (
+        f"error: {out / 'checkpoints' / 'step-00000002'}: the checkpoint's model differs from this run's model: "
+        "shapes differ: 0.weight ([16, 4] in the checkpoint, [8, 4] in this model), 0.bias ([16] in the "
+        "checkpoint, [8] in this model), 2.weight ([2, 16] in the checkpoint, [2, 8] in this model)" in message
+    )
+    assert (
+        "hint: this run's model is not the one that wrote the checkpoint: use another --out (or --resume a "
+        "checkpoint of this model)" in message
+    )
+
+
+def start_training(out, *args: str, env=None) -> subprocess.Popen:
+    """Start `redline train` on the digits for far longer than a test waits; return once it has logged a step."""
+    command = [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "100000",
+               "--epochs", "10000", "--log-every", "1", "--out", str(out), *args]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.csv").is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc
+
+
+def test_sigterm_stops_one_process_with_exit_143_after_the_summary_and_a_checkpoint(tmp_path):
+    out, finished = tmp_path / "run", tmp_path / "finished"
+    proc = start_training(out, "--json", env={"REDLINE_FINISHED_FILE": str(finished)})
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    summary = json.loads(stdout)  # printed first, as for a run that finished
+    assert summary["stopped"] == "signal SIGTERM"
+    checkpoint = out / "checkpoints" / f"step-{summary['steps']:08d}"
+    assert summary["checkpoint"] == str(checkpoint) and (checkpoint / "manifest.json").is_file()
+    message = " ".join(stderr.split())
+    assert f"error: stopped by SIGTERM at step {summary['steps']}, its checkpoint written to {checkpoint}" in message
+    assert "hint: run the same command again with --resume auto to continue from it" in message
+    assert "Traceback" not in stderr
+    assert not finished.exists(), "a stopped run must not tell a launcher that it finished"
+
+
+def test_a_run_that_finished_its_work_exits_0_and_says_so_to_the_launcher(tmp_path):
+    finished = tmp_path / "finished"
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--json",
+                         env={"REDLINE_FINISHED_FILE": str(finished)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["stopped"] == "max_steps" and finished.is_file()
+
+
+def test_sigterm_to_the_launcher_of_one_worker_exits_143_after_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = start_training(out, "--nproc", "1")
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler sends it; torchrun passes it on
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "error: stopped by SIGTERM: the launcher passed it to every worker" in stderr and "--resume auto" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "signal SIGTERM" and summary["checkpoint"].endswith(f"step-{summary['steps']:08d}")
+    assert (out / "checkpoints" / f"step-{summary['steps']:08d}" / "manifest.json").is_file()
+
+
+def test_sigint_without_out_exits_130_and_says_nothing_was_saved():
+    trainer = Trainer(load_task("example:digits"), runtime=RuntimeOptions(devices="cpu"), max_steps=1, progress=False)
+    summary = dataclasses.replace(trainer.fit(), stopped="signal SIGINT")  # as the Trainer reports a Ctrl-C
+    stopped = stopped_early(summary)
+    assert stopped.exit_code == 130
+    assert str(stopped) == (
+        "stopped by SIGINT at step 1; nothing was saved: the run has no --out\n"
+        "hint: pass --out DIR to write a checkpoint there that the run can continue from (--resume auto)"
+    )

@@ -4,7 +4,8 @@ that resume on another number of ranks exactly as the unbroken run continues.
 The distributed runs are this file run as a script (``python test_fsdp.py PHASE RANK WORLD DIR``), one
 process a rank, meeting through a FileStore in the test's directory. Three launches, in order:
 "two" (2 ranks), "one" (1 rank: the plain references and the 2 -> 1 resume), "resume" (2 ranks: the
-1 -> 2 and 2 -> 2 resumes). Rank 0 writes each run's full weights to DIR/NAME.pt for the tests to compare.
+1 -> 2 and 2 -> 2 resumes, and a narrower GPT refusing the checkpoints). Rank 0 writes each run's full
+weights to DIR/NAME.pt for the tests to compare.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import CheckpointError, prune, read_checkpoint, step_dir, verify
 from redline.checkpoint.sharded import _check_visible, load_sharded, save_sharded
-from redline.errors import ConfigError
+from redline.errors import ConfigError, RedlineError
 from redline.examples.gpt import GPT, GPTConfig
+from redline.parallel.collectives import gather_objects
 from redline.parallel.fsdp import mixed_precision_policy, repeated_blocks, shard
 from redline.runtime.strategy.fsdp import FSDP
+from redline.runtime.strategy.single import SingleDevice
 
 STEPS = 6  # optimizer steps of every run
 SAVE_AT = 3  # the checkpoint the resumed runs start from
@@ -188,6 +192,27 @@ def rebuilt_optimizer_run(out: Path) -> None:
     publish(full_weights(model), out / "gpt-fsdp-rebuilt.pt")
 
 
+def whole_run(out: Path) -> None:
+    """Write the GPT's whole checkpoint (one device's format) for the mismatch run to load under FSDP."""
+    model = make_gpt()
+    SingleDevice().save(out / "whole" / "step-00000001", model, adamw(model.parameters()), runtime_state={},
+                        extra={}, plan={}, step=1)  # fmt: skip
+
+
+def mismatch_run(out: Path) -> None:
+    """Load the GPT's sharded and whole checkpoints into a narrower sharded GPT; publish every rank's error."""
+    model, optimizer = shard_with_optimizer(GPT(replace(GPT_CONFIG, n_embd=16)), adamw, precision="fp32")
+    errors = {}
+    paths = {"sharded": out / "ckpt-2" / f"step-{SAVE_AT:08d}", "whole": out / "whole" / "step-00000001"}
+    for format, path in paths.items():
+        try:
+            FSDP().load(read_checkpoint(path), model, optimizer)
+            errors[format] = [f"rank {dist.get_rank()} loaded it"]
+        except RedlineError as exc:  # no rank may go on into the load while another one refused
+            errors[format] = gather_objects(f"{type(exc).__name__}: {exc}")
+    publish(errors, out / "gpt-mismatch.pt")
+
+
 def publish(result: dict[str, Any], path: Path) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, path)
@@ -205,11 +230,13 @@ def run_phase(phase: str, out: Path) -> None:
     elif phase == "one":
         plain_run("gpt", out)
         plain_run("mlp", out)
+        whole_run(out)
         fsdp_run("gpt", out, "gpt-fsdp-1", save_to=out / "ckpt-1")
         fsdp_run("gpt", out, "gpt-resumed-2to1", resume=out / "ckpt-2" / f"step-{SAVE_AT:08d}")
     elif phase == "resume":
         fsdp_run("gpt", out, "gpt-resumed-1to2", resume=out / "ckpt-1" / f"step-{SAVE_AT:08d}")
         fsdp_run("gpt", out, "gpt-resumed-2to2", resume=out / "ckpt-2" / f"step-{SAVE_AT:08d}")
+        mismatch_run(out)
 
 
 def worker(phase: str, rank: int, world: int, out: Path, store: Path) -> None:
@@ -310,6 +337,18 @@ def test_a_sharded_checkpoint_loads_into_a_plain_model_without_a_process_group(r
     assert extra == {"step": SAVE_AT}
     assert max_difference(model.state_dict(), weights(runs, "gpt-fsdp-2-at-save")) == 0.0
     assert all(int(state["step"]) == SAVE_AT for state in optimizer.state.values())
+
+
+def test_a_checkpoint_of_another_model_is_refused_on_every_rank(runs: Path) -> None:
+    errors = torch.load(runs / "gpt-mismatch.pt", weights_only=True)
+    differs = "the checkpoint's model differs from this run's model: shapes differ: wte.weight ([64, 32] in the "
+    differs += "checkpoint, [64, 16] in this model), wpe.weight ([16, 32] in the checkpoint, [16, 16] in this model)"
+    sharded, whole = runs / "ckpt-2" / f"step-{SAVE_AT:08d}", runs / "whole" / "step-00000001"
+    assert len(errors["sharded"]) == 2, errors  # each rank refuses it on its own, before DCP's collective load
+    assert all(e.startswith(f"CheckpointError: {sharded}: {differs}") for e in errors["sharded"]), errors
+    rank_0, rank_1 = errors["whole"]  # rank 0 alone reads a whole checkpoint, and tells the others
+    assert rank_0.startswith(f"CheckpointError: {whole}: {differs}") and "hint: this run's model is not" in rank_0
+    assert rank_1.startswith("RankZeroError: reading the whole checkpoint failed on rank 0") and differs in rank_1
 
 
 def test_an_optimizer_built_before_sharding_is_rebuilt_and_trains_the_same(runs: Path) -> None:

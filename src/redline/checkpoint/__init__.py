@@ -1,13 +1,15 @@
 """Checkpoints that survive a crash at any moment: one directory layout, two formats.
 
 ``layout`` names, commits, lists and verifies checkpoint directories; ``whole`` is the format one
-process writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP). The
-Runtime picks the format through its strategy (``Runtime.save`` / ``Runtime.load``).
+process writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP); both
+refuse, through ``shapes``, a checkpoint of another model before loading it. The Runtime picks the
+format through its strategy (``Runtime.save`` / ``Runtime.load``).
 """
 
 from redline.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
+    clean_staging,
     find_checkpoints,
     load_plan,
     open_checkpoint,
@@ -21,6 +23,7 @@ from redline.checkpoint.layout import (
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "clean_staging",
     "find_checkpoints",
     "load_plan",
     "open_checkpoint",

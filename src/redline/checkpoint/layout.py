@@ -24,6 +24,7 @@ from redline.errors import RedlineError
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 PREFIX = "step-"
+STAGING = ".tmp-"  # a checkpoint being written: .tmp-step-00000100
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 # The formats a manifest may name: whole (one process wrote it) and sharded (every rank its shards),
@@ -64,7 +65,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 def stage(final: Path) -> Path:
     """Create an empty staging directory for ``final``, one name for every rank (a crashed write's leftovers go)."""
-    tmp = final.parent / f".tmp-{final.name}"
+    tmp = final.parent / f"{STAGING}{final.name}"
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -143,9 +144,29 @@ def find_checkpoints(root: Path) -> list[Checkpoint]:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` committed checkpoints under ``root``."""
+    """Remove all but the newest ``keep`` committed checkpoints under ``root``, and the staging directories left there.
+
+    Called by the one process that writes checkpoints under ``root``, after a commit: no write is in progress.
+    """
     for old in find_checkpoints(root)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
+    clean_staging(root)
+
+
+def clean_staging(root: Path) -> int:
+    """Remove the staging directories of writes that never committed (a killed run's) under ``root``; return how many.
+
+    Call it only where no checkpoint is being written under ``root``: at the start of the run that
+    writes there, or after its commit (``prune`` does), on one rank.
+    """
+    leftovers = sorted(path for path in root.glob(f"{STAGING}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    if leftovers:
+        count = f"{len(leftovers)} staging director{'y' if len(leftovers) == 1 else 'ies'}"
+        names = ", ".join(path.name for path in leftovers)
+        log.info("removed %s of checkpoint writes that never finished under %s: %s", count, root, names)
+    return len(leftovers)
 
 
 def verify(checkpoint: Checkpoint) -> None:
@@ -194,18 +215,24 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
 
     Collective under several processes: rank 0 lists the checkpoints, so every rank considers the
     same ones in the same order, and the ranks verify each together, so they agree on the one they
-    resume from. A corrupt checkpoint met on the way is logged and skipped for an older one; an
-    explicit path that does not verify is an error.
+    resume from. A checkpoint met on the way that does not verify, or whose manifest cannot be read,
+    is logged and skipped for an older one; an explicit path that does not verify is an error.
     """
     if str(where) != "auto":
         return open_verified(Path(where))
-    listed = run_on_rank0(lambda: [str(c.path) for c in find_checkpoints(root)], "listing the checkpoints")
+    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root)], "listing the checkpoints")
     for path in reversed(listed):
         try:
             return open_verified(Path(path))
         except CheckpointError as exc:
             log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
     return None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first."""
+    paths = [path for path in root.glob(f"{PREFIX}*") if path.is_dir()] if root.is_dir() else []
+    return sorted(paths, key=lambda path: (_step_of(path, {}), path))
 
 
 def open_verified(path: Path) -> Checkpoint:

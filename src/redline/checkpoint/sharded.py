@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from redline.checkpoint.layout import (
@@ -45,6 +46,7 @@ from redline.checkpoint.layout import (
     stage,
 )
 from redline.checkpoint.layout import write_json as write_document
+from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
 from redline.parallel.collectives import gather_objects, run_on_rank0
 
 FORMAT, LEGACY_FORMAT = SHARDED_FORMATS  # redline 0.1's: sizes only, and extra.pt held the whole trainer state
@@ -180,6 +182,8 @@ def load_sharded(
     if not checkpoint.sharded:
         raise CheckpointError(f"{checkpoint.path}: format {checkpoint.format!r} is not a sharded checkpoint")
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    # DCP alone would skip the checkpoint's tensors the model lacks, and stop at the first missing one
+    check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(model_state))
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=checkpoint.path)  # in place, each rank reading the pieces it holds
@@ -187,6 +191,17 @@ def load_sharded(
     if checkpoint.manifest.get("format") == LEGACY_FORMAT:
         return legacy_states(_load(checkpoint, EXTRA))
     return _load(checkpoint, RUNTIME), _load(checkpoint, EXTRA)
+
+
+def saved_shapes(checkpoint: Checkpoint) -> Shapes:
+    """Return the whole shapes of the checkpoint's model tensors by name, from DCP's metadata (no shard is read)."""
+    metadata = FileSystemReader(checkpoint.path).read_metadata()
+    prefix = "model."  # DCP flattens {"model": {name: tensor}} into "model.<name>"
+    return {
+        key.removeprefix(prefix): tuple(entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
 
 
 def _load(checkpoint: Checkpoint, name: str) -> dict[str, Any]:

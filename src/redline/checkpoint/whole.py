@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
@@ -29,6 +30,7 @@ from redline.checkpoint.layout import (
     stage,
     write_json,
 )
+from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
 
 # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
 FORMAT, LEGACY_FORMAT = WHOLE_FORMATS
@@ -66,8 +68,23 @@ def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     return load_file(checkpoint.path / WEIGHTS, device="cpu")
 
 
+def saved_shapes(checkpoint: Checkpoint) -> Shapes:
+    """Return the checkpoint's weights' shapes by name from the file's header, a tied weight under each name."""
+    with safe_open(checkpoint.path / WEIGHTS, framework="pt") as weights:
+        shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118 (not a dict)
+        aliases = weights.metadata() or {}  # {dropped name: kept name} of tied weights, and "format"
+    shapes.update({alias: shapes[kept] for alias, kept in aliases.items() if kept in shapes})
+    return shapes
+
+
+def check_model(checkpoint: Checkpoint, module: nn.Module) -> None:
+    """Raise CheckpointError if the checkpoint's weights are not ``module``'s, by name and shape."""
+    check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(module.state_dict()))
+
+
 def load_weights(checkpoint: Checkpoint, module: nn.Module) -> None:
     """Load the checkpoint's weights into ``module`` (strict: every name must match), on its own device."""
+    check_model(checkpoint, module)
     param = next(module.parameters(), None)
     device = str(param.device) if param is not None else "cpu"
     load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=device)

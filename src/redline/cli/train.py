@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import sys
 from typing import Annotated, Any
 
@@ -16,8 +17,9 @@ import typer
 from rich.console import Console
 
 from redline.cli.options import command, flags, values
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, StoppedBySignal, invalid
 from redline.launch.torchrun import LaunchConfig, launch
+from redline.parallel.env import mark_finished
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
@@ -74,16 +76,21 @@ def _train(
         callbacks=[EarlyStopping(**stopping)] if stopping else [],
     ) as trainer:
         summary = trainer.fit()
+    by_signal = summary.stopped.startswith("signal")
+    if not by_signal:
+        mark_finished(trainer.env)  # a launcher that a signal reaches now has nothing left to stop
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:
         print(json.dumps(summary.to_dict(), indent=2))
-        return
-    console = Console()
-    console.print(plan_table(summary.plan))
-    console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
-    if summary.sample:
-        console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
+    else:
+        console = Console()
+        console.print(plan_table(summary.plan))
+        console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
+        if summary.sample:
+            console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
+    if by_signal and not trainer.env.launched:  # under the launcher, the launcher exits with the signal
+        raise stopped_early(summary)
 
 
 _LAUNCH = flags(LaunchConfig, only=LAUNCH_FIELDS, optional=True)
@@ -96,6 +103,22 @@ train = command(
     flags(EarlyStopping, prefix=EARLY_STOPPING, optional=True),
     _LAUNCH,
 )
+
+
+def stopped_early(summary: TrainSummary) -> StoppedBySignal:
+    """The error a one-process run stopped by a signal exits with (128 + its number), saying how to go on."""
+    signum = signal.SIGINT if "SIGINT" in summary.stopped else signal.SIGTERM  # "signal SIGTERM": the two it stops on
+    if summary.checkpoint is None:
+        return StoppedBySignal(
+            signum,
+            f"stopped by {signum.name} at step {summary.steps}; nothing was saved: the run has no --out\n"
+            "hint: pass --out DIR to write a checkpoint there that the run can continue from (--resume auto)",
+        )
+    return StoppedBySignal(
+        signum,
+        f"stopped by {signum.name} at step {summary.steps}, its checkpoint written to {summary.checkpoint}\n"
+        "hint: run the same command again with --resume auto to continue from it",
+    )
 
 
 def without_launch_options(argv: list[str]) -> list[str]:

@@ -7,33 +7,41 @@ worker supervision and restarts are torchrun's own.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, invalid
-from redline.parallel.env import HANG_TIMEOUT_ENV
+from redline.errors import ConfigError, RedlineError, StoppedBySignal, invalid
+from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
+log = logging.getLogger("redline")
+
+if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
 class LaunchError(RedlineError):
     """A worker of a launched job failed."""
 
 
-class LaunchStopped(LaunchError):
+class LaunchStopped(LaunchError, StoppedBySignal):
     """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
 
     def __init__(self, signum: int) -> None:
-        self.exit_code = 128 + signum  # the shell's convention: a scheduler reads it as "terminated"
         name = signal.Signals(signum).name
         super().__init__(
+            signum,
             f"stopped by {name}: the launcher passed it to every worker; the Trainer's ranks stop together within "
             "two steps and, with --out, write a checkpoint there (within torchrun's 30 s grace)\n"
-            "hint: run the same command again with --resume auto to continue from the last checkpoint"
+            "hint: run the same command again with --resume auto to continue from the last checkpoint",
         )
 
 
@@ -119,20 +127,42 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         workers[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)
         workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
     args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
-    try:
-        with worker_environment(workers):
-            run(args)
-    except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
-        raise LaunchStopped(int(exc.sigval)) from None
-    except ChildFailedError as exc:
-        hangs = [f.message for f in exc.failures.values() if f.exitcode == HANG_EXIT_CODE and f.message]
-        if hangs:  # the watchdog's diagnosis, once
-            message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
-            raise LaunchError(str(message)) from None
-        failures = "; ".join(
-            f"rank {rank} exited with {failure.exitcode}" for rank, failure in sorted(exc.failures.items())
-        )
-        raise LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above") from None
+    with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
+        finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
+        workers[FINISHED_ENV] = str(finished)
+        try:
+            with worker_environment(workers):
+                run(args)
+        except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
+            stopped = stopped_by(int(exc.sigval), finished)
+            if stopped is not None:
+                raise stopped from None
+        except ChildFailedError as exc:
+            raise _failure(exc, HANG_EXIT_CODE) from None
+
+
+def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
+    """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code."""
+    hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
+    if hangs:  # the watchdog's diagnosis, once
+        message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
+        return LaunchError(str(message))
+    failed = sorted(exc.failures.items())
+    failures = "; ".join(f"rank {rank} exited with {failure.exitcode}" for rank, failure in failed)
+    return LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+
+
+def stopped_by(signum: int, finished: Path) -> LaunchStopped | None:
+    """Return the error a launcher sent ``signum`` exits with; None if the workers had finished their work by then.
+
+    A signal that arrives as the run ends (while torchrun's agent waits at its exit barrier, say)
+    stopped nothing: the workers marked the file ``finished`` (``mark_finished``), and the launch
+    succeeded. Without the mark (they were stopped, or the script is not the Trainer's) it did stop them.
+    """
+    if not finished.exists():
+        return LaunchStopped(signum)
+    log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
+    return None
 
 
 @contextlib.contextmanager

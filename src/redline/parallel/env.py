@@ -9,6 +9,7 @@ import gc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
@@ -16,6 +17,7 @@ import torch.distributed as torch_dist
 from redline.errors import ConfigError
 
 HANG_TIMEOUT_ENV = "REDLINE_HANG_TIMEOUT"  # the launcher hands --hang-timeout to its workers through it
+FINISHED_ENV = "REDLINE_FINISHED_FILE"  # where the workers tell the launcher that the run finished its work
 # Longer than any hang watchdog timeout, so the watchdog's diagnosis comes before torch's own error.
 COLLECTIVE_TIMEOUT = dt.timedelta(minutes=30)
 _store: torch_dist.Store | None = None  # the store the process group met in, for the hang watchdog
@@ -80,6 +82,17 @@ def _seconds(env: Mapping[str, str], name: str) -> float:
     if not value >= 0:
         raise ConfigError(f"{name}={text!r} must be >= 0 seconds\nhint: launch with `redline launch`")
     return value
+
+
+def mark_finished(env: DistEnv) -> None:
+    """Tell this machine's launcher that the run finished its work, so a signal that reaches it now stops nothing.
+
+    Every rank calls it once the run has ended for a reason other than a signal; the first worker of
+    each machine writes the file the launcher named (nothing without a launcher).
+    """
+    path = os.environ.get(FINISHED_ENV)
+    if path and env.local_rank == 0:
+        Path(path).touch()
 
 
 def backend_for(device_type: str) -> str:

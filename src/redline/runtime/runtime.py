@@ -343,9 +343,11 @@ class Runtime:
         """Load a checkpoint that ``save`` wrote into the set-up model and optimizer; return its ``extra``.
 
         Either format loads under any strategy and any number of processes. A path is verified
-        against its manifest first (a ``Checkpoint`` from ``open_checkpoint`` was already). With the
-        same number of processes each rank continues its own random streams; otherwise all take
-        rank 0's. Collective under several processes.
+        against its manifest first (a ``Checkpoint`` from ``open_checkpoint`` was already); the
+        checkpoint of another model (a tensor's name or shape differs) is refused before anything
+        loads, with a CheckpointError that names a few of the differences. With the same number of
+        processes each rank continues its own random streams; otherwise all take rank 0's.
+        Collective under several processes.
         """
         strategy, model, optimizer = self._prepared()
         if not isinstance(checkpoint, Checkpoint):

@@ -77,6 +77,7 @@ class FSDP:
         states: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
 
         def read() -> None:
+            whole.check_model(checkpoint, model)  # the sharded model's names, and its whole shapes
             weights, optimizer_state = whole.read_weights(checkpoint), whole.read_optimizer(checkpoint)
             states["model"], states["optimizer"] = full_state(model, optimizer, weights, optimizer_state)
 

@@ -1,0 +1,52 @@
+"""The model a checkpoint holds, by name and shape, against the model it is about to be loaded into.
+
+Both formats list their tensors without reading them (safetensors' header, DCP's metadata), so a
+checkpoint of another model is refused before loading, with a few of the names that differ, where
+torch's loader would list every key of both models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redline.checkpoint.layout import CheckpointError
+
+Shapes = dict[str, tuple[int, ...]]
+SHOWN = 3  # names shown for each kind of difference; the rest are counted
+
+
+def shapes_of(state: Mapping[str, Any]) -> Shapes:
+    """Return the shapes of a state dict's tensors by name (a sharded tensor's whole shape)."""
+    return {name: tuple(value.shape) for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def check_same_model(path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise CheckpointError naming a few differences if the checkpoint's shapes ``saved`` are not the model's."""
+    missing = [name for name in expected if name not in saved]  # in the model's order, then the checkpoint's
+    unexpected = [name for name in saved if name not in expected]
+    resized = [
+        f"{name} ({_shape(saved[name])} in the checkpoint, {_shape(shape)} in this model)"
+        for name, shape in expected.items()
+        if name in saved and tuple(saved[name]) != tuple(shape)
+    ]
+    kinds = [("missing from the checkpoint", missing), ("not in this model", unexpected), ("shapes differ", resized)]
+    differences = [f"{kind}: {_few(names)}" for kind, names in kinds if names]
+    if differences:
+        raise CheckpointError(
+            f"{path}: the checkpoint's model differs from this run's model: {'; '.join(differences)}\n"
+            "hint: this run's model is not the one that wrote the checkpoint: use another --out "
+            "(or --resume a checkpoint of this model)"
+        )
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOWN])
+    return f"{shown} and {len(names) - SHOWN} more" if len(names) > SHOWN else shown
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return f"[{', '.join(map(str, shape))}]"

@@ -1,0 +1,51 @@
+"""The checkpoint directory: what killed writes leave is removed, and a checkpoint skipped on resume is named."""
+
+import logging
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.checkpoint import find_checkpoints, open_checkpoint, step_dir
+from redline.train.trainer import Trainer
+
+
+def tiny_task() -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8, epochs=5)  # fmt: skip
+
+
+def test_a_run_removes_the_staging_directories_killed_writes_left(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    for leftover in (".tmp-step-00000007", ".tmp-step-00000300"):  # a killed run's, at any step
+        (root / leftover).mkdir(parents=True)
+        (root / leftover / "model.safetensors").write_bytes(b"half of it")
+    (root / "notes").mkdir()  # not a checkpoint's: left alone
+    with caplog.at_level(logging.INFO, logger="redline"):
+        Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), max_steps=2, out_dir=tmp_path,
+                progress=False).fit()  # fmt: skip
+    assert sorted(path.name for path in root.iterdir()) == ["notes", "step-00000002"]
+    removed = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
+    assert removed == [
+        f"removed 2 staging directories of checkpoint writes that never finished under {root}: "
+        ".tmp-step-00000007, .tmp-step-00000300"
+    ]
+
+
+def test_a_newest_checkpoint_whose_manifest_cannot_be_read_is_named_and_skipped(tmp_path, caplog):
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path, step), step=step)
+    newest = step_dir(tmp_path, 2)
+    (newest / "manifest.json").write_text('{"format": "redline-whole-2", "files": {')  # cut short
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.path == step_dir(tmp_path, 1)
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1]
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"skipping a corrupt checkpoint: {newest}: not a committed checkpoint (no readable ")
+    assert "manifest.json" in warning and "Expecting" in warning  # the JSON parser's reason

@@ -1,0 +1,37 @@
+"""A launcher sent a signal exits 128 + the signal when it stopped the workers, and 0 when they had finished."""
+
+import logging
+import signal
+
+from redline.errors import StoppedBySignal
+from redline.launch.torchrun import LaunchStopped, stopped_by
+from redline.parallel.env import FINISHED_ENV, DistEnv, mark_finished
+
+
+def test_a_signal_that_stopped_the_workers_exits_128_plus_it_and_asks_for_resume(tmp_path):
+    stopped = stopped_by(signal.SIGTERM, tmp_path / "finished")  # the workers never marked the run finished
+    assert isinstance(stopped, LaunchStopped) and isinstance(stopped, StoppedBySignal)
+    assert stopped.exit_code == 143
+    assert str(stopped).startswith("stopped by SIGTERM: the launcher passed it to every worker")
+    assert "hint: run the same command again with --resume auto" in str(stopped)
+    assert stopped_by(signal.SIGINT, tmp_path / "finished").exit_code == 130
+
+
+def test_a_signal_after_the_workers_finished_exits_0_without_asking_for_resume(tmp_path, monkeypatch, caplog):
+    finished = tmp_path / "finished"
+    monkeypatch.setenv(FINISHED_ENV, str(finished))  # as the launcher starts its workers
+    mark_finished(DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2))  # one machine's second worker
+    assert not finished.exists(), "the machine's first worker writes the mark"
+    mark_finished(DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2))
+    with caplog.at_level(logging.INFO, logger="redline"):
+        assert stopped_by(signal.SIGTERM, finished) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "SIGTERM arrived after the workers had finished their work: nothing to resume"
+    ]
+
+
+def test_without_a_launcher_nothing_is_marked(tmp_path, monkeypatch):
+    monkeypatch.delenv(FINISHED_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    mark_finished(DistEnv())
+    assert list(tmp_path.iterdir()) == []
