@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch import nn
 from redline import Runtime, RuntimeOptions
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
 from redline.runtime.loss import check_loss
-from redline.train.callbacks import EarlyStopping
+from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.data import plan_length
 from redline.train.trainer import Trainer
 
@@ -195,3 +196,23 @@ def test_the_runtime_refuses_a_loss_it_cannot_back_propagate_and_a_model_with_no
         with pytest.raises(ConfigError, match=r"none of the model's \(Linear\) 2 parameter tensors requires"):
             rt.setup(nn.Linear(4, 1).requires_grad_(False), lambda params: torch.optim.SGD(params, lr=0.1))
     assert check_loss(torch.tensor(1.0), training=False).item() == 1.0  # evaluation needs no gradient
+
+
+class SignalAt(Callback):
+    """Send this process SIGTERM once step ``at`` has been logged (as a scheduler would, mid-run)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step(self, trainer, step, loss):
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_during_the_last_step_ends_the_run_as_finished_not_interrupted():
+    with Trainer(mistake(), max_steps=4, log_every=1, progress=False, callbacks=[SignalAt(3)]) as trainer:
+        last = trainer.fit()  # the signal is seen after step 4, the last: the work is done
+    assert (last.steps, last.stopped) == (4, "max_steps")
+    with Trainer(mistake(), max_steps=4, log_every=1, progress=False, callbacks=[SignalAt(1)]) as trainer:
+        early = trainer.fit()
+    assert (early.steps, early.stopped) == (2, "signal SIGTERM")

@@ -19,7 +19,6 @@ from rich.console import Console
 from redline.cli.options import command, flags, values
 from redline.errors import ConfigError, StoppedBySignal, invalid
 from redline.launch.torchrun import LaunchConfig, launch
-from redline.parallel.env import mark_finished
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
@@ -77,8 +76,6 @@ def _train(
     ) as trainer:
         summary = trainer.fit()
     by_signal = summary.stopped.startswith("signal")
-    if not by_signal:
-        mark_finished(trainer.env)  # a launcher that a signal reaches now has nothing left to stop
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:

@@ -30,7 +30,7 @@ from redline.checkpoint import Checkpoint, CheckpointError
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum, is_collective_failure
-from redline.parallel.env import join_process_group, process_group_store, read_env
+from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
 from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
@@ -114,6 +114,7 @@ class Trainer:
         """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
         run = self._start()
         if isinstance(run, TrainSummary):  # a rerun of a run that had ended: left as it was
+            mark_finished(self.env)
             return run
         with self._signals, run.loggers, self._watchdog() as watchdog:
             run.watchdog = watchdog
@@ -139,6 +140,8 @@ class Trainer:
             summary = self._summary(run)
             if self.out_dir:
                 self._write_results(run, summary)
+        if not summary.stopped.startswith("signal"):
+            mark_finished(self.env)  # a launcher that a signal reaches now has nothing left to stop
         for callback in self.callbacks:
             callback.on_fit_end(self, summary)
         return summary
@@ -236,19 +239,24 @@ class Trainer:
         return Watchdog(store, self.env.rank, self.env.world_size, timeout, self.out_dir)
 
     def _stop_reason(self, step: int, total: float, signalled: bool) -> str:
+        """Why the run stops after ``step``, or "". A run whose work is done ends for that, signal or not."""
+        if self.config.max_steps is not None and step >= self.config.max_steps:
+            return "max_steps"
+        if step >= total:
+            return "epochs"
         if signalled:
             if self.env.distributed:
                 return "signal (agreed by all ranks)"
             return f"signal {signal.Signals(self._signals.received or signal.SIGTERM).name}"
-        if self.config.max_steps is not None and step >= self.config.max_steps:
-            return "max_steps"
-        return "epochs" if step >= total else ""
+        return ""
 
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> Run | TrainSummary:
         self.env = read_env()
         resumed = self._find_resume()
+        if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
+            checkpoint.clean_staging(self._checkpoint_root())
         options = resumed_options(self.options, resumed, self.env)
         total, self._batches_per_epoch = plan_length(
             self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
