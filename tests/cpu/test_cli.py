@@ -114,18 +114,47 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     assert result.returncode == 2 and "not a writable directory" in result.stderr
 
 
-def test_task_args_are_python_literals_or_words():
-    assert parse_task_args(["n_layer=4", "lr=3e-4", "bias=False", "name=tiny", "sizes=[1, 2]"]) == {
-        "n_layer": 4,
-        "lr": 3e-4,
-        "bias": False,
-        "name": "tiny",
-        "sizes": [1, 2],
-    }
+def test_task_args_are_read_by_the_factory_annotations():
+    # digits(width: int, lr: float, ...): "8" becomes 8 and "3e-4" a float, not the texts.
+    assert parse_task_args("example:digits", ["width=8", "lr=3e-4"]) == {"width": 8, "lr": 3e-4}
     with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args(["n_layer"])
+        parse_task_args("example:digits", ["width"])
     with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args(["2x=1"])
+        parse_task_args("example:digits", ["2x=1"])
+
+
+FLAG_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.task import Task
+
+
+def make(flag: bool = True, name: str = "tiny"):
+    if flag:
+        raise RuntimeError(f"flag was {flag!r}, name {name!r}")
+    return Task(model=nn.Linear(2, 1), loss_fn=nn.functional.mse_loss, name=name,
+                train_data=TensorDataset(torch.randn(8, 2), torch.randn(8, 1)), batch_size=4)
+"""
+
+
+def test_task_arg_false_reaches_a_bool_option_as_false(tmp_path):
+    (tmp_path / "flag_task.py").write_text(FLAG_TASK)
+    spec = f"{tmp_path / 'flag_task.py'}:make"
+    args = ("train", "--task", spec, "--max-steps", "1", "--no-progress", "--json")
+    result = redline_cli(*args, "--task-arg", "flag=false", "--task-arg", "name=123")
+    assert result.returncode == 0, result.stderr  # the factory raises when flag is truthy
+    assert json.loads(result.stdout)["task"] == "123"  # str option: the text as typed, not the number
+
+
+def test_task_arg_that_does_not_convert_is_one_clear_line(tmp_path):
+    (tmp_path / "flag_task.py").write_text(FLAG_TASK)
+    spec = f"{tmp_path / 'flag_task.py'}:make"
+    result = redline_cli("train", "--task", spec, "--max-steps", "1", "--task-arg", "flag=maybe")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false" in result.stderr
+    assert "hint: e.g. --task-arg flag=true" in result.stderr
 
 
 def test_warnings_reach_stderr_through_the_one_logger(tmp_path):

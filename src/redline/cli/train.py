@@ -6,7 +6,6 @@ EarlyStopping, LaunchConfig): the flags are derived from their fields (cli/optio
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ from redline.errors import ConfigError, invalid
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
-from redline.task import load_task
+from redline.task import convert_task_args, find_factory, load_task
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.summary import TrainSummary
@@ -31,19 +30,15 @@ LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
 EARLY_STOPPING = "early_stopping_"
 
 
-def parse_task_args(pairs: list[str]) -> dict[str, Any]:
-    """Turn repeated ``KEY=VALUE`` strings into keyword options; values read as Python literals."""
-    options: dict[str, Any] = {}
+def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
+    """Turn repeated ``KEY=VALUE`` strings into keyword options, read by the task factory's annotations."""
+    texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip().isidentifier():
             raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
-        try:
-            value: Any = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text  # a bare word is a string: --task-arg name=tiny
-        options[key.strip()] = value
-    return options
+        texts[key.strip()] = text
+    return convert_task_args(find_factory(spec), texts) if texts else {}
 
 
 def _train(
@@ -66,7 +61,7 @@ def _train(
         config = LaunchConfig(**values(LaunchConfig, launching, optional=True))
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
-    loaded = load_task(task, **parse_task_args(task_arg or []))
+    loaded = load_task(task, **parse_task_args(task, task_arg or []))
     stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)
     with Trainer(
         loaded,
