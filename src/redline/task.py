@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 import types
 import typing
@@ -297,6 +298,7 @@ def _import_module(spec: str, module_name: str) -> Any:
             sys.modules.pop(name, None)
             raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}") from exc
         return module
+    _search_working_directory()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -305,12 +307,30 @@ def _import_module(spec: str, module_name: str) -> Any:
                 f"task spec {spec!r}: importing {module_name!r} failed: it imports {exc.name!r}, which is "
                 f"not installed\nhint: pip install the package that provides {exc.name!r}"
             ) from exc
+        top = module_name.partition(".")[0]
         raise TaskSpecError(
             f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
-            f"expected {FORMS.format(', '.join(EXAMPLES))}"
+            f"expected {FORMS.format(', '.join(EXAMPLES))}\nhint: run redline in the folder that holds "
+            f"{top}/ (or {top}.py), or pip install the package"
         ) from exc
     except Exception as exc:
         raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+
+
+def _search_working_directory() -> None:
+    """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``.
+
+    The ``redline`` console script's sys.path starts with the script's own folder, where
+    ``python -m`` puts the working directory. It goes last here, so that an installed package of
+    the same name still comes first.
+    """
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed
+        return
+    searched = {os.path.realpath(entry or os.curdir) for entry in sys.path if isinstance(entry, str)}
+    if os.path.realpath(cwd) not in searched:
+        sys.path.append(cwd)
 
 
 def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:

@@ -171,3 +171,28 @@ def test_a_launch_option_without_nproc_is_refused_with_the_fix():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--max-restarts concerns the worker processes that --nproc starts" in result.stderr
     assert "hint: add --nproc N" in result.stderr
+
+
+# What pip writes as the `redline` console script: sys.path starts with the script's folder, not the
+# working directory (where `python -m redline` would put it).
+CONSOLE_SCRIPT = "import sys\nfrom redline.cli.main import main\nsys.exit(main())\n"
+
+
+def test_console_script_finds_a_module_spec_in_the_working_directory(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "redline").write_text(CONSOLE_SCRIPT)
+    work = tmp_path / "work"
+    (work / "mypkg").mkdir(parents=True)
+    (work / "mypkg" / "__init__.py").write_text("")
+    (work / "mypkg" / "tasks.py").write_text(FLAG_TASK)
+    redline = [sys.executable, str(tmp_path / "bin" / "redline"), "train", "--max-steps", "1", "--json"]
+    found = subprocess.run(
+        [*redline, "--task", "mypkg.tasks:make", "--task-arg", "flag=off", "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=work,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["task"] == "tiny"
+    missing = subprocess.run([*redline, "--task", "otherpkg.tasks:make"], capture_output=True, text=True, cwd=work)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "module 'otherpkg.tasks' not found" in missing.stderr
+    assert "hint: run redline in the folder that holds otherpkg/" in missing.stderr

@@ -450,3 +450,49 @@ def test_load_task_takes_real_values_and_texts_go_through_the_conversion(task_fi
     factory = find_factory(spec)
     task = call_factory(spec, factory, convert_task_args(factory, {"batch_size": "3", "name": "7"}))
     assert (task.batch_size, task.name) == (3, 7)  # make() has no annotations: literals, as before
+
+
+# --- module specs from the working directory ----------------------------------------------------
+
+
+def write_package(folder: Path, package: str, name: str) -> None:
+    (folder / package).mkdir(parents=True)
+    (folder / package / "__init__.py").write_text("")
+    (folder / package / "tasks.py").write_text(textwrap.dedent(TASK_SOURCE).replace('name="tiny"', f"name={name!r}"))
+
+
+@pytest.fixture
+def package_name() -> Iterator[str]:
+    package = f"redline_cwd_pkg_{uuid.uuid4().hex[:8]}"
+    yield package
+    for name in [n for n in sys.modules if n.startswith(package)]:
+        del sys.modules[name]
+
+
+def test_module_spec_is_found_in_the_working_directory_searched_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package_name: str
+) -> None:
+    write_package(tmp_path, package_name, "from cwd")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry])  # as under the console script
+    assert load_task(f"{package_name}.tasks:make").name == "from cwd"
+    assert sys.path[-1] == str(tmp_path)
+    load_task(f"{package_name}.tasks:make")
+    assert sys.path.count(str(tmp_path)) == 1
+
+
+def test_an_installed_package_wins_over_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package_name: str
+) -> None:
+    write_package(tmp_path / "site", package_name, "installed")
+    write_package(tmp_path / "work", package_name, "from cwd")
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.chdir(tmp_path / "work")
+    assert load_task(f"{package_name}.tasks:make").name == "installed"
+
+
+def test_missing_module_hints_at_the_working_directory() -> None:
+    with pytest.raises(TaskSpecError) as info:
+        load_task("redline_no_such_pkg_xyz.tasks:make")
+    assert "\nhint: run redline in the folder that holds redline_no_such_pkg_xyz/" in str(info.value)
