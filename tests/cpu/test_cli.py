@@ -196,3 +196,34 @@ def test_console_script_finds_a_module_spec_in_the_working_directory(tmp_path):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "module 'otherpkg.tasks' not found" in missing.stderr
     assert "hint: run redline in the folder that holds otherpkg/" in missing.stderr
+
+
+# A factory that builds its module at once (not a callable): its weights come from the RNG as it
+# stands when the factory runs. The data is fixed, so the loss differs only if the weights do.
+EAGER_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.task import Task
+
+
+def make():
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4)
+    return Task(model=nn.Linear(4, 1), loss_fn=nn.functional.mse_loss, batch_size=4,
+                train_data=TensorDataset(inputs, inputs.sum(dim=1, keepdim=True)))
+"""
+
+
+def test_seed_makes_a_factory_built_model_repeat(tmp_path):
+    (tmp_path / "eager_task.py").write_text(EAGER_TASK)
+    spec = f"{tmp_path / 'eager_task.py'}:make"
+
+    def final_loss(seed: str) -> float:
+        result = redline_cli("train", "--task", spec, "--seed", seed, "--json", "--max-steps", "2", "--no-progress")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["final_loss"]
+
+    first = final_loss("3")
+    assert final_loss("3") == first
+    assert final_loss("4") != first

@@ -19,6 +19,7 @@ from redline.errors import ConfigError, invalid
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.seed import seed_everything
 from redline.task import convert_task_args, find_factory, load_task
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
@@ -61,6 +62,8 @@ def _train(
         config = LaunchConfig(**values(LaunchConfig, launching, optional=True))
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
+    if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
+        seed_everything(parsed["seed"])
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)
     with Trainer(
