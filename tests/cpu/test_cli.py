@@ -166,6 +166,13 @@ def test_warnings_reach_stderr_through_the_one_logger(tmp_path):
     json.loads(result.stdout)  # stdout still holds the JSON alone
 
 
+def test_a_tensorboard_logger_without_out_is_refused_with_the_fix():
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--logger", "tensorboard")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "logger 'tensorboard' writes its files under out_dir, and out_dir is None" in result.stderr
+    assert "hint: pass --out DIR" in result.stderr
+
+
 def test_a_launch_option_without_nproc_is_refused_with_the_fix():
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--max-restarts", "2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
