@@ -234,3 +234,17 @@ def test_seed_makes_a_factory_built_model_repeat(tmp_path):
     first = final_loss("3")
     assert final_loss("3") == first
     assert final_loss("4") != first
+
+
+NORM_MODEL = "model=nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.1), nn.Linear(4, 1))"
+NORM_TASK = EAGER_TASK.replace("model=nn.Linear(4, 1)", NORM_MODEL)
+
+
+def test_one_process_plan_has_no_split_caveats(tmp_path):
+    (tmp_path / "norm_task.py").write_text(NORM_TASK)
+    spec = f"{tmp_path / 'norm_task.py'}:make"
+    result = redline_cli("train", "--task", spec, "--json", "--max-steps", "1", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    loader = json.loads(result.stdout)["plan"]["loader"]["reason"]
+    assert "global batch 4 = 1 x 4" in loader  # the line that carries the caveats under several processes
+    assert "BatchNorm" not in loader and "dropout" not in loader
