@@ -2,12 +2,15 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import typer
 from safetensors.torch import load_file
 
+from redline.cli.main import app
 from redline.cli.train import parse_task_args
 from redline.errors import ConfigError
 from redline.task import load_task
@@ -248,3 +251,15 @@ def test_one_process_plan_has_no_split_caveats(tmp_path):
     loader = json.loads(result.stdout)["plan"]["loader"]["reason"]
     assert "global batch 4 = 1 x 4" in loader  # the line that carries the caveats under several processes
     assert "BatchNorm" not in loader and "dropout" not in loader
+
+
+@pytest.mark.parametrize(("command", "columns"), [("train", 80), ("train", 100), ("launch", 80), ("doctor", 80)])
+def test_help_shows_every_flag_name_whole(command, columns):
+    loaded = typer.main.get_command(app).commands[command].load()  # type: ignore[attr-defined]
+    names = [name for param in loaded.params for name in (*param.opts, *param.secondary_opts) if name.startswith("-")]
+    assert "--early-stopping-patience" in names or command != "train"
+    result = redline_cli(command, "--help", env={"COLUMNS": str(columns)})
+    assert result.returncode == 0, result.stderr
+    for name in names:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.stdout), name
+    assert max(map(len, result.stdout.splitlines())) <= columns
