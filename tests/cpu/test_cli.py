@@ -11,8 +11,6 @@ import typer
 from safetensors.torch import load_file
 
 from redline.cli.main import app
-from redline.cli.train import parse_task_args
-from redline.errors import ConfigError
 from redline.task import load_task
 
 
@@ -115,15 +113,6 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     blocker.write_text("")
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--out", str(blocker))
     assert result.returncode == 2 and "not a writable directory" in result.stderr
-
-
-def test_task_args_are_read_by_the_factory_annotations():
-    # digits(width: int, lr: float, ...): "8" becomes 8 and "3e-4" a float, not the texts.
-    assert parse_task_args("example:digits", ["width=8", "lr=3e-4"]) == {"width": 8, "lr": 3e-4}
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args("example:digits", ["width"])
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args("example:digits", ["2x=1"])
 
 
 FLAG_TASK = """

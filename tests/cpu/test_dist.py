@@ -336,7 +336,7 @@ def test_fsdp_writes_a_gpt_whose_tied_weights_load_into_the_plain_model(tmp_path
     from safetensors import safe_open
     from safetensors.torch import load_model
 
-    from redline.cli.train import parse_task_args
+    from redline.cli.task_args import parse_task_args
     from redline.task import load_task
 
     result = train_json("--nproc", "2", "--strategy", "fsdp", "--out", str(tmp_path), "--checkpoint-every", "2")

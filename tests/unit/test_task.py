@@ -7,7 +7,6 @@ import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, Optional
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.errors import ConfigError, TaskSpecError
-from redline.task import Task, call_factory, convert_task_args, find_factory, load_task
+from redline.task import Task, load_task
 
 
 def tiny_data(rows: int = 4) -> TensorDataset:
@@ -335,121 +334,6 @@ def test_bool_is_not_a_batch_size() -> None:
             train_data=TensorDataset(torch.ones(2, 2)),
             batch_size=True,
         )
-
-
-# --- convert_task_args: --task-arg texts read by the factory's annotations --------------------
-
-
-def typed_factory(
-    flag: bool = False,
-    n: int = 1,
-    lr: float = 0.1,
-    name: str = "tiny",
-    size: Literal["small", "large"] = "small",
-    limit: int | None = None,
-    label: Optional[str] = None,  # noqa: UP045 - the spelling older factories use
-    either: int | str = 0,
-    untyped=None,
-) -> None:
-    """A factory whose options carry every annotation the conversion reads."""
-
-
-@pytest.mark.parametrize(
-    ("texts", "expected"),
-    [
-        ({"flag": "false"}, {"flag": False}),
-        ({"flag": "TRUE"}, {"flag": True}),
-        ({"flag": "0"}, {"flag": False}),
-        ({"flag": "yes"}, {"flag": True}),
-        ({"flag": "Off"}, {"flag": False}),
-        ({"n": "12"}, {"n": 12}),
-        ({"lr": "3e-4"}, {"lr": 3e-4}),
-        ({"lr": "2"}, {"lr": 2.0}),
-        ({"name": "123"}, {"name": "123"}),
-        ({"name": "[1, 2]"}, {"name": "[1, 2]"}),
-        ({"size": "large"}, {"size": "large"}),
-        ({"limit": "none"}, {"limit": None}),
-        ({"limit": "None"}, {"limit": None}),
-        ({"limit": "7"}, {"limit": 7}),
-        ({"label": "None"}, {"label": None}),
-        ({"label": "hello"}, {"label": "hello"}),
-        ({"either": "5"}, {"either": 5}),
-        ({"either": "five"}, {"either": "five"}),
-        ({"untyped": "[1, 2]"}, {"untyped": [1, 2]}),
-        ({"untyped": "tiny"}, {"untyped": "tiny"}),
-        ({"unknown": "3"}, {"unknown": 3}),  # not the factory's: calling it names the unknown option
-    ],
-)
-def test_task_args_convert_by_the_annotation(texts: dict[str, str], expected: dict[str, object]) -> None:
-    options = convert_task_args(typed_factory, texts)
-    assert options == expected
-    assert [type(v) for v in options.values()] == [type(v) for v in expected.values()]
-
-
-@pytest.mark.parametrize(
-    ("key", "text", "says"),
-    [
-        ("flag", "maybe", "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false"),
-        ("flag", "", "option 'flag' is a bool"),
-        ("n", "2.5", "--task-arg n='2.5': the factory's option 'n' is an int; expected a whole number"),
-        ("lr", "fast", "option 'lr' is a float; expected a number"),
-        ("size", "medium", "option 'size' is a Literal['small', 'large']; expected one of small, large"),
-        ("limit", "lots", "option 'limit' is annotated int | None; expected a whole number or none"),
-    ],
-)
-def test_task_arg_that_does_not_convert_names_option_type_and_text(key: str, text: str, says: str) -> None:
-    with pytest.raises(TaskSpecError) as info:
-        convert_task_args(typed_factory, {key: text})
-    message = str(info.value)
-    assert says in message
-    assert f"\nhint: e.g. --task-arg {key}=" in message
-    converted = message.split(f"--task-arg {key}=")[-1]
-    assert convert_task_args(typed_factory, {key: converted})  # the hint's example is itself a valid text
-
-
-def test_task_args_of_a_factory_whose_annotation_does_not_resolve(tmp_path: Path) -> None:
-    path = tmp_path / "lazy_tasks.py"
-    path.write_text(
-        textwrap.dedent(
-            """
-            from __future__ import annotations
-            from typing import TYPE_CHECKING
-            if TYPE_CHECKING:
-                from collections import OrderedDict
-
-            def make(flag: bool = True, table: OrderedDict | None = None, n: int = 1):
-                pass
-            """
-        )
-    )
-    factory = find_factory(f"{path}:make")
-    # get_type_hints fails on OrderedDict; the other annotations still apply, that one reads as before.
-    assert convert_task_args(factory, {"flag": "off", "n": "3", "table": "{1: 2}"}) == {
-        "flag": False,
-        "n": 3,
-        "table": {1: 2},
-    }
-
-
-def test_task_args_of_a_class_and_of_a_callable_object() -> None:
-    class Factory:
-        def __init__(self, flag: bool = True) -> None:
-            self.flag = flag
-
-    class CallableFactory:
-        def __call__(self, flag: bool = True) -> None:
-            pass
-
-    assert convert_task_args(Factory, {"flag": "no"}) == {"flag": False}
-    assert convert_task_args(CallableFactory(), {"flag": "no"}) == {"flag": False}
-
-
-def test_load_task_takes_real_values_and_texts_go_through_the_conversion(task_file: Path) -> None:
-    spec = f"{task_file}:make"
-    assert load_task(spec, batch_size=3).batch_size == 3  # Python callers pass values, not texts
-    factory = find_factory(spec)
-    task = call_factory(spec, factory, convert_task_args(factory, {"batch_size": "3", "name": "7"}))
-    assert (task.batch_size, task.name) == (3, 7)  # make() has no annotations: literals, as before
 
 
 # --- module specs from the working directory ----------------------------------------------------

@@ -15,12 +15,13 @@ import typer
 from rich.console import Console
 
 from redline.cli.options import command, flags, values
-from redline.errors import ConfigError, invalid
+from redline.cli.task_args import parse_task_args
+from redline.errors import ConfigError
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import seed_everything
-from redline.task import convert_task_args, find_factory, load_task
+from redline.task import load_task
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.summary import TrainSummary
@@ -29,17 +30,6 @@ from redline.train.trainer import Trainer
 # The options that start the workers (on one machine); each worker runs the rest of the command.
 LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
 EARLY_STOPPING = "early_stopping_"
-
-
-def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
-    """Turn repeated ``KEY=VALUE`` strings into keyword options, read by the task factory's annotations."""
-    texts: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
-        texts[key.strip()] = text
-    return convert_task_args(find_factory(spec), texts) if texts else {}
 
 
 def _train(
