@@ -14,14 +14,14 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import positive_int
 from redline.errors import TaskSpecError, invalid
@@ -60,20 +60,25 @@ class Task:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.model, nn.Module) or callable(self.model)):
-            raise invalid("model", type(self.model).__name__, "an nn.Module or a callable returning one")
-        if not callable(self.loss_fn):
-            raise invalid("loss_fn", self.loss_fn, "a callable (outputs, targets) -> scalar tensor")
+            raise invalid(
+                "model", _shown(self.model), "an nn.Module or a callable returning one", "model=MyNet() or model=MyNet"
+            )
+        _check_data("train_data", self.train_data)
+        if self.val_data is not None:
+            _check_data("val_data", self.val_data)
         if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
             raise invalid(
                 "optimizer",
-                type(self.optimizer).__name__,
+                _shown(self.optimizer),
                 "a factory params -> Optimizer",
                 "write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
             )
+        for name, (signature, example) in _FUNCTIONS.items():
+            _check_function(name, getattr(self, name), signature, example)
         positive_int("batch_size", self.batch_size)
         positive_int("epochs", self.epochs)
-        if not hasattr(self.train_data, "__getitem__") and not hasattr(self.train_data, "__iter__"):
-            raise invalid("train_data", type(self.train_data).__name__, "a torch Dataset")
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise invalid("name", _shown(self.name), "a non-empty string", 'e.g. name="digits"')
 
     def build_model(self) -> nn.Module:
         """Return a fresh model: the factory's result, or a deep copy of the given module."""
@@ -95,6 +100,66 @@ class Task:
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
         return digest.hexdigest()[:16]
+
+
+# The Task's function fields: what each is called with and returns, and an example that fits.
+_FUNCTIONS = {
+    "loss_fn": ("(outputs, targets) -> scalar tensor", "loss_fn=nn.functional.cross_entropy or nn.CrossEntropyLoss()"),
+    "scheduler": ("optimizer -> LR scheduler", "scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)"),
+    "metric": ("(outputs, targets) -> float", "metric=accuracy, with def accuracy(outputs, targets) -> float"),
+    "sample": ("model -> str", "sample=generate, with def generate(model) -> str"),
+}
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Stands in a message for a value too long to show: ``train_data=<DataLoader>``."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def _shown(value: object) -> object:
+    """Return ``value`` as a message shows it: a short scalar itself, anything else by its type."""
+    if isinstance(value, bool | int | float | str | None) and len(repr(value)) <= 60:
+        return value
+    return _Kind(value.__name__ if isinstance(value, type) else type(value).__name__)
+
+
+def _check_function(name: str, value: object, signature: str, example: str) -> None:
+    if value is None and name != "loss_fn":
+        return  # optional
+    if isinstance(value, type) and issubclass(value, nn.Module):  # nn.MSELoss, not nn.MSELoss()
+        hint = f"pass an instance: {value.__name__}()"
+        raise invalid(name, _shown(value), f"a callable {signature}, not a class", hint)
+    if not callable(value):
+        optional = "" if name == "loss_fn" else ", or None"
+        raise invalid(name, _shown(value), f"a callable {signature}{optional}", f"pass the function itself: {example}")
+
+
+def _check_data(name: str, data: object) -> None:
+    """Refuse what a DataLoader cannot read as a dataset of (inputs, targets) items, saying what to pass."""
+    hint = ""
+    if isinstance(data, IterableDataset):
+        return  # a stream: no length to check
+    if isinstance(data, str | bytes | os.PathLike):
+        hint = "load the file into a Dataset first, e.g. torch.utils.data.TensorDataset(inputs, targets)"
+    elif isinstance(data, torch.Tensor) or (hasattr(data, "shape") and hasattr(data, "dtype")):  # an array
+        hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
+    elif isinstance(data, DataLoader):
+        hint = f"pass the loader's dataset ({name}=loader.dataset) and its batch size as batch_size="
+    elif isinstance(data, Mapping):
+        hint = f"pass one split, e.g. {name}=splits['train']"
+    elif isinstance(data, Iterator):
+        hint = "an iterator is used up after one pass: wrap a stream in a torch.utils.data.IterableDataset"
+    elif not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        hint = "give it __getitem__ and __len__ (a torch Dataset), or make it a torch.utils.data.IterableDataset"
+    if hint:
+        raise invalid(name, _shown(data), "a torch Dataset of (inputs, targets) items", hint)
+    if len(data) == 0:  # type: ignore[arg-type]
+        raise invalid(f"len({name})", 0, "at least one item", f"check how {name} is built: it holds no samples")
 
 
 def load_task(spec: str, **options: Any) -> Task:

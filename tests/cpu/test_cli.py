@@ -228,6 +228,14 @@ def test_seed_makes_a_factory_built_model_repeat(tmp_path):
     assert final_loss("4") != first
 
 
+def test_a_factory_that_builds_a_malformed_task_is_one_clear_line(tmp_path):
+    (tmp_path / "empty_task.py").write_text(EAGER_TASK.replace("linspace(-1, 1, 32).reshape(8, 4)", "empty(0, 4)"))
+    result = redline_cli("train", "--task", f"{tmp_path / 'empty_task.py'}:make", "--max-steps", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "the factory raised ConfigError: len(train_data)=0 is not allowed; expected at least one" in result.stderr
+    assert "hint: check how train_data is built" in result.stderr
+
+
 NORM_MODEL = "model=nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.1), nn.Linear(4, 1))"
 NORM_TASK = EAGER_TASK.replace("model=nn.Linear(4, 1)", NORM_MODEL)
 

@@ -147,5 +147,5 @@ def test_load_task_takes_real_values_and_texts_go_through_the_conversion(tmp_pat
     spec = f"{path}:make"
     assert load_task(spec, batch_size=3).batch_size == 3  # Python callers pass values, not texts
     factory = find_factory(spec)
-    task = call_factory(spec, factory, convert_task_args(factory, {"batch_size": "3", "name": "7"}))
-    assert (task.batch_size, task.name) == (3, 7)  # make() has no annotations: literals, as before
+    task = call_factory(spec, factory, convert_task_args(factory, {"batch_size": "3", "name": "big"}))
+    assert (task.batch_size, task.name) == (3, "big")  # make() has no annotations: a literal, else the text
