@@ -12,15 +12,16 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import positive_int
 from redline.errors import TaskSpecError, invalid
@@ -59,20 +60,25 @@ class Task:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.model, nn.Module) or callable(self.model)):
-            raise invalid("model", type(self.model).__name__, "an nn.Module or a callable returning one")
-        if not callable(self.loss_fn):
-            raise invalid("loss_fn", self.loss_fn, "a callable (outputs, targets) -> scalar tensor")
+            raise invalid(
+                "model", _shown(self.model), "an nn.Module or a callable returning one", "model=MyNet() or model=MyNet"
+            )
+        _check_data("train_data", self.train_data)
+        if self.val_data is not None:
+            _check_data("val_data", self.val_data)
         if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
             raise invalid(
                 "optimizer",
-                type(self.optimizer).__name__,
+                _shown(self.optimizer),
                 "a factory params -> Optimizer",
                 "write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
             )
+        for name, (signature, example) in _FUNCTIONS.items():
+            _check_function(name, getattr(self, name), signature, example)
         positive_int("batch_size", self.batch_size)
         positive_int("epochs", self.epochs)
-        if not hasattr(self.train_data, "__getitem__") and not hasattr(self.train_data, "__iter__"):
-            raise invalid("train_data", type(self.train_data).__name__, "a torch Dataset")
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise invalid("name", _shown(self.name), "a non-empty string", 'e.g. name="digits"')
 
     def build_model(self) -> nn.Module:
         """Return a fresh model: the factory's result, or a deep copy of the given module."""
@@ -96,12 +102,77 @@ class Task:
         return digest.hexdigest()[:16]
 
 
+# The Task's function fields: what each is called with and returns, and an example that fits.
+_FUNCTIONS = {
+    "loss_fn": ("(outputs, targets) -> scalar tensor", "loss_fn=nn.functional.cross_entropy or nn.CrossEntropyLoss()"),
+    "scheduler": ("optimizer -> LR scheduler", "scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)"),
+    "metric": ("(outputs, targets) -> float", "metric=accuracy, with def accuracy(outputs, targets) -> float"),
+    "sample": ("model -> str", "sample=generate, with def generate(model) -> str"),
+}
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Stands in a message for a value too long to show: ``train_data=<DataLoader>``."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def _shown(value: object) -> object:
+    """Return ``value`` as a message shows it: a short scalar itself, anything else by its type."""
+    if isinstance(value, bool | int | float | str | None) and len(repr(value)) <= 60:
+        return value
+    return _Kind(value.__name__ if isinstance(value, type) else type(value).__name__)
+
+
+def _check_function(name: str, value: object, signature: str, example: str) -> None:
+    if value is None and name != "loss_fn":
+        return  # optional
+    if isinstance(value, type) and issubclass(value, nn.Module):  # nn.MSELoss, not nn.MSELoss()
+        hint = f"pass an instance: {value.__name__}()"
+        raise invalid(name, _shown(value), f"a callable {signature}, not a class", hint)
+    if not callable(value):
+        optional = "" if name == "loss_fn" else ", or None"
+        raise invalid(name, _shown(value), f"a callable {signature}{optional}", f"pass the function itself: {example}")
+
+
+def _check_data(name: str, data: object) -> None:
+    """Refuse what a DataLoader cannot read as a dataset of (inputs, targets) items, saying what to pass."""
+    hint = ""
+    if isinstance(data, IterableDataset):
+        return  # a stream: no length to check
+    if isinstance(data, str | bytes | os.PathLike):
+        hint = "load the file into a Dataset first, e.g. torch.utils.data.TensorDataset(inputs, targets)"
+    elif isinstance(data, torch.Tensor) or (hasattr(data, "shape") and hasattr(data, "dtype")):  # an array
+        hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
+    elif isinstance(data, DataLoader):
+        hint = f"pass the loader's dataset ({name}=loader.dataset) and its batch size as batch_size="
+    elif isinstance(data, Mapping):
+        hint = f"pass one split, e.g. {name}=splits['train']"
+    elif isinstance(data, Iterator):
+        hint = "an iterator is used up after one pass: wrap a stream in a torch.utils.data.IterableDataset"
+    elif not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        hint = "give it __getitem__ and __len__ (a torch Dataset), or make it a torch.utils.data.IterableDataset"
+    if hint:
+        raise invalid(name, _shown(data), "a torch Dataset of (inputs, targets) items", hint)
+    if len(data) == 0:  # type: ignore[arg-type]
+        raise invalid(f"len({name})", 0, "at least one item", f"check how {name} is built: it holds no samples")
+
+
 def load_task(spec: str, **options: Any) -> Task:
     """Load a Task from a spec string, passing ``options`` to the factory as keywords.
 
     Forms: ``example:digits`` or ``example:chargpt``; ``pkg.module:factory``;
     ``path/to/file.py:factory``.
     """
+    return call_factory(spec, find_factory(spec), options)
+
+
+def find_factory(spec: str) -> Callable[..., Any]:
+    """Import the module a spec string names and return its factory (a TaskSpecError says what is wrong)."""
     module_name, factory_name = _split_spec(spec)
     module = _import_module(spec, module_name)
     factory = getattr(module, factory_name, None)
@@ -111,6 +182,11 @@ def load_task(spec: str, **options: Any) -> Task:
             f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
             f"callables there: {', '.join(public[:12]) or 'none'}"
         )
+    return factory
+
+
+def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Task:
+    """Call ``factory(**options)`` and check that it returns a Task; ``spec`` names it in errors."""
     _check_options(spec, factory, options)
     try:
         task = factory(**options)
@@ -157,6 +233,7 @@ def _import_module(spec: str, module_name: str) -> Any:
             sys.modules.pop(name, None)
             raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}") from exc
         return module
+    _search_working_directory()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -165,12 +242,30 @@ def _import_module(spec: str, module_name: str) -> Any:
                 f"task spec {spec!r}: importing {module_name!r} failed: it imports {exc.name!r}, which is "
                 f"not installed\nhint: pip install the package that provides {exc.name!r}"
             ) from exc
+        top = module_name.partition(".")[0]
         raise TaskSpecError(
             f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
-            f"expected {FORMS.format(', '.join(EXAMPLES))}"
+            f"expected {FORMS.format(', '.join(EXAMPLES))}\nhint: run redline in the folder that holds "
+            f"{top}/ (or {top}.py), or pip install the package"
         ) from exc
     except Exception as exc:
         raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+
+
+def _search_working_directory() -> None:
+    """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``.
+
+    The ``redline`` console script's sys.path starts with the script's own folder, where
+    ``python -m`` puts the working directory. It goes last here, so that an installed package of
+    the same name still comes first.
+    """
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed
+        return
+    searched = {os.path.realpath(entry or os.curdir) for entry in sys.path if isinstance(entry, str)}
+    if os.path.realpath(cwd) not in searched:
+        sys.path.append(cwd)
 
 
 def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:

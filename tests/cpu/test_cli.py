@@ -3,16 +3,18 @@
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import typer
 from safetensors.torch import load_file
 
-from redline.cli.train import parse_task_args, stopped_early
-from redline.errors import ConfigError
+from redline.cli.main import app
+from redline.cli.train import stopped_early
 from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
 from redline.train.trainer import Trainer
@@ -119,18 +121,38 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     assert result.returncode == 2 and "not a writable directory" in result.stderr
 
 
-def test_task_args_are_python_literals_or_words():
-    assert parse_task_args(["n_layer=4", "lr=3e-4", "bias=False", "name=tiny", "sizes=[1, 2]"]) == {
-        "n_layer": 4,
-        "lr": 3e-4,
-        "bias": False,
-        "name": "tiny",
-        "sizes": [1, 2],
-    }
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args(["n_layer"])
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args(["2x=1"])
+FLAG_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.task import Task
+
+
+def make(flag: bool = True, name: str = "tiny"):
+    if flag:
+        raise RuntimeError(f"flag was {flag!r}, name {name!r}")
+    return Task(model=nn.Linear(2, 1), loss_fn=nn.functional.mse_loss, name=name,
+                train_data=TensorDataset(torch.randn(8, 2), torch.randn(8, 1)), batch_size=4)
+"""
+
+
+def test_task_arg_false_reaches_a_bool_option_as_false(tmp_path):
+    (tmp_path / "flag_task.py").write_text(FLAG_TASK)
+    spec = f"{tmp_path / 'flag_task.py'}:make"
+    args = ("train", "--task", spec, "--max-steps", "1", "--no-progress", "--json")
+    result = redline_cli(*args, "--task-arg", "flag=false", "--task-arg", "name=123")
+    assert result.returncode == 0, result.stderr  # the factory raises when flag is truthy
+    assert json.loads(result.stdout)["task"] == "123"  # str option: the text as typed, not the number
+
+
+def test_task_arg_that_does_not_convert_is_one_clear_line(tmp_path):
+    (tmp_path / "flag_task.py").write_text(FLAG_TASK)
+    spec = f"{tmp_path / 'flag_task.py'}:make"
+    result = redline_cli("train", "--task", spec, "--max-steps", "1", "--task-arg", "flag=maybe")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false" in result.stderr
+    assert "hint: e.g. --task-arg flag=true" in result.stderr
 
 
 def test_warnings_reach_stderr_through_the_one_logger(tmp_path):
@@ -245,3 +267,100 @@ def test_sigint_without_out_exits_130_and_says_nothing_was_saved():
         "stopped by SIGINT at step 1; nothing was saved: the run has no --out\n"
         "hint: pass --out DIR to write a checkpoint there that the run can continue from (--resume auto)"
     )
+
+
+def test_a_tensorboard_logger_without_out_is_refused_with_the_fix():
+    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--logger", "tensorboard")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "logger 'tensorboard' writes its files under out_dir, and out_dir is None" in result.stderr
+    assert "hint: pass --out DIR" in result.stderr
+
+
+# What pip writes as the `redline` console script: sys.path starts with the script's folder, not the
+# working directory (where `python -m redline` would put it).
+CONSOLE_SCRIPT = "import sys\nfrom redline.cli.main import main\nsys.exit(main())\n"
+
+
+def test_console_script_finds_a_module_spec_in_the_working_directory(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "redline").write_text(CONSOLE_SCRIPT)
+    work = tmp_path / "work"
+    (work / "mypkg").mkdir(parents=True)
+    (work / "mypkg" / "__init__.py").write_text("")
+    (work / "mypkg" / "tasks.py").write_text(FLAG_TASK)
+    redline = [sys.executable, str(tmp_path / "bin" / "redline"), "train", "--max-steps", "1", "--json"]
+    found = subprocess.run(
+        [*redline, "--task", "mypkg.tasks:make", "--task-arg", "flag=off", "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=work,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["task"] == "tiny"
+    missing = subprocess.run([*redline, "--task", "otherpkg.tasks:make"], capture_output=True, text=True, cwd=work)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "module 'otherpkg.tasks' not found" in missing.stderr
+    assert "hint: run redline in the folder that holds otherpkg/" in missing.stderr
+
+
+# A factory that builds its module at once (not a callable): its weights come from the RNG as it
+# stands when the factory runs. The data is fixed, so the loss differs only if the weights do.
+EAGER_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.task import Task
+
+
+def make():
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4)
+    return Task(model=nn.Linear(4, 1), loss_fn=nn.functional.mse_loss, batch_size=4,
+                train_data=TensorDataset(inputs, inputs.sum(dim=1, keepdim=True)))
+"""
+
+
+def test_seed_makes_a_factory_built_model_repeat(tmp_path):
+    (tmp_path / "eager_task.py").write_text(EAGER_TASK)
+    spec = f"{tmp_path / 'eager_task.py'}:make"
+
+    def final_loss(seed: str) -> float:
+        result = redline_cli("train", "--task", spec, "--seed", seed, "--json", "--max-steps", "2", "--no-progress")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["final_loss"]
+
+    first = final_loss("3")
+    assert final_loss("3") == first
+    assert final_loss("4") != first
+
+
+def test_a_factory_that_builds_a_malformed_task_is_one_clear_line(tmp_path):
+    (tmp_path / "empty_task.py").write_text(EAGER_TASK.replace("linspace(-1, 1, 32).reshape(8, 4)", "empty(0, 4)"))
+    result = redline_cli("train", "--task", f"{tmp_path / 'empty_task.py'}:make", "--max-steps", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "the factory raised ConfigError: len(train_data)=0 is not allowed; expected at least one" in result.stderr
+    assert "hint: check how train_data is built" in result.stderr
+
+
+NORM_MODEL = "model=nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.1), nn.Linear(4, 1))"
+NORM_TASK = EAGER_TASK.replace("model=nn.Linear(4, 1)", NORM_MODEL)
+
+
+def test_one_process_plan_has_no_split_caveats(tmp_path):
+    (tmp_path / "norm_task.py").write_text(NORM_TASK)
+    spec = f"{tmp_path / 'norm_task.py'}:make"
+    result = redline_cli("train", "--task", spec, "--json", "--max-steps", "1", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    loader = json.loads(result.stdout)["plan"]["loader"]["reason"]
+    assert "global batch 4 = 1 x 4" in loader  # the line that carries the caveats under several processes
+    assert "BatchNorm" not in loader and "dropout" not in loader
+
+
+@pytest.mark.parametrize(("command", "columns"), [("train", 80), ("train", 100), ("launch", 80), ("doctor", 80)])
+def test_help_shows_every_flag_name_whole(command, columns):
+    loaded = typer.main.get_command(app).commands[command].load()  # type: ignore[attr-defined]
+    names = [name for param in loaded.params for name in (*param.opts, *param.secondary_opts) if name.startswith("-")]
+    assert "--early-stopping-patience" in names or command != "train"
+    result = redline_cli(command, "--help", env={"COLUMNS": str(columns)})
+    assert result.returncode == 0, result.stderr
+    for name in names:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.stdout), name
+    assert max(map(len, result.stdout.splitlines())) <= columns

@@ -68,6 +68,15 @@ def test_trainer_config_checks_and_normalises():
         TrainerConfig.build(precision="fp32")
 
 
+def test_a_logger_asked_for_by_name_needs_an_out_dir():
+    with pytest.raises(ConfigError) as info:
+        TrainerConfig(loggers=("csv", "tensorboard"))
+    assert "logger 'tensorboard' writes its files under out_dir, and out_dir is None" in str(info.value)
+    assert "\nhint: pass --out DIR" in str(info.value)
+    assert TrainerConfig(loggers=("tensorboard",), out_dir="runs/x").loggers == ("tensorboard",)
+    assert TrainerConfig().out_dir is None and TrainerConfig(loggers=("csv",)).loggers == ("csv",)  # defaults: fine
+
+
 def test_launch_config_reads_nproc_as_text_and_checks_it():
     assert LaunchConfig(nproc="4").nproc == 4  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="nproc='many'"):

@@ -44,9 +44,11 @@ def test_an_indivisible_global_batch_names_the_nearest_that_splits():
 
 
 def test_the_layers_that_depend_on_the_split_are_named():
-    assert split_caveats(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0))) == []
-    caveats = split_caveats(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.BatchNorm1d(2), nn.Dropout(0.1)))
+    assert split_caveats(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)), world_size=2) == []
+    both = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.BatchNorm1d(2), nn.Dropout(0.1))
+    caveats = split_caveats(both, world_size=2)
     assert len(caveats) == 2
     assert caveats[0].startswith("2 BatchNorm layer(s)") and "SyncBatchNorm" in caveats[0]
     assert "dropout" in caveats[1]
-    assert split_caveats(nn.SyncBatchNorm(2)) == []  # already global
+    assert split_caveats(nn.SyncBatchNorm(2), world_size=2) == []  # already global
+    assert split_caveats(both, world_size=1) == []  # one process splits nothing

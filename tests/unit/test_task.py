@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from redline.errors import ConfigError, TaskSpecError
+from redline.errors import ConfigError, RedlineError, TaskSpecError
 from redline.task import Task, load_task
 
 
@@ -51,6 +55,64 @@ def test_invalid_fields_raise_config_error_naming_the_field(overrides: dict[str,
     with pytest.raises(ConfigError) as info:
         tiny_task(**overrides)
     assert field in str(info.value)
+
+
+class Stream(IterableDataset):  # type: ignore[type-arg]
+    """A stream of (inputs, targets) without a length: allowed as data."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield torch.randn(2), torch.randn(1)
+
+
+EMPTY = TensorDataset(torch.empty(0, 2), torch.empty(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"train_data": EMPTY}, "len(train_data)=0 is not allowed; expected at least one item\nhint: check how"),
+        ({"val_data": EMPTY}, "len(val_data)=0 is not allowed"),
+        ({"train_data": []}, "len(train_data)=0"),
+        ({"train_data": DataLoader(tiny_data())}, "train_data=<DataLoader> is not allowed; expected a torch Dataset"),
+        ({"val_data": DataLoader(tiny_data())}, "hint: pass the loader's dataset (val_data=loader.dataset)"),
+        ({"train_data": torch.randn(4, 2)}, "train_data=<Tensor> is not allowed"),
+        ({"train_data": np.zeros((4, 2))}, "hint: pair the inputs with their targets: torch.utils.data.TensorDataset"),
+        ({"train_data": "data/train.csv"}, "train_data='data/train.csv' is not allowed"),
+        ({"train_data": Path("train.pt")}, "hint: load the file into a Dataset first"),
+        ({"train_data": {"train": tiny_data()}}, "hint: pass one split, e.g. train_data=splits['train']"),
+        ({"train_data": iter(tiny_data())}, "hint: an iterator is used up after one pass"),
+        ({"train_data": {1, 2}}, "hint: give it __getitem__ and __len__"),
+        ({"val_data": 3}, "val_data=3 is not allowed; expected a torch Dataset of (inputs, targets) items"),
+        (
+            {"loss_fn": nn.MSELoss},
+            "loss_fn=<MSELoss> is not allowed; expected a callable (outputs, targets) -> "
+            "scalar tensor, not a class\nhint: pass an instance: MSELoss()",
+        ),
+        (
+            {"scheduler": "cosine"},
+            "scheduler='cosine' is not allowed; expected a callable optimizer -> LR scheduler, "
+            "or None\nhint: pass the function itself: scheduler=lambda opt:",
+        ),
+        ({"metric": "accuracy"}, "metric='accuracy' is not allowed; expected a callable (outputs, targets) -> float"),
+        ({"sample": 3}, "sample=3 is not allowed; expected a callable model -> str, or None"),
+        ({"name": ""}, "name='' is not allowed; expected a non-empty string\nhint: e.g. name=\"digits\""),
+        ({"name": 7}, "name=7 is not allowed"),
+        ({"optimizer": 1e-3}, "optimizer=0.001 is not allowed; expected a factory params -> Optimizer"),
+    ],
+)
+def test_each_malformed_field_says_what_was_passed_what_is_expected_and_the_fix(
+    overrides: dict[str, object], says: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        tiny_task(**overrides)
+    assert says in str(info.value)
+
+
+def test_a_scheduler_built_already_is_refused() -> None:
+    model = nn.Linear(2, 1)
+    built = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
+    with pytest.raises(ConfigError, match=r"scheduler=<StepLR> is not allowed.*\nhint: pass the function itself"):
+        tiny_task(model=model, scheduler=built)
 
 
 def test_optimizer_instance_is_rejected_with_a_factory_hint() -> None:
@@ -153,7 +215,7 @@ def test_fingerprint_changes_with_batch_size_model_shape_or_data_size(change: di
 TASK_SOURCE = """
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.task import Task
 
@@ -334,3 +396,105 @@ def test_bool_is_not_a_batch_size() -> None:
             train_data=TensorDataset(torch.ones(2, 2)),
             batch_size=True,
         )
+
+
+# --- module specs from the working directory ----------------------------------------------------
+
+
+def write_package(folder: Path, package: str, name: str) -> None:
+    (folder / package).mkdir(parents=True)
+    (folder / package / "__init__.py").write_text("")
+    (folder / package / "tasks.py").write_text(textwrap.dedent(TASK_SOURCE).replace('name="tiny"', f"name={name!r}"))
+
+
+@pytest.fixture
+def package_name() -> Iterator[str]:
+    package = f"redline_cwd_pkg_{uuid.uuid4().hex[:8]}"
+    yield package
+    for name in [n for n in sys.modules if n.startswith(package)]:
+        del sys.modules[name]
+
+
+def test_module_spec_is_found_in_the_working_directory_searched_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package_name: str
+) -> None:
+    write_package(tmp_path, package_name, "from cwd")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry])  # as under the console script
+    assert load_task(f"{package_name}.tasks:make").name == "from cwd"
+    assert sys.path[-1] == str(tmp_path)
+    load_task(f"{package_name}.tasks:make")
+    assert sys.path.count(str(tmp_path)) == 1
+
+
+def test_an_installed_package_wins_over_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package_name: str
+) -> None:
+    write_package(tmp_path / "site", package_name, "installed")
+    write_package(tmp_path / "work", package_name, "from cwd")
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.chdir(tmp_path / "work")
+    assert load_task(f"{package_name}.tasks:make").name == "installed"
+
+
+def test_missing_module_hints_at_the_working_directory() -> None:
+    with pytest.raises(TaskSpecError) as info:
+        load_task("redline_no_such_pkg_xyz.tasks:make")
+    assert "\nhint: run redline in the folder that holds redline_no_such_pkg_xyz/" in str(info.value)
+
+
+# --- every malformed field, in any combination ---------------------------------------------------
+
+_MODEL = nn.Linear(2, 1)
+MALFORMED: dict[str, list[object]] = {
+    "model": [42, "resnet18", None, [nn.Linear(2, 1)], torch.zeros(2)],
+    "loss_fn": ["mse", 0.5, None, nn.MSELoss, torch.tensor(1.0)],
+    "train_data": [7, None, "train.csv", Path("train.pt"), torch.randn(4, 2), EMPTY, [], DataLoader(tiny_data()),
+                   {"train": tiny_data()}, iter(tiny_data()), {1, 2}, object()],
+    "val_data": [7, "val.csv", torch.randn(4, 2), EMPTY, DataLoader(tiny_data()), {"val": tiny_data()}],
+    "optimizer": [torch.optim.SGD(_MODEL.parameters(), lr=0.1), "adam", 1e-3, None],
+    "batch_size": [0, -1, 2.5, "64", True, None],
+    "scheduler": ["cosine", 3, torch.optim.lr_scheduler.StepLR(torch.optim.SGD(_MODEL.parameters(), lr=0.1), 1)],
+    "metric": ["accuracy", 0.5, nn.L1Loss],
+    "sample": ["hello", 3],
+    "epochs": [0, -2, 1.5, "3", True, None],
+    "name": ["", "  ", 3, None, b"task"],
+}  # fmt: skip
+WITHOUT_HINT = {"batch_size", "epochs"}  # positive_int's message: the field, the value and what is expected
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_any_malformed_fields_are_refused_naming_one_of_them_and_the_fix(data: st.DataObject) -> None:
+    fields = data.draw(st.lists(st.sampled_from(sorted(MALFORMED)), min_size=1, unique=True), label="fields")
+    bad = {field: data.draw(st.sampled_from(MALFORMED[field]), label=field) for field in fields}
+    with pytest.raises(RedlineError) as info:
+        tiny_task(**bad)
+    message = str(info.value)
+    named = re.match(r"(?:len\()?(\w+)\)?=", message)
+    assert named is not None and named.group(1) in fields, message
+    assert " is not allowed; expected " in message
+    assert named.group(1) in WITHOUT_HINT or "\nhint: " in message, message
+
+
+VALID: dict[str, list[object]] = {
+    "model": [nn.Linear(2, 1), lambda: nn.Linear(2, 1), nn.Sequential(nn.Linear(2, 1))],
+    "loss_fn": [nn.functional.mse_loss, nn.MSELoss()],
+    "train_data": [tiny_data(), [(torch.randn(2), torch.randn(1))] * 3, Stream()],
+    "val_data": [None, tiny_data(), Stream()],
+    "optimizer": [lambda params: torch.optim.SGD(params, lr=0.1), torch.optim.AdamW],
+    "batch_size": [1, 64],
+    "scheduler": [None, lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1)],
+    "metric": [None, lambda outputs, targets: 0.0],
+    "sample": [None, lambda model: "text"],
+    "epochs": [1, 3],
+    "name": ["tiny", "digits v2"],
+}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.fixed_dictionaries({field: st.sampled_from(values) for field, values in VALID.items()}))
+def test_any_well_formed_fields_build_a_task_that_keeps_them(fields: dict[str, object]) -> None:
+    task = Task(**fields)  # type: ignore[arg-type]
+    assert all(getattr(task, field) is value for field, value in fields.items())

@@ -47,6 +47,11 @@ SUBCOMMANDS = {
 }
 
 
+# Help as click writes it: rich's option table cuts long flag names (`--early-stopping-pat…`) to fit
+# 80 columns, where click's list keeps each name whole and wraps the text beside it.
+HELP_MARKUP = None
+
+
 class LazyCommand(TyperCommand):
     """A subcommand known by its name and summary until it runs; then its module is imported."""
 
@@ -63,7 +68,7 @@ class LazyCommand(TyperCommand):
                 f"`redline {self.name}` could not start: {type(exc).__name__}: {exc}\n"
                 "hint: run `redline doctor`: it checks torch and its CUDA libraries and gives the fix"
             ) from exc
-        single = typer.Typer(add_completion=False)
+        single = typer.Typer(add_completion=False, rich_markup_mode=HELP_MARKUP)
         single.command(self.name, context_settings=self.spec.context_settings)(getattr(module, self.spec.function))
         return typer.main.get_command(single)
 
@@ -88,6 +93,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 

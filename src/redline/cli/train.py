@@ -6,7 +6,6 @@ EarlyStopping, LaunchConfig): the flags are derived from their fields (cli/optio
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import signal
@@ -17,10 +16,12 @@ import typer
 from rich.console import Console
 
 from redline.cli.options import command, flags, values
-from redline.errors import ConfigError, StoppedBySignal, invalid
+from redline.cli.task_args import parse_task_args
+from redline.errors import ConfigError, StoppedBySignal
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, plan_table
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.seed import seed_everything
 from redline.task import load_task
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
@@ -30,21 +31,6 @@ from redline.train.trainer import Trainer
 # The options that start the workers (on one machine); each worker runs the rest of the command.
 LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
 EARLY_STOPPING = "early_stopping_"
-
-
-def parse_task_args(pairs: list[str]) -> dict[str, Any]:
-    """Turn repeated ``KEY=VALUE`` strings into keyword options; values read as Python literals."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
-        try:
-            value: Any = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text  # a bare word is a string: --task-arg name=tiny
-        options[key.strip()] = value
-    return options
 
 
 def _train(
@@ -67,7 +53,9 @@ def _train(
         config = LaunchConfig(**values(LaunchConfig, launching, optional=True))
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
-    loaded = load_task(task, **parse_task_args(task_arg or []))
+    if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
+        seed_everything(parsed["seed"])
+    loaded = load_task(task, **parse_task_args(task, task_arg or []))
     stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)
     with Trainer(
         loaded,

@@ -164,7 +164,7 @@ class Runtime:
         self.start()
         self._setups += 1
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
-        self._split_caveats = split_caveats(model)
+        self._split_caveats = split_caveats(model, self.env.world_size)
         layout = resolve_channels_last(
             self.options.channels_last, self.facts, has_conv2d=has_conv2d, precision=self.precision.name
         )

@@ -105,12 +105,15 @@ def batches_per_epoch(size: int, global_batch: int, world_size: int = 1) -> int:
     return full + (1 if rest and rest % world_size == 0 else 0)
 
 
-def split_caveats(model: nn.Module) -> list[str]:
+def split_caveats(model: nn.Module, world_size: int) -> list[str]:
     """Say which of ``model``'s layers make its results depend on how the global batch is split.
 
     BatchNorm normalises over the samples of one rank, not the global batch (``nn.SyncBatchNorm``
-    would make them global); dropout draws its masks from each rank's own random stream.
+    would make them global); dropout draws its masks from each rank's own random stream. One
+    process splits nothing, so it has no caveat.
     """
+    if world_size <= 1:
+        return []
     caveats = []
     norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
                 for m in model.modules())  # fmt: skip

@@ -11,6 +11,8 @@ from redline.errors import ConfigError, invalid
 from redline.runtime.options import RuntimeOptions
 from redline.train.logs import LOGGER_NAMES
 
+DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -25,7 +27,7 @@ class TrainerConfig:
     keep_checkpoints: int = option(3, "Keep the newest K checkpoints.")
     out_dir: Path | None = option(None, "Write checkpoints, logs, summary.json, model.safetensors.", flag="--out")
     resume: str | None = option(None, "'auto' (the newest valid checkpoint in OUT) or a checkpoint's path.")
-    loggers: tuple[str, ...] = option(("csv", "jsonl"), "csv, jsonl or tensorboard; repeatable.", flag="--logger")
+    loggers: tuple[str, ...] = option(DEFAULT_LOGGERS, "csv, jsonl or tensorboard; repeatable.", flag="--logger")
     log_every: int = option(50, "Read losses and log every N steps.")
     progress: bool = option(True, "Show progress on stderr.")
     hang_timeout_s: float | None = option(
@@ -51,6 +53,12 @@ class TrainerConfig:
             if name not in LOGGER_NAMES:
                 raise invalid("loggers", name, "one of " + ", ".join(map(repr, LOGGER_NAMES)))
         object.__setattr__(self, "loggers", loggers)
+        chosen = [name for name in loggers if name not in DEFAULT_LOGGERS]
+        if chosen and self.out_dir is None:  # asked for by name: writing nothing would go unnoticed
+            raise ConfigError(
+                f"logger {chosen[0]!r} writes its files under out_dir, and out_dir is None; expected an out_dir "
+                f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
+            )
         boolean("progress", self.progress)
 
     @classmethod

@@ -1,0 +1,155 @@
+"""``--task-arg KEY=VALUE``: the command line's texts read as the types a task factory declares.
+
+``redline.load_task`` takes real values from Python callers; the command line has only texts, so
+each is converted by the annotation of the factory's parameter of that name.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from redline.errors import TaskSpecError, invalid
+from redline.task import find_factory
+
+
+def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
+    """Turn repeated ``KEY=VALUE`` strings into keyword options, read by the task factory's annotations."""
+    texts: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
+        texts[key.strip()] = text
+    return convert_task_args(find_factory(spec), texts) if texts else {}
+
+
+def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> dict[str, Any]:
+    """Convert command-line texts (``--task-arg KEY=VALUE``) to the types the factory annotates.
+
+    ``bool`` reads true/false, yes/no, on/off or 1/0 in any case; ``int``, ``float`` and ``str``
+    read as such (``name=123`` stays the text "123"); ``X | None`` also reads none; a ``Literal``
+    reads one of its values. An option without an annotation, or with one not listed here, reads
+    as a Python literal or else as text (``name=tiny``). A text that does not convert is a
+    TaskSpecError naming the option, its type and the text.
+    """
+    hints = _option_types(factory)
+    options = {}
+    for key, text in texts.items():
+        hint = hints.get(key)
+        try:
+            options[key] = _literal_or_text(text) if hint is None else _read(text, hint)
+        except ValueError:
+            raise TaskSpecError(
+                f"--task-arg {key}={text!r}: the factory's option {key!r} is {_type_name(hint)}; "
+                f"expected {_expected(hint)}\nhint: e.g. --task-arg {key}={_example(hint)}"
+            ) from None
+    return options
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _read(text: str, hint: Any) -> Any:
+    """Return ``text`` as a value of type ``hint``, or raise ValueError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for member in sorted(args, key=lambda a: a is str):  # str takes any text: try it last
+            try:
+                return _read(text, member)
+            except ValueError:
+                continue
+        raise ValueError(text)
+    if origin is Literal:
+        for value in args:
+            if text == str(value):
+                return value
+        raise ValueError(text)
+    if hint is type(None) and text.strip().lower() == "none":
+        return None
+    if hint is bool and text.strip().lower() in _TRUE + _FALSE:
+        return text.strip().lower() in _TRUE
+    if hint in (int, float):
+        return hint(text)  # int("2.5") and float("fast") raise ValueError
+    if hint is str:
+        return text
+    if hint in (type(None), bool):
+        raise ValueError(text)
+    return _literal_or_text(text)  # a type without a reading of its own (list[int], a class): as before
+
+
+def _literal_or_text(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text  # a bare word is a string: --task-arg name=tiny
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _type_name(hint: Any) -> str:
+    names = [_bare_name(m) for m in _members(hint)]
+    if len(names) == 1:
+        return ("an " if names[0][0].lower() in "aeiou" else "a ") + names[0]
+    return "annotated " + " | ".join(names)
+
+
+def _bare_name(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) is Literal:
+        return f"Literal[{', '.join(map(repr, typing.get_args(hint)))}]"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+_EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", type(None): "none"}
+_EXAMPLES = {bool: "true", int: "4", float: "0.001", type(None): "none"}
+
+
+def _expected(hint: Any) -> str:
+    said = []
+    for member in _members(hint):
+        if typing.get_origin(member) is Literal:
+            said.append("one of " + ", ".join(str(v) for v in typing.get_args(member)))
+        else:
+            said.append(_EXPECTED.get(member, _bare_name(member)))
+    return " or ".join(said)
+
+
+def _example(hint: Any) -> str:
+    first = _members(hint)[0]
+    return str(typing.get_args(first)[0]) if typing.get_origin(first) is Literal else _EXAMPLES.get(first, "...")
+
+
+def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
+    """Return the annotation of each of the factory's parameters that has one, resolved where it can be."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    target = vars(factory).get("__init__", factory) if isinstance(factory, type) else factory
+    try:
+        hints = typing.get_type_hints(target)
+    except (NameError, AttributeError, TypeError, SyntaxError):
+        # One annotation names what exists only for type checkers, or the factory is an object with
+        # __call__: resolve each parameter's annotation on its own, and keep those that resolve.
+        scope = getattr(inspect.unwrap(target), "__globals__", {})
+        hints = {name: _resolve(p.annotation, scope) for name, p in parameters.items()}
+    untyped = (None, Any, object, inspect.Parameter.empty)
+    return {name: hint for name, hint in hints.items() if name in parameters and hint not in untyped}
+
+
+def _resolve(annotation: Any, scope: dict[str, Any]) -> Any:
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return eval(annotation, dict(scope))  # what typing.get_type_hints does, one annotation at a time
+    except (NameError, AttributeError, TypeError, SyntaxError):
+        return None

@@ -1,0 +1,151 @@
+"""--task-arg texts read by the task factory's annotations, and what a text that does not fit says."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Literal, Optional
+
+import pytest
+
+from redline.cli.task_args import convert_task_args, parse_task_args
+from redline.errors import ConfigError, TaskSpecError
+from redline.task import call_factory, find_factory, load_task
+
+UNANNOTATED = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.task import Task
+
+
+def make(batch_size=2, name="tiny"):
+    data = TensorDataset(torch.randn(4, 2), torch.randn(4, 1))
+    return Task(model=nn.Linear(2, 1), loss_fn=nn.functional.mse_loss, train_data=data,
+                batch_size=batch_size, name=name)
+"""
+
+
+def test_pairs_must_be_key_equals_value_and_read_by_the_factory() -> None:
+    # digits(width: int, lr: float, ...): "8" becomes 8 and "3e-4" a float, not the texts.
+    assert parse_task_args("example:digits", ["width=8", "lr=3e-4"]) == {"width": 8, "lr": 3e-4}
+    assert parse_task_args("example:digits", []) == {}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_task_args("example:digits", ["width"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_task_args("example:digits", ["2x=1"])
+
+
+def typed_factory(
+    flag: bool = False,
+    n: int = 1,
+    lr: float = 0.1,
+    name: str = "tiny",
+    size: Literal["small", "large"] = "small",
+    limit: int | None = None,
+    label: Optional[str] = None,  # noqa: UP045 - the spelling older factories use
+    either: int | str = 0,
+    untyped=None,
+) -> None:
+    """A factory whose options carry every annotation the conversion reads."""
+
+
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        ({"flag": "false"}, {"flag": False}),
+        ({"flag": "TRUE"}, {"flag": True}),
+        ({"flag": "0"}, {"flag": False}),
+        ({"flag": "yes"}, {"flag": True}),
+        ({"flag": "Off"}, {"flag": False}),
+        ({"n": "12"}, {"n": 12}),
+        ({"lr": "3e-4"}, {"lr": 3e-4}),
+        ({"lr": "2"}, {"lr": 2.0}),
+        ({"name": "123"}, {"name": "123"}),
+        ({"name": "[1, 2]"}, {"name": "[1, 2]"}),
+        ({"size": "large"}, {"size": "large"}),
+        ({"limit": "none"}, {"limit": None}),
+        ({"limit": "None"}, {"limit": None}),
+        ({"limit": "7"}, {"limit": 7}),
+        ({"label": "None"}, {"label": None}),
+        ({"label": "hello"}, {"label": "hello"}),
+        ({"either": "5"}, {"either": 5}),
+        ({"either": "five"}, {"either": "five"}),
+        ({"untyped": "[1, 2]"}, {"untyped": [1, 2]}),
+        ({"untyped": "tiny"}, {"untyped": "tiny"}),
+        ({"unknown": "3"}, {"unknown": 3}),  # not the factory's: calling it names the unknown option
+    ],
+)
+def test_task_args_convert_by_the_annotation(texts: dict[str, str], expected: dict[str, object]) -> None:
+    options = convert_task_args(typed_factory, texts)
+    assert options == expected
+    assert [type(v) for v in options.values()] == [type(v) for v in expected.values()]
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "says"),
+    [
+        ("flag", "maybe", "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false"),
+        ("flag", "", "option 'flag' is a bool"),
+        ("n", "2.5", "--task-arg n='2.5': the factory's option 'n' is an int; expected a whole number"),
+        ("lr", "fast", "option 'lr' is a float; expected a number"),
+        ("size", "medium", "option 'size' is a Literal['small', 'large']; expected one of small, large"),
+        ("limit", "lots", "option 'limit' is annotated int | None; expected a whole number or none"),
+    ],
+)
+def test_task_arg_that_does_not_convert_names_option_type_and_text(key: str, text: str, says: str) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        convert_task_args(typed_factory, {key: text})
+    message = str(info.value)
+    assert says in message
+    assert f"\nhint: e.g. --task-arg {key}=" in message
+    converted = message.split(f"--task-arg {key}=")[-1]
+    assert convert_task_args(typed_factory, {key: converted})  # the hint's example is itself a valid text
+
+
+def test_task_args_of_a_factory_whose_annotation_does_not_resolve(tmp_path: Path) -> None:
+    path = tmp_path / "lazy_tasks.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            from __future__ import annotations
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from collections import OrderedDict
+
+            def make(flag: bool = True, table: OrderedDict | None = None, n: int = 1):
+                pass
+            """
+        )
+    )
+    factory = find_factory(f"{path}:make")
+    # get_type_hints fails on OrderedDict; the other annotations still apply, that one reads as before.
+    assert convert_task_args(factory, {"flag": "off", "n": "3", "table": "{1: 2}"}) == {
+        "flag": False,
+        "n": 3,
+        "table": {1: 2},
+    }
+
+
+def test_task_args_of_a_class_and_of_a_callable_object() -> None:
+    class Factory:
+        def __init__(self, flag: bool = True) -> None:
+            self.flag = flag
+
+    class CallableFactory:
+        def __call__(self, flag: bool = True) -> None:
+            pass
+
+    assert convert_task_args(Factory, {"flag": "no"}) == {"flag": False}
+    assert convert_task_args(CallableFactory(), {"flag": "no"}) == {"flag": False}
+
+
+def test_load_task_takes_real_values_and_texts_go_through_the_conversion(tmp_path: Path) -> None:
+    path = tmp_path / "plain_tasks.py"
+    path.write_text(UNANNOTATED)
+    spec = f"{path}:make"
+    assert load_task(spec, batch_size=3).batch_size == 3  # Python callers pass values, not texts
+    factory = find_factory(spec)
+    task = call_factory(spec, factory, convert_task_args(factory, {"batch_size": "3", "name": "big"}))
+    assert (task.batch_size, task.name) == (3, "big")  # make() has no annotations: a literal, else the text
