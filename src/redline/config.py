@@ -31,13 +31,13 @@ def positive_int(name: str, value: object, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise invalid(name, value, "a positive integer" + (" or None" if optional else ""))
+        raise invalid(name, value, "a positive integer" + (" or None" if optional else ""), _example(name, 1))
 
 
 def non_negative_int(name: str, value: object) -> None:
     """Check that ``value`` is an integer >= 0."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise invalid(name, value, "an integer >= 0")
+        raise invalid(name, value, "an integer >= 0", _example(name, 0))
 
 
 def positive_number(name: str, value: object, *, optional: bool = False) -> None:
@@ -45,19 +45,19 @@ def positive_number(name: str, value: object, *, optional: bool = False) -> None
     if optional and value is None:
         return
     if not isinstance(value, int | float) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
-        raise invalid(name, value, "a number > 0" + (" or None" if optional else ""))
+        raise invalid(name, value, "a number > 0" + (" or None" if optional else ""), _example(name, 1.0))
 
 
 def one_of(name: str, value: object, allowed: Sequence[object]) -> None:
     """Check that ``value`` is one of ``allowed``."""
     if value not in allowed:
-        raise invalid(name, value, "one of " + ", ".join(map(repr, allowed)))
+        raise invalid(name, value, "one of " + ", ".join(map(repr, allowed)), _example(name, allowed[0]))
 
 
 def boolean(name: str, value: object) -> None:
     """Check that ``value`` is True or False (not 1, not "yes")."""
     if not isinstance(value, bool):
-        raise invalid(name, value, "True or False")
+        raise invalid(name, value, "True or False", _example(name, True))
 
 
 def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, what: str, hint: str = "") -> T:
@@ -72,3 +72,7 @@ def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, 
     if unknown:
         raise invalid(unknown[0], changes[unknown[0]], f"{what}: " + ", ".join(sorted(known)), hint)
     return dataclasses.replace(base, **changes) if base is not None else owner(**changes)  # type: ignore[type-var]
+
+
+def _example(name: str, value: object) -> str:
+    return f"e.g. {name}={value!r}"

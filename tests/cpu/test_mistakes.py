@@ -156,10 +156,11 @@ def test_the_summary_is_strict_json_when_a_figure_is_missing(tmp_path):
 # -- through the command line: exit 2, the message, no traceback ---------------------------------
 
 
-def redline_cli(*args: str) -> subprocess.CompletedProcess:
+def redline_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=os.environ.copy()
-    )
+        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["triple", "loss_per_sample", "metric_text", "listed_layers", "key_error"])
@@ -171,6 +172,27 @@ def test_the_cli_says_the_mistake_in_one_message(kind):
     expected = " ".join(MISTAKES[kind][1].replace("\\n", " ").split())
     assert re.search(expected.replace(" ", r"\s*"), message), message
     assert "hint:" in message
+
+
+def test_redline_traceback_prints_the_users_traceback_before_the_message():
+    args = ("train", "--task", SPEC, "--task-arg", "kind=key_error", "--max-steps", "2", "--no-progress")
+    result = redline_cli(*args, env={"REDLINE_TRACEBACK": "1"})
+    assert result.returncode == 2
+    traceback_text, message = result.stderr.split("error: step 1:", 1)
+    assert "Traceback (most recent call last)" in traceback_text and "KeyError: 'pixels'" in traceback_text
+    assert 'return self.fc(inputs["pixels"])' in traceback_text and "hint:" in message
+
+
+def test_the_cli_reruns_a_finished_run_without_touching_it(tmp_path):
+    args = ("train", "--task", SPEC, "--max-steps", "3", "--out", str(tmp_path), "--no-progress", "--json")
+    first = redline_cli(*args)
+    assert first.returncode == 0, first.stderr
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    again = redline_cli(*args, "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files
+    assert json.loads(again.stdout) == json.loads(first.stdout)
+    assert "ended at step 3 (stopped: max_steps)" in " ".join(again.stderr.split())
 
 
 def test_the_cli_trains_a_stream_and_counts_its_samples():

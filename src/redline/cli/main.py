@@ -8,7 +8,9 @@ group keeps each subcommand's one-line summary, so the help lists them without i
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,11 +104,23 @@ def _root() -> None:
     """Run plain PyTorch training and inference as fast as the hardware allows, and say why."""
 
 
+TRACEBACK_ENV = "REDLINE_TRACEBACK"  # set to 1: an error also prints the traceback that led to it
+
+
 def main() -> None:
-    """Entry point of the console script: a RedlineError becomes one clear message and its exit code (2)."""
+    """Entry point of the console script: a RedlineError becomes one clear message and its exit code (2).
+
+    With REDLINE_TRACEBACK=1 the traceback behind the message is printed first (for a TrainingError,
+    the one from the user's own model or loss).
+    """
     show_logs()
     try:
         app()
     except RedlineError as exc:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):  # the cause's traceback: the message follows
+            if exc.__cause__ is not None:
+                traceback.print_exception(exc.__cause__, file=sys.stderr)
+            else:
+                traceback.print_tb(exc.__traceback__, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

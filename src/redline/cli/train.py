@@ -34,9 +34,12 @@ EARLY_STOPPING = "early_stopping_"
 
 
 def _train(
-    task: Annotated[str, typer.Option(help="Task spec: example:digits, pkg.module:factory or file.py:factory.")],
+    task: Annotated[
+        str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
+    ],
     task_arg: Annotated[
-        list[str] | None, typer.Option("--task-arg", help="KEY=VALUE option for the task factory; repeatable.")
+        list[str] | None,
+        typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     **parsed: Any,

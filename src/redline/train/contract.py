@@ -78,7 +78,10 @@ def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
         line = user_line(exc)
         hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
         if line:
-            hint += "; if they are, the line above is where your code failed (its traceback is the error's __cause__)"
+            hint += (
+                "; if they are, the line above is where your code failed (REDLINE_TRACEBACK=1 prints the whole "
+                "traceback; in Python it is the error's __cause__)"
+            )
         raise TrainingError(
             f"{where}: the model or loss raised {type(exc).__name__}: {first}\n"
             f"  batch: inputs {describe(inputs)}, targets {describe(targets)}{line}\nhint: {hint}"
