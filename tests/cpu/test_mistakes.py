@@ -163,7 +163,7 @@ def redline_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["triple", "loss_per_sample", "metric_text", "listed_layers", "key_error"])
+@pytest.mark.parametrize("kind", MISTAKES)
 def test_the_cli_says_the_mistake_in_one_message(kind):
     result = redline_cli("train", "--task", SPEC, "--task-arg", f"kind={kind}", "--max-steps", "2", "--no-progress")
     assert result.returncode == 2, result.stderr
@@ -172,6 +172,21 @@ def test_the_cli_says_the_mistake_in_one_message(kind):
     expected = " ".join(MISTAKES[kind][1].replace("\\n", " ").split())
     assert re.search(expected.replace(" ", r"\s*"), message), message
     assert "hint:" in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--grad-accum", "0"), "grad_accum=0 is not allowed; expected a positive integer"),
+        (("--logger", "wandb"), "loggers='wandb' is not allowed; expected one of 'csv', 'jsonl', 'tensorboard'"),
+        (("--logger", "tensorboard"), "logger 'tensorboard' writes its files under out_dir, and out_dir is None"),
+        (("--early-stopping-patience", "2"), "early stopping watches a validation metric, and task 'ok' has no"),
+    ],
+)
+def test_the_cli_refuses_a_bad_option_before_training(flags, message):
+    result = redline_cli("train", "--task", SPEC, "--max-steps", "2", "--no-progress", *flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert message in result.stderr and "hint:" in result.stderr
 
 
 def test_redline_traceback_prints_the_users_traceback_before_the_message():

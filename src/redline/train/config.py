@@ -9,7 +9,7 @@ from typing import Any
 from redline.config import boolean, option, positive_int, positive_number, with_changes
 from redline.errors import ConfigError, invalid
 from redline.runtime.options import RuntimeOptions
-from redline.train.logs import LOGGER_NAMES
+from redline.train.logs import check_logger_names
 
 DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not
 
@@ -49,9 +49,7 @@ class TrainerConfig:
         if self.resume == "auto" and self.out_dir is None:
             raise ConfigError("resume='auto' needs out_dir: it looks for OUT/checkpoints\nhint: pass --out DIR")
         loggers = (self.loggers,) if isinstance(self.loggers, str) else tuple(self.loggers)
-        for name in loggers:
-            if name not in LOGGER_NAMES:
-                raise invalid("loggers", name, "one of " + ", ".join(map(repr, LOGGER_NAMES)))
+        check_logger_names(loggers, field="loggers")
         object.__setattr__(self, "loggers", loggers)
         chosen = [name for name in loggers if name not in DEFAULT_LOGGERS]
         if chosen and self.out_dir is None:  # asked for by name: writing nothing would go unnoticed

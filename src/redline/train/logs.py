@@ -114,7 +114,7 @@ def open_loggers(
     Without ``resume_step`` old files are replaced (a new run). With it, rows past ``resume_step`` are dropped
     from each file, atomically, before anything is appended. ``columns`` fix the CSV header; JSONL keeps every key.
     """
-    chosen = _check_names(names)
+    chosen = check_logger_names(names)
     for name, value in (("columns", columns), ("eval_columns", eval_columns)):
         if "step" not in value:
             raise invalid(name, tuple(value), "column names that include 'step'")
@@ -250,10 +250,17 @@ def _cannot_resume(path: Path, why: str) -> ConfigError:
     )
 
 
-def _check_names(names: Sequence[str]) -> list[str]:
+def check_logger_names(names: Sequence[str], field: str = "logger") -> list[str]:
+    """Return ``names`` without repeats, refusing a logger redline does not have."""
     for name in names:
         if name not in LOGGER_NAMES:
-            raise invalid("logger", name, "one of " + ", ".join(repr(n) for n in LOGGER_NAMES))
+            raise invalid(
+                field,
+                name,
+                "one of " + ", ".join(repr(n) for n in LOGGER_NAMES),
+                "csv and jsonl are written by default under --out; tensorboard needs `pip install tensorboard`; "
+                "to send the losses elsewhere, a Callback's on_step and on_evaluate receive every logged value",
+            )
     return list(dict.fromkeys(names))
 
 
