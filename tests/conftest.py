@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from redline.errors import ConfigError
 from redline.hardware.device import CPU_ISAS, FAKE_CPU_ENV, probe_cpu_isa
+from redline.runtime.trial import CACHE_ENV
 
 # The device fixtures in devices.py are shared by the unit and CPU tiers.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,6 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
     fake = config.getoption("--redline-cpu")
     if fake:
         os.environ[FAKE_CPU_ENV] = fake
+    # Measured choices are cached per run of the suite, never in the developer's own cache.
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="redline-test-cache-")
     try:
         probe_cpu_isa()
     except ConfigError as exc:  # a bad REDLINE_CPU would otherwise fail every test that plans

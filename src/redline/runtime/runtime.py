@@ -24,14 +24,14 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from redline.checkpoint import Checkpoint, open_verified
-from redline.config import positive_int
+from redline.config import one_of, positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
@@ -42,7 +42,7 @@ from redline.plan.device import resolve_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
-from redline.plan.precision import resolve_precision, resolve_tf32
+from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.compile import CompileRecord, compile_module, compile_supported
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
@@ -65,11 +65,19 @@ class Runtime:
 
     Pass a ``RuntimeOptions`` or its fields as keywords (``Runtime(precision="bf16-mixed")``).
     ``planned_steps`` tells the compile decision how long the run is; without it, "auto" does not
-    compile, since a compile that never repays itself would make the run slower.
+    compile, since a compile that never repays itself would make the run slower. ``measured`` holds
+    choices a trial of the user's model made for "auto" axes (``{"precision": Choice(...)}``, from
+    ``runtime.trial``); they replace the rule of thumb's.
     """
 
     def __init__(
-        self, options: RuntimeOptions | None = None, /, *, planned_steps: int | None = None, **fields: Any
+        self,
+        options: RuntimeOptions | None = None,
+        /,
+        *,
+        planned_steps: int | None = None,
+        measured: Mapping[str, Choice[str]] | None = None,
+        **fields: Any,
     ) -> None:
         self.options = RuntimeOptions.build(options, **fields)
         positive_int("planned_steps", planned_steps, optional=True)
@@ -81,6 +89,10 @@ class Runtime:
         self.device = torch.device(device.value)
         self.facts: DeviceFacts = probe_device(self.device)
         chosen = resolve_precision(self.options.precision, self.facts)
+        if measured and "precision" in measured and self.options.precision == "auto":
+            found = measured["precision"]
+            one_of("measured precision", found.value, PRECISIONS)
+            chosen = Choice(cast(PrecisionName, found.value), found.reason)
         self.precision = Precision(chosen.value, self.device)
         tf32, zero_grad = resolve_tf32(self.facts), resolve_zero_grad(self.facts)
         self.settings = ProcessSettings(

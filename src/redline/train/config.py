@@ -6,9 +6,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from redline.config import boolean, option, positive_int, positive_number, with_changes
+from redline.config import boolean, one_of, option, positive_int, positive_number, with_changes
 from redline.errors import ConfigError, invalid
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import SWITCHES, RuntimeOptions, Switch
 from redline.train.logs import check_logger_names
 
 DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not
@@ -30,6 +30,7 @@ class TrainerConfig:
     loggers: tuple[str, ...] = option(DEFAULT_LOGGERS, "csv, jsonl or tensorboard; repeatable.", flag="--logger")
     log_every: int = option(50, "Read losses and log every N steps.")
     progress: bool = option(True, "Show progress on stderr.")
+    trial: Switch = option("auto", "Time auto's choices on this model first: auto (when the run repays it), on or off.")
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report (default: the launcher's --hang-timeout).", cli=False
     )
@@ -58,6 +59,7 @@ class TrainerConfig:
                 f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
             )
         boolean("progress", self.progress)
+        one_of("trial", self.trial, SWITCHES)
 
     @classmethod
     def build(cls, config: TrainerConfig | None = None, **changes: Any) -> TrainerConfig:

@@ -42,6 +42,7 @@ from redline.train.contract import check_loss, count_samples, split_batch, user_
 from redline.train.data import eval_loader, plan_length, train_loader
 from redline.train.evaluation import evaluate_model
 from redline.train.logs import Loggers, open_loggers
+from redline.train.measure import measure_auto
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
 from redline.train.resume import resumed_options, stored_summary
@@ -262,10 +263,10 @@ class Trainer:
             self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
             grad_accum=options.grad_accum, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
         )  # fmt: skip
-        rt, model, optimizer, scheduler, pos = self._setup(options, resumed, planned_steps=int(total))
-        ended = None
-        if resumed is not None and self.out_dir is not None and self._has_ended(pos):
-            ended = stored_summary(self.out_dir, self.env)
+        trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
+        measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial)
+        rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
+        ended = stored_summary(self.out_dir, self.env) if resumed and self.out_dir and self._has_ended(pos) else None
         if ended is not None:
             log.warning(
                 "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
@@ -301,11 +302,13 @@ class Trainer:
         return self._stored_stop == "early stopping" or pos.step >= max_steps or pos.epoch >= self.max_epochs
 
     def _setup(
-        self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int
+        self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
     ) -> tuple[Runtime, nn.Module, Any, Any, Position]:
         if self.rt is not None:  # a second fit (or evaluate, then fit) starts from a fresh Runtime
             self.rt.close()
-        rt = Runtime(options, planned_steps=planned_steps).start()  # seeded before the model is built
+        rt = Runtime(
+            options, planned_steps=planned_steps, measured=measured
+        ).start()  # seeded before the model is built
         self.rt = rt
         try:
             built = self.task.build_model()

@@ -1,0 +1,269 @@
+"""Trials: a few timed training steps of the user's own model per candidate, so "auto" is measured.
+
+A rule of thumb proposes the candidates (bf16 only where the device has bf16 arithmetic, say);
+the trial decides. Each candidate trains a copy of the model and a fresh optimizer on one real
+batch, on the run's device, for a few warm-up steps and a few timed ones, each step synchronised.
+The run itself is untouched: the RNG state is put back afterwards. A candidate whose loss departs
+from the fp32 reference, or turns non-finite, is rejected; one must beat fp32 by a margin to be
+chosen, so noise never makes auto slower than the plain fp32 loop.
+
+The timing and the choice are pure functions of the measured numbers (a fake clock tests them).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.atomic import write_atomic
+from redline.hardware.device import DeviceFacts
+from redline.plan import Choice
+from redline.plan.precision import PrecisionName
+from redline.runtime.precision import Precision
+from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.transfer import move_to
+
+WARMUP_STEPS = 2
+TIMED_STEPS = 8
+MARGIN = 1.05  # a candidate must run at least this much faster than fp32 to be chosen
+TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's that rejects it
+MAX_SECONDS = 30.0  # the whole trial; a candidate that would exceed it is timed on fewer steps
+
+log = logging.getLogger("redline")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate's trial: its step times (seconds), its losses, and why it was rejected ("" if not)."""
+
+    precision: str
+    step_times: tuple[float, ...]
+    losses: tuple[float, ...]
+    rejected: str = ""
+
+    @property
+    def step_s(self) -> float:
+        """The median step time: what the choice compares."""
+        return statistics.median(self.step_times) if self.step_times else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "step_times": list(self.step_times),
+            "losses": list(self.losses),
+            "rejected": self.rejected,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measured:
+        return cls(data["precision"], tuple(data["step_times"]), tuple(data["losses"]), data.get("rejected", ""))
+
+
+def time_steps(
+    step: Callable[[], float],
+    *,
+    warmup: int = WARMUP_STEPS,
+    steps: int = TIMED_STEPS,
+    sync: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
+    budget_s: float = math.inf,
+) -> tuple[list[float], list[float]]:
+    """Run ``step`` (which returns its loss) ``warmup`` times untimed, then up to ``steps`` times timed.
+
+    Each timed step is synchronised before and after (``sync``), so it is the device's time, not
+    the host's. Timing stops early once ``budget_s`` is spent, after at least three timed steps.
+    Returns the timed steps' durations and every step's loss, warm-up included.
+    """
+    losses = []
+    for _ in range(warmup):
+        losses.append(step())
+    sync()
+    times: list[float] = []
+    spent = 0.0
+    for _ in range(steps):
+        start = clock()
+        losses.append(step())
+        sync()
+        times.append(clock() - start)
+        spent += times[-1]
+        if len(times) >= 3 and spent >= budget_s:
+            break
+    return times, losses
+
+
+def judge(reference: Measured, candidate: Measured, tolerance: float = TOLERANCE) -> str:
+    """Return why ``candidate`` is rejected against the fp32 ``reference`` ("" when it is not)."""
+    if not all(math.isfinite(loss) for loss in candidate.losses):
+        return "a loss turned non-finite"
+    if not candidate.losses or not reference.losses:
+        return "no loss was measured"
+    first, expected = candidate.losses[0], reference.losses[0]
+    departure = abs(first - expected) / max(abs(expected), 1e-8)
+    if departure > tolerance:
+        return f"its first loss {first:.4g} is {departure:.1%} off fp32's {expected:.4g} (tolerance {tolerance:.0%})"
+    return ""
+
+
+def choose(measured: Sequence[Measured], where: str, margin: float = MARGIN) -> Choice[str]:
+    """Return the precision to run and the Plan's reason, from measurements whose first is fp32's.
+
+    The fastest accepted candidate wins if it beats fp32 by ``margin``; otherwise fp32 stays.
+    """
+    reference, *others = measured
+    steps = len(reference.step_times)
+    accepted = [m for m in others if not m.rejected]
+    ratios = {m.precision: reference.step_s / m.step_s for m in others if m.step_times}
+    told = ", ".join(
+        f"{m.precision} rejected: {m.rejected}" if m.rejected else f"{m.precision} {ratios[m.precision]:.2f}x"
+        for m in others
+    )
+    timing = f"{steps} timed steps each on {where}; median fp32 step {reference.step_s * 1e3:.3g} ms"
+    best = min(accepted, key=lambda m: m.step_s, default=None)
+    if best is not None and reference.step_s / best.step_s >= margin:
+        return Choice(best.precision, f"measured: {best.precision} ran {ratios[best.precision]:.2f}x fp32 ({timing})")
+    why = f"no candidate beat it by {margin - 1:.0%}" if not any(m.rejected for m in others) else "none qualified"
+    return Choice("fp32", f"measured: fp32 kept, {why}: {told} ({timing})")
+
+
+def run_trial(
+    model: nn.Module,
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: tuple[Any, Any],
+    device: torch.device,
+    candidates: Sequence[PrecisionName],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    max_seconds: float = MAX_SECONDS,
+) -> list[Measured]:
+    """Measure fp32 and each candidate precision on copies of ``model``; the RNG state is left as it was.
+
+    ``model`` is not changed: each candidate trains its own deep copy, built on ``device``, with a
+    fresh optimizer from the factory, on the one ``batch``.
+    """
+    inputs, targets = move_to(batch, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    saved = capture_rng()
+    measured: list[Measured] = []
+    try:
+        for name in ("fp32", *candidates):
+            budget = max_seconds / (1 + len(candidates))
+            measured.append(_measure(model, optimizer, loss_fn, inputs, targets, device, name, sync, clock, budget))
+    finally:
+        restore_rng(saved)
+    reference = measured[0]
+    return [reference, *(_with_verdict(reference, m) for m in measured[1:])]
+
+
+def _with_verdict(reference: Measured, candidate: Measured) -> Measured:
+    why = candidate.rejected or judge(reference, candidate)
+    return Measured(candidate.precision, candidate.step_times, candidate.losses, why)
+
+
+def _measure(
+    model: nn.Module,
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    device: torch.device,
+    name: PrecisionName,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+    budget_s: float,
+) -> Measured:
+    copied = copy.deepcopy(model).to(device)
+    copied.train()
+    opt = optimizer(copied.parameters())
+    precision = Precision(name, device)
+    torch.manual_seed(0)  # every candidate draws the same dropout masks
+
+    def step() -> float:
+        with precision.autocast():
+            loss = loss_fn(copied(inputs), targets)
+        precision.backward(loss)
+        precision.step(opt, None)
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    try:
+        times, losses = time_steps(step, sync=sync, clock=clock, budget_s=budget_s)
+    except RuntimeError as exc:  # a kernel the device lacks in this precision: the candidate cannot run
+        return Measured(name, (), (), f"it failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    return Measured(name, tuple(times), tuple(losses))
+
+
+# -- which candidates, when, and the cache ---------------------------------------------------------
+
+CACHE_ENV = "REDLINE_CACHE_DIR"  # where measured choices are kept (default ~/.cache/redline)
+
+
+def precision_candidates(facts: DeviceFacts) -> list[PrecisionName]:
+    """The precisions worth timing against fp32 on this device: those it has fast arithmetic for.
+
+    A CPU without bf16 instructions runs bf16 autocast many times slower (about 30x on a 2-core AVX2
+    machine), so it is not tried; MPS is not measured yet.
+    """
+    if facts.type == "cuda":
+        return ["bf16-mixed"] if facts.bf16 else ["fp16-mixed"] if facts.tensor_cores else []
+    if facts.type == "cpu" and facts.bf16:
+        return ["bf16-mixed"]
+    return []
+
+
+def trial_steps(candidates: Sequence[str]) -> int:
+    """The training steps a trial of ``candidates`` costs, fp32's included."""
+    return (WARMUP_STEPS + TIMED_STEPS) * (1 + len(candidates))
+
+
+def trial_key(fingerprint: str, facts: DeviceFacts, batch_size: int, candidates: Sequence[str]) -> str:
+    """The cache key of a trial: the workload's fingerprint and everything about this machine that times it."""
+    parts = (
+        fingerprint, facts.type, facts.name, str(facts.capability), facts.cpu_isa, str(facts.cpu_count),
+        torch.__version__, str(torch.get_num_threads()), str(batch_size), ",".join(candidates), str(TIMED_STEPS),
+    )  # fmt: skip
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    """Where measured choices are cached: ``$REDLINE_CACHE_DIR``, else ``~/.cache/redline``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "redline")
+
+
+def load_cached(key: str) -> tuple[list[Measured], str] | None:
+    """A cached trial and when it was measured, or None (an unreadable entry is measured again)."""
+    path = cache_dir() / "trials" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [Measured.from_dict(m) for m in data["measured"]], str(data["measured_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(key: str, measured: Sequence[Measured]) -> None:
+    """Cache a trial, atomically; a cache that cannot be written is skipped with a warning."""
+    path = cache_dir() / "trials" / f"{key}.json"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = json.dumps({"measured_at": when, "measured": [m.to_dict() for m in measured]}, indent=2) + "\n"
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, write)
+    except OSError as exc:
+        log.warning("could not cache the trial in %s (%s); the next run measures again", path, exc)

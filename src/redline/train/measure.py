@@ -1,0 +1,96 @@
+"""Measuring the Runtime's "auto" precision on the Task's own model before a run.
+
+The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
+is long enough to repay it: a trial costs ``trial_steps`` training steps, and runs only when the
+planned run is at least ``REPAY`` times as long. Its result is cached on disk, keyed by the Task's
+fingerprint and this machine, so a second run pays nothing. Under several processes rank 0
+measures and every rank runs its choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from redline.hardware.device import probe_accelerators, probe_device
+from redline.parallel.collectives import gather_objects
+from redline.parallel.env import DistEnv
+from redline.plan import Choice
+from redline.plan.device import resolve_device
+from redline.plan.precision import resolve_precision
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.trial import (
+    Measured,
+    choose,
+    load_cached,
+    precision_candidates,
+    run_trial,
+    store,
+    trial_key,
+    trial_steps,
+)
+from redline.task import Task
+from redline.train.contract import split_batch
+
+log = logging.getLogger("redline")
+REPAY = 10  # a trial runs when the planned run is at least this many times its steps: it costs <= 10%
+
+
+def measure_auto(
+    task: Task, options: RuntimeOptions, batch_size: int, planned_steps: float, env: DistEnv, *, trial: str
+) -> dict[str, Choice[str]]:
+    """The "auto" choices a trial measured for this run (``{"precision": ...}``), or {} where none applies.
+
+    ``trial`` is "auto" (measure when the run repays it), "on" or "off".
+    """
+    if options.precision != "auto" or trial == "off":
+        return {}
+    device = torch.device(resolve_device(options.devices, probe_accelerators()).value)
+    if device.type == "cuda" and env.distributed:
+        device = torch.device(f"cuda:{env.local_rank}")
+    facts = probe_device(device)
+    candidates = precision_candidates(facts)
+    if not candidates:
+        return {}  # the rule's reason says why nothing else is worth trying here
+    cost = trial_steps(candidates)
+    if trial == "auto" and planned_steps < REPAY * cost:
+        rule = resolve_precision("auto", facts)
+        why = f"not measured: a trial costs {cost} steps, and this run of {planned_steps:g} would not repay it"
+        return {"precision": Choice(rule.value, f"{rule.reason}; {why} (--trial on measures anyway)")}
+    choice = _measure(task, device, facts, batch_size // env.world_size, candidates) if env.is_main else None
+    shared: tuple[str, str] = gather_objects(choice and (choice.value, choice.reason))[0]  # rank 0's, on every rank
+    return {"precision": Choice(*shared)}
+
+
+def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]) -> Choice[str]:
+    """Time fp32 and ``candidates`` on the task's model and first batch (or read the cache); return the choice."""
+    where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
+    key = trial_key(task.fingerprint(), facts, local_batch, candidates)
+    cached = load_cached(key)
+    if cached is not None:
+        measured, when = cached
+        choice = choose(measured, where)
+        return Choice(choice.value, f"{choice.reason}; cached from {when}")
+    saved = capture_rng()  # building the model and drawing the batch leave the run's random streams as they were
+    try:
+        model = task.build_model()
+        batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
+        measured = run_trial(model, task.optimizer, task.loss_fn, batch, device, candidates)
+    finally:
+        restore_rng(saved)
+    if measured[0].rejected or not measured[0].step_times:
+        reason = measured[0].rejected or "no step was timed"
+        rule = resolve_precision("auto", facts)
+        return Choice(rule.value, f"{rule.reason}; the trial could not time fp32 ({reason})")
+    store(key, measured)
+    _log(measured)
+    return choose(measured, where)
+
+
+def _log(measured: list[Measured]) -> None:
+    for m in measured:
+        log.debug("trial %s: median step %.3g ms %s", m.precision, m.step_s * 1e3, m.rejected)

@@ -1,0 +1,198 @@
+"""Trials: timing windows on a fake clock, the choice, rejection, the cache, and the Trainer's use of them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from devices import CPUS, H100
+from redline.errors import ConfigError
+from redline.parallel.env import DistEnv
+from redline.plan import Choice
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.runtime import Runtime
+from redline.runtime.trial import (
+    Measured,
+    choose,
+    judge,
+    load_cached,
+    precision_candidates,
+    run_trial,
+    store,
+    time_steps,
+    trial_key,
+)
+from redline.task import Task
+from redline.train import measure
+from redline.train.measure import measure_auto
+from redline.train.trainer import Trainer
+
+
+class FakeClock:
+    """A clock that each fake step moves on by its own duration."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_step(clock: FakeClock, durations: list[float]):
+    calls = iter(durations)
+
+    def step() -> float:
+        clock.now += next(calls)
+        return 1.0
+
+    return step
+
+
+def test_time_steps_leaves_out_the_warm_up_and_times_each_step():
+    clock = FakeClock()
+    times, losses = time_steps(fake_step(clock, [5.0, 4.0, 1.0, 2.0, 3.0]), warmup=2, steps=3, clock=clock)
+    assert times == [1.0, 2.0, 3.0]  # the slow first steps (compile, allocation) are not timed
+    assert len(losses) == 5
+
+
+def test_time_steps_stops_at_its_budget_after_three_timed_steps():
+    clock = FakeClock()
+    times, _ = time_steps(fake_step(clock, [1.0] * 12), warmup=1, steps=10, clock=clock, budget_s=2.0)
+    assert times == [1.0, 1.0, 1.0]
+
+
+def measured(precision: str, step_ms: float, first_loss: float = 2.0) -> Measured:
+    return Measured(precision, tuple([step_ms / 1e3] * 8), (first_loss, first_loss * 0.9))
+
+
+def test_a_faster_candidate_is_chosen_with_the_measurement_in_the_reason():
+    choice = choose([measured("fp32", 10.0), measured("bf16-mixed", 7.0)], "this CPU")
+    assert choice.value == "bf16-mixed"
+    assert choice.reason.startswith("measured: bf16-mixed ran 1.43x fp32 (8 timed steps each on this CPU")
+
+
+@pytest.mark.parametrize("step_ms", [10.0, 9.8, 30.0])
+def test_a_slower_or_barely_faster_candidate_is_not_chosen(step_ms):
+    choice = choose([measured("fp32", 10.0), measured("bf16-mixed", step_ms)], "this CPU")
+    assert choice.value == "fp32"
+    assert "fp32 kept, no candidate beat it by 5%" in choice.reason and f"{10.0 / step_ms:.2f}x" in choice.reason
+
+
+def test_a_diverging_candidate_is_rejected_however_fast():
+    reference = measured("fp32", 10.0)
+    nan = Measured("fp16-mixed", (0.001,) * 8, (2.0, math.nan))
+    off = measured("bf16-mixed", 1.0, first_loss=2.5)
+    assert judge(reference, nan) == "a loss turned non-finite"
+    assert "is 25.0% off fp32's 2 (tolerance 5%)" in judge(reference, off)
+    assert judge(reference, measured("bf16-mixed", 1.0, first_loss=2.02)) == ""
+    rejected = Measured(off.precision, off.step_times, off.losses, judge(reference, off))
+    choice = choose([reference, rejected], "this CPU")
+    assert choice.value == "fp32" and "bf16-mixed rejected: its first loss" in choice.reason
+
+
+def test_candidates_are_what_the_device_has_fast_arithmetic_for():
+    assert precision_candidates(CPUS["avx2"]) == [] and precision_candidates(CPUS["avx512"]) == []
+    assert precision_candidates(CPUS["amx"]) == ["bf16-mixed"] == precision_candidates(CPUS["avx512_bf16"])
+    assert precision_candidates(H100) == ["bf16-mixed"]
+
+
+def tiny_task(**changes) -> Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen))
+    fields = {"model": lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)),
+              "loss_fn": nn.functional.mse_loss, "train_data": data, "batch_size": 16}  # fmt: skip
+    return Task(**{**fields, **changes})
+
+
+def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_they_were():
+    model = tiny_task().build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    data = tiny_task().train_data
+    batch = (data.tensors[0][:16], data.tensors[1][:16])
+    results = run_trial(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), nn.functional.mse_loss, batch, torch.device("cpu"), ["bf16-mixed"]
+    )
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [m.precision for m in results] == ["fp32", "bf16-mixed"]
+    assert all(len(m.step_times) == 8 and len(m.losses) == 10 for m in results)
+    assert results[1].rejected == "" or "off fp32's" in results[1].rejected
+
+
+def test_the_cache_is_keyed_by_the_workload_and_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    key = trial_key("abc", CPUS["amx"], 16, ["bf16-mixed"])
+    assert load_cached(key) is None
+    store(key, [measured("fp32", 10.0), measured("bf16-mixed", 7.0)])
+    found, when = load_cached(key)
+    assert [m.precision for m in found] == ["fp32", "bf16-mixed"] and when.endswith("UTC")
+    assert trial_key("abd", CPUS["amx"], 16, ["bf16-mixed"]) != key  # another model
+    assert trial_key("abc", CPUS["avx512_bf16"], 16, ["bf16-mixed"]) != key  # another machine
+    assert trial_key("abc", CPUS["amx"], 32, ["bf16-mixed"]) != key  # another batch
+    (tmp_path / "trials" / f"{key}.json").write_text("{not json")
+    assert load_cached(key) is None  # measured again, not an error
+
+
+@pytest.fixture
+def counted_trials(tmp_path, monkeypatch):
+    """Plan as on an AMX CPU and count the trials, each timing bf16 at 0.7 of fp32's step."""
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    calls = []
+
+    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, **_):
+        calls.append(candidates)
+        return [measured("fp32", 10.0), measured("bf16-mixed", 7.0)]
+
+    monkeypatch.setattr(measure, "run_trial", fake_trial)
+    return calls
+
+
+def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):
+    options, env = RuntimeOptions(devices="cpu"), DistEnv()
+    first = measure_auto(tiny_task(), options, 16, 1000, env, trial="auto")
+    again = measure_auto(tiny_task(), options, 16, 1000, env, trial="auto")
+    assert counted_trials == [["bf16-mixed"]]  # the second run paid nothing
+    assert first["precision"].value == again["precision"].value == "bf16-mixed"
+    assert "cached from" in again["precision"].reason and "cached" not in first["precision"].reason
+    wider = tiny_task(model=lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))
+    measure_auto(wider, options, 16, 1000, env, trial="auto")
+    assert len(counted_trials) == 2  # another model is measured anew
+
+
+def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_request(counted_trials):
+    cpu, env = RuntimeOptions(devices="cpu"), DistEnv()
+    short = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")
+    assert short["precision"].value == "fp32" and "not measured: a trial costs 20 steps" in short["precision"].reason
+    assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
+    assert measure_auto(tiny_task(), cpu, 16, 5000, env, trial="off") == {}
+    assert measure_auto(tiny_task(), RuntimeOptions(precision="fp32"), 16, 5000, env, trial="on") == {}
+    assert len(counted_trials) == 1
+
+
+def test_the_runtime_takes_a_measured_choice_for_auto_only():
+    measured_choice = {"precision": Choice("bf16-mixed", "measured: bf16-mixed ran 1.40x fp32")}
+    rt = Runtime(devices="cpu", measured=measured_choice)
+    assert rt.explain().precision == measured_choice["precision"]
+    assert Runtime(devices="cpu", precision="fp32", measured=measured_choice).explain().precision.value == "fp32"
+    with pytest.raises(ConfigError, match="measured precision='fp8'"):
+        Runtime(devices="cpu", measured={"precision": Choice("fp8", "?")})
+
+
+def test_the_trainer_runs_with_the_measured_choice_and_a_resumed_run_keeps_it(tmp_path, counted_trials):
+    with Trainer(tiny_task(), max_steps=3, trial="on", progress=False, out_dir=tmp_path / "run") as trainer:
+        first = trainer.fit()
+    assert first.plan.precision.value == "bf16-mixed" and first.plan.precision.reason.startswith("measured:")
+    with Trainer(tiny_task(), max_steps=5, trial="on", progress=False, out_dir=tmp_path / "run", resume="auto") as t:
+        resumed = t.fit()
+    assert resumed.plan.precision.value == "bf16-mixed" and "from checkpoint step 3" in resumed.plan.precision.reason
+    assert len(counted_trials) == 1  # the resumed run measured nothing
+    with pytest.raises(ConfigError, match="trial='sometimes'"):
+        Trainer(tiny_task(), trial="sometimes")
