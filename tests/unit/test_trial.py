@@ -42,44 +42,71 @@ class FakeClock:
         return self.now
 
 
-def fake_step(clock: FakeClock, durations: list[float]):
+def fake_step(clock: FakeClock, durations: list[float], loss: float = 1.0):
     calls = iter(durations)
 
     def step() -> float:
         clock.now += next(calls)
-        return 1.0
+        return loss
 
     return step
 
 
-def test_time_steps_leaves_out_the_warm_up_and_times_each_step():
+def test_time_steps_leaves_out_the_warm_up_and_times_each_step_side_by_side():
     clock = FakeClock()
-    times, losses = time_steps(fake_step(clock, [5.0, 4.0, 1.0, 2.0, 3.0]), warmup=2, steps=3, clock=clock)
-    assert times == [1.0, 2.0, 3.0]  # the slow first steps (compile, allocation) are not timed
-    assert len(losses) == 5
+    fast = fake_step(clock, [5.0, 4.0] + [3.0, 1.0] * 3, loss=1.0)  # warm-up, then (settle, timed) per round
+    slow = fake_step(clock, [9.0, 9.0] + [3.0, 2.0] * 3, loss=2.0)
+    times, losses = time_steps([fast, slow], warmup=2, rounds=3, block=1, clock=clock)
+    assert times == [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]  # the slow first steps (allocation, compile) are not timed
+    assert losses == [[1.0] * 8, [2.0] * 8]
 
 
-def test_time_steps_stops_at_its_budget_after_three_timed_steps():
+def test_time_steps_rotates_the_order_so_drift_weighs_on_all_alike():
     clock = FakeClock()
-    times, _ = time_steps(fake_step(clock, [1.0] * 12), warmup=1, steps=10, clock=clock, budget_s=2.0)
-    assert times == [1.0, 1.0, 1.0]
+    order: list[str] = []
+
+    def named(name: str):
+        def step() -> float:
+            order.append(name)
+            clock.now += 1.0
+            return 0.0
+
+        return step
+
+    time_steps([named("a"), named("b"), named("c")], warmup=0, rounds=3, block=1, clock=clock)
+    assert order == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+
+
+def test_time_steps_stops_at_its_budget_after_two_rounds():
+    clock = FakeClock()
+    times, _ = time_steps([fake_step(clock, [1.0] * 40)], warmup=1, rounds=10, block=2, clock=clock, budget_s=3.0)
+    assert times == [[1.0] * 4]
+
+
+def test_the_step_after_a_switch_is_not_timed():
+    clock = FakeClock()
+    # warm-up 1, then per round a settling step (9 s: caches refilled) and two timed ones
+    times, losses = time_steps(
+        [fake_step(clock, [5.0, 9.0, 1.0, 1.0, 9.0, 1.0, 1.0])], warmup=1, rounds=2, block=2, clock=clock
+    )
+    assert times == [[1.0] * 4] and len(losses[0]) == 7
 
 
 def measured(precision: str, step_ms: float, first_loss: float = 2.0) -> Measured:
-    return Measured(precision, tuple([step_ms / 1e3] * 8), (first_loss, first_loss * 0.9))
+    return Measured(precision, tuple([step_ms / 1e3] * 12), (first_loss, first_loss * 0.9))
 
 
 def test_a_faster_candidate_is_chosen_with_the_measurement_in_the_reason():
     choice = choose([measured("fp32", 10.0), measured("bf16-mixed", 7.0)], "this CPU")
     assert choice.value == "bf16-mixed"
-    assert choice.reason.startswith("measured: bf16-mixed ran 1.43x fp32 (8 timed steps each on this CPU")
+    assert choice.reason.startswith("measured: bf16-mixed ran 1.43x fp32 (fastest of 12 timed steps each on this CPU")
 
 
-@pytest.mark.parametrize("step_ms", [10.0, 9.8, 30.0])
+@pytest.mark.parametrize("step_ms", [10.0, 9.3, 30.0])
 def test_a_slower_or_barely_faster_candidate_is_not_chosen(step_ms):
     choice = choose([measured("fp32", 10.0), measured("bf16-mixed", step_ms)], "this CPU")
     assert choice.value == "fp32"
-    assert "fp32 kept, no candidate beat it by 5%" in choice.reason and f"{10.0 / step_ms:.2f}x" in choice.reason
+    assert "fp32 kept, no candidate beat it by 10%" in choice.reason and f"{10.0 / step_ms:.2f}x" in choice.reason
 
 
 def test_a_diverging_candidate_is_rejected_however_fast():
@@ -122,7 +149,7 @@ def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_t
     assert torch.equal(torch.rand(3), expected)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert [m.precision for m in results] == ["fp32", "bf16-mixed"]
-    assert all(len(m.step_times) == 8 and len(m.losses) == 10 for m in results)
+    assert all(len(m.step_times) == 12 and len(m.losses) == 2 + 4 * 4 for m in results)
     assert results[1].rejected == "" or "off fp32's" in results[1].rejected
 
 
@@ -170,7 +197,7 @@ def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):
 def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_request(counted_trials):
     cpu, env = RuntimeOptions(devices="cpu"), DistEnv()
     short = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")
-    assert short["precision"].value == "fp32" and "not measured: a trial costs 20 steps" in short["precision"].reason
+    assert short["precision"].value == "fp32" and "not measured: a trial costs 36 steps" in short["precision"].reason
     assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
     assert measure_auto(tiny_task(), cpu, 16, 5000, env, trial="off") == {}
     assert measure_auto(tiny_task(), RuntimeOptions(precision="fp32"), 16, 5000, env, trial="on") == {}

@@ -93,4 +93,4 @@ def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, can
 
 def _log(measured: list[Measured]) -> None:
     for m in measured:
-        log.debug("trial %s: median step %.3g ms %s", m.precision, m.step_s * 1e3, m.rejected)
+        log.debug("trial %s: fastest step %.3g ms %s", m.precision, m.step_s * 1e3, m.rejected)
