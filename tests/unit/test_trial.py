@@ -1,8 +1,10 @@
-"""Trials: timing windows on a fake clock, the choice, rejection, the cache, and the Trainer's use of them."""
+"""Measured speed: trials (timing on a fake clock, the choice, rejection, the cache, the Trainer's use) and rates
+that cover training steps only."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from redline.runtime.trial import (
 from redline.task import Task
 from redline.train import measure
 from redline.train.measure import measure_auto
+from redline.train.throughput import Throughput
 from redline.train.trainer import Trainer
 
 
@@ -223,3 +226,37 @@ def test_the_trainer_runs_with_the_measured_choice_and_a_resumed_run_keeps_it(tm
     assert len(counted_trials) == 1  # the resumed run measured nothing
     with pytest.raises(ConfigError, match="trial='sometimes'"):
         Trainer(tiny_task(), trial="sometimes")
+
+
+def test_the_rates_cover_training_steps_only_and_evaluation_and_checkpoints_are_counted_apart():
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    meter = Throughput(rt, task, clock=clock)
+    with meter.excluded("eval"):  # before the first step is done: counted, but nothing to leave out yet
+        clock.now += 3.0
+    meter.first_step_done(inputs, targets, model)
+    for _ in range(10):
+        meter.count(16, 0)
+        clock.now += 0.1
+        meter.first_step_done(inputs, targets, model)
+        if meter.steps == 5:
+            with meter.excluded("eval"):
+                clock.now += 5.0
+            with meter.excluded("checkpoint"):
+                clock.now += 2.0
+    assert meter.totals().samples_per_s == pytest.approx(160 / 1.0)  # 10 steps of 0.1 s; 7 s elsewhere
+    assert meter.seconds == {"eval": 8.0, "checkpoint": 2.0}
+
+
+def test_the_summary_reports_evaluation_time_beside_the_run(tmp_path):
+    def slow_metric(outputs, targets):
+        time.sleep(0.05)
+        return 0.0
+
+    task = tiny_task(val_data=tiny_task().train_data, metric=slow_metric)
+    with Trainer(task, max_steps=4, eval_every=2, progress=False, out_dir=tmp_path, trial="off") as trainer:
+        summary = trainer.fit()
+    assert summary.eval_seconds >= 2 * 4 * 0.05  # two evaluations of 4 batches each
+    assert summary.checkpoint_seconds > 0 and summary.train_seconds > summary.eval_seconds

@@ -123,6 +123,13 @@ def without_launch_options(argv: list[str]) -> list[str]:
     return out
 
 
+def _spent(summary: TrainSummary) -> str:
+    """What of the run's time went to evaluation and checkpoints (left out of samples/s)."""
+    spent = {"evaluating": summary.eval_seconds, "checkpointing": summary.checkpoint_seconds}
+    parts = [f"{seconds:.2g} s {what}" for what, seconds in spent.items() if seconds]
+    return f", of which {' and '.join(parts)}" if parts else ""
+
+
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     """Return the summary's figures as (name, text) rows for a table."""
     epochs = f"{summary.epochs:g} epochs, " if summary.epochs is not None else "streamed, "
@@ -132,7 +139,9 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         ("final loss", "n/a" if summary.final_loss is None else f"{summary.final_loss:.4f} (mean of the last steps)"),
         (
             "samples/s",
-            "n/a" if summary.samples_per_s is None else f"{summary.samples_per_s:,.0f} (after the first step)",
+            "n/a"
+            if summary.samples_per_s is None
+            else f"{summary.samples_per_s:,.0f} (training steps after the first)",
         ),
     ]
     if summary.tokens_per_s:
@@ -140,7 +149,7 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     rows.append(("MFU", f"{summary.mfu:.1%} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
     if summary.measured_peak_ratio is not None:
         rows.append(("of measured matmul peak", f"{summary.measured_peak_ratio:.1%}"))
-    rows.append(("train time", f"{summary.train_seconds:.1f} s"))
+    rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{_spent(summary)}"))
     if summary.compile_seconds is not None:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))
     if summary.skipped_steps:

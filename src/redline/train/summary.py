@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redline.plan import Plan
+
+if TYPE_CHECKING:
+    from redline.train.state import Run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,9 +25,11 @@ class TrainSummary:
     final_loss: float | None  # None when no step ran
     val_loss: float | None
     val_metric: float | None
-    samples_per_s: float | None  # None when no step ran after the first
+    samples_per_s: float | None  # training steps only, after the first; None when no step ran after it
     tokens_per_s: float | None
-    train_seconds: float
+    train_seconds: float  # the whole fit, end to end: steps, evaluation, checkpoints and compiles
+    eval_seconds: float | None  # spent evaluating (left out of the rates)
+    checkpoint_seconds: float | None  # spent writing checkpoints (left out of the rates)
     compile_seconds: float | None
     flops_per_step: int | None
     mfu: float | None
@@ -48,3 +54,40 @@ class TrainSummary:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["plan"] = self.plan.to_dict()
         return data
+
+
+LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
+
+
+def summarize(task: str, run: Run, batches_per_epoch: int | None, sample: str | None) -> TrainSummary:
+    """The summary of a finished ``fit()``: the rates cover training steps only; evaluation, checkpoints and
+    the whole run's time stand beside them."""
+    rt, pos, metrics = run.rt, run.pos, run.metrics
+    figures = run.meter.totals()
+    tail = run.losses[-LOSS_WINDOW:]
+    return TrainSummary(
+        task=task,
+        device=str(rt.device),
+        plan=rt.explain(),
+        steps=pos.step,
+        epochs=round(pos.epoch + pos.batches_in_epoch / batches_per_epoch, 3) if batches_per_epoch else None,
+        samples=pos.samples,
+        final_loss=sum(tail) / len(tail) if tail else None,
+        val_loss=metrics.get("val_loss"),
+        val_metric=metrics.get("val_metric"),
+        samples_per_s=figures.samples_per_s,
+        tokens_per_s=figures.tokens_per_s,
+        train_seconds=time.perf_counter() - run.start,
+        eval_seconds=run.meter.seconds["eval"],
+        checkpoint_seconds=run.meter.seconds["checkpoint"],
+        compile_seconds=rt.compile_seconds,
+        flops_per_step=figures.flops_per_step,
+        mfu=figures.mfu,
+        mfu_peak_tflops=figures.peak_tflops,
+        measured_peak_ratio=figures.measured_peak_ratio,
+        skipped_steps=rt.skipped_steps,
+        stopped=run.stopped,
+        resumed_from=str(run.resumed.path) if run.resumed else None,
+        checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
+        sample=sample,
+    )

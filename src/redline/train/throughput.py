@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,15 +39,40 @@ class Figures:
 
 
 class Throughput:
-    """Count FLOPs once, time the run from after its first step, and report per window and in total."""
+    """Count FLOPs once, time the steps from after the first, and report per window and in total.
 
-    def __init__(self, rt: Runtime, task: Task, *, world_size: int = 1) -> None:
+    Evaluation and checkpoints run inside ``excluded(kind)``: their time is counted apart
+    (``seconds``) and left out of the rates, which so cover training steps only.
+    """
+
+    def __init__(
+        self, rt: Runtime, task: Task, *, world_size: int = 1, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.rt = rt
         self.task = task
         self.world_size = world_size  # every rank runs an equal share: global figures are world x local
+        self.clock = clock
         self.flops_per_step: int | None = None
         self.start: float | None = None
         self.steps = self.samples = self.tokens = 0
+        self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0}
+        self._paused = 0.0  # excluded time since ``start``
+
+    @contextlib.contextmanager
+    def excluded(self, kind: str) -> Iterator[None]:
+        """Time what runs inside as ``kind`` ("eval", "checkpoint"), apart from the steps' time.
+
+        The device is synchronised first, so the steps queued before are not counted as ``kind``.
+        """
+        self._sync()
+        begin = self.clock()
+        try:
+            yield
+        finally:
+            spent = self.clock() - begin
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + spent
+            if self.start is not None:
+                self._paused += spent
 
     def count(self, samples: int, tokens: int) -> None:
         """Count one micro-batch of this rank's; the warm-up step's are left out."""
@@ -61,7 +88,7 @@ class Throughput:
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
         self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
         self._sync()
-        self.start = time.perf_counter()
+        self.start = self.clock()
 
     def window(self, elapsed_s: float, steps: int, samples: int, tokens: int) -> dict[str, float | None]:
         """Return the logged figures of a window of ``steps`` steps that took ``elapsed_s``."""
@@ -83,7 +110,7 @@ class Throughput:
     def totals(self) -> Figures:
         """Return the run's figures from after its first step (syncs once)."""
         self._sync()
-        elapsed = time.perf_counter() - self.start if self.start is not None else 0.0
+        elapsed = self.clock() - self.start - self._paused if self.start is not None else 0.0
         if not self.steps or elapsed <= 0:
             return Figures(None, None, self.flops_per_step, None, None, None)
         # Per device: the MFU of one device equals the job's when every rank runs an equal share.

@@ -48,11 +48,10 @@ from redline.train.progress import Progress
 from redline.train.resume import resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
-from redline.train.summary import TrainSummary
+from redline.train.summary import TrainSummary, summarize
 from redline.train.throughput import Throughput, is_tokens
 
 log = logging.getLogger("redline")
-LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
 LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
 
 
@@ -203,6 +202,8 @@ class Trainer:
             stopped = stopped or "early stopping"
         if self.out_dir and (due_ckpt or stopped):
             run.last_ckpt = self._checkpoint(run, stopped)
+        if not run.window.losses:  # the next log window times steps, not this evaluation or checkpoint
+            run.window.start = time.perf_counter()
         return stopped
 
     def _after_epoch(self, run: Run) -> str:
@@ -376,7 +377,8 @@ class Trainer:
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
         }
         root = self._checkpoint_root()
-        written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
+        with run.meter.excluded("checkpoint"):
+            written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
         if self.env.is_main:
             checkpoint.prune(root, self.config.keep_checkpoints)
             for callback in self.callbacks:
@@ -428,7 +430,8 @@ class Trainer:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
         run.beat("evaluate")
         where = f"evaluation at step {run.pos.step}"
-        run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env, where=where)
+        with run.meter.excluded("eval"):
+            run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env, where=where)
         self._evaluated_at = run.pos.step
         run.loggers.log_eval(run.pos.step, run.metrics)
         for callback in self.callbacks:
@@ -436,37 +439,9 @@ class Trainer:
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
 
     def _summary(self, run: Run) -> TrainSummary:
-        rt, pos, metrics = run.rt, run.pos, run.metrics
-        seconds = time.perf_counter() - run.start
-        figures = run.meter.totals()
-        tail = run.losses[-LOSS_WINDOW:]
-        return TrainSummary(
-            task=self.task.name,
-            device=str(rt.device),
-            plan=rt.explain(),
-            steps=pos.step,
-            epochs=round(pos.epoch + pos.batches_in_epoch / self._batches_per_epoch, 3)
-            if self._batches_per_epoch
-            else None,
-            samples=pos.samples,
-            final_loss=sum(tail) / len(tail) if tail else None,
-            val_loss=metrics.get("val_loss"),
-            val_metric=metrics.get("val_metric"),
-            samples_per_s=figures.samples_per_s,
-            tokens_per_s=figures.tokens_per_s,
-            train_seconds=seconds,
-            compile_seconds=rt.compile_seconds,
-            flops_per_step=figures.flops_per_step,
-            mfu=figures.mfu,
-            mfu_peak_tflops=figures.peak_tflops,
-            measured_peak_ratio=figures.measured_peak_ratio,
-            skipped_steps=rt.skipped_steps,
-            stopped=run.stopped,
-            resumed_from=str(run.resumed.path) if run.resumed else None,
-            checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
-            # every rank samples: under FSDP each forward gathers the shards, a collective
-            sample=self.task.sample(rt.module) if self.task.sample else None,
-        )
+        with run.meter.excluded("eval"):  # every rank samples: under FSDP a forward gathers the shards
+            sample = self.task.sample(run.rt.module) if self.task.sample else None
+        return summarize(self.task.name, run, self._batches_per_epoch, sample)
 
     # -- evaluate and predict --------------------------------------------------------------------
 
