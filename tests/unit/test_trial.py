@@ -15,6 +15,7 @@ from devices import CPUS, H100
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
+from redline.runtime.compile import compile_module
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import (
@@ -260,3 +261,45 @@ def test_the_summary_reports_evaluation_time_beside_the_run(tmp_path):
         summary = trainer.fit()
     assert summary.eval_seconds >= 2 * 4 * 0.05  # two evaluations of 4 batches each
     assert summary.checkpoint_seconds > 0 and summary.train_seconds > summary.eval_seconds
+
+
+class OwnForward(nn.Module):
+    """A forward of its own: dynamo keeps what it learnt about shapes per code object, and every
+    nn.Sequential shares one, so another test's compiled Sequential could make batch sizes dynamic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def test_every_compile_and_recompile_is_counted_with_its_cause():
+    torch._dynamo.reset()
+    model = OwnForward()
+    record = compile_module(model, backend="eager")  # dynamo's graphs without inductor: fast, and counted alike
+    model(torch.randn(16, 8))
+    model(torch.randn(16, 8))
+    assert (record.compiles, record.recompiles) == (1, [])
+    model(torch.randn(5, 8))  # a partial last batch: a new shape
+    assert record.compiles == 2 and "expected 16, actual 5" in record.recompiles[0]
+    with torch.no_grad():  # evaluation: another grad mode
+        model(torch.randn(16, 8))
+    assert record.compiles == 3 and "grad_mode" in record.recompiles[1]
+    assert record.seconds is not None and record.seconds > 0
+
+
+def test_a_compiled_run_drops_the_partial_last_batch_and_says_so(monkeypatch):
+    import redline.runtime.runtime as runtime_module
+
+    real = runtime_module.compile_module
+    monkeypatch.setattr(runtime_module, "compile_module", lambda model: real(model, backend="eager"))
+    torch._dynamo.reset()
+    data = TensorDataset(torch.randn(70, 8), torch.randn(70, 1))  # 4 batches of 16, then 6
+    task = tiny_task(model=OwnForward, train_data=data)
+    with Trainer(task, max_epochs=2, progress=False, trial="off", runtime=RuntimeOptions(compile="on")) as trainer:
+        summary = trainer.fit()
+    assert (summary.steps, summary.samples, summary.epochs) == (8, 8 * 16, 2.0)
+    assert "a partial last batch is dropped" in summary.plan.loader.reason
+    assert "compiled 1 time(s)" in summary.plan.compile.reason and "recompiled" not in summary.plan.compile.reason

@@ -7,7 +7,7 @@ import logging
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,10 +35,37 @@ def compile_supported(device_type: str) -> tuple[bool, str]:
 
 @dataclass
 class CompileRecord:
-    """What happened to a compiled module: compile time (its first call) and any fall back."""
+    """What happened to a compiled module: every compile (the first and each recompile), its time, and any fall back."""
 
-    seconds: float | None = None
+    seconds: float | None = None  # all compiles together
     fell_back: str | None = None
+    compiles: int = 0
+    recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
+
+    def add(self, seconds: float, cause: str) -> None:
+        self.seconds = (self.seconds or 0.0) + seconds
+        self.compiles += 1
+        if self.compiles > 1:
+            self.recompiles.append(cause)
+
+
+def _compiled_frames() -> int:
+    """How many frames torch.compile has compiled in this process: it grows by one per compile or recompile."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return 0
+    return int(counters["frames"]["ok"])
+
+
+def _last_guard_failure() -> str:
+    """The newest reason torch gave for a recompile (a guard that failed), or "" if it gave none."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except Exception:
+        return ""
+    reasons = [reason for failures in guard_failures.values() for reason in failures]
+    return str(reasons[-1]).strip() if reasons else ""
 
 
 def _is_compiler_error(exc: BaseException) -> bool:
@@ -63,8 +90,9 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     The module stays the same object with the same parameter names (no ``_orig_mod.`` prefix).
     ``nn.Module.compile()`` is not used: it compiles ``_call_impl``, a torch.nn frame that dynamo
     skips, so a model built only from torch.nn layers (an ``nn.Sequential``) got no graph at all.
-    The first call is timed as the compile time. If the compiler fails, the model logs a warning once with
-    the reason and runs eagerly from then on.
+    Every call that compiles (the first, and each recompile: a new shape, grad mode or dtype) is
+    counted and timed in the record, with torch's reason for a recompile. If the compiler fails,
+    the model logs a warning once with the reason and runs eagerly from then on.
     """
     eager = model.forward
     compiled = torch.compile(eager, **options)
@@ -73,7 +101,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     def first_call(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            out = compiled(*args, **kwargs)
+            out = counted(*args, **kwargs)
         except Exception as exc:
             if not _is_compiler_error(exc):
                 raise
@@ -86,8 +114,17 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
             )
             model.forward = eager
             return eager(*args, **kwargs)
-        record.seconds = time.perf_counter() - start
-        model.forward = compiled
+        model.forward = counted
+        return out
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles)."""
+        before, start = _compiled_frames(), time.perf_counter()
+        out = compiled(*args, **kwargs)
+        if _compiled_frames() != before:
+            record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "")
+            if record.compiles > 1:
+                log.info("torch.compile compiled %s again: %s", type(model).__name__, record.recompiles[-1])
         return out
 
     model.forward = first_call

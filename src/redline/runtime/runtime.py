@@ -227,6 +227,8 @@ class Runtime:
         if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):
             split = loader.batch_sampler
             reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
+            if split.drop_last:
+                reason += "; a partial last batch is dropped: the compiled model keeps one shape"
             reason = "; ".join([reason, *self._split_caveats])
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
@@ -393,9 +395,14 @@ class Runtime:
 
     @property
     def compile_seconds(self) -> float | None:
-        """Seconds the compiled models' first calls took (the compile time), once they have run."""
+        """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
         seconds = [r.seconds for r in self._compile_records if r.seconds is not None]
         return sum(seconds) if seconds else None
+
+    @property
+    def compiles(self) -> tuple[int, list[str]]:
+        """How many times the compiled models compiled, and why each recompile happened."""
+        return sum(r.compiles for r in self._compile_records), [c for r in self._compile_records for c in r.recompiles]
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
@@ -404,7 +411,10 @@ class Runtime:
         if plan.compile is not None and fell_back:
             plan = dataclasses.replace(plan, compile=Choice(False, f"compile failed, ran eagerly: {fell_back[0]}"))
         elif plan.compile is not None and plan.compile.value and self.compile_seconds is not None:
-            reason = f"{plan.compile.reason}; compiled in {self.compile_seconds:.1f} s"
+            count, causes = self.compiles
+            reason = f"{plan.compile.reason}; compiled {count} time(s) in {self.compile_seconds:.1f} s"
+            if causes:
+                reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
             plan = dataclasses.replace(plan, compile=Choice(True, reason))
         return plan
 

@@ -60,8 +60,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
     it is kept): uneven shares would weigh samples differently in the averaged gradient.
     """
 
-    def __init__(self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
+    ) -> None:
         check_split(global_batch, world_size)
+        self.drop_last = drop_last  # a compiled model keeps one shape: a partial last batch would recompile it
         self.sampler = sampler
         self.global_batch = global_batch
         self.rank = rank
@@ -78,7 +81,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             if len(batch) == self.global_batch:
                 yield self._share(batch)
                 batch = []
-        if batch and len(batch) % self.world_size == 0:
+        if batch and len(batch) % self.world_size == 0 and not self.drop_last:
             yield self._share(batch)
 
     def _share(self, batch: list[int]) -> list[int]:
@@ -86,7 +89,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return batch[self.rank * n : (self.rank + 1) * n]
 
     def __len__(self) -> int:
-        return batches_per_epoch(len(self.sampler), self.global_batch, self.world_size)
+        return batches_per_epoch(len(self.sampler), self.global_batch, self.world_size, self.drop_last)
 
 
 def check_split(global_batch: int, world_size: int) -> None:
@@ -99,10 +102,11 @@ def check_split(global_batch: int, world_size: int) -> None:
         )
 
 
-def batches_per_epoch(size: int, global_batch: int, world_size: int = 1) -> int:
-    """Return the number of global batches in ``size`` samples, counting a last one that splits evenly."""
+def batches_per_epoch(size: int, global_batch: int, world_size: int = 1, drop_last: bool = False) -> int:
+    """Return the number of global batches in ``size`` samples, counting a last one that splits evenly
+    (unless ``drop_last``)."""
     full, rest = divmod(size, global_batch)
-    return full + (1 if rest and rest % world_size == 0 else 0)
+    return full + (1 if rest and rest % world_size == 0 and not drop_last else 0)
 
 
 def split_caveats(model: nn.Module, world_size: int) -> list[str]:

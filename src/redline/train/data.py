@@ -32,8 +32,11 @@ class StreamShard(IterableDataset[Any]):
     A last global batch that does not split evenly across the ranks is dropped, as in a map-style run.
     """
 
-    def __init__(self, dataset: Dataset[Any], *, global_batch: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, dataset: Dataset[Any], *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
+    ) -> None:
         check_split(global_batch, world_size)
+        self.drop_last = drop_last
         self.dataset = dataset
         self.global_batch = global_batch
         self.rank = rank
@@ -49,14 +52,21 @@ class StreamShard(IterableDataset[Any]):
         share = self.global_batch // self.world_size
         items = itertools.islice(iter(self.dataset), self.skip, None)
         while batch := list(itertools.islice(items, self.global_batch)):
-            if len(batch) % self.world_size:
+            if len(batch) % self.world_size or (self.drop_last and len(batch) < self.global_batch):
                 return
             n = len(batch) // self.world_size if len(batch) < self.global_batch else share
             yield from batch[self.rank * n : (self.rank + 1) * n]
 
 
 def plan_length(
-    data: Dataset[Any], *, batch_size: int, world_size: int, grad_accum: int, max_epochs: float, max_steps: int | None
+    data: Dataset[Any],
+    *,
+    batch_size: int,
+    world_size: int,
+    grad_accum: int,
+    max_epochs: float,
+    max_steps: int | None,
+    drop_last: bool = False,
 ) -> tuple[float, int | None]:
     """Return a run's optimizer steps, and its batches per epoch (None for a stream, whose length is unknown).
 
@@ -70,7 +80,7 @@ def plan_length(
             )
         return max_steps, None
     size = len(data)  # type: ignore[arg-type]
-    per_epoch = batches_per_epoch(size, batch_size, world_size)
+    per_epoch = batches_per_epoch(size, batch_size, world_size, drop_last)
     if not per_epoch:
         found = "is empty" if not size else f"holds {size} item(s), not one batch of {batch_size}"
         split = f" split across {world_size} processes" if world_size > 1 else ""
@@ -83,17 +93,20 @@ def plan_length(
 
 
 def train_loader(
-    dataset: Dataset[Any], *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    dataset: Dataset[Any], *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
 ) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:
     """Return a DataLoader over ``dataset`` (this rank's share of each global batch) and what sets its epoch.
 
-    A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order.
+    A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order. With
+    ``drop_last`` a partial last batch is left out (a compiled model then keeps one shape).
     """
     if is_stream(dataset):
-        stream = StreamShard(dataset, global_batch=batch_size, rank=rank, world_size=world_size)
+        stream = StreamShard(dataset, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last)
         return DataLoader(stream, batch_size=batch_size // world_size), stream
     sampler = EpochSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
-    batches = GlobalBatchSampler(sampler, global_batch=batch_size, rank=rank, world_size=world_size)
+    batches = GlobalBatchSampler(
+        sampler, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last
+    )
     # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
     # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
     return DataLoader(dataset, batch_sampler=batches, generator=torch.Generator().manual_seed(seed)), sampler

@@ -14,6 +14,7 @@ The process-wide settings the run needs stay applied until ``close()`` (or the e
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import signal
@@ -35,6 +36,7 @@ from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.sampling import batches_per_epoch
 from redline.task import Task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
@@ -260,10 +262,11 @@ class Trainer:
         if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
             checkpoint.clean_staging(self._checkpoint_root())
         options = resumed_options(self.options, resumed, self.env)
-        total, self._batches_per_epoch = plan_length(
-            self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
+        length = functools.partial(
+            plan_length, self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
             grad_accum=options.grad_accum, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
         )  # fmt: skip
+        total, self._batches_per_epoch = length()
         trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
         measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial)
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
@@ -274,9 +277,12 @@ class Trainer:
                 "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
             )  # fmt: skip
             return ended
+        drop_last = self._fixed_shapes(rt)
+        if drop_last:  # the epochs are a partial batch shorter
+            total, self._batches_per_epoch = length(drop_last=True)
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
-            world_size=self.env.world_size,
+            world_size=self.env.world_size, drop_last=drop_last,
         )  # fmt: skip
         model.train()
         main = self.env.is_main
@@ -296,6 +302,14 @@ class Trainer:
             resumed=resumed,
             last_ckpt=resumed,
         )
+
+    def _fixed_shapes(self, rt: Runtime) -> bool:
+        """Whether to drop a partial last batch: a compiled model given one would compile again for its shape."""
+        compiled = rt.explain().compile
+        if compiled is None or not compiled.value or self._batches_per_epoch is None:
+            return False
+        size = len(self.task.train_data)  # type: ignore[arg-type]
+        return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
 
     def _has_ended(self, pos: Position) -> bool:
         """Whether the resumed run had ended: it reached this run's max_steps or epochs, or early stopping said so."""
