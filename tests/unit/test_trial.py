@@ -139,7 +139,8 @@ def tiny_task(**changes) -> Task:
     return Task(**{**fields, **changes})
 
 
-def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_they_were():
+@pytest.mark.parametrize("zero_after_step", [False, True])  # a CPU's order, and a GPU's
+def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_they_were(zero_after_step):
     model = tiny_task().build_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(123)
@@ -148,8 +149,9 @@ def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_t
     data = tiny_task().train_data
     batch = (data.tensors[0][:16], data.tensors[1][:16])
     results = run_trial(
-        model, lambda p: torch.optim.SGD(p, lr=0.1), nn.functional.mse_loss, batch, torch.device("cpu"), ["bf16-mixed"]
-    )
+        model, lambda p: torch.optim.SGD(p, lr=0.1), nn.functional.mse_loss, batch, torch.device("cpu"), ["bf16-mixed"],
+        zero_after_step=zero_after_step,
+    )  # fmt: skip
     assert torch.equal(torch.rand(3), expected)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert [m.precision for m in results] == ["fp32", "bf16-mixed"]

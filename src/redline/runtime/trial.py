@@ -159,12 +159,14 @@ def run_trial(
     *,
     clock: Callable[[], float] = time.perf_counter,
     max_seconds: float = MAX_SECONDS,
+    zero_after_step: bool = False,
 ) -> list[Measured]:
     """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
 
     ``model`` is not changed: each candidate trains its own deep copy, built on ``device``, with a
-    fresh optimizer from the factory, on the one ``batch``. A candidate that cannot run at all (a
-    kernel missing in its precision) is rejected with the error.
+    fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
+    does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
+    candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
     """
     inputs, targets = move_to(batch, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -173,7 +175,7 @@ def run_trial(
     try:
         steps, failed = {}, {}
         for name in names:
-            step = _trainer(model, optimizer, loss_fn, inputs, targets, device, name)
+            step = _trainer(model, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
             try:
                 torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
                 first = step()
@@ -209,6 +211,7 @@ def _trainer(
     targets: Any,
     device: torch.device,
     name: PrecisionName,
+    zero_after_step: bool,
 ) -> Callable[[], float]:
     """One training step of a fresh copy of ``model`` in precision ``name``, as a function returning its loss."""
     copied = copy.deepcopy(model).to(device)
@@ -216,12 +219,15 @@ def _trainer(
     opt = optimizer(copied.parameters())
     precision = Precision(name, device)
 
-    def step() -> float:  # in the Runtime's order: the last step's gradients are freed just before backward
-        opt.zero_grad(set_to_none=True)
+    def step() -> float:  # in the Runtime's order (a CPU re-faults memory freed too early)
+        if not zero_after_step:
+            opt.zero_grad(set_to_none=True)
         with precision.autocast():
             loss = loss_fn(copied(inputs), targets)
         precision.backward(loss)
         precision.step(opt, None)
+        if zero_after_step:
+            opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     return step

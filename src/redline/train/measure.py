@@ -20,9 +20,11 @@ from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.device import resolve_device
-from redline.plan.precision import resolve_precision
+from redline.plan.optimizer import resolve_zero_grad
+from redline.plan.precision import resolve_precision, resolve_tf32
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
     Measured,
     choose,
@@ -79,7 +81,11 @@ def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, can
     try:
         model = task.build_model()
         batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
-        measured = run_trial(model, task.optimizer, task.loss_fn, batch, device, candidates)
+        zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
+        with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
+            measured = run_trial(
+                model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
+            )
     finally:
         restore_rng(saved)
     if measured[0].rejected or not measured[0].step_times:
