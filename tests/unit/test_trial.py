@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import redline.runtime.runtime as runtime_module
 from devices import CPUS, H100
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
@@ -289,12 +290,11 @@ def test_every_compile_and_recompile_is_counted_with_its_cause():
     with torch.no_grad():  # evaluation: another grad mode
         model(torch.randn(16, 8))
     assert record.compiles == 3 and "grad_mode" in record.recompiles[1]
+    assert record.training == 2  # the third compiled for evaluation
     assert record.seconds is not None and record.seconds > 0
 
 
 def test_a_compiled_run_drops_the_partial_last_batch_and_says_so(monkeypatch):
-    import redline.runtime.runtime as runtime_module
-
     real = runtime_module.compile_module
     monkeypatch.setattr(runtime_module, "compile_module", lambda model: real(model, backend="eager"))
     torch._dynamo.reset()
@@ -305,3 +305,17 @@ def test_a_compiled_run_drops_the_partial_last_batch_and_says_so(monkeypatch):
     assert (summary.steps, summary.samples, summary.epochs) == (8, 8 * 16, 2.0)
     assert "a partial last batch is dropped" in summary.plan.loader.reason
     assert "compiled 1 time(s)" in summary.plan.compile.reason and "recompiled" not in summary.plan.compile.reason
+
+
+def test_evaluation_compiles_are_told_apart_from_the_training_graph(monkeypatch, caplog):
+    real = runtime_module.compile_module
+    monkeypatch.setattr(runtime_module, "compile_module", lambda model: real(model, backend="eager"))
+    torch._dynamo.reset()
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    val = TensorDataset(torch.randn(20, 8), torch.randn(20, 1))  # a batch of 16, then a partial one of 4
+    task = tiny_task(model=OwnForward, train_data=data, val_data=val)
+    with Trainer(task, max_epochs=2, progress=False, trial="off", runtime=RuntimeOptions(compile="on")) as trainer:
+        reason = trainer.fit().plan.compile.reason
+    assert "(1 for training, " in reason and "for evaluation under no_grad)" in reason
+    assert "grad_mode" in reason  # torch's reason for the evaluation graph
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "compiled" in r.getMessage()]

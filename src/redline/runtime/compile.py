@@ -40,11 +40,13 @@ class CompileRecord:
     seconds: float | None = None  # all compiles together
     fell_back: str | None = None
     compiles: int = 0
+    training: int = 0  # of them, the ones under autograd (a training forward); the rest ran under no_grad
     recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
 
-    def add(self, seconds: float, cause: str) -> None:
+    def add(self, seconds: float, cause: str, *, training: bool) -> None:
         self.seconds = (self.seconds or 0.0) + seconds
         self.compiles += 1
+        self.training += training
         if self.compiles > 1:
             self.recompiles.append(cause)
 
@@ -122,9 +124,11 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
         before, start = _compiled_frames(), time.perf_counter()
         out = compiled(*args, **kwargs)
         if _compiled_frames() != before:
-            record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "")
-            if record.compiles > 1:
-                log.info("torch.compile compiled %s again: %s", type(model).__name__, record.recompiles[-1])
+            training = torch.is_grad_enabled()
+            record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "", training=training)
+            if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
+                level = logging.WARNING if training and record.training > 1 else logging.INFO
+                log.log(level, "torch.compile compiled %s again: %s", type(model).__name__, record.recompiles[-1])
         return out
 
     model.forward = first_call

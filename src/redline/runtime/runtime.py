@@ -400,9 +400,15 @@ class Runtime:
         return sum(seconds) if seconds else None
 
     @property
-    def compiles(self) -> tuple[int, list[str]]:
-        """How many times the compiled models compiled, and why each recompile happened."""
-        return sum(r.compiles for r in self._compile_records), [c for r in self._compile_records for c in r.recompiles]
+    def compiles(self) -> tuple[int, int, list[str]]:
+        """How many times the compiled models compiled, how many of those for training (under autograd; the
+        rest for evaluation, under no_grad), and why each recompile happened."""
+        records = self._compile_records
+        return (
+            sum(r.compiles for r in records),
+            sum(r.training for r in records),
+            [c for r in records for c in r.recompiles],
+        )
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
@@ -411,8 +417,10 @@ class Runtime:
         if plan.compile is not None and fell_back:
             plan = dataclasses.replace(plan, compile=Choice(False, f"compile failed, ran eagerly: {fell_back[0]}"))
         elif plan.compile is not None and plan.compile.value and self.compile_seconds is not None:
-            count, causes = self.compiles
+            count, training, causes = self.compiles
             reason = f"{plan.compile.reason}; compiled {count} time(s) in {self.compile_seconds:.1f} s"
+            if count > training:
+                reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
             if causes:
                 reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
             plan = dataclasses.replace(plan, compile=Choice(True, reason))
