@@ -364,3 +364,17 @@ def test_help_shows_every_flag_name_whole(command, columns):
     for name in names:
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.stdout), name
     assert max(map(len, result.stdout.splitlines())) <= columns
+
+
+@pytest.mark.slow
+def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once():
+    """The inductor compile of the CLI tier: evaluation each epoch, a partial last batch and sampling, one graph."""
+    small = ["--task-arg", "n_layer=1", "--task-arg", "n_embd=32", "--task-arg", "n_head=2", "--task-arg",
+             "block_size=16", "--task-arg", "max_chars=3000", "--task-arg", "batch_size=16"]  # fmt: skip
+    result = redline_cli("train", "--task", "example:chargpt", *small, "--compile", "on", "--epochs", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["plan"]["compile"]["value"] is True
+    assert "compiled 1 time(s)" in summary["plan"]["compile"]["reason"], summary["plan"]["compile"]["reason"]
+    assert "a partial last batch is dropped" in summary["plan"]["loader"]["reason"]
+    assert summary["val_loss"] is not None and summary["sample"]  # evaluated and sampled, eagerly

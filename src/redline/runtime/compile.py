@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,21 @@ class CompileRecord:
     compiles: int = 0
     training: int = 0  # of them, the ones under autograd (a training forward); the rest ran under no_grad
     recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
+    module: nn.Module | None = None
+    eager: Any = None  # the module's own forward, before compiling
+
+    @contextlib.contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """Run the module's own (uncompiled) forward inside: for evaluation and sampling, whose shapes vary."""
+        if self.module is None:
+            yield
+            return
+        compiled = self.module.forward
+        self.module.forward = self.eager
+        try:
+            yield
+        finally:
+            self.module.forward = compiled
 
     def add(self, seconds: float, cause: str, *, training: bool) -> None:
         self.seconds = (self.seconds or 0.0) + seconds
@@ -98,7 +115,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     """
     eager = model.forward
     compiled = torch.compile(eager, **options)
-    record = CompileRecord()
+    record = CompileRecord(module=model, eager=eager)
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -260,6 +260,15 @@ class Runtime:
         return move_to(batch, self.device, non_blocking=non_blocking, channels_last=self._channels_last)
 
     # -- the loop ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run the compiled models' own forward inside (evaluation, sampling): their batch sizes and
+        sequence lengths vary, and each new one would compile another graph."""
+        with contextlib.ExitStack() as stack:
+            for record in self._compile_records:
+                stack.enter_context(record.eagerly())
+            yield
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in the planned precision."""

@@ -22,7 +22,9 @@ def evaluate_model(
     """Return the mean validation loss and metric, weighting each batch by its size.
 
     Under several processes each rank evaluates its own contiguous shard and the sums are added
-    over the ranks, so every sample counts exactly once. ``where`` starts an error's message.
+    over the ranks, so every sample counts exactly once. A compiled model evaluates through its own
+    (eager) forward, under the run's autocast: a partial last batch would otherwise compile again.
+    ``where`` starts an error's message.
     """
     env = env or DistEnv()
     assert task.val_data is not None
@@ -31,7 +33,7 @@ def evaluate_model(
     total_loss, total_metric, count = 0.0, 0.0, 0
     for batch in eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size):
         inputs, targets = split_batch(rt.to_device(batch), "val_data")
-        with user_code(where, inputs, targets):
+        with user_code(where, inputs, targets), rt.eager():  # a compiled model: no graph per eval batch shape
             with rt.autocast():
                 outputs = model(inputs)
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)

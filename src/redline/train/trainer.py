@@ -453,7 +453,7 @@ class Trainer:
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
 
     def _summary(self, run: Run) -> TrainSummary:
-        with run.meter.excluded("eval"):  # every rank samples: under FSDP a forward gathers the shards
+        with run.meter.excluded("eval"), run.rt.eager():  # every rank samples: under FSDP a forward gathers
             sample = self.task.sample(run.rt.module) if self.task.sample else None
         return summarize(self.task.name, run, self._batches_per_epoch, sample)
 
@@ -475,7 +475,7 @@ class Trainer:
         outputs = []
         for batch in eval_loader(data, batch_size=batch_size or self.batch_size):
             inputs = batch[0] if isinstance(batch, list | tuple) else batch
-            with rt.autocast():
+            with rt.autocast(), rt.eager():
                 outputs.append(model(rt.to_device(inputs)).float().cpu())
         model.train(was_training)
         return torch.cat(outputs)
