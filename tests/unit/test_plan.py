@@ -8,7 +8,7 @@ from devices import A100, CPU, CPU_AMX, CPUS, EIGHT_GPUS, H100, MAC, MPS, NO_ACC
 from redline.errors import ConfigError, DeviceUnavailableError
 from redline.plan import Choice, Plan, parse_switch
 from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
-from redline.plan.device import resolve_device
+from redline.plan.device import resolve_device, resolve_worker_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.optimizer import OptimizerFacts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import resolve_precision, resolve_tf32
@@ -39,6 +39,13 @@ def test_device_resolves(requested, found, expected):
 def test_auto_device_says_why():
     assert "8 CUDA devices" in resolve_device("auto", EIGHT_GPUS).reason
     assert "no CUDA or MPS" in resolve_device("auto", NO_ACCELERATOR).reason
+
+
+def test_a_worker_of_a_distributed_job_gets_its_own_gpu():
+    worker = resolve_worker_device("auto", EIGHT_GPUS, local_rank=3)
+    assert worker.value == "cuda:3" and worker.reason.endswith("; worker 3's GPU")
+    assert resolve_worker_device("auto", EIGHT_GPUS, local_rank=None).value == "cuda:0"  # one process
+    assert resolve_worker_device("cpu", EIGHT_GPUS, local_rank=3).value == "cpu"  # gloo workers on the CPU
 
 
 @pytest.mark.parametrize("requested", ["gpu", "cuda:x", "cpu:1", "tpu", "", "mps:0"])

@@ -20,6 +20,14 @@ def check_devices(requested: object) -> tuple[str, str | None]:
     return match.group(1), match.group(2)
 
 
+def resolve_worker_device(requested: str, found: Accelerators, *, local_rank: int | None) -> Choice[str]:
+    """Resolve ``requested`` for one process: a worker of a distributed job (``local_rank`` given) gets its own GPU."""
+    device = resolve_device(requested, found)
+    if local_rank is not None and device.value.startswith("cuda"):  # one GPU per worker
+        return Choice(f"cuda:{local_rank}", f"{device.reason}; worker {local_rank}'s GPU")
+    return device
+
+
 def resolve_device(requested: str, found: Accelerators) -> Choice[str]:
     """Resolve ``requested`` against the accelerators found: "auto" prefers CUDA, then MPS, then CPU."""
     kind, index = check_devices(requested)

@@ -38,7 +38,7 @@ from redline.parallel.collectives import gather_objects
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.compile import resolve_compile
-from redline.plan.device import resolve_device
+from redline.plan.device import resolve_worker_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
@@ -83,9 +83,8 @@ class Runtime:
         positive_int("planned_steps", planned_steps, optional=True)
         self.planned_steps = planned_steps
         self.env = read_env()
-        device = resolve_device(self.options.devices, probe_accelerators())
-        if self.env.distributed and device.value.startswith("cuda"):  # one GPU per worker
-            device = Choice(f"cuda:{self.env.local_rank}", f"{device.reason}; worker {self.env.local_rank}'s GPU")
+        local_rank = self.env.local_rank if self.env.distributed else None
+        device = resolve_worker_device(self.options.devices, probe_accelerators(), local_rank=local_rank)
         self.device = torch.device(device.value)
         self.facts: DeviceFacts = probe_device(self.device)
         chosen = resolve_precision(self.options.precision, self.facts)

@@ -19,7 +19,7 @@ from redline.hardware.device import probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
-from redline.plan.device import resolve_device
+from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import resolve_precision, resolve_tf32
 from redline.runtime.options import RuntimeOptions
@@ -51,9 +51,8 @@ def measure_auto(
     """
     if options.precision != "auto" or trial == "off":
         return {}
-    device = torch.device(resolve_device(options.devices, probe_accelerators()).value)
-    if device.type == "cuda" and env.distributed:
-        device = torch.device(f"cuda:{env.local_rank}")
+    local_rank = env.local_rank if env.distributed else None  # the device the Runtime will run on
+    device = torch.device(resolve_worker_device(options.devices, probe_accelerators(), local_rank=local_rank).value)
     facts = probe_device(device)
     candidates = precision_candidates(facts)
     if not candidates:
@@ -69,7 +68,21 @@ def measure_auto(
 
 
 def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]) -> Choice[str]:
-    """Time fp32 and ``candidates`` on the task's model and first batch (or read the cache); return the choice."""
+    """Time fp32 and ``candidates`` on the task's model and first batch (or read the cache); return the choice.
+
+    A model factory draws weights (for the fingerprint and the trial) and the batch is drawn too:
+    the run's random streams are put back as they were.
+    """
+    saved = capture_rng()
+    try:
+        return _measure_or_recall(task, device, facts, local_batch, candidates)
+    finally:
+        restore_rng(saved)
+
+
+def _measure_or_recall(
+    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]
+) -> Choice[str]:
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     key = trial_key(task.fingerprint(), facts, local_batch, candidates)
     cached = load_cached(key)
@@ -77,17 +90,13 @@ def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, can
         measured, when = cached
         choice = choose(measured, where)
         return Choice(choice.value, f"{choice.reason}; cached from {when}")
-    saved = capture_rng()  # building the model and drawing the batch leave the run's random streams as they were
-    try:
-        model = task.build_model()
-        batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
-        zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
-        with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
-            measured = run_trial(
-                model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
-            )
-    finally:
-        restore_rng(saved)
+    model = task.build_model()
+    batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
+    zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
+    with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
+        measured = run_trial(
+            model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
+        )
     if measured[0].rejected or not measured[0].step_times:
         reason = measured[0].rejected or "no step was timed"
         rule = resolve_precision("auto", facts)
