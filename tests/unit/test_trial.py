@@ -16,7 +16,9 @@ from devices import CPUS, H100
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
+from redline.runtime import measure
 from redline.runtime.compile import compile_module
+from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import (
@@ -31,8 +33,6 @@ from redline.runtime.trial import (
     trial_key,
 )
 from redline.task import Task
-from redline.train import measure
-from redline.train.measure import measure_auto
 from redline.train.throughput import Throughput
 from redline.train.trainer import Trainer
 

@@ -9,9 +9,9 @@ from torch import nn
 
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
+from redline.runtime.contract import check_loss, count_samples, metric_value, split_batch, user_code
 from redline.runtime.runtime import Runtime
 from redline.task import Task
-from redline.train.contract import check_loss, count_samples, metric_value, split_batch, user_code
 from redline.train.data import eval_loader
 
 

@@ -21,11 +21,6 @@ from redline.task import Task
 _MATMUL_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
 
 
-def is_tokens(targets: Any) -> bool:
-    """Whether targets are token ids (an integer tensor with a sequence axis), so tokens/s applies."""
-    return isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point()
-
-
 @dataclass(frozen=True)
 class Figures:
     """A run's throughput after its first step, and its model FLOPs utilisation."""

@@ -34,24 +34,24 @@ from redline.parallel.collectives import StopVote, all_reduce_sum, is_collective
 from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
 from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
+from redline.runtime.contract import check_loss, count_samples, is_tokens, split_batch, user_code, user_line
+from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
 from redline.task import Task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.contract import check_loss, count_samples, split_batch, user_code, user_line
 from redline.train.data import eval_loader, plan_length, train_loader
 from redline.train.evaluation import evaluate_model
 from redline.train.logs import Loggers, open_loggers
-from redline.train.measure import measure_auto
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
 from redline.train.resume import resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
-from redline.train.throughput import Throughput, is_tokens
+from redline.train.throughput import Throughput
 
 log = logging.getLogger("redline")
 LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")

@@ -22,6 +22,7 @@ from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import resolve_precision, resolve_tf32
+from redline.runtime.contract import split_batch
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
@@ -36,7 +37,6 @@ from redline.runtime.trial import (
     trial_steps,
 )
 from redline.task import Task
-from redline.train.contract import split_batch
 
 log = logging.getLogger("redline")
 REPAY = 10  # a trial runs when the planned run is at least this many times its steps: it costs <= 10%

@@ -1,4 +1,4 @@
-"""What the Trainer expects of a Task's data, loss and metric, checked where each first shows.
+"""What the Trainer (and bench) expects of a Task's data, loss and metric, checked where each first shows.
 
 Every check reads only what is already on the host (a batch's structure, a tensor's shape and
 flags): none waits for the device. A mistake is a ``TaskError`` that names the object, what was
@@ -20,7 +20,16 @@ from redline.errors import RedlineError, TaskError, TrainingError
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.loss import check_loss
 
-__all__ = ["check_loss", "count_samples", "describe", "metric_value", "split_batch", "user_code", "user_line"]
+__all__ = [
+    "check_loss",
+    "count_samples",
+    "describe",
+    "is_tokens",
+    "metric_value",
+    "split_batch",
+    "user_code",
+    "user_line",
+]
 
 PAIR_HINT = "return (inputs, targets) from the dataset's __getitem__ (a TensorDataset(x, y) does)"
 
@@ -31,6 +40,11 @@ def split_batch(batch: Any, data: str) -> tuple[Any, Any]:
         return batch[0], batch[1]
     found = f"a {len(batch)}-tuple {describe(batch)}" if isinstance(batch, list | tuple) else describe(batch)
     raise TaskError(f"each item of {data} must be a pair (inputs, targets); the loader gave {found}\nhint: {PAIR_HINT}")
+
+
+def is_tokens(targets: Any) -> bool:
+    """Whether targets are token ids (an integer tensor with a sequence axis), so tokens/s applies."""
+    return isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point()
 
 
 def metric_value(value: Any) -> float:
