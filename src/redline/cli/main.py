@@ -35,6 +35,11 @@ SUBCOMMANDS = {
     "train": Subcommand(
         "redline.cli.train", "train", "Train a Task with every automatic choice explained, and print the summary."
     ),
+    "bench": Subcommand(
+        "redline.cli.bench",
+        "bench",
+        "Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU.",
+    ),
     "doctor": Subcommand(
         "redline.cli.doctor",
         "doctor",

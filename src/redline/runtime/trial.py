@@ -84,11 +84,13 @@ def time_steps(
     sync: Callable[[], None] = lambda: None,
     clock: Callable[[], float] = time.perf_counter,
     budget_s: float = math.inf,
+    settle: Sequence[Callable[[], float]] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Time several step functions (each returns its loss) side by side, in blocks that take turns.
 
     Each runs ``warmup`` untimed steps first. Then every round gives each a block: one untimed step
-    that brings its memory back into the caches the others used, then ``block`` timed steps, each
+    that brings its memory back into the caches the others used (``settle[i]`` when given, else the
+    step itself: a timed "step" may be a window of several), then ``block`` timed steps, each
     synchronised (``sync``). The order rotates from round to round, so a machine whose speed drifts
     (a clock ramping up, a neighbour's load) weighs on all alike. Timing stops once ``budget_s`` is
     spent, after at least two rounds. Returns, per step function, the timed durations and every
@@ -102,7 +104,7 @@ def time_steps(
     for round_ in range(rounds):
         for offset in range(len(steps)):
             index = (round_ + offset) % len(steps)
-            losses[index].append(steps[index]())  # the settling step
+            losses[index].append((settle or steps)[index]())  # the settling step
             sync()
             for _ in range(block):
                 start = clock()

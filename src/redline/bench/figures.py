@@ -1,0 +1,49 @@
+"""From timed windows to a bench row's figures: rates, step-time percentiles, speed-ups, compile break-even.
+
+Pure functions of the measured numbers, so a fake clock tests them. A window is ``window`` steps
+timed between two device synchronisations; its steps queue on the device as in a real run, so
+a window's time per step is the honest step time, where syncing every step would add the launch
+latency the real run hides.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def rate(windows: Sequence[float], per_window: float) -> float | None:
+    """Median over windows of ``per_window`` units (samples, tokens) per second; None without windows."""
+    rates = [per_window / t for t in windows if t > 0]
+    return statistics.median(rates) if rates else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) by linear interpolation between the closest ranks; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def step_times(windows: Sequence[float], window: int) -> list[float]:
+    """Each window's time per step."""
+    return [t / window for t in windows]
+
+
+def break_even(compile_s: float | None, eager_step_s: float | None, compiled_step_s: float | None) -> float | None:
+    """Steps after which a compile has paid for itself against the eager step; None if it never does."""
+    if compile_s is None or eager_step_s is None or compiled_step_s is None:
+        return None
+    saved = eager_step_s - compiled_step_s
+    return compile_s / saved if saved > 0 else None
+
+
+def speedup(rate_: float | None, baseline: float | None) -> float | None:
+    """``rate_`` over ``baseline``; None when either is missing."""
+    if rate_ is None or baseline is None or baseline <= 0:
+        return None
+    return rate_ / baseline

@@ -1,0 +1,136 @@
+"""The training loops a bench times: the naive loop a tutorial writes, and the same step through the Runtime.
+
+Each row trains its own model, built from the same seed, with its own optimizer and its own pass
+over the training data (shuffled, full batches only, a new epoch when one runs out): loading is
+part of what is timed, since pinned, non-blocking loading is part of what the Runtime speeds up.
+A ``Runner`` runs one step, or a window of steps whose loss it reads once at the end, so the
+steps of a window queue on the device as they do in a real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from redline.bench.matrix import Setting
+from redline.errors import TaskError
+from redline.plan import Choice, Plan
+from redline.runtime.contract import split_batch
+from redline.runtime.runtime import Runtime
+from redline.runtime.transfer import move_to
+from redline.task import Task
+
+
+@dataclass
+class Runner:
+    """One row's model, optimizer and batches, and its training step."""
+
+    setting: Setting
+    model: nn.Module
+    step_fn: Callable[[Any, Any], torch.Tensor]  # (inputs, targets) already on the device -> loss
+    batches: Iterable[Any]
+    scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    runtime: Runtime | None = None
+    first_batch: tuple[Any, Any] | None = None
+    _iterator: Iterator[Any] | None = field(default=None, repr=False)
+
+    def next_batch(self) -> tuple[Any, Any]:
+        """The next full batch, starting another epoch when this one runs out."""
+        if self._iterator is not None:
+            batch = next(self._iterator, None)
+            if batch is not None:
+                return split_batch(batch, "train_data")
+        self._iterator = iter(self.batches)
+        batch = next(self._iterator, None)
+        if batch is None:
+            raise TaskError("train_data gave no full batch\nhint: pass a batch size no larger than the dataset")
+        return split_batch(batch, "train_data")
+
+    def run(self, steps: int) -> float:
+        """Run ``steps`` training steps; return the last loss (read once, at the end)."""
+        loss = None
+        with self.scope():
+            for _ in range(steps):
+                inputs, targets = self.next_batch()
+                if self.first_batch is None:
+                    self.first_batch = (inputs, targets)
+                loss = self.step_fn(inputs, targets)
+        return float(loss.detach()) if loss is not None else float("nan")
+
+    def plan(self) -> Plan | None:
+        """The Runtime's Plan for this row (None for the naive loop)."""
+        return self.runtime.explain() if self.runtime is not None else None
+
+    def compile_seconds(self) -> float | None:
+        return self.runtime.compile_seconds if self.runtime is not None else None
+
+
+def naive_runner(task: Task, setting: Setting, *, seed: int) -> Runner:
+    """The loop a tutorial writes: ``model.to(device)``, a plain DataLoader, eager fp32, ``zero_grad()`` first."""
+    device = torch.device(setting.device)
+    torch.manual_seed(seed)
+    model = task.build_model().to(device)
+    model.train()
+    optimizer = task.optimizer(model.parameters())
+    loss_fn = task.loss_fn
+
+    def step(inputs: Any, targets: Any) -> torch.Tensor:
+        inputs, targets = move_to((inputs, targets), device)
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return Runner(setting, model, step, _loader(task, setting.batch_size))
+
+
+def runtime_runner(
+    task: Task,
+    setting: Setting,
+    *,
+    seed: int,
+    planned_steps: int | None,
+    measured: Mapping[str, Choice[str]] | None = None,
+) -> Runner:
+    """The same step through the Runtime, with the row's precision and compile (or auto's choices)."""
+    compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
+    rt = Runtime(
+        devices=setting.device, precision=setting.precision, compile=compile_, planned_steps=planned_steps,
+        measured=measured,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model, optimizer = rt.setup(task.build_model(), task.optimizer)
+    model.train()
+    # setup() applied the Runtime's process-wide settings (TF32 on a GPU); rows take turns, so each
+    # enters its own for the steps it runs and leaves the process as it found it in between.
+    rt.close()
+    loss_fn = task.loss_fn
+
+    def step(inputs: Any, targets: Any) -> torch.Tensor:
+        with rt.autocast():
+            loss = loss_fn(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(optimizer)
+        return loss
+
+    batches = rt.setup_loader(_loader(task, setting.batch_size))
+    return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt)
+
+
+def _loader(task: Task, batch_size: int) -> DataLoader[Any]:
+    try:
+        size = len(task.train_data)  # type: ignore[arg-type]
+    except TypeError:
+        size = None  # a stream: its length is unknown, the loop starts it again when it runs dry
+    if size is not None and size < batch_size:
+        raise TaskError(
+            f"train_data has {size} samples, fewer than the batch size {batch_size}\nhint: pass a smaller --batch-size"
+        )
+    return DataLoader(task.train_data, batch_size=batch_size, shuffle=size is not None, drop_last=True)

@@ -1,0 +1,81 @@
+"""Which configurations a bench measures: the naive loop, the matrix the user asked for, and auto.
+
+Every device gets a **naive** row, the loop a tutorial writes (eager fp32, ``.to(device)``, a
+plain DataLoader), which every speed-up is measured against, and an **auto** row, what
+``redline train`` would run there (precision measured by a trial, the rest by rule). Between them
+lies the matrix of explicit settings: devices x precisions x compile x batch sizes, each run
+through the Runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from redline.errors import ConfigError
+from redline.hardware.device import DeviceFacts
+from redline.plan.precision import PRECISIONS
+from redline.runtime.trial import precision_candidates
+
+Kind = Literal["naive", "explicit", "auto"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of a bench: how the training step runs."""
+
+    kind: Kind
+    device: str  # "cpu", "cuda", "cuda:1", "mps"
+    precision: str  # "fp32", "bf16-mixed", "fp16-mixed", or "auto"
+    compile: bool | None  # None: auto
+    batch_size: int
+
+    @property
+    def name(self) -> str:
+        """A short unique label: ``naive cpu fp32 b64``, ``cpu bf16-mixed compiled b64``, ``auto cpu b64``."""
+        size = f"b{self.batch_size}"
+        if self.kind == "naive":
+            return f"naive {self.device} fp32 {size}"
+        if self.kind == "auto":
+            return f"auto {self.device} {size}"
+        return f"{self.device} {self.precision} {'compiled' if self.compile else 'eager'} {size}"
+
+
+def expand(
+    devices: Sequence[DeviceFacts],
+    *,
+    precisions: Sequence[str] | None,
+    compiles: Sequence[bool],
+    batch_sizes: Sequence[int],
+    auto: bool = True,
+) -> list[Setting]:
+    """The rows to measure, per batch size and device: naive first, then the matrix, then auto.
+
+    ``precisions`` None gives fp32 and whichever reduced precision the device has fast arithmetic
+    for (``precision_candidates``), the candidates auto's own trial weighs.
+    """
+    if not devices:
+        raise ConfigError("no device to bench\nhint: pass --devices cpu (or cuda, mps)")
+    for name in precisions or ():
+        if name not in PRECISIONS:
+            raise ConfigError(
+                f"precision {name!r} is not one of {', '.join(PRECISIONS)}\nhint: e.g. --precision fp32,bf16-mixed"
+            )
+    for size in batch_sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"batch size {size!r} is not a positive integer\nhint: e.g. --batch-size 32,64")
+    rows: list[Setting] = []
+    for size in dict.fromkeys(batch_sizes):
+        for facts in devices:
+            device = facts.label
+            chosen = list(precisions) if precisions else ["fp32", *precision_candidates(facts)]
+            rows.append(Setting("naive", device, "fp32", False, size))
+            rows += [
+                Setting("explicit", device, name, flag, size)
+                for name in dict.fromkeys(chosen)
+                for flag in dict.fromkeys(compiles)
+            ]
+            if auto:
+                rows.append(Setting("auto", device, "auto", None, size))
+    return rows

@@ -1,0 +1,394 @@
+"""`redline bench`: time the naive loop, a matrix of settings and auto side by side, and report each row.
+
+Rows of one batch size are timed together, in rounds whose order rotates (``time_steps``): each
+row runs one settling step, then a window of steps between two synchronisations, and the next
+row takes its turn. A machine whose speed drifts therefore weighs on every row alike, and the
+ratios between rows (the speed-ups) are what the bench trusts most. Before timing, each row is
+built and warmed up alone (compiling, if it compiles), which is when its peak memory is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from redline.bench.figures import break_even, percentile, rate, speedup, step_times
+from redline.bench.loops import Runner, naive_runner, runtime_runner
+from redline.bench.matrix import Setting, expand
+from redline.bench.memory import PeakMemory
+from redline.config import positive_int, positive_number
+from redline.errors import ConfigError, RedlineError
+from redline.hardware.catalog import find_gpu, peak_tflops
+from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
+from redline.parallel.env import read_env
+from redline.plan.device import resolve_device
+from redline.runtime.contract import is_tokens
+from redline.runtime.measure import measure_auto
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.trial import time_steps
+from redline.task import Task
+from redline.version import __version__
+
+log = logging.getLogger("redline")
+Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
+_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One configuration's figures; on failure, ``error`` says why and the figures are None."""
+
+    name: str
+    kind: str
+    device: str
+    precision: str
+    compile: bool | None
+    channels_last: bool | None
+    batch_size: int
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_ms_p50: float | None = None
+    step_ms_p90: float | None = None
+    peak_mem_bytes: int | None = None
+    peak_mem_kind: str = ""  # "allocated": the row's own on a GPU; "resident": the whole process's on a CPU
+    tflops: float | None = None
+    mfu: float | None = None  # achieved FLOP/s over the datasheet's dense peak (GPUs in the catalog)
+    mfu_measured: float | None = None  # over a matmul measured on this device in the row's precision
+    compile_s: float | None = None
+    break_even_steps: float | None = None  # steps after which the compile has paid for itself
+    speedup_naive: float | None = None  # over the naive loop on the same device and batch size
+    speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
+    loss: float | None = None  # the last window's loss: every row trains, none is a no-op
+    plan: dict[str, dict[str, Any]] | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A bench's rows, with what they ran on."""
+
+    task: str
+    steps: int
+    window: int
+    measured_at: str
+    machine: dict[str, Any]
+    versions: dict[str, str]
+    rows: tuple[BenchRow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["rows"] = [row.to_dict() for row in self.rows]
+        return data
+
+    def row(self, name: str) -> BenchRow:
+        """The row called ``name``."""
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(name)
+
+
+def benchmark(
+    task: Task,
+    *,
+    devices: str | Sequence[str] = "auto",
+    precisions: Sequence[str] | None = None,
+    compiles: Sequence[bool] = (False, True),
+    batch_sizes: Sequence[int] | None = None,
+    steps: int = 60,
+    window: int = 5,
+    planned_steps: int | None = None,
+    max_seconds: float = 300.0,
+    auto: bool = True,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> BenchResult:
+    """Time the naive loop, each setting of the matrix and auto on ``task``, side by side; return the rows.
+
+    ``devices`` "auto" benches the CPU and every kind of accelerator visible; ``precisions`` None
+    benches fp32 and the reduced precision each device has fast arithmetic for. Each row times
+    ``steps`` steps (in windows of ``window``) after a warm-up window; timing stops early, after
+    two rounds at least, once ``max_seconds`` are spent. ``planned_steps`` is the run auto plans
+    for (default: the task's own epochs), which decides whether it compiles.
+    """
+    positive_int("steps", steps)
+    positive_int("window", window)
+    positive_number("max_seconds", max_seconds)
+    positive_int("planned_steps", planned_steps, optional=True)
+    sizes = list(batch_sizes) if batch_sizes else [task.batch_size]
+    facts = [probe_device(torch.device(name)) for name in _devices(devices)]
+    settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
+    rounds = max(2, math.ceil(steps / window))
+    tell = progress or (lambda done, total, what: None)
+    total, done = len(settings) + rounds * len(sizes), 0
+    rows: list[BenchRow] = []
+    for size in dict.fromkeys(sizes):
+        group = [s for s in settings if s.batch_size == size]
+        planned = planned_steps or _task_steps(task, size)
+        built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
+        failed: dict[Setting, str] = {}
+        for setting in group:
+            tell(done, total, f"warming up {setting.name}")
+            try:
+                built[setting] = _warm_up(task, setting, window, planned, seed)
+            except RedlineError:
+                raise
+            except Exception as exc:  # a setting this machine cannot run: its row says why
+                failed[setting] = _one_line(exc)
+            done += 1
+        timed = _time(list(built.values()), window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
+        done += rounds
+        rows += _rows(task, group, built, timed, failed, window)
+        if any(s.compile is not False for s in group):
+            _reset_compiler()  # the next batch size compiles afresh, not as a dynamic-shape recompile
+    return BenchResult(
+        task=task.name,
+        steps=rounds * window,
+        window=window,
+        measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        machine=_machine(facts),
+        versions={"python": platform.python_version(), "torch": torch.__version__, "redline": __version__},
+        rows=tuple(_with_speedups(rows)),
+    )
+
+
+def _timing(tell: Progress, done: int, total: int, round_: int) -> None:
+    tell(done + round_, total, f"timing, round {round_ + 1}")
+
+
+def _devices(devices: str | Sequence[str]) -> list[str]:
+    names = [d.strip() for d in devices.split(",")] if isinstance(devices, str) else list(devices)
+    found = probe_accelerators()
+    if names == ["auto"]:
+        names = ["cpu", *(["cuda"] if found.cuda_count else []), *(["mps"] if found.mps else [])]
+    if not names or any(not n for n in names):
+        raise ConfigError(f"devices={devices!r} names no device\nhint: e.g. --devices cpu,cuda")
+    return list(dict.fromkeys(resolve_device(name, found).value for name in names))
+
+
+def _task_steps(task: Task, batch_size: int) -> int | None:
+    """The optimizer steps of the task's own run (its epochs of full batches); None for a stream."""
+    try:
+        size = len(task.train_data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return max(1, size // batch_size) * task.epochs
+
+
+def _warm_up(
+    task: Task, setting: Setting, window: int, planned: int | None, seed: int
+) -> tuple[Runner, PeakMemory, int | None]:
+    """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory."""
+    device = torch.device(setting.device)
+    with PeakMemory(device) as memory:
+        if setting.kind == "naive":
+            runner = naive_runner(task, setting, seed=seed)
+        else:
+            measured = None
+            if setting.kind == "auto":  # what `redline train` would run: the trial decides the precision
+                options = RuntimeOptions(devices=setting.device)
+                measured = measure_auto(task, options, setting.batch_size, planned or 1, read_env(), trial="on")
+            runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, measured=measured)
+        runner.run(window)
+    assert runner.first_batch is not None
+    flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)
+    return runner, memory, flops
+
+
+def _time(
+    built: list[tuple[Runner, PeakMemory, int | None]],
+    window: int,
+    rounds: int,
+    max_seconds: float,
+    tell: Callable[[int], None],
+) -> dict[int, tuple[list[float], str]]:
+    """Each runner's window times (by position in ``built``) and the error that stopped it ("" if none)."""
+    errors: dict[int, str] = {}
+    finished = [0]
+
+    def guarded(index: int, steps: int) -> Callable[[], float]:
+        runner = built[index][0]
+
+        def run() -> float:
+            if index in errors:
+                return math.nan
+            try:
+                return runner.run(steps)
+            except RedlineError:
+                raise
+            except Exception as exc:
+                errors[index] = _one_line(exc)
+                return math.nan
+
+        return run
+
+    def settle(index: int) -> Callable[[], float]:
+        run = guarded(index, 1)
+
+        def first_of_block() -> float:
+            if index == 0:
+                tell(finished[0])
+                finished[0] += 1
+            return run()
+
+        return first_of_block
+
+    uses_cuda = any(r.setting.device.startswith("cuda") for r, _, _ in built)
+    sync = torch.cuda.synchronize if uses_cuda else (lambda: None)
+    times, _ = time_steps(
+        [guarded(i, window) for i in range(len(built))],
+        settle=[settle(i) for i in range(len(built))],
+        warmup=0, rounds=rounds, block=1, sync=sync, budget_s=max_seconds,
+    )  # fmt: skip
+    return {i: (times[i], errors.get(i, "")) for i in range(len(built))}
+
+
+def _rows(
+    task: Task,
+    group: list[Setting],
+    built: dict[Setting, tuple[Runner, PeakMemory, int | None]],
+    timed: dict[int, tuple[list[float], str]],
+    failed: dict[Setting, str],
+    window: int,
+) -> list[BenchRow]:
+    rows = []
+    position = {setting: i for i, setting in enumerate(built)}
+    peaks: dict[tuple[str, str], float | None] = {}
+    for setting in group:
+        base = BenchRow(
+            setting.name, setting.kind, setting.device, setting.precision, setting.compile, None, setting.batch_size
+        )
+        if setting in failed:
+            rows.append(dataclasses.replace(base, error=failed[setting]))
+            continue
+        runner, memory, flops = built[setting]
+        windows, error = timed[position[setting]]
+        if error:
+            rows.append(dataclasses.replace(base, error=error))
+            continue
+        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks))
+    return _with_break_even(rows)
+
+
+def _figures(
+    task: Task,
+    base: BenchRow,
+    runner: Runner,
+    windows: list[float],
+    window: int,
+    memory: PeakMemory,
+    flops: int | None,
+    peaks: dict[tuple[str, str], float | None],
+) -> BenchRow:
+    plan = runner.plan()
+    precision = plan.precision.value if plan is not None else "fp32"
+    compiled = bool(plan.compile.value) if plan is not None and plan.compile is not None else False
+    layout = bool(plan.channels_last.value) if plan is not None and plan.channels_last is not None else False
+    tf32 = bool(plan.tf32.value) if plan is not None else False
+    samples = rate(windows, base.batch_size * window)
+    assert runner.first_batch is not None
+    targets = runner.first_batch[1]
+    tokens = rate(windows, targets.numel() * window) if is_tokens(targets) else None
+    per_step = step_times(windows, window)
+    achieved = flops * samples / base.batch_size if flops and samples else None
+    facts = probe_device(torch.device(base.device))
+    spec = find_gpu(facts.name) if facts.type == "cuda" else None
+    key = (base.device, precision)
+    if achieved is not None and key not in peaks:
+        with runner.scope():
+            peaks[key] = _matmul_peak(torch.device(base.device), precision)
+    measured_peak = peaks.get(key)
+    p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
+    return dataclasses.replace(
+        base,
+        precision=precision,
+        compile=compiled,
+        channels_last=layout,
+        samples_per_s=samples,
+        tokens_per_s=tokens,
+        step_ms_p50=p50 * 1e3 if p50 is not None else None,
+        step_ms_p90=p90 * 1e3 if p90 is not None else None,
+        peak_mem_bytes=memory.peak,
+        peak_mem_kind=memory.kind if memory.peak is not None else "",
+        tflops=achieved / 1e12 if achieved is not None else None,
+        mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
+        mfu_measured=achieved / (measured_peak * 1e12) if achieved is not None and measured_peak else None,
+        compile_s=runner.compile_seconds() if compiled else None,
+        loss=_last_loss(runner),
+        plan=plan.to_dict() if plan is not None else None,
+    )
+
+
+def _last_loss(runner: Runner) -> float | None:
+    """The loss of one more step (outside the timing), as a check that the row trains."""
+    value = runner.run(1)
+    return value if math.isfinite(value) else None
+
+
+def _matmul_peak(device: torch.device, precision: str) -> float | None:
+    try:
+        return measure_matmul_tflops(device, _DTYPES.get(precision, torch.float32))
+    except (RuntimeError, torch.OutOfMemoryError):  # the ratio is optional; a full GPU skips it
+        return None
+
+
+def _with_break_even(rows: list[BenchRow]) -> list[BenchRow]:
+    """Give each compiled row the steps its compile takes to repay, against the eager row of its precision."""
+    eager = {(r.device, r.precision): r for r in rows if r.kind == "explicit" and r.compile is False and not r.error}
+    out = []
+    for row in rows:
+        twin = eager.get((row.device, row.precision))
+        if row.compile and twin is not None and row.step_ms_p50 and twin.step_ms_p50:
+            steps = break_even(row.compile_s, twin.step_ms_p50 / 1e3, row.step_ms_p50 / 1e3)
+            row = dataclasses.replace(row, break_even_steps=steps)
+        out.append(row)
+    return out
+
+
+def _with_speedups(rows: list[BenchRow]) -> list[BenchRow]:
+    naive = {(r.device, r.batch_size): r.samples_per_s for r in rows if r.kind == "naive" and not r.error}
+    return [
+        dataclasses.replace(
+            row,
+            speedup_naive=speedup(row.samples_per_s, naive.get((row.device, row.batch_size))),
+            speedup_cpu_fp32=speedup(row.samples_per_s, naive.get(("cpu", row.batch_size))),
+        )
+        for row in rows
+    ]
+
+
+def _machine(facts: list[DeviceFacts]) -> dict[str, Any]:
+    cpu = probe_device(torch.device("cpu"))
+    gpus = [f.name for f in facts if f.type != "cpu"]
+    return {
+        "cpu": f"{cpu.name} ({cpu.cpu_count} cores, {cpu.cpu_isa})",
+        "gpu": ", ".join(gpus) or None,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _reset_compiler() -> None:
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception as exc:  # only a cache: a failure costs a recompile at most
+        log.debug("torch._dynamo.reset() failed: %s", exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")

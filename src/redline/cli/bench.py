@@ -1,0 +1,110 @@
+"""`redline bench`: time the naive loop, a matrix of settings and auto side by side on a Task."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from redline.bench.run import benchmark
+from redline.cli.task_args import parse_task_args
+from redline.errors import ConfigError
+from redline.render.bench import bench_table, best_line
+from redline.task import load_task
+
+SWITCH = {"on": True, "off": False, "true": True, "false": False}
+
+
+def bench(
+    task: Annotated[
+        str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
+    ],
+    task_arg: Annotated[
+        list[str] | None,
+        typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
+    ] = None,
+    devices: Annotated[str, typer.Option(help="Devices to bench, comma-separated (auto: CPU and each GPU kind).")] = (
+        "auto"
+    ),
+    precision: Annotated[
+        str | None, typer.Option(help="Precisions, comma-separated (default: fp32 and each device's fast one).")
+    ] = None,
+    compile: Annotated[str, typer.Option(help="torch.compile settings to bench, comma-separated: off, on.")] = "off,on",
+    batch_size: Annotated[
+        str | None, typer.Option(help="Batch sizes, comma-separated (default: the task's own).")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per configuration.")] = 60,
+    window: Annotated[int, typer.Option(help="Steps per timing window (one device sync each).")] = 5,
+    planned_steps: Annotated[
+        int | None, typer.Option(help="The run auto plans for (default: the task's epochs); decides compile.")
+    ] = None,
+    max_seconds: Annotated[float, typer.Option(help="Stop timing after this many seconds (two rounds at least).")] = (
+        300.0
+    ),
+    auto: Annotated[bool, typer.Option("--auto/--no-auto", help="Bench what `redline train` would run.")] = True,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+    html: Annotated[Path | None, typer.Option(metavar="FILE", help="Write a self-contained HTML report.")] = None,
+) -> None:
+    """Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU."""
+    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as bar:  # fmt: skip
+        job = bar.add_task("bench", total=None)
+
+        def tell(done: int, total: int, what: str) -> None:
+            bar.update(job, completed=done, total=total, description=what)
+
+        result = benchmark(
+            loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
+            batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
+            max_seconds=max_seconds, auto=auto, progress=tell,
+        )  # fmt: skip
+    data = result.to_dict()
+    if html is not None:
+        from redline.render.html import bench_report, write_report
+
+        write_report(html, bench_report(data))
+    if json_output:
+        print(json.dumps(data, indent=2))
+        return
+    out = Console()
+    out.print(bench_table(data))
+    out.print(best_line(data), highlight=False)
+    if html is not None:
+        out.print(f"report: {html}", highlight=False)
+
+
+def _names(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ConfigError(f"--precision {text!r} names nothing\nhint: e.g. --precision fp32,bf16-mixed")
+    return names
+
+
+def _switches(text: str) -> list[bool]:
+    names = _names(text) or []
+    unknown = [name for name in names if name.lower() not in SWITCH]
+    if unknown or not names:
+        raise ConfigError(f"--compile {text!r}: expected on and/or off\nhint: e.g. --compile off,on")
+    return [SWITCH[name.lower()] for name in names]
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes):
+        raise ConfigError(f"--batch-size {text!r}: expected positive integers\nhint: e.g. --batch-size 32,64")
+    return sizes

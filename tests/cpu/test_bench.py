@@ -1,0 +1,140 @@
+"""`redline bench` on small models on the CPU: every row measured, failures confined to their row, auto honest."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.bench import benchmark
+from redline.task import Task
+
+
+class Slowed(nn.Module):
+    """An MLP that, under CPU autocast, sleeps (``mode="slow"``) or fails as a missing kernel does (``"fail"``)."""
+
+    def __init__(self, mode: str = "") -> None:
+        super().__init__()
+        self.mode = mode
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu"):
+            if self.mode == "slow":
+                time.sleep(0.01)  # far above the ~0.1 ms the step takes: no machine's noise can hide it
+            elif self.mode == "fail":
+                raise RuntimeError('"addmm_impl_cpu_" not implemented for this dtype (made up by the test)')
+        return self.net(x)
+
+
+def tiny_task(mode: str = "") -> Task:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 16, generator=generator), torch.randint(0, 4, (256,), generator=generator)
+    return Task(
+        model=lambda: Slowed(mode), loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y),
+        batch_size=32, name="tiny",
+    )  # fmt: skip
+
+
+def test_every_row_is_measured_against_the_naive_loop():
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=8, window=2)
+    assert [row.name for row in result.rows] == ["naive cpu fp32 b32", "cpu fp32 eager b32", "auto cpu b32"]
+    assert result.steps == 8 and result.window == 2
+    for row in result.rows:
+        assert not row.error
+        assert row.samples_per_s > 0 and row.tokens_per_s is None  # class labels, not tokens
+        assert 0 < row.step_ms_p50 <= row.step_ms_p90
+        assert math.isfinite(row.loss)
+        assert row.tflops > 0 and row.mfu is None  # a CPU has no datasheet peak in the catalog
+        assert row.mfu_measured > 0
+        assert row.peak_mem_kind == "resident" and row.peak_mem_bytes > 0
+        assert row.speedup_naive == pytest.approx(row.samples_per_s / result.rows[0].samples_per_s)
+    assert result.rows[0].speedup_naive == 1.0 and result.rows[0].plan is None
+    auto = result.row("auto cpu b32")
+    assert auto.plan["precision"]["value"] == auto.precision and auto.plan["compile"]["value"] is False
+    json.dumps(result.to_dict(), allow_nan=False)  # strict JSON: what --json prints
+
+
+def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # plan as on a CPU with bf16 arithmetic, so auto weighs bf16
+    result = benchmark(
+        tiny_task("slow"), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=8, window=2
+    )
+    fp32, bf16 = result.row("cpu fp32 eager b32"), result.row("cpu bf16-mixed eager b32")
+    assert bf16.samples_per_s < fp32.samples_per_s / 5
+    auto = result.row("auto cpu b32")
+    assert auto.precision == "fp32"
+    assert auto.plan["precision"]["reason"].startswith("measured: fp32 kept")
+
+
+def test_a_setting_that_fails_is_reported_in_its_row_and_the_others_run(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    result = benchmark(
+        tiny_task("fail"), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=4, window=2
+    )
+    failed = result.row("cpu bf16-mixed eager b32")
+    assert failed.error.startswith('RuntimeError: "addmm_impl_cpu_" not implemented')
+    assert failed.samples_per_s is None and failed.speedup_naive is None
+    assert not result.row("cpu fp32 eager b32").error
+    auto = result.row("auto cpu b32")
+    assert auto.precision == "fp32" and "bf16-mixed rejected: it failed" in auto.plan["precision"]["reason"]
+
+
+def test_two_batch_sizes_are_benched_and_compared_within_their_size():
+    result = benchmark(
+        tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 64], steps=4, window=2,
+        auto=False,
+    )  # fmt: skip
+    assert [row.name for row in result.rows] == [
+        "naive cpu fp32 b16", "cpu fp32 eager b16", "naive cpu fp32 b64", "cpu fp32 eager b64",
+    ]  # fmt: skip
+    assert result.row("naive cpu fp32 b64").speedup_naive == 1.0
+
+
+def redline_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
+
+
+@pytest.mark.slow
+def test_cli_bench_json_with_a_compiled_row():
+    result = redline_cli(
+        "bench", "--task", "example:digits", "--precision", "fp32", "--compile", "off,on", "--steps", "4",
+        "--window", "2", "--no-auto", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    rows = {row["name"]: row for row in data["rows"]}
+    assert list(rows) == ["naive cpu fp32 b64", "cpu fp32 eager b64", "cpu fp32 compiled b64"]
+    compiled = rows["cpu fp32 compiled b64"]
+    assert compiled["compile"] is True and compiled["compile_s"] > 0
+    eager = rows["cpu fp32 eager b64"]
+    if compiled["step_ms_p50"] < eager["step_ms_p50"]:  # which is faster varies by CPU; the arithmetic does not
+        saved = (eager["step_ms_p50"] - compiled["step_ms_p50"]) / 1e3
+        assert compiled["break_even_steps"] == pytest.approx(compiled["compile_s"] / saved)
+    else:
+        assert compiled["break_even_steps"] is None
+    assert "compiled" in compiled["plan"]["compile"]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--compile", "maybe"], "hint: e.g. --compile off,on"),
+        (["--batch-size", "0"], "hint: e.g. --batch-size 32,64"),
+        (["--precision", "bf16"], "hint: e.g. --precision fp32,bf16-mixed"),
+        (["--devices", "cuda:7"], "hint:"),
+    ],
+)
+def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
+    result = redline_cli("bench", "--task", "example:digits", *args)
+    assert result.returncode == 2, result.stderr
+    assert "error:" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,80 @@
+"""The bench's arithmetic and its matrix, on numbers given as data."""
+
+import pytest
+
+from redline.bench.figures import break_even, percentile, rate, speedup, step_times
+from redline.bench.matrix import Setting, expand
+from redline.errors import ConfigError
+from redline.hardware.device import DeviceFacts
+
+AMX_CPU = DeviceFacts(type="cpu", name="Xeon", cpu_isa="amx")
+AVX2_CPU = DeviceFacts(type="cpu", name="EPYC", cpu_isa="avx2")
+H100 = DeviceFacts(type="cuda", name="NVIDIA H100 80GB HBM3", index=0, capability=(9, 0))
+V100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-16GB", index=0, capability=(7, 0))
+
+
+def test_rate_is_the_median_window_so_one_slow_window_does_not_move_it():
+    windows = [0.10, 0.10, 0.11, 0.50]  # one window hit by a neighbour's load
+    assert rate(windows, 320) == pytest.approx((320 / 0.10 + 320 / 0.11) / 2)  # the middle two rates
+    assert rate([], 320) is None
+
+
+def test_percentiles_interpolate_between_ranks():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile([7.0], 90) == 7.0
+    assert percentile([], 50) is None
+    assert step_times([0.5, 1.0], 5) == [0.1, 0.2]
+
+
+def test_break_even_counts_the_steps_a_compile_takes_to_repay():
+    assert break_even(10.0, 0.020, 0.010) == pytest.approx(1000)  # 10 ms saved a step repays 10 s
+    assert break_even(10.0, 0.010, 0.012) is None  # compiled is slower: it never repays
+    assert break_even(None, 0.01, 0.005) is None
+
+
+def test_speedup_needs_both_rates():
+    assert speedup(300.0, 100.0) == 3.0
+    assert speedup(None, 100.0) is None and speedup(1.0, None) is None and speedup(1.0, 0.0) is None
+
+
+def test_expand_gives_naive_then_the_matrix_then_auto_per_device_and_size():
+    rows = expand([AMX_CPU, H100], precisions=None, compiles=[False, True], batch_sizes=[32, 64])
+    names = [row.name for row in rows if row.batch_size == 32]
+    assert names == [
+        "naive cpu fp32 b32",
+        "cpu fp32 eager b32", "cpu fp32 compiled b32", "cpu bf16-mixed eager b32", "cpu bf16-mixed compiled b32",
+        "auto cpu b32",
+        "naive cuda:0 fp32 b32",
+        "cuda:0 fp32 eager b32", "cuda:0 fp32 compiled b32",
+        "cuda:0 bf16-mixed eager b32", "cuda:0 bf16-mixed compiled b32",
+        "auto cuda:0 b32",
+    ]  # fmt: skip
+    assert len(rows) == 2 * len(names)
+    assert len({row.name for row in rows}) == len(rows)
+
+
+def test_default_precisions_are_the_ones_the_device_runs_fast():
+    def precisions(facts):
+        return [r.precision for r in expand([facts], precisions=None, compiles=[False], batch_sizes=[8])]
+
+    assert precisions(AVX2_CPU) == ["fp32", "fp32", "auto"]  # naive, fp32, auto: bf16 is ~30x slower there
+    assert precisions(V100) == ["fp32", "fp32", "fp16-mixed", "auto"]
+    assert precisions(AMX_CPU) == ["fp32", "fp32", "bf16-mixed", "auto"]
+
+
+def test_expand_refuses_what_cannot_be_benched():
+    with pytest.raises(ConfigError, match=r"hint: e\.g\. --precision"):
+        expand([AMX_CPU], precisions=["bf16"], compiles=[False], batch_sizes=[8])
+    with pytest.raises(ConfigError, match=r"hint: e\.g\. --batch-size"):
+        expand([AMX_CPU], precisions=None, compiles=[False], batch_sizes=[0])
+    with pytest.raises(ConfigError, match="hint: pass --devices"):
+        expand([], precisions=None, compiles=[False], batch_sizes=[8])
+    only_baselines = expand([AMX_CPU], precisions=None, compiles=[], batch_sizes=[8])
+    assert [row.kind for row in only_baselines] == ["naive", "auto"]
+
+
+def test_a_setting_names_itself():
+    assert Setting("explicit", "cpu", "bf16-mixed", True, 64).name == "cpu bf16-mixed compiled b64"
+    assert Setting("auto", "cuda:0", "auto", None, 16).name == "auto cuda:0 b16"
