@@ -14,6 +14,7 @@ from redline.version import __version__
 
 if TYPE_CHECKING:
     from redline import doctor
+    from redline.bench.run import BenchResult, benchmark
     from redline.errors import (
         ConfigError,
         DeviceUnavailableError,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 # Public name -> the module that defines it; a subpackage (doctor) maps to itself.
 _LAZY = {
+    "BenchResult": "redline.bench.run",
     "Callback": "redline.train.callbacks",
     "Choice": "redline.plan",
     "ConfigError": "redline.errors",
@@ -49,6 +51,7 @@ _LAZY = {
     "TrainSummary": "redline.train.summary",
     "Trainer": "redline.train.trainer",
     "TrainerConfig": "redline.train.config",
+    "benchmark": "redline.bench.run",
     "doctor": "redline.doctor",
     "load_task": "redline.task",
 }
@@ -69,6 +72,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BenchResult",
     "Callback",
     "Choice",
     "ConfigError",
@@ -86,6 +90,7 @@ __all__ = [
     "TrainerConfig",
     "TrainingError",
     "__version__",
+    "benchmark",
     "doctor",
     "load_task",
 ]

@@ -1,7 +1,8 @@
 """The training loops a bench times: the naive loop a tutorial writes, and the same step through the Runtime.
 
 Each row trains its own model, built from the same seed, with its own optimizer and its own pass
-over the training data (shuffled, full batches only, a new epoch when one runs out): loading is
+over the training data (shuffled in the same order for every row, full batches only, a new epoch
+when one runs out), so the rows' first losses compare: loading is
 part of what is timed, since pinned, non-blocking loading is part of what the Runtime speeds up.
 A ``Runner`` runs one step, or a window of steps whose loss it reads once at the end, so the
 steps of a window queue on the device as they do in a real run.
@@ -22,6 +23,7 @@ from redline.bench.matrix import Setting
 from redline.errors import TaskError
 from redline.plan import Choice, Plan
 from redline.runtime.contract import split_batch
+from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.transfer import move_to
 from redline.task import Task
@@ -38,6 +40,7 @@ class Runner:
     scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     runtime: Runtime | None = None
     first_batch: tuple[Any, Any] | None = None
+    first_loss: float | None = None  # of the very first step, before any update: rows compare on it
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:
@@ -58,9 +61,9 @@ class Runner:
         with self.scope():
             for _ in range(steps):
                 inputs, targets = self.next_batch()
-                if self.first_batch is None:
-                    self.first_batch = (inputs, targets)
                 loss = self.step_fn(inputs, targets)
+                if self.first_batch is None:
+                    self.first_batch, self.first_loss = (inputs, targets), float(loss.detach())
         return float(loss.detach()) if loss is not None else float("nan")
 
     def plan(self) -> Plan | None:
@@ -88,7 +91,7 @@ def naive_runner(task: Task, setting: Setting, *, seed: int) -> Runner:
         optimizer.step()
         return loss
 
-    return Runner(setting, model, step, _loader(task, setting.batch_size))
+    return Runner(setting, model, step, _loader(task, setting.batch_size, seed))
 
 
 def runtime_runner(
@@ -98,13 +101,14 @@ def runtime_runner(
     seed: int,
     planned_steps: int | None,
     measured: Mapping[str, Choice[str]] | None = None,
+    options: RuntimeOptions | None = None,
 ) -> Runner:
-    """The same step through the Runtime, with the row's precision and compile (or auto's choices)."""
-    compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
-    rt = Runtime(
-        devices=setting.device, precision=setting.precision, compile=compile_, planned_steps=planned_steps,
-        measured=measured,
-    )  # fmt: skip
+    """The same step through the Runtime, with the row's precision and compile (or auto's choices);
+    ``options`` gives every axis instead (a tune's candidate)."""
+    if options is None:
+        compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
+        options = RuntimeOptions(devices=setting.device, precision=setting.precision, compile=compile_)  # type: ignore[arg-type]
+    rt = Runtime(options, planned_steps=planned_steps, measured=measured)
     torch.manual_seed(seed)
     model, optimizer = rt.setup(task.build_model(), task.optimizer)
     model.train()
@@ -120,11 +124,11 @@ def runtime_runner(
         rt.step(optimizer)
         return loss
 
-    batches = rt.setup_loader(_loader(task, setting.batch_size))
+    batches = rt.setup_loader(_loader(task, setting.batch_size, seed))
     return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt)
 
 
-def _loader(task: Task, batch_size: int) -> DataLoader[Any]:
+def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:
     try:
         size = len(task.train_data)  # type: ignore[arg-type]
     except TypeError:
@@ -133,4 +137,5 @@ def _loader(task: Task, batch_size: int) -> DataLoader[Any]:
         raise TaskError(
             f"train_data has {size} samples, fewer than the batch size {batch_size}\nhint: pass a smaller --batch-size"
         )
-    return DataLoader(task.train_data, batch_size=batch_size, shuffle=size is not None, drop_last=True)
+    order = torch.Generator().manual_seed(seed)
+    return DataLoader(task.train_data, batch_size=batch_size, shuffle=size is not None, drop_last=True, generator=order)

@@ -137,7 +137,7 @@ def benchmark(
     rows: list[BenchRow] = []
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
-        planned = planned_steps or _task_steps(task, size)
+        planned = planned_steps or task_steps(task, size)
         built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
         failed: dict[Setting, str] = {}
         for setting in group:
@@ -147,9 +147,10 @@ def benchmark(
             except RedlineError:
                 raise
             except Exception as exc:  # a setting this machine cannot run: its row says why
-                failed[setting] = _one_line(exc)
+                failed[setting] = one_line(exc)
             done += 1
-        timed = _time(list(built.values()), window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
+        runners = [runner for runner, _, _ in built.values()]
+        timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
         done += rounds
         rows += _rows(task, group, built, timed, failed, window)
         if any(s.compile is not False for s in group):
@@ -179,7 +180,7 @@ def _devices(devices: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(resolve_device(name, found).value for name in names))
 
 
-def _task_steps(task: Task, batch_size: int) -> int | None:
+def task_steps(task: Task, batch_size: int) -> int | None:
     """The optimizer steps of the task's own run (its epochs of full batches); None for a stream."""
     try:
         size = len(task.train_data)  # type: ignore[arg-type]
@@ -208,19 +209,20 @@ def _warm_up(
     return runner, memory, flops
 
 
-def _time(
-    built: list[tuple[Runner, PeakMemory, int | None]],
+def time_runners(
+    built: list[Runner],
     window: int,
     rounds: int,
     max_seconds: float,
-    tell: Callable[[int], None],
+    tell: Callable[[int], None] = lambda round_: None,
 ) -> dict[int, tuple[list[float], str]]:
-    """Each runner's window times (by position in ``built``) and the error that stopped it ("" if none)."""
+    """Time runners side by side in rotating rounds: each one's window times (by position in ``built``)
+    and the error that stopped it ("" if none). A runner that fails stops; the others go on."""
     errors: dict[int, str] = {}
     finished = [0]
 
     def guarded(index: int, steps: int) -> Callable[[], float]:
-        runner = built[index][0]
+        runner = built[index]
 
         def run() -> float:
             if index in errors:
@@ -230,7 +232,7 @@ def _time(
             except RedlineError:
                 raise
             except Exception as exc:
-                errors[index] = _one_line(exc)
+                errors[index] = one_line(exc)
                 return math.nan
 
         return run
@@ -246,7 +248,7 @@ def _time(
 
         return first_of_block
 
-    uses_cuda = any(r.setting.device.startswith("cuda") for r, _, _ in built)
+    uses_cuda = any(r.setting.device.startswith("cuda") for r in built)
     sync = torch.cuda.synchronize if uses_cuda else (lambda: None)
     times, _ = time_steps(
         [guarded(i, window) for i in range(len(built))],
@@ -389,6 +391,6 @@ def _reset_compiler() -> None:
         log.debug("torch._dynamo.reset() failed: %s", exc)
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")

@@ -40,6 +40,11 @@ SUBCOMMANDS = {
         "bench",
         "Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU.",
     ),
+    "tune": Subcommand(
+        "redline.cli.tune",
+        "tune_command",
+        "Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.",
+    ),
     "doctor": Subcommand(
         "redline.cli.doctor",
         "doctor",

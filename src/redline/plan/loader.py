@@ -41,8 +41,8 @@ MAX_WORKERS = 8
 PREFETCH = 4
 
 
-def resolve_loader(loader: LoaderFacts, facts: DeviceFacts) -> Choice[LoaderSettings]:
-    """Pin memory and add workers for a GPU; leave a CPU run's loader alone."""
+def resolve_loader(loader: LoaderFacts, facts: DeviceFacts, *, workers: int | None = None) -> Choice[LoaderSettings]:
+    """Pin memory and add workers for a GPU; leave a CPU run's loader alone; ``workers`` is a request that wins."""
     keep = LoaderSettings(
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
@@ -52,6 +52,15 @@ def resolve_loader(loader: LoaderFacts, facts: DeviceFacts) -> Choice[LoaderSett
     )
     if not loader.is_dataloader:
         return Choice(keep, "not a DataLoader: batches are moved to the device as they come")
+    if workers is not None:
+        asked = LoaderSettings(
+            num_workers=workers,
+            pin_memory=facts.type == "cuda",
+            persistent_workers=workers > 0,
+            prefetch_factor=PREFETCH if workers else None,
+            rebuild=True,
+        )
+        return Choice(asked, "requested" + ("; pinned for non-blocking copies" if facts.type == "cuda" else ""))
     if facts.type != "cuda":
         return Choice(keep, f"kept: on {facts.type} workers would compete with the model for cores")
     if not loader.map_style:

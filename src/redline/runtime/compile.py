@@ -115,6 +115,9 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     """
     eager = model.forward
     compiled = torch.compile(eager, **options)
+    # CUDA graphs (mode="reduce-overhead") replay into the same output buffers: each forward starts a
+    # new step, so the last step's outputs are never mistaken for live ones (a no-op without CUDA graphs).
+    graphs = options.get("mode") == "reduce-overhead"
     record = CompileRecord(module=model, eager=eager)
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
@@ -139,6 +142,8 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     def counted(*args: Any, **kwargs: Any) -> Any:
         """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles)."""
         before, start = _compiled_frames(), time.perf_counter()
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         out = compiled(*args, **kwargs)
         if _compiled_frames() != before:
             training = torch.is_grad_enabled()

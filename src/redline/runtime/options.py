@@ -13,6 +13,7 @@ from redline.plan.device import check_devices
 Switch = Literal["auto", "on", "off"]
 PrecisionRequest = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 StrategyRequest = Literal["auto", "single", "ddp", "fsdp"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]  # torch.compile's modes
 SWITCHES: tuple[str, ...] = get_args(Switch)
 
 
@@ -26,7 +27,11 @@ class RuntimeOptions:
     devices: str = option("auto", "auto, cpu, cuda, cuda:N or mps.")
     precision: PrecisionRequest = option("auto", "auto, fp32, bf16-mixed or fp16-mixed.")
     compile: Switch = option("auto", "torch.compile: auto, on or off.")
+    compile_mode: CompileMode = option(
+        "default", "torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune."
+    )
     channels_last: Switch = option("auto", "channels_last memory layout: auto, on or off.")
+    loader_workers: int | None = option(None, "DataLoader worker processes (default: chosen for the device).")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
     clip_grad_norm: float | None = option(None, "Clip the gradient norm to this value.")
     seed: int | None = option(None, "Seed every RNG and the data order (default 0 for the order).")
@@ -42,6 +47,11 @@ class RuntimeOptions:
         check_devices(self.devices)
         one_of("precision", self.precision, get_args(PrecisionRequest))
         one_of("strategy", self.strategy, get_args(StrategyRequest))
+        one_of("compile_mode", self.compile_mode, get_args(CompileMode))
+        if self.loader_workers is not None and (
+            isinstance(self.loader_workers, bool) or not isinstance(self.loader_workers, int) or self.loader_workers < 0
+        ):
+            raise invalid("loader_workers", self.loader_workers, "a whole number of worker processes (0 or more)")
         positive_int("grad_accum", self.grad_accum)
         positive_number("clip_grad_norm", self.clip_grad_norm, optional=True)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

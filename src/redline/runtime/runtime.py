@@ -210,7 +210,10 @@ class Runtime:
             supported=lambda: compile_supported(self.device.type),
         )
         if planned.value:
-            self._compile_records.append(compile_module(model))
+            mode = self.options.compile_mode
+            self._compile_records.append(compile_module(model, **({} if mode == "default" else {"mode": mode})))
+            if mode != "default":
+                planned = Choice(True, f"{planned.reason}; mode={mode}")
         self._plan = dataclasses.replace(
             self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl
         )
@@ -219,7 +222,7 @@ class Runtime:
 
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
         """Return ``loader`` tuned for the device, yielding batches already on it."""
-        chosen = resolve_loader(loader_facts(loader, local_devices), self.facts)
+        chosen = resolve_loader(loader_facts(loader, local_devices), self.facts, workers=self.options.loader_workers)
         batches = self._global_batches(loader)
         if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
             loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)

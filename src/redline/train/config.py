@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from redline.config import boolean, one_of, option, positive_int, positive_number, with_changes
 from redline.errors import ConfigError, invalid
@@ -31,6 +31,9 @@ class TrainerConfig:
     log_every: int = option(50, "Read losses and log every N steps.")
     progress: bool = option(True, "Show progress on stderr.")
     trial: Switch = option("auto", "Time auto's choices on this model first: auto (when the run repays it), on or off.")
+    plan: Literal["auto", "tuned"] = option(
+        "auto", "auto (a cached tuned Plan if every tuned axis is auto) or tuned (`redline tune`'s, required)."
+    )
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report (default: the launcher's --hang-timeout).", cli=False
     )
@@ -60,6 +63,7 @@ class TrainerConfig:
             )
         boolean("progress", self.progress)
         one_of("trial", self.trial, SWITCHES)
+        one_of("plan", self.plan, ("auto", "tuned"))
 
     @classmethod
     def build(cls, config: TrainerConfig | None = None, **changes: Any) -> TrainerConfig:

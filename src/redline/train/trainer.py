@@ -52,6 +52,7 @@ from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
 from redline.train.throughput import Throughput
+from redline.train.tuned import resumed_batch, use_tuned
 
 log = logging.getLogger("redline")
 LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
@@ -262,6 +263,12 @@ class Trainer:
         if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
             checkpoint.clean_staging(self._checkpoint_root())
         options = resumed_options(self.options, resumed, self.env)
+        self.batch_size = self.config.batch_size or self.task.batch_size
+        if resumed is not None:
+            self.batch_size = resumed_batch(checkpoint.load_plan(resumed), self.batch_size)
+        tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
+        if tuned is not None:  # the tuned settings, maybe the same batch as micro-batches
+            options, self.batch_size = tuned.options, tuned.batch_size
         length = functools.partial(
             plan_length, self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
             grad_accum=options.grad_accum, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
@@ -270,6 +277,8 @@ class Trainer:
         trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
         measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial)
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
+        if tuned is not None:
+            rt.adopt_reasons(tuned.reasons, tuned.note)
         ended = stored_summary(self.out_dir, self.env) if resumed and self.out_dir and self._has_ended(pos) else None
         if ended is not None:
             log.warning(

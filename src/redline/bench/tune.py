@@ -1,0 +1,225 @@
+"""`redline tune`: search the settings auto cannot rank by rule, for the least total time of the planned run.
+
+The search goes one axis at a time, in the order their gains usually rank: precision, compile
+(and on CUDA its CUDA-graphs mode), channels_last, loader workers, then micro-batching (the same
+batch per optimizer step, as several micro-batches with gradient accumulation). Each axis times
+the current best against its alternatives side by side (the bench's rotating windows) and keeps
+the one whose planned run, compile included, is shortest; a change must win by ``MARGIN``, so
+noise never swaps a setting for an equal one. Alternatives that cannot win are not tried:
+channels_last without a convolution, loader workers for data already in memory, CUDA graphs off
+CUDA, a reduced precision the device has no fast arithmetic for. When the budget is spent the
+axes left keep the current setting, and the reasons say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.bench.figures import rate
+from redline.bench.loops import Runner, runtime_runner
+from redline.bench.matrix import Setting
+from redline.bench.run import one_line, task_steps, time_runners
+from redline.config import positive_int, positive_number
+from redline.errors import RedlineError
+from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.plan.device import resolve_device
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.trial import TOLERANCE, precision_candidates
+from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, store_tuned
+from redline.task import Task
+
+MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
+Progress = Callable[[int, int, str], None]
+
+
+def tune(
+    task: Task,
+    *,
+    devices: str = "auto",
+    budget_s: float = 120.0,
+    planned_steps: int | None = None,
+    steps: int = 30,
+    window: int = 5,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> tuple[TunedPlan, str]:
+    """Search precision, compile, layout, loader workers and micro-batching on ``task``; cache and return the winner.
+
+    Returns the tuned Plan and the path of its cache entry, which ``redline train --plan tuned``
+    (and auto) read. ``planned_steps`` is the run the total time is weighed for (default: the
+    task's epochs); ``budget_s`` bounds the whole search.
+    """
+    positive_number("budget_s", budget_s)
+    positive_int("steps", steps)
+    positive_int("window", window)
+    positive_int("planned_steps", planned_steps, optional=True)
+    device = resolve_device(devices, probe_accelerators()).value
+    facts = probe_device(torch.device(device))
+    planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
+    axes = search_space(task, facts)
+    tell = progress or (lambda done, total, what: None)
+    deadline = time.perf_counter() + budget_s
+    best = Candidate(precision="fp32")
+    trials: list[Trial] = []
+    reasons: dict[str, str] = {}
+    for index, (axis, values) in enumerate(axes):
+        tell(index, len(axes), f"tuning {axis}")
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
+            continue
+        candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
+        measured = _measure(task, device, candidates, planned, steps, window, seed, left)
+        trials += measured
+        best, reasons[axis] = decide(axis, measured, planned)
+    tell(len(axes), len(axes), "done")
+    reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
+    tuned = TunedPlan(
+        task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
+        measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
+        reasons=_plan_reasons(reasons), trials=tuple(trials),
+    )  # fmt: skip
+    return tuned, store_tuned(task.fingerprint(), facts, tuned)
+
+
+def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
+    """The axes worth measuring for this task on this device, each with the values to try."""
+    axes: list[tuple[str, list[Any]]] = []
+    skipped = skipped_axes(task, facts)
+    if "precision" not in skipped:
+        axes.append(("precision", ["fp32", *precision_candidates(facts)]))
+    axes.append(("compile", [False, True]))
+    if "compile_mode" not in skipped:
+        axes.append(("compile_mode", ["default", "reduce-overhead"]))
+    if "channels_last" not in skipped:
+        axes.append(("channels_last", [False, True]))
+    if "loader_workers" not in skipped:
+        axes.append(("loader_workers", [None, 0, max(1, min(8, facts.cpu_count // 2))]))
+    if "grad_accum" not in skipped:
+        axes.append(("grad_accum", [1, 2]))
+    return axes
+
+
+def skipped_axes(task: Task, facts: DeviceFacts) -> dict[str, str]:
+    """The axes that cannot win for this task here, and why."""
+    skipped = {}
+    if not precision_candidates(facts):
+        skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
+    model = task.model if isinstance(task.model, nn.Module) else task.build_model()
+    if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        skipped["channels_last"] = "the model has no 2-d convolution"
+    if isinstance(task.train_data, TensorDataset):
+        skipped["loader_workers"] = "the data are tensors in memory, which index faster than workers send them"
+    if task.batch_size % 2 or task.batch_size < 2:
+        skipped["grad_accum"] = f"batch {task.batch_size} does not split into two equal micro-batches"
+    if facts.type != "cuda":
+        skipped["compile_mode"] = "CUDA graphs (reduce-overhead) need a CUDA device"
+    return skipped
+
+
+def decide(axis: str, measured: Sequence[Trial], planned: int) -> tuple[Candidate, str]:
+    """Keep the current setting (the first trial) unless an alternative's planned run is ``MARGIN`` shorter."""
+    current, *others = measured
+    if math.isinf(current.total_s(planned)):
+        viable = [t for t in others if not math.isinf(t.total_s(planned))]
+        current = min(viable, key=lambda t: t.total_s(planned), default=current)
+    fastest = min((t for t in others if t is not current), key=lambda t: t.total_s(planned), default=None)
+    told = "; ".join(_told(t, planned) for t in measured)
+    if fastest is not None and fastest.total_s(planned) * MARGIN < current.total_s(planned):
+        gain = current.total_s(planned) / fastest.total_s(planned)
+        chosen = _value(fastest.candidate, axis)
+        return fastest.candidate, f"{chosen}, {gain:.2f}x less time for {planned} steps ({told})"
+    return current.candidate, f"{_value(current.candidate, axis)} kept ({told})"
+
+
+def _measure(
+    task: Task,
+    device: str,
+    candidates: list[Candidate],
+    planned: int,
+    steps: int,
+    window: int,
+    seed: int,
+    budget_s: float,
+) -> list[Trial]:
+    """Warm each candidate up alone, then time them side by side; each trial's step is one optimizer step."""
+    runners: list[Runner] = []
+    failed: dict[int, str] = {}
+    for index, candidate in enumerate(candidates):
+        micro = task.batch_size // candidate.grad_accum
+        setting = Setting("explicit", device, candidate.precision, candidate.compile, micro)
+        options = candidate.options(RuntimeOptions(devices=device))
+        try:
+            runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
+            runner.run(window * candidate.grad_accum)
+            runners.append(runner)
+        except RedlineError:
+            raise
+        except Exception as exc:  # a setting this machine cannot run
+            failed[index] = one_line(exc)
+    timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
+    reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
+    trials, position = [], 0
+    for index, candidate in enumerate(candidates):
+        if index in failed:
+            trials.append(Trial(candidate, None, rejected=f"it failed: {failed[index]}"))
+            continue
+        runner = runners[position]
+        windows, error = timed[position]
+        position += 1
+        per_s = rate(windows, window)  # micro-steps per second
+        step_s = candidate.grad_accum / per_s if per_s and not error else None
+        trials.append(Trial(candidate, step_s, runner.compile_seconds() or 0.0, error or _departure(runner, reference)))
+    return trials
+
+
+def _departure(runner: Runner, reference: float | None) -> str:
+    """Why a reduced precision's first loss rules it out against fp32's ("" when it does not)."""
+    first = runner.first_loss
+    if first is None or not math.isfinite(first):
+        return "its loss was not finite"
+    if reference is None or runner.setting.precision == "fp32":
+        return ""
+    departure = abs(first - reference) / max(abs(reference), 1e-8)
+    if departure > TOLERANCE:
+        return f"its first loss is {departure:.1%} off fp32's (tolerance {TOLERANCE:.0%})"
+    return ""
+
+
+def _told(trial: Trial, planned: int) -> str:
+    label = _value(trial.candidate, "")
+    if trial.rejected:
+        return f"{label}: rejected, {trial.rejected}"
+    assert trial.step_s is not None
+    compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
+    return f"{label}: {trial.step_s * 1e3:.3g} ms/step{compile_} = {trial.total_s(planned):.1f} s"
+
+
+def _value(candidate: Candidate, axis: str) -> str:
+    if not axis:
+        return candidate.label
+    value = getattr(candidate, axis)
+    if axis == "loader_workers":
+        return "the device's rule for workers" if value is None else f"{value} loader workers"
+    if axis == "grad_accum":
+        return "one batch per step" if value == 1 else f"{value} {MICRO_BATCHES}"
+    if isinstance(value, bool):
+        return f"{axis} {'on' if value else 'off'}"
+    return str(value)
+
+
+def _plan_reasons(reasons: dict[str, str]) -> dict[str, str]:
+    """The reasons keyed by the Plan's axes (compile_mode is shown on the compile axis)."""
+    out = dict(reasons)
+    mode = out.pop("compile_mode", None)
+    if mode is not None and "compile" in out:
+        out["compile"] += f"; mode {mode}"
+    return out

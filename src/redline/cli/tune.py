@@ -1,0 +1,63 @@
+"""`redline tune`: search the settings auto cannot rank by rule, and cache the fastest for `--plan tuned`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from redline.bench.tune import tune
+from redline.cli.task_args import parse_task_args
+from redline.render.console import key_value_table
+from redline.task import load_task
+
+
+def tune_command(
+    task: Annotated[
+        str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
+    ],
+    task_arg: Annotated[
+        list[str] | None,
+        typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
+    ] = None,
+    devices: Annotated[str, typer.Option(help="The device to tune for: auto, cpu, cuda, cuda:N or mps.")] = "auto",
+    budget: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds the whole search may take.")] = 120.0,
+    planned_steps: Annotated[
+        int | None, typer.Option(help="The run to weigh total time for, compile included (default: the task's).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Batch size (default: the task's own).")] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per candidate.")] = 30,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the tuned Plan as JSON on stdout.")] = False,
+) -> None:
+    """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
+
+    The search covers precision, compile (and its CUDA-graphs mode), channels_last, loader workers and
+    micro-batching, each weighed by the planned run's total time, compile included.
+    """
+    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    if batch_size is not None:
+        loaded = dataclasses.replace(loaded, batch_size=batch_size)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
+    ) as bar:
+        job = bar.add_task("tune", total=None)
+
+        def tell(done: int, total: int, what: str) -> None:
+            bar.update(job, completed=done, total=total, description=what)
+
+        tuned, path = tune(
+            loaded, devices=devices, budget_s=budget, planned_steps=planned_steps, steps=steps, progress=tell
+        )
+    if json_output:
+        print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
+        return
+    out = Console()
+    title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
+    out.print(key_value_table(list(tuned.reasons.items()), title=title))
+    out.print(f"chosen: {tuned.best.label}", highlight=False)
+    out.print(f"cached: {path}\nuse it: redline train --task {task} --plan tuned", highlight=False)

@@ -1,0 +1,154 @@
+"""A tuned Plan: the settings `redline tune` measured fastest for a Task on this machine, cached on disk.
+
+The cache is keyed like the trial's (the Task's fingerprint, this machine's facts, the batch
+size), so ``redline train --plan tuned`` and auto find it again, and a changed model or machine
+misses it. A tuned Plan fixes the axes it measured (precision, compile and its mode, layout,
+loader workers, micro-batching) and keeps the numbers that decided each, which become the
+Plan's reasons for the run that uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redline.atomic import write_atomic
+from redline.hardware.device import DeviceFacts
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.trial import cache_dir, trial_key
+
+log = logging.getLogger("redline")
+MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
+TUNED_AXES = ("precision", "compile", "compile_mode", "channels_last", "loader_workers", "grad_accum")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of every axis a tune searches; ``grad_accum`` micro-batches make one step of the same batch."""
+
+    precision: str = "fp32"
+    compile: bool = False
+    compile_mode: str = "default"
+    channels_last: bool = False
+    loader_workers: int | None = None  # None: the device's rule
+    grad_accum: int = 1
+
+    @property
+    def label(self) -> str:
+        parts = [self.precision, f"compiled ({self.compile_mode})" if self.compile else "eager"]
+        if self.channels_last:
+            parts.append("channels_last")
+        if self.loader_workers is not None:
+            parts.append(f"{self.loader_workers} workers")
+        if self.grad_accum > 1:
+            parts.append(f"{self.grad_accum} micro-batches")
+        return ", ".join(parts)
+
+    def options(self, base: RuntimeOptions) -> RuntimeOptions:
+        """``base`` with this candidate's axes set."""
+        return RuntimeOptions.build(
+            base,
+            precision=self.precision,
+            compile="on" if self.compile else "off",
+            compile_mode=self.compile_mode,
+            channels_last="on" if self.channels_last else "off",
+            loader_workers=self.loader_workers,
+            grad_accum=self.grad_accum,
+        )
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A candidate's measurement: seconds per optimizer step (median window) and compile seconds."""
+
+    candidate: Candidate
+    step_s: float | None
+    compile_s: float = 0.0
+    rejected: str = ""
+
+    def total_s(self, planned_steps: int) -> float:
+        """The planned run's time under this candidate: its compile, then every step."""
+        if self.step_s is None or self.rejected:
+            return float("inf")
+        return self.compile_s + planned_steps * self.step_s
+
+
+@dataclass(frozen=True)
+class TunedPlan:
+    """The winner of a tune, the trials of each axis, and what they were measured on."""
+
+    task: str
+    device: str
+    batch_size: int
+    planned_steps: int
+    measured_at: str
+    best: Candidate
+    reasons: dict[str, str]  # axis -> why the tune chose its value
+    trials: tuple[Trial, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TunedPlan:
+        trials = tuple(
+            Trial(Candidate(**t["candidate"]), t["step_s"], t["compile_s"], t.get("rejected", ""))
+            for t in data["trials"]
+        )
+        return cls(
+            task=data["task"], device=data["device"], batch_size=int(data["batch_size"]),
+            planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
+            best=Candidate(**data["best"]), reasons=dict(data["reasons"]), trials=trials,
+        )  # fmt: skip
+
+    def apply(self, options: RuntimeOptions) -> RuntimeOptions:
+        """``options`` with the tuned axes, for those the user left to auto (an explicit request wins)."""
+        defaults = RuntimeOptions()
+        base = self.best.options(options)
+        kept = {
+            axis: getattr(options, axis) for axis in TUNED_AXES if getattr(options, axis) != getattr(defaults, axis)
+        }
+        return RuntimeOptions.build(base, **kept)
+
+    def plan_reasons(self, options: RuntimeOptions) -> dict[str, dict[str, Any]]:
+        """The Plan axes the tune decided, as ``Plan.to_dict()`` rows, for ``Runtime.adopt_reasons``."""
+        values = {
+            "precision": options.precision,
+            "compile": options.compile == "on",
+            "channels_last": options.channels_last == "on",
+            "grad_accum": options.grad_accum,
+        }
+        return {axis: {"value": value, "reason": self.reasons.get(axis, "")} for axis, value in values.items()}
+
+
+def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
+    return trial_key(fingerprint, facts, batch_size, ["tune"])
+
+
+def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
+    """The cached tuned Plan of this workload on this machine, or None (an unreadable entry counts as none)."""
+    path = cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, batch_size)}.json"
+    try:
+        return TunedPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the tuned Plan in %s could not be read (%s); run `redline tune` again", path, exc)
+        return None
+
+
+def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan) -> str:
+    """Cache ``tuned`` atomically; return where it went."""
+    path = cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, tuned.batch_size)}.json"
+    text = json.dumps(tuned.to_dict(), indent=2, allow_nan=False) + "\n"
+
+    def write(tmp: Any) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, write)
+    return str(path)

@@ -1,0 +1,89 @@
+"""`redline tune` finds and caches a Plan; `redline train --plan tuned` and auto run it, and a resumed run keeps it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.bench.tune import tune
+from redline.errors import ConfigError
+from redline.hardware.device import probe_device
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
+from redline.task import Task
+from redline.train.config import TrainerConfig
+from redline.train.trainer import Trainer
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    # A tuned Plan in the suite's shared cache would change other tests' auto runs.
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def mlp_task() -> Task:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, 8, generator=generator), torch.randint(0, 3, (128,), generator=generator)
+    return Task(
+        model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)),
+        loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y), batch_size=32, name="mlp",
+    )  # fmt: skip
+
+
+def cache_plan(task: Task, **best) -> TunedPlan:
+    """A tuned Plan as `redline tune` would cache it for this machine, with made-up numbers."""
+    tuned = TunedPlan(
+        task=task.name, device="cpu", batch_size=task.batch_size, planned_steps=500,
+        measured_at="2026-12-01 06:00 UTC", best=Candidate(**best),
+        reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 500 steps (made up)"},
+        trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    return tuned
+
+
+def test_plan_tuned_without_a_tune_says_how_to_make_one():
+    with pytest.raises(ConfigError, match="run `redline tune --task SPEC` first"):
+        Trainer(mlp_task(), TrainerConfig(max_steps=2, plan="tuned", progress=False)).fit()
+
+
+def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_path):
+    task = mlp_task()
+    cache_plan(task, grad_accum=2)
+    config = TrainerConfig(max_steps=3, plan="tuned", progress=False, out_dir=tmp_path / "run", checkpoint_every=3)
+    with Trainer(task, config) as trainer:
+        first = trainer.fit()
+    assert trainer.batch_size == 16 and first.samples == 3 * 32  # two micro-batches of 16 per step
+    grad_accum = first.plan.to_dict()["grad_accum"]
+    assert grad_accum["value"] == 2 and grad_accum["reason"].startswith("tuned 2026-12-01 06:00 UTC for 500 steps")
+    with Trainer(task, dataclasses.replace(config, max_steps=5, resume="auto")) as again:
+        resumed = again.fit()
+    assert again.batch_size == 16 and resumed.steps == 5 and resumed.samples == 5 * 32
+
+
+def test_auto_takes_a_cached_tuned_plan_unless_an_axis_was_chosen():
+    task = mlp_task()
+    cache_plan(task, precision="fp32", grad_accum=2)
+    auto = Trainer(task, TrainerConfig(max_steps=2, progress=False)).fit()
+    assert auto.plan.grad_accum.value == 2 and "tuned" in auto.plan.grad_accum.reason
+    chosen = TrainerConfig(max_steps=2, progress=False, runtime=RuntimeOptions(compile="off"))
+    mine = Trainer(task, chosen).fit()
+    assert mine.plan.grad_accum.value == 1 and "tuned" not in json.dumps(mine.plan.to_dict())
+
+
+def test_tune_measures_the_axes_and_caches_what_train_then_runs():
+    task = mlp_task()
+    tuned, path = tune(task, devices="cpu", budget_s=60, planned_steps=100, steps=4, window=2)
+    assert path.endswith(".json")
+    searched = {"compile", "grad_accum"}  # an MLP on in-memory tensors; precision too where bf16 is fast
+    assert searched <= set(tuned.reasons)
+    assert tuned.reasons["channels_last"].startswith("not searched here: the model has no 2-d convolution")
+    assert all(t.step_s is not None and t.step_s > 0 for t in tuned.trials if not t.rejected)
+    assert {t.candidate.compile for t in tuned.trials} == {False, True}
+    summary = Trainer(task, TrainerConfig(max_steps=2, plan="tuned", progress=False)).fit()
+    assert summary.plan.precision.value == tuned.best.precision
+    assert summary.plan.compile.value is tuned.best.compile
+    assert summary.plan.compile.reason.startswith("tuned")

@@ -1,0 +1,111 @@
+"""The tune's decisions and its cached Plan, on measurements given as data."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.bench.tune import decide, search_space, skipped_axes
+from redline.hardware.device import DeviceFacts
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned
+from redline.task import Task
+
+AMX_CPU = DeviceFacts(type="cpu", name="Xeon", cpu_isa="amx", cpu_count=8)
+AVX2_CPU = DeviceFacts(type="cpu", name="EPYC", cpu_isa="avx2", cpu_count=2)
+H100 = DeviceFacts(type="cuda", name="NVIDIA H100 80GB HBM3", index=0, capability=(9, 0), cpu_count=16)
+EAGER, COMPILED = Candidate(), Candidate(compile=True)
+
+
+def test_a_compile_is_chosen_only_for_a_run_long_enough_to_repay_it():
+    trials = [Trial(EAGER, 0.010), Trial(COMPILED, 0.006, compile_s=20.0)]  # 4 ms a step saved for 20 s
+    short, why_short = decide("compile", trials, planned=1000)  # 10 s eager vs 26 s compiled
+    assert short == EAGER and why_short.startswith("compile off kept")
+    long, why_long = decide("compile", trials, planned=100_000)  # 1000 s vs 620 s
+    assert long == COMPILED and why_long.startswith("compile on, 1.61x less time for 100000 steps")
+
+
+def test_an_alternative_within_the_margin_does_not_replace_the_current_setting():
+    bf16 = Candidate(precision="bf16-mixed")
+    assert decide("precision", [Trial(EAGER, 0.010), Trial(bf16, 0.0097)], planned=100)[0] == EAGER
+    assert decide("precision", [Trial(EAGER, 0.010), Trial(bf16, 0.0090)], planned=100)[0] == bf16
+
+
+def test_a_rejected_or_failed_candidate_is_never_chosen():
+    bf16 = Candidate(precision="bf16-mixed")
+    rejected = Trial(bf16, 0.001, rejected="its first loss is 9.0% off fp32's")
+    chosen, why = decide("precision", [Trial(EAGER, 0.010), rejected], planned=100)
+    assert chosen == EAGER and "rejected, its first loss" in why
+    failed_current = Trial(EAGER, None, rejected="it failed: RuntimeError")
+    assert decide("precision", [failed_current, Trial(bf16, 0.02)], planned=100)[0] == bf16
+
+
+def conv_task(data=None) -> Task:
+    x = torch.randn(16, 1, 8, 8)
+    return Task(
+        model=lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(144, 2)),
+        loss_fn=nn.functional.cross_entropy,
+        train_data=data if data is not None else TensorDataset(x, torch.randint(0, 2, (16,))),
+        batch_size=8,
+    )
+
+
+class Listed(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.randn(1, 8, 8), i % 2
+
+
+def test_the_search_tries_only_what_can_win_here():
+    on_cpu = dict(search_space(conv_task(), AVX2_CPU))
+    assert list(on_cpu) == ["compile", "channels_last", "grad_accum"]  # no fast bf16, data in memory, no CUDA
+    assert "no reduced precision" in skipped_axes(conv_task(), AVX2_CPU)["precision"]
+    on_gpu = dict(search_space(conv_task(Listed()), H100))
+    assert on_gpu["precision"] == ["fp32", "bf16-mixed"]
+    assert on_gpu["compile_mode"] == ["default", "reduce-overhead"]
+    assert on_gpu["loader_workers"] == [None, 0, 8]
+    mlp = Task(model=nn.Linear(4, 2), loss_fn=nn.functional.mse_loss, train_data=conv_task().train_data, batch_size=7)
+    assert set(skipped_axes(mlp, AMX_CPU)) == {"channels_last", "loader_workers", "grad_accum", "compile_mode"}
+
+
+def tuned_plan(**best) -> TunedPlan:
+    return TunedPlan(
+        task="t", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-01 06:00 UTC",
+        best=Candidate(**best), reasons={"precision": "bf16-mixed, 1.40x less time"},
+        trials=(Trial(Candidate(), 0.01), Trial(Candidate(precision="bf16-mixed"), None, rejected="it failed")),
+    )  # fmt: skip
+
+
+def test_a_tuned_plan_fills_the_axes_left_to_auto_and_keeps_explicit_ones():
+    tuned = tuned_plan(precision="bf16-mixed", compile=True, grad_accum=2)
+    applied = tuned.apply(RuntimeOptions())
+    assert (applied.precision, applied.compile, applied.grad_accum) == ("bf16-mixed", "on", 2)
+    mine = tuned.apply(RuntimeOptions(precision="fp32", compile="off"))
+    assert (mine.precision, mine.compile, mine.grad_accum) == ("fp32", "off", 2)
+    reasons = tuned.plan_reasons(applied)
+    assert reasons["precision"] == {"value": "bf16-mixed", "reason": "bf16-mixed, 1.40x less time"}
+
+
+def test_the_cache_round_trips_and_misses_on_another_machine_or_batch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    tuned = tuned_plan(precision="bf16-mixed")
+    path = store_tuned("fingerprint", AMX_CPU, tuned)
+    json.loads(Path(path).read_text())  # strict JSON
+    assert load_tuned("fingerprint", AMX_CPU, 8) == tuned
+    assert load_tuned("fingerprint", AVX2_CPU, 8) is None
+    assert load_tuned("fingerprint", AMX_CPU, 16) is None
+    assert load_tuned("other model", AMX_CPU, 8) is None
+    Path(path).write_text("{not json")
+    assert load_tuned("fingerprint", AMX_CPU, 8) is None
+    assert "run `redline tune` again" in caplog.text
+
+
+def test_an_unmeasured_or_rejected_trial_costs_forever():
+    assert Trial(Candidate(), None).total_s(10) == float("inf")
+    assert Trial(Candidate(), 0.01, rejected="it failed").total_s(10) == float("inf")
+    assert Trial(Candidate(compile=True), 0.01, compile_s=5.0).total_s(10) == pytest.approx(5.1)
