@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         TrainingError,
     )
     from redline.plan import Choice, Plan
+    from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
     from redline.runtime.runtime import Runtime
     from redline.task import Task, load_task
@@ -51,6 +52,7 @@ _LAZY = {
     "TrainerConfig": "redline.train.config",
     "doctor": "redline.doctor",
     "load_task": "redline.task",
+    "report": "redline.render.html",
 }
 
 
@@ -88,4 +90,5 @@ __all__ = [
     "__version__",
     "doctor",
     "load_task",
+    "report",
 ]
