@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         TrainingError,
     )
     from redline.plan import Choice, Plan
+    from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
     from redline.runtime.runtime import Runtime
     from redline.task import Task, load_task
@@ -54,6 +55,7 @@ _LAZY = {
     "benchmark": "redline.bench.run",
     "doctor": "redline.doctor",
     "load_task": "redline.task",
+    "report": "redline.render.html",
 }
 
 
@@ -93,4 +95,5 @@ __all__ = [
     "benchmark",
     "doctor",
     "load_task",
+    "report",
 ]

@@ -50,6 +50,11 @@ SUBCOMMANDS = {
         "doctor",
         "Check this machine for GPU deep learning, measure its devices, and give the fix for each problem.",
     ),
+    "report": Subcommand(
+        "redline.cli.report",
+        "report",
+        "Write a training run's HTML report: its loss, throughput and memory charts, summary and Plan.",
+    ),
     "launch": Subcommand(
         "redline.cli.launch",
         "launch_command",

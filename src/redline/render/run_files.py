@@ -1,0 +1,143 @@
+"""Reading a training run's directory back for the report: its summary and its metrics logs.
+
+The Trainer writes them under ``--out`` (train/logs.py, train/output.py): ``metrics.jsonl`` and
+``metrics.csv`` hold one row per logged optimizer step, ``eval.jsonl`` and ``eval.csv`` one per
+evaluation, and ``summary.json`` the TrainSummary once the run has ended. JSONL is read first: it
+keeps every key and writes a diverged loss as NaN where CSV has only text.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redline.errors import ConfigError
+
+Row = dict[str, Any]
+OUT_HINT = "pass the directory a run wrote with --out (`redline train --task SPEC --out DIR`)"
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What a run directory holds: the summary (None while the run has not ended) and the logged rows."""
+
+    run_dir: Path
+    summary: dict[str, Any] | None
+    train: list[Row]  # one row per logged optimizer step, in order
+    evals: list[Row]
+    train_file: str  # the file names the rows came from, for the report to cite
+    eval_file: str | None
+
+
+def read_run(run_dir: Path) -> RunFiles:
+    """Read ``run_dir``'s summary and logs; a missing directory or log, or an unreadable file, is a ConfigError."""
+    if not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "does not exist"
+        raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {OUT_HINT}")
+    train_file = _first_present(run_dir, ("metrics.jsonl", "metrics.csv"))
+    if train_file is None:
+        raise ConfigError(
+            f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\n"
+            f"hint: {OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
+        )
+    eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
+    return RunFiles(
+        run_dir=run_dir,
+        summary=_read_summary(run_dir / "summary.json"),
+        train=_read_rows(run_dir / train_file),
+        evals=_read_rows(run_dir / eval_file) if eval_file else [],
+        train_file=train_file,
+        eval_file=eval_file,
+    )
+
+
+def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if (run_dir / name).is_file()), None)
+
+
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None  # written when the run ends: a run still going, or killed, has none yet
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
+    if not isinstance(data, dict):
+        raise _unreadable(path, f"it holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _read_rows(path: Path) -> list[Row]:
+    """The file's rows, each with an int "step"; a last row a killed run left half-written is skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
+    lines: list[Any] = text.splitlines() if path.suffix == ".jsonl" else list(csv.DictReader(io.StringIO(text)))
+    parse = _json_row if path.suffix == ".jsonl" else _csv_row
+    rows = []
+    for index, line in enumerate(lines):
+        try:
+            row = parse(line)
+        except (TypeError, ValueError, KeyError) as exc:
+            if index == len(lines) - 1:
+                break  # the row an interrupted run was writing
+            raise _unreadable(path, f"row {index + 1}: {exc}") from exc
+        rows.append(row)
+    return rows
+
+
+def _json_row(line: Any) -> Row:
+    row = json.loads(line)
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {line!r}")
+    return _with_step(row)
+
+
+def _csv_row(line: Any) -> Row:
+    row: Row = {key: _number(value) for key, value in line.items() if key is not None}
+    return _with_step(row)
+
+
+def _number(text: str | None) -> float | None:
+    """A CSV cell as a number; an empty cell (a figure not measured) as None."""
+    if text is None or text == "":
+        return None
+    return float(text)
+
+
+def _with_step(row: Row) -> Row:
+    step = row["step"]
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"step={step!r} is not an int")
+    row["step"] = step
+    return row
+
+
+def values(rows: list[Row], key: str) -> list[float | None]:
+    """Each row's ``key`` as a float, None where a row lacks it or holds no number (NaN stays NaN)."""
+    out: list[float | None] = []
+    for row in rows:
+        value = row.get(key)
+        out.append(float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None)
+    return out
+
+
+def has_values(rows: list[Row], key: str) -> bool:
+    """Whether any row holds a finite number under ``key``."""
+    return any(value is not None and math.isfinite(value) for value in values(rows, key))
+
+
+def _unreadable(path: Path, why: object) -> ConfigError:
+    return ConfigError(
+        f"{path} cannot be read: {why}\n"
+        f"hint: restore {path.name} from the run, or delete it: the report then reads the .csv log in place of "
+        "the .jsonl one, and shows a run without summary.json as unfinished"
+    )

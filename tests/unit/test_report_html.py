@@ -1,0 +1,199 @@
+"""The HTML report: one self-contained page per bench result or run, its charts real PNGs, its text escaped."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from redline.errors import ConfigError
+from redline.render.html import bench_report, report, run_report, write_report
+from report_samples import PNG_SIGNATURE, bench_result, decoded_png, images, links, pixel_variance, write_run
+
+pytest.importorskip("matplotlib", reason="the report's charts need the report extra: pip install 'redline[report]'")
+
+
+def alts(doc):
+    return [image["alt"] for image in images(doc)]
+
+
+def test_bench_report_charts_the_rows_that_ran_and_tables_every_row():
+    doc = bench_report(bench_result())
+    assert doc.startswith("<!DOCTYPE html>") and doc.rstrip().endswith("</html>")
+    assert "<title>redline bench: digits, 2026-12-01 06:10 UTC</title>" in doc
+    assert "Best configuration: <strong>auto</strong>, 1.40x the naive loop (7,000 samples/s)" in doc
+    assert "AMD EPYC 7B13 (2 cores, avx512_bf16)" in doc and "2.13.0" in doc
+    # throughput, speed-up and memory; no tokens/s chart (no row has it), no MFU chart (every MFU is null)
+    titles = [alt.split(":")[0] for alt in alts(doc)]
+    assert titles == ["Throughput", "Speed-up over the naive loop", "Peak memory"]
+    assert "MFU: not available for any configuration" in doc
+    throughput = alts(doc)[0]
+    assert "naive cpu fp32 5,000" in throughput and "auto 7,000" in throughput
+    assert "cpu compiled" not in throughput  # the failed row is in the table, not in the charts
+    assert "auto 1.40x" in alts(doc)[1] and "cpu bf16-mixed 0.14 GiB" in alts(doc)[2]
+    table = doc.split("<h2>Every configuration</h2>", 1)[1]
+    for field in bench_result()["rows"][0]:
+        if field != "plan":
+            assert f"<th>{field}</th>" in table, field
+    assert '<tr class="failed"><td>cpu compiled</td>' in table
+    assert "InductorError: no C++ compiler &amp; no cache" in table
+    assert "measured: 1.40x fp32 on this CPU, 8 steps each" in doc  # the auto row's Plan, with its reasons
+
+
+def test_bench_report_draws_tokens_and_mfu_for_the_rows_that_have_them():
+    result = bench_result()
+    for row, mfu in zip(result["rows"], (0.31, None, None, 0.42), strict=True):
+        row.update(mfu=mfu, tokens_per_s=row["samples_per_s"] and row["samples_per_s"] * 128)
+    doc = bench_report(result)
+    by_title = {alt.split(":")[0]: alt for alt in alts(doc)}
+    assert "auto 896,000" in by_title["Token throughput"]
+    mfu = by_title["Model FLOP utilisation (MFU)"]
+    assert "naive cpu fp32 31.0%" in mfu and "auto 42.0%" in mfu and "bf16" not in mfu
+    assert "MFU: not available" not in doc
+
+
+def test_a_bench_where_every_row_failed_still_reports():
+    result = bench_result()
+    result["rows"] = [row for row in result["rows"] if row["error"]]
+    doc = bench_report(result)
+    assert "No configuration completed" in doc and images(doc) == []
+    assert "cpu compiled</strong> failed: InductorError" in doc
+
+
+def test_the_page_loads_nothing_and_every_chart_is_a_png_that_is_not_blank(tmp_path):
+    for doc in (bench_report(bench_result()), run_report(write_run(tmp_path))):
+        assert not re.search(r"https?://|(src|href)=\"//", doc)
+        assert "<script" not in doc.lower()
+        assert all(link.startswith("data:") for link in links(doc)), links(doc)
+        assert images(doc)
+        for image in images(doc):
+            assert image["alt"] and image["width"] and image["height"]
+            png = decoded_png(image["src"])
+            assert png.startswith(PNG_SIGNATURE)
+            assert pixel_variance(png) > 0
+
+
+def test_every_string_from_a_result_is_escaped():
+    result = bench_result()
+    result["task"] = "<script>alert(1)</script>"
+    result["machine"]["cpu"] = 'EPYC "quoted" & <b>bold</b>'
+    result["rows"][3]["name"] = "auto <img src=x>"
+    result["rows"][3]["plan"]["precision"]["reason"] = "measured: <1.4x> & more"
+    doc = bench_report(result)
+    assert "<script" not in doc and "&lt;script&gt;alert(1)&lt;/script&gt;" in doc
+    assert "<b>bold</b>" not in doc and "&lt;b&gt;bold&lt;/b&gt;" in doc
+    assert "<img src=x>" not in doc and "auto &lt;img src=x&gt;" in doc
+    assert "measured: &lt;1.4x&gt; &amp; more" in doc
+
+
+def test_run_report_draws_the_curves_and_tables_the_summary_and_plan(tmp_path):
+    doc = run_report(write_run(tmp_path))
+    assert "<title>redline run: digits</title>" in doc
+    assert "30 steps, final loss 0.52, val loss 0.61, val metric 0.81, 6,400 samples/s." in doc
+    titles = [alt.split(":")[0] for alt in alts(doc)]
+    assert titles == ["Loss", "Throughput", "Memory", "Step time"]  # no tokens/s: the task has none
+    loss = alts(doc)[0]
+    assert "train loss over 30 points" in loss and "val loss over 3 points" in loss
+    assert "<td>precision</td><td>fp32</td><td>auto: no AMX; bf16 would be slower here</td>" in doc
+    assert "<td>compile</td><td>off</td>" in doc
+    assert "<strong>stopped</strong></td><td>max_steps</td>" in doc
+    assert "Read from metrics.jsonl and eval.jsonl" in doc
+
+
+def test_the_csv_logs_give_the_same_report_as_the_jsonl_ones(tmp_path):
+    run = write_run(tmp_path)
+    from_jsonl = alts(run_report(run))
+    (run / "metrics.jsonl").unlink()
+    (run / "eval.jsonl").unlink()
+    doc = run_report(run)
+    assert alts(doc) == from_jsonl and "Read from metrics.csv and eval.csv" in doc
+
+
+def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
+    run = write_run(tmp_path, summary=None)
+    with (run / "metrics.jsonl").open("a") as file:
+        file.write('{"step": 31, "loss": NaN, "samples_per_s": 7000.0}\n')  # a diverged step, as json writes it
+        file.write('{"step": 32, "loss": 1.0, "samp')  # the row the killed run was writing
+    doc = run_report(run)
+    assert "no summary.json yet" in doc and "<h2>Plan</h2>" not in doc
+    assert "31 steps." in doc
+    assert "train loss over 30 points" in alts(doc)[0]  # NaN is a gap in the curve, not a broken chart
+    assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
+
+
+def test_report_writes_run_dir_report_html_atomically(tmp_path):
+    run = write_run(tmp_path / "run")
+    written = report(run)
+    assert written == run / "report.html" and written.read_text().startswith("<!DOCTYPE html>")
+    elsewhere = report(str(run), tmp_path / "other.html")
+    assert elsewhere == tmp_path / "other.html" and elsewhere.is_file()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+    assert write_report(tmp_path / "x.html", "<p>new</p>").read_text() == "<p>new</p>"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("no dir", r"run directory '.*missing' does not exist\nhint: pass the directory a run wrote with --out"),
+        ("no logs", r"has no metrics.jsonl or metrics.csv.*\nhint: .*--logger"),
+        ("bad summary", r"summary.json cannot be read: .*\nhint: restore summary.json"),
+        ("bad row", r"metrics.jsonl cannot be read: row 2: .*\nhint: restore metrics.jsonl"),
+        ("bad csv", r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv"),
+    ],
+)
+def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_path, damage, message):
+    run = write_run(tmp_path / "run")
+    if damage == "no dir":
+        run = tmp_path / "missing"
+    elif damage == "no logs":
+        for log in ("metrics.jsonl", "metrics.csv"):
+            (run / log).unlink()
+    elif damage == "bad summary":
+        (run / "summary.json").write_text("{not json")
+    elif damage == "bad row":
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[2:]]) + "\n")
+    else:
+        (run / "metrics.jsonl").unlink()
+        text = (run / "metrics.csv").read_text().replace("\n1,0,", "\none,0,", 1)
+        (run / "metrics.csv").write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        run_report(run)
+
+
+def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot be written to .*\nhint: .*--html FILE"):
+        write_report(tmp_path / "no" / "such" / "dir.html", "<p></p>")
+
+
+def test_without_matplotlib_the_error_says_how_to_install_it(monkeypatch, tmp_path):
+    for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for make in (lambda: bench_report(bench_result()), lambda: run_report(write_run(tmp_path))):
+        with pytest.raises(ConfigError, match=r"matplotlib.*\nhint: pip install 'redline\[report\]'"):
+            make()
+
+
+KEEPS_THE_USERS_BACKEND = """
+import json, sys
+import redline
+redline.report  # the public name resolves without importing matplotlib
+assert "matplotlib" not in sys.modules, "redline.report imported matplotlib"
+import matplotlib
+matplotlib.use("svg")
+from redline.render.html import bench_report
+sys.path.insert(0, sys.argv[1])
+from report_samples import bench_result
+bench_report(bench_result())
+print(json.dumps({"pyplot": "matplotlib.pyplot" in sys.modules, "backend": matplotlib.get_backend()}))
+"""
+
+
+def test_the_charts_leave_the_callers_matplotlib_backend_alone(request):
+    tests = str(request.config.rootpath / "tests")
+    out = subprocess.run(
+        [sys.executable, "-c", KEEPS_THE_USERS_BACKEND, tests], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) == {"pyplot": False, "backend": "svg"}
