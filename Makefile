@@ -12,8 +12,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,tensorboard,report]'
 	touch $(STAMP)
 
+# The main job on the built-in example: train it (logs and report under runs/), then measure the Plan
+# auto chose against the naive loop, side by side, ending with the speed-up and the report's path.
+RUN_DIR = runs/digits-$(shell date +%Y%m%d-%H%M%S)
 run: $(STAMP)
-	$(BIN)/redline train --task example:digits
+	$(eval DIR := $(RUN_DIR))
+	$(BIN)/redline train --task example:digits --out $(DIR)
+	$(BIN)/redline report $(DIR)
+	$(BIN)/redline bench --task example:digits --html $(DIR)/bench.html
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

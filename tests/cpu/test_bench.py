@@ -104,13 +104,17 @@ def redline_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_cli_bench_json_with_a_compiled_row():
+def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
+    page = tmp_path / "bench.html"
     result = redline_cli(
         "bench", "--task", "example:digits", "--precision", "fp32", "--compile", "off,on", "--steps", "4",
-        "--window", "2", "--no-auto", "--json",
+        "--window", "2", "--no-auto", "--json", "--html", str(page),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
+    html = page.read_text()
+    assert "<title>redline bench: digits</title>" in html
+    assert all(row["name"] in html for row in data["rows"]) and html.count("data:image/png;base64,") >= 2
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["naive cpu fp32 b64", "cpu fp32 eager b64", "cpu fp32 compiled b64"]
     compiled = rows["cpu fp32 compiled b64"]

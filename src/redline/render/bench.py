@@ -2,40 +2,54 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich.table import Table
 
 
 def bench_table(result: Mapping[str, Any]) -> Table:
-    """Return the bench result (``BenchResult.to_dict()``) as a table, one row per configuration."""
+    """Return the bench result (``BenchResult.to_dict()``) as a table, one row per configuration.
+
+    Columns that would be empty or repeat another (tokens/s for class labels, the CPU speed-up when
+    every row ran on the CPU, compile time when nothing compiled) are left out, so it fits 80 columns.
+    """
     table = Table(
         title=f"Bench of {result['task']}: {result['steps']} timed steps per row, in windows of {result['window']}",
         title_justify="left",
     )
-    for name, justify in (
-        ("configuration", "left"), ("samples/s", "right"), ("tokens/s", "right"), ("step p50 / p90 ms", "right"),
-        ("vs naive", "right"), ("vs CPU fp32", "right"), ("MFU", "right"), ("peak memory", "right"),
-        ("compile", "right"), ("loss", "right"),
-    ):  # fmt: skip
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    rows = [row for row in result["rows"] if not row["error"]]
+    columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
+        ("configuration", lambda r: r["name"]),
+        ("samples/s", lambda r: _number(r["samples_per_s"])),
+    ]
+    if any(r["tokens_per_s"] for r in rows):
+        columns.append(("tokens/s", lambda r: _number(r["tokens_per_s"])))
+    columns += [
+        ("p50/p90 ms", lambda r: f"{_ms(r['step_ms_p50'])}/{_ms(r['step_ms_p90'])}"),
+        ("vs naive", lambda r: _times(r["speedup_naive"])),
+    ]
+    if any(r["device"] != "cpu" for r in rows):
+        columns.append(("vs CPU fp32", lambda r: _times(r["speedup_cpu_fp32"])))
+    if any(r["mfu"] is not None for r in rows):
+        columns.append(("MFU", lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"))
+    columns += [
+        ("of matmul", lambda r: "n/a" if r["mfu_measured"] is None else f"{r['mfu_measured']:.0%}"),
+        ("memory", lambda r: _bytes(r["peak_mem_bytes"])),
+    ]
+    if any(r["compile_s"] is not None for r in rows):
+        columns.append(("compile", _compile))
+    columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
+    if any(r.get("peak_mem_kind") == "resident" for r in rows):
+        table.caption = "memory on a CPU: the whole process's resident set at its peak"
+    for name, _ in columns:
+        first = name == "configuration"
+        table.add_column(name, justify="left" if first else "right", no_wrap=first)
     for row in result["rows"]:
         if row["error"]:
-            table.add_row(row["name"], f"[red]failed: {row['error']}[/red]", *[""] * 8)
-            continue
-        table.add_row(
-            row["name"],
-            _number(row["samples_per_s"]),
-            _number(row["tokens_per_s"]),
-            f"{_ms(row['step_ms_p50'])} / {_ms(row['step_ms_p90'])}",
-            _times(row["speedup_naive"]),
-            _times(row["speedup_cpu_fp32"]),
-            _mfu(row),
-            _bytes(row["peak_mem_bytes"], row.get("peak_mem_kind", "")),
-            _compile(row),
-            "" if row["loss"] is None else f"{row['loss']:.4g}",
-        )
+            table.add_row(row["name"], f"[red]failed: {row['error']}[/red]", *[""] * (len(columns) - 2))
+        else:
+            table.add_row(*(cell(row) for _, cell in columns))
     return table
 
 
@@ -50,7 +64,9 @@ def best_line(result: Mapping[str, Any]) -> str:
         for auto in (r for r in group if r["kind"] == "auto"):
             settings = f"{auto['precision']}, {'compiled' if auto['compile'] else 'eager'}"
             share = auto["samples_per_s"] / best["samples_per_s"]
-            line += f"; {auto['name']} ran {settings} at {share:.0%} of it ({_times(auto['speedup_naive'])} naive)"
+            speedup = _times(auto["speedup_naive"])
+            line += f"\n{auto['name']} (what `redline train` runs: {settings}): {speedup} the naive loop"
+            line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
         lines.append(line)
     return "\n".join(lines)
 
@@ -67,25 +83,16 @@ def _times(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-def _mfu(row: Mapping[str, Any]) -> str:
-    parts = []
-    if row["mfu"] is not None:
-        parts.append(f"{row['mfu']:.1%}")
-    if row["mfu_measured"] is not None:
-        parts.append(f"{row['mfu_measured']:.0%} of matmul")
-    return ", ".join(parts) or "n/a"
-
-
-def _bytes(value: int | None, kind: str) -> str:
+def _bytes(value: int | None) -> str:
     if value is None:
         return "n/a"
     text = f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
-    return f"{text} (process)" if kind == "resident" else text
+    return text
 
 
 def _compile(row: Mapping[str, Any]) -> str:
     if row["compile_s"] is None:
         return ""
     steps = row["break_even_steps"]
-    repaid = "never repaid" if steps is None else f"repaid after {steps:,.0f} steps"
+    repaid = "never repaid" if steps is None else f"repaid in {steps:,.0f} steps"
     return f"{row['compile_s']:.1f} s, {repaid}"
