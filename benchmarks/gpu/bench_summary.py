@@ -52,7 +52,8 @@ def logged_tokens(run: Path) -> float | None:
     except OSError:
         return None
     rates = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
-    return statistics.median(rates[1:]) if len(rates) > 1 else None
+    windows = [rate for i, rate in enumerate(rates) if i == 0 or rate != rates[i - 1]]  # a row per step, a rate per window
+    return statistics.median(windows[1:]) if len(windows) > 1 else None
 
 
 def main(out: Path) -> None:
