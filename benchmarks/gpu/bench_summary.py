@@ -52,7 +52,8 @@ def logged_tokens(run: Path) -> float | None:
     except OSError:
         return None
     rates = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
-    windows = [rate for i, rate in enumerate(rates) if i == 0 or rate != rates[i - 1]]  # a row per step, a rate per window
+    # a row per step, one rate per window: the windows are the runs of equal rates
+    windows = [rate for i, rate in enumerate(rates) if i == 0 or rate != rates[i - 1]]
     return statistics.median(windows[1:]) if len(windows) > 1 else None
 
 
