@@ -93,13 +93,20 @@ class Task:
         """Return a short hash of what shapes the workload: model structure, parameters, batch, data."""
         model = self.model if isinstance(self.model, nn.Module) else self.build_model()
         digest = hashlib.sha256()
-        digest.update(repr(model).encode())
-        for name, tensor in model.state_dict().items():
-            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(model_fingerprint(model).encode())
         digest.update(f"batch={self.batch_size}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
         return digest.hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of a model's structure and its tensors' names, shapes and dtypes (not their values)."""
+    digest = hashlib.sha256()
+    digest.update(repr(model).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    return digest.hexdigest()[:16]
 
 
 # The Task's function fields: what each is called with and returns, and an example that fits.

@@ -12,6 +12,7 @@ from redline.bench.tune import tune
 from redline.errors import ConfigError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.runtime import Runtime
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 from redline.train.config import TrainerConfig
@@ -87,3 +88,21 @@ def test_tune_measures_the_axes_and_caches_what_train_then_runs():
     assert summary.plan.precision.value == tuned.best.precision
     assert summary.plan.compile.value is tuned.best.compile
     assert summary.plan.compile.reason.startswith("tuned")
+    with Runtime(devices="cpu", plan="tuned") as rt:  # the bare Runtime finds the same tune by the model
+        rt.setup(task.build_model(), task.optimizer)
+        assert rt.explain().compile.value is tuned.best.compile and rt.precision.name == tuned.best.precision
+
+
+def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batching():
+    task = mlp_task()
+    tuned = cache_plan(task, precision="bf16-mixed", grad_accum=2)
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned, model=task.build_model())
+    with Runtime(devices="cpu", plan="tuned") as rt:
+        rt.setup(task.build_model(), task.optimizer)
+        plan = rt.explain()
+    assert rt.precision.name == "bf16-mixed" and plan.precision.value == "bf16-mixed"
+    assert plan.precision.reason.startswith("tuned 2026-12-01 06:00 UTC at batch 32 for 500 steps")
+    assert plan.grad_accum.value == 1 and "split each in 2 and pass grad_accum=2" in plan.grad_accum.reason
+    other = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
+    with pytest.raises(ConfigError, match="run `redline tune --task SPEC` on a Task with this model"):
+        Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))

@@ -87,7 +87,7 @@ def tune(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials),
     )  # fmt: skip
-    return tuned, store_tuned(task.fingerprint(), facts, tuned)
+    return tuned, store_tuned(task.fingerprint(), facts, tuned, model=task.build_model())
 
 
 def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:

@@ -55,6 +55,7 @@ from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
+from redline.runtime.tuned import Tuning, tuned_for_model
 
 _NOTHING = contextlib.nullcontext()
 log = logging.getLogger("redline")
@@ -77,9 +78,13 @@ class Runtime:
         *,
         planned_steps: int | None = None,
         measured: Mapping[str, Choice[str]] | None = None,
+        plan: str = "auto",
         **fields: Any,
     ) -> None:
         self.options = RuntimeOptions.build(options, **fields)
+        one_of("plan", plan, ("auto", "tuned"))
+        self._tuning: Tuning | None = None
+        self._wants_tuned = plan == "tuned"
         positive_int("planned_steps", planned_steps, optional=True)
         self.planned_steps = planned_steps
         self.env = read_env()
@@ -174,6 +179,8 @@ class Runtime:
             )
         self.start()
         self._setups += 1
+        if self._wants_tuned and self._tuning is None:
+            self._use_tuned(model)
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
         self._split_caveats = split_caveats(model, self.env.world_size)
         layout = resolve_channels_last(
@@ -218,7 +225,16 @@ class Runtime:
             self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl
         )
         self.model, self.optimizer = model, built
+        if self._tuning is not None:
+            self.adopt_reasons(self._tuning.reasons, self._tuning.note)
         return model, built
+
+    def _use_tuned(self, model: nn.Module) -> None:
+        """Take the tuned Plan's options for this model, and its precision, before anything uses them."""
+        self.options, self._tuning = tuned_for_model(model, self.facts, self.options)
+        chosen = resolve_precision(self.options.precision, self.facts)
+        self.precision = Precision(chosen.value, self.device)
+        self._plan = dataclasses.replace(self._plan, precision=chosen)
 
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
         """Return ``loader`` tuned for the device, yielding batches already on it."""

@@ -14,12 +14,17 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from redline.atomic import write_atomic
+from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import cache_dir, trial_key
+from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
@@ -141,14 +146,54 @@ def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPl
         return None
 
 
-def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan) -> str:
-    """Cache ``tuned`` atomically; return where it went."""
+def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, *, model: nn.Module | None = None) -> str:
+    """Cache ``tuned`` atomically; return where it went. With ``model``, also under the model's own
+    fingerprint, where a bare ``Runtime(plan="tuned")`` looks (it knows the model, not the Task)."""
     path = cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, tuned.batch_size)}.json"
     text = json.dumps(tuned.to_dict(), indent=2, allow_nan=False) + "\n"
 
-    def write(tmp: Any) -> None:
+    def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, write)
+    for target in [path] + ([_model_path(model, facts)] if model is not None else []):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, write)
     return str(path)
+
+
+def _model_path(model: nn.Module, facts: DeviceFacts) -> Path:
+    return cache_dir() / "tuned" / "models" / f"{trial_key(model_fingerprint(model), facts, 0, ['tune'])}.json"
+
+
+def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOptions) -> tuple[RuntimeOptions, Tuning]:
+    """For ``Runtime(plan="tuned")``: ``options`` with the newest tune of this model on this machine applied.
+
+    The Runtime does not own the loop's batches, so a tuned micro-batching is told, not applied.
+    Without a tune of this model here, a ConfigError says how to make one.
+    """
+    path = _model_path(model, facts)
+    try:
+        tuned = TunedPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"plan='tuned': no tuned Plan for this {type(model).__name__} on this machine ({facts.name}) in "
+            f"{path.parent} ({type(exc).__name__})\nhint: run `redline tune --task SPEC` on a Task with this model "
+            "first, or use plan='auto'"
+        ) from None
+    applied = dataclasses.replace(tuned.apply(options), grad_accum=options.grad_accum)
+    reasons = tuned.plan_reasons(applied)
+    if tuned.best.grad_accum > 1 and options.grad_accum == 1:
+        reasons["grad_accum"]["reason"] = (
+            f"not applied: the tune ran {tuned.best.grad_accum} {MICRO_BATCHES} faster; your loop owns the batches: "
+            f"split each in {tuned.best.grad_accum} and pass grad_accum={tuned.best.grad_accum} to use it"
+        )
+    note = f"tuned {tuned.measured_at} at batch {tuned.batch_size} for {tuned.planned_steps} steps"
+    return applied, Tuning(reasons, note)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The Plan reasons a tuned Plan gives the axes it set, and the note that says where they came from."""
+
+    reasons: dict[str, dict[str, Any]]
+    note: str

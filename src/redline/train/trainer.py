@@ -278,7 +278,7 @@ class Trainer:
         measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial)
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
-            rt.adopt_reasons(tuned.reasons, tuned.note)
+            rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
         ended = stored_summary(self.out_dir, self.env) if resumed and self.out_dir and self._has_ended(pos) else None
         if ended is not None:
             log.warning(

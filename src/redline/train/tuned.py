@@ -23,7 +23,7 @@ from redline.plan.device import resolve_worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.trial import cache_dir
-from redline.runtime.tuned import MICRO_BATCHES, TUNED_AXES, TunedPlan, load_tuned
+from redline.runtime.tuned import MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
 from redline.task import Task
 
 PlanRequest = Literal["auto", "tuned"]
@@ -35,8 +35,7 @@ class Tuned:
 
     options: RuntimeOptions
     batch_size: int
-    reasons: dict[str, dict[str, Any]]
-    note: str
+    tuning: Tuning
 
 
 def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, plan: str) -> Tuned | None:
@@ -61,7 +60,7 @@ def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv
     applied = tuned.apply(options)
     micro = batch_size // applied.grad_accum if applied.grad_accum != options.grad_accum else batch_size
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
-    return Tuned(applied, micro, tuned.plan_reasons(applied), note)
+    return Tuned(applied, micro, Tuning(tuned.plan_reasons(applied), note))
 
 
 def resumed_batch(plan: Mapping[str, Mapping[str, Any]], batch_size: int) -> int:
