@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import benchmark
+from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError
 from redline.render.bench import bench_table, best_line
@@ -20,13 +21,8 @@ SWITCH = {"on": True, "off": False, "true": True, "false": False}
 
 
 def bench(
-    task: Annotated[
-        str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
-    ],
-    task_arg: Annotated[
-        list[str] | None,
-        typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
-    ] = None,
+    task: TaskSpec,
+    task_arg: TaskArgs = None,
     devices: Annotated[str, typer.Option(help="Devices to bench, comma-separated (auto: CPU and each GPU kind).")] = (
         "auto"
     ),

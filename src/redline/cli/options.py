@@ -115,3 +115,13 @@ def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., 
     wrapper.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + derived)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {}
     return wrapper
+
+
+# The two options every command that takes a Task shares.
+TaskSpec = Annotated[
+    str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
+]
+TaskArgs = Annotated[
+    list[str] | None,
+    typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
+]

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from redline.cli.options import command, flags, values
+from redline.cli.options import TaskArgs, TaskSpec, command, flags, values
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.launch.torchrun import LaunchConfig, launch
@@ -34,13 +34,8 @@ EARLY_STOPPING = "early_stopping_"
 
 
 def _train(
-    task: Annotated[
-        str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
-    ],
-    task_arg: Annotated[
-        list[str] | None,
-        typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
-    ] = None,
+    task: TaskSpec,
+    task_arg: TaskArgs = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     **parsed: Any,
 ) -> None:

@@ -11,19 +11,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.bench.tune import tune
+from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
 from redline.render.console import key_value_table
 from redline.task import load_task
 
 
 def tune_command(
-    task: Annotated[
-        str, typer.Option(metavar="SPEC", help="Task spec: example:digits, pkg.module:factory or file.py:factory.")
-    ],
-    task_arg: Annotated[
-        list[str] | None,
-        typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
-    ] = None,
+    task: TaskSpec,
+    task_arg: TaskArgs = None,
     devices: Annotated[str, typer.Option(help="The device to tune for: auto, cpu, cuda, cuda:N or mps.")] = "auto",
     budget: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds the whole search may take.")] = 120.0,
     planned_steps: Annotated[
