@@ -16,6 +16,12 @@ from redline.bench import benchmark
 from redline.task import Task
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    # The slowed and the failing model have the same structure: a shared cache would hand one's trial to the other.
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
 class Slowed(nn.Module):
     """An MLP that, under CPU autocast, sleeps (``mode="slow"``) or fails as a missing kernel does (``"fail"``)."""
 
@@ -113,7 +119,7 @@ def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     html = page.read_text()
-    assert "<title>redline bench: digits</title>" in html
+    assert "<title>redline bench: digits, " in html
     assert all(row["name"] in html for row in data["rows"]) and html.count("data:image/png;base64,") >= 2
     rows = {row["name"]: row for row in data["rows"]}
     assert list(rows) == ["naive cpu fp32 b64", "cpu fp32 eager b64", "cpu fp32 compiled b64"]
