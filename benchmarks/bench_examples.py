@@ -1,0 +1,99 @@
+"""`redline bench` on the built-in examples, written as a results table: is auto the fastest, and never slower?
+
+For each task the bench times the naive loop, fp32 and the device's fast reduced precision, each
+eager and compiled, and auto, side by side in rotating windows (see docs/bench.md). The verdict
+lines compare auto with the fastest explicit row (goal: within 5%) and with the naive loop (goal:
+never slower). Rows that run the same configuration (auto and the explicit row it chose) show how
+much of a difference is noise.
+
+    python benchmarks/bench_examples.py [--tasks example:digits,example:chargpt] [--steps 200] [--window 10]
+                                        [--device cpu] [--write bench-cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import environment
+import redline
+from redline.bench import benchmark
+
+
+def table(result: redline.BenchResult) -> list[str]:
+    lines = [
+        "| row | precision | compile | samples/s | step p50 / p90 ms | vs naive | of matmul peak | compile s "
+        "| break-even steps | loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result.rows:
+        if r.error:
+            lines.append(f"| {r.name} | {r.precision} | {r.compile} | failed: {r.error} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.name} | {r.precision} | {'yes' if r.compile else 'no'} | {r.samples_per_s:,.0f} "
+            f"| {r.step_ms_p50:.3g} / {r.step_ms_p90:.3g} | **{r.speedup_naive:.3f}x** "
+            f"| {'' if r.mfu_measured is None else f'{r.mfu_measured:.0%}'} "
+            f"| {'' if r.compile_s is None else f'{r.compile_s:.1f}'} "
+            f"| {'' if r.break_even_steps is None else f'{r.break_even_steps:,.0f}'} | {r.loss:.4g} |"
+        )
+    return lines
+
+
+def verdict(result: redline.BenchResult) -> list[str]:
+    rows = [r for r in result.rows if not r.error]
+    auto = next(r for r in rows if r.kind == "auto")
+    explicit = [r for r in rows if r.kind == "explicit"]
+    fastest = max(explicit, key=lambda r: r.samples_per_s)
+    twin = next(
+        (r for r in explicit if (r.precision, r.compile) == (auto.precision, auto.compile)), None
+    )  # the explicit row that runs what auto chose
+    share = auto.samples_per_s / fastest.samples_per_s
+    never_slower = "met" if auto.speedup_naive >= 1 else "NOT met"
+    near_fastest = "met" if share >= 0.95 else "NOT met"
+    lines = [
+        f"- auto ran {auto.precision}, {'compiled' if auto.compile else 'eager'}: "
+        f"**{auto.speedup_naive:.3f}x** the naive loop (goal: >= 1, {never_slower}); "
+        f"{share:.1%} of the fastest explicit row, {fastest.name} (goal: >= 95%, {near_fastest}).",
+        f"- auto's precision: {auto.plan['precision']['reason']}" if auto.plan else "",
+        f"- auto's compile: {auto.plan['compile']['reason']}" if auto.plan else "",
+    ]
+    if twin is not None:
+        lines.append(
+            f"- noise: auto and {twin.name} run the same configuration; they measured "
+            f"{auto.samples_per_s / twin.samples_per_s:.3f}x of each other."
+        )
+    return [line for line in lines if line]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="example:digits,example:chargpt")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--json", default=None, help="also write every result as JSON to this file")
+    parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
+    args = parser.parse_args()
+    body = [
+        f"`redline bench` per task: {args.steps} timed steps per row in windows of {args.window}, rows taking "
+        "turns in rotating rounds after a warm-up window each. samples/s is the median window; speed-ups "
+        "are against the naive loop's median in the same run. Peak memory is left out here: on a CPU it "
+        "is the whole process's (see the JSON).",
+        "",
+    ]
+    results = []
+    for spec in args.tasks.split(","):
+        task = redline.load_task(spec)
+        result = benchmark(task, devices=args.device, steps=args.steps, window=args.window)
+        results.append(result.to_dict())
+        body += [f"### `{spec}` at batch {task.batch_size}", "", *table(result), "", *verdict(result), ""]
+        print("\n".join(body[-12:]), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    environment.publish(args.write, "redline bench on the built-in examples", body, args.device)
+
+
+if __name__ == "__main__":
+    main()
