@@ -1,0 +1,256 @@
+"""The same Task for the same steps under plain PyTorch, Accelerate, Lightning (Fabric, Trainer) and redline.
+
+Each entry trains in its own process (benchmarks/framework_runners.py), so imports and compile
+caches do not leak between entries, and the entries take turns in interleaved rounds (round 1:
+A B C ..., round 2 in rotated order, ...), so a noisy machine's slow spells fall on all of them.
+Per process: the whole process's wall time (launch to exit, timed here), the training loop's
+time (first forward to last optimizer step, timed in the child with a device sync) and the
+steady-state samples/s (the steps after the first 10%). The tables give medians over rounds and
+the median of the per-round ratios against the plain loop (above 1: faster than plain).
+
+The peers live in their own environment, not in redline's dependencies:
+
+    python3 -m venv .venv-peers
+    .venv-peers/bin/pip install -c constraints.txt torch==2.13.0
+    .venv-peers/bin/pip install -c constraints.txt -r benchmarks/peers-requirements.txt
+    .venv-peers/bin/pip install -e .
+    .venv-peers/bin/python benchmarks/frameworks.py [--tasks example:digits,example:chargpt] [--steps N]
+        [--rounds 3] [--frameworks plain,accelerate,...] [--device cpu] [--python PY] [--write NAME]
+
+Children run with ``--python`` (default: .venv-peers/bin/python when it exists, else this Python)
+and import redline from this checkout's src/. An entry whose framework is not installed there
+is reported as such; the rest still run (a GPU machine with no peers installed: ``--device cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import environment
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = Path(__file__).resolve().parent / "framework_runners.py"
+DEFAULT_STEPS = {"example:digits": 600, "example:chargpt": 300}  # about 15 minutes for 3 rounds on 2 CPU cores
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # framework_runners.RUNNERS key
+    label: str
+    ran: str  # what it runs, in plain words
+
+
+ENTRIES = [
+    Entry("plain", "plain PyTorch", "the tutorial loop: eager fp32, `.to(device)`, zero_grad/backward/step"),
+    Entry("accelerate", "Accelerate", "`Accelerator()` defaults: mixed_precision='no' (fp32), no compile"),
+    Entry(
+        "accelerate-bf16", "Accelerate bf16", "`Accelerator(mixed_precision='bf16')`, as its docs advise; no compile"
+    ),
+    Entry("fabric", "Fabric", "`Fabric()` defaults: precision '32-true', no compile"),
+    Entry("fabric-bf16", "Fabric bf16", "`Fabric(precision='bf16-mixed')`, no compile"),
+    Entry("lightning", "Lightning Trainer", "`Trainer(max_steps=N)`, logger, checkpoints, progress bar, summary off"),
+    Entry("lightning-bf16", "Lightning Trainer bf16", "the same Trainer with `precision='bf16-mixed'`"),
+    Entry(
+        "redline-trainer",
+        "redline Trainer (auto)",
+        "`redline.Trainer` defaults (seed 0), no validation, no out_dir: precision measured by a trial when the run "
+        "repays one; its own seeded sampler, so its batches differ from the others'",
+    ),
+    Entry("redline-runtime", "redline Runtime (auto)", "the README's Runtime loop, every option on auto"),
+    Entry("redline-tuned", "redline tuned", "`Runtime(plan='tuned')`, where this redline has it"),
+]
+
+
+def run_entry(python: str, name: str, task: str, steps: int, device: str, timeout_s: float) -> dict[str, Any]:
+    """Run one entry in a fresh process; return its RESULT with the process's wall seconds added."""
+    command = [python, str(RUNNER), "--framework", name, "--task", task, "--steps", str(steps), "--device", device]
+    with tempfile.TemporaryDirectory() as cache:  # redline's trial cache starts cold: every run pays its trial
+        path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "REDLINE_CACHE_DIR": cache}
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {"status": f"failed: no result within {timeout_s:g} s"}
+        wall = time.perf_counter() - start
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"status": f"failed (exit {done.returncode}): {last}"}
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "process_s": wall}
+
+
+def measure(args: argparse.Namespace, task: str, steps: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Run every entry ``args.rounds`` times, in rotated order each round; an entry that cannot run is tried once."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    stride = max(1, len(names) // args.rounds)  # spread each entry over the round's positions
+    for r in range(args.rounds):
+        shift = (r * stride) % len(names)
+        for name in names[shift:] + names[:shift]:
+            if runs[name] and runs[name][0]["status"] != "ok":
+                continue
+            result = run_entry(args.python, name, task, steps, args.device, args.timeout)
+            result["round"] = r
+            runs[name].append(result)
+            shown = f"{result['steady_samples_per_s']:,.0f} samples/s" if result["status"] == "ok" else ""
+            print(f"  {task} round {r + 1}/{args.rounds} {name}: {result['status']} {shown}", flush=True)
+    return runs
+
+
+def med(values: list[float]) -> float | None:
+    return environment.median(values) if values else None
+
+
+def paired(runs: dict[str, list[dict[str, Any]]], name: str, key: str, faster: str) -> float | None:
+    """Median over rounds of this entry's ratio to plain's run of the same round (above 1: faster than plain)."""
+    plain = {run["round"]: run[key] for run in runs.get("plain", []) if run["status"] == "ok"}
+    ratios = [
+        run[key] / plain[run["round"]] if faster == "higher" else plain[run["round"]] / run[key]
+        for run in runs[name]
+        if run["status"] == "ok" and run["round"] in plain
+    ]
+    return med(ratios)
+
+
+def task_table(task: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The markdown table of one task, then what the runs say about themselves."""
+    rows = [
+        f"### `{task}`, {steps} steps",
+        "",
+        "| framework | precision | compile | steps | steady samples/s (min-max) | loop s | process s "
+        "| steady vs plain | end to end vs plain | final loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    checksums, threads, notes = set(), set(), []
+    for entry in ENTRIES:
+        if entry.name not in runs:
+            continue
+        ok = [run for run in runs[entry.name] if run["status"] == "ok"]
+        if not ok:
+            status = runs[entry.name][0]["status"].replace("|", "/")
+            rows.append(f"| {entry.label} | {status} | | | | | | | | |")
+            continue
+        checksums |= {run["init_checksum"] for run in ok}
+        threads |= {run["threads"] for run in ok}
+        rate = [run["steady_samples_per_s"] for run in ok]
+        steady, whole = (
+            paired(runs, entry.name, "steady_samples_per_s", "higher"),
+            paired(runs, entry.name, "process_s", "lower"),
+        )
+        rows.append(
+            f"| {entry.label} | {_each(ok, 'precision')} | {_each(ok, 'compile')} | {ok[0]['steps']} "
+            f"| {med(rate):,.0f} ({min(rate):,.0f}-{max(rate):,.0f}) | {med([r['loop_s'] for r in ok]):.1f} "
+            f"| {med([r['process_s'] for r in ok]):.1f} | {_ratio(steady)} | {_ratio(whole)} "
+            f"| {med([r['final_loss'] for r in ok]):.4f} |"
+        )
+        for why in sorted({run["why"] for run in ok if run.get("why")}):
+            notes.append(f"- {entry.label}'s precision: {why}.")
+    notes += _bf16_notes(runs)
+    same = (
+        "every entry started from the same weights" if len(checksums) <= 1 else "ENTRIES STARTED FROM DIFFERENT WEIGHTS"
+    )
+    notes.append(
+        f"- {same} (initial parameter sums: {', '.join(sorted(checksums))}); torch threads: {sorted(threads)}."
+    )
+    return [*rows, "", *notes, ""]
+
+
+def _bf16_notes(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each peer's bf16 entry against its own fp32 entry, paired by round."""
+    notes = []
+    for fp32, label in (("accelerate", "Accelerate"), ("fabric", "Fabric"), ("lightning", "the Lightning Trainer")):
+        own = {run["round"]: run for run in runs.get(fp32, []) if run["status"] == "ok"}
+        ratios = [
+            run["steady_samples_per_s"] / own[run["round"]]["steady_samples_per_s"]
+            for run in runs.get(f"{fp32}-bf16", [])
+            if run["status"] == "ok" and run["round"] in own
+        ]
+        if ratios:
+            ratio = med(ratios)
+            word = "faster" if ratio > 1 else "slower"
+            notes.append(f"- {label}'s bf16-mixed ran {ratio:.2f}x its own fp32 (steady samples/s): {word}.")
+    return notes
+
+
+def _each(runs: list[dict[str, Any]], key: str) -> str:
+    """One value, or each value with how many rounds ran it (a trial may choose differently from round to round)."""
+    shown = ["yes" if run[key] is True else "no" if run[key] is False else str(run[key]) for run in runs]
+    if len(set(shown)) == 1:
+        return shown[0]
+    return ", ".join(f"{value} ({shown.count(value)}/{len(shown)})" for value in sorted(set(shown)))
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def default_python() -> str:
+    peers = ROOT / ".venv-peers" / "bin" / "python"
+    return str(peers) if peers.exists() else sys.executable
+
+
+def child_versions(python: str) -> str:
+    """The versions the children run with (their Python may not be this one)."""
+    probe = (
+        "import importlib.metadata as m, platform\n"
+        "def v(n):\n    try: return m.version(n)\n    except m.PackageNotFoundError: return 'not installed'\n"
+        'print(f\'Python {platform.python_version()}, torch {v("torch")}, accelerate {v("accelerate")}, '
+        'lightning {v("lightning")}\')'
+    )
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[-200:]})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(DEFAULT_STEPS), help="comma-separated task specs")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps for every task (default: digits 600, chargpt 300)"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--frameworks", default=",".join(e.name for e in ENTRIES), help="comma-separated entries")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--python", default=default_python(), help="the children's Python (the peers' venv)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one entry may take")
+    parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
+    args = parser.parse_args()
+    names = args.frameworks.split(",")
+    unknown = sorted(set(names) - {e.name for e in ENTRIES})
+    if unknown:
+        parser.error(f"unknown framework {unknown[0]!r}; allowed: {', '.join(e.name for e in ENTRIES)}")
+
+    started = time.perf_counter()
+    body = [
+        f"Children ran with {child_versions(args.python)}. Each entry is its own process; {args.rounds} rounds, the "
+        "entries in rotated order each round. Steady samples/s counts the steps after the first 10% (device "
+        "synced); loop s runs from the model's first forward to the last optimizer step; process s is the whole "
+        "process, launch to exit (imports, setup, redline's precision trial with a cold cache). Ratios are the "
+        "median of per-round ratios to the plain loop's run in the same round (above 1: faster than plain). "
+        "Final loss: the mean of the last 20 steps' losses.",
+        "",
+    ]
+    for task in args.tasks.split(","):
+        steps = args.steps or DEFAULT_STEPS.get(task, 300)
+        body += task_table(task, steps, measure(args, task, steps, names))
+    body += [
+        "What each entry runs (every one: seed 0, the Task's optimizer factory and batch size, shuffled data):",
+        "",
+    ]
+    body += [f"- **{e.label}**: {e.ran}." for e in ENTRIES if e.name in names]
+    body += ["", f"The whole benchmark took {(time.perf_counter() - started) / 60:.1f} minutes."]
+    environment.publish(
+        args.write, "The same training under plain PyTorch, Accelerate, Lightning and redline", body, args.device
+    )
+
+
+if __name__ == "__main__":
+    main()
