@@ -5,8 +5,8 @@ caches do not leak between entries, and the entries take turns in interleaved ro
 A B C ..., round 2 in rotated order, ...), so a noisy machine's slow spells fall on all of them.
 Per process: the whole process's wall time (launch to exit, timed here), the training loop's
 time (first forward to last optimizer step, timed in the child with a device sync) and the
-steady-state samples/s (the steps after the first 10%). The tables give medians over rounds and
-the median of the per-round ratios against the plain loop (above 1: faster than plain).
+steady-state samples/s (the steps after the first 10%). The tables give medians over rounds, their
+ratios to the plain loop (above 1: faster than plain), and the same for each entry's fastest run.
 
 The peers live in their own environment, not in redline's dependencies:
 
@@ -99,26 +99,48 @@ def measure(args: argparse.Namespace, task: str, steps: int, names: list[str]) -
             if runs[name] and runs[name][0]["status"] != "ok":
                 continue
             result = run_entry(args.python, name, task, steps, args.device, args.timeout)
-            result["round"] = r
             runs[name].append(result)
             shown = f"{result['steady_samples_per_s']:,.0f} samples/s" if result["status"] == "ok" else ""
             print(f"  {task} round {r + 1}/{args.rounds} {name}: {result['status']} {shown}", flush=True)
     return runs
 
 
-def med(values: list[float]) -> float | None:
-    return environment.median(values) if values else None
+def med(values: list[float]) -> float:
+    return environment.median(values)
 
 
-def paired(runs: dict[str, list[dict[str, Any]]], name: str, key: str, faster: str) -> float | None:
-    """Median over rounds of this entry's ratio to plain's run of the same round (above 1: faster than plain)."""
-    plain = {run["round"]: run[key] for run in runs.get("plain", []) if run["status"] == "ok"}
-    ratios = [
-        run[key] / plain[run["round"]] if faster == "higher" else plain[run["round"]] / run[key]
-        for run in runs[name]
-        if run["status"] == "ok" and run["round"] in plain
-    ]
-    return med(ratios)
+@dataclass(frozen=True)
+class Figures:
+    """One entry's runs of one task, summed up: medians over rounds, and the fastest run (noise only slows)."""
+
+    rate: float  # steady samples/s, median
+    best_rate: float
+    loop_s: float
+    process_s: float
+    best_process_s: float
+    final_loss: float
+    slowed: int  # runs whose steady rate fell under half the entry's fastest: the machine was busy then
+
+    @classmethod
+    def of(cls, ok: list[dict[str, Any]]) -> Figures:
+        rates = _rates(ok)
+        return cls(
+            rate=med(rates),
+            best_rate=max(rates),
+            loop_s=med([run["loop_s"] for run in ok]),
+            process_s=med([run["process_s"] for run in ok]),
+            best_process_s=min(run["process_s"] for run in ok),
+            final_loss=med([run["final_loss"] for run in ok]),
+            slowed=sum(rate < max(rates) / 2 for rate in rates),
+        )
+
+    def vs(self, plain: Figures | None) -> tuple[str, str]:
+        """Steady and end-to-end ratios to the plain loop (above 1: faster), medians' and fastest runs'."""
+        if plain is None:
+            return "-", "-"
+        steady = f"{self.rate / plain.rate:.2f}x ({self.best_rate / plain.best_rate:.2f}x)"
+        whole = f"{plain.process_s / self.process_s:.2f}x ({plain.best_process_s / self.best_process_s:.2f}x)"
+        return steady, whole
 
 
 def task_table(task: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -126,59 +148,45 @@ def task_table(task: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> 
     rows = [
         f"### `{task}`, {steps} steps",
         "",
-        "| framework | precision | compile | steps | steady samples/s (min-max) | loop s | process s "
-        "| steady vs plain | end to end vs plain | final loss |",
+        "| framework | precision | compile | steps | steady samples/s: median (fastest) | loop s | process s "
+        "| steady vs plain: medians (fastest) | end to end vs plain: medians (fastest) | final loss |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    checksums, threads, notes = set(), set(), []
-    for entry in ENTRIES:
-        if entry.name not in runs:
-            continue
-        ok = [run for run in runs[entry.name] if run["status"] == "ok"]
-        if not ok:
+    ok = {name: [run for run in done if run["status"] == "ok"] for name, done in runs.items()}
+    figures = {name: Figures.of(done) for name, done in ok.items() if done}
+    notes, slowed = [], 0
+    for entry in [e for e in ENTRIES if e.name in runs]:
+        if entry.name not in figures:
             status = runs[entry.name][0]["status"].replace("|", "/")
             rows.append(f"| {entry.label} | {status} | | | | | | | | |")
             continue
-        checksums |= {run["init_checksum"] for run in ok}
-        threads |= {run["threads"] for run in ok}
-        rate = [run["steady_samples_per_s"] for run in ok]
-        steady, whole = (
-            paired(runs, entry.name, "steady_samples_per_s", "higher"),
-            paired(runs, entry.name, "process_s", "lower"),
-        )
+        done, fig = ok[entry.name], figures[entry.name]
+        steady, whole = fig.vs(figures.get("plain"))
         rows.append(
-            f"| {entry.label} | {_each(ok, 'precision')} | {_each(ok, 'compile')} | {ok[0]['steps']} "
-            f"| {med(rate):,.0f} ({min(rate):,.0f}-{max(rate):,.0f}) | {med([r['loop_s'] for r in ok]):.1f} "
-            f"| {med([r['process_s'] for r in ok]):.1f} | {_ratio(steady)} | {_ratio(whole)} "
-            f"| {med([r['final_loss'] for r in ok]):.4f} |"
+            f"| {entry.label} | {_each(done, 'precision')} | {_each(done, 'compile')} | {done[0]['steps']} "
+            f"| {fig.rate:,.0f} ({fig.best_rate:,.0f}) | {fig.loop_s:.1f} | {fig.process_s:.1f} | {steady} | {whole} "
+            f"| {fig.final_loss:.4f} |"
         )
-        for why in sorted({run["why"] for run in ok if run.get("why")}):
-            notes.append(f"- {entry.label}'s precision: {why}.")
-    notes += _bf16_notes(runs)
-    same = (
-        "every entry started from the same weights" if len(checksums) <= 1 else "ENTRIES STARTED FROM DIFFERENT WEIGHTS"
-    )
-    notes.append(
-        f"- {same} (initial parameter sums: {', '.join(sorted(checksums))}); torch threads: {sorted(threads)}."
-    )
+        notes += [f"- {entry.label}'s precision: {why}." for why in sorted({r.get("why") for r in done} - {None})]
+        slowed += fig.slowed
+    for fp32, label in (("accelerate", "Accelerate"), ("fabric", "Fabric"), ("lightning", "the Lightning Trainer")):
+        if fp32 in figures and f"{fp32}-bf16" in figures:
+            bf16, own = figures[f"{fp32}-bf16"], figures[fp32]
+            ratio, best = bf16.rate / own.rate, bf16.best_rate / own.best_rate
+            notes.append(f"- {label}'s bf16-mixed ran {ratio:.2f}x its own fp32 (fastest runs: {best:.2f}x).")
+    every = [run for done in ok.values() for run in done]
+    sums = sorted({run["init_checksum"] for run in every})
+    same = "every entry started from the same weights" if len(sums) == 1 else "ENTRIES STARTED FROM DIFFERENT WEIGHTS"
+    threads = sorted({run["threads"] for run in every})
+    notes.append(f"- {same} (sum of the initial parameters: {', '.join(sums)}); torch threads: {threads}.")
+    notes.append(f"- {slowed} of {len(every)} runs ran under half their entry's fastest steady rate (a busy machine).")
+    each = [f"{e.label} {', '.join(f'{r:,.0f}' for r in _rates(ok[e.name]))}" for e in ENTRIES if ok.get(e.name)]
+    notes.append(f"- steady samples/s of each run, in the order run: {'; '.join(each)}.")
     return [*rows, "", *notes, ""]
 
 
-def _bf16_notes(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Each peer's bf16 entry against its own fp32 entry, paired by round."""
-    notes = []
-    for fp32, label in (("accelerate", "Accelerate"), ("fabric", "Fabric"), ("lightning", "the Lightning Trainer")):
-        own = {run["round"]: run for run in runs.get(fp32, []) if run["status"] == "ok"}
-        ratios = [
-            run["steady_samples_per_s"] / own[run["round"]]["steady_samples_per_s"]
-            for run in runs.get(f"{fp32}-bf16", [])
-            if run["status"] == "ok" and run["round"] in own
-        ]
-        if ratios:
-            ratio = med(ratios)
-            word = "faster" if ratio > 1 else "slower"
-            notes.append(f"- {label}'s bf16-mixed ran {ratio:.2f}x its own fp32 (steady samples/s): {word}.")
-    return notes
+def _rates(runs: list[dict[str, Any]]) -> list[float]:
+    return [run["steady_samples_per_s"] for run in runs]
 
 
 def _each(runs: list[dict[str, Any]], key: str) -> str:
@@ -233,8 +241,9 @@ def main() -> None:
         f"Children ran with {child_versions(args.python)}. Each entry is its own process; {args.rounds} rounds, the "
         "entries in rotated order each round. Steady samples/s counts the steps after the first 10% (device "
         "synced); loop s runs from the model's first forward to the last optimizer step; process s is the whole "
-        "process, launch to exit (imports, setup, redline's precision trial with a cold cache). Ratios are the "
-        "median of per-round ratios to the plain loop's run in the same round (above 1: faster than plain). "
+        "process, launch to exit (imports, setup, redline's precision trial with a cold cache). Ratios to the plain "
+        "loop (above 1: faster than plain) divide the medians, and in brackets the fastest runs: a busy machine "
+        "only slows a run, so the fastest run is the least disturbed. "
         "Final loss: the mean of the last 20 steps' losses.",
         "",
     ]
