@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,16 +67,44 @@ ENTRIES = [
         "repays one; its own seeded sampler, so its batches differ from the others'",
     ),
     Entry("redline-runtime", "redline Runtime (auto)", "the README's Runtime loop, every option on auto"),
-    Entry("redline-tuned", "redline tuned", "`Runtime(plan='tuned')`, where this redline has it"),
+    Entry(
+        "redline-tuned",
+        "redline tuned",
+        "`redline tune --planned-steps N` once per task before the rounds (its time is not in the rows), then "
+        "the Runtime loop with `Runtime(plan='tuned')`, which runs that tune's settings",
+    ),
 ]
 
 
-def run_entry(python: str, name: str, task: str, steps: int, device: str, timeout_s: float) -> dict[str, Any]:
-    """Run one entry in a fresh process; return its RESULT with the process's wall seconds added."""
+def child_env(cache: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "REDLINE_CACHE_DIR": cache}
+
+
+def tune_once(python: str, task: str, steps: int, device: str, into: Path) -> str:
+    """Run `redline tune` for ``task`` into the cache folder ``into``; return what it chose and how long it took."""
+    command = [python, "-m", "redline", "tune", "--task", task, "--devices", device, "--planned-steps", str(steps)]
+    start = time.perf_counter()
+    done = subprocess.run([*command, "--json"], capture_output=True, text=True, env=child_env(str(into)), check=False)
+    if done.returncode != 0:
+        return f"redline tune failed: {(done.stderr.strip().splitlines() or ['(no output)'])[-1]}"
+    best = json.loads(done.stdout)["best"]
+    return f"redline tune took {time.perf_counter() - start:.0f} s and chose {best}"
+
+
+def run_entry(
+    python: str, name: str, task: str, steps: int, device: str, timeout_s: float, tuned: Path | None = None
+) -> dict[str, Any]:
+    """Run one entry in a fresh process; return its RESULT with the process's wall seconds added.
+
+    Each run starts with an empty redline cache (it pays its trial); ``tuned``, a cache holding a
+    tune, is copied in first for the tuned entry.
+    """
     command = [python, str(RUNNER), "--framework", name, "--task", task, "--steps", str(steps), "--device", device]
-    with tempfile.TemporaryDirectory() as cache:  # redline's trial cache starts cold: every run pays its trial
-        path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "REDLINE_CACHE_DIR": cache}
+    with tempfile.TemporaryDirectory() as cache:
+        if tuned is not None:
+            shutil.copytree(tuned / "tuned", Path(cache) / "tuned")
+        env = child_env(cache)
         waited, start = cpu_waited_s(), time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
@@ -89,6 +118,8 @@ def run_entry(python: str, name: str, task: str, steps: int, device: str, timeou
         return {"status": f"failed (exit {done.returncode}): {last}"}
     return {**json.loads(lines[-1].removeprefix("RESULT ")), "process_s": wall, "cpu_wait": busy}
 
+
+TUNES: dict[str, str] = {}  # task -> what its one `redline tune` chose, for the notes
 
 # A run is redone (twice at most) when some task waited for a CPU more than this share of its time:
 # alone, a child makes about 1% here; the slow spells of this shared 2-core machine (runs 10-20x slower)
@@ -122,6 +153,10 @@ def measure(args: argparse.Namespace, task: str, steps: int, names: list[str]) -
     A run the machine's other work disturbed (see BUSY) is run again, at most REDO times; the last one counts.
     """
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    tuned = Path(tempfile.mkdtemp(prefix="redline-tune-")) if "redline-tuned" in names else None
+    if tuned is not None:
+        TUNES[task] = tune_once(args.python, task, steps, args.device, tuned)
+        print(f"  {task}: {TUNES[task]}", flush=True)
     stride = max(1, len(names) // args.rounds)  # spread each entry over the round's positions
     for r in range(args.rounds):
         shift = (r * stride) % len(names)
@@ -130,7 +165,8 @@ def measure(args: argparse.Namespace, task: str, steps: int, names: list[str]) -
                 continue
             for redone in range(REDO + 1):
                 wait_for_calm()
-                result = run_entry(args.python, name, task, steps, args.device, args.timeout)
+                seeded = tuned if name == "redline-tuned" else None
+                result = run_entry(args.python, name, task, steps, args.device, args.timeout, seeded)
                 result["redone"] = redone
                 busy = result.get("cpu_wait")
                 shown = f"{result['steady_samples_per_s']:,.0f} samples/s" if result["status"] == "ok" else ""
@@ -216,6 +252,8 @@ def task_table(task: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> 
     same = "every entry started from the same weights" if len(sums) == 1 else "ENTRIES STARTED FROM DIFFERENT WEIGHTS"
     threads = sorted({run["threads"] for run in every})
     notes.append(f"- {same} (sum of the initial parameters: {', '.join(sums)}); torch threads: {threads}.")
+    if task in TUNES:
+        notes.append(f"- redline tuned: {TUNES[task]}.")
     notes.append(f"- {slowed} of {len(every)} runs ran under half their entry's fastest steady rate (a busy machine).")
     waits = [run["cpu_wait"] for run in every if run.get("cpu_wait") is not None]
     if waits:
