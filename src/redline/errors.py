@@ -43,3 +43,14 @@ def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigErr
     if hint:
         message += f"\nhint: {hint}"
     return ConfigError(message)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line naming an exception: ``Type: first line``, for the innermost cause of a wrapped one
+    (compiler errors wrap the real failure)."""
+    inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    while inner is not None:
+        exc = inner
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")

@@ -26,7 +26,7 @@ from redline.bench.loops import Runner, naive_runner, runtime_runner
 from redline.bench.matrix import Setting, expand
 from redline.bench.memory import PeakMemory
 from redline.config import positive_int, positive_number
-from redline.errors import ConfigError, RedlineError
+from redline.errors import ConfigError, RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
@@ -147,7 +147,7 @@ def benchmark(
             except RedlineError:
                 raise
             except Exception as exc:  # a setting this machine cannot run: its row says why
-                failed[setting] = one_line(exc)
+                failed[setting] = describe_error(exc)
             done += 1
         runners = [runner for runner, _, _ in built.values()]
         timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
@@ -232,7 +232,7 @@ def time_runners(
             except RedlineError:
                 raise
             except Exception as exc:
-                errors[index] = one_line(exc)
+                errors[index] = describe_error(exc)
                 return math.nan
 
         return run
@@ -389,8 +389,3 @@ def _reset_compiler() -> None:
         torch._dynamo.reset()
     except Exception as exc:  # only a cache: a failure costs a recompile at most
         log.debug("torch._dynamo.reset() failed: %s", exc)
-
-
-def one_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")

@@ -26,13 +26,13 @@ from torch.utils.data import TensorDataset
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import one_line, task_steps, time_runners
+from redline.bench.run import task_steps, time_runners
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError
+from redline.errors import RedlineError, describe_error
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.trial import TOLERANCE, precision_candidates
+from redline.runtime.trial import Measured, judge, precision_candidates
 from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 
@@ -164,7 +164,7 @@ def _measure(
         except RedlineError:
             raise
         except Exception as exc:  # a setting this machine cannot run
-            failed[index] = one_line(exc)
+            failed[index] = describe_error(exc)
     timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
@@ -182,16 +182,13 @@ def _measure(
 
 
 def _departure(runner: Runner, reference: float | None) -> str:
-    """Why a reduced precision's first loss rules it out against fp32's ("" when it does not)."""
+    """Why a candidate's first loss rules it out against fp32's ("" when it does not): the trial's rule."""
     first = runner.first_loss
-    if first is None or not math.isfinite(first):
-        return "its loss was not finite"
+    if first is None:
+        return "no loss was measured"
     if reference is None or runner.setting.precision == "fp32":
-        return ""
-    departure = abs(first - reference) / max(abs(reference), 1e-8)
-    if departure > TOLERANCE:
-        return f"its first loss is {departure:.1%} off fp32's (tolerance {TOLERANCE:.0%})"
-    return ""
+        return "" if math.isfinite(first) else "a loss turned non-finite"
+    return judge(Measured("fp32", (), (reference,)), Measured(runner.setting.precision, (), (first,)))
 
 
 def _told(trial: Trial, planned: int) -> str:

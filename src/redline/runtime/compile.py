@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.errors import describe_error
+
 log = logging.getLogger("redline")
 
 
@@ -93,16 +95,6 @@ def _is_compiler_error(exc: BaseException) -> bool:
     return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx"))
 
 
-def _describe(exc: BaseException) -> str:
-    # Compiler errors wrap the real failure: name the innermost cause, on one line.
-    inner = getattr(exc, "inner_exception", None) or exc.__cause__
-    while inner is not None:
-        exc = inner
-        inner = getattr(exc, "inner_exception", None) or exc.__cause__
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")
-
-
 def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     """Compile ``model``'s forward in place and return its record.
 
@@ -127,7 +119,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
         except Exception as exc:
             if not _is_compiler_error(exc):
                 raise
-            record.fell_back = _describe(exc)
+            record.fell_back = describe_error(exc)
             record.seconds = time.perf_counter() - start
             log.warning(
                 "torch.compile failed for %s (%s); running eagerly\nhint: pass compile='off' to skip the attempt",

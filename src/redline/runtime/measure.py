@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from redline.hardware.device import probe_accelerators, probe_device
+from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
@@ -51,9 +51,7 @@ def measure_auto(
     """
     if options.precision != "auto" or trial == "off":
         return {}
-    local_rank = env.local_rank if env.distributed else None  # the device the Runtime will run on
-    device = torch.device(resolve_worker_device(options.devices, probe_accelerators(), local_rank=local_rank).value)
-    facts = probe_device(device)
+    device, facts = worker_device(options, env)
     candidates = precision_candidates(facts)
     if not candidates:
         return {}  # the rule's reason says why nothing else is worth trying here
@@ -65,6 +63,13 @@ def measure_auto(
     choice = _measure(task, device, facts, batch_size // env.world_size, candidates) if env.is_main else None
     shared: tuple[str, str] = gather_objects(choice and (choice.value, choice.reason))[0]  # rank 0's, on every rank
     return {"precision": Choice(*shared)}
+
+
+def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, DeviceFacts]:
+    """The device this process's Runtime will run on, and its facts."""
+    local_rank = env.local_rank if env.distributed else None
+    device = torch.device(resolve_worker_device(options.devices, probe_accelerators(), local_rank=local_rank).value)
+    return device, probe_device(device)
 
 
 def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]) -> Choice[str]:

@@ -13,13 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
 from redline.errors import ConfigError
-from redline.hardware.device import probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
-from redline.plan.device import resolve_worker_device
+from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.trial import cache_dir
@@ -43,9 +40,7 @@ def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv
     defaults = RuntimeOptions()
     if plan == "auto" and any(getattr(options, axis) != getattr(defaults, axis) for axis in TUNED_AXES):
         return None  # the user chose some axis: auto does not mix a tune's choices into theirs
-    local_rank = env.local_rank if env.distributed else None
-    device = torch.device(resolve_worker_device(options.devices, probe_accelerators(), local_rank=local_rank).value)
-    facts = probe_device(device)
+    _, facts = worker_device(options, env)
     found = _load(task, facts, batch_size) if env.is_main else None
     data = gather_objects(found and found.to_dict())[0]  # rank 0's, on every rank
     if data is None:
