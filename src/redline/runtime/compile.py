@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from redline.errors import describe_error
+from redline.plan import Choice
 
 log = logging.getLogger("redline")
 
@@ -68,6 +69,30 @@ class CompileRecord:
         self.training += training
         if self.compiles > 1:
             self.recompiles.append(cause)
+
+
+def compile_seconds(records: list[CompileRecord]) -> float | None:
+    """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
+    seconds = [r.seconds for r in records if r.seconds is not None]
+    return sum(seconds) if seconds else None
+
+
+def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choice[bool]:
+    """The compile axis as it turned out: a fall back to eager, or every compile counted with its time and cause."""
+    fell_back = [r.fell_back for r in records if r.fell_back]
+    seconds = compile_seconds(records)
+    if fell_back:
+        return Choice(False, f"compile failed, ran eagerly: {fell_back[0]}")
+    if not planned.value or seconds is None:
+        return planned
+    count, training = sum(r.compiles for r in records), sum(r.training for r in records)
+    causes = [c for r in records for c in r.recompiles]
+    reason = f"{planned.reason}; compiled {count} time(s) in {seconds:.1f} s"
+    if count > training:
+        reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
+    if causes:
+        reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
+    return Choice(True, reason)
 
 
 def _compiled_frames() -> int:

@@ -43,8 +43,15 @@ from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
+from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
-from redline.runtime.compile import CompileRecord, compile_module, compile_supported
+from redline.runtime.compile import (
+    CompileRecord,
+    compile_module,
+    compile_seconds,
+    compile_supported,
+    explain_compile,
+)
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
@@ -108,8 +115,8 @@ class Runtime:
             device=Choice(device.value, f"{device.reason} ({self.facts.name})"),
             precision=chosen,
             tf32=tf32,
-            deterministic=_deterministic_choice(self.options.deterministic),
-            seed=_seed_choice(self.options.seed),
+            deterministic=resolve_deterministic(self.options.deterministic),
+            seed=resolve_seed(self.options.seed),
             grad_accum=Choice(accum, "requested" if accum > 1 else "default: a step per batch"),
             clip_grad_norm=Choice(clip, "requested" if clip else "default: no clipping"),
             zero_grad=zero_grad,
@@ -423,8 +430,7 @@ class Runtime:
     @property
     def compile_seconds(self) -> float | None:
         """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
-        seconds = [r.seconds for r in self._compile_records if r.seconds is not None]
-        return sum(seconds) if seconds else None
+        return compile_seconds(self._compile_records)
 
     @property
     def compiles(self) -> tuple[int, int, list[str]]:
@@ -440,17 +446,8 @@ class Runtime:
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
         plan = self._plan
-        fell_back = [r.fell_back for r in self._compile_records if r.fell_back]
-        if plan.compile is not None and fell_back:
-            plan = dataclasses.replace(plan, compile=Choice(False, f"compile failed, ran eagerly: {fell_back[0]}"))
-        elif plan.compile is not None and plan.compile.value and self.compile_seconds is not None:
-            count, training, causes = self.compiles
-            reason = f"{plan.compile.reason}; compiled {count} time(s) in {self.compile_seconds:.1f} s"
-            if count > training:
-                reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
-            if causes:
-                reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
-            plan = dataclasses.replace(plan, compile=Choice(True, reason))
+        if plan.compile is not None:
+            plan = dataclasses.replace(plan, compile=explain_compile(plan.compile, self._compile_records))
         return plan
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
@@ -464,15 +461,3 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"Runtime(device={self.device}, precision={self.precision.name})"
-
-
-def _deterministic_choice(requested: bool) -> Choice[bool]:
-    if requested:
-        return Choice(True, "requested: torch.use_deterministic_algorithms(True) while the run lasts")
-    return Choice(False, "default: torch picks the fastest kernels, some of them nondeterministic")
-
-
-def _seed_choice(seed: int | None) -> Choice[int | None]:
-    if seed is None:
-        return Choice(None, "not set: the RNGs are left as they are (the Trainer's data order uses 0)")
-    return Choice(seed, "requested: Python, NumPy and torch seeded when the run starts")
