@@ -45,6 +45,11 @@ SUBCOMMANDS = {
         "tune_command",
         "Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.",
     ),
+    "memory": Subcommand(
+        "redline.cli.memory",
+        "memory",
+        "Estimate a Task's training-step memory, whether it fits a GPU, and the largest batch predicted to fit.",
+    ),
     "doctor": Subcommand(
         "redline.cli.doctor",
         "doctor",

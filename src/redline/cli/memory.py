@@ -1,0 +1,79 @@
+"""`redline memory`: a Task's step memory before the run, whether it fits a GPU, and the largest batch that does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Annotated
+
+import torch
+import typer
+from rich.console import Console
+
+from redline.cli.options import TaskArgs, TaskSpec
+from redline.cli.task_args import parse_task_args
+from redline.errors import ConfigError
+from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.memory.fit import MemoryFit, fit_memory, gpu_facts
+from redline.plan.precision import resolve_precision
+from redline.render.memory import memory_tables
+from redline.task import load_task
+
+
+def memory(
+    task: TaskSpec,
+    task_arg: TaskArgs = None,
+    batch_size: Annotated[int | None, typer.Option(help="Global batch size (default: the task's own).")] = None,
+    precision: Annotated[
+        str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed (auto: what a run on the device picks).")
+    ] = "auto",
+    gpu: Annotated[
+        str | None, typer.Option(metavar="NAME", help="A GPU of the catalog to weigh against (h100-sxm, l4, ...).")
+    ] = None,
+    mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
+    gpus: Annotated[int, typer.Option(help="GPUs for the FSDP rows.")] = 8,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Estimate a Task's training-step memory, whether it fits a GPU, and the largest batch predicted to fit."""
+    if gpu is not None and mem_gib is not None:
+        raise ConfigError("--gpu and --mem-gib both given\nhint: name a catalog GPU, or give a memory size, not both")
+    if mem_gib is not None and not mem_gib > 0:
+        raise ConfigError(f"--mem-gib {mem_gib} is not allowed; expected a positive number of GiB")
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} is not allowed; expected 1 or more")
+    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    device, facts, mem = _device(gpu, mem_gib)
+    chosen = resolve_precision(precision, facts)
+    Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({chosen.value}: {chosen.reason})")
+    result = fit_memory(
+        loaded, device=device, mem_gib=mem, target=facts.type, batch_size=batch_size,
+        precision=chosen.value, gpus=gpus,
+    )  # fmt: skip
+    _print(result, json_output)
+
+
+def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, float]:
+    """The device to weigh against: a catalog GPU, a GPU of a given size, or this machine's own."""
+    if gpu is not None:
+        spec, facts = gpu_facts(gpu)
+        return spec.name, facts, spec.mem_gib
+    if mem_gib is not None:  # a GPU of that size, as recent as bf16
+        facts = DeviceFacts(type="cuda", name=f"a {mem_gib:g} GiB GPU", capability=(8, 0), mem_gib=mem_gib)
+        return facts.name, facts, mem_gib
+    if probe_accelerators().cuda_count:
+        facts = probe_device(torch.device("cuda", 0))
+        return facts.name, facts, facts.mem_gib or 0.0
+    facts = dataclasses.replace(probe_device(torch.device("cpu")), name="this machine's CPU")
+    return facts.name, facts, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _print(result: MemoryFit, json_output: bool) -> None:
+    if json_output:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    out = Console()
+    for table in memory_tables(result):
+        out.print(table)
+    for note in result.rows[0].estimate.notes:
+        out.print(f"note: {note}", highlight=False)

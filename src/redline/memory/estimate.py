@@ -1,0 +1,345 @@
+"""estimate_memory: a training step's peak memory, predicted before the run, activations included.
+
+The step is traced, not guessed from a formula: the Task's own model runs two real training steps
+(forward, loss, backward, optimizer step) on fake tensors (memory/trace.py), so any model works and no
+device memory is used. The second step is the one measured: by then the optimizer holds its state,
+as it does for the rest of the run.
+
+What a CPU trace cannot see of a GPU, and how it is modelled:
+- autocast("cuda") does nothing without CUDA, so a GPU's bf16/fp16 autocast is traced with the CPU's
+  autocast at the same dtype. Both lists put matmuls, linear layers and convolutions in the low
+  precision and norms, softmax and losses in fp32; a few ops differ (einsum, addmv are low precision
+  only on CUDA), so an activation that passes through them may be counted at the other width.
+- Kernels that keep extra buffers on one device only (cuDNN's convolution workspace, the attention
+  kernel's saved statistics) are covered by an allowance, not traced: ``workspace``.
+- The optimizer implementation (fused on CUDA) and the moment gradients are freed (right after the step
+  on CUDA, just before the next backward on a CPU, so a CPU step carries them through the forward) come
+  from the Runtime's own resolvers for the target device.
+- Sharding (FSDP) and DDP are modelled on the one-process trace: the model states divide by the
+  number of ranks under FSDP, plus the largest block gathered whole, and the batch is each rank's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, cast, get_args
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from redline.config import positive_int
+from redline.errors import ConfigError, TaskError, invalid
+from redline.hardware.device import DeviceFacts, DeviceType
+from redline.memory.trace import LiveBytes, retained_by_module
+from redline.parallel.fsdp import repeated_blocks
+from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
+from redline.plan.precision import PRECISIONS
+from redline.runtime.contract import split_batch
+from redline.runtime.optimizer import rebuild_optimizer
+from redline.task import OptimizerFactory, Task
+
+Target = Literal["cuda", "cpu"]
+Strategy = Literal["single", "ddp", "fsdp"]
+
+MIB = 2**20
+# cuBLAS's workspace: torch allocates it through the caching allocator, 32 MiB per handle on Hopper and
+# newer (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize); the same allowance elsewhere.
+CUBLAS_WORKSPACE = 32 * MIB
+# cuDNN picks convolution algorithms by speed within a workspace it allocates per call; torch caps
+# nothing by default, so this is an allowance, not a bound (stated in the estimate's notes).
+CUDNN_WORKSPACE = 256 * MIB
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+_TOP_MODULES = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """The predicted peak of one training step on one device (one rank), in bytes, and what makes it up.
+
+    ``params``, ``gradients`` and ``optimizer_state`` are what was alive of each at the peak;
+    ``activations`` is the rest of the peak: tensors saved for backward, temporaries and the batch.
+    ``total`` adds the ``workspace`` allowance to the traced ``peak``. ``top_modules`` lists the modules
+    whose forward left the most memory alive (saved activations and output, a block's children included).
+    """
+
+    batch_size: int
+    precision: str
+    target: str
+    strategy: str
+    world_size: int
+    activation_checkpointing: bool
+    params: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    workspace: int
+    peak: int
+    top_modules: tuple[tuple[str, int], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        """The predicted peak allocated memory, workspace included."""
+        return self.peak + self.workspace
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the estimate as JSON-ready data, ``total`` included."""
+        data = dataclasses.asdict(self)
+        data["top_modules"] = [{"module": name, "bytes": size} for name, size in self.top_modules]
+        data["notes"] = list(self.notes)
+        return {**data, "total": self.total}
+
+
+def estimate_memory(
+    task: Task,
+    *,
+    batch_size: int | None = None,
+    precision: str = "fp32",
+    optimizer: OptimizerFactory | None = None,
+    strategy: str = "single",
+    world_size: int = 1,
+    activation_checkpointing: bool = False,
+    target: str = "cuda",
+) -> MemoryEstimate:
+    """Predict the peak memory of one training step of ``task`` on one device of ``target`` ("cuda" or "cpu").
+
+    ``batch_size`` is the global batch (the Task's by default), split over ``world_size`` ranks for
+    "ddp" and "fsdp". ``optimizer`` replaces the Task's optimizer factory. On "cuda" the optimizer is
+    the fused implementation redline picks there. Nothing is allocated on any device.
+    """
+    batch_size = task.batch_size if batch_size is None else batch_size
+    positive_int("batch_size", batch_size)
+    positive_int("world_size", world_size)
+    if precision not in PRECISIONS:
+        raise invalid("precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}")
+    if strategy not in get_args(Strategy):
+        raise invalid("strategy", strategy, "'single', 'ddp' or 'fsdp'")
+    if target not in get_args(Target):
+        raise invalid("target", target, "'cuda' or 'cpu'")
+    if strategy == "single" and world_size > 1:
+        raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
+    local_batch = math.ceil(batch_size / world_size)
+    trace = trace_step(
+        task,
+        batch_size=local_batch,
+        precision=precision,
+        optimizer=optimizer or task.optimizer,
+        activation_checkpointing=activation_checkpointing,
+        device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
+    )
+    estimate = MemoryEstimate(
+        batch_size=batch_size,
+        precision=precision,
+        target=target,
+        strategy=strategy,
+        world_size=world_size,
+        activation_checkpointing=activation_checkpointing,
+        workspace=_workspace(task, target),
+        notes=_notes(precision, target, strategy),
+        **trace,
+    )
+    return _distributed(estimate, task, strategy, world_size, precision)
+
+
+def trace_step(
+    task: Task,
+    *,
+    batch_size: int,
+    precision: str,
+    optimizer: OptimizerFactory,
+    activation_checkpointing: bool,
+    device: DeviceFacts,
+) -> dict[str, Any]:
+    """Run two training steps of ``task`` on fake tensors, as the Runtime would run them on ``device`` (its
+    optimizer implementation, its moment to free gradients); return the second step's peak and its parts."""
+    grads_through_forward = resolve_zero_grad(device).value == "before backward"
+    tracker = LiveBytes()
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    inputs, targets = _batch(task, batch_size)
+    autocast = _AUTOCAST.get(precision)
+    with mode, tracker:
+        model = _fake_model(task, mode)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tracker.track(tensor)
+        if activation_checkpointing:
+            _checkpoint_blocks(model)
+        model.train()
+        opt = optimizer(model.parameters())
+        if resolve_optimizer(optimizer_facts(opt), device).value == "fused":
+            opt = rebuild_optimizer(opt, fused=True)
+        inputs, targets = tree_map(_faked(mode, tracker), (inputs, targets))
+        grad_keys: set[int] = set()
+        step = _stepper(task, model, opt, autocast, grads_through_forward, tracker, grad_keys)
+        step(inputs, targets)
+        tracker.reset_peak()
+        with retained_by_module(model, tracker) as retained:
+            step(inputs, targets)
+        params = tracker.bytes_at_peak(tracker.track(p) for p in model.parameters())
+        grads = tracker.bytes_at_peak(grad_keys)
+        states = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        opt_state = tracker.bytes_at_peak(tracker.track(t) for t in states)
+        peak = tracker.peak
+    top = sorted(retained.items(), key=lambda item: item[1], reverse=True)[:_TOP_MODULES]
+    return {
+        "params": params,
+        "gradients": grads,
+        "optimizer_state": opt_state,
+        "activations": peak - params - grads - opt_state,
+        "peak": peak,
+        "top_modules": tuple(top),
+    }
+
+
+def _stepper(
+    task: Task,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    dtype: torch.dtype | None,
+    grads_through_forward: bool,
+    tracker: LiveBytes,
+    grad_keys: set[int],
+) -> Callable[[Any, Any], None]:
+    """One training step as the Runtime runs it, gradients freed when it frees them; ``grad_keys`` gathers
+    the gradients' storages while they exist."""
+
+    def step(inputs: Any, targets: Any) -> None:
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = task.loss_fn(model(inputs), targets)
+        if grads_through_forward:
+            opt.zero_grad(set_to_none=True)  # the CPU frees them just before the next backward
+        loss.backward()
+        del loss
+        grad_keys.update(tracker.track(p.grad) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        if not grads_through_forward:
+            opt.zero_grad(set_to_none=True)  # CUDA frees them right after the step
+
+    return step
+
+
+def _batch(task: Task, size: int) -> tuple[Any, Any]:
+    """A real batch of ``size`` items of the Task's training data, repeating items when there are fewer."""
+    data = task.train_data
+    try:
+        count = len(data)  # type: ignore[arg-type]
+    except TypeError:
+        count = None
+    if count is not None:
+        items = [data[i % count] for i in range(size)]
+    else:
+        stream = iter(data)
+        items = [next(stream) for _ in range(min(size, 1))] * size
+    if not items:
+        raise TaskError(f"task {task.name!r}: train_data is empty; the estimate needs one item to shape the batch")
+    return split_batch(torch.utils.data.default_collate(items), "train_data")
+
+
+def _faked(mode: FakeTensorMode, tracker: LiveBytes) -> Callable[[Any], Any]:
+    def fake(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        out = mode.from_tensor(leaf)
+        tracker.track(out)
+        return out
+
+    return fake
+
+
+def _fake_model(task: Task, mode: FakeTensorMode) -> nn.Module:
+    """The Task's model with fake tensors: built under the fake mode, or a given module's tensors faked."""
+    model = task.model if isinstance(task.model, nn.Module) else task.build_model()
+    if not isinstance(task.model, nn.Module):
+        return model  # built under the mode: its tensors are fake already
+    model = task.build_model()  # a copy: the user's module is left as it is
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in memo:  # tied weights stay tied
+                    memo[id(param)] = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+                module._parameters[name] = memo[id(param)]  # type: ignore[assignment]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = memo.setdefault(id(buffer), mode.from_tensor(buffer))
+    return model
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ConfigError(
+            "activation_checkpointing=True, but the model has no repeated blocks to recompute\n"
+            "hint: leave it off, or wrap your own layers with torch.utils.checkpoint"
+        )
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        forward = block.forward
+        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+
+def _workspace(task: Task, target: str) -> int:
+    if target != "cuda":
+        return 0
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in meta_model(task).modules())
+    return CUBLAS_WORKSPACE + (CUDNN_WORKSPACE if has_conv else 0)
+
+
+def _notes(precision: str, target: str, strategy: str) -> tuple[str, ...]:
+    notes = ["eager model: torch.compile fuses ops and usually saves activation memory"]
+    if target == "cuda" and precision != "fp32":
+        notes.append(f"{precision} traced with the CPU's autocast lists, which differ from CUDA's in a few ops")
+    if target == "cuda":
+        notes.append(
+            "workspace is an allowance (cuBLAS, and cuDNN for convolutions); the CUDA context and the allocator's "
+            "cache come on top of the total"
+        )
+    if strategy != "single":
+        notes.append(f"{strategy} modelled from one process's trace")
+    return tuple(notes)
+
+
+def _distributed(
+    estimate: MemoryEstimate, task: Task, strategy: str, world_size: int, precision: str
+) -> MemoryEstimate:
+    """Adjust a one-process trace for DDP (gradients held in its buckets) or FSDP (model states sharded)."""
+    if strategy == "ddp":  # gradient_as_bucket_view: the gradients live in DDP's buckets for the whole run
+        missing = max(_param_bytes(task) - estimate.gradients, 0)
+        return dataclasses.replace(estimate, gradients=estimate.gradients + missing, peak=estimate.peak + missing)
+    if strategy != "fsdp" or world_size == 1:
+        return estimate
+    states = estimate.params + estimate.gradients + estimate.optimizer_state
+    sharded = [math.ceil(b / world_size) for b in (estimate.params, estimate.gradients, estimate.optimizer_state)]
+    gathered = _largest_block_bytes(task, precision) * 2  # one block gathered, the next prefetched
+    return dataclasses.replace(
+        estimate,
+        params=sharded[0] + gathered,
+        gradients=sharded[1],
+        optimizer_state=sharded[2],
+        peak=estimate.peak - states + sum(sharded) + gathered,
+    )
+
+
+def _param_bytes(task: Task) -> int:
+    model = meta_model(task)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _largest_block_bytes(task: Task, precision: str) -> int:
+    model = meta_model(task)
+    width = 2 if precision in _AUTOCAST else 4  # FSDP gathers in the compute dtype under mixed precision
+    blocks = repeated_blocks(model) or [model]
+    return max(sum(p.numel() for p in block.parameters()) * width for block in blocks)
+
+
+def meta_model(task: Task) -> nn.Module:
+    """The Task's model for looking at its structure: the given module, or one built on the meta device."""
+    if isinstance(task.model, nn.Module):
+        return task.model
+    with torch.device("meta"):
+        return task.build_model()

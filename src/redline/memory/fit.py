@@ -1,0 +1,164 @@
+"""Will it fit: an estimate against a device's memory, and the largest batch predicted to fit.
+
+A step's peak grows in a straight line with the batch at a fixed sequence length: the model states
+stay, the activations scale. So two traces (the batch asked for and twice it) give the line, the line
+gives the largest batch, and one more trace at that batch confirms it (stepping down while it does not).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redline.errors import ConfigError
+from redline.hardware.catalog import GPUSpec, find_gpu, load_catalog
+from redline.hardware.device import DeviceFacts
+from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
+from redline.parallel.fsdp import repeated_blocks
+from redline.task import Task
+
+GIB = 2**30
+# What a CUDA process cannot hand to tensors: the context and kernels (about 0.5-1.3 GB measured,
+# reference notes gpu-choice-and-memory.md 2.5: HF "Model memory anatomy"), kept out of the budget.
+CUDA_CONTEXT = GIB
+# The caching allocator reserves more than it allocates (rounded blocks, fragmentation): the peak may
+# use this share of what is left.
+ALLOCATOR_SHARE = 0.95
+_SEARCHES = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fit:
+    """One way to run the step (``label``) weighed against ``available`` bytes: the estimate at the batch asked
+    for, whether it fits, and the largest batch predicted to fit (None when not even one sample does)."""
+
+    label: str
+    estimate: MemoryEstimate
+    available: int
+    largest_batch: int | None
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total <= self.available
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "label": self.label,
+            "estimate": self.estimate.to_dict(),
+            "available": self.available,
+            "fits": self.fits,
+            "largest_batch": self.largest_batch,
+        }
+
+
+def available_bytes(mem_gib: float, target: str) -> int:
+    """The bytes a training step's tensors may use on a device of ``mem_gib``: the CUDA context left out, and
+    the allocator's share of the rest."""
+    usable = mem_gib * GIB - (CUDA_CONTEXT if target == "cuda" else 0)
+    return max(int(usable * ALLOCATOR_SHARE), 0)
+
+
+def largest_batch(
+    estimate_at: Callable[..., MemoryEstimate], first: MemoryEstimate, available: int, *, multiple: int = 1
+) -> int | None:
+    """The largest batch (a multiple of ``multiple``: the number of ranks) whose estimate fits ``available``.
+
+    ``estimate_at(batch_size=B)`` traces one batch size; ``first`` is the estimate already made. Each
+    next size comes from the line through the last two traces, kept inside the sizes known to fit and
+    known not to (halfway between them when the line points outside): the line is nearly right, but
+    the peak can move (from the optimizer step into backward) as the batch grows.
+    """
+    points = [(first.batch_size, first.total)]
+    fit = first.batch_size if first.total <= available else 0
+    over: int | None = None if first.total <= available else first.batch_size
+    size = first.batch_size * 2 if fit else max(first.batch_size // 2 // multiple * multiple, multiple)
+    for _ in range(_SEARCHES):
+        total = estimate_at(batch_size=size).total
+        points.append((size, total))
+        if total <= available:
+            fit = max(fit, size)
+        else:
+            over = size if over is None else min(over, size)
+        if over is not None and over - fit <= max(multiple, fit // 64):  # within 1.5%: as exact as the trace
+            break
+        size = _next_size(points, available, fit, over, multiple)
+    return fit or None
+
+
+def _next_size(points: list[tuple[int, int]], available: int, fit: int, over: int | None, multiple: int) -> int:
+    (b1, t1), (b2, t2) = points[-2:]
+    slope = (t2 - t1) / (b2 - b1) if b2 != b1 else 0.0
+    guess = b2 + (available - t2) / slope if slope > 0 else (fit * 2 if over is None else (fit + over) / 2)
+    size = max(int(guess) // multiple * multiple, multiple)
+    upper = over if over is not None else max(fit, multiple) * 64  # never leap past 64x what fitted
+    if not fit < size < upper:
+        size = (fit + upper) // 2 // multiple * multiple
+    return max(size, multiple)
+
+
+def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
+    """Find a GPU in the catalog by id (``h100-sxm``) or by the name torch reports; a clear error otherwise."""
+    catalog = load_catalog()
+    spec = next((s for s in catalog if s.id == name.lower()), None) or find_gpu(name, catalog=catalog)
+    if spec is None:
+        known = ", ".join(s.id for s in catalog)
+        raise ConfigError(
+            f"--gpu {name!r} is not in the GPU catalog; known: {known}\nhint: give its memory instead with --mem-gib"
+        )
+    facts = DeviceFacts(type="cuda", name=spec.name, capability=spec.compute_capability, mem_gib=spec.mem_gib)
+    return spec, facts
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryFit:
+    """A Task's memory on one device: where it was weighed, and each way to run it (``rows``)."""
+
+    task: str
+    device: str
+    mem_gib: float
+    target: str
+    rows: tuple[Fit, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "task": self.task,
+            "device": self.device,
+            "mem_gib": self.mem_gib,
+            "target": self.target,
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+
+def fit_memory(
+    task: Task,
+    *,
+    device: str,
+    mem_gib: float,
+    target: str,
+    batch_size: int | None = None,
+    precision: str = "fp32",
+    gpus: int = 8,
+) -> MemoryFit:
+    """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
+    GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit."""
+    batch = task.batch_size if batch_size is None else batch_size
+    available = available_bytes(mem_gib, target)
+    has_blocks = bool(repeated_blocks(meta_model(task)))
+    ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]
+    if has_blocks:
+        ways.append(("activation checkpointing", "single", 1, True))
+    if target == "cuda" and gpus > 1:
+        ways.append((f"FSDP over {gpus} GPUs", "fsdp", gpus, False))
+        if has_blocks:
+            ways.append((f"FSDP over {gpus} GPUs, checkpointing", "fsdp", gpus, True))
+    rows = []
+    for label, strategy, world, checkpointing in ways:
+        estimate_at = functools.partial(
+            estimate_memory, task, precision=precision, strategy=strategy, world_size=world,
+            activation_checkpointing=checkpointing, target=target,
+        )  # fmt: skip
+        first = estimate_at(batch_size=max(batch, world))
+        largest = largest_batch(estimate_at, first, available, multiple=world)
+        rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest))
+    return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows))

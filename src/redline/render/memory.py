@@ -1,0 +1,58 @@
+"""`redline memory`'s result as rich tables: the step's memory by part, its largest modules, and each way to fit."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from redline.memory.fit import MemoryFit
+
+GIB = 2**30
+
+
+def memory_tables(result: MemoryFit) -> list[Table]:
+    """The breakdown of the first row's estimate, its largest modules, and every row against the device."""
+    first = result.rows[0].estimate
+    parts = Table(
+        title=f"{result.task}: one training step at batch {first.batch_size}, {first.precision}",
+        title_justify="left",
+    )
+    parts.add_column("part")
+    parts.add_column("memory", justify="right")
+    for name, count in (
+        ("parameters", first.params),
+        ("gradients (at the peak)", first.gradients),
+        ("optimizer state", first.optimizer_state),
+        ("activations and temporaries", first.activations),
+        ("workspace allowance", first.workspace),
+        ("total peak", first.total),
+    ):
+        parts.add_row(name, size(count))
+    tables = [parts]
+    if first.top_modules:
+        top = Table(title="modules holding the most activations", title_justify="left")
+        top.add_column("module")
+        top.add_column("memory", justify="right")
+        for name, count in first.top_modules:
+            top.add_row(name, size(count))
+        tables.append(top)
+    fits = Table(
+        title=f"on {result.device} ({result.mem_gib:.3g} GiB, {size(result.rows[0].available)} for tensors)",
+        title_justify="left",
+    )
+    for column in ("way", "batch", "peak", "fits", "largest batch"):
+        fits.add_column(column, justify="left" if column == "way" else "right")
+    for row in result.rows:
+        fits.add_row(
+            row.label,
+            str(row.estimate.batch_size),
+            size(row.estimate.total),
+            "yes" if row.fits else "no",
+            str(row.largest_batch) if row.largest_batch else "none",
+        )
+    tables.append(fits)
+    return tables
+
+
+def size(count: int) -> str:
+    """Bytes as MiB below a GiB, else GiB."""
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 2**20:.1f} MiB"
