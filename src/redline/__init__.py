@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         TaskSpecError,
         TrainingError,
     )
+    from redline.memory.search import BatchSearch, find_batch_size
     from redline.plan import Choice, Plan
     from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 # Public name -> the module that defines it; a subpackage (doctor) maps to itself.
 _LAZY = {
+    "BatchSearch": "redline.memory.search",
     "BenchResult": "redline.bench.run",
     "Callback": "redline.train.callbacks",
     "Choice": "redline.plan",
@@ -54,6 +56,7 @@ _LAZY = {
     "TrainerConfig": "redline.train.config",
     "benchmark": "redline.bench.run",
     "doctor": "redline.doctor",
+    "find_batch_size": "redline.memory.search",
     "load_task": "redline.task",
     "report": "redline.render.html",
 }
@@ -74,6 +77,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BatchSearch",
     "BenchResult",
     "Callback",
     "Choice",
@@ -94,6 +98,7 @@ __all__ = [
     "__version__",
     "benchmark",
     "doctor",
+    "find_batch_size",
     "load_task",
     "report",
 ]

@@ -10,13 +10,13 @@ growth alone would mislead, since the allocator reuses what earlier rows freed.
 
 from __future__ import annotations
 
-import os
 import threading
 from types import TracebackType
 
 import torch
 
-STATM = "/proc/self/statm"
+from redline.hardware.memory import resident_bytes
+
 INTERVAL_S = 0.002
 
 
@@ -57,13 +57,3 @@ class PeakMemory:
             rss = resident_bytes()
             if rss is not None and rss > self._highest:
                 self._highest = rss
-
-
-def resident_bytes() -> int | None:
-    """The process's resident set in bytes, or None where /proc is not there (macOS, Windows)."""
-    try:
-        with open(STATM, encoding="ascii") as f:
-            pages = int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")

@@ -1,1 +1,2 @@
-"""Make it fit: estimate a step's memory before the run, find the largest batch, recover from out-of-memory."""
+"""Make it fit: estimate a step's memory before the run (``estimate``, ``fit``), and find the largest batch
+that runs a real training step on the device (``search``)."""

@@ -33,8 +33,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from redline.config import positive_int
-from redline.errors import ConfigError, TaskError, invalid
+from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
+from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.parallel.fsdp import repeated_blocks
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
@@ -160,7 +161,7 @@ def trace_step(
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    inputs, targets = _batch(task, batch_size)
+    inputs, targets = split_batch(real_batch(task.train_data, batch_size)[0], "train_data")
     autocast = _AUTOCAST.get(precision)
     with mode, tracker:
         model = _fake_model(task, mode)
@@ -220,23 +221,6 @@ def _stepper(
             opt.zero_grad(set_to_none=True)  # CUDA frees them right after the step
 
     return step
-
-
-def _batch(task: Task, size: int) -> tuple[Any, Any]:
-    """A real batch of ``size`` items of the Task's training data, repeating items when there are fewer."""
-    data = task.train_data
-    try:
-        count = len(data)  # type: ignore[arg-type]
-    except TypeError:
-        count = None
-    if count is not None:
-        items = [data[i % count] for i in range(size)]
-    else:
-        stream = iter(data)
-        items = [next(stream) for _ in range(min(size, 1))] * size
-    if not items:
-        raise TaskError(f"task {task.name!r}: train_data is empty; the estimate needs one item to shape the batch")
-    return split_batch(torch.utils.data.default_collate(items), "train_data")
 
 
 def _faked(mode: FakeTensorMode, tracker: LiveBytes) -> Callable[[Any], Any]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import resource
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from torch import nn
 
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
+from redline.hardware.memory import WindowPeak
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 
@@ -52,6 +51,7 @@ class Throughput:
         self.steps = self.samples = self.tokens = 0
         self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0}
         self._paused = 0.0  # excluded time since ``start``
+        self._memory = WindowPeak(rt.device)  # the first window starts here
 
     @contextlib.contextmanager
     def excluded(self, kind: str) -> Iterator[None]:
@@ -95,12 +95,14 @@ class Throughput:
             "mem_gib": self.memory_gib(),
         }
 
-    def memory_gib(self) -> float:
-        """Peak memory: allocated on the GPU, or the process's resident set on a CPU."""
-        if self.rt.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.rt.device) / 2**30
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return peak / (2**30 if sys.platform == "darwin" else 2**20)
+    def memory_gib(self) -> float | None:
+        """Peak memory since the last call (the log window): allocated on a GPU, resident on a CPU.
+
+        ``hardware.memory.WindowPeak`` says what each device gives: on a CPU where the kernel's
+        high-water mark cannot be reset it is the run's peak so far, and on MPS the memory at the read.
+        """
+        peak = self._memory.read()
+        return peak / 2**30 if peak is not None else None
 
     def totals(self) -> Figures:
         """Return the run's figures from after its first step (syncs once)."""

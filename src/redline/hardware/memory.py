@@ -1,0 +1,101 @@
+"""Memory readings of this process and its device, for the Trainer's logs and the bench rows alike.
+
+A CUDA device keeps its own peak counter (``torch.cuda.max_memory_allocated``), which
+``reset_peak_memory_stats`` starts again. A CPU run's memory is the process's resident set; Linux
+keeps its high-water mark (VmHWM in /proc/self/status) and starts it again at the current resident
+set when "5" is written to /proc/self/clear_refs (``man 5 proc``). Elsewhere (macOS, Windows, a
+kernel that refuses the write) only the all-time peak is known: ``getrusage``'s ru_maxrss.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from typing import Literal
+
+import torch
+
+STATM = "/proc/self/statm"
+STATUS = "/proc/self/status"
+CLEAR_REFS = "/proc/self/clear_refs"
+_RESET_PEAK_RSS = "5"  # clear_refs: "reset the peak resident set size ("high water mark") to the process's RSS"
+
+PeakKind = Literal["allocated", "resident", "resident since start", "current"]
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set in bytes, or None where /proc is not there (macOS, Windows)."""
+    try:
+        with open(STATM, encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_peak_bytes() -> int | None:
+    """The process's resident high-water mark (VmHWM) in bytes since start or the last reset; None without /proc."""
+    try:
+        with open(STATUS, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes it in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reset_resident_peak() -> bool:
+    """Start the process's resident high-water mark again from its resident set now; return whether it could.
+
+    The mark is the whole process's: every reader of VmHWM (and of ru_maxrss) in this process sees the reset.
+    """
+    try:
+        with open(CLEAR_REFS, "w", encoding="ascii") as f:
+            f.write(_RESET_PEAK_RSS)
+    except OSError:
+        return False
+    return resident_peak_bytes() is not None
+
+
+def max_resident_bytes() -> int:
+    """The process's all-time peak resident set in bytes (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class WindowPeak:
+    """The peak memory of each window of a run: ``read()`` returns the peak since the last read (or since built).
+
+    What ``kind`` says it is:
+      - "allocated" on CUDA: the caching allocator's peak of allocated bytes, its counter reset per window;
+      - "resident" on a Linux CPU: the process's resident high-water mark, reset per window (clear_refs);
+      - "resident since start" where that reset is refused: ru_maxrss, the all-time peak, never lower;
+      - "current" on MPS: the Metal driver's allocated bytes at the read (torch keeps no MPS peak).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.kind: PeakKind
+        if device.type == "cuda":
+            self.kind = "allocated"
+            torch.cuda.reset_peak_memory_stats(device)
+        elif device.type == "mps":
+            self.kind = "current"
+        else:
+            self.kind = "resident" if reset_resident_peak() else "resident since start"
+
+    def read(self) -> int | None:
+        """Return the window's peak in bytes and start the next window (None where nothing can be read)."""
+        if self.kind == "allocated":
+            peak = torch.cuda.max_memory_allocated(self.device)  # the allocator counts on the host: no sync
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return peak
+        if self.kind == "current":
+            return int(torch.mps.driver_allocated_memory())
+        if self.kind == "resident":
+            high = resident_peak_bytes()
+            reset_resident_peak()
+            return high
+        return max_resident_bytes()

@@ -1,0 +1,307 @@
+"""The largest batch that runs a full training step on this device, found by running it.
+
+    search = redline.find_batch_size(task)          # on a CPU: max_batch_size=..., or the dataset's size
+    print(search.largest, search.reason)
+
+Sizes double from ``start`` until one runs out of memory (or reaches the cap), then a binary search
+between the largest size that fitted and the smallest that did not finds the boundary; a start that
+is already too large halves until a size fits. ``next_batch_size`` plans it, a pure function of what
+was tried. Each try (a probe) builds a fresh model and Runtime and runs ``steps`` real training steps
+(forward, loss, backward, optimizer step) on a batch of that size from the Task's own data: the
+second step is the steady state, with the optimizer's state allocated. An out-of-memory ends the
+probe, and everything it held is freed before the next one starts.
+
+Under several processes every rank probes the same size and the ranks agree after every step, so a
+size fits only if it fitted on every rank, and every rank returns the same search. The gradients are
+not all-reduced during a probe (DDP's ``no_sync``): a rank out of memory mid-backward would leave the
+others waiting in a collective it never joins. DDP's buckets are allocated all the same, and the
+gradients then take memory of their own beside them: the answer errs on the safe side by at most a
+copy of the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from redline.config import positive_int
+from redline.errors import ConfigError, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.parallel.collectives import gather_objects, is_collective_failure
+from redline.parallel.env import join_process_group, read_env
+from redline.runtime.contract import check_loss, split_batch, user_code, user_line
+from redline.runtime.oom import free_memory, is_oom
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.runtime import Runtime
+from redline.task import Task
+
+Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
+
+
+def next_batch_size(tried: Sequence[tuple[int, bool]], *, start: int, cap: int | None = None) -> int | None:
+    """Return the next batch size to try after ``tried`` ((size, fitted) in order), or None when the search is done.
+
+    Double from ``start`` while sizes fit, up to ``cap``; after a failure, halve while nothing has
+    fitted yet; once there is a largest success below a failure, bisect between them until they are
+    neighbours. The answer is the largest size that fitted (none when size 1 failed).
+    """
+    if not tried:
+        return start if cap is None else min(start, cap)
+    largest = max((size for size, fitted in tried if fitted), default=0)
+    failed_above = [size for size, fitted in tried if not fitted and size > largest]
+    if not failed_above:  # nothing failed above the largest that fitted: keep doubling, up to the cap
+        if cap is not None and largest >= cap:
+            return None
+        return largest * 2 if cap is None else min(largest * 2, cap)
+    smallest_failure = min(failed_above)
+    if not largest:  # the start was already too large: halve until something fits
+        return smallest_failure // 2 or None
+    middle = (largest + smallest_failure) // 2
+    return middle if middle > largest else None
+
+
+def search_reason(tried: Sequence[Tried], cap: int | None) -> str:
+    """One line saying what the search found and what stopped it."""
+    fitted = [size for size, ok, _ in tried if ok]
+    if not fitted:
+        first = min(tried, key=lambda t: t[0]) if tried else (1, False, "")
+        return f"nothing fits: batch size {first[0]} ran out of memory ({first[2]})"
+    largest = max(fitted)
+    failures = [(size, error) for size, ok, error in tried if not ok and size > largest]
+    if not failures:
+        return f"{largest} fits: the cap (max_batch_size={cap}) stopped the search"
+    size, error = min(failures)
+    return f"{largest} fits; {size} ran out of memory ({error})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSearch:
+    """What ``find_batch_size`` found: the largest batch that trained, every size tried, and the conditions.
+
+    ``largest`` is None when not even a batch of one fitted. Under several processes it is each
+    process's own batch (the global batch is ``world_size`` times it). ``notes`` say what the figure
+    assumes (compile off, repeated samples, the cap's origin, the split over processes).
+    """
+
+    largest: int | None
+    tried: tuple[Tried, ...]
+    device: str
+    precision: str
+    seconds: float
+    reason: str
+    cap: int | None
+    steps: int
+    world_size: int = 1
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the search as JSON-ready data."""
+        data = asdict(self)
+        data["tried"] = [{"batch_size": s, "fitted": ok, "error": error} for s, ok, error in self.tried]
+        data["notes"] = list(self.notes)
+        return data
+
+
+def find_batch_size(
+    task: Task,
+    *,
+    options: RuntimeOptions | None = None,
+    start: int = 1,
+    max_batch_size: int | None = None,
+    steps: int = 2,
+) -> BatchSearch:
+    """Return the largest batch that runs ``steps`` full training steps of ``task`` on the Runtime's device.
+
+    The Runtime follows ``options`` (device, precision, layout), with compile off: compiling changes
+    the memory a step needs and would compile again for every size. On a GPU the search needs no cap,
+    since an out-of-memory error stops it; on a CPU the operating system kills the process long
+    before torch raises, so the cap defaults to the dataset's size there (a stream needs
+    ``max_batch_size``). An error other than out-of-memory stops the search (a TrainingError naming
+    the size when it came from the model or loss). Under ``redline launch`` every rank must call it.
+    """
+    if not isinstance(task, Task):
+        raise invalid("task", type(task).__name__, "a redline.Task", "e.g. redline.load_task('example:digits')")
+    positive_int("start", start)
+    positive_int("max_batch_size", max_batch_size, optional=True)
+    positive_int("steps", steps)
+    options = RuntimeOptions.build(options, compile="off", grad_accum=1)
+    began = time.perf_counter()
+    first = Runtime(options)  # resolves the device and precision; starts nothing
+    device, precision = first.device, first.precision.name
+    cap, notes = _cap(task.train_data, device, max_batch_size)
+    if cap is not None and start > cap:
+        where = "max_batch_size" if max_batch_size is not None else "the dataset's size, the cap on a CPU"
+        raise invalid("start", start, f"at most {cap} ({where})", "pass a smaller start, or a larger max_batch_size")
+    notes.append("compile off: a compiled step needs other memory, and each size would compile again")
+    env = read_env()
+    tried: list[Tried] = []
+    short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
+    with join_process_group(env, device.type):  # one process group for every probe's Runtime
+        while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
+            error, samples = _probe(task, options, size, steps)
+            tried.append((size, not error, error))
+            if 0 < samples < size:
+                short.add(samples)
+    if short:
+        notes.append(
+            f"train_data gave {max(short)} samples: larger batches repeat them (memory follows shapes, not values)"
+        )
+    if env.world_size > 1:
+        notes.append(
+            f"per process: each of the {env.world_size} processes ran a batch of this size (the global batch is "
+            f"{env.world_size} times it); gradients were not all-reduced, which errs on the safe side"
+        )
+    fitted = [s for s, ok, _ in tried if ok]
+    return BatchSearch(
+        largest=max(fitted) if fitted else None,
+        tried=tuple(tried),
+        device=str(device),
+        precision=precision,
+        seconds=time.perf_counter() - began,
+        reason=search_reason(tried, cap),
+        cap=cap,
+        steps=steps,
+        world_size=env.world_size,
+        notes=tuple(notes),
+    )
+
+
+def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -> tuple[int | None, list[str]]:
+    """The largest size to try, and a note when it is the CPU's default."""
+    if max_batch_size is not None or device.type != "cpu":
+        return max_batch_size, []
+    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        raise ConfigError(
+            "on a CPU the search needs max_batch_size: the operating system kills a process out of memory long "
+            "before torch raises, and train_data is a stream whose size cannot stand in\n"
+            "hint: pass max_batch_size=N (redline memory --measure --max-batch-size N)"
+        )
+    size = len(data)
+    note = f"max_batch_size defaults to the dataset's size ({size}) on a CPU, whose out-of-memory kills the process"
+    return size, [note]
+
+
+def _probe(task: Task, options: RuntimeOptions, size: int, steps: int) -> tuple[str, int]:
+    """Run ``steps`` training steps at ``size``; return the out-of-memory error ("" if it fitted) and the samples used.
+
+    The ranks agree after every step: each runs the same steps, so none waits in a collective that
+    another left. Whatever the probe held is freed before it returns.
+    """
+    probe = _Probe(task, options, size)
+    device = probe.rt.device
+    try:
+        for step in range(1, steps + 1):
+            oom, error = probe.step(step)
+            failure = _agree(size, oom, error)
+            if failure:
+                return failure, probe.samples
+        return "", probe.samples
+    finally:
+        probe.rt.close()
+        del probe  # the only reference to its Runtime, model, optimizer state and batch
+        free_memory(device)
+
+
+class _Probe:
+    """One try of a batch size: a fresh Runtime, model, optimizer and batch, all dropped with it."""
+
+    def __init__(self, task: Task, options: RuntimeOptions, size: int) -> None:
+        self.task, self.size = task, size
+        self.rt = Runtime(options)
+        self.samples = 0
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.batch: tuple[Any, Any] | None = None
+
+    def step(self, step: int) -> tuple[str, Exception | None]:
+        """Run one training step; return the out-of-memory error's line, or the other error that stopped it."""
+        try:
+            self._run(step)
+        except Exception as exc:  # told apart here, acted on by the caller once every rank knows
+            if is_collective_failure(exc):
+                raise
+            return (describe_error(exc), None) if is_oom(exc) else ("", exc)
+        return "", None
+
+    def _run(self, step: int) -> None:
+        rt, task = self.rt, self.task
+        if self.model is None:
+            rt.start()  # before the model is built, so a seed applies to its weights
+            self.model, self.optimizer = rt.setup(_build(task), task.optimizer)
+            if rt.env.distributed and rt.strategy is not None and rt.strategy.name == "fsdp":
+                raise ConfigError(
+                    "the batch-size search cannot run under FSDP: its forward gathers weights from every rank, so "
+                    "one rank out of memory would leave the others waiting\nhint: search with strategy='ddp' when "
+                    "the model fits on one device, or find the batch size by hand"
+                )
+            self.model.train()
+            batch, self.samples = real_batch(task.train_data, self.size)
+            self.batch = split_batch(rt.to_device(batch), "train_data")
+        assert self.model is not None and self.optimizer is not None and self.batch is not None
+        inputs, targets = self.batch
+        with self._local_gradients(), user_code(f"batch size {self.size}, step {step}", inputs, targets):
+            with rt.autocast():
+                loss = check_loss(task.loss_fn(self.model(inputs), targets), training=True)
+            rt.backward(loss)
+        rt.step(self.optimizer)
+
+    def _local_gradients(self) -> contextlib.AbstractContextManager[Any]:
+        """Under several processes, keep the gradients local: no collective in the step that one rank could miss."""
+        if self.rt.strategy is None or self.model is None or not self.rt.env.distributed:
+            return contextlib.nullcontext()
+        return self.rt.strategy.gradient_sync(self.model, False)
+
+
+def _build(task: Task) -> nn.Module:
+    try:
+        return task.build_model()
+    except RedlineError:
+        raise
+    except Exception as exc:
+        if is_oom(exc):
+            raise
+        raise TrainingError(
+            f"task {task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
+        ) from exc
+
+
+def real_batch(data: Dataset[Any], size: int) -> tuple[Any, int]:
+    """Collate a batch of ``size`` items from the start of ``data``, repeating them when it holds fewer.
+
+    Returns the batch (as the Trainer's DataLoader collates it) and the number of distinct items in it.
+    """
+    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        items = list(itertools.islice(iter(data), size))
+    else:
+        items = [data[i] for i in range(min(size, len(data)))]
+    if not items:
+        raise TaskError("train_data gave no item: there is nothing to build a batch from\nhint: check the dataset")
+    distinct = len(items)
+    return default_collate([items[i % distinct] for i in range(size)]), distinct
+
+
+def _agree(size: int, oom: str, error: Exception | None) -> str:
+    """Every rank's outcome of a step, the same on all: "" when each fitted, else the first rank's error.
+
+    Another error than out-of-memory stops the search on every rank, each naming the rank that had it.
+    """
+    outcomes = gather_objects((oom, describe_error(error) if error is not None else ""))
+    if error is not None:
+        if isinstance(error, RedlineError):
+            raise error
+        raise TrainingError(f"batch size {size}: {describe_error(error)}{user_line(error)}") from error
+    for rank, (_, other) in enumerate(outcomes):
+        if other:
+            raise TrainingError(f"batch size {size}: rank {rank} failed: {other}\nhint: its own output shows where")
+    failed = [(rank, text) for rank, (text, _) in enumerate(outcomes) if text]
+    if not failed:
+        return ""
+    rank, text = failed[0]
+    return text if len(outcomes) == 1 else f"rank {rank}: {text}"

@@ -1,0 +1,127 @@
+"""find_batch_size on a model that runs out of memory above a batch size: the sizes tried, the answer, the
+clean-up between probes, and two ranks that agree."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+from batch_search_job import Limited, limited_task
+from torch import nn
+from torch.utils.data import IterableDataset
+
+import redline
+from redline.errors import ConfigError, TrainingError
+
+CPU = redline.RuntimeOptions(devices="cpu")
+JOB = str(Path(__file__).with_name("batch_search_job.py"))
+
+
+def sizes(search: redline.BatchSearch) -> list[tuple[int, bool]]:
+    return [(size, fitted) for size, fitted, _ in search.tried]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_doubles_then_bisects_to_the_largest_batch_that_trains(where):
+    search = redline.find_batch_size(limited_task(21, where), options=CPU, max_batch_size=64)
+    assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 16, 32, 24, 20, 22, 21]
+    assert [ok for _, ok in sizes(search)] == [True] * 5 + [False, False, True, False, True]
+    assert search.largest == 21 and search.cap == 64 and search.device == "cpu"
+    assert search.precision == "fp32" and search.steps == 2 and search.world_size == 1
+    errors = {size: error for size, _, error in search.tried}
+    assert errors[22] == f"OutOfMemoryError: CUDA out of memory. Tried to allocate 22 rows ({where})"
+    assert search.reason.startswith("21 fits; 22 ran out of memory (OutOfMemoryError: CUDA out of memory.")
+    assert any(note.startswith("compile off") for note in search.notes)
+
+
+def test_each_probe_trains_a_fresh_model_and_frees_the_last_one_first():
+    task, seen, steps = limited_task(5), [], []
+    last = {"model": None}
+
+    def build() -> nn.Module:
+        seen.append(all(ref() is None for ref in last.values() if ref is not None))
+        model = Limited(5, "forward")
+        model.register_forward_hook(lambda module, args, out: steps.append(args[0].shape[0]))
+        last["model"] = weakref.ref(model)
+        return model
+
+    task = redline.Task(model=build, loss_fn=task.loss_fn, train_data=task.train_data)
+    search = redline.find_batch_size(task, options=CPU, start=4, max_batch_size=16, steps=3)
+    assert [s for s, _ in sizes(search)] == [4, 8, 6, 5]
+    assert seen == [True] * 4  # every earlier probe's model (and its optimizer state) was gone before the next
+    assert steps == [4, 4, 4, 5, 5, 5]  # three full steps on the sizes that fit; no forward gets past the limit
+
+
+def test_on_a_cpu_the_cap_defaults_to_the_dataset_and_small_data_repeats():
+    search = redline.find_batch_size(limited_task(1000, samples=48), options=CPU)
+    assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 16, 32, 48] and search.largest == 48
+    assert search.reason == "48 fits: the cap (max_batch_size=48) stopped the search"
+    assert any("dataset's size (48)" in note for note in search.notes)
+    repeated = redline.find_batch_size(limited_task(1000, samples=10), options=CPU, start=8, max_batch_size=16)
+    assert repeated.largest == 16 and any("gave 10 samples" in note for note in repeated.notes)
+
+
+def test_nothing_fits_and_a_too_large_start_halves():
+    none = redline.find_batch_size(limited_task(0), options=CPU, start=4, max_batch_size=64)
+    assert sizes(none) == [(4, False), (2, False), (1, False)] and none.largest is None
+    assert none.reason.startswith("nothing fits: batch size 1 ran out of memory")
+    assert redline.find_batch_size(limited_task(5), options=CPU, start=64, max_batch_size=64).largest == 5
+
+
+def test_an_error_that_is_not_out_of_memory_stops_the_search_naming_the_size():
+    def loss_fn(out, y):
+        if out.shape[0] > 4:
+            raise ValueError("a bug in the loss")
+        return nn.functional.cross_entropy(out, y)
+
+    task = redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=loss_fn, train_data=limited_task(1).train_data)
+    with pytest.raises(TrainingError, match=r"batch size 8, step 1: the model or loss raised ValueError: a bug"):
+        redline.find_batch_size(task, options=CPU, max_batch_size=64)
+
+
+def test_bad_arguments_are_refused():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from limited_task(1).train_data
+
+    with pytest.raises(ConfigError, match="needs max_batch_size"):
+        redline.find_batch_size(dataclasses.replace(limited_task(1), train_data=Stream()), options=CPU)
+    with pytest.raises(ConfigError, match=r"start=200 is not allowed; expected at most 100"):
+        redline.find_batch_size(limited_task(1), options=CPU, start=200)
+    with pytest.raises(ConfigError, match="steps=0"):
+        redline.find_batch_size(limited_task(1), options=CPU, steps=0)
+
+
+def launch_job(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "redline", "launch", "--nproc", "2", JOB, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+
+
+def test_two_ranks_with_different_limits_agree_on_the_smaller():
+    result = launch_job("12", "9")
+    assert result.returncode == 0, result.stderr[-3000:]
+    searches = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["rank"] for s in searches) == [0, 1]
+    first, second = searches
+    assert first["largest"] == second["largest"] == 9  # rank 0 alone would have trained 12
+    assert first["tried"] == second["tried"]
+    assert [(t["batch_size"], t["fitted"]) for t in first["tried"]] == [
+        (1, True), (2, True), (4, True), (8, True), (16, False), (12, False), (10, False), (9, True)
+    ]  # fmt: skip
+    assert first["tried"][5]["error"].startswith("rank 1: OutOfMemoryError")  # 12: rank 1's, told to rank 0
+    assert first["world_size"] == 2 and any(note.startswith("per process") for note in first["notes"])
+
+
+def test_a_bug_on_one_rank_stops_every_rank_instead_of_leaving_one_waiting():
+    result = launch_job("12", "9", "--bug-on-rank-1")  # a hang would time out
+    assert result.returncode != 0 and "{" not in result.stdout
+    assert "batch size 8, step 1: the model or loss raised ValueError: a bug in rank 1's loss" in result.stderr
+    assert "batch size 8: rank 1 failed: ValueError: a bug in rank 1's loss" in result.stderr  # rank 0's own
+
+
+def test_the_public_names():
+    assert redline.find_batch_size.__module__ == "redline.memory.search"
+    assert {"find_batch_size", "BatchSearch"} <= set(redline.__all__)
