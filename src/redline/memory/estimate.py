@@ -53,7 +53,7 @@ MIB = 2**20
 CUBLAS_WORKSPACE = 32 * MIB
 # cuDNN picks convolution algorithms by speed within a workspace it allocates per call; torch caps
 # nothing by default, so this is an allowance, not a bound (stated in the estimate's notes).
-CUDNN_WORKSPACE = 256 * MIB
+CUDNN_WORKSPACE = 64 * MIB
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _TOP_MODULES = 5
 
