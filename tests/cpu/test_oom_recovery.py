@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import redline
@@ -325,6 +326,19 @@ def test_two_processes_with_micro_batches_average_the_gradients_as_one_process(t
     for name, tensor in one.items():
         assert torch.allclose(two[name], tensor, rtol=0, atol=1e-6), name
     assert all(torch.equal(weights_of(small_from_the_start, 1)[n], t) for n, t in two.items())
+
+
+def test_fsdp_takes_a_fixed_micro_batch_and_refuses_auto(tmp_path, small_from_the_start):
+    ranks = run_job(tmp_path, "--micro-batch", "4", "--strategy", "fsdp")  # reduced in the last one's backward
+    assert all(set(found["sizes"]) == {4} and "FSDP" in found["micro_batch"]["reason"] for found in ranks)
+    fsdp, ddp = load_file(tmp_path / "model.safetensors"), load_file(small_from_the_start / "model.safetensors")
+    for name, tensor in ddp.items():
+        assert torch.allclose(fsdp[name], tensor, rtol=0, atol=1e-6), name
+    refused = subprocess.run(
+        [sys.executable, "-m", "redline", "launch", "--nproc", "2", JOB, str(tmp_path), "--strategy", "fsdp"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "micro_batch='auto' is not supported with strategy 'fsdp'" in refused.stderr
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -50,14 +50,16 @@ def resolve_micro_batch(requested: MicroBatch, *, strategy: str | None = None) -
 
 
 def after_oom(failed: Sequence[tuple[int, int]], size: int, *, strategy: str | None = None) -> Choice[int]:
-    """The axis after "auto" halved: ``failed`` holds each (size that ran out of memory, step), oldest first."""
+    """Return the axis after "auto" halved: ``failed`` holds each (size that ran out of memory, step), oldest first."""
     where = ", ".join(f"{tried} (step {step})" for tried, step in failed)
     return Choice(size, f"auto: {size} after out-of-memory at {where}" + _SYNC.get(strategy or "", ""))
 
 
 def found_size(entry: Mapping[str, Any] | None) -> int | None:
-    """The size a stored Plan's "auto" axis had halved to (``Plan.to_dict()``'s entry), for a resumed run to start
-    from; None when it had not halved."""
+    """Return the size a stored Plan's "auto" axis (its ``Plan.to_dict()`` entry) had halved to, or None.
+
+    A resumed run asked for "auto" again starts from it rather than trying the sizes that failed.
+    """
     if not entry or "auto: " not in str(entry.get("reason", "")):
         return None
     value = entry.get("value")

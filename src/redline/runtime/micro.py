@@ -59,7 +59,7 @@ class OomEvent:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Batch:
+class BatchRun:
     """How the Runtime runs this call's batch: the objects that apply the Plan and where the batch stands."""
 
     precision: Precision
@@ -95,7 +95,7 @@ class MicroBatcher:
         self.size, self.choice = size, Choice(size, reason)
         return self.choice
 
-    def run(self, step_fn: Callable[[Any], torch.Tensor], batch: Any, how: Batch) -> torch.Tensor:
+    def run(self, step_fn: Callable[[Any], torch.Tensor], batch: Any, how: BatchRun) -> torch.Tensor:
         """Run ``batch`` through ``step_fn`` and back-propagate it; return its mean loss, detached."""
         if self.requested is None:
             return self._whole(step_fn, batch, how)
@@ -125,7 +125,7 @@ class MicroBatcher:
         assert loss is not None
         return loss
 
-    def _whole(self, step_fn: Callable[[Any], torch.Tensor], batch: Any, how: Batch) -> torch.Tensor:
+    def _whole(self, step_fn: Callable[[Any], torch.Tensor], batch: Any, how: BatchRun) -> torch.Tensor:
         """Run the batch as one; an out-of-memory error propagates, after its snapshot (CUDA)."""
         try:
             with gradient_sync(how, how.sync):
@@ -139,7 +139,13 @@ class MicroBatcher:
         return loss.detach()
 
     def _pass(
-        self, step_fn: Callable[[Any], torch.Tensor], batch: Any, span: tuple[int, int, int], how: Batch, *, local: bool
+        self,
+        step_fn: Callable[[Any], torch.Tensor],
+        batch: Any,
+        span: tuple[int, int, int],
+        how: BatchRun,
+        *,
+        local: bool,
     ) -> tuple[int, Where | None, torch.Tensor | None]:
         """Run micro-batches of ``size`` from sample ``start`` to ``total`` (``span``); return where it stopped,
         where it ran out of memory (None if it did not), and the finished micro-batches' weighted losses."""
@@ -161,7 +167,7 @@ class MicroBatcher:
         return start, None, loss
 
     def _one(
-        self, step_fn: Callable[[Any], torch.Tensor], micro: Any, share: float, size: int, how: Batch
+        self, step_fn: Callable[[Any], torch.Tensor], micro: Any, share: float, size: int, how: BatchRun
     ) -> tuple[torch.Tensor | None, Where | None]:
         """Run one micro-batch forward and backward; return its weighted loss (detached), or where memory ran out.
 
@@ -186,7 +192,7 @@ class MicroBatcher:
             return None, "backward"
         return weighted.detach(), None
 
-    def _halve(self, size: int, where: Where, *, mine: bool, fresh: bool, how: Batch) -> int:
+    def _halve(self, size: int, where: Where, *, mine: bool, fresh: bool, how: BatchRun) -> int:
         """Record the recovery and return the next micro-batch size, or raise when there is none to go to."""
         rank, world = rank_and_world()
         on = (f" on rank {rank}" if mine else " on another rank") if world > 1 else ""
@@ -223,7 +229,7 @@ class MicroBatcher:
         )  # fmt: skip
         return new
 
-    def _snapshot(self, how: Batch, size: int | None) -> None:
+    def _snapshot(self, how: BatchRun, size: int | None) -> None:
         rank, world = rank_and_world()
         name = (
             f"memory-snapshot-step{how.step}"
@@ -234,7 +240,7 @@ class MicroBatcher:
 
 
 @contextlib.contextmanager
-def gradient_sync(how: Batch, enabled: bool) -> Iterator[None]:
+def gradient_sync(how: BatchRun, enabled: bool) -> Iterator[None]:
     """Enter the strategy's gradient-sync context of every set-up model: reduce in this backward, or not."""
     with contextlib.ExitStack() as stack:
         for model in how.models:
@@ -243,7 +249,7 @@ def gradient_sync(how: Batch, enabled: bool) -> Iterator[None]:
 
 
 def batch_length(batch: Any) -> int:
-    """The number of samples in ``batch``: the first axis of its first tensor that has one."""
+    """Return the number of samples in ``batch``: the first axis of its first tensor that has one."""
     for tensor in tensors_in(batch):
         if tensor.dim() and tensor.shape[0]:
             return int(tensor.shape[0])
@@ -255,7 +261,7 @@ def batch_length(batch: Any) -> int:
 
 
 def take(batch: Any, start: int, end: int, total: int) -> Any:
-    """Samples ``start:end`` of ``batch``: every tensor whose first axis is ``total`` is sliced (a view, no copy)."""
+    """Return samples ``start:end`` of ``batch``: each tensor whose first axis is ``total`` sliced (a view)."""
     if start == 0 and end == total:
         return batch
     return map_tensors(batch, lambda t: t[start:end] if t.dim() and t.shape[0] == total else t)

@@ -55,7 +55,7 @@ from redline.runtime.compile import (
 )
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
-from redline.runtime.micro import Batch, MicroBatcher, OomEvent
+from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
 from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
@@ -315,7 +315,7 @@ class Runtime:
         strategy, _, _ = self._prepared(models=False)
         sync = self._next_batch()
         step = (self._backwards - 1) // self.options.grad_accum + 1
-        how = Batch(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
+        how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
                     accum=self.options.grad_accum, sync=sync, step=step, snapshot_dir=self.snapshot_dir)  # fmt: skip
         loss = self._micro.run(step_fn, batch, how)
         if self._plan.micro_batch is not self._micro.choice:  # "auto" halved: the Plan says when and why
