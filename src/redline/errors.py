@@ -37,6 +37,10 @@ class TrainingError(RedlineError, RuntimeError):
     """Training cannot go on: a non-finite loss, a failing forward, or a peer that stopped."""
 
 
+class OutOfMemory(TrainingError):
+    """The device ran out of memory and the run could not go on: not even one sample fits, or no recovery was asked."""
+
+
 def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigError:
     """Build a ConfigError in the house format: passed -> allowed -> hint."""
     message = f"{name}={value!r} is not allowed; expected {allowed}"

@@ -45,8 +45,8 @@ def plan_table(stdout: str) -> dict[str, tuple[str, str]]:
     return {axis: (" ".join(filter(None, value)), " ".join(filter(None, why))) for axis, (value, why) in cells.items()}
 
 
-CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum", "clip_grad_norm", "strategy",
-            "channels_last", "compile", "optimizer", "zero_grad", "loader"]  # fmt: skip
+CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum", "micro_batch", "clip_grad_norm",
+            "strategy", "channels_last", "compile", "optimizer", "zero_grad", "loader"]  # fmt: skip
 
 
 def test_train_json_and_out_dir(tmp_path):

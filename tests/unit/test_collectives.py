@@ -2,6 +2,7 @@
 
 import torch
 
+from redline.parallel import collectives
 from redline.parallel.collectives import StopVote, is_collective_failure, vote_interval
 
 
@@ -16,3 +17,13 @@ def test_the_stop_vote_is_paced_to_about_every_fifth_of_a_second():
     assert vote_interval(0.0) == 1 and vote_interval(float("nan")) == 1  # no step time yet: every step
     alone = StopVote()  # one process: no group, the vote is the signal itself, at once
     assert alone.vote(True, step=3) and not alone.vote(False, step=4)
+
+
+def test_tensors_go_into_buckets_of_one_dtype_in_order(monkeypatch):
+    monkeypatch.setattr(collectives, "BUCKET_BYTES", 64)
+    a, b, c, d = torch.zeros(8), torch.zeros(8), torch.zeros(2, dtype=torch.float64), torch.zeros(20)
+    buckets = collectives._buckets([a, b, c, d])  # 32 + 32 bytes fill one; a new dtype starts one; so does a big one
+    assert [[t.shape for t in bucket] for bucket in buckets] == [[(8,), (8,)], [(2,)], [(20,)]]
+    assert collectives.all_reduce_max(3, torch.device("cpu")) == 3  # one process: the value itself
+    collectives.average_tensors([a])  # nothing to average with
+    assert torch.equal(a, torch.zeros(8))

@@ -28,6 +28,9 @@ from redline.train.config import TrainerConfig
         ("clip_grad_norm", -1.0, "clip_grad_norm=-1.0"),
         ("seed", "7", "seed='7'"),
         ("deterministic", "yes", "deterministic='yes'"),
+        ("micro_batch", 0, "micro_batch=0"),
+        ("micro_batch", "half", "micro_batch='half'"),
+        ("micro_batch", True, "micro_batch=True"),
     ],
 )
 def test_runtime_options_name_the_bad_field_and_what_is_allowed(field, value, message):
@@ -160,3 +163,11 @@ def test_a_command_line_parses_into_the_options_objects(monkeypatch):
 def test_launch_options_are_removed_for_the_workers():
     argv = ["train", "--task", "x", "--nproc", "2", "--max-restarts=1", "--hang-timeout", "9", "--seed", "1"]
     assert train_cli.without_launch_options(argv) == ["train", "--task", "x", "--seed", "1"]
+
+
+def test_micro_batch_takes_a_number_auto_or_none_and_the_command_lines_text():
+    assert RuntimeOptions(micro_batch="8").micro_batch == 8  # --micro-batch 8 arrives as text
+    assert RuntimeOptions(micro_batch="auto").micro_batch == "auto" and RuntimeOptions().micro_batch is None
+    stored = {"device": {"value": "cpu"}, "precision": {"value": "fp32"}, "grad_accum": {"value": 1},
+              "clip_grad_norm": {"value": None}, "micro_batch": {"value": None, "reason": "default"}}  # fmt: skip
+    assert RuntimeOptions(micro_batch="auto").with_plan(stored).micro_batch == "auto"  # asked for now: recovery

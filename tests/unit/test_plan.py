@@ -10,6 +10,7 @@ from redline.plan import Choice, Plan, parse_switch
 from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
 from redline.plan.device import resolve_device, resolve_worker_device
 from redline.plan.layout import resolve_channels_last
+from redline.plan.micro_batch import after_oom, found_size, resolve_micro_batch
 from redline.plan.optimizer import OptimizerFacts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import resolve_precision, resolve_tf32
 
@@ -296,3 +297,45 @@ def test_strategy_explicit_and_wrong():
         resolve_strategy("zero3", world_size=2, params=1, device_mem_gib=80)
     with pytest.raises(ConfigError, match="several processes"):
         resolve_strategy("single", world_size=2, params=1, device_mem_gib=80)
+
+
+# -- micro-batches -------------------------------------------------------------------------------
+
+
+def test_micro_batch_reasons_say_how_the_batch_runs_and_syncs():
+    assert resolve_micro_batch(None) == Choice(
+        None, "default: each batch runs whole; an out-of-memory error stops the run"
+    )
+    assert resolve_micro_batch("auto") == Choice("auto", "auto: the whole batch; halved on out-of-memory")
+    assert (
+        resolve_micro_batch(4, strategy="single").reason
+        == "requested: micro-batches of 4 samples, gradients accumulated"
+    )
+    ddp = resolve_micro_batch("auto", strategy="ddp").reason
+    assert "without gradient sync" in ddp and "all-reduced once per batch" in ddp
+    assert "last micro-batch" in resolve_micro_batch(4, strategy="fsdp").reason
+    halved = after_oom([(32, 12), (16, 12)], 8, strategy="ddp")
+    assert halved.value == 8 and halved.reason.startswith(
+        "auto: 8 after out-of-memory at 32 (step 12), 16 (step 12); DDP"
+    )
+
+
+def test_auto_micro_batch_under_fsdp_is_refused_with_the_fix():
+    with pytest.raises(
+        ConfigError, match=r"(?s)micro_batch='auto' is not supported with strategy 'fsdp'.*--micro-batch 4"
+    ):
+        resolve_micro_batch("auto", strategy="fsdp")
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ({"value": 4, "reason": "auto: 4 after out-of-memory at 8 (step 3)"}, 4),
+        ({"value": 4, "reason": "from checkpoint step 6: auto: 4 after out-of-memory at 8 (step 3)"}, 4),
+        ({"value": "auto", "reason": "auto: the whole batch; halved on out-of-memory"}, None),
+        ({"value": 4, "reason": "requested: micro-batches of 4 samples, gradients accumulated"}, None),
+        (None, None),
+    ],
+)
+def test_a_resumed_auto_run_finds_the_size_its_plan_had_halved_to(entry, expected):
+    assert found_size(entry) == expected

@@ -149,6 +149,9 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))
     if summary.skipped_steps:
         rows.append(("fp16 steps skipped", str(summary.skipped_steps)))
+    if summary.oom_recoveries:
+        halvings = ", ".join(f"{e['from_size']} -> {e['to_size']} at step {e['step']}" for e in summary.oom_recoveries)
+        rows.append(("out-of-memory recoveries", f"{len(summary.oom_recoveries)} (micro-batch {halvings})"))
     if summary.val_loss is not None:
         rows.append(("val loss", f"{summary.val_loss:.4f}"))
     if summary.val_metric is not None:

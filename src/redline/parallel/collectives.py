@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +28,64 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()
         torch_dist.all_reduce(tensor)
     return tensor
+
+
+def all_reduce_max(value: int, device: torch.device) -> int:
+    """Return the largest ``value`` over all ranks (``value`` itself in one process); waits for the device once."""
+    if not active():
+        return value
+    flag = torch.tensor([value], dtype=torch.int32, device=device)  # on the device: NCCL reduces device tensors
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: large enough to amortise a call, small enough to copy
+
+
+def average_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Average ``tensors`` in place over all ranks: flattened into buckets, one all-reduce each (no-op alone).
+
+    Every rank passes tensors of the same shapes and dtypes, in the same order.
+    """
+    if not active():
+        return
+    world = torch_dist.get_world_size()
+
+    def average(flat: torch.Tensor) -> None:
+        torch_dist.all_reduce(flat)
+        flat /= world
+
+    _each_bucket(tensors, average)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Give every rank ``src``'s values of ``tensors``, in place, a bucket a call (no-op alone)."""
+    if active():
+        _each_bucket(tensors, lambda flat: torch_dist.broadcast(flat, src=src))
+
+
+def _each_bucket(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
+    """Run ``collective`` on each bucket of ``tensors`` flattened into one tensor, then copy the result back."""
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        collective(flat)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group ``tensors`` of one dtype and device, in order, into buckets of about BUCKET_BYTES."""
+    out: list[list[torch.Tensor]] = []
+    size, kind = 0, None
+    for t in tensors:
+        if not out or (t.dtype, t.device) != kind or size + t.numel() * t.element_size() > BUCKET_BYTES:
+            out.append([])
+            size, kind = 0, (t.dtype, t.device)
+        out[-1].append(t)
+        size += t.numel() * t.element_size()
+    return out
 
 
 def rank_and_world() -> tuple[int, int]:

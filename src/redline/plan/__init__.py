@@ -1,6 +1,6 @@
 """The Plan: every automatic choice of a run, each with the reason it was made.
 
-Each axis (device, precision, compile, memory layout, optimizer implementation, data loading) has
+Each axis (device, precision, compile, memory layout, optimizer implementation, micro-batches, data loading) has
 one module here with one pure resolver: requested value and device facts in, a ``Choice`` out.
 The Runtime gathers the choices into a frozen ``Plan``; ``Runtime.explain()`` returns it.
 """
@@ -36,6 +36,7 @@ class Plan:
     deterministic: Choice[bool] | None = None
     seed: Choice[int | None] | None = None
     grad_accum: Choice[int]
+    micro_batch: Choice[int | str | None] | None = None
     clip_grad_norm: Choice[float | None]
     strategy: Choice[str] | None = None
     channels_last: Choice[bool] | None = None

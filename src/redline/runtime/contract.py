@@ -19,6 +19,7 @@ import torch
 from redline.errors import RedlineError, TaskError, TrainingError
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.loss import check_loss
+from redline.runtime.oom import is_oom
 
 __all__ = [
     "check_loss",
@@ -78,15 +79,15 @@ def count_samples(inputs: Any) -> int:
 def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
 
-    A redline error passes unchanged, and so does a failed collective (a peer's death, told apart
-    by the caller).
+    A redline error passes unchanged, and so do a failed collective (a peer's death, told apart
+    by the caller) and an out-of-memory (recovered from by micro-batches, or reported as such).
     """
     try:
         yield
     except RedlineError:
         raise
     except Exception as exc:
-        if is_collective_failure(exc):
+        if is_collective_failure(exc) or is_oom(exc):
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         line = user_line(exc)

@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 from redline.config import boolean, one_of, option, positive_int, positive_number, with_changes
 from redline.errors import invalid
 from redline.plan.device import check_devices
+from redline.plan.micro_batch import MicroBatch, check_micro_batch
 
 Switch = Literal["auto", "on", "off"]
 PrecisionRequest = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
@@ -33,6 +34,9 @@ class RuntimeOptions:
     channels_last: Switch = option("auto", "channels_last memory layout: auto, on or off.")
     loader_workers: int | None = option(None, "DataLoader worker processes (default: chosen for the device).")
     grad_accum: int = option(1, "Micro-batches per optimizer step.")
+    micro_batch: MicroBatch = option(
+        None, "Split each batch into micro-batches of N samples, or auto: halve on out-of-memory and redo the batch."
+    )
     clip_grad_norm: float | None = option(None, "Clip the gradient norm to this value.")
     seed: int | None = option(None, "Seed every RNG and the data order (default 0 for the order).")
     strategy: StrategyRequest = option("auto", "auto, single, ddp or fsdp (with several processes).")
@@ -53,6 +57,7 @@ class RuntimeOptions:
         ):
             raise invalid("loader_workers", self.loader_workers, "a whole number of worker processes (0 or more)")
         positive_int("grad_accum", self.grad_accum)
+        object.__setattr__(self, "micro_batch", check_micro_batch(self.micro_batch))
         positive_number("clip_grad_norm", self.clip_grad_norm, optional=True)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise invalid("seed", self.seed, "an integer or None")
@@ -68,7 +73,8 @@ class RuntimeOptions:
 
         Device, precision, compile, layout, accumulation and clipping come from the Plan, so the run
         goes on as it started; the seed, the strategy (it follows the number of processes, which may
-        differ now) and determinism stay as asked for now.
+        differ now), determinism and the micro-batches (a run that ran out of memory is resumed with
+        --micro-batch auto) stay as asked for now.
         """
 
         def switch(axis: str) -> Switch:

@@ -5,7 +5,7 @@ with Runtime() as rt:
     for inputs, targets in rt.setup_loader(loader):
         with rt.autocast():
             loss = loss_fn(model(inputs), targets)
-        rt.backward(loss)
+        rt.backward(loss)      # or: rt.train_step(lambda b: loss_fn(model(b[0]), b[1]), (inputs, targets))
         rt.step(optimizer)
     rt.save("checkpoints/step-00001000")
 print(rt.explain())
@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader
 
 from redline.checkpoint import Checkpoint, open_verified
 from redline.config import one_of, positive_int
@@ -41,6 +41,7 @@ from redline.plan.compile import resolve_compile
 from redline.plan.device import resolve_worker_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
+from redline.plan.micro_batch import found_size
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
@@ -54,10 +55,11 @@ from redline.runtime.compile import (
 )
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
+from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
 from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, split_caveats
+from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.strategy import Strategy, build_strategy
@@ -110,6 +112,8 @@ class Runtime:
             tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed
         )
         self._zero_after_step = zero_grad.value == "after step"
+        self._micro = MicroBatcher(self.options.micro_batch)
+        self.snapshot_dir: Path | None = None  # where an out-of-memory on CUDA writes its memory snapshot
         accum, clip = self.options.grad_accum, self.options.clip_grad_norm
         self._plan = Plan(
             device=Choice(device.value, f"{device.reason} ({self.facts.name})"),
@@ -118,11 +122,13 @@ class Runtime:
             deterministic=resolve_deterministic(self.options.deterministic),
             seed=resolve_seed(self.options.seed),
             grad_accum=Choice(accum, "requested" if accum > 1 else "default: a step per batch"),
+            micro_batch=self._micro.choice,
             clip_grad_norm=Choice(clip, "requested" if clip else "default: no clipping"),
             zero_grad=zero_grad,
         )
         self.strategy: Strategy | None = None
         self.model: nn.Module | None = None  # the set-up (wrapped) model and its optimizer: what save() writes
+        self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
         self._closed = False
@@ -208,6 +214,7 @@ class Runtime:
                 "worker\nhint: start it with `redline launch` (or `redline train --nproc N`), or use strategy='auto'"
             )
         self.strategy = build_strategy(strategy.value)
+        micro = self._micro.plan(strategy.value)  # "auto" under FSDP is refused here, before anything is wrapped
         model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
         if self.strategy.detail:
             strategy = Choice(strategy.value, f"{strategy.reason}; {self.strategy.detail}")
@@ -229,9 +236,10 @@ class Runtime:
             if mode != "default":
                 planned = Choice(True, f"{planned.reason}; mode={mode}")
         self._plan = dataclasses.replace(
-            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl
+            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl, micro_batch=micro
         )
         self.model, self.optimizer = model, built
+        self._models.append(model)
         if self._tuning is not None:
             self.adopt_reasons(self._tuning.reasons, self._tuning.note)
         return model, built
@@ -246,7 +254,7 @@ class Runtime:
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
         """Return ``loader`` tuned for the device, yielding batches already on it."""
         chosen = resolve_loader(loader_facts(loader, local_devices), self.facts, workers=self.options.loader_workers)
-        batches = self._global_batches(loader)
+        batches = global_batches(loader, self.env, seed=self.options.seed or 0)
         if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
             loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
         if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):
@@ -258,22 +266,6 @@ class Runtime:
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
         return DeviceLoader(loader, self.device, channels_last=self._channels_last)
-
-    def _global_batches(self, loader: Iterable[Any]) -> GlobalBatchSampler | None:
-        """Under several processes, a batch sampler that gives this rank its share of each global batch."""
-        if not self.env.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
-            return None  # one process, an iterable of batches, or the user's own batch sampler
-        if isinstance(loader.dataset, IterableDataset) or isinstance(loader.batch_sampler, GlobalBatchSampler):
-            return None  # an iterable dataset shards itself; the Trainer's loader is split already
-        order = EpochSampler(
-            len(loader.dataset),  # type: ignore[arg-type]
-            shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=self.options.seed or 0,  # the same order on every rank
-            auto_epoch=True,
-        )
-        return GlobalBatchSampler(
-            order, global_batch=loader.batch_size, rank=self.env.rank, world_size=self.env.world_size
-        )
 
     @property
     def _channels_last(self) -> bool:
@@ -302,13 +294,8 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
         check_loss(loss, training=True, source="backward(loss) got")
-        if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
-            for optimizer in self._pending_zero.values():
-                optimizer.zero_grad(set_to_none=True)
-            self._pending_zero.clear()
-        self._backwards += 1
+        sync = self._next_batch()
         accum = self.options.grad_accum
-        sync = self._backwards % accum == 0  # reduce gradients over the ranks on the last micro-batch only
         if accum > 1:
             loss = loss / accum
         synced: contextlib.AbstractContextManager[Any] = _NOTHING  # before setup: no model to synchronise
@@ -316,6 +303,43 @@ class Runtime:
             synced = self.strategy.gradient_sync(self.model, sync)
         with synced:
             self.precision.backward(loss)
+
+    def train_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
+        """Run ``step_fn(batch)`` (the batch's loss, under autocast) and back-propagate it; return the loss, detached.
+
+        Like ``backward``, it counts towards ``grad_accum``; call ``step(optimizer)`` after it. With
+        ``micro_batch`` N, the batch runs as micro-batches of N samples (its first axis split) whose
+        gradients accumulate; with "auto" it runs whole until the device runs out of memory, then is
+        done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
+        """
+        strategy, _, _ = self._prepared(models=False)
+        sync = self._next_batch()
+        step = (self._backwards - 1) // self.options.grad_accum + 1
+        how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
+                    accum=self.options.grad_accum, sync=sync, step=step, snapshot_dir=self.snapshot_dir)  # fmt: skip
+        loss = self._micro.run(step_fn, batch, how)
+        if self._plan.micro_batch is not self._micro.choice:  # "auto" halved: the Plan says when and why
+            self._plan = dataclasses.replace(self._plan, micro_batch=self._micro.choice)
+        return loss
+
+    @property
+    def oom_events(self) -> list[OomEvent]:
+        """Each out-of-memory ``train_step`` recovered from, oldest first (the step, the sizes, forward or backward)."""
+        return list(self._micro.events)
+
+    @property
+    def last_snapshot(self) -> Path | None:
+        """The memory snapshot the last out-of-memory wrote (CUDA, with ``snapshot_dir`` set), else None."""
+        return self._micro.last_snapshot
+
+    def _next_batch(self) -> bool:
+        """Count a batch; return whether it ends an accumulation cycle (its backward reduces over the ranks)."""
+        if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
+            for optimizer in self._pending_zero.values():
+                optimizer.zero_grad(set_to_none=True)
+            self._pending_zero.clear()
+        self._backwards += 1
+        return self._backwards % self.options.grad_accum == 0
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
@@ -401,6 +425,7 @@ class Runtime:
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = open_verified(Path(checkpoint))
         runtime_state, extra = strategy.load(checkpoint, model, optimizer)
+        self._backwards = checkpoint.step * self.options.grad_accum  # steps go on counting from the checkpoint's
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
         per_rank = runtime_state.get("rng") or []
         if per_rank:
@@ -412,13 +437,13 @@ class Runtime:
         strategy, model, _ = self._prepared()
         strategy.save_weights(Path(path), model)
 
-    def _prepared(self) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
+    def _prepared(self, *, models: bool = True) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
         if self.strategy is None or self.model is None or self.optimizer is None:
             raise ConfigError(
-                "the Runtime has no model yet: its state, checkpoints and weights are the set-up model's\n"
+                "the Runtime has no model yet: its state, checkpoints, weights and train_step are the set-up model's\n"
                 "hint: call rt.setup(model, optimizer) first"
             )
-        if self._setups > 1:
+        if models and self._setups > 1:
             raise ConfigError(
                 f"this Runtime set up {self._setups} models; its state, checkpoints and weights are one model's\n"
                 "hint: use one Runtime per model you save"
@@ -457,6 +482,9 @@ class Runtime:
             old = stored.get(axis)
             if old is not None and old.get("value") == current["value"]:
                 changes[axis] = Choice(getattr(self._plan, axis).value, f"{note}: {old.get('reason', '')}")
+        size = found_size(stored.get("micro_batch"))  # "auto" goes on from the size it had halved to
+        if size is not None and self.options.micro_batch == "auto":
+            changes["micro_batch"] = self._micro.resume(size, f"{note}: {stored['micro_batch'].get('reason', '')}")
         self._plan = dataclasses.replace(self._plan, **changes)
 
     def __repr__(self) -> str:

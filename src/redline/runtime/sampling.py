@@ -8,13 +8,15 @@ depend on the number of processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from redline.errors import ConfigError
+from redline.parallel.env import DistEnv
 
 
 class EpochSampler(Sampler[int]):
@@ -129,3 +131,21 @@ def split_caveats(model: nn.Module, world_size: int) -> list[str]:
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         caveats.append("dropout draws from each rank's own random stream, so its masks differ from one process")
     return caveats
+
+
+def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalBatchSampler | None:
+    """Under several processes, a batch sampler that gives this rank its share of each global batch of ``loader``.
+
+    None for one process, an iterable of batches, the user's own batch sampler, or a loader already split.
+    """
+    if not env.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
+        return None  # one process, an iterable of batches, or the user's own batch sampler
+    if isinstance(loader.dataset, IterableDataset) or isinstance(loader.batch_sampler, GlobalBatchSampler):
+        return None  # an iterable dataset shards itself; the Trainer's loader is split already
+    order = EpochSampler(
+        len(loader.dataset),  # type: ignore[arg-type]
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,  # the same order on every rank
+        auto_epoch=True,
+    )
+    return GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)

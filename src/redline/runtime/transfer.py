@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,29 +18,42 @@ def move_to(batch: Any, device: torch.device, *, non_blocking: bool = False, cha
     are also laid out NHWC. ``non_blocking`` only overlaps the copy when the source is pinned.
     """
 
-    def move(item: Any) -> Any:
+    def move(item: torch.Tensor) -> torch.Tensor:
+        if channels_last and item.dim() == 4 and item.is_floating_point():
+            return item.to(device, non_blocking=non_blocking, memory_format=torch.channels_last)
+        return item.to(device, non_blocking=non_blocking)
+
+    return map_tensors(batch, move)
+
+
+def map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Return ``batch`` with ``function`` applied to every tensor, its containers rebuilt as they were.
+
+    Tensors may sit in tuples, lists, dicts, namedtuples and dataclasses, nested to any depth;
+    anything else passes through unchanged.
+    """
+
+    def apply(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
-            if channels_last and item.dim() == 4 and item.is_floating_point():
-                return item.to(device, non_blocking=non_blocking, memory_format=torch.channels_last)
-            return item.to(device, non_blocking=non_blocking)
+            return function(item)
         if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
-            return type(item)(*(move(x) for x in item))
+            return type(item)(*(apply(x) for x in item))
         if isinstance(item, list | tuple):
-            return type(item)(move(x) for x in item)
+            return type(item)(apply(x) for x in item)
         if isinstance(item, dict):  # a copy keeps a subclass's extras (defaultdict's factory)
-            moved = copy.copy(item)
-            moved.update((k, move(v)) for k, v in item.items())
-            return moved
+            applied = copy.copy(item)
+            applied.update((k, apply(v)) for k, v in item.items())
+            return applied
         if isinstance(item, Mapping):
-            return type(item)({k: move(v) for k, v in item.items()})  # type: ignore[call-arg]
+            return type(item)({k: apply(v) for k, v in item.items()})  # type: ignore[call-arg]
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
             fresh = copy.copy(item)  # every field, init=False ones too; frozen ones through object
             for f in dataclasses.fields(item):
-                object.__setattr__(fresh, f.name, move(getattr(item, f.name)))
+                object.__setattr__(fresh, f.name, apply(getattr(item, f.name)))
             return fresh
         return item
 
-    return move(batch)
+    return apply(batch)
 
 
 def tensors_in(batch: Any) -> list[torch.Tensor]:

@@ -34,6 +34,9 @@ class TrainerConfig:
     plan: Literal["auto", "tuned"] = option(
         "auto", "auto (a cached tuned Plan if every tuned axis is auto) or tuned (`redline tune`'s, required)."
     )
+    memory_history: bool = option(
+        False, "On CUDA, record each allocation's stack for the memory snapshot an out-of-memory writes to OUT."
+    )
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report (default: the launcher's --hang-timeout).", cli=False
     )
@@ -62,6 +65,7 @@ class TrainerConfig:
                 f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
             )
         boolean("progress", self.progress)
+        boolean("memory_history", self.memory_history)
         one_of("trial", self.trial, SWITCHES)
         one_of("plan", self.plan, ("auto", "tuned"))
 

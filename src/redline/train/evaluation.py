@@ -1,8 +1,9 @@
-"""Evaluating a model on a Task's validation data."""
+"""Evaluating a model on a Task's validation data, and predicting its outputs for any data."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,3 +48,17 @@ def evaluate_model(
     if count == 0:
         return {"val_loss": math.nan, "val_metric": None}
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
+
+
+@torch.no_grad()
+def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> torch.Tensor:
+    """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
+    was_training = model.training
+    model.eval()
+    outputs = []
+    for batch in eval_loader(data, batch_size=batch_size):
+        inputs = batch[0] if isinstance(batch, list | tuple) else batch
+        with rt.autocast(), rt.eager():
+            outputs.append(model(rt.to_device(inputs)).float().cpu())
+    model.train(was_training)
+    return torch.cat(outputs)

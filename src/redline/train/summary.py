@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from redline.plan import Plan
+from redline.runtime.micro import OomEvent
 
 if TYPE_CHECKING:
     from redline.train.state import Run
@@ -36,6 +38,7 @@ class TrainSummary:
     mfu_peak_tflops: float | None
     measured_peak_ratio: float | None
     skipped_steps: int
+    oom_recoveries: list[dict[str, Any]]  # each out-of-memory --micro-batch auto recovered from (step, sizes, where)
     stopped: str
     resumed_from: str | None
     checkpoint: str | None
@@ -47,6 +50,7 @@ class TrainSummary:
         names = {f.name for f in fields(cls)}
         known: dict[str, Any] = {name: data.get(name) for name in names}
         known["plan"] = Plan.from_dict(data.get("plan") or {})
+        known["oom_recoveries"] = list(data.get("oom_recoveries") or [])  # absent from older summaries
         return cls(**known)
 
     def to_dict(self) -> dict[str, Any]:
@@ -54,6 +58,13 @@ class TrainSummary:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["plan"] = self.plan.to_dict()
         return data
+
+
+def recovery(event: OomEvent) -> dict[str, Any]:
+    """One out-of-memory recovery as JSON-ready data."""
+    data = dataclasses.asdict(event)
+    data["snapshot"] = str(event.snapshot) if event.snapshot else None
+    return data
 
 
 LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
@@ -86,6 +97,7 @@ def summarize(task: str, run: Run, batches_per_epoch: int | None, sample: str | 
         mfu_peak_tflops=figures.peak_tflops,
         measured_peak_ratio=figures.measured_peak_ratio,
         skipped_steps=rt.skipped_steps,
+        oom_recoveries=[recovery(e) for e in rt.oom_events],
         stopped=run.stopped,
         resumed_from=str(run.resumed.path) if run.resumed else None,
         checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,

@@ -30,7 +30,7 @@ from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
 from redline.hardware.device import probe_accelerators
-from redline.parallel.collectives import StopVote, all_reduce_sum, is_collective_failure
+from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
 from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
@@ -39,11 +39,13 @@ from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
+from redline.runtime.snapshot import record_memory_history
 from redline.task import Task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.data import eval_loader, plan_length, train_loader
-from redline.train.evaluation import evaluate_model
+from redline.train.data import plan_length, train_loader
+from redline.train.evaluation import evaluate_model, predict_outputs
+from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
@@ -119,7 +121,8 @@ class Trainer:
         if isinstance(run, TrainSummary):  # a rerun of a run that had ended: left as it was
             mark_finished(self.env)
             return run
-        with self._signals, run.loggers, self._watchdog() as watchdog:
+        history = record_memory_history(run.rt.device) if self.config.memory_history else contextlib.nullcontext()
+        with self._signals, run.loggers, self._watchdog() as watchdog, history:
             run.watchdog = watchdog
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
@@ -160,14 +163,11 @@ class Trainer:
         """Run one micro-batch; return whether it completed an optimizer step."""
         try:
             return self._micro_step(run, inputs, targets)
-        except RuntimeError as exc:
-            if not is_collective_failure(exc):
+        except Exception as exc:
+            failure = step_failure(exc, run.pos.step + 1, run.rt.last_snapshot)
+            if failure is None:
                 raise
-            raise TrainingError(  # a dead peer surfaces in this rank's next collective, wherever it is
-                f"step {run.pos.step + 1}: a collective with the other ranks failed: {str(exc).splitlines()[0]}\n"
-                "hint: another rank stopped first; its log says why (with --max-restarts K the job restarts from "
-                "the last checkpoint)"
-            ) from exc
+            raise failure from exc
 
     def _micro_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
@@ -229,11 +229,12 @@ class Trainer:
     def _forward_backward(
         self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: Position
     ) -> torch.Tensor:
-        # a failed collective passes through: FSDP gathers weights in the forward (told apart in _train_step)
-        with user_code(f"step {pos.step + 1}", inputs, targets), rt.autocast():
-            loss = check_loss(self.task.loss_fn(model(inputs), targets), training=True)
-        rt.backward(loss)
-        return loss
+        def loss_of(batch: tuple[Any, Any]) -> torch.Tensor:  # of the batch, or of a micro-batch (--micro-batch)
+            # a failed collective and an out-of-memory pass through (FSDP gathers weights in the forward)
+            with user_code(f"step {pos.step + 1}", *batch):
+                return check_loss(self.task.loss_fn(model(batch[0]), batch[1]), training=True)
+
+        return rt.train_step(loss_of, (inputs, targets))
 
     def _watchdog(self) -> contextlib.AbstractContextManager[Watchdog | None]:
         """The hang watchdog of a distributed run launched with --hang-timeout (else nothing)."""
@@ -333,6 +334,7 @@ class Trainer:
         rt = Runtime(
             options, planned_steps=planned_steps, measured=measured
         ).start()  # seeded before the model is built
+        rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
         self.rt = rt
         try:
             built = self.task.build_model()
@@ -475,19 +477,10 @@ class Trainer:
         rt, model = self._ready()
         return evaluate_model(self.task, model, rt, self.batch_size, self.env)
 
-    @torch.no_grad()
     def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
         rt, model = self._ready()
-        was_training = model.training
-        model.eval()
-        outputs = []
-        for batch in eval_loader(data, batch_size=batch_size or self.batch_size):
-            inputs = batch[0] if isinstance(batch, list | tuple) else batch
-            with rt.autocast(), rt.eager():
-                outputs.append(model(rt.to_device(inputs)).float().cpu())
-        model.train(was_training)
-        return torch.cat(outputs)
+        return predict_outputs(model, rt, data, batch_size or self.batch_size)
 
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:

@@ -2,7 +2,8 @@
 
 plan/strategy.py decides (one device, DDP or FSDP2, with the reason); ``build_strategy`` returns the
 object that applies the choice. Every strategy answers the same questions, the ``Strategy`` protocol:
-wrap a model and build its optimizer, tell whether a backward synchronises gradients, hand back the
+wrap a model and build its optimizer, tell whether a backward synchronises gradients (or accumulate
+them locally and average them once), hand back the
 user's module, give and take the state, save and load a checkpoint, and write the whole weights. A
 new strategy is one more module here that answers them.
 """
@@ -39,6 +40,14 @@ class Strategy(Protocol):
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         """Return the context of a backward that does (or, mid-accumulation, does not) reduce gradients."""
+        ...
+
+    def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Return the context of forwards and backwards that communicate nothing: gradients stay on this rank."""
+        ...
+
+    def average_gradients(self, model: nn.Module) -> None:
+        """Average the gradients accumulated locally over the ranks, in one pass (collective)."""
         ...
 
     def module(self, model: nn.Module) -> nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import Checkpoint, whole
-from redline.parallel.collectives import run_on_rank0
+from redline.parallel.collectives import average_tensors, broadcast_tensors, run_on_rank0
 from redline.parallel.ddp import wrap_ddp
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
@@ -35,6 +36,23 @@ class DDP(SingleDevice):
         if enabled or not isinstance(model, DistributedDataParallel):
             return super().gradient_sync(model, enabled)
         return model.no_sync()  # mid-accumulation: gradients stay local until the last micro-batch
+
+    @contextlib.contextmanager
+    def accumulate_locally(self, model: nn.Module) -> Iterator[None]:
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        with model.no_sync():  # the forwards inside too: else DDP's reducer all-reduces in their backward
+            # Nor a buffer broadcast in a forward: a rank that ran out of memory runs fewer forwards than the
+            # others, and its broadcasts would pair with their other collectives. Buffers go in average_gradients.
+            model.require_forward_param_sync = False
+            yield
+
+    def average_gradients(self, model: nn.Module) -> None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        average_tensors(grads)
+        module = self.module(model)
+        broadcast_tensors([b for b in module.buffers()], src=0)  # as DDP does before a forward: rank 0's
 
     def module(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -13,11 +13,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from redline.checkpoint import Checkpoint, whole
 from redline.checkpoint.sharded import load_sharded, save_sharded
+from redline.errors import ConfigError
 from redline.parallel.collectives import rank_and_world, run_on_rank0
 from redline.parallel.fsdp import full_state, full_weights, load_full_state, shard
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
 from redline.runtime.optimizer import OptimizerLike, build_optimizer, check_stateless, rebuild_optimizer
+
+_NO_LOCAL = (
+    "FSDP cannot accumulate gradients without communicating: every forward gathers the sharded weights\n"
+    "hint: with strategy 'fsdp' pass a fixed --micro-batch N (reduced on the last micro-batch), not auto"
+)
 
 
 class FSDP:
@@ -51,6 +57,12 @@ class FSDP:
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         return _gradient_sync(model, enabled)
+
+    def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        raise ConfigError(_NO_LOCAL)
+
+    def average_gradients(self, model: nn.Module) -> None:
+        raise ConfigError(_NO_LOCAL)
 
     def module(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the model in place: its names are the user's

@@ -32,6 +32,12 @@ class SingleDevice:
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         return _NOTHING  # one process: nothing to synchronise
 
+    def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return _NOTHING
+
+    def average_gradients(self, model: nn.Module) -> None:
+        return None
+
     def module(self, model: nn.Module) -> nn.Module:
         return model
 

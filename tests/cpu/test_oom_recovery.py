@@ -1,0 +1,364 @@
+"""Out-of-memory recovery: "auto" halves the micro-batch and redoes the batch, ending where the small size would.
+
+The models raise torch.OutOfMemoryError above a batch size, in forward or (through a custom autograd
+function) in backward, so the real recovery path runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import redline
+from redline.errors import OutOfMemory, TrainingError
+from redline.plan import Choice
+from redline.runtime import snapshot
+from redline.runtime.micro import OomEvent
+from redline.train.summary import TrainSummary
+from redline.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from oom_models import make_data, make_model, oom_task, out_of_memory
+
+BATCH, STEPS = 16, 4
+KINDS = ["forward", "backward"]
+
+
+def batches(steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = make_data(steps * batch)
+    return [data[i : i + batch] for i in range(0, steps * batch, batch)]
+
+
+def loss_fn(model: nn.Module):
+    return lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def train(kind: str, limit: int | None, **options) -> tuple[redline.Runtime, nn.Module, list[float]]:
+    """Train the model that runs out of memory above ``limit`` with train_step; return the Runtime, model, losses."""
+    rt = redline.Runtime(devices="cpu", compile="off", **options)
+    model, optimizer = rt.setup(make_model(kind, limit), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    losses = []
+    for batch in batches():
+        losses.append(rt.train_step(loss_fn(model), batch).item())
+        rt.step(optimizer)
+    return rt, model, losses
+
+
+def assert_equal_weights(a: nn.Module, b: nn.Module, atol: float = 0.0) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.allclose(x, y, rtol=0, atol=atol), f"{name} differs by {(x - y).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_halves_and_ends_with_the_weights_of_the_small_micro_batch_from_the_start(kind, caplog):
+    _, small, small_losses = train(kind, limit=5, micro_batch=4)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        rt, auto, auto_losses = train(kind, limit=5, micro_batch="auto")
+    # 16 and 8 ran out of memory in the first step; 4 fits: the same steps as micro-batches of 4 from the start
+    assert rt.oom_events == [OomEvent(1, 16, 8, kind), OomEvent(1, 8, 4, kind)]
+    assert_equal_weights(auto, small)  # the failed attempts left nothing behind: bitwise the same
+    assert auto_losses == small_losses
+    tried = [16, 8] if kind == "backward" else []  # a forward that fails runs no further than the check
+    assert auto.sizes == [*tried, *[4] * (STEPS * 4)] and small.sizes == [4] * (STEPS * 4)
+    assert rt.explain().micro_batch == Choice(4, "auto: 4 after out-of-memory at 16 (step 1), 8 (step 1)")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and f"in {kind}): freed the memory, halved them to 8" in warnings[0]
+
+
+def test_a_fixed_micro_batch_steps_as_the_plain_loop_on_the_whole_batch():
+    torch.manual_seed(0)
+    plain = make_model()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain_losses = []
+    for inputs, targets in batches():
+        loss = nn.functional.cross_entropy(plain(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        plain_losses.append(loss.item())
+    rt, micro, losses = train("forward", limit=None, micro_batch=4)
+    assert micro.sizes == [4] * (STEPS * 4) and rt.oom_events == []
+    assert_equal_weights(micro, plain, atol=1e-6)
+    assert losses == pytest.approx(plain_losses, abs=1e-6)  # the batch's mean loss, from its micro-batches
+    assert rt.explain().micro_batch.reason.startswith("requested: micro-batches of 4 samples")
+
+
+def test_when_not_even_one_sample_fits_the_error_names_the_options():
+    with pytest.raises(OutOfMemory) as caught:
+        train("forward", limit=0, micro_batch="auto")
+    message = " ".join(str(caught.value).split())
+    assert "out of memory with micro-batches of 1 sample (step 1, in forward): even one sample does not fit" in message
+    for option in ("bf16-mixed", "activation checkpointing", "FSDP", "redline launch --nproc N", "--strategy fsdp",
+                   "a GPU with more memory", "redline memory --task SPEC"):  # fmt: skip
+        assert option in message, option
+
+
+def test_a_fixed_micro_batch_that_does_not_fit_points_to_auto():
+    with pytest.raises(
+        OutOfMemory, match=r"(?s)micro-batches of 8 samples \(step 1, in backward\).*--micro-batch auto"
+    ):
+        train("backward", limit=5, micro_batch=8)
+
+
+def test_without_micro_batch_an_out_of_memory_propagates_as_it_was():
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        train("forward", limit=5)
+
+
+def test_mid_accumulation_a_forward_out_of_memory_goes_on_with_the_rest_of_the_batch():
+    """Gradients of an earlier batch of the cycle exist: the finished micro-batches stand, the rest runs halved."""
+    _, small, small_losses = train("forward", limit=5, micro_batch=4, grad_accum=2)
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch="auto", grad_accum=2)
+    model, optimizer = rt.setup(make_model("forward", 5), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    fail_at = [8]  # the 2nd micro-batch of batch 2: batch 1 called forward 6 times (16 and 8 failed), batch 2 once
+
+    def once(module: nn.Module, args: tuple[torch.Tensor]) -> None:
+        fail_at[0] -= 1
+        if fail_at[0] == 0:
+            raise out_of_memory(args[0].shape[0])
+
+    model.register_forward_pre_hook(once)
+    losses = []
+    for batch in batches():
+        losses.append(rt.train_step(loss_fn(model), batch).item())
+        rt.step(optimizer)
+    assert [(e.from_size, e.to_size, e.step) for e in rt.oom_events] == [(16, 8, 1), (8, 4, 1), (4, 2, 1)]
+    assert model.sizes[:8] == [4, 4, 4, 4, 4, 2, 2, 2]  # batch 2: one micro-batch of 4, then its 12 samples by 2
+    assert_equal_weights(model, small, atol=1e-6)
+    assert losses == pytest.approx(small_losses, abs=1e-6)
+
+
+def test_mid_accumulation_a_backward_out_of_memory_cannot_be_undone():
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch="auto", grad_accum=2)
+    model, _ = rt.setup(make_model("backward", 5), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    inputs, targets = batches()[0]
+    rt.train_step(loss_fn(model), (inputs[:4], targets[:4]))  # fits: its gradients wait for the second batch
+    with pytest.raises(OutOfMemory) as caught:
+        rt.train_step(loss_fn(model), (inputs, targets))
+    message = str(caught.value)
+    assert "accumulation cycle (grad_accum=2)" in message and "cannot be taken back" in message
+    assert "hint: start with micro-batches that fit: --micro-batch 8" in message
+
+
+def test_a_batch_is_split_along_its_first_axis_in_any_container():
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch=3)
+    model, _ = rt.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+    seen = []
+
+    def step_fn(batch: dict) -> torch.Tensor:
+        seen.append((batch["x"].shape[0], batch["pair"][1].shape[0], batch["weight"].shape, batch["name"]))
+        return nn.functional.cross_entropy(model(batch["x"]), batch["pair"][1]) * batch["weight"]
+
+    x, y = make_data(8)[:]
+    rt.train_step(step_fn, {"x": x, "pair": (x, y), "weight": torch.tensor(2.0), "name": "kept"})
+    assert seen == [(3, 3, (), "kept"), (3, 3, (), "kept"), (2, 2, (), "kept")]
+
+
+# -- the memory snapshot ------------------------------------------------------------------------
+
+
+def test_a_snapshot_is_written_on_cuda_only(tmp_path, monkeypatch):
+    assert snapshot.write_memory_snapshot(torch.device("cpu"), tmp_path, "x") is None
+    assert list(tmp_path.iterdir()) == []
+    dumped, recorded = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: (dumped.append(path), Path(path).touch()))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: recorded.append(k))
+    path = snapshot.write_memory_snapshot(torch.device("cuda"), tmp_path / "run", "memory-snapshot-step3")
+    assert path == tmp_path / "run" / "memory-snapshot-step3.pickle" and dumped == [str(path)] and path.exists()
+    assert snapshot.write_memory_snapshot(torch.device("cuda"), None, "x") is None  # no directory: nothing
+    with snapshot.record_memory_history(torch.device("cuda")):
+        assert recorded == [{"max_entries": 100_000}]
+    assert recorded[-1] == {"enabled": None}  # recording stops when the run does
+    with snapshot.record_memory_history(torch.device("cpu")):
+        pass
+    assert len(recorded) == 2
+
+
+def test_a_snapshot_that_fails_is_a_warning_not_a_second_error(tmp_path, monkeypatch, caplog):
+    def broken(path: str) -> None:
+        raise RuntimeError("no history")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", broken)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        assert snapshot.write_memory_snapshot(torch.device("cuda"), tmp_path, "x") is None
+    assert "could not write the memory snapshot" in caplog.text and "no history" in caplog.text
+
+
+def test_each_out_of_memory_writes_a_snapshot_that_its_event_and_error_name(tmp_path, monkeypatch):
+    written = []
+
+    def fake(device: torch.device, directory: Path | None, name: str) -> Path:
+        written.append((directory, name))
+        return tmp_path / f"{name}.pickle"
+
+    monkeypatch.setattr("redline.runtime.micro.write_memory_snapshot", fake)
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch="auto")
+    rt.snapshot_dir = tmp_path
+    model, _ = rt.setup(make_model("forward", 0), lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(OutOfMemory, match=r"memory snapshot: .*memory-snapshot-step1-micro1\.pickle"):
+        rt.train_step(loss_fn(model), batches()[0])
+    assert [name for _, name in written] == [f"memory-snapshot-step1-micro{n}" for n in (16, 8, 4, 2, 1)]
+    assert {directory for directory, _ in written} == {tmp_path}
+    assert rt.oom_events[0].snapshot == tmp_path / "memory-snapshot-step1-micro16.pickle"
+
+
+# -- the Trainer --------------------------------------------------------------------------------
+
+
+def fit(micro_batch, kind: str = "forward", limit: int | None = 5, **config) -> tuple[Trainer, TrainSummary]:
+    trainer = Trainer(
+        oom_task(kind, limit),
+        runtime=redline.RuntimeOptions(devices="cpu", compile="off", seed=0, micro_batch=micro_batch),
+        max_steps=STEPS,
+        trial="off",
+        progress=False,
+        **config,
+    )
+    with trainer:
+        return trainer, trainer.fit()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_trainer_recovers_and_ends_with_the_weights_of_the_small_micro_batch(kind):
+    (auto, summary), (small, small_summary) = fit("auto", kind), fit(4, kind)
+    assert auto.rt is not None and small.rt is not None
+    assert_equal_weights(auto.rt.module, small.rt.module)
+    recovered = [(r["step"], r["from_size"], r["to_size"], r["where"]) for r in summary.oom_recoveries]
+    assert recovered == [(1, 16, 8, kind), (1, 8, 4, kind)] and small_summary.oom_recoveries == []
+    assert summary.plan.micro_batch.value == 4 and summary.steps == STEPS
+    assert summary.final_loss == small_summary.final_loss
+
+
+def test_the_trainer_without_micro_batch_says_how_to_recover():
+    with pytest.raises(OutOfMemory) as caught:
+        fit(None)
+    message = str(caught.value)
+    assert message.startswith("step 1: the device ran out of memory: OutOfMemoryError: CUDA out of memory")
+    assert "hint: --micro-batch auto" in message
+    assert isinstance(caught.value, TrainingError) and isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_resumed_auto_run_starts_from_the_size_it_had_found(tmp_path):
+    fit("auto", out_dir=tmp_path, checkpoint_every=2)
+    resumed = Trainer(
+        oom_task("forward", 5),
+        runtime=redline.RuntimeOptions(devices="cpu", compile="off", seed=0, micro_batch="auto"),
+        max_steps=STEPS + 2,
+        trial="off",
+        progress=False,
+        out_dir=tmp_path,
+        resume="auto",
+    )
+    with resumed:
+        summary = resumed.fit()
+    assert resumed.rt is not None and resumed.rt.oom_events == []  # no size that had failed is tried again
+    assert set(resumed.rt.module.sizes) == {4}
+    micro = summary.plan.micro_batch
+    assert micro.value == 4
+    assert micro.reason == f"from checkpoint step {STEPS}: auto: 4 after out-of-memory at 16 (step 1), 8 (step 1)"
+    stored = json.loads((tmp_path / "summary.json").read_text())
+    assert stored["plan"]["micro_batch"] == {"value": 4, "reason": micro.reason}
+
+
+# -- distributed: two gloo processes, one of which runs out of memory ------------------------------
+
+JOB = str(Path(__file__).with_name("oom_job.py"))
+
+
+def run_job(out: Path, *args: str, nproc: int | None = 2) -> list[dict]:
+    """Run the job (under launch with ``nproc``) and return each rank's findings; a hang fails after 120 s."""
+    launch = [sys.executable, "-m", "redline", "launch", "--nproc", str(nproc)] if nproc else [sys.executable]
+    job = subprocess.Popen(
+        [*launch, JOB, str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a hung job's workers are ended with it
+    )  # fmt: skip
+    try:
+        _, stderr = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail(f"the job hung: {' '.join(args)}")
+    assert job.returncode == 0, stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc or 1)]
+
+
+def weights_of(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"weights-rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def small_from_the_start(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("small")
+    run_job(out, "--micro-batch", "4")
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_processes_agree_when_one_runs_out_of_memory(tmp_path, kind, small_from_the_start):
+    ranks = run_job(tmp_path, "--micro-batch", "auto", "--fail-rank", "1", "--kind", kind)  # no hang: it returns
+    for found in ranks:
+        assert [(e["from_size"], e["to_size"], e["where"]) for e in found["events"]] == [(16, 8, kind), (8, 4, kind)]
+        assert found["micro_batch"]["value"] == 4 and "DDP" in found["micro_batch"]["reason"]
+    assert ranks[0]["sizes"][:7] == [16, 8, 8, 4, 4, 4, 4]  # rank 0 had room, and went the way rank 1 needed
+    assert set(ranks[1]["sizes"]) == ({4} if kind == "forward" else {16, 8, 4})
+    for rank in (0, 1):
+        for name, tensor in weights_of(small_from_the_start, 0).items():
+            assert torch.equal(weights_of(tmp_path, rank)[name], tensor), (rank, name)
+
+
+def test_two_processes_with_micro_batches_average_the_gradients_as_one_process(tmp_path, small_from_the_start):
+    """Gradients accumulated locally and all-reduced once give the weights of one process with the whole batch."""
+    (tmp_path / "one").mkdir()
+    run_job(tmp_path / "one", "--micro-batch", "4", nproc=None)
+    one, two = weights_of(tmp_path / "one", 0), weights_of(small_from_the_start, 0)
+    for name, tensor in one.items():
+        assert torch.allclose(two[name], tensor, rtol=0, atol=1e-6), name
+    assert all(torch.equal(weights_of(small_from_the_start, 1)[n], t) for n, t in two.items())
+
+
+def test_fsdp_takes_a_fixed_micro_batch_and_refuses_auto(tmp_path, small_from_the_start):
+    ranks = run_job(tmp_path, "--micro-batch", "4", "--strategy", "fsdp")  # reduced in the last one's backward
+    assert all(set(found["sizes"]) == {4} and "FSDP" in found["micro_batch"]["reason"] for found in ranks)
+    fsdp, ddp = load_file(tmp_path / "model.safetensors"), load_file(small_from_the_start / "model.safetensors")
+    for name, tensor in ddp.items():
+        assert torch.allclose(fsdp[name], tensor, rtol=0, atol=1e-6), name
+    refused = subprocess.run(
+        [sys.executable, "-m", "redline", "launch", "--nproc", "2", JOB, str(tmp_path), "--strategy", "fsdp"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "micro_batch='auto' is not supported with strategy 'fsdp'" in refused.stderr
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_redline_train_takes_micro_batch_auto(tmp_path):
+    spec = f"{Path(__file__).with_name('oom_models.py')}:oom_task"
+    args = ["train", "--task", spec, "--max-steps", "2", "--trial", "off", "--no-progress", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", *args, "--micro-batch", "auto"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["plan"]["micro_batch"]["value"] == 4 and len(summary["oom_recoveries"]) == 2
+    assert "halved them to 8" in result.stderr
+    wrong = subprocess.run(
+        [sys.executable, "-m", "redline", *args, "--micro-batch", "half"], capture_output=True, text=True, timeout=120
+    )
+    assert (
+        wrong.returncode == 2
+        and "micro_batch='half' is not allowed" in wrong.stderr
+        and "Traceback" not in wrong.stderr
+    )
