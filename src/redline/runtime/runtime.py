@@ -45,6 +45,7 @@ from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_z
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
+from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import (
     CompileRecord,
     compile_module,
@@ -132,6 +133,7 @@ class Runtime:
         self._micro_steps: dict[int, int] = {}
         self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
+        self._checkpointing = ActivationCheckpointing()
 
     # -- the run's process-wide state ------------------------------------------------------------
 
@@ -193,6 +195,7 @@ class Runtime:
         layout = resolve_channels_last(
             self.options.channels_last, self.facts, has_conv2d=has_conv2d, precision=self.precision.name
         )
+        recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
         if layout.value:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -229,12 +232,24 @@ class Runtime:
             if mode != "default":
                 planned = Choice(True, f"{planned.reason}; mode={mode}")
         self._plan = dataclasses.replace(
-            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl
-        )
+            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl,
+            activation_checkpointing=recompute,
+        )  # fmt: skip
         self.model, self.optimizer = model, built
         if self._tuning is not None:
             self.adopt_reasons(self._tuning.reasons, self._tuning.note)
         return model, built
+
+    def enable_activation_checkpointing(self, reason: str) -> bool:
+        """Have the set-up models' repeated blocks recompute their activations from now on; return whether that is new.
+
+        For "auto" when memory runs short after setup (``reason`` says how it was found); a compiled model
+        compiles again. Nothing changes when "on" or "off" was requested or no model has repeated blocks.
+        """
+        turned = self._checkpointing.enable(reason)
+        if turned is not None:
+            self._plan = dataclasses.replace(self._plan, activation_checkpointing=turned)
+        return turned is not None
 
     def _use_tuned(self, model: nn.Module) -> None:
         """Take the tuned Plan's options for this model, and its precision, before anything uses them."""
