@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import redline
-from redline.parallel.fsdp import repeated_blocks
+from redline.parallel.blocks import find_blocks
 
 # The names FSDP2 calls through torch.distributed (torch 2.13 uses the *_single ones, older the others).
 GATHERS = ("all_gather_single", "all_gather_into_tensor")
@@ -49,7 +49,7 @@ def main() -> None:
     rt = redline.Runtime(devices="cpu", precision="fp32", compile="off", seed=0, strategy=args.strategy).start()
     plain = task.build_model()  # after the seed
     params = sum(p.numel() for p in plain.parameters())
-    blocks = repeated_blocks(plain)
+    blocks = [block for _, block in find_blocks(plain, layers=True)]  # the blocks FSDP shards
     model, optimizer = rt.setup(plain, task.optimizer)
     world = dist.get_world_size()
     resharded = blocks[:-1] if world > 1 else []  # the strategy reshards only where it frees memory

@@ -46,7 +46,8 @@ def plan_table(stdout: str) -> dict[str, tuple[str, str]]:
 
 
 CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum", "micro_batch", "clip_grad_norm",
-            "strategy", "channels_last", "compile", "optimizer", "zero_grad", "loader"]  # fmt: skip
+            "strategy", "channels_last", "compile", "activation_checkpointing", "optimizer", "zero_grad",
+            "loader"]  # fmt: skip
 
 
 def test_train_json_and_out_dir(tmp_path):

@@ -33,7 +33,8 @@ from redline.checkpoint.sharded import _check_visible, load_sharded, save_sharde
 from redline.errors import ConfigError, RedlineError
 from redline.examples.gpt import GPT, GPTConfig
 from redline.parallel.collectives import gather_objects
-from redline.parallel.fsdp import mixed_precision_policy, repeated_blocks, shard
+from redline.parallel.fsdp import mixed_precision_policy, shard
+from redline.runtime.checkpointing import apply_checkpointing, find_blocks
 from redline.runtime.strategy.fsdp import FSDP
 from redline.runtime.strategy.single import SingleDevice
 
@@ -138,9 +139,22 @@ def full_weights(model: nn.Module) -> dict[str, Any]:
 # -- the phases a launch runs --------------------------------------------------------------------
 
 
-def fsdp_run(kind: str, out: Path, name: str, *, save_to: Path | None = None, resume: Path | None = None) -> None:
+def fsdp_run(
+    kind: str,
+    out: Path,
+    name: str,
+    *,
+    save_to: Path | None = None,
+    resume: Path | None = None,
+    checkpointed: bool = False,
+) -> None:
     make_model, _, make_optimizer = WORKLOADS[kind]
-    model = shard(make_model(), precision="fp32")
+    model = make_model()
+    calls: list[int] = []  # a checkpointed block starts its layers' forward again in the backward
+    if checkpointed:
+        apply_checkpointing(model, find_blocks(model))
+        model.get_submodule("blocks.0.mlp").register_forward_pre_hook(lambda *_: calls.append(1))
+    model = shard(model, precision="fp32")
     optimizer = make_optimizer(model.parameters())  # built on the sharded parameters
     start = 0
     if resume is not None:
@@ -152,6 +166,8 @@ def fsdp_run(kind: str, out: Path, name: str, *, save_to: Path | None = None, re
         start = SAVE_AT
     train(kind, model, optimizer, start, STEPS)
     publish(full_weights(model), out / f"{name}.pt")
+    if checkpointed:
+        publish({"calls": len(calls)}, out / f"{name}-calls.pt")
 
 
 def ddp_run(kind: str, out: Path) -> None:
@@ -221,6 +237,7 @@ def publish(result: dict[str, Any], path: Path) -> None:
 def run_phase(phase: str, out: Path) -> None:
     if phase == "two":
         fsdp_run("gpt", out, "gpt-fsdp-2", save_to=out / "ckpt-2")
+        fsdp_run("gpt", out, "gpt-fsdp-2-checkpointed", checkpointed=True)
         ddp_run("gpt", out)
         fsdp_run("mlp", out, "mlp-fsdp-2")
         ddp_run("mlp", out)
@@ -297,6 +314,11 @@ def weights(runs: Path, name: str) -> dict[str, torch.Tensor]:
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_activation_checkpointing_under_fsdp_recomputes_and_trains_to_the_same_weights(runs: Path) -> None:
+    assert weights(runs, "gpt-fsdp-2-checkpointed-calls") == {"calls": 2 * STEPS}  # each step's forward, then again
+    assert max_difference(weights(runs, "gpt-fsdp-2-checkpointed"), weights(runs, "gpt-fsdp-2")) == 0.0
 
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
@@ -439,40 +461,6 @@ def test_an_optimizer_that_has_stepped_is_refused_before_the_model_changes() -> 
 def test_sharding_without_a_process_group_says_how_to_start_one() -> None:
     with pytest.raises(ConfigError, match="redline launch"):
         shard(make_mlp(), precision="fp32")
-
-
-class Pair(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
-        self.small = nn.ModuleList([nn.LayerNorm(4), nn.LayerNorm(4), nn.LayerNorm(4)])
-
-
-def test_repeated_blocks_are_the_transformer_layers() -> None:
-    model = make_gpt()
-    assert repeated_blocks(model) == list(model.blocks)
-
-
-def test_repeated_blocks_of_a_sequential_skip_its_activations() -> None:
-    model = make_mlp()
-    assert repeated_blocks(model) == [model[0], model[2], model[4]]
-
-
-def test_repeated_blocks_are_the_largest_repetition() -> None:
-    model = Pair()
-    assert repeated_blocks(model) == list(model.layers)
-
-
-def test_repeated_blocks_are_empty_without_repetition() -> None:
-    assert repeated_blocks(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))) == []
-    assert repeated_blocks(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Dropout())) == []
-
-
-def test_repeated_blocks_skip_blocks_that_share_a_parameter() -> None:
-    model = Pair()
-    model.layers[1].weight = model.layers[0].weight  # shared across blocks: each cannot be sharded alone
-    assert repeated_blocks(model) == list(model.small)
 
 
 if __name__ == "__main__":

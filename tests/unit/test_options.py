@@ -42,7 +42,7 @@ def test_runtime_options_keep_switches_as_words_and_build_from_changes():
     options = RuntimeOptions(compile=True, channels_last=False)
     assert (options.compile, options.channels_last) == ("on", "off")
     assert RuntimeOptions.build(options, seed=3) == dataclasses.replace(options, seed=3)
-    with pytest.raises(ConfigError, match="a Runtime option: channels_last, clip_grad_norm"):
+    with pytest.raises(ConfigError, match="a Runtime option: activation_checkpointing, channels_last, clip_grad_norm"):
         RuntimeOptions.build(precison="fp32")
 
 
@@ -149,13 +149,17 @@ def test_a_command_line_parses_into_the_options_objects(monkeypatch):
         "--task", "example:digits", "--task-arg", "width=8", "--max-steps", "7", "--epochs", "2", "--out", "runs/a",
         "--logger", "csv", "--logger", "tensorboard", "--no-progress", "--precision", "bf16-mixed",
         "--compile", "off", "--grad-accum", "2", "--seed", "4", "--deterministic", "--early-stopping-patience", "5",
+        "--activation-checkpointing", "on",
     ]  # fmt: skip
     with pytest.raises(Stop):
         typer.main.get_command(app).main(argv, standalone_mode=False)
     assert built["task"] == ("example:digits", {"width": 8})
     assert built["config"] == TrainerConfig(
         max_steps=7, max_epochs=2, out_dir=Path("runs/a"), loggers=("csv", "tensorboard"), progress=False,
-        runtime=RuntimeOptions(precision="bf16-mixed", compile="off", grad_accum=2, seed=4, deterministic=True),
+        runtime=RuntimeOptions(
+            precision="bf16-mixed", compile="off", grad_accum=2, seed=4, deterministic=True,
+            activation_checkpointing="on",
+        ),
     )  # fmt: skip
     assert built["callbacks"] == [EarlyStopping(patience=5)]
 

@@ -37,9 +37,10 @@ from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
-from redline.parallel.fsdp import repeated_blocks
+from redline.parallel.blocks import find_blocks
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS
+from redline.runtime.checkpointing import apply_checkpointing
 from redline.runtime.contract import split_batch
 from redline.runtime.optimizer import rebuild_optimizer
 from redline.task import OptimizerFactory, Task
@@ -254,17 +255,13 @@ def _fake_model(task: Task, mode: FakeTensorMode) -> nn.Module:
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:
-    blocks = repeated_blocks(model)
+    blocks = find_blocks(model)
     if not blocks:
         raise ConfigError(
             "activation_checkpointing=True, but the model has no repeated blocks to recompute\n"
             "hint: leave it off, or wrap your own layers with torch.utils.checkpoint"
         )
-    from torch.utils.checkpoint import checkpoint
-
-    for block in blocks:
-        forward = block.forward
-        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    apply_checkpointing(model, blocks)
 
 
 def _workspace(task: Task, target: str) -> int:
@@ -317,7 +314,7 @@ def _param_bytes(task: Task) -> int:
 def _largest_block_bytes(task: Task, precision: str) -> int:
     model = meta_model(task)
     width = 2 if precision in _AUTOCAST else 4  # FSDP gathers in the compute dtype under mixed precision
-    blocks = repeated_blocks(model) or [model]
+    blocks = [block for _, block in find_blocks(model, layers=True)] or [model]  # what FSDP shards one by one
     return max(sum(p.numel() for p in block.parameters()) * width for block in blocks)
 
 

@@ -15,7 +15,7 @@ from redline.errors import ConfigError
 from redline.hardware.catalog import GPUSpec, find_gpu, load_catalog
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
-from redline.parallel.fsdp import repeated_blocks
+from redline.parallel.blocks import find_blocks
 from redline.task import Task
 
 GIB = 2**30
@@ -144,7 +144,7 @@ def fit_memory(
     GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit."""
     batch = task.batch_size if batch_size is None else batch_size
     available = available_bytes(mem_gib, target)
-    has_blocks = bool(repeated_blocks(meta_model(task)))
+    has_blocks = bool(find_blocks(meta_model(task)))
     ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]
     if has_blocks:
         ways.append(("activation checkpointing", "single", 1, True))

@@ -9,8 +9,6 @@ Works on CPU over gloo (a "cpu" device mesh) as on CUDA over NCCL.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -25,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from redline.errors import ConfigError, invalid
+from redline.parallel.blocks import find_blocks
 from redline.plan.precision import PRECISIONS, PrecisionName
 
 try:  # public since torch 2.6
@@ -33,42 +32,6 @@ except ImportError:  # pragma: no cover - the private path of torch 2.4-2.5
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 _PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Return the blocks to shard one by one: the children of the model's largest repeated container.
-
-    A candidate is an ``nn.ModuleList`` or ``nn.Sequential`` (the model itself included) whose children
-    holding parameters number two or more and share one class; parameterless children (activations,
-    dropout) are ignored. The largest candidate by parameter count wins. A candidate whose blocks share a
-    parameter with each other or with the rest of the model is skipped: sharding such a block on its own
-    would hand the other user a sharded tensor. Returns an empty list when there is no candidate; then
-    only the root is sharded.
-    """
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    best: list[nn.Module] = []
-    best_size = 0
-    for container in _containers(model):
-        blocks = [child for child in container.children() if next(child.parameters(), None) is not None]
-        if len(blocks) < 2 or len({type(block) for block in blocks}) != 1:
-            continue
-        if not all(_owns_its_parameters(block, uses) for block in blocks):
-            continue
-        size = sum(p.numel() for block in blocks for p in block.parameters())
-        if size > best_size:
-            best, best_size = blocks, size
-    return best
-
-
-def _containers(model: nn.Module) -> Iterator[nn.Module]:
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList | nn.Sequential):
-            yield module
-
-
-def _owns_its_parameters(block: nn.Module, uses: Counter[int]) -> bool:
-    inside = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
-    return all(uses[key] == count for key, count in inside.items())
 
 
 def mixed_precision_policy(precision: PrecisionName) -> MixedPrecisionPolicy | None:
@@ -128,7 +91,8 @@ def shard(
     """
     mesh = mesh if mesh is not None else _default_mesh()
     policy = mixed_precision_policy(precision) or MixedPrecisionPolicy()  # the default casts nothing
-    blocks = repeated_blocks(model)
+    # The blocks activation checkpointing recomputes, and single repeated layers too (an MLP's Linears).
+    blocks = [block for _, block in find_blocks(model, layers=True)]
     for index, block in enumerate(blocks):
         # The last block is not resharded: its parameters are the first the backward needs; the root
         # keeps its own for the same reason. These are torchtitan's choices, and FSDP2's default for the root.

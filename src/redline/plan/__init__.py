@@ -1,7 +1,8 @@
 """The Plan: every automatic choice of a run, each with the reason it was made.
 
-Each axis (device, precision, compile, memory layout, optimizer implementation, micro-batches, data loading) has
-one module here with one pure resolver: requested value and device facts in, a ``Choice`` out.
+Each axis (device, precision, compile, memory layout, activation checkpointing, optimizer
+implementation, micro-batches, data loading) has one module here with one pure resolver: requested
+value and device facts in, a ``Choice`` out.
 The Runtime gathers the choices into a frozen ``Plan``; ``Runtime.explain()`` returns it.
 """
 
@@ -41,6 +42,7 @@ class Plan:
     strategy: Choice[str] | None = None
     channels_last: Choice[bool] | None = None
     compile: Choice[bool] | None = None
+    activation_checkpointing: Choice[bool] | None = None
     optimizer: Choice[str] | None = None
     zero_grad: Choice[str] | None = None
     loader: Choice[Any] | None = None

@@ -12,7 +12,7 @@ from redline.plan import Plan
 def plan_table(plan: Plan, title: str = "Plan") -> Table:
     """Return the Plan as a table: axis, chosen value, reason."""
     table = Table(title=title, title_justify="left", show_lines=False)
-    table.add_column("axis", style="bold")
+    table.add_column("axis", style="bold", no_wrap=True)  # the reason wraps; an axis name never shortens
     table.add_column("value", style="cyan")
     table.add_column("why")
     for axis, value, reason in plan.rows():

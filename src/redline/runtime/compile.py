@@ -16,7 +16,10 @@ import torch
 from torch import nn
 
 from redline.errors import describe_error
+from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
+from redline.plan.compile import resolve_compile
+from redline.runtime.options import RuntimeOptions
 
 log = logging.getLogger("redline")
 
@@ -69,6 +72,26 @@ class CompileRecord:
         self.training += training
         if self.compiles > 1:
             self.recompiles.append(cause)
+
+
+def compile_planned(
+    model: nn.Module,
+    options: RuntimeOptions,
+    facts: DeviceFacts,
+    *,
+    planned_steps: int | None,
+    records: list[CompileRecord],
+) -> Choice[bool]:
+    """Resolve the compile axis and, when it says so, compile ``model`` in the requested mode (its record
+    joins ``records``)."""
+    planned = resolve_compile(
+        options.compile, facts, planned_steps=planned_steps, supported=lambda: compile_supported(facts.type)
+    )
+    if not planned.value:
+        return planned
+    mode = options.compile_mode
+    records.append(compile_module(model, **({} if mode == "default" else {"mode": mode})))
+    return planned if mode == "default" else Choice(True, f"{planned.reason}; mode={mode}")
 
 
 def compile_seconds(records: list[CompileRecord]) -> float | None:

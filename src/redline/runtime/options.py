@@ -22,7 +22,7 @@ SWITCHES: tuple[str, ...] = get_args(Switch)
 class RuntimeOptions:
     """What a run asks of the Runtime; every "auto" is resolved into the Plan when the Runtime is built.
 
-    ``compile`` and ``channels_last`` also take True/False, kept as "on"/"off".
+    ``compile``, ``channels_last`` and ``activation_checkpointing`` also take True/False, kept as "on"/"off".
     """
 
     devices: str = option("auto", "auto, cpu, cuda, cuda:N or mps.")
@@ -41,9 +41,12 @@ class RuntimeOptions:
     seed: int | None = option(None, "Seed every RNG and the data order (default 0 for the order).")
     strategy: StrategyRequest = option("auto", "auto, single, ddp or fsdp (with several processes).")
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True) while the run lasts.")
+    activation_checkpointing: Switch = option(
+        "auto", "Recompute the repeated blocks' activations in backward: auto (when memory runs short), on or off."
+    )
 
     def __post_init__(self) -> None:
-        for name in ("compile", "channels_last"):
+        for name in ("compile", "channels_last", "activation_checkpointing"):
             value = getattr(self, name)
             if isinstance(value, bool):
                 object.__setattr__(self, name, "on" if value else "off")
@@ -74,11 +77,18 @@ class RuntimeOptions:
         Device, precision, compile, layout, accumulation and clipping come from the Plan, so the run
         goes on as it started; the seed, the strategy (it follows the number of processes, which may
         differ now), determinism and the micro-batches (a run that ran out of memory is resumed with
-        --micro-batch auto) stay as asked for now.
+        --micro-batch auto) stay as asked for now. Activation checkpointing left to "auto" stays on if
+        the Plan had it on.
         """
 
         def switch(axis: str) -> Switch:
             return "on" if plan.get(axis, {}).get("value") else "off"
+
+        # Recomputing changes memory, not results: "on" or "off" asked now wins (a run that ran out of
+        # memory resumes with it on). "auto" keeps a stored "on"; stored off, it starts off as it did.
+        checkpointing = self.activation_checkpointing
+        if checkpointing == "auto" and plan.get("activation_checkpointing", {}).get("value") is True:
+            checkpointing = "on"
 
         return RuntimeOptions.build(
             self,
@@ -88,4 +98,5 @@ class RuntimeOptions:
             channels_last=switch("channels_last"),
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],
+            activation_checkpointing=checkpointing,
         )

@@ -37,7 +37,6 @@ from redline.hardware.device import DeviceFacts, probe_accelerators, probe_devic
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
-from redline.plan.compile import resolve_compile
 from redline.plan.device import resolve_worker_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.loader import resolve_loader
@@ -46,13 +45,8 @@ from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_z
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
-from redline.runtime.compile import (
-    CompileRecord,
-    compile_module,
-    compile_seconds,
-    compile_supported,
-    explain_compile,
-)
+from redline.runtime.checkpointing import ActivationCheckpointing
+from redline.runtime.compile import CompileRecord, compile_planned, compile_seconds, explain_compile
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
@@ -138,6 +132,7 @@ class Runtime:
         self._micro_steps: dict[int, int] = {}
         self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
+        self._checkpointing = ActivationCheckpointing()
 
     # -- the run's process-wide state ------------------------------------------------------------
 
@@ -199,6 +194,7 @@ class Runtime:
         layout = resolve_channels_last(
             self.options.channels_last, self.facts, has_conv2d=has_conv2d, precision=self.precision.name
         )
+        recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
         if layout.value:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -224,25 +220,29 @@ class Runtime:
         impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
-        planned = resolve_compile(
-            self.options.compile,
-            self.facts,
-            planned_steps=self.planned_steps,
-            supported=lambda: compile_supported(self.device.type),
+        planned = compile_planned(
+            model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
         )
-        if planned.value:
-            mode = self.options.compile_mode
-            self._compile_records.append(compile_module(model, **({} if mode == "default" else {"mode": mode})))
-            if mode != "default":
-                planned = Choice(True, f"{planned.reason}; mode={mode}")
         self._plan = dataclasses.replace(
-            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl, micro_batch=micro
-        )
+            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl,
+            micro_batch=micro, activation_checkpointing=recompute,
+        )  # fmt: skip
         self.model, self.optimizer = model, built
         self._models.append(model)
         if self._tuning is not None:
             self.adopt_reasons(self._tuning.reasons, self._tuning.note)
         return model, built
+
+    def enable_activation_checkpointing(self, reason: str) -> bool:
+        """Have the set-up models' repeated blocks recompute their activations from now on; return whether that is new.
+
+        For "auto" when memory runs short after setup (``reason`` says how it was found); a compiled model
+        compiles again. Nothing changes when "on" or "off" was requested or no model has repeated blocks.
+        """
+        turned = self._checkpointing.enable(reason)
+        if turned is not None:
+            self._plan = dataclasses.replace(self._plan, activation_checkpointing=turned)
+        return turned is not None
 
     def _use_tuned(self, model: nn.Module) -> None:
         """Take the tuned Plan's options for this model, and its precision, before anything uses them."""
