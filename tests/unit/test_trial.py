@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import redline.runtime.runtime as runtime_module
+import redline.runtime.compile as compile_module_home
 from devices import CPUS, H100
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
@@ -295,8 +295,8 @@ def test_every_compile_and_recompile_is_counted_with_its_cause():
 
 
 def test_a_compiled_run_drops_the_partial_last_batch_and_says_so(monkeypatch):
-    real = runtime_module.compile_module
-    monkeypatch.setattr(runtime_module, "compile_module", lambda model: real(model, backend="eager"))
+    real = compile_module_home.compile_module
+    monkeypatch.setattr(compile_module_home, "compile_module", lambda model: real(model, backend="eager"))
     torch._dynamo.reset()
     data = TensorDataset(torch.randn(70, 8), torch.randn(70, 1))  # 4 batches of 16, then 6
     task = tiny_task(model=OwnForward, train_data=data)
@@ -308,8 +308,8 @@ def test_a_compiled_run_drops_the_partial_last_batch_and_says_so(monkeypatch):
 
 
 def test_evaluation_runs_eagerly_beside_a_compiled_training_graph(monkeypatch, caplog):
-    real = runtime_module.compile_module
-    monkeypatch.setattr(runtime_module, "compile_module", lambda model: real(model, backend="eager"))
+    real = compile_module_home.compile_module
+    monkeypatch.setattr(compile_module_home, "compile_module", lambda model: real(model, backend="eager"))
     torch._dynamo.reset()
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     val = TensorDataset(torch.randn(20, 8), torch.randn(20, 1))  # a batch of 16, then a partial one of 4
