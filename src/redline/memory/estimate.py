@@ -164,8 +164,9 @@ def trace_step(
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     inputs, targets = split_batch(real_batch(task.train_data, batch_size)[0], "train_data")
     autocast = _AUTOCAST.get(precision)
+    given = task.build_model() if isinstance(task.model, nn.Module) else None  # a copy: the user's stays
     with mode, tracker:
-        model = _fake_model(task, mode)
+        model = _fake_model(task, mode, given)
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
         if activation_checkpointing:
@@ -235,23 +236,22 @@ def _faked(mode: FakeTensorMode, tracker: LiveBytes) -> Callable[[Any], Any]:
     return fake
 
 
-def _fake_model(task: Task, mode: FakeTensorMode) -> nn.Module:
-    """The Task's model with fake tensors: built under the fake mode, or a given module's tensors faked."""
-    model = task.model if isinstance(task.model, nn.Module) else task.build_model()
-    if not isinstance(task.model, nn.Module):
-        return model  # built under the mode: its tensors are fake already
-    model = task.build_model()  # a copy: the user's module is left as it is
+def _fake_model(task: Task, mode: FakeTensorMode, given: nn.Module | None) -> nn.Module:
+    """The Task's model with fake tensors: built by its factory under the fake mode, or ``given`` (a copy of
+    the Task's module, made outside the mode) with its tensors faked."""
+    if given is None:
+        return task.build_model()  # under the mode: its tensors are fake already
     memo: dict[int, torch.Tensor] = {}
-    for module in model.modules():
+    for module in given.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
                 if id(param) not in memo:  # tied weights stay tied
-                    memo[id(param)] = nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+                    memo[id(param)] = nn.Parameter(mode.from_tensor(param), param.requires_grad)
                 module._parameters[name] = memo[id(param)]  # type: ignore[assignment]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
                 module._buffers[name] = memo.setdefault(id(buffer), mode.from_tensor(buffer))
-    return model
+    return given
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:

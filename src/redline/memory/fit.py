@@ -92,7 +92,9 @@ def _next_size(points: list[tuple[int, int]], available: int, fit: int, over: in
     guess = b2 + (available - t2) / slope if slope > 0 else (fit * 2 if over is None else (fit + over) / 2)
     size = max(int(guess) // multiple * multiple, multiple)
     upper = over if over is not None else max(fit, multiple) * 64  # never leap past 64x what fitted
-    if not fit < size < upper:
+    if size <= fit and fit + multiple < upper:
+        size = fit + multiple  # the line says the largest fitting size is found: check the next one up
+    elif not fit < size < upper:
         size = (fit + upper) // 2 // multiple * multiple
     return max(size, multiple)
 

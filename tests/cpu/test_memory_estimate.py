@@ -1,0 +1,151 @@
+"""estimate_memory: a training step's peak, traced on fake tensors, against an independent measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.data import TensorDataset
+
+from redline.errors import ConfigError
+from redline.memory.estimate import estimate_memory
+from redline.task import Task, load_task
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+import memory_accuracy
+
+
+def small_gpt() -> Task:
+    return load_task("example:chargpt", n_layer=2, n_head=2, n_embd=64, block_size=32, max_chars=20_000)
+
+
+def mlp_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def mlp(model: nn.Module | None = None) -> Task:
+    data = TensorDataset(torch.randn(256, 64), torch.randint(0, 10, (256,)))
+    return Task(
+        model=model if model is not None else mlp_model,
+        loss_fn=nn.functional.cross_entropy,
+        train_data=data,
+        batch_size=32,
+        name="mlp",
+    )
+
+
+@pytest.mark.parametrize(
+    ("task", "precision", "batch"),
+    [
+        (mlp, "fp32", 64),
+        (small_gpt, "fp32", 16),
+        (small_gpt, "bf16-mixed", 16),
+        (lambda: load_task("example:digits"), "fp32", 128),
+    ],
+)
+def test_the_estimate_is_within_ten_percent_of_the_profiler(task, precision, batch) -> None:
+    built = task()
+    estimate = estimate_memory(built, batch_size=batch, precision=precision, target="cpu")
+    measured = memory_accuracy.measured_peak(built, batch, precision, "cpu")
+    assert abs(estimate.peak / measured - 1) <= 0.10, (estimate.peak, measured)
+    assert estimate.total == estimate.peak  # no workspace allowance on a CPU
+
+
+def test_model_states_are_counted_exactly() -> None:
+    task = mlp()
+    param_bytes = sum(p.numel() * 4 for p in task.build_model().parameters())
+    estimate = estimate_memory(task, batch_size=32, target="cuda")
+    assert estimate.params == param_bytes
+    # AdamW keeps two moments per parameter, plus a step count per tensor
+    assert 2 * param_bytes <= estimate.optimizer_state <= 2 * param_bytes + 4 * 64
+    assert estimate.peak == estimate.params + estimate.gradients + estimate.optimizer_state + estimate.activations
+    assert estimate.workspace > 0 and estimate.total == estimate.peak + estimate.workspace
+
+
+def test_activations_follow_the_batch_the_precision_and_checkpointing() -> None:
+    task = small_gpt()
+    base = estimate_memory(task, batch_size=8)
+    double = estimate_memory(task, batch_size=16)
+    assert 1.7 < double.activations / base.activations < 2.3
+    assert estimate_memory(task, batch_size=16, precision="bf16-mixed").activations < double.activations
+    checkpointed = estimate_memory(task, batch_size=16, activation_checkpointing=True)
+    assert checkpointed.activations < double.activations
+    assert base.top_modules and all(name for name, _ in base.top_modules)
+    assert base.top_modules[0][0].startswith("blocks.")
+
+
+def test_fsdp_shards_the_model_states_and_ddp_holds_the_gradients() -> None:
+    task = load_task("example:chargpt", n_layer=8, n_head=2, n_embd=64, block_size=32, max_chars=20_000)
+    single = estimate_memory(task, batch_size=16, target="cuda")
+    sharded = estimate_memory(task, batch_size=16, strategy="fsdp", world_size=4, target="cuda")
+    assert sharded.optimizer_state == pytest.approx(single.optimizer_state / 4, abs=4)
+    block = sum(p.numel() * 4 for p in task.build_model().blocks[0].parameters())
+    assert sharded.params == -(-single.params // 4) + 2 * block  # its shard, and two blocks gathered whole
+    assert sharded.peak < single.peak
+    ddp = estimate_memory(task, batch_size=16, strategy="ddp", world_size=2, target="cuda")
+    assert ddp.gradients >= single.params  # DDP's buckets hold them through the step
+
+
+def test_a_given_module_is_traced_on_a_copy_and_left_as_it_was() -> None:
+    model = mlp_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    given = estimate_memory(mlp(model), batch_size=32)
+    built = estimate_memory(mlp(), batch_size=32)
+    assert given.peak == built.peak
+    for name, tensor in model.state_dict().items():
+        assert not isinstance(tensor, FakeTensor) and torch.equal(tensor, before[name])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"precision": "fp8"}, "precision='fp8'"),
+        ({"strategy": "single", "world_size": 2}, "world_size=2"),
+        ({"target": "tpu"}, "target='tpu'"),
+        ({"batch_size": 0}, "batch_size"),
+    ],
+)
+def test_bad_arguments_name_the_problem(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        estimate_memory(mlp(), **kwargs)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "redline", "memory", *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"},
+    )  # fmt: skip
+
+
+def test_redline_memory_json_weighs_each_way_against_the_gpu() -> None:
+    done = run_cli("--task", "example:chargpt", "--task-arg", "n_layer=2", "--task-arg", "n_embd=64",
+                   "--task-arg", "block_size=32", "--task-arg", "max_chars=20000", "--gpu", "l4", "--gpus", "4",
+                   "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["device"] == "NVIDIA L4" and result["target"] == "cuda"
+    labels = [row["label"] for row in result["rows"]]
+    assert labels == ["as it stands", "activation checkpointing", "FSDP over 4 GPUs", "FSDP over 4 GPUs, checkpointing"]
+    first = result["rows"][0]
+    assert first["fits"] is True and first["largest_batch"] > first["estimate"]["batch_size"]
+    assert first["estimate"]["precision"] == "bf16-mixed"  # what a run on an L4 picks
+    assert result["rows"][2]["largest_batch"] % 4 == 0
+
+
+def test_redline_memory_table_and_a_gpu_too_small() -> None:
+    done = run_cli("--task", "example:digits", "--mem-gib", "0.5")
+    assert done.returncode == 0, done.stderr
+    assert "total peak" in done.stdout and "largest batch" in done.stdout and "none" in done.stdout
+
+
+def test_redline_memory_unknown_gpu_is_one_clear_line() -> None:
+    done = run_cli("--task", "example:digits", "--gpu", "voodoo-2")
+    assert done.returncode == 2
+    assert "not in the GPU catalog" in done.stderr and "Traceback" not in done.stderr

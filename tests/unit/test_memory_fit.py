@@ -1,0 +1,74 @@
+"""The largest batch that fits: found from traces of a step's memory, whatever shape its growth has."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from redline.errors import ConfigError
+from redline.memory.estimate import MemoryEstimate
+from redline.memory.fit import GIB, available_bytes, gpu_facts, largest_batch
+
+
+def estimator(total: Callable[[int], float]) -> tuple[Callable[..., MemoryEstimate], list[int]]:
+    traced: list[int] = []
+
+    def estimate_at(*, batch_size: int) -> MemoryEstimate:
+        traced.append(batch_size)
+        peak = int(total(batch_size))
+        return MemoryEstimate(
+            batch_size=batch_size, precision="fp32", target="cuda", strategy="single", world_size=1,
+            activation_checkpointing=False, params=0, gradients=0, optimizer_state=0, activations=peak,
+            workspace=0, peak=peak,
+        )  # fmt: skip
+
+    return estimate_at, traced
+
+
+def test_a_straight_line_is_solved_in_a_few_traces() -> None:
+    estimate_at, traced = estimator(lambda b: 1000 + 10 * b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 5000) == 400
+    assert len(traced) <= 5
+
+
+def test_a_peak_that_moves_as_the_batch_grows_is_still_found() -> None:
+    # small batches peak in the optimizer step, large ones in backward: the line from small batches is wrong
+    def total(b: int) -> float:
+        return max(5000 + 10 * b, 1000 + 60 * b)
+
+    estimate_at, _ = estimator(total)
+    found = largest_batch(estimate_at, estimate_at(batch_size=8), 100_000)
+    assert found is not None
+    assert total(found) <= 100_000 < total(int(found * 1.02) + 1)
+
+
+def test_a_batch_asked_for_that_does_not_fit_searches_downward() -> None:
+    estimate_at, _ = estimator(lambda b: 1000 + 100 * b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=512), 10_000) == 90
+
+
+def test_model_states_alone_too_large_means_no_batch() -> None:
+    estimate_at, _ = estimator(lambda b: 10_000 + b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=4), 9_000) is None
+
+
+def test_ranks_get_a_multiple_of_their_number() -> None:
+    estimate_at, _ = estimator(lambda b: 1000 + 10 * b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 5000, multiple=8) == 400
+    found = largest_batch(estimate_at, estimate_at(batch_size=16), 4990, multiple=8)
+    assert found == 392
+
+
+def test_the_budget_leaves_out_the_cuda_context_and_the_allocator_margin() -> None:
+    assert available_bytes(80, "cuda") < available_bytes(80, "cpu") < 80 * GIB
+    assert available_bytes(80, "cpu") - available_bytes(80, "cuda") == pytest.approx(0.95 * GIB, rel=1e-6)
+    assert available_bytes(0.5, "cuda") == 0
+
+
+def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
+    spec, facts = gpu_facts("h100-sxm")
+    assert spec.mem_gib == 80 and facts.capability == (9, 0) and facts.bf16
+    assert gpu_facts("NVIDIA H100 80GB HBM3")[0].id == "h100-sxm"
+    with pytest.raises(ConfigError, match=r"(?s)not in the GPU catalog.*h100-sxm.*--mem-gib"):
+        gpu_facts("voodoo-2")
