@@ -90,3 +90,24 @@ def oom_task(kind: str = "forward", limit: int | None = 5, batch: int = 16) -> r
         epochs=1,
         name="oom",
     )
+
+
+class RecomputeLimit(nn.Module):
+    """Two repeated blocks whose training forward runs out of memory at any batch unless their activations are
+    recomputed (activation checkpointing): a model that fits only that way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from redline.runtime.checkpointing import is_checkpointed
+
+        if self.training and torch.is_grad_enabled() and not is_checkpointed(self.blocks[0]):
+            raise out_of_memory(x.shape[0])
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)

@@ -28,7 +28,7 @@ from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from oom_models import make_data, make_model, oom_task, out_of_memory
+from oom_models import RecomputeLimit, make_data, make_model, oom_task, out_of_memory
 
 BATCH, STEPS = 16, 4
 KINDS = ["forward", "backward"]
@@ -73,6 +73,36 @@ def test_auto_halves_and_ends_with_the_weights_of_the_small_micro_batch_from_the
     assert rt.explain().micro_batch == Choice(4, "auto: 4 after out-of-memory at 16 (step 1), 8 (step 1)")
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and f"in {kind}): freed the memory, halved them to 8" in warnings[0]
+
+
+def recompute_run(**options) -> tuple[redline.Runtime, nn.Module]:
+    rt = redline.Runtime(devices="cpu", compile="off", **options)
+    torch.manual_seed(0)
+    model, optimizer = rt.setup(RecomputeLimit(), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    for batch in batches():
+        rt.train_step(loss_fn(model), batch)
+        rt.step(optimizer)
+    return rt, model
+
+
+def test_at_one_sample_auto_turns_activation_checkpointing_on_and_redoes_the_batch_whole(caplog):
+    _, reference = recompute_run(activation_checkpointing="on")
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        rt, model = recompute_run(micro_batch="auto")
+    halvings = [OomEvent(1, size, size // 2, "forward") for size in (16, 8, 4, 2)]
+    assert rt.oom_events == [*halvings, OomEvent(1, 1, 16, "forward", checkpointing=True)]
+    assert_equal_weights(
+        model, reference
+    )  # the whole batch, recomputed: as if checkpointing had been on from the start
+    plan = rt.explain()
+    assert plan.activation_checkpointing is not None and plan.activation_checkpointing.value is True
+    assert "even micro-batches of 1 sample ran out of memory" in plan.activation_checkpointing.reason
+    assert "turned activation checkpointing on" in caplog.records[-1].getMessage()
+
+
+def test_checkpointing_turned_off_leaves_the_error_at_one_sample():
+    with pytest.raises(OutOfMemory, match="even one sample does not fit"):
+        recompute_run(micro_batch="auto", activation_checkpointing="off")
 
 
 def test_a_fixed_micro_batch_steps_as_the_plain_loop_on_the_whole_batch():

@@ -150,7 +150,11 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     if summary.skipped_steps:
         rows.append(("fp16 steps skipped", str(summary.skipped_steps)))
     if summary.oom_recoveries:
-        halvings = ", ".join(f"{e['from_size']} -> {e['to_size']} at step {e['step']}" for e in summary.oom_recoveries)
+        halvings = ", ".join(
+            f"{e['from_size']} -> {e['to_size']}{' with activation checkpointing' if e.get('checkpointing') else ''} "
+            f"at step {e['step']}"
+            for e in summary.oom_recoveries
+        )
         rows.append(("out-of-memory recoveries", f"{len(summary.oom_recoveries)} (micro-batch {halvings})"))
     if summary.val_loss is not None:
         rows.append(("val loss", f"{summary.val_loss:.4f}"))

@@ -56,6 +56,7 @@ class OomEvent:
     to_size: int
     where: Where  # on this rank, or on the rank that failed (backward if one rank failed there)
     snapshot: Path | None = None  # this rank's memory snapshot (CUDA, with a snapshot directory)
+    checkpointing: bool = False  # activation checkpointing was turned on, and the batch redone from to_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,9 @@ class BatchRun:
     sync: bool  # the batch ends an accumulation cycle: its gradients are reduced over the ranks
     step: int  # the optimizer step the batch belongs to, counted from 1
     snapshot_dir: Path | None
+    # turns activation checkpointing on (reason in, whether it changed anything out): left to "auto", it
+    # is the last way to fit before giving up at one sample
+    recompute: Callable[[str], bool] | None = None
 
 
 class MicroBatcher:
@@ -112,7 +116,10 @@ class MicroBatcher:
                 break
             # Out of the except blocks: the failed step's frames and tensors are gone, so freeing gives them back.
             free_memory(how.device)
-            size = self._halve(size, _WHERE[code], mine=where is not None, fresh=fresh, how=how)
+            if size == 1 and self._recompute(_WHERE[code], fresh, total, how):
+                size = total  # with activations recomputed, the whole batch may fit again: halve from there
+            else:
+                size = self._halve(size, _WHERE[code], mine=where is not None, fresh=fresh, how=how)
             if fresh:  # nothing was accumulated before this batch: drop its partial gradients and do it again
                 for model in how.models:
                     for p in model.parameters():
@@ -228,6 +235,22 @@ class MicroBatcher:
             size, at, new, redo,
         )  # fmt: skip
         return new
+
+    def _recompute(self, where: Where, fresh: bool, total: int, how: BatchRun) -> bool:
+        """At one sample, with "auto" micro-batches: turn activation checkpointing on if it was left to "auto"."""
+        if self.requested != "auto" or how.recompute is None or (where == "backward" and not fresh):
+            return False
+        reason = f"auto: turned on at step {how.step}, when even micro-batches of 1 sample ran out of memory"
+        if not how.recompute(reason):
+            return False
+        self.events.append(OomEvent(how.step, 1, total, where, self.last_snapshot, checkpointing=True))
+        self.size = None
+        log.warning(
+            "out of memory with micro-batches of 1 sample (step %d, in %s): turned activation checkpointing on "
+            "(the repeated blocks recompute their activations in backward) and redoing the batch whole",
+            how.step, where,
+        )  # fmt: skip
+        return True
 
     def _snapshot(self, how: BatchRun, size: int | None) -> None:
         rank, world = rank_and_world()

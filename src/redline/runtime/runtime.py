@@ -316,7 +316,8 @@ class Runtime:
         sync = self._next_batch()
         step = (self._backwards - 1) // self.options.grad_accum + 1
         how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
-                    accum=self.options.grad_accum, sync=sync, step=step, snapshot_dir=self.snapshot_dir)  # fmt: skip
+                    accum=self.options.grad_accum, sync=sync, step=step, snapshot_dir=self.snapshot_dir,
+                    recompute=self.enable_activation_checkpointing)  # fmt: skip
         loss = self._micro.run(step_fn, batch, how)
         if self._plan.micro_batch is not self._micro.choice:  # "auto" halved: the Plan says when and why
             self._plan = dataclasses.replace(self._plan, micro_batch=self._micro.choice)
