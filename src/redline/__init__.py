@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         TaskSpecError,
         TrainingError,
     )
+    from redline.memory.estimate import MemoryEstimate, estimate_memory
     from redline.memory.search import BatchSearch, find_batch_size
     from redline.plan import Choice, Plan
     from redline.render.html import report
@@ -43,6 +44,7 @@ _LAZY = {
     "ConfigError": "redline.errors",
     "DeviceUnavailableError": "redline.errors",
     "EarlyStopping": "redline.train.callbacks",
+    "MemoryEstimate": "redline.memory.estimate",
     "Plan": "redline.plan",
     "RedlineError": "redline.errors",
     "Runtime": "redline.runtime.runtime",
@@ -56,6 +58,7 @@ _LAZY = {
     "TrainerConfig": "redline.train.config",
     "benchmark": "redline.bench.run",
     "doctor": "redline.doctor",
+    "estimate_memory": "redline.memory.estimate",
     "find_batch_size": "redline.memory.search",
     "load_task": "redline.task",
     "report": "redline.render.html",
@@ -84,6 +87,7 @@ __all__ = [
     "ConfigError",
     "DeviceUnavailableError",
     "EarlyStopping",
+    "MemoryEstimate",
     "Plan",
     "RedlineError",
     "Runtime",
@@ -98,6 +102,7 @@ __all__ = [
     "__version__",
     "benchmark",
     "doctor",
+    "estimate_memory",
     "find_batch_size",
     "load_task",
     "report",
