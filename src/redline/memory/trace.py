@@ -83,11 +83,8 @@ def retained_by_module(model: nn.Module, tracker: LiveBytes) -> Iterator[dict[st
     starts: dict[int, list[int]] = {}
     handles = []
 
-    def before(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            starts.setdefault(id(module), []).append(tracker.current)
-
-        return hook
+    def before(module: nn.Module, args: Any) -> None:  # one hook for every module: it needs no name
+        starts.setdefault(id(module), []).append(tracker.current)
 
     def after(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -99,7 +96,7 @@ def retained_by_module(model: nn.Module, tracker: LiveBytes) -> Iterator[dict[st
 
     for name, module in model.named_modules():
         if name:  # the whole model's figure is the activations total itself
-            handles.append(module.register_forward_pre_hook(before(name)))
+            handles.append(module.register_forward_pre_hook(before))
             handles.append(module.register_forward_hook(after(name)))
     try:
         yield retained
