@@ -125,3 +125,27 @@ def test_a_bug_on_one_rank_stops_every_rank_instead_of_leaving_one_waiting():
 def test_the_public_names():
     assert redline.find_batch_size.__module__ == "redline.memory.search"
     assert {"find_batch_size", "BatchSearch"} <= set(redline.__all__)
+
+
+def run_memory_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "redline", "memory", "--task", f"{JOB}:limited_task", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_redline_memory_measure_runs_the_search_on_this_machine():
+    done = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "16", "--json")
+    assert done.returncode == 0, done.stderr
+    search = json.loads(done.stdout)
+    assert [t["batch_size"] for t in search["tried"]] == [1, 2, 4, 8, 6, 5]
+    assert search["largest"] == 5 and search["cap"] == 16 and search["device"] == "cpu"
+    table = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--start", "4")
+    assert table.returncode == 0, table.stderr
+    assert "Batch-size search on cpu" in table.stdout and "largest: 5" in table.stdout
+
+
+def test_redline_memory_measure_refuses_another_gpu():
+    done = run_memory_cli("--measure", "--gpu", "l4")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--measure runs on this machine's own device" in done.stderr

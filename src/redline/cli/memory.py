@@ -1,4 +1,7 @@
-"""`redline memory`: a Task's step memory before the run, whether it fits a GPU, and the largest batch that does."""
+"""`redline memory`: a Task's step memory before the run, whether it fits a GPU, and the largest batch that does.
+
+With ``--measure`` the largest batch is found by running training steps on this machine's device instead.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +19,13 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.memory.fit import MemoryFit, fit_memory, gpu_facts
+from redline.memory.search import find_batch_size
+from redline.parallel.env import read_env
 from redline.plan.precision import resolve_precision
 from redline.render.memory import memory_tables
-from redline.task import load_task
+from redline.render.memory_search import batch_search_table
+from redline.runtime.options import RuntimeOptions
+from redline.task import Task, load_task
 
 
 def memory(
@@ -33,6 +40,13 @@ def memory(
     ] = None,
     mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
     gpus: Annotated[int, typer.Option(help="GPUs for the FSDP rows.")] = 8,
+    measure: Annotated[
+        bool, typer.Option("--measure", help="Find the largest batch by running training steps on this machine.")
+    ] = False,
+    start: Annotated[int, typer.Option(help="With --measure: the first batch size tried.")] = 1,
+    max_batch_size: Annotated[
+        int | None, typer.Option(help="With --measure: the largest size tried (on a CPU: the dataset's size).")
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
     """Estimate a Task's training-step memory, whether it fits a GPU, and the largest batch predicted to fit."""
@@ -40,9 +54,17 @@ def memory(
         raise ConfigError("--gpu and --mem-gib both given\nhint: name a catalog GPU, or give a memory size, not both")
     if mem_gib is not None and not mem_gib > 0:
         raise ConfigError(f"--mem-gib {mem_gib} is not allowed; expected a positive number of GiB")
+    if measure and (gpu is not None or mem_gib is not None):
+        raise ConfigError(
+            "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"
+            "hint: drop --gpu/--mem-gib to measure here, or drop --measure to estimate for that GPU"
+        )
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} is not allowed; expected 1 or more")
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    if measure:
+        _measure(loaded, precision, start, max_batch_size, json_output)
+        return
     device, facts, mem = _device(gpu, mem_gib)
     chosen = resolve_precision(precision, facts)
     Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({chosen.value}: {chosen.reason})")
@@ -51,6 +73,19 @@ def memory(
         precision=chosen.value, gpus=gpus,
     )  # fmt: skip
     _print(result, json_output)
+
+
+def _measure(task: Task, precision: str, start: int, max_batch_size: int | None, json_output: bool) -> None:
+    """Search this machine's device for the largest batch that trains; every rank searches, the first prints."""
+    Console(stderr=True).print(f"running training steps of {task.name} at growing batch sizes")
+    search = find_batch_size(task, options=RuntimeOptions(precision=precision), start=start,
+                             max_batch_size=max_batch_size)  # fmt: skip
+    if read_env().rank != 0:
+        return
+    if json_output:
+        print(json.dumps(search.to_dict(), indent=2))
+    else:
+        Console().print(batch_search_table(search.to_dict()))
 
 
 def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, float]:
