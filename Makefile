@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,tensorboard,report]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,tensorboard,report,serve]'
 	touch $(STAMP)
 
 # The main job on the built-in example: train it (logs and report under runs/), then measure the Plan

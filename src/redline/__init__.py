@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
     from redline.runtime.runtime import Runtime
+    from redline.serve.engine import InferenceEngine
+    from redline.serve.servable import Servable, load_servable
     from redline.task import Task, load_task
     from redline.train.callbacks import Callback, EarlyStopping
     from redline.train.config import TrainerConfig
@@ -44,10 +46,12 @@ _LAZY = {
     "ConfigError": "redline.errors",
     "DeviceUnavailableError": "redline.errors",
     "EarlyStopping": "redline.train.callbacks",
+    "InferenceEngine": "redline.serve.engine",
     "MemoryEstimate": "redline.memory.estimate",
     "Plan": "redline.plan",
     "RedlineError": "redline.errors",
     "Runtime": "redline.runtime.runtime",
+    "Servable": "redline.serve.servable",
     "RuntimeOptions": "redline.runtime.options",
     "Task": "redline.task",
     "TaskError": "redline.errors",
@@ -60,6 +64,7 @@ _LAZY = {
     "doctor": "redline.doctor",
     "estimate_memory": "redline.memory.estimate",
     "find_batch_size": "redline.memory.search",
+    "load_servable": "redline.serve.servable",
     "load_task": "redline.task",
     "report": "redline.render.html",
 }
@@ -87,11 +92,13 @@ __all__ = [
     "ConfigError",
     "DeviceUnavailableError",
     "EarlyStopping",
+    "InferenceEngine",
     "MemoryEstimate",
     "Plan",
     "RedlineError",
     "Runtime",
     "RuntimeOptions",
+    "Servable",
     "Task",
     "TaskError",
     "TaskSpecError",
@@ -104,6 +111,7 @@ __all__ = [
     "doctor",
     "estimate_memory",
     "find_batch_size",
+    "load_servable",
     "load_task",
     "report",
 ]

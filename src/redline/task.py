@@ -194,16 +194,21 @@ def find_factory(spec: str) -> Callable[..., Any]:
 
 def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Task:
     """Call ``factory(**options)`` and check that it returns a Task; ``spec`` names it in errors."""
+    task = run_factory(spec, factory, options)
+    if not isinstance(task, Task):
+        raise TaskSpecError(f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task")
+    return task
+
+
+def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Any:
+    """Call ``factory(**options)`` with its options checked; what it raises becomes a TaskSpecError naming ``spec``."""
     _check_options(spec, factory, options)
     try:
-        task = factory(**options)
+        return factory(**options)
     except TaskSpecError:
         raise
     except Exception as exc:
         raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
-    if not isinstance(task, Task):
-        raise TaskSpecError(f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task")
-    return task
 
 
 FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:factory'"

@@ -78,7 +78,7 @@ def memory(
 def _measure(task: Task, precision: str, start: int, max_batch_size: int | None, json_output: bool) -> None:
     """Search this machine's device for the largest batch that trains; every rank searches, the first prints."""
     Console(stderr=True).print(f"running training steps of {task.name} at growing batch sizes")
-    search = find_batch_size(task, options=RuntimeOptions(precision=precision), start=start,
+    search = find_batch_size(task, options=RuntimeOptions.build(None, precision=precision), start=start,
                              max_batch_size=max_batch_size)  # fmt: skip
     if read_env().rank != 0:
         return

@@ -1,0 +1,1 @@
+"""Inference: the InferenceEngine, offline prediction, the HTTP server with dynamic batching, and a load tester."""

@@ -1,0 +1,104 @@
+"""What `redline serve` and `redline predict` run: a model and the shape of one input sample.
+
+A spec names a factory, as a Task spec does (``example:digits``, ``pkg.module:factory``,
+``path/to/file.py:factory``). The factory returns a ``Servable``, or a Task (its model, with the
+shape and dtype of its first training sample). A bare module is refused: without the input's
+shape nothing can be checked before it reaches the model, nor warmed up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from redline.errors import ConfigError, TaskSpecError, invalid
+from redline.task import Task, find_factory, run_factory
+
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
+
+Postprocess = Callable[[torch.Tensor], Sequence[Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Servable:
+    """A model to serve, with the shape and dtype of one input sample (the batch dimension left out).
+
+    ``postprocess(outputs)`` turns a batch of outputs (on the CPU, in float32 for a floating model)
+    into one JSON-ready value per sample; without it each sample's output is returned as nested lists.
+    """
+
+    model: nn.Module
+    input_shape: tuple[int, ...]
+    input_dtype: str = "float32"
+    postprocess: Postprocess | None = None
+    name: str = "model"
+    extra: dict[str, Any] = field(default_factory=dict)  # shown in /openapi.json's description
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise invalid("model", type(self.model).__name__, "an nn.Module")
+        shape = tuple(self.input_shape)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+            raise invalid("input_shape", self.input_shape, "positive integers, one sample's shape without the batch")
+        object.__setattr__(self, "input_shape", shape)
+        if self.input_dtype not in DTYPES:
+            raise invalid("input_dtype", self.input_dtype, f"one of {', '.join(DTYPES)}")
+        if self.postprocess is not None and not callable(self.postprocess):
+            raise invalid("postprocess", type(self.postprocess).__name__, "a function outputs -> one value per sample")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The input's dtype as torch names it."""
+        dtype: torch.dtype = getattr(torch, self.input_dtype)
+        return dtype
+
+
+def load_servable(spec: str, *, weights: str | Path | None = None, **options: Any) -> Servable:
+    """Load the Servable a spec names, with ``weights`` (a safetensors file) loaded into its model."""
+    made = run_factory(spec, find_factory(spec), options)
+    if isinstance(made, Task):
+        made = from_task(made)
+    elif isinstance(made, nn.Module):
+        raise TaskSpecError(
+            f"serve spec {spec!r}: the factory returned a bare {type(made).__name__}, whose input shape is unknown\n"
+            "hint: return redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
+        )
+    elif not isinstance(made, Servable):
+        raise TaskSpecError(
+            f"serve spec {spec!r}: the factory returned {type(made).__name__}, expected a redline.Servable or a Task"
+        )
+    if weights is not None:
+        load_weights(made.model, Path(weights))
+    return made
+
+
+def from_task(task: Task) -> Servable:
+    """A Task's model, with its first training sample's shape and dtype as the input."""
+    sample = task.train_data[0][0]
+    array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
+    dtype = str(array.dtype) if str(array.dtype) in DTYPES else "float32"
+    return Servable(model=task.build_model(), input_shape=tuple(array.shape), input_dtype=dtype, name=task.name)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load a safetensors file into ``model``; a missing file or a mismatch is a ConfigError naming it."""
+    from safetensors.torch import load_model
+
+    if not path.is_file():
+        raise ConfigError(
+            f"--weights {str(path)!r} does not exist\nhint: redline train --out DIR writes DIR/model.safetensors"
+        )
+    try:
+        load_model(model, str(path), strict=True)
+    except (RuntimeError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"--weights {str(path)!r} does not fit the model: {first}\n"
+            "hint: pass the weights written by a run of this same model (and the same task options)"
+        ) from exc
