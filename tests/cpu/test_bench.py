@@ -103,6 +103,26 @@ def test_two_batch_sizes_are_benched_and_compared_within_their_size():
     assert result.row("naive cpu fp32 b64").speedup_naive == 1.0
 
 
+def test_the_estimate_is_asked_once_per_batch_precision_and_device_and_shown_on_each_row():
+    asked = []
+
+    def estimate(batch_size, precision, device_type):
+        asked.append((batch_size, precision, device_type))
+        return 1000 * batch_size
+
+    result = benchmark(
+        tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 64], steps=4, window=2,
+        auto=False, estimate=estimate,
+    )  # fmt: skip
+    assert asked == [(16, "fp32", "cpu"), (64, "fp32", "cpu")]
+    assert {row.name: row.estimate_bytes for row in result.rows} == {
+        "naive cpu fp32 b16": 16000, "cpu fp32 eager b16": 16000, "naive cpu fp32 b64": 64000,
+        "cpu fp32 eager b64": 64000,
+    }  # fmt: skip
+    assert benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=2,
+                     auto=False).rows[0].estimate_bytes is None  # fmt: skip
+
+
 def redline_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)
@@ -132,6 +152,8 @@ def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
     else:
         assert compiled["break_even_steps"] is None
     assert "compiled" in compiled["plan"]["compile"]["reason"]
+    # beside each row's measured peak, the step's predicted one, the same for every row of one precision
+    assert len({row["estimate_bytes"] for row in data["rows"]}) == 1 and eager["estimate_bytes"] > 2**20
 
 
 @pytest.mark.parametrize(

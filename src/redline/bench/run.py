@@ -41,6 +41,7 @@ from redline.version import __version__
 
 log = logging.getLogger("redline")
 Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
+Estimate = Callable[[int, str, str], int | None]  # (batch size, precision, device type) -> predicted bytes
 _DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
 
 
@@ -61,6 +62,7 @@ class BenchRow:
     step_ms_p90: float | None = None
     peak_mem_bytes: int | None = None
     peak_mem_kind: str = ""  # "allocated": the row's own on a GPU; "resident": the whole process's on a CPU
+    estimate_bytes: int | None = None  # the step's peak predicted before the run (the ``estimate`` given)
     tflops: float | None = None
     mfu: float | None = None  # achieved FLOP/s over the datasheet's dense peak (GPUs in the catalog)
     mfu_measured: float | None = None  # over a matmul measured on this device in the row's precision
@@ -115,6 +117,7 @@ def benchmark(
     auto: bool = True,
     seed: int = 0,
     progress: Progress | None = None,
+    estimate: Estimate | None = None,
 ) -> BenchResult:
     """Time the naive loop, each setting of the matrix and auto on ``task``, side by side; return the rows.
 
@@ -122,7 +125,10 @@ def benchmark(
     benches fp32 and the reduced precision each device has fast arithmetic for. Each row times
     ``steps`` steps (in windows of ``window``) after a warm-up window; timing stops early, after
     two rounds at least, once ``max_seconds`` are spent. ``planned_steps`` is the run auto plans
-    for (default: the task's own epochs), which decides whether it compiles.
+    for (default: the task's own epochs), which decides whether it compiles. ``estimate(batch_size,
+    precision, device_type)`` returns a predicted step peak in bytes (or None) to show beside each
+    row's measured peak, e.g. ``lambda b, p, d: redline.estimate_memory(task, batch_size=b,
+    precision=p, target=d).total``; it is asked once per batch size, precision and device.
     """
     positive_int("steps", steps)
     positive_int("window", window)
@@ -162,8 +168,22 @@ def benchmark(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine=_machine(facts),
         versions={"python": platform.python_version(), "torch": torch.__version__, "redline": __version__},
-        rows=tuple(_with_speedups(rows)),
+        rows=tuple(_with_estimates(_with_speedups(rows), estimate)),
     )
+
+
+def _with_estimates(rows: list[BenchRow], estimate: Estimate | None) -> list[BenchRow]:
+    """Give each row that ran the predicted peak of its batch size, precision and device type."""
+    if estimate is None:
+        return rows
+    known: dict[tuple[int, str, str], int | None] = {}
+    out = []
+    for row in rows:
+        key = (row.batch_size, row.precision, torch.device(row.device).type)
+        if not row.error and key not in known:
+            known[key] = estimate(*key)
+        out.append(dataclasses.replace(row, estimate_bytes=known.get(key)))
+    return out
 
 
 def _timing(tell: Progress, done: int, total: int, round_: int) -> None:

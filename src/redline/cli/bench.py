@@ -10,12 +10,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.bench.run import benchmark
+from redline.bench.run import Estimate, benchmark
 from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError
+from redline.errors import ConfigError, describe_error
+from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
-from redline.task import load_task
+from redline.task import Task, load_task
 
 SWITCH = {"on": True, "off": False, "true": True, "false": False}
 
@@ -42,6 +43,9 @@ def bench(
         300.0
     ),
     auto: Annotated[bool, typer.Option("--auto/--no-auto", help="Bench what `redline train` would run.")] = True,
+    estimate: Annotated[
+        bool, typer.Option("--estimate/--no-estimate", help="Show the predicted step peak beside the measured one.")
+    ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     html: Annotated[Path | None, typer.Option(metavar="FILE", help="Write a self-contained HTML report.")] = None,
 ) -> None:
@@ -61,6 +65,7 @@ def bench(
             loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
             batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
             max_seconds=max_seconds, auto=auto, progress=tell,
+            estimate=_estimator(loaded, console) if estimate else None,
         )  # fmt: skip
     data = result.to_dict()
     if html is not None:
@@ -75,6 +80,20 @@ def bench(
     out.print(best_line(data), highlight=False)
     if html is not None:
         out.print(f"report: {html}", highlight=False)
+
+
+def _estimator(task: Task, console: Console) -> Estimate:
+    """Predict a row's step peak with ``estimate_memory``; where the trace fails, warn and bench on."""
+
+    def predict(batch_size: int, precision: str, device_type: str) -> int | None:
+        target = "cuda" if device_type == "cuda" else "cpu"
+        try:
+            return estimate_memory(task, batch_size=batch_size, precision=precision, target=target).total
+        except Exception as exc:  # the estimate is an extra: its failure must not lose the measurements
+            console.print(f"warning: no memory estimate for batch {batch_size}, {precision}: {describe_error(exc)}")
+            return None
+
+    return predict
 
 
 def _names(text: str | None) -> list[str] | None:

@@ -37,11 +37,15 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         ("of matmul", lambda r: "n/a" if r["mfu_measured"] is None else f"{r['mfu_measured']:.0%}"),
         ("memory", lambda r: _bytes(r["peak_mem_bytes"])),
     ]
+    if any(r.get("estimate_bytes") is not None for r in rows):
+        columns.append(("estimate", lambda r: _bytes(r.get("estimate_bytes"))))
     if any(r["compile_s"] is not None for r in rows):
         columns.append(("compile", _compile))
     columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
         table.caption = "memory on a CPU: the whole process's resident set at its peak"
+        if any(r.get("estimate_bytes") is not None for r in rows):
+            table.caption += "; the estimate counts the step's own tensors, as a GPU's allocator would"
     for name, _ in columns:
         first = name == "configuration"
         table.add_column(name, justify="left" if first else "right", no_wrap=first)
