@@ -66,6 +66,11 @@ SUBCOMMANDS = {
         "Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed.",
         {"allow_extra_args": True, "ignore_unknown_options": True},
     ),
+    "loadtest": Subcommand(
+        "redline.cli.loadtest",
+        "loadtest_command",
+        "Load a URL at a fixed rate (open loop) or concurrency, and report latency percentiles and statuses.",
+    ),
 }
 
 

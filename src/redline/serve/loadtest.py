@@ -1,0 +1,338 @@
+"""`redline loadtest`: an asyncio HTTP client that measures a server's latency honestly.
+
+Open loop (``rate``): request i is due at t0 + offset_i and goes out then, whether or not earlier
+ones have returned; its latency counts from that due time, so a server that stalls shows in the
+tail instead of silently slowing the client (coordinated omission, Gil Tene, "How NOT to Measure
+Latency", https://www.infoq.com/presentations/latency-response-time/). Closed loop
+(``concurrency``): C workers, each sending when its last request returned; it finds the peak
+throughput, but its latency hides the queueing. The pure half (schedule, percentiles, the
+result) is in load_stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from yarl import URL
+
+from redline.config import non_negative_int, one_of, option, positive_int, positive_number
+from redline.errors import ConfigError, invalid
+from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
+
+DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given: a gentle open-loop probe
+LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
+PROGRESS_EVERY_S = 0.25
+NPY_MAGIC = b"\x93NUMPY"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How hard, how long and with what a load test drives a URL."""
+
+    rate: float | None = option(None, "Open loop: requests per second, each sent at its scheduled time.")
+    concurrency: int | None = option(None, "Closed loop: workers each sending when their last request returned.")
+    duration_s: float = option(10.0, "Seconds of the measured window.", flag="--duration")
+    warmup_s: float = option(0.0, "Seconds of load before the window, left out of the results.", flag="--warmup")
+    timeout_s: float = option(10.0, "Seconds a request may take before it counts as a timeout.", flag="--timeout")
+    payload: Path | None = option(None, "A .json file (sent as application/json) or .npy (octet-stream).")
+    method: str | None = option(None, "HTTP method (default: POST with a payload, GET without).")
+    headers: tuple[str, ...] = option((), "A header K:V, e.g. 'Authorization: Bearer T'; repeatable.", flag="--header")
+    arrivals: Arrivals = option("uniform", "Open loop: uniform gaps of 1/rate, or poisson (seeded).")
+    seed: int = option(0, "Seed of the poisson arrivals.")
+    max_in_flight: int = option(512, "Open loop: the most requests outstanding; more wait in the client.")
+    max_send_lag_ms: float = option(10.0, "Open loop: p99 lag behind the schedule above which the client says so.")
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and self.concurrency is not None:
+            raise ConfigError(
+                f"rate={self.rate} and concurrency={self.concurrency} both given; expected one of them\n"
+                "hint: --rate R for latency (open loop), --concurrency C for peak throughput (closed loop)"
+            )
+        positive_number("rate", self.rate, optional=True)
+        positive_int("concurrency", self.concurrency, optional=True)
+        positive_number("duration", self.duration_s)
+        if not (isinstance(self.warmup_s, int | float) and math.isfinite(self.warmup_s) and self.warmup_s >= 0):
+            raise invalid("warmup", self.warmup_s, "a number of seconds >= 0", "e.g. --warmup 2")
+        positive_number("timeout", self.timeout_s)
+        one_of("arrivals", self.arrivals, ("uniform", "poisson"))
+        non_negative_int("seed", self.seed)
+        positive_int("max_in_flight", self.max_in_flight)
+        positive_number("max_send_lag_ms", self.max_send_lag_ms)
+        if self.method is not None and not self.method.isalpha():
+            raise invalid("method", self.method, "an HTTP method such as GET or POST")
+        object.__setattr__(self, "headers", tuple(self.headers))
+        parse_headers(self.headers)
+
+    @property
+    def mode(self) -> Mode:
+        """'closed' when a concurrency was given, else 'open'."""
+        return "closed" if self.concurrency is not None else "open"
+
+
+def parse_headers(headers: Sequence[str]) -> dict[str, str]:
+    """Return ``K:V`` strings as a mapping; a string without a name and a colon is a clear error."""
+    out = {}
+    for text in headers:
+        name, colon, value = text.partition(":")
+        if not colon or not name.strip() or any(c.isspace() for c in name.strip()):
+            raise invalid("header", text, "NAME:VALUE", "e.g. --header 'Authorization: Bearer TOKEN'")
+        out[name.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A request body and its content type."""
+
+    body: bytes
+    content_type: str
+
+    @classmethod
+    def from_file(cls, path: Path) -> Payload:
+        """Read a .json file (checked to parse) or a .npy array (checked by its magic bytes)."""
+        suffix = path.suffix.lower()
+        if suffix not in (".json", ".npy"):
+            raise invalid("payload", str(path), "a .json or .npy file", "save the body as body.json or array.npy")
+        try:
+            body = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"payload {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
+        if suffix == ".json":
+            try:
+                json.loads(body)
+            except ValueError as exc:
+                raise invalid("payload", str(path), "a file holding valid JSON", f"it does not parse: {exc}") from exc
+            return cls(body, "application/json")
+        if not body.startswith(NPY_MAGIC):
+            raise invalid("payload", str(path), "a .npy file as numpy.save writes it", "it lacks the .npy header")
+        return cls(body, "application/octet-stream")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A live view of a run, given to the progress callback a few times a second."""
+
+    elapsed_s: float
+    total_s: float  # warm-up plus window; the wait for the last responses comes after
+    sent: int
+    completed: int
+    errors: int
+    in_flight: int
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass
+class _Counters:
+    sent: int = 0
+    completed: int = 0
+    errors: int = 0
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Request:
+    url: str
+    method: str
+    body: bytes | None
+    headers: dict[str, str]
+
+
+def error_kind(exc: BaseException) -> str:
+    """Name a client-side failure: timeout, connection_refused, connection_reset, connection_error or other."""
+    if isinstance(exc, TimeoutError):  # asyncio's, and aiohttp's socket and connect timeouts, subclass it
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection_refused" if isinstance(exc.os_error, ConnectionRefusedError) else "connection_error"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError | BrokenPipeError):
+        return "connection_reset"
+    if isinstance(exc, aiohttp.ClientOSError):
+        return "connection_reset" if isinstance(exc.__cause__, ConnectionResetError) else "connection_error"
+    return "other"
+
+
+async def _send(
+    session: aiohttp.ClientSession, request: _Request, slots: asyncio.Semaphore, t0: float, scheduled: float,
+    counters: _Counters,
+) -> None:  # fmt: skip
+    """Send one request when a slot is free and record its timeline, relative to ``t0``."""
+    dispatched = time.perf_counter() - t0
+    counters.sent += 1
+    waited = slots.locked()
+    async with slots:
+        sent = time.perf_counter() - t0
+        status = error = None
+        try:
+            async with session.request(request.method, request.url, data=request.body,
+                                       headers=request.headers) as response:  # fmt: skip
+                await response.read()
+                status = response.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            error = error_kind(exc)
+        done = time.perf_counter() - t0
+    counters.completed += status is not None
+    counters.errors += error is not None
+    counters.records.append(RequestRecord(scheduled, dispatched, sent, done, status, error, waited))
+
+
+async def _open_loop(
+    session: aiohttp.ClientSession, request: _Request, offsets: Sequence[float], cap: int, t0: float,
+    counters: _Counters,
+) -> None:  # fmt: skip
+    """Start each request at its scheduled time, however many are outstanding."""
+    slots = asyncio.Semaphore(cap)
+    tasks = []
+    for offset in offsets:
+        # sleep(0) when behind: it still yields, so the requests already started get sent
+        await asyncio.sleep(max(t0 + offset - time.perf_counter(), 0.0))
+        tasks.append(asyncio.create_task(_send(session, request, slots, t0, offset, counters)))
+    await asyncio.gather(*tasks)
+
+
+async def _closed_loop(
+    session: aiohttp.ClientSession, request: _Request, workers: int, end_s: float, t0: float, counters: _Counters
+) -> None:
+    """Run ``workers`` loops that each send the next request when the last returned, until ``end_s``."""
+    slots = asyncio.Semaphore(workers)
+
+    async def worker() -> None:
+        await asyncio.sleep(max(t0 - time.perf_counter(), 0.0))
+        while (now := time.perf_counter() - t0) < end_s:
+            await _send(session, request, slots, t0, now, counters)
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+
+
+async def _report(progress: ProgressCallback, counters: _Counters, t0: float, total_s: float) -> None:
+    while True:
+        progress(Progress(time.perf_counter() - t0, total_s, counters.sent, counters.completed, counters.errors,
+                          counters.sent - counters.completed - counters.errors))  # fmt: skip
+        await asyncio.sleep(PROGRESS_EVERY_S)
+
+
+async def check_reachable(url: str, timeout_s: float) -> None:
+    """Open (and close) a TCP connection to the URL's host and port; raise ConfigError if that fails."""
+    parsed = URL(url)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.host, parsed.port), timeout_s)
+    except (OSError, TimeoutError) as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ConfigError(
+            f"cannot reach {url}: connecting to {parsed.host}:{parsed.port} failed ({reason})\n"
+            "hint: start the server first (redline serve ...), or check the host and port"
+        ) from exc
+    writer.close()
+
+
+def check_url(url: str) -> str:
+    """Return ``url`` if it is an absolute http(s) URL with a host; raise ConfigError if not."""
+    try:
+        parsed = URL(url)
+    except (ValueError, TypeError) as exc:
+        raise invalid("url", url, "an http:// or https:// URL", "e.g. http://127.0.0.1:8000/v1/predict") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise invalid("url", url, "an http:// or https:// URL", "e.g. http://127.0.0.1:8000/v1/predict")
+    return url
+
+
+async def run_load_async(
+    url: str, options: LoadOptions, *, payload: Payload | None = None, progress: ProgressCallback | None = None
+) -> LoadResult:
+    """Drive ``url`` as ``options`` say and return what was measured; ``payload`` overrides ``options.payload``."""
+    check_url(url)
+    if payload is None and options.payload is not None:
+        payload = Payload.from_file(options.payload)
+    method = (options.method or ("POST" if payload else "GET")).upper()
+    headers = parse_headers(options.headers)
+    if payload is not None:
+        headers.setdefault("Content-Type", payload.content_type)
+    request = _Request(url, method, payload.body if payload else None, headers)
+    await check_reachable(url, options.timeout_s)
+    rate = options.rate if options.rate is not None or options.concurrency is not None else DEFAULT_RATE
+    cap = options.concurrency or options.max_in_flight
+    setup = Setup(
+        mode=options.mode, url=url, method=method, target_rate=rate,
+        concurrency=options.concurrency, arrivals=options.arrivals, duration_s=options.duration_s,
+        warmup_s=options.warmup_s, timeout_s=options.timeout_s, max_in_flight=cap,
+        max_send_lag_ms=options.max_send_lag_ms,
+    )  # fmt: skip
+    notes = []
+    if rate == DEFAULT_RATE and options.rate is None:
+        notes.append(f"neither a rate nor a concurrency given: open loop at {DEFAULT_RATE:g} requests/s")
+    total_s = options.warmup_s + options.duration_s
+    counters = _Counters()
+    connector = aiohttp.TCPConnector(limit=cap, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=options.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter() + LEAD_S
+        reporter = asyncio.create_task(_report(progress, counters, t0, total_s)) if progress else None
+        try:
+            if rate is not None:
+                offsets = schedule(rate, total_s, arrivals=options.arrivals, seed=options.seed)
+                await _open_loop(session, request, offsets, cap, t0, counters)
+            else:
+                await _closed_loop(session, request, cap, total_s, t0, counters)
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+    elapsed_s = time.perf_counter() - t0
+    if progress:
+        progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
+    return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes)
+
+
+def run_load(
+    url: str,
+    *,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    duration: float = 10.0,
+    warmup: float = 0.0,
+    timeout: float = 10.0,
+    payload: str | Path | Payload | None = None,
+    method: str | None = None,
+    headers: Mapping[str, str] | Sequence[str] = (),
+    progress: ProgressCallback | None = None,
+    **more: object,
+) -> LoadResult:
+    """Load-test ``url`` and return the LoadResult: open loop at ``rate`` or closed loop with ``concurrency``.
+
+    Blocks (it runs its own event loop); inside a running loop, await run_load_async. ``more``
+    takes LoadOptions' other fields (arrivals, seed, max_in_flight, max_send_lag_ms). ``headers``
+    is a mapping or ``K:V`` strings; ``payload`` a .json or .npy file, or a Payload.
+    """
+    if isinstance(headers, Mapping):
+        headers = [f"{name}: {value}" for name, value in headers.items()]
+    body = payload if isinstance(payload, Payload) else None
+    path = Path(payload) if isinstance(payload, str | Path) else None
+    options = LoadOptions(
+        rate=rate, concurrency=concurrency, duration_s=duration, warmup_s=warmup, timeout_s=timeout,
+        payload=path, method=method, headers=tuple(headers),
+        **more,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return load_test(url, options, payload=body, progress=progress)
+
+
+def load_test(
+    url: str, options: LoadOptions, *, payload: Payload | None = None, progress: ProgressCallback | None = None
+) -> LoadResult:
+    """Run run_load_async on an event loop of its own (uvloop's where installed) and return its result."""
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(run_load_async(url, options, payload=payload, progress=progress))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where installed (the serve extra brings it): less client overhead per request."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -1,0 +1,212 @@
+"""`redline loadtest` against a small aiohttp server in a background thread: counts, timings' lower bounds, the CLI."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from redline.errors import ConfigError
+from redline.serve.load_stats import CLOSED_LOOP_NOTE, schedule
+from redline.serve.loadtest import Payload, run_load
+
+PATTERN = (200, 200, 503, 500)  # the n-th request to /pattern gets PATTERN[n % 4]
+SLOW_S = 0.2
+STALL_S = 0.5  # the fifth request to /stall takes this long
+
+
+@dataclass
+class Server:
+    url: str
+    counts: Counter = field(default_factory=Counter)  # requests seen per path
+    seen: dict = field(default_factory=dict)  # the last request's method, content type, body and token per path
+
+
+def make_app(server: Server) -> web.Application:
+    async def pattern(request: web.Request) -> web.Response:
+        n = server.counts[request.path]
+        server.counts[request.path] += 1
+        return web.Response(status=PATTERN[n % len(PATTERN)], text="x")
+
+    async def slow(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        await asyncio.sleep(SLOW_S)
+        return web.Response(text="slow")
+
+    async def stall(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        if server.counts[request.path] == 5:
+            await asyncio.sleep(STALL_S)
+        return web.Response(text="ok")
+
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)  # past every timeout; cancelled when the client goes
+        return web.Response(text="late")
+
+    async def drop(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        assert request.transport is not None
+        request.transport.close()  # no answer at all: the client sees the connection go
+        await asyncio.sleep(1)
+        return web.Response(text="never")
+
+    async def echo(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        server.seen[request.path] = (request.method, request.content_type, await request.read(),
+                                     request.headers.get("Authorization"))  # fmt: skip
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    for path, handler in (("/pattern/{key}", pattern), ("/slow/{key}", slow), ("/stall/{key}", stall),
+                          ("/hang", hang), ("/drop/{key}", drop), ("/echo/{key}", echo)):  # fmt: skip
+        app.router.add_route("*", path, handler)
+    return app
+
+
+@pytest.fixture(scope="module")
+def server():
+    loop = asyncio.new_event_loop()
+    state = Server(url="")
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield state
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:  # bound, then closed: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_counts_by_status_match_the_servers_pattern_exactly(server):
+    result = run_load(f"{server.url}/pattern/a", rate=40, duration=1.0)
+    assert server.counts["/pattern/a"] == 40
+    assert (result.requests_sent, result.requests_completed, result.requests_failed) == (40, 40, 0)
+    assert result.status_counts == {200: 20, 503: 10, 500: 10}
+    assert result.latency_ms is not None and result.latency_ms.count == 40
+    assert result.latency_2xx_ms is not None and result.latency_2xx_ms.count == 20
+    assert result.error_counts == {} and result.mode == "open" and result.target_rate == 40
+
+
+def test_open_loop_sends_the_scheduled_count_and_leaves_the_warmup_out(server):
+    result = run_load(f"{server.url}/pattern/b", rate=50, duration=1.0, warmup=0.4)
+    assert server.counts["/pattern/b"] == 70  # 20 in the warm-up, 50 in the window
+    assert result.requests_sent == 50 and sum(result.status_counts.values()) == 50
+    result = run_load(f"{server.url}/pattern/c", rate=50, duration=1.0, arrivals="poisson", seed=3)
+    expected = len(schedule(50, 1.0, arrivals="poisson", seed=3))
+    assert server.counts["/pattern/c"] == expected == result.requests_sent
+
+
+def test_a_slow_endpoint_shows_its_delay_in_both_modes(server):
+    open_loop = run_load(f"{server.url}/slow/a", rate=20, duration=0.5)
+    assert open_loop.status_counts == {200: 10}
+    assert open_loop.latency_ms is not None and open_loop.latency_ms.p50_ms >= SLOW_S * 1000
+    closed = run_load(f"{server.url}/slow/b", concurrency=2, duration=0.5)
+    assert closed.mode == "closed" and closed.send_lag_ms is None and CLOSED_LOOP_NOTE in closed.notes
+    assert closed.requests_sent >= 2 and closed.status_counts == {200: closed.requests_sent}
+    assert closed.latency_ms is not None and closed.latency_ms.p50_ms >= SLOW_S * 1000
+
+
+def test_a_stall_behind_the_in_flight_cap_counts_from_the_scheduled_time(server):
+    # One request at a time: while the fifth stalls for 0.5 s, those due meanwhile queue in the client.
+    # Timed from their actual send they would look instant; timed from their schedule they waited.
+    result = run_load(f"{server.url}/stall/a", rate=50, duration=1.0, max_in_flight=1)
+    assert result.requests_sent == 50 and result.status_counts == {200: 50}
+    assert result.waited_for_slot >= 20
+    assert result.latency_ms is not None and result.latency_ms.p90_ms >= 250
+    assert any("waited in the client because 1 were already outstanding" in note for note in result.notes)
+
+
+def test_timeouts_and_dropped_connections_are_counted_by_kind(server):
+    result = run_load(f"{server.url}/hang", rate=10, duration=0.5, timeout=0.3)
+    assert result.error_counts == {"timeout": 5}
+    assert (result.requests_sent, result.requests_failed, result.latency_ms) == (5, 5, None)
+    result = run_load(f"{server.url}/drop/a", rate=10, duration=0.5)
+    assert result.error_counts == {"connection_reset": 5} and result.status_counts == {}
+
+
+def test_payloads_are_sent_with_their_content_type_and_headers(server, tmp_path):
+    body = tmp_path / "body.json"
+    body.write_text('{"inputs": [[1, 2]]}')
+    run_load(f"{server.url}/echo/json", rate=10, duration=0.2, payload=body, headers={"Authorization": "Bearer t"})
+    assert server.seen["/echo/json"] == ("POST", "application/json", body.read_bytes(), "Bearer t")
+    array = tmp_path / "x.npy"
+    np.save(array, np.arange(6, dtype=np.float32).reshape(2, 3))
+    run_load(f"{server.url}/echo/npy", rate=10, duration=0.2, payload=array, method="PUT")
+    assert server.seen["/echo/npy"] == ("PUT", "application/octet-stream", array.read_bytes(), None)
+    run_load(f"{server.url}/echo/raw", rate=10, duration=0.2, payload=Payload(b"abc", "text/plain"))
+    assert server.seen["/echo/raw"] == ("POST", "text/plain", b"abc", None)
+    assert server.counts["/echo/raw"] == 2
+
+
+def test_bad_input_is_refused_before_any_request(server, tmp_path):
+    (tmp_path / "body.txt").write_text("hi")
+    (tmp_path / "bad.json").write_text("{not json")
+    cases = [
+        ({"rate": 5, "concurrency": 2}, "both given"),
+        ({"rate": -1}, "rate=-1"),
+        ({"concurrency": 0}, "concurrency=0"),
+        ({"rate": 5, "duration": 0}, "duration=0"),
+        ({"rate": 5, "payload": tmp_path / "body.txt"}, "expected a .json or .npy file"),
+        ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
+        ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            run_load(f"{server.url}/pattern/never", **{"duration": 0.2, **kwargs})
+    with pytest.raises(ConfigError, match=r"cannot reach .*Connection refused\)\nhint: start the server"):
+        run_load(f"http://127.0.0.1:{free_port()}/x", rate=5, duration=0.2)
+    assert server.counts["/pattern/never"] == 0
+
+
+def redline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "redline", "loadtest", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "120"})  # fmt: skip
+
+
+def test_cli_json_round_trip_and_table(server):
+    result = redline(f"{server.url}/pattern/cli", "--rate", "20", "--duration", "1", "--header", "X-Test: 1", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["status_counts"] == {"200": 10, "503": 5, "500": 5}
+    assert (data["mode"], data["target_rate"], data["requests_sent"], data["method"]) == ("open", 20.0, 20, "GET")
+    assert set(data["latency_ms"]) == {"count", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms"}
+    table = redline(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3")
+    assert table.returncode == 0, table.stderr
+    assert "closed loop, 2 workers" in table.stdout and "latency in ms, from each request's actual send" in table.stdout
+    assert "note: closed loop:" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--rate", "5", "--concurrency", "2"], "error: rate=5.0 and concurrency=2 both given"),
+     (["--rate", "0"], "error: rate=0.0 is not allowed"),
+     (["--payload", "body.txt"], "error: payload='body.txt' is not allowed; expected a .json or .npy file")],
+)  # fmt: skip
+def test_cli_errors_are_one_clear_message(server, args, message):
+    result = redline(f"{server.url}/pattern/never", *args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(message) and "Traceback" not in result.stderr
+
+
+def test_cli_unreachable_url_is_one_clear_message():
+    result = redline(f"http://127.0.0.1:{free_port()}/v1/predict", "--rate", "5", "--duration", "0.2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0].startswith("error: cannot reach http://127.0.0.1:")
+    assert result.stderr.splitlines()[1].startswith("hint: start the server first")
