@@ -1,0 +1,184 @@
+"""Serving throughput and tail latency: redline serve vs LitServe (batching on) vs a plain FastAPI endpoint.
+
+The same model with the same weights (serve_models.py: the digits CNN and a 4096-wide MLP) is served
+by each in turn, on this machine, one at a time, and loaded by the same clients in one run:
+- `redline loadtest`'s closed loop at concurrency 64 (the issue's comparison), then its open loop
+  at a fixed rate below every server's capacity (the latency a stream of users would see);
+- wrk (a C client, Debian's package) at 64 connections, as a cross-check that the Python client is
+  not what limits the numbers.
+Each server answers one request before it is timed and gets the same warm-up. Servers, clients and
+the model share the machine's cores, as they would on one host; only the ratios carry over.
+
+    .venv-peers/bin/python benchmarks/serve.py [--models digits,mlp] [--duration 15] [--write serve]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import environment
+from redline.serve.loadtest import Payload, run_load
+from serve_models import SHAPES
+
+HERE = Path(__file__).parent
+SERVERS = ("redline", "litserve", "fastapi")
+CONCURRENCY = 64
+OPEN_RATE = {"digits": 200.0, "mlp": 100.0}  # requests/s: below every server's capacity here
+
+
+def command(server: str, model: str, port: int) -> list[str]:
+    if server == "redline":
+        return [
+            sys.executable, "-m", "redline", "serve", f"{HERE / 'serve_models.py'}:{model}", "--port", str(port),
+            "--max-batch-size", "32", "--max-wait-ms", "5",
+        ]  # fmt: skip
+    return [sys.executable, str(HERE / "serve_peers.py"), server, model, str(port)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def post(url: str, body: bytes) -> int:
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return int(response.status)
+
+
+@contextlib.contextmanager
+def serving(server: str, model: str, body: bytes) -> Iterator[str]:
+    """Start ``server`` on a free port; yield its predict URL once it answered a request; stop it after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/{'v1/predict' if server == 'redline' else 'predict'}"
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below, after the process)
+    process = subprocess.Popen(command(server, model, port), cwd=HERE, stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"{server} exited with {process.returncode}:\n{log.read().decode()[-3000:]}")
+            with contextlib.suppress(OSError):
+                if post(url, body) == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server} did not answer within 180 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def wrk(url: str, body: bytes, duration: float) -> dict[str, float] | None:
+    """requests/s and p99 (ms) from wrk at 64 connections; None where wrk is not installed."""
+    if shutil.which("wrk") is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(
+            f'wrk.method = "POST"\nwrk.body = {json.dumps(body.decode())}\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+        )
+    try:
+        done = subprocess.run(
+            ["wrk", "-t1", f"-c{CONCURRENCY}", f"-d{int(duration)}s", "--latency", "-s", script.name, url],
+            capture_output=True, text=True, timeout=duration + 60,
+        )  # fmt: skip
+    finally:
+        os.unlink(script.name)
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", done.stdout)
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", done.stdout)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", done.stdout)
+    if rps is None or p99 is None:
+        raise RuntimeError(f"wrk printed no figures:\n{done.stdout}\n{done.stderr}")
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p99.group(2)]
+    return {
+        "rps": float(rps.group(1)),
+        "p99": float(p99.group(1)) * scale,
+        "non2xx": int(errors.group(1)) if errors else 0,
+    }
+
+
+def measure(server: str, model: str, duration: float) -> dict[str, Any]:
+    body = json.dumps({"inputs": [nested(SHAPES[model])]}).encode()
+    payload = Payload(body, "application/json")
+    with serving(server, model, body) as url:
+        closed = run_load(url, concurrency=CONCURRENCY, duration=duration, warmup=3.0, payload=payload)
+        opened = run_load(url, rate=OPEN_RATE[model], duration=duration, warmup=2.0, payload=payload)
+        cross = wrk(url, body, duration)
+    return {"closed": closed.to_dict(), "open": opened.to_dict(), "wrk": cross}
+
+
+def nested(shape: tuple[int, ...]) -> object:
+    """One sample of ``shape`` as nested lists."""
+    return 0.5 if not shape else [nested(shape[1:])] * shape[0]
+
+
+def row(model: str, server: str, result: dict[str, Any], base: dict[str, Any]) -> str:
+    closed, opened, cross = result["closed"], result["open"], result["wrk"]
+    ratio = closed["success_rps"] / base["closed"]["success_rps"] if base["closed"]["success_rps"] else math.nan
+    statuses = closed["status_counts"].items()
+    failed = sum(n for code, n in statuses if not code.startswith("2")) + closed["requests_failed"]
+    wrk_text = "n/a" if cross is None else f"{cross['rps']:,.0f} / {cross['p99']:,.1f}"
+    if base["wrk"] and cross:
+        wrk_text += f" ({cross['rps'] / base['wrk']['rps']:.2f}x)"
+    tail, steady = closed["latency_2xx_ms"], opened["latency_2xx_ms"]
+    return (
+        f"| {model} | {server} | {closed['success_rps']:,.0f} | **{ratio:.2f}x** | {tail['p50_ms']:,.1f} "
+        f"| {tail['p99_ms']:,.1f} | {failed} | {steady['p50_ms']:,.1f} | {steady['p99_ms']:,.1f} | {wrk_text} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="digits,mlp")
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--write", metavar="NAME", help="also write benchmarks/results/NAME.md")
+    args = parser.parse_args(argv)
+    servers = args.servers.split(",")
+    lines = [
+        f"Closed loop: `redline loadtest --concurrency {CONCURRENCY}`; open loop: `--rate R` (digits "
+        f"{OPEN_RATE['digits']:g}/s, mlp {OPEN_RATE['mlp']:g}/s); {args.duration:g} s each after a warm-up. "
+        "Ratios against LitServe in the same run. wrk: requests/s / p99 ms at 64 connections.",
+        "",
+        "| model | server | req/s (c=64) | vs LitServe | p50 ms | p99 ms | non-2xx | open p50 ms | open p99 ms "
+        "| wrk req/s / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in args.models.split(","):
+        results = {}
+        for server in servers:
+            print(f"{model} on {server} ...", flush=True)
+            results[server] = measure(server, model, args.duration)
+        base = results.get("litserve", results[servers[0]])
+        lines += [row(model, server, results[server], base) for server in servers]
+    environment.publish(args.write, "Serving: redline vs LitServe vs FastAPI", lines)
+
+
+if __name__ == "__main__":
+    main()
