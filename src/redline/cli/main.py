@@ -66,6 +66,11 @@ SUBCOMMANDS = {
         "Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed.",
         {"allow_extra_args": True, "ignore_unknown_options": True},
     ),
+    "serve": Subcommand(
+        "redline.cli.serve",
+        "serve_command",
+        "Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics.",
+    ),
 }
 
 

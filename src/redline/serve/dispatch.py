@@ -62,6 +62,8 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self.failed: str | None = None  # why the worker stopped for good (its warm-up raised)
+        self.on_ready: Callable[[], None] | None = None  # called once the engine is warmed up
+        self.on_failed: Callable[[str], None] | None = None  # called with ``failed`` when the worker gives up
         self._queue: deque[Queued] = deque()
         self._wakeup = asyncio.Event()
         self._closing = False
@@ -113,17 +115,23 @@ class Dispatcher:
         return Refused(504, "timeout", f"no answer within timeout_ms={self.options.timeout_ms:g} of the request's arrival")
 
     async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
-        if not getattr(self.engine, "ready", False):
-            try:
-                await loop.run_in_executor(self._thread, self.engine.warm_up)
-            except Exception as exc:  # the server stays up to say why (/livez), and answers 503
-                self.failed = f"warm-up failed: {describe_error(exc)}"
-                log.error("redline serve: %s", self.failed)
-                for queued in self._queue:
-                    _settle(queued.future, exception=Refused(503, "not_ready", f"the model cannot run: {self.failed}"))
-                self._queue.clear()
-                return
+        try:
+            if not getattr(self.engine, "ready", False):
+                await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.warm_up)
+            if self.on_ready is not None:
+                self.on_ready()
+            await self._batches()
+        except Exception as exc:  # the server stays up to say why (/livez), and answers 503
+            stage = "warm-up failed" if not self.engine.ready else "the batching worker stopped"
+            self.failed = f"{stage}: {describe_error(exc)}"
+            log.error("redline serve: %s", self.failed)
+            for queued in self._queue:
+                _settle(queued.future, exception=Refused(503, "not_ready", f"the model cannot run: {self.failed}"))
+            self._queue.clear()
+            if self.on_failed is not None:
+                self.on_failed(self.failed)
+
+    async def _batches(self) -> None:
         max_wait = self.options.max_wait_ms / 1000
         while True:
             self._queue = deque(q for q in self._queue if not q.future.done())  # timed out or gone
