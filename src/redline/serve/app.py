@@ -160,10 +160,12 @@ class Serving:
 def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
     """Return the Starlette app serving ``engine``; ``app.state.serving`` holds its Serving.
 
+    Without ``options``, the defaults with the engine's own ``max_batch_size``.
+
     The engine's warm-up (when it is not ready yet) and the batching worker start with the app's
     lifespan; at its end the queue is answered before the worker stops.
     """
-    serving = Serving(engine, options or ServeOptions())
+    serving = Serving(engine, options or ServeOptions(max_batch_size=engine.max_batch_size))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
