@@ -124,6 +124,7 @@ async def test_concurrent_requests_run_together_in_one_thread_of_the_models_own(
         (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
         (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
         (b'{"inputs": []}', 422, "inputs have shape (0,)"),
+        (b'{"inputs": [true, 0, 0]}', 422, "true/false where numbers are expected"),
         (b'{"inputs": [[1, 2, 3]]}', 200, None),
     ],
 )
@@ -144,6 +145,7 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     async with running(engine, max_batch_size=4) as (client, _):
         too_many = await client.post(post, json={"inputs": [[1, 2, 3]] * 5})
         floats = await client.post(post, json={"inputs": [1.5, 2, 3]})
+        whole = await client.post(post, json={"inputs": [[1.0, 2, 3]]})
         beyond = await client.post(post, content=npy(np.array([2**63, 1, 1], np.uint64)), headers=octet)
         nan = await client.post(post, content=npy(np.array([np.nan, 1, 2])), headers=octet)
         garbage = await client.post(post, content=b"not a numpy file", headers=octet)
@@ -158,7 +160,8 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]
     assert text.status_code == 415 and "application/json" in text.json()["error"]
     assert good.status_code == 200 and good.json() == {"outputs": [[2.0, 4.0, 6.0]]}
-    assert engine.batches == [1], "only the valid request reached the model"
+    assert whole.json() == {"outputs": [[2.0, 4.0, 6.0]]}
+    assert engine.batches == [1, 1], "only the valid requests reached the model"
 
 
 async def test_non_finite_floats_are_refused():

@@ -169,6 +169,7 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        serving.draining = False
         serving.dispatcher.start()
         try:
             yield

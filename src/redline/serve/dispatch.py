@@ -68,7 +68,7 @@ class Dispatcher:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
+        self._thread: ThreadPoolExecutor | None = None
 
     @property
     def queued(self) -> int:
@@ -76,7 +76,13 @@ class Dispatcher:
         return len(self._queue)
 
     def start(self) -> None:
-        """Start the worker on the running loop: the engine's warm-up first (unless it is ready), then batches."""
+        """Start the worker on the running loop: the engine's warm-up first (unless it is ready), then batches.
+
+        After ``close`` it may start again (an app's lifespan entered anew, as tests do).
+        """
+        self._closing = False
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
         self._task = asyncio.get_running_loop().create_task(self._work(), name="redline-serve-worker")
 
     async def close(self) -> None:
@@ -85,7 +91,8 @@ class Dispatcher:
         self._wakeup.set()
         if self._task is not None:
             await self._task
-        self._thread.shutdown(wait=True)
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
     async def submit(self, inputs: torch.Tensor, *, arrived: float) -> list[Any]:
         """Queue ``inputs`` (a batch) and return its outputs, one per sample; raise Refused for 500, 503 or 504."""

@@ -66,7 +66,16 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
         raise spec.refuse(422, "inputs are nested lists of unequal lengths") from None
     if array.dtype.kind not in "biuf":
         raise spec.refuse(422, "inputs hold values that are not numbers (text, null, objects or too large integers)")
+    # numpy reads true/false among numbers as 1/0: look for them only when the body has such a word
+    if spec.kind() != "b" and array.dtype.kind != "b" and (b"true" in body or b"false" in body) and _has_bool(inputs):
+        raise spec.refuse(422, "inputs hold true/false where numbers are expected")
     return check_array(array, spec)
+
+
+def _has_bool(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_has_bool(item) for item in value)
+    return isinstance(value, bool)
 
 
 def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
@@ -100,6 +109,10 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
             422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
         )
     kind = spec.kind()
+    if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
+        array = array.astype(np.float64)  # whole numbers written as 2.0 are integers (as JSON Schema reads them)
+        if np.all(np.abs(array) < 2.0**63):
+            array = array.astype(np.int64)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
         raise spec.refuse(422, f"inputs are {_KINDS.get(array.dtype.kind, str(array.dtype))} ({array.dtype})")
@@ -107,13 +120,15 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
         info = np.iinfo(spec.dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise spec.refuse(422, f"inputs hold integers outside {spec.dtype}'s range [{info.min}, {info.max}]")
+    if kind == "f":  # the bound /openapi.json states; NaN fails the comparison too
+        largest = float(torch.finfo(getattr(torch, spec.dtype)).max)
+        if not bool(np.all(np.abs(array.astype(np.float64)) <= largest)):
+            raise spec.refuse(
+                422, f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or beyond ±{largest:.6g})"
+            )
     target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
-    batch = batch.to(getattr(torch, spec.dtype))
-    if kind == "f" and not bool(torch.isfinite(batch).all()):
-        raise spec.refuse(422, f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or too large)")
-    return batch
+    batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
+    return batch.to(getattr(torch, spec.dtype))
 
 
 def _shape(shape: tuple[int, ...]) -> str:
