@@ -37,9 +37,9 @@ def anyio_backend():
 async def running(engine, **options):
     """The app started (its lifespan entered) with an httpx client talking to it in-process."""
     app = build_app(engine, ServeOptions(**{"max_batch_size": engine.max_batch_size, **options}))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://redline") as client:
-            yield client, app.state.serving
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+        yield client, app.state.serving
 
 
 async def eventually(predicate, timeout=20.0):
@@ -117,7 +117,7 @@ async def test_concurrent_requests_run_together_in_one_thread_of_the_models_own(
     ("body", "status", "problem"),
     [
         (b'{"inputs": [1, 2,', 400, "not valid JSON"),
-        (b'[[1, 2, 3]]', 422, 'a JSON object {"inputs": [...]}'),
+        (b"[[1, 2, 3]]", 422, 'a JSON object {"inputs": [...]}'),
         (b'{"input": [1, 2, 3]}', 422, 'a JSON object {"inputs": [...]}'),
         (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
         (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths"),
@@ -221,9 +221,10 @@ async def test_a_full_queue_answers_503_with_retry_after_and_the_accepted_reques
 async def test_a_request_past_its_deadline_gets_504_and_the_server_goes_on():
     engine = FakeEngine()
     engine.gate.clear()
-    async with running(engine, timeout_ms=200, max_batch_size=1) as (client, serving):
+    async with running(engine, timeout_ms=200, max_batch_size=1) as (client, _):
         running_one, waiting_one = await asyncio.gather(
-            client.post("/v1/predict", json={"inputs": [1, 1, 1]}), client.post("/v1/predict", json={"inputs": [2, 2, 2]})
+            client.post("/v1/predict", json={"inputs": [1, 1, 1]}),
+            client.post("/v1/predict", json={"inputs": [2, 2, 2]}),
         )
         engine.gate.set()
         after = await client.post("/v1/predict", json={"inputs": [3, 3, 3]})

@@ -64,9 +64,9 @@ def test_a_request_larger_than_the_cap_that_slipped_in_runs_alone_rather_than_bl
     assert decide(queue, 0.0, max_batch_size=8, max_wait=1.0).run == (0,)
 
 
-queues = st.lists(
-    st.tuples(st.integers(1, 8), st.floats(0, 1), st.floats(0, 2)), min_size=0, max_size=30
-).map(lambda rows: [Pending(samples=s, arrived=a, deadline=a + d) for s, a, d in sorted(rows, key=lambda r: r[1])])
+queues = st.lists(st.tuples(st.integers(1, 8), st.floats(0, 1), st.floats(0, 2)), min_size=0, max_size=30).map(
+    lambda rows: [Pending(samples=s, arrived=a, deadline=a + d) for s, a, d in sorted(rows, key=lambda r: r[1])]
+)
 
 
 @given(queues, st.floats(0, 3), st.integers(1, 16), st.floats(0, 0.5))

@@ -40,10 +40,9 @@ class Serving:
 
     def __init__(self, engine: Any, options: ServeOptions) -> None:
         if options.max_batch_size > engine.max_batch_size:
-            raise invalid(
-                "max_batch_size", options.max_batch_size, f"at most the engine's max_batch_size={engine.max_batch_size}",
-                "build the InferenceEngine with the same max_batch_size as the server",
-            )  # fmt: skip
+            allowed = f"at most the engine's max_batch_size={engine.max_batch_size}"
+            hint = "build the InferenceEngine with the same max_batch_size as the server"
+            raise invalid("max_batch_size", options.max_batch_size, allowed, hint)
         self.engine = engine
         self.options = options
         self.token = options.token()
@@ -79,7 +78,9 @@ class Serving:
     async def read_body(self, request: Request) -> bytes:
         """Return the body, refusing (413) one over the limit by its Content-Length or by the bytes streamed."""
         limit = self.options.max_body_bytes
-        too_large = Refused(413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB")
+        too_large = Refused(
+            413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB"
+        )
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.strip().isdigit():
@@ -103,9 +104,7 @@ class Serving:
             if (reason := self.unusable()) is not None:
                 raise Refused(503, "not_ready", f"the model cannot run: {reason}")
             if not self.engine.ready:
-                raise Refused(
-                    503, "not_ready", "the model is warming up", headers={"Retry-After": str(RETRY_AFTER_S)}
-                )
+                raise Refused(503, "not_ready", "the model is warming up", headers={"Retry-After": str(RETRY_AFTER_S)})
             media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
             if media not in JSON_TYPES + NPY_TYPES:
                 raise Refused(
@@ -194,4 +193,3 @@ def _json(body: Any, status: int, headers: dict[str, str] | None = None) -> Resp
         orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, headers=headers,
         media_type="application/json",
     )  # fmt: skip
-

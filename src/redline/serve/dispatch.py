@@ -15,6 +15,7 @@ A full queue refuses at once with 503 and Retry-After: whatever was accepted is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -119,7 +120,9 @@ class Dispatcher:
                 future.cancel()
 
     def _timed_out(self) -> Refused:
-        return Refused(504, "timeout", f"no answer within timeout_ms={self.options.timeout_ms:g} of the request's arrival")
+        return Refused(
+            504, "timeout", f"no answer within timeout_ms={self.options.timeout_ms:g} of the request's arrival"
+        )
 
     async def _work(self) -> None:
         try:
@@ -163,10 +166,8 @@ class Dispatcher:
                 return
             self._wakeup.clear()
             timeout = None if decision.wait_until is None else max(decision.wait_until - self.clock(), 0.0)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
-                pass
 
     async def _run(self, batch: list[Queued]) -> None:
         """Run one batch in the model's thread and settle each request's future."""

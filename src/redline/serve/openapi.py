@@ -28,7 +28,7 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
         "504": _error("No answer within the server's timeout (--timeout-ms) of the request's arrival."),
     }
     secured = {"401": _error("The bearer token is missing or wrong.")} if token else {}
-    predict = {
+    predict: dict[str, Any] = {
         "summary": f"Run {name} on one sample or a batch of samples.",
         "operationId": "predict",
         "requestBody": {
@@ -119,7 +119,9 @@ def _error(description: str, *, retry: bool = False) -> dict[str, Any]:
     }
     answer: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": body}}}
     if retry:
-        answer["headers"] = {"Retry-After": {"description": "Seconds to wait (a full queue).", "schema": {"type": "integer"}}}
+        answer["headers"] = {
+            "Retry-After": {"description": "Seconds to wait (a full queue).", "schema": {"type": "integer"}}
+        }
     return answer
 
 
@@ -128,13 +130,19 @@ def _probe(summary: str) -> dict[str, Any]:
     content = {"application/json": {"schema": status}}
     return {
         "summary": summary,
-        "responses": {"200": {"description": "OK", "content": content}, "503": {"description": "Not", "content": content}},
+        "responses": {
+            "200": {"description": "OK", "content": content},
+            "503": {"description": "Not", "content": content},
+        },
     }
 
 
 def _metrics(secured: dict[str, Any]) -> dict[str, Any]:
     return {
         "summary": "Prometheus metrics: queue, compute and end-to-end time, batch sizes, answers and refusals.",
-        "responses": {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}, **secured},
+        "responses": {
+            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **secured,
+        },
         **({"security": [{"bearer": []}]} if secured else {}),
     }

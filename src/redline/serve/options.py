@@ -38,7 +38,9 @@ class ServeOptions:
         positive_number("timeout_ms", self.timeout_ms)
         positive_number("max_body_mb", self.max_body_mb)
         if self.token_env is not None and (not isinstance(self.token_env, str) or not self.token_env.isidentifier()):
-            raise invalid("token_env", self.token_env, "the name of an environment variable", "e.g. --token-env API_TOKEN")
+            raise invalid(
+                "token_env", self.token_env, "the name of an environment variable", "e.g. --token-env API_TOKEN"
+            )
 
     @classmethod
     def build(cls, options: ServeOptions | None = None, **changes: Any) -> ServeOptions:
@@ -56,9 +58,9 @@ class ServeOptions:
             return None
         value = os.environ.get(self.token_env, "")
         if not value.strip():
+            state = "empty" if self.token_env in os.environ else "unset"
             raise ConfigError(
-                f"--token-env {self.token_env}: the variable is {'empty' if self.token_env in os.environ else 'unset'}, "
-                "so no request could be let in\n"
+                f"--token-env {self.token_env}: the variable is {state}, so no request could be let in\n"
                 f"hint: export {self.token_env}=$(openssl rand -hex 32), or drop --token-env"
             )
         return value

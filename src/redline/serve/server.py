@@ -10,7 +10,7 @@ timeout plus a margin. The process then exits with 0, as a server asked to stop 
 
 from __future__ import annotations
 
-import logging
+import math
 import signal
 import socket
 from collections.abc import Callable
@@ -22,8 +22,6 @@ import uvicorn
 from redline.errors import RedlineError
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
-
-log = logging.getLogger("redline")
 
 GRACE_MARGIN_S = 5.0  # beyond the request timeout, for the answers to be written and the worker to stop
 
@@ -91,7 +89,7 @@ def serve(
     sock = bind(options.host, options.port)
     config = uvicorn.Config(
         app, loop="auto", http="auto", lifespan="on", access_log=False, log_level="warning",
-        timeout_graceful_shutdown=options.timeout_ms / 1000 + GRACE_MARGIN_S,
+        timeout_graceful_shutdown=math.ceil(options.timeout_ms / 1000 + GRACE_MARGIN_S),
     )  # fmt: skip
     server = _Server(config, serving.begin_drain)
 
