@@ -134,7 +134,8 @@ class Dispatcher:
         except Exception as exc:  # the server stays up to say why (/livez), and answers 503
             stage = "warm-up failed" if not self.engine.ready else "the batching worker stopped"
             self.failed = f"{stage}: {describe_error(exc)}"
-            log.error("redline serve: %s", self.failed)
+            if self.on_failed is None:  # otherwise its owner reports it (redline serve exits with it)
+                log.error("redline serve: %s", self.failed)
             for queued in self._queue:
                 _settle(queued.future, exception=Refused(503, "not_ready", f"the model cannot run: {self.failed}"))
             self._queue.clear()
