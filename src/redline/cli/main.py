@@ -71,6 +71,11 @@ SUBCOMMANDS = {
         "loadtest_command",
         "Load a URL at a fixed rate (open loop) or concurrency, and report latency percentiles and statuses.",
     ),
+    "serve": Subcommand(
+        "redline.cli.serve",
+        "serve_command",
+        "Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics.",
+    ),
 }
 
 

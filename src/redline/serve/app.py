@@ -1,0 +1,195 @@
+"""The HTTP app: a Starlette app around an InferenceEngine, with dynamic batching, probes, metrics and a schema.
+
+    app = build_app(engine, ServeOptions(max_batch_size=32, max_wait_ms=5))
+    # uvicorn.run(app) or redline.serve.server.serve(engine, options)
+
+``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
+and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
+complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
+401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model.
+The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from redline.errors import invalid
+from redline.serve.dispatch import RETRY_AFTER_S, Dispatcher
+from redline.serve.inputs import InputSpec, read_json, read_npy
+from redline.serve.metrics import ServeMetrics
+from redline.serve.openapi import openapi_document
+from redline.serve.options import ServeOptions
+from redline.serve.refused import Refused
+
+JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
+NPY_TYPES = ("application/octet-stream", "application/x-npy")
+
+
+class Serving:
+    """What the app's routes share: the engine, the dispatcher, the metrics, and whether it is draining."""
+
+    def __init__(self, engine: Any, options: ServeOptions) -> None:
+        if options.max_batch_size > engine.max_batch_size:
+            allowed = f"at most the engine's max_batch_size={engine.max_batch_size}"
+            hint = "build the InferenceEngine with the same max_batch_size as the server"
+            raise invalid("max_batch_size", options.max_batch_size, allowed, hint)
+        self.engine = engine
+        self.options = options
+        self.token = options.token()
+        self.spec = InputSpec(tuple(engine.input_shape), engine.servable.input_dtype, options.max_batch_size)
+        self.metrics = ServeMetrics(options.max_batch_size)
+        self.dispatcher = Dispatcher(engine, options, self.metrics)
+        self.draining = False
+        servable = engine.servable
+        self.openapi = orjson.dumps(
+            openapi_document(self.spec, name=servable.name, token=self.token is not None,
+                             description=str(servable.extra.get("description", "")))
+        )  # fmt: skip
+
+    def begin_drain(self) -> None:
+        """Turn /readyz to 503 (shutdown began); requests already here are still answered."""
+        self.draining = True
+
+    def unusable(self) -> str | None:
+        """Why the model cannot run any more (a sticky device error, a failed warm-up), or None."""
+        return self.engine.broken or self.dispatcher.failed
+
+    def check_token(self, request: Request) -> None:
+        """Refuse (401) a request without the bearer token, when one is required; compare in constant time."""
+        if self.token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            raise Refused(
+                401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
+    async def read_body(self, request: Request) -> bytes:
+        """Return the body, refusing (413) one over the limit by its Content-Length or by the bytes streamed."""
+        limit = self.options.max_body_bytes
+        too_large = Refused(
+            413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB"
+        )
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise Refused(400, "bad_request", f"Content-Length {declared!r} is not a number of bytes")
+            if int(declared) > limit:
+                raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def predict(self, request: Request) -> Response:
+        """POST /v1/predict: validate the inputs, queue them for a batch, answer with their outputs."""
+        arrived = self.dispatcher.clock()
+        queued = False
+        try:
+            self.check_token(request)
+            if (reason := self.unusable()) is not None:
+                raise Refused(503, "not_ready", f"the model cannot run: {reason}")
+            if not self.engine.ready:
+                raise Refused(503, "not_ready", "the model is warming up", headers={"Retry-After": str(RETRY_AFTER_S)})
+            media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+            if media not in JSON_TYPES + NPY_TYPES:
+                raise Refused(
+                    415, "unsupported_media_type",
+                    f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)",
+                )  # fmt: skip
+            body = await self.read_body(request)
+            inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
+            queued = True
+            outputs = await self.dispatcher.submit(inputs, arrived=arrived)
+        except Refused as refused:
+            self.metrics.requests.labels(status=str(refused.status)).inc()
+            self.metrics.rejections.labels(reason=refused.reason).inc()
+            if queued:
+                self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
+            return _json(refused.body(), refused.status, refused.headers)
+        self.metrics.requests.labels(status="200").inc()
+        self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
+        return _json({"outputs": outputs}, 200)
+
+    async def livez(self, request: Request) -> Response:
+        """GET /livez: 503 once the model cannot run any more, so that an orchestrator restarts the server."""
+        reason = self.unusable()
+        if reason is not None:
+            return _json({"status": "broken", "reason": reason}, 503)
+        return _json({"status": "alive"}, 200)
+
+    async def readyz(self, request: Request) -> Response:
+        """GET /readyz: 200 when warmed up and not draining."""
+        reason = self.unusable()
+        if reason is not None:
+            return _json({"status": "broken", "reason": reason}, 503)
+        if self.draining:
+            return _json({"status": "draining"}, 503)
+        if not self.engine.ready:
+            return _json({"status": "warming_up"}, 503)
+        return _json({"status": "ready"}, 200)
+
+    async def metrics_page(self, request: Request) -> Response:
+        """GET /metrics: Prometheus' text format."""
+        try:
+            self.check_token(request)
+        except Refused as refused:
+            return _json(refused.body(), refused.status, refused.headers)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def openapi_page(self, request: Request) -> Response:
+        """GET /openapi.json: the OpenAPI 3 document."""
+        return Response(self.openapi, media_type="application/json")
+
+
+def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
+    """Return the Starlette app serving ``engine``; ``app.state.serving`` holds its Serving.
+
+    Without ``options``, the defaults with the engine's own ``max_batch_size``.
+
+    The engine's warm-up (when it is not ready yet) and the batching worker start with the app's
+    lifespan; at its end the queue is answered before the worker stops.
+    """
+    serving = Serving(engine, options or ServeOptions(max_batch_size=engine.max_batch_size))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        serving.draining = False
+        serving.dispatcher.start()
+        try:
+            yield
+        finally:
+            serving.begin_drain()
+            await serving.dispatcher.close()
+
+    routes = [
+        Route("/v1/predict", serving.predict, methods=["POST"]),
+        Route("/livez", serving.livez, methods=["GET"]),
+        Route("/readyz", serving.readyz, methods=["GET"]),
+        Route("/metrics", serving.metrics_page, methods=["GET"]),
+        Route("/openapi.json", serving.openapi_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.serving = serving
+    return app
+
+
+def _json(body: Any, status: int, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, headers=headers,
+        media_type="application/json",
+    )  # fmt: skip

@@ -1,0 +1,63 @@
+"""The dynamic batching decision, as a pure function of the queue and the time.
+
+    decision = decide(queue, now, max_batch_size=32, max_wait=0.005)
+    decision.expired     # indices of requests past their deadline: answer 504, never run them
+    decision.run         # indices of the requests to run together now (empty: wait)
+    decision.wait_until  # when to decide again if nothing arrives before (None: the queue is empty)
+
+The wait starts at the arrival of the oldest live request, not when the worker looks at the queue:
+a timer started at dequeue (TorchServe, LitServe) lets a request that arrived during the previous
+batch wait up to twice the delay (../shared/reference/inference-anchors.md, section 3). The batch
+size is counted in samples, and a request is never split across batches: requests are taken in
+arrival order while they fit. A request larger than ``max_batch_size`` is refused before it is
+queued; should one reach the queue anyway, it runs alone rather than block the queue forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A queued request as the batcher sees it: its samples, and when it arrived and must be answered by."""
+
+    samples: int
+    arrived: float  # seconds, on the same clock as ``now``
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now: drop ``expired``, run ``run`` together, or else decide again at ``wait_until``."""
+
+    run: tuple[int, ...] = ()
+    expired: tuple[int, ...] = ()
+    wait_until: float | None = None
+
+
+def decide(queue: Sequence[Pending], now: float, *, max_batch_size: int, max_wait: float) -> Decision:
+    """Return which queued requests to drop as expired and which to run together now, or when to look again.
+
+    A batch runs now when it is full (``max_batch_size`` samples, or the next request would not
+    fit), when the oldest live request has waited ``max_wait``, or when waiting longer would take a
+    request of the batch past its deadline. Otherwise nothing runs and ``wait_until`` says when the
+    oldest request's wait ends.
+    """
+    expired = tuple(i for i, pending in enumerate(queue) if pending.deadline <= now)
+    live = [i for i in range(len(queue)) if queue[i].deadline > now]
+    if not live:
+        return Decision(expired=expired)
+    batch: list[int] = []
+    samples = 0
+    for i in live:
+        if batch and samples + queue[i].samples > max_batch_size:
+            break
+        batch.append(i)
+        samples += queue[i].samples
+    full = samples >= max_batch_size or len(batch) < len(live)
+    ready_at = queue[live[0]].arrived + max_wait
+    if full or now >= ready_at or any(queue[i].deadline <= ready_at for i in batch):
+        return Decision(run=tuple(batch), expired=expired)
+    return Decision(expired=expired, wait_until=ready_at)

@@ -1,0 +1,215 @@
+"""The asyncio side of batching: a bounded queue, and one worker that runs batches in the model's own thread.
+
+    dispatcher = Dispatcher(engine, options, metrics)
+    dispatcher.start()                          # warms the engine up (in the model thread), then serves
+    outputs = await dispatcher.submit(batch, arrived=t)   # one JSON-ready value per sample
+    await dispatcher.close()                    # after the last request: the worker and its thread end
+
+The model runs off the event loop in one dedicated thread, the only thread that ever calls the
+engine (inference_mode and autocast are entered there, per thread). The worker asks the pure
+``decide`` what to run; each request's future gets its own outputs, a 504 once its deadline has
+passed, or a 500 when the model raised on its batch; the worker then goes on with the next batch.
+A full queue refuses at once with 503 and Retry-After: whatever was accepted is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from redline.errors import describe_error
+from redline.serve.batcher import Pending, decide
+from redline.serve.metrics import ServeMetrics
+from redline.serve.options import ServeOptions
+from redline.serve.refused import Refused
+
+log = logging.getLogger("redline")
+
+RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
+
+
+@dataclass(eq=False)
+class Queued:
+    """A request in the queue: its batch, when it arrived, its deadline, and the future its handler awaits."""
+
+    inputs: torch.Tensor
+    arrived: float
+    deadline: float
+    future: asyncio.Future[list[Any]] = field(repr=False)
+
+    @property
+    def samples(self) -> int:
+        """Its number of samples."""
+        return int(self.inputs.shape[0])
+
+
+class Dispatcher:
+    """The bounded queue in front of the engine, and the worker that batches it and runs the model."""
+
+    def __init__(
+        self, engine: Any, options: ServeOptions, metrics: ServeMetrics, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.engine = engine
+        self.options = options
+        self.metrics = metrics
+        self.clock = clock
+        self.failed: str | None = None  # why the worker stopped for good (its warm-up raised)
+        self.on_ready: Callable[[], None] | None = None  # called once the engine is warmed up
+        self.on_failed: Callable[[str], None] | None = None  # called with ``failed`` when the worker gives up
+        self._queue: deque[Queued] = deque()
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the model."""
+        return len(self._queue)
+
+    def start(self) -> None:
+        """Start the worker on the running loop: the engine's warm-up first (unless it is ready), then batches.
+
+        After ``close`` it may start again (an app's lifespan entered anew, as tests do).
+        """
+        self._closing = False
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
+        self._task = asyncio.get_running_loop().create_task(self._work(), name="redline-serve-worker")
+
+    async def close(self) -> None:
+        """Answer what is queued, then stop the worker and its thread."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+    async def submit(self, inputs: torch.Tensor, *, arrived: float) -> list[Any]:
+        """Queue ``inputs`` (a batch) and return its outputs, one per sample; raise Refused for 500, 503 or 504."""
+        if self.failed is not None:
+            raise Refused(503, "not_ready", f"the model cannot run: {self.failed}")
+        if len(self._queue) >= self.options.queue_size:
+            raise Refused(
+                503, "queue_full",
+                f"the queue is full ({self.options.queue_size} requests waiting); retry after {RETRY_AFTER_S} s",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
+        deadline = arrived + self.options.timeout_ms / 1000
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append(Queued(inputs, arrived, deadline, future))
+        self.metrics.queued.set(len(self._queue))
+        self._wakeup.set()
+        try:
+            # On timeout the future is cancelled: the worker skips it if it is still queued.
+            return await asyncio.wait_for(future, max(deadline - self.clock(), 0.0))
+        except TimeoutError:
+            raise self._timed_out() from None
+        finally:
+            if not future.done():  # the handler itself was cancelled (the client went away)
+                future.cancel()
+
+    def _timed_out(self) -> Refused:
+        return Refused(
+            504, "timeout", f"no answer within timeout_ms={self.options.timeout_ms:g} of the request's arrival"
+        )
+
+    async def _work(self) -> None:
+        try:
+            if not getattr(self.engine, "ready", False):
+                await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.warm_up)
+            if self.on_ready is not None:
+                self.on_ready()
+            await self._batches()
+        except Exception as exc:  # the server stays up to say why (/livez), and answers 503
+            stage = "warm-up failed" if not self.engine.ready else "the batching worker stopped"
+            self.failed = f"{stage}: {describe_error(exc)}"
+            if self.on_failed is None:  # otherwise its owner reports it (redline serve exits with it)
+                log.error("redline serve: %s", self.failed)
+            for queued in self._queue:
+                _settle(queued.future, exception=Refused(503, "not_ready", f"the model cannot run: {self.failed}"))
+            self._queue.clear()
+            if self.on_failed is not None:
+                self.on_failed(self.failed)
+
+    async def _batches(self) -> None:
+        max_wait = self.options.max_wait_ms / 1000
+        while True:
+            self._queue = deque(q for q in self._queue if not q.future.done())  # timed out or gone
+            now = self.clock()
+            queue = list(self._queue)
+            decision = decide(
+                [Pending(q.samples, q.arrived, q.deadline) for q in queue], now,
+                max_batch_size=self.options.max_batch_size, max_wait=max_wait,
+            )  # fmt: skip
+            for i in decision.expired:
+                _settle(queue[i].future, exception=self._timed_out())
+            if decision.run:
+                batch = [queue[i] for i in decision.run]
+                taken = set(decision.run) | set(decision.expired)
+                self._queue = deque(q for i, q in enumerate(queue) if i not in taken)
+                self.metrics.queued.set(len(self._queue))
+                await self._run(batch)
+                continue
+            self._queue = deque(q for i, q in enumerate(queue) if i not in set(decision.expired))
+            self.metrics.queued.set(len(self._queue))
+            if self._closing and not self._queue:
+                return
+            self._wakeup.clear()
+            timeout = None if decision.wait_until is None else max(decision.wait_until - self.clock(), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    async def _run(self, batch: list[Queued]) -> None:
+        """Run one batch in the model's thread and settle each request's future."""
+        started = self.clock()
+        for queued in batch:
+            self.metrics.queue_seconds.observe(started - queued.arrived)
+        inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
+        self.metrics.batch_samples.observe(inputs.shape[0])
+        self.metrics.batch_requests.observe(len(batch))
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._predict, inputs)
+        except Exception as exc:  # this batch fails; the server goes on with the next one
+            message = describe_error(exc)
+            log.error("redline serve: the model failed on a batch of %d samples: %s", inputs.shape[0], message)
+            if getattr(self.engine, "broken", None):
+                log.error("redline serve: the device is unusable (%s); /livez now fails", self.engine.broken)
+            for queued in batch:
+                _settle(queued.future, exception=Refused(500, "model_error", f"the model failed: {message}"))
+            return
+        finally:
+            self.metrics.compute_seconds.observe(self.clock() - started)
+        start = 0
+        for queued in batch:
+            _settle(queued.future, result=outputs[start : start + queued.samples])
+            start += queued.samples
+
+    def _predict(self, inputs: torch.Tensor) -> list[Any]:
+        """Return one JSON-ready value per sample (in the model's thread: postprocessing is the user's code too)."""
+        outputs = self.engine.predict(inputs)
+        postprocess = self.engine.servable.postprocess
+        values = list(postprocess(outputs)) if postprocess is not None else outputs.tolist()
+        if len(values) != inputs.shape[0]:
+            raise ValueError(f"postprocess returned {len(values)} values for {inputs.shape[0]} samples")
+        return values
+
+
+def _settle(future: asyncio.Future[list[Any]], *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Give ``future`` its result or exception, unless its handler stopped waiting for it."""
+    if future.done():
+        return
+    if exception is not None:
+        future.set_exception(exception)
+    else:
+        future.set_result(result)

@@ -1,0 +1,135 @@
+"""Request bodies read into a batch the model can take, or refused with a message naming the problem.
+
+Two forms: JSON ``{"inputs": sample}`` or ``{"inputs": [sample, ...]}``, and a .npy array
+(``application/octet-stream``) of one sample or a stack of them. Either way the batch reaching the
+model has the Servable's sample shape and dtype, finite values and at most ``max_batch_size``
+samples: nothing malformed reaches the model. An unreadable body is a 400; a readable one with the
+wrong shape, dtype or number of samples a 422.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from redline.serve.refused import Refused
+
+_KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a request's inputs must be: one sample's shape and dtype, and the most samples in one request."""
+
+    shape: tuple[int, ...]
+    dtype: str  # one of redline.serve.servable.DTYPES
+    max_batch_size: int
+
+    def refuse(self, status: int, problem: str) -> Refused:
+        """A refusal naming ``problem`` and what was expected."""
+        expected = {"expected_shape": list(self.shape), "expected_dtype": self.dtype,
+                    "max_batch_size": self.max_batch_size}  # fmt: skip
+        reason = "bad_request" if status == 400 else "invalid_input"
+        return Refused(status, reason, f"{problem}; expected {self.describe()}", fields=expected)
+
+    def describe(self) -> str:
+        """The expected inputs in words."""
+        shape = ", ".join(map(str, self.shape))
+        return (
+            f"{self.dtype} {_KINDS[self.kind()]}, one sample of shape ({shape}{',' * (len(self.shape) == 1)}) "
+            f"or up to {self.max_batch_size} of them, shape (N, {shape})"
+        )
+
+    def kind(self) -> str:
+        """The numpy kind of the dtype: b, i, u or f."""
+        return "f" if self.dtype == "bfloat16" else np.dtype(self.dtype).kind
+
+
+def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
+    """Return the batch a JSON body holds under ``inputs``."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise spec.refuse(400, f"the body is not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or "inputs" not in document:
+        raise spec.refuse(422, 'the body must be a JSON object {"inputs": [...]}')
+    inputs = document["inputs"]
+    try:
+        array = np.asarray(inputs)
+    except (ValueError, OverflowError):  # ragged lists (numpy >= 1.24 refuses them)
+        raise spec.refuse(422, "inputs are nested lists of unequal lengths") from None
+    if array.dtype.kind not in "biuf":
+        raise spec.refuse(422, "inputs hold values that are not numbers (text, null, objects or too large integers)")
+    # numpy reads true/false among numbers as 1/0: look for them only when the body has such a word
+    if spec.kind() != "b" and array.dtype.kind != "b" and (b"true" in body or b"false" in body) and _has_bool(inputs):
+        raise spec.refuse(422, "inputs hold true/false where numbers are expected")
+    return check_array(array, spec)
+
+
+def _has_bool(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_has_bool(item) for item in value)
+    return isinstance(value, bool)
+
+
+def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
+    """Return the batch a .npy body holds, reading the header first so that a lying one allocates nothing."""
+    stream = io.BytesIO(body)
+    try:
+        version = np.lib.format.read_magic(stream)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = header(stream)
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as exc:
+        raise spec.refuse(400, f"the body is not a .npy array ({exc})") from None
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise spec.refuse(422, f"the .npy array holds {dtype} values, not numbers")
+    data = body[stream.tell() :]
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise spec.refuse(400, f"the .npy array's header says {shape} {dtype}, but {len(data)} bytes of data follow")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")
+    return check_array(array, spec)
+
+
+def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
+    """Return ``array`` as a batch of ``spec``'s shape and dtype, or refuse it (422) naming the problem."""
+    if array.shape == spec.shape:
+        array = array[None]
+    elif array.ndim != len(spec.shape) + 1 or array.shape[1:] != spec.shape:
+        raise spec.refuse(422, f"inputs have shape {_shape(array.shape)}")
+    if array.shape[0] == 0:
+        raise spec.refuse(422, "inputs hold no sample")
+    if array.shape[0] > spec.max_batch_size:
+        raise spec.refuse(
+            422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
+        )
+    kind = spec.kind()
+    if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
+        array = array.astype(np.float64)  # whole numbers written as 2.0 are integers (as JSON Schema reads them)
+        if np.all(np.abs(array) < 2.0**63):
+            array = array.astype(np.int64)
+    allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
+    if array.dtype.kind not in allowed:
+        raise spec.refuse(422, f"inputs are {_KINDS.get(array.dtype.kind, str(array.dtype))} ({array.dtype})")
+    if kind in "iu":
+        info = np.iinfo(spec.dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise spec.refuse(422, f"inputs hold integers outside {spec.dtype}'s range [{info.min}, {info.max}]")
+    if kind == "f":  # the bound /openapi.json states; NaN fails the comparison too
+        largest = float(torch.finfo(getattr(torch, spec.dtype)).max)
+        if not bool(np.all(np.abs(array.astype(np.float64)) <= largest)):
+            raise spec.refuse(
+                422, f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or beyond ±{largest:.6g})"
+            )
+    target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
+    batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
+    return batch.to(getattr(torch, spec.dtype))
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"

@@ -1,0 +1,66 @@
+"""The HTTP server's options: one validated value, turned into `redline serve`'s flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from redline.config import non_negative_int, option, positive_int, positive_number, with_changes
+from redline.errors import ConfigError, invalid
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """How the server listens, batches, queues and refuses; ``build_app`` and ``redline serve`` take it."""
+
+    host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    port: int = option(8000, "Port to listen on (0: any free port, printed at start).")
+    max_batch_size: int = option(32, "Most samples run together in one batch; a larger request is refused (422).")
+    max_wait_ms: float = option(5.0, "Longest a batch waits for more requests, from its first request's arrival.")
+    queue_size: int = option(256, "Most requests waiting for the model; more are refused with 503 and Retry-After.")
+    timeout_ms: float = option(10_000.0, "Deadline of a request from its arrival; past it the answer is 504.")
+    max_body_mb: float = option(16.0, "Largest request body in MiB; a larger one is refused with 413.")
+    token_env: str | None = option(
+        None, "Require `Authorization: Bearer TOKEN` on /v1/predict and /metrics, TOKEN read from this variable."
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise invalid("host", self.host, "an address to listen on", "e.g. host='127.0.0.1'")
+        non_negative_int("port", self.port)
+        if self.port > 65535:
+            raise invalid("port", self.port, "a port number from 0 to 65535", "port=0 picks any free port")
+        positive_int("max_batch_size", self.max_batch_size)
+        if isinstance(self.max_wait_ms, bool) or not isinstance(self.max_wait_ms, int | float) or self.max_wait_ms < 0:
+            raise invalid("max_wait_ms", self.max_wait_ms, "milliseconds >= 0 (0: never wait for more requests)")
+        positive_int("queue_size", self.queue_size)
+        positive_number("timeout_ms", self.timeout_ms)
+        positive_number("max_body_mb", self.max_body_mb)
+        if self.token_env is not None and (not isinstance(self.token_env, str) or not self.token_env.isidentifier()):
+            raise invalid(
+                "token_env", self.token_env, "the name of an environment variable", "e.g. --token-env API_TOKEN"
+            )
+
+    @classmethod
+    def build(cls, options: ServeOptions | None = None, **changes: Any) -> ServeOptions:
+        """Return ``options`` (or the defaults) with ``changes``; an unknown name is a clear error."""
+        return with_changes(cls, options, changes, what="a serve option")
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The body limit in bytes."""
+        return int(self.max_body_mb * 2**20)
+
+    def token(self) -> str | None:
+        """Return the bearer token read from ``token_env`` (None when no token is asked for)."""
+        if self.token_env is None:
+            return None
+        value = os.environ.get(self.token_env, "")
+        if not value.strip():
+            state = "empty" if self.token_env in os.environ else "unset"
+            raise ConfigError(
+                f"--token-env {self.token_env}: the variable is {state}, so no request could be let in\n"
+                f"hint: export {self.token_env}=$(openssl rand -hex 32), or drop --token-env"
+            )
+        return value

@@ -1,0 +1,108 @@
+"""Run the app under uvicorn: bind, warm up, serve, and on SIGTERM drain before exiting.
+
+uvicorn[standard] brings uvloop and httptools; ``loop="auto"`` and ``http="auto"`` take them when
+present. The socket is bound before uvicorn starts, so ``port=0`` gets a free port that is known
+(and printed) at once. On SIGTERM or SIGINT /readyz turns 503, uvicorn stops accepting
+connections, the requests already in (queued ones included) are answered, and then the worker
+stops: every accepted request ends by its deadline (504), so the grace period is the request
+timeout plus a margin. The process then exits with 0, as a server asked to stop does.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import socket
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from redline.errors import RedlineError
+from redline.serve.app import build_app
+from redline.serve.options import ServeOptions
+
+GRACE_MARGIN_S = 5.0  # beyond the request timeout, for the answers to be written and the worker to stop
+
+
+class ServerFailed(RedlineError):
+    """The server could not serve: its model failed to warm up."""
+
+    exit_code = 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app that shutdown began, and exiting cleanly after a graceful stop."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # uvicorn's own handler would raise the signal again after the graceful stop, ending the process
+        # as killed (-15); a server that drained as asked exits with 0.
+        self._on_stop()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        self.should_exit = True
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Return a listening TCP socket on ``host:port`` (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RedlineError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}\n"
+            "hint: pick another --port (0 takes any free one), or stop the process holding it"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """The http URL a bound socket answers on."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(
+    engine: Any,
+    options: ServeOptions | None = None,
+    *,
+    on_listen: Callable[[str], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve ``engine`` until SIGTERM or SIGINT; ``on_listen(url)`` once bound, ``on_ready()`` after warm-up.
+
+    Raise ServerFailed (exit code 1) when the model's warm-up failed.
+    """
+    options = options or ServeOptions()
+    app = build_app(engine, options)
+    serving = app.state.serving
+    sock = bind(options.host, options.port)
+    config = uvicorn.Config(
+        app, loop="auto", http="auto", lifespan="on", access_log=False, log_level="warning",
+        timeout_graceful_shutdown=math.ceil(options.timeout_ms / 1000 + GRACE_MARGIN_S),
+    )  # fmt: skip
+    server = _Server(config, serving.begin_drain)
+
+    def failed(reason: str) -> None:
+        server.should_exit = True
+
+    serving.dispatcher.on_ready = on_ready
+    serving.dispatcher.on_failed = failed
+    if on_listen is not None:
+        on_listen(url_of(sock))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if serving.dispatcher.failed is not None:
+        raise ServerFailed(f"the server stopped: {serving.dispatcher.failed}")
