@@ -1,0 +1,235 @@
+"""Inference axes: which precision and compile settings an InferenceEngine times, which it keeps; CUDA graphs.
+
+A rule proposes, a measurement decides (DESIGN.md, "Plans"). ``propose`` lists the settings worth
+timing against the reference (fp32 and eager, unless a value was given) from the device's facts;
+the engine times each on its largest bucket, and ``choose`` keeps the fastest one that beats the
+reference by ``MARGIN`` and whose outputs stay within ``TOLERANCE`` of the reference's. Everything
+here is a pure function of facts and numbers: tests feed it a GPU, or timings, as data.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from redline.errors import ConfigError, invalid
+from redline.hardware.device import DeviceFacts
+from redline.plan import Choice, parse_switch
+from redline.plan.precision import PrecisionName, resolve_precision
+
+# A candidate must run this much faster than the reference to be kept: below it, a shared
+# machine's noise could make "auto" slower than the plain fp32 eager model.
+MARGIN = 1.05
+# The largest departure of a candidate's outputs from the reference's, relative to the reference
+# outputs' largest magnitude. bf16 keeps 8 bits of mantissa (about 0.4% per rounding); a few layers
+# of it stay well inside 5%, while a model that breaks under autocast lands far outside.
+TOLERANCE = 0.05
+
+Measure = Literal["auto", "off"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the model: its precision, and whether it is compiled."""
+
+    precision: PrecisionName
+    compiled: bool
+
+    @property
+    def label(self) -> str:
+        """How reasons name it: ``fp32``, ``bf16-mixed+compile``."""
+        return self.precision + ("+compile" if self.compiled else "")
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The reference setting, the candidates to time against it, and the rule's choices if none is timed."""
+
+    reference: Setting
+    candidates: tuple[Setting, ...]
+    precision: Choice[PrecisionName]
+    compile: Choice[bool]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One setting, measured: seconds per call of each timed block, its outputs' error, or why it failed."""
+
+    setting: Setting
+    block_s: tuple[float, ...] = ()
+    error: float = 0.0  # max |outputs - reference's| / max |reference's|
+    failed: str = ""
+
+    @property
+    def median_s(self) -> float:
+        """The median block: what the choice compares."""
+        return statistics.median(self.block_s) if self.block_s else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, for the cache."""
+        return {
+            "precision": self.setting.precision,
+            "compiled": self.setting.compiled,
+            "block_s": list(self.block_s),
+            "error": self.error,
+            "failed": self.failed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timing:
+        """Read back ``to_dict()``."""
+        setting = Setting(data["precision"], bool(data["compiled"]))
+        return cls(setting, tuple(float(s) for s in data["block_s"]), float(data["error"]), str(data["failed"]))
+
+
+def read_measure(requested: object) -> bool:
+    """Read the ``measure`` option: "auto" (or True) measures, "off" (or False) uses the rules."""
+    if requested in (True, "auto", "on"):
+        return True
+    if requested in (False, "off"):
+        return False
+    raise invalid("measure", requested, "'auto' or 'off'", "measure='off' skips timing and plans by the rules")
+
+
+def fast_precisions(facts: DeviceFacts) -> list[PrecisionName]:
+    """The mixed precisions the device has fast arithmetic for: the only ones worth timing against fp32.
+
+    A CPU without bf16 instructions runs bf16 autocast many times slower (about 30x measured on a
+    2-core AVX2 machine), so it is not tried there; MPS is not measured yet.
+    """
+    if facts.type == "cuda":
+        return ["bf16-mixed"] if facts.bf16 else ["fp16-mixed"] if facts.tensor_cores else []
+    if facts.type == "cpu" and facts.bf16:
+        return ["bf16-mixed"]
+    return []
+
+
+def propose(
+    facts: DeviceFacts,
+    *,
+    precision: str,
+    compile: str | bool,
+    measure: bool,
+    compile_supported: Callable[[], tuple[bool, str]],
+) -> Proposal:
+    """Return what to time: an explicit value is used as given, an "auto" one is timed where a rule cannot rank it.
+
+    ``compile_supported()`` says whether torch.compile can run here and why not; it is asked only
+    when a compile is in question (finding out imports the compiler stack).
+    """
+    rule_precision = resolve_precision(precision, facts)  # validates an explicit value for this device
+    precisions: list[PrecisionName] = [rule_precision.value]
+    if precision == "auto" and measure:
+        precisions = ["fp32", *fast_precisions(facts)]
+    rule_compile, compiles = _compile_rule(compile, facts, measure, compile_supported)
+    reference = Setting(precisions[0], compiles[0])
+    candidates = tuple(Setting(p, c) for p in precisions for c in compiles if Setting(p, c) != reference)
+    return Proposal(reference, candidates, rule_precision, rule_compile)
+
+
+def _compile_rule(
+    requested: str | bool, facts: DeviceFacts, measure: bool, supported: Callable[[], tuple[bool, str]]
+) -> tuple[Choice[bool], list[bool]]:
+    """The compile axis without a measurement, and the values to time (the first is the reference's)."""
+    value = parse_switch("compile", requested)
+    if value is False:
+        return Choice(False, "requested"), [False]
+    if value is True:
+        can, why_not = supported()
+        if can:
+            return Choice(True, "requested"), [True]
+        return Choice(False, f"requested, but {why_not}; running eagerly"), [False]
+    if facts.type != "cuda":
+        # Measured in training on a 2-core CPU: 1.0-1.2x at steady state for about 20 s of compiling,
+        # and the engine compiles once per bucket.
+        return Choice(
+            False, f"auto: on {facts.type} the gain (about 1.1x measured) rarely repays a compile per bucket"
+        ), [False]
+    if not measure:
+        return Choice(False, "auto, not measured: a compile is kept only where it is measured faster"), [False]
+    can, why_not = supported()
+    if not can:
+        return Choice(False, f"auto: {why_not}"), [False]
+    return Choice(False, "auto: eager unless compiling is measured faster"), [False, True]
+
+
+def resolve_cuda_graphs(requested: str | bool, facts: DeviceFacts) -> Choice[bool]:
+    """Decide whether each bucket runs as a captured CUDA graph: on CUDA devices, unless turned off."""
+    value = parse_switch("cuda_graphs", requested)
+    if value is True and facts.type != "cuda":
+        raise ConfigError(
+            f"cuda_graphs='on' was requested but the device is {facts.type}; CUDA graphs need a CUDA device\n"
+            "hint: pass cuda_graphs='auto' (on for CUDA devices, off elsewhere) or 'off'"
+        )
+    if value is not None:
+        return Choice(value, "requested")
+    if facts.type == "cuda":
+        return Choice(
+            True,
+            "auto: one graph per bucket replays the whole forward in one launch (a small model is bound by launches)",
+        )
+    return Choice(False, f"auto: CUDA graphs need a CUDA device, this is {facts.type}")
+
+
+def verdict(reference: Timing, candidate: Timing, *, tolerance: float = TOLERANCE) -> str:
+    """Return why ``candidate`` cannot be kept whatever its speed ("" when it can)."""
+    if candidate.failed:
+        return candidate.failed
+    if not math.isfinite(candidate.error):
+        return "its outputs turned non-finite"
+    if candidate.error > tolerance:
+        return f"its outputs are {candidate.error:.1%} off {reference.setting.label}'s (tolerance {tolerance:.0%})"
+    return ""
+
+
+def choose(
+    proposal: Proposal,
+    timings: Sequence[Timing],
+    *,
+    bucket: int,
+    margin: float = MARGIN,
+    tolerance: float = TOLERANCE,
+) -> tuple[Choice[PrecisionName], Choice[bool], Choice[str]]:
+    """Return the precision, compile and measurement choices from timings whose first is the reference's.
+
+    The fastest accepted candidate is kept if it beats the reference by ``margin``; otherwise the
+    reference stays. Each reason carries the numbers.
+    """
+    reference, *others = timings
+    ratios = {t.setting: reference.median_s / t.median_s for t in others if t.block_s}
+    rejected = {t.setting: verdict(reference, t, tolerance=tolerance) for t in others}
+    told = "; ".join(
+        f"{t.setting.label} rejected: {rejected[t.setting]}" if rejected[t.setting]
+        else f"{t.setting.label} {ratios[t.setting]:.2f}x"
+        for t in others
+    )  # fmt: skip
+    where = f"on the largest bucket ({bucket}), median of {len(reference.block_s)} blocks"
+    summary = f"{reference.setting.label} {reference.median_s * 1e3:.3g} ms per batch; {told} ({where})"
+    accepted = [t for t in others if not rejected[t.setting] and ratios.get(t.setting, 0.0) >= margin]
+    best = max(accepted, key=lambda t: ratios[t.setting], default=None)
+    measured: Choice[str] = Choice(f"{len(timings)} settings", summary)
+    if best is None:
+        why = (
+            f"measured: {reference.setting.label} kept, no candidate beat it by {margin - 1:.0%} within tolerance "
+            f"({told}; {where})"
+        )
+        return (
+            _axis_precision(proposal, reference.setting, why),
+            _axis_compile(proposal, reference.setting, why),
+            measured,
+        )
+    won = f"measured: {best.setting.label} ran {ratios[best.setting]:.2f}x {reference.setting.label} {where}"
+    return _axis_precision(proposal, best.setting, won), _axis_compile(proposal, best.setting, won), measured
+
+
+def _axis_precision(proposal: Proposal, setting: Setting, reason: str) -> Choice[PrecisionName]:
+    timed = {c.precision for c in proposal.candidates} - {proposal.reference.precision}
+    return Choice(setting.precision, reason) if timed else proposal.precision
+
+
+def _axis_compile(proposal: Proposal, setting: Setting, reason: str) -> Choice[bool]:
+    timed = {c.compiled for c in proposal.candidates} - {proposal.reference.compiled}
+    return Choice(setting.compiled, reason) if timed else proposal.compile

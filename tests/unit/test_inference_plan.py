@@ -1,0 +1,212 @@
+"""The engine's inference plan: the candidates each device gets, the choice from timings, CUDA graphs, sticky errors."""
+
+import pytest
+
+from redline.errors import ConfigError
+from redline.hardware.device import DeviceFacts
+from redline.plan.inference import (
+    MARGIN,
+    TOLERANCE,
+    Setting,
+    Timing,
+    choose,
+    propose,
+    read_measure,
+    resolve_cuda_graphs,
+)
+from redline.runtime.cuda_errors import is_sticky_cuda_error
+
+H200 = DeviceFacts(type="cuda", name="NVIDIA H200", index=0, capability=(9, 0), cpu_isa="amx")
+V100 = DeviceFacts(type="cuda", name="Tesla V100", index=0, capability=(7, 0))
+AVX2 = DeviceFacts(type="cpu", name="CPU", cpu_isa="avx2")
+AMX = DeviceFacts(type="cpu", name="CPU", cpu_isa="amx")
+BF16_CPU = DeviceFacts(type="cpu", name="CPU", cpu_isa="avx512_bf16")
+
+FP32 = Setting("fp32", False)
+BF16 = Setting("bf16-mixed", False)
+
+
+def supported():
+    return True, ""
+
+
+def unsupported():
+    return False, "triton is not installed"
+
+
+def labels(proposal):
+    return [proposal.reference.label, *(c.label for c in proposal.candidates)]
+
+
+def test_a_cpu_without_bf16_arithmetic_times_nothing_and_keeps_fp32_with_the_reason():
+    proposal = propose(AVX2, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    assert labels(proposal) == ["fp32"]
+    assert proposal.precision.value == "fp32" and "AVX2" in proposal.precision.reason
+    assert proposal.compile.value is False
+
+
+@pytest.mark.parametrize("facts", [AMX, BF16_CPU])
+def test_a_cpu_with_bf16_arithmetic_times_bf16_against_fp32_but_never_a_compile(facts):
+    asked = []
+    proposal = propose(facts, precision="auto", compile="auto", measure=True, compile_supported=lambda: asked.append(1))
+    assert labels(proposal) == ["fp32", "bf16-mixed"]
+    assert asked == [], "whether compile is supported is not asked where no compile is in question"
+
+
+def test_cuda_times_each_fast_precision_with_and_without_compile():
+    proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    assert labels(proposal) == ["fp32", "fp32+compile", "bf16-mixed", "bf16-mixed+compile"]
+    old = propose(V100, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    assert labels(old) == ["fp32", "fp32+compile", "fp16-mixed", "fp16-mixed+compile"]
+
+
+def test_cuda_without_a_working_compiler_times_precision_only_and_says_why():
+    proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=unsupported)
+    assert labels(proposal) == ["fp32", "bf16-mixed"]
+    assert proposal.compile.value is False and "triton" in proposal.compile.reason
+
+
+def test_explicit_values_are_used_as_given_and_not_timed():
+    proposal = propose(H200, precision="fp16-mixed", compile="on", measure=True, compile_supported=supported)
+    assert labels(proposal) == ["fp16-mixed+compile"]
+    assert proposal.precision.reason == "requested" and proposal.compile.reason == "requested"
+    # An explicit precision with compile still auto: only the compile is timed, in that precision.
+    half = propose(H200, precision="fp32", compile="auto", measure=True, compile_supported=supported)
+    assert labels(half) == ["fp32", "fp32+compile"]
+
+
+def test_compile_on_where_it_cannot_run_falls_back_to_eager_with_the_reason():
+    proposal = propose(H200, precision="fp32", compile="on", measure=True, compile_supported=unsupported)
+    assert proposal.compile.value is False and "triton is not installed" in proposal.compile.reason
+
+
+def test_measure_off_plans_by_the_rules():
+    proposal = propose(H200, precision="auto", compile="auto", measure=False, compile_supported=supported)
+    assert labels(proposal) == ["bf16-mixed"]
+    assert proposal.precision.value == "bf16-mixed" and "auto" in proposal.precision.reason
+    assert proposal.compile.value is False and "not measured" in proposal.compile.reason
+
+
+def test_read_measure_takes_auto_and_off_and_refuses_the_rest():
+    assert read_measure("auto") is True and read_measure(True) is True
+    assert read_measure("off") is False and read_measure(False) is False
+    with pytest.raises(ConfigError, match="measure='sometimes'"):
+        read_measure("sometimes")
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="fp16-mixed"):
+        propose(V100, precision="bf16-mixed", compile="off", measure=True, compile_supported=supported)
+
+
+def test_cuda_graphs_are_on_for_cuda_and_off_elsewhere_and_on_without_cuda_is_an_error():
+    assert resolve_cuda_graphs("auto", H200).value is True
+    off = resolve_cuda_graphs("auto", AMX)
+    assert off.value is False and "cpu" in off.reason
+    assert resolve_cuda_graphs("off", H200).value is False
+    with pytest.raises(ConfigError, match=r"cuda_graphs='on'.*cpu") as caught:
+        resolve_cuda_graphs("on", AMX)
+    assert "hint:" in str(caught.value)
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        resolve_cuda_graphs("yes", H200)
+
+
+def timed(setting, ms, error=0.0, failed=""):
+    return Timing(setting, tuple(ms / 1e3 for _ in range(5)), error, failed)
+
+
+CPU_PROPOSAL = propose(AMX, precision="auto", compile="auto", measure=True, compile_supported=supported)
+
+
+def test_a_candidate_faster_by_the_margin_and_accurate_is_kept_with_its_numbers():
+    precision, compiled, measured = choose(CPU_PROPOSAL, [timed(FP32, 1.31), timed(BF16, 1.0, error=0.01)], bucket=32)
+    assert precision.value == "bf16-mixed"
+    assert "1.31x fp32" in precision.reason and "largest bucket (32)" in precision.reason
+    assert "median of 5" in precision.reason
+    assert compiled == CPU_PROPOSAL.compile, "an axis that was not timed keeps the rule's choice"
+    assert "bf16-mixed 1.31x" in measured.reason and "1.31 ms" in measured.reason
+
+
+def test_a_candidate_faster_by_less_than_the_margin_leaves_fp32():
+    slightly = 1.0 * MARGIN * 0.99
+    precision, _, _ = choose(CPU_PROPOSAL, [timed(FP32, slightly), timed(BF16, 1.0)], bucket=8)
+    assert precision.value == "fp32" and "no candidate beat it by 5%" in precision.reason
+
+
+def test_a_fast_candidate_whose_outputs_depart_is_rejected_with_the_departure():
+    precision, _, measured = choose(CPU_PROPOSAL, [timed(FP32, 3.0), timed(BF16, 1.0, error=TOLERANCE * 2)], bucket=8)
+    assert precision.value == "fp32"
+    assert "10.0% off fp32's (tolerance 5%)" in measured.reason
+
+
+def test_a_candidate_with_non_finite_outputs_or_that_failed_is_rejected():
+    nan = choose(CPU_PROPOSAL, [timed(FP32, 3.0), timed(BF16, 1.0, error=float("nan"))], bucket=8)
+    assert nan[0].value == "fp32" and "non-finite" in nan[2].reason
+    failed = choose(
+        CPU_PROPOSAL, [timed(FP32, 3.0), Timing(BF16, failed="it failed: RuntimeError: no kernel")], bucket=8
+    )
+    assert failed[0].value == "fp32" and "no kernel" in failed[2].reason
+
+
+def test_the_fastest_accepted_setting_sets_both_timed_axes():
+    proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    timings = [
+        timed(FP32, 2.0),
+        timed(Setting("fp32", True), 1.5),
+        timed(Setting("bf16-mixed", False), 1.9),
+        timed(Setting("bf16-mixed", True), 0.5, error=0.5),  # fastest, but wrong
+    ]
+    precision, compiled, _ = choose(proposal, timings, bucket=32)
+    assert (precision.value, compiled.value) == ("fp32", True)
+    assert "fp32+compile ran 1.33x fp32" in compiled.reason
+
+
+def test_the_median_block_is_compared_so_one_slow_block_does_not_decide():
+    noisy = Timing(BF16, (0.001, 0.001, 0.001, 0.001, 0.100))
+    precision, _, _ = choose(CPU_PROPOSAL, [timed(FP32, 2.0), noisy], bucket=8)
+    assert precision.value == "bf16-mixed"
+
+
+def test_timings_survive_the_cache_round_trip():
+    timing = Timing(Setting("bf16-mixed", True), (0.1, 0.2), 0.01, "")
+    assert Timing.from_dict(timing.to_dict()) == timing
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: an illegal memory access was encountered",
+        "CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA`",
+        "CUDA error: unspecified launch failure",
+        "CUDA error: misaligned address",
+        "CUDA error: an illegal instruction was encountered",
+        "CUDA error: uncorrectable ECC error encountered",
+        "Triton Error [CUDA]: an illegal memory access was encountered",
+        "CUDA driver error: CUDA_ERROR_ILLEGAL_ADDRESS",
+    ],
+)
+def test_sticky_cuda_errors_are_recognised(message):
+    assert is_sticky_cuda_error(RuntimeError(message))
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"),
+        ValueError("expected a tensor"),
+        RuntimeError("CUDA error: invalid argument"),
+    ],
+)
+def test_ordinary_errors_are_not_sticky(exc):
+    assert not is_sticky_cuda_error(exc)
+
+
+def test_a_sticky_error_wrapped_in_another_is_recognised():
+    try:
+        try:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        except RuntimeError as inner:
+            raise ValueError("postprocessing failed") from inner
+    except ValueError as outer:
+        assert is_sticky_cuda_error(outer)
