@@ -1,32 +1,53 @@
 """The InferenceEngine: a model made ready for inference, fed batches padded up to fixed sizes.
 
-    engine = InferenceEngine(servable, max_batch_size=32)
-    engine.warm_up()                           # every bucket once; ``engine.ready`` after
+    engine = InferenceEngine(model, input_shape=(1, 8, 8))   # or InferenceEngine(servable)
+    engine.warm_up()                           # every bucket once (compiled, captured); ``engine.ready`` after
     outputs = engine.predict(batch)            # a CPU tensor, one row per input row
+    engine.plan_dict()                         # every choice with its reason, as JSON-ready data
 
 The model runs in eval mode under inference_mode and the Plan's autocast. Batches are padded up to
 the next bucket (powers of two up to ``max_batch_size`` by default), so a compiled model or a CUDA
 graph sees a few fixed shapes only; a batch larger than ``max_batch_size`` runs in chunks.
-Everything runs in the thread that calls ``predict``: autocast and inference_mode are per thread.
+With ``measure="auto"`` the precision and compile candidates a rule cannot rank are timed on the
+largest bucket when the engine is built (serve/measure.py), and cached on disk.
+A sticky CUDA error (an illegal memory access, a device-side assert) marks the engine ``broken``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from redline.config import positive_int
-from redline.errors import invalid
+from redline.errors import ConfigError, DeviceUnavailableError, describe_error, invalid
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice
 from redline.plan.device import resolve_device
-from redline.plan.precision import resolve_precision
+from redline.plan.inference import Proposal, Setting, choose, propose, read_measure, resolve_cuda_graphs
+from redline.runtime.compile import (
+    CompileRecord,
+    _is_compiler_error,
+    compile_module,
+    compile_supported,
+    explain_compile,
+)
+from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.precision import Precision
+from redline.serve.measure import load_measured, measure_key, store_measured, time_settings
+from redline.serve.runners import CaptureFailed, EagerRunner, Forward, GraphRunner, make_forward
 from redline.serve.servable import Servable
+from redline.task import model_fingerprint
+
+log = logging.getLogger("redline")
+
+PROBE_SEED = 0  # the random batch on which each candidate's outputs are compared with the reference's
 
 
 def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -> tuple[int, ...]:
@@ -50,70 +71,262 @@ def bucket_for(size: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= size)
 
 
+def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:
+    """Return ``model`` as a Servable: itself, or a bare module with the input's shape and dtype given."""
+    if isinstance(model, Servable):
+        if input_shape is not None or input_dtype is not None:
+            given = input_shape if input_shape is not None else input_dtype
+            says = f"the Servable already names them: {model.input_shape}, {model.input_dtype}"
+            raise invalid("input_shape", given, "nothing when a Servable is passed", says)
+        return model
+    if not isinstance(model, nn.Module):
+        raise invalid("model", type(model).__name__, "an nn.Module (with input_shape=...) or a redline.Servable")
+    if input_shape is None:
+        raise ConfigError(
+            f"InferenceEngine({type(model).__name__}) needs input_shape: one sample's shape, without the batch\n"
+            "hint: InferenceEngine(model, input_shape=(3, 32, 32)), or pass a redline.Servable"
+        )
+    return Servable(
+        model=model, input_shape=tuple(input_shape), input_dtype=input_dtype or "float32", name=type(model).__name__
+    )
+
+
 class InferenceEngine:
     """A model ready for inference on one device: ``warm_up()`` once, then ``predict(batch)`` from one thread."""
 
     def __init__(
         self,
-        servable: Servable,
+        model: Servable | nn.Module,
         *,
+        input_shape: Sequence[int] | None = None,
+        input_dtype: str | None = None,
         device: str = "auto",
         precision: str = "auto",
-        compile: str = "auto",
+        compile: str | bool = "auto",
+        cuda_graphs: str | bool = "auto",
+        measure: str | bool = "auto",
         max_batch_size: int = 32,
         batch_buckets: Sequence[int] | str = "auto",
     ) -> None:
-        if not isinstance(servable, Servable):
-            raise invalid(
-                "servable", type(servable).__name__, "a redline.Servable", "Servable(model=m, input_shape=(...))"
-            )
-        self.servable = servable
+        self.servable = as_servable(model, input_shape, input_dtype)
         self.max_batch_size = max_batch_size
         self.buckets = bucket_sizes(max_batch_size, batch_buckets)
         chosen_device = resolve_device(device, probe_accelerators())
         self.device = torch.device(chosen_device.value)
-        facts = probe_device(self.device)
-        chosen_precision = resolve_precision(precision, facts)
-        self.precision = Precision(chosen_precision.value, self.device)
+        self.facts = probe_device(self.device)
+        proposal = propose(
+            self.facts, precision=precision, compile=compile, measure=read_measure(measure),
+            compile_supported=lambda: compile_supported(self.facts.type),
+        )  # fmt: skip
+        shown = "powers of two up to max_batch_size" if batch_buckets == "auto" else "requested"
         self.plan: dict[str, Choice[Any]] = {
             "device": chosen_device,
-            "precision": chosen_precision,
-            "compile": Choice(False, "not implemented yet: eager"),
-            "buckets": Choice(self.buckets, "powers of two up to max_batch_size"),
+            "precision": proposal.precision,
+            "compile": proposal.compile,
+            "cuda_graphs": resolve_cuda_graphs(cuda_graphs, self.facts),
+            "buckets": Choice(self.buckets, f"{shown}; a batch is padded up to the next bucket"),
         }
-        self.model = servable.model.to(self.device).eval()
+        self.model = self.servable.model.to(self.device).eval()
         self.ready = False
         self.broken: str | None = None  # set when an error left the device unusable (a sticky CUDA error)
         self._lock = threading.Lock()
+        self._record: CompileRecord | None = None
+        self._own_forward = "forward" in vars(self.model)  # a forward set on the instance, put back on uncompile
+        if proposal.candidates:
+            self._guarded(lambda: self._measure(proposal))
+        self._set_up()
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         """One sample's shape."""
         return self.servable.input_shape
 
+    def plan_dict(self) -> dict[str, dict[str, Any]]:
+        """Return the plan as JSON-ready data: ``{axis: {"value": ..., "reason": ...}}``."""
+        out = {}
+        for axis, choice in self.plan.items():
+            value = list(choice.value) if isinstance(choice.value, tuple) else choice.value
+            out[axis] = {"value": value, "reason": choice.reason}
+        return out
+
     def warm_up(self) -> None:
-        """Run every bucket once on zeros, so the first requests pay no first-call cost; then ``ready``."""
-        for size in self.buckets:
-            self.predict(torch.zeros((size, *self.input_shape), dtype=self.servable.torch_dtype))
-        self.ready = True
+        """Run every bucket once on zeros (compiling and capturing it), so no request pays a first-call cost."""
+        with self._lock:
+            self._guarded(self._warm_buckets)
+            if self._record is not None:
+                self.plan["compile"] = explain_compile(self.plan["compile"], [self._record])
+            self.ready = True
 
     def predict(self, batch: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Return the model's outputs for ``batch`` (samples along the first dimension) as a CPU tensor."""
+        """Return the model's outputs for ``batch`` (samples along the first dimension) as a CPU tensor.
+
+        The batch is cast to the Servable's input dtype; the engine warms up first if it was not.
+        """
+        if self.broken is not None:
+            raise DeviceUnavailableError(
+                f"the engine's device is unusable: {self.broken}\nhint: only a new process recovers it; restart"
+            )
         inputs = torch.as_tensor(batch)
         if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
             raise invalid("batch", f"shape {tuple(inputs.shape)}", f"(N, {', '.join(map(str, self.input_shape))})")
-        chunks = [self._run(part) for part in inputs.split(self.max_batch_size)]
+        inputs = inputs.to(self.servable.torch_dtype)
+        if not self.ready:
+            self.warm_up()
+        with self._lock:
+            chunks = self._guarded(
+                lambda: [
+                    self._runner.run(part, bucket_for(len(part), self.buckets))
+                    for part in inputs.split(self.max_batch_size)
+                ]
+            )
         return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
 
-    def _run(self, inputs: torch.Tensor) -> torch.Tensor:
-        size = inputs.shape[0]
-        bucket = bucket_for(size, self.buckets)
-        if bucket > size:
-            pad = inputs.new_zeros((bucket - size, *inputs.shape[1:]))
-            inputs = torch.cat([inputs, pad])
-        with self._lock, torch.inference_mode(), self.precision.autocast():
-            outputs = self.model(inputs.to(self.device, non_blocking=True))
-        outputs = outputs[:size]
-        if outputs.is_floating_point():
-            outputs = outputs.float()
-        return outputs.cpu()
+    # -- setting up: the chosen precision, compile and runner --------------------------------------
+
+    def _set_up(self) -> None:
+        self.precision = Precision(self.plan["precision"].value, self.device)
+        if self.plan["compile"].value:
+            self._compile()
+        else:
+            self._uncompile()
+        forward = make_forward(self.model, self.precision)
+        self._runner = (
+            GraphRunner(forward, self.device) if self.plan["cuda_graphs"].value else EagerRunner(forward, self.device)
+        )
+
+    def _compile(self) -> CompileRecord:
+        if self._record is None:
+            # dynamic=False: the buckets are the only shapes, each compiled for its own size.
+            self._record = compile_module(self.model, dynamic=False)
+        return self._record
+
+    def _uncompile(self) -> None:
+        if self._record is None:
+            return
+        if self._own_forward:
+            self.model.forward = self._record.eager
+        else:
+            vars(self.model).pop("forward", None)
+        self._record = None
+
+    def _compile_room(self) -> contextlib.AbstractContextManager[Any]:
+        """Let torch.compile keep a graph per bucket and precision: its default limit (8) falls back to eager beyond."""
+        if self._record is None:
+            return contextlib.nullcontext()
+        import torch._dynamo.config as dynamo_config
+
+        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        need = max(int(getattr(dynamo_config, name)), 2 * len(self.buckets) + 2)
+        return dynamo_config.patch(name, need)
+
+    def _warm_buckets(self) -> None:
+        try:
+            with self._compile_room():
+                for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
+                    self._runner.prepare(bucket, self._zeros(bucket))
+        except CaptureFailed as exc:
+            self._fall_back("cuda_graphs", f"capture failed, running without graphs: {describe_error(exc)}")
+            self._warm_buckets()
+        except Exception as exc:
+            if self._record is None or not _is_compiler_error(exc):
+                raise
+            self._fall_back("compile", f"compile failed, ran eagerly: {describe_error(exc)}")
+            self._warm_buckets()
+
+    def _fall_back(self, axis: str, reason: str) -> None:
+        log.warning("InferenceEngine: %s; %s off", reason, axis)
+        self.plan[axis] = Choice(False, reason)
+        self._set_up()
+
+    def _guarded(self, work: Any) -> Any:
+        """Run ``work()``; a sticky CUDA error marks the engine broken before it propagates."""
+        try:
+            return work()
+        except Exception as exc:
+            if is_sticky_cuda_error(exc):
+                self.broken = describe_error(exc)
+                log.error("InferenceEngine: the device is unusable until the process restarts: %s", self.broken)
+            raise
+
+    def _zeros(self, bucket: int) -> torch.Tensor:
+        return torch.zeros((bucket, *self.input_shape), dtype=self.servable.torch_dtype)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- measuring the candidates ------------------------------------------------------------------
+
+    def _measure(self, proposal: Proposal) -> None:
+        """Time the proposal's settings on the largest bucket (or read them from the cache) and plan by them."""
+        bucket = self.buckets[-1]
+        settings = [proposal.reference, *proposal.candidates]
+        graphs = bool(self.plan["cuda_graphs"].value)
+        key = measure_key(
+            model_fingerprint(self.model), self.facts, bucket=bucket, input_shape=self.input_shape,
+            input_dtype=self.servable.input_dtype, settings=settings, graphs=graphs,
+        )  # fmt: skip
+        cached = load_measured(key)
+        if cached is not None:
+            timings, when = cached
+            note = f"cached from {when}"
+        else:
+            log.info("InferenceEngine: timing %s on a batch of %d", ", ".join(s.label for s in settings), bucket)
+            if any(s.compiled for s in settings):
+                self._compile()
+            try:
+                with self._compile_room():
+                    timings = time_settings(
+                        [(s, self._trial_runner(s, bucket)) for s in settings],
+                        self._zeros(bucket), self._probe(bucket), sync=self._sync,
+                    )  # fmt: skip
+            except CaptureFailed as exc:
+                self.plan["cuda_graphs"] = Choice(
+                    False, f"capture failed, running without graphs: {describe_error(exc)}"
+                )
+                self._measure(proposal)
+                return
+            store_measured(key, timings)
+            note = "measured now"
+        precision, compiled, measured = choose(proposal, timings, bucket=bucket)
+        self.plan.update(
+            precision=precision, compile=compiled, measured=Choice(measured.value, f"{measured.reason}; {note}")
+        )
+
+    def _trial_runner(self, setting: Setting, bucket: int) -> Any:
+        """A factory of the runner for ``setting`` on ``bucket``, prepared; a compile that fell back is a failure."""
+
+        def build() -> Any:
+            forward = self._forward(setting)
+            runner = (
+                GraphRunner(forward, self.device)
+                if self.plan["cuda_graphs"].value
+                else EagerRunner(forward, self.device)
+            )
+            runner.prepare(bucket, self._zeros(bucket))
+            if setting.compiled and self._record is not None and self._record.fell_back:
+                raise RuntimeError(f"compile failed: {self._record.fell_back}")
+            return lambda inputs: runner.run(inputs, bucket)
+
+        return build
+
+    def _forward(self, setting: Setting) -> Forward:
+        """The forward of ``setting``: the compiled one, or the model's own while compiled settings are timed too."""
+        forward = make_forward(self.model, Precision(setting.precision, self.device))
+        record = self._record
+        if setting.compiled or record is None:
+            return forward
+
+        def eager(inputs: torch.Tensor) -> torch.Tensor:
+            with record.eagerly():
+                return forward(inputs)
+
+        return eager
+
+    def _probe(self, bucket: int) -> torch.Tensor:
+        """A seeded random batch for comparing outputs (zeros for integer inputs, whose valid range is unknown)."""
+        dtype = self.servable.torch_dtype
+        if not dtype.is_floating_point:
+            return self._zeros(bucket)
+        generator = torch.Generator().manual_seed(PROBE_SEED)
+        return torch.randn((bucket, *self.input_shape), generator=generator).to(dtype)

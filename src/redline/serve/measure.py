@@ -1,0 +1,143 @@
+"""Timing the engine's candidate settings on its largest bucket, and caching what was measured.
+
+Each setting (the reference first) runs through the runner the engine will use (eager, or a
+captured CUDA graph), on a zero batch of the largest bucket: a few warm-up calls, then timed blocks
+taking turns (``runtime.trial.time_steps``), each call including the copy of its outputs to the CPU
+as ``predict`` does. Its outputs on a seeded random batch are compared with the reference's. The
+numbers are cached under ``$REDLINE_CACHE_DIR/inference/``, keyed by the model's fingerprint, this
+machine, the bucket, the input and the settings, so a restarted server measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from redline.atomic import write_atomic
+from redline.errors import describe_error
+from redline.hardware.device import DeviceFacts
+from redline.plan.inference import Setting, Timing
+from redline.runtime.cuda_errors import is_sticky_cuda_error
+from redline.runtime.trial import cache_dir, time_steps
+
+WARMUP_CALLS = 3
+ROUNDS, BLOCK = 5, 3  # timed blocks per setting, and calls per block
+MAX_SECONDS = 20.0  # timing stops after two rounds once this much was spent
+
+log = logging.getLogger("redline")
+
+Runner = Callable[[torch.Tensor], torch.Tensor]  # a batch of the largest bucket in, CPU outputs out
+
+
+def time_settings(
+    runners: Sequence[tuple[Setting, Callable[[], Runner]]],
+    zeros: torch.Tensor,
+    probe: torch.Tensor,
+    *,
+    sync: Callable[[], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Timing]:
+    """Time each setting's runner (built by its factory; the first is the reference) and judge its outputs.
+
+    A candidate whose runner cannot be built or fails on the batch is recorded as failed with the
+    error; the reference's failure, or a sticky CUDA error, is raised.
+    """
+    built: list[tuple[Setting, Runner]] = []
+    failed: dict[Setting, str] = {}
+    outputs: dict[Setting, torch.Tensor] = {}
+    for setting, build in runners:
+        try:
+            runner = build()
+            outputs[setting] = runner(probe).float()
+        except Exception as exc:  # a candidate that cannot run is rejected, the engine goes on
+            if is_sticky_cuda_error(exc) or setting == runners[0][0]:
+                raise  # the device is lost, or the model itself fails: nothing to compare against
+            failed[setting] = f"it failed: {describe_error(exc)}"
+            continue
+        built.append((setting, runner))
+    steps = [_step(runner, zeros) for _, runner in built]
+    times, _ = time_steps(steps, warmup=WARMUP_CALLS, rounds=ROUNDS, block=BLOCK, sync=sync, clock=clock,
+                          budget_s=MAX_SECONDS)  # fmt: skip
+    reference = outputs.get(runners[0][0])
+    timed = {
+        setting: Timing(setting, _blocks(calls), _error(outputs[setting], reference))
+        for (setting, _), calls in zip(built, times, strict=True)
+    }
+    return [timed.get(setting) or Timing(setting, failed=failed[setting]) for setting, _ in runners]
+
+
+def _step(runner: Runner, zeros: torch.Tensor) -> Callable[[], float]:
+    def step() -> float:
+        runner(zeros)
+        return 0.0
+
+    return step
+
+
+def _blocks(calls: Sequence[float]) -> tuple[float, ...]:
+    """Seconds per call of each block of BLOCK calls."""
+    return tuple(sum(calls[i : i + BLOCK]) / BLOCK for i in range(0, len(calls) - BLOCK + 1, BLOCK))
+
+
+def _error(outputs: torch.Tensor, reference: torch.Tensor | None) -> float:
+    """max |outputs - reference| relative to the reference's largest magnitude (0.0 for the reference itself)."""
+    if reference is None or outputs is reference:
+        return 0.0
+    if outputs.shape != reference.shape:
+        return float("inf")
+    scale = max(float(reference.abs().max()), 1e-6) if reference.numel() else 1.0
+    return float((outputs - reference).abs().max()) / scale if outputs.numel() else 0.0
+
+
+def measure_key(
+    fingerprint: str,
+    facts: DeviceFacts,
+    *,
+    bucket: int,
+    input_shape: tuple[int, ...],
+    input_dtype: str,
+    settings: Sequence[Setting],
+    graphs: bool,
+) -> str:
+    """The cache key of a measurement: the model, everything about this machine that times it, and what was timed."""
+    parts = (
+        fingerprint, facts.type, facts.name, str(facts.capability), facts.cpu_isa, str(facts.cpu_count),
+        torch.__version__, str(torch.get_num_threads()), str(bucket), str(input_shape), input_dtype,
+        ",".join(s.label for s in settings), str(graphs), f"{ROUNDS}x{BLOCK}",
+    )  # fmt: skip
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / "inference" / f"{key}.json"
+
+
+def load_measured(key: str) -> tuple[list[Timing], str] | None:
+    """A cached measurement and when it was made, or None (an unreadable entry is measured again)."""
+    try:
+        data = json.loads(_path(key).read_text(encoding="utf-8"))
+        return [Timing.from_dict(t) for t in data["timings"]], str(data["measured_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_measured(key: str, timings: Sequence[Timing]) -> None:
+    """Cache a measurement, atomically; a cache that cannot be written is skipped with a warning."""
+    path = _path(key)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = json.dumps({"measured_at": when, "timings": [t.to_dict() for t in timings]}, indent=2) + "\n"
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, write)
+    except OSError as exc:
+        log.warning("could not cache the engine's measurement in %s (%s); the next start measures again", path, exc)

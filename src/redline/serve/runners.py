@@ -1,0 +1,135 @@
+"""How one padded batch runs: the model's forward as called per bucket, eagerly or as a replayed CUDA graph.
+
+    forward = make_forward(model, Precision("bf16-mixed", device))
+    runner = GraphRunner(forward, device, sample_shape, dtype) if graphs else EagerRunner(forward, device)
+    runner.prepare(bucket)                     # eager: one call on zeros; graphs: warm up, then capture
+    outputs = runner.run(inputs, bucket)       # inputs: <= bucket rows on the CPU; outputs: those rows, on the CPU
+
+A forward may be compiled (``compile_module`` patches the model's forward in place): the runners
+only call it. With CUDA graphs, a compiled forward is compiled in plain mode (not
+"reduce-overhead", whose own CUDA graphs would nest in ours) during the warm-up calls, then its
+kernels are captured like any others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.errors import describe_error
+from redline.runtime.cuda_errors import is_sticky_cuda_error
+from redline.runtime.precision import Precision
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+# Calls on a side stream before a capture: lazy initialisation (cuBLAS handles, cuDNN plans, a
+# compile) must happen outside the graph (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs).
+CAPTURE_WARMUP_CALLS = 3
+
+
+class CaptureFailed(RuntimeError):
+    """The forward ran but could not be captured as a CUDA graph (it synchronises with the CPU, say)."""
+
+
+def make_forward(model: nn.Module, precision: Precision) -> Forward:
+    """Return the model's call under inference_mode and ``precision``'s autocast (both are per thread)."""
+
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), precision.autocast():
+            outputs: torch.Tensor = model(inputs)
+        return outputs
+
+    return forward
+
+
+def pad_to(inputs: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Return ``inputs`` with zero rows appended up to ``bucket`` rows (``inputs`` itself when it has them)."""
+    missing = bucket - inputs.shape[0]
+    if missing < 0:
+        raise ValueError(f"{inputs.shape[0]} rows do not fit a bucket of {bucket}")
+    if missing == 0:
+        return inputs
+    return torch.cat([inputs, inputs.new_zeros((missing, *inputs.shape[1:]))])
+
+
+def copy_out(outputs: Any, rows: int) -> torch.Tensor:
+    """Return the first ``rows`` outputs as a CPU tensor of their own, floating ones as float32.
+
+    The copy is taken before anything else runs: a CUDA graph's next replay overwrites its outputs.
+    """
+    if not isinstance(outputs, torch.Tensor):
+        raise TypeError(f"the model returned {type(outputs).__name__}; the engine serves models that return a tensor")
+    kept = outputs[:rows]
+    if kept.is_floating_point():
+        kept = kept.float()
+    return kept.to("cpu", copy=True)
+
+
+class EagerRunner:
+    """Each batch padded, moved to the device and run through the forward."""
+
+    graphs = False
+
+    def __init__(self, forward: Forward, device: torch.device) -> None:
+        self.forward = forward
+        self.device = device
+
+    def prepare(self, bucket: int, sample: torch.Tensor) -> None:
+        """Run the bucket once on ``sample`` (a zero batch of its size): the first call's costs are paid here."""
+        self.run(sample, bucket)
+
+    def run(self, inputs: torch.Tensor, bucket: int) -> torch.Tensor:
+        """Return the outputs of ``inputs`` (at most ``bucket`` rows), padded to ``bucket`` on the way."""
+        padded = pad_to(inputs, bucket).to(self.device, non_blocking=True)
+        return copy_out(self.forward(padded), inputs.shape[0])
+
+
+class GraphRunner:
+    """One captured CUDA graph per bucket, replayed on a static input buffer.
+
+    Captures share one memory pool: safe because graphs never run concurrently (the engine holds a
+    lock) and each replay's outputs are copied out before the next replay, so a graph's scratch
+    memory overlapping another's outputs is never read stale. Capture the largest bucket first so
+    the smaller ones fit in what it reserved.
+    """
+
+    graphs = True
+
+    def __init__(self, forward: Forward, device: torch.device) -> None:
+        self.forward = forward
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, bucket: int, sample: torch.Tensor) -> None:
+        """Warm the forward up on a side stream, then capture it on a static buffer shaped like ``sample``."""
+        static_in = sample.to(self.device, copy=True)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(CAPTURE_WARMUP_CALLS):
+                self.forward(static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_out = self.forward(static_in)
+        except Exception as exc:
+            if is_sticky_cuda_error(exc):
+                raise
+            raise CaptureFailed(f"bucket {bucket}: {describe_error(exc)}") from exc
+        self.captured[bucket] = (graph, static_in, static_out)
+
+    def run(self, inputs: torch.Tensor, bucket: int) -> torch.Tensor:
+        """Copy ``inputs`` into the bucket's buffer (zeros after them), replay its graph, copy the outputs out."""
+        if bucket not in self.captured:
+            self.prepare(bucket, torch.zeros((bucket, *inputs.shape[1:]), dtype=inputs.dtype))
+        graph, static_in, static_out = self.captured[bucket]
+        rows = inputs.shape[0]
+        static_in[:rows].copy_(inputs)
+        static_in[rows:].zero_()
+        graph.replay()
+        return copy_out(static_out, rows)  # the copy to the CPU waits for the replay

@@ -1,0 +1,261 @@
+"""The InferenceEngine on a CPU: padding and chunking, explicit and measured choices, the cache, fall backs, broken."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import redline
+from redline.errors import ConfigError, DeviceUnavailableError
+from redline.hardware.device import FAKE_CPU_ENV
+from redline.runtime.trial import CACHE_ENV
+from redline.serve import engine as engine_module
+from redline.serve.engine import InferenceEngine
+from redline.serve.runners import copy_out, pad_to
+from redline.serve.servable import Servable
+
+SLEEP_S = 0.02
+
+
+class Spy(nn.Module):
+    """A seeded linear layer that records each batch's size and whether autocast was on.
+
+    Under autocast it can sleep (a slow candidate) or shift its outputs (an inaccurate one); in fp32
+    it can sleep too, so that a candidate is the faster one. A sample holding ``poison`` raises ``error``.
+    """
+
+    def __init__(self, *, autocast_sleep_s=0.0, autocast_shift=0.0, fp32_sleep_s=0.0, poison=None, error=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(3, 2)
+        self.autocast_sleep_s, self.autocast_shift, self.fp32_sleep_s = autocast_sleep_s, autocast_shift, fp32_sleep_s
+        self.poison, self.error = poison, error
+        self.sizes: list[int] = []
+        self.autocast_calls = 0
+
+    def forward(self, x):
+        self.sizes.append(x.shape[0])
+        if self.poison is not None and bool((x == self.poison).any()):
+            raise self.error
+        out = self.linear(x)
+        if torch.is_autocast_enabled("cpu"):
+            self.autocast_calls += 1
+            time.sleep(self.autocast_sleep_s)
+            return out + self.autocast_shift
+        time.sleep(self.fp32_sleep_s)
+        return out
+
+
+def plain(model, **options):
+    """An engine that measures nothing: fp32, eager."""
+    return InferenceEngine(model, input_shape=(3,), device="cpu", precision="fp32", compile="off", **options)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """Plan as on a CPU with bf16 arithmetic, so that "auto" times bf16 against fp32."""
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+
+
+def test_padded_batches_return_exactly_their_rows_equal_to_the_eager_model():
+    model = Spy()
+    engine = plain(model, max_batch_size=8)
+    engine.warm_up()
+    assert sorted(set(model.sizes)) == [1, 2, 4, 8]
+    inputs = torch.randn(8, 3, generator=torch.Generator().manual_seed(1))
+    for rows in range(1, 9):
+        model.sizes.clear()
+        out = engine.predict(inputs[:rows])
+        assert out.shape == (rows, 2) and out.device.type == "cpu"
+        torch.testing.assert_close(out, model.linear(inputs[:rows]).detach(), rtol=0, atol=1e-6)
+        assert model.sizes == [next(b for b in (1, 2, 4, 8) if b >= rows)], "the batch was padded to its bucket"
+
+
+def test_a_batch_beyond_max_batch_size_runs_in_chunks_and_keeps_its_order():
+    model = Spy()
+    engine = plain(model, max_batch_size=8)
+    inputs = np.random.default_rng(2).normal(size=(19, 3)).astype(np.float64)  # cast to the input dtype
+    engine.warm_up()
+    model.sizes.clear()
+    out = engine.predict(inputs)
+    assert model.sizes == [8, 8, 4]
+    expected = model.linear(torch.as_tensor(inputs, dtype=torch.float32)).detach()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_predict_warms_up_first_and_refuses_a_wrong_shape():
+    model = Spy()
+    engine = plain(model, max_batch_size=4)
+    assert not engine.ready
+    engine.predict(torch.zeros(3, 3))
+    assert engine.ready and sorted(set(model.sizes)) == [1, 2, 4]
+    with pytest.raises(ConfigError, match=r"\(N, 3\)"):
+        engine.predict(torch.zeros(3, 4))
+
+
+def test_a_bare_module_needs_its_input_shape_and_the_error_names_the_fix():
+    with pytest.raises(ConfigError, match="needs input_shape") as caught:
+        InferenceEngine(nn.Linear(3, 2), device="cpu")
+    assert "hint: InferenceEngine(model, input_shape=" in str(caught.value)
+    servable = Servable(model=nn.Linear(3, 2), input_shape=(3,))
+    with pytest.raises(ConfigError, match="input_shape"):
+        InferenceEngine(servable, input_shape=(3,), device="cpu")
+    assert isinstance(redline.InferenceEngine(servable, device="cpu", measure="off").servable, Servable)
+
+
+def test_explicit_precision_and_compile_are_used_as_given_without_measuring(cache, bf16_cpu):
+    model = Spy()
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", precision="bf16-mixed", compile="off")
+    engine.predict(torch.zeros(2, 3))
+    assert model.autocast_calls > 0, "the forward ran under bf16 autocast"
+    assert engine.plan["precision"].value == "bf16-mixed" and engine.plan["precision"].reason == "requested"
+    assert engine.plan["compile"].value is False and engine.plan["compile"].reason == "requested"
+    assert "measured" not in engine.plan
+    assert not cache.exists(), "nothing was measured, so nothing was cached"
+
+
+def test_measure_off_plans_by_the_rule(cache, bf16_cpu):
+    model = Spy()
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", measure="off")
+    assert engine.plan["precision"].value == "fp32" and "AMX" in engine.plan["precision"].reason
+    assert model.autocast_calls == 0 and "measured" not in engine.plan
+
+
+def measured_blocks(cache, precision):
+    """The cached seconds per call of each timed block of ``precision``."""
+    (entry,) = (cache / "inference").glob("*.json")
+    timings = json.loads(entry.read_text())["timings"]
+    return next(t["block_s"] for t in timings if t["precision"] == precision)
+
+
+def test_auto_keeps_fp32_when_bf16_is_slower_and_says_by_how_much(cache, bf16_cpu):
+    model = Spy(autocast_sleep_s=SLEEP_S)
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
+    precision = engine.plan["precision"]
+    assert precision.value == "fp32"
+    assert "measured: fp32 kept" in precision.reason and "bf16-mixed 0." in precision.reason
+    assert "largest bucket (4)" in precision.reason
+    assert min(measured_blocks(cache, "bf16-mixed")) >= SLEEP_S, "bf16 was timed through the sleeping forward"
+    trial_calls = model.autocast_calls
+    engine.predict(torch.zeros(3, 3))
+    assert model.autocast_calls == trial_calls, "after measuring, the engine runs in fp32"
+
+
+def test_auto_rejects_a_faster_bf16_whose_outputs_depart_from_fp32(cache, bf16_cpu):
+    model = Spy(fp32_sleep_s=SLEEP_S, autocast_shift=10.0)
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
+    assert engine.plan["precision"].value == "fp32"
+    assert "bf16-mixed rejected: its outputs are" in engine.plan["precision"].reason
+    assert "off fp32's (tolerance 5%)" in engine.plan["measured"].reason
+    assert min(measured_blocks(cache, "fp32")) >= SLEEP_S
+
+
+def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):
+    first = Spy(autocast_sleep_s=SLEEP_S)
+    InferenceEngine(first, input_shape=(3,), device="cpu", max_batch_size=4)
+    assert first.autocast_calls > 0
+    second = Spy(autocast_sleep_s=SLEEP_S)  # the same architecture: the same fingerprint
+    engine = InferenceEngine(second, input_shape=(3,), device="cpu", max_batch_size=4)
+    assert second.autocast_calls == 0 and second.sizes == [], "nothing ran: the measurement came from the cache"
+    assert engine.plan["precision"].value == "fp32" and "cached from" in engine.plan["measured"].reason
+    other_bucket = Spy(autocast_sleep_s=SLEEP_S)
+    InferenceEngine(other_bucket, input_shape=(3,), device="cpu", max_batch_size=2)
+    assert other_bucket.autocast_calls > 0, "another largest bucket is measured anew"
+
+
+class CompilerFailure(Exception):
+    """Stands in for an error of torch's compiler stack."""
+
+
+CompilerFailure.__module__ = "torch._inductor.exc"
+
+
+def test_a_compile_that_fails_falls_back_to_eager_with_the_reason(monkeypatch):
+    def failing_compile(fn, **options):
+        assert options.get("dynamic") is False, "the buckets are fixed shapes"
+
+        def run(*args, **kwargs):
+            raise CompilerFailure("no C++ compiler for this kernel")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
+    model = Spy()
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", precision="fp32", compile="on", max_batch_size=2)
+    inputs = torch.randn(2, 3)
+    torch.testing.assert_close(engine.predict(inputs), model.linear(inputs).detach(), rtol=0, atol=1e-6)
+    compile_choice = engine.plan["compile"]
+    assert compile_choice.value is False
+    assert "compile failed, ran eagerly" in compile_choice.reason and "no C++ compiler" in compile_choice.reason
+
+
+def test_compile_on_compiles_every_bucket_at_warm_up_and_matches_eager():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", precision="fp32", compile="on", max_batch_size=2)
+    if not engine.plan["compile"].value:
+        pytest.skip(f"torch.compile cannot run here: {engine.plan['compile'].reason}")
+    engine.warm_up()
+    assert "compiled 2 time(s)" in engine.plan["compile"].reason, engine.plan["compile"].reason
+    inputs = torch.randn(2, 3)
+    with torch.no_grad():
+        expected = engine._record.eager(inputs)
+    torch.testing.assert_close(engine.predict(inputs[:1]), expected[:1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(engine.predict(inputs), expected, rtol=1e-5, atol=1e-6)
+
+
+ILLEGAL = "CUDA error: an illegal memory access was encountered"
+
+
+def test_a_sticky_cuda_error_marks_the_engine_broken_and_later_calls_refuse():
+    engine = plain(Spy(poison=666.0, error=RuntimeError(ILLEGAL)), max_batch_size=4)
+    engine.warm_up()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.predict(torch.full((2, 3), 666.0))
+    assert engine.broken is not None and "illegal memory access" in engine.broken
+    with pytest.raises(DeviceUnavailableError, match="restart"):
+        engine.predict(torch.zeros(1, 3))
+
+
+def test_an_ordinary_model_error_leaves_the_engine_usable():
+    engine = plain(Spy(poison=666.0, error=ValueError("bad sample")), max_batch_size=4)
+    with pytest.raises(ValueError, match="bad sample"):
+        engine.predict(torch.full((2, 3), 666.0))
+    assert engine.broken is None
+    assert engine.predict(torch.zeros(1, 3)).shape == (1, 2)
+
+
+def test_the_plan_names_every_axis_and_is_json_ready():
+    engine = plain(Spy(), max_batch_size=4)
+    engine.warm_up()
+    plan = json.loads(json.dumps(engine.plan_dict()))
+    assert list(plan) == ["device", "precision", "compile", "cuda_graphs", "buckets"]
+    assert plan["buckets"]["value"] == [1, 2, 4]
+    assert plan["cuda_graphs"] == {"value": False, "reason": "auto: CUDA graphs need a CUDA device, this is cpu"}
+
+
+def test_cuda_graphs_on_a_cpu_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="hint: pass cuda_graphs='auto'"):
+        plain(Spy(), cuda_graphs="on")
+
+
+def test_padding_and_copying_out_keep_the_rows_and_own_their_memory():
+    rows = torch.arange(6.0).reshape(3, 2)
+    padded = pad_to(rows, 4)
+    assert padded.shape == (4, 2) and torch.equal(padded[:3], rows) and torch.equal(padded[3], torch.zeros(2))
+    assert pad_to(rows, 3) is rows
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_to(rows, 2)
+    static = torch.ones(4, 2, dtype=torch.bfloat16)
+    out = copy_out(static, 3)
+    static.fill_(7)  # a buffer written again, as a CUDA graph's next replay writes its outputs
+    assert out.dtype == torch.float32 and torch.equal(out, torch.ones(3, 2))
