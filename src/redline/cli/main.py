@@ -71,6 +71,11 @@ SUBCOMMANDS = {
         "loadtest_command",
         "Load a URL at a fixed rate (open loop) or concurrency, and report latency percentiles and statuses.",
     ),
+    "predict": Subcommand(
+        "redline.cli.predict",
+        "predict",
+        "Run a model over a .npy file of samples and write its outputs to another .npy file.",
+    ),
     "serve": Subcommand(
         "redline.cli.serve",
         "serve_command",

@@ -1,7 +1,7 @@
 """`redline serve`: a model behind HTTP with dynamic batching; prints the engine's Plan and the URL.
 
 The server's flags come from ServeOptions (serve/options.py); the engine's (device, precision,
-compile) and the model's (SPEC, --weights, --task-arg) are this command's own.
+compile, CUDA graphs) and the model's (SPEC, --weights, --task-arg) are this command's own.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def _serve(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
     precision: Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")] = "auto",
     compile: Annotated[str, typer.Option(help="torch.compile: auto, on or off.")] = "auto",
+    cuda_graphs: Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")] = "auto",
     **parsed: Any,
 ) -> None:
     """Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics."""
@@ -41,8 +42,9 @@ def _serve(
     options.token()  # an empty --token-env variable is refused before the model loads
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     engine = InferenceEngine(
-        servable, device=device, precision=precision, compile=compile, max_batch_size=options.max_batch_size
-    )
+        servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+        max_batch_size=options.max_batch_size,
+    )  # fmt: skip
     console = Console()
     console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
 

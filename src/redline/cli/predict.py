@@ -1,0 +1,143 @@
+"""`redline predict`: offline batch inference from one .npy file to another, through the InferenceEngine.
+
+The input is checked against the servable (per-sample shape and dtype) before the model loads onto
+the device; the output is written through a temporary file and renamed, so a failure leaves no
+half-written file. The engine's Plan is printed, then a summary line.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from redline.atomic import write_atomic
+from redline.cli.options import TaskArgs
+from redline.cli.serve import plan_table
+from redline.cli.task_args import parse_task_args
+from redline.errors import ConfigError
+from redline.serve.engine import InferenceEngine
+from redline.serve.servable import Servable, load_servable
+
+NPY_MAGIC = b"\x93NUMPY"  # https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
+
+
+def predict(
+    spec: Annotated[
+        str, typer.Argument(metavar="SPEC", help="Model spec: example:digits, pkg.module:factory or file.py:factory.")
+    ],
+    input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
+    output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
+    batch_size: Annotated[int, typer.Option(min=1, help="Samples per batch (the largest bucket).")] = 32,
+    weights: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="A safetensors file to load into the model.")
+    ] = None,
+    task_arg: TaskArgs = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")] = "auto",
+    compile: Annotated[str, typer.Option(help="torch.compile: auto, on or off.")] = "auto",
+    cuda_graphs: Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")] = "auto",
+    measure: Annotated[str, typer.Option(help="Time the candidate settings (auto) or plan by rules (off).")] = "auto",
+) -> None:
+    """Run a model over a .npy file of samples and write its outputs to another .npy file."""
+    check_output(output_path)
+    samples = read_samples(input_path)
+    servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+    check_samples(samples, servable, input_path)
+    engine = InferenceEngine(
+        servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+        measure=measure, max_batch_size=batch_size,
+    )  # fmt: skip
+    console = Console()
+    started = time.perf_counter()
+    engine.warm_up()
+    warm_s = time.perf_counter() - started
+    console.print(plan_table(engine.plan, title=f"Predicting with {servable.name}"))
+    outputs, seconds = run_batches(engine, samples, batch_size)
+    write_npy(output_path, outputs)
+    rate = len(samples) / seconds if seconds > 0 else float("inf")
+    console.print(
+        f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
+        highlight=False,
+    )
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output path whose directory is missing, or that names a directory, before any work."""
+    if path.is_dir():
+        raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
+    if not path.parent.is_dir():
+        raise ConfigError(
+            f"--output {str(path)!r}: its directory {str(path.parent)!r} does not exist\n"
+            f"hint: mkdir -p {path.parent}, or write the outputs elsewhere"
+        )
+
+
+def read_samples(path: Path) -> np.ndarray:
+    """Load a .npy array; a missing file, another format or an empty array is a ConfigError naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"--input {str(path)!r} does not exist\nhint: write the samples with numpy.save(path, array)")
+    with path.open("rb") as file:
+        magic = file.read(len(NPY_MAGIC))
+    if magic != NPY_MAGIC:
+        kind = "an .npz archive" if magic.startswith(b"PK") else "not a .npy file"
+        raise ConfigError(
+            f"--input {str(path)!r} is {kind}: a .npy file starts with numpy's magic bytes\n"
+            "hint: write the samples as one array with numpy.save(path, array)"
+        )
+    try:
+        loaded: np.ndarray = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ConfigError(f"--input {str(path)!r} cannot be read as a .npy array: {exc}") from exc
+    if loaded.ndim == 0 or len(loaded) == 0:
+        raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
+    return loaded
+
+
+def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
+    """Refuse samples whose shape is not (N, *input_shape), or whose dtype does not convert to the input's."""
+    expected = servable.input_shape
+    if tuple(samples.shape[1:]) != expected:
+        raise ConfigError(
+            f"--input {str(path)!r}: samples of shape {tuple(samples.shape[1:])} (array {samples.shape}) do not fit "
+            f"{servable.name}; expected (N, {', '.join(map(str, expected))})\n"
+            "hint: the first dimension counts the samples; each sample has the model's input shape"
+        )
+    wanted = "float32" if servable.input_dtype == "bfloat16" else servable.input_dtype  # numpy has no bfloat16
+    if not np.can_cast(samples.dtype, np.dtype(wanted), casting="same_kind"):
+        raise ConfigError(
+            f"--input {str(path)!r}: dtype {samples.dtype} does not convert to {servable.input_dtype}, "
+            f"the input dtype of {servable.name}\nhint: save the array as {wanted}"
+        )
+
+
+def run_batches(engine: InferenceEngine, samples: np.ndarray, batch_size: int) -> tuple[np.ndarray, float]:
+    """Run ``samples`` batch by batch with a progress bar on stderr; return the outputs and the seconds taken."""
+    parts = []
+    bar = Progress(
+        TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True,
+    )  # fmt: skip
+    started = time.perf_counter()
+    with bar:
+        job = bar.add_task("predict", total=len(samples))
+        for start in range(0, len(samples), batch_size):
+            batch = samples[start : start + batch_size]
+            parts.append(engine.predict(batch).numpy())
+            bar.advance(job, len(batch))
+    return np.concatenate(parts), time.perf_counter() - started
+
+
+def write_npy(path: Path, array: np.ndarray) -> None:
+    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none."""
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as out:
+            np.save(out, array, allow_pickle=False)
+
+    write_atomic(path, write)

@@ -1,0 +1,121 @@
+"""`redline predict`: a .npy file in, the engine's outputs out, clear errors and no half-written file."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from redline.cli.main import app
+from redline.errors import ConfigError
+from redline.serve.engine import InferenceEngine
+from redline.serve.servable import load_servable
+
+FACTORY = '''
+import torch
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Poisoned(nn.Module):
+    """A seeded linear layer that fails on a sample holding 666, as a model bug would mid-file."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        if bool((x == 666).any()):
+            raise RuntimeError("the model failed on a poisoned sample")
+        return self.linear(x)
+
+
+def make():
+    return Servable(model=Poisoned(), input_shape=(3,), name="tiny")
+'''
+
+
+@pytest.fixture
+def spec(tmp_path):
+    (tmp_path / "tiny.py").write_text(FACTORY)
+    return f"{tmp_path / 'tiny.py'}:make"
+
+
+def predict(*args):
+    return CliRunner().invoke(app, ["predict", *args])
+
+
+def samples(tmp_path, array, name="x.npy"):
+    np.save(tmp_path / name, array)
+    return str(tmp_path / name)
+
+
+def test_the_output_file_holds_the_engines_outputs_for_every_sample(tmp_path, spec):
+    inputs = np.random.default_rng(0).normal(size=(11, 3)).astype(np.float32)
+    out = tmp_path / "y.npy"
+    result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(out), "--batch-size", "4",
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    written = np.load(out)
+    engine = InferenceEngine(load_servable(spec), device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    assert written.shape == (11, 2) and np.array_equal(written, engine.predict(inputs).numpy())
+    with torch.no_grad():
+        plain = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
+    np.testing.assert_allclose(written, plain, rtol=0, atol=1e-6)
+    assert "11 samples in" in result.output and "samples/s" in result.output
+    assert "precision" in result.output and "buckets" in result.output, "the plan is printed"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary file remains"
+
+
+def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
+    bad = samples(tmp_path, np.zeros((5, 4), np.float32))
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "predict", spec, "--input", bad, "--output", str(tmp_path / "y.npy")],
+        capture_output=True, text=True, timeout=300, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "samples of shape (4,)" in result.stderr and "expected (N, 3)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "y.npy").exists()
+
+
+@pytest.mark.parametrize(
+    ("make_input", "message"),
+    [
+        (lambda d: str(d / "missing.npy"), "does not exist"),
+        (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
+        (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
+        (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
+        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "dtype complex64 does not convert to float32"),
+    ],
+)
+def test_a_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, spec, make_input, message):
+    result = predict(spec, "--input", make_input(tmp_path), "--output", str(tmp_path / "y.npy"))
+    assert result.exit_code != 0
+    assert isinstance(result.exception, ConfigError) and message in str(result.exception)
+    assert "hint:" in str(result.exception) or "no samples" in message or "complex" in message
+    assert not (tmp_path / "y.npy").exists()
+
+
+def test_a_missing_output_directory_is_refused_before_the_model_loads(tmp_path, spec):
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "nowhere" / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError)
+    assert "does not exist" in str(result.exception) and "mkdir -p" in str(result.exception)
+
+
+def test_a_model_failing_midway_leaves_no_output_file(tmp_path, spec):
+    inputs = np.zeros((6, 3), np.float32)
+    inputs[4] = 666  # the third batch of two
+    out = tmp_path / "y.npy"
+    result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(out), "--batch-size", "2",
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code != 0 and "poisoned sample" in str(result.exception)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [
+        "tiny.py",
+        "x.npy",
+    ], "neither the output nor a temporary file of it is left"
