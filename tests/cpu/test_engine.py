@@ -205,7 +205,8 @@ def test_compile_on_compiles_every_bucket_at_warm_up_and_matches_eager():
     if not engine.plan["compile"].value:
         pytest.skip(f"torch.compile cannot run here: {engine.plan['compile'].reason}")
     engine.warm_up()
-    assert "compiled 2 time(s)" in engine.plan["compile"].reason, engine.plan["compile"].reason
+    engine.warm_up()  # again: nothing compiles anew, and the reason is not repeated
+    assert engine.plan["compile"].reason.count("compiled 2 time(s)") == 1, engine.plan["compile"].reason
     inputs = torch.randn(2, 3)
     with torch.no_grad():
         expected = engine._record.eager(inputs)

@@ -153,8 +153,8 @@ class InferenceEngine:
         """Run every bucket once on zeros (compiling and capturing it), so no request pays a first-call cost."""
         with self._lock:
             self._guarded(self._warm_buckets)
-            if self._record is not None:
-                self.plan["compile"] = explain_compile(self.plan["compile"], [self._record])
+            if self._record is not None:  # the compiles counted so far, or the fall back to eager
+                self.plan["compile"] = explain_compile(self._planned_compile, [self._record])
             self.ready = True
 
     def predict(self, batch: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -184,6 +184,7 @@ class InferenceEngine:
     # -- setting up: the chosen precision, compile and runner --------------------------------------
 
     def _set_up(self) -> None:
+        self._planned_compile: Choice[bool] = self.plan["compile"]
         self.precision = Precision(self.plan["precision"].value, self.device)
         if self.plan["compile"].value:
             self._compile()
