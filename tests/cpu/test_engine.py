@@ -2,6 +2,7 @@
 
 import json
 import time
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -11,10 +12,11 @@ from torch import nn
 import redline
 from redline.errors import ConfigError, DeviceUnavailableError
 from redline.hardware.device import FAKE_CPU_ENV
+from redline.plan import Choice
 from redline.runtime.trial import CACHE_ENV
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
-from redline.serve.runners import copy_out, pad_to
+from redline.serve.runners import CaptureFailed, EagerRunner, copy_out, pad_to
 from redline.serve.servable import Servable
 
 SLEEP_S = 0.02
@@ -260,3 +262,57 @@ def test_padding_and_copying_out_keep_the_rows_and_own_their_memory():
     out = copy_out(static, 3)
     static.fill_(7)  # a buffer written again, as a CUDA graph's next replay writes its outputs
     assert out.dtype == torch.float32 and torch.equal(out, torch.ones(3, 2))
+
+
+class FakeGraphs:
+    """Stands in for GraphRunner on a CPU: records what was captured and replayed, and runs eagerly."""
+
+    captured: ClassVar[list[int]] = []
+    fail = False
+
+    def __init__(self, forward, device):
+        self.forward, self.device = forward, device
+        self.replayed: list[int] = []
+
+    def prepare(self, bucket, sample):
+        if FakeGraphs.fail:
+            raise CaptureFailed(f"bucket {bucket}: operation not permitted when stream is capturing")
+        FakeGraphs.captured.append(bucket)
+
+    def run(self, inputs, bucket):
+        self.replayed.append(bucket)
+        return copy_out(self.forward(pad_to(inputs, bucket)), inputs.shape[0])
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(engine_module, "GraphRunner", FakeGraphs)
+    monkeypatch.setattr(engine_module, "resolve_cuda_graphs", lambda requested, facts: Choice(True, "faked"))
+    FakeGraphs.captured, FakeGraphs.fail = [], False
+    return FakeGraphs
+
+
+def test_with_graphs_warm_up_captures_every_bucket_largest_first_and_batches_replay_their_bucket(fake_graphs):
+    engine = plain(Spy(), max_batch_size=8)
+    assert isinstance(engine._runner, FakeGraphs)
+    engine.warm_up()
+    assert fake_graphs.captured == [8, 4, 2, 1], "the largest first: the smaller graphs reuse its memory pool"
+    engine.predict(torch.zeros(11, 3))
+    assert engine._runner.replayed == [8, 4]
+
+
+def test_a_failed_capture_falls_back_to_running_without_graphs_with_the_reason(fake_graphs):
+    fake_graphs.fail = True
+    model = Spy()
+    engine = plain(model, max_batch_size=4)
+    engine.warm_up()
+    graphs = engine.plan["cuda_graphs"]
+    assert graphs.value is False and "capture failed, running without graphs" in graphs.reason
+    assert "operation not permitted" in graphs.reason
+    assert isinstance(engine._runner, EagerRunner) and engine.ready and engine.broken is None
+    inputs = torch.randn(3, 3)
+    torch.testing.assert_close(engine.predict(inputs), model.linear(inputs).detach(), rtol=0, atol=1e-6)
+
+
+def test_without_cuda_the_engine_runs_eagerly():
+    assert isinstance(plain(Spy())._runner, EagerRunner)
