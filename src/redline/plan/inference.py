@@ -214,7 +214,7 @@ def choose(
     if best is None:
         why = (
             f"measured: {reference.setting.label} kept, no candidate beat it by {margin - 1:.0%} within tolerance "
-            f"({told}; {where})"
+            f"({told}), {where}"
         )
         return (
             _axis_precision(proposal, reference.setting, why),
