@@ -52,6 +52,7 @@ _LAZY = {
     "RedlineError": "redline.errors",
     "Runtime": "redline.runtime.runtime",
     "Servable": "redline.serve.servable",
+    "ServeOptions": "redline.serve.options",
     "RuntimeOptions": "redline.runtime.options",
     "Task": "redline.task",
     "TaskError": "redline.errors",
@@ -61,12 +62,14 @@ _LAZY = {
     "Trainer": "redline.train.trainer",
     "TrainerConfig": "redline.train.config",
     "benchmark": "redline.bench.run",
+    "build_app": "redline.serve.app",
     "doctor": "redline.doctor",
     "estimate_memory": "redline.memory.estimate",
     "find_batch_size": "redline.memory.search",
     "load_servable": "redline.serve.servable",
     "load_task": "redline.task",
     "report": "redline.render.html",
+    "run_load": "redline.serve.loadtest",
 }
 
 
@@ -99,6 +102,7 @@ __all__ = [
     "Runtime",
     "RuntimeOptions",
     "Servable",
+    "ServeOptions",
     "Task",
     "TaskError",
     "TaskSpecError",
@@ -108,10 +112,12 @@ __all__ = [
     "TrainingError",
     "__version__",
     "benchmark",
+    "build_app",
     "doctor",
     "estimate_memory",
     "find_batch_size",
     "load_servable",
     "load_task",
     "report",
+    "run_load",
 ]
