@@ -35,6 +35,7 @@ def _serve(
     precision: Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")] = "auto",
     compile: Annotated[str, typer.Option(help="torch.compile: auto, on or off.")] = "auto",
     cuda_graphs: Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")] = "auto",
+    measure: Annotated[str, typer.Option(help="Time the candidate settings (auto) or plan by rules (off).")] = "auto",
     **parsed: Any,
 ) -> None:
     """Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics."""
@@ -43,7 +44,7 @@ def _serve(
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     engine = InferenceEngine(
         servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-        max_batch_size=options.max_batch_size,
+        measure=measure, max_batch_size=options.max_batch_size,
     )  # fmt: skip
     console = Console()
     console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
