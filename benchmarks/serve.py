@@ -10,6 +10,9 @@ Each server answers one request before it is timed and gets the same warm-up. Se
 the model share the machine's cores, as they would on one host; only the ratios carry over.
 
     .venv-peers/bin/python benchmarks/serve.py [--models digits,mlp] [--duration 15] [--write serve]
+
+On a GPU (benchmarks/gpu/serve.sh) redline's settings are compared with one another instead:
+    python3 benchmarks/serve.py --device cuda --servers redline-eager,redline-fast,redline --write serve-cuda
 """
 
 from __future__ import annotations
@@ -38,16 +41,25 @@ from serve_models import SHAPES
 
 HERE = Path(__file__).parent
 SERVERS = ("redline", "litserve", "fastapi")
+# redline with its choices fixed, for the GPU check: eager fp32 against bf16, compile and CUDA graphs.
+VARIANTS = {
+    "redline": [],
+    "redline-eager": ["--precision", "fp32", "--compile", "off", "--cuda-graphs", "off", "--measure", "off"],
+    "redline-fast": ["--precision", "bf16-mixed", "--compile", "on", "--cuda-graphs", "on", "--measure", "off"],
+}
 CONCURRENCY = 64
 OPEN_RATE = {"digits": 200.0, "mlp": 100.0}  # requests/s: below every server's capacity here
 
 
-def command(server: str, model: str, port: int) -> list[str]:
-    if server == "redline":
+def command(server: str, model: str, port: int, device: str | None = None) -> list[str]:
+    if server in VARIANTS:
         return [
             sys.executable, "-m", "redline", "serve", f"{HERE / 'serve_models.py'}:{model}", "--port", str(port),
-            "--max-batch-size", "32", "--max-wait-ms", "5",
+            "--max-batch-size", "32", "--max-wait-ms", "5", *VARIANTS[server],
+            *(["--device", device] if device else []),
         ]  # fmt: skip
+    if device not in (None, "cpu"):
+        raise SystemExit(f"{server} is run on the CPU only here; --device {device} is for redline's variants")
     return [sys.executable, str(HERE / "serve_peers.py"), server, model, str(port)]
 
 
@@ -64,14 +76,16 @@ def post(url: str, body: bytes) -> int:
 
 
 @contextlib.contextmanager
-def serving(server: str, model: str, body: bytes) -> Iterator[str]:
+def serving(server: str, model: str, body: bytes, device: str | None = None) -> Iterator[str]:
     """Start ``server`` on a free port; yield its predict URL once it answered a request; stop it after."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}/{'v1/predict' if server == 'redline' else 'predict'}"
+    url = f"http://127.0.0.1:{port}/{'v1/predict' if server in VARIANTS else 'predict'}"
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below, after the process)
-    process = subprocess.Popen(command(server, model, port), cwd=HERE, stdout=log, stderr=log, start_new_session=True)
+    process = subprocess.Popen(
+        command(server, model, port, device), cwd=HERE, stdout=log, stderr=log, start_new_session=True
+    )
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # compiling every bucket of a GPU model takes a while
         while True:
             if process.poll() is not None:
                 log.seek(0)
@@ -80,7 +94,7 @@ def serving(server: str, model: str, body: bytes) -> Iterator[str]:
                 if post(url, body) == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{server} did not answer within 180 s")
+                raise RuntimeError(f"{server} did not answer within 300 s")
             time.sleep(0.5)
         yield url
     finally:
@@ -123,10 +137,10 @@ def wrk(url: str, body: bytes, duration: float) -> dict[str, float] | None:
     }
 
 
-def measure(server: str, model: str, duration: float) -> dict[str, Any]:
+def measure(server: str, model: str, duration: float, device: str | None = None) -> dict[str, Any]:
     body = json.dumps({"inputs": [nested(SHAPES[model])]}).encode()
     payload = Payload(body, "application/json")
-    with serving(server, model, body) as url:
+    with serving(server, model, body, device) as url:
         closed = run_load(url, concurrency=CONCURRENCY, duration=duration, warmup=3.0, payload=payload)
         opened = run_load(url, rate=OPEN_RATE[model], duration=duration, warmup=2.0, payload=payload)
         cross = wrk(url, body, duration)
@@ -158,15 +172,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="digits,mlp")
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--device", help="redline's --device (its variants only; the peers run on the CPU)")
+    parser.add_argument("--base", help="the server ratios are against (default: litserve when run, else the first)")
     parser.add_argument("--write", metavar="NAME", help="also write benchmarks/results/NAME.md")
     args = parser.parse_args(argv)
     servers = args.servers.split(",")
+    unknown = [server for server in servers if server not in (*SERVERS, *VARIANTS)]
+    if unknown:
+        parser.error(f"unknown server(s) {unknown}; choose from {sorted({*SERVERS, *VARIANTS})}")
+    base = args.base or ("litserve" if "litserve" in servers else servers[0])
+    if base not in servers:
+        parser.error(f"--base {base} is not among --servers {args.servers}")
     lines = [
         f"Closed loop: `redline loadtest --concurrency {CONCURRENCY}`; open loop: `--rate R` (digits "
         f"{OPEN_RATE['digits']:g}/s, mlp {OPEN_RATE['mlp']:g}/s); {args.duration:g} s each after a warm-up. "
-        "Ratios against LitServe in the same run. wrk: requests/s / p99 ms at 64 connections.",
+        f"Ratios against {base} in the same run. wrk: requests/s / p99 ms at 64 connections.",
         "",
-        "| model | server | req/s (c=64) | vs LitServe | p50 ms | p99 ms | non-2xx | open p50 ms | open p99 ms "
+        f"| model | server | req/s (c=64) | vs {base} | p50 ms | p99 ms | non-2xx | open p50 ms | open p99 ms "
         "| wrk req/s / p99 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -174,10 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         results = {}
         for server in servers:
             print(f"{model} on {server} ...", flush=True)
-            results[server] = measure(server, model, args.duration)
-        base = results.get("litserve", results[servers[0]])
-        lines += [row(model, server, results[server], base) for server in servers]
-    environment.publish(args.write, "Serving: redline vs LitServe vs FastAPI", lines)
+            results[server] = measure(server, model, args.duration, args.device)
+        lines += [row(model, server, results[server], results[base]) for server in servers]
+    title = "Serving: redline vs LitServe vs FastAPI" if "litserve" in servers else "Serving: redline's settings"
+    environment.publish(args.write, title, lines, device=args.device or "cpu")
 
 
 if __name__ == "__main__":

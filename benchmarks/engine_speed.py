@@ -1,0 +1,110 @@
+"""The InferenceEngine's own speed, without HTTP: eager fp32 against CUDA graphs, bf16 and compile, and auto.
+
+Each setting gets its own engine over the same model (serve_models.py), warmed up on every bucket;
+then the engines take turns, round after round, each timing a block of ``predict`` calls on the
+same batch (outputs come back on the CPU, so each call ends synchronised). The table gives the
+median ms per call, samples/s and the ratio to eager fp32 measured in the same rounds, and how far
+each setting's outputs are from eager fp32's. Settings that need CUDA are left out on a CPU.
+
+    PYTHONPATH=src python3 benchmarks/engine_speed.py --device cuda [--models digits,mlp] [--write engine-cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import environment
+from redline.serve.engine import InferenceEngine
+from serve_models import SHAPES, digits, mlp
+
+SERVABLES = {"digits": digits, "mlp": mlp}
+# name -> (engine keywords, needs CUDA); "eager fp32" is the reference every ratio is against.
+SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
+    "eager fp32": ({"precision": "fp32", "compile": "off", "cuda_graphs": "off", "measure": "off"}, False),
+    "graphs fp32": ({"precision": "fp32", "compile": "off", "cuda_graphs": "on", "measure": "off"}, True),
+    "graphs bf16": ({"precision": "bf16-mixed", "compile": "off", "cuda_graphs": "on", "measure": "off"}, True),
+    "compile+graphs bf16": ({"precision": "bf16-mixed", "compile": "on", "cuda_graphs": "on", "measure": "off"}, True),
+    "auto": ({}, False),
+}
+
+
+def build(model: str, device: str, settings: dict[str, Any], max_batch: int) -> tuple[InferenceEngine, float]:
+    started = time.perf_counter()
+    engine = InferenceEngine(SERVABLES[model](), device=device, max_batch_size=max_batch, **settings)
+    engine.warm_up()
+    return engine, time.perf_counter() - started
+
+
+def time_rounds(engines: dict[str, InferenceEngine], batch: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each engine, the engines taking turns in every round."""
+    per_call: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            engine.predict(batch)  # settle: the first call after another engine's block
+            started = time.perf_counter()
+            for _ in range(calls):
+                engine.predict(batch)
+            per_call[name].append((time.perf_counter() - started) / calls)
+    return {name: statistics.median(times) for name, times in per_call.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--models", default="digits,mlp")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--write", metavar="NAME", help="also write benchmarks/results/NAME.md")
+    args = parser.parse_args(argv)
+    on_cuda = args.device.startswith("cuda")
+    sizes = [int(size) for size in args.batch_sizes.split(",")]
+    lines = [
+        f"Each engine warmed up on every bucket (powers of two up to {max(sizes)}); then {args.rounds} rounds, "
+        f"each engine timing {args.calls} `predict` calls per round in turn; median ms per call. Ratios are "
+        "to eager fp32 in the same rounds; `max |diff|` is the largest output difference from eager fp32 "
+        "on a seeded random batch.",
+        "",
+        "| model | setting | batch | ms per call | samples/s | vs eager fp32 | max abs diff | build+warm-up s | plan |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    notes: list[str] = []
+    for model in args.models.split(","):
+        engines, built = {}, {}
+        for name, (settings, needs_cuda) in SETTINGS.items():
+            if needs_cuda and not on_cuda:
+                continue
+            print(f"{model}: building {name} ...", flush=True)
+            try:
+                engines[name], built[name] = build(model, args.device, settings, max(sizes))
+            except Exception as exc:  # one setting failing is a result too; the others run
+                lines.append(f"| {model} | {name} | - | failed: {type(exc).__name__}: {str(exc)[:120]} | | | | | |")
+        generator = torch.Generator().manual_seed(0)
+        for size in sizes:
+            batch = torch.randn((size, *SHAPES[model]), generator=generator)
+            reference = engines["eager fp32"].predict(batch)
+            seconds = time_rounds(engines, batch, args.rounds, args.calls)
+            for name, engine in engines.items():
+                diff = (engine.predict(batch).float() - reference.float()).abs().max().item()
+                plan = ", ".join(
+                    f"{axis}={engine.plan[axis].value}" for axis in ("precision", "compile", "cuda_graphs")
+                )
+                lines.append(
+                    f"| {model} | {name} | {size} | {seconds[name] * 1e3:.3f} | {size / seconds[name]:,.0f} "
+                    f"| **{seconds['eager fp32'] / seconds[name]:.2f}x** | {diff:.2e} | {built[name]:.1f} | {plan} |"
+                )
+        auto = engines.get("auto")
+        if auto is not None:
+            notes += ["", f"{model}, auto's plan:", ""]
+            notes += [f"- {axis}: {choice.value} ({choice.reason})" for axis, choice in auto.plan.items()]
+    environment.publish(args.write, "InferenceEngine: eager fp32 vs CUDA graphs, bf16, compile and auto", lines + notes,
+                        device=args.device)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
