@@ -316,3 +316,40 @@ def test_a_failed_capture_falls_back_to_running_without_graphs_with_the_reason(f
 
 def test_without_cuda_the_engine_runs_eagerly():
     assert isinstance(plain(Spy())._runner, EagerRunner)
+
+
+class Pixels(nn.Module):
+    """Sums each image; records the shape and dtype of every batch it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def forward(self, x):
+        self.seen.append((tuple(x.shape), x.dtype))
+        return x.flatten(1).sum(1, keepdim=True)
+
+
+def to_floats(pixels):
+    return pixels.float().div(255).unsqueeze(1)  # (N, 8, 8) uint8 -> (N, 1, 8, 8) float32
+
+
+def test_preprocess_turns_request_inputs_into_the_models_batch_before_padding_and_warm_up():
+    model = Pixels()
+    servable = Servable(model=model, input_shape=(8, 8), input_dtype="uint8", preprocess=to_floats)
+    engine = InferenceEngine(servable, device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    engine.warm_up()
+    assert model.seen == [((size, 1, 8, 8), torch.float32) for size in (4, 2, 1)]  # every bucket, preprocessed
+    pixels = torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    outputs = engine.predict(pixels)
+    assert model.seen[-1] == ((4, 1, 8, 8), torch.float32)  # three rows padded to the bucket of four
+    torch.testing.assert_close(outputs, to_floats(pixels).flatten(1).sum(1, keepdim=True))
+
+
+def test_a_preprocess_that_loses_rows_is_refused_naming_it():
+    servable = Servable(model=Pixels(), input_shape=(8, 8), input_dtype="uint8", preprocess=lambda x: x[:1].float())
+    engine = InferenceEngine(servable, device="cpu", precision="fp32", compile="off", max_batch_size=2)
+    with pytest.raises(ValueError, match=r"preprocess returned shape \(1, 8, 8\) for 2 samples"):
+        engine.warm_up()
+    with pytest.raises(ConfigError, match="preprocess"):
+        Servable(model=Pixels(), input_shape=(8, 8), preprocess="scale")

@@ -99,6 +99,21 @@ async def test_postprocess_gives_each_samples_answer():
     assert answer.json() == {"outputs": [{"label": int(i)} for i in reference(engine, inputs).argmax(1)]}
 
 
+async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_own_input():
+    pixels = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4) * 10
+    servable = Servable(
+        model=torch.nn.Flatten(), input_shape=(3, 4), input_dtype="uint8", preprocess=lambda x: x.float() / 255
+    )
+    engine = InferenceEngine(servable, device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    async with running(engine) as (client, _):
+        await ready(client)
+        answer = await client.post("/v1/predict", json={"inputs": pixels.tolist()})
+        fraction = await client.post("/v1/predict", json={"inputs": (pixels / 255).tolist()})
+    assert answer.status_code == 200
+    torch.testing.assert_close(torch.tensor(answer.json()["outputs"]), torch.tensor(pixels).flatten(1).float() / 255)
+    assert fraction.status_code == 422 and "uint8" in fraction.json()["error"]  # checked as the request's dtype
+
+
 async def test_concurrent_requests_run_together_in_one_thread_of_the_models_own():
     engine = FakeEngine()
     async with running(engine, max_wait_ms=200) as (client, _):

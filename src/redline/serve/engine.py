@@ -169,7 +169,7 @@ class InferenceEngine:
         inputs = torch.as_tensor(batch)
         if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
             raise invalid("batch", f"shape {tuple(inputs.shape)}", f"(N, {', '.join(map(str, self.input_shape))})")
-        inputs = inputs.to(self.servable.torch_dtype)
+        inputs = self._model_inputs(inputs.to(self.servable.torch_dtype))
         if not self.ready:
             self.warm_up()
         with self._lock:
@@ -250,7 +250,20 @@ class InferenceEngine:
             raise
 
     def _zeros(self, bucket: int) -> torch.Tensor:
-        return torch.zeros((bucket, *self.input_shape), dtype=self.servable.torch_dtype)
+        return self._model_inputs(torch.zeros((bucket, *self.input_shape), dtype=self.servable.torch_dtype))
+
+    def _model_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's batch for ``inputs``: the Servable's ``preprocess`` applied, its row count checked."""
+        preprocess = self.servable.preprocess
+        if preprocess is None:
+            return inputs
+        made = preprocess(inputs)
+        if not isinstance(made, torch.Tensor) or made.ndim == 0 or made.shape[0] != inputs.shape[0]:
+            got = f"shape {tuple(made.shape)}" if isinstance(made, torch.Tensor) else type(made).__name__
+            raise ValueError(
+                f"preprocess returned {got} for {inputs.shape[0]} samples; expected a tensor of as many rows"
+            )
+        return made
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -330,4 +343,4 @@ class InferenceEngine:
         if not dtype.is_floating_point:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
-        return torch.randn((bucket, *self.input_shape), generator=generator).to(dtype)
+        return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))

@@ -22,6 +22,7 @@ from redline.task import Task, find_factory, run_factory
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
 
+Preprocess = Callable[[torch.Tensor], torch.Tensor]
 Postprocess = Callable[[torch.Tensor], Sequence[Any]]
 
 
@@ -29,6 +30,9 @@ Postprocess = Callable[[torch.Tensor], Sequence[Any]]
 class Servable:
     """A model to serve, with the shape and dtype of one input sample (the batch dimension left out).
 
+    ``preprocess(inputs)`` turns a batch of request inputs, already checked against ``input_shape``
+    and ``input_dtype`` (on the CPU), into the model's input batch with as many rows (say uint8
+    pixels into normalised floats); it runs in the model's thread, before the batch is padded.
     ``postprocess(outputs)`` turns a batch of outputs (on the CPU, in float32 for a floating model)
     into one JSON-ready value per sample; without it each sample's output is returned as nested lists.
     """
@@ -36,6 +40,7 @@ class Servable:
     model: nn.Module
     input_shape: tuple[int, ...]
     input_dtype: str = "float32"
+    preprocess: Preprocess | None = None
     postprocess: Postprocess | None = None
     name: str = "model"
     extra: dict[str, Any] = field(default_factory=dict)  # shown in /openapi.json's description
@@ -49,6 +54,8 @@ class Servable:
         object.__setattr__(self, "input_shape", shape)
         if self.input_dtype not in DTYPES:
             raise invalid("input_dtype", self.input_dtype, f"one of {', '.join(DTYPES)}")
+        if self.preprocess is not None and not callable(self.preprocess):
+            raise invalid("preprocess", type(self.preprocess).__name__, "a function inputs -> the model's input batch")
         if self.postprocess is not None and not callable(self.postprocess):
             raise invalid("postprocess", type(self.postprocess).__name__, "a function outputs -> one value per sample")
 
