@@ -16,6 +16,7 @@ from devices import CPUS, H100
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
+from redline.plan.precision import fast_precisions
 from redline.runtime import measure
 from redline.runtime.compile import compile_module
 from redline.runtime.measure import measure_auto
@@ -26,7 +27,6 @@ from redline.runtime.trial import (
     choose,
     judge,
     load_cached,
-    precision_candidates,
     run_trial,
     store,
     time_steps,
@@ -127,9 +127,9 @@ def test_a_diverging_candidate_is_rejected_however_fast():
 
 
 def test_candidates_are_what_the_device_has_fast_arithmetic_for():
-    assert precision_candidates(CPUS["avx2"]) == [] and precision_candidates(CPUS["avx512"]) == []
-    assert precision_candidates(CPUS["amx"]) == ["bf16-mixed"] == precision_candidates(CPUS["avx512_bf16"])
-    assert precision_candidates(H100) == ["bf16-mixed"]
+    assert fast_precisions(CPUS["avx2"]) == [] and fast_precisions(CPUS["avx512"]) == []
+    assert fast_precisions(CPUS["amx"]) == ["bf16-mixed"] == fast_precisions(CPUS["avx512_bf16"])
+    assert fast_precisions(H100) == ["bf16-mixed"]
 
 
 def tiny_task(**changes) -> Task:

@@ -15,8 +15,7 @@ from typing import Literal
 
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
-from redline.plan.precision import PRECISIONS
-from redline.runtime.trial import precision_candidates
+from redline.plan.precision import PRECISIONS, fast_precisions
 
 Kind = Literal["naive", "explicit", "auto"]
 
@@ -53,7 +52,7 @@ def expand(
     """The rows to measure, per batch size and device: naive first, then the matrix, then auto.
 
     ``precisions`` None gives fp32 and whichever reduced precision the device has fast arithmetic
-    for (``precision_candidates``), the candidates auto's own trial weighs.
+    for (``fast_precisions``), the candidates auto's own trial weighs.
     """
     if not devices:
         raise ConfigError("no device to bench\nhint: pass --devices cpu (or cuda, mps)")
@@ -69,7 +68,7 @@ def expand(
     for size in dict.fromkeys(batch_sizes):
         for facts in devices:
             device = facts.label
-            chosen = list(precisions) if precisions else ["fp32", *precision_candidates(facts)]
+            chosen = list(precisions) if precisions else ["fp32", *fast_precisions(facts)]
             rows.append(Setting("naive", device, "fp32", False, size))
             rows += [
                 Setting("explicit", device, name, flag, size)

@@ -31,8 +31,9 @@ from redline.config import positive_int, positive_number
 from redline.errors import RedlineError, describe_error
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
+from redline.plan.precision import fast_precisions
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.trial import Measured, judge, precision_candidates
+from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 
@@ -95,7 +96,7 @@ def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
     axes: list[tuple[str, list[Any]]] = []
     skipped = skipped_axes(task, facts)
     if "precision" not in skipped:
-        axes.append(("precision", ["fp32", *precision_candidates(facts)]))
+        axes.append(("precision", ["fp32", *fast_precisions(facts)]))
     axes.append(("compile", [False, True]))
     if "compile_mode" not in skipped:
         axes.append(("compile_mode", ["default", "reduce-overhead"]))
@@ -111,7 +112,7 @@ def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
 def skipped_axes(task: Task, facts: DeviceFacts) -> dict[str, str]:
     """The axes that cannot win for this task here, and why."""
     skipped = {}
-    if not precision_candidates(facts):
+    if not fast_precisions(facts):
         skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
     model = task.model if isinstance(task.model, nn.Module) else task.build_model()
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):

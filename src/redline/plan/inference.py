@@ -18,7 +18,7 @@ from typing import Any, Literal
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice, parse_switch
-from redline.plan.precision import PrecisionName, resolve_precision
+from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision
 
 # A candidate must run this much faster than the reference to be kept: below it, a shared
 # machine's noise could make "auto" slower than the plain fp32 eager model.
@@ -92,19 +92,6 @@ def read_measure(requested: object) -> bool:
     if requested in (False, "off"):
         return False
     raise invalid("measure", requested, "'auto' or 'off'", "measure='off' skips timing and plans by the rules")
-
-
-def fast_precisions(facts: DeviceFacts) -> list[PrecisionName]:
-    """The mixed precisions the device has fast arithmetic for: the only ones worth timing against fp32.
-
-    A CPU without bf16 instructions runs bf16 autocast many times slower (about 30x measured on a
-    2-core AVX2 machine), so it is not tried there; MPS is not measured yet.
-    """
-    if facts.type == "cuda":
-        return ["bf16-mixed"] if facts.bf16 else ["fp16-mixed"] if facts.tensor_cores else []
-    if facts.type == "cpu" and facts.bf16:
-        return ["bf16-mixed"]
-    return []
 
 
 def propose(

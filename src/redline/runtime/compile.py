@@ -137,7 +137,7 @@ def _last_guard_failure() -> str:
     return str(reasons[-1]).strip() if reasons else ""
 
 
-def _is_compiler_error(exc: BaseException) -> bool:
+def is_compiler_error(exc: BaseException) -> bool:
     # Errors raised by the compiler stack itself; a user's own bug re-raises from the eager rerun.
     module = type(exc).__module__
     return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx"))
@@ -165,7 +165,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
         try:
             out = counted(*args, **kwargs)
         except Exception as exc:
-            if not _is_compiler_error(exc):
+            if not is_compiler_error(exc):
                 raise
             record.fell_back = describe_error(exc)
             record.seconds = time.perf_counter() - start

@@ -21,7 +21,7 @@ from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
-from redline.plan.precision import resolve_precision, resolve_tf32
+from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.contract import split_batch
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
@@ -30,7 +30,6 @@ from redline.runtime.trial import (
     Measured,
     choose,
     load_cached,
-    precision_candidates,
     run_trial,
     store,
     trial_key,
@@ -52,7 +51,7 @@ def measure_auto(
     if options.precision != "auto" or trial == "off":
         return {}
     device, facts = worker_device(options, env)
-    candidates = precision_candidates(facts)
+    candidates = fast_precisions(facts)
     if not candidates:
         return {}  # the rule's reason says why nothing else is worth trying here
     cost = trial_steps(candidates)

@@ -240,19 +240,6 @@ def _trainer(
 CACHE_ENV = "REDLINE_CACHE_DIR"  # where measured choices are kept (default ~/.cache/redline)
 
 
-def precision_candidates(facts: DeviceFacts) -> list[PrecisionName]:
-    """The precisions worth timing against fp32 on this device: those it has fast arithmetic for.
-
-    A CPU without bf16 instructions runs bf16 autocast many times slower (about 30x on a 2-core AVX2
-    machine), so it is not tried; MPS is not measured yet.
-    """
-    if facts.type == "cuda":
-        return ["bf16-mixed"] if facts.bf16 else ["fp16-mixed"] if facts.tensor_cores else []
-    if facts.type == "cpu" and facts.bf16:
-        return ["bf16-mixed"]
-    return []
-
-
 def trial_steps(candidates: Sequence[str]) -> int:
     """The training steps a trial of ``candidates`` costs, fp32's included."""
     return (WARMUP_STEPS + ROUNDS * (1 + BLOCK)) * (1 + len(candidates))

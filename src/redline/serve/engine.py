@@ -33,10 +33,10 @@ from redline.plan.device import resolve_device
 from redline.plan.inference import Proposal, Setting, choose, propose, read_measure, resolve_cuda_graphs
 from redline.runtime.compile import (
     CompileRecord,
-    _is_compiler_error,
     compile_module,
     compile_supported,
     explain_compile,
+    is_compiler_error,
 )
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.precision import Precision
@@ -229,7 +229,7 @@ class InferenceEngine:
             self._fall_back("cuda_graphs", f"capture failed, running without graphs: {describe_error(exc)}")
             self._warm_buckets()
         except Exception as exc:
-            if self._record is None or not _is_compiler_error(exc):
+            if self._record is None or not is_compiler_error(exc):
                 raise
             self._fall_back("compile", f"compile failed, ran eagerly: {describe_error(exc)}")
             self._warm_buckets()
