@@ -135,7 +135,7 @@ def test_measure_off_plans_by_the_rule(cache, bf16_cpu):
 def measured_blocks(cache, precision):
     """The cached seconds per call of each timed block of ``precision``."""
     (entry,) = (cache / "inference").glob("*.json")
-    timings = json.loads(entry.read_text())["timings"]
+    timings = json.loads(entry.read_text())["measured"]
     return next(t["block_s"] for t in timings if t["precision"] == precision)
 
 

@@ -125,3 +125,13 @@ TaskArgs = Annotated[
     list[str] | None,
     typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
 ]
+# The model and engine flags `redline serve` and `redline predict` share.
+ModelSpec = Annotated[
+    str, typer.Argument(metavar="SPEC", help="Model spec: example:digits, pkg.module:factory or file.py:factory.")
+]
+Weights = Annotated[Path | None, typer.Option(metavar="FILE", help="A safetensors file to load into the model.")]
+EngineDevice = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+EnginePrecision = Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")]
+EngineCompile = Annotated[str, typer.Option(help="torch.compile: auto, on or off.")]
+EngineGraphs = Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")]
+EngineMeasure = Annotated[str, typer.Option(help="Time the candidate settings (auto) or plan by rules (off).")]

@@ -17,10 +17,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.atomic import write_atomic
-from redline.cli.options import TaskArgs
-from redline.cli.serve import plan_table
+from redline.cli.options import (
+    EngineCompile,
+    EngineDevice,
+    EngineGraphs,
+    EngineMeasure,
+    EnginePrecision,
+    ModelSpec,
+    TaskArgs,
+    Weights,
+)
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError
+from redline.render.console import plan_table
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import Servable, load_servable
 
@@ -28,21 +37,17 @@ NPY_MAGIC = b"\x93NUMPY"  # https://numpy.org/doc/stable/reference/generated/num
 
 
 def predict(
-    spec: Annotated[
-        str, typer.Argument(metavar="SPEC", help="Model spec: example:digits, pkg.module:factory or file.py:factory.")
-    ],
+    spec: ModelSpec,
     input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
     output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
     batch_size: Annotated[int, typer.Option(min=1, help="Samples per batch (the largest bucket).")] = 32,
-    weights: Annotated[
-        Path | None, typer.Option(metavar="FILE", help="A safetensors file to load into the model.")
-    ] = None,
+    weights: Weights = None,
     task_arg: TaskArgs = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
-    precision: Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")] = "auto",
-    compile: Annotated[str, typer.Option(help="torch.compile: auto, on or off.")] = "auto",
-    cuda_graphs: Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")] = "auto",
-    measure: Annotated[str, typer.Option(help="Time the candidate settings (auto) or plan by rules (off).")] = "auto",
+    device: EngineDevice = "auto",
+    precision: EnginePrecision = "auto",
+    compile: EngineCompile = "auto",
+    cuda_graphs: EngineGraphs = "auto",
+    measure: EngineMeasure = "auto",
 ) -> None:
     """Run a model over a .npy file of samples and write its outputs to another .npy file."""
     check_output(output_path)

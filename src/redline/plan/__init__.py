@@ -24,7 +24,7 @@ class Choice(Generic[T]):
     reason: str
 
     def __str__(self) -> str:
-        return f"{_show(self.value)}: {self.reason}"
+        return f"{show_value(self.value)}: {self.reason}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,7 @@ class Plan:
         for field in fields(self):
             choice = getattr(self, field.name)
             if choice is not None:
-                out.append((field.name, _show(choice.value), choice.reason))
+                out.append((field.name, show_value(choice.value), choice.reason))
         return out
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -91,9 +91,12 @@ def parse_switch(name: str, requested: object) -> bool | None:
     raise invalid(name, requested, "'auto', 'on' or 'off'")
 
 
-def _show(value: object) -> str:
+def show_value(value: object) -> str:
+    """A chosen value as a Plan table shows it: on/off, none, sizes joined by commas."""
     if isinstance(value, bool):
         return "on" if value else "off"
     if value is None:
         return "none"
+    if isinstance(value, tuple | list):
+        return ", ".join(map(str, value))
     return str(value)

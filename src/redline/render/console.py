@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from rich.table import Table
 
-from redline.plan import Plan
+from redline.plan import Choice, Plan, show_value
 
 
-def plan_table(plan: Plan, title: str = "Plan") -> Table:
-    """Return the Plan as a table: axis, chosen value, reason."""
+def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> Table:
+    """Return a Plan (or an engine's plan, axis -> Choice) as a table: axis, chosen value, reason."""
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("axis", style="bold", no_wrap=True)  # the reason wraps; an axis name never shortens
     table.add_column("value", style="cyan")
     table.add_column("why")
-    for axis, value, reason in plan.rows():
+    rows = plan.rows() if isinstance(plan, Plan) else [(a, show_value(c.value), c.reason) for a, c in plan.items()]
+    for axis, value, reason in rows:
         table.add_row(axis, value, reason)
     return table
 

@@ -247,9 +247,14 @@ def trial_steps(candidates: Sequence[str]) -> int:
 
 def trial_key(fingerprint: str, facts: DeviceFacts, batch_size: int, candidates: Sequence[str]) -> str:
     """The cache key of a trial: the workload's fingerprint and everything about this machine that times it."""
+    return cache_key(fingerprint, facts, str(batch_size), ",".join(candidates), str(TIMED_STEPS))
+
+
+def cache_key(fingerprint: str, facts: DeviceFacts, *what: str) -> str:
+    """A cache key: the model's fingerprint, everything about this machine that times it, and ``what`` was timed."""
     parts = (
         fingerprint, facts.type, facts.name, str(facts.capability), facts.cpu_isa, str(facts.cpu_count),
-        torch.__version__, str(torch.get_num_threads()), str(batch_size), ",".join(candidates), str(TIMED_STEPS),
+        torch.__version__, str(torch.get_num_threads()), *what,
     )  # fmt: skip
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
 
@@ -261,19 +266,32 @@ def cache_dir() -> Path:
 
 def load_cached(key: str) -> tuple[list[Measured], str] | None:
     """A cached trial and when it was measured, or None (an unreadable entry is measured again)."""
-    path = cache_dir() / "trials" / f"{key}.json"
+    found = read_cache("trials", key)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return [Measured.from_dict(m) for m in data["measured"]], str(data["measured_at"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return ([Measured.from_dict(m) for m in found[0]], found[1]) if found else None
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def store(key: str, measured: Sequence[Measured]) -> None:
     """Cache a trial, atomically; a cache that cannot be written is skipped with a warning."""
-    path = cache_dir() / "trials" / f"{key}.json"
+    write_cache("trials", key, [m.to_dict() for m in measured])
+
+
+def read_cache(kind: str, key: str) -> tuple[list[Any], str] | None:
+    """The entries cached under ``kind``/``key`` and when they were measured, or None when absent or unreadable."""
+    try:
+        data = json.loads((cache_dir() / kind / f"{key}.json").read_text(encoding="utf-8"))
+        return list(data["measured"]), str(data["measured_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_cache(kind: str, key: str, entries: list[Any]) -> None:
+    """Cache ``entries`` under ``kind``/``key``, atomically; one that cannot be written is skipped with a warning."""
+    path = cache_dir() / kind / f"{key}.json"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = json.dumps({"measured_at": when, "measured": [m.to_dict() for m in measured]}, indent=2) + "\n"
+    text = json.dumps({"measured_at": when, "measured": entries}, indent=2) + "\n"
 
     def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
@@ -282,4 +300,4 @@ def store(key: str, measured: Sequence[Measured]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, write)
     except OSError as exc:
-        log.warning("could not cache the trial in %s (%s); the next run measures again", path, exc)
+        log.warning("could not cache the measurement in %s (%s); the next run measures again", path, exc)

@@ -10,24 +10,21 @@ machine, the bucket, the input and the settings, so a restarted server measures 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-from redline.atomic import write_atomic
 from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan.inference import Setting, Timing
 from redline.runtime.cuda_errors import is_sticky_cuda_error
-from redline.runtime.trial import cache_dir, time_steps
+from redline.runtime.trial import cache_key, read_cache, time_steps, write_cache
 
 WARMUP_CALLS = 3
 ROUNDS, BLOCK = 5, 3  # timed blocks per setting, and calls per block
+CACHE_KIND = "inference"  # the cache's folder for the engine's measurements
 MAX_SECONDS = 20.0  # timing stops after two rounds once this much was spent
 
 log = logging.getLogger("redline")
@@ -106,38 +103,19 @@ def measure_key(
     graphs: bool,
 ) -> str:
     """The cache key of a measurement: the model, everything about this machine that times it, and what was timed."""
-    parts = (
-        fingerprint, facts.type, facts.name, str(facts.capability), facts.cpu_isa, str(facts.cpu_count),
-        torch.__version__, str(torch.get_num_threads()), str(bucket), str(input_shape), input_dtype,
-        ",".join(s.label for s in settings), str(graphs), f"{ROUNDS}x{BLOCK}",
-    )  # fmt: skip
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
-
-
-def _path(key: str) -> Path:
-    return cache_dir() / "inference" / f"{key}.json"
+    what = (str(bucket), str(input_shape), input_dtype, ",".join(s.label for s in settings), str(graphs))
+    return cache_key(fingerprint, facts, *what, f"{ROUNDS}x{BLOCK}")
 
 
 def load_measured(key: str) -> tuple[list[Timing], str] | None:
     """A cached measurement and when it was made, or None (an unreadable entry is measured again)."""
+    found = read_cache(CACHE_KIND, key)
     try:
-        data = json.loads(_path(key).read_text(encoding="utf-8"))
-        return [Timing.from_dict(t) for t in data["timings"]], str(data["measured_at"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return ([Timing.from_dict(t) for t in found[0]], found[1]) if found else None
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def store_measured(key: str, timings: Sequence[Timing]) -> None:
     """Cache a measurement, atomically; a cache that cannot be written is skipped with a warning."""
-    path = _path(key)
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = json.dumps({"measured_at": when, "timings": [t.to_dict() for t in timings]}, indent=2) + "\n"
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(text, encoding="utf-8")
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, write)
-    except OSError as exc:
-        log.warning("could not cache the engine's measurement in %s (%s); the next start measures again", path, exc)
+    write_cache(CACHE_KIND, key, [t.to_dict() for t in timings])
