@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import gc
 import io
 import json
 import os
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
 
 from redline.errors import ConfigError
+from redline.serve import server as server_module
 from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
@@ -332,6 +334,23 @@ def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
         ServeOptions(token_env="MY-TOKEN")
     with pytest.raises(ConfigError, match="max_batch_size=16 is not allowed; expected at most the engine's"):
         build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=16))
+
+
+def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
+    said = []
+
+    def run_without_serving(self, sockets=None):  # in place of uvicorn's loop: the worker reports ready
+        self.config.app.state.serving.dispatcher.on_ready()
+
+    monkeypatch.setattr(server_module._Server, "run", run_without_serving)
+    gc.unfreeze()
+    try:
+        server_module.serve(
+            linear_engine(), ServeOptions(port=0, max_batch_size=8), on_ready=lambda: said.append(gc.get_freeze_count())
+        )
+    finally:
+        gc.unfreeze()
+    assert len(said) == 1 and said[0] > 1000  # torch alone leaves many thousands of objects to freeze
 
 
 @pytest.mark.slow
