@@ -259,9 +259,11 @@ def test_padding_and_copying_out_keep_the_rows_and_own_their_memory():
     with pytest.raises(ValueError, match="do not fit"):
         pad_to(rows, 2)
     static = torch.ones(4, 2, dtype=torch.bfloat16)
-    out = copy_out(static, 3)
+    out = copy_out(static, 3, 4)
     static.fill_(7)  # a buffer written again, as a CUDA graph's next replay writes its outputs
     assert out.dtype == torch.float32 and torch.equal(out, torch.ones(3, 2))
+    with pytest.raises(ValueError, match=r"shape \(2, 4\) for a batch of 4; .* one row per input row"):
+        copy_out(torch.ones(2, 4), 2, 4)  # classes first: slicing rows would answer with the wrong values
 
 
 class FakeGraphs:
@@ -281,7 +283,7 @@ class FakeGraphs:
 
     def run(self, inputs, bucket):
         self.replayed.append(bucket)
-        return copy_out(self.forward(pad_to(inputs, bucket)), inputs.shape[0])
+        return copy_out(self.forward(pad_to(inputs, bucket)), inputs.shape[0], bucket)
 
 
 @pytest.fixture

@@ -167,6 +167,8 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
         nan = await client.post(post, content=npy(np.array([np.nan, 1, 2])), headers=octet)
         garbage = await client.post(post, content=b"not a numpy file", headers=octet)
         lying = await client.post(post, content=npy(np.zeros((4, 3), np.int64))[:-8], headers=octet)
+        negative = npy(np.zeros((1, 3), np.int64)).replace(b"(1, 3), }", b"(-1,-3),}")  # 3 elements, as the data
+        negative = await client.post(post, content=negative, headers=octet)
         text = await client.post(post, content=b"1,2,3", headers={"content-type": "text/plain"})
         good = await client.post(post, content=npy(np.array([[1, 2, 3]], np.int32)), headers=octet)
     assert too_many.status_code == 422 and "5 samples, more than max_batch_size=4" in too_many.json()["error"]
@@ -175,6 +177,7 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert nan.status_code == 422 and "float64" in nan.json()["error"]
     assert garbage.status_code == 400 and "not a .npy array" in garbage.json()["error"]
     assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]
+    assert negative.status_code == 400 and "(-1, -3), with a negative dimension" in negative.json()["error"]
     assert text.status_code == 415 and "application/json" in text.json()["error"]
     assert good.status_code == 200 and good.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert whole.json() == {"outputs": [[2.0, 4.0, 6.0]]}
@@ -204,7 +207,7 @@ async def test_a_body_over_the_limit_is_refused_by_its_length_and_by_the_bytes_s
 
 
 async def test_a_token_is_required_and_compared_when_token_env_is_set(monkeypatch):
-    monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret")
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret\n")  # as read from a secret file, newline and all
     async with running(FakeEngine(), token_env="REDLINE_TEST_TOKEN") as (client, _):
         missing = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
         wrong = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"authorization": "Bearer nope"})
@@ -233,6 +236,21 @@ async def test_a_full_queue_answers_503_with_retry_after_and_the_accepted_reques
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["reason"] == "queue_full" and "queue is full (2 requests waiting)" in refused.json()["error"]
     assert [a.json()["outputs"] for a in accepted] == [[[2.0 * i] * 3] for i in (1, 2, 3)]
+
+
+async def test_requests_that_timed_out_in_the_queue_do_not_count_toward_a_full_queue():
+    engine = FakeEngine()
+    engine.gate.clear()  # the model holds its first batch past every deadline
+    async with running(engine, queue_size=2, max_batch_size=1, timeout_ms=300) as (client, _):
+        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
+        await eventually(lambda: engine.threads)
+        expired = await asyncio.gather(*[client.post("/v1/predict", json={"inputs": [i, i, i]}) for i in (2, 3)])
+        later = asyncio.create_task(client.post("/v1/predict", json={"inputs": [4, 4, 4]}))
+        await asyncio.sleep(0.02)
+        engine.gate.set()
+        later, first = await later, await first
+    assert [answer.status_code for answer in expired] == [504, 504]
+    assert later.status_code == 200 and later.json()["outputs"] == [[8.0, 8.0, 8.0]]
 
 
 async def test_a_request_past_its_deadline_gets_504_and_the_server_goes_on():

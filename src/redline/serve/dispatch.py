@@ -99,6 +99,8 @@ class Dispatcher:
         """Queue ``inputs`` (a batch) and return its outputs, one per sample; raise Refused for 500, 503 or 504."""
         if self.failed is not None:
             raise Refused(503, "not_ready", f"the model cannot run: {self.failed}")
+        if len(self._queue) >= self.options.queue_size:  # drop the timed out first: only the waiting count
+            self._queue = deque(q for q in self._queue if not q.future.done())
         if len(self._queue) >= self.options.queue_size:
             raise Refused(
                 503, "queue_full",
@@ -175,14 +177,15 @@ class Dispatcher:
         started = self.clock()
         for queued in batch:
             self.metrics.queue_seconds.observe(started - queued.arrived)
-        inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
-        self.metrics.batch_samples.observe(inputs.shape[0])
+        samples = sum(q.samples for q in batch)
+        self.metrics.batch_samples.observe(samples)
         self.metrics.batch_requests.observe(len(batch))
         try:
+            inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
             outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._predict, inputs)
         except Exception as exc:  # this batch fails; the server goes on with the next one
             message = describe_error(exc)
-            log.error("redline serve: the model failed on a batch of %d samples: %s", inputs.shape[0], message)
+            log.error("redline serve: the model failed on a batch of %d samples: %s", samples, message)
             if getattr(self.engine, "broken", None):
                 log.error("redline serve: the device is unusable (%s); /livez now fails", self.engine.broken)
             for queued in batch:

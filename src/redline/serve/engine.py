@@ -169,7 +169,7 @@ class InferenceEngine:
         inputs = torch.as_tensor(batch)
         if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
             raise invalid("batch", f"shape {tuple(inputs.shape)}", f"(N, {', '.join(map(str, self.input_shape))})")
-        inputs = self._model_inputs(inputs.to(self.servable.torch_dtype))
+        inputs = self._guarded(lambda: self._model_inputs(inputs.to(self.servable.torch_dtype)))
         if not self.ready:
             self.warm_up()
         with self._lock:

@@ -87,6 +87,8 @@ def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
         shape, fortran_order, dtype = header(stream)
     except (ValueError, OSError, EOFError, SyntaxError, TypeError) as exc:
         raise spec.refuse(400, f"the body is not a .npy array ({exc})") from None
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise spec.refuse(400, f"the .npy array's header gives the shape {shape}, with a negative dimension")
     if dtype.hasobject or dtype.kind not in "biuf":
         raise spec.refuse(422, f"the .npy array holds {dtype} values, not numbers")
     data = body[stream.tell() :]

@@ -56,8 +56,8 @@ class ServeOptions:
         """Return the bearer token read from ``token_env`` (None when no token is asked for)."""
         if self.token_env is None:
             return None
-        value = os.environ.get(self.token_env, "")
-        if not value.strip():
+        value = os.environ.get(self.token_env, "").strip()  # a token read from a file ends with a newline
+        if not value:
             state = "empty" if self.token_env in os.environ else "unset"
             raise ConfigError(
                 f"--token-env {self.token_env}: the variable is {state}, so no request could be let in\n"

@@ -1,7 +1,7 @@
 """How one padded batch runs: the model's forward as called per bucket, eagerly or as a replayed CUDA graph.
 
     forward = make_forward(model, Precision("bf16-mixed", device))
-    runner = GraphRunner(forward, device, sample_shape, dtype) if graphs else EagerRunner(forward, device)
+    runner = GraphRunner(forward, device) if graphs else EagerRunner(forward, device)
     runner.prepare(bucket)                     # eager: one call on zeros; graphs: warm up, then capture
     outputs = runner.run(inputs, bucket)       # inputs: <= bucket rows on the CPU; outputs: those rows, on the CPU
 
@@ -55,13 +55,18 @@ def pad_to(inputs: torch.Tensor, bucket: int) -> torch.Tensor:
     return torch.cat([inputs, inputs.new_zeros((missing, *inputs.shape[1:]))])
 
 
-def copy_out(outputs: Any, rows: int) -> torch.Tensor:
-    """Return the first ``rows`` outputs as a CPU tensor of their own, floating ones as float32.
+def copy_out(outputs: Any, rows: int, bucket: int) -> torch.Tensor:
+    """Return the first ``rows`` outputs of a ``bucket``-row batch as a CPU tensor of their own, floats as float32.
 
     The copy is taken before anything else runs: a CUDA graph's next replay overwrites its outputs.
     """
     if not isinstance(outputs, torch.Tensor):
         raise TypeError(f"the model returned {type(outputs).__name__}; the engine serves models that return a tensor")
+    if outputs.ndim == 0 or outputs.shape[0] != bucket:
+        raise ValueError(
+            f"the model returned shape {tuple(outputs.shape)} for a batch of {bucket}; the engine serves models "
+            "whose outputs have one row per input row (batch first)"
+        )
     kept = outputs[:rows]
     if kept.is_floating_point():
         kept = kept.float()
@@ -84,7 +89,7 @@ class EagerRunner:
     def run(self, inputs: torch.Tensor, bucket: int) -> torch.Tensor:
         """Return the outputs of ``inputs`` (at most ``bucket`` rows), padded to ``bucket`` on the way."""
         padded = pad_to(inputs, bucket).to(self.device, non_blocking=True)
-        return copy_out(self.forward(padded), inputs.shape[0])
+        return copy_out(self.forward(padded), inputs.shape[0], bucket)
 
 
 class GraphRunner:
@@ -94,6 +99,10 @@ class GraphRunner:
     lock) and each replay's outputs are copied out before the next replay, so a graph's scratch
     memory overlapping another's outputs is never read stale. Capture the largest bucket first so
     the smaller ones fit in what it reserved.
+
+    Everything runs with the engine's device current (the model's thread starts on device 0, and
+    ``torch.cuda.graph`` captures on the current device's stream), and captures on a stream of the
+    runner's own on that device: a model on ``cuda:1`` is captured there, not as an empty graph on 0.
     """
 
     graphs = True
@@ -101,26 +110,30 @@ class GraphRunner:
     def __init__(self, forward: Forward, device: torch.device) -> None:
         self.forward = forward
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     def prepare(self, bucket: int, sample: torch.Tensor) -> None:
         """Warm the forward up on a side stream, then capture it on a static buffer shaped like ``sample``."""
-        static_in = sample.to(self.device, copy=True)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(CAPTURE_WARMUP_CALLS):
-                self.forward(static_in)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                static_out = self.forward(static_in)
-        except Exception as exc:
-            if is_sticky_cuda_error(exc):
-                raise
-            raise CaptureFailed(f"bucket {bucket}: {describe_error(exc)}") from exc
+        with torch.cuda.device(self.device):
+            static_in = sample.to(self.device, copy=True)
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                for _ in range(CAPTURE_WARMUP_CALLS):
+                    self.forward(static_in)
+            current.wait_stream(self.stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    static_out = self.forward(static_in)
+            except Exception as exc:
+                torch.cuda.set_stream(current)  # a failed capture's exit does not put the stream back
+                if is_sticky_cuda_error(exc):
+                    raise
+                raise CaptureFailed(f"bucket {bucket}: {describe_error(exc)}") from exc
         self.captured[bucket] = (graph, static_in, static_out)
 
     def run(self, inputs: torch.Tensor, bucket: int) -> torch.Tensor:
@@ -129,7 +142,8 @@ class GraphRunner:
             self.prepare(bucket, torch.zeros((bucket, *inputs.shape[1:]), dtype=inputs.dtype))
         graph, static_in, static_out = self.captured[bucket]
         rows = inputs.shape[0]
-        static_in[:rows].copy_(inputs)
-        static_in[rows:].zero_()
-        graph.replay()
-        return copy_out(static_out, rows)  # the copy to the CPU waits for the replay
+        with torch.cuda.device(self.device):
+            static_in[:rows].copy_(inputs)
+            static_in[rows:].zero_()
+            graph.replay()
+            return copy_out(static_out, rows, bucket)  # the copy to the CPU waits for the replay
