@@ -172,6 +172,11 @@ def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):
     other_bucket = Spy(autocast_sleep_s=SLEEP_S)
     InferenceEngine(other_bucket, input_shape=(3,), device="cpu", max_batch_size=2)
     assert other_bucket.autocast_calls > 0, "another largest bucket is measured anew"
+    retrained = Spy(autocast_sleep_s=SLEEP_S)
+    with torch.no_grad():
+        retrained.linear.weight.add_(0.5)
+    InferenceEngine(retrained, input_shape=(3,), device="cpu", max_batch_size=4)
+    assert retrained.autocast_calls > 0, "other weights are measured anew: the accuracy verdict depends on them"
 
 
 class CompilerFailure(Exception):

@@ -40,7 +40,7 @@ from redline.runtime.compile import (
 )
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.precision import Precision
-from redline.serve.measure import load_measured, measure_key, store_measured, time_settings
+from redline.serve.measure import load_measured, measure_key, store_measured, time_settings, weights_digest
 from redline.serve.runners import CaptureFailed, EagerRunner, Forward, GraphRunner, make_forward
 from redline.serve.servable import Servable
 from redline.task import model_fingerprint
@@ -276,9 +276,10 @@ class InferenceEngine:
         bucket = self.buckets[-1]
         settings = [proposal.reference, *proposal.candidates]
         graphs = bool(self.plan["cuda_graphs"].value)
+        sample = self._zeros(1)  # the model's own input, after the Servable's preprocess
         key = measure_key(
-            model_fingerprint(self.model), self.facts, bucket=bucket, input_shape=self.input_shape,
-            input_dtype=self.servable.input_dtype, settings=settings, graphs=graphs,
+            f"{model_fingerprint(self.model)}:{weights_digest(self.model)}", self.facts, bucket=bucket,
+            input_shape=tuple(sample.shape[1:]), input_dtype=str(sample.dtype), settings=settings, graphs=graphs,
         )  # fmt: skip
         cached = load_measured(key)
         if cached is not None:

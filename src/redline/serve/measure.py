@@ -10,6 +10,7 @@ machine, the bucket, the input and the settings, so a restarted server measures 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +106,20 @@ def measure_key(
     """The cache key of a measurement: the model, everything about this machine that times it, and what was timed."""
     what = (str(bucket), str(input_shape), input_dtype, ",".join(s.label for s in settings), str(graphs))
     return cache_key(fingerprint, facts, *what, f"{ROUNDS}x{BLOCK}")
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A short hash of the model's tensor values (each one's sum and sum of magnitudes, in float64).
+
+    The measurement's accuracy verdict depends on the weights: new weights (a retrained model,
+    ``--weights``) must be measured again, while the same weights on the next start find the cache.
+    """
+    tensors = [t.detach() for t in model.state_dict().values() if t.numel()]
+    if not tensors:
+        return "none"
+    with torch.no_grad():
+        sums = torch.stack([torch.stack([t.double().sum(), t.double().abs().sum()]) for t in tensors])
+    return hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def load_measured(key: str) -> tuple[list[Timing], str] | None:
