@@ -31,8 +31,11 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError
 from redline.render.console import plan_table
 from redline.serve.engine import InferenceEngine
+from redline.serve.inputs import InputSpec, check_array
+from redline.serve.refused import Refused
 from redline.serve.servable import Servable, load_servable
 
+CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
 NPY_MAGIC = b"\x93NUMPY"  # https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 
 
@@ -101,6 +104,8 @@ def read_samples(path: Path) -> np.ndarray:
         raise ConfigError(f"--input {str(path)!r} cannot be read as a .npy array: {exc}") from exc
     if loaded.ndim == 0 or len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
+    if not loaded.dtype.isnative:  # saved on a big-endian machine: torch reads native byte order only
+        loaded = loaded.astype(loaded.dtype.newbyteorder("="))
     return loaded
 
 
@@ -113,12 +118,17 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
             f"{servable.name}; expected (N, {', '.join(map(str, expected))})\n"
             "hint: the first dimension counts the samples; each sample has the model's input shape"
         )
-    wanted = "float32" if servable.input_dtype == "bfloat16" else servable.input_dtype  # numpy has no bfloat16
-    if not np.can_cast(samples.dtype, np.dtype(wanted), casting="same_kind"):
-        raise ConfigError(
-            f"--input {str(path)!r}: dtype {samples.dtype} does not convert to {servable.input_dtype}, "
-            f"the input dtype of {servable.name}\nhint: save the array as {wanted}"
-        )
+    # The server's own checks (dtype kind, integer range, finite floats within the dtype), a chunk at a time.
+    spec = InputSpec(expected, servable.input_dtype, max_batch_size=CHECK_CHUNK)
+    for start in range(0, len(samples), CHECK_CHUNK):
+        try:
+            check_array(samples[start : start + CHECK_CHUNK], spec)
+        except Refused as refused:
+            raise ConfigError(
+                f"--input {str(path)!r}: samples {start} to {min(start + CHECK_CHUNK, len(samples)) - 1}: "
+                f"{refused.message.split('; expected ')[0]}\n"
+                f"hint: save the array as {servable.input_dtype} values the model can take"
+            ) from None
 
 
 def run_batches(engine: InferenceEngine, samples: np.ndarray, batch_size: int) -> tuple[np.ndarray, float]:
