@@ -99,8 +99,8 @@ class Dispatcher:
         """Queue ``inputs`` (a batch) and return its outputs, one per sample; raise Refused for 500, 503 or 504."""
         if self.failed is not None:
             raise Refused(503, "not_ready", f"the model cannot run: {self.failed}")
-        if len(self._queue) >= self.options.queue_size:  # drop the timed out first: only the waiting count
-            self._queue = deque(q for q in self._queue if not q.future.done())
+        if len(self._queue) >= self.options.queue_size:
+            self._drop_gone()  # the timed out and the abandoned do not count toward a full queue
         if len(self._queue) >= self.options.queue_size:
             raise Refused(
                 503, "queue_full",
@@ -120,6 +120,10 @@ class Dispatcher:
         finally:
             if not future.done():  # the handler itself was cancelled (the client went away)
                 future.cancel()
+
+    def _drop_gone(self) -> None:
+        """Forget queued requests whose handler stopped waiting (timed out, or the client went away)."""
+        self._queue = deque(q for q in self._queue if not q.future.done())
 
     def _timed_out(self) -> Refused:
         return Refused(
@@ -147,7 +151,7 @@ class Dispatcher:
     async def _batches(self) -> None:
         max_wait = self.options.max_wait_ms / 1000
         while True:
-            self._queue = deque(q for q in self._queue if not q.future.done())  # timed out or gone
+            self._drop_gone()
             now = self.clock()
             queue = list(self._queue)
             decision = decide(

@@ -190,8 +190,11 @@ class InferenceEngine:
             self._compile()
         else:
             self._uncompile()
-        forward = make_forward(self.model, self.precision)
-        self._runner = (
+        self._runner = self._runner_for(make_forward(self.model, self.precision))
+
+    def _runner_for(self, forward: Forward) -> EagerRunner | GraphRunner:
+        """The runner the plan's CUDA graph setting asks for, around ``forward``."""
+        return (
             GraphRunner(forward, self.device) if self.plan["cuda_graphs"].value else EagerRunner(forward, self.device)
         )
 
@@ -226,7 +229,7 @@ class InferenceEngine:
                 for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
                     self._runner.prepare(bucket, self._zeros(bucket))
         except CaptureFailed as exc:
-            self._fall_back("cuda_graphs", f"capture failed, running without graphs: {describe_error(exc)}")
+            self._fall_back("cuda_graphs", _without_graphs(exc))
             self._warm_buckets()
         except Exception as exc:
             if self._record is None or not is_compiler_error(exc):
@@ -296,9 +299,7 @@ class InferenceEngine:
                         self._zeros(bucket), self._probe(bucket), sync=self._sync,
                     )  # fmt: skip
             except CaptureFailed as exc:
-                self.plan["cuda_graphs"] = Choice(
-                    False, f"capture failed, running without graphs: {describe_error(exc)}"
-                )
+                self.plan["cuda_graphs"] = Choice(False, _without_graphs(exc))
                 self._measure(proposal)
                 return
             store_measured(key, timings)
@@ -312,12 +313,7 @@ class InferenceEngine:
         """A factory of the runner for ``setting`` on ``bucket``, prepared; a compile that fell back is a failure."""
 
         def build() -> Any:
-            forward = self._forward(setting)
-            runner = (
-                GraphRunner(forward, self.device)
-                if self.plan["cuda_graphs"].value
-                else EagerRunner(forward, self.device)
-            )
+            runner = self._runner_for(self._forward(setting))
             runner.prepare(bucket, self._zeros(bucket))
             if setting.compiled and self._record is not None and self._record.fell_back:
                 raise RuntimeError(f"compile failed: {self._record.fell_back}")
@@ -345,3 +341,8 @@ class InferenceEngine:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
         return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
+
+
+def _without_graphs(exc: CaptureFailed) -> str:
+    """The reason CUDA graphs were turned off."""
+    return f"capture failed, running without graphs: {describe_error(exc)}"

@@ -4,8 +4,8 @@ Each setting (the reference first) runs through the runner the engine will use (
 captured CUDA graph), on a zero batch of the largest bucket: a few warm-up calls, then timed blocks
 taking turns (``runtime.trial.time_steps``), each call including the copy of its outputs to the CPU
 as ``predict`` does. Its outputs on a seeded random batch are compared with the reference's. The
-numbers are cached under ``$REDLINE_CACHE_DIR/inference/``, keyed by the model's fingerprint, this
-machine, the bucket, the input and the settings, so a restarted server measures nothing.
+numbers are cached under ``$REDLINE_CACHE_DIR/inference/``, keyed by the model's fingerprint and
+weights, this machine, the bucket, the input and the settings, so a restarted server measures nothing.
 """
 
 from __future__ import annotations
