@@ -23,7 +23,9 @@ import redline
 from redline.errors import OutOfMemory, TrainingError
 from redline.plan import Choice
 from redline.runtime import snapshot
-from redline.runtime.micro import OomEvent
+from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
+from redline.runtime.precision import Precision
+from redline.runtime.strategy.single import SingleDevice
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 
@@ -121,6 +123,43 @@ def test_a_fixed_micro_batch_steps_as_the_plain_loop_on_the_whole_batch():
     assert_equal_weights(micro, plain, atol=1e-6)
     assert losses == pytest.approx(plain_losses, abs=1e-6)  # the batch's mean loss, from its micro-batches
     assert rt.explain().micro_batch.reason.startswith("requested: micro-batches of 4 samples")
+
+
+class RecordingDDP(SingleDevice):
+    """A one-process stand-in named "ddp" that records how the micro-batcher asks for gradient sync."""
+
+    name = "ddp"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def gradient_sync(self, model, enabled):
+        self.calls.append("sync" if enabled else "no_sync")
+        return super().gradient_sync(model, enabled)
+
+    def accumulate_locally(self, model):
+        self.calls.append("local")
+        return super().accumulate_locally(model)
+
+    def average_gradients(self, model):
+        self.calls.append("average")
+
+
+@pytest.mark.parametrize(
+    ("requested", "calls"),
+    [
+        (4, ["no_sync", "no_sync", "no_sync", "sync"]),  # DDP's own all-reduce runs in the last backward
+        ("auto", ["local", "average"]),  # nothing communicated until the ranks agree no rank ran out of memory
+    ],
+)
+def test_under_ddp_only_auto_gives_up_the_all_reduce_overlap(requested, calls):
+    model = make_model()
+    strategy = RecordingDDP()
+    how = BatchRun(precision=Precision("fp32", "cpu"), strategy=strategy, models=[model], device=torch.device("cpu"),
+                   accum=1, sync=True, step=1, snapshot_dir=None)  # fmt: skip
+    MicroBatcher(requested).run(loss_fn(model), batches(steps=1)[0], how)
+    assert strategy.calls == calls
+    assert model.sizes == ([4] * 4 if requested == 4 else [BATCH])
 
 
 def test_when_not_even_one_sample_fits_the_error_names_the_options():

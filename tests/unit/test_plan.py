@@ -312,11 +312,14 @@ def test_micro_batch_reasons_say_how_the_batch_runs_and_syncs():
         == "requested: micro-batches of 4 samples, gradients accumulated"
     )
     ddp = resolve_micro_batch("auto", strategy="ddp").reason
-    assert "without gradient sync" in ddp and "all-reduced once per batch" in ddp
+    assert "without gradient sync" in ddp and "all-reduced once per batch, after the backward" in ddp
+    assert "in the last micro-batch's backward, overlapped" in resolve_micro_batch(4, strategy="ddp").reason
     assert "last micro-batch" in resolve_micro_batch(4, strategy="fsdp").reason
     halved = after_oom([(32, 12), (16, 12)], 8, strategy="ddp")
-    assert halved.value == 8 and halved.reason.startswith(
-        "auto: 8 after out-of-memory at 32 (step 12), 16 (step 12); DDP"
+    assert (
+        halved.value == 8
+        and halved.reason.startswith("auto: 8 after out-of-memory at 32 (step 12), 16 (step 12); DDP")
+        and "all-reduced once per batch" in halved.reason
     )
 
 

@@ -16,9 +16,12 @@ from redline.plan import Choice
 MicroBatch = int | Literal["auto"] | None
 
 _SYNC = {
-    "ddp": "; DDP: the micro-batches run without gradient sync, the ranks agree whether any ran out of memory, "
-    "then the gradients are all-reduced once per batch",
+    "ddp": "; DDP: the gradients are all-reduced in the last micro-batch's backward, overlapped with it",
     "fsdp": "; FSDP: the gradients are reduced in the last micro-batch's backward",
+}
+_AUTO_SYNC = {  # a rank out of memory mid-backward must not leave the others waiting in a collective
+    "ddp": "; DDP: the micro-batches run without gradient sync, the ranks agree whether any ran out of memory, "
+    "then the gradients are all-reduced once per batch, after the backward rather than overlapped with it",
 }
 
 
@@ -41,18 +44,18 @@ def resolve_micro_batch(requested: MicroBatch, *, strategy: str | None = None) -
             "and backward, so a rank that ran out of memory would leave the others waiting in a collective\n"
             "hint: pass a fixed number, e.g. --micro-batch 4 (its gradients are reduced on the last micro-batch)"
         )
-    sync = _SYNC.get(strategy or "", "")
     if requested is None:
         return Choice(None, "default: each batch runs whole; an out-of-memory error stops the run")
     if requested == "auto":
-        return Choice("auto", "auto: the whole batch; halved on out-of-memory" + sync)
+        return Choice("auto", "auto: the whole batch; halved on out-of-memory" + _AUTO_SYNC.get(strategy or "", ""))
+    sync = _SYNC.get(strategy or "", "")
     return Choice(requested, f"requested: micro-batches of {requested} samples, gradients accumulated" + sync)
 
 
 def after_oom(failed: Sequence[tuple[int, int]], size: int, *, strategy: str | None = None) -> Choice[int]:
     """Return the axis after "auto" halved: ``failed`` holds each (size that ran out of memory, step), oldest first."""
     where = ", ".join(f"{tried} (step {step})" for tried, step in failed)
-    return Choice(size, f"auto: {size} after out-of-memory at {where}" + _SYNC.get(strategy or "", ""))
+    return Choice(size, f"auto: {size} after out-of-memory at {where}" + _AUTO_SYNC.get(strategy or "", ""))
 
 
 def found_size(entry: Mapping[str, Any] | None) -> int | None:

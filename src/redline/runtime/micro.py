@@ -6,8 +6,11 @@ micro-batch's loss is weighted by its share of the batch and back-propagated thr
 so the optimizer step sees the gradient of the whole batch. With "auto" the batch runs whole until
 the device runs out of memory; then the failed step's tensors are let go, the memory freed, the
 micro-batch halved and the batch done again: the effective batch is unchanged and no step is lost.
-Under DDP the micro-batches communicate nothing, the ranks agree afterwards whether any ran out of
-memory (one all-reduce of a flag), and the gradients are averaged over the ranks once.
+Under DDP a fixed size keeps DDP's own overlap: the micro-batches before the last run without
+gradient sync and the last one's backward all-reduces as it goes. With "auto" the micro-batches
+communicate nothing (a rank out of memory mid-backward would leave the others waiting in DDP's
+all-reduce), the ranks agree afterwards whether any ran out of memory (one all-reduce of a flag),
+and the gradients are averaged over the ranks once, after the backward.
 """
 
 from __future__ import annotations
@@ -104,7 +107,9 @@ class MicroBatcher:
         if self.requested is None:
             return self._whole(step_fn, batch, how)
         total = batch_length(batch)
-        local = how.strategy.name == "ddp"  # communicate nothing per micro-batch; agree, then average once
+        # "auto" under DDP: communicate nothing per micro-batch; agree, then average once. A fixed size fails
+        # outright on out-of-memory, so it keeps DDP's all-reduce overlapped with the last backward.
+        local = how.strategy.name == "ddp" and self.requested == "auto"
         fresh = all(p.grad is None for model in how.models for p in model.parameters())
         size, start, loss = min(self.size or total, total), 0, None
         while True:
