@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from redline.serve.engine import InferenceEngine
+from redline.serve.engine import InferenceEngine, WarmUpStopped
 from redline.serve.servable import Servable
 
 POISON = 666.0  # a sample holding this value makes FakeEngine raise, as a model bug would
@@ -59,8 +59,11 @@ class FakeEngine:
         self.batches = []  # the sizes of the batches run
         self.threads = set()  # the threads predict ran in
 
-    def warm_up(self):
-        self.warm_gate.wait(10)
+    def warm_up(self, stop=None):
+        deadline = time.monotonic() + 10
+        while not self.warm_gate.wait(0.01) and time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise WarmUpStopped("stopped")
         if self.warm_error is not None:
             raise self.warm_error
         self.ready = True

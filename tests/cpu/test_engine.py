@@ -1,6 +1,7 @@
 """The InferenceEngine on a CPU: padding and chunking, explicit and measured choices, the cache, fall backs, broken."""
 
 import json
+import threading
 import time
 from typing import ClassVar
 
@@ -15,7 +16,7 @@ from redline.hardware.device import FAKE_CPU_ENV
 from redline.plan import Choice
 from redline.runtime.trial import CACHE_ENV
 from redline.serve import engine as engine_module
-from redline.serve.engine import InferenceEngine
+from redline.serve.engine import InferenceEngine, WarmUpStopped
 from redline.serve.runners import CaptureFailed, EagerRunner, copy_out, pad_to
 from redline.serve.servable import Servable
 
@@ -102,6 +103,18 @@ def test_predict_warms_up_first_and_refuses_a_wrong_shape():
     assert engine.ready and sorted(set(model.sizes)) == [1, 2, 4]
     with pytest.raises(ConfigError, match=r"\(N, 3\)"):
         engine.predict(torch.zeros(3, 4))
+
+
+def test_a_warm_up_asked_to_stop_ends_before_its_next_bucket_and_can_run_again():
+    model = Spy()
+    engine = plain(model, max_batch_size=4)
+    stop = threading.Event()
+    model.register_forward_hook(lambda *_: stop.set())  # asked to stop while the first bucket runs
+    with pytest.raises(WarmUpStopped, match="before the bucket of 2"):
+        engine.warm_up(stop)
+    assert model.sizes == [4] and not engine.ready
+    engine.warm_up()
+    assert engine.ready and model.sizes == [4, 4, 2, 1]
 
 
 def test_a_bare_module_needs_its_input_shape_and_the_error_names_the_fix():

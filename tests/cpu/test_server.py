@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import httpx
@@ -343,6 +344,16 @@ async def test_overload_every_request_gets_200_or_503_and_every_200_its_own_outp
     assert page["redline_serve_queued_requests{}"] == 0
 
 
+async def test_shutting_down_during_the_warm_up_stops_it_without_failing():
+    engine = FakeEngine(ready=False)
+    engine.warm_gate.clear()  # a warm-up that would take 10 s
+    started = time.monotonic()
+    async with running(engine) as (client, serving):
+        warming = await client.get("/readyz")
+    assert warming.status_code == 503 and time.monotonic() - started < 5
+    assert not engine.ready and serving.dispatcher.failed is None
+
+
 def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
     with pytest.raises(ConfigError, match="port=70000"):
         ServeOptions(port=70000)
@@ -369,6 +380,51 @@ def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
     finally:
         gc.unfreeze()
     assert len(said) == 1 and said[0] > 1000  # torch alone leaves many thousands of objects to freeze
+
+
+SLOW_WARM_UP = """
+import time
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        time.sleep(2)  # 12 s to warm the six buckets up to 32
+        return self.linear(x)
+
+
+def make():
+    return Servable(model=Slow(), input_shape=(3,))
+"""
+
+
+@pytest.mark.slow
+def test_redline_serve_stopped_by_sigterm_while_warming_up_exits_cleanly_without_finishing_it(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW_WARM_UP)
+    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'slow.py'}:make", "--port", "0",
+               "--device", "cpu", "--measure", "off", "--compile", "off"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = next((line.split()[2] for line in process.stdout if line.startswith("listening on ")), None)
+        assert url, process.stderr.read()
+        with pytest.raises(urllib.error.HTTPError, match="503"):
+            urllib.request.urlopen(url + "/readyz", timeout=5)
+        process.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        out, err = process.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert took < 8, f"the server took {took:.1f} s to stop: it finished the warm-up first"  # one bucket: 2 s
+    assert "ready: warm-up done" not in out
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch
 
 from redline.errors import describe_error
 from redline.serve.batcher import Pending, decide
+from redline.serve.engine import WarmUpStopped
 from redline.serve.metrics import ServeMetrics
 from redline.serve.options import ServeOptions
 from redline.serve.refused import Refused
@@ -70,6 +72,7 @@ class Dispatcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self._stop_warm_up = threading.Event()  # set by close: a warm-up in progress ends before its next bucket
 
     @property
     def queued(self) -> int:
@@ -83,12 +86,14 @@ class Dispatcher:
         """
         self._closing = False
         self._wakeup = asyncio.Event()
+        self._stop_warm_up = threading.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
         self._task = asyncio.get_running_loop().create_task(self._work(), name="redline-serve-worker")
 
     async def close(self) -> None:
-        """Answer what is queued, then stop the worker and its thread."""
+        """Answer what is queued, then stop the worker and its thread; a warm-up still running stops early."""
         self._closing = True
+        self._stop_warm_up.set()
         self._wakeup.set()
         if self._task is not None:
             await self._task
@@ -133,10 +138,12 @@ class Dispatcher:
     async def _work(self) -> None:
         try:
             if not getattr(self.engine, "ready", False):
-                await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.warm_up)
+                await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.warm_up, self._stop_warm_up)
             if self.on_ready is not None:
                 self.on_ready()
             await self._batches()
+        except WarmUpStopped:  # shutting down while warming up: no request was accepted, none is lost
+            log.info("redline serve: the warm-up stopped early, as the server is shutting down")
         except Exception as exc:  # the server stays up to say why (/livez), and answers 503
             stage = "warm-up failed" if not self.engine.ready else "the batching worker stopped"
             self.failed = f"{stage}: {describe_error(exc)}"

@@ -91,6 +91,10 @@ def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, 
     )
 
 
+class WarmUpStopped(Exception):
+    """``warm_up(stop)`` ended early because ``stop`` was set: the engine is not ready, and nothing went wrong."""
+
+
 class InferenceEngine:
     """A model ready for inference on one device: ``warm_up()`` once, then ``predict(batch)`` from one thread."""
 
@@ -130,6 +134,7 @@ class InferenceEngine:
         self.ready = False
         self.broken: str | None = None  # set when an error left the device unusable (a sticky CUDA error)
         self._lock = threading.Lock()
+        self._stop: threading.Event | None = None  # set while warming up: asked to stop between buckets
         self._record: CompileRecord | None = None
         self._own_forward = "forward" in vars(self.model)  # a forward set on the instance, put back on uncompile
         if proposal.candidates:
@@ -149,10 +154,17 @@ class InferenceEngine:
             out[axis] = {"value": value, "reason": choice.reason}
         return out
 
-    def warm_up(self) -> None:
-        """Run every bucket once on zeros (compiling and capturing it), so no request pays a first-call cost."""
+    def warm_up(self, stop: threading.Event | None = None) -> None:
+        """Run every bucket once on zeros (compiling and capturing it), so no request pays a first-call cost.
+
+        ``stop`` set (a server shutting down) ends the warm-up before the next bucket with WarmUpStopped.
+        """
         with self._lock:
-            self._guarded(self._warm_buckets)
+            self._stop = stop
+            try:
+                self._guarded(self._warm_buckets)
+            finally:
+                self._stop = None
             if self._record is not None:  # the compiles counted so far, or the fall back to eager
                 self.plan["compile"] = explain_compile(self._planned_compile, [self._record])
             self.ready = True
@@ -227,6 +239,8 @@ class InferenceEngine:
         try:
             with self._compile_room():
                 for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
+                    if self._stop is not None and self._stop.is_set():
+                        raise WarmUpStopped(f"the warm-up was stopped before the bucket of {bucket}")
                     self._runner.prepare(bucket, self._zeros(bucket))
         except CaptureFailed as exc:
             self._fall_back("cuda_graphs", _without_graphs(exc))
