@@ -288,15 +288,17 @@ class FakeGraphs:
     """Stands in for GraphRunner on a CPU: records what was captured and replayed, and runs eagerly."""
 
     captured: ClassVar[list[int]] = []
-    fail = False
+    attempts: ClassVar[list[int]] = []  # every bucket a capture was tried on, failed or not
+    fail: BaseException | None = None
 
     def __init__(self, forward, device):
         self.forward, self.device = forward, device
         self.replayed: list[int] = []
 
     def prepare(self, bucket, sample):
-        if FakeGraphs.fail:
-            raise CaptureFailed(f"bucket {bucket}: operation not permitted when stream is capturing")
+        FakeGraphs.attempts.append(bucket)
+        if FakeGraphs.fail is not None:
+            raise CaptureFailed(f"bucket {bucket}: {FakeGraphs.fail}") from FakeGraphs.fail
         FakeGraphs.captured.append(bucket)
 
     def run(self, inputs, bucket):
@@ -308,7 +310,7 @@ class FakeGraphs:
 def fake_graphs(monkeypatch):
     monkeypatch.setattr(engine_module, "GraphRunner", FakeGraphs)
     monkeypatch.setattr(engine_module, "resolve_cuda_graphs", lambda requested, facts: Choice(True, "faked"))
-    FakeGraphs.captured, FakeGraphs.fail = [], False
+    FakeGraphs.captured, FakeGraphs.attempts, FakeGraphs.fail = [], [], None
     return FakeGraphs
 
 
@@ -321,8 +323,11 @@ def test_with_graphs_warm_up_captures_every_bucket_largest_first_and_batches_rep
     assert engine._runner.replayed == [8, 4]
 
 
+NOT_PERMITTED = RuntimeError("operation not permitted when stream is capturing")
+
+
 def test_a_failed_capture_falls_back_to_running_without_graphs_with_the_reason(fake_graphs):
-    fake_graphs.fail = True
+    fake_graphs.fail = NOT_PERMITTED
     model = Spy()
     engine = plain(model, max_batch_size=4)
     engine.warm_up()
@@ -332,6 +337,27 @@ def test_a_failed_capture_falls_back_to_running_without_graphs_with_the_reason(f
     assert isinstance(engine._runner, EagerRunner) and engine.ready and engine.broken is None
     inputs = torch.randn(3, 3)
     torch.testing.assert_close(engine.predict(inputs), model.linear(inputs).detach(), rtol=0, atol=1e-6)
+
+
+def test_a_capture_that_failed_while_measuring_is_not_tried_again_on_the_next_start(fake_graphs, cache, bf16_cpu):
+    fake_graphs.fail = NOT_PERMITTED
+    InferenceEngine(Spy(), input_shape=(3,), device="cpu", max_batch_size=4)
+    assert fake_graphs.attempts == [4]  # the reference's capture, on the largest bucket
+    fake_graphs.attempts.clear()
+    second = Spy()
+    engine = InferenceEngine(second, input_shape=(3,), device="cpu", max_batch_size=4)
+    graphs = engine.plan["cuda_graphs"]
+    assert fake_graphs.attempts == [] and second.sizes == [], "nothing ran: both verdicts came from the cache"
+    assert graphs.value is False and "operation not permitted" in graphs.reason and "(cached from " in graphs.reason
+    assert "cached from" in engine.plan["measured"].reason
+
+
+def test_a_capture_out_of_memory_is_tried_again_on_the_next_start(fake_graphs, cache, bf16_cpu):
+    fake_graphs.fail = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    InferenceEngine(Spy(), input_shape=(3,), device="cpu", max_batch_size=4)
+    fake_graphs.attempts.clear()
+    engine = InferenceEngine(Spy(), input_shape=(3,), device="cpu", max_batch_size=4)
+    assert fake_graphs.attempts == [4] and engine.plan["cuda_graphs"].value is False
 
 
 def test_without_cuda_the_engine_runs_eagerly():

@@ -39,8 +39,17 @@ from redline.runtime.compile import (
     is_compiler_error,
 )
 from redline.runtime.cuda_errors import is_sticky_cuda_error
+from redline.runtime.oom import is_oom
 from redline.runtime.precision import Precision
-from redline.serve.measure import load_measured, measure_key, store_measured, time_settings, weights_digest
+from redline.serve.measure import (
+    load_capture_failure,
+    load_measured,
+    measure_key,
+    store_capture_failure,
+    store_measured,
+    time_settings,
+    weights_digest,
+)
 from redline.serve.runners import CaptureFailed, EagerRunner, Forward, GraphRunner, make_forward
 from redline.serve.servable import Servable
 from redline.task import model_fingerprint
@@ -298,6 +307,12 @@ class InferenceEngine:
             f"{model_fingerprint(self.model)}:{weights_digest(self.model)}", self.facts, bucket=bucket,
             input_shape=tuple(sample.shape[1:]), input_dtype=str(sample.dtype), settings=settings, graphs=graphs,
         )  # fmt: skip
+        failed = load_capture_failure(key) if graphs else None
+        if failed is not None:  # the same model on this machine could not be captured: do not try again
+            reason, when = failed
+            self.plan["cuda_graphs"] = Choice(False, f"{reason} (cached from {when})")
+            self._measure(proposal)
+            return
         cached = load_measured(key)
         if cached is not None:
             timings, when = cached
@@ -314,6 +329,8 @@ class InferenceEngine:
                     )  # fmt: skip
             except CaptureFailed as exc:
                 self.plan["cuda_graphs"] = Choice(False, _without_graphs(exc))
+                if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
+                    store_capture_failure(key, _without_graphs(exc))
                 self._measure(proposal)
                 return
             store_measured(key, timings)

@@ -131,6 +131,19 @@ def load_measured(key: str) -> tuple[list[Timing], str] | None:
         return None
 
 
+def load_capture_failure(key: str) -> tuple[str, str] | None:
+    """Why capturing CUDA graphs failed when this measurement was last tried, and when; None if it did not."""
+    found = read_cache(CACHE_KIND, key)
+    if not found or len(found[0]) != 1 or not isinstance(found[0][0], dict) or "capture_failed" not in found[0][0]:
+        return None
+    return str(found[0][0]["capture_failed"]), found[1]
+
+
+def store_capture_failure(key: str, reason: str) -> None:
+    """Cache that capturing failed, under the measurement's key with graphs, so the next start skips the capture."""
+    write_cache(CACHE_KIND, key, [{"capture_failed": reason}])
+
+
 def store_measured(key: str, timings: Sequence[Timing]) -> None:
     """Cache a measurement, atomically; a cache that cannot be written is skipped with a warning."""
     write_cache(CACHE_KIND, key, [t.to_dict() for t in timings])
