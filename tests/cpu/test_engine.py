@@ -27,7 +27,8 @@ class Spy(nn.Module):
     """A seeded linear layer that records each batch's size and whether autocast was on.
 
     Under autocast it can sleep (a slow candidate) or shift its outputs (an inaccurate one); in fp32
-    it can sleep too, so that a candidate is the faster one. A sample holding ``poison`` raises ``error``.
+    it can sleep too, so that a candidate is the faster one. A sleep given as {batch size: seconds}
+    sleeps on those sizes only. A sample holding ``poison`` raises ``error``.
     """
 
     def __init__(self, *, autocast_sleep_s=0.0, autocast_shift=0.0, fp32_sleep_s=0.0, poison=None, error=None):
@@ -46,10 +47,14 @@ class Spy(nn.Module):
         out = self.linear(x)
         if torch.is_autocast_enabled("cpu"):
             self.autocast_calls += 1
-            time.sleep(self.autocast_sleep_s)
+            sleep(self.autocast_sleep_s, x.shape[0])
             return out + self.autocast_shift
-        time.sleep(self.fp32_sleep_s)
+        sleep(self.fp32_sleep_s, x.shape[0])
         return out
+
+
+def sleep(seconds, rows):
+    time.sleep(seconds.get(rows, 0.0) if isinstance(seconds, dict) else seconds)
 
 
 def plain(model, **options):
@@ -172,6 +177,20 @@ def test_auto_rejects_a_faster_bf16_whose_outputs_depart_from_fp32(cache, bf16_c
     assert "bf16-mixed rejected: its outputs are" in engine.plan["precision"].reason
     assert "off fp32's (tolerance 5%)" in engine.plan["measured"].reason
     assert min(measured_blocks(cache, "fp32")) >= SLEEP_S
+
+
+def test_auto_keeps_fp32_when_bf16_wins_on_full_batches_but_loses_on_single_requests(cache, bf16_cpu):
+    # As autocast does on a CPU for a wide MLP: it casts the weights on every call, which a batch of 1 cannot repay.
+    model = Spy(fp32_sleep_s={4: SLEEP_S}, autocast_sleep_s={1: SLEEP_S})
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
+    precision = engine.plan["precision"]
+    assert precision.value == "fp32" and "without losing 5% at 1" in precision.reason
+    assert "largest bucket (4) and the smallest (1)" in precision.reason
+    bf16 = precision.reason.split("bf16-mixed ")[1]
+    assert float(bf16.split("x")[0]) > 1.5 and float(bf16.split("(")[1].split("x")[0]) < 0.5  # "N.NNx (0.NNx at 1)"
+    both = Spy(fp32_sleep_s=SLEEP_S)  # faster at every size: kept, its ratio on the smallest bucket said
+    kept = InferenceEngine(both, input_shape=(3,), device="cpu", max_batch_size=2).plan["precision"]  # not cached
+    assert kept.value == "bf16-mixed" and " at 1) on the largest bucket (2) and the smallest (1)" in kept.reason
 
 
 def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):

@@ -161,6 +161,20 @@ def test_the_fastest_accepted_setting_sets_both_timed_axes():
     assert "fp32+compile ran 1.33x fp32" in compiled.reason
 
 
+def test_a_candidate_that_loses_on_the_smallest_bucket_is_not_kept_and_the_reason_says_so():
+    large = [timed(FP32, 2.0), timed(BF16, 1.0)]
+    slow_alone = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), timed(BF16, 0.4)]))
+    assert slow_alone[0].value == "fp32"
+    assert "no candidate beat it by 5% without losing 5% at 1 within tolerance (bf16-mixed 2.00x (0.25x at 1))" in (
+        slow_alone[0].reason
+    )
+    assert "on the largest bucket (32) and the smallest (1)" in slow_alone[2].reason
+    just_inside = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), timed(BF16, 0.1 * MARGIN)]))
+    assert just_inside[0].value == "bf16-mixed" and "ran 2.00x fp32 (0.95x at 1)" in just_inside[0].reason
+    failed = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), Timing(BF16, failed="it failed: x")]))
+    assert failed[0].value == "fp32" and "bf16-mixed rejected: it failed: x" in failed[2].reason
+
+
 def test_the_median_block_is_compared_so_one_slow_block_does_not_decide():
     noisy = Timing(BF16, (0.001, 0.001, 0.001, 0.001, 0.100))
     precision, _, _ = choose(CPU_PROPOSAL, [timed(FP32, 2.0), noisy], bucket=8)

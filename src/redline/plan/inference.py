@@ -2,8 +2,9 @@
 
 A rule proposes, a measurement decides (DESIGN.md, "Plans"). ``propose`` lists the settings worth
 timing against the reference (fp32 and eager, unless a value was given) from the device's facts;
-the engine times each on its largest bucket, and ``choose`` keeps the fastest one that beats the
-reference by ``MARGIN`` and whose outputs stay within ``TOLERANCE`` of the reference's. Everything
+the engine times each on its largest and smallest buckets, and ``choose`` keeps the fastest one that
+beats the reference by ``MARGIN`` on the largest, loses by no more than that on the smallest, and
+whose outputs stay within ``TOLERANCE`` of the reference's. Everything
 here is a pure function of facts and numbers: tests feed it a GPU, or timings, as data.
 """
 
@@ -177,38 +178,59 @@ def choose(
     timings: Sequence[Timing],
     *,
     bucket: int,
+    small: tuple[int, Sequence[Timing]] | None = None,
     margin: float = MARGIN,
     tolerance: float = TOLERANCE,
 ) -> tuple[Choice[PrecisionName], Choice[bool], Choice[str]]:
     """Return the precision, compile and measurement choices from timings whose first is the reference's.
 
-    The fastest accepted candidate is kept if it beats the reference by ``margin``; otherwise the
+    ``timings`` were taken on the largest bucket, ``small`` (when given) holds the smallest bucket and
+    the same settings' timings there. The fastest accepted candidate on the largest bucket is kept if
+    it beats the reference by ``margin`` there and does not lose by ``margin`` on the smallest: a
+    cost paid per call (autocast casting the weights, say) can make a candidate that wins on full
+    batches several times slower on the single requests of a lightly loaded server. Otherwise the
     reference stays. Each reason carries the numbers.
     """
     reference, *others = timings
     ratios = {t.setting: reference.median_s / t.median_s for t in others if t.block_s}
     rejected = {t.setting: verdict(reference, t, tolerance=tolerance) for t in others}
+    small_ratios: dict[Setting, float] = {}
+    blocks = f"median of {len(reference.block_s)} blocks"
+    where = f"on the largest bucket ({bucket}), {blocks}"
+    if small is not None:
+        small_bucket, (small_reference, *small_others) = small
+        for t in small_others:
+            rejected[t.setting] = rejected[t.setting] or verdict(small_reference, t, tolerance=tolerance)
+            small_ratios[t.setting] = small_reference.median_s / t.median_s if t.block_s else 0.0
+        where = f"on the largest bucket ({bucket}) and the smallest ({small_bucket}), {blocks}"
+    at_small = f" at {small[0]}" if small is not None else ""
     told = "; ".join(
         f"{t.setting.label} rejected: {rejected[t.setting]}" if rejected[t.setting]
         else f"{t.setting.label} {ratios[t.setting]:.2f}x"
+        + (f" ({small_ratios[t.setting]:.2f}x{at_small})" if t.setting in small_ratios else "")
         for t in others
     )  # fmt: skip
-    where = f"on the largest bucket ({bucket}), median of {len(reference.block_s)} blocks"
     summary = f"{reference.setting.label} {reference.median_s * 1e3:.3g} ms per batch; {told} ({where})"
-    accepted = [t for t in others if not rejected[t.setting] and ratios.get(t.setting, 0.0) >= margin]
+    accepted = [
+        t for t in others
+        if not rejected[t.setting] and ratios.get(t.setting, 0.0) >= margin
+        and small_ratios.get(t.setting, 1.0) >= 1 / margin
+    ]  # fmt: skip
     best = max(accepted, key=lambda t: ratios[t.setting], default=None)
     measured: Choice[str] = Choice(f"{len(timings)} settings", summary)
     if best is None:
+        losing = f" without losing {margin - 1:.0%}{at_small}" if small is not None else ""
         why = (
-            f"measured: {reference.setting.label} kept, no candidate beat it by {margin - 1:.0%} within tolerance "
-            f"({told}), {where}"
+            f"measured: {reference.setting.label} kept, no candidate beat it by {margin - 1:.0%}{losing} within "
+            f"tolerance ({told}), {where}"
         )
         return (
             _axis_precision(proposal, reference.setting, why),
             _axis_compile(proposal, reference.setting, why),
             measured,
         )
-    won = f"measured: {best.setting.label} ran {ratios[best.setting]:.2f}x {reference.setting.label} {where}"
+    also = f" ({small_ratios[best.setting]:.2f}x{at_small})" if best.setting in small_ratios else ""
+    won = f"measured: {best.setting.label} ran {ratios[best.setting]:.2f}x {reference.setting.label}{also} {where}"
     return _axis_precision(proposal, best.setting, won), _axis_compile(proposal, best.setting, won), measured
 
 

@@ -30,7 +30,7 @@ from redline.errors import ConfigError, DeviceUnavailableError, describe_error, 
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice
 from redline.plan.device import resolve_device
-from redline.plan.inference import Proposal, Setting, choose, propose, read_measure, resolve_cuda_graphs
+from redline.plan.inference import Proposal, Setting, Timing, choose, propose, read_measure, resolve_cuda_graphs
 from redline.runtime.compile import (
     CompileRecord,
     compile_module,
@@ -298,13 +298,17 @@ class InferenceEngine:
     # -- measuring the candidates ------------------------------------------------------------------
 
     def _measure(self, proposal: Proposal) -> None:
-        """Time the proposal's settings on the largest bucket (or read them from the cache) and plan by them."""
-        bucket = self.buckets[-1]
+        """Time the proposal's settings on the largest and smallest buckets (or read them from the cache); plan by them.
+
+        The smallest bucket is what a lightly loaded server runs: a candidate must not lose there.
+        """
+        largest, smallest = self.buckets[-1], self.buckets[0]
+        buckets = (largest, smallest) if smallest != largest else (largest,)
         settings = [proposal.reference, *proposal.candidates]
         graphs = bool(self.plan["cuda_graphs"].value)
         sample = self._zeros(1)  # the model's own input, after the Servable's preprocess
         key = measure_key(
-            f"{model_fingerprint(self.model)}:{weights_digest(self.model)}", self.facts, bucket=bucket,
+            f"{model_fingerprint(self.model)}:{weights_digest(self.model)}", self.facts, buckets=buckets,
             input_shape=tuple(sample.shape[1:]), input_dtype=str(sample.dtype), settings=settings, graphs=graphs,
         )  # fmt: skip
         failed = load_capture_failure(key) if graphs else None
@@ -314,19 +318,19 @@ class InferenceEngine:
             self._measure(proposal)
             return
         cached = load_measured(key)
-        if cached is not None:
+        if cached is not None and set(cached[0]) == set(buckets):
             timings, when = cached
             note = f"cached from {when}"
         else:
-            log.info("InferenceEngine: timing %s on a batch of %d", ", ".join(s.label for s in settings), bucket)
+            log.info(
+                "InferenceEngine: timing %s on batches of %s", ", ".join(s.label for s in settings),
+                " and ".join(map(str, buckets)),
+            )  # fmt: skip
             if any(s.compiled for s in settings):
                 self._compile()
             try:
                 with self._compile_room():
-                    timings = time_settings(
-                        [(s, self._trial_runner(s, bucket)) for s in settings],
-                        self._zeros(bucket), self._probe(bucket), sync=self._sync,
-                    )  # fmt: skip
+                    timings = {bucket: self._time(settings, bucket) for bucket in buckets}
             except CaptureFailed as exc:
                 self.plan["cuda_graphs"] = Choice(False, _without_graphs(exc))
                 if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
@@ -335,10 +339,16 @@ class InferenceEngine:
                 return
             store_measured(key, timings)
             note = "measured now"
-        precision, compiled, measured = choose(proposal, timings, bucket=bucket)
+        small = (smallest, timings[smallest]) if smallest != largest else None
+        precision, compiled, measured = choose(proposal, timings[largest], bucket=largest, small=small)
         self.plan.update(
             precision=precision, compile=compiled, measured=Choice(measured.value, f"{measured.reason}; {note}")
         )
+
+    def _time(self, settings: Sequence[Setting], bucket: int) -> list[Timing]:
+        """Time ``settings`` (the reference first) on ``bucket``, each through the runner it would serve with."""
+        runners = [(s, self._trial_runner(s, bucket)) for s in settings]
+        return time_settings(runners, self._zeros(bucket), self._probe(bucket), sync=self._sync)
 
     def _trial_runner(self, setting: Setting, bucket: int) -> Any:
         """A factory of the runner for ``setting`` on ``bucket``, prepared; a compile that fell back is a failure."""

@@ -1,11 +1,11 @@
-"""Timing the engine's candidate settings on its largest bucket, and caching what was measured.
+"""Timing the engine's candidate settings on its largest and smallest buckets, and caching what was measured.
 
 Each setting (the reference first) runs through the runner the engine will use (eager, or a
-captured CUDA graph), on a zero batch of the largest bucket: a few warm-up calls, then timed blocks
+captured CUDA graph), on a zero batch of the bucket: a few warm-up calls, then timed blocks
 taking turns (``runtime.trial.time_steps``), each call including the copy of its outputs to the CPU
 as ``predict`` does. Its outputs on a seeded random batch are compared with the reference's. The
 numbers are cached under ``$REDLINE_CACHE_DIR/inference/``, keyed by the model's fingerprint and
-weights, this machine, the bucket, the input and the settings, so a restarted server measures nothing.
+weights, this machine, the buckets, the input and the settings, so a restarted server measures nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -97,14 +97,15 @@ def measure_key(
     fingerprint: str,
     facts: DeviceFacts,
     *,
-    bucket: int,
+    buckets: Sequence[int],
     input_shape: tuple[int, ...],
     input_dtype: str,
     settings: Sequence[Setting],
     graphs: bool,
 ) -> str:
     """The cache key of a measurement: the model, everything about this machine that times it, and what was timed."""
-    what = (str(bucket), str(input_shape), input_dtype, ",".join(s.label for s in settings), str(graphs))
+    labels = ",".join(s.label for s in settings)
+    what = (",".join(map(str, buckets)), str(input_shape), input_dtype, labels, str(graphs))
     return cache_key(fingerprint, facts, *what, f"{ROUNDS}x{BLOCK}")
 
 
@@ -122,13 +123,18 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def load_measured(key: str) -> tuple[list[Timing], str] | None:
-    """A cached measurement and when it was made, or None (an unreadable entry is measured again)."""
+def load_measured(key: str) -> tuple[dict[int, list[Timing]], str] | None:
+    """A cached measurement (each bucket's timings) and when it was made, or None (an unreadable one is redone)."""
     found = read_cache(CACHE_KIND, key)
+    if not found:
+        return None
+    timings: dict[int, list[Timing]] = {}
     try:
-        return ([Timing.from_dict(t) for t in found[0]], found[1]) if found else None
+        for entry in found[0]:
+            timings.setdefault(int(entry["bucket"]), []).append(Timing.from_dict(entry))
     except (ValueError, KeyError, TypeError):
         return None
+    return (timings, found[1]) if timings else None
 
 
 def load_capture_failure(key: str) -> tuple[str, str] | None:
@@ -144,6 +150,6 @@ def store_capture_failure(key: str, reason: str) -> None:
     write_cache(CACHE_KIND, key, [{"capture_failed": reason}])
 
 
-def store_measured(key: str, timings: Sequence[Timing]) -> None:
-    """Cache a measurement, atomically; a cache that cannot be written is skipped with a warning."""
-    write_cache(CACHE_KIND, key, [t.to_dict() for t in timings])
+def store_measured(key: str, timings: Mapping[int, Sequence[Timing]]) -> None:
+    """Cache each bucket's timings, atomically; a cache that cannot be written is skipped with a warning."""
+    write_cache(CACHE_KIND, key, [{"bucket": bucket, **t.to_dict()} for bucket, ts in timings.items() for t in ts])
