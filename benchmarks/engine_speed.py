@@ -22,6 +22,7 @@ import environment
 from redline.serve.engine import InferenceEngine
 from serve_models import SHAPES, digits, mlp
 
+TITLE = "InferenceEngine: eager fp32 vs CUDA graphs, bf16, compile and auto"
 SERVABLES = {"digits": digits, "mlp": mlp}
 # name -> (engine keywords, needs CUDA); "eager fp32" is the reference every ratio is against.
 SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes: list[str] = []
-    for model in args.models.split(","):
+    models = args.models.split(",")
+    for model in models:
         engines, built = {}, {}
         for name, (settings, needs_cuda) in SETTINGS.items():
             if needs_cuda and not on_cuda:
@@ -102,8 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         if auto is not None:
             notes += ["", f"{model}, auto's plan:", ""]
             notes += [f"- {axis}: {choice.value} ({choice.reason})" for axis, choice in auto.plan.items()]
-    environment.publish(args.write, "InferenceEngine: eager fp32 vs CUDA graphs, bf16, compile and auto", lines + notes,
-                        device=args.device)  # fmt: skip
+        if args.write and model != models[-1]:  # a run cut short by its time limit keeps the models done
+            partial = [*lines, *notes, "", f"(written after {model}; the models after it had not run yet)"]
+            environment.write(args.write, TITLE, partial, device=args.device)
+    environment.publish(args.write, TITLE, lines + notes, device=args.device)
 
 
 if __name__ == "__main__":
