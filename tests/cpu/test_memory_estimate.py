@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -149,3 +150,15 @@ def test_redline_memory_unknown_gpu_is_one_clear_line() -> None:
     done = run_cli("--task", "example:digits", "--gpu", "voodoo-2")
     assert done.returncode == 2
     assert "not in the GPU catalog" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_model_is_built_once_for_the_trace_and_once_for_its_structure() -> None:
+    calls = []
+
+    def counted() -> nn.Module:
+        calls.append(1)
+        return mlp_model()
+
+    task = dataclasses.replace(mlp(), model=counted)
+    estimate_memory(task, batch_size=8, strategy="ddp", world_size=2, target="cuda")
+    assert len(calls) == 2  # one under the fake mode, one on the meta device for the workspace and DDP's buckets

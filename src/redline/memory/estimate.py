@@ -134,6 +134,8 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
     )
+    # The model's structure (convolutions, parameter sizes, blocks), built once and only when asked about.
+    structure = meta_model(task) if target == "cuda" or strategy != "single" else None
     estimate = MemoryEstimate(
         batch_size=batch_size,
         precision=precision,
@@ -141,11 +143,11 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
-        workspace=_workspace(task, target),
+        workspace=_workspace(structure) if target == "cuda" and structure is not None else 0,
         notes=_notes(precision, target, strategy),
         **trace,
     )
-    return _distributed(estimate, task, strategy, world_size, precision)
+    return _distributed(estimate, structure, strategy, world_size, precision)
 
 
 def trace_step(
@@ -264,10 +266,9 @@ def _checkpoint_blocks(model: nn.Module) -> None:
     apply_checkpointing(model, blocks)
 
 
-def _workspace(task: Task, target: str) -> int:
-    if target != "cuda":
-        return 0
-    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in meta_model(task).modules())
+def _workspace(model: nn.Module) -> int:
+    """The CUDA workspace allowance for ``model``: cuBLAS's, and cuDNN's when it has convolutions."""
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     return CUBLAS_WORKSPACE + (CUDNN_WORKSPACE if has_conv else 0)
 
 
@@ -286,17 +287,20 @@ def _notes(precision: str, target: str, strategy: str) -> tuple[str, ...]:
 
 
 def _distributed(
-    estimate: MemoryEstimate, task: Task, strategy: str, world_size: int, precision: str
+    estimate: MemoryEstimate, model: nn.Module | None, strategy: str, world_size: int, precision: str
 ) -> MemoryEstimate:
-    """Adjust a one-process trace for DDP (gradients held in its buckets) or FSDP (model states sharded)."""
+    """Adjust a one-process trace for DDP (gradients held in its buckets) or FSDP (model states sharded);
+    ``model`` is the Task's model for its structure (``meta_model``)."""
+    if model is None or strategy == "single":
+        return estimate
     if strategy == "ddp":  # gradient_as_bucket_view: the gradients live in DDP's buckets for the whole run
-        missing = max(_param_bytes(task) - estimate.gradients, 0)
+        missing = max(_param_bytes(model) - estimate.gradients, 0)
         return dataclasses.replace(estimate, gradients=estimate.gradients + missing, peak=estimate.peak + missing)
     if strategy != "fsdp" or world_size == 1:
         return estimate
     states = estimate.params + estimate.gradients + estimate.optimizer_state
     sharded = [math.ceil(b / world_size) for b in (estimate.params, estimate.gradients, estimate.optimizer_state)]
-    gathered = _largest_block_bytes(task, precision) * 2  # one block gathered, the next prefetched
+    gathered = _largest_block_bytes(model, precision) * 2  # one block gathered, the next prefetched
     return dataclasses.replace(
         estimate,
         params=sharded[0] + gathered,
@@ -306,13 +310,11 @@ def _distributed(
     )
 
 
-def _param_bytes(task: Task) -> int:
-    model = meta_model(task)
+def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _largest_block_bytes(task: Task, precision: str) -> int:
-    model = meta_model(task)
+def _largest_block_bytes(model: nn.Module, precision: str) -> int:
     width = 2 if precision in _AUTOCAST else 4  # FSDP gathers in the compute dtype under mixed precision
     blocks = [block for _, block in find_blocks(model, layers=True)] or [model]  # what FSDP shards one by one
     return max(sum(p.numel() for p in block.parameters()) * width for block in blocks)
