@@ -150,6 +150,8 @@ def estimate_memory(
     return _distributed(estimate, structure, strategy, world_size, precision)
 
 
+@torch.inference_mode(False)  # a training step needs autograd, whatever the caller's mode
+@torch.enable_grad()
 def trace_step(
     task: Task,
     *,
