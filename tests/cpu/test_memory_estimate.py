@@ -15,7 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import TensorDataset
 
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
 from redline.memory.estimate import estimate_memory
 from redline.task import Task, load_task
 
@@ -171,3 +171,19 @@ def test_the_caller_s_no_grad_or_inference_mode_does_not_change_the_estimate() -
     with torch.inference_mode():
         assert estimate_memory(mlp(), batch_size=16, target="cpu") == plain
     assert torch.is_grad_enabled()
+
+
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        return out * 2 if out.sum().item() > 0 else out  # data-dependent: fake tensors hold no values
+
+
+def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -> None:
+    task = dataclasses.replace(mlp(), model=ReadsValues)
+    with pytest.raises(TrainingError, match=r"(?s)fake tensors.*DataDependentOutputException.*--measure"):
+        estimate_memory(task, target="cpu")

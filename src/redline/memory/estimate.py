@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
@@ -33,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from redline.config import positive_int
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
@@ -41,7 +42,7 @@ from redline.parallel.blocks import find_blocks
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS
 from redline.runtime.checkpointing import apply_checkpointing
-from redline.runtime.contract import split_batch
+from redline.runtime.contract import split_batch, user_line
 from redline.runtime.optimizer import rebuild_optimizer
 from redline.task import OptimizerFactory, Task
 
@@ -169,7 +170,7 @@ def trace_step(
     inputs, targets = split_batch(real_batch(task.train_data, batch_size)[0], "train_data")
     autocast = _AUTOCAST.get(precision)
     given = task.build_model() if isinstance(task.model, nn.Module) else None  # a copy: the user's stays
-    with mode, tracker:
+    with mode, tracker, _tracing(task):
         model = _fake_model(task, mode, given)
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
@@ -200,6 +201,23 @@ def trace_step(
         "peak": peak,
         "top_modules": tuple(top),
     }
+
+
+@contextmanager
+def _tracing(task: Task) -> Iterator[None]:
+    """Turn an error of the Task's own code on fake tensors into a TrainingError that names the way out."""
+    try:
+        yield
+    except RedlineError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TrainingError(
+            f"task {task.name!r}: a training step could not be traced on fake tensors: {type(exc).__name__}: "
+            f"{first}{user_line(exc)}\nhint: fake tensors hold no values, so code that reads them (.item(), "
+            ".tolist(), nonzero, a branch on a value) cannot be traced; find the largest batch by running it on "
+            "the device instead: redline memory --measure (redline.find_batch_size)"
+        ) from exc
 
 
 def _stepper(
