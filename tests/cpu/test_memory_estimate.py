@@ -187,3 +187,17 @@ def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -
     task = dataclasses.replace(mlp(), model=ReadsValues)
     with pytest.raises(TrainingError, match=r"(?s)fake tensors.*DataDependentOutputException.*--measure"):
         estimate_memory(task, target="cpu")
+
+
+def frozen_first_layer() -> nn.Module:
+    model = mlp_model()
+    model[0].requires_grad_(False)  # a frozen backbone: no gradient, no DDP bucket
+    return model
+
+
+def test_ddp_buckets_hold_only_the_trainable_parameters_gradients() -> None:
+    task = dataclasses.replace(mlp(), model=frozen_first_layer)
+    trainable = sum(p.numel() * 4 for p in frozen_first_layer().parameters() if p.requires_grad)
+    for target in ("cpu", "cuda"):
+        ddp = estimate_memory(task, batch_size=16, strategy="ddp", world_size=2, target=target)
+        assert ddp.gradients == trainable

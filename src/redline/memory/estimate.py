@@ -314,7 +314,7 @@ def _distributed(
     if model is None or strategy == "single":
         return estimate
     if strategy == "ddp":  # gradient_as_bucket_view: the gradients live in DDP's buckets for the whole run
-        missing = max(_param_bytes(model) - estimate.gradients, 0)
+        missing = max(_trainable_bytes(model) - estimate.gradients, 0)
         return dataclasses.replace(estimate, gradients=estimate.gradients + missing, peak=estimate.peak + missing)
     if strategy != "fsdp" or world_size == 1:
         return estimate
@@ -330,8 +330,9 @@ def _distributed(
     )
 
 
-def _param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def _trainable_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that get a gradient: DDP buckets only those."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _largest_block_bytes(model: nn.Module, precision: str) -> int:
