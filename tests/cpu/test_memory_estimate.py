@@ -201,3 +201,17 @@ def test_ddp_buckets_hold_only_the_trainable_parameters_gradients() -> None:
     for target in ("cpu", "cuda"):
         ddp = estimate_memory(task, batch_size=16, strategy="ddp", world_size=2, target=target)
         assert ddp.gradients == trainable
+
+
+def test_fsdp_without_mixed_precision_gathers_blocks_in_their_own_dtype() -> None:
+    data = TensorDataset(torch.randn(64, 64, dtype=torch.bfloat16), torch.randint(0, 10, (64,)))
+
+    def bf16_mlp() -> nn.Module:
+        half = torch.bfloat16
+        return nn.Sequential(nn.Linear(64, 256, dtype=half), nn.ReLU(), nn.Linear(256, 10, dtype=half))
+
+    task = Task(model=bf16_mlp, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="bf16")
+    single = estimate_memory(task, target="cuda")
+    sharded = estimate_memory(task, strategy="fsdp", world_size=4, target="cuda")
+    largest = 256 * 64 + 256  # the first Linear's weights and bias, 2 bytes each: FSDP casts nothing in fp32
+    assert sharded.params == -(-single.params // 4) + 2 * largest * 2

@@ -336,9 +336,10 @@ def _trainable_bytes(model: nn.Module) -> int:
 
 
 def _largest_block_bytes(model: nn.Module, precision: str) -> int:
-    width = 2 if precision in _AUTOCAST else 4  # FSDP gathers in the compute dtype under mixed precision
+    # FSDP gathers in the compute dtype under mixed precision (parallel/fsdp.py), else in the parameters' own
+    low = 2 if precision in _AUTOCAST else None
     blocks = [block for _, block in find_blocks(model, layers=True)] or [model]  # what FSDP shards one by one
-    return max(sum(p.numel() for p in block.parameters()) * width for block in blocks)
+    return max(sum(p.numel() * (low or p.element_size()) for p in block.parameters()) for block in blocks)
 
 
 def meta_model(task: Task) -> nn.Module:
