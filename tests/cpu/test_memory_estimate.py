@@ -215,3 +215,27 @@ def test_fsdp_without_mixed_precision_gathers_blocks_in_their_own_dtype() -> Non
     sharded = estimate_memory(task, strategy="fsdp", world_size=4, target="cuda")
     largest = 256 * 64 + 256  # the first Linear's weights and bias, 2 bytes each: FSDP casts nothing in fp32
     assert sharded.params == -(-single.params // 4) + 2 * largest * 2
+
+
+class ManyItems(torch.utils.data.Dataset):
+    """A dataset of a million items that counts the items read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        return torch.zeros(64), torch.tensor(index % 10)
+
+
+def test_a_large_batch_is_traced_without_collating_it_for_real() -> None:
+    data = ManyItems()
+    task = dataclasses.replace(mlp(), train_data=data)
+    large = estimate_memory(task, batch_size=2**19, target="cpu")  # 128 MiB of inputs, none of it allocated
+    assert data.reads <= 2
+    assert large.activations > 2**19 * 64 * 4  # the batch's inputs are still counted, at full size
+    small = estimate_memory(mlp(), batch_size=64, target="cpu")
+    assert estimate_memory(task, batch_size=64, target="cpu") == small  # the same figure as from real items

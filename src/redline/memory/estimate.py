@@ -31,7 +31,7 @@ from typing import Any, Literal, cast, get_args
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from redline.config import positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
@@ -167,7 +167,7 @@ def trace_step(
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    inputs, targets = split_batch(real_batch(task.train_data, batch_size)[0], "train_data")
+    sample, rows = _sample(task.train_data, batch_size)
     autocast = _AUTOCAST.get(precision)
     given = task.build_model() if isinstance(task.model, nn.Module) else None  # a copy: the user's stays
     with mode, tracker, _tracing(task):
@@ -180,7 +180,7 @@ def trace_step(
         opt = optimizer(model.parameters())
         if resolve_optimizer(optimizer_facts(opt), device).value == "fused":
             opt = rebuild_optimizer(opt, fused=True)
-        inputs, targets = tree_map(_faked(mode, tracker), (inputs, targets))
+        inputs, targets = split_batch(tree_map(_faked(mode, tracker, rows, batch_size), sample), "train_data")
         grad_keys: set[int] = set()
         step = _stepper(task, model, opt, autocast, grads_through_forward, tracker, grad_keys)
         step(inputs, targets)
@@ -247,11 +247,25 @@ def _stepper(
     return step
 
 
-def _faked(mode: FakeTensorMode, tracker: LiveBytes) -> Callable[[Any], Any]:
+def _sample(data: Any, size: int) -> tuple[Any, int]:
+    """The batch to trace, collated from real items, and its rows: one item when every leaf is a tensor (its
+    shapes and dtypes are the batch's, grown to ``size`` rows on fake tensors), else all ``size`` items."""
+    one, _ = real_batch(data, 1)
+    if all(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(one)):
+        return one, 1  # a large batch would be a large real allocation, and collating it a long wait
+    return real_batch(data, size)[0], size
+
+
+def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Callable[[Any], Any]:
+    """Fake a leaf of a batch of ``rows``; a tensor of one item becomes the batch's ``size`` rows (collate stacks
+    items along a new first axis)."""
+
     def fake(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         out = mode.from_tensor(leaf)
+        if rows < size:
+            return out.new_empty((size, *out.shape[1:]))  # an op under the tracker: counted as it is made
         tracker.track(out)
         return out
 
