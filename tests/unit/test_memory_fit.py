@@ -96,3 +96,10 @@ def test_fit_memory_refuses_bad_arguments_instead_of_tracing_something_else(kwar
     args = {"device": "a CPU", "mem_gib": 0.01, "target": "cpu", **kwargs}
     with pytest.raises(ConfigError, match=re.escape(message)):
         fit_memory(task, **args)
+
+
+def test_a_first_batch_at_the_smallest_size_that_does_not_fit_is_not_traced_again() -> None:
+    estimate_at, traced = estimator(lambda b: 10_000 + b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=1), 9_000) is None
+    assert largest_batch(estimate_at, estimate_at(batch_size=8), 9_000, multiple=8) is None
+    assert traced == [1, 8]  # the two first estimates only: nothing smaller is left to try

@@ -73,6 +73,8 @@ def largest_batch(
     points = [(first.batch_size, first.total)]
     fit = first.batch_size if first.total <= available else 0
     over: int | None = None if first.total <= available else first.batch_size
+    if over is not None and over <= multiple:  # the smallest batch does not fit: nothing is left to try
+        return None
     size = first.batch_size * 2 if fit else max(first.batch_size // 2 // multiple * multiple, multiple)
     for _ in range(_SEARCHES):
         total = estimate_at(batch_size=size).total
