@@ -9,6 +9,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from batch_search_job import Limited, limited_task
 from torch import nn
 from torch.utils.data import IterableDataset
@@ -149,3 +150,12 @@ def test_redline_memory_measure_refuses_another_gpu():
     done = run_memory_cli("--measure", "--gpu", "l4")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--measure runs on this machine's own device" in done.stderr
+
+
+def test_the_search_leaves_the_caller_s_random_streams_as_they_were():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    seeded = redline.RuntimeOptions(devices="cpu", seed=0)
+    assert redline.find_batch_size(limited_task(5), options=seeded, max_batch_size=8).largest == 5
+    assert torch.equal(torch.rand(3), expected)  # each probe's model drew its weights, and the seed reseeded

@@ -40,6 +40,7 @@ from redline.runtime.contract import check_loss, split_batch, user_code, user_li
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.seed import capture_rng, restore_rng
 from redline.task import Task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
@@ -143,12 +144,16 @@ def find_batch_size(
     env = read_env()
     tried: list[Tried] = []
     short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
-    with join_process_group(env, device.type):  # one process group for every probe's Runtime
-        while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
-            error, samples = _probe(task, options, size, steps)
-            tried.append((size, not error, error))
-            if 0 < samples < size:
-                short.add(samples)
+    saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
+    try:
+        with join_process_group(env, device.type):  # one process group for every probe's Runtime
+            while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
+                error, samples = _probe(task, options, size, steps)
+                tried.append((size, not error, error))
+                if 0 < samples < size:
+                    short.add(samples)
+    finally:
+        restore_rng(saved)
     if short:
         notes.append(
             f"train_data gave {max(short)} samples: larger batches repeat them (memory follows shapes, not values)"
