@@ -159,3 +159,9 @@ def test_the_search_leaves_the_caller_s_random_streams_as_they_were():
     seeded = redline.RuntimeOptions(devices="cpu", seed=0)
     assert redline.find_batch_size(limited_task(5), options=seeded, max_batch_size=8).largest == 5
     assert torch.equal(torch.rand(3), expected)  # each probe's model drew its weights, and the seed reseeded
+
+
+def test_the_search_trains_under_the_caller_s_no_grad_and_leaves_it_in_place():
+    with torch.no_grad():  # a training step needs autograd: the search turns it on for its probes only
+        assert redline.find_batch_size(limited_task(5), options=CPU, max_batch_size=8).largest == 5
+        assert not torch.is_grad_enabled()

@@ -145,8 +145,9 @@ def find_batch_size(
     tried: list[Tried] = []
     short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
     saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
+    # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
-        with join_process_group(env, device.type):  # one process group for every probe's Runtime
+        with join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
                 error, samples = _probe(task, options, size, steps)
                 tried.append((size, not error, error))
