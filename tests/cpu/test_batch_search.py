@@ -123,6 +123,16 @@ def test_a_bug_on_one_rank_stops_every_rank_instead_of_leaving_one_waiting():
     assert "batch size 8: rank 1 failed: ValueError: a bug in rank 1's loss" in result.stderr  # rank 0's own
 
 
+def test_a_rank_out_of_memory_building_its_model_leaves_none_waiting_in_ddp_s_constructor():
+    result = launch_job("12", "9", "--oom-building-on-rank-1")  # a hang would time out
+    assert result.returncode == 0, result.stderr[-3000:]
+    searches = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [s["largest"] for s in searches] == [None, None]
+    assert searches[0]["tried"] == searches[1]["tried"]
+    assert [(t["batch_size"], t["fitted"]) for t in searches[0]["tried"]] == [(1, False)]
+    assert searches[0]["tried"][0]["error"].startswith("rank 1: OutOfMemoryError")
+
+
 def test_the_public_names():
     assert redline.find_batch_size.__module__ == "redline.memory.search"
     assert {"find_batch_size", "BatchSearch"} <= set(redline.__all__)
