@@ -175,3 +175,9 @@ def test_the_search_trains_under_the_caller_s_no_grad_and_leaves_it_in_place():
     with torch.no_grad():  # a training step needs autograd: the search turns it on for its probes only
         assert redline.find_batch_size(limited_task(5), options=CPU, max_batch_size=8).largest == 5
         assert not torch.is_grad_enabled()
+
+
+def test_redline_memory_measure_refuses_a_batch_size_it_would_ignore():
+    done = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--batch-size", "64")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--batch-size" in done.stderr and "--start" in done.stderr
