@@ -1,10 +1,12 @@
 """Tasks whose model runs out of memory above a batch size, and a job the distributed test launches.
 
-    python batch_search_job.py LIMIT_RANK0 LIMIT_RANK1 [--bug-on-rank-1]    (under `redline launch --nproc 2`)
+    python batch_search_job.py LIMIT_RANK0 LIMIT_RANK1 [--bug-on-rank-1] [--oom-building-on-rank-1]
+    (under `redline launch --nproc 2`)
 
 Each rank's model raises torch.OutOfMemoryError above its own limit, as a device that full would;
 the job prints the search each rank returned, as one JSON line. With --bug-on-rank-1, rank 1's
-loss raises a ValueError above a batch of 4 (a bug, not an out-of-memory).
+loss raises a ValueError above a batch of 4 (a bug, not an out-of-memory). With --oom-building-on-rank-1,
+rank 1 runs out of memory building its model, before DDP's constructor runs its collectives.
 """
 
 from __future__ import annotations
@@ -72,5 +74,11 @@ if __name__ == "__main__":
             return nn.functional.cross_entropy(out, y)
 
         task = redline.Task(model=task.model, loss_fn=buggy_loss, train_data=task.train_data)
+    if "--oom-building-on-rank-1" in sys.argv and rank == 1:
+
+        def too_large() -> nn.Module:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate the weights")
+
+        task = redline.Task(model=too_large, loss_fn=task.loss_fn, train_data=task.train_data)
     search = redline.find_batch_size(task, options=redline.RuntimeOptions(devices="cpu"), max_batch_size=64)
     print(json.dumps({"rank": rank, **search.to_dict()}), flush=True)

@@ -9,6 +9,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from batch_search_job import Limited, limited_task
 from torch import nn
 from torch.utils.data import IterableDataset
@@ -122,6 +123,16 @@ def test_a_bug_on_one_rank_stops_every_rank_instead_of_leaving_one_waiting():
     assert "batch size 8: rank 1 failed: ValueError: a bug in rank 1's loss" in result.stderr  # rank 0's own
 
 
+def test_a_rank_out_of_memory_building_its_model_leaves_none_waiting_in_ddp_s_constructor():
+    result = launch_job("12", "9", "--oom-building-on-rank-1")  # a hang would time out
+    assert result.returncode == 0, result.stderr[-3000:]
+    searches = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [s["largest"] for s in searches] == [None, None]
+    assert searches[0]["tried"] == searches[1]["tried"]
+    assert [(t["batch_size"], t["fitted"]) for t in searches[0]["tried"]] == [(1, False)]
+    assert searches[0]["tried"][0]["error"].startswith("rank 1: OutOfMemoryError")
+
+
 def test_the_public_names():
     assert redline.find_batch_size.__module__ == "redline.memory.search"
     assert {"find_batch_size", "BatchSearch"} <= set(redline.__all__)
@@ -149,3 +160,24 @@ def test_redline_memory_measure_refuses_another_gpu():
     done = run_memory_cli("--measure", "--gpu", "l4")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--measure runs on this machine's own device" in done.stderr
+
+
+def test_the_search_leaves_the_caller_s_random_streams_as_they_were():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    seeded = redline.RuntimeOptions(devices="cpu", seed=0)
+    assert redline.find_batch_size(limited_task(5), options=seeded, max_batch_size=8).largest == 5
+    assert torch.equal(torch.rand(3), expected)  # each probe's model drew its weights, and the seed reseeded
+
+
+def test_the_search_trains_under_the_caller_s_no_grad_and_leaves_it_in_place():
+    with torch.no_grad():  # a training step needs autograd: the search turns it on for its probes only
+        assert redline.find_batch_size(limited_task(5), options=CPU, max_batch_size=8).largest == 5
+        assert not torch.is_grad_enabled()
+
+
+def test_redline_memory_measure_refuses_a_batch_size_it_would_ignore():
+    done = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--batch-size", "64")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--batch-size" in done.stderr and "--start" in done.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import TensorDataset
 
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
 from redline.memory.estimate import estimate_memory
 from redline.task import Task, load_task
 
@@ -149,3 +150,92 @@ def test_redline_memory_unknown_gpu_is_one_clear_line() -> None:
     done = run_cli("--task", "example:digits", "--gpu", "voodoo-2")
     assert done.returncode == 2
     assert "not in the GPU catalog" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_model_is_built_once_for_the_trace_and_once_for_its_structure() -> None:
+    calls = []
+
+    def counted() -> nn.Module:
+        calls.append(1)
+        return mlp_model()
+
+    task = dataclasses.replace(mlp(), model=counted)
+    estimate_memory(task, batch_size=8, strategy="ddp", world_size=2, target="cuda")
+    assert len(calls) == 2  # one under the fake mode, one on the meta device for the workspace and DDP's buckets
+
+
+def test_the_caller_s_no_grad_or_inference_mode_does_not_change_the_estimate() -> None:
+    plain = estimate_memory(mlp(), batch_size=16, target="cpu")
+    with torch.no_grad():
+        assert estimate_memory(mlp(), batch_size=16, target="cpu") == plain
+    with torch.inference_mode():
+        assert estimate_memory(mlp(), batch_size=16, target="cpu") == plain
+    assert torch.is_grad_enabled()
+
+
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        return out * 2 if out.sum().item() > 0 else out  # data-dependent: fake tensors hold no values
+
+
+def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -> None:
+    task = dataclasses.replace(mlp(), model=ReadsValues)
+    with pytest.raises(TrainingError, match=r"(?s)fake tensors.*DataDependentOutputException.*--measure"):
+        estimate_memory(task, target="cpu")
+
+
+def frozen_first_layer() -> nn.Module:
+    model = mlp_model()
+    model[0].requires_grad_(False)  # a frozen backbone: no gradient, no DDP bucket
+    return model
+
+
+def test_ddp_buckets_hold_only_the_trainable_parameters_gradients() -> None:
+    task = dataclasses.replace(mlp(), model=frozen_first_layer)
+    trainable = sum(p.numel() * 4 for p in frozen_first_layer().parameters() if p.requires_grad)
+    for target in ("cpu", "cuda"):
+        ddp = estimate_memory(task, batch_size=16, strategy="ddp", world_size=2, target=target)
+        assert ddp.gradients == trainable
+
+
+def test_fsdp_without_mixed_precision_gathers_blocks_in_their_own_dtype() -> None:
+    data = TensorDataset(torch.randn(64, 64, dtype=torch.bfloat16), torch.randint(0, 10, (64,)))
+
+    def bf16_mlp() -> nn.Module:
+        half = torch.bfloat16
+        return nn.Sequential(nn.Linear(64, 256, dtype=half), nn.ReLU(), nn.Linear(256, 10, dtype=half))
+
+    task = Task(model=bf16_mlp, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="bf16")
+    single = estimate_memory(task, target="cuda")
+    sharded = estimate_memory(task, strategy="fsdp", world_size=4, target="cuda")
+    largest = 256 * 64 + 256  # the first Linear's weights and bias, 2 bytes each: FSDP casts nothing in fp32
+    assert sharded.params == -(-single.params // 4) + 2 * largest * 2
+
+
+class ManyItems(torch.utils.data.Dataset):
+    """A dataset of a million items that counts the items read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        return torch.zeros(64), torch.tensor(index % 10)
+
+
+def test_a_large_batch_is_traced_without_collating_it_for_real() -> None:
+    data = ManyItems()
+    task = dataclasses.replace(mlp(), train_data=data)
+    large = estimate_memory(task, batch_size=2**19, target="cpu")  # 128 MiB of inputs, none of it allocated
+    assert data.reads <= 2
+    assert large.activations > 2**19 * 64 * 4  # the batch's inputs are still counted, at full size
+    small = estimate_memory(mlp(), batch_size=64, target="cpu")
+    assert estimate_memory(task, batch_size=64, target="cpu") == small  # the same figure as from real items

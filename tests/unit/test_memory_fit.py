@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from redline.errors import ConfigError
 from redline.memory.estimate import MemoryEstimate
-from redline.memory.fit import GIB, available_bytes, gpu_facts, largest_batch
+from redline.memory.fit import GIB, available_bytes, fit_memory, gpu_facts, largest_batch
+from redline.task import Task
 
 
 def estimator(total: Callable[[int], float]) -> tuple[Callable[..., MemoryEstimate], list[int]]:
@@ -72,3 +77,29 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     assert gpu_facts("NVIDIA H100 80GB HBM3")[0].id == "h100-sxm"
     with pytest.raises(ConfigError, match=r"(?s)not in the GPU catalog.*h100-sxm.*--mem-gib"):
         gpu_facts("voodoo-2")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"batch_size": -8}, "batch_size=-8"),
+        ({"mem_gib": float("inf")}, "mem_gib=inf"),
+        ({"mem_gib": 0}, "mem_gib=0"),
+        ({"gpus": 0}, "gpus=0"),
+        ({"target": "tpu"}, "target='tpu'"),
+    ],
+)
+def test_fit_memory_refuses_bad_arguments_instead_of_tracing_something_else(kwargs, message) -> None:
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=4)
+    args = {"device": "a CPU", "mem_gib": 0.01, "target": "cpu", **kwargs}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        fit_memory(task, **args)
+
+
+def test_a_first_batch_at_the_smallest_size_that_does_not_fit_is_not_traced_again() -> None:
+    estimate_at, traced = estimator(lambda b: 10_000 + b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=1), 9_000) is None
+    assert largest_batch(estimate_at, estimate_at(batch_size=8), 9_000, multiple=8) is None
+    assert traced == [1, 8]  # the two first estimates only: nothing smaller is left to try

@@ -59,6 +59,11 @@ def memory(
             "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"
             "hint: drop --gpu/--mem-gib to measure here, or drop --measure to estimate for that GPU"
         )
+    if measure and batch_size is not None:
+        raise ConfigError(
+            f"--batch-size {batch_size} with --measure: the search tries its own sizes and would ignore it\n"
+            "hint: pass --start N to begin the search at N, or drop --measure to estimate that batch"
+        )
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} is not allowed; expected 1 or more")
     loaded = load_task(task, **parse_task_args(task, task_arg or []))

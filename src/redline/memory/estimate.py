@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from redline.config import positive_int
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
@@ -41,7 +42,7 @@ from redline.parallel.blocks import find_blocks
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS
 from redline.runtime.checkpointing import apply_checkpointing
-from redline.runtime.contract import split_batch
+from redline.runtime.contract import split_batch, user_line
 from redline.runtime.optimizer import rebuild_optimizer
 from redline.task import OptimizerFactory, Task
 
@@ -134,6 +135,8 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
     )
+    # The model's structure (convolutions, parameter sizes, blocks), built once and only when asked about.
+    structure = meta_model(task) if target == "cuda" or strategy != "single" else None
     estimate = MemoryEstimate(
         batch_size=batch_size,
         precision=precision,
@@ -141,13 +144,15 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
-        workspace=_workspace(task, target),
+        workspace=_workspace(structure) if target == "cuda" and structure is not None else 0,
         notes=_notes(precision, target, strategy),
         **trace,
     )
-    return _distributed(estimate, task, strategy, world_size, precision)
+    return _distributed(estimate, structure, strategy, world_size, precision)
 
 
+@torch.inference_mode(False)  # a training step needs autograd, whatever the caller's mode
+@torch.enable_grad()
 def trace_step(
     task: Task,
     *,
@@ -162,10 +167,10 @@ def trace_step(
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    inputs, targets = split_batch(real_batch(task.train_data, batch_size)[0], "train_data")
+    sample, rows = _sample(task.train_data, batch_size)
     autocast = _AUTOCAST.get(precision)
     given = task.build_model() if isinstance(task.model, nn.Module) else None  # a copy: the user's stays
-    with mode, tracker:
+    with mode, tracker, _tracing(task):
         model = _fake_model(task, mode, given)
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
@@ -175,7 +180,7 @@ def trace_step(
         opt = optimizer(model.parameters())
         if resolve_optimizer(optimizer_facts(opt), device).value == "fused":
             opt = rebuild_optimizer(opt, fused=True)
-        inputs, targets = tree_map(_faked(mode, tracker), (inputs, targets))
+        inputs, targets = split_batch(tree_map(_faked(mode, tracker, rows, batch_size), sample), "train_data")
         grad_keys: set[int] = set()
         step = _stepper(task, model, opt, autocast, grads_through_forward, tracker, grad_keys)
         step(inputs, targets)
@@ -196,6 +201,23 @@ def trace_step(
         "peak": peak,
         "top_modules": tuple(top),
     }
+
+
+@contextmanager
+def _tracing(task: Task) -> Iterator[None]:
+    """Turn an error of the Task's own code on fake tensors into a TrainingError that names the way out."""
+    try:
+        yield
+    except RedlineError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TrainingError(
+            f"task {task.name!r}: a training step could not be traced on fake tensors: {type(exc).__name__}: "
+            f"{first}{user_line(exc)}\nhint: fake tensors hold no values, so code that reads them (.item(), "
+            ".tolist(), nonzero, a branch on a value) cannot be traced; find the largest batch by running it on "
+            "the device instead: redline memory --measure (redline.find_batch_size)"
+        ) from exc
 
 
 def _stepper(
@@ -225,11 +247,25 @@ def _stepper(
     return step
 
 
-def _faked(mode: FakeTensorMode, tracker: LiveBytes) -> Callable[[Any], Any]:
+def _sample(data: Any, size: int) -> tuple[Any, int]:
+    """The batch to trace, collated from real items, and its rows: one item when every leaf is a tensor (its
+    shapes and dtypes are the batch's, grown to ``size`` rows on fake tensors), else all ``size`` items."""
+    one, _ = real_batch(data, 1)
+    if all(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(one)):
+        return one, 1  # a large batch would be a large real allocation, and collating it a long wait
+    return real_batch(data, size)[0], size
+
+
+def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Callable[[Any], Any]:
+    """Fake a leaf of a batch of ``rows``; a tensor of one item becomes the batch's ``size`` rows (collate stacks
+    items along a new first axis)."""
+
     def fake(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         out = mode.from_tensor(leaf)
+        if rows < size:
+            return out.new_empty((size, *out.shape[1:]))  # an op under the tracker: counted as it is made
         tracker.track(out)
         return out
 
@@ -264,10 +300,9 @@ def _checkpoint_blocks(model: nn.Module) -> None:
     apply_checkpointing(model, blocks)
 
 
-def _workspace(task: Task, target: str) -> int:
-    if target != "cuda":
-        return 0
-    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in meta_model(task).modules())
+def _workspace(model: nn.Module) -> int:
+    """The CUDA workspace allowance for ``model``: cuBLAS's, and cuDNN's when it has convolutions."""
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     return CUBLAS_WORKSPACE + (CUDNN_WORKSPACE if has_conv else 0)
 
 
@@ -286,17 +321,20 @@ def _notes(precision: str, target: str, strategy: str) -> tuple[str, ...]:
 
 
 def _distributed(
-    estimate: MemoryEstimate, task: Task, strategy: str, world_size: int, precision: str
+    estimate: MemoryEstimate, model: nn.Module | None, strategy: str, world_size: int, precision: str
 ) -> MemoryEstimate:
-    """Adjust a one-process trace for DDP (gradients held in its buckets) or FSDP (model states sharded)."""
+    """Adjust a one-process trace for DDP (gradients held in its buckets) or FSDP (model states sharded);
+    ``model`` is the Task's model for its structure (``meta_model``)."""
+    if model is None or strategy == "single":
+        return estimate
     if strategy == "ddp":  # gradient_as_bucket_view: the gradients live in DDP's buckets for the whole run
-        missing = max(_param_bytes(task) - estimate.gradients, 0)
+        missing = max(_trainable_bytes(model) - estimate.gradients, 0)
         return dataclasses.replace(estimate, gradients=estimate.gradients + missing, peak=estimate.peak + missing)
     if strategy != "fsdp" or world_size == 1:
         return estimate
     states = estimate.params + estimate.gradients + estimate.optimizer_state
     sharded = [math.ceil(b / world_size) for b in (estimate.params, estimate.gradients, estimate.optimizer_state)]
-    gathered = _largest_block_bytes(task, precision) * 2  # one block gathered, the next prefetched
+    gathered = _largest_block_bytes(model, precision) * 2  # one block gathered, the next prefetched
     return dataclasses.replace(
         estimate,
         params=sharded[0] + gathered,
@@ -306,16 +344,16 @@ def _distributed(
     )
 
 
-def _param_bytes(task: Task) -> int:
-    model = meta_model(task)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def _trainable_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that get a gradient: DDP buckets only those."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def _largest_block_bytes(task: Task, precision: str) -> int:
-    model = meta_model(task)
-    width = 2 if precision in _AUTOCAST else 4  # FSDP gathers in the compute dtype under mixed precision
+def _largest_block_bytes(model: nn.Module, precision: str) -> int:
+    # FSDP gathers in the compute dtype under mixed precision (parallel/fsdp.py), else in the parameters' own
+    low = 2 if precision in _AUTOCAST else None
     blocks = [block for _, block in find_blocks(model, layers=True)] or [model]  # what FSDP shards one by one
-    return max(sum(p.numel() for p in block.parameters()) * width for block in blocks)
+    return max(sum(p.numel() * (low or p.element_size()) for p in block.parameters()) for block in blocks)
 
 
 def meta_model(task: Task) -> nn.Module:

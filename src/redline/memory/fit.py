@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError
 from redline.hardware.catalog import GPUSpec, find_gpu, load_catalog
 from redline.hardware.device import DeviceFacts
@@ -72,6 +73,8 @@ def largest_batch(
     points = [(first.batch_size, first.total)]
     fit = first.batch_size if first.total <= available else 0
     over: int | None = None if first.total <= available else first.batch_size
+    if over is not None and over <= multiple:  # the smallest batch does not fit: nothing is left to try
+        return None
     size = first.batch_size * 2 if fit else max(first.batch_size // 2 // multiple * multiple, multiple)
     for _ in range(_SEARCHES):
         total = estimate_at(batch_size=size).total
@@ -145,6 +148,10 @@ def fit_memory(
     """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
     GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit."""
     batch = task.batch_size if batch_size is None else batch_size
+    positive_int("batch_size", batch)  # before any trace: 0 would be traced as 1 sample, or as the ranks' number
+    positive_number("mem_gib", mem_gib)
+    positive_int("gpus", gpus)
+    one_of("target", target, ("cuda", "cpu"))
     available = available_bytes(mem_gib, target)
     has_blocks = bool(find_blocks(meta_model(task)))
     ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]

@@ -11,12 +11,12 @@ was tried. Each try (a probe) builds a fresh model and Runtime and runs ``steps`
 second step is the steady state, with the optimizer's state allocated. An out-of-memory ends the
 probe, and everything it held is freed before the next one starts.
 
-Under several processes every rank probes the same size and the ranks agree after every step, so a
-size fits only if it fitted on every rank, and every rank returns the same search. The gradients are
-not all-reduced during a probe (DDP's ``no_sync``): a rank out of memory mid-backward would leave the
-others waiting in a collective it never joins. DDP's buckets are allocated all the same, and the
-gradients then take memory of their own beside them: the answer errs on the safe side by at most a
-copy of the gradients.
+Under several processes every rank probes the same size and the ranks agree after building the model,
+after wrapping it and after every step, so a size fits only if it fitted on every rank, and every rank
+returns the same search. The gradients are not all-reduced during a probe (DDP's ``no_sync``): a rank
+out of memory mid-backward would leave the others waiting in a collective it never joins. DDP's buckets
+are allocated all the same, and the gradients then take memory of their own beside them: the answer
+errs on the safe side by at most a copy of the gradients.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from redline.runtime.contract import check_loss, split_batch, user_code, user_li
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.seed import capture_rng, restore_rng
 from redline.task import Task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
@@ -143,12 +144,17 @@ def find_batch_size(
     env = read_env()
     tried: list[Tried] = []
     short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
-    with join_process_group(env, device.type):  # one process group for every probe's Runtime
-        while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
-            error, samples = _probe(task, options, size, steps)
-            tried.append((size, not error, error))
-            if 0 < samples < size:
-                short.add(samples)
+    saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
+    # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
+    try:
+        with join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
+            while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
+                error, samples = _probe(task, options, size, steps)
+                tried.append((size, not error, error))
+                if 0 < samples < size:
+                    short.add(samples)
+    finally:
+        restore_rng(saved)
     if short:
         notes.append(
             f"train_data gave {max(short)} samples: larger batches repeat them (memory follows shapes, not values)"
@@ -191,14 +197,16 @@ def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -
 def _probe(task: Task, options: RuntimeOptions, size: int, steps: int) -> tuple[str, int]:
     """Run ``steps`` training steps at ``size``; return the out-of-memory error ("" if it fitted) and the samples used.
 
-    The ranks agree after every step: each runs the same steps, so none waits in a collective that
-    another left. Whatever the probe held is freed before it returns.
+    The ranks agree after every stage: the model built and placed (each rank on its own), the model
+    wrapped and the batch placed (DDP's constructor runs collectives), then each step. Each runs the
+    same stages, so none waits in a collective that a rank which failed before it skips. Whatever the
+    probe held is freed before it returns.
     """
     probe = _Probe(task, options, size)
     device = probe.rt.device
     try:
-        for step in range(1, steps + 1):
-            oom, error = probe.step(step)
+        for stage in range(_PLACE, steps + 1):
+            oom, error = probe.run(stage)
             failure = _agree(size, oom, error)
             if failure:
                 return failure, probe.samples
@@ -209,6 +217,9 @@ def _probe(task: Task, options: RuntimeOptions, size: int, steps: int) -> tuple[
         free_memory(device)
 
 
+_PLACE, _WRAP = -1, 0  # a probe's stages before its training steps (1, 2, ...)
+
+
 class _Probe:
     """One try of a batch size: a fresh Runtime, model, optimizer and batch, all dropped with it."""
 
@@ -216,34 +227,43 @@ class _Probe:
         self.task, self.size = task, size
         self.rt = Runtime(options)
         self.samples = 0
+        self.placed: nn.Module | None = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.batch: tuple[Any, Any] | None = None
 
-    def step(self, step: int) -> tuple[str, Exception | None]:
-        """Run one training step; return the out-of-memory error's line, or the other error that stopped it."""
+    def run(self, stage: int) -> tuple[str, Exception | None]:
+        """Run a stage (_PLACE, _WRAP or a training step); return the out-of-memory error's line, or the other error."""
         try:
-            self._run(step)
+            if stage == _PLACE:
+                self.rt.start()  # before the model is built, so a seed applies to its weights
+                self.placed = _build(self.task).to(self.rt.device)
+            elif stage == _WRAP:
+                self._wrap()
+            else:
+                self._step(stage)
         except Exception as exc:  # told apart here, acted on by the caller once every rank knows
             if is_collective_failure(exc):
                 raise
             return (describe_error(exc), None) if is_oom(exc) else ("", exc)
         return "", None
 
-    def _run(self, step: int) -> None:
+    def _wrap(self) -> None:
         rt, task = self.rt, self.task
-        if self.model is None:
-            rt.start()  # before the model is built, so a seed applies to its weights
-            self.model, self.optimizer = rt.setup(_build(task), task.optimizer)
-            if rt.env.distributed and rt.strategy is not None and rt.strategy.name == "fsdp":
-                raise ConfigError(
-                    "the batch-size search cannot run under FSDP: its forward gathers weights from every rank, so "
-                    "one rank out of memory would leave the others waiting\nhint: search with strategy='ddp' when "
-                    "the model fits on one device, or find the batch size by hand"
-                )
-            self.model.train()
-            batch, self.samples = real_batch(task.train_data, self.size)
-            self.batch = split_batch(rt.to_device(batch), "train_data")
+        assert self.placed is not None
+        self.model, self.optimizer = rt.setup(self.placed, task.optimizer)
+        if rt.env.distributed and rt.strategy is not None and rt.strategy.name == "fsdp":
+            raise ConfigError(
+                "the batch-size search cannot run under FSDP: its forward gathers weights from every rank, so "
+                "one rank out of memory would leave the others waiting\nhint: search with strategy='ddp' when "
+                "the model fits on one device, or find the batch size by hand"
+            )
+        self.model.train()
+        batch, self.samples = real_batch(task.train_data, self.size)
+        self.batch = split_batch(rt.to_device(batch), "train_data")
+
+    def _step(self, step: int) -> None:
+        rt, task = self.rt, self.task
         assert self.model is not None and self.optimizer is not None and self.batch is not None
         inputs, targets = self.batch
         with self._local_gradients(), user_code(f"batch size {self.size}, step {step}", inputs, targets):
