@@ -1,5 +1,6 @@
 """`redline bench` on small models on the CPU: every row measured, failures confined to their row, auto honest."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench import benchmark
+from redline.bench.loops import Runner
+from redline.plan import Choice
 from redline.task import Task
 
 
@@ -122,6 +125,25 @@ def test_the_estimate_is_asked_once_per_batch_precision_and_device_and_shown_on_
     }  # fmt: skip
     assert benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=2,
                      auto=False).rows[0].estimate_bytes is None  # fmt: skip
+
+
+def test_the_matmul_a_row_is_measured_against_runs_with_its_own_tf32(monkeypatch):
+    # The naive fp32 loop runs full fp32 matmuls; a Runtime fp32 row on a GPU turns TF32 on. Each row's
+    # "of matmul" ratio must be over a matmul timed with its own setting, not the other's.
+    real_plan = Runner.plan
+
+    def plan_with_tf32(self):
+        plan = real_plan(self)
+        return None if plan is None else dataclasses.replace(plan, tf32=Choice(True, "on, as on a GPU"))
+
+    peaks = iter([1e-3, 4e-3])
+    monkeypatch.setattr(Runner, "plan", plan_with_tf32)
+    monkeypatch.setattr("redline.bench.run._matmul_peak", lambda device, precision: next(peaks))
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,
+                       auto=False)  # fmt: skip
+    naive, explicit = result.row("naive cpu fp32 b32"), result.row("cpu fp32 eager b32")
+    assert naive.mfu_measured == pytest.approx(naive.tflops / 1e-3)
+    assert explicit.mfu_measured == pytest.approx(explicit.tflops / 4e-3)
 
 
 def redline_cli(*args: str) -> subprocess.CompletedProcess:

@@ -288,7 +288,7 @@ def _rows(
 ) -> list[BenchRow]:
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
-    peaks: dict[tuple[str, str], float | None] = {}
+    peaks: dict[tuple[str, str, bool], float | None] = {}
     for setting in group:
         base = BenchRow(
             setting.name, setting.kind, setting.device, setting.precision, setting.compile, None, setting.batch_size
@@ -313,7 +313,7 @@ def _figures(
     window: int,
     memory: PeakMemory,
     flops: int | None,
-    peaks: dict[tuple[str, str], float | None],
+    peaks: dict[tuple[str, str, bool], float | None],
 ) -> BenchRow:
     plan = runner.plan()
     precision = plan.precision.value if plan is not None else "fp32"
@@ -328,7 +328,7 @@ def _figures(
     achieved = flops * samples / base.batch_size if flops and samples else None
     facts = probe_device(torch.device(base.device))
     spec = find_gpu(facts.name) if facts.type == "cuda" else None
-    key = (base.device, precision)
+    key = (base.device, precision, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
     if achieved is not None and key not in peaks:
         with runner.scope():
             peaks[key] = _matmul_peak(torch.device(base.device), precision)
