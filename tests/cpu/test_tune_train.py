@@ -1,6 +1,7 @@
 """`redline tune` finds and caches a Plan; `redline train --plan tuned` and auto run it, and a resumed run keeps it."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -8,11 +9,12 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import tune
+from redline.bench.tune import _measure, tune
 from redline.errors import ConfigError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 from redline.train.config import TrainerConfig
@@ -106,3 +108,21 @@ def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batchin
     other = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
     with pytest.raises(ConfigError, match="run `redline tune --task SPEC` on a Task with this model"):
         Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch):
+    # A clock that only an optimizer step moves: a step costs 1 s whether the batch runs as one or as two
+    # micro-batches, and a window cut between optimizer steps would charge the micro-batched one extra steps.
+    now = [0.0]
+
+    def counted_sgd(params):
+        optimizer = torch.optim.SGD(params, lr=0.01)
+        optimizer.register_step_post_hook(lambda *args: now.__setitem__(0, now[0] + 1.0))
+        return optimizer
+
+    monkeypatch.setattr("redline.bench.run.time_steps", functools.partial(time_steps, clock=lambda: now[0]))
+    task = dataclasses.replace(mlp_task(), optimizer=counted_sgd)
+    whole, split = _measure(task, "cpu", [Candidate(), Candidate(grad_accum=2)], 100, steps=15, window=5, seed=0,
+                            budget_s=60.0)  # fmt: skip
+    assert not whole.rejected and not split.rejected
+    assert whole.step_s == pytest.approx(1.0) and split.step_s == pytest.approx(1.0)

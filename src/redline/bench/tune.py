@@ -160,7 +160,7 @@ def _measure(
         options = candidate.options(RuntimeOptions(devices=device))
         try:
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
-            runner.run(window * candidate.grad_accum)
+            runner.run(window)
             runners.append(runner)
         except RedlineError:
             raise
@@ -176,8 +176,8 @@ def _measure(
         runner = runners[position]
         windows, error = timed[position]
         position += 1
-        per_s = rate(windows, window)  # micro-steps per second
-        step_s = candidate.grad_accum / per_s if per_s and not error else None
+        per_s = rate(windows, window)  # optimizer steps per second (a runner's step is all its micro-batches)
+        step_s = 1 / per_s if per_s and not error else None
         trials.append(Trial(candidate, step_s, runner.compile_seconds() or 0.0, error or _departure(runner, reference)))
     return trials
 
