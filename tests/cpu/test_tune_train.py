@@ -126,3 +126,20 @@ def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch
                             budget_s=60.0)  # fmt: skip
     assert not whole.rejected and not split.rejected
     assert whole.step_s == pytest.approx(1.0) and split.step_s == pytest.approx(1.0)
+
+
+def test_the_compile_mode_is_not_measured_when_compile_stays_off(monkeypatch):
+    # As on a GPU, where compile_mode is searched: with compile off, both modes would run the same eager model.
+    measured = []
+
+    def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        measured.append(candidates)
+        return [Trial(c, 0.010 if not c.compile else 0.020, compile_s=5.0 if c.compile else 0.0) for c in candidates]
+
+    space = [("compile", [False, True]), ("compile_mode", ["default", "reduce-overhead"])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune.skipped_axes", lambda task, facts: {})
+    monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
+    tuned, _ = tune(mlp_task(), devices="cpu")
+    assert [len(c) for c in measured] == [2]  # the compile axis alone
+    assert tuned.best == Candidate() and "compile is off" in tuned.reasons["compile"]

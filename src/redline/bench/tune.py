@@ -77,6 +77,9 @@ def tune(
         if left <= 0:
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
             continue
+        if axis == "compile_mode" and not best.compile:  # both modes would run the same eager model
+            reasons[axis] = "not measured: compile is off"
+            continue
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
         measured = _measure(task, device, candidates, planned, steps, window, seed, left)
         trials += measured
