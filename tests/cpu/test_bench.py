@@ -15,6 +15,8 @@ from torch.utils.data import TensorDataset
 
 from redline.bench import benchmark
 from redline.bench.loops import Runner
+from redline.bench.matrix import Setting
+from redline.bench.run import time_runners
 from redline.plan import Choice
 from redline.task import Task
 
@@ -144,6 +146,17 @@ def test_the_matmul_a_row_is_measured_against_runs_with_its_own_tf32(monkeypatch
     naive, explicit = result.row("naive cpu fp32 b32"), result.row("cpu fp32 eager b32")
     assert naive.mfu_measured == pytest.approx(naive.tflops / 1e-3)
     assert explicit.mfu_measured == pytest.approx(explicit.tflops / 4e-3)
+
+
+def test_windows_on_a_second_gpu_wait_for_that_gpu(monkeypatch):
+    # torch.cuda.synchronize() with no argument waits for the current device (cuda:0) only.
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    batch = (torch.zeros(2, 1), torch.zeros(2, 1))
+    runner = Runner(Setting("explicit", "cuda:1", "fp32", False, 2), nn.Linear(1, 1), lambda x, y: torch.zeros(()),
+                    [batch])  # fmt: skip
+    times = time_runners([runner], window=2, rounds=2, max_seconds=1.0)
+    assert len(times[0][0]) == 2 and synced and all(torch.device(d) == torch.device("cuda:1") for d in synced)
 
 
 def redline_cli(*args: str) -> subprocess.CompletedProcess:

@@ -268,14 +268,22 @@ def time_runners(
 
         return first_of_block
 
-    uses_cuda = any(r.setting.device.startswith("cuda") for r in built)
-    sync = torch.cuda.synchronize if uses_cuda else (lambda: None)
+    sync = functools.partial(_synchronize, list(dict.fromkeys(torch.device(r.setting.device) for r in built)))
     times, _ = time_steps(
         [guarded(i, window) for i in range(len(built))],
         settle=[settle(i) for i in range(len(built))],
         warmup=0, rounds=rounds, block=1, sync=sync, budget_s=max_seconds,
     )  # fmt: skip
     return {i: (times[i], errors.get(i, "")) for i in range(len(built))}
+
+
+def _synchronize(devices: list[torch.device]) -> None:
+    """Wait for each device the rows run on: a bare ``torch.cuda.synchronize()`` waits for the current GPU only."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type == "mps":
+            torch.mps.synchronize()
 
 
 def _rows(
