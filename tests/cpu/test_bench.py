@@ -159,6 +159,12 @@ def test_windows_on_a_second_gpu_wait_for_that_gpu(monkeypatch):
     assert len(times[0][0]) == 2 and synced and all(torch.device(d) == torch.device("cuda:1") for d in synced)
 
 
+def test_the_steps_reported_are_those_timed_when_max_seconds_stops_early():
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=20, window=2,
+                       max_seconds=1e-9, auto=False)  # fmt: skip
+    assert result.steps == 4  # two rounds of one window, not the ten rounds asked for
+
+
 def redline_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)

@@ -83,7 +83,7 @@ class BenchResult:
     """A bench's rows, with what they ran on."""
 
     task: str
-    steps: int
+    steps: int  # timed steps per row: the fewest of any batch size, where --max-seconds stopped one early
     window: int
     measured_at: str
     machine: dict[str, Any]
@@ -141,6 +141,7 @@ def benchmark(
     tell = progress or (lambda done, total, what: None)
     total, done = len(settings) + rounds * len(sizes), 0
     rows: list[BenchRow] = []
+    timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
         planned = planned_steps or task_steps(task, size)
@@ -158,12 +159,13 @@ def benchmark(
         runners = [runner for runner, _, _ in built.values()]
         timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
         done += rounds
+        timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
         rows += _rows(task, group, built, timed, failed, window)
         if any(s.compile is not False for s in group):
             _reset_compiler()  # the next batch size compiles afresh, not as a dynamic-shape recompile
     return BenchResult(
         task=task.name,
-        steps=rounds * window,
+        steps=timed_rounds * window,
         window=window,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine=_machine(facts),
