@@ -10,13 +10,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench.tune import _measure, tune
+from redline.cli.tune import tune_command
 from redline.errors import ConfigError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
-from redline.task import Task
+from redline.task import Task, load_task
 from redline.train.config import TrainerConfig
 from redline.train.trainer import Trainer
 
@@ -143,3 +144,29 @@ def test_the_compile_mode_is_not_measured_when_compile_stays_off(monkeypatch):
     tuned, _ = tune(mlp_task(), devices="cpu")
     assert [len(c) for c in measured] == [2]  # the compile axis alone
     assert tuned.best == Candidate() and "compile is off" in tuned.reasons["compile"]
+
+
+def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_path, monkeypatch, capsys):
+    # `redline tune --batch-size 16` then `redline train --batch-size 16 --plan tuned`: the train keeps the
+    # task's own batch_size and passes 16 beside it, so the tune must cache under the same key.
+    spec = tmp_path / "mlp.py"
+    spec.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "def mlp():\n    x, y = torch.randn(128, 8), torch.randint(0, 3, (128,))\n"
+        "    return Task(model=lambda: nn.Sequential(nn.Linear(8, 3)), loss_fn=nn.functional.cross_entropy,\n"
+        "                train_data=TensorDataset(x, y), batch_size=32, name='mlp')\n"
+    )
+
+    def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        return [Trial(c, 0.010 if c.grad_accum == 1 else 0.005) for c in candidates]
+
+    monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
+    tune_command(task=f"{spec}:mlp", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=16,
+                 steps=4, json_output=True)  # fmt: skip
+    tune_command(task=f"{spec}:mlp", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=16,
+                 steps=4, json_output=False)  # fmt: skip
+    shown = capsys.readouterr().out
+    assert f"use it: redline train --task {spec}:mlp --batch-size 16 --devices cpu --plan tuned\n" in shown
+    config = TrainerConfig(max_steps=1, plan="tuned", batch_size=16, progress=False)
+    summary = Trainer(load_task(f"{spec}:mlp"), config).fit()
+    assert summary.plan.grad_accum.value == 2 and "tuned" in summary.plan.grad_accum.reason

@@ -45,6 +45,7 @@ def tune(
     task: Task,
     *,
     devices: str = "auto",
+    batch_size: int | None = None,
     budget_s: float = 120.0,
     planned_steps: int | None = None,
     steps: int = 30,
@@ -56,12 +57,17 @@ def tune(
 
     Returns the tuned Plan and the path of its cache entry, which ``redline train --plan tuned``
     (and auto) read. ``planned_steps`` is the run the total time is weighed for (default: the
-    task's epochs); ``budget_s`` bounds the whole search.
+    task's epochs); ``budget_s`` bounds the whole search. ``batch_size`` tunes at another batch size
+    than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
     """
     positive_number("budget_s", budget_s)
     positive_int("steps", steps)
     positive_int("window", window)
     positive_int("planned_steps", planned_steps, optional=True)
+    positive_int("batch_size", batch_size, optional=True)
+    fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
+    if batch_size is not None:
+        task = dataclasses.replace(task, batch_size=batch_size)
     device = resolve_device(devices, probe_accelerators()).value
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
@@ -91,7 +97,7 @@ def tune(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials),
     )  # fmt: skip
-    return tuned, store_tuned(task.fingerprint(), facts, tuned, model=task.build_model())
+    return tuned, store_tuned(fingerprint, facts, tuned, model=task.build_model())
 
 
 def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
