@@ -17,6 +17,8 @@ from redline.bench import benchmark
 from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
 from redline.bench.run import time_runners
+from redline.cli.bench import bench as bench_command
+from redline.errors import ConfigError
 from redline.plan import Choice
 from redline.task import Task
 
@@ -212,3 +214,12 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_path, monkeypatch):
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
+    with pytest.raises(ConfigError, match="hint:"):
+        bench_command(task="example:digits", html=tmp_path / "missing" / "bench.html")
