@@ -167,6 +167,20 @@ def test_the_steps_reported_are_those_timed_when_max_seconds_stops_early():
     assert result.steps == 4  # two rounds of one window, not the ten rounds asked for
 
 
+def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypatch):
+    # auto's trial trains copies of the model before the row is built; what they held is not the row's peak.
+    def trial_holding_memory(*args, **kwargs):
+        held = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        time.sleep(0.05)  # long enough for the resident-set sampler to see it
+        del held
+        return {}
+
+    monkeypatch.setattr("redline.bench.run.measure_auto", trial_holding_memory)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=2)
+    naive, auto = result.row("naive cpu fp32 b32"), result.row("auto cpu b32")
+    assert auto.peak_mem_bytes < naive.peak_mem_bytes + 32 * 2**20
+
+
 def redline_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)

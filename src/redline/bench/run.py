@@ -216,14 +216,14 @@ def _warm_up(
 ) -> tuple[Runner, PeakMemory, int | None]:
     """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory."""
     device = torch.device(setting.device)
+    measured = None  # auto's trial runs before the peak is read: the copies it trains are not the row's
+    if setting.kind == "auto":  # what `redline train` would run: the trial decides the precision
+        options = RuntimeOptions(devices=setting.device)
+        measured = measure_auto(task, options, setting.batch_size, planned or 1, read_env(), trial="on")
     with PeakMemory(device) as memory:
         if setting.kind == "naive":
             runner = naive_runner(task, setting, seed=seed)
         else:
-            measured = None
-            if setting.kind == "auto":  # what `redline train` would run: the trial decides the precision
-                options = RuntimeOptions(devices=setting.device)
-                measured = measure_auto(task, options, setting.batch_size, planned or 1, read_env(), trial="on")
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, measured=measured)
         runner.run(window)
     assert runner.first_batch is not None
