@@ -170,3 +170,17 @@ def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_p
     config = TrainerConfig(max_steps=1, plan="tuned", batch_size=16, progress=False)
     summary = Trainer(load_task(f"{spec}:mlp"), config).fit()
     assert summary.plan.grad_accum.value == 2 and "tuned" in summary.plan.grad_accum.reason
+
+
+@pytest.mark.slow
+def test_every_compiled_candidate_is_charged_the_compile_a_fresh_run_pays():
+    # torch.compile's cache is process-wide: a second model of the same structure compiles in no time.
+    # A candidate must not look cheaper because an earlier one (another axis, or a loader setting that
+    # leaves the model as it is) compiled its graph first.
+    task = mlp_task()
+    compiled = Candidate(compile=True)
+    first = _measure(task, "cpu", [Candidate(), compiled], 100, steps=4, window=2, seed=0, budget_s=30.0)
+    again = _measure(task, "cpu", [compiled, Candidate(compile=True, loader_workers=0)], 100, steps=4, window=2,
+                     seed=0, budget_s=30.0)  # fmt: skip
+    assert first[1].compile_s > 0
+    assert again[0].compile_s > 0 and again[1].compile_s == again[0].compile_s

@@ -162,7 +162,7 @@ def benchmark(
         timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
         rows += _rows(task, group, built, timed, failed, window)
         if any(s.compile is not False for s in group):
-            _reset_compiler()  # the next batch size compiles afresh, not as a dynamic-shape recompile
+            reset_compiler()  # the next batch size compiles afresh, not as a dynamic-shape recompile
     return BenchResult(
         task=task.name,
         steps=timed_rounds * window,
@@ -412,7 +412,8 @@ def _machine(facts: list[DeviceFacts]) -> dict[str, Any]:
     }
 
 
-def _reset_compiler() -> None:
+def reset_compiler() -> None:
+    """Clear torch.compile's process-wide cache, so that the next compile is timed as a fresh run's."""
     try:
         import torch._dynamo
 

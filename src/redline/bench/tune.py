@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import task_steps, time_runners
+from redline.bench.run import reset_compiler, task_steps, time_runners
 from redline.config import positive_int, positive_number
 from redline.errors import RedlineError, describe_error
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -160,7 +160,13 @@ def _measure(
     seed: int,
     budget_s: float,
 ) -> list[Trial]:
-    """Warm each candidate up alone, then time them side by side; each trial's step is one optimizer step."""
+    """Warm each candidate up alone, then time them side by side; each trial's step is one optimizer step.
+
+    torch.compile's cache is process-wide, so it is cleared first: a candidate pays its compile as a
+    fresh run would, not a graph an earlier axis compiled. Within the axis, a candidate whose graph
+    an earlier one compiled (loader workers leave the model as it is) is charged that compile.
+    """
+    reset_compiler()
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     for index, candidate in enumerate(candidates):
@@ -178,6 +184,7 @@ def _measure(
     timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
+    compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph
     for index, candidate in enumerate(candidates):
         if index in failed:
             trials.append(Trial(candidate, None, rejected=f"it failed: {failed[index]}"))
@@ -187,7 +194,9 @@ def _measure(
         position += 1
         per_s = rate(windows, window)  # optimizer steps per second (a runner's step is all its micro-batches)
         step_s = 1 / per_s if per_s and not error else None
-        trials.append(Trial(candidate, step_s, runner.compile_seconds() or 0.0, error or _departure(runner, reference)))
+        graph = dataclasses.replace(candidate, loader_workers=None)
+        compile_s = compiles.setdefault(graph, runner.compile_seconds() or 0.0) if candidate.compile else 0.0
+        trials.append(Trial(candidate, step_s, compile_s, error or _departure(runner, reference)))
     return trials
 
 
