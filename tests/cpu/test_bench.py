@@ -181,6 +181,23 @@ def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypat
     assert auto.peak_mem_bytes < naive.peak_mem_bytes + 32 * 2**20
 
 
+@pytest.mark.slow
+def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
+    # torch.compile's cache is process-wide: a model of the same structure compiled before (an earlier
+    # bench, or another row with the same graph) would make a row's compile look free.
+    from redline.plan import compile as plan_compile
+
+    real = plan_compile.resolve_compile
+    monkeypatch.setattr(  # auto compiles here, as it does on a GPU for a long run
+        "redline.runtime.compile.resolve_compile",
+        lambda requested, *a, **k: Choice(True, "auto (test)") if requested == "auto" else real(requested, *a, **k),
+    )
+    for _ in range(2):
+        result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[True], steps=2, window=2)
+        compiled, auto = result.row("cpu fp32 compiled b32"), result.row("auto cpu b32")
+        assert auto.compile and compiled.compile_s > 0 and auto.compile_s == compiled.compile_s
+
+
 def redline_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)
