@@ -184,3 +184,21 @@ def test_every_compiled_candidate_is_charged_the_compile_a_fresh_run_pays():
                      seed=0, budget_s=30.0)  # fmt: skip
     assert first[1].compile_s > 0
     assert again[0].compile_s > 0 and again[1].compile_s == again[0].compile_s
+
+
+def test_an_explicit_flag_that_overrides_the_tune_keeps_its_own_reason():
+    task = mlp_task()
+    tuned = TunedPlan(
+        task=task.name, device="cpu", batch_size=task.batch_size, planned_steps=500,
+        measured_at="2026-12-01 06:00 UTC", best=Candidate(precision="bf16-mixed"),
+        reasons={"precision": "bf16-mixed, 1.40x less time for 500 steps (made up)", "compile": "compile off kept"},
+        trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned, model=task.build_model())
+    config = TrainerConfig(max_steps=1, plan="tuned", progress=False, runtime=RuntimeOptions(precision="fp32"))
+    plan = Trainer(task, config).fit().plan
+    assert plan.precision.value == "fp32" and "bf16-mixed" not in plan.precision.reason  # the flag won, and says so
+    assert plan.compile.value is False and plan.compile.reason.startswith("tuned")
+    with Runtime(devices="cpu", plan="tuned", precision="fp32") as rt:
+        rt.setup(task.build_model(), task.optimizer)
+        assert rt.explain().precision.value == "fp32" and "bf16-mixed" not in rt.explain().precision.reason
