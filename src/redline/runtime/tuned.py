@@ -190,14 +190,9 @@ def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOption
         ) from None
     applied = dataclasses.replace(tuned.apply(options), grad_accum=options.grad_accum)
     reasons = tuned.plan_reasons(applied)
-    if tuned.best.grad_accum > 1 and options.grad_accum == 1:
-        reasons["grad_accum"] = {
-            "value": 1,
-            "reason": (
-                f"not applied: the tune ran {tuned.best.grad_accum} {MICRO_BATCHES} faster; your loop owns the batches: "
-                f"split each in {tuned.best.grad_accum} and pass grad_accum={tuned.best.grad_accum} to use it"
-            ),
-        }
+    if (k := tuned.best.grad_accum) > 1 and options.grad_accum == 1:
+        told = f"not applied: the tune ran {k} {MICRO_BATCHES} faster; your loop owns the batches: "
+        reasons["grad_accum"] = {"value": 1, "reason": told + f"split each in {k} and pass grad_accum={k} to use it"}
     note = f"tuned {tuned.measured_at} at batch {tuned.batch_size} for {tuned.planned_steps} steps"
     return applied, Tuning(reasons, note)
 
