@@ -1,5 +1,6 @@
 """`redline bench` on small models on the CPU: every row measured, failures confined to their row, auto honest."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench import benchmark
+from redline.bench.loops import Runner
+from redline.bench.matrix import Setting
+from redline.bench.run import time_runners
+from redline.cli.bench import bench as bench_command
+from redline.errors import ConfigError
+from redline.plan import Choice
 from redline.task import Task
 
 
@@ -124,6 +131,73 @@ def test_the_estimate_is_asked_once_per_batch_precision_and_device_and_shown_on_
                      auto=False).rows[0].estimate_bytes is None  # fmt: skip
 
 
+def test_the_matmul_a_row_is_measured_against_runs_with_its_own_tf32(monkeypatch):
+    # The naive fp32 loop runs full fp32 matmuls; a Runtime fp32 row on a GPU turns TF32 on. Each row's
+    # "of matmul" ratio must be over a matmul timed with its own setting, not the other's.
+    real_plan = Runner.plan
+
+    def plan_with_tf32(self):
+        plan = real_plan(self)
+        return None if plan is None else dataclasses.replace(plan, tf32=Choice(True, "on, as on a GPU"))
+
+    peaks = iter([1e-3, 4e-3])
+    monkeypatch.setattr(Runner, "plan", plan_with_tf32)
+    monkeypatch.setattr("redline.bench.run._matmul_peak", lambda device, precision: next(peaks))
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,
+                       auto=False)  # fmt: skip
+    naive, explicit = result.row("naive cpu fp32 b32"), result.row("cpu fp32 eager b32")
+    assert naive.mfu_measured == pytest.approx(naive.tflops / 1e-3)
+    assert explicit.mfu_measured == pytest.approx(explicit.tflops / 4e-3)
+
+
+def test_windows_on_a_second_gpu_wait_for_that_gpu(monkeypatch):
+    # torch.cuda.synchronize() with no argument waits for the current device (cuda:0) only.
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    batch = (torch.zeros(2, 1), torch.zeros(2, 1))
+    runner = Runner(Setting("explicit", "cuda:1", "fp32", False, 2), nn.Linear(1, 1), lambda x, y: torch.zeros(()),
+                    [batch])  # fmt: skip
+    times = time_runners([runner], window=2, rounds=2, max_seconds=1.0)
+    assert len(times[0][0]) == 2 and synced and all(torch.device(d) == torch.device("cuda:1") for d in synced)
+
+
+def test_the_steps_reported_are_those_timed_when_max_seconds_stops_early():
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=20, window=2,
+                       max_seconds=1e-9, auto=False)  # fmt: skip
+    assert result.steps == 4  # two rounds of one window, not the ten rounds asked for
+
+
+def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypatch):
+    # auto's trial trains copies of the model before the row is built; what they held is not the row's peak.
+    def trial_holding_memory(*args, **kwargs):
+        held = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        time.sleep(0.05)  # long enough for the resident-set sampler to see it
+        del held
+        return {}
+
+    monkeypatch.setattr("redline.bench.run.measure_auto", trial_holding_memory)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=2)
+    naive, auto = result.row("naive cpu fp32 b32"), result.row("auto cpu b32")
+    assert auto.peak_mem_bytes < naive.peak_mem_bytes + 32 * 2**20
+
+
+@pytest.mark.slow
+def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
+    # torch.compile's cache is process-wide: a model of the same structure compiled before (an earlier
+    # bench, or another row with the same graph) would make a row's compile look free.
+    from redline.plan import compile as plan_compile
+
+    real = plan_compile.resolve_compile
+    monkeypatch.setattr(  # auto compiles here, as it does on a GPU for a long run
+        "redline.runtime.compile.resolve_compile",
+        lambda requested, *a, **k: Choice(True, "auto (test)") if requested == "auto" else real(requested, *a, **k),
+    )
+    for _ in range(2):
+        result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[True], steps=2, window=2)
+        compiled, auto = result.row("cpu fp32 compiled b32"), result.row("auto cpu b32")
+        assert auto.compile and compiled.compile_s > 0 and auto.compile_s == compiled.compile_s
+
+
 def redline_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)
@@ -171,3 +245,12 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_path, monkeypatch):
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
+    with pytest.raises(ConfigError, match="hint:"):
+        bench_command(task="example:digits", html=tmp_path / "missing" / "bench.html")

@@ -1,6 +1,7 @@
 """`redline tune` finds and caches a Plan; `redline train --plan tuned` and auto run it, and a resumed run keeps it."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -8,13 +9,15 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import tune
+from redline.bench.tune import _measure, tune
+from redline.cli.tune import tune_command
 from redline.errors import ConfigError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
-from redline.task import Task
+from redline.task import Task, load_task
 from redline.train.config import TrainerConfig
 from redline.train.trainer import Trainer
 
@@ -106,3 +109,96 @@ def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batchin
     other = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
     with pytest.raises(ConfigError, match="run `redline tune --task SPEC` on a Task with this model"):
         Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch):
+    # A clock that only an optimizer step moves: a step costs 1 s whether the batch runs as one or as two
+    # micro-batches, and a window cut between optimizer steps would charge the micro-batched one extra steps.
+    now = [0.0]
+
+    def counted_sgd(params):
+        optimizer = torch.optim.SGD(params, lr=0.01)
+        optimizer.register_step_post_hook(lambda *args: now.__setitem__(0, now[0] + 1.0))
+        return optimizer
+
+    monkeypatch.setattr("redline.bench.run.time_steps", functools.partial(time_steps, clock=lambda: now[0]))
+    task = dataclasses.replace(mlp_task(), optimizer=counted_sgd)
+    whole, split = _measure(task, "cpu", [Candidate(), Candidate(grad_accum=2)], 100, steps=15, window=5, seed=0,
+                            budget_s=60.0)  # fmt: skip
+    assert not whole.rejected and not split.rejected
+    assert whole.step_s == pytest.approx(1.0) and split.step_s == pytest.approx(1.0)
+
+
+def test_the_compile_mode_is_not_measured_when_compile_stays_off(monkeypatch):
+    # As on a GPU, where compile_mode is searched: with compile off, both modes would run the same eager model.
+    measured = []
+
+    def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        measured.append(candidates)
+        return [Trial(c, 0.010 if not c.compile else 0.020, compile_s=5.0 if c.compile else 0.0) for c in candidates]
+
+    space = [("compile", [False, True]), ("compile_mode", ["default", "reduce-overhead"])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune.skipped_axes", lambda task, facts: {})
+    monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
+    tuned, _ = tune(mlp_task(), devices="cpu")
+    assert [len(c) for c in measured] == [2]  # the compile axis alone
+    assert tuned.best == Candidate() and "compile is off" in tuned.reasons["compile"]
+
+
+def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_path, monkeypatch, capsys):
+    # `redline tune --batch-size 16` then `redline train --batch-size 16 --plan tuned`: the train keeps the
+    # task's own batch_size and passes 16 beside it, so the tune must cache under the same key.
+    spec = tmp_path / "mlp.py"
+    spec.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "def mlp():\n    x, y = torch.randn(128, 8), torch.randint(0, 3, (128,))\n"
+        "    return Task(model=lambda: nn.Sequential(nn.Linear(8, 3)), loss_fn=nn.functional.cross_entropy,\n"
+        "                train_data=TensorDataset(x, y), batch_size=32, name='mlp')\n"
+    )
+
+    def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        return [Trial(c, 0.010 if c.grad_accum == 1 else 0.005) for c in candidates]
+
+    monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
+    tune_command(task=f"{spec}:mlp", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=16,
+                 steps=4, json_output=True)  # fmt: skip
+    tune_command(task=f"{spec}:mlp", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=16,
+                 steps=4, json_output=False)  # fmt: skip
+    shown = capsys.readouterr().out
+    assert f"use it: redline train --task {spec}:mlp --batch-size 16 --devices cpu --plan tuned\n" in shown
+    config = TrainerConfig(max_steps=1, plan="tuned", batch_size=16, progress=False)
+    summary = Trainer(load_task(f"{spec}:mlp"), config).fit()
+    assert summary.plan.grad_accum.value == 2 and "tuned" in summary.plan.grad_accum.reason
+
+
+@pytest.mark.slow
+def test_every_compiled_candidate_is_charged_the_compile_a_fresh_run_pays():
+    # torch.compile's cache is process-wide: a second model of the same structure compiles in no time.
+    # A candidate must not look cheaper because an earlier one (another axis, or a loader setting that
+    # leaves the model as it is) compiled its graph first.
+    task = mlp_task()
+    compiled = Candidate(compile=True)
+    first = _measure(task, "cpu", [Candidate(), compiled], 100, steps=4, window=2, seed=0, budget_s=30.0)
+    again = _measure(task, "cpu", [compiled, Candidate(compile=True, loader_workers=0)], 100, steps=4, window=2,
+                     seed=0, budget_s=30.0)  # fmt: skip
+    assert first[1].compile_s > 0
+    assert again[0].compile_s > 0 and again[1].compile_s == again[0].compile_s
+
+
+def test_an_explicit_flag_that_overrides_the_tune_keeps_its_own_reason():
+    task = mlp_task()
+    tuned = TunedPlan(
+        task=task.name, device="cpu", batch_size=task.batch_size, planned_steps=500,
+        measured_at="2026-12-01 06:00 UTC", best=Candidate(precision="bf16-mixed"),
+        reasons={"precision": "bf16-mixed, 1.40x less time for 500 steps (made up)", "compile": "compile off kept"},
+        trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned, model=task.build_model())
+    config = TrainerConfig(max_steps=1, plan="tuned", progress=False, runtime=RuntimeOptions(precision="fp32"))
+    plan = Trainer(task, config).fit().plan
+    assert plan.precision.value == "fp32" and "bf16-mixed" not in plan.precision.reason  # the flag won, and says so
+    assert plan.compile.value is False and plan.compile.reason.startswith("tuned")
+    with Runtime(devices="cpu", plan="tuned", precision="fp32") as rt:
+        rt.setup(task.build_model(), task.optimizer)
+        assert rt.explain().precision.value == "fp32" and "bf16-mixed" not in rt.explain().precision.reason

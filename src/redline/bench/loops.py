@@ -41,6 +41,7 @@ class Runner:
     runtime: Runtime | None = None
     first_batch: tuple[Any, Any] | None = None
     first_loss: float | None = None  # of the very first step, before any update: rows compare on it
+    micro_steps: int = 1  # micro-batches per optimizer step (a tune's grad_accum): a step is all of them
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:
@@ -56,10 +57,13 @@ class Runner:
         return split_batch(batch, "train_data")
 
     def run(self, steps: int) -> float:
-        """Run ``steps`` training steps; return the last loss (read once, at the end)."""
+        """Run ``steps`` optimizer steps of ``micro_steps`` micro-batches each; return the last loss (read once).
+
+        Whole optimizer steps only, so every timed window holds the same number of them.
+        """
         loss = None
         with self.scope():
-            for _ in range(steps):
+            for _ in range(steps * self.micro_steps):
                 inputs, targets = self.next_batch()
                 loss = self.step_fn(inputs, targets)
                 if self.first_batch is None:
@@ -125,7 +129,7 @@ def runtime_runner(
         return loss
 
     batches = rt.setup_loader(_loader(task, setting.batch_size, seed))
-    return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt)
+    return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt, micro_steps=options.grad_accum)
 
 
 def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:

@@ -83,7 +83,7 @@ class BenchResult:
     """A bench's rows, with what they ran on."""
 
     task: str
-    steps: int
+    steps: int  # timed steps per row: the fewest of any batch size, where --max-seconds stopped one early
     window: int
     measured_at: str
     machine: dict[str, Any]
@@ -141,9 +141,12 @@ def benchmark(
     tell = progress or (lambda done, total, what: None)
     total, done = len(settings) + rounds * len(sizes), 0
     rows: list[BenchRow] = []
+    timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
         planned = planned_steps or task_steps(task, size)
+        if any(s.compile is not False for s in group):
+            reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
         built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
         failed: dict[Setting, str] = {}
         for setting in group:
@@ -158,12 +161,11 @@ def benchmark(
         runners = [runner for runner, _, _ in built.values()]
         timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
         done += rounds
+        timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
         rows += _rows(task, group, built, timed, failed, window)
-        if any(s.compile is not False for s in group):
-            _reset_compiler()  # the next batch size compiles afresh, not as a dynamic-shape recompile
     return BenchResult(
         task=task.name,
-        steps=rounds * window,
+        steps=timed_rounds * window,
         window=window,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine=_machine(facts),
@@ -214,14 +216,14 @@ def _warm_up(
 ) -> tuple[Runner, PeakMemory, int | None]:
     """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory."""
     device = torch.device(setting.device)
+    measured = None  # auto's trial runs before the peak is read: the copies it trains are not the row's
+    if setting.kind == "auto":  # what `redline train` would run: the trial decides the precision
+        options = RuntimeOptions(devices=setting.device)
+        measured = measure_auto(task, options, setting.batch_size, planned or 1, read_env(), trial="on")
     with PeakMemory(device) as memory:
         if setting.kind == "naive":
             runner = naive_runner(task, setting, seed=seed)
         else:
-            measured = None
-            if setting.kind == "auto":  # what `redline train` would run: the trial decides the precision
-                options = RuntimeOptions(devices=setting.device)
-                measured = measure_auto(task, options, setting.batch_size, planned or 1, read_env(), trial="on")
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, measured=measured)
         runner.run(window)
     assert runner.first_batch is not None
@@ -268,14 +270,22 @@ def time_runners(
 
         return first_of_block
 
-    uses_cuda = any(r.setting.device.startswith("cuda") for r in built)
-    sync = torch.cuda.synchronize if uses_cuda else (lambda: None)
+    sync = functools.partial(_synchronize, list(dict.fromkeys(torch.device(r.setting.device) for r in built)))
     times, _ = time_steps(
         [guarded(i, window) for i in range(len(built))],
         settle=[settle(i) for i in range(len(built))],
         warmup=0, rounds=rounds, block=1, sync=sync, budget_s=max_seconds,
     )  # fmt: skip
     return {i: (times[i], errors.get(i, "")) for i in range(len(built))}
+
+
+def _synchronize(devices: list[torch.device]) -> None:
+    """Wait for each device the rows run on: a bare ``torch.cuda.synchronize()`` waits for the current GPU only."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type == "mps":
+            torch.mps.synchronize()
 
 
 def _rows(
@@ -288,7 +298,7 @@ def _rows(
 ) -> list[BenchRow]:
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
-    peaks: dict[tuple[str, str], float | None] = {}
+    peaks: dict[tuple[str, str, bool], float | None] = {}
     for setting in group:
         base = BenchRow(
             setting.name, setting.kind, setting.device, setting.precision, setting.compile, None, setting.batch_size
@@ -302,7 +312,22 @@ def _rows(
             rows.append(dataclasses.replace(base, error=error))
             continue
         rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks))
-    return _with_break_even(rows)
+    return _with_break_even(_with_shared_compiles(rows))
+
+
+def _with_shared_compiles(rows: list[BenchRow]) -> list[BenchRow]:
+    """Give a compiled row whose graph an earlier row compiled (torch.compile's cache is process-wide,
+    so its own compile took no time) that row's compile seconds: what a run of it alone would pay."""
+    paid: dict[tuple[str, str, bool | None], float] = {}
+    out = []
+    for row in rows:
+        key = (row.device, row.precision, row.channels_last)
+        if row.compile and row.compile_s is not None:
+            paid.setdefault(key, row.compile_s)
+        elif row.compile and key in paid:
+            row = dataclasses.replace(row, compile_s=paid[key])
+        out.append(row)
+    return out
 
 
 def _figures(
@@ -313,7 +338,7 @@ def _figures(
     window: int,
     memory: PeakMemory,
     flops: int | None,
-    peaks: dict[tuple[str, str], float | None],
+    peaks: dict[tuple[str, str, bool], float | None],
 ) -> BenchRow:
     plan = runner.plan()
     precision = plan.precision.value if plan is not None else "fp32"
@@ -328,7 +353,7 @@ def _figures(
     achieved = flops * samples / base.batch_size if flops and samples else None
     facts = probe_device(torch.device(base.device))
     spec = find_gpu(facts.name) if facts.type == "cuda" else None
-    key = (base.device, precision)
+    key = (base.device, precision, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
     if achieved is not None and key not in peaks:
         with runner.scope():
             peaks[key] = _matmul_peak(torch.device(base.device), precision)
@@ -402,7 +427,8 @@ def _machine(facts: list[DeviceFacts]) -> dict[str, Any]:
     }
 
 
-def _reset_compiler() -> None:
+def reset_compiler() -> None:
+    """Clear torch.compile's process-wide cache, so that the next compile is timed as a fresh run's."""
     try:
         import torch._dynamo
 

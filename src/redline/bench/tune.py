@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import task_steps, time_runners
+from redline.bench.run import reset_compiler, task_steps, time_runners
 from redline.config import positive_int, positive_number
 from redline.errors import RedlineError, describe_error
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -45,6 +45,7 @@ def tune(
     task: Task,
     *,
     devices: str = "auto",
+    batch_size: int | None = None,
     budget_s: float = 120.0,
     planned_steps: int | None = None,
     steps: int = 30,
@@ -56,12 +57,17 @@ def tune(
 
     Returns the tuned Plan and the path of its cache entry, which ``redline train --plan tuned``
     (and auto) read. ``planned_steps`` is the run the total time is weighed for (default: the
-    task's epochs); ``budget_s`` bounds the whole search.
+    task's epochs); ``budget_s`` bounds the whole search. ``batch_size`` tunes at another batch size
+    than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
     """
     positive_number("budget_s", budget_s)
     positive_int("steps", steps)
     positive_int("window", window)
     positive_int("planned_steps", planned_steps, optional=True)
+    positive_int("batch_size", batch_size, optional=True)
+    fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
+    if batch_size is not None:
+        task = dataclasses.replace(task, batch_size=batch_size)
     device = resolve_device(devices, probe_accelerators()).value
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
@@ -77,6 +83,9 @@ def tune(
         if left <= 0:
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
             continue
+        if axis == "compile_mode" and not best.compile:  # both modes would run the same eager model
+            reasons[axis] = "not measured: compile is off"
+            continue
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
         measured = _measure(task, device, candidates, planned, steps, window, seed, left)
         trials += measured
@@ -88,7 +97,7 @@ def tune(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials),
     )  # fmt: skip
-    return tuned, store_tuned(task.fingerprint(), facts, tuned, model=task.build_model())
+    return tuned, store_tuned(fingerprint, facts, tuned, model=task.build_model())
 
 
 def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
@@ -151,7 +160,13 @@ def _measure(
     seed: int,
     budget_s: float,
 ) -> list[Trial]:
-    """Warm each candidate up alone, then time them side by side; each trial's step is one optimizer step."""
+    """Warm each candidate up alone, then time them side by side; each trial's step is one optimizer step.
+
+    torch.compile's cache is process-wide, so it is cleared first: a candidate pays its compile as a
+    fresh run would, not a graph an earlier axis compiled. Within the axis, a candidate whose graph
+    an earlier one compiled (loader workers leave the model as it is) is charged that compile.
+    """
+    reset_compiler()
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     for index, candidate in enumerate(candidates):
@@ -160,7 +175,7 @@ def _measure(
         options = candidate.options(RuntimeOptions(devices=device))
         try:
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
-            runner.run(window * candidate.grad_accum)
+            runner.run(window)
             runners.append(runner)
         except RedlineError:
             raise
@@ -169,6 +184,7 @@ def _measure(
     timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
+    compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph
     for index, candidate in enumerate(candidates):
         if index in failed:
             trials.append(Trial(candidate, None, rejected=f"it failed: {failed[index]}"))
@@ -176,9 +192,11 @@ def _measure(
         runner = runners[position]
         windows, error = timed[position]
         position += 1
-        per_s = rate(windows, window)  # micro-steps per second
-        step_s = candidate.grad_accum / per_s if per_s and not error else None
-        trials.append(Trial(candidate, step_s, runner.compile_seconds() or 0.0, error or _departure(runner, reference)))
+        per_s = rate(windows, window)  # optimizer steps per second (a runner's step is all its micro-batches)
+        step_s = 1 / per_s if per_s and not error else None
+        graph = dataclasses.replace(candidate, loader_workers=None)
+        compile_s = compiles.setdefault(graph, runner.compile_seconds() or 0.0) if candidate.compile else 0.0
+        trials.append(Trial(candidate, step_s, compile_s, error or _departure(runner, reference)))
     return trials
 
 

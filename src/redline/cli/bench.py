@@ -16,6 +16,7 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, describe_error
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
+from redline.render.plots import require_matplotlib
 from redline.task import Task, load_task
 
 SWITCH = {"on": True, "off": False, "true": True, "false": False}
@@ -51,6 +52,8 @@ def bench(
 ) -> None:
     """Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU."""
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    if html is not None:
+        _check_html(html)
     console = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -80,6 +83,14 @@ def bench(
     out.print(best_line(data), highlight=False)
     if html is not None:
         out.print(f"report: {html}", highlight=False)
+
+
+def _check_html(path: Path) -> None:
+    """Refuse a page that could not be written before the bench runs, not after: its result would be lost."""
+    require_matplotlib()
+    if path.is_dir() or not path.parent.is_dir():
+        what = "is a directory" if path.is_dir() else f"is in {str(path.parent)!r}, which is not a directory"
+        raise ConfigError(f"--html {str(path)!r} {what}\nhint: pass a file in a directory that exists")
 
 
 def _estimator(task: Task, console: Console) -> Estimate:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import shlex
 from typing import Annotated
 
 import typer
@@ -35,8 +35,6 @@ def tune_command(
     micro-batching, each weighed by the planned run's total time, compile included.
     """
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
-    if batch_size is not None:
-        loaded = dataclasses.replace(loaded, batch_size=batch_size)
     console = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
@@ -47,8 +45,9 @@ def tune_command(
             bar.update(job, completed=done, total=total, description=what)
 
         tuned, path = tune(
-            loaded, devices=devices, budget_s=budget, planned_steps=planned_steps, steps=steps, progress=tell
-        )
+            loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
+            steps=steps, progress=tell,
+        )  # fmt: skip
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
         return
@@ -56,4 +55,8 @@ def tune_command(
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
     out.print(key_value_table(list(tuned.reasons.items()), title=title))
     out.print(f"chosen: {tuned.best.label}", highlight=False)
-    out.print(f"cached: {path}\nuse it: redline train --task {task} --plan tuned", highlight=False)
+    same = [f"--task-arg {shlex.quote(arg)}" for arg in task_arg or []]  # the run must match the tune's key
+    same += [f"--batch-size {batch_size}"] if batch_size is not None else []
+    same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []
+    use = " ".join(["redline train --task", shlex.quote(task), *same, "--plan tuned"])
+    out.print(f"cached: {path}\nuse it: {use}", highlight=False, soft_wrap=True)  # a command to copy: unbroken

@@ -40,7 +40,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     if any(r.get("estimate_bytes") is not None for r in rows):
         columns.append(("estimate", lambda r: _bytes(r.get("estimate_bytes"))))
     if any(r["compile_s"] is not None for r in rows):
-        columns.append(("compile", _compile))
+        columns.append(("compile", lambda r: _compile(r, rows)))
     columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
         table.caption = "memory on a CPU: the whole process's resident set at its peak"
@@ -94,9 +94,18 @@ def _bytes(value: int | None) -> str:
     return text
 
 
-def _compile(row: Mapping[str, Any]) -> str:
+def _compile(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:
+    """Compile seconds and their break-even, which needs an eager row of the same precision to compare with."""
     if row["compile_s"] is None:
         return ""
     steps = row["break_even_steps"]
-    repaid = "never repaid" if steps is None else f"repaid in {steps:,.0f} steps"
+    same = ("device", "precision", "batch_size")
+    eager = any(
+        r["kind"] == "explicit" and r["compile"] is False and r["step_ms_p50"] and all(r[k] == row[k] for k in same)
+        for r in rows
+    )
+    if steps is not None:
+        repaid = f"repaid in {steps:,.0f} steps"
+    else:
+        repaid = "never repaid" if eager else "no eager row to compare"
     return f"{row['compile_s']:.1f} s, {repaid}"

@@ -120,14 +120,22 @@ class TunedPlan:
         return RuntimeOptions.build(base, **kept)
 
     def plan_reasons(self, options: RuntimeOptions) -> dict[str, dict[str, Any]]:
-        """The Plan axes the tune decided, as ``Plan.to_dict()`` rows, for ``Runtime.adopt_reasons``."""
+        """The Plan axes the tune decided, as ``Plan.to_dict()`` rows, for ``Runtime.adopt_reasons``.
+
+        An axis ``options`` set otherwise (an explicit request won) keeps its own reason: the tune's
+        numbers argued for another value.
+        """
         values = {
-            "precision": options.precision,
-            "compile": options.compile == "on",
-            "channels_last": options.channels_last == "on",
-            "grad_accum": options.grad_accum,
+            "precision": (options.precision, self.best.precision),
+            "compile": (options.compile == "on", self.best.compile),
+            "channels_last": (options.channels_last == "on", self.best.channels_last),
+            "grad_accum": (options.grad_accum, self.best.grad_accum),
         }
-        return {axis: {"value": value, "reason": self.reasons.get(axis, "")} for axis, value in values.items()}
+        return {
+            axis: {"value": value, "reason": self.reasons.get(axis, "")}
+            for axis, (value, tuned) in values.items()
+            if value == tuned
+        }
 
 
 def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
@@ -182,11 +190,9 @@ def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOption
         ) from None
     applied = dataclasses.replace(tuned.apply(options), grad_accum=options.grad_accum)
     reasons = tuned.plan_reasons(applied)
-    if tuned.best.grad_accum > 1 and options.grad_accum == 1:
-        reasons["grad_accum"]["reason"] = (
-            f"not applied: the tune ran {tuned.best.grad_accum} {MICRO_BATCHES} faster; your loop owns the batches: "
-            f"split each in {tuned.best.grad_accum} and pass grad_accum={tuned.best.grad_accum} to use it"
-        )
+    if (k := tuned.best.grad_accum) > 1 and options.grad_accum == 1:
+        told = f"not applied: the tune ran {k} {MICRO_BATCHES} faster; your loop owns the batches: "
+        reasons["grad_accum"] = {"value": 1, "reason": told + f"split each in {k} and pass grad_accum={k} to use it"}
     note = f"tuned {tuned.measured_at} at batch {tuned.batch_size} for {tuned.planned_steps} steps"
     return applied, Tuning(reasons, note)
 

@@ -1,0 +1,27 @@
+"""The bench's terminal table and its best line, on a result given as data."""
+
+from rich.console import Console
+
+from redline.render.bench import bench_table
+from report_samples import _row
+
+
+def shown(result) -> str:
+    console = Console(width=300, record=True)
+    console.print(bench_table(result))
+    return console.export_text()
+
+
+def result_of(*rows) -> dict:
+    return {"task": "t", "steps": 10, "window": 5, "rows": [{"loss": 1.0, **row} for row in rows]}
+
+
+def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
+    compiled = _row("cpu fp32 compiled b64", "explicit", 6000.0, compile=True, compile_s=12.0)
+    alone = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), compiled))
+    assert "12.0 s" in alone and "never repaid" not in alone and "no eager row" in alone
+    eager = _row("cpu fp32 eager b64", "explicit", 6500.0)  # faster than the compiled row: it never repays
+    beside = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), eager, compiled))
+    assert "12.0 s, never repaid" in beside
+    repaid = dict(compiled, break_even_steps=1234.0)
+    assert "12.0 s, repaid in 1,234 steps" in shown(result_of(eager, repaid))
