@@ -27,6 +27,7 @@ SERVABLES = {"digits": digits, "mlp": mlp}
 # name -> (engine keywords, needs CUDA); "eager fp32" is the reference every ratio is against.
 SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
     "eager fp32": ({"precision": "fp32", "compile": "off", "cuda_graphs": "off", "measure": "off"}, False),
+    "eager bf16": ({"precision": "bf16-mixed", "compile": "off", "cuda_graphs": "off", "measure": "off"}, False),
     "graphs fp32": ({"precision": "fp32", "compile": "off", "cuda_graphs": "on", "measure": "off"}, True),
     "graphs bf16": ({"precision": "bf16-mixed", "compile": "off", "cuda_graphs": "on", "measure": "off"}, True),
     "compile+graphs bf16": ({"precision": "bf16-mixed", "compile": "on", "cuda_graphs": "on", "measure": "off"}, True),
