@@ -25,6 +25,7 @@ def describe(device: str = "cpu") -> list[str]:
     lines = [
         f"- date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {platform.node() or 'unknown'}; {facts.name}; {usable_cpu_count()} usable cores; "
+        f"CPU {facts.cpu_isa}{' (faked by REDLINE_CPU)' if facts.cpu_isa_faked else ''}; "
         f"{found.cuda_count} CUDA device(s)",
         f"- device under test: {facts.label} ({facts.name})",
         f"- versions: Python {platform.python_version()}, torch {torch.__version__}, redline {redline.__version__}",
