@@ -140,6 +140,24 @@ def test_the_8xh100_server_is_judged_on_every_gpu_check():
     assert report.devices[1].lowp_tflops == 720.0 and report.devices[1].capability == "9.0"
 
 
+@pytest.mark.parametrize(
+    ("directory", "libs"),
+    [
+        # A system cuDNN of the wheel's own release: its file names three parts, the wheel's version four.
+        ("/usr/lib/x86_64-linux-gnu", ["libcudnn.so.9", "libcudnn.so.9.7.1"]),
+        # A toolkit folder with only the soname link: the version comes from the folder, major.minor.
+        ("/usr/local/cuda-12.8/lib64", ["libnvJitLink.so.12"]),
+    ],
+)
+def test_a_system_library_as_new_as_the_wheels_is_not_called_older(directory, libs):
+    snap = load_snapshot(FIXTURES / "healthy-h100x8.json")
+    snap.library_path = [LibraryDir(path=directory, libs=libs)]
+    check = judge(snap).check("library-shadowing")
+    assert check.status == "ok", check.detail
+    snap.library_path = [LibraryDir(path="/usr/lib/x86_64-linux-gnu", libs=["libcudnn.so.9", "libcudnn.so.9.5.1"])]
+    assert judge(snap).check("library-shadowing").status == "fail"  # an older one is still caught
+
+
 def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
     # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
     report = report_of("healthy-h200")

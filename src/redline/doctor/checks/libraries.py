@@ -147,7 +147,8 @@ def library_shadowing(m: Machine) -> Check:
             "library-shadowing", "torch uses the CUDA libraries on the system path (no nvidia-* wheels beside it)"
         )
     found = shadows(m)
-    older = [s for s in found if s.found and s.wheel and s.found[: len(s.wheel)] < s.wheel]
+    # Compared over the parts both give: a system libcudnn.so.9.7.1 is the wheel's 9.7.1.26, not older.
+    older = [s for s in found if s.found and s.wheel and _common(s.found, s.wheel) < _common(s.wheel, s.found)]
     unknown = [s for s in found if s.found is None or s.wheel is None]
     if older:
         names = ", ".join(
@@ -169,6 +170,10 @@ def library_shadowing(m: Machine) -> Check:
             "library-shadowing", f"LD_LIBRARY_PATH holds {len(found)} CUDA libraries, none older than the wheel's"
         )
     return ok("library-shadowing", "no CUDA library on LD_LIBRARY_PATH shadows the wheel's")
+
+
+def _common(version: Version, other: Version) -> Version:
+    return version[: min(len(version), len(other))]
 
 
 def torch_companions(m: Machine) -> Check:
