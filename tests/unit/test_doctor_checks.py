@@ -158,6 +158,19 @@ def test_a_system_library_as_new_as_the_wheels_is_not_called_older(directory, li
     assert judge(snap).check("library-shadowing").status == "fail"  # an older one is still caught
 
 
+def test_cuda_13_wheels_in_one_folder_are_compared_by_their_own_packages():
+    # CUDA 13 wheels share site-packages/nvidia/cu13/lib; each library's version is its package's
+    # (libcudart: nvidia-cuda-runtime 13.0.96, libnvJitLink: nvidia-nvjitlink 13.0.88 on the H200).
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    toolkit = "/usr/local/cuda-13.0/lib64"
+    snap.library_path = [LibraryDir(path=toolkit, libs=["libcudart.so.13", "libcudart.so.13.0.96"])]
+    check = judge(snap).check("library-shadowing")
+    assert check.status == "ok", check.detail
+    snap.library_path = [LibraryDir(path=toolkit, libs=["libnvJitLink.so.13", "libnvJitLink.so.13.0.39"])]
+    check = judge(snap).check("library-shadowing")
+    assert check.status == "fail" and "libnvJitLink.so.13 13.0.39 (wheel: 13.0.88)" in check.detail, check.detail
+
+
 def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
     # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
     report = report_of("healthy-h200")

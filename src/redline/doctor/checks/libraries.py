@@ -108,15 +108,40 @@ def soname_of(filename: str) -> tuple[str, Version] | None:
     return match.group(1), tuple(int(p) for p in (match.group(2) + match.group(3)).split("."))
 
 
+# CUDA 13 wheels put the toolkit's libraries in one folder, site-packages/nvidia/cu13/lib, each from
+# its own package (nvidia-cuda-runtime 13.0.96 brings libcudart.so.13): library stem -> package.
+_SHARED_FOLDER_PACKAGES = {
+    "cudart": "cuda-runtime",
+    "cublas": "cublas",
+    "cublasLt": "cublas",
+    "nvJitLink": "nvjitlink",
+    "nvrtc": "cuda-nvrtc",
+    "cupti": "cuda-cupti",
+    "cufft": "cufft",
+    "curand": "curand",
+    "cusolver": "cusolver",
+    "cusparse": "cusparse",
+}
+
+
+def _shared_folder_package(lib: str) -> str:
+    stem = lib.removeprefix("lib").partition(".so")[0]
+    return _SHARED_FOLDER_PACKAGES.get(stem, stem)
+
+
+def _pip_version(m: Machine, package: str) -> str | None:
+    return next((v for n, v in m.snap.packages.items() if n == package or n.startswith(package + "-cu")), None)
+
+
 def shadows(m: Machine) -> list[Shadow]:
     """Find LD_LIBRARY_PATH libraries with the same soname as one in the nvidia-* wheels beside torch."""
     wheel: dict[str, Version | None] = {}
     for directory in m.snap.wheel_libs:
-        package = "nvidia-" + PurePosixPath(directory.path).parent.name.replace("_", "-")
-        pip = next((v for n, v in m.snap.packages.items() if n == package or n.startswith(package + "-cu")), None)
+        folder = PurePosixPath(directory.path).parent.name
         for lib in directory.libs:
             if (parsed := soname_of(lib)) is not None:
-                wheel[parsed[0]] = parse_version(pip)
+                package = "nvidia-" + (_shared_folder_package(lib) if re.fullmatch(r"cu\d+", folder) else folder)
+                wheel[parsed[0]] = parse_version(_pip_version(m, package.replace("_", "-")))
     found: list[Shadow] = []
     for entry in m.snap.library_path:
         versions: dict[str, Version] = {}
