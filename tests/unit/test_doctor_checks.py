@@ -171,6 +171,15 @@ def test_cuda_13_wheels_in_one_folder_are_compared_by_their_own_packages():
     assert check.status == "fail" and "libnvJitLink.so.13 13.0.39 (wheel: 13.0.88)" in check.detail, check.detail
 
 
+def test_the_cudnn_frontend_package_is_not_taken_for_the_cudnn_wheel():
+    # nvidia-cudnn-frontend (1.x, a header library some packages pull in) is not cuDNN itself.
+    snap = load_snapshot(FIXTURES / "healthy-h100x8.json")
+    del snap.packages["nvidia-cudnn-cu12"]
+    snap.packages["nvidia-cudnn-frontend"] = "1.14.0"
+    check = judge(snap).check("cudnn")
+    assert check.status == "ok", check.detail
+
+
 def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
     # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
     report = report_of("healthy-h200")

@@ -58,7 +58,8 @@ def cudnn(m: Machine) -> Check:
             f"cuDNN {loaded}: a convolution on {', '.join(bad)} disagrees with the CPU",
             "look for ECC and Xid errors: `nvidia-smi -q -d ECC` and `sudo dmesg | grep -i xid`",
         )
-    wheel = next(((n, v) for n, v in m.snap.packages.items() if n.startswith("nvidia-cudnn")), None)
+    # nvidia-cudnn-cu12, nvidia-cudnn-cu13; not nvidia-cudnn-frontend, a 1.x header library.
+    wheel = next(((n, v) for n, v in m.snap.packages.items() if re.fullmatch(r"nvidia-cudnn-cu\d+", n)), None)
     wheel_v = parse_version(wheel[1]) if wheel else None
     if wheel and wheel_v and wheel_v[:2] != (parse_version(loaded) or ())[:2]:
         find = f"find the copy that loads and remove it: `LD_DEBUG=libs {CUDNN_PROBE} 2>&1 | grep -i libcudnn`"
