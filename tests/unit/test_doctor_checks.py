@@ -250,6 +250,21 @@ def test_visible_devices_cuda_stops_at_the_first_bad_entry():
     assert judge(snap).check("visible-devices").status == "warn"
 
 
+def test_indices_on_mixed_gpus_need_the_pci_order():
+    # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
+    snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
+    snap.driver.gpus[0].name = "Tesla T4"
+    snap.torch = None
+    snap.env["CUDA_VISIBLE_DEVICES"] = "0,1"
+    check = judge(snap).check("visible-devices")
+    assert check.status == "warn" and check.fix == "export CUDA_DEVICE_ORDER=PCI_BUS_ID", check.detail
+    snap.env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    assert judge(snap).check("visible-devices").status == "ok"
+    del snap.env["CUDA_DEVICE_ORDER"]
+    snap.env["CUDA_VISIBLE_DEVICES"] = snap.driver.gpus[1].uuid  # a UUID names one GPU whatever the order
+    assert judge(snap).check("visible-devices").status == "ok"
+
+
 # Facts that vary wildly between machines, to show no check raises on any combination of them.
 _text = st.one_of(st.none(), st.text(max_size=12), st.sampled_from(["12.8", "2.7.1+cu128", "570.26", "9.0", "cu1", ""]))
 _number = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 10**6).map(float))
