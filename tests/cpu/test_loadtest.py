@@ -166,6 +166,7 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
         ({"rate": 5, "payload": tmp_path / "body.txt"}, "expected a .json or .npy file"),
         ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
         ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
+        ({"rate": 5, "payload": tmp_path / "missing.json"}, r"cannot be read: No such file.*\nhint: "),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):

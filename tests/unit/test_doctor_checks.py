@@ -140,6 +140,46 @@ def test_the_8xh100_server_is_judged_on_every_gpu_check():
     assert report.devices[1].lowp_tflops == 720.0 and report.devices[1].capability == "9.0"
 
 
+@pytest.mark.parametrize(
+    ("directory", "libs"),
+    [
+        # A system cuDNN of the wheel's own release: its file names three parts, the wheel's version four.
+        ("/usr/lib/x86_64-linux-gnu", ["libcudnn.so.9", "libcudnn.so.9.7.1"]),
+        # A toolkit folder with only the soname link: the version comes from the folder, major.minor.
+        ("/usr/local/cuda-12.8/lib64", ["libnvJitLink.so.12"]),
+    ],
+)
+def test_a_system_library_as_new_as_the_wheels_is_not_called_older(directory, libs):
+    snap = load_snapshot(FIXTURES / "healthy-h100x8.json")
+    snap.library_path = [LibraryDir(path=directory, libs=libs)]
+    check = judge(snap).check("library-shadowing")
+    assert check.status == "ok", check.detail
+    snap.library_path = [LibraryDir(path="/usr/lib/x86_64-linux-gnu", libs=["libcudnn.so.9", "libcudnn.so.9.5.1"])]
+    assert judge(snap).check("library-shadowing").status == "fail"  # an older one is still caught
+
+
+def test_cuda_13_wheels_in_one_folder_are_compared_by_their_own_packages():
+    # CUDA 13 wheels share site-packages/nvidia/cu13/lib; each library's version is its package's
+    # (libcudart: nvidia-cuda-runtime 13.0.96, libnvJitLink: nvidia-nvjitlink 13.0.88 on the H200).
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    toolkit = "/usr/local/cuda-13.0/lib64"
+    snap.library_path = [LibraryDir(path=toolkit, libs=["libcudart.so.13", "libcudart.so.13.0.96"])]
+    check = judge(snap).check("library-shadowing")
+    assert check.status == "ok", check.detail
+    snap.library_path = [LibraryDir(path=toolkit, libs=["libnvJitLink.so.13", "libnvJitLink.so.13.0.39"])]
+    check = judge(snap).check("library-shadowing")
+    assert check.status == "fail" and "libnvJitLink.so.13 13.0.39 (wheel: 13.0.88)" in check.detail, check.detail
+
+
+def test_the_cudnn_frontend_package_is_not_taken_for_the_cudnn_wheel():
+    # nvidia-cudnn-frontend (1.x, a header library some packages pull in) is not cuDNN itself.
+    snap = load_snapshot(FIXTURES / "healthy-h100x8.json")
+    del snap.packages["nvidia-cudnn-cu12"]
+    snap.packages["nvidia-cudnn-frontend"] = "1.14.0"
+    check = judge(snap).check("cudnn")
+    assert check.status == "ok", check.detail
+
+
 def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
     # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
     report = report_of("healthy-h200")
@@ -208,6 +248,21 @@ def test_visible_devices_cuda_stops_at_the_first_bad_entry():
     assert check.status == "ok" and "GPU 3 as cuda:0, GPU 0 as cuda:1" in check.detail
     snap.env["CUDA_VISIBLE_DEVICES"] = "-1"
     assert judge(snap).check("visible-devices").status == "warn"
+
+
+def test_indices_on_mixed_gpus_need_the_pci_order():
+    # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
+    snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
+    snap.driver.gpus[0].name = "Tesla T4"
+    snap.torch = None
+    snap.env["CUDA_VISIBLE_DEVICES"] = "0,1"
+    check = judge(snap).check("visible-devices")
+    assert check.status == "warn" and check.fix == "export CUDA_DEVICE_ORDER=PCI_BUS_ID", check.detail
+    snap.env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    assert judge(snap).check("visible-devices").status == "ok"
+    del snap.env["CUDA_DEVICE_ORDER"]
+    snap.env["CUDA_VISIBLE_DEVICES"] = snap.driver.gpus[1].uuid  # a UUID names one GPU whatever the order
+    assert judge(snap).check("visible-devices").status == "ok"
 
 
 # Facts that vary wildly between machines, to show no check raises on any combination of them.

@@ -57,6 +57,9 @@ def test_an_unreadable_probe_file_says_how_to_make_one(tmp_path):
         load_snapshot(tmp_path / "bad.json")
     with pytest.raises(ConfigError, match="a readable file"):
         load_snapshot(tmp_path / "missing.json")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00{")  # not UTF-8: a clear error, not a traceback
+    with pytest.raises(ConfigError, match="--save-probe"):
+        load_snapshot(tmp_path / "binary.json")
 
 
 CHILD_OUTPUT = """\

@@ -199,7 +199,7 @@ def load_snapshot(path: str | Path) -> Snapshot:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise invalid("--probe-file", str(path), "a readable file", str(exc)) from exc
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or not even UTF-8 text (UnicodeDecodeError)
         raise invalid(
             "--probe-file", str(path), "a JSON snapshot", f"{exc}; write one with `redline doctor --save-probe FILE`"
         ) from exc

@@ -103,7 +103,10 @@ class Payload:
         try:
             body = path.read_bytes()
         except OSError as exc:
-            raise ConfigError(f"payload {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
+            raise ConfigError(
+                f"payload {str(path)!r} cannot be read: {exc.strerror or exc}\n"
+                "hint: --payload takes the path of a readable .json or .npy file; check the path and its permissions"
+            ) from exc
         if suffix == ".json":
             try:
                 json.loads(body)

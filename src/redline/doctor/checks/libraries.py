@@ -58,7 +58,8 @@ def cudnn(m: Machine) -> Check:
             f"cuDNN {loaded}: a convolution on {', '.join(bad)} disagrees with the CPU",
             "look for ECC and Xid errors: `nvidia-smi -q -d ECC` and `sudo dmesg | grep -i xid`",
         )
-    wheel = next(((n, v) for n, v in m.snap.packages.items() if n.startswith("nvidia-cudnn")), None)
+    # nvidia-cudnn-cu12, nvidia-cudnn-cu13; not nvidia-cudnn-frontend, a 1.x header library.
+    wheel = next(((n, v) for n, v in m.snap.packages.items() if re.fullmatch(r"nvidia-cudnn-cu\d+", n)), None)
     wheel_v = parse_version(wheel[1]) if wheel else None
     if wheel and wheel_v and wheel_v[:2] != (parse_version(loaded) or ())[:2]:
         find = f"find the copy that loads and remove it: `LD_DEBUG=libs {CUDNN_PROBE} 2>&1 | grep -i libcudnn`"
@@ -108,15 +109,40 @@ def soname_of(filename: str) -> tuple[str, Version] | None:
     return match.group(1), tuple(int(p) for p in (match.group(2) + match.group(3)).split("."))
 
 
+# CUDA 13 wheels put the toolkit's libraries in one folder, site-packages/nvidia/cu13/lib, each from
+# its own package (nvidia-cuda-runtime 13.0.96 brings libcudart.so.13): library stem -> package.
+_SHARED_FOLDER_PACKAGES = {
+    "cudart": "cuda-runtime",
+    "cublas": "cublas",
+    "cublasLt": "cublas",
+    "nvJitLink": "nvjitlink",
+    "nvrtc": "cuda-nvrtc",
+    "cupti": "cuda-cupti",
+    "cufft": "cufft",
+    "curand": "curand",
+    "cusolver": "cusolver",
+    "cusparse": "cusparse",
+}
+
+
+def _shared_folder_package(lib: str) -> str:
+    stem = lib.removeprefix("lib").partition(".so")[0]
+    return _SHARED_FOLDER_PACKAGES.get(stem, stem)
+
+
+def _pip_version(m: Machine, package: str) -> str | None:
+    return next((v for n, v in m.snap.packages.items() if n == package or n.startswith(package + "-cu")), None)
+
+
 def shadows(m: Machine) -> list[Shadow]:
     """Find LD_LIBRARY_PATH libraries with the same soname as one in the nvidia-* wheels beside torch."""
     wheel: dict[str, Version | None] = {}
     for directory in m.snap.wheel_libs:
-        package = "nvidia-" + PurePosixPath(directory.path).parent.name.replace("_", "-")
-        pip = next((v for n, v in m.snap.packages.items() if n == package or n.startswith(package + "-cu")), None)
+        folder = PurePosixPath(directory.path).parent.name
         for lib in directory.libs:
             if (parsed := soname_of(lib)) is not None:
-                wheel[parsed[0]] = parse_version(pip)
+                package = "nvidia-" + (_shared_folder_package(lib) if re.fullmatch(r"cu\d+", folder) else folder)
+                wheel[parsed[0]] = parse_version(_pip_version(m, package.replace("_", "-")))
     found: list[Shadow] = []
     for entry in m.snap.library_path:
         versions: dict[str, Version] = {}
@@ -147,7 +173,8 @@ def library_shadowing(m: Machine) -> Check:
             "library-shadowing", "torch uses the CUDA libraries on the system path (no nvidia-* wheels beside it)"
         )
     found = shadows(m)
-    older = [s for s in found if s.found and s.wheel and s.found[: len(s.wheel)] < s.wheel]
+    # Compared over the parts both give: a system libcudnn.so.9.7.1 is the wheel's 9.7.1.26, not older.
+    older = [s for s in found if s.found and s.wheel and _common(s.found, s.wheel) < _common(s.wheel, s.found)]
     unknown = [s for s in found if s.found is None or s.wheel is None]
     if older:
         names = ", ".join(
@@ -169,6 +196,10 @@ def library_shadowing(m: Machine) -> Check:
             "library-shadowing", f"LD_LIBRARY_PATH holds {len(found)} CUDA libraries, none older than the wheel's"
         )
     return ok("library-shadowing", "no CUDA library on LD_LIBRARY_PATH shadows the wheel's")
+
+
+def _common(version: Version, other: Version) -> Version:
+    return version[: min(len(version), len(other))]
 
 
 def torch_companions(m: Machine) -> Check:

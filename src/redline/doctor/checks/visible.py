@@ -64,7 +64,7 @@ def visible_devices(m: Machine) -> Check:
         return skip("visible-devices", f"no NVIDIA GPU to check CUDA_VISIBLE_DEVICES ({shown}) against")
     every = ",".join(str(gpu.index) for gpu in gpus)
     if value is None:
-        if len({gpu.name for gpu in gpus}) > 1 and m.snap.env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        if _mixed_without_pci_order(m):
             return warn(
                 "visible-devices",
                 f"unset: all {len(gpus)} GPUs visible; they are of mixed models, "
@@ -106,4 +106,16 @@ def visible_devices(m: Machine) -> Check:
             "compare `nvidia-smi -L` with the list, and set CUDA_VISIBLE_DEVICES before Python starts",
         )
     renumbered = ", ".join(f"GPU {gpu} as cuda:{i}" for i, gpu in enumerate(parsed.visible))
+    by_index = any(entry.strip().isdigit() for entry in value.split(","))
+    if by_index and _mixed_without_pci_order(m):
+        return warn(
+            "visible-devices",
+            f"{shown} names GPUs by index on mixed models, which CUDA numbers fastest first, not in "
+            f"nvidia-smi's order, so the GPUs it selects may not be {', '.join(parsed.visible)}",
+            "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
+        )
     return ok("visible-devices", f"{shown}: {renumbered}")
+
+
+def _mixed_without_pci_order(m: Machine) -> bool:
+    return len({gpu.name for gpu in m.gpus}) > 1 and m.snap.env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
