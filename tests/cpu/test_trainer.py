@@ -259,3 +259,12 @@ def test_a_resumed_run_keeps_the_accumulation_its_checkpoint_was_written_with(tm
     ).fit()  # grad_accum not repeated
     assert summary.plan.grad_accum.value == 2 and summary.steps == 6
     assert losses(resumed) == losses(unbroken)  # the step's mean loss, not the sum of its micro-batches
+
+
+def test_a_run_that_ended_on_its_last_epoch_is_left_as_it_was_when_rerun(tmp_path):
+    quiet(tiny_task(), max_epochs=2, out_dir=tmp_path).fit()  # stops on the last step, before its epoch count moves on
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    again = quiet(tiny_task(), max_epochs=2, out_dir=tmp_path, resume="auto").fit()
+    assert again.to_dict() == json.loads(files["summary.json"])  # not a summary of a rerun that trained nothing
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # no second eval row
+    assert quiet(tiny_task(), max_epochs=3, out_dir=tmp_path, resume="auto").fit().steps == 24  # more epochs train on

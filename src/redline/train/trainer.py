@@ -280,7 +280,9 @@ class Trainer:
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-        ended = stored_summary(self.out_dir, self.env) if resumed and self.out_dir and self._has_ended(pos) else None
+        ended = None
+        if resumed and self.out_dir and self._has_ended(pos, total):
+            ended = stored_summary(self.out_dir, self.env)
         if ended is not None:
             log.warning(
                 "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
@@ -321,10 +323,15 @@ class Trainer:
         size = len(self.task.train_data)  # type: ignore[arg-type]
         return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
 
-    def _has_ended(self, pos: Position) -> bool:
-        """Whether the resumed run had ended: it reached this run's max_steps or epochs, or early stopping said so."""
+    def _has_ended(self, pos: Position, total: float) -> bool:
+        """Whether the resumed run had ended: it reached this run's max_steps or epochs, or early stopping said so.
+
+        A run that ends on its last epoch's last step stops there, before its epoch count moves on: its step
+        count (``total``, the steps this run's epochs and max_steps allow) says it ended.
+        """
         max_steps = self.config.max_steps or math.inf
-        return self._stored_stop == "early stopping" or pos.step >= max_steps or pos.epoch >= self.max_epochs
+        done = pos.step >= max_steps or pos.step >= total or pos.epoch >= self.max_epochs
+        return self._stored_stop == "early stopping" or done
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
