@@ -268,3 +268,12 @@ def test_a_run_that_ended_on_its_last_epoch_is_left_as_it_was_when_rerun(tmp_pat
     assert again.to_dict() == json.loads(files["summary.json"])  # not a summary of a rerun that trained nothing
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # no second eval row
     assert quiet(tiny_task(), max_epochs=3, out_dir=tmp_path, resume="auto").fit().steps == 24  # more epochs train on
+
+
+def test_accumulation_that_does_not_divide_an_epoch_still_trains_every_epoch():
+    accumulating = redline.RuntimeOptions(devices="cpu", seed=0, grad_accum=3)  # 8 batches an epoch
+    summary = Trainer(tiny_task(), runtime=accumulating, progress=False, max_epochs=2).fit()
+    assert (summary.steps, summary.samples) == (5, 120)  # 16 batches: 5 full cycles, not 2 x (8 // 3) = 4 steps
+    with pytest.raises(ConfigError, match=r"(?s)grad_accum=20 needs 20 batches.*never step.*hint"):
+        too_many = redline.RuntimeOptions.build(accumulating, grad_accum=20)
+        Trainer(tiny_task(), runtime=too_many, progress=False, max_epochs=2).fit()

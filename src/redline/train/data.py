@@ -88,7 +88,14 @@ def plan_length(
             f"train_data {found}{split}: there is nothing to train on\n"
             "hint: check the dataset's length, or lower the batch size"
         )
-    steps = max_epochs * (per_epoch // grad_accum or 1)
+    # The Runtime counts micro-batches across an epoch's end, so the epochs' steps are their batches over grad_accum
+    steps = math.inf if math.isinf(max_epochs) else int(max_epochs * per_epoch) // grad_accum
+    if not steps:
+        raise ConfigError(
+            f"grad_accum={grad_accum} needs {grad_accum} batches for one optimizer step, and {max_epochs:g} epoch(s) "
+            f"of {per_epoch} batch(es) hold {int(max_epochs * per_epoch)}: the run would never step\n"
+            "hint: lower --grad-accum or the batch size, or train more epochs"
+        )
     return min(steps, max_steps or math.inf), per_epoch
 
 
