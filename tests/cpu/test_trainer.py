@@ -277,3 +277,15 @@ def test_accumulation_that_does_not_divide_an_epoch_still_trains_every_epoch():
     with pytest.raises(ConfigError, match=r"(?s)grad_accum=20 needs 20 batches.*never step.*hint"):
         too_many = redline.RuntimeOptions.build(accumulating, grad_accum=20)
         Trainer(tiny_task(), runtime=too_many, progress=False, max_epochs=2).fit()
+
+
+def test_logged_step_times_leave_out_the_evaluation_at_an_epochs_end(tmp_path):
+    def slow_metric(out, y):
+        time.sleep(0.1)  # 8 validation batches: 0.8 s an evaluation
+        return (out.argmax(-1) == y).float().mean().item()
+
+    quiet(tiny_task(metric=slow_metric), max_epochs=3, log_every=16, out_dir=tmp_path).fit()  # a window spans an epoch
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
+    assert len(rows) == 24
+    # with the evaluation counted, a step of a 16-step window would take at least 800 / 16 = 50 ms
+    assert max(float(r["step_time_ms"]) for r in rows) < 25

@@ -206,7 +206,7 @@ class Trainer:
         if self.out_dir and (due_ckpt or stopped):
             run.last_ckpt = self._checkpoint(run, stopped)
         if not run.window.losses:  # the next log window times steps, not this evaluation or checkpoint
-            run.window.start = time.perf_counter()
+            run.window.start, run.window.excluded_s = time.perf_counter(), run.meter.excluded_s
         return stopped
 
     def _after_epoch(self, run: Run) -> str:
@@ -428,14 +428,15 @@ class Trainer:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
         window, pos = run.window, run.pos
         stacked = torch.stack(window.losses).float()
+        excluded = run.meter.excluded_s - window.excluded_s  # an evaluation (each epoch's end) or checkpoint inside
         if self.env.distributed:  # the step time rides along: every rank paces its stop vote by the same mean
-            queued = time.perf_counter() - window.start  # the host's time, before the device catches up: enough
+            queued = time.perf_counter() - window.start - excluded  # the host's time, before the device catches up
             step_s = torch.tensor([queued / len(window.losses)], device=stacked.device)
             *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / self.env.world_size).tolist()
             run.vote.pace(mean_step_s)
         else:
             losses = stacked.tolist()
-        elapsed = time.perf_counter() - window.start  # after the sync above: the window's steps have run
+        elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
         first = pos.step - len(losses) + 1
         for offset, value in enumerate(losses):
             if not math.isfinite(value):
@@ -456,7 +457,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_step(self, pos.step, losses[-1])
         run.losses += losses
-        run.window = Window()
+        run.window = Window(excluded_s=run.meter.excluded_s)
 
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
