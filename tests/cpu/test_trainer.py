@@ -289,3 +289,9 @@ def test_logged_step_times_leave_out_the_evaluation_at_an_epochs_end(tmp_path):
     assert len(rows) == 24
     # with the evaluation counted, a step of a 16-step window would take at least 800 / 16 = 50 ms
     assert max(float(r["step_time_ms"]) for r in rows) < 25
+
+
+def test_a_second_fit_evaluates_its_own_final_model():
+    trainer = quiet(tiny_task(), max_steps=6)  # ends mid-epoch: the final evaluation is the only one
+    first, second = trainer.fit(), trainer.fit()
+    assert second.val_loss is not None and second.val_loss == pytest.approx(first.val_loss)

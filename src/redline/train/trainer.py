@@ -260,6 +260,7 @@ class Trainer:
 
     def _start(self) -> Run | TrainSummary:
         self.env = read_env()
+        self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
         if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
             checkpoint.clean_staging(self._checkpoint_root())
