@@ -295,3 +295,13 @@ def test_a_second_fit_evaluates_its_own_final_model():
     trainer = quiet(tiny_task(), max_steps=6)  # ends mid-epoch: the final evaluation is the only one
     first, second = trainer.fit(), trainer.fit()
     assert second.val_loss is not None and second.val_loss == pytest.approx(first.val_loss)
+
+
+def test_an_evaluation_that_raises_leaves_the_model_training():
+    def broken_metric(out, y):
+        raise ValueError("bad metric")
+
+    trainer = quiet(tiny_task(metric=broken_metric), max_steps=2)
+    with pytest.raises(TrainingError, match="bad metric"):
+        trainer.evaluate()
+    assert trainer.model is not None and trainer.model.training  # dropout and BatchNorm train as before
