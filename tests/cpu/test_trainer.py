@@ -220,6 +220,8 @@ def test_evaluate_and_predict():
     assert metrics["val_loss"] == pytest.approx(summary.val_loss)
     outputs = trainer.predict(tiny_task().train_data)
     assert outputs.shape == (64, 2) and outputs.device.type == "cpu"
+    with pytest.raises(ConfigError, match=r"(?s)len\(data\)=0 is not allowed.*hint"):
+        trainer.predict(TensorDataset(torch.randn(0, 4)))
 
 
 def test_summary_reports_throughput_and_mfu_na_on_cpu():

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.errors import invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, count_samples, metric_value, split_batch, user_code
@@ -59,6 +60,8 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -
             inputs = batch[0] if isinstance(batch, list | tuple) else batch
             with rt.autocast(), rt.eager():
                 outputs.append(model(rt.to_device(inputs)).float().cpu())
+    if not outputs:
+        raise invalid("len(data)", 0, "at least one item to predict", "check how the data is built: it is empty")
     return torch.cat(outputs)
 
 
