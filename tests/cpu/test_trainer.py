@@ -307,3 +307,14 @@ def test_an_evaluation_that_raises_leaves_the_model_training():
     with pytest.raises(TrainingError, match="bad metric"):
         trainer.evaluate()
     assert trainer.model is not None and trainer.model.training  # dropout and BatchNorm train as before
+
+
+def test_a_signal_handler_writes_nothing_and_the_loop_reports_it_once(caplog):
+    from redline.train.signals import StopOnSignal
+
+    with StopOnSignal() as stop:
+        signal.raise_signal(signal.SIGTERM)  # a write from the handler could interrupt one to the same stream
+        assert stop.received == signal.SIGTERM and not caplog.records
+        stop.announce()
+        stop.announce()
+    assert [r.getMessage() for r in caplog.records] == ["SIGTERM: stopping after this step, then writing a checkpoint"]

@@ -194,6 +194,7 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
+        self._signals.announce()
         signalled = run.vote.vote(self._signals.received is not None, step)  # the same answer on every rank
         stopped = self._stop_reason(step, run.total, signalled)
         due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0)
