@@ -318,3 +318,17 @@ def test_a_signal_handler_writes_nothing_and_the_loop_reports_it_once(caplog):
         stop.announce()
         stop.announce()
     assert [r.getMessage() for r in caplog.records] == ["SIGTERM: stopping after this step, then writing a checkpoint"]
+
+
+def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_path):
+    frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))  # 8 steps an epoch
+
+    def stopping() -> list[EarlyStopping]:
+        return [EarlyStopping(monitor="val_loss", patience=2)]
+
+    first = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, callbacks=stopping()).fit()
+    assert (first.steps, first.stopped) == (24, "early stopping")  # a checkpoint was due at 24 before the evaluation
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    again = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, resume="auto", callbacks=stopping()).fit()
+    assert again.to_dict() == json.loads(files["summary.json"])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # not evaluated again

@@ -213,6 +213,10 @@ class Trainer:
     def _after_epoch(self, run: Run) -> str:
         """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
         if not self.config.eval_every and self.task.val_data is not None and self._evaluate(run):
+            if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
+                if run.window.losses:  # a checkpoint must not hold a NaN
+                    self._flush(run)
+                run.last_ckpt = self._checkpoint(run, "early stopping")
             return "early stopping"
         return ""
 
@@ -326,14 +330,9 @@ class Trainer:
         return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
 
     def _has_ended(self, pos: Position, total: float) -> bool:
-        """Whether the resumed run had ended: it reached this run's max_steps or epochs, or early stopping said so.
-
-        A run that ends on its last epoch's last step stops there, before its epoch count moves on: its step
-        count (``total``, the steps this run's epochs and max_steps allow) says it ended.
-        """
-        max_steps = self.config.max_steps or math.inf
-        done = pos.step >= max_steps or pos.step >= total or pos.epoch >= self.max_epochs
-        return self._stored_stop == "early stopping" or done
+        """Whether the resumed run had ended: it reached this run's ``total`` steps (max_steps or epochs: a run
+        ending on an epoch's last step stops before its epoch count moves on), or early stopping said so."""
+        return self._stored_stop == "early stopping" or pos.step >= total or pos.epoch >= self.max_epochs
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
