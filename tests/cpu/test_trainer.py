@@ -332,3 +332,12 @@ def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_p
     again = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, resume="auto", callbacks=stopping()).fit()
     assert again.to_dict() == json.loads(files["summary.json"])
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # not evaluated again
+
+
+def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
+    quiet(tiny_task(), max_steps=8, out_dir=tmp_path).fit()  # 8 steps an epoch: evaluated after the last checkpoint
+    quiet(tiny_task(), max_steps=12, out_dir=tmp_path, resume="auto").fit()  # evaluates step 8 again, at the epoch end
+    for name in ("eval.csv", "eval.jsonl"):
+        text = (tmp_path / name).read_text()
+        rows = csv.DictReader(text.splitlines()) if name.endswith("csv") else map(json.loads, text.splitlines())
+        assert [int(row["step"]) for row in rows] == [8, 12], name

@@ -49,7 +49,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import resumed_options, stored_summary
+from redline.train.resume import has_ended, log_cut, resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -287,7 +287,7 @@ class Trainer:
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
         ended = None
-        if resumed and self.out_dir and self._has_ended(pos, total):
+        if resumed and self.out_dir and has_ended(pos, self._stored_stop, total=total, max_epochs=self.max_epochs):
             ended = stored_summary(self.out_dir, self.env)
         if ended is not None:
             log.warning(
@@ -313,7 +313,7 @@ class Trainer:
             batches=rt.setup_loader(loader),
             pos=pos,
             total=total,
-            loggers=self._loggers(pos.step if resumed else None, main),
+            loggers=self._loggers(pos if resumed else None, main),
             progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
@@ -328,11 +328,6 @@ class Trainer:
             return False
         size = len(self.task.train_data)  # type: ignore[arg-type]
         return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
-
-    def _has_ended(self, pos: Position, total: float) -> bool:
-        """Whether the resumed run had ended: it reached this run's ``total`` steps (max_steps or epochs: a run
-        ending on an epoch's last step stops before its epoch count moves on), or early stopping said so."""
-        return self._stored_stop == "early stopping" or pos.step >= total or pos.epoch >= self.max_epochs
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
@@ -420,10 +415,14 @@ class Trainer:
 
     # -- logging, evaluation, summary ------------------------------------------------------------
 
-    def _loggers(self, resume_step: int | None, main: bool) -> Loggers:
+    def _loggers(self, resumed: Position | None, main: bool) -> Loggers:
         if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
-        return open_loggers(self.config.loggers, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
+        each_epoch = not self.config.eval_every and self.task.val_data is not None
+        step, evals = log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch)
+        return open_loggers(
+            self.config.loggers, self.out_dir, resume_step=step, eval_resume_step=evals, columns=LOG_COLUMNS
+        )
 
     def _flush(self, run: Run) -> None:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
