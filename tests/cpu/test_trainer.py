@@ -341,3 +341,10 @@ def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
         text = (tmp_path / name).read_text()
         rows = csv.DictReader(text.splitlines()) if name.endswith("csv") else map(json.loads, text.splitlines())
         assert [int(row["step"]) for row in rows] == [8, 12], name
+
+
+def test_early_stopping_on_a_nan_evaluation_says_the_model_diverged():
+    stopping = EarlyStopping(monitor="val_metric")
+    stopping.should_stop({"val_loss": 0.5, "val_metric": 0.9})
+    with pytest.raises(TrainingError, match=r"(?s)watches val_metric, and the evaluation gave nan.*hint"):
+        stopping.should_stop({"val_loss": 0.5, "val_metric": float("nan")})
