@@ -148,12 +148,12 @@ def test_workers_set_by_the_user_are_kept_on_cuda() -> None:
         (
             2,
             False,
-            LoaderSettings(num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=True),
+            LoaderSettings(num_workers=2, pin_memory=True, persistent_workers=False, prefetch_factor=4, rebuild=True),
         ),
         (
             2,
             True,
-            LoaderSettings(num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=False),
+            LoaderSettings(num_workers=2, pin_memory=True, persistent_workers=False, prefetch_factor=4, rebuild=False),
         ),
     ],
 )
@@ -163,6 +163,12 @@ def test_an_iterable_dataset_is_pinned_and_keeps_its_workers(
     choice = resolve_loader(facts(map_style=False, num_workers=workers, pin_memory=pinned), H100)
     assert choice.value == expected
     assert "iterable" in choice.reason
+
+
+def test_requested_workers_of_an_iterable_dataset_start_again_each_epoch() -> None:
+    # a persistent worker keeps its own copy of the dataset: set_epoch in the main process would not reach it
+    assert not resolve_loader(facts(map_style=False), SMALL_CPU, workers=2).value.persistent_workers
+    assert resolve_loader(facts(), SMALL_CPU, workers=2).value.persistent_workers
 
 
 def test_something_that_is_not_a_dataloader_is_kept() -> None:
@@ -304,3 +310,22 @@ def test_device_loader_with_channels_last_lays_out_images_nhwc() -> None:
         assert not x.is_contiguous()
         assert torch.equal(x, images[2 * i : 2 * i + 2])
         assert y.tolist() == [2 * i, 2 * i + 1]
+
+
+class Numbered(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return ((torch.tensor([float(i)]), torch.tensor(i % 2)) for i in range(16))
+
+
+def test_a_trainer_stream_read_by_workers_gives_each_item_once_in_order_and_resumes() -> None:
+    import redline
+    from redline.train.data import train_loader
+
+    loader, stream = train_loader(Numbered(), batch_size=4, seed=0)
+    with redline.Runtime(devices="cpu", loader_workers=2) as rt:
+        rt.setup(torch.nn.Linear(1, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        batches = rt.setup_loader(loader)
+        stream.set_epoch(0)
+        assert [b[0].flatten().tolist() for b in batches] == [[4.0 * i + j for j in range(4)] for i in range(4)]
+        stream.set_epoch(1, skip=8)  # a resumed run, two batches into its epoch
+        assert [b[0].flatten().tolist() for b in batches] == [[8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]

@@ -220,6 +220,8 @@ def test_evaluate_and_predict():
     assert metrics["val_loss"] == pytest.approx(summary.val_loss)
     outputs = trainer.predict(tiny_task().train_data)
     assert outputs.shape == (64, 2) and outputs.device.type == "cpu"
+    with pytest.raises(ConfigError, match=r"(?s)len\(data\)=0 is not allowed.*hint"):
+        trainer.predict(TensorDataset(torch.randn(0, 4)))
 
 
 def test_summary_reports_throughput_and_mfu_na_on_cpu():
@@ -259,3 +261,90 @@ def test_a_resumed_run_keeps_the_accumulation_its_checkpoint_was_written_with(tm
     ).fit()  # grad_accum not repeated
     assert summary.plan.grad_accum.value == 2 and summary.steps == 6
     assert losses(resumed) == losses(unbroken)  # the step's mean loss, not the sum of its micro-batches
+
+
+def test_a_run_that_ended_on_its_last_epoch_is_left_as_it_was_when_rerun(tmp_path):
+    quiet(tiny_task(), max_epochs=2, out_dir=tmp_path).fit()  # stops on the last step, before its epoch count moves on
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    again = quiet(tiny_task(), max_epochs=2, out_dir=tmp_path, resume="auto").fit()
+    assert again.to_dict() == json.loads(files["summary.json"])  # not a summary of a rerun that trained nothing
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # no second eval row
+    assert quiet(tiny_task(), max_epochs=3, out_dir=tmp_path, resume="auto").fit().steps == 24  # more epochs train on
+
+
+def test_accumulation_that_does_not_divide_an_epoch_still_trains_every_epoch():
+    accumulating = redline.RuntimeOptions(devices="cpu", seed=0, grad_accum=3)  # 8 batches an epoch
+    summary = Trainer(tiny_task(), runtime=accumulating, progress=False, max_epochs=2).fit()
+    assert (summary.steps, summary.samples) == (5, 120)  # 16 batches: 5 full cycles, not 2 x (8 // 3) = 4 steps
+    with pytest.raises(ConfigError, match=r"(?s)grad_accum=20 needs 20 batches.*never step.*hint"):
+        too_many = redline.RuntimeOptions.build(accumulating, grad_accum=20)
+        Trainer(tiny_task(), runtime=too_many, progress=False, max_epochs=2).fit()
+
+
+def test_logged_step_times_leave_out_the_evaluation_at_an_epochs_end(tmp_path):
+    def slow_metric(out, y):
+        time.sleep(0.1)  # 8 validation batches: 0.8 s an evaluation
+        return (out.argmax(-1) == y).float().mean().item()
+
+    quiet(tiny_task(metric=slow_metric), max_epochs=3, log_every=16, out_dir=tmp_path).fit()  # a window spans an epoch
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
+    assert len(rows) == 24
+    # with the evaluation counted, a step of a 16-step window would take at least 800 / 16 = 50 ms
+    assert max(float(r["step_time_ms"]) for r in rows) < 25
+
+
+def test_a_second_fit_evaluates_its_own_final_model():
+    trainer = quiet(tiny_task(), max_steps=6)  # ends mid-epoch: the final evaluation is the only one
+    first, second = trainer.fit(), trainer.fit()
+    assert second.val_loss is not None and second.val_loss == pytest.approx(first.val_loss)
+
+
+def test_an_evaluation_that_raises_leaves_the_model_training():
+    def broken_metric(out, y):
+        raise ValueError("bad metric")
+
+    trainer = quiet(tiny_task(metric=broken_metric), max_steps=2)
+    with pytest.raises(TrainingError, match="bad metric"):
+        trainer.evaluate()
+    assert trainer.model is not None and trainer.model.training  # dropout and BatchNorm train as before
+
+
+def test_a_signal_handler_writes_nothing_and_the_loop_reports_it_once(caplog):
+    from redline.train.signals import StopOnSignal
+
+    with StopOnSignal() as stop:
+        signal.raise_signal(signal.SIGTERM)  # a write from the handler could interrupt one to the same stream
+        assert stop.received == signal.SIGTERM and not caplog.records
+        stop.announce()
+        stop.announce()
+    assert [r.getMessage() for r in caplog.records] == ["SIGTERM: stopping after this step, then writing a checkpoint"]
+
+
+def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_path):
+    frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))  # 8 steps an epoch
+
+    def stopping() -> list[EarlyStopping]:
+        return [EarlyStopping(monitor="val_loss", patience=2)]
+
+    first = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, callbacks=stopping()).fit()
+    assert (first.steps, first.stopped) == (24, "early stopping")  # a checkpoint was due at 24 before the evaluation
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    again = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, resume="auto", callbacks=stopping()).fit()
+    assert again.to_dict() == json.loads(files["summary.json"])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # not evaluated again
+
+
+def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
+    quiet(tiny_task(), max_steps=8, out_dir=tmp_path).fit()  # 8 steps an epoch: evaluated after the last checkpoint
+    quiet(tiny_task(), max_steps=12, out_dir=tmp_path, resume="auto").fit()  # evaluates step 8 again, at the epoch end
+    for name in ("eval.csv", "eval.jsonl"):
+        text = (tmp_path / name).read_text()
+        rows = csv.DictReader(text.splitlines()) if name.endswith("csv") else map(json.loads, text.splitlines())
+        assert [int(row["step"]) for row in rows] == [8, 12], name
+
+
+def test_early_stopping_on_a_nan_evaluation_says_the_model_diverged():
+    stopping = EarlyStopping(monitor="val_metric")
+    stopping.should_stop({"val_loss": 0.5, "val_metric": 0.9})
+    with pytest.raises(TrainingError, match=r"(?s)watches val_metric, and the evaluation gave nan.*hint"):
+        stopping.should_stop({"val_loss": 0.5, "val_metric": float("nan")})

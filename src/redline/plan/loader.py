@@ -52,11 +52,14 @@ def resolve_loader(loader: LoaderFacts, facts: DeviceFacts, *, workers: int | No
     )
     if not loader.is_dataloader:
         return Choice(keep, "not a DataLoader: batches are moved to the device as they come")
+    # A persistent worker keeps the copy of an iterable dataset it started with: the next epoch's set_epoch
+    # (a new shuffle, a resumed run's position) would never reach it. Those workers start again each epoch.
+    persist = loader.map_style
     if workers is not None:
         asked = LoaderSettings(
             num_workers=workers,
             pin_memory=facts.type == "cuda",
-            persistent_workers=workers > 0,
+            persistent_workers=workers > 0 and persist,
             prefetch_factor=PREFETCH if workers else None,
             rebuild=True,
         )
@@ -67,7 +70,7 @@ def resolve_loader(loader: LoaderFacts, facts: DeviceFacts, *, workers: int | No
         pinned = LoaderSettings(
             num_workers=loader.num_workers,
             pin_memory=True,
-            persistent_workers=loader.num_workers > 0,
+            persistent_workers=False,
             prefetch_factor=PREFETCH if loader.num_workers else None,
             rebuild=not loader.pin_memory,
         )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from redline.config import option, positive_int
-from redline.errors import invalid
+from redline.errors import TrainingError, invalid
 
 if TYPE_CHECKING:
     from redline.train.trainer import Trainer
@@ -59,8 +59,14 @@ class EarlyStopping(Callback):
     def should_stop(self, metrics: dict[str, float | None]) -> bool:
         """Record an evaluation; return True once patience has run out."""
         value = metrics.get(self.monitor)
-        if value is None or math.isnan(value):
+        if value is None:
             raise invalid("early_stopping.monitor", self.monitor, f"a metric the evaluation reports: {sorted(metrics)}")
+        if math.isnan(value):  # reported, but not a number that can improve
+            raise TrainingError(
+                f"early stopping watches {self.monitor}, and the evaluation gave {value}\n"
+                "hint: the model diverged (lower the learning rate, clip gradients with --clip-grad-norm 1.0) "
+                "or task.metric returned NaN"
+            )
         sign = -1.0 if self.minimise else 1.0
         if self.best is None or sign * (value - self.best) > self.min_delta:
             self.best, self.bad_evals = value, 0

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 from redline.errors import ConfigError, TaskError
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
@@ -50,12 +50,18 @@ class StreamShard(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         share = self.global_batch // self.world_size
+        # Under DataLoader workers each reads the stream and takes every workers-th global batch; the loader
+        # takes the workers' batches in turn, so the order is the one a single process reads.
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         items = itertools.islice(iter(self.dataset), self.skip, None)
-        while batch := list(itertools.islice(items, self.global_batch)):
-            if len(batch) % self.world_size or (self.drop_last and len(batch) < self.global_batch):
+        for index in itertools.count():
+            batch = list(itertools.islice(items, self.global_batch))
+            if not batch or len(batch) % self.world_size or (self.drop_last and len(batch) < self.global_batch):
                 return
             n = len(batch) // self.world_size if len(batch) < self.global_batch else share
-            yield from batch[self.rank * n : (self.rank + 1) * n]
+            if index % workers == worker:
+                yield from batch[self.rank * n : (self.rank + 1) * n]
 
 
 def plan_length(
@@ -88,7 +94,14 @@ def plan_length(
             f"train_data {found}{split}: there is nothing to train on\n"
             "hint: check the dataset's length, or lower the batch size"
         )
-    steps = max_epochs * (per_epoch // grad_accum or 1)
+    # The Runtime counts micro-batches across an epoch's end, so the epochs' steps are their batches over grad_accum
+    steps = math.inf if math.isinf(max_epochs) else int(max_epochs * per_epoch) // grad_accum
+    if not steps:
+        raise ConfigError(
+            f"grad_accum={grad_accum} needs {grad_accum} batches for one optimizer step, and {max_epochs:g} epoch(s) "
+            f"of {per_epoch} batch(es) hold {int(max_epochs * per_epoch)}: the run would never step\n"
+            "hint: lower --grad-accum or the batch size, or train more epochs"
+        )
     return min(steps, max_steps or math.inf), per_epoch
 
 

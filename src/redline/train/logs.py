@@ -108,11 +108,13 @@ def open_loggers(
     columns: Sequence[str] = TRAIN_COLUMNS,
     eval_columns: Sequence[str] = EVAL_COLUMNS,
     resume_step: int | None = None,
+    eval_resume_step: int | None = None,
 ) -> Loggers:
     """Open the named logs in ``out_dir``: metrics.csv/.jsonl, eval.csv/.jsonl, tensorboard/.
 
     Without ``resume_step`` old files are replaced (a new run). With it, rows past ``resume_step`` are dropped
-    from each file, atomically, before anything is appended. ``columns`` fix the CSV header; JSONL keeps every key.
+    from each file, atomically, before anything is appended; the evaluation logs' past ``eval_resume_step``
+    (default: ``resume_step``). ``columns`` fix the CSV header; JSONL keeps every key.
     """
     chosen = check_logger_names(names)
     for name, value in (("columns", columns), ("eval_columns", eval_columns)):
@@ -120,6 +122,8 @@ def open_loggers(
             raise invalid(name, tuple(value), "column names that include 'step'")
     if resume_step is not None:
         _check_step(resume_step, name="resume_step")
+        eval_resume_step = resume_step if eval_resume_step is None else eval_resume_step
+        _check_step(eval_resume_step, name="eval_resume_step")
     # Import before touching any file, so a missing package leaves the old run's logs as they were.
     writer_class = _summary_writer_class() if "tensorboard" in chosen else None
     if chosen:
@@ -128,10 +132,10 @@ def open_loggers(
     evals: list[_FileLog] = []
     if "csv" in chosen:
         train.append(_CsvLog(out_dir / "metrics.csv", tuple(columns), resume_step))
-        evals.append(_CsvLog(out_dir / "eval.csv", tuple(eval_columns), resume_step))
+        evals.append(_CsvLog(out_dir / "eval.csv", tuple(eval_columns), eval_resume_step))
     if "jsonl" in chosen:
         train.append(_JsonlLog(out_dir / "metrics.jsonl", resume_step))
-        evals.append(_JsonlLog(out_dir / "eval.jsonl", resume_step))
+        evals.append(_JsonlLog(out_dir / "eval.jsonl", eval_resume_step))
     tensorboard = None
     if writer_class is not None:
         tensorboard = _open_tensorboard(writer_class, out_dir / "tensorboard", resume_step)

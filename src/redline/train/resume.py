@@ -15,6 +15,7 @@ from redline.parallel.env import DistEnv
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
 from redline.train.output import read_summary
+from redline.train.state import Position
 from redline.train.summary import TrainSummary
 
 log = logging.getLogger("redline")
@@ -43,6 +44,27 @@ def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:
     except (TypeError, KeyError) as exc:
         log.warning("%s does not hold a run summary (%s); it will be written again", out_dir / "summary.json", exc)
         return None
+
+
+def has_ended(pos: Position, stopped: str, *, total: float, max_epochs: float) -> bool:
+    """Whether the resumed run (at ``pos``, ``stopped`` as its checkpoint says) had ended: it reached this run's
+    ``total`` steps (max_steps or epochs: a run ending on an epoch's last step stops before its epoch count moves
+    on), or early stopping said so."""
+    return stopped == "early stopping" or pos.step >= total or pos.epoch >= max_epochs
+
+
+def log_cut(
+    pos: Position | None, batches_per_epoch: int | None, *, evaluates_each_epoch: bool
+) -> tuple[int | None, int | None]:
+    """The steps a resumed run (at ``pos``; None for a new run) cuts its training and evaluation logs back to.
+
+    An epoch's last step is checkpointed before the epoch's evaluation; resumed from there, the run
+    evaluates that step again, so the interrupted run's row of that evaluation goes.
+    """
+    if pos is None:
+        return None, None
+    at_end = batches_per_epoch is not None and pos.batches_in_epoch >= batches_per_epoch
+    return pos.step, pos.step - 1 if evaluates_each_epoch and at_end and pos.step else pos.step
 
 
 def _available_device(options: RuntimeOptions) -> RuntimeOptions:

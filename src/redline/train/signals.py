@@ -12,14 +12,21 @@ log = logging.getLogger("redline")
 
 
 class StopOnSignal:
-    """While fit() runs, SIGTERM/SIGINT ask the loop to stop after the current step (a second SIGINT aborts)."""
+    """While fit() runs, SIGTERM/SIGINT ask the loop to stop after the current step (a second SIGINT aborts).
+
+    The handler only records the signal: writing from it (a log line) could land inside a write the
+    main thread was making to the same stream, which Python refuses with "reentrant call"
+    (https://docs.python.org/3/library/signal.html#note-on-signal-handlers-and-exceptions). The loop
+    reports it with ``announce()`` after the step.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
+        self._announced: int | None = None
 
     def __enter__(self) -> StopOnSignal:
-        self.received, self.previous = None, {}
+        self.received, self.previous, self._announced = None, {}, None
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -29,7 +36,12 @@ class StopOnSignal:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
-        log.warning("%s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
+
+    def announce(self) -> None:
+        """Log, once per signal and outside the handler, that the run stops after this step."""
+        if self.received is not None and self.received != self._announced:
+            self._announced = self.received
+            log.warning("%s: stopping after this step, then writing a checkpoint", signal.Signals(self.received).name)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():

@@ -41,6 +41,7 @@ class Window:
     samples: int = 0  # this rank's
     tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
+    excluded_s: float = 0.0  # the meter's evaluation and checkpoint seconds when the window started
 
 
 @dataclass

@@ -69,6 +69,11 @@ class Throughput:
             if self.start is not None:
                 self._paused += spent
 
+    @property
+    def excluded_s(self) -> float:
+        """Seconds spent so far inside ``excluded`` (evaluation and checkpoints), of every kind."""
+        return sum(self.seconds.values())
+
     def count(self, samples: int, tokens: int) -> None:
         """Count one micro-batch of this rank's; the warm-up step's are left out."""
         if self.start is not None:

@@ -49,7 +49,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import resumed_options, stored_summary
+from redline.train.resume import has_ended, log_cut, resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -194,6 +194,7 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
+        self._signals.announce()
         signalled = run.vote.vote(self._signals.received is not None, step)  # the same answer on every rank
         stopped = self._stop_reason(step, run.total, signalled)
         due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0)
@@ -206,12 +207,16 @@ class Trainer:
         if self.out_dir and (due_ckpt or stopped):
             run.last_ckpt = self._checkpoint(run, stopped)
         if not run.window.losses:  # the next log window times steps, not this evaluation or checkpoint
-            run.window.start = time.perf_counter()
+            run.window.start, run.window.excluded_s = time.perf_counter(), run.meter.excluded_s
         return stopped
 
     def _after_epoch(self, run: Run) -> str:
         """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
         if not self.config.eval_every and self.task.val_data is not None and self._evaluate(run):
+            if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
+                if run.window.losses:  # a checkpoint must not hold a NaN
+                    self._flush(run)
+                run.last_ckpt = self._checkpoint(run, "early stopping")
             return "early stopping"
         return ""
 
@@ -260,6 +265,7 @@ class Trainer:
 
     def _start(self) -> Run | TrainSummary:
         self.env = read_env()
+        self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
         if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
             checkpoint.clean_staging(self._checkpoint_root())
@@ -280,7 +286,9 @@ class Trainer:
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-        ended = stored_summary(self.out_dir, self.env) if resumed and self.out_dir and self._has_ended(pos) else None
+        ended = None
+        if resumed and self.out_dir and has_ended(pos, self._stored_stop, total=total, max_epochs=self.max_epochs):
+            ended = stored_summary(self.out_dir, self.env)
         if ended is not None:
             log.warning(
                 "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
@@ -305,7 +313,7 @@ class Trainer:
             batches=rt.setup_loader(loader),
             pos=pos,
             total=total,
-            loggers=self._loggers(pos.step if resumed else None, main),
+            loggers=self._loggers(pos if resumed else None, main),
             progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
@@ -320,11 +328,6 @@ class Trainer:
             return False
         size = len(self.task.train_data)  # type: ignore[arg-type]
         return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
-
-    def _has_ended(self, pos: Position) -> bool:
-        """Whether the resumed run had ended: it reached this run's max_steps or epochs, or early stopping said so."""
-        max_steps = self.config.max_steps or math.inf
-        return self._stored_stop == "early stopping" or pos.step >= max_steps or pos.epoch >= self.max_epochs
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
@@ -412,23 +415,28 @@ class Trainer:
 
     # -- logging, evaluation, summary ------------------------------------------------------------
 
-    def _loggers(self, resume_step: int | None, main: bool) -> Loggers:
+    def _loggers(self, resumed: Position | None, main: bool) -> Loggers:
         if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
-        return open_loggers(self.config.loggers, self.out_dir, resume_step=resume_step, columns=LOG_COLUMNS)
+        each_epoch = not self.config.eval_every and self.task.val_data is not None
+        step, evals = log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch)
+        return open_loggers(
+            self.config.loggers, self.out_dir, resume_step=step, eval_resume_step=evals, columns=LOG_COLUMNS
+        )
 
     def _flush(self, run: Run) -> None:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
         window, pos = run.window, run.pos
         stacked = torch.stack(window.losses).float()
+        excluded = run.meter.excluded_s - window.excluded_s  # an evaluation (each epoch's end) or checkpoint inside
         if self.env.distributed:  # the step time rides along: every rank paces its stop vote by the same mean
-            queued = time.perf_counter() - window.start  # the host's time, before the device catches up: enough
+            queued = time.perf_counter() - window.start - excluded  # the host's time, before the device catches up
             step_s = torch.tensor([queued / len(window.losses)], device=stacked.device)
             *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / self.env.world_size).tolist()
             run.vote.pace(mean_step_s)
         else:
             losses = stacked.tolist()
-        elapsed = time.perf_counter() - window.start  # after the sync above: the window's steps have run
+        elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
         first = pos.step - len(losses) + 1
         for offset, value in enumerate(losses):
             if not math.isfinite(value):
@@ -449,7 +457,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_step(self, pos.step, losses[-1])
         run.losses += losses
-        run.window = Window()
+        run.window = Window(excluded_s=run.meter.excluded_s)
 
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
