@@ -227,6 +227,27 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(nproc=0)
 
 
+def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path):
+    result = launch("--nproc", "2", str(tmp_path / "nosuch.py"), timeout=60)
+    assert result.returncode == 2
+    assert "nosuch.py' does not exist" in result.stderr and "hint:" in result.stderr
+    assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
+
+
+def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = launch("--nproc", "1", "--master-port", str(port), str(script), timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in result.stderr and "address already in use" in result.stderr
+    assert "hint: another process holds that port" in result.stderr
+
+
 def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):
     import time
 

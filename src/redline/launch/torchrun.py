@@ -114,6 +114,7 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
 
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
     """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -121,6 +122,11 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from redline.hardware.device import probe_accelerators
     from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
+    if not module and target and not Path(target[0]).is_file():  # else every worker fails alike, after a rendezvous
+        raise ConfigError(
+            f"script {target[0]!r} does not exist (looked in {Path.cwd()})\n"
+            "hint: pass the path of a Python file, or --module (-m) with a module name"
+        )
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     if config.hang_timeout_s is not None:
@@ -139,6 +145,25 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
                 raise stopped from None
         except ChildFailedError as exc:
             raise _failure(exc, HANG_EXIT_CODE) from None
+        except DistNetworkError as exc:  # the rendezvous could not listen or connect: no worker started
+            raise _rendezvous_failure(config, exc) from None
+
+
+def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
+    """The error of a rendezvous that could not be set up: the address, torch's reason and the fix."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(exc).__name__
+    if config.rdzv_endpoint is not None:
+        where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
+    else:
+        where, flag = f"{config.master_addr or '127.0.0.1'}:{config.master_port}", "--master-port"
+    if "EADDRINUSE" in reason or "address already in use" in reason:
+        hint = f"another process holds that port: pass a free one to {flag}"
+        if config.nnodes == 1 and config.rdzv_endpoint is None:
+            hint += " (or leave --master-port out: one machine then meets on a free port)"
+    else:
+        hint = f"check that the node-rank 0 machine is up and that {where} is reachable from here"
+    return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
 def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
