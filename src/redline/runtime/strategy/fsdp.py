@@ -68,7 +68,10 @@ class FSDP:
         return model  # fully_shard changes the model in place: its names are the user's
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        fresh = not optimizer.state
         model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, as DTensors
+        if fresh:  # get_state_dict stepped it once with lr=0 to give it state: the run must not count that step
+            optimizer.state.clear()
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
