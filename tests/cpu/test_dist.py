@@ -248,6 +248,19 @@ def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
     assert "hint: another process holds that port" in result.stderr
 
 
+def test_a_rendezvous_that_cannot_reach_node_0_says_what_to_check():
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    from redline.launch.torchrun import _rendezvous_failure
+
+    two_nodes = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+    error = _rendezvous_failure(two_nodes, RendezvousTimeoutError("timed out waiting for the other nodes"))
+    assert str(error) == (
+        "the workers' rendezvous at 10.0.0.1:29500 could not be set up: timed out waiting for the other nodes\n"
+        "hint: check that the node-rank 0 machine is up and that 10.0.0.1:29500 is reachable from here"
+    )
+
+
 def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):
     import time
 

@@ -114,9 +114,10 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
 
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
     """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
-    from torch.distributed import DistNetworkError
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from redline.hardware.device import probe_accelerators
@@ -145,7 +146,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
                 raise stopped from None
         except ChildFailedError as exc:
             raise _failure(exc, HANG_EXIT_CODE) from None
-        except DistNetworkError as exc:  # the rendezvous could not listen or connect: no worker started
+        except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
 
 
@@ -155,6 +156,8 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     reason = lines[0] if lines else type(exc).__name__
     if config.rdzv_endpoint is not None:
         where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
+    elif config.master_port is None:
+        where, flag = "this machine (a free port)", "--master-port"
     else:
         where, flag = f"{config.master_addr or '127.0.0.1'}:{config.master_port}", "--master-port"
     if "EADDRINUSE" in reason or "address already in use" in reason:
