@@ -225,6 +225,10 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(rdzv_endpoint="nohost")
     with pytest.raises(ConfigError, match="nproc"):
         LaunchConfig(nproc=0)
+    with pytest.raises(ConfigError, match=r"master_port=70000 is not allowed; expected a port number, 0\.\.65535"):
+        LaunchConfig(master_port=70000)
+    with pytest.raises(ConfigError, match=r"PORT 0\.\.65535"):
+        LaunchConfig(nnodes=2, rdzv_endpoint="host:99999")
 
 
 def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path):

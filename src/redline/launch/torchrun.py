@@ -22,6 +22,7 @@ from redline.errors import ConfigError, RedlineError, StoppedBySignal, invalid
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
+_MAX_PORT = 65535
 log = logging.getLogger("redline")
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
@@ -70,6 +71,10 @@ class LaunchConfig:
         positive_number("hang_timeout", self.hang_timeout_s, optional=True)
         if self.rdzv_endpoint is not None and not _ENDPOINT.match(self.rdzv_endpoint):
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
+        if self.rdzv_endpoint is not None and int(self.rdzv_endpoint.rsplit(":", 1)[1]) > _MAX_PORT:
+            raise invalid("rdzv_endpoint", self.rdzv_endpoint, f"HOST:PORT with PORT 0..{_MAX_PORT}")
+        if self.master_port is not None and not 0 <= self.master_port <= _MAX_PORT:
+            raise invalid("master_port", self.master_port, f"a port number, 0..{_MAX_PORT}", "e.g. --master-port 29500")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             missing = [n for n in ("node_rank", "master_addr", "master_port") if getattr(self, n) is None]
             if missing:
