@@ -197,6 +197,21 @@ def test_a_script_that_never_closes_its_runtime_leaves_the_group_at_exit(tmp_pat
     assert result.stdout.count("group: True") == 2 and result.stdout.count("group at exit: False") == 2
 
 
+def test_a_second_runtime_in_the_same_workers_joins_a_working_group(tmp_path):
+    script = tmp_path / "two_runtimes.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, redline\n"
+        "for attempt in range(2):\n"
+        "    with redline.Runtime(devices='cpu'):\n"
+        "        total = torch.ones(1)\n"
+        "        dist.all_reduce(total)\n"
+        "        print(f'group {attempt}: {total.item():.0f}', flush=True)\n"
+    )
+    result = launch("--nproc", "2", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("group 0: 2") == 2 and result.stdout.count("group 1: 2") == 2
+
+
 def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
     result = launch("--nproc", "2", JOB, str(tmp_path), "2", "--batch", "15")
     assert result.returncode != 0
