@@ -91,13 +91,16 @@ class FSDP:
         # A whole checkpoint (one device's, DDP's): rank 0 reads it once and broadcasts the pieces.
         states: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
 
-        def read() -> None:
+        def read() -> bool:
             whole.check_model(checkpoint, model)  # the sharded model's names, and its whole shapes
             weights, optimizer_state = whole.read_weights(checkpoint), whole.read_optimizer(checkpoint)
             states["model"], states["optimizer"] = full_state(model, optimizer, weights, optimizer_state)
+            return not optimizer_state["state"]
 
-        run_on_rank0(read, "reading the whole checkpoint")
+        fresh = run_on_rank0(read, "reading the whole checkpoint")  # saved before the optimizer's first step
         load_full_state(model, optimizer, states["model"], states["optimizer"])
+        if fresh:  # loading stepped it once with lr=0 to give it state: Adam would count that step
+            optimizer.state.clear()
         return whole.read_states(checkpoint)
 
     def save_weights(self, path: Path, model: nn.Module) -> None:
