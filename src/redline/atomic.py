@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,9 +25,13 @@ def commit_directory(tmp: Path, final: Path) -> None:
     """Rename the finished directory ``tmp`` to ``final``; an existing ``final`` is replaced.
 
     A rename is atomic. An older directory of the same name (a resumed run writing the same step
-    again) is moved aside first and removed after, so a crash in between leaves one of the two.
+    again) is swapped with ``tmp`` in one step where the system can (Linux), then removed, so
+    ``final`` always holds one of the two. Elsewhere it is moved aside first and removed after: a
+    crash in between leaves the new one under ``tmp``'s name.
     """
-    if final.exists():
+    if final.exists() and _exchange(tmp, final):  # ``tmp`` now holds the old directory
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif final.exists():
         aside = final.with_name(f".old-{final.name}-{os.getpid()}")
         shutil.rmtree(aside, ignore_errors=True)
         final.rename(aside)
@@ -33,6 +40,24 @@ def commit_directory(tmp: Path, final: Path) -> None:
     else:
         tmp.rename(final)
     fsync_path(final.parent)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (renameat2 with RENAME_EXCHANGE); False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):  # the kernel or file system lacks it
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:

@@ -1,5 +1,6 @@
 """The checkpoint directory: what killed writes leave is removed, and a checkpoint skipped on resume is named."""
 
+import contextlib
 import logging
 
 import torch
@@ -49,3 +50,33 @@ def test_a_newest_checkpoint_whose_manifest_cannot_be_read_is_named_and_skipped(
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith(f"skipping a corrupt checkpoint: {newest}: not a committed checkpoint (no readable ")
     assert "manifest.json" in warning and "Expecting" in warning  # the JSON parser's reason
+
+
+def test_writing_a_step_again_never_leaves_it_missing(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from redline.checkpoint.layout import commit, file_entry, read_checkpoint, stage
+
+    def write(final: Path, text: str) -> None:
+        tmp = stage(final)
+        (tmp / "weights.txt").write_text(text)
+        commit(tmp, final, format="redline-whole-2", step=7, files={"weights.txt": file_entry(tmp / "weights.txt")})
+
+    final = step_dir(tmp_path, 7)
+    write(final, "old")
+    renames = []
+
+    def crash_after_one_rename(self: Path, target: Path) -> Path:  # the process dies between two renames
+        if renames:
+            raise KeyboardInterrupt("killed")
+        renames.append(target)
+        return real_rename(self, target)
+
+    real_rename = Path.rename
+    monkeypatch.setattr(Path, "rename", crash_after_one_rename)
+    with contextlib.suppress(KeyboardInterrupt):
+        write(final, "new")
+    monkeypatch.undo()
+    assert read_checkpoint(final).step == 7  # still a committed checkpoint, the old one or the new one
+    assert (final / "weights.txt").read_text() in ("old", "new")
+    assert [c.path for c in find_checkpoints(tmp_path)] == [final]

@@ -197,6 +197,21 @@ def test_a_script_that_never_closes_its_runtime_leaves_the_group_at_exit(tmp_pat
     assert result.stdout.count("group: True") == 2 and result.stdout.count("group at exit: False") == 2
 
 
+def test_a_second_runtime_in_the_same_workers_joins_a_working_group(tmp_path):
+    script = tmp_path / "two_runtimes.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, redline\n"
+        "for attempt in range(2):\n"
+        "    with redline.Runtime(devices='cpu'):\n"
+        "        total = torch.ones(1)\n"
+        "        dist.all_reduce(total)\n"
+        "        print(f'group {attempt}: {total.item():.0f}', flush=True)\n"
+    )
+    result = launch("--nproc", "2", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("group 0: 2") == 2 and result.stdout.count("group 1: 2") == 2
+
+
 def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
     result = launch("--nproc", "2", JOB, str(tmp_path), "2", "--batch", "15")
     assert result.returncode != 0
@@ -225,6 +240,44 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(rdzv_endpoint="nohost")
     with pytest.raises(ConfigError, match="nproc"):
         LaunchConfig(nproc=0)
+    with pytest.raises(ConfigError, match=r"master_port=70000 is not allowed; expected a port number, 0\.\.65535"):
+        LaunchConfig(master_port=70000)
+    with pytest.raises(ConfigError, match=r"PORT 0\.\.65535"):
+        LaunchConfig(nnodes=2, rdzv_endpoint="host:99999")
+
+
+def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path):
+    result = launch("--nproc", "2", str(tmp_path / "nosuch.py"), timeout=60)
+    assert result.returncode == 2
+    assert "nosuch.py' does not exist" in result.stderr and "hint:" in result.stderr
+    assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
+
+
+def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = launch("--nproc", "1", "--master-port", str(port), str(script), timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in result.stderr and "address already in use" in result.stderr
+    assert "hint: another process holds that port" in result.stderr
+
+
+def test_a_rendezvous_that_cannot_reach_node_0_says_what_to_check():
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    from redline.launch.torchrun import _rendezvous_failure
+
+    two_nodes = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+    error = _rendezvous_failure(two_nodes, RendezvousTimeoutError("timed out waiting for the other nodes"))
+    assert str(error) == (
+        "the workers' rendezvous at 10.0.0.1:29500 could not be set up: timed out waiting for the other nodes\n"
+        "hint: check that the node-rank 0 machine is up and that 10.0.0.1:29500 is reachable from here"
+    )
 
 
 def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):

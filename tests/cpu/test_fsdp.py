@@ -440,6 +440,32 @@ def test_a_checkpoint_before_the_first_step_leaves_the_run_unchanged(tmp_path: P
     assert max_difference(*runs) == 0.0
 
 
+def test_a_checkpoint_before_the_first_step_resumes_as_the_unbroken_run(tmp_path: Path) -> None:
+    model = make_gpt()
+    optimizer = adamw(model.parameters())
+    save(tmp_path, 0, model, optimizer)
+    train("gpt", model, optimizer, 0, 2)
+    resumed = make_gpt()
+    resumed_optimizer = adamw(resumed.parameters())
+    load(step_dir(tmp_path, 0), resumed, resumed_optimizer)
+    # DCP's placeholder step (Adam's count at 1) must not come back: the first step would be Adam's second
+    assert not resumed_optimizer.state
+    train("gpt", resumed, resumed_optimizer, 0, 2)
+    assert max_difference(resumed.state_dict(), model.state_dict()) == 0.0
+
+
+def test_the_state_of_an_optimizer_before_its_first_step_leaves_the_run_unchanged() -> None:
+    runs = []
+    for taken in (False, True):
+        model = make_gpt()
+        optimizer = adamw(model.parameters())
+        if taken:
+            FSDP().state_dict(model, optimizer)
+        train("gpt", model, optimizer, 0, 2)
+        runs.append(model.state_dict())
+    assert max_difference(*runs) == 0.0
+
+
 def test_mixed_precision_maps_onto_fsdp2s_policy() -> None:
     bf16, fp16 = mixed_precision_policy("bf16-mixed"), mixed_precision_policy("fp16-mixed")
     assert bf16 is not None and (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)

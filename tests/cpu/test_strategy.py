@@ -150,6 +150,20 @@ def test_fsdp_loads_a_whole_checkpoint_read_once_on_rank_0(tmp_path):
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_fsdp_resumes_a_whole_checkpoint_written_before_the_first_step_as_the_unbroken_run(tmp_path):
+    single = SingleDevice()
+    model, optimizer = single.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    written = single.save(tmp_path / "whole", model, optimizer, runtime_state={}, extra={}, plan={}, step=0)
+    train_steps(model, optimizer, single)
+    fsdp = build_strategy("fsdp")
+    sharded, sharded_optimizer = fsdp.wrap(make_model(), adamw, device=CPU, precision="fp32")
+    fsdp.load(written, sharded, sharded_optimizer)
+    assert not sharded_optimizer.state  # no placeholder step from loading: Adam's first step is its first
+    train_steps(sharded, sharded_optimizer, fsdp)
+    assert all(torch.allclose(plain_state(sharded)[k], v, atol=1e-6) for k, v in model.state_dict().items())
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_fsdp_accumulates_unreduced_gradients_until_the_last_micro_batch():
     strategy = build_strategy("fsdp")
     gen = torch.Generator().manual_seed(5)

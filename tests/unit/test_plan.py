@@ -6,6 +6,7 @@ import pytest
 
 from devices import A100, CPU, CPU_AMX, CPUS, EIGHT_GPUS, H100, MAC, MPS, NO_ACCELERATOR, ONE_GPU, P100, T4, V100
 from redline.errors import ConfigError, DeviceUnavailableError
+from redline.hardware.device import Accelerators
 from redline.plan import Choice, Plan, parse_switch
 from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
 from redline.plan.device import resolve_device, resolve_worker_device
@@ -47,6 +48,13 @@ def test_a_worker_of_a_distributed_job_gets_its_own_gpu():
     assert worker.value == "cuda:3" and worker.reason.endswith("; worker 3's GPU")
     assert resolve_worker_device("auto", EIGHT_GPUS, local_rank=None).value == "cuda:0"  # one process
     assert resolve_worker_device("cpu", EIGHT_GPUS, local_rank=3).value == "cpu"  # gloo workers on the CPU
+
+
+def test_a_worker_without_a_gpu_of_its_own_is_refused_with_the_fix():
+    with pytest.raises(DeviceUnavailableError, match="LOCAL_RANK=2 needs its own GPU, but this process sees 2") as err:
+        resolve_worker_device("auto", Accelerators(cuda_count=2), local_rank=2)
+    assert "--nproc auto" in str(err.value)
+    assert resolve_worker_device("cpu", Accelerators(cuda_count=2), local_rank=2).value == "cpu"
 
 
 @pytest.mark.parametrize("requested", ["gpu", "cuda:x", "cpu:1", "tpu", "", "mps:0"])

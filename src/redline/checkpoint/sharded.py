@@ -94,7 +94,7 @@ def save_sharded(
         _check_visible(tmp, here, [listing for listing, _ in views])
         files = {name: entry for _, entries in views for name, entry in entries.items()}
         files.update({name: file_entry(tmp / name) for name in here if name not in files})
-        return commit(tmp, final, format=FORMAT, step=step, files=files, world_size=len(views))
+        return commit(tmp, final, format=FORMAT, step=step, files=files, world_size=len(views), fresh_optimizer=fresh)
 
     return run_on_rank0(finish, "committing the checkpoint")
 
@@ -188,6 +188,8 @@ def load_sharded(
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=checkpoint.path)  # in place, each rank reading the pieces it holds
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if checkpoint.manifest.get("fresh_optimizer"):  # saved before the first step: its state is DCP's placeholder
+        optimizer.state.clear()  # else Adam would count that placeholder step, and every later update differ
     if checkpoint.manifest.get("format") == LEGACY_FORMAT:
         return legacy_states(_load(checkpoint, EXTRA))
     return _load(checkpoint, RUNTIME), _load(checkpoint, EXTRA)

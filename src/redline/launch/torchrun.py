@@ -22,6 +22,7 @@ from redline.errors import ConfigError, RedlineError, StoppedBySignal, invalid
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
+_MAX_PORT = 65535
 log = logging.getLogger("redline")
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
@@ -70,6 +71,10 @@ class LaunchConfig:
         positive_number("hang_timeout", self.hang_timeout_s, optional=True)
         if self.rdzv_endpoint is not None and not _ENDPOINT.match(self.rdzv_endpoint):
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
+        if self.rdzv_endpoint is not None and int(self.rdzv_endpoint.rsplit(":", 1)[1]) > _MAX_PORT:
+            raise invalid("rdzv_endpoint", self.rdzv_endpoint, f"HOST:PORT with PORT 0..{_MAX_PORT}")
+        if self.master_port is not None and not 0 <= self.master_port <= _MAX_PORT:
+            raise invalid("master_port", self.master_port, f"a port number, 0..{_MAX_PORT}", "e.g. --master-port 29500")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             missing = [n for n in ("node_rank", "master_addr", "master_port") if getattr(self, n) is None]
             if missing:
@@ -114,13 +119,20 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
 
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
     """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from redline.hardware.device import probe_accelerators
     from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
+    if not module and target and not Path(target[0]).is_file():  # else every worker fails alike, after a rendezvous
+        raise ConfigError(
+            f"script {target[0]!r} does not exist (looked in {Path.cwd()})\n"
+            "hint: pass the path of a Python file, or --module (-m) with a module name"
+        )
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     if config.hang_timeout_s is not None:
@@ -139,6 +151,27 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
                 raise stopped from None
         except ChildFailedError as exc:
             raise _failure(exc, HANG_EXIT_CODE) from None
+        except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
+            raise _rendezvous_failure(config, exc) from None
+
+
+def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
+    """The error of a rendezvous that could not be set up: the address, torch's reason and the fix."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(exc).__name__
+    if config.rdzv_endpoint is not None:
+        where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
+    elif config.master_port is None:
+        where, flag = "this machine (a free port)", "--master-port"
+    else:
+        where, flag = f"{config.master_addr or '127.0.0.1'}:{config.master_port}", "--master-port"
+    if "EADDRINUSE" in reason or "address already in use" in reason:
+        hint = f"another process holds that port: pass a free one to {flag}"
+        if config.nnodes == 1 and config.rdzv_endpoint is None:
+            hint += " (or leave --master-port out: one machine then meets on a free port)"
+    else:
+        hint = f"check that the node-rank 0 machine is up and that {where} is reachable from here"
+    return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
 def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:

@@ -21,6 +21,7 @@ FINISHED_ENV = "REDLINE_FINISHED_FILE"  # where the workers tell the launcher th
 # Longer than any hang watchdog timeout, so the watchdog's diagnosis comes before torch's own error.
 COLLECTIVE_TIMEOUT = dt.timedelta(minutes=30)
 _store: torch_dist.Store | None = None  # the store the process group met in, for the hang watchdog
+_joins = 0  # process groups this process has joined: every rank joins and leaves in the same order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,8 +116,11 @@ def init_process_group(env: DistEnv, device_type: str) -> bool:
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
             timeout=COLLECTIVE_TIMEOUT,
         )  # fmt: skip
-        prefixed = torch_dist.PrefixStore(f"redline/attempt-{env.restart_count}", store)
-        global _store
+        # And a prefix per join: a second Runtime in the same process would otherwise read the first
+        # group's keys, and its ranks dial ports that closed when the first group was left.
+        global _store, _joins
+        _joins += 1
+        prefixed = torch_dist.PrefixStore(f"redline/attempt-{env.restart_count}/group-{_joins}", store)
         _store = prefixed
         torch_dist.init_process_group(
             backend=backend, store=prefixed, rank=env.rank, world_size=env.world_size, timeout=COLLECTIVE_TIMEOUT
@@ -147,6 +151,8 @@ def leave_process_group() -> None:
     Garbage is collected first: on gloo, an FSDP model freed by the interpreter's final collection,
     after gloo's threads lost the GIL, aborted the process in about 5% of CPU runs.
     """
+    global _store
+    _store = None  # the next group meets under its own prefix
     if torch_dist.is_initialized():
         gc.collect()
         torch_dist.destroy_process_group()

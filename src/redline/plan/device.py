@@ -24,6 +24,12 @@ def resolve_worker_device(requested: str, found: Accelerators, *, local_rank: in
     """Resolve ``requested`` for one process: a worker of a distributed job (``local_rank`` given) gets its own GPU."""
     device = resolve_device(requested, found)
     if local_rank is not None and device.value.startswith("cuda"):  # one GPU per worker
+        if local_rank >= found.cuda_count:  # torch would fail later with "invalid device ordinal"
+            raise DeviceUnavailableError(
+                f"worker with LOCAL_RANK={local_rank} needs its own GPU, but this process sees {found.cuda_count} "
+                f"(cuda:0..cuda:{found.cuda_count - 1})\nhint: launch at most {found.cuda_count} processes per "
+                "machine (--nproc auto), or train on the CPU (devices='cpu'); check CUDA_VISIBLE_DEVICES"
+            )
         return Choice(f"cuda:{local_rank}", f"{device.reason}; worker {local_rank}'s GPU")
     return device
 

@@ -68,7 +68,10 @@ class FSDP:
         return model  # fully_shard changes the model in place: its names are the user's
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        fresh = not optimizer.state
         model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, as DTensors
+        if fresh:  # get_state_dict stepped it once with lr=0 to give it state: the run must not count that step
+            optimizer.state.clear()
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -88,13 +91,16 @@ class FSDP:
         # A whole checkpoint (one device's, DDP's): rank 0 reads it once and broadcasts the pieces.
         states: dict[str, dict[str, Any]] = {"model": {}, "optimizer": {}}
 
-        def read() -> None:
+        def read() -> bool:
             whole.check_model(checkpoint, model)  # the sharded model's names, and its whole shapes
             weights, optimizer_state = whole.read_weights(checkpoint), whole.read_optimizer(checkpoint)
             states["model"], states["optimizer"] = full_state(model, optimizer, weights, optimizer_state)
+            return not optimizer_state["state"]
 
-        run_on_rank0(read, "reading the whole checkpoint")
+        fresh = run_on_rank0(read, "reading the whole checkpoint")  # saved before the optimizer's first step
         load_full_state(model, optimizer, states["model"], states["optimizer"])
+        if fresh:  # loading stepped it once with lr=0 to give it state: Adam would count that step
+            optimizer.state.clear()
         return whole.read_states(checkpoint)
 
     def save_weights(self, path: Path, model: nn.Module) -> None:
