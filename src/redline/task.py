@@ -90,13 +90,20 @@ class Task:
         return model
 
     def fingerprint(self) -> str:
-        """Return a short hash of what shapes the workload: model structure, parameters, batch, data."""
+        """Return a short hash of what shapes the workload: model structure, parameters, batch, data.
+
+        The data counts by its size and the shapes and dtypes of its first sample (not its values): a
+        model that takes any image size runs another workload on larger images. A stream (no length)
+        is not read here.
+        """
         model = self.model if isinstance(self.model, nn.Module) else self.build_model()
         digest = hashlib.sha256()
         digest.update(model_fingerprint(model).encode())
         digest.update(f"batch={self.batch_size}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
+        if size > 0:
+            digest.update(f"sample={_layout(self.train_data[0])}".encode())
         return digest.hexdigest()[:16]
 
 
@@ -107,6 +114,17 @@ def model_fingerprint(model: nn.Module) -> str:
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
     return digest.hexdigest()[:16]
+
+
+def _layout(item: object) -> str:
+    """The shapes and dtypes of a sample, nested as it is (values left out)."""
+    if isinstance(item, torch.Tensor) or (hasattr(item, "shape") and hasattr(item, "dtype")):
+        return f"{tuple(item.shape)}:{item.dtype}"
+    if isinstance(item, Mapping):
+        return "{" + ",".join(f"{k}={_layout(v)}" for k, v in item.items()) + "}"
+    if isinstance(item, list | tuple):
+        return "(" + ",".join(_layout(v) for v in item) + ")"
+    return type(item).__name__
 
 
 # The Task's function fields: what each is called with and returns, and an example that fits.

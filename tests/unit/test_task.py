@@ -210,6 +210,18 @@ def test_fingerprint_changes_with_batch_size_model_shape_or_data_size(change: di
     assert base.fingerprint() != changed.fingerprint()
 
 
+def test_fingerprint_changes_with_the_shape_of_the_samples() -> None:
+    """A model that takes any image size times differently on larger images: a cached trial must not carry over."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    small = TensorDataset(torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    large = TensorDataset(torch.randn(4, 1, 64, 64), torch.zeros(4, dtype=torch.long))
+    fingerprint = tiny_task(model=model, train_data=small).fingerprint()
+    assert fingerprint != tiny_task(model=model, train_data=large).fingerprint()
+    # The values of the samples do not change the workload: new random data of the same shape matches.
+    again = TensorDataset(torch.randn(4, 1, 8, 8), torch.ones(4, dtype=torch.long))
+    assert fingerprint == tiny_task(model=model, train_data=again).fingerprint()
+
+
 # --- load_task ----------------------------------------------------------------------------------
 
 TASK_SOURCE = """
