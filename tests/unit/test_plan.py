@@ -12,7 +12,7 @@ from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
 from redline.plan.device import resolve_device, resolve_worker_device
 from redline.plan.layout import resolve_channels_last
 from redline.plan.micro_batch import after_oom, found_size, resolve_micro_batch
-from redline.plan.optimizer import OptimizerFacts, resolve_optimizer, resolve_zero_grad
+from redline.plan.optimizer import OptimizerFacts, optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import resolve_precision, resolve_tf32
 
 SUPPORTED = lambda: (True, "")  # noqa: E731
@@ -249,6 +249,17 @@ def test_optimizer_kept_when_rebuilding_would_change_the_run():
     assert user.value == "as given" and "user" in user.reason
     custom = resolve_optimizer(facts_of(name="Lion", has_fused=False), H100)
     assert custom.value == "as given" and "no fused" in custom.reason
+
+
+@pytest.mark.parametrize("implementation", [{"fused": False}, {"fused": True}, {"foreach": False}, {"foreach": True}])
+def test_an_implementation_the_user_chose_is_kept_even_when_it_turns_fused_off(implementation):
+    import torch
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], **implementation)
+    assert optimizer_facts(optimizer).impl_set_by_user
+    assert resolve_optimizer(optimizer_facts(optimizer), H100).value == "as given"
+    default = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    assert not optimizer_facts(default).impl_set_by_user
 
 
 # -- the Plan -----------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ def optimizer_facts(optimizer: torch.optim.Optimizer) -> OptimizerFacts:
         name=cls.__name__,
         has_fused=has_fused,
         has_state=any(bool(s) for s in optimizer.state.values()),
-        impl_set_by_user=bool(defaults.get("fused")) or defaults.get("foreach") is not None,
+        # None is torch's "not given"; fused=False turns fused off on purpose, like foreach=False.
+        impl_set_by_user=defaults.get("fused") is not None or defaults.get("foreach") is not None,
     )
 
 
