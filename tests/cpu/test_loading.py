@@ -127,6 +127,13 @@ def test_cores_are_shared_between_the_local_devices(local_devices: int, workers:
     assert choice.value.prefetch_factor == 4
 
 
+def test_a_worker_without_a_core_of_its_own_is_not_said_to_leave_one() -> None:
+    choice = resolve_loader(facts(local_devices=32), H100)  # 16 cores for 32 devices
+    assert choice.value.num_workers == 1
+    assert "one left for the training process" not in choice.reason
+    assert "shares" in choice.reason and "1 workers" not in choice.reason
+
+
 def test_workers_set_by_the_user_are_kept_on_cuda() -> None:
     choice = resolve_loader(facts(num_workers=3), H100)
     assert choice.value == LoaderSettings(

@@ -82,7 +82,12 @@ def resolve_loader(loader: LoaderFacts, facts: DeviceFacts, *, workers: int | No
     else:
         per_device = max(1, facts.cpu_count // max(1, loader.local_devices))
         workers = max(1, min(MAX_WORKERS, per_device - 1))
-        why = f"{workers} workers from {per_device} cores per device, one left for the training process"
+        if per_device > 1:
+            why = f"{workers} worker{'s' if workers > 1 else ''} from {per_device} cores per device, one left for "
+            why += "the training process"
+        else:  # no core to spare: one worker still overlaps loading with the GPU's work
+            why = f"1 worker, which shares a core with the training process ({facts.cpu_count} CPU core(s) "
+            why += f"for {loader.local_devices} device(s))"
     settings = LoaderSettings(
         num_workers=workers,
         pin_memory=True,
