@@ -75,6 +75,12 @@ def test_explicit_values_are_used_as_given_and_not_timed():
     assert labels(half) == ["fp32", "fp32+compile"]
 
 
+def test_fp16_asked_for_on_a_cpu_is_not_explained_by_training_terms():
+    """Inference has no gradients: the training rule's note about loss scaling does not belong in its Plan."""
+    proposal = propose(AVX2, precision="fp16-mixed", compile="off", measure=True, compile_supported=supported)
+    assert proposal.precision.value == "fp16-mixed" and proposal.precision.reason == "requested"
+
+
 def test_compile_on_where_it_cannot_run_falls_back_to_eager_with_the_reason():
     proposal = propose(H200, precision="fp32", compile="on", measure=True, compile_supported=unsupported)
     assert proposal.compile.value is False and "triton is not installed" in proposal.compile.reason

@@ -109,6 +109,8 @@ def propose(
     when a compile is in question (finding out imports the compiler stack).
     """
     rule_precision = resolve_precision(precision, facts)  # validates an explicit value for this device
+    if precision != "auto":  # training's notes (fp16's loss scaling on a CPU) say nothing of inference
+        rule_precision = Choice(rule_precision.value, "requested")
     precisions: list[PrecisionName] = [rule_precision.value]
     if precision == "auto" and measure:
         precisions = ["fp32", *fast_precisions(facts)]
