@@ -259,8 +259,10 @@ def _import_module(spec: str, module_name: str) -> Any:
         sys.modules[name] = module
         try:
             file_spec.loader.exec_module(module)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             sys.modules.pop(name, None)
+            if isinstance(exc, SystemExit):
+                raise _exited(spec, str(path), exc) from exc
             raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}") from exc
         return module
     _search_working_directory()
@@ -278,8 +280,19 @@ def _import_module(spec: str, module_name: str) -> Any:
             f"expected {FORMS.format(', '.join(EXAMPLES))}\nhint: run redline in the folder that holds "
             f"{top}/ (or {top}.py), or pip install the package"
         ) from exc
+    except SystemExit as exc:
+        raise _exited(spec, module_name, exc) from exc
     except Exception as exc:
         raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+
+
+def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:
+    """A module that ends the process while imported: a script's top level (argument parsing, say) ran."""
+    return TaskSpecError(
+        f"task spec {spec!r}: importing {what!r} exited (SystemExit: {exc.code!r}); its top-level code ran, as a "
+        "script's does\nhint: put the script's own code under `if __name__ == '__main__':`, or move the factory "
+        "to a module of its own"
+    )
 
 
 def _search_working_directory() -> None:

@@ -348,6 +348,24 @@ def test_module_that_fails_to_import_is_reported(tmp_path: Path, monkeypatch: py
         load_task(f"{name}:make")
 
 
+SCRIPT_THAT_EXITS = """
+import argparse
+argparse.ArgumentParser().parse_args(["--not-an-option"])  # a training script's top level, run on import
+"""
+
+
+def test_a_script_that_exits_on_import_is_reported_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT_THAT_EXITS)
+    name = f"redline_exiting_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(SCRIPT_THAT_EXITS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in (f"{path}:make", f"{name}:make"):
+        with pytest.raises(TaskSpecError, match="exited") as info:
+            load_task(spec)
+        assert "if __name__ == '__main__':" in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["missing_factory", "NOT_CALLABLE"])
 def test_missing_factory_lists_the_callables_present(task_file: Path, task_module: str, name: str) -> None:
     for spec in (f"{task_file}:{name}", f"{task_module}:{name}"):
