@@ -102,7 +102,7 @@ class Task:
         digest.update(f"batch={self.batch_size}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
-        if size > 0:
+        if size > 0 and not isinstance(self.train_data, IterableDataset):
             digest.update(f"sample={_layout(self.train_data[0])}".encode())
         return digest.hexdigest()[:16]
 

@@ -222,6 +222,20 @@ def test_fingerprint_changes_with_the_shape_of_the_samples() -> None:
     assert fingerprint == tiny_task(model=model, train_data=again).fingerprint()
 
 
+class SizedStream(IterableDataset):  # type: ignore[type-arg]
+    """A stream that knows its length, as many do: it has no items by index."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter([(torch.zeros(2), torch.zeros(1))] * 4)
+
+    def __len__(self) -> int:
+        return 4
+
+
+def test_fingerprint_of_a_stream_with_a_length_reads_no_item_by_index() -> None:
+    assert len(tiny_task(train_data=SizedStream()).fingerprint()) == 16
+
+
 # --- load_task ----------------------------------------------------------------------------------
 
 TASK_SOURCE = """
