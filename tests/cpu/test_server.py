@@ -185,6 +185,15 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert engine.batches == [1, 1], "only the valid requests reached the model"
 
 
+async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,"  # the closing brackets never come
+    cut = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 12
+    async with running(FakeEngine()) as (client, _):
+        answer = await client.post("/v1/predict", content=cut, headers={"content-type": "application/octet-stream"})
+    assert answer.status_code == 400 and answer.json()["reason"] == "bad_request"
+    assert "not a .npy array" in answer.json()["error"]
+
+
 async def test_non_finite_floats_are_refused():
     async with running(FakeEngine(input_dtype="float16")) as (client, _):
         answer = await client.post("/v1/predict", json={"inputs": [1e6, 0, 0]})  # beyond float16's 65504
