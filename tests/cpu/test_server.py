@@ -194,6 +194,35 @@ async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
     assert "not a .npy array" in answer.json()["error"]
 
 
+async def test_refusals_that_never_reached_the_queue_stay_out_of_the_latency_histogram():
+    engine = FakeEngine()
+    engine.gate.clear()  # the model holds its first batch
+    async with running(engine, queue_size=1, max_batch_size=1) as (client, serving):
+        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
+        await eventually(lambda: engine.threads)
+        queued = asyncio.create_task(client.post("/v1/predict", json={"inputs": [2, 2, 2]}))
+        await eventually(lambda: serving.dispatcher.queued == 1)
+        refused = [await client.post("/v1/predict", json={"inputs": [3, 3, 3]}) for _ in range(3)]
+        engine.gate.set()
+        await first, await queued
+        page = metrics((await client.get("/metrics")).text)
+    assert [answer.status_code for answer in refused] == [503] * 3
+    assert page['redline_serve_rejections_total{"reason": "queue_full"}'] == 3
+    assert page["redline_serve_latency_seconds_count{}"] == 2, "only the two queued requests were timed"
+
+
+async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():
+    engine = FakeEngine()
+    engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: list(out))
+    async with running(engine) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        page = metrics((await client.get("/metrics")).text)
+    assert answer.status_code == 500 and answer.json()["reason"] == "model_error"
+    assert "not JSON" in answer.json()["error"] and "Tensor" in answer.json()["error"]
+    assert page['redline_serve_requests_total{"status": "500"}'] == 1
+    assert 'redline_serve_requests_total{"status": "200"}' not in page
+
+
 async def test_non_finite_floats_are_refused():
     async with running(FakeEngine(input_dtype="float16")) as (client, _):
         answer = await client.post("/v1/predict", json={"inputs": [1e6, 0, 0]})  # beyond float16's 65504
