@@ -65,7 +65,7 @@ def _train(
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(strict_json(summary.to_dict()))
     else:
         console = Console()
         console.print(plan_table(summary.plan))
@@ -102,6 +102,12 @@ def stopped_early(summary: TrainSummary) -> StoppedBySignal:
         f"stopped by {signum.name} at step {summary.steps}, its checkpoint written to {summary.checkpoint}\n"
         "hint: run the same command again with --resume auto to continue from it",
     )
+
+
+def strict_json(data: dict[str, Any]) -> str:
+    """``data`` as indented JSON, a NaN or infinity written as null, as summary.json holds it (NaN is no JSON)."""
+    finite = json.loads(json.dumps(data), parse_constant=lambda _: None)
+    return json.dumps(finite, indent=2, allow_nan=False)
 
 
 def without_launch_options(argv: list[str]) -> list[str]:
