@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
 
 from redline.errors import ConfigError
+from redline.serve import dispatch as dispatch_module
 from redline.serve import server as server_module
 from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
@@ -308,6 +310,36 @@ async def test_a_request_past_its_deadline_gets_504_and_the_server_goes_on():
     assert after.status_code == 200 and after.json()["outputs"] == [[6.0, 6.0, 6.0]]
     assert engine.batches.count(1) == 2, "the request that expired in the queue never ran"
     assert page['redline_serve_rejections_total{"reason": "timeout"}'] == 2
+
+
+class Python310Asyncio(types.ModuleType):
+    """asyncio as Python 3.10 has it (the package supports it): wait_for raises asyncio.TimeoutError, no builtin."""
+
+    class TimeoutError(Exception):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(asyncio, name)
+
+    async def wait_for(self, awaitable, timeout):
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except TimeoutError:
+            raise self.TimeoutError from None
+
+
+async def test_batching_waits_and_deadlines_work_where_asyncio_has_its_own_timeout_error(monkeypatch):
+    monkeypatch.setattr(dispatch_module, "asyncio", Python310Asyncio("asyncio"))
+    engine = FakeEngine()
+    async with running(engine, timeout_ms=300, max_wait_ms=20, max_batch_size=4) as (client, serving):
+        waited = await client.post("/v1/predict", json={"inputs": [1, 1, 1]})  # its batch waits max_wait_ms
+        engine.gate.clear()
+        late = await client.post("/v1/predict", json={"inputs": [2, 2, 2]})  # past its deadline
+        engine.gate.set()
+        after = await client.post("/v1/predict", json={"inputs": [3, 3, 3]})
+        failed = serving.dispatcher.failed
+    assert failed is None, failed
+    assert waited.status_code == 200 and late.status_code == 504 and after.status_code == 200
 
 
 async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_succeeds():
