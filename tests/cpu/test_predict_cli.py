@@ -132,3 +132,13 @@ def test_a_model_failing_midway_leaves_no_output_file(tmp_path, spec):
         "tiny.py",
         "x.npy",
     ], "neither the output nor a temporary file of it is left"
+
+
+def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, spec):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a safetensors file at all")
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert f"--weights {str(weights)!r}" in str(result.exception) and "hint:" in str(result.exception)
+    assert not (tmp_path / "y.npy").exists()

@@ -95,6 +95,7 @@ def from_task(task: Task) -> Servable:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load a safetensors file into ``model``; a missing file or a mismatch is a ConfigError naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     if not path.is_file():
@@ -103,6 +104,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
         )
     try:
         load_model(model, str(path), strict=True)
+    except SafetensorError as exc:  # not a safetensors file, or a damaged one
+        raise ConfigError(
+            f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
+            "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
+        ) from exc
     except (RuntimeError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
