@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from redline.cli.options import TaskArgs, TaskSpec, command, flags, values
 from redline.cli.task_args import parse_task_args
@@ -71,7 +72,7 @@ def _train(
         console.print(plan_table(summary.plan))
         console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
         if summary.sample:
-            console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
+            console.print("[bold]sample[/bold]", Text(summary.sample), sep="\n")  # generated text, not markup
     if by_signal and not trainer.env.launched:  # under the launcher, the launcher exits with the signal
         raise stopped_early(summary)
 
