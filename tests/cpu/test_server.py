@@ -435,6 +435,12 @@ def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
         build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=16))
 
 
+@pytest.mark.parametrize("shape", [3, "3", None, (3, 0)])
+def test_a_servable_with_an_input_shape_that_is_not_a_shape_is_refused_naming_the_field(shape):
+    with pytest.raises(ConfigError, match=r"input_shape=.* is not allowed; expected positive integers"):
+        Servable(model=torch.nn.Linear(3, 2), input_shape=shape)
+
+
 def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
     said = []
 

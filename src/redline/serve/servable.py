@@ -48,7 +48,7 @@ class Servable:
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise invalid("model", type(self.model).__name__, "an nn.Module")
-        shape = tuple(self.input_shape)
+        shape = tuple(self.input_shape) if isinstance(self.input_shape, tuple | list) else (None,)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
             raise invalid("input_shape", self.input_shape, "positive integers, one sample's shape without the batch")
         object.__setattr__(self, "input_shape", shape)
