@@ -142,3 +142,11 @@ def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, s
     assert isinstance(result.exception, ConfigError), result.exception
     assert f"--weights {str(weights)!r}" in str(result.exception) and "hint:" in str(result.exception)
     assert not (tmp_path / "y.npy").exists()
+
+
+def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
+    out = tmp_path / "y[run1].npy"
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "y[run1].npy" in result.output.replace("\n", "")

@@ -82,7 +82,7 @@ def bench(
     out.print(bench_table(data))
     out.print(best_line(data), highlight=False)
     if html is not None:
-        out.print(f"report: {html}", highlight=False)
+        out.print(f"report: {html}", highlight=False, markup=False)
 
 
 def _check_html(path: Path) -> None:
