@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
     from redline.runtime.runtime import Runtime
+    from redline.serve.app import build_app
     from redline.serve.engine import InferenceEngine
+    from redline.serve.loadtest import run_load
+    from redline.serve.options import ServeOptions
     from redline.serve.servable import Servable, load_servable
     from redline.task import Task, load_task
     from redline.train.callbacks import Callback, EarlyStopping

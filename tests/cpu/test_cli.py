@@ -138,6 +138,73 @@ def make(flag: bool = True, name: str = "tiny"):
 """
 
 
+NAN_VAL_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from redline.task import Task
+
+
+def val_loss_nan(outputs, targets):  # finite in training; NaN in evaluation (run without gradients)
+    loss = nn.functional.mse_loss(outputs, targets)
+    return loss if torch.is_grad_enabled() else loss * float("nan")
+
+
+def make():
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    return Task(model=nn.Linear(2, 1), loss_fn=val_loss_nan, name="nanval", train_data=data, val_data=data,
+                batch_size=4)
+"""
+
+
+def test_train_json_is_strict_json_when_a_figure_is_not_finite(tmp_path):
+    (tmp_path / "nan_task.py").write_text(NAN_VAL_TASK)
+    out = tmp_path / "run"
+    result = redline_cli("train", "--task", f"{tmp_path / 'nan_task.py'}:make", "--max-steps", "2", "--no-progress",
+                         "--json", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout, parse_constant=lambda word: pytest.fail(f"{word} is not JSON"))
+    assert summary["val_loss"] is None
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+BRACKET_SAMPLE_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from redline.task import Task
+
+SAMPLE = "def pick(xs: list[int]) -> int:  # xs[/0] [bold]"
+
+
+def make():
+    return Task(model=nn.Linear(2, 1), loss_fn=nn.functional.mse_loss, name="brackets", batch_size=4,
+                train_data=TensorDataset(torch.randn(8, 2), torch.randn(8, 1)), sample=lambda model: SAMPLE)
+"""
+
+
+def test_train_prints_a_generated_sample_as_written_brackets_and_all(tmp_path):
+    (tmp_path / "bracket_task.py").write_text(BRACKET_SAMPLE_TASK)
+    result = redline_cli("train", "--task", f"{tmp_path / 'bracket_task.py'}:make", "--max-steps", "1",
+                         "--no-progress", env={"COLUMNS": "200"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "def pick(xs: list[int]) -> int:  # xs[/0] [bold]" in result.stdout
+
+
+def test_bench_warns_of_a_failed_memory_estimate_with_its_error_as_written(monkeypatch):
+    from rich.console import Console
+
+    from redline.cli import bench as bench_cli
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("cannot trace [fc.weight] under [/tmp/x]")
+
+    monkeypatch.setattr(bench_cli, "estimate_memory", fails)
+    console = Console(width=300, record=True)
+    assert bench_cli._estimator(load_task("example:digits"), console)(8, "fp32", "cpu") is None
+    assert "cannot trace [fc.weight] under [/tmp/x]" in console.export_text()
+
+
 def test_task_arg_false_reaches_a_bool_option_as_false(tmp_path):
     (tmp_path / "flag_task.py").write_text(FLAG_TASK)
     spec = f"{tmp_path / 'flag_task.py'}:make"

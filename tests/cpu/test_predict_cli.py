@@ -132,3 +132,21 @@ def test_a_model_failing_midway_leaves_no_output_file(tmp_path, spec):
         "tiny.py",
         "x.npy",
     ], "neither the output nor a temporary file of it is left"
+
+
+def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, spec):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a safetensors file at all")
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert f"--weights {str(weights)!r}" in str(result.exception) and "hint:" in str(result.exception)
+    assert not (tmp_path / "y.npy").exists()
+
+
+def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
+    out = tmp_path / "y[run1].npy"
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "y[run1].npy" in result.output.replace("\n", "")

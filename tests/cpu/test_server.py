@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
 
 from redline.errors import ConfigError
+from redline.serve import dispatch as dispatch_module
 from redline.serve import server as server_module
 from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
@@ -185,6 +187,44 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert engine.batches == [1, 1], "only the valid requests reached the model"
 
 
+async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,"  # the closing brackets never come
+    cut = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 12
+    async with running(FakeEngine()) as (client, _):
+        answer = await client.post("/v1/predict", content=cut, headers={"content-type": "application/octet-stream"})
+    assert answer.status_code == 400 and answer.json()["reason"] == "bad_request"
+    assert "not a .npy array" in answer.json()["error"]
+
+
+async def test_refusals_that_never_reached_the_queue_stay_out_of_the_latency_histogram():
+    engine = FakeEngine()
+    engine.gate.clear()  # the model holds its first batch
+    async with running(engine, queue_size=1, max_batch_size=1) as (client, serving):
+        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
+        await eventually(lambda: engine.threads)
+        queued = asyncio.create_task(client.post("/v1/predict", json={"inputs": [2, 2, 2]}))
+        await eventually(lambda: serving.dispatcher.queued == 1)
+        refused = [await client.post("/v1/predict", json={"inputs": [3, 3, 3]}) for _ in range(3)]
+        engine.gate.set()
+        await first, await queued
+        page = metrics((await client.get("/metrics")).text)
+    assert [answer.status_code for answer in refused] == [503] * 3
+    assert page['redline_serve_rejections_total{"reason": "queue_full"}'] == 3
+    assert page["redline_serve_latency_seconds_count{}"] == 2, "only the two queued requests were timed"
+
+
+async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():
+    engine = FakeEngine()
+    engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: list(out))
+    async with running(engine) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        page = metrics((await client.get("/metrics")).text)
+    assert answer.status_code == 500 and answer.json()["reason"] == "model_error"
+    assert "not JSON" in answer.json()["error"] and "Tensor" in answer.json()["error"]
+    assert page['redline_serve_requests_total{"status": "500"}'] == 1
+    assert 'redline_serve_requests_total{"status": "200"}' not in page
+
+
 async def test_non_finite_floats_are_refused():
     async with running(FakeEngine(input_dtype="float16")) as (client, _):
         answer = await client.post("/v1/predict", json={"inputs": [1e6, 0, 0]})  # beyond float16's 65504
@@ -270,6 +310,36 @@ async def test_a_request_past_its_deadline_gets_504_and_the_server_goes_on():
     assert after.status_code == 200 and after.json()["outputs"] == [[6.0, 6.0, 6.0]]
     assert engine.batches.count(1) == 2, "the request that expired in the queue never ran"
     assert page['redline_serve_rejections_total{"reason": "timeout"}'] == 2
+
+
+class Python310Asyncio(types.ModuleType):
+    """asyncio as Python 3.10 has it (the package supports it): wait_for raises asyncio.TimeoutError, no builtin."""
+
+    class TimeoutError(Exception):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(asyncio, name)
+
+    async def wait_for(self, awaitable, timeout):
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except TimeoutError:
+            raise self.TimeoutError from None
+
+
+async def test_batching_waits_and_deadlines_work_where_asyncio_has_its_own_timeout_error(monkeypatch):
+    monkeypatch.setattr(dispatch_module, "asyncio", Python310Asyncio("asyncio"))
+    engine = FakeEngine()
+    async with running(engine, timeout_ms=300, max_wait_ms=20, max_batch_size=4) as (client, serving):
+        waited = await client.post("/v1/predict", json={"inputs": [1, 1, 1]})  # its batch waits max_wait_ms
+        engine.gate.clear()
+        late = await client.post("/v1/predict", json={"inputs": [2, 2, 2]})  # past its deadline
+        engine.gate.set()
+        after = await client.post("/v1/predict", json={"inputs": [3, 3, 3]})
+        failed = serving.dispatcher.failed
+    assert failed is None, failed
+    assert waited.status_code == 200 and late.status_code == 504 and after.status_code == 200
 
 
 async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_succeeds():
@@ -363,6 +433,12 @@ def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
         ServeOptions(token_env="MY-TOKEN")
     with pytest.raises(ConfigError, match="max_batch_size=16 is not allowed; expected at most the engine's"):
         build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=16))
+
+
+@pytest.mark.parametrize("shape", [3, "3", None, (3, 0)])
+def test_a_servable_with_an_input_shape_that_is_not_a_shape_is_refused_naming_the_field(shape):
+    with pytest.raises(ConfigError, match=r"input_shape=.* is not allowed; expected positive integers"):
+        Servable(model=torch.nn.Linear(3, 2), input_shape=shape)
 
 
 def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):

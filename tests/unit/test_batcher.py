@@ -29,6 +29,13 @@ def test_the_oldest_live_request_starts_the_clock_once_an_older_one_expired():
     assert decide(queue, 1.0, max_batch_size=8, max_wait=0.005) == Decision(expired=(0,), wait_until=1.003)
 
 
+def test_the_clock_starts_at_the_earliest_arrival_even_when_that_request_was_queued_second():
+    # Arrival is taken before the body is read: a slow upload is queued after a request that came later.
+    queue = [pending(arrived=1.000), pending(arrived=0.998)]
+    assert decide(queue, 1.001, max_batch_size=8, max_wait=0.005) == Decision(wait_until=1.003)
+    assert decide(queue, 1.003, max_batch_size=8, max_wait=0.005) == Decision(run=(0, 1))
+
+
 def test_a_full_batch_runs_at_once_counted_in_samples():
     queue = [pending(samples=3), pending(samples=5)]
     assert decide(queue, 0.0, max_batch_size=8, max_wait=1.0) == Decision(run=(0, 1))

@@ -25,3 +25,9 @@ def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
     assert "12.0 s, never repaid" in beside
     repaid = dict(compiled, break_even_steps=1234.0)
     assert "12.0 s, repaid in 1,234 steps" in shown(result_of(eager, repaid))
+
+
+def test_a_failed_rows_error_is_shown_as_written_brackets_and_all():
+    error = "RuntimeError: Missing key(s) in state_dict: [fc.weight]; see [/tmp/run]"
+    failed = _row("cpu bf16-mixed b64", "explicit", None, error=error)
+    assert error in shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), failed))

@@ -76,6 +76,18 @@ def test_import_redline_loads_no_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_type_checkers_see_every_public_name_from_the_module_that_defines_it():
+    # py.typed ships: a lazy name missing from the TYPE_CHECKING imports types as `object` in users' code.
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    seen = {}
+    for node in ast.walk(block):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                seen[alias.name] = node.module if node.module != "redline" else f"redline.{alias.name}"
+    assert seen == redline._LAZY
+
+
 def test_every_public_name_resolves_and_doctor_is_the_subpackage():
     for name in redline.__all__:
         assert getattr(redline, name) is not None, name

@@ -82,7 +82,7 @@ def bench(
     out.print(bench_table(data))
     out.print(best_line(data), highlight=False)
     if html is not None:
-        out.print(f"report: {html}", highlight=False)
+        out.print(f"report: {html}", highlight=False, markup=False)
 
 
 def _check_html(path: Path) -> None:
@@ -101,7 +101,10 @@ def _estimator(task: Task, console: Console) -> Estimate:
         try:
             return estimate_memory(task, batch_size=batch_size, precision=precision, target=target).total
         except Exception as exc:  # the estimate is an extra: its failure must not lose the measurements
-            console.print(f"warning: no memory estimate for batch {batch_size}, {precision}: {describe_error(exc)}")
+            console.print(  # the error's `[...]` is text, not markup
+                f"warning: no memory estimate for batch {batch_size}, {precision}: {describe_error(exc)}",
+                markup=False, highlight=False,
+            )  # fmt: skip
             return None
 
     return predict

@@ -45,7 +45,8 @@ def doctor(
             snapshot.save(save_probe)
         except OSError as exc:
             raise invalid("--save-probe", str(save_probe), "a writable file path", str(exc)) from exc
-        Console(stderr=True).print(f"snapshot written to {save_probe}: attach it to your bug report", highlight=False)
+        said = f"snapshot written to {save_probe}: attach it to your bug report"
+        Console(stderr=True).print(said, highlight=False, markup=False)
     report = judge(snapshot)
     if json_output:
         print(json.dumps(report.to_dict(), indent=2))

@@ -53,7 +53,7 @@ def _loadtest(
     for table in loadtest_tables(result):
         out.print(table)
     for note in result.notes:
-        out.print(f"note: {note}", highlight=False)
+        out.print(f"note: {note}", highlight=False, markup=False)
 
 
 loadtest_command = command(_loadtest, flags(LoadOptions))

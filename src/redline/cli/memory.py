@@ -116,4 +116,4 @@ def _print(result: MemoryFit, json_output: bool) -> None:
     for table in memory_tables(result):
         out.print(table)
     for note in result.rows[0].estimate.notes:
-        out.print(f"note: {note}", highlight=False)
+        out.print(f"note: {note}", highlight=False, markup=False)

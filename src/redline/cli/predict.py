@@ -72,6 +72,7 @@ def predict(
     console.print(
         f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
         highlight=False,
+        markup=False,  # a path's `[...]` is text
     )
 
 

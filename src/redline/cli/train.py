@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from redline.cli.options import TaskArgs, TaskSpec, command, flags, values
 from redline.cli.task_args import parse_task_args
@@ -65,13 +66,13 @@ def _train(
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(strict_json(summary.to_dict()))
     else:
         console = Console()
         console.print(plan_table(summary.plan))
         console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
         if summary.sample:
-            console.print("[bold]sample[/bold]", summary.sample, sep="\n", highlight=False)
+            console.print("[bold]sample[/bold]", Text(summary.sample), sep="\n")  # generated text, not markup
     if by_signal and not trainer.env.launched:  # under the launcher, the launcher exits with the signal
         raise stopped_early(summary)
 
@@ -102,6 +103,12 @@ def stopped_early(summary: TrainSummary) -> StoppedBySignal:
         f"stopped by {signum.name} at step {summary.steps}, its checkpoint written to {summary.checkpoint}\n"
         "hint: run the same command again with --resume auto to continue from it",
     )
+
+
+def strict_json(data: dict[str, Any]) -> str:
+    """``data`` as indented JSON, a NaN or infinity written as null, as summary.json holds it (NaN is no JSON)."""
+    finite = json.loads(json.dumps(data), parse_constant=lambda _: None)
+    return json.dumps(finite, indent=2, allow_nan=False)
 
 
 def without_launch_options(argv: list[str]) -> list[str]:

@@ -54,9 +54,10 @@ def tune_command(
     out = Console()
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
     out.print(key_value_table(list(tuned.reasons.items()), title=title))
-    out.print(f"chosen: {tuned.best.label}", highlight=False)
+    out.print(f"chosen: {tuned.best.label}", highlight=False, markup=False)
     same = [f"--task-arg {shlex.quote(arg)}" for arg in task_arg or []]  # the run must match the tune's key
     same += [f"--batch-size {batch_size}"] if batch_size is not None else []
     same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []
     use = " ".join(["redline train --task", shlex.quote(task), *same, "--plan tuned"])
-    out.print(f"cached: {path}\nuse it: {use}", highlight=False, soft_wrap=True)  # a command to copy: unbroken
+    # a command to copy: unbroken, and its `[...]` printed as text
+    out.print(f"cached: {path}\nuse it: {use}", highlight=False, markup=False, soft_wrap=True)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 
 def bench_table(result: Mapping[str, Any]) -> Table:
@@ -51,7 +52,8 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         table.add_column(name, justify="left" if first else "right", no_wrap=first)
     for row in result["rows"]:
         if row["error"]:
-            table.add_row(row["name"], f"[red]failed: {row['error']}[/red]", *[""] * (len(columns) - 2))
+            failed = Text(f"failed: {row['error']}", style="red")  # an error's `[...]` is text, not markup
+            table.add_row(row["name"], failed, *[""] * (len(columns) - 2))
         else:
             table.add_row(*(cell(row) for _, cell in columns))
     return table

@@ -1,4 +1,4 @@
-"""Rich tables for the terminal."""
+"""Rich tables for the terminal; their text is a result's, shown as written (never read as rich markup)."""
 
 from __future__ import annotations
 
@@ -6,27 +6,28 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from redline.plan import Choice, Plan, show_value
 
 
 def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> Table:
     """Return a Plan (or an engine's plan, axis -> Choice) as a table: axis, chosen value, reason."""
-    table = Table(title=title, title_justify="left", show_lines=False)
+    table = Table(title=Text(title), title_justify="left", show_lines=False)
     table.add_column("axis", style="bold", no_wrap=True)  # the reason wraps; an axis name never shortens
     table.add_column("value", style="cyan")
     table.add_column("why")
     rows = plan.rows() if isinstance(plan, Plan) else [(a, show_value(c.value), c.reason) for a, c in plan.items()]
     for axis, value, reason in rows:
-        table.add_row(axis, value, reason)
+        table.add_row(Text(axis), Text(value), Text(reason))  # a reason's `[...]` is text, not markup
     return table
 
 
 def key_value_table(rows: Iterable[tuple[str, str]], title: str) -> Table:
     """Return a two-column table of named figures."""
-    table = Table(title=title, title_justify="left", show_header=False)
+    table = Table(title=Text(title), title_justify="left", show_header=False)
     table.add_column("figure", style="bold")
     table.add_column("value")
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(Text(key), Text(value))
     return table

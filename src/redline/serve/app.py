@@ -33,6 +33,7 @@ from redline.serve.refused import Refused
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
+QUEUED_REFUSALS = ("model_error", "timeout")  # the refusals of queued requests: the latency histogram times them
 
 
 class Serving:
@@ -98,7 +99,6 @@ class Serving:
     async def predict(self, request: Request) -> Response:
         """POST /v1/predict: validate the inputs, queue them for a batch, answer with their outputs."""
         arrived = self.dispatcher.clock()
-        queued = False
         try:
             self.check_token(request)
             if (reason := self.unusable()) is not None:
@@ -113,17 +113,17 @@ class Serving:
                 )  # fmt: skip
             body = await self.read_body(request)
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
-            queued = True
             outputs = await self.dispatcher.submit(inputs, arrived=arrived)
+            answer = _outputs_json(outputs)
         except Refused as refused:
             self.metrics.requests.labels(status=str(refused.status)).inc()
             self.metrics.rejections.labels(reason=refused.reason).inc()
-            if queued:
+            if refused.reason in QUEUED_REFUSALS:  # not those refused at the door (a full queue's 503)
                 self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
             return _json(refused.body(), refused.status, refused.headers)
         self.metrics.requests.labels(status="200").inc()
         self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
-        return _json({"outputs": outputs}, 200)
+        return answer
 
     async def livez(self, request: Request) -> Response:
         """GET /livez: 503 once the model cannot run any more, so that an orchestrator restarts the server."""
@@ -186,6 +186,16 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.serving = serving
     return app
+
+
+def _outputs_json(outputs: list[Any]) -> Response:
+    """The 200 answer; outputs that are not JSON (a postprocess returning tensors, say) fail as the model's error."""
+    try:
+        return _json({"outputs": outputs}, 200)
+    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
+        raise Refused(
+            500, "model_error", f"the outputs are not JSON ({exc}); postprocess must return numbers, lists or dicts"
+        ) from None
 
 
 def _json(body: Any, status: int, headers: dict[str, str] | None = None) -> Response:

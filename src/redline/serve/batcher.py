@@ -57,7 +57,8 @@ def decide(queue: Sequence[Pending], now: float, *, max_batch_size: int, max_wai
         batch.append(i)
         samples += queue[i].samples
     full = samples >= max_batch_size or len(batch) < len(live)
-    ready_at = queue[live[0]].arrived + max_wait
+    # Queue order is not arrival order: a request's arrival is taken before its body is read.
+    ready_at = min(queue[i].arrived for i in live) + max_wait
     if full or now >= ready_at or any(queue[i].deadline <= ready_at for i in batch):
         return Decision(run=tuple(batch), expired=expired)
     return Decision(expired=expired, wait_until=ready_at)

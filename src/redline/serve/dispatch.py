@@ -120,7 +120,7 @@ class Dispatcher:
         try:
             # On timeout the future is cancelled: the worker skips it if it is still queued.
             return await asyncio.wait_for(future, max(deadline - self.clock(), 0.0))
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; two on 3.10
             raise self._timed_out() from None
         finally:
             if not future.done():  # the handler itself was cancelled (the client went away)
@@ -180,7 +180,7 @@ class Dispatcher:
                 return
             self._wakeup.clear()
             timeout = None if decision.wait_until is None else max(decision.wait_until - self.clock(), 0.0)
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 
     async def _run(self, batch: list[Queued]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import tokenize
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +86,8 @@ def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
         version = np.lib.format.read_magic(stream)
         header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran_order, dtype = header(stream)
-    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as exc:
+    # numpy tokenizes the header text: one cut off mid-bracket raises tokenize's own error, no ValueError
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as exc:
         raise spec.refuse(400, f"the body is not a .npy array ({exc})") from None
     if any(not isinstance(d, int) or d < 0 for d in shape):
         raise spec.refuse(400, f"the .npy array's header gives the shape {shape}, with a negative dimension")

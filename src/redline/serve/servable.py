@@ -48,7 +48,7 @@ class Servable:
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise invalid("model", type(self.model).__name__, "an nn.Module")
-        shape = tuple(self.input_shape)
+        shape = tuple(self.input_shape) if isinstance(self.input_shape, tuple | list) else (None,)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
             raise invalid("input_shape", self.input_shape, "positive integers, one sample's shape without the batch")
         object.__setattr__(self, "input_shape", shape)
@@ -95,6 +95,7 @@ def from_task(task: Task) -> Servable:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load a safetensors file into ``model``; a missing file or a mismatch is a ConfigError naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     if not path.is_file():
@@ -103,6 +104,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
         )
     try:
         load_model(model, str(path), strict=True)
+    except SafetensorError as exc:  # not a safetensors file, or a damaged one
+        raise ConfigError(
+            f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
+            "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
+        ) from exc
     except (RuntimeError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
