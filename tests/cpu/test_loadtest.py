@@ -15,8 +15,9 @@ import pytest
 from aiohttp import web
 
 from redline.errors import ConfigError
+from redline.serve import loadtest as loadtest_module
 from redline.serve.load_stats import CLOSED_LOOP_NOTE, schedule
-from redline.serve.loadtest import Payload, run_load
+from redline.serve.loadtest import Payload, error_kind, run_load
 
 PATTERN = (200, 200, 503, 500)  # the n-th request to /pattern gets PATTERN[n % 4]
 SLOW_S = 0.2
@@ -211,3 +212,18 @@ def test_cli_unreachable_url_is_one_clear_message():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[0].startswith("error: cannot reach http://127.0.0.1:")
     assert result.stderr.splitlines()[1].startswith("hint: start the server first")
+
+
+def test_asyncio_s_own_timeout_error_counts_as_a_timeout_where_it_is_not_the_builtin(monkeypatch):
+    class AsyncioTimeout(Exception):  # Python 3.10's asyncio.TimeoutError: not a subclass of TimeoutError
+        pass
+
+    class Python310Asyncio:
+        TimeoutError = AsyncioTimeout
+
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+    monkeypatch.setattr(loadtest_module, "asyncio", Python310Asyncio())
+    assert error_kind(AsyncioTimeout()) == "timeout" and error_kind(TimeoutError()) == "timeout"
+    assert error_kind(ValueError()) == "other"

@@ -149,9 +149,14 @@ class _Request:
     headers: dict[str, str]
 
 
+def _timeouts() -> tuple[type[BaseException], ...]:
+    """The timeout errors: the builtin, and asyncio's own, a class apart before Python 3.11 (3.10 is supported)."""
+    return (TimeoutError, asyncio.TimeoutError)
+
+
 def error_kind(exc: BaseException) -> str:
     """Name a client-side failure: timeout, connection_refused, connection_reset, connection_error or other."""
-    if isinstance(exc, TimeoutError):  # asyncio's, and aiohttp's socket and connect timeouts, subclass it
+    if isinstance(exc, _timeouts()):  # aiohttp's socket and connect timeouts subclass asyncio's
         return "timeout"
     if isinstance(exc, aiohttp.ClientConnectorError):
         return "connection_refused" if isinstance(exc.os_error, ConnectionRefusedError) else "connection_error"
@@ -178,7 +183,7 @@ async def _send(
                                        headers=request.headers) as response:  # fmt: skip
                 await response.read()
                 status = response.status
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             error = error_kind(exc)
         done = time.perf_counter() - t0
     counters.completed += status is not None
@@ -226,8 +231,8 @@ async def check_reachable(url: str, timeout_s: float) -> None:
     parsed = URL(url)
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.host, parsed.port), timeout_s)
-    except (OSError, TimeoutError) as exc:
-        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+    except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+        reason = "timed out" if isinstance(exc, _timeouts()) else (exc.strerror or str(exc))
         raise ConfigError(
             f"cannot reach {url}: connecting to {parsed.host}:{parsed.port} failed ({reason})\n"
             "hint: start the server first (redline serve ...), or check the host and port"
