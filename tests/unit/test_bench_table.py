@@ -3,6 +3,7 @@
 from rich.console import Console
 
 from redline.render.bench import bench_table
+from redline.render.console import output_console
 from report_samples import _row
 
 
@@ -31,3 +32,23 @@ def test_a_failed_rows_error_is_shown_as_written_brackets_and_all():
     error = "RuntimeError: Missing key(s) in state_dict: [fc.weight]; see [/tmp/run]"
     failed = _row("cpu bf16-mixed b64", "explicit", None, error=error)
     assert error in shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), failed))
+
+
+def test_printed_to_a_file_or_pipe_the_widest_bench_table_is_not_cut(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rows = [
+        _row("naive cuda:0 fp32 b256", "naive", 51234.0),
+        _row("cuda:0 bf16-mixed compiled b256", "explicit", 912345.0, compile=True, compile_s=12.0),
+        _row("auto cuda:0 b256", "auto", 901234.0),
+    ]
+    for row in rows:
+        row.update(device="cuda:0", tokens_per_s=row["samples_per_s"] * 1024.0, mfu=0.412, mfu_measured=0.5,
+                   speedup_cpu_fp32=123.4, estimate_bytes=2**33)  # fmt: skip
+    console = output_console()  # stdout is captured here: not a terminal
+    assert not console.is_terminal
+    with console.capture() as captured:
+        console.print(bench_table(result_of(*rows)))
+    text = captured.get()
+    assert "…" not in text and "912,345" in text and "123.40x" in text
+    monkeypatch.setenv("COLUMNS", "100")
+    assert output_console().width == 100  # the user's own width wins

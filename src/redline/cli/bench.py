@@ -16,6 +16,7 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, describe_error
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
+from redline.render.console import output_console
 from redline.render.plots import require_matplotlib
 from redline.task import Task, load_task
 
@@ -78,7 +79,7 @@ def bench(
     if json_output:
         print(json.dumps(data, indent=2))
         return
-    out = Console()
+    out = output_console()
     out.print(bench_table(data))
     out.print(best_line(data), highlight=False)
     if html is not None:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import invalid
+from redline.render.console import output_console
 from redline.render.doctor import checks_table, devices_table, summary_line
 
 
@@ -51,7 +52,7 @@ def doctor(
     if json_output:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        console = Console()
+        console = output_console()
         console.print(checks_table(report))
         console.print(devices_table(report))
         console.print(summary_line(report))

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from redline.cli.options import command, flags, values
+from redline.render.console import output_console
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
 from redline.serve.loadtest import Progress as LoadProgress
@@ -49,7 +50,7 @@ def _loadtest(
     if json_output:
         print(json.dumps(result.to_dict(), indent=2))
         return
-    out = Console()
+    out = output_console()
     for table in loadtest_tables(result):
         out.print(table)
     for note in result.notes:

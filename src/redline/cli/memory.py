@@ -22,6 +22,7 @@ from redline.memory.fit import MemoryFit, fit_memory, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
 from redline.plan.precision import resolve_precision
+from redline.render.console import output_console
 from redline.render.memory import memory_tables
 from redline.render.memory_search import batch_search_table
 from redline.runtime.options import RuntimeOptions
@@ -90,7 +91,7 @@ def _measure(task: Task, precision: str, start: int, max_batch_size: int | None,
     if json_output:
         print(json.dumps(search.to_dict(), indent=2))
     else:
-        Console().print(batch_search_table(search.to_dict()))
+        output_console().print(batch_search_table(search.to_dict()))
 
 
 def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, float]:
@@ -112,7 +113,7 @@ def _print(result: MemoryFit, json_output: bool) -> None:
     if json_output:
         print(json.dumps(result.to_dict(), indent=2))
         return
-    out = Console()
+    out = output_console()
     for table in memory_tables(result):
         out.print(table)
     for note in result.rows[0].estimate.notes:

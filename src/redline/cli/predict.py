@@ -29,7 +29,7 @@ from redline.cli.options import (
 )
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError
-from redline.render.console import plan_table
+from redline.render.console import output_console, plan_table
 from redline.serve.engine import InferenceEngine
 from redline.serve.inputs import InputSpec, check_array
 from redline.serve.refused import Refused
@@ -61,7 +61,7 @@ def predict(
         servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
         measure=measure, max_batch_size=batch_size,
     )  # fmt: skip
-    console = Console()
+    console = output_console()
     started = time.perf_counter()
     engine.warm_up()
     warm_s = time.perf_counter() - started

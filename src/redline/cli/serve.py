@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from rich.console import Console
-
 from redline.cli.options import (
     EngineCompile,
     EngineDevice,
@@ -25,7 +23,7 @@ from redline.cli.options import (
     values,
 )
 from redline.cli.task_args import parse_task_args
-from redline.render.console import plan_table
+from redline.render.console import output_console, plan_table
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
 from redline.serve.servable import load_servable
@@ -51,7 +49,7 @@ def _serve(
         servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
         measure=measure, max_batch_size=options.max_batch_size,
     )  # fmt: skip
-    console = Console()
+    console = output_console()
     console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
 
     def listening(url: str) -> None:

@@ -13,14 +13,13 @@ import sys
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
 from redline.cli.options import TaskArgs, TaskSpec, command, flags, values
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.launch.torchrun import LaunchConfig, launch
-from redline.render.console import key_value_table, plan_table
+from redline.render.console import key_value_table, output_console, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import seed_everything
 from redline.task import load_task
@@ -68,7 +67,7 @@ def _train(
     if json_output:
         print(strict_json(summary.to_dict()))
     else:
-        console = Console()
+        console = output_console()
         console.print(plan_table(summary.plan))
         console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
         if summary.sample:

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from redline.bench.tune import tune
 from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
-from redline.render.console import key_value_table
+from redline.render.console import key_value_table, output_console
 from redline.task import load_task
 
 
@@ -51,7 +51,7 @@ def tune_command(
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
         return
-    out = Console()
+    out = output_console()
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
     out.print(key_value_table(list(tuned.reasons.items()), title=title))
     out.print(f"chosen: {tuned.best.label}", highlight=False, markup=False)

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from redline.plan import Choice, Plan, show_value
+
+# A file, a pipe or a CI log has no width of its own; rich would take 80 columns and cut the cells of a
+# wide table (the bench's) to "9,…". Results printed there get this many, unless $COLUMNS says otherwise.
+UNBOUNDED_WIDTH = 200
+
+
+def output_console() -> Console:
+    """The console for a command's results on stdout: a terminal's own width, else ``UNBOUNDED_WIDTH``."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = UNBOUNDED_WIDTH
+    return console
 
 
 def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> Table:
