@@ -31,12 +31,11 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError
 from redline.render.console import output_console, plan_table
 from redline.serve.engine import InferenceEngine
-from redline.serve.inputs import InputSpec, check_array
+from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
 from redline.serve.servable import Servable, load_servable
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
-NPY_MAGIC = b"\x93NUMPY"  # https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 
 
 def predict(

@@ -9,7 +9,7 @@ The model runs in eval mode under inference_mode and the Plan's autocast. Batche
 the next bucket (powers of two up to ``max_batch_size`` by default), so a compiled model or a CUDA
 graph sees a few fixed shapes only; a batch larger than ``max_batch_size`` runs in chunks.
 With ``measure="auto"`` the precision and compile candidates a rule cannot rank are timed on the
-largest bucket when the engine is built (serve/measure.py), and cached on disk.
+largest and smallest buckets when the engine is built (serve/measure.py), and cached on disk.
 A sticky CUDA error (an illegal memory access, a device-side assert) marks the engine ``broken``.
 """
 
@@ -42,7 +42,6 @@ from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
 from redline.runtime.precision import Precision
 from redline.serve.measure import (
-    load_capture_failure,
     load_measured,
     measure_key,
     store_capture_failure,
@@ -311,16 +310,13 @@ class InferenceEngine:
             f"{model_fingerprint(self.model)}:{weights_digest(self.model)}", self.facts, buckets=buckets,
             input_shape=tuple(sample.shape[1:]), input_dtype=str(sample.dtype), settings=settings, graphs=graphs,
         )  # fmt: skip
-        failed = load_capture_failure(key) if graphs else None
-        if failed is not None:  # the same model on this machine could not be captured: do not try again
-            reason, when = failed
-            self.plan["cuda_graphs"] = Choice(False, f"{reason} (cached from {when})")
+        cached = load_measured(key)
+        if graphs and cached is not None and cached.capture_failed:  # this model could not be captured here
+            self.plan["cuda_graphs"] = Choice(False, f"{cached.capture_failed} (cached from {cached.when})")
             self._measure(proposal)
             return
-        cached = load_measured(key)
-        if cached is not None and set(cached[0]) == set(buckets):
-            timings, when = cached
-            note = f"cached from {when}"
+        if cached is not None and set(cached.timings) == set(buckets):
+            timings, note = cached.timings, f"cached from {cached.when}"
         else:
             log.info(
                 "InferenceEngine: timing %s on batches of %s", ", ".join(s.label for s in settings),

@@ -21,6 +21,9 @@ import torch
 
 from redline.serve.refused import Refused
 
+NPY_MAGIC = (
+    b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
+)
 _KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
 
 

@@ -24,12 +24,12 @@ from yarl import URL
 
 from redline.config import non_negative_int, one_of, option, positive_int, positive_number
 from redline.errors import ConfigError, invalid
+from redline.serve.inputs import NPY_MAGIC
 from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
 
 DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given: a gentle open-loop probe
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
 PROGRESS_EVERY_S = 0.25
-NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -123,26 +124,30 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def load_measured(key: str) -> tuple[dict[int, list[Timing]], str] | None:
-    """A cached measurement (each bucket's timings) and when it was made, or None (an unreadable one is redone)."""
+@dataclass(frozen=True)
+class Cached:
+    """What the cache holds for a measurement's key: each bucket's timings, or why capturing CUDA graphs failed."""
+
+    when: str
+    timings: dict[int, list[Timing]] = field(default_factory=dict)
+    capture_failed: str = ""
+
+
+def load_measured(key: str) -> Cached | None:
+    """The cached measurement of ``key`` and when it was made, or None (absent, or unreadable: measured again)."""
     found = read_cache(CACHE_KIND, key)
     if not found:
         return None
+    entries, when = found
+    if len(entries) == 1 and isinstance(entries[0], dict) and "capture_failed" in entries[0]:
+        return Cached(when, capture_failed=str(entries[0]["capture_failed"]))
     timings: dict[int, list[Timing]] = {}
     try:
-        for entry in found[0]:
+        for entry in entries:
             timings.setdefault(int(entry["bucket"]), []).append(Timing.from_dict(entry))
     except (ValueError, KeyError, TypeError):
         return None
-    return (timings, found[1]) if timings else None
-
-
-def load_capture_failure(key: str) -> tuple[str, str] | None:
-    """Why capturing CUDA graphs failed when this measurement was last tried, and when; None if it did not."""
-    found = read_cache(CACHE_KIND, key)
-    if not found or len(found[0]) != 1 or not isinstance(found[0][0], dict) or "capture_failed" not in found[0][0]:
-        return None
-    return str(found[0][0]["capture_failed"]), found[1]
+    return Cached(when, timings) if timings else None
 
 
 def store_capture_failure(key: str, reason: str) -> None:
