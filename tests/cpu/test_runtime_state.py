@@ -165,3 +165,27 @@ def test_evaluate_then_fit_leaves_the_process_as_it_found_it():
         trainer.evaluate()  # sets up a Runtime of its own
         trainer.fit()  # which the fit replaces, closing it first
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("how", ["state_dict", "save"])
+def test_loading_state_drops_an_accumulation_cycle_begun_before_it(tmp_path, how):
+    batches = list(loader())
+    rt, model, optimizer = fresh(grad_accum=2)
+    run(rt, model, optimizer, batches[:2])  # one whole step of two micro-batches
+    state = copy.deepcopy(rt.state_dict())
+    rt.save(tmp_path / "step-00000001", step=1)
+    run(rt, model, optimizer, batches[2:])
+    unbroken = {k: v.clone() for k, v in model.state_dict().items()}
+    rt.close()
+
+    rt2, model2, optimizer2 = fresh(grad_accum=2)
+    run(rt2, model2, optimizer2, batches[5:])  # half a cycle: one micro-batch's gradients, its step pending
+    if how == "state_dict":
+        rt2.load_state_dict(state)
+    else:
+        rt2.load(tmp_path / "step-00000001")
+    assert all(p.grad is None for p in model2.parameters())  # the old weights' gradients are gone
+    run(rt2, model2, optimizer2, batches[2:])  # steps after each second micro-batch, as the unbroken run did
+    for name, value in model2.state_dict().items():
+        assert torch.equal(value, unbroken[name]), name
+    rt2.close()

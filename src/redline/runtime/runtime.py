@@ -388,12 +388,14 @@ class Runtime:
         """
         strategy, model, optimizer = self._prepared()
         state = strategy.state_dict(model, optimizer)
-        return {**state, "precision": self.precision.state_dict(), "rng": capture_rng()}
+        steps = self._backwards // self.options.grad_accum  # whole steps: a cycle's gradients are not state
+        return {**state, "precision": self.precision.state_dict(), "rng": capture_rng(), "step": steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what ``state_dict()`` returned into the set-up model, optimizer, loss scaling and RNG."""
         strategy, model, optimizer = self._prepared()
         strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
+        self._restart_cycle(int(state.get("step") or 0))
         self.precision.load_state_dict(dict(state.get("precision") or {}))
         if state.get("rng") is not None:
             restore_rng(state["rng"])
@@ -426,12 +428,20 @@ class Runtime:
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = open_verified(Path(checkpoint))
         runtime_state, extra = strategy.load(checkpoint, model, optimizer)
-        self._backwards = checkpoint.step * self.options.grad_accum  # steps go on counting from the checkpoint's
+        self._restart_cycle(checkpoint.step)
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
         per_rank = runtime_state.get("rng") or []
         if per_rank:
             restore_rng(per_rank[self.env.rank] if len(per_rank) == self.env.world_size else per_rank[0])
         return extra
+
+    def _restart_cycle(self, step: int) -> None:
+        """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
+        self._backwards = step * self.options.grad_accum  # steps go on counting from the loaded state's
+        self._micro_steps.clear()
+        self._pending_zero.clear()
+        for model in self._models:  # gradients accumulated before the load belong to the old weights
+            model.zero_grad(set_to_none=True)
 
     def save_weights(self, path: str | Path) -> None:
         """Write the whole weights as one safetensors file that loads into the plain model. Collective."""
@@ -463,11 +473,8 @@ class Runtime:
         """How many times the compiled models compiled, how many of those for training (under autograd; the
         rest for evaluation, under no_grad), and why each recompile happened."""
         records = self._compile_records
-        return (
-            sum(r.compiles for r in records),
-            sum(r.training for r in records),
-            [c for r in records for c in r.recompiles],
-        )
+        recompiles = [c for r in records for c in r.recompiles]
+        return sum(r.compiles for r in records), sum(r.training for r in records), recompiles
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
