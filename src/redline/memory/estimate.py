@@ -16,14 +16,15 @@ What a CPU trace cannot see of a GPU, and how it is modelled:
   on CUDA, just before the next backward on a CPU, so a CPU step carries them through the forward) come
   from the Runtime's own resolvers for the target device.
 - Sharding (FSDP) and DDP are modelled on the one-process trace: the model states divide by the
-  number of ranks under FSDP, plus the largest block gathered whole, and the batch is each rank's share.
+  number of ranks under FSDP, plus what it holds whole (the root's own parameters and two of the largest
+  block), and the batch is each rank's share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -334,7 +335,7 @@ def _distributed(
         return estimate
     states = estimate.params + estimate.gradients + estimate.optimizer_state
     sharded = [math.ceil(b / world_size) for b in (estimate.params, estimate.gradients, estimate.optimizer_state)]
-    gathered = _largest_block_bytes(model, precision) * 2  # one block gathered, the next prefetched
+    gathered = _gathered_bytes(model, precision)
     return dataclasses.replace(
         estimate,
         params=sharded[0] + gathered,
@@ -349,11 +350,19 @@ def _trainable_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def _largest_block_bytes(model: nn.Module, precision: str) -> int:
-    # FSDP gathers in the compute dtype under mixed precision (parallel/fsdp.py), else in the parameters' own
-    low = 2 if precision in _AUTOCAST else None
-    blocks = [block for _, block in find_blocks(model, layers=True)] or [model]  # what FSDP shards one by one
-    return max(sum(p.numel() * (low or p.element_size()) for p in block.parameters()) for block in blocks)
+def _gathered_bytes(model: nn.Module, precision: str) -> int:
+    """The parameters FSDP holds whole on each rank at the step's peak (parallel/fsdp.py shards each block,
+    then the root): the root's own (embeddings, head, final norm: gathered from the forward to the end of
+    the backward) and two blocks (one computing, the next prefetched)."""
+    low = 2 if precision in _AUTOCAST else None  # gathered in the compute dtype under mixed precision
+
+    def size(params: Iterable[nn.Parameter]) -> int:
+        return sum(p.numel() * (low or p.element_size()) for p in params)
+
+    blocks = [block for _, block in find_blocks(model, layers=True)]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    root = size(p for p in model.parameters() if id(p) not in in_blocks)
+    return root + 2 * max((size(block.parameters()) for block in blocks), default=0)
 
 
 def meta_model(task: Task) -> nn.Module:
