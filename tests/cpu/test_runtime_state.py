@@ -189,3 +189,21 @@ def test_loading_state_drops_an_accumulation_cycle_begun_before_it(tmp_path, how
     for name, value in model2.state_dict().items():
         assert torch.equal(value, unbroken[name]), name
     rt2.close()
+
+
+def test_rng_captured_before_cuda_started_puts_cuda_back_to_its_first_draw(monkeypatch):
+    from redline.runtime import seed
+
+    started, seeded = {"now": False}, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started["now"])
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    torch.manual_seed(41)  # CUDA seeds itself from this when it starts
+    state = seed.capture_rng()
+    assert "cuda" not in state and state["cuda_seed"] == 41
+    seeded.clear()  # torch.manual_seed queued CUDA's seed too
+    first = torch.rand(3)
+    started["now"] = True  # something (a batch-size search, a probe) started CUDA and drew from it
+    seed.restore_rng(state)
+    assert seeded == [41]
+    assert torch.equal(torch.rand(3), first)

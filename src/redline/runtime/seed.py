@@ -28,6 +28,8 @@ def capture_rng() -> dict[str, Any]:
     }  # fmt: skip
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    elif torch.cuda.is_available():  # CUDA will seed itself from this when it starts: it has drawn nothing yet
+        state["cuda_seed"] = torch.initial_seed()
     return state
 
 
@@ -41,3 +43,5 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    elif "cuda_seed" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(int(state["cuda_seed"]))  # started since the capture: back to its first draw
