@@ -244,3 +244,16 @@ def test_a_large_batch_is_traced_without_collating_it_for_real() -> None:
     assert large.activations > 2**19 * 64 * 4  # the batch's inputs are still counted, at full size
     small = estimate_memory(mlp(), batch_size=64, target="cpu")
     assert estimate_memory(task, batch_size=64, target="cpu") == small  # the same figure as from real items
+
+
+@pytest.mark.parametrize("convert", ["to", "half"])
+def test_a_factory_that_converts_its_model_is_traced_in_the_dtype_it_chose(convert: str) -> None:
+    def converted() -> nn.Module:
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        return model.to(torch.float16) if convert == "to" else model.half()
+
+    data = TensorDataset(torch.randn(64, 64, dtype=torch.float16), torch.randint(0, 10, (64,)))
+    task = Task(model=converted, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="half")
+    estimate = estimate_memory(task, target="cuda")
+    assert estimate.params == (64 * 256 + 256 + 256 * 10 + 10) * 2  # fp16: two bytes a parameter
+    assert estimate.gradients == estimate.params

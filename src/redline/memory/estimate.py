@@ -170,9 +170,10 @@ def trace_step(
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     sample, rows = _sample(task.train_data, batch_size)
     autocast = _AUTOCAST.get(precision)
-    given = task.build_model() if isinstance(task.model, nn.Module) else None  # a copy: the user's stays
+    with _tracing(task):  # a copy of the user's module (which stays as it was), or the factory's on meta
+        built = task.build_model() if isinstance(task.model, nn.Module) else meta_model(task)
     with mode, tracker, _tracing(task):
-        model = _fake_model(task, mode, given)
+        model = _fake_model(built, mode)
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
         if activation_checkpointing:
@@ -273,22 +274,32 @@ def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Ca
     return fake
 
 
-def _fake_model(task: Task, mode: FakeTensorMode, given: nn.Module | None) -> nn.Module:
-    """The Task's model with fake tensors: built by its factory under the fake mode, or ``given`` (a copy of
-    the Task's module, made outside the mode) with its tensors faked."""
-    if given is None:
-        return task.build_model()  # under the mode: its tensors are fake already
+def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """``model`` (a copy of the Task's module, or the factory's built on the meta device) with its tensors
+    replaced by fake ones on the CPU; call it under ``mode``.
+
+    A factory is not run under the fake mode itself: a module's ``.to(dtype)``, ``.half()`` or ``.float()``
+    cannot swap a fake parameter for its converted copy (torch holds a weak reference to it), while on
+    the meta device they work, and the model is the same, shape for shape and dtype for dtype."""
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta:  # no values to copy: an empty tensor of its size, stride and dtype
+            return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+        return mode.from_tensor(tensor)
+
     memo: dict[int, torch.Tensor] = {}
-    for module in given.modules():
+    for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
                 if id(param) not in memo:  # tied weights stay tied
-                    memo[id(param)] = nn.Parameter(mode.from_tensor(param), param.requires_grad)
+                    memo[id(param)] = nn.Parameter(fake(param), param.requires_grad)
                 module._parameters[name] = memo[id(param)]  # type: ignore[assignment]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
-                module._buffers[name] = memo.setdefault(id(buffer), mode.from_tensor(buffer))
-    return given
+                if id(buffer) not in memo:
+                    memo[id(buffer)] = fake(buffer)
+                module._buffers[name] = memo[id(buffer)]
+    return model
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:
