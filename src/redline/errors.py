@@ -37,6 +37,10 @@ class TrainingError(RedlineError, RuntimeError):
     """Training cannot go on: a non-finite loss, a failing forward, or a peer that stopped."""
 
 
+class InferenceError(RedlineError, RuntimeError):
+    """The model raised while redline ran it for inference (`redline predict`): what ran, and the user's line."""
+
+
 class OutOfMemory(TrainingError):
     """The device ran out of memory and the run could not go on: not even one sample fits, or no recovery was asked."""
 

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from redline.cli.main import app
-from redline.errors import ConfigError
+from redline.errors import ConfigError, InferenceError
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
 
@@ -34,8 +34,23 @@ class Poisoned(nn.Module):
         return self.linear(x)
 
 
+class Narrow(nn.Module):
+    """A model that takes 4 features, served as if it took 3: its Linear fails on every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
 def make():
     return Servable(model=Poisoned(), input_shape=(3,), name="tiny")
+
+
+def misdeclared():
+    return Servable(model=Narrow(), input_shape=(3,), name="narrow")
 '''
 
 
@@ -121,17 +136,40 @@ def test_a_missing_output_directory_is_refused_before_the_model_loads(tmp_path, 
     assert "does not exist" in str(result.exception) and "mkdir -p" in str(result.exception)
 
 
-def test_a_model_failing_midway_leaves_no_output_file(tmp_path, spec):
+def test_a_model_failing_midway_is_one_clear_error_naming_its_rows_and_leaves_the_old_output(tmp_path, spec):
     inputs = np.zeros((6, 3), np.float32)
     inputs[4] = 666  # the third batch of two
     out = tmp_path / "y.npy"
-    result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(out), "--batch-size", "2",
-                     "--precision", "fp32", "--compile", "off")  # fmt: skip
-    assert result.exit_code != 0 and "poisoned sample" in str(result.exception)
+    np.save(out, np.arange(3))  # a previous run's outputs
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, inputs), "--output", str(out),
+         "--batch-size", "2", "--precision", "fp32", "--compile", "off"],
+        capture_output=True, text=True, timeout=300, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "the model raised while predicting rows 4 to 5 of --input" in result.stderr
+    assert "RuntimeError: the model failed on a poisoned sample" in result.stderr
+    assert f"at {tmp_path / 'tiny.py'}:" in result.stderr and "in forward: raise RuntimeError(" in result.stderr
+    assert "hint: check those rows' values, and that the model takes the Servable's input_shape (3,)" in result.stderr
+    assert np.array_equal(np.load(out), np.arange(3)), "the previous output is intact"
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [
         "tiny.py",
         "x.npy",
-    ], "neither the output nor a temporary file of it is left"
+        "y.npy",
+    ], "no temporary file of the output is left"
+
+
+def test_a_model_that_fails_on_the_declared_input_shape_is_told_at_the_warm_up(tmp_path, spec):
+    result = predict(spec.replace(":make", ":misdeclared"), "--input", samples(tmp_path, np.zeros((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.exception
+    message = str(result.exception)
+    assert message.startswith("the model raised while warming up, before any row of --input ran")
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in message
+    assert "in forward: return self.linear(x)" in message
+    assert "check that the model takes the Servable's input_shape (3,) and input_dtype float32" in message
+    assert not (tmp_path / "y.npy").exists()
 
 
 def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, spec):

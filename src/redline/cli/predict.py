@@ -2,12 +2,16 @@
 
 The input is checked against the servable (per-sample shape and dtype) before the model loads onto
 the device; the output is written through a temporary file and renamed, so a failure leaves no
-half-written file. The engine's Plan is printed, then a summary line.
+half-written file. The engine's Plan is printed, then a summary line. An exception the model raises
+(in the warm-up, or on a batch of the input) is an InferenceError naming the rows it ran, the
+line of the user's code and what to check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +32,10 @@ from redline.cli.options import (
     Weights,
 )
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError
+from redline.errors import ConfigError, InferenceError, RedlineError, describe_error
 from redline.render.console import output_console, plan_table
+from redline.runtime.contract import user_line
+from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine
 from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
@@ -56,16 +62,19 @@ def predict(
     samples = read_samples(input_path)
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
-    engine = InferenceEngine(
-        servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-        measure=measure, max_batch_size=batch_size,
-    )  # fmt: skip
+    warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
+    with model_raising(warming, check_hint(servable)):  # building the engine may time the model too (--measure)
+        engine = InferenceEngine(
+            servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+            measure=measure, max_batch_size=batch_size,
+        )  # fmt: skip
+        started = time.perf_counter()
+        engine.warm_up()
+        warm_s = time.perf_counter() - started
     console = output_console()
-    started = time.perf_counter()
-    engine.warm_up()
-    warm_s = time.perf_counter() - started
     console.print(plan_table(engine.plan, title=f"Predicting with {servable.name}"))
-    outputs, seconds = run_batches(engine, samples, batch_size)
+    source = f"--input {str(input_path)!r}"
+    outputs, seconds = run_batches(engine, samples, batch_size, source, check_hint(servable, samples))
     write_npy(output_path, outputs)
     rate = len(samples) / seconds if seconds > 0 else float("inf")
     console.print(
@@ -131,8 +140,13 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
             ) from None
 
 
-def run_batches(engine: InferenceEngine, samples: np.ndarray, batch_size: int) -> tuple[np.ndarray, float]:
-    """Run ``samples`` batch by batch with a progress bar on stderr; return the outputs and the seconds taken."""
+def run_batches(
+    engine: InferenceEngine, samples: np.ndarray, batch_size: int, source: str, hint: str
+) -> tuple[np.ndarray, float]:
+    """Run ``samples`` batch by batch with a progress bar on stderr; return the outputs and the seconds taken.
+
+    The model raising on a batch is an InferenceError naming its rows of ``source`` (the input), with ``hint``.
+    """
     parts = []
     bar = Progress(
         TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -143,9 +157,44 @@ def run_batches(engine: InferenceEngine, samples: np.ndarray, batch_size: int) -
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
             batch = samples[start : start + batch_size]
-            parts.append(engine.predict(batch).numpy())
+            rows = f"predicting rows {start} to {start + len(batch) - 1} of {source} ({len(samples)} rows)"
+            with model_raising(rows, hint):
+                parts.append(engine.predict(batch).numpy())
             bar.advance(job, len(batch))
     return np.concatenate(parts), time.perf_counter() - started
+
+
+def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
+    """What to check when the model raises: in the warm-up (no ``samples``), or on rows of ``samples``."""
+    takes = f"the model takes the Servable's input_shape {servable.input_shape} and input_dtype {servable.input_dtype}"
+    if samples is None:
+        return f"check that {takes}: the warm-up runs zeros of that shape and dtype, as --input's rows will be"
+    held = f"--input holds {samples.dtype} samples of shape {samples.shape[1:]}"
+    return f"check those rows' values, and that {takes} ({held})"
+
+
+@contextlib.contextmanager
+def model_raising(running: str, check: str) -> Iterator[None]:
+    """Turn the model's exception into an InferenceError naming what was ``running``, the user's line and the fix.
+
+    The fix is ``check``, or lowering --batch-size for an out-of-memory error. A redline error passes
+    unchanged; the model's exception, whole traceback and all, is the error's ``__cause__``
+    (REDLINE_TRACEBACK=1 prints it).
+    """
+    try:
+        yield
+    except RedlineError:
+        raise
+    except Exception as exc:
+        line = user_line(exc)
+        if is_oom(exc):
+            hint = "lower --batch-size: the device ran out of memory on batches of up to that many samples"
+        else:
+            hint = check + ("; if so, the line above is where your code failed" if line else "")
+        raise InferenceError(
+            f"the model raised while {running}: {describe_error(exc)}{line}\n"
+            f"hint: {hint}; REDLINE_TRACEBACK=1 prints the whole traceback"
+        ) from exc
 
 
 def write_npy(path: Path, array: np.ndarray) -> None:

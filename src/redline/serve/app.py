@@ -6,7 +6,8 @@
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
-401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model.
+401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model,
+and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -183,9 +185,36 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
         Route("/metrics", serving.metrics_page, methods=["GET"]),
         Route("/openapi.json", serving.openapi_page, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes))
     app.state.serving = serving
     return app
+
+
+def off_route_answers(routes: Sequence[Route]) -> dict[int, Callable[[Request, Exception], Awaitable[Response]]]:
+    """The app's handlers of a request no route takes: JSON refusals, as every other error is.
+
+    404 lists the endpoints; 405 names the methods the path takes and keeps Starlette's Allow
+    header (in a stable order: Starlette joins a set).
+    """
+    # HEAD, which Starlette adds to every GET route, is left out of the list
+    endpoints = ", ".join(
+        f"{method} {route.path}" for route in routes for method in sorted((route.methods or set()) - {"HEAD"})
+    )
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        where = f"{request.method} {request.url.path}"
+        refused = Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}")
+        return _json(refused.body(), refused.status)
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        headers = (exc.headers if isinstance(exc, HTTPException) else None) or {}
+        allowed = sorted(method.strip() for method in headers.get("Allow", "").split(",") if method.strip())
+        path = request.url.path
+        message = f"{request.method} {path}: method not allowed; {path} takes {' or '.join(allowed)}"
+        refused = Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)})
+        return _json(refused.body(), refused.status, refused.headers)
+
+    return {404: not_found, 405: method_not_allowed}
 
 
 def _outputs_json(outputs: list[Any]) -> Response:

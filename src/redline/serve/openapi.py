@@ -10,6 +10,13 @@ import torch
 from redline.serve.inputs import InputSpec
 from redline.version import __version__
 
+# What no path's responses can say: the answers to a request that matches no path, or no method of one.
+ERRORS = (
+    'Every error answer is JSON {"error": message, "reason": word}: those listed under each path, and '
+    "404 (reason not_found) for a path this server does not have, 405 (method_not_allowed) for a method "
+    "a path does not take, its Allow header listing those it does."
+)
+
 
 def openapi_document(spec: InputSpec, *, name: str, token: bool, description: str = "") -> dict[str, Any]:
     """Return the OpenAPI 3.0 document of a server for a model taking ``spec``'s inputs (``token``: bearer auth)."""
@@ -80,7 +87,7 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
         "info": {
             "title": f"redline serve: {name}",
             "version": __version__,
-            "description": (f"Inputs: {spec.describe()}. " + description).strip(),
+            "description": (f"Inputs: {spec.describe()}. {ERRORS} " + description).strip(),
         },
         "paths": paths,
     }

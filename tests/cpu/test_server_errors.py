@@ -1,0 +1,50 @@
+"""The server's answers off its routes: an unknown path (404) or method (405) is JSON like every other error."""
+
+import httpx
+import orjson
+import pytest
+from serve_engines import FakeEngine
+
+from redline.serve.app import build_app
+from redline.serve.options import ServeOptions
+
+pytestmark = pytest.mark.anyio
+
+ENDPOINTS = ("POST /v1/predict", "GET /livez", "GET /readyz", "GET /metrics", "GET /openapi.json")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def answer(method, path):
+    app = build_app(FakeEngine(), ServeOptions(max_batch_size=8))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+        return await client.request(method, path)
+
+
+async def test_an_unknown_path_is_a_json_404_listing_the_endpoints():
+    got = await answer("POST", "/predict")
+    assert got.status_code == 404 and got.headers["content-type"] == "application/json"
+    error = got.json()
+    assert error["reason"] == "not_found" and error["error"].startswith("POST /predict: no such endpoint")
+    assert all(endpoint in error["error"] for endpoint in ENDPOINTS), error["error"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("GET", "/v1/predict", "POST"), ("PUT", "/v1/predict", "POST"), ("POST", "/livez", "GET, HEAD")],
+)
+async def test_a_method_the_path_does_not_take_is_a_json_405_naming_those_it_does(method, path, allow):
+    got = await answer(method, path)
+    assert got.status_code == 405 and got.headers["content-type"] == "application/json"
+    assert got.headers["allow"] == allow, "the Allow header stays, in a stable order"
+    error = got.json()
+    assert error["reason"] == "method_not_allowed"
+    assert error["error"] == f"{method} {path}: method not allowed; {path} takes {allow.replace(', ', ' or ')}"
+
+
+async def test_the_schema_says_every_error_is_json_off_the_routes_too():
+    described = orjson.loads(build_app(FakeEngine()).state.serving.openapi)["info"]["description"]
+    assert "404" in described and "405" in described and '{"error": message, "reason": word}' in described
