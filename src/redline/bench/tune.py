@@ -170,8 +170,7 @@ def _measure(
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     for index, candidate in enumerate(candidates):
-        micro = task.batch_size // candidate.grad_accum
-        setting = Setting("explicit", device, candidate.precision, candidate.compile, micro)
+        setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
