@@ -19,8 +19,12 @@ from redline.bench.matrix import Setting
 from redline.bench.run import time_runners
 from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError
+from redline.hardware.device import probe_device
 from redline.plan import Choice
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
+from redline.train.config import TrainerConfig
+from redline.train.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +183,28 @@ def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypat
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=2)
     naive, auto = result.row("naive cpu fp32 b32"), result.row("auto cpu b32")
     assert auto.peak_mem_bytes < naive.peak_mem_bytes + 32 * 2**20
+
+
+def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
+    # After `redline tune`, `redline train` runs the tuned Plan: the auto row shows that run, not auto's rules.
+    task = tiny_task()
+    tuned = TunedPlan(
+        task=task.name, device="cpu", batch_size=32, planned_steps=500, measured_at="2026-12-01 06:00 UTC",
+        best=Candidate(precision="fp32", grad_accum=2),
+        reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 500 steps (made up)"},
+        trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    auto, eager = result.row("auto cpu b32"), result.row("cpu fp32 eager b32")
+    assert not auto.error and auto.precision == "fp32"
+    assert auto.plan["grad_accum"]["value"] == 2 and eager.plan["grad_accum"]["value"] == 1
+    assert auto.plan["grad_accum"]["reason"].startswith("tuned 2026-12-01 06:00 UTC for 500 steps")
+    trained = Trainer(task, TrainerConfig(max_steps=1, progress=False)).fit().plan.to_dict()
+    for axis in ("precision", "compile", "grad_accum"):
+        assert auto.plan[axis] == trained[axis]
+    # a step is still the row's batch of 32, as two micro-batches of 16: the FLOPs per sample are the eager row's
+    assert auto.tflops / auto.samples_per_s == pytest.approx(eager.tflops / eager.samples_per_s)
 
 
 @pytest.mark.slow

@@ -146,6 +146,27 @@ def test_the_compile_mode_is_not_measured_when_compile_stays_off(monkeypatch):
     assert tuned.best == Candidate() and "compile is off" in tuned.reasons["compile"]
 
 
+def test_a_compile_that_fell_back_to_eager_is_not_tuned_as_compiled(monkeypatch):
+    # torch.compile fails here (a broken backend, as a broken compiler would) and the Runtime runs eagerly: the
+    # compiled candidate would time the eager model and could win by noise, leaving a tuned Plan that claims
+    # compile is on and faster. Any alternative wins here, as noise could make one.
+    def broken_backend(graph_module, example_inputs):
+        raise RuntimeError("backend exploded (made up by the test)")
+
+    real = torch.compile
+    monkeypatch.setattr("torch.compile", lambda fn, **options: real(fn, backend=broken_backend, **options))
+    monkeypatch.setattr("redline.runtime.compile.compile_supported", lambda device_type: (True, ""))
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True])])
+    monkeypatch.setattr("redline.bench.tune.MARGIN", 1e-9)
+    tuned, _ = tune(mlp_task(), devices="cpu", budget_s=60, planned_steps=100, steps=4, window=2)
+    assert tuned.best.compile is False
+    compiled = next(t for t in tuned.trials if t.candidate.compile)
+    assert compiled.step_s is None and compiled.rejected.startswith("torch.compile fell back to eager")
+    assert "backend exploded" in compiled.rejected
+    shown = tuned.reasons["compile"]  # what the tune's table prints
+    assert shown.startswith("compile off kept") and "compiled (default): rejected, torch.compile fell back" in shown
+
+
 def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_path, monkeypatch, capsys):
     # `redline tune --batch-size 16` then `redline train --batch-size 16 --plan tuned`: the train keeps the
     # task's own batch_size and passes 16 beside it, so the tune must cache under the same key.

@@ -26,6 +26,7 @@ from redline.runtime.contract import split_batch
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.transfer import move_to
+from redline.runtime.tuned import Tuning
 from redline.task import Task
 
 
@@ -106,9 +107,14 @@ def runtime_runner(
     planned_steps: int | None,
     measured: Mapping[str, Choice[str]] | None = None,
     options: RuntimeOptions | None = None,
+    tuning: Tuning | None = None,
 ) -> Runner:
     """The same step through the Runtime, with the row's precision and compile (or auto's choices);
-    ``options`` gives every axis instead (a tune's candidate)."""
+    ``options`` gives every axis instead (a tune's candidate, a tuned Plan, whose ``tuning`` gives the
+    Plan its reasons).
+
+    A step takes the setting's batch: with ``grad_accum`` k, as k micro-batches of a k-th of it.
+    """
     if options is None:
         compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
         options = RuntimeOptions(devices=setting.device, precision=setting.precision, compile=compile_)  # type: ignore[arg-type]
@@ -116,6 +122,8 @@ def runtime_runner(
     torch.manual_seed(seed)
     model, optimizer = rt.setup(task.build_model(), task.optimizer)
     model.train()
+    if tuning is not None:
+        rt.adopt_reasons(tuning.reasons, tuning.note)
     # setup() applied the Runtime's process-wide settings (TF32 on a GPU); rows take turns, so each
     # enters its own for the steps it runs and leaves the process as it found it in between.
     rt.close()
@@ -128,7 +136,7 @@ def runtime_runner(
         rt.step(optimizer)
         return loss
 
-    batches = rt.setup_loader(_loader(task, setting.batch_size, seed))
+    batches = rt.setup_loader(_loader(task, setting.batch_size // options.grad_accum, seed))
     return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt, micro_steps=options.grad_accum)
 
 

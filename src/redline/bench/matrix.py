@@ -2,9 +2,9 @@
 
 Every device gets a **naive** row, the loop a tutorial writes (eager fp32, ``.to(device)``, a
 plain DataLoader), which every speed-up is measured against, and an **auto** row, what
-``redline train`` would run there (precision measured by a trial, the rest by rule). Between them
-lies the matrix of explicit settings: devices x precisions x compile x batch sizes, each run
-through the Runtime.
+``redline train`` would run there (a cached tuned Plan; without one, precision measured by a
+trial, the rest by rule). Between them lies the matrix of explicit settings: devices x
+precisions x compile x batch sizes, each run through the Runtime.
 """
 
 from __future__ import annotations

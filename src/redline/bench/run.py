@@ -31,11 +31,13 @@ from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
 from redline.parallel.env import read_env
+from redline.plan import Choice
 from redline.plan.device import resolve_device
 from redline.runtime.contract import is_tokens
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import time_steps
+from redline.runtime.tuned import Tuning, auto_tuned
 from redline.task import Task
 from redline.version import __version__
 
@@ -216,19 +218,31 @@ def _warm_up(
 ) -> tuple[Runner, PeakMemory, int | None]:
     """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory."""
     device = torch.device(setting.device)
-    measured = None  # auto's trial runs before the peak is read: the copies it trains are not the row's
-    if setting.kind == "auto":  # what `redline train` would run: the trial decides the precision
-        options = RuntimeOptions(devices=setting.device)
-        measured = measure_auto(task, options, setting.batch_size, planned or 1, read_env(), trial="on")
-    with PeakMemory(device) as memory:
+    options, measured, tuning = _auto(task, setting, planned) if setting.kind == "auto" else (None, None, None)
+    with PeakMemory(device) as memory:  # after auto's trial: the copies it trains are not the row's
         if setting.kind == "naive":
             runner = naive_runner(task, setting, seed=seed)
         else:
-            runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, measured=measured)
+            runner = runtime_runner(
+                task, setting, seed=seed, planned_steps=planned, measured=measured, options=options, tuning=tuning
+            )
         runner.run(window)
     assert runner.first_batch is not None
-    flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)
-    return runner, memory, flops
+    flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
+    return runner, memory, flops * runner.micro_steps if flops is not None else None
+
+
+def _auto(
+    task: Task, setting: Setting, planned: int | None
+) -> tuple[RuntimeOptions | None, dict[str, Choice[str]] | None, Tuning | None]:
+    """What `redline train` would run on the row's device at its batch size, by train's own rules: the
+    cached tuned Plan (its options, micro-batches included, and its reasons), else auto's rules with
+    the precision a trial measured."""
+    env, options = read_env(), RuntimeOptions(devices=setting.device)
+    tuned = auto_tuned(task, options, setting.batch_size, env)
+    if tuned is not None:
+        return tuned.options, None, tuned.tuning
+    return None, measure_auto(task, options, setting.batch_size, planned or 1, env, trial="on"), None
 
 
 def time_runners(
@@ -348,7 +362,7 @@ def _figures(
     samples = rate(windows, base.batch_size * window)
     assert runner.first_batch is not None
     targets = runner.first_batch[1]
-    tokens = rate(windows, targets.numel() * window) if is_tokens(targets) else None
+    tokens = rate(windows, targets.numel() * runner.micro_steps * window) if is_tokens(targets) else None
     per_step = step_times(windows, window)
     achieved = flops * samples / base.batch_size if flops and samples else None
     facts = probe_device(torch.device(base.device))

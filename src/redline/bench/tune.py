@@ -7,8 +7,9 @@ the current best against its alternatives side by side (the bench's rotating win
 the one whose planned run, compile included, is shortest; a change must win by ``MARGIN``, so
 noise never swaps a setting for an equal one. Alternatives that cannot win are not tried:
 channels_last without a convolution, loader workers for data already in memory, CUDA graphs off
-CUDA, a reduced precision the device has no fast arithmetic for. When the budget is spent the
-axes left keep the current setting, and the reasons say so.
+CUDA, a reduced precision the device has no fast arithmetic for. A compiled candidate whose
+compile fell back to eager is rejected, its reason said: it ran the eager model. When the
+budget is spent the axes left keep the current setting, and the reasons say so.
 """
 
 from __future__ import annotations
@@ -170,24 +171,28 @@ def _measure(
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     for index, candidate in enumerate(candidates):
-        micro = task.batch_size // candidate.grad_accum
-        setting = Setting("explicit", device, candidate.precision, candidate.compile, micro)
+        setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
             runner.run(window)
-            runners.append(runner)
         except RedlineError:
             raise
         except Exception as exc:  # a setting this machine cannot run
-            failed[index] = describe_error(exc)
+            failed[index] = f"it failed: {describe_error(exc)}"
+            continue
+        eager = _ran_eagerly(runner, candidate)
+        if eager:
+            failed[index] = eager
+        else:
+            runners.append(runner)
     timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
     compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph
     for index, candidate in enumerate(candidates):
         if index in failed:
-            trials.append(Trial(candidate, None, rejected=f"it failed: {failed[index]}"))
+            trials.append(Trial(candidate, None, rejected=failed[index]))
             continue
         runner = runners[position]
         windows, error = timed[position]
@@ -198,6 +203,16 @@ def _measure(
         compile_s = compiles.setdefault(graph, runner.compile_seconds() or 0.0) if candidate.compile else 0.0
         trials.append(Trial(candidate, step_s, compile_s, error or _departure(runner, reference)))
     return trials
+
+
+def _ran_eagerly(runner: Runner, candidate: Candidate) -> str:
+    """Why a compiled candidate ran its eager model ("" when it compiled): torch.compile fell back, or could
+    not run here. Its timing would be the eager model's, which could win by noise as "compiled"."""
+    plan = runner.plan()
+    compiled = plan.compile if plan is not None else None
+    if not candidate.compile or compiled is None or compiled.value:
+        return ""
+    return f"torch.compile fell back to eager, so it would time the eager model ({compiled.reason})"
 
 
 def _departure(runner: Runner, reference: float | None) -> str:

@@ -4,7 +4,8 @@ The cache is keyed like the trial's (the Task's fingerprint, this machine's fact
 size), so ``redline train --plan tuned`` and auto find it again, and a changed model or machine
 misses it. A tuned Plan fixes the axes it measured (precision, compile and its mode, layout,
 loader workers, micro-batching) and keeps the numbers that decided each, which become the
-Plan's reasons for the run that uses it.
+Plan's reasons for the run that uses it. ``auto_tuned`` is the one rule for when "auto" takes
+it: the Trainer's runs and the bench's auto row both ask it, so the row shows what a run does.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from torch import nn
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
+from redline.parallel.collectives import gather_objects
+from redline.parallel.env import DistEnv
+from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.trial import cache_dir, trial_key
-from redline.task import model_fingerprint
+from redline.task import Task, model_fingerprint
 
 log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
@@ -203,3 +208,48 @@ class Tuning:
 
     reasons: dict[str, dict[str, Any]]
     note: str
+
+
+@dataclass(frozen=True)
+class TunedRun:
+    """What a tuned Plan changes in a run of a Task: its options, its micro-batch, and the reasons for the Plan."""
+
+    options: RuntimeOptions
+    batch_size: int  # per micro-batch: a tuned grad_accum runs the same batch per step as that many parts
+    tuning: Tuning
+
+
+def left_to_auto(options: RuntimeOptions) -> bool:
+    """Whether every axis a tune sets was left to auto: else auto does not mix a tune's choices into the user's."""
+    defaults = RuntimeOptions()
+    return all(getattr(options, axis) == getattr(defaults, axis) for axis in TUNED_AXES)
+
+
+def auto_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> TunedRun | None:
+    """What "auto" takes from a tune: the cached tuned Plan's run when every tuned axis was left to auto, else None."""
+    return find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
+
+
+def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> TunedRun | None:
+    """The cached tuned Plan of ``task`` at ``batch_size`` on this process's device, applied to ``options``, or None.
+
+    An axis ``options`` sets keeps its value. Rank 0 reads the cache, and every rank runs its answer.
+    """
+    _, facts = worker_device(options, env)
+    found = _load(task, facts, batch_size) if env.is_main else None
+    data = gather_objects(found and found.to_dict())[0]  # rank 0's, on every rank
+    if data is None:
+        return None
+    tuned = TunedPlan.from_dict(data)
+    applied = tuned.apply(options)
+    micro = batch_size // applied.grad_accum if applied.grad_accum != options.grad_accum else batch_size
+    note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
+    return TunedRun(applied, micro, Tuning(tuned.plan_reasons(applied), note))
+
+
+def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
+    saved = capture_rng()  # a model factory draws its weights for the fingerprint: the run's streams stay put
+    try:
+        return load_tuned(task.fingerprint(), facts, batch_size)
+    finally:
+        restore_rng(saved)
