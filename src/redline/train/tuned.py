@@ -11,7 +11,7 @@ resumed run keeps its stored Plan instead.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
@@ -20,8 +20,6 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import cache_dir
 from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned
 from redline.task import Task
-
-PlanRequest = Literal["auto", "tuned"]
 
 
 def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, plan: str) -> TunedRun | None:
