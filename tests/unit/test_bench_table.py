@@ -2,7 +2,7 @@
 
 from rich.console import Console
 
-from redline.render.bench import bench_table
+from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console
 from report_samples import _row
 
@@ -52,3 +52,18 @@ def test_printed_to_a_file_or_pipe_the_widest_bench_table_is_not_cut(monkeypatch
     assert "…" not in text and "912,345" in text and "123.40x" in text
     monkeypatch.setenv("COLUMNS", "100")
     assert output_console().width == 100  # the user's own width wins
+
+
+def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
+    naive = _row("naive cpu fp32 b64", "naive", 5000.0)
+    auto = _row("auto cpu b64", "auto", 6000.0, precision="bf16-mixed")
+    line = best_line(result_of(naive, auto))
+    assert "fastest at batch 64: auto cpu b64, 1.20x the naive loop" in line
+    assert "(what `redline train` runs: bf16-mixed, eager)" in line and ", the fastest" in line
+    tuned = "tuned 2026-12-01 for 300 steps"
+    plan = {"precision": {"value": "bf16-mixed", "reason": f"{tuned}: 1.31x fp32"},
+            "grad_accum": {"value": 2, "reason": f"{tuned}: 2 micro-batches per step"}}  # fmt: skip
+    eager = _row("cpu fp32 eager b64", "explicit", 8000.0)
+    line = best_line(result_of(naive, eager, dict(auto, plan=plan)))
+    assert "(what `redline train` runs: the tuned Plan: bf16-mixed, eager, 2 micro-batches a step)" in line
+    assert "75% of the fastest" in line

@@ -68,13 +68,25 @@ def best_line(result: Mapping[str, Any]) -> str:
         best = max(group, key=lambda r: r["samples_per_s"])
         line = f"fastest at batch {size}: {best['name']}, {_times(best['speedup_naive'])} the naive loop"
         for auto in (r for r in group if r["kind"] == "auto"):
-            settings = f"{auto['precision']}, {'compiled' if auto['compile'] else 'eager'}"
+            settings = _auto_settings(auto)
             share = auto["samples_per_s"] / best["samples_per_s"]
             speedup = _times(auto["speedup_naive"])
             line += f"\n{auto['name']} (what `redline train` runs: {settings}): {speedup} the naive loop"
             line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _auto_settings(auto: Mapping[str, Any]) -> str:
+    """What the auto row ran: its precision, compile and micro-batches, and whether a tuned Plan set them."""
+    settings = f"{auto['precision']}, {'compiled' if auto['compile'] else 'eager'}"
+    plan = auto.get("plan") or {}
+    accum = (plan.get("grad_accum") or {}).get("value") or 1
+    if accum > 1:
+        settings += f", {accum} micro-batches a step"
+    if any(str(axis.get("reason", "")).startswith("tuned") for axis in plan.values()):
+        settings = f"the tuned Plan: {settings}"
+    return settings
 
 
 def _number(value: float | None) -> str:
