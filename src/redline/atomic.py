@@ -60,6 +60,17 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
+def check_writable(path: Path) -> None:
+    """Create and remove a temporary file beside ``path``, as write_atomic does; raise its OSError where that fails.
+
+    A command that writes its result at the end calls this first, so a read-only or missing place
+    is refused before the work, not after it, when the result would be lost.
+    """
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    os.unlink(tmp_name)
+
+
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place."""
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

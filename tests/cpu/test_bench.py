@@ -280,3 +280,17 @@ def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_pat
     monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
     with pytest.raises(ConfigError, match="hint:"):
         bench_command(task="example:digits", html=tmp_path / "missing" / "bench.html")
+
+
+def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spends_the_bench(tmp_path, monkeypatch):
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")
+
+    def read_only(*args, **kwargs):  # what creating a file in a read-only directory raises (root would pass)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
+    monkeypatch.setattr("redline.atomic.tempfile.mkstemp", read_only)
+    page = tmp_path / "bench.html"
+    with pytest.raises(ConfigError, match=r"cannot be written \(Permission denied\)\nhint: pass a file in a directory"):
+        bench_command(task="example:digits", html=page)

@@ -136,6 +136,20 @@ def test_a_missing_output_directory_is_refused_before_the_model_loads(tmp_path, 
     assert "does not exist" in str(result.exception) and "mkdir -p" in str(result.exception)
 
 
+def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_runs(tmp_path, spec, monkeypatch):
+    def read_only(*args, **kwargs):  # what creating a file in a read-only directory raises (root would pass)
+        raise PermissionError(13, "Permission denied")
+
+    inputs = samples(tmp_path, np.zeros((2, 3), np.float32))
+    monkeypatch.setattr("redline.atomic.tempfile.mkstemp", read_only)
+    out = tmp_path / "y.npy"
+    result = predict(spec, "--input", inputs, "--output", str(out))
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception).startswith(f"--output {str(out)!r} cannot be written (Permission denied)")
+    assert "hint: write the outputs to a directory you can write to" in str(result.exception)
+    assert "Predicting with" not in result.output, "refused before the model was loaded and run"
+
+
 def test_a_model_failing_midway_is_one_clear_error_naming_its_rows_and_leaves_the_old_output(tmp_path, spec):
     inputs = np.zeros((6, 3), np.float32)
     inputs[4] = 666  # the third batch of two

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from redline.atomic import check_writable
 from redline.bench.run import Estimate, benchmark
 from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
@@ -72,18 +73,18 @@ def bench(
             estimate=_estimator(loaded, console) if estimate else None,
         )  # fmt: skip
     data = result.to_dict()
-    if html is not None:
+    out = output_console()
+    if json_output:
+        print(json.dumps(data, indent=2))
+    else:
+        out.print(bench_table(data))
+        out.print(best_line(data), highlight=False)
+    if html is not None:  # after the figures are out: a page that fails to write loses nothing measured
         from redline.render.html import bench_report, write_report
 
         write_report(html, bench_report(data))
-    if json_output:
-        print(json.dumps(data, indent=2))
-        return
-    out = output_console()
-    out.print(bench_table(data))
-    out.print(best_line(data), highlight=False)
-    if html is not None:
-        out.print(f"report: {html}", highlight=False, markup=False)
+        if not json_output:
+            out.print(f"report: {html}", highlight=False, markup=False)
 
 
 def _check_html(path: Path) -> None:
@@ -92,6 +93,13 @@ def _check_html(path: Path) -> None:
     if path.is_dir() or not path.parent.is_dir():
         what = "is a directory" if path.is_dir() else f"is in {str(path.parent)!r}, which is not a directory"
         raise ConfigError(f"--html {str(path)!r} {what}\nhint: pass a file in a directory that exists")
+    try:
+        check_writable(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"--html {str(path)!r} cannot be written ({exc.strerror or exc})\n"
+            "hint: pass a file in a directory you can write to"
+        ) from exc
 
 
 def _estimator(task: Task, console: Console) -> Estimate:

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.atomic import write_atomic
+from redline.atomic import check_writable, write_atomic
 from redline.cli.options import (
     EngineCompile,
     EngineDevice,
@@ -85,7 +85,7 @@ def predict(
 
 
 def check_output(path: Path) -> None:
-    """Refuse an output path whose directory is missing, or that names a directory, before any work."""
+    """Refuse, before any work, an output path that names a directory or whose directory is missing or unwritable."""
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
     if not path.parent.is_dir():
@@ -93,6 +93,10 @@ def check_output(path: Path) -> None:
             f"--output {str(path)!r}: its directory {str(path.parent)!r} does not exist\n"
             f"hint: mkdir -p {path.parent}, or write the outputs elsewhere"
         )
+    try:
+        check_writable(path)
+    except OSError as exc:
+        raise _unwritable(path, exc) from exc
 
 
 def read_samples(path: Path) -> np.ndarray:
@@ -204,4 +208,14 @@ def write_npy(path: Path, array: np.ndarray) -> None:
         with tmp.open("wb") as out:
             np.save(out, array, allow_pickle=False)
 
-    write_atomic(path, write)
+    try:
+        write_atomic(path, write)
+    except OSError as exc:  # a disk that filled up while the model ran
+        raise _unwritable(path, exc) from exc
+
+
+def _unwritable(path: Path, exc: OSError) -> ConfigError:
+    return ConfigError(
+        f"--output {str(path)!r} cannot be written ({exc.strerror or exc})\n"
+        "hint: write the outputs to a directory you can write to, on a disk with room for them"
+    )
