@@ -196,6 +196,37 @@ def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, s
     assert not (tmp_path / "y.npy").exists()
 
 
+def test_weights_of_another_model_are_refused_naming_the_tensors_that_differ(tmp_path, spec):
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "model.safetensors"
+    other = {"linear.weight": torch.zeros(2, 4), "linear.bias": torch.zeros(2), "head.weight": torch.zeros(1)}
+    save_file(other, weights)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    message = str(result.exception)
+    assert message.startswith(f"--weights {str(weights)!r} does not fit the model Poisoned: ")
+    assert "not in this model: head.weight" in message
+    assert "shapes differ: linear.weight ([2, 4] in the checkpoint, [2, 3] in this model)" in message
+    assert "hint: pass the weights written by a run of this same model" in message
+
+
+def test_weights_given_as_a_run_directory_name_the_file_inside(tmp_path, spec):
+    from safetensors.torch import save_model
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_model(load_servable(spec).model, str(run / "model.safetensors"))
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(run))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception) == (
+        f"--weights {str(run)!r} is a directory; expected a .safetensors file\n"
+        f"hint: pass the weights file inside it: --weights {run / 'model.safetensors'}"
+    )
+
+
 def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
     out = tmp_path / "y[run1].npy"
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from redline.checkpoint.layout import CheckpointError
 
@@ -24,8 +25,28 @@ def shapes_of(state: Mapping[str, Any]) -> Shapes:
     return {name: tuple(value.shape) for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+def safetensors_shapes(path: Path) -> Shapes:
+    """Return a safetensors file's tensor shapes by name from its header, a tied weight under each name."""
+    with safe_open(path, framework="pt") as weights:
+        shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118 (not a dict)
+        aliases = weights.metadata() or {}  # {dropped name: kept name} of tied weights, and "format"
+    shapes.update({alias: shapes[kept] for alias, kept in aliases.items() if kept in shapes})
+    return shapes
+
+
 def check_same_model(path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> None:
     """Raise CheckpointError naming a few differences if the checkpoint's shapes ``saved`` are not the model's."""
+    found = differences(saved, expected)
+    if found:
+        raise CheckpointError(
+            f"{path}: the checkpoint's model differs from this run's model: {'; '.join(found)}\n"
+            "hint: this run's model is not the one that wrote the checkpoint: use another --out "
+            "(or --resume a checkpoint of this model)"
+        )
+
+
+def differences(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Name a few of the tensors missing from ``saved``, extra in it, or of another shape than ``expected``'s."""
     missing = [name for name in expected if name not in saved]  # in the model's order, then the checkpoint's
     unexpected = [name for name in saved if name not in expected]
     resized = [
@@ -34,13 +55,7 @@ def check_same_model(path: Path, saved: Mapping[str, tuple[int, ...]], expected:
         if name in saved and tuple(saved[name]) != tuple(shape)
     ]
     kinds = [("missing from the checkpoint", missing), ("not in this model", unexpected), ("shapes differ", resized)]
-    differences = [f"{kind}: {_few(names)}" for kind, names in kinds if names]
-    if differences:
-        raise CheckpointError(
-            f"{path}: the checkpoint's model differs from this run's model: {'; '.join(differences)}\n"
-            "hint: this run's model is not the one that wrote the checkpoint: use another --out "
-            "(or --resume a checkpoint of this model)"
-        )
+    return [f"{kind}: {_few(names)}" for kind, names in kinds if names]
 
 
 def _few(names: list[str]) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
@@ -30,7 +29,7 @@ from redline.checkpoint.layout import (
     stage,
     write_json,
 )
-from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
+from redline.checkpoint.shapes import Shapes, check_same_model, safetensors_shapes, shapes_of
 
 # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
 FORMAT, LEGACY_FORMAT = WHOLE_FORMATS
@@ -70,11 +69,7 @@ def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
 
 def saved_shapes(checkpoint: Checkpoint) -> Shapes:
     """Return the checkpoint's weights' shapes by name from the file's header, a tied weight under each name."""
-    with safe_open(checkpoint.path / WEIGHTS, framework="pt") as weights:
-        shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118 (not a dict)
-        aliases = weights.metadata() or {}  # {dropped name: kept name} of tied weights, and "format"
-    shapes.update({alias: shapes[kept] for alias, kept in aliases.items() if kept in shapes})
-    return shapes
+    return safetensors_shapes(checkpoint.path / WEIGHTS)
 
 
 def check_model(checkpoint: Checkpoint, module: nn.Module) -> None:

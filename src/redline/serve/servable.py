@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
 from redline.errors import ConfigError, TaskSpecError, invalid
 from redline.task import Task, find_factory, run_factory
 
@@ -93,25 +94,42 @@ def from_task(task: Task) -> Servable:
     return Servable(model=task.build_model(), input_shape=tuple(array.shape), input_dtype=dtype, name=task.name)
 
 
+WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
+FIT_HINT = "hint: pass the weights written by a run of this same model (and the same task options)"
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load a safetensors file into ``model``; a missing file or a mismatch is a ConfigError naming it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model
 
-    if not path.is_file():
+    if path.is_dir():  # a run's --out, or one of its checkpoints: each holds a model.safetensors
+        inside = path / "model.safetensors"
         raise ConfigError(
-            f"--weights {str(path)!r} does not exist\nhint: redline train --out DIR writes DIR/model.safetensors"
+            f"--weights {str(path)!r} is a directory; expected a .safetensors file\n"
+            + (f"hint: pass the weights file inside it: --weights {inside}" if inside.is_file() else WEIGHTS_HINT)
+        )
+    if not path.is_file():
+        raise ConfigError(f"--weights {str(path)!r} does not exist\n{WEIGHTS_HINT}")
+    try:
+        found = differences(safetensors_shapes(path), shapes_of(model.state_dict()))
+    except SafetensorError as exc:  # not a safetensors file
+        raise _unreadable(path, exc) from exc
+    if found:  # named here: torch's own error lists every key of both models
+        raise ConfigError(
+            f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n{FIT_HINT}"
         )
     try:
         load_model(model, str(path), strict=True)
-    except SafetensorError as exc:  # not a safetensors file, or a damaged one
-        raise ConfigError(
-            f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
-            "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
-        ) from exc
+    except SafetensorError as exc:  # a damaged one
+        raise _unreadable(path, exc) from exc
     except (RuntimeError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"--weights {str(path)!r} does not fit the model: {first}\n"
-            "hint: pass the weights written by a run of this same model (and the same task options)"
-        ) from exc
+        raise ConfigError(f"--weights {str(path)!r} does not fit the model: {first}\n{FIT_HINT}") from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> ConfigError:
+    return ConfigError(
+        f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
+        "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
+    )
