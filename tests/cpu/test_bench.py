@@ -78,6 +78,19 @@ def test_every_row_is_measured_against_the_naive_loop():
     json.dumps(result.to_dict(), allow_nan=False)  # strict JSON: what --json prints
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"precisions": "fp32"}, "precisions='fp32' is not allowed; expected a list"),
+        ({"compiles": False}, "compiles=False is not allowed; expected a list"),
+        ({"batch_sizes": 32}, "batch_sizes=32 is not allowed; expected a list"),
+    ],
+)
+def test_a_lone_value_where_a_list_belongs_is_refused_before_anything_runs(given, message):
+    with pytest.raises(ConfigError, match=rf"^{message}\nhint: e\.g\. "):
+        benchmark(tiny_task(), **given)
+
+
 def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch):
     monkeypatch.setenv("REDLINE_CPU", "amx")  # plan as on a CPU with bf16 arithmetic, so auto weighs bf16
     result = benchmark(

@@ -71,6 +71,8 @@ def test_expand_refuses_what_cannot_be_benched():
         expand([AMX_CPU], precisions=None, compiles=[False], batch_sizes=[0])
     with pytest.raises(ConfigError, match="hint: pass --devices"):
         expand([], precisions=None, compiles=[False], batch_sizes=[8])
+    with pytest.raises(ConfigError, match=r"compiles=\['off'\] is not allowed; expected a list of True"):
+        expand([AMX_CPU], precisions=None, compiles=["off"], batch_sizes=[8])  # type: ignore[list-item]
     only_baselines = expand([AMX_CPU], precisions=None, compiles=[], batch_sizes=[8])
     assert [row.kind for row in only_baselines] == ["naive", "auto"]
 

@@ -9,15 +9,16 @@ precisions x compile x batch sizes, each run through the Runtime.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
-from redline.errors import ConfigError
+from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts
 from redline.plan.precision import PRECISIONS, fast_precisions
 
 Kind = Literal["naive", "explicit", "auto"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class Setting:
         return f"{self.device} {self.precision} {'compiled' if self.compile else 'eager'} {size}"
 
 
+def listed(name: str, given: Iterable[T], example: str) -> list[T]:
+    """Return ``given`` as a list; a lone string or number, a slip for a list of one, is a ConfigError."""
+    if isinstance(given, str | int | float):  # a string would be read letter by letter; bool is an int
+        raise invalid(name, given, "a list", f"e.g. {name}={example}")
+    return list(given)
+
+
 def expand(
     devices: Sequence[DeviceFacts],
     *,
@@ -61,6 +69,9 @@ def expand(
             raise ConfigError(
                 f"precision {name!r} is not one of {', '.join(PRECISIONS)}\nhint: e.g. --precision fp32,bf16-mixed"
             )
+    if any(not isinstance(flag, bool) for flag in compiles):  # "off" is truthy: it would compile
+        allowed = "a list of True (compiled) and False (eager)"
+        raise invalid("compiles", compiles, allowed, "e.g. compiles=[False, True]")
     for size in batch_sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"batch size {size!r} is not a positive integer\nhint: e.g. --batch-size 32,64")

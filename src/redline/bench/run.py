@@ -23,7 +23,7 @@ import torch
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
 from redline.bench.loops import Runner, naive_runner, runtime_runner
-from redline.bench.matrix import Setting, expand
+from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.config import positive_int, positive_number
 from redline.errors import ConfigError, RedlineError, describe_error
@@ -136,7 +136,9 @@ def benchmark(
     positive_int("window", window)
     positive_number("max_seconds", max_seconds)
     positive_int("planned_steps", planned_steps, optional=True)
-    sizes = list(batch_sizes) if batch_sizes else [task.batch_size]
+    precisions = listed("precisions", precisions, "['fp32', 'bf16-mixed']") if precisions is not None else None
+    compiles = listed("compiles", compiles, "[False, True]")
+    sizes = (listed("batch_sizes", batch_sizes, "[32, 64]") if batch_sizes is not None else []) or [task.batch_size]
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
     rounds = max(2, math.ceil(steps / window))
