@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
 
-from redline.errors import ConfigError
+from redline.errors import ConfigError, RedlineError
 from redline.serve import dispatch as dispatch_module
 from redline.serve import server as server_module
 from redline.serve.app import build_app
@@ -433,6 +434,16 @@ def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
         ServeOptions(token_env="MY-TOKEN")
     with pytest.raises(ConfigError, match="max_batch_size=16 is not allowed; expected at most the engine's"):
         build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=16))
+
+
+def test_a_port_in_use_and_a_host_not_of_this_machine_each_get_their_own_fix():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(RedlineError, match=r"Address already in use\nhint: pick another --port"):
+            server_module.bind("127.0.0.1", busy.getsockname()[1])
+    with pytest.raises(RedlineError, match=r"^cannot listen on 192\.0\.2\.1:0: .*\nhint: --host takes an address"):
+        server_module.bind("192.0.2.1", 0)  # TEST-NET-1 (RFC 5737): never an address of this machine
 
 
 @pytest.mark.parametrize("shape", [3, "3", None, (3, 0)])

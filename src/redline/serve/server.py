@@ -15,6 +15,7 @@ the digits CNN on a 2-core machine (108-116 ms to 47-51 ms, two runs each, reque
 
 from __future__ import annotations
 
+import errno
 import gc
 import math
 import signal
@@ -63,10 +64,13 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise RedlineError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}\n"
-            "hint: pick another --port (0 takes any free one), or stop the process holding it"
-        ) from None
+        if exc.errno == errno.EADDRINUSE:
+            hint = "pick another --port (0 takes any free one), or stop the process holding it"
+        elif exc.errno == errno.EACCES:
+            hint = "ports below 1024 need privileges: pick --port 1024 or above (0 takes any free one)"
+        else:  # EADDRNOTAVAIL, or a name that does not resolve: the host is not this machine's
+            hint = "--host takes an address of this machine: 127.0.0.1 (itself alone) or 0.0.0.0 (every interface)"
+        raise RedlineError(f"cannot listen on {host}:{port}: {exc.strerror or exc}\nhint: {hint}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
