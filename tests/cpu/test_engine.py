@@ -126,6 +126,8 @@ def test_a_bare_module_needs_its_input_shape_and_the_error_names_the_fix():
     with pytest.raises(ConfigError, match="needs input_shape") as caught:
         InferenceEngine(nn.Linear(3, 2), device="cpu")
     assert "hint: InferenceEngine(model, input_shape=" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"^input_shape=3 is not allowed; expected positive integers"):
+        InferenceEngine(nn.Linear(3, 2), input_shape=3, device="cpu")  # type: ignore[arg-type]  # a slip for (3,)
     servable = Servable(model=nn.Linear(3, 2), input_shape=(3,))
     with pytest.raises(ConfigError, match="input_shape"):
         InferenceEngine(servable, input_shape=(3,), device="cpu")

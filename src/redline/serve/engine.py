@@ -94,9 +94,8 @@ def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, 
             f"InferenceEngine({type(model).__name__}) needs input_shape: one sample's shape, without the batch\n"
             "hint: InferenceEngine(model, input_shape=(3, 32, 32)), or pass a redline.Servable"
         )
-    return Servable(
-        model=model, input_shape=tuple(input_shape), input_dtype=input_dtype or "float32", name=type(model).__name__
-    )
+    shape = tuple(input_shape) if isinstance(input_shape, Sequence) else input_shape  # a lone 4: Servable says why
+    return Servable(model=model, input_shape=shape, input_dtype=input_dtype or "float32", name=type(model).__name__)
 
 
 class WarmUpStopped(Exception):
