@@ -193,3 +193,14 @@ def test_a_client_behind_its_schedule_says_so():
     on_time = summarize([record(i / 100, i / 100 + 0.01) for i in range(100)], setup("open", duration_s=1.0),
                         elapsed_s=1.1)  # fmt: skip
     assert on_time.client_kept_up is True and on_time.notes == ()
+
+
+def test_a_run_without_a_single_2xx_says_its_latencies_are_of_errors():
+    records = [record(i / 100, i / 100 + 0.002, 422) for i in range(30)]
+    records += [record(0.5 + i / 100, 0.5, error="connection_refused") for i in range(10)]
+    result = summarize(records, setup(), elapsed_s=10.0)
+    assert result.latency_ms is not None and result.latency_2xx_ms is None
+    told = "no request got a 2xx answer (30 x 422, 10 x connection_refused): the latencies are those of errors"
+    assert any(n.startswith(told) for n in result.notes), result.notes
+    fine = summarize([record(0.0, 0.002, 200), record(0.01, 0.012, 422)], setup(), elapsed_s=10.0)
+    assert not any("2xx" in n for n in fine.notes)

@@ -208,6 +208,13 @@ def summarize(
         )
     if not open_loop:
         out.append(CLOSED_LOOP_NOTE)
+    if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
+        outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
+        out.append(
+            f"no request got a 2xx answer ({', '.join(f'{n} x {what}' for what, n in outcomes.most_common())}): "
+            "the latencies are those of errors, not of the service\n"
+            "hint: check the URL, --method, --payload and --header with one request (curl -i), then load it"
+        )
     return LoadResult(
         mode=setup.mode,
         url=setup.url,
