@@ -15,8 +15,14 @@ V100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-16GB", index=0, capability
 
 def test_rate_is_the_median_window_so_one_slow_window_does_not_move_it():
     windows = [0.10, 0.10, 0.11, 0.50]  # one window hit by a neighbour's load
-    assert rate(windows, 320) == pytest.approx((320 / 0.10 + 320 / 0.11) / 2)  # the middle two rates
+    assert rate(windows, 320) == pytest.approx(320 / 0.105)  # the middle two windows' mean time
     assert rate([], 320) is None
+
+
+def test_a_rate_agrees_with_the_p50_step_time_for_an_even_count_of_windows():
+    windows = [0.2, 0.88]  # a busy machine: two windows far apart
+    p50 = percentile(step_times(windows, 4), 50)
+    assert p50 is not None and rate(windows, 64 * 4) == pytest.approx(64 / p50)
 
 
 def test_percentiles_interpolate_between_ranks():

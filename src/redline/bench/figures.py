@@ -14,9 +14,14 @@ from collections.abc import Sequence
 
 
 def rate(windows: Sequence[float], per_window: float) -> float | None:
-    """Median over windows of ``per_window`` units (samples, tokens) per second; None without windows."""
-    rates = [per_window / t for t in windows if t > 0]
-    return statistics.median(rates) if rates else None
+    """``per_window`` units (samples, tokens) over the median window's seconds; None without windows.
+
+    The median of the times, not of the rates: with an even count the two differ (the mean of the
+    middle two rates is not the rate of their mean time), and a row's samples/s must agree with its
+    p50 step time (``percentile(step_times(...), 50)``).
+    """
+    times = [t for t in windows if t > 0]
+    return per_window / statistics.median(times) if times else None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
