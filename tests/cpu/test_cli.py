@@ -446,3 +446,22 @@ def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once():
     assert "compiled 1 time(s)" in summary["plan"]["compile"]["reason"], summary["plan"]["compile"]["reason"]
     assert "a partial last batch is dropped" in summary["plan"]["loader"]["reason"]
     assert summary["val_loss"] is not None and summary["sample"]  # evaluated and sampled, eagerly
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "--window", "0"],
+        ["bench", "--steps", "0"],
+        ["bench", "--planned-steps", "-3"],
+        ["tune", "--steps", "0"],
+        ["tune", "--batch-size", "0"],
+        ["tune", "--planned-steps", "0"],
+    ],
+)
+def test_a_count_below_one_is_refused_by_its_flag_before_anything_runs(args):
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, [*args, "--task", "example:digits"])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{args[1]}'" in result.output  # the flag as typed, not a Python argument name

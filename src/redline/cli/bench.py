@@ -37,10 +37,10 @@ def bench(
     batch_size: Annotated[
         str | None, typer.Option(help="Batch sizes, comma-separated (default: the task's own).")
     ] = None,
-    steps: Annotated[int, typer.Option(help="Timed steps per configuration.")] = 60,
-    window: Annotated[int, typer.Option(help="Steps per timing window (one device sync each).")] = 5,
+    steps: Annotated[int, typer.Option(min=1, help="Timed steps per configuration.")] = 60,
+    window: Annotated[int, typer.Option(min=1, help="Steps per timing window (one device sync each).")] = 5,
     planned_steps: Annotated[
-        int | None, typer.Option(help="The run auto plans for (default: the task's epochs); decides compile.")
+        int | None, typer.Option(min=1, help="The run auto plans for (default: the task's epochs); decides compile.")
     ] = None,
     max_seconds: Annotated[float, typer.Option(help="Stop timing after this many seconds (two rounds at least).")] = (
         300.0

@@ -23,10 +23,10 @@ def tune_command(
     devices: Annotated[str, typer.Option(help="The device to tune for: auto, cpu, cuda, cuda:N or mps.")] = "auto",
     budget: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds the whole search may take.")] = 120.0,
     planned_steps: Annotated[
-        int | None, typer.Option(help="The run to weigh total time for, compile included (default: the task's).")
+        int | None, typer.Option(min=1, help="The run to weigh total time for, compile included (default: the task's).")
     ] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Batch size (default: the task's own).")] = None,
-    steps: Annotated[int, typer.Option(help="Timed steps per candidate.")] = 30,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the task's own).")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Timed steps per candidate.")] = 30,
     json_output: Annotated[bool, typer.Option("--json", help="Print the tuned Plan as JSON on stdout.")] = False,
 ) -> None:
     """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
