@@ -174,6 +174,8 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
             run_load(f"{server.url}/pattern/never", **{"duration": 0.2, **kwargs})
     with pytest.raises(ConfigError, match=r"cannot reach .*Connection refused\)\nhint: start the server"):
         run_load(f"http://127.0.0.1:{free_port()}/x", rate=5, duration=0.2)
+    with pytest.raises(ConfigError, match=r"https:// URL \(Port out of range 0-65535\)"):
+        run_load("http://127.0.0.1:99999/x", rate=5, duration=0.2)
     assert server.counts["/pattern/never"] == 0
 
 

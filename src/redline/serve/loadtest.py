@@ -244,8 +244,9 @@ def check_url(url: str) -> str:
     """Return ``url`` if it is an absolute http(s) URL with a host; raise ConfigError if not."""
     try:
         parsed = URL(url)
-    except (ValueError, TypeError) as exc:
-        raise invalid("url", url, "an http:// or https:// URL", "e.g. http://127.0.0.1:8000/v1/predict") from exc
+    except (ValueError, TypeError) as exc:  # the parser's reason ("Port out of range 0-65535") says what is wrong
+        expected = f"an http:// or https:// URL ({exc})" if str(exc) else "an http:// or https:// URL"
+        raise invalid("url", url, expected, "e.g. http://127.0.0.1:8000/v1/predict") from exc
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise invalid("url", url, "an http:// or https:// URL", "e.g. http://127.0.0.1:8000/v1/predict")
     return url
