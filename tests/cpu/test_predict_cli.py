@@ -98,6 +98,11 @@ def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
     assert not (tmp_path / "y.npy").exists()
 
 
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-8])
+    return str(path)
+
+
 @pytest.mark.parametrize(
     ("make_input", "message"),
     [
@@ -108,6 +113,8 @@ def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
         (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "samples 0 to 1: inputs are complex64"),
         (lambda d: samples(d, np.array([[0, 1, 2], [0, np.nan, 2]], np.float64)), "not finite in float32"),
         (lambda d: samples(d, np.full((1, 3), 1e300)), "beyond ±3.40282e+38"),
+        (lambda d: samples(d, np.array([[1.0], [1.0, 2.0]], dtype=object)), "equal-sized rows"),
+        (lambda d: samples(d, np.zeros((4, 3), np.float32)) and truncate(d / "x.npy"), "may be truncated"),
     ],
 )
 def test_a_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, spec, make_input, message):

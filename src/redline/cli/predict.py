@@ -114,7 +114,12 @@ def read_samples(path: Path) -> np.ndarray:
     try:
         loaded: np.ndarray = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
-        raise ConfigError(f"--input {str(path)!r} cannot be read as a .npy array: {exc}") from exc
+        hint = (  # an array of Python objects (lists of different lengths, dicts) is pickled: never unpickled here
+            "save the samples as one numeric array of equal-sized rows, e.g. numpy.save(path, np.stack(rows))"
+            if "allow_pickle" in str(exc)
+            else "the file may be truncated: write it again with numpy.save(path, array)"
+        )
+        raise ConfigError(f"--input {str(path)!r} cannot be read as a .npy array: {exc}\nhint: {hint}") from exc
     if loaded.ndim == 0 or len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
     if not loaded.dtype.isnative:  # saved on a big-endian machine: torch reads native byte order only
