@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import positive_int
-from redline.errors import TaskSpecError, invalid
+from redline.errors import TaskSpecError, invalid, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -226,7 +226,9 @@ def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any])
     except TaskSpecError:
         raise
     except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+        raise TaskSpecError(
+            f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}{user_line(exc)}"
+        ) from exc
 
 
 FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:factory'"

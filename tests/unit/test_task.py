@@ -408,6 +408,7 @@ def test_factory_that_raises_is_reported_with_spec_and_exception(task_file: Path
     assert spec in message
     assert "RuntimeError" in message
     assert "disk on fire" in message
+    assert f"at {task_file}:" in message and 'in broken: raise RuntimeError("disk on fire")' in message  # its line
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
