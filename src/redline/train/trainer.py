@@ -49,7 +49,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import has_ended, log_cut, resumed_options, stored_summary
+from redline.train.resume import has_ended, log_cut, prepare_checkpoint_dir, resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -267,8 +267,8 @@ class Trainer:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
-        if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
-            checkpoint.clean_staging(self._checkpoint_root())
+        if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
+            prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume)
         options = resumed_options(self.options, resumed, self.env)
         self.batch_size = self.config.batch_size or self.task.batch_size
         if resumed is not None:
