@@ -196,6 +196,16 @@ def load_task(spec: str, **options: Any) -> Task:
     return call_factory(spec, find_factory(spec), options)
 
 
+def require_task(value: object) -> Task:
+    """Return ``value`` if it is a Task; else raise the ConfigError that says how to make one."""
+    if isinstance(value, Task):
+        return value
+    if isinstance(value, str):
+        raise invalid("task", value, "a redline.Task, not a spec", f"load it first: redline.load_task({value!r})")
+    hint = "e.g. redline.load_task('example:digits'), or redline.Task(model=..., loss_fn=..., train_data=..., ...)"
+    raise invalid("task", type(value).__name__, "a redline.Task", hint)
+
+
 def find_factory(spec: str) -> Callable[..., Any]:
     """Import the module a spec string names and return its factory (a TaskSpecError says what is wrong)."""
     module_name, factory_name = _split_spec(spec)

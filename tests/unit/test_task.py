@@ -432,6 +432,16 @@ def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, m
         load_task(f"{name}:factory")
 
 
+@pytest.mark.parametrize("verb", ["Trainer", "estimate_memory", "find_batch_size"])
+def test_a_verb_given_a_spec_or_a_model_instead_of_a_task_says_how_to_make_one(verb: str) -> None:
+    import redline
+
+    with pytest.raises(ConfigError, match=r"(?s)task='example:digits' .*hint: load it first: redline.load_task\("):
+        getattr(redline, verb)("example:digits")
+    with pytest.raises(ConfigError, match=r"(?s)task='Linear' is not allowed; expected a redline.Task.*hint:"):
+        getattr(redline, verb)(nn.Linear(2, 1))
+
+
 def test_bool_is_not_a_batch_size() -> None:
     with pytest.raises(ConfigError, match="batch_size"):
         Task(

@@ -45,7 +45,7 @@ from redline.plan.precision import PRECISIONS
 from redline.runtime.checkpointing import apply_checkpointing
 from redline.runtime.contract import split_batch, user_line
 from redline.runtime.optimizer import rebuild_optimizer
-from redline.task import OptimizerFactory, Task
+from redline.task import OptimizerFactory, Task, require_task
 
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
@@ -116,6 +116,7 @@ def estimate_memory(
     "ddp" and "fsdp". ``optimizer`` replaces the Task's optimizer factory. On "cuda" the optimizer is
     the fused implementation redline picks there. Nothing is allocated on any device.
     """
+    task = require_task(task)
     batch_size = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch_size)
     positive_int("world_size", world_size)

@@ -40,7 +40,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
-from redline.task import Task
+from redline.task import Task, require_task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.data import plan_length, train_loader
@@ -74,7 +74,7 @@ class Trainer:
     def __init__(
         self, task: Task, config: TrainerConfig | None = None, /, *, callbacks: Sequence[Callback] = (), **fields: Any
     ) -> None:
-        self.task = task
+        self.task = require_task(task)
         self.config = TrainerConfig.build(config, **fields)
         self.options = self.config.runtime
         # --max-steps alone decides the length; the task's own epochs apply when neither is given
