@@ -154,6 +154,18 @@ def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(
         assert trainer.fit().steps == 6  # continuing it is what the hint says
 
 
+def test_a_resume_at_another_batch_size_is_refused_before_it_repeats_samples(tmp_path):
+    with Trainer(mistake(), max_steps=2, out_dir=tmp_path, progress=False) as trainer:
+        trainer.fit()  # 2 batches of 8 of the epoch's 40 items
+    # before, the resumed epoch skipped 2 batches of 4: the samples 8..15 came again, and the epoch count was off
+    with pytest.raises(ConfigError, match=r"(?s)step-00000002 was written with batches of 8, and this run's are 4.*"
+                       r"repeat or skip samples\nhint: resume with --batch-size 8"):  # fmt: skip
+        Trainer(mistake(), max_steps=4, batch_size=4, out_dir=tmp_path, resume="auto", progress=False).fit()
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, resume="auto", progress=False) as trainer:
+        summary = trainer.fit()
+    assert (summary.samples, summary.epochs) == (4 * 8, 0.8)
+
+
 def test_the_summary_is_strict_json_when_a_figure_is_missing(tmp_path):
     with Trainer(mistake(), max_steps=1, out_dir=tmp_path, progress=False) as trainer:
         summary = trainer.fit()

@@ -270,9 +270,7 @@ class Trainer:
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
             prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume)
         options = resumed_options(self.options, resumed, self.env)
-        self.batch_size = self.config.batch_size or self.task.batch_size
-        if resumed is not None:
-            self.batch_size = resumed_batch(checkpoint.load_plan(resumed), self.batch_size)
+        self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
         tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
         if tuned is not None:  # the tuned settings, maybe the same batch as micro-batches
             options, self.batch_size = tuned.options, tuned.batch_size
@@ -295,6 +293,7 @@ class Trainer:
                 "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
             )  # fmt: skip
             return ended
+        pos.check_batch_size(self.batch_size, resumed)  # an ended run is left as it was, at any size
         drop_last = self._fixed_shapes(rt)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
@@ -349,7 +348,7 @@ class Trainer:
             ) from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
-        pos = Position()
+        pos = Position(batch_size=self.batch_size)
         if found is not None:
             state = rt.load(found)
             if "position" not in state:
