@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import traceback
+from pathlib import Path
+
 
 class RedlineError(Exception):
     """Base class of every error redline raises on purpose."""
@@ -62,3 +66,15 @@ def describe_error(exc: BaseException) -> str:
         inner = getattr(exc, "inner_exception", None) or exc.__cause__
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")
+
+
+def user_line(exc: BaseException) -> str:
+    """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
+    torch = sys.modules.get("torch")  # not imported: none of its frames can be in the traceback
+    skip = (str(Path(__file__).parent),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    code = f": {frame.line.strip()}" if frame.line else ""
+    return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}{code}"

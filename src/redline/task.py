@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import positive_int
-from redline.errors import TaskSpecError, invalid
+from redline.errors import TaskSpecError, invalid, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -236,7 +236,7 @@ def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any])
     except TaskSpecError:
         raise
     except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
 
 
 FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:factory'"
@@ -273,7 +273,7 @@ def _import_module(spec: str, module_name: str) -> Any:
             sys.modules.pop(name, None)
             if isinstance(exc, SystemExit):
                 raise _exited(spec, str(path), exc) from exc
-            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}") from exc
+            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
         return module
     _search_working_directory()
     try:
@@ -293,7 +293,21 @@ def _import_module(spec: str, module_name: str) -> Any:
     except SystemExit as exc:
         raise _exited(spec, module_name, exc) from exc
     except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}{_where(exc)}") from exc
+
+
+def _where(exc: BaseException) -> str:
+    """The line of the user's code that raised ``exc``, and the hint to look there; "" when none is known."""
+    if isinstance(exc, SyntaxError):  # raised by the compiler: no frame of the file's own
+        line = f"\n  at {exc.filename}:{exc.lineno}: {(exc.text or '').strip()}" if exc.filename else ""
+    else:
+        line = user_line(exc)
+    if not line or line.startswith("\n  at <"):  # Python's own frozen import machinery
+        return ""
+    return (
+        f"{line}\nhint: the error is in the task's own code, at the line shown (REDLINE_TRACEBACK=1 prints the "
+        "whole traceback; in Python it is the error's __cause__)"
+    )
 
 
 def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:

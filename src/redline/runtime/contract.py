@@ -9,14 +9,12 @@ that shows the user's line, so a genuine bug there is not passed off as a data m
 from __future__ import annotations
 
 import contextlib
-import traceback
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from redline.errors import RedlineError, TaskError, TrainingError
+from redline.errors import RedlineError, TaskError, TrainingError, user_line
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.loss import check_loss
 from redline.runtime.oom import is_oom
@@ -101,17 +99,6 @@ def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
             f"{where}: the model or loss raised {type(exc).__name__}: {first}\n"
             f"  batch: inputs {describe(inputs)}, targets {describe(targets)}{line}\nhint: {hint}"
         ) from exc
-
-
-def user_line(exc: BaseException) -> str:
-    """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}{code}"
 
 
 def describe(value: Any) -> str:
