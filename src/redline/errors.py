@@ -70,11 +70,9 @@ def describe_error(exc: BaseException) -> str:
 
 def user_line(exc: BaseException) -> str:
     """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
-    skip = [str(Path(__file__).parent)]
     torch = sys.modules.get("torch")  # not imported: none of its frames can be in the traceback
-    if torch is not None and torch.__file__:
-        skip.append(str(Path(torch.__file__).parent))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(tuple(skip))]
+    skip = (str(Path(__file__).parent),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
         return ""
     frame = frames[-1]

@@ -196,6 +196,16 @@ def load_task(spec: str, **options: Any) -> Task:
     return call_factory(spec, find_factory(spec), options)
 
 
+def require_task(value: object) -> Task:
+    """Return ``value`` if it is a Task; else raise the ConfigError that says how to make one."""
+    if isinstance(value, Task):
+        return value
+    if isinstance(value, str):
+        raise invalid("task", value, "a redline.Task, not a spec", f"load it first: redline.load_task({value!r})")
+    hint = "e.g. redline.load_task('example:digits'), or redline.Task(model=..., loss_fn=..., train_data=..., ...)"
+    raise invalid("task", type(value).__name__, "a redline.Task", hint)
+
+
 def find_factory(spec: str) -> Callable[..., Any]:
     """Import the module a spec string names and return its factory (a TaskSpecError says what is wrong)."""
     module_name, factory_name = _split_spec(spec)
@@ -226,9 +236,7 @@ def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any])
     except TaskSpecError:
         raise
     except Exception as exc:
-        raise TaskSpecError(
-            f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}{user_line(exc)}"
-        ) from exc
+        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
 
 
 FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:factory'"
@@ -265,7 +273,7 @@ def _import_module(spec: str, module_name: str) -> Any:
             sys.modules.pop(name, None)
             if isinstance(exc, SystemExit):
                 raise _exited(spec, str(path), exc) from exc
-            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}") from exc
+            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
         return module
     _search_working_directory()
     try:
@@ -285,7 +293,21 @@ def _import_module(spec: str, module_name: str) -> Any:
     except SystemExit as exc:
         raise _exited(spec, module_name, exc) from exc
     except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}") from exc
+        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}{_where(exc)}") from exc
+
+
+def _where(exc: BaseException) -> str:
+    """The line of the user's code that raised ``exc``, and the hint to look there; "" when none is known."""
+    if isinstance(exc, SyntaxError):  # raised by the compiler: no frame of the file's own
+        line = f"\n  at {exc.filename}:{exc.lineno}: {(exc.text or '').strip()}" if exc.filename else ""
+    else:
+        line = user_line(exc)
+    if not line or line.startswith("\n  at <"):  # Python's own frozen import machinery
+        return ""
+    return (
+        f"{line}\nhint: the error is in the task's own code, at the line shown (REDLINE_TRACEBACK=1 prints the "
+        "whole traceback; in Python it is the error's __cause__)"
+    )
 
 
 def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:

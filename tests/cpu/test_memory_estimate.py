@@ -15,11 +15,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import TensorDataset
 
-from redline.errors import ConfigError, TrainingError
+from redline.errors import ConfigError, RedlineError, TrainingError
 from redline.memory.estimate import estimate_memory
 from redline.task import Task, load_task
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent))
+from mistake_tasks import mistake
+
 import memory_accuracy
 
 
@@ -192,6 +195,24 @@ def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -
     task = dataclasses.replace(mlp(), model=ReadsValues)
     with pytest.raises(TrainingError, match=r"(?s)fake tensors.*DataDependentOutputException.*--measure"):
         estimate_memory(task, target="cpu")
+
+
+# kind of tests/cpu/mistake_tasks.py -> what `redline train` says of it too, and the hint's first words
+TASK_MISTAKES = {
+    "loss_per_sample": (r"returned a tensor of shape \(8,\); expected a scalar", "reduce the per-sample losses"),
+    "loss_number": (r"returned float 1\.0; expected a scalar tensor", "compute the loss with torch operations"),
+    "loss_detached": (r"does not depend on the model's parameters", "build the loss from the model's outputs"),
+    "listed_layers": (r"the model \(ListedLayers\) has no parameters", "make its layers attributes"),
+    "key_error": (r"KeyError: 'pixels'\n  at .*mistake_tasks\.py:\d+ in forward", "if the line shown is a bug"),
+}
+
+
+@pytest.mark.parametrize("kind", TASK_MISTAKES)
+def test_a_mistake_in_the_task_is_named_as_training_names_it_not_blamed_on_fake_tensors(kind: str) -> None:
+    message, hint = TASK_MISTAKES[kind]
+    with pytest.raises(RedlineError, match=f"(?s){message}.*\nhint: {hint}") as caught:
+        estimate_memory(mistake(kind), target="cpu")
+    assert "fake tensors hold no values" not in str(caught.value)
 
 
 def frozen_first_layer() -> nn.Module:

@@ -141,6 +141,31 @@ def test_a_finished_run_rerun_is_left_exactly_as_it_was(tmp_path, caplog):
         assert trainer.fit().steps == 6  # a higher limit trains on
 
 
+def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(tmp_path):
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False) as trainer:
+        trainer.fit()
+    files = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    # before, the new run pruned by step number: its own step 2 went, the earlier run's step 4 stayed for --resume
+    with pytest.raises(ConfigError, match=r"(?s)holds an earlier run's checkpoints \(the newest at step 4\).*hint: .*"
+                       r"--resume auto"):  # fmt: skip
+        Trainer(mistake(), max_steps=2, keep_checkpoints=1, out_dir=tmp_path, progress=False).fit()
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+    with Trainer(mistake(), max_steps=6, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        assert trainer.fit().steps == 6  # continuing it is what the hint says
+
+
+def test_a_resume_at_another_batch_size_is_refused_before_it_repeats_samples(tmp_path):
+    with Trainer(mistake(), max_steps=2, out_dir=tmp_path, progress=False) as trainer:
+        trainer.fit()  # 2 batches of 8 of the epoch's 40 items
+    # before, the resumed epoch skipped 2 batches of 4: the samples 8..15 came again, and the epoch count was off
+    with pytest.raises(ConfigError, match=r"(?s)step-00000002 was written with batches of 8, and this run's are 4.*"
+                       r"repeat or skip samples\nhint: resume with --batch-size 8"):  # fmt: skip
+        Trainer(mistake(), max_steps=4, batch_size=4, out_dir=tmp_path, resume="auto", progress=False).fit()
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, resume="auto", progress=False) as trainer:
+        summary = trainer.fit()
+    assert (summary.samples, summary.epochs) == (4 * 8, 0.8)
+
+
 def test_the_summary_is_strict_json_when_a_figure_is_missing(tmp_path):
     with Trainer(mistake(), max_steps=1, out_dir=tmp_path, progress=False) as trainer:
         summary = trainer.fit()

@@ -354,6 +354,21 @@ def test_file_that_fails_to_import_is_reported(tmp_path: Path) -> None:
         load_task(f"{path}:make")
 
 
+FACTORY_BUGS = {  # a task file's source -> the line the error must show
+    "import redline\n\ndef make():\n    return helper()\n": r"at .*tasks\.py:4 in make: return helper\(\)",
+    "import redline\nlimit = 10 / 0\n": r"at .*tasks\.py:2 in <module>: limit = 10 / 0",
+    "def make(:\n    pass\n": r"at .*tasks\.py:1: def make\(:",
+}
+
+
+@pytest.mark.parametrize("source", FACTORY_BUGS)
+def test_a_bug_in_a_task_file_is_shown_at_its_line(tmp_path: Path, source: str) -> None:
+    path = tmp_path / "tasks.py"
+    path.write_text(source)
+    with pytest.raises(TaskSpecError, match=f"(?s){FACTORY_BUGS[source]}\nhint: the error is in the task's own code"):
+        load_task(f"{path}:make")
+
+
 def test_module_that_fails_to_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = f"redline_bad_tasks_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text("raise RuntimeError('import boom')\n")
@@ -431,6 +446,16 @@ def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, m
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TaskSpecError, match=r"(?s)redline_no_such_dependency.*not installed"):
         load_task(f"{name}:factory")
+
+
+@pytest.mark.parametrize("verb", ["Trainer", "estimate_memory", "find_batch_size"])
+def test_a_verb_given_a_spec_or_a_model_instead_of_a_task_says_how_to_make_one(verb: str) -> None:
+    import redline
+
+    with pytest.raises(ConfigError, match=r"(?s)task='example:digits' .*hint: load it first: redline.load_task\("):
+        getattr(redline, verb)("example:digits")
+    with pytest.raises(ConfigError, match=r"(?s)task='Linear' is not allowed; expected a redline.Task.*hint:"):
+        getattr(redline, verb)(nn.Linear(2, 1))
 
 
 def test_bool_is_not_a_batch_size() -> None:

@@ -31,7 +31,12 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.utils._pytree import tree_leaves, tree_map
 
 from redline.config import positive_int
@@ -44,8 +49,9 @@ from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_z
 from redline.plan.precision import PRECISIONS
 from redline.runtime.checkpointing import apply_checkpointing
 from redline.runtime.contract import split_batch, user_line
-from redline.runtime.optimizer import rebuild_optimizer
-from redline.task import OptimizerFactory, Task
+from redline.runtime.loss import check_loss
+from redline.runtime.optimizer import check_trainable, rebuild_optimizer
+from redline.task import OptimizerFactory, Task, require_task
 
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
@@ -57,6 +63,8 @@ CUBLAS_WORKSPACE = 32 * MIB
 # cuDNN picks convolution algorithms by speed within a workspace it allocates per call; torch caps
 # nothing by default, so this is an allowance, not a bound (stated in the estimate's notes).
 CUDNN_WORKSPACE = 64 * MIB
+# What fake tensors cannot run (a value read, a shape that depends on values), as against an error of the task's code.
+_FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _TOP_MODULES = 5
 
@@ -116,6 +124,7 @@ def estimate_memory(
     "ddp" and "fsdp". ``optimizer`` replaces the Task's optimizer factory. On "cuda" the optimizer is
     the fused implementation redline picks there. Nothing is allocated on any device.
     """
+    task = require_task(task)
     batch_size = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch_size)
     positive_int("world_size", world_size)
@@ -174,6 +183,7 @@ def trace_step(
         built = task.build_model() if isinstance(task.model, nn.Module) else meta_model(task)
     with mode, tracker, _tracing(task):
         model = _fake_model(built, mode)
+        check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
         if activation_checkpointing:
@@ -214,11 +224,16 @@ def _tracing(task: Task) -> Iterator[None]:
         raise
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
+        measure = "find the largest batch by running it on the device instead: redline memory --measure"
+        if isinstance(exc, _FAKE_LIMITS):
+            hint = "fake tensors hold no values, so code that reads them (.item(), .tolist(), nonzero, a branch on a "
+            hint += f"value) cannot be traced; {measure} (redline.find_batch_size)"
+        else:  # as likely a bug in the task's code, which a real step would meet too
+            hint = "if the line shown is a bug, fix it (`redline train --max-steps 1` runs one real step); if it "
+            hint += f"reads a tensor's values (.item(), .numpy(), a branch on a value), fake tensors cannot: {measure}"
         raise TrainingError(
             f"task {task.name!r}: a training step could not be traced on fake tensors: {type(exc).__name__}: "
-            f"{first}{user_line(exc)}\nhint: fake tensors hold no values, so code that reads them (.item(), "
-            ".tolist(), nonzero, a branch on a value) cannot be traced; find the largest batch by running it on "
-            "the device instead: redline memory --measure (redline.find_batch_size)"
+            f"{first}{user_line(exc)}\nhint: {hint}"
         ) from exc
 
 
@@ -236,7 +251,7 @@ def _stepper(
 
     def step(inputs: Any, targets: Any) -> None:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = task.loss_fn(model(inputs), targets)
+            loss = check_loss(task.loss_fn(model(inputs), targets), training=True)
         if grads_through_forward:
             opt.zero_grad(set_to_none=True)  # the CPU frees them just before the next backward
         loss.backward()

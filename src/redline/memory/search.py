@@ -41,7 +41,7 @@ from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.task import Task
+from redline.task import Task, require_task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
 
@@ -127,8 +127,7 @@ def find_batch_size(
     ``max_batch_size``). An error other than out-of-memory stops the search (a TrainingError naming
     the size when it came from the model or loss). Under ``redline launch`` every rank must call it.
     """
-    if not isinstance(task, Task):
-        raise invalid("task", type(task).__name__, "a redline.Task", "e.g. redline.load_task('example:digits')")
+    task = require_task(task)
     positive_int("start", start)
     positive_int("max_batch_size", max_batch_size, optional=True)
     positive_int("steps", steps)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
-from redline.errors import DeviceUnavailableError
+from redline.errors import ConfigError, DeviceUnavailableError
 from redline.hardware.device import probe_accelerators
-from redline.parallel.collectives import gather_objects
+from redline.parallel.collectives import gather_objects, run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
@@ -29,6 +29,25 @@ def resumed_options(options: RuntimeOptions, found: Checkpoint | None, env: Dist
     if env.distributed:  # the process group is already on this run's device: keep it
         resumed = dataclasses.replace(resumed, devices=options.devices)
     return _available_device(resumed)
+
+
+def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None) -> None:
+    """Refuse a new run where an earlier run left checkpoints, and remove what a killed checkpoint write left.
+
+    A new run (no ``resume``, not a restarted worker) among an earlier run's checkpoints would prune
+    by step number, deleting its own when the earlier run had gone further, and a later
+    ``resume="auto"`` would continue the earlier run. Collective: rank 0 lists, every rank refuses alike.
+    """
+    if resume is None and env.restart_count == 0:
+        steps = run_on_rank0(lambda: [c.step for c in checkpoint.find_checkpoints(root)], "listing the checkpoints")
+        if steps:
+            raise ConfigError(
+                f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {steps[-1]}); "
+                "a new run there would mix its checkpoints and logs with that run's\nhint: continue that run with "
+                f"--resume auto (resume='auto'), or pass another --out; to start over, delete {root}"
+            )
+    if env.is_main:
+        checkpoint.clean_staging(root)
 
 
 def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from redline.checkpoint import Checkpoint
+from redline.errors import ConfigError
 from redline.parallel.collectives import StopVote
 from redline.parallel.watchdog import Watchdog
 from redline.runtime.loading import DeviceLoader
@@ -29,6 +30,20 @@ class Position:
     epoch: int = 0
     batches_in_epoch: int = 0
     samples: int = 0
+    batch_size: int = 0  # what the loader's batches held; 0 in checkpoints from before it was saved
+
+    def check_batch_size(self, batch_size: int, found: Checkpoint | None) -> None:
+        """Refuse to continue this position (of checkpoint ``found``) with batches of another size.
+
+        The data position counts batches, so a resumed epoch at another size would repeat samples or skip them.
+        """
+        if found is None or not self.batch_size or self.batch_size == batch_size:
+            return
+        raise ConfigError(
+            f"{found.path} was written with batches of {self.batch_size}, and this run's are {batch_size}: "
+            "the data position counts batches, so resuming at another size would repeat or skip samples\nhint: "
+            f"resume with --batch-size {self.batch_size}; to use less memory, keep it and add --micro-batch auto"
+        )
 
 
 @dataclass

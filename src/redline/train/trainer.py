@@ -40,7 +40,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
-from redline.task import Task
+from redline.task import Task, require_task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.data import plan_length, train_loader
@@ -49,7 +49,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import has_ended, log_cut, resumed_options, stored_summary
+from redline.train.resume import has_ended, log_cut, prepare_checkpoint_dir, resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -74,7 +74,7 @@ class Trainer:
     def __init__(
         self, task: Task, config: TrainerConfig | None = None, /, *, callbacks: Sequence[Callback] = (), **fields: Any
     ) -> None:
-        self.task = task
+        self.task = require_task(task)
         self.config = TrainerConfig.build(config, **fields)
         self.options = self.config.runtime
         # --max-steps alone decides the length; the task's own epochs apply when neither is given
@@ -267,12 +267,10 @@ class Trainer:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
-        if self.out_dir is not None and self.env.is_main:  # what a killed checkpoint write left behind
-            checkpoint.clean_staging(self._checkpoint_root())
+        if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
+            prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume)
         options = resumed_options(self.options, resumed, self.env)
-        self.batch_size = self.config.batch_size or self.task.batch_size
-        if resumed is not None:
-            self.batch_size = resumed_batch(checkpoint.load_plan(resumed), self.batch_size)
+        self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
         tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
         if tuned is not None:  # the tuned settings, maybe the same batch as micro-batches
             options, self.batch_size = tuned.options, tuned.batch_size
@@ -295,6 +293,7 @@ class Trainer:
                 "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
             )  # fmt: skip
             return ended
+        pos.check_batch_size(self.batch_size, resumed)  # an ended run is left as it was, at any size
         drop_last = self._fixed_shapes(rt)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
@@ -349,7 +348,7 @@ class Trainer:
             ) from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
         scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
-        pos = Position()
+        pos = Position(batch_size=self.batch_size)
         if found is not None:
             state = rt.load(found)
             if "position" not in state:

@@ -10,9 +10,7 @@ resumed run keeps its stored Plan instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
+from redline.checkpoint import Checkpoint, load_plan
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
@@ -37,9 +35,10 @@ def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv
     return found
 
 
-def resumed_batch(plan: Mapping[str, Mapping[str, Any]], batch_size: int) -> int:
-    """The micro-batch a resumed run continues with: a tuned run split its batch into ``grad_accum`` parts."""
-    accum = plan.get("grad_accum", {})
+def resumed_batch(found: Checkpoint | None, batch_size: int) -> int:
+    """The micro-batch a run resumed from ``found`` continues with: a tuned run split its batch into ``grad_accum``
+    parts. A new run (``found`` None) keeps ``batch_size``."""
+    accum = load_plan(found).get("grad_accum", {}) if found is not None else {}
     if MICRO_BATCHES in str(accum.get("reason", "")) and "tuned" in str(accum.get("reason", "")):
         return batch_size // int(accum.get("value", 1))
     return batch_size
