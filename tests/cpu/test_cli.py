@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from redline.cli.main import app
 from redline.cli.train import stopped_early
+from redline.errors import ConfigError
 from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
 from redline.train.trainer import Trainer
@@ -457,6 +458,9 @@ def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once():
         ["tune", "--steps", "0"],
         ["tune", "--batch-size", "0"],
         ["tune", "--planned-steps", "0"],
+        ["memory", "--gpus", "0"],
+        ["memory", "--batch-size", "0"],
+        ["memory", "--start", "0"],
     ],
 )
 def test_a_count_below_one_is_refused_by_its_flag_before_anything_runs(args):
@@ -465,3 +469,12 @@ def test_a_count_below_one_is_refused_by_its_flag_before_anything_runs(args):
     result = CliRunner().invoke(app, [*args, "--task", "example:digits"])
     assert result.exit_code == 2
     assert f"Invalid value for '{args[1]}'" in result.output  # the flag as typed, not a Python argument name
+
+
+@pytest.mark.parametrize("flag", ["--start", "--max-batch-size"])
+def test_a_search_bound_without_measure_is_refused_not_ignored(flag):
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["memory", "--task", "example:digits", flag, "64"])
+    assert isinstance(result.exception, ConfigError)  # exits 2 through main(), before any trace
+    assert f"{flag} bounds the search that --measure runs" in str(result.exception)

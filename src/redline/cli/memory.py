@@ -32,7 +32,7 @@ from redline.task import Task, load_task
 def memory(
     task: TaskSpec,
     task_arg: TaskArgs = None,
-    batch_size: Annotated[int | None, typer.Option(help="Global batch size (default: the task's own).")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Global batch size (default: the task's own).")] = None,
     precision: Annotated[
         str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed (auto: what a run on the device picks).")
     ] = "auto",
@@ -40,13 +40,15 @@ def memory(
         str | None, typer.Option(metavar="NAME", help="A GPU of the catalog to weigh against (h100-sxm, l4, ...).")
     ] = None,
     mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
-    gpus: Annotated[int, typer.Option(help="GPUs for the FSDP rows.")] = 8,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs for the FSDP rows.")] = 8,
     measure: Annotated[
         bool, typer.Option("--measure", help="Find the largest batch by running training steps on this machine.")
     ] = False,
-    start: Annotated[int, typer.Option(help="With --measure: the first batch size tried.")] = 1,
+    start: Annotated[
+        int | None, typer.Option(min=1, help="With --measure: the first batch size tried (default: 1).")
+    ] = None,
     max_batch_size: Annotated[
-        int | None, typer.Option(help="With --measure: the largest size tried (on a CPU: the dataset's size).")
+        int | None, typer.Option(min=1, help="With --measure: the largest size tried (on a CPU: the dataset's size).")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
@@ -65,11 +67,15 @@ def memory(
             f"--batch-size {batch_size} with --measure: the search tries its own sizes and would ignore it\n"
             "hint: pass --start N to begin the search at N, or drop --measure to estimate that batch"
         )
-    if gpus < 1:
-        raise ConfigError(f"--gpus {gpus} is not allowed; expected 1 or more")
+    if not measure and (start is not None or max_batch_size is not None):
+        given = "--start" if start is not None else "--max-batch-size"
+        raise ConfigError(
+            f"{given} bounds the search that --measure runs; without --measure nothing would read it\n"
+            "hint: add --measure to find the largest batch by running it here, or drop it to estimate"
+        )
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     if measure:
-        _measure(loaded, precision, start, max_batch_size, json_output)
+        _measure(loaded, precision, start or 1, max_batch_size, json_output)
         return
     device, facts, mem = _device(gpu, mem_gib)
     chosen = resolve_precision(precision, facts)
