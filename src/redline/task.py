@@ -336,18 +336,23 @@ def _search_working_directory() -> None:
 
 
 def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
-    if not options:
-        return
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    named = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    missing = [n for n in named if params[n].default is inspect.Parameter.empty and n not in options]
+    if missing:
+        flags = " ".join(f"--task-arg {n}=VALUE" for n in missing)
+        raise TaskSpecError(
+            f"task spec {spec!r}: the factory requires {', '.join(missing)}, and no value was given\n"
+            f"hint: pass {flags} (in Python, {missing[0]}=... as a keyword)"
+        )
+    if not options or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    allowed = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    unknown = sorted(set(options) - set(allowed))
+    unknown = sorted(set(options) - set(named))
     if unknown:
         raise TaskSpecError(
             f"task spec {spec!r}: unknown option(s) {', '.join(unknown)}; "
-            f"the factory accepts: {', '.join(allowed) or 'no options'}"
+            f"the factory accepts: {', '.join(named) or 'no options'}"
         )

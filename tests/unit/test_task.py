@@ -260,6 +260,10 @@ def broken():
     raise RuntimeError("disk on fire")
 
 
+def needs_width(width, depth=2):
+    return make()
+
+
 def not_a_task():
     return {"model": None}
 
@@ -567,3 +571,12 @@ VALID: dict[str, list[object]] = {
 def test_any_well_formed_fields_build_a_task_that_keeps_them(fields: dict[str, object]) -> None:
     task = Task(**fields)  # type: ignore[arg-type]
     assert all(getattr(task, field) is value for field, value in fields.items())
+
+
+def test_a_factory_option_without_a_default_is_asked_for_by_its_flag(task_file: Path) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{task_file}:needs_width", depth=3)
+    message = str(info.value)
+    assert "the factory requires width, and no value was given" in message
+    assert "hint: pass --task-arg width=VALUE" in message
+    assert load_task(f"{task_file}:needs_width", width=4).batch_size == 2
