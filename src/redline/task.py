@@ -196,6 +196,12 @@ def load_task(spec: str, **options: Any) -> Task:
     return call_factory(spec, find_factory(spec), options)
 
 
+def check_spec(spec: str, **options: Any) -> None:
+    """Raise the TaskSpecError ``load_task`` would for a spec or its options, without running the factory
+    (a launcher checks once, before it starts workers that would each fail the same way)."""
+    _check_options(spec, find_factory(spec), options)
+
+
 def require_task(value: object) -> Task:
     """Return ``value`` if it is a Task; else raise the ConfigError that says how to make one."""
     if isinstance(value, Task):

@@ -478,3 +478,10 @@ def test_a_search_bound_without_measure_is_refused_not_ignored(flag):
     result = CliRunner().invoke(app, ["memory", "--task", "example:digits", flag, "64"])
     assert isinstance(result.exception, ConfigError)  # exits 2 through main(), before any trace
     assert f"{flag} bounds the search that --measure runs" in str(result.exception)
+
+
+def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts():
+    result = redline_cli("train", "--task", "example:nope", "--nproc", "2", "--max-steps", "1")
+    assert result.returncode == 2
+    assert result.stderr.count("no built-in example 'nope'") == 1
+    assert "launched job" not in result.stderr and "torch.distributed" not in result.stderr

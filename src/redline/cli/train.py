@@ -22,7 +22,7 @@ from redline.launch.torchrun import LaunchConfig, launch
 from redline.render.console import key_value_table, output_console, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import seed_everything
-from redline.task import load_task
+from redline.task import check_spec, load_task
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.summary import TrainSummary
@@ -49,6 +49,7 @@ def _train(
         )
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
         config = LaunchConfig(**values(LaunchConfig, launching, optional=True))
+        check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
         launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
