@@ -180,9 +180,28 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
     if hangs:  # the watchdog's diagnosis, once
         message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
         return LaunchError(str(message))
-    failed = sorted(exc.failures.items())
-    failures = "; ".join(f"rank {rank} exited with {failure.exitcode}" for rank, failure in failed)
+    codes = sorted((rank, failure.exitcode) for rank, failure in exc.failures.items())
+    stopped = [rank for rank, code in codes if code in _STOPPED]
+    own = [(rank, code) for rank, code in codes if code not in _STOPPED]
+    if own and stopped:  # the launcher ends the other workers once one fails: they did not fail themselves
+        failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in own)
+        failures += f" (then the launcher stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))})"
+    else:
+        failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
     return LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+
+
+_STOPPED = (-signal.SIGTERM,)  # how a worker the launcher ended exits (SIGKILL may be the kernel's)
+
+
+def _ended(code: int) -> str:
+    """How a worker ended: its exit code, or the signal that ended it (a negative code)."""
+    if code == -signal.SIGKILL:
+        return "was ended by SIGKILL (the kernel's out-of-memory killer sends it: check the host's memory)"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was ended by {signal.Signals(-code).name}"
+    return f"exited with {code}"
 
 
 def stopped_by(signum: int, finished: Path) -> LaunchStopped | None:

@@ -1,0 +1,26 @@
+"""How a failed launched job is described: the ranks that failed, apart from those the launcher stopped."""
+
+import signal
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from redline.launch.torchrun import _failure
+
+
+def failed(**codes: int) -> ChildFailedError:
+    failures = {int(rank[1:]): ProcessFailure(int(rank[1:]), 100, code, "") for rank, code in codes.items()}
+    return ChildFailedError("redline", failures)
+
+
+def test_the_rank_that_failed_is_named_and_those_the_launcher_stopped_after_it_are_told_apart():
+    message = str(_failure(failed(r0=-signal.SIGTERM, r1=1, r2=-signal.SIGTERM), hang_exit_code=86))
+    assert "the launched job failed: rank 1 exited with 1 (then the launcher stopped ranks 0, 2)" in message
+
+
+def test_signals_are_named_and_a_sigkill_points_at_the_hosts_memory():
+    message = str(_failure(failed(r0=-signal.SIGKILL, r1=-signal.SIGTERM), hang_exit_code=86))
+    assert "rank 0 was ended by SIGKILL (the kernel's out-of-memory killer" in message
+    assert "(then the launcher stopped rank 1)" in message
+    from_outside = str(_failure(failed(r0=-signal.SIGTERM, r1=-signal.SIGTERM), hang_exit_code=86))
+    assert "rank 0 was ended by SIGTERM; rank 1 was ended by SIGTERM" in from_outside  # no rank failed first
+    assert "rank 0 exited with 3" in str(_failure(failed(r0=3), hang_exit_code=86))
