@@ -17,13 +17,15 @@ from redline.errors import invalid
 T = TypeVar("T")
 
 
-def option(default: Any, help: str, *, flag: str | None = None, cli: bool = True) -> Any:
+def option(default: Any, help: str, *, flag: str | None = None, cli: bool = True, min: int | None = None) -> Any:
     """Declare an options field: its default, its one-line help, and its command-line flag.
 
     ``flag`` overrides the flag derived from the field's name (``--max-steps`` from ``max_steps``);
-    ``cli=False`` keeps a field off the command line (an object only Python can pass).
+    ``cli=False`` keeps a field off the command line (an object only Python can pass). ``min`` is the
+    smallest number the flag takes: the command line refuses less by the flag's name (the dataclass
+    checks its own values too, for Python callers).
     """
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "cli": cli})
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "cli": cli, "min": min})
 
 
 def positive_int(name: str, value: object, *, optional: bool = False) -> None:

@@ -461,6 +461,10 @@ def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once():
         ["memory", "--gpus", "0"],
         ["memory", "--batch-size", "0"],
         ["memory", "--start", "0"],
+        ["train", "--epochs", "0"],
+        ["train", "--log-every", "0"],
+        ["train", "--grad-accum", "0"],
+        ["train", "--early-stopping-patience", "0"],
     ],
 )
 def test_a_count_below_one_is_refused_by_its_flag_before_anything_runs(args):

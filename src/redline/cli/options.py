@@ -52,7 +52,7 @@ def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None,
         if kind is bool and not optional:
             info = typer.Option(f"{flag}/--no-{flag.removeprefix('--')}", help=meta["help"])
         else:
-            info = typer.Option(flag, help=meta["help"])
+            info = typer.Option(flag, help=meta["help"], min=meta.get("min"))
         annotation: Any = Annotated.__class_getitem__((kind if default is not None else kind | None, info))  # type: ignore[attr-defined]
         parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         out.append(Flag(owner, field.name, flag, parameter))

@@ -51,12 +51,12 @@ class LaunchConfig:
     """How many workers, on how many machines, and how they meet."""
 
     nproc: int | str = option("auto", "Processes per machine: N or auto (every visible GPU, else 1).")
-    nnodes: int = option(1, "Number of machines.")
+    nnodes: int = option(1, "Number of machines.", min=1)
     node_rank: int | None = option(None, "This machine's rank, 0..nnodes-1.")
     master_addr: str | None = option(None, "Address of the node-rank 0 machine.")
     master_port: int | None = option(None, "A free port on the node-rank 0 machine.")
     rdzv_endpoint: str | None = option(None, "HOST:PORT of a c10d rendezvous (instead of the three above).")
-    max_restarts: int = option(0, "Restart failed workers up to K times (from the last checkpoint).")
+    max_restarts: int = option(0, "Restart failed workers up to K times (from the last checkpoint).", min=0)
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report names the stalled rank.", flag="--hang-timeout"
     )

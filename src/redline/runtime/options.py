@@ -33,7 +33,7 @@ class RuntimeOptions:
     )
     channels_last: Switch = option("auto", "channels_last memory layout: auto, on or off.")
     loader_workers: int | None = option(None, "DataLoader worker processes (default: chosen for the device).")
-    grad_accum: int = option(1, "Micro-batches per optimizer step.")
+    grad_accum: int = option(1, "Micro-batches per optimizer step.", min=1)
     micro_batch: MicroBatch = option(
         None, "Split each batch into micro-batches of N samples, or auto: halve on out-of-memory and redo the batch."
     )

@@ -37,7 +37,7 @@ class EarlyStopping(Callback):
     """
 
     monitor: Literal["val_loss", "val_metric"] = option("val_loss", "The metric early stopping watches.")
-    patience: int = option(3, "Stop after N evaluations without improvement.")
+    patience: int = option(3, "Stop after N evaluations without improvement.", min=1)
     min_delta: float = option(0.0, "The least change that counts as an improvement.")
     mode: Literal["auto", "min", "max"] = option("auto", "min, max, or auto (min for losses, max otherwise).")
     best: float | None = field(default=None, init=False)

@@ -19,16 +19,16 @@ class TrainerConfig:
     """The run's length, evaluation, checkpoints and logs, and the Runtime's options (``runtime``)."""
 
     runtime: RuntimeOptions = option(RuntimeOptions(), "The Runtime's options.", cli=False)
-    max_steps: int | None = option(None, "Stop after this many optimizer steps.")
-    max_epochs: int | None = option(None, "Epochs to train (default: the task's own).", flag="--epochs")
-    batch_size: int | None = option(None, "Batch size (default: the task's own).")
-    eval_every: int | None = option(None, "Evaluate every N steps (default: each epoch).")
-    checkpoint_every: int | None = option(None, "Checkpoint every N steps (and at the end).")
-    keep_checkpoints: int = option(3, "Keep the newest K checkpoints.")
+    max_steps: int | None = option(None, "Stop after this many optimizer steps.", min=1)
+    max_epochs: int | None = option(None, "Epochs to train (default: the task's own).", flag="--epochs", min=1)
+    batch_size: int | None = option(None, "Batch size (default: the task's own).", min=1)
+    eval_every: int | None = option(None, "Evaluate every N steps (default: each epoch).", min=1)
+    checkpoint_every: int | None = option(None, "Checkpoint every N steps (and at the end).", min=1)
+    keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", min=1)
     out_dir: Path | None = option(None, "Write checkpoints, logs, summary.json, model.safetensors.", flag="--out")
     resume: str | None = option(None, "'auto' (the newest valid checkpoint in OUT) or a checkpoint's path.")
     loggers: tuple[str, ...] = option(DEFAULT_LOGGERS, "csv, jsonl or tensorboard; repeatable.", flag="--logger")
-    log_every: int = option(50, "Read losses and log every N steps.")
+    log_every: int = option(50, "Read losses and log every N steps.", min=1)
     progress: bool = option(True, "Show progress on stderr.")
     trial: Switch = option("auto", "Time auto's choices on this model first: auto (when the run repays it), on or off.")
     plan: Literal["auto", "tuned"] = option(
