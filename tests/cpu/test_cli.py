@@ -465,12 +465,17 @@ def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once():
         ["train", "--log-every", "0"],
         ["train", "--grad-accum", "0"],
         ["train", "--early-stopping-patience", "0"],
+        ["serve", "--queue-size", "0"],
+        ["serve", "--max-batch-size", "0"],
+        ["loadtest", "--concurrency", "0"],
     ],
 )
 def test_a_count_below_one_is_refused_by_its_flag_before_anything_runs(args):
     from typer.testing import CliRunner
 
-    result = CliRunner().invoke(app, [*args, "--task", "example:digits"])
+    positional = {"serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"]}
+    where = positional.get(args[0], ["--task", "example:digits"])
+    result = CliRunner().invoke(app, [*args, *where])
     assert result.exit_code == 2
     assert f"Invalid value for '{args[1]}'" in result.output  # the flag as typed, not a Python argument name
 

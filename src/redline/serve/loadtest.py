@@ -37,7 +37,7 @@ class LoadOptions:
     """How hard, how long and with what a load test drives a URL."""
 
     rate: float | None = option(None, "Open loop: requests per second, each sent at its scheduled time.")
-    concurrency: int | None = option(None, "Closed loop: workers each sending when their last request returned.")
+    concurrency: int | None = option(None, "Closed loop: workers each sending when their last request returned.", min=1)
     duration_s: float = option(10.0, "Seconds of the measured window.", flag="--duration")
     warmup_s: float = option(0.0, "Seconds of load before the window, left out of the results.", flag="--warmup")
     timeout_s: float = option(10.0, "Seconds a request may take before it counts as a timeout.", flag="--timeout")
@@ -46,7 +46,7 @@ class LoadOptions:
     headers: tuple[str, ...] = option((), "A header K:V, e.g. 'Authorization: Bearer T'; repeatable.", flag="--header")
     arrivals: Arrivals = option("uniform", "Open loop: uniform gaps of 1/rate, or poisson (seeded).")
     seed: int = option(0, "Seed of the poisson arrivals.")
-    max_in_flight: int = option(512, "Open loop: the most requests outstanding; more wait in the client.")
+    max_in_flight: int = option(512, "Open loop: the most requests outstanding; more wait in the client.", min=1)
     max_send_lag_ms: float = option(10.0, "Open loop: p99 lag behind the schedule above which the client says so.")
 
     def __post_init__(self) -> None:

@@ -15,10 +15,14 @@ class ServeOptions:
     """How the server listens, batches, queues and refuses; ``build_app`` and ``redline serve`` take it."""
 
     host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
-    port: int = option(8000, "Port to listen on (0: any free port, printed at start).")
-    max_batch_size: int = option(32, "Most samples run together in one batch; a larger request is refused (422).")
+    port: int = option(8000, "Port to listen on (0: any free port, printed at start).", min=0)
+    max_batch_size: int = option(
+        32, "Most samples run together in one batch; a larger request is refused (422).", min=1
+    )
     max_wait_ms: float = option(5.0, "Longest a batch waits for more requests, from its first request's arrival.")
-    queue_size: int = option(256, "Most requests waiting for the model; more are refused with 503 and Retry-After.")
+    queue_size: int = option(
+        256, "Most requests waiting for the model; more are refused with 503 and Retry-After.", min=1
+    )
     timeout_ms: float = option(10_000.0, "Deadline of a request from its arrival; past it the answer is 504.")
     max_body_mb: float = option(16.0, "Largest request body in MiB; a larger one is refused with 413.")
     token_env: str | None = option(
