@@ -278,3 +278,23 @@ def test_a_factory_that_converts_its_model_is_traced_in_the_dtype_it_chose(conve
     estimate = estimate_memory(task, target="cuda")
     assert estimate.params == (64 * 256 + 256 + 256 * 10 + 10) * 2  # fp16: two bytes a parameter
     assert estimate.gradients == estimate.params
+
+
+class KeptMask(nn.Module):
+    """A model that keeps a tensor as a plain attribute, not a buffer (it does not move with the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+        self.mask = torch.ones(10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.mask.to(x.device)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_model_keeping_a_plain_tensor_attribute_is_traced(given: bool) -> None:
+    task = mlp(KeptMask() if given else KeptMask)
+    for target in ("cpu", "cuda"):
+        estimate = estimate_memory(task, target=target)
+        assert estimate.params == (64 * 10 + 10) * 4  # the attribute is no parameter or buffer

@@ -314,6 +314,9 @@ def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
                 if id(buffer) not in memo:
                     memo[id(buffer)] = fake(buffer)
                 module._buffers[name] = memo[id(buffer)]
+        for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, memo.setdefault(id(value), fake(value)))
     return model
 
 
