@@ -68,6 +68,17 @@ def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_
     assert again.batch_size == 16 and resumed.steps == 5 and resumed.samples == 5 * 32
 
 
+def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):
+    task = mlp_task()
+    cache_plan(task, grad_accum=2)
+    config = TrainerConfig(max_steps=2, plan="tuned", progress=False, out_dir=tmp_path / "run", checkpoint_every=2)
+    with Trainer(task, config) as trainer:
+        trainer.fit()  # batches of 32 as two micro-batches of 16
+    again = dataclasses.replace(config, max_steps=4, resume="auto", batch_size=64)  # micro-batches of 32
+    with pytest.raises(ConfigError, match=r"batches of 16, and this run's are 32.*\nhint: resume with --batch-size 32"):
+        Trainer(task, again).fit()  # --batch-size 16 would split into 8s, and be refused again
+
+
 def test_auto_takes_a_cached_tuned_plan_unless_an_axis_was_chosen():
     task = mlp_task()
     cache_plan(task, precision="fp32", grad_accum=2)

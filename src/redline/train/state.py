@@ -32,17 +32,18 @@ class Position:
     samples: int = 0
     batch_size: int = 0  # what the loader's batches held; 0 in checkpoints from before it was saved
 
-    def check_batch_size(self, batch_size: int, found: Checkpoint | None) -> None:
+    def check_batch_size(self, batch_size: int, found: Checkpoint | None, *, split: int = 1) -> None:
         """Refuse to continue this position (of checkpoint ``found``) with batches of another size.
 
         The data position counts batches, so a resumed epoch at another size would repeat samples or skip them.
+        ``split``: the micro-batches a tuned run splits the ``--batch-size`` batch into (the hint's flag is the whole).
         """
         if found is None or not self.batch_size or self.batch_size == batch_size:
             return
         raise ConfigError(
             f"{found.path} was written with batches of {self.batch_size}, and this run's are {batch_size}: "
-            "the data position counts batches, so resuming at another size would repeat or skip samples\nhint: "
-            f"resume with --batch-size {self.batch_size}; to use less memory, keep it and add --micro-batch auto"
+            "the data position counts batches, so resuming at another size would repeat or skip samples\nhint: resume "
+            f"with --batch-size {self.batch_size * split}; to use less memory, keep it and add --micro-batch auto"
         )
 
 

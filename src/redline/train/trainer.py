@@ -293,7 +293,8 @@ class Trainer:
                 "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
             )  # fmt: skip
             return ended
-        pos.check_batch_size(self.batch_size, resumed)  # an ended run is left as it was, at any size
+        split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
+        pos.check_batch_size(self.batch_size, resumed, split=split)  # an ended run is left as it was, at any size
         drop_last = self._fixed_shapes(rt)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
