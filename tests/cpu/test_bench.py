@@ -227,6 +227,7 @@ def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
     from redline.plan import compile as plan_compile
 
     real = plan_compile.resolve_compile
+    monkeypatch.setenv("REDLINE_CPU", "avx2")  # auto keeps fp32 (no bf16 trial), the compiled row's graph
     monkeypatch.setattr(  # auto compiles here, as it does on a GPU for a long run
         "redline.runtime.compile.resolve_compile",
         lambda requested, *a, **k: Choice(True, "auto (test)") if requested == "auto" else real(requested, *a, **k),
