@@ -207,3 +207,7 @@ def test_rng_captured_before_cuda_started_puts_cuda_back_to_its_first_draw(monke
     seed.restore_rng(state)
     assert seeded == [41]
     assert torch.equal(torch.rand(3), first)
+    started["now"], seeded[:] = False, []
+    torch.manual_seed(7)  # queues 7 for CUDA's start: the restore queues the captured seed over it
+    seed.restore_rng(state)
+    assert seeded[-1] == 41

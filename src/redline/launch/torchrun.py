@@ -197,7 +197,10 @@ _STOPPED = (-signal.SIGTERM,)  # how a worker the launcher ended exits (SIGKILL 
 def _ended(code: int) -> str:
     """How a worker ended: its exit code, or the signal that ended it (a negative code)."""
     if code == -signal.SIGKILL:
-        return "was ended by SIGKILL (the kernel's out-of-memory killer sends it: check the host's memory)"
+        return (
+            "was ended by SIGKILL (the kernel's out-of-memory killer sends it, or the launcher to a worker "
+            "that outlived its SIGTERM)"
+        )
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was ended by {signal.Signals(-code).name}"

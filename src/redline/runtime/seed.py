@@ -43,5 +43,5 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-    elif "cuda_seed" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+    elif "cuda_seed" in state and torch.cuda.is_available():  # queued until CUDA starts, if it has not
         torch.cuda.manual_seed_all(int(state["cuda_seed"]))  # started since the capture: back to its first draw
