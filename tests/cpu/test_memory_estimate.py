@@ -298,3 +298,12 @@ def test_a_model_keeping_a_plain_tensor_attribute_is_traced(given: bool) -> None
     for target in ("cpu", "cuda"):
         estimate = estimate_memory(task, target=target)
         assert estimate.params == (64 * 10 + 10) * 4  # the attribute is no parameter or buffer
+
+
+def test_a_factory_that_moves_its_model_to_the_cpu_is_traced_under_the_fake_mode() -> None:
+    def moved() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to("cpu")
+
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    task = Task(model=moved, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
+    assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4

@@ -180,9 +180,9 @@ def trace_step(
     sample, rows = _sample(task.train_data, batch_size)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # a copy of the user's module (which stays as it was), or the factory's on meta
-        built = task.build_model() if isinstance(task.model, nn.Module) else meta_model(task)
+        built = task.build_model() if isinstance(task.model, nn.Module) else _on_meta(task)
     with mode, tracker, _tracing(task):
-        model = _fake_model(built, mode)
+        model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
@@ -287,6 +287,16 @@ def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Ca
         return out
 
     return fake
+
+
+def _on_meta(task: Task) -> nn.Module | None:
+    """The factory's model built on the meta device; None where it cannot be (a factory that moves its
+    model ``.to("cpu")`` copies out of a meta tensor), to be built under a fake mode instead."""
+    try:
+        with torch.device("meta"):
+            return task.build_model()
+    except Exception:  # a mistake of the factory's own raises again, with its line, under the fake mode
+        return None
 
 
 def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -395,8 +405,12 @@ def _gathered_bytes(model: nn.Module, precision: str) -> int:
 
 
 def meta_model(task: Task) -> nn.Module:
-    """The Task's model for looking at its structure: the given module, or one built on the meta device."""
+    """The Task's model for looking at its structure: the given module, or one built on the meta device (on
+    fake tensors where the factory cannot build on meta)."""
     if isinstance(task.model, nn.Module):
         return task.model
-    with torch.device("meta"):
-        return task.build_model()
+    built = _on_meta(task)
+    if built is None:
+        with FakeTensorMode():
+            built = task.build_model()
+    return built
