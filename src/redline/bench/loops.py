@@ -41,7 +41,7 @@ class Runner:
     scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     runtime: Runtime | None = None
     first_batch: tuple[Any, Any] | None = None
-    first_loss: float | None = None  # of the very first step, before any update: rows compare on it
+    first_loss: float | None = None  # of the very first step (its micro-batches' mean), before any update
     micro_steps: int = 1  # micro-batches per optimizer step (a tune's grad_accum): a step is all of them
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
@@ -62,13 +62,17 @@ class Runner:
 
         Whole optimizer steps only, so every timed window holds the same number of them.
         """
-        loss = None
+        loss, first = None, []
         with self.scope():
             for _ in range(steps * self.micro_steps):
                 inputs, targets = self.next_batch()
                 loss = self.step_fn(inputs, targets)
                 if self.first_batch is None:
-                    self.first_batch, self.first_loss = (inputs, targets), float(loss.detach())
+                    self.first_batch = (inputs, targets)
+                if self.first_loss is None:  # the whole first batch's loss, as a row without micro-batches has it
+                    first.append(float(loss.detach()))
+                    if len(first) == self.micro_steps:
+                        self.first_loss = sum(first) / len(first)
         return float(loss.detach()) if loss is not None else float("nan")
 
     def plan(self) -> Plan | None:
