@@ -283,14 +283,15 @@ def test_accumulation_that_does_not_divide_an_epoch_still_trains_every_epoch():
 
 def test_logged_step_times_leave_out_the_evaluation_at_an_epochs_end(tmp_path):
     def slow_metric(out, y):
-        time.sleep(0.1)  # 8 validation batches: 0.8 s an evaluation
+        time.sleep(0.2)  # 8 validation batches: 1.6 s an evaluation
         return (out.argmax(-1) == y).float().mean().item()
 
     quiet(tiny_task(metric=slow_metric), max_epochs=3, log_every=16, out_dir=tmp_path).fit()  # a window spans an epoch
     rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
     assert len(rows) == 24
-    # with the evaluation counted, a step of a 16-step window would take at least 800 / 16 = 50 ms
-    assert max(float(r["step_time_ms"]) for r in rows) < 25
+    # with the evaluation counted, a step of a 16-step window would take at least 1600 / 16 = 100 ms; a step
+    # of this tiny model takes a few, and the margin leaves room for a machine loaded by other work
+    assert max(float(r["step_time_ms"]) for r in rows) < 60
 
 
 def test_a_second_fit_evaluates_its_own_final_model():
