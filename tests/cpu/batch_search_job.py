@@ -81,4 +81,7 @@ if __name__ == "__main__":
 
         task = redline.Task(model=too_large, loss_fn=task.loss_fn, train_data=task.train_data)
     search = redline.find_batch_size(task, options=redline.RuntimeOptions(devices="cpu"), max_batch_size=64)
-    print(json.dumps({"rank": rank, **search.to_dict()}), flush=True)
+    # one write of the whole line: print() writes the text and its newline apart, and two ranks sharing
+    # the launcher's stdout could put one rank's line between the other's text and newline
+    sys.stdout.write(json.dumps({"rank": rank, **search.to_dict()}) + "\n")
+    sys.stdout.flush()
