@@ -55,6 +55,15 @@ async def eventually(predicate, timeout=20.0):
         await asyncio.sleep(0.005)
 
 
+async def fill_the_queue(client, engine, serving, waiting):
+    """Send a request the held model takes, then ``waiting`` more that queue behind it (inputs 1, 2, ...)."""
+    sent = [asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))]
+    await eventually(lambda: engine.threads)
+    sent += [asyncio.create_task(client.post("/v1/predict", json={"inputs": [i] * 3})) for i in range(2, waiting + 2)]
+    await eventually(lambda: serving.dispatcher.queued == waiting)
+    return sent
+
+
 async def ready(client):
     for _ in range(2000):
         if (await client.get("/readyz")).status_code == 200:
@@ -201,13 +210,11 @@ async def test_refusals_that_never_reached_the_queue_stay_out_of_the_latency_his
     engine = FakeEngine()
     engine.gate.clear()  # the model holds its first batch
     async with running(engine, queue_size=1, max_batch_size=1) as (client, serving):
-        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
-        await eventually(lambda: engine.threads)
-        queued = asyncio.create_task(client.post("/v1/predict", json={"inputs": [2, 2, 2]}))
-        await eventually(lambda: serving.dispatcher.queued == 1)
+        sent = await fill_the_queue(client, engine, serving, waiting=1)
         refused = [await client.post("/v1/predict", json={"inputs": [3, 3, 3]}) for _ in range(3)]
         engine.gate.set()
-        await first, await queued
+        for task in sent:
+            await task
         page = metrics((await client.get("/metrics")).text)
     assert [answer.status_code for answer in refused] == [503] * 3
     assert page['redline_serve_rejections_total{"reason": "queue_full"}'] == 3
@@ -268,13 +275,10 @@ async def test_a_full_queue_answers_503_with_retry_after_and_the_accepted_reques
     engine = FakeEngine()
     engine.gate.clear()  # the model holds its first batch
     async with running(engine, queue_size=2, max_batch_size=1) as (client, serving):
-        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
-        await eventually(lambda: engine.threads)
-        queued = [asyncio.create_task(client.post("/v1/predict", json={"inputs": [i, i, i]})) for i in (2, 3)]
-        await eventually(lambda: serving.dispatcher.queued == 2)
+        sent = await fill_the_queue(client, engine, serving, waiting=2)
         refused = await client.post("/v1/predict", json={"inputs": [4, 4, 4]})
         engine.gate.set()
-        accepted = [await first, *[await task for task in queued]]
+        accepted = [await task for task in sent]
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["reason"] == "queue_full" and "queue is full (2 requests waiting)" in refused.json()["error"]
     assert [a.json()["outputs"] for a in accepted] == [[[2.0 * i] * 3] for i in (1, 2, 3)]
