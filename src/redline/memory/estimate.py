@@ -313,20 +313,21 @@ def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         return mode.from_tensor(tensor)
 
     memo: dict[int, torch.Tensor] = {}
+
+    def once(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:  # tied weights stay one tensor
+        if id(tensor) not in memo:
+            faked = fake(tensor)
+            memo[id(tensor)] = nn.Parameter(faked, tensor.requires_grad) if parameter else faked
+        return memo[id(tensor)]
+
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                if id(param) not in memo:  # tied weights stay tied
-                    memo[id(param)] = nn.Parameter(fake(param), param.requires_grad)
-                module._parameters[name] = memo[id(param)]  # type: ignore[assignment]
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
-                if id(buffer) not in memo:
-                    memo[id(buffer)] = fake(buffer)
-                module._buffers[name] = memo[id(buffer)]
+        for held, parameters in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(held.items()):
+                if tensor is not None:
+                    held[name] = once(tensor, parameters)  # type: ignore[assignment]
         for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
             if isinstance(value, torch.Tensor):
-                setattr(module, name, memo.setdefault(id(value), fake(value)))
+                setattr(module, name, once(value))
     return model
 
 
