@@ -66,16 +66,19 @@ def check_writable(path: Path) -> None:
     A command that writes its result at the end calls this first, so a read-only or missing place
     is refused before the work, not after it, when the result would be lost.
     """
+    _temporary_beside(path).unlink()
+
+
+def _temporary_beside(path: Path) -> Path:
+    """A new empty file in ``path``'s directory, hidden and named after it, for a write to go through."""
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
-    os.unlink(tmp_name)
+    return Path(tmp_name)
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _temporary_beside(path)
     try:
         write(tmp)
         fsync_path(tmp)
