@@ -50,6 +50,12 @@ def positive_number(name: str, value: object, *, optional: bool = False) -> None
         raise invalid(name, value, "a number > 0" + (" or None" if optional else ""), _example(name, 1.0))
 
 
+def non_negative_number(name: str, value: object, allowed: str = "a number >= 0") -> None:
+    """Check that ``value`` is a finite number >= 0; ``allowed`` says so in the option's own unit."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not (math.isfinite(value) and value >= 0):
+        raise invalid(name, value, allowed, _example(name, 0.0))
+
+
 def one_of(name: str, value: object, allowed: Sequence[object]) -> None:
     """Check that ``value`` is one of ``allowed``."""
     if value not in allowed:

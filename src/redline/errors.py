@@ -14,7 +14,13 @@ class RedlineError(Exception):
 
 
 class ConfigError(RedlineError, ValueError):
-    """An argument or option has a value redline cannot use."""
+    """An argument or option has a value redline cannot use.
+
+    One built by ``invalid`` keeps its parts (``name``, ``value``, ``allowed``, ``hint``), so that the
+    command line can say it again by the flag's name instead of the field's.
+    """
+
+    parts: tuple[str, object, str, str] | None = None
 
 
 class DeviceUnavailableError(RedlineError, RuntimeError):
@@ -54,7 +60,9 @@ def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigErr
     message = f"{name}={value!r} is not allowed; expected {allowed}"
     if hint:
         message += f"\nhint: {hint}"
-    return ConfigError(message)
+    error = ConfigError(message)
+    error.parts = (name, value, allowed, hint)
+    return error
 
 
 def describe_error(exc: BaseException) -> str:

@@ -200,7 +200,7 @@ def test_cli_json_round_trip_and_table(server):
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--rate", "5", "--concurrency", "2"], "error: rate=5.0 and concurrency=2 both given"),
-     (["--rate", "0"], "error: rate=0.0 is not allowed"),
+     (["--rate", "0"], "error: --rate=0.0 is not allowed"),
      (["--payload", "body.txt"], "error: payload='body.txt' is not allowed; expected a .json or .npy file")],
 )  # fmt: skip
 def test_cli_errors_are_one_clear_message(server, args, message):

@@ -175,3 +175,45 @@ def test_micro_batch_takes_a_number_auto_or_none_and_the_command_lines_text():
     stored = {"device": {"value": "cpu"}, "precision": {"value": "fp32"}, "grad_accum": {"value": 1},
               "clip_grad_norm": {"value": None}, "micro_batch": {"value": None, "reason": "default"}}  # fmt: skip
     assert RuntimeOptions(micro_batch="auto").with_plan(stored).micro_batch == "auto"  # asked for now: recovery
+
+
+TRAIN_DIGITS = ["train", "--task", "example:digits"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said", "hint"),
+    [
+        ([*TRAIN_DIGITS, "--clip-grad-norm", "-1"], "--clip-grad-norm=-1.0", "--clip-grad-norm 1.0"),
+        ([*TRAIN_DIGITS, "--early-stopping-min-delta", "nan"], "--early-stopping-min-delta=nan", "-min-delta 0.0"),
+        (["serve", "example:digits", "--max-wait-ms", "nan"], "--max-wait-ms=nan", "--max-wait-ms 0.0"),
+        (["serve", "example:digits", "--port", "70000"], "--port=70000", "--port 0 picks any free port"),
+        (["serve", "example:digits", "--timeout-ms", "inf"], "--timeout-ms=inf", "--timeout-ms 1.0"),
+        (["loadtest", "http://127.0.0.1:9/", "--duration", "-1"], "--duration=-1.0", "--duration 1.0"),
+        (["loadtest", "http://127.0.0.1:9/", "--warmup", "inf"], "--warmup=inf", "--warmup 0.0"),
+        (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
+    ],
+)
+def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, said, hint):
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError), result.output
+    message = str(result.exception)
+    assert message.startswith(f"{said} is not allowed"), message
+    assert hint in message.split("\nhint: ")[-1] if hint else True
+    assert "_" not in message.split(" is not allowed")[0]  # no field name such as clip_grad_norm
+    assert "or None" not in message  # a flag is left out, not set to None
+
+
+def test_train_options_are_checked_before_any_worker_starts(monkeypatch):
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    launched = []
+    monkeypatch.setattr(train_cli, "launch", lambda *a, **k: launched.append(a))
+    result = CliRunner().invoke(app, ["train", "--task", "example:digits", "--nproc", "2", "--clip-grad-norm", "0"])
+    assert isinstance(result.exception, ConfigError) and "--clip-grad-norm=0.0" in str(result.exception)
+    assert launched == []

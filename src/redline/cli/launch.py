@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from redline.cli.options import command, flags, values
+from redline.cli.options import build, command, flags
 from redline.launch.torchrun import LaunchConfig, launch
 
 
@@ -17,7 +17,7 @@ def _launch(
     **parsed: Any,
 ) -> None:
     """Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed."""
-    launch(LaunchConfig(**values(LaunchConfig, parsed)), [target, *ctx.args], module=module)
+    launch(build(LaunchConfig, parsed), [target, *ctx.args], module=module)
 
 
 launch_command = command(_launch, flags(LaunchConfig))

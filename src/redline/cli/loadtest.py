@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from redline.cli.options import command, flags, values
+from redline.cli.options import build, command, flags
 from redline.render.console import output_console
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
@@ -28,7 +28,7 @@ def _loadtest(
     in the tail; closed loop (--concurrency) finds peak throughput but hides queueing. Progress goes
     to stderr.
     """
-    options = LoadOptions(**values(LoadOptions, parsed))
+    options = build(LoadOptions, parsed)
     check_url(url)
     payload = Payload.from_file(options.payload) if options.payload is not None else None
     with ExitStack() as stack:

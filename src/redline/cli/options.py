@@ -16,9 +16,13 @@ import types
 import typing
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
+
+from redline.errors import ConfigError, invalid
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,32 @@ def values(owner: type, parsed: Mapping[str, Any], *, prefix: str = "", optional
             value = value.value
         out[flag.field] = tuple(value) if isinstance(value, list | tuple) else value
     return out
+
+
+def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", optional: bool = False, **given: Any) -> T:
+    """Return ``owner`` made from the parsed flags (and ``given``), a refused value named by its flag.
+
+    The dataclass checks its values under its fields' names (``clip_grad_norm=-1.0``); the user typed
+    ``--clip-grad-norm -1``, so the error says that instead.
+    """
+    try:
+        return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+    except ConfigError as error:
+        raise by_flag(error, flags(owner, prefix=prefix, optional=optional)) from None
+
+
+def by_flag(error: ConfigError, known: list[Flag]) -> ConfigError:
+    """Return ``error`` said again by the flag of the field it names, or unchanged if it names none of ``known``."""
+    if error.parts is None:
+        return error
+    name, value, allowed, hint = error.parts
+    for flag in known:
+        spelled = {flag.field, flag.parameter.name, flag.name.removeprefix("--").replace("-", "_")}
+        if name.replace(".", "_") in spelled:  # early_stopping.patience is --early-stopping-patience
+            # None is how Python leaves an option out; on the command line the flag is left out.
+            allowed = allowed.replace(" or None", "")
+            return invalid(flag.name, value, allowed, hint.replace(f"{name}=", f"{flag.name} "))
+    return error
 
 
 def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., Any]:

@@ -18,9 +18,9 @@ from redline.cli.options import (
     ModelSpec,
     TaskArgs,
     Weights,
+    build,
     command,
     flags,
-    values,
 )
 from redline.cli.task_args import parse_task_args
 from redline.render.console import output_console, plan_table
@@ -42,7 +42,7 @@ def _serve(
     **parsed: Any,
 ) -> None:
     """Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics."""
-    options = ServeOptions(**values(ServeOptions, parsed))
+    options = build(ServeOptions, parsed)
     options.token()  # an empty --token-env variable is refused before the model loads
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     engine = InferenceEngine(

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from redline.cli.options import TaskArgs, TaskSpec, command, flags, values
+from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, values
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.launch.torchrun import LaunchConfig, launch
@@ -47,20 +47,19 @@ def _train(
             f"{set_for_workers[0]} concerns the worker processes that --nproc starts, and --nproc was not given\n"
             f"hint: add --nproc N (1 for one process under the launcher), or drop {set_for_workers[0]}"
         )
+    # Checked before the workers start or the task loads, so a mistyped value fails at once, once.
+    stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)  # the flags given
+    callbacks = [build(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)] if stopping else []
+    config = build(TrainerConfig, parsed, runtime=build(RuntimeOptions, parsed))
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
-        config = LaunchConfig(**values(LaunchConfig, launching, optional=True))
+        launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
-        launch(config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
+        launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
         seed_everything(parsed["seed"])
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
-    stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)
-    with Trainer(
-        loaded,
-        TrainerConfig(runtime=RuntimeOptions(**values(RuntimeOptions, parsed)), **values(TrainerConfig, parsed)),
-        callbacks=[EarlyStopping(**stopping)] if stopping else [],
-    ) as trainer:
+    with Trainer(loaded, config, callbacks=callbacks) as trainer:
         summary = trainer.fit()
     by_signal = summary.stopped.startswith("signal")
     if not trainer.env.is_main:

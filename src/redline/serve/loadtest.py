@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
-from redline.config import non_negative_int, one_of, option, positive_int, positive_number
+from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
 from redline.errors import ConfigError, invalid
 from redline.serve.inputs import NPY_MAGIC
 from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
@@ -58,8 +57,7 @@ class LoadOptions:
         positive_number("rate", self.rate, optional=True)
         positive_int("concurrency", self.concurrency, optional=True)
         positive_number("duration", self.duration_s)
-        if not (isinstance(self.warmup_s, int | float) and math.isfinite(self.warmup_s) and self.warmup_s >= 0):
-            raise invalid("warmup", self.warmup_s, "a number of seconds >= 0", "e.g. --warmup 2")
+        non_negative_number("warmup", self.warmup_s, "a number of seconds >= 0")
         positive_number("timeout", self.timeout_s)
         one_of("arrivals", self.arrivals, ("uniform", "poisson"))
         non_negative_int("seed", self.seed)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from redline.config import non_negative_int, option, positive_int, positive_number, with_changes
+from redline.config import non_negative_int, non_negative_number, option, positive_int, positive_number, with_changes
 from redline.errors import ConfigError, invalid
 
 
@@ -36,8 +36,7 @@ class ServeOptions:
         if self.port > 65535:
             raise invalid("port", self.port, "a port number from 0 to 65535", "port=0 picks any free port")
         positive_int("max_batch_size", self.max_batch_size)
-        if isinstance(self.max_wait_ms, bool) or not isinstance(self.max_wait_ms, int | float) or self.max_wait_ms < 0:
-            raise invalid("max_wait_ms", self.max_wait_ms, "milliseconds >= 0 (0: never wait for more requests)")
+        non_negative_number("max_wait_ms", self.max_wait_ms, "milliseconds >= 0 (0: never wait for more requests)")
         positive_int("queue_size", self.queue_size)
         positive_number("timeout_ms", self.timeout_ms)
         positive_number("max_body_mb", self.max_body_mb)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from redline.config import option, positive_int
+from redline.config import non_negative_number, option, positive_int
 from redline.errors import TrainingError, invalid
 
 if TYPE_CHECKING:
@@ -49,8 +49,7 @@ class EarlyStopping(Callback):
         positive_int("early_stopping.patience", self.patience)
         if self.mode not in ("auto", "min", "max"):
             raise invalid("early_stopping.mode", self.mode, "'auto', 'min' or 'max'")
-        if self.min_delta < 0:
-            raise invalid("early_stopping.min_delta", self.min_delta, "a number >= 0")
+        non_negative_number("early_stopping.min_delta", self.min_delta)
 
     @property
     def minimise(self) -> bool:
