@@ -59,14 +59,20 @@ def planned_run(result: redline.BenchResult, planned: int) -> list[str]:
     ]
 
 
+def runs_alike(row: redline.bench.BenchRow, auto: redline.bench.BenchRow) -> bool:
+    """Whether an explicit row runs auto's configuration: explicit rows take each batch whole, so a
+    micro-batched auto (a tuned Plan's gradient accumulation) has no twin among them."""
+    micro_batches = (auto.plan or {}).get("grad_accum", {}).get("value", 1)
+    alike = (row.precision, row.compile, row.channels_last) == (auto.precision, auto.compile, auto.channels_last)
+    return alike and micro_batches == 1
+
+
 def verdict(result: redline.BenchResult) -> list[str]:
     rows = [r for r in result.rows if not r.error]
     auto = next(r for r in rows if r.kind == "auto")
     explicit = [r for r in rows if r.kind == "explicit"]
     fastest = max(explicit, key=lambda r: r.samples_per_s)
-    twin = next(
-        (r for r in explicit if (r.precision, r.compile) == (auto.precision, auto.compile)), None
-    )  # the explicit row that runs what auto chose
+    twin = next((r for r in explicit if runs_alike(r, auto)), None)  # the explicit row that runs what auto chose
     share = auto.samples_per_s / fastest.samples_per_s
     never_slower = "met" if auto.speedup_naive >= 1 else "NOT met"
     near_fastest = "met" if share >= 0.95 else "NOT met"
