@@ -37,7 +37,10 @@ def memory(
         str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed (auto: what a run on the device picks).")
     ] = "auto",
     gpu: Annotated[
-        str | None, typer.Option(metavar="NAME", help="A GPU of the catalog to weigh against (h100-sxm, l4, ...).")
+        str | None,
+        typer.Option(
+            metavar="NAME", help='A GPU of the catalog to weigh against, by id or name (h100-sxm, "RTX 4090", l4, ...).'
+        ),
     ] = None,
     mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs for the FSDP rows.")] = 8,

@@ -131,6 +131,16 @@ def find_gpu(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec 
     return best[0][1]
 
 
+def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:
+    """Return the rows a person may mean by ``name``: the row of that id, the row of the name torch reports,
+    else every row whose id or name holds each of ``name``'s words ("RTX 4090", "h200", "A100 80GB")."""
+    specs = tuple(load_catalog() if catalog is None else catalog)
+    wanted = _words(name)
+    by_id = [s for s in specs if _words(s.id) == wanted]
+    found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
+    return found or [s for s in specs if wanted and wanted <= _words(s.id) | _words(s.name)]
+
+
 def load_catalog(path: str | Path | None = None) -> tuple[GPUSpec, ...]:
     """Return the rows of ``path``, or of the packaged catalog (read once, then cached).
 
@@ -196,6 +206,10 @@ def _check_unique(specs: tuple[GPUSpec, ...], origin: str) -> None:
                     "a name must lead to one row"
                 )
             owners[key] = spec.id
+
+
+def _words(text: str) -> set[str]:
+    return set(re.split(r"[\s_-]+", text.casefold())) - {""}
 
 
 def _normalise(text: str) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError
-from redline.hardware.catalog import GPUSpec, find_gpu, load_catalog
+from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
@@ -103,14 +103,18 @@ def _next_size(points: list[tuple[int, int]], available: int, fit: int, over: in
 
 
 def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
-    """Find a GPU in the catalog by id (``h100-sxm``) or by the name torch reports; a clear error otherwise."""
-    catalog = load_catalog()
-    spec = next((s for s in catalog if s.id == name.lower()), None) or find_gpu(name, catalog=catalog)
-    if spec is None:
-        known = ", ".join(s.id for s in catalog)
+    """Find a GPU in the catalog by id (``h100-sxm``), by the name torch reports, or by words of either
+    (``RTX 4090``); a clear error for a name that fits no row, or several."""
+    found = gpus_named(name)
+    if len(found) > 1:
+        ids = ", ".join(s.id for s in found)
+        raise ConfigError(f"--gpu {name!r} could be any of: {ids}\nhint: name one, e.g. --gpu {found[0].id}")
+    if not found:
+        known = ", ".join(s.id for s in load_catalog())
         raise ConfigError(
             f"--gpu {name!r} is not in the GPU catalog; known: {known}\nhint: give its memory instead with --mem-gib"
         )
+    spec = found[0]
     facts = DeviceFacts(type="cuda", name=spec.name, capability=spec.compute_capability, mem_gib=spec.mem_gib)
     return spec, facts
 
