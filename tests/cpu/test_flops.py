@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from redline.errors import ConfigError
 from redline.examples.gpt import GPT, GPTConfig
-from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
+from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu, share_of_peak
 
 
 def mse(outputs, targets):
@@ -231,10 +231,24 @@ def test_matmul_peak_on_cpu_is_positive_and_leaves_the_rng_alone():
     assert measure_matmul_tflops(torch.device("cpu"), torch.float32, size=64, repeats=2) > 0
 
 
+def test_matmul_peak_is_the_fastest_block_so_one_stall_does_not_sink_it():
+    times = iter([0.0, 1.0, 1.0, 1.001, 2.0, 2.002])  # a stalled block of 1 s, then blocks of 1 ms and 2 ms
+    tflops = measure_matmul_tflops(
+        torch.device("cpu"), torch.float32, size=8, repeats=6, blocks=3, clock=lambda: next(times)
+    )
+    assert tflops == pytest.approx(2 * 8**3 * 2 / 1e-3 / 1e12)  # two matmuls in the fastest block's 1 ms
+
+
 @pytest.mark.parametrize(("size", "repeats"), [(0, 1), (64, 0), (True, 1)])
 def test_matmul_peak_rejects_bad_sizes(size, repeats):
     with pytest.raises(ConfigError):
         measure_matmul_tflops(torch.device("cpu"), torch.float32, size=size, repeats=repeats)
+
+
+def test_a_share_of_a_peak_the_run_outpaced_is_none_not_above_100_percent():
+    assert share_of_peak(5e12, 10.0) == 0.5
+    assert share_of_peak(11e12, 10.0) is None  # no model beats a plain matmul: the peak was stalled
+    assert share_of_peak(5e12, None) is None and share_of_peak(5e12, 0.0) is None
 
 
 def test_mfu():

@@ -254,6 +254,30 @@ def test_the_rates_cover_training_steps_only_and_evaluation_and_checkpoints_are_
     assert meter.seconds == {"eval": 8.0, "checkpoint": 2.0}
 
 
+@pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])
+def test_a_stalled_matmul_peak_is_measured_again_and_never_reported_above_100_percent(monkeypatch, peaks, expected):
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    measured: list[int] = []
+
+    def matmul_peak(device, precision, *, blocks=5):
+        measured.append(blocks)
+        return peaks[len(measured) - 1]  # TFLOP/s: 1e-9 is below any run's speed, a measurement stalled
+
+    monkeypatch.setattr("redline.train.throughput.matmul_peak", matmul_peak)
+    meter = Throughput(rt, task, clock=clock)
+    meter.first_step_done(inputs, targets, model)
+    meter.count(16, 0)
+    clock.now += 0.1
+    meter.first_step_done(inputs, targets, model)
+    figures = meter.totals()
+    achieved = figures.flops_per_step / 0.1
+    assert measured == [5, 20][: len(peaks)]  # once more, over more blocks, only after a stall
+    assert figures.measured_peak_ratio == (None if expected is None else pytest.approx(achieved / 1e12))
+
+
 def test_the_summary_reports_evaluation_time_beside_the_run(tmp_path):
     def slow_metric(outputs, targets):
         time.sleep(0.05)

@@ -29,7 +29,7 @@ from redline.config import positive_int, positive_number
 from redline.errors import ConfigError, RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
+from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
 from redline.parallel.env import read_env
 from redline.plan import Choice
 from redline.plan.device import resolve_device
@@ -44,7 +44,6 @@ from redline.version import __version__
 log = logging.getLogger("redline")
 Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
 Estimate = Callable[[int, str, str], int | None]  # (batch size, precision, device type) -> predicted bytes
-_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -372,7 +371,7 @@ def _figures(
     key = (base.device, precision, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
     if achieved is not None and key not in peaks:
         with runner.scope():
-            peaks[key] = _matmul_peak(torch.device(base.device), precision)
+            peaks[key] = matmul_peak(torch.device(base.device), precision)
     measured_peak = peaks.get(key)
     p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
     return dataclasses.replace(
@@ -388,7 +387,7 @@ def _figures(
         peak_mem_kind=memory.kind if memory.peak is not None else "",
         tflops=achieved / 1e12 if achieved is not None else None,
         mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
-        mfu_measured=achieved / (measured_peak * 1e12) if achieved is not None and measured_peak else None,
+        mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
         compile_s=runner.compile_seconds() if compiled else None,
         loss=_last_loss(runner),
         plan=plan.to_dict() if plan is not None else None,
@@ -399,13 +398,6 @@ def _last_loss(runner: Runner) -> float | None:
     """The loss of one more step (outside the timing), as a check that the row trains."""
     value = runner.run(1)
     return value if math.isfinite(value) else None
-
-
-def _matmul_peak(device: torch.device, precision: str) -> float | None:
-    try:
-        return measure_matmul_tflops(device, _DTYPES.get(precision, torch.float32))
-    except (RuntimeError, torch.OutOfMemoryError):  # the ratio is optional; a full GPU skips it
-        return None
 
 
 def _with_break_even(rows: list[BenchRow]) -> list[BenchRow]:

@@ -12,12 +12,10 @@ import torch
 from torch import nn
 
 from redline.hardware.catalog import find_gpu, peak_tflops
-from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu
+from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
 from redline.hardware.memory import WindowPeak
 from redline.runtime.runtime import Runtime
 from redline.task import Task
-
-_MATMUL_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -122,11 +120,9 @@ class Throughput:
         peak = peak_tflops(spec, self.rt.precision.name, tf32=plan.tf32.value) if spec else None
         measured = None
         if achieved is not None:
-            dtype = _MATMUL_DTYPES.get(self.rt.precision.name, torch.float32)
-            try:
-                measured = achieved / (measure_matmul_tflops(self.rt.device, dtype) * 1e12)
-            except torch.OutOfMemoryError:  # the run may have left the GPU full; the ratio is optional
-                measured = None
+            measured = share_of_peak(achieved, matmul_peak(self.rt.device, self.rt.precision.name))
+            if measured is None:  # stalled, or the GPU is full: once more, over more blocks
+                measured = share_of_peak(achieved, matmul_peak(self.rt.device, self.rt.precision.name, blocks=20))
         return Figures(
             samples_per_s=self.samples * self.world_size / elapsed,
             tokens_per_s=self.tokens * self.world_size / elapsed if self.tokens else None,
