@@ -91,6 +91,17 @@ def test_too_little_data_for_the_processes_names_the_sizes():
     assert plan_length(data, batch_size=2, world_size=1, grad_accum=1, max_epochs=3, max_steps=None) == (3, 1)
 
 
+def test_a_batch_larger_than_the_data_is_said_once_not_claimed(caplog):
+    data = torch.utils.data.TensorDataset(torch.zeros(5, 2), torch.zeros(5))
+    with caplog.at_level("WARNING", logger="redline"):
+        assert plan_length(data, batch_size=8, world_size=1, grad_accum=1, max_epochs=2, max_steps=None) == (2, 1)
+    assert "train_data holds 5 items, fewer than a batch of 8: every batch is the whole set of 5" in caplog.text
+    assert "--batch-size 5" in caplog.text
+    caplog.clear()
+    plan_length(data, batch_size=5, world_size=1, grad_accum=1, max_epochs=2, max_steps=None)
+    assert caplog.text == ""
+
+
 def test_samples_count_the_batch_axis_of_the_inputs_not_the_keys_of_the_targets():
     with Trainer(mistake("dict_targets"), max_steps=4, progress=False) as trainer:
         summary = trainer.fit()

@@ -8,6 +8,7 @@ interrupted one consumed.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_w
 
 from redline.errors import ConfigError, TaskError
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
+
+log = logging.getLogger("redline")
 
 
 def is_stream(dataset: Dataset[Any]) -> bool:
@@ -94,6 +97,11 @@ def plan_length(
             f"train_data {found}{split}: there is nothing to train on\n"
             "hint: check the dataset's length, or lower the batch size"
         )
+    if size < batch_size and not drop_last:  # one partial batch an epoch: each step sees the whole set
+        log.warning(
+            "train_data holds %d items, fewer than a batch of %d: every batch is the whole set of %d\nhint: pass "
+            "--batch-size %d to say so, or --grad-accum N for more samples per step", size, batch_size, size, size
+        )  # fmt: skip
     # The Runtime counts micro-batches across an epoch's end, so the epochs' steps are their batches over grad_accum
     steps = math.inf if math.isinf(max_epochs) else int(max_epochs * per_epoch) // grad_accum
     if not steps:
