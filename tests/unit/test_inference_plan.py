@@ -136,7 +136,7 @@ def test_a_candidate_faster_by_the_margin_and_accurate_is_kept_with_its_numbers(
 def test_a_candidate_faster_by_less_than_the_margin_leaves_fp32():
     slightly = 1.0 * MARGIN * 0.99
     precision, _, _ = choose(CPU_PROPOSAL, [timed(FP32, slightly), timed(BF16, 1.0)], bucket=8)
-    assert precision.value == "fp32" and "no candidate beat it by 5%" in precision.reason
+    assert precision.value == "fp32" and "(a candidate must run 5% faster, within tolerance)" in precision.reason
 
 
 def test_a_fast_candidate_whose_outputs_depart_is_rejected_with_the_departure():
@@ -171,9 +171,10 @@ def test_a_candidate_that_loses_on_the_smallest_bucket_is_not_kept_and_the_reaso
     large = [timed(FP32, 2.0), timed(BF16, 1.0)]
     slow_alone = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), timed(BF16, 0.4)]))
     assert slow_alone[0].value == "fp32"
-    assert "no candidate beat it by 5% without losing 5% at 1 within tolerance (bf16-mixed 2.00x (0.25x at 1))" in (
-        slow_alone[0].reason
-    )
+    assert (
+        "fp32 kept (a candidate must run 5% faster at 32 and lose no more than 5% at 1, within tolerance): "
+        "bf16-mixed 2.00x (0.25x at 1), on the largest bucket (32)"
+    ) in slow_alone[0].reason
     assert "on the largest bucket (32) and the smallest (1)" in slow_alone[2].reason
     just_inside = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), timed(BF16, 0.1 * MARGIN)]))
     assert just_inside[0].value == "bf16-mixed" and "ran 2.00x fp32 (0.95x at 1)" in just_inside[0].reason

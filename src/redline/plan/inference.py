@@ -221,11 +221,9 @@ def choose(
     best = max(accepted, key=lambda t: ratios[t.setting], default=None)
     measured: Choice[str] = Choice(f"{len(timings)} settings", summary)
     if best is None:
-        losing = f" without losing {margin - 1:.0%}{at_small}" if small is not None else ""
-        why = (
-            f"measured: {reference.setting.label} kept, no candidate beat it by {margin - 1:.0%}{losing} within "
-            f"tolerance ({told}), {where}"
-        )
+        losing = f" at {bucket} and lose no more than {margin - 1:.0%}{at_small}" if small is not None else ""
+        rule = f"a candidate must run {margin - 1:.0%} faster{losing}, within tolerance"
+        why = f"measured: {reference.setting.label} kept ({rule}): {told}, {where}"
         return (
             _axis_precision(proposal, reference.setting, why),
             _axis_compile(proposal, reference.setting, why),
