@@ -191,6 +191,8 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["loadtest", "http://127.0.0.1:9/", "--duration", "-1"], "--duration=-1.0", "--duration 1.0"),
         (["loadtest", "http://127.0.0.1:9/", "--warmup", "inf"], "--warmup=inf", "--warmup 0.0"),
         (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
+        (["tune", "--task", "example:digits", "--budget", "0"], "--budget=0.0", "--budget 1.0"),
+        (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
     ],
 )
 def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, said, hint):

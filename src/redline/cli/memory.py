@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Annotated
 
@@ -16,7 +17,7 @@ from rich.console import Console
 
 from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError
+from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.memory.fit import MemoryFit, fit_memory, gpu_facts
 from redline.memory.search import find_batch_size
@@ -58,8 +59,8 @@ def memory(
     """Estimate a Task's training-step memory, whether it fits a GPU, and the largest batch predicted to fit."""
     if gpu is not None and mem_gib is not None:
         raise ConfigError("--gpu and --mem-gib both given\nhint: name a catalog GPU, or give a memory size, not both")
-    if mem_gib is not None and not mem_gib > 0:
-        raise ConfigError(f"--mem-gib {mem_gib} is not allowed; expected a positive number of GiB")
+    if mem_gib is not None and not (math.isfinite(mem_gib) and mem_gib > 0):
+        raise invalid("--mem-gib", mem_gib, "a positive number of GiB", "e.g. --mem-gib 24")
     if measure and (gpu is not None or mem_gib is not None):
         raise ConfigError(
             "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"

@@ -8,13 +8,14 @@ A command built with ``command`` takes its own parameters plus the derived ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import types
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -102,24 +103,27 @@ def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", option
     The dataclass checks its values under its fields' names (``clip_grad_norm=-1.0``); the user typed
     ``--clip-grad-norm -1``, so the error says that instead.
     """
-    try:
+    spelled = {}
+    for flag in flags(owner, prefix=prefix, optional=optional):  # early_stopping.patience: --early-stopping-patience
+        for name in (flag.field, flag.parameter.name, flag.name.removeprefix("--").replace("-", "_")):
+            spelled[name] = flag.name
+    with said_by_flags(**spelled):
         return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+
+
+@contextlib.contextmanager
+def said_by_flags(**flags: str) -> Iterator[None]:
+    """Say a ConfigError raised inside again by the flag of the argument it names (``budget_s=0.0`` as
+    ``--budget=0.0``); ``flags`` maps the argument's name to its flag."""
+    try:
+        yield
     except ConfigError as error:
-        raise by_flag(error, flags(owner, prefix=prefix, optional=optional)) from None
-
-
-def by_flag(error: ConfigError, known: list[Flag]) -> ConfigError:
-    """Return ``error`` said again by the flag of the field it names, or unchanged if it names none of ``known``."""
-    if error.parts is None:
-        return error
-    name, value, allowed, hint = error.parts
-    for flag in known:
-        spelled = {flag.field, flag.parameter.name, flag.name.removeprefix("--").replace("-", "_")}
-        if name.replace(".", "_") in spelled:  # early_stopping.patience is --early-stopping-patience
-            # None is how Python leaves an option out; on the command line the flag is left out.
-            allowed = allowed.replace(" or None", "")
-            return invalid(flag.name, value, allowed, hint.replace(f"{name}=", f"{flag.name} "))
-    return error
+        if error.parts is None or error.parts[0].replace(".", "_") not in flags:
+            raise
+        name, value, allowed, hint = error.parts
+        flag = flags[name.replace(".", "_")]
+        # None is how Python leaves an option out; on the command line the flag is left out.
+        raise invalid(flag, value, allowed.replace(" or None", ""), hint.replace(f"{name}=", f"{flag} ")) from None
 
 
 def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., Any]:

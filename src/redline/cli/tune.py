@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.bench.tune import tune
-from redline.cli.options import TaskArgs, TaskSpec
+from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.render.console import key_value_table, output_console
 from redline.task import load_task
@@ -44,10 +44,11 @@ def tune_command(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        tuned, path = tune(
-            loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
-            steps=steps, progress=tell,
-        )  # fmt: skip
+        with said_by_flags(budget_s="--budget"):
+            tuned, path = tune(
+                loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
+                steps=steps, progress=tell,
+            )  # fmt: skip
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
         return
