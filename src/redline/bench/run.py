@@ -38,7 +38,7 @@ from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Tuning, auto_tuned
-from redline.task import Task
+from redline.task import Task, require_task
 from redline.version import __version__
 
 log = logging.getLogger("redline")
@@ -131,6 +131,7 @@ def benchmark(
     row's measured peak, e.g. ``lambda b, p, d: redline.estimate_memory(task, batch_size=b,
     precision=p, target=d).total``; it is asked once per batch size, precision and device.
     """
+    task = require_task(task)
     positive_int("steps", steps)
     positive_int("window", window)
     positive_number("max_seconds", max_seconds)

@@ -36,7 +36,7 @@ from redline.plan.precision import fast_precisions
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, store_tuned
-from redline.task import Task
+from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
 Progress = Callable[[int, int, str], None]
@@ -61,6 +61,7 @@ def tune(
     task's epochs); ``budget_s`` bounds the whole search. ``batch_size`` tunes at another batch size
     than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
     """
+    task = require_task(task)
     positive_number("budget_s", budget_s)
     positive_int("steps", steps)
     positive_int("window", window)

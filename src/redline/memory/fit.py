@@ -17,7 +17,7 @@ from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
-from redline.task import Task
+from redline.task import Task, require_task
 
 GIB = 2**30
 # What a CUDA process cannot hand to tensors: the context and kernels (about 0.5-1.3 GB measured,
@@ -151,6 +151,7 @@ def fit_memory(
 ) -> MemoryFit:
     """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
     GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit."""
+    task = require_task(task)
     batch = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch)  # before any trace: 0 would be traced as 1 sample, or as the ranks' number
     positive_number("mem_gib", mem_gib)
