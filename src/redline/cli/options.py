@@ -112,16 +112,16 @@ def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", option
 
 
 @contextlib.contextmanager
-def said_by_flags(**flags: str) -> Iterator[None]:
+def said_by_flags(**flag_of: str) -> Iterator[None]:
     """Say a ConfigError raised inside again by the flag of the argument it names (``budget_s=0.0`` as
-    ``--budget=0.0``); ``flags`` maps the argument's name to its flag."""
+    ``--budget=0.0``); ``flag_of`` maps the argument's name to its flag."""
     try:
         yield
     except ConfigError as error:
-        if error.parts is None or error.parts[0].replace(".", "_") not in flags:
+        if error.parts is None or error.parts[0].replace(".", "_") not in flag_of:
             raise
         name, value, allowed, hint = error.parts
-        flag = flags[name.replace(".", "_")]
+        flag = flag_of[name.replace(".", "_")]
         # None is how Python leaves an option out; on the command line the flag is left out.
         raise invalid(flag, value, allowed.replace(" or None", ""), hint.replace(f"{name}=", f"{flag} ")) from None
 
