@@ -213,8 +213,8 @@ def test_the_cli_says_the_mistake_in_one_message(kind):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--clip-grad-norm", "0"), "clip_grad_norm=0.0 is not allowed; expected a number > 0 or None"),
-        (("--logger", "wandb"), "loggers='wandb' is not allowed; expected one of 'csv', 'jsonl', 'tensorboard'"),
+        (("--clip-grad-norm", "0"), "--clip-grad-norm=0.0 is not allowed; expected a number > 0\n"),
+        (("--logger", "wandb"), "--logger='wandb' is not allowed; expected one of 'csv', 'jsonl', 'tensorboard'"),
         (("--logger", "tensorboard"), "logger 'tensorboard' writes its files under out_dir, and out_dir is None"),
         (("--early-stopping-patience", "2"), "early stopping watches a validation metric, and task 'ok' has no"),
     ],

@@ -428,6 +428,6 @@ def test_redline_train_takes_micro_batch_auto(tmp_path):
     )
     assert (
         wrong.returncode == 2
-        and "micro_batch='half' is not allowed" in wrong.stderr
+        and "--micro-batch='half' is not allowed; expected 'auto', a positive number of samples\n" in wrong.stderr
         and "Traceback" not in wrong.stderr
     )

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -123,7 +124,8 @@ def said_by_flags(**flag_of: str) -> Iterator[None]:
         name, value, allowed, hint = error.parts
         flag = flag_of[name.replace(".", "_")]
         # None is how Python leaves an option out; on the command line the flag is left out.
-        raise invalid(flag, value, allowed.replace(" or None", ""), hint.replace(f"{name}=", f"{flag} ")) from None
+        allowed = re.sub(r",? or None\b", "", allowed)
+        raise invalid(flag, value, allowed, hint.replace(f"{name}=", f"{flag} ")) from None
 
 
 def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., Any]:
