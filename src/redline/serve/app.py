@@ -119,13 +119,17 @@ class Serving:
             answer = _outputs_json(outputs)
         except Refused as refused:
             self.metrics.requests.labels(status=str(refused.status)).inc()
-            self.metrics.rejections.labels(reason=refused.reason).inc()
             if refused.reason in QUEUED_REFUSALS:  # not those refused at the door (a full queue's 503)
                 self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
-            return _json(refused.body(), refused.status, refused.headers)
+            return self.refuse(refused)
         self.metrics.requests.labels(status="200").inc()
         self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
         return answer
+
+    def refuse(self, refused: Refused) -> Response:
+        """The JSON answer of a refusal, counted by its reason: every refused request, on any path, is counted."""
+        self.metrics.rejections.labels(reason=refused.reason).inc()
+        return _json(refused.body(), refused.status, refused.headers)
 
     async def livez(self, request: Request) -> Response:
         """GET /livez: 503 once the model cannot run any more, so that an orchestrator restarts the server."""
@@ -150,7 +154,7 @@ class Serving:
         try:
             self.check_token(request)
         except Refused as refused:
-            return _json(refused.body(), refused.status, refused.headers)
+            return self.refuse(refused)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def openapi_page(self, request: Request) -> Response:
@@ -185,13 +189,15 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
         Route("/metrics", serving.metrics_page, methods=["GET"]),
         Route("/openapi.json", serving.openapi_page, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes))
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes, serving.refuse))
     app.state.serving = serving
     return app
 
 
-def off_route_answers(routes: Sequence[Route]) -> dict[int, Callable[[Request, Exception], Awaitable[Response]]]:
-    """The app's handlers of a request no route takes: JSON refusals, as every other error is.
+def off_route_answers(
+    routes: Sequence[Route], refuse: Callable[[Refused], Response]
+) -> dict[int, Callable[[Request, Exception], Awaitable[Response]]]:
+    """The app's handlers of a request no route takes: JSON refusals answered (and counted) by ``refuse``.
 
     404 lists the endpoints; 405 names the methods the path takes and keeps Starlette's Allow
     header (in a stable order: Starlette joins a set).
@@ -203,16 +209,14 @@ def off_route_answers(routes: Sequence[Route]) -> dict[int, Callable[[Request, E
 
     async def not_found(request: Request, exc: Exception) -> Response:
         where = f"{request.method} {request.url.path}"
-        refused = Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}")
-        return _json(refused.body(), refused.status)
+        return refuse(Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}"))
 
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
         headers = (exc.headers if isinstance(exc, HTTPException) else None) or {}
         allowed = sorted(method.strip() for method in headers.get("Allow", "").split(",") if method.strip())
         path = request.url.path
         message = f"{request.method} {path}: method not allowed; {path} takes {' or '.join(allowed)}"
-        refused = Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)})
-        return _json(refused.body(), refused.status, refused.headers)
+        return refuse(Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)}))
 
     return {404: not_found, 405: method_not_allowed}
 
