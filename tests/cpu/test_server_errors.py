@@ -3,7 +3,7 @@
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from serve_client import metrics
 from serve_engines import FakeEngine
 
 from redline.serve.app import build_app
@@ -51,11 +51,6 @@ async def test_the_schema_says_every_error_is_json_off_the_routes_too():
     assert "404" in described and "405" in described and '{"error": message, "reason": word}' in described
 
 
-def rejections(page):
-    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
-            if s.name == "redline_serve_rejections_total"}  # fmt: skip
-
-
 async def test_refusals_off_the_prediction_route_are_counted_by_reason_too(monkeypatch):
     monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret")
     app = build_app(FakeEngine(), ServeOptions(max_batch_size=8, token_env="REDLINE_TEST_TOKEN"))
@@ -63,4 +58,9 @@ async def test_refusals_off_the_prediction_route_are_counted_by_reason_too(monke
         for method, path in [("GET", "/nowhere"), ("POST", "/predict"), ("GET", "/v1/predict"), ("GET", "/metrics")]:
             assert (await client.request(method, path)).status_code in (401, 404, 405)
         page = await client.get("/metrics", headers={"authorization": "Bearer s3cret"})
-    assert rejections(page.text) == {"not_found": 2, "method_not_allowed": 1, "unauthorized": 1}
+    counted = {k: v for k, v in metrics(page.text).items() if k.startswith("redline_serve_rejections_total")}
+    assert counted == {
+        'redline_serve_rejections_total{"reason": "not_found"}': 2,
+        'redline_serve_rejections_total{"reason": "method_not_allowed"}': 1,
+        'redline_serve_rejections_total{"reason": "unauthorized"}': 1,
+    }
