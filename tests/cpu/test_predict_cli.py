@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import traceback
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from redline.cli.main import app
 from redline.errors import ConfigError, InferenceError
+from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
 
@@ -51,6 +53,15 @@ def make():
 
 def misdeclared():
     return Servable(model=Narrow(), input_shape=(3,), name="narrow")
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def pairs():
+    return Servable(model=Pair(), input_shape=(3,), name="pairs")
 '''
 
 
@@ -190,6 +201,27 @@ def test_a_model_that_fails_on_the_declared_input_shape_is_told_at_the_warm_up(t
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in message
     assert "in forward: return self.linear(x)" in message
     assert "check that the model takes the Servable's input_shape (3,) and input_dtype float32" in message
+    assert not (tmp_path / "y.npy").exists()
+
+
+def test_a_model_output_the_engine_cannot_serve_is_told_with_what_was_running(tmp_path, spec):
+    result = predict(spec.replace(":make", ":pairs"), "--input", samples(tmp_path, np.zeros((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.exception
+    assert str(result.exception) == (
+        "while warming up, before any row of --input ran (on zeros of the Servable's input shape): the model "
+        "returned tuple; the engine serves models that return a tensor"
+    )
+
+
+def test_redlines_own_code_failing_is_not_blamed_on_the_model(tmp_path, spec, monkeypatch):
+    # A builtin in place of the engine's helper fails in the engine's own frame, as a bug of redline's would.
+    monkeypatch.setattr(engine_module, "bucket_for", max)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert type(result.exception) is TypeError, result.exception  # the command ends with its traceback
+    assert traceback.extract_tb(result.exception.__traceback__)[-1].filename == engine_module.__file__
+    assert "the model raised" not in result.output
     assert not (tmp_path / "y.npy").exists()
 
 

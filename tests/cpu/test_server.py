@@ -23,6 +23,7 @@ from serve_engines import POISON, FakeEngine, Slow, linear_engine
 
 from redline.errors import RedlineError
 from redline.serve import dispatch as dispatch_module
+from redline.serve import engine as engine_module
 from redline.serve import server as server_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
@@ -150,6 +151,21 @@ async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_s
     assert "RuntimeError: the model hit a poisoned sample" in failed.json()["error"]
     assert after.status_code == 200 and after.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert alive.status_code == 200
+
+
+async def test_redlines_own_code_failing_on_a_batch_is_an_internal_error_not_blamed_on_the_model(monkeypatch):
+    async with running(linear_engine()) as (client, _):
+        await ready(client)
+        monkeypatch.setattr(engine_module, "bucket_for", max)  # a builtin: it fails in the engine's own frame
+        failed = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        monkeypatch.undo()
+        after = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        page = metrics((await client.get("/metrics")).text)
+    assert failed.status_code == 500 and failed.json()["reason"] == "internal_error"
+    assert "in redline's own code, not the model's: TypeError" in failed.json()["error"]
+    assert after.status_code == 200
+    assert page['redline_serve_rejections_total{"reason": "internal_error"}'] == 1
+    assert page["redline_serve_latency_seconds_count{}"] == 2, "a queued request's failure is timed as any other"
 
 
 async def test_readyz_waits_for_the_warm_up_and_turns_503_when_draining():

@@ -136,6 +136,22 @@ async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_co
     assert 'redline_serve_requests_total{"status": "200"}' not in page
 
 
+@pytest.mark.parametrize(
+    ("postprocess", "problem"),
+    [
+        (lambda out: {"labels": out.argmax(1).tolist()}, "postprocess returned dict; expected a list"),
+        (lambda out: None, "postprocess returned NoneType; expected a list"),
+        (lambda out: [1, 2], "postprocess returned 2 values for 1 samples"),
+    ],
+)
+async def test_a_postprocess_that_does_not_give_one_value_per_sample_is_a_500_naming_what_it_gave(postprocess, problem):
+    async with running(linear_engine(postprocess=postprocess)) as (client, _):
+        await ready(client)
+        answer = await client.post("/v1/predict", json={"inputs": [[1, 2, 3]]})
+    assert answer.status_code == 500 and answer.json()["reason"] == "model_error", answer.text
+    assert problem in answer.json()["error"]
+
+
 async def test_non_finite_floats_are_refused():
     async with running(FakeEngine(input_dtype="float16")) as (client, _):
         answer = await client.post("/v1/predict", json={"inputs": [1e6, 0, 0]})  # beyond float16's 65504

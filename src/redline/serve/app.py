@@ -6,7 +6,7 @@
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
-401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model,
+401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model (or redline),
 and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
@@ -35,7 +35,8 @@ from redline.serve.refused import Refused
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
-QUEUED_REFUSALS = ("model_error", "timeout")  # the refusals of queued requests: the latency histogram times them
+# The refusals of queued requests: the latency histogram times them (not those refused at the door).
+QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
 
 
 class Serving:

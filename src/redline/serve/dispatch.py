@@ -8,7 +8,8 @@
 The model runs off the event loop in one dedicated thread, the only thread that ever calls the
 engine (inference_mode and autocast are entered there, per thread). The worker asks the pure
 ``decide`` what to run; each request's future gets its own outputs, a 504 once its deadline has
-passed, or a 500 when the model raised on its batch; the worker then goes on with the next batch.
+passed, or a 500 when its batch failed (``model_error`` when the model raised, ``internal_error`` when
+redline's own code did, its traceback logged); the worker then goes on with the next batch.
 A full queue refuses at once with 503 and Retry-After: whatever was accepted is answered.
 """
 
@@ -20,14 +21,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from redline.errors import describe_error
+from redline.errors import RedlineError, ServableError, describe_error
+from redline.runtime.contract import blames_user_code
 from redline.serve.batcher import Pending, decide
 from redline.serve.engine import WarmUpStopped
 from redline.serve.metrics import ServeMetrics
@@ -195,12 +197,11 @@ class Dispatcher:
             inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
             outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._predict, inputs)
         except Exception as exc:  # this batch fails; the server goes on with the next one
-            message = describe_error(exc)
-            log.error("redline serve: the model failed on a batch of %d samples: %s", samples, message)
+            refused = _batch_failed(exc, samples)
             if getattr(self.engine, "broken", None):
                 log.error("redline serve: the device is unusable (%s); /livez now fails", self.engine.broken)
             for queued in batch:
-                _settle(queued.future, exception=Refused(500, "model_error", f"the model failed: {message}"))
+                _settle(queued.future, exception=refused)
             return
         finally:
             self.metrics.compute_seconds.observe(self.clock() - started)
@@ -213,10 +214,30 @@ class Dispatcher:
         """Return one JSON-ready value per sample (in the model's thread: postprocessing is the user's code too)."""
         outputs = self.engine.predict(inputs)
         postprocess = self.engine.servable.postprocess
-        values = list(postprocess(outputs)) if postprocess is not None else outputs.tolist()
+        if postprocess is None:
+            values: list[Any] = outputs.tolist()
+            return values
+        made = postprocess(outputs)
+        if not isinstance(made, Iterable) or isinstance(made, str | bytes | dict):
+            raise ServableError(f"postprocess returned {type(made).__name__}; expected a list of one value per sample")
+        values = list(made)
         if len(values) != inputs.shape[0]:
-            raise ValueError(f"postprocess returned {len(values)} values for {inputs.shape[0]} samples")
+            raise ServableError(f"postprocess returned {len(values)} values for {inputs.shape[0]} samples")
         return values
+
+
+def _batch_failed(exc: Exception, samples: int) -> Refused:
+    """The 500 of every request of a batch that raised ``exc``, logged: the model's error, or redline's own."""
+    message = describe_error(exc)
+    if isinstance(exc, RedlineError) or blames_user_code(exc):  # a redline error names what the model gave
+        log.error("redline serve: the model failed on a batch of %d samples: %s", samples, message)
+        return Refused(500, "model_error", f"the model failed: {message}")
+    log.error("redline serve: redline's own code failed on a batch of %d samples", samples, exc_info=exc)
+    return Refused(
+        500, "internal_error",
+        f"the server failed on this batch, in redline's own code, not the model's: {message}; its log holds the "
+        "traceback (please report it)",
+    )  # fmt: skip
 
 
 def _settle(future: asyncio.Future[list[Any]], *, result: Any = None, exception: BaseException | None = None) -> None:

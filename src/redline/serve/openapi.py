@@ -30,7 +30,10 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
         "413": _error("The body is larger than the server's limit (--max-body-mb)."),
         "415": _error("The Content-Type is neither application/json nor application/octet-stream."),
         "422": _error("The inputs' shape, dtype, values or number of samples do not fit the model."),
-        "500": _error("The model raised on the batch holding this request; the server goes on."),
+        "500": _error(
+            "The batch holding this request failed (model_error: the model raised; internal_error: redline's own "
+            "code did); the server goes on."
+        ),
         "503": _error("The queue is full (Retry-After says when to retry), or the model is not ready.", retry=True),
         "504": _error("No answer within the server's timeout (--timeout-ms) of the request's arrival."),
     }
