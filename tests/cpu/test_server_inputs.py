@@ -1,5 +1,7 @@
 """The server's answers to what it reads: outputs for JSON and .npy, every input refusal, body limits, the token."""
 
+import gzip
+
 import numpy as np
 import pytest
 import torch
@@ -150,6 +152,17 @@ async def test_a_postprocess_that_does_not_give_one_value_per_sample_is_a_500_na
         answer = await client.post("/v1/predict", json={"inputs": [[1, 2, 3]]})
     assert answer.status_code == 500 and answer.json()["reason"] == "model_error", answer.text
     assert problem in answer.json()["error"]
+
+
+async def test_a_compressed_body_is_refused_naming_its_encoding_not_read_as_broken_json():
+    body = gzip.compress(b'{"inputs": [1, 2, 3]}')
+    async with running(FakeEngine()) as (client, _):
+        headers = {"content-type": "application/json", "content-encoding": "gzip"}
+        zipped = await client.post("/v1/predict", content=body, headers=headers)
+        plain = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"content-encoding": "identity"})
+    assert zipped.status_code == 415 and zipped.json()["reason"] == "unsupported_media_type"
+    assert zipped.json()["error"].startswith("Content-Encoding 'gzip' is not read; send the body uncompressed")
+    assert plain.status_code == 200
 
 
 async def test_non_finite_floats_are_refused():

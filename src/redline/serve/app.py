@@ -114,6 +114,12 @@ class Serving:
                     415, "unsupported_media_type",
                     f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)",
                 )  # fmt: skip
+            coding = request.headers.get("content-encoding", "identity").strip().lower()
+            if coding not in ("identity", ""):  # a compressed body would be read as broken JSON or .npy
+                raise Refused(
+                    415, "unsupported_media_type",
+                    f"Content-Encoding {coding!r} is not read; send the body uncompressed (no Content-Encoding)",
+                )  # fmt: skip
             body = await self.read_body(request)
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
             outputs = await self.dispatcher.submit(inputs, arrived=arrived)

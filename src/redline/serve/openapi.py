@@ -28,7 +28,9 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
     predict_errors = {
         "400": _error("The body is not valid JSON, or not a .npy array."),
         "413": _error("The body is larger than the server's limit (--max-body-mb)."),
-        "415": _error("The Content-Type is neither application/json nor application/octet-stream."),
+        "415": _error(
+            "The Content-Type is neither application/json nor application/octet-stream, or the body is compressed."
+        ),
         "422": _error("The inputs' shape, dtype, values or number of samples do not fit the model."),
         "500": _error(
             "The batch holding this request failed (model_error: the model raised; internal_error: redline's own "
