@@ -102,6 +102,8 @@ def check_output(path: Path) -> None:
 
 def read_samples(path: Path) -> np.ndarray:
     """Load a .npy array; a missing file, another format or an empty array is a ConfigError naming the file."""
+    if path.is_dir():
+        raise ConfigError(f"--input {str(path)!r} is a directory\nhint: name the .npy file of the samples inside it")
     if not path.is_file():
         raise ConfigError(f"--input {str(path)!r} does not exist\nhint: write the samples with numpy.save(path, array)")
     with path.open("rb") as file:
