@@ -226,6 +226,18 @@ def test_redlines_own_code_failing_is_not_blamed_on_the_model(tmp_path, spec, mo
     assert not (tmp_path / "y.npy").exists()
 
 
+def test_a_tasks_model_loaded_without_weights_is_said_to_be_untrained(tmp_path, caplog):
+    from safetensors.torch import save_model
+
+    save_model(load_servable("example:digits").model, str(tmp_path / "model.safetensors"))
+    caplog.clear()
+    load_servable("example:digits", weights=tmp_path / "model.safetensors")
+    assert caplog.messages == []
+    load_servable("example:digits")
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("task 'digits': no --weights given")
+    assert "untrained" in caplog.messages[0]
+
+
 def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, spec):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"not a safetensors file at all")
