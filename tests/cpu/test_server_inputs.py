@@ -206,6 +206,9 @@ async def test_a_token_is_required_and_compared_when_token_env_is_set(monkeypatc
 def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
     with pytest.raises(ConfigError, match="port=70000"):
         ServeOptions(port=70000)
+    for wait in (-1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"max_wait_ms=.* is not allowed; expected finite milliseconds >= 0"):
+            ServeOptions(max_wait_ms=wait)
     with pytest.raises(ConfigError, match="queue_size=0"):
         ServeOptions(queue_size=0)
     with pytest.raises(ConfigError, match="token_env='MY-TOKEN'"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,10 @@ class ServeOptions:
         if self.port > 65535:
             raise invalid("port", self.port, "a port number from 0 to 65535", "port=0 picks any free port")
         positive_int("max_batch_size", self.max_batch_size)
-        if isinstance(self.max_wait_ms, bool) or not isinstance(self.max_wait_ms, int | float) or self.max_wait_ms < 0:
-            raise invalid("max_wait_ms", self.max_wait_ms, "milliseconds >= 0 (0: never wait for more requests)")
+        wait = self.max_wait_ms
+        # NaN never ends a wait (requests sat until their deadline) and infinity ran every batch at once
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not (math.isfinite(wait) and wait >= 0):
+            raise invalid("max_wait_ms", wait, "finite milliseconds >= 0 (0: never wait for more requests)")
         positive_int("queue_size", self.queue_size)
         positive_number("timeout_ms", self.timeout_ms)
         positive_number("max_body_mb", self.max_body_mb)
