@@ -216,6 +216,18 @@ def test_cli_unreachable_url_is_one_clear_message():
     assert result.stderr.splitlines()[1].startswith("hint: start the server first")
 
 
+def test_a_load_test_runs_where_asyncio_has_no_runner(server, monkeypatch):
+    class Python310Asyncio:  # asyncio.Runner came with Python 3.11; the package supports 3.10
+        def __getattr__(self, name):
+            if name == "Runner":
+                raise AttributeError(name)
+            return getattr(asyncio, name)
+
+    monkeypatch.setattr(loadtest_module, "asyncio", Python310Asyncio())
+    result = run_load(f"{server.url}/echo/py310", rate=10, duration=0.2)
+    assert result.status_counts == {200: 2}
+
+
 def test_asyncio_s_own_timeout_error_counts_as_a_timeout_where_it_is_not_the_builtin(monkeypatch):
     class AsyncioTimeout(Exception):  # Python 3.10's asyncio.TimeoutError: not a subclass of TimeoutError
         pass

@@ -333,9 +333,21 @@ def run_load(
 def load_test(
     url: str, options: LoadOptions, *, payload: Payload | None = None, progress: ProgressCallback | None = None
 ) -> LoadResult:
-    """Run run_load_async on an event loop of its own (uvloop's where installed) and return its result."""
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(run_load_async(url, options, payload=payload, progress=progress))
+    """Run run_load_async on an event loop of its own (uvloop's where installed) and return its result.
+
+    The loop is made and closed here, as asyncio.Runner would (Python 3.11+; 3.10 is supported too).
+    """
+    loop = (_loop_factory() or asyncio.new_event_loop)()
+    try:
+        return loop.run_until_complete(run_load_async(url, options, payload=payload, progress=progress))
+    finally:
+        left = asyncio.all_tasks(loop)  # stopped early (Ctrl-C): the requests still out are cancelled
+        for task in left:
+            task.cancel()
+        if left:  # gather() of nothing would make its future on another loop
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
