@@ -29,6 +29,7 @@ class Server:
     url: str
     counts: Counter = field(default_factory=Counter)  # requests seen per path
     seen: dict = field(default_factory=dict)  # the last request's method, content type, body and token per path
+    content_types: dict = field(default_factory=dict)  # the last request's Content-Type headers, all of them
 
 
 def make_app(server: Server) -> web.Application:
@@ -63,6 +64,7 @@ def make_app(server: Server) -> web.Application:
         server.counts[request.path] += 1
         server.seen[request.path] = (request.method, request.content_type, await request.read(),
                                      request.headers.get("Authorization"))  # fmt: skip
+        server.content_types[request.path] = request.headers.getall("Content-Type", [])
         return web.json_response({"ok": True})
 
     app = web.Application()
@@ -151,6 +153,9 @@ def test_payloads_are_sent_with_their_content_type_and_headers(server, tmp_path)
     np.save(array, np.arange(6, dtype=np.float32).reshape(2, 3))
     run_load(f"{server.url}/echo/npy", rate=10, duration=0.2, payload=array, method="PUT")
     assert server.seen["/echo/npy"] == ("PUT", "application/octet-stream", array.read_bytes(), None)
+    run_load(f"{server.url}/echo/typed", rate=10, duration=0.2, payload=body, headers=["content-type: text/json"])
+    assert server.seen["/echo/typed"][1:3] == ("text/json", body.read_bytes())
+    assert server.content_types["/echo/typed"] == ["text/json"], "the payload's own type is not sent as well"
     run_load(f"{server.url}/echo/raw", rate=10, duration=0.2, payload=Payload(b"abc", "text/plain"))
     assert server.seen["/echo/raw"] == ("POST", "text/plain", b"abc", None)
     assert server.counts["/echo/raw"] == 2

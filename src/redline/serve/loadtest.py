@@ -261,8 +261,8 @@ async def run_load_async(
         payload = Payload.from_file(options.payload)
     method = (options.method or ("POST" if payload else "GET")).upper()
     headers = parse_headers(options.headers)
-    if payload is not None:
-        headers.setdefault("Content-Type", payload.content_type)
+    if payload is not None and not any(name.lower() == "content-type" for name in headers):
+        headers["Content-Type"] = payload.content_type  # unless --header gave one, in any case: it would go twice
     request = _Request(url, method, payload.body if payload else None, headers)
     await check_reachable(url, options.timeout_s)
     rate = options.rate if options.rate is not None or options.concurrency is not None else DEFAULT_RATE
