@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from redline.cli import predict as predict_module
 from redline.cli.main import app
 from redline.errors import ConfigError, InferenceError
 from redline.serve import engine as engine_module
@@ -95,6 +96,22 @@ def test_the_output_file_holds_the_engines_outputs_for_every_sample(tmp_path, sp
     assert "11 samples in" in result.output and "samples/s" in result.output
     assert "precision" in result.output and "buckets" in result.output, "the plan is printed"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary file remains"
+
+
+def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):
+    built = []
+
+    def engine(*args, **kwargs):
+        built.append(kwargs["max_batch_size"])
+        return InferenceEngine(*args, **kwargs)
+
+    monkeypatch.setattr(predict_module, "InferenceEngine", engine)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((3, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--batch-size", "65536", "--precision", "fp32",
+                     "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert built == [3], "the buckets up to 65536 would each run once on zeros"
+    assert np.load(tmp_path / "y.npy").shape == (3, 2)
 
 
 def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):

@@ -49,7 +49,9 @@ def predict(
     spec: ModelSpec,
     input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
     output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
-    batch_size: Annotated[int, typer.Option(min=1, help="Samples per batch (the largest bucket).")] = 32,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Samples per batch (the largest bucket; at most the samples in --input).")
+    ] = 32,
     weights: Weights = None,
     task_arg: TaskArgs = None,
     device: EngineDevice = "auto",
@@ -63,6 +65,7 @@ def predict(
     samples = read_samples(input_path)
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
+    batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
     with model_raising(warming, check_hint(servable)):  # building the engine may time the model too (--measure)
         engine = InferenceEngine(
