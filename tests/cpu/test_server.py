@@ -153,6 +153,25 @@ async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_s
     assert alive.status_code == 200
 
 
+async def test_a_request_the_model_cannot_take_fails_alone_not_with_its_batchmates():
+    engine = FakeEngine()
+    engine.gate.clear()  # the model holds its first batch, while three requests queue behind it
+    async with running(engine, max_wait_ms=0) as (client, serving):
+        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
+        await eventually(lambda: engine.threads)
+        queued = [asyncio.create_task(client.post("/v1/predict", json={"inputs": x})) for x in
+                  ([2, 2, 2], [POISON, 0, 0], [3, 3, 3])]  # fmt: skip
+        await eventually(lambda: serving.dispatcher.queued == 3)
+        engine.gate.set()
+        answers = [await task for task in [first, *queued]]
+        page = metrics((await client.get("/metrics")).text)
+    assert [a.status_code for a in answers] == [200, 200, 500, 200]
+    assert [answers[i].json()["outputs"] for i in (1, 3)] == [[[4.0] * 3], [[6.0] * 3]]
+    assert "poisoned sample" in answers[2].json()["error"]
+    assert engine.batches == [1, 3, 1, 1, 1], "the three ran together, then each alone"
+    assert page["redline_serve_batch_requests_count{}"] == 2, "the reruns are not counted as batches"
+
+
 async def test_redlines_own_code_failing_on_a_batch_is_an_internal_error_not_blamed_on_the_model(monkeypatch):
     async with running(linear_engine()) as (client, _):
         await ready(client)

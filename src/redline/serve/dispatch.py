@@ -8,8 +8,9 @@
 The model runs off the event loop in one dedicated thread, the only thread that ever calls the
 engine (inference_mode and autocast are entered there, per thread). The worker asks the pure
 ``decide`` what to run; each request's future gets its own outputs, a 504 once its deadline has
-passed, or a 500 when its batch failed (``model_error`` when the model raised, ``internal_error`` when
-redline's own code did, its traceback logged); the worker then goes on with the next batch.
+passed, or a 500 when the model raised on it (``model_error``; ``internal_error`` when redline's own
+code did, its traceback logged): a failed batch of several requests is run again one request at
+a time, so that only the request the model cannot take fails. The worker then goes on.
 A full queue refuses at once with 503 and Retry-After: whatever was accepted is answered.
 """
 
@@ -190,21 +191,41 @@ class Dispatcher:
         started = self.clock()
         for queued in batch:
             self.metrics.queue_seconds.observe(started - queued.arrived)
-        samples = sum(q.samples for q in batch)
-        self.metrics.batch_samples.observe(samples)
+        self.metrics.batch_samples.observe(sum(q.samples for q in batch))
         self.metrics.batch_requests.observe(len(batch))
+        try:
+            await self._answer(batch)
+        finally:
+            self.metrics.compute_seconds.observe(self.clock() - started)
+
+    async def _answer(self, batch: list[Queued]) -> None:
+        """Settle each request of ``batch`` with its outputs, or with a 500 when the model raised.
+
+        When a batch of several requests fails, each is run again alone, so that one request the
+        model cannot take (a token id beyond its vocabulary, say) fails by itself, not its batchmates
+        too; not when the device is lost, where nothing can run.
+        """
+        samples = sum(q.samples for q in batch)
         try:
             inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
             outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._predict, inputs)
         except Exception as exc:  # this batch fails; the server goes on with the next one
+            broken = getattr(self.engine, "broken", None)
+            if len(batch) > 1 and not broken:
+                log.warning(
+                    "redline serve: a batch of %d requests failed (%s); running each alone", len(batch),
+                    describe_error(exc),
+                )  # fmt: skip
+                for queued in batch:
+                    if not queued.future.done():  # timed out or abandoned meanwhile: not run again
+                        await self._answer([queued])
+                return
             refused = _batch_failed(exc, samples)
-            if getattr(self.engine, "broken", None):
-                log.error("redline serve: the device is unusable (%s); /livez now fails", self.engine.broken)
+            if broken:
+                log.error("redline serve: the device is unusable (%s); /livez now fails", broken)
             for queued in batch:
                 _settle(queued.future, exception=refused)
             return
-        finally:
-            self.metrics.compute_seconds.observe(self.clock() - started)
         start = 0
         for queued in batch:
             _settle(queued.future, result=outputs[start : start + queued.samples])

@@ -33,8 +33,8 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
         ),
         "422": _error("The inputs' shape, dtype, values or number of samples do not fit the model."),
         "500": _error(
-            "The batch holding this request failed (model_error: the model raised; internal_error: redline's own "
-            "code did); the server goes on."
+            "The model raised on this request (model_error), or redline's own code failed (internal_error); "
+            "the server goes on."
         ),
         "503": _error("The queue is full (Retry-After says when to retry), or the model is not ready.", retry=True),
         "504": _error("No answer within the server's timeout (--timeout-ms) of the request's arrival."),
