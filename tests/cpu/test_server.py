@@ -20,7 +20,10 @@ import pytest
 import torch
 from serve_client import eventually, fill_the_queue, metrics, ready, reference, running
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
+from typer.testing import CliRunner
 
+from redline.cli import serve as serve_cli
+from redline.cli.main import app
 from redline.errors import RedlineError
 from redline.serve import dispatch as dispatch_module
 from redline.serve import engine as engine_module
@@ -266,6 +269,20 @@ def test_a_port_in_use_and_a_host_not_of_this_machine_each_get_their_own_fix():
             server_module.bind("127.0.0.1", busy.getsockname()[1])
     with pytest.raises(RedlineError, match=r"^cannot listen on 192\.0\.2\.1:0: .*\nhint: --host takes an address"):
         server_module.bind("192.0.2.1", 0)  # TEST-NET-1 (RFC 5737): never an address of this machine
+
+
+def test_redline_serve_tells_a_busy_port_before_it_loads_the_model(monkeypatch):
+    loaded = []
+    monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = CliRunner().invoke(app, ["serve", "example:digits", "--port", str(busy.getsockname()[1])])
+    assert isinstance(result.exception, RedlineError) and "Address already in use" in str(result.exception)
+    assert loaded == [], "the model was loaded (and measured, compiled) before the port was tried"
+    held = server_module.bind("127.0.0.1", 0)  # the port is held, but refuses connections until serve listens
+    with held, pytest.raises(ConnectionRefusedError), socket.create_connection(held.getsockname(), timeout=5):
+        pass
 
 
 def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
