@@ -323,6 +323,38 @@ def make():
 """
 
 
+MISDECLARED = """
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Narrow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def make():
+    return Servable(model=Narrow(), input_shape=(3,))
+"""
+
+
+@pytest.mark.slow
+def test_redline_serve_whose_model_fails_the_warm_up_exits_1_naming_the_users_line_and_the_fix(tmp_path):
+    (tmp_path / "narrow.py").write_text(MISDECLARED)
+    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'narrow.py'}:make", "--port", "0",
+               "--device", "cpu", "--measure", "off", "--compile", "off"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "error: the server stopped: warm-up failed: RuntimeError: mat1 and mat2 shapes" in result.stderr
+    assert f"at {tmp_path / 'narrow.py'}:" in result.stderr and "in forward: return self.linear(x)" in result.stderr
+    assert "hint: check that the model takes the Servable's input_shape (3,) and input_dtype float32" in result.stderr
+
+
 @pytest.mark.slow
 def test_redline_serve_stopped_by_sigterm_while_warming_up_exits_cleanly_without_finishing_it(tmp_path):
     (tmp_path / "slow.py").write_text(SLOW_WARM_UP)

@@ -68,6 +68,7 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self.failed: str | None = None  # why the worker stopped for good (its warm-up raised)
+        self.error: Exception | None = None  # the exception that stopped it, traceback and all
         self.on_ready: Callable[[], None] | None = None  # called once the engine is warmed up
         self.on_failed: Callable[[str], None] | None = None  # called with ``failed`` when the worker gives up
         self._queue: deque[Queued] = deque()
@@ -150,6 +151,7 @@ class Dispatcher:
         except Exception as exc:  # the server stays up to say why (/livez), and answers 503
             stage = "warm-up failed" if not self.engine.ready else "the batching worker stopped"
             self.failed = f"{stage}: {describe_error(exc)}"
+            self.error = exc
             if self.on_failed is None:  # otherwise its owner reports it (redline serve exits with it)
                 log.error("redline serve: %s", self.failed)
             for queued in self._queue:

@@ -28,7 +28,9 @@ from typing import Any
 
 import uvicorn
 
-from redline.errors import RedlineError
+from redline.errors import RedlineError, user_line
+from redline.runtime.contract import blames_user_code
+from redline.runtime.oom import is_oom
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
 
@@ -137,4 +139,26 @@ def serve(
     finally:
         sock.close()
     if serving.dispatcher.failed is not None:
-        raise ServerFailed(f"the server stopped: {serving.dispatcher.failed}")
+        raise ServerFailed(stopped_by(serving.dispatcher.failed, serving.dispatcher.error, engine, options)) from (
+            serving.dispatcher.error
+        )
+
+
+def stopped_by(reason: str, exc: Exception | None, engine: Any, options: ServeOptions) -> str:
+    """Why the server stopped (its warm-up failed): the user's line and the fix, or that redline's own code failed."""
+    message = f"the server stopped: {reason}"
+    if exc is None or isinstance(exc, RedlineError):  # a redline error names its own fix
+        return message
+    if not blames_user_code(exc):
+        hint = "redline's own code failed, not the model: please report it with the traceback"
+    elif is_oom(exc):
+        hint = f"lower --max-batch-size: the warm-up runs batches of up to {options.max_batch_size} samples"
+    else:
+        servable = engine.servable
+        hint = (
+            f"check that the model takes the Servable's input_shape {servable.input_shape} and input_dtype "
+            f"{servable.input_dtype}: the warm-up runs zeros of that shape and dtype, in batches of up to "
+            f"{options.max_batch_size}"
+            + ("; if it does, the line above is where your code failed" if user_line(exc) else "")
+        )
+    return f"{message}{user_line(exc)}\nhint: {hint}; REDLINE_TRACEBACK=1 prints the whole traceback"
