@@ -203,6 +203,17 @@ async def test_a_token_is_required_and_compared_when_token_env_is_set(monkeypatc
         build_app(FakeEngine(), ServeOptions(token_env="REDLINE_TEST_TOKEN", max_batch_size=8))
 
 
+async def test_a_token_beyond_ascii_lets_in_the_client_that_sends_it(monkeypatch):
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "clé-sûre")
+    async with running(FakeEngine(), token_env="REDLINE_TEST_TOKEN") as (client, _):
+        right = await client.post("/v1/predict", json={"inputs": [1, 2, 3]},
+                                  headers={"authorization": "Bearer clé-sûre".encode()})  # fmt: skip
+        wrong = await client.post("/v1/predict", json={"inputs": [1, 2, 3]},
+                                  headers={"authorization": b"Bearer cle-sure"})  # fmt: skip
+    assert right.status_code == 200, right.text
+    assert wrong.status_code == 401
+
+
 def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
     with pytest.raises(ConfigError, match="port=70000"):
         ServeOptions(port=70000)

@@ -73,7 +73,9 @@ class Serving:
         if self.token is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+        # Header values arrive decoded as latin-1: encoding back gives the bytes sent, a UTF-8 token's included
+        sent = given.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.token.encode()):
             raise Refused(
                 401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                 headers={"WWW-Authenticate": "Bearer"},
