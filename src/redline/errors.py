@@ -51,6 +51,10 @@ class InferenceError(RedlineError, RuntimeError):
     """The model raised while redline ran it for inference (`redline predict`): what ran, and the user's line."""
 
 
+class ServableError(RedlineError, ValueError):
+    """A Servable's model, preprocess or postprocess gave what the engine cannot use (not a tensor, other rows)."""
+
+
 class OutOfMemory(TrainingError):
     """The device ran out of memory and the run could not go on: not even one sample fits, or no recovery was asked."""
 
@@ -76,10 +80,30 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")
 
 
+PACKAGE = Path(__file__).parent  # redline's own code, but for the built-in examples' models (a user's model as any)
+EXAMPLES = PACKAGE / "examples"
+
+
+def own_code(filename: str) -> bool:
+    """Whether ``filename`` is redline's own code; the built-in examples are models like the user's, not redline's."""
+    return Path(filename).is_relative_to(PACKAGE) and not Path(filename).is_relative_to(EXAMPLES)
+
+
+def raised_in_redline(exc: BaseException) -> bool:
+    """Whether redline's own code raised ``exc``: its innermost frame is redline's, not the user's or a library's.
+
+    An exception from the user's model, loss or function, or from torch under them, ends in their
+    frames (a torch layer's forward, an autograd function); one that ends in redline's frame came
+    from redline itself (a bug of its own, or an error it raised on purpose).
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and own_code(frames[-1].filename)
+
+
 def user_line(exc: BaseException) -> str:
     """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
     torch = sys.modules.get("torch")  # not imported: none of its frames can be in the traceback
-    skip = (str(Path(__file__).parent),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
+    skip = (str(PACKAGE),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
         return ""

@@ -29,6 +29,7 @@ class Server:
     url: str
     counts: Counter = field(default_factory=Counter)  # requests seen per path
     seen: dict = field(default_factory=dict)  # the last request's method, content type, body and token per path
+    content_types: dict = field(default_factory=dict)  # the last request's Content-Type headers, all of them
 
 
 def make_app(server: Server) -> web.Application:
@@ -63,6 +64,7 @@ def make_app(server: Server) -> web.Application:
         server.counts[request.path] += 1
         server.seen[request.path] = (request.method, request.content_type, await request.read(),
                                      request.headers.get("Authorization"))  # fmt: skip
+        server.content_types[request.path] = request.headers.getall("Content-Type", [])
         return web.json_response({"ok": True})
 
     app = web.Application()
@@ -151,6 +153,9 @@ def test_payloads_are_sent_with_their_content_type_and_headers(server, tmp_path)
     np.save(array, np.arange(6, dtype=np.float32).reshape(2, 3))
     run_load(f"{server.url}/echo/npy", rate=10, duration=0.2, payload=array, method="PUT")
     assert server.seen["/echo/npy"] == ("PUT", "application/octet-stream", array.read_bytes(), None)
+    run_load(f"{server.url}/echo/typed", rate=10, duration=0.2, payload=body, headers=["content-type: text/json"])
+    assert server.seen["/echo/typed"][1:3] == ("text/json", body.read_bytes())
+    assert server.content_types["/echo/typed"] == ["text/json"], "the payload's own type is not sent as well"
     run_load(f"{server.url}/echo/raw", rate=10, duration=0.2, payload=Payload(b"abc", "text/plain"))
     assert server.seen["/echo/raw"] == ("POST", "text/plain", b"abc", None)
     assert server.counts["/echo/raw"] == 2
@@ -214,6 +219,18 @@ def test_cli_unreachable_url_is_one_clear_message():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[0].startswith("error: cannot reach http://127.0.0.1:")
     assert result.stderr.splitlines()[1].startswith("hint: start the server first")
+
+
+def test_a_load_test_runs_where_asyncio_has_no_runner(server, monkeypatch):
+    class Python310Asyncio:  # asyncio.Runner came with Python 3.11; the package supports 3.10
+        def __getattr__(self, name):
+            if name == "Runner":
+                raise AttributeError(name)
+            return getattr(asyncio, name)
+
+    monkeypatch.setattr(loadtest_module, "asyncio", Python310Asyncio())
+    result = run_load(f"{server.url}/echo/py310", rate=10, duration=0.2)
+    assert result.status_counts == {200: 2}
 
 
 def test_asyncio_s_own_timeout_error_counts_as_a_timeout_where_it_is_not_the_builtin(monkeypatch):

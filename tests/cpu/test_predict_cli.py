@@ -3,14 +3,17 @@
 import os
 import subprocess
 import sys
+import traceback
 
 import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from redline.cli import predict as predict_module
 from redline.cli.main import app
 from redline.errors import ConfigError, InferenceError
+from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
 
@@ -51,6 +54,15 @@ def make():
 
 def misdeclared():
     return Servable(model=Narrow(), input_shape=(3,), name="narrow")
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def pairs():
+    return Servable(model=Pair(), input_shape=(3,), name="pairs")
 '''
 
 
@@ -86,6 +98,22 @@ def test_the_output_file_holds_the_engines_outputs_for_every_sample(tmp_path, sp
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary file remains"
 
 
+def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):
+    built = []
+
+    def engine(*args, **kwargs):
+        built.append(kwargs["max_batch_size"])
+        return InferenceEngine(*args, **kwargs)
+
+    monkeypatch.setattr(predict_module, "InferenceEngine", engine)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((3, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--batch-size", "65536", "--precision", "fp32",
+                     "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert built == [3], "the buckets up to 65536 would each run once on zeros"
+    assert np.load(tmp_path / "y.npy").shape == (3, 2)
+
+
 def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
     bad = samples(tmp_path, np.zeros((5, 4), np.float32))
     result = subprocess.run(
@@ -107,6 +135,7 @@ def truncate(path):
     ("make_input", "message"),
     [
         (lambda d: str(d / "missing.npy"), "does not exist"),
+        (lambda d: str(d), "is a directory\nhint: name the .npy file"),
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
@@ -191,6 +220,39 @@ def test_a_model_that_fails_on_the_declared_input_shape_is_told_at_the_warm_up(t
     assert "in forward: return self.linear(x)" in message
     assert "check that the model takes the Servable's input_shape (3,) and input_dtype float32" in message
     assert not (tmp_path / "y.npy").exists()
+
+
+def test_a_model_output_the_engine_cannot_serve_is_told_with_what_was_running(tmp_path, spec):
+    result = predict(spec.replace(":make", ":pairs"), "--input", samples(tmp_path, np.zeros((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.exception
+    assert str(result.exception) == (
+        "while warming up, before any row of --input ran (on zeros of the Servable's input shape): the model "
+        "returned tuple; the engine serves models that return a tensor"
+    )
+
+
+def test_redlines_own_code_failing_is_not_blamed_on_the_model(tmp_path, spec, monkeypatch):
+    # A builtin in place of the engine's helper fails in the engine's own frame, as a bug of redline's would.
+    monkeypatch.setattr(engine_module, "bucket_for", max)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert type(result.exception) is TypeError, result.exception  # the command ends with its traceback
+    assert traceback.extract_tb(result.exception.__traceback__)[-1].filename == engine_module.__file__
+    assert "the model raised" not in result.output
+    assert not (tmp_path / "y.npy").exists()
+
+
+def test_a_tasks_model_loaded_without_weights_is_said_to_be_untrained(tmp_path, caplog):
+    from safetensors.torch import save_model
+
+    save_model(load_servable("example:digits").model, str(tmp_path / "model.safetensors"))
+    caplog.clear()
+    load_servable("example:digits", weights=tmp_path / "model.safetensors")
+    assert caplog.messages == []
+    load_servable("example:digits")
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("task 'digits': no --weights given")
+    assert "untrained" in caplog.messages[0]
 
 
 def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, spec):

@@ -1,9 +1,8 @@
-"""The HTTP server in-process: every status it answers, batching, overload, and a real process stopped by SIGTERM."""
+"""The HTTP server at work: batching, a full queue, deadlines, readiness, a failing model, and a real process stopped
+by SIGTERM. What it reads and refuses at the door is in test_server_inputs.py."""
 
 import asyncio
-import contextlib
 import gc
-import io
 import json
 import os
 import signal
@@ -16,17 +15,19 @@ import types
 import urllib.error
 import urllib.request
 
-import httpx
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from serve_client import eventually, fill_the_queue, metrics, ready, reference, running
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
+from typer.testing import CliRunner
 
-from redline.errors import ConfigError, RedlineError
+from redline.cli import serve as serve_cli
+from redline.cli.main import app
+from redline.errors import RedlineError
 from redline.serve import dispatch as dispatch_module
+from redline.serve import engine as engine_module
 from redline.serve import server as server_module
-from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
 from redline.serve.servable import Servable
@@ -37,96 +38,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-@contextlib.asynccontextmanager
-async def running(engine, **options):
-    """The app started (its lifespan entered) with an httpx client talking to it in-process."""
-    app = build_app(engine, ServeOptions(**{"max_batch_size": engine.max_batch_size, **options}))
-    transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-        yield client, app.state.serving
-
-
-async def eventually(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the condition never came true"
-        await asyncio.sleep(0.005)
-
-
-async def fill_the_queue(client, engine, serving, waiting):
-    """Send a request the held model takes, then ``waiting`` more that queue behind it (inputs 1, 2, ...)."""
-    sent = [asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))]
-    await eventually(lambda: engine.threads)
-    sent += [asyncio.create_task(client.post("/v1/predict", json={"inputs": [i] * 3})) for i in range(2, waiting + 2)]
-    await eventually(lambda: serving.dispatcher.queued == waiting)
-    return sent
-
-
-async def ready(client):
-    for _ in range(2000):
-        if (await client.get("/readyz")).status_code == 200:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("never ready")
-
-
-def npy(array):
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
-def metrics(text):
-    return {s.name + json.dumps(s.labels, sort_keys=True): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples}  # fmt: skip
-
-
-def reference(engine, inputs):
-    with torch.no_grad():
-        return engine.servable.model(torch.as_tensor(inputs, dtype=torch.float32))
-
-
-async def test_outputs_equal_the_models_own_for_json_and_npy_one_sample_or_many():
-    engine = linear_engine()
-    inputs = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
-    async with running(engine) as (client, _):
-        await ready(client)
-        many = await client.post("/v1/predict", json={"inputs": inputs.tolist()})
-        one = await client.post("/v1/predict", json={"inputs": inputs[0].tolist()})
-        binary = await client.post(
-            "/v1/predict", content=npy(inputs.astype(np.float64)), headers={"content-type": "application/octet-stream"}
-        )
-    expected = reference(engine, inputs)
-    assert many.status_code == one.status_code == binary.status_code == 200
-    torch.testing.assert_close(torch.tensor(many.json()["outputs"]), expected)
-    torch.testing.assert_close(torch.tensor(binary.json()["outputs"]), expected)
-    torch.testing.assert_close(torch.tensor(one.json()["outputs"]), expected[:1])
-
-
-async def test_postprocess_gives_each_samples_answer():
-    engine = linear_engine(postprocess=lambda out: [{"label": int(i)} for i in out.argmax(1)])
-    inputs = [[1.0, -2.0, 0.5], [-3.0, 1.0, 2.0]]
-    async with running(engine) as (client, _):
-        await ready(client)
-        answer = await client.post("/v1/predict", json={"inputs": inputs})
-    assert answer.json() == {"outputs": [{"label": int(i)} for i in reference(engine, inputs).argmax(1)]}
-
-
-async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_own_input():
-    pixels = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4) * 10
-    servable = Servable(
-        model=torch.nn.Flatten(), input_shape=(3, 4), input_dtype="uint8", preprocess=lambda x: x.float() / 255
-    )
-    engine = InferenceEngine(servable, device="cpu", precision="fp32", compile="off", max_batch_size=4)
-    async with running(engine) as (client, _):
-        await ready(client)
-        answer = await client.post("/v1/predict", json={"inputs": pixels.tolist()})
-        fraction = await client.post("/v1/predict", json={"inputs": (pixels / 255).tolist()})
-    assert answer.status_code == 200
-    torch.testing.assert_close(torch.tensor(answer.json()["outputs"]), torch.tensor(pixels).flatten(1).float() / 255)
-    assert fraction.status_code == 422 and "uint8" in fraction.json()["error"]  # checked as the request's dtype
 
 
 async def test_concurrent_requests_run_together_in_one_thread_of_the_models_own():
@@ -143,69 +54,6 @@ async def test_concurrent_requests_run_together_in_one_thread_of_the_models_own(
     assert page["redline_serve_latency_seconds_count{}"] == page["redline_serve_queue_seconds_count{}"] == 8
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "problem"),
-    [
-        (b'{"inputs": [1, 2,', 400, "not valid JSON"),
-        (b"[[1, 2, 3]]", 422, 'a JSON object {"inputs": [...]}'),
-        (b'{"input": [1, 2, 3]}', 422, 'a JSON object {"inputs": [...]}'),
-        (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
-        (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths"),
-        (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
-        (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
-        (b'{"inputs": []}', 422, "inputs have shape (0,)"),
-        (b'{"inputs": [true, 0, 0]}', 422, "true/false where numbers are expected"),
-        (b'{"inputs": [[1, 2, 3]]}', 200, None),
-    ],
-)
-async def test_malformed_or_misshapen_json_is_refused_naming_the_problem_and_the_expected_shape(body, status, problem):
-    async with running(FakeEngine()) as (client, _):
-        answer = await client.post("/v1/predict", content=body, headers={"content-type": "application/json"})
-    assert answer.status_code == status, answer.text
-    if problem:
-        error = answer.json()
-        assert problem in error["error"] and "one sample of shape (3,)" in error["error"]
-        assert (error["expected_shape"], error["expected_dtype"]) == ([3], "float32")
-
-
-async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_model():
-    engine = FakeEngine(input_dtype="int64", max_batch_size=4)
-    post = "/v1/predict"
-    octet = {"content-type": "application/octet-stream"}
-    async with running(engine, max_batch_size=4) as (client, _):
-        too_many = await client.post(post, json={"inputs": [[1, 2, 3]] * 5})
-        floats = await client.post(post, json={"inputs": [1.5, 2, 3]})
-        whole = await client.post(post, json={"inputs": [[1.0, 2, 3]]})
-        beyond = await client.post(post, content=npy(np.array([2**63, 1, 1], np.uint64)), headers=octet)
-        nan = await client.post(post, content=npy(np.array([np.nan, 1, 2])), headers=octet)
-        garbage = await client.post(post, content=b"not a numpy file", headers=octet)
-        lying = await client.post(post, content=npy(np.zeros((4, 3), np.int64))[:-8], headers=octet)
-        negative = npy(np.zeros((1, 3), np.int64)).replace(b"(1, 3), }", b"(-1,-3),}")  # 3 elements, as the data
-        negative = await client.post(post, content=negative, headers=octet)
-        text = await client.post(post, content=b"1,2,3", headers={"content-type": "text/plain"})
-        good = await client.post(post, content=npy(np.array([[1, 2, 3]], np.int32)), headers=octet)
-    assert too_many.status_code == 422 and "5 samples, more than max_batch_size=4" in too_many.json()["error"]
-    assert floats.status_code == 422 and "inputs are numbers (float64)" in floats.json()["error"]
-    assert beyond.status_code == 422 and "outside int64's range" in beyond.json()["error"]
-    assert nan.status_code == 422 and "float64" in nan.json()["error"]
-    assert garbage.status_code == 400 and "not a .npy array" in garbage.json()["error"]
-    assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]
-    assert negative.status_code == 400 and "(-1, -3), with a negative dimension" in negative.json()["error"]
-    assert text.status_code == 415 and "application/json" in text.json()["error"]
-    assert good.status_code == 200 and good.json() == {"outputs": [[2.0, 4.0, 6.0]]}
-    assert whole.json() == {"outputs": [[2.0, 4.0, 6.0]]}
-    assert engine.batches == [1, 1], "only the valid requests reached the model"
-
-
-async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
-    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,"  # the closing brackets never come
-    cut = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 12
-    async with running(FakeEngine()) as (client, _):
-        answer = await client.post("/v1/predict", content=cut, headers={"content-type": "application/octet-stream"})
-    assert answer.status_code == 400 and answer.json()["reason"] == "bad_request"
-    assert "not a .npy array" in answer.json()["error"]
-
-
 async def test_refusals_that_never_reached_the_queue_stay_out_of_the_latency_histogram():
     engine = FakeEngine()
     engine.gate.clear()  # the model holds its first batch
@@ -219,56 +67,6 @@ async def test_refusals_that_never_reached_the_queue_stay_out_of_the_latency_his
     assert [answer.status_code for answer in refused] == [503] * 3
     assert page['redline_serve_rejections_total{"reason": "queue_full"}'] == 3
     assert page["redline_serve_latency_seconds_count{}"] == 2, "only the two queued requests were timed"
-
-
-async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():
-    engine = FakeEngine()
-    engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: list(out))
-    async with running(engine) as (client, _):
-        answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
-        page = metrics((await client.get("/metrics")).text)
-    assert answer.status_code == 500 and answer.json()["reason"] == "model_error"
-    assert "not JSON" in answer.json()["error"] and "Tensor" in answer.json()["error"]
-    assert page['redline_serve_requests_total{"status": "500"}'] == 1
-    assert 'redline_serve_requests_total{"status": "200"}' not in page
-
-
-async def test_non_finite_floats_are_refused():
-    async with running(FakeEngine(input_dtype="float16")) as (client, _):
-        answer = await client.post("/v1/predict", json={"inputs": [1e6, 0, 0]})  # beyond float16's 65504
-    assert answer.status_code == 422 and "not finite in float16" in answer.json()["error"]
-
-
-async def test_a_body_over_the_limit_is_refused_by_its_length_and_by_the_bytes_streamed():
-    async with running(FakeEngine(), max_body_mb=0.001) as (client, _):  # 1048 bytes
-        declared = await client.post("/v1/predict", content=b"x" * 2000, headers={"content-type": "application/json"})
-
-        async def chunks():
-            for _ in range(4):
-                yield b" " * 600
-
-        streamed = await client.post("/v1/predict", content=chunks(), headers={"content-type": "application/json"})
-        page = metrics((await client.get("/metrics")).text)
-    assert "content-length" not in streamed.request.headers
-    assert declared.status_code == streamed.status_code == 413
-    assert "max_body_mb=0.001" in streamed.json()["error"]
-    assert page['redline_serve_rejections_total{"reason": "body_too_large"}'] == 2
-
-
-async def test_a_token_is_required_and_compared_when_token_env_is_set(monkeypatch):
-    monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret\n")  # as read from a secret file, newline and all
-    async with running(FakeEngine(), token_env="REDLINE_TEST_TOKEN") as (client, _):
-        missing = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
-        wrong = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"authorization": "Bearer nope"})
-        right = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"authorization": "Bearer s3cret"})
-        hidden_metrics = await client.get("/metrics")
-        probe = await client.get("/livez")
-    assert missing.status_code == wrong.status_code == hidden_metrics.status_code == 401
-    assert missing.headers["www-authenticate"] == "Bearer"
-    assert right.status_code == 200 and probe.status_code == 200
-    monkeypatch.setenv("REDLINE_TEST_TOKEN", "")
-    with pytest.raises(ConfigError, match="--token-env REDLINE_TEST_TOKEN: the variable is empty"):
-        build_app(FakeEngine(), ServeOptions(token_env="REDLINE_TEST_TOKEN", max_batch_size=8))
 
 
 async def test_a_full_queue_answers_503_with_retry_after_and_the_accepted_requests_finish():
@@ -358,6 +156,40 @@ async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_s
     assert alive.status_code == 200
 
 
+async def test_a_request_the_model_cannot_take_fails_alone_not_with_its_batchmates():
+    engine = FakeEngine()
+    engine.gate.clear()  # the model holds its first batch, while three requests queue behind it
+    async with running(engine, max_wait_ms=0) as (client, serving):
+        first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
+        await eventually(lambda: engine.threads)
+        queued = [asyncio.create_task(client.post("/v1/predict", json={"inputs": x})) for x in
+                  ([2, 2, 2], [POISON, 0, 0], [3, 3, 3])]  # fmt: skip
+        await eventually(lambda: serving.dispatcher.queued == 3)
+        engine.gate.set()
+        answers = [await task for task in [first, *queued]]
+        page = metrics((await client.get("/metrics")).text)
+    assert [a.status_code for a in answers] == [200, 200, 500, 200]
+    assert [answers[i].json()["outputs"] for i in (1, 3)] == [[[4.0] * 3], [[6.0] * 3]]
+    assert "poisoned sample" in answers[2].json()["error"]
+    assert engine.batches == [1, 3, 1, 1, 1], "the three ran together, then each alone"
+    assert page["redline_serve_batch_requests_count{}"] == 2, "the reruns are not counted as batches"
+
+
+async def test_redlines_own_code_failing_on_a_batch_is_an_internal_error_not_blamed_on_the_model(monkeypatch):
+    async with running(linear_engine()) as (client, _):
+        await ready(client)
+        monkeypatch.setattr(engine_module, "bucket_for", max)  # a builtin: it fails in the engine's own frame
+        failed = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        monkeypatch.undo()
+        after = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        page = metrics((await client.get("/metrics")).text)
+    assert failed.status_code == 500 and failed.json()["reason"] == "internal_error"
+    assert "in redline's own code, not the model's: TypeError" in failed.json()["error"]
+    assert after.status_code == 200
+    assert page['redline_serve_rejections_total{"reason": "internal_error"}'] == 1
+    assert page["redline_serve_latency_seconds_count{}"] == 2, "a queued request's failure is timed as any other"
+
+
 async def test_readyz_waits_for_the_warm_up_and_turns_503_when_draining():
     engine = FakeEngine(ready=False)
     engine.warm_gate.clear()
@@ -429,17 +261,6 @@ async def test_shutting_down_during_the_warm_up_stops_it_without_failing():
     assert not engine.ready and serving.dispatcher.failed is None
 
 
-def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
-    with pytest.raises(ConfigError, match="port=70000"):
-        ServeOptions(port=70000)
-    with pytest.raises(ConfigError, match="queue_size=0"):
-        ServeOptions(queue_size=0)
-    with pytest.raises(ConfigError, match="token_env='MY-TOKEN'"):
-        ServeOptions(token_env="MY-TOKEN")
-    with pytest.raises(ConfigError, match="max_batch_size=16 is not allowed; expected at most the engine's"):
-        build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=16))
-
-
 def test_a_port_in_use_and_a_host_not_of_this_machine_each_get_their_own_fix():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -450,10 +271,18 @@ def test_a_port_in_use_and_a_host_not_of_this_machine_each_get_their_own_fix():
         server_module.bind("192.0.2.1", 0)  # TEST-NET-1 (RFC 5737): never an address of this machine
 
 
-@pytest.mark.parametrize("shape", [3, "3", None, (3, 0)])
-def test_a_servable_with_an_input_shape_that_is_not_a_shape_is_refused_naming_the_field(shape):
-    with pytest.raises(ConfigError, match=r"input_shape=.* is not allowed; expected positive integers"):
-        Servable(model=torch.nn.Linear(3, 2), input_shape=shape)
+def test_redline_serve_tells_a_busy_port_before_it_loads_the_model(monkeypatch):
+    loaded = []
+    monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = CliRunner().invoke(app, ["serve", "example:digits", "--port", str(busy.getsockname()[1])])
+    assert isinstance(result.exception, RedlineError) and "Address already in use" in str(result.exception)
+    assert loaded == [], "the model was loaded (and measured, compiled) before the port was tried"
+    held = server_module.bind("127.0.0.1", 0)  # the port is held, but refuses connections until serve listens
+    with held, pytest.raises(ConnectionRefusedError), socket.create_connection(held.getsockname(), timeout=5):
+        pass
 
 
 def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
@@ -492,6 +321,38 @@ class Slow(nn.Module):
 def make():
     return Servable(model=Slow(), input_shape=(3,))
 """
+
+
+MISDECLARED = """
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Narrow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def make():
+    return Servable(model=Narrow(), input_shape=(3,))
+"""
+
+
+@pytest.mark.slow
+def test_redline_serve_whose_model_fails_the_warm_up_exits_1_naming_the_users_line_and_the_fix(tmp_path):
+    (tmp_path / "narrow.py").write_text(MISDECLARED)
+    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'narrow.py'}:make", "--port", "0",
+               "--device", "cpu", "--measure", "off", "--compile", "off"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "error: the server stopped: warm-up failed: RuntimeError: mat1 and mat2 shapes" in result.stderr
+    assert f"at {tmp_path / 'narrow.py'}:" in result.stderr and "in forward: return self.linear(x)" in result.stderr
+    assert "hint: check that the model takes the Servable's input_shape (3,) and input_dtype float32" in result.stderr
 
 
 @pytest.mark.slow

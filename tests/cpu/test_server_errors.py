@@ -3,6 +3,7 @@
 import httpx
 import orjson
 import pytest
+from serve_client import metrics
 from serve_engines import FakeEngine
 
 from redline.serve.app import build_app
@@ -48,3 +49,18 @@ async def test_a_method_the_path_does_not_take_is_a_json_405_naming_those_it_doe
 async def test_the_schema_says_every_error_is_json_off_the_routes_too():
     described = orjson.loads(build_app(FakeEngine()).state.serving.openapi)["info"]["description"]
     assert "404" in described and "405" in described and '{"error": message, "reason": word}' in described
+
+
+async def test_refusals_off_the_prediction_route_are_counted_by_reason_too(monkeypatch):
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret")
+    app = build_app(FakeEngine(), ServeOptions(max_batch_size=8, token_env="REDLINE_TEST_TOKEN"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+        for method, path in [("GET", "/nowhere"), ("POST", "/predict"), ("GET", "/v1/predict"), ("GET", "/metrics")]:
+            assert (await client.request(method, path)).status_code in (401, 404, 405)
+        page = await client.get("/metrics", headers={"authorization": "Bearer s3cret"})
+    counted = {k: v for k, v in metrics(page.text).items() if k.startswith("redline_serve_rejections_total")}
+    assert counted == {
+        'redline_serve_rejections_total{"reason": "not_found"}': 2,
+        'redline_serve_rejections_total{"reason": "method_not_allowed"}': 1,
+        'redline_serve_rejections_total{"reason": "unauthorized"}': 1,
+    }

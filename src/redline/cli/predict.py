@@ -4,7 +4,8 @@ The input is checked against the servable (per-sample shape and dtype) before th
 the device; the output is written through a temporary file and renamed, so a failure leaves no
 half-written file. The engine's Plan is printed, then a summary line. An exception the model raises
 (in the warm-up, or on a batch of the input) is an InferenceError naming the rows it ran, the
-line of the user's code and what to check.
+line of the user's code and what to check; one that redline's own code raised is not blamed on
+the model, and ends the command with its traceback.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from redline.cli.options import (
     Weights,
 )
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError, InferenceError, RedlineError, describe_error
+from redline.errors import ConfigError, InferenceError, RedlineError, ServableError, describe_error
 from redline.render.console import output_console, plan_table
-from redline.runtime.contract import user_line
+from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine
 from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
@@ -48,7 +49,9 @@ def predict(
     spec: ModelSpec,
     input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
     output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
-    batch_size: Annotated[int, typer.Option(min=1, help="Samples per batch (the largest bucket).")] = 32,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Samples per batch (the largest bucket; at most the samples in --input).")
+    ] = 32,
     weights: Weights = None,
     task_arg: TaskArgs = None,
     device: EngineDevice = "auto",
@@ -62,6 +65,7 @@ def predict(
     samples = read_samples(input_path)
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
+    batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
     with model_raising(warming, check_hint(servable)):  # building the engine may time the model too (--measure)
         engine = InferenceEngine(
@@ -101,6 +105,8 @@ def check_output(path: Path) -> None:
 
 def read_samples(path: Path) -> np.ndarray:
     """Load a .npy array; a missing file, another format or an empty array is a ConfigError naming the file."""
+    if path.is_dir():
+        raise ConfigError(f"--input {str(path)!r} is a directory\nhint: name the .npy file of the samples inside it")
     if not path.is_file():
         raise ConfigError(f"--input {str(path)!r} does not exist\nhint: write the samples with numpy.save(path, array)")
     with path.open("rb") as file:
@@ -186,15 +192,21 @@ def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
 def model_raising(running: str, check: str) -> Iterator[None]:
     """Turn the model's exception into an InferenceError naming what was ``running``, the user's line and the fix.
 
-    The fix is ``check``, or lowering --batch-size for an out-of-memory error. A redline error passes
-    unchanged; the model's exception, whole traceback and all, is the error's ``__cause__``
-    (REDLINE_TRACEBACK=1 prints it).
+    The fix is ``check``, or lowering --batch-size for an out-of-memory error. What the model gave and
+    the engine cannot use (a ServableError) is told with what was ``running``; any other redline error
+    passes unchanged, and so does an exception redline's own code raised (a bug of redline's, not
+    the model's: ``blames_user_code``). The model's exception, whole traceback and all, is the
+    error's ``__cause__`` (REDLINE_TRACEBACK=1 prints it).
     """
     try:
         yield
+    except ServableError as exc:
+        raise InferenceError(f"while {running}: {exc}") from exc
     except RedlineError:
         raise
     except Exception as exc:
+        if not blames_user_code(exc):
+            raise
         line = user_line(exc)
         if is_oom(exc):
             hint = "lower --batch-size: the device ran out of memory on batches of up to that many samples"

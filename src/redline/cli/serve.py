@@ -27,7 +27,7 @@ from redline.render.console import output_console, plan_table
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
 from redline.serve.servable import load_servable
-from redline.serve.server import serve
+from redline.serve.server import bind, serve
 
 
 def _serve(
@@ -44,18 +44,22 @@ def _serve(
     """Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics."""
     options = build(ServeOptions, parsed)
     options.token()  # an empty --token-env variable is refused before the model loads
-    servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
-    engine = InferenceEngine(
-        servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-        measure=measure, max_batch_size=options.max_batch_size,
-    )  # fmt: skip
-    console = output_console()
-    console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
+    sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
+    try:
+        servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+        engine = InferenceEngine(
+            servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+            measure=measure, max_batch_size=options.max_batch_size,
+        )  # fmt: skip
+        console = output_console()
+        console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
 
-    def listening(url: str) -> None:
-        _say(f"listening on {url} (POST {url}/v1/predict; ready at {url}/readyz once warmed up)")
+        def listening(url: str) -> None:
+            _say(f"listening on {url} (POST {url}/v1/predict; ready at {url}/readyz once warmed up)")
 
-    serve(engine, options, on_listen=listening, on_ready=lambda: _say("ready: warm-up done"))
+        serve(engine, options, sock=sock, on_listen=listening, on_ready=lambda: _say("ready: warm-up done"))
+    finally:
+        sock.close()
     _say("stopped: every accepted request was answered")
 
 

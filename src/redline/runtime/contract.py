@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
-from redline.errors import RedlineError, TaskError, TrainingError, user_line
+from redline.errors import RedlineError, TaskError, TrainingError, raised_in_redline, user_line
 from redline.parallel.collectives import is_collective_failure
+from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.loss import check_loss
 from redline.runtime.oom import is_oom
 
 __all__ = [
+    "blames_user_code",
     "check_loss",
     "count_samples",
     "describe",
@@ -73,19 +75,32 @@ def count_samples(inputs: Any) -> int:
     return len(inputs) if hasattr(inputs, "__len__") else 0
 
 
+def blames_user_code(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's code's to answer for (model, loss, metric, a Servable's function), not redline's.
+
+    A redline error is redline's word, and an exception redline's own code raised is its bug: that one
+    must reach the user with its traceback, not as a message blaming the model. The device failing
+    (out of memory, a sticky CUDA error: seen wherever redline synchronises) is the workload's.
+    """
+    if isinstance(exc, RedlineError):
+        return False
+    return is_oom(exc) or is_sticky_cuda_error(exc) or not raised_in_redline(exc)
+
+
 @contextlib.contextmanager
 def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
 
     A redline error passes unchanged, and so do a failed collective (a peer's death, told apart
-    by the caller) and an out-of-memory (recovered from by micro-batches, or reported as such).
+    by the caller), an out-of-memory (recovered from by micro-batches, or reported as such) and an
+    exception redline's own code raised (``blames_user_code``).
     """
     try:
         yield
     except RedlineError:
         raise
     except Exception as exc:
-        if is_collective_failure(exc) or is_oom(exc):
+        if is_collective_failure(exc) or is_oom(exc) or not blames_user_code(exc):
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         line = user_line(exc)

@@ -6,7 +6,7 @@
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
-401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model,
+401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model (or redline),
 and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
@@ -35,7 +35,8 @@ from redline.serve.refused import Refused
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
-QUEUED_REFUSALS = ("model_error", "timeout")  # the refusals of queued requests: the latency histogram times them
+# The refusals of queued requests: the latency histogram times them (not those refused at the door).
+QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
 
 
 class Serving:
@@ -72,7 +73,9 @@ class Serving:
         if self.token is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+        # Header values arrive decoded as latin-1: encoding back gives the bytes sent, a UTF-8 token's included
+        sent = given.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.token.encode()):
             raise Refused(
                 401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                 headers={"WWW-Authenticate": "Bearer"},
@@ -113,19 +116,29 @@ class Serving:
                     415, "unsupported_media_type",
                     f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)",
                 )  # fmt: skip
+            coding = request.headers.get("content-encoding", "identity").strip().lower()
+            if coding not in ("identity", ""):  # a compressed body would be read as broken JSON or .npy
+                raise Refused(
+                    415, "unsupported_media_type",
+                    f"Content-Encoding {coding!r} is not read; send the body uncompressed (no Content-Encoding)",
+                )  # fmt: skip
             body = await self.read_body(request)
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
             outputs = await self.dispatcher.submit(inputs, arrived=arrived)
             answer = _outputs_json(outputs)
         except Refused as refused:
             self.metrics.requests.labels(status=str(refused.status)).inc()
-            self.metrics.rejections.labels(reason=refused.reason).inc()
             if refused.reason in QUEUED_REFUSALS:  # not those refused at the door (a full queue's 503)
                 self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
-            return _json(refused.body(), refused.status, refused.headers)
+            return self.refuse(refused)
         self.metrics.requests.labels(status="200").inc()
         self.metrics.latency_seconds.observe(self.dispatcher.clock() - arrived)
         return answer
+
+    def refuse(self, refused: Refused) -> Response:
+        """The JSON answer of a refusal, counted by its reason: every refused request, on any path, is counted."""
+        self.metrics.rejections.labels(reason=refused.reason).inc()
+        return _json(refused.body(), refused.status, refused.headers)
 
     async def livez(self, request: Request) -> Response:
         """GET /livez: 503 once the model cannot run any more, so that an orchestrator restarts the server."""
@@ -150,7 +163,7 @@ class Serving:
         try:
             self.check_token(request)
         except Refused as refused:
-            return _json(refused.body(), refused.status, refused.headers)
+            return self.refuse(refused)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def openapi_page(self, request: Request) -> Response:
@@ -185,13 +198,15 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
         Route("/metrics", serving.metrics_page, methods=["GET"]),
         Route("/openapi.json", serving.openapi_page, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes))
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes, serving.refuse))
     app.state.serving = serving
     return app
 
 
-def off_route_answers(routes: Sequence[Route]) -> dict[int, Callable[[Request, Exception], Awaitable[Response]]]:
-    """The app's handlers of a request no route takes: JSON refusals, as every other error is.
+def off_route_answers(
+    routes: Sequence[Route], refuse: Callable[[Refused], Response]
+) -> dict[int, Callable[[Request, Exception], Awaitable[Response]]]:
+    """The app's handlers of a request no route takes: JSON refusals answered (and counted) by ``refuse``.
 
     404 lists the endpoints; 405 names the methods the path takes and keeps Starlette's Allow
     header (in a stable order: Starlette joins a set).
@@ -203,16 +218,14 @@ def off_route_answers(routes: Sequence[Route]) -> dict[int, Callable[[Request, E
 
     async def not_found(request: Request, exc: Exception) -> Response:
         where = f"{request.method} {request.url.path}"
-        refused = Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}")
-        return _json(refused.body(), refused.status)
+        return refuse(Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}"))
 
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
         headers = (exc.headers if isinstance(exc, HTTPException) else None) or {}
         allowed = sorted(method.strip() for method in headers.get("Allow", "").split(",") if method.strip())
         path = request.url.path
         message = f"{request.method} {path}: method not allowed; {path} takes {' or '.join(allowed)}"
-        refused = Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)})
-        return _json(refused.body(), refused.status, refused.headers)
+        return refuse(Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)}))
 
     return {404: not_found, 405: method_not_allowed}
 

@@ -8,7 +8,9 @@
 The model runs off the event loop in one dedicated thread, the only thread that ever calls the
 engine (inference_mode and autocast are entered there, per thread). The worker asks the pure
 ``decide`` what to run; each request's future gets its own outputs, a 504 once its deadline has
-passed, or a 500 when the model raised on its batch; the worker then goes on with the next batch.
+passed, or a 500 when the model raised on it (``model_error``; ``internal_error`` when redline's own
+code did, its traceback logged): a failed batch of several requests is run again one request at
+a time, so that only the request the model cannot take fails. The worker then goes on.
 A full queue refuses at once with 503 and Retry-After: whatever was accepted is answered.
 """
 
@@ -20,14 +22,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from redline.errors import describe_error
+from redline.errors import RedlineError, ServableError, describe_error
+from redline.runtime.contract import blames_user_code
 from redline.serve.batcher import Pending, decide
 from redline.serve.engine import WarmUpStopped
 from redline.serve.metrics import ServeMetrics
@@ -65,6 +68,7 @@ class Dispatcher:
         self.metrics = metrics
         self.clock = clock
         self.failed: str | None = None  # why the worker stopped for good (its warm-up raised)
+        self.error: Exception | None = None  # the exception that stopped it, traceback and all
         self.on_ready: Callable[[], None] | None = None  # called once the engine is warmed up
         self.on_failed: Callable[[str], None] | None = None  # called with ``failed`` when the worker gives up
         self._queue: deque[Queued] = deque()
@@ -147,6 +151,7 @@ class Dispatcher:
         except Exception as exc:  # the server stays up to say why (/livez), and answers 503
             stage = "warm-up failed" if not self.engine.ready else "the batching worker stopped"
             self.failed = f"{stage}: {describe_error(exc)}"
+            self.error = exc
             if self.on_failed is None:  # otherwise its owner reports it (redline serve exits with it)
                 log.error("redline serve: %s", self.failed)
             for queued in self._queue:
@@ -188,22 +193,41 @@ class Dispatcher:
         started = self.clock()
         for queued in batch:
             self.metrics.queue_seconds.observe(started - queued.arrived)
-        samples = sum(q.samples for q in batch)
-        self.metrics.batch_samples.observe(samples)
+        self.metrics.batch_samples.observe(sum(q.samples for q in batch))
         self.metrics.batch_requests.observe(len(batch))
+        try:
+            await self._answer(batch)
+        finally:
+            self.metrics.compute_seconds.observe(self.clock() - started)
+
+    async def _answer(self, batch: list[Queued]) -> None:
+        """Settle each request of ``batch`` with its outputs, or with a 500 when the model raised.
+
+        When a batch of several requests fails, each is run again alone, so that one request the
+        model cannot take (a token id beyond its vocabulary, say) fails by itself, not its batchmates
+        too; not when the device is lost, where nothing can run.
+        """
+        samples = sum(q.samples for q in batch)
         try:
             inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
             outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._predict, inputs)
         except Exception as exc:  # this batch fails; the server goes on with the next one
-            message = describe_error(exc)
-            log.error("redline serve: the model failed on a batch of %d samples: %s", samples, message)
-            if getattr(self.engine, "broken", None):
-                log.error("redline serve: the device is unusable (%s); /livez now fails", self.engine.broken)
+            broken = getattr(self.engine, "broken", None)
+            if len(batch) > 1 and not broken:
+                log.warning(
+                    "redline serve: a batch of %d requests failed (%s); running each alone", len(batch),
+                    describe_error(exc),
+                )  # fmt: skip
+                for queued in batch:
+                    if not queued.future.done():  # timed out or abandoned meanwhile: not run again
+                        await self._answer([queued])
+                return
+            refused = _batch_failed(exc, samples)
+            if broken:
+                log.error("redline serve: the device is unusable (%s); /livez now fails", broken)
             for queued in batch:
-                _settle(queued.future, exception=Refused(500, "model_error", f"the model failed: {message}"))
+                _settle(queued.future, exception=refused)
             return
-        finally:
-            self.metrics.compute_seconds.observe(self.clock() - started)
         start = 0
         for queued in batch:
             _settle(queued.future, result=outputs[start : start + queued.samples])
@@ -213,10 +237,30 @@ class Dispatcher:
         """Return one JSON-ready value per sample (in the model's thread: postprocessing is the user's code too)."""
         outputs = self.engine.predict(inputs)
         postprocess = self.engine.servable.postprocess
-        values = list(postprocess(outputs)) if postprocess is not None else outputs.tolist()
+        if postprocess is None:
+            values: list[Any] = outputs.tolist()
+            return values
+        made = postprocess(outputs)
+        if not isinstance(made, Iterable) or isinstance(made, str | bytes | dict):
+            raise ServableError(f"postprocess returned {type(made).__name__}; expected a list of one value per sample")
+        values = list(made)
         if len(values) != inputs.shape[0]:
-            raise ValueError(f"postprocess returned {len(values)} values for {inputs.shape[0]} samples")
+            raise ServableError(f"postprocess returned {len(values)} values for {inputs.shape[0]} samples")
         return values
+
+
+def _batch_failed(exc: Exception, samples: int) -> Refused:
+    """The 500 of every request of a batch that raised ``exc``, logged: the model's error, or redline's own."""
+    message = describe_error(exc)
+    if isinstance(exc, RedlineError) or blames_user_code(exc):  # a redline error names what the model gave
+        log.error("redline serve: the model failed on a batch of %d samples: %s", samples, message)
+        return Refused(500, "model_error", f"the model failed: {message}")
+    log.error("redline serve: redline's own code failed on a batch of %d samples", samples, exc_info=exc)
+    return Refused(
+        500, "internal_error",
+        f"the server failed on this batch, in redline's own code, not the model's: {message}; its log holds the "
+        "traceback (please report it)",
+    )  # fmt: skip
 
 
 def _settle(future: asyncio.Future[list[Any]], *, result: Any = None, exception: BaseException | None = None) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from redline.config import positive_int
-from redline.errors import ConfigError, DeviceUnavailableError, describe_error, invalid
+from redline.errors import ConfigError, DeviceUnavailableError, ServableError, describe_error, invalid
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice
 from redline.plan.device import resolve_device
@@ -284,7 +284,7 @@ class InferenceEngine:
         made = preprocess(inputs)
         if not isinstance(made, torch.Tensor) or made.ndim == 0 or made.shape[0] != inputs.shape[0]:
             got = f"shape {tuple(made.shape)}" if isinstance(made, torch.Tensor) else type(made).__name__
-            raise ValueError(
+            raise ServableError(
                 f"preprocess returned {got} for {inputs.shape[0]} samples; expected a tensor of as many rows"
             )
         return made

@@ -259,8 +259,8 @@ async def run_load_async(
         payload = Payload.from_file(options.payload)
     method = (options.method or ("POST" if payload else "GET")).upper()
     headers = parse_headers(options.headers)
-    if payload is not None:
-        headers.setdefault("Content-Type", payload.content_type)
+    if payload is not None and not any(name.lower() == "content-type" for name in headers):
+        headers["Content-Type"] = payload.content_type  # unless --header gave one, in any case: it would go twice
     request = _Request(url, method, payload.body if payload else None, headers)
     await check_reachable(url, options.timeout_s)
     rate = options.rate if options.rate is not None or options.concurrency is not None else DEFAULT_RATE
@@ -331,9 +331,21 @@ def run_load(
 def load_test(
     url: str, options: LoadOptions, *, payload: Payload | None = None, progress: ProgressCallback | None = None
 ) -> LoadResult:
-    """Run run_load_async on an event loop of its own (uvloop's where installed) and return its result."""
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(run_load_async(url, options, payload=payload, progress=progress))
+    """Run run_load_async on an event loop of its own (uvloop's where installed) and return its result.
+
+    The loop is made and closed here, as asyncio.Runner would (Python 3.11+; 3.10 is supported too).
+    """
+    loop = (_loop_factory() or asyncio.new_event_loop)()
+    try:
+        return loop.run_until_complete(run_load_async(url, options, payload=payload, progress=progress))
+    finally:
+        left = asyncio.all_tasks(loop)  # stopped early (Ctrl-C): the requests still out are cancelled
+        for task in left:
+            task.cancel()
+        if left:  # gather() of nothing would make its future on another loop
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -40,8 +40,9 @@ class ServeMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.rejections = Counter(
-            "redline_serve_rejections", "Prediction requests refused, by reason.", ["reason"], registry=self.registry
-        )
+            "redline_serve_rejections", "Requests refused, by reason: on every path, unknown ones included.",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
         self.queued = Gauge("redline_serve_queued_requests", "Requests waiting in the queue.", registry=self.registry)
 
     def render(self) -> bytes:

@@ -28,9 +28,14 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
     predict_errors = {
         "400": _error("The body is not valid JSON, or not a .npy array."),
         "413": _error("The body is larger than the server's limit (--max-body-mb)."),
-        "415": _error("The Content-Type is neither application/json nor application/octet-stream."),
+        "415": _error(
+            "The Content-Type is neither application/json nor application/octet-stream, or the body is compressed."
+        ),
         "422": _error("The inputs' shape, dtype, values or number of samples do not fit the model."),
-        "500": _error("The model raised on the batch holding this request; the server goes on."),
+        "500": _error(
+            "The model raised on this request (model_error), or redline's own code failed (internal_error); "
+            "the server goes on."
+        ),
         "503": _error("The queue is full (Retry-After says when to retry), or the model is not ready.", retry=True),
         "504": _error("No answer within the server's timeout (--timeout-ms) of the request's arrival."),
     }

@@ -36,7 +36,8 @@ class ServeOptions:
         if self.port > 65535:
             raise invalid("port", self.port, "a port number from 0 to 65535", "port=0 picks any free port")
         positive_int("max_batch_size", self.max_batch_size)
-        non_negative_number("max_wait_ms", self.max_wait_ms, "milliseconds >= 0 (0: never wait for more requests)")
+        wait_rule = "finite milliseconds >= 0 (0: never wait for more requests)"
+        non_negative_number("max_wait_ms", self.max_wait_ms, wait_rule)  # NaN would wait forever
         positive_int("queue_size", self.queue_size)
         positive_number("timeout_ms", self.timeout_ms)
         positive_number("max_body_mb", self.max_body_mb)

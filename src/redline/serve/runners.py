@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.errors import describe_error
+from redline.errors import ServableError, describe_error
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.precision import Precision
 
@@ -61,9 +61,11 @@ def copy_out(outputs: Any, rows: int, bucket: int) -> torch.Tensor:
     The copy is taken before anything else runs: a CUDA graph's next replay overwrites its outputs.
     """
     if not isinstance(outputs, torch.Tensor):
-        raise TypeError(f"the model returned {type(outputs).__name__}; the engine serves models that return a tensor")
+        raise ServableError(
+            f"the model returned {type(outputs).__name__}; the engine serves models that return a tensor"
+        )
     if outputs.ndim == 0 or outputs.shape[0] != bucket:
-        raise ValueError(
+        raise ServableError(
             f"the model returned shape {tuple(outputs.shape)} for a batch of {bucket}; the engine serves models "
             "whose outputs have one row per input row (batch first)"
         )

@@ -3,11 +3,13 @@
 A spec names a factory, as a Task spec does (``example:digits``, ``pkg.module:factory``,
 ``path/to/file.py:factory``). The factory returns a ``Servable``, or a Task (its model, with the
 shape and dtype of its first training sample). A bare module is refused: without the input's
-shape nothing can be checked before it reaches the model, nor warmed up.
+shape nothing can be checked before it reaches the model, nor warmed up. A Task's model is built
+afresh, so without ``weights`` it is untrained unless the Task loads its own: a warning says so.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,8 @@ from torch import nn
 from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
 from redline.errors import ConfigError, TaskSpecError, invalid
 from redline.task import Task, find_factory, run_factory
+
+log = logging.getLogger("redline")
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
 
@@ -71,6 +75,12 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
     """Load the Servable a spec names, with ``weights`` (a safetensors file) loaded into its model."""
     made = run_factory(spec, find_factory(spec), options)
     if isinstance(made, Task):
+        if weights is None:
+            log.warning(
+                "task %r: no --weights given, so its model is as build_model() makes it: untrained, unless the "
+                "task loads trained weights itself (redline train --out DIR writes DIR/model.safetensors)",
+                made.name,
+            )
         made = from_task(made)
     elif isinstance(made, nn.Module):
         raise TaskSpecError(

@@ -2,10 +2,12 @@
 
 uvicorn[standard] brings uvloop and httptools; ``loop="auto"`` and ``http="auto"`` take them when
 present. The socket is bound before uvicorn starts, so ``port=0`` gets a free port that is known
-(and printed) at once. On SIGTERM or SIGINT /readyz turns 503, uvicorn stops accepting
-connections, the requests already in (queued ones included) are answered, and then the worker
-stops: every accepted request ends by its deadline (504), so the grace period is the request
-timeout plus a margin. The process then exits with 0, as a server asked to stop does.
+(and printed) at once; ``redline serve`` binds it before it even loads the model, so that a busy
+port or a wrong host is told at once, not after minutes of loading, measuring and compiling.
+On SIGTERM or SIGINT /readyz turns 503, uvicorn stops accepting connections, the requests
+already in (queued ones included) are answered, and then the worker stops: every accepted
+request ends by its deadline (504), so the grace period is the request timeout plus a margin.
+The process then exits with 0, as a server asked to stop does.
 
 Once warmed up, the heap is frozen (``gc.freeze``): the hundreds of thousands of objects torch,
 the model and the server made at start-up leave the collector's view, so its full collections no
@@ -26,7 +28,9 @@ from typing import Any
 
 import uvicorn
 
-from redline.errors import RedlineError
+from redline.errors import RedlineError, user_line
+from redline.runtime.contract import blames_user_code
+from redline.runtime.oom import is_oom
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
 
@@ -55,8 +59,14 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+BACKLOG = 2048  # connections the kernel holds for uvicorn to accept
+
+
 def bind(host: str, port: int) -> socket.socket:
-    """Return a listening TCP socket on ``host:port`` (port 0: a free one)."""
+    """Return a TCP socket bound to ``host:port`` (port 0: a free one), not listening yet.
+
+    The port is held from now on; connections are refused until ``serve`` listens on it.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,7 +81,6 @@ def bind(host: str, port: int) -> socket.socket:
         else:  # EADDRNOTAVAIL, or a name that does not resolve: the host is not this machine's
             hint = "--host takes an address of this machine: 127.0.0.1 (itself alone) or 0.0.0.0 (every interface)"
         raise RedlineError(f"cannot listen on {host}:{port}: {exc.strerror or exc}\nhint: {hint}") from None
-    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
@@ -93,17 +102,20 @@ def serve(
     engine: Any,
     options: ServeOptions | None = None,
     *,
+    sock: socket.socket | None = None,
     on_listen: Callable[[str], None] | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Serve ``engine`` until SIGTERM or SIGINT; ``on_listen(url)`` once bound, ``on_ready()`` after warm-up.
+    """Serve ``engine`` until SIGTERM or SIGINT; ``on_listen(url)`` once listening, ``on_ready()`` after warm-up.
 
-    Raise ServerFailed (exit code 1) when the model's warm-up failed.
+    ``sock``: a socket from ``bind`` (else one is bound to ``options``' host and port); it is closed
+    at the end. Raise ServerFailed (exit code 1) when the model's warm-up failed.
     """
     options = options or ServeOptions()
     app = build_app(engine, options)
     serving = app.state.serving
-    sock = bind(options.host, options.port)
+    sock = sock if sock is not None else bind(options.host, options.port)
+    sock.listen(BACKLOG)
     config = uvicorn.Config(
         app, loop="auto", http="auto", lifespan="on", access_log=False, log_level="warning",
         timeout_graceful_shutdown=math.ceil(options.timeout_ms / 1000 + GRACE_MARGIN_S),
@@ -127,4 +139,26 @@ def serve(
     finally:
         sock.close()
     if serving.dispatcher.failed is not None:
-        raise ServerFailed(f"the server stopped: {serving.dispatcher.failed}")
+        raise ServerFailed(stopped_by(serving.dispatcher.failed, serving.dispatcher.error, engine, options)) from (
+            serving.dispatcher.error
+        )
+
+
+def stopped_by(reason: str, exc: Exception | None, engine: Any, options: ServeOptions) -> str:
+    """Why the server stopped (its warm-up failed): the user's line and the fix, or that redline's own code failed."""
+    message = f"the server stopped: {reason}"
+    if exc is None or isinstance(exc, RedlineError):  # a redline error names its own fix
+        return message
+    if not blames_user_code(exc):
+        hint = "redline's own code failed, not the model: please report it with the traceback"
+    elif is_oom(exc):
+        hint = f"lower --max-batch-size: the warm-up runs batches of up to {options.max_batch_size} samples"
+    else:
+        servable = engine.servable
+        hint = (
+            f"check that the model takes the Servable's input_shape {servable.input_shape} and input_dtype "
+            f"{servable.input_dtype}: the warm-up runs zeros of that shape and dtype, in batches of up to "
+            f"{options.max_batch_size}"
+            + ("; if it does, the line above is where your code failed" if user_line(exc) else "")
+        )
+    return f"{message}{user_line(exc)}\nhint: {hint}; REDLINE_TRACEBACK=1 prints the whole traceback"

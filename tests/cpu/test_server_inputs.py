@@ -1,0 +1,234 @@
+"""The server's answers to what it reads: outputs for JSON and .npy, every input refusal, body limits, the token."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+from serve_client import metrics, npy, ready, reference, running
+from serve_engines import FakeEngine, linear_engine
+
+from redline.errors import ConfigError
+from redline.serve.app import build_app
+from redline.serve.engine import InferenceEngine
+from redline.serve.options import ServeOptions
+from redline.serve.servable import Servable
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def test_outputs_equal_the_models_own_for_json_and_npy_one_sample_or_many():
+    engine = linear_engine()
+    inputs = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    async with running(engine) as (client, _):
+        await ready(client)
+        many = await client.post("/v1/predict", json={"inputs": inputs.tolist()})
+        one = await client.post("/v1/predict", json={"inputs": inputs[0].tolist()})
+        binary = await client.post(
+            "/v1/predict", content=npy(inputs.astype(np.float64)), headers={"content-type": "application/octet-stream"}
+        )
+    expected = reference(engine, inputs)
+    assert many.status_code == one.status_code == binary.status_code == 200
+    torch.testing.assert_close(torch.tensor(many.json()["outputs"]), expected)
+    torch.testing.assert_close(torch.tensor(binary.json()["outputs"]), expected)
+    torch.testing.assert_close(torch.tensor(one.json()["outputs"]), expected[:1])
+
+
+async def test_postprocess_gives_each_samples_answer():
+    engine = linear_engine(postprocess=lambda out: [{"label": int(i)} for i in out.argmax(1)])
+    inputs = [[1.0, -2.0, 0.5], [-3.0, 1.0, 2.0]]
+    async with running(engine) as (client, _):
+        await ready(client)
+        answer = await client.post("/v1/predict", json={"inputs": inputs})
+    assert answer.json() == {"outputs": [{"label": int(i)} for i in reference(engine, inputs).argmax(1)]}
+
+
+async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_own_input():
+    pixels = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4) * 10
+    servable = Servable(
+        model=torch.nn.Flatten(), input_shape=(3, 4), input_dtype="uint8", preprocess=lambda x: x.float() / 255
+    )
+    engine = InferenceEngine(servable, device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    async with running(engine) as (client, _):
+        await ready(client)
+        answer = await client.post("/v1/predict", json={"inputs": pixels.tolist()})
+        fraction = await client.post("/v1/predict", json={"inputs": (pixels / 255).tolist()})
+    assert answer.status_code == 200
+    torch.testing.assert_close(torch.tensor(answer.json()["outputs"]), torch.tensor(pixels).flatten(1).float() / 255)
+    assert fraction.status_code == 422 and "uint8" in fraction.json()["error"]  # checked as the request's dtype
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "problem"),
+    [
+        (b'{"inputs": [1, 2,', 400, "not valid JSON"),
+        (b"[[1, 2, 3]]", 422, 'a JSON object {"inputs": [...]}'),
+        (b'{"input": [1, 2, 3]}', 422, 'a JSON object {"inputs": [...]}'),
+        (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
+        (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths"),
+        (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
+        (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
+        (b'{"inputs": []}', 422, "inputs have shape (0,)"),
+        (b'{"inputs": [true, 0, 0]}', 422, "true/false where numbers are expected"),
+        (b'{"inputs": [[1, 2, 3]]}', 200, None),
+    ],
+)
+async def test_malformed_or_misshapen_json_is_refused_naming_the_problem_and_the_expected_shape(body, status, problem):
+    async with running(FakeEngine()) as (client, _):
+        answer = await client.post("/v1/predict", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == status, answer.text
+    if problem:
+        error = answer.json()
+        assert problem in error["error"] and "one sample of shape (3,)" in error["error"]
+        assert (error["expected_shape"], error["expected_dtype"]) == ([3], "float32")
+
+
+async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_model():
+    engine = FakeEngine(input_dtype="int64", max_batch_size=4)
+    post = "/v1/predict"
+    octet = {"content-type": "application/octet-stream"}
+    async with running(engine, max_batch_size=4) as (client, _):
+        too_many = await client.post(post, json={"inputs": [[1, 2, 3]] * 5})
+        floats = await client.post(post, json={"inputs": [1.5, 2, 3]})
+        whole = await client.post(post, json={"inputs": [[1.0, 2, 3]]})
+        beyond = await client.post(post, content=npy(np.array([2**63, 1, 1], np.uint64)), headers=octet)
+        nan = await client.post(post, content=npy(np.array([np.nan, 1, 2])), headers=octet)
+        garbage = await client.post(post, content=b"not a numpy file", headers=octet)
+        lying = await client.post(post, content=npy(np.zeros((4, 3), np.int64))[:-8], headers=octet)
+        negative = npy(np.zeros((1, 3), np.int64)).replace(b"(1, 3), }", b"(-1,-3),}")  # 3 elements, as the data
+        negative = await client.post(post, content=negative, headers=octet)
+        text = await client.post(post, content=b"1,2,3", headers={"content-type": "text/plain"})
+        good = await client.post(post, content=npy(np.array([[1, 2, 3]], np.int32)), headers=octet)
+    assert too_many.status_code == 422 and "5 samples, more than max_batch_size=4" in too_many.json()["error"]
+    assert floats.status_code == 422 and "inputs are numbers (float64)" in floats.json()["error"]
+    assert beyond.status_code == 422 and "outside int64's range" in beyond.json()["error"]
+    assert nan.status_code == 422 and "float64" in nan.json()["error"]
+    assert garbage.status_code == 400 and "not a .npy array" in garbage.json()["error"]
+    assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]
+    assert negative.status_code == 400 and "(-1, -3), with a negative dimension" in negative.json()["error"]
+    assert text.status_code == 415 and "application/json" in text.json()["error"]
+    assert good.status_code == 200 and good.json() == {"outputs": [[2.0, 4.0, 6.0]]}
+    assert whole.json() == {"outputs": [[2.0, 4.0, 6.0]]}
+    assert engine.batches == [1, 1], "only the valid requests reached the model"
+
+
+async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,"  # the closing brackets never come
+    cut = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 12
+    async with running(FakeEngine()) as (client, _):
+        answer = await client.post("/v1/predict", content=cut, headers={"content-type": "application/octet-stream"})
+    assert answer.status_code == 400 and answer.json()["reason"] == "bad_request"
+    assert "not a .npy array" in answer.json()["error"]
+
+
+async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():
+    engine = FakeEngine()
+    engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: list(out))
+    async with running(engine) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        page = metrics((await client.get("/metrics")).text)
+    assert answer.status_code == 500 and answer.json()["reason"] == "model_error"
+    assert "not JSON" in answer.json()["error"] and "Tensor" in answer.json()["error"]
+    assert page['redline_serve_requests_total{"status": "500"}'] == 1
+    assert 'redline_serve_requests_total{"status": "200"}' not in page
+
+
+@pytest.mark.parametrize(
+    ("postprocess", "problem"),
+    [
+        (lambda out: {"labels": out.argmax(1).tolist()}, "postprocess returned dict; expected a list"),
+        (lambda out: None, "postprocess returned NoneType; expected a list"),
+        (lambda out: [1, 2], "postprocess returned 2 values for 1 samples"),
+    ],
+)
+async def test_a_postprocess_that_does_not_give_one_value_per_sample_is_a_500_naming_what_it_gave(postprocess, problem):
+    async with running(linear_engine(postprocess=postprocess)) as (client, _):
+        await ready(client)
+        answer = await client.post("/v1/predict", json={"inputs": [[1, 2, 3]]})
+    assert answer.status_code == 500 and answer.json()["reason"] == "model_error", answer.text
+    assert problem in answer.json()["error"]
+
+
+async def test_a_compressed_body_is_refused_naming_its_encoding_not_read_as_broken_json():
+    body = gzip.compress(b'{"inputs": [1, 2, 3]}')
+    async with running(FakeEngine()) as (client, _):
+        headers = {"content-type": "application/json", "content-encoding": "gzip"}
+        zipped = await client.post("/v1/predict", content=body, headers=headers)
+        plain = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"content-encoding": "identity"})
+    assert zipped.status_code == 415 and zipped.json()["reason"] == "unsupported_media_type"
+    assert zipped.json()["error"].startswith("Content-Encoding 'gzip' is not read; send the body uncompressed")
+    assert plain.status_code == 200
+
+
+async def test_non_finite_floats_are_refused():
+    async with running(FakeEngine(input_dtype="float16")) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": [1e6, 0, 0]})  # beyond float16's 65504
+    assert answer.status_code == 422 and "not finite in float16" in answer.json()["error"]
+
+
+async def test_a_body_over_the_limit_is_refused_by_its_length_and_by_the_bytes_streamed():
+    async with running(FakeEngine(), max_body_mb=0.001) as (client, _):  # 1048 bytes
+        declared = await client.post("/v1/predict", content=b"x" * 2000, headers={"content-type": "application/json"})
+
+        async def chunks():
+            for _ in range(4):
+                yield b" " * 600
+
+        streamed = await client.post("/v1/predict", content=chunks(), headers={"content-type": "application/json"})
+        page = metrics((await client.get("/metrics")).text)
+    assert "content-length" not in streamed.request.headers
+    assert declared.status_code == streamed.status_code == 413
+    assert "max_body_mb=0.001" in streamed.json()["error"]
+    assert page['redline_serve_rejections_total{"reason": "body_too_large"}'] == 2
+
+
+async def test_a_token_is_required_and_compared_when_token_env_is_set(monkeypatch):
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret\n")  # as read from a secret file, newline and all
+    async with running(FakeEngine(), token_env="REDLINE_TEST_TOKEN") as (client, _):
+        missing = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        wrong = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"authorization": "Bearer nope"})
+        right = await client.post("/v1/predict", json={"inputs": [1, 2, 3]}, headers={"authorization": "Bearer s3cret"})
+        hidden_metrics = await client.get("/metrics")
+        probe = await client.get("/livez")
+    assert missing.status_code == wrong.status_code == hidden_metrics.status_code == 401
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert right.status_code == 200 and probe.status_code == 200
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "")
+    with pytest.raises(ConfigError, match="--token-env REDLINE_TEST_TOKEN: the variable is empty"):
+        build_app(FakeEngine(), ServeOptions(token_env="REDLINE_TEST_TOKEN", max_batch_size=8))
+
+
+async def test_a_token_beyond_ascii_lets_in_the_client_that_sends_it(monkeypatch):
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "clé-sûre")
+    async with running(FakeEngine(), token_env="REDLINE_TEST_TOKEN") as (client, _):
+        right = await client.post("/v1/predict", json={"inputs": [1, 2, 3]},
+                                  headers={"authorization": "Bearer clé-sûre".encode()})  # fmt: skip
+        wrong = await client.post("/v1/predict", json={"inputs": [1, 2, 3]},
+                                  headers={"authorization": b"Bearer cle-sure"})  # fmt: skip
+    assert right.status_code == 200, right.text
+    assert wrong.status_code == 401
+
+
+def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
+    with pytest.raises(ConfigError, match="port=70000"):
+        ServeOptions(port=70000)
+    for wait in (-1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"max_wait_ms=.* is not allowed; expected finite milliseconds >= 0"):
+            ServeOptions(max_wait_ms=wait)
+    with pytest.raises(ConfigError, match="queue_size=0"):
+        ServeOptions(queue_size=0)
+    with pytest.raises(ConfigError, match="token_env='MY-TOKEN'"):
+        ServeOptions(token_env="MY-TOKEN")
+    with pytest.raises(ConfigError, match="max_batch_size=16 is not allowed; expected at most the engine's"):
+        build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=16))
+
+
+@pytest.mark.parametrize("shape", [3, "3", None, (3, 0)])
+def test_a_servable_with_an_input_shape_that_is_not_a_shape_is_refused_naming_the_field(shape):
+    with pytest.raises(ConfigError, match=r"input_shape=.* is not allowed; expected positive integers"):
+        Servable(model=torch.nn.Linear(3, 2), input_shape=shape)

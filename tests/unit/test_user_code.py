@@ -1,0 +1,39 @@
+"""Who an exception is blamed on: the user's model, loss or function, or redline's own code."""
+
+import pytest
+import torch
+from torch import nn
+
+from redline.errors import ConfigError, TrainingError, describe_error
+from redline.runtime.contract import blames_user_code, user_code
+
+
+def caught(work):
+    try:
+        work()
+    except Exception as exc:
+        return exc
+    raise AssertionError("nothing was raised")
+
+
+def users_model():
+    raise RuntimeError("a bug in the user's forward")
+
+
+def test_the_users_code_and_torch_layers_under_it_are_the_users_and_redlines_own_code_is_not():
+    assert blames_user_code(caught(users_model))
+    # A model of torch layers alone: no frame of the user's, but the error ends in torch's, called by the model.
+    assert blames_user_code(caught(lambda: nn.Sequential(nn.Linear(4, 2))(torch.zeros(1, 3))))
+    # redline's own code failing in its own frame (describe_error reads None's __cause__): a bug of redline's.
+    assert not blames_user_code(caught(lambda: describe_error(None)))
+    assert not blames_user_code(ConfigError("a redline error says what it is itself"))
+
+
+def test_user_code_wraps_the_models_exception_and_lets_redlines_own_through_unchanged():
+    inputs, targets = torch.zeros(2, 3), torch.zeros(2)
+    blamed = "the model or loss raised RuntimeError: a bug in the user's forward"
+    with pytest.raises(TrainingError, match=blamed) as got, user_code("step 1", inputs, targets):
+        users_model()
+    assert "in users_model: raise RuntimeError" in str(got.value)
+    with pytest.raises(AttributeError, match="__cause__"), user_code("step 1", inputs, targets):
+        describe_error(None)  # its own traceback reaches the user, not a message blaming the model
