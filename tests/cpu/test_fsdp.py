@@ -269,7 +269,7 @@ def worker(phase: str, rank: int, world: int, out: Path, store: Path) -> None:
         dist.destroy_process_group()
 
 
-def launch(phase: str, world: int, out: Path, timeout_s: float = 120) -> None:
+def launch(phase: str, world: int, out: Path, timeout_s: float = 300) -> None:
     """Run ``phase`` on ``world`` ranks; fail with the ranks' stderr; never leave a child behind."""
     logs = [out / f"{phase}-{rank}.log" for rank in range(world)]
     store = out / f"store-{uuid.uuid4().hex}"  # a FileStore file left by an earlier launch would mislead
@@ -277,7 +277,8 @@ def launch(phase: str, world: int, out: Path, timeout_s: float = 120) -> None:
     try:
         for rank in range(world):
             with open(logs[rank], "w") as log:
-                cmd = [sys.executable, __file__, phase, str(rank), str(world), str(out), str(store)]
+                # -u: unbuffered, so a rank killed at the deadline shows how far it got
+                cmd = [sys.executable, "-u", __file__, phase, str(rank), str(world), str(out), str(store)]
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -286,14 +287,16 @@ def launch(phase: str, world: int, out: Path, timeout_s: float = 120) -> None:
                 break  # done, or one rank failed and the others would wait for it forever
             time.sleep(0.05)
     finally:
+        late = [p for p in procs if p.poll() is None]  # still running at the deadline: killed, said so below
         for p in procs:
-            if p.poll() is None:
+            if p in late:
                 p.kill()
             p.wait()
     codes = [p.returncode for p in procs]
     if codes != [0] * world:
         tails = "\n".join(f"--- rank {r} (exit {c}):\n{logs[r].read_text()[-3000:]}" for r, c in enumerate(codes))
-        raise AssertionError(f"phase {phase!r} failed:\n{tails}")
+        timed_out = f" (killed after {timeout_s:.0f} s)" if late else ""
+        raise AssertionError(f"phase {phase!r} failed{timed_out}:\n{tails}")
 
 
 # -- the tests -----------------------------------------------------------------------------------
