@@ -3,12 +3,13 @@
 import contextlib
 import logging
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.checkpoint import find_checkpoints, open_checkpoint, step_dir
+from redline.checkpoint import CheckpointError, find_checkpoints, open_checkpoint, step_dir
 from redline.train.trainer import Trainer
 
 
@@ -80,3 +81,25 @@ def test_writing_a_step_again_never_leaves_it_missing(tmp_path, monkeypatch):
     assert read_checkpoint(final).step == 7  # still a committed checkpoint, the old one or the new one
     assert (final / "weights.txt").read_text() in ("old", "new")
     assert [c.path for c in find_checkpoints(tmp_path)] == [final]
+
+
+def test_resume_auto_refuses_a_run_whose_every_checkpoint_is_corrupt_and_leaves_them(tmp_path):
+    def trainer(**changes) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=tmp_path, progress=False,
+                       checkpoint_every=2, **changes)  # fmt: skip
+
+    trainer(max_steps=4).fit()
+    root = tmp_path / "checkpoints"
+    for found in find_checkpoints(root):  # a bit flipped in each: the size unchanged, the checksum not
+        blob = bytearray((found.path / "optimizer.pt").read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        (found.path / "optimizer.pt").write_bytes(bytes(blob))
+    before = {path: path.read_bytes() for path in root.rglob("*") if path.is_file()}
+    with pytest.raises(CheckpointError) as raised:
+        trainer(max_steps=8, resume="auto").fit()
+    message = str(raised.value)
+    assert message.startswith(f"{root}: no checkpoint there verifies (2 tried), so the run cannot resume")
+    for step in (2, 4):
+        assert f"{step_dir(root, step)}: optimizer.pt does not match its checksum" in message
+    assert f"hint: a new run there would write over them; to start over, delete {root}" in message
+    assert {path: path.read_bytes() for path in root.rglob("*") if path.is_file()} == before  # nothing written

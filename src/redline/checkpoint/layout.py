@@ -216,16 +216,30 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     Collective under several processes: rank 0 lists the checkpoints, so every rank considers the
     same ones in the same order, and the ranks verify each together, so they agree on the one they
     resume from. A checkpoint met on the way that does not verify, or whose manifest cannot be read,
-    is logged and skipped for an older one; an explicit path that does not verify is an error.
+    is logged and skipped for an older one; an explicit path that does not verify is an error. None
+    where ``root`` holds no checkpoint; where it holds some and none verifies, a CheckpointError that
+    names each: a new run among them would overwrite and prune them, and the run would be lost.
     """
     if str(where) != "auto":
         return open_verified(Path(where))
     listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root)], "listing the checkpoints")
+    problems = []
     for path in reversed(listed):
         try:
-            return open_verified(Path(path))
+            found = open_verified(Path(path))
         except CheckpointError as exc:
-            log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
+            problems.append(str(exc).split("\nhint:")[0])
+            continue
+        for problem in problems:
+            log.warning("skipping a corrupt checkpoint: %s", problem)
+        return found
+    if problems:
+        raise CheckpointError(
+            f"{root}: no checkpoint there verifies ({len(problems)} tried), so the run cannot resume:\n  "
+            + "\n  ".join(problems)
+            + f"\nhint: a new run there would write over them; to start over, delete {root} or pass another "
+            "--out (out_dir=...); to resume from a copy kept elsewhere, pass --resume PATH"
+        )
     return None
 
 
