@@ -103,3 +103,19 @@ def test_resume_auto_refuses_a_run_whose_every_checkpoint_is_corrupt_and_leaves_
         assert f"{step_dir(root, step)}: optimizer.pt does not match its checksum" in message
     assert f"hint: a new run there would write over them; to start over, delete {root}" in message
     assert {path: path.read_bytes() for path in root.rglob("*") if path.is_file()} == before  # nothing written
+
+
+def test_a_resumed_run_names_the_options_its_stored_plan_overrides_and_honours_a_device(tmp_path, caplog):
+    def trainer(max_steps: int, **runtime) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(**runtime), out_dir=tmp_path, progress=False,
+                       max_steps=max_steps, resume="auto")  # fmt: skip
+
+    trainer(2, devices="cpu", precision="fp32").fit()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        summary = trainer(4, precision="bf16-mixed").fit()
+    assert summary.plan.precision.value == "fp32"  # the numerics it was started with
+    [warning] = [r.getMessage() for r in caplog.records if "under the Plan" in r.getMessage()]
+    assert "under the Plan it was written with: --precision bf16-mixed asked, the checkpoint's fp32 kept" in warning
+    if not torch.cuda.is_available():  # a device asked for now is used, not the stored one
+        with pytest.raises(redline.DeviceUnavailableError, match="devices='cuda' was requested"):
+            trainer(6, devices="cuda").fit()

@@ -58,6 +58,34 @@ def test_a_stored_plan_fixes_the_numerics_and_keeps_this_runs_seed_and_strategy(
     assert (resumed.seed, resumed.strategy, resumed.deterministic) == (9, "fsdp", True)
 
 
+def test_a_device_asked_for_now_moves_a_resumed_run_and_auto_keeps_the_stored_one():
+    plan = {
+        "device": {"value": "cuda:0"}, "precision": {"value": "fp32"}, "compile": {"value": False},
+        "channels_last": {"value": False}, "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None},
+    }  # fmt: skip
+    assert RuntimeOptions(devices="cpu").with_plan(plan).devices == "cpu"
+    assert RuntimeOptions().with_plan(plan).devices == "cuda:0"
+
+
+def test_the_requests_a_resumed_run_overrides_are_named_and_a_repeated_command_names_none():
+    from redline.train.resume import overridden_requests
+
+    plan = {
+        "precision": {"value": "fp32", "reason": "auto: ..."}, "grad_accum": {"value": 2, "reason": "requested"},
+        "compile": {"value": False, "reason": "requested, but no C compiler; running eagerly"},
+        "channels_last": {"value": True, "reason": "requested"}, "clip_grad_norm": {"value": None, "reason": ""},
+    }  # fmt: skip
+    asked = RuntimeOptions(precision="bf16-mixed", channels_last="off", clip_grad_norm=1.0, compile="on")
+    assert overridden_requests(asked, plan) == [
+        "--precision bf16-mixed asked, the checkpoint's fp32 kept",
+        "--channels-last off asked, the checkpoint's on kept",
+        "--clip-grad-norm 1.0 asked, the checkpoint's none kept",
+    ]
+    same = RuntimeOptions(precision="fp32", compile="on", channels_last="on", grad_accum=2)  # as the run was started
+    assert overridden_requests(same, plan) == []
+    assert overridden_requests(RuntimeOptions(), plan) == []  # nothing asked: the Plan goes on quietly
+
+
 def test_trainer_config_checks_and_normalises():
     with pytest.raises(ConfigError, match="max_steps=0"):
         TrainerConfig(max_steps=0)

@@ -74,11 +74,11 @@ class RuntimeOptions:
     def with_plan(self, plan: Mapping[str, Mapping[str, Any]]) -> RuntimeOptions:
         """Return these options with the axes a stored Plan fixed (``Plan.to_dict()``), for a resumed run.
 
-        Device, precision, compile, layout, accumulation and clipping come from the Plan, so the run
-        goes on as it started; the seed, the strategy (it follows the number of processes, which may
-        differ now), determinism and the micro-batches (a run that ran out of memory is resumed with
-        --micro-batch auto) stay as asked for now. Activation checkpointing left to "auto" stays on if
-        the Plan had it on.
+        Precision, compile, layout, accumulation and clipping come from the Plan, so the run goes on
+        as it started; the device too unless one is asked for now (a run may move to a GPU). The
+        seed, the strategy (it follows the number of processes, which may differ now), determinism
+        and the micro-batches (a run that ran out of memory is resumed with --micro-batch auto) stay
+        as asked for now. Activation checkpointing left to "auto" stays on if the Plan had it on.
         """
 
         def switch(axis: str) -> Switch:
@@ -92,7 +92,7 @@ class RuntimeOptions:
 
         return RuntimeOptions.build(
             self,
-            devices=str(plan["device"]["value"]),
+            devices=str(plan["device"]["value"]) if self.devices == "auto" else self.devices,
             precision=plan["precision"]["value"],
             compile=switch("compile"),
             channels_last=switch("channels_last"),

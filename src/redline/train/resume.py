@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
@@ -25,10 +26,44 @@ def resumed_options(options: RuntimeOptions, found: Checkpoint | None, env: Dist
     """This run's Runtime options: a resumed run reuses the Plan it was written under."""
     if found is None:
         return options
-    resumed = options.with_plan(checkpoint.load_plan(found))
+    plan = checkpoint.load_plan(found)
+    overridden = overridden_requests(options, plan)
+    if overridden:
+        log.warning(
+            "resuming %s under the Plan it was written with: %s\nhint: to train with other numerics, start a new "
+            "run (another --out); drop the flag to silence this", found.path, "; ".join(overridden)
+        )  # fmt: skip
+    resumed = options.with_plan(plan)
     if env.distributed:  # the process group is already on this run's device: keep it
         resumed = dataclasses.replace(resumed, devices=options.devices)
-    return _available_device(resumed)
+    return resumed if options.devices != "auto" else _available_device(resumed)
+
+
+def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]) -> list[str]:
+    """The options asked for now that a resumed run's stored Plan overrides, each as "asked, kept".
+
+    Only a request other than the default can be told from one left out, so only those are named;
+    a switch asked "on" that the stored run had asked for too and could not have ("requested, but
+    ...") is no change.
+    """
+    asked = {
+        "precision": (options.precision, "auto"),
+        "compile": (options.compile, "auto"),
+        "channels_last": (options.channels_last, "auto"),
+        "grad_accum": (options.grad_accum, 1),
+        "clip_grad_norm": (options.clip_grad_norm, None),
+    }
+    overridden = []
+    for axis, (now, default) in asked.items():
+        stored, reason = plan.get(axis, {}).get("value"), str(plan.get(axis, {}).get("reason", ""))
+        if isinstance(stored, bool):
+            if now == "on" and not stored and reason.startswith("requested"):
+                continue
+            stored = "on" if stored else "off"
+        stored = "none" if stored is None else stored
+        if now != default and now != stored:
+            overridden.append(f"--{axis.replace('_', '-')} {now} asked, the checkpoint's {stored} kept")
+    return overridden
 
 
 def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None) -> None:
