@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import redline
 from redline.checkpoint import CheckpointError, find_checkpoints, open_checkpoint, step_dir
+from redline.errors import ConfigError
 from redline.train.trainer import Trainer
 
 
@@ -119,3 +120,38 @@ def test_a_resumed_run_names_the_options_its_stored_plan_overrides_and_honours_a
     if not torch.cuda.is_available():  # a device asked for now is used, not the stored one
         with pytest.raises(redline.DeviceUnavailableError, match="devices='cuda' was requested"):
             trainer(6, devices="cuda").fit()
+
+
+def test_resuming_from_a_path_among_checkpoints_it_would_be_pruned_before_is_refused(tmp_path):
+    def trainer(out, max_steps: int, resume) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=out, progress=False,
+                       max_steps=max_steps, checkpoint_every=2, resume=resume)  # fmt: skip
+
+    root = tmp_path / "run" / "checkpoints"
+    trainer(tmp_path / "run", 6, None).fit()
+    with pytest.raises(ConfigError) as raised:  # back to step 2: its steps 4 and 6 would outlive this run's
+        trainer(tmp_path / "run", 8, step_dir(root, 2)).fit()
+    assert "holds checkpoints past step 2 (at 4, 6)" in str(raised.value)
+    assert "--resume auto would continue those, not this run" in str(raised.value)
+    assert "hint: to branch from step 2, pass another --out" in str(raised.value)
+    assert [c.step for c in find_checkpoints(root)] == [2, 4, 6]  # nothing written, nothing pruned
+    trainer(tmp_path / "other", 6, None).fit()
+    with pytest.raises(ConfigError, match="holds another run's checkpoints"):
+        trainer(tmp_path / "other", 8, step_dir(root, 6)).fit()
+    branch = trainer(tmp_path / "branch", 8, step_dir(root, 2)).fit()  # what the hint says: another --out
+    assert branch.steps == 8 and [c.step for c in find_checkpoints(tmp_path / "branch" / "checkpoints")] == [4, 6, 8]
+    assert trainer(tmp_path / "run", 8, step_dir(root, 6)).fit().steps == 8  # from its newest: the run goes on
+
+
+def test_a_restarted_worker_goes_on_from_its_last_checkpoint_not_the_path_it_first_resumed(tmp_path, monkeypatch):
+    def trainer(out, max_steps: int) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=out, progress=False,
+                       max_steps=max_steps, checkpoint_every=2, resume=first)  # fmt: skip
+
+    first = None
+    trainer(tmp_path / "start", 2).fit()
+    first = step_dir(tmp_path / "start" / "checkpoints", 2)  # where the run (and its first attempt) resumed from
+    trainer(tmp_path / "run", 4).fit()  # the first attempt: to step 4, then it "fails"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun starts the worker again, same arguments
+    summary = trainer(tmp_path / "run", 6).fit()
+    assert summary.resumed_from == str(step_dir(tmp_path / "run" / "checkpoints", 4))

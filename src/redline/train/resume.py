@@ -66,23 +66,70 @@ def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]
     return overridden
 
 
-def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None) -> None:
-    """Refuse a new run where an earlier run left checkpoints, and remove what a killed checkpoint write left.
+def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoint | None:
+    """The checkpoint the run starts from: ``resume``'s ("auto" or a path; None for a new run), all ranks together.
+
+    A worker torchrun restarted (--max-restarts) goes on from the newest checkpoint under ``root``, the
+    one its last attempt wrote, even where ``resume`` names a path: that path is where the first
+    attempt started. Without one under ``root`` it starts as the first attempt did.
+    """
+    if env.restart_count > 0 and root is not None and resume != "auto":
+        found = checkpoint.open_checkpoint("auto", root)
+        if found is not None or resume is None:
+            if found is None:
+                log.warning("no checkpoint under %s; starting from scratch", root)
+            return found
+    if resume is None:
+        return None
+    found = checkpoint.open_checkpoint(resume, root or Path("."))
+    if found is None:
+        log.warning("no checkpoint under %s; starting from scratch", root)
+    return found
+
+
+def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, found: Checkpoint | None) -> None:
+    """Refuse a run that would mix its checkpoints with another's, and remove what a killed checkpoint write left.
 
     A new run (no ``resume``, not a restarted worker) among an earlier run's checkpoints would prune
     by step number, deleting its own when the earlier run had gone further, and a later
-    ``resume="auto"`` would continue the earlier run. Collective: rank 0 lists, every rank refuses alike.
+    ``resume="auto"`` would continue the earlier run. So would a run resumed from a path (``found``)
+    where ``root`` holds checkpoints of another run, or of its own run past ``found``'s step.
+    Collective: rank 0 lists, every rank refuses alike.
     """
-    if resume is None and env.restart_count == 0:
+    explicit = resume not in (None, "auto") and found is not None
+    if env.restart_count == 0 and (resume is None or explicit):
         steps = run_on_rank0(lambda: [c.step for c in checkpoint.find_checkpoints(root)], "listing the checkpoints")
-        if steps:
+        if steps and resume is None:
             raise ConfigError(
                 f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {steps[-1]}); "
                 "a new run there would mix its checkpoints and logs with that run's\nhint: continue that run with "
                 f"--resume auto (resume='auto'), or pass another --out; to start over, delete {root}"
             )
+        if steps and found is not None:
+            _refuse_a_mix(root, found, steps)
     if env.is_main:
         checkpoint.clean_staging(root)
+
+
+def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int]) -> None:
+    """Refuse to resume from ``found`` into ``root``, whose checkpoints are at ``steps``, where they belong to another
+    run or go past ``found``: the resumed run's own checkpoints would be pruned first, and --resume auto would
+    continue the others."""
+    if found.path.resolve().parent != root.resolve():
+        what, hint = "another run's checkpoints", f"pass another --out, or delete {root} to start over there"
+    elif steps[-1] > found.step:
+        newer = [step for step in steps if step > found.step]
+        what = f"checkpoints past step {found.step} (at {', '.join(map(str, newer))})"
+        hint = (
+            f"to branch from step {found.step}, pass another --out (the checkpoint is read where it is); to take "
+            f"this run back to it, delete the checkpoints past it under {root}"
+        )
+    else:
+        return
+    raise ConfigError(
+        f"out_dir={str(root.parent)!r} holds {what}; resumed from {found.path} there, this run's checkpoints would be "
+        f"pruned before them, and --resume auto would continue those, not this run\nhint: {hint}"
+    )
 
 
 def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:

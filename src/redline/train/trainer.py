@@ -49,7 +49,14 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import has_ended, log_cut, prepare_checkpoint_dir, resumed_options, stored_summary
+from redline.train.resume import (
+    find_resume,
+    has_ended,
+    log_cut,
+    prepare_checkpoint_dir,
+    resumed_options,
+    stored_summary,
+)
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -268,7 +275,7 @@ class Trainer:
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
-            prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume)
+            prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
         options = resumed_options(self.options, resumed, self.env)
         self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
         tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
@@ -371,16 +378,7 @@ class Trainer:
     def _find_resume(self) -> Checkpoint | None:
         """Join the launched job's process group, then find the checkpoint to resume from, all ranks together."""
         self._join_group()
-        resume = self.config.resume
-        if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
-            resume = "auto"  # torchrun restarted this worker (--max-restarts): continue from the last checkpoint
-        if resume is None:
-            return None
-        root = self._checkpoint_root()
-        found = checkpoint.open_checkpoint(resume, root)
-        if found is None:
-            log.warning("no checkpoint under %s; starting from scratch", root)
-        return found
+        return find_resume(self.config.resume, self._checkpoint_root() if self.out_dir else None, self.env)
 
     def _join_group(self) -> None:
         """Meet the other workers before anything they must agree on (the checkpoint to resume from)."""
