@@ -62,7 +62,7 @@ def _train(
         callbacks=[EarlyStopping(**stopping)] if stopping else [],
     ) as trainer:
         summary = trainer.fit()
-    by_signal = summary.stopped.startswith("signal")
+    by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:

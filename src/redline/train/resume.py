@@ -147,6 +147,32 @@ def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:
         return None
 
 
+def ended_run(
+    pos: Position, stopped: str, *, total: float, max_epochs: float, out_dir: Path | None, env: DistEnv
+) -> TrainSummary | None:
+    """The summary a resumed run (at ``pos``) that has nothing left to train under this run's length ends with.
+
+    None where it has steps left, or where its summary.json cannot be read (the loop then writes it).
+    """
+    if out_dir is None or not has_ended(pos, stopped, total=total, max_epochs=max_epochs):
+        return None
+    ended = stored_summary(out_dir, env)
+    if ended is None:
+        return None
+    if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
+        log.warning(
+            "the run in %s was stopped at step %d (by %s), as far as this run's --max-steps or --epochs goes or "
+            "past it: nothing to train; its checkpoints, logs and summary are left as they were\nhint: to train "
+            "it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
+        )  # fmt: skip
+    else:
+        log.warning(
+            "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
+            "were\nhint: to train it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
+        )  # fmt: skip
+    return ended
+
+
 def has_ended(pos: Position, stopped: str, *, total: float, max_epochs: float) -> bool:
     """Whether the resumed run (at ``pos``, ``stopped`` as its checkpoint says) had ended: it reached this run's
     ``total`` steps (max_steps or epochs: a run ending on an epoch's last step stops before its epoch count moves

@@ -49,14 +49,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import (
-    find_resume,
-    has_ended,
-    log_cut,
-    prepare_checkpoint_dir,
-    resumed_options,
-    stored_summary,
-)
+from redline.train.resume import ended_run, find_resume, log_cut, prepare_checkpoint_dir, resumed_options
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -107,6 +100,11 @@ class Trainer:
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
         self._group = contextlib.ExitStack()  # the launched job's process group, once joined
+
+    @property
+    def signalled(self) -> bool:
+        """Whether SIGTERM or SIGINT reached this process while fit() trained (a rerun of an ended run trains not)."""
+        return self._signals.received is not None
 
     def close(self) -> None:
         """Put back the process-wide settings the run applied and leave its process group (idempotent)."""
@@ -291,14 +289,9 @@ class Trainer:
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-        ended = None
-        if resumed and self.out_dir and has_ended(pos, self._stored_stop, total=total, max_epochs=self.max_epochs):
-            ended = stored_summary(self.out_dir, self.env)
+        lengths = {"total": total, "max_epochs": self.max_epochs}
+        ended = ended_run(pos, self._stored_stop, **lengths, out_dir=self.out_dir, env=self.env) if resumed else None
         if ended is not None:
-            log.warning(
-                "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
-                "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
-            )  # fmt: skip
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_batch_size(self.batch_size, resumed, split=split)  # an ended run is left as it was, at any size
