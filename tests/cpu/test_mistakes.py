@@ -141,6 +141,27 @@ def test_a_finished_run_rerun_is_left_exactly_as_it_was(tmp_path, caplog):
         assert trainer.fit().steps == 6  # a higher limit trains on
 
 
+def test_a_run_killed_after_its_last_checkpoint_writes_its_results_on_resume_without_a_step_more(tmp_path):
+    import dataclasses
+
+    from mistake_tasks import X, Y
+    from torch.utils.data import TensorDataset
+
+    task = dataclasses.replace(mistake(), val_data=TensorDataset(X, Y))
+    with Trainer(task, max_steps=4, out_dir=tmp_path, progress=False) as trainer:
+        trainer.fit()
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "summary.json").unlink()  # killed after the last checkpoint, before the summary was written
+    with Trainer(task, max_steps=4, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        again = trainer.fit()  # before, it trained a step 5 past --max-steps 4 to write the summary
+    assert again.steps == 4 and again.stopped == "max_steps"
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+    assert (tmp_path / "model.safetensors").read_bytes() == weights
+    steps = [int(row["step"]) for row in csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines())]
+    evals = [int(row["step"]) for row in csv.DictReader((tmp_path / "eval.csv").read_text().splitlines())]
+    assert steps == [1, 2, 3, 4] and evals == [4]  # the final evaluation once, not once per attempt
+
+
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(tmp_path):
     with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False) as trainer:
         trainer.fit()

@@ -148,17 +148,27 @@ def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:
 
 
 def ended_run(
-    pos: Position, stopped: str, *, total: float, max_epochs: float, out_dir: Path | None, env: DistEnv
-) -> TrainSummary | None:
-    """The summary a resumed run (at ``pos``) that has nothing left to train under this run's length ends with.
+    pos: Position,
+    stopped: str,
+    *,
+    total: float,
+    max_epochs: float,
+    max_steps: int | None,
+    out_dir: Path | None,
+    env: DistEnv,
+) -> tuple[TrainSummary | None, str]:
+    """Whether a resumed run (at ``pos``; ``stopped`` as its checkpoint says) has nothing left to train under this
+    run's length (``total`` steps, ``max_epochs``, ``max_steps``): its summary, and why it ended ("" if it goes on).
 
-    None where it has steps left, or where its summary.json cannot be read (the loop then writes it).
+    The summary is None where it goes on, or where its summary.json cannot be read (a run killed after its last
+    checkpoint): that run starts with its reason to stop, so its loop trains no step and writes its results again.
     """
-    if out_dir is None or not has_ended(pos, stopped, total=total, max_epochs=max_epochs):
-        return None
+    reason = _end_reason(pos, stopped, total=total, max_epochs=max_epochs, max_steps=max_steps)
+    if not reason or out_dir is None:
+        return None, reason
     ended = stored_summary(out_dir, env)
     if ended is None:
-        return None
+        return None, reason
     if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
         log.warning(
             "the run in %s was stopped at step %d (by %s), as far as this run's --max-steps or --epochs goes or "
@@ -170,28 +180,34 @@ def ended_run(
             "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
             "were\nhint: to train it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
         )  # fmt: skip
-    return ended
+    return ended, reason
 
 
-def has_ended(pos: Position, stopped: str, *, total: float, max_epochs: float) -> bool:
-    """Whether the resumed run (at ``pos``, ``stopped`` as its checkpoint says) had ended: it reached this run's
-    ``total`` steps (max_steps or epochs: a run ending on an epoch's last step stops before its epoch count moves
-    on), or early stopping said so."""
-    return stopped == "early stopping" or pos.step >= total or pos.epoch >= max_epochs
+def _end_reason(pos: Position, stopped: str, *, total: float, max_epochs: float, max_steps: int | None) -> str:
+    """Why the resumed run (at ``pos``, ``stopped`` as its checkpoint says) had ended, or "": early stopping said
+    so, or it reached this run's ``total`` steps (max_steps or epochs: a run ending on an epoch's last step stops
+    before its epoch count moves on) or ``max_epochs``; named as the loop names them."""
+    if stopped == "early stopping":
+        return stopped
+    if max_steps is not None and pos.step >= max_steps:
+        return "max_steps"
+    return "epochs" if pos.step >= total or pos.epoch >= max_epochs else ""
 
 
 def log_cut(
-    pos: Position | None, batches_per_epoch: int | None, *, evaluates_each_epoch: bool
+    pos: Position | None, batches_per_epoch: int | None, *, evaluates_each_epoch: bool, ended: bool = False
 ) -> tuple[int | None, int | None]:
     """The steps a resumed run (at ``pos``; None for a new run) cuts its training and evaluation logs back to.
 
-    An epoch's last step is checkpointed before the epoch's evaluation; resumed from there, the run
-    evaluates that step again, so the interrupted run's row of that evaluation goes.
+    An epoch's last step is checkpointed before the epoch's evaluation, and a run's last step before its
+    final one; resumed from there (or, ``ended``, with nothing left to train), the run evaluates that step
+    again, so the interrupted run's row of that evaluation goes.
     """
     if pos is None:
         return None, None
     at_end = batches_per_epoch is not None and pos.batches_in_epoch >= batches_per_epoch
-    return pos.step, pos.step - 1 if evaluates_each_epoch and at_end and pos.step else pos.step
+    again = ended or (evaluates_each_epoch and at_end)
+    return pos.step, pos.step - 1 if again and pos.step else pos.step
 
 
 def _available_device(options: RuntimeOptions) -> RuntimeOptions:

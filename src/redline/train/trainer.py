@@ -289,8 +289,10 @@ class Trainer:
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-        lengths = {"total": total, "max_epochs": self.max_epochs}
-        ended = ended_run(pos, self._stored_stop, **lengths, out_dir=self.out_dir, env=self.env) if resumed else None
+        ended, done = ended_run(
+            pos, self._stored_stop, total=total, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
+            out_dir=self.out_dir, env=self.env,
+        ) if resumed else (None, "")  # fmt: skip
         if ended is not None:
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
@@ -313,12 +315,13 @@ class Trainer:
             batches=rt.setup_loader(loader),
             pos=pos,
             total=total,
-            loggers=self._loggers(pos if resumed else None, main),
+            loggers=self._loggers(pos if resumed else None, main, ended=bool(done)),
             progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
             resumed=resumed,
             last_ckpt=resumed,
+            stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
         )
 
     def _fixed_shapes(self, rt: Runtime) -> bool:
@@ -406,11 +409,11 @@ class Trainer:
 
     # -- logging, evaluation, summary ------------------------------------------------------------
 
-    def _loggers(self, resumed: Position | None, main: bool) -> Loggers:
+    def _loggers(self, resumed: Position | None, main: bool, *, ended: bool) -> Loggers:
         if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
         each_epoch = not self.config.eval_every and self.task.val_data is not None
-        step, evals = log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch)
+        step, evals = log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
         return open_loggers(
             self.config.loggers, self.out_dir, resume_step=step, eval_resume_step=evals, columns=LOG_COLUMNS
         )
