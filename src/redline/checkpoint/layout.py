@@ -99,6 +99,17 @@ def commit(
     return Checkpoint(final, _step_of(final, manifest), manifest)
 
 
+def write_failure(final: Path, tmp: Path, exc: OSError) -> CheckpointError:
+    """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CheckpointError(
+        f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
+        f"and the checkpoints committed before it under {final.parent} are intact\nhint: free space on that disk "
+        "(or make it writable again), then run the same command again with --resume auto to continue from the newest"
+    )
+
+
 def write_json(path: Path, document: Mapping[str, Any]) -> None:
     """Write a small JSON document of the checkpoint, readable without torch."""
     path.write_text(json.dumps(document, indent=2), encoding="utf-8")
