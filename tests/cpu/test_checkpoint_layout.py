@@ -155,3 +155,22 @@ def test_a_restarted_worker_goes_on_from_its_last_checkpoint_not_the_path_it_fir
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun starts the worker again, same arguments
     summary = trainer(tmp_path / "run", 6).fit()
     assert summary.resumed_from == str(step_dir(tmp_path / "run" / "checkpoints", 4))
+
+
+def test_a_resume_path_that_is_a_run_directory_or_a_file_names_the_checkpoint_it_meant(tmp_path):
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path / "run" / "checkpoints", step), step=step)
+    root, newest = tmp_path / "run" / "checkpoints", step_dir(tmp_path / "run" / "checkpoints", 2)
+    for given in (tmp_path / "run", root):
+        with pytest.raises(CheckpointError) as raised:
+            open_checkpoint(str(given), root)
+        assert str(raised.value).startswith(f"{given}: not a committed checkpoint")
+        assert f"hint: pass the checkpoint directory itself, e.g. --resume {newest} (the newest there), or " in str(
+            raised.value
+        ) and f"--resume auto with --out {tmp_path / 'run'}" in str(raised.value)
+    with pytest.raises(CheckpointError, match=r"--resume \S+step-00000001 \(the one that file is in\)"):
+        open_checkpoint(str(step_dir(root, 1) / "model.safetensors"), root)
+    with pytest.raises(CheckpointError, match=r"hint: pass a directory step-NNNNNNNN"):  # nothing near: as before
+        open_checkpoint(str(tmp_path / "nowhere"), root)

@@ -9,6 +9,7 @@ manifest; under several processes each rank checks its share of the files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -232,7 +233,16 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     names each: a new run among them would overwrite and prune them, and the run would be lost.
     """
     if str(where) != "auto":
-        return open_verified(Path(where))
+        try:
+            return open_verified(Path(where))
+        except CheckpointError as exc:
+            near, which = _checkpoint_near(Path(where))
+            if near is None:
+                raise
+            raise CheckpointError(
+                f"{str(exc).split(chr(10))[0]}\nhint: pass the checkpoint directory itself, e.g. --resume {near.path} "
+                f"({which}), or --resume auto with --out {near.path.parent.parent}"
+            ) from None
     listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root)], "listing the checkpoints")
     problems = []
     for path in reversed(listed):
@@ -252,6 +262,19 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
             "--out (out_dir=...); to resume from a copy kept elsewhere, pass --resume PATH"
         )
     return None
+
+
+def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
+    """The checkpoint a resume path that is none meant, and which it is: the one a file is in, or the newest in a
+    run or checkpoints directory; None where there is none (a corrupt checkpoint, a path that does not exist)."""
+    if path.is_file() and (path.parent / MANIFEST).is_file():
+        with contextlib.suppress(CheckpointError):
+            return read_checkpoint(path.parent), "the one that file is in"
+    for root in (path, path / "checkpoints"):
+        found = find_checkpoints(root)
+        if found:
+            return found[-1], "the newest there"
+    return None, ""
 
 
 def _step_dirs(root: Path) -> list[Path]:
