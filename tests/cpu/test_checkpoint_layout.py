@@ -174,3 +174,27 @@ def test_a_resume_path_that_is_a_run_directory_or_a_file_names_the_checkpoint_it
         open_checkpoint(str(step_dir(root, 1) / "model.safetensors"), root)
     with pytest.raises(CheckpointError, match=r"hint: pass a directory step-NNNNNNNN"):  # nothing near: as before
         open_checkpoint(str(tmp_path / "nowhere"), root)
+
+
+def test_a_run_resumed_mid_epoch_with_another_seed_sees_each_sample_of_the_epoch_once(tmp_path, caplog):
+    seen: list[int] = []
+
+    class Recording(nn.Linear):  # notes the samples it trains on: each one's features are its index
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.extend(int(i) for i in x[:, 0])
+            return super().forward(x)
+
+    indices = torch.arange(40.0)
+    data = TensorDataset(indices[:, None].repeat(1, 4), (indices % 2).long())
+    task = redline.Task(model=lambda: Recording(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8)  # fmt: skip
+
+    def trainer(max_steps: int, **runtime) -> Trainer:
+        return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", **runtime), out_dir=tmp_path, trial="off",
+                       progress=False, max_steps=max_steps, resume="auto")  # fmt: skip
+
+    trainer(2).fit()  # 2 of the epoch's 5 batches
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        trainer(5, seed=7).fit()  # the other 3, in the order the epoch began with
+    assert sorted(seen) == list(range(40))  # before, the new seed's order: some samples twice, others never
+    assert "--seed 7 asked, the checkpoint's 0 kept" in caplog.text

@@ -46,16 +46,19 @@ def test_runtime_options_keep_switches_as_words_and_build_from_changes():
         RuntimeOptions.build(precison="fp32")
 
 
-def test_a_stored_plan_fixes_the_numerics_and_keeps_this_runs_seed_and_strategy():
+def test_a_stored_plan_fixes_the_numerics_and_the_data_order_and_keeps_this_runs_strategy():
     plan = {
         "device": {"value": "cpu"}, "precision": {"value": "bf16-mixed"}, "compile": {"value": True},
         "channels_last": {"value": False}, "grad_accum": {"value": 4}, "clip_grad_norm": {"value": 1.0},
+        "seed": {"value": 3},
     }  # fmt: skip
     now = RuntimeOptions(seed=9, strategy="fsdp", deterministic=True, precision="fp32")
     resumed = now.with_plan(plan)
     assert (resumed.precision, resumed.compile, resumed.channels_last) == ("bf16-mixed", "on", "off")
-    assert (resumed.grad_accum, resumed.clip_grad_norm) == (4, 1.0)
-    assert (resumed.seed, resumed.strategy, resumed.deterministic) == (9, "fsdp", True)
+    assert (resumed.grad_accum, resumed.clip_grad_norm, resumed.seed) == (4, 1.0, 3)
+    assert (resumed.strategy, resumed.deterministic) == ("fsdp", True)
+    del plan["seed"]  # a Plan of an earlier version: the seed asked for now
+    assert now.with_plan(plan).seed == 9
 
 
 def test_a_device_asked_for_now_moves_a_resumed_run_and_auto_keeps_the_stored_one():
@@ -83,6 +86,9 @@ def test_the_requests_a_resumed_run_overrides_are_named_and_a_repeated_command_n
     ]
     same = RuntimeOptions(precision="fp32", compile="on", channels_last="on", grad_accum=2)  # as the run was started
     assert overridden_requests(same, plan) == []
+    plan["seed"] = {"value": None, "reason": ""}  # no seed asked: the data order's is 0
+    assert overridden_requests(RuntimeOptions(seed=0), plan) == []
+    assert overridden_requests(RuntimeOptions(seed=7), plan) == ["--seed 7 asked, the checkpoint's 0 kept"]
     assert overridden_requests(RuntimeOptions(), plan) == []  # nothing asked: the Plan goes on quietly
 
 

@@ -52,14 +52,19 @@ def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]
         "channels_last": (options.channels_last, "auto"),
         "grad_accum": (options.grad_accum, 1),
         "clip_grad_norm": (options.clip_grad_norm, None),
+        "seed": (options.seed, None),
     }
     overridden = []
     for axis, (now, default) in asked.items():
-        stored, reason = plan.get(axis, {}).get("value"), str(plan.get(axis, {}).get("reason", ""))
+        if axis not in plan:  # a Plan of an earlier version without it
+            continue
+        stored, reason = plan[axis].get("value"), str(plan[axis].get("reason", ""))
         if isinstance(stored, bool):
             if now == "on" and not stored and reason.startswith("requested"):
                 continue
             stored = "on" if stored else "off"
+        if axis == "seed" and stored is None:  # the data order's seed was 0, and the RNGs are the checkpoint's
+            stored = 0
         stored = "none" if stored is None else stored
         if now != default and now != stored:
             overridden.append(f"--{axis.replace('_', '-')} {now} asked, the checkpoint's {stored} kept")

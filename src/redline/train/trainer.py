@@ -275,6 +275,7 @@ class Trainer:
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
             prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
         options = resumed_options(self.options, resumed, self.env)
+        self.seed = options.seed if options.seed is not None else 0  # a resumed run's data order goes on as it was
         self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
         tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
         if tuned is not None:  # the tuned settings, maybe the same batch as micro-batches
