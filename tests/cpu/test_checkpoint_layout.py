@@ -198,3 +198,16 @@ def test_a_run_resumed_mid_epoch_with_another_seed_sees_each_sample_of_the_epoch
         trainer(5, seed=7).fit()  # the other 3, in the order the epoch began with
     assert sorted(seen) == list(range(40))  # before, the new seed's order: some samples twice, others never
     assert "--seed 7 asked, the checkpoint's 0 kept" in caplog.text
+
+
+def test_a_run_resumed_without_an_out_dir_warns_that_it_writes_nothing(tmp_path, caplog):
+    options = redline.RuntimeOptions(devices="cpu")
+    Trainer(tiny_task(), runtime=options, out_dir=tmp_path, progress=False, max_steps=2).fit()
+    newest = step_dir(tmp_path / "checkpoints", 2)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        Trainer(tiny_task(), runtime=options, progress=False, max_steps=4, resume=str(newest)).predict(torch.ones(2, 4))
+        assert "without --out" not in caplog.text  # a prediction from a checkpoint writes nothing anyway
+        Trainer(tiny_task(), runtime=options, progress=False, max_steps=4, resume=str(newest)).fit()
+    message = " ".join(caplog.text.split())
+    assert f"resuming from {newest} without --out (out_dir): this run writes no checkpoint, weights" in message
+    assert f"hint: pass --out DIR (--out {tmp_path} continues that run there)" in message

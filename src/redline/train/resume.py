@@ -92,6 +92,17 @@ def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoi
     return found
 
 
+def warn_unsaved(found: Checkpoint | None, out_dir: Path | None) -> None:
+    """Warn that a run resumed without an out_dir writes nothing: its steps end with the process."""
+    if found is not None and out_dir is None:
+        run_dir = found.path.parent.parent if found.path.parent.name == "checkpoints" else None
+        where = f" (--out {run_dir} continues that run there)" if run_dir else ""
+        log.warning(
+            "resuming from %s without --out (out_dir): this run writes no checkpoint, weights or summary, so what it "
+            "trains is lost when it ends\nhint: pass --out DIR%s", found.path, where
+        )  # fmt: skip
+
+
 def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, found: Checkpoint | None) -> None:
     """Refuse a run that would mix its checkpoints with another's, and remove what a killed checkpoint write left.
 

@@ -41,6 +41,7 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
+from redline.train import resume
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.data import plan_length, train_loader
@@ -49,7 +50,6 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import ended_run, find_resume, log_cut, prepare_checkpoint_dir, resumed_options
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -272,9 +272,10 @@ class Trainer:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
+        resume.warn_unsaved(resumed, self.out_dir)
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
-            prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
-        options = resumed_options(self.options, resumed, self.env)
+            resume.prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
+        options = resume.resumed_options(self.options, resumed, self.env)
         self.seed = options.seed if options.seed is not None else 0  # a resumed run's data order goes on as it was
         self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
         tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
@@ -290,7 +291,7 @@ class Trainer:
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-        ended, done = ended_run(
+        ended, done = resume.ended_run(
             pos, self._stored_stop, total=total, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
             out_dir=self.out_dir, env=self.env,
         ) if resumed else (None, "")  # fmt: skip
@@ -375,7 +376,7 @@ class Trainer:
     def _find_resume(self) -> Checkpoint | None:
         """Join the launched job's process group, then find the checkpoint to resume from, all ranks together."""
         self._join_group()
-        return find_resume(self.config.resume, self._checkpoint_root() if self.out_dir else None, self.env)
+        return resume.find_resume(self.config.resume, self._checkpoint_root() if self.out_dir else None, self.env)
 
     def _join_group(self) -> None:
         """Meet the other workers before anything they must agree on (the checkpoint to resume from)."""
@@ -414,7 +415,7 @@ class Trainer:
         if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
         each_epoch = not self.config.eval_every and self.task.val_data is not None
-        step, evals = log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
+        step, evals = resume.log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
         return open_loggers(
             self.config.loggers, self.out_dir, resume_step=step, eval_resume_step=evals, columns=LOG_COLUMNS
         )
@@ -488,6 +489,6 @@ class Trainer:
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
             found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
-            self._setup(resumed_options(self.options, found, self.env), found, planned_steps=1)
+            self._setup(resume.resumed_options(self.options, found, self.env), found, planned_steps=1)
         assert self.rt is not None and self.model is not None
         return self.rt, self.model
