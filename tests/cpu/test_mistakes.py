@@ -127,6 +127,20 @@ def test_early_stopping_without_validation_data_is_refused():
         Trainer(mistake(), callbacks=[EarlyStopping()])
 
 
+def test_early_stopping_on_a_metric_the_task_does_not_have_is_refused_before_training():
+    import dataclasses
+
+    from mistake_tasks import X, Y
+    from torch.utils.data import TensorDataset
+
+    task = dataclasses.replace(mistake(), val_data=TensorDataset(X, Y))  # val_loss only: no metric
+    # before, it trained up to the first evaluation, then said val_metric was not among ['val_loss', 'val_metric']
+    with pytest.raises(ConfigError) as raised:
+        Trainer(task, callbacks=[EarlyStopping(monitor="val_metric")])
+    assert "watches val_metric, and task 'ok' has no metric: its evaluation reports val_loss alone" in str(raised.value)
+    assert "hint: watch val_loss (--early-stopping-monitor val_loss), or give the Task metric=" in str(raised.value)
+
+
 def test_a_finished_run_rerun_is_left_exactly_as_it_was(tmp_path, caplog):
     with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False) as trainer:
         first = trainer.fit()

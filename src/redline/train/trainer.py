@@ -86,11 +86,8 @@ class Trainer:
         if len(stoppers) > 1:
             raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
         self.early_stopping = stoppers[0] if stoppers else None
-        if self.early_stopping is not None and task.val_data is None:
-            raise ConfigError(
-                f"early stopping watches a validation metric, and task {task.name!r} has no val_data\n"
-                "hint: give the Task val_data=..., or drop the early stopping"
-            )
+        if self.early_stopping is not None:
+            self.early_stopping.check_task(task)
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
