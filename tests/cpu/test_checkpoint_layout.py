@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.checkpoint import CheckpointError, find_checkpoints, open_checkpoint, step_dir
+from redline.checkpoint import CheckpointError, clean_staging, find_checkpoints, open_checkpoint, step_dir
 from redline.errors import ConfigError
 from redline.train.trainer import Trainer
 
@@ -211,3 +211,46 @@ def test_a_run_resumed_without_an_out_dir_warns_that_it_writes_nothing(tmp_path,
     message = " ".join(caplog.text.split())
     assert f"resuming from {newest} without --out (out_dir): this run writes no checkpoint, weights" in message
     assert f"hint: pass --out DIR (--out {tmp_path} continues that run there)" in message
+
+
+def test_a_replacement_cut_short_where_directories_cannot_be_swapped_is_put_back(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import redline.atomic as atomic
+
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path, step), step=step)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # a system (or NFS) without RENAME_EXCHANGE
+        real_rename, renames = Path.rename, []
+
+        def killed_after_the_first_rename(self: Path, target: Path) -> Path:
+            if renames:
+                raise KeyboardInterrupt("killed")
+            renames.append(target)
+            return real_rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", killed_after_the_first_rename)
+        with contextlib.suppress(KeyboardInterrupt):
+            rt.save(step_dir(tmp_path, 2), step=2, extra={"new": True})  # step 2 again: the old one moved aside
+    monkeypatch.undo()
+    assert not step_dir(tmp_path, 2).exists()  # before, --resume auto went back to step 1 and step 2 was lost
+    found = open_checkpoint("auto", tmp_path)  # the new one was committed under its staging name: it goes in
+    assert found is not None and found.path == step_dir(tmp_path, 2)
+    assert torch.load(found.path / "extra.pt", weights_only=True) == {"new": True}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_an_older_checkpoint_moved_aside_comes_back_where_its_replacement_was_unfinished(tmp_path):
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path, step), step=step)
+    step_dir(tmp_path, 2).rename(tmp_path / ".old-step-00000002-123")
+    (tmp_path / ".tmp-step-00000002").mkdir()  # the replacement's files, without its manifest
+    (tmp_path / ".tmp-step-00000002" / "model.safetensors").write_bytes(b"half of it")
+    found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.path == step_dir(tmp_path, 2)
+    clean_staging(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from redline.atomic import commit_directory, fsync_path
+from redline.atomic import ASIDE, commit_directory, fsync_path, recover_directory
 from redline.errors import RedlineError
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
@@ -171,6 +171,7 @@ def clean_staging(root: Path) -> int:
     Call it only where no checkpoint is being written under ``root``: at the start of the run that
     writes there, or after its commit (``prune`` does), on one rank.
     """
+    recover(root)
     leftovers = sorted(path for path in root.glob(f"{STAGING}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
@@ -179,6 +180,20 @@ def clean_staging(root: Path) -> int:
         names = ", ".join(path.name for path in leftovers)
         log.info("removed %s of checkpoint writes that never finished under %s: %s", count, root, names)
     return len(leftovers)
+
+
+def recover(root: Path) -> None:
+    """Put back a checkpoint whose replacement a crash cut short (where the system cannot swap two directories).
+
+    The new one, when its manifest was written, takes the step's name; else the older one gets it
+    back. Call it where no checkpoint is being written under ``root``, on one rank.
+    """
+    asides = sorted(path for path in root.glob(f"{ASIDE}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
+    for aside in asides:
+        name = aside.name.removeprefix(ASIDE).rsplit("-", 1)[0]
+        restored = recover_directory(aside, root / f"{STAGING}{name}", lambda tmp: (tmp / MANIFEST).is_file())
+        if restored is not None:
+            log.warning("put back %s, whose replacement a killed run had not finished", restored)
 
 
 def verify(checkpoint: Checkpoint) -> None:
@@ -243,7 +258,7 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
                 f"{str(exc).split(chr(10))[0]}\nhint: pass the checkpoint directory itself, e.g. --resume {near.path} "
                 f"({which}), or --resume auto with --out {near.path.parent.parent}"
             ) from None
-    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root)], "listing the checkpoints")
+    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root, repaired=True)], "listing the checkpoints")
     problems = []
     for path in reversed(listed):
         try:
@@ -277,8 +292,11 @@ def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
     return None, ""
 
 
-def _step_dirs(root: Path) -> list[Path]:
-    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first."""
+def _step_dirs(root: Path, *, repaired: bool = False) -> list[Path]:
+    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first; ``repaired``:
+    after putting back one a crash left moved aside (``recover``)."""
+    if repaired:
+        recover(root)
     paths = [path for path in root.glob(f"{PREFIX}*") if path.is_dir()] if root.is_dir() else []
     return sorted(paths, key=lambda path: (_step_of(path, {}), path))
 

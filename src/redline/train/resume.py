@@ -114,7 +114,7 @@ def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, foun
     """
     explicit = resume not in (None, "auto") and found is not None
     if env.restart_count == 0 and (resume is None or explicit):
-        steps = run_on_rank0(lambda: [c.step for c in checkpoint.find_checkpoints(root)], "listing the checkpoints")
+        steps = run_on_rank0(lambda: _repaired_steps(root), "listing the checkpoints")
         if steps and resume is None:
             raise ConfigError(
                 f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {steps[-1]}); "
@@ -125,6 +125,12 @@ def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, foun
             _refuse_a_mix(root, found, steps)
     if env.is_main:
         checkpoint.clean_staging(root)
+
+
+def _repaired_steps(root: Path) -> list[int]:
+    """The steps of the checkpoints under ``root``, after putting back one a crash left moved aside."""
+    checkpoint.recover(root)
+    return [c.step for c in checkpoint.find_checkpoints(root)]
 
 
 def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int]) -> None:
