@@ -138,7 +138,11 @@ def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int]) -> None:
     run or go past ``found``: the resumed run's own checkpoints would be pruned first, and --resume auto would
     continue the others."""
     if found.path.resolve().parent != root.resolve():
-        what, hint = "another run's checkpoints", f"pass another --out, or delete {root} to start over there"
+        what = "checkpoints of its own (of another run, or of this one resumed there before)"
+        hint = (
+            f"to continue the run there, pass --resume auto; to resume from {found.path} anew, pass another --out "
+            f"(or delete {root})"
+        )
     elif steps[-1] > found.step:
         newer = [step for step in steps if step > found.step]
         what = f"checkpoints past step {found.step} (at {', '.join(map(str, newer))})"
