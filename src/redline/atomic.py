@@ -27,12 +27,13 @@ def commit_directory(tmp: Path, final: Path) -> None:
     A rename is atomic. An older directory of the same name (a resumed run writing the same step
     again) is swapped with ``tmp`` in one step where the system can (Linux), then removed, so
     ``final`` always holds one of the two. Elsewhere it is moved aside first and removed after: a
-    crash in between leaves the new one under ``tmp``'s name.
+    crash in between leaves the new one under ``tmp``'s name and the old one under ``aside_name``'s,
+    for ``recover_directory`` to put back.
     """
     if final.exists() and _exchange(tmp, final):  # ``tmp`` now holds the old directory
         shutil.rmtree(tmp, ignore_errors=True)
     elif final.exists():
-        aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+        aside = final.with_name(f"{ASIDE}{final.name}-{os.getpid()}")
         shutil.rmtree(aside, ignore_errors=True)
         final.rename(aside)
         tmp.rename(final)
@@ -40,6 +41,29 @@ def commit_directory(tmp: Path, final: Path) -> None:
     else:
         tmp.rename(final)
     fsync_path(final.parent)
+
+
+ASIDE = ".old-"  # an older directory moved aside by commit_directory: .old-NAME-PID
+
+
+def recover_directory(aside: Path, tmp: Path, committed: Callable[[Path], bool]) -> Path | None:
+    """Finish the replacement a crash cut short in ``commit_directory``; return the directory put in place, if any.
+
+    ``aside`` is the older directory moved aside, ``tmp`` the new one's name before its rename;
+    ``committed(tmp)`` says whether the new one was finished. Where the final name is taken, the
+    replacement had finished and ``aside`` only goes.
+    """
+    final = aside.with_name(aside.name.removeprefix(ASIDE).rsplit("-", 1)[0])
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        return None
+    if tmp.is_dir() and committed(tmp):
+        tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.rename(final)
+    fsync_path(final.parent)
+    return final
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>

@@ -3,12 +3,14 @@
 import contextlib
 import logging
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.checkpoint import find_checkpoints, open_checkpoint, step_dir
+from redline.checkpoint import CheckpointError, clean_staging, find_checkpoints, open_checkpoint, step_dir
+from redline.errors import ConfigError
 from redline.train.trainer import Trainer
 
 
@@ -80,3 +82,176 @@ def test_writing_a_step_again_never_leaves_it_missing(tmp_path, monkeypatch):
     assert read_checkpoint(final).step == 7  # still a committed checkpoint, the old one or the new one
     assert (final / "weights.txt").read_text() in ("old", "new")
     assert [c.path for c in find_checkpoints(tmp_path)] == [final]
+
+
+def test_resume_auto_refuses_a_run_whose_every_checkpoint_is_corrupt_and_leaves_them(tmp_path):
+    def trainer(**changes) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=tmp_path, progress=False,
+                       checkpoint_every=2, **changes)  # fmt: skip
+
+    trainer(max_steps=4).fit()
+    root = tmp_path / "checkpoints"
+    for found in find_checkpoints(root):  # a bit flipped in each: the size unchanged, the checksum not
+        blob = bytearray((found.path / "optimizer.pt").read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        (found.path / "optimizer.pt").write_bytes(bytes(blob))
+    before = {path: path.read_bytes() for path in root.rglob("*") if path.is_file()}
+    with pytest.raises(CheckpointError) as raised:
+        trainer(max_steps=8, resume="auto").fit()
+    message = str(raised.value)
+    assert message.startswith(f"{root}: no checkpoint there verifies (2 tried), so the run cannot resume")
+    for step in (2, 4):
+        assert f"{step_dir(root, step)}: optimizer.pt does not match its checksum" in message
+    assert f"hint: a new run there would write over them; to start over, delete {root}" in message
+    assert {path: path.read_bytes() for path in root.rglob("*") if path.is_file()} == before  # nothing written
+
+
+def test_a_resumed_run_names_the_options_its_stored_plan_overrides_and_honours_a_device(tmp_path, caplog):
+    def trainer(max_steps: int, **runtime) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(**runtime), out_dir=tmp_path, progress=False,
+                       max_steps=max_steps, resume="auto")  # fmt: skip
+
+    trainer(2, devices="cpu", precision="fp32").fit()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        summary = trainer(4, precision="bf16-mixed").fit()
+    assert summary.plan.precision.value == "fp32"  # the numerics it was started with
+    [warning] = [r.getMessage() for r in caplog.records if "under the Plan" in r.getMessage()]
+    assert "under the Plan it was written with: --precision bf16-mixed asked, the checkpoint's fp32 kept" in warning
+    if not torch.cuda.is_available():  # a device asked for now is used, not the stored one
+        with pytest.raises(redline.DeviceUnavailableError, match="devices='cuda' was requested"):
+            trainer(6, devices="cuda").fit()
+
+
+def test_resuming_from_a_path_among_checkpoints_it_would_be_pruned_before_is_refused(tmp_path):
+    def trainer(out, max_steps: int, resume) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=out, progress=False,
+                       max_steps=max_steps, checkpoint_every=2, resume=resume)  # fmt: skip
+
+    root = tmp_path / "run" / "checkpoints"
+    trainer(tmp_path / "run", 6, None).fit()
+    with pytest.raises(ConfigError) as raised:  # back to step 2: its steps 4 and 6 would outlive this run's
+        trainer(tmp_path / "run", 8, step_dir(root, 2)).fit()
+    assert "holds checkpoints past step 2 (at 4, 6)" in str(raised.value)
+    assert "--resume auto would continue those, not this run" in str(raised.value)
+    assert "hint: to branch from step 2, pass another --out" in str(raised.value)
+    assert [c.step for c in find_checkpoints(root)] == [2, 4, 6]  # nothing written, nothing pruned
+    trainer(tmp_path / "other", 6, None).fit()
+    with pytest.raises(ConfigError, match=r"(?s)holds checkpoints of its own .*hint: to continue the run there, "
+                       r"pass --resume auto; to resume from \S+step-00000006 anew, pass another --out"):  # fmt: skip
+        trainer(tmp_path / "other", 8, step_dir(root, 6)).fit()
+    branch = trainer(tmp_path / "branch", 8, step_dir(root, 2)).fit()  # what the hint says: another --out
+    assert branch.steps == 8 and [c.step for c in find_checkpoints(tmp_path / "branch" / "checkpoints")] == [4, 6, 8]
+    assert trainer(tmp_path / "run", 8, step_dir(root, 6)).fit().steps == 8  # from its newest: the run goes on
+
+
+def test_a_restarted_worker_goes_on_from_its_last_checkpoint_not_the_path_it_first_resumed(tmp_path, monkeypatch):
+    def trainer(out, max_steps: int) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=out, progress=False,
+                       max_steps=max_steps, checkpoint_every=2, resume=first)  # fmt: skip
+
+    first = None
+    trainer(tmp_path / "start", 2).fit()
+    first = step_dir(tmp_path / "start" / "checkpoints", 2)  # where the run (and its first attempt) resumed from
+    trainer(tmp_path / "run", 4).fit()  # the first attempt: to step 4, then it "fails"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun starts the worker again, same arguments
+    summary = trainer(tmp_path / "run", 6).fit()
+    assert summary.resumed_from == str(step_dir(tmp_path / "run" / "checkpoints", 4))
+
+
+def test_a_resume_path_that_is_a_run_directory_or_a_file_names_the_checkpoint_it_meant(tmp_path):
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path / "run" / "checkpoints", step), step=step)
+    root, newest = tmp_path / "run" / "checkpoints", step_dir(tmp_path / "run" / "checkpoints", 2)
+    for given in (tmp_path / "run", root):
+        with pytest.raises(CheckpointError) as raised:
+            open_checkpoint(str(given), root)
+        assert str(raised.value).startswith(f"{given}: not a committed checkpoint")
+        assert f"hint: pass the checkpoint directory itself, e.g. --resume {newest} (the newest there), or " in str(
+            raised.value
+        ) and f"--resume auto with --out {tmp_path / 'run'}" in str(raised.value)
+    with pytest.raises(CheckpointError, match=r"--resume \S+step-00000001 \(the one that file is in\)"):
+        open_checkpoint(str(step_dir(root, 1) / "model.safetensors"), root)
+    with pytest.raises(CheckpointError, match=r"hint: pass a directory step-NNNNNNNN"):  # nothing near: as before
+        open_checkpoint(str(tmp_path / "nowhere"), root)
+
+
+def test_a_run_resumed_mid_epoch_with_another_seed_sees_each_sample_of_the_epoch_once(tmp_path, caplog):
+    seen: list[int] = []
+
+    class Recording(nn.Linear):  # notes the samples it trains on: each one's features are its index
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.extend(int(i) for i in x[:, 0])
+            return super().forward(x)
+
+    indices = torch.arange(40.0)
+    data = TensorDataset(indices[:, None].repeat(1, 4), (indices % 2).long())
+    task = redline.Task(model=lambda: Recording(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8)  # fmt: skip
+
+    def trainer(max_steps: int, **runtime) -> Trainer:
+        return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", **runtime), out_dir=tmp_path, trial="off",
+                       progress=False, max_steps=max_steps, resume="auto")  # fmt: skip
+
+    trainer(2).fit()  # 2 of the epoch's 5 batches
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        trainer(5, seed=7).fit()  # the other 3, in the order the epoch began with
+    assert sorted(seen) == list(range(40))  # before, the new seed's order: some samples twice, others never
+    assert "--seed 7 asked, the checkpoint's 0 kept" in caplog.text
+
+
+def test_a_run_resumed_without_an_out_dir_warns_that_it_writes_nothing(tmp_path, caplog):
+    options = redline.RuntimeOptions(devices="cpu")
+    Trainer(tiny_task(), runtime=options, out_dir=tmp_path, progress=False, max_steps=2).fit()
+    newest = step_dir(tmp_path / "checkpoints", 2)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        Trainer(tiny_task(), runtime=options, progress=False, max_steps=4, resume=str(newest)).predict(torch.ones(2, 4))
+        assert "without --out" not in caplog.text  # a prediction from a checkpoint writes nothing anyway
+        Trainer(tiny_task(), runtime=options, progress=False, max_steps=4, resume=str(newest)).fit()
+    message = " ".join(caplog.text.split())
+    assert f"resuming from {newest} without --out (out_dir): this run writes no checkpoint, weights" in message
+    assert f"hint: pass --out DIR (--out {tmp_path} continues that run there)" in message
+
+
+def test_a_replacement_cut_short_where_directories_cannot_be_swapped_is_put_back(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import redline.atomic as atomic
+
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path, step), step=step)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # a system (or NFS) without RENAME_EXCHANGE
+        real_rename, renames = Path.rename, []
+
+        def killed_after_the_first_rename(self: Path, target: Path) -> Path:
+            if renames:
+                raise KeyboardInterrupt("killed")
+            renames.append(target)
+            return real_rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", killed_after_the_first_rename)
+        with contextlib.suppress(KeyboardInterrupt):
+            rt.save(step_dir(tmp_path, 2), step=2, extra={"new": True})  # step 2 again: the old one moved aside
+    monkeypatch.undo()
+    assert not step_dir(tmp_path, 2).exists()  # before, --resume auto went back to step 1 and step 2 was lost
+    found = open_checkpoint("auto", tmp_path)  # the new one was committed under its staging name: it goes in
+    assert found is not None and found.path == step_dir(tmp_path, 2)
+    assert torch.load(found.path / "extra.pt", weights_only=True) == {"new": True}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_an_older_checkpoint_moved_aside_comes_back_where_its_replacement_was_unfinished(tmp_path):
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(tmp_path, step), step=step)
+    step_dir(tmp_path, 2).rename(tmp_path / ".old-step-00000002-123")
+    (tmp_path / ".tmp-step-00000002").mkdir()  # the replacement's files, without its manifest
+    (tmp_path / ".tmp-step-00000002" / "model.safetensors").write_bytes(b"half of it")
+    found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.path == step_dir(tmp_path, 2)
+    clean_staging(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]

@@ -307,6 +307,21 @@ def test_sigterm_stops_one_process_with_exit_143_after_the_summary_and_a_checkpo
     assert not finished.exists(), "a stopped run must not tell a launcher that it finished"
 
 
+def test_resuming_a_stopped_run_with_no_steps_left_exits_0_not_as_if_stopped_again(tmp_path):
+    out = tmp_path / "run"
+    proc = start_training(out, "--json")
+    proc.send_signal(signal.SIGTERM)
+    stopped = json.loads(proc.communicate(timeout=120)[0])
+    assert proc.returncode == 128 + signal.SIGTERM and stopped["steps"] >= 1
+    again = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--out", str(out), "--resume", "auto",
+                        "--json")  # fmt: skip
+    assert again.returncode == 0, again.stderr  # nothing stopped it now: a 143 would tell a scheduler to retry
+    assert json.loads(again.stdout) == stopped  # the run's summary, left as it was
+    message = " ".join(again.stderr.split())
+    assert f"the run in {out} was stopped at step {stopped['steps']} (by signal SIGTERM)" in message
+    assert "hint: to train it further, raise --max-steps or --epochs" in message and "error:" not in message
+
+
 def test_a_run_that_finished_its_work_exits_0_and_says_so_to_the_launcher(tmp_path):
     finished = tmp_path / "finished"
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--json",

@@ -249,3 +249,17 @@ def test_a_closed_stream_never_breaks_the_run(stream_class):
     progress.update(100, loss=2.0, samples_per_s=10.0, epoch=1)
     progress.message("still running")
     progress.close()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, whose writes fail as on a full disk")
+def test_a_log_write_the_disk_refuses_is_a_clear_error_naming_the_file(tmp_path):
+    from redline.errors import TrainingError
+
+    # a TrainingError, not an OSError from the write or from the close after it (which would hide the first)
+    with pytest.raises(TrainingError) as raised, open_loggers(["csv", "jsonl"], tmp_path, columns=COLUMNS) as logs:
+        (tmp_path / "metrics.csv").symlink_to("/dev/full")  # a disk with no space left
+        logs.log(rows(1, 2))
+    assert str(raised.value).startswith(f"{tmp_path / 'metrics.csv'} could not be written: No space left on device")
+    assert "hint: free space on that disk" in str(raised.value) and "--resume auto" in str(raised.value)
+    with pytest.raises(ValueError, match="closed"):  # every file closed on the way out, the refused one too
+        logs.log(rows(3, 3))

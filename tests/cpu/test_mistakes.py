@@ -138,6 +138,20 @@ def test_early_stopping_without_validation_data_is_refused():
         Trainer(mistake(), callbacks=[EarlyStopping()])
 
 
+def test_early_stopping_on_a_metric_the_task_does_not_have_is_refused_before_training():
+    import dataclasses
+
+    from mistake_tasks import X, Y
+    from torch.utils.data import TensorDataset
+
+    task = dataclasses.replace(mistake(), val_data=TensorDataset(X, Y))  # val_loss only: no metric
+    # before, it trained up to the first evaluation, then said val_metric was not among ['val_loss', 'val_metric']
+    with pytest.raises(ConfigError) as raised:
+        Trainer(task, callbacks=[EarlyStopping(monitor="val_metric")])
+    assert "watches val_metric, and task 'ok' has no metric: its evaluation reports val_loss alone" in str(raised.value)
+    assert "hint: watch val_loss (--early-stopping-monitor val_loss), or give the Task metric=" in str(raised.value)
+
+
 def test_a_finished_run_rerun_is_left_exactly_as_it_was(tmp_path, caplog):
     with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False) as trainer:
         first = trainer.fit()
@@ -150,6 +164,94 @@ def test_a_finished_run_rerun_is_left_exactly_as_it_was(tmp_path, caplog):
     assert "ended at step 4 (stopped: max_steps)" in caplog.text and "raise --max-steps" in caplog.text
     with Trainer(mistake(), max_steps=6, out_dir=tmp_path, progress=False, resume="auto") as trainer:
         assert trainer.fit().steps == 6  # a higher limit trains on
+
+
+def test_a_run_killed_after_its_last_checkpoint_writes_its_results_on_resume_without_a_step_more(tmp_path):
+    import dataclasses
+
+    from mistake_tasks import X, Y
+    from torch.utils.data import TensorDataset
+
+    task = dataclasses.replace(mistake(), val_data=TensorDataset(X, Y))
+    with Trainer(task, max_steps=4, out_dir=tmp_path, progress=False) as trainer:
+        trainer.fit()
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "summary.json").unlink()  # killed after the last checkpoint, before the summary was written
+    with Trainer(task, max_steps=4, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        again = trainer.fit()  # before, it trained a step 5 past --max-steps 4 to write the summary
+    assert again.steps == 4 and again.stopped == "max_steps"
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+    assert (tmp_path / "model.safetensors").read_bytes() == weights
+    steps = [int(row["step"]) for row in csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines())]
+    evals = [int(row["step"]) for row in csv.DictReader((tmp_path / "eval.csv").read_text().splitlines())]
+    assert steps == [1, 2, 3, 4] and evals == [4]  # the final evaluation once, not once per attempt
+
+
+def test_a_summary_the_disk_refuses_is_a_clear_error_and_the_rerun_writes_it(tmp_path, monkeypatch):
+    import errno
+
+    import redline.train.output as output
+
+    write_atomic = output.write_atomic
+
+    def disk_full_for_the_summary(path, write):
+        if path.name == "summary.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write_atomic(path, write)
+
+    monkeypatch.setattr(output, "write_atomic", disk_full_for_the_summary)
+    with pytest.raises(TrainingError) as raised:
+        Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False).fit()
+    assert str(raised.value).startswith(f"{tmp_path / 'summary.json'} could not be written: No space left on device")
+    assert "hint: free space on that disk" in str(raised.value) and "again with --resume auto" in str(raised.value)
+    monkeypatch.undo()
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        assert trainer.fit().steps == 4  # what the hint says: the results are written
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_checkpoint_the_disk_refuses_is_a_clear_error_that_leaves_the_earlier_ones(tmp_path, monkeypatch):
+    import errno
+
+    import redline.checkpoint.whole as whole
+
+    save = torch.save
+
+    def disk_full_on_the_second_checkpoint(obj, path, *args, **kwargs):
+        if ".tmp-step-00000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(whole.torch, "save", disk_full_on_the_second_checkpoint)
+    with pytest.raises(RedlineError) as raised:
+        Trainer(mistake(), max_steps=4, checkpoint_every=2, out_dir=tmp_path, progress=False).fit()
+    root = tmp_path / "checkpoints"
+    message = str(raised.value)
+    assert message.startswith(f"{root / 'step-00000004'}: the checkpoint could not be written: No space left on device")
+    assert f"the checkpoints committed before it under {root} are intact" in message
+    assert "hint: free space on that disk" in message and "--resume auto" in message
+    assert sorted(path.name for path in root.iterdir()) == ["step-00000002"]  # no half-written staging directory
+    monkeypatch.undo()
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False, resume="auto") as trainer:
+        summary = trainer.fit()
+    assert summary.steps == 4 and summary.resumed_from == str(root / "step-00000002")
+
+
+def test_weights_the_disk_refuses_are_a_clear_error_that_leaves_the_earlier_file(tmp_path, monkeypatch):
+    import errno
+
+    import redline.checkpoint.whole as whole
+
+    def disk_full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    (tmp_path / "model.safetensors").write_bytes(b"the earlier weights")
+    monkeypatch.setattr(whole, "write_atomic", disk_full)
+    with Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(RedlineError, match=r"model.safetensors: the weights could not be written: No space left"):
+            rt.save_weights(tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"the earlier weights"
 
 
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(tmp_path):

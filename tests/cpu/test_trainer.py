@@ -85,13 +85,15 @@ def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_used(tmp_path, un
     assert_bitwise_equal(weights(tmp_path), unbroken)
 
 
-def test_a_half_written_checkpoint_directory_is_ignored(tmp_path):
+def test_a_checkpoint_directory_without_its_manifest_is_no_checkpoint_and_not_resumed_past(tmp_path):
     root = tmp_path / "checkpoints"
-    (root / "step-00000099").mkdir(parents=True)
+    (root / "step-00000099").mkdir(parents=True)  # an interrupted copy, say: files without the manifest
     (root / "step-00000099" / "model.safetensors").write_bytes(b"partial")
     (root / ".tmp-step-00000100-123").mkdir()
-    assert ckpt.find_checkpoints(root) == []
-    assert ckpt.open_checkpoint("auto", root) is None
+    assert ckpt.find_checkpoints(root) == []  # listing and pruning leave it alone
+    with pytest.raises(ckpt.CheckpointError, match=r"\(1 tried\)[^\n]*\n  .*step-00000099: not a committed"):
+        ckpt.open_checkpoint("auto", root)  # the only one: a new run among it would lose that run
+    assert ckpt.open_checkpoint("auto", tmp_path / "empty") is None  # no checkpoint at all: a new run
 
 
 def test_resume_from_an_explicit_corrupt_path_fails_clearly(tmp_path):

@@ -46,16 +46,50 @@ def test_runtime_options_keep_switches_as_words_and_build_from_changes():
         RuntimeOptions.build(precison="fp32")
 
 
-def test_a_stored_plan_fixes_the_numerics_and_keeps_this_runs_seed_and_strategy():
+def test_a_stored_plan_fixes_the_numerics_and_the_data_order_and_keeps_this_runs_strategy():
     plan = {
         "device": {"value": "cpu"}, "precision": {"value": "bf16-mixed"}, "compile": {"value": True},
         "channels_last": {"value": False}, "grad_accum": {"value": 4}, "clip_grad_norm": {"value": 1.0},
+        "seed": {"value": 3},
     }  # fmt: skip
     now = RuntimeOptions(seed=9, strategy="fsdp", deterministic=True, precision="fp32")
     resumed = now.with_plan(plan)
     assert (resumed.precision, resumed.compile, resumed.channels_last) == ("bf16-mixed", "on", "off")
-    assert (resumed.grad_accum, resumed.clip_grad_norm) == (4, 1.0)
-    assert (resumed.seed, resumed.strategy, resumed.deterministic) == (9, "fsdp", True)
+    assert (resumed.grad_accum, resumed.clip_grad_norm, resumed.seed) == (4, 1.0, 3)
+    assert (resumed.strategy, resumed.deterministic) == ("fsdp", True)
+    del plan["seed"]  # a Plan of an earlier version: the seed asked for now
+    assert now.with_plan(plan).seed == 9
+
+
+def test_a_device_asked_for_now_moves_a_resumed_run_and_auto_keeps_the_stored_one():
+    plan = {
+        "device": {"value": "cuda:0"}, "precision": {"value": "fp32"}, "compile": {"value": False},
+        "channels_last": {"value": False}, "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None},
+    }  # fmt: skip
+    assert RuntimeOptions(devices="cpu").with_plan(plan).devices == "cpu"
+    assert RuntimeOptions().with_plan(plan).devices == "cuda:0"
+
+
+def test_the_requests_a_resumed_run_overrides_are_named_and_a_repeated_command_names_none():
+    from redline.train.resume import overridden_requests
+
+    plan = {
+        "precision": {"value": "fp32", "reason": "auto: ..."}, "grad_accum": {"value": 2, "reason": "requested"},
+        "compile": {"value": False, "reason": "requested, but no C compiler; running eagerly"},
+        "channels_last": {"value": True, "reason": "requested"}, "clip_grad_norm": {"value": None, "reason": ""},
+    }  # fmt: skip
+    asked = RuntimeOptions(precision="bf16-mixed", channels_last="off", clip_grad_norm=1.0, compile="on")
+    assert overridden_requests(asked, plan) == [
+        "--precision bf16-mixed asked, the checkpoint's fp32 kept",
+        "--channels-last off asked, the checkpoint's on kept",
+        "--clip-grad-norm 1.0 asked, the checkpoint's none kept",
+    ]
+    same = RuntimeOptions(precision="fp32", compile="on", channels_last="on", grad_accum=2)  # as the run was started
+    assert overridden_requests(same, plan) == []
+    plan["seed"] = {"value": None, "reason": ""}  # no seed asked: the data order's is 0
+    assert overridden_requests(RuntimeOptions(seed=0), plan) == []
+    assert overridden_requests(RuntimeOptions(seed=7), plan) == ["--seed 7 asked, the checkpoint's 0 kept"]
+    assert overridden_requests(RuntimeOptions(), plan) == []  # nothing asked: the Plan goes on quietly
 
 
 def test_trainer_config_checks_and_normalises():

@@ -16,6 +16,7 @@ from redline.checkpoint.layout import (
     open_verified,
     prune,
     read_checkpoint,
+    recover,
     step_dir,
     verify,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "open_verified",
     "prune",
     "read_checkpoint",
+    "recover",
     "step_dir",
     "verify",
 ]

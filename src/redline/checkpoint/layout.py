@@ -9,6 +9,7 @@ manifest; under several processes each rank checks its share of the files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from redline.atomic import commit_directory, fsync_path
+from redline.atomic import ASIDE, commit_directory, fsync_path, recover_directory
 from redline.errors import RedlineError
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
@@ -99,6 +100,17 @@ def commit(
     return Checkpoint(final, _step_of(final, manifest), manifest)
 
 
+def write_failure(final: Path, tmp: Path, exc: OSError) -> CheckpointError:
+    """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CheckpointError(
+        f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
+        f"and the checkpoints committed before it under {final.parent} are intact\nhint: free space on that disk "
+        "(or make it writable again), then run the same command again with --resume auto to continue from the newest"
+    )
+
+
 def write_json(path: Path, document: Mapping[str, Any]) -> None:
     """Write a small JSON document of the checkpoint, readable without torch."""
     path.write_text(json.dumps(document, indent=2), encoding="utf-8")
@@ -159,6 +171,7 @@ def clean_staging(root: Path) -> int:
     Call it only where no checkpoint is being written under ``root``: at the start of the run that
     writes there, or after its commit (``prune`` does), on one rank.
     """
+    recover(root)
     leftovers = sorted(path for path in root.glob(f"{STAGING}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
@@ -167,6 +180,20 @@ def clean_staging(root: Path) -> int:
         names = ", ".join(path.name for path in leftovers)
         log.info("removed %s of checkpoint writes that never finished under %s: %s", count, root, names)
     return len(leftovers)
+
+
+def recover(root: Path) -> None:
+    """Put back a checkpoint whose replacement a crash cut short (where the system cannot swap two directories).
+
+    The new one, when its manifest was written, takes the step's name; else the older one gets it
+    back. Call it where no checkpoint is being written under ``root``, on one rank.
+    """
+    asides = sorted(path for path in root.glob(f"{ASIDE}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
+    for aside in asides:
+        name = aside.name.removeprefix(ASIDE).rsplit("-", 1)[0]
+        restored = recover_directory(aside, root / f"{STAGING}{name}", lambda tmp: (tmp / MANIFEST).is_file())
+        if restored is not None:
+            log.warning("put back %s, whose replacement a killed run had not finished", restored)
 
 
 def verify(checkpoint: Checkpoint) -> None:
@@ -216,21 +243,60 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     Collective under several processes: rank 0 lists the checkpoints, so every rank considers the
     same ones in the same order, and the ranks verify each together, so they agree on the one they
     resume from. A checkpoint met on the way that does not verify, or whose manifest cannot be read,
-    is logged and skipped for an older one; an explicit path that does not verify is an error.
+    is logged and skipped for an older one; an explicit path that does not verify is an error. None
+    where ``root`` holds no checkpoint; where it holds some and none verifies, a CheckpointError that
+    names each: a new run among them would overwrite and prune them, and the run would be lost.
     """
     if str(where) != "auto":
-        return open_verified(Path(where))
-    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root)], "listing the checkpoints")
+        try:
+            return open_verified(Path(where))
+        except CheckpointError as exc:
+            near, which = _checkpoint_near(Path(where))
+            if near is None:
+                raise
+            raise CheckpointError(
+                f"{str(exc).split(chr(10))[0]}\nhint: pass the checkpoint directory itself, e.g. --resume {near.path} "
+                f"({which}), or --resume auto with --out {near.path.parent.parent}"
+            ) from None
+    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root, repaired=True)], "listing the checkpoints")
+    problems = []
     for path in reversed(listed):
         try:
-            return open_verified(Path(path))
+            found = open_verified(Path(path))
         except CheckpointError as exc:
-            log.warning("skipping a corrupt checkpoint: %s", str(exc).split("\nhint:")[0])
+            problems.append(str(exc).split("\nhint:")[0])
+            continue
+        for problem in problems:
+            log.warning("skipping a corrupt checkpoint: %s", problem)
+        return found
+    if problems:
+        raise CheckpointError(
+            f"{root}: no checkpoint there verifies ({len(problems)} tried), so the run cannot resume:\n  "
+            + "\n  ".join(problems)
+            + f"\nhint: a new run there would write over them; to start over, delete {root} or pass another "
+            "--out (out_dir=...); to resume from a copy kept elsewhere, pass --resume PATH"
+        )
     return None
 
 
-def _step_dirs(root: Path) -> list[Path]:
-    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first."""
+def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
+    """The checkpoint a resume path that is none meant, and which it is: the one a file is in, or the newest in a
+    run or checkpoints directory; None where there is none (a corrupt checkpoint, a path that does not exist)."""
+    if path.is_file() and (path.parent / MANIFEST).is_file():
+        with contextlib.suppress(CheckpointError):
+            return read_checkpoint(path.parent), "the one that file is in"
+    for root in (path, path / "checkpoints"):
+        found = find_checkpoints(root)
+        if found:
+            return found[-1], "the newest there"
+    return None, ""
+
+
+def _step_dirs(root: Path, *, repaired: bool = False) -> list[Path]:
+    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first; ``repaired``:
+    after putting back one a crash left moved aside (``recover``)."""
+    if repaired:
+        recover(root)
     paths = [path for path in root.glob(f"{PREFIX}*") if path.is_dir()] if root.is_dir() else []
     return sorted(paths, key=lambda path: (_step_of(path, {}), path))
 

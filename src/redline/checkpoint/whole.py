@@ -27,6 +27,7 @@ from redline.checkpoint.layout import (
     file_entry,
     legacy_states,
     stage,
+    write_failure,
     write_json,
 )
 from redline.checkpoint.shapes import Shapes, check_same_model, safetensors_shapes, shapes_of
@@ -56,10 +57,13 @@ def save_whole(
         PLAN: lambda path: write_json(path, plan),
     }
     files = {}
-    for name, write in writers.items():
-        write(tmp / name)
-        files[name] = file_entry(tmp / name)
-    return commit(tmp, final, format=FORMAT, step=step, files=files)
+    try:
+        for name, write in writers.items():
+            write(tmp / name)
+            files[name] = file_entry(tmp / name)
+        return commit(tmp, final, format=FORMAT, step=step, files=files)
+    except OSError as exc:  # a full disk, a quota, storage gone read-only: say so, and leave no half of it there
+        raise write_failure(final, tmp, exc) from exc
 
 
 def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
@@ -107,7 +111,7 @@ def _load(checkpoint: Checkpoint, name: str, device: torch.device | str) -> dict
 
 def save_weights_file(path: Path, module: nn.Module) -> None:
     """Save ``module``'s weights as one safetensors file, atomically; tied weights are stored once."""
-    write_atomic(path, lambda tmp: save_model(module, str(tmp)))
+    _write_weights(path, lambda tmp: save_model(module, str(tmp)))
 
 
 def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
@@ -117,4 +121,15 @@ def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: 
     ``save_model`` notes them, so ``load_model`` fills the tied names of the plain model.
     """
     contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt", **aliases}))
+    _write_weights(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt", **aliases}))
+
+
+def _write_weights(path: Path, write: Callable[[Path], None]) -> None:
+    try:
+        write_atomic(path, write)
+    except OSError as exc:  # a full disk, a quota, storage gone read-only: an earlier file there is left as it was
+        raise CheckpointError(
+            f"{path}: the weights could not be written: {exc.strerror or exc}; a file there before is left as it "
+            "was\nhint: free space on that disk (or make it writable again), then write them again: `redline "
+            "train` run again with --resume auto writes them at the end"
+        ) from exc

@@ -61,7 +61,7 @@ def _train(
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     with Trainer(loaded, config, callbacks=callbacks) as trainer:
         summary = trainer.fit()
-    by_signal = summary.stopped.startswith("signal")
+    by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:

@@ -74,11 +74,12 @@ class RuntimeOptions:
     def with_plan(self, plan: Mapping[str, Mapping[str, Any]]) -> RuntimeOptions:
         """Return these options with the axes a stored Plan fixed (``Plan.to_dict()``), for a resumed run.
 
-        Device, precision, compile, layout, accumulation and clipping come from the Plan, so the run
-        goes on as it started; the seed, the strategy (it follows the number of processes, which may
-        differ now), determinism and the micro-batches (a run that ran out of memory is resumed with
-        --micro-batch auto) stay as asked for now. Activation checkpointing left to "auto" stays on if
-        the Plan had it on.
+        Precision, compile, layout, accumulation, clipping and the seed (it fixes the data order, and a
+        resumed epoch goes on in its order) come from the Plan, so the run goes on as it started; the
+        device too unless one is asked for now (a run may move to a GPU). The strategy (it follows the
+        number of processes, which may differ now), determinism and the micro-batches (a run that ran
+        out of memory is resumed with --micro-batch auto) stay as asked for now. Activation
+        checkpointing left to "auto" stays on if the Plan had it on.
         """
 
         def switch(axis: str) -> Switch:
@@ -92,11 +93,12 @@ class RuntimeOptions:
 
         return RuntimeOptions.build(
             self,
-            devices=str(plan["device"]["value"]),
+            devices=str(plan["device"]["value"]) if self.devices == "auto" else self.devices,
             precision=plan["precision"]["value"],
             compile=switch("compile"),
             channels_last=switch("channels_last"),
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],
+            seed=plan["seed"]["value"] if "seed" in plan else self.seed,
             activation_checkpointing=checkpointing,
         )

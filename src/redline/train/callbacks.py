@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from redline.config import non_negative_number, option, positive_int
-from redline.errors import TrainingError, invalid
+from redline.errors import ConfigError, TrainingError, invalid
 
 if TYPE_CHECKING:
+    from redline.task import Task
     from redline.train.trainer import Trainer
 
 
@@ -51,6 +52,19 @@ class EarlyStopping(Callback):
             raise invalid("early_stopping.mode", self.mode, "'auto', 'min' or 'max'")
         non_negative_number("early_stopping.min_delta", self.min_delta)
 
+    def check_task(self, task: Task) -> None:
+        """Refuse, before training, a Task whose evaluation does not report what this watches."""
+        if task.val_data is None:
+            raise ConfigError(
+                f"early stopping watches a validation metric, and task {task.name!r} has no val_data\n"
+                "hint: give the Task val_data=..., or drop the early stopping"
+            )
+        if self.monitor == "val_metric" and task.metric is None:
+            raise ConfigError(
+                f"early stopping watches val_metric, and task {task.name!r} has no metric: its evaluation reports "
+                "val_loss alone\nhint: watch val_loss (--early-stopping-monitor val_loss), or give the Task metric=..."
+            )
+
     @property
     def minimise(self) -> bool:
         return self.mode == "min" or (self.mode == "auto" and self.monitor.endswith("loss"))
@@ -59,7 +73,8 @@ class EarlyStopping(Callback):
         """Record an evaluation; return True once patience has run out."""
         value = metrics.get(self.monitor)
         if value is None:
-            raise invalid("early_stopping.monitor", self.monitor, f"a metric the evaluation reports: {sorted(metrics)}")
+            reported = sorted(name for name, found in metrics.items() if found is not None)
+            raise invalid("early_stopping.monitor", self.monitor, f"a metric the evaluation reports: {reported}")
         if math.isnan(value):  # reported, but not a number that can improve
             raise TrainingError(
                 f"early stopping watches {self.monitor}, and the evaluation gave {value}\n"

@@ -7,6 +7,7 @@ forces a device sync per step; only the process that owns the run (rank 0) shoul
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -16,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, get_args
 
 from redline.atomic import write_atomic
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, TrainingError, invalid
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -32,6 +33,8 @@ T = TypeVar("T")
 
 
 class _FileLog(Protocol):
+    path: Path
+
     def write(self, rows: Sequence[Row]) -> None: ...
     def close(self) -> None: ...
 
@@ -52,8 +55,7 @@ class Loggers:
             _check_step(row.get("step"))
         if not rows:
             return
-        for log in self._train:
-            log.write(rows)
+        _write(self._train, rows)
         if self._tensorboard is not None:
             for row in rows:
                 self._add_scalars(row, prefix="", strip="")
@@ -64,21 +66,26 @@ class Loggers:
         self._check_open()
         _check_step(step)
         row: dict[str, Value] = {"step": step, **metrics}
-        for log in self._evals:
-            log.write([row])
+        _write(self._evals, [row])
         if self._tensorboard is not None:
             self._add_scalars(row, prefix="val/", strip="val_")
             self._tensorboard.flush()
 
     def close(self) -> None:
-        """Close every file; safe to call twice."""
+        """Close every file, even where one fails to (a full disk: a TrainingError after); safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        failed: TrainingError | None = None
         for log in self._train + self._evals:
-            log.close()
+            try:
+                log.close()
+            except OSError as exc:  # what was left to flush could not be written
+                failed = failed or _write_failure(log.path, exc)
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> Loggers:
         return self
@@ -86,7 +93,11 @@ class Loggers:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+        else:  # the error that ends the run says what happened; a failed close would hide it
+            with contextlib.suppress(TrainingError):
+                self.close()
 
     def _add_scalars(self, row: Row, *, prefix: str, strip: str) -> None:
         assert self._tensorboard is not None
@@ -99,6 +110,23 @@ class Loggers:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("these Loggers are closed; open new ones with open_loggers()")
+
+
+def _write(logs: Sequence[_FileLog], rows: Sequence[Row]) -> None:
+    """Append ``rows`` to each of ``logs``; a write the system refuses (a full disk) is a TrainingError naming it."""
+    for log in logs:
+        try:
+            log.write(rows)
+        except OSError as exc:
+            raise _write_failure(log.path, exc) from exc
+
+
+def _write_failure(path: Path, exc: OSError) -> TrainingError:
+    return TrainingError(
+        f"{path} could not be written: {exc.strerror or exc}\nhint: free space on that disk (or make it writable "
+        "again), then run the same command again with --resume auto: the run goes on from its last checkpoint, and "
+        "its logs from there"
+    )
 
 
 def open_loggers(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
@@ -25,29 +26,136 @@ def resumed_options(options: RuntimeOptions, found: Checkpoint | None, env: Dist
     """This run's Runtime options: a resumed run reuses the Plan it was written under."""
     if found is None:
         return options
-    resumed = options.with_plan(checkpoint.load_plan(found))
+    plan = checkpoint.load_plan(found)
+    overridden = overridden_requests(options, plan)
+    if overridden:
+        log.warning(
+            "resuming %s under the Plan it was written with: %s\nhint: to train with other numerics, start a new "
+            "run (another --out); drop the flag to silence this", found.path, "; ".join(overridden)
+        )  # fmt: skip
+    resumed = options.with_plan(plan)
     if env.distributed:  # the process group is already on this run's device: keep it
         resumed = dataclasses.replace(resumed, devices=options.devices)
-    return _available_device(resumed)
+    return resumed if options.devices != "auto" else _available_device(resumed)
 
 
-def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None) -> None:
-    """Refuse a new run where an earlier run left checkpoints, and remove what a killed checkpoint write left.
+def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]) -> list[str]:
+    """The options asked for now that a resumed run's stored Plan overrides, each as "asked, kept".
+
+    Only a request other than the default can be told from one left out, so only those are named;
+    a switch asked "on" that the stored run had asked for too and could not have ("requested, but
+    ...") is no change.
+    """
+    asked = {
+        "precision": (options.precision, "auto"),
+        "compile": (options.compile, "auto"),
+        "channels_last": (options.channels_last, "auto"),
+        "grad_accum": (options.grad_accum, 1),
+        "clip_grad_norm": (options.clip_grad_norm, None),
+        "seed": (options.seed, None),
+    }
+    overridden = []
+    for axis, (now, default) in asked.items():
+        if axis not in plan:  # a Plan of an earlier version without it
+            continue
+        stored, reason = plan[axis].get("value"), str(plan[axis].get("reason", ""))
+        if isinstance(stored, bool):
+            if now == "on" and not stored and reason.startswith("requested"):
+                continue
+            stored = "on" if stored else "off"
+        if axis == "seed" and stored is None:  # the data order's seed was 0, and the RNGs are the checkpoint's
+            stored = 0
+        stored = "none" if stored is None else stored
+        if now != default and now != stored:
+            overridden.append(f"--{axis.replace('_', '-')} {now} asked, the checkpoint's {stored} kept")
+    return overridden
+
+
+def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoint | None:
+    """The checkpoint the run starts from: ``resume``'s ("auto" or a path; None for a new run), all ranks together.
+
+    A worker torchrun restarted (--max-restarts) goes on from the newest checkpoint under ``root``, the
+    one its last attempt wrote, even where ``resume`` names a path: that path is where the first
+    attempt started. Without one under ``root`` it starts as the first attempt did.
+    """
+    if env.restart_count > 0 and root is not None and resume != "auto":
+        found = checkpoint.open_checkpoint("auto", root)
+        if found is not None or resume is None:
+            if found is None:
+                log.warning("no checkpoint under %s; starting from scratch", root)
+            return found
+    if resume is None:
+        return None
+    found = checkpoint.open_checkpoint(resume, root or Path("."))
+    if found is None:
+        log.warning("no checkpoint under %s; starting from scratch", root)
+    return found
+
+
+def warn_unsaved(found: Checkpoint | None, out_dir: Path | None) -> None:
+    """Warn that a run resumed without an out_dir writes nothing: its steps end with the process."""
+    if found is not None and out_dir is None:
+        run_dir = found.path.parent.parent if found.path.parent.name == "checkpoints" else None
+        where = f" (--out {run_dir} continues that run there)" if run_dir else ""
+        log.warning(
+            "resuming from %s without --out (out_dir): this run writes no checkpoint, weights or summary, so what it "
+            "trains is lost when it ends\nhint: pass --out DIR%s", found.path, where
+        )  # fmt: skip
+
+
+def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, found: Checkpoint | None) -> None:
+    """Refuse a run that would mix its checkpoints with another's, and remove what a killed checkpoint write left.
 
     A new run (no ``resume``, not a restarted worker) among an earlier run's checkpoints would prune
     by step number, deleting its own when the earlier run had gone further, and a later
-    ``resume="auto"`` would continue the earlier run. Collective: rank 0 lists, every rank refuses alike.
+    ``resume="auto"`` would continue the earlier run. So would a run resumed from a path (``found``)
+    where ``root`` holds checkpoints of another run, or of its own run past ``found``'s step.
+    Collective: rank 0 lists, every rank refuses alike.
     """
-    if resume is None and env.restart_count == 0:
-        steps = run_on_rank0(lambda: [c.step for c in checkpoint.find_checkpoints(root)], "listing the checkpoints")
-        if steps:
+    explicit = resume not in (None, "auto") and found is not None
+    if env.restart_count == 0 and (resume is None or explicit):
+        steps = run_on_rank0(lambda: _repaired_steps(root), "listing the checkpoints")
+        if steps and resume is None:
             raise ConfigError(
                 f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {steps[-1]}); "
                 "a new run there would mix its checkpoints and logs with that run's\nhint: continue that run with "
                 f"--resume auto (resume='auto'), or pass another --out; to start over, delete {root}"
             )
+        if steps and found is not None:
+            _refuse_a_mix(root, found, steps)
     if env.is_main:
         checkpoint.clean_staging(root)
+
+
+def _repaired_steps(root: Path) -> list[int]:
+    """The steps of the checkpoints under ``root``, after putting back one a crash left moved aside."""
+    checkpoint.recover(root)
+    return [c.step for c in checkpoint.find_checkpoints(root)]
+
+
+def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int]) -> None:
+    """Refuse to resume from ``found`` into ``root``, whose checkpoints are at ``steps``, where they belong to another
+    run or go past ``found``: the resumed run's own checkpoints would be pruned first, and --resume auto would
+    continue the others."""
+    if found.path.resolve().parent != root.resolve():
+        what = "checkpoints of its own (of another run, or of this one resumed there before)"
+        hint = (
+            f"to continue the run there, pass --resume auto; to resume from {found.path} anew, pass another --out "
+            f"(or delete {root})"
+        )
+    elif steps[-1] > found.step:
+        newer = [step for step in steps if step > found.step]
+        what = f"checkpoints past step {found.step} (at {', '.join(map(str, newer))})"
+        hint = (
+            f"to branch from step {found.step}, pass another --out (the checkpoint is read where it is); to take "
+            f"this run back to it, delete the checkpoints past it under {root}"
+        )
+    else:
+        return
+    raise ConfigError(
+        f"out_dir={str(root.parent)!r} holds {what}; resumed from {found.path} there, this run's checkpoints would be "
+        f"pruned before them, and --resume auto would continue those, not this run\nhint: {hint}"
+    )
 
 
 def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:
@@ -65,25 +173,67 @@ def stored_summary(out_dir: Path, env: DistEnv) -> TrainSummary | None:
         return None
 
 
-def has_ended(pos: Position, stopped: str, *, total: float, max_epochs: float) -> bool:
-    """Whether the resumed run (at ``pos``, ``stopped`` as its checkpoint says) had ended: it reached this run's
-    ``total`` steps (max_steps or epochs: a run ending on an epoch's last step stops before its epoch count moves
-    on), or early stopping said so."""
-    return stopped == "early stopping" or pos.step >= total or pos.epoch >= max_epochs
+def ended_run(
+    pos: Position,
+    stopped: str,
+    *,
+    total: float,
+    max_epochs: float,
+    max_steps: int | None,
+    out_dir: Path | None,
+    env: DistEnv,
+) -> tuple[TrainSummary | None, str]:
+    """Whether a resumed run (at ``pos``; ``stopped`` as its checkpoint says) has nothing left to train under this
+    run's length (``total`` steps, ``max_epochs``, ``max_steps``): its summary, and why it ended ("" if it goes on).
+
+    The summary is None where it goes on, or where its summary.json cannot be read (a run killed after its last
+    checkpoint): that run starts with its reason to stop, so its loop trains no step and writes its results again.
+    """
+    reason = _end_reason(pos, stopped, total=total, max_epochs=max_epochs, max_steps=max_steps)
+    if not reason or out_dir is None:
+        return None, reason
+    ended = stored_summary(out_dir, env)
+    if ended is None:
+        return None, reason
+    if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
+        log.warning(
+            "the run in %s was stopped at step %d (by %s), as far as this run's --max-steps or --epochs goes or "
+            "past it: nothing to train; its checkpoints, logs and summary are left as they were\nhint: to train "
+            "it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
+        )  # fmt: skip
+    else:
+        log.warning(
+            "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
+            "were\nhint: to train it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
+        )  # fmt: skip
+    return ended, reason
+
+
+def _end_reason(pos: Position, stopped: str, *, total: float, max_epochs: float, max_steps: int | None) -> str:
+    """Why the resumed run (at ``pos``, ``stopped`` as its checkpoint says) had ended, or "": early stopping said
+    so, or it reached this run's ``total`` steps (max_steps or epochs: a run ending on an epoch's last step stops
+    before its epoch count moves on) or ``max_epochs``; named as the loop names them."""
+    if stopped == "early stopping":
+        return stopped
+    if max_steps is not None and pos.step >= max_steps:
+        return "max_steps"
+    return "epochs" if pos.step >= total or pos.epoch >= max_epochs else ""
 
 
 def log_cut(
-    pos: Position | None, batches_per_epoch: int | None, *, evaluates_each_epoch: bool
+    pos: Position | None, batches_per_epoch: int | None, *, evaluates_each_epoch: bool, ended: bool = False
 ) -> tuple[int | None, int | None]:
     """The steps a resumed run (at ``pos``; None for a new run) cuts its training and evaluation logs back to.
 
-    An epoch's last step is checkpointed before the epoch's evaluation; resumed from there, the run
-    evaluates that step again, so the interrupted run's row of that evaluation goes.
+    An epoch's last step is checkpointed before the epoch's evaluation, and a run's last step before its
+    final one; resumed from there (or, ``ended``, with nothing left to train), the run evaluates that step
+    again, so the interrupted run's row of that evaluation goes.
     """
     if pos is None:
         return None, None
     at_end = batches_per_epoch is not None and pos.batches_in_epoch >= batches_per_epoch
-    return pos.step, pos.step - 1 if evaluates_each_epoch and at_end and pos.step else pos.step
+    again = ended or (evaluates_each_epoch and at_end)
+    return pos.step, pos.step - 1 if again and pos.step else pos.step
 
 
 def _available_device(options: RuntimeOptions) -> RuntimeOptions:

@@ -41,6 +41,7 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
+from redline.train import resume
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.data import plan_length, train_loader
@@ -49,7 +50,6 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
-from redline.train.resume import has_ended, log_cut, prepare_checkpoint_dir, resumed_options, stored_summary
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -86,11 +86,8 @@ class Trainer:
         if len(stoppers) > 1:
             raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
         self.early_stopping = stoppers[0] if stoppers else None
-        if self.early_stopping is not None and task.val_data is None:
-            raise ConfigError(
-                f"early stopping watches a validation metric, and task {task.name!r} has no val_data\n"
-                "hint: give the Task val_data=..., or drop the early stopping"
-            )
+        if self.early_stopping is not None:
+            self.early_stopping.check_task(task)
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
@@ -100,6 +97,11 @@ class Trainer:
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
         self._group = contextlib.ExitStack()  # the launched job's process group, once joined
+
+    @property
+    def signalled(self) -> bool:
+        """Whether SIGTERM or SIGINT reached this process while fit() trained (a rerun of an ended run trains not)."""
+        return self._signals.received is not None
 
     def close(self) -> None:
         """Put back the process-wide settings the run applied and leave its process group (idempotent)."""
@@ -267,9 +269,11 @@ class Trainer:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         resumed = self._find_resume()
+        resume.warn_unsaved(resumed, self.out_dir)
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
-            prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume)
-        options = resumed_options(self.options, resumed, self.env)
+            resume.prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
+        options = resume.resumed_options(self.options, resumed, self.env)
+        self.seed = options.seed if options.seed is not None else 0  # a resumed run's data order goes on as it was
         self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
         tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
         if tuned is not None:  # the tuned settings, maybe the same batch as micro-batches
@@ -284,14 +288,11 @@ class Trainer:
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-        ended = None
-        if resumed and self.out_dir and has_ended(pos, self._stored_stop, total=total, max_epochs=self.max_epochs):
-            ended = stored_summary(self.out_dir, self.env)
+        ended, done = resume.ended_run(
+            pos, self._stored_stop, total=total, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
+            out_dir=self.out_dir, env=self.env,
+        ) if resumed else (None, "")  # fmt: skip
         if ended is not None:
-            log.warning(
-                "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
-                "were\nhint: to train it further, raise --max-steps or --epochs", self.out_dir, pos.step, ended.stopped
-            )  # fmt: skip
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_batch_size(self.batch_size, resumed, split=split)  # an ended run is left as it was, at any size
@@ -313,12 +314,13 @@ class Trainer:
             batches=rt.setup_loader(loader),
             pos=pos,
             total=total,
-            loggers=self._loggers(pos if resumed else None, main),
+            loggers=self._loggers(pos if resumed else None, main, ended=bool(done)),
             progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
             resumed=resumed,
             last_ckpt=resumed,
+            stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
         )
 
     def _fixed_shapes(self, rt: Runtime) -> bool:
@@ -371,16 +373,7 @@ class Trainer:
     def _find_resume(self) -> Checkpoint | None:
         """Join the launched job's process group, then find the checkpoint to resume from, all ranks together."""
         self._join_group()
-        resume = self.config.resume
-        if resume is None and self.env.restart_count > 0 and self.out_dir is not None:
-            resume = "auto"  # torchrun restarted this worker (--max-restarts): continue from the last checkpoint
-        if resume is None:
-            return None
-        root = self._checkpoint_root()
-        found = checkpoint.open_checkpoint(resume, root)
-        if found is None:
-            log.warning("no checkpoint under %s; starting from scratch", root)
-        return found
+        return resume.find_resume(self.config.resume, self._checkpoint_root() if self.out_dir else None, self.env)
 
     def _join_group(self) -> None:
         """Meet the other workers before anything they must agree on (the checkpoint to resume from)."""
@@ -415,11 +408,11 @@ class Trainer:
 
     # -- logging, evaluation, summary ------------------------------------------------------------
 
-    def _loggers(self, resumed: Position | None, main: bool) -> Loggers:
+    def _loggers(self, resumed: Position | None, main: bool, *, ended: bool) -> Loggers:
         if self.out_dir is None or not main:
             return open_loggers((), Path("."), columns=LOG_COLUMNS)
         each_epoch = not self.config.eval_every and self.task.val_data is not None
-        step, evals = log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch)
+        step, evals = resume.log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
         return open_loggers(
             self.config.loggers, self.out_dir, resume_step=step, eval_resume_step=evals, columns=LOG_COLUMNS
         )
@@ -493,6 +486,6 @@ class Trainer:
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
             found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
-            self._setup(resumed_options(self.options, found, self.env), found, planned_steps=1)
+            self._setup(resume.resumed_options(self.options, found, self.env), found, planned_steps=1)
         assert self.rt is not None and self.model is not None
         return self.rt, self.model
