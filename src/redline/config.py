@@ -47,10 +47,11 @@ def positive_number(name: str, value: object, *, optional: bool = False) -> None
     if optional and value is None:
         return
     if not isinstance(value, int | float) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
-        raise invalid(name, value, "a number > 0" + (" or None" if optional else ""), _example(name, 1.0))
+        number = "a finite number" if isinstance(value, float) and not math.isfinite(value) else "a number"
+        raise invalid(name, value, f"{number} > 0" + (" or None" if optional else ""), _example(name, 1.0))
 
 
-def non_negative_number(name: str, value: object, allowed: str = "a number >= 0") -> None:
+def non_negative_number(name: str, value: object, allowed: str = "a finite number >= 0") -> None:
     """Check that ``value`` is a finite number >= 0; ``allowed`` says so in the option's own unit."""
     if not isinstance(value, int | float) or isinstance(value, bool) or not (math.isfinite(value) and value >= 0):
         raise invalid(name, value, allowed, _example(name, 0.0))

@@ -224,6 +224,7 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["serve", "example:digits", "--port", "70000"], "--port=70000", "--port 0 picks any free port"),
         (["serve", "example:digits", "--timeout-ms", "inf"], "--timeout-ms=inf", "--timeout-ms 1.0"),
         (["loadtest", "http://127.0.0.1:9/", "--duration", "-1"], "--duration=-1.0", "--duration 1.0"),
+        (["loadtest", "http://127.0.0.1:9/", "--duration", "inf"], "--duration=inf", "--duration 1.0"),
         (["loadtest", "http://127.0.0.1:9/", "--warmup", "inf"], "--warmup=inf", "--warmup 0.0"),
         (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
         (["tune", "--task", "example:digits", "--budget", "0"], "--budget=0.0", "--budget 1.0"),
@@ -242,6 +243,8 @@ def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, s
     assert hint in message.split("\nhint: ")[-1] if hint else True
     assert "_" not in message.split(" is not allowed")[0]  # no field name such as clip_grad_norm
     assert "None" not in message and ",\n" not in message  # a flag is left out, not set to None
+    if "=inf" in said or "=nan" in said:
+        assert "finite" in message  # "expected a number > 0" would not say what is wrong with infinity
 
 
 def test_train_options_are_checked_before_any_worker_starts(monkeypatch):

@@ -60,7 +60,7 @@ def memory(
     if gpu is not None and mem_gib is not None:
         raise ConfigError("--gpu and --mem-gib both given\nhint: name a catalog GPU, or give a memory size, not both")
     if mem_gib is not None and not (math.isfinite(mem_gib) and mem_gib > 0):
-        raise invalid("--mem-gib", mem_gib, "a positive number of GiB", "e.g. --mem-gib 24")
+        raise invalid("--mem-gib", mem_gib, "a finite, positive number of GiB", "e.g. --mem-gib 24")
     if measure and (gpu is not None or mem_gib is not None):
         raise ConfigError(
             "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"

@@ -57,7 +57,7 @@ class LoadOptions:
         positive_number("rate", self.rate, optional=True)
         positive_int("concurrency", self.concurrency, optional=True)
         positive_number("duration", self.duration_s)
-        non_negative_number("warmup", self.warmup_s, "a number of seconds >= 0")
+        non_negative_number("warmup", self.warmup_s, "a finite number of seconds >= 0")
         positive_number("timeout", self.timeout_s)
         one_of("arrivals", self.arrivals, ("uniform", "poisson"))
         non_negative_int("seed", self.seed)
