@@ -37,3 +37,22 @@ def test_user_code_wraps_the_models_exception_and_lets_redlines_own_through_unch
     assert "in users_model: raise RuntimeError" in str(got.value)
     with pytest.raises(AttributeError, match="__cause__"), user_code("step 1", inputs, targets):
         describe_error(None)  # its own traceback reaches the user, not a message blaming the model
+
+
+def test_an_evaluation_whose_metric_raises_blames_the_metric_with_the_outputs_it_was_given():
+    from torch.utils.data import TensorDataset
+
+    from redline.runtime.runtime import Runtime
+    from redline.task import Task
+    from redline.train.evaluation import evaluate_model
+
+    data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
+    task = Task(model=nn.Linear(2, 3), loss_fn=nn.functional.cross_entropy, train_data=data, val_data=data,
+                metric=lambda outputs, targets: 1 / 0)  # fmt: skip
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    with pytest.raises(TrainingError) as got:
+        evaluate_model(task, model, rt, batch_size=4)
+    message = str(got.value)
+    assert "evaluation: task.metric raised ZeroDivisionError" in message and "model or loss" not in message
+    assert "batch: outputs Tensor(4, 3) float32, targets Tensor(4,) int64" in message

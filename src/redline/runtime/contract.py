@@ -88,8 +88,10 @@ def blames_user_code(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
+def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) -> Iterator[None]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
+
+    ``metric`` says the code inside is ``task.metric``, and ``inputs`` are then the model's outputs.
 
     A redline error passes unchanged, and so do a failed collective (a peer's death, told apart
     by the caller), an out-of-memory (recovered from by micro-batches, or reported as such) and an
@@ -104,15 +106,18 @@ def user_code(where: str, inputs: Any, targets: Any) -> Iterator[None]:
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         line = user_line(exc)
-        hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
+        if metric:
+            culprit, given = "task.metric", f"outputs {describe(inputs)}, targets {describe(targets)}"
+            hint = "task.metric(outputs, targets) is given the model's outputs and the batch's targets, as shown"
+            found = "; the line above is where it failed"
+        else:
+            culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
+            hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
+            found = "; if they are, the line above is where your code failed"
         if line:
-            hint += (
-                "; if they are, the line above is where your code failed (REDLINE_TRACEBACK=1 prints the whole "
-                "traceback; in Python it is the error's __cause__)"
-            )
+            hint += f"{found} (REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
         raise TrainingError(
-            f"{where}: the model or loss raised {type(exc).__name__}: {first}\n"
-            f"  batch: inputs {describe(inputs)}, targets {describe(targets)}{line}\nhint: {hint}"
+            f"{where}: {culprit} raised {type(exc).__name__}: {first}\n  batch: {given}{line}\nhint: {hint}"
         ) from exc
 
 
