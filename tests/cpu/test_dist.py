@@ -233,6 +233,18 @@ def test_torchrun_arguments():
     assert processes_per_node("auto", 0)[0] == 1
 
 
+def test_a_master_addr_alone_on_one_machine_is_used_with_the_default_port():
+    """It was dropped for a local rendezvous on a free port, so the workers met on another address than asked."""
+    args = torchrun_args(LaunchConfig(master_addr="10.0.0.7"), 2, ["train.py"])
+    assert args[2:6] == ["--nnodes=1", "--node-rank=0", "--master-addr=10.0.0.7", "--master-port=29500"]
+    assert "--standalone" not in args
+    from redline.launch.torchrun import _rendezvous_failure
+
+    error = _rendezvous_failure(LaunchConfig(master_addr="10.0.0.7"), OSError("EADDRINUSE"))
+    assert "rendezvous at 10.0.0.7:29500 could not be set up" in str(error)
+    assert "pass a free one to --master-port" in str(error)
+
+
 def test_bad_launch_options_say_what_is_missing():
     with pytest.raises(ConfigError, match="--node-rank --master-addr --master-port"):
         LaunchConfig(nnodes=2)

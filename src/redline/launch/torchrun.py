@@ -23,6 +23,7 @@ from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
+DEFAULT_MASTER_PORT = 29500  # torchrun's own default for --master-port
 log = logging.getLogger("redline")
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
@@ -54,7 +55,9 @@ class LaunchConfig:
     nnodes: int = option(1, "Number of machines.", min=1)
     node_rank: int | None = option(None, "This machine's rank, 0..nnodes-1.")
     master_addr: str | None = option(None, "Address of the node-rank 0 machine.")
-    master_port: int | None = option(None, "A free port on the node-rank 0 machine.")
+    master_port: int | None = option(
+        None, f"A free port on the node-rank 0 machine ({DEFAULT_MASTER_PORT} with --master-addr on one machine)."
+    )
     rdzv_endpoint: str | None = option(None, "HOST:PORT of a c10d rendezvous (instead of the three above).")
     max_restarts: int = option(0, "Restart failed workers up to K times (from the last checkpoint).", min=0)
     hang_timeout_s: float | None = option(
@@ -107,14 +110,20 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     elif config.nnodes > 1:
         args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
                  f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
-    elif config.master_port is not None:
-        args += ["--nnodes=1", "--node-rank=0", f"--master-addr={config.master_addr or '127.0.0.1'}",
-                 f"--master-port={config.master_port}"]  # fmt: skip
+    elif config.master_port is not None or config.master_addr is not None:  # one machine, meeting where asked
+        host, port = _master(config)
+        args += ["--nnodes=1", "--node-rank=0", f"--master-addr={host}", f"--master-port={port}"]
     else:
         args.append("--standalone")  # one machine: a local rendezvous on a free port
     if module:
         args.append("--module")
     return [*args, *target]
+
+
+def _master(config: LaunchConfig) -> tuple[str, int]:
+    """The host and port of the rendezvous --master-addr and --master-port ask for, one given alone (one machine)."""
+    port = DEFAULT_MASTER_PORT if config.master_port is None else config.master_port
+    return config.master_addr or "127.0.0.1", port
 
 
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
@@ -161,14 +170,14 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     reason = lines[0] if lines else type(exc).__name__
     if config.rdzv_endpoint is not None:
         where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
-    elif config.master_port is None:
+    elif config.nnodes == 1 and config.master_port is None and config.master_addr is None:
         where, flag = "this machine (a free port)", "--master-port"
     else:
-        where, flag = f"{config.master_addr or '127.0.0.1'}:{config.master_port}", "--master-port"
+        where, flag = "{}:{}".format(*_master(config)), "--master-port"
     if "EADDRINUSE" in reason or "address already in use" in reason:
         hint = f"another process holds that port: pass a free one to {flag}"
         if config.nnodes == 1 and config.rdzv_endpoint is None:
-            hint += " (or leave --master-port out: one machine then meets on a free port)"
+            hint += " (or leave --master-port and --master-addr out: one machine then meets on a free port)"
     else:
         hint = f"check that the node-rank 0 machine is up and that {where} is reachable from here"
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
