@@ -265,6 +265,14 @@ def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path
     assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
 
 
+def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    result = launch("--nproc", "2", str(script), timeout=60)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "rank 1 exited with 3 (then the launcher stopped rank 0)" in result.stderr
+
+
 def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")

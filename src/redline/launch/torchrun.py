@@ -188,7 +188,7 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
         message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
-        return LaunchError(str(message))
+        return _with_exit_code(LaunchError(str(message)), hang_exit_code)
     codes = sorted((rank, failure.exitcode) for rank, failure in exc.failures.items())
     stopped = [rank for rank, code in codes if code in _STOPPED]
     own = [(rank, code) for rank, code in codes if code not in _STOPPED]
@@ -197,7 +197,19 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
         failures += f" (then the launcher stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))})"
     else:
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
-    return LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+    first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
+    error = LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+    return _with_exit_code(error, first[1].exitcode)
+
+
+def _with_exit_code(error: LaunchError, code: int) -> LaunchError:
+    """``error``, exiting as the worker that failed first did: its exit code, or 128 + the signal that ended it.
+
+    A scheduler reads the job's status as the worker's: 1 for an exception, 2 for a mistake redline
+    named, 124 for a hang, 137 for SIGKILL (the out-of-memory killer), as a shell reports a signal.
+    """
+    error.exit_code = 128 - code if code < 0 else code if 0 < code < 256 else 1
+    return error
 
 
 _STOPPED = (-signal.SIGTERM,)  # how a worker the launcher ended exits (SIGKILL may be the kernel's)
