@@ -254,6 +254,8 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(nproc=0)
     with pytest.raises(ConfigError, match=r"master_port=70000 is not allowed; expected a port number, 0\.\.65535"):
         LaunchConfig(master_port=70000)
+    with pytest.raises(ConfigError, match="--master-addr and --rdzv-endpoint each say where the workers meet"):
+        LaunchConfig(nnodes=2, master_addr="10.0.0.1", rdzv_endpoint="host:29400")  # the address was dropped
     with pytest.raises(ConfigError, match=r"PORT 0\.\.65535"):
         LaunchConfig(nnodes=2, rdzv_endpoint="host:99999")
 

@@ -76,6 +76,12 @@ class LaunchConfig:
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
         if self.rdzv_endpoint is not None and int(self.rdzv_endpoint.rsplit(":", 1)[1]) > _MAX_PORT:
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, f"HOST:PORT with PORT 0..{_MAX_PORT}")
+        given = [f"--{n.replace('_', '-')}" for n in ("master_addr", "master_port") if getattr(self, n) is not None]
+        if self.rdzv_endpoint is not None and given:  # else they were dropped: the workers met at the endpoint
+            raise ConfigError(
+                f"{', '.join(given)} and --rdzv-endpoint each say where the workers meet; pass one of them\n"
+                f"hint: keep --rdzv-endpoint HOST:PORT (a c10d rendezvous), or drop it for {' and '.join(given)}"
+            )
         if self.master_port is not None and not 0 <= self.master_port <= _MAX_PORT:
             raise invalid("master_port", self.master_port, f"a port number, 0..{_MAX_PORT}", "e.g. --master-port 29500")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
