@@ -401,6 +401,17 @@ def test_a_second_ctrl_c_exits_130_naming_the_last_checkpoint_or_that_nothing_wa
     assert "Traceback" not in saved.stderr + unsaved.stderr
 
 
+def test_a_ctrl_c_before_the_loop_says_it_was_not_a_second_one_and_what_is_saved(tmp_path):
+    from redline.cli.train import LastCheckpoint, aborted
+
+    first = aborted(LastCheckpoint(), tmp_path / "run", second=False)  # in the set-up: no handler of the run's yet
+    assert first.exit_code == 130
+    assert str(first) == (
+        f"interrupted by SIGINT, before its first checkpoint: nothing was saved under {tmp_path / 'run'}\n"
+        "hint: once it trains, one Ctrl-C stops the run after its step with a checkpoint; wait for it to be written"
+    )
+
+
 def test_a_tensorboard_logger_without_out_is_refused_with_the_fix():
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--logger", "tensorboard")
     assert result.returncode == 2 and "Traceback" not in result.stderr

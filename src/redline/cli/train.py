@@ -65,8 +65,8 @@ def _train(
     with Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
         try:
             summary = trainer.fit()
-        except KeyboardInterrupt:  # a second Ctrl-C while the run stopped: say what is on disk
-            raise aborted(last, config.out_dir) from None
+        except KeyboardInterrupt:  # a second Ctrl-C while the run stopped (or one before it trained): say what is saved
+            raise aborted(last, config.out_dir, second=trainer.signalled) from None
     by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
@@ -121,9 +121,12 @@ class LastCheckpoint(Callback):
         self.step, self.path = step, path
 
 
-def aborted(last: LastCheckpoint, out_dir: Path | None) -> StoppedBySignal:
-    """The error a run a second SIGINT aborted exits with (130), naming the last checkpoint committed, or none."""
-    what = "aborted by a second SIGINT while the run was stopping"
+def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool) -> StoppedBySignal:
+    """The error a run a SIGINT aborted exits with (130), naming the last checkpoint committed, or none.
+
+    ``second``: a second SIGINT, while the run stopped on the first; else one outside the loop (setting up).
+    """
+    what = "aborted by a second SIGINT while the run was stopping" if second else "interrupted by SIGINT"
     resume = "hint: run the same command again with --resume auto to continue from it"
     if out_dir is None:
         return StoppedBySignal(
@@ -141,8 +144,8 @@ def aborted(last: LastCheckpoint, out_dir: Path | None) -> StoppedBySignal:
         )
     return StoppedBySignal(
         signal.SIGINT,
-        f"{what}, before its first checkpoint: nothing was saved under {out_dir}\nhint: to stop with a checkpoint, "
-        "press Ctrl-C once and wait for the run to write it",
+        f"{what}, before its first checkpoint: nothing was saved under {out_dir}\nhint: once it trains, one Ctrl-C "
+        "stops the run after its step with a checkpoint; wait for it to be written",
     )
 
 
