@@ -267,6 +267,15 @@ def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path
     assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
 
 
+def test_every_argument_after_the_script_is_the_scripts_own(tmp_path):
+    """A script's own -m, --nproc or --hang-timeout were taken as the launcher's, or refused by torchrun's parser."""
+    script = tmp_path / "argv.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    print('argv', sys.argv[1:])\n")
+    result = launch("--nproc", "1", str(script), "--lr", "1", "-m", "resnet", "--nproc", "3", "--hang-timeout", "5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "argv ['--lr', '1', '-m', 'resnet', '--nproc', '3', '--hang-timeout', '5']" in result.stdout
+
+
 def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")

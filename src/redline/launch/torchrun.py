@@ -153,7 +153,10 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     if config.hang_timeout_s is not None:
         workers[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)
         workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
-    args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
+    argv = torchrun_args(config, nproc, target, module=module)
+    # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.
+    args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
+    args.training_script, args.training_script_args = target[0], list(target[1:])
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
