@@ -106,6 +106,26 @@ def test_resume_auto_refuses_a_run_whose_every_checkpoint_is_corrupt_and_leaves_
     assert {path: path.read_bytes() for path in root.rglob("*") if path.is_file()} == before  # nothing written
 
 
+def test_pruning_keeps_a_resumed_runs_valid_checkpoints_before_the_corrupt_one_it_skipped(tmp_path):
+    """Resumed past a corrupt step 4 with checkpoints every 3 steps, keeping one: pruning kept the corrupt step 4
+    (the newest step) and deleted the run's own step 3, so the run could no longer resume at all."""
+
+    def trainer(**changes) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=tmp_path, progress=False,
+                       **changes)  # fmt: skip
+
+    trainer(max_steps=4, checkpoint_every=2).fit()
+    root = tmp_path / "checkpoints"
+    blob = bytearray((step_dir(root, 4) / "optimizer.pt").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # the size unchanged, the checksum not
+    (step_dir(root, 4) / "optimizer.pt").write_bytes(bytes(blob))
+    trainer(max_steps=3, checkpoint_every=3, keep_checkpoints=1, resume="auto").fit()  # from step 2 to step 3
+    assert [c.step for c in find_checkpoints(root)] == [3, 4]  # step 2 pruned; the corrupt 4 left for a look
+    found = open_checkpoint("auto", root)
+    assert found is not None and found.step == 3
+    assert [c.step for c in found.skipped] == [4]
+
+
 def test_a_resumed_run_names_the_options_its_stored_plan_overrides_and_honours_a_device(tmp_path, caplog):
     def trainer(max_steps: int, **runtime) -> Trainer:
         return Trainer(tiny_task(), runtime=redline.RuntimeOptions(**runtime), out_dir=tmp_path, progress=False,

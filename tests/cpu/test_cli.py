@@ -353,6 +353,65 @@ def test_sigint_without_out_exits_130_and_says_nothing_was_saved():
     )
 
 
+CTRL_C_TWICE_TASK = """
+import os
+import signal
+from pathlib import Path
+
+from redline.examples.digits import digits
+
+fired = False
+
+
+def loss_then_ctrl_c_twice(outputs, targets):  # in fit's loop, once WAIT_FOR exists: Ctrl-C, and again as it stops
+    global fired
+    if type(getattr(signal.getsignal(signal.SIGINT), "__self__", None)).__name__ == "StopOnSignal" and not fired:
+        if Path(os.environ.get("WAIT_FOR", ".")).exists():
+            fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+    return task.loss_fn(outputs, targets)
+
+
+task = digits()
+
+
+def make():
+    import dataclasses
+
+    return dataclasses.replace(task, loss_fn=loss_then_ctrl_c_twice)
+"""
+
+
+def test_a_second_ctrl_c_exits_130_naming_the_last_checkpoint_or_that_nothing_was_saved(tmp_path):
+    """It exited 130 without a word of what was on disk."""
+    (tmp_path / "twice.py").write_text(CTRL_C_TWICE_TASK)
+    train = ("train", "--task", f"{tmp_path / 'twice.py'}:make", "--max-steps", "10", "--no-progress")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    saved = redline_cli(*train, "--out", str(tmp_path / "run"), "--checkpoint-every", "2",
+                        env={"WAIT_FOR": str(checkpoint)})  # fmt: skip
+    assert saved.returncode == 130, saved.stderr[-3000:]
+    assert (
+        f"error: aborted by a second SIGINT while the run was stopping; its last checkpoint is {checkpoint} (step 2)\n"
+        "hint: run the same command again with --resume auto to continue from it"
+    ) in saved.stderr
+    unsaved = redline_cli(*train)
+    assert unsaved.returncode == 130, unsaved.stderr[-3000:]
+    assert "stopping; nothing was saved: the run has no --out\nhint: pass --out DIR" in unsaved.stderr
+    assert "Traceback" not in saved.stderr + unsaved.stderr
+
+
+def test_a_ctrl_c_before_the_loop_says_it_was_not_a_second_one_and_what_is_saved(tmp_path):
+    from redline.cli.train import LastCheckpoint, aborted
+
+    first = aborted(LastCheckpoint(), tmp_path / "run", second=False)  # in the set-up: no handler of the run's yet
+    assert first.exit_code == 130
+    assert str(first) == (
+        f"interrupted by SIGINT, before its first checkpoint: nothing was saved under {tmp_path / 'run'}\n"
+        "hint: once it trains, one Ctrl-C stops the run after its step with a checkpoint; wait for it to be written"
+    )
+
+
 def test_a_tensorboard_logger_without_out_is_refused_with_the_fix():
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--logger", "tensorboard")
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -233,6 +233,18 @@ def test_torchrun_arguments():
     assert processes_per_node("auto", 0)[0] == 1
 
 
+def test_a_master_addr_alone_on_one_machine_is_used_with_the_default_port():
+    """It was dropped for a local rendezvous on a free port, so the workers met on another address than asked."""
+    args = torchrun_args(LaunchConfig(master_addr="10.0.0.7"), 2, ["train.py"])
+    assert args[2:6] == ["--nnodes=1", "--node-rank=0", "--master-addr=10.0.0.7", "--master-port=29500"]
+    assert "--standalone" not in args
+    from redline.launch.torchrun import _rendezvous_failure
+
+    error = _rendezvous_failure(LaunchConfig(master_addr="10.0.0.7"), OSError("EADDRINUSE"))
+    assert "rendezvous at 10.0.0.7:29500 could not be set up" in str(error)
+    assert "pass a free one to --master-port" in str(error)
+
+
 def test_bad_launch_options_say_what_is_missing():
     with pytest.raises(ConfigError, match="--node-rank --master-addr --master-port"):
         LaunchConfig(nnodes=2)
@@ -242,6 +254,8 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(nproc=0)
     with pytest.raises(ConfigError, match=r"master_port=70000 is not allowed; expected a port number, 0\.\.65535"):
         LaunchConfig(master_port=70000)
+    with pytest.raises(ConfigError, match="--master-addr and --rdzv-endpoint each say where the workers meet"):
+        LaunchConfig(nnodes=2, master_addr="10.0.0.1", rdzv_endpoint="host:29400")  # the address was dropped
     with pytest.raises(ConfigError, match=r"PORT 0\.\.65535"):
         LaunchConfig(nnodes=2, rdzv_endpoint="host:99999")
 
@@ -251,6 +265,23 @@ def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path
     assert result.returncode == 2
     assert "nosuch.py' does not exist" in result.stderr and "hint:" in result.stderr
     assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
+
+
+def test_every_argument_after_the_script_is_the_scripts_own(tmp_path):
+    """A script's own -m, --nproc or --hang-timeout were taken as the launcher's, or refused by torchrun's parser."""
+    script = tmp_path / "argv.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    print('argv', sys.argv[1:])\n")
+    result = launch("--nproc", "1", str(script), "--lr", "1", "-m", "resnet", "--nproc", "3", "--hang-timeout", "5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "argv ['--lr', '1', '-m', 'resnet', '--nproc', '3', '--hang-timeout', '5']" in result.stdout
+
+
+def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    result = launch("--nproc", "2", str(script), timeout=60)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "rank 1 exited with 3 (then the launcher stopped rank 0)" in result.stderr
 
 
 def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):

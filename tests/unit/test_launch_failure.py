@@ -1,4 +1,4 @@
-"""How a failed launched job is described: the ranks that failed, apart from those the launcher stopped."""
+"""How a failed launched job is described, the failed ranks apart from those the launcher stopped, and its exit."""
 
 import signal
 
@@ -24,3 +24,15 @@ def test_signals_are_named_and_a_sigkill_points_at_the_hosts_memory():
     from_outside = str(_failure(failed(r0=-signal.SIGTERM, r1=-signal.SIGTERM), hang_exit_code=86))
     assert "rank 0 was ended by SIGTERM; rank 1 was ended by SIGTERM" in from_outside  # no rank failed first
     assert "rank 0 exited with 3" in str(_failure(failed(r0=3), hang_exit_code=86))
+
+
+def test_the_job_exits_as_the_rank_that_failed_did_not_as_a_mistake():
+    """A scheduler reads the worker's status: it was 2 (a mistake of the user's) whatever the worker did."""
+    assert _failure(failed(r0=-signal.SIGTERM, r1=1, r2=-signal.SIGTERM), hang_exit_code=86).exit_code == 1
+    assert _failure(failed(r0=3), hang_exit_code=86).exit_code == 3
+    assert _failure(failed(r0=-signal.SIGKILL, r1=-signal.SIGTERM), hang_exit_code=86).exit_code == 128 + 9
+    assert _failure(failed(r0=-signal.SIGTERM, r1=-signal.SIGTERM), hang_exit_code=86).exit_code == 128 + 15
+    hang = failed(r0=86, r1=-signal.SIGTERM)
+    hang.failures[0].message = "hang: rank 0 stopped at step 5"
+    error = _failure(hang, hang_exit_code=86)
+    assert (str(error), error.exit_code) == ("hang: rank 0 stopped at step 5", 86)

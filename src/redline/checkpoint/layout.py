@@ -15,8 +15,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,6 +48,8 @@ class Checkpoint:
     path: Path
     step: int
     manifest: dict[str, Any]
+    # The newer checkpoints --resume auto skipped as corrupt to find this one: pruning must not count them.
+    skipped: tuple[Checkpoint, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def format(self) -> str:
@@ -155,12 +157,18 @@ def find_checkpoints(root: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: (c.step, c.path))
 
 
-def prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int, *, corrupt: Collection[Checkpoint] = ()) -> None:
     """Remove all but the newest ``keep`` committed checkpoints under ``root``, and the staging directories left there.
 
+    ``corrupt`` are those a resume found corrupt (``Checkpoint.skipped``): they do not count among the
+    ``keep``, so a valid checkpoint is never removed to keep one of them (a resumed run with another
+    ``checkpoint_every`` writes steps below them); one older than every checkpoint kept goes with the others.
     Called by the one process that writes checkpoints under ``root``, after a commit: no write is in progress.
     """
-    for old in find_checkpoints(root)[:-keep]:
+    found = find_checkpoints(root)
+    bad = [(c.path, c.manifest) for c in corrupt]  # a step written again since has another manifest: valid
+    kept = [c for c in found if (c.path, c.manifest) not in bad][-keep:]
+    for old in found[: found.index(kept[0])] if kept else ():
         shutil.rmtree(old.path, ignore_errors=True)
     clean_staging(root)
 
@@ -259,16 +267,18 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
                 f"({which}), or --resume auto with --out {near.path.parent.parent}"
             ) from None
     listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root, repaired=True)], "listing the checkpoints")
-    problems = []
+    problems, skipped = [], []
     for path in reversed(listed):
         try:
             found = open_verified(Path(path))
         except CheckpointError as exc:
             problems.append(str(exc).split("\nhint:")[0])
+            with contextlib.suppress(CheckpointError):  # its manifest reads: a checkpoint pruning would count
+                skipped.append(read_checkpoint(Path(path)))
             continue
         for problem in problems:
             log.warning("skipping a corrupt checkpoint: %s", problem)
-        return found
+        return replace(found, skipped=tuple(skipped))
     if problems:
         raise CheckpointError(
             f"{root}: no checkpoint there verifies ({len(problems)} tried), so the run cannot resume:\n  "

@@ -64,7 +64,8 @@ SUBCOMMANDS = {
         "redline.cli.launch",
         "launch_command",
         "Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed.",
-        {"allow_extra_args": True, "ignore_unknown_options": True},
+        # Every argument after SCRIPT is the script's, as with python and torchrun: its own -m or --nproc included.
+        {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
     ),
     "loadtest": Subcommand(
         "redline.cli.loadtest",

@@ -10,11 +10,13 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.text import Text
 
+from redline.checkpoint import find_checkpoints
 from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, values
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
@@ -23,7 +25,7 @@ from redline.render.console import key_value_table, output_console, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import seed_everything
 from redline.task import check_spec, load_task
-from redline.train.callbacks import EarlyStopping
+from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
@@ -59,8 +61,12 @@ def _train(
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
         seed_everything(parsed["seed"])
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
-    with Trainer(loaded, config, callbacks=callbacks) as trainer:
-        summary = trainer.fit()
+    last = LastCheckpoint()
+    with Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
+        try:
+            summary = trainer.fit()
+        except KeyboardInterrupt:  # a second Ctrl-C while the run stopped (or one before it trained): say what is saved
+            raise aborted(last, config.out_dir, second=trainer.signalled) from None
     by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
@@ -101,6 +107,45 @@ def stopped_early(summary: TrainSummary) -> StoppedBySignal:
         signum,
         f"stopped by {signum.name} at step {summary.steps}, its checkpoint written to {summary.checkpoint}\n"
         "hint: run the same command again with --resume auto to continue from it",
+    )
+
+
+class LastCheckpoint(Callback):
+    """Remember the newest checkpoint the run committed (rank 0 is told), for the message of an aborted run."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.path: str | None = None
+
+    def on_checkpoint(self, trainer: Trainer, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+
+def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool) -> StoppedBySignal:
+    """The error a run a SIGINT aborted exits with (130), naming the last checkpoint committed, or none.
+
+    ``second``: a second SIGINT, while the run stopped on the first; else one outside the loop (setting up).
+    """
+    what = "aborted by a second SIGINT while the run was stopping" if second else "interrupted by SIGINT"
+    resume = "hint: run the same command again with --resume auto to continue from it"
+    if out_dir is None:
+        return StoppedBySignal(
+            signal.SIGINT,
+            f"{what}; nothing was saved: the run has no --out\nhint: pass --out DIR to write checkpoints there that "
+            "the run can continue from (--resume auto)",
+        )
+    if last.path is not None:
+        saved = f"its last checkpoint is {last.path} (step {last.step})"
+        return StoppedBySignal(signal.SIGINT, f"{what}; {saved}\n{resume}")
+    found = find_checkpoints(out_dir / "checkpoints")  # none written by this run: the one it resumed from, if any
+    if found:
+        return StoppedBySignal(
+            signal.SIGINT, f"{what}, before it wrote a checkpoint; the newest there is {found[-1].path}\n{resume}"
+        )
+    return StoppedBySignal(
+        signal.SIGINT,
+        f"{what}, before its first checkpoint: nothing was saved under {out_dir}\nhint: once it trains, one Ctrl-C "
+        "stops the run after its step with a checkpoint; wait for it to be written",
     )
 
 

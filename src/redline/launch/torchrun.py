@@ -23,6 +23,7 @@ from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
+DEFAULT_MASTER_PORT = 29500  # torchrun's own default for --master-port
 log = logging.getLogger("redline")
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
@@ -54,7 +55,9 @@ class LaunchConfig:
     nnodes: int = option(1, "Number of machines.", min=1)
     node_rank: int | None = option(None, "This machine's rank, 0..nnodes-1.")
     master_addr: str | None = option(None, "Address of the node-rank 0 machine.")
-    master_port: int | None = option(None, "A free port on the node-rank 0 machine.")
+    master_port: int | None = option(
+        None, f"A free port on the node-rank 0 machine ({DEFAULT_MASTER_PORT} with --master-addr on one machine)."
+    )
     rdzv_endpoint: str | None = option(None, "HOST:PORT of a c10d rendezvous (instead of the three above).")
     max_restarts: int = option(0, "Restart failed workers up to K times (from the last checkpoint).", min=0)
     hang_timeout_s: float | None = option(
@@ -73,6 +76,12 @@ class LaunchConfig:
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
         if self.rdzv_endpoint is not None and int(self.rdzv_endpoint.rsplit(":", 1)[1]) > _MAX_PORT:
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, f"HOST:PORT with PORT 0..{_MAX_PORT}")
+        given = [f"--{n.replace('_', '-')}" for n in ("master_addr", "master_port") if getattr(self, n) is not None]
+        if self.rdzv_endpoint is not None and given:  # else they were dropped: the workers met at the endpoint
+            raise ConfigError(
+                f"{', '.join(given)} and --rdzv-endpoint each say where the workers meet; pass one of them\n"
+                f"hint: keep --rdzv-endpoint HOST:PORT (a c10d rendezvous), or drop it for {' and '.join(given)}"
+            )
         if self.master_port is not None and not 0 <= self.master_port <= _MAX_PORT:
             raise invalid("master_port", self.master_port, f"a port number, 0..{_MAX_PORT}", "e.g. --master-port 29500")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
@@ -107,14 +116,20 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     elif config.nnodes > 1:
         args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
                  f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
-    elif config.master_port is not None:
-        args += ["--nnodes=1", "--node-rank=0", f"--master-addr={config.master_addr or '127.0.0.1'}",
-                 f"--master-port={config.master_port}"]  # fmt: skip
+    elif config.master_port is not None or config.master_addr is not None:  # one machine, meeting where asked
+        host, port = _master(config)
+        args += ["--nnodes=1", "--node-rank=0", f"--master-addr={host}", f"--master-port={port}"]
     else:
         args.append("--standalone")  # one machine: a local rendezvous on a free port
     if module:
         args.append("--module")
     return [*args, *target]
+
+
+def _master(config: LaunchConfig) -> tuple[str, int]:
+    """The host and port of the rendezvous --master-addr and --master-port ask for, one given alone (one machine)."""
+    port = DEFAULT_MASTER_PORT if config.master_port is None else config.master_port
+    return config.master_addr or "127.0.0.1", port
 
 
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
@@ -138,7 +153,10 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     if config.hang_timeout_s is not None:
         workers[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)
         workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
-    args = get_args_parser().parse_args(torchrun_args(config, nproc, target, module=module))
+    argv = torchrun_args(config, nproc, target, module=module)
+    # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.
+    args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
+    args.training_script, args.training_script_args = target[0], list(target[1:])
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
@@ -161,14 +179,14 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     reason = lines[0] if lines else type(exc).__name__
     if config.rdzv_endpoint is not None:
         where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
-    elif config.master_port is None:
+    elif config.nnodes == 1 and config.master_port is None and config.master_addr is None:
         where, flag = "this machine (a free port)", "--master-port"
     else:
-        where, flag = f"{config.master_addr or '127.0.0.1'}:{config.master_port}", "--master-port"
+        where, flag = "{}:{}".format(*_master(config)), "--master-port"
     if "EADDRINUSE" in reason or "address already in use" in reason:
         hint = f"another process holds that port: pass a free one to {flag}"
         if config.nnodes == 1 and config.rdzv_endpoint is None:
-            hint += " (or leave --master-port out: one machine then meets on a free port)"
+            hint += " (or leave --master-port and --master-addr out: one machine then meets on a free port)"
     else:
         hint = f"check that the node-rank 0 machine is up and that {where} is reachable from here"
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
@@ -179,7 +197,7 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
         message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
-        return LaunchError(str(message))
+        return _with_exit_code(LaunchError(str(message)), hang_exit_code)
     codes = sorted((rank, failure.exitcode) for rank, failure in exc.failures.items())
     stopped = [rank for rank, code in codes if code in _STOPPED]
     own = [(rank, code) for rank, code in codes if code not in _STOPPED]
@@ -188,7 +206,19 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
         failures += f" (then the launcher stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))})"
     else:
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
-    return LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+    first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
+    error = LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+    return _with_exit_code(error, first[1].exitcode)
+
+
+def _with_exit_code(error: LaunchError, code: int) -> LaunchError:
+    """``error``, exiting as the worker that failed first did: its exit code, or 128 + the signal that ended it.
+
+    A scheduler reads the job's status as the worker's: 1 for an exception, 2 for a mistake redline
+    named, 124 for a hang, 137 for SIGKILL (the out-of-memory killer), as a shell reports a signal.
+    """
+    error.exit_code = 128 - code if code < 0 else code if 0 < code < 256 else 1
+    return error
 
 
 _STOPPED = (-signal.SIGTERM,)  # how a worker the launcher ended exits (SIGKILL may be the kernel's)

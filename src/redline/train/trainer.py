@@ -401,7 +401,7 @@ class Trainer:
         with run.meter.excluded("checkpoint"):
             written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
         if self.env.is_main:
-            checkpoint.prune(root, self.config.keep_checkpoints)
+            checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
             for callback in self.callbacks:
                 callback.on_checkpoint(self, pos.step, str(written.path))
         return written
