@@ -3,7 +3,7 @@
 from rich.console import Console
 
 from redline.render.bench import bench_table, best_line
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
 from report_samples import _row
 
 
@@ -52,6 +52,24 @@ def test_printed_to_a_file_or_pipe_the_widest_bench_table_is_not_cut(monkeypatch
     assert "…" not in text and "912,345" in text and "123.40x" in text
     monkeypatch.setenv("COLUMNS", "100")
     assert output_console().width == 100  # the user's own width wins
+
+
+def test_in_a_narrow_terminal_no_figure_of_the_bench_table_is_cut_or_dropped():
+    rows = [
+        _row("naive cpu fp32 b64", "naive", 7982.5),
+        _row("cpu bf16-mixed compiled b64", "explicit", 10791.0, compile=True, compile_s=3.0),
+        _row("auto cpu b64", "auto", 8913.0),
+    ]
+    for row in rows:
+        row.update(tokens_per_s=row["samples_per_s"] * 64.0, estimate_bytes=2**22, loss=0.5717)
+    for width in (80, 60):
+        console = Console(width=width, record=True)
+        print_uncut(console, bench_table(result_of(*rows)))
+        text = console.export_text()
+        assert "…" not in text, text
+        assert "10,791" in text and "690,624" in text and "0.572" in text and "3.0 s" in text, text
+        header = next(line for line in text.splitlines() if "configuration" in line)
+        assert header.split()[-1] == "loss", text  # the last column is there, not cropped off the edge
 
 
 def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():

@@ -17,7 +17,7 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, describe_error
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
 from redline.render.plots import require_matplotlib
 from redline.task import Task, load_task
 
@@ -77,7 +77,7 @@ def bench(
     if json_output:
         print(json.dumps(data, indent=2))
     else:
-        out.print(bench_table(data))
+        print_uncut(out, bench_table(data))
         out.print(best_line(data), highlight=False)
     if html is not None:  # after the figures are out: a page that fails to write loses nothing measured
         from redline.render.html import bench_report, write_report

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -13,11 +14,18 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     """Return the bench result (``BenchResult.to_dict()``) as a table, one row per configuration.
 
     Columns that would be empty or repeat another (tokens/s for class labels, the CPU speed-up when
-    every row ran on the CPU, compile time when nothing compiled) are left out, so it fits 80 columns.
+    every row ran on the CPU, compile time when nothing compiled) are left out, and the borders are
+    light, so it fits 80 columns. A figure is never cut to "8,…": where the terminal is too narrow
+    even so, the names and compile notes wrap, and past that the table is printed wider than the
+    terminal (``print_uncut``) rather than losing digits.
     """
     table = Table(
         title=f"Bench of {result['task']}: {result['steps']} timed steps per row, in windows of {result['window']}",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1),
+        pad_edge=False,
     )
     rows = [row for row in result["rows"] if not row["error"]]
     columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
@@ -48,8 +56,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         if any(r.get("estimate_bytes") is not None for r in rows):
             table.caption += "; the estimate counts the step's own tensors, as a GPU's allocator would"
     for name, _ in columns:
-        first = name == "configuration"
-        table.add_column(name, justify="left" if first else "right", no_wrap=first)
+        _add_column(table, name)
     for row in result["rows"]:
         if row["error"]:
             failed = Text(f"failed: {row['error']}", style="red")  # an error's `[...]` is text, not markup
@@ -57,6 +64,15 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         else:
             table.add_row(*(cell(row) for _, cell in columns))
     return table
+
+
+def _add_column(table: Table, name: str) -> None:
+    if name == "configuration":
+        table.add_column(name, justify="left", overflow="fold", min_width=16)
+    elif name == "compile":  # "12.0 s, repaid in 1,234 steps" wraps between its words
+        table.add_column(name, justify="right", min_width=8)
+    else:  # a figure keeps all its digits; its header wraps between words
+        table.add_column(name.replace(" ", "\n").replace("/s", "\n/s"), justify="right", no_wrap=True)
 
 
 def best_line(result: Mapping[str, Any]) -> str:

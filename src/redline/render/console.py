@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +24,33 @@ def output_console() -> Console:
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = UNBOUNDED_WIDTH
     return console
+
+
+def print_uncut(console: Console, table: Table) -> None:
+    """Print a table whole: where the terminal is narrower than its least width, wider than the terminal
+    (whose lines then wrap), since rich would otherwise cut its figures to "8,…"."""
+    width = console.width
+    console.width = _least_uncut_width(console, table, width)  # print(width=...) would not go past the console's
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
+def _least_uncut_width(console: Console, table: Table, width: int) -> int:
+    """The least width, from ``width`` up, at which no cell of ``table`` is cut to an ellipsis or off the edge."""
+
+    def cut(at: int) -> bool:
+        lines = Segment.split_lines(console.render(table, console.options.update_width(at)))
+        return any(Segment.get_line_length(line) > at or any("…" in s.text for s in line) for line in lines)
+
+    if not cut(width):
+        return width
+    low, high = width, max(width, UNBOUNDED_WIDTH)  # cut at low; a table wider still is cut at high too
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if cut(middle) else (low, middle)
+    return high
 
 
 def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> Table:
