@@ -504,6 +504,18 @@ def test_a_search_bound_without_measure_is_refused_not_ignored(flag):
     assert f"{flag} bounds the search that --measure runs" in str(result.exception)
 
 
+def test_a_measure_start_past_its_cap_is_refused_by_the_flags_the_user_typed():
+    from typer.testing import CliRunner
+
+    args = ["memory", "--task", "example:digits", "--measure", "--start", "100", "--max-batch-size", "50"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError)
+    message = str(result.exception)
+    assert "--start=100 is not allowed; expected at most 50 (--max-batch-size 50)" in message, message
+    assert "hint: pass --start 50 or less, or --max-batch-size 100 or more" in message, message
+    assert "max_batch_size" not in message
+
+
 def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts():
     result = redline_cli("train", "--task", "example:nope", "--nproc", "2", "--max-steps", "1")
     assert result.returncode == 2
