@@ -31,7 +31,19 @@ def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
 def test_a_failed_rows_error_is_shown_as_written_brackets_and_all():
     error = "RuntimeError: Missing key(s) in state_dict: [fc.weight]; see [/tmp/run]"
     failed = _row("cpu bf16-mixed b64", "explicit", None, error=error)
-    assert error in shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), failed))
+    text = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), failed))
+    assert f"cpu bf16-mixed b64 failed: {error}" in " ".join(text.split())  # under the table, wrapped to its width
+
+
+def test_a_failed_rows_long_error_does_not_widen_the_table_past_the_terminal():
+    error = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x16 and 15x4) in a layer of the model"
+    failed = _row("cpu bf16-mixed eager b64", "explicit", None, error=error)
+    rows = [_row("naive cpu fp32 b64", "naive", 5000.0), failed]
+    console = Console(width=80, record=True)
+    print_uncut(console, bench_table(result_of(*rows)))
+    text = console.export_text()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80, text
+    assert "5,000" in text and f"cpu bf16-mixed eager b64 failed: {error}" in " ".join(text.split()), text
 
 
 def test_printed_to_a_file_or_pipe_the_widest_bench_table_is_not_cut(monkeypatch):

@@ -51,18 +51,23 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     if any(r["compile_s"] is not None for r in rows):
         columns.append(("compile", lambda r: _compile(r, rows)))
     columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
+    caption = Text()
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
-        table.caption = "memory on a CPU: the whole process's resident set at its peak"
+        caption.append("memory on a CPU: the whole process's resident set at its peak")
         if any(r.get("estimate_bytes") is not None for r in rows):
-            table.caption += "; the estimate counts the step's own tensors, as a GPU's allocator would"
+            caption.append("; the estimate counts the step's own tensors, as a GPU's allocator would")
     for name, _ in columns:
         _add_column(table, name)
     for row in result["rows"]:
-        if row["error"]:
-            failed = Text(f"failed: {row['error']}", style="red")  # an error's `[...]` is text, not markup
-            table.add_row(row["name"], failed, *[""] * (len(columns) - 2))
+        if row["error"]:  # said under the table: in a figure's column, which never wraps, it would widen it
+            table.add_row(row["name"], Text("failed", style="red"), *[""] * (len(columns) - 2))
+            caption.append(f"\n{row['name']} failed: ", style="red")
+            caption.append(row["error"])  # an error's `[...]` is text, not markup
         else:
             table.add_row(*(cell(row) for _, cell in columns))
+    if caption:
+        table.caption = caption
+        table.caption_justify = "left"
     return table
 
 
