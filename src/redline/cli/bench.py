@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,7 @@ from redline.atomic import check_writable
 from redline.bench.run import Estimate, benchmark
 from redline.cli.options import TaskArgs, TaskSpec
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError, describe_error
+from redline.errors import ConfigError, TrainingError, describe_error
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console, print_uncut
@@ -85,6 +86,17 @@ def bench(
         write_report(html, bench_report(data))
         if not json_output:
             out.print(f"report: {html}", highlight=False, markup=False)
+    rows = data["rows"]
+    if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
+        one = shlex.join(["redline", "train", "--task", task, *_task_args(task_arg), "--max-steps", "1"])
+        raise TrainingError(
+            f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
+            f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
+        )
+
+
+def _task_args(task_arg: list[str] | None) -> list[str]:
+    return [part for arg in task_arg or [] for part in ("--task-arg", arg)]
 
 
 def _check_html(path: Path) -> None:
