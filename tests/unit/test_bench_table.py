@@ -4,6 +4,7 @@ from rich.console import Console
 
 from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console, print_uncut
+from redline.render.memory import size
 from report_samples import _row
 
 
@@ -80,8 +81,16 @@ def test_in_a_narrow_terminal_no_figure_of_the_bench_table_is_cut_or_dropped():
         text = console.export_text()
         assert "…" not in text, text
         assert "10,791" in text and "690,624" in text and "0.572" in text and "3.0 s" in text, text
+        assert "auto cpu b64" in text and "naive cpu fp32" in text, text  # the names wrap, never vanish
         header = next(line for line in text.splitlines() if "configuration" in line)
         assert header.split()[-1] == "loss", text  # the last column is there, not cropped off the edge
+
+
+def test_a_small_models_memory_is_not_shown_as_zero():
+    small = _row("naive cpu fp32 b32", "naive", 5000.0, estimate_bytes=20_000)
+    text = shown(result_of(small))
+    assert "19.5 KiB" in text and "0 MiB" not in text, text
+    assert [size(n) for n in (512, 3 * 2**20 + 2**19, 5 * 2**30)] == ["512 B", "3.5 MiB", "5.00 GiB"]
 
 
 def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():

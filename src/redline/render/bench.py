@@ -9,6 +9,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from redline.render.memory import size as size_text
+
 
 def bench_table(result: Mapping[str, Any]) -> Table:
     """Return the bench result (``BenchResult.to_dict()``) as a table, one row per configuration.
@@ -24,7 +26,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
-        padding=(0, 1),
+        padding=0,
         pad_edge=False,
     )
     rows = [row for row in result["rows"] if not row["error"]]
@@ -73,7 +75,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
 
 def _add_column(table: Table, name: str) -> None:
     if name == "configuration":
-        table.add_column(name, justify="left", overflow="fold", min_width=16)
+        table.add_column(name, justify="left", overflow="fold", min_width=14)
     elif name == "compile":  # "12.0 s, repaid in 1,234 steps" wraps between its words
         table.add_column(name, justify="right", min_width=8)
     else:  # a figure keeps all its digits; its header wraps between words
@@ -125,8 +127,7 @@ def _times(value: float | None) -> str:
 def _bytes(value: int | None) -> str:
     if value is None:
         return "n/a"
-    text = f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
-    return text
+    return size_text(value)
 
 
 def _compile(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:

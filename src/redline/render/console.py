@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
-from rich.segment import Segment
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -27,30 +27,36 @@ def output_console() -> Console:
 
 
 def print_uncut(console: Console, table: Table) -> None:
-    """Print a table whole: where the terminal is narrower than its least width, wider than the terminal
-    (whose lines then wrap), since rich would otherwise cut its figures to "8,…"."""
+    """Print a table whole, its ``no_wrap`` columns never cut (rich would cut a figure to "8,…" or drop
+    a column to fit a narrow terminal): the wrapping columns share what the terminal leaves, down to
+    their ``min_width``; where even that is too wide, the table prints wider than the terminal."""
+    flexible = [column for column in table.columns if not column.no_wrap and column.width is None]
+    if _width_of(console, table) <= console.width or not flexible:
+        console.print(table)
+        return
+    least = {id(column): column.min_width or 1 for column in flexible}
+    for column in flexible:
+        column.width = least[id(column)]
+    fixed = _width_of(console, table)
+    spare = max(0, console.width - fixed)
+    for column in flexible:  # the first (a name, say) widens first, up to what its cells need
+        column.width = None
+        wants = _width_of(console, table) - fixed
+        column.width = least[id(column)] + min(spare, wants)
+        spare -= column.width - least[id(column)]
     width = console.width
-    console.width = _least_uncut_width(console, table, width)  # print(width=...) would not go past the console's
+    console.width = max(width, _width_of(console, table))  # print(width=...) would not go past the console's
     try:
         console.print(table)
     finally:
         console.width = width
+        for column in flexible:
+            column.width = None
 
 
-def _least_uncut_width(console: Console, table: Table, width: int) -> int:
-    """The least width, from ``width`` up, at which no cell of ``table`` is cut to an ellipsis or off the edge."""
-
-    def cut(at: int) -> bool:
-        lines = Segment.split_lines(console.render(table, console.options.update_width(at)))
-        return any(Segment.get_line_length(line) > at or any("…" in s.text for s in line) for line in lines)
-
-    if not cut(width):
-        return width
-    low, high = width, max(width, UNBOUNDED_WIDTH)  # cut at low; a table wider still is cut at high too
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if cut(middle) else (low, middle)
-    return high
+def _width_of(console: Console, table: Table) -> int:
+    """The width ``table`` takes when nothing limits it."""
+    return Measurement.get(console, console.options.update(max_width=10_000), table).maximum
 
 
 def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> Table:
