@@ -47,7 +47,8 @@ def positive_number(name: str, value: object, *, optional: bool = False) -> None
     if optional and value is None:
         return
     if not isinstance(value, int | float) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
-        raise invalid(name, value, "a number > 0" + (" or None" if optional else ""), _example(name, 1.0))
+        number = "a finite number > 0" if isinstance(value, float) and math.isinf(value) else "a number > 0"
+        raise invalid(name, value, number + (" or None" if optional else ""), _example(name, 1.0))
 
 
 def non_negative_number(name: str, value: object, allowed: str = "a number >= 0") -> None:

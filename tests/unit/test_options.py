@@ -227,6 +227,7 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["loadtest", "http://127.0.0.1:9/", "--warmup", "inf"], "--warmup=inf", "--warmup 0.0"),
         (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
         (["tune", "--task", "example:digits", "--budget", "0"], "--budget=0.0", "--budget 1.0"),
+        (["bench", "--task", "example:digits", "--max-seconds", "nan"], "--max-seconds=nan", "--max-seconds 1.0"),
         (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
     ],
 )
@@ -242,6 +243,17 @@ def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, s
     assert hint in message.split("\nhint: ")[-1] if hint else True
     assert "_" not in message.split(" is not allowed")[0]  # no field name such as clip_grad_norm
     assert "None" not in message and ",\n" not in message  # a flag is left out, not set to None
+
+
+def test_an_infinite_budget_is_refused_as_not_finite_not_as_not_above_zero():
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "--task", "example:digits", "--max-seconds", "inf"])
+    assert str(result.exception).startswith("--max-seconds=inf is not allowed; expected a finite number > 0")
+    result = CliRunner().invoke(app, ["tune", "--task", "example:digits", "--budget", "-1"])
+    assert str(result.exception).startswith("--budget=-1.0 is not allowed; expected a number > 0")
 
 
 def test_train_options_are_checked_before_any_worker_starts(monkeypatch):

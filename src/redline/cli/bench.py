@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redline.atomic import check_writable
 from redline.bench.run import Estimate, benchmark
-from redline.cli.options import TaskArgs, TaskSpec
+from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, TrainingError, describe_error
 from redline.memory.estimate import estimate_memory
@@ -67,12 +67,13 @@ def bench(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        result = benchmark(
-            loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
-            batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
-            max_seconds=max_seconds, auto=auto, progress=tell,
-            estimate=_estimator(loaded, console) if estimate else None,
-        )  # fmt: skip
+        with said_by_flags(max_seconds="--max-seconds"):
+            result = benchmark(
+                loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
+                batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
+                max_seconds=max_seconds, auto=auto, progress=tell,
+                estimate=_estimator(loaded, console) if estimate else None,
+            )  # fmt: skip
     data = result.to_dict()
     out = output_console()
     if json_output:
