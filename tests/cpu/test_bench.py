@@ -18,7 +18,7 @@ from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
 from redline.bench.run import time_runners
 from redline.cli.bench import bench as bench_command
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TaskError
 from redline.hardware.device import probe_device
 from redline.plan import Choice
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
@@ -89,6 +89,16 @@ def test_every_row_is_measured_against_the_naive_loop():
 def test_a_lone_value_where_a_list_belongs_is_refused_before_anything_runs(given, message):
     with pytest.raises(ConfigError, match=rf"^{message}\nhint: e\.g\. "):
         benchmark(tiny_task(), **given)
+
+
+def test_a_batch_size_larger_than_the_data_is_refused_before_anything_runs():
+    built: list[int] = []
+    task = dataclasses.replace(tiny_task(), model=lambda: built.append(1) or Slowed())  # 256 samples
+    with pytest.raises(
+        TaskError, match=r"has 256 samples, fewer than the batch size 1000\nhint: pass batch sizes up to 256"
+    ):
+        benchmark(task, batch_sizes=[32, 1000], precisions=["fp32"], compiles=[False], auto=False, steps=1, window=1)
+    assert built == []  # the batch-32 rows were not timed first, only to be lost
 
 
 def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch):
