@@ -228,6 +228,10 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
         (["tune", "--task", "example:digits", "--budget", "0"], "--budget=0.0", "--budget 1.0"),
         (["bench", "--task", "example:digits", "--max-seconds", "nan"], "--max-seconds=nan", "--max-seconds 1.0"),
+        (["bench", "--task", "example:digits", "--devices", "gpu"], "--devices='gpu'", ""),
+        (["tune", "--task", "example:digits", "--devices", "tpu"], "--devices='tpu'", ""),
+        (["memory", "--task", "example:digits", "--precision", "fp8"], "--precision='fp8'", ""),
+        (["memory", "--task", "example:digits", "--precision", "fp8", "--measure"], "--precision='fp8'", "--precision"),
         (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
     ],
 )

@@ -67,7 +67,7 @@ def bench(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        with said_by_flags(max_seconds="--max-seconds"):
+        with said_by_flags(max_seconds="--max-seconds", devices="--devices"):
             result = benchmark(
                 loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
                 batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
