@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import subprocess
@@ -99,6 +100,22 @@ def test_a_batch_size_larger_than_the_data_is_refused_before_anything_runs():
     ):
         benchmark(task, batch_sizes=[32, 1000], precisions=["fp32"], compiles=[False], auto=False, steps=1, window=1)
     assert built == []  # the batch-32 rows were not timed first, only to be lost
+
+
+def test_a_compile_that_meets_the_models_bug_is_said_in_its_row_not_logged_by_torch():
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    torch_log.addHandler(handler)
+    task = dataclasses.replace(tiny_task(), model=lambda: nn.Linear(15, 4))  # the data has 16 features
+    try:
+        result = benchmark(task, precisions=["fp32"], compiles=[True], auto=False, steps=1, window=1)
+    finally:
+        torch_log.removeHandler(handler)
+    assert [row.name for row in result.rows] == ["naive cpu fp32 b32", "cpu fp32 compiled b32"]
+    assert all("mat1 and mat2 shapes cannot be multiplied" in row.error for row in result.rows)
+    assert not records, [record.getMessage() for record in records]  # torch's traceback of the traced op
 
 
 def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch):

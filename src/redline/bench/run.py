@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
-from redline.bench.loops import Runner, naive_runner, runtime_runner
+from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.config import positive_int, positive_number
@@ -243,7 +243,8 @@ def _warm_up(
             runner = runtime_runner(
                 task, setting, seed=seed, planned_steps=planned, measured=measured, options=options, tuning=tuning
             )
-        runner.run(window)
+        with quiet_failed_ops():  # the warm-up compiles
+            runner.run(window)
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
     return runner, memory, flops * runner.micro_steps if flops is not None else None

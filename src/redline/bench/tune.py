@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench.figures import rate
-from redline.bench.loops import Runner, runtime_runner
+from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import reset_compiler, task_steps, time_runners
 from redline.config import positive_int, positive_number
@@ -183,7 +183,8 @@ def _measure(
         options = candidate.options(RuntimeOptions(devices=device))
         try:
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
-            runner.run(window)
+            with quiet_failed_ops():  # the warm-up compiles
+                runner.run(window)
         except RedlineError:
             raise
         except Exception as exc:  # a setting this machine cannot run
