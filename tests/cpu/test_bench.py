@@ -338,7 +338,7 @@ def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spend
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
-    monkeypatch.setattr("redline.atomic.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("redline.atomic._temporary_beside", read_only)
     page = tmp_path / "bench.html"
     with pytest.raises(ConfigError, match=r"cannot be written \(Permission denied\)\nhint: pass a file in a directory"):
         bench_command(task="example:digits", html=page)
