@@ -5,9 +5,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,10 +94,18 @@ def check_writable(path: Path) -> None:
 
 
 def _temporary_beside(path: Path) -> Path:
-    """A new empty file in ``path``'s directory, hidden and named after it, for a write to go through."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    return Path(tmp_name)
+    """A new empty file in ``path``'s directory, hidden and named after it, for a write to go through.
+
+    Created with the mode a plain ``open(path, "w")`` gives (0o666 less the umask): ``mkstemp``'s
+    0o600 would leave every result, renamed into place, readable by its owner alone.
+    """
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import subprocess
@@ -18,7 +19,7 @@ from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
 from redline.bench.run import time_runners
 from redline.cli.bench import bench as bench_command
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TaskError
 from redline.hardware.device import probe_device
 from redline.plan import Choice
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
@@ -89,6 +90,32 @@ def test_every_row_is_measured_against_the_naive_loop():
 def test_a_lone_value_where_a_list_belongs_is_refused_before_anything_runs(given, message):
     with pytest.raises(ConfigError, match=rf"^{message}\nhint: e\.g\. "):
         benchmark(tiny_task(), **given)
+
+
+def test_a_batch_size_larger_than_the_data_is_refused_before_anything_runs():
+    built: list[int] = []
+    task = dataclasses.replace(tiny_task(), model=lambda: built.append(1) or Slowed())  # 256 samples
+    with pytest.raises(
+        TaskError, match=r"has 256 samples, fewer than the batch size 1000\nhint: pass batch sizes up to 256"
+    ):
+        benchmark(task, batch_sizes=[32, 1000], precisions=["fp32"], compiles=[False], auto=False, steps=1, window=1)
+    assert built == []  # the batch-32 rows were not timed first, only to be lost
+
+
+def test_a_compile_that_meets_the_models_bug_is_said_in_its_row_not_logged_by_torch():
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    torch_log.addHandler(handler)
+    task = dataclasses.replace(tiny_task(), model=lambda: nn.Linear(15, 4))  # the data has 16 features
+    try:
+        result = benchmark(task, precisions=["fp32"], compiles=[True], auto=False, steps=1, window=1)
+    finally:
+        torch_log.removeHandler(handler)
+    assert [row.name for row in result.rows] == ["naive cpu fp32 b32", "cpu fp32 compiled b32"]
+    assert all("mat1 and mat2 shapes cannot be multiplied" in row.error for row in result.rows)
+    assert not records, [record.getMessage() for record in records]  # torch's traceback of the traced op
 
 
 def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch):
@@ -311,7 +338,7 @@ def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spend
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
-    monkeypatch.setattr("redline.atomic.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("redline.atomic._temporary_beside", read_only)
     page = tmp_path / "bench.html"
     with pytest.raises(ConfigError, match=r"cannot be written \(Permission denied\)\nhint: pass a file in a directory"):
         bench_command(task="example:digits", html=page)

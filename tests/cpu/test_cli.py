@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from redline.cli.main import app
 from redline.cli.train import stopped_early
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
 from redline.runtime.options import RuntimeOptions
 from redline.task import load_task
 from redline.train.trainer import Trainer
@@ -561,6 +561,32 @@ def test_a_search_bound_without_measure_is_refused_not_ignored(flag):
     result = CliRunner().invoke(app, ["memory", "--task", "example:digits", flag, "64"])
     assert isinstance(result.exception, ConfigError)  # exits 2 through main(), before any trace
     assert f"{flag} bounds the search that --measure runs" in str(result.exception)
+
+
+def test_a_bench_whose_every_row_failed_prints_them_and_exits_with_the_first_error():
+    from typer.testing import CliRunner
+
+    task = ["--task", "tests/cpu/mistake_tasks.py:mistake", "--task-arg", "kind=attribute_error"]
+    args = ["bench", *task, "--steps", "1", "--window", "1", "--compile", "off", "--precision", "fp32", "--json"]
+    result = CliRunner().invoke(app, [*args, "--no-estimate"])
+    assert isinstance(result.exception, TrainingError)  # main() exits 2 with it
+    message = str(result.exception)
+    assert "no configuration of attribute_error ran (3 failed); the first: AttributeError:" in message, message
+    assert "redline train --task tests/cpu/mistake_tasks.py:mistake --task-arg kind=attribute_error" in message
+    rows = json.loads(result.stdout)["rows"]  # the result is printed first: nothing measured is lost
+    assert [bool(row["error"]) for row in rows] == [True, True, True]
+
+
+def test_a_measure_start_past_its_cap_is_refused_by_the_flags_the_user_typed():
+    from typer.testing import CliRunner
+
+    args = ["memory", "--task", "example:digits", "--measure", "--start", "100", "--max-batch-size", "50"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError)
+    message = str(result.exception)
+    assert "--start=100 is not allowed; expected at most 50 (--max-batch-size 50)" in message, message
+    assert "hint: pass --start 50 or less, or --max-batch-size 100 or more" in message, message
+    assert "max_batch_size" not in message
 
 
 def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts():

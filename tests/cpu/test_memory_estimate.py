@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -195,6 +196,22 @@ def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -
     task = dataclasses.replace(mlp(), model=ReadsValues)
     with pytest.raises(TrainingError, match=r"(?s)fake tensors.*DataDependentOutputException.*--measure"):
         estimate_memory(task, target="cpu")
+
+
+def test_a_shape_mistake_is_said_once_without_torch_logging_its_traceback() -> None:
+    task = dataclasses.replace(mlp(), model=lambda: nn.Linear(63, 10))  # the data has 64 features
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    torch_log.addHandler(handler)
+    try:
+        with pytest.raises(TrainingError, match=r"could not be traced on fake tensors: RuntimeError: .*\[63, 10\]"):
+            estimate_memory(task, target="cpu")
+    finally:
+        torch_log.removeHandler(handler)
+    assert not records, [record.getMessage() for record in records]  # torch's traceback, before the error
+    assert not torch_log.disabled  # torch's own logging is left as it was
 
 
 # kind of tests/cpu/mistake_tasks.py -> what `redline train` says of it too, and the hint's first words

@@ -177,7 +177,7 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_
         raise PermissionError(13, "Permission denied")
 
     inputs = samples(tmp_path, np.zeros((2, 3), np.float32))
-    monkeypatch.setattr("redline.atomic.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("redline.atomic._temporary_beside", read_only)
     out = tmp_path / "y.npy"
     result = predict(spec, "--input", inputs, "--output", str(out))
     assert isinstance(result.exception, ConfigError), result.exception

@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 from redline.bench.tune import _measure, tune
 from redline.cli.tune import tune_command
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -35,6 +35,13 @@ def mlp_task() -> Task:
         model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)),
         loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y), batch_size=32, name="mlp",
     )  # fmt: skip
+
+
+def test_a_task_no_candidate_can_run_is_refused_and_no_plan_is_cached(tmp_path):
+    task = dataclasses.replace(mlp_task(), model=lambda: nn.Linear(7, 3))  # the data has 8 features
+    with pytest.raises(TrainingError, match=r"no candidate of mlp ran \(\d+ tried\); fp32, eager: it failed: Runtime"):
+        tune(task, devices="cpu", budget_s=5, steps=1, window=1)
+    assert not list((tmp_path / "cache").rglob("*.json"))  # `--plan tuned` finds nothing made of failures
 
 
 def cache_plan(task: Task, **best) -> TunedPlan:

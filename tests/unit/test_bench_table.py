@@ -3,7 +3,8 @@
 from rich.console import Console
 
 from redline.render.bench import bench_table, best_line
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
+from redline.render.memory import size
 from report_samples import _row
 
 
@@ -31,7 +32,19 @@ def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
 def test_a_failed_rows_error_is_shown_as_written_brackets_and_all():
     error = "RuntimeError: Missing key(s) in state_dict: [fc.weight]; see [/tmp/run]"
     failed = _row("cpu bf16-mixed b64", "explicit", None, error=error)
-    assert error in shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), failed))
+    text = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), failed))
+    assert f"cpu bf16-mixed b64 failed: {error}" in " ".join(text.split())  # under the table, wrapped to its width
+
+
+def test_a_failed_rows_long_error_does_not_widen_the_table_past_the_terminal():
+    error = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x16 and 15x4) in a layer of the model"
+    failed = _row("cpu bf16-mixed eager b64", "explicit", None, error=error)
+    rows = [_row("naive cpu fp32 b64", "naive", 5000.0), failed]
+    console = Console(width=80, record=True)
+    print_uncut(console, bench_table(result_of(*rows)))
+    text = console.export_text()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80, text
+    assert "5,000" in text and f"cpu bf16-mixed eager b64 failed: {error}" in " ".join(text.split()), text
 
 
 def test_printed_to_a_file_or_pipe_the_widest_bench_table_is_not_cut(monkeypatch):
@@ -52,6 +65,32 @@ def test_printed_to_a_file_or_pipe_the_widest_bench_table_is_not_cut(monkeypatch
     assert "…" not in text and "912,345" in text and "123.40x" in text
     monkeypatch.setenv("COLUMNS", "100")
     assert output_console().width == 100  # the user's own width wins
+
+
+def test_in_a_narrow_terminal_no_figure_of_the_bench_table_is_cut_or_dropped():
+    rows = [
+        _row("naive cpu fp32 b64", "naive", 7982.5),
+        _row("cpu bf16-mixed compiled b64", "explicit", 10791.0, compile=True, compile_s=3.0),
+        _row("auto cpu b64", "auto", 8913.0),
+    ]
+    for row in rows:
+        row.update(tokens_per_s=row["samples_per_s"] * 64.0, estimate_bytes=2**22, loss=0.5717)
+    for width in (80, 60):
+        console = Console(width=width, record=True)
+        print_uncut(console, bench_table(result_of(*rows)))
+        text = console.export_text()
+        assert "…" not in text, text
+        assert "10,791" in text and "690,624" in text and "0.572" in text and "3.0 s" in text, text
+        assert "auto cpu b64" in text and "naive cpu fp32" in text, text  # the names wrap, never vanish
+        header = next(line for line in text.splitlines() if "configuration" in line)
+        assert header.split()[-1] == "loss", text  # the last column is there, not cropped off the edge
+
+
+def test_a_small_models_memory_is_not_shown_as_zero():
+    small = _row("naive cpu fp32 b32", "naive", 5000.0, estimate_bytes=20_000)
+    text = shown(result_of(small))
+    assert "19.5 KiB" in text and "0 MiB" not in text, text
+    assert [size(n) for n in (512, 3 * 2**20 + 2**19, 5 * 2**30)] == ["512 B", "3.5 MiB", "5.00 GiB"]
 
 
 def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():

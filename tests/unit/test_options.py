@@ -228,6 +228,11 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["loadtest", "http://127.0.0.1:9/", "--warmup", "inf"], "--warmup=inf", "--warmup 0.0"),
         (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
         (["tune", "--task", "example:digits", "--budget", "0"], "--budget=0.0", "--budget 1.0"),
+        (["bench", "--task", "example:digits", "--max-seconds", "nan"], "--max-seconds=nan", "--max-seconds 1.0"),
+        (["bench", "--task", "example:digits", "--devices", "gpu"], "--devices='gpu'", ""),
+        (["tune", "--task", "example:digits", "--devices", "tpu"], "--devices='tpu'", ""),
+        (["memory", "--task", "example:digits", "--precision", "fp8"], "--precision='fp8'", ""),
+        (["memory", "--task", "example:digits", "--precision", "fp8", "--measure"], "--precision='fp8'", "--precision"),
         (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
     ],
 )
@@ -245,6 +250,17 @@ def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, s
     assert "None" not in message and ",\n" not in message  # a flag is left out, not set to None
     if "=inf" in said or "=nan" in said:
         assert "finite" in message  # "expected a number > 0" would not say what is wrong with infinity
+
+
+def test_an_infinite_budget_is_refused_as_not_finite_not_as_not_above_zero():
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "--task", "example:digits", "--max-seconds", "inf"])
+    assert str(result.exception).startswith("--max-seconds=inf is not allowed; expected a finite number > 0")
+    result = CliRunner().invoke(app, ["tune", "--task", "example:digits", "--budget", "-1"])
+    assert str(result.exception).startswith("--budget=-1.0 is not allowed; expected a number > 0")
 
 
 def test_train_options_are_checked_before_any_worker_starts(monkeypatch):

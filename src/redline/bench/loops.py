@@ -11,6 +11,7 @@ steps of a window queue on the device as they do in a real run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,18 @@ class Runner:
 
     def compile_seconds(self) -> float | None:
         return self.runtime.compile_seconds if self.runtime is not None else None
+
+
+@contextlib.contextmanager
+def quiet_failed_ops() -> Iterator[None]:
+    """Keep torch from logging an op that fails on fake tensors (a compile tracing a model with a bug) with
+    its whole traceback: the row or candidate it fails says the error once."""
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, torch_log.disabled = torch_log.disabled, True
+    try:
+        yield
+    finally:
+        torch_log.disabled = disabled
 
 
 def naive_runner(task: Task, setting: Setting, *, seed: int) -> Runner:

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
-from redline.bench.loops import Runner, naive_runner, runtime_runner
+from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.config import positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, describe_error
+from redline.errors import ConfigError, RedlineError, TaskError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
@@ -139,6 +139,7 @@ def benchmark(
     precisions = listed("precisions", precisions, "['fp32', 'bf16-mixed']") if precisions is not None else None
     compiles = listed("compiles", compiles, "[False, True]")
     sizes = (listed("batch_sizes", batch_sizes, "[32, 64]") if batch_sizes is not None else []) or [task.batch_size]
+    _check_sizes(task, sizes)
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
     rounds = max(2, math.ceil(steps / window))
@@ -206,6 +207,20 @@ def _devices(devices: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(resolve_device(name, found).value for name in names))
 
 
+def _check_sizes(task: Task, sizes: Sequence[int]) -> None:
+    """Refuse a batch size larger than the data before anything is timed, not after the sizes before it."""
+    try:
+        count = len(task.train_data)  # type: ignore[arg-type]
+    except TypeError:
+        return  # a stream: the loop starts it again when it runs dry
+    too_large = [size for size in sizes if size > count]
+    if too_large:
+        raise TaskError(
+            f"train_data has {count} samples, fewer than the batch size {too_large[0]}\n"
+            f"hint: pass batch sizes up to {count} (--batch-size)"
+        )
+
+
 def task_steps(task: Task, batch_size: int) -> int | None:
     """The optimizer steps of the task's own run (its epochs of full batches); None for a stream."""
     try:
@@ -228,7 +243,8 @@ def _warm_up(
             runner = runtime_runner(
                 task, setting, seed=seed, planned_steps=planned, measured=measured, options=options, tuning=tuning
             )
-        runner.run(window)
+        with quiet_failed_ops():  # the warm-up compiles
+            runner.run(window)
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
     return runner, memory, flops * runner.micro_steps if flops is not None else None

@@ -25,11 +25,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench.figures import rate
-from redline.bench.loops import Runner, runtime_runner
+from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import reset_compiler, task_steps, time_runners
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, describe_error
+from redline.errors import RedlineError, TrainingError, describe_error
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
@@ -93,6 +93,13 @@ def tune(
         trials += measured
         best, reasons[axis] = decide(axis, measured, planned)
     tell(len(axes), len(axes), "done")
+    if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
+        first = trials[0]
+        raise TrainingError(
+            f"no candidate of {task.name} ran ({len(trials)} tried); {_value(first.candidate, '')}: {first.rejected}\n"
+            "hint: fix the task, then tune again; `redline train --task SPEC --max-steps 1` runs one step and shows "
+            "the line that fails"
+        )
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
     tuned = TunedPlan(
         task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
@@ -176,7 +183,8 @@ def _measure(
         options = candidate.options(RuntimeOptions(devices=device))
         try:
             runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
-            runner.run(window)
+            with quiet_failed_ops():  # the warm-up compiles
+                runner.run(window)
         except RedlineError:
             raise
         except Exception as exc:  # a setting this machine cannot run

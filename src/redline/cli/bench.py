@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -12,12 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redline.atomic import check_writable
 from redline.bench.run import Estimate, benchmark
-from redline.cli.options import TaskArgs, TaskSpec
+from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError, describe_error
+from redline.errors import ConfigError, TrainingError, describe_error
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
 from redline.render.plots import require_matplotlib
 from redline.task import Task, load_task
 
@@ -66,18 +67,19 @@ def bench(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        result = benchmark(
-            loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
-            batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
-            max_seconds=max_seconds, auto=auto, progress=tell,
-            estimate=_estimator(loaded, console) if estimate else None,
-        )  # fmt: skip
+        with said_by_flags(max_seconds="--max-seconds", devices="--devices"):
+            result = benchmark(
+                loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
+                batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
+                max_seconds=max_seconds, auto=auto, progress=tell,
+                estimate=_estimator(loaded, console) if estimate else None,
+            )  # fmt: skip
     data = result.to_dict()
     out = output_console()
     if json_output:
         print(json.dumps(data, indent=2))
     else:
-        out.print(bench_table(data))
+        print_uncut(out, bench_table(data))
         out.print(best_line(data), highlight=False)
     if html is not None:  # after the figures are out: a page that fails to write loses nothing measured
         from redline.render.html import bench_report, write_report
@@ -85,6 +87,17 @@ def bench(
         write_report(html, bench_report(data))
         if not json_output:
             out.print(f"report: {html}", highlight=False, markup=False)
+    rows = data["rows"]
+    if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
+        one = shlex.join(["redline", "train", "--task", task, *_task_args(task_arg), "--max-steps", "1"])
+        raise TrainingError(
+            f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
+            f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
+        )
+
+
+def _task_args(task_arg: list[str] | None) -> list[str]:
+    return [part for arg in task_arg or [] for part in ("--task-arg", arg)]
 
 
 def _check_html(path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 import typer
 from rich.console import Console
 
-from redline.cli.options import TaskArgs, TaskSpec
+from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -82,7 +82,8 @@ def memory(
         _measure(loaded, precision, start or 1, max_batch_size, json_output)
         return
     device, facts, mem = _device(gpu, mem_gib)
-    chosen = resolve_precision(precision, facts)
+    with said_by_flags(precision="--precision"):
+        chosen = resolve_precision(precision, facts)
     Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({chosen.value}: {chosen.reason})")
     result = fit_memory(
         loaded, device=device, mem_gib=mem, target=facts.type, batch_size=batch_size,
@@ -94,8 +95,9 @@ def memory(
 def _measure(task: Task, precision: str, start: int, max_batch_size: int | None, json_output: bool) -> None:
     """Search this machine's device for the largest batch that trains; every rank searches, the first prints."""
     Console(stderr=True).print(f"running training steps of {task.name} at growing batch sizes")
-    search = find_batch_size(task, options=RuntimeOptions.build(None, precision=precision), start=start,
-                             max_batch_size=max_batch_size)  # fmt: skip
+    with said_by_flags(start="--start", max_batch_size="--max-batch-size", precision="--precision"):
+        search = find_batch_size(task, options=RuntimeOptions.build(None, precision=precision), start=start,
+                                 max_batch_size=max_batch_size)  # fmt: skip
     if read_env().rank != 0:
         return
     if json_output:

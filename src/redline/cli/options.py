@@ -125,6 +125,9 @@ def said_by_flags(**flag_of: str) -> Iterator[None]:
         flag = flag_of[name.replace(".", "_")]
         # None is how Python leaves an option out; on the command line the flag is left out.
         allowed = re.sub(r",? or None\b", "", allowed)
+        for argument, spelled in flag_of.items():  # the text may name other arguments too: say their flags
+            allowed = allowed.replace(f"{argument}=", f"{spelled} ")
+            hint = hint.replace(f"{argument}=", f"{spelled} ")
         raise invalid(flag, value, allowed, hint.replace(f"{name}=", f"{flag} ")) from None
 
 

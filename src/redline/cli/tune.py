@@ -44,7 +44,7 @@ def tune_command(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        with said_by_flags(budget_s="--budget"):
+        with said_by_flags(budget_s="--budget", devices="--devices"):
             tuned, path = tune(
                 loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
                 steps=steps, progress=tell,

@@ -23,6 +23,7 @@ What a CPU trace cannot see of a GPU, and how it is modelled:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -218,6 +219,10 @@ def trace_step(
 @contextmanager
 def _tracing(task: Task) -> Iterator[None]:
     """Turn an error of the Task's own code on fake tensors into a TrainingError that names the way out."""
+    # torch logs an op that fails on fake tensors with its whole traceback before raising; the error
+    # below says it once, with the task's own line and the fix
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, torch_log.disabled = torch_log.disabled, True
     try:
         yield
     except RedlineError:
@@ -235,6 +240,8 @@ def _tracing(task: Task) -> Iterator[None]:
             f"task {task.name!r}: a training step could not be traced on fake tensors: {type(exc).__name__}: "
             f"{first}{user_line(exc)}\nhint: {hint}"
         ) from exc
+    finally:
+        torch_log.disabled = disabled
 
 
 def _stepper(

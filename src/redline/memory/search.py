@@ -137,8 +137,9 @@ def find_batch_size(
     device, precision = first.device, first.precision.name
     cap, notes = _cap(task.train_data, device, max_batch_size)
     if cap is not None and start > cap:
-        where = "max_batch_size" if max_batch_size is not None else "the dataset's size, the cap on a CPU"
-        raise invalid("start", start, f"at most {cap} ({where})", "pass a smaller start, or a larger max_batch_size")
+        where = f"max_batch_size={cap}" if max_batch_size is not None else "the dataset's size, the cap on a CPU"
+        hint = f"pass start={cap} or less, or max_batch_size={start} or more"
+        raise invalid("start", start, f"at most {cap} ({where})", hint)
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
     env = read_env()
     tried: list[Tried] = []

@@ -5,19 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
+
+from redline.render.memory import size as size_text
 
 
 def bench_table(result: Mapping[str, Any]) -> Table:
     """Return the bench result (``BenchResult.to_dict()``) as a table, one row per configuration.
 
     Columns that would be empty or repeat another (tokens/s for class labels, the CPU speed-up when
-    every row ran on the CPU, compile time when nothing compiled) are left out, so it fits 80 columns.
+    every row ran on the CPU, compile time when nothing compiled) are left out, and the borders are
+    light, so it fits 80 columns. A figure is never cut to "8,…": where the terminal is too narrow
+    even so, the names and compile notes wrap, and past that the table is printed wider than the
+    terminal (``print_uncut``) rather than losing digits.
     """
     table = Table(
         title=f"Bench of {result['task']}: {result['steps']} timed steps per row, in windows of {result['window']}",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=0,
+        pad_edge=False,
     )
     rows = [row for row in result["rows"] if not row["error"]]
     columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
@@ -43,20 +53,33 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     if any(r["compile_s"] is not None for r in rows):
         columns.append(("compile", lambda r: _compile(r, rows)))
     columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
+    caption = Text()
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
-        table.caption = "memory on a CPU: the whole process's resident set at its peak"
+        caption.append("memory on a CPU: the whole process's resident set at its peak")
         if any(r.get("estimate_bytes") is not None for r in rows):
-            table.caption += "; the estimate counts the step's own tensors, as a GPU's allocator would"
+            caption.append("; the estimate counts the step's own tensors, as a GPU's allocator would")
     for name, _ in columns:
-        first = name == "configuration"
-        table.add_column(name, justify="left" if first else "right", no_wrap=first)
+        _add_column(table, name)
     for row in result["rows"]:
-        if row["error"]:
-            failed = Text(f"failed: {row['error']}", style="red")  # an error's `[...]` is text, not markup
-            table.add_row(row["name"], failed, *[""] * (len(columns) - 2))
+        if row["error"]:  # said under the table: in a figure's column, which never wraps, it would widen it
+            table.add_row(row["name"], Text("failed", style="red"), *[""] * (len(columns) - 2))
+            caption.append(f"\n{row['name']} failed: ", style="red")
+            caption.append(row["error"])  # an error's `[...]` is text, not markup
         else:
             table.add_row(*(cell(row) for _, cell in columns))
+    if caption:
+        table.caption = caption
+        table.caption_justify = "left"
     return table
+
+
+def _add_column(table: Table, name: str) -> None:
+    if name == "configuration":
+        table.add_column(name, justify="left", overflow="fold", min_width=14)
+    elif name == "compile":  # "12.0 s, repaid in 1,234 steps" wraps between its words
+        table.add_column(name, justify="right", min_width=8)
+    else:  # a figure keeps all its digits; its header wraps between words
+        table.add_column(name.replace(" ", "\n").replace("/s", "\n/s"), justify="right", no_wrap=True)
 
 
 def best_line(result: Mapping[str, Any]) -> str:
@@ -104,8 +127,7 @@ def _times(value: float | None) -> str:
 def _bytes(value: int | None) -> str:
     if value is None:
         return "n/a"
-    text = f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
-    return text
+    return size_text(value)
 
 
 def _compile(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:

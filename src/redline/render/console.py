@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +24,39 @@ def output_console() -> Console:
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = UNBOUNDED_WIDTH
     return console
+
+
+def print_uncut(console: Console, table: Table) -> None:
+    """Print a table whole, its ``no_wrap`` columns never cut (rich would cut a figure to "8,…" or drop
+    a column to fit a narrow terminal): the wrapping columns share what the terminal leaves, down to
+    their ``min_width``; where even that is too wide, the table prints wider than the terminal."""
+    flexible = [column for column in table.columns if not column.no_wrap and column.width is None]
+    if _width_of(console, table) <= console.width or not flexible:
+        console.print(table)
+        return
+    least = {id(column): column.min_width or 1 for column in flexible}
+    for column in flexible:
+        column.width = least[id(column)]
+    fixed = _width_of(console, table)
+    spare = max(0, console.width - fixed)
+    for column in flexible:  # the first (a name, say) widens first, up to what its cells need
+        column.width = None
+        wants = _width_of(console, table) - fixed
+        column.width = least[id(column)] + min(spare, wants)
+        spare -= column.width - least[id(column)]
+    width = console.width
+    console.width = max(width, _width_of(console, table))  # print(width=...) would not go past the console's
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+        for column in flexible:
+            column.width = None
+
+
+def _width_of(console: Console, table: Table) -> int:
+    """The width ``table`` takes when nothing limits it."""
+    return Measurement.get(console, console.options.update(max_width=10_000), table).maximum
 
 
 def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> Table:

@@ -54,5 +54,9 @@ def memory_tables(result: MemoryFit) -> list[Table]:
 
 
 def size(count: int) -> str:
-    """Bytes as MiB below a GiB, else GiB."""
-    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / 2**20:.1f} MiB"
+    """Bytes in GiB, MiB or KiB, whichever keeps a small model's memory from reading as 0.0 MiB."""
+    if count >= GIB:
+        return f"{count / GIB:.2f} GiB"
+    if count >= 2**20:
+        return f"{count / 2**20:.1f} MiB"
+    return f"{count / 2**10:.1f} KiB" if count >= 2**10 else f"{count} B"
