@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from redline.errors import RedlineError
+
 
 def fsync_path(path: Path) -> None:
     """Flush a file, or a directory's entries (its new files and renames), to disk."""
@@ -106,6 +108,20 @@ def _temporary_beside(path: Path) -> Path:
         except FileExistsError:
             continue
         return tmp
+
+
+def write_or_refuse(
+    path: Path, write: Callable[[Path], None], *, error: type[RedlineError], what: str = "", hint: str
+) -> None:
+    """``write_atomic``, where a write the system refuses (a full disk, a quota, storage gone read-only) is
+    ``error`` naming the file (and ``what`` it holds), the cause and ``hint``; a file there before is kept."""
+    try:
+        write_atomic(path, write)
+    except OSError as exc:
+        raise error(
+            f"{path}{what} could not be written: {exc.strerror or exc}; a file there before is left as it was\n"
+            f"hint: {hint}"
+        ) from exc
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:

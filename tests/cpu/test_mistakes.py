@@ -190,16 +190,16 @@ def test_a_run_killed_after_its_last_checkpoint_writes_its_results_on_resume_wit
 def test_a_summary_the_disk_refuses_is_a_clear_error_and_the_rerun_writes_it(tmp_path, monkeypatch):
     import errno
 
-    import redline.train.output as output
+    import redline.atomic as atomic
 
-    write_atomic = output.write_atomic
+    write_atomic = atomic.write_atomic
 
     def disk_full_for_the_summary(path, write):
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         write_atomic(path, write)
 
-    monkeypatch.setattr(output, "write_atomic", disk_full_for_the_summary)
+    monkeypatch.setattr(atomic, "write_atomic", disk_full_for_the_summary)
     with pytest.raises(TrainingError) as raised:
         Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False).fit()
     assert str(raised.value).startswith(f"{tmp_path / 'summary.json'} could not be written: No space left on device")
@@ -240,13 +240,13 @@ def test_a_checkpoint_the_disk_refuses_is_a_clear_error_that_leaves_the_earlier_
 def test_weights_the_disk_refuses_are_a_clear_error_that_leaves_the_earlier_file(tmp_path, monkeypatch):
     import errno
 
-    import redline.checkpoint.whole as whole
+    import redline.atomic as atomic
 
     def disk_full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     (tmp_path / "model.safetensors").write_bytes(b"the earlier weights")
-    monkeypatch.setattr(whole, "write_atomic", disk_full)
+    monkeypatch.setattr(atomic, "write_atomic", disk_full)
     with Runtime(devices="cpu") as rt:
         rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
         with pytest.raises(RedlineError, match=r"model.safetensors: the weights could not be written: No space left"):

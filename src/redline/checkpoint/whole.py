@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-from redline.atomic import write_atomic
+from redline.atomic import write_or_refuse
 from redline.checkpoint.layout import (
     PLAN,
     WHOLE_FORMATS,
@@ -125,11 +125,6 @@ def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: 
 
 
 def _write_weights(path: Path, write: Callable[[Path], None]) -> None:
-    try:
-        write_atomic(path, write)
-    except OSError as exc:  # a full disk, a quota, storage gone read-only: an earlier file there is left as it was
-        raise CheckpointError(
-            f"{path}: the weights could not be written: {exc.strerror or exc}; a file there before is left as it "
-            "was\nhint: free space on that disk (or make it writable again), then write them again: `redline "
-            "train` run again with --resume auto writes them at the end"
-        ) from exc
+    hint = "free space on that disk (or make it writable again), then write them again: `redline train` run again "
+    hint += "with --resume auto writes them at the end"
+    write_or_refuse(path, write, error=CheckpointError, what=": the weights", hint=hint)

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from redline.atomic import write_atomic
+from redline.atomic import write_or_refuse
 from redline.errors import ConfigError, TrainingError
 
 log = logging.getLogger("redline")
@@ -34,14 +34,9 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON, atomically; a NaN or infinity is written as null (strict JSON)."""
     text = json.dumps(_finite(data), indent=2, allow_nan=False) + "\n"
-    try:
-        write_atomic(path, lambda tmp: _write_text(tmp, text))
-    except OSError as exc:  # a full disk, a quota, storage gone read-only: an earlier file there is left as it was
-        raise TrainingError(
-            f"{path} could not be written: {exc.strerror or exc}; a file there before is left as it was\nhint: free "
-            "space on that disk (or make it writable again), then run the same command again with --resume auto: "
-            "a run that has ended writes its results again"
-        ) from exc
+    hint = "free space on that disk (or make it writable again), then run the same command again with --resume "
+    hint += "auto: a run that has ended writes its results again"
+    write_or_refuse(path, lambda tmp: _write_text(tmp, text), error=TrainingError, hint=hint)
 
 
 def read_summary(path: Path) -> dict[str, Any] | None:
