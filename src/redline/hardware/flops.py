@@ -67,10 +67,11 @@ def measure_matmul_tflops(
     apart; return the fastest block's TFLOP/s.
 
     The default size is 4096 on an accelerator and 256 on a CPU, where the whole call takes a few
-    tens of milliseconds. A peak is what the device does undisturbed: on a busy machine one
-    descheduled thread stalls a CPU matmul many times over (a 2-core machine timed 2 GFLOP/s in one
-    go beside 50 in its fastest block), so the fastest block is the one that counts. The operands
-    come from a private generator, so the global RNG is untouched.
+    tens of milliseconds. A peak is what the device does undisturbed: a descheduled thread stalls a
+    CPU matmul many times over (a 2-core machine timed 2 GFLOP/s in one go while another job held its
+    cores, 150 without), so the fastest block is the one that counts. A stall that outlasts every
+    block still shows: ``share_of_peak`` leaves such a peak out. The operands come from a private
+    generator, so the global RNG is untouched.
     """
     n = size if size is not None else (256 if device.type == "cpu" else 4096)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
