@@ -183,6 +183,32 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
     assert_close(weights(tmp_path), weights(one_process_20))
 
 
+def test_a_launch_stopped_by_a_signal_leaves_no_rendezvous_thread_to_abort_its_exit(tmp_path):
+    # torchrun keeps its rendezvous open when a signal stops the agent, with a thread that sends
+    # keep-alives through the store every 5 s; alive at the interpreter's exit, one in a store call
+    # aborted the launcher (SIGABRT, "terminate called without an active exception") instead of 143.
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, signal, time\n"
+        "if os.environ['LOCAL_RANK'] == '0':\n"
+        "    os.kill(os.getppid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    driver = (
+        "import threading\n"
+        "from redline.launch.torchrun import LaunchConfig, LaunchStopped, launch\n"
+        "try:\n"
+        f"    launch(LaunchConfig(nproc=2), [{str(worker)!r}])\n"
+        "except LaunchStopped as exc:\n"
+        "    print('stopped', exc.exit_code)\n"
+        "print('threads', sorted(t.name for t in threading.enumerate()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stopped 143" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "threads ['MainThread']" in done.stdout, done.stdout
+
+
 def test_a_script_that_never_closes_its_runtime_leaves_the_group_at_exit(tmp_path):
     script = tmp_path / "no_close.py"
     script.write_text(

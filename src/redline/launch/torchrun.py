@@ -7,6 +7,7 @@ worker supervision and restarts are torchrun's own.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -157,6 +158,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
     args.training_script, args.training_script_args = target[0], list(target[1:])
+    stopped: LaunchStopped | None = None
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
@@ -165,12 +167,17 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             stopped = stopped_by(int(exc.sigval), finished)
-            if stopped is not None:
-                raise stopped from None
         except ChildFailedError as exc:
             raise _failure(exc, HANG_EXIT_CODE) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
+    # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
+    # rendezvous open on a signal. Collecting it stops the rendezvous' keep-alive thread, which would
+    # otherwise run into the interpreter's exit inside a store call and abort the launcher (SIGABRT,
+    # "terminate called without an active exception") instead of letting it exit as the signal asks.
+    gc.collect()
+    if stopped is not None:
+        raise stopped
 
 
 def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
