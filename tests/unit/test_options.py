@@ -264,6 +264,38 @@ def test_an_infinite_budget_is_refused_as_not_finite_not_as_not_above_zero():
     assert str(result.exception).startswith("--budget=-1.0 is not allowed; expected a number > 0")
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        ([*TRAIN_DIGITS, "--devices", "cuda:1"], "--devices 'cuda:1' was requested"),
+        ([*TRAIN_DIGITS, "--devices", "cuda", "--nproc", "2"], "--devices 'cuda' was requested"),  # before any worker
+        ([*TRAIN_DIGITS, "--devices", "mps"], "--devices 'mps' was requested"),
+        (["bench", "--task", "example:digits", "--devices", "cuda"], "--devices 'cuda' was requested"),
+        (["tune", "--task", "example:digits", "--devices", "cuda"], "--devices 'cuda' was requested"),
+        (["serve", "example:digits", "--device", "cuda", "--port", "0"], "--device 'cuda' was requested"),
+        (["predict", "example:digits", "--device", "cuda", "--input", "IN", "--output", "OUT"], "--device 'cuda'"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_named_by_the_flag_typed(monkeypatch, tmp_path, args, said):
+    import numpy as np
+    import torch
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+    from redline.errors import DeviceUnavailableError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine with neither GPU nor MPS
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(train_cli, "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    np.save(tmp_path / "in.npy", np.zeros((2, 1, 8, 8), dtype=np.float32))
+    args = [str(tmp_path / "in.npy") if a == "IN" else str(tmp_path / "out.npy") if a == "OUT" else a for a in args]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, DeviceUnavailableError), result.output
+    message = str(result.exception)
+    assert message.startswith(said), message
+    assert "devices=" not in message and "'auto'" in message.split("\nhint: ")[-1]  # the fix, said as a flag
+
+
 def test_train_options_are_checked_before_any_worker_starts(monkeypatch):
     from typer.testing import CliRunner
 

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, DeviceUnavailableError, invalid
 
 T = TypeVar("T")
 
@@ -125,10 +125,17 @@ def said_by_flags(**flag_of: str) -> Iterator[None]:
         flag = flag_of[name.replace(".", "_")]
         # None is how Python leaves an option out; on the command line the flag is left out.
         allowed = re.sub(r",? or None\b", "", allowed)
-        for argument, spelled in flag_of.items():  # the text may name other arguments too: say their flags
-            allowed = allowed.replace(f"{argument}=", f"{spelled} ")
-            hint = hint.replace(f"{argument}=", f"{spelled} ")
-        raise invalid(flag, value, allowed, hint.replace(f"{name}=", f"{flag} ")) from None
+        # the text may name other arguments too: say their flags
+        raise invalid(flag, value, _flagged(allowed, flag_of), _flagged(hint, {name: flag, **flag_of})) from None
+    except DeviceUnavailableError as error:  # devices='cuda' asked of a machine without one: say --devices 'cuda'
+        raise DeviceUnavailableError(_flagged(str(error), flag_of)) from None
+
+
+def _flagged(text: str, flag_of: Mapping[str, str]) -> str:
+    """``text`` with each ``argument=value`` it names said as ``--flag value``."""
+    for argument, flag in flag_of.items():
+        text = re.sub(rf"(?<![\w.]){re.escape(argument)}=", f"{flag} ", text)
+    return text
 
 
 def command(function: Callable[..., Any], *groups: list[Flag]) -> Callable[..., Any]:

@@ -31,6 +31,7 @@ from redline.cli.options import (
     ModelSpec,
     TaskArgs,
     Weights,
+    said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, InferenceError, RedlineError, ServableError, describe_error
@@ -67,7 +68,7 @@ def predict(
     check_samples(samples, servable, input_path)
     batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
-    with model_raising(warming, check_hint(servable)):  # building the engine may time the model too (--measure)
+    with model_raising(warming, check_hint(servable)), said_by_flags(devices="--device"):  # may time it (--measure)
         engine = InferenceEngine(
             servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
             measure=measure, max_batch_size=batch_size,

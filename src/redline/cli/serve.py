@@ -21,6 +21,7 @@ from redline.cli.options import (
     build,
     command,
     flags,
+    said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
 from redline.render.console import output_console, plan_table
@@ -47,10 +48,11 @@ def _serve(
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
         servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
-        engine = InferenceEngine(
-            servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-            measure=measure, max_batch_size=options.max_batch_size,
-        )  # fmt: skip
+        with said_by_flags(devices="--device"):
+            engine = InferenceEngine(
+                servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+                measure=measure, max_batch_size=options.max_batch_size,
+            )  # fmt: skip
         console = output_console()
         console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
 

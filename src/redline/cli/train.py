@@ -17,10 +17,12 @@ import typer
 from rich.text import Text
 
 from redline.checkpoint import find_checkpoints
-from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, values
+from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, values
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
+from redline.hardware.device import probe_accelerators
 from redline.launch.torchrun import LaunchConfig, launch
+from redline.plan.device import resolve_device
 from redline.render.console import key_value_table, output_console, plan_table
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import seed_everything
@@ -53,6 +55,8 @@ def _train(
     stopping = values(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)  # the flags given
     callbacks = [build(EarlyStopping, parsed, prefix=EARLY_STOPPING, optional=True)] if stopping else []
     config = build(TrainerConfig, parsed, runtime=build(RuntimeOptions, parsed))
+    with said_by_flags(devices="--devices"):  # a GPU asked of a machine without one, too
+        resolve_device(config.runtime.devices, probe_accelerators())
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
