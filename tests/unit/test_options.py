@@ -95,8 +95,11 @@ def test_the_requests_a_resumed_run_overrides_are_named_and_a_repeated_command_n
 def test_trainer_config_checks_and_normalises():
     with pytest.raises(ConfigError, match="max_steps=0"):
         TrainerConfig(max_steps=0)
-    with pytest.raises(ConfigError, match="needs out_dir"):
-        TrainerConfig(resume="auto")
+    # asked for without out_dir, each would do nothing, unnoticed
+    for asked in ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}):
+        with pytest.raises(ConfigError, match=f"{next(iter(asked))}=.* expected it with out_dir=DIR"):
+            TrainerConfig(**asked)  # type: ignore[arg-type]
+        TrainerConfig(**asked, out_dir="runs/x")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="loggers='wandb'"):
         TrainerConfig(loggers=("csv", "wandb"))
     config = TrainerConfig(out_dir="runs/x", loggers="csv")  # type: ignore[arg-type]
@@ -235,6 +238,9 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["memory", "--task", "example:digits", "--precision", "fp8"], "--precision='fp8'", ""),
         (["memory", "--task", "example:digits", "--precision", "fp8", "--measure"], "--precision='fp8'", "--precision"),
         (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
+        ([*TRAIN_DIGITS, "--checkpoint-every", "5"], "--checkpoint-every=5", "add --out DIR"),
+        ([*TRAIN_DIGITS, "--keep-checkpoints", "1"], "--keep-checkpoints=1", "add --out DIR"),
+        ([*TRAIN_DIGITS, "--resume", "auto"], "--resume='auto'", "add --out DIR"),
     ],
 )
 def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, said, hint):

@@ -11,6 +11,7 @@ from redline.errors import ConfigError, invalid
 from redline.runtime.options import SWITCHES, RuntimeOptions, Switch
 from redline.train.logs import check_logger_names
 
+KEEP_CHECKPOINTS = 3
 DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not
 
 
@@ -24,7 +25,7 @@ class TrainerConfig:
     batch_size: int | None = option(None, "Batch size (default: the task's own).", min=1)
     eval_every: int | None = option(None, "Evaluate every N steps (default: each epoch).", min=1)
     checkpoint_every: int | None = option(None, "Checkpoint every N steps (and at the end).", min=1)
-    keep_checkpoints: int = option(3, "Keep the newest K checkpoints.", min=1)
+    keep_checkpoints: int = option(KEEP_CHECKPOINTS, "Keep the newest K checkpoints.", min=1)
     out_dir: Path | None = option(None, "Write checkpoints, logs, summary.json, model.safetensors.", flag="--out")
     resume: str | None = option(None, "'auto' (the newest valid checkpoint in OUT) or a checkpoint's path.")
     loggers: tuple[str, ...] = option(DEFAULT_LOGGERS, "csv, jsonl or tensorboard; repeatable.", flag="--logger")
@@ -53,8 +54,15 @@ class TrainerConfig:
             object.__setattr__(self, "out_dir", Path(self.out_dir))
         if self.resume is not None:
             object.__setattr__(self, "resume", str(self.resume))
-        if self.resume == "auto" and self.out_dir is None:
-            raise ConfigError("resume='auto' needs out_dir: it looks for OUT/checkpoints\nhint: pass --out DIR")
+        if self.out_dir is None:  # asked for, these would do nothing unnoticed: nowhere to write or read
+            needs_out_dir = {
+                "resume": (self.resume == "auto", "'auto' looks for the checkpoints in DIR/checkpoints"),
+                "checkpoint_every": (self.checkpoint_every is not None, "the checkpoints are written in DIR"),
+                "keep_checkpoints": (self.keep_checkpoints != KEEP_CHECKPOINTS, "it counts the checkpoints in DIR"),
+            }
+            for name, (asked, why) in needs_out_dir.items():
+                if asked:
+                    raise invalid(name, getattr(self, name), f"it with out_dir=DIR: {why}", "add out_dir=DIR")
         loggers = (self.loggers,) if isinstance(self.loggers, str) else tuple(self.loggers)
         check_logger_names(loggers, field="loggers")
         object.__setattr__(self, "loggers", loggers)
