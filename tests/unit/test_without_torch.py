@@ -128,6 +128,19 @@ def test_help_lists_every_command_without_importing_one(broken_torch_env):
     assert ast.literal_eval(result.stderr.strip().splitlines()[-1]) == ["redline.cli.main"]
 
 
+def test_version_names_redline_torch_and_python_without_importing_torch(broken_torch_env):
+    from importlib.metadata import version
+
+    from redline.version import __version__
+
+    script = HELP.replace('"--help"', '"--version"')
+    result = run(["-c", script], broken_torch_env)
+    assert result.returncode == 0, result.stderr
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert result.stdout == f"redline {__version__} (torch {version('torch')}, Python {python})\n"
+    assert ast.literal_eval(result.stderr.strip().splitlines()[-1]) == ["redline.cli.main"]
+
+
 def test_full_doctor_reports_the_broken_torch_with_its_fix(broken_torch_env):
     result = run(["-m", "redline", "doctor", "--json"], broken_torch_env)
     assert result.returncode == 1, result.stderr

@@ -135,8 +135,31 @@ app = typer.Typer(
 )
 
 
+def version_line() -> str:
+    """redline's version with the torch and Python it runs on, read without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from redline.version import __version__
+
+    try:
+        torch = f"torch {version('torch')}"
+    except PackageNotFoundError:
+        torch = "torch not installed"
+    return f"redline {__version__} ({torch}, Python {sys.version.split()[0]})"
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        print(version_line())
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
     """Run plain PyTorch training and inference as fast as the hardware allows, and say why."""
 
 
