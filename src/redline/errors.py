@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import traceback
 from pathlib import Path
+
+# The folder where the workers of one launcher mark the errors they printed, so that an error every
+# rank meets alike (a bug in the model, a wrong option) is printed once, not once per GPU.
+SAID_ERRORS_ENV = "REDLINE_SAID_ERRORS"
 
 
 class RedlineError(Exception):
@@ -110,3 +116,24 @@ def user_line(exc: BaseException) -> str:
     frame = frames[-1]
     code = f": {frame.line.strip()}" if frame.line else ""
     return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}{code}"
+
+
+def first_to_say(message: str) -> bool:
+    """Whether this process should print ``message``: False only for a worker whose launcher's folder shows
+    that another worker of the same attempt has printed the same message already.
+
+    Marking is an exclusive create, so of the workers that meet the same error at once exactly one prints
+    it; an attempt torchrun restarts says its errors again.
+    """
+    folder = os.environ.get(SAID_ERRORS_ENV)
+    if not folder:
+        return True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    mark = Path(folder) / hashlib.sha256(f"{attempt}\n{message}".encode()).hexdigest()[:32]
+    try:
+        mark.open("x").close()
+    except FileExistsError:
+        return False
+    except OSError:  # no folder to mark in: printing twice beats printing nothing
+        return True
+    return True

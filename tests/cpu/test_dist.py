@@ -244,6 +244,17 @@ def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
     assert "batch_size=15 does not split across 2 processes" in result.stderr and "e.g. 16" in result.stderr
 
 
+def test_an_error_every_worker_meets_is_printed_once(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "2", "--nproc", "2",
+         "--batch-size", "15", "--no-progress"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("does not split across 2 processes") == 1, result.stderr[-3000:]
+    assert "the workers' errors are printed above, each once" in result.stderr
+
+
 def test_torchrun_arguments():
     assert torchrun_args(LaunchConfig(), 2, ["train.py", "--lr", "1"]) == [
         "--nproc-per-node=2", "--max-restarts=0", "--standalone", "train.py", "--lr", "1"

@@ -36,3 +36,19 @@ def test_the_job_exits_as_the_rank_that_failed_did_not_as_a_mistake():
     hang.failures[0].message = "hang: rank 0 stopped at step 5"
     error = _failure(hang, hang_exit_code=86)
     assert (str(error), error.exit_code) == ("hang: rank 0 stopped at step 5", 86)
+
+
+def test_an_error_the_workers_meet_alike_is_printed_once_per_attempt(tmp_path, monkeypatch):
+    from redline.errors import SAID_ERRORS_ENV, first_to_say
+
+    monkeypatch.delenv(SAID_ERRORS_ENV, raising=False)
+    assert first_to_say("boom") and first_to_say("boom")  # no launcher: every error is printed
+    monkeypatch.setenv(SAID_ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert first_to_say("boom")  # the first worker to meet it
+    assert not first_to_say("boom")  # the others, meeting the same error
+    assert first_to_say("another")  # a different error is printed too
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert first_to_say("boom")  # a restarted attempt says its error again
+    monkeypatch.setenv(SAID_ERRORS_ENV, str(tmp_path / "gone"))
+    assert first_to_say("boom") and first_to_say("boom")  # nowhere to mark: printing twice beats nothing

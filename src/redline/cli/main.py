@@ -17,7 +17,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from redline.errors import RedlineError
+from redline.errors import RedlineError, first_to_say
 from redline.render.log import show_logs
 
 
@@ -176,6 +176,8 @@ def main() -> None:
     try:
         app()
     except RedlineError as exc:
+        if not first_to_say(str(exc)):  # under the launcher, the workers that failed alike print it once
+            sys.exit(exc.exit_code)
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):  # the cause's traceback: the message follows
             if exc.__cause__ is not None:
                 traceback.print_exception(exc.__cause__, file=sys.stderr)

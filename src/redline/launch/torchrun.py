@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, StoppedBySignal, invalid
+from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, invalid
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
@@ -162,6 +162,9 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
+        said = Path(scratch) / "said"  # where the workers mark the errors printed, to print each once
+        said.mkdir()
+        workers[SAID_ERRORS_ENV] = str(said)
         try:
             with worker_environment(workers):
                 run(args)
@@ -214,7 +217,7 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
     else:
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
     first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
-    error = LaunchError(f"the launched job failed: {failures}\nhint: each worker's error is printed above")
+    error = LaunchError(f"the launched job failed: {failures}\nhint: the workers' errors are printed above, each once")
     return _with_exit_code(error, first[1].exitcode)
 
 
