@@ -39,7 +39,9 @@ def test_the_order_depends_on_seed_and_epoch_only_and_resumes_mid_epoch():
 
 
 def test_an_indivisible_global_batch_names_the_nearest_that_splits():
-    with pytest.raises(ConfigError, match=r"(?s)batch_size=10 does not split across 4 processes.*e\.g\. 12"):
+    with pytest.raises(
+        ConfigError, match=r"(?s)batch_size=10 is not allowed; expected a multiple of 4.*e\.g\. batch_size=12"
+    ):
         GlobalBatchSampler(EpochSampler(40, shuffle=False, seed=0), global_batch=10, rank=0, world_size=4)
 
 

@@ -104,12 +104,17 @@ def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", option
     The dataclass checks its values under its fields' names (``clip_grad_norm=-1.0``); the user typed
     ``--clip-grad-norm -1``, so the error says that instead.
     """
+    with said_by_flags(**spellings(owner, prefix=prefix, optional=optional)):
+        return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+
+
+def spellings(owner: type, *, prefix: str = "", optional: bool = False) -> dict[str, str]:
+    """The flag of each of ``owner``'s fields, by every name the field goes by (for ``said_by_flags``)."""
     spelled = {}
     for flag in flags(owner, prefix=prefix, optional=optional):  # early_stopping.patience: --early-stopping-patience
         for name in (flag.field, flag.parameter.name, flag.name.removeprefix("--").replace("-", "_")):
             spelled[name] = flag.name
-    with said_by_flags(**spelled):
-        return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+    return spelled
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import typer
 from rich.text import Text
 
 from redline.checkpoint import find_checkpoints
-from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, values
+from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, spellings, values
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
@@ -66,7 +66,9 @@ def _train(
         seed_everything(parsed["seed"])
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     last = LastCheckpoint()
-    with Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
+    # what the run refuses later (a batch that does not split across the ranks), said by its flag too
+    flagged = said_by_flags(**spellings(TrainerConfig), **spellings(RuntimeOptions))
+    with flagged, Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
         try:
             summary = trainer.fit()
         except KeyboardInterrupt:  # a second Ctrl-C while the run stopped (or one before it trained): say what is saved

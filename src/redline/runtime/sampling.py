@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
-from redline.errors import ConfigError
+from redline.errors import invalid
 from redline.parallel.env import DistEnv
 
 
@@ -98,9 +98,11 @@ def check_split(global_batch: int, world_size: int) -> None:
     """Refuse a global batch that does not split evenly across the processes."""
     if global_batch % world_size:
         nearest = global_batch + (-global_batch) % world_size
-        raise ConfigError(
-            f"batch_size={global_batch} does not split across {world_size} processes; the batch size is the "
-            f"global batch\nhint: use a multiple of {world_size}, e.g. {nearest}"
+        raise invalid(
+            "batch_size",
+            global_batch,
+            f"a multiple of {world_size}: the batch size is the global batch, split across {world_size} processes",
+            f"e.g. batch_size={nearest}",
         )
 
 
