@@ -1,6 +1,7 @@
 """The Trainer on CPU: exact resume after SIGKILL, corrupt checkpoints, SIGTERM, NaN, early stopping."""
 
 import csv
+import dataclasses
 import json
 import signal
 import subprocess
@@ -351,3 +352,13 @@ def test_early_stopping_on_a_nan_evaluation_says_the_model_diverged():
     stopping.should_stop({"val_loss": 0.5, "val_metric": 0.9})
     with pytest.raises(TrainingError, match=r"(?s)watches val_metric, and the evaluation gave nan.*hint"):
         stopping.should_stop({"val_loss": 0.5, "val_metric": float("nan")})
+
+
+def test_a_run_without_validation_or_sample_reports_no_time_spent_evaluating():
+    from redline.cli.train import _spent
+
+    summary = quiet(tiny_task(val_data=None, metric=None), max_steps=3).fit()
+    assert summary.eval_seconds == 0.0  # nothing was evaluated: "of which 1.4e-05 s evaluating" said otherwise
+    assert _spent(summary) == ""
+    tiny = dataclasses.replace(summary, eval_seconds=1.4e-05, checkpoint_seconds=0.25)
+    assert _spent(tiny) == ", of which <0.01 s evaluating and 0.25 s checkpointing"

@@ -178,7 +178,11 @@ def without_launch_options(argv: list[str]) -> list[str]:
 def _spent(summary: TrainSummary) -> str:
     """What of the run's time went to evaluation and checkpoints (left out of samples/s)."""
     spent = {"evaluating": summary.eval_seconds, "checkpointing": summary.checkpoint_seconds}
-    parts = [f"{seconds:.2g} s {what}" for what, seconds in spent.items() if seconds]
+    parts = [
+        f"{seconds:.2g} s {what}" if seconds >= 0.01 else f"<0.01 s {what}"
+        for what, seconds in spent.items()
+        if seconds
+    ]
     return f", of which {' and '.join(parts)}" if parts else ""
 
 

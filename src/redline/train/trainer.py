@@ -465,8 +465,10 @@ class Trainer:
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
 
     def _summary(self, run: Run) -> TrainSummary:
-        with run.meter.excluded("eval"), run.rt.eager():  # every rank samples: under FSDP a forward gathers
-            sample = self.task.sample(run.rt.module) if self.task.sample else None
+        sample = None
+        if self.task.sample:  # timed as evaluation; a task without one spends nothing there
+            with run.meter.excluded("eval"), run.rt.eager():  # every rank samples: under FSDP a forward gathers
+                sample = self.task.sample(run.rt.module)
         return summarize(self.task.name, run, self._batches_per_epoch, sample)
 
     # -- evaluate and predict --------------------------------------------------------------------
