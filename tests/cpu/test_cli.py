@@ -120,7 +120,8 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--out", str(blocker))
-    assert result.returncode == 2 and "not a writable directory" in result.stderr
+    assert result.returncode == 2 and f"--out={str(blocker)!r} is not allowed" in result.stderr
+    assert "it is a file" in result.stderr and "hint: e.g. --out runs/NAME" in result.stderr
 
 
 FLAG_TASK = """

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.atomic import write_or_refuse
-from redline.errors import ConfigError, TrainingError
+from redline.errors import TrainingError, invalid
 
 log = logging.getLogger("redline")
 
@@ -24,10 +24,8 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise ConfigError(
-            f"out_dir={str(out)!r} is not a writable directory ({exc.strerror or exc})\n"
-            "hint: pass --out to a directory you can write to"
-        ) from exc
+        why = "it is a file" if out.is_file() else f"writing there failed: {exc.strerror or exc}"
+        raise invalid("out_dir", str(out), f"a directory to write the run in; {why}", "e.g. out_dir=runs/NAME") from exc
     return out
 
 
