@@ -8,6 +8,7 @@ Python, or loaded from a spec string: ``example:NAME`` (built in), ``pkg.module:
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -251,15 +252,28 @@ FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:
 def _split_spec(spec: str) -> tuple[str, str]:
     forms = FORMS.format(", ".join(EXAMPLES))
     if not isinstance(spec, str) or ":" not in spec:
-        raise TaskSpecError(f"task spec {spec!r} has no ':'; expected {forms}")
+        raise TaskSpecError(f"task spec {spec!r} has no ':'; expected {forms}{_spec_hint(spec)}")
     head, _, tail = spec.rpartition(":")
     if head == "example":
         if tail not in EXAMPLES:
-            raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}")
+            near = difflib.get_close_matches(tail, EXAMPLES, n=1)
+            hint = f"\nhint: did you mean 'example:{near[0]}'?" if near else ""
+            raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}{hint}")
         head, _, tail = EXAMPLES[tail].partition(":")
     if not head or not tail.isidentifier():
         raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}")
     return head, tail
+
+
+def _spec_hint(spec: object) -> str:
+    """The fix for a spec without its ':': the example it names, or the factory a file needs."""
+    if not isinstance(spec, str):
+        return ""
+    if spec in EXAMPLES:
+        return f"\nhint: the built-in example is 'example:{spec}'"
+    if spec.endswith(".py") or "." in spec:
+        return f"\nhint: add the function that returns the Task (or model), e.g. '{spec}:make_task'"
+    return ""
 
 
 def _import_module(spec: str, module_name: str) -> Any:

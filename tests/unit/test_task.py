@@ -580,3 +580,24 @@ def test_a_factory_option_without_a_default_is_asked_for_by_its_flag(task_file: 
     assert "the factory requires width, and no value was given" in message
     assert "hint: pass --task-arg width=VALUE" in message
     assert load_task(f"{task_file}:needs_width", width=4).batch_size == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [
+        ("digits", "hint: the built-in example is 'example:digits'"),
+        ("example:digit", "hint: did you mean 'example:digits'?"),
+        ("train.py", "e.g. 'train.py:make_task'"),
+        ("mypkg.tasks", "e.g. 'mypkg.tasks:make_task'"),
+    ],
+)
+def test_a_spec_one_step_from_a_working_one_names_it(spec, hint):
+    with pytest.raises(TaskSpecError) as raised:
+        load_task(spec)
+    assert str(raised.value).endswith(hint)
+
+
+def test_a_spec_that_resembles_nothing_gets_the_forms_alone():
+    with pytest.raises(TaskSpecError) as raised:
+        load_task("example:zzz")
+    assert "hint" not in str(raised.value) and "'example:NAME' (NAME in: digits, chargpt)" in str(raised.value)
