@@ -2,11 +2,12 @@
 
     python dist_job.py OUT STEPS [--resume] [--kill-rank R --kill-step S [--sleep SECONDS]] [--batch B]
                        [--checkpoint-every N] [--strategy auto|ddp|fsdp|single] [--term-launcher-step S]
-                       [--log-every N] [--step-sleep SECONDS] [--evaluate]
+                       [--log-every N] [--step-sleep SECONDS] [--evaluate] [--rank1-checkpoint-minutes M] [--keep K]
 
 A small MLP without dropout or BatchNorm, so results must not depend on the number of processes.
 --kill-rank/--kill-step: that rank SIGKILLs itself after that step, on the first attempt only
 (torchrun's TORCHELASTIC_RESTART_COUNT is 0), to test --max-restarts.
+--rank1-checkpoint-minutes: rank 1's checkpoint clock alone (rank 0 keeps 30 minutes), to test that the ranks agree.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--evaluate", action="store_true", help="after fit, evaluate again and count the samples")
+    parser.add_argument("--rank1-checkpoint-minutes", type=float, default=30.0, help="rank 1's clock alone")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     args = parser.parse_args()
     torch.set_num_threads(1)
     callbacks: list[Callback] = [KillAt(args.kill_rank, args.kill_step, args.sleep)] if args.kill_rank >= 0 else []
@@ -113,6 +116,8 @@ def main() -> None:
         runtime=redline.RuntimeOptions(devices="cpu", seed=5, strategy=args.strategy),
         max_steps=args.steps,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_minutes=args.rank1_checkpoint_minutes if os.environ.get("RANK") == "1" else 30.0,
+        keep_checkpoints=args.keep,
         eval_every=args.steps,
         log_every=args.log_every,
         out_dir=args.out,

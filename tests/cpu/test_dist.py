@@ -183,6 +183,18 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
     assert_close(weights(tmp_path), weights(one_process_20))
 
 
+def test_a_checkpoint_one_ranks_clock_calls_for_is_written_by_every_rank_at_the_same_step(tmp_path, one_process_20):
+    # Under FSDP every rank writes its shards: had rank 1 gone to checkpoint alone, the job would hang.
+    # Steps of 70 ms, so the ranks vote every 2 steps once paced: a checkpoint at several steps before the end.
+    args = [JOB, str(tmp_path), "20", "--strategy", "fsdp", "--checkpoint-every", "100", "--step-sleep", "0.07"]
+    done = launch("--nproc", "2", *args, "--rank1-checkpoint-minutes", "1e-9", "--keep", "100")
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [int(path.name.removeprefix("step-")) for path in sorted((tmp_path / "checkpoints").glob("step-*"))]
+    assert len(steps) >= 3 and steps[-1] == 20, steps  # some before the last step, every one whole
+    assert manifest(tmp_path / "checkpoints" / f"step-{steps[0]:08d}")["step"] == steps[0]
+    assert_close(weights(tmp_path), weights(one_process_20))  # checkpoints taken along the way change nothing
+
+
 def test_a_launch_stopped_by_a_signal_leaves_no_rendezvous_thread_to_abort_its_exit(tmp_path):
     # torchrun keeps its rendezvous open when a signal stops the agent, with a thread that sends
     # keep-alives through the store every 5 s; alive at the interpreter's exit, one in a store call

@@ -362,3 +362,13 @@ def test_a_run_without_validation_or_sample_reports_no_time_spent_evaluating():
     assert _spent(summary) == ""
     tiny = dataclasses.replace(summary, eval_seconds=1.4e-05, checkpoint_seconds=0.25)
     assert _spent(tiny) == ", of which <0.01 s evaluating and 0.25 s checkpointing"
+
+
+def test_a_long_run_checkpoints_by_the_clock_without_checkpoint_every(tmp_path):
+    """With --out and no --checkpoint-every, a crash loses at most --checkpoint-minutes of the run."""
+    quiet(tiny_task(), max_steps=4, out_dir=tmp_path / "clock", checkpoint_minutes=1e-9, keep_checkpoints=10).fit()
+    assert [c.step for c in ckpt.find_checkpoints(tmp_path / "clock" / "checkpoints")] == [1, 2, 3, 4]
+    quiet(tiny_task(), max_steps=4, out_dir=tmp_path / "default", keep_checkpoints=10).fit()  # 30 minutes
+    assert [c.step for c in ckpt.find_checkpoints(tmp_path / "default" / "checkpoints")] == [4]
+    quiet(tiny_task(), max_steps=4, out_dir=tmp_path / "never", checkpoint_minutes=0, keep_checkpoints=10).fit()
+    assert [c.step for c in ckpt.find_checkpoints(tmp_path / "never" / "checkpoints")] == [4]  # the last alone

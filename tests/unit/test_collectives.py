@@ -16,7 +16,8 @@ def test_the_stop_vote_is_paced_to_about_every_fifth_of_a_second():
     assert vote_interval(0.002) == 100 and vote_interval(0.5) == 1 and vote_interval(1e-7) == 1000
     assert vote_interval(0.0) == 1 and vote_interval(float("nan")) == 1  # no step time yet: every step
     alone = StopVote()  # one process: no group, the vote is the signal itself, at once
-    assert alone.vote(True, step=3) and not alone.vote(False, step=4)
+    assert alone.vote(True, step=3) == (True, False) and alone.vote(False, step=4) == (False, False)
+    assert alone.vote(False, step=5, checkpoint=True) == (False, True)  # its own clock, at once
 
 
 def test_tensors_go_into_buckets_of_one_dtype_in_order(monkeypatch):

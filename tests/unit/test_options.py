@@ -96,7 +96,7 @@ def test_trainer_config_checks_and_normalises():
     with pytest.raises(ConfigError, match="max_steps=0"):
         TrainerConfig(max_steps=0)
     # asked for without out_dir, each would do nothing, unnoticed
-    for asked in ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}):
+    for asked in ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}, {"checkpoint_minutes": 5}):
         with pytest.raises(ConfigError, match=f"{next(iter(asked))}=.* expected it with out_dir=DIR"):
             TrainerConfig(**asked)  # type: ignore[arg-type]
         TrainerConfig(**asked, out_dir="runs/x")  # type: ignore[arg-type]
@@ -241,6 +241,8 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         ([*TRAIN_DIGITS, "--checkpoint-every", "5"], "--checkpoint-every=5", "add --out DIR"),
         ([*TRAIN_DIGITS, "--keep-checkpoints", "1"], "--keep-checkpoints=1", "add --out DIR"),
         ([*TRAIN_DIGITS, "--resume", "auto"], "--resume='auto'", "add --out DIR"),
+        ([*TRAIN_DIGITS, "--checkpoint-minutes", "-1", "--out", "o"], "--checkpoint-minutes=-1.0", ""),
+        ([*TRAIN_DIGITS, "--checkpoint-minutes", "nan", "--out", "o"], "--checkpoint-minutes=nan", ""),
     ],
 )
 def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, said, hint):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -150,16 +150,23 @@ def vote_interval(step_seconds: float) -> int:
     return max(1, min(MAX_VOTE_INTERVAL, int(VOTE_PERIOD_S / step_seconds)))
 
 
-class StopVote:
-    """Every rank learns, a vote late and without waiting, whether any rank was asked to stop.
+class Agreed(NamedTuple):
+    """What the ranks agreed at a vote: whether to stop, and whether to write a checkpoint."""
 
-    At a vote every rank posts whether it received SIGTERM/SIGINT as an asynchronous sum on a gloo
-    group of its own, on the CPU, so the device is never synchronised and the training collectives
-    are not delayed; the next vote reads the result, by then long complete. All ranks read the same
-    sum at the same step, so they stop together. Posting costs tens of microseconds, so the ranks vote
-    every step until they know the step time, then every ``vote_interval`` steps (about every 0.2 s):
-    a stop comes within two votes of the signal, whatever ``log_every`` is. In one process the vote is
-    the signal itself.
+    stop: bool
+    checkpoint: bool
+
+
+class StopVote:
+    """Every rank learns, a vote late and without waiting, whether any rank was asked to stop (or to checkpoint).
+
+    At a vote every rank posts whether it received SIGTERM/SIGINT, and whether its clock says a
+    checkpoint is due, as an asynchronous sum on a gloo group of its own, on the CPU, so the device is
+    never synchronised and the training collectives are not delayed; the next vote reads the result,
+    by then long complete. All ranks read the same sums at the same step, so they stop (or checkpoint)
+    together. Posting costs tens of microseconds, so the ranks vote every step until they know the
+    step time, then every ``vote_interval`` steps (about every 0.2 s): a stop comes within two votes
+    of the signal, whatever ``log_every`` is. In one process the vote is the rank's own, at once.
     """
 
     def __init__(self) -> None:
@@ -167,15 +174,15 @@ class StopVote:
         self.every = 1
         self._pending: tuple[Any, torch.Tensor] | None = None
 
-    def vote(self, stop: bool, step: int) -> bool:
-        """At a voting step post this rank's vote; return whether any rank voted to stop at the vote before."""
+    def vote(self, stop: bool, step: int, *, checkpoint: bool = False) -> Agreed:
+        """At a voting step post this rank's votes; return what any rank voted for at the vote before."""
         if self.group is None:
-            return stop
+            return Agreed(stop, checkpoint)
         if step % self.every:
-            return False
+            return Agreed(False, False)
         agreed = self._read()
-        flag = torch.tensor([1.0 if stop else 0.0])
-        self._pending = (torch_dist.all_reduce(flag, group=self.group, async_op=True), flag)
+        flags = torch.tensor([float(stop), float(checkpoint)])
+        self._pending = (torch_dist.all_reduce(flags, group=self.group, async_op=True), flags)
         return agreed
 
     def pace(self, step_seconds: float) -> None:
@@ -186,10 +193,10 @@ class StopVote:
         """Wait for the last vote, which every rank posted: no collective is left in flight."""
         self._read()
 
-    def _read(self) -> bool:
+    def _read(self) -> Agreed:
         if self._pending is None:
-            return False
-        work, flag = self._pending
+            return Agreed(False, False)
+        work, flags = self._pending
         work.wait()
         self._pending = None
-        return bool(flag.item() > 0)
+        return Agreed(bool(flags[0].item() > 0), bool(flags[1].item() > 0))

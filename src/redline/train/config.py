@@ -6,12 +6,21 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from redline.config import boolean, one_of, option, positive_int, positive_number, with_changes
+from redline.config import (
+    boolean,
+    non_negative_number,
+    one_of,
+    option,
+    positive_int,
+    positive_number,
+    with_changes,
+)
 from redline.errors import ConfigError, invalid
 from redline.runtime.options import SWITCHES, RuntimeOptions, Switch
 from redline.train.logs import check_logger_names
 
 KEEP_CHECKPOINTS = 3
+CHECKPOINT_MINUTES = 30.0  # a crash of a long run loses at most this much of it
 DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not
 
 
@@ -25,6 +34,9 @@ class TrainerConfig:
     batch_size: int | None = option(None, "Batch size (default: the task's own).", min=1)
     eval_every: int | None = option(None, "Evaluate every N steps (default: each epoch).", min=1)
     checkpoint_every: int | None = option(None, "Checkpoint every N steps (and at the end).", min=1)
+    checkpoint_minutes: float = option(
+        CHECKPOINT_MINUTES, "Also checkpoint when this many minutes passed since the last one (0: never)."
+    )
     keep_checkpoints: int = option(KEEP_CHECKPOINTS, "Keep the newest K checkpoints.", min=1)
     out_dir: Path | None = option(None, "Write checkpoints, logs, summary.json, model.safetensors.", flag="--out")
     resume: str | None = option(None, "'auto' (the newest valid checkpoint in OUT) or a checkpoint's path.")
@@ -48,6 +60,7 @@ class TrainerConfig:
         for name in ("max_steps", "max_epochs", "batch_size", "eval_every", "checkpoint_every"):
             positive_int(name, getattr(self, name), optional=True)
         positive_int("keep_checkpoints", self.keep_checkpoints)
+        non_negative_number("checkpoint_minutes", self.checkpoint_minutes)
         positive_int("log_every", self.log_every)
         positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
         if self.out_dir is not None and not isinstance(self.out_dir, Path):
@@ -59,6 +72,7 @@ class TrainerConfig:
                 "resume": (self.resume == "auto", "'auto' looks for the checkpoints in DIR/checkpoints"),
                 "checkpoint_every": (self.checkpoint_every is not None, "the checkpoints are written in DIR"),
                 "keep_checkpoints": (self.keep_checkpoints != KEEP_CHECKPOINTS, "it counts the checkpoints in DIR"),
+                "checkpoint_minutes": (self.checkpoint_minutes != CHECKPOINT_MINUTES, "the checkpoints go in DIR"),
             }
             for name, (asked, why) in needs_out_dir.items():
                 if asked:

@@ -57,6 +57,7 @@ class Window:
     samples: int = 0  # this rank's
     tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
+    checkpointed_at: float = field(default_factory=time.perf_counter)  # the clock of --checkpoint-minutes
     excluded_s: float = 0.0  # the meter's evaluation and checkpoint seconds when the window started
 
 
@@ -79,6 +80,7 @@ class Run:
     resumed: Checkpoint | None
     last_ckpt: Checkpoint | None
     start: float = field(default_factory=time.perf_counter)
+    checkpointed_at: float = field(default_factory=time.perf_counter)  # the clock of --checkpoint-minutes
     window: Window = field(default_factory=Window)
     micro_loss: torch.Tensor | None = None
     losses: list[float] = field(default_factory=list)

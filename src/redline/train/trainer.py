@@ -197,9 +197,11 @@ class Trainer:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
         self._signals.announce()
-        signalled = run.vote.vote(self._signals.received is not None, step)  # the same answer on every rank
-        stopped = self._stop_reason(step, run.total, signalled)
-        due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0)
+        period_s = 60 * self.config.checkpoint_minutes if self.out_dir else 0.0
+        timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
+        agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
+        stopped = self._stop_reason(step, run.total, agreed.stop)
+        due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0) or agreed.checkpoint
         if step % self.config.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
             run.beat("logging (loss all-reduce)")
             self._flush(run)
@@ -400,6 +402,7 @@ class Trainer:
         root = self._checkpoint_root()
         with run.meter.excluded("checkpoint"):
             written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
+        run.checkpointed_at = time.perf_counter()
         if self.env.is_main:
             checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
             for callback in self.callbacks:
