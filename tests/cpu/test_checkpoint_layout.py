@@ -193,6 +193,10 @@ def test_a_resume_path_that_is_a_run_directory_or_a_file_names_the_checkpoint_it
         ) and f"--resume auto with --out {tmp_path / 'run'}" in str(raised.value)
     with pytest.raises(CheckpointError, match=r"--resume \S+step-00000001 \(the one that file is in\)"):
         open_checkpoint(str(step_dir(root, 1) / "model.safetensors"), root)
+    final = tmp_path / "run" / "model.safetensors"  # the run's final weights: no optimizer, no position
+    final.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"--resume \S+step-00000002 \(the newest of the run model\.safetensors"):
+        open_checkpoint(str(final), root)
     with pytest.raises(CheckpointError, match=r"hint: pass a directory step-NNNNNNNN"):  # nothing near: as before
         open_checkpoint(str(tmp_path / "nowhere"), root)
 

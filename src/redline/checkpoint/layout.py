@@ -290,8 +290,9 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
 
 
 def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
-    """The checkpoint a resume path that is none meant, and which it is: the one a file is in, or the newest in a
-    run or checkpoints directory; None where there is none (a corrupt checkpoint, a path that does not exist)."""
+    """The checkpoint a resume path that is none meant, and which it is: the one a file is in, the newest in a
+    run or checkpoints directory, or the newest of the run a file such as model.safetensors is in; None where
+    there is none (a corrupt checkpoint, a path that does not exist)."""
     if path.is_file() and (path.parent / MANIFEST).is_file():
         with contextlib.suppress(CheckpointError):
             return read_checkpoint(path.parent), "the one that file is in"
@@ -299,6 +300,9 @@ def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
         found = find_checkpoints(root)
         if found:
             return found[-1], "the newest there"
+    found = find_checkpoints(path.parent / "checkpoints") if path.is_file() else []  # OUT/model.safetensors, say
+    if found:
+        return found[-1], f"the newest of the run {path.name} is in; {path.name} alone holds no optimizer or position"
     return None, ""
 
 
