@@ -271,6 +271,26 @@ def test_an_error_every_worker_meets_is_printed_once(tmp_path):
     assert "the workers' errors are printed above, each once" in result.stderr
 
 
+def test_the_workers_get_their_share_of_the_cores_as_threads(tmp_path):
+    import os
+
+    script = tmp_path / "threads.py"
+    script.write_text(  # one write: the two workers share the launcher's stdout
+        "import os, torch\n"
+        "os.write(1, f\"threads {os.environ['OMP_NUM_THREADS']} {torch.get_num_threads()}\\n\".encode())\n"
+    )
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    result = launch("--nproc", "2", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(f"threads {share} {share}") == 2, result.stdout
+    assert "Setting OMP_NUM_THREADS" not in result.stderr  # torchrun's banner: redline said what it chose
+    chosen = subprocess.run(
+        [sys.executable, "-m", "redline", "launch", "--nproc", "2", str(script)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "3"},
+    )  # fmt: skip
+    assert chosen.stdout.count("threads 3 ") == 2, chosen.stdout + chosen.stderr[-2000:]  # torch caps it at the cores
+
+
 def test_torchrun_arguments():
     assert torchrun_args(LaunchConfig(), 2, ["train.py", "--lr", "1"]) == [
         "--nproc-per-node=2", "--max-restarts=0", "--standalone", "train.py", "--lr", "1"

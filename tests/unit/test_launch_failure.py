@@ -52,3 +52,12 @@ def test_an_error_the_workers_meet_alike_is_printed_once_per_attempt(tmp_path, m
     assert first_to_say("boom")  # a restarted attempt says its error again
     monkeypatch.setenv(SAID_ERRORS_ENV, str(tmp_path / "gone"))
     assert first_to_say("boom") and first_to_say("boom")  # nowhere to mark: printing twice beats nothing
+
+
+def test_the_workers_share_the_cores_unless_omp_num_threads_says_otherwise():
+    from redline.launch.torchrun import worker_threads
+
+    assert worker_threads(2, 16, {}) == 8  # torchrun alone would give each 1 and leave 14 cores idle
+    assert worker_threads(8, 64, {}) == 8 and worker_threads(3, 2, {}) == 1  # never fewer than one
+    assert worker_threads(2, 16, {"OMP_NUM_THREADS": "3"}) is None  # the user's choice stands
+    assert worker_threads(1, 16, {}) is None  # one worker: torchrun sets nothing either

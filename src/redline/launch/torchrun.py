@@ -141,7 +141,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
-    from redline.hardware.device import probe_accelerators
+    from redline.hardware.device import probe_accelerators, usable_cpu_count
     from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
     if not module and target and not Path(target[0]).is_file():  # else every worker fails alike, after a rendezvous
@@ -151,6 +151,9 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         )
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
+    threads = worker_threads(nproc, usable_cpu_count(), os.environ)
+    if threads is not None:
+        workers["OMP_NUM_THREADS"] = str(threads)
     if config.hang_timeout_s is not None:
         workers[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)
         workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
@@ -181,6 +184,22 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
+
+
+def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | None:
+    """The CPU threads each worker runs: the cores shared among the workers, where OMP_NUM_THREADS leaves it to us.
+
+    torchrun's default is one thread a worker, which leaves most of a machine's cores idle in CPU
+    training and in a GPU worker's CPU-side work. None where the user set OMP_NUM_THREADS, or for one worker.
+    """
+    if nproc <= 1 or "OMP_NUM_THREADS" in environ:
+        return None
+    threads = max(1, cores // nproc)
+    log.info(
+        "each of the %d workers runs %d CPU thread%s (the %d cores here, shared; OMP_NUM_THREADS chooses another)",
+        nproc, threads, "" if threads == 1 else "s", cores,
+    )  # fmt: skip
+    return threads
 
 
 def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
