@@ -133,7 +133,7 @@ def said_by_flags(**flag_of: str) -> Iterator[None]:
         # the text may name other arguments too: say their flags
         raise invalid(flag, value, _flagged(allowed, flag_of), _flagged(hint, {name: flag, **flag_of})) from None
     except DeviceUnavailableError as error:  # devices='cuda' asked of a machine without one: say --devices 'cuda'
-        raise DeviceUnavailableError(_flagged(str(error), flag_of)) from None
+        raise DeviceUnavailableError(_flagged(str(error), flag_of)) from error.__cause__
 
 
 def _flagged(text: str, flag_of: Mapping[str, str]) -> str:
