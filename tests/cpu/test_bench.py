@@ -321,6 +321,16 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("given", ["", ","])
+def test_cli_bench_names_an_empty_compile_by_its_own_flag(given, monkeypatch):
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran on an empty --compile")
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
+    with pytest.raises(ConfigError, match=f"--compile {given!r}: expected on and/or off\nhint: e.g. --compile off,on"):
+        bench_command(task="example:digits", compile=given)
+
+
 def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_path, monkeypatch):
     def no_bench(*args, **kwargs):
         raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")

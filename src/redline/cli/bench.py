@@ -135,14 +135,18 @@ def _estimator(task: Task, console: Console) -> Estimate:
 def _names(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = _parts(text)
     if not names:
         raise ConfigError(f"--precision {text!r} names nothing\nhint: e.g. --precision fp32,bf16-mixed")
     return names
 
 
+def _parts(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _switches(text: str) -> list[bool]:
-    names = _names(text) or []
+    names = _parts(text)
     unknown = [name for name in names if name.lower() not in SWITCH]
     if unknown or not names:
         raise ConfigError(f"--compile {text!r}: expected on and/or off\nhint: e.g. --compile off,on")
