@@ -105,6 +105,20 @@ def test_the_cache_round_trips_and_misses_on_another_machine_or_batch(tmp_path, 
     assert "run `redline tune` again" in caplog.text
 
 
+@pytest.mark.parametrize(("field", "value"), [("precision", "fp64"), ("grad_accum", 0), ("compile_mode", "max")])
+def test_a_cached_plan_with_a_setting_no_run_takes_is_unreadable_not_a_flag_error(
+    tmp_path, monkeypatch, caplog, field, value
+):
+    # auto reads the cache on every run: a hand-edited entry must not fail plain `redline train` as a bad --precision
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    path = Path(store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed")))
+    data = json.loads(path.read_text())
+    data["best"][field] = value
+    path.write_text(json.dumps(data))
+    assert load_tuned("fingerprint", AMX_CPU, 8) is None
+    assert f"{field}={value!r} is not allowed" in caplog.text and "run `redline tune` again" in caplog.text
+
+
 def test_an_unmeasured_or_rejected_trial_costs_forever():
     assert Trial(Candidate(), None).total_s(10) == float("inf")
     assert Trial(Candidate(), 0.01, rejected="it failed").total_s(10) == float("inf")

@@ -109,10 +109,15 @@ class TunedPlan:
             Trial(Candidate(**t["candidate"]), t["step_s"], t["compile_s"], t.get("rejected", ""))
             for t in data["trials"]
         )
+        best = Candidate(**data["best"])
+        try:  # an entry edited by hand fails here, where it is read, not as a flag the run was never given
+            best.options(RuntimeOptions())
+        except ConfigError as exc:
+            raise ValueError(f"its best setting is not one a run can take: {str(exc).splitlines()[0]}") from None
         return cls(
             task=data["task"], device=data["device"], batch_size=int(data["batch_size"]),
             planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
-            best=Candidate(**data["best"]), reasons=dict(data["reasons"]), trials=trials,
+            best=best, reasons=dict(data["reasons"]), trials=trials,
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions) -> RuntimeOptions:
