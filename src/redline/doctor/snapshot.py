@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from redline.atomic import write_atomic
 from redline.errors import ConfigError, invalid
 
 FORMAT_VERSION = 1
@@ -176,8 +177,13 @@ class Snapshot:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        """Write the snapshot as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        """Write the snapshot as JSON, atomically (as ``check_writable`` checks a path can be)."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+
+        def write(tmp: Path) -> None:
+            tmp.write_text(text, encoding="utf-8")
+
+        write_atomic(Path(path), write)
 
     @classmethod
     def from_dict(cls, data: object, source: str = "snapshot") -> Snapshot:
