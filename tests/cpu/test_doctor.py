@@ -82,6 +82,8 @@ def test_bad_arguments_and_bad_files_exit_2_with_one_clear_line(tmp_path):
     assert result.returncode == 2 and "driver.gpus" in result.stderr and "Traceback" not in result.stderr
     combined = CliRunner().invoke(app, ["doctor", "--quick", "--probe-file", str(bad)])
     assert combined.exit_code != 0 and "no effect with --probe-file" in str(combined.exception)
+    saving = CliRunner().invoke(app, ["doctor", "--probe-file", str(bad), "--save-probe", str(tmp_path / "s.json")])
+    assert f"--save-probe={str(tmp_path / 's.json')!r} is not allowed" in str(saving.exception)
 
 
 def test_a_save_probe_path_that_cannot_be_written_is_refused_before_the_probes_run(tmp_path, monkeypatch):

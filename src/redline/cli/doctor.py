@@ -35,8 +35,8 @@ def doctor(
     Exits 0 when no check fails and 1 when one does.
     """
     if probe_file is not None and (save_probe is not None or quick):
-        flag = "--save-probe" if save_probe is not None else "--quick"
-        raise invalid(flag, True, "only when probing this machine", f"{flag} has no effect with --probe-file; drop it")
+        flag, value = ("--save-probe", str(save_probe)) if save_probe is not None else ("--quick", True)
+        raise invalid(flag, value, "only when probing this machine", f"{flag} has no effect with --probe-file; drop it")
     if save_probe is not None:
         _check_save_probe(save_probe)
     if probe_file is not None:
