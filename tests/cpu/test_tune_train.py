@@ -44,6 +44,12 @@ def test_a_task_no_candidate_can_run_is_refused_and_no_plan_is_cached(tmp_path):
     assert not list((tmp_path / "cache").rglob("*.json"))  # `--plan tuned` finds nothing made of failures
 
 
+def test_a_budget_spent_before_the_first_axis_is_refused_by_its_flag_and_nothing_is_cached(tmp_path):
+    with pytest.raises(ConfigError, match=r"--budget=1e-09 is not allowed; .*\nhint: e\.g\. --budget 120"):
+        tune_command(task="example:digits", budget=1e-9)
+    assert not list((tmp_path / "cache").rglob("*.json"))
+
+
 def cache_plan(task: Task, **best) -> TunedPlan:
     """A tuned Plan as `redline tune` would cache it for this machine, with made-up numbers."""
     tuned = TunedPlan(

@@ -29,7 +29,7 @@ from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import reset_compiler, task_steps, time_runners
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, TrainingError, describe_error
+from redline.errors import RedlineError, TrainingError, describe_error, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
@@ -93,6 +93,8 @@ def tune(
         trials += measured
         best, reasons[axis] = decide(axis, measured, planned)
     tell(len(axes), len(axes), "done")
+    if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
+        raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
     if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
         first = trials[0]
         raise TrainingError(
