@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -319,6 +320,15 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("given", ["cpu,", ",", " "])
+def test_cli_bench_names_a_device_list_with_a_blank_by_its_flag(given, monkeypatch):
+    monkeypatch.setattr("redline.bench.run.expand", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    expected = f"--devices={given!r} is not allowed; expected device names separated by commas\n"
+    expected += "hint: e.g. --devices 'cpu,cuda'"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        bench_command(task="example:digits", devices=given)
 
 
 @pytest.mark.parametrize("given", ["", ","])
