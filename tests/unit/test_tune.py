@@ -28,6 +28,11 @@ def test_a_compile_is_chosen_only_for_a_run_long_enough_to_repay_it():
     assert long == COMPILED and why_long.startswith("compile on, 1.61x less time for 100000 steps")
 
 
+def test_a_slow_candidates_step_is_told_in_whole_milliseconds_not_in_e_notation():
+    _, reason = decide("precision", [Trial(Candidate(), 2.6624), Trial(Candidate(precision="bf16-mixed"), 0.0421)], 10)
+    assert "fp32, eager: 2,662 ms/step = 26.6 s" in reason and "42.1 ms/step" in reason and "e+" not in reason
+
+
 def test_an_alternative_within_the_margin_does_not_replace_the_current_setting():
     bf16 = Candidate(precision="bf16-mixed")
     assert decide("precision", [Trial(EAGER, 0.010), Trial(bf16, 0.0097)], planned=100)[0] == EAGER

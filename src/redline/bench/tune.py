@@ -242,7 +242,9 @@ def _told(trial: Trial, planned: int) -> str:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
     compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
-    return f"{label}: {trial.step_s * 1e3:.3g} ms/step{compile_} = {trial.total_s(planned):.1f} s"
+    ms = trial.step_s * 1e3
+    per_step = f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"  # a slow step as "2,660", not "2.66e+03"
+    return f"{label}: {per_step} ms/step{compile_} = {trial.total_s(planned):.1f} s"
 
 
 def _value(candidate: Candidate, axis: str) -> str:
