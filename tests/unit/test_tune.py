@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.tune import decide, search_space, skipped_axes
 from redline.hardware.device import DeviceFacts
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned, tuned_for_model
 from redline.task import Task
 
 AMX_CPU = DeviceFacts(type="cpu", name="Xeon", cpu_isa="amx", cpu_count=8)
@@ -122,6 +122,18 @@ def test_a_cached_plan_with_a_setting_no_run_takes_is_unreadable_not_a_flag_erro
     path.write_text(json.dumps(data))
     assert load_tuned("fingerprint", AMX_CPU, 8) is None
     assert f"{field}={value!r} is not allowed" in caplog.text and "run `redline tune` again" in caplog.text
+
+
+def test_a_tune_is_found_by_workers_with_fewer_threads(tmp_path, monkeypatch):
+    # torchrun starts each worker of `redline train --nproc N` with OMP_NUM_THREADS=1
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    tuned = tuned_plan(precision="bf16-mixed")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    store_tuned("fingerprint", AMX_CPU, tuned, model=nn.Linear(2, 2))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert load_tuned("fingerprint", AMX_CPU, 8) == tuned
+    applied, _ = tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
+    assert applied.precision == "bf16-mixed"
 
 
 def test_an_unmeasured_or_rejected_trial_costs_forever():

@@ -28,7 +28,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.trial import cache_dir, trial_key
+from redline.runtime.trial import cache_dir, cache_key
 from redline.task import Task, model_fingerprint
 
 log = logging.getLogger("redline")
@@ -149,7 +149,9 @@ class TunedPlan:
 
 
 def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
-    return trial_key(fingerprint, facts, batch_size, ["tune"])
+    """The key of a tune on this machine: not by thread count, so the workers of `train --nproc N` (one thread
+    each, from torchrun) find the tune a single process made."""
+    return cache_key(fingerprint, facts, str(batch_size), "tune", threads=False)
 
 
 def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
@@ -180,7 +182,7 @@ def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, *, model
 
 
 def _model_path(model: nn.Module, facts: DeviceFacts) -> Path:
-    return cache_dir() / "tuned" / "models" / f"{trial_key(model_fingerprint(model), facts, 0, ['tune'])}.json"
+    return cache_dir() / "tuned" / "models" / f"{tuned_key(model_fingerprint(model), facts, 0)}.json"
 
 
 def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOptions) -> tuple[RuntimeOptions, Tuning]:
