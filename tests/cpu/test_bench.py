@@ -322,6 +322,13 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_cli_bench_refuses_planned_steps_without_the_auto_row_it_decides_for(monkeypatch):
+    monkeypatch.setattr("redline.cli.bench.benchmark", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    expected = "--planned-steps=100 is not allowed; expected only with the auto row\nhint: --planned-steps decides"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        bench_command(task="example:digits", planned_steps=100, auto=False)
+
+
 @pytest.mark.parametrize("given", ["cpu,", ",", " "])
 def test_cli_bench_names_a_device_list_with_a_blank_by_its_flag(given, monkeypatch):
     monkeypatch.setattr("redline.bench.run.expand", lambda *args, **kwargs: pytest.fail("the bench ran"))
