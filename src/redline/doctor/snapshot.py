@@ -209,6 +209,12 @@ def load_snapshot(path: str | Path) -> Snapshot:
         raise invalid(
             "--probe-file", str(path), "a JSON snapshot", f"{exc}; write one with `redline doctor --save-probe FILE`"
         ) from exc
+    if isinstance(data, dict) and {"checks", "devices"} <= set(data) and "format_version" not in data:
+        raise invalid(  # a slip: the report `--json` prints, saved where the facts it was judged from belong
+            "--probe-file", str(path), "a snapshot written by `redline doctor --save-probe FILE`",
+            "this file is the report `redline doctor --json` prints, not the facts it judged; "
+            "write those with `redline doctor --save-probe FILE`",
+        )  # fmt: skip
     return Snapshot.from_dict(data, source=f"{path}: snapshot")
 
 
