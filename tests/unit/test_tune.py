@@ -31,6 +31,8 @@ def test_a_compile_is_chosen_only_for_a_run_long_enough_to_repay_it():
 def test_a_slow_candidates_step_is_told_in_whole_milliseconds_not_in_e_notation():
     _, reason = decide("precision", [Trial(Candidate(), 2.6624), Trial(Candidate(precision="bf16-mixed"), 0.0421)], 10)
     assert "fp32, eager: 2,662 ms/step = 26.6 s" in reason and "42.1 ms/step" in reason and "e+" not in reason
+    _, short = decide("precision", [Trial(Candidate(), 0.00498), Trial(Candidate(precision="bf16-mixed"), 0.0131)], 8)
+    assert "fp32, eager: 4.98 ms/step = 0.0398 s" in short and "13.1 ms/step = 0.105 s" in short  # not "0.0 s"
 
 
 def test_an_alternative_within_the_margin_does_not_replace_the_current_setting():

@@ -242,9 +242,12 @@ def _told(trial: Trial, planned: int) -> str:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
     compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
-    ms = trial.step_s * 1e3
-    per_step = f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"  # a slow step as "2,660", not "2.66e+03"
-    return f"{label}: {per_step} ms/step{compile_} = {trial.total_s(planned):.1f} s"
+    return f"{label}: {_figure(trial.step_s * 1e3)} ms/step{compile_} = {_figure(trial.total_s(planned))} s"
+
+
+def _figure(value: float) -> str:
+    """Three significant digits, never e-notation: "2,660" (not "2.66e+03"), "0.0398" for a short run (not "0.0")."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _value(candidate: Candidate, axis: str) -> str:
