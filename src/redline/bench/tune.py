@@ -35,7 +35,7 @@ from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
-from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, store_tuned
+from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, store_tuned
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
@@ -67,6 +67,7 @@ def tune(
     positive_int("window", window)
     positive_int("planned_steps", planned_steps, optional=True)
     positive_int("batch_size", batch_size, optional=True)
+    check_tuned_cache()
     fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
     if batch_size is not None:
         task = dataclasses.replace(task, batch_size=batch_size)

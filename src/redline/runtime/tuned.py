@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from redline.atomic import write_atomic
+from redline.atomic import check_writable, write_atomic
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import gather_objects
@@ -28,7 +28,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.trial import cache_dir, cache_key
+from redline.runtime.trial import CACHE_ENV, cache_dir, cache_key
 from redline.task import Task, model_fingerprint
 
 log = logging.getLogger("redline")
@@ -175,10 +175,30 @@ def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, *, model
     def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
 
-    for target in [path] + ([_model_path(model, facts)] if model is not None else []):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(target, write)
+    try:
+        for target in [path] + ([_model_path(model, facts)] if model is not None else []):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(target, write)
+    except OSError as exc:
+        raise _uncachable(path.parent, exc) from None
     return str(path)
+
+
+def check_tuned_cache() -> None:
+    """Refuse a cache a tune could not be stored in before the search spends its budget, not after it."""
+    folder = cache_dir() / "tuned"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        check_writable(folder / "tuned.json")
+    except OSError as exc:
+        raise _uncachable(folder, exc) from None
+
+
+def _uncachable(folder: Path, exc: OSError) -> ConfigError:
+    return ConfigError(
+        f"a tuned Plan cannot be cached in {folder} ({exc.strerror or exc})\n"
+        f"hint: set {CACHE_ENV} to a directory you can write to, then tune again"
+    )
 
 
 def _model_path(model: nn.Module, facts: DeviceFacts) -> Path:
