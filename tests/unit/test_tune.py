@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench.tune import decide, search_space, skipped_axes
+from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned, tuned_for_model
@@ -136,6 +137,16 @@ def test_a_tune_is_found_by_workers_with_fewer_threads(tmp_path, monkeypatch):
     assert load_tuned("fingerprint", AMX_CPU, 8) == tuned
     applied, _ = tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
     assert applied.precision == "bf16-mixed"
+
+
+def test_a_bare_runtimes_tune_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="no tuned Plan for this Linear"):
+        tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
+    store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed"), model=nn.Linear(2, 2))
+    next((tmp_path / "tuned" / "models").glob("*.json")).write_text("{")
+    with pytest.raises(ConfigError, match=r"the tuned Plan of this Linear in .* could not be read \(Expecting"):
+        tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
 
 
 def test_an_unmeasured_or_rejected_trial_costs_forever():

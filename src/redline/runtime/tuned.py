@@ -214,11 +214,15 @@ def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOption
     path = _model_path(model, facts)
     try:
         tuned = TunedPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except FileNotFoundError:
         raise ConfigError(
             f"plan='tuned': no tuned Plan for this {type(model).__name__} on this machine ({facts.name}) in "
-            f"{path.parent} ({type(exc).__name__})\nhint: run `redline tune --task SPEC` on a Task with this model "
-            "first, or use plan='auto'"
+            f"{path.parent}\nhint: run `redline tune --task SPEC` on a Task with this model first, or use plan='auto'"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"plan='tuned': the tuned Plan of this {type(model).__name__} in {path} could not be read ({exc})\n"
+            "hint: run `redline tune --task SPEC` on a Task with this model again, or use plan='auto'"
         ) from None
     applied = dataclasses.replace(tuned.apply(options), grad_accum=options.grad_accum)
     reasons = tuned.plan_reasons(applied)
