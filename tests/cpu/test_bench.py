@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -311,6 +312,7 @@ def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
         (["--compile", "maybe"], "hint: e.g. --compile off,on"),
         (["--batch-size", "0"], "hint: e.g. --batch-size 32,64"),
         (["--precision", "bf16"], "hint: e.g. --precision fp32,bf16-mixed"),
+        (["--precision", "fp32,auto"], "hint: auto's choice is the auto row's, benched unless --no-auto; list fixed"),
         (["--devices", "cuda:7"], "hint:"),
     ],
 )
@@ -319,6 +321,32 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_bench_refuses_planned_steps_without_the_auto_row_it_decides_for(monkeypatch):
+    monkeypatch.setattr("redline.cli.bench.benchmark", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    expected = "--planned-steps=100 is not allowed; expected only with the auto row\nhint: --planned-steps decides"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        bench_command(task="example:digits", planned_steps=100, auto=False)
+
+
+@pytest.mark.parametrize("given", ["cpu,", ",", " "])
+def test_cli_bench_names_a_device_list_with_a_blank_by_its_flag(given, monkeypatch):
+    monkeypatch.setattr("redline.bench.run.expand", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    expected = f"--devices={given!r} is not allowed; expected device names separated by commas\n"
+    expected += "hint: e.g. --devices 'cpu,cuda'"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        bench_command(task="example:digits", devices=given)
+
+
+@pytest.mark.parametrize("given", ["", ","])
+def test_cli_bench_names_an_empty_compile_by_its_own_flag(given, monkeypatch):
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran on an empty --compile")
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
+    with pytest.raises(ConfigError, match=f"--compile {given!r}: expected on and/or off\nhint: e.g. --compile off,on"):
+        bench_command(task="example:digits", compile=given)
 
 
 def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import redline
 from devices import CUDA_SPY
 from redline.cli.doctor import doctor as doctor_command
 from redline.doctor import DoctorReport, judge, load_snapshot, take_snapshot
+from redline.errors import ConfigError
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
 # The command alone, so these tests do not depend on the other commands importing; `python -m redline doctor`
@@ -81,6 +82,25 @@ def test_bad_arguments_and_bad_files_exit_2_with_one_clear_line(tmp_path):
     assert result.returncode == 2 and "driver.gpus" in result.stderr and "Traceback" not in result.stderr
     combined = CliRunner().invoke(app, ["doctor", "--quick", "--probe-file", str(bad)])
     assert combined.exit_code != 0 and "no effect with --probe-file" in str(combined.exception)
+    saving = CliRunner().invoke(app, ["doctor", "--probe-file", str(bad), "--save-probe", str(tmp_path / "s.json")])
+    assert f"--save-probe={str(tmp_path / 's.json')!r} is not allowed" in str(saving.exception)
+
+
+def test_a_save_probe_path_that_cannot_be_written_is_refused_before_the_probes_run(tmp_path, monkeypatch):
+    def no_probe(**kwargs):
+        raise AssertionError("the machine was probed, and its snapshot would be lost when the file cannot be written")
+
+    def read_only(*args, **kwargs):  # what creating a file in a read-only directory raises (root would pass)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("redline.cli.doctor.take_snapshot", no_probe)
+    with pytest.raises(ConfigError, match=r"not a directory\nhint: e\.g\. --save-probe .*probe\.json"):
+        doctor_command(save_probe=tmp_path)
+    with pytest.raises(ConfigError, match=r"a directory that exists\nhint: create .*missing first"):
+        doctor_command(save_probe=tmp_path / "missing" / "probe.json")
+    monkeypatch.setattr("redline.atomic._temporary_beside", read_only)
+    with pytest.raises(ConfigError, match=r"a file you can write\nhint: Permission denied: pass a path"):
+        doctor_command(save_probe=tmp_path / "probe.json")
 
 
 HANGING_CHILD = """

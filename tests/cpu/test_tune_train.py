@@ -44,6 +44,21 @@ def test_a_task_no_candidate_can_run_is_refused_and_no_plan_is_cached(tmp_path):
     assert not list((tmp_path / "cache").rglob("*.json"))  # `--plan tuned` finds nothing made of failures
 
 
+def test_a_budget_spent_before_the_first_axis_is_refused_by_its_flag_and_nothing_is_cached(tmp_path):
+    with pytest.raises(ConfigError, match=r"--budget=1e-09 is not allowed; .*\nhint: e\.g\. --budget 120"):
+        tune_command(task="example:digits", budget=1e-9)
+    assert not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_cache_the_tune_cannot_be_stored_in_is_refused_before_the_search(tmp_path, monkeypatch):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(not_a_folder))
+    monkeypatch.setattr("redline.bench.tune._measure", lambda *args: pytest.fail("the search ran"))
+    with pytest.raises(ConfigError, match=r"cannot be cached in .*file/tuned \(Not a directory\)\nhint: set REDLINE_"):
+        tune(mlp_task(), devices="cpu", budget_s=5)
+
+
 def cache_plan(task: Task, **best) -> TunedPlan:
     """A tuned Plan as `redline tune` would cache it for this machine, with made-up numbers."""
     tuned = TunedPlan(

@@ -106,3 +106,9 @@ def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
     line = best_line(result_of(naive, eager, dict(auto, plan=plan)))
     assert "(what `redline train` runs: the tuned Plan: bf16-mixed, eager, 2 micro-batches a step)" in line
     assert "75% of the fastest" in line
+
+
+def test_a_slow_step_is_shown_in_whole_milliseconds_not_in_e_notation():
+    slow = _row("naive cpu fp32 b64", "naive", 24.0, step_ms_p50=2662.4, step_ms_p90=3661.0)
+    text = shown(result_of(slow, _row("cpu fp32 eager b64", "explicit", 5000.0, step_ms_p50=99.96, step_ms_p90=0.5)))
+    assert "2,662/3,661" in text and "100/0.5" in text and "e+" not in text, text

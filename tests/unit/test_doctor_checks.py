@@ -231,6 +231,25 @@ def test_a_check_that_raises_becomes_a_failed_check():
     )
 
 
+@pytest.mark.parametrize(("probe", "check_id"), [("shm", "shm-size"), ("driver", "nvidia-driver")])
+def test_a_probe_that_raised_is_said_in_its_check_not_judged_from_the_defaults_it_left(probe, check_id):
+    snapshot = load_snapshot(FIXTURES / "healthy-h200.json")
+    setattr(snapshot, probe, Snapshot().driver if probe == "driver" else None)  # what the failed probe leaves
+    snapshot.probe_errors[probe] = "PermissionError: [Errno 13] Permission denied"
+    check = {c.id: c for c in run_checks(snapshot)}[check_id]
+    assert check.status == "warn" and check.fix == BUG_REPORT_FIX, check
+    assert check.detail == f"not checked: probing it failed ({probe}: PermissionError: [Errno 13] Permission denied)"
+
+
+def test_the_companions_that_match_torch_are_said_in_a_sentence():
+    one = {c.id: c for c in report_of("cpu-wheel-on-gpu").checks}["torch-companions"]
+    assert one.status == "ok" and one.detail == "torchvision 0.28.0+cpu matches torch 2.13.0+cpu"
+    snapshot = load_snapshot(FIXTURES / "cpu-wheel-on-gpu.json")
+    snapshot.packages["torchaudio"] = "2.13.0+cpu"
+    two = {c.id: c for c in run_checks(snapshot)}["torch-companions"]
+    assert two.detail == "torchvision 0.28.0+cpu, torchaudio 2.13.0+cpu match torch 2.13.0+cpu"
+
+
 def test_a_warn_or_fail_without_a_fix_is_refused():
     with pytest.raises(ValueError, match="without a fix"):
         Check(id="x", status="fail", detail="broken", fix=None)

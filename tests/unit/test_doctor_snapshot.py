@@ -148,3 +148,13 @@ def test_only_literal_top_level_assignments_are_read():
         "def f():\n    inner = 1\n"
     )
     assert literal_assignments(source) == {"__version__": "2.7.1+cu128", "cuda": "12.8", "hip": None}
+
+
+def test_a_doctor_json_report_passed_as_a_probe_file_is_named_as_such(tmp_path):
+    # `redline doctor --json > probe.json` then `--probe-file probe.json`: the report, not the snapshot
+    report = tmp_path / "probe.json"
+    report.write_text(json.dumps({"checks": [{"id": "python", "status": "ok"}], "devices": [], "versions": {}}))
+    with pytest.raises(ConfigError) as error:
+        load_snapshot(report)
+    assert str(error.value).startswith(f"--probe-file={str(report)!r} is not allowed; expected a snapshot written")
+    assert "the report `redline doctor --json` prints" in str(error.value) and "'status'" not in str(error.value)

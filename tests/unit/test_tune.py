@@ -9,9 +9,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench.tune import decide, search_space, skipped_axes
+from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned, tuned_for_model
 from redline.task import Task
 
 AMX_CPU = DeviceFacts(type="cpu", name="Xeon", cpu_isa="amx", cpu_count=8)
@@ -26,6 +27,13 @@ def test_a_compile_is_chosen_only_for_a_run_long_enough_to_repay_it():
     assert short == EAGER and why_short.startswith("compile off kept")
     long, why_long = decide("compile", trials, planned=100_000)  # 1000 s vs 620 s
     assert long == COMPILED and why_long.startswith("compile on, 1.61x less time for 100000 steps")
+
+
+def test_a_slow_candidates_step_is_told_in_whole_milliseconds_not_in_e_notation():
+    _, reason = decide("precision", [Trial(Candidate(), 2.6624), Trial(Candidate(precision="bf16-mixed"), 0.0421)], 10)
+    assert "fp32, eager: 2,662 ms/step = 26.6 s" in reason and "42.1 ms/step" in reason and "e+" not in reason
+    _, short = decide("precision", [Trial(Candidate(), 0.00498), Trial(Candidate(precision="bf16-mixed"), 0.0131)], 8)
+    assert "fp32, eager: 4.98 ms/step = 0.0398 s" in short and "13.1 ms/step = 0.105 s" in short  # not "0.0 s"
 
 
 def test_an_alternative_within_the_margin_does_not_replace_the_current_setting():
@@ -103,6 +111,42 @@ def test_the_cache_round_trips_and_misses_on_another_machine_or_batch(tmp_path, 
     Path(path).write_text("{not json")
     assert load_tuned("fingerprint", AMX_CPU, 8) is None
     assert "run `redline tune` again" in caplog.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("precision", "fp64"), ("grad_accum", 0), ("compile_mode", "max")])
+def test_a_cached_plan_with_a_setting_no_run_takes_is_unreadable_not_a_flag_error(
+    tmp_path, monkeypatch, caplog, field, value
+):
+    # auto reads the cache on every run: a hand-edited entry must not fail plain `redline train` as a bad --precision
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    path = Path(store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed")))
+    data = json.loads(path.read_text())
+    data["best"][field] = value
+    path.write_text(json.dumps(data))
+    assert load_tuned("fingerprint", AMX_CPU, 8) is None
+    assert f"{field}={value!r} is not allowed" in caplog.text and "run `redline tune` again" in caplog.text
+
+
+def test_a_tune_is_found_by_workers_with_fewer_threads(tmp_path, monkeypatch):
+    # torchrun starts each worker of `redline train --nproc N` with OMP_NUM_THREADS=1
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    tuned = tuned_plan(precision="bf16-mixed")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    store_tuned("fingerprint", AMX_CPU, tuned, model=nn.Linear(2, 2))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert load_tuned("fingerprint", AMX_CPU, 8) == tuned
+    applied, _ = tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
+    assert applied.precision == "bf16-mixed"
+
+
+def test_a_bare_runtimes_tune_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="no tuned Plan for this Linear"):
+        tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
+    store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed"), model=nn.Linear(2, 2))
+    next((tmp_path / "tuned" / "models").glob("*.json")).write_text("{")
+    with pytest.raises(ConfigError, match=r"the tuned Plan of this Linear in .* could not be read \(Expecting"):
+        tuned_for_model(nn.Linear(2, 2), AMX_CPU, RuntimeOptions())
 
 
 def test_an_unmeasured_or_rejected_trial_costs_forever():

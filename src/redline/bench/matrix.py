@@ -66,9 +66,10 @@ def expand(
         raise ConfigError("no device to bench\nhint: pass --devices cpu (or cuda, mps)")
     for name in precisions or ():
         if name not in PRECISIONS:
-            raise ConfigError(
-                f"precision {name!r} is not one of {', '.join(PRECISIONS)}\nhint: e.g. --precision fp32,bf16-mixed"
-            )
+            hint = "e.g. --precision fp32,bf16-mixed"
+            if name == "auto":
+                hint = f"auto's choice is the auto row's, benched unless --no-auto; list fixed ones, {hint}"
+            raise ConfigError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}\nhint: {hint}")
     if any(not isinstance(flag, bool) for flag in compiles):  # "off" is truthy: it would compile
         allowed = "a list of True (compiled) and False (eager)"
         raise invalid("compiles", compiles, allowed, "e.g. compiles=[False, True]")

@@ -26,7 +26,7 @@ from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, runtime_
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.config import positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, TaskError, describe_error
+from redline.errors import RedlineError, TaskError, describe_error, invalid
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
@@ -203,7 +203,7 @@ def _devices(devices: str | Sequence[str]) -> list[str]:
     if names == ["auto"]:
         names = ["cpu", *(["cuda"] if found.cuda_count else []), *(["mps"] if found.mps else [])]
     if not names or any(not n for n in names):
-        raise ConfigError(f"devices={devices!r} names no device\nhint: e.g. --devices cpu,cuda")
+        raise invalid("devices", devices, "device names separated by commas", "e.g. devices='cpu,cuda'")
     return list(dict.fromkeys(resolve_device(name, found).value for name in names))
 
 

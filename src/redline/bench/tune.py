@@ -29,13 +29,13 @@ from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import reset_compiler, task_steps, time_runners
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, TrainingError, describe_error
+from redline.errors import RedlineError, TrainingError, describe_error, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
-from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, store_tuned
+from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, store_tuned
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
@@ -67,6 +67,7 @@ def tune(
     positive_int("window", window)
     positive_int("planned_steps", planned_steps, optional=True)
     positive_int("batch_size", batch_size, optional=True)
+    check_tuned_cache()
     fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
     if batch_size is not None:
         task = dataclasses.replace(task, batch_size=batch_size)
@@ -93,6 +94,8 @@ def tune(
         trials += measured
         best, reasons[axis] = decide(axis, measured, planned)
     tell(len(axes), len(axes), "done")
+    if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
+        raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
     if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
         first = trials[0]
         raise TrainingError(
@@ -240,7 +243,12 @@ def _told(trial: Trial, planned: int) -> str:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
     compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
-    return f"{label}: {trial.step_s * 1e3:.3g} ms/step{compile_} = {trial.total_s(planned):.1f} s"
+    return f"{label}: {_figure(trial.step_s * 1e3)} ms/step{compile_} = {_figure(trial.total_s(planned))} s"
+
+
+def _figure(value: float) -> str:
+    """Three significant digits, never e-notation: "2,660" (not "2.66e+03"), "0.0398" for a short run (not "0.0")."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _value(candidate: Candidate, axis: str) -> str:

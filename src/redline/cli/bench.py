@@ -15,7 +15,7 @@ from redline.atomic import check_writable
 from redline.bench.run import Estimate, benchmark
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError, TrainingError, describe_error
+from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console, print_uncut
@@ -54,6 +54,9 @@ def bench(
     html: Annotated[Path | None, typer.Option(metavar="FILE", help="Write a self-contained HTML report.")] = None,
 ) -> None:
     """Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU."""
+    if planned_steps is not None and not auto:  # only auto's compile reads it: the matrix's rows set theirs
+        hint = "--planned-steps decides whether the auto row compiles; drop it, or drop --no-auto"
+        raise invalid("--planned-steps", planned_steps, "only with the auto row", hint)
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     if html is not None:
         _check_html(html)
@@ -135,14 +138,18 @@ def _estimator(task: Task, console: Console) -> Estimate:
 def _names(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = _parts(text)
     if not names:
         raise ConfigError(f"--precision {text!r} names nothing\nhint: e.g. --precision fp32,bf16-mixed")
     return names
 
 
+def _parts(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _switches(text: str) -> list[bool]:
-    names = _names(text) or []
+    names = _parts(text)
     unknown = [name for name in names if name.lower() not in SWITCH]
     if unknown or not names:
         raise ConfigError(f"--compile {text!r}: expected on and/or off\nhint: e.g. --compile off,on")

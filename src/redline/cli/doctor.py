@@ -9,8 +9,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from redline.atomic import check_writable
 from redline.doctor import judge, load_snapshot, take_snapshot
-from redline.errors import invalid
+from redline.errors import ConfigError, invalid
 from redline.render.console import output_console
 from redline.render.doctor import checks_table, devices_table, summary_line
 
@@ -34,8 +35,10 @@ def doctor(
     Exits 0 when no check fails and 1 when one does.
     """
     if probe_file is not None and (save_probe is not None or quick):
-        flag = "--save-probe" if save_probe is not None else "--quick"
-        raise invalid(flag, True, "only when probing this machine", f"{flag} has no effect with --probe-file; drop it")
+        flag, value = ("--save-probe", str(save_probe)) if save_probe is not None else ("--quick", True)
+        raise invalid(flag, value, "only when probing this machine", f"{flag} has no effect with --probe-file; drop it")
+    if save_probe is not None:
+        _check_save_probe(save_probe)
     if probe_file is not None:
         snapshot = load_snapshot(probe_file)
     else:
@@ -45,7 +48,7 @@ def doctor(
         try:
             snapshot.save(save_probe)
         except OSError as exc:
-            raise invalid("--save-probe", str(save_probe), "a writable file path", str(exc)) from exc
+            raise _unwritable(save_probe, exc) from exc
         said = f"snapshot written to {save_probe}: attach it to your bug report"
         Console(stderr=True).print(said, highlight=False, markup=False)
     report = judge(snapshot)
@@ -57,3 +60,22 @@ def doctor(
         console.print(devices_table(report))
         console.print(summary_line(report))
     raise typer.Exit(report.exit_code)
+
+
+def _check_save_probe(path: Path) -> None:
+    """Refuse a snapshot file that could not be written before the probes run, not after them."""
+    if path.is_dir():
+        raise invalid("--save-probe", str(path), "a file, not a directory", f"e.g. --save-probe {path / 'probe.json'}")
+    if not path.parent.is_dir():
+        raise invalid("--save-probe", str(path), "a file in a directory that exists", f"create {path.parent} first")
+    try:
+        check_writable(path)
+    except OSError as exc:
+        raise _unwritable(path, exc) from exc
+
+
+def _unwritable(path: Path, exc: OSError) -> ConfigError:
+    why = exc.strerror or str(exc)
+    return invalid(
+        "--save-probe", str(path), "a file you can write", f"{why}: pass a path in a directory you can write to"
+    )

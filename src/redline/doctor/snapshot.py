@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from redline.atomic import write_atomic
 from redline.errors import ConfigError, invalid
 
 FORMAT_VERSION = 1
@@ -176,8 +177,13 @@ class Snapshot:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        """Write the snapshot as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        """Write the snapshot as JSON, atomically (as ``check_writable`` checks a path can be)."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+
+        def write(tmp: Path) -> None:
+            tmp.write_text(text, encoding="utf-8")
+
+        write_atomic(Path(path), write)
 
     @classmethod
     def from_dict(cls, data: object, source: str = "snapshot") -> Snapshot:
@@ -203,6 +209,12 @@ def load_snapshot(path: str | Path) -> Snapshot:
         raise invalid(
             "--probe-file", str(path), "a JSON snapshot", f"{exc}; write one with `redline doctor --save-probe FILE`"
         ) from exc
+    if isinstance(data, dict) and {"checks", "devices"} <= set(data) and "format_version" not in data:
+        raise invalid(  # a slip: the report `--json` prints, saved where the facts it was judged from belong
+            "--probe-file", str(path), "a snapshot written by `redline doctor --save-probe FILE`",
+            "this file is the report `redline doctor --json` prints, not the facts it judged; "
+            "write those with `redline doctor --save-probe FILE`",
+        )  # fmt: skip
     return Snapshot.from_dict(data, source=f"{path}: snapshot")
 
 

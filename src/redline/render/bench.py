@@ -117,7 +117,10 @@ def _number(value: float | None) -> str:
 
 
 def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3g}"
+    """Three significant digits, never "2.66e+03": from 100 ms on, whole milliseconds ("2,660")."""
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _times(value: float | None) -> str:

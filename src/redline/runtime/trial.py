@@ -250,11 +250,15 @@ def trial_key(fingerprint: str, facts: DeviceFacts, batch_size: int, candidates:
     return cache_key(fingerprint, facts, str(batch_size), ",".join(candidates), str(TIMED_STEPS))
 
 
-def cache_key(fingerprint: str, facts: DeviceFacts, *what: str) -> str:
-    """A cache key: the model's fingerprint, everything about this machine that times it, and ``what`` was timed."""
+def cache_key(fingerprint: str, facts: DeviceFacts, *what: str, threads: bool = True) -> str:
+    """A cache key: the model's fingerprint, everything about this machine that times it, and ``what`` was timed.
+
+    ``threads=False`` leaves out this process's thread count, for an entry that processes with other
+    counts must find (a tune, read by the one-thread workers torchrun starts).
+    """
     parts = (
         fingerprint, facts.type, facts.name, str(facts.capability), facts.cpu_isa, str(facts.cpu_count),
-        torch.__version__, str(torch.get_num_threads()), *what,
+        torch.__version__, *([str(torch.get_num_threads())] if threads else []), *what,
     )  # fmt: skip
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from redline.atomic import write_atomic
+from redline.atomic import check_writable, write_atomic
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import gather_objects
@@ -28,7 +28,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.trial import cache_dir, trial_key
+from redline.runtime.trial import CACHE_ENV, cache_dir, cache_key
 from redline.task import Task, model_fingerprint
 
 log = logging.getLogger("redline")
@@ -109,10 +109,15 @@ class TunedPlan:
             Trial(Candidate(**t["candidate"]), t["step_s"], t["compile_s"], t.get("rejected", ""))
             for t in data["trials"]
         )
+        best = Candidate(**data["best"])
+        try:  # an entry edited by hand fails here, where it is read, not as a flag the run was never given
+            best.options(RuntimeOptions())
+        except ConfigError as exc:
+            raise ValueError(f"its best setting is not one a run can take: {str(exc).splitlines()[0]}") from None
         return cls(
             task=data["task"], device=data["device"], batch_size=int(data["batch_size"]),
             planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
-            best=Candidate(**data["best"]), reasons=dict(data["reasons"]), trials=trials,
+            best=best, reasons=dict(data["reasons"]), trials=trials,
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions) -> RuntimeOptions:
@@ -144,7 +149,9 @@ class TunedPlan:
 
 
 def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
-    return trial_key(fingerprint, facts, batch_size, ["tune"])
+    """The key of a tune on this machine: not by thread count, so the workers of `train --nproc N` (one thread
+    each, from torchrun) find the tune a single process made."""
+    return cache_key(fingerprint, facts, str(batch_size), "tune", threads=False)
 
 
 def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
@@ -168,14 +175,34 @@ def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, *, model
     def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
 
-    for target in [path] + ([_model_path(model, facts)] if model is not None else []):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(target, write)
+    try:
+        for target in [path] + ([_model_path(model, facts)] if model is not None else []):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(target, write)
+    except OSError as exc:
+        raise _uncachable(path.parent, exc) from None
     return str(path)
 
 
+def check_tuned_cache() -> None:
+    """Refuse a cache a tune could not be stored in before the search spends its budget, not after it."""
+    folder = cache_dir() / "tuned"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        check_writable(folder / "tuned.json")
+    except OSError as exc:
+        raise _uncachable(folder, exc) from None
+
+
+def _uncachable(folder: Path, exc: OSError) -> ConfigError:
+    return ConfigError(
+        f"a tuned Plan cannot be cached in {folder} ({exc.strerror or exc})\n"
+        f"hint: set {CACHE_ENV} to a directory you can write to, then tune again"
+    )
+
+
 def _model_path(model: nn.Module, facts: DeviceFacts) -> Path:
-    return cache_dir() / "tuned" / "models" / f"{trial_key(model_fingerprint(model), facts, 0, ['tune'])}.json"
+    return cache_dir() / "tuned" / "models" / f"{tuned_key(model_fingerprint(model), facts, 0)}.json"
 
 
 def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOptions) -> tuple[RuntimeOptions, Tuning]:
@@ -187,11 +214,15 @@ def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOption
     path = _model_path(model, facts)
     try:
         tuned = TunedPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except FileNotFoundError:
         raise ConfigError(
             f"plan='tuned': no tuned Plan for this {type(model).__name__} on this machine ({facts.name}) in "
-            f"{path.parent} ({type(exc).__name__})\nhint: run `redline tune --task SPEC` on a Task with this model "
-            "first, or use plan='auto'"
+            f"{path.parent}\nhint: run `redline tune --task SPEC` on a Task with this model first, or use plan='auto'"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"plan='tuned': the tuned Plan of this {type(model).__name__} in {path} could not be read ({exc})\n"
+            "hint: run `redline tune --task SPEC` on a Task with this model again, or use plan='auto'"
         ) from None
     applied = dataclasses.replace(tuned.apply(options), grad_accum=options.grad_accum)
     reasons = tuned.plan_reasons(applied)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from redline.doctor.checks import cuda, host, libraries, measured, visible
 from redline.doctor.checks.machine import Machine
-from redline.doctor.report import Check, fail
+from redline.doctor.report import Check, fail, warn
 from redline.doctor.snapshot import Snapshot
 
 CHECKS: dict[str, Callable[[Machine], Check]] = {
@@ -29,6 +29,16 @@ CHECKS: dict[str, Callable[[Machine], Check]] = {
 }
 
 BUG_REPORT_FIX = "report this redline bug with the snapshot from `redline doctor --save-probe snapshot.json`"
+# The check that judges each probe's facts alone. A probe that raised left its facts at their defaults
+# (no driver, no /dev/shm, no packages), which that check would report as this machine's.
+JUDGES_PROBE = {
+    "python": "python",
+    "driver": "nvidia-driver",
+    "shm": "shm-size",
+    "library_path": "library-shadowing",
+    "wheel_libs": "library-shadowing",
+    "packages": "torch-companions",
+}
 
 
 def run_checks(snapshot: Snapshot, checks: dict[str, Callable[[Machine], Check]] = CHECKS) -> list[Check]:
@@ -42,5 +52,15 @@ def run_checks(snapshot: Snapshot, checks: dict[str, Callable[[Machine], Check]]
                 raise ValueError(f"returned the verdict of {result.id!r}")
         except Exception as exc:  # the doctor must never crash on an odd snapshot
             result = fail(check_id, f"redline could not judge this: {type(exc).__name__}: {exc}", BUG_REPORT_FIX)
-        results.append(result)
+        results.append(_unless_unprobed(snapshot, result))
     return results
+
+
+def _unless_unprobed(snapshot: Snapshot, result: Check) -> Check:
+    """``result``, or a warning that it could not be checked where the probe of its facts raised."""
+    failed = [
+        f"{probe}: {error}" for probe, error in snapshot.probe_errors.items() if JUDGES_PROBE.get(probe) == result.id
+    ]
+    if not failed:
+        return result
+    return warn(result.id, f"not checked: probing it failed ({'; '.join(failed)})", BUG_REPORT_FIX)

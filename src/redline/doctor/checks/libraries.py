@@ -231,4 +231,5 @@ def torch_companions(m: Machine) -> Check:
         )
         return fail("torch-companions", detail, fix)
     listed = ", ".join(f"{name} {version}" for name, version in installed.items())
-    return ok("torch-companions", f"{listed} match torch {torch_version}")
+    agree = "matches" if len(installed) == 1 else "match"
+    return ok("torch-companions", f"{listed} {agree} torch {torch_version}")
