@@ -72,8 +72,21 @@ def cache_plan(task: Task, **best) -> TunedPlan:
 
 
 def test_plan_tuned_without_a_tune_says_how_to_make_one():
-    with pytest.raises(ConfigError, match="run `redline tune --task SPEC` first"):
-        Trainer(mlp_task(), TrainerConfig(max_steps=2, plan="tuned", progress=False)).fit()
+    task = mlp_task()
+    with pytest.raises(ConfigError, match=f"run `redline tune --task SPEC --batch-size {task.batch_size}` first"):
+        Trainer(task, TrainerConfig(max_steps=2, plan="tuned", progress=False)).fit()
+
+
+def test_plan_tuned_without_a_tune_says_the_tune_command_with_the_task_as_typed():
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    args = ["train", "--task", "example:chargpt", "--task-arg", "n_layer=1", "--plan", "tuned", "--max-steps", "1"]
+    result = CliRunner().invoke(app, [*args, "--batch-size", "4"])
+    assert isinstance(result.exception, ConfigError), result.output
+    hint = str(result.exception).split("\nhint: ")[-1]
+    assert hint.startswith("run `redline tune --task example:chargpt --task-arg n_layer=1 --batch-size 4` first")
 
 
 def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_path):

@@ -6,10 +6,13 @@ EarlyStopping, LaunchConfig): the flags are derived from their fields (cli/optio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +34,7 @@ from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
+from redline.train.tuned import TUNE_COMMAND
 
 # The options that start the workers (on one machine); each worker runs the rest of the command.
 LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
@@ -68,7 +72,7 @@ def _train(
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
     flagged = said_by_flags(**spellings(TrainerConfig), **spellings(RuntimeOptions))
-    with flagged, Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
+    with flagged, spec_named(task, task_arg), Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
         try:
             summary = trainer.fit()
         except KeyboardInterrupt:  # a second Ctrl-C while the run stopped (or one before it trained): say what is saved
@@ -173,6 +177,18 @@ def without_launch_options(argv: list[str]) -> list[str]:
         elif not arg.startswith(tuple(f"{name}=" for name in LAUNCH_OPTIONS)):
             out.append(arg)
     return out
+
+
+@contextlib.contextmanager
+def spec_named(task: str, task_arg: list[str] | None) -> Iterator[None]:
+    """Say the `redline tune` a refusal asks for with the task and its arguments as typed, not SPEC."""
+    try:
+        yield
+    except ConfigError as error:
+        if TUNE_COMMAND not in str(error):
+            raise
+        typed = " ".join(["--task", shlex.quote(task), *(f"--task-arg {shlex.quote(a)}" for a in task_arg or [])])
+        raise ConfigError(str(error).replace("--task SPEC", typed)) from error.__cause__
 
 
 def _spent(summary: TrainSummary) -> str:

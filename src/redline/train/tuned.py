@@ -19,6 +19,8 @@ from redline.runtime.trial import cache_dir
 from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned
 from redline.task import Task
 
+TUNE_COMMAND = "redline tune --task SPEC"  # the command line says SPEC as typed (cli/train.py)
+
 
 def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, plan: str) -> TunedRun | None:
     """The tuned Plan's settings for this run, or None where none applies (auto without a cached one)."""
@@ -29,7 +31,7 @@ def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv
         _, facts = worker_device(options, env)
         raise ConfigError(
             f"no tuned Plan for task {task.name!r} at batch size {batch_size} on this machine ({facts.name})\n"
-            f"hint: run `redline tune --task SPEC` first (it caches the Plan under {cache_dir()}), "
+            f"hint: run `{TUNE_COMMAND} --batch-size {batch_size}` first (it caches the Plan under {cache_dir()}), "
             "or use --plan auto"
         )
     return found
