@@ -372,7 +372,9 @@ def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, An
         return
     unknown = sorted(set(options) - set(named))
     if unknown:
+        near = difflib.get_close_matches(unknown[0], named, n=1)
+        hint = f"did you mean {near[0]}?" if near else "drop it, or add it as a parameter of the factory"
         raise TaskSpecError(
             f"task spec {spec!r}: unknown option(s) {', '.join(unknown)}; "
-            f"the factory accepts: {', '.join(named) or 'no options'}"
+            f"the factory accepts: {', '.join(named) or 'no options'}\nhint: {hint}"
         )

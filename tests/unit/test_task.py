@@ -601,3 +601,12 @@ def test_a_spec_that_resembles_nothing_gets_the_forms_alone():
     with pytest.raises(TaskSpecError) as raised:
         load_task("example:zzz")
     assert "hint" not in str(raised.value) and "'example:NAME' (NAME in: digits, chargpt)" in str(raised.value)
+
+
+def test_an_unknown_task_option_names_the_nearest_the_factory_takes():
+    with pytest.raises(TaskSpecError) as raised:
+        load_task("example:chargpt", n_layers=2)
+    message = str(raised.value)
+    assert "unknown option(s) n_layers" in message and message.endswith("hint: did you mean n_layer?")
+    with pytest.raises(TaskSpecError, match="hint: drop it, or add it as a parameter of the factory"):
+        load_task("example:chargpt", colour="red")
