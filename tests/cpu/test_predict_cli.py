@@ -302,3 +302,29 @@ def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
                      "--precision", "fp32", "--compile", "off")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert out.is_file() and "y[run1].npy" in result.output.replace("\n", "")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--precision", "fp8", "--precision='fp8' is not allowed; expected 'auto' or one of 'fp32'"),
+        ("--compile", "maybe", "--compile='maybe' is not allowed; expected 'auto', 'on' or 'off'"),
+        ("--cuda-graphs", "yes", "--cuda-graphs='yes' is not allowed; expected 'auto', 'on' or 'off'"),
+        ("--cuda-graphs", "on", "--cuda-graphs='on' is not allowed; expected 'auto' or 'off' on cpu"),
+        ("--measure", "always", "--measure='always' is not allowed; expected 'auto' or 'off'"),
+        ("--device", "tpu", "--device='tpu' is not allowed; expected 'auto', 'cpu'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "predict"])
+def test_a_bad_engine_flag_is_named_by_its_flag_before_the_model_loads(
+    tmp_path, monkeypatch, command, flag, value, said
+):
+    monkeypatch.setattr(predict_module, "load_servable", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("redline.cli.serve.load_servable", lambda *a, **k: pytest.fail("the model was loaded"))
+    where = ["--port", "0"] if command == "serve" else ["--input", samples(tmp_path, np.zeros((2, 3), np.float32))]
+    where += [] if command == "serve" else ["--output", str(tmp_path / "y.npy")]
+    args = [command, "example:digits", *where, "--device", "cpu", flag, value]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(said), str(result.exception)
+    assert "_" not in str(result.exception).split(" is not allowed")[0], "said by the argument's Python name"

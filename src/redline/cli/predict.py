@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redline.atomic import check_writable, write_atomic
 from redline.cli.options import (
+    ENGINE_FLAGS,
     EngineCompile,
     EngineDevice,
     EngineGraphs,
@@ -38,7 +39,7 @@ from redline.errors import ConfigError, InferenceError, RedlineError, ServableEr
 from redline.render.console import output_console, plan_table
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
-from redline.serve.engine import InferenceEngine
+from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
 from redline.serve.servable import Servable, load_servable
@@ -62,13 +63,17 @@ def predict(
     measure: EngineMeasure = "auto",
 ) -> None:
     """Run a model over a .npy file of samples and write its outputs to another .npy file."""
+    with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
+        check_engine_options(
+            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
+        )
     check_output(output_path)
     samples = read_samples(input_path)
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
     batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
-    with model_raising(warming, check_hint(servable)), said_by_flags(devices="--device"):  # may time it (--measure)
+    with model_raising(warming, check_hint(servable)), said_by_flags(**ENGINE_FLAGS):  # may time it (--measure)
         engine = InferenceEngine(
             servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
             measure=measure, max_batch_size=batch_size,
