@@ -1,6 +1,8 @@
 """`redline predict`: a .npy file in, the engine's outputs out, clear errors and no half-written file."""
 
+import io
 import os
+import stat
 import subprocess
 import sys
 import traceback
@@ -328,3 +330,22 @@ def test_a_bad_engine_flag_is_named_by_its_flag_before_the_model_loads(
     assert isinstance(result.exception, ConfigError), result.output
     assert str(result.exception).startswith(said), str(result.exception)
     assert "_" not in str(result.exception).split(" is not allowed")[0], "said by the argument's Python name"
+
+
+def test_an_output_that_is_a_pipe_or_a_device_is_written_into_not_replaced_by_a_file(tmp_path, spec):
+    pipe = tmp_path / "outputs.pipe"  # as /dev/null is: renamed over as root, it became a regular file for everyone
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # a consumer already reading, as `--output >(cmd)` has
+    try:
+        inputs = np.ones((2, 3), np.float32)
+        result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(pipe), "--precision", "fp32",
+                         "--compile", "off")  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert stat.S_ISFIFO(pipe.stat().st_mode), "the pipe was replaced by a regular file"
+        written = os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+    with torch.no_grad():
+        expected = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
+    np.testing.assert_allclose(np.load(io.BytesIO(written)), expected, rtol=0, atol=1e-6)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary file was left"

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import numpy as np
@@ -98,6 +99,8 @@ def check_output(path: Path) -> None:
     """Refuse, before any work, an output path that names a directory or whose directory is missing or unwritable."""
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
+    if _is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
+        return
     if not path.parent.is_dir():
         raise ConfigError(
             f"--output {str(path)!r}: its directory {str(path.parent)!r} does not exist\n"
@@ -225,16 +228,28 @@ def model_raising(running: str, check: str) -> Iterator[None]:
 
 
 def write_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none."""
+    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none.
+
+    A device or a named pipe (``--output /dev/null``) is written into directly.
+    """
 
     def write(tmp: Path) -> None:
         with tmp.open("wb") as out:
             np.save(out, array, allow_pickle=False)
 
     try:
-        write_atomic(path, write)
+        if _is_stream(path):  # a rename would put a regular file in place of /dev/null (as root) or of the pipe
+            with path.open("wb") as out:  # given write() alone, numpy writes chunks; tofile() asks a pipe its position
+                np.save(SimpleNamespace(write=out.write), array, allow_pickle=False)
+        else:
+            write_atomic(path, write)
     except OSError as exc:  # a disk that filled up while the model ran
         raise _unwritable(path, exc) from exc
+
+
+def _is_stream(path: Path) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory: a device or a named pipe."""
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
