@@ -349,3 +349,16 @@ def test_an_output_that_is_a_pipe_or_a_device_is_written_into_not_replaced_by_a_
         expected = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
     np.testing.assert_allclose(np.load(io.BytesIO(written)), expected, rtol=0, atol=1e-6)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary file was left"
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_an_output_that_is_the_input_file_is_refused_and_the_samples_are_kept(tmp_path, spec, linked):
+    inputs = samples(tmp_path, np.ones((2, 3), np.float32))
+    out = tmp_path / "alias.npy" if linked else inputs
+    if linked:
+        out.symlink_to(inputs)
+    result = predict(spec, "--input", inputs, "--output", str(out))
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(f"--output {str(out)!r} is the --input file"), result.exception
+    assert "hint: write the outputs to another file" in str(result.exception)
+    assert np.array_equal(np.load(inputs), np.ones((2, 3), np.float32)), "the samples were overwritten"

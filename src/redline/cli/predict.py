@@ -70,6 +70,11 @@ def predict(
         )
     check_output(output_path)
     samples = read_samples(input_path)
+    if output_path.exists() and output_path.samefile(input_path):  # a link to it included
+        raise ConfigError(
+            f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
+            f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
+        )
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
     batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
