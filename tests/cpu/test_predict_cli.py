@@ -138,6 +138,7 @@ def truncate(path):
     [
         (lambda d: str(d / "missing.npy"), "does not exist"),
         (lambda d: str(d), "is a directory\nhint: name the .npy file"),
+        (lambda d: os.mkfifo(d / "pipe.npy") or str(d / "pipe.npy"), "is a pipe or a device, not a file"),
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),

@@ -121,6 +121,11 @@ def read_samples(path: Path) -> np.ndarray:
     """Load a .npy array; a missing file, another format or an empty array is a ConfigError naming the file."""
     if path.is_dir():
         raise ConfigError(f"--input {str(path)!r} is a directory\nhint: name the .npy file of the samples inside it")
+    if path.exists() and not path.is_file():  # /dev/stdin, <(cmd): numpy reads a .npy by seeking back in it
+        raise ConfigError(
+            f"--input {str(path)!r} is a pipe or a device, not a file\n"
+            "hint: save the samples to a file with numpy.save(path, array) and pass its path"
+        )
     if not path.is_file():
         raise ConfigError(f"--input {str(path)!r} does not exist\nhint: write the samples with numpy.save(path, array)")
     with path.open("rb") as file:
