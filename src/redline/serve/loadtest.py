@@ -197,10 +197,20 @@ async def _open_loop(
     slots = asyncio.Semaphore(cap)
     tasks = []
     for offset in offsets:
-        # sleep(0) when behind: it still yields, so the requests already started get sent
-        await asyncio.sleep(max(t0 + offset - time.perf_counter(), 0.0))
+        await sleep_until(t0 + offset)
         tasks.append(asyncio.create_task(_send(session, request, slots, t0, offset, counters)))
     await asyncio.gather(*tasks)
+
+
+async def sleep_until(deadline: float) -> None:
+    """Return once ``time.perf_counter()`` reaches ``deadline``, having yielded to the loop at least once.
+
+    uvloop's timers count whole milliseconds and wake up to 1 ms early: a request sent then would be
+    timed from its due time as up to 1 ms faster than it was.
+    """
+    await asyncio.sleep(max(deadline - time.perf_counter(), 0.0))  # sleep(0) when behind: the started ones get sent
+    while (left := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(left)
 
 
 async def _closed_loop(
