@@ -165,7 +165,7 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
     (tmp_path / "body.txt").write_text("hi")
     (tmp_path / "bad.json").write_text("{not json")
     cases = [
-        ({"rate": 5, "concurrency": 2}, "both given"),
+        ({"rate": 5, "concurrency": 2}, "concurrency=2 is not allowed; expected no concurrency beside rate=5:"),
         ({"rate": -1}, "rate=-1"),
         ({"concurrency": 0}, "concurrency=0"),
         ({"rate": 5, "duration": 0}, "duration=0"),
@@ -204,9 +204,10 @@ def test_cli_json_round_trip_and_table(server):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--rate", "5", "--concurrency", "2"], "error: rate=5.0 and concurrency=2 both given"),
+    [(["--rate", "5", "--concurrency", "2"], "error: --concurrency=2 is not allowed; expected no concurrency beside "
+                                             "--rate 5: one of the two\nhint: keep --rate R for latency"),
      (["--rate", "0"], "error: --rate=0.0 is not allowed"),
-     (["--payload", "body.txt"], "error: payload='body.txt' is not allowed; expected a .json or .npy file")],
+     (["--payload", "body.txt"], "error: --payload='body.txt' is not allowed; expected a .json or .npy file")],
 )  # fmt: skip
 def test_cli_errors_are_one_clear_message(server, args, message):
     result = redline(f"{server.url}/pattern/never", *args)

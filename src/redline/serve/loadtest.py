@@ -49,11 +49,11 @@ class LoadOptions:
     max_send_lag_ms: float = option(10.0, "Open loop: p99 lag behind the schedule above which the client says so.")
 
     def __post_init__(self) -> None:
-        if self.rate is not None and self.concurrency is not None:
-            raise ConfigError(
-                f"rate={self.rate} and concurrency={self.concurrency} both given; expected one of them\n"
-                "hint: --rate R for latency (open loop), --concurrency C for peak throughput (closed loop)"
-            )
+        if self.rate is not None and self.concurrency is not None:  # said by their flags on the command line
+            raise invalid(
+                "concurrency", self.concurrency, f"no concurrency beside rate={self.rate:g}: one of the two",
+                "keep rate=R for latency (open loop), or concurrency=C for peak throughput (closed loop)",
+            )  # fmt: skip
         positive_number("rate", self.rate, optional=True)
         positive_int("concurrency", self.concurrency, optional=True)
         positive_number("duration", self.duration_s)
