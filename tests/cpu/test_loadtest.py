@@ -3,10 +3,12 @@
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -262,3 +264,31 @@ def test_no_open_loop_request_leaves_before_its_scheduled_time(server, monkeypat
     early = [r.scheduled - r.dispatched for r in timelines[0] if r.dispatched < r.scheduled]
     assert early == [], f"{len(early)} requests left early, by up to {max(early) * 1000:.2f} ms"
     assert result.send_lag_ms is not None and result.send_lag_ms.p50_ms >= 0
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of a shell's `&` would ignore Ctrl-C
+
+
+@pytest.mark.parametrize("warmup", [0, 60])
+def test_ctrl_c_ends_the_window_there_and_reports_what_was_measured(server, warmup):
+    path = f"/pattern/ctrl-c-{warmup}"
+    command = [sys.executable, "-m", "redline", "loadtest", server.url + path, "--rate", "20", "--duration", "60",
+               "--warmup", str(warmup), "--json"]  # fmt: skip
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
+    deadline = time.monotonic() + 60
+    while server.counts[path] < 10 and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    if warmup:  # nothing measured yet: said so, exit 130
+        assert run.returncode == 130 and "stopped by Ctrl-C" in err and "into the warm-up: nothing was measured" in err
+        return
+    assert run.returncode == 0, err
+    data = json.loads(out)
+    assert data["notes"][-1].startswith("stopped by Ctrl-C") and "s into the 60 s window" in data["notes"][-1]
+    assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
+    assert data["requests_failed"] == 0 and sum(data["status_counts"].values()) == data["requests_sent"]
+    assert data["elapsed_s"] < 40, "it waited out the whole window"
