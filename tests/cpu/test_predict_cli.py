@@ -363,3 +363,29 @@ def test_an_output_that_is_the_input_file_is_refused_and_the_samples_are_kept(tm
     assert str(result.exception).startswith(f"--output {str(out)!r} is the --input file"), result.exception
     assert "hint: write the outputs to another file" in str(result.exception)
     assert np.array_equal(np.load(inputs), np.ones((2, 3), np.float32)), "the samples were overwritten"
+
+
+def test_a_large_input_is_read_from_disk_batch_by_batch_not_loaded_whole(tmp_path, spec):
+    import tracemalloc
+
+    path = tmp_path / "large.npy"
+    np.save(path, np.ones((4_000_000, 3), np.float32))  # 48 MB on disk
+    servable = load_servable(spec)
+    tracemalloc.start()
+    try:
+        loaded = predict_module.read_samples(path)
+        predict_module.check_samples(loaded, servable, path)
+        first = np.asarray(loaded[:32])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert loaded.shape == (4_000_000, 3) and np.array_equal(first, np.ones((32, 3), np.float32))
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held to read a 48 MB input"
+    small = samples(tmp_path, np.ones((5, 3), np.float32), name="small.npy")  # read through the map as well
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "predict", spec, "--input", small, "--output", str(tmp_path / "y.npy"),
+         "--measure", "off"],
+        capture_output=True, text=True, timeout=300, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr  # torch's, of a read-only array
+    assert np.load(tmp_path / "y.npy").shape == (5, 2)

@@ -1,7 +1,8 @@
 """`redline predict`: offline batch inference from one .npy file to another, through the InferenceEngine.
 
-The input is checked against the servable (per-sample shape and dtype) before the model loads onto
-the device; the output is written through a temporary file and renamed, so a failure leaves no
+The input is memory-mapped (read from disk a batch at a time, so a file larger than memory runs)
+and checked against the servable (per-sample shape and dtype) before the model loads onto the
+device; the output is written through a temporary file and renamed, so a failure leaves no
 half-written file. The engine's Plan is printed, then a summary line. An exception the model raises
 (in the warm-up, or on a batch of the input) is an InferenceError naming the rows it ran, the
 line of the user's code and what to check; one that redline's own code raised is not blamed on
@@ -137,14 +138,17 @@ def read_samples(path: Path) -> np.ndarray:
             "hint: write the samples as one array with numpy.save(path, array)"
         )
     try:
-        loaded: np.ndarray = np.load(path, allow_pickle=False)
+        loaded: np.ndarray = np.load(path, allow_pickle=False, mmap_mode="r")  # read from disk batch by batch
     except (ValueError, OSError, EOFError) as exc:
-        hint = (  # an array of Python objects (lists of different lengths, dicts) is pickled: never unpickled here
-            "save the samples as one numeric array of equal-sized rows, e.g. numpy.save(path, np.stack(rows))"
-            if "allow_pickle" in str(exc)
-            else "the file may be truncated: write it again with numpy.save(path, array)"
-        )
-        raise ConfigError(f"--input {str(path)!r} cannot be read as a .npy array: {exc}\nhint: {hint}") from exc
+        if "Python objects" in str(exc):  # an array of objects is pickled (never unpickled here), and cannot be mapped
+            raise ConfigError(
+                f"--input {str(path)!r} holds Python objects (rows of different lengths, dicts), not numbers\n"
+                "hint: save the samples as one numeric array of equal-sized rows, e.g. numpy.save(path, np.stack(rows))"
+            ) from exc
+        raise ConfigError(
+            f"--input {str(path)!r} cannot be read as a .npy array: {exc}\n"
+            "hint: the file may be truncated: write it again with numpy.save(path, array)"
+        ) from exc
     if loaded.ndim == 0 or len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
     if not loaded.dtype.isnative:  # saved on a big-endian machine: torch reads native byte order only
@@ -190,7 +194,7 @@ def run_batches(
     with bar:
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
-            batch = samples[start : start + batch_size]
+            batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
             rows = f"predicting rows {start} to {start + len(batch) - 1} of {source} ({len(samples)} rows)"
             with model_raising(rows, hint):
                 parts.append(engine.predict(batch).numpy())
