@@ -3,10 +3,12 @@
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -165,7 +167,7 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
     (tmp_path / "body.txt").write_text("hi")
     (tmp_path / "bad.json").write_text("{not json")
     cases = [
-        ({"rate": 5, "concurrency": 2}, "both given"),
+        ({"rate": 5, "concurrency": 2}, "concurrency=2 is not allowed; expected no concurrency beside rate=5:"),
         ({"rate": -1}, "rate=-1"),
         ({"concurrency": 0}, "concurrency=0"),
         ({"rate": 5, "duration": 0}, "duration=0"),
@@ -204,9 +206,10 @@ def test_cli_json_round_trip_and_table(server):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--rate", "5", "--concurrency", "2"], "error: rate=5.0 and concurrency=2 both given"),
+    [(["--rate", "5", "--concurrency", "2"], "error: --concurrency=2 is not allowed; expected no concurrency beside "
+                                             "--rate 5: one of the two\nhint: keep --rate R for latency"),
      (["--rate", "0"], "error: --rate=0.0 is not allowed"),
-     (["--payload", "body.txt"], "error: payload='body.txt' is not allowed; expected a .json or .npy file")],
+     (["--payload", "body.txt"], "error: --payload='body.txt' is not allowed; expected a .json or .npy file")],
 )  # fmt: skip
 def test_cli_errors_are_one_clear_message(server, args, message):
     result = redline(f"{server.url}/pattern/never", *args)
@@ -246,3 +249,46 @@ def test_asyncio_s_own_timeout_error_counts_as_a_timeout_where_it_is_not_the_bui
     monkeypatch.setattr(loadtest_module, "asyncio", Python310Asyncio())
     assert error_kind(AsyncioTimeout()) == "timeout" and error_kind(TimeoutError()) == "timeout"
     assert error_kind(ValueError()) == "other"
+
+
+def test_no_open_loop_request_leaves_before_its_scheduled_time(server, monkeypatch):
+    # uvloop (the client's loop where installed) wakes a timer up to 1 ms early: a request sent then
+    # would have its latency, counted from its due time, understated by as much.
+    timelines = []
+    summarize = loadtest_module.summarize
+    monkeypatch.setattr(
+        loadtest_module, "summarize", lambda records, *a, **k: timelines.append(records) or summarize(records, *a, **k)
+    )
+    result = run_load(f"{server.url}/pattern/early", rate=100, duration=1.0)
+    assert result.requests_sent == 100 and len(timelines[0]) == 100
+    early = [r.scheduled - r.dispatched for r in timelines[0] if r.dispatched < r.scheduled]
+    assert early == [], f"{len(early)} requests left early, by up to {max(early) * 1000:.2f} ms"
+    assert result.send_lag_ms is not None and result.send_lag_ms.p50_ms >= 0
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of a shell's `&` would ignore Ctrl-C
+
+
+@pytest.mark.parametrize("warmup", [0, 60])
+def test_ctrl_c_ends_the_window_there_and_reports_what_was_measured(server, warmup):
+    path = f"/pattern/ctrl-c-{warmup}"
+    command = [sys.executable, "-m", "redline", "loadtest", server.url + path, "--rate", "20", "--duration", "60",
+               "--warmup", str(warmup), "--json"]  # fmt: skip
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
+    deadline = time.monotonic() + 60
+    while server.counts[path] < 10 and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    if warmup:  # nothing measured yet: said so, exit 130
+        assert run.returncode == 130 and "stopped by Ctrl-C" in err and "into the warm-up: nothing was measured" in err
+        return
+    assert run.returncode == 0, err
+    data = json.loads(out)
+    assert data["notes"][-1].startswith("stopped by Ctrl-C") and "s into the 60 s window" in data["notes"][-1]
+    assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
+    assert data["requests_failed"] == 0 and sum(data["status_counts"].values()) == data["requests_sent"]
+    assert data["elapsed_s"] < 40, "it waited out the whole window"

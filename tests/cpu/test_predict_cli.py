@@ -1,6 +1,8 @@
 """`redline predict`: a .npy file in, the engine's outputs out, clear errors and no half-written file."""
 
+import io
 import os
+import stat
 import subprocess
 import sys
 import traceback
@@ -136,6 +138,7 @@ def truncate(path):
     [
         (lambda d: str(d / "missing.npy"), "does not exist"),
         (lambda d: str(d), "is a directory\nhint: name the .npy file"),
+        (lambda d: os.mkfifo(d / "pipe.npy") or str(d / "pipe.npy"), "is a pipe or a device, not a file"),
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
@@ -302,3 +305,87 @@ def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
                      "--precision", "fp32", "--compile", "off")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert out.is_file() and "y[run1].npy" in result.output.replace("\n", "")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--precision", "fp8", "--precision='fp8' is not allowed; expected 'auto' or one of 'fp32'"),
+        ("--compile", "maybe", "--compile='maybe' is not allowed; expected 'auto', 'on' or 'off'"),
+        ("--cuda-graphs", "yes", "--cuda-graphs='yes' is not allowed; expected 'auto', 'on' or 'off'"),
+        ("--cuda-graphs", "on", "--cuda-graphs='on' is not allowed; expected 'auto' or 'off' on cpu"),
+        ("--measure", "always", "--measure='always' is not allowed; expected 'auto' or 'off'"),
+        ("--device", "tpu", "--device='tpu' is not allowed; expected 'auto', 'cpu'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "predict"])
+def test_a_bad_engine_flag_is_named_by_its_flag_before_the_model_loads(
+    tmp_path, monkeypatch, command, flag, value, said
+):
+    monkeypatch.setattr(predict_module, "load_servable", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("redline.cli.serve.load_servable", lambda *a, **k: pytest.fail("the model was loaded"))
+    where = ["--port", "0"] if command == "serve" else ["--input", samples(tmp_path, np.zeros((2, 3), np.float32))]
+    where += [] if command == "serve" else ["--output", str(tmp_path / "y.npy")]
+    args = [command, "example:digits", *where, "--device", "cpu", flag, value]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(said), str(result.exception)
+    assert "_" not in str(result.exception).split(" is not allowed")[0], "said by the argument's Python name"
+
+
+def test_an_output_that_is_a_pipe_or_a_device_is_written_into_not_replaced_by_a_file(tmp_path, spec):
+    pipe = tmp_path / "outputs.pipe"  # as /dev/null is: renamed over as root, it became a regular file for everyone
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # a consumer already reading, as `--output >(cmd)` has
+    try:
+        inputs = np.ones((2, 3), np.float32)
+        result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(pipe), "--precision", "fp32",
+                         "--compile", "off")  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert stat.S_ISFIFO(pipe.stat().st_mode), "the pipe was replaced by a regular file"
+        written = os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+    with torch.no_grad():
+        expected = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
+    np.testing.assert_allclose(np.load(io.BytesIO(written)), expected, rtol=0, atol=1e-6)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary file was left"
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_an_output_that_is_the_input_file_is_refused_and_the_samples_are_kept(tmp_path, spec, linked):
+    inputs = samples(tmp_path, np.ones((2, 3), np.float32))
+    out = tmp_path / "alias.npy" if linked else inputs
+    if linked:
+        out.symlink_to(inputs)
+    result = predict(spec, "--input", inputs, "--output", str(out))
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(f"--output {str(out)!r} is the --input file"), result.exception
+    assert "hint: write the outputs to another file" in str(result.exception)
+    assert np.array_equal(np.load(inputs), np.ones((2, 3), np.float32)), "the samples were overwritten"
+
+
+def test_a_large_input_is_read_from_disk_batch_by_batch_not_loaded_whole(tmp_path, spec):
+    import tracemalloc
+
+    path = tmp_path / "large.npy"
+    np.save(path, np.ones((4_000_000, 3), np.float32))  # 48 MB on disk
+    servable = load_servable(spec)
+    tracemalloc.start()
+    try:
+        loaded = predict_module.read_samples(path)
+        predict_module.check_samples(loaded, servable, path)
+        first = np.asarray(loaded[:32])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert loaded.shape == (4_000_000, 3) and np.array_equal(first, np.ones((32, 3), np.float32))
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held to read a 48 MB input"
+    small = samples(tmp_path, np.ones((5, 3), np.float32), name="small.npy")  # read through the map as well
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "predict", spec, "--input", small, "--output", str(tmp_path / "y.npy"),
+         "--measure", "off"],
+        capture_output=True, text=True, timeout=300, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr  # torch's, of a read-only array
+    assert np.load(tmp_path / "y.npy").shape == (5, 2)

@@ -271,6 +271,17 @@ def test_a_port_in_use_and_a_host_not_of_this_machine_each_get_their_own_fix():
         server_module.bind("192.0.2.1", 0)  # TEST-NET-1 (RFC 5737): never an address of this machine
 
 
+def test_a_port_held_while_the_model_loads_is_refused_to_a_second_server_and_kept_by_the_first():
+    first = server_module.bind("127.0.0.1", 0)  # not listening yet: as while `redline serve` loads its model
+    port = first.getsockname()[1]
+    with first:
+        with pytest.raises(RedlineError, match=rf"^cannot listen on 127\.0\.0\.1:{port}: Address already in use"):
+            server_module.bind("127.0.0.1", port).close()  # a second `redline serve --port` started meanwhile
+        server_module.listen(first)  # the first then serves on it
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+
+
 def test_redline_serve_tells_a_busy_port_before_it_loads_the_model(monkeypatch):
     loaded = []
     monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))

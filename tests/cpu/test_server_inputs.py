@@ -97,6 +97,7 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
         floats = await client.post(post, json={"inputs": [1.5, 2, 3]})
         whole = await client.post(post, json={"inputs": [[1.0, 2, 3]]})
         beyond = await client.post(post, content=npy(np.array([2**63, 1, 1], np.uint64)), headers=octet)
+        huge = await client.post(post, json={"inputs": [2**64, 1, 1]})  # beyond 64 bits: orjson reads a float
         nan = await client.post(post, content=npy(np.array([np.nan, 1, 2])), headers=octet)
         garbage = await client.post(post, content=b"not a numpy file", headers=octet)
         lying = await client.post(post, content=npy(np.zeros((4, 3), np.int64))[:-8], headers=octet)
@@ -107,6 +108,7 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert too_many.status_code == 422 and "5 samples, more than max_batch_size=4" in too_many.json()["error"]
     assert floats.status_code == 422 and "inputs are numbers (float64)" in floats.json()["error"]
     assert beyond.status_code == 422 and "outside int64's range" in beyond.json()["error"]
+    assert huge.status_code == 422 and "integers outside int64's range" in huge.json()["error"], huge.json()
     assert nan.status_code == 422 and "float64" in nan.json()["error"]
     assert garbage.status_code == 400 and "not a .npy array" in garbage.json()["error"]
     assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from redline.cli.options import build, command, flags
+from redline.cli.options import build, command, flags, said_by_flags
 from redline.render.console import output_console
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
@@ -30,7 +30,8 @@ def _loadtest(
     """
     options = build(LoadOptions, parsed)
     check_url(url)
-    payload = Payload.from_file(options.payload) if options.payload is not None else None
+    with said_by_flags(payload="--payload"):
+        payload = Payload.from_file(options.payload) if options.payload is not None else None
     with ExitStack() as stack:
         shown: list[tuple[Progress, TaskID]] = []
 

@@ -186,3 +186,8 @@ EnginePrecision = Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp
 EngineCompile = Annotated[str, typer.Option(help="torch.compile: auto, on or off.")]
 EngineGraphs = Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")]
 EngineMeasure = Annotated[str, typer.Option(help="Time the candidate settings (auto) or plan by rules (off).")]
+# The flag of each engine argument, for said_by_flags (the device is checked as ``devices``).
+ENGINE_FLAGS = {
+    "devices": "--device", "precision": "--precision", "compile": "--compile", "cuda_graphs": "--cuda-graphs",
+    "measure": "--measure",
+}  # fmt: skip

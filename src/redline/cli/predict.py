@@ -1,7 +1,8 @@
 """`redline predict`: offline batch inference from one .npy file to another, through the InferenceEngine.
 
-The input is checked against the servable (per-sample shape and dtype) before the model loads onto
-the device; the output is written through a temporary file and renamed, so a failure leaves no
+The input is memory-mapped (read from disk a batch at a time, so a file larger than memory runs)
+and checked against the servable (per-sample shape and dtype) before the model loads onto the
+device; the output is written through a temporary file and renamed, so a failure leaves no
 half-written file. The engine's Plan is printed, then a summary line. An exception the model raises
 (in the warm-up, or on a batch of the input) is an InferenceError naming the rows it ran, the
 line of the user's code and what to check; one that redline's own code raised is not blamed on
@@ -14,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import numpy as np
@@ -23,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redline.atomic import check_writable, write_atomic
 from redline.cli.options import (
+    ENGINE_FLAGS,
     EngineCompile,
     EngineDevice,
     EngineGraphs,
@@ -38,7 +41,7 @@ from redline.errors import ConfigError, InferenceError, RedlineError, ServableEr
 from redline.render.console import output_console, plan_table
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
-from redline.serve.engine import InferenceEngine
+from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
 from redline.serve.servable import Servable, load_servable
@@ -62,13 +65,22 @@ def predict(
     measure: EngineMeasure = "auto",
 ) -> None:
     """Run a model over a .npy file of samples and write its outputs to another .npy file."""
+    with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
+        check_engine_options(
+            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
+        )
     check_output(output_path)
     samples = read_samples(input_path)
+    if output_path.exists() and output_path.samefile(input_path):  # a link to it included
+        raise ConfigError(
+            f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
+            f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
+        )
     servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
     batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
-    with model_raising(warming, check_hint(servable)), said_by_flags(devices="--device"):  # may time it (--measure)
+    with model_raising(warming, check_hint(servable)), said_by_flags(**ENGINE_FLAGS):  # may time it (--measure)
         engine = InferenceEngine(
             servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
             measure=measure, max_batch_size=batch_size,
@@ -93,6 +105,8 @@ def check_output(path: Path) -> None:
     """Refuse, before any work, an output path that names a directory or whose directory is missing or unwritable."""
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
+    if _is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
+        return
     if not path.parent.is_dir():
         raise ConfigError(
             f"--output {str(path)!r}: its directory {str(path.parent)!r} does not exist\n"
@@ -108,6 +122,11 @@ def read_samples(path: Path) -> np.ndarray:
     """Load a .npy array; a missing file, another format or an empty array is a ConfigError naming the file."""
     if path.is_dir():
         raise ConfigError(f"--input {str(path)!r} is a directory\nhint: name the .npy file of the samples inside it")
+    if path.exists() and not path.is_file():  # /dev/stdin, <(cmd): numpy reads a .npy by seeking back in it
+        raise ConfigError(
+            f"--input {str(path)!r} is a pipe or a device, not a file\n"
+            "hint: save the samples to a file with numpy.save(path, array) and pass its path"
+        )
     if not path.is_file():
         raise ConfigError(f"--input {str(path)!r} does not exist\nhint: write the samples with numpy.save(path, array)")
     with path.open("rb") as file:
@@ -119,14 +138,17 @@ def read_samples(path: Path) -> np.ndarray:
             "hint: write the samples as one array with numpy.save(path, array)"
         )
     try:
-        loaded: np.ndarray = np.load(path, allow_pickle=False)
+        loaded: np.ndarray = np.load(path, allow_pickle=False, mmap_mode="r")  # read from disk batch by batch
     except (ValueError, OSError, EOFError) as exc:
-        hint = (  # an array of Python objects (lists of different lengths, dicts) is pickled: never unpickled here
-            "save the samples as one numeric array of equal-sized rows, e.g. numpy.save(path, np.stack(rows))"
-            if "allow_pickle" in str(exc)
-            else "the file may be truncated: write it again with numpy.save(path, array)"
-        )
-        raise ConfigError(f"--input {str(path)!r} cannot be read as a .npy array: {exc}\nhint: {hint}") from exc
+        if "Python objects" in str(exc):  # an array of objects is pickled (never unpickled here), and cannot be mapped
+            raise ConfigError(
+                f"--input {str(path)!r} holds Python objects (rows of different lengths, dicts), not numbers\n"
+                "hint: save the samples as one numeric array of equal-sized rows, e.g. numpy.save(path, np.stack(rows))"
+            ) from exc
+        raise ConfigError(
+            f"--input {str(path)!r} cannot be read as a .npy array: {exc}\n"
+            "hint: the file may be truncated: write it again with numpy.save(path, array)"
+        ) from exc
     if loaded.ndim == 0 or len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
     if not loaded.dtype.isnative:  # saved on a big-endian machine: torch reads native byte order only
@@ -172,7 +194,7 @@ def run_batches(
     with bar:
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
-            batch = samples[start : start + batch_size]
+            batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
             rows = f"predicting rows {start} to {start + len(batch) - 1} of {source} ({len(samples)} rows)"
             with model_raising(rows, hint):
                 parts.append(engine.predict(batch).numpy())
@@ -220,16 +242,28 @@ def model_raising(running: str, check: str) -> Iterator[None]:
 
 
 def write_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none."""
+    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none.
+
+    A device or a named pipe (``--output /dev/null``) is written into directly.
+    """
 
     def write(tmp: Path) -> None:
         with tmp.open("wb") as out:
             np.save(out, array, allow_pickle=False)
 
     try:
-        write_atomic(path, write)
+        if _is_stream(path):  # a rename would put a regular file in place of /dev/null (as root) or of the pipe
+            with path.open("wb") as out:  # given write() alone, numpy writes chunks; tofile() asks a pipe its position
+                np.save(SimpleNamespace(write=out.write), array, allow_pickle=False)
+        else:
+            write_atomic(path, write)
     except OSError as exc:  # a disk that filled up while the model ran
         raise _unwritable(path, exc) from exc
+
+
+def _is_stream(path: Path) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory: a device or a named pipe."""
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from redline.cli.options import (
+    ENGINE_FLAGS,
     EngineCompile,
     EngineDevice,
     EngineGraphs,
@@ -25,7 +26,7 @@ from redline.cli.options import (
 )
 from redline.cli.task_args import parse_task_args
 from redline.render.console import output_console, plan_table
-from redline.serve.engine import InferenceEngine
+from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.options import ServeOptions
 from redline.serve.servable import load_servable
 from redline.serve.server import bind, serve
@@ -44,11 +45,15 @@ def _serve(
 ) -> None:
     """Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics."""
     options = build(ServeOptions, parsed)
+    with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
+        check_engine_options(
+            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
+        )
     options.token()  # an empty --token-env variable is refused before the model loads
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
         servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
-        with said_by_flags(devices="--device"):
+        with said_by_flags(**ENGINE_FLAGS):
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
                 measure=measure, max_batch_size=options.max_batch_size,

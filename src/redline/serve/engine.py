@@ -28,9 +28,10 @@ from torch import nn
 from redline.config import positive_int
 from redline.errors import ConfigError, DeviceUnavailableError, ServableError, describe_error, invalid
 from redline.hardware.device import probe_accelerators, probe_device
-from redline.plan import Choice
+from redline.plan import Choice, parse_switch
 from redline.plan.device import resolve_device
 from redline.plan.inference import Proposal, Setting, Timing, choose, propose, read_measure, resolve_cuda_graphs
+from redline.plan.precision import PRECISIONS
 from redline.runtime.compile import (
     CompileRecord,
     compile_module,
@@ -77,6 +78,25 @@ def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -
 def bucket_for(size: int, buckets: Sequence[int]) -> int:
     """Return the smallest bucket that holds ``size`` samples (``size`` at most the largest bucket)."""
     return next(b for b in buckets if b >= size)
+
+
+def check_engine_options(
+    *, device: str, precision: str, compile: str | bool, cuda_graphs: str | bool, measure: str | bool
+) -> None:
+    """Refuse an engine option that cannot work here, before a model is built (the engine finds it only after).
+
+    A device this machine lacks is a DeviceUnavailableError; a value no engine takes, or CUDA graphs
+    asked of a device that is not CUDA, a ConfigError naming the argument.
+    """
+    chosen = resolve_device(device, probe_accelerators())
+    if precision not in (*PRECISIONS, "auto"):
+        raise invalid("precision", precision, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
+    parse_switch("compile", compile)
+    if parse_switch("cuda_graphs", cuda_graphs) and not chosen.value.startswith("cuda"):
+        raise invalid(
+            "cuda_graphs", cuda_graphs, f"'auto' or 'off' on {chosen.value}", "CUDA graphs need a CUDA device"
+        )
+    read_measure(measure)
 
 
 def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:

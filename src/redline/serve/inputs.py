@@ -117,16 +117,18 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
         )
     kind = spec.kind()
     if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
-        array = array.astype(np.float64)  # whole numbers written as 2.0 are integers (as JSON Schema reads them)
-        if np.all(np.abs(array) < 2.0**63):
-            array = array.astype(np.int64)
+        # whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
+        # more comes as a float too (orjson reads at most 64 bits)
+        if not np.all(np.abs(array.astype(np.float64)) < 2.0**63):
+            raise spec.refuse(422, _outside_range(spec.dtype))
+        array = array.astype(np.int64)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
         raise spec.refuse(422, f"inputs are {_KINDS.get(array.dtype.kind, str(array.dtype))} ({array.dtype})")
     if kind in "iu":
         info = np.iinfo(spec.dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
-            raise spec.refuse(422, f"inputs hold integers outside {spec.dtype}'s range [{info.min}, {info.max}]")
+            raise spec.refuse(422, _outside_range(spec.dtype))
     if kind == "f":  # the bound /openapi.json states; NaN fails the comparison too
         largest = float(torch.finfo(getattr(torch, spec.dtype)).max)
         if not bool(np.all(np.abs(array.astype(np.float64)) <= largest)):
@@ -136,6 +138,11 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
     batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
     return batch.to(getattr(torch, spec.dtype))
+
+
+def _outside_range(dtype: str) -> str:
+    info = np.iinfo(dtype)
+    return f"inputs hold integers outside {dtype}'s range [{info.min}, {info.max}]"
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -12,7 +12,9 @@ result) is in load_stats.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,13 +24,20 @@ import aiohttp
 from yarl import URL
 
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, RedlineError, invalid
 from redline.serve.inputs import NPY_MAGIC
 from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
 
 DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given: a gentle open-loop probe
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
 PROGRESS_EVERY_S = 0.25
+STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
+
+
+class LoadStopped(RedlineError):
+    """Ctrl-C stopped the load test before its measured window began: there is nothing to report."""
+
+    exit_code = 130
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,11 +58,11 @@ class LoadOptions:
     max_send_lag_ms: float = option(10.0, "Open loop: p99 lag behind the schedule above which the client says so.")
 
     def __post_init__(self) -> None:
-        if self.rate is not None and self.concurrency is not None:
-            raise ConfigError(
-                f"rate={self.rate} and concurrency={self.concurrency} both given; expected one of them\n"
-                "hint: --rate R for latency (open loop), --concurrency C for peak throughput (closed loop)"
-            )
+        if self.rate is not None and self.concurrency is not None:  # said by their flags on the command line
+            raise invalid(
+                "concurrency", self.concurrency, f"no concurrency beside rate={self.rate:g}: one of the two",
+                "keep rate=R for latency (open loop), or concurrency=C for peak throughput (closed loop)",
+            )  # fmt: skip
         positive_number("rate", self.rate, optional=True)
         positive_int("concurrency", self.concurrency, optional=True)
         positive_number("duration", self.duration_s)
@@ -137,6 +146,7 @@ class _Counters:
     completed: int = 0
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
+    stopped_s: float | None = None  # when a Ctrl-C came, from t0: nothing is sent after it
 
 
 @dataclass(frozen=True)
@@ -197,10 +207,23 @@ async def _open_loop(
     slots = asyncio.Semaphore(cap)
     tasks = []
     for offset in offsets:
-        # sleep(0) when behind: it still yields, so the requests already started get sent
-        await asyncio.sleep(max(t0 + offset - time.perf_counter(), 0.0))
+        await sleep_until(t0 + offset, counters)
+        if counters.stopped_s is not None:
+            break
         tasks.append(asyncio.create_task(_send(session, request, slots, t0, offset, counters)))
     await asyncio.gather(*tasks)
+
+
+async def sleep_until(deadline: float, counters: _Counters) -> None:
+    """Return once ``time.perf_counter()`` reaches ``deadline`` (or a Ctrl-C came), having yielded at least once.
+
+    uvloop's timers count whole milliseconds and wake up to 1 ms early: a request sent then would be
+    timed from its due time as up to 1 ms faster than it was.
+    """
+    # sleep(0) when behind: it still yields, so the requests already started get sent
+    await asyncio.sleep(min(max(deadline - time.perf_counter(), 0.0), STOP_CHECK_S))
+    while (left := deadline - time.perf_counter()) > 0 and counters.stopped_s is None:
+        await asyncio.sleep(min(left, STOP_CHECK_S))
 
 
 async def _closed_loop(
@@ -211,7 +234,7 @@ async def _closed_loop(
 
     async def worker() -> None:
         await asyncio.sleep(max(t0 - time.perf_counter(), 0.0))
-        while (now := time.perf_counter() - t0) < end_s:
+        while (now := time.perf_counter() - t0) < end_s and counters.stopped_s is None:
             await _send(session, request, slots, t0, now, counters)
 
     await asyncio.gather(*(worker() for _ in range(workers)))
@@ -251,9 +274,19 @@ def check_url(url: str) -> str:
 
 
 async def run_load_async(
-    url: str, options: LoadOptions, *, payload: Payload | None = None, progress: ProgressCallback | None = None
+    url: str,
+    options: LoadOptions,
+    *,
+    payload: Payload | None = None,
+    progress: ProgressCallback | None = None,
+    stop_on_sigint: bool = False,
 ) -> LoadResult:
-    """Drive ``url`` as ``options`` say and return what was measured; ``payload`` overrides ``options.payload``."""
+    """Drive ``url`` as ``options`` say and return what was measured; ``payload`` overrides ``options.payload``.
+
+    ``stop_on_sigint``: a first Ctrl-C ends the window there (the requests out are waited for, and the
+    result covers the window up to it); a second one raises KeyboardInterrupt. Before the window, it
+    raises LoadStopped.
+    """
     check_url(url)
     if payload is None and options.payload is not None:
         payload = Payload.from_file(options.payload)
@@ -281,6 +314,7 @@ async def run_load_async(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter() + LEAD_S
         reporter = asyncio.create_task(_report(progress, counters, t0, total_s)) if progress else None
+        stoppable = stop_on_sigint and _on_sigint(lambda: setattr(counters, "stopped_s", time.perf_counter() - t0))
         try:
             if rate is not None:
                 offsets = schedule(rate, total_s, arrivals=options.arrivals, seed=options.seed)
@@ -290,9 +324,21 @@ async def run_load_async(
         finally:
             if reporter is not None:
                 reporter.cancel()
+            if stoppable:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
     elapsed_s = time.perf_counter() - t0
     if progress:
         progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
+    if counters.stopped_s is not None:
+        window_s = counters.stopped_s - options.warmup_s
+        if window_s <= 0:
+            into = max(counters.stopped_s, 0.0)
+            raise LoadStopped(f"stopped by Ctrl-C {into:.1f} s into the warm-up: nothing was measured")
+        setup = dataclasses.replace(setup, duration_s=window_s)
+        notes.append(
+            f"stopped by Ctrl-C {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
+            f"those {window_s:.1f} s"
+        )
     return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes)
 
 
@@ -333,11 +379,14 @@ def load_test(
 ) -> LoadResult:
     """Run run_load_async on an event loop of its own (uvloop's where installed) and return its result.
 
+    A first Ctrl-C (in the main thread) ends the run early with what it measured so far; a second quits.
+
     The loop is made and closed here, as asyncio.Runner would (Python 3.11+; 3.10 is supported too).
     """
     loop = (_loop_factory() or asyncio.new_event_loop)()
     try:
-        return loop.run_until_complete(run_load_async(url, options, payload=payload, progress=progress))
+        running = run_load_async(url, options, payload=payload, progress=progress, stop_on_sigint=True)
+        return loop.run_until_complete(running)
     finally:
         left = asyncio.all_tasks(loop)  # stopped early (Ctrl-C): the requests still out are cancelled
         for task in left:
@@ -346,6 +395,22 @@ def load_test(
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def _on_sigint(stop: Callable[[], None]) -> bool:
+    """Call ``stop`` on the first SIGINT, then give SIGINT back to Python (KeyboardInterrupt); False where it
+    cannot be caught (not the main thread, or no signals on this system's loop)."""
+    loop = asyncio.get_running_loop()
+
+    def first() -> None:
+        loop.remove_signal_handler(signal.SIGINT)
+        stop()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, first)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return True
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

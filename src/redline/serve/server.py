@@ -65,11 +65,11 @@ BACKLOG = 2048  # connections the kernel holds for uvicorn to accept
 def bind(host: str, port: int) -> socket.socket:
     """Return a TCP socket bound to ``host:port`` (port 0: a free one), not listening yet.
 
-    The port is held from now on; connections are refused until ``serve`` listens on it.
+    The port is held from now on, by this socket alone; connections are refused until ``listen``.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a stopped server left in TIME_WAIT binds
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -81,8 +81,17 @@ def bind(host: str, port: int) -> socket.socket:
         else:  # EADDRNOTAVAIL, or a name that does not resolve: the host is not this machine's
             hint = "--host takes an address of this machine: 127.0.0.1 (itself alone) or 0.0.0.0 (every interface)"
         raise RedlineError(f"cannot listen on {host}:{port}: {exc.strerror or exc}\nhint: {hint}") from None
+    # Linux lets two sockets bind one port when both set SO_REUSEADDR and neither listens yet: without this,
+    # a second `redline serve` on the port would bind it while this one loads its model, and take it.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     sock.set_inheritable(True)
     return sock
+
+
+def listen(sock: socket.socket) -> None:
+    """Start accepting connections on a socket from ``bind``, which held its port alone until now."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own sockets have it
+    sock.listen(BACKLOG)
 
 
 def freeze_heap() -> int:
@@ -115,7 +124,7 @@ def serve(
     app = build_app(engine, options)
     serving = app.state.serving
     sock = sock if sock is not None else bind(options.host, options.port)
-    sock.listen(BACKLOG)
+    listen(sock)
     config = uvicorn.Config(
         app, loop="auto", http="auto", lifespan="on", access_log=False, log_level="warning",
         timeout_graceful_shutdown=math.ceil(options.timeout_ms / 1000 + GRACE_MARGIN_S),
