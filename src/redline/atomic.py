@@ -90,9 +90,19 @@ def check_writable(path: Path) -> None:
     """Create and remove a temporary file beside ``path``, as write_atomic does; raise its OSError where that fails.
 
     A command that writes its result at the end calls this first, so a read-only or missing place
-    is refused before the work, not after it, when the result would be lost.
+    is refused before the work, not after it, when the result would be lost. A device or a named
+    pipe is only asked whether it may be written (opening a pipe would wait for its reader).
     """
+    if is_stream(path):
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return
     _temporary_beside(path).unlink()
+
+
+def is_stream(path: Path) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory: a device or a named pipe."""
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def _temporary_beside(path: Path) -> Path:
@@ -125,7 +135,14 @@ def write_or_refuse(
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place."""
+    """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place.
+
+    A device or a named pipe (``/dev/null``, ``<(...)``) is written into as it is: a rename would put a
+    regular file in its place (for every user of the machine, where it is /dev/null and we are root).
+    """
+    if is_stream(path):
+        write(path)
+        return
     tmp = _temporary_beside(path)
     try:
         write(tmp)

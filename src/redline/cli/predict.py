@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.atomic import check_writable, write_atomic
+from redline.atomic import check_writable, is_stream, write_atomic
 from redline.cli.options import (
     ENGINE_FLAGS,
     EngineCompile,
@@ -105,7 +105,7 @@ def check_output(path: Path) -> None:
     """Refuse, before any work, an output path that names a directory or whose directory is missing or unwritable."""
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
-    if _is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
+    if is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
         return
     if not path.parent.is_dir():
         raise ConfigError(
@@ -247,23 +247,14 @@ def write_npy(path: Path, array: np.ndarray) -> None:
     A device or a named pipe (``--output /dev/null``) is written into directly.
     """
 
-    def write(tmp: Path) -> None:
-        with tmp.open("wb") as out:
-            np.save(out, array, allow_pickle=False)
+    def write(target: Path) -> None:  # a temporary file, or the device or pipe itself (write_atomic)
+        with target.open("wb") as out:  # given write() alone, numpy writes chunks; tofile() asks a pipe its position
+            np.save(out if target.is_file() else SimpleNamespace(write=out.write), array, allow_pickle=False)
 
     try:
-        if _is_stream(path):  # a rename would put a regular file in place of /dev/null (as root) or of the pipe
-            with path.open("wb") as out:  # given write() alone, numpy writes chunks; tofile() asks a pipe its position
-                np.save(SimpleNamespace(write=out.write), array, allow_pickle=False)
-        else:
-            write_atomic(path, write)
+        write_atomic(path, write)
     except OSError as exc:  # a disk that filled up while the model ran
         raise _unwritable(path, exc) from exc
-
-
-def _is_stream(path: Path) -> bool:
-    """Whether ``path`` exists and is neither a regular file nor a directory: a device or a named pipe."""
-    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
