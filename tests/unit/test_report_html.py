@@ -122,6 +122,14 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
 
 
+def test_a_resumed_run_that_has_not_ended_is_not_shown_with_the_summary_it_resumed_from(tmp_path):
+    run = write_run(tmp_path, steps=45)  # resumed from step 30, whose summary.json stays until the run ends
+    doc = run_report(run)
+    assert "summary.json ends at step 30 but the logs go on past it" in doc
+    assert "45 steps." in doc and "stopped: max_steps" not in doc and "<h2>Summary</h2>" not in doc
+    assert "30 steps" not in doc
+
+
 def test_report_writes_run_dir_report_html_atomically(tmp_path):
     run = write_run(tmp_path / "run")
     written = report(run)

@@ -91,6 +91,9 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     if summary:
         sub = f"{run_dir}: {summary.get('steps', '?')} steps on {summary.get('device', '?')} "
         sub += f"(stopped: {summary.get('stopped', '?')})"
+    elif files.stale_summary_steps is not None:
+        sub = f"{run_dir}: summary.json ends at step {files.stale_summary_steps} but the logs go on past it, so the "
+        sub += "run was resumed and is still going or was stopped before it ended"
     else:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
     body = [_p("lead", _run_line(files)), *_run_charts(files)]

@@ -24,7 +24,11 @@ OUT_HINT = "pass the directory a run wrote with --out (`redline train --task SPE
 
 @dataclass(frozen=True)
 class RunFiles:
-    """What a run directory holds: the summary (None while the run has not ended) and the logged rows."""
+    """What a run directory holds: the summary (None while the run has not ended) and the logged rows.
+
+    ``stale_summary_steps`` is the step count of a summary.json the logs have gone past: the summary of
+    an earlier stretch of a run that was resumed and has not ended since (left out as ``summary``).
+    """
 
     run_dir: Path
     summary: dict[str, Any] | None
@@ -32,6 +36,7 @@ class RunFiles:
     evals: list[Row]
     train_file: str  # the file names the rows came from, for the report to cite
     eval_file: str | None
+    stale_summary_steps: int | None = None
 
 
 def read_run(run_dir: Path) -> RunFiles:
@@ -46,13 +51,19 @@ def read_run(run_dir: Path) -> RunFiles:
             f"hint: {OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
         )
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
+    summary = _read_summary(run_dir / "summary.json")
+    train = _read_rows(run_dir / train_file)
+    # A resumed run keeps the summary.json of the stretch it resumed until it ends and writes its own.
+    ended_at = summary.get("steps") if summary else None
+    stale = isinstance(ended_at, int) and bool(train) and train[-1]["step"] > ended_at
     return RunFiles(
         run_dir=run_dir,
-        summary=_read_summary(run_dir / "summary.json"),
-        train=_read_rows(run_dir / train_file),
+        summary=None if stale else summary,
+        train=train,
         evals=_read_rows(run_dir / eval_file) if eval_file else [],
         train_file=train_file,
         eval_file=eval_file,
+        stale_summary_steps=ended_at if stale else None,
     )
 
 
