@@ -90,7 +90,7 @@ def test_every_string_from_a_result_is_escaped():
 def test_run_report_draws_the_curves_and_tables_the_summary_and_plan(tmp_path):
     doc = run_report(write_run(tmp_path))
     assert "<title>redline run: digits</title>" in doc
-    assert "30 steps, final loss 0.52, val loss 0.61, val metric 0.81, 6,400 samples/s." in doc
+    assert "30 steps, final loss 0.52 (mean of the last steps), val loss 0.61, val metric 0.81, 6,400 samples/s." in doc
     titles = [alt.split(":")[0] for alt in alts(doc)]
     assert titles == ["Loss", "Throughput", "Memory", "Step time"]  # no tokens/s: the task has none
     loss = alts(doc)[0]

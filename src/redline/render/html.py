@@ -244,7 +244,9 @@ def _run_line(files: RunFiles) -> str:
     last = files.train[-1] if files.train else {}
     steps = summary.get("steps", last.get("step"))
     parts = [f"{steps} steps" if steps is not None else "no step logged"]
-    for key, label in (("final_loss", "final loss"), ("val_loss", "val loss"), ("val_metric", "val metric")):
+    if _number(summary.get("final_loss")) is not None:  # not the last point of the loss chart: say what it is
+        parts.append(f"final loss {summary['final_loss']:.4g} (mean of the last steps)")
+    for key, label in (("val_loss", "val loss"), ("val_metric", "val metric")):
         if _number(summary.get(key)) is not None:
             parts.append(f"{label} {summary[key]:.4g}")
     for key, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")):
