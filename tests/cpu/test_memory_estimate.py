@@ -324,3 +324,25 @@ def test_a_factory_that_moves_its_model_to_the_cpu_is_traced_under_the_fake_mode
     data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
     task = Task(model=moved, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
     assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+class SparseBag(nn.Module):
+    """A bag of word ids with a sparse embedding: its gradient is a sparse tensor, as SGD trains it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(1000, 32, sparse=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(1))
+
+
+def test_a_sparse_embedding_is_traced_and_its_gradient_noted() -> None:
+    data = TensorDataset(torch.randint(0, 1000, (64, 8)), torch.randint(0, 10, (64,)))
+    task = Task(model=SparseBag, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="bag")  # fmt: skip
+    estimate = estimate_memory(task, target="cpu")
+    assert estimate.params == (1000 * 32 + 32 * 10 + 10) * 4
+    assert any("sparse embedding gradients" in note for note in estimate.notes)
+    assert not any("sparse" in note for note in estimate_memory(mlp(), target="cpu").notes)

@@ -146,6 +146,7 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
     )
+    sparse = trace.pop("sparse_gradients")
     # The model's structure (convolutions, parameter sizes, blocks), built once and only when asked about.
     structure = meta_model(task) if target == "cuda" or strategy != "single" else None
     estimate = MemoryEstimate(
@@ -156,7 +157,7 @@ def estimate_memory(
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
         workspace=_workspace(structure) if target == "cuda" and structure is not None else 0,
-        notes=_notes(precision, target, strategy),
+        notes=_notes(precision, target, strategy, sparse),
         **trace,
     )
     return _distributed(estimate, structure, strategy, world_size, precision)
@@ -205,6 +206,7 @@ def trace_step(
         states = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         opt_state = tracker.bytes_at_peak(tracker.track(t) for t in states)
         peak = tracker.peak
+        sparse = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse for m in model.modules())
     top = sorted(retained.items(), key=lambda item: item[1], reverse=True)[:_TOP_MODULES]
     return {
         "params": params,
@@ -213,6 +215,7 @@ def trace_step(
         "activations": peak - params - grads - opt_state,
         "peak": peak,
         "top_modules": tuple(top),
+        "sparse_gradients": sparse,
     }
 
 
@@ -354,8 +357,10 @@ def _workspace(model: nn.Module) -> int:
     return CUBLAS_WORKSPACE + (CUDNN_WORKSPACE if has_conv else 0)
 
 
-def _notes(precision: str, target: str, strategy: str) -> tuple[str, ...]:
+def _notes(precision: str, target: str, strategy: str, sparse: bool) -> tuple[str, ...]:
     notes = ["eager model: torch.compile fuses ops and usually saves activation memory"]
+    if sparse:  # a sparse gradient's size is its number of rows looked up: a value fake tensors do not hold
+        notes.append("sparse embedding gradients are counted empty: they hold a row per index looked up in the batch")
     if target == "cuda" and precision != "fp32":
         notes.append(f"{precision} traced with the CPU's autocast lists, which differ from CUDA's in a few ops")
     if target == "cuda":
