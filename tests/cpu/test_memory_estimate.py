@@ -70,8 +70,28 @@ def test_model_states_are_counted_exactly() -> None:
     assert estimate.params == param_bytes
     # AdamW keeps two moments per parameter, plus a step count per tensor
     assert 2 * param_bytes <= estimate.optimizer_state <= 2 * param_bytes + 4 * 64
-    assert estimate.peak == estimate.params + estimate.gradients + estimate.optimizer_state + estimate.activations
+    states = estimate.params + estimate.buffers + estimate.gradients + estimate.optimizer_state
+    assert estimate.peak == states + estimate.activations
     assert estimate.workspace > 0 and estimate.total == estimate.peak + estimate.workspace
+
+
+class WithTable(nn.Module):
+    """An MLP that keeps a lookup table as a buffer: a model state, not an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp_model()
+        self.register_buffer("table", torch.zeros(1000, 1000, dtype=torch.int8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def test_buffers_are_counted_as_buffers_not_activations() -> None:
+    plain = estimate_memory(mlp(), target="cpu")
+    estimate = estimate_memory(mlp(WithTable), target="cpu")
+    assert estimate.buffers == 1000 * 1000 and plain.buffers == 0
+    assert estimate.activations == plain.activations and estimate.params == plain.params
 
 
 def test_activations_follow_the_batch_the_precision_and_checkpointing() -> None:

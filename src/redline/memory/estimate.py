@@ -74,8 +74,9 @@ _TOP_MODULES = 5
 class MemoryEstimate:
     """The predicted peak of one training step on one device (one rank), in bytes, and what makes it up.
 
-    ``params``, ``gradients`` and ``optimizer_state`` are what was alive of each at the peak;
-    ``activations`` is the rest of the peak: tensors saved for backward, temporaries and the batch.
+    ``params``, ``buffers`` (running statistics, masks, caches), ``gradients`` and ``optimizer_state`` are what
+    was alive of each at the peak; ``activations`` is the rest of the peak: tensors saved for backward,
+    temporaries and the batch.
     ``total`` adds the ``workspace`` allowance to the traced ``peak``. ``top_modules`` lists the modules
     whose forward left the most memory alive (saved activations and output, a block's children included).
     """
@@ -87,6 +88,7 @@ class MemoryEstimate:
     world_size: int
     activation_checkpointing: bool
     params: int
+    buffers: int = 0
     gradients: int
     optimizer_state: int
     activations: int
@@ -202,6 +204,7 @@ def trace_step(
         with retained_by_module(model, tracker) as retained:
             step(inputs, targets)
         params = tracker.bytes_at_peak(tracker.track(p) for p in model.parameters())
+        buffers = tracker.bytes_at_peak(tracker.track(b) for b in model.buffers())
         grads = tracker.bytes_at_peak(grad_keys)
         states = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         opt_state = tracker.bytes_at_peak(tracker.track(t) for t in states)
@@ -210,9 +213,10 @@ def trace_step(
     top = sorted(retained.items(), key=lambda item: item[1], reverse=True)[:_TOP_MODULES]
     return {
         "params": params,
+        "buffers": buffers,
         "gradients": grads,
         "optimizer_state": opt_state,
-        "activations": peak - params - grads - opt_state,
+        "activations": peak - params - buffers - grads - opt_state,
         "peak": peak,
         "top_modules": tuple(top),
         "sparse_gradients": sparse,

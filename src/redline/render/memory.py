@@ -20,13 +20,15 @@ def memory_tables(result: MemoryFit) -> list[Table]:
     parts.add_column("memory", justify="right")
     for name, count in (
         ("parameters", first.params),
+        ("buffers", first.buffers),
         ("gradients (at the peak)", first.gradients),
         ("optimizer state", first.optimizer_state),
         ("activations and temporaries", first.activations),
         ("workspace allowance", first.workspace),
         ("total peak", first.total),
     ):
-        parts.add_row(name, size(count))
+        if count or name != "buffers":  # most models hold none worth a row
+            parts.add_row(name, size(count))
     tables = [parts]
     if first.top_modules:
         top = Table(title="modules holding the most activations", title_justify="left")
