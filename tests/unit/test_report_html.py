@@ -170,6 +170,17 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
         run_report(run)
 
 
+def test_a_checkpoint_given_for_its_run_names_the_run_directory(tmp_path):
+    run = write_run(tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step-00000030"
+    checkpoint.mkdir(parents=True)
+    for given in (checkpoint, checkpoint.parent):
+        with pytest.raises(
+            ConfigError, match=rf"has no metrics.jsonl.*\nhint: {run} holds the run's logs: redline report {run}$"
+        ):
+            run_report(given)
+
+
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot be written to .*\nhint: .*--html FILE"):
         write_report(tmp_path / "no" / "such" / "dir.html", "<p></p>")

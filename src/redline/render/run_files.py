@@ -19,6 +19,7 @@ from typing import Any
 from redline.errors import ConfigError
 
 Row = dict[str, Any]
+LOGS = ("metrics.jsonl", "metrics.csv")  # a run's training log, JSONL first
 OUT_HINT = "pass the directory a run wrote with --out (`redline train --task SPEC --out DIR`)"
 
 
@@ -44,11 +45,15 @@ def read_run(run_dir: Path) -> RunFiles:
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
         raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {OUT_HINT}")
-    train_file = _first_present(run_dir, ("metrics.jsonl", "metrics.csv"))
+    train_file = _first_present(run_dir, LOGS)
     if train_file is None:
+        run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
+        if run is not None:
+            hint = f"{run} holds the run's logs: redline report {run}"
+        else:
+            hint = f"{OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
         raise ConfigError(
-            f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\n"
-            f"hint: {OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
+            f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\nhint: {hint}"
         )
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
     summary = _read_summary(run_dir / "summary.json")
@@ -65,6 +70,11 @@ def read_run(run_dir: Path) -> RunFiles:
         eval_file=eval_file,
         stale_summary_steps=ended_at if stale else None,
     )
+
+
+def _run_above(path: Path) -> Path | None:
+    """The run directory ``path`` lies in (a checkpoint of it, its checkpoints folder), or None."""
+    return next((parent for parent in path.resolve().parents[:3] if _first_present(parent, LOGS)), None)
 
 
 def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:
