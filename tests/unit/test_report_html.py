@@ -145,9 +145,22 @@ def test_report_writes_run_dir_report_html_atomically(tmp_path):
     [
         ("no dir", r"run directory '.*missing' does not exist\nhint: pass the directory a run wrote with --out"),
         ("no logs", r"has no metrics.jsonl or metrics.csv.*\nhint: .*--logger"),
-        ("bad summary", r"summary.json cannot be read: .*\nhint: restore summary.json"),
-        ("bad row", r"metrics.jsonl cannot be read: row 2: .*\nhint: restore metrics.jsonl"),
-        ("bad csv", r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv"),
+        (
+            "bad summary",
+            r"summary.json cannot be read: .*\nhint: restore summary.json from the run, or delete it: "
+            r"the report then draws the run from its logs, as one that has not ended$",
+        ),
+        (
+            "bad row",
+            r"metrics.jsonl cannot be read: row 2: .*\nhint: restore metrics.jsonl from the run, or delete "
+            r"it: the report then reads metrics.csv in its place, if the run wrote one$",
+        ),
+        ("no step", r"metrics.jsonl cannot be read: row 2: it has no 'step'\nhint: restore metrics.jsonl"),
+        (
+            "bad csv",
+            r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv from the run: the report "
+            r"draws its curves from it$",
+        ),
     ],
 )
 def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_path, damage, message):
@@ -159,9 +172,10 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
             (run / log).unlink()
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
-    elif damage == "bad row":
+    elif damage in ("bad row", "no step"):
         lines = (run / "metrics.jsonl").read_text().splitlines()
-        (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[2:]]) + "\n")
+        bad = "garbage" if damage == "bad row" else '{"loss": 1.0}'
+        (run / "metrics.jsonl").write_text("\n".join([lines[0], bad, *lines[2:]]) + "\n")
     else:
         (run / "metrics.jsonl").unlink()
         text = (run / "metrics.csv").read_text().replace("\n1,0,", "\none,0,", 1)

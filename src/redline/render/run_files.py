@@ -108,7 +108,8 @@ def _read_rows(path: Path) -> list[Row]:
         except (TypeError, ValueError, KeyError) as exc:
             if index == len(lines) - 1:
                 break  # the row an interrupted run was writing
-            raise _unreadable(path, f"row {index + 1}: {exc}") from exc
+            why = f"it has no {exc}" if isinstance(exc, KeyError) else exc
+            raise _unreadable(path, f"row {index + 1}: {why}") from exc
         rows.append(row)
     return rows
 
@@ -156,9 +157,15 @@ def has_values(rows: list[Row], key: str) -> bool:
     return any(value is not None and math.isfinite(value) for value in values(rows, key))
 
 
+# What the report does without each file, for the hint of one it cannot read.
+_WITHOUT = {
+    "summary.json": ", or delete it: the report then draws the run from its logs, as one that has not ended",
+    "metrics.jsonl": ", or delete it: the report then reads metrics.csv in its place, if the run wrote one",
+    "eval.jsonl": ", or delete it: the report then reads eval.csv in its place, if the run wrote one",
+    "eval.csv": ", or delete it: the report then draws no validation curve",
+}
+
+
 def _unreadable(path: Path, why: object) -> ConfigError:
-    return ConfigError(
-        f"{path} cannot be read: {why}\n"
-        f"hint: restore {path.name} from the run, or delete it: the report then reads the .csv log in place of "
-        "the .jsonl one, and shows a run without summary.json as unfinished"
-    )
+    without = _WITHOUT.get(path.name, ": the report draws its curves from it")
+    return ConfigError(f"{path} cannot be read: {why}\nhint: restore {path.name} from the run{without}")
