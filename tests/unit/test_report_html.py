@@ -9,7 +9,7 @@ import pytest
 
 from redline.errors import ConfigError
 from redline.render.html import bench_report, report, run_report, write_report
-from report_samples import PNG_SIGNATURE, bench_result, decoded_png, images, links, pixel_variance, write_run
+from report_samples import PNG_SIGNATURE, SUMMARY, bench_result, decoded_png, images, links, pixel_variance, write_run
 
 pytest.importorskip("matplotlib", reason="the report's charts need the report extra: pip install 'redline[report]'")
 
@@ -128,6 +128,11 @@ def test_a_resumed_run_that_has_not_ended_is_not_shown_with_the_summary_it_resum
     assert "summary.json ends at step 30 but the logs go on past it" in doc
     assert "45 steps." in doc and "stopped: max_steps" not in doc and "<h2>Summary</h2>" not in doc
     assert "30 steps" not in doc
+
+
+def test_a_plan_that_is_not_a_table_of_axes_is_shown_as_its_text(tmp_path):
+    run = write_run(tmp_path, summary={**SUMMARY, "plan": ["cpu", "<fp32>"]})
+    assert "<h2>Plan</h2>\n<pre>[&quot;cpu&quot;, &quot;&lt;fp32&gt;&quot;]</pre>" in run_report(run)
 
 
 def test_report_writes_run_dir_report_html_atomically(tmp_path):

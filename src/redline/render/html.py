@@ -131,8 +131,11 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     return write_report(run_dir / "report.html" if path is None else Path(path), html)
 
 
-def plan_table(plan: Mapping[str, Any]) -> str:
-    """Return a Plan's data (``{axis: {"value", "reason"}}``) as an HTML table: axis, value, why."""
+def plan_table(plan: object) -> str:
+    """Return a Plan's data (``{axis: {"value", "reason"}}``) as an HTML table: axis, value, why; anything else
+    (a file edited by hand, another tool's) as its JSON text."""
+    if not isinstance(plan, Mapping):
+        return f"<pre>{escape(json.dumps(plan))}</pre>"
     rows = []
     for axis, choice in plan.items():
         value, reason = (choice.get("value"), choice.get("reason", "")) if isinstance(choice, Mapping) else (choice, "")
