@@ -1,5 +1,7 @@
 """`redline memory`'s tables: the step's parts, its largest modules and each way to fit, read whole."""
 
+from dataclasses import replace
+
 from rich.console import Console
 
 from redline.memory.estimate import MemoryEstimate
@@ -34,3 +36,10 @@ def test_each_title_reads_on_one_line_however_narrow_its_table():
 def test_buffers_get_a_row_only_when_the_model_has_some():
     assert not any("buffers" in line for line in text_of(digits_on_a_cpu()))
     assert any(line.startswith("│ buffers") and "976.6 KiB" in line for line in text_of(digits_on_a_cpu(1_000_000)))
+
+
+def test_a_largest_batch_at_the_training_set_s_size_says_so():
+    result = digits_on_a_cpu()
+    capped = replace(result.rows[0], largest_batch=1438, cap=1438)
+    assert any("│ 1438 (all of train_data) │" in line for line in text_of(replace(result, rows=(capped,))))
+    assert any(line.endswith(" 416814 │") for line in text_of(result))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from redline.memory.fit import MemoryFit
+from redline.memory.fit import Fit, MemoryFit
 
 GIB = 2**30
 
@@ -43,10 +43,16 @@ def memory_tables(result: MemoryFit) -> list[Table]:
             str(row.estimate.batch_size),
             size(row.estimate.total),
             "yes" if row.fits else "no",
-            str(row.largest_batch) if row.largest_batch else "none",
+            _largest(row),
         )
     tables.append(fits)
     return tables
+
+
+def _largest(row: Fit) -> str:
+    if not row.largest_batch:
+        return "none"
+    return f"{row.largest_batch} (all of train_data)" if row.largest_batch == row.cap else str(row.largest_batch)
 
 
 def titled_table(title: str) -> Table:
