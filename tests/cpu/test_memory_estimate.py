@@ -70,8 +70,28 @@ def test_model_states_are_counted_exactly() -> None:
     assert estimate.params == param_bytes
     # AdamW keeps two moments per parameter, plus a step count per tensor
     assert 2 * param_bytes <= estimate.optimizer_state <= 2 * param_bytes + 4 * 64
-    assert estimate.peak == estimate.params + estimate.gradients + estimate.optimizer_state + estimate.activations
+    states = estimate.params + estimate.buffers + estimate.gradients + estimate.optimizer_state
+    assert estimate.peak == states + estimate.activations
     assert estimate.workspace > 0 and estimate.total == estimate.peak + estimate.workspace
+
+
+class WithTable(nn.Module):
+    """An MLP that keeps a lookup table as a buffer: a model state, not an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp_model()
+        self.register_buffer("table", torch.zeros(1000, 1000, dtype=torch.int8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def test_buffers_are_counted_as_buffers_not_activations() -> None:
+    plain = estimate_memory(mlp(), target="cpu")
+    estimate = estimate_memory(mlp(WithTable), target="cpu")
+    assert estimate.buffers == 1000 * 1000 and plain.buffers == 0
+    assert estimate.activations == plain.activations and estimate.params == plain.params
 
 
 def test_activations_follow_the_batch_the_precision_and_checkpointing() -> None:
@@ -324,3 +344,25 @@ def test_a_factory_that_moves_its_model_to_the_cpu_is_traced_under_the_fake_mode
     data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
     task = Task(model=moved, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
     assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+class SparseBag(nn.Module):
+    """A bag of word ids with a sparse embedding: its gradient is a sparse tensor, as SGD trains it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(1000, 32, sparse=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(1))
+
+
+def test_a_sparse_embedding_is_traced_and_its_gradient_noted() -> None:
+    data = TensorDataset(torch.randint(0, 1000, (64, 8)), torch.randint(0, 10, (64,)))
+    task = Task(model=SparseBag, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="bag")  # fmt: skip
+    estimate = estimate_memory(task, target="cpu")
+    assert estimate.params == (1000 * 32 + 32 * 10 + 10) * 4
+    assert any("sparse embedding gradients" in note for note in estimate.notes)
+    assert not any("sparse" in note for note in estimate_memory(mlp(), target="cpu").notes)

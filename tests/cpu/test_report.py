@@ -28,7 +28,7 @@ def test_the_report_of_a_real_run_shows_its_steps_evaluations_and_plan(run):
     evaluations = summary["steps"] // 8 + (summary["steps"] % 8 != 0)  # every 8 steps and at the end
     assert f"train loss over {summary['steps']} points" in alts[0]
     assert f"val loss over {evaluations} points" in alts[0]
-    assert f"{summary['steps']} steps, final loss {summary['final_loss']:.4g}" in doc
+    assert f"{summary['steps']} steps, final loss {summary['final_loss']:.4g} (mean of the last steps)" in doc
     for axis in summary["plan"]:
         assert f"<tr><td>{axis}</td>" in doc, axis
     assert summary["plan"]["precision"]["reason"].split(":")[0] in doc

@@ -57,5 +57,7 @@ def test_the_reason_names_the_answer_and_what_stopped_the_search():
     )
     capped = search_reason([(32, True, ""), (40, True, "")], 40)
     assert capped == "40 fits: the cap (max_batch_size=40) stopped the search"
+    by_default = search_reason([(32, True, ""), (40, True, "")], 40, cap_given=False)  # never typed: not named so
+    assert by_default == "40 fits: the dataset's size (40), the cap on a CPU, stopped the search"
     nothing = search_reason([(2, False, oom), (1, False, oom)], None)
     assert nothing == f"nothing fits: batch size 1 ran out of memory ({oom})"

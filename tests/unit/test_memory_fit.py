@@ -120,3 +120,25 @@ def test_a_first_batch_at_the_smallest_size_that_does_not_fit_is_not_traced_agai
     assert largest_batch(estimate_at, estimate_at(batch_size=1), 9_000) is None
     assert largest_batch(estimate_at, estimate_at(batch_size=8), 9_000, multiple=8) is None
     assert traced == [1, 8]  # the two first estimates only: nothing smaller is left to try
+
+
+def test_the_search_stops_at_the_cap_and_traces_nothing_past_it() -> None:
+    estimate_at, traced = estimator(lambda b: 1000 + 10 * b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 10**9, cap=100) == 100
+    assert max(traced) == 100
+    traced.clear()
+    assert largest_batch(estimate_at, estimate_at(batch_size=500), 10**9, cap=100) == 100
+    assert traced == [500]  # a smaller batch than one that fits needs no trace
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 10**9, multiple=8, cap=100) == 96
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 2000, cap=100) == 100  # the cap itself fits
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 1500, cap=100) == 50  # below the cap: the line
+
+
+def test_fit_memory_predicts_no_batch_larger_than_the_training_set() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    rows = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8).rows
+    assert [(row.label, row.largest_batch, row.cap) for row in rows] == [
+        ("as it stands", 100, 100),
+        ("FSDP over 8 GPUs", 96, 96),  # a batch the 8 ranks share evenly
+    ]

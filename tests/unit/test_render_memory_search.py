@@ -21,3 +21,17 @@ def test_the_table_lists_the_sizes_in_order_and_the_answer_with_its_notes():
     assert rows == [["8", "yes"], ["16", "no"], ["9", "yes"]]
     assert oom in text  # the error's brackets are not taken for markup
     assert "largest: 9: 9 fits; 10 ran out of memory" in text and "- compile off: it changes memory" in text
+
+
+def test_a_narrow_table_keeps_its_title_and_answer_on_one_line_each():
+    search = BatchSearch(
+        largest=1438, tried=((1024, True, ""), (1438, True, "")), device="cpu", precision="fp32", seconds=9.0,
+        reason="1438 fits: the cap (max_batch_size=1438) stopped the search", cap=1438, steps=2,
+        notes=("max_batch_size defaults to the dataset's size (1438) on a CPU, whose out-of-memory kills the process",),
+    )  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(batch_search_table(search.to_dict()))
+    lines = [line.strip() for line in console.export_text().splitlines()]
+    assert "Batch-size search on cpu (fp32), 2 training steps per size" in lines
+    assert "largest: 1438: 1438 fits: the cap (max_batch_size=1438) stopped the search" in lines
+    assert f"- {search.notes[0]}" in lines

@@ -9,7 +9,7 @@ import pytest
 
 from redline.errors import ConfigError
 from redline.render.html import bench_report, report, run_report, write_report
-from report_samples import PNG_SIGNATURE, bench_result, decoded_png, images, links, pixel_variance, write_run
+from report_samples import PNG_SIGNATURE, SUMMARY, bench_result, decoded_png, images, links, pixel_variance, write_run
 
 pytest.importorskip("matplotlib", reason="the report's charts need the report extra: pip install 'redline[report]'")
 
@@ -90,7 +90,7 @@ def test_every_string_from_a_result_is_escaped():
 def test_run_report_draws_the_curves_and_tables_the_summary_and_plan(tmp_path):
     doc = run_report(write_run(tmp_path))
     assert "<title>redline run: digits</title>" in doc
-    assert "30 steps, final loss 0.52, val loss 0.61, val metric 0.81, 6,400 samples/s." in doc
+    assert "30 steps, final loss 0.52 (mean of the last steps), val loss 0.61, val metric 0.81, 6,400 samples/s." in doc
     titles = [alt.split(":")[0] for alt in alts(doc)]
     assert titles == ["Loss", "Throughput", "Memory", "Step time"]  # no tokens/s: the task has none
     loss = alts(doc)[0]
@@ -122,6 +122,19 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
 
 
+def test_a_resumed_run_that_has_not_ended_is_not_shown_with_the_summary_it_resumed_from(tmp_path):
+    run = write_run(tmp_path, steps=45)  # resumed from step 30, whose summary.json stays until the run ends
+    doc = run_report(run)
+    assert "summary.json ends at step 30 but the logs go on past it" in doc
+    assert "45 steps." in doc and "stopped: max_steps" not in doc and "<h2>Summary</h2>" not in doc
+    assert "30 steps" not in doc
+
+
+def test_a_plan_that_is_not_a_table_of_axes_is_shown_as_its_text(tmp_path):
+    run = write_run(tmp_path, summary={**SUMMARY, "plan": ["cpu", "<fp32>"]})
+    assert "<h2>Plan</h2>\n<pre>[&quot;cpu&quot;, &quot;&lt;fp32&gt;&quot;]</pre>" in run_report(run)
+
+
 def test_report_writes_run_dir_report_html_atomically(tmp_path):
     run = write_run(tmp_path / "run")
     written = report(run)
@@ -137,9 +150,22 @@ def test_report_writes_run_dir_report_html_atomically(tmp_path):
     [
         ("no dir", r"run directory '.*missing' does not exist\nhint: pass the directory a run wrote with --out"),
         ("no logs", r"has no metrics.jsonl or metrics.csv.*\nhint: .*--logger"),
-        ("bad summary", r"summary.json cannot be read: .*\nhint: restore summary.json"),
-        ("bad row", r"metrics.jsonl cannot be read: row 2: .*\nhint: restore metrics.jsonl"),
-        ("bad csv", r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv"),
+        (
+            "bad summary",
+            r"summary.json cannot be read: .*\nhint: restore summary.json from the run, or delete it: "
+            r"the report then draws the run from its logs, as one that has not ended$",
+        ),
+        (
+            "bad row",
+            r"metrics.jsonl cannot be read: row 2: .*\nhint: restore metrics.jsonl from the run, or delete "
+            r"it: the report then reads metrics.csv in its place, if the run wrote one$",
+        ),
+        ("no step", r"metrics.jsonl cannot be read: row 2: it has no 'step'\nhint: restore metrics.jsonl"),
+        (
+            "bad csv",
+            r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv from the run: the report "
+            r"draws its curves from it$",
+        ),
     ],
 )
 def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_path, damage, message):
@@ -151,15 +177,27 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
             (run / log).unlink()
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
-    elif damage == "bad row":
+    elif damage in ("bad row", "no step"):
         lines = (run / "metrics.jsonl").read_text().splitlines()
-        (run / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[2:]]) + "\n")
+        bad = "garbage" if damage == "bad row" else '{"loss": 1.0}'
+        (run / "metrics.jsonl").write_text("\n".join([lines[0], bad, *lines[2:]]) + "\n")
     else:
         (run / "metrics.jsonl").unlink()
         text = (run / "metrics.csv").read_text().replace("\n1,0,", "\none,0,", 1)
         (run / "metrics.csv").write_text(text)
     with pytest.raises(ConfigError, match=message):
         run_report(run)
+
+
+def test_a_checkpoint_given_for_its_run_names_the_run_directory(tmp_path):
+    run = write_run(tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step-00000030"
+    checkpoint.mkdir(parents=True)
+    for given in (checkpoint, checkpoint.parent):
+        with pytest.raises(
+            ConfigError, match=rf"has no metrics.jsonl.*\nhint: {run} holds the run's logs: redline report {run}$"
+        ):
+            run_report(given)
 
 
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):

@@ -44,7 +44,9 @@ def memory(
         ),
     ] = None,
     mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
-    gpus: Annotated[int, typer.Option(min=1, help="GPUs for the FSDP rows.")] = 8,
+    gpus: Annotated[
+        int | None, typer.Option(min=1, help="GPUs for the FSDP rows of a GPU's estimate (default: 8).")
+    ] = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Find the largest batch by running training steps on this machine.")
     ] = False,
@@ -66,6 +68,12 @@ def memory(
             "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"
             "hint: drop --gpu/--mem-gib to measure here, or drop --measure to estimate for that GPU"
         )
+    if measure and gpus is not None:
+        raise ConfigError(
+            f"--gpus {gpus} sizes the FSDP rows of an estimate; --measure runs on this machine's device and would "
+            "ignore it\nhint: drop --gpus; to search on several GPUs, run it under redline launch, where every "
+            "process searches together"
+        )
     if measure and batch_size is not None:
         raise ConfigError(
             f"--batch-size {batch_size} with --measure: the search tries its own sizes and would ignore it\n"
@@ -77,17 +85,23 @@ def memory(
             f"{given} bounds the search that --measure runs; without --measure nothing would read it\n"
             "hint: add --measure to find the largest batch by running it here, or drop it to estimate"
         )
+    weighed = None if measure else _device(gpu, mem_gib)  # before loading the task: a flag mistake shows at once
+    if gpus is not None and weighed is not None and weighed[1].type != "cuda":
+        raise ConfigError(
+            f"--gpus {gpus} sizes the FSDP rows of a GPU's estimate, but this machine has no GPU and none was named, "
+            "so nothing would read it\nhint: name the GPU with --gpu NAME or --mem-gib G, or drop --gpus"
+        )
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
-    if measure:
+    if weighed is None:
         _measure(loaded, precision, start or 1, max_batch_size, json_output)
         return
-    device, facts, mem = _device(gpu, mem_gib)
+    device, facts, mem = weighed
     with said_by_flags(precision="--precision"):
         chosen = resolve_precision(precision, facts)
     Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({chosen.value}: {chosen.reason})")
     result = fit_memory(
         loaded, device=device, mem_gib=mem, target=facts.type, batch_size=batch_size,
-        precision=chosen.value, gpus=gpus,
+        precision=chosen.value, gpus=8 if gpus is None else gpus,
     )  # fmt: skip
     _print(result, json_output)
 

@@ -74,8 +74,9 @@ _TOP_MODULES = 5
 class MemoryEstimate:
     """The predicted peak of one training step on one device (one rank), in bytes, and what makes it up.
 
-    ``params``, ``gradients`` and ``optimizer_state`` are what was alive of each at the peak;
-    ``activations`` is the rest of the peak: tensors saved for backward, temporaries and the batch.
+    ``params``, ``buffers`` (running statistics, masks, caches), ``gradients`` and ``optimizer_state`` are what
+    was alive of each at the peak; ``activations`` is the rest of the peak: tensors saved for backward,
+    temporaries and the batch.
     ``total`` adds the ``workspace`` allowance to the traced ``peak``. ``top_modules`` lists the modules
     whose forward left the most memory alive (saved activations and output, a block's children included).
     """
@@ -87,6 +88,7 @@ class MemoryEstimate:
     world_size: int
     activation_checkpointing: bool
     params: int
+    buffers: int = 0
     gradients: int
     optimizer_state: int
     activations: int
@@ -146,6 +148,7 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
     )
+    sparse = trace.pop("sparse_gradients")
     # The model's structure (convolutions, parameter sizes, blocks), built once and only when asked about.
     structure = meta_model(task) if target == "cuda" or strategy != "single" else None
     estimate = MemoryEstimate(
@@ -156,7 +159,7 @@ def estimate_memory(
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
         workspace=_workspace(structure) if target == "cuda" and structure is not None else 0,
-        notes=_notes(precision, target, strategy),
+        notes=_notes(precision, target, strategy, sparse),
         **trace,
     )
     return _distributed(estimate, structure, strategy, world_size, precision)
@@ -201,18 +204,22 @@ def trace_step(
         with retained_by_module(model, tracker) as retained:
             step(inputs, targets)
         params = tracker.bytes_at_peak(tracker.track(p) for p in model.parameters())
+        buffers = tracker.bytes_at_peak(tracker.track(b) for b in model.buffers())
         grads = tracker.bytes_at_peak(grad_keys)
         states = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         opt_state = tracker.bytes_at_peak(tracker.track(t) for t in states)
         peak = tracker.peak
+        sparse = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse for m in model.modules())
     top = sorted(retained.items(), key=lambda item: item[1], reverse=True)[:_TOP_MODULES]
     return {
         "params": params,
+        "buffers": buffers,
         "gradients": grads,
         "optimizer_state": opt_state,
-        "activations": peak - params - grads - opt_state,
+        "activations": peak - params - buffers - grads - opt_state,
         "peak": peak,
         "top_modules": tuple(top),
+        "sparse_gradients": sparse,
     }
 
 
@@ -354,8 +361,10 @@ def _workspace(model: nn.Module) -> int:
     return CUBLAS_WORKSPACE + (CUDNN_WORKSPACE if has_conv else 0)
 
 
-def _notes(precision: str, target: str, strategy: str) -> tuple[str, ...]:
+def _notes(precision: str, target: str, strategy: str, sparse: bool) -> tuple[str, ...]:
     notes = ["eager model: torch.compile fuses ops and usually saves activation memory"]
+    if sparse:  # a sparse gradient's size is its number of rows looked up: a value fake tensors do not hold
+        notes.append("sparse embedding gradients are counted empty: they hold a row per index looked up in the batch")
     if target == "cuda" and precision != "fp32":
         notes.append(f"{precision} traced with the CPU's autocast lists, which differ from CUDA's in a few ops")
     if target == "cuda":

@@ -11,6 +11,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch.utils.data import IterableDataset
+
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError
 from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog
@@ -32,12 +34,14 @@ _SEARCHES = 16
 @dataclass(frozen=True, kw_only=True)
 class Fit:
     """One way to run the step (``label``) weighed against ``available`` bytes: the estimate at the batch asked
-    for, whether it fits, and the largest batch predicted to fit (None when not even one sample does)."""
+    for, whether it fits, and the largest batch predicted to fit (None when not even one sample does), no
+    larger than ``cap``: the training set's size, the largest batch a run has."""
 
     label: str
     estimate: MemoryEstimate
     available: int
     largest_batch: int | None
+    cap: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -50,6 +54,7 @@ class Fit:
             "available": self.available,
             "fits": self.fits,
             "largest_batch": self.largest_batch,
+            "cap": self.cap,
         }
 
 
@@ -61,9 +66,15 @@ def available_bytes(mem_gib: float, target: str) -> int:
 
 
 def largest_batch(
-    estimate_at: Callable[..., MemoryEstimate], first: MemoryEstimate, available: int, *, multiple: int = 1
+    estimate_at: Callable[..., MemoryEstimate],
+    first: MemoryEstimate,
+    available: int,
+    *,
+    multiple: int = 1,
+    cap: int | None = None,
 ) -> int | None:
-    """The largest batch (a multiple of ``multiple``: the number of ranks) whose estimate fits ``available``.
+    """The largest batch (a multiple of ``multiple``: the number of ranks) whose estimate fits ``available``, up
+    to ``cap`` (no size past it is traced).
 
     ``estimate_at(batch_size=B)`` traces one batch size; ``first`` is the estimate already made. Each
     next size comes from the line through the last two traces, kept inside the sizes known to fit and
@@ -72,17 +83,24 @@ def largest_batch(
     """
     points = [(first.batch_size, first.total)]
     fit = first.batch_size if first.total <= available else 0
+    if cap is not None:
+        cap = max(cap // multiple * multiple, multiple)
+        if fit >= cap:  # a smaller batch needs less
+            return cap
     over: int | None = None if first.total <= available else first.batch_size
     if over is not None and over <= multiple:  # the smallest batch does not fit: nothing is left to try
         return None
     size = first.batch_size * 2 if fit else max(first.batch_size // 2 // multiple * multiple, multiple)
     for _ in range(_SEARCHES):
+        size = size if cap is None else min(size, cap)
         total = estimate_at(batch_size=size).total
         points.append((size, total))
         if total <= available:
             fit = max(fit, size)
         else:
             over = size if over is None else min(over, size)
+        if fit == cap:
+            break
         if over is not None and over - fit <= max(multiple, fit // 64):  # within 1.5%: as exact as the trace
             break
         size = _next_size(points, available, fit, over, multiple)
@@ -150,7 +168,9 @@ def fit_memory(
     gpus: int = 8,
 ) -> MemoryFit:
     """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
-    GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit."""
+    GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit, up to the training
+    set's size (a batch never holds more, and tracing far past it can take long: a batch of items that are
+    not tensors is collated for real)."""
     task = require_task(task)
     batch = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch)  # before any trace: 0 would be traced as 1 sample, or as the ranks' number
@@ -158,6 +178,8 @@ def fit_memory(
     positive_int("gpus", gpus)
     one_of("target", target, ("cuda", "cpu"))
     available = available_bytes(mem_gib, target)
+    data = task.train_data
+    cap = len(data) if hasattr(data, "__len__") and not isinstance(data, IterableDataset) else None
     has_blocks = bool(find_blocks(meta_model(task)))
     ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]
     if has_blocks:
@@ -173,6 +195,7 @@ def fit_memory(
             activation_checkpointing=checkpointing, target=target,
         )  # fmt: skip
         first = estimate_at(batch_size=max(batch, world))
-        largest = largest_batch(estimate_at, first, available, multiple=world)
-        rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest))
+        row_cap = None if cap is None else max(cap // world * world, world)  # a batch the ranks share evenly
+        largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap)
+        rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
     return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows))

@@ -68,8 +68,9 @@ def next_batch_size(tried: Sequence[tuple[int, bool]], *, start: int, cap: int |
     return middle if middle > largest else None
 
 
-def search_reason(tried: Sequence[Tried], cap: int | None) -> str:
-    """One line saying what the search found and what stopped it."""
+def search_reason(tried: Sequence[Tried], cap: int | None, *, cap_given: bool = True) -> str:
+    """One line saying what the search found and what stopped it; ``cap_given``: the caller set the cap (else it
+    is the dataset's size, a CPU's default)."""
     fitted = [size for size, ok, _ in tried if ok]
     if not fitted:
         first = min(tried, key=lambda t: t[0]) if tried else (1, False, "")
@@ -77,6 +78,8 @@ def search_reason(tried: Sequence[Tried], cap: int | None) -> str:
     largest = max(fitted)
     failures = [(size, error) for size, ok, error in tried if not ok and size > largest]
     if not failures:
+        if not cap_given:
+            return f"{largest} fits: the dataset's size ({cap}), the cap on a CPU, stopped the search"
         return f"{largest} fits: the cap (max_batch_size={cap}) stopped the search"
     size, error = min(failures)
     return f"{largest} fits; {size} ran out of memory ({error})"
@@ -171,7 +174,7 @@ def find_batch_size(
         device=str(device),
         precision=precision,
         seconds=time.perf_counter() - began,
-        reason=search_reason(tried, cap),
+        reason=search_reason(tried, cap, cap_given=max_batch_size is not None),
         cap=cap,
         steps=steps,
         world_size=env.world_size,

@@ -34,6 +34,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: dict[int, int] = {}  # the storages alive at the peak, once reset_peak asked for them
         self._snapshots = False
+        self._parts: dict[int, int] = {}  # a sparse tensor's key (its values') -> its indices' key
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -44,6 +45,10 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor) -> int:
         """Count ``tensor``'s storage once, until it is freed; return its key."""
+        if tensor.layout == torch.sparse_coo:  # a sparse gradient (nn.Embedding(sparse=True)): no storage of its own
+            values = self.track(tensor._values())
+            self._parts[values] = self.track(tensor._indices())
+            return values
         storage = tensor.untyped_storage()
         address = int(storage._cdata)
         key = self._keys.get(address)
@@ -71,8 +76,10 @@ class LiveBytes(TorchDispatchMode):
         self.at_peak = dict(self.live)
 
     def bytes_at_peak(self, keys: Iterable[int]) -> int:
-        """Bytes of the storages among ``keys`` that were alive at the peak."""
-        return sum(self.at_peak.get(k, 0) for k in set(keys))
+        """Bytes of the storages among ``keys`` (a sparse tensor's indices with its values) alive at the peak."""
+        keys = set(keys)
+        keys |= {self._parts[k] for k in keys if k in self._parts}
+        return sum(self.at_peak.get(k, 0) for k in keys)
 
 
 @contextmanager

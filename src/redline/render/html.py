@@ -91,6 +91,9 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     if summary:
         sub = f"{run_dir}: {summary.get('steps', '?')} steps on {summary.get('device', '?')} "
         sub += f"(stopped: {summary.get('stopped', '?')})"
+    elif files.stale_summary_steps is not None:
+        sub = f"{run_dir}: summary.json ends at step {files.stale_summary_steps} but the logs go on past it, so the "
+        sub += "run was resumed and is still going or was stopped before it ended"
     else:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
     body = [_p("lead", _run_line(files)), *_run_charts(files)]
@@ -128,8 +131,11 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     return write_report(run_dir / "report.html" if path is None else Path(path), html)
 
 
-def plan_table(plan: Mapping[str, Any]) -> str:
-    """Return a Plan's data (``{axis: {"value", "reason"}}``) as an HTML table: axis, value, why."""
+def plan_table(plan: object) -> str:
+    """Return a Plan's data (``{axis: {"value", "reason"}}``) as an HTML table: axis, value, why; anything else
+    (a file edited by hand, another tool's) as its JSON text."""
+    if not isinstance(plan, Mapping):
+        return f"<pre>{escape(json.dumps(plan))}</pre>"
     rows = []
     for axis, choice in plan.items():
         value, reason = (choice.get("value"), choice.get("reason", "")) if isinstance(choice, Mapping) else (choice, "")
@@ -241,7 +247,9 @@ def _run_line(files: RunFiles) -> str:
     last = files.train[-1] if files.train else {}
     steps = summary.get("steps", last.get("step"))
     parts = [f"{steps} steps" if steps is not None else "no step logged"]
-    for key, label in (("final_loss", "final loss"), ("val_loss", "val loss"), ("val_metric", "val metric")):
+    if _number(summary.get("final_loss")) is not None:  # not the last point of the loss chart: say what it is
+        parts.append(f"final loss {summary['final_loss']:.4g} (mean of the last steps)")
+    for key, label in (("val_loss", "val loss"), ("val_metric", "val metric")):
         if _number(summary.get(key)) is not None:
             parts.append(f"{label} {summary[key]:.4g}")
     for key, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")):

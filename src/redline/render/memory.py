@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from redline.memory.fit import MemoryFit
+from redline.memory.fit import Fit, MemoryFit
 
 GIB = 2**30
 
@@ -12,33 +12,29 @@ GIB = 2**30
 def memory_tables(result: MemoryFit) -> list[Table]:
     """The breakdown of the first row's estimate, its largest modules, and every row against the device."""
     first = result.rows[0].estimate
-    parts = Table(
-        title=f"{result.task}: one training step at batch {first.batch_size}, {first.precision}",
-        title_justify="left",
-    )
+    parts = titled_table(f"{result.task}: one training step at batch {first.batch_size}, {first.precision}")
     parts.add_column("part")
     parts.add_column("memory", justify="right")
     for name, count in (
         ("parameters", first.params),
+        ("buffers", first.buffers),
         ("gradients (at the peak)", first.gradients),
         ("optimizer state", first.optimizer_state),
         ("activations and temporaries", first.activations),
         ("workspace allowance", first.workspace),
         ("total peak", first.total),
     ):
-        parts.add_row(name, size(count))
+        if count or name != "buffers":  # most models hold none worth a row
+            parts.add_row(name, size(count))
     tables = [parts]
     if first.top_modules:
-        top = Table(title="modules holding the most activations", title_justify="left")
+        top = titled_table("modules holding the most activations")
         top.add_column("module")
         top.add_column("memory", justify="right")
         for name, count in first.top_modules:
             top.add_row(name, size(count))
         tables.append(top)
-    fits = Table(
-        title=f"on {result.device} ({result.mem_gib:.3g} GiB, {size(result.rows[0].available)} for tensors)",
-        title_justify="left",
-    )
+    fits = titled_table(f"on {result.device} ({result.mem_gib:.3g} GiB, {size(result.rows[0].available)} for tensors)")
     for column in ("way", "batch", "peak", "fits", "largest batch"):
         fits.add_column(column, justify="left" if column == "way" else "right")
     for row in result.rows:
@@ -47,10 +43,21 @@ def memory_tables(result: MemoryFit) -> list[Table]:
             str(row.estimate.batch_size),
             size(row.estimate.total),
             "yes" if row.fits else "no",
-            str(row.largest_batch) if row.largest_batch else "none",
+            _largest(row),
         )
     tables.append(fits)
     return tables
+
+
+def _largest(row: Fit) -> str:
+    if not row.largest_batch:
+        return "none"
+    return f"{row.largest_batch} (all of train_data)" if row.largest_batch == row.cap else str(row.largest_batch)
+
+
+def titled_table(title: str) -> Table:
+    """A table at least as wide as its title, which rich would otherwise wrap at the width of a narrow table."""
+    return Table(title=title, title_justify="left", min_width=len(title))
 
 
 def size(count: int) -> str:

@@ -5,17 +5,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rich.console import Group
 from rich.markup import escape
-from rich.table import Table
+from rich.text import Text
+
+from redline.render.memory import titled_table
 
 
-def batch_search_table(result: Mapping[str, Any]) -> Table:
-    """Return a batch-size search (``BatchSearch.to_dict()``) as a table, one row per size tried, in order."""
+def batch_search_table(result: Mapping[str, Any]) -> Group:
+    """Return a batch-size search (``BatchSearch.to_dict()``) as a table, one row per size tried, in order, then
+    the answer and its notes below it (as the table's caption they would wrap at its width)."""
     processes = f" on each of {result['world_size']} processes" if result["world_size"] > 1 else ""
-    table = Table(
-        title=f"Batch-size search on {result['device']} ({result['precision']}{processes}), "
-        f"{result['steps']} training steps per size",
-        title_justify="left",
+    table = titled_table(
+        f"Batch-size search on {result['device']} ({result['precision']}{processes}), "
+        f"{result['steps']} training steps per size"
     )
     table.add_column("batch size", justify="right")
     table.add_column("fits")
@@ -25,6 +28,4 @@ def batch_search_table(result: Mapping[str, Any]) -> Table:
         table.add_row(str(tried["batch_size"]), fits, escape(tried["error"]))
     lines = [f"largest: {result['largest'] if result['largest'] is not None else 'none'}: {result['reason']}"]
     lines += [f"- {note}" for note in result["notes"]]
-    table.caption = escape("\n".join(lines))
-    table.caption_justify = "left"
-    return table
+    return Group(table, Text("\n".join(lines)))

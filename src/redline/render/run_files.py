@@ -19,12 +19,17 @@ from typing import Any
 from redline.errors import ConfigError
 
 Row = dict[str, Any]
+LOGS = ("metrics.jsonl", "metrics.csv")  # a run's training log, JSONL first
 OUT_HINT = "pass the directory a run wrote with --out (`redline train --task SPEC --out DIR`)"
 
 
 @dataclass(frozen=True)
 class RunFiles:
-    """What a run directory holds: the summary (None while the run has not ended) and the logged rows."""
+    """What a run directory holds: the summary (None while the run has not ended) and the logged rows.
+
+    ``stale_summary_steps`` is the step count of a summary.json the logs have gone past: the summary of
+    an earlier stretch of a run that was resumed and has not ended since (left out as ``summary``).
+    """
 
     run_dir: Path
     summary: dict[str, Any] | None
@@ -32,6 +37,7 @@ class RunFiles:
     evals: list[Row]
     train_file: str  # the file names the rows came from, for the report to cite
     eval_file: str | None
+    stale_summary_steps: int | None = None
 
 
 def read_run(run_dir: Path) -> RunFiles:
@@ -39,21 +45,36 @@ def read_run(run_dir: Path) -> RunFiles:
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
         raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {OUT_HINT}")
-    train_file = _first_present(run_dir, ("metrics.jsonl", "metrics.csv"))
+    train_file = _first_present(run_dir, LOGS)
     if train_file is None:
+        run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
+        if run is not None:
+            hint = f"{run} holds the run's logs: redline report {run}"
+        else:
+            hint = f"{OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
         raise ConfigError(
-            f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\n"
-            f"hint: {OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
+            f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\nhint: {hint}"
         )
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
+    summary = _read_summary(run_dir / "summary.json")
+    train = _read_rows(run_dir / train_file)
+    # A resumed run keeps the summary.json of the stretch it resumed until it ends and writes its own.
+    ended_at = summary.get("steps") if summary else None
+    stale = isinstance(ended_at, int) and bool(train) and train[-1]["step"] > ended_at
     return RunFiles(
         run_dir=run_dir,
-        summary=_read_summary(run_dir / "summary.json"),
-        train=_read_rows(run_dir / train_file),
+        summary=None if stale else summary,
+        train=train,
         evals=_read_rows(run_dir / eval_file) if eval_file else [],
         train_file=train_file,
         eval_file=eval_file,
+        stale_summary_steps=ended_at if stale else None,
     )
+
+
+def _run_above(path: Path) -> Path | None:
+    """The run directory ``path`` lies in (a checkpoint of it, its checkpoints folder), or None."""
+    return next((parent for parent in path.resolve().parents[:3] if _first_present(parent, LOGS)), None)
 
 
 def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:
@@ -87,7 +108,8 @@ def _read_rows(path: Path) -> list[Row]:
         except (TypeError, ValueError, KeyError) as exc:
             if index == len(lines) - 1:
                 break  # the row an interrupted run was writing
-            raise _unreadable(path, f"row {index + 1}: {exc}") from exc
+            why = f"it has no {exc}" if isinstance(exc, KeyError) else exc
+            raise _unreadable(path, f"row {index + 1}: {why}") from exc
         rows.append(row)
     return rows
 
@@ -135,9 +157,15 @@ def has_values(rows: list[Row], key: str) -> bool:
     return any(value is not None and math.isfinite(value) for value in values(rows, key))
 
 
+# What the report does without each file, for the hint of one it cannot read.
+_WITHOUT = {
+    "summary.json": ", or delete it: the report then draws the run from its logs, as one that has not ended",
+    "metrics.jsonl": ", or delete it: the report then reads metrics.csv in its place, if the run wrote one",
+    "eval.jsonl": ", or delete it: the report then reads eval.csv in its place, if the run wrote one",
+    "eval.csv": ", or delete it: the report then draws no validation curve",
+}
+
+
 def _unreadable(path: Path, why: object) -> ConfigError:
-    return ConfigError(
-        f"{path} cannot be read: {why}\n"
-        f"hint: restore {path.name} from the run, or delete it: the report then reads the .csv log in place of "
-        "the .jsonl one, and shows a run without summary.json as unfinished"
-    )
+    without = _WITHOUT.get(path.name, ": the report draws its curves from it")
+    return ConfigError(f"{path} cannot be read: {why}\nhint: restore {path.name} from the run{without}")

@@ -1,0 +1,39 @@
+"""`redline memory`'s flags: one that nothing would read is refused by its name, before the task is loaded."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import redline.cli.memory as memory_cli
+from redline.cli.main import app
+from redline.errors import ConfigError
+from redline.hardware.device import Accelerators
+
+# A spec that cannot load: a refusal that comes first never meets it.
+UNLOADABLE = ["--task", "no/such/file.py:task"]
+
+
+def refusal(*args: str) -> str:
+    result = CliRunner().invoke(app, ["memory", *UNLOADABLE, *args])
+    assert isinstance(result.exception, ConfigError), result.output  # main() exits 2 with it
+    return str(result.exception)
+
+
+def test_gpus_with_measure_is_refused_not_ignored() -> None:
+    message = refusal("--measure", "--gpus", "4")
+    assert message.startswith("--gpus 4 sizes the FSDP rows of an estimate; --measure runs on this machine's device")
+    assert "\nhint: drop --gpus" in message
+
+
+def test_gpus_without_a_gpu_to_weigh_against_is_refused_not_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory_cli, "probe_accelerators", lambda: Accelerators(cuda_count=0))
+    message = refusal("--gpus", "4")
+    assert message.startswith("--gpus 4 sizes the FSDP rows of a GPU's estimate, but this machine has no GPU")
+    assert "\nhint: name the GPU with --gpu NAME or --mem-gib G, or drop --gpus" in message
+
+
+@pytest.mark.parametrize("where", [["--gpu", "l4"], ["--mem-gib", "24"]])
+def test_gpus_with_a_gpu_named_goes_on_to_load_the_task(where: list[str]) -> None:
+    result = CliRunner().invoke(app, ["memory", *UNLOADABLE, *where, "--gpus", "4"])
+    assert "no/such/file.py" in str(result.exception)  # past the flags, stopped by the spec
