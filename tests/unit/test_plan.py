@@ -262,6 +262,22 @@ def test_an_implementation_the_user_chose_is_kept_even_when_it_turns_fused_off(i
     assert not optimizer_facts(default).impl_set_by_user
 
 
+def test_parameters_a_fused_kernel_refuses_keep_the_optimizer_as_given():
+    """torch's fused kernels take real floating-point parameters with dense gradients, and fail at the first step
+    on others: complex parameters, or an embedding with sparse=True (trained by SGD)."""
+    import torch
+    from torch import nn
+
+    complex_param = torch.optim.AdamW([nn.Parameter(torch.ones(2, dtype=torch.complex64))])
+    kept = resolve_optimizer(optimizer_facts(complex_param), H100)
+    assert kept.value == "as given" and "not real floating point" in kept.reason
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    kept = resolve_optimizer(optimizer_facts(torch.optim.SGD(sparse.parameters(), lr=0.1), sparse), H100)
+    assert kept.value == "as given" and "sparse gradients" in kept.reason
+    dense = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    assert resolve_optimizer(optimizer_facts(torch.optim.SGD(dense.parameters(), lr=0.1), dense), H100).value == "fused"
+
+
 # -- the Plan -----------------------------------------------------------------------------------
 
 

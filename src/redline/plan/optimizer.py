@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import nn
 
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
@@ -22,20 +23,28 @@ class OptimizerFacts:
     has_fused: bool  # a torch.optim class whose constructor takes fused=
     has_state: bool  # it has stepped already; rebuilding would lose its moments
     impl_set_by_user: bool  # fused= or foreach= passed explicitly
+    unfusable: str = ""  # why torch's fused kernels cannot take these parameters ("" where they can)
 
 
-def optimizer_facts(optimizer: torch.optim.Optimizer) -> OptimizerFacts:
-    """Read the facts of a built optimizer."""
+def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> OptimizerFacts:
+    """Read the facts of a built optimizer (and of the ``model`` it updates, whose layers may give sparse gradients)."""
     cls = type(optimizer)
     from_torch = cls.__module__.startswith("torch.optim")
     has_fused = from_torch and "fused" in inspect.signature(cls.__init__).parameters
     defaults = optimizer.defaults
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    unfusable = ""
+    if any(not p.is_floating_point() for p in params):  # complex parameters, say
+        unfusable = "the model has parameters that are not real floating point"
+    elif model is not None and any(getattr(m, "sparse", False) is True for m in model.modules()):
+        unfusable = "the model has layers with sparse gradients (sparse=True)"
     return OptimizerFacts(
         name=cls.__name__,
         has_fused=has_fused,
         has_state=any(bool(s) for s in optimizer.state.values()),
         # None is torch's "not given"; fused=False turns fused off on purpose, like foreach=False.
         impl_set_by_user=defaults.get("fused") is not None or defaults.get("foreach") is not None,
+        unfusable=unfusable,
     )
 
 
@@ -53,6 +62,8 @@ def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded:
         return Choice("as given", f"{optimizer.name} has no fused implementation; torch uses foreach")
     if optimizer.has_state:
         return Choice("as given", f"{optimizer.name} already holds state; rebuilding it would lose it")
+    if optimizer.unfusable:  # torch's fused kernels refuse them at the first step
+        return Choice("as given", f"{optimizer.name}: {optimizer.unfusable}, which a fused kernel does not take")
     if sharded:
         return Choice("as given", f"{optimizer.name} on FSDP2's sharded (DTensor) parameters: torch's default")
     return Choice("fused", f"{optimizer.name} rebuilt fused: one kernel updates every parameter")
