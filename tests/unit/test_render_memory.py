@@ -43,3 +43,8 @@ def test_a_largest_batch_at_the_training_set_s_size_says_so():
     capped = replace(result.rows[0], largest_batch=1438, cap=1438)
     assert any("│ 1438 (all of train_data) │" in line for line in text_of(replace(result, rows=(capped,))))
     assert any(line.endswith(" 416814 │") for line in text_of(result))
+
+
+def test_a_size_the_device_name_holds_is_not_said_twice():
+    sized = replace(digits_on_a_cpu(), device="a 23.5 GiB GPU")  # as --mem-gib 23.5 names it
+    assert "on a 23.5 GiB GPU (22.35 GiB for tensors)" in text_of(sized)

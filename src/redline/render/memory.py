@@ -34,7 +34,9 @@ def memory_tables(result: MemoryFit) -> list[Table]:
         for name, count in first.top_modules:
             top.add_row(name, size(count))
         tables.append(top)
-    fits = titled_table(f"on {result.device} ({result.mem_gib:.3g} GiB, {size(result.rows[0].available)} for tensors)")
+    total = f"{result.mem_gib:.3g} GiB"  # said once where the device's name has it already (--mem-gib: "a 24 GiB GPU")
+    said = "" if total in result.device else f"{total}, "
+    fits = titled_table(f"on {result.device} ({said}{size(result.rows[0].available)} for tensors)")
     for column in ("way", "batch", "peak", "fits", "largest batch"):
         fits.add_column(column, justify="left" if column == "way" else "right")
     for row in result.rows:
