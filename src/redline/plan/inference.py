@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from redline.errors import ConfigError, invalid
+from redline.errors import invalid
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice, parse_switch
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision
@@ -146,14 +146,20 @@ def _compile_rule(
     return Choice(False, "auto: eager unless compiling is measured faster"), [False, True]
 
 
+def check_cuda_graphs(requested: str | bool, device_type: str) -> bool | None:
+    """Read ``requested`` (True, False, or None for auto); refuse CUDA graphs asked of a device that is not CUDA."""
+    value = parse_switch("cuda_graphs", requested)
+    if value is True and device_type != "cuda":
+        raise invalid(
+            "cuda_graphs", requested, f"'auto' or 'off' on {device_type}",
+            "pass cuda_graphs='auto' (on for CUDA devices, off elsewhere) or 'off': CUDA graphs need a CUDA device",
+        )  # fmt: skip
+    return value
+
+
 def resolve_cuda_graphs(requested: str | bool, facts: DeviceFacts) -> Choice[bool]:
     """Decide whether each bucket runs as a captured CUDA graph: on CUDA devices, unless turned off."""
-    value = parse_switch("cuda_graphs", requested)
-    if value is True and facts.type != "cuda":
-        raise ConfigError(
-            f"cuda_graphs='on' was requested but the device is {facts.type}; CUDA graphs need a CUDA device\n"
-            "hint: pass cuda_graphs='auto' (on for CUDA devices, off elsewhere) or 'off'"
-        )
+    value = check_cuda_graphs(requested, facts.type)
     if value is not None:
         return Choice(value, "requested")
     if facts.type == "cuda":

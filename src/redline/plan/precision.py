@@ -12,13 +12,18 @@ PrecisionName = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
+def check_precision(requested: str) -> None:
+    """Refuse a precision no run takes ("auto" or one of PRECISIONS), whatever the device."""
+    if requested not in (*PRECISIONS, "auto"):
+        raise invalid("precision", requested, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
+
+
 def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionName]:
     """Resolve "auto" to bf16 where the device runs it natively, fp16 on older GPUs, else fp32.
 
     On a CPU "auto" is fp32 whatever its instruction set; the reason names the set it saw.
     """
-    if requested not in (*PRECISIONS, "auto"):
-        raise invalid("precision", requested, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
+    check_precision(requested)
     if requested == "auto":
         return _auto(facts)
     if requested == "bf16-mixed" and facts.type == "cuda" and not facts.bf16:

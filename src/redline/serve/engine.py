@@ -30,8 +30,17 @@ from redline.errors import ConfigError, DeviceUnavailableError, ServableError, d
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice, parse_switch
 from redline.plan.device import resolve_device
-from redline.plan.inference import Proposal, Setting, Timing, choose, propose, read_measure, resolve_cuda_graphs
-from redline.plan.precision import PRECISIONS
+from redline.plan.inference import (
+    Proposal,
+    Setting,
+    Timing,
+    check_cuda_graphs,
+    choose,
+    propose,
+    read_measure,
+    resolve_cuda_graphs,
+)
+from redline.plan.precision import check_precision
 from redline.runtime.compile import (
     CompileRecord,
     compile_module,
@@ -89,13 +98,9 @@ def check_engine_options(
     asked of a device that is not CUDA, a ConfigError naming the argument.
     """
     chosen = resolve_device(device, probe_accelerators())
-    if precision not in (*PRECISIONS, "auto"):
-        raise invalid("precision", precision, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
+    check_precision(precision)
     parse_switch("compile", compile)
-    if parse_switch("cuda_graphs", cuda_graphs) and not chosen.value.startswith("cuda"):
-        raise invalid(
-            "cuda_graphs", cuda_graphs, f"'auto' or 'off' on {chosen.value}", "CUDA graphs need a CUDA device"
-        )
+    check_cuda_graphs(cuda_graphs, torch.device(chosen.value).type)
     read_measure(measure)
 
 
