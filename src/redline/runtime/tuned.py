@@ -149,8 +149,8 @@ class TunedPlan:
 
 
 def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
-    """The key of a tune on this machine: not by thread count, so the workers of `train --nproc N` (one thread
-    each, from torchrun) find the tune a single process made."""
+    """The key of a tune on this machine: not by thread count, so the workers of `train --nproc N` (each with
+    its share of the cores) find the tune a single process made."""
     return cache_key(fingerprint, facts, str(batch_size), "tune", threads=False)
 
 
