@@ -3,7 +3,14 @@
 from rich.console import Console
 
 from redline.plan import Choice
-from redline.render.console import key_value_table, plan_table
+from redline.render.console import (
+    READABLE_WIDTH,
+    UNBOUNDED_WIDTH,
+    key_value_table,
+    output_console,
+    plan_table,
+    print_uncut,
+)
 
 
 def shown(table) -> str:
@@ -17,3 +24,24 @@ def test_figures_and_reasons_with_brackets_print_verbatim():
     assert path in shown(key_value_table([("checkpoint", path)], title="Trained [x]"))
     reason = "recompiled: tensor shapes [int] changed; see [/docs]"
     assert reason in shown(plan_table({"compile": Choice(True, reason)}, title="Serving [model]"))
+
+
+def test_in_a_file_or_pipe_a_plan_wraps_its_reasons_at_a_readable_width(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    reason = "auto: " + "a reason long enough to wrap " * 8  # 238 characters
+    plan = {"precision": Choice("fp32", reason), "compile": Choice(False, "auto: short")}
+    console = output_console()  # stdout is captured here: not a terminal
+    assert console.width == UNBOUNDED_WIDTH
+    with console.capture() as captured:
+        print_uncut(console, plan_table(plan))
+    lines = captured.get().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= READABLE_WIDTH, lines
+    assert " ".join(reason.split()) in " ".join(" ".join(line.strip("│ ") for line in lines).split())
+
+
+def test_a_terminal_keeps_its_own_width_for_a_plan():
+    reason = "auto: " + "a reason long enough to wrap " * 8
+    console = Console(width=160, record=True, force_terminal=True)
+    print_uncut(console, plan_table({"precision": Choice("fp32", reason)}))
+    widths = [len(line.rstrip()) for line in console.export_text().splitlines()]
+    assert READABLE_WIDTH < max(widths) <= 160

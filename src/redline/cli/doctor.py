@@ -12,7 +12,7 @@ from rich.console import Console
 from redline.atomic import check_writable
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import ConfigError, invalid
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
 from redline.render.doctor import checks_table, devices_table, summary_line
 
 
@@ -56,8 +56,8 @@ def doctor(
         print(json.dumps(report.to_dict(), indent=2))
     else:
         console = output_console()
-        console.print(checks_table(report))
-        console.print(devices_table(report))
+        print_uncut(console, checks_table(report))
+        print_uncut(console, devices_table(report))
         console.print(summary_line(report))
     raise typer.Exit(report.exit_code)
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from redline.cli.options import build, command, flags, said_by_flags
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
 from redline.serve.loadtest import Progress as LoadProgress
@@ -53,7 +53,7 @@ def _loadtest(
         return
     out = output_console()
     for table in loadtest_tables(result):
-        out.print(table)
+        print_uncut(out, table)
     for note in result.notes:
         out.print(f"note: {note}", highlight=False, markup=False)
 

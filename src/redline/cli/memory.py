@@ -23,7 +23,7 @@ from redline.memory.fit import MemoryFit, fit_memory, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
 from redline.plan.precision import resolve_precision
-from redline.render.console import output_console
+from redline.render.console import output_console, print_uncut
 from redline.render.memory import memory_tables
 from redline.render.memory_search import batch_search_table
 from redline.runtime.options import RuntimeOptions
@@ -141,6 +141,6 @@ def _print(result: MemoryFit, json_output: bool) -> None:
         return
     out = output_console()
     for table in memory_tables(result):
-        out.print(table)
+        print_uncut(out, table)
     for note in result.rows[0].estimate.notes:
         out.print(f"note: {note}", highlight=False, markup=False)

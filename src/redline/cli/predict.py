@@ -38,7 +38,7 @@ from redline.cli.options import (
 )
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, InferenceError, RedlineError, ServableError, describe_error
-from redline.render.console import output_console, plan_table
+from redline.render.console import output_console, plan_table, print_uncut
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
@@ -89,7 +89,7 @@ def predict(
         engine.warm_up()
         warm_s = time.perf_counter() - started
     console = output_console()
-    console.print(plan_table(engine.plan, title=f"Predicting with {servable.name}"))
+    print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
     source = f"--input {str(input_path)!r}"
     outputs, seconds = run_batches(engine, samples, batch_size, source, check_hint(servable, samples))
     write_npy(output_path, outputs)

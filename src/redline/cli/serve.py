@@ -25,7 +25,7 @@ from redline.cli.options import (
     said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
-from redline.render.console import output_console, plan_table
+from redline.render.console import output_console, plan_table, print_uncut
 from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.options import ServeOptions
 from redline.serve.servable import load_servable
@@ -59,7 +59,7 @@ def _serve(
                 measure=measure, max_batch_size=options.max_batch_size,
             )  # fmt: skip
         console = output_console()
-        console.print(plan_table(engine.plan, title=f"Serving {servable.name}"))
+        print_uncut(console, plan_table(engine.plan, title=f"Serving {servable.name}"))
 
         def listening(url: str) -> None:
             _say(f"listening on {url} (POST {url}/v1/predict; ready at {url}/readyz once warmed up)")

@@ -26,7 +26,7 @@ from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.plan.device import resolve_device
-from redline.render.console import key_value_table, output_console, plan_table
+from redline.render.console import key_value_table, output_console, plan_table, print_uncut
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import seed_everything
 from redline.task import check_spec, load_task
@@ -84,8 +84,8 @@ def _train(
         print(strict_json(summary.to_dict()))
     else:
         console = output_console()
-        console.print(plan_table(summary.plan))
-        console.print(key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
+        print_uncut(console, plan_table(summary.plan))
+        print_uncut(console, key_value_table(summary_rows(summary), title=f"Trained {summary.task}"))
         if summary.sample:
             console.print("[bold]sample[/bold]", Text(summary.sample), sep="\n")  # generated text, not markup
     if by_signal and not trainer.env.launched:  # under the launcher, the launcher exits with the signal

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from redline.bench.tune import tune
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
-from redline.render.console import key_value_table, output_console
+from redline.render.console import key_value_table, output_console, print_uncut
 from redline.task import load_task
 
 
@@ -54,7 +54,7 @@ def tune_command(
         return
     out = output_console()
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
-    out.print(key_value_table(list(tuned.reasons.items()), title=title))
+    print_uncut(out, key_value_table(list(tuned.reasons.items()), title=title))
     out.print(f"chosen: {tuned.best.label}", highlight=False, markup=False)
     same = [f"--task-arg {shlex.quote(arg)}" for arg in task_arg or []]  # the run must match the tune's key
     same += [f"--batch-size {batch_size}"] if batch_size is not None else []

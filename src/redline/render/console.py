@@ -16,6 +16,9 @@ from redline.plan import Choice, Plan, show_value
 # A file, a pipe or a CI log has no width of its own; rich would take 80 columns and cut the cells of a
 # wide table (the bench's) to "9,…". Results printed there get this many, unless $COLUMNS says otherwise.
 UNBOUNDED_WIDTH = 200
+# ...but a table's wrapping text (a Plan's reasons) wraps there at this width, as in a wide terminal, rather
+# than stretching every row of the table to UNBOUNDED_WIDTH.
+READABLE_WIDTH = 120
 
 
 def output_console() -> Console:
@@ -29,16 +32,18 @@ def output_console() -> Console:
 def print_uncut(console: Console, table: Table) -> None:
     """Print a table whole, its ``no_wrap`` columns never cut (rich would cut a figure to "8,…" or drop
     a column to fit a narrow terminal): the wrapping columns share what the terminal leaves, down to
-    their ``min_width``; where even that is too wide, the table prints wider than the terminal."""
+    their ``min_width``; where even that is too wide, the table prints wider than the terminal. In a file
+    or pipe (no terminal, no $COLUMNS) they share ``READABLE_WIDTH``."""
+    target = READABLE_WIDTH if _unbounded(console) else console.width
     flexible = [column for column in table.columns if not column.no_wrap and column.width is None]
-    if _width_of(console, table) <= console.width or not flexible:
+    if _width_of(console, table) <= target or not flexible:
         console.print(table)
         return
     least = {id(column): column.min_width or 1 for column in flexible}
     for column in flexible:
         column.width = least[id(column)]
     fixed = _width_of(console, table)
-    spare = max(0, console.width - fixed)
+    spare = max(0, target - fixed)
     for column in flexible:  # the first (a name, say) widens first, up to what its cells need
         column.width = None
         wants = _width_of(console, table) - fixed
@@ -52,6 +57,11 @@ def print_uncut(console: Console, table: Table) -> None:
         console.width = width
         for column in flexible:
             column.width = None
+
+
+def _unbounded(console: Console) -> bool:
+    """Whether ``console`` writes to a file or pipe at ``UNBOUNDED_WIDTH`` (see ``output_console``)."""
+    return not console.is_terminal and console.width == UNBOUNDED_WIDTH
 
 
 def _width_of(console: Console, table: Table) -> int:
