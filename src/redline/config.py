@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from redline import errors
 from redline.errors import invalid
 
 T = TypeVar("T")
@@ -58,9 +59,9 @@ def non_negative_number(name: str, value: object, allowed: str = "a finite numbe
 
 
 def one_of(name: str, value: object, allowed: Sequence[object]) -> None:
-    """Check that ``value`` is one of ``allowed``."""
+    """Check that ``value`` is one of ``allowed``; a typo's hint is the choice it most likely meant."""
     if value not in allowed:
-        raise invalid(name, value, "one of " + ", ".join(map(repr, allowed)), _example(name, allowed[0]))
+        raise errors.one_of(name, value, allowed)
 
 
 def boolean(name: str, value: object) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import sys
 import traceback
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 # The folder where the workers of one launcher mark the errors they printed, so that an error every
@@ -73,6 +75,24 @@ def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigErr
     error = ConfigError(message)
     error.parts = (name, value, allowed, hint)
     return error
+
+
+def nearest(value: object, allowed: Iterable[object]) -> object | None:
+    """The allowed value a mistyped ``value`` most likely meant, or None: the one it begins (``bf16`` for
+    ``bf16-mixed``; of several, the closest in spelling), else the closest in spelling (``ddpp`` for ``ddp``)."""
+    if not isinstance(value, str) or not value:
+        return None
+    named = {str(choice): choice for choice in allowed}
+    begun = [text for text in named if text.startswith(value.lower())]
+    close = begun if len(begun) == 1 else difflib.get_close_matches(value.lower(), begun or named, n=1)
+    return named[close[0]] if close else None
+
+
+def one_of(name: str, value: object, allowed: Sequence[object]) -> ConfigError:
+    """Build the error for ``value`` that is none of ``allowed``; its hint is the choice it most likely meant."""
+    near = nearest(value, allowed)
+    hint = f"did you mean {name}={near!r}?" if near is not None else f"e.g. {name}={allowed[0]!r}"
+    return invalid(name, value, "one of " + ", ".join(map(repr, allowed)), hint)
 
 
 def describe_error(exc: BaseException) -> str:

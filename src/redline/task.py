@@ -8,7 +8,6 @@ Python, or loaded from a spec string: ``example:NAME`` (built in), ``pkg.module:
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -25,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import positive_int
-from redline.errors import TaskSpecError, invalid, user_line
+from redline.errors import TaskSpecError, invalid, nearest, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -256,8 +255,8 @@ def _split_spec(spec: str) -> tuple[str, str]:
     head, _, tail = spec.rpartition(":")
     if head == "example":
         if tail not in EXAMPLES:
-            near = difflib.get_close_matches(tail, EXAMPLES, n=1)
-            hint = f"\nhint: did you mean 'example:{near[0]}'?" if near else ""
+            near = nearest(tail, EXAMPLES)
+            hint = f"\nhint: did you mean 'example:{near}'?" if near else ""
             raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}{hint}")
         head, _, tail = EXAMPLES[tail].partition(":")
     if not head or not tail.isidentifier():
@@ -372,8 +371,8 @@ def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, An
         return
     unknown = sorted(set(options) - set(named))
     if unknown:
-        near = difflib.get_close_matches(unknown[0], named, n=1)
-        hint = f"did you mean {near[0]}?" if near else "drop it, or add it as a parameter of the factory"
+        near = nearest(unknown[0], named)
+        hint = f"did you mean {near}?" if near else "drop it, or add it as a parameter of the factory"
         raise TaskSpecError(
             f"task spec {spec!r}: unknown option(s) {', '.join(unknown)}; "
             f"the factory accepts: {', '.join(named) or 'no options'}\nhint: {hint}"

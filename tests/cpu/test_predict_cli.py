@@ -310,7 +310,7 @@ def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
 @pytest.mark.parametrize(
     ("flag", "value", "said"),
     [
-        ("--precision", "fp8", "--precision='fp8' is not allowed; expected 'auto' or one of 'fp32'"),
+        ("--precision", "fp8", "--precision='fp8' is not allowed; expected one of 'auto', 'fp32'"),
         ("--compile", "maybe", "--compile='maybe' is not allowed; expected 'auto', 'on' or 'off'"),
         ("--cuda-graphs", "yes", "--cuda-graphs='yes' is not allowed; expected 'auto', 'on' or 'off'"),
         ("--cuda-graphs", "on", "--cuda-graphs='on' is not allowed; expected 'auto' or 'off' on cpu"),

@@ -238,6 +238,11 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["memory", "--task", "example:digits", "--precision", "fp8"], "--precision='fp8'", ""),
         (["memory", "--task", "example:digits", "--precision", "fp8", "--measure"], "--precision='fp8'", "--precision"),
         (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
+        ([*TRAIN_DIGITS, "--precision", "bf16"], "--precision='bf16'", "did you mean --precision 'bf16-mixed'?"),
+        ([*TRAIN_DIGITS, "--strategy", "ddpp"], "--strategy='ddpp'", "did you mean --strategy 'ddp'?"),
+        ([*TRAIN_DIGITS, "--compile", "maybe"], "--compile='maybe'", "e.g. --compile 'auto'"),
+        ([*TRAIN_DIGITS, "--early-stopping-mode", "mn"], "--early-stopping-mode='mn'", "--early-stopping-mode 'min'"),
+        (["loadtest", "http://127.0.0.1:9/", "--arrivals", "poison"], "--arrivals='poison'", "--arrivals 'poisson'"),
         ([*TRAIN_DIGITS, "--checkpoint-every", "5"], "--checkpoint-every=5", "add --out DIR"),
         ([*TRAIN_DIGITS, "--keep-checkpoints", "1"], "--keep-checkpoints=1", "add --out DIR"),
         ([*TRAIN_DIGITS, "--resume", "auto"], "--resume='auto'", "add --out DIR"),
@@ -314,3 +319,12 @@ def test_train_options_are_checked_before_any_worker_starts(monkeypatch):
     result = CliRunner().invoke(app, ["train", "--task", "example:digits", "--nproc", "2", "--clip-grad-norm", "0"])
     assert isinstance(result.exception, ConfigError) and "--clip-grad-norm=0.0" in str(result.exception)
     assert launched == []
+
+
+def test_a_choice_shows_its_values_in_the_help():
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert "[auto|fp32|bf16-mixed|fp16-mixed]" in result.output and "[auto|on|off]" in result.output

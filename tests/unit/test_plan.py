@@ -328,7 +328,7 @@ def test_strategy_explicit_and_wrong():
     from redline.plan.strategy import resolve_strategy
 
     assert resolve_strategy("fsdp", world_size=2, params=1, device_mem_gib=80).value == "fsdp"
-    with pytest.raises(ConfigError, match="'auto' or one of 'single', 'ddp', 'fsdp'"):
+    with pytest.raises(ConfigError, match="one of 'auto', 'single', 'ddp', 'fsdp'"):
         resolve_strategy("zero3", world_size=2, params=1, device_mem_gib=80)
     with pytest.raises(ConfigError, match="several processes"):
         resolve_strategy("single", world_size=2, params=1, device_mem_gib=80)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import inspect
 import re
@@ -51,30 +50,32 @@ def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None,
             continue
         name = prefix + field.name
         flag = meta.get("flag") or "--" + name.replace("_", "-")
-        kind = _cli_type(hints[field.name], name)
+        kind = _cli_type(hints[field.name])
         default = None if optional else field.default
-        if isinstance(kind, type) and issubclass(kind, enum.Enum) and default is not None:
-            default = kind(default)  # typer shows and checks choices as an Enum
         if kind is bool and not optional:
             info = typer.Option(f"{flag}/--no-{flag.removeprefix('--')}", help=meta["help"])
         else:
-            info = typer.Option(flag, help=meta["help"], min=meta.get("min"))
+            info = typer.Option(flag, help=meta["help"], min=meta.get("min"), metavar=_choices(hints[field.name]))
         annotation: Any = Annotated.__class_getitem__((kind if default is not None else kind | None, info))  # type: ignore[attr-defined]
         parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         out.append(Flag(owner, field.name, flag, parameter))
     return out
 
 
-def _cli_type(hint: Any, name: str) -> Any:
-    """Return the type typer parses a field as: a Literal becomes an Enum of its values (a choice)."""
+def _cli_type(hint: Any) -> Any:
+    """Return the type typer parses a field as.
+
+    A Literal (a choice) is read as text, and the dataclass checks it: its error names the flag and the
+    nearest choice (``--precision bf16`` -> did you mean --precision 'bf16-mixed'?).
+    """
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         if len(args) == 1:
-            return _cli_type(args[0], name)
+            return _cli_type(args[0])
         return str  # several types (nproc: N or "auto"): the dataclass reads the text
     if origin is Literal:
-        return enum.Enum(name, {str(a): str(a) for a in args}, type=str)
+        return str
     if origin is tuple:
         return list[str]
     if hint in (int, float, str, bool, Path):
@@ -82,8 +83,16 @@ def _cli_type(hint: Any, name: str) -> Any:
     raise TypeError(f"no command-line type for {hint!r}")
 
 
+def _choices(hint: Any) -> str | None:
+    """The help's placeholder for a choice, ``[auto|on|off]``; None for any other field."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _choices(args[0])
+    return "[" + "|".join(map(str, args)) + "]" if typing.get_origin(hint) is Literal else None
+
+
 def values(owner: type, parsed: Mapping[str, Any], *, prefix: str = "", optional: bool = False) -> dict[str, Any]:
-    """Return the keyword arguments for ``owner`` from parsed flags, choices as their text and lists as tuples.
+    """Return the keyword arguments for ``owner`` from parsed flags, lists as tuples.
 
     With ``optional`` (flags made by ``flags(..., optional=True)``), only the flags that were given.
     """
@@ -92,8 +101,6 @@ def values(owner: type, parsed: Mapping[str, Any], *, prefix: str = "", optional
         value = parsed.get(flag.parameter.name)
         if flag.parameter.name not in parsed or (optional and value is None):
             continue
-        if isinstance(value, enum.Enum):
-            value = value.value
         out[flag.field] = tuple(value) if isinstance(value, list | tuple) else value
     return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, cast, get_args
 
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, one_of
 from redline.hardware.device import FAKE_CPU_ENV, CpuIsa, DeviceFacts
 from redline.plan import Choice
 
@@ -15,7 +15,7 @@ PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 def check_precision(requested: str) -> None:
     """Refuse a precision no run takes ("auto" or one of PRECISIONS), whatever the device."""
     if requested not in (*PRECISIONS, "auto"):
-        raise invalid("precision", requested, f"'auto' or one of {', '.join(map(repr, PRECISIONS))}")
+        raise one_of("precision", requested, ("auto", *PRECISIONS))
 
 
 def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionName]:

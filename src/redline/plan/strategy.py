@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, cast, get_args
 
-from redline.errors import invalid
+from redline.errors import invalid, one_of
 from redline.plan import Choice
 
 StrategyName = Literal["single", "ddp", "fsdp"]
@@ -22,7 +22,7 @@ def resolve_strategy(
 ) -> Choice[StrategyName]:
     """Pick DDP when model, gradients and optimizer state fit on one device, else FSDP."""
     if requested not in (*STRATEGIES, "auto"):
-        raise invalid("strategy", requested, f"'auto' or one of {', '.join(map(repr, STRATEGIES))}")
+        raise one_of("strategy", requested, ("auto", *STRATEGIES))
     state_gib = params * BYTES_PER_PARAM / 2**30
     if requested != "auto":
         if requested == "single" and world_size > 1:

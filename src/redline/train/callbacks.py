@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from redline.config import non_negative_number, option, positive_int
+from redline.config import non_negative_number, one_of, option, positive_int
 from redline.errors import ConfigError, TrainingError, invalid
 
 if TYPE_CHECKING:
@@ -45,11 +45,9 @@ class EarlyStopping(Callback):
     bad_evals: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.monitor not in ("val_loss", "val_metric"):
-            raise invalid("early_stopping.monitor", self.monitor, "'val_loss' or 'val_metric'")
+        one_of("early_stopping.monitor", self.monitor, ("val_loss", "val_metric"))
         positive_int("early_stopping.patience", self.patience)
-        if self.mode not in ("auto", "min", "max"):
-            raise invalid("early_stopping.mode", self.mode, "'auto', 'min' or 'max'")
+        one_of("early_stopping.mode", self.mode, ("auto", "min", "max"))
         non_negative_number("early_stopping.min_delta", self.min_delta)
 
     def check_task(self, task: Task) -> None:

@@ -1,0 +1,37 @@
+"""A refused choice's hint: the value a typo most likely meant."""
+
+import pytest
+
+from redline.config import one_of
+from redline.errors import ConfigError, nearest
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("bf16", "bf16-mixed"),  # begins exactly one choice
+        ("BF16", "bf16-mixed"),
+        ("ddpp", "ddp"),  # close in spelling
+        ("fsd", "fsdp"),
+        ("poison", "poisson"),
+        ("fp", "fp32"),  # begins two choices: the closer in spelling
+        ("bf61", None),  # nothing close
+        ("", None),
+        (16, None),  # not text
+    ],
+)
+def test_nearest_is_the_choice_a_typo_meant_or_none(typed, meant):
+    choices = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "single", "ddp", "fsdp", "uniform", "poisson")
+    assert nearest(typed, choices) == meant
+
+
+def test_one_of_hints_the_nearest_choice_else_an_example():
+    with pytest.raises(ConfigError) as caught:
+        one_of("precision", "bf16", ("auto", "fp32", "bf16-mixed"))
+    assert str(caught.value) == (
+        "precision='bf16' is not allowed; expected one of 'auto', 'fp32', 'bf16-mixed'\n"
+        "hint: did you mean precision='bf16-mixed'?"
+    )
+    with pytest.raises(ConfigError, match=r"hint: e\.g\. compile='auto'$"):
+        one_of("compile", "maybe", ("auto", "on", "off"))
+    one_of("compile", "on", ("auto", "on", "off"))  # an allowed value passes
