@@ -122,8 +122,9 @@ def test_a_compile_that_meets_the_models_bug_is_said_in_its_row_not_logged_by_to
 def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch):
     monkeypatch.setenv("REDLINE_CPU", "amx")  # plan as on a CPU with bf16 arithmetic, so auto weighs bf16
     result = benchmark(
-        tiny_task("slow"), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=8, window=2
-    )
+        tiny_task("slow"), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=8, window=2,
+        planned_steps=1000,  # long enough to repay auto's precision trial
+    )  # fmt: skip
     fp32, bf16 = result.row("cpu fp32 eager b32"), result.row("cpu bf16-mixed eager b32")
     # The sleep is a lower bound on every bf16 step, whatever the machine's load; fp32's speed is not asserted.
     assert bf16.step_ms_p50 >= 20 and bf16.samples_per_s < fp32.samples_per_s
@@ -132,11 +133,25 @@ def test_a_slower_precision_shows_slower_and_auto_does_not_choose_it(monkeypatch
     assert auto.plan["precision"]["reason"].startswith("measured: fp32 kept")
 
 
+def test_the_auto_row_of_a_run_too_short_to_repay_a_trial_keeps_the_rule_as_train_does(monkeypatch):
+    # `make run` trained fp32 by the rule (too short to repay a trial), then benched an auto row that
+    # measured bf16 and called it "what `redline train` runs".
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,
+                       planned_steps=40)  # fmt: skip
+    with Trainer(tiny_task(), TrainerConfig(max_steps=40, progress=False)) as trainer:
+        trained = trainer.fit().plan.precision
+    auto = result.row("auto cpu b32").plan["precision"]
+    assert "not measured" in trained.reason
+    assert (auto["value"], auto["reason"]) == (trained.value, trained.reason)
+
+
 def test_a_setting_that_fails_is_reported_in_its_row_and_the_others_run(monkeypatch):
     monkeypatch.setenv("REDLINE_CPU", "amx")
     result = benchmark(
-        tiny_task("fail"), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=4, window=2
-    )
+        tiny_task("fail"), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=4, window=2,
+        planned_steps=1000,
+    )  # fmt: skip
     failed = result.row("cpu bf16-mixed eager b32")
     assert failed.error.startswith('RuntimeError: "addmm_impl_cpu_" not implemented')
     assert failed.samples_per_s is None and failed.speedup_naive is None

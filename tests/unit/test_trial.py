@@ -206,6 +206,8 @@ def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_reques
     short = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")
     assert short["precision"].value == "fp32" and "not measured: a trial costs 36 steps" in short["precision"].reason
     assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
+    recalled = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")["precision"]  # a measurement costs nothing
+    assert recalled.value == "bf16-mixed" and "cached from" in recalled.reason
     assert measure_auto(tiny_task(), cpu, 16, 5000, env, trial="off") == {}
     assert measure_auto(tiny_task(), RuntimeOptions(precision="fp32"), 16, 5000, env, trial="on") == {}
     assert len(counted_trials) == 1

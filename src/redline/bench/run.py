@@ -255,12 +255,13 @@ def _auto(
 ) -> tuple[RuntimeOptions | None, dict[str, Choice[str]] | None, Tuning | None]:
     """What `redline train` would run on the row's device at its batch size, by train's own rules: the
     cached tuned Plan (its options, micro-batches included, and its reasons), else auto's rules with
-    the precision a trial measured."""
+    the precision a trial measured, where the planned run repays one or a measurement is cached."""
     env, options = read_env(), RuntimeOptions(devices=setting.device)
     tuned = auto_tuned(task, options, setting.batch_size, env)
     if tuned is not None:
         return tuned.options, None, tuned.tuning
-    return None, measure_auto(task, options, setting.batch_size, planned or 1, env, trial="on"), None
+    trial = "auto" if planned else "on"  # train measures a run long enough to repay it (a stream: unknown)
+    return None, measure_auto(task, options, setting.batch_size, planned or 1, env, trial=trial), None
 
 
 def time_runners(

@@ -3,7 +3,7 @@
 The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
 is long enough to repay it: a trial costs ``trial_steps`` training steps, and runs only when the
 planned run is at least ``REPAY`` times as long. Its result is cached on disk, keyed by the Task's
-fingerprint and this machine, so a second run pays nothing. Under several processes rank 0
+fingerprint and this machine, so a second run pays nothing, a short one included. Under several processes rank 0
 measures and every rank runs its choice.
 """
 
@@ -55,12 +55,13 @@ def measure_auto(
     if not candidates:
         return {}  # the rule's reason says why nothing else is worth trying here
     cost = trial_steps(candidates)
-    if trial == "auto" and planned_steps < REPAY * cost:
+    short = trial == "auto" and planned_steps < REPAY * cost  # too short to repay a trial, not a cached one
+    choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short) if env.is_main else None
+    shared: tuple[str, str] | None = gather_objects(choice and (choice.value, choice.reason))[0]  # rank 0's, on all
+    if shared is None:
         rule = resolve_precision("auto", facts)
         why = f"not measured: a trial costs {cost} steps, and this run of {planned_steps:g} would not repay it"
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} (--trial on measures anyway)")}
-    choice = _measure(task, device, facts, batch_size // env.world_size, candidates) if env.is_main else None
-    shared: tuple[str, str] = gather_objects(choice and (choice.value, choice.reason))[0]  # rank 0's, on every rank
     return {"precision": Choice(*shared)}
 
 
@@ -71,22 +72,25 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
     return device, probe_device(device)
 
 
-def _measure(task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]) -> Choice[str]:
+def _measure(
+    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
+) -> Choice[str] | None:
     """Time fp32 and ``candidates`` on the task's model and first batch (or read the cache); return the choice.
+    With ``recall_only``, only read the cache: None when it holds no measurement of this workload.
 
     A model factory draws weights (for the fingerprint and the trial) and the batch is drawn too:
     the run's random streams are put back as they were.
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, device, facts, local_batch, candidates)
+        return _measure_or_recall(task, device, facts, local_batch, candidates, recall_only)
     finally:
         restore_rng(saved)
 
 
 def _measure_or_recall(
-    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]
-) -> Choice[str]:
+    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
+) -> Choice[str] | None:
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     key = trial_key(task.fingerprint(), facts, local_batch, candidates)
     cached = load_cached(key)
@@ -94,6 +98,8 @@ def _measure_or_recall(
         measured, when = cached
         choice = choose(measured, where)
         return Choice(choice.value, f"{choice.reason}; cached from {when}")
+    if recall_only:
+        return None
     model = task.build_model()
     batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
