@@ -31,6 +31,12 @@ def pytest_configure(config: pytest.Config) -> None:
     fake = config.getoption("--redline-cpu")
     if fake:
         os.environ[FAKE_CPU_ENV] = fake
+    # Each xdist worker is a process of its own, and torch gives each one a thread per core: two workers on
+    # two cores run four threads, and OpenMP's waiting threads then slow small ops several times over (the
+    # README's 2,000-step example took 46 s so, 7 s on a thread each). The workers share the cores instead.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
     # Measured choices are cached per run of the suite, never in the developer's own cache.
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="redline-test-cache-")
     try:
