@@ -81,16 +81,18 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("RTX 4090", "rtx-4090"), ("h200", "h200-sxm"), ("A100 SXM4 80GB", "a100-sxm4-80gb"), ("H100_SXM", "h100-sxm"),
-     ("L4", "l4"), ("t4", "t4")],
+    [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
+     ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
 
 
 @pytest.mark.parametrize(
-    ("name", "rows"), [("H100", "h100-sxm, h100-pcie"), ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")]
-)
+    ("name", "rows"),
+    [("H100", "h100-sxm, h100-nvl, h100-pcie"), ("h200", "h200-sxm, h200-nvl"), ("gh200", "gh200-96gb, gh200-144gb"),
+     ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")],
+)  # fmt: skip
 def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> None:
     with pytest.raises(ConfigError, match=f"could be any of: {rows}"):
         gpu_facts(name)
