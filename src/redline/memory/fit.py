@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset
 
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError
-from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog
+from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
@@ -129,8 +129,11 @@ def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
         raise ConfigError(f"--gpu {name!r} could be any of: {ids}\nhint: name one, e.g. --gpu {found[0].id}")
     if not found:
         known = ", ".join(s.id for s in load_catalog())
+        near = ", ".join(s.id for s in nearest_gpus(name))
+        nearest = f"; nearest: {near}" if near else ""
         raise ConfigError(
-            f"--gpu {name!r} is not in the GPU catalog; known: {known}\nhint: give its memory instead with --mem-gib"
+            f"--gpu {name!r} is not in the GPU catalog{nearest}; known: {known}\n"
+            f"hint: {'name one of the nearest, or ' if near else ''}give its memory instead with --mem-gib"
         )
     spec = found[0]
     facts = DeviceFacts(type="cuda", name=spec.name, capability=spec.compute_capability, mem_gib=spec.mem_gib)
