@@ -201,6 +201,14 @@ def test_the_cpu_laptop_skips_gpu_checks_with_a_reason():
         assert check.status == "skip" and check.detail, check
 
 
+def test_the_cpu_matmul_figure_reads_the_same_in_every_check_that_shows_it():
+    snap = load_snapshot(FIXTURES / "healthy-cpu-laptop.json")
+    slow = [replace(r, fp32_tflops=0.0135) if r.device == "cpu" else r for r in snap.measurements]
+    report = judge(replace(snap, measurements=slow))
+    assert "fp32 matmul 13.5 GFLOP/s" in report.check("cpu-threads").detail
+    assert "fp32 13.5 GFLOP/s" in report.check("device-smoke").detail
+
+
 @pytest.mark.parametrize("name", sorted([*BROKEN, *HEALTHY]))
 def test_every_report_lists_each_check_once_and_judges_them_all(name):
     report = report_of(name)
