@@ -140,6 +140,9 @@ def test_a_given_module_is_traced_on_a_copy_and_left_as_it_was() -> None:
         ({"strategy": "single", "world_size": 2}, "world_size=2"),
         ({"target": "tpu"}, "target='tpu'"),
         ({"batch_size": 0}, "batch_size"),
+        # an optimizer already built (on other parameters) where a factory belongs, named before any trace
+        ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters())}, r"optimizer=<SGD> is not.*\n.*lambda params"),
+        ({"optimizer": "adamw"}, "optimizer='adamw'"),
     ],
 )
 def test_bad_arguments_name_the_problem(kwargs, message) -> None:

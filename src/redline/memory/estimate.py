@@ -139,6 +139,13 @@ def estimate_memory(
         raise invalid("target", target, "'cuda' or 'cpu'")
     if strategy == "single" and world_size > 1:
         raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
+    if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
+        # an optimizer built on other parameters would be called on the traced model's and fail mid-trace
+        shown = f"<{type(optimizer).__name__}>" if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer)
+        raise ConfigError(
+            f"optimizer={shown} is not allowed; expected a factory params -> Optimizer\n"
+            "hint: write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
     local_batch = math.ceil(batch_size / world_size)
     trace = trace_step(
         task,
