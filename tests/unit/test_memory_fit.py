@@ -152,3 +152,14 @@ def test_fit_memory_predicts_no_batch_larger_than_the_training_set() -> None:
         ("as it stands", 100, 100),
         ("FSDP over 8 GPUs", 96, 96),  # a batch the 8 ranks share evenly
     ]
+
+
+def test_a_batch_larger_than_the_training_set_is_estimated_as_asked_and_noted() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1000, gpus=1)
+    assert result.rows[0].estimate.batch_size == 1000 and result.rows[0].largest_batch == 100
+    (note,) = result.notes
+    assert note.startswith("batch 1000 is more than train_data holds (100 items): a run's batches stop at 100")
+    assert result.to_dict()["notes"] == list(result.notes)
+    assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=100, gpus=1).notes == ()

@@ -142,5 +142,5 @@ def _print(result: MemoryFit, json_output: bool) -> None:
     out = output_console()
     for table in memory_tables(result):
         out.print(table)
-    for note in result.rows[0].estimate.notes:
+    for note in (*result.rows[0].estimate.notes, *result.notes):
         out.print(f"note: {note}", highlight=False, markup=False)

@@ -149,6 +149,7 @@ class MemoryFit:
     mem_gib: float
     target: str
     rows: tuple[Fit, ...]
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -157,6 +158,7 @@ class MemoryFit:
             "mem_gib": self.mem_gib,
             "target": self.target,
             "rows": [row.to_dict() for row in self.rows],
+            "notes": list(self.notes),
         }
 
 
@@ -201,4 +203,10 @@ def fit_memory(
         row_cap = None if cap is None else max(cap // world * world, world)  # a batch the ranks share evenly
         largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
-    return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows))
+    notes: tuple[str, ...] = ()
+    if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
+        notes = (
+            f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
+            "so the largest batch does too",
+        )
+    return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=notes)
