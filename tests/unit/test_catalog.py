@@ -66,6 +66,7 @@ def test_dense_not_sparse_peaks():
         ("NVIDIA A100 80GB PCIe", "a100-pcie-80gb"),
         ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),
         ("NVIDIA A10G", "a10g"),
+        ("NVIDIA A10", "a10"),
         ("NVIDIA L4", "l4"),
         ("NVIDIA L40S", "l40s"),
         ("Tesla T4", "t4"),

@@ -83,13 +83,15 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     ("name", "expected"),
     [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
      ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4"), ("rtx4090", "rtx-4090"), ("h100nvl", "h100-nvl"),
-     ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4")],
+     ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
 
 
-@pytest.mark.parametrize(("name", "nearest"), [("h10-sxm", "h100-sxm, h200-sxm"), ("a10", "a10g"), ("l40", "l40s, l4")])
+@pytest.mark.parametrize(
+    ("name", "nearest"), [("h10-sxm", "h100-sxm, h200-sxm"), ("a10x", "a10, a10g"), ("l40", "l40s, l4")]
+)
 def test_a_name_in_no_row_names_the_nearest_rows(name, nearest) -> None:
     message = rf"(?s)--gpu '{name}' is not in the GPU catalog; nearest: {nearest};.*--mem-gib"
     with pytest.raises(ConfigError, match=message):
