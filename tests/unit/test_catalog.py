@@ -74,6 +74,7 @@ def test_dense_not_sparse_peaks():
         ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
         ("NVIDIA GeForce RTX 4090", "rtx-4090"),
         ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
         ("nvidia  h100 80gb hbm3 ", "h100-sxm"),  # case and spacing do not matter
     ],
 )
@@ -86,7 +87,7 @@ def test_torch_names_find_their_row(name, expected):
     "name",
     [
         "NVIDIA Foo 9000",
-        "NVIDIA RTX 6000 Ada Generation",  # no sourced figures in the reference notes yet
+        "Quadro RTX 6000",  # the Turing card, not the Ada one
         "NVIDIA H200 NVL 2",
         "NVIDIA GH200",  # which memory: the name torch reports says
         "NVIDIA L40",  # not an L4, not an L40S

@@ -83,7 +83,8 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     ("name", "expected"),
     [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
      ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4"), ("rtx4090", "rtx-4090"), ("h100nvl", "h100-nvl"),
-     ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10")],
+     ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10"),
+     ("RTX 6000 Ada", "rtx-6000-ada")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
