@@ -3,7 +3,8 @@
 The rows live in ``catalog.toml`` next to this module, as data. ``find_gpu`` maps the name torch
 reports to a row; an unknown name gives ``None``, never a near match, because a wrong peak makes a
 confident, wrong MFU (a B300 read as an A100 showed 88% MFU where the truth was 12%:
-https://github.com/allenai/OLMo-core/pull/817).
+https://github.com/allenai/OLMo-core/pull/817). ``gpus_named`` finds the rows a person means by what
+they type; ``nearest_gpus`` only suggests rows for an error message, and is never taken as a match.
 """
 
 from __future__ import annotations
