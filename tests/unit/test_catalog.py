@@ -45,6 +45,10 @@ def test_dense_not_sparse_peaks():
     assert find_gpu("NVIDIA H100 NVL").peak_tflops_bf16 == 835.5
     assert find_gpu("NVIDIA H200 NVL").peak_tflops_bf16 == 835.5
     assert find_gpu("NVIDIA H200").peak_tflops_bf16 == 989.0
+    # B200: the sheet's TF32 2.2 PFLOPS is with sparsity; FP32 (CUDA cores) has none to halve.
+    b200 = find_gpu("NVIDIA B200")
+    assert (b200.peak_tflops_fp32, b200.peak_tflops_tf32, b200.peak_tflops_bf16) == (75.0, 1100.0, 2250.0)
+    assert peak_tflops(b200, "fp32", tf32=True) == 1100.0 and peak_tflops(b200, "fp32", tf32=False) == 75.0
     # GeForce: the FP32-accumulate rate autocast uses, half the FP16-accumulate headline.
     assert find_gpu("NVIDIA GeForce RTX 4090").peak_tflops_bf16 == 165.2
 
