@@ -340,13 +340,55 @@ def test_a_model_keeping_a_plain_tensor_attribute_is_traced(given: bool) -> None
         assert estimate.params == (64 * 10 + 10) * 4  # the attribute is no parameter or buffer
 
 
-def test_a_factory_that_moves_its_model_to_the_cpu_is_traced_under_the_fake_mode() -> None:
+def test_a_factory_that_moves_its_model_to_the_cpu_is_traced() -> None:
     def moved() -> nn.Module:
         return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to("cpu")
 
     data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
     task = Task(model=moved, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
     assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+MOVED_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from redline.task import Task
+
+def task():
+    def build():
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to("cpu")
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    return Task(model=build, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
+"""
+
+
+def test_a_factory_that_moves_its_model_is_weighed_by_redline_memory(tmp_path: Path) -> None:
+    # in a fresh process, where torch cannot swap a fake parameter for the copy .to() makes
+    (tmp_path / "moved.py").write_text(MOVED_TASK, encoding="utf-8")
+    done = run_cli("--task", f"{tmp_path / 'moved.py'}:task", "--gpu", "l4", "--json")
+    assert done.returncode == 0, done.stderr
+    first = json.loads(done.stdout)["rows"][0]["estimate"]
+    assert first["params"] == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+@pytest.mark.parametrize(
+    ("move", "width"),
+    [
+        (lambda m: m.cuda(), 4),  # a GPU factory estimated on a machine without one
+        (lambda m: m.to("cuda", torch.float16), 2),  # the move stays on meta, the dtype applies
+        (lambda m: m.cpu().to(torch.device("cpu"), dtype=torch.bfloat16), 2),
+        (lambda m: m.to(torch.empty(0, dtype=torch.float16)), 2),  # .to(other): its dtype
+    ],
+)
+def test_a_factory_that_moves_its_model_is_traced_on_meta_with_its_dtype(move, width: int) -> None:
+    def build() -> nn.Module:
+        return move(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    task = Task(model=build, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
+    estimate = estimate_memory(task, target="cuda", precision="bf16-mixed")
+    assert estimate.params == (64 * 256 + 256 + 256 * 10 + 10) * width
 
 
 class SparseBag(nn.Module):
