@@ -133,6 +133,35 @@ def test_a_given_module_is_traced_on_a_copy_and_left_as_it_was() -> None:
         assert not isinstance(tensor, FakeTensor) and torch.equal(tensor, before[name])
 
 
+class Uncopyable(nn.Parameter):
+    """A weight that refuses to be copied, as a large model on a GPU should not be: copying it would take the
+    memory being estimated."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> nn.Parameter:
+        raise AssertionError("the estimate copied the model's weights")
+
+
+def test_a_given_module_s_weights_are_not_copied_for_the_trace() -> None:
+    model = mlp_model()
+    tied = Uncopyable(model[0].weight.detach())
+    model[0].weight = tied
+    estimate = estimate_memory(mlp(model), batch_size=32, target="cuda")
+    assert estimate.params == estimate_memory(mlp(), batch_size=32, target="cuda").params
+    assert model[0].weight is tied
+
+
+def tied_model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    model[2].weight = model[0].weight
+    return model
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_tied_weights_are_counted_once(given: bool) -> None:
+    estimate = estimate_memory(mlp(tied_model() if given else tied_model), batch_size=32, target="cuda")
+    assert estimate.params == (64 * 64 + 64 + 64 + 64 * 10 + 10) * 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from redline.config import positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
-from redline.memory.meta import build_on_meta
+from redline.memory.meta import build_on_meta, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.parallel.blocks import find_blocks
@@ -191,8 +191,8 @@ def trace_step(
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     sample, rows = _sample(task.train_data, batch_size)
     autocast = _AUTOCAST.get(precision)
-    with _tracing(task):  # a copy of the user's module (which stays as it was), or the factory's on meta
-        built = task.build_model() if isinstance(task.model, nn.Module) else build_on_meta(task)
+    with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
+        built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
     with mode, tracker, _tracing(task):
         model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
