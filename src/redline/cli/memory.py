@@ -54,7 +54,7 @@ def memory(
         int | None, typer.Option(min=1, help="With --measure: the first batch size tried (default: 1).")
     ] = None,
     max_batch_size: Annotated[
-        int | None, typer.Option(min=1, help="With --measure: the largest size tried (on a CPU: the dataset's size).")
+        int | None, typer.Option(min=1, help="With --measure: the largest size tried (default: the dataset's size).")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
