@@ -182,3 +182,16 @@ def test_redline_memory_measure_refuses_a_batch_size_it_would_ignore():
     done = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--batch-size", "64")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--batch-size" in done.stderr and "--start" in done.stderr
+
+
+def test_redline_memory_measure_says_its_cap_by_the_flag_the_user_typed() -> None:
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    args = ["memory", "--task", "example:digits", "--measure", "--start", "8", "--max-batch-size", "16", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    search = json.loads(result.stdout[result.stdout.index("{") :])
+    assert search["reason"] == "16 fits: the cap (--max-batch-size 16) stopped the search"
+    assert "max_batch_size" not in json.dumps([search["reason"], search["notes"]])

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Annotated
 
 import torch
@@ -114,6 +115,9 @@ def _measure(task: Task, precision: str, start: int, max_batch_size: int | None,
                                  max_batch_size=max_batch_size)  # fmt: skip
     if read_env().rank != 0:
         return
+    # the search speaks of its argument, the user typed its flag: "the cap (--max-batch-size 64)"
+    flagged = [re.sub(r"(?<![\w-])max_batch_size[= ]", "--max-batch-size ", t) for t in (search.reason, *search.notes)]
+    search = dataclasses.replace(search, reason=flagged[0], notes=tuple(flagged[1:]))
     if json_output:
         print(json.dumps(search.to_dict(), indent=2))
     else:
