@@ -146,5 +146,7 @@ def _print(result: MemoryFit, json_output: bool) -> None:
     out = output_console()
     for table in memory_tables(result):
         out.print(table)
-    for note in (*result.rows[0].estimate.notes, *result.notes):
+    for note in result.rows[0].estimate.notes:
+        out.print(f"note: {note}", highlight=False, markup=False)
+    for note in result.notes:  # the fit's own: a batch past the training set's size
         out.print(f"note: {note}", highlight=False, markup=False)
