@@ -100,6 +100,16 @@ def test_a_name_in_no_row_names_the_nearest_rows(name, nearest) -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "row"), [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("v100 32gb", "v100-sxm2-32gb")]
+)
+def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(name, row) -> None:
+    # "rtx 6000" is the 48 GB Ada card of the catalog, or the 24 GB Quadro RTX 6000 it lacks: weighing a model
+    # against the wrong one answers "fits" for a card that cannot hold it
+    with pytest.raises(ConfigError, match=rf"(?s)--gpu '{name}' names {row} .* only in part.*hint: --gpu {row} "):
+        gpu_facts(name)
+
+
+@pytest.mark.parametrize(
     ("name", "rows"),
     [("H100", "h100-sxm, h100-nvl, h100-pcie"), ("h200", "h200-sxm, h200-nvl"), ("gh200", "gh200-96gb, gh200-144gb"),
      ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")],

@@ -136,12 +136,33 @@ def find_gpu(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec 
 def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:
     """Return the rows a person may mean by ``name``: the row of that id, the row of the name torch reports,
     else every row whose id or name holds each of ``name``'s words ("RTX 4090", "h200", "A100 80GB"); a word
-    may join neighbouring words of the row ("rtx4090", "h100nvl")."""
+    may join neighbouring words of the row ("rtx4090", "h100nvl").
+
+    Rows that ``name`` names whole (each word of their id, or of their name, typed) come alone when there
+    are any: "rtx 6000" is part of rtx-6000-ada's name, but so it is of the Quadro RTX 6000 the catalog
+    lacks, and ``names_whole`` tells the two cases apart."""
     specs = tuple(load_catalog() if catalog is None else catalog)
     wanted = set(_words(name))
     by_id = [s for s in specs if set(_words(s.id)) == wanted]
     found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
-    return found or [s for s in specs if wanted and wanted <= _terms(s.id) | _terms(s.name)]
+    if found:
+        return found
+    held = [s for s in specs if wanted and wanted <= _terms(s.id) | _terms(s.name)]
+    whole = [s for s in held if names_whole(name, s)]
+    return whole or held
+
+
+def names_whole(name: str, spec: GPUSpec) -> bool:
+    """Whether ``name`` holds every word of ``spec``'s id or of its name (the vendor's aside), so it can mean no
+    other card: "rtx 4090" and "h100nvl" do, "4090" (a laptop's 4090 has 16 GB) and "rtx 6000" do not."""
+    if set(_words(name)) == set(_words(spec.id)) or find_gpu(name, catalog=[spec]) is spec:
+        return True
+    typed = _compact(name)
+    for label in (spec.id, spec.name):
+        words = [word for word in _words(label) if word != "nvidia"]
+        if words and (set(words) <= _terms(name) or "".join(words) in typed):
+            return True
+    return False
 
 
 def nearest_gpus(name: str, *, count: int = 3, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:

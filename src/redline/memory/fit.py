@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset
 
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError
-from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, nearest_gpus
+from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
@@ -127,6 +127,12 @@ def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
     if len(found) > 1:
         ids = ", ".join(s.id for s in found)
         raise ConfigError(f"--gpu {name!r} could be any of: {ids}\nhint: name one, e.g. --gpu {found[0].id}")
+    if found and not names_whole(name, found[0]):  # "rtx 6000": the Ada card of the catalog, or another
+        spec = found[0]
+        raise ConfigError(
+            f"--gpu {name!r} names {spec.id} ({spec.name}) only in part, and could be a card the catalog lacks\n"
+            f"hint: --gpu {spec.id} if that is the card, else give its memory with --mem-gib"
+        )
     if not found:
         known = ", ".join(s.id for s in load_catalog())
         near = ", ".join(s.id for s in nearest_gpus(name))
