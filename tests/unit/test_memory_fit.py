@@ -176,3 +176,14 @@ def test_a_batch_larger_than_the_training_set_is_estimated_as_asked_and_noted() 
     assert note.startswith("batch 1000 is more than train_data holds (100 items): a run's batches stop at 100")
     assert result.to_dict()["notes"] == list(result.notes)
     assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=100, gpus=1).notes == ()
+
+
+def test_a_gpu_whose_context_takes_all_its_memory_says_so() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a 0.5 GiB GPU", mem_gib=0.5, target="cuda", gpus=1)
+    assert result.rows[0].available == 0 and result.rows[0].largest_batch is None
+    assert result.notes == (
+        "a 0.5 GiB GPU leaves no memory for tensors: the CUDA context takes about 1 GiB of it before any tensor",
+    )
+    assert fit_memory(task, device="a CPU", mem_gib=0.5, target="cpu").notes == ()

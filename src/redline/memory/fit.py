@@ -209,10 +209,17 @@ def fit_memory(
         row_cap = None if cap is None else max(cap // world * world, world)  # a batch the ranks share evenly
         largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
-    notes: tuple[str, ...] = ()
+    notes: list[str] = []
     if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
-        notes = (
+        notes.append(
             f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
-            "so the largest batch does too",
+            "so the largest batch does too"
         )
-    return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=notes)
+    if available == 0:  # nothing fits, and the table alone would not say why
+        notes.append(
+            f"a {mem_gib:g} GiB GPU leaves no memory for tensors: the CUDA context takes about "
+            f"{CUDA_CONTEXT / GIB:g} GiB of it before any tensor"
+        )
+    return MemoryFit(
+        task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=tuple(notes)
+    )
