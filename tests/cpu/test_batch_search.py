@@ -59,7 +59,7 @@ def test_each_probe_trains_a_fresh_model_and_frees_the_last_one_first():
 def test_on_a_cpu_the_cap_defaults_to_the_dataset_and_small_data_repeats():
     search = redline.find_batch_size(limited_task(1000, samples=48), options=CPU)
     assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 16, 32, 48] and search.largest == 48
-    assert search.reason == "48 fits: the dataset's size (48), the cap on a CPU, stopped the search"
+    assert search.reason == "48 fits: the dataset's size (48), the largest batch a run has, stopped the search"
     assert any("dataset's size (48)" in note for note in search.notes)
     repeated = redline.find_batch_size(limited_task(1000, samples=10), options=CPU, start=8, max_batch_size=16)
     assert repeated.largest == 16 and any("gave 10 samples" in note for note in repeated.notes)
@@ -182,3 +182,16 @@ def test_redline_memory_measure_refuses_a_batch_size_it_would_ignore():
     done = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--batch-size", "64")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--batch-size" in done.stderr and "--start" in done.stderr
+
+
+def test_redline_memory_measure_says_its_cap_by_the_flag_the_user_typed() -> None:
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    args = ["memory", "--task", "example:digits", "--measure", "--start", "8", "--max-batch-size", "16", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    search = json.loads(result.stdout[result.stdout.index("{") :])
+    assert search["reason"] == "16 fits: the cap (--max-batch-size 16) stopped the search"
+    assert "max_batch_size" not in json.dumps([search["reason"], search["notes"]])

@@ -188,6 +188,25 @@ def test_wrappers_and_nested_batches():
     assert count_train_flops(model, weighted, (data[0], torch.randint(0, 8, (4,)))) == expected
 
 
+class PlainMask(nn.Module):
+    """Keeps its mask as a plain attribute, not a buffer: the count's meta copy must not mix it with meta tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.mask = torch.tril(torch.ones(8, 8))
+
+    def forward(self, x):
+        return self.proj(x) * self.mask[0]
+
+
+def test_a_model_keeping_a_plain_tensor_attribute_is_counted():
+    model = PlainMask()
+    counted = count_train_flops(model, mse, (torch.randn(4, 8), torch.randn(4, 8)))
+    assert counted == count_train_flops(model.proj, mse, (torch.randn(4, 8), torch.randn(4, 8))) == 2 * 2 * 4 * 8 * 8
+    assert model.mask.device.type == "cpu" and model.mask.sum() == 36  # the real model's mask is left as it was
+
+
 def test_a_frozen_model_counts_its_forward_only():
     model = linear_stack([16, 32])
     model.requires_grad_(False)

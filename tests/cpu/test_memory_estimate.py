@@ -133,6 +133,35 @@ def test_a_given_module_is_traced_on_a_copy_and_left_as_it_was() -> None:
         assert not isinstance(tensor, FakeTensor) and torch.equal(tensor, before[name])
 
 
+class Uncopyable(nn.Parameter):
+    """A weight that refuses to be copied, as a large model on a GPU should not be: copying it would take the
+    memory being estimated."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> nn.Parameter:
+        raise AssertionError("the estimate copied the model's weights")
+
+
+def test_a_given_module_s_weights_are_not_copied_for_the_trace() -> None:
+    model = mlp_model()
+    tied = Uncopyable(model[0].weight.detach())
+    model[0].weight = tied
+    estimate = estimate_memory(mlp(model), batch_size=32, target="cuda")
+    assert estimate.params == estimate_memory(mlp(), batch_size=32, target="cuda").params
+    assert model[0].weight is tied
+
+
+def tied_model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    model[2].weight = model[0].weight
+    return model
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_tied_weights_are_counted_once(given: bool) -> None:
+    estimate = estimate_memory(mlp(tied_model() if given else tied_model), batch_size=32, target="cuda")
+    assert estimate.params == (64 * 64 + 64 + 64 + 64 * 10 + 10) * 4
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -140,6 +169,9 @@ def test_a_given_module_is_traced_on_a_copy_and_left_as_it_was() -> None:
         ({"strategy": "single", "world_size": 2}, "world_size=2"),
         ({"target": "tpu"}, "target='tpu'"),
         ({"batch_size": 0}, "batch_size"),
+        # an optimizer already built (on other parameters) where a factory belongs, named before any trace
+        ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters())}, r"optimizer=<SGD> is not.*\n.*lambda params"),
+        ({"optimizer": "adamw"}, "optimizer='adamw'"),
     ],
 )
 def test_bad_arguments_name_the_problem(kwargs, message) -> None:
@@ -337,13 +369,55 @@ def test_a_model_keeping_a_plain_tensor_attribute_is_traced(given: bool) -> None
         assert estimate.params == (64 * 10 + 10) * 4  # the attribute is no parameter or buffer
 
 
-def test_a_factory_that_moves_its_model_to_the_cpu_is_traced_under_the_fake_mode() -> None:
+def test_a_factory_that_moves_its_model_to_the_cpu_is_traced() -> None:
     def moved() -> nn.Module:
         return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to("cpu")
 
     data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
     task = Task(model=moved, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
     assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+MOVED_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from redline.task import Task
+
+def task():
+    def build():
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to("cpu")
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    return Task(model=build, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
+"""
+
+
+def test_a_factory_that_moves_its_model_is_weighed_by_redline_memory(tmp_path: Path) -> None:
+    # in a fresh process, where torch cannot swap a fake parameter for the copy .to() makes
+    (tmp_path / "moved.py").write_text(MOVED_TASK, encoding="utf-8")
+    done = run_cli("--task", f"{tmp_path / 'moved.py'}:task", "--gpu", "l4", "--json")
+    assert done.returncode == 0, done.stderr
+    first = json.loads(done.stdout)["rows"][0]["estimate"]
+    assert first["params"] == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+@pytest.mark.parametrize(
+    ("move", "width"),
+    [
+        (lambda m: m.cuda(), 4),  # a GPU factory estimated on a machine without one
+        (lambda m: m.to("cuda", torch.float16), 2),  # the move stays on meta, the dtype applies
+        (lambda m: m.cpu().to(torch.device("cpu"), dtype=torch.bfloat16), 2),
+        (lambda m: m.to(torch.empty(0, dtype=torch.float16)), 2),  # .to(other): its dtype
+    ],
+)
+def test_a_factory_that_moves_its_model_is_traced_on_meta_with_its_dtype(move, width: int) -> None:
+    def build() -> nn.Module:
+        return move(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)))
+
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    task = Task(model=build, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
+    estimate = estimate_memory(task, target="cuda", precision="bf16-mixed")
+    assert estimate.params == (64 * 256 + 256 + 256 * 10 + 10) * width
 
 
 class SparseBag(nn.Module):

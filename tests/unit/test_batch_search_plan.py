@@ -1,8 +1,11 @@
 """The batch-size search's plan: doubling, then bisection, fed a device that fits up to a limit."""
 
 import pytest
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
 
-from redline.memory.search import next_batch_size, search_reason
+from redline.errors import ConfigError
+from redline.memory.search import _cap, next_batch_size, search_reason
 
 
 def plan(limit: int, *, start: int = 1, cap: int | None = None) -> list[int]:
@@ -58,6 +61,26 @@ def test_the_reason_names_the_answer_and_what_stopped_the_search():
     capped = search_reason([(32, True, ""), (40, True, "")], 40)
     assert capped == "40 fits: the cap (max_batch_size=40) stopped the search"
     by_default = search_reason([(32, True, ""), (40, True, "")], 40, cap_given=False)  # never typed: not named so
-    assert by_default == "40 fits: the dataset's size (40), the cap on a CPU, stopped the search"
+    assert by_default == "40 fits: the dataset's size (40), the largest batch a run has, stopped the search"
     nothing = search_reason([(2, False, oom), (1, False, oom)], None)
     assert nothing == f"nothing fits: batch size 1 ran out of memory ({oom})"
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([(torch.ones(2), 0)])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_cap_defaults_to_the_dataset_s_size_on_every_device(device):
+    # a GPU with room to spare would otherwise double far past any batch a run has, collating each for real
+    data = TensorDataset(torch.zeros(1438, 2))
+    cap, notes = _cap(data, torch.device(device), None)
+    assert cap == 1438 and len(notes) == 1 and "dataset's size (1438)" in notes[0]
+    assert _cap(data, torch.device(device), 5000) == (5000, [])  # asked for: past the data, repeating it
+
+
+def test_a_stream_has_no_default_cap_and_a_cpu_refuses_it():
+    assert _cap(Stream(), torch.device("cuda"), None) == (None, [])  # its out-of-memory ends the doubling
+    with pytest.raises(ConfigError, match="on a CPU the search needs max_batch_size"):
+        _cap(Stream(), torch.device("cpu"), None)

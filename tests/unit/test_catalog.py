@@ -41,6 +41,14 @@ def test_dense_not_sparse_peaks():
     assert find_gpu("NVIDIA H100 80GB HBM3").peak_tflops_bf16 == 989.4
     assert find_gpu("NVIDIA H100 PCIe").peak_tflops_bf16 == 756.0
     assert find_gpu("NVIDIA L4").peak_tflops_bf16 == 121.0
+    # The NVL cards run lower clocks than the SXM parts: the sheet's 1,671 with sparsity, halved.
+    assert find_gpu("NVIDIA H100 NVL").peak_tflops_bf16 == 835.5
+    assert find_gpu("NVIDIA H200 NVL").peak_tflops_bf16 == 835.5
+    assert find_gpu("NVIDIA H200").peak_tflops_bf16 == 989.0
+    # B200: the sheet's TF32 2.2 PFLOPS is with sparsity; FP32 (CUDA cores) has none to halve.
+    b200 = find_gpu("NVIDIA B200")
+    assert (b200.peak_tflops_fp32, b200.peak_tflops_tf32, b200.peak_tflops_bf16) == (75.0, 1100.0, 2250.0)
+    assert peak_tflops(b200, "fp32", tf32=True) == 1100.0 and peak_tflops(b200, "fp32", tf32=False) == 75.0
     # GeForce: the FP32-accumulate rate autocast uses, half the FP16-accumulate headline.
     assert find_gpu("NVIDIA GeForce RTX 4090").peak_tflops_bf16 == 165.2
 
@@ -52,11 +60,17 @@ def test_dense_not_sparse_peaks():
         ("NVIDIA H200", "h200-sxm"),
         ("NVIDIA H100 80GB HBM3", "h100-sxm"),
         ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA GH200 480GB", "gh200-96gb"),
+        ("NVIDIA GH200 120GB", "gh200-96gb"),
+        ("NVIDIA GH200 144G HBM3e", "gh200-144gb"),
         ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"),
         ("NVIDIA A100-SXM4-40GB", "a100-sxm4-40gb"),
         ("NVIDIA A100 80GB PCIe", "a100-pcie-80gb"),
         ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),
         ("NVIDIA A10G", "a10g"),
+        ("NVIDIA A10", "a10"),
         ("NVIDIA L4", "l4"),
         ("NVIDIA L40S", "l40s"),
         ("Tesla T4", "t4"),
@@ -64,6 +78,7 @@ def test_dense_not_sparse_peaks():
         ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
         ("NVIDIA GeForce RTX 4090", "rtx-4090"),
         ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
         ("nvidia  h100 80gb hbm3 ", "h100-sxm"),  # case and spacing do not matter
     ],
 )
@@ -76,10 +91,9 @@ def test_torch_names_find_their_row(name, expected):
     "name",
     [
         "NVIDIA Foo 9000",
-        "NVIDIA RTX 6000 Ada Generation",  # no sourced figures in the reference notes yet
-        "NVIDIA H200 NVL",  # 600 W, lower clocks: not the SXM part
-        "NVIDIA H100 NVL",
-        "NVIDIA GH200 480GB",
+        "Quadro RTX 6000",  # the Turing card, not the Ada one
+        "NVIDIA H200 NVL 2",
+        "NVIDIA GH200",  # which memory: the name torch reports says
         "NVIDIA L40",  # not an L4, not an L40S
         "NVIDIA GeForce RTX 4090 D",
         "NVIDIA GeForce RTX 4090 Laptop GPU",

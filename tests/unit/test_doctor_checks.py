@@ -1,6 +1,7 @@
 """The doctor's checks judge snapshots of broken and healthy machines: the right verdict and the right remedy."""
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -199,6 +200,14 @@ def test_the_cpu_laptop_skips_gpu_checks_with_a_reason():
     for check_id in ("cuda-available", "driver-runtime-compat", "gpu-arch-supported", "cudnn", "nccl", "h2d-bandwidth"):
         check = report.check(check_id)
         assert check.status == "skip" and check.detail, check
+
+
+def test_the_cpu_matmul_figure_reads_the_same_in_every_check_that_shows_it():
+    snap = load_snapshot(FIXTURES / "healthy-cpu-laptop.json")
+    slow = [replace(r, fp32_tflops=0.0135) if r.device == "cpu" else r for r in snap.measurements]
+    report = judge(replace(snap, measurements=slow))
+    assert "fp32 matmul 13.5 GFLOP/s" in report.check("cpu-threads").detail
+    assert "fp32 13.5 GFLOP/s" in report.check("device-smoke").detail
 
 
 @pytest.mark.parametrize("name", sorted([*BROKEN, *HEALTHY]))
@@ -457,3 +466,12 @@ def test_a_torch_that_fails_to_import_is_reinstalled_from_the_index_its_build_ca
     check = judge(snap).check("torch-build")
     assert check.status == "fail" and "libcudart.so.12" in check.detail
     assert check.fix == fix
+
+
+def test_the_json_keys_docs_doctor_md_shows_are_the_ones_doctor_json_prints():
+    text = (Path(__file__).parents[2] / "docs" / "doctor.md").read_text(encoding="utf-8")
+    example = text[text.index("`--json` prints") :].split("```")[1]
+    shown = set(re.findall(r'"([a-z_0-9-]+)":', example))
+    report = report_of("healthy-h200").to_dict()
+    printed = {*report, *report["checks"][0], *report["devices"][0], *report["versions"]}
+    assert shown == printed

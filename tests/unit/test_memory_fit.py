@@ -81,16 +81,39 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("RTX 4090", "rtx-4090"), ("h200", "h200-sxm"), ("A100 SXM4 80GB", "a100-sxm4-80gb"), ("H100_SXM", "h100-sxm"),
-     ("L4", "l4"), ("t4", "t4")],
+    [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
+     ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4"), ("rtx4090", "rtx-4090"), ("h100nvl", "h100-nvl"),
+     ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10"),
+     ("RTX 6000 Ada", "rtx-6000-ada")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
 
 
 @pytest.mark.parametrize(
-    ("name", "rows"), [("H100", "h100-sxm, h100-pcie"), ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")]
+    ("name", "nearest"), [("h10-sxm", "h100-sxm, h200-sxm"), ("a10x", "a10, a10g"), ("l40", "l40s, l4")]
 )
+def test_a_name_in_no_row_names_the_nearest_rows(name, nearest) -> None:
+    message = rf"(?s)--gpu '{name}' is not in the GPU catalog; nearest: {nearest};.*--mem-gib"
+    with pytest.raises(ConfigError, match=message):
+        gpu_facts(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "row"), [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("v100 32gb", "v100-sxm2-32gb")]
+)
+def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(name, row) -> None:
+    # "rtx 6000" is the 48 GB Ada card of the catalog, or the 24 GB Quadro RTX 6000 it lacks: weighing a model
+    # against the wrong one answers "fits" for a card that cannot hold it
+    with pytest.raises(ConfigError, match=rf"(?s)--gpu '{name}' names {row} .* only in part.*hint: --gpu {row} "):
+        gpu_facts(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "rows"),
+    [("H100", "h100-sxm, h100-nvl, h100-pcie"), ("h200", "h200-sxm, h200-nvl"), ("gh200", "gh200-96gb, gh200-144gb"),
+     ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")],
+)  # fmt: skip
 def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> None:
     with pytest.raises(ConfigError, match=f"could be any of: {rows}"):
         gpu_facts(name)
@@ -142,3 +165,25 @@ def test_fit_memory_predicts_no_batch_larger_than_the_training_set() -> None:
         ("as it stands", 100, 100),
         ("FSDP over 8 GPUs", 96, 96),  # a batch the 8 ranks share evenly
     ]
+
+
+def test_a_batch_larger_than_the_training_set_is_estimated_as_asked_and_noted() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1000, gpus=1)
+    assert result.rows[0].estimate.batch_size == 1000 and result.rows[0].largest_batch == 100
+    (note,) = result.notes
+    assert note.startswith("batch 1000 is more than train_data holds (100 items): a run's batches stop at 100")
+    assert result.to_dict()["notes"] == list(result.notes)
+    assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=100, gpus=1).notes == ()
+
+
+def test_a_gpu_whose_context_takes_all_its_memory_says_so() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a 0.5 GiB GPU", mem_gib=0.5, target="cuda", gpus=1)
+    assert result.rows[0].available == 0 and result.rows[0].largest_batch is None
+    assert result.notes == (
+        "a 0.5 GiB GPU leaves no memory for tensors: the CUDA context takes about 1 GiB of it before any tensor",
+    )
+    assert fit_memory(task, device="a CPU", mem_gib=0.5, target="cpu").notes == ()

@@ -43,6 +43,12 @@ def test_a_largest_batch_at_the_training_set_s_size_says_so():
     capped = replace(result.rows[0], largest_batch=1438, cap=1438)
     assert any("│ 1438 (all of train_data) │" in line for line in text_of(replace(result, rows=(capped,))))
     assert any(line.endswith(" 416814 │") for line in text_of(result))
+    # over 8 ranks the cap is the data's size rounded down to a multiple of 8: not all of it
+    sharded = replace(capped, largest_batch=1432, cap=1432, estimate=replace(capped.estimate, world_size=8))
+    assert any(
+        "│ 1432 (train_data's most 8 ranks share evenly) │" in line
+        for line in text_of(replace(result, rows=(sharded,)))
+    )
 
 
 def test_a_size_the_device_name_holds_is_not_said_twice():

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Annotated
 
 import torch
@@ -54,7 +55,7 @@ def memory(
         int | None, typer.Option(min=1, help="With --measure: the first batch size tried (default: 1).")
     ] = None,
     max_batch_size: Annotated[
-        int | None, typer.Option(min=1, help="With --measure: the largest size tried (on a CPU: the dataset's size).")
+        int | None, typer.Option(min=1, help="With --measure: the largest size tried (default: the dataset's size).")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
@@ -114,6 +115,9 @@ def _measure(task: Task, precision: str, start: int, max_batch_size: int | None,
                                  max_batch_size=max_batch_size)  # fmt: skip
     if read_env().rank != 0:
         return
+    # the search speaks of its argument, the user typed its flag: "the cap (--max-batch-size 64)"
+    flagged = [re.sub(r"(?<![\w-])max_batch_size[= ]", "--max-batch-size ", t) for t in (search.reason, *search.notes)]
+    search = dataclasses.replace(search, reason=flagged[0], notes=tuple(flagged[1:]))
     if json_output:
         print(json.dumps(search.to_dict(), indent=2))
     else:
@@ -143,4 +147,6 @@ def _print(result: MemoryFit, json_output: bool) -> None:
     for table in memory_tables(result):
         print_uncut(out, table)
     for note in result.rows[0].estimate.notes:
+        out.print(f"note: {note}", highlight=False, markup=False)
+    for note in result.notes:  # the fit's own: a batch past the training set's size
         out.print(f"note: {note}", highlight=False, markup=False)

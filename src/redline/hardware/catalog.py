@@ -3,11 +3,13 @@
 The rows live in ``catalog.toml`` next to this module, as data. ``find_gpu`` maps the name torch
 reports to a row; an unknown name gives ``None``, never a near match, because a wrong peak makes a
 confident, wrong MFU (a B300 read as an A100 showed 88% MFU where the truth was 12%:
-https://github.com/allenai/OLMo-core/pull/817).
+https://github.com/allenai/OLMo-core/pull/817). ``gpus_named`` finds the rows a person means by what
+they type; ``nearest_gpus`` only suggests rows for an error message, and is never taken as a match.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import re
@@ -133,12 +135,45 @@ def find_gpu(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec 
 
 def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:
     """Return the rows a person may mean by ``name``: the row of that id, the row of the name torch reports,
-    else every row whose id or name holds each of ``name``'s words ("RTX 4090", "h200", "A100 80GB")."""
+    else every row whose id or name holds each of ``name``'s words ("RTX 4090", "h200", "A100 80GB"); a word
+    may join neighbouring words of the row ("rtx4090", "h100nvl").
+
+    Rows that ``name`` names whole (each word of their id, or of their name, typed) come alone when there
+    are any: "rtx 6000" is part of rtx-6000-ada's name, but so it is of the Quadro RTX 6000 the catalog
+    lacks, and ``names_whole`` tells the two cases apart."""
     specs = tuple(load_catalog() if catalog is None else catalog)
-    wanted = _words(name)
-    by_id = [s for s in specs if _words(s.id) == wanted]
+    wanted = set(_words(name))
+    by_id = [s for s in specs if set(_words(s.id)) == wanted]
     found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
-    return found or [s for s in specs if wanted and wanted <= _words(s.id) | _words(s.name)]
+    if found:
+        return found
+    held = [s for s in specs if wanted and wanted <= _terms(s.id) | _terms(s.name)]
+    whole = [s for s in held if names_whole(name, s)]
+    return whole or held
+
+
+def names_whole(name: str, spec: GPUSpec) -> bool:
+    """Whether ``name`` holds every word of ``spec``'s id or of its name (the vendor's aside), so it can mean no
+    other card: "rtx 4090" and "h100nvl" do, "4090" (a laptop's 4090 has 16 GB) and "rtx 6000" do not."""
+    if set(_words(name)) == set(_words(spec.id)) or find_gpu(name, catalog=[spec]) is spec:
+        return True
+    typed = _compact(name)
+    for label in (spec.id, spec.name):
+        words = [word for word in _words(label) if word != "nvidia"]
+        if words and (set(words) <= _terms(name) or "".join(words) in typed):
+            return True
+    return False
+
+
+def nearest_gpus(name: str, *, count: int = 3, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:
+    """Return up to ``count`` rows whose id or name reads most like ``name`` (a typo, a card one letter off),
+    closest first; none when nothing is close."""
+    specs = tuple(load_catalog() if catalog is None else catalog)
+    wanted = _compact(name)
+    keys = {key: spec for spec in specs for key in (_compact(spec.id), _compact(spec.name))}
+    close = difflib.get_close_matches(wanted, list(keys), n=len(keys), cutoff=0.6) if wanted else []
+    nearest = list(dict.fromkeys(keys[key] for key in close))  # each row once, in the order of closeness
+    return nearest[:count]
 
 
 def load_catalog(path: str | Path | None = None) -> tuple[GPUSpec, ...]:
@@ -208,8 +243,20 @@ def _check_unique(specs: tuple[GPUSpec, ...], origin: str) -> None:
             owners[key] = spec.id
 
 
-def _words(text: str) -> set[str]:
-    return set(re.split(r"[\s_-]+", text.casefold())) - {""}
+def _words(text: str) -> list[str]:
+    return [word for word in re.split(r"[^0-9a-z.]+", text.casefold()) if word]
+
+
+def _terms(text: str) -> set[str]:
+    """``text``'s words, and each run of two or three of them written together ("rtx 4090" -> "rtx4090")."""
+    words = _words(text)
+    joined = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 2, min(i + 3, len(words)) + 1)}
+    return set(words) | joined
+
+
+def _compact(text: str) -> str:
+    """``text`` without case, spaces or punctuation, and without the vendor's name: what a typo is measured on."""
+    return "".join(word for word in _words(text) if word != "nvidia")
 
 
 def _normalise(text: str) -> str:

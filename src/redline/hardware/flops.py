@@ -160,6 +160,9 @@ def _meta_clone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     state["_parameters"] = {k: None if p is None else _meta_parameter(p, memo) for k, p in module._parameters.items()}
     state["_buffers"] = {k: None if b is None else _meta_tensor(b, memo) for k, b in module._buffers.items()}
     state["_modules"] = {k: None if m is None else _meta_clone(m, memo) for k, m in module._modules.items()}
+    for name, value in list(state.items()):  # a plain tensor attribute (a mask kept unregistered) goes to meta too
+        if isinstance(value, torch.Tensor):
+            state[name] = _meta_tensor(value, memo)
     # An instance-level forward (torch.compile's wrapper, redline's compile_module) is bound to the
     # real module and would run its real weights; the copy runs the class's own, eager forward.
     forward = state.pop("forward", None)

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from redline.config import positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
+from redline.memory.meta import build_on_meta, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.parallel.blocks import find_blocks
@@ -139,6 +140,13 @@ def estimate_memory(
         raise invalid("target", target, "'cuda' or 'cpu'")
     if strategy == "single" and world_size > 1:
         raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
+    if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
+        # an optimizer built on other parameters would be called on the traced model's and fail mid-trace
+        shown = f"<{type(optimizer).__name__}>" if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer)
+        raise ConfigError(
+            f"optimizer={shown} is not allowed; expected a factory params -> Optimizer\n"
+            "hint: write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
     local_batch = math.ceil(batch_size / world_size)
     trace = trace_step(
         task,
@@ -183,8 +191,8 @@ def trace_step(
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     sample, rows = _sample(task.train_data, batch_size)
     autocast = _AUTOCAST.get(precision)
-    with _tracing(task):  # a copy of the user's module (which stays as it was), or the factory's on meta
-        built = task.build_model() if isinstance(task.model, nn.Module) else _on_meta(task)
+    with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
+        built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
     with mode, tracker, _tracing(task):
         model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
@@ -303,16 +311,6 @@ def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Ca
     return fake
 
 
-def _on_meta(task: Task) -> nn.Module | None:
-    """The factory's model built on the meta device; None where it cannot be (a factory that moves its
-    model ``.to("cpu")`` copies out of a meta tensor), to be built under a fake mode instead."""
-    try:
-        with torch.device("meta"):
-            return task.build_model()
-    except Exception:  # a mistake of the factory's own raises again, with its line, under the fake mode
-        return None
-
-
 def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """``model`` (a copy of the Task's module, or the factory's built on the meta device) with its tensors
     replaced by fake ones on the CPU; call it under ``mode``.
@@ -426,8 +424,8 @@ def meta_model(task: Task) -> nn.Module:
     fake tensors where the factory cannot build on meta)."""
     if isinstance(task.model, nn.Module):
         return task.model
-    built = _on_meta(task)
+    built = build_on_meta(task)
     if built is None:
-        with FakeTensorMode():
+        with FakeTensorMode(), _tracing(task):  # an error of the factory's own, said as the trace says it
             built = task.build_model()
     return built

@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset
 
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError
-from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog
+from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
@@ -127,10 +127,19 @@ def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
     if len(found) > 1:
         ids = ", ".join(s.id for s in found)
         raise ConfigError(f"--gpu {name!r} could be any of: {ids}\nhint: name one, e.g. --gpu {found[0].id}")
+    if found and not names_whole(name, found[0]):  # "rtx 6000": the Ada card of the catalog, or another
+        spec = found[0]
+        raise ConfigError(
+            f"--gpu {name!r} names {spec.id} ({spec.name}) only in part, and could be a card the catalog lacks\n"
+            f"hint: --gpu {spec.id} if that is the card, else give its memory with --mem-gib"
+        )
     if not found:
         known = ", ".join(s.id for s in load_catalog())
+        near = ", ".join(s.id for s in nearest_gpus(name))
+        nearest = f"; nearest: {near}" if near else ""
         raise ConfigError(
-            f"--gpu {name!r} is not in the GPU catalog; known: {known}\nhint: give its memory instead with --mem-gib"
+            f"--gpu {name!r} is not in the GPU catalog{nearest}; known: {known}\n"
+            f"hint: {'name one of the nearest, or ' if near else ''}give its memory instead with --mem-gib"
         )
     spec = found[0]
     facts = DeviceFacts(type="cuda", name=spec.name, capability=spec.compute_capability, mem_gib=spec.mem_gib)
@@ -146,6 +155,7 @@ class MemoryFit:
     mem_gib: float
     target: str
     rows: tuple[Fit, ...]
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -154,6 +164,7 @@ class MemoryFit:
             "mem_gib": self.mem_gib,
             "target": self.target,
             "rows": [row.to_dict() for row in self.rows],
+            "notes": list(self.notes),
         }
 
 
@@ -198,4 +209,17 @@ def fit_memory(
         row_cap = None if cap is None else max(cap // world * world, world)  # a batch the ranks share evenly
         largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
-    return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows))
+    notes: list[str] = []
+    if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
+        notes.append(
+            f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
+            "so the largest batch does too"
+        )
+    if available == 0:  # nothing fits, and the table alone would not say why
+        notes.append(
+            f"a {mem_gib:g} GiB GPU leaves no memory for tensors: the CUDA context takes about "
+            f"{CUDA_CONTEXT / GIB:g} GiB of it before any tensor"
+        )
+    return MemoryFit(
+        task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=tuple(notes)
+    )

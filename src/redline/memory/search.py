@@ -1,6 +1,6 @@
 """The largest batch that runs a full training step on this device, found by running it.
 
-    search = redline.find_batch_size(task)          # on a CPU: max_batch_size=..., or the dataset's size
+    search = redline.find_batch_size(task)          # up to max_batch_size=..., or the dataset's size
     print(search.largest, search.reason)
 
 Sizes double from ``start`` until one runs out of memory (or reaches the cap), then a binary search
@@ -79,7 +79,7 @@ def search_reason(tried: Sequence[Tried], cap: int | None, *, cap_given: bool = 
     failures = [(size, error) for size, ok, error in tried if not ok and size > largest]
     if not failures:
         if not cap_given:
-            return f"{largest} fits: the dataset's size ({cap}), the cap on a CPU, stopped the search"
+            return f"{largest} fits: the dataset's size ({cap}), the largest batch a run has, stopped the search"
         return f"{largest} fits: the cap (max_batch_size={cap}) stopped the search"
     size, error = min(failures)
     return f"{largest} fits; {size} ran out of memory ({error})"
@@ -124,11 +124,11 @@ def find_batch_size(
     """Return the largest batch that runs ``steps`` full training steps of ``task`` on the Runtime's device.
 
     The Runtime follows ``options`` (device, precision, layout), with compile off: compiling changes
-    the memory a step needs and would compile again for every size. On a GPU the search needs no cap,
-    since an out-of-memory error stops it; on a CPU the operating system kills the process long
-    before torch raises, so the cap defaults to the dataset's size there (a stream needs
-    ``max_batch_size``). An error other than out-of-memory stops the search (a TrainingError naming
-    the size when it came from the model or loss). Under ``redline launch`` every rank must call it.
+    the memory a step needs and would compile again for every size. The cap defaults to the dataset's
+    size, the largest batch a run has. A CPU needs it: the operating system kills the process long
+    before torch raises, so a stream needs ``max_batch_size`` there; on a GPU an out-of-memory error
+    stops the doubling of a stream. An error other than out-of-memory stops the search (a TrainingError
+    naming the size when it came from the model or loss). Under ``redline launch`` every rank must call it.
     """
     task = require_task(task)
     positive_int("start", start)
@@ -140,7 +140,9 @@ def find_batch_size(
     device, precision = first.device, first.precision.name
     cap, notes = _cap(task.train_data, device, max_batch_size)
     if cap is not None and start > cap:
-        where = f"max_batch_size={cap}" if max_batch_size is not None else "the dataset's size, the cap on a CPU"
+        where = (
+            f"max_batch_size={cap}" if max_batch_size is not None else "the dataset's size, the largest batch a run has"
+        )
         hint = f"pass start={cap} or less, or max_batch_size={start} or more"
         raise invalid("start", start, f"at most {cap} ({where})", hint)
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
@@ -183,18 +185,26 @@ def find_batch_size(
 
 
 def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -> tuple[int | None, list[str]]:
-    """The largest size to try, and a note when it is the CPU's default."""
-    if max_batch_size is not None or device.type != "cpu":
+    """The largest size to try, and a note when it is the default: the dataset's size, the largest batch a run
+    has (as the estimate stops there too). A CPU needs it, a GPU is spared a search past any run's batch."""
+    if max_batch_size is not None:
         return max_batch_size, []
     if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        if device.type != "cpu":
+            return None, []  # a stream has no size: the device's out-of-memory ends the doubling
         raise ConfigError(
             "on a CPU the search needs max_batch_size: the operating system kills a process out of memory long "
             "before torch raises, and train_data is a stream whose size cannot stand in\n"
             "hint: pass max_batch_size=N (redline memory --measure --max-batch-size N)"
         )
     size = len(data)
-    note = f"max_batch_size defaults to the dataset's size ({size}) on a CPU, whose out-of-memory kills the process"
-    return size, [note]
+    if device.type == "cpu":
+        return size, [
+            f"max_batch_size defaults to the dataset's size ({size}) on a CPU, whose out-of-memory kills the process"
+        ]
+    return size, [
+        f"max_batch_size defaults to the dataset's size ({size}), the largest batch a run has: pass one to try past it"
+    ]
 
 
 def _probe(task: Task, options: RuntimeOptions, size: int, steps: int) -> tuple[str, int]:

@@ -54,7 +54,12 @@ def memory_tables(result: MemoryFit) -> list[Table]:
 def _largest(row: Fit) -> str:
     if not row.largest_batch:
         return "none"
-    return f"{row.largest_batch} (all of train_data)" if row.largest_batch == row.cap else str(row.largest_batch)
+    if row.largest_batch != row.cap:
+        return str(row.largest_batch)
+    ranks = row.estimate.world_size  # the cap is then train_data's size rounded down to a multiple of the ranks
+    if ranks == 1:
+        return f"{row.largest_batch} (all of train_data)"
+    return f"{row.largest_batch} (train_data's most {ranks} ranks share evenly)"
 
 
 def titled_table(title: str) -> Table:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from redline.doctor.checks.machine import NOT_IMPORTED, Machine, gib
+from redline.doctor.checks.measured import flops
 from redline.doctor.compat import parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
@@ -90,7 +91,7 @@ def cpu_threads(m: Machine) -> Check:
         step = "unset OMP_NUM_THREADS" if omp == "1" else f"call torch.set_num_threads({cores})"
         return warn("cpu-threads", f"{detail}: one thread leaves the other cores idle", step)
     cpu = next((r for r in m.snap.measurements if r.device == "cpu" and r.fp32_tflops), None)
-    measured = f"; fp32 matmul {cpu.fp32_tflops * 1000:.0f} GFLOP/s" if cpu and cpu.fp32_tflops else ""
+    measured = f"; fp32 matmul {flops([cpu.fp32_tflops])}" if cpu and cpu.fp32_tflops else ""  # as device-smoke says
     return ok("cpu-threads", detail + measured)
 
 

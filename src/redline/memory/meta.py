@@ -1,0 +1,67 @@
+"""A Task's model on the meta device: every shape and dtype of the real one, and no memory.
+
+A module given to the Task is copied with its tensors replaced by empty meta ones, never copied itself: a
+model that lives on a GPU would be copied there, taking the memory being estimated.
+
+A factory often moves its model where it will train (``.to(device)``, ``.cuda()``, ``.cpu()``). On the meta
+device such a move would copy out of a tensor that holds no data, and under a fake mode torch cannot swap a
+fake parameter for its moved copy; so while the factory runs, a move leaves a meta tensor where it is and
+applies only what else it asks (a dtype, a memory format).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+from torch.overrides import TorchFunctionMode
+
+from redline.task import Task
+
+_MOVES: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu})
+
+
+class _MovesStayOnMeta(TorchFunctionMode):
+    """Keep meta tensors on the meta device through ``.to``, ``.cuda`` and ``.cpu``; a dtype or memory format
+    that ``.to`` asks for still applies."""
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        tensor = args[0] if args else None
+        if func not in _MOVES or not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+            return func(*args, **kwargs)
+        if func is not torch.Tensor.to:
+            return tensor
+        _, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        if dtype is None and memory_format is None:
+            return tensor
+        return tensor.to(dtype=dtype or tensor.dtype, memory_format=memory_format or torch.preserve_format)
+
+
+def build_on_meta(task: Task) -> nn.Module | None:
+    """The factory's model built on the meta device, moves kept there; None where it cannot be built so (a
+    factory that reads a tensor's values, or makes one on a device of its own), to be built under a fake mode."""
+    try:
+        with torch.device("meta"), _MovesStayOnMeta():
+            return task.build_model()
+    except Exception:  # a mistake of the factory's own raises again, with its line, under the fake mode
+        return None
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose tensors (parameters, buffers, plain tensor attributes) are empty ones on the
+    meta device, tied weights still tied; ``model`` and its weights are left as they are and not copied."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+            if not isinstance(tensor, torch.Tensor) or id(tensor) in memo or is_lazy(tensor):
+                continue
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
