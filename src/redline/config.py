@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from redline import errors
+import redline.errors as errors
 from redline.errors import invalid
 
 T = TypeVar("T")

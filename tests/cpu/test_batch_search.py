@@ -154,7 +154,7 @@ def test_redline_memory_measure_runs_the_search_on_this_machine():
     assert search["largest"] == 5 and search["cap"] == 16 and search["device"] == "cpu"
     table = run_memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--start", "4")
     assert table.returncode == 0, table.stderr
-    assert "Batch-size search on cpu" in table.stdout and "largest: 5" in table.stdout
+    assert "Batch-size search on cpu" in table.stdout and "largest batch: 5 fits" in table.stdout
 
 
 def test_redline_memory_measure_refuses_another_gpu():

@@ -20,7 +20,7 @@ def test_the_table_lists_the_sizes_in_order_and_the_answer_with_its_notes():
     rows = [[cell.strip() for cell in line.split("│")[1:3]] for line in text.splitlines() if line.startswith("│")]
     assert rows == [["8", "yes"], ["16", "no"], ["9", "yes"]]
     assert oom in text  # the error's brackets are not taken for markup
-    assert "largest: 9: 9 fits; 10 ran out of memory" in text and "- compile off: it changes memory" in text
+    assert "largest batch: 9 fits; 10 ran out of memory" in text and "- compile off: it changes memory" in text
 
 
 def test_a_narrow_table_keeps_its_title_and_answer_on_one_line_each():
@@ -33,5 +33,5 @@ def test_a_narrow_table_keeps_its_title_and_answer_on_one_line_each():
     console.print(batch_search_table(search.to_dict()))
     lines = [line.strip() for line in console.export_text().splitlines()]
     assert "Batch-size search on cpu (fp32), 2 training steps per size" in lines
-    assert "largest: 1438: 1438 fits: the cap (max_batch_size=1438) stopped the search" in lines
+    assert "largest batch: 1438 fits: the cap (max_batch_size=1438) stopped the search" in lines
     assert f"- {search.notes[0]}" in lines

@@ -26,6 +26,6 @@ def batch_search_table(result: Mapping[str, Any]) -> Group:
     for tried in result["tried"]:
         fits = "[green]yes[/green]" if tried["fitted"] else "[red]no[/red]"
         table.add_row(str(tried["batch_size"]), fits, escape(tried["error"]))
-    lines = [f"largest: {result['largest'] if result['largest'] is not None else 'none'}: {result['reason']}"]
+    lines = [f"largest batch: {result['reason']}"]  # the reason begins with it: "9 fits; 10 ran out of memory"
     lines += [f"- {note}" for note in result["notes"]]
     return Group(table, Text("\n".join(lines)))
