@@ -3,13 +3,15 @@
 import dataclasses
 import functools
 import json
+import re
+import time
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import _measure, tune
+from redline.bench.tune import _measure, decide, tune
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_device
@@ -155,6 +157,36 @@ def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batchin
     other = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
     with pytest.raises(ConfigError, match="run `redline tune --task SPEC` on a Task with this model"):
         Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_no_candidate_starts_once_the_budget_is_spent():
+    # A compile cannot be cut short, so the budget is kept by not starting one (nor any warm-up) past it:
+    # the axis's current setting is measured, the alternative is said to be unmeasured, not rejected.
+    current, compiled = _measure(mlp_task(), "cpu", [Candidate(), Candidate(compile=True)], 100, steps=2, window=1,
+                                 seed=0, budget_s=1e-9)  # fmt: skip
+    assert current.step_s is not None and not current.rejected
+    assert compiled.step_s is None and compiled.rejected == "not measured: the budget was spent"
+    _, reason = decide("compile", [current, compiled], 100)
+    assert reason.startswith("compile off kept") and "compiled (default): not measured: the budget" in reason
+    assert "rejected" not in reason
+
+
+def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch):
+    def slow_compile(task, device, candidates, planned, steps, window, seed, budget_s):
+        time.sleep(0.3)  # a compile that outlasts the whole budget
+        return [Trial(c, 0.010, compile_s=0.3 if c.compile else 0.0) for c in candidates]
+
+    monkeypatch.setattr(
+        "redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True]), ("grad_accum", [1, 2])]
+    )
+    monkeypatch.setattr("redline.bench.tune._measure", slow_compile)
+    tuned, _ = tune(mlp_task(), devices="cpu", budget_s=0.1)
+    spent = tuned.reasons["budget"]  # a row of the tune's table, and of its --json
+    over = r"searched in 0\.[3-9]\d* s, 0\.[2-8]\d* s over the 0\.1 s budget: a warm-up once begun is not cut short"
+    assert re.fullmatch(over + r".*; the longest compile took 0\.3 s \(fp32, compiled \(default\)\)", spent), spent
+    assert tuned.reasons["grad_accum"].startswith("not measured: the 0.1 s budget was spent")
+    within, _ = tune(mlp_task(), devices="cpu", budget_s=60)
+    assert re.fullmatch(r"searched in \d\.\d+ s of the 60 s budget", within.reasons["budget"])
 
 
 def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch):

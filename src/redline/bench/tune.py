@@ -9,7 +9,9 @@ noise never swaps a setting for an equal one. Alternatives that cannot win are n
 channels_last without a convolution, loader workers for data already in memory, CUDA graphs off
 CUDA, a reduced precision the device has no fast arithmetic for. A compiled candidate whose
 compile fell back to eager is rejected, its reason said: it ran the eager model. When the
-budget is spent the axes left keep the current setting, and the reasons say so.
+budget is spent, no candidate starts: the axes left keep the current setting, and the reasons say
+so. A warm-up already begun (a compile) is not cut short, so a search can end past its budget;
+the "budget" reason says by how much, and why.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, ch
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
+UNMEASURED = "not measured: the budget was spent"
 Progress = Callable[[int, int, str], None]
 
 
@@ -58,7 +61,9 @@ def tune(
 
     Returns the tuned Plan and the path of its cache entry, which ``redline train --plan tuned``
     (and auto) read. ``planned_steps`` is the run the total time is weighed for (default: the
-    task's epochs); ``budget_s`` bounds the whole search. ``batch_size`` tunes at another batch size
+    task's epochs); ``budget_s`` bounds the whole search: no candidate starts once it is spent, and
+    ``reasons["budget"]`` says how long the search took (by how much past the budget, and why: a compile
+    begun is not cut short). ``batch_size`` tunes at another batch size
     than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
     """
     task = require_task(task)
@@ -76,7 +81,8 @@ def tune(
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
     axes = search_space(task, facts)
     tell = progress or (lambda done, total, what: None)
-    deadline = time.perf_counter() + budget_s
+    started = time.perf_counter()
+    deadline = started + budget_s
     best = Candidate(precision="fp32")
     trials: list[Trial] = []
     reasons: dict[str, str] = {}
@@ -104,6 +110,7 @@ def tune(
             "the line that fails"
         )
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
+    reasons["budget"] = spent_line(time.perf_counter() - started, budget_s, trials)
     tuned = TunedPlan(
         task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
@@ -177,11 +184,17 @@ def _measure(
     torch.compile's cache is process-wide, so it is cleared first: a candidate pays its compile as a
     fresh run would, not a graph an earlier axis compiled. Within the axis, a candidate whose graph
     an earlier one compiled (loader workers leave the model as it is) is charged that compile.
+    Once ``budget_s`` is spent, the candidates not yet warmed up are not measured (the first always
+    is); a warm-up begun, compile included, is not cut short, nor are the two rounds of timing.
     """
+    deadline = time.perf_counter() + budget_s
     reset_compiler()
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     for index, candidate in enumerate(candidates):
+        if index and time.perf_counter() >= deadline:  # the current setting is measured: the axis has begun
+            failed[index] = UNMEASURED
+            continue
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:
@@ -198,7 +211,8 @@ def _measure(
             failed[index] = eager
         else:
             runners.append(runner)
-    timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
+    left = max(0.0, deadline - time.perf_counter())  # the warm-ups (compiles) spent the rest
+    timed = time_runners(runners, window, max(2, math.ceil(steps / window)), left)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
     compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph
@@ -239,11 +253,25 @@ def _departure(runner: Runner, reference: float | None) -> str:
 
 def _told(trial: Trial, planned: int) -> str:
     label = _value(trial.candidate, "")
+    if trial.rejected == UNMEASURED:
+        return f"{label}: {UNMEASURED}"
     if trial.rejected:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
     compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
     return f"{label}: {_figure(trial.step_s * 1e3)} ms/step{compile_} = {_figure(trial.total_s(planned))} s"
+
+
+def spent_line(spent_s: float, budget_s: float, trials: Sequence[Trial]) -> str:
+    """How long the search took against its budget; past it, by how much and why."""
+    if spent_s <= budget_s:
+        return f"searched in {_figure(spent_s)} s of the {budget_s:g} s budget"
+    why = "a warm-up once begun is not cut short, and each candidate measured runs two timed rounds at least"
+    compiled = [t for t in trials if t.candidate.compile and t.compile_s]
+    if compiled:
+        longest = max(compiled, key=lambda t: t.compile_s)
+        why += f"; the longest compile took {longest.compile_s:.1f} s ({longest.candidate.label})"
+    return f"searched in {_figure(spent_s)} s, {_figure(spent_s - budget_s)} s over the {budget_s:g} s budget: {why}"
 
 
 def _figure(value: float) -> str:

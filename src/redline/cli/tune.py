@@ -21,7 +21,12 @@ def tune_command(
     task: TaskSpec,
     task_arg: TaskArgs = None,
     devices: Annotated[str, typer.Option(help="The device to tune for: auto, cpu, cuda, cuda:N or mps.")] = "auto",
-    budget: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds the whole search may take.")] = 120.0,
+    budget: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", help="Seconds the search may take: no candidate starts past them (a compile begun ends)."
+        ),
+    ] = 120.0,
     planned_steps: Annotated[
         int | None, typer.Option(min=1, help="The run to weigh total time for, compile included (default: the task's).")
     ] = None,
