@@ -232,6 +232,21 @@ def test_the_steps_reported_are_those_timed_when_max_seconds_stops_early():
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=20, window=2,
                        max_seconds=1e-9, auto=False)  # fmt: skip
     assert result.steps == 4  # two rounds of one window, not the ten rounds asked for
+    assert result.steps_asked == 20 and result.stopped_early
+
+
+def test_steps_that_are_not_whole_windows_are_rounded_up_and_the_bench_says_so(monkeypatch, capsys):
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=5, window=2,
+                       auto=False)  # fmt: skip
+    assert (result.steps, result.steps_asked, result.stopped_early) == (6, 5, False)
+    monkeypatch.setattr("redline.cli.bench.benchmark", lambda *args, **kwargs: result)
+    monkeypatch.setattr("redline.cli.bench._estimator", lambda *args: None)
+    bench_command(task="example:digits", steps=5, window=2, estimate=False)
+    out, err = capsys.readouterr()
+    assert "note: --steps 5 times 6 steps per row: whole windows of 2 (--window), two at least" in " ".join(err.split())
+    assert "Bench of tiny: 6 timed steps per row, in windows of 2 (5 asked, rounded up to whole windows" in " ".join(
+        out.split()
+    )
 
 
 def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypatch):

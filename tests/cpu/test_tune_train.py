@@ -271,6 +271,22 @@ def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_p
     assert summary.plan.grad_accum.value == 2 and "tuned" in summary.plan.grad_accum.reason
 
 
+def test_tune_says_before_it_searches_that_its_steps_round_up_to_whole_windows(monkeypatch, capsys):
+    timed = []
+
+    def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        timed.append((steps, window))
+        return [Trial(c, 0.010) for c in candidates]
+
+    monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
+    tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=None,
+                 steps=12, json_output=True)  # fmt: skip
+    assert "note: --steps 12 times 15 steps per candidate: whole windows of 5, two at least" in capsys.readouterr().err
+    tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=None,
+                 steps=10, json_output=True)  # fmt: skip
+    assert "note:" not in capsys.readouterr().err and timed[-1] == (10, 5)
+
+
 @pytest.mark.slow
 def test_every_compiled_candidate_is_charged_the_compile_a_fresh_run_pays():
     # torch.compile's cache is process-wide: a second model of the same structure compiles in no time.

@@ -112,3 +112,13 @@ def test_a_slow_step_is_shown_in_whole_milliseconds_not_in_e_notation():
     slow = _row("naive cpu fp32 b64", "naive", 24.0, step_ms_p50=2662.4, step_ms_p90=3661.0)
     text = shown(result_of(slow, _row("cpu fp32 eager b64", "explicit", 5000.0, step_ms_p50=99.96, step_ms_p90=0.5)))
     assert "2,662/3,661" in text and "100/0.5" in text and "e+" not in text, text
+
+
+def test_the_title_says_why_the_steps_timed_are_not_the_steps_asked():
+    row = _row("naive cpu fp32 b64", "naive", 5000.0)
+    exact = shown({**result_of(row), "steps": 10, "steps_asked": 10})
+    assert exact.splitlines()[0].rstrip() == "Bench of t: 10 timed steps per row, in windows of 5"
+    rounded = " ".join(shown({**result_of(row), "steps": 15, "steps_asked": 12}).split())  # the title wraps
+    assert "15 timed steps per row, in windows of 5 (12 asked, rounded up to whole windows, two at least)" in rounded
+    stopped = " ".join(shown({**result_of(row), "steps": 10, "steps_asked": 60, "stopped_early": True}).split())
+    assert "10 timed steps per row, in windows of 5 (of 60 asked: the time limit ended the timing early)" in stopped

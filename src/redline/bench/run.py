@@ -90,6 +90,8 @@ class BenchResult:
     machine: dict[str, Any]
     versions: dict[str, str]
     rows: tuple[BenchRow, ...]
+    steps_asked: int | None = None  # the ``steps`` given: ``steps`` differs where whole windows round it up
+    stopped_early: bool = False  # ``max_seconds`` ended the timing before every round ran
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -124,7 +126,8 @@ def benchmark(
 
     ``devices`` "auto" benches the CPU and every kind of accelerator visible; ``precisions`` None
     benches fp32 and the reduced precision each device has fast arithmetic for. Each row times
-    ``steps`` steps (in windows of ``window``) after a warm-up window; timing stops early, after
+    ``steps`` steps (in windows of ``window``, so rounded up to whole windows, two at least:
+    ``timed_steps``) after a warm-up window; timing stops early, after
     two rounds at least, once ``max_seconds`` are spent. ``planned_steps`` is the run auto plans
     for (default: the task's own epochs), which decides whether it compiles. ``estimate(batch_size,
     precision, device_type)`` returns a predicted step peak in bytes (or None) to show beside each
@@ -142,7 +145,7 @@ def benchmark(
     _check_sizes(task, sizes)
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
-    rounds = max(2, math.ceil(steps / window))
+    rounds = timed_steps(steps, window) // window
     tell = progress or (lambda done, total, what: None)
     total, done = len(settings) + rounds * len(sizes), 0
     rows: list[BenchRow] = []
@@ -176,7 +179,14 @@ def benchmark(
         machine=_machine(facts),
         versions={"python": platform.python_version(), "torch": torch.__version__, "redline": __version__},
         rows=tuple(_with_estimates(_with_speedups(rows), estimate)),
+        steps_asked=steps,
+        stopped_early=timed_rounds < rounds,
     )
+
+
+def timed_steps(steps: int, window: int) -> int:
+    """The steps a row (or a tune's candidate) is timed for when ``steps`` are asked: whole windows, two at least."""
+    return max(2, math.ceil(steps / window)) * window
 
 
 def _with_estimates(rows: list[BenchRow], estimate: Estimate | None) -> list[BenchRow]:

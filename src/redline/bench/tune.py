@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import reset_compiler, task_steps, time_runners
+from redline.bench.run import reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number
 from redline.errors import RedlineError, TrainingError, describe_error, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -42,6 +42,7 @@ from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
 UNMEASURED = "not measured: the budget was spent"
+WINDOW = 5  # timed steps between two device syncs
 Progress = Callable[[int, int, str], None]
 
 
@@ -53,7 +54,7 @@ def tune(
     budget_s: float = 120.0,
     planned_steps: int | None = None,
     steps: int = 30,
-    window: int = 5,
+    window: int = WINDOW,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> tuple[TunedPlan, str]:
@@ -212,7 +213,7 @@ def _measure(
         else:
             runners.append(runner)
     left = max(0.0, deadline - time.perf_counter())  # the warm-ups (compiles) spent the rest
-    timed = time_runners(runners, window, max(2, math.ceil(steps / window)), left)
+    timed = time_runners(runners, window, timed_steps(steps, window) // window, left)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
     compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.atomic import check_writable
-from redline.bench.run import Estimate, benchmark
+from redline.bench.run import Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
@@ -38,7 +38,9 @@ def bench(
     batch_size: Annotated[
         str | None, typer.Option(help="Batch sizes, comma-separated (default: the task's own).")
     ] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Timed steps per configuration.")] = 60,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Timed steps per configuration, in whole windows (two at least).")
+    ] = 60,
     window: Annotated[int, typer.Option(min=1, help="Steps per timing window (one device sync each).")] = 5,
     planned_steps: Annotated[
         int | None, typer.Option(min=1, help="The run auto plans for (default: the task's epochs); decides compile.")
@@ -61,6 +63,9 @@ def bench(
     if html is not None:
         _check_html(html)
     console = Console(stderr=True)
+    if timed_steps(steps, window) != steps:  # said before the run, which it lengthens
+        told = f"note: --steps {steps} times {timed_steps(steps, window)} steps per row: whole windows of {window}"
+        console.print(f"{told} (--window), two at least", highlight=False, markup=False)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,

@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.bench.tune import tune
+from redline.bench.run import timed_steps
+from redline.bench.tune import WINDOW, tune
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.render.console import key_value_table, output_console, print_uncut
@@ -31,7 +32,9 @@ def tune_command(
         int | None, typer.Option(min=1, help="The run to weigh total time for, compile included (default: the task's).")
     ] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the task's own).")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Timed steps per candidate.")] = 30,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Timed steps per candidate, in whole windows of 5 (two at least).")
+    ] = 30,
     json_output: Annotated[bool, typer.Option("--json", help="Print the tuned Plan as JSON on stdout.")] = False,
 ) -> None:
     """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
@@ -41,6 +44,9 @@ def tune_command(
     """
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     console = Console(stderr=True)
+    if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
+        told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
+        console.print(f"{told}: whole windows of {WINDOW}, two at least", highlight=False, markup=False)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
     ) as bar:

@@ -22,7 +22,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     terminal (``print_uncut``) rather than losing digits.
     """
     table = Table(
-        title=f"Bench of {result['task']}: {result['steps']} timed steps per row, in windows of {result['window']}",
+        title=f"Bench of {result['task']}: {steps_told(result)}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -71,6 +71,17 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         table.caption = caption
         table.caption_justify = "left"
     return table
+
+
+def steps_told(result: Mapping[str, Any]) -> str:
+    """The steps each row was timed for, and why they are not the steps asked where they differ."""
+    steps, window, asked = result["steps"], result["window"], result.get("steps_asked")
+    told = f"{steps} timed steps per row, in windows of {window}"
+    if result.get("stopped_early"):
+        return told + f" (of {asked} asked: the time limit ended the timing early)"
+    if asked is not None and asked != steps:
+        return told + f" ({asked} asked, rounded up to whole windows, two at least)"
+    return told
 
 
 def _add_column(table: Table, name: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
+from redline.render.bench import steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import RunFiles, has_values, read_run, values
 from redline.version import __version__
@@ -65,7 +66,7 @@ def bench_report(result: Mapping[str, Any]) -> str:
         title += f", {result['measured_at']}"
     sub = f"{len(rows)} configuration(s) of the same task, side by side in one run"
     if result.get("steps") is not None:
-        sub += f"; {result['steps']} timed steps each, in windows of {result.get('window', '?')} steps"
+        sub += f"; {steps_told({'window': '?', **result})}"
     body = [_p("lead", _best_line(ok, failed=len(rows) - len(ok))), "<h2>Machine</h2>", _machine(result)]
     body += ["<h2>Throughput and speed-up</h2>", *_bench_charts(ok)]
     body += ["<h2>Every configuration</h2>", _rows_table(rows), *_failures(rows)]
