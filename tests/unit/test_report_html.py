@@ -122,6 +122,18 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
 
 
+def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):
+    run = write_run(tmp_path, summary=None)
+    (run / "metrics.jsonl").unlink()
+    with (run / "metrics.csv").open("a") as file:
+        file.write("31,0,0.41,0.001,71")  # cut inside samples/s (7,240): it parses, its later cells empty
+    doc = run_report(run)
+    assert "30 steps." in doc
+    assert "samples/s over 30 points, last 7,200" in alts(doc)[1]
+    (run / "metrics.csv").write_text("step,epoch,lo")  # a run killed as it wrote its header
+    assert "metrics.csv holds no step yet" in run_report(run)
+
+
 def test_a_resumed_run_that_has_not_ended_is_not_shown_with_the_summary_it_resumed_from(tmp_path):
     run = write_run(tmp_path, steps=45)  # resumed from step 30, whose summary.json stays until the run ends
     doc = run_report(run)

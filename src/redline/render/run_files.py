@@ -99,6 +99,9 @@ def _read_rows(path: Path) -> list[Row]:
         text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
         raise _unreadable(path, exc) from exc
+    # The logger writes whole lines: one left without its end is the row a killed run was writing. In CSV
+    # it can still parse, its last figure cut short ("655" of "655.38") and the cells after it empty.
+    text = text[: text.rfind("\n") + 1]
     lines: list[Any] = text.splitlines() if path.suffix == ".jsonl" else list(csv.DictReader(io.StringIO(text)))
     parse = _json_row if path.suffix == ".jsonl" else _csv_row
     rows = []
