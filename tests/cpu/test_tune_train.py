@@ -5,15 +5,16 @@ import functools
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import _measure, decide, tune
+from redline.bench.tune import TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
-from redline.errors import ConfigError, TrainingError
+from redline.errors import ConfigError, StoppedBySignal, TrainingError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -187,6 +188,45 @@ def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch)
     assert tuned.reasons["grad_accum"].startswith("not measured: the 0.1 s budget was spent")
     within, _ = tune(mlp_task(), devices="cpu", budget_s=60)
     assert re.fullmatch(r"searched in \d\.\d+ s of the 60 s budget", within.reasons["budget"])
+
+
+def interrupted_at(axis):
+    def measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        if candidates[1:] and getattr(candidates[1], axis) != getattr(candidates[0], axis):
+            raise KeyboardInterrupt  # Ctrl-C in the middle of this axis's measurement
+        return [Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates]
+
+    return measure
+
+
+def test_a_ctrl_c_keeps_the_axes_measured_cached_and_shown_and_exits_130(monkeypatch, capsys):
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert stopped.value.exit_code == 130 and stopped.value.tuned.best == Candidate(precision="bf16-mixed")
+    reasons = stopped.value.tuned.reasons
+    assert reasons["precision"].startswith("bf16-mixed, 2.00x less time")
+    assert reasons["compile"].startswith("not measured: the search was interrupted (SIGINT); kept compile off")
+    assert reasons["grad_accum"].startswith("not measured: the search was interrupted")
+    assert reasons["budget"].startswith("interrupted (SIGINT) after")
+    assert "compile, grad_accum keep the current setting\nhint: run the same command again" in str(stopped.value)
+    cached = TunedPlan.from_dict(json.loads(Path(stopped.value.path).read_text()))
+    assert cached.best == Candidate(precision="bf16-mixed")  # what was measured is not lost
+    with pytest.raises(TuneInterrupted):
+        tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
+                     batch_size=None, steps=10, json_output=False)  # fmt: skip
+    shown = capsys.readouterr().out
+    assert "chosen: bf16-mixed, eager" in shown and "interrupted" in shown
+
+
+def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: [("precision", ["fp32", "bf16-mixed"])])
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("precision"))
+    with pytest.raises(StoppedBySignal, match="while it measured precision, its first axis: nothing was cached") as e:
+        tune(mlp_task(), devices="cpu")
+    assert e.value.exit_code == 130 and not list((tmp_path / "cache").rglob("*.json"))
 
 
 def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, TrainingError, describe_error, invalid
+from redline.errors import RedlineError, StoppedBySignal, TrainingError, describe_error, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
@@ -66,6 +67,10 @@ def tune(
     ``reasons["budget"]`` says how long the search took (by how much past the budget, and why: a compile
     begun is not cut short). ``batch_size`` tunes at another batch size
     than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
+
+    A Ctrl-C (KeyboardInterrupt) stops the search: the axes decided before it are cached and it raises
+    ``TuneInterrupted`` (exit 130 on the command line), whose ``tuned`` and ``path`` hold them; one
+    before the first axis was measured caches nothing and raises ``StoppedBySignal``.
     """
     task = require_task(task)
     positive_number("budget_s", budget_s)
@@ -87,9 +92,13 @@ def tune(
     best = Candidate(precision="fp32")
     trials: list[Trial] = []
     reasons: dict[str, str] = {}
+    interrupted = ""  # the axis a Ctrl-C stopped: it and the axes after it keep the current setting
     for index, (axis, values) in enumerate(axes):
         tell(index, len(axes), f"tuning {axis}")
         left = deadline - time.perf_counter()
+        if interrupted:
+            reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
+            continue
         if left <= 0:
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
             continue
@@ -97,10 +106,21 @@ def tune(
             reasons[axis] = "not measured: compile is off"
             continue
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
-        measured = _measure(task, device, candidates, planned, steps, window, seed, left)
+        try:
+            measured = _measure(task, device, candidates, planned, steps, window, seed, left)
+        except KeyboardInterrupt:  # keep what the axes before it decided, as a spent budget does
+            interrupted = axis
+            reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
+            continue
         trials += measured
         best, reasons[axis] = decide(axis, measured, planned)
     tell(len(axes), len(axes), "done")
+    if interrupted and not trials:
+        raise StoppedBySignal(
+            signal.SIGINT,
+            f"tune interrupted by SIGINT while it measured {interrupted}, its first axis: nothing was cached\n"
+            "hint: run it again; --budget SECONDS bounds the search instead, keeping what it measured",
+        )
     if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
         raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
     if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
@@ -111,13 +131,32 @@ def tune(
             "the line that fails"
         )
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
-    reasons["budget"] = spent_line(time.perf_counter() - started, budget_s, trials)
+    spent = time.perf_counter() - started
+    reasons["budget"] = spent_line(spent, budget_s, trials)
+    if interrupted:
+        reasons["budget"] = f"interrupted (SIGINT) after {_figure(spent)} s of the {budget_s:g} s budget"
     tuned = TunedPlan(
         task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials),
     )  # fmt: skip
-    return tuned, store_tuned(fingerprint, facts, tuned, model=task.build_model())
+    path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
+    if interrupted:
+        raise TuneInterrupted(tuned, path, interrupted)
+    return tuned, path
+
+
+class TuneInterrupted(StoppedBySignal):
+    """A tune a SIGINT (Ctrl-C) stopped after its first axis: the axes it decided are cached, and kept here."""
+
+    def __init__(self, tuned: TunedPlan, path: str, axis: str) -> None:
+        kept = ", ".join(a for a, why in tuned.reasons.items() if "interrupted" in why and a != "budget")
+        super().__init__(
+            signal.SIGINT,
+            f"tune interrupted by SIGINT while it measured {axis}: the axes before it were cached in {path}; "
+            f"{kept} keep the current setting\nhint: run the same command again to search every axis",
+        )
+        self.tuned, self.path = tuned, path
 
 
 def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:

@@ -11,10 +11,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
-from redline.bench.tune import WINDOW, tune
+from redline.bench.tune import WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.render.console import key_value_table, output_console, print_uncut
+from redline.runtime.tuned import TunedPlan
 from redline.task import load_task
 
 
@@ -55,11 +56,31 @@ def tune_command(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        with said_by_flags(budget_s="--budget", devices="--devices"):
-            tuned, path = tune(
-                loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
-                steps=steps, progress=tell,
-            )  # fmt: skip
+        try:
+            with said_by_flags(budget_s="--budget", devices="--devices"):
+                tuned, path = tune(
+                    loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
+                    steps=steps, progress=tell,
+                )  # fmt: skip
+        except TuneInterrupted as stopped:  # show the axes it cached, then exit 130 saying which were left
+            interrupted: TuneInterrupted | None = stopped
+            tuned, path = stopped.tuned, stopped.path
+        else:
+            interrupted = None
+    _show(tuned, path, task, task_arg, devices, batch_size, json_output)
+    if interrupted is not None:
+        raise interrupted
+
+
+def _show(
+    tuned: TunedPlan,
+    path: str,
+    task: str,
+    task_arg: list[str] | None,
+    devices: str,
+    batch_size: int | None,
+    json_output: bool,
+) -> None:
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
         return
