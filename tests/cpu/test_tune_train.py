@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from redline.bench.tune import TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
-from redline.errors import ConfigError, StoppedBySignal, TrainingError
+from redline.errors import ConfigError, StoppedBySignal, TaskError, TrainingError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -51,6 +51,12 @@ def test_a_budget_spent_before_the_first_axis_is_refused_by_its_flag_and_nothing
     with pytest.raises(ConfigError, match=r"--budget=1e-09 is not allowed; .*\nhint: e\.g\. --budget 120"):
         tune_command(task="example:digits", budget=1e-9)
     assert not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_batch_size_larger_than_the_data_is_refused_before_the_search_naming_the_largest(monkeypatch):
+    monkeypatch.setattr("redline.bench.tune._measure", lambda *args: pytest.fail("the search ran"))
+    with pytest.raises(TaskError, match=r"fewer than the batch size 500\nhint: pass batch sizes up to 128 \(--batch"):
+        tune(mlp_task(), devices="cpu", batch_size=500)
 
 
 def test_a_cache_the_tune_cannot_be_stored_in_is_refused_before_the_search(tmp_path, monkeypatch):

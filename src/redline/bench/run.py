@@ -142,7 +142,7 @@ def benchmark(
     precisions = listed("precisions", precisions, "['fp32', 'bf16-mixed']") if precisions is not None else None
     compiles = listed("compiles", compiles, "[False, True]")
     sizes = (listed("batch_sizes", batch_sizes, "[32, 64]") if batch_sizes is not None else []) or [task.batch_size]
-    _check_sizes(task, sizes)
+    check_sizes(task, sizes)
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
     rounds = timed_steps(steps, window) // window
@@ -217,7 +217,7 @@ def _devices(devices: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(resolve_device(name, found).value for name in names))
 
 
-def _check_sizes(task: Task, sizes: Sequence[int]) -> None:
+def check_sizes(task: Task, sizes: Sequence[int]) -> None:
     """Refuse a batch size larger than the data before anything is timed, not after the sizes before it."""
     try:
         count = len(task.train_data)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import reset_compiler, task_steps, time_runners, timed_steps
+from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number
 from redline.errors import RedlineError, StoppedBySignal, TrainingError, describe_error, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -82,6 +82,7 @@ def tune(
     fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
     if batch_size is not None:
         task = dataclasses.replace(task, batch_size=batch_size)
+    check_sizes(task, [task.batch_size])  # before the search: the hint names the largest that fits
     device = resolve_device(devices, probe_accelerators()).value
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
