@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from redline.cli.report import report as report_command
 from redline.errors import ConfigError
 from redline.render.html import bench_report, report, run_report, write_report
 from report_samples import PNG_SIGNATURE, SUMMARY, bench_result, decoded_png, images, links, pixel_variance, write_run
@@ -210,6 +211,25 @@ def test_a_checkpoint_given_for_its_run_names_the_run_directory(tmp_path):
             ConfigError, match=rf"has no metrics.jsonl.*\nhint: {run} holds the run's logs: redline report {run}$"
         ):
             run_report(given)
+
+
+def test_a_bench_saved_as_json_gets_its_page_without_running_again(tmp_path, capsys):
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(bench_result()))  # what `redline bench --json > bench.json` wrote
+    assert report(saved) == tmp_path / "bench.html"
+    doc = (tmp_path / "bench.html").read_text()
+    assert "<title>redline bench: digits" in doc and "Best configuration: <strong>auto</strong>" in doc
+    report_command(saved, tmp_path / "elsewhere.html")
+    assert capsys.readouterr().out == f"{tmp_path / 'elsewhere.html'}\n"
+    (tmp_path / "other.json").write_text('{"task": "digits"}')
+    with pytest.raises(ConfigError, match=r"other.json is not a bench result: it has no list of rows\nhint: pass"):
+        report(tmp_path / "other.json")
+
+
+def test_a_file_of_a_run_given_for_the_run_names_its_directory(tmp_path):
+    run = write_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=f"is not a directory\nhint: {run} holds the run's logs: redline report"):
+        report(run / "summary.json")
 
 
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):

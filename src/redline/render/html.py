@@ -126,10 +126,29 @@ def write_report(path: str | os.PathLike[str], html: str) -> Path:
 
 
 def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None = None) -> Path:
-    """Write the HTML report of a training run directory and return where it went (default RUN_DIR/report.html)."""
+    """Write the HTML report of a training run directory and return where it went (default RUN_DIR/report.html).
+
+    Given a bench result saved as JSON (``redline bench --json > FILE.json``), write its page instead
+    (default FILE.html beside it): a bench need not run again for its report.
+    """
     run_dir = Path(run_dir)
+    if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
+        html = bench_report(_read_bench(run_dir))
+        return write_report(run_dir.with_suffix(".html") if path is None else Path(path), html)
     html = run_report(run_dir)
     return write_report(run_dir / "report.html" if path is None else Path(path), html)
+
+
+def _read_bench(path: Path) -> Mapping[str, Any]:
+    """A bench result saved with ``redline bench --json``; anything else is a ConfigError naming the file."""
+    hint = "hint: pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read as a bench result: {exc}\n{hint}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ConfigError(f"{path} is not a bench result: it has no list of rows\n{hint}")
+    return data
 
 
 def plan_table(plan: object) -> str:

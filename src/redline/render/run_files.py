@@ -44,7 +44,9 @@ def read_run(run_dir: Path) -> RunFiles:
     """Read ``run_dir``'s summary and logs; a missing directory or log, or an unreadable file, is a ConfigError."""
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
-        raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {OUT_HINT}")
+        run = _run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
+        hint = f"{run} holds the run's logs: redline report {run}" if run is not None else OUT_HINT
+        raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {hint}")
     train_file = _first_present(run_dir, LOGS)
     if train_file is None:
         run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
