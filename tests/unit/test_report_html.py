@@ -226,6 +226,18 @@ def test_a_bench_saved_as_json_gets_its_page_without_running_again(tmp_path, cap
         report(tmp_path / "other.json")
 
 
+def test_a_run_that_has_not_logged_yet_is_told_apart_from_a_directory_that_is_no_run(tmp_path):
+    starting = tmp_path / "starting"  # what `redline train --out starting` holds before its first log
+    (starting / "checkpoints").mkdir(parents=True)
+    (starting / ".write-check-x").write_text("")
+    with pytest.raises(ConfigError, match=r"holds no metrics yet: a run writes .* when it first logs .*\nhint: if the"):
+        report(starting)
+    (tmp_path / "other" / "notes.txt").parent.mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"other has no metrics.jsonl or metrics.csv: the report draws"):
+        report(tmp_path / "other")
+
+
 def test_a_file_of_a_run_given_for_the_run_names_its_directory(tmp_path):
     run = write_run(tmp_path / "run")
     with pytest.raises(ConfigError, match=f"is not a directory\nhint: {run} holds the run's logs: redline report"):

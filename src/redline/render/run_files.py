@@ -50,6 +50,12 @@ def read_run(run_dir: Path) -> RunFiles:
     train_file = _first_present(run_dir, LOGS)
     if train_file is None:
         run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
+        if run is None and not any(not p.name.startswith(".") and p.name != "checkpoints" for p in run_dir.iterdir()):
+            raise ConfigError(  # a run creates its --out at once, its logs at its first log window
+                f"{run_dir} holds no metrics yet: a run writes metrics.jsonl and metrics.csv when it first logs "
+                f"(after --log-every steps)\nhint: if the run is starting, report it again once it has logged; "
+                f"else {OUT_HINT}"
+            )
         if run is not None:
             hint = f"{run} holds the run's logs: redline report {run}"
         else:
