@@ -131,6 +131,9 @@ def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_pat
     doc = run_report(run)
     assert "30 steps." in doc
     assert "samples/s over 30 points, last 7,200" in alts(doc)[1]
+    one = (run / "metrics.csv").read_text().splitlines(keepends=True)[:2]  # the header and the first step
+    (run / "metrics.csv").write_text("".join(one))
+    assert "1 step." in run_report(run)
     (run / "metrics.csv").write_text("step,epoch,lo")  # a run killed as it wrote its header
     assert "metrics.csv holds no step yet" in run_report(run)
 

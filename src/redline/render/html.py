@@ -266,7 +266,7 @@ def _run_line(files: RunFiles) -> str:
     summary = files.summary or {}
     last = files.train[-1] if files.train else {}
     steps = summary.get("steps", last.get("step"))
-    parts = [f"{steps} steps" if steps is not None else "no step logged"]
+    parts = [f"{steps} step{'' if steps == 1 else 's'}" if steps is not None else "no step logged"]
     if _number(summary.get("final_loss")) is not None:  # not the last point of the loss chart: say what it is
         parts.append(f"final loss {summary['final_loss']:.4g} (mean of the last steps)")
     for key, label in (("val_loss", "val loss"), ("val_metric", "val metric")):
