@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 from redline.bench import benchmark
 from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
-from redline.bench.run import time_runners
+from redline.bench.run import BenchInterrupted, _warm_up, time_runners
 from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError, TaskError
 from redline.hardware.device import probe_device
@@ -247,6 +247,31 @@ def test_steps_that_are_not_whole_windows_are_rounded_up_and_the_bench_says_so(m
     assert "Bench of tiny: 6 timed steps per row, in windows of 2 (5 asked, rounded up to whole windows" in " ".join(
         out.split()
     )
+
+
+def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then_exits_130(monkeypatch, capsys):
+    def interrupted_at_32(task, setting, *args):
+        if setting.batch_size == 32:
+            raise KeyboardInterrupt  # Ctrl-C while the second batch size warms up
+        return _warm_up(task, setting, *args)
+
+    monkeypatch.setattr("redline.bench.run._warm_up", interrupted_at_32)
+    with pytest.raises(BenchInterrupted) as stopped:
+        benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 32], steps=2,
+                  window=1, auto=False)  # fmt: skip
+    result = stopped.value.result
+    assert stopped.value.exit_code == 130 and [row.batch_size for row in result.rows] == [16, 16]
+    assert str(stopped.value).startswith("bench interrupted (SIGINT) while warming up naive cpu fp32 b32 (batch 32)")
+
+    def interrupted_bench(*args, **kwargs):
+        raise stopped.value
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", interrupted_bench)
+    with pytest.raises(BenchInterrupted):
+        bench_command(task="example:digits", estimate=False)
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "interrupted (SIGINT) while warming up naive cpu fp32 b32 (batch 32), so the batch sizes from it" in shown
+    assert "fastest at batch 16" in shown
 
 
 def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypatch):

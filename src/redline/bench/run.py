@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import platform
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.bench.result import BenchResult, BenchRow
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, TaskError, describe_error, invalid
+from redline.errors import RedlineError, StoppedBySignal, TaskError, describe_error, invalid
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
@@ -73,6 +74,9 @@ def benchmark(
     precision, device_type)`` returns a predicted step peak in bytes (or None) to show beside each
     row's measured peak, e.g. ``lambda b, p, d: redline.estimate_memory(task, batch_size=b,
     precision=p, target=d).total``; it is asked once per batch size, precision and device.
+
+    A Ctrl-C (KeyboardInterrupt) raises ``BenchInterrupted`` (exit 130 on the command line), whose
+    ``result`` holds the rows of the batch sizes finished before it.
     """
     task = require_task(task)
     positive_int("steps", steps)
@@ -86,32 +90,44 @@ def benchmark(
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
     rounds = timed_steps(steps, window) // window
-    tell = progress or (lambda done, total, what: None)
+    running = [""]  # what runs now, for the message of a Ctrl-C
+
+    def tell(done: int, total: int, what: str) -> None:
+        running[0] = what
+        if progress is not None:
+            progress(done, total, what)
+
     total, done = len(settings) + rounds * len(sizes), 0
     rows: list[BenchRow] = []
     timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
+    interrupted = ""
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
         planned = planned_steps or task_steps(task, size)
-        if any(s.compile is not False for s in group):
-            reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
-        built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
-        failed: dict[Setting, str] = {}
-        for setting in group:
-            tell(done, total, f"warming up {setting.name}")
-            try:
-                built[setting] = _warm_up(task, setting, window, planned, seed)
-            except RedlineError:
-                raise
-            except Exception as exc:  # a setting this machine cannot run: its row says why
-                failed[setting] = describe_error(exc)
-            done += 1
-        runners = [runner for runner, _, _ in built.values()]
-        timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
-        done += rounds
+        try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
+            if any(s.compile is not False for s in group):
+                reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
+            built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
+            failed: dict[Setting, str] = {}
+            for setting in group:
+                tell(done, total, f"warming up {setting.name}")
+                try:
+                    built[setting] = _warm_up(task, setting, window, planned, seed)
+                except RedlineError:
+                    raise
+                except Exception as exc:  # a setting this machine cannot run: its row says why
+                    failed[setting] = describe_error(exc)
+                done += 1
+            runners = [runner for runner, _, _ in built.values()]
+            timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
+            done += rounds
+            group_rows = _rows(task, group, built, timed, failed, window)
+        except KeyboardInterrupt:
+            interrupted = f"interrupted (SIGINT) while {running[0]} (batch {size})"
+            break
         timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
-        rows += _rows(task, group, built, timed, failed, window)
-    return BenchResult(
+        rows += group_rows
+    result = BenchResult(
         task=task.name,
         steps=timed_rounds * window,
         window=window,
@@ -121,7 +137,27 @@ def benchmark(
         rows=tuple(_with_estimates(_with_speedups(rows), estimate)),
         steps_asked=steps,
         stopped_early=timed_rounds < rounds,
+        interrupted=interrupted,
     )
+    if interrupted:
+        raise BenchInterrupted(result)
+    return result
+
+
+class BenchInterrupted(StoppedBySignal):
+    """A bench a SIGINT (Ctrl-C) stopped; ``result`` holds the batch sizes it finished before (maybe none)."""
+
+    def __init__(self, result: BenchResult) -> None:
+        if result.rows:
+            told = "the table shows the batch sizes finished before it"
+        else:
+            told = "no batch size was finished, so there is nothing to show"
+        super().__init__(
+            signal.SIGINT,
+            f"bench {result.interrupted}: {told}\nhint: --max-seconds S "
+            "bounds each batch size's timing (two rounds at least), and --steps N shortens it",
+        )
+        self.result = result
 
 
 def timed_steps(steps: int, window: int) -> int:

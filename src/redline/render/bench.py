@@ -77,6 +77,8 @@ def steps_told(result: Mapping[str, Any]) -> str:
     """The steps each row was timed for, and why they are not the steps asked where they differ."""
     steps, window, asked = result["steps"], result["window"], result.get("steps_asked")
     told = f"{steps} timed steps per row, in windows of {window}"
+    if result.get("interrupted"):  # a Ctrl-C: the rows are the batch sizes finished before it
+        told += f"; {result['interrupted']}, so the batch sizes from it on are missing"
     if result.get("stopped_early"):
         return told + f" (of {asked} asked: the time limit ended the timing early)"
     if asked is not None and asked != steps:
