@@ -23,6 +23,7 @@ from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError, TaskError
 from redline.hardware.device import probe_device
 from redline.plan import Choice
+from redline.runtime import runtime as runtime_module
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 from redline.train.config import TrainerConfig
@@ -158,6 +159,27 @@ def test_a_setting_that_fails_is_reported_in_its_row_and_the_others_run(monkeypa
     assert not result.row("cpu fp32 eager b32").error
     auto = result.row("auto cpu b32")
     assert auto.precision == "fp32" and "bf16-mixed rejected: it failed" in auto.plan["precision"]["reason"]
+
+
+def test_a_precision_the_device_cannot_run_fails_its_rows_and_the_others_run(monkeypatch):
+    # As bf16-mixed on a V100 (no native bf16): the Runtime refuses it for that device, not for the bench.
+    real = runtime_module.resolve_precision
+
+    def no_bf16(requested, facts):
+        if requested == "bf16-mixed":
+            raise ConfigError(
+                "precision='bf16-mixed' was requested but Tesla V100 (compute capability 7.0) has no native bf16\n"
+                "hint: use precision='fp16-mixed' (loss scaling is handled) or 'auto'"
+            )
+        return real(requested, facts)
+
+    monkeypatch.setattr("redline.runtime.runtime.resolve_precision", no_bf16)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=2,
+                       window=1, auto=False)  # fmt: skip
+    refused = result.row("cpu bf16-mixed eager b32")
+    assert refused.error.startswith("precision='bf16-mixed' was requested but Tesla V100"), refused.error
+    assert "\nhint: use precision='fp16-mixed'" in refused.error  # the fix, as the Runtime gives it
+    assert result.row("cpu fp32 eager b32").samples_per_s and result.row("naive cpu fp32 b32").samples_per_s
 
 
 def test_two_batch_sizes_are_benched_and_compared_within_their_size():

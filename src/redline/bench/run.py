@@ -27,7 +27,7 @@ from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.bench.result import BenchResult, BenchRow
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, StoppedBySignal, TaskError, describe_error, invalid
+from redline.errors import ConfigError, RedlineError, StoppedBySignal, TaskError, describe_error, invalid
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
@@ -113,7 +113,9 @@ def benchmark(
                 tell(done, total, f"warming up {setting.name}")
                 try:
                     built[setting] = _warm_up(task, setting, window, planned, seed)
-                except RedlineError:
+                except ConfigError as exc:  # the row's settings do not fit its device (bf16 on a V100): it says why
+                    failed[setting] = str(exc)
+                except RedlineError:  # the task's own (its data, its loss): every row would fail alike
                     raise
                 except Exception as exc:  # a setting this machine cannot run: its row says why
                     failed[setting] = describe_error(exc)
