@@ -59,6 +59,13 @@ def test_a_batch_size_larger_than_the_data_is_refused_before_the_search_naming_t
         tune(mlp_task(), devices="cpu", batch_size=500)
 
 
+def test_a_list_of_devices_is_refused_with_a_hint_to_tune_one_at_a_time(monkeypatch):
+    monkeypatch.setattr("redline.bench.tune._measure", lambda *args: pytest.fail("the search ran"))
+    with pytest.raises(ConfigError, match=r"--devices='cpu,cuda' is not allowed; expected one device: .*\nhint: tune "
+                                          r"one at a time, e\.g\. --devices 'cpu'"):  # fmt: skip
+        tune_command(task="example:digits", devices="cpu,cuda")
+
+
 def test_a_cache_the_tune_cannot_be_stored_in_is_refused_before_the_search(tmp_path, monkeypatch):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")

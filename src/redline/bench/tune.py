@@ -83,7 +83,7 @@ def tune(
     if batch_size is not None:
         task = dataclasses.replace(task, batch_size=batch_size)
     check_sizes(task, [task.batch_size])  # before the search: the hint names the largest that fits
-    device = resolve_device(devices, probe_accelerators()).value
+    device = _one_device(devices)
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
     axes = search_space(task, facts)
@@ -158,6 +158,15 @@ class TuneInterrupted(StoppedBySignal):
             f"{kept} keep the current setting\nhint: run the same command again to search every axis",
         )
         self.tuned, self.path = tuned, path
+
+
+def _one_device(devices: str) -> str:
+    """The device to tune for; a bench's list is refused: a tuned Plan is for the one device a run trains on."""
+    if "," in devices:
+        first = devices.split(",")[0].strip() or "cpu"
+        allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise invalid("devices", devices, allowed, f"tune one at a time, e.g. devices={first!r}")
+    return resolve_device(devices, probe_accelerators()).value
 
 
 def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
