@@ -18,11 +18,12 @@ from torch.utils.data import TensorDataset
 from redline.bench import benchmark
 from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
-from redline.bench.run import time_runners
+from redline.bench.run import BenchInterrupted, _warm_up, time_runners
 from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError, TaskError
 from redline.hardware.device import probe_device
 from redline.plan import Choice
+from redline.runtime import runtime as runtime_module
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 from redline.train.config import TrainerConfig
@@ -160,6 +161,27 @@ def test_a_setting_that_fails_is_reported_in_its_row_and_the_others_run(monkeypa
     assert auto.precision == "fp32" and "bf16-mixed rejected: it failed" in auto.plan["precision"]["reason"]
 
 
+def test_a_precision_the_device_cannot_run_fails_its_rows_and_the_others_run(monkeypatch):
+    # As bf16-mixed on a V100 (no native bf16): the Runtime refuses it for that device, not for the bench.
+    real = runtime_module.resolve_precision
+
+    def no_bf16(requested, facts):
+        if requested == "bf16-mixed":
+            raise ConfigError(
+                "precision='bf16-mixed' was requested but Tesla V100 (compute capability 7.0) has no native bf16\n"
+                "hint: use precision='fp16-mixed' (loss scaling is handled) or 'auto'"
+            )
+        return real(requested, facts)
+
+    monkeypatch.setattr("redline.runtime.runtime.resolve_precision", no_bf16)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=2,
+                       window=1, auto=False)  # fmt: skip
+    refused = result.row("cpu bf16-mixed eager b32")
+    assert refused.error.startswith("precision='bf16-mixed' was requested but Tesla V100"), refused.error
+    assert "\nhint: use precision='fp16-mixed'" in refused.error  # the fix, as the Runtime gives it
+    assert result.row("cpu fp32 eager b32").samples_per_s and result.row("naive cpu fp32 b32").samples_per_s
+
+
 def test_two_batch_sizes_are_benched_and_compared_within_their_size():
     result = benchmark(
         tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 64], steps=4, window=2,
@@ -232,6 +254,46 @@ def test_the_steps_reported_are_those_timed_when_max_seconds_stops_early():
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=20, window=2,
                        max_seconds=1e-9, auto=False)  # fmt: skip
     assert result.steps == 4  # two rounds of one window, not the ten rounds asked for
+    assert result.steps_asked == 20 and result.stopped_early
+
+
+def test_steps_that_are_not_whole_windows_are_rounded_up_and_the_bench_says_so(monkeypatch, capsys):
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=5, window=2,
+                       auto=False)  # fmt: skip
+    assert (result.steps, result.steps_asked, result.stopped_early) == (6, 5, False)
+    monkeypatch.setattr("redline.cli.bench.benchmark", lambda *args, **kwargs: result)
+    monkeypatch.setattr("redline.cli.bench._estimator", lambda *args: None)
+    bench_command(task="example:digits", steps=5, window=2, estimate=False)
+    out, err = capsys.readouterr()
+    assert "note: --steps 5 times 6 steps per row: whole windows of 2 (--window), two at least" in " ".join(err.split())
+    assert "Bench of tiny: 6 timed steps per row, in windows of 2 (5 asked, rounded up to whole windows" in " ".join(
+        out.split()
+    )
+
+
+def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then_exits_130(monkeypatch, capsys):
+    def interrupted_at_32(task, setting, *args):
+        if setting.batch_size == 32:
+            raise KeyboardInterrupt  # Ctrl-C while the second batch size warms up
+        return _warm_up(task, setting, *args)
+
+    monkeypatch.setattr("redline.bench.run._warm_up", interrupted_at_32)
+    with pytest.raises(BenchInterrupted) as stopped:
+        benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 32], steps=2,
+                  window=1, auto=False)  # fmt: skip
+    result = stopped.value.result
+    assert stopped.value.exit_code == 130 and [row.batch_size for row in result.rows] == [16, 16]
+    assert str(stopped.value).startswith("bench interrupted (SIGINT) while warming up naive cpu fp32 b32 (batch 32)")
+
+    def interrupted_bench(*args, **kwargs):
+        raise stopped.value
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", interrupted_bench)
+    with pytest.raises(BenchInterrupted):
+        bench_command(task="example:digits", estimate=False)
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "interrupted (SIGINT) while warming up naive cpu fp32 b32 (batch 32), so the batch sizes from it" in shown
+    assert "fastest at batch 16" in shown
 
 
 def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypatch):

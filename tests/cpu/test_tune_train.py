@@ -3,15 +3,18 @@
 import dataclasses
 import functools
 import json
+import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import _measure, tune
+from redline.bench.tune import TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
-from redline.errors import ConfigError, TrainingError
+from redline.errors import ConfigError, StoppedBySignal, TaskError, TrainingError
 from redline.hardware.device import probe_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -48,6 +51,19 @@ def test_a_budget_spent_before_the_first_axis_is_refused_by_its_flag_and_nothing
     with pytest.raises(ConfigError, match=r"--budget=1e-09 is not allowed; .*\nhint: e\.g\. --budget 120"):
         tune_command(task="example:digits", budget=1e-9)
     assert not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_batch_size_larger_than_the_data_is_refused_before_the_search_naming_the_largest(monkeypatch):
+    monkeypatch.setattr("redline.bench.tune._measure", lambda *args: pytest.fail("the search ran"))
+    with pytest.raises(TaskError, match=r"fewer than the batch size 500\nhint: pass batch sizes up to 128 \(--batch"):
+        tune(mlp_task(), devices="cpu", batch_size=500)
+
+
+def test_a_list_of_devices_is_refused_with_a_hint_to_tune_one_at_a_time(monkeypatch):
+    monkeypatch.setattr("redline.bench.tune._measure", lambda *args: pytest.fail("the search ran"))
+    with pytest.raises(ConfigError, match=r"--devices='cpu,cuda' is not allowed; expected one device: .*\nhint: tune "
+                                          r"one at a time, e\.g\. --devices 'cpu'"):  # fmt: skip
+        tune_command(task="example:digits", devices="cpu,cuda")
 
 
 def test_a_cache_the_tune_cannot_be_stored_in_is_refused_before_the_search(tmp_path, monkeypatch):
@@ -157,6 +173,75 @@ def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batchin
         Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
 
 
+def test_no_candidate_starts_once_the_budget_is_spent():
+    # A compile cannot be cut short, so the budget is kept by not starting one (nor any warm-up) past it:
+    # the axis's current setting is measured, the alternative is said to be unmeasured, not rejected.
+    current, compiled = _measure(mlp_task(), "cpu", [Candidate(), Candidate(compile=True)], 100, steps=2, window=1,
+                                 seed=0, budget_s=1e-9)  # fmt: skip
+    assert current.step_s is not None and not current.rejected
+    assert compiled.step_s is None and compiled.rejected == "not measured: the budget was spent"
+    _, reason = decide("compile", [current, compiled], 100)
+    assert reason.startswith("compile off kept") and "compiled (default): not measured: the budget" in reason
+    assert "rejected" not in reason
+
+
+def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch):
+    def slow_compile(task, device, candidates, planned, steps, window, seed, budget_s):
+        time.sleep(0.3)  # a compile that outlasts the whole budget
+        return [Trial(c, 0.010, compile_s=0.3 if c.compile else 0.0) for c in candidates]
+
+    monkeypatch.setattr(
+        "redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True]), ("grad_accum", [1, 2])]
+    )
+    monkeypatch.setattr("redline.bench.tune._measure", slow_compile)
+    tuned, _ = tune(mlp_task(), devices="cpu", budget_s=0.1)
+    spent = tuned.reasons["budget"]  # a row of the tune's table, and of its --json
+    over = r"searched in 0\.[3-9]\d* s, 0\.[2-8]\d* s over the 0\.1 s budget: a warm-up once begun is not cut short"
+    assert re.fullmatch(over + r".*; the longest compile took 0\.3 s \(fp32, compiled \(default\)\)", spent), spent
+    assert tuned.reasons["grad_accum"].startswith("not measured: the 0.1 s budget was spent")
+    within, _ = tune(mlp_task(), devices="cpu", budget_s=60)
+    assert re.fullmatch(r"searched in \d\.\d+ s of the 60 s budget", within.reasons["budget"])
+
+
+def interrupted_at(axis):
+    def measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        if candidates[1:] and getattr(candidates[1], axis) != getattr(candidates[0], axis):
+            raise KeyboardInterrupt  # Ctrl-C in the middle of this axis's measurement
+        return [Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates]
+
+    return measure
+
+
+def test_a_ctrl_c_keeps_the_axes_measured_cached_and_shown_and_exits_130(monkeypatch, capsys):
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert stopped.value.exit_code == 130 and stopped.value.tuned.best == Candidate(precision="bf16-mixed")
+    reasons = stopped.value.tuned.reasons
+    assert reasons["precision"].startswith("bf16-mixed, 2.00x less time")
+    assert reasons["compile"].startswith("not measured: the search was interrupted (SIGINT); kept compile off")
+    assert reasons["grad_accum"].startswith("not measured: the search was interrupted")
+    assert reasons["budget"].startswith("interrupted (SIGINT) after")
+    assert "compile, grad_accum keep the current setting\nhint: run the same command again" in str(stopped.value)
+    cached = TunedPlan.from_dict(json.loads(Path(stopped.value.path).read_text()))
+    assert cached.best == Candidate(precision="bf16-mixed")  # what was measured is not lost
+    with pytest.raises(TuneInterrupted):
+        tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
+                     batch_size=None, steps=10, json_output=False)  # fmt: skip
+    shown = capsys.readouterr().out
+    assert "chosen: bf16-mixed, eager" in shown and "interrupted" in shown
+
+
+def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: [("precision", ["fp32", "bf16-mixed"])])
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("precision"))
+    with pytest.raises(StoppedBySignal, match="while it measured precision, its first axis: nothing was cached") as e:
+        tune(mlp_task(), devices="cpu")
+    assert e.value.exit_code == 130 and not list((tmp_path / "cache").rglob("*.json"))
+
+
 def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch):
     # A clock that only an optimizer step moves: a step costs 1 s whether the batch runs as one or as two
     # micro-batches, and a window cut between optimizer steps would charge the micro-batched one extra steps.
@@ -237,6 +322,22 @@ def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_p
     config = TrainerConfig(max_steps=1, plan="tuned", batch_size=16, progress=False)
     summary = Trainer(load_task(f"{spec}:mlp"), config).fit()
     assert summary.plan.grad_accum.value == 2 and "tuned" in summary.plan.grad_accum.reason
+
+
+def test_tune_says_before_it_searches_that_its_steps_round_up_to_whole_windows(monkeypatch, capsys):
+    timed = []
+
+    def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        timed.append((steps, window))
+        return [Trial(c, 0.010) for c in candidates]
+
+    monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
+    tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=None,
+                 steps=12, json_output=True)  # fmt: skip
+    assert "note: --steps 12 times 15 steps per candidate: whole windows of 5, two at least" in capsys.readouterr().err
+    tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=None,
+                 steps=10, json_output=True)  # fmt: skip
+    assert "note:" not in capsys.readouterr().err and timed[-1] == (10, 5)
 
 
 @pytest.mark.slow

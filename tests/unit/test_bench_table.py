@@ -81,8 +81,9 @@ def test_in_a_narrow_terminal_no_figure_of_the_bench_table_is_cut_or_dropped():
         text = console.export_text()
         assert "…" not in text, text
         assert "10,791" in text and "690,624" in text and "0.572" in text and "3.0 s" in text, text
-        assert "auto cpu b64" in text and "naive cpu fp32" in text, text  # the names wrap, never vanish
-        header = next(line for line in text.splitlines() if "configuration" in line)
+        names = " ".join(line[:12] for line in text.splitlines())  # the names wrap, never vanish
+        assert all(word in names for word in ("auto", "naive", "fp32", "bf16-mixed", "b64")), text
+        header = next(line for line in text.splitlines() if "config" in line)
         assert header.split()[-1] == "loss", text  # the last column is there, not cropped off the edge
 
 
@@ -111,4 +112,41 @@ def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
 def test_a_slow_step_is_shown_in_whole_milliseconds_not_in_e_notation():
     slow = _row("naive cpu fp32 b64", "naive", 24.0, step_ms_p50=2662.4, step_ms_p90=3661.0)
     text = shown(result_of(slow, _row("cpu fp32 eager b64", "explicit", 5000.0, step_ms_p50=99.96, step_ms_p90=0.5)))
-    assert "2,662/3,661" in text and "100/0.5" in text and "e+" not in text, text
+    assert "2662/3661" in text and "100/0.5" in text and "e+" not in text, text
+
+
+def test_the_title_says_why_the_steps_timed_are_not_the_steps_asked():
+    row = _row("naive cpu fp32 b64", "naive", 5000.0)
+    exact = shown({**result_of(row), "steps": 10, "steps_asked": 10})
+    assert exact.splitlines()[0].rstrip() == "Bench of t: 10 timed steps per row, in windows of 5"
+    rounded = " ".join(shown({**result_of(row), "steps": 15, "steps_asked": 12}).split())  # the title wraps
+    assert "15 timed steps per row, in windows of 5 (12 asked, rounded up to whole windows, two at least)" in rounded
+    stopped = " ".join(shown({**result_of(row), "steps": 10, "steps_asked": 60, "stopped_early": True}).split())
+    assert "10 timed steps per row, in windows of 5 (of 60 asked: the time limit ended the timing early)" in stopped
+
+
+def test_a_gpus_table_and_a_cpus_with_tokens_fit_80_columns_with_every_figure():
+    # The widest of each, as `redline bench --devices cuda` and a CPU bench of a text task print them.
+    gpu = [
+        _row("naive cuda:0 fp32 b64", "naive", 24345.0),
+        _row("cuda:0 bf16-mixed compiled b64", "explicit", 152345.0, compile=True, compile_s=12.0),
+        _row("auto cuda:0 b64", "auto", 51345.0),
+    ]
+    for row in gpu:  # no CPU row ran: no speed-up over the CPU to show
+        row.update(device="cuda:0", mfu=0.412, mfu_measured=0.5, estimate_bytes=int(3.9 * 2**20), speedup_cpu_fp32=None,
+                   peak_mem_bytes=int(24.1 * 2**20), step_ms_p50=1.22, step_ms_p90=1.31, loss=0.178)  # fmt: skip
+    cpu = [
+        _row("naive cpu fp32 b32", "naive", 30.0, step_ms_p50=1076.0, step_ms_p90=1331.0),
+        _row("cpu bf16-mixed compiled b32", "explicit", 44.0, compile=True, compile_s=23.7, break_even_steps=45),
+        _row("auto cpu b32", "auto", 32.0, step_ms_p50=1016.0, step_ms_p90=1770.0),
+    ]
+    for row in cpu:
+        row.update(tokens_per_s=row["samples_per_s"] * 64.0, mfu_measured=0.03, estimate_bytes=int(42.2 * 2**20),
+                   peak_mem_bytes=int(559.6 * 2**20), peak_mem_kind="resident", loss=3.45)  # fmt: skip
+    for rows, figures in ((gpu, ["152,345", "41.2%/50%", "24.1 MiB", "1.22/1.31"]), (cpu, ["1,920", "1076/1331"])):
+        console = Console(width=80, record=True)
+        print_uncut(console, bench_table(result_of(*rows)))
+        text = console.export_text()
+        assert max(len(line.rstrip()) for line in text.splitlines()) <= 80, text
+        assert all(figure in text for figure in figures) and "…" not in text, text
+        assert "CPU" not in text.split("─")[0], text  # the header: no column of "n/a" speed-ups over the CPU

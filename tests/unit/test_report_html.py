@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from redline.cli.report import report as report_command
 from redline.errors import ConfigError
 from redline.render.html import bench_report, report, run_report, write_report
 from report_samples import PNG_SIGNATURE, SUMMARY, bench_result, decoded_png, images, links, pixel_variance, write_run
@@ -122,6 +123,21 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
 
 
+def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):
+    run = write_run(tmp_path, summary=None)
+    (run / "metrics.jsonl").unlink()
+    with (run / "metrics.csv").open("a") as file:
+        file.write("31,0,0.41,0.001,71")  # cut inside samples/s (7,240): it parses, its later cells empty
+    doc = run_report(run)
+    assert "30 steps." in doc
+    assert "samples/s over 30 points, last 7,200" in alts(doc)[1]
+    one = (run / "metrics.csv").read_text().splitlines(keepends=True)[:2]  # the header and the first step
+    (run / "metrics.csv").write_text("".join(one))
+    assert "1 step." in run_report(run)
+    (run / "metrics.csv").write_text("step,epoch,lo")  # a run killed as it wrote its header
+    assert "metrics.csv holds no step yet" in run_report(run)
+
+
 def test_a_resumed_run_that_has_not_ended_is_not_shown_with_the_summary_it_resumed_from(tmp_path):
     run = write_run(tmp_path, steps=45)  # resumed from step 30, whose summary.json stays until the run ends
     doc = run_report(run)
@@ -198,6 +214,37 @@ def test_a_checkpoint_given_for_its_run_names_the_run_directory(tmp_path):
             ConfigError, match=rf"has no metrics.jsonl.*\nhint: {run} holds the run's logs: redline report {run}$"
         ):
             run_report(given)
+
+
+def test_a_bench_saved_as_json_gets_its_page_without_running_again(tmp_path, capsys):
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(bench_result()))  # what `redline bench --json > bench.json` wrote
+    assert report(saved) == tmp_path / "bench.html"
+    doc = (tmp_path / "bench.html").read_text()
+    assert "<title>redline bench: digits" in doc and "Best configuration: <strong>auto</strong>" in doc
+    report_command(saved, tmp_path / "elsewhere.html")
+    assert capsys.readouterr().out == f"{tmp_path / 'elsewhere.html'}\n"
+    (tmp_path / "other.json").write_text('{"task": "digits"}')
+    with pytest.raises(ConfigError, match=r"other.json is not a bench result: it has no list of rows\nhint: pass"):
+        report(tmp_path / "other.json")
+
+
+def test_a_run_that_has_not_logged_yet_is_told_apart_from_a_directory_that_is_no_run(tmp_path):
+    starting = tmp_path / "starting"  # what `redline train --out starting` holds before its first log
+    (starting / "checkpoints").mkdir(parents=True)
+    (starting / ".write-check-x").write_text("")
+    with pytest.raises(ConfigError, match=r"holds no metrics yet: a run writes .* when it first logs .*\nhint: if the"):
+        report(starting)
+    (tmp_path / "other" / "notes.txt").parent.mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"other has no metrics.jsonl or metrics.csv: the report draws"):
+        report(tmp_path / "other")
+
+
+def test_a_file_of_a_run_given_for_the_run_names_its_directory(tmp_path):
+    run = write_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match=f"is not a directory\nhint: {run} holds the run's logs: redline report"):
+        report(run / "summary.json")
 
 
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):

@@ -14,9 +14,9 @@ import functools
 import logging
 import math
 import platform
+import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +25,9 @@ from redline.bench.figures import break_even, percentile, rate, speedup, step_ti
 from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
+from redline.bench.result import BenchResult, BenchRow
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, TaskError, describe_error, invalid
+from redline.errors import ConfigError, RedlineError, StoppedBySignal, TaskError, describe_error, invalid
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
@@ -44,64 +45,6 @@ from redline.version import __version__
 log = logging.getLogger("redline")
 Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
 Estimate = Callable[[int, str, str], int | None]  # (batch size, precision, device type) -> predicted bytes
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    """One configuration's figures; on failure, ``error`` says why and the figures are None."""
-
-    name: str
-    kind: str
-    device: str
-    precision: str
-    compile: bool | None
-    channels_last: bool | None
-    batch_size: int
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    step_ms_p50: float | None = None
-    step_ms_p90: float | None = None
-    peak_mem_bytes: int | None = None
-    peak_mem_kind: str = ""  # "allocated": the row's own on a GPU; "resident": the whole process's on a CPU
-    estimate_bytes: int | None = None  # the step's peak predicted before the run (the ``estimate`` given)
-    tflops: float | None = None
-    mfu: float | None = None  # achieved FLOP/s over the datasheet's dense peak (GPUs in the catalog)
-    mfu_measured: float | None = None  # over a matmul measured on this device in the row's precision
-    compile_s: float | None = None
-    break_even_steps: float | None = None  # steps after which the compile has paid for itself
-    speedup_naive: float | None = None  # over the naive loop on the same device and batch size
-    speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
-    loss: float | None = None  # the last window's loss: every row trains, none is a no-op
-    plan: dict[str, dict[str, Any]] | None = None
-    error: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    """A bench's rows, with what they ran on."""
-
-    task: str
-    steps: int  # timed steps per row: the fewest of any batch size, where --max-seconds stopped one early
-    window: int
-    measured_at: str
-    machine: dict[str, Any]
-    versions: dict[str, str]
-    rows: tuple[BenchRow, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["rows"] = [row.to_dict() for row in self.rows]
-        return data
-
-    def row(self, name: str) -> BenchRow:
-        """The row called ``name``."""
-        for row in self.rows:
-            if row.name == name:
-                return row
-        raise KeyError(name)
 
 
 def benchmark(
@@ -124,12 +67,16 @@ def benchmark(
 
     ``devices`` "auto" benches the CPU and every kind of accelerator visible; ``precisions`` None
     benches fp32 and the reduced precision each device has fast arithmetic for. Each row times
-    ``steps`` steps (in windows of ``window``) after a warm-up window; timing stops early, after
+    ``steps`` steps (in windows of ``window``, so rounded up to whole windows, two at least:
+    ``timed_steps``) after a warm-up window; timing stops early, after
     two rounds at least, once ``max_seconds`` are spent. ``planned_steps`` is the run auto plans
     for (default: the task's own epochs), which decides whether it compiles. ``estimate(batch_size,
     precision, device_type)`` returns a predicted step peak in bytes (or None) to show beside each
     row's measured peak, e.g. ``lambda b, p, d: redline.estimate_memory(task, batch_size=b,
     precision=p, target=d).total``; it is asked once per batch size, precision and device.
+
+    A Ctrl-C (KeyboardInterrupt) raises ``BenchInterrupted`` (exit 130 on the command line), whose
+    ``result`` holds the rows of the batch sizes finished before it.
     """
     task = require_task(task)
     positive_int("steps", steps)
@@ -139,36 +86,50 @@ def benchmark(
     precisions = listed("precisions", precisions, "['fp32', 'bf16-mixed']") if precisions is not None else None
     compiles = listed("compiles", compiles, "[False, True]")
     sizes = (listed("batch_sizes", batch_sizes, "[32, 64]") if batch_sizes is not None else []) or [task.batch_size]
-    _check_sizes(task, sizes)
+    check_sizes(task, sizes)
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
-    rounds = max(2, math.ceil(steps / window))
-    tell = progress or (lambda done, total, what: None)
+    rounds = timed_steps(steps, window) // window
+    running = [""]  # what runs now, for the message of a Ctrl-C
+
+    def tell(done: int, total: int, what: str) -> None:
+        running[0] = what
+        if progress is not None:
+            progress(done, total, what)
+
     total, done = len(settings) + rounds * len(sizes), 0
     rows: list[BenchRow] = []
     timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
+    interrupted = ""
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
         planned = planned_steps or task_steps(task, size)
-        if any(s.compile is not False for s in group):
-            reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
-        built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
-        failed: dict[Setting, str] = {}
-        for setting in group:
-            tell(done, total, f"warming up {setting.name}")
-            try:
-                built[setting] = _warm_up(task, setting, window, planned, seed)
-            except RedlineError:
-                raise
-            except Exception as exc:  # a setting this machine cannot run: its row says why
-                failed[setting] = describe_error(exc)
-            done += 1
-        runners = [runner for runner, _, _ in built.values()]
-        timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
-        done += rounds
+        try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
+            if any(s.compile is not False for s in group):
+                reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
+            built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
+            failed: dict[Setting, str] = {}
+            for setting in group:
+                tell(done, total, f"warming up {setting.name}")
+                try:
+                    built[setting] = _warm_up(task, setting, window, planned, seed)
+                except ConfigError as exc:  # the row's settings do not fit its device (bf16 on a V100): it says why
+                    failed[setting] = str(exc)
+                except RedlineError:  # the task's own (its data, its loss): every row would fail alike
+                    raise
+                except Exception as exc:  # a setting this machine cannot run: its row says why
+                    failed[setting] = describe_error(exc)
+                done += 1
+            runners = [runner for runner, _, _ in built.values()]
+            timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
+            done += rounds
+            group_rows = _rows(task, group, built, timed, failed, window)
+        except KeyboardInterrupt:
+            interrupted = f"interrupted (SIGINT) while {running[0]} (batch {size})"
+            break
         timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
-        rows += _rows(task, group, built, timed, failed, window)
-    return BenchResult(
+        rows += group_rows
+    result = BenchResult(
         task=task.name,
         steps=timed_rounds * window,
         window=window,
@@ -176,7 +137,34 @@ def benchmark(
         machine=_machine(facts),
         versions={"python": platform.python_version(), "torch": torch.__version__, "redline": __version__},
         rows=tuple(_with_estimates(_with_speedups(rows), estimate)),
+        steps_asked=steps,
+        stopped_early=timed_rounds < rounds,
+        interrupted=interrupted,
     )
+    if interrupted:
+        raise BenchInterrupted(result)
+    return result
+
+
+class BenchInterrupted(StoppedBySignal):
+    """A bench a SIGINT (Ctrl-C) stopped; ``result`` holds the batch sizes it finished before (maybe none)."""
+
+    def __init__(self, result: BenchResult) -> None:
+        if result.rows:
+            told = "the table shows the batch sizes finished before it"
+        else:
+            told = "no batch size was finished, so there is nothing to show"
+        super().__init__(
+            signal.SIGINT,
+            f"bench {result.interrupted}: {told}\nhint: --max-seconds S "
+            "bounds each batch size's timing (two rounds at least), and --steps N shortens it",
+        )
+        self.result = result
+
+
+def timed_steps(steps: int, window: int) -> int:
+    """The steps a row (or a tune's candidate) is timed for when ``steps`` are asked: whole windows, two at least."""
+    return max(2, math.ceil(steps / window)) * window
 
 
 def _with_estimates(rows: list[BenchRow], estimate: Estimate | None) -> list[BenchRow]:
@@ -207,7 +195,7 @@ def _devices(devices: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(resolve_device(name, found).value for name in names))
 
 
-def _check_sizes(task: Task, sizes: Sequence[int]) -> None:
+def check_sizes(task: Task, sizes: Sequence[int]) -> None:
     """Refuse a batch size larger than the data before anything is timed, not after the sizes before it."""
     try:
         count = len(task.train_data)  # type: ignore[arg-type]

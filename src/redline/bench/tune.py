@@ -9,13 +9,16 @@ noise never swaps a setting for an equal one. Alternatives that cannot win are n
 channels_last without a convolution, loader workers for data already in memory, CUDA graphs off
 CUDA, a reduced precision the device has no fast arithmetic for. A compiled candidate whose
 compile fell back to eager is rejected, its reason said: it ran the eager model. When the
-budget is spent the axes left keep the current setting, and the reasons say so.
+budget is spent, no candidate starts: the axes left keep the current setting, and the reasons say
+so. A warm-up already begun (a compile) is not cut short, so a search can end past its budget;
+the "budget" reason says by how much, and why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,9 +30,9 @@ from torch.utils.data import TensorDataset
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import reset_compiler, task_steps, time_runners
+from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, TrainingError, describe_error, invalid
+from redline.errors import RedlineError, StoppedBySignal, TrainingError, describe_error, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
@@ -39,6 +42,8 @@ from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, ch
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
+UNMEASURED = "not measured: the budget was spent"
+WINDOW = 5  # timed steps between two device syncs
 Progress = Callable[[int, int, str], None]
 
 
@@ -50,7 +55,7 @@ def tune(
     budget_s: float = 120.0,
     planned_steps: int | None = None,
     steps: int = 30,
-    window: int = 5,
+    window: int = WINDOW,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> tuple[TunedPlan, str]:
@@ -58,8 +63,14 @@ def tune(
 
     Returns the tuned Plan and the path of its cache entry, which ``redline train --plan tuned``
     (and auto) read. ``planned_steps`` is the run the total time is weighed for (default: the
-    task's epochs); ``budget_s`` bounds the whole search. ``batch_size`` tunes at another batch size
+    task's epochs); ``budget_s`` bounds the whole search: no candidate starts once it is spent, and
+    ``reasons["budget"]`` says how long the search took (by how much past the budget, and why: a compile
+    begun is not cut short). ``batch_size`` tunes at another batch size
     than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
+
+    A Ctrl-C (KeyboardInterrupt) stops the search: the axes decided before it are cached and it raises
+    ``TuneInterrupted`` (exit 130 on the command line), whose ``tuned`` and ``path`` hold them; one
+    before the first axis was measured caches nothing and raises ``StoppedBySignal``.
     """
     task = require_task(task)
     positive_number("budget_s", budget_s)
@@ -71,18 +82,24 @@ def tune(
     fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
     if batch_size is not None:
         task = dataclasses.replace(task, batch_size=batch_size)
-    device = resolve_device(devices, probe_accelerators()).value
+    check_sizes(task, [task.batch_size])  # before the search: the hint names the largest that fits
+    device = _one_device(devices)
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
     axes = search_space(task, facts)
     tell = progress or (lambda done, total, what: None)
-    deadline = time.perf_counter() + budget_s
+    started = time.perf_counter()
+    deadline = started + budget_s
     best = Candidate(precision="fp32")
     trials: list[Trial] = []
     reasons: dict[str, str] = {}
+    interrupted = ""  # the axis a Ctrl-C stopped: it and the axes after it keep the current setting
     for index, (axis, values) in enumerate(axes):
         tell(index, len(axes), f"tuning {axis}")
         left = deadline - time.perf_counter()
+        if interrupted:
+            reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
+            continue
         if left <= 0:
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
             continue
@@ -90,10 +107,21 @@ def tune(
             reasons[axis] = "not measured: compile is off"
             continue
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
-        measured = _measure(task, device, candidates, planned, steps, window, seed, left)
+        try:
+            measured = _measure(task, device, candidates, planned, steps, window, seed, left)
+        except KeyboardInterrupt:  # keep what the axes before it decided, as a spent budget does
+            interrupted = axis
+            reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
+            continue
         trials += measured
         best, reasons[axis] = decide(axis, measured, planned)
     tell(len(axes), len(axes), "done")
+    if interrupted and not trials:
+        raise StoppedBySignal(
+            signal.SIGINT,
+            f"tune interrupted by SIGINT while it measured {interrupted}, its first axis: nothing was cached\n"
+            "hint: run it again; --budget SECONDS bounds the search instead, keeping what it measured",
+        )
     if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
         raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
     if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
@@ -104,12 +132,41 @@ def tune(
             "the line that fails"
         )
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
+    spent = time.perf_counter() - started
+    reasons["budget"] = spent_line(spent, budget_s, trials)
+    if interrupted:
+        reasons["budget"] = f"interrupted (SIGINT) after {_figure(spent)} s of the {budget_s:g} s budget"
     tuned = TunedPlan(
         task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials),
     )  # fmt: skip
-    return tuned, store_tuned(fingerprint, facts, tuned, model=task.build_model())
+    path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
+    if interrupted:
+        raise TuneInterrupted(tuned, path, interrupted)
+    return tuned, path
+
+
+class TuneInterrupted(StoppedBySignal):
+    """A tune a SIGINT (Ctrl-C) stopped after its first axis: the axes it decided are cached, and kept here."""
+
+    def __init__(self, tuned: TunedPlan, path: str, axis: str) -> None:
+        kept = ", ".join(a for a, why in tuned.reasons.items() if "interrupted" in why and a != "budget")
+        super().__init__(
+            signal.SIGINT,
+            f"tune interrupted by SIGINT while it measured {axis}: the axes before it were cached in {path}; "
+            f"{kept} keep the current setting\nhint: run the same command again to search every axis",
+        )
+        self.tuned, self.path = tuned, path
+
+
+def _one_device(devices: str) -> str:
+    """The device to tune for; a bench's list is refused: a tuned Plan is for the one device a run trains on."""
+    if "," in devices:
+        first = devices.split(",")[0].strip() or "cpu"
+        allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise invalid("devices", devices, allowed, f"tune one at a time, e.g. devices={first!r}")
+    return resolve_device(devices, probe_accelerators()).value
 
 
 def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
@@ -177,11 +234,17 @@ def _measure(
     torch.compile's cache is process-wide, so it is cleared first: a candidate pays its compile as a
     fresh run would, not a graph an earlier axis compiled. Within the axis, a candidate whose graph
     an earlier one compiled (loader workers leave the model as it is) is charged that compile.
+    Once ``budget_s`` is spent, the candidates not yet warmed up are not measured (the first always
+    is); a warm-up begun, compile included, is not cut short, nor are the two rounds of timing.
     """
+    deadline = time.perf_counter() + budget_s
     reset_compiler()
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     for index, candidate in enumerate(candidates):
+        if index and time.perf_counter() >= deadline:  # the current setting is measured: the axis has begun
+            failed[index] = UNMEASURED
+            continue
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:
@@ -198,7 +261,8 @@ def _measure(
             failed[index] = eager
         else:
             runners.append(runner)
-    timed = time_runners(runners, window, max(2, math.ceil(steps / window)), budget_s)
+    left = max(0.0, deadline - time.perf_counter())  # the warm-ups (compiles) spent the rest
+    timed = time_runners(runners, window, timed_steps(steps, window) // window, left)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
     compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph
@@ -239,11 +303,25 @@ def _departure(runner: Runner, reference: float | None) -> str:
 
 def _told(trial: Trial, planned: int) -> str:
     label = _value(trial.candidate, "")
+    if trial.rejected == UNMEASURED:
+        return f"{label}: {UNMEASURED}"
     if trial.rejected:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
     compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
     return f"{label}: {_figure(trial.step_s * 1e3)} ms/step{compile_} = {_figure(trial.total_s(planned))} s"
+
+
+def spent_line(spent_s: float, budget_s: float, trials: Sequence[Trial]) -> str:
+    """How long the search took against its budget; past it, by how much and why."""
+    if spent_s <= budget_s:
+        return f"searched in {_figure(spent_s)} s of the {budget_s:g} s budget"
+    why = "a warm-up once begun is not cut short, and each candidate measured runs two timed rounds at least"
+    compiled = [t for t in trials if t.candidate.compile and t.compile_s]
+    if compiled:
+        longest = max(compiled, key=lambda t: t.compile_s)
+        why += f"; the longest compile took {longest.compile_s:.1f} s ({longest.candidate.label})"
+    return f"searched in {_figure(spent_s)} s, {_figure(spent_s - budget_s)} s over the {budget_s:g} s budget: {why}"
 
 
 def _figure(value: float) -> str:

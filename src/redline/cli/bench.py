@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.atomic import check_writable
-from redline.bench.run import Estimate, benchmark
+from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
@@ -38,7 +38,9 @@ def bench(
     batch_size: Annotated[
         str | None, typer.Option(help="Batch sizes, comma-separated (default: the task's own).")
     ] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Timed steps per configuration.")] = 60,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Timed steps per configuration, in whole windows (two at least).")
+    ] = 60,
     window: Annotated[int, typer.Option(min=1, help="Steps per timing window (one device sync each).")] = 5,
     planned_steps: Annotated[
         int | None, typer.Option(min=1, help="The run auto plans for (default: the task's epochs); decides compile.")
@@ -61,6 +63,9 @@ def bench(
     if html is not None:
         _check_html(html)
     console = Console(stderr=True)
+    if timed_steps(steps, window) != steps:  # said before the run, which it lengthens
+        told = f"note: --steps {steps} times {timed_steps(steps, window)} steps per row: whole windows of {window}"
+        console.print(f"{told} (--window), two at least", highlight=False, markup=False)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,
@@ -70,26 +75,25 @@ def bench(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        with said_by_flags(max_seconds="--max-seconds", devices="--devices"):
-            result = benchmark(
-                loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
-                batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
-                max_seconds=max_seconds, auto=auto, progress=tell,
-                estimate=_estimator(loaded, console) if estimate else None,
-            )  # fmt: skip
+        try:
+            with said_by_flags(max_seconds="--max-seconds", devices="--devices"):
+                result = benchmark(
+                    loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
+                    batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
+                    max_seconds=max_seconds, auto=auto, progress=tell,
+                    estimate=_estimator(loaded, console) if estimate else None,
+                )  # fmt: skip
+        except BenchInterrupted as stopped:  # show (and write) the batch sizes it finished, then exit 130
+            if not stopped.result.rows:
+                raise
+            interrupted: BenchInterrupted | None = stopped
+            result = stopped.result
+        else:
+            interrupted = None
     data = result.to_dict()
-    out = output_console()
-    if json_output:
-        print(json.dumps(data, indent=2))
-    else:
-        print_uncut(out, bench_table(data))
-        out.print(best_line(data), highlight=False)
-    if html is not None:  # after the figures are out: a page that fails to write loses nothing measured
-        from redline.render.html import bench_report, write_report
-
-        write_report(html, bench_report(data))
-        if not json_output:
-            out.print(f"report: {html}", highlight=False, markup=False)
+    _show(data, json_output, html)
+    if interrupted is not None:
+        raise interrupted
     rows = data["rows"]
     if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
         one = shlex.join(["redline", "train", "--task", task, *_task_args(task_arg), "--max-steps", "1"])
@@ -97,6 +101,22 @@ def bench(
             f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
             f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
         )
+
+
+def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
+    """Print the result (a table, or JSON), then write its page: one that fails to write loses nothing printed."""
+    out = output_console()
+    if json_output:
+        print(json.dumps(data, indent=2))
+    else:
+        print_uncut(out, bench_table(data))
+        out.print(best_line(data), highlight=False)
+    if html is not None:
+        from redline.render.html import bench_report, write_report
+
+        write_report(html, bench_report(data))
+        if not json_output:
+            out.print(f"report: {html}", highlight=False, markup=False)
 
 
 def _task_args(task_arg: list[str] | None) -> list[str]:

@@ -12,14 +12,23 @@ from redline.render.html import report as write_run_report
 
 def report(
     run_dir: Annotated[
-        Path, typer.Argument(metavar="RUN_DIR", help="The directory a run wrote with --out.", show_default=False)
+        Path,
+        typer.Argument(
+            metavar="RUN_DIR",
+            help="The directory a run wrote with --out, or a bench result saved by `redline bench --json`.",
+            show_default=False,
+        ),
     ],
     html: Annotated[
         Path | None,
-        typer.Option("--html", metavar="FILE", help="Where to write the page [default: RUN_DIR/report.html]."),
+        typer.Option(
+            "--html", metavar="FILE", help="Where to write the page [default: RUN_DIR/report.html, or FILE.html]."
+        ),
     ] = None,
 ) -> None:
     """Write a training run's HTML report: its loss, throughput and memory charts, summary and Plan.
+
+    Given a bench's JSON (`redline bench --json > bench.json`), write the bench's page (bench.html).
 
     One self-contained file that loads nothing from the network; needs matplotlib
     (pip install 'redline[report]'). Prints the path of the file it wrote.

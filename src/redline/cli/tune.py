@@ -10,10 +10,12 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.bench.tune import tune
+from redline.bench.run import timed_steps
+from redline.bench.tune import WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.render.console import key_value_table, output_console, print_uncut
+from redline.runtime.tuned import TunedPlan
 from redline.task import load_task
 
 
@@ -21,12 +23,19 @@ def tune_command(
     task: TaskSpec,
     task_arg: TaskArgs = None,
     devices: Annotated[str, typer.Option(help="The device to tune for: auto, cpu, cuda, cuda:N or mps.")] = "auto",
-    budget: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds the whole search may take.")] = 120.0,
+    budget: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", help="Seconds the search may take: no candidate starts past them (a compile begun ends)."
+        ),
+    ] = 120.0,
     planned_steps: Annotated[
         int | None, typer.Option(min=1, help="The run to weigh total time for, compile included (default: the task's).")
     ] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the task's own).")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Timed steps per candidate.")] = 30,
+    steps: Annotated[
+        int, typer.Option(min=1, help="Timed steps per candidate, in whole windows of 5 (two at least).")
+    ] = 30,
     json_output: Annotated[bool, typer.Option("--json", help="Print the tuned Plan as JSON on stdout.")] = False,
 ) -> None:
     """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
@@ -36,6 +45,9 @@ def tune_command(
     """
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     console = Console(stderr=True)
+    if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
+        told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
+        console.print(f"{told}: whole windows of {WINDOW}, two at least", highlight=False, markup=False)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
     ) as bar:
@@ -44,11 +56,31 @@ def tune_command(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        with said_by_flags(budget_s="--budget", devices="--devices"):
-            tuned, path = tune(
-                loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
-                steps=steps, progress=tell,
-            )  # fmt: skip
+        try:
+            with said_by_flags(budget_s="--budget", devices="--devices"):
+                tuned, path = tune(
+                    loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
+                    steps=steps, progress=tell,
+                )  # fmt: skip
+        except TuneInterrupted as stopped:  # show the axes it cached, then exit 130 saying which were left
+            interrupted: TuneInterrupted | None = stopped
+            tuned, path = stopped.tuned, stopped.path
+        else:
+            interrupted = None
+    _show(tuned, path, task, task_arg, devices, batch_size, json_output)
+    if interrupted is not None:
+        raise interrupted
+
+
+def _show(
+    tuned: TunedPlan,
+    path: str,
+    task: str,
+    task_arg: list[str] | None,
+    devices: str,
+    batch_size: int | None,
+    json_output: bool,
+) -> None:
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
         return

@@ -16,13 +16,14 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     """Return the bench result (``BenchResult.to_dict()``) as a table, one row per configuration.
 
     Columns that would be empty or repeat another (tokens/s for class labels, the CPU speed-up when
-    every row ran on the CPU, compile time when nothing compiled) are left out, and the borders are
-    light, so it fits 80 columns. A figure is never cut to "8,…": where the terminal is too narrow
-    even so, the names and compile notes wrap, and past that the table is printed wider than the
-    terminal (``print_uncut``) rather than losing digits.
+    every row ran on the CPU or none did, compile time when nothing compiled) are left out, MFU shares
+    a column with the matmul share, and the borders are light, so it fits 80 columns (a GPU's rows, or
+    a CPU's with tokens/s; CPU and GPU rows with tokens/s are wider). A figure is never cut to "8,…":
+    where the terminal is too narrow even so, the names and compile notes wrap, and past that the
+    table is printed wider than the terminal (``print_uncut``) rather than losing digits.
     """
     table = Table(
-        title=f"Bench of {result['task']}: {result['steps']} timed steps per row, in windows of {result['window']}",
+        title=f"Bench of {result['task']}: {steps_told(result)}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -31,7 +32,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     )
     rows = [row for row in result["rows"] if not row["error"]]
     columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
-        ("configuration", lambda r: r["name"]),
+        ("config", lambda r: r["name"]),
         ("samples/s", lambda r: _number(r["samples_per_s"])),
     ]
     if any(r["tokens_per_s"] for r in rows):
@@ -40,14 +41,13 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         ("p50/p90 ms", lambda r: f"{_ms(r['step_ms_p50'])}/{_ms(r['step_ms_p90'])}"),
         ("vs naive", lambda r: _times(r["speedup_naive"])),
     ]
-    if any(r["device"] != "cpu" for r in rows):
+    if any(r["device"] != "cpu" and r["speedup_cpu_fp32"] is not None for r in rows):  # a CPU naive row ran
         columns.append(("vs CPU fp32", lambda r: _times(r["speedup_cpu_fp32"])))
-    if any(r["mfu"] is not None for r in rows):
-        columns.append(("MFU", lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"))
-    columns += [
-        ("of matmul", lambda r: "n/a" if r["mfu_measured"] is None else f"{r['mfu_measured']:.0%}"),
-        ("memory", lambda r: _bytes(r["peak_mem_bytes"])),
-    ]
+    if any(r["mfu"] is not None for r in rows):  # one column for both shares, as p50/p90: it fits 80 columns
+        columns.append(("MFU/of matmul", lambda r: f"{_share(r['mfu'], '.1%', '-')}/{_share(r['mfu_measured'])}"))
+    else:
+        columns.append(("of matmul", lambda r: _share(r["mfu_measured"], missing="n/a")))
+    columns.append(("memory", lambda r: _bytes(r["peak_mem_bytes"])))
     if any(r.get("estimate_bytes") is not None for r in rows):
         columns.append(("estimate", lambda r: _bytes(r.get("estimate_bytes"))))
     if any(r["compile_s"] is not None for r in rows):
@@ -73,11 +73,24 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     return table
 
 
+def steps_told(result: Mapping[str, Any]) -> str:
+    """The steps each row was timed for, and why they are not the steps asked where they differ."""
+    steps, window, asked = result["steps"], result["window"], result.get("steps_asked")
+    told = f"{steps} timed steps per row, in windows of {window}"
+    if result.get("interrupted"):  # a Ctrl-C: the rows are the batch sizes finished before it
+        told += f"; {result['interrupted']}, so the batch sizes from it on are missing"
+    if result.get("stopped_early"):
+        return told + f" (of {asked} asked: the time limit ended the timing early)"
+    if asked is not None and asked != steps:
+        return told + f" ({asked} asked, rounded up to whole windows, two at least)"
+    return told
+
+
 def _add_column(table: Table, name: str) -> None:
-    if name == "configuration":
-        table.add_column(name, justify="left", overflow="fold", min_width=14)
+    if name == "config":
+        table.add_column(name, justify="left", overflow="fold", min_width=10)  # "bf16-mixed" whole
     elif name == "compile":  # "12.0 s, repaid in 1,234 steps" wraps between its words
-        table.add_column(name, justify="right", min_width=8)
+        table.add_column(name, justify="right", min_width=7)
     else:  # a figure keeps all its digits; its header wraps between words
         table.add_column(name.replace(" ", "\n").replace("/s", "\n/s"), justify="right", no_wrap=True)
 
@@ -117,10 +130,15 @@ def _number(value: float | None) -> str:
 
 
 def _ms(value: float | None) -> str:
-    """Three significant digits, never "2.66e+03": from 100 ms on, whole milliseconds ("2,660")."""
+    """Three significant digits, never "2.66e+03": from 100 ms on, whole milliseconds ("2660"; paired as
+    "1076/1331", a thousands comma would only widen the column)."""
     if value is None:
         return "n/a"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _share(value: float | None, spec: str = ".0%", missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
 
 
 def _times(value: float | None) -> str:

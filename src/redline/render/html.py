@@ -17,6 +17,7 @@ from typing import Any
 
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
+from redline.render.bench import steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import RunFiles, has_values, read_run, values
 from redline.version import __version__
@@ -65,7 +66,7 @@ def bench_report(result: Mapping[str, Any]) -> str:
         title += f", {result['measured_at']}"
     sub = f"{len(rows)} configuration(s) of the same task, side by side in one run"
     if result.get("steps") is not None:
-        sub += f"; {result['steps']} timed steps each, in windows of {result.get('window', '?')} steps"
+        sub += f"; {steps_told({'window': '?', **result})}"
     body = [_p("lead", _best_line(ok, failed=len(rows) - len(ok))), "<h2>Machine</h2>", _machine(result)]
     body += ["<h2>Throughput and speed-up</h2>", *_bench_charts(ok)]
     body += ["<h2>Every configuration</h2>", _rows_table(rows), *_failures(rows)]
@@ -125,10 +126,29 @@ def write_report(path: str | os.PathLike[str], html: str) -> Path:
 
 
 def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None = None) -> Path:
-    """Write the HTML report of a training run directory and return where it went (default RUN_DIR/report.html)."""
+    """Write the HTML report of a training run directory and return where it went (default RUN_DIR/report.html).
+
+    Given a bench result saved as JSON (``redline bench --json > FILE.json``), write its page instead
+    (default FILE.html beside it): a bench need not run again for its report.
+    """
     run_dir = Path(run_dir)
+    if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
+        html = bench_report(_read_bench(run_dir))
+        return write_report(run_dir.with_suffix(".html") if path is None else Path(path), html)
     html = run_report(run_dir)
     return write_report(run_dir / "report.html" if path is None else Path(path), html)
+
+
+def _read_bench(path: Path) -> Mapping[str, Any]:
+    """A bench result saved with ``redline bench --json``; anything else is a ConfigError naming the file."""
+    hint = "hint: pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read as a bench result: {exc}\n{hint}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ConfigError(f"{path} is not a bench result: it has no list of rows\n{hint}")
+    return data
 
 
 def plan_table(plan: object) -> str:
@@ -246,7 +266,7 @@ def _run_line(files: RunFiles) -> str:
     summary = files.summary or {}
     last = files.train[-1] if files.train else {}
     steps = summary.get("steps", last.get("step"))
-    parts = [f"{steps} steps" if steps is not None else "no step logged"]
+    parts = [f"{steps} step{'' if steps == 1 else 's'}" if steps is not None else "no step logged"]
     if _number(summary.get("final_loss")) is not None:  # not the last point of the loss chart: say what it is
         parts.append(f"final loss {summary['final_loss']:.4g} (mean of the last steps)")
     for key, label in (("val_loss", "val loss"), ("val_metric", "val metric")):

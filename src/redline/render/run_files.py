@@ -44,10 +44,18 @@ def read_run(run_dir: Path) -> RunFiles:
     """Read ``run_dir``'s summary and logs; a missing directory or log, or an unreadable file, is a ConfigError."""
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
-        raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {OUT_HINT}")
+        run = _run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
+        hint = f"{run} holds the run's logs: redline report {run}" if run is not None else OUT_HINT
+        raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {hint}")
     train_file = _first_present(run_dir, LOGS)
     if train_file is None:
         run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
+        if run is None and not any(not p.name.startswith(".") and p.name != "checkpoints" for p in run_dir.iterdir()):
+            raise ConfigError(  # a run creates its --out at once, its logs at its first log window
+                f"{run_dir} holds no metrics yet: a run writes metrics.jsonl and metrics.csv when it first logs "
+                f"(after --log-every steps)\nhint: if the run is starting, report it again once it has logged; "
+                f"else {OUT_HINT}"
+            )
         if run is not None:
             hint = f"{run} holds the run's logs: redline report {run}"
         else:
@@ -99,6 +107,9 @@ def _read_rows(path: Path) -> list[Row]:
         text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
         raise _unreadable(path, exc) from exc
+    # The logger writes whole lines: one left without its end is the row a killed run was writing. In CSV
+    # it can still parse, its last figure cut short ("655" of "655.38") and the cells after it empty.
+    text = text[: text.rfind("\n") + 1]
     lines: list[Any] = text.splitlines() if path.suffix == ".jsonl" else list(csv.DictReader(io.StringIO(text)))
     parse = _json_row if path.suffix == ".jsonl" else _csv_row
     rows = []

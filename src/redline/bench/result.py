@@ -1,0 +1,68 @@
+"""A bench's result as data: one row of figures per configuration, and what they ran on."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One configuration's figures; on failure, ``error`` says why and the figures are None."""
+
+    name: str
+    kind: str
+    device: str
+    precision: str
+    compile: bool | None
+    channels_last: bool | None
+    batch_size: int
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_ms_p50: float | None = None
+    step_ms_p90: float | None = None
+    peak_mem_bytes: int | None = None
+    peak_mem_kind: str = ""  # "allocated": the row's own on a GPU; "resident": the whole process's on a CPU
+    estimate_bytes: int | None = None  # the step's peak predicted before the run (the ``estimate`` given)
+    tflops: float | None = None
+    mfu: float | None = None  # achieved FLOP/s over the datasheet's dense peak (GPUs in the catalog)
+    mfu_measured: float | None = None  # over a matmul measured on this device in the row's precision
+    compile_s: float | None = None
+    break_even_steps: float | None = None  # steps after which the compile has paid for itself
+    speedup_naive: float | None = None  # over the naive loop on the same device and batch size
+    speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
+    loss: float | None = None  # the last window's loss: every row trains, none is a no-op
+    plan: dict[str, dict[str, Any]] | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A bench's rows, with what they ran on."""
+
+    task: str
+    steps: int  # timed steps per row: the fewest of any batch size, where --max-seconds stopped one early
+    window: int
+    measured_at: str
+    machine: dict[str, Any]
+    versions: dict[str, str]
+    rows: tuple[BenchRow, ...]
+    steps_asked: int | None = None  # the ``steps`` given: ``steps`` differs where whole windows round it up
+    stopped_early: bool = False  # ``max_seconds`` ended the timing before every round ran
+    interrupted: str = ""  # where a Ctrl-C stopped the bench; its rows are the batch sizes finished before
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["rows"] = [row.to_dict() for row in self.rows]
+        return data
+
+    def row(self, name: str) -> BenchRow:
+        """The row called ``name``."""
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(name)
