@@ -7,12 +7,14 @@
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
 401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model (or redline),
+499 (counted, never read) a client that hung up before its answer,
 and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,7 +23,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -37,6 +39,9 @@ JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
 # The refusals of queued requests: the latency histogram times them (not those refused at the door).
 QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
+# nginx's status for a client that closed its connection before the answer: no client ever reads it, but the
+# metrics count it apart from the answers that were delivered.
+CLIENT_CLOSED = Refused(499, "client_closed_request", "the client closed the connection before its answer")
 
 
 class Serving:
@@ -94,12 +99,34 @@ class Serving:
             if int(declared) > limit:
                 raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise CLIENT_CLOSED from None
         return b"".join(chunks)
+
+    async def answer_unless_gone(self, request: Request, inputs: Any, arrived: float) -> list[Any]:
+        """Queue ``inputs`` and return their outputs; refuse (499) once the client hangs up before they come.
+
+        The abandoned request leaves the queue (it never runs); one already running is not interrupted.
+        """
+        answer = asyncio.ensure_future(self.dispatcher.submit(inputs, arrived=arrived))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():  # the client left (or this handler was cancelled): stop waiting
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+        if answer.cancelled():
+            raise CLIENT_CLOSED
+        return answer.result()
 
     async def predict(self, request: Request) -> Response:
         """POST /v1/predict: validate the inputs, queue them for a batch, answer with their outputs."""
@@ -124,7 +151,7 @@ class Serving:
                 )  # fmt: skip
             body = await self.read_body(request)
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
-            outputs = await self.dispatcher.submit(inputs, arrived=arrived)
+            outputs = await self.answer_unless_gone(request, inputs, arrived)
             answer = _outputs_json(outputs)
         except Refused as refused:
             self.metrics.requests.labels(status=str(refused.status)).inc()
@@ -228,6 +255,12 @@ def off_route_answers(
         return refuse(Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)}))
 
     return {404: not_found, 405: method_not_allowed}
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (the body was read: nothing else comes before that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _outputs_json(outputs: list[Any]) -> Response:
