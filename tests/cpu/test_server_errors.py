@@ -64,3 +64,14 @@ async def test_refusals_off_the_prediction_route_are_counted_by_reason_too(monke
         'redline_serve_rejections_total{"reason": "method_not_allowed"}': 1,
         'redline_serve_rejections_total{"reason": "unauthorized"}': 1,
     }
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "meant"), [("POST", "/v1/predict/", "/v1/predict"), ("GET", "/readyz/", "/readyz")]
+)
+async def test_a_trailing_slash_is_a_404_naming_the_path_not_a_redirect_a_post_may_not_follow(method, path, meant):
+    got = await answer(method, path)
+    assert got.status_code == 404 and "location" not in got.headers
+    error = got.json()
+    assert error["reason"] == "not_found"
+    assert error["error"].startswith(f"{method} {path}: no such endpoint; did you mean {method} {meant}")

@@ -226,6 +226,9 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
         Route("/openapi.json", serving.openapi_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes, serving.refuse))
+    # Starlette answers /v1/predict/ with a 307 to /v1/predict: a client may not resend its body there, and one that
+    # does pays a second round trip on every request. A 404 naming the path is told once and fixed.
+    app.router.redirect_slashes = False
     app.state.serving = serving
     return app
 
@@ -243,9 +246,15 @@ def off_route_answers(
         f"{method} {route.path}" for route in routes for method in sorted((route.methods or set()) - {"HEAD"})
     )
 
+    paths = {route.path for route in routes}
+
     async def not_found(request: Request, exc: Exception) -> Response:
-        where = f"{request.method} {request.url.path}"
-        return refuse(Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}"))
+        path = request.url.path
+        where = f"{request.method} {path}"
+        meant = path.rstrip("/")
+        slash = meant != path and meant in paths
+        hint = f"did you mean {request.method} {meant} (no trailing slash)? " if slash else ""
+        return refuse(Refused(404, "not_found", f"{where}: no such endpoint; {hint}this server answers {endpoints}"))
 
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
         headers = (exc.headers if isinstance(exc, HTTPException) else None) or {}
