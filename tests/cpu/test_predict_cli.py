@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from redline.cli import predict as predict_module
 from redline.cli.main import app
-from redline.errors import ConfigError, InferenceError
+from redline.errors import ConfigError, InferenceError, TaskSpecError
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
@@ -389,3 +389,24 @@ def test_a_large_input_is_read_from_disk_batch_by_batch_not_loaded_whole(tmp_pat
     )  # fmt: skip
     assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr  # torch's, of a read-only array
     assert np.load(tmp_path / "y.npy").shape == (5, 2)
+
+
+@pytest.mark.parametrize("command", ["serve", "predict"])
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("digits", "model spec 'digits' has no ':'"),
+        ("example:digit", "model spec 'example:digit': no built-in example 'digit'"),
+        ("{dir}/tiny.py:nothing", "model spec '{dir}/tiny.py:nothing': "),
+        ("{dir}/tiny.py:make", "model spec '{dir}/tiny.py:make': unknown option(s) size"),
+    ],
+)
+def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, spec, command, given, message):
+    given, message = given.format(dir=tmp_path), message.format(dir=tmp_path)
+    args = ["--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(tmp_path / "y.npy")]
+    result = CliRunner().invoke(
+        app, [command, given, "--task-arg", "size=3", *(args if command == "predict" else ["--port", "0"])]
+    )
+    error = str(result.exception)
+    assert isinstance(result.exception, TaskSpecError) and error.startswith(message), error
+    assert "task spec" not in error

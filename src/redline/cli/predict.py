@@ -44,7 +44,7 @@ from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
-from redline.serve.servable import Servable, load_servable
+from redline.serve.servable import Servable, as_model_spec, load_servable
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
 
@@ -76,7 +76,8 @@ def predict(
             f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
             f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
         )
-    servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+    with as_model_spec(spec):  # not a task spec, as the loader would say
+        servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
     batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
