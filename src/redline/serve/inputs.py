@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import tokenize
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 )
 _KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # RFC 8259, section 6
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise spec.refuse(400, f"the body is not valid JSON ({exc})") from None
+        raise _unreadable_json(exc, body, spec) from None
     if not isinstance(document, dict) or "inputs" not in document:
         raise spec.refuse(422, 'the body must be a JSON object {"inputs": [...]}')
     inputs = document["inputs"]
@@ -74,6 +76,27 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     if spec.kind() != "b" and array.dtype.kind != "b" and (b"true" in body or b"false" in body) and _has_bool(inputs):
         raise spec.refuse(422, "inputs hold true/false where numbers are expected")
     return check_array(array, spec)
+
+
+def _unreadable_json(exc: orjson.JSONDecodeError, body: bytes, spec: InputSpec) -> Refused:
+    """400 for a body that is not JSON; 422 where it fails on a value no sample can hold, named where it is.
+
+    Python's json.dumps writes NaN, Infinity and -Infinity (unless allow_nan=False), which JSON has
+    no number for; a number beyond float64's range (1e400) is infinite too.
+    """
+    start = exc.pos - 1 if body[exc.pos - 1 : exc.pos] == b"-" else exc.pos  # -Infinity fails at its I
+    where = f"line {exc.lineno} column {exc.colno - (exc.pos - start)}"
+    word = next((w for w in (b"NaN", b"Infinity") if body.startswith(w, exc.pos)), None)
+    if word is not None:
+        shown = body[start : exc.pos + len(word)].decode()
+        return spec.refuse(
+            422, f"the body holds {shown} at {where}, which JSON has no number for (Python's json.dumps writes it "
+            "unless allow_nan=False); send finite numbers",
+        )  # fmt: skip
+    number = JSON_NUMBER.match(body, exc.pos)
+    if number is not None and math.isinf(float(number.group())):
+        return spec.refuse(422, f"the body holds {number.group().decode()} at {where}, beyond float64's range")
+    return spec.refuse(400, f"the body is not valid JSON ({exc})")
 
 
 def _has_bool(value: Any) -> bool:
@@ -105,12 +128,12 @@ def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
 
 def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     """Return ``array`` as a batch of ``spec``'s shape and dtype, or refuse it (422) naming the problem."""
+    if array.shape[:1] == (0,):  # [] or an empty stack: no sample of any shape
+        raise spec.refuse(422, "inputs hold no sample")
     if array.shape == spec.shape:
         array = array[None]
     elif array.ndim != len(spec.shape) + 1 or array.shape[1:] != spec.shape:
         raise spec.refuse(422, f"inputs have shape {_shape(array.shape)}")
-    if array.shape[0] == 0:
-        raise spec.refuse(422, "inputs hold no sample")
     if array.shape[0] > spec.max_batch_size:
         raise spec.refuse(
             422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
