@@ -69,9 +69,18 @@ def make_app(server: Server) -> web.Application:
         server.content_types[request.path] = request.headers.getall("Content-Type", [])
         return web.json_response({"ok": True})
 
+    async def moved(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        raise web.HTTPMovedPermanently(location="/echo/moved")
+
+    async def refuse(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        return web.json_response({"error": "inputs have shape (2,)", "reason": "invalid_input"}, status=422)
+
     app = web.Application()
     for path, handler in (("/pattern/{key}", pattern), ("/slow/{key}", slow), ("/stall/{key}", stall),
-                          ("/hang", hang), ("/drop/{key}", drop), ("/echo/{key}", echo)):  # fmt: skip
+                          ("/hang", hang), ("/drop/{key}", drop), ("/echo/{key}", echo), ("/moved/{key}", moved),
+                          ("/refuse/{key}", refuse)):  # fmt: skip
         app.router.add_route("*", path, handler)
     return app
 
@@ -161,6 +170,22 @@ def test_payloads_are_sent_with_their_content_type_and_headers(server, tmp_path)
     run_load(f"{server.url}/echo/raw", rate=10, duration=0.2, payload=Payload(b"abc", "text/plain"))
     assert server.seen["/echo/raw"] == ("POST", "text/plain", b"abc", None)
     assert server.counts["/echo/raw"] == 2
+
+
+def test_a_redirect_is_counted_as_its_status_not_followed_and_the_note_says_where_it_points(server):
+    result = run_load(f"{server.url}/moved/a", rate=20, duration=0.5, payload=Payload(b'{"inputs": [1]}', "text/json"))
+    assert server.counts["/moved/a"] == 10 and server.counts["/echo/moved"] == 0, "the redirect was not followed"
+    assert result.status_counts == {301: 10}
+    assert any(
+        note.startswith("10 answers were redirects (301 to /echo/moved): not followed") for note in result.notes
+    ), result.notes
+
+
+def test_when_no_request_succeeds_the_note_quotes_the_servers_answer(server):
+    result = run_load(f"{server.url}/refuse/a", rate=20, duration=0.25)
+    assert result.status_counts == {422: 5}
+    said = '422 said: {"error": "inputs have shape (2,)", "reason": "invalid_input"}'
+    assert any(note.startswith("no request got a 2xx answer (5 x 422)") and said in note for note in result.notes)
 
 
 def test_bad_input_is_refused_before_any_request(server, tmp_path):

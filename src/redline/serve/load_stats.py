@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -177,9 +177,18 @@ CLOSED_LOOP_NOTE = (
 
 
 def summarize(
-    records: Sequence[RequestRecord], setup: Setup, *, elapsed_s: float, notes: Sequence[str] = ()
+    records: Sequence[RequestRecord],
+    setup: Setup,
+    *,
+    elapsed_s: float,
+    notes: Sequence[str] = (),
+    said: Mapping[int, str] | None = None,
 ) -> LoadResult:
-    """Compute a LoadResult from every request's timeline; the warm-up and anything after the window are left out."""
+    """Compute a LoadResult from every request's timeline; the warm-up and anything after the window are left out.
+
+    ``said``: the first answer of a status in short (a redirect's Location, else its body), quoted in the notes.
+    """
+    said = said or {}
     start, end = setup.warmup_s, setup.warmup_s + setup.duration_s
     open_loop = setup.mode == "open"
 
@@ -208,11 +217,21 @@ def summarize(
         )
     if not open_loop:
         out.append(CLOSED_LOOP_NOTE)
+    redirects = Counter(r.status for r in completed if r.status is not None and 300 <= r.status < 400)
+    if redirects:
+        status = redirects.most_common(1)[0][0]
+        out.append(
+            f"{sum(redirects.values())} answers were redirects ({status} to {said.get(status, 'an unknown place')}): "
+            "not followed, as the latency would time two requests (and a 301 or 302 turns a POST into a GET)\n"
+            "hint: load the URL they point to"
+        )
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
+        first = next((int(what) for what, _ in outcomes.most_common() if what.isdigit() and int(what) in said), None)
+        quoted = f"; the first {first} said: {said[first]}" if first is not None else ""
         out.append(
             f"no request got a 2xx answer ({', '.join(f'{n} x {what}' for what, n in outcomes.most_common())}): "
-            "the latencies are those of errors, not of the service\n"
+            f"the latencies are those of errors, not of the service{quoted}\n"
             "hint: check the URL, --method, --payload and --header with one request (curl -i), then load it"
         )
     return LoadResult(

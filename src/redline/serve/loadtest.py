@@ -32,6 +32,8 @@ DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
 PROGRESS_EVERY_S = 0.25
 STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
+MAX_SAID = 8  # statuses whose first answer is kept, for the notes
+SAID_CHARS = 200  # of an answer's body quoted in a note
 
 
 class LoadStopped(RedlineError):
@@ -147,6 +149,7 @@ class _Counters:
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
     stopped_s: float | None = None  # when a Ctrl-C came, from t0: nothing is sent after it
+    said: dict[int, str] = field(default_factory=dict)  # the first answer of each status but 2xx, in short
 
 
 @dataclass(frozen=True)
@@ -187,16 +190,28 @@ async def _send(
         sent = time.perf_counter() - t0
         status = error = None
         try:
-            async with session.request(request.method, request.url, data=request.body,
-                                       headers=request.headers) as response:  # fmt: skip
-                await response.read()
+            # A redirect is not followed: the latency would time two requests, and a 301 or 302 turns a POST
+            # into a GET; it is counted as its status, and a note says where it points.
+            async with session.request(request.method, request.url, data=request.body, headers=request.headers,
+                                       allow_redirects=False) as response:  # fmt: skip
+                body = await response.read()
                 status = response.status
+                if not 200 <= status < 300 and status not in counters.said and len(counters.said) < MAX_SAID:
+                    counters.said[status] = _in_short(response.headers.get("Location") if status < 400 else None, body)
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             error = error_kind(exc)
         done = time.perf_counter() - t0
     counters.completed += status is not None
     counters.errors += error is not None
     counters.records.append(RequestRecord(scheduled, dispatched, sent, done, status, error, waited))
+
+
+def _in_short(location: str | None, body: bytes) -> str:
+    """What an answer said, in one line: where a redirect points, else the start of its body."""
+    if location is not None:
+        return location
+    text = " ".join(body.decode("utf-8", errors="replace").split())
+    return text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
 async def _open_loop(
@@ -339,7 +354,7 @@ async def run_load_async(
             f"stopped by Ctrl-C {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
             f"those {window_s:.1f} s"
         )
-    return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes)
+    return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes, said=counters.said)
 
 
 def run_load(
