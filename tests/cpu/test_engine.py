@@ -110,6 +110,24 @@ def test_predict_warms_up_first_and_refuses_a_wrong_shape():
         engine.predict(torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (np.array([[1, 2, 3]], dtype=object), r"batch='array of object' is not allowed; expected real numbers"),
+        ("abc", r"batch='str' is not allowed; expected real numbers"),
+        ([[1, 2, 3], [1, 2]], r"batch='list' is not allowed; .*\nhint: .*expected sequence of length 3"),
+        (np.zeros((2, 3), np.complex64), r"batch='complex64' is not allowed; expected real numbers"),
+        (np.zeros(3, np.float32), r"batch='shape \(3,\)' .*\nhint: one sample\? add the batch dimension"),
+    ],
+)
+def test_predict_refuses_what_is_not_a_batch_of_real_numbers_naming_it_and_the_fix(batch, message):
+    model = Spy()
+    engine = plain(model, max_batch_size=4)
+    with pytest.raises(ConfigError, match=message):
+        engine.predict(batch)
+    assert model.sizes == [], "nothing reached the model"
+
+
 def test_a_warm_up_asked_to_stop_ends_before_its_next_bucket_and_can_run_again():
     model = Spy()
     engine = plain(model, max_batch_size=4)
