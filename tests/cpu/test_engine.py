@@ -308,6 +308,14 @@ def test_cuda_graphs_on_a_cpu_is_refused_with_the_fix():
         plain(Spy(), cuda_graphs="on")
 
 
+def test_a_bad_or_absent_device_is_named_by_the_engines_own_argument_device():
+    with pytest.raises(ConfigError, match=r"^device='gpu' is not allowed; expected 'auto', 'cpu', 'cuda'"):
+        InferenceEngine(Spy(), input_shape=(3,), device="gpu")
+    with pytest.raises(DeviceUnavailableError, match=r"^device='cuda:99' was requested") as absent:
+        InferenceEngine(Spy(), input_shape=(3,), device="cuda:99")
+    assert "devices=" not in str(absent.value), "devices= is the Runtime's argument, not the engine's"
+
+
 def test_padding_and_copying_out_keep_the_rows_and_own_their_memory():
     rows = torch.arange(6.0).reshape(3, 2)
     padded = pad_to(rows, 4)

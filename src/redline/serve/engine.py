@@ -104,6 +104,22 @@ def check_engine_options(
     read_measure(measure)
 
 
+def _engine_device(device: str) -> Choice[str]:
+    """The device ``device`` names, its errors saying ``device=`` (the resolver says the Runtime's ``devices=``).
+
+    check_engine_options keeps the resolver's word: the command line turns it into --device.
+    """
+    try:
+        return resolve_device(device, probe_accelerators())
+    except ConfigError as error:
+        if error.parts is None or error.parts[0] != "devices":
+            raise
+        _, value, allowed, hint = error.parts
+        raise invalid("device", value, allowed, hint.replace("devices=", "device=")) from None
+    except DeviceUnavailableError as error:
+        raise DeviceUnavailableError(str(error).replace("devices=", "device=")) from error.__cause__
+
+
 def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:
     """Return ``model`` as a Servable: itself, or a bare module with the input's shape and dtype given."""
     if isinstance(model, Servable):
@@ -147,7 +163,7 @@ class InferenceEngine:
         self.servable = as_servable(model, input_shape, input_dtype)
         self.max_batch_size = max_batch_size
         self.buckets = bucket_sizes(max_batch_size, batch_buckets)
-        chosen_device = resolve_device(device, probe_accelerators())
+        chosen_device = _engine_device(device)
         self.device = torch.device(chosen_device.value)
         self.facts = probe_device(self.device)
         proposal = propose(
