@@ -188,6 +188,16 @@ def test_when_no_request_succeeds_the_note_quotes_the_servers_answer(server):
     assert any(note.startswith("no request got a 2xx answer (5 x 422)") and said in note for note in result.notes)
 
 
+def test_when_every_request_fails_in_the_client_the_note_quotes_the_first_error(server):
+    result = run_load(f"{server.url}/drop/quoted", rate=20, duration=0.25)
+    assert result.error_counts == {"connection_reset": 5}
+    assert any(
+        note.startswith("no request got a 2xx answer (5 x connection_reset)")
+        and "the first connection_reset said: ServerDisconnectedError: Server disconnected" in note
+        for note in result.notes
+    ), result.notes
+
+
 def test_bad_input_is_refused_before_any_request(server, tmp_path):
     (tmp_path / "body.txt").write_text("hi")
     (tmp_path / "bad.json").write_text("{not json")

@@ -182,11 +182,12 @@ def summarize(
     *,
     elapsed_s: float,
     notes: Sequence[str] = (),
-    said: Mapping[int, str] | None = None,
+    said: Mapping[str, str] | None = None,
 ) -> LoadResult:
     """Compute a LoadResult from every request's timeline; the warm-up and anything after the window are left out.
 
-    ``said``: the first answer of a status in short (a redirect's Location, else its body), quoted in the notes.
+    ``said``: by status ("404") or client error ("timeout"), what the first such answer said in short (a
+    redirect's Location, else its body; the error's message), quoted in the notes.
     """
     said = said or {}
     start, end = setup.warmup_s, setup.warmup_s + setup.duration_s
@@ -220,14 +221,15 @@ def summarize(
     redirects = Counter(r.status for r in completed if r.status is not None and 300 <= r.status < 400)
     if redirects:
         status = redirects.most_common(1)[0][0]
+        where = said.get(str(status), "an unknown place")
         out.append(
-            f"{sum(redirects.values())} answers were redirects ({status} to {said.get(status, 'an unknown place')}): "
+            f"{sum(redirects.values())} answers were redirects ({status} to {where}): "
             "not followed, as the latency would time two requests (and a 301 or 302 turns a POST into a GET)\n"
             "hint: load the URL they point to"
         )
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
-        first = next((int(what) for what, _ in outcomes.most_common() if what.isdigit() and int(what) in said), None)
+        first = next((what for what, _ in outcomes.most_common() if what in said), None)
         quoted = f"; the first {first} said: {said[first]}" if first is not None else ""
         out.append(
             f"no request got a 2xx answer ({', '.join(f'{n} x {what}' for what, n in outcomes.most_common())}): "

@@ -32,7 +32,7 @@ DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
 PROGRESS_EVERY_S = 0.25
 STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
-MAX_SAID = 8  # statuses whose first answer is kept, for the notes
+MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
 SAID_CHARS = 200  # of an answer's body quoted in a note
 
 
@@ -149,7 +149,7 @@ class _Counters:
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
     stopped_s: float | None = None  # when a Ctrl-C came, from t0: nothing is sent after it
-    said: dict[int, str] = field(default_factory=dict)  # the first answer of each status but 2xx, in short
+    said: dict[str, str] = field(default_factory=dict)  # the first answer of each status but 2xx, or error, in short
 
 
 @dataclass(frozen=True)
@@ -196,21 +196,27 @@ async def _send(
                                        allow_redirects=False) as response:  # fmt: skip
                 body = await response.read()
                 status = response.status
-                if not 200 <= status < 300 and status not in counters.said and len(counters.said) < MAX_SAID:
-                    counters.said[status] = _in_short(response.headers.get("Location") if status < 400 else None, body)
+                if not 200 <= status < 300:
+                    location = response.headers.get("Location") if status < 400 else None
+                    _keep(counters.said, str(status), location or _in_short(body.decode("utf-8", errors="replace")))
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             error = error_kind(exc)
+            _keep(counters.said, error, _in_short(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
         done = time.perf_counter() - t0
     counters.completed += status is not None
     counters.errors += error is not None
     counters.records.append(RequestRecord(scheduled, dispatched, sent, done, status, error, waited))
 
 
-def _in_short(location: str | None, body: bytes) -> str:
-    """What an answer said, in one line: where a redirect points, else the start of its body."""
-    if location is not None:
-        return location
-    text = " ".join(body.decode("utf-8", errors="replace").split())
+def _keep(said: dict[str, str], outcome: str, text: str) -> None:
+    """Keep ``text`` as what ``outcome`` (a status, or a client error's kind) first said, for a few outcomes."""
+    if outcome not in said and len(said) < MAX_SAID:
+        said[outcome] = text
+
+
+def _in_short(text: str) -> str:
+    """``text`` in one line, cut to SAID_CHARS."""
+    text = " ".join(text.split())
     return text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
