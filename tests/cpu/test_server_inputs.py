@@ -92,6 +92,23 @@ async def test_malformed_or_misshapen_json_is_refused_naming_the_problem_and_the
         assert (error["expected_shape"], error["expected_dtype"]) == ([3], "float32")
 
 
+@pytest.mark.parametrize(
+    ("content_type", "fix"),
+    [
+        ("application/x-www-form-urlencoded", "curl -d sends application/x-www-form-urlencoded unless told: "
+                                              "add -H 'Content-Type: application/json'"),
+        ("multipart/form-data; boundary=x", "send the array as the whole body, not a form's file: "
+                                            "curl --data-binary @x.npy -H 'Content-Type: application/octet-stream'"),
+    ],
+)  # fmt: skip
+async def test_the_content_types_of_curls_forms_get_415_with_the_flags_that_fix_them(content_type, fix):
+    async with running(FakeEngine()) as (client, _):
+        body = b'{"inputs": [1, 2, 3]}'
+        answer = await client.post("/v1/predict", content=body, headers={"content-type": content_type})
+    assert answer.status_code == 415 and answer.json()["reason"] == "unsupported_media_type"
+    assert answer.json()["error"].endswith(fix), answer.json()["error"]
+
+
 async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_model():
     engine = FakeEngine(input_dtype="int64", max_batch_size=4)
     post = "/v1/predict"

@@ -39,6 +39,16 @@ JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
 # The refusals of queued requests: the latency histogram times them (not those refused at the door).
 QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
+# The types curl sends for a form (-d, -F) unless told otherwise: the first requests of many a user.
+FORM_FIXES = {
+    "application/x-www-form-urlencoded": (
+        "; curl -d sends application/x-www-form-urlencoded unless told: add -H 'Content-Type: application/json'"
+    ),
+    "multipart/form-data": (
+        "; send the array as the whole body, not a form's file: "
+        "curl --data-binary @x.npy -H 'Content-Type: application/octet-stream'"
+    ),
+}
 # nginx's status for a client that closed its connection before the answer: no client ever reads it, but the
 # metrics count it apart from the answers that were delivered.
 CLIENT_CLOSED = Refused(499, "client_closed_request", "the client closed the connection before its answer")
@@ -141,7 +151,8 @@ class Serving:
             if media not in JSON_TYPES + NPY_TYPES:
                 raise Refused(
                     415, "unsupported_media_type",
-                    f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)",
+                    f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)"
+                    + FORM_FIXES.get(media, ""),
                 )  # fmt: skip
             coding = request.headers.get("content-encoding", "identity").strip().lower()
             if coding not in ("identity", ""):  # a compressed body would be read as broken JSON or .npy
