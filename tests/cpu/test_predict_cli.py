@@ -142,8 +142,8 @@ def truncate(path):
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
-        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "samples 0 to 1: inputs are complex64"),
-        (lambda d: samples(d, np.array([[0, 1, 2], [0, np.nan, 2]], np.float64)), "not finite in float32"),
+        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "x.npy': every sample: inputs are complex64"),
+        (lambda d: samples(d, np.array([[0, 1, 2], [0, np.nan, 2]], np.float64)), "row 1 (the first that fails)"),
         (lambda d: samples(d, np.full((1, 3), 1e300)), "beyond ±3.40282e+38"),
         (lambda d: samples(d, np.array([[1.0], [1.0, 2.0]], dtype=object)), "equal-sized rows"),
         (lambda d: samples(d, np.zeros((4, 3), np.float32)) and truncate(d / "x.npy"), "may be truncated"),
@@ -155,6 +155,15 @@ def test_a_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, spec, make_in
     assert isinstance(result.exception, ConfigError) and message in str(result.exception)
     assert "hint:" in str(result.exception) or "no samples" in message
     assert not (tmp_path / "y.npy").exists()
+
+
+def test_a_bad_value_deep_in_a_large_input_is_named_by_its_row(tmp_path, spec):
+    inputs = np.zeros((predict_module.CHECK_CHUNK * 2 + 10, 3), np.float32)
+    inputs[5000, 1] = np.inf
+    inputs[7000, 0] = np.nan
+    result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(tmp_path / "y.npy"))
+    assert isinstance(result.exception, ConfigError)
+    assert "x.npy': row 5000 (the first that fails): inputs hold values that are not finite" in str(result.exception)
 
 
 def test_a_big_endian_array_is_read_as_its_values(tmp_path, spec):

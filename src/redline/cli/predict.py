@@ -169,14 +169,26 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
     # The server's own checks (dtype kind, integer range, finite floats within the dtype), a chunk at a time.
     spec = InputSpec(expected, servable.input_dtype, max_batch_size=CHECK_CHUNK)
     for start in range(0, len(samples), CHECK_CHUNK):
-        try:
-            check_array(samples[start : start + CHECK_CHUNK], spec)
-        except Refused as refused:
-            raise ConfigError(
-                f"--input {str(path)!r}: samples {start} to {min(start + CHECK_CHUNK, len(samples)) - 1}: "
-                f"{refused.message.split('; expected ')[0]}\n"
-                f"hint: save the array as {servable.input_dtype} values the model can take"
-            ) from None
+        if (problem := _refusal(samples[start : start + CHECK_CHUNK], spec)) is None:
+            continue
+        if _refusal(np.zeros((1, *expected), samples.dtype), spec) is not None:  # the dtype itself: no row is to blame
+            where = "every sample"
+        else:  # a value: the first row that fails, among the chunk's
+            row = next(r for r in range(start, start + CHECK_CHUNK) if _refusal(samples[r : r + 1], spec) is not None)
+            where = f"row {row} (the first that fails)"
+        raise ConfigError(
+            f"--input {str(path)!r}: {where}: {problem}\n"
+            f"hint: save the array as {servable.input_dtype} values the model can take"
+        )
+
+
+def _refusal(samples: np.ndarray, spec: InputSpec) -> str | None:
+    """What the server would refuse in ``samples`` (without what it expected instead), or None."""
+    try:
+        check_array(samples, spec)
+    except Refused as refused:
+        return refused.message.split("; expected ")[0]
+    return None
 
 
 def run_batches(
