@@ -65,6 +65,10 @@ class Pair(nn.Module):
 
 def pairs():
     return Servable(model=Pair(), input_shape=(3,), name="pairs")
+
+
+def broken():
+    raise RuntimeError("no checkpoint")
 '''
 
 
@@ -402,20 +406,25 @@ def test_a_large_input_is_read_from_disk_batch_by_batch_not_loaded_whole(tmp_pat
 
 @pytest.mark.parametrize("command", ["serve", "predict"])
 @pytest.mark.parametrize(
-    ("given", "message"),
+    ("given", "message", "hint"),
     [
-        ("digits", "model spec 'digits' has no ':'"),
-        ("example:digit", "model spec 'example:digit': no built-in example 'digit'"),
-        ("{dir}/tiny.py:nothing", "model spec '{dir}/tiny.py:nothing': "),
-        ("{dir}/tiny.py:make", "model spec '{dir}/tiny.py:make': unknown option(s) size"),
+        ("digits", "model spec 'digits' has no ':'", "the built-in example is 'example:digits'"),
+        ("example:digit", "model spec 'example:digit': no built-in example 'digit'", "did you mean 'example:digits'"),
+        ("{dir}/tiny.py", "model spec '{dir}/tiny.py' has no ':'",
+         "add the function that returns the Servable (or a Task), e.g. '{dir}/tiny.py:make'"),
+        ("{dir}/tiny.py:nothing", "model spec '{dir}/tiny.py:nothing': ", None),
+        ("{dir}/tiny.py:make size=3", "model spec '{dir}/tiny.py:make': unknown option(s) size", None),
+        ("{dir}/tiny.py:broken", "model spec '{dir}/tiny.py:broken': the factory raised RuntimeError: no checkpoint",
+         "the error is in the model factory's own code, at the line shown"),
     ],
-)
-def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, spec, command, given, message):
-    given, message = given.format(dir=tmp_path), message.format(dir=tmp_path)
+)  # fmt: skip
+def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, spec, command, given, message, hint):
+    given, _, task_arg = given.format(dir=tmp_path).partition(" ")
+    message, hint = message.format(dir=tmp_path), (hint or "").format(dir=tmp_path)
     args = ["--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(tmp_path / "y.npy")]
-    result = CliRunner().invoke(
-        app, [command, given, "--task-arg", "size=3", *(args if command == "predict" else ["--port", "0"])]
-    )
+    task_args = ["--task-arg", task_arg] if task_arg else []
+    result = CliRunner().invoke(app, [command, given, *task_args, *(args if command == "predict" else ["--port", "0"])])
     error = str(result.exception)
     assert isinstance(result.exception, TaskSpecError) and error.startswith(message), error
-    assert "task spec" not in error
+    assert not hint or f"\nhint: {hint}" in error, error
+    assert "task spec" not in error and "task's" not in error

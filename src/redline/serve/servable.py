@@ -76,7 +76,8 @@ class Servable:
 def as_model_spec(spec: str) -> Iterator[None]:
     """Name ``spec`` a model spec in the TaskSpecErrors raised inside: the loader calls every spec a task spec.
 
-    `redline serve SPEC` and `redline predict SPEC` take a model spec; an error about it says so.
+    `redline serve SPEC` and `redline predict SPEC` take a model spec, whose factory returns a
+    Servable (or a Task); an error about it says so, hints included.
     """
     try:
         yield
@@ -84,7 +85,19 @@ def as_model_spec(spec: str) -> Iterator[None]:
         said = f"task spec {spec!r}"
         if not str(exc).startswith(said):
             raise
-        raise TaskSpecError(f"model spec {spec!r}{str(exc)[len(said) :]}") from exc.__cause__
+        message = f"model spec {spec!r}{str(exc)[len(said) :]}"
+        for task_word, model_word in _MODEL_WORDS.items():
+            message = message.replace(task_word.format(spec=spec), model_word.format(spec=spec))
+        raise TaskSpecError(message) from exc.__cause__
+
+
+# The loader's hints (redline.task) as they read for a model spec.
+_MODEL_WORDS = {
+    "the function that returns the Task (or model), e.g. '{spec}:make_task'": (
+        "the function that returns the Servable (or a Task), e.g. '{spec}:make'"
+    ),
+    "the error is in the task's own code": "the error is in the model factory's own code",
+}
 
 
 def load_servable(spec: str, *, weights: str | Path | None = None, **options: Any) -> Servable:
