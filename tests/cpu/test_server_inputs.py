@@ -109,6 +109,25 @@ async def test_the_content_types_of_curls_forms_get_415_with_the_flags_that_fix_
     assert answer.json()["error"].endswith(fix), answer.json()["error"]
 
 
+async def test_a_bad_value_in_a_batch_is_refused_naming_the_first_sample_that_holds_one():
+    octet = {"content-type": "application/octet-stream"}
+    batch = np.zeros((4, 3), np.float32)
+    batch[2, 1], batch[3, 0] = np.nan, np.inf
+    async with running(FakeEngine()) as (client, _):
+        floats = await client.post("/v1/predict", content=npy(batch), headers=octet)
+    async with running(FakeEngine(input_dtype="uint8")) as (client, _):
+        integers = await client.post("/v1/predict", json={"inputs": [[0, 1, 2], [3, 4, 5], [6, 7, 256]]})
+        one = await client.post("/v1/predict", json={"inputs": [6, 7, -1]})
+    assert floats.status_code == integers.status_code == one.status_code == 422
+    said = floats.json()["error"]
+    assert "not finite in float32 (NaN, infinity or beyond ±3.40282e+38), the first in sample 2;" in said
+    assert floats.json()["first_bad_sample"] == 2
+    assert "integers outside uint8's range [0, 255], the first in sample 2;" in integers.json()["error"]
+    assert integers.json()["first_bad_sample"] == 2
+    assert "the first in sample" not in one.json()["error"], "a lone sample is not numbered"
+    assert one.json()["first_bad_sample"] == 0
+
+
 async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_model():
     engine = FakeEngine(input_dtype="int64", max_batch_size=4)
     post = "/v1/predict"

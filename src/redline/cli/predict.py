@@ -42,7 +42,7 @@ from redline.render.console import output_console, plan_table
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
-from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
+from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
 from redline.serve.servable import Servable, as_model_spec, load_servable
 
@@ -169,26 +169,16 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
     # The server's own checks (dtype kind, integer range, finite floats within the dtype), a chunk at a time.
     spec = InputSpec(expected, servable.input_dtype, max_batch_size=CHECK_CHUNK)
     for start in range(0, len(samples), CHECK_CHUNK):
-        if (problem := _refusal(samples[start : start + CHECK_CHUNK], spec)) is None:
-            continue
-        if _refusal(np.zeros((1, *expected), samples.dtype), spec) is not None:  # the dtype itself: no row is to blame
-            where = "every sample"
-        else:  # a value: the first row that fails, among the chunk's
-            row = next(r for r in range(start, start + CHECK_CHUNK) if _refusal(samples[r : r + 1], spec) is not None)
-            where = f"row {row} (the first that fails)"
-        raise ConfigError(
-            f"--input {str(path)!r}: {where}: {problem}\n"
-            f"hint: save the array as {servable.input_dtype} values the model can take"
-        )
-
-
-def _refusal(samples: np.ndarray, spec: InputSpec) -> str | None:
-    """What the server would refuse in ``samples`` (without what it expected instead), or None."""
-    try:
-        check_array(samples, spec)
-    except Refused as refused:
-        return refused.message.split("; expected ")[0]
-    return None
+        try:
+            check_array(samples[start : start + CHECK_CHUNK], spec)
+        except Refused as refused:
+            problem = refused.message.split("; expected ")[0].split(FIRST_IN_SAMPLE)[0]
+            first = refused.fields.get("first_bad_sample")  # none when the dtype itself does not fit
+            where = "every sample" if first is None else f"row {start + first} (the first that fails)"
+            raise ConfigError(
+                f"--input {str(path)!r}: {where}: {problem}\n"
+                f"hint: save the array as {servable.input_dtype} values the model can take"
+            ) from None
 
 
 def run_batches(

@@ -26,6 +26,7 @@ NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 )
 _KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+FIRST_IN_SAMPLE = ", the first in sample "  # how a refusal names the first sample holding a bad value
 JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # RFC 8259, section 6
 
 
@@ -142,8 +143,9 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
         # whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
         # more comes as a float too (orjson reads at most 64 bits)
-        if not np.all(np.abs(array.astype(np.float64)) < 2.0**63):
-            raise spec.refuse(422, _outside_range(spec.dtype))
+        fits = np.abs(array.astype(np.float64)) < 2.0**63
+        if not fits.all():
+            raise _bad_values(spec, ~fits, _outside_range(spec.dtype))
         array = array.astype(np.int64)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
@@ -151,16 +153,27 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     if kind in "iu":
         info = np.iinfo(spec.dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
-            raise spec.refuse(422, _outside_range(spec.dtype))
+            raise _bad_values(spec, (array < info.min) | (array > info.max), _outside_range(spec.dtype))
     if kind == "f":  # the bound /openapi.json states; NaN fails the comparison too
         largest = float(torch.finfo(getattr(torch, spec.dtype)).max)
-        if not bool(np.all(np.abs(array.astype(np.float64)) <= largest)):
-            raise spec.refuse(
-                422, f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or beyond ±{largest:.6g})"
-            )
+        finite = np.abs(array.astype(np.float64)) <= largest
+        if not finite.all():
+            problem = f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or beyond ±{largest:.6g})"
+            raise _bad_values(spec, ~finite, problem)
     target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
     batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
     return batch.to(getattr(torch, spec.dtype))
+
+
+def _bad_values(spec: InputSpec, bad: np.ndarray[Any, Any], problem: str) -> Refused:
+    """A 422 for the values ``bad`` marks in a batch, naming (in a batch of several) the first sample holding one.
+
+    The answer's ``first_bad_sample`` field gives that sample's index.
+    """
+    first = int(np.argmax(bad.reshape(len(bad), -1).any(axis=1)))
+    refused = spec.refuse(422, problem + (f"{FIRST_IN_SAMPLE}{first}" if len(bad) > 1 else ""))
+    refused.fields["first_bad_sample"] = first
+    return refused
 
 
 def _outside_range(dtype: str) -> str:
