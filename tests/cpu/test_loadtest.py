@@ -210,6 +210,11 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
         ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
         ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
         ({"rate": 5, "payload": tmp_path / "missing.json"}, r"cannot be read: No such file.*\nhint: "),
+        (
+            {"rate": 1e7, "duration": 55, "warmup": 5},
+            r"rate=10000000.0 is not allowed; expected at most "
+            r"10,000,000 requests in all; it schedules 600,000,000 in 60 s",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -32,6 +32,9 @@ DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
 PROGRESS_EVERY_S = 0.25
 STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
+# Requests one run may schedule: every one is kept (its send time, then its record), and one client process sends
+# a few thousand a second; a rate with a few zeros too many would fill the memory before the first request.
+MAX_REQUESTS = 10_000_000
 MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
 SAID_CHARS = 200  # of an answer's body quoted in a note
 
@@ -73,6 +76,14 @@ class LoadOptions:
         one_of("arrivals", self.arrivals, ("uniform", "poisson"))
         non_negative_int("seed", self.seed)
         positive_int("max_in_flight", self.max_in_flight)
+        total_s = self.warmup_s + self.duration_s
+        if self.rate is not None and self.rate * total_s > MAX_REQUESTS:
+            raise invalid(
+                "rate", self.rate,
+                f"at most {MAX_REQUESTS:,} requests in all; it schedules {self.rate * total_s:,.0f} in {total_s:g} s",
+                "one client process sends a few thousand requests/s: lower the rate, shorten the warmup and the "
+                "duration, or run several clients",
+            )  # fmt: skip
         positive_number("max_send_lag_ms", self.max_send_lag_ms)
         if self.method is not None and not self.method.isalpha():
             raise invalid("method", self.method, "an HTTP method such as GET or POST")
