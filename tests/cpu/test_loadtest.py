@@ -226,6 +226,15 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
     assert server.counts["/pattern/never"] == 0
 
 
+def test_run_load_inside_a_running_loop_says_to_await_run_load_async(server):
+    async def in_a_notebook():  # Jupyter runs its cells inside an event loop
+        run_load(f"{server.url}/pattern/notebook", rate=5, duration=0.2)
+
+    with pytest.raises(ConfigError, match=r"inside a running event loop.*\nhint: await run_load_async\(url, "):
+        asyncio.run(in_a_notebook())
+    assert server.counts["/pattern/notebook"] == 0
+
+
 def redline(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "redline", "loadtest", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "COLUMNS": "120"})  # fmt: skip
