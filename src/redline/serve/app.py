@@ -60,7 +60,10 @@ class Serving:
     def __init__(self, engine: Any, options: ServeOptions) -> None:
         if options.max_batch_size > engine.max_batch_size:
             allowed = f"at most the engine's max_batch_size={engine.max_batch_size}"
-            hint = "build the InferenceEngine with the same max_batch_size as the server"
+            hint = (
+                f"pass ServeOptions(max_batch_size={engine.max_batch_size}), the engine's, or build the "
+                f"InferenceEngine with max_batch_size={options.max_batch_size}"
+            )
             raise invalid("max_batch_size", options.max_batch_size, allowed, hint)
         self.engine = engine
         self.options = options
