@@ -77,3 +77,14 @@ async def test_a_client_that_hangs_up_mid_body_is_counted_as_499_not_an_error():
     assert engine.batches == []
     assert page['redline_serve_requests_total{"status": "499"}'] == 1
     assert page['redline_serve_rejections_total{"reason": "client_closed_request"}'] == 1
+
+
+async def test_a_body_that_stops_arriving_gets_408_at_the_deadline_not_a_handler_held_forever():
+    engine = FakeEngine()
+    app = build_app(engine, ServeOptions(max_batch_size=1, timeout_ms=200))
+    async with app.router.lifespan_context(app):
+        stalled = hung_up(app, b'{"inputs": [1,', asyncio.Event(), more_body=True)  # the rest never comes
+        assert await asyncio.wait_for(stalled, 5) == 408
+        page = metrics(app.state.serving.metrics.render().decode())
+    assert engine.batches == []
+    assert page['redline_serve_rejections_total{"reason": "body_timeout"}'] == 1

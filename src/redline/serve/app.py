@@ -6,9 +6,9 @@
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
-401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model (or redline),
-499 (counted, never read) a client that hung up before its answer,
-and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
+401 token, 408 a body still arriving at the deadline, 413 body size, 400/415/422 input, 503 full queue or
+not ready, 504 deadline, 500 model (or redline), 499 (counted, never read) a client that hung up before its
+answer, and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
 
@@ -122,6 +122,18 @@ class Serving:
             raise CLIENT_CLOSED from None
         return b"".join(chunks)
 
+    async def read_body_by(self, request: Request, deadline: float) -> bytes:
+        """Return the body, refusing (408) one still arriving at the request's deadline: a stalled upload holds
+        no handler, nor its connection, forever."""
+        try:
+            return await asyncio.wait_for(self.read_body(request), max(deadline - self.dispatcher.clock(), 0.0))
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; two on 3.10
+            raise Refused(
+                408, "body_timeout",
+                f"the body was still arriving timeout_ms={self.options.timeout_ms:g} after the request began; "
+                "send it whole, without pausing",
+            ) from None  # fmt: skip
+
     async def answer_unless_gone(self, request: Request, inputs: Any, arrived: float) -> list[Any]:
         """Queue ``inputs`` and return their outputs; refuse (499) once the client hangs up before they come.
 
@@ -163,7 +175,7 @@ class Serving:
                     415, "unsupported_media_type",
                     f"Content-Encoding {coding!r} is not read; send the body uncompressed (no Content-Encoding)",
                 )  # fmt: skip
-            body = await self.read_body(request)
+            body = await self.read_body_by(request, arrived + self.options.timeout_ms / 1000)
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
             outputs = await self.answer_unless_gone(request, inputs, arrived)
             answer = _outputs_json(outputs)
