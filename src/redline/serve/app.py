@@ -51,7 +51,7 @@ FORM_FIXES = {
 }
 # nginx's status for a client that closed its connection before the answer: no client ever reads it, but the
 # metrics count it apart from the answers that were delivered.
-CLIENT_CLOSED = Refused(499, "client_closed_request", "the client closed the connection before its answer")
+CLIENT_CLOSED = 499
 
 
 class Serving:
@@ -119,7 +119,7 @@ class Serving:
                     raise too_large
                 chunks.append(chunk)
         except ClientDisconnect:
-            raise CLIENT_CLOSED from None
+            raise _client_closed() from None
         return b"".join(chunks)
 
     async def read_body_by(self, request: Request, deadline: float) -> bytes:
@@ -150,7 +150,7 @@ class Serving:
                 with contextlib.suppress(asyncio.CancelledError):
                     await answer
         if answer.cancelled():
-            raise CLIENT_CLOSED
+            raise _client_closed()
         return answer.result()
 
     async def predict(self, request: Request) -> Response:
@@ -290,6 +290,10 @@ def off_route_answers(
         return refuse(Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)}))
 
     return {404: not_found, 405: method_not_allowed}
+
+
+def _client_closed() -> Refused:
+    return Refused(CLIENT_CLOSED, "client_closed_request", "the client closed the connection before its answer")
 
 
 async def _disconnected(request: Request) -> None:
