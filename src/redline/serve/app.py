@@ -131,7 +131,8 @@ class Serving:
             raise Refused(
                 408, "body_timeout",
                 f"the body was still arriving timeout_ms={self.options.timeout_ms:g} after the request began; "
-                "send it whole, without pausing",
+                "send it whole, without pausing (a large body on a slow link needs a server with a larger "
+                "--timeout-ms)",
             ) from None  # fmt: skip
 
     async def answer_unless_gone(self, request: Request, inputs: Any, arrived: float) -> list[Any]:
