@@ -198,6 +198,14 @@ def test_when_every_request_fails_in_the_client_the_note_quotes_the_first_error(
     ), result.notes
 
 
+def test_when_every_request_times_out_the_note_says_so_and_that_the_timeout_may_be_short(server):
+    result = run_load(f"{server.url}/hang", rate=10, duration=0.3, timeout=0.2)
+    assert result.error_counts == {"timeout": 3}
+    note = next(note for note in result.notes if note.startswith("no request got a 2xx answer (3 x timeout)"))
+    assert "every one outlasted --timeout (0.2 s)" in note and "said: TimeoutError" not in note
+    assert note.endswith("hint: if the service is this slow, raise --timeout; else lower the load, or check the URL")
+
+
 def test_bad_input_is_refused_before_any_request(server, tmp_path):
     (tmp_path / "body.txt").write_text("hi")
     (tmp_path / "bad.json").write_text("{not json")

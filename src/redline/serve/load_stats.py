@@ -229,12 +229,18 @@ def summarize(
         )
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
-        first = next((what for what, _ in outcomes.most_common() if what in said), None)
-        quoted = f"; the first {first} said: {said[first]}" if first is not None else ""
+        top, count = outcomes.most_common(1)[0]
+        hint = "check the URL, --method, --payload and --header with one request (curl -i), then load it"
+        if top == "timeout":  # no answer to quote: the timeout may be shorter than the service takes
+            who = "every one" if count == len(measured) else f"{count} of them"
+            quoted = f"; {who} outlasted --timeout ({setup.timeout_s:g} s)"
+            hint = "if the service is this slow, raise --timeout; else lower the load, or check the URL"
+        else:
+            first = next((what for what, _ in outcomes.most_common() if what in said), None)
+            quoted = f"; the first {first} said: {said[first]}" if first is not None else ""
         out.append(
             f"no request got a 2xx answer ({', '.join(f'{n} x {what}' for what, n in outcomes.most_common())}): "
-            f"the latencies are those of errors, not of the service{quoted}\n"
-            "hint: check the URL, --method, --payload and --header with one request (curl -i), then load it"
+            f"the latencies are those of errors, not of the service{quoted}\nhint: {hint}"
         )
     return LoadResult(
         mode=setup.mode,
