@@ -227,6 +227,12 @@ def summarize(
             "not followed, as the latency would time two requests (and a 301 or 302 turns a POST into a GET)\n"
             "hint: load the URL they point to"
         )
+    if not measured:  # a low rate over a short window (poisson may draw no arrival): empty tables, said why
+        pace = f"at {setup.target_rate:g} requests/s the schedule put none there" if open_loop else "none was sent"
+        out.append(
+            f"no request fell in the {setup.duration_s:g} s window ({pace}): there is nothing to measure\n"
+            f"hint: raise {'--rate or ' if open_loop else ''}--duration"
+        )
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
         top, count = outcomes.most_common(1)[0]
