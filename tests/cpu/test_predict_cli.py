@@ -202,7 +202,7 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_
     assert "Predicting with" not in result.output, "refused before the model was loaded and run"
 
 
-def test_a_model_failing_midway_is_one_clear_error_naming_its_rows_and_leaves_the_old_output(tmp_path, spec):
+def test_a_model_failing_midway_is_one_clear_error_naming_its_row_and_leaves_the_old_output(tmp_path, spec):
     inputs = np.zeros((6, 3), np.float32)
     inputs[4] = 666  # the third batch of two
     out = tmp_path / "y.npy"
@@ -214,10 +214,11 @@ def test_a_model_failing_midway_is_one_clear_error_naming_its_rows_and_leaves_th
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert "the model raised while predicting rows 4 to 5 of --input" in result.stderr
+    assert "the model raised while predicting row 4 of --input" in result.stderr
+    assert "(6 rows), which fails alone (rows 4 to 5 ran together): RuntimeError" in result.stderr
     assert "RuntimeError: the model failed on a poisoned sample" in result.stderr
     assert f"at {tmp_path / 'tiny.py'}:" in result.stderr and "in forward: raise RuntimeError(" in result.stderr
-    assert "hint: check those rows' values, and that the model takes the Servable's input_shape (3,)" in result.stderr
+    assert "hint: check row 4's values, and that the model takes the Servable's input_shape (3,)" in result.stderr
     assert np.array_equal(np.load(out), np.arange(3)), "the previous output is intact"
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [
         "tiny.py",

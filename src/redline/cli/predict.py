@@ -47,6 +47,7 @@ from redline.serve.refused import Refused
 from redline.serve.servable import Servable, as_model_spec, load_servable
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
+ROWS_CHECK = "check those rows' values"  # the hint's start when the model raised on a batch
 
 
 def predict(
@@ -198,11 +199,36 @@ def run_batches(
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
             batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
-            rows = f"predicting rows {start} to {start + len(batch) - 1} of {source} ({len(samples)} rows)"
-            with model_raising(rows, hint):
+            rows = f"rows {start} to {start + len(batch) - 1}"
+            try:
                 parts.append(engine.predict(batch).numpy())
+            except Exception as exc:
+                row = first_failing_row(engine, batch, exc)
+                of = f"of {source} ({len(samples)} rows)"
+                running, check = f"predicting {rows} {of}", hint
+                if row is not None:  # as the server does, the batch's rows were run alone to find the one
+                    running = f"predicting row {start + row} {of}, which fails alone ({rows} ran together)"
+                    check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
+                with model_raising(running, check):
+                    raise
             bar.advance(job, len(batch))
     return np.concatenate(parts), time.perf_counter() - started
+
+
+def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception) -> int | None:
+    """The first row of ``batch`` the model raises on when run alone, after the batch raised ``exc``.
+
+    None for a lone row, for an out-of-memory error (the rows alone would fit) or an error of
+    redline's own or of the device (no row is to blame), and when no row fails alone.
+    """
+    if len(batch) < 2 or is_oom(exc) or isinstance(exc, RedlineError) or not blames_user_code(exc) or engine.broken:
+        return None
+    for row in range(len(batch)):
+        try:
+            engine.predict(batch[row : row + 1])
+        except Exception:
+            return row
+    return None
 
 
 def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
@@ -211,7 +237,7 @@ def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
     if samples is None:
         return f"check that {takes}: the warm-up runs zeros of that shape and dtype, as --input's rows will be"
     held = f"--input holds {samples.dtype} samples of shape {samples.shape[1:]}"
-    return f"check those rows' values, and that {takes} ({held})"
+    return f"{ROWS_CHECK}, and that {takes} ({held})"
 
 
 @contextlib.contextmanager
