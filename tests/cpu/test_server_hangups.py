@@ -1,5 +1,5 @@
 """Clients that hang up before their answer: counted apart (499, as nginx does), never as a 200, never run when
-still queued, and never an error in the server's log."""
+still queued, and never an error in the server's log; and clients whose body stops arriving (408 at the deadline)."""
 
 import asyncio
 
