@@ -70,7 +70,8 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     try:
         array = np.asarray(inputs)
     except (ValueError, OverflowError):  # ragged lists (numpy >= 1.24 refuses them)
-        raise spec.refuse(422, "inputs are nested lists of unequal lengths") from None
+        where = _ragged(inputs, "inputs")
+        raise spec.refuse(422, "inputs are nested lists of unequal lengths" + (f": {where}" if where else "")) from None
     if array.dtype.kind not in "biuf":
         raise spec.refuse(422, "inputs hold values that are not numbers (text, null, objects or too large integers)")
     # numpy reads true/false among numbers as 1/0: look for them only when the body has such a word
@@ -98,6 +99,26 @@ def _unreadable_json(exc: orjson.JSONDecodeError, body: bytes, spec: InputSpec) 
     if number is not None and math.isinf(float(number.group())):
         return spec.refuse(422, f"the body holds {number.group().decode()} at {where}, beyond float64's range")
     return spec.refuse(400, f"the body is not valid JSON ({exc})")
+
+
+def _ragged(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where nested lists first differ: ``inputs[1] has 2 items where inputs[0] has 3``; None if nowhere found."""
+    if not isinstance(value, list) or not value or depth > 32:  # numpy takes at most 32 dimensions
+        return None
+    lengths = [len(item) if isinstance(item, list) else None for item in value]
+    for i, length in enumerate(lengths):
+        if length != lengths[0]:
+            return f"{path}[{i}] {_holds(value[i])} where {path}[0] {_holds(value[0])}"
+    return next((found for i, item in enumerate(value) if (found := _ragged(item, f"{path}[{i}]", depth + 1))), None)
+
+
+def _holds(item: Any) -> str:
+    """What a JSON value is, said after its path."""
+    if isinstance(item, list):
+        return f"has {len(item)} items"
+    if isinstance(item, bool) or item is None:
+        return f"is {orjson.dumps(item).decode()}"
+    return {int: "is a number", float: "is a number", str: "is text"}.get(type(item), "is an object")
 
 
 def _has_bool(value: Any) -> bool:
