@@ -67,6 +67,8 @@ async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_
     ("body", "status", "problem"),
     [
         (b'{"inputs": [1, 2,', 400, "not valid JSON"),
+        (b"", 400, 'the body is empty: send JSON {"inputs": [...]}'),
+        (b" \n", 400, 'the body is empty: send JSON {"inputs": [...]}'),
         (b"[[1, 2, 3]]", 422, 'a JSON object {"inputs": [...]}'),
         (b'{"input": [1, 2, 3]}', 422, 'a JSON object {"inputs": [...]}'),
         (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
@@ -128,6 +130,15 @@ async def test_a_bad_value_in_a_batch_is_refused_naming_the_first_sample_that_ho
     assert integers.json()["first_bad_sample"] == 2
     assert "the first in sample" not in one.json()["error"], "a lone sample is not numbered"
     assert one.json()["first_bad_sample"] == 0
+
+
+async def test_an_empty_body_is_said_to_be_empty_whatever_its_type():
+    async with running(FakeEngine()) as (client, _):
+        bare = await client.post("/v1/predict")  # curl -X POST URL, without -d: no body, no Content-Type
+        npy_typed = await client.post("/v1/predict", headers={"content-type": "application/octet-stream"})
+    assert bare.status_code == npy_typed.status_code == 400
+    assert bare.json()["error"].startswith('the body is empty: send JSON {"inputs": [...]} or a .npy array')
+    assert npy_typed.json()["error"].startswith("the body is empty")
 
 
 async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_model():

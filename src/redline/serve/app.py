@@ -177,6 +177,8 @@ class Serving:
                     f"Content-Encoding {coding!r} is not read; send the body uncompressed (no Content-Encoding)",
                 )  # fmt: skip
             body = await self.read_body_by(request, arrived + self.options.timeout_ms / 1000)
+            if not body or body.isspace():  # curl -X POST without -d, say: the parsers would say "unexpected end"
+                raise self.spec.refuse(400, 'the body is empty: send JSON {"inputs": [...]} or a .npy array')
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
             outputs = await self.answer_unless_gone(request, inputs, arrived)
             answer = _outputs_json(outputs)
