@@ -110,6 +110,24 @@ def test_predict_warms_up_first_and_refuses_a_wrong_shape():
         engine.predict(torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (np.array([[1, 2, 3]], dtype=object), r"batch='array of object' is not allowed; expected real numbers"),
+        ("abc", r"batch='str' is not allowed; expected real numbers"),
+        ([[1, 2, 3], [1, 2]], r"batch='list' is not allowed; .*\nhint: .*expected sequence of length 3"),
+        (np.zeros((2, 3), np.complex64), r"batch='complex64' is not allowed; expected real numbers"),
+        (np.zeros(3, np.float32), r"batch='shape \(3,\)' .*\nhint: one sample\? add the batch dimension"),
+    ],
+)
+def test_predict_refuses_what_is_not_a_batch_of_real_numbers_naming_it_and_the_fix(batch, message):
+    model = Spy()
+    engine = plain(model, max_batch_size=4)
+    with pytest.raises(ConfigError, match=message):
+        engine.predict(batch)
+    assert model.sizes == [], "nothing reached the model"
+
+
 def test_a_warm_up_asked_to_stop_ends_before_its_next_bucket_and_can_run_again():
     model = Spy()
     engine = plain(model, max_batch_size=4)
@@ -288,6 +306,14 @@ def test_the_plan_names_every_axis_and_is_json_ready():
 def test_cuda_graphs_on_a_cpu_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match="hint: pass cuda_graphs='auto'"):
         plain(Spy(), cuda_graphs="on")
+
+
+def test_a_bad_or_absent_device_is_named_by_the_engines_own_argument_device():
+    with pytest.raises(ConfigError, match=r"^device='gpu' is not allowed; expected 'auto', 'cpu', 'cuda'"):
+        InferenceEngine(Spy(), input_shape=(3,), device="gpu")
+    with pytest.raises(DeviceUnavailableError, match=r"^device='cuda:99' was requested") as absent:
+        InferenceEngine(Spy(), input_shape=(3,), device="cuda:99")
+    assert "devices=" not in str(absent.value), "devices= is the Runtime's argument, not the engine's"
 
 
 def test_padding_and_copying_out_keep_the_rows_and_own_their_memory():

@@ -69,9 +69,18 @@ def make_app(server: Server) -> web.Application:
         server.content_types[request.path] = request.headers.getall("Content-Type", [])
         return web.json_response({"ok": True})
 
+    async def moved(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        raise web.HTTPMovedPermanently(location="/echo/moved")
+
+    async def refuse(request: web.Request) -> web.Response:
+        server.counts[request.path] += 1
+        return web.json_response({"error": "inputs have shape (2,)", "reason": "invalid_input"}, status=422)
+
     app = web.Application()
     for path, handler in (("/pattern/{key}", pattern), ("/slow/{key}", slow), ("/stall/{key}", stall),
-                          ("/hang", hang), ("/drop/{key}", drop), ("/echo/{key}", echo)):  # fmt: skip
+                          ("/hang", hang), ("/drop/{key}", drop), ("/echo/{key}", echo), ("/moved/{key}", moved),
+                          ("/refuse/{key}", refuse)):  # fmt: skip
         app.router.add_route("*", path, handler)
     return app
 
@@ -163,6 +172,40 @@ def test_payloads_are_sent_with_their_content_type_and_headers(server, tmp_path)
     assert server.counts["/echo/raw"] == 2
 
 
+def test_a_redirect_is_counted_as_its_status_not_followed_and_the_note_says_where_it_points(server):
+    result = run_load(f"{server.url}/moved/a", rate=20, duration=0.5, payload=Payload(b'{"inputs": [1]}', "text/json"))
+    assert server.counts["/moved/a"] == 10 and server.counts["/echo/moved"] == 0, "the redirect was not followed"
+    assert result.status_counts == {301: 10}
+    assert any(
+        note.startswith("10 answers were redirects (301 to /echo/moved): not followed") for note in result.notes
+    ), result.notes
+
+
+def test_when_no_request_succeeds_the_note_quotes_the_servers_answer(server):
+    result = run_load(f"{server.url}/refuse/a", rate=20, duration=0.25)
+    assert result.status_counts == {422: 5}
+    said = '422 said: {"error": "inputs have shape (2,)", "reason": "invalid_input"}'
+    assert any(note.startswith("no request got a 2xx answer (5 x 422)") and said in note for note in result.notes)
+
+
+def test_when_every_request_fails_in_the_client_the_note_quotes_the_first_error(server):
+    result = run_load(f"{server.url}/drop/quoted", rate=20, duration=0.25)
+    assert result.error_counts == {"connection_reset": 5}
+    assert any(
+        note.startswith("no request got a 2xx answer (5 x connection_reset)")
+        and "the first connection_reset said: ServerDisconnectedError: Server disconnected" in note
+        for note in result.notes
+    ), result.notes
+
+
+def test_when_every_request_times_out_the_note_says_so_and_that_the_timeout_may_be_short(server):
+    result = run_load(f"{server.url}/hang", rate=10, duration=0.3, timeout=0.2)
+    assert result.error_counts == {"timeout": 3}
+    note = next(note for note in result.notes if note.startswith("no request got a 2xx answer (3 x timeout)"))
+    assert "every one outlasted --timeout (0.2 s)" in note and "said: TimeoutError" not in note
+    assert note.endswith("hint: if the service is this slow, raise --timeout; else lower the load, or check the URL")
+
+
 def test_bad_input_is_refused_before_any_request(server, tmp_path):
     (tmp_path / "body.txt").write_text("hi")
     (tmp_path / "bad.json").write_text("{not json")
@@ -175,6 +218,11 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
         ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
         ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
         ({"rate": 5, "payload": tmp_path / "missing.json"}, r"cannot be read: No such file.*\nhint: "),
+        (
+            {"rate": 1e7, "duration": 55, "warmup": 5},
+            r"rate=10000000.0 is not allowed; expected at most "
+            r"10,000,000 requests in all; it schedules 600,000,000 in 60 s",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -184,6 +232,15 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
     with pytest.raises(ConfigError, match=r"https:// URL \(Port out of range 0-65535\)"):
         run_load("http://127.0.0.1:99999/x", rate=5, duration=0.2)
     assert server.counts["/pattern/never"] == 0
+
+
+def test_run_load_inside_a_running_loop_says_to_await_run_load_async(server):
+    async def in_a_notebook():  # Jupyter runs its cells inside an event loop
+        run_load(f"{server.url}/pattern/notebook", rate=5, duration=0.2)
+
+    with pytest.raises(ConfigError, match=r"inside a running event loop.*\nhint: await run_load_async\(url, "):
+        asyncio.run(in_a_notebook())
+    assert server.counts["/pattern/notebook"] == 0
 
 
 def redline(*args: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from redline.cli import predict as predict_module
 from redline.cli.main import app
-from redline.errors import ConfigError, InferenceError
+from redline.errors import ConfigError, InferenceError, TaskSpecError
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
@@ -65,6 +65,10 @@ class Pair(nn.Module):
 
 def pairs():
     return Servable(model=Pair(), input_shape=(3,), name="pairs")
+
+
+def broken():
+    raise RuntimeError("no checkpoint")
 '''
 
 
@@ -142,8 +146,8 @@ def truncate(path):
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
-        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "samples 0 to 1: inputs are complex64"),
-        (lambda d: samples(d, np.array([[0, 1, 2], [0, np.nan, 2]], np.float64)), "not finite in float32"),
+        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "x.npy': every sample: inputs are complex64"),
+        (lambda d: samples(d, np.array([[0, 1, 2], [0, np.nan, 2]], np.float64)), "row 1 (the first that fails)"),
         (lambda d: samples(d, np.full((1, 3), 1e300)), "beyond ±3.40282e+38"),
         (lambda d: samples(d, np.array([[1.0], [1.0, 2.0]], dtype=object)), "equal-sized rows"),
         (lambda d: samples(d, np.zeros((4, 3), np.float32)) and truncate(d / "x.npy"), "may be truncated"),
@@ -155,6 +159,15 @@ def test_a_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, spec, make_in
     assert isinstance(result.exception, ConfigError) and message in str(result.exception)
     assert "hint:" in str(result.exception) or "no samples" in message
     assert not (tmp_path / "y.npy").exists()
+
+
+def test_a_bad_value_deep_in_a_large_input_is_named_by_its_row(tmp_path, spec):
+    inputs = np.zeros((predict_module.CHECK_CHUNK * 2 + 10, 3), np.float32)
+    inputs[5000, 1] = np.inf
+    inputs[7000, 0] = np.nan
+    result = predict(spec, "--input", samples(tmp_path, inputs), "--output", str(tmp_path / "y.npy"))
+    assert isinstance(result.exception, ConfigError)
+    assert "x.npy': row 5000 (the first that fails): inputs hold values that are not finite" in str(result.exception)
 
 
 def test_a_big_endian_array_is_read_as_its_values(tmp_path, spec):
@@ -189,7 +202,7 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_
     assert "Predicting with" not in result.output, "refused before the model was loaded and run"
 
 
-def test_a_model_failing_midway_is_one_clear_error_naming_its_rows_and_leaves_the_old_output(tmp_path, spec):
+def test_a_model_failing_midway_is_one_clear_error_naming_its_row_and_leaves_the_old_output(tmp_path, spec):
     inputs = np.zeros((6, 3), np.float32)
     inputs[4] = 666  # the third batch of two
     out = tmp_path / "y.npy"
@@ -201,10 +214,11 @@ def test_a_model_failing_midway_is_one_clear_error_naming_its_rows_and_leaves_th
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert "the model raised while predicting rows 4 to 5 of --input" in result.stderr
+    assert "the model raised while predicting row 4 of --input" in result.stderr
+    assert "(6 rows), which fails alone (rows 4 to 5 ran together): RuntimeError" in result.stderr
     assert "RuntimeError: the model failed on a poisoned sample" in result.stderr
     assert f"at {tmp_path / 'tiny.py'}:" in result.stderr and "in forward: raise RuntimeError(" in result.stderr
-    assert "hint: check those rows' values, and that the model takes the Servable's input_shape (3,)" in result.stderr
+    assert "hint: check row 4's values, and that the model takes the Servable's input_shape (3,)" in result.stderr
     assert np.array_equal(np.load(out), np.arange(3)), "the previous output is intact"
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [
         "tiny.py",
@@ -389,3 +403,29 @@ def test_a_large_input_is_read_from_disk_batch_by_batch_not_loaded_whole(tmp_pat
     )  # fmt: skip
     assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr  # torch's, of a read-only array
     assert np.load(tmp_path / "y.npy").shape == (5, 2)
+
+
+@pytest.mark.parametrize("command", ["serve", "predict"])
+@pytest.mark.parametrize(
+    ("given", "message", "hint"),
+    [
+        ("digits", "model spec 'digits' has no ':'", "the built-in example is 'example:digits'"),
+        ("example:digit", "model spec 'example:digit': no built-in example 'digit'", "did you mean 'example:digits'"),
+        ("{dir}/tiny.py", "model spec '{dir}/tiny.py' has no ':'",
+         "add the function that returns the Servable (or a Task), e.g. '{dir}/tiny.py:make'"),
+        ("{dir}/tiny.py:nothing", "model spec '{dir}/tiny.py:nothing': ", None),
+        ("{dir}/tiny.py:make size=3", "model spec '{dir}/tiny.py:make': unknown option(s) size", None),
+        ("{dir}/tiny.py:broken", "model spec '{dir}/tiny.py:broken': the factory raised RuntimeError: no checkpoint",
+         "the error is in the model factory's own code, at the line shown"),
+    ],
+)  # fmt: skip
+def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, spec, command, given, message, hint):
+    given, _, task_arg = given.format(dir=tmp_path).partition(" ")
+    message, hint = message.format(dir=tmp_path), (hint or "").format(dir=tmp_path)
+    args = ["--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(tmp_path / "y.npy")]
+    task_args = ["--task-arg", task_arg] if task_arg else []
+    result = CliRunner().invoke(app, [command, given, *task_args, *(args if command == "predict" else ["--port", "0"])])
+    error = str(result.exception)
+    assert isinstance(result.exception, TaskSpecError) and error.startswith(message), error
+    assert not hint or f"\nhint: {hint}" in error, error
+    assert "task spec" not in error and "task's" not in error

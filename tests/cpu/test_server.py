@@ -313,6 +313,11 @@ def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
     assert len(said) == 1 and said[0] > 1000  # torch alone leaves many thousands of objects to freeze
 
 
+async def test_serve_inside_a_running_event_loop_says_how_to_serve_there():
+    with pytest.raises(RedlineError, match=r"inside a running event loop .*\nhint: await uvicorn.Server\("):
+        server_module.serve(FakeEngine(), ServeOptions(port=0, max_batch_size=8))  # as a Jupyter cell would
+
+
 SLOW_WARM_UP = """
 import time
 from torch import nn

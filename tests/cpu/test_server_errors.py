@@ -6,6 +6,7 @@ import pytest
 from serve_client import metrics
 from serve_engines import FakeEngine
 
+from redline.errors import ConfigError
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
 
@@ -64,3 +65,23 @@ async def test_refusals_off_the_prediction_route_are_counted_by_reason_too(monke
         'redline_serve_rejections_total{"reason": "method_not_allowed"}': 1,
         'redline_serve_rejections_total{"reason": "unauthorized"}': 1,
     }
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "meant"), [("POST", "/v1/predict/", "/v1/predict"), ("GET", "/readyz/", "/readyz")]
+)
+async def test_a_trailing_slash_is_a_404_naming_the_path_not_a_redirect_a_post_may_not_follow(method, path, meant):
+    got = await answer(method, path)
+    assert got.status_code == 404 and "location" not in got.headers
+    error = got.json()
+    assert error["reason"] == "not_found"
+    assert error["error"].startswith(f"{method} {path}: no such endpoint; did you mean {method} {meant}")
+
+
+def test_options_left_at_their_default_batch_size_over_the_engines_say_both_fixes():
+    with pytest.raises(ConfigError) as refused:
+        build_app(FakeEngine(max_batch_size=8), ServeOptions(port=0))
+    assert str(refused.value) == (
+        "max_batch_size=32 is not allowed; expected at most the engine's max_batch_size=8\n"
+        "hint: pass ServeOptions(max_batch_size=8), the engine's, or build the InferenceEngine with max_batch_size=32"
+    )

@@ -67,13 +67,21 @@ async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_
     ("body", "status", "problem"),
     [
         (b'{"inputs": [1, 2,', 400, "not valid JSON"),
+        (b"", 400, 'the body is empty: send JSON {"inputs": [...]}'),
+        (b" \n", 400, 'the body is empty: send JSON {"inputs": [...]}'),
         (b"[[1, 2, 3]]", 422, 'a JSON object {"inputs": [...]}'),
         (b'{"input": [1, 2, 3]}', 422, 'a JSON object {"inputs": [...]}'),
         (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
-        (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths"),
+        (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths: inputs[1] has 2 items where inputs[0] has 3"),
+        (b'{"inputs": [[1, 2, 3], 4]}', 422, "unequal lengths: inputs[1] is a number where inputs[0] has 3 items"),
+        (b'{"inputs": [[[1], [2, 3]]]}', 422, "unequal lengths: inputs[0][1] has 2 items where inputs[0][0] has 1"),
         (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
         (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
-        (b'{"inputs": []}', 422, "inputs have shape (0,)"),
+        (b'{"inputs": []}', 422, "inputs hold no sample"),
+        (b'{"inputs": [NaN, 1, 2]}', 422, "NaN at line 1 column 13, which JSON has no number for"),
+        (b'{"inputs": [1, Infinity, 2]}', 422, "Infinity at line 1 column 16, which JSON has no number for"),
+        (b'{"inputs": [1, 2, -Infinity]}', 422, "-Infinity at line 1 column 19, which JSON has no number for"),
+        (b'{"inputs": [1e400, 1, 2]}', 422, "1e400 at line 1 column 13, beyond float64's range"),
         (b'{"inputs": [true, 0, 0]}', 422, "true/false where numbers are expected"),
         (b'{"inputs": [[1, 2, 3]]}', 200, None),
     ],
@@ -86,6 +94,51 @@ async def test_malformed_or_misshapen_json_is_refused_naming_the_problem_and_the
         error = answer.json()
         assert problem in error["error"] and "one sample of shape (3,)" in error["error"]
         assert (error["expected_shape"], error["expected_dtype"]) == ([3], "float32")
+
+
+@pytest.mark.parametrize(
+    ("content_type", "fix"),
+    [
+        ("application/x-www-form-urlencoded", "curl -d sends application/x-www-form-urlencoded unless told: "
+                                              "add -H 'Content-Type: application/json'"),
+        ("multipart/form-data; boundary=x", "send the array as the whole body, not a form's file: "
+                                            "curl --data-binary @x.npy -H 'Content-Type: application/octet-stream'"),
+    ],
+)  # fmt: skip
+async def test_the_content_types_of_curls_forms_get_415_with_the_flags_that_fix_them(content_type, fix):
+    async with running(FakeEngine()) as (client, _):
+        body = b'{"inputs": [1, 2, 3]}'
+        answer = await client.post("/v1/predict", content=body, headers={"content-type": content_type})
+    assert answer.status_code == 415 and answer.json()["reason"] == "unsupported_media_type"
+    assert answer.json()["error"].endswith(fix), answer.json()["error"]
+
+
+async def test_a_bad_value_in_a_batch_is_refused_naming_the_first_sample_that_holds_one():
+    octet = {"content-type": "application/octet-stream"}
+    batch = np.zeros((4, 3), np.float32)
+    batch[2, 1], batch[3, 0] = np.nan, np.inf
+    async with running(FakeEngine()) as (client, _):
+        floats = await client.post("/v1/predict", content=npy(batch), headers=octet)
+    async with running(FakeEngine(input_dtype="uint8")) as (client, _):
+        integers = await client.post("/v1/predict", json={"inputs": [[0, 1, 2], [3, 4, 5], [6, 7, 256]]})
+        one = await client.post("/v1/predict", json={"inputs": [6, 7, -1]})
+    assert floats.status_code == integers.status_code == one.status_code == 422
+    said = floats.json()["error"]
+    assert "not finite in float32 (NaN, infinity or beyond ±3.40282e+38), the first in sample 2;" in said
+    assert floats.json()["first_bad_sample"] == 2
+    assert "integers outside uint8's range [0, 255], the first in sample 2;" in integers.json()["error"]
+    assert integers.json()["first_bad_sample"] == 2
+    assert "the first in sample" not in one.json()["error"], "a lone sample is not numbered"
+    assert one.json()["first_bad_sample"] == 0
+
+
+async def test_an_empty_body_is_said_to_be_empty_whatever_its_type():
+    async with running(FakeEngine()) as (client, _):
+        bare = await client.post("/v1/predict")  # curl -X POST URL, without -d: no body, no Content-Type
+        npy_typed = await client.post("/v1/predict", headers={"content-type": "application/octet-stream"})
+    assert bare.status_code == npy_typed.status_code == 400
+    assert bare.json()["error"].startswith('the body is empty: send JSON {"inputs": [...]} or a .npy array')
+    assert npy_typed.json()["error"].startswith("the body is empty")
 
 
 async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_model():

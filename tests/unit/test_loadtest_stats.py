@@ -204,3 +204,12 @@ def test_a_run_without_a_single_2xx_says_its_latencies_are_of_errors():
     assert any(n.startswith(told) for n in result.notes), result.notes
     fine = summarize([record(0.0, 0.002, 200), record(0.01, 0.012, 422)], setup(), elapsed_s=10.0)
     assert not any("2xx" in n for n in fine.notes)
+
+
+def test_a_window_without_a_single_request_says_so_and_how_to_get_some():
+    result = summarize([record(0.5, 0.6)], setup(rate=0.1, duration_s=1.0, warmup_s=1.0), elapsed_s=2.0)
+    assert result.requests_sent == 0 and result.latency_ms is None
+    assert result.notes == (
+        "no request fell in the 1 s window (at 0.1 requests/s the schedule put none there): there is nothing to "
+        "measure\nhint: raise --rate or --duration",
+    )

@@ -42,11 +42,12 @@ from redline.render.console import output_console, plan_table, print_uncut
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
-from redline.serve.inputs import NPY_MAGIC, InputSpec, check_array
+from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
-from redline.serve.servable import Servable, load_servable
+from redline.serve.servable import Servable, as_model_spec, load_servable
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
+ROWS_CHECK = "check those rows' values"  # the hint's start when the model raised on a batch
 
 
 def predict(
@@ -76,7 +77,8 @@ def predict(
             f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
             f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
         )
-    servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+    with as_model_spec(spec):  # not a task spec, as the loader would say
+        servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
     check_samples(samples, servable, input_path)
     batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
     warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
@@ -171,9 +173,11 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
         try:
             check_array(samples[start : start + CHECK_CHUNK], spec)
         except Refused as refused:
+            problem = refused.message.split("; expected ")[0].split(FIRST_IN_SAMPLE)[0]
+            first = refused.fields.get("first_bad_sample")  # none when the dtype itself does not fit
+            where = "every sample" if first is None else f"row {start + first} (the first that fails)"
             raise ConfigError(
-                f"--input {str(path)!r}: samples {start} to {min(start + CHECK_CHUNK, len(samples)) - 1}: "
-                f"{refused.message.split('; expected ')[0]}\n"
+                f"--input {str(path)!r}: {where}: {problem}\n"
                 f"hint: save the array as {servable.input_dtype} values the model can take"
             ) from None
 
@@ -195,11 +199,36 @@ def run_batches(
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
             batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
-            rows = f"predicting rows {start} to {start + len(batch) - 1} of {source} ({len(samples)} rows)"
-            with model_raising(rows, hint):
+            rows = f"rows {start} to {start + len(batch) - 1}"
+            try:
                 parts.append(engine.predict(batch).numpy())
+            except Exception as exc:
+                row = first_failing_row(engine, batch, exc)
+                of = f"of {source} ({len(samples)} rows)"
+                running, check = f"predicting {rows} {of}", hint
+                if row is not None:  # as the server does, the batch's rows were run alone to find the one
+                    running = f"predicting row {start + row} {of}, which fails alone ({rows} ran together)"
+                    check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
+                with model_raising(running, check):
+                    raise
             bar.advance(job, len(batch))
     return np.concatenate(parts), time.perf_counter() - started
+
+
+def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception) -> int | None:
+    """The first row of ``batch`` the model raises on when run alone, after the batch raised ``exc``.
+
+    None for a lone row, for an out-of-memory error (the rows alone would fit) or an error of
+    redline's own or of the device (no row is to blame), and when no row fails alone.
+    """
+    if len(batch) < 2 or is_oom(exc) or isinstance(exc, RedlineError) or not blames_user_code(exc) or engine.broken:
+        return None
+    for row in range(len(batch)):
+        try:
+            engine.predict(batch[row : row + 1])
+        except Exception:
+            return row
+    return None
 
 
 def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
@@ -208,7 +237,7 @@ def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
     if samples is None:
         return f"check that {takes}: the warm-up runs zeros of that shape and dtype, as --input's rows will be"
     held = f"--input holds {samples.dtype} samples of shape {samples.shape[1:]}"
-    return f"check those rows' values, and that {takes} ({held})"
+    return f"{ROWS_CHECK}, and that {takes} ({held})"
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from redline.cli.task_args import parse_task_args
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.options import ServeOptions
-from redline.serve.servable import load_servable
+from redline.serve.servable import as_model_spec, load_servable
 from redline.serve.server import bind, serve
 
 
@@ -52,7 +52,8 @@ def _serve(
     options.token()  # an empty --token-env variable is refused before the model loads
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
-        servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+        with as_model_spec(spec):  # not a task spec, as the loader would say
+            servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
         with said_by_flags(**ENGINE_FLAGS):
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,

@@ -6,13 +6,15 @@
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
-401 token, 413 body size, 400/415/422 input, 503 full queue or not ready, 504 deadline, 500 model (or redline),
-and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
+401 token, 408 a body still arriving at the deadline, 413 body size, 400/415/422 input, 503 full queue or
+not ready, 504 deadline, 500 model (or redline), 499 (counted, never read) a client that hung up before its
+answer, and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,7 +23,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -37,6 +39,19 @@ JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
 # The refusals of queued requests: the latency histogram times them (not those refused at the door).
 QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
+# The types curl sends for a form (-d, -F) unless told otherwise: the first requests of many a user.
+FORM_FIXES = {
+    "application/x-www-form-urlencoded": (
+        "; curl -d sends application/x-www-form-urlencoded unless told: add -H 'Content-Type: application/json'"
+    ),
+    "multipart/form-data": (
+        "; send the array as the whole body, not a form's file: "
+        "curl --data-binary @x.npy -H 'Content-Type: application/octet-stream'"
+    ),
+}
+# nginx's status for a client that closed its connection before the answer: no client ever reads it, but the
+# metrics count it apart from the answers that were delivered.
+CLIENT_CLOSED = 499
 
 
 class Serving:
@@ -45,7 +60,10 @@ class Serving:
     def __init__(self, engine: Any, options: ServeOptions) -> None:
         if options.max_batch_size > engine.max_batch_size:
             allowed = f"at most the engine's max_batch_size={engine.max_batch_size}"
-            hint = "build the InferenceEngine with the same max_batch_size as the server"
+            hint = (
+                f"pass ServeOptions(max_batch_size={engine.max_batch_size}), the engine's, or build the "
+                f"InferenceEngine with max_batch_size={options.max_batch_size}"
+            )
             raise invalid("max_batch_size", options.max_batch_size, allowed, hint)
         self.engine = engine
         self.options = options
@@ -94,12 +112,47 @@ class Serving:
             if int(declared) > limit:
                 raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise _client_closed() from None
         return b"".join(chunks)
+
+    async def read_body_by(self, request: Request, deadline: float) -> bytes:
+        """Return the body, refusing (408) one still arriving at the request's deadline: a stalled upload holds
+        no handler, nor its connection, forever."""
+        try:
+            return await asyncio.wait_for(self.read_body(request), max(deadline - self.dispatcher.clock(), 0.0))
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; two on 3.10
+            raise Refused(
+                408, "body_timeout",
+                f"the body was still arriving timeout_ms={self.options.timeout_ms:g} after the request began; "
+                "send it whole, without pausing (a large body on a slow link needs a server with a larger "
+                "--timeout-ms)",
+            ) from None  # fmt: skip
+
+    async def answer_unless_gone(self, request: Request, inputs: Any, arrived: float) -> list[Any]:
+        """Queue ``inputs`` and return their outputs; refuse (499) once the client hangs up before they come.
+
+        The abandoned request leaves the queue (it never runs); one already running is not interrupted.
+        """
+        answer = asyncio.ensure_future(self.dispatcher.submit(inputs, arrived=arrived))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():  # the client left (or this handler was cancelled): stop waiting
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+        if answer.cancelled():
+            raise _client_closed()
+        return answer.result()
 
     async def predict(self, request: Request) -> Response:
         """POST /v1/predict: validate the inputs, queue them for a batch, answer with their outputs."""
@@ -114,7 +167,8 @@ class Serving:
             if media not in JSON_TYPES + NPY_TYPES:
                 raise Refused(
                     415, "unsupported_media_type",
-                    f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)",
+                    f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)"
+                    + FORM_FIXES.get(media, ""),
                 )  # fmt: skip
             coding = request.headers.get("content-encoding", "identity").strip().lower()
             if coding not in ("identity", ""):  # a compressed body would be read as broken JSON or .npy
@@ -122,9 +176,11 @@ class Serving:
                     415, "unsupported_media_type",
                     f"Content-Encoding {coding!r} is not read; send the body uncompressed (no Content-Encoding)",
                 )  # fmt: skip
-            body = await self.read_body(request)
+            body = await self.read_body_by(request, arrived + self.options.timeout_ms / 1000)
+            if not body or body.isspace():  # curl -X POST without -d, say: the parsers would say "unexpected end"
+                raise self.spec.refuse(400, 'the body is empty: send JSON {"inputs": [...]} or a .npy array')
             inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
-            outputs = await self.dispatcher.submit(inputs, arrived=arrived)
+            outputs = await self.answer_unless_gone(request, inputs, arrived)
             answer = _outputs_json(outputs)
         except Refused as refused:
             self.metrics.requests.labels(status=str(refused.status)).inc()
@@ -199,6 +255,9 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
         Route("/openapi.json", serving.openapi_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=off_route_answers(routes, serving.refuse))
+    # Starlette answers /v1/predict/ with a 307 to /v1/predict: a client may not resend its body there, and one that
+    # does pays a second round trip on every request. A 404 naming the path is told once and fixed.
+    app.router.redirect_slashes = False
     app.state.serving = serving
     return app
 
@@ -216,9 +275,15 @@ def off_route_answers(
         f"{method} {route.path}" for route in routes for method in sorted((route.methods or set()) - {"HEAD"})
     )
 
+    paths = {route.path for route in routes}
+
     async def not_found(request: Request, exc: Exception) -> Response:
-        where = f"{request.method} {request.url.path}"
-        return refuse(Refused(404, "not_found", f"{where}: no such endpoint; this server answers {endpoints}"))
+        path = request.url.path
+        where = f"{request.method} {path}"
+        meant = path.rstrip("/")
+        slash = meant != path and meant in paths
+        hint = f"did you mean {request.method} {meant} (no trailing slash)? " if slash else ""
+        return refuse(Refused(404, "not_found", f"{where}: no such endpoint; {hint}this server answers {endpoints}"))
 
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
         headers = (exc.headers if isinstance(exc, HTTPException) else None) or {}
@@ -228,6 +293,16 @@ def off_route_answers(
         return refuse(Refused(405, "method_not_allowed", message, headers={**headers, "Allow": ", ".join(allowed)}))
 
     return {404: not_found, 405: method_not_allowed}
+
+
+def _client_closed() -> Refused:
+    return Refused(CLIENT_CLOSED, "client_closed_request", "the client closed the connection before its answer")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (the body was read: nothing else comes before that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _outputs_json(outputs: list[Any]) -> Response:

@@ -118,17 +118,21 @@ class Dispatcher:
             )  # fmt: skip
         deadline = arrived + self.options.timeout_ms / 1000
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._queue.append(Queued(inputs, arrived, deadline, future))
+        queued = Queued(inputs, arrived, deadline, future)
+        self._queue.append(queued)
         self.metrics.queued.set(len(self._queue))
         self._wakeup.set()
         try:
-            # On timeout the future is cancelled: the worker skips it if it is still queued.
             return await asyncio.wait_for(future, max(deadline - self.clock(), 0.0))
         except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; two on 3.10
             raise self._timed_out() from None
         finally:
-            if not future.done():  # the handler itself was cancelled (the client went away)
-                future.cancel()
+            # Timed out, or the handler was cancelled (its client went away): a request still queued leaves now,
+            # so that it never runs and its place is free at once.
+            future.cancel()
+            if future.cancelled() and queued in self._queue:
+                self._queue.remove(queued)
+                self.metrics.queued.set(len(self._queue))
 
     def _drop_gone(self) -> None:
         """Forget queued requests whose handler stopped waiting (timed out, or the client went away)."""

@@ -104,6 +104,22 @@ def check_engine_options(
     read_measure(measure)
 
 
+def _engine_device(device: str) -> Choice[str]:
+    """The device ``device`` names, its errors saying ``device=`` (the resolver says the Runtime's ``devices=``).
+
+    check_engine_options keeps the resolver's word: the command line turns it into --device.
+    """
+    try:
+        return resolve_device(device, probe_accelerators())
+    except ConfigError as error:
+        if error.parts is None or error.parts[0] != "devices":
+            raise
+        _, value, allowed, hint = error.parts
+        raise invalid("device", value, allowed, hint.replace("devices=", "device=")) from None
+    except DeviceUnavailableError as error:
+        raise DeviceUnavailableError(str(error).replace("devices=", "device=")) from error.__cause__
+
+
 def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:
     """Return ``model`` as a Servable: itself, or a bare module with the input's shape and dtype given."""
     if isinstance(model, Servable):
@@ -147,7 +163,7 @@ class InferenceEngine:
         self.servable = as_servable(model, input_shape, input_dtype)
         self.max_batch_size = max_batch_size
         self.buckets = bucket_sizes(max_batch_size, batch_buckets)
-        chosen_device = resolve_device(device, probe_accelerators())
+        chosen_device = _engine_device(device)
         self.device = torch.device(chosen_device.value)
         self.facts = probe_device(self.device)
         proposal = propose(
@@ -210,9 +226,7 @@ class InferenceEngine:
             raise DeviceUnavailableError(
                 f"the engine's device is unusable: {self.broken}\nhint: only a new process recovers it; restart"
             )
-        inputs = torch.as_tensor(batch)
-        if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
-            raise invalid("batch", f"shape {tuple(inputs.shape)}", f"(N, {', '.join(map(str, self.input_shape))})")
+        inputs = self._as_batch(batch)
         inputs = self._guarded(lambda: self._model_inputs(inputs.to(self.servable.torch_dtype)))
         if not self.ready:
             self.warm_up()
@@ -224,6 +238,25 @@ class InferenceEngine:
                 ]
             )
         return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
+    def _as_batch(self, batch: Any) -> torch.Tensor:
+        """``batch`` as a tensor of real numbers with the input's sample shape, or a ConfigError naming what it is."""
+        shape = ", ".join(map(str, self.input_shape))
+        expected = f"(N, {shape})"
+        real = f"real numbers, shape {expected}, cast to {self.servable.input_dtype}"
+        try:
+            inputs = torch.as_tensor(batch)
+        except (TypeError, ValueError, RuntimeError) as exc:  # text, objects, ragged lists
+            what = f"array of {batch.dtype}" if isinstance(batch, np.ndarray) else type(batch).__name__
+            hint = f"pass a tensor, a numpy array of numbers, or nested lists of equal lengths ({exc})"
+            raise invalid("batch", what, real, hint) from None
+        if inputs.is_complex():  # a cast would drop the imaginary part without a word
+            raise invalid("batch", str(inputs.dtype).removeprefix("torch."), real, "pass batch.real if that is meant")
+        if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
+            one = tuple(inputs.shape) == self.input_shape
+            hint = f"one sample? add the batch dimension: batch[None] has shape (1, {shape})" if one else ""
+            raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
+        return inputs
 
     # -- setting up: the chosen precision, compile and runner --------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import tokenize
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 )
 _KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+FIRST_IN_SAMPLE = ", the first in sample "  # how a refusal names the first sample holding a bad value
+JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # RFC 8259, section 6
 
 
 @dataclass(frozen=True)
@@ -60,20 +63,62 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise spec.refuse(400, f"the body is not valid JSON ({exc})") from None
+        raise _unreadable_json(exc, body, spec) from None
     if not isinstance(document, dict) or "inputs" not in document:
         raise spec.refuse(422, 'the body must be a JSON object {"inputs": [...]}')
     inputs = document["inputs"]
     try:
         array = np.asarray(inputs)
     except (ValueError, OverflowError):  # ragged lists (numpy >= 1.24 refuses them)
-        raise spec.refuse(422, "inputs are nested lists of unequal lengths") from None
+        where = _ragged(inputs, "inputs")
+        raise spec.refuse(422, "inputs are nested lists of unequal lengths" + (f": {where}" if where else "")) from None
     if array.dtype.kind not in "biuf":
         raise spec.refuse(422, "inputs hold values that are not numbers (text, null, objects or too large integers)")
     # numpy reads true/false among numbers as 1/0: look for them only when the body has such a word
     if spec.kind() != "b" and array.dtype.kind != "b" and (b"true" in body or b"false" in body) and _has_bool(inputs):
         raise spec.refuse(422, "inputs hold true/false where numbers are expected")
     return check_array(array, spec)
+
+
+def _unreadable_json(exc: orjson.JSONDecodeError, body: bytes, spec: InputSpec) -> Refused:
+    """400 for a body that is not JSON; 422 where it fails on a value no sample can hold, named where it is.
+
+    Python's json.dumps writes NaN, Infinity and -Infinity (unless allow_nan=False), which JSON has
+    no number for; a number beyond float64's range (1e400) is infinite too.
+    """
+    start = exc.pos - 1 if body[exc.pos - 1 : exc.pos] == b"-" else exc.pos  # -Infinity fails at its I
+    where = f"line {exc.lineno} column {exc.colno - (exc.pos - start)}"
+    word = next((w for w in (b"NaN", b"Infinity") if body.startswith(w, exc.pos)), None)
+    if word is not None:
+        shown = body[start : exc.pos + len(word)].decode()
+        return spec.refuse(
+            422, f"the body holds {shown} at {where}, which JSON has no number for (Python's json.dumps writes it "
+            "unless allow_nan=False); send finite numbers",
+        )  # fmt: skip
+    number = JSON_NUMBER.match(body, exc.pos)
+    if number is not None and math.isinf(float(number.group())):
+        return spec.refuse(422, f"the body holds {number.group().decode()} at {where}, beyond float64's range")
+    return spec.refuse(400, f"the body is not valid JSON ({exc})")
+
+
+def _ragged(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where nested lists first differ: ``inputs[1] has 2 items where inputs[0] has 3``; None if nowhere found."""
+    if not isinstance(value, list) or not value or depth > 32:  # numpy takes at most 32 dimensions
+        return None
+    lengths = [len(item) if isinstance(item, list) else None for item in value]
+    for i, length in enumerate(lengths):
+        if length != lengths[0]:
+            return f"{path}[{i}] {_holds(value[i])} where {path}[0] {_holds(value[0])}"
+    return next((found for i, item in enumerate(value) if (found := _ragged(item, f"{path}[{i}]", depth + 1))), None)
+
+
+def _holds(item: Any) -> str:
+    """What a JSON value is, said after its path."""
+    if isinstance(item, list):
+        return f"has {len(item)} items"
+    if isinstance(item, bool) or item is None:
+        return f"is {orjson.dumps(item).decode()}"
+    return {int: "is a number", float: "is a number", str: "is text"}.get(type(item), "is an object")
 
 
 def _has_bool(value: Any) -> bool:
@@ -105,12 +150,12 @@ def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
 
 def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     """Return ``array`` as a batch of ``spec``'s shape and dtype, or refuse it (422) naming the problem."""
+    if array.shape[:1] == (0,):  # [] or an empty stack: no sample of any shape
+        raise spec.refuse(422, "inputs hold no sample")
     if array.shape == spec.shape:
         array = array[None]
     elif array.ndim != len(spec.shape) + 1 or array.shape[1:] != spec.shape:
         raise spec.refuse(422, f"inputs have shape {_shape(array.shape)}")
-    if array.shape[0] == 0:
-        raise spec.refuse(422, "inputs hold no sample")
     if array.shape[0] > spec.max_batch_size:
         raise spec.refuse(
             422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
@@ -119,8 +164,9 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
         # whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
         # more comes as a float too (orjson reads at most 64 bits)
-        if not np.all(np.abs(array.astype(np.float64)) < 2.0**63):
-            raise spec.refuse(422, _outside_range(spec.dtype))
+        fits = np.abs(array.astype(np.float64)) < 2.0**63
+        if not fits.all():
+            raise _bad_values(spec, ~fits, _outside_range(spec.dtype))
         array = array.astype(np.int64)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
@@ -128,16 +174,27 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     if kind in "iu":
         info = np.iinfo(spec.dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
-            raise spec.refuse(422, _outside_range(spec.dtype))
+            raise _bad_values(spec, (array < info.min) | (array > info.max), _outside_range(spec.dtype))
     if kind == "f":  # the bound /openapi.json states; NaN fails the comparison too
         largest = float(torch.finfo(getattr(torch, spec.dtype)).max)
-        if not bool(np.all(np.abs(array.astype(np.float64)) <= largest)):
-            raise spec.refuse(
-                422, f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or beyond ±{largest:.6g})"
-            )
+        finite = np.abs(array.astype(np.float64)) <= largest
+        if not finite.all():
+            problem = f"inputs hold values that are not finite in {spec.dtype} (NaN, infinity or beyond ±{largest:.6g})"
+            raise _bad_values(spec, ~finite, problem)
     target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
     batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
     return batch.to(getattr(torch, spec.dtype))
+
+
+def _bad_values(spec: InputSpec, bad: np.ndarray[Any, Any], problem: str) -> Refused:
+    """A 422 for the values ``bad`` marks in a batch, naming (in a batch of several) the first sample holding one.
+
+    The answer's ``first_bad_sample`` field gives that sample's index.
+    """
+    first = int(np.argmax(bad.reshape(len(bad), -1).any(axis=1)))
+    refused = spec.refuse(422, problem + (f"{FIRST_IN_SAMPLE}{first}" if len(bad) > 1 else ""))
+    refused.fields["first_bad_sample"] = first
+    return refused
 
 
 def _outside_range(dtype: str) -> str:

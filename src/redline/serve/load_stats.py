@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -177,9 +177,19 @@ CLOSED_LOOP_NOTE = (
 
 
 def summarize(
-    records: Sequence[RequestRecord], setup: Setup, *, elapsed_s: float, notes: Sequence[str] = ()
+    records: Sequence[RequestRecord],
+    setup: Setup,
+    *,
+    elapsed_s: float,
+    notes: Sequence[str] = (),
+    said: Mapping[str, str] | None = None,
 ) -> LoadResult:
-    """Compute a LoadResult from every request's timeline; the warm-up and anything after the window are left out."""
+    """Compute a LoadResult from every request's timeline; the warm-up and anything after the window are left out.
+
+    ``said``: by status ("404") or client error ("timeout"), what the first such answer said in short (a
+    redirect's Location, else its body; the error's message), quoted in the notes.
+    """
+    said = said or {}
     start, end = setup.warmup_s, setup.warmup_s + setup.duration_s
     open_loop = setup.mode == "open"
 
@@ -208,12 +218,35 @@ def summarize(
         )
     if not open_loop:
         out.append(CLOSED_LOOP_NOTE)
+    redirects = Counter(r.status for r in completed if r.status is not None and 300 <= r.status < 400)
+    if redirects:
+        status = redirects.most_common(1)[0][0]
+        where = said.get(str(status), "an unknown place")
+        out.append(
+            f"{sum(redirects.values())} answers were redirects ({status} to {where}): "
+            "not followed, as the latency would time two requests (and a 301 or 302 turns a POST into a GET)\n"
+            "hint: load the URL they point to"
+        )
+    if not measured:  # a low rate over a short window (poisson may draw no arrival): empty tables, said why
+        pace = f"at {setup.target_rate:g} requests/s the schedule put none there" if open_loop else "none was sent"
+        out.append(
+            f"no request fell in the {setup.duration_s:g} s window ({pace}): there is nothing to measure\n"
+            f"hint: raise {'--rate or ' if open_loop else ''}--duration"
+        )
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
+        top, count = outcomes.most_common(1)[0]
+        hint = "check the URL, --method, --payload and --header with one request (curl -i), then load it"
+        if top == "timeout":  # no answer to quote: the timeout may be shorter than the service takes
+            who = "every one" if count == len(measured) else f"{count} of them"
+            quoted = f"; {who} outlasted --timeout ({setup.timeout_s:g} s)"
+            hint = "if the service is this slow, raise --timeout; else lower the load, or check the URL"
+        else:
+            first = next((what for what, _ in outcomes.most_common() if what in said), None)
+            quoted = f"; the first {first} said: {said[first]}" if first is not None else ""
         out.append(
             f"no request got a 2xx answer ({', '.join(f'{n} x {what}' for what, n in outcomes.most_common())}): "
-            "the latencies are those of errors, not of the service\n"
-            "hint: check the URL, --method, --payload and --header with one request (curl -i), then load it"
+            f"the latencies are those of errors, not of the service{quoted}\nhint: {hint}"
         )
     return LoadResult(
         mode=setup.mode,

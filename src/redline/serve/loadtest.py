@@ -32,6 +32,11 @@ DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
 PROGRESS_EVERY_S = 0.25
 STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
+# Requests one run may schedule: every one is kept (its send time, then its record), and one client process sends
+# a few thousand a second; a rate with a few zeros too many would fill the memory before the first request.
+MAX_REQUESTS = 10_000_000
+MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
+SAID_CHARS = 200  # of an answer's body quoted in a note
 
 
 class LoadStopped(RedlineError):
@@ -71,6 +76,14 @@ class LoadOptions:
         one_of("arrivals", self.arrivals, ("uniform", "poisson"))
         non_negative_int("seed", self.seed)
         positive_int("max_in_flight", self.max_in_flight)
+        total_s = self.warmup_s + self.duration_s
+        if self.rate is not None and self.rate * total_s > MAX_REQUESTS:
+            raise invalid(
+                "rate", self.rate,
+                f"at most {MAX_REQUESTS:,} requests in all; it schedules {self.rate * total_s:,.0f} in {total_s:g} s",
+                "one client process sends a few thousand requests/s: lower the rate, shorten the warmup and the "
+                "duration, or run several clients",
+            )  # fmt: skip
         positive_number("max_send_lag_ms", self.max_send_lag_ms)
         if self.method is not None and not self.method.isalpha():
             raise invalid("method", self.method, "an HTTP method such as GET or POST")
@@ -147,6 +160,7 @@ class _Counters:
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
     stopped_s: float | None = None  # when a Ctrl-C came, from t0: nothing is sent after it
+    said: dict[str, str] = field(default_factory=dict)  # the first answer of each status but 2xx, or error, in short
 
 
 @dataclass(frozen=True)
@@ -187,16 +201,34 @@ async def _send(
         sent = time.perf_counter() - t0
         status = error = None
         try:
-            async with session.request(request.method, request.url, data=request.body,
-                                       headers=request.headers) as response:  # fmt: skip
-                await response.read()
+            # A redirect is not followed: the latency would time two requests, and a 301 or 302 turns a POST
+            # into a GET; it is counted as its status, and a note says where it points.
+            async with session.request(request.method, request.url, data=request.body, headers=request.headers,
+                                       allow_redirects=False) as response:  # fmt: skip
+                body = await response.read()
                 status = response.status
+                if not 200 <= status < 300:
+                    location = response.headers.get("Location") if status < 400 else None
+                    _keep(counters.said, str(status), location or _in_short(body.decode("utf-8", errors="replace")))
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             error = error_kind(exc)
+            _keep(counters.said, error, _in_short(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
         done = time.perf_counter() - t0
     counters.completed += status is not None
     counters.errors += error is not None
     counters.records.append(RequestRecord(scheduled, dispatched, sent, done, status, error, waited))
+
+
+def _keep(said: dict[str, str], outcome: str, text: str) -> None:
+    """Keep ``text`` as what ``outcome`` (a status, or a client error's kind) first said, for a few outcomes."""
+    if outcome not in said and len(said) < MAX_SAID:
+        said[outcome] = text
+
+
+def _in_short(text: str) -> str:
+    """``text`` in one line, cut to SAID_CHARS."""
+    text = " ".join(text.split())
+    return text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
 async def _open_loop(
@@ -339,7 +371,7 @@ async def run_load_async(
             f"stopped by Ctrl-C {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
             f"those {window_s:.1f} s"
         )
-    return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes)
+    return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes, said=counters.said)
 
 
 def run_load(
@@ -383,6 +415,15 @@ def load_test(
 
     The loop is made and closed here, as asyncio.Runner would (Python 3.11+; 3.10 is supported too).
     """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs here, as it should be
+        pass
+    else:
+        raise ConfigError(
+            "run_load blocks on an event loop of its own, and was called inside a running event loop (a Jupyter "
+            "cell, an async function)\nhint: await run_load_async(url, LoadOptions(rate=..., duration_s=...)) there"
+        )
     loop = (_loop_factory() or asyncio.new_event_loop)()
     try:
         running = run_load_async(url, options, payload=payload, progress=progress, stop_on_sigint=True)

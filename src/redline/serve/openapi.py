@@ -27,6 +27,7 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
     }
     predict_errors = {
         "400": _error("The body is not valid JSON, or not a .npy array."),
+        "408": _error("The body was still arriving --timeout-ms after the request began."),
         "413": _error("The body is larger than the server's limit (--max-body-mb)."),
         "415": _error(
             "The Content-Type is neither application/json nor application/octet-stream, or the body is compressed."

@@ -9,8 +9,9 @@ afresh, so without ``weights`` it is untrained unless the Task loads its own: a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,38 @@ class Servable:
         return dtype
 
 
+@contextlib.contextmanager
+def as_model_spec(spec: str) -> Iterator[None]:
+    """Name ``spec`` a model spec in the TaskSpecErrors raised inside: the loader calls every spec a task spec.
+
+    `redline serve SPEC` and `redline predict SPEC` take a model spec, whose factory returns a
+    Servable (or a Task); an error about it says so, hints included.
+    """
+    try:
+        yield
+    except TaskSpecError as exc:
+        said = f"task spec {spec!r}"
+        if not str(exc).startswith(said):
+            raise
+        message = f"model spec {spec!r}{str(exc)[len(said) :]}"
+        for task_word, model_word in _MODEL_WORDS.items():
+            message = message.replace(task_word.format(spec=spec), model_word.format(spec=spec))
+        raise TaskSpecError(message) from exc.__cause__
+
+
+# The loader's hints (redline.task) as they read for a model spec.
+_MODEL_WORDS = {
+    "the function that returns the Task (or model), e.g. '{spec}:make_task'": (
+        "the function that returns the Servable (or a Task), e.g. '{spec}:make'"
+    ),
+    "the error is in the task's own code": "the error is in the model factory's own code",
+}
+
+
 def load_servable(spec: str, *, weights: str | Path | None = None, **options: Any) -> Servable:
     """Load the Servable a spec names, with ``weights`` (a safetensors file) loaded into its model."""
-    made = run_factory(spec, find_factory(spec), options)
+    with as_model_spec(spec):
+        made = run_factory(spec, find_factory(spec), options)
     if isinstance(made, Task):
         if weights is None:
             log.warning(
@@ -84,12 +114,12 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
         made = from_task(made)
     elif isinstance(made, nn.Module):
         raise TaskSpecError(
-            f"serve spec {spec!r}: the factory returned a bare {type(made).__name__}, whose input shape is unknown\n"
+            f"model spec {spec!r}: the factory returned a bare {type(made).__name__}, whose input shape is unknown\n"
             "hint: return redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
         )
     elif not isinstance(made, Servable):
         raise TaskSpecError(
-            f"serve spec {spec!r}: the factory returned {type(made).__name__}, expected a redline.Servable or a Task"
+            f"model spec {spec!r}: the factory returned {type(made).__name__}, expected a redline.Servable or a Task"
         )
     if weights is not None:
         load_weights(made.model, Path(weights))
