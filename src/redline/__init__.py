@@ -14,7 +14,9 @@ from redline.version import __version__
 
 if TYPE_CHECKING:
     from redline import doctor
-    from redline.bench.run import BenchResult, benchmark
+    from redline.bench.result import BenchResult
+    from redline.bench.run import benchmark
+    from redline.bench.tune import tune
     from redline.errors import (
         ConfigError,
         DeviceUnavailableError,
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
     from redline.runtime.runtime import Runtime
+    from redline.runtime.tuned import TunedPlan
     from redline.serve.app import build_app
     from redline.serve.engine import InferenceEngine
     from redline.serve.loadtest import run_load
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 # Public name -> the module that defines it; a subpackage (doctor) maps to itself.
 _LAZY = {
     "BatchSearch": "redline.memory.search",
-    "BenchResult": "redline.bench.run",
+    "BenchResult": "redline.bench.result",
     "Callback": "redline.train.callbacks",
     "Choice": "redline.plan",
     "ConfigError": "redline.errors",
@@ -64,6 +67,7 @@ _LAZY = {
     "TrainSummary": "redline.train.summary",
     "Trainer": "redline.train.trainer",
     "TrainerConfig": "redline.train.config",
+    "TunedPlan": "redline.runtime.tuned",
     "benchmark": "redline.bench.run",
     "build_app": "redline.serve.app",
     "doctor": "redline.doctor",
@@ -73,6 +77,7 @@ _LAZY = {
     "load_task": "redline.task",
     "report": "redline.render.html",
     "run_load": "redline.serve.loadtest",
+    "tune": "redline.bench.tune",
 }
 
 
@@ -113,6 +118,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainingError",
+    "TunedPlan",
     "__version__",
     "benchmark",
     "build_app",
@@ -123,4 +129,5 @@ __all__ = [
     "load_task",
     "report",
     "run_load",
+    "tune",
 ]

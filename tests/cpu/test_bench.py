@@ -388,7 +388,8 @@ def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
     [
         (["--compile", "maybe"], "hint: e.g. --compile off,on"),
         (["--batch-size", "0"], "hint: e.g. --batch-size 32,64"),
-        (["--precision", "bf16"], "hint: e.g. --precision fp32,bf16-mixed"),
+        (["--precision", "fp32,bf16"], "hint: did you mean bf16-mixed?"),
+        (["--precision", "fp8"], "hint: e.g. --precision fp32,bf16-mixed"),
         (["--precision", "fp32,auto"], "hint: auto's choice is the auto row's, benched unless --no-auto; list fixed"),
         (["--devices", "cuda:7"], "hint:"),
     ],

@@ -207,7 +207,8 @@ def test_auto_keeps_fp32_when_bf16_wins_on_full_batches_but_loses_on_single_requ
     assert precision.value == "fp32" and "lose no more than 5% at 1" in precision.reason
     assert "largest bucket (4) and the smallest (1)" in precision.reason
     bf16 = precision.reason.split("bf16-mixed ")[1]
-    assert float(bf16.split("x")[0]) > 1.5 and float(bf16.split("(")[1].split("x")[0]) < 0.5  # "N.NNx (0.NNx at 1)"
+    # "N.NNx (0.NNx at 1)": each side of 1 by the sleep's margin, which a loaded machine's own delays may eat into
+    assert float(bf16.split("x")[0]) > 1.2 and float(bf16.split("(")[1].split("x")[0]) < 0.8
     both = Spy(fp32_sleep_s=SLEEP_S)  # faster at every size: kept, its ratio on the smallest bucket said
     kept = InferenceEngine(both, input_shape=(3,), device="cpu", max_batch_size=2).plan["precision"]  # not cached
     assert kept.value == "bf16-mixed" and " at 1) on the largest bucket (2) and the smallest (1)" in kept.reason

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, invalid, nearest
 from redline.hardware.device import DeviceFacts
 from redline.plan.precision import PRECISIONS, fast_precisions
 
@@ -66,7 +66,8 @@ def expand(
         raise ConfigError("no device to bench\nhint: pass --devices cpu (or cuda, mps)")
     for name in precisions or ():
         if name not in PRECISIONS:
-            hint = "e.g. --precision fp32,bf16-mixed"
+            near = nearest(name, PRECISIONS)
+            hint = f"did you mean {near}?" if near else "e.g. --precision fp32,bf16-mixed"
             if name == "auto":
                 hint = f"auto's choice is the auto row's, benched unless --no-auto; list fixed ones, {hint}"
             raise ConfigError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}\nhint: {hint}")
