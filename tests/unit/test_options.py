@@ -238,6 +238,11 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["memory", "--task", "example:digits", "--precision", "fp8"], "--precision='fp8'", ""),
         (["memory", "--task", "example:digits", "--precision", "fp8", "--measure"], "--precision='fp8'", "--precision"),
         (["memory", "--task", "example:digits", "--mem-gib", "inf"], "--mem-gib=inf", "--mem-gib 24"),
+        (
+            ["memory", "--task", "example:digits", "--gpu", "t4", "--precision", "bf16-mixed"],
+            "--precision='bf16-mixed'",
+            "use --precision 'fp16-mixed'",
+        ),
         ([*TRAIN_DIGITS, "--precision", "bf16"], "--precision='bf16'", "did you mean --precision 'bf16-mixed'?"),
         ([*TRAIN_DIGITS, "--strategy", "ddpp"], "--strategy='ddpp'", "did you mean --strategy 'ddp'?"),
         ([*TRAIN_DIGITS, "--compile", "maybe"], "--compile='maybe'", "e.g. --compile 'auto'"),

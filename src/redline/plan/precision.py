@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, cast, get_args
 
-from redline.errors import ConfigError, one_of
+from redline.errors import invalid, one_of
 from redline.hardware.device import FAKE_CPU_ENV, CpuIsa, DeviceFacts
 from redline.plan import Choice
 
@@ -28,11 +28,8 @@ def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionNam
         return _auto(facts)
     if requested == "bf16-mixed" and facts.type == "cuda" and not facts.bf16:
         cc = ".".join(map(str, facts.capability or (0, 0)))
-        raise ConfigError(
-            f"precision='bf16-mixed' was requested but {facts.name} (compute capability {cc}) has no "
-            "native bf16; allowed on this device: 'fp32', 'fp16-mixed'\n"
-            "hint: use precision='fp16-mixed' (loss scaling is handled) or 'auto'"
-        )
+        allowed = f"'fp32', 'fp16-mixed' or 'auto' on {facts.name}, which has no native bf16 (compute capability {cc})"
+        raise invalid("precision", requested, allowed, "use precision='fp16-mixed' (loss scaling is handled) or 'auto'")
     if requested == "fp16-mixed" and facts.type == "cpu":
         return Choice(
             "fp16-mixed",
