@@ -18,13 +18,37 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
     """Return ``optimizer`` as an instance: built from a factory ``params -> Optimizer`` if need be."""
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_params(optimizer, model)
+        check_no_closure(optimizer)
         return optimizer
     if not callable(optimizer):
         raise invalid("optimizer", type(optimizer).__name__, "an Optimizer or a factory params -> Optimizer")
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")
+    check_no_closure(built)
     return built
+
+
+def check_no_closure(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (torch.optim.LBFGS): redline steps once per batch.
+
+    Such an optimizer evaluates the loss and gradients itself, several times a step, through the
+    closure; the Runtime's ``step(optimizer)`` and the Trainer run forward and backward once per
+    batch and then step, and torch's grad scaler (fp16) takes no closure at all.
+    """
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a signature to read: let it run
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    name = type(optimizer).__name__
+    raise ConfigError(
+        f"{name}.step() needs a closure that re-evaluates the loss (it calls it several times a step), and redline "
+        "steps an optimizer once per batch, after one forward and backward\n"
+        f"hint: use an optimizer that steps without a closure (torch.optim.AdamW, SGD, ...); to train with {name}, "
+        "write the loop yourself and call optimizer.step(closure) there, without Runtime.step or the Trainer"
+    )
 
 
 def check_trainable(model: nn.Module) -> None:

@@ -31,6 +31,7 @@ from redline.atomic import write_atomic
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
+from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.transfer import move_to
@@ -218,7 +219,7 @@ def _trainer(
     """One training step of a fresh copy of ``model`` in precision ``name``, as a function returning its loss."""
     copied = copy.deepcopy(model).to(device)
     copied.train()
-    opt = optimizer(copied.parameters())
+    opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
     precision = Precision(name, device)
 
     def step() -> float:  # in the Runtime's order (a CPU re-faults memory freed too early)
