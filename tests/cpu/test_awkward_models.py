@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
 from redline import Runtime
 from redline.errors import ConfigError
+from redline.runtime.trial import run_trial
 from redline.train.trainer import Trainer
 
 GEN = torch.Generator().manual_seed(0)
@@ -46,3 +50,50 @@ def test_an_optimizer_that_needs_a_closure_is_refused_before_the_trial_or_the_fi
     for trial in ("on", "off"):
         with pytest.raises(ConfigError, match=LBFGS), Trainer(task, max_steps=2, trial=trial, progress=False) as t:
             t.fit()
+
+
+class Pruned(nn.Module):
+    """A layer pruned by torch.nn.utils.prune: a forward pre-hook derives its weight (weight_orig * weight_mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        torch.nn.utils.prune.l1_unstructured(self.fc, "weight", amount=0.5)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Locked(nn.Linear):
+    """A model holding what no copy can take (a lock)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+        self.lock = threading.Lock()
+
+
+def test_a_pruned_model_is_measured_on_copies_and_left_as_it_was():
+    model = Pruned()
+    model(X[:2])  # a forward leaves the derived weight on the module, as a tensor deepcopy refuses
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    results = run_trial(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), nn.functional.mse_loss, (X[:8], Y[:8]), torch.device("cpu"),
+        ["bf16-mixed"],
+    )  # fmt: skip
+    assert [m.precision for m in results] == ["fp32", "bf16-mixed"] and results[0].step_times
+    assert not results[0].rejected
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_pruned_model_trains_after_its_trial(trial_runs):
+    with Trainer(regression(model=Pruned), max_steps=3, trial="on", progress=False) as trainer:
+        summary = trainer.fit()
+    assert summary.plan.precision.reason.startswith("measured:") and summary.steps == 3
+
+
+def test_a_model_that_cannot_be_copied_skips_the_trial_and_says_why_in_the_plan(trial_runs):
+    with Trainer(regression(model=Locked), max_steps=3, trial="on", progress=False) as trainer:
+        summary = trainer.fit()
+    reason = summary.plan.precision.reason
+    assert "the trial could not time fp32 (the model cannot be copied for a trial: TypeError:" in reason
+    assert summary.plan.precision.value == "fp32" and summary.steps == 3

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from redline.atomic import write_atomic
+from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
@@ -178,7 +179,12 @@ def run_trial(
     try:
         steps, failed = {}, {}
         for name in names:
-            step = _trainer(model, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
+            try:
+                copied = copy_model(model)
+            except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
+                failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
+                continue
+            step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
             try:
                 torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
                 first = step()
@@ -207,7 +213,7 @@ def _with_verdict(reference: Measured, candidate: Measured) -> Measured:
 
 
 def _trainer(
-    model: nn.Module,
+    copied: nn.Module,
     optimizer: Callable[[Any], torch.optim.Optimizer],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     inputs: Any,
@@ -216,9 +222,8 @@ def _trainer(
     name: PrecisionName,
     zero_after_step: bool,
 ) -> Callable[[], float]:
-    """One training step of a fresh copy of ``model`` in precision ``name``, as a function returning its loss."""
-    copied = copy.deepcopy(model).to(device)
-    copied.train()
+    """One training step of ``copied`` (a copy of the run's model) in precision ``name``, returning its loss."""
+    copied.to(device).train()
     opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
     precision = Precision(name, device)
 
@@ -234,6 +239,21 @@ def _trainer(
         return float(loss.detach())
 
     return step
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """Return a deep copy of ``model``, one that torch.nn.utils.prune or weight_norm left a derived weight on too.
+
+    Those keep the weight they compute from their parameters (``weight_orig * weight_mask``) as a plain
+    attribute between forwards, a non-leaf tensor that ``copy.deepcopy`` refuses; the copy holds it
+    detached, and its own forward pre-hook computes it again from the copied parameters.
+    """
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
 
 
 # -- which candidates, when, and the cache ---------------------------------------------------------
