@@ -57,6 +57,20 @@ def test_a_mistake_is_a_redline_error_with_the_fix(kind):
     assert "\nhint: " in str(caught.value)
 
 
+STEP_MISTAKES = ["key_error", "attribute_error", "type_error", "loss_per_sample", "loss_number", "loss_detached"]
+
+
+@pytest.mark.parametrize("kind", STEP_MISTAKES)
+def test_a_mistake_met_first_by_the_precision_trial_is_said_as_the_run_says_it(kind, monkeypatch, tmp_path):
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # auto measures bf16 against fp32 before the first step
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    error, message = MISTAKES[kind]
+    message = message.replace("step 1: ", r"step 1 \(in the precision trial, on a copy of the model\): ")
+    with pytest.raises(error, match=f"(?s){message}") as caught, Trainer(mistake(kind), max_steps=2, trial="on") as t:
+        t.fit()
+    assert "\nhint: " in str(caught.value)
+
+
 def test_a_bug_in_the_users_code_keeps_its_traceback_for_the_python_api():
     with pytest.raises(TrainingError) as caught, Trainer(mistake("key_error"), max_steps=2) as trainer:
         trainer.fit()

@@ -12,6 +12,7 @@ The timing and the choice are pure functions of the measured numbers (a fake clo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -28,10 +29,11 @@ import torch
 from torch import nn
 
 from redline.atomic import write_atomic
-from redline.errors import describe_error
+from redline.errors import RedlineError, describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
+from redline.runtime.contract import check_loss, user_code
 from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
@@ -185,9 +187,15 @@ def run_trial(
                 failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
                 continue
             step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
+            # fp32's first step is the run's first step on a copy: a bug in the model or loss is said as the run
+            # would say it, with the user's line; a candidate that fails where fp32 ran is the precision's fault
+            blame = user_code("step 1 (in the precision trial, on a copy of the model)", inputs, targets)
             try:
                 torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
-                first = step()
+                with blame if name == "fp32" else contextlib.nullcontext():
+                    first = step()
+            except RedlineError:
+                raise
             except RuntimeError as exc:
                 failed[name] = f"it failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                 continue
@@ -231,7 +239,7 @@ def _trainer(
         if not zero_after_step:
             opt.zero_grad(set_to_none=True)
         with precision.autocast():
-            loss = loss_fn(copied(inputs), targets)
+            loss = check_loss(loss_fn(copied(inputs), targets), training=True)
         precision.backward(loss)
         precision.step(opt, None)
         if zero_after_step:
