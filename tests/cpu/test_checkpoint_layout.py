@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import shutil
 
 import pytest
 import torch
@@ -279,3 +280,22 @@ def test_an_older_checkpoint_moved_aside_comes_back_where_its_replacement_was_un
     assert found is not None and found.path == step_dir(tmp_path, 2)
     clean_staging(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_copy_the_user_made_beside_the_checkpoints_is_never_pruned_counted_or_resumed_from(tmp_path):
+    """A copy of step 2 kept as step-00000002-best was pruned with the run's old checkpoints."""
+
+    def trainer(**changes) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=tmp_path, progress=False,
+                       checkpoint_every=2, keep_checkpoints=1, **changes)  # fmt: skip
+
+    trainer(max_steps=2).fit()
+    root = tmp_path / "checkpoints"
+    best = root / "step-00000002-best"
+    shutil.copytree(step_dir(root, 2), best)
+    (root / "step-notes").mkdir()
+    (root / "step-notes" / "todo.txt").write_text("compare with the baseline")
+    trainer(max_steps=6, resume="auto").fit()
+    assert sorted(path.name for path in root.iterdir()) == ["step-00000002-best", "step-00000006", "step-notes"]
+    assert open_checkpoint(best, root).step == 2  # still a whole checkpoint, for --resume PATH
+    assert (root / "step-notes" / "todo.txt").read_text() == "compare with the baseline"

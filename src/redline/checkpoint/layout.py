@@ -146,10 +146,24 @@ def _step_of(path: Path, manifest: Mapping[str, Any]) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
+def run_dirs(root: Path) -> list[Path]:
+    """The directories under ``root`` named as a run names its checkpoints (``step-NNNNNNNN``), readable or not.
+
+    Any other name is the user's (a copy kept as ``step-00001000-best``, say): never resumed from
+    by "auto", never counted, never pruned.
+    """
+    paths = root.glob(f"{PREFIX}*") if root.is_dir() else ()
+    return [path for path in paths if _is_step(path.name.removeprefix(PREFIX)) and path.is_dir()]
+
+
+def _is_step(digits: str) -> bool:
+    return digits.isascii() and digits.isdigit()
+
+
 def find_checkpoints(root: Path) -> list[Checkpoint]:
-    """Return the committed checkpoints under ``root`` (those with a readable manifest), oldest step first."""
+    """Return the run's committed checkpoints under ``root`` (those with a readable manifest), oldest step first."""
     found = []
-    for path in root.glob(f"{PREFIX}*") if root.is_dir() else ():
+    for path in run_dirs(root):
         try:
             found.append(read_checkpoint(path))
         except CheckpointError:
@@ -311,8 +325,7 @@ def _step_dirs(root: Path, *, repaired: bool = False) -> list[Path]:
     after putting back one a crash left moved aside (``recover``)."""
     if repaired:
         recover(root)
-    paths = [path for path in root.glob(f"{PREFIX}*") if path.is_dir()] if root.is_dir() else []
-    return sorted(paths, key=lambda path: (_step_of(path, {}), path))
+    return sorted(run_dirs(root), key=lambda path: (_step_of(path, {}), path))
 
 
 def open_verified(path: Path) -> Checkpoint:
