@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.checkpoint import CheckpointError, clean_staging, find_checkpoints, open_checkpoint, step_dir
+from redline.checkpoint import CheckpointError, clean_staging, find_checkpoints, open_checkpoint, prune, step_dir
 from redline.errors import ConfigError
 from redline.train.trainer import Trainer
 
@@ -299,3 +299,29 @@ def test_a_copy_the_user_made_beside_the_checkpoints_is_never_pruned_counted_or_
     assert sorted(path.name for path in root.iterdir()) == ["step-00000002-best", "step-00000006", "step-notes"]
     assert open_checkpoint(best, root).step == 2  # still a whole checkpoint, for --resume PATH
     assert (root / "step-notes" / "todo.txt").read_text() == "compare with the baseline"
+
+
+def test_pruning_keeps_an_older_checkpoint_in_place_of_one_damaged_since_it_was_written(tmp_path, caplog):
+    """Step 2 cut short after its commit still counted among the two kept: step 1 was pruned, and with step 3
+    damaged too no checkpoint was left to resume from."""
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2, 3):
+            rt.save(step_dir(tmp_path, step), step=step)
+            if step == 2:  # damaged on disk after its commit: a file cut short
+                weights = step_dir(tmp_path, 2) / "model.safetensors"
+                weights.write_bytes(weights.read_bytes()[:-8])
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        prune(tmp_path, 2)
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1, 2, 3]  # 1 kept in the damaged 2's place
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{step_dir(tmp_path, 2)}: model.safetensors is truncated (")
+    assert "not counted among the 2 checkpoints kept" in warning
+    optimizer = step_dir(tmp_path, 3) / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes() + b"x")  # the newest damaged as well
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.step == 1  # the last good one
+    assert [step_dir(tmp_path, step) for step in (3, 2)] == [c.path for c in found.skipped]
+    assert "optimizer.pt has grown since it was written (" in caplog.text
