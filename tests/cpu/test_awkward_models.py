@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -97,3 +98,39 @@ def test_a_model_that_cannot_be_copied_skips_the_trial_and_says_why_in_the_plan(
     reason = summary.plan.precision.reason
     assert "the trial could not time fp32 (the model cannot be copied for a trial: TypeError:" in reason
     assert summary.plan.precision.value == "fp32" and summary.steps == 3
+
+
+class Heads(NamedTuple):
+    value: torch.Tensor
+    label: torch.Tensor
+
+
+class TwoHeads(nn.Module):
+    """A model that returns several outputs: a dict (``as_dict``) or a namedtuple of a regression and its class."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.fc, self.as_dict = nn.Linear(4, 1), as_dict
+
+    def forward(self, x):
+        value = self.fc(x)
+        label = (value > 0).long().squeeze(1)
+        return {"value": value, "label": label} if self.as_dict else Heads(value, label)
+
+
+@pytest.mark.parametrize("as_dict", [True, False])
+def test_a_model_with_several_outputs_trains_evaluates_and_predicts_them_all(as_dict):
+    def loss_fn(outputs, targets):
+        return nn.functional.mse_loss(outputs["value"] if as_dict else outputs.value, targets)
+
+    task = regression(model=lambda: TwoHeads(as_dict), loss_fn=loss_fn, val_data=TensorDataset(X, Y))
+    with Trainer(task, max_steps=3, progress=False) as trainer:
+        summary = trainer.fit()
+        predicted = trainer.predict(TensorDataset(X[:13]), batch_size=5)  # three batches, the last partial
+        model = trainer.rt.module
+    assert summary.steps == 3 and summary.val_loss is not None
+    value, label = (predicted["value"], predicted["label"]) if as_dict else predicted
+    assert isinstance(predicted, dict if as_dict else Heads)
+    with torch.no_grad():
+        assert torch.allclose(value, model.fc(X[:13])) and value.dtype == torch.float32
+    assert label.shape == (13,) and label.dtype == torch.int64  # class ids keep their dtype

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from redline.errors import invalid
+from redline.errors import TaskError, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
-from redline.runtime.contract import check_loss, count_samples, metric_value, split_batch, user_code
+from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.train.data import eval_loader
@@ -52,17 +52,48 @@ def evaluate_model(
 
 
 @torch.no_grad()
-def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> torch.Tensor:
-    """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
+def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> Any:
+    """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU.
+
+    A model that returns a tensor gives one tensor; one that returns a tuple, list or dict of them
+    (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
+    Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
+    """
     outputs = []
     with _eval_mode(model):
         for batch in eval_loader(data, batch_size=batch_size):
             inputs = batch[0] if isinstance(batch, list | tuple) else batch
             with rt.autocast(), rt.eager():
-                outputs.append(model(rt.to_device(inputs)).float().cpu())
+                outputs.append(_on_cpu(model(rt.to_device(inputs))))
     if not outputs:
         raise invalid("len(data)", 0, "at least one item to predict", "check how the data is built: it is empty")
-    return torch.cat(outputs)
+    return _joined(outputs)
+
+
+def _on_cpu(output: Any) -> Any:
+    """The model's output with each tensor on the CPU (floating point as float32), nested as it came."""
+    if isinstance(output, torch.Tensor):
+        return (output.float() if output.is_floating_point() else output).cpu()
+    if isinstance(output, Mapping):
+        return {key: _on_cpu(value) for key, value in output.items()}
+    if isinstance(output, tuple | list):
+        parts = [_on_cpu(value) for value in output]
+        return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # a namedtuple's fields
+    raise TaskError(
+        f"the model returned {describe(output)}; predict collects tensors, alone or in tuples, lists and dicts\n"
+        "hint: return the outputs as tensors from forward (a Python number or text cannot be joined over batches)"
+    )
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The outputs of every batch joined along the batch axis, each tensor of the structure on its own."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return {key: _joined([part[key] for part in parts]) for key in first}
+    joined = [_joined(list(column)) for column in zip(*parts, strict=True)]
+    return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
 
 
 @contextlib.contextmanager

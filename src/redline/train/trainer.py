@@ -483,8 +483,9 @@ class Trainer:
         rt, model = self._ready()
         return evaluate_model(self.task, model, rt, self.batch_size, self.env)
 
-    def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
-        """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
+    def predict(self, data: Any, batch_size: int | None = None) -> Any:
+        """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
+        tensor, or the tuple, list or dict of tensors the model returns."""
         rt, model = self._ready()
         return predict_outputs(model, rt, data, batch_size or self.batch_size)
 
