@@ -93,6 +93,17 @@ class DictModel(nn.Module):
         return self.fc(inputs["x"])
 
 
+class TwoOutputs(nn.Module):
+    """Returns its prediction and its features, as many models do: a tuple (``as_dict``: a dict)."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        self.fc, self.as_dict = nn.Linear(4, 1), as_dict
+
+    def forward(self, x):
+        return {"pred": self.fc(x), "features": x} if self.as_dict else (self.fc(x), x)
+
+
 def dict_loss(outputs, targets):
     return ((outputs - targets["y"]) ** 2 * targets["weight"]).mean()
 
@@ -115,6 +126,8 @@ def _fields(kind: str) -> dict:
         "key_error": {"model": WrongKey, "train_data": Items("dict_inputs")},
         "attribute_error": {"model": MissingLayer},
         "type_error": {"model": NeedsMask},
+        "tuple_outputs": {"model": TwoOutputs},
+        "dict_outputs": {"model": lambda: TwoOutputs(as_dict=True), "val_data": TensorDataset(X, Y)},
         "short": {"train_data": TensorDataset(X[:1], Y[:1]), "batch_size": 2},
         "stream": {"train_data": Stream()},
         "dict_targets": {"model": DictModel, "loss_fn": dict_loss, "train_data": Items("dict_targets")},

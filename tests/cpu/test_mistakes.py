@@ -46,6 +46,16 @@ MISTAKES = {
     ),
     "attribute_error": (TrainingError, r"raised AttributeError: .*'head'.*mistake_tasks\.py:\d+ in forward"),
     "type_error": (TrainingError, r"raised TypeError: .*mask.*\n  batch: inputs Tensor\(8, 4\) float32"),
+    "tuple_outputs": (
+        TrainingError,
+        r"step 1: loss_fn\(outputs, targets\) raised AttributeError: 'tuple' .*\n  batch: .*\n  outputs: "
+        r"\(Tensor\(8, 1\) float32, Tensor\(8, 4\) float32\)\nhint: the model returned a tuple.* \(outputs\[0\], say\)",
+    ),
+    "dict_outputs": (
+        TrainingError,
+        r"step 1: loss_fn\(outputs, targets\) raised AttributeError: 'dict' .*\n  outputs: \{'pred': Tensor\(8, 1\) "
+        r"float32, 'features': .*\nhint: the model returned a dict, .* \(outputs\['pred'\], say\)",
+    ),
 }
 
 

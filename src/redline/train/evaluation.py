@@ -36,8 +36,8 @@ def evaluate_model(
     with _eval_mode(model):
         for batch in eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size):
             inputs, targets = split_batch(rt.to_device(batch), "val_data")
-            with user_code(where, inputs, targets), rt.eager(), rt.autocast():  # eager: no graph per eval shape
-                outputs = model(inputs)
+            with user_code(where, inputs, targets) as forward, rt.eager(), rt.autocast():  # eager: one graph
+                outputs = forward.outputs = model(inputs)
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)
             with user_code(where, outputs, targets, metric=True):
                 metric = metric_value(task.metric(outputs, targets)) if task.metric is not None else 0.0

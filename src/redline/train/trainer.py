@@ -240,8 +240,9 @@ class Trainer:
     ) -> torch.Tensor:
         def loss_of(batch: tuple[Any, Any]) -> torch.Tensor:  # of the batch, or of a micro-batch (--micro-batch)
             # a failed collective and an out-of-memory pass through (FSDP gathers weights in the forward)
-            with user_code(f"step {pos.step + 1}", *batch):
-                return check_loss(self.task.loss_fn(model(batch[0]), batch[1]), training=True)
+            with user_code(f"step {pos.step + 1}", *batch) as forward:
+                forward.outputs = model(batch[0])
+                return check_loss(self.task.loss_fn(forward.outputs, batch[1]), training=True)
 
         return rt.train_step(loss_of, (inputs, targets))
 
