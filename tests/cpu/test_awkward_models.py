@@ -134,3 +134,63 @@ def test_a_model_with_several_outputs_trains_evaluates_and_predicts_them_all(as_
     with torch.no_grad():
         assert torch.allclose(value, model.fc(X[:13])) and value.dtype == torch.float32
     assert label.shape == (13,) and label.dtype == torch.int64  # class ids keep their dtype
+
+
+def plateau_task(**changes) -> redline.Task:
+    """Steps too small to move the validation loss: every evaluation after the first is a plateau."""
+    fields = {
+        "optimizer": lambda params: torch.optim.SGD(params, lr=1e-9),
+        "scheduler": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, eps=0),
+        "val_data": TensorDataset(X, Y),
+    }
+    return regression(**{**fields, **changes})
+
+
+def test_reduce_lr_on_plateau_steps_on_the_validation_loss_after_each_evaluation_and_resumes(tmp_path):
+    with Trainer(plateau_task(), max_steps=6, eval_every=2, progress=False) as trainer:
+        trainer.fit()  # evaluations at steps 2, 4 and 6: the first sets the best, the two after it halve the lr
+        assert trainer.rt.optimizer.param_groups[0]["lr"] == pytest.approx(1e-9 / 4)
+    out = {"out_dir": tmp_path, "checkpoint_every": 2, "eval_every": 2, "progress": False}
+    with Trainer(plateau_task(), max_steps=4, **out) as trainer:
+        trainer.fit()
+    with Trainer(plateau_task(), max_steps=6, resume="auto", **out) as trainer:
+        trainer.fit()  # the scheduler's state came back with the checkpoint: one more halving, not a fresh start
+        assert trainer.rt.optimizer.param_groups[0]["lr"] == pytest.approx(1e-9 / 4)
+
+
+def test_reduce_lr_on_plateau_in_max_mode_steps_on_the_tasks_metric():
+    max_mode = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0, eps=0)  # noqa: E731
+    with Trainer(plateau_task(scheduler=max_mode, metric=lambda o, t: 0.5), max_steps=4, eval_every=2,
+                 progress=False) as trainer:  # fmt: skip
+        trainer.fit()
+        assert trainer.rt.optimizer.param_groups[0]["lr"] == pytest.approx(1e-9 / 2)
+    with pytest.raises(ConfigError, match=r"(?s)mode='max'\) steps on a metric.*the task has no metric"):
+        Trainer(plateau_task(scheduler=max_mode), max_steps=2, progress=False).fit()
+
+
+class NeedsLoss:
+    """A scheduler of the user's own, stepped on the training loss."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, loss: float) -> None: ...
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"val_data": None}, r"ReduceLROnPlateau steps on a metric, .* no val_data"),
+        ({"scheduler": lambda opt: NeedsLoss(opt)}, r"NeedsLoss\.step\(\) needs loss, which the Trainer does not know"),
+        ({"scheduler": lambda opt: None}, r"scheduler\(optimizer\)='NoneType' is not allowed; expected an LR"),
+    ],
+)
+def test_a_scheduler_the_loop_cannot_step_is_refused_before_training(changes, message):
+    with pytest.raises(ConfigError, match=f"(?s){message}.*hint: "), Trainer(plateau_task(**changes), max_steps=2,
+                                                                             progress=False) as trainer:  # fmt: skip
+        trainer.fit()

@@ -50,6 +50,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
+from redline.train.schedule import Schedule
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -183,8 +184,7 @@ class Trainer:
         run.meter.count(samples, tokens)
         if not run.rt.step(run.optimizer):
             return False
-        if run.scheduler is not None:
-            run.scheduler.step()
+        run.scheduler.after_step()
         run.pos.step += 1
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
@@ -353,7 +353,7 @@ class Trainer:
                 f"task {self.task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
             ) from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
-        scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
+        scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:
             state = rt.load(found)
@@ -365,8 +365,7 @@ class Trainer:
                 )
             pos = Position(**state["position"])
             self._stored_stop = state.get("stopped") or ""
-            if scheduler is not None and state.get("scheduler") is not None:
-                scheduler.load_state_dict(state["scheduler"])
+            scheduler.load_state_dict(state.get("scheduler"))
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
             rt.adopt_reasons(checkpoint.load_plan(found), note=f"from checkpoint step {found.step}")
@@ -397,7 +396,7 @@ class Trainer:
         extra = {
             "position": vars(pos).copy(),
             "stopped": stopped,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler": scheduler.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
         }
         root = self._checkpoint_root()
@@ -463,6 +462,7 @@ class Trainer:
         with run.meter.excluded("eval"):
             run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env, where=where)
         self._evaluated_at = run.pos.step
+        run.scheduler.after_evaluation(run.metrics)  # a ReduceLROnPlateau steps on it
         run.loggers.log_eval(run.pos.step, run.metrics)
         for callback in self.callbacks:
             callback.on_evaluate(self, run.pos.step, run.metrics)
