@@ -194,3 +194,12 @@ def test_a_scheduler_the_loop_cannot_step_is_refused_before_training(changes, me
     with pytest.raises(ConfigError, match=f"(?s){message}.*hint: "), Trainer(plateau_task(**changes), max_steps=2,
                                                                              progress=False) as trainer:  # fmt: skip
         trainer.fit()
+
+
+def test_an_optimizer_factory_that_ignores_its_params_is_refused_rather_than_training_nothing():
+    """`lambda params: AdamW(net.parameters())` with a net of its own: the run's model never moved, silently."""
+    elsewhere = nn.Linear(4, 1)
+    task = regression(optimizer=lambda params: torch.optim.AdamW(elsewhere.parameters(), lr=1e-2))
+    message = r"(?s)the optimizer factory built an optimizer over parameters that are not the model's.*hint: build it"
+    with pytest.raises(ConfigError, match=message), Trainer(task, max_steps=2, progress=False) as trainer:
+        trainer.fit()

@@ -25,6 +25,7 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")
+    _check_params(built, model, factory=True)
     check_no_closure(built)
     return built
 
@@ -68,16 +69,23 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
-def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module, *, factory: bool = False) -> None:
     own = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if id(param) not in own:
+            if id(param) in own:
+                continue
+            if factory:  # `lambda params: AdamW(net.parameters())`: it would step another model, and this one never
                 raise ConfigError(
-                    "the optimizer holds a parameter that is not in the model passed with it\n"
-                    "hint: build the optimizer from this model's parameters, or pass a factory "
-                    "`lambda params: torch.optim.AdamW(params, lr=...)`"
+                    "the optimizer factory built an optimizer over parameters that are not the model's: it did not use "
+                    "the params it was given, and the model it steps is another one\nhint: build it from its argument, "
+                    "e.g. `lambda params: torch.optim.AdamW(params, lr=1e-3)`"
                 )
+            raise ConfigError(
+                "the optimizer holds a parameter that is not in the model passed with it\n"
+                "hint: build the optimizer from this model's parameters, or pass a factory "
+                "`lambda params: torch.optim.AdamW(params, lr=...)`"
+            )
 
 
 def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "") -> None:
