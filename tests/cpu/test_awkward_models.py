@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import NamedTuple
 
@@ -14,6 +15,9 @@ from torch.utils.data import TensorDataset
 import redline
 from redline import Runtime
 from redline.errors import ConfigError
+from redline.parallel.env import DistEnv
+from redline.runtime.measure import measure_auto
+from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import run_trial
 from redline.train.trainer import Trainer
 
@@ -96,7 +100,7 @@ def test_a_model_that_cannot_be_copied_skips_the_trial_and_says_why_in_the_plan(
     with Trainer(regression(model=Locked), max_steps=3, trial="on", progress=False) as trainer:
         summary = trainer.fit()
     reason = summary.plan.precision.reason
-    assert "the trial could not time fp32 (the model cannot be copied for a trial: TypeError:" in reason
+    assert "the trial could not measure fp32 (the model cannot be copied for a trial: TypeError:" in reason
     assert summary.plan.precision.value == "fp32" and summary.steps == 3
 
 
@@ -203,3 +207,15 @@ def test_an_optimizer_factory_that_ignores_its_params_is_refused_rather_than_tra
     message = r"(?s)the optimizer factory built an optimizer over parameters that are not the model's.*hint: build it"
     with pytest.raises(ConfigError, match=message), Trainer(task, max_steps=2, progress=False) as trainer:
         trainer.fit()
+
+
+def test_a_trial_whose_fp32_loss_diverges_decides_nothing_and_caches_nothing(trial_runs):
+    """fp32 NaN (a learning rate too high) made every candidate 'non-finite'; that verdict was cached under the
+    model's fingerprint, so the same model with the rate fixed never ran bf16 again, for a reason no longer true."""
+    options, env = RuntimeOptions(devices="cpu"), DistEnv()
+    diverging = regression(loss_fn=lambda outputs, targets: nn.functional.mse_loss(outputs, targets) * math.nan)
+    found = measure_auto(diverging, options, 8, 1000, env, trial="on")["precision"]
+    assert found.value == "fp32" and "the trial could not measure fp32 (its own loss was nan" in found.reason
+    fixed = measure_auto(regression(), options, 8, 1000, env, trial="on")["precision"]
+    assert fixed.reason.startswith("measured:") and "cached" not in fixed.reason
+    assert "non-finite" not in fixed.reason

@@ -10,6 +10,7 @@ measures and every rank runs its choice.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ def _measure_or_recall(
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     key = trial_key(task.fingerprint(), facts, local_batch, candidates)
     cached = load_cached(key)
-    if cached is not None:
+    if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
         measured, when = cached
         choice = choose(measured, where)
         return Choice(choice.value, f"{choice.reason}; cached from {when}")
@@ -101,13 +102,29 @@ def _measure_or_recall(
         measured = run_trial(
             model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
         )
-    if measured[0].rejected or not measured[0].step_times:
-        reason = measured[0].rejected or "no step was timed"
+    reason = unusable(measured)
+    if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)
-        return Choice(rule.value, f"{rule.reason}; the trial could not time fp32 ({reason})")
+        return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})")
     store(key, measured)
     _log(measured)
     return choose(measured, where)
+
+
+def unusable(measured: list[Measured]) -> str:
+    """Why a trial's numbers cannot decide ("" when they can): fp32, the reference, failed or diverged.
+
+    A candidate is judged against fp32's losses; where fp32's own loss is not finite (a learning rate
+    too high, a loss that divides by zero) every candidate would be rejected for the run's fault, and
+    that verdict, cached, would outlive the fix (the cache is keyed by the model, not the loss).
+    """
+    reference = measured[0]
+    if reference.rejected or not reference.step_times:
+        return reference.rejected or "no step was timed"
+    diverged = next((loss for loss in reference.losses if not math.isfinite(loss)), None)
+    if diverged is not None:
+        return f"its own loss was {diverged}: nothing to compare a candidate with"
+    return ""
 
 
 def _log(measured: list[Measured]) -> None:
