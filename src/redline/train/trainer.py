@@ -77,6 +77,7 @@ class Trainer:
     ) -> None:
         self.task = require_task(task)
         self.config = TrainerConfig.build(config, **fields)
+        self.config.check_task(self.task)
         self.options = self.config.runtime
         # --max-steps alone decides the length; the task's own epochs apply when neither is given
         self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
