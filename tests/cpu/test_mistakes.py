@@ -46,6 +46,11 @@ MISTAKES = {
     ),
     "attribute_error": (TrainingError, r"raised AttributeError: .*'head'.*mistake_tasks\.py:\d+ in forward"),
     "type_error": (TrainingError, r"raised TypeError: .*mask.*\n  batch: inputs Tensor\(8, 4\) float32"),
+    "dataset_error": (
+        TrainingError,
+        r"reading a batch of the data raised KeyError: 'item \d+ has no label'\n  at .*mistake_tasks\.py",
+    ),
+    "val_dataset_error": (TrainingError, r"reading a batch of the data raised KeyError: 'item \d+ has no label'"),
     "tuple_outputs": (
         TrainingError,
         r"step 1: loss_fn\(outputs, targets\) raised AttributeError: 'tuple' .*\n  batch: .*\n  outputs: "
@@ -67,7 +72,15 @@ def test_a_mistake_is_a_redline_error_with_the_fix(kind):
     assert "\nhint: " in str(caught.value)
 
 
-STEP_MISTAKES = ["key_error", "attribute_error", "type_error", "loss_per_sample", "loss_number", "loss_detached"]
+STEP_MISTAKES = [
+    "key_error",
+    "attribute_error",
+    "type_error",
+    "loss_per_sample",
+    "loss_number",
+    "loss_detached",
+    "dataset_error",
+]
 
 
 @pytest.mark.parametrize("kind", STEP_MISTAKES)

@@ -24,6 +24,7 @@ from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.contract import split_batch
+from redline.runtime.loading import read_batches
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
@@ -96,7 +97,7 @@ def _measure_or_recall(
         choice = choose(measured, where)
         return Choice(choice.value, f"{choice.reason}; cached from {when}")
     model = task.build_model()
-    batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
+    batch = split_batch(next(read_batches(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(

@@ -14,6 +14,7 @@ from redline.errors import TaskError, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
+from redline.runtime.loading import read_batches
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.train.data import eval_loader
@@ -34,7 +35,8 @@ def evaluate_model(
     assert task.val_data is not None
     total_loss, total_metric, count = 0.0, 0.0, 0
     with _eval_mode(model):
-        for batch in eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size):
+        val = eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size)
+        for batch in read_batches(val):  # an error in the dataset shows the user's line
             inputs, targets = split_batch(rt.to_device(batch), "val_data")
             with user_code(where, inputs, targets) as forward, rt.eager(), rt.autocast():  # eager: one graph
                 outputs = forward.outputs = model(inputs)
@@ -61,7 +63,7 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -
     """
     outputs = []
     with _eval_mode(model):
-        for batch in eval_loader(data, batch_size=batch_size):
+        for batch in read_batches(eval_loader(data, batch_size=batch_size)):
             inputs = batch[0] if isinstance(batch, list | tuple) else batch
             with rt.autocast(), rt.eager():
                 outputs.append(_on_cpu(model(rt.to_device(inputs))))
