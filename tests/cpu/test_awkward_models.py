@@ -219,3 +219,16 @@ def test_a_trial_whose_fp32_loss_diverges_decides_nothing_and_caches_nothing(tri
     fixed = measure_auto(regression(), options, 8, 1000, env, trial="on")["precision"]
     assert fixed.reason.startswith("measured:") and "cached" not in fixed.reason
     assert "non-finite" not in fixed.reason
+
+
+def test_a_lazy_model_is_refused_at_setup_with_the_fix_and_runs_once_initialized():
+    """An nn.LazyLinear crashed inside setup on the uninitialized parameter's numel(), naming no layer."""
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 1))
+    message = r"(?s)parameters 0\.weight, 0\.bias are not initialized yet.*hint: run one forward on a sample batch"
+    with Runtime(devices="cpu") as rt, pytest.raises(ConfigError, match=message):
+        rt.setup(lazy, lambda params: torch.optim.SGD(params, lr=0.1))
+    lazy(X[:2])  # the fix the hint names
+    with Runtime(devices="cpu") as rt:
+        model, optimizer = rt.setup(lazy, lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(nn.functional.mse_loss(model(X[:8]), Y[:8]))
+        assert rt.step(optimizer)

@@ -62,6 +62,14 @@ def check_trainable(model: nn.Module) -> None:
             "hint: make its layers attributes of the module (layers kept in a Python list are not registered: "
             "use nn.ModuleList), and build them in __init__, not in forward"
         )
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        shown = ", ".join(lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
+        raise ConfigError(
+            f"the model's ({name}) parameters {shown} are not initialized yet (a lazy module, nn.LazyLinear say): "
+            "their shapes are needed to place, wrap and step them before the first batch\nhint: run one forward "
+            "on a sample batch where the model is built (model(inputs)), or give the layer its input size"
+        )
     if not any(p.requires_grad for p in params):
         raise ConfigError(
             f"none of the model's ({name}) {len(params)} parameter tensors requires a gradient: there is nothing "
