@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 import redline
 from redline import Runtime
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
@@ -232,3 +232,14 @@ def test_a_lazy_model_is_refused_at_setup_with_the_fix_and_runs_once_initialized
         model, optimizer = rt.setup(lazy, lambda params: torch.optim.SGD(params, lr=0.1))
         rt.backward(nn.functional.mse_loss(model(X[:8]), Y[:8]))
         assert rt.step(optimizer)
+
+
+def test_a_schedule_shorter_than_the_run_stops_it_with_the_step_and_the_fix():
+    """OneCycleLR sized for 3 steps in a run of 5 (a resumed run made longer, say) raised torch's bare ValueError."""
+    task = regression(scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=3))
+    message = (
+        r"(?s)step 4: the LR scheduler \(OneCycleLR\) raised ValueError: Tried to step 4 times.*"
+        r"hint: a schedule sized in steps \(OneCycleLR's total_steps, say\) must cover the whole run"
+    )
+    with pytest.raises(TrainingError, match=message), Trainer(task, max_steps=5, progress=False) as trainer:
+        trainer.fit()

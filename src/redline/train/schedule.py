@@ -48,10 +48,21 @@ class Schedule:
         _check_steps_alone(scheduler)
         return cls(scheduler)
 
-    def after_step(self) -> None:
-        """Step a per-step scheduler, after the optimizer's step."""
-        if self.scheduler is not None and not self.monitor:
+    def after_step(self, step: int) -> None:
+        """Step a per-step scheduler after the optimizer's step ``step``; its failure names the step and the fix."""
+        if self.scheduler is None or self.monitor:
+            return
+        try:
             self.scheduler.step()
+        except RedlineError:
+            raise
+        except Exception as exc:  # OneCycleLR past its total_steps, say: a run made longer than the schedule
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            raise TrainingError(
+                f"step {step}: the LR scheduler ({type(self.scheduler).__name__}) raised {type(exc).__name__}: "
+                f"{first}{user_line(exc)}\nhint: a schedule sized in steps (OneCycleLR's total_steps, say) must "
+                "cover the whole run, --max-steps or every epoch's steps, including a resumed run made longer"
+            ) from exc
 
     def after_evaluation(self, metrics: Mapping[str, float | None]) -> None:
         """Step a plateau scheduler on the evaluation's metric."""

@@ -185,8 +185,8 @@ class Trainer:
         run.meter.count(samples, tokens)
         if not run.rt.step(run.optimizer):
             return False
-        run.scheduler.after_step()
         run.pos.step += 1
+        run.scheduler.after_step(run.pos.step)
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
         run.window.epochs.append(run.pos.epoch)
