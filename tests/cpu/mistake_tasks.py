@@ -97,6 +97,12 @@ class DictModel(nn.Module):
         return self.fc(inputs["x"])
 
 
+class BrokenInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, self.width)  # never set: a bug in the model's own constructor
+
+
 class TwoOutputs(nn.Module):
     """Returns its prediction and its features, as many models do: a tuple (``as_dict``: a dict)."""
 
@@ -132,6 +138,7 @@ def _fields(kind: str) -> dict:
         "type_error": {"model": NeedsMask},
         "tuple_outputs": {"model": TwoOutputs},
         "dict_outputs": {"model": lambda: TwoOutputs(as_dict=True), "val_data": TensorDataset(X, Y)},
+        "broken_init": {"model": BrokenInit},
         "dataset_error": {"train_data": Items("raises")},
         "val_dataset_error": {"val_data": Items("raises")},
         "short": {"train_data": TensorDataset(X[:1], Y[:1]), "batch_size": 2},

@@ -46,6 +46,11 @@ MISTAKES = {
     ),
     "attribute_error": (TrainingError, r"raised AttributeError: .*'head'.*mistake_tasks\.py:\d+ in forward"),
     "type_error": (TrainingError, r"raised TypeError: .*mask.*\n  batch: inputs Tensor\(8, 4\) float32"),
+    "broken_init": (
+        TrainingError,
+        r"task 'broken_init': building the model .* raised AttributeError: .*'width'\n  at .*mistake_tasks\.py:\d+ "
+        r"in __init__",
+    ),
     "dataset_error": (
         TrainingError,
         r"reading a batch of the data raised KeyError: 'item \d+ has no label'\n  at .*mistake_tasks\.py",

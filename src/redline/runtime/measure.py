@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from redline.errors import RedlineError, TrainingError, user_line
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
@@ -23,7 +24,7 @@ from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
-from redline.runtime.contract import split_batch
+from redline.runtime.contract import blames_user_code, split_batch
 from redline.runtime.loading import read_batches
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
@@ -66,6 +67,24 @@ def measure_auto(
     return {"precision": Choice(*shared)}
 
 
+def fingerprint_of(task: Task) -> str:
+    """The task's fingerprint; the model factory or the dataset failing under it (the first of the user's code a
+    run meets) is a TrainingError that shows their line, as the Trainer says it when it builds the model."""
+    try:
+        return task.fingerprint()
+    except RedlineError:
+        raise
+    except Exception as exc:
+        if not blames_user_code(exc):
+            raise
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise TrainingError(
+            f"task {task.name!r}: building the model or reading the first item of train_data (the task's "
+            f"fingerprint) raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: the line above is in your "
+            "model or dataset; a lazy module (nn.LazyLinear) needs one forward on a sample batch where it is built"
+        ) from exc
+
+
 def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, DeviceFacts]:
     """The device this process's Runtime will run on, and its facts."""
     local_rank = env.local_rank if env.distributed else None
@@ -90,7 +109,7 @@ def _measure_or_recall(
     task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any]
 ) -> Choice[str]:
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
-    key = trial_key(task.fingerprint(), facts, local_batch, candidates)
+    key = trial_key(fingerprint_of(task), facts, local_batch, candidates)
     cached = load_cached(key)
     if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
         measured, when = cached
