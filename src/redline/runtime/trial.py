@@ -12,7 +12,6 @@ The timing and the choice are pure functions of the measured numbers (a fake clo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -29,11 +28,11 @@ import torch
 from torch import nn
 
 from redline.atomic import write_atomic
-from redline.errors import RedlineError, describe_error
+from redline.errors import RedlineError, TaskError, describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
-from redline.runtime.contract import check_loss, user_code
+from redline.runtime.contract import blames_user_code, check_loss
 from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
@@ -187,17 +186,13 @@ def run_trial(
                 failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
                 continue
             step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
-            # fp32's first step is the run's first step on a copy: a bug in the model or loss is said as the run
-            # would say it, with the user's line; a candidate that fails where fp32 ran is the precision's fault
-            blame = user_code("step 1 (in the precision trial, on a copy of the model)", inputs, targets)
             try:
                 torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
-                with blame if name == "fp32" else contextlib.nullcontext():
-                    first = step()
-            except RedlineError:
-                raise
-            except RuntimeError as exc:
-                failed[name] = f"it failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                first = step()
+            except Exception as exc:
+                if not _fails_the_candidate(exc):
+                    raise
+                failed[name] = f"it failed: {_first_line(exc)}"
                 continue
             steps[name] = (step, first)
         timed = [name for name in names if name in steps]
@@ -213,6 +208,26 @@ def run_trial(
     results.update({name: Measured(name, (), (), why) for name, why in failed.items()})
     reference = results["fp32"]
     return [reference, *(_with_verdict(reference, results[name]) for name in candidates)]
+
+
+def _fails_the_candidate(exc: Exception) -> bool:
+    """Whether an exception in a trial step rejects that candidate rather than stopping the trial.
+
+    A kernel missing in a precision, an out-of-memory, and a mistake or bug in the user's model or loss
+    (a TaskError from the loss check, or an exception from their code) all do: where fp32 itself fails,
+    nothing is measured, and the run meets the same error at step 1, where it is reported with the
+    user's line. redline's own errors and bugs pass.
+    """
+    if isinstance(exc, TaskError):
+        return True
+    return not isinstance(exc, RedlineError) and blames_user_code(exc)
+
+
+def _first_line(exc: Exception) -> str:
+    text = next((line for line in str(exc).splitlines() if line.strip()), "")
+    if isinstance(exc, RuntimeError) and text:  # torch's kernel errors read best as they are
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _with_verdict(reference: Measured, candidate: Measured) -> Measured:
