@@ -29,6 +29,10 @@ class Items(Dataset):
             return X[i]
         if self.kind == "triple":
             return X[i], Y[i], i
+        if self.kind == "raises":  # a bug in the dataset's own code, met past the first item
+            if i:
+                raise KeyError(f"item {i} has no label")
+            return X[i], Y[i]
         if self.kind == "dict_inputs":
             return {"image": X[i]}, Y[i]
         return {"x": X[i]}, {"y": Y[i], "weight": torch.ones(1)}  # dict_targets
@@ -93,6 +97,23 @@ class DictModel(nn.Module):
         return self.fc(inputs["x"])
 
 
+class BrokenInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, self.width)  # never set: a bug in the model's own constructor
+
+
+class TwoOutputs(nn.Module):
+    """Returns its prediction and its features, as many models do: a tuple (``as_dict``: a dict)."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        self.fc, self.as_dict = nn.Linear(4, 1), as_dict
+
+    def forward(self, x):
+        return {"pred": self.fc(x), "features": x} if self.as_dict else (self.fc(x), x)
+
+
 def dict_loss(outputs, targets):
     return ((outputs - targets["y"]) ** 2 * targets["weight"]).mean()
 
@@ -115,6 +136,11 @@ def _fields(kind: str) -> dict:
         "key_error": {"model": WrongKey, "train_data": Items("dict_inputs")},
         "attribute_error": {"model": MissingLayer},
         "type_error": {"model": NeedsMask},
+        "tuple_outputs": {"model": TwoOutputs},
+        "dict_outputs": {"model": lambda: TwoOutputs(as_dict=True), "val_data": TensorDataset(X, Y)},
+        "broken_init": {"model": BrokenInit},
+        "dataset_error": {"train_data": Items("raises")},
+        "val_dataset_error": {"val_data": Items("raises")},
         "short": {"train_data": TensorDataset(X[:1], Y[:1]), "batch_size": 2},
         "stream": {"train_data": Stream()},
         "dict_targets": {"model": DictModel, "loss_fn": dict_loss, "train_data": Items("dict_targets")},

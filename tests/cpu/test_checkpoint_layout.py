@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import shutil
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.checkpoint import CheckpointError, clean_staging, find_checkpoints, open_checkpoint, step_dir
+from redline.checkpoint import CheckpointError, clean_staging, find_checkpoints, open_checkpoint, prune, step_dir
 from redline.errors import ConfigError
 from redline.train.trainer import Trainer
 
@@ -279,3 +280,48 @@ def test_an_older_checkpoint_moved_aside_comes_back_where_its_replacement_was_un
     assert found is not None and found.path == step_dir(tmp_path, 2)
     clean_staging(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_a_copy_the_user_made_beside_the_checkpoints_is_never_pruned_counted_or_resumed_from(tmp_path):
+    """A copy of step 2 kept as step-00000002-best was pruned with the run's old checkpoints."""
+
+    def trainer(**changes) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=tmp_path, progress=False,
+                       checkpoint_every=2, keep_checkpoints=1, **changes)  # fmt: skip
+
+    trainer(max_steps=2).fit()
+    root = tmp_path / "checkpoints"
+    best = root / "step-00000002-best"
+    shutil.copytree(step_dir(root, 2), best)
+    (root / "step-notes").mkdir()
+    (root / "step-notes" / "todo.txt").write_text("compare with the baseline")
+    trainer(max_steps=6, resume="auto").fit()
+    assert sorted(path.name for path in root.iterdir()) == ["step-00000002-best", "step-00000006", "step-notes"]
+    assert open_checkpoint(best, root).step == 2  # still a whole checkpoint, for --resume PATH
+    assert (root / "step-notes" / "todo.txt").read_text() == "compare with the baseline"
+
+
+def test_pruning_keeps_an_older_checkpoint_in_place_of_one_damaged_since_it_was_written(tmp_path, caplog):
+    """Step 2 cut short after its commit still counted among the two kept: step 1 was pruned, and with step 3
+    damaged too no checkpoint was left to resume from."""
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2, 3):
+            rt.save(step_dir(tmp_path, step), step=step)
+            if step == 2:  # damaged on disk after its commit: a file cut short
+                weights = step_dir(tmp_path, 2) / "model.safetensors"
+                weights.write_bytes(weights.read_bytes()[:-8])
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        prune(tmp_path, 2)
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1, 2, 3]  # 1 kept in the damaged 2's place
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{step_dir(tmp_path, 2)}: model.safetensors is truncated (")
+    assert "not counted among the 2 checkpoints kept" in warning
+    optimizer = step_dir(tmp_path, 3) / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes() + b"x")  # the newest damaged as well
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.step == 1  # the last good one
+    assert [step_dir(tmp_path, step) for step in (3, 2)] == [c.path for c in found.skipped]
+    assert "optimizer.pt has grown since it was written (" in caplog.text

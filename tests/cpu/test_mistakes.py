@@ -46,6 +46,26 @@ MISTAKES = {
     ),
     "attribute_error": (TrainingError, r"raised AttributeError: .*'head'.*mistake_tasks\.py:\d+ in forward"),
     "type_error": (TrainingError, r"raised TypeError: .*mask.*\n  batch: inputs Tensor\(8, 4\) float32"),
+    "broken_init": (
+        TrainingError,
+        r"task 'broken_init': building the model .* raised AttributeError: .*'width'\n  at .*mistake_tasks\.py:\d+ "
+        r"in __init__",
+    ),
+    "dataset_error": (
+        TrainingError,
+        r"reading a batch of the data raised KeyError: 'item \d+ has no label'\n  at .*mistake_tasks\.py",
+    ),
+    "val_dataset_error": (TrainingError, r"reading a batch of the data raised KeyError: 'item \d+ has no label'"),
+    "tuple_outputs": (
+        TrainingError,
+        r"step 1: loss_fn\(outputs, targets\) raised AttributeError: 'tuple' .*\n  batch: .*\n  outputs: "
+        r"\(Tensor\(8, 1\) float32, Tensor\(8, 4\) float32\)\nhint: the model returned a tuple.* \(outputs\[0\], say\)",
+    ),
+    "dict_outputs": (
+        TrainingError,
+        r"step 1: loss_fn\(outputs, targets\) raised AttributeError: 'dict' .*\n  outputs: \{'pred': Tensor\(8, 1\) "
+        r"float32, 'features': .*\nhint: the model returned a dict, .* \(outputs\['pred'\], say\)",
+    ),
 }
 
 
@@ -54,6 +74,28 @@ def test_a_mistake_is_a_redline_error_with_the_fix(kind):
     error, message = MISTAKES[kind]
     with pytest.raises(error, match=f"(?s){message}") as caught, Trainer(mistake(kind), max_steps=2) as trainer:
         trainer.fit()
+    assert "\nhint: " in str(caught.value)
+
+
+STEP_MISTAKES = [
+    "key_error",
+    "attribute_error",
+    "type_error",
+    "loss_per_sample",
+    "loss_number",
+    "loss_detached",
+    "dataset_error",
+]
+
+
+@pytest.mark.parametrize("kind", STEP_MISTAKES)
+def test_a_mistake_met_first_by_the_precision_trial_is_said_as_the_run_says_it(kind, monkeypatch, tmp_path):
+    """The trial, which runs the model before step 1, let a KeyError or AttributeError of the user's escape bare."""
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # auto measures bf16 against fp32 before the first step
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    error, message = MISTAKES[kind]  # the trial measures nothing, and step 1 says it as without a trial
+    with pytest.raises(error, match=f"(?s){message}") as caught, Trainer(mistake(kind), max_steps=2, trial="on") as t:
+        t.fit()
     assert "\nhint: " in str(caught.value)
 
 
@@ -319,6 +361,7 @@ def test_the_cli_says_the_mistake_in_one_message(kind):
         (("--logger", "wandb"), "--logger='wandb' is not allowed; expected one of 'csv', 'jsonl', 'tensorboard'"),
         (("--logger", "tensorboard"), "logger 'tensorboard' writes its files under out_dir, and out_dir is None"),
         (("--early-stopping-patience", "2"), "early stopping watches a validation metric, and task 'ok' has no"),
+        (("--eval-every", "2"), "--eval-every=2 is not allowed; expected it with a task that has val_data (task 'ok'"),
     ],
 )
 def test_the_cli_refuses_a_bad_option_before_training(flags, message):

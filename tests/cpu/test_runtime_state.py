@@ -211,3 +211,31 @@ def test_rng_captured_before_cuda_started_puts_cuda_back_to_its_first_draw(monke
     torch.manual_seed(7)  # queues 7 for CUDA's start: the restore queues the captured seed over it
     seed.restore_rng(state)
     assert seeded[-1] == 41
+
+
+def test_extra_state_that_could_not_be_loaded_back_is_refused_when_saved_and_nothing_is_written(tmp_path):
+    """A NumPy number in extra saved fine, and the checkpoint then failed to load with the unpickler's error."""
+    import numpy as np
+
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        extra = {"epoch": 3, "stats": {"history": [0.5, np.float64(0.25)]}, "ema": torch.ones(2)}
+        with pytest.raises(ConfigError, match=r"extra\['stats'\]\['history'\]\[1\]='numpy\.float64' is not allowed"):
+            rt.save(tmp_path / "step-00000001", extra=extra)
+        assert list(tmp_path.iterdir()) == []  # not even a staging directory
+        extra["stats"]["history"][1] = 0.25  # the fix the hint names: a plain float
+        rt.save(tmp_path / "step-00000001", extra=extra)
+        assert rt.load(tmp_path / "step-00000001")["stats"] == {"history": [0.5, 0.25]}
+
+
+def test_a_checkpoint_holding_what_the_safe_loader_refuses_is_a_checkpoint_error(tmp_path, monkeypatch):
+    import datetime
+
+    from redline.checkpoint import CheckpointError, whole
+
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        monkeypatch.setattr(whole, "check_loadable", lambda extra: None)  # as a redline that did not check wrote it
+        rt.save(tmp_path / "ckpt", extra={"when": datetime.datetime(2026, 1, 1)})
+        with pytest.raises(CheckpointError, match=r"(?s)extra\.pt: holds a value .*datetime.*hint: if you trust"):
+            rt.load(tmp_path / "ckpt")

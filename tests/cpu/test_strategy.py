@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import read_checkpoint, verify
+from redline.errors import ConfigError
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.strategy.single import SingleDevice
 
@@ -179,3 +180,28 @@ def test_fsdp_accumulates_unreduced_gradients_until_the_last_micro_batch():
         nn.functional.cross_entropy(whole(inputs), targets).backward()
     for a, b in zip(accumulated.parameters(), whole.parameters(), strict=True):
         assert torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), atol=1e-6)
+
+
+class WithUnusedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.head = nn.Linear(3, 3)  # built, never used by forward
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_ddp_names_the_parameters_the_loss_left_without_a_gradient_after_the_first_step():
+    """DDP's reducer failed at step 2 with "Expected to have finished reduction", naming no parameter."""
+    strategy = build_strategy("ddp")
+    model, optimizer = strategy.wrap(WithUnusedHead(), adamw, device=CPU, precision="fp32")
+    message = r"(?s)2 got none in the first step: head\.weight, head\.bias\nhint: freeze what the loss does not use"
+    with pytest.raises(ConfigError, match=message):
+        train_steps(model, optimizer, strategy)
+    frozen = WithUnusedHead()
+    frozen.head.requires_grad_(False)  # the fix the hint names
+    strategy = build_strategy("ddp")
+    model, optimizer = strategy.wrap(frozen, adamw, device=CPU, precision="fp32")
+    train_steps(model, optimizer, strategy, steps=3)

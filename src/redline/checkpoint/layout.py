@@ -146,10 +146,24 @@ def _step_of(path: Path, manifest: Mapping[str, Any]) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
+def run_dirs(root: Path) -> list[Path]:
+    """The directories under ``root`` named as a run names its checkpoints (``step-NNNNNNNN``), readable or not.
+
+    Any other name is the user's (a copy kept as ``step-00001000-best``, say): never resumed from
+    by "auto", never counted, never pruned.
+    """
+    paths = root.glob(f"{PREFIX}*") if root.is_dir() else ()
+    return [path for path in paths if _is_step(path.name.removeprefix(PREFIX)) and path.is_dir()]
+
+
+def _is_step(digits: str) -> bool:
+    return digits.isascii() and digits.isdigit()
+
+
 def find_checkpoints(root: Path) -> list[Checkpoint]:
-    """Return the committed checkpoints under ``root`` (those with a readable manifest), oldest step first."""
+    """Return the run's committed checkpoints under ``root`` (those with a readable manifest), oldest step first."""
     found = []
-    for path in root.glob(f"{PREFIX}*") if root.is_dir() else ():
+    for path in run_dirs(root):
         try:
             found.append(read_checkpoint(path))
         except CheckpointError:
@@ -163,12 +177,27 @@ def prune(root: Path, keep: int, *, corrupt: Collection[Checkpoint] = ()) -> Non
     ``corrupt`` are those a resume found corrupt (``Checkpoint.skipped``): they do not count among the
     ``keep``, so a valid checkpoint is never removed to keep one of them (a resumed run with another
     ``checkpoint_every`` writes steps below them); one older than every checkpoint kept goes with the others.
+    Nor does one damaged since it was written (a file missing, or of another size than its manifest says:
+    a check of sizes, not checksums, cheap at every checkpoint); it is named in a warning.
     Called by the one process that writes checkpoints under ``root``, after a commit: no write is in progress.
     """
     found = find_checkpoints(root)
     bad = [(c.path, c.manifest) for c in corrupt]  # a step written again since has another manifest: valid
-    kept = [c for c in found if (c.path, c.manifest) not in bad][-keep:]
-    for old in found[: found.index(kept[0])] if kept else ():
+    kept: list[Checkpoint] = []
+    for candidate in reversed(found):
+        if len(kept) == keep:
+            break
+        if (candidate.path, candidate.manifest) in bad:
+            continue
+        damage = next(filter(None, (_check_size(candidate, name) for name in sorted(candidate.manifest["files"]))), "")
+        if damage:
+            log.warning(
+                "%s: %s; it is not counted among the %d checkpoints kept, so an older one is kept in its place",
+                candidate.path, damage, keep,
+            )  # fmt: skip
+            continue
+        kept.append(candidate)
+    for old in found[: found.index(kept[-1])] if kept else ():
         shutil.rmtree(old.path, ignore_errors=True)
     clean_staging(root)
 
@@ -227,14 +256,30 @@ def _agree(path: Path, problems: list[str]) -> None:
         )
 
 
-def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
+def _check_size(checkpoint: Checkpoint, name: str) -> str | None:
+    """What is wrong with the file ``name`` of ``checkpoint`` that its size shows (missing, truncated), or None."""
     entry = checkpoint.manifest["files"][name]
     path = checkpoint.path / name
     try:
         if not path.is_file():
             return f"{name} is missing"
-        if isinstance(entry, dict) and "bytes" in entry and path.stat().st_size != entry["bytes"]:
-            return f"{name} is truncated ({path.stat().st_size} of {entry['bytes']} bytes)"
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"{name} cannot be read ({exc.strerror or exc})"
+    expected = entry.get("bytes") if isinstance(entry, dict) else None
+    if expected is None or size == expected:
+        return None
+    what = "is truncated" if size < expected else "has grown since it was written"
+    return f"{name} {what} ({size} bytes where its manifest says {expected})"
+
+
+def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
+    sized = _check_size(checkpoint, name)
+    if sized is not None:
+        return sized
+    entry = checkpoint.manifest["files"][name]
+    path = checkpoint.path / name
+    try:
         expected = entry.get("sha256") if isinstance(entry, dict) else None
         if expected is None:
             return None
@@ -311,8 +356,7 @@ def _step_dirs(root: Path, *, repaired: bool = False) -> list[Path]:
     after putting back one a crash left moved aside (``recover``)."""
     if repaired:
         recover(root)
-    paths = [path for path in root.glob(f"{PREFIX}*") if path.is_dir()] if root.is_dir() else []
-    return sorted(paths, key=lambda path: (_step_of(path, {}), path))
+    return sorted(run_dirs(root), key=lambda path: (_step_of(path, {}), path))
 
 
 def open_verified(path: Path) -> Checkpoint:

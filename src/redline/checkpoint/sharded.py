@@ -46,6 +46,7 @@ from redline.checkpoint.layout import (
     stage,
 )
 from redline.checkpoint.layout import write_json as write_document
+from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
 from redline.parallel.collectives import gather_objects, run_on_rank0
 
@@ -68,6 +69,7 @@ def save_sharded(
     ``runtime_state``, ``extra`` and ``plan`` are rank 0's, in types ``torch.load(weights_only=True)``
     reads back. Returns the committed checkpoint on every rank once it is in place.
     """
+    check_loadable(extra)  # on every rank alike, before anything is written
     tmp = run_on_rank0(lambda: stage(final), "preparing the checkpoint directory")
     # An optimizer without state yet gets some from get_state_dict: it steps once with lr=0 (DCP's
     # _init_optim_state), which for Adam counts a step and would change every later update. That
@@ -213,8 +215,7 @@ def _load(checkpoint: Checkpoint, name: str) -> dict[str, Any]:
             f"{checkpoint.path} has no {name}: it was not written by the Runtime or the Trainer\n"
             "hint: resume from a checkpoint that `redline train` or Runtime.save wrote"
         )
-    loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    return loaded
+    return load_safely(path)
 
 
 @contextlib.contextmanager

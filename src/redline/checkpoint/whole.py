@@ -30,6 +30,7 @@ from redline.checkpoint.layout import (
     write_failure,
     write_json,
 )
+from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, safetensors_shapes, shapes_of
 
 # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
@@ -48,6 +49,7 @@ def save_whole(
     step: int | None,
 ) -> Checkpoint:
     """Write a whole checkpoint to ``final`` atomically, from one process."""
+    check_loadable(extra)  # before anything is written: a checkpoint that cannot be loaded is none
     tmp = stage(final)
     writers: dict[str, Callable[[Path], None]] = {
         WEIGHTS: lambda path: save_model(module, str(path)),
@@ -105,8 +107,7 @@ def _load(checkpoint: Checkpoint, name: str, device: torch.device | str) -> dict
     path = checkpoint.path / name
     if not path.is_file():
         raise CheckpointError(f"{checkpoint.path}: {name} is missing\nhint: resume from another checkpoint")
-    loaded: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
-    return loaded
+    return load_safely(path, device)
 
 
 def save_weights_file(path: Path, module: nn.Module) -> None:

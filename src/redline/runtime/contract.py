@@ -87,18 +87,38 @@ def blames_user_code(exc: BaseException) -> bool:
     return is_oom(exc) or is_sticky_cuda_error(exc) or not raised_in_redline(exc)
 
 
+class Forward:
+    """What the model returned inside ``user_code``, kept there by the caller (``forward.outputs = model(x)``)
+    so that an error in the loss that follows can say what the loss was given."""
+
+    def __init__(self) -> None:
+        self.returned = False
+        self._outputs: Any = None
+
+    @property
+    def outputs(self) -> Any:
+        return self._outputs
+
+    @outputs.setter
+    def outputs(self, value: Any) -> None:
+        self._outputs, self.returned = value, True
+
+
 @contextlib.contextmanager
-def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) -> Iterator[None]:
+def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) -> Iterator[Forward]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
 
     ``metric`` says the code inside is ``task.metric``, and ``inputs`` are then the model's outputs.
+    The caller may keep the model's outputs on the ``Forward`` it yields: when the loss then fails on a
+    model that returned a tuple or a dict, the error says so.
 
     A redline error passes unchanged, and so do a failed collective (a peer's death, told apart
     by the caller), an out-of-memory (recovered from by micro-batches, or reported as such) and an
     exception redline's own code raised (``blames_user_code``).
     """
+    forward = Forward()
     try:
-        yield
+        yield forward
     except RedlineError:
         raise
     except Exception as exc:
@@ -110,6 +130,16 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
             culprit, given = "task.metric", f"outputs {describe(inputs)}, targets {describe(targets)}"
             hint = "task.metric(outputs, targets) is given the model's outputs and the batch's targets, as shown"
             found = "; the line above is where it failed"
+        elif forward.returned and not isinstance(forward.outputs, torch.Tensor):  # the loss failed on them
+            outputs, kind = forward.outputs, type(forward.outputs).__name__
+            part = f"outputs[{next(iter(outputs))!r}]" if isinstance(outputs, Mapping) and outputs else "outputs[0]"
+            culprit = "loss_fn(outputs, targets)"
+            given = f"inputs {describe(inputs)}, targets {describe(targets)}\n  outputs: {describe(outputs)}"
+            hint = (
+                f"the model returned a {kind}, and loss_fn is given it as it is: take the tensor the loss needs "
+                f"inside loss_fn ({part}, say), or return one tensor from forward"
+            )
+            found = "; the line above is where the loss failed"
         else:
             culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
             hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"

@@ -8,7 +8,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
+from redline.errors import RedlineError, TrainingError, user_line
 from redline.plan.loader import LoaderFacts, LoaderSettings
+from redline.runtime.contract import blames_user_code
+from redline.runtime.oom import is_oom
 from redline.runtime.transfer import move_to, tensors_in
 
 
@@ -88,8 +91,8 @@ class DeviceLoader:
         if self.device.type == "cuda":
             return self._prefetch_cuda()
         if self.device.type == "cpu" and not self.channels_last:
-            return iter(self.loader)
-        return (move_to(b, self.device, channels_last=self.channels_last) for b in self.loader)
+            return read_batches(self.loader)
+        return (move_to(b, self.device, channels_last=self.channels_last) for b in read_batches(self.loader))
 
     def __getattr__(self, name: str) -> Any:
         # Reach through to the loader for .dataset, .sampler, .batch_size and friends.
@@ -104,7 +107,7 @@ class DeviceLoader:
             with torch.cuda.stream(stream):
                 return move_to(batch, self.device, non_blocking=True, channels_last=self.channels_last)
 
-        source = iter(self.loader)
+        source = read_batches(self.loader)
         try:
             ready = copy(next(source))
         except StopIteration:
@@ -122,3 +125,26 @@ class DeviceLoader:
                 yield batch
                 return
             yield batch
+
+
+def read_batches(loader: Iterable[Any]) -> Iterator[Any]:
+    """Yield ``loader``'s batches; an exception from the user's dataset or collate_fn is a TrainingError showing
+    their line, as one from the model is (redline's own errors, and an out-of-memory, pass as they are)."""
+    source = iter(loader)
+    while True:
+        try:
+            batch = next(source)
+        except StopIteration:
+            return
+        except RedlineError:
+            raise
+        except Exception as exc:
+            if not blames_user_code(exc) or is_oom(exc):
+                raise
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            raise TrainingError(
+                f"reading a batch of the data raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: fix your "
+                "dataset (its __getitem__ or __iter__) or the loader's collate_fn; REDLINE_TRACEBACK=1 prints the "
+                "whole traceback, a DataLoader worker's included (in Python it is the error's __cause__)"
+            ) from exc
+        yield batch

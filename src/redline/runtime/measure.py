@@ -10,11 +10,13 @@ measures and every rank runs its choice.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from redline.errors import RedlineError, TrainingError, user_line
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
@@ -22,7 +24,8 @@ from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
-from redline.runtime.contract import split_batch
+from redline.runtime.contract import blames_user_code, split_batch
+from redline.runtime.loading import read_batches
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
@@ -65,6 +68,24 @@ def measure_auto(
     return {"precision": Choice(*shared)}
 
 
+def fingerprint_of(task: Task) -> str:
+    """The task's fingerprint; the model factory or the dataset failing under it (the first of the user's code a
+    run meets) is a TrainingError that shows their line, as the Trainer says it when it builds the model."""
+    try:
+        return task.fingerprint()
+    except RedlineError:
+        raise
+    except Exception as exc:
+        if not blames_user_code(exc):
+            raise
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise TrainingError(
+            f"task {task.name!r}: building the model or reading the first item of train_data (the task's "
+            f"fingerprint) raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: the line above is in your "
+            "model or dataset; a lazy module (nn.LazyLinear) needs one forward on a sample batch where it is built"
+        ) from exc
+
+
 def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, DeviceFacts]:
     """The device this process's Runtime will run on, and its facts."""
     local_rank = env.local_rank if env.distributed else None
@@ -92,28 +113,44 @@ def _measure_or_recall(
     task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
 ) -> Choice[str] | None:
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
-    key = trial_key(task.fingerprint(), facts, local_batch, candidates)
+    key = trial_key(fingerprint_of(task), facts, local_batch, candidates)
     cached = load_cached(key)
-    if cached is not None:
+    if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
         measured, when = cached
         choice = choose(measured, where)
         return Choice(choice.value, f"{choice.reason}; cached from {when}")
     if recall_only:
         return None
     model = task.build_model()
-    batch = split_batch(next(iter(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
+    batch = split_batch(next(read_batches(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(
             model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
         )
-    if measured[0].rejected or not measured[0].step_times:
-        reason = measured[0].rejected or "no step was timed"
+    reason = unusable(measured)
+    if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)
-        return Choice(rule.value, f"{rule.reason}; the trial could not time fp32 ({reason})")
+        return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})")
     store(key, measured)
     _log(measured)
     return choose(measured, where)
+
+
+def unusable(measured: list[Measured]) -> str:
+    """Why a trial's numbers cannot decide ("" when they can): fp32, the reference, failed or diverged.
+
+    A candidate is judged against fp32's losses; where fp32's own loss is not finite (a learning rate
+    too high, a loss that divides by zero) every candidate would be rejected for the run's fault, and
+    that verdict, cached, would outlive the fix (the cache is keyed by the model, not the loss).
+    """
+    reference = measured[0]
+    if reference.rejected or not reference.step_times:
+        return reference.rejected or "no step was timed"
+    diverged = next((loss for loss in reference.losses if not math.isfinite(loss)), None)
+    if diverged is not None:
+        return f"its own loss was {diverged}: nothing to compare a candidate with"
+    return ""
 
 
 def _log(measured: list[Measured]) -> None:

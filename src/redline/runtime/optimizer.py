@@ -18,13 +18,38 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
     """Return ``optimizer`` as an instance: built from a factory ``params -> Optimizer`` if need be."""
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_params(optimizer, model)
+        check_no_closure(optimizer)
         return optimizer
     if not callable(optimizer):
         raise invalid("optimizer", type(optimizer).__name__, "an Optimizer or a factory params -> Optimizer")
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")
+    _check_params(built, model, factory=True)
+    check_no_closure(built)
     return built
+
+
+def check_no_closure(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (torch.optim.LBFGS): redline steps once per batch.
+
+    Such an optimizer evaluates the loss and gradients itself, several times a step, through the
+    closure; the Runtime's ``step(optimizer)`` and the Trainer run forward and backward once per
+    batch and then step, and torch's grad scaler (fp16) takes no closure at all.
+    """
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a signature to read: let it run
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    name = type(optimizer).__name__
+    raise ConfigError(
+        f"{name}.step() needs a closure that re-evaluates the loss (it calls it several times a step), and redline "
+        "steps an optimizer once per batch, after one forward and backward\n"
+        f"hint: use an optimizer that steps without a closure (torch.optim.AdamW, SGD, ...); to train with {name}, "
+        "write the loop yourself and call optimizer.step(closure) there, without Runtime.step or the Trainer"
+    )
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -37,6 +62,14 @@ def check_trainable(model: nn.Module) -> None:
             "hint: make its layers attributes of the module (layers kept in a Python list are not registered: "
             "use nn.ModuleList), and build them in __init__, not in forward"
         )
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        shown = ", ".join(lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
+        raise ConfigError(
+            f"the model's ({name}) parameters {shown} are not initialized yet (a lazy module, nn.LazyLinear say): "
+            "their shapes are needed to place, wrap and step them before the first batch\nhint: run one forward "
+            "on a sample batch where the model is built (model(inputs)), or give the layer its input size"
+        )
     if not any(p.requires_grad for p in params):
         raise ConfigError(
             f"none of the model's ({name}) {len(params)} parameter tensors requires a gradient: there is nothing "
@@ -44,16 +77,23 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
-def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module, *, factory: bool = False) -> None:
     own = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if id(param) not in own:
+            if id(param) in own:
+                continue
+            if factory:  # `lambda params: AdamW(net.parameters())`: it would step another model, and this one never
                 raise ConfigError(
-                    "the optimizer holds a parameter that is not in the model passed with it\n"
-                    "hint: build the optimizer from this model's parameters, or pass a factory "
-                    "`lambda params: torch.optim.AdamW(params, lr=...)`"
+                    "the optimizer factory built an optimizer over parameters that are not the model's: it did not use "
+                    "the params it was given, and the model it steps is another one\nhint: build it from its argument, "
+                    "e.g. `lambda params: torch.optim.AdamW(params, lr=1e-3)`"
                 )
+            raise ConfigError(
+                "the optimizer holds a parameter that is not in the model passed with it\n"
+                "hint: build the optimizer from this model's parameters, or pass a factory "
+                "`lambda params: torch.optim.AdamW(params, lr=...)`"
+            )
 
 
 def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "") -> None:

@@ -28,9 +28,12 @@ import torch
 from torch import nn
 
 from redline.atomic import write_atomic
+from redline.errors import RedlineError, TaskError, describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
+from redline.runtime.contract import blames_user_code, check_loss
+from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.transfer import move_to
@@ -177,12 +180,19 @@ def run_trial(
     try:
         steps, failed = {}, {}
         for name in names:
-            step = _trainer(model, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
+            try:
+                copied = copy_model(model)
+            except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
+                failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
+                continue
+            step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
             try:
                 torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
                 first = step()
-            except RuntimeError as exc:
-                failed[name] = f"it failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            except Exception as exc:
+                if not _fails_the_candidate(exc):
+                    raise
+                failed[name] = f"it failed: {_first_line(exc)}"
                 continue
             steps[name] = (step, first)
         timed = [name for name in names if name in steps]
@@ -200,13 +210,33 @@ def run_trial(
     return [reference, *(_with_verdict(reference, results[name]) for name in candidates)]
 
 
+def _fails_the_candidate(exc: Exception) -> bool:
+    """Whether an exception in a trial step rejects that candidate rather than stopping the trial.
+
+    A kernel missing in a precision, an out-of-memory, and a mistake or bug in the user's model or loss
+    (a TaskError from the loss check, or an exception from their code) all do: where fp32 itself fails,
+    nothing is measured, and the run meets the same error at step 1, where it is reported with the
+    user's line. redline's own errors and bugs pass.
+    """
+    if isinstance(exc, TaskError):
+        return True
+    return not isinstance(exc, RedlineError) and blames_user_code(exc)
+
+
+def _first_line(exc: Exception) -> str:
+    text = next((line for line in str(exc).splitlines() if line.strip()), "")
+    if isinstance(exc, RuntimeError) and text:  # torch's kernel errors read best as they are
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _with_verdict(reference: Measured, candidate: Measured) -> Measured:
     why = candidate.rejected or judge(reference, candidate)
     return Measured(candidate.precision, candidate.step_times, candidate.losses, why)
 
 
 def _trainer(
-    model: nn.Module,
+    copied: nn.Module,
     optimizer: Callable[[Any], torch.optim.Optimizer],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     inputs: Any,
@@ -215,17 +245,16 @@ def _trainer(
     name: PrecisionName,
     zero_after_step: bool,
 ) -> Callable[[], float]:
-    """One training step of a fresh copy of ``model`` in precision ``name``, as a function returning its loss."""
-    copied = copy.deepcopy(model).to(device)
-    copied.train()
-    opt = optimizer(copied.parameters())
+    """One training step of ``copied`` (a copy of the run's model) in precision ``name``, returning its loss."""
+    copied.to(device).train()
+    opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
     precision = Precision(name, device)
 
     def step() -> float:  # in the Runtime's order (a CPU re-faults memory freed too early)
         if not zero_after_step:
             opt.zero_grad(set_to_none=True)
         with precision.autocast():
-            loss = loss_fn(copied(inputs), targets)
+            loss = check_loss(loss_fn(copied(inputs), targets), training=True)
         precision.backward(loss)
         precision.step(opt, None)
         if zero_after_step:
@@ -233,6 +262,21 @@ def _trainer(
         return float(loss.detach())
 
     return step
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """Return a deep copy of ``model``, one that torch.nn.utils.prune or weight_norm left a derived weight on too.
+
+    Those keep the weight they compute from their parameters (``weight_orig * weight_mask``) as a plain
+    attribute between forwards, a non-leaf tensor that ``copy.deepcopy`` refuses; the copy holds it
+    detached, and its own forward pre-hook computes it again from the copied parameters.
+    """
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
 
 
 # -- which candidates, when, and the cache ---------------------------------------------------------

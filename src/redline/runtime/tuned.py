@@ -25,7 +25,7 @@ from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
-from redline.runtime.measure import worker_device
+from redline.runtime.measure import fingerprint_of, worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.trial import CACHE_ENV, cache_dir, cache_key
@@ -281,6 +281,6 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
 def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
     saved = capture_rng()  # a model factory draws its weights for the fingerprint: the run's streams stay put
     try:
-        return load_tuned(task.fingerprint(), facts, batch_size)
+        return load_tuned(fingerprint_of(task), facts, batch_size)
     finally:
         restore_rng(saved)

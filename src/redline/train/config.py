@@ -17,6 +17,7 @@ from redline.config import (
 )
 from redline.errors import ConfigError, invalid
 from redline.runtime.options import SWITCHES, RuntimeOptions, Switch
+from redline.task import Task
 from redline.train.logs import check_logger_names
 
 KEEP_CHECKPOINTS = 3
@@ -90,6 +91,14 @@ class TrainerConfig:
         boolean("memory_history", self.memory_history)
         one_of("trial", self.trial, SWITCHES)
         one_of("plan", self.plan, ("auto", "tuned"))
+
+    def check_task(self, task: Task) -> None:
+        """Refuse what would do nothing unnoticed for this task: evaluating every N steps without val_data."""
+        if self.eval_every is not None and task.val_data is None:
+            raise invalid(
+                "eval_every", self.eval_every, f"it with a task that has val_data (task {task.name!r} has none)",
+                "drop it, or give the task val_data=...",
+            )  # fmt: skip
 
     @classmethod
     def build(cls, config: TrainerConfig | None = None, **changes: Any) -> TrainerConfig:

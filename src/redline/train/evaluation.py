@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from redline.errors import invalid
+from redline.errors import TaskError, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
-from redline.runtime.contract import check_loss, count_samples, metric_value, split_batch, user_code
+from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
+from redline.runtime.loading import read_batches
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.train.data import eval_loader
@@ -34,10 +35,11 @@ def evaluate_model(
     assert task.val_data is not None
     total_loss, total_metric, count = 0.0, 0.0, 0
     with _eval_mode(model):
-        for batch in eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size):
+        val = eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size)
+        for batch in read_batches(val):  # an error in the dataset shows the user's line
             inputs, targets = split_batch(rt.to_device(batch), "val_data")
-            with user_code(where, inputs, targets), rt.eager(), rt.autocast():  # eager: no graph per eval shape
-                outputs = model(inputs)
+            with user_code(where, inputs, targets) as forward, rt.eager(), rt.autocast():  # eager: one graph
+                outputs = forward.outputs = model(inputs)
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)
             with user_code(where, outputs, targets, metric=True):
                 metric = metric_value(task.metric(outputs, targets)) if task.metric is not None else 0.0
@@ -52,17 +54,48 @@ def evaluate_model(
 
 
 @torch.no_grad()
-def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> torch.Tensor:
-    """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
+def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> Any:
+    """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU.
+
+    A model that returns a tensor gives one tensor; one that returns a tuple, list or dict of them
+    (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
+    Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
+    """
     outputs = []
     with _eval_mode(model):
-        for batch in eval_loader(data, batch_size=batch_size):
+        for batch in read_batches(eval_loader(data, batch_size=batch_size)):
             inputs = batch[0] if isinstance(batch, list | tuple) else batch
             with rt.autocast(), rt.eager():
-                outputs.append(model(rt.to_device(inputs)).float().cpu())
+                outputs.append(_on_cpu(model(rt.to_device(inputs))))
     if not outputs:
         raise invalid("len(data)", 0, "at least one item to predict", "check how the data is built: it is empty")
-    return torch.cat(outputs)
+    return _joined(outputs)
+
+
+def _on_cpu(output: Any) -> Any:
+    """The model's output with each tensor on the CPU (floating point as float32), nested as it came."""
+    if isinstance(output, torch.Tensor):
+        return (output.float() if output.is_floating_point() else output).cpu()
+    if isinstance(output, Mapping):
+        return {key: _on_cpu(value) for key, value in output.items()}
+    if isinstance(output, tuple | list):
+        parts = [_on_cpu(value) for value in output]
+        return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # a namedtuple's fields
+    raise TaskError(
+        f"the model returned {describe(output)}; predict collects tensors, alone or in tuples, lists and dicts\n"
+        "hint: return the outputs as tensors from forward (a Python number or text cannot be joined over batches)"
+    )
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The outputs of every batch joined along the batch axis, each tensor of the structure on its own."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return {key: _joined([part[key] for part in parts]) for key in first}
+    joined = [_joined(list(column)) for column in zip(*parts, strict=True)]
+    return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +18,7 @@ from redline.runtime.sampling import EpochSampler
 from redline.train.data import StreamShard
 from redline.train.logs import Loggers
 from redline.train.progress import Progress
+from redline.train.schedule import Schedule
 from redline.train.throughput import Throughput
 
 
@@ -68,7 +68,7 @@ class Run:
     rt: Runtime
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: Schedule
     sampler: EpochSampler | StreamShard  # sets the epoch (and the resumed position) of the data
     batches: DeviceLoader
     pos: Position

@@ -50,6 +50,7 @@ from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_json
 from redline.train.progress import Progress
+from redline.train.schedule import Schedule
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
 from redline.train.summary import TrainSummary, summarize
@@ -76,6 +77,7 @@ class Trainer:
     ) -> None:
         self.task = require_task(task)
         self.config = TrainerConfig.build(config, **fields)
+        self.config.check_task(self.task)
         self.options = self.config.runtime
         # --max-steps alone decides the length; the task's own epochs apply when neither is given
         self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
@@ -183,9 +185,8 @@ class Trainer:
         run.meter.count(samples, tokens)
         if not run.rt.step(run.optimizer):
             return False
-        if run.scheduler is not None:
-            run.scheduler.step()
         run.pos.step += 1
+        run.scheduler.after_step(run.pos.step)
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
         run.window.epochs.append(run.pos.epoch)
@@ -240,8 +241,9 @@ class Trainer:
     ) -> torch.Tensor:
         def loss_of(batch: tuple[Any, Any]) -> torch.Tensor:  # of the batch, or of a micro-batch (--micro-batch)
             # a failed collective and an out-of-memory pass through (FSDP gathers weights in the forward)
-            with user_code(f"step {pos.step + 1}", *batch):
-                return check_loss(self.task.loss_fn(model(batch[0]), batch[1]), training=True)
+            with user_code(f"step {pos.step + 1}", *batch) as forward:
+                forward.outputs = model(batch[0])
+                return check_loss(self.task.loss_fn(forward.outputs, batch[1]), training=True)
 
         return rt.train_step(loss_of, (inputs, targets))
 
@@ -352,7 +354,7 @@ class Trainer:
                 f"task {self.task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
             ) from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
-        scheduler = self.task.scheduler(optimizer) if self.task.scheduler else None
+        scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:
             state = rt.load(found)
@@ -364,8 +366,7 @@ class Trainer:
                 )
             pos = Position(**state["position"])
             self._stored_stop = state.get("stopped") or ""
-            if scheduler is not None and state.get("scheduler") is not None:
-                scheduler.load_state_dict(state["scheduler"])
+            scheduler.load_state_dict(state.get("scheduler"))
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
             rt.adopt_reasons(checkpoint.load_plan(found), note=f"from checkpoint step {found.step}")
@@ -396,7 +397,7 @@ class Trainer:
         extra = {
             "position": vars(pos).copy(),
             "stopped": stopped,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler": scheduler.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
         }
         root = self._checkpoint_root()
@@ -462,6 +463,7 @@ class Trainer:
         with run.meter.excluded("eval"):
             run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env, where=where)
         self._evaluated_at = run.pos.step
+        run.scheduler.after_evaluation(run.metrics)  # a ReduceLROnPlateau steps on it
         run.loggers.log_eval(run.pos.step, run.metrics)
         for callback in self.callbacks:
             callback.on_evaluate(self, run.pos.step, run.metrics)
@@ -483,8 +485,9 @@ class Trainer:
         rt, model = self._ready()
         return evaluate_model(self.task, model, rt, self.batch_size, self.env)
 
-    def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
-        """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU."""
+    def predict(self, data: Any, batch_size: int | None = None) -> Any:
+        """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
+        tensor, or the tuple, list or dict of tensors the model returns."""
         rt, model = self._ready()
         return predict_outputs(model, rt, data, batch_size or self.batch_size)
 

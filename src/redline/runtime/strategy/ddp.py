@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import Checkpoint, whole
+from redline.errors import ConfigError
 from redline.parallel.collectives import average_tensors, broadcast_tensors, run_on_rank0
 from redline.parallel.ddp import wrap_ddp
 from redline.plan.precision import PrecisionName
@@ -26,6 +27,9 @@ class DDP(SingleDevice):
     name: StrategyName = "ddp"
     detail = "gradients are views into DDP's buckets (no copy in or out)"
 
+    def __init__(self) -> None:
+        self._checked: set[int] = set()  # the models whose first reduction was checked for unused parameters
+
     def wrap(
         self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -33,9 +37,33 @@ class DDP(SingleDevice):
         return wrapped, build_optimizer(optimizer, model)
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-        if enabled or not isinstance(model, DistributedDataParallel):
+        if not isinstance(model, DistributedDataParallel):
             return super().gradient_sync(model, enabled)
+        if enabled:
+            return self._first_reduction_checked(model)
         return model.no_sync()  # mid-accumulation: gradients stay local until the last micro-batch
+
+    @contextlib.contextmanager
+    def _first_reduction_checked(self, model: DistributedDataParallel) -> Iterator[None]:
+        """Reduce in this backward; after the first, refuse a model with parameters the loss did not use.
+
+        DDP's reducer waits for a gradient of every parameter that requires one: after a backward that
+        left one without, the step's gradients are not all averaged, and the next forward fails with
+        "Expected to have finished reduction in the prior iteration", which names no parameter.
+        """
+        yield
+        if id(model) in self._checked:
+            return
+        self._checked.add(id(model))
+        unused = [name for name, p in self.module(model).named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise ConfigError(
+                f"under DDP every parameter that requires a gradient must get one from the loss, and {len(unused)} "
+                f"got none in the first step: {shown}\nhint: freeze what the loss does not use "
+                "(param.requires_grad_(False)) or leave it out of the model; a model that uses other parameters "
+                "in other steps trains on one process"
+            )
 
     @contextlib.contextmanager
     def accumulate_locally(self, model: nn.Module) -> Iterator[None]:
