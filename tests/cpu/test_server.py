@@ -134,7 +134,8 @@ class Python310Asyncio(types.ModuleType):
 async def test_batching_waits_and_deadlines_work_where_asyncio_has_its_own_timeout_error(monkeypatch):
     monkeypatch.setattr(dispatch_module, "asyncio", Python310Asyncio("asyncio"))
     engine = FakeEngine()
-    async with running(engine, timeout_ms=300, max_wait_ms=20, max_batch_size=4) as (client, serving):
+    # A second of deadline: the request after the late one must be answered within it on a loaded machine too.
+    async with running(engine, timeout_ms=1000, max_wait_ms=20, max_batch_size=4) as (client, serving):
         waited = await client.post("/v1/predict", json={"inputs": [1, 1, 1]})  # its batch waits max_wait_ms
         engine.gate.clear()
         late = await client.post("/v1/predict", json={"inputs": [2, 2, 2]})  # past its deadline

@@ -72,6 +72,8 @@ def test_default_precisions_are_the_ones_the_device_runs_fast():
 
 def test_expand_refuses_what_cannot_be_benched():
     with pytest.raises(ConfigError, match=r"hint: e\.g\. --precision"):
+        expand([AMX_CPU], precisions=["fp8"], compiles=[False], batch_sizes=[8])
+    with pytest.raises(ConfigError, match=r"hint: did you mean bf16-mixed\?"):
         expand([AMX_CPU], precisions=["bf16"], compiles=[False], batch_sizes=[8])
     with pytest.raises(ConfigError, match=r"hint: e\.g\. --batch-size"):
         expand([AMX_CPU], precisions=None, compiles=[False], batch_sizes=[0])
