@@ -37,6 +37,13 @@ def test_pairs_must_be_key_equals_value_and_read_by_the_factory() -> None:
         parse_task_args("example:digits", ["2x=1"])
 
 
+def test_a_key_given_twice_with_two_values_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError, match="each KEY once; width is also given as --task-arg width=8") as caught:
+        parse_task_args("example:digits", ["width=8", "lr=0.1", "width=16"])
+    assert "--task-arg='width=16' is not allowed" in str(caught.value)
+    assert parse_task_args("example:digits", ["width=8", "width=8"]) == {"width": 8}  # the same twice: no doubt
+
+
 def typed_factory(
     flag: bool = False,
     n: int = 1,

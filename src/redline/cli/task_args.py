@@ -24,7 +24,13 @@ def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip().isidentifier():
             raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
-        texts[key.strip()] = text
+        key = key.strip()
+        if key in texts and texts[key] != text:  # which one was meant? the last would win unsaid
+            raise invalid(
+                "--task-arg", pair, f"each KEY once; {key} is also given as --task-arg {key}={texts[key]}",
+                f"keep the one you mean, e.g. --task-arg {pair}",
+            )  # fmt: skip
+        texts[key] = text
     return convert_task_args(find_factory(spec), texts) if texts else {}
 
 
