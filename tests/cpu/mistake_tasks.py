@@ -50,6 +50,17 @@ class NoParams(nn.Module):
         return x.sum(1, keepdim=True)
 
 
+class BuffersOnly(nn.Module):
+    """Its weight is registered as a buffer, which no optimizer steps: the module has no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.randn(4, 1))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
 class ListedLayers(nn.Module):
     """Layers kept in a plain list are not registered: the module has no parameters."""
 
@@ -133,6 +144,7 @@ def _fields(kind: str) -> dict:
         "metric_text": {"val_data": TensorDataset(X, Y), "metric": lambda outputs, targets: "good"},
         "no_params": {"model": NoParams},
         "listed_layers": {"model": ListedLayers},
+        "buffers_only": {"model": BuffersOnly},
         "key_error": {"model": WrongKey, "train_data": Items("dict_inputs")},
         "attribute_error": {"model": MissingLayer},
         "type_error": {"model": NeedsMask},

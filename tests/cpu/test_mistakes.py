@@ -40,6 +40,7 @@ MISTAKES = {
     "metric_text": (TaskError, r"task\.metric\(outputs, targets\) returned str 'good'; expected a number"),
     "no_params": (ConfigError, r"the model \(NoParams\) has no parameters"),
     "listed_layers": (ConfigError, r"\(ListedLayers\) has no parameters.*nn\.ModuleList"),
+    "buffers_only": (ConfigError, r"\(BuffersOnly\) has no parameters.*buffers \(weight\).*nn\.Parameter"),
     "key_error": (
         TrainingError,
         r"step 1: the model or loss raised KeyError: 'pixels'.*mistake_tasks\.py:\d+ in forward",

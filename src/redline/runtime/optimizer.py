@@ -57,11 +57,14 @@ def check_trainable(model: nn.Module) -> None:
     params = list(model.parameters())
     name = type(model).__name__
     if not params:
-        raise ConfigError(
-            f"the model ({name}) has no parameters: there is nothing to train\n"
-            "hint: make its layers attributes of the module (layers kept in a Python list are not registered: "
-            "use nn.ModuleList), and build them in __init__, not in forward"
-        )
+        buffers = [buffer_name for buffer_name, _ in model.named_buffers()]
+        if buffers:  # tensors it registered as state (register_buffer), which no optimizer steps
+            fix = f"its tensors are buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}), which "
+            fix += "are not trained: make the ones to learn nn.Parameter(...) instead of register_buffer(...)"
+        else:
+            fix = "make its layers attributes of the module (layers kept in a Python list are not registered: "
+            fix += "use nn.ModuleList), and build them in __init__, not in forward"
+        raise ConfigError(f"the model ({name}) has no parameters: there is nothing to train\nhint: {fix}")
     lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         shown = ", ".join(lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
