@@ -32,8 +32,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if fake:
         os.environ[FAKE_CPU_ENV] = fake
     # Each xdist worker is a process of its own, and torch gives each one a thread per core: two workers on
-    # two cores run four threads, and OpenMP's waiting threads then slow small ops several times over (the
-    # README's 2,000-step example took 46 s so, 7 s on a thread each). The workers share the cores instead.
+    # two cores run four threads, and OpenMP's waiting threads slow small ops. The workers share the cores
+    # instead. Measured on 2 cores (farm-bench, 3 pairs, the trainer, docs-examples and mistakes tests): 0.93x
+    # the wall time on a quiet machine; on one loaded by other work, the README example took 7 s, not 46 s.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
