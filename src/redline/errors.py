@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import hashlib
 import os
@@ -95,6 +96,18 @@ def one_of(name: str, value: object, allowed: Sequence[object]) -> ConfigError:
     return invalid(name, value, "one of " + ", ".join(map(repr, allowed)), hint)
 
 
+def refuse_inside_event_loop(blocking: str, hint: str) -> None:
+    """Refuse a call that runs an event loop of its own (``blocking`` says whose) from inside a running one, where
+    asyncio's own error would not say what to do (a Jupyter cell, an async function); ``hint`` does."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs here, as it should be
+        return
+    raise ConfigError(
+        f"{blocking}, and was called inside a running event loop (a Jupyter cell, an async function)\nhint: {hint}"
+    )
+
+
 def describe_error(exc: BaseException) -> str:
     """One line naming an exception: ``Type: first line``, for the innermost cause of a wrapped one
     (compiler errors wrap the real failure)."""
@@ -102,8 +115,12 @@ def describe_error(exc: BaseException) -> str:
     while inner is not None:
         exc = inner
         inner = getattr(exc, "inner_exception", None) or exc.__cause__
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip(": ")
+    return f"{type(exc).__name__}: {first_line(exc)}".strip(": ")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message that is not blank ("" if none): what a one-line report quotes."""
+    return next((line for line in str(exc).splitlines() if line.strip()), "")
 
 
 PACKAGE = Path(__file__).parent  # redline's own code, but for the built-in examples' models (a user's model as any)

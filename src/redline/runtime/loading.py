@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
-from redline.errors import RedlineError, TrainingError, user_line
+from redline.errors import RedlineError, TrainingError, first_line, user_line
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.contract import blames_user_code
 from redline.runtime.oom import is_oom
@@ -141,7 +141,7 @@ def read_batches(loader: Iterable[Any]) -> Iterator[Any]:
         except Exception as exc:
             if not blames_user_code(exc) or is_oom(exc):
                 raise
-            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            first = first_line(exc)
             raise TrainingError(
                 f"reading a batch of the data raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: fix your "
                 "dataset (its __getitem__ or __iter__) or the loader's collate_fn; REDLINE_TRACEBACK=1 prints the "

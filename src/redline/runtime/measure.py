@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from redline.errors import RedlineError, TrainingError, user_line
+from redline.errors import RedlineError, TrainingError, first_line, user_line
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
@@ -78,7 +78,7 @@ def fingerprint_of(task: Task) -> str:
     except Exception as exc:
         if not blames_user_code(exc):
             raise
-        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        first = first_line(exc)
         raise TrainingError(
             f"task {task.name!r}: building the model or reading the first item of train_data (the task's "
             f"fingerprint) raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: the line above is in your "

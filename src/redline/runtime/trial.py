@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from redline.atomic import write_atomic
-from redline.errors import RedlineError, TaskError, describe_error
+from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
@@ -224,7 +224,7 @@ def _fails_the_candidate(exc: Exception) -> bool:
 
 
 def _first_line(exc: Exception) -> str:
-    text = next((line for line in str(exc).splitlines() if line.strip()), "")
+    text = first_line(exc)
     if isinstance(exc, RuntimeError) and text:  # torch's kernel errors read best as they are
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -24,7 +24,7 @@ import aiohttp
 from yarl import URL
 
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, invalid
+from redline.errors import ConfigError, RedlineError, invalid, refuse_inside_event_loop
 from redline.serve.inputs import NPY_MAGIC
 from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
 
@@ -415,15 +415,10 @@ def load_test(
 
     The loop is made and closed here, as asyncio.Runner would (Python 3.11+; 3.10 is supported too).
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # no loop runs here, as it should be
-        pass
-    else:
-        raise ConfigError(
-            "run_load blocks on an event loop of its own, and was called inside a running event loop (a Jupyter "
-            "cell, an async function)\nhint: await run_load_async(url, LoadOptions(rate=..., duration_s=...)) there"
-        )
+    refuse_inside_event_loop(
+        "run_load blocks on an event loop of its own",
+        "await run_load_async(url, LoadOptions(rate=..., duration_s=...)) there",
+    )
     loop = (_loop_factory() or asyncio.new_event_loop)()
     try:
         running = run_load_async(url, options, payload=payload, progress=progress, stop_on_sigint=True)

@@ -17,7 +17,6 @@ the digits CNN on a 2-core machine (108-116 ms to 47-51 ms, two runs each, reque
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import gc
 import math
@@ -29,7 +28,7 @@ from typing import Any
 
 import uvicorn
 
-from redline.errors import ConfigError, RedlineError, user_line
+from redline.errors import RedlineError, refuse_inside_event_loop, user_line
 from redline.runtime.contract import blames_user_code
 from redline.runtime.oom import is_oom
 from redline.serve.app import build_app
@@ -122,16 +121,11 @@ def serve(
     at the end. Raise ServerFailed (exit code 1) when the model's warm-up failed.
     """
     options = options or ServeOptions()
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # no loop runs here, as it should be
-        pass
-    else:
-        raise ConfigError(
-            "serve() blocks on uvicorn's own event loop, and was called inside a running event loop (a Jupyter cell, "
-            "an async function)\nhint: await uvicorn.Server(uvicorn.Config(redline.build_app(engine, options), "
-            "port=8000)).serve() there, or run `redline serve SPEC` in a terminal"
-        )
+    refuse_inside_event_loop(
+        "serve() blocks on uvicorn's own event loop",
+        "await uvicorn.Server(uvicorn.Config(redline.build_app(engine, options), port=8000)).serve() there, "
+        "or run `redline serve SPEC` in a terminal",
+    )
     app = build_app(engine, options)
     serving = app.state.serving
     sock = sock if sock is not None else bind(options.host, options.port)

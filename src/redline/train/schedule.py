@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from redline.errors import ConfigError, RedlineError, TrainingError, invalid, user_line
+from redline.errors import ConfigError, RedlineError, TrainingError, first_line, invalid, user_line
 from redline.task import Task
 
 
@@ -57,7 +57,7 @@ class Schedule:
         except RedlineError:
             raise
         except Exception as exc:  # OneCycleLR past its total_steps, say: a run made longer than the schedule
-            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            first = first_line(exc)
             raise TrainingError(
                 f"step {step}: the LR scheduler ({type(self.scheduler).__name__}) raised {type(exc).__name__}: "
                 f"{first}{user_line(exc)}\nhint: a schedule sized in steps (OneCycleLR's total_steps, say) must "
