@@ -118,6 +118,12 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line(exc)}".strip(": ")
 
 
+def few(names: Sequence[str], most: int) -> str:
+    """``names`` joined for a message, the first ``most`` shown and the rest counted: "a, b, c and 4 more"."""
+    shown = ", ".join(names[:most])
+    return f"{shown} and {len(names) - most} more" if len(names) > most else shown
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message that is not blank ("" if none): what a one-line report quotes."""
     return next((line for line in str(exc).splitlines() if line.strip()), "")

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from redline.checkpoint.layout import CheckpointError
+from redline.errors import few
 
 Shapes = dict[str, tuple[int, ...]]
 SHOWN = 3  # names shown for each kind of difference; the rest are counted
@@ -55,12 +56,7 @@ def differences(saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tup
         if name in saved and tuple(saved[name]) != tuple(shape)
     ]
     kinds = [("missing from the checkpoint", missing), ("not in this model", unexpected), ("shapes differ", resized)]
-    return [f"{kind}: {_few(names)}" for kind, names in kinds if names]
-
-
-def _few(names: list[str]) -> str:
-    shown = ", ".join(names[:SHOWN])
-    return f"{shown} and {len(names) - SHOWN} more" if len(names) > SHOWN else shown
+    return [f"{kind}: {few(names, SHOWN)}" for kind, names in kinds if names]
 
 
 def _shape(shape: tuple[int, ...]) -> str:

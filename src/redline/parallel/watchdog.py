@@ -39,7 +39,7 @@ import torch.distributed as torch_dist
 from torch.torch_version import TorchVersion
 
 from redline.config import positive_number
-from redline.errors import RedlineError, invalid
+from redline.errors import RedlineError, few, invalid
 
 HANG_EXIT_CODE = 124  # as coreutils timeout(1) uses; torchrun reports it as the worker's exitcode
 REPORT_FILE = "hang.txt"
@@ -131,8 +131,7 @@ def _describe(records: Mapping[int, Position], *, now: float, timeout_s: float, 
             )
     stacks = [p.stack for r in [*stalled, *waiting] if (p := records.get(r)) and p.stack]
     if stacks:
-        more = f" and {len(stacks) - 8} more" if len(stacks) > 8 else ""
-        lines.append("  stacks: " + ", ".join(stacks[:8]) + more)
+        lines.append("  stacks: " + few(stacks, 8))
     if silent := [r for r in range(world_size) if r not in records or not records[r].stack]:
         lines.append(f"  no stack from {_ranks(silent)}: dead, stopped, out of its loop, or holding the GIL")
     if any(p.collectives is None for p in records.values()):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, few, invalid
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
 
@@ -59,7 +59,7 @@ def check_trainable(model: nn.Module) -> None:
     if not params:
         buffers = [buffer_name for buffer_name, _ in model.named_buffers()]
         if buffers:  # tensors it registered as state (register_buffer), which no optimizer steps
-            fix = f"its tensors are buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}), which "
+            fix = f"its tensors are buffers ({few(buffers, 3)}), which "
             fix += "are not trained: make the ones to learn nn.Parameter(...) instead of register_buffer(...)"
         else:
             fix = "make its layers attributes of the module (layers kept in a Python list are not registered: "
@@ -67,10 +67,9 @@ def check_trainable(model: nn.Module) -> None:
         raise ConfigError(f"the model ({name}) has no parameters: there is nothing to train\nhint: {fix}")
     lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
-        shown = ", ".join(lazy[:4]) + (f" and {len(lazy) - 4} more" if len(lazy) > 4 else "")
         raise ConfigError(
-            f"the model's ({name}) parameters {shown} are not initialized yet (a lazy module, nn.LazyLinear say): "
-            "their shapes are needed to place, wrap and step them before the first batch\nhint: run one forward "
+            f"the model's ({name}) parameters {few(lazy, 4)} are not initialized yet (a lazy module, nn.LazyLinear "
+            "say): their shapes are needed to place, wrap and step them before the first batch\nhint: run one forward "
             "on a sample batch where the model is built (model(inputs)), or give the layer its input size"
         )
     if not any(p.requires_grad for p in params):

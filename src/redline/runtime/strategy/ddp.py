@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import Checkpoint, whole
-from redline.errors import ConfigError
+from redline.errors import ConfigError, few
 from redline.parallel.collectives import average_tensors, broadcast_tensors, run_on_rank0
 from redline.parallel.ddp import wrap_ddp
 from redline.plan.precision import PrecisionName
@@ -57,10 +57,9 @@ class DDP(SingleDevice):
         self._checked.add(id(model))
         unused = [name for name, p in self.module(model).named_parameters() if p.requires_grad and p.grad is None]
         if unused:
-            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
             raise ConfigError(
                 f"under DDP every parameter that requires a gradient must get one from the loss, and {len(unused)} "
-                f"got none in the first step: {shown}\nhint: freeze what the loss does not use "
+                f"got none in the first step: {few(unused, 5)}\nhint: freeze what the loss does not use "
                 "(param.requires_grad_(False)) or leave it out of the model; a model that uses other parameters "
                 "in other steps trains on one process"
             )
