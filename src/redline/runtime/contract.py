@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from redline.errors import RedlineError, TaskError, TrainingError, raised_in_redline, user_line
+from redline.errors import RedlineError, TaskError, TrainingError, first_line, raised_in_redline, user_line
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.loss import check_loss
@@ -30,6 +30,7 @@ __all__ = [
     "split_batch",
     "user_code",
     "user_line",
+    "users_failure",
 ]
 
 PAIR_HINT = "return (inputs, targets) from the dataset's __getitem__ (a TensorDataset(x, y) does)"
@@ -85,6 +86,22 @@ def blames_user_code(exc: BaseException) -> bool:
     if isinstance(exc, RedlineError):
         return False
     return is_oom(exc) or is_sticky_cuda_error(exc) or not raised_in_redline(exc)
+
+
+@contextlib.contextmanager
+def users_failure(what: str, hint: str) -> Iterator[None]:
+    """Say an exception from the user's code inside (or torch's under it) as a TrainingError showing their line:
+    "{what} raised Type: first line". redline's own errors and bugs, and an out-of-memory, pass as they are."""
+    try:
+        yield
+    except RedlineError:
+        raise
+    except Exception as exc:
+        if is_oom(exc) or not blames_user_code(exc):
+            raise
+        raise TrainingError(
+            f"{what} raised {type(exc).__name__}: {first_line(exc)}{user_line(exc)}\nhint: {hint}"
+        ) from exc
 
 
 class Forward:

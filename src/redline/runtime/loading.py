@@ -8,10 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
-from redline.errors import RedlineError, TrainingError, first_line, user_line
 from redline.plan.loader import LoaderFacts, LoaderSettings
-from redline.runtime.contract import blames_user_code
-from redline.runtime.oom import is_oom
+from redline.runtime.contract import users_failure
 from redline.runtime.transfer import move_to, tensors_in
 
 
@@ -132,19 +130,15 @@ def read_batches(loader: Iterable[Any]) -> Iterator[Any]:
     their line, as one from the model is (redline's own errors, and an out-of-memory, pass as they are)."""
     source = iter(loader)
     while True:
-        try:
-            batch = next(source)
-        except StopIteration:
-            return
-        except RedlineError:
-            raise
-        except Exception as exc:
-            if not blames_user_code(exc) or is_oom(exc):
-                raise
-            first = first_line(exc)
-            raise TrainingError(
-                f"reading a batch of the data raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: fix your "
-                "dataset (its __getitem__ or __iter__) or the loader's collate_fn; REDLINE_TRACEBACK=1 prints the "
-                "whole traceback, a DataLoader worker's included (in Python it is the error's __cause__)"
-            ) from exc
+        with users_failure("reading a batch of the data", READ_HINT):
+            try:
+                batch = next(source)
+            except StopIteration:
+                return
         yield batch
+
+
+READ_HINT = (
+    "fix your dataset (its __getitem__ or __iter__) or the loader's collate_fn; REDLINE_TRACEBACK=1 prints the whole "
+    "traceback, a DataLoader worker's included (in Python it is the error's __cause__)"
+)

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from redline.errors import RedlineError, TrainingError, first_line, user_line
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
@@ -24,7 +23,7 @@ from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
-from redline.runtime.contract import blames_user_code, split_batch
+from redline.runtime.contract import split_batch, users_failure
 from redline.runtime.loading import read_batches
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
@@ -71,19 +70,15 @@ def measure_auto(
 def fingerprint_of(task: Task) -> str:
     """The task's fingerprint; the model factory or the dataset failing under it (the first of the user's code a
     run meets) is a TrainingError that shows their line, as the Trainer says it when it builds the model."""
-    try:
+    what = f"task {task.name!r}: building the model or reading the first item of train_data (the task's fingerprint)"
+    with users_failure(what, FINGERPRINT_HINT):
         return task.fingerprint()
-    except RedlineError:
-        raise
-    except Exception as exc:
-        if not blames_user_code(exc):
-            raise
-        first = first_line(exc)
-        raise TrainingError(
-            f"task {task.name!r}: building the model or reading the first item of train_data (the task's "
-            f"fingerprint) raised {type(exc).__name__}: {first}{user_line(exc)}\nhint: the line above is in your "
-            "model or dataset; a lazy module (nn.LazyLinear) needs one forward on a sample batch where it is built"
-        ) from exc
+
+
+FINGERPRINT_HINT = (
+    "the line above is in your model or dataset; a lazy module (nn.LazyLinear) needs one forward on a sample batch "
+    "where it is built"
+)
 
 
 def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, DeviceFacts]:

@@ -14,8 +14,15 @@ from typing import Any
 
 import torch
 
-from redline.errors import ConfigError, RedlineError, TrainingError, first_line, invalid, user_line
+from redline.errors import ConfigError, RedlineError, TrainingError, invalid, user_line
+from redline.runtime.contract import users_failure
 from redline.task import Task
+
+# A scheduler that fails mid-run was most likely sized for a shorter one.
+SCHEDULE_HINT = (
+    "a schedule sized in steps (OneCycleLR's total_steps, say) must cover the whole run, --max-steps or every "
+    "epoch's steps, including a resumed run made longer"
+)
 
 
 class Schedule:
@@ -52,17 +59,8 @@ class Schedule:
         """Step a per-step scheduler after the optimizer's step ``step``; its failure names the step and the fix."""
         if self.scheduler is None or self.monitor:
             return
-        try:
-            self.scheduler.step()
-        except RedlineError:
-            raise
-        except Exception as exc:  # OneCycleLR past its total_steps, say: a run made longer than the schedule
-            first = first_line(exc)
-            raise TrainingError(
-                f"step {step}: the LR scheduler ({type(self.scheduler).__name__}) raised {type(exc).__name__}: "
-                f"{first}{user_line(exc)}\nhint: a schedule sized in steps (OneCycleLR's total_steps, say) must "
-                "cover the whole run, --max-steps or every epoch's steps, including a resumed run made longer"
-            ) from exc
+        with users_failure(f"step {step}: the LR scheduler ({type(self.scheduler).__name__})", SCHEDULE_HINT):
+            self.scheduler.step()  # OneCycleLR past its total_steps, say: a run made longer than the schedule
 
     def after_evaluation(self, metrics: Mapping[str, float | None]) -> None:
         """Step a plateau scheduler on the evaluation's metric."""
