@@ -45,7 +45,7 @@ def read_run(run_dir: Path) -> RunFiles:
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
         run = _run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
-        hint = f"{run} holds the run's logs: redline report {run}" if run is not None else OUT_HINT
+        hint = _report_the(run) if run is not None else OUT_HINT
         raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {hint}")
     train_file = _first_present(run_dir, LOGS)
     if train_file is None:
@@ -57,7 +57,7 @@ def read_run(run_dir: Path) -> RunFiles:
                 f"else {OUT_HINT}"
             )
         if run is not None:
-            hint = f"{run} holds the run's logs: redline report {run}"
+            hint = _report_the(run)
         else:
             hint = f"{OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
         raise ConfigError(
@@ -78,6 +78,10 @@ def read_run(run_dir: Path) -> RunFiles:
         eval_file=eval_file,
         stale_summary_steps=ended_at if stale else None,
     )
+
+
+def _report_the(run: Path) -> str:
+    return f"{run} holds the run's logs: redline report {run}"
 
 
 def _run_above(path: Path) -> Path | None:
