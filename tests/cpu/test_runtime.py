@@ -256,6 +256,32 @@ def test_fp16_overflow_steps_are_skipped_and_counted(initial):
     assert rt.precision.scaler.get_scale() == scale / 2  # the scale backed off
 
 
+def test_fp16_refuses_a_direct_optimizer_step_on_scaled_gradients(initial):
+    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    before = copy.deepcopy(model.state_dict())
+    with rt.autocast():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    rt.backward(loss)
+    with pytest.raises(ConfigError, match=r"multiplied by the loss scale \(65536\)(.|\n)*rt\.step\(optimizer\)"):
+        optimizer.step()  # on gradients 65536 times too large: the weights would go to inf
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert rt.step(optimizer)  # the step that unscales first goes through
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_step_refuses_an_optimizer_setup_did_not_return(initial):
+    rt = redline.Runtime(devices="cpu", compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    with rt.autocast():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    rt.backward(loss)
+    with pytest.raises(ConfigError, match=r"that rt.setup\(\) did not return(.|\n)*model, optimizer = rt.setup"):
+        rt.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert rt.step(optimizer)
+
+
 def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):
     rt = redline.Runtime(devices="cpu", strategy="ddp")
     with pytest.raises(ConfigError, match="redline launch"):

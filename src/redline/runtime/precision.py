@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from redline.errors import ConfigError
 from redline.plan.precision import PrecisionName
 
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -31,6 +32,8 @@ class Precision:
         self.scaler = torch.amp.GradScaler(self.device_type) if name == "fp16-mixed" else None
         self._one: torch.Tensor | None = None
         self._skipped: torch.Tensor | int = 0  # fp16 steps skipped on overflow, counted on the device
+        self._scaled = False  # a scaled backward ran that no step has unscaled yet
+        self._stepping = False
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in this precision."""
@@ -42,6 +45,7 @@ class Precision:
         """Back-propagate ``loss``, scaled up first under fp16."""
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
+            self._scaled = True
         else:
             loss.backward()
 
@@ -62,9 +66,33 @@ class Precision:
             self.scaler.unscale_(optimizer)
             clip(optimizer)
         before = self._scale()
-        self.scaler.step(optimizer)
+        self._stepping = True
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            self._stepping = False
         self.scaler.update()
+        self._scaled = False
         self._skipped = self._skipped + (self._scale() < before).int()  # the scale drops only on overflow
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse ``optimizer.step()`` called directly on gradients that a fp16 backward scaled up.
+
+        Those gradients are still multiplied by the loss scale (65,536 at the start): stepping on them
+        moves the weights that many times too far, to inf within a step or two. Only ``step`` unscales.
+        """
+        if self.scaler is not None:
+            optimizer.register_step_pre_hook(self._refuse_scaled_step)
+
+    def _refuse_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._scaled and not self._stepping:
+            scale = float(self._scale())
+            raise ConfigError(
+                f"optimizer.step() was called directly under fp16-mixed: the gradients are still multiplied by "
+                f"the loss scale ({scale:g}), so the step would be {scale:g} times too large\n"
+                "hint: call rt.step(optimizer) instead; it unscales the gradients (and clips them, and skips a "
+                "step that overflowed) before stepping"
+            )
 
     def _scale(self) -> torch.Tensor:
         """The current loss scale as a device tensor: scaling a one, through the scaler's public API."""

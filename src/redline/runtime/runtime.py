@@ -47,6 +47,7 @@ from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_planned, compile_seconds, explain_compile
+from redline.runtime.cycle import Cycle
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
@@ -105,7 +106,7 @@ class Runtime:
         self.settings = ProcessSettings(
             tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed
         )
-        self._zero_after_step = zero_grad.value == "after step"
+        self._cycle = Cycle(self.options.grad_accum, zero_after_step=zero_grad.value == "after step")
         self._micro = MicroBatcher(self.options.micro_batch)
         self.snapshot_dir: Path | None = None  # where an out-of-memory on CUDA writes its memory snapshot
         accum, clip = self.options.grad_accum, self.options.clip_grad_norm
@@ -128,9 +129,6 @@ class Runtime:
         self._closed = False
         self._setups = 0
         self._compile_records: list[CompileRecord] = []
-        self._backwards = 0
-        self._micro_steps: dict[int, int] = {}
-        self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
 
@@ -227,6 +225,8 @@ class Runtime:
             self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl,
             micro_batch=micro, activation_checkpointing=recompute,
         )  # fmt: skip
+        self.precision.guard(built)
+        self._cycle.adopt(built)
         self.model, self.optimizer = model, built
         self._models.append(model)
         if self._tuning is not None:
@@ -294,7 +294,7 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
         check_loss(loss, training=True, source="backward(loss) got")
-        sync = self._next_batch()
+        sync = self._cycle.next_batch()
         accum = self.options.grad_accum
         if accum > 1:
             loss = loss / accum
@@ -313,8 +313,8 @@ class Runtime:
         done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
         """
         strategy, _, _ = self._prepared(models=False)
-        sync = self._next_batch()
-        step = (self._backwards - 1) // self.options.grad_accum + 1
+        sync = self._cycle.next_batch()
+        step = self._cycle.current_step
         how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
                     accum=self.options.grad_accum, sync=sync, step=step, snapshot_dir=self.snapshot_dir,
                     recompute=self.enable_activation_checkpointing)  # fmt: skip
@@ -333,15 +333,6 @@ class Runtime:
         """The memory snapshot the last out-of-memory wrote (CUDA, with ``snapshot_dir`` set), else None."""
         return self._micro.last_snapshot
 
-    def _next_batch(self) -> bool:
-        """Count a batch; return whether it ends an accumulation cycle (its backward reduces over the ranks)."""
-        if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
-            for optimizer in self._pending_zero.values():
-                optimizer.zero_grad(set_to_none=True)
-            self._pending_zero.clear()
-        self._backwards += 1
-        return self._backwards % self.options.grad_accum == 0
-
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
 
@@ -350,18 +341,10 @@ class Runtime:
         Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
-        key = id(optimizer)
-        if self.options.grad_accum > 1:
-            count = self._micro_steps.get(key, 0) + 1
-            if count < self.options.grad_accum:
-                self._micro_steps[key] = count
-                return False
-            self._micro_steps[key] = 0
+        if not self._cycle.due(optimizer):
+            return False
         self.precision.step(optimizer, self._clip if self.options.clip_grad_norm is not None else None)
-        if self._zero_after_step:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            self._pending_zero[key] = optimizer
+        self._cycle.stepped(optimizer)
         return True
 
     def _clip(self, optimizer: torch.optim.Optimizer) -> None:
@@ -388,7 +371,7 @@ class Runtime:
         """
         strategy, model, optimizer = self._prepared()
         state = strategy.state_dict(model, optimizer)
-        steps = self._backwards // self.options.grad_accum  # whole steps: a cycle's gradients are not state
+        steps = self._cycle.steps
         return {**state, "precision": self.precision.state_dict(), "rng": capture_rng(), "step": steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -437,9 +420,7 @@ class Runtime:
 
     def _restart_cycle(self, step: int) -> None:
         """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
-        self._backwards = step * self.options.grad_accum  # steps go on counting from the loaded state's
-        self._micro_steps.clear()
-        self._pending_zero.clear()
+        self._cycle.restart(step)
         for model in self._models:  # gradients accumulated before the load belong to the old weights
             model.zero_grad(set_to_none=True)
 

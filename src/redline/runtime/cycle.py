@@ -1,0 +1,81 @@
+"""Counting batches into optimizer steps: accumulation cycles, when gradients are freed, which optimizers step.
+
+A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` batches end a cycle,
+whose backward reduces the gradients over the ranks and whose ``step`` really steps. The gradients a
+step used are freed right after it on CUDA, and just before the next backward elsewhere (as late as
+the plain loop frees them). Only an optimizer that ``setup`` returned may step: setup may rebuild the
+one it was given (fused, or over the shards under FSDP), and the user's own then trains nothing of
+the set-up model, or trains it with a second, separate state.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from redline.errors import ConfigError
+
+
+class Cycle:
+    """The batch and step count of one Runtime, with the optimizers its ``setup`` returned."""
+
+    def __init__(self, grad_accum: int, *, zero_after_step: bool) -> None:
+        self.grad_accum = grad_accum
+        self.zero_after_step = zero_after_step
+        self.backwards = 0
+        self._micro_steps: dict[int, int] = {}
+        self._pending_zero: dict[int, torch.optim.Optimizer] = {}
+        self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record ``optimizer`` as one that ``setup`` returned."""
+        self._set_up.add(optimizer)
+
+    @property
+    def steps(self) -> int:
+        """Whole steps so far: a cycle's gradients are not state."""
+        return self.backwards // self.grad_accum
+
+    @property
+    def current_step(self) -> int:
+        """The step the last counted batch belongs to, from 1."""
+        return (self.backwards - 1) // self.grad_accum + 1
+
+    def next_batch(self) -> bool:
+        """Count a batch; return whether it ends a cycle (its backward reduces over the ranks)."""
+        if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
+            for optimizer in self._pending_zero.values():
+                optimizer.zero_grad(set_to_none=True)
+            self._pending_zero.clear()
+        self.backwards += 1
+        return self.backwards % self.grad_accum == 0
+
+    def due(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Count a ``step`` call for ``optimizer``; return whether it ends the optimizer's cycle."""
+        if len(self._set_up) and optimizer not in self._set_up:
+            raise ConfigError(
+                f"rt.step() got an optimizer ({type(optimizer).__name__}) that rt.setup() did not return: setup "
+                "may rebuild the one it is given (fused, or over the shards under FSDP), and only the one it "
+                "returns trains the set-up model\nhint: keep what setup returns: "
+                "`model, optimizer = rt.setup(model, optimizer)`, and step that"
+            )
+        if self.grad_accum == 1:
+            return True
+        key = id(optimizer)
+        count = self._micro_steps.get(key, 0) + 1
+        self._micro_steps[key] = count % self.grad_accum
+        return count == self.grad_accum
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Free the gradients ``optimizer`` just stepped on, now or before the next backward."""
+        if self.zero_after_step:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self._pending_zero[id(optimizer)] = optimizer
+
+    def restart(self, step: int) -> None:
+        """Start a fresh cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
+        self.backwards = step * self.grad_accum  # steps go on counting from the loaded state's
+        self._micro_steps.clear()
+        self._pending_zero.clear()
