@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.parallel.collectives import gather_objects
+from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
@@ -58,8 +58,12 @@ def measure_auto(
         return {}  # the rule's reason says why nothing else is worth trying here
     cost = trial_steps(candidates)
     short = trial == "auto" and planned_steps < REPAY * cost  # too short to repay a trial, not a cached one
-    choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short) if env.is_main else None
-    shared: tuple[str, str] | None = gather_objects(choice and (choice.value, choice.reason))[0]  # rank 0's, on all
+
+    def trial_on_rank0() -> tuple[str, str] | None:
+        choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short)
+        return (choice.value, choice.reason) if choice is not None else None
+
+    shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
     if shared is None:
         rule = resolve_precision("auto", facts)
         why = f"not measured: a trial costs {cost} steps, and this run of {planned_steps:g} would not repay it"

@@ -23,7 +23,7 @@ from torch import nn
 from redline.atomic import check_writable, write_atomic
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
-from redline.parallel.collectives import gather_objects
+from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import fingerprint_of, worker_device
 from redline.runtime.options import RuntimeOptions
@@ -267,8 +267,12 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
     An axis ``options`` sets keeps its value. Rank 0 reads the cache, and every rank runs its answer.
     """
     _, facts = worker_device(options, env)
-    found = _load(task, facts, batch_size) if env.is_main else None
-    data = gather_objects(found and found.to_dict())[0]  # rank 0's, on every rank
+
+    def load_on_rank0() -> dict[str, Any] | None:
+        found = _load(task, facts, batch_size)
+        return found.to_dict() if found is not None else None
+
+    data = run_on_rank0(load_on_rank0, "looking up the tuned Plan")  # rank 0's, on all; its failure stops all
     if data is None:
         return None
     tuned = TunedPlan.from_dict(data)
