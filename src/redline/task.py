@@ -8,6 +8,7 @@ Python, or loaded from a spec string: ``example:NAME`` (built in), ``pkg.module:
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -90,15 +91,18 @@ class Task:
         return model
 
     def fingerprint(self) -> str:
-        """Return a short hash of what shapes the workload: model structure, parameters, batch, data.
+        """Return a short hash of what shapes the workload: model structure, parameters, loss, optimizer, batch, data.
 
         The data counts by its size and the shapes and dtypes of its first sample (not its values): a
         model that takes any image size runs another workload on larger images. A stream (no length)
-        is not read here.
+        is not read here. The optimizer counts by its kind and its switches (fused, foreach, amsgrad,
+        ...), not its learning rate or other numbers: a sweep over them is one workload to time.
         """
         model = self.model if isinstance(self.model, nn.Module) else self.build_model()
         digest = hashlib.sha256()
         digest.update(model_fingerprint(model).encode())
+        digest.update(f"loss={_function_name(self.loss_fn)}".encode())
+        digest.update(f"optimizer={_optimizer_kind(self.optimizer, model)}".encode())
         digest.update(f"batch={self.batch_size}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
@@ -114,6 +118,31 @@ def model_fingerprint(model: nn.Module) -> str:
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
     return digest.hexdigest()[:16]
+
+
+def _function_name(fn: object) -> str:
+    """A loss function's name as it stays from run to run: its module and qualified name, or a module's repr."""
+    if isinstance(fn, nn.Module):
+        return repr(fn)
+    if isinstance(fn, functools.partial):
+        return f"partial({_function_name(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
+def _optimizer_kind(factory: OptimizerFactory, model: nn.Module) -> str:
+    """The kind of optimizer ``factory`` builds on ``model`` and its switches per parameter group (how many tensors,
+    fused, foreach, ...). A factory that fails here fails again where the run builds it, with the error that
+    names the fix (a model without parameters, say): the fingerprint only notes that it failed."""
+    try:
+        optimizer = factory(model.parameters())
+    except Exception as exc:  # said where the run builds the optimizer
+        return f"failed: {type(exc).__name__}"
+    groups = [
+        (len(group.get("params", ())), sorted((k, v) for k, v in group.items() if isinstance(v, bool | str | None)))
+        for group in getattr(optimizer, "param_groups", ())
+    ]
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}{groups}"
 
 
 def _layout(item: object) -> str:

@@ -210,6 +210,36 @@ def test_fingerprint_changes_with_batch_size_model_shape_or_data_size(change: di
     assert base.fingerprint() != changed.fingerprint()
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"loss_fn": nn.functional.mse_loss},
+        {"loss_fn": nn.L1Loss()},
+        {"optimizer": lambda params: torch.optim.SGD(params, lr=0.1)},
+        {"optimizer": lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True)},
+        {"optimizer": lambda params: torch.optim.AdamW([{"params": list(params)[:1]}], lr=1e-3)},
+    ],
+)
+def test_fingerprint_changes_with_the_loss_or_the_optimizer(change: dict[str, object]) -> None:
+    """Another loss or optimizer times differently (and judges a candidate's loss differently): no cached trial."""
+    data = tiny_data()
+    base = tiny_task(model=nn.Linear(2, 1), train_data=data, loss_fn=nn.functional.l1_loss)
+    changed = tiny_task(**{"model": nn.Linear(2, 1), "train_data": data, "loss_fn": nn.functional.l1_loss, **change})
+    assert base.fingerprint() != changed.fingerprint()
+
+
+def test_fingerprint_is_the_same_for_another_learning_rate() -> None:
+    """A sweep over the learning rate or weight decay is one workload: it pays for one trial, not one each."""
+    data = tiny_data()
+    fingerprints = {
+        tiny_task(
+            model=nn.Linear(2, 1), train_data=data, optimizer=lambda params, lr=lr: torch.optim.AdamW(params, lr=lr)
+        ).fingerprint()
+        for lr in (1e-3, 3e-4)
+    }
+    assert len(fingerprints) == 1
+
+
 def test_fingerprint_changes_with_the_shape_of_the_samples() -> None:
     """A model that takes any image size times differently on larger images: a cached trial must not carry over."""
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
