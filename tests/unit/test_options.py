@@ -28,6 +28,7 @@ from redline.train.config import TrainerConfig
         ("clip_grad_norm", -1.0, "clip_grad_norm=-1.0"),
         ("seed", "7", "seed='7'"),
         ("deterministic", "yes", "deterministic='yes'"),
+        ("find_unused_parameters", "yes", "find_unused_parameters='yes'"),
         ("micro_batch", 0, "micro_batch=0"),
         ("micro_batch", "half", "micro_batch='half'"),
         ("micro_batch", True, "micro_batch=True"),

@@ -41,6 +41,11 @@ class RuntimeOptions:
     seed: int | None = option(None, "Seed every RNG and the data order (default 0 for the order).")
     strategy: StrategyRequest = option("auto", "auto, single, ddp or fsdp (with several processes).")
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True) while the run lasts.")
+    find_unused_parameters: bool = option(
+        False,
+        "DDP: let a step leave parameters without a gradient (a model whose branches differ from step to step); "
+        "costs a walk of the autograd graph each step.",
+    )
     activation_checkpointing: Switch = option(
         "auto", "Recompute the repeated blocks' activations in backward: auto (when memory runs short), on or off."
     )
@@ -65,6 +70,7 @@ class RuntimeOptions:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise invalid("seed", self.seed, "an integer or None")
         boolean("deterministic", self.deterministic)
+        boolean("find_unused_parameters", self.find_unused_parameters)
 
     @classmethod
     def build(cls, options: RuntimeOptions | None = None, **changes: Any) -> RuntimeOptions:

@@ -207,7 +207,7 @@ class Runtime:
                 f"strategy={strategy.value!r} needs a process group, and this process was not launched as a "
                 "worker\nhint: start it with `redline launch` (or `redline train --nproc N`), or use strategy='auto'"
             )
-        self.strategy = build_strategy(strategy.value)
+        self.strategy = build_strategy(strategy.value, find_unused_parameters=self.options.find_unused_parameters)
         micro = self._micro.plan(strategy.value)  # "auto" under FSDP is refused here, before anything is wrapped
         model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
         if self.strategy.detail:

@@ -80,7 +80,9 @@ class Strategy(Protocol):
         ...
 
 
-def build_strategy(name: StrategyName) -> Strategy:
-    """Return the strategy object for a resolved strategy name."""
-    strategies: dict[str, type[Strategy]] = {"single": SingleDevice, "ddp": DDP, "fsdp": FSDP}
+def build_strategy(name: StrategyName, *, find_unused_parameters: bool = False) -> Strategy:
+    """Return the strategy object for a resolved strategy name (``find_unused_parameters`` is DDP's)."""
+    if name == "ddp":
+        return DDP(find_unused_parameters=find_unused_parameters)
+    strategies: dict[str, type[Strategy]] = {"single": SingleDevice, "fsdp": FSDP}
     return strategies[name]()

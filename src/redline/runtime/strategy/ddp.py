@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import Checkpoint, whole
 from redline.errors import ConfigError, few
-from redline.parallel.collectives import average_tensors, broadcast_tensors, run_on_rank0
+from redline.parallel.collectives import all_reduce_sum, average_tensors, broadcast_tensors, run_on_rank0
 from redline.parallel.ddp import wrap_ddp
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
@@ -27,13 +27,19 @@ class DDP(SingleDevice):
     name: StrategyName = "ddp"
     detail = "gradients are views into DDP's buckets (no copy in or out)"
 
-    def __init__(self) -> None:
+    def __init__(self, *, find_unused_parameters: bool = False) -> None:
         self._checked: set[int] = set()  # the models whose first reduction was checked for unused parameters
+        self.find_unused = find_unused_parameters
+        if find_unused_parameters:
+            self.detail = (
+                f"{DDP.detail}; find_unused_parameters: each step walks the autograd graph for the parameters "
+                "it leaves without a gradient (requested)"
+            )
 
     def wrap(
         self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        wrapped = wrap_ddp(model, device)
+        wrapped = wrap_ddp(model, device, find_unused_parameters=self.find_unused)
         return wrapped, build_optimizer(optimizer, model)
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
@@ -52,7 +58,7 @@ class DDP(SingleDevice):
         "Expected to have finished reduction in the prior iteration", which names no parameter.
         """
         yield
-        if id(model) in self._checked:
+        if id(model) in self._checked or self.find_unused:
             return
         self._checked.add(id(model))
         unused = [name for name, p in self.module(model).named_parameters() if p.requires_grad and p.grad is None]
@@ -60,8 +66,8 @@ class DDP(SingleDevice):
             raise ConfigError(
                 f"under DDP every parameter that requires a gradient must get one from the loss, and {len(unused)} "
                 f"got none in the first step: {few(unused, 5)}\nhint: freeze what the loss does not use "
-                "(param.requires_grad_(False)) or leave it out of the model; a model that uses other parameters "
-                "in other steps trains on one process"
+                "(param.requires_grad_(False)) or leave it out of the model; for a model that uses other "
+                "parameters in other steps, pass find_unused_parameters=True (--find-unused-parameters)"
             )
 
     @contextlib.contextmanager
@@ -76,8 +82,13 @@ class DDP(SingleDevice):
             yield
 
     def average_gradients(self, model: nn.Module) -> None:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        average_tensors(grads)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.find_unused and params:  # a parameter one rank left without a gradient: zeros there, as DDP's
+            had = all_reduce_sum(torch.tensor([p.grad is not None for p in params], device=params[0].device).int())
+            for p, ranks in zip(params, had.tolist(), strict=True):
+                if ranks and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        average_tensors([p.grad for p in params if p.grad is not None])
         module = self.module(model)
         broadcast_tensors([b for b in module.buffers()], src=0)  # as DDP does before a forward: rank 0's
 
