@@ -282,6 +282,21 @@ def test_step_refuses_an_optimizer_setup_did_not_return(initial):
     assert rt.step(optimizer)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_backward_passes_its_keywords_to_torch(initial, precision):
+    """retain_graph lets a second loss back-propagate through the same forward, as loss.backward(...) does."""
+    rt = redline.Runtime(devices="cpu", precision=precision, compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    with rt.autocast():
+        outputs = model(torch.randn(4, 1, 8, 8)).float()
+    rt.backward(nn.functional.cross_entropy(outputs, torch.tensor([0, 1, 2, 3])), retain_graph=True)
+    rt.backward(outputs.pow(2).mean())  # through the graph the first call kept
+    assert rt.step(optimizer)
+    first = next(model.parameters())
+    rt.backward(nn.functional.cross_entropy(model(torch.randn(2, 1, 8, 8)), torch.tensor([0, 1])), inputs=[first])
+    assert all(p.grad is None for p in list(model.parameters())[1:])  # only the named input got a gradient
+
+
 def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):
     rt = redline.Runtime(devices="cpu", strategy="ddp")
     with pytest.raises(ConfigError, match="redline launch"):

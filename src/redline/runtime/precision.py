@@ -41,13 +41,13 @@ class Precision:
             return _NOTHING  # reusable: the fp32 loop pays for no new object per step
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss``, scaled up first under fp16."""
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Back-propagate ``loss``, scaled up first under fp16; ``kwargs`` go to torch's ``backward``."""
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward(**kwargs)
             self._scaled = True
         else:
-            loss.backward()
+            loss.backward(**kwargs)
 
     def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[torch.optim.Optimizer], None] | None) -> None:
         """Step ``optimizer``: unscale the gradients (fp16), clip them if asked, then step.

@@ -291,8 +291,12 @@ class Runtime:
         """Return the context that runs the forward pass in the planned precision."""
         return self.precision.autocast()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16."""
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16.
+
+        Keyword arguments go to torch's ``backward`` (``retain_graph=True`` to back-propagate through
+        the same graph again, ``inputs=[...]``). Each call counts as one batch towards ``grad_accum``.
+        """
         check_loss(loss, training=True, source="backward(loss) got")
         sync = self._cycle.next_batch()
         accum = self.options.grad_accum
@@ -302,7 +306,7 @@ class Runtime:
         if self.strategy is not None and self.model is not None:
             synced = self.strategy.gradient_sync(self.model, sync)
         with synced:
-            self.precision.backward(loss)
+            self.precision.backward(loss, **kwargs)
 
     def train_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """Run ``step_fn(batch)`` (the batch's loss, under autocast) and back-propagate it; return the loss, detached.
