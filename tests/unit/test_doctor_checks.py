@@ -278,6 +278,20 @@ def test_visible_devices_cuda_stops_at_the_first_bad_entry():
     assert judge(snap).check("visible-devices").status == "warn"
 
 
+def test_cuda_that_will_not_start_is_blamed_on_visible_devices_only_when_they_hide_every_gpu():
+    # Slurm and Kubernetes set CUDA_VISIBLE_DEVICES to real GPUs: unsetting it would not start CUDA.
+    snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
+    snap.torch.warnings = ["CUDA initialization: CUDA driver initialization failed, you might not have a CUDA gpu."]
+    for listed in ("0", "2,3", snap.driver.gpus[1].uuid):
+        snap.env["CUDA_VISIBLE_DEVICES"] = listed
+        check = judge(snap).check("cuda-available")
+        assert check.status == "fail" and "CUDA_VISIBLE_DEVICES" not in (check.fix or ""), (listed, check.fix)
+        assert "nvidia-smi" in (check.fix or "")
+    for hiding in ("4,5", "-1", "", "NoDevFiles"):
+        snap.env["CUDA_VISIBLE_DEVICES"] = hiding
+        assert "unset CUDA_VISIBLE_DEVICES" in (judge(snap).check("cuda-available").fix or ""), hiding
+
+
 def test_indices_on_mixed_gpus_need_the_pci_order():
     # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
     snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")

@@ -45,6 +45,14 @@ def read_visible(value: str, gpus: list[GpuFacts]) -> VisibleList:
     return result
 
 
+def hides_every_gpu(value: str, gpus: list[GpuFacts]) -> bool:
+    """Whether a CUDA_VISIBLE_DEVICES value leaves CUDA no GPU of those the driver lists (a value that hides all
+    whatever the GPUs are, or a list whose first entry names none of them)."""
+    if value.strip() in HIDE_ALL:
+        return True
+    return bool(gpus) and not read_visible(value, gpus).visible
+
+
 def _match(entry: str, gpus: list[GpuFacts]) -> str | None:
     """Return the GPU an entry names, as its NVML index (or a MIG UUID, which NVML's GPU list cannot check)."""
     if entry.isascii() and entry.isdigit():
