@@ -75,6 +75,8 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     spec, facts = gpu_facts("h100-sxm")
     assert spec.mem_gib == 80 and facts.capability == (9, 0) and facts.bf16
     assert gpu_facts("NVIDIA H100 80GB HBM3")[0].id == "h100-sxm"
+    spec, facts = gpu_facts("AMD Instinct MI300X")  # what torch on ROCm reports
+    assert spec.mem_gib == 192 and facts.capability == (9, 4) and facts.bf16
     with pytest.raises(ConfigError, match=r"(?s)not in the GPU catalog.*h100-sxm.*--mem-gib"):
         gpu_facts("voodoo-2")
 
@@ -84,7 +86,7 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
      ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4"), ("rtx4090", "rtx-4090"), ("h100nvl", "h100-nvl"),
      ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10"),
-     ("RTX 6000 Ada", "rtx-6000-ada")],
+     ("RTX 6000 Ada", "rtx-6000-ada"), ("MI300X", "mi300x"), ("AMD MI300X", "mi300x")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
