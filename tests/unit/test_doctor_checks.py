@@ -292,6 +292,28 @@ def test_cuda_that_will_not_start_is_blamed_on_visible_devices_only_when_they_hi
         assert "unset CUDA_VISIBLE_DEVICES" in (judge(snap).check("cuda-available").fix or ""), hiding
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "status", "words"),
+    [
+        ("NCCL_P2P_DISABLE", "1", "warn", "NCCL_P2P_DISABLE set, which slows every collective"),
+        ("NCCL_P2P_DISABLE", "0x1", "warn", "NCCL_P2P_DISABLE set, which slows every collective"),  # strtol, base 0
+        ("NCCL_IB_DISABLE", "2", "warn", "NCCL_IB_DISABLE set, which slows every collective"),  # IB: any number but 0
+        ("NCCL_P2P_DISABLE", "false", "ok", "NCCL 2.26.2"),  # NCCL reads 0: P2P stays on, nothing slows
+        ("NCCL_SHM_DISABLE", "0", "ok", "NCCL 2.26.2"),
+        ("NCCL_P2P_DISABLE", "true", "warn", "ignores NCCL_P2P_DISABLE='true'"),  # read as 0: P2P stays on
+        ("NCCL_SHM_DISABLE", "2", "warn", "ignores NCCL_SHM_DISABLE='2'"),  # only 1 turns shared memory off
+        ("NCCL_IB_DISABLE", "yes", "warn", "ignores NCCL_IB_DISABLE='yes'"),
+    ],
+)
+def test_nccl_switches_are_read_as_nccl_reads_them(name, value, status, words):
+    snap = load_snapshot(FIXTURES / "nccl-p2p-disabled.json")
+    snap.env = {name: value}
+    check = judge(snap).check("nccl")
+    assert check.status == status and words in check.detail, check
+    if status == "warn":
+        assert f"unset {name}" in (check.fix or "")
+
+
 def test_indices_on_mixed_gpus_need_the_pci_order():
     # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
     snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
