@@ -314,6 +314,19 @@ def test_nccl_switches_are_read_as_nccl_reads_them(name, value, status, words):
         assert f"unset {name}" in (check.fix or "")
 
 
+def test_visible_devices_on_a_single_gpu_speaks_of_the_gpu():
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["CUDA_VISIBLE_DEVICES"] = "-1"
+    assert judge(snap).check("visible-devices").detail == "CUDA_VISIBLE_DEVICES='-1' hides the GPU"
+    snap.env["CUDA_VISIBLE_DEVICES"] = "1"
+    check = judge(snap).check("visible-devices")
+    assert check.detail == "CUDA_VISIBLE_DEVICES='1': '1' is not the GPU (0), so CUDA sees no GPU", check.detail
+    snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
+    assert judge(snap).check("visible-devices").detail.startswith("CUDA_VISIBLE_DEVICES='4,5': '4' names none of the 4")
+    snap.env["CUDA_VISIBLE_DEVICES"] = ""
+    assert judge(snap).check("visible-devices").detail == "CUDA_VISIBLE_DEVICES='' hides all 4 GPUs"
+
+
 def test_indices_on_mixed_gpus_need_the_pci_order():
     # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
     snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
