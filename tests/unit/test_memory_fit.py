@@ -189,3 +189,14 @@ def test_a_gpu_whose_context_takes_all_its_memory_says_so() -> None:
         "a 0.5 GiB GPU leaves no memory for tensors: the CUDA context takes about 1 GiB of it before any tensor",
     )
     assert fit_memory(task, device="a CPU", mem_gib=0.5, target="cpu").notes == ()
+
+
+def test_a_batch_smaller_than_the_gpus_says_why_the_fsdp_rows_weigh_more() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=4, gpus=8)
+    assert [row.estimate.batch_size for row in result.rows] == [4, 8]
+    assert result.notes == (
+        "batch 4 leaves some of the 8 GPUs without a sample, so the FSDP rows weigh a batch of 8, one sample on each",
+    )
+    assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=8, gpus=8).notes == ()

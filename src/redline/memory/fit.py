@@ -215,6 +215,11 @@ def fit_memory(
             f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
             "so the largest batch does too"
         )
+    if any(row.estimate.batch_size > batch for row in rows):  # the table's batch column would differ unexplained
+        notes.append(
+            f"batch {batch} leaves some of the {gpus} GPUs without a sample, so the FSDP rows weigh a batch of {gpus}, "
+            "one sample on each"
+        )
     if available == 0:  # nothing fits, and the table alone would not say why
         notes.append(
             f"a {mem_gib:g} GiB GPU leaves no memory for tensors: the CUDA context takes about "
