@@ -86,7 +86,9 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
      ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4"), ("rtx4090", "rtx-4090"), ("h100nvl", "h100-nvl"),
      ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10"),
-     ("RTX 6000 Ada", "rtx-6000-ada"), ("MI300X", "mi300x"), ("AMD MI300X", "mi300x")],
+     ("RTX 6000 Ada", "rtx-6000-ada"), ("MI300X", "mi300x"), ("AMD MI300X", "mi300x"),
+     # a card's memory, and the words of the name torch reports, are words a person types too
+     ("T4 16GB", "t4"), ("L40S 48GB", "l40s"), ("B200 180GB", "b200"), ("a10 24gb", "a10")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
@@ -102,8 +104,10 @@ def test_a_name_in_no_row_names_the_nearest_rows(name, nearest) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "row"), [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("v100 32gb", "v100-sxm2-32gb")]
-)
+    ("name", "row"),
+    [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("v100 32gb", "v100-sxm2-32gb"),
+     ("H100 80GB HBM3", "h100-sxm"), ("4090 24GB", "rtx-4090")],
+)  # fmt: skip
 def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(name, row) -> None:
     # "rtx 6000" is the 48 GB Ada card of the catalog, or the 24 GB Quadro RTX 6000 it lacks: weighing a model
     # against the wrong one answers "fits" for a card that cannot hold it
@@ -114,7 +118,8 @@ def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(
 @pytest.mark.parametrize(
     ("name", "rows"),
     [("H100", "h100-sxm, h100-nvl, h100-pcie"), ("h200", "h200-sxm, h200-nvl"), ("gh200", "gh200-96gb, gh200-144gb"),
-     ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")],
+     ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb"), ("Tesla V100", "v100-sxm2-16gb, v100-sxm2-32gb"),
+     ("H200 141GB", "h200-sxm, h200-nvl")],
 )  # fmt: skip
 def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> None:
     with pytest.raises(ConfigError, match=f"could be any of: {rows}"):
