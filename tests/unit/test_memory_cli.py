@@ -37,3 +37,9 @@ def test_gpus_without_a_gpu_to_weigh_against_is_refused_not_ignored(monkeypatch:
 def test_gpus_with_a_gpu_named_goes_on_to_load_the_task(where: list[str]) -> None:
     result = CliRunner().invoke(app, ["memory", *UNLOADABLE, *where, "--gpus", "4"])
     assert "no/such/file.py" in str(result.exception)  # past the flags, stopped by the spec
+
+
+@pytest.mark.parametrize("size", ["1e308", "2e6", "inf", "0", "-24"])
+def test_a_memory_size_no_device_has_is_refused_by_its_flag(size: str) -> None:
+    message = refusal("--mem-gib", size)  # 1e308 GiB is more bytes than a float holds: it crashed the fit
+    assert message.startswith("--mem-gib=") and "expected a positive number of GiB, at most 1048576 (1 PiB)" in message

@@ -133,6 +133,7 @@ def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> N
         ({"batch_size": -8}, "batch_size=-8"),
         ({"mem_gib": float("inf")}, "mem_gib=inf"),
         ({"mem_gib": 0}, "mem_gib=0"),
+        ({"mem_gib": 1e308}, "mem_gib=1e+308 is not allowed; expected at most 1048576 GiB"),  # infinite bytes
         ({"gpus": 0}, "gpus=0"),
         ({"target": "tpu"}, "target='tpu'"),
     ],

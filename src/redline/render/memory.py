@@ -38,7 +38,7 @@ def memory_tables(result: MemoryFit) -> list[Table]:
     # reads "1536 GiB", not "1.54e+03 GiB"
     mem = result.mem_gib
     total = f"{mem:.4g} GiB" if mem < 1000 else f"{mem:.0f} GiB"
-    said = "" if any(text in result.device for text in (total, f"{mem:g} GiB")) else f"{total}, "
+    said = "" if any(text in result.device for text in (total, f"{mem:.10g} GiB")) else f"{total}, "
     fits = titled_table(f"on {result.device} ({said}{size(result.rows[0].available)} for tensors)")
     for column in ("way", "batch", "peak", "fits", "largest batch"):
         fits.add_column(column, justify="left" if column == "way" else "right")
