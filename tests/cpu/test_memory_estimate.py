@@ -250,6 +250,12 @@ def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -
         estimate_memory(task, target="cpu")
 
 
+@pytest.mark.parametrize("batch_size", [2**62, 10**19])  # a batch size typed with zeros too many
+def test_a_batch_too_large_for_any_tensor_says_so_instead_of_blaming_the_model(batch_size: int) -> None:
+    with pytest.raises(TrainingError, match=r"(?si)overflow.*\nhint: a tensor of this size cannot exist.*smaller"):
+        estimate_memory(mlp(), batch_size=batch_size, target="cpu")
+
+
 def test_a_shape_mistake_is_said_once_without_torch_logging_its_traceback() -> None:
     task = dataclasses.replace(mlp(), model=lambda: nn.Linear(63, 10))  # the data has 64 features
     torch_log = logging.getLogger("torch._subclasses.fake_tensor")
