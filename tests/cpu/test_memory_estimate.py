@@ -384,6 +384,26 @@ def test_a_factory_that_moves_its_model_to_the_cpu_is_traced() -> None:
     assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4
 
 
+class MadeOnTheGpu(nn.Module):
+    """A model whose layers and buffer are made where it trains, not moved there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10, device="cuda", dtype=torch.bfloat16)
+        self.register_buffer("scale", torch.ones(10, device=torch.device("cuda", 0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(torch.bfloat16)).float() * self.scale
+
+
+def test_a_factory_that_makes_its_model_on_a_gpu_is_traced_without_one() -> None:
+    # nothing is made on the GPU, here or on a machine that has one: the estimate allocates no device memory
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    task = Task(model=MadeOnTheGpu, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16)
+    estimate = estimate_memory(task, target="cuda")
+    assert (estimate.params, estimate.buffers) == ((64 * 10 + 10) * 2, 10 * 4)
+
+
 MOVED_TASK = """
 import torch
 from torch import nn
