@@ -327,6 +327,21 @@ def test_visible_devices_on_a_single_gpu_speaks_of_the_gpu():
     assert judge(snap).check("visible-devices").detail == "CUDA_VISIBLE_DEVICES='' hides all 4 GPUs"
 
 
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [("4", "ok"), (" 4", "ok"), ("4,2", "ok"), ("0", "warn"), ("-2", "warn"), ("four", "warn"), ("", "warn")],
+)
+def test_omp_num_threads_is_read_as_torch_reads_it(value, status):
+    # torch takes the leading integer (std::stoi): OpenMP's nested list "4,2" runs 4 threads, as " 4" does
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["OMP_NUM_THREADS"] = value
+    snap.torch.num_threads = 4
+    check = judge(snap).check("cpu-threads")
+    assert check.status == status, check
+    if status == "warn":
+        assert check.detail == f"OMP_NUM_THREADS={value!r} is not a positive integer"
+
+
 def test_indices_on_mixed_gpus_need_the_pci_order():
     # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
     snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
