@@ -250,6 +250,12 @@ def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -
         estimate_memory(task, target="cpu")
 
 
+@pytest.mark.parametrize("batch_size", [2**62, 10**19])  # a batch size typed with zeros too many
+def test_a_batch_too_large_for_any_tensor_says_so_instead_of_blaming_the_model(batch_size: int) -> None:
+    with pytest.raises(TrainingError, match=r"(?si)overflow.*\nhint: a tensor of this size cannot exist.*smaller"):
+        estimate_memory(mlp(), batch_size=batch_size, target="cpu")
+
+
 def test_a_shape_mistake_is_said_once_without_torch_logging_its_traceback() -> None:
     task = dataclasses.replace(mlp(), model=lambda: nn.Linear(63, 10))  # the data has 64 features
     torch_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -376,6 +382,26 @@ def test_a_factory_that_moves_its_model_to_the_cpu_is_traced() -> None:
     data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
     task = Task(model=moved, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="moved")
     assert estimate_memory(task, target="cuda").params == (64 * 256 + 256 + 256 * 10 + 10) * 4
+
+
+class MadeOnTheGpu(nn.Module):
+    """A model whose layers and buffer are made where it trains, not moved there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10, device="cuda", dtype=torch.bfloat16)
+        self.register_buffer("scale", torch.ones(10, device=torch.device("cuda", 0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(torch.bfloat16)).float() * self.scale
+
+
+def test_a_factory_that_makes_its_model_on_a_gpu_is_traced_without_one() -> None:
+    # nothing is made on the GPU, here or on a machine that has one: the estimate allocates no device memory
+    data = TensorDataset(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    task = Task(model=MadeOnTheGpu, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16)
+    estimate = estimate_memory(task, target="cuda")
+    assert (estimate.params, estimate.buffers) == ((64 * 10 + 10) * 2, 10 * 4)
 
 
 MOVED_TASK = """

@@ -51,6 +51,9 @@ def test_dense_not_sparse_peaks():
     assert peak_tflops(b200, "fp32", tf32=True) == 1100.0 and peak_tflops(b200, "fp32", tf32=False) == 75.0
     # GeForce: the FP32-accumulate rate autocast uses, half the FP16-accumulate headline.
     assert find_gpu("NVIDIA GeForce RTX 4090").peak_tflops_bf16 == 165.2
+    # AMD's MI300X: dense matrix rates, 192 GB of HBM3 (a wrong row here made MI350X MFU read 152%).
+    mi300x = find_gpu("AMD Instinct MI300X")
+    assert (mi300x.peak_tflops_bf16, mi300x.peak_tflops_tf32, mi300x.mem_gib) == (1307.4, 653.7, 192)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +76,7 @@ def test_dense_not_sparse_peaks():
         ("NVIDIA A10", "a10"),
         ("NVIDIA L4", "l4"),
         ("NVIDIA L40S", "l40s"),
+        ("AMD Instinct MI300X", "mi300x"),  # a ROCm build of torch names it so, as a "cuda" device
         ("Tesla T4", "t4"),
         ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
         ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),

@@ -278,6 +278,70 @@ def test_visible_devices_cuda_stops_at_the_first_bad_entry():
     assert judge(snap).check("visible-devices").status == "warn"
 
 
+def test_cuda_that_will_not_start_is_blamed_on_visible_devices_only_when_they_hide_every_gpu():
+    # Slurm and Kubernetes set CUDA_VISIBLE_DEVICES to real GPUs: unsetting it would not start CUDA.
+    snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
+    snap.torch.warnings = ["CUDA initialization: CUDA driver initialization failed, you might not have a CUDA gpu."]
+    for listed in ("0", "2,3", snap.driver.gpus[1].uuid):
+        snap.env["CUDA_VISIBLE_DEVICES"] = listed
+        check = judge(snap).check("cuda-available")
+        assert check.status == "fail" and "CUDA_VISIBLE_DEVICES" not in (check.fix or ""), (listed, check.fix)
+        assert "nvidia-smi" in (check.fix or "")
+    for hiding in ("4,5", "-1", "", "NoDevFiles"):
+        snap.env["CUDA_VISIBLE_DEVICES"] = hiding
+        assert "unset CUDA_VISIBLE_DEVICES" in (judge(snap).check("cuda-available").fix or ""), hiding
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "status", "words"),
+    [
+        ("NCCL_P2P_DISABLE", "1", "warn", "NCCL_P2P_DISABLE set, which slows every collective"),
+        ("NCCL_P2P_DISABLE", "0x1", "warn", "NCCL_P2P_DISABLE set, which slows every collective"),  # strtol, base 0
+        ("NCCL_IB_DISABLE", "2", "warn", "NCCL_IB_DISABLE set, which slows every collective"),  # IB: any number but 0
+        ("NCCL_P2P_DISABLE", "false", "ok", "NCCL 2.26.2"),  # NCCL reads 0: P2P stays on, nothing slows
+        ("NCCL_SHM_DISABLE", "0", "ok", "NCCL 2.26.2"),
+        ("NCCL_P2P_DISABLE", "true", "warn", "ignores NCCL_P2P_DISABLE='true'"),  # read as 0: P2P stays on
+        ("NCCL_SHM_DISABLE", "2", "warn", "ignores NCCL_SHM_DISABLE='2'"),  # only 1 turns shared memory off
+        ("NCCL_IB_DISABLE", "yes", "warn", "ignores NCCL_IB_DISABLE='yes'"),
+    ],
+)
+def test_nccl_switches_are_read_as_nccl_reads_them(name, value, status, words):
+    snap = load_snapshot(FIXTURES / "nccl-p2p-disabled.json")
+    snap.env = {name: value}
+    check = judge(snap).check("nccl")
+    assert check.status == status and words in check.detail, check
+    if status == "warn":
+        assert f"unset {name}" in (check.fix or "")
+
+
+def test_visible_devices_on_a_single_gpu_speaks_of_the_gpu():
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["CUDA_VISIBLE_DEVICES"] = "-1"
+    assert judge(snap).check("visible-devices").detail == "CUDA_VISIBLE_DEVICES='-1' hides the GPU"
+    snap.env["CUDA_VISIBLE_DEVICES"] = "1"
+    check = judge(snap).check("visible-devices")
+    assert check.detail == "CUDA_VISIBLE_DEVICES='1': '1' is not the GPU (0), so CUDA sees no GPU", check.detail
+    snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")
+    assert judge(snap).check("visible-devices").detail.startswith("CUDA_VISIBLE_DEVICES='4,5': '4' names none of the 4")
+    snap.env["CUDA_VISIBLE_DEVICES"] = ""
+    assert judge(snap).check("visible-devices").detail == "CUDA_VISIBLE_DEVICES='' hides all 4 GPUs"
+
+
+@pytest.mark.parametrize(
+    ("value", "status"),
+    [("4", "ok"), (" 4", "ok"), ("4,2", "ok"), ("0", "warn"), ("-2", "warn"), ("four", "warn"), ("", "warn")],
+)
+def test_omp_num_threads_is_read_as_torch_reads_it(value, status):
+    # torch takes the leading integer (std::stoi): OpenMP's nested list "4,2" runs 4 threads, as " 4" does
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["OMP_NUM_THREADS"] = value
+    snap.torch.num_threads = 4
+    check = judge(snap).check("cpu-threads")
+    assert check.status == status, check
+    if status == "warn":
+        assert check.detail == f"OMP_NUM_THREADS={value!r} is not a positive integer"
+
+
 def test_indices_on_mixed_gpus_need_the_pci_order():
     # CUDA numbers mixed models fastest first: CUDA_VISIBLE_DEVICES=0 may be nvidia-smi's GPU 1.
     snap = load_snapshot(FIXTURES / "visible-devices-out-of-range.json")

@@ -37,3 +37,22 @@ def test_gpus_without_a_gpu_to_weigh_against_is_refused_not_ignored(monkeypatch:
 def test_gpus_with_a_gpu_named_goes_on_to_load_the_task(where: list[str]) -> None:
     result = CliRunner().invoke(app, ["memory", *UNLOADABLE, *where, "--gpus", "4"])
     assert "no/such/file.py" in str(result.exception)  # past the flags, stopped by the spec
+
+
+@pytest.mark.parametrize("size", ["1e308", "2e6", "inf", "0", "-24"])
+def test_a_memory_size_no_device_has_is_refused_by_its_flag(size: str) -> None:
+    message = refusal("--mem-gib", size)  # 1e308 GiB is more bytes than a float holds: it crashed the fit
+    assert message.startswith("--mem-gib=") and "expected a positive number of GiB, at most 1048576 (1 PiB)" in message
+
+
+def test_a_cpu_estimate_weighs_against_the_container_s_limit_not_the_host_s_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a container given 8 GiB on a host of hundreds: past 8 GiB the kernel kills the run
+    monkeypatch.setattr(memory_cli, "probe_accelerators", lambda: Accelerators(cuda_count=0))
+    monkeypatch.setattr(memory_cli, "memory_limit_bytes", lambda: 8 * 2**30)
+    name, facts, mem_gib = memory_cli._device(None, None)
+    assert mem_gib == 8 and facts.type == "cpu" and name == "this machine's CPU, under its cgroup's memory limit"
+    monkeypatch.setattr(memory_cli, "memory_limit_bytes", lambda: None)
+    name, _, mem_gib = memory_cli._device(None, None)
+    assert name == "this machine's CPU" and mem_gib > 0

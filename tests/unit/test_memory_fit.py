@@ -75,6 +75,8 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     spec, facts = gpu_facts("h100-sxm")
     assert spec.mem_gib == 80 and facts.capability == (9, 0) and facts.bf16
     assert gpu_facts("NVIDIA H100 80GB HBM3")[0].id == "h100-sxm"
+    spec, facts = gpu_facts("AMD Instinct MI300X")  # what torch on ROCm reports
+    assert spec.mem_gib == 192 and facts.capability == (9, 4) and facts.bf16
     with pytest.raises(ConfigError, match=r"(?s)not in the GPU catalog.*h100-sxm.*--mem-gib"):
         gpu_facts("voodoo-2")
 
@@ -84,7 +86,9 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     [("RTX 4090", "rtx-4090"), ("h200 sxm", "h200-sxm"), ("H100 NVL", "h100-nvl"), ("A100 SXM4 80GB", "a100-sxm4-80gb"),
      ("H100_SXM", "h100-sxm"), ("L4", "l4"), ("t4", "t4"), ("rtx4090", "rtx-4090"), ("h100nvl", "h100-nvl"),
      ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10"),
-     ("RTX 6000 Ada", "rtx-6000-ada")],
+     ("RTX 6000 Ada", "rtx-6000-ada"), ("MI300X", "mi300x"), ("AMD MI300X", "mi300x"),
+     # a card's memory, and the words of the name torch reports, are words a person types too
+     ("T4 16GB", "t4"), ("L40S 48GB", "l40s"), ("B200 180GB", "b200"), ("a10 24gb", "a10")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
@@ -100,8 +104,10 @@ def test_a_name_in_no_row_names_the_nearest_rows(name, nearest) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "row"), [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("v100 32gb", "v100-sxm2-32gb")]
-)
+    ("name", "row"),
+    [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("v100 32gb", "v100-sxm2-32gb"),
+     ("H100 80GB HBM3", "h100-sxm"), ("4090 24GB", "rtx-4090")],
+)  # fmt: skip
 def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(name, row) -> None:
     # "rtx 6000" is the 48 GB Ada card of the catalog, or the 24 GB Quadro RTX 6000 it lacks: weighing a model
     # against the wrong one answers "fits" for a card that cannot hold it
@@ -112,7 +118,8 @@ def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(
 @pytest.mark.parametrize(
     ("name", "rows"),
     [("H100", "h100-sxm, h100-nvl, h100-pcie"), ("h200", "h200-sxm, h200-nvl"), ("gh200", "gh200-96gb, gh200-144gb"),
-     ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb")],
+     ("a100 80gb", "a100-sxm4-80gb, a100-pcie-80gb"), ("Tesla V100", "v100-sxm2-16gb, v100-sxm2-32gb"),
+     ("H200 141GB", "h200-sxm, h200-nvl")],
 )  # fmt: skip
 def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> None:
     with pytest.raises(ConfigError, match=f"could be any of: {rows}"):
@@ -126,6 +133,7 @@ def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> N
         ({"batch_size": -8}, "batch_size=-8"),
         ({"mem_gib": float("inf")}, "mem_gib=inf"),
         ({"mem_gib": 0}, "mem_gib=0"),
+        ({"mem_gib": 1e308}, "mem_gib=1e+308 is not allowed; expected at most 1048576 GiB"),  # infinite bytes
         ({"gpus": 0}, "gpus=0"),
         ({"target": "tpu"}, "target='tpu'"),
     ],
@@ -187,3 +195,14 @@ def test_a_gpu_whose_context_takes_all_its_memory_says_so() -> None:
         "a 0.5 GiB GPU leaves no memory for tensors: the CUDA context takes about 1 GiB of it before any tensor",
     )
     assert fit_memory(task, device="a CPU", mem_gib=0.5, target="cpu").notes == ()
+
+
+def test_a_batch_smaller_than_the_gpus_says_why_the_fsdp_rows_weigh_more() -> None:
+    data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=4, gpus=8)
+    assert [row.estimate.batch_size for row in result.rows] == [4, 8]
+    assert result.notes == (
+        "batch 4 leaves some of the 8 GPUs without a sample, so the FSDP rows weigh a batch of 8, one sample on each",
+    )
+    assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=8, gpus=8).notes == ()

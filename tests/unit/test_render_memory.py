@@ -54,3 +54,12 @@ def test_a_largest_batch_at_the_training_set_s_size_says_so():
 def test_a_size_the_device_name_holds_is_not_said_twice():
     sized = replace(digits_on_a_cpu(), device="a 23.5 GiB GPU")  # as --mem-gib 23.5 names it
     assert "on a 23.5 GiB GPU (22.35 GiB for tensors)" in text_of(sized)
+
+
+def test_the_device_s_memory_reads_as_a_plain_number_and_once():
+    big = replace(digits_on_a_cpu(), mem_gib=1536.0)  # a host with 1.5 TB of memory
+    assert "on this machine's CPU (1536 GiB, 22.35 GiB for tensors)" in text_of(big)
+    assert "on this machine's CPU (23.54 GiB, 22.35 GiB for tensors)" in text_of(replace(big, mem_gib=23.5401))
+    for typed in (23.54, 1000.0, 2048.5, 1536.123456, 1048576.0):  # --mem-gib names the GPU with the figure as typed
+        named = replace(digits_on_a_cpu(), mem_gib=typed, device=f"a {typed:.10g} GiB GPU")
+        assert f"on a {typed:.10g} GiB GPU (22.35 GiB for tensors)" in text_of(named)

@@ -20,7 +20,8 @@ from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.memory.fit import MemoryFit, fit_memory, gpu_facts
+from redline.hardware.memory import memory_limit_bytes
+from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_memory, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
 from redline.plan.precision import resolve_precision
@@ -62,8 +63,10 @@ def memory(
     """Estimate a Task's training-step memory, whether it fits a GPU, and the largest batch predicted to fit."""
     if gpu is not None and mem_gib is not None:
         raise ConfigError("--gpu and --mem-gib both given\nhint: name a catalog GPU, or give a memory size, not both")
-    if mem_gib is not None and not (math.isfinite(mem_gib) and mem_gib > 0):
-        raise invalid("--mem-gib", mem_gib, "a finite, positive number of GiB", "e.g. --mem-gib 24")
+    if mem_gib is not None and not (math.isfinite(mem_gib) and 0 < mem_gib <= MAX_MEM_GIB):
+        raise invalid(
+            "--mem-gib", mem_gib, f"a positive number of GiB, at most {MAX_MEM_GIB} (1 PiB)", "e.g. --mem-gib 24"
+        )
     if measure and (gpu is not None or mem_gib is not None):
         raise ConfigError(
             "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"
@@ -130,13 +133,17 @@ def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, f
         spec, facts = gpu_facts(gpu)
         return spec.name, facts, spec.mem_gib
     if mem_gib is not None:  # a GPU of that size, as recent as bf16
-        facts = DeviceFacts(type="cuda", name=f"a {mem_gib:g} GiB GPU", capability=(8, 0), mem_gib=mem_gib)
+        facts = DeviceFacts(type="cuda", name=f"a {mem_gib:.10g} GiB GPU", capability=(8, 0), mem_gib=mem_gib)
         return facts.name, facts, mem_gib
     if probe_accelerators().cuda_count:
         facts = probe_device(torch.device("cuda", 0))
         return facts.name, facts, facts.mem_gib or 0.0
     facts = dataclasses.replace(probe_device(torch.device("cpu")), name="this machine's CPU")
-    return facts.name, facts, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    machine, limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), memory_limit_bytes()
+    if limit is not None and limit < machine:  # a container or a job: the kernel kills the process past its limit
+        facts = dataclasses.replace(facts, name="this machine's CPU, under its cgroup's memory limit")
+        return facts.name, facts, limit / 2**30
+    return facts.name, facts, machine / 2**30
 
 
 def _print(result: MemoryFit, json_output: bool) -> None:

@@ -135,8 +135,9 @@ def find_gpu(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec 
 
 def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:
     """Return the rows a person may mean by ``name``: the row of that id, the row of the name torch reports,
-    else every row whose id or name holds each of ``name``'s words ("RTX 4090", "h200", "A100 80GB"); a word
-    may join neighbouring words of the row ("rtx4090", "h100nvl").
+    else every row whose id, name or reported name holds each of ``name``'s words ("RTX 4090", "h200", "Tesla V100"),
+    its memory among them ("T4 16GB", "A100 80GB"); a word may join neighbouring words of the row ("rtx4090",
+    "h100nvl").
 
     Rows that ``name`` names whole (each word of their id, or of their name, typed) come alone when there
     are any: "rtx 6000" is part of rtx-6000-ada's name, but so it is of the Quadro RTX 6000 the catalog
@@ -147,7 +148,7 @@ def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[G
     found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
     if found:
         return found
-    held = [s for s in specs if wanted and wanted <= _terms(s.id) | _terms(s.name)]
+    held = [s for s in specs if wanted and wanted <= _row_terms(s)]
     whole = [s for s in held if names_whole(name, s)]
     return whole or held
 
@@ -252,6 +253,13 @@ def _terms(text: str) -> set[str]:
     words = _words(text)
     joined = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 2, min(i + 3, len(words)) + 1)}
     return set(words) | joined
+
+
+def _row_terms(spec: GPUSpec) -> set[str]:
+    """The words a person may type for ``spec``: its id's, its name's, those of the names torch reports for it
+    ("tesla", "hbm3"), each with its neighbours joined, and its memory ("16gb")."""
+    labels = (spec.id, spec.name, *(pattern.replace("*", " ") for pattern in spec.match))
+    return set().union(*map(_terms, labels)) | {f"{spec.mem_gib:g}gb"}
 
 
 def _compact(text: str) -> str:

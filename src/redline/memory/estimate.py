@@ -245,7 +245,10 @@ def _tracing(task: Task) -> Iterator[None]:
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         measure = "find the largest batch by running it on the device instead: redline memory --measure"
-        if isinstance(exc, _FAKE_LIMITS):
+        if "overflow" in first.lower():  # a size past int64: a batch size with zeros too many, or a layer's
+            hint = "a tensor of this size cannot exist (more than 2**63 elements or bytes): pass a smaller batch size, "
+            hint += "or check the sizes of the model's layers"
+        elif isinstance(exc, _FAKE_LIMITS):
             hint = "fake tensors hold no values, so code that reads them (.item(), .tolist(), nonzero, a branch on a "
             hint += f"value) cannot be traced; {measure} (redline.find_batch_size)"
         else:  # as likely a bug in the task's code, which a real step would meet too

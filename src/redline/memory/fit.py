@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch.utils.data import IterableDataset
 
 from redline.config import one_of, positive_int, positive_number
-from redline.errors import ConfigError
+from redline.errors import ConfigError, invalid
 from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
@@ -28,6 +28,9 @@ CUDA_CONTEXT = GIB
 # The caching allocator reserves more than it allocates (rounded blocks, fragmentation): the peak may
 # use this share of what is left.
 ALLOCATOR_SHARE = 0.95
+# The most memory a device is weighed against: 1 PiB, past any GPU or host, where a larger figure overflows
+# the byte count (1e308 GiB is infinite bytes).
+MAX_MEM_GIB = 2**20
 _SEARCHES = 16
 
 
@@ -186,6 +189,8 @@ def fit_memory(
     batch = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch)  # before any trace: 0 would be traced as 1 sample, or as the ranks' number
     positive_number("mem_gib", mem_gib)
+    if mem_gib > MAX_MEM_GIB:
+        raise invalid("mem_gib", mem_gib, f"at most {MAX_MEM_GIB} GiB (1 PiB)", "give the device's memory in GiB")
     positive_int("gpus", gpus)
     one_of("target", target, ("cuda", "cpu"))
     available = available_bytes(mem_gib, target)
@@ -214,6 +219,11 @@ def fit_memory(
         notes.append(
             f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
             "so the largest batch does too"
+        )
+    if any(row.estimate.batch_size > batch for row in rows):  # the table's batch column would differ unexplained
+        notes.append(
+            f"batch {batch} leaves some of the {gpus} GPUs without a sample, so the FSDP rows weigh a batch of {gpus}, "
+            "one sample on each"
         )
     if available == 0:  # nothing fits, and the table alone would not say why
         notes.append(

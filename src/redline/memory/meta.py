@@ -6,7 +6,9 @@ model that lives on a GPU would be copied there, taking the memory being estimat
 A factory often moves its model where it will train (``.to(device)``, ``.cuda()``, ``.cpu()``). On the meta
 device such a move would copy out of a tensor that holds no data, and under a fake mode torch cannot swap a
 fake parameter for its moved copy; so while the factory runs, a move leaves a meta tensor where it is and
-applies only what else it asks (a dtype, a memory format).
+applies only what else it asks (a dtype, a memory format). A tensor made on a device of its own
+(``nn.Linear(..., device="cuda")``, ``torch.zeros(..., device="cuda")``) is made on meta too: a machine
+without that device could not make it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class _MovesStayOnMeta(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _elsewhere(kwargs.get("device")):  # made on a device (nn.Linear(..., device="cuda")): made on meta instead
+            return func(*args, **{**kwargs, "device": "meta"})
         tensor = args[0] if args else None
         if func not in _MOVES or not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
             return func(*args, **kwargs)
@@ -42,6 +46,16 @@ class _MovesStayOnMeta(TorchFunctionMode):
         if dtype is None and memory_format is None:
             return tensor
         return tensor.to(dtype=dtype or tensor.dtype, memory_format=memory_format or torch.preserve_format)
+
+
+def _elsewhere(device: object) -> bool:
+    """Whether a ``device=`` argument names a device other than meta ("cuda", torch.device("cuda", 1), 0)."""
+    if not isinstance(device, str | int | torch.device):
+        return False
+    try:
+        return torch.device(device).type != "meta"
+    except (RuntimeError, TypeError):  # not a device: the call raises its own error
+        return False
 
 
 def build_on_meta(task: Task) -> nn.Module | None:

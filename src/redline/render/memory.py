@@ -34,8 +34,11 @@ def memory_tables(result: MemoryFit) -> list[Table]:
         for name, count in first.top_modules:
             top.add_row(name, size(count))
         tables.append(top)
-    total = f"{result.mem_gib:.3g} GiB"  # said once where the device's name has it already (--mem-gib: "a 24 GiB GPU")
-    said = "" if total in result.device else f"{total}, "
+    # said once where the device's name has it already (--mem-gib 23.54: "a 23.54 GiB GPU"); a host of 1.5 TB
+    # reads "1536 GiB", not "1.54e+03 GiB"
+    mem = result.mem_gib
+    total = f"{mem:.4g} GiB" if mem < 1000 else f"{mem:.0f} GiB"
+    said = "" if any(text in result.device for text in (total, f"{mem:.10g} GiB")) else f"{total}, "
     fits = titled_table(f"on {result.device} ({said}{size(result.rows[0].available)} for tensors)")
     for column in ("way", "batch", "peak", "fits", "largest batch"):
         fits.add_column(column, justify="left" if column == "way" else "right")

@@ -11,6 +11,7 @@ from redline.doctor.checks.machine import (
     first_line,
     mentions,
 )
+from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
@@ -150,7 +151,8 @@ def cuda_start_fix(m: Machine, text: str) -> str:
         return (
             "reload the unified-memory module (suspend breaks it): `sudo rmmod nvidia_uvm && sudo modprobe nvidia_uvm`"
         )
-    if "CUDA_VISIBLE_DEVICES" in m.snap.env:
+    visible = m.snap.env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and hides_every_gpu(visible, m.gpus):  # a list naming real GPUs is not the cause
         return "CUDA_VISIBLE_DEVICES hides the GPUs (see visible-devices): `unset CUDA_VISIBLE_DEVICES`"
     if m.snap.system.container and not m.snap.driver.device_nodes:
         return "start the container with `--gpus all` (NVIDIA Container Toolkit)"

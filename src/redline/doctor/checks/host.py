@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from redline.doctor.checks.machine import NOT_IMPORTED, Machine, gib
 from redline.doctor.checks.measured import flops
@@ -77,7 +78,7 @@ def cpu_threads(m: Machine) -> Check:
     threads = m.torch.num_threads
     detail = f"torch uses {threads} threads on {limit} ({system.cpu_name or 'CPU'})"
     omp = m.snap.env.get("OMP_NUM_THREADS")
-    if omp is not None and not (omp.isascii() and omp.isdigit() and int(omp) > 0):
+    if omp is not None and not _thread_count(omp):
         return warn(
             "cpu-threads", f"OMP_NUM_THREADS={omp!r} is not a positive integer", f"export OMP_NUM_THREADS={cores}"
         )
@@ -93,6 +94,14 @@ def cpu_threads(m: Machine) -> Check:
     cpu = next((r for r in m.snap.measurements if r.device == "cpu" and r.fp32_tflops), None)
     measured = f"; fp32 matmul {flops([cpu.fp32_tflops])}" if cpu and cpu.fp32_tflops else ""  # as device-smoke says
     return ok("cpu-threads", detail + measured)
+
+
+def _thread_count(value: str) -> int | None:
+    """OMP_NUM_THREADS as torch reads it (std::stoi, aten/src/ATen/ParallelCommon.cpp): its leading integer, so
+    " 8" and OpenMP's nested list "8,2" give 8; None where torch warns that it is invalid and ignores it."""
+    match = re.match(r"\s*([+-]?\d+)", value)
+    count = int(match.group(1)) if match and value.isascii() else 0
+    return count if 0 < count < 2**31 else None  # past an int, stoi throws: torch warns too
 
 
 def mps(m: Machine) -> Check:

@@ -21,6 +21,10 @@ from redline.doctor.report import Check, fail, ok, skip, warn
 
 CUDNN_PROBE = "python -c 'import torch; print(torch.backends.cudnn.version())'"
 NCCL_SLOW_SWITCHES = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")
+# NCCL reads each switch as a C integer (strtol, base 0: "0x1" and "01" are 1, "true" is 0) and turns P2P and
+# SHM off only at exactly 1, InfiniBand at any number but 0 (NCCL src/graph/paths.cc ncclGetLevel,
+# src/transport/shm.cc, src/transport/net_ib: `if (ncclParamIbDisable())`).
+_NCCL_OFF_AT_ONE = {"NCCL_P2P_DISABLE": "P2P", "NCCL_SHM_DISABLE": "shared memory"}
 
 
 def cudnn_text(version: int) -> str:
@@ -80,7 +84,8 @@ def nccl(m: Machine) -> Check:
     if facts.nccl_version is None:
         detail = "this torch build has no NCCL, so multi-GPU training falls back to the much slower gloo"
         return warn("nccl", detail, m.install(facts.cuda))
-    switches = [name for name in NCCL_SLOW_SWITCHES if m.snap.env.get(name, "0") not in ("", "0")]
+    set_to = {name: m.snap.env[name] for name in NCCL_SLOW_SWITCHES if m.snap.env.get(name, "").strip()}
+    switches = [name for name, value in set_to.items() if nccl_switch_on(name, value)]
     if switches:
         return warn(
             "nccl",
@@ -88,7 +93,40 @@ def nccl(m: Machine) -> Check:
             f"unset {' '.join(switches)}; if a multi-GPU run hangs without NCCL_P2P_DISABLE, fix the cause "
             "instead: disable PCI ACS or boot with iommu=pt (NCCL troubleshooting guide, 'GPU Direct')",
         )
+    # "true" or "2": meant to turn a transport off, which NCCL leaves on; "0", "false" or "off" mean what NCCL does
+    ignored = [name for name, value in set_to.items() if not _says_off(value)]
+    if ignored:
+        shown = ", ".join(f"{name}={set_to[name]!r}" for name in ignored)
+        return warn(
+            "nccl",
+            f"NCCL {facts.nccl_version} ignores {shown}: it reads these switches as numbers and turns P2P and "
+            "shared memory off only at 1, InfiniBand at any number but 0",
+            f"unset {' '.join(ignored)}; to turn a transport off NCCL needs the number, as in "
+            f"`export {ignored[0]}=1` (which slows every collective)",
+        )
     return ok("nccl", f"NCCL {facts.nccl_version}")
+
+
+def nccl_switch_on(name: str, value: str) -> bool:
+    """Whether NCCL turns its transport off for the switch ``name`` set to ``value``, reading it as NCCL does."""
+    number = _c_integer(value)
+    return number == 1 if name in _NCCL_OFF_AT_ONE else number != 0
+
+
+def _says_off(value: str) -> bool:
+    """Whether a switch's value reads as "not disabled" to a person as well as to NCCL: a zero, false, no or off."""
+    text = value.strip().lower()
+    return text in ("false", "no", "off", "n", "f") or re.fullmatch(r"[+-]?(0x)?0+", text) is not None
+
+
+def _c_integer(text: str) -> int:
+    """``text`` read as C's strtol(text, NULL, 0) reads it: leading digits in base 16 (0x), 8 (0) or 10, else 0."""
+    match = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", text)
+    if match is None:
+        return 0
+    sign, digits = match.groups()
+    base = 16 if digits[:2].lower() == "0x" else 8 if digits.startswith("0") else 10
+    return int(sign + digits, base)
 
 
 @dataclass(frozen=True)

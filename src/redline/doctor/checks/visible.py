@@ -45,6 +45,14 @@ def read_visible(value: str, gpus: list[GpuFacts]) -> VisibleList:
     return result
 
 
+def hides_every_gpu(value: str, gpus: list[GpuFacts]) -> bool:
+    """Whether a CUDA_VISIBLE_DEVICES value leaves CUDA no GPU of those the driver lists (a value that hides all
+    whatever the GPUs are, or a list whose first entry names none of them)."""
+    if value.strip() in HIDE_ALL:
+        return True
+    return bool(gpus) and not read_visible(value, gpus).visible
+
+
 def _match(entry: str, gpus: list[GpuFacts]) -> str | None:
     """Return the GPU an entry names, as its NVML index (or a MIG UUID, which NVML's GPU list cannot check)."""
     if entry.isascii() and entry.isdigit():
@@ -78,13 +86,14 @@ def visible_devices(m: Machine) -> Check:
     if value.strip() in HIDE_ALL:
         return warn(
             "visible-devices",
-            f"{shown} hides all {len(gpus)} GPUs",
+            f"{shown} hides {_the_gpus(gpus)}",
             f"unset CUDA_VISIBLE_DEVICES (or list GPUs: {every})",
         )
     parsed = read_visible(value, gpus)
     if parsed.stopped_at is not None:
         seen = f"CUDA sees only {', '.join(parsed.visible)}" if parsed.visible else "CUDA sees no GPU"
-        detail = f"{shown}: {parsed.stopped_at!r} names none of the {len(gpus)} GPUs (0-{len(gpus) - 1}), so {seen}"
+        named = "is not the GPU (0)" if len(gpus) == 1 else f"names none of the {len(gpus)} GPUs (0-{len(gpus) - 1})"
+        detail = f"{shown}: {parsed.stopped_at!r} {named}, so {seen}"
         if parsed.valid:
             fix = f"export CUDA_VISIBLE_DEVICES={','.join(parsed.valid)}"
         else:
@@ -115,6 +124,10 @@ def visible_devices(m: Machine) -> Check:
             "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
         )
     return ok("visible-devices", f"{shown}: {renumbered}")
+
+
+def _the_gpus(gpus: list[GpuFacts]) -> str:
+    return "the GPU" if len(gpus) == 1 else f"all {len(gpus)} GPUs"
 
 
 def _mixed_without_pci_order(m: Machine) -> bool:
