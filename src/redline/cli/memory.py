@@ -65,7 +65,7 @@ def memory(
         raise ConfigError("--gpu and --mem-gib both given\nhint: name a catalog GPU, or give a memory size, not both")
     if mem_gib is not None and not (math.isfinite(mem_gib) and 0 < mem_gib <= MAX_MEM_GIB):
         raise invalid(
-            "--mem-gib", mem_gib, f"a positive number of GiB, at most {MAX_MEM_GIB} (1 PiB)", "e.g. --mem-gib 24"
+            "--mem-gib", mem_gib, f"a finite positive number of GiB, at most {MAX_MEM_GIB} (1 PiB)", "e.g. --mem-gib 24"
         )
     if measure and (gpu is not None or mem_gib is not None):
         raise ConfigError(
