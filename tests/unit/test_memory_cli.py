@@ -42,7 +42,10 @@ def test_gpus_with_a_gpu_named_goes_on_to_load_the_task(where: list[str]) -> Non
 @pytest.mark.parametrize("size", ["1e308", "2e6", "inf", "0", "-24"])
 def test_a_memory_size_no_device_has_is_refused_by_its_flag(size: str) -> None:
     message = refusal("--mem-gib", size)  # 1e308 GiB is more bytes than a float holds: it crashed the fit
-    assert message.startswith("--mem-gib=") and "expected a finite positive number of GiB, at most 1048576 (1 PiB)" in message
+    assert (
+        message.startswith("--mem-gib=")
+        and "expected a finite positive number of GiB, at most 1048576 (1 PiB)" in message
+    )
 
 
 def test_a_cpu_estimate_weighs_against_the_container_s_limit_not_the_host_s_memory(
