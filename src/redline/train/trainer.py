@@ -28,14 +28,14 @@ from torch import nn
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
-from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
+from redline.errors import ConfigError, TaskError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
 from redline.parallel.watchdog import Watchdog
 from redline.plan.device import resolve_device
-from redline.runtime.contract import check_loss, count_samples, is_tokens, split_batch, user_code, user_line
-from redline.runtime.measure import measure_auto
+from redline.runtime.contract import check_loss, count_samples, is_tokens, split_batch, user_code, users_failure
+from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import batches_per_epoch
@@ -345,14 +345,8 @@ class Trainer:
         ).start()  # seeded before the model is built
         rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
         self.rt = rt
-        try:
+        with users_failure(f"task {self.task.name!r}: building the model", FINGERPRINT_HINT):
             built = self.task.build_model()
-        except RedlineError:
-            raise
-        except Exception as exc:
-            raise TrainingError(
-                f"task {self.task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
-            ) from exc
         model, optimizer = rt.setup(built, self.task.optimizer)
         scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
