@@ -247,10 +247,14 @@ def find_factory(spec: str) -> Callable[..., Any]:
     module = _import_module(spec, module_name)
     factory = getattr(module, factory_name, None)
     if factory is None or not callable(factory):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        public = {n: v for n, v in vars(module).items() if callable(v) and not n.startswith("_")}
+        own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
+        shown = own or sorted(public)  # what the file defines, not what it imported (torch's classes, say)
+        near = nearest(factory_name, shown)
+        hint = f"did you mean '{spec.rsplit(':', 1)[0]}:{near}'?" if near else "name a function that returns a Task"
         raise TaskSpecError(
             f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
-            f"callables there: {', '.join(public[:12]) or 'none'}"
+            f"defined there: {', '.join(shown[:12]) or 'none'}\nhint: {hint}"
         )
     return factory
 

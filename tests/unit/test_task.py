@@ -440,6 +440,14 @@ def test_missing_factory_lists_the_callables_present(task_file: Path, task_modul
             assert present in message
 
 
+def test_a_mistyped_factory_names_the_nearest_and_not_what_the_file_imported(task_file: Path) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{task_file}:flexibel")
+    message = str(info.value)
+    assert f"hint: did you mean '{task_file}:flexible'?" in message
+    assert "TensorDataset" not in message and "Task," not in message  # imported there, not defined there
+
+
 def test_unknown_option_names_it_and_the_accepted_ones(task_file: Path) -> None:
     with pytest.raises(TaskSpecError) as info:
         load_task(f"{task_file}:make", batch_size=3, colour="red")
