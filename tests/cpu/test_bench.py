@@ -432,8 +432,19 @@ def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_pat
         raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")
 
     monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
-    with pytest.raises(ConfigError, match="hint:"):
-        bench_command(task="example:digits", html=tmp_path / "missing" / "bench.html")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"is in '.*notes\.txt', which is a file, not a directory\nhint: pass a file"):
+        bench_command(task="example:digits", html=tmp_path / "notes.txt" / "runs" / "bench.html")
+    with pytest.raises(ConfigError, match=r"'.*' is a directory\nhint: name a file, e\.g\. .*bench\.html"):
+        bench_command(task="example:digits", html=tmp_path)
+
+
+def test_cli_bench_writes_its_html_page_into_a_directory_it_creates(tmp_path, capsys):
+    page = tmp_path / "reports" / "today" / "bench.html"  # as `redline train --out` creates its directory
+    bench_command(task="example:digits", devices="cpu", precision="fp32", compile="off", auto=False, steps=2,
+                  window=1, estimate=False, html=page)  # fmt: skip
+    assert page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert f"report: {page}" in capsys.readouterr().out
 
 
 def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spends_the_bench(tmp_path, monkeypatch):

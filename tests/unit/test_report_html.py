@@ -248,8 +248,16 @@ def test_a_file_of_a_run_given_for_the_run_names_its_directory(tmp_path):
 
 
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"cannot be written to .*\nhint: .*--html FILE"):
-        write_report(tmp_path / "no" / "such" / "dir.html", "<p></p>")
+        write_report(tmp_path / "file" / "such" / "dir.html", "<p></p>")
+
+
+def test_a_report_into_a_missing_directory_creates_it(tmp_path):
+    written = write_report(tmp_path / "no" / "such" / "page.html", "<p></p>")
+    assert written.read_text(encoding="utf-8") == "<p></p>"
+    page = tmp_path / "pages" / "run.html"
+    assert report(write_run(tmp_path / "run"), page) == page and page.read_text(encoding="utf-8").startswith("<!DOC")
 
 
 def test_without_matplotlib_the_error_says_how_to_install_it(monkeypatch, tmp_path):

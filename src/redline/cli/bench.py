@@ -124,12 +124,21 @@ def _task_args(task_arg: list[str] | None) -> list[str]:
 
 
 def _check_html(path: Path) -> None:
-    """Refuse a page that could not be written before the bench runs, not after: its result would be lost."""
+    """Refuse a page that could not be written before the bench runs, not after: its result would be lost.
+
+    A missing directory is created, as `redline train --out` creates its own.
+    """
     require_matplotlib()
-    if path.is_dir() or not path.parent.is_dir():
-        what = "is a directory" if path.is_dir() else f"is in {str(path.parent)!r}, which is not a directory"
-        raise ConfigError(f"--html {str(path)!r} {what}\nhint: pass a file in a directory that exists")
+    if path.is_dir():
+        raise ConfigError(f"--html {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'bench.html'}")
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(
+            f"--html {str(path)!r} is in {str(blocked)!r}, which is a file, not a directory\n"
+            "hint: pass a file in a directory, or a directory to create"
+        )
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         check_writable(path)
     except OSError as exc:
         raise ConfigError(

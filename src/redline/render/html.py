@@ -109,18 +109,22 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
 
 
 def write_report(path: str | os.PathLike[str], html: str) -> Path:
-    """Write ``html`` to ``path`` atomically (a crash leaves the old file or the new one) and return the path."""
+    """Write ``html`` to ``path`` atomically (a crash leaves the old file or the new one) and return the path.
+
+    A missing directory is created.
+    """
     target = Path(path)
 
     def write(tmp: Path) -> None:
         tmp.write_text(html, encoding="utf-8")
 
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, write)
     except OSError as exc:
         raise ConfigError(
             f"the report cannot be written to {str(target)!r} ({exc.strerror or exc})\n"
-            "hint: write it to a file in a directory that exists and that you can write to (--html FILE)"
+            "hint: write it to a file in a directory you can write to (--html FILE)"
         ) from exc
     return target
 
