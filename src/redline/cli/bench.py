@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Annotated, Any
@@ -91,6 +92,8 @@ def bench(
         else:
             interrupted = None
     data = result.to_dict()
+    for row in data["rows"]:  # the runtime's refusal of a row speaks Python: say its fix by the flag typed here
+        row["error"] = _by_flag(row["error"])
     _show(data, json_output, html)
     if interrupted is not None:
         raise interrupted
@@ -117,6 +120,13 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
         write_report(html, bench_report(data))
         if not json_output:
             out.print(f"report: {html}", highlight=False, markup=False)
+
+
+def _by_flag(error: str) -> str:
+    """A row's error with the arguments it names as this command's flags: "precision='bf16-mixed' is not
+    allowed ... hint: use precision='fp16-mixed'" as "--precision='bf16-mixed' ... use --precision 'fp16-mixed'"."""
+    said = re.sub(r"^(precision|compile)=", r"--\1=", error)  # the house format's head, as said_by_flags says it
+    return re.sub(r"(?<![\w.-])(precision|compile)=", r"--\1 ", said)
 
 
 def _task_args(task_arg: list[str] | None) -> list[str]:
