@@ -121,6 +121,17 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "31 steps." in doc
     assert "train loss over 30 points" in alts(doc)[0]  # NaN is a gap in the curve, not a broken chart
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
+    # the gap is at the end, where the curve cannot show it: the page says so
+    assert "not finite (NaN or inf) at 1 of 31 logged steps, the first at step 31" in doc
+
+
+def test_a_run_whose_every_loss_is_not_finite_says_so_instead_of_an_empty_chart(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": Infinity}\n')
+    doc = run_report(run)
+    assert not [alt for alt in alts(doc) if alt.startswith("Loss")], alts(doc)  # it drew an empty chart, alt "Loss: "
+    assert "metrics.jsonl is not finite (NaN or inf) at every logged step, the first at step 1" in doc
 
 
 def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):

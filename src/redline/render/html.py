@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from html import escape
@@ -293,7 +294,9 @@ def _run_charts(files: RunFiles) -> list[str]:
     loss = [Series("train loss", steps, values(train, "loss"))]
     if has_values(evals, "val_loss"):
         loss.append(Series("val loss", [float(r["step"]) for r in evals], values(evals, "val_loss"), points=True))
-    out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
+    if has_values(train, "loss") or len(loss) > 1:
+        out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
+    out += _not_finite(train, files.train_file)
     for key, title, ylabel in (
         ("samples_per_s", "Throughput", "samples/s"),
         ("tokens_per_s", "Token throughput", "tokens/s"),
@@ -305,6 +308,17 @@ def _run_charts(files: RunFiles) -> list[str]:
         elif key != "tokens_per_s":  # a task without tokens has no token rate to miss
             out.append(_p("note", f"{title}: {files.train_file} holds no {key} value."))
     return out
+
+
+def _not_finite(train: list[dict[str, Any]], name: str) -> list[str]:
+    """A note naming the steps whose loss is NaN or infinite (a gap the curve cannot show where it is the end)."""
+    losses = values(train, "loss")
+    bad = [row["step"] for row, v in zip(train, losses, strict=True) if v is not None and not math.isfinite(v)]
+    if not bad:
+        return []
+    told = "every logged step" if len(bad) == len(train) else f"{len(bad)} of {len(train)} logged steps"
+    return [_p("note", f"The train loss in {name} is not finite (NaN or inf) at {told}, the first at step {bad[0]}: "
+               "the curve leaves them out, and the run diverged there.")]  # fmt: skip
 
 
 def _summary_table(summary: Mapping[str, Any]) -> str:
