@@ -240,6 +240,14 @@ def test_a_bench_saved_as_json_gets_its_page_without_running_again(tmp_path, cap
         report(tmp_path / "other.json")
 
 
+def test_a_bench_json_that_is_missing_or_has_rows_that_are_not_objects_is_refused_as_a_bench_result(tmp_path):
+    with pytest.raises(ConfigError, match=r"'.*gone\.json' does not exist\nhint: pass the file `redline bench --json"):
+        report(tmp_path / "gone.json")  # it said "run directory '.../gone.json' does not exist"
+    (tmp_path / "odd.json").write_text('{"rows": [{"name": "x"}, "y"]}')  # an AttributeError traceback
+    with pytest.raises(ConfigError, match=r"odd\.json is not a bench result: its row 2 is not an object\nhint: pass"):
+        report(tmp_path / "odd.json")
+
+
 def test_a_run_that_has_not_logged_yet_is_told_apart_from_a_directory_that_is_no_run(tmp_path):
     starting = tmp_path / "starting"  # what `redline train --out starting` holds before its first log
     (starting / "checkpoints").mkdir(parents=True)

@@ -137,6 +137,8 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     (default FILE.html beside it): a bench need not run again for its report.
     """
     run_dir = Path(run_dir)
+    if run_dir.suffix == ".json" and not run_dir.exists():  # not "run directory ... does not exist"
+        raise ConfigError(f"{str(run_dir)!r} does not exist\nhint: {BENCH_HINT}")
     if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
         html = bench_report(_read_bench(run_dir))
         return write_report(run_dir.with_suffix(".html") if path is None else Path(path), html)
@@ -146,14 +148,20 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
 
 def _read_bench(path: Path) -> Mapping[str, Any]:
     """A bench result saved with ``redline bench --json``; anything else is a ConfigError naming the file."""
-    hint = "hint: pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
+    hint = f"hint: {BENCH_HINT}"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} cannot be read as a bench result: {exc}\n{hint}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ConfigError(f"{path} is not a bench result: it has no list of rows\n{hint}")
+    odd = next((i for i, row in enumerate(data["rows"]) if not isinstance(row, dict)), None)
+    if odd is not None:
+        raise ConfigError(f"{path} is not a bench result: its row {odd + 1} is not an object\n{hint}")
     return data
+
+
+BENCH_HINT = "pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
 
 
 def plan_table(plan: object) -> str:
