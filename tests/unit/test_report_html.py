@@ -240,6 +240,20 @@ def test_a_bench_saved_as_json_gets_its_page_without_running_again(tmp_path, cap
         report(tmp_path / "other.json")
 
 
+def test_a_page_asked_over_a_file_the_report_reads_is_refused_and_the_file_kept(tmp_path):
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(bench_result()))
+    with pytest.raises(ConfigError, match=r"bench\.json' is a file the report is made from: the page would replace it"):
+        report(saved, saved)
+    assert json.loads(saved.read_text())["task"] == "digits"  # it was replaced by the page
+    run = write_run(tmp_path / "run")
+    kept = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"hint: name another file, e\.g\. --html .*run/report\.html$"):
+        report(run, run / "metrics.jsonl")
+    assert (run / "metrics.jsonl").read_text() == kept
+    assert report(run, run / "notes.html") == run / "notes.html"
+
+
 def test_a_bench_json_that_is_missing_or_has_rows_that_are_not_objects_is_refused_as_a_bench_result(tmp_path):
     with pytest.raises(ConfigError, match=r"'.*gone\.json' does not exist\nhint: pass the file `redline bench --json"):
         report(tmp_path / "gone.json")  # it said "run directory '.../gone.json' does not exist"

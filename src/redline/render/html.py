@@ -20,7 +20,7 @@ from redline.atomic import write_atomic
 from redline.errors import ConfigError
 from redline.render.bench import steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
-from redline.render.run_files import RunFiles, has_values, read_run, values
+from redline.render.run_files import LOGS, RunFiles, has_values, read_run, values
 from redline.version import __version__
 
 GIB = 2**30
@@ -141,9 +141,21 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
         raise ConfigError(f"{str(run_dir)!r} does not exist\nhint: {BENCH_HINT}")
     if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
         html = bench_report(_read_bench(run_dir))
-        return write_report(run_dir.with_suffix(".html") if path is None else Path(path), html)
+        return write_report(_not_a_source(path, run_dir.with_suffix(".html"), [run_dir]), html)
     html = run_report(run_dir)
-    return write_report(run_dir / "report.html" if path is None else Path(path), html)
+    sources = [run_dir / name for name in (*LOGS, "eval.jsonl", "eval.csv", "summary.json")]
+    return write_report(_not_a_source(path, run_dir / "report.html", sources), html)
+
+
+def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
+    """Where the page goes: ``path`` (else ``default``), refused where it is a file the report was made from."""
+    target = default if path is None else Path(path)
+    if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
+        raise ConfigError(
+            f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
+            f"hint: name another file, e.g. --html {default}"
+        )
+    return target
 
 
 def _read_bench(path: Path) -> Mapping[str, Any]:
