@@ -175,3 +175,20 @@ def test_a_gpus_table_and_a_cpus_with_tokens_fit_80_columns_with_every_figure():
         assert max(len(line.rstrip()) for line in text.splitlines()) <= 80, text
         assert all(figure in text for figure in figures) and "…" not in text, text
         assert "CPU" not in text.split("─")[0], text  # the header: no column of "n/a" speed-ups over the CPU
+
+
+def test_a_row_whose_loss_went_not_finite_is_said_so_and_never_named_the_fastest():
+    # fp16 without enough loss scaling, say: the fastest row, and no use, since it does not train.
+    naive = _row("naive cpu fp32 b64", "naive", 5000.0, loss=2.1)
+    diverged = _row("cpu fp16-mixed eager b64", "explicit", 8000.0, precision="fp16-mixed", loss=None)
+    auto = _row("auto cpu b64", "auto", 7000.0, precision="fp16-mixed", loss=None)
+    result = {"task": "t", "steps": 10, "window": 5, "rows": [naive, diverged, auto]}
+    text = shown(result)
+    assert sum("not finite" in line for line in text.splitlines() if "b64" in line) == 2, text
+    assert "loss not finite: the last step's loss was NaN or inf" in text
+    line = best_line(result)
+    assert line.startswith("fastest at batch 64: naive cpu fp32 b64, 1.00x the naive loop (faster, but with a loss "
+                           "not finite: cpu fp16-mixed eager b64, auto cpu b64)"), line  # fmt: skip
+    assert "auto cpu b64 (what `redline train` runs: fp16-mixed, eager): 1.40x the naive loop, but its loss" in line
+    alone = best_line({**result, "rows": [diverged]})
+    assert alone.startswith("at batch 64 no configuration kept a finite loss"), alone

@@ -254,6 +254,19 @@ def test_a_page_asked_over_a_file_the_report_reads_is_refused_and_the_file_kept(
     assert report(run, run / "notes.html") == run / "notes.html"
 
 
+def test_the_bench_page_names_no_row_whose_loss_went_not_finite_the_best():
+    result = bench_result()
+    for row in result["rows"]:
+        row["loss"] = 2.0
+    result["rows"][3]["loss"] = None  # auto, the fastest, ended on a NaN loss (kept as None in the JSON)
+    doc = bench_report(result)
+    assert "Best configuration: <strong>cpu bf16-mixed</strong>" in doc
+    assert ">not finite</td>" in doc
+    for row in result["rows"]:
+        row["loss"] = None
+    assert "No configuration kept a finite loss" in bench_report(result)
+
+
 def test_a_bench_json_that_is_missing_or_has_rows_that_are_not_objects_is_refused_as_a_bench_result(tmp_path):
     with pytest.raises(ConfigError, match=r"'.*gone\.json' does not exist\nhint: pass the file `redline bench --json"):
         report(tmp_path / "gone.json")  # it said "run directory '.../gone.json' does not exist"

@@ -52,7 +52,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         columns.append(("estimate", lambda r: _bytes(r.get("estimate_bytes"))))
     if any(r["compile_s"] is not None for r in rows):  # "12/1,234" as p50/p90: a cell that never wraps
         columns.append(("compile/repaid", lambda r: _compile(r, rows)))
-    columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
+    columns.append(("loss", lambda r: "not finite" if diverged(r) else "" if r["loss"] is None else f"{r['loss']:.3g}"))
     caption = _notes(rows)
     for name, _ in columns:
         _add_column(table, name)
@@ -69,6 +69,14 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     return table
 
 
+DIVERGED = "the last step's loss was NaN or inf, so the row does not train as set, whatever its speed"
+
+
+def diverged(row: Mapping[str, Any]) -> bool:
+    """Whether a row that ran ended on a loss that is not finite (the bench keeps such a loss as None)."""
+    return not row.get("error") and row.get("samples_per_s") is not None and "loss" in row and row["loss"] is None
+
+
 def _notes(rows: list[Mapping[str, Any]]) -> Text:
     """What the table's columns mean where a header cannot say it: a CPU's memory, the compile cell."""
     notes = []
@@ -79,6 +87,8 @@ def _notes(rows: list[Mapping[str, Any]]) -> Text:
         notes.append(note)
     if any(r["compile_s"] is not None for r in rows):
         notes.append(f"compile/repaid: {COMPILE_TOLD}")
+    if any(diverged(r) for r in rows):
+        notes.append(f"loss not finite: {DIVERGED}")
     return Text("\n".join(notes))
 
 
@@ -109,14 +119,24 @@ def best_line(result: Mapping[str, Any]) -> str:
     rows = [r for r in result["rows"] if not r["error"] and r["samples_per_s"]]
     for size in dict.fromkeys(r["batch_size"] for r in rows):
         group = [r for r in rows if r["batch_size"] == size]
-        best = max(group, key=lambda r: r["samples_per_s"])
+        training = [r for r in group if not diverged(r)]
+        if not training:
+            lines.append(f"at batch {size} no configuration kept a finite loss: {DIVERGED}")
+            continue
+        best = max(training, key=lambda r: r["samples_per_s"])
         line = f"fastest at batch {size}: {best['name']}, {_times(best['speedup_naive'])} the naive loop"
+        faster = [r["name"] for r in group if diverged(r) and r["samples_per_s"] > best["samples_per_s"]]
+        if faster:
+            line += f" (faster, but with a loss not finite: {', '.join(faster)})"
         for auto in (r for r in group if r["kind"] == "auto"):
             settings = _auto_settings(auto)
             share = auto["samples_per_s"] / best["samples_per_s"]
             speedup = _times(auto["speedup_naive"])
             line += f"\n{auto['name']} (what `redline train` runs: {settings}): {speedup} the naive loop"
-            line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
+            if diverged(auto):
+                line += ", but its loss was not finite"
+            else:
+                line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
         lines.append(line)
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
-from redline.render.bench import steps_told
+from redline.render.bench import DIVERGED, diverged, steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, values
 from redline.version import __version__
@@ -196,7 +196,9 @@ def _best_line(ok: Sequence[Mapping[str, Any]], failed: int) -> str:
     measured = [row for row in ok if _number(row.get("samples_per_s")) is not None]
     if not measured:
         return escape("No configuration completed, so there is nothing to compare." + failures)
-    best = max(measured, key=lambda row: row["samples_per_s"])
+    if all(diverged(row) for row in measured):
+        return escape(f"No configuration kept a finite loss: {DIVERGED}.{failures}")
+    best = max((row for row in measured if not diverged(row)), key=lambda row: row["samples_per_s"])
     speedup = _number(best.get("speedup_naive"))
     versus = f", {speedup:.2f}x the naive loop" if speedup is not None else ""
     return (
@@ -268,7 +270,8 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
     columns.append("error")
     cells = []
     for row in rows:
-        cells.append([escape(_format(key, row.get(key))) for key in columns])
+        said = {**row, "loss": "not finite"} if diverged(row) else row
+        cells.append([escape(_format(key, said.get(key))) for key in columns])
     classes = ["failed" if row.get("error") else "" for row in rows]
     numeric = {i for i, key in enumerate(columns) if any(_number(row.get(key)) is not None for row in rows)}
     return f'<div class="wide">{_table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
