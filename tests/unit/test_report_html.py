@@ -132,6 +132,10 @@ def test_a_run_whose_every_loss_is_not_finite_says_so_instead_of_an_empty_chart(
     doc = run_report(run)
     assert not [alt for alt in alts(doc) if alt.startswith("Loss")], alts(doc)  # it drew an empty chart, alt "Loss: "
     assert "metrics.jsonl is not finite (NaN or inf) at every logged step, the first at step 1" in doc
+    (run / "metrics.jsonl").write_text('{"step": 1, "samples_per_s": 10.0}\n')  # a log without the loss
+    doc = run_report(run)
+    assert "Loss: metrics.jsonl holds no loss value." in doc and not alts(doc)[0].startswith("Loss"), alts(doc)
+    assert "holds no loss value" not in run_report(write_run(tmp_path / "full"))
 
 
 def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):

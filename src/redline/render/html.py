@@ -319,7 +319,10 @@ def _run_charts(files: RunFiles) -> list[str]:
         loss.append(Series("val loss", [float(r["step"]) for r in evals], values(evals, "val_loss"), points=True))
     if has_values(train, "loss") or len(loss) > 1:
         out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
-    out += _not_finite(train, files.train_file)
+    gaps = _not_finite(train, files.train_file)
+    if not gaps and not has_values(train, "loss"):  # a log without the key: what it lacks, as for the charts below
+        gaps = [_p("note", f"Loss: {files.train_file} holds no loss value.")]
+    out += gaps
     for key, title, ylabel in (
         ("samples_per_s", "Throughput", "samples/s"),
         ("tokens_per_s", "Token throughput", "tokens/s"),
