@@ -1,9 +1,11 @@
 """The HTML report: one self-contained page per bench result or run, its charts real PNGs, its text escaped."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -136,6 +138,21 @@ def test_a_run_whose_every_loss_is_not_finite_says_so_instead_of_an_empty_chart(
     doc = run_report(run)
     assert "Loss: metrics.jsonl holds no loss value." in doc and not alts(doc)[0].startswith("Loss"), alts(doc)
     assert "holds no loss value" not in run_report(write_run(tmp_path / "full"))
+
+
+def test_a_jsonl_log_an_earlier_run_left_beside_a_newer_csv_is_not_drawn(tmp_path):
+    # An --out reused by a run with --logger csv alone: the earlier run's JSONL logs stay as they were.
+    run = write_run(tmp_path, steps=30)
+    old = time.time() - 3600
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        os.utime(run / name, (old, old))
+    rows = (run / "metrics.csv").read_text().splitlines(keepends=True)
+    (run / "metrics.csv").write_text("".join(rows[:6]))  # the new run: 5 steps so far
+    (run / "summary.json").unlink()
+    doc = run_report(run)
+    assert "train loss over 5 points" in alts(doc)[0] and "5 steps." in doc
+    assert "Read from metrics.csv and eval.csv" in doc
+    assert "train loss over 30 points" in alts(run_report(write_run(tmp_path / "both")))[0]  # one run's: JSONL
 
 
 def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):

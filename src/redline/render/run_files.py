@@ -63,7 +63,9 @@ def read_run(run_dir: Path) -> RunFiles:
         raise ConfigError(
             f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\nhint: {hint}"
         )
+    train_file = _newer_csv(run_dir, train_file)
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
+    eval_file = _newer_csv(run_dir, eval_file) if eval_file else None
     summary = _read_summary(run_dir / "summary.json")
     train = _read_rows(run_dir / train_file)
     # A resumed run keeps the summary.json of the stretch it resumed until it ends and writes its own.
@@ -91,6 +93,22 @@ def _run_above(path: Path) -> Path | None:
 
 def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:
     return next((name for name in names if (run_dir / name).is_file()), None)
+
+
+def _newer_csv(run_dir: Path, name: str) -> str:
+    """The CSV twin of a JSONL log where it was written later: a run with ``--logger csv`` alone in an --out an
+    earlier run wrote JSONL in leaves that JSONL as it was. One run writes the CSV, then the JSONL, each log."""
+    twin = name.removesuffix(".jsonl") + ".csv"
+    if not name.endswith(".jsonl") or not (run_dir / twin).is_file():
+        return name
+    try:
+        newer = (run_dir / twin).stat().st_mtime > (run_dir / name).stat().st_mtime + STALE_S
+    except OSError:
+        return name
+    return twin if newer else name
+
+
+STALE_S = 2.0  # a JSONL this much older than its CSV twin is an earlier run's (one run writes both at once)
 
 
 def _read_summary(path: Path) -> dict[str, Any] | None:
