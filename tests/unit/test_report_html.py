@@ -144,14 +144,15 @@ def test_a_jsonl_log_an_earlier_run_left_beside_a_newer_csv_is_not_drawn(tmp_pat
     # An --out reused by a run with --logger csv alone: the earlier run's JSONL logs stay as they were.
     run = write_run(tmp_path, steps=30)
     old = time.time() - 3600
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
         os.utime(run / name, (old, old))
     rows = (run / "metrics.csv").read_text().splitlines(keepends=True)
     (run / "metrics.csv").write_text("".join(rows[:6]))  # the new run: 5 steps so far
-    (run / "summary.json").unlink()
     doc = run_report(run)
     assert "train loss over 5 points" in alts(doc)[0] and "5 steps." in doc
     assert "Read from metrics.csv and eval.csv" in doc
+    # the earlier run's summary.json is not this run's: it said "30 steps on cpu (stopped: max_steps)"
+    assert "summary.json is older than metrics.csv (an earlier run" in doc and "<h2>Summary</h2>" not in doc
     assert "train loss over 30 points" in alts(run_report(write_run(tmp_path / "both")))[0]  # one run's: JSONL
 
 

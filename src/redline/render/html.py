@@ -96,6 +96,9 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     elif files.stale_summary_steps is not None:
         sub = f"{run_dir}: summary.json ends at step {files.stale_summary_steps} but the logs go on past it, so the "
         sub += "run was resumed and is still going or was stopped before it ended"
+    elif files.older_summary:
+        sub = f"{run_dir}: summary.json is older than {files.train_file} (an earlier run's, or the stretch before "
+        sub += "a resume), so this run is still going or was stopped before it ended"
     else:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
     body = [_p("lead", _run_line(files)), *_run_charts(files)]
