@@ -86,8 +86,9 @@ def tune_once(python: str, task: str, steps: int, device: str, into: Path) -> st
     command = [python, "-m", "redline", "tune", "--task", task, "--devices", device, "--planned-steps", str(steps)]
     start = time.perf_counter()
     done = subprocess.run([*command, "--json"], capture_output=True, text=True, env=child_env(str(into)), check=False)
-    if done.returncode != 0:
-        return f"redline tune failed: {(done.stderr.strip().splitlines() or ['(no output)'])[-1]}"
+    if done.returncode != 0:  # its error line, not the hint under it (a spent budget names the axes left)
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        return f"redline tune failed: {next((line for line in lines if line.startswith('error:')), lines[-1])}"
     best = json.loads(done.stdout)["best"]
     return f"redline tune took {time.perf_counter() - start:.0f} s and chose {best}"
 

@@ -16,13 +16,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench import benchmark
+from redline.bench import run as bench_run
 from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
 from redline.bench.run import BenchInterrupted, _warm_up, time_runners
 from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError, TaskError
-from redline.hardware.device import probe_device
+from redline.hardware.device import DeviceFacts, probe_device
 from redline.plan import Choice
+from redline.plan.precision import resolve_precision
 from redline.runtime import runtime as runtime_module
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
@@ -432,8 +434,19 @@ def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_pat
         raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")
 
     monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
-    with pytest.raises(ConfigError, match="hint:"):
-        bench_command(task="example:digits", html=tmp_path / "missing" / "bench.html")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"is in '.*notes\.txt', which is a file, not a directory\nhint: pass a file"):
+        bench_command(task="example:digits", html=tmp_path / "notes.txt" / "runs" / "bench.html")
+    with pytest.raises(ConfigError, match=r"'.*' is a directory\nhint: name a file, e\.g\. .*bench\.html"):
+        bench_command(task="example:digits", html=tmp_path)
+
+
+def test_cli_bench_writes_its_html_page_into_a_directory_it_creates(tmp_path, capsys):
+    page = tmp_path / "reports" / "today" / "bench.html"  # as `redline train --out` creates its directory
+    bench_command(task="example:digits", devices="cpu", precision="fp32", compile="off", auto=False, steps=2,
+                  window=1, estimate=False, html=page)  # fmt: skip
+    assert page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert f"report: {page}" in capsys.readouterr().out
 
 
 def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spends_the_bench(tmp_path, monkeypatch):
@@ -448,3 +461,22 @@ def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spend
     page = tmp_path / "bench.html"
     with pytest.raises(ConfigError, match=r"cannot be written \(Permission denied\)\nhint: pass a file in a directory"):
         bench_command(task="example:digits", html=page)
+
+
+def test_a_row_refused_by_its_device_says_the_fix_by_the_cli_flag(monkeypatch, capsys):
+    # bf16 on a V100 (no native bf16): the row's error is the precision resolver's, whose hint speaks Python.
+    v100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-16GB", index=0, capability=(7, 0))
+    real = bench_run._warm_up
+
+    def on_a_v100(task, setting, *args):
+        if setting.precision == "bf16-mixed":
+            resolve_precision("bf16-mixed", v100)
+        return real(task, setting, *args)
+
+    monkeypatch.setattr(bench_run, "_warm_up", on_a_v100)
+    bench_command(task="example:digits", devices="cpu", precision="fp32,bf16-mixed", compile="off", auto=False,
+                  steps=2, window=1, estimate=False, json_output=True)  # fmt: skip
+    failed = next(row for row in json.loads(capsys.readouterr().out)["rows"] if row["error"])
+    assert failed["name"] == "cpu bf16-mixed eager b64"
+    assert failed["error"].startswith("--precision='bf16-mixed' is not allowed; expected 'fp32', 'fp16-mixed'")
+    assert failed["error"].endswith("\nhint: use --precision 'fp16-mixed' (loss scaling is handled) or 'auto'")

@@ -5,14 +5,13 @@ import functools
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import TuneInterrupted, _measure, decide, tune
+from redline.bench.tune import UNMEASURED, TuneIncomplete, TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, TrainingError
 from redline.hardware.device import probe_device
@@ -194,7 +193,9 @@ def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch)
         "redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True]), ("grad_accum", [1, 2])]
     )
     monkeypatch.setattr("redline.bench.tune._measure", slow_compile)
-    tuned, _ = tune(mlp_task(), devices="cpu", budget_s=0.1)
+    with pytest.raises(TuneIncomplete) as incomplete:  # grad_accum was not measured: nothing is cached
+        tune(mlp_task(), devices="cpu", budget_s=0.1)
+    tuned = incomplete.value.tuned
     spent = tuned.reasons["budget"]  # a row of the tune's table, and of its --json
     over = r"searched in 0\.[3-9]\d* s, 0\.[2-8]\d* s over the 0\.1 s budget: a warm-up once begun is not cut short"
     assert re.fullmatch(over + r".*; the longest compile took 0\.3 s \(fp32, compiled \(default\)\)", spent), spent
@@ -212,7 +213,8 @@ def interrupted_at(axis):
     return measure
 
 
-def test_a_ctrl_c_keeps_the_axes_measured_cached_and_shown_and_exits_130(monkeypatch, capsys):
+def test_a_ctrl_c_shows_what_was_measured_caches_no_unmeasured_axis_and_exits_130(tmp_path, monkeypatch, capsys):
+    # A cached Plan fixes every axis for `--plan tuned` and auto: compile "kept" off unmeasured would be trusted.
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
@@ -220,18 +222,43 @@ def test_a_ctrl_c_keeps_the_axes_measured_cached_and_shown_and_exits_130(monkeyp
         tune(mlp_task(), devices="cpu", planned_steps=100)
     assert stopped.value.exit_code == 130 and stopped.value.tuned.best == Candidate(precision="bf16-mixed")
     reasons = stopped.value.tuned.reasons
-    assert reasons["precision"].startswith("bf16-mixed, 2.00x less time")
+    assert reasons["precision"].startswith("bf16-mixed, 2.00x less time")  # what was measured is not lost
     assert reasons["compile"].startswith("not measured: the search was interrupted (SIGINT); kept compile off")
     assert reasons["grad_accum"].startswith("not measured: the search was interrupted")
     assert reasons["budget"].startswith("interrupted (SIGINT) after")
-    assert "compile, grad_accum keep the current setting\nhint: run the same command again" in str(stopped.value)
-    cached = TunedPlan.from_dict(json.loads(Path(stopped.value.path).read_text()))
-    assert cached.best == Candidate(precision="bf16-mixed")  # what was measured is not lost
+    assert "nothing was cached (not measured: compile, grad_accum); the table" in str(stopped.value)
+    assert not list((tmp_path / "cache").rglob("*.json"))
     with pytest.raises(TuneInterrupted):
         tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
+                     batch_size=None, steps=10, json_output=True)  # fmt: skip
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["cached"] is None and shown["best"]["precision"] == "bf16-mixed"
+    assert [t["step_s"] for t in shown["trials"]] == [0.010, 0.005]  # the precision axis's timings
+    assert not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_budget_spent_before_every_axis_was_measured_shows_them_caches_nothing_and_names_the_flag(
+    tmp_path, monkeypatch, capsys
+):
+    def compile_unmeasured(task, device, candidates, planned, steps, window, seed, budget_s):
+        time.sleep(0.15)  # past the budget of 0.1 s below
+        return [Trial(c, 0.010) if not c.compile else Trial(c, None, rejected=UNMEASURED) for c in candidates]
+
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune._measure", compile_unmeasured)
+    with pytest.raises(TuneIncomplete) as incomplete:  # compile's alternative never ran: "kept off" decides nothing
+        tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
+    assert incomplete.value.tuned.reasons["precision"].startswith("fp32 kept (fp32, eager: 10 ms/step")
+    assert "(not measured: compile;" in str(incomplete.value) and not list((tmp_path / "cache").rglob("*.json"))
+    flagged = r"--budget=0\.1 is not allowed; expected enough seconds to measure every axis \(not measured: compile, "
+    with pytest.raises(ConfigError, match=flagged + r"grad_accum; nothing was cached\)\nhint: e\.g\. --budget \d+0$"):
+        monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space[1:])
+        tune_command(task="example:digits", task_arg=None, devices="cpu", budget=0.1, planned_steps=100,
                      batch_size=None, steps=10, json_output=False)  # fmt: skip
     shown = capsys.readouterr().out
-    assert "chosen: bf16-mixed, eager" in shown and "interrupted" in shown
+    assert "compile off kept (fp32, eager: 10 ms/step" in shown and "(not cached)" in shown and "use it" not in shown
+    assert not list((tmp_path / "cache").rglob("*.json"))
 
 
 def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, monkeypatch):

@@ -21,12 +21,29 @@ def result_of(*rows) -> dict:
 def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
     compiled = _row("cpu fp32 compiled b64", "explicit", 6000.0, compile=True, compile_s=12.0)
     alone = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), compiled))
-    assert "12.0 s" in alone and "never repaid" not in alone and "no eager row" in alone
+    assert " 12/- " in alone and "/never" not in alone and "-: no eager row to compare" in alone
     eager = _row("cpu fp32 eager b64", "explicit", 6500.0)  # faster than the compiled row: it never repays
     beside = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0), eager, compiled))
-    assert "12.0 s, never repaid" in beside
+    assert " 12/never " in beside
     repaid = dict(compiled, break_even_steps=1234.0)
-    assert "12.0 s, repaid in 1,234 steps" in shown(result_of(eager, repaid))
+    assert " 12/1,234 " in shown(result_of(eager, repaid))
+
+
+def test_in_an_80_column_terminal_each_compile_cell_stays_on_its_row():
+    # It read "12.0 s," / "repaid" / "in" / "1,234" / "steps", five lines down one narrow column.
+    rows = [
+        _row("naive cpu fp32 b64", "naive", 5000.0),
+        _row("cpu fp32 eager b64", "explicit", 6500.0),
+        _row("cpu fp32 compiled b64", "explicit", 7000.0, compile=True, compile_s=12.0, break_even_steps=1234.0),
+        _row("cpu bf16-mixed compiled b64", "explicit", 7100.0, precision="bf16-mixed", compile=True, compile_s=3.0),
+        _row("auto cpu b64", "auto", 6000.0, estimate_bytes=2**22),
+    ]
+    console = Console(width=80, record=True)
+    print_uncut(console, bench_table(result_of(*rows)))
+    lines = console.export_text().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80, lines
+    assert any("7,000" in line and "12/1,234" in line for line in lines), lines
+    assert any("7,100" in line and "3.0/-" in line for line in lines), lines
 
 
 def test_a_failed_rows_error_is_shown_as_written_brackets_and_all():
@@ -80,7 +97,7 @@ def test_in_a_narrow_terminal_no_figure_of_the_bench_table_is_cut_or_dropped():
         print_uncut(console, bench_table(result_of(*rows)))
         text = console.export_text()
         assert "…" not in text, text
-        assert "10,791" in text and "690,624" in text and "0.572" in text and "3.0 s" in text, text
+        assert "10,791" in text and "690,624" in text and "0.572" in text and "3.0/-" in text, text
         names = " ".join(line[:12] for line in text.splitlines())  # the names wrap, never vanish
         assert all(word in names for word in ("auto", "naive", "fp32", "bf16-mixed", "b64")), text
         header = next(line for line in text.splitlines() if "config" in line)
@@ -129,7 +146,14 @@ def test_a_gpus_table_and_a_cpus_with_tokens_fit_80_columns_with_every_figure():
     # The widest of each, as `redline bench --devices cuda` and a CPU bench of a text task print them.
     gpu = [
         _row("naive cuda:0 fp32 b64", "naive", 24345.0),
-        _row("cuda:0 bf16-mixed compiled b64", "explicit", 152345.0, compile=True, compile_s=12.0),
+        _row(
+            "cuda:0 bf16-mixed compiled b64",
+            "explicit",
+            152345.0,
+            compile=True,
+            compile_s=12.0,
+            break_even_steps=12345.0,
+        ),
         _row("auto cuda:0 b64", "auto", 51345.0),
     ]
     for row in gpu:  # no CPU row ran: no speed-up over the CPU to show
@@ -143,10 +167,28 @@ def test_a_gpus_table_and_a_cpus_with_tokens_fit_80_columns_with_every_figure():
     for row in cpu:
         row.update(tokens_per_s=row["samples_per_s"] * 64.0, mfu_measured=0.03, estimate_bytes=int(42.2 * 2**20),
                    peak_mem_bytes=int(559.6 * 2**20), peak_mem_kind="resident", loss=3.45)  # fmt: skip
-    for rows, figures in ((gpu, ["152,345", "41.2%/50%", "24.1 MiB", "1.22/1.31"]), (cpu, ["1,920", "1076/1331"])):
+    gpu_figures = ["152,345", "41.2%/50%", "24.1 MiB", "1.22/1.31", "12/12,345"]
+    for rows, figures in ((gpu, gpu_figures), (cpu, ["1,920", "1076/1331", "24/45"])):
         console = Console(width=80, record=True)
         print_uncut(console, bench_table(result_of(*rows)))
         text = console.export_text()
         assert max(len(line.rstrip()) for line in text.splitlines()) <= 80, text
         assert all(figure in text for figure in figures) and "…" not in text, text
         assert "CPU" not in text.split("─")[0], text  # the header: no column of "n/a" speed-ups over the CPU
+
+
+def test_a_row_whose_loss_went_not_finite_is_said_so_and_never_named_the_fastest():
+    # fp16 without enough loss scaling, say: the fastest row, and no use, since it does not train.
+    naive = _row("naive cpu fp32 b64", "naive", 5000.0, loss=2.1)
+    diverged = _row("cpu fp16-mixed eager b64", "explicit", 8000.0, precision="fp16-mixed", loss=None)
+    auto = _row("auto cpu b64", "auto", 7000.0, precision="fp16-mixed", loss=None)
+    result = {"task": "t", "steps": 10, "window": 5, "rows": [naive, diverged, auto]}
+    text = shown(result)
+    assert sum("not finite" in line for line in text.splitlines() if "b64" in line) == 2, text
+    assert "loss not finite: the last step's loss was NaN or inf" in text
+    line = best_line(result)
+    assert line.startswith("fastest at batch 64: naive cpu fp32 b64, 1.00x the naive loop (faster, but with a loss "
+                           "not finite: cpu fp16-mixed eager b64, auto cpu b64)"), line  # fmt: skip
+    assert "auto cpu b64 (what `redline train` runs: fp16-mixed, eager): 1.40x the naive loop, but its loss" in line
+    alone = best_line({**result, "rows": [diverged]})
+    assert alone.startswith("at batch 64 no configuration kept a finite loss"), alone

@@ -1,9 +1,11 @@
 """The HTML report: one self-contained page per bench result or run, its charts real PNGs, its text escaped."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -121,6 +123,37 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "31 steps." in doc
     assert "train loss over 30 points" in alts(doc)[0]  # NaN is a gap in the curve, not a broken chart
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
+    # the gap is at the end, where the curve cannot show it: the page says so
+    assert "not finite (NaN or inf) at 1 of 31 logged steps, the first at step 31" in doc
+
+
+def test_a_run_whose_every_loss_is_not_finite_says_so_instead_of_an_empty_chart(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": Infinity}\n')
+    doc = run_report(run)
+    assert not [alt for alt in alts(doc) if alt.startswith("Loss")], alts(doc)  # it drew an empty chart, alt "Loss: "
+    assert "metrics.jsonl is not finite (NaN or inf) at every logged step, the first at step 1" in doc
+    (run / "metrics.jsonl").write_text('{"step": 1, "samples_per_s": 10.0}\n')  # a log without the loss
+    doc = run_report(run)
+    assert "Loss: metrics.jsonl holds no loss value." in doc and not alts(doc)[0].startswith("Loss"), alts(doc)
+    assert "holds no loss value" not in run_report(write_run(tmp_path / "full"))
+
+
+def test_a_jsonl_log_an_earlier_run_left_beside_a_newer_csv_is_not_drawn(tmp_path):
+    # An --out reused by a run with --logger csv alone: the earlier run's JSONL logs stay as they were.
+    run = write_run(tmp_path, steps=30)
+    old = time.time() - 3600
+    for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
+        os.utime(run / name, (old, old))
+    rows = (run / "metrics.csv").read_text().splitlines(keepends=True)
+    (run / "metrics.csv").write_text("".join(rows[:6]))  # the new run: 5 steps so far
+    doc = run_report(run)
+    assert "train loss over 5 points" in alts(doc)[0] and "5 steps." in doc
+    assert "Read from metrics.csv and eval.csv" in doc
+    # the earlier run's summary.json is not this run's: it said "30 steps on cpu (stopped: max_steps)"
+    assert "summary.json is older than metrics.csv (an earlier run" in doc and "<h2>Summary</h2>" not in doc
+    assert "train loss over 30 points" in alts(run_report(write_run(tmp_path / "both")))[0]  # one run's: JSONL
 
 
 def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):
@@ -229,6 +262,41 @@ def test_a_bench_saved_as_json_gets_its_page_without_running_again(tmp_path, cap
         report(tmp_path / "other.json")
 
 
+def test_a_page_asked_over_a_file_the_report_reads_is_refused_and_the_file_kept(tmp_path):
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(bench_result()))
+    with pytest.raises(ConfigError, match=r"bench\.json' is a file the report is made from: the page would replace it"):
+        report(saved, saved)
+    assert json.loads(saved.read_text())["task"] == "digits"  # it was replaced by the page
+    run = write_run(tmp_path / "run")
+    kept = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"hint: name another file, e\.g\. --html .*run/report\.html$"):
+        report(run, run / "metrics.jsonl")
+    assert (run / "metrics.jsonl").read_text() == kept
+    assert report(run, run / "notes.html") == run / "notes.html"
+
+
+def test_the_bench_page_names_no_row_whose_loss_went_not_finite_the_best():
+    result = bench_result()
+    for row in result["rows"]:
+        row["loss"] = 2.0
+    result["rows"][3]["loss"] = None  # auto, the fastest, ended on a NaN loss (kept as None in the JSON)
+    doc = bench_report(result)
+    assert "Best configuration: <strong>cpu bf16-mixed</strong>" in doc
+    assert ">not finite</td>" in doc
+    for row in result["rows"]:
+        row["loss"] = None
+    assert "No configuration kept a finite loss" in bench_report(result)
+
+
+def test_a_bench_json_that_is_missing_or_has_rows_that_are_not_objects_is_refused_as_a_bench_result(tmp_path):
+    with pytest.raises(ConfigError, match=r"'.*gone\.json' does not exist\nhint: pass the file `redline bench --json"):
+        report(tmp_path / "gone.json")  # it said "run directory '.../gone.json' does not exist"
+    (tmp_path / "odd.json").write_text('{"rows": [{"name": "x"}, "y"]}')  # an AttributeError traceback
+    with pytest.raises(ConfigError, match=r"odd\.json is not a bench result: its row 2 is not an object\nhint: pass"):
+        report(tmp_path / "odd.json")
+
+
 def test_a_run_that_has_not_logged_yet_is_told_apart_from_a_directory_that_is_no_run(tmp_path):
     starting = tmp_path / "starting"  # what `redline train --out starting` holds before its first log
     (starting / "checkpoints").mkdir(parents=True)
@@ -248,8 +316,16 @@ def test_a_file_of_a_run_given_for_the_run_names_its_directory(tmp_path):
 
 
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"cannot be written to .*\nhint: .*--html FILE"):
-        write_report(tmp_path / "no" / "such" / "dir.html", "<p></p>")
+        write_report(tmp_path / "file" / "such" / "dir.html", "<p></p>")
+
+
+def test_a_report_into_a_missing_directory_creates_it(tmp_path):
+    written = write_report(tmp_path / "no" / "such" / "page.html", "<p></p>")
+    assert written.read_text(encoding="utf-8") == "<p></p>"
+    page = tmp_path / "pages" / "run.html"
+    assert report(write_run(tmp_path / "run"), page) == page and page.read_text(encoding="utf-8").startswith("<!DOC")
 
 
 def test_without_matplotlib_the_error_says_how_to_install_it(monkeypatch, tmp_path):

@@ -11,7 +11,8 @@ CUDA, a reduced precision the device has no fast arithmetic for. A compiled cand
 compile fell back to eager is rejected, its reason said: it ran the eager model. When the
 budget is spent, no candidate starts: the axes left keep the current setting, and the reasons say
 so. A warm-up already begun (a compile) is not cut short, so a search can end past its budget;
-the "budget" reason says by how much, and why.
+the "budget" reason says by how much, and why. A search that left an axis unmeasured caches
+nothing: a cached Plan fixes every axis, and "kept" is no decision where the alternative never ran.
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number
-from redline.errors import RedlineError, StoppedBySignal, TrainingError, describe_error, invalid
+from redline.errors import (
+    ConfigError,
+    RedlineError,
+    StoppedBySignal,
+    TrainingError,
+    describe_error,
+    few,
+    invalid,
+)
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
@@ -68,9 +77,10 @@ def tune(
     begun is not cut short). ``batch_size`` tunes at another batch size
     than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
 
-    A Ctrl-C (KeyboardInterrupt) stops the search: the axes decided before it are cached and it raises
-    ``TuneInterrupted`` (exit 130 on the command line), whose ``tuned`` and ``path`` hold them; one
-    before the first axis was measured caches nothing and raises ``StoppedBySignal``.
+    A cached Plan fixes every axis, so one with an axis left unmeasured is not cached: a budget spent
+    before every axis was measured raises ``TuneIncomplete`` (a ConfigError of ``budget_s``), a Ctrl-C
+    (KeyboardInterrupt) ``TuneInterrupted`` (exit 130 on the command line); the ``tuned`` of each holds
+    what was measured. A Ctrl-C before the first axis was measured raises ``StoppedBySignal``.
     """
     task = require_task(task)
     positive_number("budget_s", budget_s)
@@ -94,13 +104,16 @@ def tune(
     trials: list[Trial] = []
     reasons: dict[str, str] = {}
     interrupted = ""  # the axis a Ctrl-C stopped: it and the axes after it keep the current setting
+    unmeasured: list[str] = []  # the axes whose alternatives were not all measured: "kept" there decides nothing
     for index, (axis, values) in enumerate(axes):
         tell(index, len(axes), f"tuning {axis}")
         left = deadline - time.perf_counter()
         if interrupted:
+            unmeasured.append(axis)
             reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
             continue
         if left <= 0:
+            unmeasured.append(axis)
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
             continue
         if axis == "compile_mode" and not best.compile:  # both modes would run the same eager model
@@ -109,28 +122,17 @@ def tune(
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
         try:
             measured = _measure(task, device, candidates, planned, steps, window, seed, left)
-        except KeyboardInterrupt:  # keep what the axes before it decided, as a spent budget does
+        except KeyboardInterrupt:  # keep what the axes before it measured, to show
             interrupted = axis
+            unmeasured.append(axis)
             reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
             continue
         trials += measured
         best, reasons[axis] = decide(axis, measured, planned)
+        if any(trial.rejected == UNMEASURED for trial in measured):
+            unmeasured.append(axis)
     tell(len(axes), len(axes), "done")
-    if interrupted and not trials:
-        raise StoppedBySignal(
-            signal.SIGINT,
-            f"tune interrupted by SIGINT while it measured {interrupted}, its first axis: nothing was cached\n"
-            "hint: run it again; --budget SECONDS bounds the search instead, keeping what it measured",
-        )
-    if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
-        raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
-    if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
-        first = trials[0]
-        raise TrainingError(
-            f"no candidate of {task.name} ran ({len(trials)} tried); {_value(first.candidate, '')}: {first.rejected}\n"
-            "hint: fix the task, then tune again; `redline train --task SPEC --max-steps 1` runs one step and shows "
-            "the line that fails"
-        )
+    _check_measured(task, trials, interrupted, budget_s)
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
     spent = time.perf_counter() - started
     reasons["budget"] = spent_line(spent, budget_s, trials)
@@ -141,23 +143,60 @@ def tune(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials),
     )  # fmt: skip
-    path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
+    # A cached Plan fixes every axis for `--plan tuned` and auto: one it never measured is not cached as decided.
     if interrupted:
-        raise TuneInterrupted(tuned, path, interrupted)
-    return tuned, path
+        raise TuneInterrupted(tuned, interrupted, unmeasured)
+    if unmeasured:
+        raise TuneIncomplete(tuned, unmeasured, budget_s, _enough(spent, len(axes), len(axes) - len(unmeasured)))
+    return tuned, store_tuned(fingerprint, facts, tuned, model=task.build_model())
+
+
+def _check_measured(task: Task, trials: Sequence[Trial], interrupted: str, budget_s: float) -> None:
+    """Refuse a search that ran no candidate: there is nothing to choose from, or to show."""
+    if interrupted and not trials:
+        raise StoppedBySignal(
+            signal.SIGINT,
+            f"tune interrupted by SIGINT while it measured {interrupted}, its first axis: nothing was cached\n"
+            "hint: run it again; --budget SECONDS bounds the search instead, showing what it measured",
+        )
+    if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
+        raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
+    if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
+        first = trials[0]
+        raise TrainingError(
+            f"no candidate of {task.name} ran ({len(trials)} tried); {_value(first.candidate, '')}: {first.rejected}\n"
+            "hint: fix the task, then tune again; `redline train --task SPEC --max-steps 1` runs one step and shows "
+            "the line that fails"
+        )
 
 
 class TuneInterrupted(StoppedBySignal):
-    """A tune a SIGINT (Ctrl-C) stopped after its first axis: the axes it decided are cached, and kept here."""
+    """A tune a SIGINT (Ctrl-C) stopped after its first axis: nothing is cached; ``tuned`` holds what it measured."""
 
-    def __init__(self, tuned: TunedPlan, path: str, axis: str) -> None:
-        kept = ", ".join(a for a, why in tuned.reasons.items() if "interrupted" in why and a != "budget")
+    def __init__(self, tuned: TunedPlan, axis: str, unmeasured: Sequence[str]) -> None:
         super().__init__(
             signal.SIGINT,
-            f"tune interrupted by SIGINT while it measured {axis}: the axes before it were cached in {path}; "
-            f"{kept} keep the current setting\nhint: run the same command again to search every axis",
+            f"tune interrupted by SIGINT while it measured {axis}: nothing was cached (not measured: "
+            f"{few(unmeasured, 4)}); the table shows what was\nhint: run the same command again to search every axis",
         )
-        self.tuned, self.path = tuned, path
+        self.tuned = tuned
+
+
+class TuneIncomplete(ConfigError):
+    """A tune whose budget was spent before every axis was measured: nothing is cached; ``tuned`` holds what it
+    measured. A ConfigError of ``budget_s``, so the command line names ``--budget``."""
+
+    def __init__(self, tuned: TunedPlan, unmeasured: Sequence[str], budget_s: float, enough_s: int) -> None:
+        allowed = f"enough seconds to measure every axis (not measured: {few(unmeasured, 4)}; nothing was cached)"
+        hint = f"e.g. budget_s={enough_s}"
+        made = invalid("budget_s", budget_s, allowed, hint)
+        super().__init__(str(made))
+        self.parts, self.tuned = made.parts, tuned
+
+
+def _enough(spent_s: float, axes: int, measured: int) -> int:
+    """A budget that would likely measure every axis: the seconds spent per axis measured, for all, in tens."""
+    return max(10, math.ceil(spent_s / max(1, measured) * axes * 1.5 / 10) * 10)
 
 
 def _one_device(devices: str) -> str:

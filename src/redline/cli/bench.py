@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Annotated, Any
@@ -91,6 +92,8 @@ def bench(
         else:
             interrupted = None
     data = result.to_dict()
+    for row in data["rows"]:  # the runtime's refusal of a row speaks Python: say its fix by the flag typed here
+        row["error"] = _by_flag(row["error"])
     _show(data, json_output, html)
     if interrupted is not None:
         raise interrupted
@@ -119,17 +122,33 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
             out.print(f"report: {html}", highlight=False, markup=False)
 
 
+def _by_flag(error: str) -> str:
+    """A row's error with the arguments it names as this command's flags: "precision='bf16-mixed' is not
+    allowed ... hint: use precision='fp16-mixed'" as "--precision='bf16-mixed' ... use --precision 'fp16-mixed'"."""
+    said = re.sub(r"^(precision|compile)=", r"--\1=", error)  # the house format's head, as said_by_flags says it
+    return re.sub(r"(?<![\w.-])(precision|compile)=", r"--\1 ", said)
+
+
 def _task_args(task_arg: list[str] | None) -> list[str]:
     return [part for arg in task_arg or [] for part in ("--task-arg", arg)]
 
 
 def _check_html(path: Path) -> None:
-    """Refuse a page that could not be written before the bench runs, not after: its result would be lost."""
+    """Refuse a page that could not be written before the bench runs, not after: its result would be lost.
+
+    A missing directory is created, as `redline train --out` creates its own.
+    """
     require_matplotlib()
-    if path.is_dir() or not path.parent.is_dir():
-        what = "is a directory" if path.is_dir() else f"is in {str(path.parent)!r}, which is not a directory"
-        raise ConfigError(f"--html {str(path)!r} {what}\nhint: pass a file in a directory that exists")
+    if path.is_dir():
+        raise ConfigError(f"--html {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'bench.html'}")
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(
+            f"--html {str(path)!r} is in {str(blocked)!r}, which is a file, not a directory\n"
+            "hint: pass a file in a directory, or a directory to create"
+        )
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         check_writable(path)
     except OSError as exc:
         raise ConfigError(

@@ -19,7 +19,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     every row ran on the CPU or none did, compile time when nothing compiled) are left out, MFU shares
     a column with the matmul share, and the borders are light, so it fits 80 columns (a GPU's rows, or
     a CPU's with tokens/s; CPU and GPU rows with tokens/s are wider). A figure is never cut to "8,…":
-    where the terminal is too narrow even so, the names and compile notes wrap, and past that the
+    where the terminal is too narrow even so, the names wrap, and past that the
     table is printed wider than the terminal (``print_uncut``) rather than losing digits.
     """
     table = Table(
@@ -50,14 +50,10 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     columns.append(("memory", lambda r: _bytes(r["peak_mem_bytes"])))
     if any(r.get("estimate_bytes") is not None for r in rows):
         columns.append(("estimate", lambda r: _bytes(r.get("estimate_bytes"))))
-    if any(r["compile_s"] is not None for r in rows):
-        columns.append(("compile", lambda r: _compile(r, rows)))
-    columns.append(("loss", lambda r: "" if r["loss"] is None else f"{r['loss']:.3g}"))
-    caption = Text()
-    if any(r.get("peak_mem_kind") == "resident" for r in rows):
-        caption.append("memory on a CPU: the whole process's resident set at its peak")
-        if any(r.get("estimate_bytes") is not None for r in rows):
-            caption.append("; the estimate counts the step's own tensors, as a GPU's allocator would")
+    if any(r["compile_s"] is not None for r in rows):  # "12/1,234" as p50/p90: a cell that never wraps
+        columns.append(("compile/repaid", lambda r: _compile(r, rows)))
+    columns.append(("loss", lambda r: "not finite" if diverged(r) else "" if r["loss"] is None else f"{r['loss']:.3g}"))
+    caption = _notes(rows)
     for name, _ in columns:
         _add_column(table, name)
     for row in result["rows"]:
@@ -71,6 +67,29 @@ def bench_table(result: Mapping[str, Any]) -> Table:
         table.caption = caption
         table.caption_justify = "left"
     return table
+
+
+DIVERGED = "the last step's loss was NaN or inf, so the row does not train as set, whatever its speed"
+
+
+def diverged(row: Mapping[str, Any]) -> bool:
+    """Whether a row that ran ended on a loss that is not finite (the bench keeps such a loss as None)."""
+    return not row.get("error") and row.get("samples_per_s") is not None and "loss" in row and row["loss"] is None
+
+
+def _notes(rows: list[Mapping[str, Any]]) -> Text:
+    """What the table's columns mean where a header cannot say it: a CPU's memory, the compile cell."""
+    notes = []
+    if any(r.get("peak_mem_kind") == "resident" for r in rows):
+        note = "memory on a CPU: the whole process's resident set at its peak"
+        if any(r.get("estimate_bytes") is not None for r in rows):
+            note += "; the estimate counts the step's own tensors, as a GPU's allocator would"
+        notes.append(note)
+    if any(r["compile_s"] is not None for r in rows):
+        notes.append(f"compile/repaid: {COMPILE_TOLD}")
+    if any(diverged(r) for r in rows):
+        notes.append(f"loss not finite: {DIVERGED}")
+    return Text("\n".join(notes))
 
 
 def steps_told(result: Mapping[str, Any]) -> str:
@@ -89,10 +108,9 @@ def steps_told(result: Mapping[str, Any]) -> str:
 def _add_column(table: Table, name: str) -> None:
     if name == "config":
         table.add_column(name, justify="left", overflow="fold", min_width=10)  # "bf16-mixed" whole
-    elif name == "compile":  # "12.0 s, repaid in 1,234 steps" wraps between its words
-        table.add_column(name, justify="right", min_width=7)
-    else:  # a figure keeps all its digits; its header wraps between words
-        table.add_column(name.replace(" ", "\n").replace("/s", "\n/s"), justify="right", no_wrap=True)
+    else:  # a figure keeps all its digits; its header wraps between words, and before "/s" and "/repaid"
+        header = name.replace(" ", "\n").replace("/s", "\n/s").replace("/repaid", "\n/repaid")
+        table.add_column(header, justify="right", no_wrap=True)
 
 
 def best_line(result: Mapping[str, Any]) -> str:
@@ -101,14 +119,24 @@ def best_line(result: Mapping[str, Any]) -> str:
     rows = [r for r in result["rows"] if not r["error"] and r["samples_per_s"]]
     for size in dict.fromkeys(r["batch_size"] for r in rows):
         group = [r for r in rows if r["batch_size"] == size]
-        best = max(group, key=lambda r: r["samples_per_s"])
+        training = [r for r in group if not diverged(r)]
+        if not training:
+            lines.append(f"at batch {size} no configuration kept a finite loss: {DIVERGED}")
+            continue
+        best = max(training, key=lambda r: r["samples_per_s"])
         line = f"fastest at batch {size}: {best['name']}, {_times(best['speedup_naive'])} the naive loop"
+        faster = [r["name"] for r in group if diverged(r) and r["samples_per_s"] > best["samples_per_s"]]
+        if faster:
+            line += f" (faster, but with a loss not finite: {', '.join(faster)})"
         for auto in (r for r in group if r["kind"] == "auto"):
             settings = _auto_settings(auto)
             share = auto["samples_per_s"] / best["samples_per_s"]
             speedup = _times(auto["speedup_naive"])
             line += f"\n{auto['name']} (what `redline train` runs: {settings}): {speedup} the naive loop"
-            line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
+            if diverged(auto):
+                line += ", but its loss was not finite"
+            else:
+                line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
         lines.append(line)
     return "\n".join(lines)
 
@@ -151,8 +179,15 @@ def _bytes(value: int | None) -> str:
     return size_text(value)
 
 
+COMPILE_TOLD = (
+    "the seconds the compile took/the steps whose time saved against the eager row of its precision repays "
+    "them (never: the compiled step is not faster; -: no eager row to compare)"
+)
+
+
 def _compile(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:
-    """Compile seconds and their break-even, which needs an eager row of the same precision to compare with."""
+    """Compile seconds and their break-even in steps, which needs an eager row of the same precision to compare
+    with: "12/1,234", "12/never", "3.0/-"."""
     if row["compile_s"] is None:
         return ""
     steps = row["break_even_steps"]
@@ -161,8 +196,6 @@ def _compile(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:
         r["kind"] == "explicit" and r["compile"] is False and r["step_ms_p50"] and all(r[k] == row[k] for k in same)
         for r in rows
     )
-    if steps is not None:
-        repaid = f"repaid in {steps:,.0f} steps"
-    else:
-        repaid = "never repaid" if eager else "no eager row to compare"
-    return f"{row['compile_s']:.1f} s, {repaid}"
+    repaid = f"{steps:,.0f}" if steps is not None else "never" if eager else "-"
+    seconds = row["compile_s"]
+    return f"{seconds:.0f}/{repaid}" if seconds >= 10 else f"{seconds:.1f}/{repaid}"  # "12/1,234", "3.0/45"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from html import escape
@@ -17,9 +18,9 @@ from typing import Any
 
 from redline.atomic import write_atomic
 from redline.errors import ConfigError
-from redline.render.bench import steps_told
+from redline.render.bench import DIVERGED, diverged, steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
-from redline.render.run_files import RunFiles, has_values, read_run, values
+from redline.render.run_files import LOGS, RunFiles, has_values, read_run, values
 from redline.version import __version__
 
 GIB = 2**30
@@ -95,6 +96,9 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     elif files.stale_summary_steps is not None:
         sub = f"{run_dir}: summary.json ends at step {files.stale_summary_steps} but the logs go on past it, so the "
         sub += "run was resumed and is still going or was stopped before it ended"
+    elif files.older_summary:
+        sub = f"{run_dir}: summary.json is older than {files.train_file} (an earlier run's, or the stretch before "
+        sub += "a resume), so this run is still going or was stopped before it ended"
     else:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
     body = [_p("lead", _run_line(files)), *_run_charts(files)]
@@ -109,18 +113,22 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
 
 
 def write_report(path: str | os.PathLike[str], html: str) -> Path:
-    """Write ``html`` to ``path`` atomically (a crash leaves the old file or the new one) and return the path."""
+    """Write ``html`` to ``path`` atomically (a crash leaves the old file or the new one) and return the path.
+
+    A missing directory is created.
+    """
     target = Path(path)
 
     def write(tmp: Path) -> None:
         tmp.write_text(html, encoding="utf-8")
 
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, write)
     except OSError as exc:
         raise ConfigError(
             f"the report cannot be written to {str(target)!r} ({exc.strerror or exc})\n"
-            "hint: write it to a file in a directory that exists and that you can write to (--html FILE)"
+            "hint: write it to a file in a directory you can write to (--html FILE)"
         ) from exc
     return target
 
@@ -132,23 +140,43 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     (default FILE.html beside it): a bench need not run again for its report.
     """
     run_dir = Path(run_dir)
+    if run_dir.suffix == ".json" and not run_dir.exists():  # not "run directory ... does not exist"
+        raise ConfigError(f"{str(run_dir)!r} does not exist\nhint: {BENCH_HINT}")
     if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
         html = bench_report(_read_bench(run_dir))
-        return write_report(run_dir.with_suffix(".html") if path is None else Path(path), html)
+        return write_report(_not_a_source(path, run_dir.with_suffix(".html"), [run_dir]), html)
     html = run_report(run_dir)
-    return write_report(run_dir / "report.html" if path is None else Path(path), html)
+    sources = [run_dir / name for name in (*LOGS, "eval.jsonl", "eval.csv", "summary.json")]
+    return write_report(_not_a_source(path, run_dir / "report.html", sources), html)
+
+
+def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
+    """Where the page goes: ``path`` (else ``default``), refused where it is a file the report was made from."""
+    target = default if path is None else Path(path)
+    if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
+        raise ConfigError(
+            f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
+            f"hint: name another file, e.g. --html {default}"
+        )
+    return target
 
 
 def _read_bench(path: Path) -> Mapping[str, Any]:
     """A bench result saved with ``redline bench --json``; anything else is a ConfigError naming the file."""
-    hint = "hint: pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
+    hint = f"hint: {BENCH_HINT}"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} cannot be read as a bench result: {exc}\n{hint}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ConfigError(f"{path} is not a bench result: it has no list of rows\n{hint}")
+    odd = next((i for i, row in enumerate(data["rows"]) if not isinstance(row, dict)), None)
+    if odd is not None:
+        raise ConfigError(f"{path} is not a bench result: its row {odd + 1} is not an object\n{hint}")
     return data
+
+
+BENCH_HINT = "pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
 
 
 def plan_table(plan: object) -> str:
@@ -171,7 +199,9 @@ def _best_line(ok: Sequence[Mapping[str, Any]], failed: int) -> str:
     measured = [row for row in ok if _number(row.get("samples_per_s")) is not None]
     if not measured:
         return escape("No configuration completed, so there is nothing to compare." + failures)
-    best = max(measured, key=lambda row: row["samples_per_s"])
+    if all(diverged(row) for row in measured):
+        return escape(f"No configuration kept a finite loss: {DIVERGED}.{failures}")
+    best = max((row for row in measured if not diverged(row)), key=lambda row: row["samples_per_s"])
     speedup = _number(best.get("speedup_naive"))
     versus = f", {speedup:.2f}x the naive loop" if speedup is not None else ""
     return (
@@ -243,7 +273,8 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
     columns.append("error")
     cells = []
     for row in rows:
-        cells.append([escape(_format(key, row.get(key))) for key in columns])
+        said = {**row, "loss": "not finite"} if diverged(row) else row
+        cells.append([escape(_format(key, said.get(key))) for key in columns])
     classes = ["failed" if row.get("error") else "" for row in rows]
     numeric = {i for i, key in enumerate(columns) if any(_number(row.get(key)) is not None for row in rows)}
     return f'<div class="wide">{_table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
@@ -289,7 +320,12 @@ def _run_charts(files: RunFiles) -> list[str]:
     loss = [Series("train loss", steps, values(train, "loss"))]
     if has_values(evals, "val_loss"):
         loss.append(Series("val loss", [float(r["step"]) for r in evals], values(evals, "val_loss"), points=True))
-    out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
+    if has_values(train, "loss") or len(loss) > 1:
+        out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
+    gaps = _not_finite(train, files.train_file)
+    if not gaps and not has_values(train, "loss"):  # a log without the key: what it lacks, as for the charts below
+        gaps = [_p("note", f"Loss: {files.train_file} holds no loss value.")]
+    out += gaps
     for key, title, ylabel in (
         ("samples_per_s", "Throughput", "samples/s"),
         ("tokens_per_s", "Token throughput", "tokens/s"),
@@ -301,6 +337,17 @@ def _run_charts(files: RunFiles) -> list[str]:
         elif key != "tokens_per_s":  # a task without tokens has no token rate to miss
             out.append(_p("note", f"{title}: {files.train_file} holds no {key} value."))
     return out
+
+
+def _not_finite(train: list[dict[str, Any]], name: str) -> list[str]:
+    """A note naming the steps whose loss is NaN or infinite (a gap the curve cannot show where it is the end)."""
+    losses = values(train, "loss")
+    bad = [row["step"] for row, v in zip(train, losses, strict=True) if v is not None and not math.isfinite(v)]
+    if not bad:
+        return []
+    told = "every logged step" if len(bad) == len(train) else f"{len(bad)} of {len(train)} logged steps"
+    return [_p("note", f"The train loss in {name} is not finite (NaN or inf) at {told}, the first at step {bad[0]}: "
+               "the curve leaves them out, and the run diverged there.")]  # fmt: skip
 
 
 def _summary_table(summary: Mapping[str, Any]) -> str:

@@ -29,6 +29,8 @@ class RunFiles:
 
     ``stale_summary_steps`` is the step count of a summary.json the logs have gone past: the summary of
     an earlier stretch of a run that was resumed and has not ended since (left out as ``summary``).
+    ``older_summary`` says a summary.json was left out for being older than the training log: a run ends
+    by writing it, so one the log was written after is an earlier run's, in the same --out.
     """
 
     run_dir: Path
@@ -38,6 +40,7 @@ class RunFiles:
     train_file: str  # the file names the rows came from, for the report to cite
     eval_file: str | None
     stale_summary_steps: int | None = None
+    older_summary: bool = False
 
 
 def read_run(run_dir: Path) -> RunFiles:
@@ -63,20 +66,24 @@ def read_run(run_dir: Path) -> RunFiles:
         raise ConfigError(
             f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\nhint: {hint}"
         )
+    train_file = _newer_csv(run_dir, train_file)
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
+    eval_file = _newer_csv(run_dir, eval_file) if eval_file else None
     summary = _read_summary(run_dir / "summary.json")
     train = _read_rows(run_dir / train_file)
     # A resumed run keeps the summary.json of the stretch it resumed until it ends and writes its own.
     ended_at = summary.get("steps") if summary else None
     stale = isinstance(ended_at, int) and bool(train) and train[-1]["step"] > ended_at
+    older = summary is not None and not stale and _older(run_dir / "summary.json", run_dir / train_file)
     return RunFiles(
         run_dir=run_dir,
-        summary=None if stale else summary,
+        summary=None if stale or older else summary,
         train=train,
         evals=_read_rows(run_dir / eval_file) if eval_file else [],
         train_file=train_file,
         eval_file=eval_file,
         stale_summary_steps=ended_at if stale else None,
+        older_summary=older,
     )
 
 
@@ -91,6 +98,26 @@ def _run_above(path: Path) -> Path | None:
 
 def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:
     return next((name for name in names if (run_dir / name).is_file()), None)
+
+
+def _newer_csv(run_dir: Path, name: str) -> str:
+    """The CSV twin of a JSONL log where it was written later: a run with ``--logger csv`` alone in an --out an
+    earlier run wrote JSONL in leaves that JSONL as it was. One run writes the CSV, then the JSONL, each log."""
+    twin = name.removesuffix(".jsonl") + ".csv"
+    if not name.endswith(".jsonl") or not (run_dir / twin).is_file():
+        return name
+    return twin if _older(run_dir / name, run_dir / twin) else name
+
+
+STALE_S = 2.0  # a file this much older than one its run writes with or before it is an earlier run's
+
+
+def _older(path: Path, than: Path) -> bool:
+    """Whether ``path`` was last written ``STALE_S`` or more before ``than`` (False where either cannot be read)."""
+    try:
+        return path.stat().st_mtime + STALE_S < than.stat().st_mtime
+    except OSError:
+        return False
 
 
 def _read_summary(path: Path) -> dict[str, Any] | None:
