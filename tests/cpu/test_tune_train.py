@@ -11,14 +11,15 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import UNMEASURED, TuneIncomplete, TuneInterrupted, _measure, decide, tune
+from redline.bench.tune import UNMEASURED, TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, TrainingError
 from redline.hardware.device import probe_device
+from redline.parallel.env import DistEnv
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import time_steps
-from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, find_tuned, store_tuned
 from redline.task import Task, load_task
 from redline.train.config import TrainerConfig
 from redline.train.trainer import Trainer
@@ -193,13 +194,14 @@ def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch)
         "redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True]), ("grad_accum", [1, 2])]
     )
     monkeypatch.setattr("redline.bench.tune._measure", slow_compile)
-    with pytest.raises(TuneIncomplete) as incomplete:  # grad_accum was not measured: nothing is cached
-        tune(mlp_task(), devices="cpu", budget_s=0.1)
-    tuned = incomplete.value.tuned
+    tuned, _ = tune(mlp_task(), devices="cpu", budget_s=0.1)  # grad_accum was not measured: left to auto
     spent = tuned.reasons["budget"]  # a row of the tune's table, and of its --json
     over = r"searched in 0\.[3-9]\d* s, 0\.[2-8]\d* s over the 0\.1 s budget: a warm-up once begun is not cut short"
-    assert re.fullmatch(over + r".*; the longest compile took 0\.3 s \(fp32, compiled \(default\)\)", spent), spent
-    assert tuned.reasons["grad_accum"].startswith("not measured: the 0.1 s budget was spent")
+    left = r"; grad_accum left to auto: about \d+0 s would measure every axis"
+    assert re.fullmatch(over + r".*; the longest compile took 0\.3 s \(fp32, compiled \(default\)\)" + left, spent), (
+        spent
+    )
+    assert tuned.reasons["grad_accum"] == "not measured: the 0.1 s budget was spent; left to the run's auto"
     within, _ = tune(mlp_task(), devices="cpu", budget_s=60)
     assert re.fullmatch(r"searched in \d\.\d+ s of the 60 s budget", within.reasons["budget"])
 
@@ -213,52 +215,59 @@ def interrupted_at(axis):
     return measure
 
 
-def test_a_ctrl_c_shows_what_was_measured_caches_no_unmeasured_axis_and_exits_130(tmp_path, monkeypatch, capsys):
-    # A cached Plan fixes every axis for `--plan tuned` and auto: compile "kept" off unmeasured would be trusted.
+def cached_plans(tmp_path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (tmp_path / "cache" / "tuned").glob("*.json")]
+
+
+def test_a_ctrl_c_caches_what_was_measured_leaves_the_rest_to_auto_and_exits_130(tmp_path, monkeypatch, capsys):
+    # compile "kept" off, its alternative never run, is no decision: a run that uses the tune decides it as auto.
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
+    task = mlp_task()
     with pytest.raises(TuneInterrupted) as stopped:
-        tune(mlp_task(), devices="cpu", planned_steps=100)
-    assert stopped.value.exit_code == 130 and stopped.value.tuned.best == Candidate(precision="bf16-mixed")
-    reasons = stopped.value.tuned.reasons
-    assert reasons["precision"].startswith("bf16-mixed, 2.00x less time")  # what was measured is not lost
-    assert reasons["compile"].startswith("not measured: the search was interrupted (SIGINT); kept compile off")
-    assert reasons["grad_accum"].startswith("not measured: the search was interrupted")
-    assert reasons["budget"].startswith("interrupted (SIGINT) after")
-    assert "nothing was cached (not measured: compile, grad_accum); the table" in str(stopped.value)
-    assert not list((tmp_path / "cache").rglob("*.json"))
+        tune(task, devices="cpu", planned_steps=100)
+    tuned = stopped.value.tuned
+    assert stopped.value.exit_code == 130 and tuned.best == Candidate(precision="bf16-mixed")
+    assert tuned.unmeasured == ("compile", "grad_accum")
+    assert tuned.reasons["precision"].startswith("bf16-mixed, 2.00x less time")  # what was measured is not lost
+    assert tuned.reasons["compile"].startswith(
+        "not measured: the search was interrupted (SIGINT); left to the run's auto"
+    )
+    assert tuned.reasons["budget"].startswith("interrupted (SIGINT) after")
+    assert "the axes measured before it were cached, and compile, grad_accum left to auto" in str(stopped.value)
+    assert [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [["compile", "grad_accum"]]
+    found = find_tuned(task, RuntimeOptions(devices="cpu"), task.batch_size, DistEnv())
+    assert found is not None and found.options.precision == "bf16-mixed"  # the measured axis is applied
+    assert found.options.compile == "auto" and found.options.grad_accum == 1  # the others are the run's own
+    assert "compile" not in found.tuning.reasons and "grad_accum" not in found.tuning.reasons
     with pytest.raises(TuneInterrupted):
         tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
                      batch_size=None, steps=10, json_output=True)  # fmt: skip
     shown = json.loads(capsys.readouterr().out)
-    assert shown["cached"] is None and shown["best"]["precision"] == "bf16-mixed"
+    assert shown["cached"] and shown["unmeasured"] == ["compile", "grad_accum"]
     assert [t["step_s"] for t in shown["trials"]] == [0.010, 0.005]  # the precision axis's timings
-    assert not list((tmp_path / "cache").rglob("*.json"))
 
 
-def test_a_budget_spent_before_every_axis_was_measured_shows_them_caches_nothing_and_names_the_flag(
-    tmp_path, monkeypatch, capsys
-):
+def test_an_axis_the_budget_left_unmeasured_is_cached_as_left_to_auto(tmp_path, monkeypatch, capsys):
     def compile_unmeasured(task, device, candidates, planned, steps, window, seed, budget_s):
-        time.sleep(0.15)  # past the budget of 0.1 s below
         return [Trial(c, 0.010) if not c.compile else Trial(c, None, rejected=UNMEASURED) for c in candidates]
 
-    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
     monkeypatch.setattr("redline.bench.tune._measure", compile_unmeasured)
-    with pytest.raises(TuneIncomplete) as incomplete:  # compile's alternative never ran: "kept off" decides nothing
-        tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
-    assert incomplete.value.tuned.reasons["precision"].startswith("fp32 kept (fp32, eager: 10 ms/step")
-    assert "(not measured: compile;" in str(incomplete.value) and not list((tmp_path / "cache").rglob("*.json"))
-    flagged = r"--budget=0\.1 is not allowed; expected enough seconds to measure every axis \(not measured: compile, "
-    with pytest.raises(ConfigError, match=flagged + r"grad_accum; nothing was cached\)\nhint: e\.g\. --budget \d+0$"):
-        monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space[1:])
-        tune_command(task="example:digits", task_arg=None, devices="cpu", budget=0.1, planned_steps=100,
-                     batch_size=None, steps=10, json_output=False)  # fmt: skip
+    tuned, path = tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
+    assert [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [["compile"]] and path.endswith(".json")
+    assert tuned.reasons["precision"].startswith("fp32 kept (fp32, eager: 10 ms/step")  # measured: a decision
+    assert tuned.reasons["compile"].startswith("not measured in full: compile off kept (")
+    assert "; left to the run's auto" in tuned.reasons["compile"] and tuned.unmeasured == ("compile",)
+    applied = tuned.apply(RuntimeOptions())
+    assert applied.precision == "fp32" and applied.compile == "auto"
+    assert tuned.apply(RuntimeOptions(compile="on")).compile == "on"  # asked for: the user's, as ever
+    tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
+                 batch_size=None, steps=10, json_output=False)  # fmt: skip
     shown = capsys.readouterr().out
-    assert "compile off kept (fp32, eager: 10 ms/step" in shown and "(not cached)" in shown and "use it" not in shown
-    assert not list((tmp_path / "cache").rglob("*.json"))
+    assert "chosen: fp32, eager; left to auto (not measured): compile" in shown and "use it" in shown
 
 
 def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, monkeypatch):

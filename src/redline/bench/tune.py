@@ -9,10 +9,10 @@ noise never swaps a setting for an equal one. Alternatives that cannot win are n
 channels_last without a convolution, loader workers for data already in memory, CUDA graphs off
 CUDA, a reduced precision the device has no fast arithmetic for. A compiled candidate whose
 compile fell back to eager is rejected, its reason said: it ran the eager model. When the
-budget is spent, no candidate starts: the axes left keep the current setting, and the reasons say
-so. A warm-up already begun (a compile) is not cut short, so a search can end past its budget;
-the "budget" reason says by how much, and why. A search that left an axis unmeasured caches
-nothing: a cached Plan fixes every axis, and "kept" is no decision where the alternative never ran.
+budget is spent, no candidate starts. A warm-up already begun (a compile) is not cut short, so a
+search can end past its budget; the "budget" reason says by how much, and why. An axis the search
+did not measure in full (the budget spent, or a Ctrl-C) is cached as unmeasured: "kept" is no
+decision where the alternative never ran, so a run that uses the tune decides that axis as auto.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number
 from redline.errors import (
-    ConfigError,
     RedlineError,
     StoppedBySignal,
     TrainingError,
@@ -52,6 +51,7 @@ from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
 UNMEASURED = "not measured: the budget was spent"
+LEFT = "left to the run's auto"  # what a run that uses the tune does with an axis the tune did not decide
 WINDOW = 5  # timed steps between two device syncs
 Progress = Callable[[int, int, str], None]
 
@@ -77,10 +77,11 @@ def tune(
     begun is not cut short). ``batch_size`` tunes at another batch size
     than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
 
-    A cached Plan fixes every axis, so one with an axis left unmeasured is not cached: a budget spent
-    before every axis was measured raises ``TuneIncomplete`` (a ConfigError of ``budget_s``), a Ctrl-C
-    (KeyboardInterrupt) ``TuneInterrupted`` (exit 130 on the command line); the ``tuned`` of each holds
-    what was measured. A Ctrl-C before the first axis was measured raises ``StoppedBySignal``.
+    An axis not measured in full (the budget spent before it, or before its alternatives) is cached
+    in ``unmeasured``: a run that uses the tune decides it as auto. A Ctrl-C (KeyboardInterrupt) caches
+    what was measured so, then raises ``TuneInterrupted`` (exit 130 on the command line), whose
+    ``tuned`` and ``path`` are the Plan and its cache entry; before the first axis was measured it
+    raises ``StoppedBySignal``, and nothing is cached.
     """
     task = require_task(task)
     positive_number("budget_s", budget_s)
@@ -103,18 +104,18 @@ def tune(
     best = Candidate(precision="fp32")
     trials: list[Trial] = []
     reasons: dict[str, str] = {}
-    interrupted = ""  # the axis a Ctrl-C stopped: it and the axes after it keep the current setting
+    interrupted = ""  # the axis a Ctrl-C stopped: it and the axes after it are left to the run's auto
     unmeasured: list[str] = []  # the axes whose alternatives were not all measured: "kept" there decides nothing
     for index, (axis, values) in enumerate(axes):
         tell(index, len(axes), f"tuning {axis}")
         left = deadline - time.perf_counter()
         if interrupted:
             unmeasured.append(axis)
-            reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
+            reasons[axis] = f"not measured: the search was interrupted (SIGINT); {LEFT}"
             continue
         if left <= 0:
             unmeasured.append(axis)
-            reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; kept {_value(best, axis)}"
+            reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
             continue
         if axis == "compile_mode" and not best.compile:  # both modes would run the same eager model
             reasons[axis] = "not measured: compile is off"
@@ -122,15 +123,17 @@ def tune(
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
         try:
             measured = _measure(task, device, candidates, planned, steps, window, seed, left)
-        except KeyboardInterrupt:  # keep what the axes before it measured, to show
+        except KeyboardInterrupt:  # keep what the axes before it measured, to show and cache
             interrupted = axis
             unmeasured.append(axis)
-            reasons[axis] = f"not measured: the search was interrupted (SIGINT); kept {_value(best, axis)}"
+            reasons[axis] = f"not measured: the search was interrupted (SIGINT); {LEFT}"
             continue
         trials += measured
+        before = best
         best, reasons[axis] = decide(axis, measured, planned)
-        if any(trial.rejected == UNMEASURED for trial in measured):
-            unmeasured.append(axis)
+        if any(trial.rejected == UNMEASURED for trial in measured) and getattr(best, axis) == getattr(before, axis):
+            unmeasured.append(axis)  # kept, with an alternative never run: no decision
+            reasons[axis] = f"not measured in full: {reasons[axis]}; {LEFT}"
     tell(len(axes), len(axes), "done")
     _check_measured(task, trials, interrupted, budget_s)
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
@@ -138,17 +141,18 @@ def tune(
     reasons["budget"] = spent_line(spent, budget_s, trials)
     if interrupted:
         reasons["budget"] = f"interrupted (SIGINT) after {_figure(spent)} s of the {budget_s:g} s budget"
+    elif unmeasured:
+        enough = _enough(spent, len(axes), len(axes) - len(unmeasured))
+        reasons["budget"] += f"; {few(unmeasured, 4)} left to auto: about {enough} s would measure every axis"
     tuned = TunedPlan(
         task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
-        reasons=_plan_reasons(reasons), trials=tuple(trials),
+        reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured),
     )  # fmt: skip
-    # A cached Plan fixes every axis for `--plan tuned` and auto: one it never measured is not cached as decided.
+    path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
     if interrupted:
-        raise TuneInterrupted(tuned, interrupted, unmeasured)
-    if unmeasured:
-        raise TuneIncomplete(tuned, unmeasured, budget_s, _enough(spent, len(axes), len(axes) - len(unmeasured)))
-    return tuned, store_tuned(fingerprint, facts, tuned, model=task.build_model())
+        raise TuneInterrupted(tuned, path, interrupted, unmeasured)
+    return tuned, path
 
 
 def _check_measured(task: Task, trials: Sequence[Trial], interrupted: str, budget_s: float) -> None:
@@ -171,27 +175,16 @@ def _check_measured(task: Task, trials: Sequence[Trial], interrupted: str, budge
 
 
 class TuneInterrupted(StoppedBySignal):
-    """A tune a SIGINT (Ctrl-C) stopped after its first axis: nothing is cached; ``tuned`` holds what it measured."""
+    """A tune a SIGINT (Ctrl-C) stopped after its first axis: what it measured is cached, the axes it did not are
+    left to auto; ``tuned`` and ``path`` are that Plan and its cache entry."""
 
-    def __init__(self, tuned: TunedPlan, axis: str, unmeasured: Sequence[str]) -> None:
+    def __init__(self, tuned: TunedPlan, path: str, axis: str, unmeasured: Sequence[str]) -> None:
         super().__init__(
             signal.SIGINT,
-            f"tune interrupted by SIGINT while it measured {axis}: nothing was cached (not measured: "
-            f"{few(unmeasured, 4)}); the table shows what was\nhint: run the same command again to search every axis",
+            f"tune interrupted by SIGINT while it measured {axis}: the axes measured before it were cached, and "
+            f"{few(unmeasured, 4)} left to auto\nhint: run the same command again to search every axis",
         )
-        self.tuned = tuned
-
-
-class TuneIncomplete(ConfigError):
-    """A tune whose budget was spent before every axis was measured: nothing is cached; ``tuned`` holds what it
-    measured. A ConfigError of ``budget_s``, so the command line names ``--budget``."""
-
-    def __init__(self, tuned: TunedPlan, unmeasured: Sequence[str], budget_s: float, enough_s: int) -> None:
-        allowed = f"enough seconds to measure every axis (not measured: {few(unmeasured, 4)}; nothing was cached)"
-        hint = f"e.g. budget_s={enough_s}"
-        made = invalid("budget_s", budget_s, allowed, hint)
-        super().__init__(str(made))
-        self.parts, self.tuned = made.parts, tuned
+        self.tuned, self.path = tuned, path
 
 
 def _enough(spent_s: float, axes: int, measured: int) -> int:

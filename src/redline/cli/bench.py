@@ -119,7 +119,7 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
 
         write_report(html, bench_report(data))
         if not json_output:
-            out.print(f"report: {html}", highlight=False, markup=False)
+            out.print(f"report: {html}", highlight=False, markup=False, soft_wrap=True)  # a path is never broken
 
 
 def _by_flag(error: str) -> str:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
-from redline.bench.tune import WINDOW, TuneIncomplete, TuneInterrupted, tune
+from redline.bench.tune import WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.render.console import key_value_table, output_console, print_uncut
@@ -62,15 +62,14 @@ def tune_command(
                     loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
                     steps=steps, progress=tell,
                 )  # fmt: skip
-            except (TuneInterrupted, TuneIncomplete) as partial:  # show what it measured, then why nothing was cached
-                stopped: TuneInterrupted | TuneIncomplete | None = partial
-                tuned, path = partial.tuned, ""
+            except TuneInterrupted as partial:  # show what it measured and cached, then exit 130
+                stopped: TuneInterrupted | None = partial
+                tuned, path = partial.tuned, partial.path
             else:
                 stopped = None
     _show(tuned, path, task, task_arg, devices, batch_size, json_output)
     if stopped is not None:
-        with said_by_flags(budget_s="--budget"):  # exit 130 for a Ctrl-C, 2 naming --budget for a spent one
-            raise stopped
+        raise stopped
 
 
 def _show(
@@ -82,16 +81,16 @@ def _show(
     batch_size: int | None,
     json_output: bool,
 ) -> None:
-    if json_output:  # "cached": null when an axis was left unmeasured
-        print(json.dumps({**tuned.to_dict(), "cached": path or None}, indent=2))
+    if json_output:
+        print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
         return
     out = output_console()
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
     print_uncut(out, key_value_table(list(tuned.reasons.items()), title=title))
-    if not path:  # the error that follows says which axes were not measured
-        out.print(f"measured best so far: {tuned.best.label} (not cached)", highlight=False, markup=False)
-        return
-    out.print(f"chosen: {tuned.best.label}", highlight=False, markup=False)
+    chosen = f"chosen: {tuned.best.label}"
+    if tuned.unmeasured:  # the label's value of those axes is the search's starting point, not a choice
+        chosen = f"{chosen}; left to auto (not measured): {', '.join(tuned.unmeasured)}"
+    out.print(chosen, highlight=False, markup=False)
     same = [f"--task-arg {shlex.quote(arg)}" for arg in task_arg or []]  # the run must match the tune's key
     same += [f"--batch-size {batch_size}"] if batch_size is not None else []
     same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []

@@ -4,7 +4,8 @@ The cache is keyed like the trial's (the Task's fingerprint, this machine's fact
 size), so ``redline train --plan tuned`` and auto find it again, and a changed model or machine
 misses it. A tuned Plan fixes the axes it measured (precision, compile and its mode, layout,
 loader workers, micro-batching) and keeps the numbers that decided each, which become the
-Plan's reasons for the run that uses it. ``auto_tuned`` is the one rule for when "auto" takes
+Plan's reasons for the run that uses it. An axis a tune left unmeasured (its budget spent, or a
+Ctrl-C) is not fixed: the run decides it as auto would. ``auto_tuned`` is the one rule for when "auto" takes
 it: the Trainer's runs and the bench's auto row both ask it, so the row shows what a run does.
 """
 
@@ -99,6 +100,7 @@ class TunedPlan:
     best: Candidate
     reasons: dict[str, str]  # axis -> why the tune chose its value
     trials: tuple[Trial, ...]
+    unmeasured: tuple[str, ...] = ()  # axes the tune did not decide (budget spent, Ctrl-C): left to the run's auto
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,14 +120,18 @@ class TunedPlan:
             task=data["task"], device=data["device"], batch_size=int(data["batch_size"]),
             planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
             best=best, reasons=dict(data["reasons"]), trials=trials,
+            unmeasured=tuple(a for a in data.get("unmeasured", ()) if a in TUNED_AXES),
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions) -> RuntimeOptions:
-        """``options`` with the tuned axes, for those the user left to auto (an explicit request wins)."""
+        """``options`` with the tuned axes, for those the user left to auto (an explicit request wins); an axis
+        the tune did not measure keeps what ``options`` say (auto, unless asked otherwise)."""
         defaults = RuntimeOptions()
         base = self.best.options(options)
         kept = {
-            axis: getattr(options, axis) for axis in TUNED_AXES if getattr(options, axis) != getattr(defaults, axis)
+            axis: getattr(options, axis)
+            for axis in TUNED_AXES
+            if axis in self.unmeasured or getattr(options, axis) != getattr(defaults, axis)
         }
         return RuntimeOptions.build(base, **kept)
 
@@ -144,7 +150,7 @@ class TunedPlan:
         return {
             axis: {"value": value, "reason": self.reasons.get(axis, "")}
             for axis, (value, tuned) in values.items()
-            if value == tuned
+            if value == tuned and axis not in self.unmeasured
         }
 
 
