@@ -282,6 +282,26 @@ def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, s
     assert not (tmp_path / "y.npy").exists()
 
 
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
+def test_weights_written_by_torch_save_are_told_as_such_with_the_conversion(tmp_path, spec, zipped):
+    weights = tmp_path / "model.pt"
+    state = load_servable(spec).model.state_dict()
+    torch.save(state, weights, _use_new_zipfile_serialization=zipped)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    message = str(result.exception)
+    assert message.startswith(f"--weights {str(weights)!r} was written by torch.save (a pickle), not safetensors")
+    assert "header" not in message, "safetensors' own words (a header too large) say nothing of what the file is"
+    command = message.split('python -c "')[1].split('"')[0]  # the conversion the hint gives works as written
+    subprocess.run([sys.executable, "-c", command], cwd=tmp_path, check=True)
+    converted = tmp_path / "model.safetensors"
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(converted), "--precision", "fp32",
+                     "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
 def test_weights_of_another_model_are_refused_naming_the_tensors_that_differ(tmp_path, spec):
     from safetensors.torch import save_file
 

@@ -169,7 +169,26 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 
 def _unreadable(path: Path, exc: Exception) -> ConfigError:
+    if _saved_by_torch(path):  # the commonest mistake: a .pt or .bin file, which safetensors calls a "too large header"
+        return ConfigError(
+            f"--weights {str(path)!r} was written by torch.save (a pickle), not safetensors: it is not read, as "
+            "unpickling runs code\n"
+            'hint: convert it once where you trust it: python -c "import torch; from safetensors.torch import '
+            f"save_file; save_file(torch.load({str(path)!r}), 'model.safetensors')\" (for a file of the model's "
+            "state_dict), then pass --weights model.safetensors"
+        )
     return ConfigError(
         f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
         "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
     )
+
+
+def _saved_by_torch(path: Path) -> bool:
+    """Whether ``path`` starts as torch.save writes: a zip archive (torch >= 1.6), or a bare pickle (older, or
+    ``_use_new_zipfile_serialization=False``)."""
+    try:
+        with path.open("rb") as file:
+            start = file.read(4)
+    except OSError:
+        return False
+    return start.startswith(b"PK\x03\x04") or (len(start) >= 2 and start[0] == 0x80 and 2 <= start[1] <= 5)
