@@ -132,6 +132,37 @@ def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
     assert not (tmp_path / "y.npy").exists()
 
 
+@pytest.mark.parametrize(
+    ("shape", "said", "hint"),
+    [((3,), "the array (3,) is one sample of tiny's input shape, without the batch dimension; expected (N, 3)",
+      "hint: save it as a batch of one: numpy.save(path, array[None])"),
+     ((5, 1, 3), "samples of shape (1, 3) (array (5, 1, 3)) do not fit tiny; expected (N, 3)",
+      "hint: each row holds one sample's values; add or drop its axes of size 1: "
+      "numpy.save(path, array.reshape(-1, 3))")],
+    ids=["one-sample", "extra-axis"],
+)  # fmt: skip
+def test_an_array_that_is_one_sample_or_a_reshape_away_is_told_the_fix(tmp_path, spec, shape, said, hint):
+    result = predict(spec, "--input", samples(tmp_path, np.zeros(shape, np.float32)), "--output",
+                     str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception) == f"--input {str(tmp_path / 'x.npy')!r}: {said}\n{hint}"
+    assert "samples of shape ()" not in str(result.exception)
+
+
+def test_flattened_samples_are_told_the_reshape_and_its_caveat(tmp_path):
+    (tmp_path / "image.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Flatten(), input_shape=(1, 2, 2), name='image')\n"
+    )
+    result = predict(f"{tmp_path / 'image.py'}:make", "--input", samples(tmp_path, np.zeros((5, 4), np.float32)),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    message = str(result.exception)
+    assert "samples of shape (4,) (array (5, 4)) do not fit image; expected (N, 1, 2, 2)" in message
+    assert "numpy.save(path, array.reshape(-1, 1, 2, 2)), if they are in the model's order" in message
+    assert "need array.transpose first" in message
+
+
 def truncate(path):
     path.write_bytes(path.read_bytes()[:-8])
     return str(path)

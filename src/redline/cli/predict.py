@@ -12,6 +12,7 @@ the model, and ends the command with its traceback.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,11 +163,7 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
     """Refuse samples whose shape is not (N, *input_shape), or whose dtype does not convert to the input's."""
     expected = servable.input_shape
     if tuple(samples.shape[1:]) != expected:
-        raise ConfigError(
-            f"--input {str(path)!r}: samples of shape {tuple(samples.shape[1:])} (array {samples.shape}) do not fit "
-            f"{servable.name}; expected (N, {', '.join(map(str, expected))})\n"
-            "hint: the first dimension counts the samples; each sample has the model's input shape"
-        )
+        raise ConfigError(f"--input {str(path)!r}: {_misfit(tuple(samples.shape), expected, servable.name)}")
     # The server's own checks (dtype kind, integer range, finite floats within the dtype), a chunk at a time.
     spec = InputSpec(expected, servable.input_dtype, max_batch_size=CHECK_CHUNK)
     for start in range(0, len(samples), CHECK_CHUNK):
@@ -180,6 +177,28 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
                 f"--input {str(path)!r}: {where}: {problem}\n"
                 f"hint: save the array as {servable.input_dtype} values the model can take"
             ) from None
+
+
+def _misfit(shape: tuple[int, ...], expected: tuple[int, ...], name: str) -> str:
+    """Why an array of ``shape`` is not samples of ``expected``'s shape, and the fix: a batch dimension, or a reshape
+    where each row holds one sample's values in another shape (``(N, 64)`` or ``(N, 8, 8)`` for ``(1, 8, 8)``)."""
+    dims = ", ".join(map(str, expected))
+    if shape == expected:  # one sample, saved without the batch dimension
+        return (
+            f"the array {shape} is one sample of {name}'s input shape, without the batch dimension; "
+            f"expected (N, {dims})\n"
+            "hint: save it as a batch of one: numpy.save(path, array[None])"
+        )
+    said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected (N, {dims})"
+    if math.prod(shape[1:]) != math.prod(expected):
+        return f"{said}\nhint: the first dimension counts the samples; each sample has the model's input shape"
+    reshape = f"numpy.save(path, array.reshape(-1, {dims}))"
+    if tuple(d for d in shape[1:] if d != 1) == tuple(d for d in expected if d != 1):  # only axes of size 1 differ
+        return f"{said}\nhint: each row holds one sample's values; add or drop its axes of size 1: {reshape}"
+    return (
+        f"{said}\nhint: each row holds as many values as one sample: {reshape}, if they are in the model's order "
+        "(axes in another order, as channels last, need array.transpose first)"
+    )
 
 
 def run_batches(
