@@ -323,6 +323,21 @@ def test_no_open_loop_request_leaves_before_its_scheduled_time(server, monkeypat
     assert result.send_lag_ms is not None and result.send_lag_ms.p50_ms >= 0
 
 
+def test_a_ctrl_c_after_the_window_while_answers_are_awaited_keeps_the_window_whole(server):
+    sent = []
+
+    def ctrl_c_after_the_window(now):
+        if now.elapsed_s > now.total_s and now.in_flight and not sent:  # the window is over, answers still due
+            sent.append(now.elapsed_s)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = run_load(f"{server.url}/hang", rate=10, duration=0.5, timeout=1.0, progress=ctrl_c_after_the_window)
+    assert sent and sent[0] > 0.5, "the Ctrl-C came after the window"
+    assert result.duration_s == 0.5, "the window would stretch to the Ctrl-C, and every rate with it"
+    assert result.requests_sent == 5 and result.error_counts == {"timeout": 5}
+    assert not any("stopped by Ctrl-C" in note for note in result.notes), result.notes
+
+
 def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of a shell's `&` would ignore Ctrl-C
 

@@ -361,7 +361,8 @@ async def run_load_async(
     elapsed_s = time.perf_counter() - t0
     if progress:
         progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
-    if counters.stopped_s is not None:
+    # A Ctrl-C after the window (while the last answers were awaited) cut nothing: the window stays whole.
+    if counters.stopped_s is not None and counters.stopped_s < total_s:
         window_s = counters.stopped_s - options.warmup_s
         if window_s <= 0:
             into = max(counters.stopped_s, 0.0)
