@@ -480,3 +480,22 @@ def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, s
     assert isinstance(result.exception, TaskSpecError) and error.startswith(message), error
     assert not hint or f"\nhint: {hint}" in error, error
     assert "task spec" not in error and "task's" not in error
+
+
+def test_outputs_that_change_shape_between_batches_are_one_clear_error_at_that_batch(tmp_path):
+    (tmp_path / "square.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\nclass Square(nn.Module):\n"
+        "    def forward(self, x):\n        return x.new_zeros((len(x), len(x)))  # as wide as the padded batch\n\n\n"
+        "def make():\n    return Servable(model=Square(), input_shape=(3,), name='square')\n"
+    )
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'square.py'}:make", "--input", samples(tmp_path, np.zeros((6, 3), np.float32)),
+                     "--output", str(out), "--batch-size", "4", "--compile", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.exception  # not numpy's ValueError, after the last
+    message = str(result.exception)
+    assert message.startswith(
+        f"the model's outputs changed shape while predicting rows 4 to 5 of --input {str(tmp_path / 'x.npy')!r}: "
+        "(2,) per sample, where the rows before gave (4,)"
+    )
+    assert "hint: give every sample's output one shape, whatever the batch" in message
+    assert not out.exists()

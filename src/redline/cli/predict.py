@@ -230,6 +230,14 @@ def run_batches(
                     check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
                 with model_raising(running, check):
                     raise
+            if parts[-1].shape[1:] != parts[0].shape[1:]:  # told now, not by numpy after the last batch
+                raise InferenceError(
+                    f"the model's outputs changed shape while predicting {rows} of {source}: "
+                    f"{parts[-1].shape[1:]} per sample, where the rows before gave {parts[0].shape[1:]}; the "
+                    "outputs are written as one array\nhint: give every sample's output one shape, whatever the batch: "
+                    "not one that follows the batch's size (each batch is padded to one of the plan's buckets) "
+                    "or its values"
+                )
             bar.advance(job, len(batch))
     return np.concatenate(parts), time.perf_counter() - started
 
