@@ -499,3 +499,20 @@ def test_outputs_that_change_shape_between_batches_are_one_clear_error_at_that_b
     )
     assert "hint: give every sample's output one shape, whatever the batch" in message
     assert not out.exists()
+
+
+def test_one_row_with_a_fraction_for_an_integer_model_is_named_not_every_sample(tmp_path):
+    (tmp_path / "tokens.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Embedding(10, 2), input_shape=(3,), input_dtype='int64', name='tokens')\n"
+    )
+    rows = np.arange(30.0).reshape(10, 3) % 10  # whole numbers saved as floats: they run as integers
+    rows[7, 2] = 2.5
+    result = predict(f"{tmp_path / 'tokens.py'}:make", "--input", samples(tmp_path, rows),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception) == (
+        f"--input {str(tmp_path / 'x.npy')!r}: row 7 (the first that fails): inputs hold values that are not whole "
+        "numbers (a fraction, NaN or infinity), where int64 takes integers\n"
+        "hint: save the array as int64 values the model can take"
+    )

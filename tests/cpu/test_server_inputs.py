@@ -159,10 +159,12 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
         text = await client.post(post, content=b"1,2,3", headers={"content-type": "text/plain"})
         good = await client.post(post, content=npy(np.array([[1, 2, 3]], np.int32)), headers=octet)
     assert too_many.status_code == 422 and "5 samples, more than max_batch_size=4" in too_many.json()["error"]
-    assert floats.status_code == 422 and "inputs are numbers (float64)" in floats.json()["error"]
+    assert floats.status_code == 422 and floats.json()["error"].startswith(
+        "inputs hold values that are not whole numbers (a fraction, NaN or infinity), where int64 takes integers;"
+    )
     assert beyond.status_code == 422 and "outside int64's range" in beyond.json()["error"]
     assert huge.status_code == 422 and "integers outside int64's range" in huge.json()["error"], huge.json()
-    assert nan.status_code == 422 and "float64" in nan.json()["error"]
+    assert nan.status_code == 422 and "not whole numbers (a fraction, NaN or infinity)" in nan.json()["error"]
     assert garbage.status_code == 400 and "not a .npy array" in garbage.json()["error"]
     assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]
     assert negative.status_code == 400 and "(-1, -3), with a negative dimension" in negative.json()["error"]
@@ -170,6 +172,16 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert good.status_code == 200 and good.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert whole.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert engine.batches == [1, 1], "only the valid requests reached the model"
+
+
+async def test_a_fraction_among_whole_numbers_for_an_integer_model_names_its_sample():
+    async with running(FakeEngine(input_dtype="int64", max_batch_size=4)) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": [[1, 2, 3], [4.0, 5.5, 6], [7, 8, 9.0]]})
+    assert answer.status_code == 422 and answer.json()["first_bad_sample"] == 1, answer.json()
+    assert answer.json()["error"].startswith(
+        "inputs hold values that are not whole numbers (a fraction, NaN or infinity), where int64 takes integers, "
+        "the first in sample 1; expected int64 integers"
+    )
 
 
 async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():

@@ -161,13 +161,8 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
             422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
         )
     kind = spec.kind()
-    if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
-        # whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
-        # more comes as a float too (orjson reads at most 64 bits)
-        fits = np.abs(array.astype(np.float64)) < 2.0**63
-        if not fits.all():
-            raise _bad_values(spec, ~fits, _outside_range(spec.dtype))
-        array = array.astype(np.int64)
+    if kind in "iu" and array.dtype.kind == "f":
+        array = _whole_numbers(array, spec)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
         raise spec.refuse(422, f"inputs are {_KINDS.get(array.dtype.kind, str(array.dtype))} ({array.dtype})")
@@ -184,6 +179,22 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
     batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
     return batch.to(getattr(torch, spec.dtype))
+
+
+def _whole_numbers(array: np.ndarray[Any, Any], spec: InputSpec) -> np.ndarray[Any, Any]:
+    """Floats for an integer input as int64, or refused naming the first sample holding a fraction or too large a value.
+
+    Whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
+    more comes as a float too (orjson reads at most 64 bits).
+    """
+    whole = np.isfinite(array) & (array == np.round(array))
+    if not whole.all():  # the sample is named: one row of a large file, say, not "every sample"
+        problem = f"inputs hold values that are not whole numbers (a fraction, NaN or infinity), where {spec.dtype}"
+        raise _bad_values(spec, ~whole, problem + " takes integers")
+    fits = np.abs(array.astype(np.float64)) < 2.0**63
+    if not fits.all():
+        raise _bad_values(spec, ~fits, _outside_range(spec.dtype))
+    return array.astype(np.int64)
 
 
 def _bad_values(spec: InputSpec, bad: np.ndarray[Any, Any], problem: str) -> Refused:
