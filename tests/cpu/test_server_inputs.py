@@ -74,7 +74,7 @@ async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_
         (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
         (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths: inputs[1] has 2 items where inputs[0] has 3"),
         (b'{"inputs": [[1, 2, 3], 4]}', 422, "unequal lengths: inputs[1] is a number where inputs[0] has 3 items"),
-        (b'{"inputs": [[[1], [2, 3]]]}', 422, "unequal lengths: inputs[0][1] has 2 items where inputs[0][0] has 1"),
+        (b'{"inputs": [[[1], [2, 3]]]}', 422, "inputs[0][1] has 2 items where inputs[0][0] has 1 item;"),
         (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
         (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
         (b'{"inputs": []}', 422, "inputs hold no sample"),

@@ -26,6 +26,9 @@ NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 )
 _KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+# What an array no input takes holds, in words (numpy's dtype kinds): `redline predict` reads any .npy file
+_OTHER_KINDS = {"c": "complex numbers", "U": "text", "S": "bytes", "O": "Python objects", "M": "dates",
+                "m": "time spans", "V": "records of fields"}  # fmt: skip
 FIRST_IN_SAMPLE = ", the first in sample "  # how a refusal names the first sample holding a bad value
 JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # RFC 8259, section 6
 
@@ -115,7 +118,7 @@ def _ragged(value: Any, path: str, depth: int = 0) -> str | None:
 def _holds(item: Any) -> str:
     """What a JSON value is, said after its path."""
     if isinstance(item, list):
-        return f"has {len(item)} items"
+        return f"has {len(item)} item{'s' * (len(item) != 1)}"
     if isinstance(item, bool) or item is None:
         return f"is {orjson.dumps(item).decode()}"
     return {int: "is a number", float: "is a number", str: "is text"}.get(type(item), "is an object")
@@ -165,7 +168,8 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
         array = _whole_numbers(array, spec)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
-        raise spec.refuse(422, f"inputs are {_KINDS.get(array.dtype.kind, str(array.dtype))} ({array.dtype})")
+        kind_said = _KINDS.get(array.dtype.kind) or _OTHER_KINDS.get(array.dtype.kind, "not numbers")
+        raise spec.refuse(422, f"inputs are {kind_said} ({array.dtype})")
     if kind in "iu":
         info = np.iinfo(spec.dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
