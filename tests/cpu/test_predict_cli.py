@@ -518,3 +518,41 @@ def test_one_row_with_a_fraction_for_an_integer_model_is_named_not_every_sample(
         "numbers (a fraction, NaN or infinity), where int64 takes integers\n"
         "hint: save the array as int64 values the model can take"
     )
+
+
+def test_weights_saved_from_a_wrapped_model_are_told_the_prefix_and_the_rename(tmp_path, spec):
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "ddp.safetensors"
+    state = load_servable(spec).model.state_dict()
+    save_file({f"module.{name}": tensor for name, tensor in state.items()}, weights)  # as DDP's state_dict names them
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    hint = str(result.exception).split("\nhint: ")[1]
+    assert hint.startswith("the file's names all start with 'module.' (a model saved wrapped: DDP's 'module.',")
+    subprocess.run([sys.executable, "-c", hint.split('python -c "')[1][:-1]], cwd=tmp_path, check=True)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(tmp_path / "model.safetensors"),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
+def test_weights_for_a_model_the_factory_wrapped_say_to_serve_the_plain_model(tmp_path, spec):
+    from safetensors.torch import save_file
+
+    (tmp_path / "wrapped.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\nclass Wrapper(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.module = nn.Linear(3, 2)\n\n"
+        "    def forward(self, x):\n        return self.module(x)\n\n\n"
+        "def make():\n    return Servable(model=Wrapper(), input_shape=(3,), name='wrapped')\n"
+    )
+    weights = tmp_path / "model.safetensors"
+    save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, weights)
+    result = predict(f"{tmp_path / 'wrapped.py'}:make", "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception).endswith(
+        "hint: the model's names all start with 'module.', the file's do not: the factory wraps the model "
+        "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
+    )

@@ -152,12 +152,14 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if not path.is_file():
         raise ConfigError(f"--weights {str(path)!r} does not exist\n{WEIGHTS_HINT}")
     try:
-        found = differences(safetensors_shapes(path), shapes_of(model.state_dict()))
+        saved, expected = safetensors_shapes(path), shapes_of(model.state_dict())
     except SafetensorError as exc:  # not a safetensors file
         raise _unreadable(path, exc) from exc
+    found = differences(saved, expected)
     if found:  # named here: torch's own error lists every key of both models
         raise ConfigError(
-            f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n{FIT_HINT}"
+            f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n"
+            + (_renamed_hint(path, saved, expected) or FIT_HINT)
         )
     try:
         load_model(model, str(path), strict=True)
@@ -166,6 +168,39 @@ def load_weights(model: nn.Module, path: Path) -> None:
     except (RuntimeError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"--weights {str(path)!r} does not fit the model: {first}\n{FIT_HINT}") from exc
+
+
+def _renamed_hint(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str:
+    """The fix where the same tensors differ only by a prefix of every name ("" where they do not): ``module.``
+    of a model saved wrapped in DDP or DataParallel, ``_orig_mod.`` of one saved compiled, in either file."""
+    if not saved or not expected:
+        return ""
+    extra = _prefix(saved, expected)
+    if extra:
+        strip = f"{{k.removeprefix({extra!r}): v for k, v in load_file({str(path)!r}).items()}}"
+        return (
+            f"hint: the file's names all start with {extra!r} (a model saved wrapped: DDP's 'module.', "
+            f"torch.compile's '_orig_mod.'), the model's do not; save them without it once: python -c \"from "
+            f"safetensors.torch import load_file, save_file; save_file({strip}, 'model.safetensors')\""
+        )
+    missing = _prefix(expected, saved)
+    if missing:
+        return (
+            f"hint: the model's names all start with {missing!r}, the file's do not: the factory wraps the model "
+            "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
+        )
+    return ""
+
+
+def _prefix(longer: dict[str, tuple[int, ...]], shorter: dict[str, tuple[int, ...]]) -> str:
+    """The prefix that turns every name of ``shorter`` into ``longer``'s, shapes alike ("" where none does)."""
+    first = next(iter(shorter))
+    for name in longer:
+        if name.endswith(first) and len(name) > len(first):
+            prefix = name[: -len(first)]
+            if {prefix + key: shape for key, shape in shorter.items()} == longer:
+                return prefix
+    return ""
 
 
 def _unreadable(path: Path, exc: Exception) -> ConfigError:
