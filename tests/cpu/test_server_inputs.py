@@ -299,3 +299,23 @@ def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
 def test_a_servable_with_an_input_shape_that_is_not_a_shape_is_refused_naming_the_field(shape):
     with pytest.raises(ConfigError, match=r"input_shape=.* is not allowed; expected positive integers"):
         Servable(model=torch.nn.Linear(3, 2), input_shape=shape)
+
+
+async def test_a_body_sent_under_the_other_content_type_is_told_the_type_to_send():
+    array = np.array([[1, 2, 3]], np.float32)
+    async with running(FakeEngine()) as (client, _):
+        npy_as_json = await client.post("/v1/predict", content=npy(array), headers={"content-type": "application/json"})
+        json_as_npy = await client.post(
+            "/v1/predict", content=b' {"inputs": [1, 2, 3]}', headers={"content-type": "application/octet-stream"}
+        )
+        untyped = await client.post("/v1/predict", content=npy(array))  # as requests.post(url, data=...) sends it
+    assert npy_as_json.status_code == 400 and npy_as_json.json()["error"].startswith(
+        "the body is a .npy array, sent as JSON (Content-Type application/json); send it with "
+        "Content-Type: application/octet-stream;"
+    ), npy_as_json.json()
+    assert json_as_npy.status_code == 400 and json_as_npy.json()["error"].startswith(
+        "the body is JSON, sent as a .npy array (Content-Type application/octet-stream); send it with "
+        "Content-Type: application/json;"
+    ), json_as_npy.json()
+    assert "content-type" not in untyped.request.headers
+    assert untyped.status_code == 200 and untyped.json() == {"outputs": [[2.0, 4.0, 6.0]]}, untyped.text

@@ -63,6 +63,11 @@ class InputSpec:
 
 def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     """Return the batch a JSON body holds under ``inputs``."""
+    if body.startswith(NPY_MAGIC):  # numpy.save's bytes sent as JSON: orjson would speak of UTF-8 surrogates
+        raise spec.refuse(
+            400, "the body is a .npy array, sent as JSON (Content-Type application/json); send it with "
+            "Content-Type: application/octet-stream",
+        )  # fmt: skip
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -132,6 +137,11 @@ def _has_bool(value: Any) -> bool:
 
 def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
     """Return the batch a .npy body holds, reading the header first so that a lying one allocates nothing."""
+    if body.lstrip()[:1] in (b"{", b"["):  # numpy would speak of its magic string
+        raise spec.refuse(
+            400, "the body is JSON, sent as a .npy array (Content-Type application/octet-stream); send it with "
+            "Content-Type: application/json",
+        )  # fmt: skip
     stream = io.BytesIO(body)
     try:
         version = np.lib.format.read_magic(stream)
