@@ -7,7 +7,9 @@ import pytest
 import torch
 from serve_client import metrics, npy, ready, reference, running
 from serve_engines import FakeEngine, linear_engine
+from typer.testing import CliRunner
 
+from redline.cli.main import app
 from redline.errors import ConfigError
 from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
@@ -319,3 +321,18 @@ async def test_a_body_sent_under_the_other_content_type_is_told_the_type_to_send
     ), json_as_npy.json()
     assert "content-type" not in untyped.request.headers
     assert untyped.status_code == 200 and untyped.json() == {"outputs": [[2.0, 4.0, 6.0]]}, untyped.text
+
+
+def test_a_batch_wait_as_long_as_the_request_timeout_is_refused_as_it_would_never_wait():
+    # The batcher runs a batch before its first request's deadline: a wait that long would be no wait at all.
+    with pytest.raises(ConfigError, match=r"max_wait_ms=50 is not allowed; expected less than timeout_ms=20\n"):
+        ServeOptions(max_wait_ms=50, timeout_ms=20)
+    with pytest.raises(ConfigError, match="max_wait_ms=20 is not allowed"):
+        ServeOptions(max_wait_ms=20, timeout_ms=20)
+    assert ServeOptions(max_wait_ms=19, timeout_ms=20).max_wait_ms == 19
+    result = CliRunner().invoke(app, ["serve", "example:digits", "--max-wait-ms", "50", "--timeout-ms", "20"])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == (
+        "--max-wait-ms=50.0 is not allowed; expected less than --timeout-ms 20\nhint: a batch runs before its first "
+        "request's deadline, so it would never wait for more requests: e.g. --max-wait-ms 5"
+    )
