@@ -122,11 +122,11 @@ class Payload:
             raise invalid("payload", str(path), "a .json or .npy file", "save the body as body.json or array.npy")
         try:
             body = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"payload {str(path)!r} cannot be read: {exc.strerror or exc}\n"
-                "hint: --payload takes the path of a readable .json or .npy file; check the path and its permissions"
-            ) from exc
+        except OSError as exc:  # said as the other refusals are: by --payload on the command line
+            raise invalid(
+                "payload", str(path), "a readable .json or .npy file",
+                f"it cannot be read ({exc.strerror or exc}): check the path and its permissions",
+            ) from exc  # fmt: skip
         if suffix == ".json":
             try:
                 json.loads(body)
