@@ -556,3 +556,28 @@ def test_weights_for_a_model_the_factory_wrapped_say_to_serve_the_plain_model(tm
         "hint: the model's names all start with 'module.', the file's do not: the factory wraps the model "
         "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
     )
+
+
+def test_outputs_go_to_disk_batch_by_batch_not_held_whole(tmp_path):
+    import tracemalloc
+
+    (tmp_path / "same.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Identity(), input_shape=(64,), name='same')\n"
+    )
+    spec, out = f"{tmp_path / 'same.py'}:make", tmp_path / "y.npy"
+    run = ("--output", str(out), "--batch-size", "4096", "--precision", "fp32", "--compile", "off", "--measure", "off")
+    assert predict(spec, "--input", samples(tmp_path, np.ones((3, 64), np.float32), "few.npy"), *run).exit_code == 0
+    inputs = np.random.default_rng(0).random((131_072, 64), dtype=np.float32)  # 32 MiB of outputs, as of inputs
+    big = samples(tmp_path, inputs, "big.npy")
+    del inputs
+    tracemalloc.start()  # numpy's arrays are traced (torch's own allocations are not)
+    try:
+        result = predict(spec, "--input", big, *run)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.exit_code == 0, result.output
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held for 32 MiB of outputs: they were gathered, then written"
+    written = np.load(out, mmap_mode="r")
+    assert written.shape == (131_072, 64) and np.array_equal(written, np.load(big, mmap_mode="r"))

@@ -2,9 +2,10 @@
 
 The input is memory-mapped (read from disk a batch at a time, so a file larger than memory runs)
 and checked against the servable (per-sample shape and dtype) before the model loads onto the
-device; the output is written through a temporary file and renamed, so a failure leaves no
-half-written file. The engine's Plan is printed, then a summary line. An exception the model raises
-(in the warm-up, or on a batch of the input) is an InferenceError naming the rows it ran, the
+device; the outputs are written batch by batch (as large as the input, they need no more memory)
+through a temporary file that is renamed at the end, so a failure leaves no half-written file. The
+engine's Plan is printed, then a summary line. An exception the model raises (in the warm-up, or
+on a batch of the input) is an InferenceError naming the rows it ran, the
 line of the user's code and what to check; one that redline's own code raised is not blamed on
 the model, and ends the command with its traceback.
 """
@@ -14,10 +15,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
 import numpy as np
 import typer
@@ -93,9 +93,9 @@ def predict(
         warm_s = time.perf_counter() - started
     console = output_console()
     print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
-    source = f"--input {str(input_path)!r}"
-    outputs, seconds = run_batches(engine, samples, batch_size, source, check_hint(servable, samples))
-    write_npy(output_path, outputs)
+    source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
+    seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size, source,
+                                                                                hint, emit))  # fmt: skip
     rate = len(samples) / seconds if seconds > 0 else float("inf")
     console.print(
         f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
@@ -202,13 +202,15 @@ def _misfit(shape: tuple[int, ...], expected: tuple[int, ...], name: str) -> str
 
 
 def run_batches(
-    engine: InferenceEngine, samples: np.ndarray, batch_size: int, source: str, hint: str
-) -> tuple[np.ndarray, float]:
-    """Run ``samples`` batch by batch with a progress bar on stderr; return the outputs and the seconds taken.
+    engine: InferenceEngine, samples: np.ndarray, batch_size: int, source: str, hint: str,
+    emit: Callable[[np.ndarray], None],
+) -> float:  # fmt: skip
+    """Run ``samples`` batch by batch with a progress bar on stderr, each batch's outputs to ``emit``; return the
+    seconds taken.
 
     The model raising on a batch is an InferenceError naming its rows of ``source`` (the input), with ``hint``.
     """
-    parts = []
+    shape: tuple[int, ...] | None = None  # of one sample's output: every batch's must be the first's
     bar = Progress(
         TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True), transient=True,
@@ -220,7 +222,7 @@ def run_batches(
             batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
             rows = f"rows {start} to {start + len(batch) - 1}"
             try:
-                parts.append(engine.predict(batch).numpy())
+                outputs = engine.predict(batch).numpy()
             except Exception as exc:
                 row = first_failing_row(engine, batch, exc)
                 of = f"of {source} ({len(samples)} rows)"
@@ -230,16 +232,18 @@ def run_batches(
                     check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
                 with model_raising(running, check):
                     raise
-            if parts[-1].shape[1:] != parts[0].shape[1:]:  # told now, not by numpy after the last batch
+            shape = outputs.shape[1:] if shape is None else shape
+            if outputs.shape[1:] != shape:
                 raise InferenceError(
                     f"the model's outputs changed shape while predicting {rows} of {source}: "
-                    f"{parts[-1].shape[1:]} per sample, where the rows before gave {parts[0].shape[1:]}; the "
+                    f"{outputs.shape[1:]} per sample, where the rows before gave {shape}; the "
                     "outputs are written as one array\nhint: give every sample's output one shape, whatever the batch: "
                     "not one that follows the batch's size (each batch is padded to one of the plan's buckets) "
                     "or its values"
                 )
+            emit(outputs)
             bar.advance(job, len(batch))
-    return np.concatenate(parts), time.perf_counter() - started
+    return time.perf_counter() - started
 
 
 def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception) -> int | None:
@@ -297,20 +301,48 @@ def model_raising(running: str, check: str) -> Iterator[None]:
         ) from exc
 
 
-def write_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none.
+def write_outputs(path: Path, rows: int, run: Callable[[Callable[[np.ndarray], None]], float]) -> float:
+    """Write the ``rows`` outputs that ``run(emit)`` emits batch by batch to ``path`` as one .npy array; return what
+    ``run`` returns.
 
-    A device or a named pipe (``--output /dev/null``) is written into directly.
+    Each batch goes to disk as it comes, so outputs as large as the input need no more memory than it
+    does; through a temporary file, so a failure or a crash leaves the old file or none. A device or a
+    named pipe (``--output /dev/null``) is written into directly.
     """
+    returned: list[float] = []
 
     def write(target: Path) -> None:  # a temporary file, or the device or pipe itself (write_atomic)
-        with target.open("wb") as out:  # given write() alone, numpy writes chunks; tofile() asks a pipe its position
-            np.save(out if target.is_file() else SimpleNamespace(write=out.write), array, allow_pickle=False)
+        with target.open("wb") as out:
+            returned.append(run(NpyWriter(out, rows)))
 
     try:
         write_atomic(path, write)
     except OSError as exc:  # a disk that filled up while the model ran
         raise _unwritable(path, exc) from exc
+    return returned[0]
+
+
+class NpyWriter:
+    """Write one .npy array of ``rows`` rows a batch at a time, its header told by the first batch's shape and dtype.
+
+    Only ``write`` is called on the file: numpy's own ``tofile`` asks a pipe its position.
+    """
+
+    def __init__(self, out: BinaryIO, rows: int) -> None:
+        self.out = out
+        self.rows = rows
+        self.dtype: np.dtype | None = None
+
+    def __call__(self, batch: np.ndarray) -> None:
+        if self.dtype is None:
+            self.dtype = batch.dtype
+            header = {"descr": np.lib.format.dtype_to_descr(batch.dtype), "fortran_order": False,
+                      "shape": (self.rows, *batch.shape[1:])}  # fmt: skip
+            try:
+                np.lib.format.write_array_header_1_0(self.out, header)  # what numpy.save writes, where it fits
+            except ValueError:  # a header over 64 KiB (a shape of many dimensions)
+                np.lib.format.write_array_header_2_0(self.out, header)
+        self.out.write(np.ascontiguousarray(batch, dtype=self.dtype).data)
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
