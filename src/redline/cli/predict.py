@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, BinaryIO
 
 import numpy as np
@@ -38,7 +40,14 @@ from redline.cli.options import (
     said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError, InferenceError, RedlineError, ServableError, describe_error
+from redline.errors import (
+    ConfigError,
+    InferenceError,
+    RedlineError,
+    ServableError,
+    StoppedBySignal,
+    describe_error,
+)
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
@@ -94,8 +103,9 @@ def predict(
     console = output_console()
     print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
     source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
-    seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size, source,
-                                                                                hint, emit))  # fmt: skip
+    with stopped_by_sigterm():  # the temporary file of the outputs goes with the run
+        seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size,
+                                                                                    source, hint, emit))  # fmt: skip
     rate = len(samples) / seconds if seconds > 0 else float("inf")
     console.print(
         f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
@@ -343,6 +353,27 @@ class NpyWriter:
             except ValueError:  # a header over 64 KiB (a shape of many dimensions)
                 np.lib.format.write_array_header_2_0(self.out, header)
         self.out.write(np.ascontiguousarray(batch, dtype=self.dtype).data)
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """Turn SIGTERM (a scheduler's, timeout(1)'s) into StoppedBySignal inside: Python's own default ends the
+    process at once, leaving the temporary file of the outputs written so far beside ``--output``."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StoppedBySignal(
+            signum, "stopped by SIGTERM while predicting: --output was not written (a file there is kept)"
+        )
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: signals are not ours to take
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
