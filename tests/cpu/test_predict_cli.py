@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from redline.cli import predict as predict_module
 from redline.cli.main import app
-from redline.errors import ConfigError, InferenceError, TaskSpecError
+from redline.errors import ConfigError, InferenceError, TaskError, TaskSpecError
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
@@ -612,3 +612,76 @@ def test_sigterm_while_predicting_exits_143_and_leaves_no_temporary_file(tmp_pat
     assert "stopped by SIGTERM while predicting: --output was not written" in err and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == ["y.npy"], "the temporary file of the outputs was left"
     assert (out / "y.npy").read_bytes() == b"an older result"
+
+
+TASKS = """
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+import redline
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(8):
+            yield torch.full((3,), float(i)), i % 2
+
+
+class Records(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"x": torch.zeros(3), "y": 0}
+
+
+class Missing(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise FileNotFoundError("shard-0.pt")
+
+
+def task(data):
+    torch.manual_seed(0)
+    return redline.Task(name=type(data).__name__.lower(), model=nn.Linear(3, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=data, batch_size=4)
+
+
+def stream():
+    return task(Stream())
+
+
+def records():
+    return task(Records())
+
+
+def missing():
+    return task(Missing())
+"""
+
+
+def test_a_task_whose_data_is_a_stream_serves_its_first_items_shape(tmp_path):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'tasks.py'}:stream", "--input", samples(tmp_path, np.ones((5, 3), np.float32)),
+                     "--output", str(out), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output  # not a traceback of Dataset.__getitem__'s NotImplementedError
+    assert np.load(out).shape == (5, 2)
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [("records", "task 'records': the first item of train_data is {'x': Tensor(3,) float32, 'y': int 0}, not a pair "
+                 "(inputs, targets), so the input shape to serve is unknown\nhint: return (inputs, targets) from"),
+     ("missing", "task 'missing': reading the first item of train_data, whose inputs give the served input shape, "
+                 "raised FileNotFoundError: shard-0.pt\n  at ")],
+)  # fmt: skip
+def test_a_task_whose_first_item_gives_no_input_shape_is_one_clear_error(tmp_path, factory, message):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    result = predict(f"{tmp_path / 'tasks.py'}:{factory}", "--input", samples(tmp_path, np.ones((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, TaskError), result.exception
+    assert str(result.exception).startswith(message), str(result.exception)

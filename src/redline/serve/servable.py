@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
-from redline.errors import ConfigError, TaskSpecError, invalid
+from redline.errors import ConfigError, TaskError, TaskSpecError, describe_error, invalid, user_line
+from redline.runtime.contract import PAIR_HINT, describe
 from redline.task import Task, find_factory, run_factory
 
 log = logging.getLogger("redline")
@@ -128,10 +130,32 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
 
 def from_task(task: Task) -> Servable:
     """A Task's model, with its first training sample's shape and dtype as the input."""
-    sample = task.train_data[0][0]
+    sample = _first_inputs(task)
     array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
     dtype = str(array.dtype) if str(array.dtype) in DTYPES else "float32"
     return Servable(model=task.build_model(), input_shape=tuple(array.shape), input_dtype=dtype, name=task.name)
+
+
+def _first_inputs(task: Task) -> Any:
+    """The inputs of the first item of ``task.train_data``, a stream's included; a TaskError where there are none."""
+    data = task.train_data
+    try:
+        item = next(iter(data), None) if isinstance(data, IterableDataset) else data[0]
+    except Exception as exc:  # the dataset's own code: a missing file, say
+        raise TaskError(
+            f"task {task.name!r}: reading the first item of train_data, whose inputs give the served input shape, "
+            f"raised {describe_error(exc)}{user_line(exc)}\nhint: the error is in the dataset's own code; "
+            "REDLINE_TRACEBACK=1 prints the whole traceback"
+        ) from exc
+    if not (isinstance(item, list | tuple) and len(item) == 2):
+        found = "nothing (the stream is empty)" if item is None else describe(item)
+        fix = "check what the stream reads" if item is None else PAIR_HINT
+        raise TaskError(
+            f"task {task.name!r}: the first item of train_data is {found}, not a pair (inputs, targets), so the "
+            f"input shape to serve is unknown\nhint: {fix}, or have the factory return "
+            "redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
+        )
+    return item[0]
 
 
 WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
