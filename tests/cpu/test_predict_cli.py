@@ -617,7 +617,7 @@ def test_sigterm_while_predicting_exits_143_and_leaves_no_temporary_file(tmp_pat
 TASKS = """
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import redline
 
@@ -660,6 +660,13 @@ def records():
 
 def missing():
     return task(Missing())
+
+
+def tokens():
+    ids = torch.arange(24, dtype=torch.int16).reshape(6, 4) % 10  # token ids stored narrow, as many corpora are
+    return redline.Task(name="tokens", model=nn.Sequential(nn.Embedding(10, 2), nn.Flatten()),
+                        loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(ids, ids[:, 0].long()),
+                        batch_size=2)
 """
 
 
@@ -685,3 +692,14 @@ def test_a_task_whose_first_item_gives_no_input_shape_is_one_clear_error(tmp_pat
                      "--output", str(tmp_path / "y.npy"))  # fmt: skip
     assert isinstance(result.exception, TaskError), result.exception
     assert str(result.exception).startswith(message), str(result.exception)
+
+
+def test_a_tasks_integer_inputs_of_a_dtype_the_server_lacks_are_served_as_int64_not_floats(tmp_path):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    servable = load_servable(f"{tmp_path / 'tasks.py'}:tokens")
+    assert (servable.input_shape, servable.input_dtype) == ((4,), "int64")
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'tasks.py'}:tokens", "--input", samples(tmp_path, np.arange(12).reshape(3, 4) % 10),
+                     "--output", str(out), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output  # as float32, the Embedding fails in the warm-up
+    assert np.load(out).shape == (3, 8)

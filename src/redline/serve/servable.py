@@ -132,7 +132,9 @@ def from_task(task: Task) -> Servable:
     """A Task's model, with its first training sample's shape and dtype as the input."""
     sample = _first_inputs(task)
     array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
-    dtype = str(array.dtype) if str(array.dtype) in DTYPES else "float32"
+    # A dtype the server does not take is served as the widest of its kind: int16 token ids as int64, not floats
+    wider = "int64" if array.dtype.kind in "iu" else "float32"
+    dtype = str(array.dtype) if str(array.dtype) in DTYPES else wider
     return Servable(model=task.build_model(), input_shape=tuple(array.shape), input_dtype=dtype, name=task.name)
 
 
