@@ -216,6 +216,25 @@ def test_a_big_endian_array_is_read_as_its_values(tmp_path, spec):
     np.testing.assert_allclose(np.load(out), expected, rtol=0, atol=1e-6)
 
 
+def test_a_large_big_endian_input_is_converted_batch_by_batch_not_loaded_whole(tmp_path, spec):
+    import tracemalloc
+
+    path = tmp_path / "large.npy"
+    np.save(path, np.ones((4_000_000, 3), ">f4"))  # 48 MB, as numpy.save writes on a big-endian machine
+    tracemalloc.start()
+    try:
+        loaded = predict_module.read_samples(path)
+        predict_module.check_samples(loaded, load_servable(spec), path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held to read a 48 MB input: it was converted whole"
+    emitted = []
+    engine = InferenceEngine(load_servable(spec), device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    predict_module.run_batches(engine, loaded[:10], 4, "--input", "check", emitted.append)
+    assert np.array_equal(np.concatenate(emitted), engine.predict(np.ones((10, 3), np.float32)).numpy())
+
+
 def test_a_missing_output_directory_is_refused_before_the_model_loads(tmp_path, spec):
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
                      "--output", str(tmp_path / "nowhere" / "y.npy"))  # fmt: skip

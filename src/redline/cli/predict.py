@@ -164,9 +164,7 @@ def read_samples(path: Path) -> np.ndarray:
         ) from exc
     if loaded.ndim == 0 or len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
-    if not loaded.dtype.isnative:  # saved on a big-endian machine: torch reads native byte order only
-        loaded = loaded.astype(loaded.dtype.newbyteorder("="))
-    return loaded
+    return loaded  # saved on a big-endian machine, it stays so on the map: each batch is read into native order
 
 
 def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
@@ -229,7 +227,8 @@ def run_batches(
     with bar:
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
-            batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
+            # off the read-only map (torch warns of one), in native byte order (torch reads no other)
+            batch = np.array(samples[start : start + batch_size], dtype=samples.dtype.newbyteorder("="))
             rows = f"rows {start} to {start + len(batch) - 1}"
             try:
                 outputs = engine.predict(batch).numpy()
