@@ -217,7 +217,7 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
         ({"rate": 5, "payload": tmp_path / "body.txt"}, "expected a .json or .npy file"),
         ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
         ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
-        ({"rate": 5, "payload": tmp_path / "missing.json"}, r"cannot be read: No such file.*\nhint: "),
+        ({"rate": 5, "payload": tmp_path / "missing.json"}, r"readable .json .*\nhint: it cannot be read \(No such"),
         (
             {"rate": 1e7, "duration": 55, "warmup": 5},
             r"rate=10000000.0 is not allowed; expected at most "
@@ -266,7 +266,9 @@ def test_cli_json_round_trip_and_table(server):
     [(["--rate", "5", "--concurrency", "2"], "error: --concurrency=2 is not allowed; expected no concurrency beside "
                                              "--rate 5: one of the two\nhint: keep --rate R for latency"),
      (["--rate", "0"], "error: --rate=0.0 is not allowed"),
-     (["--payload", "body.txt"], "error: --payload='body.txt' is not allowed; expected a .json or .npy file")],
+     (["--payload", "body.txt"], "error: --payload='body.txt' is not allowed; expected a .json or .npy file"),
+     (["--payload", "missing.json"], "error: --payload='missing.json' is not allowed; expected a readable .json or "
+                                     ".npy file\nhint: it cannot be read (No such file or directory)")],
 )  # fmt: skip
 def test_cli_errors_are_one_clear_message(server, args, message):
     result = redline(f"{server.url}/pattern/never", *args)
@@ -321,6 +323,21 @@ def test_no_open_loop_request_leaves_before_its_scheduled_time(server, monkeypat
     early = [r.scheduled - r.dispatched for r in timelines[0] if r.dispatched < r.scheduled]
     assert early == [], f"{len(early)} requests left early, by up to {max(early) * 1000:.2f} ms"
     assert result.send_lag_ms is not None and result.send_lag_ms.p50_ms >= 0
+
+
+def test_a_ctrl_c_after_the_window_while_answers_are_awaited_keeps_the_window_whole(server):
+    sent = []
+
+    def ctrl_c_after_the_window(now):
+        if now.elapsed_s > now.total_s and now.in_flight and not sent:  # the window is over, answers still due
+            sent.append(now.elapsed_s)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = run_load(f"{server.url}/hang", rate=10, duration=0.5, timeout=1.0, progress=ctrl_c_after_the_window)
+    assert sent and sent[0] > 0.5, "the Ctrl-C came after the window"
+    assert result.duration_s == 0.5, "the window would stretch to the Ctrl-C, and every rate with it"
+    assert result.requests_sent == 5 and result.error_counts == {"timeout": 5}
+    assert not any("stopped by Ctrl-C" in note for note in result.notes), result.notes
 
 
 def default_sigint() -> None:

@@ -2,9 +2,11 @@
 
 import io
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -14,7 +16,7 @@ from typer.testing import CliRunner
 
 from redline.cli import predict as predict_module
 from redline.cli.main import app
-from redline.errors import ConfigError, InferenceError, TaskSpecError
+from redline.errors import ConfigError, InferenceError, TaskError, TaskSpecError
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
@@ -132,6 +134,37 @@ def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
     assert not (tmp_path / "y.npy").exists()
 
 
+@pytest.mark.parametrize(
+    ("shape", "said", "hint"),
+    [((3,), "the array (3,) is one sample of tiny's input shape, without the batch dimension; expected (N, 3)",
+      "hint: save it as a batch of one: numpy.save(path, array[None])"),
+     ((5, 1, 3), "samples of shape (1, 3) (array (5, 1, 3)) do not fit tiny; expected (N, 3)",
+      "hint: each row holds one sample's values; add or drop its axes of size 1: "
+      "numpy.save(path, array.reshape(-1, 3))")],
+    ids=["one-sample", "extra-axis"],
+)  # fmt: skip
+def test_an_array_that_is_one_sample_or_a_reshape_away_is_told_the_fix(tmp_path, spec, shape, said, hint):
+    result = predict(spec, "--input", samples(tmp_path, np.zeros(shape, np.float32)), "--output",
+                     str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception) == f"--input {str(tmp_path / 'x.npy')!r}: {said}\n{hint}"
+    assert "samples of shape ()" not in str(result.exception)
+
+
+def test_flattened_samples_are_told_the_reshape_and_its_caveat(tmp_path):
+    (tmp_path / "image.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Flatten(), input_shape=(1, 2, 2), name='image')\n"
+    )
+    result = predict(f"{tmp_path / 'image.py'}:make", "--input", samples(tmp_path, np.zeros((5, 4), np.float32)),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    message = str(result.exception)
+    assert "samples of shape (4,) (array (5, 4)) do not fit image; expected (N, 1, 2, 2)" in message
+    assert "numpy.save(path, array.reshape(-1, 1, 2, 2)), if they are in the model's order" in message
+    assert "need array.transpose first" in message
+
+
 def truncate(path):
     path.write_bytes(path.read_bytes()[:-8])
     return str(path)
@@ -146,7 +179,9 @@ def truncate(path):
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
-        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "x.npy': every sample: inputs are complex64"),
+        (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "every sample: inputs are complex numbers (complex64)"),
+        (lambda d: samples(d, np.full((2, 3), "a")), "x.npy': every sample: inputs are text (<U1)\nhint: "),
+        (lambda d: samples(d, np.zeros((2, 3), [("a", "f4")])), "inputs are records of fields ([('a', '<f4')])"),
         (lambda d: samples(d, np.array([[0, 1, 2], [0, np.nan, 2]], np.float64)), "row 1 (the first that fails)"),
         (lambda d: samples(d, np.full((1, 3), 1e300)), "beyond ±3.40282e+38"),
         (lambda d: samples(d, np.array([[1.0], [1.0, 2.0]], dtype=object)), "equal-sized rows"),
@@ -179,6 +214,25 @@ def test_a_big_endian_array_is_read_as_its_values(tmp_path, spec):
     with torch.no_grad():
         expected = load_servable(spec).model(torch.from_numpy(inputs.astype(np.float32))).numpy()
     np.testing.assert_allclose(np.load(out), expected, rtol=0, atol=1e-6)
+
+
+def test_a_large_big_endian_input_is_converted_batch_by_batch_not_loaded_whole(tmp_path, spec):
+    import tracemalloc
+
+    path = tmp_path / "large.npy"
+    np.save(path, np.ones((4_000_000, 3), ">f4"))  # 48 MB, as numpy.save writes on a big-endian machine
+    tracemalloc.start()
+    try:
+        loaded = predict_module.read_samples(path)
+        predict_module.check_samples(loaded, load_servable(spec), path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held to read a 48 MB input: it was converted whole"
+    emitted = []
+    engine = InferenceEngine(load_servable(spec), device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    predict_module.run_batches(engine, loaded[:10], 4, "--input", "check", emitted.append)
+    assert np.array_equal(np.concatenate(emitted), engine.predict(np.ones((10, 3), np.float32)).numpy())
 
 
 def test_a_missing_output_directory_is_refused_before_the_model_loads(tmp_path, spec):
@@ -280,6 +334,26 @@ def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, s
     assert isinstance(result.exception, ConfigError), result.exception
     assert f"--weights {str(weights)!r}" in str(result.exception) and "hint:" in str(result.exception)
     assert not (tmp_path / "y.npy").exists()
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
+def test_weights_written_by_torch_save_are_told_as_such_with_the_conversion(tmp_path, spec, zipped):
+    weights = tmp_path / "model.pt"
+    state = load_servable(spec).model.state_dict()
+    torch.save(state, weights, _use_new_zipfile_serialization=zipped)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    message = str(result.exception)
+    assert message.startswith(f"--weights {str(weights)!r} was written by torch.save (a pickle), not safetensors")
+    assert "header" not in message, "safetensors' own words (a header too large) say nothing of what the file is"
+    command = message.split('python -c "')[1].split('"')[0]  # the conversion the hint gives works as written
+    subprocess.run([sys.executable, "-c", command], cwd=tmp_path, check=True)
+    converted = tmp_path / "model.safetensors"
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(converted), "--precision", "fp32",
+                     "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
 
 
 def test_weights_of_another_model_are_refused_naming_the_tensors_that_differ(tmp_path, spec):
@@ -429,3 +503,222 @@ def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, s
     assert isinstance(result.exception, TaskSpecError) and error.startswith(message), error
     assert not hint or f"\nhint: {hint}" in error, error
     assert "task spec" not in error and "task's" not in error
+
+
+def test_outputs_that_change_shape_between_batches_are_one_clear_error_at_that_batch(tmp_path):
+    (tmp_path / "square.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\nclass Square(nn.Module):\n"
+        "    def forward(self, x):\n        return x.new_zeros((len(x), len(x)))  # as wide as the padded batch\n\n\n"
+        "def make():\n    return Servable(model=Square(), input_shape=(3,), name='square')\n"
+    )
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'square.py'}:make", "--input", samples(tmp_path, np.zeros((6, 3), np.float32)),
+                     "--output", str(out), "--batch-size", "4", "--compile", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.exception  # not numpy's ValueError, after the last
+    message = str(result.exception)
+    assert message.startswith(
+        f"the model's outputs changed shape while predicting rows 4 to 5 of --input {str(tmp_path / 'x.npy')!r}: "
+        "(2,) per sample, where the rows before gave (4,)"
+    )
+    assert "hint: give every sample's output one shape, whatever the batch" in message
+    assert not out.exists()
+
+
+def test_one_row_with_a_fraction_for_an_integer_model_is_named_not_every_sample(tmp_path):
+    (tmp_path / "tokens.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Embedding(10, 2), input_shape=(3,), input_dtype='int64', name='tokens')\n"
+    )
+    rows = np.arange(30.0).reshape(10, 3) % 10  # whole numbers saved as floats: they run as integers
+    rows[7, 2] = 2.5
+    result = predict(f"{tmp_path / 'tokens.py'}:make", "--input", samples(tmp_path, rows),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception) == (
+        f"--input {str(tmp_path / 'x.npy')!r}: row 7 (the first that fails): inputs hold values that are not whole "
+        "numbers (a fraction, NaN or infinity), where int64 takes integers\n"
+        "hint: save the array as int64 values the model can take"
+    )
+
+
+def test_weights_saved_from_a_wrapped_model_are_told_the_prefix_and_the_rename(tmp_path, spec):
+    from safetensors.torch import save_file
+
+    weights = tmp_path / "ddp.safetensors"
+    state = load_servable(spec).model.state_dict()
+    save_file({f"module.{name}": tensor for name, tensor in state.items()}, weights)  # as DDP's state_dict names them
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    hint = str(result.exception).split("\nhint: ")[1]
+    assert hint.startswith("the file's names all start with 'module.' (a model saved wrapped: DDP's 'module.',")
+    subprocess.run([sys.executable, "-c", hint.split('python -c "')[1][:-1]], cwd=tmp_path, check=True)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(tmp_path / "model.safetensors"),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
+def test_weights_for_a_model_the_factory_wrapped_say_to_serve_the_plain_model(tmp_path, spec):
+    from safetensors.torch import save_file
+
+    (tmp_path / "wrapped.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\nclass Wrapper(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.module = nn.Linear(3, 2)\n\n"
+        "    def forward(self, x):\n        return self.module(x)\n\n\n"
+        "def make():\n    return Servable(model=Wrapper(), input_shape=(3,), name='wrapped')\n"
+    )
+    weights = tmp_path / "model.safetensors"
+    save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, weights)
+    result = predict(f"{tmp_path / 'wrapped.py'}:make", "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    assert str(result.exception).endswith(
+        "hint: the model's names all start with 'module.', the file's do not: the factory wraps the model "
+        "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
+    )
+
+
+def test_outputs_go_to_disk_batch_by_batch_not_held_whole(tmp_path):
+    import tracemalloc
+
+    (tmp_path / "same.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Identity(), input_shape=(64,), name='same')\n"
+    )
+    spec, out = f"{tmp_path / 'same.py'}:make", tmp_path / "y.npy"
+    run = ("--output", str(out), "--batch-size", "4096", "--precision", "fp32", "--compile", "off", "--measure", "off")
+    assert predict(spec, "--input", samples(tmp_path, np.ones((3, 64), np.float32), "few.npy"), *run).exit_code == 0
+    inputs = np.random.default_rng(0).random((131_072, 64), dtype=np.float32)  # 32 MiB of outputs, as of inputs
+    big = samples(tmp_path, inputs, "big.npy")
+    del inputs
+    tracemalloc.start()  # numpy's arrays are traced (torch's own allocations are not)
+    try:
+        result = predict(spec, "--input", big, *run)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.exit_code == 0, result.output
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held for 32 MiB of outputs: they were gathered, then written"
+    written = np.load(out, mmap_mode="r")
+    assert written.shape == (131_072, 64) and np.array_equal(written, np.load(big, mmap_mode="r"))
+
+
+def test_sigterm_while_predicting_exits_143_and_leaves_no_temporary_file(tmp_path):
+    started = tmp_path / "started"
+    (tmp_path / "slow.py").write_text(
+        "import pathlib\nimport time\n\nfrom torch import nn\nfrom redline.serve.servable import Servable\n\n\n"
+        "class Slow(nn.Module):\n    def forward(self, x):\n        if bool((x != 0).any()):  # a row of the input\n"
+        f"            pathlib.Path({str(started)!r}).touch()\n            time.sleep(0.1)\n        return x * 2\n\n\n"
+        "def make():\n    return Servable(model=Slow(), input_shape=(3,), name='slow')\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "y.npy").write_bytes(b"an older result")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "redline", "predict", f"{tmp_path / 'slow.py'}:make", "--input",
+         samples(tmp_path, np.ones((400, 3), np.float32)), "--output", str(out / "y.npy"), "--batch-size", "4",
+         "--measure", "off", "--compile", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not started.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "the batches never began"
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err
+    assert "stopped by SIGTERM while predicting: --output was not written" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["y.npy"], "the temporary file of the outputs was left"
+    assert (out / "y.npy").read_bytes() == b"an older result"
+
+
+TASKS = """
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+import redline
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        for i in range(8):
+            yield torch.full((3,), float(i)), i % 2
+
+
+class Records(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"x": torch.zeros(3), "y": 0}
+
+
+class Missing(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise FileNotFoundError("shard-0.pt")
+
+
+def task(data):
+    torch.manual_seed(0)
+    return redline.Task(name=type(data).__name__.lower(), model=nn.Linear(3, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=data, batch_size=4)
+
+
+def stream():
+    return task(Stream())
+
+
+def records():
+    return task(Records())
+
+
+def missing():
+    return task(Missing())
+
+
+def tokens():
+    ids = torch.arange(24, dtype=torch.int16).reshape(6, 4) % 10  # token ids stored narrow, as many corpora are
+    return redline.Task(name="tokens", model=nn.Sequential(nn.Embedding(10, 2), nn.Flatten()),
+                        loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(ids, ids[:, 0].long()),
+                        batch_size=2)
+"""
+
+
+def test_a_task_whose_data_is_a_stream_serves_its_first_items_shape(tmp_path):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'tasks.py'}:stream", "--input", samples(tmp_path, np.ones((5, 3), np.float32)),
+                     "--output", str(out), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output  # not a traceback of Dataset.__getitem__'s NotImplementedError
+    assert np.load(out).shape == (5, 2)
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [("records", "task 'records': the first item of train_data is {'x': Tensor(3,) float32, 'y': int 0}, not a pair "
+                 "(inputs, targets), so the input shape to serve is unknown\nhint: return (inputs, targets) from"),
+     ("missing", "task 'missing': reading the first item of train_data, whose inputs give the served input shape, "
+                 "raised FileNotFoundError: shard-0.pt\n  at ")],
+)  # fmt: skip
+def test_a_task_whose_first_item_gives_no_input_shape_is_one_clear_error(tmp_path, factory, message):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    result = predict(f"{tmp_path / 'tasks.py'}:{factory}", "--input", samples(tmp_path, np.ones((5, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, TaskError), result.exception
+    assert str(result.exception).startswith(message), str(result.exception)
+
+
+def test_a_tasks_integer_inputs_of_a_dtype_the_server_lacks_are_served_as_int64_not_floats(tmp_path):
+    (tmp_path / "tasks.py").write_text(TASKS)
+    servable = load_servable(f"{tmp_path / 'tasks.py'}:tokens")
+    assert (servable.input_shape, servable.input_dtype) == ((4,), "int64")
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'tasks.py'}:tokens", "--input", samples(tmp_path, np.arange(12).reshape(3, 4) % 10),
+                     "--output", str(out), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output  # as float32, the Embedding fails in the warm-up
+    assert np.load(out).shape == (3, 8)

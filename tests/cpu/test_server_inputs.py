@@ -7,7 +7,9 @@ import pytest
 import torch
 from serve_client import metrics, npy, ready, reference, running
 from serve_engines import FakeEngine, linear_engine
+from typer.testing import CliRunner
 
+from redline.cli.main import app
 from redline.errors import ConfigError
 from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
@@ -74,7 +76,7 @@ async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_
         (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
         (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths: inputs[1] has 2 items where inputs[0] has 3"),
         (b'{"inputs": [[1, 2, 3], 4]}', 422, "unequal lengths: inputs[1] is a number where inputs[0] has 3 items"),
-        (b'{"inputs": [[[1], [2, 3]]]}', 422, "unequal lengths: inputs[0][1] has 2 items where inputs[0][0] has 1"),
+        (b'{"inputs": [[[1], [2, 3]]]}', 422, "inputs[0][1] has 2 items where inputs[0][0] has 1 item;"),
         (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
         (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
         (b'{"inputs": []}', 422, "inputs hold no sample"),
@@ -159,10 +161,12 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
         text = await client.post(post, content=b"1,2,3", headers={"content-type": "text/plain"})
         good = await client.post(post, content=npy(np.array([[1, 2, 3]], np.int32)), headers=octet)
     assert too_many.status_code == 422 and "5 samples, more than max_batch_size=4" in too_many.json()["error"]
-    assert floats.status_code == 422 and "inputs are numbers (float64)" in floats.json()["error"]
+    assert floats.status_code == 422 and floats.json()["error"].startswith(
+        "inputs hold values that are not whole numbers (a fraction, NaN or infinity), where int64 takes integers;"
+    )
     assert beyond.status_code == 422 and "outside int64's range" in beyond.json()["error"]
     assert huge.status_code == 422 and "integers outside int64's range" in huge.json()["error"], huge.json()
-    assert nan.status_code == 422 and "float64" in nan.json()["error"]
+    assert nan.status_code == 422 and "not whole numbers (a fraction, NaN or infinity)" in nan.json()["error"]
     assert garbage.status_code == 400 and "not a .npy array" in garbage.json()["error"]
     assert lying.status_code == 400 and "bytes of data follow" in lying.json()["error"]
     assert negative.status_code == 400 and "(-1, -3), with a negative dimension" in negative.json()["error"]
@@ -170,6 +174,16 @@ async def test_too_many_samples_wrong_dtypes_and_bad_npy_are_refused_before_the_
     assert good.status_code == 200 and good.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert whole.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert engine.batches == [1, 1], "only the valid requests reached the model"
+
+
+async def test_a_fraction_among_whole_numbers_for_an_integer_model_names_its_sample():
+    async with running(FakeEngine(input_dtype="int64", max_batch_size=4)) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": [[1, 2, 3], [4.0, 5.5, 6], [7, 8, 9.0]]})
+    assert answer.status_code == 422 and answer.json()["first_bad_sample"] == 1, answer.json()
+    assert answer.json()["error"].startswith(
+        "inputs hold values that are not whole numbers (a fraction, NaN or infinity), where int64 takes integers, "
+        "the first in sample 1; expected int64 integers"
+    )
 
 
 async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
@@ -287,3 +301,38 @@ def test_options_refuse_bad_values_and_a_batch_cap_above_the_engines():
 def test_a_servable_with_an_input_shape_that_is_not_a_shape_is_refused_naming_the_field(shape):
     with pytest.raises(ConfigError, match=r"input_shape=.* is not allowed; expected positive integers"):
         Servable(model=torch.nn.Linear(3, 2), input_shape=shape)
+
+
+async def test_a_body_sent_under_the_other_content_type_is_told_the_type_to_send():
+    array = np.array([[1, 2, 3]], np.float32)
+    async with running(FakeEngine()) as (client, _):
+        npy_as_json = await client.post("/v1/predict", content=npy(array), headers={"content-type": "application/json"})
+        json_as_npy = await client.post(
+            "/v1/predict", content=b' {"inputs": [1, 2, 3]}', headers={"content-type": "application/octet-stream"}
+        )
+        untyped = await client.post("/v1/predict", content=npy(array))  # as requests.post(url, data=...) sends it
+    assert npy_as_json.status_code == 400 and npy_as_json.json()["error"].startswith(
+        "the body is a .npy array, sent as JSON (Content-Type application/json); send it with "
+        "Content-Type: application/octet-stream;"
+    ), npy_as_json.json()
+    assert json_as_npy.status_code == 400 and json_as_npy.json()["error"].startswith(
+        "the body is JSON, sent as a .npy array (Content-Type application/octet-stream); send it with "
+        "Content-Type: application/json;"
+    ), json_as_npy.json()
+    assert "content-type" not in untyped.request.headers
+    assert untyped.status_code == 200 and untyped.json() == {"outputs": [[2.0, 4.0, 6.0]]}, untyped.text
+
+
+def test_a_batch_wait_as_long_as_the_request_timeout_is_refused_as_it_would_never_wait():
+    # The batcher runs a batch before its first request's deadline: a wait that long would be no wait at all.
+    with pytest.raises(ConfigError, match=r"max_wait_ms=50 is not allowed; expected less than timeout_ms=20\n"):
+        ServeOptions(max_wait_ms=50, timeout_ms=20)
+    with pytest.raises(ConfigError, match="max_wait_ms=20 is not allowed"):
+        ServeOptions(max_wait_ms=20, timeout_ms=20)
+    assert ServeOptions(max_wait_ms=19, timeout_ms=20).max_wait_ms == 19
+    result = CliRunner().invoke(app, ["serve", "example:digits", "--max-wait-ms", "50", "--timeout-ms", "20"])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == (
+        "--max-wait-ms=50.0 is not allowed; expected less than --timeout-ms 20\nhint: a batch runs before its first "
+        "request's deadline, so it would never wait for more requests: e.g. --max-wait-ms 5"
+    )

@@ -181,7 +181,25 @@ def test_summary_counts_the_window_only_and_splits_statuses_and_errors():
     data = json.loads(json.dumps(result.to_dict()))
     assert data["status_counts"] == {"200": 2, "500": 1, "503": 1}
     assert data["latency_ms"]["p999_ms"] == pytest.approx(result.latency_ms.p999_ms)
-    assert data["mode"] == "open" and data["target_rate"] == 100.0 and data["notes"] == []
+    assert data["mode"] == "open" and data["target_rate"] == 100.0
+    assert [n.split(" and are not")[0] for n in data["notes"]] == ["1 of 6 requests timed out (--timeout 5 s)"]
+
+
+def test_requests_that_timed_out_in_a_stall_are_said_to_be_missing_from_the_tail():
+    # The server answers in 1 ms but stalls for a second; the requests due then are given up at --timeout (5 s).
+    records = [
+        record(due, due + 5.0, error="timeout") if STALL[0] <= due < STALL[1] else record(due, due + SERVICE_S)
+        for due in schedule(100, 10.0)
+    ]
+    result = summarize(records, setup("open"), elapsed_s=15.0)
+    assert result.latency_ms is not None and result.latency_ms.p99_ms == pytest.approx(SERVICE_S * 1000)
+    assert result.error_counts == {"timeout": 100}
+    assert (
+        "100 of 1000 requests timed out (--timeout 5 s) and are not in the latency figures, which understate the "
+        "tail: counted when given up, the p99 is at least 5000.00 ms\nhint: raise --timeout above the slowest answer"
+    ) in "\n".join(result.notes)
+    quick = summarize([record(i / 100, i / 100 + 0.001) for i in range(100)], setup(), elapsed_s=10.0)
+    assert not any("timed out" in n for n in quick.notes)
 
 
 def test_a_client_behind_its_schedule_says_so():

@@ -2,9 +2,10 @@
 
 The input is memory-mapped (read from disk a batch at a time, so a file larger than memory runs)
 and checked against the servable (per-sample shape and dtype) before the model loads onto the
-device; the output is written through a temporary file and renamed, so a failure leaves no
-half-written file. The engine's Plan is printed, then a summary line. An exception the model raises
-(in the warm-up, or on a batch of the input) is an InferenceError naming the rows it ran, the
+device; the outputs are written batch by batch (as large as the input, they need no more memory)
+through a temporary file that is renamed at the end, so a failure leaves no half-written file. The
+engine's Plan is printed, then a summary line. An exception the model raises (in the warm-up, or
+on a batch of the input) is an InferenceError naming the rows it ran, the
 line of the user's code and what to check; one that redline's own code raised is not blamed on
 the model, and ends the command with its traceback.
 """
@@ -12,11 +13,13 @@ the model, and ends the command with its traceback.
 from __future__ import annotations
 
 import contextlib
+import math
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Annotated
+from types import FrameType
+from typing import Annotated, BinaryIO
 
 import numpy as np
 import typer
@@ -37,7 +40,14 @@ from redline.cli.options import (
     said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
-from redline.errors import ConfigError, InferenceError, RedlineError, ServableError, describe_error
+from redline.errors import (
+    ConfigError,
+    InferenceError,
+    RedlineError,
+    ServableError,
+    StoppedBySignal,
+    describe_error,
+)
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
@@ -92,9 +102,10 @@ def predict(
         warm_s = time.perf_counter() - started
     console = output_console()
     print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
-    source = f"--input {str(input_path)!r}"
-    outputs, seconds = run_batches(engine, samples, batch_size, source, check_hint(servable, samples))
-    write_npy(output_path, outputs)
+    source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
+    with stopped_by_sigterm():  # the temporary file of the outputs goes with the run
+        seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size,
+                                                                                    source, hint, emit))  # fmt: skip
     rate = len(samples) / seconds if seconds > 0 else float("inf")
     console.print(
         f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
@@ -153,20 +164,14 @@ def read_samples(path: Path) -> np.ndarray:
         ) from exc
     if loaded.ndim == 0 or len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
-    if not loaded.dtype.isnative:  # saved on a big-endian machine: torch reads native byte order only
-        loaded = loaded.astype(loaded.dtype.newbyteorder("="))
-    return loaded
+    return loaded  # saved on a big-endian machine, it stays so on the map: each batch is read into native order
 
 
 def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
     """Refuse samples whose shape is not (N, *input_shape), or whose dtype does not convert to the input's."""
     expected = servable.input_shape
     if tuple(samples.shape[1:]) != expected:
-        raise ConfigError(
-            f"--input {str(path)!r}: samples of shape {tuple(samples.shape[1:])} (array {samples.shape}) do not fit "
-            f"{servable.name}; expected (N, {', '.join(map(str, expected))})\n"
-            "hint: the first dimension counts the samples; each sample has the model's input shape"
-        )
+        raise ConfigError(f"--input {str(path)!r}: {_misfit(tuple(samples.shape), expected, servable.name)}")
     # The server's own checks (dtype kind, integer range, finite floats within the dtype), a chunk at a time.
     spec = InputSpec(expected, servable.input_dtype, max_batch_size=CHECK_CHUNK)
     for start in range(0, len(samples), CHECK_CHUNK):
@@ -182,14 +187,38 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
             ) from None
 
 
+def _misfit(shape: tuple[int, ...], expected: tuple[int, ...], name: str) -> str:
+    """Why an array of ``shape`` is not samples of ``expected``'s shape, and the fix: a batch dimension, or a reshape
+    where each row holds one sample's values in another shape (``(N, 64)`` or ``(N, 8, 8)`` for ``(1, 8, 8)``)."""
+    dims = ", ".join(map(str, expected))
+    if shape == expected:  # one sample, saved without the batch dimension
+        return (
+            f"the array {shape} is one sample of {name}'s input shape, without the batch dimension; "
+            f"expected (N, {dims})\n"
+            "hint: save it as a batch of one: numpy.save(path, array[None])"
+        )
+    said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected (N, {dims})"
+    if math.prod(shape[1:]) != math.prod(expected):
+        return f"{said}\nhint: the first dimension counts the samples; each sample has the model's input shape"
+    reshape = f"numpy.save(path, array.reshape(-1, {dims}))"
+    if tuple(d for d in shape[1:] if d != 1) == tuple(d for d in expected if d != 1):  # only axes of size 1 differ
+        return f"{said}\nhint: each row holds one sample's values; add or drop its axes of size 1: {reshape}"
+    return (
+        f"{said}\nhint: each row holds as many values as one sample: {reshape}, if they are in the model's order "
+        "(axes in another order, as channels last, need array.transpose first)"
+    )
+
+
 def run_batches(
-    engine: InferenceEngine, samples: np.ndarray, batch_size: int, source: str, hint: str
-) -> tuple[np.ndarray, float]:
-    """Run ``samples`` batch by batch with a progress bar on stderr; return the outputs and the seconds taken.
+    engine: InferenceEngine, samples: np.ndarray, batch_size: int, source: str, hint: str,
+    emit: Callable[[np.ndarray], None],
+) -> float:  # fmt: skip
+    """Run ``samples`` batch by batch with a progress bar on stderr, each batch's outputs to ``emit``; return the
+    seconds taken.
 
     The model raising on a batch is an InferenceError naming its rows of ``source`` (the input), with ``hint``.
     """
-    parts = []
+    shape: tuple[int, ...] | None = None  # of one sample's output: every batch's must be the first's
     bar = Progress(
         TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True), transient=True,
@@ -198,10 +227,11 @@ def run_batches(
     with bar:
         job = bar.add_task("predict", total=len(samples))
         for start in range(0, len(samples), batch_size):
-            batch = np.array(samples[start : start + batch_size])  # off the read-only map: torch warns of one
+            # off the read-only map (torch warns of one), in native byte order (torch reads no other)
+            batch = np.array(samples[start : start + batch_size], dtype=samples.dtype.newbyteorder("="))
             rows = f"rows {start} to {start + len(batch) - 1}"
             try:
-                parts.append(engine.predict(batch).numpy())
+                outputs = engine.predict(batch).numpy()
             except Exception as exc:
                 row = first_failing_row(engine, batch, exc)
                 of = f"of {source} ({len(samples)} rows)"
@@ -211,8 +241,18 @@ def run_batches(
                     check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
                 with model_raising(running, check):
                     raise
+            shape = outputs.shape[1:] if shape is None else shape
+            if outputs.shape[1:] != shape:
+                raise InferenceError(
+                    f"the model's outputs changed shape while predicting {rows} of {source}: "
+                    f"{outputs.shape[1:]} per sample, where the rows before gave {shape}; the "
+                    "outputs are written as one array\nhint: give every sample's output one shape, whatever the batch: "
+                    "not one that follows the batch's size (each batch is padded to one of the plan's buckets) "
+                    "or its values"
+                )
+            emit(outputs)
             bar.advance(job, len(batch))
-    return np.concatenate(parts), time.perf_counter() - started
+    return time.perf_counter() - started
 
 
 def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception) -> int | None:
@@ -270,20 +310,69 @@ def model_raising(running: str, check: str) -> Iterator[None]:
         ) from exc
 
 
-def write_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` as .npy through a temporary file: a crash leaves the old file or none.
+def write_outputs(path: Path, rows: int, run: Callable[[Callable[[np.ndarray], None]], float]) -> float:
+    """Write the ``rows`` outputs that ``run(emit)`` emits batch by batch to ``path`` as one .npy array; return what
+    ``run`` returns.
 
-    A device or a named pipe (``--output /dev/null``) is written into directly.
+    Each batch goes to disk as it comes, so outputs as large as the input need no more memory than it
+    does; through a temporary file, so a failure or a crash leaves the old file or none. A device or a
+    named pipe (``--output /dev/null``) is written into directly.
     """
+    returned: list[float] = []
 
     def write(target: Path) -> None:  # a temporary file, or the device or pipe itself (write_atomic)
-        with target.open("wb") as out:  # given write() alone, numpy writes chunks; tofile() asks a pipe its position
-            np.save(out if target.is_file() else SimpleNamespace(write=out.write), array, allow_pickle=False)
+        with target.open("wb") as out:
+            returned.append(run(NpyWriter(out, rows)))
 
     try:
         write_atomic(path, write)
     except OSError as exc:  # a disk that filled up while the model ran
         raise _unwritable(path, exc) from exc
+    return returned[0]
+
+
+class NpyWriter:
+    """Write one .npy array of ``rows`` rows a batch at a time, its header told by the first batch's shape and dtype.
+
+    Only ``write`` is called on the file: numpy's own ``tofile`` asks a pipe its position.
+    """
+
+    def __init__(self, out: BinaryIO, rows: int) -> None:
+        self.out = out
+        self.rows = rows
+        self.dtype: np.dtype | None = None
+
+    def __call__(self, batch: np.ndarray) -> None:
+        if self.dtype is None:
+            self.dtype = batch.dtype
+            header = {"descr": np.lib.format.dtype_to_descr(batch.dtype), "fortran_order": False,
+                      "shape": (self.rows, *batch.shape[1:])}  # fmt: skip
+            try:
+                np.lib.format.write_array_header_1_0(self.out, header)  # what numpy.save writes, where it fits
+            except ValueError:  # a header over 64 KiB (a shape of many dimensions)
+                np.lib.format.write_array_header_2_0(self.out, header)
+        self.out.write(np.ascontiguousarray(batch, dtype=self.dtype).data)
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """Turn SIGTERM (a scheduler's, timeout(1)'s) into StoppedBySignal inside: Python's own default ends the
+    process at once, leaving the temporary file of the outputs written so far beside ``--output``."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StoppedBySignal(
+            signum, "stopped by SIGTERM while predicting: --output was not written (a file there is kept)"
+        )
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: signals are not ours to take
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:

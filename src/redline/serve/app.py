@@ -29,13 +29,13 @@ from starlette.routing import Route
 
 from redline.errors import invalid
 from redline.serve.dispatch import RETRY_AFTER_S, Dispatcher
-from redline.serve.inputs import InputSpec, read_json, read_npy
+from redline.serve.inputs import NPY_MAGIC, InputSpec, read_json, read_npy
 from redline.serve.metrics import ServeMetrics
 from redline.serve.openapi import openapi_document
 from redline.serve.options import ServeOptions
 from redline.serve.refused import Refused
 
-JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON
+JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON (as .npy where it starts as one)
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
 # The refusals of queued requests: the latency histogram times them (not those refused at the door).
 QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
@@ -179,7 +179,10 @@ class Serving:
             body = await self.read_body_by(request, arrived + self.options.timeout_ms / 1000)
             if not body or body.isspace():  # curl -X POST without -d, say: the parsers would say "unexpected end"
                 raise self.spec.refuse(400, 'the body is empty: send JSON {"inputs": [...]} or a .npy array')
-            inputs = read_npy(body, self.spec) if media in NPY_TYPES else read_json(body, self.spec)
+            # Without a Content-Type (Python's requests.post(url, data=...) sends none) numpy's bytes are told by
+            # their magic: no JSON text starts with them.
+            as_npy = media in NPY_TYPES or (not media and body.startswith(NPY_MAGIC))
+            inputs = read_npy(body, self.spec) if as_npy else read_json(body, self.spec)
             outputs = await self.answer_unless_gone(request, inputs, arrived)
             answer = _outputs_json(outputs)
         except Refused as refused:

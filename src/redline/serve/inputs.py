@@ -26,6 +26,9 @@ NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 )
 _KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+# What an array no input takes holds, in words (numpy's dtype kinds): `redline predict` reads any .npy file
+_OTHER_KINDS = {"c": "complex numbers", "U": "text", "S": "bytes", "O": "Python objects", "M": "dates",
+                "m": "time spans", "V": "records of fields"}  # fmt: skip
 FIRST_IN_SAMPLE = ", the first in sample "  # how a refusal names the first sample holding a bad value
 JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # RFC 8259, section 6
 
@@ -60,6 +63,11 @@ class InputSpec:
 
 def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     """Return the batch a JSON body holds under ``inputs``."""
+    if body.startswith(NPY_MAGIC):  # numpy.save's bytes sent as JSON: orjson would speak of UTF-8 surrogates
+        raise spec.refuse(
+            400, "the body is a .npy array, sent as JSON (Content-Type application/json); send it with "
+            "Content-Type: application/octet-stream",
+        )  # fmt: skip
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -115,7 +123,7 @@ def _ragged(value: Any, path: str, depth: int = 0) -> str | None:
 def _holds(item: Any) -> str:
     """What a JSON value is, said after its path."""
     if isinstance(item, list):
-        return f"has {len(item)} items"
+        return f"has {len(item)} item{'s' * (len(item) != 1)}"
     if isinstance(item, bool) or item is None:
         return f"is {orjson.dumps(item).decode()}"
     return {int: "is a number", float: "is a number", str: "is text"}.get(type(item), "is an object")
@@ -129,6 +137,11 @@ def _has_bool(value: Any) -> bool:
 
 def read_npy(body: bytes, spec: InputSpec) -> torch.Tensor:
     """Return the batch a .npy body holds, reading the header first so that a lying one allocates nothing."""
+    if body.lstrip()[:1] in (b"{", b"["):  # numpy would speak of its magic string
+        raise spec.refuse(
+            400, "the body is JSON, sent as a .npy array (Content-Type application/octet-stream); send it with "
+            "Content-Type: application/json",
+        )  # fmt: skip
     stream = io.BytesIO(body)
     try:
         version = np.lib.format.read_magic(stream)
@@ -161,16 +174,12 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
             422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
         )
     kind = spec.kind()
-    if kind in "iu" and array.dtype.kind == "f" and bool(np.all(np.isfinite(array) & (array == np.round(array)))):
-        # whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
-        # more comes as a float too (orjson reads at most 64 bits)
-        fits = np.abs(array.astype(np.float64)) < 2.0**63
-        if not fits.all():
-            raise _bad_values(spec, ~fits, _outside_range(spec.dtype))
-        array = array.astype(np.int64)
+    if kind in "iu" and array.dtype.kind == "f":
+        array = _whole_numbers(array, spec)
     allowed = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}[kind]
     if array.dtype.kind not in allowed:
-        raise spec.refuse(422, f"inputs are {_KINDS.get(array.dtype.kind, str(array.dtype))} ({array.dtype})")
+        kind_said = _KINDS.get(array.dtype.kind) or _OTHER_KINDS.get(array.dtype.kind, "not numbers")
+        raise spec.refuse(422, f"inputs are {kind_said} ({array.dtype})")
     if kind in "iu":
         info = np.iinfo(spec.dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
@@ -184,6 +193,22 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     target = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
     batch = torch.from_numpy(np.ascontiguousarray(array.astype(target)))
     return batch.to(getattr(torch, spec.dtype))
+
+
+def _whole_numbers(array: np.ndarray[Any, Any], spec: InputSpec) -> np.ndarray[Any, Any]:
+    """Floats for an integer input as int64, or refused naming the first sample holding a fraction or too large a value.
+
+    Whole numbers written as 2.0 are integers (as JSON Schema reads them); a JSON integer of 2**64 or
+    more comes as a float too (orjson reads at most 64 bits).
+    """
+    whole = np.isfinite(array) & (array == np.round(array))
+    if not whole.all():  # the sample is named: one row of a large file, say, not "every sample"
+        problem = f"inputs hold values that are not whole numbers (a fraction, NaN or infinity), where {spec.dtype}"
+        raise _bad_values(spec, ~whole, problem + " takes integers")
+    fits = np.abs(array.astype(np.float64)) < 2.0**63
+    if not fits.all():
+        raise _bad_values(spec, ~fits, _outside_range(spec.dtype))
+    return array.astype(np.int64)
 
 
 def _bad_values(spec: InputSpec, bad: np.ndarray[Any, Any], problem: str) -> Refused:

@@ -233,6 +233,14 @@ def summarize(
             f"no request fell in the {setup.duration_s:g} s window ({pace}): there is nothing to measure\n"
             f"hint: raise {'--rate or ' if open_loop else ''}--duration"
         )
+    timed_out = [r for r in measured if r.error == "timeout"]
+    if timed_out and completed:  # left out of the latencies, they would hide the very tail a stall makes
+        floor = percentile(sorted(r.done - origin(r) for r in completed + timed_out), 99) * 1000
+        out.append(
+            f"{len(timed_out)} of {len(measured)} requests timed out (--timeout {setup.timeout_s:g} s) and are not "
+            f"in the latency figures, which understate the tail: counted when given up, the p99 is at least "
+            f"{floor:.2f} ms\nhint: raise --timeout above the slowest answer to time them all"
+        )
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
         top, count = outcomes.most_common(1)[0]

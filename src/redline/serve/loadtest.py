@@ -122,11 +122,11 @@ class Payload:
             raise invalid("payload", str(path), "a .json or .npy file", "save the body as body.json or array.npy")
         try:
             body = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"payload {str(path)!r} cannot be read: {exc.strerror or exc}\n"
-                "hint: --payload takes the path of a readable .json or .npy file; check the path and its permissions"
-            ) from exc
+        except OSError as exc:  # said as the other refusals are: by --payload on the command line
+            raise invalid(
+                "payload", str(path), "a readable .json or .npy file",
+                f"it cannot be read ({exc.strerror or exc}): check the path and its permissions",
+            ) from exc  # fmt: skip
         if suffix == ".json":
             try:
                 json.loads(body)
@@ -361,7 +361,8 @@ async def run_load_async(
     elapsed_s = time.perf_counter() - t0
     if progress:
         progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
-    if counters.stopped_s is not None:
+    # A Ctrl-C after the window (while the last answers were awaited) cut nothing: the window stays whole.
+    if counters.stopped_s is not None and counters.stopped_s < total_s:
         window_s = counters.stopped_s - options.warmup_s
         if window_s <= 0:
             into = max(counters.stopped_s, 0.0)

@@ -40,6 +40,12 @@ class ServeOptions:
         non_negative_number("max_wait_ms", self.max_wait_ms, wait_rule)  # NaN would wait forever
         positive_int("queue_size", self.queue_size)
         positive_number("timeout_ms", self.timeout_ms)
+        if self.max_wait_ms >= self.timeout_ms:  # the batcher runs a batch before its requests' deadline: at once
+            raise invalid(
+                "max_wait_ms", self.max_wait_ms, f"less than timeout_ms={self.timeout_ms:g}",
+                "a batch runs before its first request's deadline, so it would never wait for more requests: "
+                f"e.g. max_wait_ms={min(5.0, self.timeout_ms / 2):g}",
+            )  # fmt: skip
         positive_number("max_body_mb", self.max_body_mb)
         if self.token_env is not None and (not isinstance(self.token_env, str) or not self.token_env.isidentifier()):
             raise invalid(

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
-from redline.errors import ConfigError, TaskSpecError, invalid
+from redline.errors import ConfigError, TaskError, TaskSpecError, describe_error, invalid, user_line
+from redline.runtime.contract import PAIR_HINT, describe
 from redline.task import Task, find_factory, run_factory
 
 log = logging.getLogger("redline")
@@ -128,10 +130,34 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
 
 def from_task(task: Task) -> Servable:
     """A Task's model, with its first training sample's shape and dtype as the input."""
-    sample = task.train_data[0][0]
+    sample = _first_inputs(task)
     array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
-    dtype = str(array.dtype) if str(array.dtype) in DTYPES else "float32"
+    # A dtype the server does not take is served as the widest of its kind: int16 token ids as int64, not floats
+    wider = "int64" if array.dtype.kind in "iu" else "float32"
+    dtype = str(array.dtype) if str(array.dtype) in DTYPES else wider
     return Servable(model=task.build_model(), input_shape=tuple(array.shape), input_dtype=dtype, name=task.name)
+
+
+def _first_inputs(task: Task) -> Any:
+    """The inputs of the first item of ``task.train_data``, a stream's included; a TaskError where there are none."""
+    data = task.train_data
+    try:
+        item = next(iter(data), None) if isinstance(data, IterableDataset) else data[0]
+    except Exception as exc:  # the dataset's own code: a missing file, say
+        raise TaskError(
+            f"task {task.name!r}: reading the first item of train_data, whose inputs give the served input shape, "
+            f"raised {describe_error(exc)}{user_line(exc)}\nhint: the error is in the dataset's own code; "
+            "REDLINE_TRACEBACK=1 prints the whole traceback"
+        ) from exc
+    if not (isinstance(item, list | tuple) and len(item) == 2):
+        found = "nothing (the stream is empty)" if item is None else describe(item)
+        fix = "check what the stream reads" if item is None else PAIR_HINT
+        raise TaskError(
+            f"task {task.name!r}: the first item of train_data is {found}, not a pair (inputs, targets), so the "
+            f"input shape to serve is unknown\nhint: {fix}, or have the factory return "
+            "redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
+        )
+    return item[0]
 
 
 WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
@@ -152,12 +178,14 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if not path.is_file():
         raise ConfigError(f"--weights {str(path)!r} does not exist\n{WEIGHTS_HINT}")
     try:
-        found = differences(safetensors_shapes(path), shapes_of(model.state_dict()))
+        saved, expected = safetensors_shapes(path), shapes_of(model.state_dict())
     except SafetensorError as exc:  # not a safetensors file
         raise _unreadable(path, exc) from exc
+    found = differences(saved, expected)
     if found:  # named here: torch's own error lists every key of both models
         raise ConfigError(
-            f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n{FIT_HINT}"
+            f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n"
+            + (_renamed_hint(path, saved, expected) or FIT_HINT)
         )
     try:
         load_model(model, str(path), strict=True)
@@ -168,8 +196,60 @@ def load_weights(model: nn.Module, path: Path) -> None:
         raise ConfigError(f"--weights {str(path)!r} does not fit the model: {first}\n{FIT_HINT}") from exc
 
 
+def _renamed_hint(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str:
+    """The fix where the same tensors differ only by a prefix of every name ("" where they do not): ``module.``
+    of a model saved wrapped in DDP or DataParallel, ``_orig_mod.`` of one saved compiled, in either file."""
+    if not saved or not expected:
+        return ""
+    extra = _prefix(saved, expected)
+    if extra:
+        strip = f"{{k.removeprefix({extra!r}): v for k, v in load_file({str(path)!r}).items()}}"
+        return (
+            f"hint: the file's names all start with {extra!r} (a model saved wrapped: DDP's 'module.', "
+            f"torch.compile's '_orig_mod.'), the model's do not; save them without it once: python -c \"from "
+            f"safetensors.torch import load_file, save_file; save_file({strip}, 'model.safetensors')\""
+        )
+    missing = _prefix(expected, saved)
+    if missing:
+        return (
+            f"hint: the model's names all start with {missing!r}, the file's do not: the factory wraps the model "
+            "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
+        )
+    return ""
+
+
+def _prefix(longer: dict[str, tuple[int, ...]], shorter: dict[str, tuple[int, ...]]) -> str:
+    """The prefix that turns every name of ``shorter`` into ``longer``'s, shapes alike ("" where none does)."""
+    first = next(iter(shorter))
+    for name in longer:
+        if name.endswith(first) and len(name) > len(first):
+            prefix = name[: -len(first)]
+            if {prefix + key: shape for key, shape in shorter.items()} == longer:
+                return prefix
+    return ""
+
+
 def _unreadable(path: Path, exc: Exception) -> ConfigError:
+    if _saved_by_torch(path):  # the commonest mistake: a .pt or .bin file, which safetensors calls a "too large header"
+        return ConfigError(
+            f"--weights {str(path)!r} was written by torch.save (a pickle), not safetensors: it is not read, as "
+            "unpickling runs code\n"
+            'hint: convert it once where you trust it: python -c "import torch; from safetensors.torch import '
+            f"save_file; save_file(torch.load({str(path)!r}), 'model.safetensors')\" (for a file of the model's "
+            "state_dict), then pass --weights model.safetensors"
+        )
     return ConfigError(
         f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
         "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
     )
+
+
+def _saved_by_torch(path: Path) -> bool:
+    """Whether ``path`` starts as torch.save writes: a zip archive (torch >= 1.6), or a bare pickle (older, or
+    ``_use_new_zipfile_serialization=False``)."""
+    try:
+        with path.open("rb") as file:
+            start = file.read(4)
+    except OSError:
+        return False
+    return start.startswith(b"PK\x03\x04") or (len(start) >= 2 and start[0] == 0x80 and 2 <= start[1] <= 5)
