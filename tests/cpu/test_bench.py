@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.bench import benchmark
 from redline.bench import run as bench_run
@@ -81,6 +81,25 @@ def test_every_row_is_measured_against_the_naive_loop():
     auto = result.row("auto cpu b32")
     assert auto.plan["precision"]["value"] == auto.precision and auto.plan["compile"]["value"] is False
     json.dumps(result.to_dict(), allow_nan=False)  # strict JSON: what --json prints
+
+
+class SizedStream(IterableDataset):
+    """A stream that knows its length, as many do: a DataLoader refuses to shuffle it."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for i in range(128):
+            yield torch.randn(16, generator=generator), torch.tensor(i % 4)
+
+    def __len__(self) -> int:
+        return 128
+
+
+def test_a_stream_with_a_length_is_benched_in_its_own_order():
+    task = dataclasses.replace(tiny_task(), train_data=SizedStream())
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    assert [row.error for row in result.rows] == ["", "", ""]
+    assert all(row.samples_per_s > 0 for row in result.rows)
 
 
 @pytest.mark.parametrize(

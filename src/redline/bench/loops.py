@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from redline.bench.matrix import Setting
 from redline.errors import TaskError
@@ -167,4 +167,5 @@ def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:
             f"train_data has {size} samples, fewer than the batch size {batch_size}\nhint: pass a smaller --batch-size"
         )
     order = torch.Generator().manual_seed(seed)
-    return DataLoader(task.train_data, batch_size=batch_size, shuffle=size is not None, drop_last=True, generator=order)
+    shuffle = size is not None and not isinstance(task.train_data, IterableDataset)  # a stream keeps its own order
+    return DataLoader(task.train_data, batch_size=batch_size, shuffle=shuffle, drop_last=True, generator=order)
