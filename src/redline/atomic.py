@@ -86,6 +86,18 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
+def make_parent(path: Path) -> None:
+    """Create ``path``'s directory and those missing above it, as ``redline train --out`` creates its own.
+
+    A file where one of them would be raises NotADirectoryError whose ``filename`` is that file (mkdir
+    itself would say "File exists", which names no culprit).
+    """
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise NotADirectoryError(errno.ENOTDIR, "a file is where a directory would be", str(blocked))
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
 def check_writable(path: Path) -> None:
     """Create and remove a temporary file beside ``path``, as write_atomic does; raise its OSError where that fails.
 

@@ -96,11 +96,21 @@ def test_a_save_probe_path_that_cannot_be_written_is_refused_before_the_probes_r
     monkeypatch.setattr("redline.cli.doctor.take_snapshot", no_probe)
     with pytest.raises(ConfigError, match=r"not a directory\nhint: e\.g\. --save-probe .*probe\.json"):
         doctor_command(save_probe=tmp_path)
-    with pytest.raises(ConfigError, match=r"a directory that exists\nhint: create .*missing first"):
-        doctor_command(save_probe=tmp_path / "missing" / "probe.json")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(
+        ConfigError, match=r"a file you can write\nhint: .*afile is a file, not a directory: pass a path"
+    ):
+        doctor_command(save_probe=tmp_path / "afile" / "probe.json")  # a file where its directory would be
     monkeypatch.setattr("redline.atomic._temporary_beside", read_only)
     with pytest.raises(ConfigError, match=r"a file you can write\nhint: Permission denied: pass a path"):
         doctor_command(save_probe=tmp_path / "probe.json")
+
+
+def test_a_save_probe_path_in_a_missing_directory_creates_it(tmp_path):
+    saved = tmp_path / "reports" / "today" / "probe.json"  # as `train --out` and `bench --html` create theirs
+    result = CliRunner().invoke(app, ["doctor", "--json", "--quick", "--save-probe", str(saved)])
+    assert result.exit_code == 0, result.output
+    assert load_snapshot(saved).quick is True
 
 
 HANGING_CHILD = """

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.atomic import check_writable
+from redline.atomic import check_writable, make_parent
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
@@ -141,15 +141,14 @@ def _check_html(path: Path) -> None:
     require_matplotlib()
     if path.is_dir():
         raise ConfigError(f"--html {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'bench.html'}")
-    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ConfigError(
-            f"--html {str(path)!r} is in {str(blocked)!r}, which is a file, not a directory\n"
-            "hint: pass a file in a directory, or a directory to create"
-        )
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(path)
         check_writable(path)
+    except NotADirectoryError as exc:
+        raise ConfigError(
+            f"--html {str(path)!r} is in {exc.filename!r}, which is a file, not a directory\n"
+            "hint: pass a file in a directory, or a directory to create"
+        ) from None
     except OSError as exc:
         raise ConfigError(
             f"--html {str(path)!r} cannot be written ({exc.strerror or exc})\n"

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from redline.atomic import check_writable
+from redline.atomic import check_writable, make_parent
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import ConfigError, invalid
 from redline.render.console import output_console, print_uncut
@@ -66,9 +66,8 @@ def _check_save_probe(path: Path) -> None:
     """Refuse a snapshot file that could not be written before the probes run, not after them."""
     if path.is_dir():
         raise invalid("--save-probe", str(path), "a file, not a directory", f"e.g. --save-probe {path / 'probe.json'}")
-    if not path.parent.is_dir():
-        raise invalid("--save-probe", str(path), "a file in a directory that exists", f"create {path.parent} first")
     try:
+        make_parent(path)
         check_writable(path)
     except OSError as exc:
         raise _unwritable(path, exc) from exc
@@ -76,6 +75,8 @@ def _check_save_probe(path: Path) -> None:
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
     why = exc.strerror or str(exc)
+    if isinstance(exc, NotADirectoryError) and exc.filename:
+        why = f"{exc.filename} is a file, not a directory"
     return invalid(
         "--save-probe", str(path), "a file you can write", f"{why}: pass a path in a directory you can write to"
     )
