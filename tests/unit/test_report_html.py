@@ -317,7 +317,9 @@ def test_a_file_of_a_run_given_for_the_run_names_its_directory(tmp_path):
 
 def test_writing_where_no_file_can_go_is_a_config_error(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=r"cannot be written to .*\nhint: .*--html FILE"):
+    with pytest.raises(
+        ConfigError, match=r"cannot be written to .* \(.*file is a file, not a directory\)\nhint: .*--html FILE"
+    ):
         write_report(tmp_path / "file" / "such" / "dir.html", "<p></p>")
 
 

@@ -16,7 +16,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from redline.atomic import write_atomic
+from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError
 from redline.render.bench import DIVERGED, diverged, steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
@@ -123,11 +123,12 @@ def write_report(path: str | os.PathLike[str], html: str) -> Path:
         tmp.write_text(html, encoding="utf-8")
 
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(target)
         write_atomic(target, write)
     except OSError as exc:
+        why = f"{exc.filename} is a file, not a directory" if isinstance(exc, NotADirectoryError) else exc.strerror
         raise ConfigError(
-            f"the report cannot be written to {str(target)!r} ({exc.strerror or exc})\n"
+            f"the report cannot be written to {str(target)!r} ({why or exc})\n"
             "hint: write it to a file in a directory you can write to (--html FILE)"
         ) from exc
     return target
