@@ -235,11 +235,27 @@ def test_a_large_big_endian_input_is_converted_batch_by_batch_not_loaded_whole(t
     assert np.array_equal(np.concatenate(emitted), engine.predict(np.ones((10, 3), np.float32)).numpy())
 
 
-def test_a_missing_output_directory_is_refused_before_the_model_loads(tmp_path, spec):
+def test_a_missing_output_directory_is_created_as_train_and_bench_create_theirs(tmp_path, spec):
+    out = tmp_path / "runs" / "today" / "y.npy"
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert np.load(out).shape == (2, 2)
+
+
+def test_an_output_under_a_file_is_refused_before_the_model_loads_and_the_file_kept(tmp_path, spec):
+    (tmp_path / "notes").write_text("mine")
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
-                     "--output", str(tmp_path / "nowhere" / "y.npy"))  # fmt: skip
-    assert isinstance(result.exception, ConfigError)
-    assert "does not exist" in str(result.exception) and "mkdir -p" in str(result.exception)
+                     "--output", str(tmp_path / "notes" / "sub" / "y.npy"))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.output
+    assert f"is in {str(tmp_path / 'notes')!r}, which is a file, not a directory" in str(result.exception)
+    assert (tmp_path / "notes").read_text() == "mine" and "Predicting with" not in result.output
+
+
+def test_a_missing_input_leaves_no_output_directory_made_for_nothing(tmp_path, spec):
+    result = predict(spec, "--input", str(tmp_path / "missing.npy"), "--output", str(tmp_path / "out" / "y.npy"))
+    assert isinstance(result.exception, ConfigError) and "does not exist" in str(result.exception)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_runs(tmp_path, spec, monkeypatch):

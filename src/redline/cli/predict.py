@@ -80,8 +80,8 @@ def predict(
         check_engine_options(
             device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
         )
-    check_output(output_path)
     samples = read_samples(input_path)
+    check_output(output_path)  # after the input: a mistyped --input leaves no directory made for the outputs
     if output_path.exists() and output_path.samefile(input_path):  # a link to it included
         raise ConfigError(
             f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
@@ -115,17 +115,22 @@ def predict(
 
 
 def check_output(path: Path) -> None:
-    """Refuse, before any work, an output path that names a directory or whose directory is missing or unwritable."""
+    """Refuse, before any work, an output path that names a directory, lies under a file or cannot be written.
+
+    A missing directory is created, as `redline train --out` and `redline bench --html` create theirs.
+    """
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
     if is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
         return
-    if not path.parent.is_dir():
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
         raise ConfigError(
-            f"--output {str(path)!r}: its directory {str(path.parent)!r} does not exist\n"
-            f"hint: mkdir -p {path.parent}, or write the outputs elsewhere"
+            f"--output {str(path)!r} is in {str(blocked)!r}, which is a file, not a directory\n"
+            "hint: name a file in a directory, or a directory to create"
         )
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         check_writable(path)
     except OSError as exc:
         raise _unwritable(path, exc) from exc
