@@ -256,6 +256,36 @@ async def test_a_body_over_the_limit_is_refused_by_its_length_and_by_the_bytes_s
     assert page['redline_serve_rejections_total{"reason": "body_too_large"}'] == 2
 
 
+async def test_a_full_batch_over_the_body_limit_is_told_at_start_and_its_413_says_how_many_samples_fit(caplog):
+    engine = FakeEngine(input_shape=(256,), max_batch_size=8)  # 1 KiB a float32 sample, 8.125 KiB a full .npy body
+    caplog.set_level("WARNING", logger="redline")
+    async with running(engine, max_body_mb=0.005) as (client, _):  # 5242 bytes: 4 samples and the header
+        said = [r.getMessage() for r in caplog.records if "--max-body-mb" in r.getMessage()]
+        octet = {"content-type": "application/octet-stream"}
+        four = await client.post("/v1/predict", content=npy(np.ones((4, 256), np.float32)), headers=octet)
+        five = await client.post("/v1/predict", content=npy(np.ones((5, 256), np.float32)), headers=octet)
+    assert len(said) == 1, caplog.text
+    assert said[0].startswith(
+        "a request of --max-batch-size 8 samples of shape (256,) is 0.00793 MiB as a float32 .npy body, more as "
+        "JSON, over --max-body-mb 0.005: it is refused with 413; a request holds at most 4 samples"
+    )
+    assert "hint: --max-body-mb 0.00794 lets a request of 8 samples in, or --max-batch-size 4" in said[0]
+    assert four.status_code == 200 and five.status_code == 413
+    assert "(a float32 .npy body of up to 4 samples fits; as JSON, fewer)" in five.json()["error"]
+
+
+def test_a_body_limit_that_not_even_one_sample_fits_says_no_request_can_pass(caplog):
+    caplog.set_level("WARNING", logger="redline")
+    build_app(FakeEngine(input_shape=(3, 512, 512), max_batch_size=4), ServeOptions(max_batch_size=4, max_body_mb=1))
+    assert "and so is a request of one sample (3 MiB): no request can pass\nhint: --max-body-mb 12.1" in caplog.text
+
+
+def test_a_full_batch_within_the_body_limit_is_not_warned_of(caplog):
+    caplog.set_level("WARNING", logger="redline")
+    build_app(FakeEngine(input_shape=(3, 224, 224), max_batch_size=8), ServeOptions(max_batch_size=8))  # 4.6 MiB
+    assert "--max-body-mb" not in caplog.text
+
+
 async def test_a_token_is_required_and_compared_when_token_env_is_set(monkeypatch):
     monkeypatch.setenv("REDLINE_TEST_TOKEN", "s3cret\n")  # as read from a secret file, newline and all
     async with running(FakeEngine(), token_env="REDLINE_TEST_TOKEN") as (client, _):

@@ -17,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import io
+import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,6 +38,8 @@ from redline.serve.metrics import ServeMetrics
 from redline.serve.openapi import openapi_document
 from redline.serve.options import ServeOptions
 from redline.serve.refused import Refused
+
+log = logging.getLogger("redline")
 
 JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON (as .npy where it starts as one)
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
@@ -69,6 +75,9 @@ class Serving:
         self.options = options
         self.token = options.token()
         self.spec = InputSpec(tuple(engine.input_shape), engine.servable.input_dtype, options.max_batch_size)
+        self.fits_in_body = samples_in_body(self.spec, options)
+        if (note := body_limit_note(self.spec, options)) is not None:
+            log.warning("%s", note)
         self.metrics = ServeMetrics(options.max_batch_size)
         self.dispatcher = Dispatcher(engine, options, self.metrics)
         self.draining = False
@@ -102,8 +111,13 @@ class Serving:
     async def read_body(self, request: Request) -> bytes:
         """Return the body, refusing (413) one over the limit by its Content-Length or by the bytes streamed."""
         limit = self.options.max_body_bytes
+        fits, dtype = "", npy_dtype(self.spec)
+        if self.fits_in_body == 0:
+            fits = f" (a {dtype} .npy body of one sample is larger: this server can answer no request)"
+        elif self.fits_in_body < self.options.max_batch_size:  # a request of max_batch_size samples is refused too
+            fits = f" (a {dtype} .npy body of up to {self.fits_in_body} samples fits; as JSON, fewer)"
         too_large = Refused(
-            413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB"
+            413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB{fits}"
         )
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -228,6 +242,64 @@ class Serving:
     async def openapi_page(self, request: Request) -> Response:
         """GET /openapi.json: the OpenAPI 3 document."""
         return Response(self.openapi, media_type="application/json")
+
+
+def npy_dtype(spec: InputSpec) -> str:
+    """The dtype of a .npy body of ``spec``'s samples: its own, float32 for bfloat16 (which .npy lacks)."""
+    return "float32" if spec.dtype == "bfloat16" else spec.dtype
+
+
+def npy_bytes(samples: int, spec: InputSpec) -> int:
+    """The size of a .npy body of ``samples`` samples in ``npy_dtype(spec)``."""
+    dtype = np.dtype(npy_dtype(spec))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (samples, *spec.shape)}
+    )
+    return len(header.getvalue()) + samples * math.prod(spec.shape) * dtype.itemsize
+
+
+def samples_in_body(spec: InputSpec, options: ServeOptions) -> int:
+    """The most samples (up to max_batch_size) a .npy body within max_body_mb holds, in ``spec``'s dtype."""
+    full, sample = npy_bytes(options.max_batch_size, spec), npy_bytes(1, spec) - npy_bytes(0, spec)
+    if full <= options.max_body_bytes:
+        return options.max_batch_size
+    header = full - options.max_batch_size * sample  # that of fewer samples is no longer
+    return max(options.max_body_bytes - header, 0) // sample
+
+
+def body_limit_note(spec: InputSpec, options: ServeOptions) -> str | None:
+    """Why a request of max_batch_size samples cannot pass the body limit (always a 413), or None where it can.
+
+    A smaller request still can, and several of them still make one batch of up to max_batch_size.
+    """
+    full, fits = npy_bytes(options.max_batch_size, spec), samples_in_body(spec, options)
+    if fits >= options.max_batch_size:
+        return None
+    dtype = npy_dtype(spec)
+    shape = ", ".join(map(str, spec.shape)) + "," * (len(spec.shape) == 1)
+    said = (
+        f"a request of --max-batch-size {options.max_batch_size} samples of shape ({shape}) is {_mib(full)} MiB as a "
+        f"{dtype} .npy body, more as JSON, over --max-body-mb {options.max_body_mb:g}: it is refused with 413"
+    )
+    raise_to = f"--max-body-mb {_mib(full, up=True)} lets a request of {options.max_batch_size} samples in"
+    if fits == 0:
+        one = _mib(npy_bytes(1, spec))
+        return f"{said}, and so is a request of one sample ({one} MiB): no request can pass\nhint: {raise_to}"
+    return (
+        f"{said}; a request holds at most {fits} samples (fewer as JSON), and batches of up to "
+        f"{options.max_batch_size} form from several requests\nhint: {raise_to}, or --max-batch-size {fits} refuses "
+        "a larger request with 422, which names the limit"
+    )
+
+
+def _mib(size: int, *, up: bool = False) -> str:
+    """``size`` bytes in MiB, to three significant digits; ``up``: rounded up, a limit that lets it in."""
+    mib = size / 2**20
+    if not up:
+        return f"{mib:.3g}"
+    step = 10.0 ** (math.floor(math.log10(mib)) - 2)
+    return f"{math.ceil(mib / step) * step:.3g}"
 
 
 def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
