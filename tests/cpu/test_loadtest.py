@@ -212,6 +212,14 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
     cases = [
         ({"rate": 5, "concurrency": 2}, "concurrency=2 is not allowed; expected no concurrency beside rate=5:"),
         ({"rate": -1}, "rate=-1"),
+        # settings of open loop alone, which closed loop would ignore without a word
+        (
+            {"concurrency": 2, "arrivals": "poisson"},
+            "arrivals='poisson' is not allowed; expected nothing beside concurrency=2: the workers send back to back",
+        ),
+        ({"concurrency": 2, "seed": 3}, "seed=3 is not allowed; expected nothing beside concurrency=2"),
+        ({"concurrency": 2, "max_in_flight": 4}, "max_in_flight=4 .*: the concurrency is the most requests in flight"),
+        ({"concurrency": 2, "max_send_lag_ms": 50}, "max_send_lag_ms=50 is not allowed; expected nothing beside"),
         ({"concurrency": 0}, "concurrency=0"),
         ({"rate": 5, "duration": 0}, "duration=0"),
         ({"rate": 5, "payload": tmp_path / "body.txt"}, "expected a .json or .npy file"),
@@ -266,6 +274,10 @@ def test_cli_json_round_trip_and_table(server):
     [(["--rate", "5", "--concurrency", "2"], "error: --concurrency=2 is not allowed; expected no concurrency beside "
                                              "--rate 5: one of the two\nhint: keep --rate R for latency"),
      (["--rate", "0"], "error: --rate=0.0 is not allowed"),
+     (["--concurrency", "4", "--arrivals", "poisson"], "error: --arrivals='poisson' is not allowed; expected nothing "
+                                                       "beside --concurrency 4: the workers send back to back, on no "
+                                                       "schedule\nhint: drop it for closed loop (peak throughput), or "
+                                                       "give --rate R instead of a concurrency"),
      (["--payload", "body.txt"], "error: --payload='body.txt' is not allowed; expected a .json or .npy file"),
      (["--payload", "missing.json"], "error: --payload='missing.json' is not allowed; expected a readable .json or "
                                      ".npy file\nhint: it cannot be read (No such file or directory)")],

@@ -35,6 +35,13 @@ STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
 # Requests one run may schedule: every one is kept (its send time, then its record), and one client process sends
 # a few thousand a second; a rate with a few zeros too many would fill the memory before the first request.
 MAX_REQUESTS = 10_000_000
+# What each open-loop setting does, said when one is given beside a concurrency, where it would be ignored.
+OPEN_LOOP_ONLY = {
+    "arrivals": "the workers send back to back, on no schedule",
+    "seed": "it seeds the poisson arrivals of open loop",
+    "max_in_flight": "the concurrency is the most requests in flight",
+    "max_send_lag_ms": "the workers follow no schedule to lag behind",
+}
 MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
 SAID_CHARS = 200  # of an answer's body quoted in a note
 
@@ -70,6 +77,7 @@ class LoadOptions:
             )  # fmt: skip
         positive_number("rate", self.rate, optional=True)
         positive_int("concurrency", self.concurrency, optional=True)
+        self._check_open_loop_only()
         positive_number("duration", self.duration_s)
         non_negative_number("warmup", self.warmup_s, "a finite number of seconds >= 0")
         positive_number("timeout", self.timeout_s)
@@ -89,6 +97,20 @@ class LoadOptions:
             raise invalid("method", self.method, "an HTTP method such as GET or POST")
         object.__setattr__(self, "headers", tuple(self.headers))
         parse_headers(self.headers)
+
+    def _check_open_loop_only(self) -> None:
+        """Refuse, beside a concurrency, a setting that shapes open loop alone: taken without a word, it would be
+        ignored, and the run would not be the one asked for (poisson arrivals, say)."""
+        if self.concurrency is None:
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, why in OPEN_LOOP_ONLY.items():
+            if getattr(self, name) != defaults[name]:
+                raise invalid(
+                    name, getattr(self, name), f"nothing beside concurrency={self.concurrency}: {why}",
+                    "drop it for closed loop (peak throughput), or give rate=R instead of a concurrency for open "
+                    "loop (latency)",
+                )  # fmt: skip
 
     @property
     def mode(self) -> Mode:
