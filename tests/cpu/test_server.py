@@ -82,6 +82,26 @@ async def test_a_full_queue_answers_503_with_retry_after_and_the_accepted_reques
     assert [a.json()["outputs"] for a in accepted] == [[[2.0 * i] * 3] for i in (1, 2, 3)]
 
 
+async def test_stopping_at_once_answers_the_running_and_queued_requests_503_and_waits_for_no_batch():
+    engine = FakeEngine()
+    engine.gate.clear()  # the model holds its batch, as a slow one would, past the shutdown
+    try:
+        async with running(engine, max_batch_size=1) as (client, serving):
+            sent = await fill_the_queue(client, engine, serving, waiting=2)
+            assert serving.abandon() == 3, "one in the model, two queued"
+            answers = [await asyncio.wait_for(task, 5) for task in sent]
+            closing = time.monotonic()
+        closed_in = time.monotonic() - closing  # the app's shutdown: the worker, stopped without the batch's end
+        page = metrics(serving.metrics.render().decode())
+    finally:
+        engine.gate.set()
+    assert [a.status_code for a in answers] == [503, 503, 503]
+    assert {a.json()["reason"] for a in answers} == {"shutting_down"}
+    assert "stopped at once (a second Ctrl-C) before this request was answered" in answers[0].json()["error"]
+    assert closed_in < 5, f"the shutdown waited {closed_in:.1f} s for the batch held in the model"
+    assert page['redline_serve_requests_total{"status": "503"}'] == 3
+
+
 async def test_requests_that_timed_out_in_the_queue_do_not_count_toward_a_full_queue():
     engine = FakeEngine()
     engine.gate.clear()  # the model holds its first batch past every deadline
@@ -442,3 +462,78 @@ def test_redline_serve_answers_and_on_sigterm_finishes_its_queued_request_then_e
     assert result["status"] == 200 and len(result["body"]["outputs"][0]) == 10  # ten digit scores
     assert process.returncode == 0, err
     assert "stopped: every accepted request was answered" in out
+
+
+SLOW_AFTER_WARM_UP = """
+import time
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 3:  # past the warm-up of the buckets 1, 2 and 4
+            time.sleep(3)
+        return self.linear(x)
+
+
+def make():
+    return Servable(model=Slow(), input_shape=(3,))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_answers_the_waiting_requests_503_and_exits_130_saying_so(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW_AFTER_WARM_UP)
+    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'slow.py'}:make", "--port", "0",
+               "--device", "cpu", "--measure", "off", "--compile", "off", "--max-batch-size", "4"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # a process started in the background ignores SIGINT unless told otherwise
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    answers = []
+
+    def send():
+        body = json.dumps({"inputs": [1, 2, 3]}).encode()
+        request = urllib.request.Request(url + "/v1/predict", data=body, headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=30)
+        except urllib.error.HTTPError as refused:
+            answers.append((refused.code, json.loads(refused.read())))
+
+    try:
+        url = next((line.split()[2] for line in process.stdout if line.startswith("listening on ")), None)
+        assert url, process.stderr.read()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/readyz", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None, "the server never became ready"
+                time.sleep(0.2)
+        senders = [threading.Thread(target=send) for _ in range(3)]
+        for sender in senders:
+            sender.start()
+        time.sleep(0.5)  # one batch in the model (3 s), the others queued behind it
+        process.send_signal(signal.SIGINT)  # a graceful stop: it would answer them all
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)  # stop now
+        out, err = process.communicate(timeout=60)
+        for sender in senders:
+            sender.join(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert [status for status, _ in answers] == [503, 503, 503], (answers, err)
+    assert {body["reason"] for _, body in answers} == {"shutting_down"}
+    assert process.returncode == 130, err
+    assert err.startswith("error: stopped at once by a second Ctrl-C: 3 requests queued or in the model were "
+                          "answered 503 without their outputs\nhint: stop the server with one Ctrl-C"), err  # fmt: skip
+    assert "Traceback" not in err and "stopped: every accepted request was answered" not in out

@@ -6,9 +6,10 @@
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
 and answers ``{"outputs": [...]}``; ``/livez``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` with its status:
-401 token, 408 a body still arriving at the deadline, 413 body size, 400/415/422 input, 503 full queue or
-not ready, 504 deadline, 500 model (or redline), 499 (counted, never read) a client that hung up before its
-answer, and off the routes 404 (no such path: the endpoints listed) and 405 (a method the path does not take).
+401 token, 408 a body still arriving at the deadline, 413 body size, 400/415/422 input, 503 full queue,
+not ready or stopped at once, 504 deadline, 500 model (or redline), 499 (counted, never read) a client that
+hung up before its answer, and off the routes 404 (no such path: the endpoints listed) and 405 (a method the
+path does not take).
 The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
 """
 
@@ -90,6 +91,16 @@ class Serving:
     def begin_drain(self) -> None:
         """Turn /readyz to 503 (shutdown began); requests already here are still answered."""
         self.draining = True
+
+    def abandon(self) -> int:
+        """Stop now (a second Ctrl-C): answer every request queued or in the model 503, and return how many."""
+        self.draining = True
+        return self.dispatcher.abandon(
+            Refused(
+                503, "shutting_down",
+                "the server was stopped at once (a second Ctrl-C) before this request was answered: send it again",
+            )
+        )  # fmt: skip
 
     def unusable(self) -> str | None:
         """Why the model cannot run any more (a sticky device error, a failed warm-up), or None."""

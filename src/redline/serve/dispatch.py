@@ -12,6 +12,7 @@ passed, or a 500 when the model raised on it (``model_error``; ``internal_error`
 code did, its traceback logged): a failed batch of several requests is run again one request at
 a time, so that only the request the model cannot take fails. The worker then goes on.
 A full queue refuses at once with 503 and Retry-After: whatever was accepted is answered.
+Stopped at once (``abandon``: a second Ctrl-C), it answers 503 to what is queued or running, and waits for none.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Dispatcher:
         self._task: asyncio.Task[None] | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._stop_warm_up = threading.Event()  # set by close: a warm-up in progress ends before its next bucket
+        self._running: list[Queued] = []  # the batch in the model now
+        self._abandoned = False
 
     @property
     def queued(self) -> int:
@@ -89,20 +92,38 @@ class Dispatcher:
         After ``close`` it may start again (an app's lifespan entered anew, as tests do).
         """
         self._closing = False
+        self._abandoned = False
         self._wakeup = asyncio.Event()
         self._stop_warm_up = threading.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
         self._task = asyncio.get_running_loop().create_task(self._work(), name="redline-serve-worker")
 
     async def close(self) -> None:
-        """Answer what is queued, then stop the worker and its thread; a warm-up still running stops early."""
+        """Answer what is queued, then stop the worker and its thread; a warm-up still running stops early.
+
+        After ``abandon`` nothing is waited for: the worker stops at once (a batch in the model runs to its end).
+        """
         self._closing = True
         self._stop_warm_up.set()
         self._wakeup.set()
-        if self._task is not None:
+        if self._task is not None and self._abandoned:
+            self._task.cancel()
+            await asyncio.wait({self._task})  # its cancellation is not raised here
+        elif self._task is not None:
             await self._task
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=not self._abandoned)
+
+    def abandon(self, refused: Refused) -> int:
+        """Refuse every request queued or in the model with ``refused`` (the server is stopping now); return how
+        many were. ``close`` then stops the worker without waiting for them."""
+        self._abandoned = True
+        waiting = [q for q in [*self._queue, *self._running] if not q.future.done()]
+        for queued in waiting:
+            _settle(queued.future, exception=refused)
+        self._queue.clear()
+        self.metrics.queued.set(0)
+        return len(waiting)
 
     async def submit(self, inputs: torch.Tensor, *, arrived: float) -> list[Any]:
         """Queue ``inputs`` (a batch) and return its outputs, one per sample; raise Refused for 500, 503 or 504."""
@@ -199,9 +220,11 @@ class Dispatcher:
             self.metrics.queue_seconds.observe(started - queued.arrived)
         self.metrics.batch_samples.observe(sum(q.samples for q in batch))
         self.metrics.batch_requests.observe(len(batch))
+        self._running = batch
         try:
             await self._answer(batch)
         finally:
+            self._running = []
             self.metrics.compute_seconds.observe(self.clock() - started)
 
     async def _answer(self, batch: list[Queued]) -> None:

@@ -37,7 +37,11 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
             "The model raised on this request (model_error), or redline's own code failed (internal_error); "
             "the server goes on."
         ),
-        "503": _error("The queue is full (Retry-After says when to retry), or the model is not ready.", retry=True),
+        "503": _error(
+            "The queue is full (Retry-After says when to retry), the model is not ready, or the server was stopped "
+            "at once before answering.",
+            retry=True,
+        ),
         "504": _error("No answer within the server's timeout (--timeout-ms) of the request's arrival."),
     }
     secured = {"401": _error("The bearer token is missing or wrong.")} if token else {}

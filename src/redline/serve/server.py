@@ -17,18 +17,20 @@ the digits CNN on a 2-core machine (108-116 ms to 47-51 ms, two runs each, reque
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import gc
 import math
 import signal
 import socket
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from redline.errors import RedlineError, refuse_inside_event_loop, user_line
+from redline.errors import RedlineError, StoppedBySignal, refuse_inside_event_loop, user_line
 from redline.runtime.contract import blames_user_code
 from redline.runtime.oom import is_oom
 from redline.serve.app import build_app
@@ -46,9 +48,11 @@ class ServerFailed(RedlineError):
 class _Server(uvicorn.Server):
     """uvicorn's server, telling the app that shutdown began, and exiting cleanly after a graceful stop."""
 
-    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None], on_force: Callable[[], int]) -> None:
         super().__init__(config)
         self._on_stop = on_stop
+        self._on_force = on_force
+        self.abandoned = 0  # requests answered 503 unrun, when a second Ctrl-C stopped the server at once
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's own handler would raise the signal again after the graceful stop, ending the process
@@ -58,7 +62,20 @@ class _Server(uvicorn.Server):
             self.force_exit = True  # a second Ctrl-C: stop waiting
         self.should_exit = True
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn stops waiting for the requests and skips the app's shutdown: its lifespan and the handlers
+            # still waiting would end cancelled, each client getting a bare 500 and the log a traceback. Each is
+            # answered 503 instead, and the app shut down without waiting for the model.
+            self.abandoned = self._on_force()
+            deadline = time.monotonic() + FORCED_ANSWERS_S
+            while self.server_state.tasks and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await self.lifespan.shutdown()
 
+
+FORCED_ANSWERS_S = 1.0  # after a second Ctrl-C, the longest the 503 answers are given to go out
 BACKLOG = 2048  # connections the kernel holds for uvicorn to accept
 
 
@@ -134,7 +151,7 @@ def serve(
         app, loop="auto", http="auto", lifespan="on", access_log=False, log_level="warning",
         timeout_graceful_shutdown=math.ceil(options.timeout_ms / 1000 + GRACE_MARGIN_S),
     )  # fmt: skip
-    server = _Server(config, serving.begin_drain)
+    server = _Server(config, serving.begin_drain, serving.abandon)
 
     def failed(reason: str) -> None:
         server.should_exit = True
@@ -155,6 +172,13 @@ def serve(
     if serving.dispatcher.failed is not None:
         raise ServerFailed(stopped_by(serving.dispatcher.failed, serving.dispatcher.error, engine, options)) from (
             serving.dispatcher.error
+        )
+    if server.abandoned:
+        raise StoppedBySignal(
+            signal.SIGINT,
+            f"stopped at once by a second Ctrl-C: {server.abandoned} request{'s' * (server.abandoned != 1)} queued or "
+            "in the model were answered 503 without their outputs\nhint: stop the server with one Ctrl-C or SIGTERM "
+            "to answer every accepted request first",
         )
 
 
