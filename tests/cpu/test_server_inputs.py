@@ -366,3 +366,18 @@ def test_a_batch_wait_as_long_as_the_request_timeout_is_refused_as_it_would_neve
         "--max-wait-ms=50.0 is not allowed; expected less than --timeout-ms 20\nhint: a batch runs before its first "
         "request's deadline, so it would never wait for more requests: e.g. --max-wait-ms 5"
     )
+
+
+async def test_the_document_states_the_servers_limits_and_every_content_type_it_reads():
+    async with running(FakeEngine(), max_body_mb=2, timeout_ms=1500) as (client, _):
+        document = (await client.get("/openapi.json")).json()
+        predict = document["paths"]["/v1/predict"]["post"]
+        octet = predict["requestBody"]["content"]["application/octet-stream"]["description"]
+        x_npy = await client.post(
+            "/v1/predict", content=npy(np.ones((2, 3), np.float32)), headers={"content-type": "application/x-npy"}
+        )
+    assert "read alike as application/x-npy, or without a Content-Type" in octet and x_npy.status_code == 200
+    assert predict["requestBody"]["description"] == "At most 2 MiB (--max-body-mb)."
+    said = {status: answer["description"] for status, answer in predict["responses"].items()}
+    assert "limit, 2 MiB (--max-body-mb)" in said["413"]
+    assert "timeout, 1500 ms (--timeout-ms)" in said["504"] and "timeout, 1500 ms (--timeout-ms)" in said["408"]

@@ -85,7 +85,8 @@ class Serving:
         servable = engine.servable
         self.openapi = orjson.dumps(
             openapi_document(self.spec, name=servable.name, token=self.token is not None,
-                             description=str(servable.extra.get("description", "")))
+                             description=str(servable.extra.get("description", "")),
+                             max_body_mb=options.max_body_mb, timeout_ms=options.timeout_ms)
         )  # fmt: skip
 
     def begin_drain(self) -> None:

@@ -18,8 +18,21 @@ ERRORS = (
 )
 
 
-def openapi_document(spec: InputSpec, *, name: str, token: bool, description: str = "") -> dict[str, Any]:
-    """Return the OpenAPI 3.0 document of a server for a model taking ``spec``'s inputs (``token``: bearer auth)."""
+def openapi_document(
+    spec: InputSpec,
+    *,
+    name: str,
+    token: bool,
+    description: str = "",
+    max_body_mb: float | None = None,
+    timeout_ms: float | None = None,
+) -> dict[str, Any]:
+    """Return the OpenAPI 3.0 document of a server for a model taking ``spec``'s inputs (``token``: bearer auth).
+
+    ``max_body_mb`` and ``timeout_ms``, when given, are the server's limits, stated where they refuse.
+    """
+    body_limit = f"{max_body_mb:g} MiB (--max-body-mb)" if max_body_mb is not None else "(--max-body-mb)"
+    timeout = f"{timeout_ms:g} ms (--timeout-ms)" if timeout_ms is not None else "(--timeout-ms)"
     sample = sample_schema(spec)
     inputs = {
         "oneOf": [sample, {"type": "array", "items": sample, "minItems": 1, "maxItems": spec.max_batch_size}],
@@ -27,8 +40,8 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
     }
     predict_errors = {
         "400": _error("The body is not valid JSON, or not a .npy array."),
-        "408": _error("The body was still arriving --timeout-ms after the request began."),
-        "413": _error("The body is larger than the server's limit (--max-body-mb)."),
+        "408": _error(f"The body was still arriving at the server's timeout, {timeout}, after the request began."),
+        "413": _error(f"The body is larger than the server's limit, {body_limit}."),
         "415": _error(
             "The Content-Type is neither application/json nor application/octet-stream, or the body is compressed."
         ),
@@ -42,7 +55,7 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
             "at once before answering.",
             retry=True,
         ),
-        "504": _error("No answer within the server's timeout (--timeout-ms) of the request's arrival."),
+        "504": _error(f"No answer within the server's timeout, {timeout}, of the request's arrival."),
     }
     secured = {"401": _error("The bearer token is missing or wrong.")} if token else {}
     predict: dict[str, Any] = {
@@ -56,9 +69,13 @@ def openapi_document(spec: InputSpec, *, name: str, token: bool, description: st
                 },
                 "application/octet-stream": {
                     "schema": {"type": "string", "format": "binary"},
-                    "description": f"A .npy array (numpy.save) of shape {_shape(spec)}, or of one sample.",
+                    "description": (
+                        f"A .npy array (numpy.save) of shape {_shape(spec)}, or of one sample; read alike as "
+                        "application/x-npy, or without a Content-Type."
+                    ),
                 },
             },
+            **({"description": f"At most {body_limit}."} if max_body_mb is not None else {}),
         },
         "responses": {
             "200": {
