@@ -72,7 +72,9 @@ class _Server(uvicorn.Server):
             deadline = time.monotonic() + FORCED_ANSWERS_S
             while self.server_state.tasks and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            await self.lifespan.shutdown()
+            shut_down = getattr(self.lifespan, "shutdown_event", None)  # set: forced while it shut down already
+            if shut_down is None or not shut_down.is_set():
+                await self.lifespan.shutdown()
 
 
 FORCED_ANSWERS_S = 1.0  # after a second Ctrl-C, the longest the 503 answers are given to go out
