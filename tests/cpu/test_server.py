@@ -28,6 +28,7 @@ from redline.errors import RedlineError
 from redline.serve import dispatch as dispatch_module
 from redline.serve import engine as engine_module
 from redline.serve import server as server_module
+from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
 from redline.serve.servable import Servable
@@ -52,6 +53,20 @@ async def test_concurrent_requests_run_together_in_one_thread_of_the_models_own(
     assert len(engine.threads) == 1 and threading.main_thread().name not in engine.threads
     assert page['redline_serve_requests_total{"status": "200"}'] == 8
     assert page["redline_serve_latency_seconds_count{}"] == page["redline_serve_queue_seconds_count{}"] == 8
+
+
+@pytest.mark.parametrize(("timeout_ms", "slowest_s"), [(10_000, 10.5), (90_000, 95.0), (4_000_000, 4_200.0)])
+def test_the_time_histograms_have_a_bucket_for_every_answer_up_to_the_deadline(timeout_ms, slowest_s):
+    serving = build_app(FakeEngine(), ServeOptions(max_batch_size=8, timeout_ms=timeout_ms)).state.serving
+    for histogram in (serving.metrics.latency_seconds, serving.metrics.queue_seconds):
+        histogram.observe(slowest_s)  # a 504 goes out a little after the deadline
+    page = metrics(serving.metrics.render().decode())
+    for name in ("redline_serve_latency_seconds", "redline_serve_queue_seconds"):
+        finite = sorted(float(key.split('"le": "')[1].split('"')[0]) for key in page
+                        if key.startswith(name + "_bucket") and '"+Inf"' not in key)  # fmt: skip
+        # Counted in +Inf alone, histogram_quantile would give the last finite bound as its p99: 30 s for minutes
+        assert finite[-1] >= slowest_s and page[f'{name}_bucket{{"le": "{finite[-1]}"}}'] == 1
+    assert finite[:15] == [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 
 
 async def test_refusals_that_never_reached_the_queue_stay_out_of_the_latency_histogram():

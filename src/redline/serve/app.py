@@ -79,7 +79,7 @@ class Serving:
         self.fits_in_body = samples_in_body(self.spec, options)
         if (note := body_limit_note(self.spec, options)) is not None:
             log.warning("%s", note)
-        self.metrics = ServeMetrics(options.max_batch_size)
+        self.metrics = ServeMetrics(options.max_batch_size, timeout_s=options.timeout_ms / 1000)
         self.dispatcher = Dispatcher(engine, options, self.metrics)
         self.draining = False
         servable = engine.servable
