@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -12,6 +13,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from redline.cli import predict as predict_module
@@ -738,3 +740,13 @@ def test_a_tasks_integer_inputs_of_a_dtype_the_server_lacks_are_served_as_int64_
                      "--output", str(out), "--precision", "fp32", "--compile", "off")  # fmt: skip
     assert result.exit_code == 0, result.output  # as float32, the Embedding fails in the warm-up
     assert np.load(out).shape == (3, 8)
+
+
+def test_the_progress_bar_says_how_long_is_left_not_only_how_long_it_ran(tmp_path, spec, monkeypatch):
+    terminal = io.StringIO()
+    shown_on = Console(file=terminal, force_terminal=True, width=100)  # a terminal, where the bar shows
+    monkeypatch.setattr(predict_module, "Console", lambda stderr: shown_on)
+    engine = InferenceEngine(load_servable(spec), device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    predict_module.run_batches(engine, np.zeros((40, 3), np.float32), 4, "--input", "check", lambda outputs: None)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue())  # the terminal's colours and cursor moves
+    assert re.search(r"40/40 \d+:\d\d:\d\d left \d+:\d\d:\d\d", shown), shown

@@ -24,7 +24,7 @@ from typing import Annotated, BinaryIO
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from redline.atomic import check_writable, is_stream, write_atomic
 from redline.cli.options import (
@@ -224,9 +224,9 @@ def run_batches(
     The model raising on a batch is an InferenceError naming its rows of ``source`` (the input), with ``hint``.
     """
     shape: tuple[int, ...] | None = None  # of one sample's output: every batch's must be the first's
-    bar = Progress(
-        TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=Console(stderr=True), transient=True,
+    bar = Progress(  # a file that takes hours says how long is left, not only how long it ran
+        TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
+        TimeRemainingColumn(), console=Console(stderr=True), transient=True,
     )  # fmt: skip
     started = time.perf_counter()
     with bar:
