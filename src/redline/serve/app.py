@@ -97,7 +97,7 @@ class Serving:
         """Stop now (a second Ctrl-C): answer every request queued or in the model 503, and return how many."""
         self.draining = True
         return self.dispatcher.abandon(
-            Refused(
+            lambda: Refused(
                 503, "shutting_down",
                 "the server was stopped at once (a second Ctrl-C) before this request was answered: send it again",
             )

@@ -79,7 +79,7 @@ class Dispatcher:
         self._thread: ThreadPoolExecutor | None = None
         self._stop_warm_up = threading.Event()  # set by close: a warm-up in progress ends before its next bucket
         self._running: list[Queued] = []  # the batch in the model now
-        self._abandoned = False
+        self._abandoned: Callable[[], Refused] | None = None  # makes each request's answer once stopped at once
 
     @property
     def queued(self) -> int:
@@ -92,7 +92,7 @@ class Dispatcher:
         After ``close`` it may start again (an app's lifespan entered anew, as tests do).
         """
         self._closing = False
-        self._abandoned = False
+        self._abandoned = None
         self._wakeup = asyncio.Event()
         self._stop_warm_up = threading.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
@@ -106,21 +106,21 @@ class Dispatcher:
         self._closing = True
         self._stop_warm_up.set()
         self._wakeup.set()
-        if self._task is not None and self._abandoned:
+        if self._task is not None and self._abandoned is not None:
             self._task.cancel()
             await asyncio.wait({self._task})  # its cancellation is not raised here
         elif self._task is not None:
             await self._task
         if self._thread is not None:
-            self._thread.shutdown(wait=not self._abandoned)
+            self._thread.shutdown(wait=self._abandoned is None)
 
-    def abandon(self, refused: Refused) -> int:
-        """Refuse every request queued or in the model with ``refused`` (the server is stopping now); return how
-        many were. ``close`` then stops the worker without waiting for them."""
-        self._abandoned = True
+    def abandon(self, refused: Callable[[], Refused]) -> int:
+        """Refuse every request queued or in the model, and any that comes after, with a ``refused()`` of its own
+        (the server is stopping now); return how many were waiting. ``close`` then waits for none of them."""
+        self._abandoned = refused
         waiting = [q for q in [*self._queue, *self._running] if not q.future.done()]
         for queued in waiting:
-            _settle(queued.future, exception=refused)
+            _settle(queued.future, exception=refused())
         self._queue.clear()
         self.metrics.queued.set(0)
         return len(waiting)
@@ -129,6 +129,8 @@ class Dispatcher:
         """Queue ``inputs`` (a batch) and return its outputs, one per sample; raise Refused for 500, 503 or 504."""
         if self.failed is not None:
             raise Refused(503, "not_ready", f"the model cannot run: {self.failed}")
+        if self._abandoned is not None:  # a request that came on an open connection after the stop
+            raise self._abandoned()
         if len(self._queue) >= self.options.queue_size:
             self._drop_gone()  # the timed out and the abandoned do not count toward a full queue
         if len(self._queue) >= self.options.queue_size:
