@@ -622,7 +622,8 @@ def test_outputs_go_to_disk_batch_by_batch_not_held_whole(tmp_path):
     assert written.shape == (131_072, 64) and np.array_equal(written, np.load(big, mmap_mode="r"))
 
 
-def test_sigterm_while_predicting_exits_143_and_leaves_no_temporary_file(tmp_path):
+@pytest.mark.parametrize(("signum", "said", "code"), [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGINT, "Ctrl-C", 130)])
+def test_sigterm_or_ctrl_c_while_predicting_says_so_and_leaves_no_temporary_file(tmp_path, signum, said, code):
     started = tmp_path / "started"
     (tmp_path / "slow.py").write_text(
         "import pathlib\nimport time\n\nfrom torch import nn\nfrom redline.serve.servable import Servable\n\n\n"
@@ -638,15 +639,16 @@ def test_sigterm_while_predicting_exits_143_and_leaves_no_temporary_file(tmp_pat
          samples(tmp_path, np.ones((400, 3), np.float32)), "--output", str(out / "y.npy"), "--batch-size", "4",
          "--measure", "off", "--compile", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal, not a background job
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while not started.exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert started.exists(), "the batches never began"
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(signum)
     _, err = run.communicate(timeout=60)
-    assert run.returncode == 143, err
-    assert "stopped by SIGTERM while predicting: --output was not written" in err and "Traceback" not in err
+    assert run.returncode == code, err
+    assert f"error: stopped by {said} while predicting: --output was not written" in err and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == ["y.npy"], "the temporary file of the outputs was left"
     assert (out / "y.npy").read_bytes() == b"an older result"
 

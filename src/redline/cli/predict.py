@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,7 +104,7 @@ def predict(
     console = output_console()
     print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
     source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
-    with stopped_by_sigterm():  # the temporary file of the outputs goes with the run
+    with stopped_by_signal():  # the temporary file of the outputs goes with the run
         seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size,
                                                                                     source, hint, emit))  # fmt: skip
     rate = len(samples) / seconds if seconds > 0 else float("inf")
@@ -360,24 +361,26 @@ class NpyWriter:
 
 
 @contextlib.contextmanager
-def stopped_by_sigterm() -> Iterator[None]:
-    """Turn SIGTERM (a scheduler's, timeout(1)'s) into StoppedBySignal inside: Python's own default ends the
-    process at once, leaving the temporary file of the outputs written so far beside ``--output``."""
+def stopped_by_signal() -> Iterator[None]:
+    """Turn SIGTERM (a scheduler's, timeout(1)'s) and Ctrl-C into StoppedBySignal inside, saying that --output was
+    not written: Python's own default for SIGTERM ends the process at once, leaving the temporary file of the
+    outputs written so far beside ``--output``, and its KeyboardInterrupt ends it without a word."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        raise StoppedBySignal(
-            signum, "stopped by SIGTERM while predicting: --output was not written (a file there is kept)"
-        )
+        raise StoppedBySignal(signum, f"stopped by SIGTERM while predicting: {NOT_WRITTEN}")
 
-    try:
-        previous = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: signals are not ours to take
-        yield
-        return
+    taken = threading.current_thread() is threading.main_thread()  # elsewhere, signals are not ours to take
+    previous = signal.signal(signal.SIGTERM, stop) if taken else None
     try:
         yield
+    except KeyboardInterrupt:  # the temporary file went with the write it interrupted
+        raise StoppedBySignal(signal.SIGINT, f"stopped by Ctrl-C while predicting: {NOT_WRITTEN}") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if taken:
+            signal.signal(signal.SIGTERM, previous)
+
+
+NOT_WRITTEN = "--output was not written (a file there is kept)"
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
