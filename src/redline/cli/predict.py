@@ -27,7 +27,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from redline.atomic import check_writable, is_stream, write_atomic
+from redline.atomic import check_writable, is_stream, make_parent, write_atomic
 from redline.cli.options import (
     ENGINE_FLAGS,
     EngineCompile,
@@ -124,15 +124,14 @@ def check_output(path: Path) -> None:
         raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
     if is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
         return
-    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ConfigError(
-            f"--output {str(path)!r} is in {str(blocked)!r}, which is a file, not a directory\n"
-            "hint: name a file in a directory, or a directory to create"
-        )
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(path)
         check_writable(path)
+    except NotADirectoryError as exc:
+        raise ConfigError(
+            f"--output {str(path)!r} is in {exc.filename!r}, which is a file, not a directory\n"
+            "hint: name a file in a directory, or a directory to create"
+        ) from None
     except OSError as exc:
         raise _unwritable(path, exc) from exc
 
