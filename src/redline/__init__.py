@@ -17,16 +17,24 @@ if TYPE_CHECKING:
     from redline.bench.result import BenchResult
     from redline.bench.run import benchmark
     from redline.bench.tune import tune
+    from redline.checkpoint.layout import CheckpointError
     from redline.errors import (
         ConfigError,
         DeviceUnavailableError,
+        InferenceError,
+        OutOfMemory,
         RedlineError,
+        ServableError,
+        StoppedBySignal,
         TaskError,
         TaskSpecError,
         TrainingError,
     )
+    from redline.launch.torchrun import LaunchError
     from redline.memory.estimate import MemoryEstimate, estimate_memory
     from redline.memory.search import BatchSearch, find_batch_size
+    from redline.parallel.collectives import RankZeroError
+    from redline.parallel.watchdog import HangError
     from redline.plan import Choice, Plan
     from redline.render.html import report
     from redline.runtime.options import RuntimeOptions
@@ -48,17 +56,25 @@ _LAZY = {
     "BatchSearch": "redline.memory.search",
     "BenchResult": "redline.bench.result",
     "Callback": "redline.train.callbacks",
+    "CheckpointError": "redline.checkpoint.layout",
     "Choice": "redline.plan",
     "ConfigError": "redline.errors",
     "DeviceUnavailableError": "redline.errors",
     "EarlyStopping": "redline.train.callbacks",
+    "HangError": "redline.parallel.watchdog",
     "InferenceEngine": "redline.serve.engine",
+    "InferenceError": "redline.errors",
+    "LaunchError": "redline.launch.torchrun",
     "MemoryEstimate": "redline.memory.estimate",
+    "OutOfMemory": "redline.errors",
     "Plan": "redline.plan",
+    "RankZeroError": "redline.parallel.collectives",
     "RedlineError": "redline.errors",
     "Runtime": "redline.runtime.runtime",
     "Servable": "redline.serve.servable",
+    "ServableError": "redline.errors",
     "ServeOptions": "redline.serve.options",
+    "StoppedBySignal": "redline.errors",
     "RuntimeOptions": "redline.runtime.options",
     "Task": "redline.task",
     "TaskError": "redline.errors",
@@ -99,18 +115,26 @@ __all__ = [
     "BatchSearch",
     "BenchResult",
     "Callback",
+    "CheckpointError",
     "Choice",
     "ConfigError",
     "DeviceUnavailableError",
     "EarlyStopping",
+    "HangError",
     "InferenceEngine",
+    "InferenceError",
+    "LaunchError",
     "MemoryEstimate",
+    "OutOfMemory",
     "Plan",
+    "RankZeroError",
     "RedlineError",
     "Runtime",
     "RuntimeOptions",
     "Servable",
+    "ServableError",
     "ServeOptions",
+    "StoppedBySignal",
     "Task",
     "TaskError",
     "TaskSpecError",
