@@ -102,9 +102,11 @@ def commit(
     return Checkpoint(final, _step_of(final, manifest), manifest)
 
 
-def write_failure(final: Path, tmp: Path, exc: OSError) -> CheckpointError:
-    """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed."""
-    shutil.rmtree(tmp, ignore_errors=True)
+def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) -> CheckpointError:
+    """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed, where
+    ``remove`` (one rank removes it when every rank meets the error at once)."""
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
     where = f" ({exc.filename})" if exc.filename else ""
     return CheckpointError(
         f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
