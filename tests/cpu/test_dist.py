@@ -340,6 +340,22 @@ def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path
     assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
 
 
+def test_a_directory_with_a_main_runs_as_python_runs_it_and_one_without_is_named(tmp_path):
+    """Before, a directory was said not to exist, and one with a __main__.py (which python and torchrun run) refused."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import os\nprint('main of rank', os.environ['RANK'])\n")
+    result = launch("--nproc", "1", str(app), timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "main of rank 0" in result.stdout
+    (app / "__main__.py").rename(app / "train.py")
+    result = launch("--nproc", "1", str(app), timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"script {str(app)!r} is a directory without a __main__.py" in result.stderr
+    assert f"hint: pass one of its Python files ({app / 'train.py'})" in result.stderr
+    assert "exitcode" not in result.stderr  # no worker was started
+
+
 def test_every_argument_after_the_script_is_the_scripts_own(tmp_path):
     """A script's own -m, --nproc or --hang-timeout were taken as the launcher's, or refused by torchrun's parser."""
     script = tmp_path / "argv.py"

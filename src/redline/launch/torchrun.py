@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, invalid
+from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
@@ -144,11 +144,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from redline.hardware.device import probe_accelerators, usable_cpu_count
     from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
-    if not module and target and not Path(target[0]).is_file():  # else every worker fails alike, after a rendezvous
-        raise ConfigError(
-            f"script {target[0]!r} does not exist (looked in {Path.cwd()})\n"
-            "hint: pass the path of a Python file, or --module (-m) with a module name"
-        )
+    if not module and target:
+        check_script(Path(target[0]))
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     threads = worker_threads(nproc, usable_cpu_count(), os.environ)
@@ -184,6 +181,26 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
+
+
+def check_script(script: Path) -> None:
+    """Refuse a script Python cannot run before any worker starts: else every worker fails alike, after a rendezvous.
+
+    As ``python SCRIPT`` does, a file runs (a zip application too) and so does a directory with a ``__main__.py``.
+    """
+    if script.is_file() or (script / "__main__.py").is_file():
+        return
+    if script.is_dir():
+        files = sorted(str(path) for path in script.glob("*.py"))
+        which = f"one of its Python files ({few(files, 3)})" if files else "the path of a Python file"
+        raise ConfigError(
+            f"script {str(script)!r} is a directory without a __main__.py: Python cannot run it\n"
+            f"hint: pass {which}, or add a __main__.py to the directory"
+        )
+    raise ConfigError(
+        f"script {str(script)!r} does not exist (looked in {Path.cwd()})\n"
+        "hint: pass the path of a Python file, or --module (-m) with a module name"
+    )
 
 
 def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | None:
