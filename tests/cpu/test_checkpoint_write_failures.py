@@ -99,3 +99,42 @@ def test_a_failure_other_than_the_disks_is_a_checkpoint_error_naming_the_rank_an
     with pytest.raises(CheckpointError, match=r"written: rank 0: ValueError: the storage answered nonsense"):
         _save(tmp_path, 1, model, optimizer)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_saving_over_a_directory_of_the_users_refuses_and_leaves_its_files(tmp_path: Path) -> None:
+    from redline import Runtime
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "notes.txt").write_text("a month of notes")
+    (tmp_path / "weights.bin").write_bytes(b"other weights")
+    with Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        # before, the checkpoint took the directory's place and its files were deleted (a file was swapped away)
+        with pytest.raises(CheckpointError, match=r"results is a directory that is not a checkpoint \(no manifest"):
+            rt.save(results)
+        with pytest.raises(CheckpointError, match=r"weights.bin is a file, which writing a checkpoint there would"):
+            rt.save(tmp_path / "weights.bin")
+        assert (results / "notes.txt").read_text() == "a month of notes"
+        assert (tmp_path / "weights.bin").read_bytes() == b"other weights"
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["results", "weights.bin"]  # nothing staged
+        rt.save(tmp_path / "checkpoint")
+        rt.save(tmp_path / "checkpoint")  # a checkpoint written again is replaced, as before
+        (tmp_path / "empty").mkdir()
+        rt.save(tmp_path / "empty")
+    assert [c.path.name for c in find_checkpoints(tmp_path)] == []  # none of these is a step directory
+    assert (tmp_path / "checkpoint" / "manifest.json").is_file() and (tmp_path / "empty" / "manifest.json").is_file()
+
+
+def test_a_sharded_save_over_a_directory_of_the_users_refuses_and_leaves_its_files(tmp_path: Path) -> None:
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "scratch.txt").write_text("the run's own step directory: replaced")
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "notes.txt").write_text("kept")
+    model, optimizer = _model()
+    _save(tmp_path, 1, model, optimizer)
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1]
+    with pytest.raises(CheckpointError, match=r"mine is a directory that is not a checkpoint .*holds notes.txt\)"):
+        save_sharded(own, model, optimizer, runtime_state={}, extra={}, plan={}, step=None)
+    assert [path.name for path in own.iterdir()] == ["notes.txt"]

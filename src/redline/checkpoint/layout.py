@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from redline.atomic import ASIDE, commit_directory, fsync_path, recover_directory
-from redline.errors import RedlineError
+from redline.errors import RedlineError, few
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 PREFIX = "step-"
@@ -67,12 +67,37 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def stage(final: Path) -> Path:
-    """Create an empty staging directory for ``final``, one name for every rank (a crashed write's leftovers go)."""
+    """Create an empty staging directory for ``final``, one name for every rank (a crashed write's leftovers go).
+
+    What is at ``final`` already is replaced when the checkpoint commits: only a checkpoint (a step
+    written again), an empty directory or a run's own step directory may be; anything else is refused
+    here, before any file is written.
+    """
+    _refuse_to_replace(final)
     tmp = final.parent / f"{STAGING}{final.name}"
     final.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
+
+
+def _refuse_to_replace(final: Path) -> None:
+    """Raise CheckpointError if ``final`` holds what a checkpoint committed there would destroy: the user's files."""
+    if not final.exists() and not final.is_symlink():
+        return
+    if final.is_dir() and not final.is_symlink():
+        step = final.name.startswith(PREFIX) and _is_step(final.name.removeprefix(PREFIX))
+        if step or (final / MANIFEST).is_file() or not any(final.iterdir()):
+            return  # an earlier checkpoint (readable or not), one of the run's step directories, or nothing
+        kept = sorted(path.name for path in final.iterdir())
+        what = f"a directory that is not a checkpoint (no {MANIFEST}; it holds {few(kept, 3)})"
+    else:
+        what = "a link" if final.is_symlink() else "a file"
+    raise CheckpointError(
+        f"{final} is {what}, which writing a checkpoint there would replace; nothing was written\n"
+        "hint: pass a new directory for the checkpoint (or an earlier checkpoint's, which it replaces), "
+        f"or move {final} elsewhere first"
+    )
 
 
 def file_entry(path: Path) -> dict[str, Any]:
