@@ -138,3 +138,21 @@ def test_a_sharded_save_over_a_directory_of_the_users_refuses_and_leaves_its_fil
     with pytest.raises(CheckpointError, match=r"mine is a directory that is not a checkpoint .*holds notes.txt\)"):
         save_sharded(own, model, optimizer, runtime_state={}, extra={}, plan={}, step=None)
     assert [path.name for path in own.iterdir()] == ["notes.txt"]
+
+
+def test_weights_saved_to_a_directory_or_a_new_folder_say_so_or_are_written(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from redline import Runtime
+
+    with Runtime(devices="cpu") as rt:
+        model, _ = rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        # before, "Is a directory" came with a hint to free space on the disk
+        with pytest.raises(
+            CheckpointError, match=r"is a directory: the weights are one file\nhint: pass a file's path"
+        ):
+            rt.save_weights(tmp_path)
+        # before, a folder not made yet was "No such file or directory", with the same hint; a checkpoint's is made
+        rt.save_weights(tmp_path / "export" / "model.safetensors")
+    saved = load_file(tmp_path / "export" / "model.safetensors")
+    assert torch.equal(saved["weight"], model.weight.detach())

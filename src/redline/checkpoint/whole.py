@@ -9,6 +9,7 @@ Trainer's position) and ``plan.json``. Loading never unpickles arbitrary objects
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,12 @@ def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: 
 
 
 def _write_weights(path: Path, write: Callable[[Path], None]) -> None:
+    if path.is_dir():  # else the system's "Is a directory", with a hint about disk space
+        raise CheckpointError(
+            f"{path} is a directory: the weights are one file\nhint: pass a file's path, e.g. {path / WEIGHTS}"
+        )
     hint = "free space on that disk (or make it writable again), then write them again: `redline train` run again "
     hint += "with --resume auto writes them at the end"
+    with contextlib.suppress(OSError):  # as a checkpoint's directory is made; where it cannot be, the write says why
+        path.parent.mkdir(parents=True, exist_ok=True)
     write_or_refuse(path, write, error=CheckpointError, what=": the weights", hint=hint)
