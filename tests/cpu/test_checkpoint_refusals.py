@@ -1,6 +1,8 @@
-"""A sharded checkpoint (FSDP's format) the disk refuses: a clear error, no staged part left, the earlier ones kept.
+"""Checkpoints a write or a load cannot complete: a clear CheckpointError, and nothing of the user's lost or changed.
 
-One process without a process group: DCP writes a single shard, through the same code every rank runs.
+A full disk, a path holding the user's own files, another optimizer's state, a shard gone. The sharded
+format (FSDP's) runs in one process without a process group: DCP writes a single shard, through the
+same code every rank runs.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from redline.checkpoint import CheckpointError, find_checkpoints, sharded, step_dir
-from redline.checkpoint.sharded import save_sharded
+from redline.checkpoint import CheckpointError, find_checkpoints, read_checkpoint, sharded, step_dir
+from redline.checkpoint.sharded import load_sharded, save_sharded
 
 
 def _save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -156,3 +158,45 @@ def test_weights_saved_to_a_directory_or_a_new_folder_say_so_or_are_written(tmp_
         rt.save_weights(tmp_path / "export" / "model.safetensors")
     saved = load_file(tmp_path / "export" / "model.safetensors")
     assert torch.equal(saved["weight"], model.weight.detach())
+
+
+def _adam_checkpoint(root: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    _save(root, 1, model, optimizer)
+    return step_dir(root, 1)
+
+
+def test_a_sharded_checkpoint_of_another_optimizer_is_refused_naming_what_it_lacks(tmp_path: Path) -> None:
+    checkpoint = read_checkpoint(_adam_checkpoint(tmp_path))
+    model = nn.Linear(4, 2)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # before, DCP's CheckpointException (a BaseException) with a traceback: "Missing key in checkpoint state_dict"
+    with pytest.raises(CheckpointError) as raised:
+        load_sharded(checkpoint, model, optimizer)
+    message = str(raised.value)
+    assert "the checkpoint's optimizer differs from this run's optimizer: missing from the checkpoint: " in message
+    assert "state.weight.momentum_buffer" in message and "keeps exp_avg, exp_avg_sq, step for a parameter" in message
+    assert "hint: the run that wrote it built another optimizer" in message
+    assert not optimizer.state  # left as it was: no placeholder state from reading the live one
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    options = torch.optim.SGD(model.parameters(), lr=0.1)  # no state to miss: the options it lacks are named
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: param_groups\.0\.momentum"):
+        load_sharded(checkpoint, model, options)
+    same = torch.optim.Adam(model.parameters(), lr=0.1)
+    load_sharded(checkpoint, model, same)  # the optimizer that wrote it loads, as before
+    assert int(same.state[model.weight]["step"]) == 1
+
+
+def test_a_shard_gone_after_the_check_is_a_checkpoint_error_not_dcps_traceback(tmp_path: Path) -> None:
+    path = _adam_checkpoint(tmp_path)
+    checkpoint = read_checkpoint(path)
+    next(path.glob("*.distcp")).unlink()
+    model = nn.Linear(4, 2)
+    with pytest.raises(CheckpointError, match=r"could not be loaded: rank 0: FileNotFoundError: .*distcp") as raised:
+        load_sharded(checkpoint, model, torch.optim.Adam(model.parameters(), lr=0.1))
+    assert "hint: if a file of it is gone or damaged, resume from an earlier checkpoint" in str(raised.value)
