@@ -200,3 +200,21 @@ def test_a_shard_gone_after_the_check_is_a_checkpoint_error_not_dcps_traceback(t
     with pytest.raises(CheckpointError, match=r"could not be loaded: rank 0: FileNotFoundError: .*distcp") as raised:
         load_sharded(checkpoint, model, torch.optim.Adam(model.parameters(), lr=0.1))
     assert "hint: if a file of it is gone or damaged, resume from an earlier checkpoint" in str(raised.value)
+
+
+def test_a_checkpoint_path_that_does_not_exist_says_so_and_names_the_one_it_most_likely_meant(tmp_path: Path) -> None:
+    from redline import Runtime
+    from redline.checkpoint import open_checkpoint
+
+    with Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(step_dir(tmp_path, 100), step=100)
+        # before: "not a committed checkpoint (no readable manifest.json: [Errno 2] No such file or directory: ...)"
+        with pytest.raises(CheckpointError) as raised:
+            rt.load(tmp_path / "step-0000100")  # a digit short
+    assert str(raised.value) == (
+        f"{tmp_path / 'step-0000100'}: no such checkpoint: nothing is there\n"
+        f"hint: did you mean {step_dir(tmp_path, 100)}?"
+    )
+    with pytest.raises(CheckpointError, match=r"nowhere: no such checkpoint: nothing is there\nhint: pass a directory"):
+        open_checkpoint(str(tmp_path / "run" / "nowhere"), tmp_path)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from redline.atomic import ASIDE, commit_directory, fsync_path, recover_directory
-from redline.errors import RedlineError, few
+from redline.errors import RedlineError, few, nearest
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 PREFIX = "step-"
@@ -147,6 +147,8 @@ def write_json(path: Path, document: Mapping[str, Any]) -> None:
 
 def read_checkpoint(path: Path) -> Checkpoint:
     """Return the committed checkpoint at ``path``; raise CheckpointError if it has no readable manifest."""
+    if not path.exists():  # a mistyped path: not "no readable manifest.json: No such file or directory"
+        raise _not_there(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
@@ -163,6 +165,16 @@ def read_checkpoint(path: Path) -> Checkpoint:
             "hint: it was written by another version of redline: load it with that version"
         )
     return Checkpoint(path, _step_of(path, manifest), manifest)
+
+
+def _not_there(path: Path) -> CheckpointError:
+    """The error of a checkpoint path that does not exist, with the directory beside it that it most likely meant."""
+    beside = path.parent.iterdir() if path.parent.is_dir() else ()
+    near = nearest(path.name, [p.name for p in beside if p.is_dir() and not p.name.startswith(".")])
+    hint = f"pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto"
+    if near is not None:
+        hint = f"did you mean {path.parent / str(near)}?"
+    return CheckpointError(f"{path}: no such checkpoint: nothing is there\nhint: {hint}")
 
 
 def _step_of(path: Path, manifest: Mapping[str, Any]) -> int:
