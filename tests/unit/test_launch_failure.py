@@ -61,3 +61,12 @@ def test_the_workers_share_the_cores_unless_omp_num_threads_says_otherwise():
     assert worker_threads(8, 64, {}) == 8 and worker_threads(3, 2, {}) == 1  # never fewer than one
     assert worker_threads(2, 16, {"OMP_NUM_THREADS": "3"}) is None  # the user's choice stands
     assert worker_threads(1, 16, {}) is None  # one worker: torchrun sets nothing either
+
+
+def test_a_job_that_used_up_its_restarts_says_every_attempt_failed():
+    """Before, a job restarted twice read as one failure, as if --max-restarts had not been tried."""
+    message = str(_failure(failed(r0=-signal.SIGTERM, r1=3), hang_exit_code=86, restarts=2))
+    assert message.startswith(
+        "the launched job failed in all 3 attempts (--max-restarts 2 used up); in the last: rank 1 exited with 3"
+    )
+    assert "attempts" not in str(_failure(failed(r1=3), hang_exit_code=86))  # none asked for: as before

@@ -171,7 +171,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             stopped = stopped_by(int(exc.sigval), finished)
         except ChildFailedError as exc:
-            raise _failure(exc, HANG_EXIT_CODE) from None
+            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
@@ -238,8 +238,12 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
-def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
-    """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code."""
+def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -> LaunchError:
+    """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code.
+
+    torchrun gives up only once ``restarts`` (--max-restarts) are used up: every attempt failed, and the
+    ranks named are the last attempt's.
+    """
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
         message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
@@ -253,7 +257,10 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
     else:
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
     first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
-    error = LaunchError(f"the launched job failed: {failures}\nhint: the workers' errors are printed above, each once")
+    attempts = f" in all {restarts + 1} attempts (--max-restarts {restarts} used up); in the last" if restarts else ""
+    error = LaunchError(
+        f"the launched job failed{attempts}: {failures}\nhint: the workers' errors are printed above, each once"
+    )
     return _with_exit_code(error, first[1].exitcode)
 
 
