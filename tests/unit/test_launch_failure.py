@@ -70,3 +70,28 @@ def test_a_job_that_used_up_its_restarts_says_every_attempt_failed():
         "the launched job failed in all 3 attempts (--max-restarts 2 used up); in the last: rank 1 exited with 3"
     )
     assert "attempts" not in str(_failure(failed(r1=3), hang_exit_code=86))  # none asked for: as before
+
+
+def test_a_machine_of_a_job_on_several_says_whom_it_waits_for_before_torchrun_waits_in_silence(monkeypatch, caplog):
+    """Before, a machine whose peers were not started yet printed nothing for the minutes torchrun waits."""
+    import logging
+
+    import torch.distributed.run
+
+    from redline.launch import torchrun
+    from redline.launch.torchrun import LaunchConfig, waiting_note
+
+    logged_before_the_wait: list[str] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: logged_before_the_wait.extend(caplog.messages))
+    config = LaunchConfig(nproc=1, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29500)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        torchrun.launch(config, [__file__])
+    assert (
+        "this machine (node rank 0) waits for the other machine of --nnodes 2 at 10.0.0.1:29500: run the same "
+        "command on each with its own --node-rank"
+    ) in logged_before_the_wait
+    endpoint = LaunchConfig(nproc=1, nnodes=3, rdzv_endpoint="head:29400")
+    assert waiting_note(endpoint) == (
+        "this machine waits for the other 2 machines of --nnodes 3 at head:29400: run the same command on each"
+    )
+    assert waiting_note(LaunchConfig(nproc=1)) is None  # one machine meets at once: nothing to say

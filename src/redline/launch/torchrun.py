@@ -159,6 +159,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
     args.training_script, args.training_script_args = target[0], list(target[1:])
     stopped: LaunchStopped | None = None
+    if (note := waiting_note(config)) is not None:
+        log.info("%s", note)
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
@@ -201,6 +203,18 @@ def check_script(script: Path) -> None:
         f"script {str(script)!r} does not exist (looked in {Path.cwd()})\n"
         "hint: pass the path of a Python file, or --module (-m) with a module name"
     )
+
+
+def waiting_note(config: LaunchConfig) -> str | None:
+    """What a machine of a job on several waits for before its workers start, said before torchrun waits silently
+    (up to its rendezvous timeout, minutes)."""
+    if config.nnodes == 1:
+        return None
+    where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port}"
+    who = "this machine" if config.node_rank is None else f"this machine (node rank {config.node_rank})"
+    others = "the other machine" if config.nnodes == 2 else f"the other {config.nnodes - 1} machines"
+    each = " with its own --node-rank" if config.node_rank is not None else ""
+    return f"{who} waits for {others} of --nnodes {config.nnodes} at {where}: run the same command on each{each}"
 
 
 def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | None:
