@@ -523,3 +523,12 @@ def test_fsdp_writes_a_gpt_whose_tied_weights_load_into_the_plain_model(tmp_path
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         assert handle.metadata()["wte.weight"] == "lm_head.weight"  # the alias noted as save_model notes it
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step-*"))] == ["step-00000002", "step-00000004"]
+
+
+def test_launch_help_names_the_script_and_its_arguments():
+    """Before, the usage read `launch [OPTIONS] {target}`, naming neither the script nor its own arguments."""
+    result = launch("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    usage = " ".join(result.stdout.split())  # as wrapped at any width
+    assert "launch [OPTIONS] {SCRIPT}" in usage and "target" not in usage
+    assert "every argument after it is the script's own" in usage
