@@ -532,3 +532,30 @@ def test_launch_help_names_the_script_and_its_arguments():
     usage = " ".join(result.stdout.split())  # as wrapped at any width
     assert "launch [OPTIONS] {SCRIPT}" in usage and "target" not in usage
     assert "every argument after it is the script's own" in usage
+
+
+@pytest.mark.parametrize("node_rank", ["0", "1"])
+def test_ctrl_c_stops_a_launcher_waiting_for_the_other_machines(tmp_path, node_rank):
+    """Before, Ctrl-C did nothing while torchrun's store waited for the others: the launcher sat there for minutes."""
+    import signal
+    import time
+
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    command = [sys.executable, "-m", "redline", "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", node_rank]
+    waiting = subprocess.Popen([*command, *where, str(script)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()
+        while "waits for the other machine of --nnodes 2" not in said:  # torch may log before it
+            assert said, "the launcher ended without saying what it waits for"
+            said = waiting.stderr.readline()
+        time.sleep(2)  # inside torchrun's wait by now
+        waiting.send_signal(signal.SIGINT)
+        _, rest = waiting.communicate(timeout=30)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 128 + signal.SIGINT, rest[-3000:]
+    assert "stopped by SIGINT while waiting for the other machines of --nnodes 2: no worker had started" in rest
+    assert "hello" not in rest

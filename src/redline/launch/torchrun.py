@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import re
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
 from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid
+from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
@@ -159,16 +161,19 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
     args.training_script, args.training_script_args = target[0], list(target[1:])
     stopped: LaunchStopped | None = None
-    if (note := waiting_note(config)) is not None:
+    note = waiting_note(config)
+    if note is not None:
         log.info("%s", note)
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
+        others = f"the other machines of --nnodes {config.nnodes}"
+        waiting = stoppable_while_waiting(others, lambda: shutil.rmtree(scratch)) if note else contextlib.nullcontext()
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
         said = Path(scratch) / "said"  # where the workers mark the errors printed, to print each once
         said.mkdir()
         workers[SAID_ERRORS_ENV] = str(said)
         try:
-            with worker_environment(workers):
+            with worker_environment(workers), waiting:
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             stopped = stopped_by(int(exc.sigval), finished)
