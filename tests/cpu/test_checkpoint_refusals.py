@@ -218,3 +218,38 @@ def test_a_checkpoint_path_that_does_not_exist_says_so_and_names_the_one_it_most
     )
     with pytest.raises(CheckpointError, match=r"nowhere: no such checkpoint: nothing is there\nhint: pass a directory"):
         open_checkpoint(str(tmp_path / "run" / "nowhere"), tmp_path)
+
+
+def test_a_model_the_user_compiled_saves_under_its_own_names_and_loads_either_way(tmp_path: Path) -> None:
+    """Before, torch.compile(model)'s wrapper wrote every name with `_orig_mod.` before it: the checkpoint was
+    refused by the plain model as another model's, and the weights file loaded into nothing but a compiled one."""
+    from safetensors.torch import load_model, save_file
+
+    from redline import Runtime
+    from redline.checkpoint import Checkpoint
+    from redline.checkpoint.whole import FORMAT, load_weights
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    with Runtime(devices="cpu", compile="off") as rt:
+        rt.setup(torch.compile(net), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(tmp_path / "checkpoint")
+        rt.save_weights(tmp_path / "model.safetensors")
+    plain = nn.Linear(4, 2)
+    load_model(plain, str(tmp_path / "model.safetensors"))  # strict: under the plain model's names
+    assert torch.equal(plain.weight, net.weight)
+    for compiled in (False, True):
+        model = nn.Linear(4, 2)
+        with Runtime(devices="cpu", compile="off") as rt:
+            rt.setup(torch.compile(model) if compiled else model, lambda params: torch.optim.SGD(params, lr=0.1))
+            rt.load(tmp_path / "checkpoint")
+        assert torch.equal(model.weight, net.weight), compiled
+    # weights an earlier version wrote under the wrapper's names still load into a compiled model
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    save_file(
+        {f"_orig_mod.{name}": t.detach() for name, t in net.state_dict().items()}, str(earlier / "model.safetensors")
+    )
+    model = nn.Linear(4, 2)
+    load_weights(Checkpoint(earlier, 1, {"format": FORMAT, "files": {}}), torch.compile(model))
+    assert torch.equal(model.weight, net.weight)
