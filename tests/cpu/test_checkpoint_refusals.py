@@ -253,3 +253,21 @@ def test_a_model_the_user_compiled_saves_under_its_own_names_and_loads_either_wa
     model = nn.Linear(4, 2)
     load_weights(Checkpoint(earlier, 1, {"format": FORMAT, "files": {}}), torch.compile(model))
     assert torch.equal(model.weight, net.weight)
+
+
+def test_loading_a_file_of_a_checkpoint_names_its_directory(tmp_path: Path) -> None:
+    """Before: "not a committed checkpoint (no readable manifest.json: [Errno 20] Not a directory: ...)"."""
+    from redline import Runtime
+
+    with Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(tmp_path / "checkpoint")
+        with pytest.raises(CheckpointError) as raised:
+            rt.load(tmp_path / "checkpoint" / "model.safetensors")
+        assert str(raised.value) == (
+            f"{tmp_path / 'checkpoint' / 'model.safetensors'}: a file, where a checkpoint is a directory holding a "
+            f"manifest.json\nhint: pass the checkpoint directory itself, e.g. {tmp_path / 'checkpoint'}"
+        )
+        (tmp_path / "notes.txt").write_text("")
+        with pytest.raises(CheckpointError, match=r"notes.txt: a file, where .*\nhint: pass a directory step-"):
+            rt.load(tmp_path / "notes.txt")

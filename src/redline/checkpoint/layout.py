@@ -149,6 +149,13 @@ def read_checkpoint(path: Path) -> Checkpoint:
     """Return the committed checkpoint at ``path``; raise CheckpointError if it has no readable manifest."""
     if not path.exists():  # a mistyped path: not "no readable manifest.json: No such file or directory"
         raise _not_there(path)
+    if path.is_file():  # not "no readable manifest.json: Not a directory"
+        hint = (
+            f"pass the checkpoint directory itself, e.g. {path.parent}"
+            if (path.parent / MANIFEST).is_file()
+            else (f"pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto")
+        )
+        raise CheckpointError(f"{path}: a file, where a checkpoint is a directory holding a {MANIFEST}\nhint: {hint}")
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
