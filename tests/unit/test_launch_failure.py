@@ -95,3 +95,25 @@ def test_a_machine_of_a_job_on_several_says_whom_it_waits_for_before_torchrun_wa
         "this machine waits for the other 2 machines of --nnodes 3 at head:29400: run the same command on each"
     )
     assert waiting_note(LaunchConfig(nproc=1)) is None  # one machine meets at once: nothing to say
+
+
+def test_once_torchrun_handles_the_signals_the_waiting_guard_leaves_them_to_it(tmp_path):
+    """A signal after the workers started is torchrun's to pass on to them: the guard must not end the launcher,
+    even where torchrun was told to handle SIGINT alone (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from redline.launch.waiting import stoppable_while_waiting\n"
+        "seen = []\n"
+        "with stoppable_while_waiting('the others'):\n"
+        "    signal.signal(signal.SIGINT, lambda s, f: seen.append(s))  # TORCHELASTIC_SIGNALS_TO_HANDLE=SIGINT\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(1)\n"
+        "print('handled by torchrun:', seen)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"handled by torchrun: [{signal.SIGINT.value}]" in result.stdout and "stopped by" not in result.stderr

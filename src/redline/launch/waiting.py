@@ -4,7 +4,7 @@ torchrun's rendezvous waits for every machine inside torch's C++ store (up to it
 where Python's signal handlers do not run until the wait ends: Ctrl-C did nothing. Python's C-level
 handler still writes the signal's number to the wakeup fd the moment it arrives (``signal.set_wakeup_fd``),
 so a thread reading that fd sees it at once. While no worker has started (torchrun installs its own
-SIGTERM handler when it starts them, and from then on passes a signal on to them), nothing is lost by
+SIGINT and SIGTERM handlers when it starts them, and from then on passes a signal on to them), nothing is lost by
 ending the launcher there, and the thread does, exiting as the signal asks (128 + its number).
 """
 
@@ -31,7 +31,7 @@ def stoppable_while_waiting(what: str, cleanup: Callable[[], None] = lambda: Non
     if threading.current_thread() is not threading.main_thread():  # only the main thread sets the wakeup fd
         yield
         return
-    before = signal.getsignal(signal.SIGTERM)  # torchrun replaces it when its workers start
+    before = {signum: signal.getsignal(signum) for signum in _STOPPING}  # torchrun replaces them as workers start
     reader, writer = socket.socketpair()
     writer.setblocking(False)  # as set_wakeup_fd requires
     previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
@@ -39,7 +39,7 @@ def stoppable_while_waiting(what: str, cleanup: Callable[[], None] = lambda: Non
     def watch() -> None:
         while data := _receive(reader):
             for signum in data:
-                if signum in _STOPPING and signal.getsignal(signal.SIGTERM) is before:
+                if signum in _STOPPING and all(signal.getsignal(s) is handler for s, handler in before.items()):
                     _end(signal.Signals(signum), what, cleanup)
 
     thread = threading.Thread(target=watch, name="redline-launch-waiting", daemon=True)
