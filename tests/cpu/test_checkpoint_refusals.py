@@ -271,3 +271,32 @@ def test_loading_a_file_of_a_checkpoint_names_its_directory(tmp_path: Path) -> N
         (tmp_path / "notes.txt").write_text("")
         with pytest.raises(CheckpointError, match=r"notes.txt: a file, where .*\nhint: pass a directory step-"):
             rt.load(tmp_path / "notes.txt")
+
+
+def test_a_checkpoint_where_a_file_is_in_the_way_or_nothing_may_be_written_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the system's FileExistsError or PermissionError came out as a traceback."""
+    from redline import Runtime
+
+    (tmp_path / "notes.txt").write_text("kept")
+    model, optimizer = _model()
+    with Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(CheckpointError, match=r"notes.txt/ckpt: the checkpoint cannot go there: File exists"):
+            rt.save(tmp_path / "notes.txt" / "ckpt")
+    with pytest.raises(CheckpointError, match=r"hint: pass a path in a directory you can write to \(a file is in"):
+        save_sharded(tmp_path / "notes.txt" / "ckpt", model, optimizer, runtime_state={}, extra={}, plan={}, step=1)
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+    mkdir = Path.mkdir
+
+    def read_only(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.name.startswith(".tmp-"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(CheckpointError) as raised:
+        _save(tmp_path, 1, model, optimizer)
+    assert str(raised.value).startswith(f"{step_dir(tmp_path, 1)}: the checkpoint could not be written: Permission")
+    assert "(or make it writable again)" in str(raised.value)

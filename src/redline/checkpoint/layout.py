@@ -10,6 +10,7 @@ manifest; under several processes each rank checks its share of the files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -75,9 +76,18 @@ def stage(final: Path) -> Path:
     """
     _refuse_to_replace(final)
     tmp = final.parent / f"{STAGING}{final.name}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:  # a file where a directory must go, a place nothing may be written: not a traceback
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
+            raise CheckpointError(
+                f"{final}: the checkpoint cannot go there: {exc.strerror or exc} ({exc.filename}); nothing was "
+                "written\nhint: pass a path in a directory you can write to (a file is in the way, or nothing can "
+                "be created there)"
+            ) from exc
+        raise write_failure(final, tmp, exc) from exc
     return tmp
 
 
