@@ -333,6 +333,17 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(nnodes=2, rdzv_endpoint="host:99999")
 
 
+def test_port_0_for_a_job_on_several_machines_is_refused_as_each_would_take_its_own():
+    """Before, node 0 waited for minutes on a port of its own choosing that no other machine could know."""
+    with pytest.raises(ConfigError, match=r"master_port=0 is not allowed; expected a fixed port \(1\.\.65535\) for "
+                       r"--nnodes 2\nhint: port 0 picks a free port on each machine"):  # fmt: skip
+        LaunchConfig(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=0)
+    with pytest.raises(ConfigError, match=r"rdzv_endpoint='head:0' is not allowed.*\n.*e\.g\. --rdzv-endpoint HOST"):
+        LaunchConfig(nnodes=3, rdzv_endpoint="head:0")
+    assert LaunchConfig(master_port=0).master_port == 0  # one machine: any free port will do, as before
+    assert LaunchConfig(nnodes=2, rdzv_endpoint="head:10").rdzv_endpoint == "head:10"
+
+
 def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path):
     result = launch("--nproc", "2", str(tmp_path / "nosuch.py"), timeout=60)
     assert result.returncode == 2

@@ -95,6 +95,19 @@ class LaunchConfig:
                     "(or --rdzv-endpoint HOST:PORT)\nhint: run the same command on every machine, each with its "
                     "own --node-rank, all with the first machine's address as --master-addr"
                 )
+        if self.nnodes > 1:  # port 0 would have each machine take a free port of its own: none finds node 0's
+            name, meeting, example = (
+                ("master_port", self.master_port, "29500")
+                if self.rdzv_endpoint is None
+                else ("rdzv_endpoint", self.rdzv_endpoint, "HOST:29400")
+            )
+            if meeting is not None and int(str(meeting).rsplit(":", 1)[-1]) == 0:
+                flag = "--" + name.replace("_", "-")
+                raise invalid(
+                    name, meeting, f"a fixed port (1..{_MAX_PORT}) for --nnodes {self.nnodes}",
+                    "port 0 picks a free port on each machine, so the others cannot find the first one's: pass "
+                    f"the same free port to every machine, e.g. {flag} {example}",
+                )  # fmt: skip
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise invalid("node_rank", self.node_rank, f"0..{self.nnodes - 1} for --nnodes {self.nnodes}")
 
