@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import secrets
 import shutil
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -109,7 +111,12 @@ def check_writable(path: Path) -> None:
         if not os.access(path, os.W_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return
-    _temporary_beside(path).unlink()
+    _temporary_beside(_through_link(path)).unlink()
+
+
+def _through_link(path: Path) -> Path:
+    """The file a plain write to ``path`` changes: a link's target (a rename would replace the link itself)."""
+    return path.resolve() if path.is_symlink() else path
 
 
 def is_stream(path: Path) -> bool:
@@ -149,15 +156,20 @@ def write_or_refuse(
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write ``path`` through a temporary file in the same directory, fsynced, then renamed into place.
 
+    It lands as a plain write would leave it: a file overwritten keeps its mode (one the user made private
+    stays private), and a link keeps pointing at the file, which is written.
     A device or a named pipe (``/dev/null``, ``<(...)``) is written into as it is: a rename would put a
     regular file in its place (for every user of the machine, where it is /dev/null and we are root).
     """
     if is_stream(path):
         write(path)
         return
+    path = _through_link(path)
     tmp = _temporary_beside(path)
     try:
         write(tmp)
+        with contextlib.suppress(FileNotFoundError):  # a plain write keeps the mode of the file it overwrites
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         fsync_path(tmp)
         os.replace(tmp, path)
     finally:

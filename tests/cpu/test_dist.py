@@ -333,11 +333,38 @@ def test_bad_launch_options_say_what_is_missing():
         LaunchConfig(nnodes=2, rdzv_endpoint="host:99999")
 
 
+def test_port_0_for_a_job_on_several_machines_is_refused_as_each_would_take_its_own():
+    """Before, node 0 waited for minutes on a port of its own choosing that no other machine could know."""
+    with pytest.raises(ConfigError, match=r"master_port=0 is not allowed; expected a fixed port \(1\.\.65535\) for "
+                       r"--nnodes 2\nhint: port 0 picks a free port on each machine"):  # fmt: skip
+        LaunchConfig(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=0)
+    with pytest.raises(ConfigError, match=r"rdzv_endpoint='head:0' is not allowed.*\n.*e\.g\. --rdzv-endpoint HOST"):
+        LaunchConfig(nnodes=3, rdzv_endpoint="head:0")
+    assert LaunchConfig(master_port=0).master_port == 0  # one machine: any free port will do, as before
+    assert LaunchConfig(nnodes=2, rdzv_endpoint="head:10").rdzv_endpoint == "head:10"
+
+
 def test_a_script_that_does_not_exist_is_named_before_any_worker_starts(tmp_path):
     result = launch("--nproc", "2", str(tmp_path / "nosuch.py"), timeout=60)
     assert result.returncode == 2
     assert "nosuch.py' does not exist" in result.stderr and "hint:" in result.stderr
     assert "Traceback" not in result.stderr and "exitcode" not in result.stderr  # no worker was started
+
+
+def test_a_directory_with_a_main_runs_as_python_runs_it_and_one_without_is_named(tmp_path):
+    """Before, a directory was said not to exist, and one with a __main__.py (which python and torchrun run) refused."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import os\nprint('main of rank', os.environ['RANK'])\n")
+    result = launch("--nproc", "1", str(app), timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "main of rank 0" in result.stdout
+    (app / "__main__.py").rename(app / "train.py")
+    result = launch("--nproc", "1", str(app), timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"script {str(app)!r} is a directory without a __main__.py" in result.stderr
+    assert f"hint: pass one of its Python files ({app / 'train.py'})" in result.stderr
+    assert "exitcode" not in result.stderr  # no worker was started
 
 
 def test_every_argument_after_the_script_is_the_scripts_own(tmp_path):
@@ -507,3 +534,39 @@ def test_fsdp_writes_a_gpt_whose_tied_weights_load_into_the_plain_model(tmp_path
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         assert handle.metadata()["wte.weight"] == "lm_head.weight"  # the alias noted as save_model notes it
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step-*"))] == ["step-00000002", "step-00000004"]
+
+
+def test_launch_help_names_the_script_and_its_arguments():
+    """Before, the usage read `launch [OPTIONS] {target}`, naming neither the script nor its own arguments."""
+    result = launch("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    usage = " ".join(result.stdout.split())  # as wrapped at any width
+    assert "launch [OPTIONS] {SCRIPT}" in usage and "target" not in usage
+    assert "every argument after it is the script's own" in usage
+
+
+@pytest.mark.parametrize("node_rank", ["0", "1"])
+def test_ctrl_c_stops_a_launcher_waiting_for_the_other_machines(tmp_path, node_rank):
+    """Before, Ctrl-C did nothing while torchrun's store waited for the others: the launcher sat there for minutes."""
+    import signal
+    import time
+
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    command = [sys.executable, "-m", "redline", "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", node_rank]
+    waiting = subprocess.Popen([*command, *where, str(script)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()
+        while "waits for the other machine of --nnodes 2" not in said:  # torch may log before it
+            assert said, "the launcher ended without saying what it waits for"
+            said = waiting.stderr.readline()
+        time.sleep(2)  # inside torchrun's wait by now
+        waiting.send_signal(signal.SIGINT)
+        _, rest = waiting.communicate(timeout=30)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 128 + signal.SIGINT, rest[-3000:]
+    assert "stopped by SIGINT while waiting for the other machines of --nnodes 2: no worker had started" in rest
+    assert "hello" not in rest

@@ -31,3 +31,34 @@ def test_a_named_pipe_is_written_into_not_renamed_over(tmp_path):
     reader.join(timeout=10)
     assert received == [b"<html>report</html>"]
     assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_a_file_written_again_keeps_its_mode_as_a_plain_write_does(tmp_path):
+    """Before, a file the user had made private (0600) came back readable by everyone (0644 under umask 022)."""
+    old = os.umask(0o022)
+    try:
+        private, shared = tmp_path / "model.safetensors", tmp_path / "run.sh"
+        private.write_text("earlier")
+        private.chmod(0o600)
+        shared.write_text("earlier")
+        shared.chmod(0o755)
+        write_atomic(private, lambda tmp: tmp.write_text("later"))
+        write_atomic(shared, lambda tmp: tmp.write_text("later"))
+    finally:
+        os.umask(old)
+    assert private.read_text() == "later" and stat.S_IMODE(private.stat().st_mode) == 0o600
+    assert shared.read_text() == "later" and stat.S_IMODE(shared.stat().st_mode) == 0o755
+
+
+def test_a_link_is_written_through_to_its_file_not_replaced(tmp_path):
+    """Before, the rename put a regular file in place of the link, and the file it pointed at kept the old data."""
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "summary.json"
+    target.write_text("earlier")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    check_writable(link)
+    write_atomic(link, lambda tmp: tmp.write_text("later"))
+    assert link.is_symlink() and link.resolve() == target
+    assert target.read_text() == "later"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest.json", "runs", "summary.json"]  # nothing left over

@@ -61,3 +61,59 @@ def test_the_workers_share_the_cores_unless_omp_num_threads_says_otherwise():
     assert worker_threads(8, 64, {}) == 8 and worker_threads(3, 2, {}) == 1  # never fewer than one
     assert worker_threads(2, 16, {"OMP_NUM_THREADS": "3"}) is None  # the user's choice stands
     assert worker_threads(1, 16, {}) is None  # one worker: torchrun sets nothing either
+
+
+def test_a_job_that_used_up_its_restarts_says_every_attempt_failed():
+    """Before, a job restarted twice read as one failure, as if --max-restarts had not been tried."""
+    message = str(_failure(failed(r0=-signal.SIGTERM, r1=3), hang_exit_code=86, restarts=2))
+    assert message.startswith(
+        "the launched job failed in all 3 attempts (--max-restarts 2 used up); in the last: rank 1 exited with 3"
+    )
+    assert "attempts" not in str(_failure(failed(r1=3), hang_exit_code=86))  # none asked for: as before
+
+
+def test_a_machine_of_a_job_on_several_says_whom_it_waits_for_before_torchrun_waits_in_silence(monkeypatch, caplog):
+    """Before, a machine whose peers were not started yet printed nothing for the minutes torchrun waits."""
+    import logging
+
+    import torch.distributed.run
+
+    from redline.launch import torchrun
+    from redline.launch.torchrun import LaunchConfig, waiting_note
+
+    logged_before_the_wait: list[str] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: logged_before_the_wait.extend(caplog.messages))
+    config = LaunchConfig(nproc=1, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29500)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        torchrun.launch(config, [__file__])
+    assert (
+        "this machine (node rank 0) waits for the other machine of --nnodes 2 at 10.0.0.1:29500: run the same "
+        "command on each with its own --node-rank"
+    ) in logged_before_the_wait
+    endpoint = LaunchConfig(nproc=1, nnodes=3, rdzv_endpoint="head:29400")
+    assert waiting_note(endpoint) == (
+        "this machine waits for the other 2 machines of --nnodes 3 at head:29400: run the same command on each"
+    )
+    assert waiting_note(LaunchConfig(nproc=1)) is None  # one machine meets at once: nothing to say
+
+
+def test_once_torchrun_handles_the_signals_the_waiting_guard_leaves_them_to_it(tmp_path):
+    """A signal after the workers started is torchrun's to pass on to them: the guard must not end the launcher,
+    even where torchrun was told to handle SIGINT alone (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from redline.launch.waiting import stoppable_while_waiting\n"
+        "seen = []\n"
+        "with stoppable_while_waiting('the others'):\n"
+        "    signal.signal(signal.SIGINT, lambda s, f: seen.append(s))  # TORCHELASTIC_SIGNALS_TO_HANDLE=SIGINT\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(1)\n"
+        "print('handled by torchrun:', seen)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"handled by torchrun: [{signal.SIGINT.value}]" in result.stdout and "stopped by" not in result.stderr

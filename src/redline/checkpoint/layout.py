@@ -10,6 +10,7 @@ manifest; under several processes each rank checks its share of the files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from redline.atomic import ASIDE, commit_directory, fsync_path, recover_directory
-from redline.errors import RedlineError
+from redline.errors import RedlineError, few, nearest
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 PREFIX = "step-"
@@ -67,12 +68,46 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def stage(final: Path) -> Path:
-    """Create an empty staging directory for ``final``, one name for every rank (a crashed write's leftovers go)."""
+    """Create an empty staging directory for ``final``, one name for every rank (a crashed write's leftovers go).
+
+    What is at ``final`` already is replaced when the checkpoint commits: only a checkpoint (a step
+    written again), an empty directory or a run's own step directory may be; anything else is refused
+    here, before any file is written.
+    """
+    _refuse_to_replace(final)
     tmp = final.parent / f"{STAGING}{final.name}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:  # a file where a directory must go, a place nothing may be written: not a traceback
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR, errno.ENOENT):
+            raise CheckpointError(
+                f"{final}: the checkpoint cannot go there: {exc.strerror or exc} ({exc.filename}); nothing was "
+                "written\nhint: pass a path in a directory you can write to (a file is in the way, or nothing can "
+                "be created there)"
+            ) from exc
+        raise write_failure(final, tmp, exc) from exc
     return tmp
+
+
+def _refuse_to_replace(final: Path) -> None:
+    """Raise CheckpointError if ``final`` holds what a checkpoint committed there would destroy: the user's files."""
+    if not final.exists() and not final.is_symlink():
+        return
+    if final.is_dir() and not final.is_symlink():
+        step = final.name.startswith(PREFIX) and _is_step(final.name.removeprefix(PREFIX))
+        if step or (final / MANIFEST).is_file() or not any(final.iterdir()):
+            return  # an earlier checkpoint (readable or not), one of the run's step directories, or nothing
+        kept = sorted(path.name for path in final.iterdir())
+        what = f"a directory that is not a checkpoint (no {MANIFEST}; it holds {few(kept, 3)})"
+    else:
+        what = "a link" if final.is_symlink() else "a file"
+    raise CheckpointError(
+        f"{final} is {what}, which writing a checkpoint there would replace; nothing was written\n"
+        "hint: pass a new directory for the checkpoint (or an earlier checkpoint's, which it replaces), "
+        f"or move {final} elsewhere first"
+    )
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -102,9 +137,11 @@ def commit(
     return Checkpoint(final, _step_of(final, manifest), manifest)
 
 
-def write_failure(final: Path, tmp: Path, exc: OSError) -> CheckpointError:
-    """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed."""
-    shutil.rmtree(tmp, ignore_errors=True)
+def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) -> CheckpointError:
+    """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed, where
+    ``remove`` (one rank removes it when every rank meets the error at once)."""
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
     where = f" ({exc.filename})" if exc.filename else ""
     return CheckpointError(
         f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
@@ -120,6 +157,15 @@ def write_json(path: Path, document: Mapping[str, Any]) -> None:
 
 def read_checkpoint(path: Path) -> Checkpoint:
     """Return the committed checkpoint at ``path``; raise CheckpointError if it has no readable manifest."""
+    if not path.exists():  # a mistyped path: not "no readable manifest.json: No such file or directory"
+        raise _not_there(path)
+    if path.is_file():  # not "no readable manifest.json: Not a directory"
+        hint = (
+            f"pass the checkpoint directory itself, e.g. {path.parent}"
+            if (path.parent / MANIFEST).is_file()
+            else (f"pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto")
+        )
+        raise CheckpointError(f"{path}: a file, where a checkpoint is a directory holding a {MANIFEST}\nhint: {hint}")
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
@@ -136,6 +182,16 @@ def read_checkpoint(path: Path) -> Checkpoint:
             "hint: it was written by another version of redline: load it with that version"
         )
     return Checkpoint(path, _step_of(path, manifest), manifest)
+
+
+def _not_there(path: Path) -> CheckpointError:
+    """The error of a checkpoint path that does not exist, with the directory beside it that it most likely meant."""
+    beside = path.parent.iterdir() if path.parent.is_dir() else ()
+    near = nearest(path.name, [p.name for p in beside if p.is_dir() and not p.name.startswith(".")])
+    hint = f"pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto"
+    if near is not None:
+        hint = f"did you mean {path.parent / str(near)}?"
+    return CheckpointError(f"{path}: no such checkpoint: nothing is there\nhint: {hint}")
 
 
 def _step_of(path: Path, manifest: Mapping[str, Any]) -> int:

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -44,11 +46,13 @@ from redline.checkpoint.layout import (
     file_entry,
     legacy_states,
     stage,
+    write_failure,
 )
 from redline.checkpoint.layout import write_json as write_document
 from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
-from redline.parallel.collectives import gather_objects, run_on_rank0
+from redline.errors import describe_error, few
+from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 FORMAT, LEGACY_FORMAT = SHARDED_FORMATS  # redline 0.1's: sizes only, and extra.pt held the whole trainer state
 RUNTIME, EXTRA = "runtime.pt", "extra.pt"
@@ -80,8 +84,11 @@ def save_sharded(
     hashing = _HashingFileSystem()
     if isinstance(getattr(writer, "fs", None), FileSystem):  # torch's writer opens its files through .fs
         writer.fs = hashing
-    with _single_process_is_intended():
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
+    try:
+        with _single_process_is_intended():
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
+    except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on each
+        raise _save_failure(final, tmp, exc) from None
     if fresh:
         optimizer.state.clear()
     here = _listing(tmp)
@@ -89,16 +96,38 @@ def save_sharded(
     views = gather_objects((here, own))  # what every rank sees, and the checksums of what it wrote
 
     def finish() -> Checkpoint:
-        torch.save(dict(runtime_state), tmp / RUNTIME)
-        torch.save(dict(extra), tmp / EXTRA)
-        write_document(tmp / PLAN, plan)
-        here = _listing(tmp)
-        _check_visible(tmp, here, [listing for listing, _ in views])
-        files = {name: entry for _, entries in views for name, entry in entries.items()}
-        files.update({name: file_entry(tmp / name) for name in here if name not in files})
-        return commit(tmp, final, format=FORMAT, step=step, files=files, world_size=len(views), fresh_optimizer=fresh)
+        try:
+            torch.save(dict(runtime_state), tmp / RUNTIME)
+            torch.save(dict(extra), tmp / EXTRA)
+            write_document(tmp / PLAN, plan)
+            here = _listing(tmp)
+            _check_visible(tmp, here, [listing for listing, _ in views])
+            files = {name: entry for _, entries in views for name, entry in entries.items()}
+            files.update({name: file_entry(tmp / name) for name in here if name not in files})
+            fields = {"world_size": len(views), "fresh_optimizer": fresh}
+            return commit(tmp, final, format=FORMAT, step=step, files=files, **fields)
+        except OSError as exc:  # a full disk, a quota, storage gone read-only: as the whole format says it
+            raise write_failure(final, tmp, exc) from exc
 
     return run_on_rank0(finish, "committing the checkpoint")
+
+
+def _save_failure(final: Path, tmp: Path, exc: CheckpointException) -> CheckpointError:
+    """The error of DCP's write that failed on some rank, raised alike on every rank (DCP's own exception is a
+    BaseException holding each rank's traceback): the first failed rank's reason, and no staged part left."""
+    rank, (cause, _) = min(exc.failures.items())
+    remove = rank_and_world()[0] == 0  # every rank is past DCP's last collective: rank 0 removes the part written
+    if isinstance(cause, OSError):
+        error = write_failure(final, tmp, cause, remove=remove)
+    else:
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = CheckpointError(
+            f"{final}: the checkpoint could not be written: rank {rank}: {describe_error(cause)}; the part written "
+            f"is removed, and the checkpoints committed before it under {final.parent} are intact"
+        )
+    error.__cause__ = cause
+    return error
 
 
 class _HashingFileSystem(FileSystem):
@@ -183,18 +212,54 @@ def load_sharded(
     """
     if not checkpoint.sharded:
         raise CheckpointError(f"{checkpoint.path}: format {checkpoint.format!r} is not a sharded checkpoint")
+    fresh = not optimizer.state
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    # DCP alone would skip the checkpoint's tensors the model lacks, and stop at the first missing one
-    check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(model_state))
+    try:  # DCP alone would skip the checkpoint's tensors the model lacks, and stop at the first missing one
+        check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(model_state))
+        _check_same_optimizer(checkpoint, optimizer_state)
+    except CheckpointError:
+        if fresh:  # get_state_dict gave it DCP's placeholder state: the caller's optimizer is left as it was
+            optimizer.state.clear()
+        raise
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
-    with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=checkpoint.path)  # in place, each rank reading the pieces it holds
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=checkpoint.path)  # in place, each rank reading the pieces it holds
+    except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on each
+        rank, (cause, _) = min(exc.failures.items())
+        raise CheckpointError(
+            f"{checkpoint.path}: the checkpoint could not be loaded: rank {rank}: {describe_error(cause)}\n"
+            "hint: if a file of it is gone or damaged, resume from an earlier checkpoint (--resume PATH)"
+        ) from cause
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if checkpoint.manifest.get("fresh_optimizer"):  # saved before the first step: its state is DCP's placeholder
         optimizer.state.clear()  # else Adam would count that placeholder step, and every later update differ
     if checkpoint.manifest.get("format") == LEGACY_FORMAT:
         return legacy_states(_load(checkpoint, EXTRA))
     return _load(checkpoint, RUNTIME), _load(checkpoint, EXTRA)
+
+
+def _check_same_optimizer(checkpoint: Checkpoint, live: Mapping[str, Any]) -> None:
+    """Raise CheckpointError if the checkpoint lacks state this run's optimizer keeps: another optimizer wrote it.
+
+    DCP would stop at the first key missing, with its own exception (a BaseException) and traceback.
+    """
+    wanted = [f"state.{name}.{key}" for name, values in live.get("state", {}).items() for key in values]
+    wanted += [f"param_groups.{i}.{key}" for i, group in enumerate(live.get("param_groups", ())) for key in group]
+    metadata = FileSystemReader(checkpoint.path).read_metadata()
+    held = [key.removeprefix("optimizer.") for key in metadata.state_dict_metadata if key.startswith("optimizer.")]
+    covered = {".".join(parts[:n]) for parts in (key.split(".") for key in held) for n in range(1, len(parts) + 1)}
+    missing = [key for key in wanted if key not in covered]
+    if not missing:
+        return
+    kinds = sorted({key.rsplit(".", 1)[-1] for key in held if key.startswith("state.")})
+    keeps = f"keeps {', '.join(kinds)} for a parameter" if kinds else "keeps no state for a parameter"
+    raise CheckpointError(
+        f"{checkpoint.path}: the checkpoint's optimizer differs from this run's optimizer: missing from the "
+        f"checkpoint: {few(missing, 3)} (the checkpoint's optimizer {keeps})\n"
+        "hint: the run that wrote it built another optimizer, or the same with other options: build that one "
+        "to resume from it"
+    )
 
 
 def saved_shapes(checkpoint: Checkpoint) -> Shapes:

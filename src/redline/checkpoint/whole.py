@@ -9,6 +9,7 @@ Trainer's position) and ``plan.json``. Loading never unpickles arbitrary objects
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from redline.checkpoint.layout import (
     write_json,
 )
 from redline.checkpoint.loadable import check_loadable, load_safely
-from redline.checkpoint.shapes import Shapes, check_same_model, safetensors_shapes, shapes_of
+from redline.checkpoint.shapes import Shapes, check_same_model, differences, safetensors_shapes, shapes_of
 
 # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
 FORMAT, LEGACY_FORMAT = WHOLE_FORMATS
@@ -52,7 +53,7 @@ def save_whole(
     check_loadable(extra)  # before anything is written: a checkpoint that cannot be loaded is none
     tmp = stage(final)
     writers: dict[str, Callable[[Path], None]] = {
-        WEIGHTS: lambda path: save_model(module, str(path)),
+        WEIGHTS: lambda path: save_model(plain_module(module), str(path)),
         OPTIMIZER: lambda path: torch.save(dict(optimizer_state), path),
         RUNTIME: lambda path: torch.save(dict(runtime_state), path),
         EXTRA: lambda path: torch.save(dict(extra), path),
@@ -78,14 +79,32 @@ def saved_shapes(checkpoint: Checkpoint) -> Shapes:
     return safetensors_shapes(checkpoint.path / WEIGHTS)
 
 
+def plain_module(module: nn.Module) -> nn.Module:
+    """The module under ``torch.compile(model)``'s wrapper, whose weights carry the model's own names: the
+    wrapper's all begin with ``_orig_mod.``, and would load into nothing but another compiled wrapper."""
+    while isinstance(inner := getattr(module, "_orig_mod", None), nn.Module):
+        module = inner
+    return module
+
+
+def _as_saved(checkpoint: Checkpoint, module: nn.Module) -> nn.Module:
+    """``module`` under the names the checkpoint holds: its plain module's, or a compiled wrapper's where an
+    earlier redline wrote those (``_orig_mod.`` before every name)."""
+    saved = saved_shapes(checkpoint)
+    if module is not plain_module(module) and not differences(saved, shapes_of(module.state_dict())):
+        return module
+    return plain_module(module)
+
+
 def check_model(checkpoint: Checkpoint, module: nn.Module) -> None:
     """Raise CheckpointError if the checkpoint's weights are not ``module``'s, by name and shape."""
-    check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(module.state_dict()))
+    check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(_as_saved(checkpoint, module).state_dict()))
 
 
 def load_weights(checkpoint: Checkpoint, module: nn.Module) -> None:
     """Load the checkpoint's weights into ``module`` (strict: every name must match), on its own device."""
     check_model(checkpoint, module)
+    module = _as_saved(checkpoint, module)
     param = next(module.parameters(), None)
     device = str(param.device) if param is not None else "cpu"
     load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=device)
@@ -112,7 +131,7 @@ def _load(checkpoint: Checkpoint, name: str, device: torch.device | str) -> dict
 
 def save_weights_file(path: Path, module: nn.Module) -> None:
     """Save ``module``'s weights as one safetensors file, atomically; tied weights are stored once."""
-    _write_weights(path, lambda tmp: save_model(module, str(tmp)))
+    _write_weights(path, lambda tmp: save_model(plain_module(module), str(tmp)))
 
 
 def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
@@ -126,6 +145,12 @@ def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: 
 
 
 def _write_weights(path: Path, write: Callable[[Path], None]) -> None:
+    if path.is_dir():  # else the system's "Is a directory", with a hint about disk space
+        raise CheckpointError(
+            f"{path} is a directory: the weights are one file\nhint: pass a file's path, e.g. {path / WEIGHTS}"
+        )
     hint = "free space on that disk (or make it writable again), then write them again: `redline train` run again "
     hint += "with --resume auto writes them at the end"
+    with contextlib.suppress(OSError):  # as a checkpoint's directory is made; where it cannot be, the write says why
+        path.parent.mkdir(parents=True, exist_ok=True)
     write_or_refuse(path, write, error=CheckpointError, what=": the weights", hint=hint)

@@ -12,7 +12,13 @@ from redline.launch.torchrun import LaunchConfig, launch
 
 def _launch(
     ctx: typer.Context,
-    target: Annotated[str, typer.Argument(help="The script to run (or a module with --module).")],
+    target: Annotated[
+        str,
+        typer.Argument(
+            metavar="SCRIPT",
+            help="The script to run (or a module with --module); every argument after it is the script's own.",
+        ),
+    ],
     module: Annotated[bool, typer.Option("--module", "-m", help="TARGET is a module: python -m TARGET.")] = False,
     **parsed: Any,
 ) -> None:

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import re
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, invalid
+from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid
+from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
@@ -93,6 +95,19 @@ class LaunchConfig:
                     "(or --rdzv-endpoint HOST:PORT)\nhint: run the same command on every machine, each with its "
                     "own --node-rank, all with the first machine's address as --master-addr"
                 )
+        if self.nnodes > 1:  # port 0 would have each machine take a free port of its own: none finds node 0's
+            name, meeting, example = (
+                ("master_port", self.master_port, "29500")
+                if self.rdzv_endpoint is None
+                else ("rdzv_endpoint", self.rdzv_endpoint, "HOST:29400")
+            )
+            if meeting is not None and int(str(meeting).rsplit(":", 1)[-1]) == 0:
+                flag = "--" + name.replace("_", "-")
+                raise invalid(
+                    name, meeting, f"a fixed port (1..{_MAX_PORT}) for --nnodes {self.nnodes}",
+                    "port 0 picks a free port on each machine, so the others cannot find the first one's: pass "
+                    f"the same free port to every machine, e.g. {flag} {example}",
+                )  # fmt: skip
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise invalid("node_rank", self.node_rank, f"0..{self.nnodes - 1} for --nnodes {self.nnodes}")
 
@@ -144,11 +159,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from redline.hardware.device import probe_accelerators, usable_cpu_count
     from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
 
-    if not module and target and not Path(target[0]).is_file():  # else every worker fails alike, after a rendezvous
-        raise ConfigError(
-            f"script {target[0]!r} does not exist (looked in {Path.cwd()})\n"
-            "hint: pass the path of a Python file, or --module (-m) with a module name"
-        )
+    if not module and target:
+        check_script(Path(target[0]))
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     threads = worker_threads(nproc, usable_cpu_count(), os.environ)
@@ -162,19 +174,24 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
     args.training_script, args.training_script_args = target[0], list(target[1:])
     stopped: LaunchStopped | None = None
+    note = waiting_note(config)
+    if note is not None:
+        log.info("%s", note)
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
+        others = f"the other machines of --nnodes {config.nnodes}"
+        waiting = stoppable_while_waiting(others, lambda: shutil.rmtree(scratch)) if note else contextlib.nullcontext()
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
         said = Path(scratch) / "said"  # where the workers mark the errors printed, to print each once
         said.mkdir()
         workers[SAID_ERRORS_ENV] = str(said)
         try:
-            with worker_environment(workers):
+            with worker_environment(workers), waiting:
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             stopped = stopped_by(int(exc.sigval), finished)
         except ChildFailedError as exc:
-            raise _failure(exc, HANG_EXIT_CODE) from None
+            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
@@ -184,6 +201,38 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
+
+
+def check_script(script: Path) -> None:
+    """Refuse a script Python cannot run before any worker starts: else every worker fails alike, after a rendezvous.
+
+    As ``python SCRIPT`` does, a file runs (a zip application too) and so does a directory with a ``__main__.py``.
+    """
+    if script.is_file() or (script / "__main__.py").is_file():
+        return
+    if script.is_dir():
+        files = sorted(str(path) for path in script.glob("*.py"))
+        which = f"one of its Python files ({few(files, 3)})" if files else "the path of a Python file"
+        raise ConfigError(
+            f"script {str(script)!r} is a directory without a __main__.py: Python cannot run it\n"
+            f"hint: pass {which}, or add a __main__.py to the directory"
+        )
+    raise ConfigError(
+        f"script {str(script)!r} does not exist (looked in {Path.cwd()})\n"
+        "hint: pass the path of a Python file, or --module (-m) with a module name"
+    )
+
+
+def waiting_note(config: LaunchConfig) -> str | None:
+    """What a machine of a job on several waits for before its workers start, said before torchrun waits silently
+    (up to its rendezvous timeout, minutes)."""
+    if config.nnodes == 1:
+        return None
+    where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port}"
+    who = "this machine" if config.node_rank is None else f"this machine (node rank {config.node_rank})"
+    others = "the other machine" if config.nnodes == 2 else f"the other {config.nnodes - 1} machines"
+    each = " with its own --node-rank" if config.node_rank is not None else ""
+    return f"{who} waits for {others} of --nnodes {config.nnodes} at {where}: run the same command on each{each}"
 
 
 def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | None:
@@ -221,8 +270,12 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
-def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
-    """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code."""
+def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -> LaunchError:
+    """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code.
+
+    torchrun gives up only once ``restarts`` (--max-restarts) are used up: every attempt failed, and the
+    ranks named are the last attempt's.
+    """
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
         message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
@@ -236,7 +289,10 @@ def _failure(exc: ChildFailedError, hang_exit_code: int) -> LaunchError:
     else:
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
     first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
-    error = LaunchError(f"the launched job failed: {failures}\nhint: the workers' errors are printed above, each once")
+    attempts = f" in all {restarts + 1} attempts (--max-restarts {restarts} used up); in the last" if restarts else ""
+    error = LaunchError(
+        f"the launched job failed{attempts}: {failures}\nhint: the workers' errors are printed above, each once"
+    )
     return _with_exit_code(error, first[1].exitcode)
 
 
