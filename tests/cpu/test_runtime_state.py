@@ -213,6 +213,20 @@ def test_rng_captured_before_cuda_started_puts_cuda_back_to_its_first_draw(monke
     assert seeded[-1] == 41
 
 
+def test_gpu_rng_states_saved_on_more_gpus_restore_those_this_machine_has(monkeypatch):
+    """A run saved on 8 GPUs and resumed on 2: torch's set_rng_state_all failed on ordinal 2."""
+    from redline.runtime import seed
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    state = {**seed.capture_rng(), "cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(8)]}
+    state.pop("cuda_seed", None)
+    seed.restore_rng(state)
+    assert [int(s[0]) for s in restored] == [0, 1]
+
+
 def test_extra_state_that_could_not_be_loaded_back_is_refused_when_saved_and_nothing_is_written(tmp_path):
     """A NumPy number in extra saved fine, and the checkpoint then failed to load with the unpickler's error."""
     import numpy as np

@@ -42,6 +42,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached"])))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        # One state per GPU the capture saw: a run resumed on a machine with fewer restores those it has
+        # (torch would fail on the first ordinal past them), and one with more leaves the rest as they are.
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"][: torch.cuda.device_count()]])
     elif "cuda_seed" in state and torch.cuda.is_available():  # queued until CUDA starts, if it has not
         torch.cuda.manual_seed_all(int(state["cuda_seed"]))  # started since the capture: back to its first draw
