@@ -300,3 +300,29 @@ def test_a_checkpoint_where_a_file_is_in_the_way_or_nothing_may_be_written_is_a_
         _save(tmp_path, 1, model, optimizer)
     assert str(raised.value).startswith(f"{step_dir(tmp_path, 1)}: the checkpoint could not be written: Permission")
     assert "(or make it writable again)" in str(raised.value)
+
+
+def _runtime_run(optimizer: Any) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+    import redline
+
+    rt = redline.Runtime(devices="cpu", compile="off", precision="fp32")
+    torch.manual_seed(0)
+    model, built = rt.setup(nn.Linear(4, 2), optimizer)
+    rt.backward(model(torch.randn(8, 4)).pow(2).mean())
+    rt.step(built)
+    return rt, model, built
+
+
+def test_a_whole_checkpoint_of_another_optimizer_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    """Adam's state loaded into SGD with momentum: torch took it, and the first step failed with KeyError 'momentum'."""
+    rt, _, _ = _runtime_run(lambda params: torch.optim.Adam(params, lr=1e-3))
+    rt.save(tmp_path / "step-00000001")
+    other, model, sgd = _runtime_run(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    weights, state = {k: v.clone() for k, v in model.state_dict().items()}, sgd.state_dict()
+    refused = r"optimizer differs from this run's \(SGD\): it has options .*betas.* where this one has .*momentum"
+    with pytest.raises(CheckpointError, match=refused + r"(.|\n)*hint: the run that wrote it built another optimizer"):
+        other.load(tmp_path / "step-00000001")
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+    assert sgd.state_dict()["param_groups"] == state["param_groups"]
+    same, _, _ = _runtime_run(lambda params: torch.optim.Adam(params, lr=1e-3))
+    same.load(tmp_path / "step-00000001")  # the optimizer that wrote it loads as ever

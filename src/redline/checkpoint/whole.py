@@ -33,6 +33,7 @@ from redline.checkpoint.layout import (
 )
 from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, differences, safetensors_shapes, shapes_of
+from redline.errors import few
 
 # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
 FORMAT, LEGACY_FORMAT = WHOLE_FORMATS
@@ -113,6 +114,31 @@ def load_weights(checkpoint: Checkpoint, module: nn.Module) -> None:
 def read_optimizer(checkpoint: Checkpoint, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Return the optimizer's ``state_dict()``, its tensors on ``device``."""
     return _load(checkpoint, OPTIMIZER, device)
+
+
+def check_same_optimizer(checkpoint: Checkpoint, saved: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Raise CheckpointError if ``saved`` (an optimizer's ``state_dict()``) was written by another kind of optimizer.
+
+    torch's own load takes the saved groups' options in place of the live ones, so Adam's loaded into
+    SGD left it without ``momentum``: the first step failed with a KeyError. Options only one side has
+    count when both sides have some: a checkpoint of an older or newer torch adds or lacks one or two.
+    """
+    groups, live = list(saved.get("param_groups", ())), optimizer.param_groups
+    sizes, live_sizes = [len(g.get("params", ())) for g in groups], [len(g["params"]) for g in live]
+    hint = "the run that wrote it built another optimizer, or the same with other groups: build that one to resume"
+    if sizes != live_sizes:
+        raise CheckpointError(
+            f"{checkpoint.path}: the checkpoint's optimizer has parameter groups of {sizes} tensors, this run's "
+            f"({type(optimizer).__name__}) of {live_sizes}\nhint: {hint} from it"
+        )
+    options = {key for group in groups for key in group} - {"params"}
+    live_options = {key for group in live for key in group} - {"params"}
+    if options - live_options and live_options - options:
+        raise CheckpointError(
+            f"{checkpoint.path}: the checkpoint's optimizer differs from this run's ({type(optimizer).__name__}): it "
+            f"has options {few(sorted(options - live_options), 4)} where this one has "
+            f"{few(sorted(live_options - options), 4)}\nhint: {hint} from it"
+        )
 
 
 def read_states(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
