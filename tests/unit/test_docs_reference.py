@@ -1,0 +1,79 @@
+"""The reference parts of the README and docs/ agree with the code they describe.
+
+A synopsis that names a flag the command lacks sends a user to an error; a table or synopsis that
+leaves an option out hides it. Each check reads the docs as a user would and compares them with
+the command's own parameters or the options' own fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from redline.cli.main import SUBCOMMANDS, LazyCommand
+from redline.runtime.options import RuntimeOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+COMMAND_LINE = re.compile(r"^(?:\$ )?redline (\w+)\b")
+
+
+def command_params(command: str) -> list[tuple[str, ...]]:
+    """Each parameter of ``redline COMMAND`` as the flags that set it (``--progress``, ``--no-progress``)."""
+    loaded = LazyCommand(command, SUBCOMMANDS[command]).load()
+    flags = [tuple(f for f in (*p.opts, *p.secondary_opts) if f.startswith("--")) for p in loaded.params]
+    return [f for f in flags if f]
+
+
+def code_blocks(text: str) -> list[list[str]]:
+    """The lines of each fenced block of ``text``."""
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = []
+            else:
+                blocks.append(current)
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def synopses(text: str) -> dict[str, set[str]]:
+    """The flags each ``redline COMMAND ...`` line of a code block names (with its indented continuation lines),
+    comments left out."""
+    found: dict[str, set[str]] = {}
+    for block in code_blocks(text):
+        command = None
+        for line in block:
+            match = COMMAND_LINE.match(line)
+            command = match.group(1) if match else (command if line.startswith(" ") else None)
+            if command in SUBCOMMANDS:
+                found.setdefault(command, set()).update(re.findall(r"--[a-z][a-z0-9-]*", line.split(" #")[0]))
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_flag_a_synopsis_names_exists(doc):
+    for command, named in synopses((ROOT / doc).read_text()).items():
+        known = {flag for flags in command_params(command) for flag in flags} | {"--help"}
+        assert named <= known, f"{doc}: `redline {command}` has no {sorted(named - known)}"
+
+
+def test_the_readme_train_synopsis_names_every_train_flag():
+    named = synopses((ROOT / "README.md").read_text())["train"]
+    missing = [flags[0] for flags in command_params("train") if not named & set(flags)]
+    assert not missing, f"README's `redline train` synopsis leaves out {missing}"
+
+
+def test_the_readme_runtime_table_lists_every_runtime_option():
+    text = (ROOT / "README.md").read_text()
+    table = text.split('| option | values | what "auto" does |', 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
+    fields = [f.name for f in dataclasses.fields(RuntimeOptions)]
+    assert sorted(listed) == sorted(fields), "the table's options are RuntimeOptions' fields, no more and no fewer"
