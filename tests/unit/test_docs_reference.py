@@ -77,3 +77,13 @@ def test_the_readme_runtime_table_lists_every_runtime_option():
     listed = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
     fields = [f.name for f in dataclasses.fields(RuntimeOptions)]
     assert sorted(listed) == sorted(fields), "the table's options are RuntimeOptions' fields, no more and no fewer"
+
+
+def test_the_readme_states_the_stop_vote_cost_the_cited_results_measured():
+    results = (ROOT / "benchmarks/results/stop-vote-cpu.md").read_text()
+    rows = ("every step", r"every \d+ steps")  # voting every step, and paced as the Trainer paces it
+    every_step, paced = (re.search(rf"^\| {row}[^|]* \| ([\d.]+ us) \|", results, re.MULTILINE) for row in rows)
+    assert every_step and paced, "the results table has a row for a vote every step and one for paced votes"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    cited = readme.split("`benchmarks/results/stop-vote-cpu.md`")[0][-400:]  # the sentence that cites it
+    assert every_step.group(1) in cited and paced.group(1) in cited
