@@ -8,12 +8,14 @@ the command's own parameters or the options' own fields.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 
 from redline.cli.main import SUBCOMMANDS, LazyCommand
+from redline.errors import RedlineError
 from redline.runtime.options import RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,3 +89,12 @@ def test_the_readme_states_the_stop_vote_cost_the_cited_results_measured():
     readme = " ".join((ROOT / "README.md").read_text().split())
     cited = readme.split("`benchmarks/results/stop-vote-cpu.md`")[0][-400:]  # the sentence that cites it
     assert every_step.group(1) in cited and paced.group(1) in cited
+
+
+def test_every_error_the_errors_page_lists_is_imported_from_where_it_says():
+    table = (ROOT / "docs/errors.md").read_text().split("| type | import it from | raised when |", 1)[1]
+    rows = re.findall(r"^\| `(\w+)` \| `([\w.]+)` \|", table.split("\n\n", 1)[0], re.MULTILINE)
+    assert len(rows) >= 10, "the table names each error and its module"
+    for name, module in rows:
+        error = getattr(importlib.import_module(module), name, None)
+        assert isinstance(error, type) and issubclass(error, RedlineError), f"`from {module} import {name}` fails"
