@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from redline.cli.main import SUBCOMMANDS, LazyCommand
-from redline.errors import RedlineError
+from redline.errors import RedlineError, TaskSpecError
 from redline.runtime.options import RuntimeOptions
+from redline.task import load_task
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -98,3 +99,22 @@ def test_every_error_the_errors_page_lists_is_imported_from_where_it_says():
     for name, module in rows:
         error = getattr(importlib.import_module(module), name, None)
         assert isinstance(error, type) and issubclass(error, RedlineError), f"`from {module} import {name}` fails"
+
+
+@pytest.mark.parametrize(
+    ("spec", "quoted"),
+    [
+        ("tasks.py", "task spec 'x' has no ':'"),
+        ("example:digit", "no built-in example 'y'"),
+        ("missing.py:make", "file 'tasks.py' does not exist"),
+        ("tasks.py:mak", "tasks.py has no callable 'mak'; defined there: make"),
+    ],
+)
+def test_the_errors_page_quotes_the_task_spec_errors_as_they_are_said(spec, quoted, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.py").write_text("import torch\n\n\ndef make():\n    pass\n")
+    assert f"**`{quoted}`**" in (ROOT / "docs/errors.md").read_text()
+    with pytest.raises(TaskSpecError) as raised:
+        load_task(spec)
+    said = re.escape(quoted).replace("'x'", "'[^']+'").replace("'y'", "'[^']+'").replace("tasks\\.py", r"\S+")
+    assert re.search(said, str(raised.value)), f"{str(raised.value)!r} is not {quoted!r}"
