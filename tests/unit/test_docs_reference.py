@@ -118,3 +118,11 @@ def test_the_errors_page_quotes_the_task_spec_errors_as_they_are_said(spec, quot
         load_task(spec)
     said = re.escape(quoted).replace("'x'", "'[^']+'").replace("'y'", "'[^']+'").replace("tasks\\.py", r"\S+")
     assert re.search(said, str(raised.value)), f"{str(raised.value)!r} is not {quoted!r}"
+
+
+def test_the_readme_names_the_torch_that_make_installs_and_how_to_get_its_cpu_build():
+    pinned = re.search(r"^torch==([\d.]+)$", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
+    assert pinned, "constraints.txt pins torch"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"`constraints.txt` ({pinned.group(1)})" in readme
+    assert "https://download.pytorch.org/whl/cpu" in readme, "the CPU build: how to get it"
