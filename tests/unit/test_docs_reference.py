@@ -7,6 +7,7 @@ the command's own parameters or the options' own fields.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import re
@@ -126,3 +127,16 @@ def test_the_readme_names_the_torch_that_make_installs_and_how_to_get_its_cpu_bu
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"`constraints.txt` ({pinned.group(1)})" in readme
     assert "https://download.pytorch.org/whl/cpu" in readme, "the CPU build: how to get it"
+
+
+def test_the_readme_task_example_names_every_field_and_its_defaults():
+    from redline.task import Task
+
+    readme = (ROOT / "README.md").read_text()
+    call = readme.split("task = redline.Task(", 1)[1].split("\ntask = ", 1)[0]
+    named = [keyword.arg for keyword in ast.parse("Task(" + call).body[0].value.keywords]
+    fields = {f.name: f.default for f in dataclasses.fields(Task)}
+    assert sorted(named) == sorted(fields), "the example shows every field of Task"
+    said = " ".join(readme.split())
+    assert f"`batch_size` {fields['batch_size']} and `epochs` {fields['epochs']}" in said
+    assert f"`name` (default `{fields['name']!r}`)".replace("'", '"') in said
