@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -140,3 +141,14 @@ def test_the_readme_task_example_names_every_field_and_its_defaults():
     said = " ".join(readme.split())
     assert f"`batch_size` {fields['batch_size']} and `epochs` {fields['epochs']}" in said
     assert f"`name` (default `{fields['name']!r}`)".replace("'", '"') in said
+
+
+def test_the_readme_gives_each_callback_hook_as_the_trainer_calls_it():
+    from redline.train.callbacks import Callback
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    hooks = [name for name in vars(Callback) if name.startswith("on_")]
+    assert hooks, "Callback has hooks"
+    for name in hooks:
+        params = ", ".join(p for p in inspect.signature(getattr(Callback, name)).parameters if p != "self")
+        assert f"`{name}({params})`" in readme, f"README gives {name}({params})"
