@@ -152,3 +152,13 @@ def test_the_readme_gives_each_callback_hook_as_the_trainer_calls_it():
     for name in hooks:
         params = ", ".join(p for p in inspect.signature(getattr(Callback, name)).parameters if p != "self")
         assert f"`{name}({params})`" in readme, f"README gives {name}({params})"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_a_page_names_is_in_the_repository(doc):
+    text = (ROOT / doc).read_text()
+    named = re.findall(r"(?<![\w/.])((?:\.\./|src/|tests/|benchmarks/|docs/)[\w./-]*\w)", text)
+    linked = [str(Path(doc).parent / link) for link in re.findall(r"\]\(([\w./-]+\.md)\)", text)]
+    inside = [(ROOT / path).resolve() for path in [*named, *linked]]
+    missing = [str(path) for path in inside if not (path.is_relative_to(ROOT) and path.exists())]
+    assert not missing, f"{doc} names files a clone does not have: {missing}"
