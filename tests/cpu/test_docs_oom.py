@@ -51,3 +51,9 @@ def test_the_oom_page_says_what_auto_does_at_one_sample(caplog):
     reason = rt.explain().activation_checkpointing.reason
     tail = re.sub(r"step \d+", "step N", "auto: " + reason.rsplit("auto: ", 1)[1])  # what "auto" itself said
     assert f"`{tail}`" in page, f"the page quotes the Plan's reason: {tail!r}"
+
+
+def test_the_readme_says_auto_turns_checkpointing_on_where_one_sample_does_not_fit():
+    readme = one_line((ROOT / "README.md").read_text())
+    bullet = readme.split("**Out of memory without losing a step.**", 1)[1].split("- **", 1)[0]
+    assert "even one sample does not fit, it turns activation checkpointing on" in bullet
