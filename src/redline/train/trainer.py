@@ -183,12 +183,13 @@ class Trainer:
         run.window.samples += samples
         run.window.tokens += tokens
         run.meter.count(samples, tokens)
+        lr = float(run.optimizer.param_groups[0]["lr"])  # the rate this step applies, before the scheduler moves it
         if not run.rt.step(run.optimizer):
             return False
         run.pos.step += 1
         run.scheduler.after_step(run.pos.step)
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
-        run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
+        run.window.lrs.append(lr)
         run.window.epochs.append(run.pos.epoch)
         run.micro_loss = None
         run.meter.first_step_done(inputs, targets, run.model)
