@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from redline import Runtime, RuntimeOptions
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
@@ -112,6 +114,27 @@ def test_a_stream_with_no_length_trains_by_steps_and_refuses_epochs():
     assert (summary.steps, summary.samples, summary.stopped, summary.epochs) == (7, 56, "max_steps", None)
     with pytest.raises(ConfigError, match=r"(?s)train_data is a stream \(Stream has no length\).*--max-steps"):
         Trainer(mistake("stream"), max_epochs=2).fit()
+
+
+class ReadOnce(IterableDataset):
+    """A stream whose __iter__ hands out one iterator: used up by the first pass, empty from then on."""
+
+    def __init__(self, items: list) -> None:
+        self.items = iter(items)
+
+    def __iter__(self):
+        return self.items
+
+
+@pytest.mark.parametrize("items", [range(40), []], ids=["read-once", "empty"])
+def test_a_val_stream_that_gives_nothing_is_named_not_logged_as_a_nan_loss(items):
+    task = mistake("ok")
+    pairs = [(task.train_data[i][0], task.train_data[i][1]) for i in items]
+    stream = dataclasses.replace(task, val_data=ReadOnce(pairs))
+    # the read-once stream is used up by the evaluation at step 2; one that gives nothing is the user's to fix
+    expected = r"(?s)evaluation at step \d: val_data gave no item.*hint: .*__iter__"
+    with pytest.raises(TaskError, match=expected), Trainer(stream, max_steps=6, eval_every=2, progress=False) as run:
+        run.fit()
 
 
 def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path):
