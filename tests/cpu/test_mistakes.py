@@ -137,6 +137,21 @@ def test_a_val_stream_that_gives_nothing_is_named_not_logged_as_a_nan_loss(items
         run.fit()
 
 
+def test_a_train_stream_used_up_by_its_first_epoch_names_its_iter():
+    task = mistake("ok")
+    stream = dataclasses.replace(task, train_data=ReadOnce([task.train_data[i] for i in range(40)]))
+    # 40 items of batch 8: epoch 1 is 5 steps; the same iterator then gives nothing
+    expected = r"(?s)train_data gave no batch in epoch 2, after batches.*same iterator.*hint: .*__iter__.*generator"
+    with pytest.raises(TaskError, match=expected), Trainer(stream, max_steps=8, progress=False) as run:
+        run.fit()
+    empty = dataclasses.replace(task, train_data=ReadOnce([]))
+    with (
+        pytest.raises(TaskError, match=r"gave no batch in epoch 1: the stream is empty\n"),
+        Trainer(empty, max_steps=8) as run,
+    ):
+        run.fit()
+
+
 def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path):
     seeded = {"progress": False, "runtime": RuntimeOptions(seed=0)}
     with Trainer(mistake("stream"), max_steps=7, out_dir=tmp_path / "whole", **seeded) as trainer:

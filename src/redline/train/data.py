@@ -113,6 +113,21 @@ def plan_length(
     return min(steps, max_steps or math.inf), per_epoch
 
 
+def no_batch(epoch: int, world_size: int) -> TaskError:
+    """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share."""
+    short = f", or it holds fewer items than the {world_size} processes share" if world_size > 1 else ""
+    if epoch == 0:
+        return TaskError(
+            f"train_data gave no batch in epoch 1: the stream is empty{short}\nhint: check how train_data is built"
+        )
+    return TaskError(
+        f"train_data gave no batch in epoch {epoch + 1}, after batches in the epoch(s) before: its __iter__ gave "
+        f"nothing this time, as one that returns the same iterator each time does once it is used up{short}\n"
+        "hint: make train_data's __iter__ start a fresh pass each time it is called (write it as a generator, with "
+        "yield): a stream that runs dry starts again as the next epoch"
+    )
+
+
 def train_loader(
     dataset: Dataset[Any], *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
 ) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:

@@ -28,7 +28,7 @@ from torch import nn
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
-from redline.errors import ConfigError, TaskError, TrainingError
+from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
@@ -44,7 +44,7 @@ from redline.task import Task, require_task
 from redline.train import resume
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.data import plan_length, train_loader
+from redline.train.data import no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
@@ -138,10 +138,7 @@ class Trainer:
                             break
                 else:
                     if run.pos.batches_in_epoch == 0:
-                        raise TaskError(
-                            f"train_data gave no batch in epoch {run.pos.epoch + 1}: a stream ran dry, or it holds "
-                            f"fewer items than the {self.env.world_size} processes share\nhint: check the dataset"
-                        )
+                        raise no_batch(run.pos.epoch, self.env.world_size)
                     run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
                     run.stopped = self._after_epoch(run)
             self._finish(run)
