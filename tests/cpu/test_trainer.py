@@ -339,6 +339,27 @@ def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_p
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # not evaluated again
 
 
+@pytest.mark.parametrize("patience", [4, None], ids=["more-patience", "no-early-stopping"])
+def test_a_run_early_stopping_ended_trains_on_when_rerun_with_more_patience_or_none(tmp_path, caplog, patience):
+    frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))  # the val loss never improves
+
+    def stopping(patience: int | None) -> list[EarlyStopping]:
+        return [EarlyStopping(monitor="val_loss", patience=patience)] if patience else []
+
+    first = quiet(frozen, eval_every=2, max_steps=10, out_dir=tmp_path, callbacks=stopping(2)).fit()
+    assert (first.steps, first.stopped) == (6, "early stopping")  # evals at 2 (best), 4 and 6 without improvement
+    with caplog.at_level("WARNING", logger="redline"):
+        again = quiet(frozen, eval_every=2, max_steps=10, out_dir=tmp_path, resume="auto", callbacks=stopping(2))
+        assert again.fit().steps == 6  # the same patience: the run stays as it ended
+    assert "hint: to train it further, raise --early-stopping-patience, or drop early stopping" in caplog.text
+    more = quiet(frozen, eval_every=2, max_steps=12, out_dir=tmp_path, resume="auto", callbacks=stopping(patience))
+    summary = more.fit()  # patience 4 (two evaluations without improvement restored) stops again at 10
+    expected = (10, "early stopping") if patience else (12, "max_steps")
+    assert (summary.steps, summary.stopped) == expected
+    rows = csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines())
+    assert [int(row["step"]) for row in rows] == list(range(1, expected[0] + 1))
+
+
 def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
     quiet(tiny_task(), max_steps=8, out_dir=tmp_path).fit()  # 8 steps an epoch: evaluated after the last checkpoint
     quiet(tiny_task(), max_steps=12, out_dir=tmp_path, resume="auto").fit()  # evaluates step 8 again, at the epoch end
