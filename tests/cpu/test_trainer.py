@@ -360,6 +360,16 @@ def test_a_run_early_stopping_ended_trains_on_when_rerun_with_more_patience_or_n
     assert [int(row["step"]) for row in rows] == list(range(1, expected[0] + 1))
 
 
+def test_resuming_a_checkpoint_past_max_steps_says_the_count_includes_the_resumed_steps(tmp_path, caplog):
+    quiet(tiny_task(), max_steps=5, out_dir=tmp_path / "first").fit()
+    found = tmp_path / "first" / "checkpoints" / "step-00000005"
+    with caplog.at_level("WARNING", logger="redline"):  # "3 more steps" meant: nothing trains, and the log says why
+        summary = quiet(tiny_task(), max_steps=3, out_dir=tmp_path / "tuned", resume=found).fit()
+    assert summary.steps == 5 and summary.final_loss is None
+    assert "resumed at step 5, past --max-steps 3: nothing to train" in caplog.text
+    assert "hint: to train 3 more, pass --max-steps 8" in caplog.text
+
+
 def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
     quiet(tiny_task(), max_steps=8, out_dir=tmp_path).fit()  # 8 steps an epoch: evaluated after the last checkpoint
     quiet(tiny_task(), max_steps=12, out_dir=tmp_path, resume="auto").fit()  # evaluates step 8 again, at the epoch end

@@ -197,10 +197,16 @@ def ended_run(
     if stopped == "early stopping" and (stopping is None or stopping.bad_evals < stopping.patience):
         stopped = ""  # this run's early stopping (or none) lets it train on
     reason = _end_reason(pos, stopped, total=total, max_epochs=max_epochs, max_steps=max_steps)
-    if not reason or out_dir is None:
+    if not reason:
         return None, reason
-    ended = stored_summary(out_dir, env)
+    ended = stored_summary(out_dir, env) if out_dir is not None else None
     if ended is None:
+        if max_steps is not None and pos.step > max_steps:  # not this run's own end: a count taken as "more steps"
+            log.warning(
+                "resumed at step %d, past --max-steps %d: nothing to train (--max-steps counts the run's steps from "
+                "its start, the resumed ones included)\nhint: to train %d more, pass --max-steps %d",
+                pos.step, max_steps, max_steps, pos.step + max_steps,
+            )  # fmt: skip
         return None, reason
     if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
         log.warning(
