@@ -116,6 +116,20 @@ def test_a_stream_with_no_length_trains_by_steps_and_refuses_epochs():
         Trainer(mistake("stream"), max_epochs=2).fit()
 
 
+def test_a_stream_that_has_a_length_trains_by_epochs():
+    class Sized(IterableDataset):  # a stream that says how many items a pass yields, as torch's DataLoader reads it
+        def __iter__(self):
+            return iter(mistake("stream").train_data)
+
+        def __len__(self):
+            return 40
+
+    task = dataclasses.replace(mistake("stream"), train_data=Sized())
+    with Trainer(task, max_epochs=2, progress=False) as trainer:
+        summary = trainer.fit()  # 40 items of batch 8: 5 steps an epoch
+    assert (summary.steps, summary.samples, summary.stopped, summary.epochs) == (10, 80, "epochs", 2.0)
+
+
 class ReadOnce(IterableDataset):
     """A stream whose __iter__ hands out one iterator: used up by the first pass, empty from then on."""
 

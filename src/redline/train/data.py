@@ -77,18 +77,20 @@ def plan_length(
     max_steps: int | None,
     drop_last: bool = False,
 ) -> tuple[float, int | None]:
-    """Return a run's optimizer steps, and its batches per epoch (None for a stream, whose length is unknown).
+    """Return a run's optimizer steps, and its batches per epoch (None for a stream whose length is unknown).
 
-    The epochs' steps are cut at ``max_steps``; a stream needs ``max_steps``.
+    The epochs' steps are cut at ``max_steps``; a stream without ``__len__`` needs ``max_steps``, and one with
+    it plans its epochs by that length, as torch's DataLoader reports it.
     """
-    if is_stream(data):
+    size = stream_length(data) if is_stream(data) else len(data)  # type: ignore[arg-type]
+    if size is None:
         if max_steps is None:
             raise ConfigError(
                 f"train_data is a stream ({type(data).__name__} has no length), so an epoch's end cannot be "
-                "planned\nhint: pass --max-steps N (max_steps=N); a stream that runs dry starts again as the next epoch"
+                "planned\nhint: pass --max-steps N (max_steps=N); a stream that runs dry starts again as the next "
+                "epoch; or give it __len__ (the items one pass yields)"
             )
         return max_steps, None
-    size = len(data)  # type: ignore[arg-type]
     per_epoch = batches_per_epoch(size, batch_size, world_size, drop_last)
     if not per_epoch:
         found = "is empty" if not size else f"holds {size} item(s), not one batch of {batch_size}"
@@ -111,6 +113,14 @@ def plan_length(
             "hint: lower --grad-accum or the batch size, or train more epochs"
         )
     return min(steps, max_steps or math.inf), per_epoch
+
+
+def stream_length(data: Dataset[Any]) -> int | None:
+    """The items one pass of a stream yields, where it says (an IterableDataset with ``__len__``); else None."""
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
+        return None
 
 
 def no_batch(epoch: int, world_size: int) -> TaskError:

@@ -93,7 +93,7 @@ class Trainer:
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
-        self._batches_per_epoch: int | None = 1  # None for a stream: its length is unknown
+        self._batches_per_epoch: int | None = 1  # None for a stream of unknown length
         self._evaluated_at: int | None = None
         self._stored_stop = ""  # why the run the resumed checkpoint belongs to ended, if it did
         self.rt: Runtime | None = None
