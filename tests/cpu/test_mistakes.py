@@ -197,6 +197,19 @@ def test_a_batch_larger_than_the_data_is_said_once_not_claimed(caplog):
     assert caplog.text == ""
 
 
+def test_batches_grad_accum_leaves_without_a_step_at_the_runs_end_are_said(caplog):
+    data = torch.utils.data.TensorDataset(torch.zeros(40, 2), torch.zeros(40))  # 5 batches of 8 an epoch
+    with caplog.at_level("WARNING", logger="redline"):
+        assert plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=None) == (2, 5)
+    assert "grad_accum=2: the run's 5 batches (1 epoch(s) of 5) make 2 optimizer steps, and its last 1" in caplog.text
+    assert "hint: pass a --grad-accum that divides 5" in caplog.text
+    caplog.clear()
+    plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=2, max_steps=None)  # 10 batches: 5 steps
+    plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=1)  # max_steps ends it
+    plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=math.inf, max_steps=3)
+    assert caplog.text == ""
+
+
 def test_samples_count_the_batch_axis_of_the_inputs_not_the_keys_of_the_targets():
     with Trainer(mistake("dict_targets"), max_steps=4, progress=False) as trainer:
         summary = trainer.fit()

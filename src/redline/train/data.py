@@ -112,6 +112,14 @@ def plan_length(
             f"of {per_epoch} batch(es) hold {int(max_epochs * per_epoch)}: the run would never step\n"
             "hint: lower --grad-accum or the batch size, or train more epochs"
         )
+    batches = int(max_epochs * per_epoch) if math.isfinite(steps) else 0
+    if steps <= (max_steps or math.inf) and batches % grad_accum and not drop_last:  # the epochs end the run
+        log.warning(
+            "grad_accum=%d: the run's %d batches (%g epoch(s) of %d) make %d optimizer steps, and its last %d "
+            "batch(es) complete none, so they are not trained on\nhint: pass a --grad-accum that divides %d, or a "
+            "--batch-size or --epochs that makes the batches a multiple of it",
+            grad_accum, batches, max_epochs, per_epoch, steps, batches % grad_accum, batches,
+        )  # fmt: skip
     return min(steps, max_steps or math.inf), per_epoch
 
 
