@@ -379,6 +379,22 @@ def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
         assert [int(row["step"]) for row in rows] == [8, 12], name
 
 
+def test_early_stopping_resumed_to_watch_another_metric_does_not_compare_it_with_the_old_best():
+    stored = EarlyStopping(monitor="val_loss", patience=2)
+    stored.should_stop({"val_loss": 0.7, "val_metric": 0.5})
+    stored.should_stop({"val_loss": 0.8, "val_metric": 0.5})
+    accuracy = EarlyStopping(monitor="val_metric", patience=2)
+    accuracy.load_state_dict(stored.state_dict())  # a loss of 0.7 is no accuracy to beat
+    assert (accuracy.best, accuracy.bad_evals) == (None, 0)
+    assert not accuracy.should_stop({"val_loss": 0.9, "val_metric": 0.5}) and accuracy.best == 0.5
+    same = EarlyStopping(monitor="val_loss", patience=2)
+    same.load_state_dict(stored.state_dict())
+    assert (same.best, same.bad_evals) == (0.7, 1)
+    older = EarlyStopping(monitor="val_loss", patience=2)
+    older.load_state_dict({"best": 0.7, "bad_evals": 1})  # a checkpoint from before the metric was saved
+    assert (older.best, older.bad_evals) == (0.7, 1)
+
+
 def test_early_stopping_on_a_nan_evaluation_says_the_model_diverged():
     stopping = EarlyStopping(monitor="val_metric")
     stopping.should_stop({"val_loss": 0.5, "val_metric": 0.9})

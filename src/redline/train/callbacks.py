@@ -87,7 +87,12 @@ class EarlyStopping(Callback):
         return self.bad_evals >= self.patience
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "bad_evals": self.bad_evals}
+        return {"best": self.best, "bad_evals": self.bad_evals, "monitor": self.monitor, "minimise": self.minimise}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's state; one that watched another metric, or the other way, starts afresh."""
+        watched = (state.get("monitor", self.monitor), state.get("minimise", self.minimise))  # older: unsaid
+        if watched != (self.monitor, self.minimise):  # its best is no value of this metric (a loss is no accuracy)
+            self.best, self.bad_evals = None, 0
+            return
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
