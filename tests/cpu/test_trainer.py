@@ -161,6 +161,25 @@ def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
     assert [c.step for c in ckpt.find_checkpoints(tmp_path / "checkpoints")] == [4, 8]
 
 
+def test_callbacks_the_loop_could_not_call_are_refused_before_training():
+    class OnStepOnly:  # duck-typed, with one hook of four: the first evaluation would fail mid-run
+        def on_step(self, trainer, step, loss):
+            pass
+
+    class EveryHook(OnStepOnly, redline.Callback):
+        pass
+
+    refused = {
+        "a function": ([lambda *args: None], r"one is function, with no on_step, on_evaluate, on_checkpoint"),
+        "one hook": ([OnStepOnly()], r"one is OnStepOnly, with no on_evaluate, on_checkpoint, on_fit_end"),
+        "no list": (EveryHook(), r"expected a list of Callback objects\nhint: pass callbacks=\[EveryHook\(\.\.\.\)\]"),
+    }
+    for callbacks, said in refused.values():
+        with pytest.raises(ConfigError, match=said):
+            quiet(tiny_task(), max_steps=2, callbacks=callbacks)
+    assert quiet(tiny_task(), max_steps=2, callbacks=(EveryHook(),)).fit().steps == 2
+
+
 def test_early_stopping_stops_when_the_metric_stops_improving():
     frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
     summary = quiet(frozen, eval_every=2, callbacks=[EarlyStopping(monitor="val_loss", patience=2)]).fit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -96,3 +97,29 @@ class EarlyStopping(Callback):
             self.best, self.bad_evals = None, 0
             return
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
+
+
+def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], EarlyStopping | None]:
+    """Return ``callbacks`` as a list and the EarlyStopping among them; refuse, before training, what the loop
+    could not call (a bare function, an object without every hook: it would fail mid-run) and a second
+    EarlyStopping."""
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | set | frozenset):
+        raise invalid(
+            "callbacks", callbacks, "a list of Callback objects", f"pass callbacks=[{type(callbacks).__name__}(...)]"
+        )
+    for callback in callbacks:
+        missing = [hook for hook in _HOOKS if not callable(getattr(callback, hook, None))]
+        if missing:  # a Callback has every hook; an object of the user's own may too
+            raise invalid(
+                "callbacks", list(callbacks),
+                f"Callback objects; one is {type(callback).__name__}, with no {', '.join(missing)}",
+                "subclass redline.Callback and override the hooks you need (on_step, on_evaluate, on_checkpoint, "
+                "on_fit_end); the others do nothing",
+            )  # fmt: skip
+    stoppers = [c for c in callbacks if isinstance(c, EarlyStopping)]
+    if len(stoppers) > 1:
+        raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
+    return list(callbacks), stoppers[0] if stoppers else None
+
+
+_HOOKS = ("on_step", "on_evaluate", "on_checkpoint", "on_fit_end")

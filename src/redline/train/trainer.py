@@ -42,7 +42,7 @@ from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
-from redline.train.callbacks import Callback, EarlyStopping
+from redline.train.callbacks import Callback, check_callbacks
 from redline.train.config import TrainerConfig
 from redline.train.data import no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
@@ -83,11 +83,7 @@ class Trainer:
         self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
         self.batch_size = self.config.batch_size or task.batch_size
         self.out_dir = prepare_out_dir(self.config.out_dir) if self.config.out_dir is not None else None
-        self.callbacks = list(callbacks)
-        stoppers = [c for c in self.callbacks if isinstance(c, EarlyStopping)]
-        if len(stoppers) > 1:
-            raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
-        self.early_stopping = stoppers[0] if stoppers else None
+        self.callbacks, self.early_stopping = check_callbacks(callbacks)
         if self.early_stopping is not None:
             self.early_stopping.check_task(task)
         self.seed = self.options.seed if self.options.seed is not None else 0
