@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from redline import Runtime, RuntimeOptions
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
@@ -114,6 +116,56 @@ def test_a_stream_with_no_length_trains_by_steps_and_refuses_epochs():
         Trainer(mistake("stream"), max_epochs=2).fit()
 
 
+def test_a_stream_that_has_a_length_trains_by_epochs():
+    class Sized(IterableDataset):  # a stream that says how many items a pass yields, as torch's DataLoader reads it
+        def __iter__(self):
+            return iter(mistake("stream").train_data)
+
+        def __len__(self):
+            return 40
+
+    task = dataclasses.replace(mistake("stream"), train_data=Sized())
+    with Trainer(task, max_epochs=2, progress=False) as trainer:
+        summary = trainer.fit()  # 40 items of batch 8: 5 steps an epoch
+    assert (summary.steps, summary.samples, summary.stopped, summary.epochs) == (10, 80, "epochs", 2.0)
+
+
+class ReadOnce(IterableDataset):
+    """A stream whose __iter__ hands out one iterator: used up by the first pass, empty from then on."""
+
+    def __init__(self, items: list) -> None:
+        self.items = iter(items)
+
+    def __iter__(self):
+        return self.items
+
+
+@pytest.mark.parametrize("items", [range(40), []], ids=["read-once", "empty"])
+def test_a_val_stream_that_gives_nothing_is_named_not_logged_as_a_nan_loss(items):
+    task = mistake("ok")
+    pairs = [(task.train_data[i][0], task.train_data[i][1]) for i in items]
+    stream = dataclasses.replace(task, val_data=ReadOnce(pairs))
+    # the read-once stream is used up by the evaluation at step 2; one that gives nothing is the user's to fix
+    expected = r"(?s)evaluation at step \d: val_data gave no item.*hint: .*__iter__"
+    with pytest.raises(TaskError, match=expected), Trainer(stream, max_steps=6, eval_every=2, progress=False) as run:
+        run.fit()
+
+
+def test_a_train_stream_used_up_by_its_first_epoch_names_its_iter():
+    task = mistake("ok")
+    stream = dataclasses.replace(task, train_data=ReadOnce([task.train_data[i] for i in range(40)]))
+    # 40 items of batch 8: epoch 1 is 5 steps; the same iterator then gives nothing
+    expected = r"(?s)train_data gave no batch in epoch 2, after batches.*same iterator.*hint: .*__iter__.*generator"
+    with pytest.raises(TaskError, match=expected), Trainer(stream, max_steps=8, progress=False) as run:
+        run.fit()
+    empty = dataclasses.replace(task, train_data=ReadOnce([]))
+    with (
+        pytest.raises(TaskError, match=r"gave no batch in epoch 1: the stream is empty\n"),
+        Trainer(empty, max_steps=8) as run,
+    ):
+        run.fit()
+
+
 def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path):
     seeded = {"progress": False, "runtime": RuntimeOptions(seed=0)}
     with Trainer(mistake("stream"), max_steps=7, out_dir=tmp_path / "whole", **seeded) as trainer:
@@ -142,6 +194,19 @@ def test_a_batch_larger_than_the_data_is_said_once_not_claimed(caplog):
     assert "--batch-size 5" in caplog.text
     caplog.clear()
     plan_length(data, batch_size=5, world_size=1, grad_accum=1, max_epochs=2, max_steps=None)
+    assert caplog.text == ""
+
+
+def test_batches_grad_accum_leaves_without_a_step_at_the_runs_end_are_said(caplog):
+    data = torch.utils.data.TensorDataset(torch.zeros(40, 2), torch.zeros(40))  # 5 batches of 8 an epoch
+    with caplog.at_level("WARNING", logger="redline"):
+        assert plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=None) == (2, 5)
+    assert "grad_accum=2: the run's 5 batches (1 epoch(s) of 5) make 2 optimizer steps, and its last 1" in caplog.text
+    assert "hint: pass a --grad-accum that divides 5" in caplog.text
+    caplog.clear()
+    plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=2, max_steps=None)  # 10 batches: 5 steps
+    plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=1)  # max_steps ends it
+    plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=math.inf, max_steps=3)
     assert caplog.text == ""
 
 

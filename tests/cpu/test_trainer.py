@@ -161,6 +161,25 @@ def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
     assert [c.step for c in ckpt.find_checkpoints(tmp_path / "checkpoints")] == [4, 8]
 
 
+def test_callbacks_the_loop_could_not_call_are_refused_before_training():
+    class OnStepOnly:  # duck-typed, with one hook of four: the first evaluation would fail mid-run
+        def on_step(self, trainer, step, loss):
+            pass
+
+    class EveryHook(OnStepOnly, redline.Callback):
+        pass
+
+    refused = {
+        "a function": ([lambda *args: None], r"one is function, with no on_step, on_evaluate, on_checkpoint"),
+        "one hook": ([OnStepOnly()], r"one is OnStepOnly, with no on_evaluate, on_checkpoint, on_fit_end"),
+        "no list": (EveryHook(), r"expected a list of Callback objects\nhint: pass callbacks=\[EveryHook\(\.\.\.\)\]"),
+    }
+    for callbacks, said in refused.values():
+        with pytest.raises(ConfigError, match=said):
+            quiet(tiny_task(), max_steps=2, callbacks=callbacks)
+    assert quiet(tiny_task(), max_steps=2, callbacks=(EveryHook(),)).fit().steps == 2
+
+
 def test_early_stopping_stops_when_the_metric_stops_improving():
     frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
     summary = quiet(frozen, eval_every=2, callbacks=[EarlyStopping(monitor="val_loss", patience=2)]).fit()
@@ -206,14 +225,15 @@ def test_a_checkpoint_of_a_users_own_loop_is_refused_clearly(tmp_path):
         trainer.fit()
 
 
-def test_scheduler_steps_with_the_optimizer_and_lr_is_logged(tmp_path):
+def test_scheduler_steps_with_the_optimizer_and_each_row_has_the_lr_its_step_used(tmp_path):
     warmup = tiny_task(
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4)),
     )
     quiet(warmup, max_steps=6, log_every=3, out_dir=tmp_path).fit()
     rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
-    assert [float(r["lr"]) for r in rows] == pytest.approx([0.05, 0.075, 0.1, 0.1, 0.1, 0.1])
+    # step 1 trains at the warmup's first rate (0.1 / 4), not at the rate the scheduler sets for step 2
+    assert [float(r["lr"]) for r in rows] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
 
 
 def test_evaluate_and_predict():
@@ -338,6 +358,37 @@ def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_p
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files  # not evaluated again
 
 
+@pytest.mark.parametrize("patience", [4, None], ids=["more-patience", "no-early-stopping"])
+def test_a_run_early_stopping_ended_trains_on_when_rerun_with_more_patience_or_none(tmp_path, caplog, patience):
+    frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))  # the val loss never improves
+
+    def stopping(patience: int | None) -> list[EarlyStopping]:
+        return [EarlyStopping(monitor="val_loss", patience=patience)] if patience else []
+
+    first = quiet(frozen, eval_every=2, max_steps=10, out_dir=tmp_path, callbacks=stopping(2)).fit()
+    assert (first.steps, first.stopped) == (6, "early stopping")  # evals at 2 (best), 4 and 6 without improvement
+    with caplog.at_level("WARNING", logger="redline"):
+        again = quiet(frozen, eval_every=2, max_steps=10, out_dir=tmp_path, resume="auto", callbacks=stopping(2))
+        assert again.fit().steps == 6  # the same patience: the run stays as it ended
+    assert "hint: to train it further, raise --early-stopping-patience, or drop early stopping" in caplog.text
+    more = quiet(frozen, eval_every=2, max_steps=12, out_dir=tmp_path, resume="auto", callbacks=stopping(patience))
+    summary = more.fit()  # patience 4 (two evaluations without improvement restored) stops again at 10
+    expected = (10, "early stopping") if patience else (12, "max_steps")
+    assert (summary.steps, summary.stopped) == expected
+    rows = csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines())
+    assert [int(row["step"]) for row in rows] == list(range(1, expected[0] + 1))
+
+
+def test_resuming_a_checkpoint_past_max_steps_says_the_count_includes_the_resumed_steps(tmp_path, caplog):
+    quiet(tiny_task(), max_steps=5, out_dir=tmp_path / "first").fit()
+    found = tmp_path / "first" / "checkpoints" / "step-00000005"
+    with caplog.at_level("WARNING", logger="redline"):  # "3 more steps" meant: nothing trains, and the log says why
+        summary = quiet(tiny_task(), max_steps=3, out_dir=tmp_path / "tuned", resume=found).fit()
+    assert summary.steps == 5 and summary.final_loss is None
+    assert "resumed at step 5, past --max-steps 3: nothing to train" in caplog.text
+    assert "hint: to train 3 more, pass --max-steps 8" in caplog.text
+
+
 def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
     quiet(tiny_task(), max_steps=8, out_dir=tmp_path).fit()  # 8 steps an epoch: evaluated after the last checkpoint
     quiet(tiny_task(), max_steps=12, out_dir=tmp_path, resume="auto").fit()  # evaluates step 8 again, at the epoch end
@@ -345,6 +396,22 @@ def test_a_run_resumed_at_an_epochs_end_logs_that_evaluation_once(tmp_path):
         text = (tmp_path / name).read_text()
         rows = csv.DictReader(text.splitlines()) if name.endswith("csv") else map(json.loads, text.splitlines())
         assert [int(row["step"]) for row in rows] == [8, 12], name
+
+
+def test_early_stopping_resumed_to_watch_another_metric_does_not_compare_it_with_the_old_best():
+    stored = EarlyStopping(monitor="val_loss", patience=2)
+    stored.should_stop({"val_loss": 0.7, "val_metric": 0.5})
+    stored.should_stop({"val_loss": 0.8, "val_metric": 0.5})
+    accuracy = EarlyStopping(monitor="val_metric", patience=2)
+    accuracy.load_state_dict(stored.state_dict())  # a loss of 0.7 is no accuracy to beat
+    assert (accuracy.best, accuracy.bad_evals) == (None, 0)
+    assert not accuracy.should_stop({"val_loss": 0.9, "val_metric": 0.5}) and accuracy.best == 0.5
+    same = EarlyStopping(monitor="val_loss", patience=2)
+    same.load_state_dict(stored.state_dict())
+    assert (same.best, same.bad_evals) == (0.7, 1)
+    older = EarlyStopping(monitor="val_loss", patience=2)
+    older.load_state_dict({"best": 0.7, "bad_evals": 1})  # a checkpoint from before the metric was saved
+    assert (older.best, older.bad_evals) == (0.7, 1)
 
 
 def test_early_stopping_on_a_nan_evaluation_says_the_model_diverged():

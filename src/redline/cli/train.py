@@ -204,7 +204,10 @@ def _spent(summary: TrainSummary) -> str:
 
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     """Return the summary's figures as (name, text) rows for a table."""
-    epochs = f"{summary.epochs:g} epochs, " if summary.epochs is not None else "streamed, "
+    if summary.epochs is None:
+        epochs = "streamed, "
+    else:
+        epochs = f"{summary.epochs:g} epoch{'' if summary.epochs == 1 else 's'}, "
     rows = [
         ("device", summary.device),
         ("steps", f"{summary.steps} ({epochs}{summary.samples} samples; stopped: {summary.stopped})"),

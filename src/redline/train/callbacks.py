@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -87,7 +88,38 @@ class EarlyStopping(Callback):
         return self.bad_evals >= self.patience
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "bad_evals": self.bad_evals}
+        return {"best": self.best, "bad_evals": self.bad_evals, "monitor": self.monitor, "minimise": self.minimise}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's state; one that watched another metric, or the other way, starts afresh."""
+        watched = (state.get("monitor", self.monitor), state.get("minimise", self.minimise))  # older: unsaid
+        if watched != (self.monitor, self.minimise):  # its best is no value of this metric (a loss is no accuracy)
+            self.best, self.bad_evals = None, 0
+            return
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
+
+
+def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], EarlyStopping | None]:
+    """Return ``callbacks`` as a list and the EarlyStopping among them; refuse, before training, what the loop
+    could not call (a bare function, an object without every hook: it would fail mid-run) and a second
+    EarlyStopping."""
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | set | frozenset):
+        raise invalid(
+            "callbacks", callbacks, "a list of Callback objects", f"pass callbacks=[{type(callbacks).__name__}(...)]"
+        )
+    for callback in callbacks:
+        missing = [hook for hook in _HOOKS if not callable(getattr(callback, hook, None))]
+        if missing:  # a Callback has every hook; an object of the user's own may too
+            raise invalid(
+                "callbacks", list(callbacks),
+                f"Callback objects; one is {type(callback).__name__}, with no {', '.join(missing)}",
+                "subclass redline.Callback and override the hooks you need (on_step, on_evaluate, on_checkpoint, "
+                "on_fit_end); the others do nothing",
+            )  # fmt: skip
+    stoppers = [c for c in callbacks if isinstance(c, EarlyStopping)]
+    if len(stoppers) > 1:
+        raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
+    return list(callbacks), stoppers[0] if stoppers else None
+
+
+_HOOKS = ("on_step", "on_evaluate", "on_checkpoint", "on_fit_end")

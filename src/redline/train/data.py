@@ -77,18 +77,20 @@ def plan_length(
     max_steps: int | None,
     drop_last: bool = False,
 ) -> tuple[float, int | None]:
-    """Return a run's optimizer steps, and its batches per epoch (None for a stream, whose length is unknown).
+    """Return a run's optimizer steps, and its batches per epoch (None for a stream whose length is unknown).
 
-    The epochs' steps are cut at ``max_steps``; a stream needs ``max_steps``.
+    The epochs' steps are cut at ``max_steps``; a stream without ``__len__`` needs ``max_steps``, and one with
+    it plans its epochs by that length, as torch's DataLoader reports it.
     """
-    if is_stream(data):
+    size = stream_length(data) if is_stream(data) else len(data)  # type: ignore[arg-type]
+    if size is None:
         if max_steps is None:
             raise ConfigError(
                 f"train_data is a stream ({type(data).__name__} has no length), so an epoch's end cannot be "
-                "planned\nhint: pass --max-steps N (max_steps=N); a stream that runs dry starts again as the next epoch"
+                "planned\nhint: pass --max-steps N (max_steps=N); a stream that runs dry starts again as the next "
+                "epoch; or give it __len__ (the items one pass yields)"
             )
         return max_steps, None
-    size = len(data)  # type: ignore[arg-type]
     per_epoch = batches_per_epoch(size, batch_size, world_size, drop_last)
     if not per_epoch:
         found = "is empty" if not size else f"holds {size} item(s), not one batch of {batch_size}"
@@ -110,7 +112,38 @@ def plan_length(
             f"of {per_epoch} batch(es) hold {int(max_epochs * per_epoch)}: the run would never step\n"
             "hint: lower --grad-accum or the batch size, or train more epochs"
         )
+    batches = int(max_epochs * per_epoch) if math.isfinite(steps) else 0
+    if steps <= (max_steps or math.inf) and batches % grad_accum and not drop_last:  # the epochs end the run
+        log.warning(
+            "grad_accum=%d: the run's %d batches (%g epoch(s) of %d) make %d optimizer steps, and its last %d "
+            "batch(es) complete none, so they are not trained on\nhint: pass a --grad-accum that divides %d, or a "
+            "--batch-size or --epochs that makes the batches a multiple of it",
+            grad_accum, batches, max_epochs, per_epoch, steps, batches % grad_accum, batches,
+        )  # fmt: skip
     return min(steps, max_steps or math.inf), per_epoch
+
+
+def stream_length(data: Dataset[Any]) -> int | None:
+    """The items one pass of a stream yields, where it says (an IterableDataset with ``__len__``); else None."""
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
+        return None
+
+
+def no_batch(epoch: int, world_size: int) -> TaskError:
+    """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share."""
+    short = f", or it holds fewer items than the {world_size} processes share" if world_size > 1 else ""
+    if epoch == 0:
+        return TaskError(
+            f"train_data gave no batch in epoch 1: the stream is empty{short}\nhint: check how train_data is built"
+        )
+    return TaskError(
+        f"train_data gave no batch in epoch {epoch + 1}, after batches in the epoch(s) before: its __iter__ gave "
+        f"nothing this time, as one that returns the same iterator each time does once it is used up{short}\n"
+        "hint: make train_data's __iter__ start a fresh pass each time it is called (write it as a generator, with "
+        "yield): a stream that runs dry starts again as the next epoch"
+    )
 
 
 def train_loader(

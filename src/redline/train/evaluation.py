@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,8 +47,12 @@ def evaluate_model(
             total_metric += metric * n
             count += n
     total_loss, total_metric, count = all_reduce_sum(torch.tensor([total_loss, total_metric, float(count)])).tolist()
-    if count == 0:
-        return {"val_loss": math.nan, "val_metric": None}
+    if count == 0:  # every rank knows: the count is the job's total
+        raise TaskError(
+            f"{where}: val_data gave no item, so there is no validation loss to report: the stream is empty, or "
+            "its __iter__ returns the same iterator each time, used up by the first pass\nhint: make val_data's "
+            "__iter__ start a fresh pass each time it is called (write it as a generator, with yield)"
+        )
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
 
 

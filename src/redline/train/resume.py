@@ -15,6 +15,7 @@ from redline.parallel.collectives import gather_objects, run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions
+from redline.train.callbacks import EarlyStopping
 from redline.train.output import read_summary
 from redline.train.state import Position
 from redline.train.summary import TrainSummary
@@ -182,18 +183,30 @@ def ended_run(
     max_steps: int | None,
     out_dir: Path | None,
     env: DistEnv,
+    stopping: EarlyStopping | None = None,
 ) -> tuple[TrainSummary | None, str]:
     """Whether a resumed run (at ``pos``; ``stopped`` as its checkpoint says) has nothing left to train under this
     run's length (``total`` steps, ``max_epochs``, ``max_steps``): its summary, and why it ended ("" if it goes on).
 
+    A run early stopping ended stays ended while this run's ``stopping`` (its state restored) still says stop:
+    one given more patience, or none, trains on.
+
     The summary is None where it goes on, or where its summary.json cannot be read (a run killed after its last
     checkpoint): that run starts with its reason to stop, so its loop trains no step and writes its results again.
     """
+    if stopped == "early stopping" and (stopping is None or stopping.bad_evals < stopping.patience):
+        stopped = ""  # this run's early stopping (or none) lets it train on
     reason = _end_reason(pos, stopped, total=total, max_epochs=max_epochs, max_steps=max_steps)
-    if not reason or out_dir is None:
+    if not reason:
         return None, reason
-    ended = stored_summary(out_dir, env)
+    ended = stored_summary(out_dir, env) if out_dir is not None else None
     if ended is None:
+        if max_steps is not None and pos.step > max_steps:  # not this run's own end: a count taken as "more steps"
+            log.warning(
+                "resumed at step %d, past --max-steps %d: nothing to train (--max-steps counts the run's steps from "
+                "its start, the resumed ones included)\nhint: to train %d more, pass --max-steps %d",
+                pos.step, max_steps, max_steps, pos.step + max_steps,
+            )  # fmt: skip
         return None, reason
     if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
         log.warning(
@@ -202,9 +215,12 @@ def ended_run(
             "it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
         )  # fmt: skip
     else:
+        further = "raise --early-stopping-patience, or drop early stopping" if reason == "early stopping" else (
+            "raise --max-steps or --epochs"
+        )  # fmt: skip
         log.warning(
             "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
-            "were\nhint: to train it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
+            "were\nhint: to train it further, %s", out_dir, pos.step, ended.stopped, further
         )  # fmt: skip
     return ended, reason
 

@@ -22,7 +22,7 @@ class TrainSummary:
     device: str
     plan: Plan
     steps: int
-    epochs: float | None  # None when the data is a stream: an epoch's length is unknown
+    epochs: float | None  # None when the data is a stream without a length: an epoch's length is unknown
     samples: int
     final_loss: float | None  # None when no step ran
     val_loss: float | None

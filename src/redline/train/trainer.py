@@ -28,7 +28,7 @@ from torch import nn
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
-from redline.errors import ConfigError, TaskError, TrainingError
+from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
@@ -42,9 +42,9 @@ from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
-from redline.train.callbacks import Callback, EarlyStopping
+from redline.train.callbacks import Callback, check_callbacks
 from redline.train.config import TrainerConfig
-from redline.train.data import plan_length, train_loader
+from redline.train.data import no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
@@ -83,17 +83,13 @@ class Trainer:
         self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
         self.batch_size = self.config.batch_size or task.batch_size
         self.out_dir = prepare_out_dir(self.config.out_dir) if self.config.out_dir is not None else None
-        self.callbacks = list(callbacks)
-        stoppers = [c for c in self.callbacks if isinstance(c, EarlyStopping)]
-        if len(stoppers) > 1:
-            raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
-        self.early_stopping = stoppers[0] if stoppers else None
+        self.callbacks, self.early_stopping = check_callbacks(callbacks)
         if self.early_stopping is not None:
             self.early_stopping.check_task(task)
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
-        self._batches_per_epoch: int | None = 1  # None for a stream: its length is unknown
+        self._batches_per_epoch: int | None = 1  # None for a stream of unknown length
         self._evaluated_at: int | None = None
         self._stored_stop = ""  # why the run the resumed checkpoint belongs to ended, if it did
         self.rt: Runtime | None = None
@@ -138,10 +134,7 @@ class Trainer:
                             break
                 else:
                     if run.pos.batches_in_epoch == 0:
-                        raise TaskError(
-                            f"train_data gave no batch in epoch {run.pos.epoch + 1}: a stream ran dry, or it holds "
-                            f"fewer items than the {self.env.world_size} processes share\nhint: check the dataset"
-                        )
+                        raise no_batch(run.pos.epoch, self.env.world_size)
                     run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
                     run.stopped = self._after_epoch(run)
             self._finish(run)
@@ -183,12 +176,13 @@ class Trainer:
         run.window.samples += samples
         run.window.tokens += tokens
         run.meter.count(samples, tokens)
+        lr = float(run.optimizer.param_groups[0]["lr"])  # the rate this step applies, before the scheduler moves it
         if not run.rt.step(run.optimizer):
             return False
         run.pos.step += 1
         run.scheduler.after_step(run.pos.step)
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
-        run.window.lrs.append(float(run.optimizer.param_groups[0]["lr"]))
+        run.window.lrs.append(lr)
         run.window.epochs.append(run.pos.epoch)
         run.micro_loss = None
         run.meter.first_step_done(inputs, targets, run.model)
@@ -294,7 +288,7 @@ class Trainer:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
         ended, done = resume.ended_run(
             pos, self._stored_stop, total=total, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
-            out_dir=self.out_dir, env=self.env,
+            out_dir=self.out_dir, env=self.env, stopping=self.early_stopping,
         ) if resumed else (None, "")  # fmt: skip
         if ended is not None:
             return ended

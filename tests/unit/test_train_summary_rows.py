@@ -1,0 +1,29 @@
+"""The summary table `redline train` prints reads as a sentence a user would write."""
+
+from __future__ import annotations
+
+import pytest
+
+from redline.cli.train import summary_rows
+from redline.plan import Choice, Plan
+from redline.train.summary import TrainSummary
+
+PLAN = Plan(
+    device=Choice("cpu", "requested"),
+    precision=Choice("fp32", "requested"),
+    tf32=Choice(False, "not available on cpu"),
+    grad_accum=Choice(1, "default"),
+    clip_grad_norm=Choice(None, "default"),
+)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "said"),
+    [(1.0, "1 epoch, "), (2.0, "2 epochs, "), (0.4, "0.4 epochs, "), (1.2, "1.2 epochs, "), (None, "streamed, ")],
+)
+def test_the_steps_row_counts_epochs_in_words(epochs, said):
+    figures = {"task": "t", "plan": PLAN.to_dict(), "steps": 5, "epochs": epochs, "samples": 40, "stopped": "epochs"}
+    figures["train_seconds"] = 1.0
+    summary = TrainSummary.from_dict(figures)
+    steps = dict(summary_rows(summary))["steps"]
+    assert steps == f"5 ({said}40 samples; stopped: epochs)"
