@@ -101,6 +101,7 @@ def test_every_error_the_errors_page_lists_is_imported_from_where_it_says():
     for name, module in rows:
         error = getattr(importlib.import_module(module), name, None)
         assert isinstance(error, type) and issubclass(error, RedlineError), f"`from {module} import {name}` fails"
+        assert module == "redline", f"{name} is exported by redline: `except redline.{name}` is the way to catch it"
 
 
 @pytest.mark.parametrize(
