@@ -291,7 +291,8 @@ def check_logger_names(names: Sequence[str], field: str = "logger") -> list[str]
                 name,
                 "one of " + ", ".join(repr(n) for n in LOGGER_NAMES),
                 "csv and jsonl are written by default under --out; tensorboard needs `pip install tensorboard`; "
-                "to send the losses elsewhere, a Callback's on_step and on_evaluate receive every logged value",
+                "to send the losses elsewhere, a Callback's on_step gets the loss at each logging point and "
+                "on_evaluate the metrics",
             )
     return list(dict.fromkeys(names))
 
