@@ -99,6 +99,11 @@ def test_at_one_sample_auto_turns_activation_checkpointing_on_and_redoes_the_bat
     plan = rt.explain()
     assert plan.activation_checkpointing is not None and plan.activation_checkpointing.value is True
     assert "even micro-batches of 1 sample ran out of memory" in plan.activation_checkpointing.reason
+    assert plan.micro_batch.value == "auto"  # the batches run whole again: not "1 after out-of-memory ..."
+    assert plan.micro_batch.reason.startswith(
+        "auto: the whole batch again from step 1, its activations recomputed: after out-of-memory at 16 (step 1), "
+        "8 (step 1), 4 (step 1), 2 (step 1), even 1 sample did not fit"
+    )
     assert "turned activation checkpointing on" in caplog.records[-1].getMessage()
 
 

@@ -58,6 +58,17 @@ def after_oom(failed: Sequence[tuple[int, int]], size: int, *, strategy: str | N
     return Choice(size, f"auto: {size} after out-of-memory at {where}" + _AUTO_SYNC.get(strategy or "", ""))
 
 
+def whole_again(failed: Sequence[tuple[int, int]], step: int, *, strategy: str | None = None) -> Choice[str]:
+    """Return the axis once "auto", at one sample, turned activation checkpointing on: the batches run whole again."""
+    where = ", ".join(f"{tried} (step {at})" for tried, at in failed)
+    return Choice(
+        "auto",
+        f"auto: the whole batch again from step {step}, its activations recomputed: after out-of-memory at {where}, "
+        "even 1 sample did not fit, so activation checkpointing was turned on; halved again on out-of-memory"
+        + _AUTO_SYNC.get(strategy or "", ""),
+    )
+
+
 def found_size(entry: Mapping[str, Any] | None) -> int | None:
     """Return the size a stored Plan's "auto" axis (its ``Plan.to_dict()`` entry) had halved to, or None.
 

@@ -28,7 +28,7 @@ from torch import nn
 from redline.errors import OutOfMemory, RedlineError, TaskError
 from redline.parallel.collectives import all_reduce_max, rank_and_world
 from redline.plan import Choice
-from redline.plan.micro_batch import MicroBatch, after_oom, resolve_micro_batch
+from redline.plan.micro_batch import MicroBatch, after_oom, resolve_micro_batch, whole_again
 from redline.runtime.loss import check_loss
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.precision import Precision
@@ -249,7 +249,8 @@ class MicroBatcher:
         if not how.recompute(reason):
             return False
         self.events.append(OomEvent(how.step, 1, total, where, self.last_snapshot, checkpointing=True))
-        self.size = None
+        self.size, self.choice = None, whole_again(self._failed, how.step, strategy=self._strategy)
+        self._failed = []  # a later out-of-memory halves from the whole batch: its own history
         log.warning(
             "out of memory with micro-batches of 1 sample (step %d, in %s): turned activation checkpointing on "
             "(the repeated blocks recompute their activations in backward) and redoing the batch whole",
