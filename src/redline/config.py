@@ -80,7 +80,9 @@ def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, 
     known = {field.name for field in dataclasses.fields(owner) if field.init}  # type: ignore[arg-type]
     unknown = sorted(set(changes) - known)
     if unknown:
-        raise invalid(unknown[0], changes[unknown[0]], f"{what}: " + ", ".join(sorted(known)), hint)
+        near = errors.nearest(unknown[0], sorted(known))
+        meant = f"did you mean {near}={changes[unknown[0]]!r}?" if near else ""
+        raise invalid(unknown[0], changes[unknown[0]], f"{what}: " + ", ".join(sorted(known)), hint or meant)
     return dataclasses.replace(base, **changes) if base is not None else owner(**changes)  # type: ignore[type-var]
 
 

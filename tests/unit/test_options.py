@@ -45,6 +45,8 @@ def test_runtime_options_keep_switches_as_words_and_build_from_changes():
     assert RuntimeOptions.build(options, seed=3) == dataclasses.replace(options, seed=3)
     with pytest.raises(ConfigError, match="a Runtime option: activation_checkpointing, channels_last, clip_grad_norm"):
         RuntimeOptions.build(precison="fp32")
+    with pytest.raises(ConfigError, match=r"\nhint: did you mean precision='fp32'\?$"):
+        RuntimeOptions.build(precison="fp32")
 
 
 def test_a_stored_plan_fixes_the_numerics_and_the_data_order_and_keeps_this_runs_strategy():
