@@ -7,6 +7,7 @@ Python, or loaded from a spec string: ``example:NAME`` (built in), ``pkg.module:
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
 import hashlib
@@ -25,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import positive_int
-from redline.errors import TaskSpecError, invalid, nearest, user_line
+from redline.errors import TaskSpecError, few, invalid, nearest, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -304,8 +305,22 @@ def _spec_hint(spec: object) -> str:
     if spec in EXAMPLES:
         return f"\nhint: the built-in example is 'example:{spec}'"
     if spec.endswith(".py") or "." in spec:
+        defined = _functions_in(Path(spec).expanduser()) if spec.endswith(".py") else []
+        if len(defined) == 1:
+            return f"\nhint: did you mean '{spec}:{defined[0]}'?"
+        if defined:
+            return f"\nhint: name the function that returns the Task (or model), one of: {few(defined, 6)}"
         return f"\nhint: add the function that returns the Task (or model), e.g. '{spec}:make_task'"
     return ""
+
+
+def _functions_in(path: Path) -> list[str]:
+    """The public functions a Python file defines at its top level, read without running it ([] if unreadable)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
 
 
 def _import_module(spec: str, module_name: str) -> Any:

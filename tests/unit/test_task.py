@@ -635,6 +635,19 @@ def test_a_spec_one_step_from_a_working_one_names_it(spec, hint):
     assert str(raised.value).endswith(hint)
 
 
+def test_a_file_spec_without_its_factory_names_the_functions_the_file_defines(tmp_path):
+    one = tmp_path / "one.py"
+    one.write_text("import torch\n\n\ndef make(width=4):\n    return None\n\n\ndef _helper():\n    pass\n")
+    with pytest.raises(TaskSpecError) as raised:
+        load_task(str(one))
+    assert str(raised.value).endswith(f"hint: did you mean '{one}:make'?")  # read, not run: nothing imported
+    (tmp_path / "two.py").write_text("def make_small():\n    pass\n\n\ndef make_large():\n    pass\n")
+    with pytest.raises(TaskSpecError) as raised:
+        load_task(str(tmp_path / "two.py"))
+    assert str(raised.value).endswith("hint: name the function that returns the Task (or model), one of: "
+                                      "make_small, make_large")  # fmt: skip
+
+
 def test_a_spec_that_resembles_nothing_gets_the_forms_alone():
     with pytest.raises(TaskSpecError) as raised:
         load_task("example:zzz")
