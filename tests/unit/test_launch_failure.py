@@ -117,3 +117,13 @@ def test_once_torchrun_handles_the_signals_the_waiting_guard_leaves_them_to_it(t
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert f"handled by torchrun: [{signal.SIGINT.value}]" in result.stdout and "stopped by" not in result.stderr
+
+
+def test_the_hang_diagnosis_is_said_as_every_error_is_without_torchelastics_type_prefix(tmp_path, monkeypatch):
+    from redline.parallel.watchdog import _record_for_torchrun
+
+    error_file = tmp_path / "error.json"  # where the watchdog records its diagnosis for torchrun, as in a run
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    _record_for_torchrun("hang: rank 1 stopped at step 5")
+    hung = ChildFailedError("redline", {1: ProcessFailure(1, 100, 86, str(error_file))})
+    assert str(_failure(hung, hang_exit_code=86)) == "hang: rank 1 stopped at step 5"

@@ -279,7 +279,8 @@ def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
         message = hangs[0].get("message", hangs[0]) if isinstance(hangs[0], dict) else hangs[0]
-        return _with_exit_code(LaunchError(str(message)), hang_exit_code)
+        said = str(message).removeprefix("HangError: ")  # torchelastic's error file prefixes the type
+        return _with_exit_code(LaunchError(said), hang_exit_code)
     codes = sorted((rank, failure.exitcode) for rank, failure in exc.failures.items())
     stopped = [rank for rank, code in codes if code in _STOPPED]
     own = [(rank, code) for rank, code in codes if code not in _STOPPED]
