@@ -164,9 +164,10 @@ class StopVote:
     checkpoint is due, as an asynchronous sum on a gloo group of its own, on the CPU, so the device is
     never synchronised and the training collectives are not delayed; the next vote reads the result,
     by then long complete. All ranks read the same sums at the same step, so they stop (or checkpoint)
-    together. Posting costs tens of microseconds, so the ranks vote every step until they know the
-    step time, then every ``vote_interval`` steps (about every 0.2 s): a stop comes within two votes
-    of the signal, whatever ``log_every`` is. In one process the vote is the rank's own, at once.
+    together. A vote held the loop about 0.2 ms on 2 CPU processes (benchmarks/results/stop-vote-cpu.md),
+    so the ranks vote every step until they know the step time, then every ``vote_interval`` steps
+    (about every 0.2 s): a stop comes within two votes of the signal, whatever ``log_every`` is. In one
+    process the vote is the rank's own, at once.
     """
 
     def __init__(self) -> None:

@@ -58,14 +58,14 @@ def _auto(facts: DeviceFacts) -> Choice[PrecisionName]:
 
 # What bf16 autocast does on each kind of CPU, as far as it was measured.
 _CPU_REASONS: dict[CpuIsa, str] = {
-    # shared/reference/h200-measurements.md, 2-core Sapphire Rapids, `redline train --compile off`:
+    # Measured on a 2-core Sapphire Rapids (AMX), torch 2.13, `redline train --compile off`:
     # the digits CNN ran 1.14-1.25x fp32 in bf16-mixed, chargpt 0.91x.
     "amx": "CPU has AMX bf16, but autocast's casts can cost more than they save (a small GPT ran 0.91x fp32)",
     # Not yet in benchmarks/: on a 2-core AMD EPYC (torch 2.13.0) a 1024x1024 bf16 matmul ran 2.1-2.3x
     # fp32, while whole training steps were too noisy under load to rank.
     "avx512_bf16": "CPU has AVX512-BF16 but no AMX: bf16 matmuls can outrun fp32, but autocast's casts may not pay",
     "avx512": "CPU has AVX-512 but no bf16 instructions (no AVX512-BF16, no AMX): no fast bf16",
-    # shared/reference/h200-measurements.md: bf16 autocast ran the digits CNN about 30x slower than fp32.
+    # Measured on a 2-core AVX2 machine: bf16 autocast ran the digits CNN about 30x slower than fp32.
     "avx2": "AVX2 only, no fast bf16: bf16 autocast ran a CNN about 30x slower than fp32 on such a CPU",
     "arm": "Arm CPU: bf16 autocast is not measured on Arm yet, so fp32 is kept",
     "other": "CPU without AVX2 or bf16 instructions: no fast bf16",

@@ -7,7 +7,7 @@
 
 The wait starts at the arrival of the oldest live request, not when the worker looks at the queue:
 a timer started at dequeue (TorchServe, LitServe) lets a request that arrived during the previous
-batch wait up to twice the delay (../shared/reference/inference-anchors.md, section 3). The batch
+batch wait up to twice the delay, as their batchers' own code reads. The batch
 size is counted in samples, and a request is never split across batches: requests are taken in
 arrival order while they fit. A request larger than ``max_batch_size`` is refused before it is
 queued; should one reach the queue anyway, it runs alone rather than block the queue forever.
