@@ -163,3 +163,17 @@ def test_every_file_a_page_names_is_in_the_repository(doc):
     inside = [(ROOT / path).resolve() for path in [*named, *linked]]
     missing = [str(path) for path in inside if not (path.is_relative_to(ROOT) and path.exists())]
     assert not missing, f"{doc} names files a clone does not have: {missing}"
+
+
+def test_no_file_of_the_project_cites_notes_that_live_outside_it():
+    """A clone has the repository alone: a comment or page that points outside it points at nothing."""
+    here = [
+        path
+        for folder in ("src", "benchmarks", "docs", "tests")
+        for path in (ROOT / folder).rglob("*")
+        if path.suffix in {".py", ".md", ".toml", ".sh", ".txt"} and "egg-info" not in str(path)
+    ]
+    here += [ROOT / "README.md", ROOT / "constraints.txt", ROOT / "pyproject.toml", ROOT / "Makefile"]
+    outside = "shared/" + "reference"  # spelled apart, so this file does not name it
+    citing = [str(p.relative_to(ROOT)) for p in here if outside in p.read_text(encoding="utf-8", errors="replace")]
+    assert not citing, f"{citing} cite notes outside the repository"
