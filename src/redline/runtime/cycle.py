@@ -5,16 +5,21 @@ whose backward reduces the gradients over the ranks and whose ``step`` really st
 step used are freed right after it on CUDA, and just before the next backward elsewhere (as late as
 the plain loop frees them). Only an optimizer that ``setup`` returned may step: setup may rebuild the
 one it was given (fused, or over the shards under FSDP), and the user's own then trains nothing of
-the set-up model, or trains it with a second, separate state.
+the set-up model, or trains it with a second, separate state. Under ``redline launch --hang-timeout``
+the cycle tells the hang watchdog where the loop is: in a backward (its gradient all-reduce), or
+between optimizer steps (the user's data, forward and loss).
 """
 
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import torch
 
 from redline.errors import ConfigError
+from redline.parallel.env import DistEnv, process_group_store
+from redline.parallel.watchdog import Watchdog
 
 
 class Cycle:
@@ -27,6 +32,7 @@ class Cycle:
         self._micro_steps: dict[int, int] = {}
         self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """Record ``optimizer`` as one that ``setup`` returned."""
@@ -49,6 +55,8 @@ class Cycle:
                 optimizer.zero_grad(set_to_none=True)
             self._pending_zero.clear()
         self.backwards += 1
+        if self.watchdog is not None:
+            self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
         return self.backwards % self.grad_accum == 0
 
     def due(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -73,9 +81,17 @@ class Cycle:
             optimizer.zero_grad(set_to_none=True)
         else:
             self._pending_zero[id(optimizer)] = optimizer
+        if self.watchdog is not None:
+            self.watchdog.beat(self.steps + 1, "the loop between optimizer steps (data, forward, loss)")
 
     def restart(self, step: int) -> None:
         """Start a fresh cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
         self.backwards = step * self.grad_accum  # steps go on counting from the loaded state's
         self._micro_steps.clear()
         self._pending_zero.clear()
+
+
+def hang_watchdog(env: DistEnv, out_dir: Path | None) -> Watchdog | None:
+    """The hang watchdog of a launched job given --hang-timeout (REDLINE_HANG_TIMEOUT), not yet entered; else None."""
+    store = process_group_store() if env.distributed and env.hang_timeout_s else None
+    return Watchdog(store, env.rank, env.world_size, env.hang_timeout_s, out_dir) if store is not None else None

@@ -47,7 +47,7 @@ from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_planned, compile_seconds, explain_compile
-from redline.runtime.cycle import Cycle
+from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
@@ -72,7 +72,8 @@ class Runtime:
     ``planned_steps`` tells the compile decision how long the run is; without it, "auto" does not
     compile, since a compile that never repays itself would make the run slower. ``measured`` holds
     choices a trial of the user's model made for "auto" axes (``{"precision": Choice(...)}``, from
-    ``runtime.trial``); they replace the rule of thumb's.
+    ``runtime.trial``); they replace the rule of thumb's. Under ``redline launch --hang-timeout S`` the
+    Runtime watches for a rank that stops progressing (``watch_hangs=False``: a caller that watches its own).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Runtime:
         planned_steps: int | None = None,
         measured: Mapping[str, Choice[str]] | None = None,
         plan: str = "auto",
+        watch_hangs: bool = True,
         **fields: Any,
     ) -> None:
         self.options = RuntimeOptions.build(options, **fields)
@@ -90,7 +92,7 @@ class Runtime:
         self._tuning: Tuning | None = None
         self._wants_tuned = plan == "tuned"
         positive_int("planned_steps", planned_steps, optional=True)
-        self.planned_steps = planned_steps
+        self.planned_steps, self._watch_hangs = planned_steps, watch_hangs
         self.env = read_env()
         local_rank = self.env.local_rank if self.env.distributed else None
         device = resolve_worker_device(self.options.devices, probe_accelerators(), local_rank=local_rank)
@@ -149,6 +151,8 @@ class Runtime:
         stack = contextlib.ExitStack()
         stack.enter_context(join_process_group(self.env, self.device.type))
         stack.enter_context(self.settings.enter())
+        watchdog = hang_watchdog(self.env, self.snapshot_dir) if self._watch_hangs else None
+        self._cycle.watchdog = stack.enter_context(watchdog) if watchdog is not None else None
         self._started = stack
         return self
 

@@ -335,8 +335,8 @@ class Trainer:
         if self.rt is not None:  # a second fit (or evaluate, then fit) starts from a fresh Runtime
             self.rt.close()
         rt = Runtime(
-            options, planned_steps=planned_steps, measured=measured
-        ).start()  # seeded before the model is built
+            options, planned_steps=planned_steps, measured=measured, watch_hangs=False
+        ).start()  # seeded before the model is built; the loop's own watchdog knows more phases
         rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
         self.rt = rt
         with users_failure(f"task {self.task.name!r}: building the model", FINGERPRINT_HINT):
