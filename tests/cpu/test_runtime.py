@@ -241,13 +241,19 @@ def test_gradients_are_freed_before_the_next_backward_on_cpu(initial):
     assert any(not torch.equal(a, p.grad) for a, p in zip(first, model.parameters(), strict=True))
 
 
-def test_fp16_overflow_steps_are_skipped_and_counted(initial):
-    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off")
+def backward_once(initial: nn.Module, **options: object) -> tuple[redline.Runtime, nn.Module, torch.optim.Optimizer]:
+    """Set ``initial`` up with SGD under ``options`` and run one forward and ``rt.backward`` (no step yet)."""
+    rt = redline.Runtime(devices="cpu", compile="off", **options)
     model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
-    before = copy.deepcopy(model.state_dict())
     with rt.autocast():
         loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
     rt.backward(loss)
+    return rt, model, optimizer
+
+
+def test_fp16_overflow_steps_are_skipped_and_counted(initial):
+    rt, model, optimizer = backward_once(initial, precision="fp16-mixed")
+    before = copy.deepcopy(model.state_dict())  # a backward leaves the weights as they were
     scale = rt.precision.scaler.get_scale()
     next(model.parameters()).grad.view(-1)[0] = float("inf")  # what an fp16 overflow leaves behind
     assert rt.step(optimizer)
@@ -257,12 +263,8 @@ def test_fp16_overflow_steps_are_skipped_and_counted(initial):
 
 
 def test_fp16_refuses_a_direct_optimizer_step_on_scaled_gradients(initial):
-    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off")
-    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    rt, model, optimizer = backward_once(initial, precision="fp16-mixed")
     before = copy.deepcopy(model.state_dict())
-    with rt.autocast():
-        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
-    rt.backward(loss)
     with pytest.raises(ConfigError, match=r"multiplied by the loss scale \(65536\)(.|\n)*rt\.step\(optimizer\)"):
         optimizer.step()  # on gradients 65536 times too large: the weights would go to inf
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -272,11 +274,7 @@ def test_fp16_refuses_a_direct_optimizer_step_on_scaled_gradients(initial):
 
 
 def test_step_refuses_an_optimizer_setup_did_not_return(initial):
-    rt = redline.Runtime(devices="cpu", compile="off")
-    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
-    with rt.autocast():
-        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
-    rt.backward(loss)
+    rt, model, optimizer = backward_once(initial)
     with pytest.raises(ConfigError, match=r"that rt.setup\(\) did not return(.|\n)*model, optimizer = rt.setup"):
         rt.step(torch.optim.SGD(model.parameters(), lr=0.1))
     assert rt.step(optimizer)
