@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from redline import checkpoint
-from redline.checkpoint import Checkpoint
+from redline.checkpoint import Checkpoint, CheckpointError
+from redline.checkpoint.loadable import load_safely
 from redline.errors import ConfigError, DeviceUnavailableError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import gather_objects, run_on_rank0
@@ -259,3 +260,21 @@ def _available_device(options: RuntimeOptions) -> RuntimeOptions:
     except DeviceUnavailableError:
         return dataclasses.replace(options, devices="auto")
     return options
+
+
+def check_written_by_trainer(found: Checkpoint, state: dict[str, Any] | None = None) -> None:
+    """Refuse a checkpoint a loop of the user's own wrote (its extra state holds no Trainer position).
+
+    Without ``state`` (before the load) it reads the checkpoint's extra.pt, where both formats keep it;
+    a layout that keeps it elsewhere (redline 0.1's) is told by the loaded ``state`` instead.
+    """
+    extra = found.path / "extra.pt"
+    if state is None and not extra.is_file():
+        return
+    if "position" in (state if state is not None else load_safely(extra, "cpu")):
+        return
+    raise CheckpointError(
+        f"{found.path} holds no Trainer state: it was not written by the Trainer (Runtime.save in a loop of "
+        "your own writes one)\nhint: load it with Runtime.load in that loop, or resume from a checkpoint "
+        "`redline train` wrote"
+    )

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from redline import checkpoint
-from redline.checkpoint import Checkpoint, CheckpointError
+from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
@@ -345,13 +345,9 @@ class Trainer:
         scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:
+            resume.check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
             state = rt.load(found)
-            if "position" not in state:
-                raise CheckpointError(
-                    f"{found.path} holds no Trainer state: it was not written by the Trainer (Runtime.save in a "
-                    "loop of your own writes one)\nhint: load it with Runtime.load in that loop, or resume from a "
-                    "checkpoint `redline train` wrote"
-                )
+            resume.check_written_by_trainer(found, state)
             pos = Position(**state["position"])
             self._stored_stop = state.get("stopped") or ""
             scheduler.load_state_dict(state.get("scheduler"))
