@@ -150,7 +150,7 @@ def test_every_field_of_the_trainer_and_runtime_is_a_train_flag_with_its_default
         default = default.value if isinstance(default, enum.Enum) else default
         default = tuple(default) if isinstance(default, list) else default  # a repeatable flag
         assert default == field.default, f"--{field.name}: default {default!r}, field {field.default!r}"
-        assert params[field.name].help == field.metadata["help"]
+        assert params[field.name].help.startswith(field.metadata["help"].rstrip("."))  # a bound is added to it
     uncovered = [f.name for f in dataclasses.fields(owner) if f.init and not f.metadata.get("cli")]
     assert set(uncovered) <= {"runtime", "hang_timeout_s"}  # a nested object, and the launcher's job
 
@@ -256,6 +256,12 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         ([*TRAIN_DIGITS, "--resume", "auto"], "--resume='auto'", "add --out DIR"),
         ([*TRAIN_DIGITS, "--checkpoint-minutes", "-1", "--out", "o"], "--checkpoint-minutes=-1.0", ""),
         ([*TRAIN_DIGITS, "--checkpoint-minutes", "nan", "--out", "o"], "--checkpoint-minutes=nan", ""),
+        # below a derived flag's bound: the options object says it, not the parser ("Input should be >= 1")
+        ([*TRAIN_DIGITS, "--max-steps", "0"], "--max-steps=0", "--max-steps 1"),
+        ([*TRAIN_DIGITS, "--grad-accum", "0"], "--grad-accum=0", "--grad-accum 1"),
+        ([*TRAIN_DIGITS, "--early-stopping-patience", "0"], "--early-stopping-patience=0", "-patience 1"),
+        (["serve", "example:digits", "--max-batch-size", "0"], "--max-batch-size=0", "--max-batch-size 1"),
+        (["launch", "--max-restarts", "-1", "script.py"], "--max-restarts=-1", "--max-restarts 0"),
     ],
 )
 def test_a_refused_value_is_named_by_the_flag_typed_not_the_python_field(args, said, hint):

@@ -55,7 +55,11 @@ def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None,
         if kind is bool and not optional:
             info = typer.Option(f"{flag}/--no-{flag.removeprefix('--')}", help=meta["help"])
         else:
-            info = typer.Option(flag, help=meta["help"], min=meta.get("min"), metavar=_choices(hints[field.name]))
+            # The dataclass checks the bound, so a value below it is said as every refusal is (--max-steps=0 is
+            # not allowed; expected a positive integer), not in the parser's words; the help still shows it.
+            least = meta.get("min")
+            shown = meta["help"] if least is None else f"{meta['help'].rstrip('.')} (at least {least})."
+            info = typer.Option(flag, help=shown, metavar=_choices(hints[field.name]))
         annotation: Any = Annotated.__class_getitem__((kind if default is not None else kind | None, info))  # type: ignore[attr-defined]
         parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         out.append(Flag(owner, field.name, flag, parameter))
