@@ -504,7 +504,7 @@ def test_a_large_input_is_read_from_disk_batch_by_batch_not_loaded_whole(tmp_pat
         ("digits", "model spec 'digits' has no ':'", "the built-in example is 'example:digits'"),
         ("example:digit", "model spec 'example:digit': no built-in example 'digit'", "did you mean 'example:digits'"),
         ("{dir}/tiny.py", "model spec '{dir}/tiny.py' has no ':'",
-         "add the function that returns the Servable (or a Task), e.g. '{dir}/tiny.py:make'"),
+         "name the function that returns the Servable (or a Task), one of: make, misdeclared"),
         ("{dir}/tiny.py:nothing", "model spec '{dir}/tiny.py:nothing': ", None),
         ("{dir}/tiny.py:make size=3", "model spec '{dir}/tiny.py:make': unknown option(s) size", None),
         ("{dir}/tiny.py:broken", "model spec '{dir}/tiny.py:broken': the factory raised RuntimeError: no checkpoint",

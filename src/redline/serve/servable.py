@@ -98,6 +98,9 @@ _MODEL_WORDS = {
     "the function that returns the Task (or model), e.g. '{spec}:make_task'": (
         "the function that returns the Servable (or a Task), e.g. '{spec}:make'"
     ),
+    "the function that returns the Task (or model), one of:": (
+        "the function that returns the Servable (or a Task), one of:"
+    ),
     "the error is in the task's own code": "the error is in the model factory's own code",
 }
 
