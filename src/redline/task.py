@@ -45,7 +45,9 @@ class Task:
     copy call ``build_model()``. ``loss_fn(outputs, targets)`` returns a scalar tensor. Each item of
     ``train_data`` is ``(inputs, targets)``. ``metric(outputs, targets)`` returns a float where higher
     is better (accuracy, say); ``sample(model)`` returns text that shows what the model learned.
-    ``epochs`` is how long the task trains by default.
+    ``epochs`` is how long the task trains by default. ``collate_fn(items)`` builds a batch from a list
+    of items, as a DataLoader's does (padding sequences of different lengths, say); without it items
+    are stacked.
     """
 
     model: nn.Module | Callable[[], nn.Module]
@@ -57,6 +59,7 @@ class Task:
     scheduler: SchedulerFactory | None = None
     metric: Callable[[Any, Any], float] | None = None
     sample: Callable[[nn.Module], str] | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
     epochs: int = 1
     name: str = "task"
 
@@ -103,6 +106,8 @@ class Task:
         digest = hashlib.sha256()
         digest.update(model_fingerprint(model).encode())
         digest.update(f"loss={_function_name(self.loss_fn)}".encode())
+        if self.collate_fn is not None:  # padding to the longest item shapes the batch: another workload
+            digest.update(f"collate={_function_name(self.collate_fn)}".encode())
         digest.update(f"optimizer={_optimizer_kind(self.optimizer, model)}".encode())
         digest.update(f"batch={self.batch_size}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
@@ -163,6 +168,7 @@ _FUNCTIONS = {
     "scheduler": ("optimizer -> LR scheduler", "scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)"),
     "metric": ("(outputs, targets) -> float", "metric=accuracy, with def accuracy(outputs, targets) -> float"),
     "sample": ("model -> str", "sample=generate, with def generate(model) -> str"),
+    "collate_fn": ("list of items -> batch", "collate_fn=pad, with def pad(items) -> (inputs, targets)"),
 }
 
 

@@ -168,4 +168,7 @@ def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:
         )
     order = torch.Generator().manual_seed(seed)
     shuffle = size is not None and not isinstance(task.train_data, IterableDataset)  # a stream keeps its own order
-    return DataLoader(task.train_data, batch_size=batch_size, shuffle=shuffle, drop_last=True, generator=order)
+    return DataLoader(
+        task.train_data, batch_size=batch_size, shuffle=shuffle, drop_last=True, generator=order,
+        collate_fn=task.collate_fn,
+    )  # fmt: skip

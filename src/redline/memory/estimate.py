@@ -189,7 +189,7 @@ def trace_step(
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    sample, rows = _sample(task.train_data, batch_size)
+    sample, rows = _sample(task.train_data, batch_size, task.collate_fn)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
@@ -289,13 +289,14 @@ def _stepper(
     return step
 
 
-def _sample(data: Any, size: int) -> tuple[Any, int]:
+def _sample(data: Any, size: int, collate: Callable[[list[Any]], Any] | None) -> tuple[Any, int]:
     """The batch to trace, collated from real items, and its rows: one item when every leaf is a tensor (its
-    shapes and dtypes are the batch's, grown to ``size`` rows on fake tensors), else all ``size`` items."""
-    one, _ = real_batch(data, 1)
-    if all(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(one)):
+    shapes and dtypes are the batch's, grown to ``size`` rows on fake tensors), else all ``size`` items. A
+    task's own collate (padding to the longest item, say) shapes the batch by its items: all are collated."""
+    one, _ = real_batch(data, 1, collate)
+    if collate is None and all(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(one)):
         return one, 1  # a large batch would be a large real allocation, and collating it a long wait
-    return real_batch(data, size)[0], size
+    return real_batch(data, size, collate)[0], size
 
 
 def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Callable[[Any], Any]:

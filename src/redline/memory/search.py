@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -272,7 +272,7 @@ class _Probe:
                 "the model fits on one device, or find the batch size by hand"
             )
         self.model.train()
-        batch, self.samples = real_batch(task.train_data, self.size)
+        batch, self.samples = real_batch(task.train_data, self.size, task.collate_fn)
         self.batch = split_batch(rt.to_device(batch), "train_data")
 
     def _step(self, step: int) -> None:
@@ -305,8 +305,9 @@ def _build(task: Task) -> nn.Module:
         ) from exc
 
 
-def real_batch(data: Dataset[Any], size: int) -> tuple[Any, int]:
-    """Collate a batch of ``size`` items from the start of ``data``, repeating them when it holds fewer.
+def real_batch(data: Dataset[Any], size: int, collate: Callable[[list[Any]], Any] | None = None) -> tuple[Any, int]:
+    """Collate a batch of ``size`` items from the start of ``data``, repeating them when it holds fewer (by the
+    task's ``collate`` when it has one).
 
     Returns the batch (as the Trainer's DataLoader collates it) and the number of distinct items in it.
     """
@@ -317,7 +318,7 @@ def real_batch(data: Dataset[Any], size: int) -> tuple[Any, int]:
     if not items:
         raise TaskError("train_data gave no item: there is nothing to build a batch from\nhint: check the dataset")
     distinct = len(items)
-    return default_collate([items[i % distinct] for i in range(size)]), distinct
+    return (collate or default_collate)([items[i % distinct] for i in range(size)]), distinct
 
 
 def _agree(size: int, oom: str, error: Exception | None) -> str:

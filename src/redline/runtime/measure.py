@@ -121,7 +121,8 @@ def _measure_or_recall(
     if recall_only:
         return None
     model = task.build_model()
-    batch = split_batch(next(read_batches(DataLoader(task.train_data, batch_size=local_batch))), "train_data")
+    loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
+    batch = split_batch(next(read_batches(loader)), "train_data")
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(

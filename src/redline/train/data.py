@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -147,7 +147,14 @@ def no_batch(epoch: int, world_size: int) -> TaskError:
 
 
 def train_loader(
-    dataset: Dataset[Any], *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
+    dataset: Dataset[Any],
+    *,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:
     """Return a DataLoader over ``dataset`` (this rank's share of each global batch) and what sets its epoch.
 
@@ -156,17 +163,25 @@ def train_loader(
     """
     if is_stream(dataset):
         stream = StreamShard(dataset, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last)
-        return DataLoader(stream, batch_size=batch_size // world_size), stream
+        return DataLoader(stream, batch_size=batch_size // world_size, collate_fn=collate_fn), stream
     sampler = EpochSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
     batches = GlobalBatchSampler(
         sampler, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last
     )
     # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
     # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
-    return DataLoader(dataset, batch_sampler=batches, generator=torch.Generator().manual_seed(seed)), sampler
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_sampler=batches, generator=generator, collate_fn=collate_fn), sampler
 
 
-def eval_loader(dataset: Dataset[Any], *, batch_size: int, rank: int = 0, world_size: int = 1) -> DataLoader[Any]:
+def eval_loader(
+    dataset: Dataset[Any],
+    *,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader[Any]:
     """Return an in-order DataLoader over this rank's shard: every sample is seen exactly once.
 
     A map-style dataset is cut into contiguous shards; a stream is dealt out item by item.
@@ -177,7 +192,7 @@ def eval_loader(dataset: Dataset[Any], *, batch_size: int, rank: int = 0, world_
         size = len(dataset)  # type: ignore[arg-type]
         start, stop = size * rank // world_size, size * (rank + 1) // world_size
         dataset = Subset(dataset, range(start, stop))
-    return DataLoader(dataset, batch_size=batch_size, generator=torch.Generator().manual_seed(0))
+    return DataLoader(dataset, batch_size=batch_size, generator=torch.Generator().manual_seed(0), collate_fn=collate_fn)
 
 
 class _EveryNth(IterableDataset[Any]):

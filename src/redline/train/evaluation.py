@@ -34,7 +34,9 @@ def evaluate_model(
     assert task.val_data is not None
     total_loss, total_metric, count = 0.0, 0.0, 0
     with _eval_mode(model):
-        val = eval_loader(task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size)
+        val = eval_loader(
+            task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
+        )
         for batch in read_batches(val):  # an error in the dataset shows the user's line
             inputs, targets = split_batch(rt.to_device(batch), "val_data")
             with user_code(where, inputs, targets) as forward, rt.eager(), rt.autocast():  # eager: one graph

@@ -299,7 +299,7 @@ class Trainer:
             total, self._batches_per_epoch = length(drop_last=True)
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
-            world_size=self.env.world_size, drop_last=drop_last,
+            world_size=self.env.world_size, drop_last=drop_last, collate_fn=self.task.collate_fn,
         )  # fmt: skip
         model.train()
         main = self.env.is_main

@@ -1,0 +1,79 @@
+"""A Task's own collate_fn: items of different lengths, padded into a batch, through every tool that reads batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import redline
+from redline.bench import benchmark
+from redline.memory.estimate import estimate_memory
+
+
+class Sentences(Dataset):  # type: ignore[type-arg]
+    """Token-id sequences of 3 to 9 tokens, labelled by whether their first token is even."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, 10, (count,), generator=generator)
+        self.items = [torch.randint(0, 50, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.items[index]
+        return ids, ids[0] % 2
+
+
+def pad(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    longest = max(len(ids) for ids, _ in items)
+    padded = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros(len(items), longest)
+    for row, (ids, _) in enumerate(items):
+        padded[row, : len(ids)], mask[row, : len(ids)] = ids, 1.0
+    return {"ids": padded, "mask": mask}, torch.stack([label for _, label in items])
+
+
+class Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["mask"].unsqueeze(-1)
+        return self.head((self.embed(batch["ids"]) * mask).sum(1) / mask.sum(1))
+
+
+def sentences_task() -> redline.Task:
+    return redline.Task(
+        model=Pooled, loss_fn=nn.functional.cross_entropy, train_data=Sentences(96, 0), val_data=Sentences(32, 1),
+        collate_fn=pad, batch_size=16, name="sentences",
+    )  # fmt: skip
+
+
+def test_the_trainer_batches_items_of_different_lengths_with_the_tasks_collate_fn(tmp_path):
+    config = redline.TrainerConfig(  # the precision trial reads its batch with the collate too, where it runs
+        max_steps=8, out_dir=tmp_path, progress=False, trial="on", runtime=redline.RuntimeOptions(devices="cpu")
+    )
+    with redline.Trainer(sentences_task(), config) as trainer:
+        summary = trainer.fit()
+        metrics = trainer.evaluate()
+    assert summary.steps == 8 and math.isfinite(summary.final_loss)
+    assert metrics["val_loss"] is not None and math.isfinite(metrics["val_loss"])
+
+
+def test_the_bench_and_the_memory_estimate_collate_with_it_too():
+    result = benchmark(sentences_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=1)
+    assert [row.error for row in result.rows] == ["", "", ""]
+    estimate = estimate_memory(sentences_task(), batch_size=16, precision="fp32")
+    assert estimate.activations > 0 and estimate.total > estimate.params
+
+
+def test_the_collate_fn_is_part_of_the_tasks_fingerprint():
+    padded = sentences_task()
+    assert dataclasses.replace(padded, collate_fn=None).fingerprint() != padded.fingerprint()
