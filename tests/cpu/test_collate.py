@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -77,3 +78,13 @@ def test_the_bench_and_the_memory_estimate_collate_with_it_too():
 def test_the_collate_fn_is_part_of_the_tasks_fingerprint():
     padded = sentences_task()
     assert dataclasses.replace(padded, collate_fn=None).fingerprint() != padded.fingerprint()
+
+
+def test_items_of_different_lengths_without_a_collate_fn_name_the_tasks():
+    stacked = dataclasses.replace(sentences_task(), collate_fn=None)
+    config = redline.TrainerConfig(
+        max_steps=1, progress=False, trial="off", runtime=redline.RuntimeOptions(devices="cpu")
+    )
+    said = r"stack expects each tensor(.|\n)*Task\(collate_fn=\.\.\.\) pads"
+    with redline.Trainer(stacked, config) as trainer, pytest.raises(redline.TrainingError, match=said):
+        trainer.fit()

@@ -139,6 +139,7 @@ def read_batches(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 READ_HINT = (
-    "fix your dataset (its __getitem__ or __iter__) or the loader's collate_fn; REDLINE_TRACEBACK=1 prints the whole "
-    "traceback, a DataLoader worker's included (in Python it is the error's __cause__)"
+    "fix your dataset (its __getitem__ or __iter__) or the batch's collate_fn (the DataLoader's, or the Task's: "
+    "Task(collate_fn=...) pads items of different lengths); REDLINE_TRACEBACK=1 prints the whole traceback, a "
+    "DataLoader worker's included (in Python it is the error's __cause__)"
 )
