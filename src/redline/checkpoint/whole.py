@@ -105,10 +105,26 @@ def check_model(checkpoint: Checkpoint, module: nn.Module) -> None:
 def load_weights(checkpoint: Checkpoint, module: nn.Module) -> None:
     """Load the checkpoint's weights into ``module`` (strict: every name must match), on its own device."""
     check_model(checkpoint, module)
+    _load_checked(checkpoint, module)
+
+
+def load_model_and_optimizer(checkpoint: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the checkpoint's weights into ``module`` and its optimizer state into ``optimizer``, once both are
+    checked: another model is refused as such (it has other groups too), then another kind of optimizer."""
+    check_model(checkpoint, module)
+    saved = read_optimizer(checkpoint, _device_of(module))
+    check_same_optimizer(checkpoint, saved, optimizer)  # before the weights change
+    _load_checked(checkpoint, module)
+    optimizer.load_state_dict(saved)
+
+
+def _load_checked(checkpoint: Checkpoint, module: nn.Module) -> None:
     module = _as_saved(checkpoint, module)
-    param = next(module.parameters(), None)
-    device = str(param.device) if param is not None else "cpu"
-    load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=device)
+    load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=str(_device_of(module)))
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def read_optimizer(checkpoint: Checkpoint, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -62,13 +62,7 @@ class SingleDevice:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         if checkpoint.sharded:  # an FSDP run's: DCP gathers the pieces into the whole model
             return load_sharded(checkpoint, model, optimizer)
-        module = self.module(model)
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        whole.check_model(checkpoint, module)  # the model first: another model has other groups too
-        saved = whole.read_optimizer(checkpoint, device)
-        whole.check_same_optimizer(checkpoint, saved, optimizer)  # before the weights change
-        whole.load_weights(checkpoint, module)
-        optimizer.load_state_dict(saved)
+        whole.load_model_and_optimizer(checkpoint, self.module(model), optimizer)
         return whole.read_states(checkpoint)
 
     def save_weights(self, path: Path, model: nn.Module) -> None:
