@@ -54,19 +54,23 @@ def resolve_micro_batch(requested: MicroBatch, *, strategy: str | None = None) -
 
 def after_oom(failed: Sequence[tuple[int, int]], size: int, *, strategy: str | None = None) -> Choice[int]:
     """Return the axis after "auto" halved: ``failed`` holds each (size that ran out of memory, step), oldest first."""
-    where = ", ".join(f"{tried} (step {step})" for tried, step in failed)
-    return Choice(size, f"auto: {size} after out-of-memory at {where}" + _AUTO_SYNC.get(strategy or "", ""))
+    return Choice(size, f"auto: {size} after out-of-memory at {_sizes(failed)}" + _AUTO_SYNC.get(strategy or "", ""))
 
 
 def whole_again(failed: Sequence[tuple[int, int]], step: int, *, strategy: str | None = None) -> Choice[str]:
     """Return the axis once "auto", at one sample, turned activation checkpointing on: the batches run whole again."""
-    where = ", ".join(f"{tried} (step {at})" for tried, at in failed)
     return Choice(
         "auto",
-        f"auto: the whole batch again from step {step}, its activations recomputed: after out-of-memory at {where}, "
+        f"auto: the whole batch again from step {step}, its activations recomputed: after out-of-memory at "
+        f"{_sizes(failed)}, "
         "even 1 sample did not fit, so activation checkpointing was turned on; halved again on out-of-memory"
         + _AUTO_SYNC.get(strategy or "", ""),
     )
+
+
+def _sizes(failed: Sequence[tuple[int, int]]) -> str:
+    """The sizes that ran out of memory, each with its step: "16 (step 1), 8 (step 1)"."""
+    return ", ".join(f"{tried} (step {step})" for tried, step in failed)
 
 
 def found_size(entry: Mapping[str, Any] | None) -> int | None:
