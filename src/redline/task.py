@@ -30,6 +30,7 @@ from redline.errors import TaskSpecError, few, invalid, nearest, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+CollateFn = Callable[[list[Any]], Any]  # a list of items -> a batch, as a DataLoader's collate_fn
 
 EXAMPLES = {
     "digits": "redline.examples.digits:digits",
@@ -59,7 +60,7 @@ class Task:
     scheduler: SchedulerFactory | None = None
     metric: Callable[[Any, Any], float] | None = None
     sample: Callable[[nn.Module], str] | None = None
-    collate_fn: Callable[[list[Any]], Any] | None = None
+    collate_fn: CollateFn | None = None
     epochs: int = 1
     name: str = "task"
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
-from redline.atomic import write_or_refuse
+from redline.atomic import make_parent, write_or_refuse
 from redline.checkpoint.layout import (
     PLAN,
     WHOLE_FORMATS,
@@ -194,5 +194,5 @@ def _write_weights(path: Path, write: Callable[[Path], None]) -> None:
     hint = "free space on that disk (or make it writable again), then write them again: `redline train` run again "
     hint += "with --resume auto writes them at the end"
     with contextlib.suppress(OSError):  # as a checkpoint's directory is made; where it cannot be, the write says why
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(path)
     write_or_refuse(path, write, error=CheckpointError, what=": the weights", hint=hint)

@@ -53,7 +53,7 @@ from redline.runtime.checkpointing import apply_checkpointing
 from redline.runtime.contract import split_batch, user_line
 from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import check_trainable, rebuild_optimizer
-from redline.task import OptimizerFactory, Task, require_task
+from redline.task import CollateFn, OptimizerFactory, Task, require_task
 
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
@@ -289,7 +289,7 @@ def _stepper(
     return step
 
 
-def _sample(data: Any, size: int, collate: Callable[[list[Any]], Any] | None) -> tuple[Any, int]:
+def _sample(data: Any, size: int, collate: CollateFn | None) -> tuple[Any, int]:
     """The batch to trace, collated from real items, and its rows: one item when every leaf is a tensor (its
     shapes and dtypes are the batch's, grown to ``size`` rows on fake tensors), else all ``size`` items. A
     task's own collate (padding to the longest item, say) shapes the batch by its items: all are collated."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.task import Task, require_task
+from redline.task import CollateFn, Task, require_task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
 
@@ -305,7 +305,7 @@ def _build(task: Task) -> nn.Module:
         ) from exc
 
 
-def real_batch(data: Dataset[Any], size: int, collate: Callable[[list[Any]], Any] | None = None) -> tuple[Any, int]:
+def real_batch(data: Dataset[Any], size: int, collate: CollateFn | None = None) -> tuple[Any, int]:
     """Collate a batch of ``size`` items from the start of ``data``, repeating them when it holds fewer (by the
     task's ``collate`` when it has one).
 

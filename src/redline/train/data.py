@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_w
 
 from redline.errors import ConfigError, TaskError
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
+from redline.task import CollateFn
 
 log = logging.getLogger("redline")
 
@@ -154,7 +155,7 @@ def train_loader(
     rank: int = 0,
     world_size: int = 1,
     drop_last: bool = False,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
+    collate_fn: CollateFn | None = None,
 ) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:
     """Return a DataLoader over ``dataset`` (this rank's share of each global batch) and what sets its epoch.
 
@@ -180,7 +181,7 @@ def eval_loader(
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
+    collate_fn: CollateFn | None = None,
 ) -> DataLoader[Any]:
     """Return an in-order DataLoader over this rank's shard: every sample is seen exactly once.
 
