@@ -242,6 +242,9 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         rows.append(("val metric", f"{summary.val_metric:.4f}"))
     if summary.checkpoint:
         rows.append(("checkpoint", summary.checkpoint))
+    if summary.best:
+        best = summary.best
+        rows.append(("best weights", f"{best['path']} ({best['monitor']} {best['value']:.4f} at step {best['step']})"))
     if summary.resumed_from:
         rows.append(("resumed from", summary.resumed_from))
     return rows

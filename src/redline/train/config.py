@@ -39,6 +39,10 @@ class TrainerConfig:
         CHECKPOINT_MINUTES, "Also checkpoint when this many minutes passed since the last one (0: never)."
     )
     keep_checkpoints: int = option(KEEP_CHECKPOINTS, "Keep the newest K checkpoints.", min=1)
+    keep_best: Literal["off", "val_loss", "val_metric"] = option(
+        "off",
+        "Keep the best evaluation's weights in OUT/best.safetensors: off, val_loss (lowest) or val_metric (highest).",
+    )
     out_dir: Path | None = option(None, "Write checkpoints, logs, summary.json, model.safetensors.", flag="--out")
     resume: str | None = option(None, "'auto' (the newest valid checkpoint in OUT) or a checkpoint's path.")
     loggers: tuple[str, ...] = option(DEFAULT_LOGGERS, "csv, jsonl or tensorboard; repeatable.", flag="--logger")
@@ -74,6 +78,7 @@ class TrainerConfig:
                 "checkpoint_every": (self.checkpoint_every is not None, "the checkpoints are written in DIR"),
                 "keep_checkpoints": (self.keep_checkpoints != KEEP_CHECKPOINTS, "it counts the checkpoints in DIR"),
                 "checkpoint_minutes": (self.checkpoint_minutes != CHECKPOINT_MINUTES, "the checkpoints go in DIR"),
+                "keep_best": (self.keep_best != "off", "the best weights are written to DIR/best.safetensors"),
             }
             for name, (asked, why) in needs_out_dir.items():
                 if asked:
@@ -91,13 +96,22 @@ class TrainerConfig:
         boolean("memory_history", self.memory_history)
         one_of("trial", self.trial, SWITCHES)
         one_of("plan", self.plan, ("auto", "tuned"))
+        one_of("keep_best", self.keep_best, ("off", "val_loss", "val_metric"))
 
     def check_task(self, task: Task) -> None:
-        """Refuse what would do nothing unnoticed for this task: evaluating every N steps without val_data."""
-        if self.eval_every is not None and task.val_data is None:
+        """Refuse what would do nothing unnoticed for this task: evaluating every N steps, or keeping the best
+        evaluation's weights, without val_data; keeping the best val_metric without a metric."""
+        for name, asked in (("eval_every", self.eval_every is not None), ("keep_best", self.keep_best != "off")):
+            if asked and task.val_data is None:
+                raise invalid(
+                    name, getattr(self, name), f"it with a task that has val_data (task {task.name!r} has none)",
+                    "drop it, or give the task val_data=...",
+                )  # fmt: skip
+        if self.keep_best == "val_metric" and task.metric is None:
             raise invalid(
-                "eval_every", self.eval_every, f"it with a task that has val_data (task {task.name!r} has none)",
-                "drop it, or give the task val_data=...",
+                "keep_best", self.keep_best, f"val_loss: task {task.name!r} has no metric, so its evaluation "
+                "reports val_loss alone",
+                "pass --keep-best val_loss (keep_best='val_loss'), or give the task metric=...",
             )  # fmt: skip
 
     @classmethod

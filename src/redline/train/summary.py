@@ -11,6 +11,7 @@ from redline.plan import Plan
 from redline.runtime.micro import OomEvent
 
 if TYPE_CHECKING:
+    from redline.train.best import BestWeights
     from redline.train.state import Run
 
 
@@ -42,6 +43,7 @@ class TrainSummary:
     stopped: str
     resumed_from: str | None
     checkpoint: str | None
+    best: dict[str, Any] | None  # keep_best's: the monitored metric, its best value, that step, the weights' path
     sample: str | None
 
     @classmethod
@@ -70,7 +72,9 @@ def recovery(event: OomEvent) -> dict[str, Any]:
 LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
 
 
-def summarize(task: str, run: Run, batches_per_epoch: int | None, sample: str | None) -> TrainSummary:
+def summarize(
+    task: str, run: Run, batches_per_epoch: int | None, sample: str | None, best: BestWeights | None = None
+) -> TrainSummary:
     """The summary of a finished ``fit()``: the rates cover training steps only; evaluation, checkpoints and
     the whole run's time stand beside them."""
     rt, pos, metrics = run.rt, run.pos, run.metrics
@@ -101,5 +105,6 @@ def summarize(task: str, run: Run, batches_per_epoch: int | None, sample: str | 
         stopped=run.stopped,
         resumed_from=str(run.resumed.path) if run.resumed else None,
         checkpoint=str(run.last_ckpt.path) if run.last_ckpt else None,
+        best=best.to_dict() if best is not None and best.step is not None else None,
         sample=sample,
     )

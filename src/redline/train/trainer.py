@@ -42,6 +42,7 @@ from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
+from redline.train.best import best_weights
 from redline.train.callbacks import Callback, check_callbacks
 from redline.train.config import TrainerConfig
 from redline.train.data import no_batch, plan_length, train_loader
@@ -92,6 +93,7 @@ class Trainer:
         self._batches_per_epoch: int | None = 1  # None for a stream of unknown length
         self._evaluated_at: int | None = None
         self._stored_stop = ""  # why the run the resumed checkpoint belongs to ended, if it did
+        self.best = best_weights(self.config.keep_best, self.out_dir)  # the best evaluation's weights, if kept
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
         self._group = contextlib.ExitStack()  # the launched job's process group, once joined
@@ -266,6 +268,7 @@ class Trainer:
     def _start(self) -> Run | TrainSummary:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
+        self.best = best_weights(self.config.keep_best, self.out_dir)
         resumed = self._find_resume()
         resume.warn_unsaved(resumed, self.out_dir)
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
@@ -353,6 +356,8 @@ class Trainer:
             scheduler.load_state_dict(state.get("scheduler"))
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
+            if self.best is not None:
+                self.best.load_state_dict(state.get("best"))
             rt.adopt_reasons(checkpoint.load_plan(found), note=f"from checkpoint step {found.step}")
         self.model = model
         return rt, model, optimizer, scheduler, pos
@@ -383,6 +388,7 @@ class Trainer:
             "stopped": stopped,
             "scheduler": scheduler.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+            "best": self.best.to_dict() if self.best else None,
         }
         root = self._checkpoint_root()
         with run.meter.excluded("checkpoint"):
@@ -449,6 +455,9 @@ class Trainer:
         self._evaluated_at = run.pos.step
         run.scheduler.after_evaluation(run.metrics)  # a ReduceLROnPlateau steps on it
         run.loggers.log_eval(run.pos.step, run.metrics)
+        if self.best is not None:
+            with run.meter.excluded("checkpoint"):  # written as a checkpoint is: left out of the rates
+                self.best.offer(run.rt, run.metrics, run.pos.step, main=self.env.is_main)
         for callback in self.callbacks:
             callback.on_evaluate(self, run.pos.step, run.metrics)
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
@@ -458,7 +467,7 @@ class Trainer:
         if self.task.sample:  # timed as evaluation; a task without one spends nothing there
             with run.meter.excluded("eval"), run.rt.eager():  # every rank samples: under FSDP a forward gathers
                 sample = self.task.sample(run.rt.module)
-        return summarize(self.task.name, run, self._batches_per_epoch, sample)
+        return summarize(self.task.name, run, self._batches_per_epoch, sample, self.best)
 
     # -- evaluate and predict --------------------------------------------------------------------
 
