@@ -14,6 +14,7 @@ from redline.version import __version__
 
 if TYPE_CHECKING:
     from redline import doctor
+    from redline.bench.profiling import Profile, profile
     from redline.bench.result import BenchResult
     from redline.bench.run import benchmark
     from redline.bench.tune import tune
@@ -68,6 +69,7 @@ _LAZY = {
     "MemoryEstimate": "redline.memory.estimate",
     "OutOfMemory": "redline.errors",
     "Plan": "redline.plan",
+    "Profile": "redline.bench.profiling",
     "RankZeroError": "redline.parallel.collectives",
     "RedlineError": "redline.errors",
     "Runtime": "redline.runtime.runtime",
@@ -91,6 +93,7 @@ _LAZY = {
     "find_batch_size": "redline.memory.search",
     "load_servable": "redline.serve.servable",
     "load_task": "redline.task",
+    "profile": "redline.bench.profiling",
     "report": "redline.render.html",
     "run_load": "redline.serve.loadtest",
     "tune": "redline.bench.tune",
@@ -127,6 +130,7 @@ __all__ = [
     "MemoryEstimate",
     "OutOfMemory",
     "Plan",
+    "Profile",
     "RankZeroError",
     "RedlineError",
     "Runtime",
@@ -151,6 +155,7 @@ __all__ = [
     "find_batch_size",
     "load_servable",
     "load_task",
+    "profile",
     "report",
     "run_load",
     "tune",

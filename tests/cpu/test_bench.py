@@ -19,7 +19,7 @@ from redline.bench import benchmark
 from redline.bench import run as bench_run
 from redline.bench.loops import Runner
 from redline.bench.matrix import Setting
-from redline.bench.run import BenchInterrupted, _warm_up, time_runners
+from redline.bench.run import BenchInterrupted, time_runners, warm_up
 from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError, TaskError
 from redline.hardware.device import DeviceFacts, probe_device
@@ -296,9 +296,9 @@ def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then
     def interrupted_at_32(task, setting, *args):
         if setting.batch_size == 32:
             raise KeyboardInterrupt  # Ctrl-C while the second batch size warms up
-        return _warm_up(task, setting, *args)
+        return warm_up(task, setting, *args)
 
-    monkeypatch.setattr("redline.bench.run._warm_up", interrupted_at_32)
+    monkeypatch.setattr("redline.bench.run.warm_up", interrupted_at_32)
     with pytest.raises(BenchInterrupted) as stopped:
         benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 32], steps=2,
                   window=1, auto=False)  # fmt: skip
@@ -485,14 +485,14 @@ def test_cli_bench_refuses_an_html_page_in_a_read_only_directory_before_it_spend
 def test_a_row_refused_by_its_device_says_the_fix_by_the_cli_flag(monkeypatch, capsys):
     # bf16 on a V100 (no native bf16): the row's error is the precision resolver's, whose hint speaks Python.
     v100 = DeviceFacts(type="cuda", name="Tesla V100-SXM2-16GB", index=0, capability=(7, 0))
-    real = bench_run._warm_up
+    real = bench_run.warm_up
 
     def on_a_v100(task, setting, *args):
         if setting.precision == "bf16-mixed":
             resolve_precision("bf16-mixed", v100)
         return real(task, setting, *args)
 
-    monkeypatch.setattr(bench_run, "_warm_up", on_a_v100)
+    monkeypatch.setattr(bench_run, "warm_up", on_a_v100)
     bench_command(task="example:digits", devices="cpu", precision="fp32,bf16-mixed", compile="off", auto=False,
                   steps=2, window=1, estimate=False, json_output=True)  # fmt: skip
     failed = next(row for row in json.loads(capsys.readouterr().out)["rows"] if row["error"])

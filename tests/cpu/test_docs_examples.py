@@ -145,7 +145,18 @@ def test_the_loadtest_example_runs(tmp_path, monkeypatch):
     assert options.headers == ("Authorization: Bearer T",)  # the result's fields it prints exist, or it raised
 
 
+def test_the_profile_example_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    names = {**stand_ins(), "task": redline.Task(model=MyModel, loss_fn=nn.functional.cross_entropy,
+                                                 train_data=digits_like(), batch_size=16)}  # fmt: skip
+    names["redline"] = redline
+    (code,) = examples("docs/profile.md")
+    run(code.replace("steps=20", "steps=2, warmup=1"), names, "docs/profile.md")  # fewer steps, the same call
+    assert names["found"].breakdown.steps == 2 and (tmp_path / "trace.json.gz").is_file()
+    assert "forward" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("doc", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
 def test_every_python_example_in_the_docs_is_run_here(doc):
-    covered = {"docs/engine.md": 1, "docs/serve.md": 2, "docs/oom.md": 1, "docs/loadtest.md": 1}
+    covered = {"docs/engine.md": 1, "docs/serve.md": 2, "docs/oom.md": 1, "docs/loadtest.md": 1, "docs/profile.md": 1}
     assert len(examples(doc)) == covered.get(doc, 0), f"{doc}: an example was added or removed: run it here"

@@ -84,6 +84,17 @@ class Runner:
         return self.runtime.compile_seconds if self.runtime is not None else None
 
 
+PHASES = ("data", "forward", "backward", "optimizer")  # of a training step, as `redline profile` marks them
+
+
+def phase(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Mark a phase of the step in torch.profiler's trace (``redline.NAME``) while a profiler records; else
+    nothing, so a timed step pays no marker (one costs microseconds)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(f"redline.{name}")
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def quiet_failed_ops() -> Iterator[None]:
     """Keep torch from logging an op that fails on fake tensors (a compile tracing a model with a bug) with
@@ -147,10 +158,12 @@ def runtime_runner(
     loss_fn = task.loss_fn
 
     def step(inputs: Any, targets: Any) -> torch.Tensor:
-        with rt.autocast():
+        with phase("forward"), rt.autocast():
             loss = loss_fn(model(inputs), targets)
-        rt.backward(loss)
-        rt.step(optimizer)
+        with phase("backward"):
+            rt.backward(loss)
+        with phase("optimizer"):
+            rt.step(optimizer)
         return loss
 
     batches = rt.setup_loader(_loader(task, setting.batch_size // options.grad_accum, seed))

@@ -112,7 +112,7 @@ def benchmark(
             for setting in group:
                 tell(done, total, f"warming up {setting.name}")
                 try:
-                    built[setting] = _warm_up(task, setting, window, planned, seed)
+                    built[setting] = warm_up(task, setting, window, planned, seed)
                 except ConfigError as exc:  # the row's settings do not fit its device (bf16 on a V100): it says why
                     failed[setting] = str(exc)
                 except RedlineError:  # the task's own (its data, its loss): every row would fail alike
@@ -218,7 +218,7 @@ def task_steps(task: Task, batch_size: int) -> int | None:
     return max(1, size // batch_size) * task.epochs
 
 
-def _warm_up(
+def warm_up(
     task: Task, setting: Setting, window: int, planned: int | None, seed: int
 ) -> tuple[Runner, PeakMemory, int | None]:
     """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory."""

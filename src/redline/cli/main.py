@@ -45,6 +45,11 @@ SUBCOMMANDS = {
         "tune_command",
         "Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.",
     ),
+    "profile": Subcommand(
+        "redline.cli.profile",
+        "profile_command",
+        "Profile a Task's training steps: each phase's time, the heaviest operators, and what to try.",
+    ),
     "memory": Subcommand(
         "redline.cli.memory",
         "memory",

@@ -1,0 +1,372 @@
+"""`redline profile`: where a training step's time goes, read from torch.profiler, and what to try.
+
+The step profiled is the one `redline train` would run on the device (auto's Plan: a cached tuned
+Plan, else the rules with a measured precision), or the precision and compile asked for. After an
+unrecorded warm-up window (compiling, if it compiles) it runs ``steps`` steps under torch.profiler
+with each phase marked (``redline.data``: the next batch, loading and the copy to the device;
+forward; backward; optimizer), and reads the trace: each phase's host time per step and, on a
+GPU, the time of the kernels each phase launched and the share of the steps' wall time in which
+the device ran anything. The advice names the flag to try and the command that measures it: a
+profile proposes, a measurement decides.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, schedule
+
+from redline.atomic import make_parent, write_or_refuse
+from redline.bench.loops import PHASES, Runner, phase
+from redline.bench.matrix import Setting
+from redline.bench.run import check_sizes, task_steps, warm_up
+from redline.config import positive_int
+from redline.errors import ConfigError, TrainingError
+from redline.hardware.device import probe_accelerators
+from redline.plan import Plan
+from redline.plan.device import resolve_device
+from redline.task import Task, require_task
+
+DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
+IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
+OPTIMIZER_SHARE = 0.30
+TOP_OPS = 8
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_EVENTS = ("cuda_runtime", "cuda_driver")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the step: host milliseconds per step and, on a GPU, its kernels' milliseconds per step."""
+
+    name: str  # data, forward, backward, optimizer, or other (the step's time outside the four)
+    host_ms: float
+    share: float  # of the step's host time
+    device_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """A profiled step, phase by phase, from the trace's events."""
+
+    steps: int
+    step_ms: float  # host wall time per step
+    phases: tuple[Phase, ...]
+    device_busy: float | None  # the share of the steps' wall time a GPU ran something (None on a CPU)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator by its own (self) time per step, on the device that did the work."""
+
+    name: str
+    self_ms: float
+    calls: float  # per step
+    share: float  # of every operator's self time
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What ``profile()`` found: the settings, the breakdown, the heaviest operators and the advice."""
+
+    task: str
+    device: str
+    setting: str
+    batch_size: int
+    plan: Plan
+    breakdown: Breakdown
+    ops: tuple[Op, ...]
+    advice: tuple[str, ...]
+    trace: str | None
+    flops_per_step: int | None
+    peak_memory_bytes: int | None
+
+    @property
+    def tflops(self) -> float | None:
+        """Achieved TFLOP/s over the profiled steps (the profiler's own overhead included)."""
+        if not self.flops_per_step or self.breakdown.step_ms <= 0:
+            return None
+        return self.flops_per_step / (self.breakdown.step_ms / 1000) / 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["plan"] = self.plan.to_dict()
+        data["tflops"] = self.tflops
+        return data
+
+
+def profile(
+    task: Task,
+    *,
+    devices: str = "auto",
+    precision: str | None = None,
+    compile: bool | None = None,
+    batch_size: int | None = None,
+    steps: int = 10,
+    warmup: int = 5,
+    planned_steps: int | None = None,
+    trace: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+) -> Profile:
+    """Profile ``steps`` training steps of ``task`` after ``warmup`` unrecorded ones; return the breakdown.
+
+    With neither ``precision`` nor ``compile`` it profiles what `redline train` would run
+    (``planned_steps``, default the task's epochs, decides auto's compile); either one profiles
+    that setting, the other left to auto. ``trace`` writes torch.profiler's Chrome trace there
+    (``.json``, or ``.json.gz`` compressed) for ui.perfetto.dev or chrome://tracing.
+    """
+    task = require_task(task)
+    positive_int("steps", steps)
+    positive_int("warmup", warmup)
+    positive_int("batch_size", batch_size, optional=True)
+    positive_int("planned_steps", planned_steps, optional=True)
+    size = batch_size or task.batch_size
+    check_sizes(task, [size])
+    trace_path = Path(trace) if trace is not None else None
+    if trace_path is not None and not trace_path.name.endswith((".json", ".json.gz")):
+        raise ConfigError(
+            f"trace={str(trace_path)!r} is not allowed; expected a .json or .json.gz file name (torch.profiler "
+            f"writes Chrome's trace format)\nhint: e.g. trace={str(trace_path.with_suffix('.json'))!r}"
+        )
+    device = resolve_device(devices, probe_accelerators()).value
+    explicit = precision is not None or compile is not None
+    setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
+    planned = planned_steps or task_steps(task, size)
+    runner, memory, flops = warm_up(task, setting, warmup, planned, seed)
+    with tempfile.TemporaryDirectory(prefix="redline-profile-") as scratch:
+        written = Path(scratch) / "trace.json"
+        averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
+        events = json.loads(written.read_text(encoding="utf-8")).get("traceEvents", [])
+        if trace_path is not None:
+            _keep(written, trace_path)
+    breakdown = read_breakdown(events)
+    plan = runner.plan()
+    assert plan is not None  # a Runtime's row
+    return Profile(
+        task=task.name,
+        device=device,
+        setting=setting.name,
+        batch_size=size,
+        plan=plan,
+        breakdown=breakdown,
+        ops=top_ops(averages, breakdown.steps, cuda=breakdown.device_busy is not None),
+        advice=tuple(advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled())),
+        trace=str(trace_path) if trace_path is not None else None,
+        flops_per_step=flops,
+        peak_memory_bytes=memory.peak,
+    )
+
+
+def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
+    """Run one unrecorded step and ``steps`` recorded ones under torch.profiler; write the trace to ``path``
+    and return its operator averages."""
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    recorder = torch.profiler.profile(
+        activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)
+    )
+    with _without_profiler_chatter():
+        recorder.start()
+    try:
+        with runner.scope():
+            for _ in range(steps + 1):  # the first is the profiler's own warm-up, left out of the trace
+                for _ in range(runner.micro_steps):  # a tuned Plan's micro-batches make one step
+                    with phase("data"):
+                        inputs, targets = runner.next_batch()
+                    runner.step_fn(inputs, targets)
+                with _without_profiler_chatter():
+                    recorder.step()  # after the last, the trace is complete
+    finally:
+        with _without_profiler_chatter():
+            recorder.stop()
+    recorder.export_chrome_trace(str(path))
+    return recorder.key_averages()
+
+
+def _keep(written: Path, path: Path) -> None:
+    """Put the trace at ``path`` (compressed for ``.gz``), atomically; an existing file is replaced whole."""
+    make_parent(path)
+    data = written.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    hint = f"pass --trace with a path you can write (the directory of {path} refused it)"
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+
+    write_or_refuse(path, write, error=TrainingError, hint=hint)
+
+
+_CHATTER = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Drop the lines the profiler's C++ side prints to stderr as it starts and stops (``USDT:... profiler_start``);
+    anything else written meanwhile goes on to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught.read().splitlines(keepends=True) if not _CHATTER.match(line))
+            if kept:
+                sys.stderr.write(kept.decode(errors="replace"))
+                sys.stderr.flush()
+
+
+# -- reading the trace ----------------------------------------------------------------------------
+
+
+def read_breakdown(events: Sequence[dict[str, Any]]) -> Breakdown:
+    """The per-step breakdown of a Chrome trace's events (times in microseconds, as torch.profiler writes them).
+
+    Steps are the ``ProfilerStep#N`` spans; phases the ``redline.PHASE`` spans within them. A GPU's
+    kernels, copies and memsets count for the phase whose span holds the call that launched them
+    (matched by correlation id, from any host thread: backward launches from autograd's own).
+    """
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    steps = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not steps:
+        raise TrainingError(
+            "the profiler recorded no step: its trace holds no ProfilerStep span\nhint: profile more --steps; "
+            "if this persists, torch.profiler does not work in this environment (see `redline doctor`)"
+        )
+    n = len(steps)
+    start = min(float(e["ts"]) for e in steps)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in steps)
+    marked = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"].removeprefix("redline."))
+        for e in spans
+        if e.get("name", "").removeprefix("redline.") in PHASES and e["name"].startswith("redline.")
+        and start <= float(e["ts"]) <= end
+    )  # fmt: skip
+    host = dict.fromkeys(PHASES, 0.0)
+    for begin, finish, name in marked:
+        host[name] += finish - begin
+    step_us = sum(float(e["dur"]) for e in steps) / n
+    per_step = {name: total / n for name, total in host.items()}
+    per_step["other"] = max(0.0, step_us - sum(per_step.values()))
+    device, busy = _device_time(events, marked, start, end)
+    phases = tuple(
+        Phase(
+            name=name,
+            host_ms=us / 1000,
+            share=us / step_us if step_us else 0.0,
+            device_ms=device[name] / n / 1000 if device is not None else None,
+        )
+        for name, us in per_step.items()
+    )
+    return Breakdown(steps=n, step_ms=step_us / 1000, phases=phases, device_busy=busy)
+
+
+def _device_time(
+    events: Sequence[dict[str, Any]], marked: list[tuple[float, float, str]], start: float, end: float
+) -> tuple[dict[str, float] | None, float | None]:
+    """Each phase's device microseconds (all steps) and the busy share of [start, end]; (None, None) without a GPU."""
+    work = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENTS]
+    if not work:
+        return None, None
+    launched = {
+        (e.get("args") or {}).get("correlation"): float(e["ts"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_EVENTS
+    }
+    begins = [begin for begin, _, _ in marked]
+    device = {name: 0.0 for name in (*PHASES, "other")}
+    intervals = []
+    for event in work:
+        ts, dur = float(event["ts"]), float(event["dur"])
+        at = launched.get((event.get("args") or {}).get("correlation"))
+        if at is not None and not start <= at <= end:
+            continue  # launched outside the recorded steps (the warm-up's tail)
+        name = "other"
+        if at is not None:
+            i = bisect.bisect_right(begins, at) - 1
+            if i >= 0 and at <= marked[i][1]:
+                name = marked[i][2]
+        device[name] += dur
+        intervals.append((max(ts, start), min(ts + dur, end)))
+    return device, _covered(intervals) / (end - start) if end > start else None
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals`` (streams overlap: their kernels' sum would count twice)."""
+    total, reach = 0.0, float("-inf")
+    for begin, finish in sorted(intervals):
+        if finish <= reach:
+            continue
+        total += finish - max(begin, reach)
+        reach = finish
+    return total
+
+
+def top_ops(averages: Any, steps: int, *, cuda: bool) -> tuple[Op, ...]:
+    """The operators with the most self time per step: on the device under CUDA, else on the host."""
+    rows = []
+    for average in averages:
+        if getattr(average, "is_user_annotation", False) or average.key.startswith("ProfilerStep#"):
+            continue  # a marked span, not work
+        self_us = float(average.self_device_time_total if cuda else average.self_cpu_time_total)
+        if self_us > 0:
+            rows.append((average.key, self_us, average.count))
+    total = sum(us for _, us, _ in rows) or 1.0
+    rows.sort(key=lambda row: -row[1])
+    return tuple(Op(name, us / steps / 1000, count / steps, us / total) for name, us, count in rows[:TOP_OPS])
+
+
+# -- advice ---------------------------------------------------------------------------------------
+
+
+def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool) -> list[str]:
+    """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it."""
+    shares = {p.name: p.share for p in breakdown.phases}
+    out = []
+    if anomaly:
+        out.append(
+            "autograd anomaly detection is on (torch.autograd.set_detect_anomaly): every backward op is checked "
+            "and slowed; turn it off outside debugging"
+        )
+    if env.get("CUDA_LAUNCH_BLOCKING") == "1":
+        out.append("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait for the GPU; unset it outside debugging")
+    if shares.get("data", 0.0) >= DATA_SHARE:
+        loader = plan.loader.value if plan.loader is not None else "as built"
+        out.append(
+            f"loading: {shares['data']:.0%} of each step waits for the next batch (loader {loader}); try "
+            "--loader-workers N (and a dataset that does less per item); `redline tune` measures loader workers"
+        )
+    if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
+        out.append(
+            f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step: the host launches kernels slower than "
+            "they run (a small model or batch); try a larger --batch-size, or --compile on --compile-mode "
+            "reduce-overhead (CUDA graphs); `redline bench --compile on` measures it"
+        )
+    if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
+        out.append(
+            f"the optimizer step takes {shares['optimizer']:.0%} of each step: many small parameter tensors are "
+            "stepped one by one unless the optimizer is foreach or fused (the Plan's optimizer row says which)"
+        )
+    if not out:
+        compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+        out.append(
+            f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "
+            "arithmetic bounds it; reduced precision or compile may shorten it, and `redline tune` measures both"
+        )
+    return out

@@ -1,0 +1,63 @@
+"""`redline profile`: where a training step's time goes, phase by phase, and what to try."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from redline.bench.profiling import profile
+from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
+from redline.cli.task_args import parse_task_args
+from redline.errors import invalid
+from redline.render.console import output_console, plan_table, print_uncut
+from redline.render.profile import header_line, ops_table, phases_table, summary_lines
+from redline.task import load_task
+
+SWITCH = {"auto": None, "on": True, "off": False}
+
+
+def profile_command(
+    task: TaskSpec,
+    task_arg: TaskArgs = None,
+    devices: Annotated[str, typer.Option(help="The device to profile on: auto, cpu, cuda, cuda:N or mps.")] = "auto",
+    precision: Annotated[
+        str | None, typer.Option(help="fp32, bf16-mixed or fp16-mixed (default: what `redline train` would run).")
+    ] = None,
+    compile: Annotated[
+        str | None, typer.Option(help="torch.compile: auto, on or off (default: what `redline train` would run).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the task's own).")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Steps to record, after the warm-up.")] = 10,
+    warmup: Annotated[int, typer.Option(min=1, help="Steps to run first, unrecorded (compiling, if it compiles).")] = 5,
+    planned_steps: Annotated[
+        int | None, typer.Option(min=1, help="The run auto plans for (default: the task's epochs); decides compile.")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="Write the Chrome trace there (.json or .json.gz).")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+) -> None:
+    """Profile a Task's training steps: each phase's time, the heaviest operators, and what to try."""
+    if compile is not None and compile.lower() not in SWITCH:
+        raise invalid("--compile", compile, "auto, on or off", "e.g. --compile on")
+    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "batch_size": "--batch-size"}
+    with said_by_flags(**flags):
+        found = profile(
+            loaded, devices=devices, precision=precision, compile=SWITCH[compile.lower()] if compile else None,
+            batch_size=batch_size, steps=steps, warmup=warmup, planned_steps=planned_steps, trace=trace,
+        )  # fmt: skip
+    data = found.to_dict()
+    if json_output:
+        print(json.dumps(data, indent=2))
+        return
+    out = output_console()
+    print_uncut(out, plan_table(found.plan))
+    out.print(header_line(data), highlight=False, markup=False)
+    print_uncut(out, phases_table(data))
+    print_uncut(out, ops_table(data))
+    for line in summary_lines(data):
+        out.print(line, highlight=False, markup=False, soft_wrap=line.startswith("trace:"))

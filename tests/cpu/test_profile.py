@@ -1,0 +1,112 @@
+"""`redline profile` on small models on the CPU: a real torch.profiler trace read into phases and advice."""
+
+import gzip
+import json
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+from typer.testing import CliRunner
+
+import redline
+from redline.bench.loops import phase
+from redline.bench.profiling import _without_profiler_chatter
+from redline.cli.main import app
+from redline.errors import ConfigError
+
+
+def small_task(**overrides) -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16, generator=gen), torch.randint(0, 4, (64,), generator=gen))
+    fields = {
+        "model": lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+        "loss_fn": nn.functional.cross_entropy,
+        "train_data": data,
+        "batch_size": 8,
+        "name": "small",
+    }
+    return redline.Task(**{**fields, **overrides})
+
+
+class SlowItems(Dataset):
+    """Items that take 20 ms each to load: loading dominates any step of a small model."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return self.base[i]
+
+
+def test_a_profile_splits_the_step_into_its_phases_and_writes_the_trace(tmp_path):
+    trace = tmp_path / "deep" / "trace.json.gz"
+    found = redline.profile(
+        small_task(), devices="cpu", precision="fp32", compile=False, steps=3, warmup=1, trace=trace
+    )
+    assert found.breakdown.steps == 3 and found.breakdown.device_busy is None
+    phases = {p.name: p for p in found.breakdown.phases}
+    assert list(phases) == ["data", "forward", "backward", "optimizer", "other"]
+    assert all(phases[name].host_ms > 0 for name in ("data", "forward", "backward", "optimizer"))
+    assert sum(p.share for p in phases.values()) == pytest.approx(1.0, abs=0.01)
+    assert found.ops and all(op.self_ms > 0 for op in found.ops)
+    assert any(op.name == "aten::addmm" for op in found.ops)  # the linear layers' work, by name
+    assert not any(op.name.startswith(("redline.", "ProfilerStep")) for op in found.ops)  # marks are not work
+    assert found.plan.precision.value == "fp32" and found.setting == "cpu fp32 eager b8"
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 3
+    assert found.trace == str(trace)
+    json.dumps(found.to_dict())  # --json prints it
+
+
+def test_slow_loading_is_found_and_the_advice_names_the_loader_flag():
+    found = redline.profile(
+        small_task(train_data=SlowItems(small_task().train_data), batch_size=4),
+        devices="cpu", precision="fp32", compile=False, steps=2, warmup=1,
+    )  # fmt: skip
+    data = next(p for p in found.breakdown.phases if p.name == "data")
+    assert data.share > 0.5  # 80 ms of loading against a step of well under a millisecond of arithmetic
+    assert found.advice[0].startswith("loading: ") and "--loader-workers" in found.advice[0]
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"expected a \.json or \.json\.gz file name.*\nhint: e\.g\. trace="):
+        redline.profile(small_task(), devices="cpu", trace=tmp_path / "trace.txt")
+    with pytest.raises(ConfigError, match=r"steps=0 is not allowed"):
+        redline.profile(small_task(), devices="cpu", steps=0)
+    with pytest.raises(Exception, match=r"fewer than the batch size 128"):
+        redline.profile(small_task(), devices="cpu", batch_size=128)
+
+
+def test_phase_marks_cost_nothing_unless_a_profiler_records():
+    assert type(phase("forward")).__name__ == "nullcontext"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert type(phase("forward")).__name__ != "nullcontext"
+
+
+def test_the_profilers_own_start_and_stop_lines_are_dropped_and_anything_else_kept(capfd):
+    with _without_profiler_chatter():
+        os.write(2, b"USDT:2026-12-02 16:07:04 22082:22082 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of the user's own\n")
+    assert capfd.readouterr().err == "a warning of the user's own\n"
+
+
+def test_the_cli_prints_the_phases_operators_and_advice(tmp_path):
+    args = ["profile", "--task", "example:digits", "--devices", "cpu", "--precision", "fp32", "--compile", "off",
+            "--steps", "2", "--warmup", "1", "--batch-size", "16"]  # fmt: skip
+    shown = CliRunner().invoke(app, [*args, "--trace", str(tmp_path / "t.json")])
+    assert shown.exit_code == 0, shown.output
+    for said in ("Profile of digits (cpu fp32 eager b16): 2 steps recorded", "Phases of a step", "backward",
+                 "Heaviest operators (host self time)", "advice: ", f"trace: {tmp_path / 't.json'}"):  # fmt: skip
+        assert said in shown.output
+    data = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert data["breakdown"]["steps"] == 2 and data["plan"]["precision"]["value"] == "fp32"
+    bad = CliRunner().invoke(app, [*args, "--compile", "maybe"])
+    assert isinstance(bad.exception, ConfigError)
+    assert str(bad.exception).startswith("--compile='maybe' is not allowed; expected auto, on or off")

@@ -1,0 +1,107 @@
+"""Reading a torch.profiler trace into a step's phases, and the advice drawn from them (traces fed as data)."""
+
+import pytest
+
+from redline.bench.profiling import Breakdown, Phase, _covered, advise, read_breakdown
+from redline.errors import TrainingError
+from redline.plan import Choice, Plan
+
+
+def span(name, ts, dur, tid=1, cat="user_annotation"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def step(n, ts, data=10, forward=30, backward=40, optimizer=10):
+    """A 100 us step: its phases back to back from ``ts``, the rest (10 us) outside them."""
+    out, at = [span(f"ProfilerStep#{n}", ts, 100)], ts
+    for name, dur in (("data", data), ("forward", forward), ("backward", backward), ("optimizer", optimizer)):
+        out.append(span(f"redline.{name}", at, dur))
+        at += dur
+    return out
+
+
+def launch(corr, ts, tid=1):
+    return {**span("cudaLaunchKernel", ts, 2, tid=tid, cat="cuda_runtime"), "args": {"correlation": corr}}
+
+
+def kernel(corr, ts, dur):
+    return {**span(f"kernel {corr}", ts, dur, tid=7, cat="kernel"), "args": {"correlation": corr}}
+
+
+def test_each_phase_is_its_host_time_per_step_and_the_rest_is_other():
+    found = read_breakdown([*step(1, 0), *step(2, 100, data=20, forward=20), span("aten::mm", 15, 5, cat="cpu_op")])
+    assert found.steps == 2 and found.step_ms == pytest.approx(0.1)
+    by_name = {p.name: p for p in found.phases}
+    assert [p.name for p in found.phases] == ["data", "forward", "backward", "optimizer", "other"]
+    assert by_name["data"].host_ms == pytest.approx(0.015) and by_name["data"].share == pytest.approx(0.15)
+    assert by_name["forward"].host_ms == pytest.approx(0.025)
+    assert by_name["other"].host_ms == pytest.approx(0.010)
+    assert sum(p.share for p in found.phases) == pytest.approx(1.0)
+    assert found.device_busy is None and by_name["forward"].device_ms is None  # no GPU in the trace
+
+
+def test_kernels_count_for_the_phase_that_launched_them_from_any_thread():
+    events = [
+        *step(1, 1000),
+        *step(2, 1100),
+        launch(1, 1015), kernel(1, 1020, 30),  # forward of step 1 (data is 1000-1010, forward 1010-1040)
+        launch(2, 1050, tid=2), kernel(2, 1050, 40),  # backward, launched from autograd's thread
+        launch(3, 1085), kernel(3, 1085, 10),  # optimizer
+        launch(4, 1115), kernel(4, 1115, 10), kernel(5, 1118, 4),  # a copy on another stream overlaps
+        launch(5, 1116),
+        launch(6, 990), kernel(6, 1000, 50),  # launched before the recorded steps: left out
+        kernel(7, 1195, 5),  # no launch recorded: other
+    ]  # fmt: skip
+    found = read_breakdown(events)
+    device = {p.name: p.device_ms for p in found.phases}
+    assert device == pytest.approx(
+        {"data": 0.0, "forward": 0.022, "backward": 0.020, "optimizer": 0.005, "other": 0.0025}
+    )  # forward: 30 us in step 1, 10 + 4 in step 2 (two streams); per step, in ms
+    # busy: 1020-1050, 1050-1090, 1085-1095 -> 1020-1095 (75), 1115-1125 (10), 1195-1200 (5) of 200 us
+    assert found.device_busy == pytest.approx(90 / 200)
+
+
+def test_a_trace_without_a_step_says_so():
+    with pytest.raises(TrainingError, match="the profiler recorded no step"):
+        read_breakdown([span("redline.forward", 0, 10)])
+
+
+def test_overlapping_intervals_count_once():
+    assert _covered([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert _covered([]) == 0
+
+
+def breakdown(data=0.05, forward=0.4, backward=0.45, optimizer=0.05, busy=None):
+    shares = {"data": data, "forward": forward, "backward": backward, "optimizer": optimizer}
+    phases = tuple(Phase(name, share * 10, share) for name, share in shares.items())
+    return Breakdown(steps=5, step_ms=10.0, phases=(*phases, Phase("other", 0.0, 0.0)), device_busy=busy)
+
+
+PLAN = Plan(
+    device=Choice("cuda", "auto"),
+    precision=Choice("bf16-mixed", "auto"),
+    tf32=Choice(True, "auto"),
+    grad_accum=Choice(1, "default"),
+    clip_grad_norm=Choice(None, "default"),
+    loader=Choice("workers=0 pin_memory=off", "kept"),
+)
+
+
+def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
+    said = advise(breakdown(data=0.3, forward=0.3, backward=0.3, optimizer=0.1), PLAN, env={}, anomaly=False)
+    assert len(said) == 1
+    assert said[0].startswith("loading: 30% of each step waits for the next batch (loader workers=0 pin_memory=off)")
+    assert "--loader-workers" in said[0] and "redline tune" in said[0]
+    idle = advise(breakdown(busy=0.35), PLAN, env={}, anomaly=False)
+    assert len(idle) == 1 and idle[0].startswith("the GPU is idle 65% of each step") and "reduce-overhead" in idle[0]
+    assert advise(breakdown(busy=0.9), PLAN, env={}, anomaly=False)[0].startswith("no phase stands out")
+    heavy = advise(breakdown(optimizer=0.4, forward=0.25, backward=0.3), PLAN, env={}, anomaly=False)
+    assert heavy[0].startswith("the optimizer step takes 40% of each step")
+
+
+def test_debugging_switches_left_on_are_named_first():
+    said = advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "1"}, anomaly=True)
+    assert said[0].startswith("autograd anomaly detection is on")
+    assert said[1].startswith("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait")
+    assert len(said) == 2  # nothing stands out beside them
+    assert advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "0"}, anomaly=False)[0].startswith("no phase")
