@@ -14,6 +14,7 @@ from redline.doctor.checks import BUG_REPORT_FIX, CHECKS, run_checks
 from redline.doctor.checks.machine import Machine
 from redline.doctor.report import Check
 from redline.doctor.snapshot import (
+    AmdFacts,
     ChildRun,
     DriverFacts,
     GpuFacts,
@@ -97,8 +98,12 @@ BROKEN = {
     "slow-pcie-link": {
         "h2d-bandwidth": ("warn", ["nvidia-smi -q -d PCI"]),
     },
+    "rocm-kfd-permission": {
+        "rocm-devices": ("fail", ["sudo usermod -aG render,video $USER"]),
+        "cuda-available": ("fail", ["sudo usermod -aG render,video $USER"]),
+    },
 }
-HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-h200", "healthy-mac-m2"]
+HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-h200", "healthy-mac-m2", "healthy-mi300x8"]
 
 
 def report_of(name: str) -> DoctorReport:
@@ -185,7 +190,7 @@ def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
     # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
     report = report_of("healthy-h200")
     statuses = {c.id: c.status for c in report.checks}
-    assert statuses == {**dict.fromkeys(CHECKS, "ok"), "mps": "skip"}
+    assert statuses == {**dict.fromkeys(CHECKS, "ok"), "mps": "skip", "rocm-devices": "skip"}
     assert "NVIDIA H200 (sm_90) covered" in report.check("gpu-arch-supported").detail
     assert "bf16 703 TFLOP/s" in report.check("device-smoke").detail
     assert [(d.id, d.name, d.capability, d.lowp_tflops) for d in report.devices] == [
@@ -423,6 +428,16 @@ _snapshots = st.builds(
         kernel_module_version=_text,
         gpus=st.lists(_gpu, max_size=3),
     ),
+    amd=st.one_of(
+        st.none(),
+        st.builds(
+            AmdFacts,
+            kfd=st.booleans(),
+            kfd_access=st.booleans(),
+            render_nodes=st.lists(st.text(max_size=8), max_size=2),
+            render_access=st.lists(st.text(max_size=8), max_size=2),
+        ),
+    ),
     torch=st.one_of(st.none(), _torch),
     measurements=st.lists(_measurement, max_size=4),
     child=st.one_of(st.none(), st.builds(ChildRun, exit_code=st.one_of(st.none(), st.integers(-70, 3)))),
@@ -468,7 +483,7 @@ def test_quick_on_the_h200_checks_what_needs_no_import_and_says_how_to_check_the
     needs_torch = ["cuda-available", "gpu-arch-supported", "cudnn", "nccl", "cpu-threads"]
     assert statuses == {
         **dict.fromkeys(CHECKS, "ok"),
-        **dict.fromkeys([*needs_torch, "mps", "device-smoke", "h2d-bandwidth"], "skip"),
+        **dict.fromkeys([*needs_torch, "mps", "rocm-devices", "device-smoke", "h2d-bandwidth"], "skip"),
     }
     for check_id in needs_torch:
         assert (
@@ -539,3 +554,37 @@ def test_the_json_keys_docs_doctor_md_shows_are_the_ones_doctor_json_prints():
     report = report_of("healthy-h200").to_dict()
     printed = {*report, *report["checks"][0], *report["devices"][0], *report["versions"]}
     assert shown == printed
+
+
+def test_a_rocm_container_without_the_devices_is_told_to_pass_them_and_not_to_run_nvidia_smi():
+    snap = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    snap.system.container = "docker"
+    report = judge(snap)
+    for check_id in ("rocm-devices", "cuda-available"):
+        check = report.check(check_id)
+        assert check.status == "fail" and "--device=/dev/kfd --device=/dev/dri --group-add video" in (check.fix or "")
+    snap.amd = AmdFacts()  # no /dev/kfd: the devices were not passed in
+    report = judge(snap)
+    check = report.check("rocm-devices")
+    assert check.status == "skip" and "docker run --device=/dev/kfd --device=/dev/dri" in check.detail, check
+    assert report.check("cuda-available").status == "skip"
+
+
+def test_a_rocm_gpu_that_will_not_start_is_sent_to_rocminfo_never_to_nvidia_smi():
+    snap = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    assert snap.amd is not None
+    snap.amd.kfd_access, snap.amd.render_access = True, list(snap.amd.render_nodes)
+    report = judge(snap)
+    assert report.check("rocm-devices").status == "ok"
+    check = report.check("cuda-available")
+    assert check.status == "fail" and "rocminfo" in (check.fix or "") and "nvidia" not in (check.fix or ""), check
+    snap.amd.render_access = []
+    check = judge(snap).check("rocm-devices")
+    assert check.status == "fail" and "/dev/dri/renderD128" in check.detail and "usermod" in (check.fix or "")
+
+
+def test_an_amd_gpu_under_a_cpu_torch_is_pointed_at_a_rocm_build():
+    snap = load_snapshot(FIXTURES / "healthy-cpu-laptop.json")
+    snap.amd = AmdFacts(kfd=True, kfd_access=True, render_nodes=["/dev/dri/renderD128"])
+    check = judge(snap).check("rocm-devices")
+    assert check.status == "warn" and "CPU-only" in check.detail and "whl/rocm" in (check.fix or ""), check

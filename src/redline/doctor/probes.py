@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from redline.doctor import child as child_process
 from redline.doctor.driver import probe_driver
-from redline.doctor.snapshot import LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
+from redline.doctor.snapshot import AmdFacts, LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
 
 # The environment variables the checks read; only those that are set are recorded.
 ENV_VARS = (
@@ -75,6 +75,8 @@ def take_snapshot(
     snap.library_path = _guard(errors, "library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
     snap.wheel_libs = _guard(errors, "wheel_libs", wheel_library_dirs, [])
     snap.driver = _guard(errors, "driver", lambda: probe_driver(snap.system.wsl), snap.driver)
+    if snap.system.os == "Linux":
+        snap.amd = _guard(errors, "amd", probe_amd, None)
     if quick:
         snap.torch = _guard(errors, "torch", read_torch_build, None)
     elif child is not None:
@@ -177,6 +179,22 @@ def cgroup_cpu_quota() -> float | None:
     except ValueError:  # "max", or no cgroup files
         return None
     return round(cores, 2) if cores > 0 else None
+
+
+def probe_amd(dev: Path = Path("/dev")) -> AmdFacts:
+    """Read which of AMD's GPU device files exist and which this process may open read-write, as ROCm does."""
+
+    def usable(path: Path) -> bool:
+        return os.access(path, os.R_OK | os.W_OK)
+
+    kfd = dev / "kfd"
+    nodes = sorted(dev.glob("dri/renderD*"), key=lambda p: (len(p.name), p.name))
+    return AmdFacts(
+        kfd=kfd.exists(),
+        kfd_access=kfd.exists() and usable(kfd),
+        render_nodes=[str(p) for p in nodes],
+        render_access=[str(p) for p in nodes if usable(p)],
+    )
 
 
 def probe_packages() -> dict[str, str]:

@@ -11,6 +11,7 @@ from redline.doctor.checks.machine import (
     first_line,
     mentions,
 )
+from redline.doctor.checks.rocm import rocm_start_fix
 from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
@@ -125,7 +126,11 @@ def cuda_available(m: Machine) -> Check:
             by_name.setdefault(device.name, []).append(f"cuda:{device.index}")
         names = "; ".join(f"{device_ranges(ids)} {name}" for name, ids in by_name.items())
         return ok("cuda-available", f"torch sees {facts.device_count} device(s): {names}")
-    if not m.gpus and not m.snap.driver.device_nodes:
+    amd = m.snap.amd
+    if m.build == "rocm" and amd is not None:  # ROCm reaches AMD GPUs through /dev/kfd, not NVIDIA's files
+        if not amd.kfd:
+            return skip("cuda-available", "a ROCm build of torch, but no AMD GPU here (see rocm-devices)")
+    elif not m.gpus and not m.snap.driver.device_nodes:
         return skip("cuda-available", f"a {m.build} build of torch, but no GPU on this machine")
     reasons = [text for text in (facts.cuda_error, *facts.warnings) if text]
     detail = "torch.cuda.is_available() is False" + (f": {first_line(reasons[0])}" if reasons else "")
@@ -134,6 +139,8 @@ def cuda_available(m: Machine) -> Check:
 
 def cuda_start_fix(m: Machine, text: str) -> str:
     """Name the fix for a CUDA that will not start, from what torch said (see docs/doctor.md)."""
+    if m.build == "rocm":
+        return rocm_start_fix(m)
     if mentions(text, "too old", "insufficient"):
         return driver_upgrade_fix(m)
     if mentions(m.snap.driver.error or "", "mismatch") or mentions(text, r"\b804\b"):

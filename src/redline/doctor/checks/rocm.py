@@ -1,0 +1,80 @@
+"""The rocm-devices check: can this process open the device files a ROCm build of torch needs?
+
+ROCm reaches an AMD GPU through /dev/kfd (the compute driver, one for the machine) and a DRM render node
+per GPU (/dev/dri/renderD128, ...). Both belong to the `render` group (`video` on older systems), so a
+user outside it gets "Unable to open /dev/kfd read-write: Permission denied" and torch sees no GPU
+(ROCm/ROCT-Thunk-Interface README; ROCm/ROCm-docker#90). A container sees them only when they are passed
+in: `docker run --device=/dev/kfd --device=/dev/dri --group-add video` (ROCm/ROCm-docker README).
+"""
+
+from __future__ import annotations
+
+from redline.doctor.checks.machine import Machine
+from redline.doctor.report import Check, fail, ok, skip, warn
+
+DEVICE_FLAGS = "--device=/dev/kfd --device=/dev/dri"
+GROUP_FLAGS = "--group-add video --group-add render"
+LIST_NODES = "`ls -l /dev/kfd /dev/dri` shows their groups"
+
+
+def access_fix(m: Machine) -> str:
+    """Return how to get read-write access to /dev/kfd and the render nodes."""
+    if m.snap.system.container:
+        return (
+            f"start the container with `{DEVICE_FLAGS} {GROUP_FLAGS}` (the host's render GID, "
+            "from `getent group render`, where the image has no render group)"
+        )
+    return f"add yourself to their groups: `sudo usermod -aG render,video $USER`, then log in again ({LIST_NODES})"
+
+
+def missing_hint(m: Machine) -> str:
+    return f"; in a container, an AMD GPU needs `docker run {DEVICE_FLAGS}`" if m.snap.system.container else ""
+
+
+def rocm_start_fix(m: Machine) -> str:
+    """Name the fix for a ROCm build of torch that sees no GPU: access first, then what ROCm itself says."""
+    amd = m.snap.amd
+    if amd is not None and amd.kfd and not (amd.kfd_access and amd.render_access):
+        return access_fix(m)
+    return (
+        "run `rocminfo`: it says why the ROCm runtime finds no GPU agent; check that HIP_VISIBLE_DEVICES and "
+        f"ROCR_VISIBLE_DEVICES do not hide the GPUs, and {LIST_NODES} (you need read-write access)"
+    )
+
+
+def rocm_devices(m: Machine) -> Check:
+    if not m.linux:
+        return skip("rocm-devices", f"ROCm runs on Linux only, not {m.snap.system.os or 'this OS'}")
+    amd = m.snap.amd
+    if amd is None:
+        return skip("rocm-devices", "the snapshot has no facts of AMD's device files (taken by an older redline)")
+    if m.build == "cuda":
+        return skip("rocm-devices", "a CUDA build of torch, which does not use AMD GPUs")
+    if not amd.kfd:
+        if m.build == "rocm":
+            return skip("rocm-devices", f"a ROCm build of torch, but no AMD GPU here (no /dev/kfd){missing_hint(m)}")
+        return skip("rocm-devices", f"no AMD GPU (no /dev/kfd){missing_hint(m)}")
+    if m.build == "cpu":
+        if m.gpus:
+            return skip("rocm-devices", "a CPU-only torch on a machine with NVIDIA GPUs (see torch-build)")
+        return warn(
+            "rocm-devices",
+            f"an AMD GPU (/dev/kfd) but torch {m.torch_version} is a CPU-only build, so it runs on the CPU",
+            "install a ROCm build of torch: https://pytorch.org/get-started/locally/ gives the --index-url "
+            "(download.pytorch.org/whl/rocmX.Y) for your ROCm",
+        )
+    if not amd.kfd_access:
+        detail = "/dev/kfd exists but you cannot open it read-write, so ROCm sees no GPU"
+        return fail("rocm-devices", detail, access_fix(m))
+    if not amd.render_nodes:
+        fix = (
+            f"start the container with `{DEVICE_FLAGS}`"
+            if m.snap.system.container
+            else "load AMD's display driver: `sudo modprobe amdgpu` (`amdgpu-install --usecase=rocm` installs it)"
+        )
+        return fail("rocm-devices", "/dev/kfd but no GPU render node (/dev/dri/renderD*), so ROCm sees no GPU", fix)
+    if not amd.render_access:
+        listed = ", ".join(amd.render_nodes)
+        return fail("rocm-devices", f"you cannot open the render nodes read-write ({listed})", access_fix(m))
+    count = len(amd.render_access)
+    return ok("rocm-devices", f"/dev/kfd and {count} render node{'s' if count > 1 else ''} open read-write")
