@@ -28,6 +28,7 @@ from typing import TypeVar
 from redline.doctor import child as child_process
 from redline.doctor.driver import probe_driver
 from redline.doctor.snapshot import AmdFacts, LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
+from redline.hardware.cgroup import cpu_limit_cores
 
 # The environment variables the checks read; only those that are set are recorded.
 ENV_VARS = (
@@ -116,7 +117,7 @@ def probe_system() -> SystemFacts:
         cpu_name=cpu_name(system),
         logical_cpus=os.cpu_count() or 1,
         usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
-        cpu_quota=cgroup_cpu_quota(),
+        cpu_quota=cpu_limit_cores(),
     )
 
 
@@ -166,19 +167,6 @@ def cpu_name(system: str) -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def cgroup_cpu_quota() -> float | None:
-    """Return the cgroup CPU limit in cores (v2 cpu.max, else v1 cfs quota); None when unlimited."""
-    quota, _, period = _read("/sys/fs/cgroup/cpu.max").strip().partition(" ")
-    if not quota:
-        quota = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").strip()
-        period = _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us").strip()
-    try:
-        cores = int(quota) / int(period)
-    except ValueError:  # "max", or no cgroup files
-        return None
-    return round(cores, 2) if cores > 0 else None
 
 
 def probe_amd(dev: Path = Path("/dev")) -> AmdFacts:
