@@ -588,3 +588,29 @@ def test_an_amd_gpu_under_a_cpu_torch_is_pointed_at_a_rocm_build():
     snap.amd = AmdFacts(kfd=True, kfd_access=True, render_nodes=["/dev/dri/renderD128"])
     check = judge(snap).check("rocm-devices")
     assert check.status == "warn" and "CPU-only" in check.detail and "whl/rocm" in (check.fix or ""), check
+
+
+def test_an_apptainer_container_without_the_driver_libraries_is_told_to_run_with_nv():
+    # Apptainer binds the host's /dev, so the device files are there; the libraries come only with --nv.
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.system.container = "apptainer"
+    snap.driver = DriverFacts(error="NVML: NVML Shared Library Not Found; nvidia-smi: not found", device_nodes=True)
+    check = judge(snap).check("nvidia-driver")
+    assert check.status == "fail" and check.fix is not None and "apptainer exec --nv" in check.fix, check
+    assert "docker" not in check.fix and "apt install" not in check.fix
+    snap.shm = ShmFacts(total_bytes=64 * 2**20, free_bytes=64 * 2**20)
+    check = judge(snap).check("shm-size")
+    assert check.status == "fail" and check.fix is not None and "docker" not in check.fix, check
+
+
+def test_an_apptainer_container_on_rocm_is_told_to_join_the_hosts_groups_not_to_pass_docker_flags():
+    snap = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    snap.system.container = "apptainer"  # it runs as the host's user, with the host's /dev
+    check = judge(snap).check("rocm-devices")
+    assert (
+        check.status == "fail"
+        and "usermod -aG render,video" in (check.fix or "")
+        and "--device" not in (check.fix or "")
+    )
+    snap.amd = AmdFacts()
+    assert "apptainer exec --rocm" in judge(snap).check("rocm-devices").detail

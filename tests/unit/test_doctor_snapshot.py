@@ -9,7 +9,7 @@ import pytest
 from redline.doctor import torch_child
 from redline.doctor.child import MARKER, apply_report, parse_lines
 from redline.doctor.driver import kernel_module_version, parse_nvidia_smi
-from redline.doctor.probes import literal_assignments, probe_amd, read_torch_build
+from redline.doctor.probes import container_kind, literal_assignments, probe_amd, read_torch_build
 from redline.doctor.snapshot import FORMAT_VERSION, AmdFacts, ChildRun, Snapshot, TorchFacts, load_snapshot
 from redline.errors import ConfigError
 
@@ -172,3 +172,12 @@ def test_amds_device_files_are_read_with_this_processs_access(tmp_path, monkeypa
     nodes = [str(tmp_path / "dri/renderD128"), denied]
     assert facts == AmdFacts(kfd=True, kfd_access=True, render_nodes=nodes, render_access=nodes[:1])
     assert probe_amd(tmp_path / "nothing") == AmdFacts()  # no AMD GPU: no /dev/kfd, no render node
+
+
+def test_an_apptainer_container_is_named_so_though_it_passes_kubernetes_variables_through(monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # the host's, passed through by Apptainer
+    monkeypatch.setenv("APPTAINER_CONTAINER", "/scratch/images/train.sif")
+    assert container_kind() == "apptainer"
+    monkeypatch.delenv("APPTAINER_CONTAINER")
+    monkeypatch.setenv("SINGULARITY_CONTAINER", "/scratch/images/train.sif")
+    assert container_kind() == "apptainer"

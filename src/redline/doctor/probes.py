@@ -43,6 +43,7 @@ ENV_VARS = (
     "PYTORCH_ENABLE_MPS_FALLBACK",
     "CUDA_LAUNCH_BLOCKING",
 )
+APPTAINER_ENV = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
 PACKAGES = ("torch", "torchvision", "torchaudio", "triton", "numpy", "nvidia-ml-py")
 # The CUDA libraries torch loads; a file of one of these on LD_LIBRARY_PATH can shadow the wheel's.
 CUDA_LIB = re.compile(
@@ -147,6 +148,10 @@ def _command(argv: list[str]) -> str:
 
 def container_kind() -> str | None:
     """Name the container runtime this process runs under, if any."""
+    # Apptainer (formerly Singularity) passes the host's environment through, KUBERNETES_* included, and
+    # marks its own containers with APPTAINER_CONTAINER (SINGULARITY_CONTAINER) and /.singularity.d.
+    if any(os.environ.get(name) for name in APPTAINER_ENV) or Path("/.singularity.d").is_dir():
+        return "apptainer"
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         return "kubernetes"
     if Path("/.dockerenv").exists():

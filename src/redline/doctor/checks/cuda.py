@@ -16,6 +16,8 @@ from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
+# Apptainer binds the host's NVIDIA libraries and nvidia-smi only under --nv (apptainer etc/nvliblist.conf).
+APPTAINER_NV = "apptainer exec --nv"
 REBOOT_FIX = (
     "reboot; or, with no GPU process running, reload the driver: "
     "`sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && sudo modprobe nvidia nvidia_uvm`; "
@@ -34,6 +36,8 @@ def nvidia_driver(m: Machine) -> Check:
         if driver.device_nodes:
             if m.snap.system.wsl:
                 step = "install the NVIDIA driver on Windows, never inside WSL (/usr/lib/wsl/lib holds its libraries)"
+            elif m.apptainer:
+                step = f"run the container with `{APPTAINER_NV}`, which binds the host's driver libraries into it"
             elif m.snap.system.container:
                 step = "start the container with `--gpus all` (NVIDIA Container Toolkit) to mount the driver libraries"
             else:
@@ -41,7 +45,8 @@ def nvidia_driver(m: Machine) -> Check:
             return fail(
                 "nvidia-driver", f"NVIDIA device files exist but the driver library cannot be read: {error}", step
             )
-        hint = "; in a container, a GPU needs `docker run --gpus all`" if m.snap.system.container else ""
+        flag = APPTAINER_NV if m.apptainer else "docker run --gpus all"
+        hint = f"; in a container, a GPU needs `{flag}`" if m.snap.system.container else ""
         return skip("nvidia-driver", f"no NVIDIA driver ({error}){hint}")
     module = driver.kernel_module_version
     if module and driver.version and module != driver.version:
@@ -162,6 +167,8 @@ def cuda_start_fix(m: Machine, text: str) -> str:
     if visible is not None and hides_every_gpu(visible, m.gpus):  # a list naming real GPUs is not the cause
         return "CUDA_VISIBLE_DEVICES hides the GPUs (see visible-devices): `unset CUDA_VISIBLE_DEVICES`"
     if m.snap.system.container and not m.snap.driver.device_nodes:
+        if m.apptainer:
+            return f"run the container with `{APPTAINER_NV}`"
         return "start the container with `--gpus all` (NVIDIA Container Toolkit)"
     return (
         "run `nvidia-smi`: if it fails, reinstall the driver or reboot; check `ls -l /dev/nvidia*` is readable by you"

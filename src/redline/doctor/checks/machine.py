@@ -61,6 +61,11 @@ class Machine:
         return self.snap.driver.gpus
 
     @property
+    def apptainer(self) -> bool:
+        """An Apptainer (Singularity) container: the host's /dev and user, and GPUs through `--nv` or `--rocm`."""
+        return self.snap.system.container == "apptainer"
+
+    @property
     def linux(self) -> bool:
         return self.snap.system.os == "Linux"
 

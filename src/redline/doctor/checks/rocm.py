@@ -19,7 +19,7 @@ LIST_NODES = "`ls -l /dev/kfd /dev/dri` shows their groups"
 
 def access_fix(m: Machine) -> str:
     """Return how to get read-write access to /dev/kfd and the render nodes."""
-    if m.snap.system.container:
+    if m.snap.system.container and not m.apptainer:  # Apptainer runs as the host's user, in the host's groups
         return (
             f"start the container with `{DEVICE_FLAGS} {GROUP_FLAGS}` (the host's render GID, "
             "from `getent group render`, where the image has no render group)"
@@ -28,6 +28,8 @@ def access_fix(m: Machine) -> str:
 
 
 def missing_hint(m: Machine) -> str:
+    if m.apptainer:
+        return "; in an Apptainer container, an AMD GPU needs `apptainer exec --rocm`"
     return f"; in a container, an AMD GPU needs `docker run {DEVICE_FLAGS}`" if m.snap.system.container else ""
 
 
