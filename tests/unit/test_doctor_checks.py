@@ -614,3 +614,44 @@ def test_an_apptainer_container_on_rocm_is_told_to_join_the_hosts_groups_not_to_
     )
     snap.amd = AmdFacts()
     assert "apptainer exec --rocm" in judge(snap).check("rocm-devices").detail
+
+
+@pytest.mark.parametrize(
+    ("error", "container", "words"),
+    [
+        (
+            "NVML: GPU is lost; nvidia-smi: Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost",
+            None,
+            "sudo nvidia-smi -r -i N",
+        ),
+        (
+            "NVML: Insufficient Permissions; nvidia-smi: Failed to initialize NVML: Insufficient Permissions",
+            None,
+            "ls -l /dev/nvidia*",
+        ),
+        (
+            "NVML: Driver Not Loaded; nvidia-smi: NVIDIA-SMI has failed because it couldn't communicate with the "
+            "NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.",
+            None,
+            "sudo modprobe nvidia",
+        ),
+        (
+            "NVML: Unknown Error; nvidia-smi: Failed to initialize NVML: Unknown Error",
+            "docker",
+            "delete the container and start it again",
+        ),
+    ],
+    ids=["gpu-lost", "no-permission", "module-not-loaded", "container-detached"],
+)
+def test_a_driver_that_refuses_to_answer_gets_the_fix_for_its_reason_not_a_reinstall(error, container, words):
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.system.container = container
+    snap.driver = DriverFacts(error=error, device_nodes=True)  # the driver is installed: its device files are there
+    assert snap.torch is not None
+    snap.torch.cuda_available, snap.torch.devices, snap.torch.device_count = False, [], 0
+    snap.torch.warnings = ["CUDA initialization: Unexpected error from cudaGetDeviceCount(). Error 999: unknown error"]
+    report = judge(snap)
+    for check_id in ("nvidia-driver", "cuda-available"):
+        check = report.check(check_id)
+        assert check.status == "fail" and words in (check.fix or ""), (check_id, check)
+        assert "apt install" not in (check.fix or "") and "--gpus all" not in (check.fix or "")

@@ -18,6 +18,24 @@ from redline.doctor.report import Check, fail, ok, skip, warn
 
 # Apptainer binds the host's NVIDIA libraries and nvidia-smi only under --nv (apptainer etc/nvliblist.conf).
 APPTAINER_NV = "apptainer exec --nv"
+GPU_LOST_FIX = (
+    "find it with `sudo dmesg | grep -i -e xid -e 'fallen off'` (Xid 79); reset it with `sudo nvidia-smi -r -i N` "
+    "or reboot; if it happens again, check the GPU's power and cooling"
+)
+PERMISSION_FIX = (
+    "`ls -l /dev/nvidia*` shows the group that may open them: join it (`sudo usermod -aG video $USER`, "
+    "then log in again) or ask an administrator"
+)
+MODULE_FIX = (
+    "load it with `sudo modprobe nvidia`; if that says 'Key was rejected by service', Secure Boot refuses the "
+    "unsigned module: enroll its key (`sudo mokutil --import`) or turn Secure Boot off; after a kernel upgrade, "
+    "rebuild it with `sudo dkms autoinstall`"
+)
+# NVIDIA/nvidia-container-toolkit#48: systemd, reloading its units, drops the container's access to the GPUs.
+DETACHED_FIX = (
+    "delete the container and start it again; NVIDIA/nvidia-container-toolkit#48 gives the host's workaround "
+    "that keeps it from happening again"
+)
 REBOOT_FIX = (
     "reboot; or, with no GPU process running, reload the driver: "
     "`sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && sudo modprobe nvidia nvidia_uvm`; "
@@ -33,6 +51,8 @@ def nvidia_driver(m: Machine) -> Check:
             return fail("nvidia-driver", f"the kernel module and the driver library differ: {error}", REBOOT_FIX)
         if mentions(error, "hung", "no answer within"):
             return fail("nvidia-driver", f"the driver did not answer: {error}", HANG_FIX)
+        if (refused := driver_refused(m, error)) is not None:
+            return refused
         if driver.device_nodes:
             if m.snap.system.wsl:
                 step = "install the NVIDIA driver on Windows, never inside WSL (/usr/lib/wsl/lib holds its libraries)"
@@ -60,6 +80,23 @@ def nvidia_driver(m: Machine) -> Check:
             "run `nvidia-smi -L`; in a container, start it with `--gpus all`",
         )
     return ok("nvidia-driver", f"driver {driver.version}{runs} via {driver.source}: {m.gpu_summary()}")
+
+
+def driver_refused(m: Machine, error: str) -> Check | None:
+    """Judge an NVML error that says why an installed driver refused to answer; None for the others.
+
+    The texts are NVML's (nvmlErrorString, as nvidia-ml-py raises them), which nvidia-smi prints too.
+    """
+    if mentions(error, "GPU is lost", "fallen off the bus"):
+        return fail("nvidia-driver", f"a GPU fell off the bus, so the driver lists none: {error}", GPU_LOST_FIX)
+    if mentions(error, "Insufficient Permissions", "Permission denied"):
+        return fail("nvidia-driver", f"you may not open NVIDIA's device files: {error}", PERMISSION_FIX)
+    if mentions(error, "Driver Not Loaded") and m.snap.driver.device_nodes:
+        return fail("nvidia-driver", f"the NVIDIA kernel module is not loaded: {error}", MODULE_FIX)
+    if mentions(error, "Unknown Error") and m.snap.system.container and m.snap.driver.device_nodes:
+        detail = f"the container lost its GPUs (a `systemctl daemon-reload` on the host detaches them): {error}"
+        return fail("nvidia-driver", detail, DETACHED_FIX)
+    return None
 
 
 def torch_build(m: Machine) -> Check:
@@ -146,6 +183,9 @@ def cuda_start_fix(m: Machine, text: str) -> str:
     """Name the fix for a CUDA that will not start, from what torch said (see docs/doctor.md)."""
     if m.build == "rocm":
         return rocm_start_fix(m)
+    refused = driver_refused(m, m.snap.driver.error or "") if m.snap.driver.source is None else None
+    if refused is not None and refused.fix:  # the driver said why first: torch's message only repeats it
+        return refused.fix
     if mentions(text, "too old", "insufficient"):
         return driver_upgrade_fix(m)
     if mentions(m.snap.driver.error or "", "mismatch") or mentions(text, r"\b804\b"):
