@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from redline.doctor import child as child_process
-from redline.doctor.driver import probe_driver
+from redline.doctor.driver import NVML_TIMEOUT_S, probe_driver, with_deadline
 from redline.doctor.snapshot import AmdFacts, LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
 from redline.hardware.cgroup import cpu_limit_cores
 
@@ -50,6 +50,11 @@ CUDA_LIB = re.compile(
     r"lib(cudart|cublas|cublasLt|cudnn\w*|nccl|nvJitLink|cusparse\w*|cufft|curand|cusolver|nvrtc|cupti)\.so(\.\d+)*"
 )
 
+# A probe that blocks past this is abandoned: listing a directory of LD_LIBRARY_PATH on a stale network
+# mount blocks in the kernel for good. The driver's probe waits for NVML, then for nvidia-smi, each with its own.
+PROBE_TIMEOUT_S = 10.0
+DRIVER_TIMEOUT_S = 2 * NVML_TIMEOUT_S + 5.0
+
 T = TypeVar("T")
 
 
@@ -58,8 +63,12 @@ def take_snapshot(
     quick: bool = False,
     child_timeout_s: float = child_process.DEFAULT_TIMEOUT_S,
     child_script: Path = child_process.CHILD_SCRIPT,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
 ) -> Snapshot:
-    """Probe this machine; ``quick`` starts no child process (no torch import, no measurements). Never raises."""
+    """Probe this machine; ``quick`` starts no child process (no torch import, no measurements). Never raises.
+
+    Never hangs either: a probe that has not answered after ``probe_timeout_s`` is abandoned, its error recorded.
+    """
     from redline.version import __version__
 
     snap = Snapshot(
@@ -69,18 +78,22 @@ def take_snapshot(
     )
     errors = snap.probe_errors
     child = None if quick else start_child(errors, child_timeout_s, child_script)
-    snap.system = _guard(errors, "system", probe_system, snap.system)
-    snap.python = _guard(errors, "python", lambda: probe_python(snap.system.os), snap.python)
+
+    def guard(name: str, probe: Callable[[], T], default: T, timeout_s: float = probe_timeout_s) -> T:
+        return _guard(errors, name, probe, default, timeout_s)
+
+    snap.system = guard("system", probe_system, snap.system)
+    snap.python = guard("python", lambda: probe_python(snap.system.os), snap.python)
     snap.env = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
-    snap.packages = _guard(errors, "packages", probe_packages, {})
-    snap.shm = _guard(errors, "shm", probe_shm, None)
-    snap.library_path = _guard(errors, "library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
-    snap.wheel_libs = _guard(errors, "wheel_libs", wheel_library_dirs, [])
-    snap.driver = _guard(errors, "driver", lambda: probe_driver(snap.system.wsl), snap.driver)
+    snap.packages = guard("packages", probe_packages, {})
+    snap.shm = guard("shm", probe_shm, None)
+    snap.library_path = guard("library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
+    snap.wheel_libs = guard("wheel_libs", wheel_library_dirs, [])
+    snap.driver = guard("driver", lambda: probe_driver(snap.system.wsl), snap.driver, DRIVER_TIMEOUT_S)
     if snap.system.os == "Linux":
-        snap.amd = _guard(errors, "amd", probe_amd, None)
+        snap.amd = guard("amd", probe_amd, None)
     if quick:
-        snap.torch = _guard(errors, "torch", read_torch_build, None)
+        snap.torch = guard("torch", read_torch_build, None)
     elif child is not None:
         try:
             child_process.apply_report(snap, *child.wait())
@@ -98,9 +111,9 @@ def start_child(errors: dict[str, str], timeout_s: float, script: Path) -> child
         return None
 
 
-def _guard(errors: dict[str, str], name: str, probe: Callable[[], T], default: T) -> T:
+def _guard(errors: dict[str, str], name: str, probe: Callable[[], T], default: T, timeout_s: float) -> T:
     try:
-        return probe()
+        return with_deadline(probe, timeout_s, what=f"the {name} probe")
     except Exception as exc:  # the error is itself a fact
         errors[name] = f"{type(exc).__name__}: {exc}"
         return default
