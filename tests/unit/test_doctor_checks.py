@@ -655,3 +655,22 @@ def test_a_driver_that_refuses_to_answer_gets_the_fix_for_its_reason_not_a_reins
         check = report.check(check_id)
         assert check.status == "fail" and words in (check.fix or ""), (check_id, check)
         assert "apt install" not in (check.fix or "") and "--gpus all" not in (check.fix or "")
+
+
+def test_a_kubernetes_pod_is_told_to_request_its_gpus_not_to_pass_docker_flags():
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.system.container = "kubernetes"
+    snap.driver = DriverFacts(error="NVML: NVML Shared Library Not Found; nvidia-smi: not found", device_nodes=True)
+    check = judge(snap).check("nvidia-driver")
+    assert check.status == "fail" and "nvidia.com/gpu" in (check.fix or "") and "--gpus" not in (check.fix or "")
+    snap.driver.device_nodes = False  # a pod that asked for no GPU sees neither the files nor the libraries
+    assert snap.torch is not None
+    snap.torch.cuda_available, snap.torch.devices, snap.torch.device_count = False, [], 0
+    report = judge(snap)
+    assert "nvidia.com/gpu" in report.check("nvidia-driver").detail
+    rocm = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    rocm.system.container = "kubernetes"
+    check = judge(rocm).check("rocm-devices")
+    assert check.status == "fail" and "supplementalGroups" in (check.fix or "") and "--device" not in (check.fix or "")
+    rocm.amd = AmdFacts()
+    assert "amd.com/gpu" in judge(rocm).check("rocm-devices").detail

@@ -16,8 +16,6 @@ from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
-# Apptainer binds the host's NVIDIA libraries and nvidia-smi only under --nv (apptainer etc/nvliblist.conf).
-APPTAINER_NV = "apptainer exec --nv"
 GPU_LOST_FIX = (
     "find it with `sudo dmesg | grep -i -e xid -e 'fallen off'` (Xid 79); reset it with `sudo nvidia-smi -r -i N` "
     "or reboot; if it happens again, check the GPU's power and cooling"
@@ -56,17 +54,14 @@ def nvidia_driver(m: Machine) -> Check:
         if driver.device_nodes:
             if m.snap.system.wsl:
                 step = "install the NVIDIA driver on Windows, never inside WSL (/usr/lib/wsl/lib holds its libraries)"
-            elif m.apptainer:
-                step = f"run the container with `{APPTAINER_NV}`, which binds the host's driver libraries into it"
             elif m.snap.system.container:
-                step = "start the container with `--gpus all` (NVIDIA Container Toolkit) to mount the driver libraries"
+                step = f"{m.container_gpus()}, which mounts the host's driver libraries into it"
             else:
                 step = "install the utilities of the loaded driver (e.g. `sudo apt install nvidia-utils-<branch>`)"
             return fail(
                 "nvidia-driver", f"NVIDIA device files exist but the driver library cannot be read: {error}", step
             )
-        flag = APPTAINER_NV if m.apptainer else "docker run --gpus all"
-        hint = f"; in a container, a GPU needs `{flag}`" if m.snap.system.container else ""
+        hint = f"; in a container, {m.container_gpus()}" if m.snap.system.container else ""
         return skip("nvidia-driver", f"no NVIDIA driver ({error}){hint}")
     module = driver.kernel_module_version
     if module and driver.version and module != driver.version:
@@ -77,7 +72,7 @@ def nvidia_driver(m: Machine) -> Check:
         return warn(
             "nvidia-driver",
             f"driver {driver.version}{runs} lists no GPU",
-            "run `nvidia-smi -L`; in a container, start it with `--gpus all`",
+            "run `nvidia-smi -L`" + (f"; {m.container_gpus()}" if m.snap.system.container else ""),
         )
     return ok("nvidia-driver", f"driver {driver.version}{runs} via {driver.source}: {m.gpu_summary()}")
 
@@ -207,9 +202,7 @@ def cuda_start_fix(m: Machine, text: str) -> str:
     if visible is not None and hides_every_gpu(visible, m.gpus):  # a list naming real GPUs is not the cause
         return "CUDA_VISIBLE_DEVICES hides the GPUs (see visible-devices): `unset CUDA_VISIBLE_DEVICES`"
     if m.snap.system.container and not m.snap.driver.device_nodes:
-        if m.apptainer:
-            return f"run the container with `{APPTAINER_NV}`"
-        return "start the container with `--gpus all` (NVIDIA Container Toolkit)"
+        return m.container_gpus()
     return (
         "run `nvidia-smi`: if it fails, reinstall the driver or reboot; check `ls -l /dev/nvidia*` is readable by you"
     )

@@ -19,6 +19,11 @@ LIST_NODES = "`ls -l /dev/kfd /dev/dri` shows their groups"
 
 def access_fix(m: Machine) -> str:
     """Return how to get read-write access to /dev/kfd and the render nodes."""
+    if m.snap.system.container == "kubernetes":  # the device plugin passes them owned by the host's render GID
+        return (
+            "run the pod in the host's render group: `securityContext: supplementalGroups: [<GID>]` with the GID "
+            "of `getent group render` on the node (ROCm/k8s-device-plugin#39)"
+        )
     if m.snap.system.container and not m.apptainer:  # Apptainer runs as the host's user, in the host's groups
         return (
             f"start the container with `{DEVICE_FLAGS} {GROUP_FLAGS}` (the host's render GID, "
@@ -27,10 +32,17 @@ def access_fix(m: Machine) -> str:
     return f"add yourself to their groups: `sudo usermod -aG render,video $USER`, then log in again ({LIST_NODES})"
 
 
-def missing_hint(m: Machine) -> str:
+def container_devices(m: Machine) -> str:
+    """Say how this container is given AMD's device files, in its own runtime's terms."""
     if m.apptainer:
-        return "; in an Apptainer container, an AMD GPU needs `apptainer exec --rocm`"
-    return f"; in a container, an AMD GPU needs `docker run {DEVICE_FLAGS}`" if m.snap.system.container else ""
+        return "run the container with `apptainer exec --rocm`"
+    if m.snap.system.container == "kubernetes":  # AMD's device plugin (ROCm/k8s-device-plugin) serves amd.com/gpu
+        return "request the GPUs in the pod spec (`resources: limits: amd.com/gpu: 1`)"
+    return f"start the container with `docker run {DEVICE_FLAGS}`"
+
+
+def missing_hint(m: Machine) -> str:
+    return f"; in a container, {container_devices(m)}" if m.snap.system.container else ""
 
 
 def rocm_start_fix(m: Machine) -> str:
@@ -70,7 +82,7 @@ def rocm_devices(m: Machine) -> Check:
         return fail("rocm-devices", detail, access_fix(m))
     if not amd.render_nodes:
         fix = (
-            f"start the container with `{DEVICE_FLAGS}`"
+            container_devices(m)
             if m.snap.system.container
             else "load AMD's display driver: `sudo modprobe amdgpu` (`amdgpu-install --usecase=rocm` installs it)"
         )
