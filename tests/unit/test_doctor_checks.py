@@ -674,3 +674,13 @@ def test_a_kubernetes_pod_is_told_to_request_its_gpus_not_to_pass_docker_flags()
     assert check.status == "fail" and "supplementalGroups" in (check.fix or "") and "--device" not in (check.fix or "")
     rocm.amd = AmdFacts()
     assert "amd.com/gpu" in judge(rocm).check("rocm-devices").detail
+
+
+def test_a_wrong_convolution_on_a_rocm_gpu_fails_as_on_a_cuda_one():
+    snap = load_snapshot(FIXTURES / "healthy-mi300x8.json")
+    check = judge(snap).check("cudnn")
+    assert check.status == "ok" and "a convolution on cuda:0-7 matches the CPU" in check.detail, check
+    snap.measurements = [replace(r, conv_rel_err=0.4) if r.device == "cuda:3" else r for r in snap.measurements]
+    report = judge(snap)
+    check = report.check("cudnn")
+    assert check.status == "fail" and "cuda:3 disagrees with the CPU" in check.detail and report.exit_code == 1
