@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from redline.doctor import torch_child
+from redline.doctor import check_machine, torch_child
 from redline.doctor.child import MARKER, apply_report, parse_lines
 from redline.doctor.driver import kernel_module_version, parse_nvidia_smi
 from redline.doctor.probes import container_kind, literal_assignments, probe_amd, read_torch_build
@@ -181,3 +181,10 @@ def test_an_apptainer_container_is_named_so_though_it_passes_kubernetes_variable
     monkeypatch.delenv("APPTAINER_CONTAINER")
     monkeypatch.setenv("SINGULARITY_CONTAINER", "/scratch/images/train.sif")
     assert container_kind() == "apptainer"
+
+
+def test_check_machine_refuses_quick_with_a_probe_file_as_the_command_does():
+    # A saved snapshot is judged as it was taken: quick would be silently ignored.
+    with pytest.raises(ConfigError, match="drop quick"):
+        check_machine(quick=True, probe_file=FIXTURES / "healthy-h200.json")
+    assert check_machine(probe_file=FIXTURES / "healthy-h200.json").exit_code == 0
