@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from redline.doctor import DoctorReport, judge, load_snapshot
 from redline.doctor.checks import BUG_REPORT_FIX, CHECKS, run_checks
 from redline.doctor.checks.machine import Machine
+from redline.doctor.checks.rocm import gfx_version
 from redline.doctor.report import Check
 from redline.doctor.snapshot import (
     AmdFacts,
@@ -684,3 +685,31 @@ def test_a_wrong_convolution_on_a_rocm_gpu_fails_as_on_a_cuda_one():
     report = judge(snap)
     check = report.check("cudnn")
     assert check.status == "fail" and "cuda:3 disagrees with the CPU" in check.detail and report.exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "words"),
+    [
+        ("AMD Radeon RX 6700 XT", "gfx1031", "export HSA_OVERRIDE_GFX_VERSION=10.3.0"),  # gfx1030's kernels
+        ("AMD Radeon RX 5700 XT", "gfx1010", "PYTORCH_ROCM_ARCH=gfx1010"),  # no gfx101x in the wheel
+    ],
+)
+def test_an_amd_gpu_the_rocm_wheel_has_no_kernels_for_fails_with_the_way_to_run_it(name, arch, words):
+    snap = load_snapshot(FIXTURES / "healthy-mi300x8.json")
+    check = judge(snap).check("gpu-arch-supported")
+    assert check.status == "ok" and check.detail.startswith("AMD Instinct MI300X (gfx942) covered"), check
+    assert snap.torch is not None
+    snap.torch.devices = [replace(snap.torch.devices[0], name=name, arch=arch)]
+    check = judge(snap).check("gpu-arch-supported")
+    assert check.status == "fail" and f"{name} ({arch}) not among the wheel's targets" in check.detail, check
+    assert words in (check.fix or ""), check.fix
+
+
+def test_amd_targets_are_read_as_rocm_numbers_them():
+    assert [gfx_version(t) for t in ("gfx90a:sramecc+:xnack-", "gfx1031", "gfx942", "gfx1151", "sm_90")] == [
+        (9, 0, 10),
+        (10, 3, 1),
+        (9, 4, 2),
+        (11, 5, 1),
+        None,
+    ]

@@ -110,6 +110,7 @@ class TorchDevice:
     mem_total_gib: float | None = None
     sm_count: int | None = None
     uuid: str = ""
+    arch: str = ""  # ROCm: AMD's target, gcnArchName ("gfx90a:sramecc+:xnack-"); "" under CUDA
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,7 @@ from redline.doctor.checks.machine import (
     first_line,
     mentions,
 )
-from redline.doctor.checks.rocm import rocm_start_fix
+from redline.doctor.checks.rocm import rocm_arch_supported, rocm_start_fix
 from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
@@ -244,6 +244,8 @@ def driver_upgrade_fix(m: Machine) -> str:
 
 
 def gpu_arch_supported(m: Machine) -> Check:
+    if m.build == "rocm":
+        return rocm_arch_supported(m)
     facts = m.torch
     if facts is None or not facts.cuda:
         return skip("gpu-arch-supported", "no CUDA build of torch")

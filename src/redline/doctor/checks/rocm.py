@@ -1,4 +1,5 @@
-"""The rocm-devices check: can this process open the device files a ROCm build of torch needs?
+"""ROCm's checks: can this process open the device files a ROCm build of torch needs (rocm-devices), and
+has the wheel kernels for each AMD GPU's target (gpu-arch-supported under a ROCm build)?
 
 ROCm reaches an AMD GPU through /dev/kfd (the compute driver, one for the machine) and a DRM render node
 per GPU (/dev/dri/renderD128, ...). Both belong to the `render` group (`video` on older systems), so a
@@ -9,7 +10,9 @@ in: `docker run --device=/dev/kfd --device=/dev/dri --group-add video` (ROCm/ROC
 
 from __future__ import annotations
 
-from redline.doctor.checks.machine import Machine
+import re
+
+from redline.doctor.checks.machine import NOT_IMPORTED, Machine
 from redline.doctor.report import Check, fail, ok, skip, warn
 
 DEVICE_FLAGS = "--device=/dev/kfd --device=/dev/dri"
@@ -92,3 +95,53 @@ def rocm_devices(m: Machine) -> Check:
         return fail("rocm-devices", f"you cannot open the render nodes read-write ({listed})", access_fix(m))
     count = len(amd.render_access)
     return ok("rocm-devices", f"/dev/kfd and {count} render node{'s' if count > 1 else ''} open read-write")
+
+
+def gfx_version(target: str) -> tuple[int, int, int] | None:
+    """Read an AMD GPU target as ROCm numbers it: "gfx90a:sramecc+:xnack-" -> (9, 0, 10), "gfx1031" -> (10, 3, 1)."""
+    match = re.fullmatch(r"gfx(\d{1,2})([0-9a-f])([0-9a-f])", target.partition(":")[0].strip().lower())
+    return (int(match[1]), int(match[2], 16), int(match[3], 16)) if match else None
+
+
+def override_fix(missing: list[str], built: list[str]) -> str:
+    """Return how to run GPUs whose target the wheel lacks: the kernels of a sibling target, else another build.
+
+    A target the wheel lacks (gfx1031, an RX 6700 XT) often runs the kernels of the first of its family the
+    wheel has (gfx1030) once HSA_OVERRIDE_GFX_VERSION makes the runtime report that one; unofficial, but the
+    usual answer to "HIP error: invalid device function" (pytorch/pytorch#132570, #164346).
+    """
+    steps = []
+    for arch in dict.fromkeys(missing):
+        have = gfx_version(arch)
+        siblings = sorted(v for t in built if (v := gfx_version(t)) and have and v[:2] == have[:2])
+        if siblings:
+            major, minor, stepping = siblings[0]
+            steps.append(
+                f"`export HSA_OVERRIDE_GFX_VERSION={major}.{minor}.{stepping}` runs the wheel's "
+                f"gfx{major}{minor:x}{stepping:x} kernels on {arch} (unofficial)"
+            )
+        else:
+            steps.append(
+                f"no kernels of {arch}'s family in this wheel: build torch with PYTORCH_ROCM_ARCH={arch}, "
+                "or use a GPU on ROCm's support list"
+            )
+    return "; ".join(steps)
+
+
+def rocm_arch_supported(m: Machine) -> Check:
+    """Judge each AMD GPU's target against the targets the ROCm wheel was built for."""
+    facts = m.torch
+    if facts is None or not m.imported:
+        return skip("gpu-arch-supported", NOT_IMPORTED if facts is not None else "torch did not import")
+    gpus = {f"{d.name} ({d.arch.partition(':')[0]})": d.arch.partition(":")[0] for d in facts.devices if d.arch}
+    if not gpus:
+        return skip("gpu-arch-supported", "torch reported no AMD GPU target to check (see cuda-available)")
+    built = [entry.partition(":")[0] for entry in facts.arch_list]
+    if not built:
+        return skip("gpu-arch-supported", "torch did not report the targets it was built for")
+    shown = " ".join(built)
+    missing = {gpu: arch for gpu, arch in gpus.items() if arch not in built}
+    if missing:
+        detail = f"{', '.join(missing)} not among the wheel's targets ({shown}): 'HIP error: invalid device function'"
+        return fail("gpu-arch-supported", detail, override_fix(list(missing.values()), built))
+    return ok("gpu-arch-supported", f"{', '.join(gpus)} covered by the wheel's kernels ({shown})")
