@@ -713,3 +713,14 @@ def test_amd_targets_are_read_as_rocm_numbers_them():
         (11, 5, 1),
         None,
     ]
+
+
+def test_a_rocm_build_reports_miopens_version_as_miopen_not_as_a_garbled_cudnn():
+    # Under ROCm torch.backends.cudnn.version() is MIOpen's, major * 1000000 + minor * 1000 + patch.
+    report = report_of("healthy-mi300x8")
+    assert (report.versions["cudnn"], report.versions["miopen"]) == (None, "3.3.0")
+    assert "MIOpen 3.3.0" in report.check("cudnn").detail
+    assert (report_of("healthy-h200").versions["cudnn"], report_of("healthy-h200").versions["miopen"]) == (
+        "9.19.0",
+        None,
+    )

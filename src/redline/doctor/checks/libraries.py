@@ -35,6 +35,14 @@ def cudnn_text(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
 
 
+def miopen_text(version: int) -> str:
+    """Format torch.backends.cudnn.version() under ROCm, where it is MIOpen's: 3003000 -> "3.3.0".
+
+    torch encodes it as major * 1000000 + minor * 1000 + patch (torch/csrc/cuda/shared/cudnn.cpp).
+    """
+    return f"{version // 1000000}.{version // 1000 % 1000}.{version % 1000}"
+
+
 def cudnn(m: Machine) -> Check:
     facts = m.torch
     if facts is None:
@@ -93,10 +101,11 @@ def miopen(m: Machine) -> Check:
             "look for GPU errors with `sudo dmesg | grep -i amdgpu`, and keep work off the device until it is reset "
             "or replaced",
         )
+    version = f" {miopen_text(m.torch.cudnn_version)}" if m.torch and m.torch.cudnn_version else ""
     if not convs:
-        return skip("cudnn", "ROCm build: MIOpen instead of cuDNN, and no convolution was measured")
+        return skip("cudnn", f"ROCm build: MIOpen{version} instead of cuDNN, and no convolution was measured")
     devices = device_ranges([r.device for r in convs])
-    return ok("cudnn", f"ROCm build, MIOpen instead of cuDNN: a convolution on {devices} matches the CPU")
+    return ok("cudnn", f"ROCm build, MIOpen{version} instead of cuDNN: a convolution on {devices} matches the CPU")
 
 
 def nccl(m: Machine) -> Check:
