@@ -393,7 +393,15 @@ _torch = st.builds(
     cudnn_version=st.one_of(st.none(), st.integers(0, 10**6)),
     num_threads=st.one_of(st.none(), st.integers(0, 512)),
     cuda_available=st.one_of(st.none(), st.booleans()),
-    devices=st.lists(st.builds(TorchDevice, index=st.integers(0, 8), name=st.text(max_size=6), capability=_cap)),
+    devices=st.lists(
+        st.builds(
+            TorchDevice,
+            index=st.integers(0, 8),
+            name=st.text(max_size=6),
+            capability=_cap,
+            arch=st.sampled_from(["", "gfx1031", "gfx90a:sramecc+:xnack-", "gfx"]) | st.text(max_size=8),
+        )
+    ),
     warnings=st.lists(st.text(max_size=20), max_size=2),
 )
 _snapshots = st.builds(
@@ -404,7 +412,7 @@ _snapshots = st.builds(
         os=st.sampled_from(["Linux", "Darwin", "Windows", ""]),
         usable_cpus=st.integers(0, 256),
         cpu_quota=st.one_of(st.none(), st.floats(0, 300)),
-        container=st.one_of(st.none(), st.just("docker"), st.just("kubernetes")),
+        container=st.sampled_from([None, "docker", "kubernetes", "apptainer"]),
     ),
     env=st.dictionaries(
         st.sampled_from(["CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_P2P_DISABLE", "LD_LIBRARY_PATH"]),

@@ -132,7 +132,9 @@ def rocm_arch_supported(m: Machine) -> Check:
     """Judge each AMD GPU's target against the targets the ROCm wheel was built for."""
     facts = m.torch
     if facts is None or not m.imported:
-        return skip("gpu-arch-supported", NOT_IMPORTED if facts is not None else "torch did not import")
+        return skip(
+            "gpu-arch-supported", NOT_IMPORTED if facts is not None else "torch did not import (see torch-build)"
+        )
     gpus = {f"{d.name} ({d.arch.partition(':')[0]})": d.arch.partition(":")[0] for d in facts.devices if d.arch}
     if not gpus:
         return skip("gpu-arch-supported", "torch reported no AMD GPU target to check (see cuda-available)")
