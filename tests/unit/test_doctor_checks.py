@@ -631,7 +631,7 @@ def test_an_apptainer_container_on_rocm_is_told_to_join_the_hosts_groups_not_to_
         (
             "NVML: GPU is lost; nvidia-smi: Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost",
             None,
-            "sudo nvidia-smi -r -i N",
+            "reboot to recover it",
         ),
         (
             "NVML: Insufficient Permissions; nvidia-smi: Failed to initialize NVML: Insufficient Permissions",

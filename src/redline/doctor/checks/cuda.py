@@ -16,9 +16,10 @@ from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
+# nvidia-smi itself answers a lost GPU with "Reboot the system to recover this GPU": a reset cannot reach it.
 GPU_LOST_FIX = (
-    "find it with `sudo dmesg | grep -i -e xid -e 'fallen off'` (Xid 79); reset it with `sudo nvidia-smi -r -i N` "
-    "or reboot; if it happens again, check the GPU's power and cooling"
+    "find it with `sudo dmesg | grep -i -e xid -e 'fallen off'` (Xid 79) and reboot to recover it; if it "
+    "happens again, check the GPU's seating, power and cooling"
 )
 PERMISSION_FIX = (
     "`ls -l /dev/nvidia*` shows the group that may open them: join it (`sudo usermod -aG video $USER`, "
@@ -26,7 +27,8 @@ PERMISSION_FIX = (
 )
 MODULE_FIX = (
     "load it with `sudo modprobe nvidia`; if that says 'Key was rejected by service', Secure Boot refuses the "
-    "unsigned module: enroll its key (`sudo mokutil --import`) or turn Secure Boot off; after a kernel upgrade, "
+    "unsigned module: enroll the key DKMS signs it with (`sudo mokutil --import /var/lib/shim-signed/mok/MOK.der` on "
+    "Ubuntu) or turn Secure Boot off; after a kernel upgrade, "
     "rebuild it with `sudo dkms autoinstall`"
 )
 # NVIDIA/nvidia-container-toolkit#48: systemd, reloading its units, drops the container's access to the GPUs.
