@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 import redline
 from devices import CUDA_SPY
 from redline.cli.doctor import doctor as doctor_command
-from redline.doctor import DoctorReport, judge, load_snapshot, take_snapshot
+from redline.doctor import DoctorReport, judge, load_snapshot, probes, take_snapshot
 from redline.errors import ConfigError
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
@@ -133,6 +134,22 @@ def test_a_hung_cuda_call_becomes_a_failed_check_not_a_hang(tmp_path):
     check = judge(snapshot).check("cuda-available")
     assert check.status == "fail" and "hung for 2 s in stage 'cuda'" in check.detail
     assert check.fix is not None and "nvidia-smi" in check.fix
+
+
+def test_a_probe_that_blocks_for_good_is_abandoned_and_its_check_says_so(monkeypatch):
+    # Listing an LD_LIBRARY_PATH directory on a stale network mount blocks in the kernel for good.
+    stuck = threading.Event()
+    monkeypatch.setattr(probes, "library_dirs", lambda _path: stuck.wait() and [])
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/mnt/stale-nfs/cuda/lib64")
+    try:
+        start = time.perf_counter()
+        snapshot = take_snapshot(quick=True, probe_timeout_s=0.5)
+        assert time.perf_counter() - start < 20
+    finally:
+        stuck.set()
+    assert snapshot.probe_errors["library_path"] == "TimeoutError: no answer within 0.5 s (the library_path probe hung)"
+    check = judge(snapshot).check("library-shadowing")
+    assert check.status == "warn" and check.detail.startswith("not checked: probing it failed (library_path:")
 
 
 def test_a_crashing_child_becomes_a_failed_check(tmp_path):

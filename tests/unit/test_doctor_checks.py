@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from redline.doctor import DoctorReport, judge, load_snapshot
 from redline.doctor.checks import BUG_REPORT_FIX, CHECKS, run_checks
 from redline.doctor.checks.machine import Machine
+from redline.doctor.checks.rocm import gfx_version
 from redline.doctor.report import Check
 from redline.doctor.snapshot import (
+    AmdFacts,
     ChildRun,
     DriverFacts,
     GpuFacts,
@@ -97,8 +99,12 @@ BROKEN = {
     "slow-pcie-link": {
         "h2d-bandwidth": ("warn", ["nvidia-smi -q -d PCI"]),
     },
+    "rocm-kfd-permission": {
+        "rocm-devices": ("fail", ["sudo usermod -aG render,video $USER"]),
+        "cuda-available": ("fail", ["sudo usermod -aG render,video $USER"]),
+    },
 }
-HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-h200", "healthy-mac-m2"]
+HEALTHY = ["healthy-cpu-laptop", "healthy-h100x8", "healthy-h200", "healthy-mac-m2", "healthy-mi300x8"]
 
 
 def report_of(name: str) -> DoctorReport:
@@ -185,7 +191,7 @@ def test_the_real_h200_snapshot_is_judged_healthy_on_every_check():
     # Taken by benchmarks/gpu/doctor.sh on an H200 (driver 580.159.04, torch 2.11.0+cu130), not written by hand.
     report = report_of("healthy-h200")
     statuses = {c.id: c.status for c in report.checks}
-    assert statuses == {**dict.fromkeys(CHECKS, "ok"), "mps": "skip"}
+    assert statuses == {**dict.fromkeys(CHECKS, "ok"), "mps": "skip", "rocm-devices": "skip"}
     assert "NVIDIA H200 (sm_90) covered" in report.check("gpu-arch-supported").detail
     assert "bf16 703 TFLOP/s" in report.check("device-smoke").detail
     assert [(d.id, d.name, d.capability, d.lowp_tflops) for d in report.devices] == [
@@ -387,7 +393,15 @@ _torch = st.builds(
     cudnn_version=st.one_of(st.none(), st.integers(0, 10**6)),
     num_threads=st.one_of(st.none(), st.integers(0, 512)),
     cuda_available=st.one_of(st.none(), st.booleans()),
-    devices=st.lists(st.builds(TorchDevice, index=st.integers(0, 8), name=st.text(max_size=6), capability=_cap)),
+    devices=st.lists(
+        st.builds(
+            TorchDevice,
+            index=st.integers(0, 8),
+            name=st.text(max_size=6),
+            capability=_cap,
+            arch=st.sampled_from(["", "gfx1031", "gfx90a:sramecc+:xnack-", "gfx"]) | st.text(max_size=8),
+        )
+    ),
     warnings=st.lists(st.text(max_size=20), max_size=2),
 )
 _snapshots = st.builds(
@@ -398,7 +412,7 @@ _snapshots = st.builds(
         os=st.sampled_from(["Linux", "Darwin", "Windows", ""]),
         usable_cpus=st.integers(0, 256),
         cpu_quota=st.one_of(st.none(), st.floats(0, 300)),
-        container=st.one_of(st.none(), st.just("docker"), st.just("kubernetes")),
+        container=st.sampled_from([None, "docker", "kubernetes", "apptainer"]),
     ),
     env=st.dictionaries(
         st.sampled_from(["CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_P2P_DISABLE", "LD_LIBRARY_PATH"]),
@@ -422,6 +436,16 @@ _snapshots = st.builds(
         cuda_version=_text,
         kernel_module_version=_text,
         gpus=st.lists(_gpu, max_size=3),
+    ),
+    amd=st.one_of(
+        st.none(),
+        st.builds(
+            AmdFacts,
+            kfd=st.booleans(),
+            kfd_access=st.booleans(),
+            render_nodes=st.lists(st.text(max_size=8), max_size=2),
+            render_access=st.lists(st.text(max_size=8), max_size=2),
+        ),
     ),
     torch=st.one_of(st.none(), _torch),
     measurements=st.lists(_measurement, max_size=4),
@@ -468,7 +492,7 @@ def test_quick_on_the_h200_checks_what_needs_no_import_and_says_how_to_check_the
     needs_torch = ["cuda-available", "gpu-arch-supported", "cudnn", "nccl", "cpu-threads"]
     assert statuses == {
         **dict.fromkeys(CHECKS, "ok"),
-        **dict.fromkeys([*needs_torch, "mps", "device-smoke", "h2d-bandwidth"], "skip"),
+        **dict.fromkeys([*needs_torch, "mps", "rocm-devices", "device-smoke", "h2d-bandwidth"], "skip"),
     }
     for check_id in needs_torch:
         assert (
@@ -539,3 +563,172 @@ def test_the_json_keys_docs_doctor_md_shows_are_the_ones_doctor_json_prints():
     report = report_of("healthy-h200").to_dict()
     printed = {*report, *report["checks"][0], *report["devices"][0], *report["versions"]}
     assert shown == printed
+
+
+def test_a_rocm_container_without_the_devices_is_told_to_pass_them_and_not_to_run_nvidia_smi():
+    snap = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    snap.system.container = "docker"
+    report = judge(snap)
+    for check_id in ("rocm-devices", "cuda-available"):
+        check = report.check(check_id)
+        assert check.status == "fail" and "--device=/dev/kfd --device=/dev/dri --group-add video" in (check.fix or "")
+    snap.amd = AmdFacts()  # no /dev/kfd: the devices were not passed in
+    report = judge(snap)
+    check = report.check("rocm-devices")
+    assert check.status == "skip" and "docker run --device=/dev/kfd --device=/dev/dri" in check.detail, check
+    assert report.check("cuda-available").status == "skip"
+
+
+def test_a_rocm_gpu_that_will_not_start_is_sent_to_rocminfo_never_to_nvidia_smi():
+    snap = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    assert snap.amd is not None
+    snap.amd.kfd_access, snap.amd.render_access = True, list(snap.amd.render_nodes)
+    report = judge(snap)
+    assert report.check("rocm-devices").status == "ok"
+    check = report.check("cuda-available")
+    assert check.status == "fail" and "rocminfo" in (check.fix or "") and "nvidia" not in (check.fix or ""), check
+    snap.amd.render_access = []
+    check = judge(snap).check("rocm-devices")
+    assert check.status == "fail" and "/dev/dri/renderD128" in check.detail and "usermod" in (check.fix or "")
+
+
+def test_an_amd_gpu_under_a_cpu_torch_is_pointed_at_a_rocm_build():
+    snap = load_snapshot(FIXTURES / "healthy-cpu-laptop.json")
+    snap.amd = AmdFacts(kfd=True, kfd_access=True, render_nodes=["/dev/dri/renderD128"])
+    check = judge(snap).check("rocm-devices")
+    assert check.status == "warn" and "CPU-only" in check.detail and "whl/rocm" in (check.fix or ""), check
+
+
+def test_an_apptainer_container_without_the_driver_libraries_is_told_to_run_with_nv():
+    # Apptainer binds the host's /dev, so the device files are there; the libraries come only with --nv.
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.system.container = "apptainer"
+    snap.driver = DriverFacts(error="NVML: NVML Shared Library Not Found; nvidia-smi: not found", device_nodes=True)
+    check = judge(snap).check("nvidia-driver")
+    assert check.status == "fail" and check.fix is not None and "apptainer exec --nv" in check.fix, check
+    assert "docker" not in check.fix and "apt install" not in check.fix
+    snap.shm = ShmFacts(total_bytes=64 * 2**20, free_bytes=64 * 2**20)
+    check = judge(snap).check("shm-size")
+    assert check.status == "fail" and check.fix is not None and "docker" not in check.fix, check
+
+
+def test_an_apptainer_container_on_rocm_is_told_to_join_the_hosts_groups_not_to_pass_docker_flags():
+    snap = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    snap.system.container = "apptainer"  # it runs as the host's user, with the host's /dev
+    check = judge(snap).check("rocm-devices")
+    assert (
+        check.status == "fail"
+        and "usermod -aG render,video" in (check.fix or "")
+        and "--device" not in (check.fix or "")
+    )
+    snap.amd = AmdFacts()
+    assert "apptainer exec --rocm" in judge(snap).check("rocm-devices").detail
+
+
+@pytest.mark.parametrize(
+    ("error", "container", "words"),
+    [
+        (
+            "NVML: GPU is lost; nvidia-smi: Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost",
+            None,
+            "reboot to recover it",
+        ),
+        (
+            "NVML: Insufficient Permissions; nvidia-smi: Failed to initialize NVML: Insufficient Permissions",
+            None,
+            "ls -l /dev/nvidia*",
+        ),
+        (
+            "NVML: Driver Not Loaded; nvidia-smi: NVIDIA-SMI has failed because it couldn't communicate with the "
+            "NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.",
+            None,
+            "sudo modprobe nvidia",
+        ),
+        (
+            "NVML: Unknown Error; nvidia-smi: Failed to initialize NVML: Unknown Error",
+            "docker",
+            "delete the container and start it again",
+        ),
+    ],
+    ids=["gpu-lost", "no-permission", "module-not-loaded", "container-detached"],
+)
+def test_a_driver_that_refuses_to_answer_gets_the_fix_for_its_reason_not_a_reinstall(error, container, words):
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.system.container = container
+    snap.driver = DriverFacts(error=error, device_nodes=True)  # the driver is installed: its device files are there
+    assert snap.torch is not None
+    snap.torch.cuda_available, snap.torch.devices, snap.torch.device_count = False, [], 0
+    snap.torch.warnings = ["CUDA initialization: Unexpected error from cudaGetDeviceCount(). Error 999: unknown error"]
+    report = judge(snap)
+    for check_id in ("nvidia-driver", "cuda-available"):
+        check = report.check(check_id)
+        assert check.status == "fail" and words in (check.fix or ""), (check_id, check)
+        assert "apt install" not in (check.fix or "") and "--gpus all" not in (check.fix or "")
+
+
+def test_a_kubernetes_pod_is_told_to_request_its_gpus_not_to_pass_docker_flags():
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.system.container = "kubernetes"
+    snap.driver = DriverFacts(error="NVML: NVML Shared Library Not Found; nvidia-smi: not found", device_nodes=True)
+    check = judge(snap).check("nvidia-driver")
+    assert check.status == "fail" and "nvidia.com/gpu" in (check.fix or "") and "--gpus" not in (check.fix or "")
+    snap.driver.device_nodes = False  # a pod that asked for no GPU sees neither the files nor the libraries
+    assert snap.torch is not None
+    snap.torch.cuda_available, snap.torch.devices, snap.torch.device_count = False, [], 0
+    report = judge(snap)
+    assert "nvidia.com/gpu" in report.check("nvidia-driver").detail
+    rocm = load_snapshot(FIXTURES / "rocm-kfd-permission.json")
+    rocm.system.container = "kubernetes"
+    check = judge(rocm).check("rocm-devices")
+    assert check.status == "fail" and "supplementalGroups" in (check.fix or "") and "--device" not in (check.fix or "")
+    rocm.amd = AmdFacts()
+    assert "amd.com/gpu" in judge(rocm).check("rocm-devices").detail
+
+
+def test_a_wrong_convolution_on_a_rocm_gpu_fails_as_on_a_cuda_one():
+    snap = load_snapshot(FIXTURES / "healthy-mi300x8.json")
+    check = judge(snap).check("cudnn")
+    assert check.status == "ok" and "a convolution on cuda:0-7 matches the CPU" in check.detail, check
+    snap.measurements = [replace(r, conv_rel_err=0.4) if r.device == "cuda:3" else r for r in snap.measurements]
+    report = judge(snap)
+    check = report.check("cudnn")
+    assert check.status == "fail" and "cuda:3 disagrees with the CPU" in check.detail and report.exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "words"),
+    [
+        ("AMD Radeon RX 6700 XT", "gfx1031", "export HSA_OVERRIDE_GFX_VERSION=10.3.0"),  # gfx1030's kernels
+        ("AMD Radeon RX 5700 XT", "gfx1010", "PYTORCH_ROCM_ARCH=gfx1010"),  # no gfx101x in the wheel
+    ],
+)
+def test_an_amd_gpu_the_rocm_wheel_has_no_kernels_for_fails_with_the_way_to_run_it(name, arch, words):
+    snap = load_snapshot(FIXTURES / "healthy-mi300x8.json")
+    check = judge(snap).check("gpu-arch-supported")
+    assert check.status == "ok" and check.detail.startswith("AMD Instinct MI300X (gfx942) covered"), check
+    assert snap.torch is not None
+    snap.torch.devices = [replace(snap.torch.devices[0], name=name, arch=arch)]
+    check = judge(snap).check("gpu-arch-supported")
+    assert check.status == "fail" and f"{name} ({arch}) not among the wheel's targets" in check.detail, check
+    assert words in (check.fix or ""), check.fix
+
+
+def test_amd_targets_are_read_as_rocm_numbers_them():
+    assert [gfx_version(t) for t in ("gfx90a:sramecc+:xnack-", "gfx1031", "gfx942", "gfx1151", "sm_90")] == [
+        (9, 0, 10),
+        (10, 3, 1),
+        (9, 4, 2),
+        (11, 5, 1),
+        None,
+    ]
+
+
+def test_a_rocm_build_reports_miopens_version_as_miopen_not_as_a_garbled_cudnn():
+    # Under ROCm torch.backends.cudnn.version() is MIOpen's, major * 1000000 + minor * 1000 + patch.
+    report = report_of("healthy-mi300x8")
+    assert (report.versions["cudnn"], report.versions["miopen"]) == (None, "3.3.0")
+    assert "MIOpen 3.3.0" in report.check("cudnn").detail
+    assert (report_of("healthy-h200").versions["cudnn"], report_of("healthy-h200").versions["miopen"]) == (
+        "9.19.0",
+        None,
+    )

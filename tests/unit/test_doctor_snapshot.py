@@ -1,15 +1,16 @@
 """Snapshots round-trip through JSON, refuse what they cannot trust, and take the child's report as facts."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from redline.doctor import torch_child
+from redline.doctor import check_machine, torch_child
 from redline.doctor.child import MARKER, apply_report, parse_lines
 from redline.doctor.driver import kernel_module_version, parse_nvidia_smi
-from redline.doctor.probes import literal_assignments, read_torch_build
-from redline.doctor.snapshot import FORMAT_VERSION, ChildRun, Snapshot, TorchFacts, load_snapshot
+from redline.doctor.probes import container_kind, literal_assignments, probe_amd, read_torch_build
+from redline.doctor.snapshot import FORMAT_VERSION, AmdFacts, ChildRun, Snapshot, TorchFacts, load_snapshot
 from redline.errors import ConfigError
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
@@ -158,3 +159,32 @@ def test_a_doctor_json_report_passed_as_a_probe_file_is_named_as_such(tmp_path):
         load_snapshot(report)
     assert str(error.value).startswith(f"--probe-file={str(report)!r} is not allowed; expected a snapshot written")
     assert "the report `redline doctor --json` prints" in str(error.value) and "'status'" not in str(error.value)
+
+
+def test_amds_device_files_are_read_with_this_processs_access(tmp_path, monkeypatch):
+    (tmp_path / "dri").mkdir()
+    for name in ("kfd", "dri/renderD129", "dri/renderD128", "dri/card0"):
+        (tmp_path / name).touch()
+    denied = str(tmp_path / "dri/renderD129")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != denied and real_access(path, mode))
+    facts = probe_amd(tmp_path)
+    nodes = [str(tmp_path / "dri/renderD128"), denied]
+    assert facts == AmdFacts(kfd=True, kfd_access=True, render_nodes=nodes, render_access=nodes[:1])
+    assert probe_amd(tmp_path / "nothing") == AmdFacts()  # no AMD GPU: no /dev/kfd, no render node
+
+
+def test_an_apptainer_container_is_named_so_though_it_passes_kubernetes_variables_through(monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # the host's, passed through by Apptainer
+    monkeypatch.setenv("APPTAINER_CONTAINER", "/scratch/images/train.sif")
+    assert container_kind() == "apptainer"
+    monkeypatch.delenv("APPTAINER_CONTAINER")
+    monkeypatch.setenv("SINGULARITY_CONTAINER", "/scratch/images/train.sif")
+    assert container_kind() == "apptainer"
+
+
+def test_check_machine_refuses_quick_with_a_probe_file_as_the_command_does():
+    # A saved snapshot is judged as it was taken: quick would be silently ignored.
+    with pytest.raises(ConfigError, match="drop quick"):
+        check_machine(quick=True, probe_file=FIXTURES / "healthy-h200.json")
+    assert check_machine(probe_file=FIXTURES / "healthy-h200.json").exit_code == 0

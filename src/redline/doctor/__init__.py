@@ -15,6 +15,7 @@ from redline.doctor.judge import judge
 from redline.doctor.probes import take_snapshot
 from redline.doctor.report import Check, DeviceReport, DoctorReport
 from redline.doctor.snapshot import Snapshot, load_snapshot
+from redline.errors import invalid
 
 __all__ = [
     "Check",
@@ -33,7 +34,11 @@ def check_machine(*, quick: bool = False, probe_file: str | Path | None = None) 
 
     ``quick`` starts no child process: no measurements, and torch's build read from its files
     without importing it. A full run takes a few seconds on a CPU-only machine; a hung driver call
-    is cut off after ``child.DEFAULT_TIMEOUT_S`` and reported as a failed check.
+    is cut off after ``child.DEFAULT_TIMEOUT_S`` and reported as a failed check. ``quick`` with
+    ``probe_file`` raises ConfigError, as `redline doctor --quick --probe-file` refuses them: a saved
+    snapshot is judged as it was taken.
     """
+    if probe_file is not None and quick:
+        raise invalid("quick", quick, "False with probe_file", "a saved snapshot is judged as it was taken; drop quick")
     snapshot = load_snapshot(probe_file) if probe_file is not None else take_snapshot(quick=quick)
     return judge(snapshot)

@@ -43,8 +43,8 @@ def probe_driver(wsl: bool = False) -> DriverFacts:
     return facts
 
 
-def with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
-    """Run ``fn`` on a daemon thread and return its result; raise TimeoutError if it overruns."""
+def with_deadline(fn: Callable[[], T], timeout_s: float, what: str = "a driver call") -> T:
+    """Run ``fn`` on a daemon thread and return its result; raise TimeoutError, saying ``what`` hung, if it overruns."""
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -53,11 +53,11 @@ def with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
         except BaseException as exc:  # handed back to the caller below
             box["error"] = exc
 
-    thread = threading.Thread(target=target, name="redline-doctor-nvml", daemon=True)
+    thread = threading.Thread(target=target, name="redline-doctor-probe", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise TimeoutError(f"no answer within {timeout_s:.0f} s (a driver call hung)")
+        raise TimeoutError(f"no answer within {timeout_s:g} s ({what} hung)")
     if "error" in box:
         raise box["error"]
     return box["value"]

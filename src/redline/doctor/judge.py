@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from redline.doctor.checks import run_checks
-from redline.doctor.checks.libraries import cudnn_text
+from redline.doctor.checks.libraries import cudnn_text, miopen_text
 from redline.doctor.checks.machine import first_line
 from redline.doctor.checks.measured import MAX_REL_ERR
 from redline.doctor.report import DeviceReport, DoctorReport
@@ -84,7 +84,9 @@ def versions(snap: Snapshot) -> dict[str, str | None]:
         "torch": (torch.version if torch else None) or snap.packages.get("torch"),
         "cuda_runtime": torch.cuda if torch else None,
         "hip": torch.hip if torch else None,
-        "cudnn": cudnn_text(torch.cudnn_version) if torch and torch.cudnn_version else None,
+        # Under ROCm, torch's cuDNN version is MIOpen's, in an encoding of its own.
+        "cudnn": cudnn_text(torch.cudnn_version) if torch and torch.cudnn_version and not torch.hip else None,
+        "miopen": miopen_text(torch.cudnn_version) if torch and torch.cudnn_version and torch.hip else None,
         "nccl": torch.nccl_version if torch else None,
         "driver": snap.driver.version,
         "driver_cuda": snap.driver.cuda_version,

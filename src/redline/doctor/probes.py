@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from redline.doctor import child as child_process
-from redline.doctor.driver import probe_driver
-from redline.doctor.snapshot import LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
+from redline.doctor.driver import NVML_TIMEOUT_S, probe_driver, with_deadline
+from redline.doctor.snapshot import AmdFacts, LibraryDir, PythonFacts, ShmFacts, Snapshot, SystemFacts, TorchFacts
+from redline.hardware.cgroup import cpu_limit_cores
 
 # The environment variables the checks read; only those that are set are recorded.
 ENV_VARS = (
@@ -42,11 +43,17 @@ ENV_VARS = (
     "PYTORCH_ENABLE_MPS_FALLBACK",
     "CUDA_LAUNCH_BLOCKING",
 )
+APPTAINER_ENV = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
 PACKAGES = ("torch", "torchvision", "torchaudio", "triton", "numpy", "nvidia-ml-py")
 # The CUDA libraries torch loads; a file of one of these on LD_LIBRARY_PATH can shadow the wheel's.
 CUDA_LIB = re.compile(
     r"lib(cudart|cublas|cublasLt|cudnn\w*|nccl|nvJitLink|cusparse\w*|cufft|curand|cusolver|nvrtc|cupti)\.so(\.\d+)*"
 )
+
+# A probe that blocks past this is abandoned: listing a directory of LD_LIBRARY_PATH on a stale network
+# mount blocks in the kernel for good. The driver's probe waits for NVML, then for nvidia-smi, each with its own.
+PROBE_TIMEOUT_S = 10.0
+DRIVER_TIMEOUT_S = 2 * NVML_TIMEOUT_S + 5.0
 
 T = TypeVar("T")
 
@@ -56,8 +63,12 @@ def take_snapshot(
     quick: bool = False,
     child_timeout_s: float = child_process.DEFAULT_TIMEOUT_S,
     child_script: Path = child_process.CHILD_SCRIPT,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
 ) -> Snapshot:
-    """Probe this machine; ``quick`` starts no child process (no torch import, no measurements). Never raises."""
+    """Probe this machine; ``quick`` starts no child process (no torch import, no measurements). Never raises.
+
+    Never hangs either: a probe that has not answered after ``probe_timeout_s`` is abandoned, its error recorded.
+    """
     from redline.version import __version__
 
     snap = Snapshot(
@@ -67,16 +78,22 @@ def take_snapshot(
     )
     errors = snap.probe_errors
     child = None if quick else start_child(errors, child_timeout_s, child_script)
-    snap.system = _guard(errors, "system", probe_system, snap.system)
-    snap.python = _guard(errors, "python", lambda: probe_python(snap.system.os), snap.python)
+
+    def guard(name: str, probe: Callable[[], T], default: T, timeout_s: float = probe_timeout_s) -> T:
+        return _guard(errors, name, probe, default, timeout_s)
+
+    snap.system = guard("system", probe_system, snap.system)
+    snap.python = guard("python", lambda: probe_python(snap.system.os), snap.python)
     snap.env = {name: os.environ[name] for name in ENV_VARS if name in os.environ}
-    snap.packages = _guard(errors, "packages", probe_packages, {})
-    snap.shm = _guard(errors, "shm", probe_shm, None)
-    snap.library_path = _guard(errors, "library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
-    snap.wheel_libs = _guard(errors, "wheel_libs", wheel_library_dirs, [])
-    snap.driver = _guard(errors, "driver", lambda: probe_driver(snap.system.wsl), snap.driver)
+    snap.packages = guard("packages", probe_packages, {})
+    snap.shm = guard("shm", probe_shm, None)
+    snap.library_path = guard("library_path", lambda: library_dirs(snap.env.get("LD_LIBRARY_PATH", "")), [])
+    snap.wheel_libs = guard("wheel_libs", wheel_library_dirs, [])
+    snap.driver = guard("driver", lambda: probe_driver(snap.system.wsl), snap.driver, DRIVER_TIMEOUT_S)
+    if snap.system.os == "Linux":
+        snap.amd = guard("amd", probe_amd, None)
     if quick:
-        snap.torch = _guard(errors, "torch", read_torch_build, None)
+        snap.torch = guard("torch", read_torch_build, None)
     elif child is not None:
         try:
             child_process.apply_report(snap, *child.wait())
@@ -94,9 +111,9 @@ def start_child(errors: dict[str, str], timeout_s: float, script: Path) -> child
         return None
 
 
-def _guard(errors: dict[str, str], name: str, probe: Callable[[], T], default: T) -> T:
+def _guard(errors: dict[str, str], name: str, probe: Callable[[], T], default: T, timeout_s: float) -> T:
     try:
-        return probe()
+        return with_deadline(probe, timeout_s, what=f"the {name} probe")
     except Exception as exc:  # the error is itself a fact
         errors[name] = f"{type(exc).__name__}: {exc}"
         return default
@@ -114,7 +131,7 @@ def probe_system() -> SystemFacts:
         cpu_name=cpu_name(system),
         logical_cpus=os.cpu_count() or 1,
         usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
-        cpu_quota=cgroup_cpu_quota(),
+        cpu_quota=cpu_limit_cores(),
     )
 
 
@@ -144,6 +161,10 @@ def _command(argv: list[str]) -> str:
 
 def container_kind() -> str | None:
     """Name the container runtime this process runs under, if any."""
+    # Apptainer (formerly Singularity) passes the host's environment through, KUBERNETES_* included, and
+    # marks its own containers with APPTAINER_CONTAINER (SINGULARITY_CONTAINER) and /.singularity.d.
+    if any(os.environ.get(name) for name in APPTAINER_ENV) or Path("/.singularity.d").is_dir():
+        return "apptainer"
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         return "kubernetes"
     if Path("/.dockerenv").exists():
@@ -166,17 +187,20 @@ def cpu_name(system: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def cgroup_cpu_quota() -> float | None:
-    """Return the cgroup CPU limit in cores (v2 cpu.max, else v1 cfs quota); None when unlimited."""
-    quota, _, period = _read("/sys/fs/cgroup/cpu.max").strip().partition(" ")
-    if not quota:
-        quota = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").strip()
-        period = _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us").strip()
-    try:
-        cores = int(quota) / int(period)
-    except ValueError:  # "max", or no cgroup files
-        return None
-    return round(cores, 2) if cores > 0 else None
+def probe_amd(dev: Path = Path("/dev")) -> AmdFacts:
+    """Read which of AMD's GPU device files exist and which this process may open read-write, as ROCm does."""
+
+    def usable(path: Path) -> bool:
+        return os.access(path, os.R_OK | os.W_OK)
+
+    kfd = dev / "kfd"
+    nodes = sorted(dev.glob("dri/renderD*"), key=lambda p: (len(p.name), p.name))
+    return AmdFacts(
+        kfd=kfd.exists(),
+        kfd_access=kfd.exists() and usable(kfd),
+        render_nodes=[str(p) for p in nodes],
+        render_access=[str(p) for p in nodes if usable(p)],
+    )
 
 
 def probe_packages() -> dict[str, str]:

@@ -88,6 +88,19 @@ class DriverFacts:
 
 
 @dataclass(kw_only=True)
+class AmdFacts:
+    """The device files a ROCm build of torch opens: /dev/kfd (AMD's compute driver) and one render node per GPU.
+
+    NVIDIA and Intel GPUs have render nodes too; /dev/kfd is what says an AMD GPU is there for ROCm.
+    """
+
+    kfd: bool = False  # /dev/kfd exists
+    kfd_access: bool = False  # this process may read and write it
+    render_nodes: list[str] = field(default_factory=list)  # /dev/dri/renderD128, ...
+    render_access: list[str] = field(default_factory=list)  # those of them this process may read and write
+
+
+@dataclass(kw_only=True)
 class TorchDevice:
     """One CUDA device as torch sees it (CUDA order, after CUDA_VISIBLE_DEVICES)."""
 
@@ -97,6 +110,7 @@ class TorchDevice:
     mem_total_gib: float | None = None
     sm_count: int | None = None
     uuid: str = ""
+    arch: str = ""  # ROCm: AMD's target, gcnArchName ("gfx90a:sramecc+:xnack-"); "" under CUDA
 
 
 @dataclass(kw_only=True)
@@ -168,6 +182,7 @@ class Snapshot:
     library_path: list[LibraryDir] = field(default_factory=list)  # LD_LIBRARY_PATH, in order
     wheel_libs: list[LibraryDir] = field(default_factory=list)  # site-packages/nvidia/*/lib beside torch
     driver: DriverFacts = field(default_factory=DriverFacts)
+    amd: AmdFacts | None = None  # None where not probed: not Linux, or a snapshot from before redline read them
     torch: TorchFacts | None = None  # None when the child process never reported importing torch
     measurements: list[Measurement] = field(default_factory=list)
     child: ChildRun | None = None

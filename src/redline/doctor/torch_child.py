@@ -97,6 +97,8 @@ def cuda_facts() -> dict[str, Any]:
                 "mem_total_gib": props.total_memory / 2**30,
                 "sm_count": props.multi_processor_count,
                 "uuid": str(getattr(props, "uuid", "")),
+                # CUDA builds answer gcnArchName with the device's name: the target is ROCm's alone.
+                "arch": str(getattr(props, "gcnArchName", "")) if torch.version.hip else "",
             }
         )
     return {"cuda_available": available, "device_count": count, "devices": devices}

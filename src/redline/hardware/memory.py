@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from pathlib import Path
 from typing import Literal
 
 import torch
+
+# Kept here for its callers; it lives in hardware.cgroup, which the doctor reads without importing torch.
+from redline.hardware.cgroup import memory_limit_bytes as memory_limit_bytes
 
 STATM = "/proc/self/statm"
 STATUS = "/proc/self/status"
@@ -58,45 +60,6 @@ def reset_resident_peak() -> bool:
     except OSError:
         return False
     return resident_peak_bytes() is not None
-
-
-def memory_limit_bytes(root: Path = Path("/")) -> int | None:
-    """The memory limit of this process's cgroup or of one above it (a container's ``--memory``, a Slurm job's
-    ``--mem``), or None when none is set: the kernel kills the process past it, however much the machine has.
-
-    cgroup v2 keeps it in ``memory.max`` ("max" when unlimited), v1 in ``memory.limit_in_bytes`` (a value near
-    2**63 when unlimited); each group's file lies under the mount at the path /proc/self/cgroup gives (Linux
-    kernel docs, admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst). ``root`` stands for / in tests.
-    """
-    try:
-        lines = (root / "proc/self/cgroup").read_text(encoding="utf-8").splitlines()
-    except OSError:  # not Linux, or no /proc
-        return None
-    limits = []
-    for line in lines:
-        _, controllers, group = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
-        if controllers == "":  # cgroup v2: "0::/path"
-            mount, name = root / "sys/fs/cgroup", "memory.max"
-        elif "memory" in controllers.split(","):
-            mount, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
-        else:
-            continue
-        folder = mount / group.strip("/")
-        while True:  # a parent's limit binds its children too
-            limits.append(_limit(folder / name))
-            if folder == mount or mount not in folder.parents:
-                break
-            folder = folder.parent
-    found = [limit for limit in limits if limit is not None]
-    return min(found) if found else None
-
-
-def _limit(path: Path) -> int | None:
-    try:
-        value = int(path.read_text(encoding="ascii").strip())
-    except (OSError, ValueError):  # no such group here, or "max"
-        return None
-    return value if value < 2**60 else None  # v1 writes "unlimited" as the largest page-aligned int64
 
 
 def max_resident_bytes() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from redline.doctor.checks import cuda, host, libraries, measured, visible
+from redline.doctor.checks import cuda, host, libraries, measured, rocm, visible
 from redline.doctor.checks.machine import Machine
 from redline.doctor.report import Check, fail, warn
 from redline.doctor.snapshot import Snapshot
@@ -12,6 +12,7 @@ from redline.doctor.snapshot import Snapshot
 CHECKS: dict[str, Callable[[Machine], Check]] = {
     "python": host.python,
     "nvidia-driver": cuda.nvidia_driver,
+    "rocm-devices": rocm.rocm_devices,
     "torch-build": cuda.torch_build,
     "cuda-available": cuda.cuda_available,
     "driver-runtime-compat": cuda.driver_runtime_compat,
@@ -34,6 +35,7 @@ BUG_REPORT_FIX = "report this redline bug with the snapshot from `redline doctor
 JUDGES_PROBE = {
     "python": "python",
     "driver": "nvidia-driver",
+    "amd": "rocm-devices",
     "shm": "shm-size",
     "library_path": "library-shadowing",
     "wheel_libs": "library-shadowing",

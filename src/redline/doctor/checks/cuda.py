@@ -11,10 +11,31 @@ from redline.doctor.checks.machine import (
     first_line,
     mentions,
 )
+from redline.doctor.checks.rocm import rocm_arch_supported, rocm_start_fix
 from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
 from redline.doctor.report import Check, fail, ok, skip, warn
 
+# nvidia-smi itself answers a lost GPU with "Reboot the system to recover this GPU": a reset cannot reach it.
+GPU_LOST_FIX = (
+    "find it with `sudo dmesg | grep -i -e xid -e 'fallen off'` (Xid 79) and reboot to recover it; if it "
+    "happens again, check the GPU's seating, power and cooling"
+)
+PERMISSION_FIX = (
+    "`ls -l /dev/nvidia*` shows the group that may open them: join it (`sudo usermod -aG video $USER`, "
+    "then log in again) or ask an administrator"
+)
+MODULE_FIX = (
+    "load it with `sudo modprobe nvidia`; if that says 'Key was rejected by service', Secure Boot refuses the "
+    "unsigned module: enroll the key DKMS signs it with (`sudo mokutil --import /var/lib/shim-signed/mok/MOK.der` on "
+    "Ubuntu) or turn Secure Boot off; after a kernel upgrade, "
+    "rebuild it with `sudo dkms autoinstall`"
+)
+# NVIDIA/nvidia-container-toolkit#48: systemd, reloading its units, drops the container's access to the GPUs.
+DETACHED_FIX = (
+    "delete the container and start it again; NVIDIA/nvidia-container-toolkit#48 gives the host's workaround "
+    "that keeps it from happening again"
+)
 REBOOT_FIX = (
     "reboot; or, with no GPU process running, reload the driver: "
     "`sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && sudo modprobe nvidia nvidia_uvm`; "
@@ -30,17 +51,19 @@ def nvidia_driver(m: Machine) -> Check:
             return fail("nvidia-driver", f"the kernel module and the driver library differ: {error}", REBOOT_FIX)
         if mentions(error, "hung", "no answer within"):
             return fail("nvidia-driver", f"the driver did not answer: {error}", HANG_FIX)
+        if (refused := driver_refused(m, error)) is not None:
+            return refused
         if driver.device_nodes:
             if m.snap.system.wsl:
                 step = "install the NVIDIA driver on Windows, never inside WSL (/usr/lib/wsl/lib holds its libraries)"
             elif m.snap.system.container:
-                step = "start the container with `--gpus all` (NVIDIA Container Toolkit) to mount the driver libraries"
+                step = f"{m.container_gpus()}, which mounts the host's driver libraries into it"
             else:
                 step = "install the utilities of the loaded driver (e.g. `sudo apt install nvidia-utils-<branch>`)"
             return fail(
                 "nvidia-driver", f"NVIDIA device files exist but the driver library cannot be read: {error}", step
             )
-        hint = "; in a container, a GPU needs `docker run --gpus all`" if m.snap.system.container else ""
+        hint = f"; in a container, {m.container_gpus()}" if m.snap.system.container else ""
         return skip("nvidia-driver", f"no NVIDIA driver ({error}){hint}")
     module = driver.kernel_module_version
     if module and driver.version and module != driver.version:
@@ -51,9 +74,26 @@ def nvidia_driver(m: Machine) -> Check:
         return warn(
             "nvidia-driver",
             f"driver {driver.version}{runs} lists no GPU",
-            "run `nvidia-smi -L`; in a container, start it with `--gpus all`",
+            "run `nvidia-smi -L`" + (f"; {m.container_gpus()}" if m.snap.system.container else ""),
         )
     return ok("nvidia-driver", f"driver {driver.version}{runs} via {driver.source}: {m.gpu_summary()}")
+
+
+def driver_refused(m: Machine, error: str) -> Check | None:
+    """Judge an NVML error that says why an installed driver refused to answer; None for the others.
+
+    The texts are NVML's (nvmlErrorString, as nvidia-ml-py raises them), which nvidia-smi prints too.
+    """
+    if mentions(error, "GPU is lost", "fallen off the bus"):
+        return fail("nvidia-driver", f"a GPU fell off the bus, so the driver lists none: {error}", GPU_LOST_FIX)
+    if mentions(error, "Insufficient Permissions", "Permission denied"):
+        return fail("nvidia-driver", f"you may not open NVIDIA's device files: {error}", PERMISSION_FIX)
+    if mentions(error, "Driver Not Loaded") and m.snap.driver.device_nodes:
+        return fail("nvidia-driver", f"the NVIDIA kernel module is not loaded: {error}", MODULE_FIX)
+    if mentions(error, "Unknown Error") and m.snap.system.container and m.snap.driver.device_nodes:
+        detail = f"the container lost its GPUs (a `systemctl daemon-reload` on the host detaches them): {error}"
+        return fail("nvidia-driver", detail, DETACHED_FIX)
+    return None
 
 
 def torch_build(m: Machine) -> Check:
@@ -125,7 +165,11 @@ def cuda_available(m: Machine) -> Check:
             by_name.setdefault(device.name, []).append(f"cuda:{device.index}")
         names = "; ".join(f"{device_ranges(ids)} {name}" for name, ids in by_name.items())
         return ok("cuda-available", f"torch sees {facts.device_count} device(s): {names}")
-    if not m.gpus and not m.snap.driver.device_nodes:
+    amd = m.snap.amd
+    if m.build == "rocm" and amd is not None:  # ROCm reaches AMD GPUs through /dev/kfd, not NVIDIA's files
+        if not amd.kfd:
+            return skip("cuda-available", "a ROCm build of torch, but no AMD GPU here (see rocm-devices)")
+    elif not m.gpus and not m.snap.driver.device_nodes:
         return skip("cuda-available", f"a {m.build} build of torch, but no GPU on this machine")
     reasons = [text for text in (facts.cuda_error, *facts.warnings) if text]
     detail = "torch.cuda.is_available() is False" + (f": {first_line(reasons[0])}" if reasons else "")
@@ -134,6 +178,11 @@ def cuda_available(m: Machine) -> Check:
 
 def cuda_start_fix(m: Machine, text: str) -> str:
     """Name the fix for a CUDA that will not start, from what torch said (see docs/doctor.md)."""
+    if m.build == "rocm":
+        return rocm_start_fix(m)
+    refused = driver_refused(m, m.snap.driver.error or "") if m.snap.driver.source is None else None
+    if refused is not None and refused.fix:  # the driver said why first: torch's message only repeats it
+        return refused.fix
     if mentions(text, "too old", "insufficient"):
         return driver_upgrade_fix(m)
     if mentions(m.snap.driver.error or "", "mismatch") or mentions(text, r"\b804\b"):
@@ -155,7 +204,7 @@ def cuda_start_fix(m: Machine, text: str) -> str:
     if visible is not None and hides_every_gpu(visible, m.gpus):  # a list naming real GPUs is not the cause
         return "CUDA_VISIBLE_DEVICES hides the GPUs (see visible-devices): `unset CUDA_VISIBLE_DEVICES`"
     if m.snap.system.container and not m.snap.driver.device_nodes:
-        return "start the container with `--gpus all` (NVIDIA Container Toolkit)"
+        return m.container_gpus()
     return (
         "run `nvidia-smi`: if it fails, reinstall the driver or reboot; check `ls -l /dev/nvidia*` is readable by you"
     )
@@ -197,6 +246,8 @@ def driver_upgrade_fix(m: Machine) -> str:
 
 
 def gpu_arch_supported(m: Machine) -> Check:
+    if m.build == "rocm":
+        return rocm_arch_supported(m)
     facts = m.torch
     if facts is None or not facts.cuda:
         return skip("gpu-arch-supported", "no CUDA build of torch")

@@ -48,6 +48,8 @@ def shm_size(m: Machine) -> Check:
     detail = f"{shm.path}: {gib(shm.total_bytes)}, {gib(shm.free_bytes)} free"
     if m.snap.system.container == "kubernetes":
         grow = "mount an emptyDir with `medium: Memory` (and a sizeLimit such as 16Gi) at /dev/shm in the pod spec"
+    elif m.apptainer:
+        grow = "Apptainer mounts the host's /dev/shm: enlarge it there (`sudo mount -o remount,size=16G /dev/shm`)"
     elif m.snap.system.container:
         grow = "restart the container with `docker run --ipc=host ...` (or `--shm-size=16g`)"
     else:

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from redline.doctor.checks.machine import NOT_IMPORTED, Machine, first_line, mentions
+from redline.doctor.checks.machine import NOT_IMPORTED, Machine, device_ranges, first_line, mentions
 from redline.doctor.checks.measured import MAX_REL_ERR
 from redline.doctor.compat import (
     INDEX_URL,
@@ -18,6 +18,7 @@ from redline.doctor.compat import (
     tag_cuda,
 )
 from redline.doctor.report import Check, fail, ok, skip, warn
+from redline.doctor.snapshot import Measurement
 
 CUDNN_PROBE = "python -c 'import torch; print(torch.backends.cudnn.version())'"
 NCCL_SLOW_SWITCHES = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")
@@ -34,12 +35,22 @@ def cudnn_text(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
 
 
+def miopen_text(version: int) -> str:
+    """Format torch.backends.cudnn.version() under ROCm, where it is MIOpen's: 3003000 -> "3.3.0".
+
+    torch encodes it as major * 1000000 + minor * 1000 + patch (torch/csrc/cuda/shared/cudnn.cpp).
+    """
+    return f"{version // 1000000}.{version // 1000 % 1000}.{version % 1000}"
+
+
 def cudnn(m: Machine) -> Check:
     facts = m.torch
     if facts is None:
         return skip("cudnn", "torch did not import (see torch-build)")
+    if m.build == "rocm":
+        return miopen(m)
     if m.build != "cuda":
-        return skip("cudnn", "ROCm build: MIOpen instead of cuDNN" if m.build == "rocm" else "CPU-only torch build")
+        return skip("cudnn", "CPU-only torch build")
     if not m.imported:
         return skip("cudnn", NOT_IMPORTED)
     system_copies = [e.path for e in m.snap.library_path if any(lib.startswith("libcudnn") for lib in e.libs)]
@@ -54,8 +65,7 @@ def cudnn(m: Machine) -> Check:
             m.ld_path_without(system_copies) if system_copies else reinstall,
         )
     loaded = cudnn_text(facts.cudnn_version)
-    convs = [r for r in m.snap.measurements if r.device.startswith("cuda:") and r.conv_rel_err is not None]
-    bad = [r.device for r in convs if not (r.conv_rel_err is not None and r.conv_rel_err <= MAX_REL_ERR)]
+    convs, bad = convolutions(m)
     if bad:
         return fail(
             "cudnn",
@@ -71,6 +81,31 @@ def cudnn(m: Machine) -> Check:
         return warn("cudnn", f"torch loaded cuDNN {loaded}, but the wheel {wheel[0]} is {wheel[1]}", fix)
     tested = f"; a convolution on {convs[0].device} matches the CPU" if convs else ""
     return ok("cudnn", f"cuDNN {loaded}{tested}")
+
+
+def convolutions(m: Machine) -> tuple[list[Measurement], list[str]]:
+    """Return the GPUs' convolutions checked against the CPU, and the devices whose result was wrong."""
+    convs = [r for r in m.snap.measurements if r.device.startswith("cuda:") and r.conv_rel_err is not None]
+    return convs, [r.device for r in convs if not (r.conv_rel_err is not None and r.conv_rel_err <= MAX_REL_ERR)]
+
+
+def miopen(m: Machine) -> Check:
+    """Judge a ROCm build's convolutions, which run on MIOpen, ROCm's cuDNN, as the cuDNN check judges CUDA's."""
+    if not m.imported:
+        return skip("cudnn", NOT_IMPORTED)
+    convs, bad = convolutions(m)
+    if bad:
+        return fail(
+            "cudnn",
+            f"ROCm build: a convolution (MIOpen) on {', '.join(bad)} disagrees with the CPU",
+            "look for GPU errors with `sudo dmesg | grep -i amdgpu`, and keep work off the device until it is reset "
+            "or replaced",
+        )
+    version = f" {miopen_text(m.torch.cudnn_version)}" if m.torch and m.torch.cudnn_version else ""
+    if not convs:
+        return skip("cudnn", f"ROCm build: MIOpen{version} instead of cuDNN, and no convolution was measured")
+    devices = device_ranges([r.device for r in convs])
+    return ok("cudnn", f"ROCm build, MIOpen{version} instead of cuDNN: a convolution on {devices} matches the CPU")
 
 
 def nccl(m: Machine) -> Check:

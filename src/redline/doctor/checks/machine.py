@@ -61,6 +61,20 @@ class Machine:
         return self.snap.driver.gpus
 
     @property
+    def apptainer(self) -> bool:
+        """An Apptainer (Singularity) container: the host's /dev and user, and GPUs through `--nv` or `--rocm`."""
+        return self.snap.system.container == "apptainer"
+
+    def container_gpus(self) -> str:
+        """Say how this container is given the NVIDIA GPUs and their driver, in its own runtime's terms."""
+        kind = self.snap.system.container
+        if kind == "apptainer":  # binds the host's driver libraries only under --nv (apptainer's nvliblist.conf)
+            return "run the container with `apptainer exec --nv`"
+        if kind == "kubernetes":  # no docker flags in a pod: the NVIDIA device plugin mounts what a GPU request asks
+            return "request the GPUs in the pod spec (`resources: limits: nvidia.com/gpu: 1`)"
+        return "start the container with `docker run --gpus all` (NVIDIA Container Toolkit)"
+
+    @property
     def linux(self) -> bool:
         return self.snap.system.os == "Linux"
 

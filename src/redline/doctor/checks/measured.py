@@ -91,6 +91,8 @@ def flops(tflops: list[float]) -> str:
 def error_fix(m: Machine, device: str, error: str) -> str:
     if mentions(error, "no kernel image"):
         return m.wheel_fix()
+    if mentions(error, "invalid device function") and m.build == "rocm":
+        return "the ROCm wheel has no kernels for this GPU's target: gpu-arch-supported says how to run it"
     if mentions(error, "out of memory"):
         return "other processes hold the GPU memory: `nvidia-smi --query-compute-apps=pid,used_memory --format=csv`"
     return f"see the whole error: python -c \"import torch; x = torch.ones(8, 8, device='{device}'); print(x @ x)\""
