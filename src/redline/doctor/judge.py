@@ -31,6 +31,7 @@ def devices(snap: Snapshot) -> list[DeviceReport]:
                 id=label,
                 name=device.name,
                 capability=capability,
+                arch=device.arch.split(":")[0] or None,  # gfx90a:sramecc+:xnack- -> gfx90a
                 mem_gib=_round(device.mem_total_gib),
                 **_figures(measured.get(label)),
             )

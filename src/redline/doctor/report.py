@@ -45,6 +45,7 @@ class DeviceReport:
     id: str  # "cpu", "cuda:0", "mps", or "gpu:3" for a GPU torch does not see
     name: str
     capability: str | None = None  # "9.0"
+    arch: str | None = None  # ROCm: AMD's target ("gfx942"), shown in place of the capability
     mem_gib: float | None = None
     usable: bool | None = True  # torch sees it; False: only the driver lists it; None: --quick did not ask torch
     error: str | None = None  # what stopped its measurement (device-smoke has the fix)

@@ -34,10 +34,10 @@ def checks_table(report: DoctorReport) -> Table:
 
 
 def devices_table(report: DoctorReport) -> Table:
-    """Return the devices with what was measured on them."""
+    """Return the devices with what was measured on them; the figures never wrap, the name does."""
     table = Table(title="Devices", title_justify="left")
     for column in ("device", "name", "memory", "matmul", "host-to-device"):
-        table.add_column(column, no_wrap=column in ("device", "memory"))
+        table.add_column(column, no_wrap=column != "name", min_width=16 if column == "name" else None)
     for device in report.devices:
         table.add_row(device.id, _name(device), _memory(device), _matmul(device), _h2d(device))
     return table
@@ -51,7 +51,10 @@ def summary_line(report: DoctorReport) -> Text:
 
 
 def _name(device: DeviceReport) -> str:
-    name = device.name + (f" (sm {device.capability})" if device.capability else "")
+    if device.arch:  # an AMD GPU: its target says what the wheel must hold (gfx942), not a CUDA capability
+        name = f"{device.name} ({device.arch})"
+    else:
+        name = device.name + (f" (sm {device.capability})" if device.capability else "")
     return f"{name}: torch cannot see it" if device.usable is False else name
 
 
