@@ -4,16 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from test_cgroup_memory import machine  # the same /proc and /sys, written as files
+
 from redline.hardware.cgroup import cpu_limit_cores
-
-
-def machine(root: Path, cgroup: str, files: dict[str, str]) -> Path:
-    (root / "proc/self").mkdir(parents=True)
-    (root / "proc/self/cgroup").write_text(cgroup)
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text + "\n")
-    return root
 
 
 def test_a_v2_container_s_limit_is_read_at_its_namespace_s_root(tmp_path: Path) -> None:
