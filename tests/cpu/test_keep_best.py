@@ -98,7 +98,9 @@ def test_keep_best_that_could_write_or_compare_nothing_is_refused(tmp_path):
     for kwargs, task, said in refused.values():
         with pytest.raises(ConfigError, match=said):
             quiet(task, max_steps=2, keep_best="val_loss", **kwargs)
-    with pytest.raises(ConfigError, match=r"has no metric.*\nhint: pass --keep-best val_loss"):
+    with pytest.raises(
+        ConfigError, match=r"has no metric.*\nhint: pass keep_best='val_loss', or give the task metric="
+    ):
         quiet(tiny_task(metric=None), max_steps=2, keep_best="val_metric", out_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"keep_best='best' is not allowed; expected one of 'off', 'val_loss'"):
         quiet(tiny_task(), max_steps=2, keep_best="best", out_dir=tmp_path)
@@ -115,3 +117,6 @@ def test_the_cli_keeps_the_best_and_says_where(tmp_path):
     assert record["monitor"] == "val_metric" and record["step"] in (2, 4)
     assert "best weights" in result.output and "best.safetensors" in result.output
     assert load_file(tmp_path / "best.safetensors").keys() == load_file(tmp_path / "model.safetensors").keys()
+    refused = CliRunner().invoke(app, ["train", "--task", "example:chargpt", "--keep-best", "val_metric", "--out",
+                                       str(tmp_path / "gpt")])  # fmt: skip
+    assert "hint: pass --keep-best 'val_loss', or give the task metric=..." in str(refused.exception)

@@ -111,7 +111,7 @@ class TrainerConfig:
             raise invalid(
                 "keep_best", self.keep_best, f"val_loss: task {task.name!r} has no metric, so its evaluation "
                 "reports val_loss alone",
-                "pass --keep-best val_loss (keep_best='val_loss'), or give the task metric=...",
+                "pass keep_best='val_loss', or give the task metric=...",
             )  # fmt: skip
 
     @classmethod
