@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from redline.errors import RedlineError
+from redline.errors import RedlineError, invalid
 
 
 def fsync_path(path: Path) -> None:
@@ -98,6 +98,24 @@ def make_parent(path: Path) -> None:
     if blocked is not None:
         raise NotADirectoryError(errno.ENOTDIR, "a file is where a directory would be", str(blocked))
     path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def check_output(path: Path, name: str, example: str) -> None:
+    """Refuse, before any work, an output ``path`` (the argument ``name``) that names a directory, lies under a
+    file or cannot be written; create the folders it needs. ``example`` is a file name to suggest."""
+    if path.is_dir():
+        raise invalid(name, str(path), "a file, not a directory", f"e.g. {name}={str(path / example)!r}")
+    if is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
+        return
+    try:
+        make_parent(path)
+        check_writable(path)
+    except NotADirectoryError as exc:
+        hint = "name a file in a directory, or a directory to create"
+        raise invalid(name, str(path), f"a file in a directory; {exc.filename} is a file", hint) from None
+    except OSError as exc:
+        hint = "pass a file in a directory you can write to"
+        raise invalid(name, str(path), f"a file you can write ({exc.strerror or exc})", hint) from exc
 
 
 def check_writable(path: Path) -> None:

@@ -78,6 +78,11 @@ def test_slow_loading_is_found_and_the_advice_names_the_loader_flag():
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"expected a \.json or \.json\.gz file name.*\nhint: e\.g\. trace="):
         redline.profile(small_task(), devices="cpu", trace=tmp_path / "trace.txt")
+    with pytest.raises(ConfigError, match=r"expected a file, not a directory\nhint: e\.g\. trace='.*trace\.json\.gz'"):
+        redline.profile(small_task(), devices="cpu", trace=tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"expected a file in a directory; .*file is a file"):
+        redline.profile(small_task(), devices="cpu", trace=tmp_path / "file" / "trace.json")
     with pytest.raises(ConfigError, match=r"steps=0 is not allowed"):
         redline.profile(small_task(), devices="cpu", steps=0)
     with pytest.raises(Exception, match=r"fewer than the batch size 128"):
@@ -107,6 +112,8 @@ def test_the_cli_prints_the_phases_operators_and_advice(tmp_path):
         assert said in shown.output
     data = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
     assert data["breakdown"]["steps"] == 2 and data["plan"]["precision"]["value"] == "fp32"
+    unnamed = CliRunner().invoke(app, [*args, "--trace", str(tmp_path / "t.txt")])
+    assert str(unnamed.exception).startswith(f"--trace='{tmp_path / 't.txt'}' is not allowed; expected a .json")
     bad = CliRunner().invoke(app, [*args, "--compile", "maybe"])
     assert isinstance(bad.exception, ConfigError)
     assert str(bad.exception).startswith("--compile='maybe' is not allowed; expected auto, on or off")

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, schedule
 
-from redline.atomic import make_parent, write_or_refuse
+from redline.atomic import check_output, write_or_refuse
 from redline.bench.loops import PHASES, Runner, phase
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, task_steps, warm_up
 from redline.config import positive_int
-from redline.errors import ConfigError, TrainingError
+from redline.errors import TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
 from redline.plan.device import resolve_device
@@ -135,11 +135,13 @@ def profile(
     size = batch_size or task.batch_size
     check_sizes(task, [size])
     trace_path = Path(trace) if trace is not None else None
-    if trace_path is not None and not trace_path.name.endswith((".json", ".json.gz")):
-        raise ConfigError(
-            f"trace={str(trace_path)!r} is not allowed; expected a .json or .json.gz file name (torch.profiler "
-            f"writes Chrome's trace format)\nhint: e.g. trace={str(trace_path.with_suffix('.json'))!r}"
-        )
+    if trace_path is not None:
+        if not trace_path.name.endswith((".json", ".json.gz")) and not trace_path.is_dir():
+            raise invalid(
+                "trace", str(trace_path), "a .json or .json.gz file name (torch.profiler writes Chrome's trace format)",
+                f"e.g. trace={str(trace_path.with_suffix('.json'))!r}",
+            )  # fmt: skip
+        check_output(trace_path, "trace", "trace.json.gz")  # before the steps run, not after
     device = resolve_device(devices, probe_accelerators()).value
     explicit = precision is not None or compile is not None
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
@@ -196,7 +198,6 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
 
 def _keep(written: Path, path: Path) -> None:
     """Put the trace at ``path`` (compressed for ``.gz``), atomically; an existing file is replaced whole."""
-    make_parent(path)
     data = written.read_bytes()
     if path.name.endswith(".gz"):
         data = gzip.compress(data, mtime=0)
