@@ -166,6 +166,25 @@ def test_a_train_stream_used_up_by_its_first_epoch_names_its_iter():
         run.fit()
 
 
+def test_a_train_stream_used_up_keeps_the_epochs_before_in_a_checkpoint_to_resume_from(tmp_path):
+    task = mistake("ok")
+    items = [task.train_data[i] for i in range(40)]
+    stream = dataclasses.replace(task, train_data=ReadOnce(items))
+    saved = str(tmp_path / "checkpoints" / "step-00000005")
+    with pytest.raises(TaskError, match=rf"(?s)epoch 2.*the steps so far are saved in {saved}: then run the same"):
+        Trainer(stream, max_steps=8, out_dir=tmp_path, progress=False).fit()
+
+    class Fixed(IterableDataset):  # a fresh pass each time
+        def __iter__(self):
+            return iter(items)
+
+    fixed = dataclasses.replace(task, train_data=Fixed())
+    summary = Trainer(fixed, max_steps=8, out_dir=tmp_path, resume="auto", progress=False).fit()
+    assert (summary.steps, summary.resumed_from) == (8, saved)  # the first epoch's 5 steps were not lost
+    logged = [row.split(",")[0] for row in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
+    assert logged == [str(step) for step in range(1, 9)]  # each step logged once
+
+
 def test_a_resumed_stream_goes_on_where_it_stopped(tmp_path):
     seeded = {"progress": False, "runtime": RuntimeOptions(seed=0)}
     with Trainer(mistake("stream"), max_steps=7, out_dir=tmp_path / "whole", **seeded) as trainer:

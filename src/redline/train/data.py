@@ -132,8 +132,9 @@ def stream_length(data: Dataset[Any]) -> int | None:
         return None
 
 
-def no_batch(epoch: int, world_size: int) -> TaskError:
-    """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share."""
+def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError:
+    """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share;
+    ``saved``: the checkpoint that keeps the epochs before, if one was written."""
     short = f", or it holds fewer items than the {world_size} processes share" if world_size > 1 else ""
     if epoch == 0:
         return TaskError(
@@ -144,6 +145,7 @@ def no_batch(epoch: int, world_size: int) -> TaskError:
         f"nothing this time, as one that returns the same iterator each time does once it is used up{short}\n"
         "hint: make train_data's __iter__ start a fresh pass each time it is called (write it as a generator, with "
         "yield): a stream that runs dry starts again as the next epoch"
+        + (f"; the steps so far are saved in {saved}: then run the same command with --resume auto" if saved else "")
     )
 
 

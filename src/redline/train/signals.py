@@ -43,6 +43,13 @@ class StopOnSignal:
             self._announced = self.received
             log.warning("%s: stopping after this step, then writing a checkpoint", signal.Signals(self.received).name)
 
+    def reason(self, distributed: bool) -> str:
+        """The summary's ``stopped`` for a run a signal stops: which one, or, in a distributed run, that every rank
+        agreed (a rank may stop for another's signal)."""
+        if distributed:
+            return "signal (agreed by all ranks)"
+        return f"signal {signal.Signals(self.received or signal.SIGTERM).name}"
+
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import logging
 import math
-import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,8 +134,8 @@ class Trainer:
                         if run.stopped:
                             break
                 else:
-                    if run.pos.batches_in_epoch == 0:
-                        raise no_batch(run.pos.epoch, self.env.world_size)
+                    if run.pos.batches_in_epoch == 0:  # the steps before are kept: resumed, the run goes on
+                        raise no_batch(run.pos.epoch, self.env.world_size, self._keep_steps(run))
                     run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
                     run.stopped = self._after_epoch(run)
             self._finish(run)
@@ -221,14 +220,25 @@ class Trainer:
             return "early stopping"
         return ""
 
+    def _keep_steps(self, run: Run) -> str | None:
+        """Before a run that trained fails, checkpoint the steps since the last checkpoint; return where they are."""
+        if run.window.losses:  # a checkpoint must not hold a NaN
+            self._flush(run)
+        if run.pos.step:
+            self._checkpoint_if_new(run, "")
+        return str(run.last_ckpt.path) if run.last_ckpt else None
+
+    def _checkpoint_if_new(self, run: Run, stopped: str) -> None:
+        if self.out_dir and (run.last_ckpt is None or run.last_ckpt.step != run.pos.step):
+            run.last_ckpt = self._checkpoint(run, stopped)
+
     def _finish(self, run: Run) -> None:
         """Log the last steps, write the final checkpoint, and evaluate the final model."""
         run.vote.close()
         if run.window.losses:
             self._flush(run)
         run.stopped = run.stopped or "epochs"
-        if self.out_dir and (run.last_ckpt is None or run.last_ckpt.step != run.pos.step):
-            run.last_ckpt = self._checkpoint(run, run.stopped)
+        self._checkpoint_if_new(run, run.stopped)
         if self.task.val_data is not None and self._evaluated_at != run.pos.step:
             self._evaluate(run)
 
@@ -257,11 +267,7 @@ class Trainer:
             return "max_steps"
         if step >= total:
             return "epochs"
-        if signalled:
-            if self.env.distributed:
-                return "signal (agreed by all ranks)"
-            return f"signal {signal.Signals(self._signals.received or signal.SIGTERM).name}"
-        return ""
+        return self._signals.reason(self.env.distributed) if signalled else ""
 
     # -- setup and resume -----------------------------------------------------------------------
 
