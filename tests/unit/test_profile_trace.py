@@ -105,3 +105,9 @@ def test_debugging_switches_left_on_are_named_first():
     assert said[1].startswith("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait")
     assert len(said) == 2  # nothing stands out beside them
     assert advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "0"}, anomaly=False)[0].startswith("no phase")
+
+
+def test_a_gpu_run_whose_trace_holds_no_kernel_says_the_times_are_the_hosts():
+    said = advise(breakdown(), PLAN, env={}, anomaly=False, gpu=True)
+    assert said[0].startswith("the trace holds no GPU kernel: the profiler could not record the GPU (CUPTI")
+    assert not advise(breakdown(busy=0.9), PLAN, env={}, anomaly=False, gpu=True)[0].startswith("the trace holds")

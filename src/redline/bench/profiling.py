@@ -164,7 +164,9 @@ def profile(
         plan=plan,
         breakdown=breakdown,
         ops=top_ops(averages, breakdown.steps, cuda=breakdown.device_busy is not None),
-        advice=tuple(advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled())),
+        advice=tuple(
+            advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=device.startswith("cuda"))
+        ),
         trace=str(trace_path) if trace_path is not None else None,
         flops_per_step=flops,
         peak_memory_bytes=memory.peak,
@@ -336,10 +338,19 @@ def top_ops(averages: Any, steps: int, *, cuda: bool) -> tuple[Op, ...]:
 # -- advice ---------------------------------------------------------------------------------------
 
 
-def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool) -> list[str]:
-    """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it."""
+def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False) -> list[str]:
+    """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
+
+    ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold).
+    """
     shares = {p.name: p.share for p in breakdown.phases}
     out = []
+    if gpu and breakdown.device_busy is None:
+        out.append(
+            "the trace holds no GPU kernel: the profiler could not record the GPU (CUPTI refused; in a container "
+            "it may need --cap-add SYS_ADMIN, on a host the driver option NVreg_RestrictProfilingToAdminUsers=0), "
+            "so every time above is the host's"
+        )
     if anomaly:
         out.append(
             "autograd anomaly detection is on (torch.autograd.set_detect_anomaly): every backward op is checked "
