@@ -263,6 +263,11 @@ def test_cli_json_round_trip_and_table(server):
     assert data["status_counts"] == {"200": 10, "503": 5, "500": 5}
     assert (data["mode"], data["target_rate"], data["requests_sent"], data["method"]) == ("open", 20.0, 20, "GET")
     assert set(data["latency_ms"]) == {"count", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms"}
+    closed = redline(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3", "--json")
+    assert closed.returncode == 0, closed.stderr
+    data = json.loads(closed.stdout)
+    assert (data["mode"], data["concurrency"]) == ("closed", 2) and data["requests_sent"] >= 2
+    assert not {"target_rate", "arrivals", "send_lag_ms", "client_kept_up", "max_in_flight"} & set(data)
     table = redline(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3")
     assert table.returncode == 0, table.stderr
     assert "closed loop, 2 workers" in table.stdout and "latency in ms, from each request's actual send" in table.stdout

@@ -125,12 +125,23 @@ class Setup:
     max_send_lag_ms: float
 
 
+# The fields a mode gives no meaning to, left out of its JSON: a closed loop has no rate, arrivals or schedule to
+# lag behind, and its cap on requests in flight is its concurrency, which no request waits for.
+OTHER_MODE_FIELDS: dict[Mode, frozenset[str]] = {
+    "open": frozenset({"concurrency"}),
+    "closed": frozenset(
+        {"target_rate", "arrivals", "send_lag_ms", "client_kept_up", "max_in_flight", "waited_for_slot"}
+    ),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadResult:
     """What a load test measured; latencies over the requests whose origin fell in the measured window.
 
     The origin is the scheduled send time in open loop and the actual send time in closed loop.
-    ``achieved_rps`` counts the responses that arrived inside the window, over its length.
+    ``achieved_rps`` counts the responses that arrived inside the window, over its length. In closed
+    loop the open-loop fields (OTHER_MODE_FIELDS) hold their defaults, and ``to_dict`` leaves them out.
     """
 
     mode: Mode
@@ -160,8 +171,12 @@ class LoadResult:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the result as JSON-ready data (status codes as string keys)."""
-        data = asdict(self)
+        """Return the result as JSON-ready data (status codes as string keys), the fields of its mode alone.
+
+        Closed loop leaves out open loop's rate, arrivals, send lag and in-flight cap (its workers follow
+        no schedule and its cap is the concurrency); open loop leaves out the concurrency.
+        """
+        data = {name: value for name, value in asdict(self).items() if name not in OTHER_MODE_FIELDS[self.mode]}
         data["status_counts"] = {str(code): n for code, n in sorted(self.status_counts.items())}
         data["error_counts"] = dict(sorted(self.error_counts.items()))
         data["notes"] = list(self.notes)
