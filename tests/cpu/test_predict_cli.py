@@ -317,7 +317,9 @@ def test_a_model_output_the_engine_cannot_serve_is_told_with_what_was_running(tm
     assert isinstance(result.exception, InferenceError), result.exception
     assert str(result.exception) == (
         "while warming up, before any row of --input ran (on zeros of the Servable's input shape): the model "
-        "returned tuple; the engine serves models that return a tensor"
+        "returned a tuple of 2 values: tensor (5, 3), tensor (5, 3); the engine serves models that return one tensor\n"
+        "hint: serve a module whose forward returns the one tensor meant: a wrapper whose forward(x) returns "
+        "self.model(x)[0]"
     )
 
 
