@@ -42,7 +42,8 @@ class Servable:
     and ``input_dtype`` (on the CPU), into the model's input batch with as many rows (say uint8
     pixels into normalised floats); it runs in the model's thread, before the batch is padded.
     ``postprocess(outputs)`` turns a batch of outputs (on the CPU, in float32 for a floating model)
-    into one JSON-ready value per sample; without it each sample's output is returned as nested lists.
+    into one JSON-ready value per sample (numpy arrays and tensors are written as the numbers they hold);
+    without it each sample's output is returned as nested lists.
     """
 
     model: nn.Module
