@@ -1,6 +1,7 @@
 """`redline predict`: a .npy file in, the engine's outputs out, clear errors and no half-written file."""
 
 import io
+import json
 import os
 import re
 import signal
@@ -106,6 +107,21 @@ def test_the_output_file_holds_the_engines_outputs_for_every_sample(tmp_path, sp
     assert "11 samples in" in result.output and "samples/s" in result.output
     assert "precision" in result.output and "buckets" in result.output, "the plan is printed"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary file remains"
+
+
+def test_json_prints_the_plan_and_the_summary_as_data_and_nothing_else_on_stdout(tmp_path, spec):
+    out = tmp_path / "y.npy"
+    result = predict(spec, "--input", samples(tmp_path, np.ones((11, 3), np.float32)), "--output", str(out),
+                     "--batch-size", "4", "--precision", "fp32", "--compile", "off", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # no table around it: a pipeline reads it as it is
+    assert (data["samples"], data["output_shape"], data["output_dtype"]) == (11, [11, 2], "float32")
+    assert data["batch_size"] == 4
+    assert (data["input"], data["output"], data["model"]) == (str(tmp_path / "x.npy"), str(out), "tiny")
+    assert data["seconds"] > 0 and data["samples_per_s"] == pytest.approx(11 / data["seconds"])
+    assert data["warm_up_s"] >= 0
+    assert data["plan"]["precision"]["value"] == "fp32" and data["plan"]["buckets"]["value"] == [1, 2, 4]
+    assert np.load(out).shape == (11, 2)
 
 
 def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):

@@ -13,6 +13,7 @@ the model, and ends the command with its traceback.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import threading
@@ -75,6 +76,9 @@ def predict(
     compile: EngineCompile = "auto",
     cuda_graphs: EngineGraphs = "auto",
     measure: EngineMeasure = "auto",
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the plan and the summary as JSON on stdout (no table).")
+    ] = False,
 ) -> None:
     """Run a model over a .npy file of samples and write its outputs to another .npy file."""
     with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
@@ -102,14 +106,33 @@ def predict(
         engine.warm_up()
         warm_s = time.perf_counter() - started
     console = output_console()
-    print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
+    if not json_output:
+        print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
     source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
+    first: list[tuple[tuple[int, ...], np.dtype]] = []  # one sample's output shape and dtype, as the file has them
+
+    def run(emit: Callable[[np.ndarray], None]) -> float:
+        def kept(outputs: np.ndarray) -> None:
+            first[:] = first or [(outputs.shape[1:], outputs.dtype)]
+            emit(outputs)
+
+        return run_batches(engine, samples, batch_size, source, hint, kept)
+
     with stopped_by_signal():  # the temporary file of the outputs goes with the run
-        seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size,
-                                                                                    source, hint, emit))  # fmt: skip
-    rate = len(samples) / seconds if seconds > 0 else float("inf")
+        seconds = write_outputs(output_path, len(samples), run)
+    rate = len(samples) / seconds if seconds > 0 else None
+    if json_output:
+        summary = {
+            "model": servable.name, "input": str(input_path), "output": str(output_path), "samples": len(samples),
+            "output_shape": [len(samples), *first[0][0]], "output_dtype": str(first[0][1]),
+            "seconds": seconds, "samples_per_s": rate, "warm_up_s": warm_s, "batch_size": batch_size,
+            "plan": engine.plan_dict(),
+        }  # fmt: skip
+        print(json.dumps(summary, indent=2))
+        return
     console.print(
-        f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
+        f"{len(samples)} samples in {seconds:.2f} s ({rate or math.inf:,.1f} samples/s; warm-up {warm_s:.1f} s) -> "
+        f"{output_path}",
         highlight=False,
         markup=False,  # a path's `[...]` is text
     )
