@@ -383,3 +383,25 @@ def test_ctrl_c_ends_the_window_there_and_reports_what_was_measured(server, warm
     assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
     assert data["requests_failed"] == 0 and sum(data["status_counts"].values()) == data["requests_sent"]
     assert data["elapsed_s"] < 40, "it waited out the whole window"
+
+
+@pytest.mark.parametrize("warmup", [0, 60])
+def test_sigterm_ends_the_window_there_as_ctrl_c_does_and_reports_what_was_measured(server, warmup):
+    # timeout(1) and schedulers stop a run with SIGTERM: ended at once, it would print nothing of what it measured
+    path = f"/pattern/sigterm-{warmup}"
+    command = [sys.executable, "-m", "redline", "loadtest", server.url + path, "--rate", "20", "--duration", "60",
+               "--warmup", str(warmup), "--json"]  # fmt: skip
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while server.counts[path] < 10 and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=60)
+    if warmup:  # nothing measured yet: said so, exit 143 (128 + SIGTERM), as a scheduler reads "terminated"
+        assert run.returncode == 143 and "stopped by SIGTERM" in err and "into the warm-up: nothing was measured" in err
+        return
+    assert run.returncode == 0, err
+    data = json.loads(out)
+    assert data["notes"][-1].startswith("stopped by SIGTERM") and "s into the 60 s window" in data["notes"][-1]
+    assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
+    assert data["elapsed_s"] < 40, "it waited out the whole window"

@@ -24,7 +24,7 @@ import aiohttp
 from yarl import URL
 
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, invalid, refuse_inside_event_loop
+from redline.errors import ConfigError, StoppedBySignal, invalid, refuse_inside_event_loop
 from redline.serve.inputs import NPY_MAGIC
 from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
 
@@ -46,10 +46,8 @@ MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the 
 SAID_CHARS = 200  # of an answer's body quoted in a note
 
 
-class LoadStopped(RedlineError):
-    """Ctrl-C stopped the load test before its measured window began: there is nothing to report."""
-
-    exit_code = 130
+class LoadStopped(StoppedBySignal):
+    """Ctrl-C or SIGTERM stopped the load test before its measured window began: nothing to report (exit 130, 143)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,7 +179,8 @@ class _Counters:
     completed: int = 0
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
-    stopped_s: float | None = None  # when a Ctrl-C came, from t0: nothing is sent after it
+    stopped_s: float | None = None  # when a Ctrl-C (or SIGTERM) came, from t0: nothing is sent after it
+    stopped_by: signal.Signals = signal.SIGINT  # which of the two it was
     said: dict[str, str] = field(default_factory=dict)  # the first answer of each status but 2xx, or error, in short
 
 
@@ -337,9 +336,9 @@ async def run_load_async(
 ) -> LoadResult:
     """Drive ``url`` as ``options`` say and return what was measured; ``payload`` overrides ``options.payload``.
 
-    ``stop_on_sigint``: a first Ctrl-C ends the window there (the requests out are waited for, and the
-    result covers the window up to it); a second one raises KeyboardInterrupt. Before the window, it
-    raises LoadStopped.
+    ``stop_on_sigint``: a first Ctrl-C or SIGTERM (a scheduler's, timeout(1)'s) ends the window there (the
+    requests out are waited for, and the result covers the window up to it); a second Ctrl-C raises
+    KeyboardInterrupt, a second SIGTERM ends the process. Before the window, it raises LoadStopped.
     """
     check_url(url)
     if payload is None and options.payload is not None:
@@ -368,7 +367,7 @@ async def run_load_async(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter() + LEAD_S
         reporter = asyncio.create_task(_report(progress, counters, t0, total_s)) if progress else None
-        stoppable = stop_on_sigint and _on_sigint(lambda: setattr(counters, "stopped_s", time.perf_counter() - t0))
+        stoppable = stop_on_sigint and _on_stop_signals(lambda signum: _stop(counters, signum, t0))
         try:
             if rate is not None:
                 offsets = schedule(rate, total_s, arrivals=options.arrivals, seed=options.seed)
@@ -379,19 +378,23 @@ async def run_load_async(
             if reporter is not None:
                 reporter.cancel()
             if stoppable:
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+                for signum in STOP_SIGNALS:
+                    asyncio.get_running_loop().remove_signal_handler(signum)
     elapsed_s = time.perf_counter() - t0
     if progress:
         progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
     # A Ctrl-C after the window (while the last answers were awaited) cut nothing: the window stays whole.
     if counters.stopped_s is not None and counters.stopped_s < total_s:
         window_s = counters.stopped_s - options.warmup_s
+        by = "Ctrl-C" if counters.stopped_by == signal.SIGINT else counters.stopped_by.name
         if window_s <= 0:
             into = max(counters.stopped_s, 0.0)
-            raise LoadStopped(f"stopped by Ctrl-C {into:.1f} s into the warm-up: nothing was measured")
+            raise LoadStopped(
+                counters.stopped_by, f"stopped by {by} {into:.1f} s into the warm-up: nothing was measured"
+            )
         setup = dataclasses.replace(setup, duration_s=window_s)
         notes.append(
-            f"stopped by Ctrl-C {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
+            f"stopped by {by} {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
             f"those {window_s:.1f} s"
         )
     return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes, said=counters.said)
@@ -456,18 +459,31 @@ def load_test(
         loop.close()
 
 
-def _on_sigint(stop: Callable[[], None]) -> bool:
-    """Call ``stop`` on the first SIGINT, then give SIGINT back to Python (KeyboardInterrupt); False where it
-    cannot be caught (not the main thread, or no signals on this system's loop)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(counters: _Counters, signum: signal.Signals, t0: float) -> None:
+    counters.stopped_s = time.perf_counter() - t0
+    counters.stopped_by = signum
+
+
+def _on_stop_signals(stop: Callable[[signal.Signals], None]) -> bool:
+    """Call ``stop`` with the first SIGINT or SIGTERM, then give both back to their defaults (KeyboardInterrupt, and
+    the end of the process); False where they cannot be caught (not the main thread, or no signals on this loop).
+
+    A run under a scheduler or timeout(1) gets SIGTERM: ended at once, it would report nothing of what it measured.
+    """
     loop = asyncio.get_running_loop()
 
-    def first() -> None:
-        loop.remove_signal_handler(signal.SIGINT)
-        stop()
+    def first(signum: signal.Signals) -> None:
+        for each in STOP_SIGNALS:
+            loop.remove_signal_handler(each)
+        stop(signum)
 
     try:
-        loop.add_signal_handler(signal.SIGINT, first)
-    except (RuntimeError, ValueError, NotImplementedError):
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, first, signum)
+    except (RuntimeError, ValueError, NotImplementedError):  # the first fails where the second would
         return False
     return True
 
