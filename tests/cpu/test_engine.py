@@ -129,6 +129,52 @@ def test_predict_refuses_what_is_not_a_batch_of_real_numbers_naming_it_and_the_f
     assert model.sizes == [], "nothing reached the model"
 
 
+class AsFloats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.append(x)
+        return x.float()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch", "message"),
+    [
+        ("uint8", [[7, 300, 2]], r"batch='row 0 holding 300' is not allowed; expected whole numbers within uint8's "
+                                 r"range \[0, 255\]\nhint: the cast to the input dtype uint8 would change it"),
+        ("int64", [[1, 2, 3], [1.5, 2, 3]], r"batch='row 1 holding 1.5' .* expected whole numbers within int64's"),
+        ("int64", [[1, 2, float("nan")]], r"batch='row 0 holding nan'"),
+        ("int32", [[0, 0, 2**40]], r"batch='row 0 holding 1099511627776' .* within int32's range"),
+        ("float16", [[1.0, 1e6, 0.0]], r"batch='row 0 holding 1000000.0' .* within float16's range ±65504"),
+        ("bool", [[0, 2, 1]], r"batch='row 0 holding 2' is not allowed; expected 0 or 1 \(False or True\)"),
+    ],
+)  # fmt: skip
+def test_predict_refuses_values_the_cast_to_the_input_dtype_would_change_without_a_word(dtype, batch, message):
+    # 300 became 44 in uint8, NaN -9.2e18 in int64, 2**40 zero in int32, 1e6 infinity in float16: wrong answers
+    model = AsFloats()
+    engine = InferenceEngine(model, input_shape=(3,), input_dtype=dtype, device="cpu", precision="fp32",
+                             compile="off", max_batch_size=2)  # fmt: skip
+    engine.warm_up()
+    model.seen.clear()
+    with pytest.raises(ConfigError, match=message):
+        engine.predict(np.array(batch))
+    assert model.seen == [], "nothing reached the model"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch"),
+    [("uint8", [[0, 255, 2]]), ("int64", [[1.0, -2.0, 3.0]]), ("float16", [[1.5, -65504.0, float("nan")]]),
+     ("bool", [[0, 1, 1]]), ("int32", np.array([[1, 2, 3]], np.int64))],
+)  # fmt: skip
+def test_predict_casts_values_the_input_dtype_holds_as_they_are(dtype, batch):
+    engine = InferenceEngine(AsFloats(), input_shape=(3,), input_dtype=dtype, device="cpu", precision="fp32",
+                             compile="off", max_batch_size=2)  # fmt: skip
+    expected = torch.as_tensor(np.array(batch, dtype=np.float64)).float()
+    torch.testing.assert_close(engine.predict(np.array(batch)), expected, equal_nan=True)
+
+
 def test_a_warm_up_asked_to_stop_ends_before_its_next_bucket_and_can_run_again():
     model = Spy()
     engine = plain(model, max_batch_size=4)

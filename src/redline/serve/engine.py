@@ -256,6 +256,7 @@ class InferenceEngine:
             one = tuple(inputs.shape) == self.input_shape
             hint = f"one sample? add the batch dimension: batch[None] has shape (1, {shape})" if one else ""
             raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
+        _refuse_changed_by_cast(inputs, self.servable.torch_dtype)
         return inputs
 
     # -- setting up: the chosen precision, compile and runner --------------------------------------
@@ -435,6 +436,34 @@ class InferenceEngine:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
         return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
+
+
+def _refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse a batch holding a value the cast to ``dtype`` would change without a word (300 becomes 44 in uint8,
+    NaN a large negative integer, 1e6 infinity in float16), naming the first row that holds one."""
+    if inputs.dtype == dtype or inputs.numel() == 0:
+        return
+    values = inputs.double() if inputs.is_floating_point() else inputs
+    if dtype == torch.bool:
+        bad, allowed = (values != 0) & (values != 1), "0 or 1 (False or True)"
+    elif dtype.is_floating_point:
+        largest = torch.finfo(dtype).max
+        bad, allowed = values.isfinite() & (values.abs() > largest), f"values within {dtype}'s range ±{largest:.6g}"
+    else:
+        info = torch.iinfo(dtype)
+        bad = (values < info.min) | (values > info.max)
+        if inputs.is_floating_point():
+            bad |= ~values.isfinite() | (values != values.round())
+        allowed = f"whole numbers within {dtype}'s range [{info.min}, {info.max}]"
+    if not bool(bad.any()):
+        return
+    row = int(bad.reshape(len(bad), -1).any(dim=1).int().argmax())
+    value = inputs[row][bad[row]][0].item()
+    raise invalid(
+        "batch", f"row {row} holding {value!r}", str(allowed).replace("torch.", ""),
+        f"the cast to the input dtype {str(dtype).removeprefix('torch.')} would change it without a word; check the "
+        "inputs, or give the model a wider input_dtype",
+    )  # fmt: skip
 
 
 def _without_graphs(exc: CaptureFailed) -> str:
