@@ -124,6 +124,23 @@ def test_json_prints_the_plan_and_the_summary_as_data_and_nothing_else_on_stdout
     assert np.load(out).shape == (11, 2)
 
 
+def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_going_to_stderr(tmp_path, spec):
+    # redline predict ... --output /dev/stdout | consumer: the plan table printed on stdout went into the array
+    inputs = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
+    command = [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, inputs), "--output",
+               "/dev/stdout", "--precision", "fp32", "--compile", "off"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, timeout=300, env={**os.environ})
+    assert result.returncode == 0, result.stderr.decode()
+    written = np.load(io.BytesIO(result.stdout))  # the whole of stdout is one .npy array
+    with torch.no_grad():
+        plain = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
+    np.testing.assert_allclose(written, plain, rtol=0, atol=1e-6)
+    assert b"precision" in result.stderr and b"5 samples in" in result.stderr
+    both = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert both.returncode == 2 and both.stdout == ""
+    assert both.stderr.startswith("error: --output '/dev/stdout' is stdout, where --json prints too")
+
+
 def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):
     built = []
 

@@ -13,9 +13,12 @@ the model, and ends the command with its traceback.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -87,6 +90,12 @@ def predict(
         )
     samples = read_samples(input_path)
     check_output(output_path)  # after the input: a mistyped --input leaves no directory made for the outputs
+    to_stdout = same_as_stdout(output_path)  # --output /dev/stdout | consumer: the table would go into the array
+    if to_stdout and json_output:
+        raise ConfigError(
+            f"--output {str(output_path)!r} is stdout, where --json prints too: the two would mix in one stream\n"
+            "hint: drop --json (the plan and the summary then go to stderr), or write the outputs to a file"
+        )
     if output_path.exists() and output_path.samefile(input_path):  # a link to it included
         raise ConfigError(
             f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
@@ -105,7 +114,7 @@ def predict(
         started = time.perf_counter()
         engine.warm_up()
         warm_s = time.perf_counter() - started
-    console = output_console()
+    console = Console(stderr=True) if to_stdout else output_console()  # stdout carries the array
     if not json_output:
         print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
     source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
@@ -157,6 +166,14 @@ def check_output(path: Path) -> None:
         ) from None
     except OSError as exc:
         raise _unwritable(path, exc) from exc
+
+
+def same_as_stdout(path: Path) -> bool:
+    """Whether ``path`` is the file this process's stdout writes to (``/dev/stdout``, ``/dev/fd/1``)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no such file yet, or no real stdout
+        return False
 
 
 def read_samples(path: Path) -> np.ndarray:
