@@ -175,6 +175,16 @@ def test_predict_casts_values_the_input_dtype_holds_as_they_are(dtype, batch):
     torch.testing.assert_close(engine.predict(np.array(batch)), expected, equal_nan=True)
 
 
+def test_a_model_of_scalar_samples_is_told_its_batch_shape_as_python_writes_it():
+    engine = InferenceEngine(AsFloats(), input_shape=(), device="cpu", precision="fp32", compile="off",
+                             max_batch_size=2)  # fmt: skip
+    assert engine.predict(np.array([1.0, 2.0, 3.0])).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ConfigError, match=r"batch='shape \(2, 1\)' is not allowed; expected \(N,\)$"):
+        engine.predict(np.zeros((2, 1)))
+    with pytest.raises(ConfigError, match=r"expected \(N,\)\nhint: one sample\? .* batch\[None\] has shape \(1,\)$"):
+        engine.predict(np.float32(2))
+
+
 def test_a_warm_up_asked_to_stop_ends_before_its_next_bucket_and_can_run_again():
     model = Spy()
     engine = plain(model, max_batch_size=4)

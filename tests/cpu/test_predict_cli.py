@@ -214,6 +214,12 @@ def truncate(path):
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
+        (
+            lambda d: samples(d, np.float32(3)),
+            "holds one value (shape ()), not samples along a first dimension\n"
+            "hint: the first dimension counts the samples: save this one as "
+            "numpy.save(path, array[None])",
+        ),
         (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "every sample: inputs are complex numbers (complex64)"),
         (lambda d: samples(d, np.full((2, 3), "a")), "x.npy': every sample: inputs are text (<U1)\nhint: "),
         (lambda d: samples(d, np.zeros((2, 3), [("a", "f4")])), "inputs are records of fields ([('a', '<f4')])"),

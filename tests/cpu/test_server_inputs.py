@@ -406,3 +406,15 @@ async def test_the_document_states_the_servers_limits_and_every_content_type_it_
     said = {status: answer["description"] for status, answer in predict["responses"].items()}
     assert "limit, 2 MiB (--max-body-mb)" in said["413"]
     assert "timeout, 1500 ms (--timeout-ms)" in said["504"] and "timeout, 1500 ms (--timeout-ms)" in said["408"]
+
+
+async def test_a_model_of_scalar_samples_is_told_its_batch_shape_as_python_writes_it():
+    async with running(FakeEngine(input_shape=())) as (client, _):
+        one = await client.post("/v1/predict", json={"inputs": 2.0})
+        several = await client.post("/v1/predict", json={"inputs": [1.0, 2.0]})
+        nested = await client.post("/v1/predict", json={"inputs": [[1.0]]})
+    assert one.json() == {"outputs": [4.0]} and several.json() == {"outputs": [2.0, 4.0]}
+    assert nested.status_code == 422
+    assert nested.json()["error"] == (
+        "inputs have shape (1, 1); expected float32 numbers, one sample of shape () or up to 8 of them, shape (N,)"
+    )

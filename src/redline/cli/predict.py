@@ -59,7 +59,7 @@ from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
-from redline.serve.servable import Servable, as_model_spec, load_servable
+from redline.serve.servable import Servable, as_model_spec, load_servable, shape_text
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
 ROWS_CHECK = "check those rows' values"  # the hint's start when the model raised on a batch
@@ -207,7 +207,12 @@ def read_samples(path: Path) -> np.ndarray:
             f"--input {str(path)!r} cannot be read as a .npy array: {exc}\n"
             "hint: the file may be truncated: write it again with numpy.save(path, array)"
         ) from exc
-    if loaded.ndim == 0 or len(loaded) == 0:
+    if loaded.ndim == 0:  # one value: a sample of a model taking scalars, saved without the batch dimension
+        raise ConfigError(
+            f"--input {str(path)!r} holds one value (shape ()), not samples along a first dimension\n"
+            "hint: the first dimension counts the samples: save this one as numpy.save(path, array[None])"
+        )
+    if len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
     return loaded  # saved on a big-endian machine, it stays so on the map: each batch is read into native order
 
@@ -235,14 +240,14 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
 def _misfit(shape: tuple[int, ...], expected: tuple[int, ...], name: str) -> str:
     """Why an array of ``shape`` is not samples of ``expected``'s shape, and the fix: a batch dimension, or a reshape
     where each row holds one sample's values in another shape (``(N, 64)`` or ``(N, 8, 8)`` for ``(1, 8, 8)``)."""
-    dims = ", ".join(map(str, expected))
+    dims, batch = ", ".join(map(str, expected)), shape_text(("N", *expected))
     if shape == expected:  # one sample, saved without the batch dimension
         return (
             f"the array {shape} is one sample of {name}'s input shape, without the batch dimension; "
-            f"expected (N, {dims})\n"
+            f"expected {batch}\n"
             "hint: save it as a batch of one: numpy.save(path, array[None])"
         )
-    said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected (N, {dims})"
+    said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected {batch}"
     if math.prod(shape[1:]) != math.prod(expected):
         return f"{said}\nhint: the first dimension counts the samples; each sample has the model's input shape"
     reshape = f"numpy.save(path, array.reshape(-1, {dims}))"

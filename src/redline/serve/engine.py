@@ -60,7 +60,7 @@ from redline.serve.measure import (
     weights_digest,
 )
 from redline.serve.runners import CaptureFailed, EagerRunner, Forward, GraphRunner, make_forward
-from redline.serve.servable import Servable
+from redline.serve.servable import Servable, shape_text
 from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
@@ -241,8 +241,7 @@ class InferenceEngine:
 
     def _as_batch(self, batch: Any) -> torch.Tensor:
         """``batch`` as a tensor of real numbers with the input's sample shape, or a ConfigError naming what it is."""
-        shape = ", ".join(map(str, self.input_shape))
-        expected = f"(N, {shape})"
+        expected = shape_text(("N", *self.input_shape))
         real = f"real numbers, shape {expected}, cast to {self.servable.input_dtype}"
         try:
             inputs = torch.as_tensor(batch)
@@ -254,7 +253,8 @@ class InferenceEngine:
             raise invalid("batch", str(inputs.dtype).removeprefix("torch."), real, "pass batch.real if that is meant")
         if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
             one = tuple(inputs.shape) == self.input_shape
-            hint = f"one sample? add the batch dimension: batch[None] has shape (1, {shape})" if one else ""
+            hint = f"one sample? add the batch dimension: batch[None] has shape {shape_text((1, *self.input_shape))}"
+            hint = hint if one else ""
             raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
         _refuse_changed_by_cast(inputs, self.servable.torch_dtype)
         return inputs

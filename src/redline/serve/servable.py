@@ -75,6 +75,11 @@ class Servable:
         return dtype
 
 
+def shape_text(shape: Sequence[int | str]) -> str:
+    """A shape as Python writes a tuple: ``(3,)``, ``(N, 3)``, ``(N,)`` for a batch of scalar samples, ``()``."""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
 @contextlib.contextmanager
 def as_model_spec(spec: str) -> Iterator[None]:
     """Name ``spec`` a model spec in the TaskSpecErrors raised inside: the loader calls every spec a task spec.
