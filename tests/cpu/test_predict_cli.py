@@ -742,6 +742,41 @@ def missing():
     return task(Missing())
 
 
+class Inputs(Dataset):  # items whose inputs are made(): a model's several inputs, say
+    def __init__(self, made):
+        self.made = made
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.made(), 0
+
+
+def several():
+    return task(Inputs(lambda: (torch.zeros(3), torch.zeros(3))))
+
+
+def uneven():
+    return task(Inputs(lambda: (torch.zeros(3), torch.zeros(2))))
+
+
+def named():
+    return task(Inputs(lambda: {"x": torch.zeros(3)}))
+
+
+def text():
+    return task(Inputs(lambda: "a sentence"))
+
+
+def narrow():
+    return task(Inputs(lambda: torch.zeros(3, dtype=torch.bfloat16)))
+
+
+def learnt():
+    return task(Inputs(lambda: torch.zeros(3, requires_grad=True) * 2))
+
+
 def tokens():
     ids = torch.arange(24, dtype=torch.int16).reshape(6, 4) % 10  # token ids stored narrow, as many corpora are
     return redline.Task(name="tokens", model=nn.Sequential(nn.Embedding(10, 2), nn.Flatten()),
@@ -772,6 +807,32 @@ def test_a_task_whose_first_item_gives_no_input_shape_is_one_clear_error(tmp_pat
                      "--output", str(tmp_path / "y.npy"))  # fmt: skip
     assert isinstance(result.exception, TaskError), result.exception
     assert str(result.exception).startswith(message), str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("factory", "found"),
+    [("several", "(Tensor(3,) float32, Tensor(3,) float32)"),  # numpy would stack them into one (2, 3) sample
+     ("uneven", "(Tensor(3,) float32, Tensor(2,) float32)"), ("named", "{'x': Tensor(3,) float32}"),
+     ("text", "str 'a sentence'")],
+)  # fmt: skip
+def test_a_task_whose_inputs_are_not_one_array_of_numbers_is_one_clear_error(tmp_path, factory, found):
+    # a tuple of tensors of two shapes was numpy's ValueError and its traceback; a dict, or text, a scalar float32
+    (tmp_path / "tasks.py").write_text(TASKS)
+    with pytest.raises(TaskError) as raised:
+        load_servable(f"{tmp_path / 'tasks.py'}:{factory}")
+    assert str(raised.value) == (
+        f"task 'inputs': the inputs of train_data's first item are {found}, not one tensor or array of numbers, so a "
+        "request cannot hold them\nhint: have the factory return redline.Servable(model=..., input_shape=(...), "
+        "input_dtype=...) around a module that takes one tensor per sample and builds the model's inputs from it"
+    )
+
+
+@pytest.mark.parametrize(("factory", "dtype"), [("narrow", "bfloat16"), ("learnt", "float32")])
+def test_a_tasks_tensor_inputs_numpy_cannot_take_are_served_by_their_shape_and_dtype(tmp_path, factory, dtype):
+    # bfloat16 has no numpy dtype, and a tensor that requires grad refuses .numpy(): both were tracebacks
+    (tmp_path / "tasks.py").write_text(TASKS)
+    servable = load_servable(f"{tmp_path / 'tasks.py'}:{factory}")
+    assert (servable.input_shape, servable.input_dtype) == ((3,), dtype)
 
 
 def test_a_tasks_integer_inputs_of_a_dtype_the_server_lacks_are_served_as_int64_not_floats(tmp_path):
