@@ -405,3 +405,16 @@ def test_sigterm_ends_the_window_there_as_ctrl_c_does_and_reports_what_was_measu
     assert data["notes"][-1].startswith("stopped by SIGTERM") and "s into the 60 s window" in data["notes"][-1]
     assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
     assert data["elapsed_s"] < 40, "it waited out the whole window"
+
+
+def test_a_closed_loop_that_reaches_the_most_requests_one_run_keeps_stops_there_and_reports_them(server, monkeypatch):
+    # Open loop refuses such a rate at once; a closed-loop soak test kept every record until memory ran out
+    monkeypatch.setattr(loadtest_module, "MAX_REQUESTS", 30)
+    started = time.monotonic()
+    result = run_load(f"{server.url}/pattern/soak", concurrency=2, duration=20.0)
+    assert time.monotonic() - started < 15, "it ran the whole window"
+    assert server.counts["/pattern/soak"] <= 30 and result.requests_sent <= 30
+    assert sum(result.status_counts.values()) == result.requests_sent and 0 < result.duration_s < 15
+    stopped = [note for note in result.notes if note.startswith("stopped after 30 requests, the most one run keeps, ")]
+    assert stopped and "s into the 20 s window: the figures cover those" in stopped[0], result.notes
+    assert stopped[0].endswith("\nhint: a shorter --duration, or runs one after another")

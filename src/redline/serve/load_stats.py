@@ -18,7 +18,17 @@ from redline.errors import invalid
 Mode = Literal["open", "closed"]
 Arrivals = Literal["uniform", "poisson"]
 
+MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
+SAID_CHARS = 200  # of an answer's body quoted in a note
 PERCENTILE_METHOD = "linear interpolation between the closest ranks of the sorted samples (numpy's default)"
+
+
+def keep_said(said: dict[str, str], outcome: str, text: str) -> None:
+    """Keep ``text``, in one line cut to SAID_CHARS, as what ``outcome`` (a status, or a client error's kind) first
+    said, for MAX_SAID outcomes: summarize quotes it in the notes."""
+    if outcome not in said and len(said) < MAX_SAID:
+        text = " ".join(text.split())
+        said[outcome] = text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
 def schedule(rate: float, duration_s: float, *, arrivals: Arrivals = "uniform", seed: int = 0) -> list[float]:

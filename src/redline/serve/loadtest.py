@@ -26,7 +26,16 @@ from yarl import URL
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
 from redline.errors import ConfigError, StoppedBySignal, invalid, refuse_inside_event_loop
 from redline.serve.inputs import NPY_MAGIC
-from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
+from redline.serve.load_stats import (
+    Arrivals,
+    LoadResult,
+    Mode,
+    RequestRecord,
+    Setup,
+    keep_said,
+    schedule,
+    summarize,
+)
 
 DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given: a gentle open-loop probe
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
@@ -42,8 +51,6 @@ OPEN_LOOP_ONLY = {
     "max_in_flight": "the concurrency is the most requests in flight",
     "max_send_lag_ms": "the workers follow no schedule to lag behind",
 }
-MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
-SAID_CHARS = 200  # of an answer's body quoted in a note
 
 
 class LoadStopped(StoppedBySignal):
@@ -180,7 +187,7 @@ class _Counters:
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
     stopped_s: float | None = None  # when a Ctrl-C (or SIGTERM) came, from t0: nothing is sent after it
-    stopped_by: signal.Signals = signal.SIGINT  # which of the two it was
+    stopped_by: signal.Signals | None = signal.SIGINT  # which of the two it was; None: MAX_REQUESTS were sent
     said: dict[str, str] = field(default_factory=dict)  # the first answer of each status but 2xx, or error, in short
 
 
@@ -230,26 +237,14 @@ async def _send(
                 status = response.status
                 if not 200 <= status < 300:
                     location = response.headers.get("Location") if status < 400 else None
-                    _keep(counters.said, str(status), location or _in_short(body.decode("utf-8", errors="replace")))
+                    keep_said(counters.said, str(status), location or body.decode("utf-8", errors="replace"))
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             error = error_kind(exc)
-            _keep(counters.said, error, _in_short(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
+            keep_said(counters.said, error, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         done = time.perf_counter() - t0
     counters.completed += status is not None
     counters.errors += error is not None
     counters.records.append(RequestRecord(scheduled, dispatched, sent, done, status, error, waited))
-
-
-def _keep(said: dict[str, str], outcome: str, text: str) -> None:
-    """Keep ``text`` as what ``outcome`` (a status, or a client error's kind) first said, for a few outcomes."""
-    if outcome not in said and len(said) < MAX_SAID:
-        said[outcome] = text
-
-
-def _in_short(text: str) -> str:
-    """``text`` in one line, cut to SAID_CHARS."""
-    text = " ".join(text.split())
-    return text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
 async def _open_loop(
@@ -288,6 +283,9 @@ async def _closed_loop(
     async def worker() -> None:
         await asyncio.sleep(max(t0 - time.perf_counter(), 0.0))
         while (now := time.perf_counter() - t0) < end_s and counters.stopped_s is None:
+            if counters.sent >= MAX_REQUESTS:  # a long soak run: stopped, as by a Ctrl-C, before memory runs out
+                counters.stopped_s, counters.stopped_by = now, None
+                break
             await _send(session, request, slots, t0, now, counters)
 
     await asyncio.gather(*(worker() for _ in range(workers)))
@@ -386,16 +384,15 @@ async def run_load_async(
     # A Ctrl-C after the window (while the last answers were awaited) cut nothing: the window stays whole.
     if counters.stopped_s is not None and counters.stopped_s < total_s:
         window_s = counters.stopped_s - options.warmup_s
-        by = "Ctrl-C" if counters.stopped_by == signal.SIGINT else counters.stopped_by.name
+        stopper, kept = counters.stopped_by, f"after {MAX_REQUESTS:,} requests, the most one run keeps,"
+        by = kept if stopper is None else "by Ctrl-C" if stopper == signal.SIGINT else f"by {stopper.name}"
         if window_s <= 0:
-            into = max(counters.stopped_s, 0.0)
-            raise LoadStopped(
-                counters.stopped_by, f"stopped by {by} {into:.1f} s into the warm-up: nothing was measured"
-            )
+            said = f"stopped {by} {max(counters.stopped_s, 0.0):.1f} s into the warm-up: nothing was measured"
+            raise ConfigError(f"{said}\nhint: shorten --warmup") if stopper is None else LoadStopped(stopper, said)
         setup = dataclasses.replace(setup, duration_s=window_s)
         notes.append(
-            f"stopped by {by} {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
-            f"those {window_s:.1f} s"
+            f"stopped {by} {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover those "
+            f"{window_s:.1f} s" + ("\nhint: a shorter --duration, or runs one after another" if stopper is None else "")
         )
     return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes, said=counters.said)
 
