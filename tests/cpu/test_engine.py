@@ -166,7 +166,8 @@ def test_predict_refuses_values_the_cast_to_the_input_dtype_would_change_without
 @pytest.mark.parametrize(
     ("dtype", "batch"),
     [("uint8", [[0, 255, 2]]), ("int64", [[1.0, -2.0, 3.0]]), ("float16", [[1.5, -65504.0, float("nan")]]),
-     ("bool", [[0, 1, 1]]), ("int32", np.array([[1, 2, 3]], np.int64))],
+     ("bool", [[0, 1, 1]]), ("int32", np.array([[1, 2, 3]], np.int64)), ("int64", np.array([[1, -2, 3]], np.int8)),
+     ("float32", np.array([[True, False, True]])), ("float16", np.array([[True, False, True]]))],
 )  # fmt: skip
 def test_predict_casts_values_the_input_dtype_holds_as_they_are(dtype, batch):
     engine = InferenceEngine(AsFloats(), input_shape=(3,), input_dtype=dtype, device="cpu", precision="fp32",

@@ -443,7 +443,8 @@ def _refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
     NaN a large negative integer, 1e6 infinity in float16), naming the first row that holds one."""
     if inputs.dtype == dtype or inputs.numel() == 0:
         return
-    values = inputs.double() if inputs.is_floating_point() else inputs
+    # widened: a bound compared with a narrow tensor is cast to its dtype (int8 against int64's bounds overflows)
+    values = inputs.double() if inputs.is_floating_point() else inputs.long()
     if dtype == torch.bool:
         bad, allowed = (values != 0) & (values != 1), "0 or 1 (False or True)"
     elif dtype.is_floating_point:
