@@ -418,3 +418,11 @@ def test_a_closed_loop_that_reaches_the_most_requests_one_run_keeps_stops_there_
     stopped = [note for note in result.notes if note.startswith("stopped after 30 requests, the most one run keeps, ")]
     assert stopped and "s into the 20 s window: the figures cover those" in stopped[0], result.notes
     assert stopped[0].endswith("\nhint: a shorter --duration, or runs one after another")
+
+
+def test_a_signal_after_the_request_limit_stopped_the_run_leaves_the_window_where_it_ended():
+    counters = loadtest_module._Counters(stopped_s=1.5, stopped_by=None)  # the closed loop stopped sending at 1.5 s
+    loadtest_module._stop(counters, signal.SIGINT, t0=time.perf_counter() - 9.0)  # a Ctrl-C while answers are due
+    assert (counters.stopped_s, counters.stopped_by) == (1.5, None), "the window would stretch to the Ctrl-C"
+    loadtest_module._stop(fresh := loadtest_module._Counters(), signal.SIGTERM, t0=time.perf_counter() - 2.0)
+    assert fresh.stopped_by == signal.SIGTERM and 1.9 < fresh.stopped_s < 60

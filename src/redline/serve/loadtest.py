@@ -460,8 +460,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _stop(counters: _Counters, signum: signal.Signals, t0: float) -> None:
-    counters.stopped_s = time.perf_counter() - t0
-    counters.stopped_by = signum
+    if counters.stopped_s is None:  # a run the request limit stopped already ended there, not later
+        counters.stopped_s, counters.stopped_by = time.perf_counter() - t0, signum
 
 
 def _on_stop_signals(stop: Callable[[signal.Signals], None]) -> bool:
