@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from redline.cli import serve as serve_cli
 from redline.cli.main import app
-from redline.errors import RedlineError, ServableError, describe_error
+from redline.errors import ConfigError, RedlineError, ServableError, describe_error
 from redline.serve import dispatch as dispatch_module
 from redline.serve import engine as engine_module
 from redline.serve import server as server_module
@@ -574,3 +574,22 @@ def test_a_warm_up_stopped_by_what_the_model_returned_keeps_the_errors_hint():
         "tensor (2, 3); the engine serves models that return one tensor\nhint: serve a module whose forward returns "
         "the one tensor meant: a wrapper whose forward(x) returns self.model(x)[0]"
     )
+
+
+def test_redline_serve_pads_to_the_batch_buckets_given_and_refuses_bad_ones_before_loading(monkeypatch):
+    # On a GPU each bucket is compiled and captured: --max-batch-size 256 alone would warm up nine of them
+    served = []
+    monkeypatch.setattr(serve_cli, "serve", lambda engine, options, **kwargs: served.append(engine))
+    args = ["serve", "example:digits", "--port", "0", "--measure", "off", "--max-batch-size", "8"]
+    result = CliRunner().invoke(app, [*args, "--batch-buckets", "1,4,8"])
+    assert result.exit_code == 0, result.output
+    assert served[0].buckets == (1, 4, 8) and "1, 4, 8" in result.output
+    loaded = []
+    monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
+    for given, said in [("1,4", "--batch-buckets=(1, 4) is not allowed; expected positive sizes, the largest "
+                                "equal to --max-batch-size 8"),
+                        ("1,four,8", "--batch-buckets='1,four,8' is not allowed; expected auto, or batch "
+                                     "sizes separated by commas\nhint: e.g. 1,8,32")]:  # fmt: skip
+        refused = CliRunner().invoke(app, [*args, "--batch-buckets", given])
+        assert isinstance(refused.exception, ConfigError) and str(refused.exception) == said, refused.exception
+    assert loaded == [], "the model was loaded before the flag was checked"
