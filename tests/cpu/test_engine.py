@@ -1,5 +1,6 @@
 """The InferenceEngine on a CPU: padding and chunking, explicit and measured choices, the cache, fall backs, broken."""
 
+import contextlib
 import json
 import threading
 import time
@@ -11,13 +12,13 @@ import torch
 from torch import nn
 
 import redline
-from redline.errors import ConfigError, DeviceUnavailableError
+from redline.errors import ConfigError, DeviceUnavailableError, ServableError
 from redline.hardware.device import FAKE_CPU_ENV
 from redline.plan import Choice
 from redline.runtime.trial import CACHE_ENV
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine, WarmUpStopped
-from redline.serve.runners import CaptureFailed, EagerRunner, copy_out, pad_to
+from redline.serve.runners import CaptureFailed, EagerRunner, GraphRunner, copy_out, pad_to
 from redline.serve.servable import Servable
 
 SLEEP_S = 0.02
@@ -126,6 +127,63 @@ def test_predict_refuses_what_is_not_a_batch_of_real_numbers_naming_it_and_the_f
     with pytest.raises(ConfigError, match=message):
         engine.predict(batch)
     assert model.sizes == [], "nothing reached the model"
+
+
+class AsFloats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.append(x)
+        return x.float()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch", "message"),
+    [
+        ("uint8", [[7, 300, 2]], r"batch='row 0 holding 300' is not allowed; expected whole numbers within uint8's "
+                                 r"range \[0, 255\]\nhint: the cast to the input dtype uint8 would change it"),
+        ("int64", [[1, 2, 3], [1.5, 2, 3]], r"batch='row 1 holding 1.5' .* expected whole numbers within int64's"),
+        ("int64", [[1, 2, float("nan")]], r"batch='row 0 holding nan'"),
+        ("int32", [[0, 0, 2**40]], r"batch='row 0 holding 1099511627776' .* within int32's range"),
+        ("float16", [[1.0, 1e6, 0.0]], r"batch='row 0 holding 1000000.0' .* within float16's range ±65504"),
+        ("bool", [[0, 2, 1]], r"batch='row 0 holding 2' is not allowed; expected 0 or 1 \(False or True\)"),
+    ],
+)  # fmt: skip
+def test_predict_refuses_values_the_cast_to_the_input_dtype_would_change_without_a_word(dtype, batch, message):
+    # 300 became 44 in uint8, NaN -9.2e18 in int64, 2**40 zero in int32, 1e6 infinity in float16: wrong answers
+    model = AsFloats()
+    engine = InferenceEngine(model, input_shape=(3,), input_dtype=dtype, device="cpu", precision="fp32",
+                             compile="off", max_batch_size=2)  # fmt: skip
+    engine.warm_up()
+    model.seen.clear()
+    with pytest.raises(ConfigError, match=message):
+        engine.predict(np.array(batch))
+    assert model.seen == [], "nothing reached the model"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch"),
+    [("uint8", [[0, 255, 2]]), ("int64", [[1.0, -2.0, 3.0]]), ("float16", [[1.5, -65504.0, float("nan")]]),
+     ("bool", [[0, 1, 1]]), ("int32", np.array([[1, 2, 3]], np.int64)), ("int64", np.array([[1, -2, 3]], np.int8)),
+     ("float32", np.array([[True, False, True]])), ("float16", np.array([[True, False, True]]))],
+)  # fmt: skip
+def test_predict_casts_values_the_input_dtype_holds_as_they_are(dtype, batch):
+    engine = InferenceEngine(AsFloats(), input_shape=(3,), input_dtype=dtype, device="cpu", precision="fp32",
+                             compile="off", max_batch_size=2)  # fmt: skip
+    expected = torch.as_tensor(np.array(batch, dtype=np.float64)).float()
+    torch.testing.assert_close(engine.predict(np.array(batch)), expected, equal_nan=True)
+
+
+def test_a_model_of_scalar_samples_is_told_its_batch_shape_as_python_writes_it():
+    engine = InferenceEngine(AsFloats(), input_shape=(), device="cpu", precision="fp32", compile="off",
+                             max_batch_size=2)  # fmt: skip
+    assert engine.predict(np.array([1.0, 2.0, 3.0])).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ConfigError, match=r"batch='shape \(2, 1\)' is not allowed; expected \(N,\)$"):
+        engine.predict(np.zeros((2, 1)))
+    with pytest.raises(ConfigError, match=r"expected \(N,\)\nhint: one sample\? .* batch\[None\] has shape \(1,\)$"):
+        engine.predict(np.float32(2))
 
 
 def test_a_warm_up_asked_to_stop_ends_before_its_next_bucket_and_can_run_again():
@@ -330,6 +388,61 @@ def test_padding_and_copying_out_keep_the_rows_and_own_their_memory():
     assert out.dtype == torch.float32 and torch.equal(out, torch.ones(3, 2))
     with pytest.raises(ValueError, match=r"shape \(2, 4\) for a batch of 4; .* one row per input row"):
         copy_out(torch.ones(2, 4), 2, 4)  # classes first: slicing rows would answer with the wrong values
+
+
+@pytest.mark.parametrize(
+    ("returned", "said", "pick"),
+    [(lambda y: (y, y[:, :1]), "a tuple of 2 values: tensor (4, 2), tensor (4, 1)", "[0]"),
+     (lambda y: {"logits": y}, "a dict with keys 'logits' (tensor (4, 2))", "['logits']")],
+)  # fmt: skip
+def test_a_model_returning_a_tuple_or_a_dict_is_told_what_it_returned_and_how_to_serve_one_tensor(returned, said, pick):
+    class Several(nn.Module):  # transformers' models return a ModelOutput (a dict) or a tuple
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return returned(self.linear(x))
+
+    with pytest.raises(ServableError) as raised:
+        plain(Several(), max_batch_size=4).warm_up()
+    assert str(raised.value) == (
+        f"the model returned {said}; the engine serves models that return one tensor\nhint: serve a module whose "
+        f"forward returns the one tensor meant: a wrapper whose forward(x) returns self.model(x){pick}"
+    )
+
+
+@pytest.fixture
+def cuda_on_a_cpu(monkeypatch):
+    """torch.cuda's graph calls as no-ops on a CPU, so GraphRunner's own code runs: "captured", the forward runs."""
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            pass
+
+    for name, value in {"device": lambda device: contextlib.nullcontext(), "graph_pool_handle": lambda: None,
+                        "Stream": lambda device=None: Stream(), "current_stream": lambda device=None: Stream(),
+                        "stream": lambda stream: contextlib.nullcontext(), "CUDAGraph": Graph,
+                        "graph": lambda graph, pool=None, stream=None: contextlib.nullcontext(),
+                        "set_stream": lambda stream: None}.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_with_graphs_outputs_no_request_can_be_given_fail_the_capture_not_every_request_after(cuda_on_a_cpu):
+    # The eager runner checks the outputs on its first call; a captured graph is not called until a request came.
+    runner = GraphRunner(lambda x: (x, x), torch.device("cpu"))
+    with pytest.raises(ServableError, match=r"returned a tuple of 2 values: tensor \(4, 3\), tensor \(4, 3\)"):
+        runner.prepare(4, torch.zeros(4, 3))
+    rows_lost = GraphRunner(lambda x: x[:1], torch.device("cpu"))
+    with pytest.raises(ServableError, match=r"shape \(1, 3\) for a batch of 4"):
+        rows_lost.prepare(4, torch.zeros(4, 3))
+    fine = GraphRunner(lambda x: x * 2, torch.device("cpu"))
+    fine.prepare(4, torch.zeros(4, 3))
+    assert torch.equal(fine.run(torch.ones(2, 3), 4), torch.zeros(2, 3))  # the no-op replay left the capture's zeros
 
 
 class FakeGraphs:

@@ -263,6 +263,11 @@ def test_cli_json_round_trip_and_table(server):
     assert data["status_counts"] == {"200": 10, "503": 5, "500": 5}
     assert (data["mode"], data["target_rate"], data["requests_sent"], data["method"]) == ("open", 20.0, 20, "GET")
     assert set(data["latency_ms"]) == {"count", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms"}
+    closed = redline(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3", "--json")
+    assert closed.returncode == 0, closed.stderr
+    data = json.loads(closed.stdout)
+    assert (data["mode"], data["concurrency"]) == ("closed", 2) and data["requests_sent"] >= 2
+    assert not {"target_rate", "arrivals", "send_lag_ms", "client_kept_up", "max_in_flight"} & set(data)
     table = redline(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3")
     assert table.returncode == 0, table.stderr
     assert "closed loop, 2 workers" in table.stdout and "latency in ms, from each request's actual send" in table.stdout
@@ -378,3 +383,46 @@ def test_ctrl_c_ends_the_window_there_and_reports_what_was_measured(server, warm
     assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
     assert data["requests_failed"] == 0 and sum(data["status_counts"].values()) == data["requests_sent"]
     assert data["elapsed_s"] < 40, "it waited out the whole window"
+
+
+@pytest.mark.parametrize("warmup", [0, 60])
+def test_sigterm_ends_the_window_there_as_ctrl_c_does_and_reports_what_was_measured(server, warmup):
+    # timeout(1) and schedulers stop a run with SIGTERM: ended at once, it would print nothing of what it measured
+    path = f"/pattern/sigterm-{warmup}"
+    command = [sys.executable, "-m", "redline", "loadtest", server.url + path, "--rate", "20", "--duration", "60",
+               "--warmup", str(warmup), "--json"]  # fmt: skip
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while server.counts[path] < 10 and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=60)
+    if warmup:  # nothing measured yet: said so, exit 143 (128 + SIGTERM), as a scheduler reads "terminated"
+        assert run.returncode == 143 and "stopped by SIGTERM" in err and "into the warm-up: nothing was measured" in err
+        return
+    assert run.returncode == 0, err
+    data = json.loads(out)
+    assert data["notes"][-1].startswith("stopped by SIGTERM") and "s into the 60 s window" in data["notes"][-1]
+    assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
+    assert data["elapsed_s"] < 40, "it waited out the whole window"
+
+
+def test_a_closed_loop_that_reaches_the_most_requests_one_run_keeps_stops_there_and_reports_them(server, monkeypatch):
+    # Open loop refuses such a rate at once; a closed-loop soak test kept every record until memory ran out
+    monkeypatch.setattr(loadtest_module, "MAX_REQUESTS", 30)
+    started = time.monotonic()
+    result = run_load(f"{server.url}/pattern/soak", concurrency=2, duration=20.0)
+    assert time.monotonic() - started < 15, "it ran the whole window"
+    assert server.counts["/pattern/soak"] <= 30 and result.requests_sent <= 30
+    assert sum(result.status_counts.values()) == result.requests_sent and 0 < result.duration_s < 15
+    stopped = [note for note in result.notes if note.startswith("stopped after 30 requests, the most one run keeps, ")]
+    assert stopped and "s into the 20 s window: the figures cover those" in stopped[0], result.notes
+    assert stopped[0].endswith("\nhint: a shorter --duration, or runs one after another")
+
+
+def test_a_signal_after_the_request_limit_stopped_the_run_leaves_the_window_where_it_ended():
+    counters = loadtest_module._Counters(stopped_s=1.5, stopped_by=None)  # the closed loop stopped sending at 1.5 s
+    loadtest_module._stop(counters, signal.SIGINT, t0=time.perf_counter() - 9.0)  # a Ctrl-C while answers are due
+    assert (counters.stopped_s, counters.stopped_by) == (1.5, None), "the window would stretch to the Ctrl-C"
+    loadtest_module._stop(fresh := loadtest_module._Counters(), signal.SIGTERM, t0=time.perf_counter() - 2.0)
+    assert fresh.stopped_by == signal.SIGTERM and 1.9 < fresh.stopped_s < 60

@@ -1,6 +1,7 @@
 """`redline predict`: a .npy file in, the engine's outputs out, clear errors and no half-written file."""
 
 import io
+import json
 import os
 import re
 import signal
@@ -108,6 +109,38 @@ def test_the_output_file_holds_the_engines_outputs_for_every_sample(tmp_path, sp
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary file remains"
 
 
+def test_json_prints_the_plan_and_the_summary_as_data_and_nothing_else_on_stdout(tmp_path, spec):
+    out = tmp_path / "y.npy"
+    result = predict(spec, "--input", samples(tmp_path, np.ones((11, 3), np.float32)), "--output", str(out),
+                     "--batch-size", "4", "--precision", "fp32", "--compile", "off", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # no table around it: a pipeline reads it as it is
+    assert (data["samples"], data["output_shape"], data["output_dtype"]) == (11, [11, 2], "float32")
+    assert data["batch_size"] == 4
+    assert (data["input"], data["output"], data["model"]) == (str(tmp_path / "x.npy"), str(out), "tiny")
+    assert data["seconds"] > 0 and data["samples_per_s"] == pytest.approx(11 / data["seconds"])
+    assert data["warm_up_s"] >= 0
+    assert data["plan"]["precision"]["value"] == "fp32" and data["plan"]["buckets"]["value"] == [1, 2, 4]
+    assert np.load(out).shape == (11, 2)
+
+
+def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_going_to_stderr(tmp_path, spec):
+    # redline predict ... --output /dev/stdout | consumer: the plan table printed on stdout went into the array
+    inputs = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
+    command = [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, inputs), "--output",
+               "/dev/stdout", "--precision", "fp32", "--compile", "off"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, timeout=300, env={**os.environ})
+    assert result.returncode == 0, result.stderr.decode()
+    written = np.load(io.BytesIO(result.stdout))  # the whole of stdout is one .npy array
+    with torch.no_grad():
+        plain = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
+    np.testing.assert_allclose(written, plain, rtol=0, atol=1e-6)
+    assert b"precision" in result.stderr and b"5 samples in" in result.stderr
+    both = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert both.returncode == 2 and both.stdout == ""
+    assert both.stderr.startswith("error: --output '/dev/stdout' is stdout, where --json prints too")
+
+
 def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):
     built = []
 
@@ -181,6 +214,12 @@ def truncate(path):
         (lambda d: (d / "t.txt").write_text("1,2,3") and str(d / "t.txt"), "is not a .npy file"),
         (lambda d: np.savez(d / "a.npz", x=np.zeros((2, 3))) or str(d / "a.npz"), "is an .npz archive"),
         (lambda d: samples(d, np.zeros((0, 3), np.float32)), "holds no samples"),
+        (
+            lambda d: samples(d, np.float32(3)),
+            "holds one value (shape ()), not samples along a first dimension\n"
+            "hint: the first dimension counts the samples: save this one as "
+            "numpy.save(path, array[None])",
+        ),
         (lambda d: samples(d, np.zeros((2, 3), np.complex64)), "every sample: inputs are complex numbers (complex64)"),
         (lambda d: samples(d, np.full((2, 3), "a")), "x.npy': every sample: inputs are text (<U1)\nhint: "),
         (lambda d: samples(d, np.zeros((2, 3), [("a", "f4")])), "inputs are records of fields ([('a', '<f4')])"),
@@ -317,7 +356,9 @@ def test_a_model_output_the_engine_cannot_serve_is_told_with_what_was_running(tm
     assert isinstance(result.exception, InferenceError), result.exception
     assert str(result.exception) == (
         "while warming up, before any row of --input ran (on zeros of the Servable's input shape): the model "
-        "returned tuple; the engine serves models that return a tensor"
+        "returned a tuple of 2 values: tensor (5, 3), tensor (5, 3); the engine serves models that return one tensor\n"
+        "hint: serve a module whose forward returns the one tensor meant: a wrapper whose forward(x) returns "
+        "self.model(x)[0]"
     )
 
 
@@ -701,6 +742,41 @@ def missing():
     return task(Missing())
 
 
+class Inputs(Dataset):  # items whose inputs are made(): a model's several inputs, say
+    def __init__(self, made):
+        self.made = made
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.made(), 0
+
+
+def several():
+    return task(Inputs(lambda: (torch.zeros(3), torch.zeros(3))))
+
+
+def uneven():
+    return task(Inputs(lambda: (torch.zeros(3), torch.zeros(2))))
+
+
+def named():
+    return task(Inputs(lambda: {"x": torch.zeros(3)}))
+
+
+def text():
+    return task(Inputs(lambda: "a sentence"))
+
+
+def narrow():
+    return task(Inputs(lambda: torch.zeros(3, dtype=torch.bfloat16)))
+
+
+def learnt():
+    return task(Inputs(lambda: torch.zeros(3, requires_grad=True) * 2))
+
+
 def tokens():
     ids = torch.arange(24, dtype=torch.int16).reshape(6, 4) % 10  # token ids stored narrow, as many corpora are
     return redline.Task(name="tokens", model=nn.Sequential(nn.Embedding(10, 2), nn.Flatten()),
@@ -731,6 +807,32 @@ def test_a_task_whose_first_item_gives_no_input_shape_is_one_clear_error(tmp_pat
                      "--output", str(tmp_path / "y.npy"))  # fmt: skip
     assert isinstance(result.exception, TaskError), result.exception
     assert str(result.exception).startswith(message), str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("factory", "found"),
+    [("several", "(Tensor(3,) float32, Tensor(3,) float32)"),  # numpy would stack them into one (2, 3) sample
+     ("uneven", "(Tensor(3,) float32, Tensor(2,) float32)"), ("named", "{'x': Tensor(3,) float32}"),
+     ("text", "str 'a sentence'")],
+)  # fmt: skip
+def test_a_task_whose_inputs_are_not_one_array_of_numbers_is_one_clear_error(tmp_path, factory, found):
+    # a tuple of tensors of two shapes was numpy's ValueError and its traceback; a dict, or text, a scalar float32
+    (tmp_path / "tasks.py").write_text(TASKS)
+    with pytest.raises(TaskError) as raised:
+        load_servable(f"{tmp_path / 'tasks.py'}:{factory}")
+    assert str(raised.value) == (
+        f"task 'inputs': the inputs of train_data's first item are {found}, not one tensor or array of numbers, so a "
+        "request cannot hold them\nhint: have the factory return redline.Servable(model=..., input_shape=(...), "
+        "input_dtype=...) around a module that takes one tensor per sample and builds the model's inputs from it"
+    )
+
+
+@pytest.mark.parametrize(("factory", "dtype"), [("narrow", "bfloat16"), ("learnt", "float32")])
+def test_a_tasks_tensor_inputs_numpy_cannot_take_are_served_by_their_shape_and_dtype(tmp_path, factory, dtype):
+    # bfloat16 has no numpy dtype, and a tensor that requires grad refuses .numpy(): both were tracebacks
+    (tmp_path / "tasks.py").write_text(TASKS)
+    servable = load_servable(f"{tmp_path / 'tasks.py'}:{factory}")
+    assert (servable.input_shape, servable.input_dtype) == ((3,), dtype)
 
 
 def test_a_tasks_integer_inputs_of_a_dtype_the_server_lacks_are_served_as_int64_not_floats(tmp_path):

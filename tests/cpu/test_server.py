@@ -20,11 +20,12 @@ import pytest
 import torch
 from serve_client import eventually, fill_the_queue, metrics, ready, reference, running
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
+from torch import nn
 from typer.testing import CliRunner
 
 from redline.cli import serve as serve_cli
 from redline.cli.main import app
-from redline.errors import RedlineError
+from redline.errors import ConfigError, RedlineError, ServableError, describe_error
 from redline.serve import dispatch as dispatch_module
 from redline.serve import engine as engine_module
 from redline.serve import server as server_module
@@ -32,6 +33,7 @@ from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
 from redline.serve.servable import Servable
+from redline.serve.server import stopped_by
 
 pytestmark = pytest.mark.anyio
 
@@ -554,3 +556,40 @@ def test_a_second_ctrl_c_answers_the_waiting_requests_503_and_exits_130_saying_s
     assert err.startswith("error: stopped at once by a second Ctrl-C: 3 requests queued or in the model were "
                           "answered 503 without their outputs\nhint: stop the server with one Ctrl-C"), err  # fmt: skip
     assert "Traceback" not in err and "stopped: every accepted request was answered" not in out
+
+
+def test_a_warm_up_stopped_by_what_the_model_returned_keeps_the_errors_hint():
+    # The reason is one line (describe_error); what redline's error says to do is on its hint line.
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    engine = InferenceEngine(Servable(model=Pair(), input_shape=(3,)), device="cpu", precision="fp32", compile="off",
+                             max_batch_size=2)  # fmt: skip
+    with pytest.raises(ServableError) as raised:
+        engine.warm_up()
+    said = stopped_by(f"warm-up failed: {describe_error(raised.value)}", raised.value, engine, ServeOptions())
+    assert said == (
+        "the server stopped: warm-up failed: ServableError: the model returned a tuple of 2 values: tensor (2, 3), "
+        "tensor (2, 3); the engine serves models that return one tensor\nhint: serve a module whose forward returns "
+        "the one tensor meant: a wrapper whose forward(x) returns self.model(x)[0]"
+    )
+
+
+def test_redline_serve_pads_to_the_batch_buckets_given_and_refuses_bad_ones_before_loading(monkeypatch):
+    # On a GPU each bucket is compiled and captured: --max-batch-size 256 alone would warm up nine of them
+    served = []
+    monkeypatch.setattr(serve_cli, "serve", lambda engine, options, **kwargs: served.append(engine))
+    args = ["serve", "example:digits", "--port", "0", "--measure", "off", "--max-batch-size", "8"]
+    result = CliRunner().invoke(app, [*args, "--batch-buckets", "1,4,8"])
+    assert result.exit_code == 0, result.output
+    assert served[0].buckets == (1, 4, 8) and "1, 4, 8" in result.output
+    loaded = []
+    monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
+    for given, said in [("1,4", "--batch-buckets=(1, 4) is not allowed; expected positive sizes, the largest "
+                                "equal to --max-batch-size 8"),
+                        ("1,four,8", "--batch-buckets='1,four,8' is not allowed; expected auto, or batch "
+                                     "sizes separated by commas\nhint: e.g. 1,8,32")]:  # fmt: skip
+        refused = CliRunner().invoke(app, [*args, "--batch-buckets", given])
+        assert isinstance(refused.exception, ConfigError) and str(refused.exception) == said, refused.exception
+    assert loaded == [], "the model was loaded before the flag was checked"

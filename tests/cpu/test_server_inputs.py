@@ -195,14 +195,39 @@ async def test_a_npy_header_that_is_cut_off_or_malformed_is_a_400_not_a_500():
     assert "not a .npy array" in answer.json()["error"]
 
 
+async def test_tensors_a_postprocess_returns_are_answered_as_their_values_as_numpy_arrays_are():
+    # scores.argmax(1) is a tensor: answered as numbers, as scores.argmax(1).numpy() always was
+    postprocesses = {
+        "tensor": lambda out: out.argmax(1),
+        "numpy": lambda out: out.argmax(1).numpy(),
+        "0-d tensors in dicts": lambda out: [
+            {"label": i, "scores": row} for i, row in zip(out.argmax(1), out, strict=True)
+        ],
+    }
+    inputs = [[1.0, -2.0, 0.5], [-3.0, 1.0, 2.0]]
+    answers = {}
+    for name, postprocess in postprocesses.items():
+        engine = linear_engine(postprocess=postprocess)
+        async with running(engine) as (client, _):
+            await ready(client)
+            answers[name] = await client.post("/v1/predict", json={"inputs": inputs})
+    expected = reference(engine, inputs)
+    labels = [int(i) for i in expected.argmax(1)]
+    assert [answer.status_code for answer in answers.values()] == [200, 200, 200], answers["tensor"].text
+    assert answers["tensor"].json() == answers["numpy"].json() == {"outputs": labels}
+    given = answers["0-d tensors in dicts"].json()["outputs"]
+    assert [item["label"] for item in given] == labels
+    torch.testing.assert_close(torch.tensor([item["scores"] for item in given]), expected)
+
+
 async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():
     engine = FakeEngine()
-    engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: list(out))
+    engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: [{1}] * len(out))
     async with running(engine) as (client, _):
         answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
         page = metrics((await client.get("/metrics")).text)
     assert answer.status_code == 500 and answer.json()["reason"] == "model_error"
-    assert "not JSON" in answer.json()["error"] and "Tensor" in answer.json()["error"]
+    assert "not JSON" in answer.json()["error"] and "set" in answer.json()["error"]
     assert page['redline_serve_requests_total{"status": "500"}'] == 1
     assert 'redline_serve_requests_total{"status": "200"}' not in page
 
@@ -381,3 +406,15 @@ async def test_the_document_states_the_servers_limits_and_every_content_type_it_
     said = {status: answer["description"] for status, answer in predict["responses"].items()}
     assert "limit, 2 MiB (--max-body-mb)" in said["413"]
     assert "timeout, 1500 ms (--timeout-ms)" in said["504"] and "timeout, 1500 ms (--timeout-ms)" in said["408"]
+
+
+async def test_a_model_of_scalar_samples_is_told_its_batch_shape_as_python_writes_it():
+    async with running(FakeEngine(input_shape=())) as (client, _):
+        one = await client.post("/v1/predict", json={"inputs": 2.0})
+        several = await client.post("/v1/predict", json={"inputs": [1.0, 2.0]})
+        nested = await client.post("/v1/predict", json={"inputs": [[1.0]]})
+    assert one.json() == {"outputs": [4.0]} and several.json() == {"outputs": [2.0, 4.0]}
+    assert nested.status_code == 422
+    assert nested.json()["error"] == (
+        "inputs have shape (1, 1); expected float32 numbers, one sample of shape () or up to 8 of them, shape (N,)"
+    )

@@ -185,6 +185,26 @@ def test_summary_counts_the_window_only_and_splits_statuses_and_errors():
     assert [n.split(" and are not")[0] for n in data["notes"]] == ["1 of 6 requests timed out (--timeout 5 s)"]
 
 
+COMMON_FIELDS = {
+    "mode", "url", "method", "duration_s", "warmup_s", "timeout_s", "requests_sent", "requests_completed",
+    "requests_failed", "achieved_rps", "success_rps", "latency_ms", "latency_2xx_ms", "status_counts", "error_counts",
+    "elapsed_s", "percentile_method", "notes",
+}  # fmt: skip
+OPEN_FIELDS = {"target_rate", "arrivals", "send_lag_ms", "client_kept_up", "max_in_flight", "waited_for_slot"}
+
+
+def test_the_json_of_each_mode_holds_the_fields_that_mean_something_for_it():
+    # Closed loop has no rate, arrivals or schedule: a "uniform" arrivals, a null rate, a client that "kept up"
+    # with no schedule and a cap no request waited for would be read as facts about the run.
+    closed = summarize([record(i / 10, i / 10 + 0.05) for i in range(10)], setup("closed", duration_s=1.0),
+                       elapsed_s=1.1).to_dict()  # fmt: skip
+    assert set(closed) == COMMON_FIELDS | {"concurrency"} and closed["concurrency"] == 1
+    opened = summarize([record(i / 10, i / 10 + 0.05) for i in range(10)], setup("open", duration_s=1.0),
+                       elapsed_s=1.1).to_dict()  # fmt: skip
+    assert set(opened) == COMMON_FIELDS | OPEN_FIELDS and opened["target_rate"] == 100.0
+    assert json.loads(json.dumps(closed)) == closed and json.loads(json.dumps(opened)) == opened
+
+
 def test_requests_that_timed_out_in_a_stall_are_said_to_be_missing_from_the_tail():
     # The server answers in 1 ms but stalls for a second; the requests due then are given up at --timeout (5 s).
     records = [

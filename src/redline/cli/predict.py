@@ -13,8 +13,12 @@ the model, and ends the command with its traceback.
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,7 +59,7 @@ from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
-from redline.serve.servable import Servable, as_model_spec, load_servable
+from redline.serve.servable import Servable, as_model_spec, load_servable, shape_text
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
 ROWS_CHECK = "check those rows' values"  # the hint's start when the model raised on a batch
@@ -75,6 +79,9 @@ def predict(
     compile: EngineCompile = "auto",
     cuda_graphs: EngineGraphs = "auto",
     measure: EngineMeasure = "auto",
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the plan and the summary as JSON on stdout (no table).")
+    ] = False,
 ) -> None:
     """Run a model over a .npy file of samples and write its outputs to another .npy file."""
     with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
@@ -83,6 +90,12 @@ def predict(
         )
     samples = read_samples(input_path)
     check_output(output_path)  # after the input: a mistyped --input leaves no directory made for the outputs
+    to_stdout = same_as_stdout(output_path)  # --output /dev/stdout | consumer: the table would go into the array
+    if to_stdout and json_output:
+        raise ConfigError(
+            f"--output {str(output_path)!r} is stdout, where --json prints too: the two would mix in one stream\n"
+            "hint: drop --json (the plan and the summary then go to stderr), or write the outputs to a file"
+        )
     if output_path.exists() and output_path.samefile(input_path):  # a link to it included
         raise ConfigError(
             f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
@@ -101,15 +114,34 @@ def predict(
         started = time.perf_counter()
         engine.warm_up()
         warm_s = time.perf_counter() - started
-    console = output_console()
-    print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
+    console = Console(stderr=True) if to_stdout else output_console()  # stdout carries the array
+    if not json_output:
+        print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
     source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
+    first: list[tuple[tuple[int, ...], np.dtype]] = []  # one sample's output shape and dtype, as the file has them
+
+    def run(emit: Callable[[np.ndarray], None]) -> float:
+        def kept(outputs: np.ndarray) -> None:
+            first[:] = first or [(outputs.shape[1:], outputs.dtype)]
+            emit(outputs)
+
+        return run_batches(engine, samples, batch_size, source, hint, kept)
+
     with stopped_by_signal():  # the temporary file of the outputs goes with the run
-        seconds = write_outputs(output_path, len(samples), lambda emit: run_batches(engine, samples, batch_size,
-                                                                                    source, hint, emit))  # fmt: skip
-    rate = len(samples) / seconds if seconds > 0 else float("inf")
+        seconds = write_outputs(output_path, len(samples), run)
+    rate = len(samples) / seconds if seconds > 0 else None
+    if json_output:
+        summary = {
+            "model": servable.name, "input": str(input_path), "output": str(output_path), "samples": len(samples),
+            "output_shape": [len(samples), *first[0][0]], "output_dtype": str(first[0][1]),
+            "seconds": seconds, "samples_per_s": rate, "warm_up_s": warm_s, "batch_size": batch_size,
+            "plan": engine.plan_dict(),
+        }  # fmt: skip
+        print(json.dumps(summary, indent=2))
+        return
     console.print(
-        f"{len(samples)} samples in {seconds:.2f} s ({rate:,.1f} samples/s; warm-up {warm_s:.1f} s) -> {output_path}",
+        f"{len(samples)} samples in {seconds:.2f} s ({rate or math.inf:,.1f} samples/s; warm-up {warm_s:.1f} s) -> "
+        f"{output_path}",
         highlight=False,
         markup=False,  # a path's `[...]` is text
     )
@@ -134,6 +166,14 @@ def check_output(path: Path) -> None:
         ) from None
     except OSError as exc:
         raise _unwritable(path, exc) from exc
+
+
+def same_as_stdout(path: Path) -> bool:
+    """Whether ``path`` is the file this process's stdout writes to (``/dev/stdout``, ``/dev/fd/1``)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no such file yet, or no real stdout
+        return False
 
 
 def read_samples(path: Path) -> np.ndarray:
@@ -167,7 +207,12 @@ def read_samples(path: Path) -> np.ndarray:
             f"--input {str(path)!r} cannot be read as a .npy array: {exc}\n"
             "hint: the file may be truncated: write it again with numpy.save(path, array)"
         ) from exc
-    if loaded.ndim == 0 or len(loaded) == 0:
+    if loaded.ndim == 0:  # one value: a sample of a model taking scalars, saved without the batch dimension
+        raise ConfigError(
+            f"--input {str(path)!r} holds one value (shape ()), not samples along a first dimension\n"
+            "hint: the first dimension counts the samples: save this one as numpy.save(path, array[None])"
+        )
+    if len(loaded) == 0:
         raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
     return loaded  # saved on a big-endian machine, it stays so on the map: each batch is read into native order
 
@@ -195,14 +240,14 @@ def check_samples(samples: np.ndarray, servable: Servable, path: Path) -> None:
 def _misfit(shape: tuple[int, ...], expected: tuple[int, ...], name: str) -> str:
     """Why an array of ``shape`` is not samples of ``expected``'s shape, and the fix: a batch dimension, or a reshape
     where each row holds one sample's values in another shape (``(N, 64)`` or ``(N, 8, 8)`` for ``(1, 8, 8)``)."""
-    dims = ", ".join(map(str, expected))
+    dims, batch = ", ".join(map(str, expected)), shape_text(("N", *expected))
     if shape == expected:  # one sample, saved without the batch dimension
         return (
             f"the array {shape} is one sample of {name}'s input shape, without the batch dimension; "
-            f"expected (N, {dims})\n"
+            f"expected {batch}\n"
             "hint: save it as a batch of one: numpy.save(path, array[None])"
         )
-    said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected (N, {dims})"
+    said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected {batch}"
     if math.prod(shape[1:]) != math.prod(expected):
         return f"{said}\nhint: the first dimension counts the samples; each sample has the model's input shape"
     reshape = f"numpy.save(path, array.reshape(-1, {dims}))"

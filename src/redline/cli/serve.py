@@ -7,7 +7,9 @@ compile, CUDA graphs) and the model's (SPEC, --weights, --task-arg) are this com
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from redline.cli.options import (
     ENGINE_FLAGS,
@@ -25,8 +27,9 @@ from redline.cli.options import (
     said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
+from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
-from redline.serve.engine import InferenceEngine, check_engine_options
+from redline.serve.engine import InferenceEngine, bucket_sizes, check_engine_options
 from redline.serve.options import ServeOptions
 from redline.serve.servable import as_model_spec, load_servable
 from redline.serve.server import bind, serve
@@ -41,6 +44,14 @@ def _serve(
     compile: EngineCompile = "auto",
     cuda_graphs: EngineGraphs = "auto",
     measure: EngineMeasure = "auto",
+    batch_buckets: Annotated[
+        str,
+        typer.Option(
+            metavar="auto|SIZES",
+            help="Batch sizes a batch is padded up to, each warmed up (compiled, captured): auto (powers of two up "
+            "to --max-batch-size) or sizes such as 1,8,32, the largest equal to --max-batch-size.",
+        ),
+    ] = "auto",
     **parsed: Any,
 ) -> None:
     """Serve a model over HTTP with dynamic batching, bounded queueing and Prometheus metrics."""
@@ -49,6 +60,8 @@ def _serve(
         check_engine_options(
             device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
         )
+    with said_by_flags(batch_buckets="--batch-buckets", max_batch_size="--max-batch-size"):
+        buckets = bucket_sizes(options.max_batch_size, _buckets(batch_buckets))
     options.token()  # an empty --token-env variable is refused before the model loads
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
@@ -57,7 +70,7 @@ def _serve(
         with said_by_flags(**ENGINE_FLAGS):
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-                measure=measure, max_batch_size=options.max_batch_size,
+                measure=measure, max_batch_size=options.max_batch_size, batch_buckets=buckets,
             )  # fmt: skip
         console = output_console()
         print_uncut(console, plan_table(engine.plan, title=f"Serving {servable.name}"))
@@ -69,6 +82,16 @@ def _serve(
     finally:
         sock.close()
     _say("stopped: every accepted request was answered")
+
+
+def _buckets(text: str) -> str | tuple[int, ...]:
+    """``auto``, or the sizes ``1,8,32`` names; anything else is a ConfigError naming the argument."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return tuple(int(size) for size in text.split(","))
+    except ValueError:
+        raise invalid("batch_buckets", text, "auto, or batch sizes separated by commas", "e.g. 1,8,32") from None
 
 
 def _say(line: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -393,13 +394,23 @@ async def _disconnected(request: Request) -> None:
 
 
 def _outputs_json(outputs: list[Any]) -> Response:
-    """The 200 answer; outputs that are not JSON (a postprocess returning tensors, say) fail as the model's error."""
+    """The 200 answer; outputs that are not JSON (a postprocess returning sets or objects, say) fail as the model's
+    error. Tensors are written as numpy arrays are: a postprocess returning ``scores.argmax(1)`` is answered."""
     try:
-        return _json({"outputs": outputs}, 200)
+        body = orjson.dumps({"outputs": outputs}, default=_tensor_as_list, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
         raise Refused(
-            500, "model_error", f"the outputs are not JSON ({exc}); postprocess must return numbers, lists or dicts"
-        ) from None
+            500, "model_error",
+            f"the outputs are not JSON ({exc}); postprocess must return numbers, lists, dicts, arrays or tensors",
+        ) from None  # fmt: skip
+    return Response(body, status_code=200, media_type="application/json")
+
+
+def _tensor_as_list(value: Any) -> Any:
+    """A tensor as the number or nested lists it holds (orjson's ``default``); anything else stays unserialisable."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
 def _json(body: Any, status: int, headers: dict[str, str] | None = None) -> Response:

@@ -60,7 +60,7 @@ from redline.serve.measure import (
     weights_digest,
 )
 from redline.serve.runners import CaptureFailed, EagerRunner, Forward, GraphRunner, make_forward
-from redline.serve.servable import Servable
+from redline.serve.servable import Servable, shape_text
 from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
@@ -241,8 +241,7 @@ class InferenceEngine:
 
     def _as_batch(self, batch: Any) -> torch.Tensor:
         """``batch`` as a tensor of real numbers with the input's sample shape, or a ConfigError naming what it is."""
-        shape = ", ".join(map(str, self.input_shape))
-        expected = f"(N, {shape})"
+        expected = shape_text(("N", *self.input_shape))
         real = f"real numbers, shape {expected}, cast to {self.servable.input_dtype}"
         try:
             inputs = torch.as_tensor(batch)
@@ -254,8 +253,10 @@ class InferenceEngine:
             raise invalid("batch", str(inputs.dtype).removeprefix("torch."), real, "pass batch.real if that is meant")
         if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
             one = tuple(inputs.shape) == self.input_shape
-            hint = f"one sample? add the batch dimension: batch[None] has shape (1, {shape})" if one else ""
+            hint = f"one sample? add the batch dimension: batch[None] has shape {shape_text((1, *self.input_shape))}"
+            hint = hint if one else ""
             raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
+        _refuse_changed_by_cast(inputs, self.servable.torch_dtype)
         return inputs
 
     # -- setting up: the chosen precision, compile and runner --------------------------------------
@@ -435,6 +436,35 @@ class InferenceEngine:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
         return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
+
+
+def _refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse a batch holding a value the cast to ``dtype`` would change without a word (300 becomes 44 in uint8,
+    NaN a large negative integer, 1e6 infinity in float16), naming the first row that holds one."""
+    if inputs.dtype == dtype or inputs.numel() == 0:
+        return
+    # widened: a bound compared with a narrow tensor is cast to its dtype (int8 against int64's bounds overflows)
+    values = inputs.double() if inputs.is_floating_point() else inputs.long()
+    if dtype == torch.bool:
+        bad, allowed = (values != 0) & (values != 1), "0 or 1 (False or True)"
+    elif dtype.is_floating_point:
+        largest = torch.finfo(dtype).max
+        bad, allowed = values.isfinite() & (values.abs() > largest), f"values within {dtype}'s range ±{largest:.6g}"
+    else:
+        info = torch.iinfo(dtype)
+        bad = (values < info.min) | (values > info.max)
+        if inputs.is_floating_point():
+            bad |= ~values.isfinite() | (values != values.round())
+        allowed = f"whole numbers within {dtype}'s range [{info.min}, {info.max}]"
+    if not bool(bad.any()):
+        return
+    row = int(bad.reshape(len(bad), -1).any(dim=1).int().argmax())
+    value = inputs[row][bad[row]][0].item()
+    raise invalid(
+        "batch", f"row {row} holding {value!r}", str(allowed).replace("torch.", ""),
+        f"the cast to the input dtype {str(dtype).removeprefix('torch.')} would change it without a word; check the "
+        "inputs, or give the model a wider input_dtype",
+    )  # fmt: skip
 
 
 def _without_graphs(exc: CaptureFailed) -> str:

@@ -21,6 +21,7 @@ import orjson
 import torch
 
 from redline.serve.refused import Refused
+from redline.serve.servable import shape_text
 
 NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
@@ -50,10 +51,9 @@ class InputSpec:
 
     def describe(self) -> str:
         """The expected inputs in words."""
-        shape = ", ".join(map(str, self.shape))
         return (
-            f"{self.dtype} {_KINDS[self.kind()]}, one sample of shape ({shape}{',' * (len(self.shape) == 1)}) "
-            f"or up to {self.max_batch_size} of them, shape (N, {shape})"
+            f"{self.dtype} {_KINDS[self.kind()]}, one sample of shape {shape_text(self.shape)} "
+            f"or up to {self.max_batch_size} of them, shape {shape_text(('N', *self.shape))}"
         )
 
     def kind(self) -> str:
@@ -168,7 +168,7 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     if array.shape == spec.shape:
         array = array[None]
     elif array.ndim != len(spec.shape) + 1 or array.shape[1:] != spec.shape:
-        raise spec.refuse(422, f"inputs have shape {_shape(array.shape)}")
+        raise spec.refuse(422, f"inputs have shape {shape_text(array.shape)}")
     if array.shape[0] > spec.max_batch_size:
         raise spec.refuse(
             422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
@@ -225,7 +225,3 @@ def _bad_values(spec: InputSpec, bad: np.ndarray[Any, Any], problem: str) -> Ref
 def _outside_range(dtype: str) -> str:
     info = np.iinfo(dtype)
     return f"inputs hold integers outside {dtype}'s range [{info.min}, {info.max}]"
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"

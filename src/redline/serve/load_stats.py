@@ -18,7 +18,17 @@ from redline.errors import invalid
 Mode = Literal["open", "closed"]
 Arrivals = Literal["uniform", "poisson"]
 
+MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
+SAID_CHARS = 200  # of an answer's body quoted in a note
 PERCENTILE_METHOD = "linear interpolation between the closest ranks of the sorted samples (numpy's default)"
+
+
+def keep_said(said: dict[str, str], outcome: str, text: str) -> None:
+    """Keep ``text``, in one line cut to SAID_CHARS, as what ``outcome`` (a status, or a client error's kind) first
+    said, for MAX_SAID outcomes: summarize quotes it in the notes."""
+    if outcome not in said and len(said) < MAX_SAID:
+        text = " ".join(text.split())
+        said[outcome] = text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
 def schedule(rate: float, duration_s: float, *, arrivals: Arrivals = "uniform", seed: int = 0) -> list[float]:
@@ -125,12 +135,23 @@ class Setup:
     max_send_lag_ms: float
 
 
+# The fields a mode gives no meaning to, left out of its JSON: a closed loop has no rate, arrivals or schedule to
+# lag behind, and its cap on requests in flight is its concurrency, which no request waits for.
+OTHER_MODE_FIELDS: dict[Mode, frozenset[str]] = {
+    "open": frozenset({"concurrency"}),
+    "closed": frozenset(
+        {"target_rate", "arrivals", "send_lag_ms", "client_kept_up", "max_in_flight", "waited_for_slot"}
+    ),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadResult:
     """What a load test measured; latencies over the requests whose origin fell in the measured window.
 
     The origin is the scheduled send time in open loop and the actual send time in closed loop.
-    ``achieved_rps`` counts the responses that arrived inside the window, over its length.
+    ``achieved_rps`` counts the responses that arrived inside the window, over its length. In closed
+    loop the open-loop fields (OTHER_MODE_FIELDS) hold their defaults, and ``to_dict`` leaves them out.
     """
 
     mode: Mode
@@ -160,8 +181,12 @@ class LoadResult:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the result as JSON-ready data (status codes as string keys)."""
-        data = asdict(self)
+        """Return the result as JSON-ready data (status codes as string keys), the fields of its mode alone.
+
+        Closed loop leaves out open loop's rate, arrivals, send lag and in-flight cap (its workers follow
+        no schedule and its cap is the concurrency); open loop leaves out the concurrency.
+        """
+        data = {name: value for name, value in asdict(self).items() if name not in OTHER_MODE_FIELDS[self.mode]}
         data["status_counts"] = {str(code): n for code, n in sorted(self.status_counts.items())}
         data["error_counts"] = dict(sorted(self.error_counts.items()))
         data["notes"] = list(self.notes)

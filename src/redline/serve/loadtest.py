@@ -24,9 +24,18 @@ import aiohttp
 from yarl import URL
 
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, invalid, refuse_inside_event_loop
+from redline.errors import ConfigError, StoppedBySignal, invalid, refuse_inside_event_loop
 from redline.serve.inputs import NPY_MAGIC
-from redline.serve.load_stats import Arrivals, LoadResult, Mode, RequestRecord, Setup, schedule, summarize
+from redline.serve.load_stats import (
+    Arrivals,
+    LoadResult,
+    Mode,
+    RequestRecord,
+    Setup,
+    keep_said,
+    schedule,
+    summarize,
+)
 
 DEFAULT_RATE = 10.0  # requests/s when neither a rate nor a concurrency is given: a gentle open-loop probe
 LEAD_S = 0.05  # the schedule starts this long after setup, so that request 0 is not late by construction
@@ -42,14 +51,10 @@ OPEN_LOOP_ONLY = {
     "max_in_flight": "the concurrency is the most requests in flight",
     "max_send_lag_ms": "the workers follow no schedule to lag behind",
 }
-MAX_SAID = 8  # statuses (or client errors) whose first answer is kept, for the notes
-SAID_CHARS = 200  # of an answer's body quoted in a note
 
 
-class LoadStopped(RedlineError):
-    """Ctrl-C stopped the load test before its measured window began: there is nothing to report."""
-
-    exit_code = 130
+class LoadStopped(StoppedBySignal):
+    """Ctrl-C or SIGTERM stopped the load test before its measured window began: nothing to report (exit 130, 143)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,7 +186,8 @@ class _Counters:
     completed: int = 0
     errors: int = 0
     records: list[RequestRecord] = field(default_factory=list)
-    stopped_s: float | None = None  # when a Ctrl-C came, from t0: nothing is sent after it
+    stopped_s: float | None = None  # when a Ctrl-C (or SIGTERM) came, from t0: nothing is sent after it
+    stopped_by: signal.Signals | None = signal.SIGINT  # which of the two it was; None: MAX_REQUESTS were sent
     said: dict[str, str] = field(default_factory=dict)  # the first answer of each status but 2xx, or error, in short
 
 
@@ -231,26 +237,14 @@ async def _send(
                 status = response.status
                 if not 200 <= status < 300:
                     location = response.headers.get("Location") if status < 400 else None
-                    _keep(counters.said, str(status), location or _in_short(body.decode("utf-8", errors="replace")))
+                    keep_said(counters.said, str(status), location or body.decode("utf-8", errors="replace"))
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             error = error_kind(exc)
-            _keep(counters.said, error, _in_short(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
+            keep_said(counters.said, error, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         done = time.perf_counter() - t0
     counters.completed += status is not None
     counters.errors += error is not None
     counters.records.append(RequestRecord(scheduled, dispatched, sent, done, status, error, waited))
-
-
-def _keep(said: dict[str, str], outcome: str, text: str) -> None:
-    """Keep ``text`` as what ``outcome`` (a status, or a client error's kind) first said, for a few outcomes."""
-    if outcome not in said and len(said) < MAX_SAID:
-        said[outcome] = text
-
-
-def _in_short(text: str) -> str:
-    """``text`` in one line, cut to SAID_CHARS."""
-    text = " ".join(text.split())
-    return text if len(text) <= SAID_CHARS else text[: SAID_CHARS - 3] + "..."
 
 
 async def _open_loop(
@@ -289,6 +283,9 @@ async def _closed_loop(
     async def worker() -> None:
         await asyncio.sleep(max(t0 - time.perf_counter(), 0.0))
         while (now := time.perf_counter() - t0) < end_s and counters.stopped_s is None:
+            if counters.sent >= MAX_REQUESTS:  # a long soak run: stopped, as by a Ctrl-C, before memory runs out
+                counters.stopped_s, counters.stopped_by = now, None
+                break
             await _send(session, request, slots, t0, now, counters)
 
     await asyncio.gather(*(worker() for _ in range(workers)))
@@ -337,9 +334,9 @@ async def run_load_async(
 ) -> LoadResult:
     """Drive ``url`` as ``options`` say and return what was measured; ``payload`` overrides ``options.payload``.
 
-    ``stop_on_sigint``: a first Ctrl-C ends the window there (the requests out are waited for, and the
-    result covers the window up to it); a second one raises KeyboardInterrupt. Before the window, it
-    raises LoadStopped.
+    ``stop_on_sigint``: a first Ctrl-C or SIGTERM (a scheduler's, timeout(1)'s) ends the window there (the
+    requests out are waited for, and the result covers the window up to it); a second Ctrl-C raises
+    KeyboardInterrupt, a second SIGTERM ends the process. Before the window, it raises LoadStopped.
     """
     check_url(url)
     if payload is None and options.payload is not None:
@@ -368,7 +365,7 @@ async def run_load_async(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter() + LEAD_S
         reporter = asyncio.create_task(_report(progress, counters, t0, total_s)) if progress else None
-        stoppable = stop_on_sigint and _on_sigint(lambda: setattr(counters, "stopped_s", time.perf_counter() - t0))
+        stoppable = stop_on_sigint and _on_stop_signals(lambda signum: _stop(counters, signum, t0))
         try:
             if rate is not None:
                 offsets = schedule(rate, total_s, arrivals=options.arrivals, seed=options.seed)
@@ -379,20 +376,23 @@ async def run_load_async(
             if reporter is not None:
                 reporter.cancel()
             if stoppable:
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
+                for signum in STOP_SIGNALS:
+                    asyncio.get_running_loop().remove_signal_handler(signum)
     elapsed_s = time.perf_counter() - t0
     if progress:
         progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
     # A Ctrl-C after the window (while the last answers were awaited) cut nothing: the window stays whole.
     if counters.stopped_s is not None and counters.stopped_s < total_s:
         window_s = counters.stopped_s - options.warmup_s
+        stopper, kept = counters.stopped_by, f"after {MAX_REQUESTS:,} requests, the most one run keeps,"
+        by = kept if stopper is None else "by Ctrl-C" if stopper == signal.SIGINT else f"by {stopper.name}"
         if window_s <= 0:
-            into = max(counters.stopped_s, 0.0)
-            raise LoadStopped(f"stopped by Ctrl-C {into:.1f} s into the warm-up: nothing was measured")
+            said = f"stopped {by} {max(counters.stopped_s, 0.0):.1f} s into the warm-up: nothing was measured"
+            raise ConfigError(f"{said}\nhint: shorten --warmup") if stopper is None else LoadStopped(stopper, said)
         setup = dataclasses.replace(setup, duration_s=window_s)
         notes.append(
-            f"stopped by Ctrl-C {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover "
-            f"those {window_s:.1f} s"
+            f"stopped {by} {window_s:.1f} s into the {options.duration_s:g} s window: the figures cover those "
+            f"{window_s:.1f} s" + ("\nhint: a shorter --duration, or runs one after another" if stopper is None else "")
         )
     return summarize(counters.records, setup, elapsed_s=elapsed_s, notes=notes, said=counters.said)
 
@@ -456,18 +456,31 @@ def load_test(
         loop.close()
 
 
-def _on_sigint(stop: Callable[[], None]) -> bool:
-    """Call ``stop`` on the first SIGINT, then give SIGINT back to Python (KeyboardInterrupt); False where it
-    cannot be caught (not the main thread, or no signals on this system's loop)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(counters: _Counters, signum: signal.Signals, t0: float) -> None:
+    if counters.stopped_s is None:  # a run the request limit stopped already ended there, not later
+        counters.stopped_s, counters.stopped_by = time.perf_counter() - t0, signum
+
+
+def _on_stop_signals(stop: Callable[[signal.Signals], None]) -> bool:
+    """Call ``stop`` with the first SIGINT or SIGTERM, then give both back to their defaults (KeyboardInterrupt, and
+    the end of the process); False where they cannot be caught (not the main thread, or no signals on this loop).
+
+    A run under a scheduler or timeout(1) gets SIGTERM: ended at once, it would report nothing of what it measured.
+    """
     loop = asyncio.get_running_loop()
 
-    def first() -> None:
-        loop.remove_signal_handler(signal.SIGINT)
-        stop()
+    def first(signum: signal.Signals) -> None:
+        for each in STOP_SIGNALS:
+            loop.remove_signal_handler(each)
+        stop(signum)
 
     try:
-        loop.add_signal_handler(signal.SIGINT, first)
-    except (RuntimeError, ValueError, NotImplementedError):
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, first, signum)
+    except (RuntimeError, ValueError, NotImplementedError):  # the first fails where the second would
         return False
     return True
 

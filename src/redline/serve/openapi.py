@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from redline.serve.inputs import InputSpec
+from redline.serve.servable import shape_text
 from redline.version import __version__
 
 # What no path's responses can say: the answers to a request that matches no path, or no method of one.
@@ -142,7 +143,7 @@ def _value_schema(dtype: str) -> dict[str, Any]:
 
 
 def _shape(spec: InputSpec) -> str:
-    return "(N, " + ", ".join(map(str, spec.shape)) + ")"
+    return shape_text(("N", *spec.shape))
 
 
 def _error(description: str, *, retry: bool = False) -> dict[str, Any]:

@@ -13,13 +13,13 @@ kernels are captured like any others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from redline.errors import ServableError, describe_error
+from redline.errors import ServableError, describe_error, few
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.precision import Precision
 
@@ -28,6 +28,7 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 # Calls on a side stream before a capture: lazy initialisation (cuBLAS handles, cuDNN plans, a
 # compile) must happen outside the graph (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs).
 CAPTURE_WARMUP_CALLS = 3
+MOST_SAID = 4  # values of a tuple or dict a model returned, named in the error
 
 
 class CaptureFailed(RuntimeError):
@@ -55,21 +56,61 @@ def pad_to(inputs: torch.Tensor, bucket: int) -> torch.Tensor:
     return torch.cat([inputs, inputs.new_zeros((missing, *inputs.shape[1:]))])
 
 
-def copy_out(outputs: Any, rows: int, bucket: int) -> torch.Tensor:
-    """Return the first ``rows`` outputs of a ``bucket``-row batch as a CPU tensor of their own, floats as float32.
-
-    The copy is taken before anything else runs: a CUDA graph's next replay overwrites its outputs.
-    """
+def check_outputs(outputs: Any, bucket: int) -> torch.Tensor:
+    """Return ``outputs`` if they are one tensor of ``bucket`` rows; else a ServableError naming what they are."""
     if not isinstance(outputs, torch.Tensor):
         raise ServableError(
-            f"the model returned {type(outputs).__name__}; the engine serves models that return a tensor"
+            f"the model returned {_described(outputs)}; the engine serves models that return one tensor\n"
+            f"hint: {_one_tensor_hint(outputs)}"
         )
     if outputs.ndim == 0 or outputs.shape[0] != bucket:
         raise ServableError(
             f"the model returned shape {tuple(outputs.shape)} for a batch of {bucket}; the engine serves models "
             "whose outputs have one row per input row (batch first)"
         )
-    kept = outputs[:rows]
+    return outputs
+
+
+def _described(outputs: Any) -> str:
+    """What a model returned, in short: ``a tuple of 2 values: tensor (4, 2), tensor (4, 3)``, ``a dict with keys
+    'logits' (tensor (4, 2))``; a dict's subclasses (a transformers ModelOutput) by their own name."""
+    kind = type(outputs).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    if isinstance(outputs, Mapping) and outputs:
+        keys = [f"{key!r} ({_item(value)})" for key, value in outputs.items()]
+        return f"{article} {kind} with keys {few(keys, MOST_SAID)}"
+    if isinstance(outputs, tuple | list) and outputs:
+        values = [_item(value) for value in outputs]
+        return f"{article} {kind} of {len(outputs)} values: {few(values, MOST_SAID)}"
+    if isinstance(outputs, Mapping | tuple | list):
+        return f"an empty {kind}"
+    return kind
+
+
+def _item(value: Any) -> str:
+    return f"tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _one_tensor_hint(outputs: Any) -> str:
+    """How to serve a model whose forward returns several values: wrap it, returning the one meant."""
+    if isinstance(outputs, Mapping) and outputs:
+        pick = f"[{next(iter(outputs))!r}]"
+    elif isinstance(outputs, tuple | list) and outputs:
+        pick = "[0]"
+    else:
+        return "have the model's forward return the batch's outputs as one tensor, one row per input row"
+    return (
+        f"serve a module whose forward returns the one tensor meant: a wrapper whose forward(x) returns "
+        f"self.model(x){pick}"
+    )
+
+
+def copy_out(outputs: Any, rows: int, bucket: int) -> torch.Tensor:
+    """Return the first ``rows`` outputs of a ``bucket``-row batch as a CPU tensor of their own, floats as float32.
+
+    The copy is taken before anything else runs: a CUDA graph's next replay overwrites its outputs.
+    """
+    kept = check_outputs(outputs, bucket)[:rows]
     if kept.is_floating_point():
         kept = kept.float()
     return kept.to("cpu", copy=True)
@@ -136,7 +177,9 @@ class GraphRunner:
                 if is_sticky_cuda_error(exc):
                     raise
                 raise CaptureFailed(f"bucket {bucket}: {describe_error(exc)}") from exc
-        self.captured[bucket] = (graph, static_in, static_out)
+        # Checked now, as the eager runner's first call checks them: outputs no request can be given (a tuple,
+        # another row count) fail the warm-up, not every request after a warm-up that said ready.
+        self.captured[bucket] = (graph, static_in, check_outputs(static_out, bucket))
 
     def run(self, inputs: torch.Tensor, bucket: int) -> torch.Tensor:
         """Copy ``inputs`` into the bucket's buffer (zeros after them), replay its graph, copy the outputs out."""

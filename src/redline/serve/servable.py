@@ -42,7 +42,8 @@ class Servable:
     and ``input_dtype`` (on the CPU), into the model's input batch with as many rows (say uint8
     pixels into normalised floats); it runs in the model's thread, before the batch is padded.
     ``postprocess(outputs)`` turns a batch of outputs (on the CPU, in float32 for a floating model)
-    into one JSON-ready value per sample; without it each sample's output is returned as nested lists.
+    into one JSON-ready value per sample (numpy arrays and tensors are written as the numbers they hold);
+    without it each sample's output is returned as nested lists.
     """
 
     model: nn.Module
@@ -72,6 +73,11 @@ class Servable:
         """The input's dtype as torch names it."""
         dtype: torch.dtype = getattr(torch, self.input_dtype)
         return dtype
+
+
+def shape_text(shape: Sequence[int | str]) -> str:
+    """A shape as Python writes a tuple: ``(3,)``, ``(N, 3)``, ``(N,)`` for a batch of scalar samples, ``()``."""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
 @contextlib.contextmanager
@@ -133,12 +139,36 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
 
 def from_task(task: Task) -> Servable:
     """A Task's model, with its first training sample's shape and dtype as the input."""
-    sample = _first_inputs(task)
-    array = sample.numpy() if isinstance(sample, torch.Tensor) else np.asarray(sample)
-    # A dtype the server does not take is served as the widest of its kind: int16 token ids as int64, not floats
-    wider = "int64" if array.dtype.kind in "iu" else "float32"
-    dtype = str(array.dtype) if str(array.dtype) in DTYPES else wider
-    return Servable(model=task.build_model(), input_shape=tuple(array.shape), input_dtype=dtype, name=task.name)
+    shape, dtype = _shape_and_dtype(task, _first_inputs(task))
+    return Servable(model=task.build_model(), input_shape=shape, input_dtype=dtype, name=task.name)
+
+
+def _shape_and_dtype(task: Task, sample: Any) -> tuple[tuple[int, ...], str]:
+    """The shape and served dtype of one sample's inputs: a tensor (any dtype, device or grad), an array or numbers.
+
+    A dtype the server does not take is served as the widest of its kind: int16 token ids as int64, not floats.
+    Inputs that are not one array of numbers (a dict, a tuple of tensors, text) are a TaskError: no request
+    body holds them.
+    """
+    if isinstance(sample, torch.Tensor):
+        shape, name = tuple(sample.shape), str(sample.dtype).removeprefix("torch.")
+        kind = "c" if sample.is_complex() else "f" if sample.is_floating_point() else "b" if name == "bool" else "i"
+    elif isinstance(sample, list | tuple) and any(isinstance(v, torch.Tensor) and v.ndim for v in sample):
+        shape, name, kind = (), "object", "O"  # a model's several inputs: numpy would stack those of one shape
+    else:
+        try:
+            array = np.asarray(sample)
+        except (ValueError, TypeError):  # ragged lists
+            array = np.empty(0, dtype=object)
+        shape, name, kind = tuple(array.shape), str(array.dtype), array.dtype.kind
+    if kind not in "biuf":
+        raise TaskError(
+            f"task {task.name!r}: the inputs of train_data's first item are {describe(sample)}, not one tensor or "
+            "array of numbers, so a request cannot hold them\nhint: have the factory return redline.Servable("
+            "model=..., input_shape=(...), input_dtype=...) around a module that takes one tensor per sample "
+            "and builds the model's inputs from it"
+        )
+    return shape, name if name in DTYPES else ("int64" if kind in "iu" else "float32")
 
 
 def _first_inputs(task: Task) -> Any:

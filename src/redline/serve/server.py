@@ -187,8 +187,9 @@ def serve(
 def stopped_by(reason: str, exc: Exception | None, engine: Any, options: ServeOptions) -> str:
     """Why the server stopped (its warm-up failed): the user's line and the fix, or that redline's own code failed."""
     message = f"the server stopped: {reason}"
-    if exc is None or isinstance(exc, RedlineError):  # a redline error names its own fix
-        return message
+    if exc is None or isinstance(exc, RedlineError):  # a redline error names its own fix, on its hint line
+        hints = [line for line in str(exc).splitlines() if line.startswith("hint:")] if exc is not None else []
+        return "\n".join([message, *hints[:1]])
     if not blames_user_code(exc):
         hint = "redline's own code failed, not the model: please report it with the traceback"
     elif is_oom(exc):
