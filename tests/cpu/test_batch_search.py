@@ -195,3 +195,16 @@ def test_redline_memory_measure_says_its_cap_by_the_flag_the_user_typed() -> Non
     search = json.loads(result.stdout[result.stdout.index("{") :])
     assert search["reason"] == "16 fits: the cap (--max-batch-size 16) stopped the search"
     assert "max_batch_size" not in json.dumps([search["reason"], search["notes"]])
+
+
+def test_on_a_cpu_a_stream_that_states_its_length_caps_the_search_as_a_dataset_does():
+    class Stream(IterableDataset):
+        def __len__(self):
+            return 12
+
+        def __iter__(self):
+            yield from limited_task(1, samples=12).train_data
+
+    search = redline.find_batch_size(dataclasses.replace(limited_task(1000), train_data=Stream()), options=CPU)
+    assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 12] and search.largest == 12 and search.cap == 12
+    assert search.reason == "12 fits: the dataset's size (12), the largest batch a run has, stopped the search"

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.errors import ConfigError
 from redline.memory.estimate import MemoryEstimate
@@ -206,3 +206,22 @@ def test_a_batch_smaller_than_the_gpus_says_why_the_fsdp_rows_weigh_more() -> No
         "batch 4 leaves some of the 8 GPUs without a sample, so the FSDP rows weigh a batch of 8, one sample on each",
     )
     assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=8, gpus=8).notes == ()
+
+
+class Stream(IterableDataset):
+    """A stream that states its length, as the DataLoader reads it: a run's batches stop at its 100 items."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(100):
+            yield torch.randn(4), torch.tensor(i % 2)
+
+
+def test_a_stream_that_states_its_length_caps_the_largest_batch_as_a_dataset_does() -> None:
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=Stream(), batch_size=8)
+    rows = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8).rows
+    assert [(row.largest_batch, row.cap) for row in rows] == [(100, 100), (96, 96)]
+    (note,) = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1000, gpus=1).notes
+    assert note.startswith("batch 1000 is more than train_data holds (100 items)")

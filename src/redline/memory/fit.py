@@ -11,13 +11,12 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.utils.data import IterableDataset
-
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError, invalid
 from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
+from redline.memory.search import data_size
 from redline.parallel.blocks import find_blocks
 from redline.task import Task, require_task
 
@@ -194,8 +193,7 @@ def fit_memory(
     positive_int("gpus", gpus)
     one_of("target", target, ("cuda", "cpu"))
     available = available_bytes(mem_gib, target)
-    data = task.train_data
-    cap = len(data) if hasattr(data, "__len__") and not isinstance(data, IterableDataset) else None
+    cap = data_size(task.train_data)
     has_blocks = bool(find_blocks(meta_model(task)))
     ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]
     if has_blocks:

@@ -125,10 +125,11 @@ def find_batch_size(
 
     The Runtime follows ``options`` (device, precision, layout), with compile off: compiling changes
     the memory a step needs and would compile again for every size. The cap defaults to the dataset's
-    size, the largest batch a run has. A CPU needs it: the operating system kills the process long
-    before torch raises, so a stream needs ``max_batch_size`` there; on a GPU an out-of-memory error
-    stops the doubling of a stream. An error other than out-of-memory stops the search (a TrainingError
-    naming the size when it came from the model or loss). Under ``redline launch`` every rank must call it.
+    size (a stream's where it has ``__len__``), the largest batch a run has. A CPU needs it: the operating
+    system kills the process long before torch raises, so a stream of no length needs ``max_batch_size``
+    there; on a GPU an out-of-memory error stops the doubling of such a stream. An error other than
+    out-of-memory stops the search (a TrainingError naming the size when it came from the model or loss).
+    Under ``redline launch`` every rank must call it.
     """
     task = require_task(task)
     positive_int("start", start)
@@ -189,15 +190,17 @@ def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -
     has (as the estimate stops there too). A CPU needs it, a GPU is spared a search past any run's batch."""
     if max_batch_size is not None:
         return max_batch_size, []
-    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+    size = data_size(data)
+    if size is None:
         if device.type != "cpu":
             return None, []  # a stream has no size: the device's out-of-memory ends the doubling
         raise ConfigError(
             "on a CPU the search needs max_batch_size: the operating system kills a process out of memory long "
-            "before torch raises, and train_data is a stream whose size cannot stand in\n"
-            "hint: pass max_batch_size=N (redline memory --measure --max-batch-size N)"
+            "before torch raises, and train_data is a stream of no stated length (no __len__) to stand in\n"
+            "hint: pass max_batch_size=N (redline memory --measure --max-batch-size N), or give the stream a __len__"
         )
-    size = len(data)
+    if size == 0:  # a stream saying it is empty: no batch to try, whatever the start
+        raise TaskError("train_data holds no item: there is nothing to build a batch from\nhint: check the dataset")
     if device.type == "cpu":
         return size, [
             f"max_batch_size defaults to the dataset's size ({size}) on a CPU, whose out-of-memory kills the process"
@@ -303,6 +306,15 @@ def _build(task: Task) -> nn.Module:
         raise TrainingError(
             f"task {task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
         ) from exc
+
+
+def data_size(data: Dataset[Any]) -> int | None:
+    """The items one pass of ``data`` holds, the largest batch a run has: a dataset's length, or a stream's where it
+    states one (an IterableDataset with ``__len__``, which the DataLoader reads too); None for a stream without."""
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
+        return None
 
 
 def real_batch(data: Dataset[Any], size: int, collate: CollateFn | None = None) -> tuple[Any, int]:
