@@ -208,3 +208,26 @@ def test_on_a_cpu_a_stream_that_states_its_length_caps_the_search_as_a_dataset_d
     search = redline.find_batch_size(dataclasses.replace(limited_task(1000), train_data=Stream()), options=CPU)
     assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 12] and search.largest == 12 and search.cap == 12
     assert search.reason == "12 fits: the dataset's size (12), the largest batch a run has, stopped the search"
+
+
+class Normed(Limited):
+    """The limited MLP with a BatchNorm1d, which refuses a batch of one sample in training."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit, "forward")
+        self.rest = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_searched_from_two():
+    task = dataclasses.replace(limited_task(5), model=lambda: Normed(5))
+    search = redline.find_batch_size(task, options=CPU, max_batch_size=64)
+    assert [s for s, _ in sizes(search)] == [2, 4, 8, 6, 5] and search.largest == 5
+    assert (
+        "batch size 1 cannot train (ValueError: Expected more than 1 value per channel when training"
+        in search.notes[-1]
+    )
+    none = redline.find_batch_size(dataclasses.replace(task, model=lambda: Normed(1)), options=CPU, max_batch_size=64)
+    assert sizes(none) == [(2, False)] and none.largest is None  # 1 is not tried again: it cannot train
+    assert none.reason.startswith("nothing fits: batch size 2 ran out of memory")
+    with pytest.raises(TrainingError, match=r"batch size 1, step 1: the model or loss raised ValueError: Expected"):
+        redline.find_batch_size(task, options=CPU, start=1, max_batch_size=1)  # 1 is all there is to try

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 
@@ -225,3 +226,34 @@ def test_a_stream_that_states_its_length_caps_the_largest_batch_as_a_dataset_doe
     assert [(row.largest_batch, row.cap) for row in rows] == [(100, 100), (96, 96)]
     (note,) = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1000, gpus=1).notes
     assert note.startswith("batch 1000 is more than train_data holds (100 items)")
+
+
+def normed_task(norm: nn.Module, shape: tuple[int, ...]) -> Task:
+    data = TensorDataset(torch.randn(100, *shape), torch.randint(0, 2, (100,)))
+    model = nn.Sequential(norm, nn.Flatten(), nn.Linear(math.prod(shape), 2))
+    return Task(model=lambda: model, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_weighed_at_two_on_each_device() -> None:
+    # BatchNorm1d refuses one value per channel in training: 8 samples over 8 GPUs crashed the whole estimate
+    task = normed_task(nn.BatchNorm1d(4), (4,))
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8)
+    assert [(row.estimate.batch_size, row.largest_batch) for row in result.rows] == [(8, 100), (16, 96)]
+    (note,) = result.notes
+    assert note.startswith("one sample on a device cannot train (ValueError: Expected more than 1 value per channel")
+    assert note.endswith("at least 2 samples on each device; batch 8 is weighed as 16 (FSDP over 8 GPUs)")
+    alone = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1, gpus=1)
+    assert alone.rows[0].estimate.batch_size == 2 and alone.notes[0].endswith("batch 1 is weighed as 2 (as it stands)")
+
+
+def test_a_batchnorm_over_images_trains_on_one_sample_and_is_weighed_as_asked() -> None:
+    task = normed_task(nn.BatchNorm2d(3), (3, 4, 4))  # 16 values per channel in one sample
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8)
+    assert [row.estimate.batch_size for row in result.rows] == [8, 8] and result.notes == ()
+
+
+def test_the_search_traces_nothing_below_the_smallest_batch_a_model_trains_on() -> None:
+    estimate_at, traced = estimator(lambda b: 1000 + 100 * b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 1150, smallest=2) is None
+    assert min(traced) == 2
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 1250, smallest=2) == 2

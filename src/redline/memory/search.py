@@ -33,7 +33,8 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from redline.config import positive_int
-from redline.errors import ConfigError, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.errors import ConfigError, OutOfMemory, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.memory.meta import build_on_meta
 from redline.parallel.collectives import gather_objects, is_collective_failure
 from redline.parallel.env import join_process_group, read_env
 from redline.runtime.contract import check_loss, split_batch, user_code, user_line
@@ -149,13 +150,23 @@ def find_batch_size(
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
     env = read_env()
     tried: list[Tried] = []
+    smallest = 1  # the smallest batch the model trains on
     short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
     saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
         with join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
-                error, samples = _probe(task, options, size, steps)
+                if size < smallest:  # halved below the smallest batch the model trains on: nothing fits
+                    break
+                try:
+                    error, samples = _probe(task, options, size, steps)
+                except TrainingError as exc:  # BatchNorm refuses one value per channel: no run trains on 1 sample
+                    if tried or size != 1 or cap == 1 or isinstance(exc, OutOfMemory) or not _batch_norm(task):
+                        raise
+                    start = smallest = 2  # every rank raised alike, so every rank starts again at 2
+                    notes.append(f"batch size 1 cannot train ({describe_error(exc)}): the search began at 2")
+                    continue
                 tried.append((size, not error, error))
                 if 0 < samples < size:
                     short.add(samples)
@@ -293,6 +304,12 @@ class _Probe:
         if self.rt.strategy is None or self.model is None or not self.rt.env.distributed:
             return contextlib.nullcontext()
         return self.rt.strategy.gradient_sync(self.model, False)
+
+
+def _batch_norm(task: Task) -> bool:
+    """Whether the Task's model has BatchNorm layers, which in training refuse one sample of one value per channel."""
+    model = task.model if isinstance(task.model, nn.Module) else build_on_meta(task)
+    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _build(task: Task) -> nn.Module:
