@@ -468,3 +468,27 @@ def test_a_sparse_embedding_is_traced_and_its_gradient_noted() -> None:
     # for a GPU the SGD stays as given: fused SGD refuses sparse gradients (the trace failed on it)
     assert estimate_memory(task, target="cuda").params == estimate.params
     assert not any("sparse" in note for note in estimate_memory(mlp(), target="cpu").notes)
+
+
+LAZY_DATA = TensorDataset(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+
+
+def lazy_model(sample: torch.Tensor | None = None) -> nn.Module:
+    model = nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.LazyLinear(10))
+    if sample is not None:
+        model(sample)  # the first forward gives the lazy layers their shapes, as a run needs them
+    return model
+
+
+def test_a_factory_that_shapes_its_lazy_layers_on_a_real_sample_is_traced() -> None:
+    # built on meta, the forward met a real sample beside meta weights and failed; it trains (redline train)
+    task = Task(model=lambda: lazy_model(LAZY_DATA[0][0][None]), loss_fn=nn.functional.cross_entropy,
+                train_data=LAZY_DATA, batch_size=16, name="lazy")  # fmt: skip
+    assert estimate_memory(task, target="cpu").params == (32 * 64 + 64 + 64 * 10 + 10) * 4
+
+
+@pytest.mark.parametrize("given", [lazy_model, lazy_model()])
+def test_lazy_layers_never_shaped_are_refused_as_a_run_refuses_them(given) -> None:
+    task = Task(model=given, loss_fn=nn.functional.cross_entropy, train_data=LAZY_DATA, batch_size=16, name="lazy")
+    with pytest.raises(ConfigError, match=r"parameters 0.weight, 0.bias, 2.weight, 2.bias are not initialized yet"):
+        estimate_memory(task, target="cpu")

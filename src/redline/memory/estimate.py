@@ -193,6 +193,8 @@ def trace_step(
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
+    if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
+        check_trainable(built)
     with mode, tracker, _tracing(task):
         model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
