@@ -231,3 +231,36 @@ def test_a_model_that_cannot_train_on_one_sample_is_searched_from_two():
     assert none.reason.startswith("nothing fits: batch size 2 ran out of memory")
     with pytest.raises(TrainingError, match=r"batch size 1, step 1: the model or loss raised ValueError: Expected"):
         redline.find_batch_size(task, options=CPU, start=1, max_batch_size=1)  # 1 is all there is to try
+
+
+def test_on_a_cpu_a_size_predicted_past_the_process_s_memory_is_not_run(monkeypatch):
+    # a CPU has no out-of-memory error: past its memory the kernel kills the process, and the search with it
+    import redline.memory.host as host
+
+    ran: list[int] = []
+
+    class Peak:  # the process's peak over a probe: 100 MiB of its own, and 1 MiB a sample
+        def __init__(self, device):
+            pass
+
+        def read(self):
+            return (100 + ran[-1]) * 2**20 if ran else None
+
+    def build() -> nn.Module:
+        model = Limited(1000, "forward")
+        model.register_forward_pre_hook(lambda module, args: ran.append(args[0].shape[0]))
+        return model
+
+    monkeypatch.setattr(host, "WindowPeak", Peak)
+    monkeypatch.setattr(host, "host_budget", lambda: 150 * 2**20)  # room for 50 samples
+    task = dataclasses.replace(limited_task(1000), model=build)
+    search = redline.find_batch_size(task, options=CPU, max_batch_size=100)
+    assert search.largest == 50 and max(ran) == 50  # no size past the budget ran
+    assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 16, 32, 64, 48, 56, 52, 50, 51]
+    refused = dict((s, error) for s, ok, error in search.tried if not ok)
+    assert set(refused) == {64, 56, 52, 51}
+    assert refused[51] == (
+        "was not run: predicted to need about 0.15 GiB (from the peaks of the sizes that ran), past the 0.15 GiB "
+        "this machine gives the process, where the kernel would kill it"
+    )
+    assert search.reason == f"50 fits; 51 {refused[51]}"

@@ -9,7 +9,8 @@ is already too large halves until a size fits. ``next_batch_size`` plans it, a p
 was tried. Each try (a probe) builds a fresh model and Runtime and runs ``steps`` real training steps
 (forward, loss, backward, optimizer step) on a batch of that size from the Task's own data: the
 second step is the steady state, with the optimizer's state allocated. An out-of-memory ends the
-probe, and everything it held is freed before the next one starts.
+probe, and everything it held is freed before the next one starts. On a CPU, whose out-of-memory is the
+kernel killing the process, a size predicted past the process's memory is not run (memory/host.py).
 
 Under several processes every rank probes the same size and the ranks agree after building the model,
 after wrapping it and after every step, so a size fits only if it fitted on every rank, and every rank
@@ -34,6 +35,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from redline.config import positive_int
 from redline.errors import ConfigError, OutOfMemory, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.memory.host import NOT_RUN, HostGuard
 from redline.memory.meta import build_on_meta
 from redline.parallel.collectives import gather_objects, is_collective_failure
 from redline.parallel.env import join_process_group, read_env
@@ -83,6 +85,8 @@ def search_reason(tried: Sequence[Tried], cap: int | None, *, cap_given: bool = 
             return f"{largest} fits: the dataset's size ({cap}), the largest batch a run has, stopped the search"
         return f"{largest} fits: the cap (max_batch_size={cap}) stopped the search"
     size, error = min(failures)
+    if error.startswith(NOT_RUN):  # weighed against a CPU's memory, not run
+        return f"{largest} fits; {size} {error}"
     return f"{largest} fits; {size} ran out of memory ({error})"
 
 
@@ -151,6 +155,9 @@ def find_batch_size(
     env = read_env()
     tried: list[Tried] = []
     smallest = 1  # the smallest batch the model trains on
+    # a CPU's out-of-memory kills the process: a size predicted past its memory is not run (one process: ranks
+    # that weighed apart could leave one waiting in a collective)
+    guard = HostGuard() if device.type == "cpu" and env.world_size == 1 else None
     short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
     saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
@@ -159,6 +166,9 @@ def find_batch_size(
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
                 if size < smallest:  # halved below the smallest batch the model trains on: nothing fits
                     break
+                if guard is not None and (refused := guard.refuse(size)):
+                    tried.append((size, False, refused))
+                    continue
                 try:
                     error, samples = _probe(task, options, size, steps)
                 except TrainingError as exc:  # BatchNorm refuses one value per channel: no run trains on 1 sample
@@ -168,6 +178,8 @@ def find_batch_size(
                     notes.append(f"batch size 1 cannot train ({describe_error(exc)}): the search began at 2")
                     continue
                 tried.append((size, not error, error))
+                if guard is not None:
+                    guard.ran(size, not error)
                 if 0 < samples < size:
                     short.add(samples)
     finally:
