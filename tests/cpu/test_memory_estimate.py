@@ -492,3 +492,27 @@ def test_lazy_layers_never_shaped_are_refused_as_a_run_refuses_them(given) -> No
     task = Task(model=given, loss_fn=nn.functional.cross_entropy, train_data=LAZY_DATA, batch_size=16, name="lazy")
     with pytest.raises(ConfigError, match=r"parameters 0.weight, 0.bias, 2.weight, 2.bias are not initialized yet"):
         estimate_memory(task, target="cpu")
+
+
+class HeldConstants(nn.Module):
+    """Constants kept in a list and a dict beside the registered tensors, one of them a parameter's alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(32, 10)
+        self.consts = [torch.ones(32)]
+        self.table = {"scale": torch.full((10,), 2.0), "weight": self.layer.weight}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x * self.consts[0]) * self.table["scale"] + self.table["weight"].sum()
+
+
+@pytest.mark.parametrize("given", [HeldConstants, HeldConstants()])
+def test_tensors_a_module_keeps_in_a_list_or_a_dict_are_traced_as_its_own(given) -> None:
+    # they were left real (or meta) among fake ones: 'Please convert all Tensors to FakeTensors first'
+    data = TensorDataset(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+    task = Task(model=given, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="held")
+    estimate = estimate_memory(task, target="cpu")
+    assert estimate.params == (32 * 10 + 10) * 4  # the alias is the parameter, counted once
+    if isinstance(given, nn.Module):
+        assert not given.consts[0].is_meta and given.table["weight"] is given.layer.weight  # the task's own, untouched

@@ -38,12 +38,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from redline.config import positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
-from redline.memory.meta import build_on_meta, meta_copy
+from redline.memory.meta import build_on_meta, held_tensors, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.parallel.blocks import find_blocks
@@ -69,6 +69,7 @@ CUDNN_WORKSPACE = 64 * MIB
 _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _TOP_MODULES = 5
+_HELD = ("_parameters", "_buffers", "_modules")  # a module's own dicts, each tensor in them faked as what it is
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +347,9 @@ def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
             if isinstance(value, torch.Tensor):
                 setattr(module, name, once(value))
+            elif name not in _HELD and held_tensors(value):  # constants kept in a list or a dict
+                faked = tree_map_only(torch.Tensor, lambda t: once(t, isinstance(t, nn.Parameter)), value)
+                setattr(module, name, faked)
     return model
 
 

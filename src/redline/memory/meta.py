@@ -86,9 +86,17 @@ def meta_copy(model: nn.Module) -> nn.Module:
     meta device, tied weights still tied; ``model`` and its weights are left as they are and not copied."""
     memo: dict[int, Any] = {}
     for module in model.modules():
-        for tensor in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+        held = [leaf for value in vars(module).values() for leaf in held_tensors(value)]  # a list or dict of them
+        for tensor in [*module._parameters.values(), *module._buffers.values(), *vars(module).values(), *held]:
             if not isinstance(tensor, torch.Tensor) or id(tensor) in memo or is_lazy(tensor):
                 continue
             meta = torch.empty_like(tensor, device="meta")
             memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
+
+
+def held_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors a list, tuple or dict attribute of a module holds (constants kept beside the registered ones)."""
+    if not isinstance(value, list | tuple | dict):
+        return []
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
