@@ -516,3 +516,23 @@ def test_tensors_a_module_keeps_in_a_list_or_a_dict_are_traced_as_its_own(given)
     assert estimate.params == (32 * 10 + 10) * 4  # the alias is the parameter, counted once
     if isinstance(given, nn.Module):
         assert not given.consts[0].is_meta and given.table["weight"] is given.layer.weight  # the task's own, untouched
+
+
+CAUSAL = torch.tril(torch.ones(8, 8))  # a module-level constant, as attention code often keeps its mask
+
+
+class MaskedByAConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.head = nn.Linear(8, 8), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (self.query(x) @ x.transpose(1, 2)).masked_fill(CAUSAL.to(x.device) == 0, float("-inf"))
+        return self.head(scores.softmax(-1).flatten(1))
+
+
+def test_a_constant_the_model_s_code_reads_from_outside_the_model_is_traced() -> None:
+    # it trains on any device (moved to the input's), but the trace refused it as a tensor that is not fake
+    data = TensorDataset(torch.randn(64, 8, 8), torch.randint(0, 10, (64,)))
+    task = Task(model=MaskedByAConstant, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16)
+    assert estimate_memory(task, target="cpu").params == (8 * 8 + 8 + 64 * 10 + 10) * 4

@@ -189,7 +189,9 @@ def trace_step(
     optimizer implementation, its moment to free gradients); return the second step's peak and its parts."""
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # a real tensor the model's code reads (a module-level constant, MASK.to(x.device)) is faked where an op meets
+    # it; the model's own tensors are faked before the trace (_fake_model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     sample, rows = _sample(task.train_data, batch_size, task.collate_fn)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
