@@ -264,3 +264,24 @@ def test_on_a_cpu_a_size_predicted_past_the_process_s_memory_is_not_run(monkeypa
         "this machine gives the process, where the kernel would kill it"
     )
     assert search.reason == f"50 fits; 51 {refused[51]}"
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(1000, [1, 2, 4, 8, 16]), (10, [1, 2, 4, 8, 16, 12, 10, 11])])
+def test_a_stream_of_no_length_caps_the_search_where_it_ends(monkeypatch, limit, expected):
+    # a GPU searches a stream with no cap, its out-of-memory ends the doubling: sizes past the stream's end repeated
+    # its items, up to a size no run has (and a long wait, collating millions of items for a small model)
+    import redline.memory.search as search_module
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from limited_task(1, samples=12).train_data
+
+    monkeypatch.setattr(search_module, "_cap", lambda data, device, max_batch_size: (None, []))  # as on a GPU
+    task = dataclasses.replace(limited_task(limit), train_data=Stream())
+    search = redline.find_batch_size(task, options=CPU)
+    assert [s for s, _ in sizes(search)] == expected and search.largest == min(limit, 12) and search.cap == 12
+    assert "train_data is a stream that ended after 12 items: no run has a larger batch" in search.notes[-1]
+    if limit > 12:
+        assert search.reason == "12 fits: the dataset's size (12), the largest batch a run has, stopped the search"
+    else:
+        assert search.reason.startswith("10 fits; 11 ran out of memory")

@@ -67,7 +67,7 @@ def next_batch_size(tried: Sequence[tuple[int, bool]], *, start: int, cap: int |
     smallest_failure = min(failed_above)
     if not largest:  # the start was already too large: halve until something fits
         return smallest_failure // 2 or None
-    middle = (largest + smallest_failure) // 2
+    middle = (largest + smallest_failure) // 2 if cap is None else min((largest + smallest_failure) // 2, cap)
     return middle if middle > largest else None
 
 
@@ -78,9 +78,9 @@ def search_reason(tried: Sequence[Tried], cap: int | None, *, cap_given: bool = 
     if not fitted:
         first = min(tried, key=lambda t: t[0]) if tried else (1, False, "")
         return f"nothing fits: batch size {first[0]} ran out of memory ({first[2]})"
-    largest = max(fitted)
+    largest = max(fitted) if cap is None else min(max(fitted), cap)  # past the cap only where a stream ended
     failures = [(size, error) for size, ok, error in tried if not ok and size > largest]
-    if not failures:
+    if not failures or largest == cap:
         if not cap_given:
             return f"{largest} fits: the dataset's size ({cap}), the largest batch a run has, stopped the search"
         return f"{largest} fits: the cap (max_batch_size={cap}) stopped the search"
@@ -132,7 +132,7 @@ def find_batch_size(
     the memory a step needs and would compile again for every size. The cap defaults to the dataset's
     size (a stream's where it has ``__len__``), the largest batch a run has. A CPU needs it: the operating
     system kills the process long before torch raises, so a stream of no length needs ``max_batch_size``
-    there; on a GPU an out-of-memory error stops the doubling of such a stream. An error other than
+    there; on a GPU an out-of-memory error stops the doubling of such a stream, or its end. An error other than
     out-of-memory stops the search (a TrainingError naming the size when it came from the model or loss).
     Under ``redline launch`` every rank must call it.
     """
@@ -180,7 +180,13 @@ def find_batch_size(
                 tried.append((size, not error, error))
                 if guard is not None:
                     guard.ran(size, not error)
-                if 0 < samples < size:
+                if cap is None and 0 < samples < size:  # a stream of no length ended: no run has a larger batch
+                    cap = samples
+                    notes.append(
+                        f"train_data is a stream that ended after {samples} items: no run has a larger batch, so the "
+                        "search stopped there"
+                    )
+                elif 0 < samples < size:
                     short.add(samples)
     finally:
         restore_rng(saved)
@@ -195,7 +201,7 @@ def find_batch_size(
         )
     fitted = [s for s, ok, _ in tried if ok]
     return BatchSearch(
-        largest=max(fitted) if fitted else None,
+        largest=(max(fitted) if cap is None else min(max(fitted), cap)) if fitted else None,
         tried=tuple(tried),
         device=str(device),
         precision=precision,
@@ -216,7 +222,7 @@ def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -
     size = data_size(data)
     if size is None:
         if device.type != "cpu":
-            return None, []  # a stream has no size: the device's out-of-memory ends the doubling
+            return None, []  # a stream has no size: the device's out-of-memory, or the stream's end, ends the doubling
         raise ConfigError(
             "on a CPU the search needs max_batch_size: the operating system kills a process out of memory long "
             "before torch raises, and train_data is a stream of no stated length (no __len__) to stand in\n"
