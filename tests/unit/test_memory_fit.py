@@ -257,3 +257,17 @@ def test_the_search_traces_nothing_below_the_smallest_batch_a_model_trains_on() 
     assert largest_batch(estimate_at, estimate_at(batch_size=16), 1150, smallest=2) is None
     assert min(traced) == 2
     assert largest_batch(estimate_at, estimate_at(batch_size=16), 1250, smallest=2) == 2
+
+
+def test_a_stream_of_no_length_says_its_largest_batch_is_not_capped() -> None:
+    class Unsized(IterableDataset):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            yield from Stream()
+
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=Unsized(), batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=1.5, target="cuda", gpus=1)
+    assert result.rows[0].cap is None and result.rows[0].largest_batch is not None
+    assert result.notes == (
+        "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's is: "
+        "a run's batches stop where the stream ends (give it __len__ to cap the prediction)",
+    )

@@ -223,6 +223,11 @@ def fit_memory(
         largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=world * per_rank)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
     notes: list[str] = []
+    if cap is None:  # the largest batch may read far past the stream's end, repeating its items
+        notes.append(
+            "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's "
+            "is: a run's batches stop where the stream ends (give it __len__ to cap the prediction)"
+        )
     if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
         notes.append(
             f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
