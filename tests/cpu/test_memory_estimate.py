@@ -179,6 +179,21 @@ def test_bad_arguments_name_the_problem(kwargs, message) -> None:
         estimate_memory(mlp(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "hint"),
+    [
+        ({"precision": "bf16"}, "did you mean precision='bf16-mixed'?"),
+        ({"precision": "auto"}, "auto is resolved on the device: pass what it picks there ('bf16-mixed' on an"),
+        ({"strategy": "fsdp2", "world_size": 2}, "did you mean strategy='fsdp'?"),
+        ({"target": "gpu"}, "did you mean target='cuda'?"),  # not 'cpu', the closest in spelling
+    ],
+)
+def test_a_value_close_to_an_allowed_one_is_refused_with_the_one_it_meant(kwargs, hint) -> None:
+    with pytest.raises(ConfigError) as refused:
+        estimate_memory(mlp(), **kwargs)
+    assert str(refused.value).split("\nhint: ")[1].startswith(hint)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "redline", "memory", *args],

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from redline.config import positive_int
+from redline.config import one_of, positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
 from redline.memory.meta import build_on_meta, held_tensors, meta_copy
@@ -133,12 +133,19 @@ def estimate_memory(
     batch_size = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch_size)
     positive_int("world_size", world_size)
-    if precision not in PRECISIONS:
-        raise invalid("precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}")
-    if strategy not in get_args(Strategy):
-        raise invalid("strategy", strategy, "'single', 'ddp' or 'fsdp'")
-    if target not in get_args(Target):
-        raise invalid("target", target, "'cuda' or 'cpu'")
+    if precision == "auto":  # what auto picks depends on a device this function is not given
+        raise invalid(
+            "precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}",
+            "auto is resolved on the device: pass what it picks there ('bf16-mixed' on an Ampere or newer GPU, "
+            "'fp16-mixed' on an older one, 'fp32' on a CPU), or let redline memory --gpu NAME resolve it",
+        )  # fmt: skip
+    one_of("precision", precision, PRECISIONS)
+    one_of("strategy", strategy, get_args(Strategy))
+    if target == "gpu":  # closest in spelling to 'cpu', but meant 'cuda'
+        raise invalid(
+            "target", target, "'cuda' or 'cpu'", "did you mean target='cuda'? (any GPU, AMD's under ROCm too)"
+        )
+    one_of("target", target, get_args(Target))
     if strategy == "single" and world_size > 1:
         raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
     if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
