@@ -271,3 +271,15 @@ def test_a_stream_of_no_length_says_its_largest_batch_is_not_capped() -> None:
         "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's is: "
         "a run's batches stop where the stream ends (give it __len__ to cap the prediction)",
     )
+
+
+def test_a_cpu_search_is_weighed_against_the_memory_the_machine_has_free(monkeypatch, tmp_path) -> None:
+    import redline.memory.host as host
+
+    (tmp_path / "meminfo").write_text("MemTotal:  33554432 kB\nMemFree:  1048576 kB\nMemAvailable:  4194304 kB\n")
+    monkeypatch.setattr(host, "MEMINFO", str(tmp_path / "meminfo"), raising=False)
+    monkeypatch.setattr(host, "resident_bytes", lambda: 2 * GIB, raising=False)
+    monkeypatch.setattr(host, "memory_limit_bytes", lambda: None)
+    assert host.host_budget() == int((2 + 4) * GIB * host.HOST_SHARE)  # its own 2 GiB and the 4 GiB free besides
+    monkeypatch.setattr(host, "memory_limit_bytes", lambda: 3 * GIB)  # a container's limit below that binds
+    assert host.host_budget() == int(3 * GIB * host.HOST_SHARE)

@@ -1,6 +1,6 @@
 """On a CPU, the batch sizes the search does not run: those predicted to need more memory than the process has.
 
-A CPU has no out-of-memory error to catch: past the machine's memory, or its cgroup's limit (a container's
+A CPU has no out-of-memory error to catch: past the memory the machine has free, or its cgroup's limit (a container's
 ``--memory``, a Slurm job's ``--mem``), the kernel kills the process, and the search with it. So each size is
 weighed first against the peak resident memory of the sizes that ran (the process's high-water mark, read per
 probe): the peak grows in a line with the batch, and a size whose line passes the budget is recorded as not
@@ -13,13 +13,14 @@ import os
 
 import torch
 
-from redline.hardware.memory import WindowPeak, memory_limit_bytes
+from redline.hardware.memory import WindowPeak, memory_limit_bytes, resident_bytes
 
 GIB = 2**30
-# The share of the machine's memory (or the cgroup's limit) a probe may reach: the rest is the kernel's, other
-# processes' and the allocator's, whose free pages the resident set does not give back at once.
+# The share of what the process can reach (or of the cgroup's limit) a probe may use: the allocator keeps
+# freed pages a while, and other processes' memory moves while the search runs.
 HOST_SHARE = 0.9
 NOT_RUN = "was not run"
+MEMINFO = "/proc/meminfo"
 
 
 class HostGuard:
@@ -60,7 +61,21 @@ def predicted_peak(points: list[tuple[int, int]], size: int) -> int | None:
 
 
 def host_budget() -> int:
-    """The bytes a probe may reach: the machine's memory, or its cgroup's limit where that is lower, times the share."""
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The bytes a probe may reach, times the share: what this process holds and the memory the machine has free
+    besides (other processes keep theirs), or its cgroup's limit where that is lower."""
+    reachable = (resident_bytes() or 0) + _available_bytes()
     limit = memory_limit_bytes()
-    return int(min(machine, limit if limit is not None else machine) * HOST_SHARE)
+    return int(min(reachable, limit if limit is not None else reachable) * HOST_SHARE)
+
+
+def _available_bytes() -> int:
+    """The memory the machine has free for a process to take (MemAvailable, /proc/meminfo, man 5 proc); where
+    that cannot be read (macOS, Windows), all of the machine's memory."""
+    try:
+        with open(MEMINFO, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes it in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
