@@ -195,3 +195,93 @@ def test_redline_memory_measure_says_its_cap_by_the_flag_the_user_typed() -> Non
     search = json.loads(result.stdout[result.stdout.index("{") :])
     assert search["reason"] == "16 fits: the cap (--max-batch-size 16) stopped the search"
     assert "max_batch_size" not in json.dumps([search["reason"], search["notes"]])
+
+
+def test_on_a_cpu_a_stream_that_states_its_length_caps_the_search_as_a_dataset_does():
+    class Stream(IterableDataset):
+        def __len__(self):
+            return 12
+
+        def __iter__(self):
+            yield from limited_task(1, samples=12).train_data
+
+    search = redline.find_batch_size(dataclasses.replace(limited_task(1000), train_data=Stream()), options=CPU)
+    assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 12] and search.largest == 12 and search.cap == 12
+    assert search.reason == "12 fits: the dataset's size (12), the largest batch a run has, stopped the search"
+
+
+class Normed(Limited):
+    """The limited MLP with a BatchNorm1d, which refuses a batch of one sample in training."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit, "forward")
+        self.rest = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_searched_from_two():
+    task = dataclasses.replace(limited_task(5), model=lambda: Normed(5))
+    search = redline.find_batch_size(task, options=CPU, max_batch_size=64)
+    assert [s for s, _ in sizes(search)] == [2, 4, 8, 6, 5] and search.largest == 5
+    assert (
+        "batch size 1 cannot train (ValueError: Expected more than 1 value per channel when training"
+        in search.notes[-1]
+    )
+    none = redline.find_batch_size(dataclasses.replace(task, model=lambda: Normed(1)), options=CPU, max_batch_size=64)
+    assert sizes(none) == [(2, False)] and none.largest is None  # 1 is not tried again: it cannot train
+    assert none.reason.startswith("nothing fits: batch size 2 ran out of memory")
+    with pytest.raises(TrainingError, match=r"batch size 1, step 1: the model or loss raised ValueError: Expected"):
+        redline.find_batch_size(task, options=CPU, start=1, max_batch_size=1)  # 1 is all there is to try
+
+
+def test_on_a_cpu_a_size_predicted_past_the_process_s_memory_is_not_run(monkeypatch):
+    # a CPU has no out-of-memory error: past its memory the kernel kills the process, and the search with it
+    import redline.memory.host as host
+
+    ran: list[int] = []
+
+    class Peak:  # the process's peak over a probe: 100 MiB of its own, and 1 MiB a sample
+        def __init__(self, device):
+            pass
+
+        def read(self):
+            return (100 + ran[-1]) * 2**20 if ran else None
+
+    def build() -> nn.Module:
+        model = Limited(1000, "forward")
+        model.register_forward_pre_hook(lambda module, args: ran.append(args[0].shape[0]))
+        return model
+
+    monkeypatch.setattr(host, "WindowPeak", Peak)
+    monkeypatch.setattr(host, "host_budget", lambda: 150 * 2**20)  # room for 50 samples
+    task = dataclasses.replace(limited_task(1000), model=build)
+    search = redline.find_batch_size(task, options=CPU, max_batch_size=100)
+    assert search.largest == 50 and max(ran) == 50  # no size past the budget ran
+    assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 16, 32, 64, 48, 56, 52, 50, 51]
+    refused = dict((s, error) for s, ok, error in search.tried if not ok)
+    assert set(refused) == {64, 56, 52, 51}
+    assert refused[51] == (
+        "was not run: predicted to need about 0.15 GiB (from the peaks of the sizes that ran), past the 0.15 GiB "
+        "this machine gives the process, where the kernel would kill it"
+    )
+    assert search.reason == f"50 fits; 51 {refused[51]}"
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(1000, [1, 2, 4, 8, 16]), (10, [1, 2, 4, 8, 16, 12, 10, 11])])
+def test_a_stream_of_no_length_caps_the_search_where_it_ends(monkeypatch, limit, expected):
+    # a GPU searches a stream with no cap, its out-of-memory ends the doubling: sizes past the stream's end repeated
+    # its items, up to a size no run has (and a long wait, collating millions of items for a small model)
+    import redline.memory.search as search_module
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from limited_task(1, samples=12).train_data
+
+    monkeypatch.setattr(search_module, "_cap", lambda data, device, max_batch_size: (None, []))  # as on a GPU
+    task = dataclasses.replace(limited_task(limit), train_data=Stream())
+    search = redline.find_batch_size(task, options=CPU)
+    assert [s for s, _ in sizes(search)] == expected and search.largest == min(limit, 12) and search.cap == 12
+    assert "train_data is a stream that ended after 12 items: no run has a larger batch" in search.notes[-1]
+    if limit > 12:
+        assert search.reason == "12 fits: the dataset's size (12), the largest batch a run has, stopped the search"
+    else:
+        assert search.reason.startswith("10 fits; 11 ran out of memory")

@@ -179,6 +179,21 @@ def test_bad_arguments_name_the_problem(kwargs, message) -> None:
         estimate_memory(mlp(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "hint"),
+    [
+        ({"precision": "bf16"}, "did you mean precision='bf16-mixed'?"),
+        ({"precision": "auto"}, "auto is resolved on the device: pass what it picks there ('bf16-mixed' on an"),
+        ({"strategy": "fsdp2", "world_size": 2}, "did you mean strategy='fsdp'?"),
+        ({"target": "gpu"}, "did you mean target='cuda'?"),  # not 'cpu', the closest in spelling
+    ],
+)
+def test_a_value_close_to_an_allowed_one_is_refused_with_the_one_it_meant(kwargs, hint) -> None:
+    with pytest.raises(ConfigError) as refused:
+        estimate_memory(mlp(), **kwargs)
+    assert str(refused.value).split("\nhint: ")[1].startswith(hint)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "redline", "memory", *args],
@@ -468,3 +483,71 @@ def test_a_sparse_embedding_is_traced_and_its_gradient_noted() -> None:
     # for a GPU the SGD stays as given: fused SGD refuses sparse gradients (the trace failed on it)
     assert estimate_memory(task, target="cuda").params == estimate.params
     assert not any("sparse" in note for note in estimate_memory(mlp(), target="cpu").notes)
+
+
+LAZY_DATA = TensorDataset(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+
+
+def lazy_model(sample: torch.Tensor | None = None) -> nn.Module:
+    model = nn.Sequential(nn.LazyLinear(64), nn.ReLU(), nn.LazyLinear(10))
+    if sample is not None:
+        model(sample)  # the first forward gives the lazy layers their shapes, as a run needs them
+    return model
+
+
+def test_a_factory_that_shapes_its_lazy_layers_on_a_real_sample_is_traced() -> None:
+    # built on meta, the forward met a real sample beside meta weights and failed; it trains (redline train)
+    task = Task(model=lambda: lazy_model(LAZY_DATA[0][0][None]), loss_fn=nn.functional.cross_entropy,
+                train_data=LAZY_DATA, batch_size=16, name="lazy")  # fmt: skip
+    assert estimate_memory(task, target="cpu").params == (32 * 64 + 64 + 64 * 10 + 10) * 4
+
+
+@pytest.mark.parametrize("given", [lazy_model, lazy_model()])
+def test_lazy_layers_never_shaped_are_refused_as_a_run_refuses_them(given) -> None:
+    task = Task(model=given, loss_fn=nn.functional.cross_entropy, train_data=LAZY_DATA, batch_size=16, name="lazy")
+    with pytest.raises(ConfigError, match=r"parameters 0.weight, 0.bias, 2.weight, 2.bias are not initialized yet"):
+        estimate_memory(task, target="cpu")
+
+
+class HeldConstants(nn.Module):
+    """Constants kept in a list and a dict beside the registered tensors, one of them a parameter's alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(32, 10)
+        self.consts = [torch.ones(32)]
+        self.table = {"scale": torch.full((10,), 2.0), "weight": self.layer.weight}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x * self.consts[0]) * self.table["scale"] + self.table["weight"].sum()
+
+
+@pytest.mark.parametrize("given", [HeldConstants, HeldConstants()])
+def test_tensors_a_module_keeps_in_a_list_or_a_dict_are_traced_as_its_own(given) -> None:
+    # they were left real (or meta) among fake ones: 'Please convert all Tensors to FakeTensors first'
+    data = TensorDataset(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+    task = Task(model=given, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="held")
+    estimate = estimate_memory(task, target="cpu")
+    assert estimate.params == (32 * 10 + 10) * 4  # the alias is the parameter, counted once
+    if isinstance(given, nn.Module):
+        assert not given.consts[0].is_meta and given.table["weight"] is given.layer.weight  # the task's own, untouched
+
+
+CAUSAL = torch.tril(torch.ones(8, 8))  # a module-level constant, as attention code often keeps its mask
+
+
+class MaskedByAConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.head = nn.Linear(8, 8), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (self.query(x) @ x.transpose(1, 2)).masked_fill(CAUSAL.to(x.device) == 0, float("-inf"))
+        return self.head(scores.softmax(-1).flatten(1))
+
+
+def test_a_constant_the_model_s_code_reads_from_outside_the_model_is_traced() -> None:
+    # it trains on any device (moved to the input's), but the trace refused it as a tensor that is not fake
+    data = TensorDataset(torch.randn(64, 8, 8), torch.randint(0, 10, (64,)))
+    task = Task(model=MaskedByAConstant, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16)
+    assert estimate_memory(task, target="cpu").params == (8 * 8 + 8 + 64 * 10 + 10) * 4

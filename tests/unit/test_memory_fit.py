@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.errors import ConfigError
 from redline.memory.estimate import MemoryEstimate
@@ -206,3 +207,79 @@ def test_a_batch_smaller_than_the_gpus_says_why_the_fsdp_rows_weigh_more() -> No
         "batch 4 leaves some of the 8 GPUs without a sample, so the FSDP rows weigh a batch of 8, one sample on each",
     )
     assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=8, gpus=8).notes == ()
+
+
+class Stream(IterableDataset):
+    """A stream that states its length, as the DataLoader reads it: a run's batches stop at its 100 items."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(100):
+            yield torch.randn(4), torch.tensor(i % 2)
+
+
+def test_a_stream_that_states_its_length_caps_the_largest_batch_as_a_dataset_does() -> None:
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=Stream(), batch_size=8)
+    rows = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8).rows
+    assert [(row.largest_batch, row.cap) for row in rows] == [(100, 100), (96, 96)]
+    (note,) = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1000, gpus=1).notes
+    assert note.startswith("batch 1000 is more than train_data holds (100 items)")
+
+
+def normed_task(norm: nn.Module, shape: tuple[int, ...]) -> Task:
+    data = TensorDataset(torch.randn(100, *shape), torch.randint(0, 2, (100,)))
+    model = nn.Sequential(norm, nn.Flatten(), nn.Linear(math.prod(shape), 2))
+    return Task(model=lambda: model, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_weighed_at_two_on_each_device() -> None:
+    # BatchNorm1d refuses one value per channel in training: 8 samples over 8 GPUs crashed the whole estimate
+    task = normed_task(nn.BatchNorm1d(4), (4,))
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8)
+    assert [(row.estimate.batch_size, row.largest_batch) for row in result.rows] == [(8, 100), (16, 96)]
+    (note,) = result.notes
+    assert note.startswith("one sample on a device cannot train (ValueError: Expected more than 1 value per channel")
+    assert note.endswith("at least 2 samples on each device; batch 8 is weighed as 16 (FSDP over 8 GPUs)")
+    alone = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=1, gpus=1)
+    assert alone.rows[0].estimate.batch_size == 2 and alone.notes[0].endswith("batch 1 is weighed as 2 (as it stands)")
+
+
+def test_a_batchnorm_over_images_trains_on_one_sample_and_is_weighed_as_asked() -> None:
+    task = normed_task(nn.BatchNorm2d(3), (3, 4, 4))  # 16 values per channel in one sample
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8)
+    assert [row.estimate.batch_size for row in result.rows] == [8, 8] and result.notes == ()
+
+
+def test_the_search_traces_nothing_below_the_smallest_batch_a_model_trains_on() -> None:
+    estimate_at, traced = estimator(lambda b: 1000 + 100 * b)
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 1150, smallest=2) is None
+    assert min(traced) == 2
+    assert largest_batch(estimate_at, estimate_at(batch_size=16), 1250, smallest=2) == 2
+
+
+def test_a_stream_of_no_length_says_its_largest_batch_is_not_capped() -> None:
+    class Unsized(IterableDataset):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            yield from Stream()
+
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=Unsized(), batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=1.5, target="cuda", gpus=1)
+    assert result.rows[0].cap is None and result.rows[0].largest_batch is not None
+    assert result.notes == (
+        "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's is: "
+        "a run's batches stop where the stream ends (give it __len__ to cap the prediction)",
+    )
+
+
+def test_a_cpu_search_is_weighed_against_the_memory_the_machine_has_free(monkeypatch, tmp_path) -> None:
+    import redline.memory.host as host
+
+    (tmp_path / "meminfo").write_text("MemTotal:  33554432 kB\nMemFree:  1048576 kB\nMemAvailable:  4194304 kB\n")
+    monkeypatch.setattr(host, "MEMINFO", str(tmp_path / "meminfo"), raising=False)
+    monkeypatch.setattr(host, "resident_bytes", lambda: 2 * GIB, raising=False)
+    monkeypatch.setattr(host, "memory_limit_bytes", lambda: None)
+    assert host.host_budget() == int((2 + 4) * GIB * host.HOST_SHARE)  # its own 2 GiB and the 4 GiB free besides
+    monkeypatch.setattr(host, "memory_limit_bytes", lambda: 3 * GIB)  # a container's limit below that binds
+    assert host.host_budget() == int(3 * GIB * host.HOST_SHARE)

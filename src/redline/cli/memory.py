@@ -53,7 +53,8 @@ def memory(
         bool, typer.Option("--measure", help="Find the largest batch by running training steps on this machine.")
     ] = False,
     start: Annotated[
-        int | None, typer.Option(min=1, help="With --measure: the first batch size tried (default: 1).")
+        int | None,
+        typer.Option(min=1, help="With --measure: the first batch size tried (default: 1; 2 where BatchNorm needs 2)."),
     ] = None,
     max_batch_size: Annotated[
         int | None, typer.Option(min=1, help="With --measure: the largest size tried (default: the dataset's size).")

@@ -38,12 +38,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from redline.config import positive_int
+from redline.config import one_of, positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
-from redline.memory.meta import build_on_meta, meta_copy
+from redline.memory.meta import build_on_meta, held_tensors, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.parallel.blocks import find_blocks
@@ -69,6 +69,7 @@ CUDNN_WORKSPACE = 64 * MIB
 _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _TOP_MODULES = 5
+_HELD = ("_parameters", "_buffers", "_modules")  # a module's own dicts, each tensor in them faked as what it is
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,12 +133,19 @@ def estimate_memory(
     batch_size = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch_size)
     positive_int("world_size", world_size)
-    if precision not in PRECISIONS:
-        raise invalid("precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}")
-    if strategy not in get_args(Strategy):
-        raise invalid("strategy", strategy, "'single', 'ddp' or 'fsdp'")
-    if target not in get_args(Target):
-        raise invalid("target", target, "'cuda' or 'cpu'")
+    if precision == "auto":  # what auto picks depends on a device this function is not given
+        raise invalid(
+            "precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}",
+            "auto is resolved on the device: pass what it picks there ('bf16-mixed' on an Ampere or newer GPU, "
+            "'fp16-mixed' on an older one, 'fp32' on a CPU), or let redline memory --gpu NAME resolve it",
+        )  # fmt: skip
+    one_of("precision", precision, PRECISIONS)
+    one_of("strategy", strategy, get_args(Strategy))
+    if target == "gpu":  # closest in spelling to 'cpu', but meant 'cuda'
+        raise invalid(
+            "target", target, "'cuda' or 'cpu'", "did you mean target='cuda'? (any GPU, AMD's under ROCm too)"
+        )
+    one_of("target", target, get_args(Target))
     if strategy == "single" and world_size > 1:
         raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
     if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
@@ -188,11 +196,15 @@ def trace_step(
     optimizer implementation, its moment to free gradients); return the second step's peak and its parts."""
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # a real tensor the model's code reads (a module-level constant, MASK.to(x.device)) is faked where an op meets
+    # it; the model's own tensors are faked before the trace (_fake_model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     sample, rows = _sample(task.train_data, batch_size, task.collate_fn)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
+    if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
+        check_trainable(built)
     with mode, tracker, _tracing(task):
         model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
@@ -344,6 +356,9 @@ def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
             if isinstance(value, torch.Tensor):
                 setattr(module, name, once(value))
+            elif name not in _HELD and held_tensors(value):  # constants kept in a list or a dict
+                faked = tree_map_only(torch.Tensor, lambda t: once(t, isinstance(t, nn.Parameter)), value)
+                setattr(module, name, faked)
     return model
 
 

@@ -11,13 +11,14 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.utils.data import IterableDataset
+from torch import nn
 
 from redline.config import one_of, positive_int, positive_number
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
+from redline.memory.search import data_size
 from redline.parallel.blocks import find_blocks
 from redline.task import Task, require_task
 
@@ -75,25 +76,28 @@ def largest_batch(
     *,
     multiple: int = 1,
     cap: int | None = None,
+    smallest: int | None = None,
 ) -> int | None:
     """The largest batch (a multiple of ``multiple``: the number of ranks) whose estimate fits ``available``, up
-    to ``cap`` (no size past it is traced).
+    to ``cap`` (no size past it is traced), and none below ``smallest`` (``multiple`` by default: one sample on
+    each rank; more for a model that cannot train on one).
 
     ``estimate_at(batch_size=B)`` traces one batch size; ``first`` is the estimate already made. Each
     next size comes from the line through the last two traces, kept inside the sizes known to fit and
     known not to (halfway between them when the line points outside): the line is nearly right, but
     the peak can move (from the optimizer step into backward) as the batch grows.
     """
+    smallest = multiple if smallest is None else smallest
     points = [(first.batch_size, first.total)]
     fit = first.batch_size if first.total <= available else 0
     if cap is not None:
-        cap = max(cap // multiple * multiple, multiple)
+        cap = max(cap // multiple * multiple, smallest)
         if fit >= cap:  # a smaller batch needs less
             return cap
     over: int | None = None if first.total <= available else first.batch_size
-    if over is not None and over <= multiple:  # the smallest batch does not fit: nothing is left to try
+    if over is not None and over <= smallest:  # the smallest batch does not fit: nothing is left to try
         return None
-    size = first.batch_size * 2 if fit else max(first.batch_size // 2 // multiple * multiple, multiple)
+    size = first.batch_size * 2 if fit else max(first.batch_size // 2 // multiple * multiple, smallest)
     for _ in range(_SEARCHES):
         size = size if cap is None else min(size, cap)
         total = estimate_at(batch_size=size).total
@@ -106,21 +110,23 @@ def largest_batch(
             break
         if over is not None and over - fit <= max(multiple, fit // 64):  # within 1.5%: as exact as the trace
             break
-        size = _next_size(points, available, fit, over, multiple)
+        size = _next_size(points, available, fit, over, multiple, smallest)
     return fit or None
 
 
-def _next_size(points: list[tuple[int, int]], available: int, fit: int, over: int | None, multiple: int) -> int:
+def _next_size(
+    points: list[tuple[int, int]], available: int, fit: int, over: int | None, multiple: int, smallest: int
+) -> int:
     (b1, t1), (b2, t2) = points[-2:]
     slope = (t2 - t1) / (b2 - b1) if b2 != b1 else 0.0
     guess = b2 + (available - t2) / slope if slope > 0 else (fit * 2 if over is None else (fit + over) / 2)
-    size = max(int(guess) // multiple * multiple, multiple)
-    upper = over if over is not None else max(fit, multiple) * 64  # never leap past 64x what fitted
+    size = max(int(guess) // multiple * multiple, smallest)
+    upper = over if over is not None else max(fit, smallest) * 64  # never leap past 64x what fitted
     if size <= fit and fit + multiple < upper:
         size = fit + multiple  # the line says the largest fitting size is found: check the next one up
     elif not fit < size < upper:
         size = (fit + upper) // 2 // multiple * multiple
-    return max(size, multiple)
+    return max(size, smallest)
 
 
 def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
@@ -194,9 +200,11 @@ def fit_memory(
     positive_int("gpus", gpus)
     one_of("target", target, ("cuda", "cpu"))
     available = available_bytes(mem_gib, target)
-    data = task.train_data
-    cap = len(data) if hasattr(data, "__len__") and not isinstance(data, IterableDataset) else None
-    has_blocks = bool(find_blocks(meta_model(task)))
+    cap = data_size(task.train_data)
+    model = meta_model(task)
+    has_blocks = bool(find_blocks(model))
+    one_sample = _one_sample_fails(task, model, precision, target)  # BatchNorm normalises no single value
+    per_rank = 2 if one_sample else 1
     ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]
     if has_blocks:
         ways.append(("activation checkpointing", "single", 1, True))
@@ -210,17 +218,28 @@ def fit_memory(
             estimate_memory, task, precision=precision, strategy=strategy, world_size=world,
             activation_checkpointing=checkpointing, target=target,
         )  # fmt: skip
-        first = estimate_at(batch_size=max(batch, world))
-        row_cap = None if cap is None else max(cap // world * world, world)  # a batch the ranks share evenly
-        largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap)
+        first = estimate_at(batch_size=max(batch, world * per_rank))
+        row_cap = None if cap is None else max(cap // world * world, world * per_rank)  # the ranks share it evenly
+        largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=world * per_rank)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
     notes: list[str] = []
+    if cap is None:  # the largest batch may read far past the stream's end, repeating its items
+        notes.append(
+            "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's "
+            "is: a run's batches stop where the stream ends (give it __len__ to cap the prediction)"
+        )
     if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
         notes.append(
             f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
             "so the largest batch does too"
         )
-    if any(row.estimate.batch_size > batch for row in rows):  # the table's batch column would differ unexplained
+    weighed = ", ".join(f"{row.estimate.batch_size} ({row.label})" for row in rows if row.estimate.batch_size > batch)
+    if one_sample:  # the table's batch column would differ, or its largest batch stop at 2, unexplained
+        notes.append(
+            f"one sample on a device cannot train ({one_sample}): every row weighs, and predicts, at least 2 samples "
+            f"on each device{f'; batch {batch} is weighed as {weighed}' if weighed else ''}"
+        )
+    elif weighed:  # the table's batch column would differ unexplained
         notes.append(
             f"batch {batch} leaves some of the {gpus} GPUs without a sample, so the FSDP rows weigh a batch of {gpus}, "
             "one sample on each"
@@ -233,3 +252,16 @@ def fit_memory(
     return MemoryFit(
         task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=tuple(notes)
     )
+
+
+def _one_sample_fails(task: Task, model: nn.Module, precision: str, target: str) -> str:
+    """The error a training step of one sample meets, where the model has BatchNorm layers, else "": in training
+    BatchNorm refuses a single value per channel (a BatchNorm1d on one sample), which no batch size of the rows
+    may ask of it; a BatchNorm2d over an image has values enough, and one sample traces."""
+    if not any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        return ""
+    try:
+        estimate_memory(task, batch_size=1, precision=precision, target=target)
+    except TrainingError as exc:  # an error of the model's own; if a larger batch meets it too, that trace says so
+        return describe_error(exc)
+    return ""

@@ -8,7 +8,8 @@ device such a move would copy out of a tensor that holds no data, and under a fa
 fake parameter for its moved copy; so while the factory runs, a move leaves a meta tensor where it is and
 applies only what else it asks (a dtype, a memory format). A tensor made on a device of its own
 (``nn.Linear(..., device="cuda")``, ``torch.zeros(..., device="cuda")``) is made on meta too: a machine
-without that device could not make it.
+without that device could not make it. A real tensor that meets a meta one (a lazy layer's first forward on a
+sample of the data, which gives it its shapes) is taken as an empty meta tensor of its shape.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from redline.task import Task
 
@@ -38,7 +40,9 @@ class _MovesStayOnMeta(TorchFunctionMode):
         if _elsewhere(kwargs.get("device")):  # made on a device (nn.Linear(..., device="cuda")): made on meta instead
             return func(*args, **{**kwargs, "device": "meta"})
         tensor = args[0] if args else None
-        if func not in _MOVES or not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
+        if func not in _MOVES:  # a real tensor beside a meta one (a lazy layer's first forward on a real sample)
+            return func(*_on_meta_beside_meta(args), **_on_meta_beside_meta(kwargs))
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_meta:
             return func(*args, **kwargs)
         if func is not torch.Tensor.to:
             return tensor
@@ -46,6 +50,15 @@ class _MovesStayOnMeta(TorchFunctionMode):
         if dtype is None and memory_format is None:
             return tensor
         return tensor.to(dtype=dtype or tensor.dtype, memory_format=memory_format or torch.preserve_format)
+
+
+def _on_meta_beside_meta(tree: Any) -> Any:
+    """``tree`` with its real tensors made empty meta ones where it holds a meta tensor too: an op between them
+    would fail on the devices' mismatch, where on meta its result has the same shape and dtype."""
+    leaves = [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    if not any(leaf.is_meta for leaf in leaves) or all(leaf.is_meta for leaf in leaves):
+        return tree
+    return tree_map_only(torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), tree)
 
 
 def _elsewhere(device: object) -> bool:
@@ -73,9 +86,17 @@ def meta_copy(model: nn.Module) -> nn.Module:
     meta device, tied weights still tied; ``model`` and its weights are left as they are and not copied."""
     memo: dict[int, Any] = {}
     for module in model.modules():
-        for tensor in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+        held = [leaf for value in vars(module).values() for leaf in held_tensors(value)]  # a list or dict of them
+        for tensor in [*module._parameters.values(), *module._buffers.values(), *vars(module).values(), *held]:
             if not isinstance(tensor, torch.Tensor) or id(tensor) in memo or is_lazy(tensor):
                 continue
             meta = torch.empty_like(tensor, device="meta")
             memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
+
+
+def held_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors a list, tuple or dict attribute of a module holds (constants kept beside the registered ones)."""
+    if not isinstance(value, list | tuple | dict):
+        return []
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]

@@ -9,7 +9,8 @@ is already too large halves until a size fits. ``next_batch_size`` plans it, a p
 was tried. Each try (a probe) builds a fresh model and Runtime and runs ``steps`` real training steps
 (forward, loss, backward, optimizer step) on a batch of that size from the Task's own data: the
 second step is the steady state, with the optimizer's state allocated. An out-of-memory ends the
-probe, and everything it held is freed before the next one starts.
+probe, and everything it held is freed before the next one starts. On a CPU, whose out-of-memory is the
+kernel killing the process, a size predicted past the process's memory is not run (memory/host.py).
 
 Under several processes every rank probes the same size and the ranks agree after building the model,
 after wrapping it and after every step, so a size fits only if it fitted on every rank, and every rank
@@ -33,7 +34,9 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from redline.config import positive_int
-from redline.errors import ConfigError, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.errors import ConfigError, OutOfMemory, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.memory.host import NOT_RUN, HostGuard
+from redline.memory.meta import build_on_meta
 from redline.parallel.collectives import gather_objects, is_collective_failure
 from redline.parallel.env import join_process_group, read_env
 from redline.runtime.contract import check_loss, split_batch, user_code, user_line
@@ -64,7 +67,7 @@ def next_batch_size(tried: Sequence[tuple[int, bool]], *, start: int, cap: int |
     smallest_failure = min(failed_above)
     if not largest:  # the start was already too large: halve until something fits
         return smallest_failure // 2 or None
-    middle = (largest + smallest_failure) // 2
+    middle = (largest + smallest_failure) // 2 if cap is None else min((largest + smallest_failure) // 2, cap)
     return middle if middle > largest else None
 
 
@@ -75,13 +78,15 @@ def search_reason(tried: Sequence[Tried], cap: int | None, *, cap_given: bool = 
     if not fitted:
         first = min(tried, key=lambda t: t[0]) if tried else (1, False, "")
         return f"nothing fits: batch size {first[0]} ran out of memory ({first[2]})"
-    largest = max(fitted)
+    largest = max(fitted) if cap is None else min(max(fitted), cap)  # past the cap only where a stream ended
     failures = [(size, error) for size, ok, error in tried if not ok and size > largest]
-    if not failures:
+    if not failures or largest == cap:
         if not cap_given:
             return f"{largest} fits: the dataset's size ({cap}), the largest batch a run has, stopped the search"
         return f"{largest} fits: the cap (max_batch_size={cap}) stopped the search"
     size, error = min(failures)
+    if error.startswith(NOT_RUN):  # weighed against a CPU's memory, not run
+        return f"{largest} fits; {size} {error}"
     return f"{largest} fits; {size} ran out of memory ({error})"
 
 
@@ -125,10 +130,11 @@ def find_batch_size(
 
     The Runtime follows ``options`` (device, precision, layout), with compile off: compiling changes
     the memory a step needs and would compile again for every size. The cap defaults to the dataset's
-    size, the largest batch a run has. A CPU needs it: the operating system kills the process long
-    before torch raises, so a stream needs ``max_batch_size`` there; on a GPU an out-of-memory error
-    stops the doubling of a stream. An error other than out-of-memory stops the search (a TrainingError
-    naming the size when it came from the model or loss). Under ``redline launch`` every rank must call it.
+    size (a stream's where it has ``__len__``), the largest batch a run has. A CPU needs it: the operating
+    system kills the process long before torch raises, so a stream of no length needs ``max_batch_size``
+    there; on a GPU an out-of-memory error stops the doubling of such a stream, or its end. An error other than
+    out-of-memory stops the search (a TrainingError naming the size when it came from the model or loss).
+    Under ``redline launch`` every rank must call it.
     """
     task = require_task(task)
     positive_int("start", start)
@@ -148,15 +154,39 @@ def find_batch_size(
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
     env = read_env()
     tried: list[Tried] = []
+    smallest = 1  # the smallest batch the model trains on
+    # a CPU's out-of-memory kills the process: a size predicted past its memory is not run (one process: ranks
+    # that weighed apart could leave one waiting in a collective)
+    guard = HostGuard() if device.type == "cpu" and env.world_size == 1 else None
     short: set[int] = set()  # the samples a probe had when the data held fewer than its batch
     saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
         with join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
-                error, samples = _probe(task, options, size, steps)
+                if size < smallest:  # halved below the smallest batch the model trains on: nothing fits
+                    break
+                if guard is not None and (refused := guard.refuse(size)):
+                    tried.append((size, False, refused))
+                    continue
+                try:
+                    error, samples = _probe(task, options, size, steps)
+                except TrainingError as exc:  # BatchNorm refuses one value per channel: no run trains on 1 sample
+                    if tried or size != 1 or cap == 1 or isinstance(exc, OutOfMemory) or not _batch_norm(task):
+                        raise
+                    start = smallest = 2  # every rank raised alike, so every rank starts again at 2
+                    notes.append(f"batch size 1 cannot train ({describe_error(exc)}): the search began at 2")
+                    continue
                 tried.append((size, not error, error))
-                if 0 < samples < size:
+                if guard is not None:
+                    guard.ran(size, not error)
+                if cap is None and 0 < samples < size:  # a stream of no length ended: no run has a larger batch
+                    cap = samples
+                    notes.append(
+                        f"train_data is a stream that ended after {samples} items: no run has a larger batch, so the "
+                        "search stopped there"
+                    )
+                elif 0 < samples < size:
                     short.add(samples)
     finally:
         restore_rng(saved)
@@ -171,7 +201,7 @@ def find_batch_size(
         )
     fitted = [s for s, ok, _ in tried if ok]
     return BatchSearch(
-        largest=max(fitted) if fitted else None,
+        largest=(max(fitted) if cap is None else min(max(fitted), cap)) if fitted else None,
         tried=tuple(tried),
         device=str(device),
         precision=precision,
@@ -189,15 +219,17 @@ def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -
     has (as the estimate stops there too). A CPU needs it, a GPU is spared a search past any run's batch."""
     if max_batch_size is not None:
         return max_batch_size, []
-    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+    size = data_size(data)
+    if size is None:
         if device.type != "cpu":
-            return None, []  # a stream has no size: the device's out-of-memory ends the doubling
+            return None, []  # a stream has no size: the device's out-of-memory, or the stream's end, ends the doubling
         raise ConfigError(
             "on a CPU the search needs max_batch_size: the operating system kills a process out of memory long "
-            "before torch raises, and train_data is a stream whose size cannot stand in\n"
-            "hint: pass max_batch_size=N (redline memory --measure --max-batch-size N)"
+            "before torch raises, and train_data is a stream of no stated length (no __len__) to stand in\n"
+            "hint: pass max_batch_size=N (redline memory --measure --max-batch-size N), or give the stream a __len__"
         )
-    size = len(data)
+    if size == 0:  # a stream saying it is empty: no batch to try, whatever the start
+        raise TaskError("train_data holds no item: there is nothing to build a batch from\nhint: check the dataset")
     if device.type == "cpu":
         return size, [
             f"max_batch_size defaults to the dataset's size ({size}) on a CPU, whose out-of-memory kills the process"
@@ -292,6 +324,12 @@ class _Probe:
         return self.rt.strategy.gradient_sync(self.model, False)
 
 
+def _batch_norm(task: Task) -> bool:
+    """Whether the Task's model has BatchNorm layers, which in training refuse one sample of one value per channel."""
+    model = task.model if isinstance(task.model, nn.Module) else build_on_meta(task)
+    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def _build(task: Task) -> nn.Module:
     try:
         return task.build_model()
@@ -303,6 +341,15 @@ def _build(task: Task) -> nn.Module:
         raise TrainingError(
             f"task {task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
         ) from exc
+
+
+def data_size(data: Dataset[Any]) -> int | None:
+    """The items one pass of ``data`` holds, the largest batch a run has: a dataset's length, or a stream's where it
+    states one (an IterableDataset with ``__len__``, which the DataLoader reads too); None for a stream without."""
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
+        return None
 
 
 def real_batch(data: Dataset[Any], size: int, collate: CollateFn | None = None) -> tuple[Any, int]:
