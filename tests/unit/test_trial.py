@@ -114,6 +114,11 @@ def test_a_slower_or_barely_faster_candidate_is_not_chosen(step_ms):
     assert "fp32 kept, no candidate beat it by 10%" in choice.reason and f"{10.0 / step_ms:.2f}x" in choice.reason
 
 
+def test_a_candidate_hundreds_of_times_slower_keeps_two_figures_not_zero():
+    choice = choose([measured("fp32", 1.0), measured("bf16-mixed", 240.0)], "this CPU")  # bf16 without AVX512-BF16
+    assert "bf16-mixed 0.0042x" in choice.reason and "0.00x" not in choice.reason
+
+
 def test_a_diverging_candidate_is_rejected_however_fast():
     reference = measured("fp32", 10.0)
     nan = Measured("fp16-mixed", (0.001,) * 8, (2.0, math.nan))

@@ -91,6 +91,12 @@ def parse_switch(name: str, requested: object) -> bool | None:
     raise invalid(name, requested, "'auto', 'on' or 'off'")
 
 
+def times(ratio: float) -> str:
+    """A measured speed ratio as reasons say it: ``1.42x``; a far slower one keeps two figures (``0.0042x``),
+    where two decimals would read ``0.00x``."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 or ratio <= 0 else f"{ratio:.2g}x"
+
+
 def show_value(value: object) -> str:
     """A chosen value as a Plan table shows it: on/off, none, sizes joined by commas."""
     if isinstance(value, bool):

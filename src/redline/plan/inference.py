@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from redline.errors import invalid
 from redline.hardware.device import DeviceFacts
-from redline.plan import Choice, parse_switch
+from redline.plan import Choice, parse_switch, times
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision
 
 # A candidate must run this much faster than the reference to be kept: below it, a shared
@@ -214,8 +214,8 @@ def choose(
     at_small = f" at {small[0]}" if small is not None else ""
     told = "; ".join(
         f"{t.setting.label} rejected: {rejected[t.setting]}" if rejected[t.setting]
-        else f"{t.setting.label} {ratios[t.setting]:.2f}x"
-        + (f" ({small_ratios[t.setting]:.2f}x{at_small})" if t.setting in small_ratios else "")
+        else f"{t.setting.label} {times(ratios[t.setting])}"
+        + (f" ({times(small_ratios[t.setting])}{at_small})" if t.setting in small_ratios else "")
         for t in others
     )  # fmt: skip
     summary = f"{reference.setting.label} {reference.median_s * 1e3:.3g} ms per batch; {told} ({where})"
@@ -235,8 +235,8 @@ def choose(
             _axis_compile(proposal, reference.setting, why),
             measured,
         )
-    also = f" ({small_ratios[best.setting]:.2f}x{at_small})" if best.setting in small_ratios else ""
-    won = f"measured: {best.setting.label} ran {ratios[best.setting]:.2f}x {reference.setting.label}{also} {where}"
+    also = f" ({times(small_ratios[best.setting])}{at_small})" if best.setting in small_ratios else ""
+    won = f"measured: {best.setting.label} ran {times(ratios[best.setting])} {reference.setting.label}{also} {where}"
     return _axis_precision(proposal, best.setting, won), _axis_compile(proposal, best.setting, won), measured
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from redline.atomic import write_atomic
 from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
-from redline.plan import Choice
+from redline.plan import Choice, times
 from redline.plan.precision import PrecisionName
 from redline.runtime.contract import blames_user_code, check_loss
 from redline.runtime.optimizer import build_optimizer
@@ -143,13 +143,13 @@ def choose(measured: Sequence[Measured], where: str, margin: float = MARGIN) -> 
     accepted = [m for m in others if not m.rejected]
     ratios = {m.precision: reference.step_s / m.step_s for m in others if m.step_times}
     told = ", ".join(
-        f"{m.precision} rejected: {m.rejected}" if m.rejected else f"{m.precision} {ratios[m.precision]:.2f}x"
+        f"{m.precision} rejected: {m.rejected}" if m.rejected else f"{m.precision} {times(ratios[m.precision])}"
         for m in others
     )
     timing = f"fastest of {steps} timed steps each on {where}; fp32 {reference.step_s * 1e3:.3g} ms"
     best = min(accepted, key=lambda m: m.step_s, default=None)
     if best is not None and reference.step_s / best.step_s >= margin:
-        return Choice(best.precision, f"measured: {best.precision} ran {ratios[best.precision]:.2f}x fp32 ({timing})")
+        return Choice(best.precision, f"measured: {best.precision} ran {times(ratios[best.precision])} fp32 ({timing})")
     why = f"no candidate beat it by {margin - 1:.0%}" if not any(m.rejected for m in others) else "none qualified"
     return Choice("fp32", f"measured: fp32 kept, {why}: {told} ({timing})")
 
