@@ -436,3 +436,28 @@ def test_redline_train_takes_micro_batch_auto(tmp_path):
         and "--micro-batch='half' is not allowed; expected 'auto', a positive number of samples\n" in wrong.stderr
         and "Traceback" not in wrong.stderr
     )
+
+
+def test_auto_halving_a_batch_norm_model_to_one_sample_ends_in_out_of_memory_not_torchs_value_error():
+    class NormedLimit(nn.Module):  # a BatchNorm1d over (N, C) refuses one sample in training
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.norm, self.head = nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training and x.shape[0] > 1:
+                raise out_of_memory(x.shape[0])
+            return self.head(self.norm(self.body(x)))
+
+    said = (
+        r"micro-batches of 2 samples \(step 1\), and the model cannot train on 1: "
+        r"Expected more than 1 value per channel.*\nhint: make a sample need less memory"
+    )
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch="auto", activation_checkpointing="off")
+    model, _ = rt.setup(NormedLimit(), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    with pytest.raises(OutOfMemory, match=said):
+        rt.train_step(loss_fn(model), batches()[0])
+    task = redline.Task(model=NormedLimit, loss_fn=nn.functional.cross_entropy, train_data=make_data(16), batch_size=8)
+    options = redline.RuntimeOptions(devices="cpu", micro_batch="auto", activation_checkpointing="off")
+    with pytest.raises(OutOfMemory, match=said), Trainer(task, runtime=options, max_steps=1, progress=False) as run:
+        run.fit()  # through the Trainer, whose loop wraps the model's own errors
