@@ -329,10 +329,16 @@ def _rows(
             continue
         runner, memory, flops = built[setting]
         windows, error = timed[position[setting]]
+        try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
+            loss = None if error else _last_loss(runner)
+        except RedlineError:
+            raise
+        except Exception as exc:
+            error = describe_error(exc)
         if error:
             rows.append(dataclasses.replace(base, error=error))
             continue
-        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks))
+        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks, loss))
     return _with_break_even(_with_shared_compiles(rows))
 
 
@@ -360,6 +366,7 @@ def _figures(
     memory: PeakMemory,
     flops: int | None,
     peaks: dict[tuple[str, str, bool], float | None],
+    loss: float | None,
 ) -> BenchRow:
     plan = runner.plan()
     precision = plan.precision.value if plan is not None else "fp32"
@@ -395,7 +402,7 @@ def _figures(
         mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
         mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
         compile_s=runner.compile_seconds() if compiled else None,
-        loss=_last_loss(runner),
+        loss=loss,
         plan=plan.to_dict() if plan is not None else None,
     )
 

@@ -1,0 +1,59 @@
+"""`redline bench` rows that fail late: a failure is confined to its row wherever in the row's steps it comes."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.bench import benchmark
+from redline.task import Task
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class FailsAtBatch(nn.Module):
+    """An MLP whose ``fail_at``-th forward on a batch of ``size`` fails (as a kernel missing for a shape does)."""
+
+    def __init__(self, size: int, fail_at: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.size, self.fail_at, self.calls = size, fail_at, 0
+
+    def forward(self, x):
+        if not x.is_meta and x.shape[0] == self.size:  # the FLOP count traces on the meta device: not a step
+            self.calls += 1
+            if self.calls >= self.fail_at:
+                raise RuntimeError(f"no kernel for a batch of {self.size} (made up by the test)")
+        return self.net(x)
+
+
+def late_task(size: int, fail_at: int) -> Task:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, 16, generator=generator), torch.randint(0, 4, (128,), generator=generator)
+    return Task(
+        model=lambda: FailsAtBatch(size, fail_at), loss_fn=nn.functional.cross_entropy,
+        train_data=TensorDataset(x, y), batch_size=32, name="late",
+    )  # fmt: skip
+
+
+def test_a_row_that_fails_on_the_step_after_its_timing_fails_alone_and_the_bench_goes_on():
+    # window 1, steps 2: a warm-up step, then two rounds of a settling step and a timed one; the 6th step is
+    # the one more step whose loss the table shows. It failed out of the bench, losing every row measured.
+    task = late_task(size=16, fail_at=6)
+    result = benchmark(
+        task, devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[32, 16], steps=2, window=1,
+        auto=False,
+    )  # fmt: skip
+    by_size = {size: [row for row in result.rows if row.batch_size == size] for size in (32, 16)}
+    assert [row.name for row in by_size[32]] == ["naive cpu fp32 b32", "cpu fp32 eager b32"]
+    for row in by_size[32]:
+        assert not row.error and row.samples_per_s > 0 and math.isfinite(row.loss)
+    assert len(by_size[16]) == 2
+    for row in by_size[16]:
+        assert "RuntimeError: no kernel for a batch of 16" in row.error
+        assert row.samples_per_s is None and row.loss is None
