@@ -108,7 +108,7 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
             body += ["<h3>Sample</h3>", f"<pre>{escape(str(summary['sample']))}</pre>"]
         if summary.get("plan"):
             body += ["<h2>Plan</h2>", plan_table(summary["plan"])]
-    sources = " and ".join(name for name in (files.train_file, files.eval_file) if name)
+    sources = " and ".join(dict.fromkeys(name for name in (files.train_file, files.eval_file) if name))
     return _page(f"redline run: {task}", sub, body, footer=f"Read from {sources} in {run_dir}.")
 
 
