@@ -360,3 +360,10 @@ def test_the_charts_leave_the_callers_matplotlib_backend_alone(request):
         [sys.executable, "-c", KEEPS_THE_USERS_BACKEND, tests], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout) == {"pyplot": False, "backend": "svg"}
+
+
+def test_a_share_too_small_for_its_decimals_keeps_its_first_digit_in_the_page():
+    result = bench_result()
+    result["rows"][0].update(mfu=0.00042, mfu_measured=0.000031)  # a small model: "0.0%" read as nothing done
+    table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
+    assert '<td class="num">0.04%</td><td class="num">0.003%</td>' in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,7 +45,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     if any(r["device"] != "cpu" and r["speedup_cpu_fp32"] is not None for r in rows):  # a CPU naive row ran
         columns.append(("vs CPU fp32", lambda r: _times(r["speedup_cpu_fp32"])))
     if any(r["mfu"] is not None for r in rows):  # one column for both shares, as p50/p90: it fits 80 columns
-        columns.append(("MFU/of matmul", lambda r: f"{_share(r['mfu'], '.1%', '-')}/{_share(r['mfu_measured'])}"))
+        columns.append(("MFU/of matmul", lambda r: f"{_share(r['mfu'], 1)}/{_share(r['mfu_measured'])}"))
     else:
         columns.append(("of matmul", lambda r: _share(r["mfu_measured"], missing="n/a")))
     columns.append(("memory", lambda r: _bytes(r["peak_mem_bytes"])))
@@ -165,8 +166,16 @@ def _ms(value: float | None) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _share(value: float | None, spec: str = ".0%", missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
+def _share(value: float | None, decimals: int = 0, missing: str = "-") -> str:
+    return missing if value is None else percent(value, decimals)
+
+
+def percent(share: float, decimals: int = 0) -> str:
+    """``share`` as a percentage with ``decimals`` decimals; one too small for them keeps its first digit
+    ("0.04%"): a small model on a CPU reaches a fraction of a percent of its matmul, and "0%" reads as nothing."""
+    if 0 < share * 100 < 0.5 / 10**decimals:
+        decimals = -math.floor(math.log10(share * 100))
+    return f"{share * 100:.{decimals}f}%"
 
 
 def _times(value: float | None) -> str:

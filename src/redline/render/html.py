@@ -18,7 +18,7 @@ from typing import Any
 
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError
-from redline.render.bench import DIVERGED, diverged, steps_told
+from redline.render.bench import DIVERGED, diverged, percent, steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, values
 from redline.version import __version__
@@ -308,7 +308,7 @@ def _run_line(files: RunFiles) -> str:
         if _number(summary.get(key)) is not None:
             parts.append(f"{_format(key, summary[key])} {unit}")
     if _number(summary.get("mfu")) is not None:
-        parts.append(f"MFU {summary['mfu']:.1%}")
+        parts.append(f"MFU {percent(summary['mfu'], 1)}")
     return escape(", ".join(parts) + ".")
 
 
@@ -443,7 +443,7 @@ def _format(key: str, value: object) -> str:
     if key.endswith("_bytes"):
         return f"{number / GIB:.2f} GiB"
     if key in ("mfu", "mfu_measured") or key.endswith("_ratio"):
-        return f"{number:.1%}"
+        return percent(number, 1)
     if key.startswith("speedup"):
         return f"{number:.2f}x"
     if isinstance(value, int):
