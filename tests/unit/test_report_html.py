@@ -367,3 +367,18 @@ def test_a_share_too_small_for_its_decimals_keeps_its_first_digit_in_the_page():
     result["rows"][0].update(mfu=0.00042, mfu_measured=0.000031)  # a small model: "0.0%" read as nothing done
     table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
     assert '<td class="num">0.04%</td><td class="num">0.003%</td>' in table
+
+
+def test_a_bench_saved_under_another_name_than_json_gets_its_page(tmp_path):
+    # `redline bench --json > bench.out` was refused as "run directory 'bench.out' is not a directory", its hint
+    # naming a run's --out: a bench result was told to be something else.
+    for name, page in (("bench.out", "bench.html"), ("BENCH.JSON", "BENCH.html"), ("results", "results.html")):
+        (tmp_path / name).write_text(json.dumps(bench_result()))
+        assert report(tmp_path / name) == tmp_path / page
+        assert "<title>redline bench: digits" in (tmp_path / page).read_text()
+    (tmp_path / "notes.txt").write_text("not a bench")
+    with pytest.raises(ConfigError, match=r"notes\.txt cannot be read as a bench result: .*\nhint: pass the file"):
+        report(tmp_path / "notes.txt")
+    run = write_run(tmp_path / "run")  # a run's own file still names the run to report
+    with pytest.raises(ConfigError, match=f"is not a directory\nhint: {run} holds the run's logs"):
+        report(run / "metrics.csv")

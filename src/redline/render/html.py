@@ -20,7 +20,7 @@ from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError
 from redline.render.bench import DIVERGED, diverged, percent, steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
-from redline.render.run_files import LOGS, RunFiles, has_values, read_run, values
+from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
 from redline.version import __version__
 
 GIB = 2**30
@@ -141,14 +141,22 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     (default FILE.html beside it): a bench need not run again for its report.
     """
     run_dir = Path(run_dir)
-    if run_dir.suffix == ".json" and not run_dir.exists():  # not "run directory ... does not exist"
+    if run_dir.suffix.lower() == ".json" and not run_dir.exists():  # not "run directory ... does not exist"
         raise ConfigError(f"{str(run_dir)!r} does not exist\nhint: {BENCH_HINT}")
-    if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
+    if _is_bench_file(run_dir):
         html = bench_report(_read_bench(run_dir))
         return write_report(_not_a_source(path, run_dir.with_suffix(".html"), [run_dir]), html)
     html = run_report(run_dir)
     sources = [run_dir / name for name in (*LOGS, "eval.jsonl", "eval.csv", "summary.json")]
     return write_report(_not_a_source(path, run_dir / "report.html", sources), html)
+
+
+def _is_bench_file(path: Path) -> bool:
+    """Whether ``path`` is given as a bench result: a JSON file other than a run's summary, or any file that does
+    not lie in a run (``redline bench --json > bench.out``); a run's own file is told to name its run instead."""
+    if not path.is_file() or path.name == "summary.json":
+        return False
+    return path.suffix.lower() == ".json" or run_above(path) is None
 
 
 def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:

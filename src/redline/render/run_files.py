@@ -51,14 +51,14 @@ def read_run(run_dir: Path) -> RunFiles:
     """Read ``run_dir``'s summary and logs; a missing directory or log, or an unreadable file, is a ConfigError."""
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
-        run = _run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
+        run = run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
         hint = _report_the(run) if run is not None else OUT_HINT
         raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {hint}")
     train_file = _first_present(run_dir, LOGS)
     if train_file is None and _has_events(run_dir):
         return _read_tensorboard_run(run_dir)
     if train_file is None:
-        run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
+        run = run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
         if run is None and not any(not p.name.startswith(".") and p.name != "checkpoints" for p in run_dir.iterdir()):
             raise ConfigError(  # a run creates its --out at once, its logs at its first log window
                 f"{run_dir} holds no metrics yet: a run writes metrics.jsonl and metrics.csv when it first logs "
@@ -140,7 +140,7 @@ def _report_the(run: Path) -> str:
     return f"{run} holds the run's logs: redline report {run}"
 
 
-def _run_above(path: Path) -> Path | None:
+def run_above(path: Path) -> Path | None:
     """The run directory ``path`` lies in (a checkpoint of it, its checkpoints folder, its tensorboard/), or None."""
     parents = path.resolve().parents[:3]
     return next((parent for parent in parents if _first_present(parent, LOGS) or _has_events(parent)), None)
