@@ -1,4 +1,5 @@
-"""`redline bench` rows that fail late: a failure is confined to its row wherever in the row's steps it comes."""
+"""`redline bench` failing: a row's failure is confined to its row wherever in its steps it comes, and a bench
+refused before it runs leaves nothing behind."""
 
 import math
 
@@ -8,6 +9,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from redline.bench import benchmark
+from redline.cli.bench import bench as bench_command
+from redline.errors import RedlineError
 from redline.task import Task
 
 
@@ -57,3 +60,19 @@ def test_a_row_that_fails_on_the_step_after_its_timing_fails_alone_and_the_bench
     for row in by_size[16]:
         assert "RuntimeError: no kernel for a batch of 16" in row.error
         assert row.samples_per_s is None and row.loss is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"precision": "bf16"}, "precision 'bf16' is not one of"),
+        ({"batch_size": "100000"}, "fewer than the batch size 100000"),
+        ({"compile": "maybe"}, "--compile 'maybe': expected on and/or off"),
+    ],
+)
+def test_a_bench_refused_before_it_runs_leaves_no_directory_for_its_page(tmp_path, flags, message):
+    # The page's directory was made before the flags were read: a mistyped flag left it behind, empty.
+    page = tmp_path / "reports" / "today" / "bench.html"
+    with pytest.raises(RedlineError, match=message):
+        bench_command(task="example:digits", devices="cpu", html=page, **flags)
+    assert not (tmp_path / "reports").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shlex
@@ -12,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.atomic import check_writable, make_parent
+from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
@@ -136,14 +137,18 @@ def _task_args(task_arg: list[str] | None) -> list[str]:
 def _check_html(path: Path) -> None:
     """Refuse a page that could not be written before the bench runs, not after: its result would be lost.
 
-    A missing directory is created, as `redline train --out` creates its own.
+    A missing directory is created with the page, as `redline train --out` creates its own; here only its
+    nearest existing directory is tried, so a bench refused or stopped before its page leaves none behind.
     """
     require_matplotlib()
     if path.is_dir():
         raise ConfigError(f"--html {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'bench.html'}")
     try:
-        make_parent(path)
-        check_writable(path)
+        existing = next(parent for parent in path.parents if parent.exists())  # "." at least
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is where a directory would be", str(existing))
+        # a temporary file where the page will be, or where its first missing directory will be made
+        check_writable(path if existing == path.parent else existing / path.name)
     except NotADirectoryError as exc:
         raise ConfigError(
             f"--html {str(path)!r} is in {exc.filename!r}, which is a file, not a directory\n"
