@@ -382,3 +382,16 @@ def test_a_bench_saved_under_another_name_than_json_gets_its_page(tmp_path):
     run = write_run(tmp_path / "run")  # a run's own file still names the run to report
     with pytest.raises(ConfigError, match=f"is not a directory\nhint: {run} holds the run's logs"):
         report(run / "metrics.csv")
+
+
+def test_a_page_asked_into_a_directory_is_refused_naming_a_file_to_pass(tmp_path):
+    # It said "the report cannot be written to '...' (Is a directory)", with no file to pass instead.
+    run = write_run(tmp_path / "run")
+    where = re.escape(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"--html '{where}' is a directory\nhint: .* --html {where}/report\.html"):
+        report(run, tmp_path)
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(bench_result()))
+    named = rf"is a directory\nhint: name a file, e\.g\. --html {re.escape(str(run))}/bench\.html$"
+    with pytest.raises(ConfigError, match=named):
+        report(saved, run)

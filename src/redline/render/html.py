@@ -160,8 +160,13 @@ def _is_bench_file(path: Path) -> bool:
 
 
 def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
-    """Where the page goes: ``path`` (else ``default``), refused where it is a file the report was made from."""
+    """Where the page goes: ``path`` (else ``default``), refused where it is a directory or a file the report was
+    made from."""
     target = default if path is None else Path(path)
+    if target.is_dir():  # writing there said "(Is a directory)", and named no file to pass
+        raise ConfigError(
+            f"--html {str(target)!r} is a directory\nhint: name a file, e.g. --html {target / default.name}"
+        )
     if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
         raise ConfigError(
             f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
