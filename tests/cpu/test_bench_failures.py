@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.bench import benchmark
 from redline.cli.bench import bench as bench_command
-from redline.errors import RedlineError
+from redline.errors import RedlineError, TaskError
 from redline.task import Task
 
 
@@ -60,6 +60,44 @@ def test_a_row_that_fails_on_the_step_after_its_timing_fails_alone_and_the_bench
     for row in by_size[16]:
         assert "RuntimeError: no kernel for a batch of 16" in row.error
         assert row.samples_per_s is None and row.loss is None
+
+
+class Stream(IterableDataset):
+    """A stream of ``count`` samples a pass, with no length: a batch size past it is found only when it runs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(self.count):
+            yield torch.randn(16, generator=generator), torch.randint(0, 4, (), generator=generator)
+
+
+def stream_task(count: int) -> Task:
+    return Task(
+        model=lambda: nn.Sequential(nn.Linear(16, 4)), loss_fn=nn.functional.cross_entropy, train_data=Stream(count),
+        batch_size=16, name="stream",
+    )  # fmt: skip
+
+
+def test_a_batch_size_the_stream_cannot_fill_fails_its_rows_and_keeps_the_sizes_measured():
+    # The stream's 40 samples fill a batch of 32, not one of 64: the bench raised at 64, losing the rows of 32.
+    result = benchmark(
+        stream_task(40), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[32, 64], steps=2,
+        window=1, auto=False,
+    )  # fmt: skip
+    assert [(row.batch_size, bool(row.samples_per_s)) for row in result.rows] == [
+        (32, True),
+        (32, True),
+        (64, False),
+        (64, False),
+    ]
+    for row in result.rows[2:]:
+        assert row.error.startswith("train_data gave no full batch of 64: a pass over it yields fewer samples\nhint:")
+    with pytest.raises(TaskError, match="no full batch of 64"):  # at every size: the task's error, raised
+        benchmark(stream_task(40), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[64], steps=2,
+                  window=1, auto=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(

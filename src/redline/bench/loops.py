@@ -54,8 +54,12 @@ class Runner:
                 return split_batch(batch, "train_data")
         self._iterator = iter(self.batches)
         batch = next(self._iterator, None)
-        if batch is None:
-            raise TaskError("train_data gave no full batch\nhint: pass a batch size no larger than the dataset")
+        if batch is None:  # a stream that yields fewer samples than a batch: check_sizes cannot know its length
+            size = self.setting.batch_size // self.micro_steps
+            raise TaskError(
+                f"train_data gave no full batch of {size}: a pass over it yields fewer samples\n"
+                "hint: pass a batch size no larger than the dataset (--batch-size)"
+            )
         return split_batch(batch, "train_data")
 
     def run(self, steps: int) -> float:
