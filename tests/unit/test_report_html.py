@@ -395,3 +395,12 @@ def test_a_page_asked_into_a_directory_is_refused_naming_a_file_to_pass(tmp_path
     named = rf"is a directory\nhint: name a file, e\.g\. --html {re.escape(str(run))}/bench\.html$"
     with pytest.raises(ConfigError, match=named):
         report(saved, run)
+
+
+def test_a_run_reported_as_the_current_directory_is_named_by_it(tmp_path, monkeypatch):
+    # `redline report .` in a run still going titled the page "redline run: " (the name of "." is empty).
+    run = tmp_path / "run-7"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    monkeypatch.chdir(run)
+    assert "<title>redline run: run-7</title>" in report(".").read_text(encoding="utf-8")

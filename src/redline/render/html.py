@@ -89,7 +89,8 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     files = read_run(run_dir)
     require_matplotlib()
     summary = files.summary
-    task = str(summary.get("task", run_dir.name)) if summary else run_dir.name
+    named = run_dir.resolve().name  # "." (a report of the directory it is run in) names the directory
+    task = str(summary.get("task", named)) if summary else named
     if summary:
         sub = f"{run_dir}: {summary.get('steps', '?')} steps on {summary.get('device', '?')} "
         sub += f"(stopped: {summary.get('stopped', '?')})"
