@@ -1,7 +1,8 @@
 """`redline bench` failing: a row's failure is confined to its row wherever in its steps it comes, and a bench
-refused before it runs leaves nothing behind."""
+refused before it runs leaves nothing behind, nor writes its page over the task's own file."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.bench import benchmark
 from redline.cli.bench import bench as bench_command
-from redline.errors import RedlineError, TaskError
+from redline.errors import ConfigError, RedlineError, TaskError
 from redline.task import Task
 
 
@@ -114,3 +115,26 @@ def test_a_bench_refused_before_it_runs_leaves_no_directory_for_its_page(tmp_pat
     with pytest.raises(RedlineError, match=message):
         bench_command(task="example:digits", devices="cpu", html=page, **flags)
     assert not (tmp_path / "reports").exists()
+
+
+def test_a_page_asked_over_the_tasks_own_file_is_refused_before_the_bench_and_the_file_kept(tmp_path, monkeypatch):
+    # `--html tasks.py` for `--task tasks.py:mlp` replaced the task's code with the bench's page.
+    def no_bench(*args, **kwargs):
+        raise AssertionError("the bench ran, and its page would replace the task's file")
+
+    source = tmp_path / "tasks.py"
+    source.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
+        "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
+        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
+    )
+    code = source.read_text()
+    monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
+    told = r"--html '.*tasks\.py' is the task's own file \(.*tasks\.py:mlp\): the page would replace its code\nhint: "
+    with pytest.raises(ConfigError, match=told + r"name another file, e\.g\. --html .*tasks\.html"):
+        bench_command(task=f"{source}:mlp", devices="cpu", html=source)
+    monkeypatch.chdir(tmp_path)  # the same file by another path
+    with pytest.raises(ConfigError, match=told):
+        bench_command(task=f"{source}:mlp", devices="cpu", html=Path("tasks.py"))
+    assert source.read_text() == code

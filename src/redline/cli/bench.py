@@ -6,6 +6,7 @@ import errno
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,7 +64,7 @@ def bench(
         raise invalid("--planned-steps", planned_steps, "only with the auto row", hint)
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     if html is not None:
-        _check_html(html)
+        _check_html(html, task)
     console = Console(stderr=True)
     if timed_steps(steps, window) != steps:  # said before the run, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, window)} steps per row: whole windows of {window}"
@@ -134,8 +135,9 @@ def _task_args(task_arg: list[str] | None) -> list[str]:
     return [part for arg in task_arg or [] for part in ("--task-arg", arg)]
 
 
-def _check_html(path: Path) -> None:
+def _check_html(path: Path, spec: str) -> None:
     """Refuse a page that could not be written before the bench runs, not after: its result would be lost.
+    Refuse one that would replace the task's own file (``spec``'s), whose code would be lost.
 
     A missing directory is created with the page, as `redline train --out` creates its own; here only its
     nearest existing directory is tried, so a bench refused or stopped before its page leaves none behind.
@@ -143,6 +145,12 @@ def _check_html(path: Path) -> None:
     require_matplotlib()
     if path.is_dir():
         raise ConfigError(f"--html {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'bench.html'}")
+    source = _task_file(spec)
+    if path.is_file() and source is not None and source.is_file() and source.samefile(path):
+        raise ConfigError(
+            f"--html {str(path)!r} is the task's own file ({spec}): the page would replace its code\n"
+            f"hint: name another file, e.g. --html {path.with_suffix('.html')}"
+        )
     try:
         existing = next(parent for parent in path.parents if parent.exists())  # "." at least
         if not existing.is_dir():
@@ -159,6 +167,15 @@ def _check_html(path: Path) -> None:
             f"--html {str(path)!r} cannot be written ({exc.strerror or exc})\n"
             "hint: pass a file in a directory you can write to"
         ) from exc
+
+
+def _task_file(spec: str) -> Path | None:
+    """The file that defines the task ``spec`` names (imported by now), or None where it has none."""
+    module = spec.rpartition(":")[0]
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        return Path(module).expanduser()
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return Path(file) if file else None
 
 
 def _estimator(task: Task, console: Console) -> Estimate:
