@@ -135,6 +135,17 @@ def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
     assert "75% of the fastest" in line
 
 
+def test_the_best_line_where_the_naive_loop_failed_says_so_not_na():
+    # fp32 out of memory where bf16 fits: the line read "cpu bf16-mixed eager b64, n/a the naive loop".
+    naive = _row("naive cpu fp32 b64", "naive", None, error="OutOfMemoryError: CUDA out of memory")
+    bf16 = _row("cpu bf16-mixed eager b64", "explicit", 6000.0, precision="bf16-mixed", speedup_naive=None)
+    auto = _row("auto cpu b64", "auto", 5000.0, precision="bf16-mixed", speedup_naive=None)
+    line = best_line(result_of(naive, bf16, auto))
+    assert "fastest at batch 64: cpu bf16-mixed eager b64, no naive loop ran to compare with\n" in line
+    assert "(what `redline train` runs: bf16-mixed, eager): no naive loop ran to compare with, 83% of the" in line
+    assert "n/a" not in line
+
+
 def test_a_slow_step_is_shown_in_whole_milliseconds_not_in_e_notation():
     slow = _row("naive cpu fp32 b64", "naive", 24.0, step_ms_p50=2662.4, step_ms_p90=3661.0)
     text = shown(result_of(slow, _row("cpu fp32 eager b64", "explicit", 5000.0, step_ms_p50=99.96, step_ms_p90=0.5)))

@@ -125,21 +125,28 @@ def best_line(result: Mapping[str, Any]) -> str:
             lines.append(f"at batch {size} no configuration kept a finite loss: {DIVERGED}")
             continue
         best = max(training, key=lambda r: r["samples_per_s"])
-        line = f"fastest at batch {size}: {best['name']}, {_times(best['speedup_naive'])} the naive loop"
+        line = f"fastest at batch {size}: {best['name']}{_versus_naive(best)}"
         faster = [r["name"] for r in group if diverged(r) and r["samples_per_s"] > best["samples_per_s"]]
         if faster:
             line += f" (faster, but with a loss not finite: {', '.join(faster)})"
         for auto in (r for r in group if r["kind"] == "auto"):
             settings = _auto_settings(auto)
             share = auto["samples_per_s"] / best["samples_per_s"]
-            speedup = _times(auto["speedup_naive"])
-            line += f"\n{auto['name']} (what `redline train` runs: {settings}): {speedup} the naive loop"
+            line += f"\n{auto['name']} (what `redline train` runs: {settings}){_versus_naive(auto, ':')}"
             if diverged(auto):
                 line += ", but its loss was not finite"
             else:
                 line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _versus_naive(row: Mapping[str, Any], lead: str = ",") -> str:
+    """``, 1.20x the naive loop``; where no naive loop ran on its device and batch size (it failed: out of memory
+    in fp32, say), that there is none to compare with, not "n/a the naive loop"."""
+    if row["speedup_naive"] is None:
+        return f"{lead} no naive loop ran to compare with"
+    return f"{lead} {_times(row['speedup_naive'])} the naive loop"
 
 
 def _auto_settings(auto: Mapping[str, Any]) -> str:
