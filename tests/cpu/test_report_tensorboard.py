@@ -1,6 +1,8 @@
 """`redline report` on a run that logged to TensorBoard alone: its curves come from the run's events."""
 
+import os
 import sys
+import time
 
 import pytest
 
@@ -58,3 +60,31 @@ def test_a_tensorboard_run_without_the_tensorboard_package_says_how_to_install_i
     monkeypatch.setitem(sys.modules, "tensorboard.backend.event_processing.event_accumulator", None)
     with pytest.raises(ConfigError, match=r"logged to TensorBoard alone .*\nhint: pip install tensorboard"):
         read_run(tmp_path)
+
+
+def test_logs_an_earlier_run_left_beside_newer_events_are_not_drawn_as_the_run(tmp_path):
+    # A run with the default --logger, then one with --logger tensorboard alone in the same --out: the report
+    # drew the first run's metrics.csv under the second run's summary.
+    with open_loggers(["csv", "jsonl"], tmp_path) as loggers:
+        log_steps(loggers, [1, 2, 3], lambda s: 10.0)
+        loggers.log_eval(3, {"val_loss": 9.0})
+    earlier = time.time() - 60
+    for name in ("metrics.csv", "metrics.jsonl", "eval.csv", "eval.jsonl"):
+        os.utime(tmp_path / name, (earlier, earlier))
+    with open_loggers(["tensorboard"], tmp_path) as loggers:
+        log_steps(loggers, [1, 2, 3, 4, 5], lambda s: 1.0)
+    files = read_run(tmp_path)
+    assert files.train_file == "tensorboard/" and [row["loss"] for row in files.train] == [1.0] * 5
+    assert files.evals == []
+
+
+def test_a_run_that_logged_to_files_and_tensorboard_is_read_from_its_files(tmp_path):
+    with open_loggers(["csv", "jsonl", "tensorboard"], tmp_path) as loggers:
+        log_steps(loggers, [1, 2], lambda s: 1.0)
+        loggers.log_eval(2, {"val_loss": 0.5})
+    earlier = time.time() - 60  # the last step logged long before the evaluation at the end (eval.*, the events)
+    for name in ("metrics.jsonl", "metrics.csv"):
+        os.utime(tmp_path / name, (earlier, earlier))
+    files = read_run(tmp_path)
+    assert files.train_file == "metrics.jsonl" and files.eval_file == "eval.jsonl"
+    assert [row["step"] for row in files.train] == [1, 2] and files.evals == [{"step": 2, "val_loss": 0.5}]

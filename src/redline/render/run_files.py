@@ -55,7 +55,8 @@ def read_run(run_dir: Path) -> RunFiles:
         hint = _report_the(run) if run is not None else OUT_HINT
         raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {hint}")
     train_file = _first_present(run_dir, LOGS)
-    if train_file is None and _has_events(run_dir):
+    train_file = _newer_csv(run_dir, train_file) if train_file else None
+    if _has_events(run_dir) and (train_file is None or _logs_older(run_dir, _newest_events(run_dir))):
         return _read_tensorboard_run(run_dir)
     if train_file is None:
         run = run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
@@ -69,7 +70,6 @@ def read_run(run_dir: Path) -> RunFiles:
         raise ConfigError(
             f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\nhint: {hint}"
         )
-    train_file = _newer_csv(run_dir, train_file)
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
     eval_file = _newer_csv(run_dir, eval_file) if eval_file else None
     train = _read_rows(run_dir / train_file)
@@ -102,6 +102,17 @@ def _has_events(run_dir: Path) -> bool:
     return any((run_dir / TENSORBOARD).glob(EVENTS))
 
 
+def _logs_older(run_dir: Path, events: Path) -> bool:
+    """Whether every log file is older than the events: an earlier run's, left by one with --logger tensorboard
+    alone in the same --out (a run that logs to both writes the events with its train or its eval log)."""
+    logs = [run_dir / name for name in (*LOGS, "eval.jsonl", "eval.csv") if (run_dir / name).is_file()]
+    return all(_older(log, events) for log in logs)
+
+
+def _newest_events(run_dir: Path) -> Path:
+    return max((run_dir / TENSORBOARD).glob(EVENTS), key=lambda path: path.stat().st_mtime)
+
+
 def _read_tensorboard_run(run_dir: Path) -> RunFiles:
     """A run that logged to TensorBoard alone: its scalars, by step, as the rows its CSV would hold."""
     try:
@@ -129,11 +140,10 @@ def _read_tensorboard_run(run_dir: Path) -> RunFiles:
         rows, key = (evals, "val_" + tag.removeprefix("val/")) if tag.startswith("val/") else (train, tag)
         for event in events.Scalars(tag):
             rows.setdefault(int(event.step), {"step": int(event.step)})[key] = float(event.value)
-    newest = max(folder.glob(EVENTS), key=lambda path: path.stat().st_mtime)
     in_order = [train[step] for step in sorted(train)]
-    return _with_summary(
-        run_dir, in_order, [evals[step] for step in sorted(evals)], TENSORBOARD, TENSORBOARD if evals else None, newest
-    )
+    evals_in_order = [evals[step] for step in sorted(evals)]
+    newest = _newest_events(run_dir)
+    return _with_summary(run_dir, in_order, evals_in_order, TENSORBOARD, TENSORBOARD if evals else None, newest)
 
 
 def _report_the(run: Path) -> str:
