@@ -63,22 +63,27 @@ class Runner:
         return split_batch(batch, "train_data")
 
     def run(self, steps: int) -> float:
-        """Run ``steps`` optimizer steps of ``micro_steps`` micro-batches each; return the last loss (read once).
+        """Run ``steps`` optimizer steps of ``micro_steps`` micro-batches each; return the last step's loss, the
+        mean of its micro-batches' as a row without them has it (read once).
 
         Whole optimizer steps only, so every timed window holds the same number of them.
         """
-        loss, first = None, []
+        first: list[float] = []
+        last: list[torch.Tensor] = []
         with self.scope():
-            for _ in range(steps * self.micro_steps):
+            for index in range(steps * self.micro_steps):
                 inputs, targets = self.next_batch()
                 loss = self.step_fn(inputs, targets)
+                if index % self.micro_steps == 0:  # a new optimizer step
+                    last = []
+                last.append(loss.detach())
                 if self.first_batch is None:
                     self.first_batch = (inputs, targets)
                 if self.first_loss is None:  # the whole first batch's loss, as a row without micro-batches has it
                     first.append(float(loss.detach()))
                     if len(first) == self.micro_steps:
                         self.first_loss = sum(first) / len(first)
-        return float(loss.detach()) if loss is not None else float("nan")
+        return float(torch.stack(last).float().mean()) if last else float("nan")
 
     def plan(self) -> Plan | None:
         """The Runtime's Plan for this row (None for the naive loop)."""
