@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.bench import benchmark
 from redline.cli.bench import bench as bench_command
-from redline.errors import ConfigError, RedlineError, TaskError
+from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
 from redline.task import Task
 
 
@@ -138,3 +138,21 @@ def test_a_page_asked_over_the_tasks_own_file_is_refused_before_the_bench_and_th
     with pytest.raises(ConfigError, match=told):
         bench_command(task=f"{source}:mlp", devices="cpu", html=Path("tasks.py"))
     assert source.read_text() == code
+
+
+def test_a_bench_that_ran_nothing_names_the_one_step_run_at_its_batch_size_and_device(tmp_path, capsys):
+    # The one-step run left out --batch-size: at the task's own size a batch too large to run ran, and showed
+    # no failing line.
+    source = tmp_path / "tasks.py"
+    source.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "def mlp(features='7'):\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
+        "    return Task(model=lambda: nn.Linear(int(features), 3), loss_fn=nn.functional.cross_entropy,\n"
+        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
+    )
+    with pytest.raises(TrainingError, match=r"no configuration of mlp ran \(3 failed\)") as refused:
+        bench_command(task=f"{source}:mlp", task_arg=["features=7"], devices="cpu", precision="fp32", compile="off",
+                      batch_size="8", steps=1, window=1, estimate=False)  # fmt: skip
+    one = f"redline train --task {source}:mlp --task-arg features=7 --batch-size 8 --devices cpu --max-steps 1"
+    assert f"`{one}` runs one step" in str(refused.value)
+    assert "failed" in capsys.readouterr().out  # the rows were shown first

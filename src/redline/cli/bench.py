@@ -101,7 +101,7 @@ def bench(
         raise interrupted
     rows = data["rows"]
     if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
-        one = shlex.join(["redline", "train", "--task", task, *_task_args(task_arg), "--max-steps", "1"])
+        one = shlex.join(["redline", "train", *_one_run(task, task_arg, devices, batch_size), "--max-steps", "1"])
         raise TrainingError(
             f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
             f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
@@ -131,8 +131,14 @@ def _by_flag(error: str) -> str:
     return re.sub(r"(?<![\w.-])(precision|compile)=", r"--\1 ", said)
 
 
-def _task_args(task_arg: list[str] | None) -> list[str]:
-    return [part for arg in task_arg or [] for part in ("--task-arg", arg)]
+def _one_run(task: str, task_arg: list[str] | None, devices: str, batch_size: str | None) -> list[str]:
+    """The flags of a `redline train` of what was benched: the task, its arguments, and the device and batch
+    size where one was given (a batch that does not fit fails there, not at the task's own size)."""
+    flags = ["--task", task, *(part for arg in task_arg or [] for part in ("--task-arg", arg))]
+    sizes = _sizes(batch_size) or []
+    flags += ["--batch-size", str(sizes[0])] if len(set(sizes)) == 1 else []
+    named = _parts(devices)
+    return flags + (["--devices", named[0]] if len(named) == 1 and named[0] != "auto" else [])
 
 
 def _check_html(path: Path, spec: str) -> None:
