@@ -1,6 +1,7 @@
 """`redline bench` failing: a row's failure is confined to its row wherever in its steps it comes, and a bench
 refused before it runs leaves nothing behind, nor writes its page over the task's own file."""
 
+import json
 import math
 from pathlib import Path
 
@@ -156,3 +157,13 @@ def test_a_bench_that_ran_nothing_names_the_one_step_run_at_its_batch_size_and_d
     one = f"redline train --task {source}:mlp --task-arg features=7 --batch-size 8 --devices cpu --max-steps 1"
     assert f"`{one}` runs one step" in str(refused.value)
     assert "failed" in capsys.readouterr().out  # the rows were shown first
+
+
+def test_with_json_the_page_written_is_said_on_stderr_and_stdout_stays_json(tmp_path, capsys):
+    # With --json the page was written without a word: stdout must stay JSON, so it is said on stderr.
+    page = tmp_path / "pages" / "bench.html"
+    bench_command(task="example:digits", devices="cpu", precision="fp32", compile="off", auto=False, steps=1,
+                  window=1, estimate=False, json_output=True, html=page)  # fmt: skip
+    said = capsys.readouterr()
+    assert json.loads(said.out)["task"] == "digits"
+    assert f"report: {page}" in said.err and page.is_file()

@@ -120,8 +120,8 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
         from redline.render.html import bench_report, write_report
 
         write_report(html, bench_report(data))
-        if not json_output:
-            out.print(f"report: {html}", highlight=False, markup=False, soft_wrap=True)  # a path is never broken
+        said = Console(stderr=True) if json_output else out  # stdout is the JSON alone, for `> bench.json`
+        said.print(f"report: {html}", highlight=False, markup=False, soft_wrap=True)  # a path is never broken
 
 
 def _by_flag(error: str) -> str:
