@@ -111,6 +111,15 @@ def test_a_small_models_memory_is_not_shown_as_zero():
     assert [size(n) for n in (512, 3 * 2**20 + 2**19, 5 * 2**30)] == ["512 B", "3.5 MiB", "5.00 GiB"]
 
 
+def test_a_small_models_share_of_matmul_is_not_shown_as_zero():
+    # A small model on a CPU reaches 0.04% of the matmul: "0%" read as if it did nothing, or was not measured.
+    cpu = _row("naive cpu fp32 b32", "naive", 5000.0, mfu_measured=0.00042)
+    text = shown(result_of(cpu, _row("cpu fp32 eager b32", "explicit", 6000.0, mfu_measured=0.23)))
+    assert " 0.04% " in text and " 23% " in text and " 0% " not in text, text
+    gpu = _row("cuda fp32 eager b32", "explicit", 9000.0, device="cuda", mfu=0.0003, mfu_measured=0.0012)
+    assert " 0.03%/0.1% " in shown(result_of(gpu, dict(gpu, name="auto cuda b32", mfu=0.412, mfu_measured=0.5)))
+
+
 def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
     naive = _row("naive cpu fp32 b64", "naive", 5000.0)
     auto = _row("auto cpu b64", "auto", 6000.0, precision="bf16-mixed")
@@ -124,6 +133,17 @@ def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
     line = best_line(result_of(naive, eager, dict(auto, plan=plan)))
     assert "(what `redline train` runs: the tuned Plan: bf16-mixed, eager, 2 micro-batches a step)" in line
     assert "75% of the fastest" in line
+
+
+def test_the_best_line_where_the_naive_loop_failed_says_so_not_na():
+    # fp32 out of memory where bf16 fits: the line read "cpu bf16-mixed eager b64, n/a the naive loop".
+    naive = _row("naive cpu fp32 b64", "naive", None, error="OutOfMemoryError: CUDA out of memory")
+    bf16 = _row("cpu bf16-mixed eager b64", "explicit", 6000.0, precision="bf16-mixed", speedup_naive=None)
+    auto = _row("auto cpu b64", "auto", 5000.0, precision="bf16-mixed", speedup_naive=None)
+    line = best_line(result_of(naive, bf16, auto))
+    assert "fastest at batch 64: cpu bf16-mixed eager b64, no naive loop ran to compare with\n" in line
+    assert "(what `redline train` runs: bf16-mixed, eager): no naive loop ran to compare with, 83% of the" in line
+    assert "n/a" not in line
 
 
 def test_a_slow_step_is_shown_in_whole_milliseconds_not_in_e_notation():

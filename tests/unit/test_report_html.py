@@ -360,3 +360,47 @@ def test_the_charts_leave_the_callers_matplotlib_backend_alone(request):
         [sys.executable, "-c", KEEPS_THE_USERS_BACKEND, tests], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout) == {"pyplot": False, "backend": "svg"}
+
+
+def test_a_share_too_small_for_its_decimals_keeps_its_first_digit_in_the_page():
+    result = bench_result()
+    result["rows"][0].update(mfu=0.00042, mfu_measured=0.000031)  # a small model: "0.0%" read as nothing done
+    table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
+    assert '<td class="num">0.04%</td><td class="num">0.003%</td>' in table
+
+
+def test_a_bench_saved_under_another_name_than_json_gets_its_page(tmp_path):
+    # `redline bench --json > bench.out` was refused as "run directory 'bench.out' is not a directory", its hint
+    # naming a run's --out: a bench result was told to be something else.
+    for name, page in (("bench.out", "bench.html"), ("BENCH.JSON", "BENCH.html"), ("results", "results.html")):
+        (tmp_path / name).write_text(json.dumps(bench_result()))
+        assert report(tmp_path / name) == tmp_path / page
+        assert "<title>redline bench: digits" in (tmp_path / page).read_text()
+    (tmp_path / "notes.txt").write_text("not a bench")
+    with pytest.raises(ConfigError, match=r"notes\.txt cannot be read as a bench result: .*\nhint: pass the file"):
+        report(tmp_path / "notes.txt")
+    run = write_run(tmp_path / "run")  # a run's own file still names the run to report
+    with pytest.raises(ConfigError, match=f"is not a directory\nhint: {run} holds the run's logs"):
+        report(run / "metrics.csv")
+
+
+def test_a_page_asked_into_a_directory_is_refused_naming_a_file_to_pass(tmp_path):
+    # It said "the report cannot be written to '...' (Is a directory)", with no file to pass instead.
+    run = write_run(tmp_path / "run")
+    where = re.escape(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"--html '{where}' is a directory\nhint: .* --html {where}/report\.html"):
+        report(run, tmp_path)
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(bench_result()))
+    named = rf"is a directory\nhint: name a file, e\.g\. --html {re.escape(str(run))}/bench\.html$"
+    with pytest.raises(ConfigError, match=named):
+        report(saved, run)
+
+
+def test_a_run_reported_as_the_current_directory_is_named_by_it(tmp_path, monkeypatch):
+    # `redline report .` in a run still going titled the page "redline run: " (the name of "." is empty).
+    run = tmp_path / "run-7"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    monkeypatch.chdir(run)
+    assert "<title>redline run: run-7</title>" in report(".").read_text(encoding="utf-8")

@@ -54,27 +54,36 @@ class Runner:
                 return split_batch(batch, "train_data")
         self._iterator = iter(self.batches)
         batch = next(self._iterator, None)
-        if batch is None:
-            raise TaskError("train_data gave no full batch\nhint: pass a batch size no larger than the dataset")
+        if batch is None:  # a stream that yields fewer samples than a batch: check_sizes cannot know its length
+            size = self.setting.batch_size // self.micro_steps
+            raise TaskError(
+                f"train_data gave no full batch of {size}: a pass over it yields fewer samples\n"
+                "hint: pass a batch size no larger than the dataset (--batch-size)"
+            )
         return split_batch(batch, "train_data")
 
     def run(self, steps: int) -> float:
-        """Run ``steps`` optimizer steps of ``micro_steps`` micro-batches each; return the last loss (read once).
+        """Run ``steps`` optimizer steps of ``micro_steps`` micro-batches each; return the last step's loss, the
+        mean of its micro-batches' as a row without them has it (read once).
 
         Whole optimizer steps only, so every timed window holds the same number of them.
         """
-        loss, first = None, []
+        first: list[float] = []
+        last: list[torch.Tensor] = []
         with self.scope():
-            for _ in range(steps * self.micro_steps):
+            for index in range(steps * self.micro_steps):
                 inputs, targets = self.next_batch()
                 loss = self.step_fn(inputs, targets)
+                if index % self.micro_steps == 0:  # a new optimizer step
+                    last = []
+                last.append(loss.detach())
                 if self.first_batch is None:
                     self.first_batch = (inputs, targets)
                 if self.first_loss is None:  # the whole first batch's loss, as a row without micro-batches has it
                     first.append(float(loss.detach()))
                     if len(first) == self.micro_steps:
                         self.first_loss = sum(first) / len(first)
-        return float(loss.detach()) if loss is not None else float("nan")
+        return float(torch.stack(last).float().mean()) if last else float("nan")
 
     def plan(self) -> Plan | None:
         """The Runtime's Plan for this row (None for the naive loop)."""

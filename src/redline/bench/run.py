@@ -101,33 +101,29 @@ def benchmark(
     rows: list[BenchRow] = []
     timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
     interrupted = ""
+    task_error: RedlineError | None = None
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
         planned = planned_steps or task_steps(task, size)
         try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
             if any(s.compile is not False for s in group):
                 reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
-            built: dict[Setting, tuple[Runner, PeakMemory, int | None]] = {}
-            failed: dict[Setting, str] = {}
-            for setting in group:
-                tell(done, total, f"warming up {setting.name}")
-                try:
-                    built[setting] = warm_up(task, setting, window, planned, seed)
-                except ConfigError as exc:  # the row's settings do not fit its device (bf16 on a V100): it says why
-                    failed[setting] = str(exc)
-                except RedlineError:  # the task's own (its data, its loss): every row would fail alike
-                    raise
-                except Exception as exc:  # a setting this machine cannot run: its row says why
-                    failed[setting] = describe_error(exc)
-                done += 1
+            warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
+            built, failed = _warm_up_all(task, group, window, planned, seed, warming)
+            done += len(group)
             runners = [runner for runner, _, _ in built.values()]
             timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
             done += rounds
             group_rows = _rows(task, group, built, timed, failed, window)
+            timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
         except KeyboardInterrupt:
             interrupted = f"interrupted (SIGINT) while {running[0]} (batch {size})"
             break
-        timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
+        except StoppedBySignal:
+            raise
+        except RedlineError as exc:  # the task's own at this size (a stream with no full batch of it): its rows
+            task_error = task_error or exc  # say so, and the sizes measured before it stay
+            group_rows = [dataclasses.replace(_base_row(setting), error=str(exc)) for setting in group]
         rows += group_rows
     result = BenchResult(
         task=task.name,
@@ -143,6 +139,8 @@ def benchmark(
     )
     if interrupted:
         raise BenchInterrupted(result)
+    if task_error is not None and all(row.error for row in rows):  # at every size: the task's error, as raised
+        raise task_error
     return result
 
 
@@ -216,6 +214,29 @@ def task_steps(task: Task, batch_size: int) -> int | None:
     except TypeError:
         return None
     return max(1, size // batch_size) * task.epochs
+
+
+Built = dict[Setting, tuple[Runner, PeakMemory, int | None]]
+
+
+def _warm_up_all(
+    task: Task, group: list[Setting], window: int, planned: int | None, seed: int, tell: Callable[[int, str], None]
+) -> tuple[Built, dict[Setting, str]]:
+    """Warm up each row of a batch size alone (``tell(index, what)`` as each starts): the rows built, and the
+    error of each row that failed."""
+    built: Built = {}
+    failed: dict[Setting, str] = {}
+    for index, setting in enumerate(group):
+        tell(index, f"warming up {setting.name}")
+        try:
+            built[setting] = warm_up(task, setting, window, planned, seed)
+        except ConfigError as exc:  # the row's settings do not fit its device (bf16 on a V100): it says why
+            failed[setting] = str(exc)
+        except RedlineError:  # the task's own (its data, its loss): every row would fail alike
+            raise
+        except Exception as exc:  # a setting this machine cannot run: its row says why
+            failed[setting] = describe_error(exc)
+    return built, failed
 
 
 def warm_up(
@@ -312,7 +333,7 @@ def _synchronize(devices: list[torch.device]) -> None:
 def _rows(
     task: Task,
     group: list[Setting],
-    built: dict[Setting, tuple[Runner, PeakMemory, int | None]],
+    built: Built,
     timed: dict[int, tuple[list[float], str]],
     failed: dict[Setting, str],
     window: int,
@@ -321,19 +342,30 @@ def _rows(
     position = {setting: i for i, setting in enumerate(built)}
     peaks: dict[tuple[str, str, bool], float | None] = {}
     for setting in group:
-        base = BenchRow(
-            setting.name, setting.kind, setting.device, setting.precision, setting.compile, None, setting.batch_size
-        )
+        base = _base_row(setting)
         if setting in failed:
             rows.append(dataclasses.replace(base, error=failed[setting]))
             continue
         runner, memory, flops = built[setting]
         windows, error = timed[position[setting]]
+        try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
+            loss = None if error else _last_loss(runner)
+        except RedlineError:
+            raise
+        except Exception as exc:
+            error = describe_error(exc)
         if error:
             rows.append(dataclasses.replace(base, error=error))
             continue
-        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks))
+        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks, loss))
     return _with_break_even(_with_shared_compiles(rows))
+
+
+def _base_row(setting: Setting) -> BenchRow:
+    """A row of ``setting`` without figures yet."""
+    return BenchRow(
+        setting.name, setting.kind, setting.device, setting.precision, setting.compile, None, setting.batch_size
+    )
 
 
 def _with_shared_compiles(rows: list[BenchRow]) -> list[BenchRow]:
@@ -360,6 +392,7 @@ def _figures(
     memory: PeakMemory,
     flops: int | None,
     peaks: dict[tuple[str, str, bool], float | None],
+    loss: float | None,
 ) -> BenchRow:
     plan = runner.plan()
     precision = plan.precision.value if plan is not None else "fp32"
@@ -395,7 +428,7 @@ def _figures(
         mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
         mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
         compile_s=runner.compile_seconds() if compiled else None,
-        loss=_last_loss(runner),
+        loss=loss,
         plan=plan.to_dict() if plan is not None else None,
     )
 

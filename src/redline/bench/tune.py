@@ -53,6 +53,7 @@ MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace
 UNMEASURED = "not measured: the budget was spent"
 LEFT = "left to the run's auto"  # what a run that uses the tune does with an axis the tune did not decide
 WINDOW = 5  # timed steps between two device syncs
+ONE_STEP = "redline train --task SPEC --max-steps 1"  # the command line says the task as typed for SPEC
 Progress = Callable[[int, int, str], None]
 
 
@@ -169,8 +170,7 @@ def _check_measured(task: Task, trials: Sequence[Trial], interrupted: str, budge
         first = trials[0]
         raise TrainingError(
             f"no candidate of {task.name} ran ({len(trials)} tried); {_value(first.candidate, '')}: {first.rejected}\n"
-            "hint: fix the task, then tune again; `redline train --task SPEC --max-steps 1` runs one step and shows "
-            "the line that fails"
+            f"hint: fix the task, then tune again; `{ONE_STEP}` runs one step and shows the line that fails"
         )
 
 

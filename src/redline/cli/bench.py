@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from redline.atomic import check_writable, make_parent
+from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
 from redline.cli.task_args import parse_task_args
@@ -62,7 +64,7 @@ def bench(
         raise invalid("--planned-steps", planned_steps, "only with the auto row", hint)
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
     if html is not None:
-        _check_html(html)
+        _check_html(html, task)
     console = Console(stderr=True)
     if timed_steps(steps, window) != steps:  # said before the run, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, window)} steps per row: whole windows of {window}"
@@ -99,7 +101,7 @@ def bench(
         raise interrupted
     rows = data["rows"]
     if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
-        one = shlex.join(["redline", "train", "--task", task, *_task_args(task_arg), "--max-steps", "1"])
+        one = shlex.join(["redline", "train", *_one_run(task, task_arg, devices, batch_size), "--max-steps", "1"])
         raise TrainingError(
             f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
             f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
@@ -118,8 +120,8 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
         from redline.render.html import bench_report, write_report
 
         write_report(html, bench_report(data))
-        if not json_output:
-            out.print(f"report: {html}", highlight=False, markup=False, soft_wrap=True)  # a path is never broken
+        said = Console(stderr=True) if json_output else out  # stdout is the JSON alone, for `> bench.json`
+        said.print(f"report: {html}", highlight=False, markup=False, soft_wrap=True)  # a path is never broken
 
 
 def _by_flag(error: str) -> str:
@@ -129,21 +131,38 @@ def _by_flag(error: str) -> str:
     return re.sub(r"(?<![\w.-])(precision|compile)=", r"--\1 ", said)
 
 
-def _task_args(task_arg: list[str] | None) -> list[str]:
-    return [part for arg in task_arg or [] for part in ("--task-arg", arg)]
+def _one_run(task: str, task_arg: list[str] | None, devices: str, batch_size: str | None) -> list[str]:
+    """The flags of a `redline train` of what was benched: the task, its arguments, and the device and batch
+    size where one was given (a batch that does not fit fails there, not at the task's own size)."""
+    flags = ["--task", task, *(part for arg in task_arg or [] for part in ("--task-arg", arg))]
+    sizes = _sizes(batch_size) or []
+    flags += ["--batch-size", str(sizes[0])] if len(set(sizes)) == 1 else []
+    named = _parts(devices)
+    return flags + (["--devices", named[0]] if len(named) == 1 and named[0] != "auto" else [])
 
 
-def _check_html(path: Path) -> None:
+def _check_html(path: Path, spec: str) -> None:
     """Refuse a page that could not be written before the bench runs, not after: its result would be lost.
+    Refuse one that would replace the task's own file (``spec``'s), whose code would be lost.
 
-    A missing directory is created, as `redline train --out` creates its own.
+    A missing directory is created with the page, as `redline train --out` creates its own; here only its
+    nearest existing directory is tried, so a bench refused or stopped before its page leaves none behind.
     """
     require_matplotlib()
     if path.is_dir():
         raise ConfigError(f"--html {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'bench.html'}")
+    source = _task_file(spec)
+    if path.is_file() and source is not None and source.is_file() and source.samefile(path):
+        raise ConfigError(
+            f"--html {str(path)!r} is the task's own file ({spec}): the page would replace its code\n"
+            f"hint: name another file, e.g. --html {path.with_suffix('.html')}"
+        )
     try:
-        make_parent(path)
-        check_writable(path)
+        existing = next(parent for parent in path.parents if parent.exists())  # "." at least
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file is where a directory would be", str(existing))
+        # a temporary file where the page will be, or where its first missing directory will be made
+        check_writable(path if existing == path.parent else existing / path.name)
     except NotADirectoryError as exc:
         raise ConfigError(
             f"--html {str(path)!r} is in {exc.filename!r}, which is a file, not a directory\n"
@@ -154,6 +173,15 @@ def _check_html(path: Path) -> None:
             f"--html {str(path)!r} cannot be written ({exc.strerror or exc})\n"
             "hint: pass a file in a directory you can write to"
         ) from exc
+
+
+def _task_file(spec: str) -> Path | None:
+    """The file that defines the task ``spec`` names (imported by now), or None where it has none."""
+    module = spec.rpartition(":")[0]
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        return Path(module).expanduser()
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return Path(file) if file else None
 
 
 def _estimator(task: Task, console: Console) -> Estimate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,7 +45,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     if any(r["device"] != "cpu" and r["speedup_cpu_fp32"] is not None for r in rows):  # a CPU naive row ran
         columns.append(("vs CPU fp32", lambda r: _times(r["speedup_cpu_fp32"])))
     if any(r["mfu"] is not None for r in rows):  # one column for both shares, as p50/p90: it fits 80 columns
-        columns.append(("MFU/of matmul", lambda r: f"{_share(r['mfu'], '.1%', '-')}/{_share(r['mfu_measured'])}"))
+        columns.append(("MFU/of matmul", lambda r: f"{_share(r['mfu'], 1)}/{_share(r['mfu_measured'])}"))
     else:
         columns.append(("of matmul", lambda r: _share(r["mfu_measured"], missing="n/a")))
     columns.append(("memory", lambda r: _bytes(r["peak_mem_bytes"])))
@@ -124,21 +125,28 @@ def best_line(result: Mapping[str, Any]) -> str:
             lines.append(f"at batch {size} no configuration kept a finite loss: {DIVERGED}")
             continue
         best = max(training, key=lambda r: r["samples_per_s"])
-        line = f"fastest at batch {size}: {best['name']}, {_times(best['speedup_naive'])} the naive loop"
+        line = f"fastest at batch {size}: {best['name']}{_versus_naive(best)}"
         faster = [r["name"] for r in group if diverged(r) and r["samples_per_s"] > best["samples_per_s"]]
         if faster:
             line += f" (faster, but with a loss not finite: {', '.join(faster)})"
         for auto in (r for r in group if r["kind"] == "auto"):
             settings = _auto_settings(auto)
             share = auto["samples_per_s"] / best["samples_per_s"]
-            speedup = _times(auto["speedup_naive"])
-            line += f"\n{auto['name']} (what `redline train` runs: {settings}): {speedup} the naive loop"
+            line += f"\n{auto['name']} (what `redline train` runs: {settings}){_versus_naive(auto, ':')}"
             if diverged(auto):
                 line += ", but its loss was not finite"
             else:
                 line += ", the fastest" if auto is best else f", {share:.0%} of the fastest"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _versus_naive(row: Mapping[str, Any], lead: str = ",") -> str:
+    """``, 1.20x the naive loop``; where no naive loop ran on its device and batch size (it failed: out of memory
+    in fp32, say), that there is none to compare with, not "n/a the naive loop"."""
+    if row["speedup_naive"] is None:
+        return f"{lead} no naive loop ran to compare with"
+    return f"{lead} {_times(row['speedup_naive'])} the naive loop"
 
 
 def _auto_settings(auto: Mapping[str, Any]) -> str:
@@ -165,8 +173,16 @@ def _ms(value: float | None) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _share(value: float | None, spec: str = ".0%", missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
+def _share(value: float | None, decimals: int = 0, missing: str = "-") -> str:
+    return missing if value is None else percent(value, decimals)
+
+
+def percent(share: float, decimals: int = 0) -> str:
+    """``share`` as a percentage with ``decimals`` decimals; one too small for them keeps its first digit
+    ("0.04%"): a small model on a CPU reaches a fraction of a percent of its matmul, and "0%" reads as nothing."""
+    if 0 < share * 100 < 0.5 / 10**decimals:
+        decimals = -math.floor(math.log10(share * 100))
+    return f"{share * 100:.{decimals}f}%"
 
 
 def _times(value: float | None) -> str:

@@ -18,9 +18,9 @@ from typing import Any
 
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError
-from redline.render.bench import DIVERGED, diverged, steps_told
+from redline.render.bench import DIVERGED, diverged, percent, steps_told
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
-from redline.render.run_files import LOGS, RunFiles, has_values, read_run, values
+from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
 from redline.version import __version__
 
 GIB = 2**30
@@ -89,7 +89,8 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     files = read_run(run_dir)
     require_matplotlib()
     summary = files.summary
-    task = str(summary.get("task", run_dir.name)) if summary else run_dir.name
+    named = run_dir.resolve().name  # "." (a report of the directory it is run in) names the directory
+    task = str(summary.get("task", named)) if summary else named
     if summary:
         sub = f"{run_dir}: {summary.get('steps', '?')} steps on {summary.get('device', '?')} "
         sub += f"(stopped: {summary.get('stopped', '?')})"
@@ -108,7 +109,7 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
             body += ["<h3>Sample</h3>", f"<pre>{escape(str(summary['sample']))}</pre>"]
         if summary.get("plan"):
             body += ["<h2>Plan</h2>", plan_table(summary["plan"])]
-    sources = " and ".join(name for name in (files.train_file, files.eval_file) if name)
+    sources = " and ".join(dict.fromkeys(name for name in (files.train_file, files.eval_file) if name))
     return _page(f"redline run: {task}", sub, body, footer=f"Read from {sources} in {run_dir}.")
 
 
@@ -141,9 +142,9 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     (default FILE.html beside it): a bench need not run again for its report.
     """
     run_dir = Path(run_dir)
-    if run_dir.suffix == ".json" and not run_dir.exists():  # not "run directory ... does not exist"
+    if run_dir.suffix.lower() == ".json" and not run_dir.exists():  # not "run directory ... does not exist"
         raise ConfigError(f"{str(run_dir)!r} does not exist\nhint: {BENCH_HINT}")
-    if run_dir.suffix == ".json" and run_dir.is_file() and run_dir.name != "summary.json":
+    if _is_bench_file(run_dir):
         html = bench_report(_read_bench(run_dir))
         return write_report(_not_a_source(path, run_dir.with_suffix(".html"), [run_dir]), html)
     html = run_report(run_dir)
@@ -151,9 +152,22 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
     return write_report(_not_a_source(path, run_dir / "report.html", sources), html)
 
 
+def _is_bench_file(path: Path) -> bool:
+    """Whether ``path`` is given as a bench result: a JSON file other than a run's summary, or any file that does
+    not lie in a run (``redline bench --json > bench.out``); a run's own file is told to name its run instead."""
+    if not path.is_file() or path.name == "summary.json":
+        return False
+    return path.suffix.lower() == ".json" or run_above(path) is None
+
+
 def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
-    """Where the page goes: ``path`` (else ``default``), refused where it is a file the report was made from."""
+    """Where the page goes: ``path`` (else ``default``), refused where it is a directory or a file the report was
+    made from."""
     target = default if path is None else Path(path)
+    if target.is_dir():  # writing there said "(Is a directory)", and named no file to pass
+        raise ConfigError(
+            f"--html {str(target)!r} is a directory\nhint: name a file, e.g. --html {target / default.name}"
+        )
     if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
         raise ConfigError(
             f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
@@ -308,7 +322,7 @@ def _run_line(files: RunFiles) -> str:
         if _number(summary.get(key)) is not None:
             parts.append(f"{_format(key, summary[key])} {unit}")
     if _number(summary.get("mfu")) is not None:
-        parts.append(f"MFU {summary['mfu']:.1%}")
+        parts.append(f"MFU {percent(summary['mfu'], 1)}")
     return escape(", ".join(parts) + ".")
 
 
@@ -443,7 +457,7 @@ def _format(key: str, value: object) -> str:
     if key.endswith("_bytes"):
         return f"{number / GIB:.2f} GiB"
     if key in ("mfu", "mfu_measured") or key.endswith("_ratio"):
-        return f"{number:.1%}"
+        return percent(number, 1)
     if key.startswith("speedup"):
         return f"{number:.2f}x"
     if isinstance(value, int):

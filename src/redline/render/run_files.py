@@ -3,7 +3,8 @@
 The Trainer writes them under ``--out`` (train/logs.py, train/output.py): ``metrics.jsonl`` and
 ``metrics.csv`` hold one row per logged optimizer step, ``eval.jsonl`` and ``eval.csv`` one per
 evaluation, and ``summary.json`` the TrainSummary once the run has ended. JSONL is read first: it
-keeps every key and writes a diverged loss as NaN where CSV has only text.
+keeps every key and writes a diverged loss as NaN where CSV has only text. A run that logged to
+TensorBoard alone is read from the scalars of its ``tensorboard/`` events (``val/loss`` as ``val_loss``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from redline.errors import ConfigError
 
 Row = dict[str, Any]
 LOGS = ("metrics.jsonl", "metrics.csv")  # a run's training log, JSONL first
+TENSORBOARD = "tensorboard/"  # where a run with --logger tensorboard writes its events, read without the others
+EVENTS = "events.out.tfevents.*"
 OUT_HINT = "pass the directory a run wrote with --out (`redline train --task SPEC --out DIR`)"
 
 
@@ -47,39 +51,46 @@ def read_run(run_dir: Path) -> RunFiles:
     """Read ``run_dir``'s summary and logs; a missing directory or log, or an unreadable file, is a ConfigError."""
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
-        run = _run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
+        run = run_above(run_dir) if run_dir.exists() else None  # a file of the run: its summary.json, a log
         hint = _report_the(run) if run is not None else OUT_HINT
         raise ConfigError(f"run directory {str(run_dir)!r} {what}\nhint: {hint}")
     train_file = _first_present(run_dir, LOGS)
+    train_file = _newer_csv(run_dir, train_file) if train_file else None
+    if _has_events(run_dir) and (train_file is None or _logs_older(run_dir, _newest_events(run_dir))):
+        return _read_tensorboard_run(run_dir)
     if train_file is None:
-        run = _run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
+        run = run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
         if run is None and not any(not p.name.startswith(".") and p.name != "checkpoints" for p in run_dir.iterdir()):
             raise ConfigError(  # a run creates its --out at once, its logs at its first log window
                 f"{run_dir} holds no metrics yet: a run writes metrics.jsonl and metrics.csv when it first logs "
                 f"(after --log-every steps)\nhint: if the run is starting, report it again once it has logged; "
                 f"else {OUT_HINT}"
             )
-        if run is not None:
-            hint = _report_the(run)
-        else:
-            hint = f"{OUT_HINT}; the default --logger writes both (a run that logged to tensorboard alone has neither)"
+        hint = _report_the(run) if run is not None else f"{OUT_HINT}; the default --logger writes both"
         raise ConfigError(
             f"{run_dir} has no metrics.jsonl or metrics.csv: the report draws its curves from them\nhint: {hint}"
         )
-    train_file = _newer_csv(run_dir, train_file)
     eval_file = _first_present(run_dir, ("eval.jsonl", "eval.csv"))
     eval_file = _newer_csv(run_dir, eval_file) if eval_file else None
-    summary = _read_summary(run_dir / "summary.json")
     train = _read_rows(run_dir / train_file)
+    evals = _read_rows(run_dir / eval_file) if eval_file else []
+    return _with_summary(run_dir, train, evals, train_file, eval_file, written=run_dir / train_file)
+
+
+def _with_summary(
+    run_dir: Path, train: list[Row], evals: list[Row], train_file: str, eval_file: str | None, written: Path
+) -> RunFiles:
+    """The run's files with its summary.json, left out where it is not this run's (``written``: the newest log)."""
+    summary = _read_summary(run_dir / "summary.json")
     # A resumed run keeps the summary.json of the stretch it resumed until it ends and writes its own.
     ended_at = summary.get("steps") if summary else None
     stale = isinstance(ended_at, int) and bool(train) and train[-1]["step"] > ended_at
-    older = summary is not None and not stale and _older(run_dir / "summary.json", run_dir / train_file)
+    older = summary is not None and not stale and _older(run_dir / "summary.json", written)
     return RunFiles(
         run_dir=run_dir,
         summary=None if stale or older else summary,
         train=train,
-        evals=_read_rows(run_dir / eval_file) if eval_file else [],
+        evals=evals,
         train_file=train_file,
         eval_file=eval_file,
         stale_summary_steps=ended_at if stale else None,
@@ -87,13 +98,62 @@ def read_run(run_dir: Path) -> RunFiles:
     )
 
 
+def _has_events(run_dir: Path) -> bool:
+    return any((run_dir / TENSORBOARD).glob(EVENTS))
+
+
+def _logs_older(run_dir: Path, events: Path) -> bool:
+    """Whether every log file is older than the events: an earlier run's, left by one with --logger tensorboard
+    alone in the same --out (a run that logs to both writes the events with its train or its eval log)."""
+    logs = [run_dir / name for name in (*LOGS, "eval.jsonl", "eval.csv") if (run_dir / name).is_file()]
+    return all(_older(log, events) for log in logs)
+
+
+def _newest_events(run_dir: Path) -> Path:
+    return max((run_dir / TENSORBOARD).glob(EVENTS), key=lambda path: path.stat().st_mtime)
+
+
+def _read_tensorboard_run(run_dir: Path) -> RunFiles:
+    """A run that logged to TensorBoard alone: its scalars, by step, as the rows its CSV would hold."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise ConfigError(
+            f"{run_dir} logged to TensorBoard alone (no metrics.jsonl or metrics.csv), and reading its events needs "
+            "the tensorboard package, which is not installed\nhint: pip install tensorboard, then report it again"
+        ) from None
+    folder = run_dir / TENSORBOARD
+    # size_guidance 0 keeps every scalar (by default it samples 10,000); the events a resumed run's purge_step
+    # hides are dropped by the accumulator, as TensorBoard drops them.
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    tensorboard_log = logging.getLogger("tensorboard")  # it warns of each purge, which is a resume doing its job
+    disabled, tensorboard_log.disabled = tensorboard_log.disabled, True
+    try:
+        events.Reload()
+    except Exception as exc:  # a file the tensorboard package cannot parse: say which folder, not its traceback
+        raise _unreadable(folder, exc) from exc
+    finally:
+        tensorboard_log.disabled = disabled
+    train: dict[int, Row] = {}
+    evals: dict[int, Row] = {}
+    for tag in events.Tags().get("scalars", []):
+        rows, key = (evals, "val_" + tag.removeprefix("val/")) if tag.startswith("val/") else (train, tag)
+        for event in events.Scalars(tag):
+            rows.setdefault(int(event.step), {"step": int(event.step)})[key] = float(event.value)
+    in_order = [train[step] for step in sorted(train)]
+    evals_in_order = [evals[step] for step in sorted(evals)]
+    newest = _newest_events(run_dir)
+    return _with_summary(run_dir, in_order, evals_in_order, TENSORBOARD, TENSORBOARD if evals else None, newest)
+
+
 def _report_the(run: Path) -> str:
     return f"{run} holds the run's logs: redline report {run}"
 
 
-def _run_above(path: Path) -> Path | None:
-    """The run directory ``path`` lies in (a checkpoint of it, its checkpoints folder), or None."""
-    return next((parent for parent in path.resolve().parents[:3] if _first_present(parent, LOGS)), None)
+def run_above(path: Path) -> Path | None:
+    """The run directory ``path`` lies in (a checkpoint of it, its checkpoints folder, its tensorboard/), or None."""
+    parents = path.resolve().parents[:3]
+    return next((parent for parent in parents if _first_present(parent, LOGS) or _has_events(parent)), None)
 
 
 def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:

@@ -1,0 +1,36 @@
+"""`redline tune` on a task none of whose candidates runs: the error names the command that shows the failing line."""
+
+import pytest
+
+from redline.cli.tune import tune_command
+from redline.errors import TrainingError
+
+BROKEN = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from redline import Task
+
+def mlp(features="7"):
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    return Task(model=lambda: nn.Linear(int(features), 3), loss_fn=nn.functional.cross_entropy,
+                train_data=TensorDataset(x, y), batch_size=16, name="mlp")
+"""
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_tune_that_ran_nothing_names_the_one_step_run_with_the_task_as_typed(tmp_path):
+    # It said `redline train --task SPEC --max-steps 1`, where `redline bench` says the task and its arguments.
+    (tmp_path / "broken tasks.py").write_text(BROKEN)  # the data has 8 features, the model takes 7
+    spec = f"{tmp_path / 'broken tasks.py'}:mlp"
+    with pytest.raises(TrainingError, match=r"no candidate of mlp ran") as refused:
+        tune_command(task=spec, task_arg=["features=7"], devices="cpu", budget=5.0, planned_steps=None,
+                     batch_size=8, steps=1, json_output=False)  # fmt: skip
+    hint = str(refused.value).split("\nhint: ")[-1]
+    expected = f"'{spec}' --task-arg features=7 --batch-size 8 --devices cpu --max-steps 1"
+    assert f"`redline train --task {expected}` runs one step" in hint, hint
+    assert "SPEC" not in hint
