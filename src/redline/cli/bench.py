@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
-from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
@@ -41,12 +41,10 @@ def bench(
     batch_size: Annotated[
         str | None, typer.Option(help="Batch sizes, comma-separated (default: the task's own).")
     ] = None,
-    steps: Annotated[
-        int, typer.Option(min=1, help="Timed steps per configuration, in whole windows (two at least).")
-    ] = 60,
-    window: Annotated[int, typer.Option(min=1, help="Steps per timing window (one device sync each).")] = 5,
+    steps: Annotated[int, count("Timed steps per configuration, in whole windows (two at least).")] = 60,
+    window: Annotated[int, count("Steps per timing window (one device sync each).")] = 5,
     planned_steps: Annotated[
-        int | None, typer.Option(min=1, help="The run auto plans for (default: the task's epochs); decides compile.")
+        int | None, count("The run auto plans for (default: the task's epochs); decides compile.")
     ] = None,
     max_seconds: Annotated[float, typer.Option(help="Stop timing after this many seconds (two rounds at least).")] = (
         300.0

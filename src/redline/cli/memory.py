@@ -16,7 +16,7 @@ import torch
 import typer
 from rich.console import Console
 
-from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -35,7 +35,7 @@ from redline.task import Task, load_task
 def memory(
     task: TaskSpec,
     task_arg: TaskArgs = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="Global batch size (default: the task's own).")] = None,
+    batch_size: Annotated[int | None, count("Global batch size (default: the task's own).")] = None,
     precision: Annotated[
         str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed (auto: what a run on the device picks).")
     ] = "auto",
@@ -46,18 +46,16 @@ def memory(
         ),
     ] = None,
     mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
-    gpus: Annotated[
-        int | None, typer.Option(min=1, help="GPUs for the FSDP rows of a GPU's estimate (default: 8).")
-    ] = None,
+    gpus: Annotated[int | None, count("GPUs for the FSDP rows of a GPU's estimate (default: 8).")] = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Find the largest batch by running training steps on this machine.")
     ] = False,
     start: Annotated[
         int | None,
-        typer.Option(min=1, help="With --measure: the first batch size tried (default: 1; 2 where BatchNorm needs 2)."),
+        count("With --measure: the first batch size tried (default: 1; 2 where BatchNorm needs 2)."),
     ] = None,
     max_batch_size: Annotated[
-        int | None, typer.Option(min=1, help="With --measure: the largest size tried (default: the dataset's size).")
+        int | None, count("With --measure: the largest size tried (default: the dataset's size).")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:

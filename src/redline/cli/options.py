@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 
+from redline.config import positive_int
 from redline.errors import ConfigError, DeviceUnavailableError, invalid
 
 T = TypeVar("T")
@@ -64,6 +65,20 @@ def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None,
         parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         out.append(Flag(owner, field.name, flag, parameter))
     return out
+
+
+def _at_least_one(param: typer.CallbackParam, value: int | None) -> int | None:
+    """Refuse a count below 1 as every bound is refused (``--steps=0 is not allowed; expected a positive
+    integer``), not in the parser's words."""
+    if value is not None and param.name is not None:
+        with said_by_flags(**{param.name: max(param.opts, key=len)}):
+            positive_int(param.name, value)
+    return value
+
+
+def count(help: str, **kwargs: Any) -> Any:
+    """A ``typer.Option`` for a command's own count (``--steps``): at least 1, as its help says."""
+    return typer.Option(callback=_at_least_one, help=f"{help.rstrip('.')} (at least 1).", **kwargs)
 
 
 def _cli_type(hint: Any) -> Any:

@@ -42,6 +42,7 @@ from redline.cli.options import (
     ModelSpec,
     TaskArgs,
     Weights,
+    count,
     said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
@@ -69,9 +70,7 @@ def predict(
     spec: ModelSpec,
     input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
     output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
-    batch_size: Annotated[
-        int, typer.Option(min=1, help="Samples per batch (the largest bucket; at most the samples in --input).")
-    ] = 32,
+    batch_size: Annotated[int, count("Samples per batch (the largest bucket; at most the samples in --input).")] = 32,
     weights: Weights = None,
     task_arg: TaskArgs = None,
     device: EngineDevice = "auto",

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from redline.bench.profiling import profile
-from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
@@ -29,11 +29,11 @@ def profile_command(
     compile: Annotated[
         str | None, typer.Option(help="torch.compile: auto, on or off (default: what `redline train` would run).")
     ] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the task's own).")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Steps to record, after the warm-up.")] = 10,
-    warmup: Annotated[int, typer.Option(min=1, help="Steps to run first, unrecorded (compiling, if it compiles).")] = 5,
+    batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
+    steps: Annotated[int, count("Steps to record, after the warm-up.")] = 10,
+    warmup: Annotated[int, count("Steps to run first, unrecorded (compiling, if it compiles).")] = 5,
     planned_steps: Annotated[
-        int | None, typer.Option(min=1, help="The run auto plans for (default: the task's epochs); decides compile.")
+        int | None, count("The run auto plans for (default: the task's epochs); decides compile.")
     ] = None,
     trace: Annotated[
         Path | None, typer.Option(metavar="FILE", help="Write the Chrome trace there (.json or .json.gz).")

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
 from redline.bench.tune import ONE_STEP, WINDOW, TuneInterrupted, tune
-from redline.cli.options import TaskArgs, TaskSpec, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import TrainingError
 from redline.render.console import key_value_table, output_console, print_uncut
@@ -33,12 +33,10 @@ def tune_command(
         ),
     ] = 120.0,
     planned_steps: Annotated[
-        int | None, typer.Option(min=1, help="The run to weigh total time for, compile included (default: the task's).")
+        int | None, count("The run to weigh total time for, compile included (default: the task's).")
     ] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="Batch size (default: the task's own).")] = None,
-    steps: Annotated[
-        int, typer.Option(min=1, help="Timed steps per candidate, in whole windows of 5 (two at least).")
-    ] = 30,
+    batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
+    steps: Annotated[int, count("Timed steps per candidate, in whole windows of 5 (two at least).")] = 30,
     json_output: Annotated[bool, typer.Option("--json", help="Print the tuned Plan as JSON on stdout.")] = False,
 ) -> None:
     """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
