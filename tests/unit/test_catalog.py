@@ -80,6 +80,8 @@ def test_dense_not_sparse_peaks():
         ("Tesla T4", "t4"),
         ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
         ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
+        ("Tesla V100-PCIE-16GB", "v100-pcie-16gb"),
+        ("Tesla V100-PCIE-32GB", "v100-pcie-32gb"),
         ("NVIDIA GeForce RTX 4090", "rtx-4090"),
         ("NVIDIA GeForce RTX 3090", "rtx-3090"),
         ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
@@ -101,12 +103,20 @@ def test_torch_names_find_their_row(name, expected):
         "NVIDIA L40",  # not an L4, not an L40S
         "NVIDIA GeForce RTX 4090 D",
         "NVIDIA GeForce RTX 4090 Laptop GPU",
-        "Tesla V100-PCIE-16GB",
+        "Tesla V100-FHHL-16GB",
         "",
     ],
 )
 def test_unknown_names_give_none_never_a_near_match(name):
     assert find_gpu(name) is None
+
+
+def test_a_card_named_with_the_memory_it_reports_finds_its_row():
+    from redline.hardware.catalog import gpus_named
+
+    assert [s.id for s in gpus_named("t4 15gb")] == ["t4"]  # a 16 GB T4 reports 15 GiB: the driver keeps some
+    assert [s.id for s in gpus_named("a100 80gb")] == ["a100-sxm4-80gb", "a100-pcie-80gb"]
+    assert gpus_named("t4 12gb") == [] and gpus_named("a100 60gb") == []  # more than a tenth off is another card
 
 
 def test_catalog_agrees_with_the_test_devices():

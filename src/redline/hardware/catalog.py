@@ -148,7 +148,7 @@ def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[G
     found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
     if found:
         return found
-    held = [s for s in specs if wanted and wanted <= _row_terms(s)]
+    held = [s for s in specs if wanted and all(w in _row_terms(s) or _its_memory(w, s) for w in wanted)]
     whole = [s for s in held if names_whole(name, s)]
     return whole or held
 
@@ -260,6 +260,13 @@ def _row_terms(spec: GPUSpec) -> set[str]:
     ("tesla", "hbm3"), each with its neighbours joined, and its memory ("16gb")."""
     labels = (spec.id, spec.name, *(pattern.replace("*", " ") for pattern in spec.match))
     return set().union(*map(_terms, labels)) | {f"{spec.mem_gib:g}gb"}
+
+
+def _its_memory(word: str, spec: GPUSpec) -> bool:
+    """Whether ``word`` is ``spec``'s memory as the card reports it: "15gb" for a 16 GB T4, "79gb" for an 80 GB
+    H100 (the driver keeps some back), within a tenth below the size sold."""
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)gi?b", word)
+    return size is not None and 0.9 * spec.mem_gib <= float(size.group(1)) <= spec.mem_gib
 
 
 def _compact(text: str) -> str:
