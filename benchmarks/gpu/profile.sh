@@ -30,7 +30,7 @@ run() {  # run NAME ARGS...: the profile as JSON, its trace, and the tables a us
   timeout 120 "$PY" -m redline profile "$@" --devices "$DEVICE" >> "$OUT/profile.txt" 2>&1
 }
 run digits-eager --task example:digits --precision fp32 --compile off --steps 20
-run digits-graphs --task example:digits --precision fp32 --compile on --steps 20
+run digits-graphs --task example:digits --precision fp32 --compile on --compile-mode reduce-overhead --steps 20
 run gpt2-bf16 $GPT --precision bf16-mixed --compile off --steps 10 --warmup 3
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys

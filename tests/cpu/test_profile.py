@@ -117,3 +117,25 @@ def test_the_cli_prints_the_phases_operators_and_advice(tmp_path):
     bad = CliRunner().invoke(app, [*args, "--compile", "maybe"])
     assert isinstance(bad.exception, ConfigError)
     assert str(bad.exception).startswith("--compile='maybe' is not allowed; expected auto, on or off")
+
+
+def test_a_compile_mode_is_profiled_as_asked_and_named_in_the_setting(monkeypatch):
+    from redline.bench import profiling
+
+    asked = []
+
+    class Seen(Exception):
+        pass
+
+    def recorded(task, setting, window, planned, seed, options=None):
+        asked.append((setting, options))
+        raise Seen  # compiling is not what this checks: the options the step would run with are
+
+    monkeypatch.setattr(profiling, "warm_up", recorded)
+    with pytest.raises(Seen):
+        redline.profile(small_task(), devices="cpu", compile=True, compile_mode="reduce-overhead")
+    ((setting, options),) = asked
+    assert (options.compile, options.compile_mode, options.precision) == ("on", "reduce-overhead", "auto")
+    assert setting.kind == "explicit" and setting.compile is True
+    with pytest.raises(ConfigError, match=r"compile_mode='graphs' is not allowed.*'reduce-overhead'"):
+        redline.profile(small_task(), devices="cpu", compile_mode="graphs")

@@ -37,6 +37,7 @@ from redline.errors import TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
 from redline.plan.device import resolve_device
+from redline.runtime.options import RuntimeOptions
 from redline.task import Task, require_task
 
 DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
@@ -113,6 +114,7 @@ def profile(
     devices: str = "auto",
     precision: str | None = None,
     compile: bool | None = None,
+    compile_mode: str = "default",
     batch_size: int | None = None,
     steps: int = 10,
     warmup: int = 5,
@@ -122,9 +124,10 @@ def profile(
 ) -> Profile:
     """Profile ``steps`` training steps of ``task`` after ``warmup`` unrecorded ones; return the breakdown.
 
-    With neither ``precision`` nor ``compile`` it profiles what `redline train` would run
-    (``planned_steps``, default the task's epochs, decides auto's compile); either one profiles
-    that setting, the other left to auto. ``trace`` writes torch.profiler's Chrome trace there
+    With neither ``precision`` nor ``compile`` (nor a ``compile_mode``) it profiles what `redline train`
+    would run (``planned_steps``, default the task's epochs, decides auto's compile); either one
+    profiles that setting, the other left to auto; ``compile_mode`` ("reduce-overhead": CUDA graphs,
+    or "max-autotune") is the mode a compiled step runs in. ``trace`` writes torch.profiler's Chrome trace there
     (``.json``, or ``.json.gz`` compressed) for ui.perfetto.dev or chrome://tracing.
     """
     task = require_task(task)
@@ -143,10 +146,15 @@ def profile(
             )  # fmt: skip
         check_output(trace_path, "trace", "trace.json.gz")  # before the steps run, not after
     device = resolve_device(devices, probe_accelerators()).value
-    explicit = precision is not None or compile is not None
+    explicit = precision is not None or compile is not None or compile_mode != "default"
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
+    options = None
+    if compile_mode != "default":  # every option given, the mode among them (the matrix's rows take the default)
+        switch = "auto" if compile is None else "on" if compile else "off"
+        given: dict[str, Any] = {"precision": precision or "auto", "compile": switch, "compile_mode": compile_mode}
+        options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
     planned = planned_steps or task_steps(task, size)
-    runner, memory, flops = warm_up(task, setting, warmup, planned, seed)
+    runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
     with tempfile.TemporaryDirectory(prefix="redline-profile-") as scratch:
         written = Path(scratch) / "trace.json"
         averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
@@ -159,7 +167,7 @@ def profile(
     return Profile(
         task=task.name,
         device=device,
-        setting=setting.name,
+        setting=setting.name + (f", {compile_mode}" if compile_mode != "default" else ""),
         batch_size=size,
         plan=plan,
         breakdown=breakdown,

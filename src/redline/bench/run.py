@@ -240,11 +240,16 @@ def _warm_up_all(
 
 
 def warm_up(
-    task: Task, setting: Setting, window: int, planned: int | None, seed: int
+    task: Task, setting: Setting, window: int, planned: int | None, seed: int, options: RuntimeOptions | None = None
 ) -> tuple[Runner, PeakMemory, int | None]:
-    """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory."""
+    """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory.
+
+    ``options`` runs an explicit row with every Runtime option given (a compile mode, say).
+    """
     device = torch.device(setting.device)
-    options, measured, tuning = _auto(task, setting, planned) if setting.kind == "auto" else (None, None, None)
+    measured, tuning = None, None
+    if setting.kind == "auto":
+        options, measured, tuning = _auto(task, setting, planned)
     with PeakMemory(device) as memory:  # after auto's trial: the copies it trains are not the row's
         if setting.kind == "naive":
             runner = naive_runner(task, setting, seed=seed)

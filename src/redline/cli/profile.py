@@ -29,6 +29,9 @@ def profile_command(
     compile: Annotated[
         str | None, typer.Option(help="torch.compile: auto, on or off (default: what `redline train` would run).")
     ] = None,
+    compile_mode: Annotated[
+        str, typer.Option(help="torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune.")
+    ] = "default",
     batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
     steps: Annotated[int, count("Steps to record, after the warm-up.")] = 10,
     warmup: Annotated[int, count("Steps to run first, unrecorded (compiling, if it compiles).")] = 5,
@@ -44,10 +47,11 @@ def profile_command(
     if compile is not None and compile.lower() not in SWITCH:
         raise invalid("--compile", compile, "auto, on or off", "e.g. --compile on")
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
-    flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "batch_size": "--batch-size"}
+    flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode"}
     with said_by_flags(**flags):
         found = profile(
             loaded, devices=devices, precision=precision, compile=SWITCH[compile.lower()] if compile else None,
+            compile_mode=compile_mode,
             batch_size=batch_size, steps=steps, warmup=warmup, planned_steps=planned_steps, trace=trace,
         )  # fmt: skip
     data = found.to_dict()
