@@ -382,6 +382,8 @@ def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
     result = launch("--nproc", "2", str(script), timeout=60)
     assert result.returncode == 3, result.stderr[-3000:]
     assert "rank 1 exited with 3 (then the launcher stopped rank 0)" in result.stderr
+    assert "printed above" not in result.stderr  # nothing was: the hint says what the exit code tells instead
+    assert "hint: no error of redline's was printed: rank 1's exit code 3 is the script's own" in result.stderr
 
 
 def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):

@@ -127,3 +127,20 @@ def test_the_hang_diagnosis_is_said_as_every_error_is_without_torchelastics_type
     _record_for_torchrun("hang: rank 1 stopped at step 5")
     hung = ChildFailedError("redline", {1: ProcessFailure(1, 100, 86, str(error_file))})
     assert str(_failure(hung, hang_exit_code=86)) == "hang: rank 1 stopped at step 5"
+
+
+def test_the_hint_points_at_errors_above_only_when_a_worker_printed_one():
+    """Before, every failure said the workers' errors were printed above, even where no worker printed anything."""
+    printed = str(_failure(failed(r0=2, r1=-signal.SIGTERM), hang_exit_code=86, printed=True))
+    assert printed.endswith("hint: the workers' errors are printed above, each once")
+    silent = str(_failure(failed(r0=-signal.SIGTERM, r1=3), hang_exit_code=86))
+    assert "printed above" not in silent
+    assert "rank 1's exit code 3 is the script's own (sys.exit(3) or os._exit(3))" in silent
+    uncaught = str(_failure(failed(r0=1), hang_exit_code=86))
+    assert "exit code 1 is Python's after an exception reached the top of the script" in uncaught
+    killed = str(_failure(failed(r0=-signal.SIGTERM, r1=-signal.SIGKILL), hang_exit_code=86))
+    assert "SIGKILL gives rank 1 no chance to print anything" in killed and "dmesg" in killed
+    crashed = str(_failure(failed(r0=-signal.SIGSEGV, r1=-signal.SIGTERM), hang_exit_code=86))
+    assert "rank 0 crashed in native code" in crashed and "PYTHONFAULTHANDLER=1" in crashed
+    hung_up = str(_failure(failed(r0=-signal.SIGHUP), hang_exit_code=86))
+    assert "the signal came from outside rank 0" in hung_up and "printed above" not in hung_up

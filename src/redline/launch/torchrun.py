@@ -191,7 +191,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             stopped = stopped_by(int(exc.sigval), finished)
         except ChildFailedError as exc:
-            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts) from None
+            printed = any(said.iterdir())  # a worker of redline's command line printed an error there
+            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
@@ -270,11 +271,12 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
-def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -> LaunchError:
+def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, printed: bool = False) -> LaunchError:
     """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code.
 
     torchrun gives up only once ``restarts`` (--max-restarts) are used up: every attempt failed, and the
-    ranks named are the last attempt's.
+    ranks named are the last attempt's. ``printed``: a worker marked an error it printed (``first_to_say``);
+    else the hint says what the first failed rank's exit code or signal tells, and points at no error above.
     """
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
@@ -291,10 +293,38 @@ def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
     first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
     attempts = f" in all {restarts + 1} attempts (--max-restarts {restarts} used up); in the last" if restarts else ""
-    error = LaunchError(
-        f"the launched job failed{attempts}: {failures}\nhint: the workers' errors are printed above, each once"
-    )
+    hint = "the workers' errors are printed above, each once" if printed else _unsaid(first[0], first[1].exitcode)
+    error = LaunchError(f"the launched job failed{attempts}: {failures}\nhint: {hint}")
     return _with_exit_code(error, first[1].exitcode)
+
+
+_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+
+
+def _unsaid(rank: int, code: int) -> str:
+    """The hint for a rank that failed without an error redline saw it print: what its exit code or signal says."""
+    if code == -signal.SIGKILL:
+        return (
+            f"SIGKILL gives rank {rank} no chance to print anything: if the kernel's log (`dmesg`) names the "
+            "out-of-memory killer, give each worker less host memory (a smaller batch, fewer --nproc, fewer loader "
+            "workers)"
+        )
+    if -code in _CRASHES:
+        return (
+            f"rank {rank} crashed in native code (torch, a C extension, a driver), which prints no Python error: "
+            "run again with PYTHONFAULTHANDLER=1 in the environment for each worker's Python stack as it crashes"
+        )
+    if code < 0:
+        return f"the signal came from outside rank {rank} (a scheduler, the system, a kill), which prints no error"
+    if code == 1:
+        return (
+            "exit code 1 is Python's after an exception reached the top of the script (its traceback, printed by "
+            f"rank {rank}, comes before the launcher's lines), or the script's own sys.exit(1), which prints nothing"
+        )
+    return (
+        f"no error of redline's was printed: rank {rank}'s exit code {code} is the script's own (sys.exit({code}) "
+        f"or os._exit({code})): look in it for where it exits so"
+    )
 
 
 def _with_exit_code(error: LaunchError, code: int) -> LaunchError:
