@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import pkgutil
 import re
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid
+from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid, nearest
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
@@ -161,6 +165,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
 
     if not module and target:
         check_script(Path(target[0]))
+    elif target:
+        check_module(target[0])
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     threads = worker_threads(nproc, usable_cpu_count(), os.environ)
@@ -222,6 +228,36 @@ def check_script(script: Path) -> None:
         f"script {str(script)!r} does not exist (looked in {Path.cwd()})\n"
         "hint: pass the path of a Python file, or --module (-m) with a module name"
     )
+
+
+def check_module(name: str) -> None:
+    """Refuse a module ``python -m`` cannot find before any worker starts: else every worker fails alike.
+
+    Only the top-level name is looked for (where the workers' ``python -m`` looks: this directory, then
+    Python's path), so nothing is imported here; a submodule that is not there is the workers' to say.
+    """
+    top = name.split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top) if top.isidentifier() else None
+        if spec is None and top.isidentifier():
+            spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])  # the workers' sys.path[0]
+    except (ImportError, ValueError):  # a module this process holds oddly (no spec): the workers will say
+        return
+    if spec is not None and not (name.endswith(".py") and spec.submodule_search_locations is None):
+        return
+    if Path(name).is_file() or name.endswith(".py"):
+        hint = f"--module takes a module's name: pass {name} without --module (-m)"
+        if spec is not None:
+            hint += f", or {name.removesuffix('.py')} with it"
+        raise ConfigError(f"module {name!r} is a file's name, not a module's\nhint: {hint}")
+    names = [found.name for found in pkgutil.iter_modules([os.getcwd(), *sys.path])]
+    near = nearest(top, names)
+    hint = (
+        f"did you mean -m {near}{name.removeprefix(top)}?"
+        if near is not None
+        else "install the package, or run from the folder it is in; for a script, pass its path without --module (-m)"
+    )
+    raise ConfigError(f"module {name!r} cannot be found: no {top!r} in {Path.cwd()} or on Python's path\nhint: {hint}")
 
 
 def waiting_note(config: LaunchConfig) -> str | None:
