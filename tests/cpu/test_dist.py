@@ -318,6 +318,24 @@ def test_a_master_addr_alone_on_one_machine_is_used_with_the_default_port():
     assert "pass a free one to --master-port" in str(error)
 
 
+def test_one_machine_hosts_the_rendezvous_at_its_own_endpoint_and_others_may_host_it():
+    """With --nnodes 1 no other machine can host the store, so a port taken is an error rather than a wait."""
+    assert "--rdzv-conf=is_host=1" in torchrun_args(LaunchConfig(rdzv_endpoint="127.0.0.1:29400"), 2, ["t.py"])
+    assert "--rdzv-conf=is_host=1" in torchrun_args(LaunchConfig(rdzv_endpoint="localhost:29400"), 2, ["t.py"])
+    several = torchrun_args(LaunchConfig(nnodes=2, rdzv_endpoint="127.0.0.1:29400"), 1, ["t.py"])
+    assert not any(arg.startswith("--rdzv-conf") for arg in several)  # two launchers here: either one hosts it
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from redline.launch.torchrun import _rendezvous_failure
+
+    wrapped = RendezvousConnectionError("The connection to the C10d store has failed. See inner exception.")
+    wrapped.__cause__ = DistNetworkError("The server socket has failed to listen: EADDRINUSE, address already in use")
+    message = str(_rendezvous_failure(LaunchConfig(rdzv_endpoint="127.0.0.1:29400"), wrapped))
+    assert "could not be set up: The server socket has failed to listen: EADDRINUSE" in message
+    assert "hint: another process holds that port: pass a free one to --rdzv-endpoint" in message
+
+
 def test_bad_launch_options_say_what_is_missing():
     with pytest.raises(ConfigError, match="--node-rank --master-addr --master-port"):
         LaunchConfig(nnodes=2)
@@ -394,10 +412,17 @@ def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         result = launch("--nproc", "1", "--master-port", str(port), str(script), timeout=60)
+        # One machine meeting at a c10d endpoint whose port another process holds: torchrun alone waited as a
+        # client of that process, in silence, for its whole rendezvous timeout (over ten minutes).
+        endpoint = launch("--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script), timeout=60)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"127.0.0.1:{port}" in result.stderr and "address already in use" in result.stderr
     assert "hint: another process holds that port" in result.stderr
+    assert endpoint.returncode == 2 and "Traceback" not in endpoint.stderr, endpoint.stderr[-3000:]
+    assert f"rendezvous at 127.0.0.1:{port} could not be set up: " in endpoint.stderr
+    assert "address already in use" in endpoint.stderr  # torch's inner reason, not "see inner exception"
+    assert "hint: another process holds that port: pass a free one to --rdzv-endpoint" in endpoint.stderr
 
 
 def test_a_rendezvous_that_cannot_reach_node_0_says_what_to_check():

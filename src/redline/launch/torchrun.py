@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid, nearest
+from redline.errors import (
+    SAID_ERRORS_ENV,
+    ConfigError,
+    RedlineError,
+    StoppedBySignal,
+    few,
+    first_line,
+    invalid,
+    nearest,
+)
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
@@ -133,6 +142,10 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     if config.rdzv_endpoint is not None:
         args += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
                  "--rdzv-id=redline"]  # fmt: skip
+        if config.nnodes == 1 and _this_machine(config.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")):
+            # No other machine will host the store: where this one cannot (the port is taken), torchrun would
+            # wait as a client of whatever holds the port, silently, for its whole rendezvous timeout.
+            args.append("--rdzv-conf=is_host=1")
     elif config.nnodes > 1:
         args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
                  f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
@@ -144,6 +157,14 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     if module:
         args.append("--module")
     return [*args, *target]
+
+
+def _this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine (torch's own test, by which its c10d rendezvous hosts the store)."""
+    from torch.distributed.elastic.rendezvous import utils
+
+    matches = getattr(utils, "_matches_machine_hostname", None)  # private; tolerated if absent
+    return bool(matches(host)) if matches is not None else host in ("localhost", "127.0.0.1", "::1")
 
 
 def _master(config: LaunchConfig) -> tuple[str, int]:
@@ -290,8 +311,10 @@ def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | 
 
 def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     """The error of a rendezvous that could not be set up: the address, torch's reason and the fix."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    reason = lines[0] if lines else type(exc).__name__
+    inner: BaseException = exc
+    while inner.__cause__ is not None:  # the c10d rendezvous says "see inner exception for details"
+        inner = inner.__cause__
+    reason = first_line(inner) or type(inner).__name__
     if config.rdzv_endpoint is not None:
         where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
     elif config.nnodes == 1 and config.master_port is None and config.master_addr is None:
