@@ -404,6 +404,17 @@ def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
     assert "hint: no error of redline's was printed: rank 1's exit code 3 is the script's own" in result.stderr
 
 
+def test_a_master_addr_of_another_machine_for_one_machine_is_named_by_its_flag_before_any_worker_waits(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    result = launch("--nproc", "2", "--master-addr", "203.0.113.7", str(script), timeout=60)  # TEST-NET-3
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: --master-addr='203.0.113.7' is not allowed; expected an address or host name of this machine" in (
+        result.stderr
+    )
+    assert "hello" not in result.stdout and "TCPStore" not in result.stderr  # no worker started, none waited
+
+
 def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")

@@ -16,6 +16,7 @@ import pkgutil
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -188,6 +189,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         check_script(Path(target[0]))
     elif target:
         check_module(target[0])
+    check_master_addr(config)
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     threads = worker_threads(nproc, usable_cpu_count(), os.environ)
@@ -279,6 +281,39 @@ def check_module(name: str) -> None:
         else "install the package, or run from the folder it is in; for a script, pass its path without --module (-m)"
     )
     raise ConfigError(f"module {name!r} cannot be found: no {top!r} in {Path.cwd()} or on Python's path\nhint: {hint}")
+
+
+def check_master_addr(config: LaunchConfig) -> None:
+    """Refuse a --master-addr of a job on one machine that is not this machine's: this launcher hosts the
+    rendezvous, and its workers would look for it there, retrying for torch's store timeout (15 minutes)."""
+    host = config.master_addr
+    if host is None or config.nnodes > 1 or config.rdzv_endpoint is not None:
+        return
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise invalid(
+            "master_addr", host, "an address or host name of this machine for --nnodes 1",
+            f"{host} cannot be resolved ({exc.strerror or exc}): pass this machine's address, or leave "
+            "--master-addr out for a rendezvous on a free port here",
+        ) from None  # fmt: skip
+    if not any(_binds(family, str(address[0])) for family, _, _, _, address in found):
+        raise invalid(
+            "master_addr", host, "an address or host name of this machine for --nnodes 1",
+            f"{host} is not an address of this machine, where the launcher of a job on one machine hosts the "
+            "workers' rendezvous: pass one of its addresses (127.0.0.1 will do), or leave --master-addr out; a job "
+            "on several machines takes --nnodes N and --node-rank R as well",
+        )  # fmt: skip
+
+
+def _binds(family: int, address: str) -> bool:
+    """Whether a socket can listen at ``address`` (of ``family``): whether the address is this machine's."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError:
+        return False
+    return True
 
 
 def waiting_note(config: LaunchConfig) -> str | None:

@@ -1,4 +1,4 @@
-"""A module given to `redline launch -m` that python -m cannot run is named before any worker starts."""
+"""What `redline launch` can tell is wrong before any worker starts is said then, not after a rendezvous or a wait."""
 
 import pytest
 
@@ -44,3 +44,24 @@ def test_modules_python_finds_are_launched(tmp_path, monkeypatch, started):
     for name in ("mytrain", "pkg.sub", "json.tool", "redline"):  # a submodule is the workers' to find
         torchrun.launch(LaunchConfig(nproc=1), [name], module=True)
     assert len(started) == 4
+
+
+def test_a_master_addr_of_another_machine_for_a_job_on_one_is_refused_before_the_workers_wait(tmp_path, started):
+    """Before, the workers looked for the launcher's rendezvous there, retrying for 15 minutes, stack traces and all."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    elsewhere = "203.0.113.7"  # TEST-NET-3 (RFC 5737): no machine's own address
+    with pytest.raises(
+        ConfigError,
+        match=r"master_addr='203\.0\.113\.7' is not allowed; expected an address or host "
+        r"name of this machine for --nnodes 1\nhint: 203\.0\.113\.7 is not an address of this machine",
+    ):
+        torchrun.launch(LaunchConfig(nproc=2, master_addr=elsewhere), [str(script)])
+    with pytest.raises(ConfigError, match=r"hint: no-such-host\.invalid cannot be resolved"):
+        torchrun.launch(LaunchConfig(nproc=2, master_addr="no-such-host.invalid"), [str(script)])
+    assert started == []
+    for here in ("127.0.0.1", "localhost"):
+        torchrun.launch(LaunchConfig(nproc=2, master_addr=here), [str(script)])
+    several = LaunchConfig(nproc=1, nnodes=2, node_rank=1, master_addr=elsewhere, master_port=29500)
+    torchrun.launch(several, [str(script)])  # node 0 is another machine: its address is not this one's
+    assert len(started) == 3
