@@ -415,6 +415,19 @@ def test_a_master_addr_of_another_machine_for_one_machine_is_named_by_its_flag_b
     assert "hello" not in result.stdout and "TCPStore" not in result.stderr  # no worker started, none waited
 
 
+def test_master_port_0_on_one_machine_meets_on_a_free_port(tmp_path):
+    """torchrun handed the workers MASTER_PORT=0, and they waited for a store there until it timed out (30 min)."""
+    script = tmp_path / "join.py"
+    script.write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('joined', flush=True)\n"
+    )
+    result = launch("--nproc", "2", "--master-port", "0", str(script), timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("joined") == 2
+    args = torchrun_args(LaunchConfig(master_addr="10.0.0.7", master_port=0), 2, ["t.py"])
+    assert "--rdzv-endpoint=10.0.0.7:0" in args and not any(a.startswith("--master-port") for a in args)
+
+
 def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")

@@ -150,6 +150,12 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     elif config.nnodes > 1:
         args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
                  f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
+    elif config.master_port == 0:  # one machine, any free port: torchrun's static rendezvous would hand its
+        # workers MASTER_PORT=0, where they wait for the store until it times out; its c10d one takes a free port
+        host = _master(config)[0]
+        endpoint = f"[{host}]:0" if ":" in host else f"{host}:0"
+        args += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=redline",
+                 "--rdzv-conf=is_host=1"]  # fmt: skip
     elif config.master_port is not None or config.master_addr is not None:  # one machine, meeting where asked
         host, port = _master(config)
         args += ["--nnodes=1", "--node-rank=0", f"--master-addr={host}", f"--master-port={port}"]
