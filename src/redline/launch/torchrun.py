@@ -42,6 +42,7 @@ _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default for --master-port
 log = logging.getLogger("redline")
+TRAIN = ("redline", "train")  # the module and first argument of the workers `redline train --nproc` launches
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -54,14 +55,22 @@ class LaunchError(RedlineError):
 class LaunchStopped(LaunchError, StoppedBySignal):
     """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, *, trainer: bool = True) -> None:
+        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume."""
         name = signal.Signals(signum).name
-        super().__init__(
-            signum,
-            f"stopped by {name}: the launcher passed it to every worker; the Trainer's ranks stop together within "
-            "two steps and, with --out, write a checkpoint there (within torchrun's 30 s grace)\n"
-            "hint: run the same command again with --resume auto to continue from the last checkpoint",
-        )
+        if trainer:
+            said = (
+                "the Trainer's ranks stop together within two steps and, with --out, write a checkpoint there "
+                "(within torchrun's 30 s grace)\nhint: run the same command again with --resume auto to continue "
+                "from the last checkpoint"
+            )
+        else:
+            said = (
+                "torchrun gives them 30 s to exit before it kills them\nhint: run the same command again to "
+                "continue; a script that trains with redline's Trainer and an out_dir resumes from its last "
+                "checkpoint with resume='auto'"
+            )
+        super().__init__(signum, f"stopped by {name}: the launcher passed it to every worker; {said}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +233,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             with worker_environment(workers), waiting:
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
-            stopped = stopped_by(int(exc.sigval), finished)
+            stopped = stopped_by(int(exc.sigval), finished, trainer=module and tuple(target[:2]) == TRAIN)
         except ChildFailedError as exc:
             printed = any(said.iterdir())  # a worker of redline's command line printed an error there
             raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed) from None
@@ -453,15 +462,16 @@ def _ended(code: int) -> str:
     return f"exited with {code}"
 
 
-def stopped_by(signum: int, finished: Path) -> LaunchStopped | None:
+def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchStopped | None:
     """Return the error a launcher sent ``signum`` exits with; None if the workers had finished their work by then.
 
     A signal that arrives as the run ends (while torchrun's agent waits at its exit barrier, say)
     stopped nothing: the workers marked the file ``finished`` (``mark_finished``), and the launch
     succeeded. Without the mark (they were stopped, or the script is not the Trainer's) it did stop them.
+    ``trainer``: the workers run ``redline train``, whose resume the error names.
     """
     if not finished.exists():
-        return LaunchStopped(signum)
+        return LaunchStopped(signum, trainer=trainer)
     log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
     return None
 
