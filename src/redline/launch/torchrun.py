@@ -236,7 +236,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             stopped = stopped_by(int(exc.sigval), finished, trainer=module and tuple(target[:2]) == TRAIN)
         except ChildFailedError as exc:
             printed = any(said.iterdir())  # a worker of redline's command line printed an error there
-            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed) from None
+            done = finished.exists()
+            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
@@ -380,12 +381,15 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
-def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, printed: bool = False) -> LaunchError:
+def _failure(
+    exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, printed: bool = False, finished: bool = False
+) -> LaunchError:
     """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code.
 
     torchrun gives up only once ``restarts`` (--max-restarts) are used up: every attempt failed, and the
     ranks named are the last attempt's. ``printed``: a worker marked an error it printed (``first_to_say``);
     else the hint says what the first failed rank's exit code or signal tells, and points at no error above.
+    ``finished``: the workers' Trainer had marked its work finished (``mark_finished``) before they failed.
     """
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
@@ -403,6 +407,11 @@ def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, p
     first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
     attempts = f" in all {restarts + 1} attempts (--max-restarts {restarts} used up); in the last" if restarts else ""
     hint = "the workers' errors are printed above, each once" if printed else _unsaid(first[0], first[1].exitcode)
+    if finished:  # what failed came after fit(): the results a scheduler would rerun the job for are there
+        failures += (
+            ", after the Trainer had finished its work (with --out, its last checkpoint, final weights and summary "
+            "are written)"
+        )
     error = LaunchError(f"the launched job failed{attempts}: {failures}\nhint: {hint}")
     return _with_exit_code(error, first[1].exitcode)
 
