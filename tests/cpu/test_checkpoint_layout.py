@@ -127,6 +127,34 @@ def test_pruning_keeps_a_resumed_runs_valid_checkpoints_before_the_corrupt_one_i
     assert [c.step for c in found.skipped] == [4]
 
 
+def test_resuming_from_a_checkpoint_a_crash_left_half_written_names_the_committed_one_beside_it(tmp_path):
+    """Before, the hint described the form of a checkpoint path only, though the one to pass was beside it."""
+    root = tmp_path / "run" / "checkpoints"
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2):
+            rt.save(step_dir(root, step), step=step)
+    staged = root / ".tmp-step-00000003"  # what a run killed while writing step 3's checkpoint leaves
+    shutil.copytree(step_dir(root, 2), staged)
+    (staged / "manifest.json").unlink()
+    never = shutil.copytree(staged, step_dir(root, 4))  # a step directory whose manifest never came
+    hint = (
+        f"hint: resume from the newest committed checkpoint beside it, --resume {step_dir(root, 2)}, or --resume auto"
+    )
+    with pytest.raises(CheckpointError) as raised:
+        open_checkpoint(str(staged), root)
+    assert str(raised.value).startswith(
+        f"{staged}: not a committed checkpoint (a checkpoint was being written there when its run was killed; it has "
+        "no manifest.json)\n"
+    )
+    assert hint in str(raised.value)
+    with pytest.raises(CheckpointError) as raised:
+        open_checkpoint(str(never), root)
+    assert str(raised.value).startswith(f"{never}: not a committed checkpoint (no readable manifest.json") and hint in (
+        str(raised.value)
+    )
+
+
 def test_a_resumed_run_names_the_options_its_stored_plan_overrides_and_honours_a_device(tmp_path, caplog):
     def trainer(max_steps: int, **runtime) -> Trainer:
         return Trainer(tiny_task(), runtime=redline.RuntimeOptions(**runtime), out_dir=tmp_path, progress=False,

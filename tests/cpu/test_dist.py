@@ -173,7 +173,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
     args = [JOB, str(tmp_path), "20", "--strategy", strategy, *pacing]
     stopped = launch("--nproc", "2", *args, "--term-launcher-step", "6")
     assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
-    assert "stopped by SIGTERM" in stopped.stderr and "--resume auto" in stopped.stderr
+    assert "stopped by SIGTERM" in stopped.stderr and "resume='auto'" in stopped.stderr  # a script of its own
     # (the two ranks' lines may interleave in the shared pipe: match each on its own)
     steps = re.findall(r"rank \d done steps=(\d+) val_loss=\S+ stopped=signal \(agreed by all ranks\)", stopped.stdout)
     assert len(steps) == 2 and steps[0] == steps[1] and int(steps[0]) in stops_at, stopped.stdout
@@ -318,6 +318,24 @@ def test_a_master_addr_alone_on_one_machine_is_used_with_the_default_port():
     assert "pass a free one to --master-port" in str(error)
 
 
+def test_one_machine_hosts_the_rendezvous_at_its_own_endpoint_and_others_may_host_it():
+    """With --nnodes 1 no other machine can host the store, so a port taken is an error rather than a wait."""
+    assert "--rdzv-conf=is_host=1" in torchrun_args(LaunchConfig(rdzv_endpoint="127.0.0.1:29400"), 2, ["t.py"])
+    assert "--rdzv-conf=is_host=1" in torchrun_args(LaunchConfig(rdzv_endpoint="localhost:29400"), 2, ["t.py"])
+    several = torchrun_args(LaunchConfig(nnodes=2, rdzv_endpoint="127.0.0.1:29400"), 1, ["t.py"])
+    assert not any(arg.startswith("--rdzv-conf") for arg in several)  # two launchers here: either one hosts it
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from redline.launch.torchrun import _rendezvous_failure
+
+    wrapped = RendezvousConnectionError("The connection to the C10d store has failed. See inner exception.")
+    wrapped.__cause__ = DistNetworkError("The server socket has failed to listen: EADDRINUSE, address already in use")
+    message = str(_rendezvous_failure(LaunchConfig(rdzv_endpoint="127.0.0.1:29400"), wrapped))
+    assert "could not be set up: The server socket has failed to listen: EADDRINUSE" in message
+    assert "hint: another process holds that port: pass a free one to --rdzv-endpoint" in message
+
+
 def test_bad_launch_options_say_what_is_missing():
     with pytest.raises(ConfigError, match="--node-rank --master-addr --master-port"):
         LaunchConfig(nnodes=2)
@@ -382,6 +400,32 @@ def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
     result = launch("--nproc", "2", str(script), timeout=60)
     assert result.returncode == 3, result.stderr[-3000:]
     assert "rank 1 exited with 3 (then the launcher stopped rank 0)" in result.stderr
+    assert "printed above" not in result.stderr  # nothing was: the hint says what the exit code tells instead
+    assert "hint: no error of redline's was printed: rank 1's exit code 3 is the script's own" in result.stderr
+
+
+def test_a_master_addr_of_another_machine_for_one_machine_is_named_by_its_flag_before_any_worker_waits(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    result = launch("--nproc", "2", "--master-addr", "203.0.113.7", str(script), timeout=60)  # TEST-NET-3
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: --master-addr='203.0.113.7' is not allowed; expected an address or host name of this machine" in (
+        result.stderr
+    )
+    assert "hello" not in result.stdout and "TCPStore" not in result.stderr  # no worker started, none waited
+
+
+def test_master_port_0_on_one_machine_meets_on_a_free_port(tmp_path):
+    """torchrun handed the workers MASTER_PORT=0, and they waited for a store there until it timed out (30 min)."""
+    script = tmp_path / "join.py"
+    script.write_text(
+        "import torch.distributed as dist\ndist.init_process_group('gloo')\nprint('joined', flush=True)\n"
+    )
+    result = launch("--nproc", "2", "--master-port", "0", str(script), timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("joined") == 2
+    args = torchrun_args(LaunchConfig(master_addr="10.0.0.7", master_port=0), 2, ["t.py"])
+    assert "--rdzv-endpoint=10.0.0.7:0" in args and not any(a.startswith("--master-port") for a in args)
 
 
 def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
@@ -392,10 +436,17 @@ def test_a_master_port_in_use_is_a_clear_error_not_a_traceback(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         result = launch("--nproc", "1", "--master-port", str(port), str(script), timeout=60)
+        # One machine meeting at a c10d endpoint whose port another process holds: torchrun alone waited as a
+        # client of that process, in silence, for its whole rendezvous timeout (over ten minutes).
+        endpoint = launch("--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script), timeout=60)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"127.0.0.1:{port}" in result.stderr and "address already in use" in result.stderr
     assert "hint: another process holds that port" in result.stderr
+    assert endpoint.returncode == 2 and "Traceback" not in endpoint.stderr, endpoint.stderr[-3000:]
+    assert f"rendezvous at 127.0.0.1:{port} could not be set up: " in endpoint.stderr
+    assert "address already in use" in endpoint.stderr  # torch's inner reason, not "see inner exception"
+    assert "hint: another process holds that port: pass a free one to --rdzv-endpoint" in endpoint.stderr
 
 
 def test_a_rendezvous_that_cannot_reach_node_0_says_what_to_check():

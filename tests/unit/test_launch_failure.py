@@ -127,3 +127,50 @@ def test_the_hang_diagnosis_is_said_as_every_error_is_without_torchelastics_type
     _record_for_torchrun("hang: rank 1 stopped at step 5")
     hung = ChildFailedError("redline", {1: ProcessFailure(1, 100, 86, str(error_file))})
     assert str(_failure(hung, hang_exit_code=86)) == "hang: rank 1 stopped at step 5"
+
+
+def test_the_hint_points_at_errors_above_only_when_a_worker_printed_one():
+    """Before, every failure said the workers' errors were printed above, even where no worker printed anything."""
+    printed = str(_failure(failed(r0=2, r1=-signal.SIGTERM), hang_exit_code=86, printed=True))
+    assert printed.endswith("hint: the workers' errors are printed above, each once")
+    silent = str(_failure(failed(r0=-signal.SIGTERM, r1=3), hang_exit_code=86))
+    assert "printed above" not in silent
+    assert "rank 1's exit code 3 is the script's own (sys.exit(3) or os._exit(3))" in silent
+    uncaught = str(_failure(failed(r0=1), hang_exit_code=86))
+    assert "exit code 1 is Python's after an exception reached the top of the script" in uncaught
+    killed = str(_failure(failed(r0=-signal.SIGTERM, r1=-signal.SIGKILL), hang_exit_code=86))
+    assert "SIGKILL gives rank 1 no chance to print anything" in killed and "dmesg" in killed
+    crashed = str(_failure(failed(r0=-signal.SIGSEGV, r1=-signal.SIGTERM), hang_exit_code=86))
+    assert "rank 0 crashed in native code" in crashed and "PYTHONFAULTHANDLER=1" in crashed
+    hung_up = str(_failure(failed(r0=-signal.SIGHUP), hang_exit_code=86))
+    assert "the signal came from outside rank 0" in hung_up and "printed above" not in hung_up
+
+
+def test_a_job_that_failed_after_the_trainer_finished_its_work_says_its_results_are_written():
+    """Before, a worker that crashed after fit() read like any failure, as if the run's results were lost."""
+    after = str(_failure(failed(r0=-signal.SIGTERM, r1=-signal.SIGSEGV), hang_exit_code=86, finished=True))
+    assert after.startswith(
+        "the launched job failed: rank 1 was ended by SIGSEGV (then the launcher stopped rank 0), after the Trainer "
+        "had finished its work (with --out, its last checkpoint, final weights and summary are written)\nhint: "
+    )
+    assert "Trainer" not in str(_failure(failed(r1=-signal.SIGSEGV), hang_exit_code=86))  # it had not: as before
+
+
+def test_the_launcher_reads_the_trainers_finished_mark_when_a_worker_fails(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+    import torch.distributed.run
+
+    from redline.launch.torchrun import LaunchConfig, LaunchError, launch
+    from redline.parallel.env import FINISHED_ENV
+
+    def finished_then_crashed(args: object) -> None:
+        open(os.environ[FINISHED_ENV], "x").close()  # what mark_finished does on the machine's first worker
+        raise failed(r0=-signal.SIGTERM, r1=-signal.SIGSEGV)
+
+    monkeypatch.setattr(torch.distributed.run, "run", finished_then_crashed)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(LaunchError, match=r"SIGSEGV \(then the launcher stopped rank 0\), after the Trainer had fin"):
+        launch(LaunchConfig(nproc=2), [str(script)])

@@ -35,3 +35,28 @@ def test_without_a_launcher_nothing_is_marked(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     mark_finished(DistEnv())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stopped_script_of_the_users_is_not_told_to_pass_the_trainers_resume_flag(tmp_path, monkeypatch):
+    """Before, every launch stopped by a signal said to rerun with --resume auto, an option a script may not take."""
+    import pytest
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from redline.launch.torchrun import LaunchConfig, launch
+
+    def preempted(args: object) -> None:
+        raise SignalException("preempted", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch.distributed.run, "run", preempted)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(LaunchStopped) as own:
+        launch(LaunchConfig(nproc=2), [str(script), "--epochs", "3"])
+    assert (
+        own.value.exit_code == 143 and "--resume auto" not in str(own.value) and "Trainer's ranks" not in str(own.value)
+    )
+    assert "hint: run the same command again to continue; a script that trains with redline's Trainer" in str(own.value)
+    with pytest.raises(LaunchStopped) as trainer:
+        launch(LaunchConfig(nproc=2), ["redline", "train", "--task", "example:digits"], module=True)
+    assert "hint: run the same command again with --resume auto" in str(trainer.value)

@@ -171,8 +171,11 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("no files listed")
     except (OSError, ValueError) as exc:
+        why = f"no readable {MANIFEST}: {exc}"
+        if path.name.startswith(STAGING + PREFIX) and not (path / MANIFEST).exists():
+            why = f"a checkpoint was being written there when its run was killed; it has no {MANIFEST}"
         raise CheckpointError(
-            f"{path}: not a committed checkpoint (no readable {MANIFEST}: {exc})\n"
+            f"{path}: not a committed checkpoint ({why})\n"
             f"hint: pass a directory {PREFIX}NNNNNNNN that holds a {MANIFEST}, or --resume auto"
         ) from None
     if manifest.get("format") not in (*WHOLE_FORMATS, *SHARDED_FORMATS):
@@ -363,9 +366,11 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
             near, which = _checkpoint_near(Path(where))
             if near is None:
                 raise
+            lead = f"pass the checkpoint directory itself, e.g. --resume {near.path} ({which})"
+            if not which:  # an uncommitted directory beside committed checkpoints
+                lead = f"resume from the newest committed checkpoint beside it, --resume {near.path}"
             raise CheckpointError(
-                f"{str(exc).split(chr(10))[0]}\nhint: pass the checkpoint directory itself, e.g. --resume {near.path} "
-                f"({which}), or --resume auto with --out {near.path.parent.parent}"
+                f"{str(exc).split(chr(10))[0]}\nhint: {lead}, or --resume auto with --out {near.path.parent.parent}"
             ) from None
     listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root, repaired=True)], "listing the checkpoints")
     problems, skipped = [], []
@@ -392,8 +397,9 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
 
 def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
     """The checkpoint a resume path that is none meant, and which it is: the one a file is in, the newest in a
-    run or checkpoints directory, or the newest of the run a file such as model.safetensors is in; None where
-    there is none (a corrupt checkpoint, a path that does not exist)."""
+    run or checkpoints directory, or the newest of the run a file such as model.safetensors is in; for a
+    directory never committed (a write a crash cut short), the newest committed beside it, which ``""``; None
+    where there is none (a corrupt checkpoint, a path that does not exist)."""
     if path.is_file() and (path.parent / MANIFEST).is_file():
         with contextlib.suppress(CheckpointError):
             return read_checkpoint(path.parent), "the one that file is in"
@@ -404,6 +410,10 @@ def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
     found = find_checkpoints(path.parent / "checkpoints") if path.is_file() else []  # OUT/model.safetensors, say
     if found:
         return found[-1], f"the newest of the run {path.name} is in; {path.name} alone holds no optimizer or position"
+    if path.is_dir() and not (path / MANIFEST).is_file():  # a write a crash cut short, or a step never committed
+        found = [c for c in find_checkpoints(path.parent) if c.path != path]
+        if found:
+            return found[-1], ""
     return None, ""
 
 

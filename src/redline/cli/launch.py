@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from redline.cli.options import build, command, flags
+from redline.cli.options import build, command, flags, said_by_flags, spellings
 from redline.launch.torchrun import LaunchConfig, launch
 
 
@@ -23,7 +23,9 @@ def _launch(
     **parsed: Any,
 ) -> None:
     """Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed."""
-    launch(build(LaunchConfig, parsed), [target, *ctx.args], module=module)
+    config = build(LaunchConfig, parsed)
+    with said_by_flags(**spellings(LaunchConfig)):  # what the launcher refuses before the workers start, by its flag
+        launch(config, [target, *ctx.args], module=module)
 
 
 launch_command = command(_launch, flags(LaunchConfig))

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, few, invalid
+from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, first_line, invalid
+from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
 
@@ -28,6 +29,7 @@ _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default for --master-port
 log = logging.getLogger("redline")
+TRAIN = ("redline", "train")  # the module and first argument of the workers `redline train --nproc` launches
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -40,14 +42,22 @@ class LaunchError(RedlineError):
 class LaunchStopped(LaunchError, StoppedBySignal):
     """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, *, trainer: bool = True) -> None:
+        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume."""
         name = signal.Signals(signum).name
-        super().__init__(
-            signum,
-            f"stopped by {name}: the launcher passed it to every worker; the Trainer's ranks stop together within "
-            "two steps and, with --out, write a checkpoint there (within torchrun's 30 s grace)\n"
-            "hint: run the same command again with --resume auto to continue from the last checkpoint",
-        )
+        if trainer:
+            said = (
+                "the Trainer's ranks stop together within two steps and, with --out, write a checkpoint there "
+                "(within torchrun's 30 s grace)\nhint: run the same command again with --resume auto to continue "
+                "from the last checkpoint"
+            )
+        else:
+            said = (
+                "torchrun gives them 30 s to exit before it kills them\nhint: run the same command again to "
+                "continue; a script that trains with redline's Trainer and an out_dir resumes from its last "
+                "checkpoint with resume='auto'"
+            )
+        super().__init__(signum, f"stopped by {name}: the launcher passed it to every worker; {said}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,9 +139,19 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     if config.rdzv_endpoint is not None:
         args += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
                  "--rdzv-id=redline"]  # fmt: skip
+        if config.nnodes == 1 and _this_machine(config.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")):
+            # No other machine will host the store: where this one cannot (the port is taken), torchrun would
+            # wait as a client of whatever holds the port, silently, for its whole rendezvous timeout.
+            args.append("--rdzv-conf=is_host=1")
     elif config.nnodes > 1:
         args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
                  f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
+    elif config.master_port == 0:  # one machine, any free port: torchrun's static rendezvous would hand its
+        # workers MASTER_PORT=0, where they wait for the store until it times out; its c10d one takes a free port
+        host = _master(config)[0]
+        endpoint = f"[{host}]:0" if ":" in host else f"{host}:0"
+        args += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=redline",
+                 "--rdzv-conf=is_host=1"]  # fmt: skip
     elif config.master_port is not None or config.master_addr is not None:  # one machine, meeting where asked
         host, port = _master(config)
         args += ["--nnodes=1", "--node-rank=0", f"--master-addr={host}", f"--master-port={port}"]
@@ -140,6 +160,14 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
     if module:
         args.append("--module")
     return [*args, *target]
+
+
+def _this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine (torch's own test, by which its c10d rendezvous hosts the store)."""
+    from torch.distributed.elastic.rendezvous import utils
+
+    matches = getattr(utils, "_matches_machine_hostname", None)  # private; tolerated if absent
+    return bool(matches(host)) if matches is not None else host in ("localhost", "127.0.0.1", "::1")
 
 
 def _master(config: LaunchConfig) -> tuple[str, int]:
@@ -161,6 +189,9 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
 
     if not module and target:
         check_script(Path(target[0]))
+    elif target:
+        check_module(target[0])
+    check_master_addr(config)
     nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
     workers: dict[str, str] = {}
     threads = worker_threads(nproc, usable_cpu_count(), os.environ)
@@ -189,9 +220,11 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             with worker_environment(workers), waiting:
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
-            stopped = stopped_by(int(exc.sigval), finished)
+            stopped = stopped_by(int(exc.sigval), finished, trainer=module and tuple(target[:2]) == TRAIN)
         except ChildFailedError as exc:
-            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts) from None
+            printed = any(said.iterdir())  # a worker of redline's command line printed an error there
+            done = finished.exists()
+            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
@@ -201,26 +234,6 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
-
-
-def check_script(script: Path) -> None:
-    """Refuse a script Python cannot run before any worker starts: else every worker fails alike, after a rendezvous.
-
-    As ``python SCRIPT`` does, a file runs (a zip application too) and so does a directory with a ``__main__.py``.
-    """
-    if script.is_file() or (script / "__main__.py").is_file():
-        return
-    if script.is_dir():
-        files = sorted(str(path) for path in script.glob("*.py"))
-        which = f"one of its Python files ({few(files, 3)})" if files else "the path of a Python file"
-        raise ConfigError(
-            f"script {str(script)!r} is a directory without a __main__.py: Python cannot run it\n"
-            f"hint: pass {which}, or add a __main__.py to the directory"
-        )
-    raise ConfigError(
-        f"script {str(script)!r} does not exist (looked in {Path.cwd()})\n"
-        "hint: pass the path of a Python file, or --module (-m) with a module name"
-    )
 
 
 def waiting_note(config: LaunchConfig) -> str | None:
@@ -253,8 +266,10 @@ def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | 
 
 def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     """The error of a rendezvous that could not be set up: the address, torch's reason and the fix."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    reason = lines[0] if lines else type(exc).__name__
+    inner: BaseException = exc
+    while inner.__cause__ is not None:  # the c10d rendezvous says "see inner exception for details"
+        inner = inner.__cause__
+    reason = first_line(inner) or type(inner).__name__
     if config.rdzv_endpoint is not None:
         where, flag = config.rdzv_endpoint, "--rdzv-endpoint"
     elif config.nnodes == 1 and config.master_port is None and config.master_addr is None:
@@ -270,11 +285,15 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
-def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -> LaunchError:
+def _failure(
+    exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, printed: bool = False, finished: bool = False
+) -> LaunchError:
     """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code.
 
     torchrun gives up only once ``restarts`` (--max-restarts) are used up: every attempt failed, and the
-    ranks named are the last attempt's.
+    ranks named are the last attempt's. ``printed``: a worker marked an error it printed (``first_to_say``);
+    else the hint says what the first failed rank's exit code or signal tells, and points at no error above.
+    ``finished``: the workers' Trainer had marked its work finished (``mark_finished``) before they failed.
     """
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
@@ -291,10 +310,43 @@ def _failure(exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0) -
         failures = "; ".join(f"rank {rank} {_ended(code)}" for rank, code in codes)
     first = min(exc.failures.items(), key=lambda item: (item[1].exitcode in _STOPPED, item[1].timestamp, item[0]))
     attempts = f" in all {restarts + 1} attempts (--max-restarts {restarts} used up); in the last" if restarts else ""
-    error = LaunchError(
-        f"the launched job failed{attempts}: {failures}\nhint: the workers' errors are printed above, each once"
-    )
+    hint = "the workers' errors are printed above, each once" if printed else _unsaid(first[0], first[1].exitcode)
+    if finished:  # what failed came after fit(): the results a scheduler would rerun the job for are there
+        failures += (
+            ", after the Trainer had finished its work (with --out, its last checkpoint, final weights and summary "
+            "are written)"
+        )
+    error = LaunchError(f"the launched job failed{attempts}: {failures}\nhint: {hint}")
     return _with_exit_code(error, first[1].exitcode)
+
+
+_CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)
+
+
+def _unsaid(rank: int, code: int) -> str:
+    """The hint for a rank that failed without an error redline saw it print: what its exit code or signal says."""
+    if code == -signal.SIGKILL:
+        return (
+            f"SIGKILL gives rank {rank} no chance to print anything: if the kernel's log (`dmesg`) names the "
+            "out-of-memory killer, give each worker less host memory (a smaller batch, fewer --nproc, fewer loader "
+            "workers)"
+        )
+    if -code in _CRASHES:
+        return (
+            f"rank {rank} crashed in native code (torch, a C extension, a driver), which prints no Python error: "
+            "run again with PYTHONFAULTHANDLER=1 in the environment for each worker's Python stack as it crashes"
+        )
+    if code < 0:
+        return f"the signal came from outside rank {rank} (a scheduler, the system, a kill), which prints no error"
+    if code == 1:
+        return (
+            "exit code 1 is Python's after an exception reached the top of the script (its traceback, printed by "
+            f"rank {rank}, comes before the launcher's lines), or the script's own sys.exit(1), which prints nothing"
+        )
+    return (
+        f"no error of redline's was printed: rank {rank}'s exit code {code} is the script's own (sys.exit({code}) "
+        f"or os._exit({code})): look in it for where it exits so"
+    )
 
 
 def _with_exit_code(error: LaunchError, code: int) -> LaunchError:
@@ -323,15 +375,16 @@ def _ended(code: int) -> str:
     return f"exited with {code}"
 
 
-def stopped_by(signum: int, finished: Path) -> LaunchStopped | None:
+def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchStopped | None:
     """Return the error a launcher sent ``signum`` exits with; None if the workers had finished their work by then.
 
     A signal that arrives as the run ends (while torchrun's agent waits at its exit barrier, say)
     stopped nothing: the workers marked the file ``finished`` (``mark_finished``), and the launch
     succeeded. Without the mark (they were stopped, or the script is not the Trainer's) it did stop them.
+    ``trainer``: the workers run ``redline train``, whose resume the error names.
     """
     if not finished.exists():
-        return LaunchStopped(signum)
+        return LaunchStopped(signum, trainer=trainer)
     log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
     return None
 
