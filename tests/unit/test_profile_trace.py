@@ -99,6 +99,20 @@ def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
     assert heavy[0].startswith("the optimizer step takes 40% of each step")
 
 
+def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_run_yet():
+    import dataclasses
+
+    plain = dataclasses.replace(PLAN, precision=Choice("fp32", "auto"), compile=Choice(False, "auto"))
+    said = advise(breakdown(), plain, env={}, anomaly=False)[0]
+    assert said.endswith("reduced precision or compile may shorten it, and `redline tune` measures both")
+    compiled = dataclasses.replace(plain, compile=Choice(True, "auto"))
+    assert advise(breakdown(), compiled, env={}, anomaly=False)[0].endswith(
+        "reduced precision may shorten it, and `redline tune` measures it"
+    )
+    both = dataclasses.replace(PLAN, compile=Choice(True, "auto"))  # bf16-mixed and compiled already
+    assert "a larger --batch-size" in advise(breakdown(), both, env={}, anomaly=False)[0]
+
+
 def test_debugging_switches_left_on_are_named_first():
     said = advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "1"}, anomaly=True)
     assert said[0].startswith("autograd anomaly detection is on")

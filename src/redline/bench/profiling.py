@@ -385,8 +385,22 @@ def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bo
         )
     if not out:
         compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+        left = [
+            what
+            for what, taken in (
+                ("reduced precision", plan.precision.value != "fp32"),
+                ("compile", plan.compile is not None and bool(plan.compile.value)),
+            )
+            if not taken
+        ]
+        then = (
+            f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
+            if left
+            else "the Plan already runs reduced precision and compiled: a larger --batch-size (`redline bench "
+            "--batch-size 64,128` measures it) or a faster device is what is left"
+        )
         out.append(
             f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "
-            "arithmetic bounds it; reduced precision or compile may shorten it, and `redline tune` measures both"
+            f"arithmetic bounds it; {then}"
         )
     return out

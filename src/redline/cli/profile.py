@@ -64,4 +64,4 @@ def profile_command(
     print_uncut(out, phases_table(data))
     print_uncut(out, ops_table(data))
     for line in summary_lines(data):
-        out.print(line, highlight=False, markup=False, soft_wrap=line.startswith("trace:"))
+        out.print(line, highlight=False, markup=False, soft_wrap=True)  # the terminal wraps: a path stays whole
