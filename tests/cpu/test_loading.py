@@ -50,7 +50,13 @@ def as_lists(loader: Any) -> list[list[list[float]]]:
 def test_facts_of_a_tensor_dataset_loader() -> None:
     facts = loader_facts(DataLoader(tensor_data(), batch_size=4, num_workers=0), local_devices=2)
     assert facts == LoaderFacts(
-        is_dataloader=True, map_style=True, in_memory=True, num_workers=0, pin_memory=False, local_devices=2
+        is_dataloader=True,
+        map_style=True,
+        in_memory=True,
+        num_workers=0,
+        pin_memory=False,
+        local_devices=2,
+        gatherable=True,
     )
 
 

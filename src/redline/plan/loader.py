@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from redline.hardware.device import DeviceFacts
@@ -18,6 +19,7 @@ class LoaderFacts:
     num_workers: int
     pin_memory: bool
     local_devices: int = 1  # devices sharing this machine's cores
+    gatherable: bool = False  # batches of a TensorDataset under the default collation: one index per tensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,20 +31,37 @@ class LoaderSettings:
     persistent_workers: bool
     prefetch_factor: int | None
     rebuild: bool
+    gather: bool = False  # each batch indexed out of the tensors at once, not stacked from its samples
 
     def __str__(self) -> str:
         text = f"workers={self.num_workers} pin_memory={'on' if self.pin_memory else 'off'}"
         if self.num_workers:
             text += f" persistent={'on' if self.persistent_workers else 'off'} prefetch={self.prefetch_factor}"
-        return text
+        return text + (" gather=on" if self.gather else "")
 
 
 MAX_WORKERS = 8
 PREFETCH = 4
 
 
+GATHER = (
+    "whole batches gathered from the in-memory tensors (one index per tensor, not one per sample and a stack; "
+    "the same batches)"
+)
+
+
 def resolve_loader(loader: LoaderFacts, facts: DeviceFacts, *, workers: int | None = None) -> Choice[LoaderSettings]:
-    """Pin memory and add workers for a GPU; leave a CPU run's loader alone; ``workers`` is a request that wins."""
+    """Pin memory and add workers for a GPU; leave a CPU run's loader alone; ``workers`` is a request that wins.
+
+    Batches of in-memory tensors are gathered whole on any device.
+    """
+    chosen = _resolve(loader, facts, workers)
+    if not loader.gatherable:
+        return chosen
+    return Choice(dataclasses.replace(chosen.value, gather=True, rebuild=True), f"{chosen.reason}; {GATHER}")
+
+
+def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Choice[LoaderSettings]:
     keep = LoaderSettings(
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
