@@ -38,6 +38,22 @@ def test_a_tensor_dataset_is_gathered_whole_into_the_same_batches_and_the_plan_s
     assert chosen is not None and str(chosen.value).endswith("gather=on") and chosen.reason.endswith(GATHER)
 
 
+def test_gathering_runs_on_one_thread_and_leaves_the_processs_thread_count_as_it_was(monkeypatch):
+    from redline.runtime.loading import GatheredTensors
+
+    seen = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = GatheredTensors(data()).__getitems__([3, 1, 4])
+        assert torch.get_num_threads() == 2 and seen == [1, 1]  # one call per tensor, each on one thread
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batch[0], torch.stack([data()[i][0] for i in (3, 1, 4)]))
+
+
 class Scaled(TensorDataset):
     def __getitem__(self, index):
         x, y = super().__getitem__(index)
