@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ def evaluate_model(
                 outputs = forward.outputs = model(inputs)
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)
             with user_code(where, outputs, targets, metric=True):
-                metric = metric_value(task.metric(outputs, targets)) if task.metric is not None else 0.0
+                metric = metric_value(_numpy_read(task.metric(outputs, targets))) if task.metric is not None else 0.0
             n = count_samples(inputs)
             total_loss += loss.item() * n
             total_metric += metric * n
@@ -56,6 +57,17 @@ def evaluate_model(
             "__iter__ start a fresh pass each time it is called (write it as a generator, with yield)"
         )
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
+
+
+def _numpy_read(value: Any) -> Any:
+    """A metric's NumPy result as torch would read it: a scalar (np.float32's mean of an array) as a float, an
+    array as a tensor (one element is one number); anything else as it came, for metric_value to judge."""
+    if type(value).__module__ != "numpy" or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Real):  # np.float16/32/64 and the integer scalars; np.bool_ is no number
+        return float(value)
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    return torch.as_tensor(value) if kind in ("f", "i", "u") else value  # an array of numbers; of bools, as it came
 
 
 @torch.no_grad()

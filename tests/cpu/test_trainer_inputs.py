@@ -1,0 +1,53 @@
+"""The Trainer takes what users commonly hand it: a metric of NumPy's, predict's batch size, restarts."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.errors import TaskError
+from redline.train.trainer import Trainer
+
+
+def tiny_task(**overrides) -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    fields = {
+        "model": lambda: nn.Linear(4, 2),
+        "loss_fn": nn.functional.cross_entropy,
+        "train_data": data,
+        "val_data": data,
+        "batch_size": 8,
+        "metric": lambda out, y: (out.argmax(-1) == y).float().mean().item(),
+    }
+    return redline.Task(**{**fields, **overrides})
+
+
+def quiet(task: redline.Task, **kwargs) -> Trainer:
+    return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
+
+
+def accuracy(out: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+    return (out.argmax(-1) == y).numpy().astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "metric",
+    [
+        lambda out, y: accuracy(out, y).mean(),  # np.float32: a float32 array's mean
+        lambda out, y: np.asarray(accuracy(out, y).mean()),  # a 0-d array
+        lambda out, y: accuracy(out, y).mean(keepdims=True),  # a one-element array
+    ],
+    ids=["float32-scalar", "0-d-array", "one-element-array"],
+)
+def test_a_metric_of_numpys_counts_as_the_same_number_in_a_float(metric):
+    expected = quiet(tiny_task(), max_steps=2).fit().val_metric
+    assert expected is not None and 0 < expected < 1
+    assert quiet(tiny_task(metric=metric), max_steps=2).fit().val_metric == pytest.approx(expected)
+
+
+def test_a_metric_of_numpy_that_is_not_one_number_is_still_refused():
+    with pytest.raises(TaskError, match=r"tensor of shape \(8,\); expected one number"):
+        quiet(tiny_task(metric=accuracy), max_steps=2).fit()
