@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.errors import TaskError
+from redline.errors import ConfigError, TaskError
 from redline.train.trainer import Trainer
 
 
@@ -51,3 +51,12 @@ def test_a_metric_of_numpys_counts_as_the_same_number_in_a_float(metric):
 def test_a_metric_of_numpy_that_is_not_one_number_is_still_refused():
     with pytest.raises(TaskError, match=r"tensor of shape \(8,\); expected one number"):
         quiet(tiny_task(metric=accuracy), max_steps=2).fit()
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5])
+def test_predict_refuses_a_batch_size_that_is_no_count_of_items(size):
+    trainer = quiet(tiny_task(), max_steps=1)
+    trainer.fit()
+    with pytest.raises(ConfigError, match=rf"batch_size={size}[^\n]*expected a positive integer"):
+        trainer.predict(torch.randn(5, 4), batch_size=size)
+    assert trainer.predict(torch.randn(5, 4), batch_size=2).shape == (5, 2)  # asked for, and taken

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.config import positive_int
 from redline.errors import TaskError, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
@@ -78,6 +79,7 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -
     (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
     Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
     """
+    positive_int("batch_size", batch_size)  # 0 is no batch, not "the default"
     outputs = []
     with _eval_mode(model):
         for batch in read_batches(eval_loader(data, batch_size=batch_size)):

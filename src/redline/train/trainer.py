@@ -488,7 +488,7 @@ class Trainer:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
         tensor, or the tuple, list or dict of tensors the model returns."""
         rt, model = self._ready()
-        return predict_outputs(model, rt, data, batch_size or self.batch_size)
+        return predict_outputs(model, rt, data, self.batch_size if batch_size is None else batch_size)
 
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
