@@ -1,5 +1,8 @@
 """The Trainer takes what users commonly hand it: a metric of NumPy's, predict's batch size, restarts."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -60,3 +63,28 @@ def test_predict_refuses_a_batch_size_that_is_no_count_of_items(size):
     with pytest.raises(ConfigError, match=rf"batch_size={size}[^\n]*expected a positive integer"):
         trainer.predict(torch.randn(5, 4), batch_size=size)
     assert trainer.predict(torch.randn(5, 4), batch_size=2).shape == (5, 2)  # asked for, and taken
+
+
+def test_a_restarted_worker_without_out_dir_says_it_trains_from_the_start_again(monkeypatch, caplog):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's count of this worker's restarts
+    assert quiet(tiny_task(val_data=None), max_steps=2).fit().steps == 2
+    said = [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+    assert len(said) == 1 and "no out_dir" in said[0] and "trains again from the start" in said[0], said
+    assert "hint: pass --out DIR" in said[0]
+
+
+def test_a_restarted_worker_with_out_dir_goes_on_without_that_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert quiet(tiny_task(val_data=None), max_steps=2, out_dir=tmp_path).fit().steps == 2
+    assert not [r for r in caplog.records if "restarted after a failure" in r.getMessage()]
+
+
+def test_train_with_max_restarts_and_no_out_warns_before_the_workers_start():
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "1", "--devices", "cpu",
+         "--nproc", "1", "--max-restarts", "2", "--no-progress", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: --max-restarts 2 without --out: a restarted worker finds no checkpoint" in result.stderr
+    assert "hint: add --out DIR" in result.stderr

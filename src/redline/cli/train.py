@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -36,6 +37,7 @@ from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
 
+log = logging.getLogger("redline")
 # The options that start the workers (on one machine); each worker runs the rest of the command.
 LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
 EARLY_STOPPING = "early_stopping_"
@@ -64,6 +66,11 @@ def _train(
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
+        if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
+            log.warning(
+                "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "
+                "from the start again\nhint: add --out DIR", launch_config.max_restarts,
+            )  # fmt: skip
         launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
