@@ -87,6 +87,10 @@ class EarlyStopping(Callback):
             self.bad_evals += 1
         return self.bad_evals >= self.patience
 
+    def reset(self) -> None:
+        """Forget the evaluations seen so far: each fit() watches its own run, from its first evaluation."""
+        self.best, self.bad_evals = None, 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_evals": self.bad_evals, "monitor": self.monitor, "minimise": self.minimise}
 
@@ -94,7 +98,7 @@ class EarlyStopping(Callback):
         """Go on from a checkpoint's state; one that watched another metric, or the other way, starts afresh."""
         watched = (state.get("monitor", self.monitor), state.get("minimise", self.minimise))  # older: unsaid
         if watched != (self.monitor, self.minimise):  # its best is no value of this metric (a loss is no accuracy)
-            self.best, self.bad_evals = None, 0
+            self.reset()
             return
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
 

@@ -37,14 +37,13 @@ from redline.runtime.contract import check_loss, count_samples, is_tokens, split
 from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
-from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
 from redline.train.best import best_weights
 from redline.train.callbacks import Callback, check_callbacks
 from redline.train.config import TrainerConfig
-from redline.train.data import no_batch, plan_length, train_loader
+from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
@@ -274,6 +273,8 @@ class Trainer:
     def _start(self) -> Run | TrainSummary:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
+        if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
+            self.early_stopping.reset()
         self.best = best_weights(self.config.keep_best, self.out_dir)
         resumed = self._find_resume()
         resume.warn_unsaved(resumed, self.out_dir)
@@ -303,7 +304,8 @@ class Trainer:
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_batch_size(self.batch_size, resumed, split=split)  # an ended run is left as it was, at any size
-        drop_last = self._fixed_shapes(rt)
+        compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
+        drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env.world_size, compiled=compiled)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
         loader, sampler = train_loader(
@@ -329,14 +331,6 @@ class Trainer:
             last_ckpt=resumed,
             stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
         )
-
-    def _fixed_shapes(self, rt: Runtime) -> bool:
-        """Whether to drop a partial last batch: a compiled model given one would compile again for its shape."""
-        compiled = rt.explain().compile
-        if compiled is None or not compiled.value or self._batches_per_epoch is None:
-            return False
-        size = len(self.task.train_data)  # type: ignore[arg-type]
-        return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
