@@ -209,6 +209,11 @@ def _spent(summary: TrainSummary) -> str:
     return f", of which {' and '.join(parts)}" if parts else ""
 
 
+def _share(ratio: float) -> str:
+    """``ratio`` as a percentage; one that rounds to 0.0% (a small model's) is said as under 0.1%, not as none."""
+    return f"{ratio:.1%}" if ratio >= 0.0005 or ratio <= 0 else "<0.1%"
+
+
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     """Return the summary's figures as (name, text) rows for a table."""
     if summary.epochs is None:
@@ -228,9 +233,9 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     ]
     if summary.tokens_per_s:
         rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
-    rows.append(("MFU", f"{summary.mfu:.1%} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
+    rows.append(("MFU", f"{_share(summary.mfu)} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
     if summary.measured_peak_ratio is not None:
-        rows.append(("of measured matmul peak", f"{summary.measured_peak_ratio:.1%}"))
+        rows.append(("of measured matmul peak", _share(summary.measured_peak_ratio)))
     rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{_spent(summary)}"))
     if summary.compile_seconds is not None:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))
