@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from redline.config import non_negative_number, one_of, option, positive_int
 from redline.errors import ConfigError, TrainingError, invalid
+from redline.runtime.contract import users_failure
 
 if TYPE_CHECKING:
     from redline.task import Task
@@ -127,3 +128,11 @@ def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], Earl
 
 
 _HOOKS = ("on_step", "on_evaluate", "on_checkpoint", "on_fit_end")
+
+
+def call_hooks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
+    """Call ``hook`` of each callback; one that raises is a TrainingError naming the callback, the hook and the
+    user's line (a redline error, or a bug of redline's, passes as it is)."""
+    for callback in callbacks:
+        with users_failure(f"callback {type(callback).__name__}.{hook}", "fix the callback: the run stopped there"):
+            getattr(callback, hook)(*args)
