@@ -27,3 +27,12 @@ def test_the_steps_row_counts_epochs_in_words(epochs, said):
     summary = TrainSummary.from_dict(figures)
     steps = dict(summary_rows(summary))["steps"]
     assert steps == f"5 ({said}40 samples; stopped: epochs)"
+
+
+@pytest.mark.parametrize(("ratio", "said"), [(0.0004, "<0.1%"), (0.0005, "0.1%"), (0.4231, "42.3%"), (0.0, "0.0%")])
+def test_a_share_too_small_for_one_decimal_is_said_as_under_it_not_as_none(ratio, said):
+    figures = {"task": "t", "plan": PLAN.to_dict(), "steps": 5, "epochs": 1.0, "samples": 40, "stopped": "epochs"}
+    figures.update(train_seconds=1.0, measured_peak_ratio=ratio, mfu=ratio or None, mfu_peak_tflops=989.0)
+    rows = dict(summary_rows(TrainSummary.from_dict(figures)))
+    assert rows["of measured matmul peak"] == said
+    assert rows["MFU"] == (f"{said} of 989 TFLOP/s" if ratio else "n/a")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -36,6 +37,7 @@ from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
 
+log = logging.getLogger("redline")
 # The options that start the workers (on one machine); each worker runs the rest of the command.
 LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
 EARLY_STOPPING = "early_stopping_"
@@ -64,6 +66,11 @@ def _train(
     if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
+        if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
+            log.warning(
+                "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "
+                "from the start again\nhint: add --out DIR", launch_config.max_restarts,
+            )  # fmt: skip
         launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
         return
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
@@ -202,6 +209,11 @@ def _spent(summary: TrainSummary) -> str:
     return f", of which {' and '.join(parts)}" if parts else ""
 
 
+def _share(ratio: float) -> str:
+    """``ratio`` as a percentage; one that rounds to 0.0% (a small model's) is said as under 0.1%, not as none."""
+    return f"{ratio:.1%}" if ratio >= 0.0005 or ratio <= 0 else "<0.1%"
+
+
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     """Return the summary's figures as (name, text) rows for a table."""
     if summary.epochs is None:
@@ -221,9 +233,9 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     ]
     if summary.tokens_per_s:
         rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
-    rows.append(("MFU", f"{summary.mfu:.1%} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
+    rows.append(("MFU", f"{_share(summary.mfu)} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
     if summary.measured_peak_ratio is not None:
-        rows.append(("of measured matmul peak", f"{summary.measured_peak_ratio:.1%}"))
+        rows.append(("of measured matmul peak", _share(summary.measured_peak_ratio)))
     rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{_spent(summary)}"))
     if summary.compile_seconds is not None:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))

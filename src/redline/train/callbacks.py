@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from redline.config import non_negative_number, one_of, option, positive_int
 from redline.errors import ConfigError, TrainingError, invalid
+from redline.runtime.contract import users_failure
 
 if TYPE_CHECKING:
     from redline.task import Task
@@ -87,6 +88,10 @@ class EarlyStopping(Callback):
             self.bad_evals += 1
         return self.bad_evals >= self.patience
 
+    def reset(self) -> None:
+        """Forget the evaluations seen so far: each fit() watches its own run, from its first evaluation."""
+        self.best, self.bad_evals = None, 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_evals": self.bad_evals, "monitor": self.monitor, "minimise": self.minimise}
 
@@ -94,7 +99,7 @@ class EarlyStopping(Callback):
         """Go on from a checkpoint's state; one that watched another metric, or the other way, starts afresh."""
         watched = (state.get("monitor", self.monitor), state.get("minimise", self.minimise))  # older: unsaid
         if watched != (self.monitor, self.minimise):  # its best is no value of this metric (a loss is no accuracy)
-            self.best, self.bad_evals = None, 0
+            self.reset()
             return
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
 
@@ -123,3 +128,11 @@ def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], Earl
 
 
 _HOOKS = ("on_step", "on_evaluate", "on_checkpoint", "on_fit_end")
+
+
+def call_hooks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
+    """Call ``hook`` of each callback; one that raises is a TrainingError naming the callback, the hook and the
+    user's line (a redline error, or a bug of redline's, passes as it is)."""
+    for callback in callbacks:
+        with users_failure(f"callback {type(callback).__name__}.{hook}", "fix the callback: the run stopped there"):
+            getattr(callback, hook)(*args)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 from redline.errors import ConfigError, TaskError
+from redline.plan import Choice
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
 from redline.task import CollateFn
 
@@ -147,6 +148,15 @@ def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError
         "yield): a stream that runs dry starts again as the next epoch"
         + (f"; the steps so far are saved in {saved}: then run the same command with --resume auto" if saved else "")
     )
+
+
+def fixed_shapes(data: Any, batch_size: int, world_size: int, *, compiled: Choice[bool] | None) -> bool:
+    """Whether to drop a partial last batch: a model ``compiled`` (the Plan's field) given one would compile again
+    for its shape. Not where a stream has no length, nor where every batch is partial (fewer items than one)."""
+    if compiled is None or not compiled.value:
+        return False
+    size = stream_length(data) if is_stream(data) else len(data)
+    return size is not None and batches_per_epoch(size, batch_size, world_size, drop_last=True) > 0
 
 
 def train_loader(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from redline.config import positive_int
 from redline.errors import TaskError, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
@@ -43,7 +45,7 @@ def evaluate_model(
                 outputs = forward.outputs = model(inputs)
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)
             with user_code(where, outputs, targets, metric=True):
-                metric = metric_value(task.metric(outputs, targets)) if task.metric is not None else 0.0
+                metric = metric_value(_numpy_read(task.metric(outputs, targets))) if task.metric is not None else 0.0
             n = count_samples(inputs)
             total_loss += loss.item() * n
             total_metric += metric * n
@@ -58,6 +60,17 @@ def evaluate_model(
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
 
 
+def _numpy_read(value: Any) -> Any:
+    """A metric's NumPy result as torch would read it: a scalar (np.float32's mean of an array) as a float, an
+    array as a tensor (one element is one number); anything else as it came, for metric_value to judge."""
+    if type(value).__module__ != "numpy" or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Real):  # np.float16/32/64 and the integer scalars; np.bool_ is no number
+        return float(value)
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    return torch.as_tensor(value) if kind in ("f", "i", "u") else value  # an array of numbers; of bools, as it came
+
+
 @torch.no_grad()
 def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> Any:
     """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU.
@@ -66,6 +79,7 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -
     (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
     Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
     """
+    positive_int("batch_size", batch_size)  # 0 is no batch, not "the default"
     outputs = []
     with _eval_mode(model):
         for batch in read_batches(eval_loader(data, batch_size=batch_size)):

@@ -8,12 +8,23 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redline.atomic import write_or_refuse
 from redline.errors import TrainingError, invalid
 
+if TYPE_CHECKING:
+    from redline.runtime.runtime import Runtime
+
 log = logging.getLogger("redline")
+
+
+def write_results(rt: Runtime, out_dir: Path, summary: dict[str, Any], *, main: bool) -> None:
+    """Write the final weights (whole: gathered from the shards under FSDP, so collective) and, on the main rank
+    (``main``), the summary."""
+    rt.save_weights(out_dir / "model.safetensors")
+    if main:
+        write_json(out_dir / "summary.json", summary)
 
 
 def prepare_out_dir(path: str | os.PathLike[str]) -> Path:

@@ -78,8 +78,15 @@ def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoi
 
     A worker torchrun restarted (--max-restarts) goes on from the newest checkpoint under ``root``, the
     one its last attempt wrote, even where ``resume`` names a path: that path is where the first
-    attempt started. Without one under ``root`` it starts as the first attempt did.
+    attempt started. Without one under ``root``, or without ``root`` (no out_dir: a warning says the
+    attempt starts over), it starts as the first attempt did.
     """
+    if env.restart_count > 0 and root is None and env.is_main:
+        log.warning(
+            "restarted after a failure (restart %d), with no out_dir: the last attempt wrote no checkpoint, so this "
+            "one trains again from %s\nhint: pass --out DIR (out_dir=...) for a restart to go on from the last "
+            "checkpoint", env.restart_count, resume or "the start",
+        )  # fmt: skip
     if env.restart_count > 0 and root is not None and resume != "auto":
         found = checkpoint.open_checkpoint("auto", root)
         if found is not None or resume is None:

@@ -37,18 +37,17 @@ from redline.runtime.contract import check_loss, count_samples, is_tokens, split
 from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
-from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
 from redline.train.best import best_weights
-from redline.train.callbacks import Callback, check_callbacks
+from redline.train.callbacks import Callback, call_hooks, check_callbacks
 from redline.train.config import TrainerConfig
-from redline.train.data import no_batch, plan_length, train_loader
+from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import step_failure
 from redline.train.logs import Loggers, open_loggers
-from redline.train.output import prepare_out_dir, write_json
+from redline.train.output import prepare_out_dir, write_results
 from redline.train.progress import Progress
 from redline.train.schedule import Schedule
 from redline.train.signals import StopOnSignal
@@ -143,19 +142,11 @@ class Trainer:
             run.beat("summary and final weights (gathered under FSDP)")  # still watched: both are collective
             summary = self._summary(run)
             if self.out_dir:
-                self._write_results(run, summary)
+                write_results(run.rt, self.out_dir, summary.to_dict(), main=self.env.is_main)
         if not summary.stopped.startswith("signal"):
             mark_finished(self.env)  # a launcher that a signal reaches now has nothing left to stop
-        for callback in self.callbacks:
-            callback.on_fit_end(self, summary)
+        call_hooks(self.callbacks, "on_fit_end", self, summary)
         return summary
-
-    def _write_results(self, run: Run, summary: TrainSummary) -> None:
-        """Write the final weights (whole, gathered from the shards under FSDP) and the summary, from rank 0."""
-        assert self.out_dir is not None
-        run.rt.save_weights(self.out_dir / "model.safetensors")  # collective under FSDP
-        if self.env.is_main:
-            write_json(self.out_dir / "summary.json", summary.to_dict())
 
     def _train_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         """Run one micro-batch; return whether it completed an optimizer step."""
@@ -274,6 +265,8 @@ class Trainer:
     def _start(self) -> Run | TrainSummary:
         self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
+        if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
+            self.early_stopping.reset()
         self.best = best_weights(self.config.keep_best, self.out_dir)
         resumed = self._find_resume()
         resume.warn_unsaved(resumed, self.out_dir)
@@ -303,7 +296,8 @@ class Trainer:
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_batch_size(self.batch_size, resumed, split=split)  # an ended run is left as it was, at any size
-        drop_last = self._fixed_shapes(rt)
+        compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
+        drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env.world_size, compiled=compiled)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
         loader, sampler = train_loader(
@@ -329,14 +323,6 @@ class Trainer:
             last_ckpt=resumed,
             stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
         )
-
-    def _fixed_shapes(self, rt: Runtime) -> bool:
-        """Whether to drop a partial last batch: a compiled model given one would compile again for its shape."""
-        compiled = rt.explain().compile
-        if compiled is None or not compiled.value or self._batches_per_epoch is None:
-            return False
-        size = len(self.task.train_data)  # type: ignore[arg-type]
-        return batches_per_epoch(size, self.batch_size, self.env.world_size, drop_last=True) > 0
 
     def _setup(
         self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int, measured: Any = None
@@ -402,8 +388,7 @@ class Trainer:
         run.checkpointed_at = time.perf_counter()
         if self.env.is_main:
             checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
-            for callback in self.callbacks:
-                callback.on_checkpoint(self, pos.step, str(written.path))
+            call_hooks(self.callbacks, "on_checkpoint", self, pos.step, str(written.path))
         return written
 
     # -- logging, evaluation, summary ------------------------------------------------------------
@@ -447,10 +432,9 @@ class Trainer:
         ]
         run.loggers.log(rows)
         run.progress.update(pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1)
-        for callback in self.callbacks:
-            callback.on_step(self, pos.step, losses[-1])
         run.losses += losses
         run.window = Window(excluded_s=run.meter.excluded_s)
+        self._tell(run, "on_step", pos.step, losses[-1])  # the window done: a failing callback's steps can be kept
 
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
@@ -464,9 +448,18 @@ class Trainer:
         if self.best is not None:
             with run.meter.excluded("checkpoint"):  # written as a checkpoint is: left out of the rates
                 self.best.offer(run.rt, run.metrics, run.pos.step, main=self.env.is_main)
-        for callback in self.callbacks:
-            callback.on_evaluate(self, run.pos.step, run.metrics)
+        self._tell(run, "on_evaluate", run.pos.step, run.metrics)
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
+
+    def _tell(self, run: Run, hook: str, *args: Any) -> None:
+        """Call the callbacks' ``hook`` mid-run; one that fails first checkpoints the steps so far (one process)."""
+        try:
+            call_hooks(self.callbacks, hook, self, *args)
+        except TrainingError as exc:
+            saved = None if self.env.distributed or type(exc) is not TrainingError else self._keep_steps(run)
+            if saved is None:
+                raise
+            raise TrainingError(f"{exc}; the steps so far are saved in {saved}: resume from it") from exc.__cause__
 
     def _summary(self, run: Run) -> TrainSummary:
         sample = None
@@ -488,7 +481,7 @@ class Trainer:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
         tensor, or the tuple, list or dict of tensors the model returns."""
         rt, model = self._ready()
-        return predict_outputs(model, rt, data, batch_size or self.batch_size)
+        return predict_outputs(model, rt, data, self.batch_size if batch_size is None else batch_size)
 
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:

@@ -1,0 +1,72 @@
+"""A second run with the same Trainer, or the same callbacks, starts afresh: nothing of the first decides it."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.errors import TrainingError
+from redline.train.callbacks import EarlyStopping
+from redline.train.trainer import Trainer
+
+
+def frozen_task(lr: float = 0.0) -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=gen), torch.randint(0, 2, (64,), generator=gen))
+    return redline.Task(
+        model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, val_data=data,
+        batch_size=8, epochs=50, optimizer=lambda params: torch.optim.SGD(params, lr=lr),
+    )  # fmt: skip
+
+
+def quiet(task: redline.Task, **kwargs) -> Trainer:
+    return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
+
+
+def test_a_second_fit_gives_early_stopping_its_whole_patience_again():
+    trainer = quiet(frozen_task(), eval_every=2, callbacks=[EarlyStopping(monitor="val_loss", patience=2)])
+    first, second = trainer.fit(), trainer.fit()
+    assert (first.steps, first.stopped) == (6, "early stopping")  # evals at 2 (best), 4 and 6 without improvement
+    assert (second.steps, second.stopped) == (6, "early stopping")  # not at 2, held to the first run's best
+
+
+def test_one_early_stopping_shared_by_a_sweeps_runs_judges_each_by_its_own_evaluations():
+    stopping = EarlyStopping(monitor="val_loss", patience=2)
+    good = quiet(frozen_task(lr=0.5), eval_every=2, max_steps=8, callbacks=[stopping])
+    assert good.fit().stopped == "max_steps"  # improving at each evaluation
+    worse = quiet(frozen_task(), eval_every=2, callbacks=[stopping])
+    assert worse.fit().steps == 6  # its own best at 2, then two evaluations without improvement
+
+
+class FailsAt(redline.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_evaluate(self, trainer, step, metrics):
+        if step == self.step:
+            raise ValueError("the dashboard is down")
+
+
+def test_a_callback_that_raises_mid_run_keeps_the_steps_before_it_and_the_run_resumes_from_them(tmp_path):
+    def trainer(out, **kwargs) -> Trainer:
+        return quiet(frozen_task(lr=0.5), max_steps=10, eval_every=4, out_dir=out, **kwargs)
+
+    unbroken = trainer(tmp_path / "unbroken")
+    unbroken.fit()
+    with pytest.raises(
+        TrainingError, match=r"callback FailsAt.on_evaluate raised ValueError: the dashboard is down"
+    ) as e:
+        trainer(tmp_path / "run", callbacks=[FailsAt(4)]).fit()
+    saved = tmp_path / "run" / "checkpoints" / "step-00000004"
+    assert f"the steps so far are saved in {saved}" in str(e.value) and isinstance(e.value.__cause__, ValueError)
+    assert trainer(tmp_path / "run", resume="auto").fit().steps == 10
+    for name, tensor in load_file(tmp_path / "unbroken" / "model.safetensors").items():
+        assert torch.equal(load_file(tmp_path / "run" / "model.safetensors")[name], tensor), name
+
+
+def test_a_callback_that_raises_without_out_dir_is_named_with_nothing_said_saved():
+    with pytest.raises(TrainingError, match=r"callback FailsAt.on_evaluate raised ValueError") as e:
+        quiet(frozen_task(), max_steps=10, eval_every=4, callbacks=[FailsAt(4)]).fit()
+    assert "saved" not in str(e.value)

@@ -1,0 +1,90 @@
+"""The Trainer takes what users commonly hand it: a metric of NumPy's, predict's batch size, restarts."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.errors import ConfigError, TaskError
+from redline.train.trainer import Trainer
+
+
+def tiny_task(**overrides) -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    fields = {
+        "model": lambda: nn.Linear(4, 2),
+        "loss_fn": nn.functional.cross_entropy,
+        "train_data": data,
+        "val_data": data,
+        "batch_size": 8,
+        "metric": lambda out, y: (out.argmax(-1) == y).float().mean().item(),
+    }
+    return redline.Task(**{**fields, **overrides})
+
+
+def quiet(task: redline.Task, **kwargs) -> Trainer:
+    return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
+
+
+def accuracy(out: torch.Tensor, y: torch.Tensor) -> np.ndarray:
+    return (out.argmax(-1) == y).numpy().astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "metric",
+    [
+        lambda out, y: accuracy(out, y).mean(),  # np.float32: a float32 array's mean
+        lambda out, y: np.asarray(accuracy(out, y).mean()),  # a 0-d array
+        lambda out, y: accuracy(out, y).mean(keepdims=True),  # a one-element array
+    ],
+    ids=["float32-scalar", "0-d-array", "one-element-array"],
+)
+def test_a_metric_of_numpys_counts_as_the_same_number_in_a_float(metric):
+    expected = quiet(tiny_task(), max_steps=2).fit().val_metric
+    assert expected is not None and 0 < expected < 1
+    assert quiet(tiny_task(metric=metric), max_steps=2).fit().val_metric == pytest.approx(expected)
+
+
+def test_a_metric_of_numpy_that_is_not_one_number_is_still_refused():
+    with pytest.raises(TaskError, match=r"tensor of shape \(8,\); expected one number"):
+        quiet(tiny_task(metric=accuracy), max_steps=2).fit()
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5])
+def test_predict_refuses_a_batch_size_that_is_no_count_of_items(size):
+    trainer = quiet(tiny_task(), max_steps=1)
+    trainer.fit()
+    with pytest.raises(ConfigError, match=rf"batch_size={size}[^\n]*expected a positive integer"):
+        trainer.predict(torch.randn(5, 4), batch_size=size)
+    assert trainer.predict(torch.randn(5, 4), batch_size=2).shape == (5, 2)  # asked for, and taken
+
+
+def test_a_restarted_worker_without_out_dir_says_it_trains_from_the_start_again(monkeypatch, caplog):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's count of this worker's restarts
+    assert quiet(tiny_task(val_data=None), max_steps=2).fit().steps == 2
+    said = [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+    assert len(said) == 1 and "no out_dir" in said[0] and "trains again from the start" in said[0], said
+    assert "hint: pass --out DIR" in said[0]
+
+
+def test_a_restarted_worker_with_out_dir_goes_on_without_that_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert quiet(tiny_task(val_data=None), max_steps=2, out_dir=tmp_path).fit().steps == 2
+    assert not [r for r in caplog.records if "restarted after a failure" in r.getMessage()]
+
+
+def test_train_with_max_restarts_and_no_out_warns_before_the_workers_start():
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "1", "--devices", "cpu",
+         "--nproc", "1", "--max-restarts", "2", "--no-progress", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: --max-restarts 2 without --out: a restarted worker finds no checkpoint" in result.stderr
+    assert "hint: add --out DIR" in result.stderr
