@@ -299,3 +299,19 @@ def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):
     rt = redline.Runtime(devices="cpu", strategy="ddp")
     with pytest.raises(ConfigError, match="redline launch"):
         rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_a_step_no_backward_reached_changes_nothing_in_every_precision(initial, precision):
+    """A loop that skips the backward of a bad batch still steps: in fp32 a no-op, and so under fp16, not a crash."""
+    rt = redline.Runtime(devices="cpu", precision=precision, compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    before = copy.deepcopy(model.state_dict())
+    assert rt.step(optimizer)  # no gradient anywhere: nothing moves
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert rt.skipped_steps == 0
+    with rt.autocast():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    rt.backward(loss)
+    assert rt.step(optimizer)  # the next batch steps as ever
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

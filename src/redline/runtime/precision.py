@@ -62,12 +62,15 @@ class Precision:
                 clip(optimizer)
             optimizer.step()
             return
-        if clip is not None:
-            self.scaler.unscale_(optimizer)
-            clip(optimizer)
-        before = self._scale()
         self._stepping = True
         try:
+            if not _has_gradients(optimizer):  # as in fp32, a no-op: the scaler has no gradient to check
+                optimizer.step()
+                return
+            if clip is not None:
+                self.scaler.unscale_(optimizer)
+                clip(optimizer)
+            before = self._scale()
             self.scaler.step(optimizer)
         finally:
             self._stepping = False
@@ -123,3 +126,8 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a backward reached any of ``optimizer``'s parameters since their gradients were last freed."""
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
