@@ -315,3 +315,45 @@ def test_a_step_no_backward_reached_changes_nothing_in_every_precision(initial, 
     rt.backward(loss)
     assert rt.step(optimizer)  # the next batch steps as ever
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def two_models() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(1)
+    return nn.Linear(4, 4), nn.Linear(4, 1)
+
+
+def two_losses(a: nn.Module, b: nn.Module, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4)
+    with torch.autocast(device_type, dtype=torch.float16):
+        overflowing = a(inputs).float().pow(2).mean() * 1e6  # its fp16 gradients overflow at the first scale
+        fine = b(inputs).float().pow(2).mean()
+    return overflowing, fine
+
+
+def test_fp16_two_optimizers_step_as_torchs_one_scaler_recipe():
+    """Both losses back-propagated, then both optimizers stepped: the scale is updated once, after both steps.
+
+    An update after the first step (which overflowed) would halve the scale before the second optimizer's
+    gradients were unscaled, so its step would be twice too large.
+    """
+    a, b = two_models()
+    plain_a, plain_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    overflowing, fine = two_losses(a, b)
+    scaler.scale(overflowing).backward()
+    scaler.scale(fine).backward()
+    scaler.step(plain_a)
+    scaler.step(plain_b)
+    scaler.update()
+    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off")
+    ra, rb = two_models()
+    ra, opt_a = rt.setup(ra, lambda params: torch.optim.SGD(params, lr=0.1))
+    rb, opt_b = rt.setup(rb, lambda params: torch.optim.SGD(params, lr=0.1))
+    overflowing, fine = two_losses(ra, rb)
+    rt.backward(overflowing)
+    rt.backward(fine)
+    assert rt.step(opt_a) and rt.step(opt_b)
+    assert_same_weights(ra, a, atol=0)  # skipped: the overflow
+    assert_same_weights(rb, b, atol=0)  # stepped as far as torch's recipe steps it
+    assert not torch.equal(rb.weight, two_models()[1].weight)
+    assert rt.skipped_steps == 1 and rt.precision.scaler.get_scale() == scaler.get_scale() == 2.0**15
