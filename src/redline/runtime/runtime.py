@@ -345,7 +345,9 @@ class Runtime:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
 
         The gradients are freed (set to None) right after the step on CUDA, and on other devices
-        just before the next ``backward`` (the Plan's ``zero_grad`` axis says which, and why).
+        just before the next ``backward`` (the Plan's ``zero_grad`` axis says which, and why). That
+        backward starts every set-up model without gradients, as a plain loop's ``zero_grad()`` on each
+        optimizer: a GAN's generator loss leaves none on the discriminator for its next step.
         Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
