@@ -1,6 +1,7 @@
 """The Runtime on CPU: parity with the plain loop, accumulation, clipping, precision, compile, errors."""
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -161,6 +162,28 @@ def test_rebuild_keeps_groups_and_hyperparameters(initial):
     optimizer.step()
     with pytest.raises(ConfigError, match="already holds state"):
         rebuild_optimizer(optimizer, fused=True)
+
+
+def test_an_lr_scheduler_built_before_setup_keeps_scheduling_the_optimizer_that_trains(initial):
+    """On CUDA setup rebuilds a fresh AdamW fused; one a scheduler holds is kept, so the schedule reaches the model."""
+    rt = redline.Runtime(devices="cpu", compile="off")
+    rt.facts = dataclasses.replace(rt.facts, type="cuda", name="NVIDIA H100", capability=(9, 0))  # plan as on a GPU
+    optimizer = torch.optim.AdamW(initial.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, got = rt.setup(initial, optimizer)
+    assert got is optimizer and "LR scheduler" in rt.explain().optimizer.reason
+    rt.backward(model(torch.randn(2, 1, 8, 8)).sum())
+    assert rt.step(got)
+    scheduler.step()
+    assert [group["lr"] for group in got.param_groups] == [0.05]  # the optimizer that trains follows the schedule
+    fresh, other = redline.Runtime(devices="cpu", compile="off"), make_model()
+    fresh.facts = rt.facts
+    _, fused = fresh.setup(other, torch.optim.AdamW(other.parameters(), lr=0.1))
+    assert fresh.explain().optimizer.value == "fused" and fused.param_groups[0]["fused"]  # without one: rebuilt
+    scheduled = torch.optim.AdamW(make_model().parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(scheduled, step_size=1)
+    with pytest.raises(ConfigError, match=r"an LR scheduler was built on it(.|\n)*build the scheduler after setup"):
+        rebuild_optimizer(scheduled)  # as FSDP's setup does, over the sharded parameters
 
 
 @pytest.mark.parametrize(
