@@ -88,3 +88,22 @@ def test_backwards_before_a_step_still_accumulate():
     cycle.next_batch()  # no step between: the second loss adds to the first (retain_graph, two losses)
     model(torch.ones(1, 2)).sum().backward()
     assert torch.equal(model.weight.grad, torch.full((1, 2), 2.0))
+
+
+def test_an_optimizer_amid_its_accumulation_keeps_its_gradients_when_another_steps():
+    first, second = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
+    cycle = Cycle(2, zero_after_step=False)
+    cycle.adopt(opt_first)
+    cycle.adopt(opt_second)
+    for model, optimizer, due in [(first, opt_first, False), (second, opt_second, False), (first, opt_first, True)]:
+        cycle.next_batch()
+        model(torch.ones(1, 2)).sum().backward()
+        assert cycle.due(optimizer) is due
+        if due:
+            cycle.stepped(optimizer)
+    cycle.next_batch()  # the second model's other half of its cycle, after the first one stepped
+    second(torch.ones(1, 2)).sum().backward()
+    assert cycle.due(opt_second)
+    assert torch.equal(second.weight.grad, torch.full((1, 2), 2.0))  # both halves: none dropped by the other's step

@@ -58,8 +58,11 @@ class Cycle:
         """Count a batch; return whether it ends a cycle (its backward reduces over the ranks)."""
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
-            # after a step left on another optimizer's parameters (a GAN's discriminator).
-            stale = {id(o): o for o in self._set_up if id(o) not in self._freed} | self._pending_zero
+            # after a step left on another optimizer's parameters (a GAN's discriminator), but for an
+            # optimizer amid its accumulation cycle, whose gradients are still adding up.
+            stale = {
+                id(o): o for o in self._set_up if id(o) not in self._freed and not self._micro_steps.get(id(o))
+            } | self._pending_zero
             for optimizer in stale.values():
                 optimizer.zero_grad(set_to_none=True)
             self._round_over = False
