@@ -1,6 +1,7 @@
 """The Runtime owns its state: state_dict/load_state_dict, save/load, and the process-wide settings it enters."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -89,6 +90,21 @@ def test_a_runtime_that_is_never_started_changes_nothing_global():
     torch.manual_seed(1)
     redline.Runtime(devices="cpu", seed=99, deterministic=True)  # constructing resolves the Plan only
     assert torch.equal(torch.rand(2), expected) and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_fixes_cublas_workspace_for_the_run_unless_the_user_set_one(monkeypatch):
+    """torch refuses every CUDA matmul under deterministic algorithms unless CUBLAS_WORKSPACE_CONFIG fixes the
+    workspace: the run sets it (before its first step, where cuBLAS reads it) and takes it away after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with ProcessSettings(deterministic=False).enter():
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # a run that does not ask changes nothing
+    with redline.Runtime(devices="cpu", deterministic=True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with ProcessSettings(deterministic=True).enter():
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the user's own is kept
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_tf32_is_set_for_the_run_and_restored():
