@@ -269,3 +269,28 @@ def test_a_checkpoint_holding_what_the_safe_loader_refuses_is_a_checkpoint_error
         rt.save(tmp_path / "ckpt", extra={"when": datetime.datetime(2026, 1, 1)})
         with pytest.raises(CheckpointError, match=r"(?s)extra\.pt: holds a value .*datetime.*hint: if you trust"):
             rt.load(tmp_path / "ckpt")
+
+
+def test_the_same_model_set_up_again_with_a_new_optimizer_still_saves(tmp_path):
+    """Fine-tuning in two phases: the head first, then everything with another optimizer; a checkpoint holds the
+    model and the optimizer of the second phase (only another model makes the Runtime's state ambiguous)."""
+    rt = redline.Runtime(devices="cpu", compile="off")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    model, head = rt.setup(model, lambda params: torch.optim.AdamW([p for p in params if p.requires_grad], lr=0.1))
+    rt.backward(model(torch.randn(4, 6)).sum())
+    assert rt.step(head)
+    model[0].requires_grad_(True)
+    model, everything = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.01))
+    rt.backward(model(torch.randn(4, 6)).sum())
+    assert rt.step(everything)
+    rt.save(tmp_path / "ck")
+    resumed = redline.Runtime(devices="cpu", compile="off")
+    again, optimizer = resumed.setup(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3)), lambda p: torch.optim.AdamW(p))
+    resumed.load(tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters(), strict=True))
+    assert optimizer.param_groups[0]["lr"] == 0.01 and len(optimizer.state) == 4  # the second phase's
+    rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))  # another model: ambiguous
+    with pytest.raises(ConfigError, match="set up 2 models"):
+        rt.save(tmp_path / "other")
