@@ -294,3 +294,11 @@ def test_the_same_model_set_up_again_with_a_new_optimizer_still_saves(tmp_path):
     rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))  # another model: ambiguous
     with pytest.raises(ConfigError, match="set up 2 models"):
         rt.save(tmp_path / "other")
+
+
+def test_a_compiled_model_set_up_again_is_not_compiled_a_second_time():
+    rt = redline.Runtime(devices="cpu", compile="on")
+    model, _ = rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+    compiled = model.forward
+    model, _ = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.1))
+    assert model.forward is compiled  # not a compile of the compiled forward, which would compile twice
