@@ -1,6 +1,7 @@
 """The Runtime on CPU: parity with the plain loop, accumulation, clipping, precision, compile, errors."""
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -163,6 +164,28 @@ def test_rebuild_keeps_groups_and_hyperparameters(initial):
         rebuild_optimizer(optimizer, fused=True)
 
 
+def test_an_lr_scheduler_built_before_setup_keeps_scheduling_the_optimizer_that_trains(initial):
+    """On CUDA setup rebuilds a fresh AdamW fused; one a scheduler holds is kept, so the schedule reaches the model."""
+    rt = redline.Runtime(devices="cpu", compile="off")
+    rt.facts = dataclasses.replace(rt.facts, type="cuda", name="NVIDIA H100", capability=(9, 0))  # plan as on a GPU
+    optimizer = torch.optim.AdamW(initial.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, got = rt.setup(initial, optimizer)
+    assert got is optimizer and "LR scheduler" in rt.explain().optimizer.reason
+    rt.backward(model(torch.randn(2, 1, 8, 8)).sum())
+    assert rt.step(got)
+    scheduler.step()
+    assert [group["lr"] for group in got.param_groups] == [0.05]  # the optimizer that trains follows the schedule
+    fresh, other = redline.Runtime(devices="cpu", compile="off"), make_model()
+    fresh.facts = rt.facts
+    _, fused = fresh.setup(other, torch.optim.AdamW(other.parameters(), lr=0.1))
+    assert fresh.explain().optimizer.value == "fused" and fused.param_groups[0]["fused"]  # without one: rebuilt
+    scheduled = torch.optim.AdamW(make_model().parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(scheduled, step_size=1)
+    with pytest.raises(ConfigError, match=r"an LR scheduler was built on it(.|\n)*build the scheduler after setup"):
+        rebuild_optimizer(scheduled)  # as FSDP's setup does, over the sharded parameters
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -299,3 +322,61 @@ def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):
     rt = redline.Runtime(devices="cpu", strategy="ddp")
     with pytest.raises(ConfigError, match="redline launch"):
         rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_a_step_no_backward_reached_changes_nothing_in_every_precision(initial, precision):
+    """A loop that skips the backward of a bad batch still steps: in fp32 a no-op, and so under fp16, not a crash."""
+    rt = redline.Runtime(devices="cpu", precision=precision, compile="off")
+    model, optimizer = rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    before = copy.deepcopy(model.state_dict())
+    assert rt.step(optimizer)  # no gradient anywhere: nothing moves
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert rt.skipped_steps == 0
+    with rt.autocast():
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    rt.backward(loss)
+    assert rt.step(optimizer)  # the next batch steps as ever
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def two_models() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(1)
+    return nn.Linear(4, 4), nn.Linear(4, 1)
+
+
+def two_losses(a: nn.Module, b: nn.Module, device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4)
+    with torch.autocast(device_type, dtype=torch.float16):
+        overflowing = a(inputs).float().pow(2).mean() * 1e6  # its fp16 gradients overflow at the first scale
+        fine = b(inputs).float().pow(2).mean()
+    return overflowing, fine
+
+
+def test_fp16_two_optimizers_step_as_torchs_one_scaler_recipe():
+    """Both losses back-propagated, then both optimizers stepped: the scale is updated once, after both steps.
+
+    An update after the first step (which overflowed) would halve the scale before the second optimizer's
+    gradients were unscaled, so its step would be twice too large.
+    """
+    a, b = two_models()
+    plain_a, plain_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    overflowing, fine = two_losses(a, b)
+    scaler.scale(overflowing).backward()
+    scaler.scale(fine).backward()
+    scaler.step(plain_a)
+    scaler.step(plain_b)
+    scaler.update()
+    rt = redline.Runtime(devices="cpu", precision="fp16-mixed", compile="off")
+    ra, rb = two_models()
+    ra, opt_a = rt.setup(ra, lambda params: torch.optim.SGD(params, lr=0.1))
+    rb, opt_b = rt.setup(rb, lambda params: torch.optim.SGD(params, lr=0.1))
+    overflowing, fine = two_losses(ra, rb)
+    rt.backward(overflowing)
+    rt.backward(fine)
+    assert rt.step(opt_a) and rt.step(opt_b)
+    assert_same_weights(ra, a, atol=0)  # skipped: the overflow
+    assert_same_weights(rb, b, atol=0)  # stepped as far as torch's recipe steps it
+    assert not torch.equal(rb.weight, two_models()[1].weight)
+    assert rt.skipped_steps == 1 and rt.precision.scaler.get_scale() == scaler.get_scale() == 2.0**15

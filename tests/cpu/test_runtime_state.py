@@ -1,6 +1,7 @@
 """The Runtime owns its state: state_dict/load_state_dict, save/load, and the process-wide settings it enters."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -89,6 +90,21 @@ def test_a_runtime_that_is_never_started_changes_nothing_global():
     torch.manual_seed(1)
     redline.Runtime(devices="cpu", seed=99, deterministic=True)  # constructing resolves the Plan only
     assert torch.equal(torch.rand(2), expected) and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_fixes_cublas_workspace_for_the_run_unless_the_user_set_one(monkeypatch):
+    """torch refuses every CUDA matmul under deterministic algorithms unless CUBLAS_WORKSPACE_CONFIG fixes the
+    workspace: the run sets it (before its first step, where cuBLAS reads it) and takes it away after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with ProcessSettings(deterministic=False).enter():
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # a run that does not ask changes nothing
+    with redline.Runtime(devices="cpu", deterministic=True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with ProcessSettings(deterministic=True).enter():
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the user's own is kept
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_tf32_is_set_for_the_run_and_restored():
@@ -253,3 +269,36 @@ def test_a_checkpoint_holding_what_the_safe_loader_refuses_is_a_checkpoint_error
         rt.save(tmp_path / "ckpt", extra={"when": datetime.datetime(2026, 1, 1)})
         with pytest.raises(CheckpointError, match=r"(?s)extra\.pt: holds a value .*datetime.*hint: if you trust"):
             rt.load(tmp_path / "ckpt")
+
+
+def test_the_same_model_set_up_again_with_a_new_optimizer_still_saves(tmp_path):
+    """Fine-tuning in two phases: the head first, then everything with another optimizer; a checkpoint holds the
+    model and the optimizer of the second phase (only another model makes the Runtime's state ambiguous)."""
+    rt = redline.Runtime(devices="cpu", compile="off")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    model, head = rt.setup(model, lambda params: torch.optim.AdamW([p for p in params if p.requires_grad], lr=0.1))
+    rt.backward(model(torch.randn(4, 6)).sum())
+    assert rt.step(head)
+    model[0].requires_grad_(True)
+    model, everything = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.01))
+    rt.backward(model(torch.randn(4, 6)).sum())
+    assert rt.step(everything)
+    rt.save(tmp_path / "ck")
+    resumed = redline.Runtime(devices="cpu", compile="off")
+    again, optimizer = resumed.setup(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3)), lambda p: torch.optim.AdamW(p))
+    resumed.load(tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters(), strict=True))
+    assert optimizer.param_groups[0]["lr"] == 0.01 and len(optimizer.state) == 4  # the second phase's
+    rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))  # another model: ambiguous
+    with pytest.raises(ConfigError, match="set up 2 models"):
+        rt.save(tmp_path / "other")
+
+
+def test_a_compiled_model_set_up_again_is_not_compiled_a_second_time():
+    rt = redline.Runtime(devices="cpu", compile="on")
+    model, _ = rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+    compiled = model.forward
+    model, _ = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.1))
+    assert model.forward is compiled  # not a compile of the compiled forward, which would compile twice

@@ -262,6 +262,19 @@ def test_an_implementation_the_user_chose_is_kept_even_when_it_turns_fused_off(i
     assert not optimizer_facts(default).impl_set_by_user
 
 
+def test_an_optimizer_an_lr_scheduler_holds_is_kept_as_given():
+    """Rebuilt fused, it would be another object: the scheduler built on it would set a learning rate nothing uses."""
+    import torch
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert not optimizer_facts(optimizer).has_scheduler
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    facts = optimizer_facts(optimizer)
+    assert facts.has_scheduler
+    kept = resolve_optimizer(facts, H100)
+    assert kept.value == "as given" and "LR scheduler" in kept.reason and "setup returns" in kept.reason
+
+
 def test_parameters_a_fused_kernel_refuses_keep_the_optimizer_as_given():
     """torch's fused kernels take real floating-point parameters with dense gradients, and fail at the first step
     on others: complex parameters, or an embedding with sparse=True (trained by SGD)."""

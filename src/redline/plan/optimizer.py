@@ -24,6 +24,7 @@ class OptimizerFacts:
     has_state: bool  # it has stepped already; rebuilding would lose its moments
     impl_set_by_user: bool  # fused= or foreach= passed explicitly
     unfusable: str = ""  # why torch's fused kernels cannot take these parameters ("" where they can)
+    has_scheduler: bool = False  # an LR scheduler was built on it: a rebuilt optimizer would leave it stepping this one
 
 
 def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> OptimizerFacts:
@@ -45,7 +46,13 @@ def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
         # None is torch's "not given"; fused=False turns fused off on purpose, like foreach=False.
         impl_set_by_user=defaults.get("fused") is not None or defaults.get("foreach") is not None,
         unfusable=unfusable,
+        has_scheduler=scheduled(optimizer),
     )
+
+
+def scheduled(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether an LR scheduler was built on ``optimizer``: torch's schedulers record each group's ``initial_lr``."""
+    return any("initial_lr" in group for group in optimizer.param_groups)
 
 
 def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False) -> Choice[OptimizerImpl]:
@@ -62,6 +69,12 @@ def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded:
         return Choice("as given", f"{optimizer.name} has no fused implementation; torch uses foreach")
     if optimizer.has_state:
         return Choice("as given", f"{optimizer.name} already holds state; rebuilding it would lose it")
+    if optimizer.has_scheduler:  # the scheduler holds this optimizer: it would set the learning rate of one unused
+        return Choice(
+            "as given",
+            f"{optimizer.name}: an LR scheduler was built on it, which would go on stepping it and not a rebuilt one; "
+            "build the scheduler on the optimizer setup returns for the fused kernel",
+        )
     if optimizer.unfusable:  # torch's fused kernels refuse them at the first step
         return Choice("as given", f"{optimizer.name}: {optimizer.unfusable}, which a fused kernel does not take")
     if sharded:

@@ -90,7 +90,8 @@ def compile_planned(
     if not planned.value:
         return planned
     mode = options.compile_mode
-    records.append(compile_module(model, **({} if mode == "default" else {"mode": mode})))
+    if not any(record.module is model for record in records):  # set up again: its forward is compiled already
+        records.append(compile_module(model, **({} if mode == "default" else {"mode": mode})))
     return planned if mode == "default" else Choice(True, f"{planned.reason}; mode={mode}")
 
 

@@ -1,13 +1,17 @@
 """Counting batches into optimizer steps: accumulation cycles, when gradients are freed, which optimizers step.
 
-A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` batches end a cycle,
-whose backward reduces the gradients over the ranks and whose ``step`` really steps. The gradients a
-step used are freed right after it on CUDA, and just before the next backward elsewhere (as late as
-the plain loop frees them). Only an optimizer that ``setup`` returned may step: setup may rebuild the
-one it was given (fused, or over the shards under FSDP), and the user's own then trains nothing of
-the set-up model, or trains it with a second, separate state. Under ``redline launch --hang-timeout``
-the cycle tells the hang watchdog where the loop is: in a backward (its gradient all-reduce), or
-between optimizer steps (the user's data, forward and loss).
+A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` batches end a
+cycle, whose backward reduces the gradients over the ranks and whose ``step`` really steps. The
+gradients a step used are freed right after it on CUDA, and just before the next backward elsewhere
+(as late as the plain loop frees them). The first backward after a step starts from no gradients on
+any set-up model, as a plain loop's ``zero_grad()`` on each optimizer before its backward: a GAN's
+generator loss, back-propagated through the discriminator after the discriminator stepped, leaves
+gradients there that are not the discriminator's next step's to take. Only an optimizer that
+``setup`` returned may step: setup may rebuild the one it was given (fused, or over the shards under
+FSDP), and the user's own then trains nothing of the set-up model, or trains it with a second,
+separate state. Under ``redline launch --hang-timeout`` the cycle tells the hang watchdog where the
+loop is: in a backward (its gradient all-reduce), or between optimizer steps (the user's data,
+forward and loss).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class Cycle:
         self.backwards = 0
         self._micro_steps: dict[int, int] = {}
         self._pending_zero: dict[int, torch.optim.Optimizer] = {}
+        self._freed: set[int] = set()  # optimizers whose gradients were freed after a step since the last backward
+        self._round_over = False  # an optimizer stepped since the last backward
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
 
@@ -50,10 +56,18 @@ class Cycle:
 
     def next_batch(self) -> bool:
         """Count a batch; return whether it ends a cycle (its backward reduces over the ranks)."""
-        if self._pending_zero:  # the last step's gradients, freed as late as the plain loop frees them
-            for optimizer in self._pending_zero.values():
+        if self._round_over:  # a step came since the last backward: no gradient carries over to this one
+            # The last step's gradients, freed as late as the plain loop frees them, and those a backward
+            # after a step left on another optimizer's parameters (a GAN's discriminator), but for an
+            # optimizer amid its accumulation cycle, whose gradients are still adding up.
+            stale = {
+                id(o): o for o in self._set_up if id(o) not in self._freed and not self._micro_steps.get(id(o))
+            } | self._pending_zero
+            for optimizer in stale.values():
                 optimizer.zero_grad(set_to_none=True)
-            self._pending_zero.clear()
+            self._round_over = False
+        self._pending_zero.clear()
+        self._freed.clear()
         self.backwards += 1
         if self.watchdog is not None:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
@@ -77,8 +91,10 @@ class Cycle:
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """Free the gradients ``optimizer`` just stepped on, now or before the next backward."""
+        self._round_over = True
         if self.zero_after_step:
             optimizer.zero_grad(set_to_none=True)
+            self._freed.add(id(optimizer))
         else:
             self._pending_zero[id(optimizer)] = optimizer
         if self.watchdog is not None:
@@ -89,6 +105,8 @@ class Cycle:
         self.backwards = step * self.grad_accum  # steps go on counting from the loaded state's
         self._micro_steps.clear()
         self._pending_zero.clear()
+        self._freed.clear()
+        self._round_over = False
 
 
 def hang_watchdog(env: DistEnv, out_dir: Path | None) -> Watchdog | None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from redline.errors import ConfigError, few, invalid
+from redline.plan.optimizer import scheduled
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
 
@@ -99,11 +100,22 @@ def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module, *, factory
 
 
 def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "") -> None:
-    """Refuse to rebuild an optimizer that has stepped: its moments would be lost (``onto``: what it is rebuilt on)."""
+    """Refuse to rebuild an optimizer that has stepped (its moments would be lost) or that an LR scheduler holds.
+
+    ``onto``: what it is rebuilt on. The scheduler would go on setting the learning rate of the optimizer
+    it was built on, which no longer trains anything.
+    """
     if any(optimizer.state.values()):
         raise ConfigError(
             f"cannot rebuild {type(optimizer).__name__}{onto}: it already holds state\n"
             "hint: pass the optimizer before its first step, or as a factory"
+        )
+    if scheduled(optimizer):
+        raise ConfigError(
+            f"cannot rebuild {type(optimizer).__name__}{onto}: an LR scheduler was built on it, and would go on "
+            "setting the learning rate of this optimizer, which the rebuilt one replaces\n"
+            "hint: build the scheduler after setup, on the optimizer it returns: "
+            "`model, optimizer = rt.setup(model, optimizer)`, then `scheduler = StepLR(optimizer, ...)`"
         )
 
 

@@ -3,12 +3,17 @@
 plan/precision.py decides (fp32, bf16-mixed, fp16-mixed, with the reason); a ``Precision`` applies
 that choice. Only fp16 needs a grad scaler: its narrow range underflows small gradients unless the
 loss is scaled up, and the gradients are unscaled before clipping and the step
-(https://pytorch.org/docs/stable/amp.html#gradient-scaling).
+(https://pytorch.org/docs/stable/amp.html#gradient-scaling). With several optimizers (a GAN's two),
+the scale is updated once all of them whose gradients it multiplied have stepped, as torch's
+multiple-optimizer recipe does: an update between two steps would unscale the second optimizer's
+gradients by a scale they were not multiplied by
+(https://pytorch.org/docs/stable/notes/amp_examples.html#working-with-multiple-models-losses-and-optimizers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +39,8 @@ class Precision:
         self._skipped: torch.Tensor | int = 0  # fp16 steps skipped on overflow, counted on the device
         self._scaled = False  # a scaled backward ran that no step has unscaled yet
         self._stepping = False
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the guarded ones
+        self._stepped: set[int] = set()  # optimizers stepped since the scale was last updated
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in this precision."""
@@ -44,6 +51,7 @@ class Precision:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Back-propagate ``loss``, scaled up first under fp16; ``kwargs`` go to torch's ``backward``."""
         if self.scaler is not None:
+            self._update()  # a new loss to scale: the steps of the last one are all taken
             self.scaler.scale(loss).backward(**kwargs)
             self._scaled = True
         else:
@@ -62,16 +70,30 @@ class Precision:
                 clip(optimizer)
             optimizer.step()
             return
-        if clip is not None:
-            self.scaler.unscale_(optimizer)
-            clip(optimizer)
-        before = self._scale()
+        if id(optimizer) in self._stepped:  # stepped again without a backward between: a new round
+            self._update()
         self._stepping = True
         try:
+            if not _has_gradients(optimizer):  # as in fp32, a no-op: the scaler has no gradient to check
+                optimizer.step()
+                return
+            if clip is not None:
+                self.scaler.unscale_(optimizer)
+                clip(optimizer)
             self.scaler.step(optimizer)
         finally:
             self._stepping = False
+        self._stepped.add(id(optimizer))
+        if not any(id(o) not in self._stepped and _has_gradients(o) for o in self._optimizers):
+            self._update()  # no other optimizer holds gradients this scale multiplied
+
+    def _update(self) -> None:
+        """Update the scale after the steps taken since the last update (lowered if any overflowed)."""
+        if self.scaler is None or not self._stepped:
+            return
+        before = self._scale()
         self.scaler.update()
+        self._stepped.clear()
         self._scaled = False
         self._skipped = self._skipped + (self._scale() < before).int()  # the scale drops only on overflow
 
@@ -82,6 +104,7 @@ class Precision:
         moves the weights that many times too far, to inf within a step or two. Only ``step`` unscales.
         """
         if self.scaler is not None:
+            self._optimizers.add(optimizer)
             optimizer.register_step_pre_hook(self._refuse_scaled_step)
 
     def _refuse_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -103,7 +126,10 @@ class Precision:
 
     @property
     def skipped_steps(self) -> int:
-        """fp16 steps the scaler skipped on overflow (reading it waits for the device once)."""
+        """fp16 steps the scaler skipped on overflow, one per update of the scale (reading it waits for the device).
+
+        Several optimizers stepped on the same scale (a GAN's two) share one update, as in torch's recipe.
+        """
         return int(self._skipped)
 
     def state_dict(self) -> dict[str, Any]:
@@ -120,6 +146,12 @@ class Precision:
         if scaler:
             self.scaler.load_state_dict(scaler)
         self._skipped = int(state.get("skipped_steps", 0))
+        self._stepped.clear()
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a backward reached any of ``optimizer``'s parameters since their gradients were last freed."""
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])

@@ -175,7 +175,8 @@ class Runtime:
         """Place ``model`` on the device, wrap it for the strategy, build or rebuild the optimizer, compile if planned.
 
         ``optimizer`` is an instance built on ``model``'s parameters, or a factory params -> Optimizer.
-        The model is changed in place and returned; keep using the returned optimizer.
+        The model is changed in place and returned; keep using the returned optimizer. Setting the same
+        model up again (a second phase with other layers unfrozen) gives it that optimizer for checkpoints.
         """
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
@@ -188,7 +189,8 @@ class Runtime:
                 self.options.seed,
             )
         self.start()
-        self._setups += 1
+        again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
+        self._setups += 0 if again else 1
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
@@ -232,7 +234,8 @@ class Runtime:
         self.precision.guard(built)
         self._cycle.adopt(built)
         self.model, self.optimizer = model, built
-        self._models.append(model)
+        if not again:
+            self._models.append(model)
         if self._tuning is not None:
             self.adopt_reasons(self._tuning.reasons, self._tuning.note)
         return model, built
@@ -345,7 +348,9 @@ class Runtime:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
 
         The gradients are freed (set to None) right after the step on CUDA, and on other devices
-        just before the next ``backward`` (the Plan's ``zero_grad`` axis says which, and why).
+        just before the next ``backward`` (the Plan's ``zero_grad`` axis says which, and why). That
+        backward starts every set-up model without gradients, as a plain loop's ``zero_grad()`` on each
+        optimizer: a GAN's generator loss leaves none on the discriminator for its next step.
         Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
         step whose gradients overflowed; that is the normal start of loss scaling.
         """

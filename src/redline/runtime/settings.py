@@ -2,13 +2,15 @@
 
 torch keeps these settings per process, so a library that sets them quietly changes its caller's
 program. The Runtime applies them when it starts and puts the previous values back when it closes;
-the Plan lists each (``tf32``, ``deterministic``, ``seed``). A setting the run does not change is
+the Plan lists each (``tf32``, ``deterministic``, ``seed``); deterministic algorithms on CUDA come with
+cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG). A setting the run does not change is
 neither read nor written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,9 +36,30 @@ class ProcessSettings:
             undo.callback(_tf32_on())
         if self.deterministic:
             enabled, warn_only = torch.are_deterministic_algorithms_enabled(), _warn_only()
+            undo.callback(_cublas_workspace_fixed())
             torch.use_deterministic_algorithms(True, warn_only=False)
             undo.callback(torch.use_deterministic_algorithms, enabled, warn_only=warn_only)
         return undo
+
+
+# cuBLAS picks its matmul algorithms per workspace: only a fixed one gives the same result every run, and under
+# deterministic algorithms torch refuses every CUDA matmul without it (RuntimeError at the first Linear). It is
+# read at the process's first cuBLAS call, so it is set before the run's first step, unless the user set it:
+# https://docs.nvidia.com/cuda/cublas/index.html#results-reproducibility
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def _cublas_workspace_fixed() -> Callable[[], None]:
+    """Set cuBLAS's deterministic workspace where nothing set one; return what puts the environment back."""
+    if CUBLAS_WORKSPACE in os.environ:
+        return lambda: None
+    os.environ[CUBLAS_WORKSPACE] = CUBLAS_DETERMINISTIC
+
+    def restore() -> None:
+        os.environ.pop(CUBLAS_WORKSPACE, None)
+
+    return restore
 
 
 def _warn_only() -> bool:
