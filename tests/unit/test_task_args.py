@@ -148,6 +148,63 @@ def test_task_args_of_a_class_and_of_a_callable_object() -> None:
     assert convert_task_args(CallableFactory(), {"flag": "no"}) == {"flag": False}
 
 
+def collection_factory(
+    *,
+    sizes: list[int] = [1],  # noqa: B006 - read, never changed
+    dims: tuple[int, ...] = (1,),
+    pair: tuple[int, str] = (1, "a"),
+    rates: set[float] | None = None,
+    table: dict[str, int] | None = None,
+    root: Path = Path("."),
+    out: Path | None = None,
+) -> None:
+    """A factory whose options are collections and paths."""
+
+
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        ({"sizes": "1,2"}, {"sizes": [1, 2]}),
+        ({"sizes": "[1, 2]"}, {"sizes": [1, 2]}),
+        ({"sizes": "5"}, {"sizes": [5]}),  # one item is a list of one, not the number
+        ({"dims": "64"}, {"dims": (64,)}),
+        ({"dims": "(8, 8)"}, {"dims": (8, 8)}),
+        ({"pair": "3,b"}, {"pair": (3, "b")}),
+        ({"rates": "1,2.5"}, {"rates": {1.0, 2.5}}),
+        ({"rates": "none"}, {"rates": None}),
+        ({"table": "{'a': 2}"}, {"table": {"a": 2}}),
+        ({"root": "/data/x"}, {"root": Path("/data/x")}),  # a Path, so root.exists() works in the factory
+        ({"out": "runs/a"}, {"out": Path("runs/a")}),
+        ({"out": "none"}, {"out": None}),  # not Path("none")
+    ],
+)
+def test_collections_and_paths_read_as_annotated(texts: dict[str, str], expected: dict[str, object]) -> None:
+    options = convert_task_args(collection_factory, texts)
+    assert options == expected
+    assert [type(v) for v in options.values()] == [type(v) for v in expected.values()]
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "says"),
+    [
+        ("sizes", "abc", "option 'sizes' is a list[int]; expected values separated by commas, each a whole number"),
+        ("sizes", "[1, 'x']", "option 'sizes' is a list[int]"),
+        ("dims", "1.5", "option 'dims' is a tuple[int, ...]"),
+        ("pair", "1", "'pair' is a tuple[int, str]; expected 2 values separated by commas: a whole number, text"),
+        ("rates", "fast", "option 'rates' is annotated set[float] | None"),
+        ("table", "a=1", "option 'table' is annotated dict[str, int] | None; expected a Python dict or none"),
+        ("root", "", "option 'root' is a Path; expected a path"),
+    ],
+)
+def test_a_collection_or_path_that_does_not_convert_is_refused(key: str, text: str, says: str) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        convert_task_args(collection_factory, {key: text})
+    message = str(info.value)
+    assert says in message
+    example = message.split(f"hint: e.g. --task-arg {key}=")[-1]
+    assert convert_task_args(collection_factory, {key: example})  # the hint's example is itself a valid text
+
+
 def test_load_task_takes_real_values_and_texts_go_through_the_conversion(tmp_path: Path) -> None:
     path = tmp_path / "plain_tasks.py"
     path.write_text(UNANNOTATED)
