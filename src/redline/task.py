@@ -69,6 +69,8 @@ class Task:
             raise invalid(
                 "model", _shown(self.model), "an nn.Module or a callable returning one", "model=MyNet() or model=MyNet"
             )
+        if not isinstance(self.model, nn.Module):
+            _check_model_factory(self.model)
         _check_data("train_data", self.train_data)
         if self.val_data is not None:
             _check_data("val_data", self.val_data)
@@ -199,6 +201,28 @@ def _check_function(name: str, value: object, signature: str, example: str) -> N
     if not callable(value):
         optional = "" if name == "loss_fn" else ", or None"
         raise invalid(name, _shown(value), f"a callable {signature}{optional}", f"pass the function itself: {example}")
+
+
+def _check_model_factory(factory: Callable[..., Any]) -> None:
+    """Refuse a model factory that cannot be called without arguments (``model=nn.Linear``), which would fail
+    only when a tool first builds the model, in redline's own frame rather than the user's."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): calling it will tell
+        return
+    needed = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if needed:
+        name = getattr(factory, "__name__", None) or type(factory).__name__
+        raise invalid(
+            "model",
+            _shown(factory),
+            f"an nn.Module, or a callable that takes no arguments and returns one ({name} needs {', '.join(needed)})",
+            f"pass an instance, model={name}(...), or a factory that fills them in: model=lambda: {name}(...)",
+        )
 
 
 def _check_data(name: str, data: object) -> None:

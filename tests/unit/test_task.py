@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import textwrap
@@ -167,6 +168,24 @@ def test_build_model_calls_a_factory_each_time() -> None:
     first, second = task.build_model(), task.build_model()
     assert calls == [first, second]
     assert first is not second
+
+
+def test_a_model_class_that_needs_arguments_is_refused_when_the_task_is_made() -> None:
+    # model=nn.Linear would fail only when a tool first builds it, with a TypeError from redline's own line.
+    with pytest.raises(ConfigError, match=r"model=<Linear> is not allowed") as caught:
+        tiny_task(model=nn.Linear)
+    message = str(caught.value)
+    assert "Linear needs in_features, out_features" in message
+    assert "hint: pass an instance, model=Linear(...), or a factory that fills them in" in message
+
+    def make(*, width: int) -> nn.Module:
+        return nn.Linear(width, 1)
+
+    with pytest.raises(ConfigError, match=r"\(make needs width\)"):
+        tiny_task(model=make)
+    # a factory with defaults, a partial that fills the arguments in, *args: each called without arguments
+    for fine in (lambda width=2: nn.Linear(width, 1), functools.partial(nn.Linear, 2, 1), lambda *a: nn.Linear(2, 1)):
+        assert isinstance(tiny_task(model=fine).build_model(), nn.Linear)
 
 
 def test_build_model_rejects_a_factory_that_returns_no_module() -> None:
