@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -61,8 +62,8 @@ def chargpt(
     config = GPTConfig(
         vocab_size=1, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=dropout
     )
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise invalid("lr", lr, "a positive float", "1e-3 suits the default size; try 6e-4 for GPT-2 small")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise invalid("lr", lr, "a finite number > 0", "1e-3 suits the default size; try 6e-4 for GPT-2 small")
     positive_int("max_chars", max_chars)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise invalid("seed", seed, "an integer")
