@@ -37,6 +37,7 @@ CORPUS_MODULES = (
 )  # fmt: skip
 SAMPLE_PROMPT = "Return the "
 SAMPLE_CHARS = 200
+NOT_FINITE = " [no sample: the model's outputs hold NaN or inf; its training diverged]"
 
 
 def chargpt(
@@ -169,7 +170,8 @@ class CharSampler:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> str:
-        """Return the prompt followed by ``num_chars`` characters sampled from ``model``."""
+        """Return the prompt followed by ``num_chars`` characters sampled from ``model``; where the model's outputs
+        are not finite (NaN weights), the text so far and a note that says so."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         generator = torch.Generator(device=device).manual_seed(self.seed)
         idx = torch.tensor([self.vocab.encode(self.prompt)], dtype=torch.long, device=device)
@@ -178,6 +180,8 @@ class CharSampler:
         try:
             for _ in range(self.num_chars):
                 logits = model(idx[:, -self.block_size :])[:, -1, :].float()
+                if not torch.isfinite(logits).all():  # a diverged model: multinomial would raise, losing the summary
+                    return self.vocab.decode(idx[0].tolist()) + NOT_FINITE
                 probs = F.softmax(logits / self.temperature, dim=-1)
                 idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         finally:
