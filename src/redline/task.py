@@ -295,8 +295,21 @@ def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]
     """Call ``factory(**options)`` and check that it returns a Task; ``spec`` names it in errors."""
     task = run_factory(spec, factory, options)
     if not isinstance(task, Task):
-        raise TaskSpecError(f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task")
+        raise TaskSpecError(
+            f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task\n"
+            f"hint: {_returned_hint(task)}"
+        )
     return task
+
+
+def _returned_hint(made: object) -> str:
+    """The fix for a factory that returned ``made`` where a Task was due."""
+    wrap = "return redline.Task(model=..., loss_fn=..., train_data=..., batch_size=...) from the factory"
+    if made is None:
+        return f"the factory returns nothing: end it with {wrap.removesuffix(' from the factory')}"
+    if isinstance(made, nn.Module):  # a model factory, as `redline serve` takes
+        return f"a model alone cannot be trained or timed: {wrap}, with model= the module it builds"
+    return wrap
 
 
 def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Any:

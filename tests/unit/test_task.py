@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.errors import ConfigError, RedlineError, TaskSpecError
-from redline.task import Task, load_task
+from redline.task import Task, call_factory, load_task
 
 
 def tiny_data(rows: int = 4) -> TensorDataset:
@@ -499,6 +499,22 @@ def test_factory_that_returns_no_task_is_rejected(task_module: str) -> None:
         load_task(f"{task_module}:not_a_task")
     assert "dict" in str(info.value)
     assert "Task" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("made", "says"),
+    [
+        (nn.Linear(2, 1), "hint: a model alone cannot be trained or timed: return redline.Task(model=..., loss_fn="),
+        (None, "hint: the factory returns nothing: end it with return redline.Task(model=..., loss_fn=..."),
+        ({"model": None}, "hint: return redline.Task(model=..., loss_fn=..., train_data=..., batch_size=...)"),
+    ],
+)
+def test_factory_that_returns_a_model_or_nothing_says_how_to_return_a_task(made: object, says: str) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        call_factory("tasks.py:make", lambda: made, {})
+    message = str(info.value)
+    assert f"the factory returned {type(made).__name__}, expected a redline.Task\n" in message
+    assert says in message
 
 
 def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
