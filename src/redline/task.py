@@ -284,11 +284,26 @@ def find_factory(spec: str) -> Callable[..., Any]:
         shown = own or sorted(public)  # what the file defines, not what it imported (torch's classes, say)
         near = nearest(factory_name, shown)
         hint = f"did you mean '{spec.rsplit(':', 1)[0]}:{near}'?" if near else "name a function that returns a Task"
+        hint = _shadowed(module_name, module, factory_name) or hint
         raise TaskSpecError(
             f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
             f"defined there: {', '.join(shown[:12]) or 'none'}\nhint: {hint}"
         )
     return factory
+
+
+def _shadowed(module_name: str, module: Any, factory_name: str) -> str:
+    """The fix when a module of the working directory lost its name to an installed one (``random.py``): "" if not."""
+    try:
+        local = Path(*module_name.split("."))
+        file = next(f for f in (local.with_suffix(".py"), local / "__init__.py") if f.is_file())
+    except (StopIteration, OSError):  # none there (or no working directory left)
+        return ""
+    imported = getattr(module, "__file__", None)
+    if imported is not None and Path(imported).resolve() == file.resolve():
+        return ""
+    which = f"the installed {module_name!r} ({imported})" if imported else f"Python's built-in {module_name!r}"
+    return f"{which} comes before {file} of the working directory: give the file, '{file}:{factory_name}', or rename it"
 
 
 def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Task:

@@ -517,6 +517,21 @@ def test_factory_that_returns_a_model_or_nothing_says_how_to_return_a_task(made:
     assert says in message
 
 
+def test_a_working_directory_module_shadowed_by_the_standard_librarys_says_to_give_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # colorsys.py of the user's: the dotted spec imports the standard library's colorsys, which has no make().
+    (tmp_path / "colorsys.py").write_text(textwrap.dedent(TASK_SOURCE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the spec adds goes with the test
+    with pytest.raises(TaskSpecError) as info:
+        load_task("colorsys:make")
+    message = str(info.value)
+    assert "hint: the installed 'colorsys' (" in message
+    assert "before colorsys.py of the working directory: give the file, 'colorsys.py:make', or rename it" in message
+    assert isinstance(load_task("colorsys.py:make"), Task)  # the spec the hint gives loads the user's file
+
+
 def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = f"redline_dep_tasks_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text("import redline_no_such_dependency\n")
