@@ -31,9 +31,9 @@ def test_pairs_must_be_key_equals_value_and_read_by_the_factory() -> None:
     # digits(width: int, lr: float, ...): "8" becomes 8 and "3e-4" a float, not the texts.
     assert parse_task_args("example:digits", ["width=8", "lr=3e-4"]) == {"width": 8, "lr": 3e-4}
     assert parse_task_args("example:digits", []) == {}
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args("example:digits", ["width"])
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
+    with pytest.raises(ConfigError, match=r"KEY=VALUE.*\nhint: e.g. --task-arg width=VALUE$"):
+        parse_task_args("example:digits", ["width"])  # the key is there, its value is not: say where it goes
+    with pytest.raises(ConfigError, match=r"KEY=VALUE.*\nhint: e.g. --task-arg n_layer=4$"):
         parse_task_args("example:digits", ["2x=1"])
 
 

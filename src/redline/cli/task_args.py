@@ -23,9 +23,10 @@ def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
     texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
         key = key.strip()
+        if not sep or not key.isidentifier():
+            example = f"{key}=VALUE" if key.isidentifier() else "n_layer=4"  # --task-arg width: the value is missing
+            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", f"e.g. --task-arg {example}")
         if key in texts and texts[key] != text:  # which one was meant? the last would win unsaid
             raise invalid(
                 "--task-arg", pair, f"each KEY once; {key} is also given as --task-arg {key}={texts[key]}",
