@@ -352,8 +352,9 @@ def _split_spec(spec: str) -> tuple[str, str]:
             hint = f"\nhint: did you mean 'example:{near}'?" if near else ""
             raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}{hint}")
         head, _, tail = EXAMPLES[tail].partition(":")
-    if not head or not tail.isidentifier():
-        raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}")
+    if not head or not tail.isidentifier():  # a stray space, or the factory left out ('tasks.py:')
+        near = f"\nhint: did you mean '{head.strip()}:{tail.strip()}'?" if head and tail.strip().isidentifier() else ""
+        raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}{near or _spec_hint(head.strip())}")
     return head, tail
 
 
@@ -386,7 +387,10 @@ def _import_module(spec: str, module_name: str) -> Any:
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         path = Path(module_name).expanduser()
         if not path.is_file():
-            raise TaskSpecError(f"task spec {spec!r}: file {str(path)!r} does not exist")
+            files = sorted(f"'{f}:{spec.rpartition(':')[2]}'" for f in path.glob("*.py")) if path.is_dir() else []
+            hint = f"\nhint: name the file in it, one of: {few(files, 4)}" if files else ""
+            said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
+            raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
         name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
         file_spec = importlib.util.spec_from_file_location(name, path)
         if file_spec is None or file_spec.loader is None:

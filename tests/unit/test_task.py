@@ -532,6 +532,23 @@ def test_a_working_directory_module_shadowed_by_the_standard_librarys_says_to_gi
     assert isinstance(load_task("colorsys.py:make"), Task)  # the spec the hint gives loads the user's file
 
 
+def test_a_spec_with_a_stray_space_or_no_factory_says_the_spec_meant(task_file: Path) -> None:
+    meant = re.escape(f"{task_file}:make")
+    for spec in (f"{task_file}: make", f"{task_file}:make "):
+        with pytest.raises(TaskSpecError, match=rf"is malformed.*\nhint: did you mean '{meant}'\?"):
+            load_task(spec)
+    with pytest.raises(TaskSpecError, match=r"is malformed.*\nhint: name the function that returns the Task"):
+        load_task(f"{task_file}:")  # the factory left out: the file's functions are named
+
+
+def test_a_folder_given_as_the_file_names_the_python_files_in_it(task_file: Path) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{task_file.parent}:make")
+    message = str(info.value)
+    assert f"folder {str(task_file.parent)!r} is not a Python file" in message  # not "does not exist": it does
+    assert f"hint: name the file in it, one of: '{task_file}:make'" in message
+
+
 def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = f"redline_dep_tasks_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text("import redline_no_such_dependency\n")
