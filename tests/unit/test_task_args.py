@@ -67,6 +67,9 @@ def typed_factory(
         ({"flag": "yes"}, {"flag": True}),
         ({"flag": "Off"}, {"flag": False}),
         ({"n": "12"}, {"n": 12}),
+        ({"n": "4e5"}, {"n": 400_000}),  # a whole number written short
+        ({"n": "-2E3"}, {"n": -2000}),
+        ({"limit": "1e6"}, {"limit": 1_000_000}),
         ({"lr": "3e-4"}, {"lr": 3e-4}),
         ({"lr": "2"}, {"lr": 2.0}),
         ({"name": "123"}, {"name": "123"}),
@@ -96,6 +99,9 @@ def test_task_args_convert_by_the_annotation(texts: dict[str, str], expected: di
         ("flag", "maybe", "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false"),
         ("flag", "", "option 'flag' is a bool"),
         ("n", "2.5", "--task-arg n='2.5': the factory's option 'n' is an int; expected a whole number"),
+        ("n", "1e-3", "option 'n' is an int; expected a whole number"),
+        ("n", "2.5e0", "option 'n' is an int; expected a whole number"),
+        ("n", "1e300", "option 'n' is an int; expected a whole number"),  # not exact as a float
         ("lr", "fast", "option 'lr' is a float; expected a number"),
         ("size", "medium", "option 'size' is a Literal['small', 'large']; expected one of small, large"),
         ("limit", "lots", "option 'limit' is annotated int | None; expected a whole number or none"),

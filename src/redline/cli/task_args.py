@@ -40,7 +40,8 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     """Convert command-line texts (``--task-arg KEY=VALUE``) to the types the factory annotates.
 
     ``bool`` reads true/false, yes/no, on/off or 1/0 in any case; ``int``, ``float`` and ``str``
-    read as such (``name=123`` stays the text "123"); a ``Path`` reads as a path; ``X | None`` also
+    read as such (``name=123`` stays the text "123"), an ``int`` also a whole number with an
+    exponent (``max_chars=4e5``); a ``Path`` reads as a path; ``X | None`` also
     reads none; a ``Literal`` reads one of its values; ``list[X]``, ``tuple[X, ...]`` and ``set[X]``
     read comma-separated values (``sizes=1,2``) or a Python literal (``sizes=[1, 2]``), each item
     read as ``X``; a ``dict`` reads a Python literal. An option without an annotation, or with one
@@ -84,13 +85,21 @@ def _read(text: str, hint: Any) -> Any:
         return None
     if hint is bool and text.strip().lower() in _TRUE + _FALSE:
         return text.strip().lower() in _TRUE
-    if hint in (int, float):
-        return hint(text)  # int("2.5") and float("fast") raise ValueError
-    if hint is str:
-        return text
+    if hint in _SCALARS:
+        return _SCALARS[hint](text)  # int("2.5") and float("fast") raise ValueError
     if hint in (type(None), bool):
         raise ValueError(text)
     return _read_structured(text, hint)
+
+
+def _whole(text: str) -> int:
+    """Read a whole number, also one written with an exponent (max_chars=4e5); int("2.5") raises ValueError."""
+    if "e" in text.lower() and float(text).is_integer() and abs(float(text)) < 2**53:  # beyond 2**53: not exact
+        return int(float(text))
+    return int(text)
+
+
+_SCALARS: dict[Any, Callable[[str], Any]] = {int: _whole, float: float, str: str}
 
 
 def _read_structured(text: str, hint: Any) -> Any:
