@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Literal, Optional
@@ -115,6 +116,29 @@ def test_task_arg_that_does_not_convert_names_option_type_and_text(key: str, tex
     assert f"\nhint: e.g. --task-arg {key}=" in message
     converted = message.split(f"--task-arg {key}=")[-1]
     assert convert_task_args(typed_factory, {key: converted})  # the hint's example is itself a valid text
+
+
+def test_an_option_whose_default_is_none_also_reads_none() -> None:
+    def make(  # the implicit Optional that older factories are written with
+        *,
+        steps: int = None,  # type: ignore[assignment]  # noqa: RUF013
+        mode: Literal["a", "b"] = None,  # type: ignore[assignment]  # noqa: RUF013
+        root: Path = None,  # type: ignore[assignment]  # noqa: RUF013
+    ) -> None:
+        pass
+
+    assert convert_task_args(make, {"steps": "none", "mode": "None", "root": "none"}) == dict.fromkeys(
+        ("steps", "mode", "root")
+    )  # the default given back, not "expected a whole number" (nor Path("none"))
+    assert convert_task_args(make, {"steps": "3", "mode": "b", "root": "data"}) == {
+        "steps": 3,
+        "mode": "b",
+        "root": Path("data"),
+    }
+    with pytest.raises(
+        TaskSpecError, match=re.escape("'steps' is annotated int | None; expected a whole number or none")
+    ):
+        convert_task_args(make, {"steps": "many"})
 
 
 def test_task_args_of_a_factory_whose_annotation_does_not_resolve(tmp_path: Path) -> None:

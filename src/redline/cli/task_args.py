@@ -41,7 +41,7 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
 
     ``bool`` reads true/false, yes/no, on/off or 1/0 in any case; ``int``, ``float`` and ``str``
     read as such (``name=123`` stays the text "123"), an ``int`` also a whole number with an
-    exponent (``max_chars=4e5``); a ``Path`` reads as a path; ``X | None`` also
+    exponent (``max_chars=4e5``); a ``Path`` reads as a path; ``X | None`` (or ``X = None``) also
     reads none; a ``Literal`` reads one of its values; ``list[X]``, ``tuple[X, ...]`` and ``set[X]``
     read comma-separated values (``sizes=1,2``) or a Python literal (``sizes=[1, 2]``), each item
     read as ``X``; a ``dict`` reads a Python literal. An option without an annotation, or with one
@@ -244,7 +244,19 @@ def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
         scope = getattr(inspect.unwrap(target), "__globals__", {})
         hints = {name: _resolve(p.annotation, scope) for name, p in parameters.items()}
     untyped = (None, Any, object, inspect.Parameter.empty)
-    return {name: hint for name, hint in hints.items() if name in parameters and hint not in untyped}
+    return {
+        name: _or_none(hint) if parameters[name].default is None else hint
+        for name, hint in hints.items()
+        if name in parameters and hint not in untyped
+    }
+
+
+def _or_none(hint: Any) -> Any:
+    """``n: int = None`` means an int or None, as type checkers long read it: its default reads as "none" too."""
+    try:
+        return hint if type(None) in _members(hint) else hint | None
+    except TypeError:  # not a type (an annotation such as "fast"): read as before
+        return hint
 
 
 def _resolve(annotation: Any, scope: dict[str, Any]) -> Any:
