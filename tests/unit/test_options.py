@@ -350,3 +350,5 @@ def test_a_choice_shows_its_values_in_the_help():
 
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert "[auto|fp32|bf16-mixed|fp16-mixed]" in result.output and "[auto|on|off]" in result.output
+    assert "--logger <str>" in result.output  # a repeatable flag shows its item, not the Python type
+    assert "list[" not in result.output
