@@ -8,6 +8,7 @@ Each component keeps a frozen, keyword-only options dataclass beside the code th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -86,6 +87,22 @@ def boolean(name: str, value: object) -> None:
     """Check that ``value`` is True or False (not 1, not "yes")."""
     if not isinstance(value, bool):
         raise invalid(name, value, "True or False", _example(name, True))
+
+
+def call_refused(function: Any, count: int) -> str:
+    """Why ``function`` cannot be called with ``count`` positional arguments ("StepLR takes 1 argument: missing a
+    required argument: 'step_size'"), or "" where it can, or has no signature to read (a builtin: calling it tells).
+
+    A run that calls it so later would raise the TypeError from its own line, as if the bug were the caller's.
+    """
+    try:
+        inspect.signature(function).bind(*range(count))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValueError) or "not a callable" in str(exc):  # no signature to read
+            return ""
+        called = getattr(function, "__name__", None) or type(function).__name__
+        return f"{called} cannot be called with {count} argument{'s' * (count != 1)} ({exc})"
+    return ""
 
 
 def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, what: str, hint: str = "") -> T:

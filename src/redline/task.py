@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from redline.config import positive_int
+from redline.config import call_refused, positive_int
 from redline.errors import TaskSpecError, few, invalid, nearest, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -79,8 +79,10 @@ class Task:
                 "optimizer",
                 _shown(self.optimizer),
                 "a factory params -> Optimizer",
-                "write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
+                f"write {_ADAMW}",
             )
+        if why := call_refused(self.optimizer, 1):
+            raise invalid("optimizer", _shown(self.optimizer), "a factory params -> Optimizer", f"{why}; e.g. {_ADAMW}")
         for name, (signature, example) in _FUNCTIONS.items():
             _check_function(name, getattr(self, name), signature, example)
         positive_int("batch_size", self.batch_size)
@@ -201,6 +203,12 @@ def _check_function(name: str, value: object, signature: str, example: str) -> N
     if not callable(value):
         optional = "" if name == "loss_fn" else ", or None"
         raise invalid(name, _shown(value), f"a callable {signature}{optional}", f"pass the function itself: {example}")
+    if why := call_refused(value, _ARITY[name]):
+        raise invalid(name, _shown(value), f"a callable {signature}", f"{why}; e.g. {example}")
+
+
+_ADAMW = "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+_ARITY = {"loss_fn": 2, "scheduler": 1, "metric": 2, "sample": 1, "collate_fn": 1}  # what a run calls each with
 
 
 def _check_model_factory(factory: Callable[..., Any]) -> None:

@@ -188,6 +188,36 @@ def test_a_model_class_that_needs_arguments_is_refused_when_the_task_is_made() -
         assert isinstance(tiny_task(model=fine).build_model(), nn.Linear)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("scheduler", torch.optim.lr_scheduler.StepLR, "StepLR cannot be called with 1 argument (missing a required"),
+        ("loss_fn", lambda outputs: outputs.sum(), "<lambda> cannot be called with 2 arguments (too many positional"),
+        ("metric", lambda outputs, targets, k: 1.0, "<lambda> cannot be called with 2 arguments (missing a required"),
+        ("collate_fn", lambda: None, "<lambda> cannot be called with 1 argument"),
+        ("sample", lambda model, prompt: "", "<lambda> cannot be called with 1 argument"),
+        ("optimizer", lambda params, lr: torch.optim.SGD(params, lr), "<lambda> cannot be called with 1 argument"),
+    ],
+)
+def test_a_function_that_cannot_take_what_a_run_passes_it_is_refused(field: str, value: object, says: str) -> None:
+    # Called later by a run, its TypeError would come from redline's line and be shown as redline's bug.
+    with pytest.raises(ConfigError, match=rf"^{field}=<\w+> is not allowed") as caught:
+        tiny_task(**{field: value})
+    assert f"\nhint: {says}" in str(caught.value)
+
+
+def test_functions_that_take_what_a_run_passes_them_are_kept() -> None:
+    task = tiny_task(
+        loss_fn=nn.MSELoss(),
+        optimizer=torch.optim.SGD,  # the class: SGD(params) with its default lr
+        scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10),
+        metric=lambda outputs, targets, *, scale=1.0: scale,
+        sample=lambda *args: "",
+        collate_fn=print,  # a builtin: no signature to read, so it is called as given
+    )
+    assert isinstance(task.loss_fn, nn.MSELoss)
+
+
 def test_build_model_rejects_a_factory_that_returns_no_module() -> None:
     task = tiny_task(model=lambda: "not a module")
     with pytest.raises(ConfigError, match=r"model\(\)"):
