@@ -8,6 +8,7 @@ Each component keeps a frozen, keyword-only options dataclass beside the code th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -59,15 +60,49 @@ def non_negative_number(name: str, value: object, allowed: str = "a finite numbe
 
 
 def one_of(name: str, value: object, allowed: Sequence[object]) -> None:
-    """Check that ``value`` is one of ``allowed``; a typo's hint is the choice it most likely meant."""
-    if value not in allowed:
+    """Check that ``value`` is one of ``allowed``; a typo's hint is the choice it most likely meant.
+
+    Of a switch (``auto``, ``on``, ``off``), a yes-or-no word (true, yes, 1; false, no, 0) means ``on`` or
+    ``off``: the hint says so, where spelling alone would suggest ``auto``.
+    """
+    if value in allowed:
+        return
+    switched = _switch_meant(value) if "on" in allowed and "off" in allowed else None
+    if switched is None:
         raise errors.one_of(name, value, allowed)
+    raise invalid(name, value, "one of " + ", ".join(map(repr, allowed)), f"did you mean {name}={switched!r}?")
+
+
+_ON_WORDS = ("true", "yes", "y", "1", "enable", "enabled")
+_OFF_WORDS = ("false", "no", "n", "0", "disable", "disabled")
+
+
+def _switch_meant(value: object) -> str | None:
+    """The switch a yes-or-no word means: "on" for true, yes or 1; "off" for false, no or 0; else None."""
+    word = str(value).strip().lower() if isinstance(value, str | bool | int) else ""
+    return "on" if word in _ON_WORDS else "off" if word in _OFF_WORDS else None
 
 
 def boolean(name: str, value: object) -> None:
     """Check that ``value`` is True or False (not 1, not "yes")."""
     if not isinstance(value, bool):
         raise invalid(name, value, "True or False", _example(name, True))
+
+
+def call_refused(function: Any, count: int) -> str:
+    """Why ``function`` cannot be called with ``count`` positional arguments ("StepLR takes 1 argument: missing a
+    required argument: 'step_size'"), or "" where it can, or has no signature to read (a builtin: calling it tells).
+
+    A run that calls it so later would raise the TypeError from its own line, as if the bug were the caller's.
+    """
+    try:
+        inspect.signature(function).bind(*range(count))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValueError) or "not a callable" in str(exc):  # no signature to read
+            return ""
+        called = getattr(function, "__name__", None) or type(function).__name__
+        return f"{called} cannot be called with {count} argument{'s' * (count != 1)} ({exc})"
+    return ""
 
 
 def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, what: str, hint: str = "") -> T:

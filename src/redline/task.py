@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from redline.config import positive_int
+from redline.config import call_refused, positive_int
 from redline.errors import TaskSpecError, few, invalid, nearest, user_line
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -69,6 +69,8 @@ class Task:
             raise invalid(
                 "model", _shown(self.model), "an nn.Module or a callable returning one", "model=MyNet() or model=MyNet"
             )
+        if not isinstance(self.model, nn.Module):
+            _check_model_factory(self.model)
         _check_data("train_data", self.train_data)
         if self.val_data is not None:
             _check_data("val_data", self.val_data)
@@ -77,8 +79,10 @@ class Task:
                 "optimizer",
                 _shown(self.optimizer),
                 "a factory params -> Optimizer",
-                "write optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
+                f"write {_ADAMW}",
             )
+        if why := call_refused(self.optimizer, 1):
+            raise invalid("optimizer", _shown(self.optimizer), "a factory params -> Optimizer", f"{why}; e.g. {_ADAMW}")
         for name, (signature, example) in _FUNCTIONS.items():
             _check_function(name, getattr(self, name), signature, example)
         positive_int("batch_size", self.batch_size)
@@ -199,6 +203,34 @@ def _check_function(name: str, value: object, signature: str, example: str) -> N
     if not callable(value):
         optional = "" if name == "loss_fn" else ", or None"
         raise invalid(name, _shown(value), f"a callable {signature}{optional}", f"pass the function itself: {example}")
+    if why := call_refused(value, _ARITY[name]):
+        raise invalid(name, _shown(value), f"a callable {signature}", f"{why}; e.g. {example}")
+
+
+_ADAMW = "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+_ARITY = {"loss_fn": 2, "scheduler": 1, "metric": 2, "sample": 1, "collate_fn": 1}  # what a run calls each with
+
+
+def _check_model_factory(factory: Callable[..., Any]) -> None:
+    """Refuse a model factory that cannot be called without arguments (``model=nn.Linear``), which would fail
+    only when a tool first builds the model, in redline's own frame rather than the user's."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): calling it will tell
+        return
+    needed = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if needed:
+        name = getattr(factory, "__name__", None) or type(factory).__name__
+        raise invalid(
+            "model",
+            _shown(factory),
+            f"an nn.Module, or a callable that takes no arguments and returns one ({name} needs {', '.join(needed)})",
+            f"pass an instance, model={name}(...), or a factory that fills them in: model=lambda: {name}(...)",
+        )
 
 
 def _check_data(name: str, data: object) -> None:
@@ -260,6 +292,7 @@ def find_factory(spec: str) -> Callable[..., Any]:
         shown = own or sorted(public)  # what the file defines, not what it imported (torch's classes, say)
         near = nearest(factory_name, shown)
         hint = f"did you mean '{spec.rsplit(':', 1)[0]}:{near}'?" if near else "name a function that returns a Task"
+        hint = _shadowed(module_name, module, factory_name) or hint
         raise TaskSpecError(
             f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
             f"defined there: {', '.join(shown[:12]) or 'none'}\nhint: {hint}"
@@ -267,12 +300,39 @@ def find_factory(spec: str) -> Callable[..., Any]:
     return factory
 
 
+def _shadowed(module_name: str, module: Any, factory_name: str) -> str:
+    """The fix when a module of the working directory lost its name to an installed one (``random.py``): "" if not."""
+    try:
+        local = Path(*module_name.split("."))
+        file = next(f for f in (local.with_suffix(".py"), local / "__init__.py") if f.is_file())
+    except (StopIteration, OSError):  # none there (or no working directory left)
+        return ""
+    imported = getattr(module, "__file__", None)
+    if imported is not None and Path(imported).resolve() == file.resolve():
+        return ""
+    which = f"the installed {module_name!r} ({imported})" if imported else f"Python's built-in {module_name!r}"
+    return f"{which} comes before {file} of the working directory: give the file, '{file}:{factory_name}', or rename it"
+
+
 def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Task:
     """Call ``factory(**options)`` and check that it returns a Task; ``spec`` names it in errors."""
     task = run_factory(spec, factory, options)
     if not isinstance(task, Task):
-        raise TaskSpecError(f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task")
+        raise TaskSpecError(
+            f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task\n"
+            f"hint: {_returned_hint(task)}"
+        )
     return task
+
+
+def _returned_hint(made: object) -> str:
+    """The fix for a factory that returned ``made`` where a Task was due."""
+    wrap = "return redline.Task(model=..., loss_fn=..., train_data=..., batch_size=...) from the factory"
+    if made is None:
+        return f"the factory returns nothing: end it with {wrap.removesuffix(' from the factory')}"
+    if isinstance(made, nn.Module):  # a model factory, as `redline serve` takes
+        return f"a model alone cannot be trained or timed: {wrap}, with model= the module it builds"
+    return wrap
 
 
 def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Any:
@@ -300,8 +360,9 @@ def _split_spec(spec: str) -> tuple[str, str]:
             hint = f"\nhint: did you mean 'example:{near}'?" if near else ""
             raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}{hint}")
         head, _, tail = EXAMPLES[tail].partition(":")
-    if not head or not tail.isidentifier():
-        raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}")
+    if not head or not tail.isidentifier():  # a stray space, or the factory left out ('tasks.py:')
+        near = f"\nhint: did you mean '{head.strip()}:{tail.strip()}'?" if head and tail.strip().isidentifier() else ""
+        raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}{near or _spec_hint(head.strip())}")
     return head, tail
 
 
@@ -334,7 +395,10 @@ def _import_module(spec: str, module_name: str) -> Any:
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         path = Path(module_name).expanduser()
         if not path.is_file():
-            raise TaskSpecError(f"task spec {spec!r}: file {str(path)!r} does not exist")
+            files = sorted(f"'{f}:{spec.rpartition(':')[2]}'" for f in path.glob("*.py")) if path.is_dir() else []
+            hint = f"\nhint: name the file in it, one of: {few(files, 4)}" if files else ""
+            said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
+            raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
         name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
         file_spec = importlib.util.spec_from_file_location(name, path)
         if file_spec is None or file_spec.loader is None:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from redline.errors import ConfigError, TaskSpecError
-from redline.examples.chargpt import SAMPLE_CHARS, SAMPLE_PROMPT, stdlib_docstrings
+from redline.examples.chargpt import NOT_FINITE, SAMPLE_CHARS, SAMPLE_PROMPT, stdlib_docstrings
 from redline.examples.gpt import GPT
 from redline.task import Task, load_task
 
@@ -141,6 +141,16 @@ def test_chargpt_loss_drops_in_100_steps_and_it_samples() -> None:
     assert task.sample(model) == text  # type: ignore[misc]  # a fixed seed gives a fixed sample
 
 
+def test_chargpt_sample_of_a_diverged_model_says_so_instead_of_raising() -> None:
+    task = load_task("example:chargpt", **TINY_GPT)
+    model = task.build_model()
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))  # what a step with a far too large lr leaves
+    text = task.sample(model)  # type: ignore[misc]
+    assert text == SAMPLE_PROMPT + NOT_FINITE
+    assert "NaN or inf" in text
+
+
 @pytest.mark.parametrize(
     ("spec", "options", "named"),
     [
@@ -149,6 +159,9 @@ def test_chargpt_loss_drops_in_100_steps_and_it_samples() -> None:
         ("example:digits", {"val_fraction": float("nan")}, "val_fraction"),
         ("example:digits", {"width": 0}, "width"),
         ("example:digits", {"lr": -1e-3}, "lr"),
+        ("example:digits", {"lr": float("inf")}, "lr=inf is not allowed; expected a finite number > 0"),
+        ("example:chargpt", {"lr": float("inf")}, "lr=inf is not allowed; expected a finite number > 0"),
+        ("example:chargpt", {"lr": float("nan")}, "lr=nan"),
         ("example:digits", {"batch_size": 0}, "batch_size"),
         ("example:digits", {"depth": 3}, "depth"),
         ("example:chargpt", {"n_embd": 100, "n_head": 3}, "n_embd"),

@@ -249,6 +249,14 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         ([*TRAIN_DIGITS, "--precision", "bf16"], "--precision='bf16'", "did you mean --precision 'bf16-mixed'?"),
         ([*TRAIN_DIGITS, "--strategy", "ddpp"], "--strategy='ddpp'", "did you mean --strategy 'ddp'?"),
         ([*TRAIN_DIGITS, "--compile", "maybe"], "--compile='maybe'", "e.g. --compile 'auto'"),
+        # a yes-or-no word is on or off, not the 'auto' its spelling is nearest
+        (
+            [*TRAIN_DIGITS, "--activation-checkpointing", "true"],
+            "--activation-checkpointing='true'",
+            "did you mean --activation-checkpointing 'on'?",
+        ),
+        ([*TRAIN_DIGITS, "--channels-last", "No"], "--channels-last='No'", "did you mean --channels-last 'off'?"),
+        ([*TRAIN_DIGITS, "--trial", "1"], "--trial='1'", "did you mean --trial 'on'?"),
         ([*TRAIN_DIGITS, "--early-stopping-mode", "mn"], "--early-stopping-mode='mn'", "--early-stopping-mode 'min'"),
         (["loadtest", "http://127.0.0.1:9/", "--arrivals", "poison"], "--arrivals='poison'", "--arrivals 'poisson'"),
         ([*TRAIN_DIGITS, "--checkpoint-every", "5"], "--checkpoint-every=5", "add --out DIR"),
@@ -342,3 +350,5 @@ def test_a_choice_shows_its_values_in_the_help():
 
     result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
     assert "[auto|fp32|bf16-mixed|fp16-mixed]" in result.output and "[auto|on|off]" in result.output
+    assert "--logger <str>" in result.output  # a repeatable flag shows its item, not the Python type
+    assert "list[" not in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.errors import ConfigError, RedlineError, TaskSpecError
-from redline.task import Task, load_task
+from redline.task import Task, call_factory, load_task
 
 
 def tiny_data(rows: int = 4) -> TensorDataset:
@@ -167,6 +168,54 @@ def test_build_model_calls_a_factory_each_time() -> None:
     first, second = task.build_model(), task.build_model()
     assert calls == [first, second]
     assert first is not second
+
+
+def test_a_model_class_that_needs_arguments_is_refused_when_the_task_is_made() -> None:
+    # model=nn.Linear would fail only when a tool first builds it, with a TypeError from redline's own line.
+    with pytest.raises(ConfigError, match=r"model=<Linear> is not allowed") as caught:
+        tiny_task(model=nn.Linear)
+    message = str(caught.value)
+    assert "Linear needs in_features, out_features" in message
+    assert "hint: pass an instance, model=Linear(...), or a factory that fills them in" in message
+
+    def make(*, width: int) -> nn.Module:
+        return nn.Linear(width, 1)
+
+    with pytest.raises(ConfigError, match=r"\(make needs width\)"):
+        tiny_task(model=make)
+    # a factory with defaults, a partial that fills the arguments in, *args: each called without arguments
+    for fine in (lambda width=2: nn.Linear(width, 1), functools.partial(nn.Linear, 2, 1), lambda *a: nn.Linear(2, 1)):
+        assert isinstance(tiny_task(model=fine).build_model(), nn.Linear)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("scheduler", torch.optim.lr_scheduler.StepLR, "StepLR cannot be called with 1 argument (missing a required"),
+        ("loss_fn", lambda outputs: outputs.sum(), "<lambda> cannot be called with 2 arguments (too many positional"),
+        ("metric", lambda outputs, targets, k: 1.0, "<lambda> cannot be called with 2 arguments (missing a required"),
+        ("collate_fn", lambda: None, "<lambda> cannot be called with 1 argument"),
+        ("sample", lambda model, prompt: "", "<lambda> cannot be called with 1 argument"),
+        ("optimizer", lambda params, lr: torch.optim.SGD(params, lr), "<lambda> cannot be called with 1 argument"),
+    ],
+)
+def test_a_function_that_cannot_take_what_a_run_passes_it_is_refused(field: str, value: object, says: str) -> None:
+    # Called later by a run, its TypeError would come from redline's line and be shown as redline's bug.
+    with pytest.raises(ConfigError, match=rf"^{field}=<\w+> is not allowed") as caught:
+        tiny_task(**{field: value})
+    assert f"\nhint: {says}" in str(caught.value)
+
+
+def test_functions_that_take_what_a_run_passes_them_are_kept() -> None:
+    task = tiny_task(
+        loss_fn=nn.MSELoss(),
+        optimizer=torch.optim.SGD,  # the class: SGD(params) with its default lr
+        scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10),
+        metric=lambda outputs, targets, *, scale=1.0: scale,
+        sample=lambda *args: "",
+        collate_fn=print,  # a builtin: no signature to read, so it is called as given
+    )
+    assert isinstance(task.loss_fn, nn.MSELoss)
 
 
 def test_build_model_rejects_a_factory_that_returns_no_module() -> None:
@@ -480,6 +529,54 @@ def test_factory_that_returns_no_task_is_rejected(task_module: str) -> None:
         load_task(f"{task_module}:not_a_task")
     assert "dict" in str(info.value)
     assert "Task" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("made", "says"),
+    [
+        (nn.Linear(2, 1), "hint: a model alone cannot be trained or timed: return redline.Task(model=..., loss_fn="),
+        (None, "hint: the factory returns nothing: end it with return redline.Task(model=..., loss_fn=..."),
+        ({"model": None}, "hint: return redline.Task(model=..., loss_fn=..., train_data=..., batch_size=...)"),
+    ],
+)
+def test_factory_that_returns_a_model_or_nothing_says_how_to_return_a_task(made: object, says: str) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        call_factory("tasks.py:make", lambda: made, {})
+    message = str(info.value)
+    assert f"the factory returned {type(made).__name__}, expected a redline.Task\n" in message
+    assert says in message
+
+
+def test_a_working_directory_module_shadowed_by_the_standard_librarys_says_to_give_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # colorsys.py of the user's: the dotted spec imports the standard library's colorsys, which has no make().
+    (tmp_path / "colorsys.py").write_text(textwrap.dedent(TASK_SOURCE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory the spec adds goes with the test
+    with pytest.raises(TaskSpecError) as info:
+        load_task("colorsys:make")
+    message = str(info.value)
+    assert "hint: the installed 'colorsys' (" in message
+    assert "before colorsys.py of the working directory: give the file, 'colorsys.py:make', or rename it" in message
+    assert isinstance(load_task("colorsys.py:make"), Task)  # the spec the hint gives loads the user's file
+
+
+def test_a_spec_with_a_stray_space_or_no_factory_says_the_spec_meant(task_file: Path) -> None:
+    meant = re.escape(f"{task_file}:make")
+    for spec in (f"{task_file}: make", f"{task_file}:make "):
+        with pytest.raises(TaskSpecError, match=rf"is malformed.*\nhint: did you mean '{meant}'\?"):
+            load_task(spec)
+    with pytest.raises(TaskSpecError, match=r"is malformed.*\nhint: name the function that returns the Task"):
+        load_task(f"{task_file}:")  # the factory left out: the file's functions are named
+
+
+def test_a_folder_given_as_the_file_names_the_python_files_in_it(task_file: Path) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{task_file.parent}:make")
+    message = str(info.value)
+    assert f"folder {str(task_file.parent)!r} is not a Python file" in message  # not "does not exist": it does
+    assert f"hint: name the file in it, one of: '{task_file}:make'" in message
 
 
 def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

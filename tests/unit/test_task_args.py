@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Literal, Optional
@@ -31,9 +32,9 @@ def test_pairs_must_be_key_equals_value_and_read_by_the_factory() -> None:
     # digits(width: int, lr: float, ...): "8" becomes 8 and "3e-4" a float, not the texts.
     assert parse_task_args("example:digits", ["width=8", "lr=3e-4"]) == {"width": 8, "lr": 3e-4}
     assert parse_task_args("example:digits", []) == {}
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        parse_task_args("example:digits", ["width"])
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
+    with pytest.raises(ConfigError, match=r"KEY=VALUE.*\nhint: e.g. --task-arg width=VALUE$"):
+        parse_task_args("example:digits", ["width"])  # the key is there, its value is not: say where it goes
+    with pytest.raises(ConfigError, match=r"KEY=VALUE.*\nhint: e.g. --task-arg n_layer=4$"):
         parse_task_args("example:digits", ["2x=1"])
 
 
@@ -67,6 +68,9 @@ def typed_factory(
         ({"flag": "yes"}, {"flag": True}),
         ({"flag": "Off"}, {"flag": False}),
         ({"n": "12"}, {"n": 12}),
+        ({"n": "4e5"}, {"n": 400_000}),  # a whole number written short
+        ({"n": "-2E3"}, {"n": -2000}),
+        ({"limit": "1e6"}, {"limit": 1_000_000}),
         ({"lr": "3e-4"}, {"lr": 3e-4}),
         ({"lr": "2"}, {"lr": 2.0}),
         ({"name": "123"}, {"name": "123"}),
@@ -96,6 +100,9 @@ def test_task_args_convert_by_the_annotation(texts: dict[str, str], expected: di
         ("flag", "maybe", "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false"),
         ("flag", "", "option 'flag' is a bool"),
         ("n", "2.5", "--task-arg n='2.5': the factory's option 'n' is an int; expected a whole number"),
+        ("n", "1e-3", "option 'n' is an int; expected a whole number"),
+        ("n", "2.5e0", "option 'n' is an int; expected a whole number"),
+        ("n", "1e300", "option 'n' is an int; expected a whole number"),  # not exact as a float
         ("lr", "fast", "option 'lr' is a float; expected a number"),
         ("size", "medium", "option 'size' is a Literal['small', 'large']; expected one of small, large"),
         ("limit", "lots", "option 'limit' is annotated int | None; expected a whole number or none"),
@@ -109,6 +116,29 @@ def test_task_arg_that_does_not_convert_names_option_type_and_text(key: str, tex
     assert f"\nhint: e.g. --task-arg {key}=" in message
     converted = message.split(f"--task-arg {key}=")[-1]
     assert convert_task_args(typed_factory, {key: converted})  # the hint's example is itself a valid text
+
+
+def test_an_option_whose_default_is_none_also_reads_none() -> None:
+    def make(  # the implicit Optional that older factories are written with
+        *,
+        steps: int = None,  # type: ignore[assignment]  # noqa: RUF013
+        mode: Literal["a", "b"] = None,  # type: ignore[assignment]  # noqa: RUF013
+        root: Path = None,  # type: ignore[assignment]  # noqa: RUF013
+    ) -> None:
+        pass
+
+    assert convert_task_args(make, {"steps": "none", "mode": "None", "root": "none"}) == dict.fromkeys(
+        ("steps", "mode", "root")
+    )  # the default given back, not "expected a whole number" (nor Path("none"))
+    assert convert_task_args(make, {"steps": "3", "mode": "b", "root": "data"}) == {
+        "steps": 3,
+        "mode": "b",
+        "root": Path("data"),
+    }
+    with pytest.raises(
+        TaskSpecError, match=re.escape("'steps' is annotated int | None; expected a whole number or none")
+    ):
+        convert_task_args(make, {"steps": "many"})
 
 
 def test_task_args_of_a_factory_whose_annotation_does_not_resolve(tmp_path: Path) -> None:
@@ -146,6 +176,63 @@ def test_task_args_of_a_class_and_of_a_callable_object() -> None:
 
     assert convert_task_args(Factory, {"flag": "no"}) == {"flag": False}
     assert convert_task_args(CallableFactory(), {"flag": "no"}) == {"flag": False}
+
+
+def collection_factory(
+    *,
+    sizes: list[int] = [1],  # noqa: B006 - read, never changed
+    dims: tuple[int, ...] = (1,),
+    pair: tuple[int, str] = (1, "a"),
+    rates: set[float] | None = None,
+    table: dict[str, int] | None = None,
+    root: Path = Path("."),
+    out: Path | None = None,
+) -> None:
+    """A factory whose options are collections and paths."""
+
+
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        ({"sizes": "1,2"}, {"sizes": [1, 2]}),
+        ({"sizes": "[1, 2]"}, {"sizes": [1, 2]}),
+        ({"sizes": "5"}, {"sizes": [5]}),  # one item is a list of one, not the number
+        ({"dims": "64"}, {"dims": (64,)}),
+        ({"dims": "(8, 8)"}, {"dims": (8, 8)}),
+        ({"pair": "3,b"}, {"pair": (3, "b")}),
+        ({"rates": "1,2.5"}, {"rates": {1.0, 2.5}}),
+        ({"rates": "none"}, {"rates": None}),
+        ({"table": "{'a': 2}"}, {"table": {"a": 2}}),
+        ({"root": "/data/x"}, {"root": Path("/data/x")}),  # a Path, so root.exists() works in the factory
+        ({"out": "runs/a"}, {"out": Path("runs/a")}),
+        ({"out": "none"}, {"out": None}),  # not Path("none")
+    ],
+)
+def test_collections_and_paths_read_as_annotated(texts: dict[str, str], expected: dict[str, object]) -> None:
+    options = convert_task_args(collection_factory, texts)
+    assert options == expected
+    assert [type(v) for v in options.values()] == [type(v) for v in expected.values()]
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "says"),
+    [
+        ("sizes", "abc", "option 'sizes' is a list[int]; expected values separated by commas, each a whole number"),
+        ("sizes", "[1, 'x']", "option 'sizes' is a list[int]"),
+        ("dims", "1.5", "option 'dims' is a tuple[int, ...]"),
+        ("pair", "1", "'pair' is a tuple[int, str]; expected 2 values separated by commas: a whole number, text"),
+        ("rates", "fast", "option 'rates' is annotated set[float] | None"),
+        ("table", "a=1", "option 'table' is annotated dict[str, int] | None; expected a Python dict or none"),
+        ("root", "", "option 'root' is a Path; expected a path"),
+    ],
+)
+def test_a_collection_or_path_that_does_not_convert_is_refused(key: str, text: str, says: str) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        convert_task_args(collection_factory, {key: text})
+    message = str(info.value)
+    assert says in message
+    example = message.split(f"hint: e.g. --task-arg {key}=")[-1]
+    assert convert_task_args(collection_factory, {key: example})  # the hint's example is itself a valid text
 
 
 def test_load_task_takes_real_values_and_texts_go_through_the_conversion(tmp_path: Path) -> None:

@@ -103,10 +103,13 @@ def _cli_type(hint: Any) -> Any:
 
 
 def _choices(hint: Any) -> str | None:
-    """The help's placeholder for a choice, ``[auto|on|off]``; None for any other field."""
+    """The help's placeholder for a choice, ``[auto|on|off]``, and for a repeatable flag its item's (``<str>``,
+    where the parser would show the Python type ``<list[str]>``); None for any other field."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
         return _choices(args[0])
+    if typing.get_origin(hint) is tuple and args:
+        return _choices(args[0]) or f"<{getattr(args[0], '__name__', 'str')}>"
     return "[" + "|".join(map(str, args)) + "]" if typing.get_origin(hint) is Literal else None
 
 

@@ -11,6 +11,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping
+from pathlib import PurePath
 from typing import Any, Literal
 
 from redline.errors import TaskSpecError, invalid
@@ -22,9 +23,10 @@ def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
     texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", "e.g. --task-arg n_layer=4")
         key = key.strip()
+        if not sep or not key.isidentifier():
+            example = f"{key}=VALUE" if key.isidentifier() else "n_layer=4"  # --task-arg width: the value is missing
+            raise invalid("--task-arg", pair, "KEY=VALUE with KEY a Python identifier", f"e.g. --task-arg {example}")
         if key in texts and texts[key] != text:  # which one was meant? the last would win unsaid
             raise invalid(
                 "--task-arg", pair, f"each KEY once; {key} is also given as --task-arg {key}={texts[key]}",
@@ -38,10 +40,13 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     """Convert command-line texts (``--task-arg KEY=VALUE``) to the types the factory annotates.
 
     ``bool`` reads true/false, yes/no, on/off or 1/0 in any case; ``int``, ``float`` and ``str``
-    read as such (``name=123`` stays the text "123"); ``X | None`` also reads none; a ``Literal``
-    reads one of its values. An option without an annotation, or with one not listed here, reads
-    as a Python literal or else as text (``name=tiny``). A text that does not convert is a
-    TaskSpecError naming the option, its type and the text.
+    read as such (``name=123`` stays the text "123"), an ``int`` also a whole number with an
+    exponent (``max_chars=4e5``); a ``Path`` reads as a path; ``X | None`` (or ``X = None``) also
+    reads none; a ``Literal`` reads one of its values; ``list[X]``, ``tuple[X, ...]`` and ``set[X]``
+    read comma-separated values (``sizes=1,2``) or a Python literal (``sizes=[1, 2]``), each item
+    read as ``X``; a ``dict`` reads a Python literal. An option without an annotation, or with one
+    not listed here, reads as a Python literal or else as text (``name=tiny``). A text that does
+    not convert is a TaskSpecError naming the option, its type and the text.
     """
     hints = _option_types(factory)
     options = {}
@@ -65,7 +70,7 @@ def _read(text: str, hint: Any) -> Any:
     """Return ``text`` as a value of type ``hint``, or raise ValueError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        for member in sorted(args, key=lambda a: a is str):  # str takes any text: try it last
+        for member in sorted(args, key=_lenient):  # a type that takes any text goes last: "none" is None
             try:
                 return _read(text, member)
             except ValueError:
@@ -80,13 +85,79 @@ def _read(text: str, hint: Any) -> Any:
         return None
     if hint is bool and text.strip().lower() in _TRUE + _FALSE:
         return text.strip().lower() in _TRUE
-    if hint in (int, float):
-        return hint(text)  # int("2.5") and float("fast") raise ValueError
-    if hint is str:
-        return text
+    if hint in _SCALARS:
+        return _SCALARS[hint](text)  # int("2.5") and float("fast") raise ValueError
     if hint in (type(None), bool):
         raise ValueError(text)
-    return _literal_or_text(text)  # a type without a reading of its own (list[int], a class): as before
+    return _read_structured(text, hint)
+
+
+def _whole(text: str) -> int:
+    """Read a whole number, also one written with an exponent (max_chars=4e5); int("2.5") raises ValueError."""
+    if "e" in text.lower() and float(text).is_integer() and abs(float(text)) < 2**53:  # beyond 2**53: not exact
+        return int(float(text))
+    return int(text)
+
+
+_SCALARS: dict[Any, Callable[[str], Any]] = {int: _whole, float: float, str: str}
+
+
+def _read_structured(text: str, hint: Any) -> Any:
+    """Return ``text`` as a path, a collection or a dict; as a Python literal or text for any other type."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(hint, type) and issubclass(hint, PurePath):
+        if not text.strip():
+            raise ValueError(text)
+        return hint(text)
+    if (origin or hint) in _COLLECTIONS:
+        return _read_collection(text, origin or hint, args)
+    if (origin or hint) is dict:
+        value = _literal_or_text(text)
+        if not isinstance(value, dict):
+            raise ValueError(text)
+        key_type, value_type = args if len(args) == 2 else (None, None)
+        return {_item(k, key_type): _item(v, value_type) for k, v in value.items()}
+    return _literal_or_text(text)  # a type without a reading of its own (a class): as before
+
+
+_COLLECTIONS: dict[Any, type] = {list: list, tuple: tuple, set: set, frozenset: frozenset}
+
+
+def _lenient(hint: Any) -> int:
+    """How much text a union's member takes: those that refuse a text are tried first, ``str`` last."""
+    if hint is str:
+        return 3
+    if isinstance(hint, type) and issubclass(hint, PurePath):
+        return 2
+    known = (type(None), bool, int, float, *_COLLECTIONS, dict)
+    return 0 if hint in known or typing.get_origin(hint) in (Literal, *known) else 1
+
+
+def _read_collection(text: str, kind: Any, args: tuple[Any, ...]) -> Any:
+    """Read ``1,2`` or ``[1, 2]`` as a ``kind`` (list, tuple, set), each item as its annotation says."""
+    if text.strip()[:1] in ("[", "(", "{"):
+        value = _literal_or_text(text)
+        if not isinstance(value, list | tuple | set | frozenset):
+            raise ValueError(text)
+        items = list(value)
+    else:
+        items = [piece.strip() for piece in text.split(",")] if text.strip() else []
+    if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]
+        types_ = [args[0]] * len(items)
+    elif kind is tuple and args:  # tuple[int, str]: one item per type
+        if len(items) != len(args):
+            raise ValueError(text)
+        types_ = list(args)
+    else:
+        types_ = [args[0] if args else None] * len(items)
+    return _COLLECTIONS[kind](_item(item, item_type) for item, item_type in zip(items, types_, strict=True))
+
+
+def _item(value: Any, hint: Any) -> Any:
+    """One item of a collection as ``hint`` reads it: a text as a command-line text, a value by its own text."""
+    if hint is None or hint in (Any, object):
+        return _literal_or_text(value) if isinstance(value, str) else value
+    return _read(value if isinstance(value, str) else repr(value), hint)
 
 
 def _literal_or_text(text: str) -> Any:
@@ -112,26 +183,50 @@ def _bare_name(hint: Any) -> str:
         return "None"
     if typing.get_origin(hint) is Literal:
         return f"Literal[{', '.join(map(repr, typing.get_args(hint)))}]"
+    if typing.get_origin(hint) is not None:  # list[int] (whose __name__ is just "list")
+        return str(hint).replace("typing.", "")
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-_EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", type(None): "none"}
-_EXAMPLES = {bool: "true", int: "4", float: "0.001", type(None): "none"}
+_EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", type(None): "none", str: "text"}
+_EXAMPLES = {bool: "true", int: "4", float: "0.001", type(None): "none", str: "text"}
 
 
 def _expected(hint: Any) -> str:
-    said = []
-    for member in _members(hint):
-        if typing.get_origin(member) is Literal:
-            said.append("one of " + ", ".join(str(v) for v in typing.get_args(member)))
-        else:
-            said.append(_EXPECTED.get(member, _bare_name(member)))
-    return " or ".join(said)
+    return " or ".join(_expected_one(member) for member in _members(hint))
+
+
+def _expected_one(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(str(v) for v in args)
+    if isinstance(hint, type) and issubclass(hint, PurePath):
+        return "a path"
+    if (origin or hint) is dict:
+        return "a Python dict"
+    if (origin or hint) in _COLLECTIONS:
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"{len(args)} values separated by commas: " + ", ".join(map(_expected_one, args))
+        each = f", each {_expected_one(args[0])}" if args else ""
+        return f"values separated by commas{each}"
+    return _EXPECTED.get(hint, _bare_name(hint))
 
 
 def _example(hint: Any) -> str:
     first = _members(hint)[0]
-    return str(typing.get_args(first)[0]) if typing.get_origin(first) is Literal else _EXAMPLES.get(first, "...")
+    origin, args = typing.get_origin(first), typing.get_args(first)
+    if origin is Literal:
+        return str(args[0])
+    if isinstance(first, type) and issubclass(first, PurePath):
+        return "path/to/file"
+    if (origin or first) is dict:
+        key, value = (repr(_read(_example(a), a)) for a in args) if len(args) == 2 else ("'a'", "1")
+        return f"{{{key}: {value}}}"
+    if (origin or first) in _COLLECTIONS:
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return ",".join(map(_example, args))
+        return ",".join([_example(args[0]) if args else "1"] * 2)
+    return _EXAMPLES.get(first, "...")
 
 
 def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
@@ -149,7 +244,19 @@ def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
         scope = getattr(inspect.unwrap(target), "__globals__", {})
         hints = {name: _resolve(p.annotation, scope) for name, p in parameters.items()}
     untyped = (None, Any, object, inspect.Parameter.empty)
-    return {name: hint for name, hint in hints.items() if name in parameters and hint not in untyped}
+    return {
+        name: _or_none(hint) if parameters[name].default is None else hint
+        for name, hint in hints.items()
+        if name in parameters and hint not in untyped
+    }
+
+
+def _or_none(hint: Any) -> Any:
+    """``n: int = None`` means an int or None, as type checkers long read it: its default reads as "none" too."""
+    try:
+        return hint if type(None) in _members(hint) else hint | None
+    except TypeError:  # not a type (an annotation such as "fast"): read as before
+        return hint
 
 
 def _resolve(annotation: Any, scope: dict[str, Any]) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -36,6 +37,7 @@ CORPUS_MODULES = (
 )  # fmt: skip
 SAMPLE_PROMPT = "Return the "
 SAMPLE_CHARS = 200
+NOT_FINITE = " [no sample: the model's outputs hold NaN or inf; its training diverged]"
 
 
 def chargpt(
@@ -61,8 +63,8 @@ def chargpt(
     config = GPTConfig(
         vocab_size=1, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=dropout
     )
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise invalid("lr", lr, "a positive float", "1e-3 suits the default size; try 6e-4 for GPT-2 small")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise invalid("lr", lr, "a finite number > 0", "1e-3 suits the default size; try 6e-4 for GPT-2 small")
     positive_int("max_chars", max_chars)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise invalid("seed", seed, "an integer")
@@ -168,7 +170,8 @@ class CharSampler:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> str:
-        """Return the prompt followed by ``num_chars`` characters sampled from ``model``."""
+        """Return the prompt followed by ``num_chars`` characters sampled from ``model``; where the model's outputs
+        are not finite (NaN weights), the text so far and a note that says so."""
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         generator = torch.Generator(device=device).manual_seed(self.seed)
         idx = torch.tensor([self.vocab.encode(self.prompt)], dtype=torch.long, device=device)
@@ -177,6 +180,8 @@ class CharSampler:
         try:
             for _ in range(self.num_chars):
                 logits = model(idx[:, -self.block_size :])[:, -1, :].float()
+                if not torch.isfinite(logits).all():  # a diverged model: multinomial would raise, losing the summary
+                    return self.vocab.decode(idx[0].tolist()) + NOT_FINITE
                 probs = F.softmax(logits / self.temperature, dim=-1)
                 idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         finally:

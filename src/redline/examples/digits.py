@@ -7,6 +7,7 @@ The data (1,797 images, UCI "Optical Recognition of Handwritten Digits", CC BY 4
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,8 @@ def digits(
     With the defaults, plain fp32 training reaches at least 95% validation accuracy in a few seconds
     on a CPU. ``seed`` fixes the train/val split; the model factory seeds nothing.
     """
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise invalid("lr", lr, "a positive float")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise invalid("lr", lr, "a finite number > 0", "the default, 3e-3, reaches 95% in 15 epochs")
     positive_int("width", width)  # channels of the first conv layer
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise invalid("seed", seed, "an integer")
