@@ -88,7 +88,10 @@ FAKE_CPUS = {"avx2": "AVX2 only", "avx512": "CPU has AVX-512", "amx": "CPU has A
 
 @pytest.mark.parametrize("isa", FAKE_CPUS)
 def test_redline_cpu_makes_the_plan_as_on_that_cpu(isa):
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": isa})
+    # 200 columns, as a file or pipe gets outside pytest-xdist (whose workers set COLUMNS=80)
+    result = redline_cli(
+        "train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": isa, "COLUMNS": "200"}
+    )
     assert result.returncode == 0, result.stderr
     value, why = plan_table(result.stdout)["precision"]
     assert value == "fp32"

@@ -111,6 +111,7 @@ def test_the_cli_keeps_the_best_and_says_where(tmp_path):
         app,
         ["train", "--task", "example:digits", "--max-steps", "4", "--eval-every", "2", "--batch-size", "32",
          "--trial", "off", "--no-progress", "--out", str(tmp_path), "--keep-best", "val_metric"],
+        env={"COLUMNS": "200"},  # one row per figure (pytest-xdist's workers set COLUMNS=80)
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "best.json").read_text())

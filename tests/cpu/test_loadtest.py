@@ -402,7 +402,10 @@ def test_sigterm_ends_the_window_there_as_ctrl_c_does_and_reports_what_was_measu
         return
     assert run.returncode == 0, err
     data = json.loads(out)
-    assert data["notes"][-1].startswith("stopped by SIGTERM") and "s into the 60 s window" in data["notes"][-1]
+    stopped = [
+        note for note in data["notes"] if note.startswith("stopped by SIGTERM")
+    ]  # a busy machine adds a lag note
+    assert stopped and "s into the 60 s window" in stopped[0], data["notes"]
     assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
     assert data["elapsed_s"] < 40, "it waited out the whole window"
 

@@ -73,8 +73,8 @@ def plan_table(plan: Plan | Mapping[str, Choice[Any]], title: str = "Plan") -> T
     """Return a Plan (or an engine's plan, axis -> Choice) as a table: axis, chosen value, reason."""
     table = Table(title=Text(title), title_justify="left", show_lines=False)
     table.add_column("axis", style="bold", no_wrap=True)  # the reason wraps; an axis name never shortens
-    table.add_column("value", style="cyan")
-    table.add_column("why")
+    table.add_column("value", style="cyan", max_width=24)  # a long value (the loader's) wraps: the reason needs room
+    table.add_column("why", overflow="fold")  # a token wider than the column folds onto the next line, never cut
     rows = plan.rows() if isinstance(plan, Plan) else [(a, show_value(c.value), c.reason) for a, c in plan.items()]
     for axis, value, reason in rows:
         table.add_row(Text(axis), Text(value), Text(reason))  # a reason's `[...]` is text, not markup
@@ -85,7 +85,7 @@ def key_value_table(rows: Iterable[tuple[str, str]], title: str) -> Table:
     """Return a two-column table of named figures."""
     table = Table(title=Text(title), title_justify="left", show_header=False)
     table.add_column("figure", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")  # a long path folds, never cut to "…"
     for key, value in rows:
         table.add_row(Text(key), Text(value))
     return table
