@@ -153,7 +153,8 @@ def user_line(exc: BaseException) -> str:
     """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
     torch = sys.modules.get("torch")  # not imported: none of its frames can be in the traceback
     skip = (str(PACKAGE),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    # a "<string>" frame is code Python made (a dataclass's __init__), not a line of the user's to show
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((*skip, "<"))]
     if not frames:
         return ""
     frame = frames[-1]

@@ -1,5 +1,7 @@
 """A second run with the same Trainer, or the same callbacks, starts afresh: nothing of the first decides it."""
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -70,3 +72,17 @@ def test_a_callback_that_raises_without_out_dir_is_named_with_nothing_said_saved
     with pytest.raises(TrainingError, match=r"callback FailsAt.on_evaluate raised ValueError") as e:
         quiet(frozen_task(), max_steps=10, eval_every=4, callbacks=[FailsAt(4)]).fit()
     assert "saved" not in str(e.value)
+
+
+def test_a_sample_that_raises_after_training_leaves_the_weights_and_summary_written(tmp_path, caplog):
+    def sample(model):
+        raise ValueError("no prompt")
+
+    task = dataclasses.replace(frozen_task(lr=0.1), sample=sample)
+    with caplog.at_level("WARNING", logger="redline"):
+        summary = quiet(task, max_steps=3, out_dir=tmp_path).fit()
+    assert summary.steps == 3 and summary.sample is None
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "summary.json").is_file()
+    said = caplog.text
+    assert "task.sample raised ValueError: no prompt" in said and "test_trainer_again.py" in said
+    assert "the summary and final weights are written without it" in said

@@ -35,3 +35,16 @@ def test_one_of_hints_the_nearest_choice_else_an_example():
     with pytest.raises(ConfigError, match=r"hint: e\.g\. compile='auto'$"):
         one_of("compile", "maybe", ("auto", "on", "off"))
     one_of("compile", "on", ("auto", "on", "off"))  # an allowed value passes
+
+
+def test_the_users_line_skips_code_python_made_such_as_a_dataclass_init():
+    from redline.errors import user_line
+
+    def build():
+        exec("raise ValueError('bad field')")  # a frame named <string>, as a dataclass's generated __init__ has
+
+    try:
+        build()
+    except ValueError as exc:
+        said = user_line(exc)
+    assert "test_errors.py" in said and "in build" in said and "<string>" not in said

@@ -27,7 +27,7 @@ from torch import nn
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
-from redline.errors import ConfigError, TrainingError
+from redline.errors import ConfigError, TrainingError, first_line, user_line
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
@@ -465,7 +465,11 @@ class Trainer:
         sample = None
         if self.task.sample:  # timed as evaluation; a task without one spends nothing there
             with run.meter.excluded("eval"), run.rt.eager():  # every rank samples: under FSDP a forward gathers
-                sample = self.task.sample(run.rt.module)
+                try:
+                    sample = self.task.sample(run.rt.module)
+                except Exception as exc:  # the run trained: its weights and summary are written all the same
+                    why = f"{type(exc).__name__}: {first_line(exc)}{user_line(exc)}"
+                    log.warning("task.sample raised %s\nthe summary and final weights are written without it", why)
         return summarize(self.task.name, run, self._batches_per_epoch, sample, self.best)
 
     # -- evaluate and predict --------------------------------------------------------------------
