@@ -41,10 +41,10 @@ def test_the_users_line_skips_code_python_made_such_as_a_dataclass_init():
     from redline.errors import user_line
 
     def build():
-        exec("raise ValueError('bad field')")  # a frame named <string>, as a dataclass's generated __init__ has
+        exec("raise ValueError('bad field')")  # its frame is Python-made, as a dataclass's generated __init__ is
 
     try:
         build()
     except ValueError as exc:
         said = user_line(exc)
-    assert "test_errors.py" in said and "in build" in said and "<string>" not in said
+    assert "test_errors.py" in said and "in build" in said and "at <string>" not in said
