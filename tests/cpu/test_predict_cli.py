@@ -458,8 +458,13 @@ def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
     ("flag", "value", "said"),
     [
         ("--precision", "fp8", "--precision='fp8' is not allowed; expected one of 'auto', 'fp32'"),
-        ("--compile", "maybe", "--compile='maybe' is not allowed; expected 'auto', 'on' or 'off'"),
-        ("--cuda-graphs", "yes", "--cuda-graphs='yes' is not allowed; expected 'auto', 'on' or 'off'"),
+        ("--compile", "maybe", "--compile='maybe' is not allowed; expected one of 'auto', 'on', 'off'"),
+        (
+            "--cuda-graphs",
+            "yes",
+            "--cuda-graphs='yes' is not allowed; expected one of 'auto', 'on', 'off'\nhint: did "
+            "you mean --cuda-graphs 'on'?",
+        ),
         ("--cuda-graphs", "on", "--cuda-graphs='on' is not allowed; expected 'auto' or 'off' on cpu"),
         ("--measure", "always", "--measure='always' is not allowed; expected 'auto' or 'off'"),
         ("--device", "tpu", "--device='tpu' is not allowed; expected 'auto', 'cpu'"),

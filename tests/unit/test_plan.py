@@ -204,7 +204,7 @@ def test_compile_requested_but_unsupported_runs_eagerly_and_says_why():
 
 @pytest.mark.parametrize("bad", ["yes", 1.5, "maybe", None])
 def test_compile_bad_value(bad):
-    with pytest.raises(ConfigError, match="'auto', 'on' or 'off'"):
+    with pytest.raises(ConfigError, match="expected one of 'auto', 'on', 'off'"):
         resolve_compile(bad, CPU, planned_steps=None, supported=SUPPORTED)
 
 

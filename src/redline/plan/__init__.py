@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
-from redline.errors import invalid
+from redline.config import one_of
 
 T = TypeVar("T", covariant=True)
 
@@ -88,7 +88,8 @@ def parse_switch(name: str, requested: object) -> bool | None:
         return False
     if requested == "auto":
         return None
-    raise invalid(name, requested, "'auto', 'on' or 'off'")
+    one_of(name, requested, ("auto", "on", "off"))  # raises, with the switch a yes-or-no word means as its hint
+    raise AssertionError("unreachable: one_of raised")
 
 
 def times(ratio: float) -> str:
