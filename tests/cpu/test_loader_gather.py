@@ -75,3 +75,13 @@ def test_what_indexes_or_collates_its_own_way_is_fetched_as_it_was(make):
         tuned = rt.setup_loader(make())
         assert_same_batches(make(), tuned)
         assert "gather" not in str(rt.explain().loader.value)
+
+
+def test_the_trainers_evaluation_reads_a_tensor_dataset_gathered_in_order():
+    from redline.train.data import eval_loader
+
+    val = eval_loader(data(), batch_size=8)
+    assert type(val.dataset).__name__ == "GatheredTensors"
+    assert_same_batches(DataLoader(data(), batch_size=8), val)
+    own = eval_loader(data(), batch_size=8, collate_fn=lambda items: torch.utils.data.default_collate(items))
+    assert type(own.dataset) is TensorDataset  # a collate_fn of the task's own is left to collate

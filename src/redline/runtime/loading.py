@@ -47,9 +47,8 @@ def rebuild_dataloader(
     seed from the generator in later epochs, so a seeded shuffle stays deterministic but departs
     from the order the untuned loader would have given.
     """
-    dataset, collate = loader.dataset, loader.collate_fn
-    if settings.gather and isinstance(dataset, TensorDataset):
-        dataset, collate = GatheredTensors(dataset), _gathered
+    dataset, collate = gathered(loader.dataset, loader.collate_fn) if settings.gather else (loader.dataset, None)
+    collate = collate or loader.collate_fn
     common: dict[str, Any] = {
         "num_workers": settings.num_workers,
         "collate_fn": collate,
@@ -99,6 +98,14 @@ class GatheredTensors(Dataset[Any]):
             return [torch.index_select(tensor, 0, index) for tensor in self.dataset.tensors]
         finally:
             torch.set_num_threads(threads)
+
+
+def gathered(dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
+    """``dataset`` and ``collate_fn`` as a DataLoader should take them: a TensorDataset under the default
+    collation (None or default_collate) gathered whole, anything else as it is."""
+    if type(dataset) is TensorDataset and collate_fn in (None, default_collate):
+        return GatheredTensors(dataset), _gathered
+    return dataset, collate_fn
 
 
 def _gathered(batch: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_w
 
 from redline.errors import ConfigError, TaskError
 from redline.plan import Choice
+from redline.runtime.loading import gathered
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
 from redline.task import CollateFn
 
@@ -205,6 +206,7 @@ def eval_loader(
         size = len(dataset)  # type: ignore[arg-type]
         start, stop = size * rank // world_size, size * (rank + 1) // world_size
         dataset = Subset(dataset, range(start, stop))
+    dataset, collate_fn = gathered(dataset, collate_fn)  # in-memory tensors: each batch indexed out at once
     return DataLoader(dataset, batch_size=batch_size, generator=torch.Generator().manual_seed(0), collate_fn=collate_fn)
 
 
