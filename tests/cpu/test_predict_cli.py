@@ -289,7 +289,7 @@ def test_an_output_under_a_file_is_refused_before_the_model_loads_and_the_file_k
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
                      "--output", str(tmp_path / "notes" / "sub" / "y.npy"))  # fmt: skip
     assert isinstance(result.exception, ConfigError), result.output
-    assert f"is in {str(tmp_path / 'notes')!r}, which is a file, not a directory" in str(result.exception)
+    assert f"expected a file in a directory; {tmp_path / 'notes'} is a file" in str(result.exception)
     assert (tmp_path / "notes").read_text() == "mine" and "Predicting with" not in result.output
 
 
@@ -308,8 +308,10 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_
     out = tmp_path / "y.npy"
     result = predict(spec, "--input", inputs, "--output", str(out))
     assert isinstance(result.exception, ConfigError), result.exception
-    assert str(result.exception).startswith(f"--output {str(out)!r} cannot be written (Permission denied)")
-    assert "hint: write the outputs to a directory you can write to" in str(result.exception)
+    assert str(result.exception).startswith(
+        f"--output={str(out)!r} is not allowed; expected a file you can write (Permission denied)"
+    )
+    assert "hint: pass a file in a directory you can write to" in str(result.exception)
     assert "Predicting with" not in result.output, "refused before the model was loaded and run"
 
 

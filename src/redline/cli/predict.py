@@ -31,7 +31,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from redline.atomic import check_writable, is_stream, make_parent, write_atomic
+from redline.atomic import check_output, write_atomic
 from redline.cli.options import (
     ENGINE_FLAGS,
     EngineCompile,
@@ -88,7 +88,7 @@ def predict(
             device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
         )
     samples = read_samples(input_path)
-    check_output(output_path)  # after the input: a mistyped --input leaves no directory made for the outputs
+    check_output(output_path, "--output", "outputs.npy")  # after the input: a mistyped --input makes no directory
     to_stdout = same_as_stdout(output_path)  # --output /dev/stdout | consumer: the table would go into the array
     if to_stdout and json_output:
         raise ConfigError(
@@ -144,27 +144,6 @@ def predict(
         highlight=False,
         markup=False,  # a path's `[...]` is text
     )
-
-
-def check_output(path: Path) -> None:
-    """Refuse, before any work, an output path that names a directory, lies under a file or cannot be written.
-
-    A missing directory is created, as `redline train --out` and `redline bench --html` create theirs.
-    """
-    if path.is_dir():
-        raise ConfigError(f"--output {str(path)!r} is a directory\nhint: name a file, e.g. {path / 'outputs.npy'}")
-    if is_stream(path):  # /dev/null, a named pipe: written into as it is, so nothing is created beside it
-        return
-    try:
-        make_parent(path)
-        check_writable(path)
-    except NotADirectoryError as exc:
-        raise ConfigError(
-            f"--output {str(path)!r} is in {exc.filename!r}, which is a file, not a directory\n"
-            "hint: name a file in a directory, or a directory to create"
-        ) from None
-    except OSError as exc:
-        raise _unwritable(path, exc) from exc
 
 
 def same_as_stdout(path: Path) -> bool:
