@@ -50,7 +50,9 @@ def test_auto_without_blocks_stays_off_and_says_why():
 
 
 def test_an_unknown_request_is_refused_with_what_is_allowed():
-    with pytest.raises(ConfigError, match=r"activation_checkpointing='sometimes' is not allowed; expected one of 'auto', 'on', 'off'"):
+    with pytest.raises(
+        ConfigError, match=r"activation_checkpointing='sometimes' is not allowed; expected one of 'auto', 'on', 'off'"
+    ):
         resolve_activation_checkpointing("sometimes", blocks=2)
 
 
