@@ -6,30 +6,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
+from test_trainer import quiet, tiny_task  # the same tiny task and quiet Trainer
 
-import redline
 from redline.errors import ConfigError, TaskError
-from redline.train.trainer import Trainer
-
-
-def tiny_task(**overrides) -> redline.Task:
-    gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
-    fields = {
-        "model": lambda: nn.Linear(4, 2),
-        "loss_fn": nn.functional.cross_entropy,
-        "train_data": data,
-        "val_data": data,
-        "batch_size": 8,
-        "metric": lambda out, y: (out.argmax(-1) == y).float().mean().item(),
-    }
-    return redline.Task(**{**fields, **overrides})
-
-
-def quiet(task: redline.Task, **kwargs) -> Trainer:
-    return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
 
 
 def accuracy(out: torch.Tensor, y: torch.Tensor) -> np.ndarray:

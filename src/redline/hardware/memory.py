@@ -39,10 +39,16 @@ def resident_bytes() -> int | None:
 
 def resident_peak_bytes() -> int | None:
     """The process's resident high-water mark (VmHWM) in bytes since start or the last reset; None without /proc."""
+    return proc_bytes(STATUS, "VmHWM")
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """The ``key`` line of a /proc file that lists "Key:  N kB" (/proc/self/status, /proc/meminfo) in bytes, or
+    None where the file or the line cannot be read (``man 5 proc``)."""
     try:
-        with open(STATUS, encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024  # the kernel writes it in kB
     except (OSError, ValueError, IndexError):
         return None

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from redline.hardware.memory import WindowPeak, memory_limit_bytes, resident_bytes
+from redline.hardware.memory import WindowPeak, memory_limit_bytes, proc_bytes, resident_bytes
 
 GIB = 2**30
 # The share of what the process can reach (or of the cgroup's limit) a probe may use: the allocator keeps
@@ -71,11 +71,5 @@ def host_budget() -> int:
 def _available_bytes() -> int:
     """The memory the machine has free for a process to take (MemAvailable, /proc/meminfo, man 5 proc); where
     that cannot be read (macOS, Windows), all of the machine's memory."""
-    try:
-        with open(MEMINFO, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes it in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = proc_bytes(MEMINFO, "MemAvailable")
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
