@@ -26,6 +26,7 @@ from redline.plan import Choice, Plan
 from redline.runtime.contract import split_batch
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.sampling import data_size
 from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning
 from redline.task import Task
@@ -180,10 +181,7 @@ def runtime_runner(
 
 
 def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:
-    try:
-        size = len(task.train_data)  # type: ignore[arg-type]
-    except TypeError:
-        size = None  # a stream: its length is unknown, the loop starts it again when it runs dry
+    size = data_size(task.train_data)  # None for a stream of unknown length: the loop starts it again when dry
     if size is not None and size < batch_size:
         raise TaskError(
             f"train_data has {size} samples, fewer than the batch size {batch_size}\nhint: pass a smaller --batch-size"

@@ -37,6 +37,7 @@ from redline.plan.device import resolve_device
 from redline.runtime.contract import is_tokens
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.sampling import data_size
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Tuning, auto_tuned
 from redline.task import Task, require_task
@@ -195,9 +196,8 @@ def _devices(devices: str | Sequence[str]) -> list[str]:
 
 def check_sizes(task: Task, sizes: Sequence[int]) -> None:
     """Refuse a batch size larger than the data before anything is timed, not after the sizes before it."""
-    try:
-        count = len(task.train_data)  # type: ignore[arg-type]
-    except TypeError:
+    count = data_size(task.train_data)
+    if count is None:
         return  # a stream: the loop starts it again when it runs dry
     too_large = [size for size in sizes if size > count]
     if too_large:
@@ -209,11 +209,8 @@ def check_sizes(task: Task, sizes: Sequence[int]) -> None:
 
 def task_steps(task: Task, batch_size: int) -> int | None:
     """The optimizer steps of the task's own run (its epochs of full batches); None for a stream."""
-    try:
-        size = len(task.train_data)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    return max(1, size // batch_size) * task.epochs
+    size = data_size(task.train_data)
+    return max(1, size // batch_size) * task.epochs if size is not None else None
 
 
 Built = dict[Setting, tuple[Runner, PeakMemory, int | None]]

@@ -18,8 +18,8 @@ from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
-from redline.memory.search import data_size
 from redline.parallel.blocks import find_blocks
+from redline.runtime.sampling import data_size
 from redline.task import Task, require_task
 
 GIB = 2**30

@@ -43,6 +43,7 @@ from redline.runtime.contract import check_loss, split_batch, user_code, user_li
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.sampling import data_size
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.task import CollateFn, Task, require_task
 
@@ -341,15 +342,6 @@ def _build(task: Task) -> nn.Module:
         raise TrainingError(
             f"task {task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
         ) from exc
-
-
-def data_size(data: Dataset[Any]) -> int | None:
-    """The items one pass of ``data`` holds, the largest batch a run has: a dataset's length, or a stream's where it
-    states one (an IterableDataset with ``__len__``, which the DataLoader reads too); None for a stream without."""
-    try:
-        return len(data)  # type: ignore[arg-type]
-    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
-        return None
 
 
 def real_batch(data: Dataset[Any], size: int, collate: CollateFn | None = None) -> tuple[Any, int]:

@@ -82,14 +82,10 @@ class Plan:
 
 def parse_switch(name: str, requested: object) -> bool | None:
     """Read an on/off/auto option: ``True``/"on", ``False``/"off", or ``None`` for "auto"."""
-    if requested is True or requested == "on":
-        return True
-    if requested is False or requested == "off":
-        return False
-    if requested == "auto":
-        return None
-    one_of(name, requested, ("auto", "on", "off"))  # raises, with the switch a yes-or-no word means as its hint
-    raise AssertionError("unreachable: one_of raised")
+    if requested is True or requested is False:
+        return requested
+    one_of(name, requested, ("auto", "on", "off"))  # else refused, with the switch a yes-or-no word means as hint
+    return None if requested == "auto" else requested == "on"
 
 
 def times(ratio: float) -> str:

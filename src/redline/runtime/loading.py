@@ -25,9 +25,7 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         local_devices=local_devices,
-        gatherable=type(dataset) is TensorDataset  # a subclass may index differently
-        and loader.batch_sampler is not None  # batches, not single items
-        and loader.collate_fn is default_collate,
+        gatherable=loader.batch_sampler is not None and can_gather(dataset, loader.collate_fn),  # batches, not items
     )
 
 
@@ -47,8 +45,9 @@ def rebuild_dataloader(
     seed from the generator in later epochs, so a seeded shuffle stays deterministic but departs
     from the order the untuned loader would have given.
     """
-    dataset, collate = gathered(loader.dataset, loader.collate_fn) if settings.gather else (loader.dataset, None)
-    collate = collate or loader.collate_fn
+    dataset, collate = (
+        gathered(loader.dataset, loader.collate_fn) if settings.gather else (loader.dataset, loader.collate_fn)
+    )
     common: dict[str, Any] = {
         "num_workers": settings.num_workers,
         "collate_fn": collate,
@@ -100,10 +99,16 @@ class GatheredTensors(Dataset[Any]):
             torch.set_num_threads(threads)
 
 
+def can_gather(dataset: Any, collate_fn: Any) -> bool:
+    """Whether batches of ``dataset`` can be gathered whole: a TensorDataset (a subclass may index its own way)
+    under the default collation (None or default_collate; a user's own collate_fn is left to collate)."""
+    return type(dataset) is TensorDataset and collate_fn in (None, default_collate)
+
+
 def gathered(dataset: Any, collate_fn: Any) -> tuple[Any, Any]:
-    """``dataset`` and ``collate_fn`` as a DataLoader should take them: a TensorDataset under the default
-    collation (None or default_collate) gathered whole, anything else as it is."""
-    if type(dataset) is TensorDataset and collate_fn in (None, default_collate):
+    """``dataset`` and ``collate_fn`` as a DataLoader should take them: gathered whole where ``can_gather``,
+    anything else as it is."""
+    if can_gather(dataset, collate_fn):
         return GatheredTensors(dataset), _gathered
     return dataset, collate_fn
 

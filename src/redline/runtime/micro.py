@@ -190,8 +190,9 @@ class MicroBatcher:
             with how.precision.autocast():
                 loss = check_loss(step_fn(micro), training=True, source=SOURCE)
         except Exception as exc:
-            if size == 1 and self._failed and _needs_two(exc):  # halved to 1 by "auto": say why it stops
-                raise self._no_smaller(how, exc) from exc
+            refusal = _one_sample_refusal(exc) if size == 1 and self._failed else None  # halved to 1 by "auto"
+            if refusal is not None:
+                raise self._no_smaller(how, refusal) from exc
             if isinstance(exc, RedlineError) or not is_oom(exc):
                 raise
             self._snapshot(how, size)
@@ -243,10 +244,9 @@ class MicroBatcher:
         )  # fmt: skip
         return new
 
-    def _no_smaller(self, how: BatchRun, exc: Exception) -> OutOfMemory:
+    def _no_smaller(self, how: BatchRun, refusal: BaseException) -> OutOfMemory:
         """The error when "auto" halved to 1 sample and the model cannot train on one (batch norm over (N, C))."""
-        cause = exc.__cause__ if isinstance(exc, RedlineError) and exc.__cause__ else exc
-        said = str(cause).splitlines()[0]
+        said = str(refusal).splitlines()[0]
         return OutOfMemory(
             f"out of memory with micro-batches of 2 samples (step {how.step}), and the model cannot train on 1: "
             f"{said}\nhint: {FIT_HINT}"
@@ -279,11 +279,11 @@ class MicroBatcher:
         self.last_snapshot = write_memory_snapshot(how.device, how.snapshot_dir, name)
 
 
-def _needs_two(exc: Exception) -> bool:
-    """Whether ``exc`` is a batch norm's refusal of one sample in training ("Expected more than 1 value per
-    channel when training"): a micro-batch of 1 is no way to fit for such a model."""
+def _one_sample_refusal(exc: Exception) -> BaseException | None:
+    """A batch norm's refusal of one sample in training ("Expected more than 1 value per channel when training")
+    inside ``exc``, or None: a micro-batch of 1 is no way to fit for such a model."""
     cause = exc.__cause__ if isinstance(exc, RedlineError) else exc  # the Trainer's TrainingError wraps torch's
-    return isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause)
+    return cause if isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause) else None
 
 
 @contextlib.contextmanager

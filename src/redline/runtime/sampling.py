@@ -106,6 +106,15 @@ def check_split(global_batch: int, world_size: int) -> None:
         )
 
 
+def data_size(data: Any) -> int | None:
+    """The items one pass of ``data`` holds: a dataset's length, or a stream's where it states one (an
+    IterableDataset with ``__len__``, which the DataLoader reads too); None for a stream without."""
+    try:
+        return len(data)
+    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
+        return None
+
+
 def batches_per_epoch(size: int, global_batch: int, world_size: int = 1, drop_last: bool = False) -> int:
     """Return the number of global batches in ``size`` samples, counting a last one that splits evenly
     (unless ``drop_last``)."""

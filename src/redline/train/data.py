@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_w
 from redline.errors import ConfigError, TaskError
 from redline.plan import Choice
 from redline.runtime.loading import gathered
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split, data_size
 from redline.task import CollateFn
 
 log = logging.getLogger("redline")
@@ -85,7 +85,7 @@ def plan_length(
     The epochs' steps are cut at ``max_steps``; a stream without ``__len__`` needs ``max_steps``, and one with
     it plans its epochs by that length, as torch's DataLoader reports it.
     """
-    size = stream_length(data) if is_stream(data) else len(data)  # type: ignore[arg-type]
+    size = data_size(data)
     if size is None:
         if max_steps is None:
             raise ConfigError(
@@ -126,14 +126,6 @@ def plan_length(
     return min(steps, max_steps or math.inf), per_epoch
 
 
-def stream_length(data: Dataset[Any]) -> int | None:
-    """The items one pass of a stream yields, where it says (an IterableDataset with ``__len__``); else None."""
-    try:
-        return len(data)  # type: ignore[arg-type]
-    except TypeError:  # no __len__, or one that refuses (a stream of unknown length)
-        return None
-
-
 def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError:
     """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share;
     ``saved``: the checkpoint that keeps the epochs before, if one was written."""
@@ -156,7 +148,7 @@ def fixed_shapes(data: Any, batch_size: int, world_size: int, *, compiled: Choic
     for its shape. Not where a stream has no length, nor where every batch is partial (fewer items than one)."""
     if compiled is None or not compiled.value:
         return False
-    size = stream_length(data) if is_stream(data) else len(data)
+    size = data_size(data)
     return size is not None and batches_per_epoch(size, batch_size, world_size, drop_last=True) > 0
 
 
