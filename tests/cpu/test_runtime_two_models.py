@@ -57,14 +57,20 @@ def test_a_gan_trains_as_the_plain_loop_that_zeroes_each_optimizer_before_its_ba
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("zero_after_step", [True, False])  # CUDA's order, and every other device's
-def test_the_first_backward_after_a_step_starts_without_any_gradient(zero_after_step):
+def two_in_one_cycle(accum: int, *, zero_after_step: bool):
+    """Two models, each with its SGD, both adopted by one accumulation Cycle of ``accum`` batches."""
     first, second = nn.Linear(2, 1), nn.Linear(2, 1)
     opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
     opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
-    cycle = Cycle(1, zero_after_step=zero_after_step)
+    cycle = Cycle(accum, zero_after_step=zero_after_step)
     cycle.adopt(opt_first)
     cycle.adopt(opt_second)
+    return first, second, opt_first, opt_second, cycle
+
+
+@pytest.mark.parametrize("zero_after_step", [True, False])  # CUDA's order, and every other device's
+def test_the_first_backward_after_a_step_starts_without_any_gradient(zero_after_step):
+    first, second, opt_first, opt_second, cycle = two_in_one_cycle(1, zero_after_step=zero_after_step)
     cycle.next_batch()
     first(torch.ones(1, 2)).sum().backward()
     assert cycle.due(opt_first)
@@ -91,12 +97,7 @@ def test_backwards_before_a_step_still_accumulate():
 
 
 def test_an_optimizer_amid_its_accumulation_keeps_its_gradients_when_another_steps():
-    first, second = nn.Linear(2, 1), nn.Linear(2, 1)
-    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
-    opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
-    cycle = Cycle(2, zero_after_step=False)
-    cycle.adopt(opt_first)
-    cycle.adopt(opt_second)
+    first, second, opt_first, opt_second, cycle = two_in_one_cycle(2, zero_after_step=False)
     for model, optimizer, due in [(first, opt_first, False), (second, opt_second, False), (first, opt_first, True)]:
         cycle.next_batch()
         model(torch.ones(1, 2)).sum().backward()
