@@ -109,7 +109,9 @@ class Cycle:
         self._round_over = False
 
 
-def hang_watchdog(env: DistEnv, out_dir: Path | None) -> Watchdog | None:
-    """The hang watchdog of a launched job given --hang-timeout (REDLINE_HANG_TIMEOUT), not yet entered; else None."""
-    store = process_group_store() if env.distributed and env.hang_timeout_s else None
-    return Watchdog(store, env.rank, env.world_size, env.hang_timeout_s, out_dir) if store is not None else None
+def hang_watchdog(env: DistEnv, out_dir: Path | None, timeout_s: float | None = None) -> Watchdog | None:
+    """The hang watchdog of a distributed run given ``timeout_s``, or of a launched job given --hang-timeout
+    (REDLINE_HANG_TIMEOUT), not yet entered; else None."""
+    timeout_s = timeout_s or env.hang_timeout_s
+    store = process_group_store() if env.distributed and timeout_s else None
+    return Watchdog(store, env.rank, env.world_size, timeout_s, out_dir) if store is not None else None

@@ -21,6 +21,7 @@ from redline.plan import Choice
 from redline.runtime.loading import gathered
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split, data_size
 from redline.task import CollateFn
+from redline.train.failures import kept_note
 
 log = logging.getLogger("redline")
 
@@ -138,8 +139,7 @@ def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError
         f"train_data gave no batch in epoch {epoch + 1}, after batches in the epoch(s) before: its __iter__ gave "
         f"nothing this time, as one that returns the same iterator each time does once it is used up{short}\n"
         "hint: make train_data's __iter__ start a fresh pass each time it is called (write it as a generator, with "
-        "yield): a stream that runs dry starts again as the next epoch"
-        + (f"; the steps so far are saved in {saved}: then run the same command with --resume auto" if saved else "")
+        "yield): a stream that runs dry starts again as the next epoch" + (kept_note(saved) if saved else "")
     )
 
 

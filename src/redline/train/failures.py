@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from redline.errors import OutOfMemory, RedlineError, TrainingError, describe_error
+from redline.errors import OutOfMemory, RedlineError, TrainingError, describe_error, first_line
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.oom import is_oom
+
+if TYPE_CHECKING:
+    from redline.train.state import Run
+
+log = logging.getLogger("redline")
 
 
 def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) -> TrainingError | None:
@@ -31,3 +39,34 @@ def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) ->
             "the last checkpoint)"
         )
     return None
+
+
+def kept_note(saved: str) -> str:
+    """What a failure's message adds when the steps before it are saved in ``saved``."""
+    return f"; the steps so far are saved in {saved}: then run the same command with --resume auto"
+
+
+def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None:
+    """Checkpoint the steps a failing run trained since its last checkpoint (``keep`` writes it), and say where.
+
+    A failure among a step's micro-batches puts the position back to the step's start: the resumed run
+    redoes them all. A failure inside the optimizer's step keeps nothing: the weights may be half updated.
+    A redline error's message names the checkpoint; any other exception passes unchanged, after a warning.
+    """
+    if run.in_optimizer_step:
+        return
+    if run.micro_loss is not None and run.step_start is not None:
+        run.pos = run.step_start
+    before = run.last_ckpt
+    try:
+        saved = keep()
+    except Exception as again:  # the disk is full, say; a NaN loss fails again (no checkpoint holds one)
+        if str(again) != str(exc):
+            log.warning("the steps since the last checkpoint could not be saved: %s", first_line(again))
+        return
+    if saved is None or run.last_ckpt is before:
+        return
+    if isinstance(exc, RedlineError):
+        exc.args = (f"{exc}{kept_note(saved)}",)
+    else:
+        log.warning("%s", kept_note(saved).removeprefix("; "))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -82,11 +84,20 @@ class Run:
     start: float = field(default_factory=time.perf_counter)
     checkpointed_at: float = field(default_factory=time.perf_counter)  # the clock of --checkpoint-minutes
     window: Window = field(default_factory=Window)
-    micro_loss: torch.Tensor | None = None
+    micro_loss: torch.Tensor | None = None  # the step's micro-batches' summed loss, until the step completes
+    step_start: Position | None = None  # the position when the step under way began
+    in_optimizer_step: bool = False
     losses: list[float] = field(default_factory=list)
     metrics: dict[str, float | None] = field(default_factory=dict)
     stopped: str = ""
     watchdog: Watchdog | None = None
+
+    @contextlib.contextmanager
+    def optimizer_step(self) -> Iterator[None]:
+        """Mark a step's update under way (optimizer and schedule); a failure inside leaves the mark: half updated."""
+        self.in_optimizer_step = True
+        yield
+        self.in_optimizer_step = False
 
     def beat(self, where: str, step: int | None = None) -> None:
         """Tell the hang watchdog where this rank is (costs well under a microsecond)."""

@@ -14,11 +14,12 @@ The process-wide settings the run needs stay applied until ``close()`` (or the e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,10 @@ from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError, TrainingError, first_line, user_line
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
-from redline.parallel.env import join_process_group, mark_finished, process_group_store, read_env
-from redline.parallel.watchdog import Watchdog
+from redline.parallel.env import join_process_group, mark_finished, read_env
 from redline.plan.device import resolve_device
 from redline.runtime.contract import check_loss, count_samples, is_tokens, split_batch, user_code, users_failure
+from redline.runtime.cycle import hang_watchdog
 from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -45,7 +46,7 @@ from redline.train.callbacks import Callback, call_hooks, check_callbacks
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
-from redline.train.failures import step_failure
+from redline.train.failures import keep_steps, step_failure
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_results
 from redline.train.progress import Progress
@@ -122,8 +123,8 @@ class Trainer:
             mark_finished(self.env)
             return run
         history = record_memory_history(run.rt.device) if self.config.memory_history else contextlib.nullcontext()
-        with self._signals, run.loggers, self._watchdog() as watchdog, history:
-            run.watchdog = watchdog
+        run.watchdog = hang_watchdog(self.env, self.out_dir, self.config.hang_timeout_s)
+        with self._signals, run.loggers, run.watchdog or contextlib.nullcontext(), history, self._keeping_steps(run):
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
                 for batch in run.batches:
@@ -160,6 +161,8 @@ class Trainer:
 
     def _micro_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
+        if run.micro_loss is None:  # a step begins: where a failure inside its micro-batches puts the run back
+            run.step_start = dataclasses.replace(run.pos)
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
         run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
         run.pos.batches_in_epoch += 1
@@ -169,10 +172,11 @@ class Trainer:
         run.window.tokens += tokens
         run.meter.count(samples, tokens)
         lr = float(run.optimizer.param_groups[0]["lr"])  # the rate this step applies, before the scheduler moves it
-        if not run.rt.step(run.optimizer):
-            return False
-        run.pos.step += 1
-        run.scheduler.after_step(run.pos.step)
+        with run.optimizer_step():  # a failure inside may leave the weights or the schedule half updated
+            if not run.rt.step(run.optimizer):
+                return False
+            run.pos.step += 1
+            run.scheduler.after_step(run.pos.step)
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(lr)
         run.window.epochs.append(run.pos.epoch)
@@ -211,8 +215,21 @@ class Trainer:
             return "early stopping"
         return ""
 
+    @contextlib.contextmanager
+    def _keeping_steps(self, run: Run) -> Iterator[None]:
+        """A one-process run that trained and fails first checkpoints the steps since the last checkpoint.
+
+        In a distributed run the other ranks wait inside a collective that a checkpoint would wait on too.
+        """
+        try:
+            yield
+        except Exception as exc:
+            if not self.env.distributed:
+                keep_steps(exc, run, lambda: self._keep_steps(run))
+            raise
+
     def _keep_steps(self, run: Run) -> str | None:
-        """Before a run that trained fails, checkpoint the steps since the last checkpoint; return where they are."""
+        """Checkpoint the steps since the last checkpoint (all ranks together); return where they are."""
         if run.window.losses:  # a checkpoint must not hold a NaN
             self._flush(run)
         if run.pos.step:
@@ -243,14 +260,6 @@ class Trainer:
                 return check_loss(self.task.loss_fn(forward.outputs, batch[1]), training=True)
 
         return rt.train_step(loss_of, (inputs, targets))
-
-    def _watchdog(self) -> contextlib.AbstractContextManager[Watchdog | None]:
-        """The hang watchdog of a distributed run launched with --hang-timeout (else nothing)."""
-        timeout = self.config.hang_timeout_s or self.env.hang_timeout_s
-        store = process_group_store() if self.env.distributed and timeout else None
-        if store is None:
-            return contextlib.nullcontext()
-        return Watchdog(store, self.env.rank, self.env.world_size, timeout, self.out_dir)
 
     def _stop_reason(self, step: int, total: float, signalled: bool) -> str:
         """Why the run stops after ``step``, or "". A run whose work is done ends for that, signal or not."""
@@ -434,7 +443,7 @@ class Trainer:
         run.progress.update(pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1)
         run.losses += losses
         run.window = Window(excluded_s=run.meter.excluded_s)
-        self._tell(run, "on_step", pos.step, losses[-1])  # the window done: a failing callback's steps can be kept
+        call_hooks(self.callbacks, "on_step", self, pos.step, losses[-1])  # after the window: its steps are kept
 
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log and tell callbacks; return whether early stopping says stop."""
@@ -448,18 +457,8 @@ class Trainer:
         if self.best is not None:
             with run.meter.excluded("checkpoint"):  # written as a checkpoint is: left out of the rates
                 self.best.offer(run.rt, run.metrics, run.pos.step, main=self.env.is_main)
-        self._tell(run, "on_evaluate", run.pos.step, run.metrics)
+        call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
-
-    def _tell(self, run: Run, hook: str, *args: Any) -> None:
-        """Call the callbacks' ``hook`` mid-run; one that fails first checkpoints the steps so far (one process)."""
-        try:
-            call_hooks(self.callbacks, hook, self, *args)
-        except TrainingError as exc:
-            saved = None if self.env.distributed or type(exc) is not TrainingError else self._keep_steps(run)
-            if saved is None:
-                raise
-            raise TrainingError(f"{exc}; the steps so far are saved in {saved}: resume from it") from exc.__cause__
 
     def _summary(self, run: Run) -> TrainSummary:
         sample = None
