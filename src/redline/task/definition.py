@@ -1,24 +1,14 @@
-"""Task: the one description of a workload that every redline command understands.
-
-A Task names the model, the loss, the data, the optimizer factory and the batch size. It is built in
-Python, or loaded from a spec string: ``example:NAME`` (built in), ``pkg.module:factory`` or
-``path/to/file.py:factory``, where ``factory(**options)`` returns a Task.
-"""
+"""The Task: a workload's model, loss, data, optimizer factory and batch size, checked when it is made."""
 
 from __future__ import annotations
 
-import ast
 import copy
 import functools
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,16 +16,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import call_refused, positive_int
-from redline.errors import TaskSpecError, few, invalid, nearest, user_line
+from redline.errors import invalid
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 CollateFn = Callable[[list[Any]], Any]  # a list of items -> a batch, as a DataLoader's collate_fn
-
-EXAMPLES = {
-    "digits": "redline.examples.digits:digits",
-    "chargpt": "redline.examples.chargpt:chargpt",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,21 +241,6 @@ def _check_data(name: str, data: object) -> None:
         raise invalid(f"len({name})", 0, "at least one item", f"check how {name} is built: it holds no samples")
 
 
-def load_task(spec: str, **options: Any) -> Task:
-    """Load a Task from a spec string, passing ``options`` to the factory as keywords.
-
-    Forms: ``example:digits`` or ``example:chargpt``; ``pkg.module:factory``;
-    ``path/to/file.py:factory``.
-    """
-    return call_factory(spec, find_factory(spec), options)
-
-
-def check_spec(spec: str, **options: Any) -> None:
-    """Raise the TaskSpecError ``load_task`` would for a spec or its options, without running the factory
-    (a launcher checks once, before it starts workers that would each fail the same way)."""
-    _check_options(spec, find_factory(spec), options)
-
-
 def require_task(value: object) -> Task:
     """Return ``value`` if it is a Task; else raise the ConfigError that says how to make one."""
     if isinstance(value, Task):
@@ -279,220 +249,3 @@ def require_task(value: object) -> Task:
         raise invalid("task", value, "a redline.Task, not a spec", f"load it first: redline.load_task({value!r})")
     hint = "e.g. redline.load_task('example:digits'), or redline.Task(model=..., loss_fn=..., train_data=..., ...)"
     raise invalid("task", type(value).__name__, "a redline.Task", hint)
-
-
-def find_factory(spec: str) -> Callable[..., Any]:
-    """Import the module a spec string names and return its factory (a TaskSpecError says what is wrong)."""
-    module_name, factory_name = _split_spec(spec)
-    module = _import_module(spec, module_name)
-    factory = getattr(module, factory_name, None)
-    if factory is None or not callable(factory):
-        public = {n: v for n, v in vars(module).items() if callable(v) and not n.startswith("_")}
-        own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
-        shown = own or sorted(public)  # what the file defines, not what it imported (torch's classes, say)
-        near = nearest(factory_name, shown)
-        hint = f"did you mean '{spec.rsplit(':', 1)[0]}:{near}'?" if near else "name a function that returns a Task"
-        hint = _shadowed(module_name, module, factory_name) or hint
-        raise TaskSpecError(
-            f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
-            f"defined there: {', '.join(shown[:12]) or 'none'}\nhint: {hint}"
-        )
-    return factory
-
-
-def _shadowed(module_name: str, module: Any, factory_name: str) -> str:
-    """The fix when a module of the working directory lost its name to an installed one (``random.py``): "" if not."""
-    try:
-        local = Path(*module_name.split("."))
-        file = next(f for f in (local.with_suffix(".py"), local / "__init__.py") if f.is_file())
-    except (StopIteration, OSError):  # none there (or no working directory left)
-        return ""
-    imported = getattr(module, "__file__", None)
-    if imported is not None and Path(imported).resolve() == file.resolve():
-        return ""
-    which = f"the installed {module_name!r} ({imported})" if imported else f"Python's built-in {module_name!r}"
-    return f"{which} comes before {file} of the working directory: give the file, '{file}:{factory_name}', or rename it"
-
-
-def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Task:
-    """Call ``factory(**options)`` and check that it returns a Task; ``spec`` names it in errors."""
-    task = run_factory(spec, factory, options)
-    if not isinstance(task, Task):
-        raise TaskSpecError(
-            f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task\n"
-            f"hint: {_returned_hint(task)}"
-        )
-    return task
-
-
-def _returned_hint(made: object) -> str:
-    """The fix for a factory that returned ``made`` where a Task was due."""
-    wrap = "return redline.Task(model=..., loss_fn=..., train_data=..., batch_size=...) from the factory"
-    if made is None:
-        return f"the factory returns nothing: end it with {wrap.removesuffix(' from the factory')}"
-    if isinstance(made, nn.Module):  # a model factory, as `redline serve` takes
-        return f"a model alone cannot be trained or timed: {wrap}, with model= the module it builds"
-    return wrap
-
-
-def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Any:
-    """Call ``factory(**options)`` with its options checked; what it raises becomes a TaskSpecError naming ``spec``."""
-    _check_options(spec, factory, options)
-    try:
-        return factory(**options)
-    except TaskSpecError:
-        raise
-    except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
-
-
-FORMS = "'example:NAME' (NAME in: {}), 'pkg.module:factory' or 'path/to/file.py:factory'"
-
-
-def _split_spec(spec: str) -> tuple[str, str]:
-    forms = FORMS.format(", ".join(EXAMPLES))
-    if not isinstance(spec, str) or ":" not in spec:
-        raise TaskSpecError(f"task spec {spec!r} has no ':'; expected {forms}{_spec_hint(spec)}")
-    head, _, tail = spec.rpartition(":")
-    if head == "example":
-        if tail not in EXAMPLES:
-            near = nearest(tail, EXAMPLES)
-            hint = f"\nhint: did you mean 'example:{near}'?" if near else ""
-            raise TaskSpecError(f"task spec {spec!r}: no built-in example {tail!r}; expected {forms}{hint}")
-        head, _, tail = EXAMPLES[tail].partition(":")
-    if not head or not tail.isidentifier():  # a stray space, or the factory left out ('tasks.py:')
-        near = f"\nhint: did you mean '{head.strip()}:{tail.strip()}'?" if head and tail.strip().isidentifier() else ""
-        raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}{near or _spec_hint(head.strip())}")
-    return head, tail
-
-
-def _spec_hint(spec: object) -> str:
-    """The fix for a spec without its ':': the example it names, or the factory a file needs."""
-    if not isinstance(spec, str):
-        return ""
-    if spec in EXAMPLES:
-        return f"\nhint: the built-in example is 'example:{spec}'"
-    if spec.endswith(".py") or "." in spec:
-        defined = _functions_in(Path(spec).expanduser()) if spec.endswith(".py") else []
-        if len(defined) == 1:
-            return f"\nhint: did you mean '{spec}:{defined[0]}'?"
-        if defined:
-            return f"\nhint: name the function that returns the Task (or model), one of: {few(defined, 6)}"
-        return f"\nhint: add the function that returns the Task (or model), e.g. '{spec}:make_task'"
-    return ""
-
-
-def _functions_in(path: Path) -> list[str]:
-    """The public functions a Python file defines at its top level, read without running it ([] if unreadable)."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return []
-    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
-
-
-def _import_module(spec: str, module_name: str) -> Any:
-    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        path = Path(module_name).expanduser()
-        if not path.is_file():
-            files = sorted(f"'{f}:{spec.rpartition(':')[2]}'" for f in path.glob("*.py")) if path.is_dir() else []
-            hint = f"\nhint: name the file in it, one of: {few(files, 4)}" if files else ""
-            said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
-            raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
-        name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
-        file_spec = importlib.util.spec_from_file_location(name, path)
-        if file_spec is None or file_spec.loader is None:
-            raise TaskSpecError(f"task spec {spec!r}: cannot import {str(path)!r} as Python")
-        module = importlib.util.module_from_spec(file_spec)
-        sys.modules[name] = module
-        try:
-            file_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as exc:
-            sys.modules.pop(name, None)
-            if isinstance(exc, SystemExit):
-                raise _exited(spec, str(path), exc) from exc
-            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
-        return module
-    _search_working_directory()
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
-            raise TaskSpecError(
-                f"task spec {spec!r}: importing {module_name!r} failed: it imports {exc.name!r}, which is "
-                f"not installed\nhint: pip install the package that provides {exc.name!r}"
-            ) from exc
-        top = module_name.partition(".")[0]
-        raise TaskSpecError(
-            f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
-            f"expected {FORMS.format(', '.join(EXAMPLES))}\nhint: run redline in the folder that holds "
-            f"{top}/ (or {top}.py), or pip install the package"
-        ) from exc
-    except SystemExit as exc:
-        raise _exited(spec, module_name, exc) from exc
-    except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}{_where(exc)}") from exc
-
-
-def _where(exc: BaseException) -> str:
-    """The line of the user's code that raised ``exc``, and the hint to look there; "" when none is known."""
-    if isinstance(exc, SyntaxError):  # raised by the compiler: no frame of the file's own
-        line = f"\n  at {exc.filename}:{exc.lineno}: {(exc.text or '').strip()}" if exc.filename else ""
-    else:
-        line = user_line(exc)
-    if not line or line.startswith("\n  at <"):  # Python's own frozen import machinery
-        return ""
-    return (
-        f"{line}\nhint: the error is in the task's own code, at the line shown (REDLINE_TRACEBACK=1 prints the "
-        "whole traceback; in Python it is the error's __cause__)"
-    )
-
-
-def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:
-    """A module that ends the process while imported: a script's top level (argument parsing, say) ran."""
-    return TaskSpecError(
-        f"task spec {spec!r}: importing {what!r} exited (SystemExit: {exc.code!r}); its top-level code ran, as a "
-        "script's does\nhint: put the script's own code under `if __name__ == '__main__':`, or move the factory "
-        "to a module of its own"
-    )
-
-
-def _search_working_directory() -> None:
-    """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``.
-
-    The ``redline`` console script's sys.path starts with the script's own folder, where
-    ``python -m`` puts the working directory. It goes last here, so that an installed package of
-    the same name still comes first.
-    """
-    try:
-        cwd = os.getcwd()
-    except OSError:  # the working directory was removed
-        return
-    searched = {os.path.realpath(entry or os.curdir) for entry in sys.path if isinstance(entry, str)}
-    if os.path.realpath(cwd) not in searched:
-        sys.path.append(cwd)
-
-
-def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return
-    named = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    missing = [n for n in named if params[n].default is inspect.Parameter.empty and n not in options]
-    if missing:
-        flags = " ".join(f"--task-arg {n}=VALUE" for n in missing)
-        raise TaskSpecError(
-            f"task spec {spec!r}: the factory requires {', '.join(missing)}, and no value was given\n"
-            f"hint: pass {flags} (in Python, {missing[0]}=... as a keyword)"
-        )
-    if not options or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    unknown = sorted(set(options) - set(named))
-    if unknown:
-        near = nearest(unknown[0], named)
-        hint = f"did you mean {near}?" if near else "drop it, or add it as a parameter of the factory"
-        raise TaskSpecError(
-            f"task spec {spec!r}: unknown option(s) {', '.join(unknown)}; "
-            f"the factory accepts: {', '.join(named) or 'no options'}\nhint: {hint}"
-        )
