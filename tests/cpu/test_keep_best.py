@@ -121,3 +121,14 @@ def test_the_cli_keeps_the_best_and_says_where(tmp_path):
     refused = CliRunner().invoke(app, ["train", "--task", "example:chargpt", "--keep-best", "val_metric", "--out",
                                        str(tmp_path / "gpt")])  # fmt: skip
     assert "hint: pass --keep-best 'val_loss', or give the task metric=..." in str(refused.exception)
+
+
+def test_a_metric_without_val_data_never_runs_and_the_trainer_says_so(caplog):
+    with caplog.at_level("WARNING", logger="redline"):
+        quiet(tiny_task(val_data=None), max_steps=2)
+    assert "task 'task' has a metric but no val_data: no metric is computed (give it val_data=...)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="redline"):
+        quiet(tiny_task(), max_steps=2)
+        quiet(tiny_task(val_data=None, metric=None), max_steps=2)
+    assert "no metric is computed" not in caplog.text

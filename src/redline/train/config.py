@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,8 @@ from redline.errors import ConfigError, invalid
 from redline.runtime.options import SWITCHES, RuntimeOptions, Switch
 from redline.task import Task
 from redline.train.logs import check_logger_names
+
+log = logging.getLogger("redline")
 
 KEEP_CHECKPOINTS = 3
 CHECKPOINT_MINUTES = 30.0  # a crash of a long run loses at most this much of it
@@ -100,7 +103,10 @@ class TrainerConfig:
 
     def check_task(self, task: Task) -> None:
         """Refuse what would do nothing unnoticed for this task: evaluating every N steps, or keeping the best
-        evaluation's weights, without val_data; keeping the best val_metric without a metric."""
+        evaluation's weights, without val_data; keeping the best val_metric without a metric. A metric
+        without val_data, never computed, is a warning: a task's val_data is often left out on purpose."""
+        if task.metric is not None and task.val_data is None:
+            log.warning("task %r has a metric but no val_data: no metric is computed (give it val_data=...)", task.name)
         for name, asked in (("eval_every", self.eval_every is not None), ("keep_best", self.keep_best != "off")):
             if asked and task.val_data is None:
                 raise invalid(
