@@ -61,7 +61,8 @@ def _serve(
             device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
         )
     with said_by_flags(batch_buckets="--batch-buckets", max_batch_size="--max-batch-size"):
-        buckets = bucket_sizes(options.max_batch_size, _buckets(batch_buckets))
+        buckets = _buckets(batch_buckets)  # auto stays "auto": the Plan then says the buckets are the default
+        bucket_sizes(options.max_batch_size, buckets)  # checked before the model loads
     options.token()  # an empty --token-env variable is refused before the model loads
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
