@@ -6,14 +6,20 @@ its output the page describes, quoting the page where it can.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
 from typer.testing import CliRunner
 
+import redline
 from redline.cli import serve as serve_cli
 from redline.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def test_redline_serve_says_its_default_buckets_are_the_default_as_engine_md_shows(monkeypatch):
@@ -30,3 +36,34 @@ def test_redline_serve_says_its_default_buckets_are_the_default_as_engine_md_sho
     given = CliRunner().invoke(app, [*args, "--max-batch-size", "8", "--batch-buckets", "1,8"])
     assert given.exit_code == 0, given.output
     assert served[1].plan_dict()["buckets"]["reason"].startswith("requested;"), "sizes typed are the user's own"
+
+
+class FitsUpTo21(nn.Module):
+    """A model whose step runs out of memory above 21 samples, as a full device would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 21:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} rows")
+        return self.linear(x)
+
+
+def printed_as_commented(code: str) -> list[str]:
+    """The lines a block's ``print(...)  # OUTPUT`` statements say they print, each a pattern ('...': any text)."""
+    comments = [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(")]
+    return [".*".join(re.escape(part) for part in comment.split("...")) for comment in comments]
+
+
+def test_the_readme_batch_search_prints_what_its_comments_show(capsys):
+    (code,) = [block for block in PYTHON_BLOCK.findall((ROOT / "README.md").read_text()) if "find_batch_size" in block]
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    task = redline.Task(model=FitsUpTo21, loss_fn=nn.functional.cross_entropy, train_data=data, name="fits21")
+    exec(compile(code, "README.md", "exec"), {"redline": redline, "task": task})  # the README's own example
+    printed = capsys.readouterr().out.splitlines()
+    expected = printed_as_commented(code)
+    assert len(printed) == len(expected) and expected, printed
+    for line, pattern in zip(printed, expected, strict=True):
+        assert re.fullmatch(pattern, line), f"README says it prints {pattern!r}; it printed {line!r}"
