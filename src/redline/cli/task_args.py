@@ -45,15 +45,20 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     reads none; a ``Literal`` reads one of its values; ``list[X]``, ``tuple[X, ...]`` and ``set[X]``
     read comma-separated values (``sizes=1,2``) or a Python literal (``sizes=[1, 2]``), each item
     read as ``X``; a ``dict`` reads a Python literal. An option without an annotation, or with one
-    not listed here, reads as a Python literal or else as text (``name=tiny``). A text that does
+    not listed here, reads as a Python literal or else as text (``name=tiny``), and "none" as None where
+    its default is None. A text that does
     not convert is a TaskSpecError naming the option, its type and the text.
     """
     hints = _option_types(factory)
+    nullable = _defaults_none(factory)
     options = {}
     for key, text in texts.items():
         hint = hints.get(key)
         try:
-            options[key] = _literal_or_text(text) if hint is None else _read(text, hint)
+            if hint is None:  # no annotation: "none" is the default None, not the text 'none'
+                options[key] = None if key in nullable and text.strip().lower() == "none" else _literal_or_text(text)
+            else:
+                options[key] = _read(text, hint)
         except ValueError:
             raise TaskSpecError(
                 f"--task-arg {key}={text!r}: the factory's option {key!r} is {_type_name(hint)}; "
@@ -249,6 +254,14 @@ def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
         for name, hint in hints.items()
         if name in parameters and hint not in untyped
     }
+
+
+def _defaults_none(factory: Callable[..., Any]) -> set[str]:
+    """The factory's parameters whose default is None."""
+    try:
+        return {name for name, p in inspect.signature(factory).parameters.items() if p.default is None}
+    except (TypeError, ValueError):
+        return set()
 
 
 def _or_none(hint: Any) -> Any:
