@@ -6,6 +6,7 @@ its output the page describes, quoting the page where it can.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -19,6 +20,19 @@ from redline.cli import serve as serve_cli
 from redline.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
+TASK_FILE = """\
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+
+def make():
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    model = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    return redline.Task(model=model, loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y),
+                        batch_size=16, name="tiny")
+"""
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
@@ -67,3 +81,19 @@ def test_the_readme_batch_search_prints_what_its_comments_show(capsys):
     assert len(printed) == len(expected) and expected, printed
     for line, pattern in zip(printed, expected, strict=True):
         assert re.fullmatch(pattern, line), f"README says it prints {pattern!r}; it printed {line!r}"
+
+
+def test_redline_memory_json_holds_the_keys_docs_memory_md_names(tmp_path, monkeypatch):
+    text = " ".join((ROOT / "docs/memory.md").read_text().split())
+    paragraph = text.split("`--json` prints ", 1)[1].split(" ## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph)) - {"cuda", "cpu"}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.py").write_text(TASK_FILE)
+    result = CliRunner().invoke(app, ["memory", "--task", "tasks.py:make", "--gpu", "l4", "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    keys = set(found) | {key for row in found["rows"] for key in (*row, *row["estimate"])}
+    assert keys == named, f"the JSON has {sorted(keys - named)} unnamed; the page names {sorted(named - keys)}"
+    estimate = found["rows"][0]["estimate"]
+    assert estimate["total"] == estimate["peak"] + estimate["workspace"], "total is peak plus workspace"
+    assert found["rows"][0]["fits"] == (estimate["total"] <= found["rows"][0]["available"])
