@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from redline.errors import DeviceUnavailableError, invalid
+from redline.errors import DeviceUnavailableError, invalid, nearest
 from redline.hardware.device import Accelerators
 from redline.plan import Choice
 
@@ -16,8 +16,20 @@ def check_devices(requested: object) -> tuple[str, str | None]:
     """Check the form of a device request; return its kind and index ("cuda", "1"). Raise ConfigError if malformed."""
     match = _PATTERN.match(requested.strip().lower()) if isinstance(requested, str) else None
     if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
-        raise invalid("devices", requested, ALLOWED)
+        raise invalid("devices", requested, ALLOWED, _meant(requested))
     return match.group(1), match.group(2)
+
+
+def _meant(requested: object) -> str:
+    """The hint for a malformed request: torch calls an NVIDIA or AMD GPU 'cuda' ('gpu:1' is 'cuda:1', as is
+    'cuda1'); a CPU and Apple's GPU take no index; anything else, the kind it is spelled closest to."""
+    text = requested.strip().lower() if isinstance(requested, str) else ""
+    gpu = re.match(r"^(?:gpu|cuda|nvidia)[:_-]?(\d*)$", text)
+    if gpu:
+        meant = "cuda" + (f":{gpu.group(1)}" if gpu.group(1) else "")
+    else:
+        meant = str(nearest(text.split(":")[0], ("auto", "cpu", "cuda", "mps")) or "")
+    return f"did you mean devices={meant!r}?" if meant else "e.g. devices='auto' (a GPU if there is one, else the CPU)"
 
 
 def resolve_worker_device(requested: str, found: Accelerators, *, local_rank: int | None) -> Choice[str]:
