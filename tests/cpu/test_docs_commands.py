@@ -6,11 +6,14 @@ its output the page describes, quoting the page where it can.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 
+import httpx
 import torch
+from serve_engines import FakeEngine
 from torch import nn
 from torch.utils.data import TensorDataset
 from typer.testing import CliRunner
@@ -18,6 +21,8 @@ from typer.testing import CliRunner
 import redline
 from redline.cli import serve as serve_cli
 from redline.cli.main import app
+from redline.serve.app import build_app
+from redline.serve.options import ServeOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK_FILE = """\
@@ -97,3 +102,20 @@ def test_redline_memory_json_holds_the_keys_docs_memory_md_names(tmp_path, monke
     estimate = found["rows"][0]["estimate"]
     assert estimate["total"] == estimate["peak"] + estimate["workspace"], "total is peak plus workspace"
     assert found["rows"][0]["fits"] == (estimate["total"] <= found["rows"][0]["available"])
+
+
+def test_a_trailing_slash_is_told_the_endpoint_meant_with_its_own_method():
+    serve_md = " ".join((ROOT / "docs/serve.md").read_text().split())
+    assert "A trailing slash (`/v1/predict/`) is such a path, and the message names the one meant" in serve_md
+    app = build_app(FakeEngine(), ServeOptions(max_batch_size=8))
+
+    async def answer(method: str, path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            return await client.request(method, path)
+
+    asked = [("GET", "/v1/predict/", "POST /v1/predict"), ("POST", "/v1/predict/", "POST /v1/predict"),
+             ("GET", "/readyz/", "GET /readyz")]  # fmt: skip
+    for method, path, meant in asked:
+        got = asyncio.run(answer(method, path))
+        assert got.status_code == 404, got.text
+        assert got.json()["error"].startswith(f"{method} {path}: no such endpoint; did you mean {meant} "), got.text

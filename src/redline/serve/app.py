@@ -363,14 +363,16 @@ def off_route_answers(
         f"{method} {route.path}" for route in routes for method in sorted((route.methods or set()) - {"HEAD"})
     )
 
-    paths = {route.path for route in routes}
+    takes = {route.path: sorted((route.methods or set()) - {"HEAD"}) for route in routes}
 
     async def not_found(request: Request, exc: Exception) -> Response:
         path = request.url.path
         where = f"{request.method} {path}"
         meant = path.rstrip("/")
-        slash = meant != path and meant in paths
-        hint = f"did you mean {request.method} {meant} (no trailing slash)? " if slash else ""
+        slash = meant != path and meant in takes
+        # the route's own method: GET /v1/predict/ (curl without -d) means POST /v1/predict, not a 405
+        method = request.method if request.method in takes.get(meant, ()) else " or ".join(takes.get(meant, ()))
+        hint = f"did you mean {method} {meant} (no trailing slash)? " if slash else ""
         return refuse(Refused(404, "not_found", f"{where}: no such endpoint; {hint}this server answers {endpoints}"))
 
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
