@@ -130,6 +130,8 @@ def _spec_hint(spec: object) -> str:
         return ""
     if spec in EXAMPLES:
         return f"\nhint: the built-in example is 'example:{spec}'"
+    if spec and not spec.endswith(".py") and Path(f"{spec}.py").expanduser().is_file():
+        spec += ".py"  # 'tasks' where tasks.py lies: the file's factory is meant
     if spec.endswith(".py") or "." in spec:
         defined = _functions_in(Path(spec).expanduser()) if spec.endswith(".py") else []
         if len(defined) == 1:
@@ -137,7 +139,8 @@ def _spec_hint(spec: object) -> str:
         if defined:
             return f"\nhint: name the function that returns the Task (or model), one of: {few(defined, 6)}"
         return f"\nhint: add the function that returns the Task (or model), e.g. '{spec}:make_task'"
-    return ""
+    near = nearest(spec, EXAMPLES)
+    return f"\nhint: did you mean 'example:{near}'?" if spec and near else ""
 
 
 def _functions_in(path: Path) -> list[str]:
