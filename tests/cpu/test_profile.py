@@ -119,19 +119,26 @@ def test_the_cli_prints_the_phases_operators_and_advice(tmp_path):
     assert str(bad.exception).startswith("--compile='maybe' is not allowed; expected auto, on or off")
 
 
-def test_a_compile_mode_is_profiled_as_asked_and_named_in_the_setting(monkeypatch):
+class Seen(Exception):
+    pass
+
+
+def stop_at_warm_up(monkeypatch) -> list:
+    """Record the setting and options ``profile`` would warm up with, then stop: what runs is what this checks."""
     from redline.bench import profiling
 
     asked = []
 
-    class Seen(Exception):
-        pass
-
     def recorded(task, setting, window, planned, seed, options=None):
         asked.append((setting, options))
-        raise Seen  # compiling is not what this checks: the options the step would run with are
+        raise Seen
 
     monkeypatch.setattr(profiling, "warm_up", recorded)
+    return asked
+
+
+def test_a_compile_mode_is_profiled_as_asked_and_named_in_the_setting(monkeypatch):
+    asked = stop_at_warm_up(monkeypatch)
     with pytest.raises(Seen):
         redline.profile(small_task(), devices="cpu", compile=True, compile_mode="reduce-overhead")
     ((setting, options),) = asked
@@ -139,3 +146,29 @@ def test_a_compile_mode_is_profiled_as_asked_and_named_in_the_setting(monkeypatc
     assert setting.kind == "explicit" and setting.compile is True
     with pytest.raises(ConfigError, match=r"compile_mode='graphs' is not allowed.*'reduce-overhead'"):
         redline.profile(small_task(), devices="cpu", compile_mode="graphs")
+
+
+def test_a_compile_mode_compiles_and_is_refused_with_compile_off(monkeypatch):
+    asked = stop_at_warm_up(monkeypatch)
+    with pytest.raises(Seen):  # auto would not compile on a CPU: the mode asked for a compiled step
+        redline.profile(small_task(), devices="cpu", compile_mode="max-autotune")
+    ((setting, options),) = asked
+    assert (options.compile, options.compile_mode) == ("on", "max-autotune") and setting.compile is True
+    refused = r"compile_mode='reduce-overhead' is not allowed; expected 'default' when compile is off"
+    with pytest.raises(ConfigError, match=refused):
+        redline.profile(small_task(), devices="cpu", compile=False, compile_mode="reduce-overhead")
+    args = ["profile", "--task", "example:digits", "--devices", "cpu", "--compile", "off"]
+    shown = CliRunner().invoke(app, [*args, "--compile-mode", "reduce-overhead"])
+    assert str(shown.exception).startswith("--compile-mode='reduce-overhead' is not allowed; expected 'default'")
+    assert "\nhint: pass --compile 'on' to profile the step compiled in reduce-overhead" in str(shown.exception)
+    assert len(asked) == 1  # refused before anything ran
+
+
+def test_compile_given_as_a_word_is_read_as_the_word_says(monkeypatch):
+    asked = stop_at_warm_up(monkeypatch)
+    for word, compiles in (("off", False), ("on", True), ("auto", None)):
+        with pytest.raises(Seen):
+            redline.profile(small_task(), devices="cpu", compile=word)  # "off" is truthy: it must not compile
+        assert asked.pop()[0].compile is compiles
+    with pytest.raises(ConfigError, match=r"compile='maybe' is not allowed; expected True, False or None"):
+        redline.profile(small_task(), devices="cpu", compile="maybe")

@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch.profiler import ProfilerActivity, schedule
@@ -32,18 +32,19 @@ from redline.atomic import check_output, write_or_refuse
 from redline.bench.loops import PHASES, Runner, phase
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, task_steps, warm_up
-from redline.config import positive_int
+from redline.config import one_of, positive_int
 from redline.errors import TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
 from redline.plan.device import resolve_device
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import CompileMode, RuntimeOptions
 from redline.task import Task, require_task
 
 DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
 IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
 OPTIMIZER_SHARE = 0.30
 TOP_OPS = 8
+SWITCH = {"auto": None, "on": True, "off": False}  # compile given as RuntimeOptions takes it
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_EVENTS = ("cuda_runtime", "cuda_driver")
 
@@ -113,7 +114,7 @@ def profile(
     *,
     devices: str = "auto",
     precision: str | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
     compile_mode: str = "default",
     batch_size: int | None = None,
     steps: int = 10,
@@ -126,11 +127,14 @@ def profile(
 
     With neither ``precision`` nor ``compile`` (nor a ``compile_mode``) it profiles what `redline train`
     would run (``planned_steps``, default the task's epochs, decides auto's compile); either one
-    profiles that setting, the other left to auto; ``compile_mode`` ("reduce-overhead": CUDA graphs,
-    or "max-autotune") is the mode a compiled step runs in. ``trace`` writes torch.profiler's Chrome trace there
+    profiles that setting, the other left to auto. ``compile`` is True, False or None (auto), or
+    "on", "off" or "auto". ``compile_mode`` ("reduce-overhead": CUDA graphs, or "max-autotune")
+    profiles a compiled step in that mode: it compiles unless ``compile`` is off, which refuses it.
+    ``trace`` writes torch.profiler's Chrome trace there
     (``.json``, or ``.json.gz`` compressed) for ui.perfetto.dev or chrome://tracing.
     """
     task = require_task(task)
+    compile = _compiles(compile, compile_mode)
     positive_int("steps", steps)
     positive_int("warmup", warmup)
     positive_int("batch_size", batch_size, optional=True)
@@ -150,8 +154,7 @@ def profile(
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
     options = None
     if compile_mode != "default":  # every option given, the mode among them (the matrix's rows take the default)
-        switch = "auto" if compile is None else "on" if compile else "off"
-        given: dict[str, Any] = {"precision": precision or "auto", "compile": switch, "compile_mode": compile_mode}
+        given: dict[str, Any] = {"precision": precision or "auto", "compile": "on", "compile_mode": compile_mode}
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
     planned = planned_steps or task_steps(task, size)
     runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
@@ -179,6 +182,27 @@ def profile(
         flops_per_step=flops,
         peak_memory_bytes=memory.peak,
     )
+
+
+def _compiles(compile: bool | str | None, compile_mode: str) -> bool | None:
+    """Whether the profiled step compiles (None: auto decides), ``compile`` checked against ``compile_mode``.
+
+    A mode other than the default is a compiled step's: it compiles, and with compile off it is refused
+    rather than profiled as an eager step that a label calls compiled.
+    """
+    if isinstance(compile, str) and compile.lower() in SWITCH:
+        compile = SWITCH[compile.lower()]
+    if compile is not None and not isinstance(compile, bool):  # "off" is truthy: it would compile
+        raise invalid("compile", compile, "True, False or None (auto), or 'on', 'off' or 'auto'", "e.g. compile=True")
+    one_of("compile_mode", compile_mode, get_args(CompileMode))
+    if compile_mode == "default":
+        return compile
+    if compile is False:
+        raise invalid(
+            "compile_mode", compile_mode, "'default' when compile is off (a mode is how a compiled step runs)",
+            f"pass compile='on' to profile the step compiled in {compile_mode}, or leave compile_mode out",
+        )  # fmt: skip
+    return True
 
 
 def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
