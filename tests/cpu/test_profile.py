@@ -15,7 +15,7 @@ import redline
 from redline.bench.loops import phase
 from redline.bench.profiling import _without_profiler_chatter
 from redline.cli.main import app
-from redline.errors import ConfigError
+from redline.errors import ConfigError, RedlineError, TrainingError
 
 
 def small_task(**overrides) -> redline.Task:
@@ -75,6 +75,32 @@ def test_slow_loading_is_found_and_the_advice_names_the_loader_flag():
     assert found.advice[0].startswith("loading: ") and "--loader-workers" in found.advice[0]
 
 
+class FailsOnCall(nn.Module):
+    """A model whose forward raises on its ``n``-th call, as a user's model with a bug in one branch does."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.calls, self.layer = n, 0, nn.Linear(16, 4)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise ValueError("mat1 and mat2 shapes cannot be multiplied")
+        return self.layer(x)
+
+
+@pytest.mark.parametrize(("n", "where"), [(1, "its model, loss or optimizer"), (3, "a recorded step")])
+def test_a_task_whose_forward_raises_is_told_with_its_line_not_a_traceback(n, where):
+    task = small_task(model=lambda: FailsOnCall(n))
+    with pytest.raises(TrainingError) as raised:  # call 1 is the warm-up's, 2 the profiler's own, 3 recorded
+        redline.profile(task, devices="cpu", precision="fp32", compile=False, steps=2, warmup=1)
+    said = str(raised.value)
+    assert said.startswith(f"profiling task 'small': {where} raised ValueError: mat1 and mat2 shapes cannot")
+    assert f"at {__file__}:" in said and "in forward: raise ValueError(" in said
+    assert "\nhint: check that the dataset's items are (inputs, targets)" in said
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"expected a \.json or \.json\.gz file name.*\nhint: e\.g\. trace="):
         redline.profile(small_task(), devices="cpu", trace=tmp_path / "trace.txt")
@@ -119,8 +145,8 @@ def test_the_cli_prints_the_phases_operators_and_advice(tmp_path):
     assert str(bad.exception).startswith("--compile='maybe' is not allowed; expected auto, on or off")
 
 
-class Seen(Exception):
-    pass
+class Seen(RedlineError):
+    """Raised in place of the warm-up: a redline error passes out of profile() unchanged."""
 
 
 def stop_at_warm_up(monkeypatch) -> list:

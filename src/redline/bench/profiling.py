@@ -37,6 +37,7 @@ from redline.errors import TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
 from redline.plan.device import resolve_device
+from redline.runtime.contract import users_failure
 from redline.runtime.options import CompileMode, RuntimeOptions
 from redline.task import Task, require_task
 
@@ -44,6 +45,11 @@ DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old
 IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
 OPTIMIZER_SHARE = 0.30
 TOP_OPS = 8
+STEP_HINT = (
+    "check that the dataset's items are (inputs, targets) shaped as the model expects; if they are, the line "
+    "above is where the task's code failed (REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is "
+    "the error's __cause__)"
+)
 SWITCH = {"auto": None, "on": True, "off": False}  # compile given as RuntimeOptions takes it
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_EVENTS = ("cuda_runtime", "cuda_driver")
@@ -157,10 +163,12 @@ def profile(
         given: dict[str, Any] = {"precision": precision or "auto", "compile": "on", "compile_mode": compile_mode}
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
     planned = planned_steps or task_steps(task, size)
-    runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
+    with users_failure(f"profiling task {task.name!r}: its model, loss or optimizer", STEP_HINT):
+        runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
     with tempfile.TemporaryDirectory(prefix="redline-profile-") as scratch:
         written = Path(scratch) / "trace.json"
-        averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
+        with users_failure(f"profiling task {task.name!r}: a recorded step", STEP_HINT):
+            averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
         events = json.loads(written.read_text(encoding="utf-8")).get("traceEvents", [])
         if trace_path is not None:
             _keep(written, trace_path)
