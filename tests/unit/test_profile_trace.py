@@ -99,6 +99,15 @@ def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
     assert heavy[0].startswith("the optimizer step takes 40% of each step")
 
 
+def test_the_advice_for_an_idle_gpu_names_commands_that_measure_what_it_suggests():
+    (said,) = advise(breakdown(busy=0.35), PLAN, env={}, anomaly=False, batch_size=32)
+    assert "a larger --batch-size (`redline bench --batch-size 32,64` measures it)" in said
+    # bench has no --compile-mode: its compiled rows run the default mode, never CUDA graphs
+    assert "`redline bench --compile on`" not in said
+    assert "`redline profile --compile on --compile-mode reduce-overhead` shows their step" in said
+    assert said.endswith("`redline tune` measures compile and its CUDA graphs mode")
+
+
 def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_run_yet():
     import dataclasses
 

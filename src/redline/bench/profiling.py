@@ -175,6 +175,8 @@ def profile(
     breakdown = read_breakdown(events)
     plan = runner.plan()
     assert plan is not None  # a Runtime's row
+    gpu = device.startswith("cuda")
+    advice = advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size)
     return Profile(
         task=task.name,
         device=device,
@@ -183,9 +185,7 @@ def profile(
         plan=plan,
         breakdown=breakdown,
         ops=top_ops(averages, breakdown.steps, cuda=breakdown.device_busy is not None),
-        advice=tuple(
-            advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=device.startswith("cuda"))
-        ),
+        advice=tuple(advice),
         trace=str(trace_path) if trace_path is not None else None,
         flops_per_step=flops,
         peak_memory_bytes=memory.peak,
@@ -378,12 +378,16 @@ def top_ops(averages: Any, steps: int, *, cuda: bool) -> tuple[Op, ...]:
 # -- advice ---------------------------------------------------------------------------------------
 
 
-def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False) -> list[str]:
+def advise(
+    breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False, batch_size: int | None = None
+) -> list[str]:
     """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
 
-    ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold).
+    ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold). ``batch_size``: the
+    profiled one, which a bench of larger ones starts from.
     """
     shares = {p.name: p.share for p in breakdown.phases}
+    sizes = f"{batch_size},{2 * batch_size}" if batch_size else "64,128"
     out = []
     if gpu and breakdown.device_busy is None:
         out.append(
@@ -407,8 +411,9 @@ def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bo
     if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
         out.append(
             f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step: the host launches kernels slower than "
-            "they run (a small model or batch); try a larger --batch-size, or --compile on --compile-mode "
-            "reduce-overhead (CUDA graphs); `redline bench --compile on` measures it"
+            f"they run (a small model or batch); try a larger --batch-size (`redline bench --batch-size {sizes}` "
+            "measures it), or CUDA graphs: `redline profile --compile on --compile-mode reduce-overhead` shows "
+            "their step, and `redline tune` measures compile and its CUDA graphs mode"
         )
     if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
         out.append(
@@ -429,7 +434,7 @@ def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bo
             f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
             if left
             else "the Plan already runs reduced precision and compiled: a larger --batch-size (`redline bench "
-            "--batch-size 64,128` measures it) or a faster device is what is left"
+            f"--batch-size {sizes}` measures it) or a faster device is what is left"
         )
         out.append(
             f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "
