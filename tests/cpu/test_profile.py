@@ -198,3 +198,12 @@ def test_compile_given_as_a_word_is_read_as_the_word_says(monkeypatch):
         assert asked.pop()[0].compile is compiles
     with pytest.raises(ConfigError, match=r"compile='maybe' is not allowed; expected True, False or None"):
         redline.profile(small_task(), devices="cpu", compile="maybe")
+
+
+def test_auto_said_is_auto_left_out_what_redline_train_would_run(monkeypatch):
+    asked = stop_at_warm_up(monkeypatch)
+    for said in ({}, {"precision": "auto"}, {"compile": "auto"}, {"precision": "auto", "compile": None}):
+        with pytest.raises(Seen):
+            redline.profile(small_task(), devices="cpu", **said)
+        setting, options = asked.pop()
+        assert (setting.kind, setting.precision, setting.compile, options) == ("auto", "auto", None, None), said

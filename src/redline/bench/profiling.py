@@ -141,6 +141,7 @@ def profile(
     """
     task = require_task(task)
     compile = _compiles(compile, compile_mode)
+    precision = None if precision == "auto" else precision  # said or left out, auto is what `redline train` runs
     positive_int("steps", steps)
     positive_int("warmup", warmup)
     positive_int("batch_size", batch_size, optional=True)
