@@ -62,7 +62,9 @@ def test_a_profile_splits_the_step_into_its_phases_and_writes_the_trace(tmp_path
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 3
     assert found.trace == str(trace)
-    json.dumps(found.to_dict())  # --json prints it
+    data = json.loads(json.dumps(found.to_dict()))  # --json prints it
+    # each figure says what it is: whose clock the operators ran on, which peak, after how many warm-up steps
+    assert (data["ops_on"], data["peak_memory_kind"], data["warmup"]) == ("host", "resident", 1)
 
 
 def test_slow_loading_is_found_and_the_advice_names_the_loader_flag():

@@ -100,6 +100,9 @@ class Profile:
     trace: str | None
     flops_per_step: int | None
     peak_memory_bytes: int | None
+    peak_memory_kind: str  # "allocated" (a GPU's allocator) or "resident" (the process's resident set)
+    ops_on: str  # "gpu" or "host": whose clock the operators' self time was read on
+    warmup: int  # the unrecorded steps run first
 
     @property
     def tflops(self) -> float | None:
@@ -190,6 +193,9 @@ def profile(
         trace=str(trace_path) if trace_path is not None else None,
         flops_per_step=flops,
         peak_memory_bytes=memory.peak,
+        peak_memory_kind=memory.kind,
+        ops_on="gpu" if breakdown.device_busy is not None else "host",
+        warmup=warmup,
     )
 
 

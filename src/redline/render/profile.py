@@ -32,7 +32,7 @@ def phases_table(profile: Mapping[str, Any]) -> Table:
 
 def ops_table(profile: Mapping[str, Any]) -> Table:
     """The operators with the most self time per step."""
-    where = "GPU" if profile["breakdown"]["device_busy"] is not None else "host"
+    where = "GPU" if profile["ops_on"] == "gpu" else "host"
     table = Table(title=Text(f"Heaviest operators ({where} self time)"), title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("operator")
     for name in ("ms/step", "calls/step", "share"):
@@ -60,7 +60,7 @@ def summary_lines(profile: Mapping[str, Any]) -> list[str]:
     if profile["tflops"]:
         lines.append(f"achieved: {profile['tflops']:.3g} TFLOP/s (the profiler's overhead included)")
     if profile["peak_memory_bytes"]:
-        kind = "allocated" if str(profile["device"]).startswith("cuda") else "the process's resident set"
+        kind = "allocated" if profile["peak_memory_kind"] == "allocated" else "the process's resident set"
         lines.append(f"peak memory while warming up: {size_text(profile['peak_memory_bytes'])} ({kind})")
     lines += [f"advice: {line}" for line in profile["advice"]]
     if profile["trace"]:
