@@ -91,7 +91,8 @@ def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
     said = advise(breakdown(data=0.3, forward=0.3, backward=0.3, optimizer=0.1), PLAN, env={}, anomaly=False)
     assert len(said) == 1
     assert said[0].startswith("loading: 30% of each step waits for the next batch (loader workers=0 pin_memory=off)")
-    assert "--loader-workers" in said[0] and "redline tune" in said[0]
+    # the command that takes the flag: `redline profile` has no --loader-workers
+    assert "try `redline train --loader-workers N`" in said[0] and "`redline tune` measures loader workers" in said[0]
     idle = advise(breakdown(busy=0.35), PLAN, env={}, anomaly=False)
     assert len(idle) == 1 and idle[0].startswith("the GPU is idle 65% of each step") and "reduce-overhead" in idle[0]
     assert advise(breakdown(busy=0.9), PLAN, env={}, anomaly=False)[0].startswith("no phase stands out")

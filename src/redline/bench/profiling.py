@@ -413,7 +413,8 @@ def advise(
         loader = plan.loader.value if plan.loader is not None else "as built"
         out.append(
             f"loading: {shares['data']:.0%} of each step waits for the next batch (loader {loader}); try "
-            "--loader-workers N (and a dataset that does less per item); `redline tune` measures loader workers"
+            "`redline train --loader-workers N` (and a dataset that does less per item); `redline tune` measures "
+            "loader workers"
         )
     if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
         out.append(
