@@ -135,3 +135,21 @@ def test_a_gpu_run_whose_trace_holds_no_kernel_says_the_times_are_the_hosts():
     said = advise(breakdown(), PLAN, env={}, anomaly=False, gpu=True)
     assert said[0].startswith("the trace holds no GPU kernel: the profiler could not record the GPU (CUPTI")
     assert not advise(breakdown(busy=0.9), PLAN, env={}, anomaly=False, gpu=True)[0].startswith("the trace holds")
+
+
+def test_the_operators_table_gives_each_operator_one_line_in_80_columns():
+    from rich.console import Console
+
+    from redline.render.console import print_uncut
+    from redline.render.profile import ops_table
+
+    graph = "## Call CompiledFxGraph f7j22vsuvjdghffrnbbwzl7mw2otq2n45g24citytisvabcdefgh ##"  # as torch names it
+    ops = [{"name": graph, "self_ms": 0.021, "calls": 2 / 3, "share": 0.03}]
+    ops.append({"name": "aten::addmm", "self_ms": 0.029, "calls": 2.0, "share": 0.043})
+    console = Console(width=80, record=True)
+    print_uncut(console, ops_table({"breakdown": {"device_busy": None}, "ops_on": "host", "ops": ops}))
+    rows = [line for line in console.export_text().splitlines() if "0.02" in line]
+    assert len(rows) == 2 and all(len(row) <= 80 for row in rows)
+    assert rows[0].split()[:4] == ["##", "Call", "CompiledFxGraph", "f7j22vsuvjdghffrnbb…"]
+    assert rows[0].split()[-3:] == ["0.021", "0.667", "3.0%"]  # calls per step to three figures, not 0.666667
+    assert rows[1].split() == ["aten::addmm", "0.029", "2", "4.3%"]

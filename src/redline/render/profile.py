@@ -38,8 +38,16 @@ def ops_table(profile: Mapping[str, Any]) -> Table:
     for name in ("ms/step", "calls/step", "share"):
         table.add_column(name, justify="right", no_wrap=True)
     for op in profile["ops"]:
-        table.add_row(Text(op["name"]), f"{op['self_ms']:.3f}", f"{op['calls']:g}", f"{op['share']:.1%}")
+        table.add_row(Text(_short(op["name"])), f"{op['self_ms']:.3f}", f"{op['calls']:.3g}", f"{op['share']:.1%}")
     return table
+
+
+OP_NAME_CHARS = 44  # a row per operator in 80 columns; a compiled graph's name ends in a long hash
+
+
+def _short(name: str) -> str:
+    """``name``, cut to ``OP_NAME_CHARS`` with an ellipsis: wrapped, it would take three lines of the table."""
+    return name if len(name) <= OP_NAME_CHARS else name[: OP_NAME_CHARS - 1] + "…"
 
 
 def header_line(profile: Mapping[str, Any]) -> str:
