@@ -153,3 +153,13 @@ def test_the_operators_table_gives_each_operator_one_line_in_80_columns():
     assert rows[0].split()[:4] == ["##", "Call", "CompiledFxGraph", "f7j22vsuvjdghffrnbb…"]
     assert rows[0].split()[-3:] == ["0.021", "0.667", "3.0%"]  # calls per step to three figures, not 0.666667
     assert rows[1].split() == ["aten::addmm", "0.029", "2", "4.3%"]
+
+
+def test_a_step_whose_flops_cannot_be_counted_says_so_rather_than_dropping_the_line():
+    from redline.render.profile import summary_lines
+
+    found = {"breakdown": {"device_busy": None}, "peak_memory_bytes": None, "advice": [], "trace": None}
+    assert summary_lines({**found, "tflops": 0.125})[0] == "achieved: 0.125 TFLOP/s (the profiler's overhead included)"
+    assert summary_lines({**found, "tflops": None})[0].startswith(
+        "achieved: n/a (the FLOPs are counted on meta tensors"
+    )

@@ -67,6 +67,11 @@ def summary_lines(profile: Mapping[str, Any]) -> list[str]:
         lines.append(f"GPU busy: {busy:.0%} of the steps' wall time")
     if profile["tflops"]:
         lines.append(f"achieved: {profile['tflops']:.3g} TFLOP/s (the profiler's overhead included)")
+    else:  # said, not left out: a missing line reads as a figure forgotten
+        lines.append(
+            "achieved: n/a (the FLOPs are counted on meta tensors, where this step does not run: a .item() or "
+            "another data-dependent branch, say)"
+        )
     if profile["peak_memory_bytes"]:
         kind = "allocated" if profile["peak_memory_kind"] == "allocated" else "the process's resident set"
         lines.append(f"peak memory while warming up: {size_text(profile['peak_memory_bytes'])} ({kind})")
