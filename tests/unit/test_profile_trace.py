@@ -1,5 +1,7 @@
 """Reading a torch.profiler trace into a step's phases, and the advice drawn from them (traces fed as data)."""
 
+import dataclasses
+
 import pytest
 
 from redline.bench.profiling import Breakdown, Phase, _covered, advise, read_breakdown
@@ -107,11 +109,14 @@ def test_the_advice_for_an_idle_gpu_names_commands_that_measure_what_it_suggests
     assert "`redline bench --compile on`" not in said
     assert "`redline profile --compile on --compile-mode reduce-overhead` shows their step" in said
     assert said.endswith("`redline tune` measures compile and its CUDA graphs mode")
+    compiled = dataclasses.replace(PLAN, compile=Choice(True, "requested; mode=reduce-overhead"))
+    (graphs,) = advise(breakdown(busy=0.35), compiled, env={}, anomaly=False, batch_size=32, graphs=True)
+    assert graphs.startswith("the GPU is idle 65% of each step though the step runs as CUDA graphs: the host")
+    assert graphs.endswith("try a larger --batch-size (`redline bench --batch-size 32,64` measures it)")
+    assert "reduce-overhead" not in graphs  # what already runs is not proposed again
 
 
 def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_run_yet():
-    import dataclasses
-
     plain = dataclasses.replace(PLAN, precision=Choice("fp32", "auto"), compile=Choice(False, "auto"))
     said = advise(breakdown(), plain, env={}, anomaly=False)[0]
     assert said.endswith("reduced precision or compile may shorten it, and `redline tune` measures both")

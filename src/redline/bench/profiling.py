@@ -180,7 +180,11 @@ def profile(
     plan = runner.plan()
     assert plan is not None  # a Runtime's row
     gpu = device.startswith("cuda")
-    advice = advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size)
+    compiled = plan.compile is not None and bool(plan.compile.value)
+    graphs = compiled and runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
+    advice = advise(
+        breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
+    )
     return Profile(
         task=task.name,
         device=device,
@@ -386,12 +390,20 @@ def top_ops(averages: Any, steps: int, *, cuda: bool) -> tuple[Op, ...]:
 
 
 def advise(
-    breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False, batch_size: int | None = None
+    breakdown: Breakdown,
+    plan: Plan,
+    *,
+    env: Any,
+    anomaly: bool,
+    gpu: bool = False,
+    batch_size: int | None = None,
+    graphs: bool = False,
 ) -> list[str]:
     """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
 
     ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold). ``batch_size``: the
-    profiled one, which a bench of larger ones starts from.
+    profiled one, which a bench of larger ones starts from. ``graphs``: the step ran compiled as CUDA
+    graphs (reduce-overhead), which the advice then does not propose again.
     """
     shares = {p.name: p.share for p in breakdown.phases}
     sizes = f"{batch_size},{2 * batch_size}" if batch_size else "64,128"
@@ -418,10 +430,16 @@ def advise(
         )
     if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
         out.append(
-            f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step: the host launches kernels slower than "
-            f"they run (a small model or batch); try a larger --batch-size (`redline bench --batch-size {sizes}` "
-            "measures it), or CUDA graphs: `redline profile --compile on --compile-mode reduce-overhead` shows "
-            "their step, and `redline tune` measures compile and its CUDA graphs mode"
+            f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step"
+            + (" though the step runs as CUDA graphs" if graphs else "")
+            + ": the host launches kernels slower than they run (a small model or batch); try a larger "
+            f"--batch-size (`redline bench --batch-size {sizes}` measures it)"
+            + (
+                ""
+                if graphs
+                else ", or CUDA graphs: `redline profile --compile on --compile-mode reduce-overhead` shows their "
+                "step, and `redline tune` measures compile and its CUDA graphs mode"
+            )
         )
     if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
         out.append(
