@@ -117,6 +117,12 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         redline.profile(small_task(), devices="cpu", batch_size=128)
 
 
+def test_a_process_without_stderr_is_profiled_all_the_same(monkeypatch):
+    monkeypatch.setattr("sys.stderr", None)  # what Python sets when the process starts with stderr closed
+    found = redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)
+    assert found.breakdown.steps == 1
+
+
 def test_phase_marks_cost_nothing_unless_a_profiler_records():
     assert type(phase("forward")).__name__ == "nullcontext"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

@@ -268,7 +268,14 @@ _CHATTER = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp
 @contextlib.contextmanager
 def _without_profiler_chatter() -> Iterator[None]:
     """Drop the lines the profiler's C++ side prints to stderr as it starts and stops (``USDT:... profiler_start``);
-    anything else written meanwhile goes on to stderr."""
+    anything else written meanwhile goes on to stderr.
+
+    Without a stderr (a process started with it closed, where Python sets ``sys.stderr`` to None) there
+    is nothing to keep clean: the profile runs as it is.
+    """
+    if sys.stderr is None:
+        yield
+        return
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
