@@ -196,6 +196,8 @@ def test_a_compile_mode_compiles_and_is_refused_with_compile_off(monkeypatch):
     assert str(shown.exception).startswith("--compile-mode='reduce-overhead' is not allowed; expected 'default'")
     assert "\nhint: pass --compile 'on' to profile the step compiled in reduce-overhead" in str(shown.exception)
     assert len(asked) == 1  # refused before anything ran
+    shown = CliRunner().invoke(app, ["profile", "--help"])
+    assert "a mode other than default profiles the step compiled" in " ".join(shown.output.split())  # wrapped
 
 
 def test_compile_given_as_a_word_is_read_as_the_word_says(monkeypatch):

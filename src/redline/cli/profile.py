@@ -28,7 +28,11 @@ def profile_command(
         str | None, typer.Option(help="torch.compile: auto, on or off (default: what `redline train` would run).")
     ] = None,
     compile_mode: Annotated[
-        str, typer.Option(help="torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune.")
+        str,
+        typer.Option(
+            help="torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune; "
+            "a mode other than default profiles the step compiled."
+        ),
     ] = "default",
     batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
     steps: Annotated[int, count("Steps to record, after the warm-up.")] = 10,
