@@ -117,6 +117,23 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         redline.profile(small_task(), devices="cpu", batch_size=128)
 
 
+def test_the_recorded_steps_last_until_the_device_is_done(monkeypatch):
+    from redline.bench import profiling
+
+    waits = []
+
+    def slow_device(device):  # a GPU still running the steps the host queued: 30 ms of work left
+        waits.append(device.type)
+        time.sleep(0.03)
+
+    monkeypatch.setattr(profiling, "_wait_for_device", slow_device)
+    found = redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=3, warmup=1)
+    assert waits == ["cpu", "cpu"]  # after the profiler's warm-up step, and at the end of the last recorded one
+    assert found.breakdown.step_ms * 3 >= 30  # the wait for the device is part of the steps' time
+    other = next(p for p in found.breakdown.phases if p.name == "other")
+    assert other.host_ms * 3 >= 30  # outside the four phases: the step's end waiting for the device
+
+
 def test_a_process_without_stderr_is_profiled_all_the_same(monkeypatch):
     monkeypatch.setattr("sys.stderr", None)  # what Python sets when the process starts with stderr closed
     found = redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)

@@ -235,11 +235,13 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
         recorder.start()
     try:
         with runner.scope():
-            for _ in range(steps + 1):  # the first is the profiler's own warm-up, left out of the trace
+            for index in range(steps + 1):  # the first is the profiler's own warm-up, left out of the trace
                 for _ in range(runner.micro_steps):  # a tuned Plan's micro-batches make one step
                     with phase("data"):
                         inputs, targets = runner.next_batch()
                     runner.step_fn(inputs, targets)
+                if index in (0, steps):  # the recorded steps start on an idle device and end when it is done
+                    _wait_for_device(torch.device(runner.setting.device))
                 with _without_profiler_chatter():
                     recorder.step()  # after the last, the trace is complete
     finally:
@@ -247,6 +249,15 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
             recorder.stop()
     recorder.export_chrome_trace(str(path))
     return recorder.key_averages()
+
+
+def _wait_for_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: the host runs steps ahead of a GPU, so without this the
+    recorded steps' time would be the host's launching alone (and TFLOP/s above what the device did)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _keep(written: Path, path: Path) -> None:
