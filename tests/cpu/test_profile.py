@@ -47,16 +47,17 @@ class SlowItems(Dataset):
 
 def test_a_profile_splits_the_step_into_its_phases_and_writes_the_trace(tmp_path):
     trace = tmp_path / "deep" / "trace.json.gz"
-    found = redline.profile(
-        small_task(), devices="cpu", precision="fp32", compile=False, steps=3, warmup=1, trace=trace
-    )
+    wide = small_task(model=lambda: nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 4)))
+    found = redline.profile(wide, devices="cpu", precision="fp32", compile=False, steps=3, warmup=1, trace=trace)
     assert found.breakdown.steps == 3 and found.breakdown.device_busy is None
     phases = {p.name: p for p in found.breakdown.phases}
     assert list(phases) == ["data", "forward", "backward", "optimizer", "other"]
     assert all(phases[name].host_ms > 0 for name in ("data", "forward", "backward", "optimizer"))
     assert sum(p.share for p in phases.values()) == pytest.approx(1.0, abs=0.01)
     assert found.ops and all(op.self_ms > 0 for op in found.ops)
-    assert any(op.name == "aten::addmm" for op in found.ops)  # the linear layers' work, by name
+    # the linear layers' work, by name (forward's addmm, backward's mm: on a busy machine one of them may be
+    # preempted below the eighth op, not both)
+    assert any(op.name in ("aten::addmm", "aten::mm") for op in found.ops)
     assert not any(op.name.startswith(("redline.", "ProfilerStep")) for op in found.ops)  # marks are not work
     assert found.plan.precision.value == "fp32" and found.setting == "cpu fp32 eager b8"
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
