@@ -164,6 +164,11 @@ def test_the_cli_prints_the_phases_operators_and_advice(tmp_path):
         assert said in shown.output
     data = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
     assert data["breakdown"]["steps"] == 2 and data["plan"]["precision"]["value"] == "fp32"
+    listed = CliRunner().invoke(app, [*args, "--devices", "cpu,cuda"])  # as bench takes them
+    assert str(listed.exception) == (
+        "--devices='cpu,cuda' is not allowed; expected one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'\n"
+        "hint: profile one at a time, e.g. --devices 'cpu'"
+    )
     unnamed = CliRunner().invoke(app, [*args, "--trace", str(tmp_path / "t.txt")])
     assert str(unnamed.exception).startswith(f"--trace='{tmp_path / 't.txt'}' is not allowed; expected a .json")
     bad = CliRunner().invoke(app, [*args, "--compile", "maybe"])

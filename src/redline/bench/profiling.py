@@ -159,6 +159,10 @@ def profile(
                 f"e.g. trace={str(trace_path.with_suffix('.json'))!r}",
             )  # fmt: skip
         check_output(trace_path, "trace", "trace.json.gz")  # before the steps run, not after
+    if isinstance(devices, str) and "," in devices:  # a bench's list: a profile is of the one device a run trains on
+        first = devices.split(",")[0].strip() or "cpu"
+        allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise invalid("devices", devices, allowed, f"profile one at a time, e.g. devices={first!r}")
     device = resolve_device(devices, probe_accelerators()).value
     explicit = precision is not None or compile is not None or compile_mode != "default"
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
