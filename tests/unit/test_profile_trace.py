@@ -116,6 +116,18 @@ def test_the_advice_for_an_idle_gpu_names_commands_that_measure_what_it_suggests
     assert "reduce-overhead" not in graphs  # what already runs is not proposed again
 
 
+def test_a_heavy_optimizer_that_runs_fused_already_is_not_told_to_fuse():
+    heavy = breakdown(optimizer=0.4, forward=0.25, backward=0.3)
+    fused = dataclasses.replace(PLAN, optimizer=Choice("fused", "AdamW rebuilt fused: one kernel updates every"))
+    (said,) = advise(heavy, fused, env={}, anomaly=False, batch_size=16)
+    assert said == (
+        "the optimizer step takes 40% of each step though it runs fused: its cost does not grow with the batch, "
+        "so a larger --batch-size spreads it (`redline bench --batch-size 16,32` measures it)"
+    )
+    (given,) = advise(heavy, dataclasses.replace(PLAN, optimizer=Choice("as given", "AdamW")), env={}, anomaly=False)
+    assert "unless the optimizer is foreach or fused" in given
+
+
 def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_run_yet():
     plain = dataclasses.replace(PLAN, precision=Choice("fp32", "auto"), compile=Choice(False, "auto"))
     said = advise(breakdown(), plain, env={}, anomaly=False)[0]

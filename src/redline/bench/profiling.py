@@ -464,10 +464,17 @@ def advise(
             )
         )
     if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
-        out.append(
-            f"the optimizer step takes {shares['optimizer']:.0%} of each step: many small parameter tensors are "
-            "stepped one by one unless the optimizer is foreach or fused (the Plan's optimizer row says which)"
-        )
+        taken = f"the optimizer step takes {shares['optimizer']:.0%} of each step"
+        if plan.optimizer is not None and plan.optimizer.value == "fused":  # fusing it is not left to propose
+            out.append(
+                f"{taken} though it runs fused: its cost does not grow with the batch, so a larger --batch-size "
+                f"spreads it (`redline bench --batch-size {sizes}` measures it)"
+            )
+        else:
+            out.append(
+                f"{taken}: many small parameter tensors are stepped one by one unless the optimizer is foreach "
+                "or fused (the Plan's optimizer row says which)"
+            )
     if not out:
         compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
         left = [
