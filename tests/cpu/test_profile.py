@@ -104,6 +104,24 @@ def test_a_task_whose_forward_raises_is_told_with_its_line_not_a_traceback(n, wh
     assert isinstance(raised.value.__cause__, ValueError)
 
 
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return {"logits": self.layer(x)}
+
+
+def test_a_loss_that_fails_inside_torch_is_not_pointed_at_a_line_the_error_does_not_show():
+    with pytest.raises(TrainingError) as raised:  # cross_entropy given the model's dict: torch's frames, none of ours
+        redline.profile(small_task(model=DictOut), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)
+    said = str(raised.value)
+    assert "raised TypeError: cross_entropy_loss(): argument 'input' (position 1) must be Tensor, not dict" in said
+    assert "\n  at " not in said and "the line above" not in said
+    assert "that loss_fn takes what the model returns; `redline train --task SPEC --max-steps 1` runs one" in said
+
+
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"expected a \.json or \.json\.gz file name.*\nhint: e\.g\. trace="):
         redline.profile(small_task(), devices="cpu", trace=tmp_path / "trace.txt")

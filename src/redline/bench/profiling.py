@@ -46,9 +46,9 @@ IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
 OPTIMIZER_SHARE = 0.30
 TOP_OPS = 8
 STEP_HINT = (
-    "check that the dataset's items are (inputs, targets) shaped as the model expects; if they are, the line "
-    "above is where the task's code failed (REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is "
-    "the error's __cause__)"
+    "check that the dataset's items are (inputs, targets) shaped as the model expects and that loss_fn takes what "
+    "the model returns; `redline train --task SPEC --max-steps 1` runs one step and says what each was given "
+    "(REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
 )
 SWITCH = {"auto": None, "on": True, "off": False}  # compile given as RuntimeOptions takes it
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
