@@ -153,6 +153,11 @@ def test_the_recorded_steps_last_until_the_device_is_done(monkeypatch):
     assert other.host_ms * 3 >= 30  # outside the four phases: the step's end waiting for the device
 
 
+def test_the_setting_names_what_the_plan_ran_not_auto():
+    found = redline.profile(small_task(), devices="cpu", compile=False, steps=1, warmup=1)  # precision left to auto
+    assert found.setting == f"cpu {found.plan.precision.value} eager b8"  # not "cpu auto eager b8"
+
+
 def test_a_process_without_stderr_is_profiled_all_the_same(monkeypatch):
     monkeypatch.setattr("sys.stderr", None)  # what Python sets when the process starts with stderr closed
     found = redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)

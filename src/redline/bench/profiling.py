@@ -21,7 +21,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
@@ -185,6 +185,8 @@ def profile(
     assert plan is not None  # a Runtime's row
     gpu = device.startswith("cuda")
     compiled = plan.compile is not None and bool(plan.compile.value)
+    if setting.kind == "explicit":  # the label says what ran: the axes left to auto as the Plan resolved them
+        setting = replace(setting, precision=plan.precision.value, compile=compiled)
     graphs = compiled and runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
     advice = advise(
         breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
@@ -412,15 +414,9 @@ def top_ops(averages: Any, steps: int, *, cuda: bool) -> tuple[Op, ...]:
 
 
 def advise(
-    breakdown: Breakdown,
-    plan: Plan,
-    *,
-    env: Any,
-    anomaly: bool,
-    gpu: bool = False,
-    batch_size: int | None = None,
+    breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False, batch_size: int | None = None,
     graphs: bool = False,
-) -> list[str]:
+) -> list[str]:  # fmt: skip
     """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
 
     ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold). ``batch_size``: the
