@@ -1,5 +1,7 @@
 """Reading a torch.profiler trace into a step's phases, and the advice drawn from them (traces fed as data)."""
 
+import dataclasses
+
 import pytest
 
 from redline.bench.profiling import Breakdown, Phase, _covered, advise, read_breakdown
@@ -91,7 +93,8 @@ def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
     said = advise(breakdown(data=0.3, forward=0.3, backward=0.3, optimizer=0.1), PLAN, env={}, anomaly=False)
     assert len(said) == 1
     assert said[0].startswith("loading: 30% of each step waits for the next batch (loader workers=0 pin_memory=off)")
-    assert "--loader-workers" in said[0] and "redline tune" in said[0]
+    # the command that takes the flag: `redline profile` has no --loader-workers
+    assert "try `redline train --loader-workers N`" in said[0] and "`redline tune` measures loader workers" in said[0]
     idle = advise(breakdown(busy=0.35), PLAN, env={}, anomaly=False)
     assert len(idle) == 1 and idle[0].startswith("the GPU is idle 65% of each step") and "reduce-overhead" in idle[0]
     assert advise(breakdown(busy=0.9), PLAN, env={}, anomaly=False)[0].startswith("no phase stands out")
@@ -99,9 +102,33 @@ def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
     assert heavy[0].startswith("the optimizer step takes 40% of each step")
 
 
-def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_run_yet():
-    import dataclasses
+def test_the_advice_for_an_idle_gpu_names_commands_that_measure_what_it_suggests():
+    (said,) = advise(breakdown(busy=0.35), PLAN, env={}, anomaly=False, batch_size=32)
+    assert "a larger --batch-size (`redline bench --batch-size 32,64` measures it)" in said
+    # bench has no --compile-mode: its compiled rows run the default mode, never CUDA graphs
+    assert "`redline bench --compile on`" not in said
+    assert "`redline profile --compile on --compile-mode reduce-overhead` shows their step" in said
+    assert said.endswith("`redline tune` measures compile and its CUDA graphs mode")
+    compiled = dataclasses.replace(PLAN, compile=Choice(True, "requested; mode=reduce-overhead"))
+    (graphs,) = advise(breakdown(busy=0.35), compiled, env={}, anomaly=False, batch_size=32, graphs=True)
+    assert graphs.startswith("the GPU is idle 65% of each step though the step runs as CUDA graphs: the host")
+    assert graphs.endswith("try a larger --batch-size (`redline bench --batch-size 32,64` measures it)")
+    assert "reduce-overhead" not in graphs  # what already runs is not proposed again
 
+
+def test_a_heavy_optimizer_that_runs_fused_already_is_not_told_to_fuse():
+    heavy = breakdown(optimizer=0.4, forward=0.25, backward=0.3)
+    fused = dataclasses.replace(PLAN, optimizer=Choice("fused", "AdamW rebuilt fused: one kernel updates every"))
+    (said,) = advise(heavy, fused, env={}, anomaly=False, batch_size=16)
+    assert said == (
+        "the optimizer step takes 40% of each step though it runs fused: its cost does not grow with the batch, "
+        "so a larger --batch-size spreads it (`redline bench --batch-size 16,32` measures it)"
+    )
+    (given,) = advise(heavy, dataclasses.replace(PLAN, optimizer=Choice("as given", "AdamW")), env={}, anomaly=False)
+    assert "unless the optimizer is foreach or fused" in given
+
+
+def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_run_yet():
     plain = dataclasses.replace(PLAN, precision=Choice("fp32", "auto"), compile=Choice(False, "auto"))
     said = advise(breakdown(), plain, env={}, anomaly=False)[0]
     assert said.endswith("reduced precision or compile may shorten it, and `redline tune` measures both")
@@ -125,3 +152,31 @@ def test_a_gpu_run_whose_trace_holds_no_kernel_says_the_times_are_the_hosts():
     said = advise(breakdown(), PLAN, env={}, anomaly=False, gpu=True)
     assert said[0].startswith("the trace holds no GPU kernel: the profiler could not record the GPU (CUPTI")
     assert not advise(breakdown(busy=0.9), PLAN, env={}, anomaly=False, gpu=True)[0].startswith("the trace holds")
+
+
+def test_the_operators_table_gives_each_operator_one_line_in_80_columns():
+    from rich.console import Console
+
+    from redline.render.console import print_uncut
+    from redline.render.profile import ops_table
+
+    graph = "## Call CompiledFxGraph f7j22vsuvjdghffrnbbwzl7mw2otq2n45g24citytisvabcdefgh ##"  # as torch names it
+    ops = [{"name": graph, "self_ms": 0.021, "calls": 2 / 3, "share": 0.03}]
+    ops.append({"name": "aten::addmm", "self_ms": 0.029, "calls": 2.0, "share": 0.043})
+    console = Console(width=80, record=True)
+    print_uncut(console, ops_table({"breakdown": {"device_busy": None}, "ops_on": "host", "ops": ops}))
+    rows = [line for line in console.export_text().splitlines() if "0.02" in line]
+    assert len(rows) == 2 and all(len(row) <= 80 for row in rows)
+    assert rows[0].split()[:4] == ["##", "Call", "CompiledFxGraph", "f7j22vsuvjdghffrnbb…"]
+    assert rows[0].split()[-3:] == ["0.021", "0.667", "3.0%"]  # calls per step to three figures, not 0.666667
+    assert rows[1].split() == ["aten::addmm", "0.029", "2", "4.3%"]
+
+
+def test_a_step_whose_flops_cannot_be_counted_says_so_rather_than_dropping_the_line():
+    from redline.render.profile import summary_lines
+
+    found = {"breakdown": {"device_busy": None}, "peak_memory_bytes": None, "advice": [], "trace": None}
+    assert summary_lines({**found, "tflops": 0.125})[0] == "achieved: 0.125 TFLOP/s (the profiler's overhead included)"
+    assert summary_lines({**found, "tflops": None})[0].startswith(
+        "achieved: n/a (the FLOPs are counted on meta tensors"
+    )

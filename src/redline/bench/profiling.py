@@ -21,9 +21,9 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch.profiler import ProfilerActivity, schedule
@@ -32,18 +32,25 @@ from redline.atomic import check_output, write_or_refuse
 from redline.bench.loops import PHASES, Runner, phase
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, task_steps, warm_up
-from redline.config import positive_int
+from redline.config import one_of, positive_int
 from redline.errors import TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
 from redline.plan.device import resolve_device
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.contract import users_failure
+from redline.runtime.options import CompileMode, RuntimeOptions
 from redline.task import Task, require_task
 
 DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
 IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
 OPTIMIZER_SHARE = 0.30
 TOP_OPS = 8
+STEP_HINT = (
+    "check that the dataset's items are (inputs, targets) shaped as the model expects and that loss_fn takes what "
+    "the model returns; `redline train --task SPEC --max-steps 1` runs one step and says what each was given "
+    "(REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
+)
+SWITCH = {"auto": None, "on": True, "off": False}  # compile given as RuntimeOptions takes it
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_EVENTS = ("cuda_runtime", "cuda_driver")
 
@@ -93,6 +100,9 @@ class Profile:
     trace: str | None
     flops_per_step: int | None
     peak_memory_bytes: int | None
+    peak_memory_kind: str  # "allocated" (a GPU's allocator) or "resident" (the process's resident set)
+    ops_on: str  # "gpu" or "host": whose clock the operators' self time was read on
+    warmup: int  # the unrecorded steps run first
 
     @property
     def tflops(self) -> float | None:
@@ -113,7 +123,7 @@ def profile(
     *,
     devices: str = "auto",
     precision: str | None = None,
-    compile: bool | None = None,
+    compile: bool | str | None = None,
     compile_mode: str = "default",
     batch_size: int | None = None,
     steps: int = 10,
@@ -126,11 +136,15 @@ def profile(
 
     With neither ``precision`` nor ``compile`` (nor a ``compile_mode``) it profiles what `redline train`
     would run (``planned_steps``, default the task's epochs, decides auto's compile); either one
-    profiles that setting, the other left to auto; ``compile_mode`` ("reduce-overhead": CUDA graphs,
-    or "max-autotune") is the mode a compiled step runs in. ``trace`` writes torch.profiler's Chrome trace there
+    profiles that setting, the other left to auto. ``compile`` is True, False or None (auto), or
+    "on", "off" or "auto". ``compile_mode`` ("reduce-overhead": CUDA graphs, or "max-autotune")
+    profiles a compiled step in that mode: it compiles unless ``compile`` is off, which refuses it.
+    ``trace`` writes torch.profiler's Chrome trace there
     (``.json``, or ``.json.gz`` compressed) for ui.perfetto.dev or chrome://tracing.
     """
     task = require_task(task)
+    compile = _compiles(compile, compile_mode)
+    precision = None if precision == "auto" else precision  # said or left out, auto is what `redline train` runs
     positive_int("steps", steps)
     positive_int("warmup", warmup)
     positive_int("batch_size", batch_size, optional=True)
@@ -145,25 +159,38 @@ def profile(
                 f"e.g. trace={str(trace_path.with_suffix('.json'))!r}",
             )  # fmt: skip
         check_output(trace_path, "trace", "trace.json.gz")  # before the steps run, not after
+    if isinstance(devices, str) and "," in devices:  # a bench's list: a profile is of the one device a run trains on
+        first = devices.split(",")[0].strip() or "cpu"
+        allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise invalid("devices", devices, allowed, f"profile one at a time, e.g. devices={first!r}")
     device = resolve_device(devices, probe_accelerators()).value
     explicit = precision is not None or compile is not None or compile_mode != "default"
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
     options = None
     if compile_mode != "default":  # every option given, the mode among them (the matrix's rows take the default)
-        switch = "auto" if compile is None else "on" if compile else "off"
-        given: dict[str, Any] = {"precision": precision or "auto", "compile": switch, "compile_mode": compile_mode}
+        given: dict[str, Any] = {"precision": precision or "auto", "compile": "on", "compile_mode": compile_mode}
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
     planned = planned_steps or task_steps(task, size)
-    runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
+    with users_failure(f"profiling task {task.name!r}: its model, loss or optimizer", STEP_HINT):
+        runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
     with tempfile.TemporaryDirectory(prefix="redline-profile-") as scratch:
         written = Path(scratch) / "trace.json"
-        averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
+        with users_failure(f"profiling task {task.name!r}: a recorded step", STEP_HINT):
+            averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
         events = json.loads(written.read_text(encoding="utf-8")).get("traceEvents", [])
         if trace_path is not None:
             _keep(written, trace_path)
     breakdown = read_breakdown(events)
     plan = runner.plan()
     assert plan is not None  # a Runtime's row
+    gpu = device.startswith("cuda")
+    compiled = plan.compile is not None and bool(plan.compile.value)
+    if setting.kind == "explicit":  # the label says what ran: the axes left to auto as the Plan resolved them
+        setting = replace(setting, precision=plan.precision.value, compile=compiled)
+    graphs = compiled and runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
+    advice = advise(
+        breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
+    )
     return Profile(
         task=task.name,
         device=device,
@@ -172,13 +199,35 @@ def profile(
         plan=plan,
         breakdown=breakdown,
         ops=top_ops(averages, breakdown.steps, cuda=breakdown.device_busy is not None),
-        advice=tuple(
-            advise(breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=device.startswith("cuda"))
-        ),
+        advice=tuple(advice),
         trace=str(trace_path) if trace_path is not None else None,
         flops_per_step=flops,
         peak_memory_bytes=memory.peak,
+        peak_memory_kind=memory.kind,
+        ops_on="gpu" if breakdown.device_busy is not None else "host",
+        warmup=warmup,
     )
+
+
+def _compiles(compile: bool | str | None, compile_mode: str) -> bool | None:
+    """Whether the profiled step compiles (None: auto decides), ``compile`` checked against ``compile_mode``.
+
+    A mode other than the default is a compiled step's: it compiles, and with compile off it is refused
+    rather than profiled as an eager step that a label calls compiled.
+    """
+    if isinstance(compile, str) and compile.lower() in SWITCH:
+        compile = SWITCH[compile.lower()]
+    if compile is not None and not isinstance(compile, bool):  # "off" is truthy: it would compile
+        raise invalid("compile", compile, "True, False or None (auto), or 'on', 'off' or 'auto'", "e.g. compile=True")
+    one_of("compile_mode", compile_mode, get_args(CompileMode))
+    if compile_mode == "default":
+        return compile
+    if compile is False:
+        raise invalid(
+            "compile_mode", compile_mode, "'default' when compile is off (a mode is how a compiled step runs)",
+            f"pass compile='on' to profile the step compiled in {compile_mode}, or leave compile_mode out",
+        )  # fmt: skip
+    return True
 
 
 def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
@@ -192,11 +241,13 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
         recorder.start()
     try:
         with runner.scope():
-            for _ in range(steps + 1):  # the first is the profiler's own warm-up, left out of the trace
+            for index in range(steps + 1):  # the first is the profiler's own warm-up, left out of the trace
                 for _ in range(runner.micro_steps):  # a tuned Plan's micro-batches make one step
                     with phase("data"):
                         inputs, targets = runner.next_batch()
                     runner.step_fn(inputs, targets)
+                if index in (0, steps):  # the recorded steps start on an idle device and end when it is done
+                    _wait_for_device(torch.device(runner.setting.device))
                 with _without_profiler_chatter():
                     recorder.step()  # after the last, the trace is complete
     finally:
@@ -204,6 +255,15 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
             recorder.stop()
     recorder.export_chrome_trace(str(path))
     return recorder.key_averages()
+
+
+def _wait_for_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: the host runs steps ahead of a GPU, so without this the
+    recorded steps' time would be the host's launching alone (and TFLOP/s above what the device did)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _keep(written: Path, path: Path) -> None:
@@ -225,7 +285,14 @@ _CHATTER = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp
 @contextlib.contextmanager
 def _without_profiler_chatter() -> Iterator[None]:
     """Drop the lines the profiler's C++ side prints to stderr as it starts and stops (``USDT:... profiler_start``);
-    anything else written meanwhile goes on to stderr."""
+    anything else written meanwhile goes on to stderr.
+
+    Without a stderr (a process started with it closed, where Python sets ``sys.stderr`` to None) there
+    is nothing to keep clean: the profile runs as it is.
+    """
+    if sys.stderr is None:
+        yield
+        return
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
@@ -346,12 +413,18 @@ def top_ops(averages: Any, steps: int, *, cuda: bool) -> tuple[Op, ...]:
 # -- advice ---------------------------------------------------------------------------------------
 
 
-def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False) -> list[str]:
+def advise(
+    breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False, batch_size: int | None = None,
+    graphs: bool = False,
+) -> list[str]:  # fmt: skip
     """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
 
-    ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold).
+    ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold). ``batch_size``: the
+    profiled one, which a bench of larger ones starts from. ``graphs``: the step ran compiled as CUDA
+    graphs (reduce-overhead), which the advice then does not propose again.
     """
     shares = {p.name: p.share for p in breakdown.phases}
+    sizes = f"{batch_size},{2 * batch_size}" if batch_size else "64,128"
     out = []
     if gpu and breakdown.device_busy is None:
         out.append(
@@ -370,19 +443,34 @@ def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bo
         loader = plan.loader.value if plan.loader is not None else "as built"
         out.append(
             f"loading: {shares['data']:.0%} of each step waits for the next batch (loader {loader}); try "
-            "--loader-workers N (and a dataset that does less per item); `redline tune` measures loader workers"
+            "`redline train --loader-workers N` (and a dataset that does less per item); `redline tune` measures "
+            "loader workers"
         )
     if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
         out.append(
-            f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step: the host launches kernels slower than "
-            "they run (a small model or batch); try a larger --batch-size, or --compile on --compile-mode "
-            "reduce-overhead (CUDA graphs); `redline bench --compile on` measures it"
+            f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step"
+            + (" though the step runs as CUDA graphs" if graphs else "")
+            + ": the host launches kernels slower than they run (a small model or batch); try a larger "
+            f"--batch-size (`redline bench --batch-size {sizes}` measures it)"
+            + (
+                ""
+                if graphs
+                else ", or CUDA graphs: `redline profile --compile on --compile-mode reduce-overhead` shows their "
+                "step, and `redline tune` measures compile and its CUDA graphs mode"
+            )
         )
     if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
-        out.append(
-            f"the optimizer step takes {shares['optimizer']:.0%} of each step: many small parameter tensors are "
-            "stepped one by one unless the optimizer is foreach or fused (the Plan's optimizer row says which)"
-        )
+        taken = f"the optimizer step takes {shares['optimizer']:.0%} of each step"
+        if plan.optimizer is not None and plan.optimizer.value == "fused":  # fusing it is not left to propose
+            out.append(
+                f"{taken} though it runs fused: its cost does not grow with the batch, so a larger --batch-size "
+                f"spreads it (`redline bench --batch-size {sizes}` measures it)"
+            )
+        else:
+            out.append(
+                f"{taken}: many small parameter tensors are stepped one by one unless the optimizer is foreach "
+                "or fused (the Plan's optimizer row says which)"
+            )
     if not out:
         compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
         left = [
@@ -397,7 +485,7 @@ def advise(breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bo
             f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
             if left
             else "the Plan already runs reduced precision and compiled: a larger --batch-size (`redline bench "
-            "--batch-size 64,128` measures it) or a faster device is what is left"
+            f"--batch-size {sizes}` measures it) or a faster device is what is left"
         )
         out.append(
             f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "

@@ -16,8 +16,6 @@ from redline.render.console import output_console, plan_table, print_uncut
 from redline.render.profile import header_line, ops_table, phases_table, summary_lines
 from redline.task import load_task
 
-SWITCH = {"auto": None, "on": True, "off": False}
-
 
 def profile_command(
     task: TaskSpec,
@@ -30,7 +28,11 @@ def profile_command(
         str | None, typer.Option(help="torch.compile: auto, on or off (default: what `redline train` would run).")
     ] = None,
     compile_mode: Annotated[
-        str, typer.Option(help="torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune.")
+        str,
+        typer.Option(
+            help="torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune; "
+            "a mode other than default profiles the step compiled."
+        ),
     ] = "default",
     batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
     steps: Annotated[int, count("Steps to record, after the warm-up.")] = 10,
@@ -44,13 +46,14 @@ def profile_command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
 ) -> None:
     """Profile a Task's training steps: each phase's time, the heaviest operators, and what to try."""
-    if compile is not None and compile.lower() not in SWITCH:
+    if compile is not None and compile.lower() not in ("auto", "on", "off"):
         raise invalid("--compile", compile, "auto, on or off", "e.g. --compile on")
     loaded = load_task(task, **parse_task_args(task, task_arg or []))
-    flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode"}
+    flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode",
+             "compile": "--compile"}  # fmt: skip
     with said_by_flags(**flags):
         found = profile(
-            loaded, devices=devices, precision=precision, compile=SWITCH[compile.lower()] if compile else None,
+            loaded, devices=devices, precision=precision, compile=compile.lower() if compile else None,
             compile_mode=compile_mode,
             batch_size=batch_size, steps=steps, warmup=warmup, planned_steps=planned_steps, trace=trace,
         )  # fmt: skip

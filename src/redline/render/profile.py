@@ -32,14 +32,22 @@ def phases_table(profile: Mapping[str, Any]) -> Table:
 
 def ops_table(profile: Mapping[str, Any]) -> Table:
     """The operators with the most self time per step."""
-    where = "GPU" if profile["breakdown"]["device_busy"] is not None else "host"
+    where = "GPU" if profile["ops_on"] == "gpu" else "host"
     table = Table(title=Text(f"Heaviest operators ({where} self time)"), title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("operator")
     for name in ("ms/step", "calls/step", "share"):
         table.add_column(name, justify="right", no_wrap=True)
     for op in profile["ops"]:
-        table.add_row(Text(op["name"]), f"{op['self_ms']:.3f}", f"{op['calls']:g}", f"{op['share']:.1%}")
+        table.add_row(Text(_short(op["name"])), f"{op['self_ms']:.3f}", f"{op['calls']:.3g}", f"{op['share']:.1%}")
     return table
+
+
+OP_NAME_CHARS = 44  # a row per operator in 80 columns; a compiled graph's name ends in a long hash
+
+
+def _short(name: str) -> str:
+    """``name``, cut to ``OP_NAME_CHARS`` with an ellipsis: wrapped, it would take three lines of the table."""
+    return name if len(name) <= OP_NAME_CHARS else name[: OP_NAME_CHARS - 1] + "…"
 
 
 def header_line(profile: Mapping[str, Any]) -> str:
@@ -59,8 +67,13 @@ def summary_lines(profile: Mapping[str, Any]) -> list[str]:
         lines.append(f"GPU busy: {busy:.0%} of the steps' wall time")
     if profile["tflops"]:
         lines.append(f"achieved: {profile['tflops']:.3g} TFLOP/s (the profiler's overhead included)")
+    else:  # said, not left out: a missing line reads as a figure forgotten
+        lines.append(
+            "achieved: n/a (the FLOPs are counted on meta tensors, where this step does not run: a .item() or "
+            "another data-dependent branch, say)"
+        )
     if profile["peak_memory_bytes"]:
-        kind = "allocated" if str(profile["device"]).startswith("cuda") else "the process's resident set"
+        kind = "allocated" if profile["peak_memory_kind"] == "allocated" else "the process's resident set"
         lines.append(f"peak memory while warming up: {size_text(profile['peak_memory_bytes'])} ({kind})")
     lines += [f"advice: {line}" for line in profile["advice"]]
     if profile["trace"]:
