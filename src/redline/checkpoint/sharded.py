@@ -51,6 +51,7 @@ from redline.checkpoint.layout import (
 from redline.checkpoint.layout import write_json as write_document
 from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
+from redline.checkpoint.writing import save_object
 from redline.errors import describe_error, few
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
@@ -97,8 +98,8 @@ def save_sharded(
 
     def finish() -> Checkpoint:
         try:
-            torch.save(dict(runtime_state), tmp / RUNTIME)
-            torch.save(dict(extra), tmp / EXTRA)
+            save_object(dict(runtime_state), tmp / RUNTIME)
+            save_object(dict(extra), tmp / EXTRA)
             write_document(tmp / PLAN, plan)
             here = _listing(tmp)
             _check_visible(tmp, here, [listing for listing, _ in views])
