@@ -42,9 +42,19 @@ class LaunchError(RedlineError):
 class LaunchStopped(LaunchError, StoppedBySignal):
     """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
 
-    def __init__(self, signum: int, *, trainer: bool = True) -> None:
-        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume."""
+    def __init__(self, signum: int, *, trainer: bool = True, workers_only: bool = False) -> None:
+        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
+        ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher."""
         name = signal.Signals(signum).name
+        if workers_only:
+            super().__init__(
+                signum,
+                "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together "
+                "before the run had finished its work and, with --out, wrote a checkpoint there\nhint: run the same "
+                "command again with --resume auto to continue from the last checkpoint; to stop a launched job, "
+                "signal the launcher (it passes the signal on to every worker)",
+            )
+            return
         if trainer:
             said = (
                 "the Trainer's ranks stop together within two steps and, with --out, write a checkpoint there "
@@ -227,6 +237,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
+        else:
+            stopped = unfinished(finished, trainer=module and tuple(target[:2]) == TRAIN)
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
     # rendezvous open on a signal. Collecting it stops the rendezvous' keep-alive thread, which would
     # otherwise run into the interpreter's exit inside a store call and abort the launcher (SIGABRT,
@@ -387,6 +399,19 @@ def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchSt
         return LaunchStopped(signum, trainer=trainer)
     log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
     return None
+
+
+def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
+    """Return the error of a launch whose ``redline train`` workers all exited 0 before the run finished its work.
+
+    The Trainer stops on a signal that reaches any one rank (``kill`` of a worker's process, a scheduler that
+    signals the workers and not the launcher): the ranks stop together, checkpoint and exit 0, so torchrun
+    reports success. Without the workers' ``finished`` mark the run is not done, and the launch says so as a
+    launcher sent the signal would: 143, and how to continue. None for a finished run, or a script of the user's.
+    """
+    if not trainer or finished.exists():
+        return None
+    return LaunchStopped(signal.SIGTERM, workers_only=True)  # the signal is the workers' to know: 143, kill's
 
 
 @contextlib.contextmanager
