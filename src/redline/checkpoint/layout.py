@@ -140,9 +140,17 @@ def commit(
 def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) -> CheckpointError:
     """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed, where
     ``remove`` (one rank removes it when every rank meets the error at once)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno == errno.ENOENT:  # what was staged is gone: the directory was removed under the write
+        # Not removed again: the staging directory there now may be another run's, writing the same step.
+        return CheckpointError(
+            f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}: its staging directory was "
+            f"removed while it was written, by another run writing checkpoints under {final.parent} (two runs with "
+            "one --out) or by hand\nhint: let one run at a time write to an --out (stop the other, or pass each its "
+            "own), then run the same command again with --resume auto to continue from the newest checkpoint"
+        )
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = f" ({exc.filename})" if exc.filename else ""
     return CheckpointError(
         f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
         f"and the checkpoints committed before it under {final.parent} are intact\nhint: free space on that disk "
