@@ -202,9 +202,13 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     elif target:
         check_module(target[0])
     check_master_addr(config)
-    nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
+    cuda_count, cores = probe_accelerators().cuda_count, usable_cpu_count()
+    nproc, _ = processes_per_node(config.nproc, cuda_count)
+    crowded = crowding(nproc, cores, cuda_count)
+    if crowded is not None:
+        log.warning("%s", crowded)
     workers: dict[str, str] = {}
-    threads = worker_threads(nproc, usable_cpu_count(), os.environ)
+    threads = worker_threads(nproc, cores, os.environ)
     if threads is not None:
         workers["OMP_NUM_THREADS"] = str(threads)
     if config.hang_timeout_s is not None:
@@ -258,6 +262,22 @@ def waiting_note(config: LaunchConfig) -> str | None:
     others = "the other machine" if config.nnodes == 2 else f"the other {config.nnodes - 1} machines"
     each = " with its own --node-rank" if config.node_rank is not None else ""
     return f"{who} waits for {others} of --nnodes {config.nnodes} at {where}: run the same command on each{each}"
+
+
+def crowding(nproc: int, cores: int, cuda_count: int) -> str | None:
+    """The warning for more CPU workers than this machine has cores to run them on (None where they fit, or on GPUs).
+
+    Each worker then gets part of a core, every step waits for the slowest at the gradients' all-reduce,
+    and each holds its own torch, model and data in memory: the job runs slower than on fewer workers.
+    """
+    if cuda_count or nproc <= cores:
+        return None
+    return (
+        f"--nproc {nproc} starts {nproc} workers on the {cores} core{'s' if cores > 1 else ''} here, with no GPU "
+        "visible: they take turns on the cores, each step waits for the slowest, and each worker holds its own copy "
+        f"of torch, the model and the data in memory, so the job runs slower than on {cores}\nhint: pass --nproc "
+        f"{cores} or fewer"
+    )
 
 
 def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | None:
