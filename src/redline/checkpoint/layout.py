@@ -42,6 +42,10 @@ class CheckpointError(RedlineError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class FormatError(CheckpointError):
+    """A checkpoint in a format this version of redline does not read: another version wrote it."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint directory and its manifest."""
@@ -188,7 +192,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
         ) from None
     if manifest.get("format") not in (*WHOLE_FORMATS, *SHARDED_FORMATS):
         known = ", ".join(map(repr, (*WHOLE_FORMATS, *SHARDED_FORMATS)))
-        raise CheckpointError(
+        another = str(manifest.get("format")).startswith("redline-")  # a version's name, not a damaged manifest's
+        raise (FormatError if another else CheckpointError)(
             f"{path}: checkpoint format {manifest.get('format')!r} is not one this redline reads ({known})\n"
             "hint: it was written by another version of redline: load it with that version"
         )
@@ -385,6 +390,12 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     for path in reversed(listed):
         try:
             found = open_verified(Path(path))
+        except FormatError as exc:  # a newer redline's, not corrupt: skipped, it would be trained past and written over
+            raise FormatError(
+                f"{str(exc).split(chr(10))[0]}\nhint: resume with the version of redline that wrote it; --resume auto "
+                "does not go back past it to an older checkpoint, whose run would write over it (to go on from an "
+                "older one, pass it as --resume PATH with another --out)"
+            ) from None
         except CheckpointError as exc:
             problems.append(str(exc).split("\nhint:")[0])
             with contextlib.suppress(CheckpointError):  # its manifest reads: a checkpoint pruning would count
