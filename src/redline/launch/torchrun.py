@@ -13,7 +13,9 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
+from argparse import Namespace
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
 from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, first_line, invalid
+from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
@@ -218,6 +221,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
     args.training_script, args.training_script_args = target[0], list(target[1:])
+    tether(args, os.getpid())
     stopped: LaunchStopped | None = None
     note = waiting_note(config)
     if note is not None:
@@ -250,6 +254,15 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
+
+
+def tether(args: Namespace, launcher: int) -> None:
+    """Start each worker through ``tethered.py``, so that the launcher's death (SIGKILL) ends it (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    module = ["-m"] if args.module else []
+    args.training_script_args = [str(launcher), *module, args.training_script, *args.training_script_args]
+    args.training_script, args.module = tethered.__file__, False
 
 
 def waiting_note(config: LaunchConfig) -> str | None:
