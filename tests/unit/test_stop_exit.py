@@ -91,5 +91,6 @@ def test_a_trainer_a_signal_to_its_workers_stopped_exits_as_a_stopped_run_not_0(
     script = tmp_path / "train.py"
     script.write_text("")
     launch(LaunchConfig(nproc=2), [str(script)])  # a script of the user's marks nothing: its exit 0 is its own
+    launch(LaunchConfig(nproc=1), ["redline", "train", "--help"], module=True)  # the help trains nothing
     monkeypatch.setattr(torch.distributed.run, "run", finished)
     launch(LaunchConfig(nproc=2), trainer, module=True)  # the run finished its work: 0, as before

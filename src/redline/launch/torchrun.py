@@ -245,8 +245,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
-        else:
-            stopped = unfinished(finished, trainer=module and tuple(target[:2]) == TRAIN)
+        else:  # `redline train --help` exits 0 without training: nothing was stopped
+            stopped = unfinished(finished, trainer=module and tuple(target[:2]) == TRAIN and "--help" not in target)
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
     # rendezvous open on a signal. Collecting it stops the rendezvous' keep-alive thread, which would
     # otherwise run into the interpreter's exit inside a store call and abort the launcher (SIGABRT,
