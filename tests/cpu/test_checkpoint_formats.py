@@ -102,6 +102,30 @@ def test_resume_auto_stops_at_a_newer_redlines_checkpoint_rather_than_go_back_pa
     assert open_checkpoint("auto", tmp_path).step == 1  # the damaged manifest is skipped as corrupt, as before
 
 
+def test_a_newer_redlines_checkpoint_is_not_written_over(tmp_path):
+    """Before, a run resumed from an older checkpoint into the same --out wrote its own step over the newer one's."""
+    newer = step_dir(tmp_path, 2)
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(newer, step=2)
+        manifest = (newer / "manifest.json").read_text().replace('"redline-whole-2"', '"redline-whole-9"')
+        (newer / "manifest.json").write_text(manifest)
+        with pytest.raises(CheckpointError) as raised:
+            rt.save(newer, step=2)
+        damaged = step_dir(tmp_path, 3)
+        rt.save(damaged, step=3)
+        (damaged / "manifest.json").write_text('{"format": "r\\u00e9dline-whole-2", "files": {}}')  # a flipped bit
+        rt.save(damaged, step=3)  # a damaged checkpoint is written over, as before
+    assert str(raised.value) == (
+        f"{newer} is a checkpoint of another version of redline (format 'redline-whole-9'), which writing a checkpoint "
+        "there would replace; nothing was written\nhint: pass a new directory for the checkpoint (or an earlier "
+        f"checkpoint's, which it replaces), or move {newer} elsewhere first"
+    )
+    assert (newer / "manifest.json").read_text() == manifest
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]  # nothing staged
+    assert read_checkpoint(damaged).step == 3
+
+
 def mlp(hidden: int, extra_layer: bool = False) -> nn.Sequential:
     layers = [nn.Linear(4, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 2)]
     return nn.Sequential(*layers, *([nn.Linear(2, 2)] if extra_layer else []))

@@ -101,10 +101,11 @@ def _refuse_to_replace(final: Path) -> None:
         return
     if final.is_dir() and not final.is_symlink():
         step = final.name.startswith(PREFIX) and _is_step(final.name.removeprefix(PREFIX))
-        if step or (final / MANIFEST).is_file() or not any(final.iterdir()):
+        other = _other_version(final)  # a newer redline's checkpoint, resumed past by this one: not replaced
+        if other is None and (step or (final / MANIFEST).is_file() or not any(final.iterdir())):
             return  # an earlier checkpoint (readable or not), one of the run's step directories, or nothing
         kept = sorted(path.name for path in final.iterdir())
-        what = f"a directory that is not a checkpoint (no {MANIFEST}; it holds {few(kept, 3)})"
+        what = other or f"a directory that is not a checkpoint (no {MANIFEST}; it holds {few(kept, 3)})"
     else:
         what = "a link" if final.is_symlink() else "a file"
     raise CheckpointError(
@@ -112,6 +113,20 @@ def _refuse_to_replace(final: Path) -> None:
         "hint: pass a new directory for the checkpoint (or an earlier checkpoint's, which it replaces), "
         f"or move {final} elsewhere first"
     )
+
+
+def _other_version(path: Path) -> str | None:
+    """What the directory ``path`` holds where it is a checkpoint of another version of redline, else None."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no manifest, or a damaged one
+        found = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format")
+        if _another_version(found):
+            return f"a checkpoint of another version of redline (format {found!r})"
+    return None
+
+
+def _another_version(found: object) -> bool:
+    """Whether a manifest's format is one this version does not read, named as redline names its formats."""
+    return found not in (*WHOLE_FORMATS, *SHARDED_FORMATS) and str(found).startswith("redline-")
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -192,8 +207,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         ) from None
     if manifest.get("format") not in (*WHOLE_FORMATS, *SHARDED_FORMATS):
         known = ", ".join(map(repr, (*WHOLE_FORMATS, *SHARDED_FORMATS)))
-        another = str(manifest.get("format")).startswith("redline-")  # a version's name, not a damaged manifest's
-        raise (FormatError if another else CheckpointError)(
+        raise (FormatError if _another_version(manifest.get("format")) else CheckpointError)(  # else damaged
             f"{path}: checkpoint format {manifest.get('format')!r} is not one this redline reads ({known})\n"
             "hint: it was written by another version of redline: load it with that version"
         )
