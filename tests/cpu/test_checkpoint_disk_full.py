@@ -96,3 +96,17 @@ def test_weights_a_full_disk_refuses_are_a_clear_error_that_leaves_the_earlier_f
     assert "hint: free space on that disk" in str(raised.value)
     assert (tmp_path / "model.safetensors").read_bytes() == b"the earlier weights"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary file left
+
+
+def test_a_shard_a_full_disk_refuses_is_a_clear_error_that_leaves_the_earlier_checkpoints(tmp_path: Path) -> None:
+    """DCP writes each tensor through torch.save, whose RuntimeError came out as the reason, with no hint."""
+    model = nn.Linear(128, 128)  # 64 KiB of weights in the rank's shard
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def save(step: int) -> None:
+        save_sharded(step_dir(tmp_path, step), model, optimizer, runtime_state={}, extra={}, plan={}, step=step)
+
+    save(1)
+    with files_limited_to(16 * 1024), pytest.raises(CheckpointError) as raised:
+        save(2)
+    _assert_refused_cleanly(raised, tmp_path, ".distcp")
