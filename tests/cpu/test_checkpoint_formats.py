@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
-from redline.checkpoint import CheckpointError, read_checkpoint
+from redline.checkpoint import CheckpointError, open_checkpoint, read_checkpoint, step_dir
+from redline.checkpoint.layout import FormatError
 from redline.checkpoint.sharded import save_sharded
 from redline.runtime.seed import capture_rng
 from redline.train.trainer import Trainer
@@ -76,6 +77,53 @@ def test_a_format_this_version_does_not_know_is_refused(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "redline-whole-9", "step": 1, "files": {}}))
     with pytest.raises(CheckpointError, match=r"(?s)format 'redline-whole-9' is not one.*hint: .*another version"):
         read_checkpoint(tmp_path)
+
+
+def test_resume_auto_stops_at_a_newer_redlines_checkpoint_rather_than_go_back_past_it(tmp_path):
+    """Before, --resume auto skipped a newer version's checkpoint as corrupt and resumed from the one before: the
+    resumed run trained those steps again and wrote its own checkpoint of the same step over the newer one."""
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2, 3):
+            rt.save(step_dir(tmp_path, step), step=step)
+    newer = tmp_path / "step-00000002" / "manifest.json"
+    newer.write_text(newer.read_text().replace('"redline-whole-2"', '"redline-whole-9"'))
+    damaged = tmp_path / "step-00000003" / "manifest.json"
+    damaged.write_text(damaged.read_text().replace('"redline-whole-2"', '"r\\u00e9dline-whole-2"'))  # a flipped bit
+    with pytest.raises(FormatError) as raised:
+        open_checkpoint("auto", tmp_path)
+    assert str(raised.value) == (
+        f"{tmp_path / 'step-00000002'}: checkpoint format 'redline-whole-9' is not one this redline reads "
+        "('redline-whole-2', 1, 'redline-sharded-2', 'redline-sharded-1')\nhint: resume with the version of redline "
+        "that wrote it; --resume auto does not go back past it to an older checkpoint, whose run would write over it "
+        "(to go on from an older one, pass it as --resume PATH with another --out)"
+    )
+    newer.unlink()  # no longer a newer version's: a checkpoint without a manifest, skipped as before
+    assert open_checkpoint("auto", tmp_path).step == 1  # the damaged manifest is skipped as corrupt, as before
+
+
+def test_a_newer_redlines_checkpoint_is_not_written_over(tmp_path):
+    """Before, a run resumed from an older checkpoint into the same --out wrote its own step over the newer one's."""
+    newer = step_dir(tmp_path, 2)
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(newer, step=2)
+        manifest = (newer / "manifest.json").read_text().replace('"redline-whole-2"', '"redline-whole-9"')
+        (newer / "manifest.json").write_text(manifest)
+        with pytest.raises(CheckpointError) as raised:
+            rt.save(newer, step=2)
+        damaged = step_dir(tmp_path, 3)
+        rt.save(damaged, step=3)
+        (damaged / "manifest.json").write_text('{"format": "r\\u00e9dline-whole-2", "files": {}}')  # a flipped bit
+        rt.save(damaged, step=3)  # a damaged checkpoint is written over, as before
+    assert str(raised.value) == (
+        f"{newer} is a checkpoint of another version of redline (format 'redline-whole-9'), which writing a checkpoint "
+        "there would replace; nothing was written\nhint: pass a new directory for the checkpoint (or an earlier "
+        f"checkpoint's, which it replaces), or move {newer} elsewhere first"
+    )
+    assert (newer / "manifest.json").read_text() == manifest
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]  # nothing staged
+    assert read_checkpoint(damaged).step == 3
 
 
 def mlp(hidden: int, extra_layer: bool = False) -> nn.Sequential:

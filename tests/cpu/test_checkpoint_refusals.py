@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from redline.checkpoint import CheckpointError, find_checkpoints, read_checkpoint, sharded, step_dir
+from redline.checkpoint import CheckpointError, find_checkpoints, read_checkpoint, step_dir
 from redline.checkpoint.sharded import load_sharded, save_sharded
 
 
@@ -64,24 +64,6 @@ def test_a_shard_the_disk_refuses_is_a_clear_error_that_leaves_the_earlier_check
     with pytest.raises(CheckpointError) as raised:
         _save(tmp_path, 2, model, optimizer)
     _assert_refused_cleanly(raised, tmp_path, ".distcp")
-
-
-def test_the_run_state_the_disk_refuses_is_a_clear_error_that_leaves_the_earlier_checkpoints(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, optimizer = _model()
-    _save(tmp_path, 1, model, optimizer)
-    save = torch.save
-
-    def disk_full(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
-        if ".tmp-step-00000002" in str(path):
-            raise _no_space(path)
-        save(obj, path, *args, **kwargs)
-
-    monkeypatch.setattr(sharded.torch, "save", disk_full)
-    with pytest.raises(CheckpointError) as raised:
-        _save(tmp_path, 2, model, optimizer)
-    _assert_refused_cleanly(raised, tmp_path, "runtime.pt")
 
 
 def test_a_failure_other_than_the_disks_is_a_checkpoint_error_naming_the_rank_and_its_reason(

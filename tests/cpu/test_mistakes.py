@@ -342,14 +342,14 @@ def test_a_checkpoint_the_disk_refuses_is_a_clear_error_that_leaves_the_earlier_
 
     import redline.checkpoint.whole as whole
 
-    save = torch.save
+    save = whole.save_object
 
-    def disk_full_on_the_second_checkpoint(obj, path, *args, **kwargs):
+    def disk_full_on_the_second_checkpoint(obj, path):
         if ".tmp-step-00000004" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        save(obj, path, *args, **kwargs)
+        save(obj, path)
 
-    monkeypatch.setattr(whole.torch, "save", disk_full_on_the_second_checkpoint)
+    monkeypatch.setattr(whole, "save_object", disk_full_on_the_second_checkpoint)
     with pytest.raises(RedlineError) as raised:
         Trainer(mistake(), max_steps=4, checkpoint_every=2, out_dir=tmp_path, progress=False).fit()
     root = tmp_path / "checkpoints"

@@ -174,3 +174,36 @@ def test_the_launcher_reads_the_trainers_finished_mark_when_a_worker_fails(tmp_p
     script.write_text("")
     with pytest.raises(LaunchError, match=r"SIGSEGV \(then the launcher stopped rank 0\), after the Trainer had fin"):
         launch(LaunchConfig(nproc=2), [str(script)])
+
+
+def test_more_cpu_workers_than_cores_is_warned_before_they_start(tmp_path, monkeypatch, caplog):
+    """Before, --nproc 40 on 2 cores without a GPU started 40 workers with only an info line that each ran 1 thread."""
+    import logging
+
+    import torch.distributed.run
+
+    import redline.hardware.device as device
+    from redline.hardware.device import Accelerators
+    from redline.launch.torchrun import LaunchConfig, launch
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    started: list[str] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: started.append(args.nproc_per_node))
+    monkeypatch.setattr(device, "usable_cpu_count", lambda: 2)
+
+    def warnings(nproc: int, gpus: int) -> list[str]:
+        monkeypatch.setattr(device, "probe_accelerators", lambda: Accelerators(cuda_count=gpus))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="redline"):
+            launch(LaunchConfig(nproc=nproc), [str(script)])
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert warnings(40, gpus=0) == [
+        "--nproc 40 starts 40 workers on the 2 cores here, with no GPU visible: they take turns on the cores, each "
+        "step waits for the slowest, and each worker holds its own copy of torch, the model and the data in memory, "
+        "so the job runs slower than on 2\nhint: pass --nproc 2 or fewer"
+    ]
+    assert started == ["40"], "a warning, not a refusal: the user may mean it"
+    assert warnings(2, gpus=0) == []  # as many as the cores
+    assert warnings(8, gpus=8) == []  # GPU workers: the cores only feed them

@@ -60,3 +60,37 @@ def test_a_stopped_script_of_the_users_is_not_told_to_pass_the_trainers_resume_f
     with pytest.raises(LaunchStopped) as trainer:
         launch(LaunchConfig(nproc=2), ["redline", "train", "--task", "example:digits"], module=True)
     assert "hint: run the same command again with --resume auto" in str(trainer.value)
+
+
+def test_a_trainer_a_signal_to_its_workers_stopped_exits_as_a_stopped_run_not_0(tmp_path, monkeypatch):
+    """Before, `kill` of one worker of `redline train --nproc 2` stopped the run (every rank checkpoints and exits 0),
+    and the launcher exited 0 as if the run had finished: a scheduler took the unfinished job for done."""
+    import os
+
+    import pytest
+    import torch.distributed.run
+
+    from redline.launch.torchrun import LaunchConfig, launch
+
+    def stopped_by_a_signal_to_a_worker(args: object) -> None:
+        return None  # the ranks stopped together and exited 0; no worker marked the run finished
+
+    def finished(args: object) -> None:
+        open(os.environ[FINISHED_ENV], "x").close()  # what mark_finished does on the machine's first worker
+
+    trainer = ["redline", "train", "--task", "example:digits", "--out", str(tmp_path)]
+    monkeypatch.setattr(torch.distributed.run, "run", stopped_by_a_signal_to_a_worker)
+    with pytest.raises(LaunchStopped) as stopped:
+        launch(LaunchConfig(nproc=2), trainer, module=True)
+    assert stopped.value.exit_code == 143
+    assert str(stopped.value).startswith(
+        "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together before "
+        "the run had finished its work"
+    )
+    assert "hint: run the same command again with --resume auto" in str(stopped.value)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    launch(LaunchConfig(nproc=2), [str(script)])  # a script of the user's marks nothing: its exit 0 is its own
+    launch(LaunchConfig(nproc=1), ["redline", "train", "--help"], module=True)  # the help trains nothing
+    monkeypatch.setattr(torch.distributed.run, "run", finished)
+    launch(LaunchConfig(nproc=2), trainer, module=True)  # the run finished its work: 0, as before

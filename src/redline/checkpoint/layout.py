@@ -42,6 +42,10 @@ class CheckpointError(RedlineError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class FormatError(CheckpointError):
+    """A checkpoint in a format this version of redline does not read: another version wrote it."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint directory and its manifest."""
@@ -97,10 +101,11 @@ def _refuse_to_replace(final: Path) -> None:
         return
     if final.is_dir() and not final.is_symlink():
         step = final.name.startswith(PREFIX) and _is_step(final.name.removeprefix(PREFIX))
-        if step or (final / MANIFEST).is_file() or not any(final.iterdir()):
+        other = _other_version(final)  # a newer redline's checkpoint, resumed past by this one: not replaced
+        if other is None and (step or (final / MANIFEST).is_file() or not any(final.iterdir())):
             return  # an earlier checkpoint (readable or not), one of the run's step directories, or nothing
         kept = sorted(path.name for path in final.iterdir())
-        what = f"a directory that is not a checkpoint (no {MANIFEST}; it holds {few(kept, 3)})"
+        what = other or f"a directory that is not a checkpoint (no {MANIFEST}; it holds {few(kept, 3)})"
     else:
         what = "a link" if final.is_symlink() else "a file"
     raise CheckpointError(
@@ -108,6 +113,20 @@ def _refuse_to_replace(final: Path) -> None:
         "hint: pass a new directory for the checkpoint (or an earlier checkpoint's, which it replaces), "
         f"or move {final} elsewhere first"
     )
+
+
+def _other_version(path: Path) -> str | None:
+    """What the directory ``path`` holds where it is a checkpoint of another version of redline, else None."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no manifest, or a damaged one
+        found = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format")
+        if _another_version(found):
+            return f"a checkpoint of another version of redline (format {found!r})"
+    return None
+
+
+def _another_version(found: object) -> bool:
+    """Whether a manifest's format is one this version does not read, named as redline names its formats."""
+    return found not in (*WHOLE_FORMATS, *SHARDED_FORMATS) and str(found).startswith("redline-")
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -140,9 +159,17 @@ def commit(
 def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) -> CheckpointError:
     """The error of a checkpoint write the system refused; what it had staged under ``tmp`` is removed, where
     ``remove`` (one rank removes it when every rank meets the error at once)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno == errno.ENOENT:  # what was staged is gone: the directory was removed under the write
+        # Not removed again: the staging directory there now may be another run's, writing the same step.
+        return CheckpointError(
+            f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}: its staging directory was "
+            f"removed while it was written, by another run writing checkpoints under {final.parent} (two runs with "
+            "one --out) or by hand\nhint: let one run at a time write to an --out (stop the other, or pass each its "
+            "own), then run the same command again with --resume auto to continue from the newest checkpoint"
+        )
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = f" ({exc.filename})" if exc.filename else ""
     return CheckpointError(
         f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
         f"and the checkpoints committed before it under {final.parent} are intact\nhint: free space on that disk "
@@ -180,7 +207,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         ) from None
     if manifest.get("format") not in (*WHOLE_FORMATS, *SHARDED_FORMATS):
         known = ", ".join(map(repr, (*WHOLE_FORMATS, *SHARDED_FORMATS)))
-        raise CheckpointError(
+        raise (FormatError if _another_version(manifest.get("format")) else CheckpointError)(  # else damaged
             f"{path}: checkpoint format {manifest.get('format')!r} is not one this redline reads ({known})\n"
             "hint: it was written by another version of redline: load it with that version"
         )
@@ -377,6 +404,12 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
     for path in reversed(listed):
         try:
             found = open_verified(Path(path))
+        except FormatError as exc:  # a newer redline's, not corrupt: skipped, it would be trained past and written over
+            raise FormatError(
+                f"{str(exc).split(chr(10))[0]}\nhint: resume with the version of redline that wrote it; --resume auto "
+                "does not go back past it to an older checkpoint, whose run would write over it (to go on from an "
+                "older one, pass it as --resume PATH with another --out)"
+            ) from None
         except CheckpointError as exc:
             problems.append(str(exc).split("\nhint:")[0])
             with contextlib.suppress(CheckpointError):  # its manifest reads: a checkpoint pruning would count

@@ -19,6 +19,7 @@ parameter's fully-qualified name whatever the wrapping.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -51,6 +52,7 @@ from redline.checkpoint.layout import (
 from redline.checkpoint.layout import write_json as write_document
 from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
+from redline.checkpoint.writing import save_object
 from redline.errors import describe_error, few
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
@@ -88,7 +90,7 @@ def save_sharded(
         with _single_process_is_intended():
             dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
     except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on each
-        raise _save_failure(final, tmp, exc) from None
+        raise _save_failure(final, tmp, exc, hashing.failure) from None
     if fresh:
         optimizer.state.clear()
     here = _listing(tmp)
@@ -97,8 +99,8 @@ def save_sharded(
 
     def finish() -> Checkpoint:
         try:
-            torch.save(dict(runtime_state), tmp / RUNTIME)
-            torch.save(dict(extra), tmp / EXTRA)
+            save_object(dict(runtime_state), tmp / RUNTIME)
+            save_object(dict(extra), tmp / EXTRA)
             write_document(tmp / PLAN, plan)
             here = _listing(tmp)
             _check_visible(tmp, here, [listing for listing, _ in views])
@@ -112,10 +114,14 @@ def save_sharded(
     return run_on_rank0(finish, "committing the checkpoint")
 
 
-def _save_failure(final: Path, tmp: Path, exc: CheckpointException) -> CheckpointError:
+def _save_failure(final: Path, tmp: Path, exc: CheckpointException, failure: OSError | None = None) -> CheckpointError:
     """The error of DCP's write that failed on some rank, raised alike on every rank (DCP's own exception is a
-    BaseException holding each rank's traceback): the first failed rank's reason, and no staged part left."""
+    BaseException holding each rank's traceback): the first failed rank's reason, and no staged part left.
+    ``failure``: the OSError of a write this rank's files met, which torch.save (DCP writes tensors through it)
+    reports as a RuntimeError ("unexpected pos")."""
     rank, (cause, _) = min(exc.failures.items())
+    if rank == rank_and_world()[0] and failure is not None and not isinstance(cause, OSError):
+        cause = failure
     remove = rank_and_world()[0] == 0  # every rank is past DCP's last collective: rank 0 removes the part written
     if isinstance(cause, OSError):
         error = write_failure(final, tmp, cause, remove=remove)
@@ -140,6 +146,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.entries: dict[str, dict[str, Any]] = {}
+        self.failure: OSError | None = None  # the first write the system refused, named by its file
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
@@ -148,7 +155,12 @@ class _HashingFileSystem(FileSystem):
                 yield stream
                 return
             hashed = _HashingStream(stream)
-            yield hashed  # type: ignore[misc]
+            try:
+                yield hashed  # type: ignore[misc]
+            finally:
+                if hashed.failure is not None and self.failure is None:
+                    code = hashed.failure.errno or errno.EIO
+                    self.failure = OSError(code, os.strerror(code), str(path))
             self.entries[Path(path).name] = {"bytes": hashed.size, "sha256": hashed.digest.hexdigest()}
 
 
@@ -161,12 +173,17 @@ class _HashingStream:
 
     def __init__(self, raw: io.IOBase) -> None:
         self.raw, self.digest, self.size = raw, hashlib.sha256(), 0
+        self.failure: OSError | None = None  # kept: torch.save, writing through this, reports another error
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.digest.update(view)
         self.size += view.nbytes
-        return int(self.raw.write(view) or view.nbytes)
+        try:
+            return int(self.raw.write(view) or view.nbytes)
+        except OSError as exc:
+            self.failure = self.failure or exc
+            raise
 
     def tell(self) -> int:
         return self.raw.tell()

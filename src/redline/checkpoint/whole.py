@@ -33,6 +33,7 @@ from redline.checkpoint.layout import (
 )
 from redline.checkpoint.loadable import check_loadable, load_safely
 from redline.checkpoint.shapes import Shapes, check_same_model, differences, safetensors_shapes, shapes_of
+from redline.checkpoint.writing import save_object, save_tensors
 from redline.errors import few
 
 # redline 0.1's first checkpoints: the same files, with trainer.pt for runtime.pt and extra.pt
@@ -54,10 +55,10 @@ def save_whole(
     check_loadable(extra)  # before anything is written: a checkpoint that cannot be loaded is none
     tmp = stage(final)
     writers: dict[str, Callable[[Path], None]] = {
-        WEIGHTS: lambda path: save_model(plain_module(module), str(path)),
-        OPTIMIZER: lambda path: torch.save(dict(optimizer_state), path),
-        RUNTIME: lambda path: torch.save(dict(runtime_state), path),
-        EXTRA: lambda path: torch.save(dict(extra), path),
+        WEIGHTS: lambda path: save_tensors(lambda name: save_model(plain_module(module), name), path),
+        OPTIMIZER: lambda path: save_object(dict(optimizer_state), path),
+        RUNTIME: lambda path: save_object(dict(runtime_state), path),
+        EXTRA: lambda path: save_object(dict(extra), path),
         PLAN: lambda path: write_json(path, plan),
     }
     files = {}
@@ -173,7 +174,7 @@ def _load(checkpoint: Checkpoint, name: str, device: torch.device | str) -> dict
 
 def save_weights_file(path: Path, module: nn.Module) -> None:
     """Save ``module``'s weights as one safetensors file, atomically; tied weights are stored once."""
-    _write_weights(path, lambda tmp: save_model(plain_module(module), str(tmp)))
+    _write_weights(path, lambda tmp: save_tensors(lambda name: save_model(plain_module(module), name), tmp))
 
 
 def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
@@ -183,7 +184,8 @@ def save_tensors_file(path: Path, tensors: Mapping[str, torch.Tensor], aliases: 
     ``save_model`` notes them, so ``load_model`` fills the tied names of the plain model.
     """
     contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    _write_weights(path, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt", **aliases}))
+    metadata = {"format": "pt", **aliases}
+    _write_weights(path, lambda tmp: save_tensors(lambda name: save_file(contiguous, name, metadata=metadata), tmp))
 
 
 def _write_weights(path: Path, write: Callable[[Path], None]) -> None:

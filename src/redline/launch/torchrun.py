@@ -13,7 +13,9 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
+from argparse import Namespace
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
 from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, first_line, invalid
+from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
@@ -42,9 +45,19 @@ class LaunchError(RedlineError):
 class LaunchStopped(LaunchError, StoppedBySignal):
     """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
 
-    def __init__(self, signum: int, *, trainer: bool = True) -> None:
-        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume."""
+    def __init__(self, signum: int, *, trainer: bool = True, workers_only: bool = False) -> None:
+        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
+        ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher."""
         name = signal.Signals(signum).name
+        if workers_only:
+            super().__init__(
+                signum,
+                "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together "
+                "before the run had finished its work and, with --out, wrote a checkpoint there\nhint: run the same "
+                "command again with --resume auto to continue from the last checkpoint; to stop a launched job, "
+                "signal the launcher (it passes the signal on to every worker)",
+            )
+            return
         if trainer:
             said = (
                 "the Trainer's ranks stop together within two steps and, with --out, write a checkpoint there "
@@ -192,9 +205,13 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     elif target:
         check_module(target[0])
     check_master_addr(config)
-    nproc, _ = processes_per_node(config.nproc, probe_accelerators().cuda_count)
+    cuda_count, cores = probe_accelerators().cuda_count, usable_cpu_count()
+    nproc, _ = processes_per_node(config.nproc, cuda_count)
+    crowded = crowding(nproc, cores, cuda_count)
+    if crowded is not None:
+        log.warning("%s", crowded)
     workers: dict[str, str] = {}
-    threads = worker_threads(nproc, usable_cpu_count(), os.environ)
+    threads = worker_threads(nproc, cores, os.environ)
     if threads is not None:
         workers["OMP_NUM_THREADS"] = str(threads)
     if config.hang_timeout_s is not None:
@@ -204,6 +221,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])
     args.training_script, args.training_script_args = target[0], list(target[1:])
+    tether(args, os.getpid())
     stopped: LaunchStopped | None = None
     note = waiting_note(config)
     if note is not None:
@@ -227,6 +245,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
+        else:  # `redline train --help` exits 0 without training: nothing was stopped
+            stopped = unfinished(finished, trainer=module and tuple(target[:2]) == TRAIN and "--help" not in target)
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
     # rendezvous open on a signal. Collecting it stops the rendezvous' keep-alive thread, which would
     # otherwise run into the interpreter's exit inside a store call and abort the launcher (SIGABRT,
@@ -234,6 +254,15 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
+
+
+def tether(args: Namespace, launcher: int) -> None:
+    """Start each worker through ``tethered.py``, so that the launcher's death (SIGKILL) ends it (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    module = ["-m"] if args.module else []
+    args.training_script_args = [str(launcher), *module, args.training_script, *args.training_script_args]
+    args.training_script, args.module = tethered.__file__, False
 
 
 def waiting_note(config: LaunchConfig) -> str | None:
@@ -246,6 +275,22 @@ def waiting_note(config: LaunchConfig) -> str | None:
     others = "the other machine" if config.nnodes == 2 else f"the other {config.nnodes - 1} machines"
     each = " with its own --node-rank" if config.node_rank is not None else ""
     return f"{who} waits for {others} of --nnodes {config.nnodes} at {where}: run the same command on each{each}"
+
+
+def crowding(nproc: int, cores: int, cuda_count: int) -> str | None:
+    """The warning for more CPU workers than this machine has cores to run them on (None where they fit, or on GPUs).
+
+    Each worker then gets part of a core, every step waits for the slowest at the gradients' all-reduce,
+    and each holds its own torch, model and data in memory: the job runs slower than on fewer workers.
+    """
+    if cuda_count or nproc <= cores:
+        return None
+    return (
+        f"--nproc {nproc} starts {nproc} workers on the {cores} core{'s' if cores > 1 else ''} here, with no GPU "
+        "visible: they take turns on the cores, each step waits for the slowest, and each worker holds its own copy "
+        f"of torch, the model and the data in memory, so the job runs slower than on {cores}\nhint: pass --nproc "
+        f"{cores} or fewer"
+    )
 
 
 def worker_threads(nproc: int, cores: int, environ: Mapping[str, str]) -> int | None:
@@ -387,6 +432,19 @@ def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchSt
         return LaunchStopped(signum, trainer=trainer)
     log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
     return None
+
+
+def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
+    """Return the error of a launch whose ``redline train`` workers all exited 0 before the run finished its work.
+
+    The Trainer stops on a signal that reaches any one rank (``kill`` of a worker's process, a scheduler that
+    signals the workers and not the launcher): the ranks stop together, checkpoint and exit 0, so torchrun
+    reports success. Without the workers' ``finished`` mark the run is not done, and the launch says so as a
+    launcher sent the signal would: 143, and how to continue. None for a finished run, or a script of the user's.
+    """
+    if not trainer or finished.exists():
+        return None
+    return LaunchStopped(signal.SIGTERM, workers_only=True)  # the signal is the workers' to know: 143, kill's
 
 
 @contextlib.contextmanager
