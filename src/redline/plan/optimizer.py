@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
@@ -51,8 +53,24 @@ def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
 
 
 def scheduled(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether an LR scheduler was built on ``optimizer``: torch's schedulers record each group's ``initial_lr``."""
-    return any("initial_lr" in group for group in optimizer.param_groups)
+    """Whether an LR scheduler was built on ``optimizer``.
+
+    torch's schedulers record each group's ``initial_lr``, but for ReduceLROnPlateau, which sets the
+    learning rate from a metric and records nothing on the optimizer: that one is found among the
+    objects holding the optimizer (once, at setup).
+    """
+    if any("initial_lr" in group for group in optimizer.param_groups):
+        return True
+    return any(_holds(holder, optimizer) for holder in gc.get_referrers(optimizer))
+
+
+def _holds(holder: object, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``holder`` is an LR scheduler of ``optimizer``, or the ``__dict__`` of one."""
+    if isinstance(holder, LRScheduler):  # ReduceLROnPlateau is one since torch 2.2
+        return getattr(holder, "optimizer", None) is optimizer
+    if isinstance(holder, dict) and holder.get("optimizer") is optimizer:
+        return any(isinstance(owner, LRScheduler) for owner in gc.get_referrers(holder))
+    return False
 
 
 def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False) -> Choice[OptimizerImpl]:
