@@ -1,7 +1,9 @@
 """Counting batches into optimizer steps: accumulation cycles, when gradients are freed, which optimizers step.
 
-A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` batches end a
-cycle, whose backward reduces the gradients over the ranks and whose ``step`` really steps. The
+A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` ``step`` calls of an
+optimizer end its cycle: the last of them really steps, and the backward before it is the one that
+reduces its model's gradients over the ranks (each model's own optimizer says when, so the two models
+of a GAN each reduce on their own cycle's last batch). The
 gradients a step used are freed right after it on CUDA, and just before the next backward elsewhere
 (as late as the plain loop frees them). The first backward after a step starts from no gradients on
 any set-up model, as a plain loop's ``zero_grad()`` on each optimizer before its backward: a GAN's
@@ -20,6 +22,7 @@ import weakref
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv, process_group_store
@@ -38,11 +41,27 @@ class Cycle:
         self._freed: set[int] = set()  # optimizers whose gradients were freed after a step since the last backward
         self._round_over = False  # an optimizer stepped since the last backward
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._trains: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}  # each set-up model, its optimizer
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
 
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Record ``optimizer`` as one that ``setup`` returned."""
+    def adopt(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+        """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its)."""
         self._set_up.add(optimizer)
+        if model is not None:
+            self._trains[id(model)] = (model, optimizer)
+
+    def ends(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s next ``step`` call really steps: the batch before it ends its cycle."""
+        return self._micro_steps.get(id(optimizer), 0) == self.grad_accum - 1
+
+    def syncs(self, optimizer: torch.optim.Optimizer | None = None) -> list[tuple[nn.Module, bool]]:
+        """Each set-up model (``optimizer``'s alone, if given) and whether its next backward reduces its gradients.
+
+        Each model's own optimizer says, not the batches counted over all models: a GAN's discriminator and
+        generator each take ``grad_accum`` backwards a cycle, and one count of both would reduce the gradients of
+        one of them only in the backwards of the other.
+        """
+        return [(m, self.ends(o)) for m, o in self._trains.values() if optimizer is None or o is optimizer]
 
     @property
     def steps(self) -> int:
@@ -55,7 +74,7 @@ class Cycle:
         return (self.backwards - 1) // self.grad_accum + 1
 
     def next_batch(self) -> bool:
-        """Count a batch; return whether it ends a cycle (its backward reduces over the ranks)."""
+        """Count a batch; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
             # after a step left on another optimizer's parameters (a GAN's discriminator), but for an
@@ -71,7 +90,7 @@ class Cycle:
         self.backwards += 1
         if self.watchdog is not None:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
-        return self.backwards % self.grad_accum == 0
+        return any(ends for _, ends in self.syncs())
 
     def due(self, optimizer: torch.optim.Optimizer) -> bool:
         """Count a ``step`` call for ``optimizer``; return whether it ends the optimizer's cycle."""

@@ -61,7 +61,6 @@ from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
 
-_NOTHING = contextlib.nullcontext()
 log = logging.getLogger("redline")
 
 
@@ -232,7 +231,8 @@ class Runtime:
             micro_batch=micro, activation_checkpointing=recompute,
         )  # fmt: skip
         self.precision.guard(built)
-        self._cycle.adopt(built)
+        self._cycle.adopt(built, model)
+        self._expect_sync(built)
         self.model, self.optimizer = model, built
         if not again:
             self._models.append(model)
@@ -305,14 +305,13 @@ class Runtime:
         the same graph again, ``inputs=[...]``). Each call counts as one batch towards ``grad_accum``.
         """
         check_loss(loss, training=True, source="backward(loss) got")
-        sync = self._cycle.next_batch()
+        self._cycle.next_batch()
         accum = self.options.grad_accum
         if accum > 1:
             loss = loss / accum
-        synced: contextlib.AbstractContextManager[Any] = _NOTHING  # before setup: no model to synchronise
-        if self.strategy is not None and self.model is not None:
-            synced = self.strategy.gradient_sync(self.model, sync)
-        with synced:
+        with contextlib.ExitStack() as synced:
+            for model, sync in self._cycle.syncs():  # each set-up model (none before setup), reducing or not
+                synced.enter_context(cast(Strategy, self.strategy).gradient_sync(model, sync))
             self.precision.backward(loss, **kwargs)
 
     def train_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
@@ -354,11 +353,18 @@ class Runtime:
         Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
-        if not self._cycle.due(optimizer):
+        due = self._cycle.due(optimizer)
+        self._expect_sync(optimizer)
+        if not due:
             return False
         self.precision.step(optimizer, self._clip if self.options.clip_grad_norm is not None else None)
         self._cycle.stepped(optimizer)
         return True
+
+    def _expect_sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Say whether the next backward of each model (``optimizer``'s) reduces, before the forward: DDP's decides."""
+        for model, sync in self._cycle.syncs(optimizer):
+            cast(Strategy, self.strategy).expect_sync(model, sync)
 
     def _clip(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -434,6 +440,7 @@ class Runtime:
     def _restart_cycle(self, step: int) -> None:
         """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
         self._cycle.restart(step)
+        self._expect_sync()
         for model in self._models:  # gradients accumulated before the load belong to the old weights
             model.zero_grad(set_to_none=True)
 

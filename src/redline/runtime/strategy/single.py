@@ -32,6 +32,9 @@ class SingleDevice:
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         return _NOTHING  # one process: nothing to synchronise
 
+    def expect_sync(self, model: nn.Module, enabled: bool) -> None:
+        return None
+
     def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return _NOTHING
 
