@@ -92,6 +92,32 @@ def test_each_of_two_models_all_reduces_in_the_last_backward_of_its_own_cycle():
     assert len(calls_g) == 2  # once a cycle: the generator's loss is its only one
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_loss_of_one_model_is_no_unused_parameter_of_another_but_a_parameter_it_leaves_out_is():
+    """Two models trained in turn: the first loss reaches the first model alone, which says nothing of the second's
+    parameters; the second's own loss that leaves one of its layers out is still refused."""
+    from redline.errors import ConfigError
+
+    rt = redline.Runtime(devices="cpu", strategy="ddp", compile="off")
+    first, opt_first = rt.setup(nn.Linear(3, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+    second, _ = rt.setup(OneBranch(), lambda params: torch.optim.SGD(params, lr=0.1))
+    rt.backward(first(batch(0)).mean())
+    assert rt.step(opt_first)
+    with pytest.raises(ConfigError, match="got none in the first step"):
+        rt.backward(second(batch(1)).mean())
+
+
+class OneBranch(nn.Module):
+    """A model whose forward leaves one of its layers out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(3, 1), nn.Linear(3, 1)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.used(rows)
+
+
 def gan_loop(rt: redline.Runtime, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
     """Train a tiny GAN with grad_accum=2 in the user's own loop, each rank on its share of every global batch."""
     torch.manual_seed(0)
