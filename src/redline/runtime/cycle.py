@@ -19,6 +19,7 @@ forward and loss).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,12 +44,15 @@ class Cycle:
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._trains: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}  # each set-up model, its optimizer
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
+        # set by setup: told, before the forward of each model's next backward, whether that backward reduces
+        self.expect_sync: Callable[[nn.Module, bool], None] | None = None
 
     def adopt(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
         """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its)."""
         self._set_up.add(optimizer)
         if model is not None:
             self._trains[id(model)] = (model, optimizer)
+            self._expect(optimizer)
 
     def ends(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s next ``step`` call really steps: the batch before it ends its cycle."""
@@ -62,6 +66,12 @@ class Cycle:
         one of them only in the backwards of the other.
         """
         return [(m, self.ends(o)) for m, o in self._trains.values() if optimizer is None or o is optimizer]
+
+    def _expect(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Tell ``expect_sync`` whether the next backward of ``optimizer``'s model (of every model) reduces: the
+        user's forward runs before ``backward``, and DDP decides there."""
+        for model, sync in self.syncs(optimizer) if self.expect_sync is not None else []:
+            self.expect_sync(model, sync)
 
     @property
     def steps(self) -> int:
@@ -106,6 +116,7 @@ class Cycle:
         key = id(optimizer)
         count = self._micro_steps.get(key, 0) + 1
         self._micro_steps[key] = count % self.grad_accum
+        self._expect(optimizer)
         return count == self.grad_accum
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -126,6 +137,7 @@ class Cycle:
         self._pending_zero.clear()
         self._freed.clear()
         self._round_over = False
+        self._expect()
 
 
 def hang_watchdog(env: DistEnv, out_dir: Path | None) -> Watchdog | None:

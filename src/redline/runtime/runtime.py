@@ -231,8 +231,8 @@ class Runtime:
             micro_batch=micro, activation_checkpointing=recompute,
         )  # fmt: skip
         self.precision.guard(built)
+        self._cycle.expect_sync = self.strategy.expect_sync
         self._cycle.adopt(built, model)
-        self._expect_sync(built)
         self.model, self.optimizer = model, built
         if not again:
             self._models.append(model)
@@ -353,18 +353,11 @@ class Runtime:
         Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
         step whose gradients overflowed; that is the normal start of loss scaling.
         """
-        due = self._cycle.due(optimizer)
-        self._expect_sync(optimizer)
-        if not due:
+        if not self._cycle.due(optimizer):
             return False
         self.precision.step(optimizer, self._clip if self.options.clip_grad_norm is not None else None)
         self._cycle.stepped(optimizer)
         return True
-
-    def _expect_sync(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Say whether the next backward of each model (``optimizer``'s) reduces, before the forward: DDP's decides."""
-        for model, sync in self._cycle.syncs(optimizer):
-            cast(Strategy, self.strategy).expect_sync(model, sync)
 
     def _clip(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -440,7 +433,6 @@ class Runtime:
     def _restart_cycle(self, step: int) -> None:
         """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
         self._cycle.restart(step)
-        self._expect_sync()
         for model in self._models:  # gradients accumulated before the load belong to the old weights
             model.zero_grad(set_to_none=True)
 
