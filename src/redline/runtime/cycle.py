@@ -70,7 +70,9 @@ class Cycle:
     def _expect(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Tell ``expect_sync`` whether the next backward of ``optimizer``'s model (of every model) reduces: the
         user's forward runs before ``backward``, and DDP decides there."""
-        for model, sync in self.syncs(optimizer) if self.expect_sync is not None else []:
+        if self.expect_sync is None:
+            return
+        for model, sync in self.syncs(optimizer):
             self.expect_sync(model, sync)
 
     @property
