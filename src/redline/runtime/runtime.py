@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -127,8 +128,7 @@ class Runtime:
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
-        self._closed = False
-        self._setups = 0
+        self._closed, self._setups = False, 0
         self._compile_records: list[CompileRecord] = []
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
@@ -355,13 +355,20 @@ class Runtime:
         """
         if not self._cycle.due(optimizer):
             return False
-        self.precision.step(optimizer, self._clip if self.options.clip_grad_norm is not None else None)
+        clip = self.options.clip_grad_norm
+        self.precision.step(optimizer, None if clip is None else partial(self.precision.clip_grad_norm, max_norm=clip))
         self._cycle.stepped(optimizer)
         return True
 
-    def _clip(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, self.options.clip_grad_norm)  # type: ignore[arg-type]
+    def clip_grad_norm_(
+        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor | None:
+        """Clip ``optimizer``'s gradients to ``max_norm``, unscaled first under fp16; return their norm before clipping.
+
+        For a loop that clips or logs the norm itself (``max_norm=float("inf")`` clips nothing): torch's own would clip
+        fp16's gradients still scaled. Call it between ``backward`` and ``step``; mid-accumulation it returns None.
+        """
+        return self.precision.clip_grad_norm(optimizer, max_norm, norm_type) if self._cycle.ends(optimizer) else None
 
     @property
     def skipped_steps(self) -> int:
