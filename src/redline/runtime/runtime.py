@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
@@ -56,13 +55,11 @@ from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_op
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
-from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.seed import capture_rng, restore_rng, warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
-
-log = logging.getLogger("redline")
 
 
 class Runtime:
@@ -181,12 +178,7 @@ class Runtime:
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
         if self._started is None and self.options.seed is not None:
-            log.warning(
-                "seed=%d was applied when setup() started the Runtime, after this model was built: its initial "
-                "weights did not come from the seed\nhint: build the model inside `with Runtime(seed=...) as rt:` "
-                "(or after rt.start())",
-                self.options.seed,
-            )
+            warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
         self._setups += 0 if again else 1
