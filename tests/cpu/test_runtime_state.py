@@ -302,3 +302,19 @@ def test_a_compiled_model_set_up_again_is_not_compiled_a_second_time():
     compiled = model.forward
     model, _ = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.1))
     assert model.forward is compiled  # not a compile of the compiled forward, which would compile twice
+
+
+def test_a_model_the_user_compiled_gives_its_state_and_module_under_its_own_names():
+    """torch.compile(model)'s wrapper names every tensor `_orig_mod.<name>`: a state saved with those names loads into
+    no plain model. No forward runs here, so nothing compiles."""
+    plain_names = set(make_model().state_dict())
+    rt, model, _ = fresh()
+    compiled_rt = redline.Runtime(devices="cpu", compile="off")
+    compiled, _ = compiled_rt.setup(torch.compile(make_model()), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    state = compiled_rt.state_dict()
+    assert set(state["model"]) == plain_names
+    assert set(compiled_rt.module.state_dict()) == plain_names
+    rt.load_state_dict(state)  # into the plain model of another run
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), compiled.parameters(), strict=True))
+    wrapped = {**state, "model": {f"_orig_mod.{k}": v for k, v in state["model"].items()}}
+    compiled_rt.load_state_dict(wrapped)  # a state taken with the wrapper's names still loads where it came from

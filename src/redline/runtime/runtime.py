@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from redline.checkpoint import Checkpoint, open_verified
+from redline.checkpoint.whole import plain_module
 from redline.config import one_of, positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -371,9 +372,9 @@ class Runtime:
 
     @property
     def module(self) -> nn.Module:
-        """The user's module inside the set-up model (its parameter names as the user wrote them)."""
+        """The user's module inside the set-up model (its parameter names as the user wrote them, compiled or not)."""
         strategy, model, _ = self._prepared()
-        return strategy.module(model)
+        return plain_module(strategy.module(model))
 
     def state_dict(self) -> dict[str, Any]:
         """Return the run's state: model and optimizer (as the strategy holds them), loss scaling, RNG.
