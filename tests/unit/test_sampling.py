@@ -1,10 +1,23 @@
 """The data order and the split of a global batch across ranks, without processes."""
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+import torch
 from torch import nn
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from redline.errors import ConfigError
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, split_caveats
+from redline.parallel.env import DistEnv
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, global_batches, split_caveats
 
 
 def ranks(size: int, global_batch: int, world: int, epoch: int = 0, skip: int = 0) -> list[list[list[int]]]:
@@ -54,3 +67,40 @@ def test_the_layers_that_depend_on_the_split_are_named():
     assert "dropout" in caveats[1]
     assert split_caveats(nn.SyncBatchNorm(2), world_size=2) == []  # already global
     assert split_caveats(both, world_size=1) == []  # one process splits nothing
+
+
+TWO_RANKS = DistEnv(rank=1, world_size=2)
+
+
+def loader_with(sampler_of: Callable[[TensorDataset], Any] | None = None, **options: Any) -> DataLoader:
+    data = TensorDataset(torch.arange(12.0))
+    return DataLoader(data, batch_size=4, sampler=sampler_of(data) if sampler_of else None, **options)
+
+
+@pytest.mark.parametrize(
+    "sampler_of",
+    [
+        lambda data: WeightedRandomSampler([1.0] * 6 + [0.0] * 6, num_samples=12),
+        lambda data: SubsetRandomSampler(range(6)),
+        lambda data: RandomSampler(data, replacement=True),
+        lambda data: RandomSampler(data, num_samples=6),
+    ],
+    ids=["weighted", "subset", "replacement", "fewer-samples"],
+)
+def test_a_sampler_whose_order_the_split_would_drop_is_refused_naming_it(sampler_of):
+    """Split over the ranks, every sample would come once an epoch: the weights, the subset (a validation split
+    training with the rest), the draws with replacement would all be gone, with no word."""
+    loader = loader_with(sampler_of)
+    with pytest.raises(ConfigError, match=type(loader.sampler).__name__) as refused:
+        global_batches(loader, TWO_RANKS, seed=0)
+    assert "DistributedSampler" in str(refused.value)
+
+
+def test_the_users_distributed_sampler_is_kept_and_a_plain_order_is_split():
+    """A ported DDP script's DistributedSampler already gives each rank its share (and shuffles, per set_epoch)."""
+    split = loader_with(lambda data: DistributedSampler(data, num_replicas=2, rank=1, shuffle=True))
+    assert global_batches(split, TWO_RANKS, seed=0) is None
+    for loader in (loader_with(), loader_with(shuffle=True)):
+        batches = global_batches(loader, TWO_RANKS, seed=0)
+        assert isinstance(batches, GlobalBatchSampler) and batches.local_batch == 2
+    assert global_batches(loader_with(lambda data: SubsetRandomSampler(range(6))), DistEnv(), seed=0) is None

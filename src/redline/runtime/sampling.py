@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from redline.errors import invalid
+from redline.errors import ConfigError, invalid
 from redline.parallel.env import DistEnv
 
 
@@ -153,6 +153,9 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
         return None  # one process, an iterable of batches, or the user's own batch sampler
     if isinstance(loader.dataset, IterableDataset) or isinstance(loader.batch_sampler, GlobalBatchSampler):
         return None  # an iterable dataset shards itself; the Trainer's loader is split already
+    if isinstance(loader.sampler, DistributedSampler):
+        return None  # the user's own split: each rank reads the share it gives, batch_size samples at a time
+    check_whole_order(loader.sampler, env.world_size)
     order = EpochSampler(
         len(loader.dataset),  # type: ignore[arg-type]
         shuffle=isinstance(loader.sampler, RandomSampler),
@@ -160,3 +163,20 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
         auto_epoch=True,
     )
     return GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)
+
+
+def check_whole_order(sampler: Sampler[Any], world_size: int) -> None:
+    """Refuse a sampler whose order the split cannot reproduce: it draws every sample once an epoch, in order or
+    shuffled (torch's SequentialSampler, RandomSampler without replacement), and nothing else."""
+    if type(sampler) is SequentialSampler:
+        return
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
+        return
+    name = type(sampler).__name__
+    raise ConfigError(
+        f"setup_loader splits each batch of the loader over the {world_size} processes in an order of its own, every "
+        f"sample once an epoch (shuffled where the loader shuffles), and would drop the loader's sampler ({name}): "
+        "its weights, subset or draws with replacement would be lost\nhint: give each process its share yourself "
+        "with a DistributedSampler (torch's, or a subclass of yours over your weights or subset), which setup_loader "
+        "keeps as it is; for a subset, a torch.utils.data.Subset with shuffle=True is split as any dataset"
+    )
