@@ -165,7 +165,7 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
     return GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)
 
 
-def check_whole_order(sampler: Sampler[Any], world_size: int) -> None:
+def check_whole_order(sampler: Iterable[Any], world_size: int) -> None:
     """Refuse a sampler whose order the split cannot reproduce: it draws every sample once an epoch, in order or
     shuffled (torch's SequentialSampler, RandomSampler without replacement), and nothing else."""
     if type(sampler) is SequentialSampler:
