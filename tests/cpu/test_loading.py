@@ -101,11 +101,29 @@ def facts(**overrides: Any) -> LoaderFacts:
 
 
 def test_cpu_keeps_the_users_loader() -> None:
-    choice = resolve_loader(facts(num_workers=2, pin_memory=False), SMALL_CPU)
+    choice = resolve_loader(
+        facts(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=3), SMALL_CPU
+    )
     assert choice.value == LoaderSettings(
-        num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=None, rebuild=False
+        num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=3, rebuild=False
     )
     assert "kept" in choice.reason
+
+
+def test_a_loader_rebuilt_to_gather_its_batches_keeps_every_worker_setting_the_user_made() -> None:
+    """On CPU a TensorDataset's loader is rebuilt only to gather whole batches: its workers stay as the user set them
+    (not persistent, a deeper prefetch, batches out of order), which the Plan shows."""
+    import redline
+
+    loader = DataLoader(
+        tensor_data(), batch_size=4, num_workers=2, persistent_workers=False, prefetch_factor=6, in_order=False
+    )
+    rt = redline.Runtime(devices="cpu", compile="off")
+    rebuilt = rt.setup_loader(loader).loader
+    assert isinstance(rebuilt, DataLoader) and rebuilt is not loader  # gathered: rebuilt
+    assert (rebuilt.num_workers, rebuilt.persistent_workers, rebuilt.prefetch_factor) == (2, False, 6)
+    assert rebuilt.in_order is False
+    assert str(rt.explain().loader.value) == "workers=2 pin_memory=off persistent=off prefetch=6 gather=on"
 
 
 def test_cuda_with_in_memory_tensors_pins_without_workers() -> None:

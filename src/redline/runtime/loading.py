@@ -26,6 +26,8 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
         pin_memory=loader.pin_memory,
         local_devices=local_devices,
         gatherable=loader.batch_sampler is not None and can_gather(dataset, loader.collate_fn),  # batches, not items
+        persistent_workers=loader.persistent_workers,
+        prefetch_factor=loader.prefetch_factor,
     )
 
 
@@ -57,6 +59,8 @@ def rebuild_dataloader(
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
         "persistent_workers": settings.persistent_workers and settings.num_workers > 0,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": loader.in_order,  # False: a batch as soon as any worker has it
     }
     if settings.num_workers > 0 and settings.prefetch_factor is not None:
         common["prefetch_factor"] = settings.prefetch_factor
