@@ -47,7 +47,7 @@ from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision,
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
-from redline.runtime.compile import CompileRecord, compile_planned, compile_seconds, explain_compile
+from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds, explain_compile
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
@@ -465,9 +465,7 @@ class Runtime:
     def compiles(self) -> tuple[int, int, list[str]]:
         """How many times the compiled models compiled, how many of those for training (under autograd; the
         rest for evaluation, under no_grad), and why each recompile happened."""
-        records = self._compile_records
-        recompiles = [c for r in records for c in r.recompiles]
-        return sum(r.compiles for r in records), sum(r.training for r in records), recompiles
+        return compile_counts(self._compile_records)
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
