@@ -118,6 +118,24 @@ class OneBranch(nn.Module):
         return self.used(rows)
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_unwrap_gives_each_of_two_models_under_its_own_names_for_the_user_to_save():
+    """rt.module and rt.save serve one model; a GAN's two, saved by the user, would carry DDP's `module.` prefix (and
+    torch.compile's `_orig_mod.`), which loads into no plain model."""
+    from redline.errors import ConfigError
+
+    rt = redline.Runtime(devices="cpu", strategy="ddp", compile="off")
+    gen, _ = rt.setup(torch.compile(nn.Linear(2, 2)), lambda params: torch.optim.SGD(params, lr=0.1))
+    disc, _ = rt.setup(nn.Linear(2, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+    assert set(gen.state_dict()) == {"module._orig_mod.weight", "module._orig_mod.bias"}  # what a user saved before
+    for model in (gen, disc):
+        plain = rt.unwrap(model)
+        assert set(plain.state_dict()) == {"weight", "bias"}
+        assert rt.unwrap(plain) is plain  # the user's own module, given back as it is
+    with pytest.raises(ConfigError, match=r"a model that rt\.setup\(\) returned"):
+        rt.unwrap(nn.Linear(2, 2))
+
+
 def gan_loop(rt: redline.Runtime, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
     """Train a tiny GAN with grad_accum=2 in the user's own loop, each rank on its share of every global batch."""
     torch.manual_seed(0)

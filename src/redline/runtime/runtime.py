@@ -373,8 +373,16 @@ class Runtime:
     @property
     def module(self) -> nn.Module:
         """The user's module inside the set-up model (its parameter names as the user wrote them, compiled or not)."""
-        strategy, model, _ = self._prepared()
-        return plain_module(strategy.module(model))
+        return self.unwrap(self._prepared()[1])
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Return the user's module inside ``model``, one of the models ``setup`` returned (a GAN's two as well): DDP's
+        wrapper taken off, the names the user wrote (compiled or not), as a state dict saved from it should hold."""
+        for known in self._models:
+            inner = cast(Strategy, self.strategy).module(known)
+            if model is known or model is inner or model is plain_module(inner):
+                return plain_module(inner)
+        raise invalid("unwrap(model)", type(model).__name__, "a model that rt.setup() returned", "set it up first")
 
     def state_dict(self) -> dict[str, Any]:
         """Return the run's state: model and optimizer (as the strategy holds them), loss scaling, RNG.
