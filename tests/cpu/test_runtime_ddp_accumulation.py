@@ -134,6 +134,8 @@ def test_unwrap_gives_each_of_two_models_under_its_own_names_for_the_user_to_sav
         assert rt.unwrap(plain) is plain  # the user's own module, given back as it is
     with pytest.raises(ConfigError, match=r"a model that rt\.setup\(\) returned"):
         rt.unwrap(nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=r"rt\.unwrap\(model\)\.state_dict\(\)"):  # the way out it names
+        rt.state_dict()
 
 
 def gan_loop(rt: redline.Runtime, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:

@@ -458,7 +458,7 @@ class Runtime:
         if models and self._setups > 1:
             raise ConfigError(
                 f"this Runtime set up {self._setups} models; its state, checkpoints and weights are one model's\n"
-                "hint: use one Runtime per model you save"
+                "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
 
