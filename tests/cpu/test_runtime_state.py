@@ -318,3 +318,20 @@ def test_a_model_the_user_compiled_gives_its_state_and_module_under_its_own_name
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), compiled.parameters(), strict=True))
     wrapped = {**state, "model": {f"_orig_mod.{k}": v for k, v in state["model"].items()}}
     compiled_rt.load_state_dict(wrapped)  # a state taken with the wrapper's names still loads where it came from
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_step_count_is_the_optimizer_steps_taken_when_a_batch_has_two_losses(accum):
+    """README's retain_graph use: two losses back-propagated through one forward. Counted per backward, the state's
+    step doubled, and a run resumed from it went on from twice the steps it had taken."""
+    rt, model, optimizer = fresh(grad_accum=accum)
+    taken = 0
+    for inputs, targets in list(loader())[:4]:
+        outputs = model(inputs)
+        rt.backward(nn.functional.cross_entropy(outputs, targets), retain_graph=True)
+        rt.backward(outputs.pow(2).mean())
+        taken += rt.step(optimizer)
+    assert taken == 4 // accum and rt.state_dict()["step"] == taken
+    rt2, _, _ = fresh(grad_accum=accum)
+    rt2.load_state_dict(rt.state_dict())
+    assert rt2.state_dict()["step"] == taken

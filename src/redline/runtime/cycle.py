@@ -1,10 +1,10 @@
 """Counting batches into optimizer steps: accumulation cycles, when gradients are freed, which optimizers step.
 
-A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` ``step`` calls of an
-optimizer end its cycle: the last of them really steps, and the backward before it is the one that
-reduces its model's gradients over the ranks (each model's own optimizer says when, so the two models
-of a GAN each reduce on their own cycle's last batch). The
-gradients a step used are freed right after it on CUDA, and just before the next backward elsewhere
+A Runtime's ``step`` counts the batches of an optimizer: every ``grad_accum`` ``step`` calls end its
+cycle, the last of them really steps, and the backward before it is the one that reduces its model's
+gradients over the ranks (each model's own optimizer says when, so the two models of a GAN each reduce
+on their own cycle's last batch); the run's step count is the steps taken. The gradients a step used
+are freed right after it on CUDA, and just before the next backward elsewhere
 (as late as the plain loop frees them). The first backward after a step starts from no gradients on
 any set-up model, as a plain loop's ``zero_grad()`` on each optimizer before its backward: a GAN's
 generator loss, back-propagated through the discriminator after the discriminator stepped, leaves
@@ -36,7 +36,7 @@ class Cycle:
     def __init__(self, grad_accum: int, *, zero_after_step: bool) -> None:
         self.grad_accum = grad_accum
         self.zero_after_step = zero_after_step
-        self.backwards = 0
+        self._steps = 0  # optimizer steps taken: not backwards counted, which a batch of two losses has two of
         self._micro_steps: dict[int, int] = {}
         self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._freed: set[int] = set()  # optimizers whose gradients were freed after a step since the last backward
@@ -77,16 +77,16 @@ class Cycle:
 
     @property
     def steps(self) -> int:
-        """Whole steps so far: a cycle's gradients are not state."""
-        return self.backwards // self.grad_accum
+        """Whole steps so far, as the optimizer took them: a cycle's gradients are not state."""
+        return self._steps
 
     @property
     def current_step(self) -> int:
         """The step the last counted batch belongs to, from 1."""
-        return (self.backwards - 1) // self.grad_accum + 1
+        return self._steps + 1
 
     def next_batch(self) -> bool:
-        """Count a batch; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
+        """Ready a backward; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
             # after a step left on another optimizer's parameters (a GAN's discriminator), but for an
@@ -99,7 +99,6 @@ class Cycle:
             self._round_over = False
         self._pending_zero.clear()
         self._freed.clear()
-        self.backwards += 1
         if self.watchdog is not None:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
         return any(ends for _, ends in self.syncs())
@@ -124,6 +123,7 @@ class Cycle:
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """Free the gradients ``optimizer`` just stepped on, now or before the next backward."""
         self._round_over = True
+        self._steps += 1
         if self.zero_after_step:
             optimizer.zero_grad(set_to_none=True)
             self._freed.add(id(optimizer))
@@ -134,7 +134,7 @@ class Cycle:
 
     def restart(self, step: int) -> None:
         """Start a fresh cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
-        self.backwards = step * self.grad_accum  # steps go on counting from the loaded state's
+        self._steps = step  # steps go on counting from the loaded state's
         self._micro_steps.clear()
         self._pending_zero.clear()
         self._freed.clear()
