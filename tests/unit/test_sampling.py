@@ -104,3 +104,16 @@ def test_the_users_distributed_sampler_is_kept_and_a_plain_order_is_split():
         batches = global_batches(loader, TWO_RANKS, seed=0)
         assert isinstance(batches, GlobalBatchSampler) and batches.local_batch == 2
     assert global_batches(loader_with(lambda data: SubsetRandomSampler(range(6))), DistEnv(), seed=0) is None
+
+
+def test_a_loader_set_up_again_each_epoch_goes_on_to_the_next_epochs_order():
+    """A loop that calls rt.setup_loader(loader) at the top of each epoch: with a new split each time, every epoch
+    under several processes read epoch 0's shuffle again, where one process reshuffles each epoch."""
+    loader = loader_with(shuffle=True)
+    epoch_0 = list(global_batches(loader, TWO_RANKS, seed=0))
+    epoch_1 = list(global_batches(loader, TWO_RANKS, seed=0))
+    assert epoch_1 != epoch_0 and sorted(map(len, epoch_1)) == sorted(map(len, epoch_0))  # reshuffled, as many
+    other = list(global_batches(loader, TWO_RANKS, seed=1))  # another run's seed: its own order from its epoch 0
+    assert other == list(
+        GlobalBatchSampler(EpochSampler(12, shuffle=True, seed=1), global_batch=4, rank=1, world_size=2)
+    )

@@ -8,6 +8,7 @@ depend on the number of processes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -156,13 +157,26 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
     if isinstance(loader.sampler, DistributedSampler):
         return None  # the user's own split: each rank reads the share it gives, batch_size samples at a time
     check_whole_order(loader.sampler, env.world_size)
+    key = (seed, env.rank, env.world_size)
+    split = _SPLITS.get(loader)
+    if split is not None and split[0] == key:  # set up again (each epoch, say): its epochs go on, each shuffled anew
+        return split[1]
     order = EpochSampler(
         len(loader.dataset),  # type: ignore[arg-type]
         shuffle=isinstance(loader.sampler, RandomSampler),
         seed=seed,  # the same order on every rank
         auto_epoch=True,
     )
-    return GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)
+    batches = GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)
+    _SPLITS[loader] = (key, batches)
+    return batches
+
+
+# The split of each loader set up under several processes, by the loader: a loop that sets the same loader up
+# every epoch gets the same split, whose order moves on to the next epoch, and not epoch 0's order every time.
+_SPLITS: weakref.WeakKeyDictionary[DataLoader[Any], tuple[tuple[int, int, int], GlobalBatchSampler]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def check_whole_order(sampler: Iterable[Any], world_size: int) -> None:
