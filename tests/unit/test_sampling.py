@@ -117,3 +117,13 @@ def test_a_loader_set_up_again_each_epoch_goes_on_to_the_next_epochs_order():
     assert other == list(
         GlobalBatchSampler(EpochSampler(12, shuffle=True, seed=1), global_batch=4, rank=1, world_size=2)
     )
+
+
+def test_a_loader_that_drops_its_last_short_batch_drops_it_on_every_rank():
+    """10 samples in batches of 4: one process drops the last 2 (drop_last=True); split over two ranks, that batch
+    splits evenly and was kept, so two processes took one step more than one process."""
+    data = TensorDataset(torch.arange(10.0))
+    alone = [len(batch[0]) for batch in DataLoader(data, batch_size=4, drop_last=True)]
+    split = global_batches(DataLoader(data, batch_size=4, drop_last=True), DistEnv(rank=0, world_size=2), seed=0)
+    assert split is not None
+    assert [len(batch) * 2 for batch in split] == alone == [4, 4] and len(split) == 2

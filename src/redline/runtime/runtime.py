@@ -261,7 +261,7 @@ class Runtime:
             split = loader.batch_sampler
             reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
             if split.drop_last:
-                reason += "; a partial last batch is dropped: the compiled model keeps one shape"
+                reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
             reason = "; ".join([reason, *self._split_caveats])
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)

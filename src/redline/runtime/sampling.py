@@ -67,7 +67,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
     ) -> None:
         check_split(global_batch, world_size)
-        self.drop_last = drop_last  # a compiled model keeps one shape: a partial last batch would recompile it
+        self.drop_last = drop_last  # the loader drops it, or a compiled model keeps one shape (no recompile)
         self.sampler = sampler
         self.global_batch = global_batch
         self.rank = rank
@@ -167,7 +167,9 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
         seed=seed,  # the same order on every rank
         auto_epoch=True,
     )
-    batches = GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)
+    batches = GlobalBatchSampler(
+        order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size, drop_last=loader.drop_last
+    )
     _SPLITS[loader] = (key, batches)
     return batches
 
