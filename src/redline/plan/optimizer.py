@@ -59,18 +59,19 @@ def scheduled(optimizer: torch.optim.Optimizer) -> bool:
     learning rate from a metric and records nothing on the optimizer: that one is found among the
     objects holding the optimizer (once, at setup).
     """
-    if any("initial_lr" in group for group in optimizer.param_groups):
-        return True
-    return any(_holds(holder, optimizer) for holder in gc.get_referrers(optimizer))
+    return any("initial_lr" in group for group in optimizer.param_groups) or bool(schedulers_of(optimizer))
 
 
-def _holds(holder: object, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``holder`` is an LR scheduler of ``optimizer``, or the ``__dict__`` of one."""
-    if isinstance(holder, LRScheduler):  # ReduceLROnPlateau is one since torch 2.2
-        return getattr(holder, "optimizer", None) is optimizer
-    if isinstance(holder, dict) and holder.get("optimizer") is optimizer:
-        return any(isinstance(owner, LRScheduler) for owner in gc.get_referrers(holder))
-    return False
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
+    """The LR schedulers built on ``optimizer`` (ReduceLROnPlateau is one since torch 2.2), among the objects
+    that hold it: a scan of the heap, for a one-off question, not for each step."""
+    found = []
+    for holder in gc.get_referrers(optimizer):
+        if isinstance(holder, dict) and holder.get("optimizer") is optimizer:  # a scheduler's __dict__
+            holder = next((o for o in gc.get_referrers(holder) if isinstance(o, LRScheduler)), None)
+        if isinstance(holder, LRScheduler) and getattr(holder, "optimizer", None) is optimizer:
+            found.append(holder)
+    return found
 
 
 def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False) -> Choice[OptimizerImpl]:

@@ -18,16 +18,27 @@ forward and loss).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv, process_group_store
 from redline.parallel.watchdog import Watchdog
+from redline.plan.optimizer import schedulers_of
+
+log = logging.getLogger("redline")
+_TOO_FAST = (
+    "the LR scheduler %s stepped %d times over one optimizer step: with grad_accum=%d, rt.step(optimizer) steps the "
+    "optimizer once every %d calls, so a scheduler stepped after each call runs its schedule %d times too fast\n"
+    "hint: step it when the optimizer stepped: `if rt.step(optimizer): scheduler.step()` (unless its schedule counts "
+    "batches, not optimizer steps)"
+)
 
 
 class Cycle:
@@ -44,6 +55,8 @@ class Cycle:
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._trains: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}  # each set-up model, its optimizer
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
+        self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
+        self._pace_warned = False
         # set by setup: told, before the forward of each model's next backward, whether that backward reduces
         self.expect_sync: Callable[[nn.Module, bool], None] | None = None
 
@@ -124,6 +137,7 @@ class Cycle:
         """Free the gradients ``optimizer`` just stepped on, now or before the next backward."""
         self._round_over = True
         self._steps += 1
+        self._check_pace(optimizer)
         if self.zero_after_step:
             optimizer.zero_grad(set_to_none=True)
             self._freed.add(id(optimizer))
@@ -132,12 +146,38 @@ class Cycle:
         if self.watchdog is not None:
             self.watchdog.beat(self.steps + 1, "the loop between optimizer steps (data, forward, loss)")
 
+    def _check_pace(self, optimizer: torch.optim.Optimizer) -> None:
+        """Warn, once, of an LR scheduler that steps more than once per step of ``optimizer`` under accumulation.
+
+        A loop ported from one without ``grad_accum`` steps its scheduler after every ``rt.step``, which steps
+        the optimizer once every ``grad_accum`` calls: the schedule would run ``grad_accum`` times too fast. Its
+        schedulers are looked for once torch's mark of one (each group's ``initial_lr``) appears.
+        """
+        if self.grad_accum == 1 or self._pace_warned:
+            return
+        paces = self._paces.get(id(optimizer))
+        if paces is None:
+            if any("initial_lr" in group for group in optimizer.param_groups):
+                self._paces[id(optimizer)] = [(weakref.ref(s), s.last_epoch) for s in schedulers_of(optimizer)]
+            return
+        for i, (ref, last) in enumerate(paces):
+            scheduler = ref()
+            if scheduler is not None:
+                paces[i] = (ref, scheduler.last_epoch)
+                if scheduler.last_epoch - last > 1:
+                    self._pace_warned = True
+                    log.warning(
+                        _TOO_FAST, type(scheduler).__name__, scheduler.last_epoch - last, *[self.grad_accum] * 3
+                    )
+                    return
+
     def restart(self, step: int) -> None:
         """Start a fresh cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
         self._steps = step  # steps go on counting from the loaded state's
         self._micro_steps.clear()
         self._pending_zero.clear()
         self._freed.clear()
+        self._paces.clear()  # the schedulers' loaded states jump: their pace is measured afresh
         self._round_over = False
         self._expect()
 
