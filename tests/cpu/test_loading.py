@@ -360,3 +360,14 @@ def test_a_trainer_stream_read_by_workers_gives_each_item_once_in_order_and_resu
         assert [b[0].flatten().tolist() for b in batches] == [[4.0 * i + j for j in range(4)] for i in range(4)]
         stream.set_epoch(1, skip=8)  # a resumed run, two batches into its epoch
         assert [b[0].flatten().tolist() for b in batches] == [[8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]
+
+
+def test_a_dataset_given_to_setup_loader_is_refused_with_the_wrapping_and_a_stream_of_batches_is_taken() -> None:
+    """Iterated, a map-style dataset gives its samples one at a time: the loop would train on unbatched samples."""
+    import redline
+    from redline.errors import ConfigError
+
+    rt = redline.Runtime(devices="cpu", compile="off")
+    with pytest.raises(ConfigError, match=r"(?s)'TensorDataset'.*hint: wrap it: rt\.setup_loader\(DataLoader\(dataset"):
+        rt.setup_loader(tensor_data())
+    assert len(list(rt.setup_loader(Counting()))) == len(list(Counting()))  # an iterable dataset may yield batches
