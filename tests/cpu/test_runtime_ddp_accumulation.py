@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import redline
+from redline.runtime.strategy import Strategy
 
 
 @pytest.fixture
@@ -136,6 +138,26 @@ def test_unwrap_gives_each_of_two_models_under_its_own_names_for_the_user_to_sav
         rt.unwrap(nn.Linear(2, 2))
     with pytest.raises(ConfigError, match=r"rt\.unwrap\(model\)\.state_dict\(\)"):  # the way out it names
         rt.state_dict()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_backward_in_the_callers_own_no_sync_stays_local(monkeypatch):
+    """The batch-size search steps with the gradients kept local (a rank out of memory must leave no other waiting in
+    a collective): the cycle's last backward, inside its no_sync(), must not average them after all."""
+    from redline.runtime.strategy.ddp import DDP
+
+    averaged: list[int] = []
+    monkeypatch.setattr(DDP, "average_gradients", lambda self, model: averaged.append(1))
+    rt = redline.Runtime(devices="cpu", strategy="ddp", compile="off")
+    model, optimizer = rt.setup(nn.Linear(3, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+    calls = counted(model)
+    for step in range(2):
+        with cast(Strategy, rt.strategy).gradient_sync(model, False):
+            rt.backward(model(batch(step)).mean())
+        assert rt.step(optimizer)
+    assert calls == [] and averaged == []
+    rt.backward(model(batch(3)).mean())  # outside it, as before: reduced in the backward
+    assert len(calls) == 1 and averaged == []
 
 
 def gan_loop(rt: redline.Runtime, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:

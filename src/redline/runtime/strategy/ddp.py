@@ -29,6 +29,7 @@ class DDP(SingleDevice):
 
     def __init__(self, *, find_unused_parameters: bool = False) -> None:
         self._checked: set[int] = set()  # the models whose first reduction was checked for unused parameters
+        self._expected: dict[int, bool] = {}  # whether each model's next backward reduces, as expect_sync set it
         self.find_unused = find_unused_parameters
         if find_unused_parameters:
             self.detail = (
@@ -57,7 +58,7 @@ class DDP(SingleDevice):
         ``rt.backward``, so the decision is set ahead, after each step, for the batches of the cycle to come.
         """
         if isinstance(model, DistributedDataParallel):
-            model.require_backward_grad_sync = enabled
+            model.require_backward_grad_sync = self._expected[id(model)] = enabled
 
     @contextlib.contextmanager
     def _first_reduction_checked(self, model: DistributedDataParallel) -> Iterator[None]:
@@ -69,13 +70,17 @@ class DDP(SingleDevice):
         not all averaged, and the next forward fails with "Expected to have finished reduction in the prior
         iteration", which names no parameter.
         """
-        before, model.require_backward_grad_sync = model.require_backward_grad_sync, True  # for a forward inside
-        try:
-            yield
-        finally:
-            model.require_backward_grad_sync = before
-        if not model.require_forward_param_sync:  # DDP's own record: the last forward readied no reduction
-            self.average_gradients(model)
+        before = model.require_backward_grad_sync
+        if not before and self._expected.get(id(model), True):  # in the caller's own no_sync(): it stays local
+            yield  # (the batch-size search, whose steps must not wait on a rank that ran out of memory)
+        else:
+            model.require_backward_grad_sync = True  # for a forward inside (train_step)
+            try:
+                yield
+            finally:
+                model.require_backward_grad_sync = before
+            if not model.require_forward_param_sync:  # DDP's own record: the last forward readied no reduction
+                self.average_gradients(model)
         if id(model) in self._checked or self.find_unused:
             return
         params = [(name, p) for name, p in self.module(model).named_parameters() if p.requires_grad]
