@@ -57,6 +57,7 @@ class Cycle:
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
         self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
         self._pace_warned = False
+        self._holding: dict[int, torch.optim.Optimizer] = {}  # amid a cycle, with gradients at their last step call
         # set by setup: told, before the forward of each model's next backward, whether that backward reduces
         self.expect_sync: Callable[[nn.Module, bool], None] | None = None
 
@@ -100,6 +101,7 @@ class Cycle:
 
     def next_batch(self) -> bool:
         """Ready a backward; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
+        self._check_kept()
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
             # after a step left on another optimizer's parameters (a GAN's discriminator), but for an
@@ -130,6 +132,10 @@ class Cycle:
         key = id(optimizer)
         count = self._micro_steps.get(key, 0) + 1
         self._micro_steps[key] = count % self.grad_accum
+        if count < self.grad_accum and _has_gradients(optimizer):
+            self._holding[key] = optimizer
+        else:
+            self._holding.pop(key, None)
         self._expect(optimizer)
         return count == self.grad_accum
 
@@ -145,6 +151,22 @@ class Cycle:
             self._pending_zero[id(optimizer)] = optimizer
         if self.watchdog is not None:
             self.watchdog.beat(self.steps + 1, "the loop between optimizer steps (data, forward, loss)")
+
+    def _check_kept(self) -> None:
+        """Refuse a backward after the gradients an optimizer amid its cycle had accumulated were freed.
+
+        A loop ported from one without ``grad_accum`` calls ``optimizer.zero_grad()`` before each batch: under
+        accumulation that drops the cycle's earlier batches, and the step would take the last one alone.
+        """
+        for key, optimizer in self._holding.items():
+            if not _has_gradients(optimizer):
+                raise ConfigError(
+                    f"the gradients of the first {self._micro_steps.get(key, 0)} batches of this accumulation cycle "
+                    f"(grad_accum={self.grad_accum}) were freed before this backward: optimizer.zero_grad() (or "
+                    "setting .grad to None) mid-cycle leaves its step the last batch alone\nhint: drop "
+                    "optimizer.zero_grad() from the loop: rt.step frees the gradients itself after each real step"
+                )
+        self._holding.clear()
 
     def _check_pace(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn, once, of an LR scheduler that steps more than once per step of ``optimizer`` under accumulation.
@@ -178,8 +200,13 @@ class Cycle:
         self._pending_zero.clear()
         self._freed.clear()
         self._paces.clear()  # the schedulers' loaded states jump: their pace is measured afresh
+        self._holding.clear()  # a load frees the gradients of the cycle it drops
         self._round_over = False
         self._expect()
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def hang_watchdog(env: DistEnv, out_dir: Path | None) -> Watchdog | None:
