@@ -295,7 +295,8 @@ class Runtime:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16.
 
         Keyword arguments go to torch's ``backward`` (``retain_graph=True`` to back-propagate through
-        the same graph again, ``inputs=[...]``). Each call counts as one batch towards ``grad_accum``.
+        the same graph again, ``inputs=[...]``). A batch may back-propagate several losses: its ``step`` call
+        is what counts towards ``grad_accum``, so every loss of the cycle is divided by it.
         """
         check_loss(loss, training=True, source="backward(loss) got")
         self._cycle.next_batch()
@@ -310,7 +311,7 @@ class Runtime:
     def train_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """Run ``step_fn(batch)`` (the batch's loss, under autocast) and back-propagate it; return the loss, detached.
 
-        Like ``backward``, it counts towards ``grad_accum``; call ``step(optimizer)`` after it. With
+        Its loss is divided by ``grad_accum``, as ``backward``'s; call ``step(optimizer)`` after it. With
         ``micro_batch`` N, the batch runs as micro-batches of N samples (its first axis split) whose
         gradients accumulate; with "auto" it runs whole until the device runs out of memory, then is
         done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
