@@ -335,3 +335,15 @@ def test_the_step_count_is_the_optimizer_steps_taken_when_a_batch_has_two_losses
     rt2, _, _ = fresh(grad_accum=accum)
     rt2.load_state_dict(rt.state_dict())
     assert rt2.state_dict()["step"] == taken
+
+
+def test_a_checkpoint_saved_without_a_step_records_the_steps_taken_and_a_load_goes_on_from_them(tmp_path):
+    """rt.save(path) under a name of the user's: the checkpoint said step 0, and a run loaded from it counted its
+    steps from 0 again, where one loaded from rt.state_dict() went on from 3."""
+    rt, model, optimizer = fresh()
+    run(rt, model, optimizer, list(loader())[:3])
+    assert rt.save(tmp_path / "latest").step == 3
+    rt2, _, _ = fresh()
+    rt2.load(tmp_path / "latest")
+    assert rt2.state_dict()["step"] == 3
+    assert rt.save(tmp_path / "mine", step=7).step == 7  # a step given is the checkpoint's

@@ -407,11 +407,11 @@ class Runtime:
     def save(self, path: str | Path, *, extra: Mapping[str, Any] | None = None, step: int | None = None) -> Checkpoint:
         """Write a checkpoint directory at ``path`` atomically: weights, optimizer, loss scaling, RNGs, the Plan.
 
-        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``. The
-        strategy picks the format: whole from one process (one device, DDP) or every rank its shards
-        (FSDP). Collective: under several processes every rank calls it.
+        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``; ``step`` defaults to
+        the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
         """
         strategy, model, optimizer = self._prepared()
+        step = self._cycle.steps if step is None else step  # a load goes on counting from it
         runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
         plan = self.explain().to_dict()
         return strategy.save(
