@@ -101,11 +101,29 @@ def facts(**overrides: Any) -> LoaderFacts:
 
 
 def test_cpu_keeps_the_users_loader() -> None:
-    choice = resolve_loader(facts(num_workers=2, pin_memory=False), SMALL_CPU)
+    choice = resolve_loader(
+        facts(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=3), SMALL_CPU
+    )
     assert choice.value == LoaderSettings(
-        num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=None, rebuild=False
+        num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=3, rebuild=False
     )
     assert "kept" in choice.reason
+
+
+def test_a_loader_rebuilt_to_gather_its_batches_keeps_every_worker_setting_the_user_made() -> None:
+    """On CPU a TensorDataset's loader is rebuilt only to gather whole batches: its workers stay as the user set them
+    (not persistent, a deeper prefetch, batches out of order), which the Plan shows."""
+    import redline
+
+    loader = DataLoader(
+        tensor_data(), batch_size=4, num_workers=2, persistent_workers=False, prefetch_factor=6, in_order=False
+    )
+    rt = redline.Runtime(devices="cpu", compile="off")
+    rebuilt = rt.setup_loader(loader).loader
+    assert isinstance(rebuilt, DataLoader) and rebuilt is not loader  # gathered: rebuilt
+    assert (rebuilt.num_workers, rebuilt.persistent_workers, rebuilt.prefetch_factor) == (2, False, 6)
+    assert rebuilt.in_order is False
+    assert str(rt.explain().loader.value) == "workers=2 pin_memory=off persistent=off prefetch=6 gather=on"
 
 
 def test_cuda_with_in_memory_tensors_pins_without_workers() -> None:
@@ -342,3 +360,14 @@ def test_a_trainer_stream_read_by_workers_gives_each_item_once_in_order_and_resu
         assert [b[0].flatten().tolist() for b in batches] == [[4.0 * i + j for j in range(4)] for i in range(4)]
         stream.set_epoch(1, skip=8)  # a resumed run, two batches into its epoch
         assert [b[0].flatten().tolist() for b in batches] == [[8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]
+
+
+def test_a_dataset_given_to_setup_loader_is_refused_with_the_wrapping_and_a_stream_of_batches_is_taken() -> None:
+    """Iterated, a map-style dataset gives its samples one at a time: the loop would train on unbatched samples."""
+    import redline
+    from redline.errors import ConfigError
+
+    rt = redline.Runtime(devices="cpu", compile="off")
+    with pytest.raises(ConfigError, match=r"(?s)'TensorDataset'.*hint: wrap it: rt\.setup_loader\(DataLoader\(dataset"):
+        rt.setup_loader(tensor_data())
+    assert len(list(rt.setup_loader(Counting()))) == len(list(Counting()))  # an iterable dataset may yield batches

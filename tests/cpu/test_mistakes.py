@@ -496,6 +496,9 @@ def test_the_runtime_refuses_a_loss_it_cannot_back_propagate_and_a_model_with_no
             rt.backward(per_sample)
         with pytest.raises(TaskError, match=r"backward\(loss\) got int 3; expected a scalar tensor"):
             rt.backward(3)  # type: ignore[arg-type]
+        # a Hugging Face style model's outputs.loss, None when the batch had no labels
+        with pytest.raises(TaskError, match=r"(?s)backward\(loss\) got None; expected a scalar tensor.*labels="):
+            rt.backward(None)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match=r"none of the model's \(Linear\) 2 parameter tensors requires"):
             rt.setup(nn.Linear(4, 1).requires_grad_(False), lambda params: torch.optim.SGD(params, lr=0.1))
     assert check_loss(torch.tensor(1.0), training=False).item() == 1.0  # evaluation needs no gradient

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.utils.data import DataLoader
 
 import redline
 from redline.errors import OutOfMemory, TrainingError
@@ -236,6 +237,30 @@ def test_a_batch_is_split_along_its_first_axis_in_any_container():
     x, y = make_data(8)[:]
     rt.train_step(step_fn, {"x": x, "pair": (x, y), "weight": torch.tensor(2.0), "name": "kept"})
     assert seen == [(3, 3, (), "kept"), (3, 3, (), "kept"), (2, 2, (), "kept")]
+
+
+def test_a_field_of_plain_values_per_sample_is_split_with_the_tensors():
+    """default_collate batches a string (or number) field of the samples into a list as long as the batch: each
+    micro-batch gets its own samples' values, as a Hugging Face style batch's ids or texts beside its tensors."""
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch=3)
+    model, _ = rt.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+    x, y = make_data(8)[:]
+    ids = [f"sample-{i}" for i in range(8)]
+    loader = DataLoader([{"x": x[i], "y": y[i], "id": ids[i], "weight": float(i)} for i in range(8)], batch_size=8)
+    batch = next(iter(loader))
+    assert batch["id"] == ids and isinstance(batch["weight"], torch.Tensor)  # numbers collate to a tensor
+    batch["shape"], batch["tags"] = [4, 4], ("a", "b", "c", "d", "e", "f", "g", "h")  # a shared value; a tuple
+    seen = []
+
+    def step_fn(part: dict) -> torch.Tensor:
+        assert len(part["id"]) == part["x"].shape[0] == len(part["tags"])
+        seen.append((part["id"], part["shape"], part["tags"]))
+        return nn.functional.cross_entropy(model(part["x"]), part["y"])
+
+    rt.train_step(step_fn, batch)
+    assert [ids for ids, _, _ in seen] == [ids[0:3], ids[3:6], ids[6:8]]
+    assert all(shape == [4, 4] for _, shape, _ in seen)  # not as long as the batch: given whole
+    assert seen[2][2] == ("g", "h")
 
 
 # -- the memory snapshot ------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def test_a_closed_runtime_does_not_start_again_and_one_model_is_saved():
     with rt:
         rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
         rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
-        with pytest.raises(ConfigError, match=r"(?s)set up 2 models.*hint: use one Runtime per model"):
+        with pytest.raises(ConfigError, match=r"(?s)set up 2 models.*hint: .*or use one Runtime per model"):
             rt.state_dict()
     with pytest.raises(ConfigError, match=r"(?s)was closed.*hint: build a new Runtime"):
         rt.start()
@@ -302,3 +302,48 @@ def test_a_compiled_model_set_up_again_is_not_compiled_a_second_time():
     compiled = model.forward
     model, _ = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.1))
     assert model.forward is compiled  # not a compile of the compiled forward, which would compile twice
+
+
+def test_a_model_the_user_compiled_gives_its_state_and_module_under_its_own_names():
+    """torch.compile(model)'s wrapper names every tensor `_orig_mod.<name>`: a state saved with those names loads into
+    no plain model. No forward runs here, so nothing compiles."""
+    plain_names = set(make_model().state_dict())
+    rt, model, _ = fresh()
+    compiled_rt = redline.Runtime(devices="cpu", compile="off")
+    compiled, _ = compiled_rt.setup(torch.compile(make_model()), lambda params: torch.optim.AdamW(params, lr=1e-2))
+    state = compiled_rt.state_dict()
+    assert set(state["model"]) == plain_names
+    assert set(compiled_rt.module.state_dict()) == plain_names
+    rt.load_state_dict(state)  # into the plain model of another run
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), compiled.parameters(), strict=True))
+    wrapped = {**state, "model": {f"_orig_mod.{k}": v for k, v in state["model"].items()}}
+    compiled_rt.load_state_dict(wrapped)  # a state taken with the wrapper's names still loads where it came from
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_step_count_is_the_optimizer_steps_taken_when_a_batch_has_two_losses(accum):
+    """README's retain_graph use: two losses back-propagated through one forward. Counted per backward, the state's
+    step doubled, and a run resumed from it went on from twice the steps it had taken."""
+    rt, model, optimizer = fresh(grad_accum=accum)
+    taken = 0
+    for inputs, targets in list(loader())[:4]:
+        outputs = model(inputs)
+        rt.backward(nn.functional.cross_entropy(outputs, targets), retain_graph=True)
+        rt.backward(outputs.pow(2).mean())
+        taken += rt.step(optimizer)
+    assert taken == 4 // accum and rt.state_dict()["step"] == taken
+    rt2, _, _ = fresh(grad_accum=accum)
+    rt2.load_state_dict(rt.state_dict())
+    assert rt2.state_dict()["step"] == taken
+
+
+def test_a_checkpoint_saved_without_a_step_records_the_steps_taken_and_a_load_goes_on_from_them(tmp_path):
+    """rt.save(path) under a name of the user's: the checkpoint said step 0, and a run loaded from it counted its
+    steps from 0 again, where one loaded from rt.state_dict() went on from 3."""
+    rt, model, optimizer = fresh()
+    run(rt, model, optimizer, list(loader())[:3])
+    assert rt.save(tmp_path / "latest").step == 3
+    rt2, _, _ = fresh()
+    rt2.load(tmp_path / "latest")
+    assert rt2.state_dict()["step"] == 3
+    assert rt.save(tmp_path / "mine", step=7).step == 7  # a step given is the checkpoint's

@@ -275,6 +275,24 @@ def test_an_optimizer_an_lr_scheduler_holds_is_kept_as_given():
     assert kept.value == "as given" and "LR scheduler" in kept.reason and "setup returns" in kept.reason
 
 
+def test_an_optimizer_reduce_lr_on_plateau_holds_is_kept_as_given_and_not_rebuilt_over_shards():
+    """ReduceLROnPlateau records nothing on the optimizer's groups, as the other schedulers do (initial_lr): rebuilt
+    fused, the scheduler would go on lowering the learning rate of the old optimizer, and training would never slow."""
+    import torch
+
+    from redline.runtime.optimizer import check_stateless
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+    vars(scheduler)  # a scheduler whose __dict__ was asked for is held through it
+    kept = resolve_optimizer(optimizer_facts(optimizer), H100)
+    assert kept.value == "as given" and "LR scheduler" in kept.reason
+    with pytest.raises(ConfigError, match="an LR scheduler was built on it"):
+        check_stateless(optimizer, " over the shards")
+    del scheduler  # gone: nothing holds the optimizer any more, and it is rebuilt fused
+    assert resolve_optimizer(optimizer_facts(optimizer), H100).value == "fused"
+
+
 def test_parameters_a_fused_kernel_refuses_keep_the_optimizer_as_given():
     """torch's fused kernels take real floating-point parameters with dense gradients, and fail at the first step
     on others: complex parameters, or an embedding with sparse=True (trained by SGD)."""

@@ -1,10 +1,23 @@
 """The data order and the split of a global batch across ranks, without processes."""
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+import torch
 from torch import nn
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from redline.errors import ConfigError
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, split_caveats
+from redline.parallel.env import DistEnv
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, global_batches, split_caveats
 
 
 def ranks(size: int, global_batch: int, world: int, epoch: int = 0, skip: int = 0) -> list[list[list[int]]]:
@@ -54,3 +67,63 @@ def test_the_layers_that_depend_on_the_split_are_named():
     assert "dropout" in caveats[1]
     assert split_caveats(nn.SyncBatchNorm(2), world_size=2) == []  # already global
     assert split_caveats(both, world_size=1) == []  # one process splits nothing
+
+
+TWO_RANKS = DistEnv(rank=1, world_size=2)
+
+
+def loader_with(sampler_of: Callable[[TensorDataset], Any] | None = None, **options: Any) -> DataLoader:
+    data = TensorDataset(torch.arange(12.0))
+    return DataLoader(data, batch_size=4, sampler=sampler_of(data) if sampler_of else None, **options)
+
+
+@pytest.mark.parametrize(
+    "sampler_of",
+    [
+        lambda data: WeightedRandomSampler([1.0] * 6 + [0.0] * 6, num_samples=12),
+        lambda data: SubsetRandomSampler(range(6)),
+        lambda data: RandomSampler(data, replacement=True),
+        lambda data: RandomSampler(data, num_samples=6),
+    ],
+    ids=["weighted", "subset", "replacement", "fewer-samples"],
+)
+def test_a_sampler_whose_order_the_split_would_drop_is_refused_naming_it(sampler_of):
+    """Split over the ranks, every sample would come once an epoch: the weights, the subset (a validation split
+    training with the rest), the draws with replacement would all be gone, with no word."""
+    loader = loader_with(sampler_of)
+    with pytest.raises(ConfigError, match=type(loader.sampler).__name__) as refused:
+        global_batches(loader, TWO_RANKS, seed=0)
+    assert "DistributedSampler" in str(refused.value)
+
+
+def test_the_users_distributed_sampler_is_kept_and_a_plain_order_is_split():
+    """A ported DDP script's DistributedSampler already gives each rank its share (and shuffles, per set_epoch)."""
+    split = loader_with(lambda data: DistributedSampler(data, num_replicas=2, rank=1, shuffle=True))
+    assert global_batches(split, TWO_RANKS, seed=0) is None
+    for loader in (loader_with(), loader_with(shuffle=True)):
+        batches = global_batches(loader, TWO_RANKS, seed=0)
+        assert isinstance(batches, GlobalBatchSampler) and batches.local_batch == 2
+    assert global_batches(loader_with(lambda data: SubsetRandomSampler(range(6))), DistEnv(), seed=0) is None
+
+
+def test_a_loader_set_up_again_each_epoch_goes_on_to_the_next_epochs_order():
+    """A loop that calls rt.setup_loader(loader) at the top of each epoch: with a new split each time, every epoch
+    under several processes read epoch 0's shuffle again, where one process reshuffles each epoch."""
+    loader = loader_with(shuffle=True)
+    epoch_0 = list(global_batches(loader, TWO_RANKS, seed=0))
+    epoch_1 = list(global_batches(loader, TWO_RANKS, seed=0))
+    assert epoch_1 != epoch_0 and sorted(map(len, epoch_1)) == sorted(map(len, epoch_0))  # reshuffled, as many
+    other = list(global_batches(loader, TWO_RANKS, seed=1))  # another run's seed: its own order from its epoch 0
+    assert other == list(
+        GlobalBatchSampler(EpochSampler(12, shuffle=True, seed=1), global_batch=4, rank=1, world_size=2)
+    )
+
+
+def test_a_loader_that_drops_its_last_short_batch_drops_it_on_every_rank():
+    """10 samples in batches of 4: one process drops the last 2 (drop_last=True); split over two ranks, that batch
+    splits evenly and was kept, so two processes took one step more than one process."""
+    data = TensorDataset(torch.arange(10.0))
+    alone = [len(batch[0]) for batch in DataLoader(data, batch_size=4, drop_last=True)]
+    split = global_batches(DataLoader(data, batch_size=4, drop_last=True), DistEnv(rank=0, world_size=2), seed=0)
+    assert split is not None
+    assert [len(batch) * 2 for batch in split] == alone == [4, 4] and len(split) == 2

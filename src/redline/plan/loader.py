@@ -20,6 +20,8 @@ class LoaderFacts:
     pin_memory: bool
     local_devices: int = 1  # devices sharing this machine's cores
     gatherable: bool = False  # batches of a TensorDataset under the default collation: one index per tensor
+    persistent_workers: bool = False  # as the user set them: a kept loader keeps them
+    prefetch_factor: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +67,8 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
     keep = LoaderSettings(
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
-        persistent_workers=loader.num_workers > 0,
-        prefetch_factor=None,
+        persistent_workers=loader.persistent_workers,
+        prefetch_factor=loader.prefetch_factor,
         rebuild=False,
     )
     if not loader.is_dataloader:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
@@ -51,8 +53,25 @@ def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
 
 
 def scheduled(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether an LR scheduler was built on ``optimizer``: torch's schedulers record each group's ``initial_lr``."""
-    return any("initial_lr" in group for group in optimizer.param_groups)
+    """Whether an LR scheduler was built on ``optimizer``.
+
+    torch's schedulers record each group's ``initial_lr``, but for ReduceLROnPlateau, which sets the
+    learning rate from a metric and records nothing on the optimizer: that one is found among the
+    objects holding the optimizer (once, at setup).
+    """
+    return any("initial_lr" in group for group in optimizer.param_groups) or bool(schedulers_of(optimizer))
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
+    """The LR schedulers built on ``optimizer`` (ReduceLROnPlateau is one since torch 2.2), among the objects
+    that hold it: a scan of the heap, for a one-off question, not for each step."""
+    found = []
+    for holder in gc.get_referrers(optimizer):
+        if isinstance(holder, dict) and holder.get("optimizer") is optimizer:  # a scheduler's __dict__
+            holder = next((o for o in gc.get_referrers(holder) if isinstance(o, LRScheduler)), None)
+        if isinstance(holder, LRScheduler) and getattr(holder, "optimizer", None) is optimizer:
+            found.append(holder)
+    return found
 
 
 def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False) -> Choice[OptimizerImpl]:

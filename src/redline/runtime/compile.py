@@ -95,6 +95,12 @@ def compile_planned(
     return planned if mode == "default" else Choice(True, f"{planned.reason}; mode={mode}")
 
 
+def compile_counts(records: list[CompileRecord]) -> tuple[int, int, list[str]]:
+    """How many times ``records``' models compiled, how many of those for training, and why each recompile happened."""
+    recompiles = [c for r in records for c in r.recompiles]
+    return sum(r.compiles for r in records), sum(r.training for r in records), recompiles
+
+
 def compile_seconds(records: list[CompileRecord]) -> float | None:
     """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
     seconds = [r.seconds for r in records if r.seconds is not None]

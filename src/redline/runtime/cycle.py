@@ -1,8 +1,10 @@
 """Counting batches into optimizer steps: accumulation cycles, when gradients are freed, which optimizers step.
 
-A Runtime's ``backward`` (or ``train_step``) counts a batch; every ``grad_accum`` batches end a
-cycle, whose backward reduces the gradients over the ranks and whose ``step`` really steps. The
-gradients a step used are freed right after it on CUDA, and just before the next backward elsewhere
+A Runtime's ``step`` counts the batches of an optimizer: every ``grad_accum`` ``step`` calls end its
+cycle, the last of them really steps, and the backward before it is the one that reduces its model's
+gradients over the ranks (each model's own optimizer says when, so the two models of a GAN each reduce
+on their own cycle's last batch); the run's step count is the steps taken. The gradients a step used
+are freed right after it on CUDA, and just before the next backward elsewhere
 (as late as the plain loop frees them). The first backward after a step starts from no gradients on
 any set-up model, as a plain loop's ``zero_grad()`` on each optimizer before its backward: a GAN's
 generator loss, back-propagated through the discriminator after the discriminator stepped, leaves
@@ -16,14 +18,27 @@ forward and loss).
 
 from __future__ import annotations
 
+import logging
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv, process_group_store
 from redline.parallel.watchdog import Watchdog
+from redline.plan.optimizer import schedulers_of
+
+log = logging.getLogger("redline")
+_TOO_FAST = (
+    "the LR scheduler %s stepped %d times over one optimizer step: with grad_accum=%d, rt.step(optimizer) steps the "
+    "optimizer once every %d calls, so a scheduler stepped after each call runs its schedule %d times too fast\n"
+    "hint: step it when the optimizer stepped: `if rt.step(optimizer): scheduler.step()` (unless its schedule counts "
+    "batches, not optimizer steps)"
+)
 
 
 class Cycle:
@@ -32,30 +47,61 @@ class Cycle:
     def __init__(self, grad_accum: int, *, zero_after_step: bool) -> None:
         self.grad_accum = grad_accum
         self.zero_after_step = zero_after_step
-        self.backwards = 0
+        self._steps = 0  # optimizer steps taken: not backwards counted, which a batch of two losses has two of
         self._micro_steps: dict[int, int] = {}
         self._pending_zero: dict[int, torch.optim.Optimizer] = {}
         self._freed: set[int] = set()  # optimizers whose gradients were freed after a step since the last backward
         self._round_over = False  # an optimizer stepped since the last backward
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._trains: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}  # each set-up model, its optimizer
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
+        self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
+        self._pace_warned = False
+        self._holding: dict[int, torch.optim.Optimizer] = {}  # amid a cycle, with gradients at their last step call
+        # set by setup: told, before the forward of each model's next backward, whether that backward reduces
+        self.expect_sync: Callable[[nn.Module, bool], None] | None = None
 
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Record ``optimizer`` as one that ``setup`` returned."""
+    def adopt(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
+        """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its)."""
         self._set_up.add(optimizer)
+        if model is not None:
+            self._trains[id(model)] = (model, optimizer)
+            self._expect(optimizer)
+
+    def ends(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s next ``step`` call really steps: the batch before it ends its cycle."""
+        return self._micro_steps.get(id(optimizer), 0) == self.grad_accum - 1
+
+    def syncs(self, optimizer: torch.optim.Optimizer | None = None) -> list[tuple[nn.Module, bool]]:
+        """Each set-up model (``optimizer``'s alone, if given) and whether its next backward reduces its gradients.
+
+        Each model's own optimizer says, not the batches counted over all models: a GAN's discriminator and
+        generator each take ``grad_accum`` backwards a cycle, and one count of both would reduce the gradients of
+        one of them only in the backwards of the other.
+        """
+        return [(m, self.ends(o)) for m, o in self._trains.values() if optimizer is None or o is optimizer]
+
+    def _expect(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Tell ``expect_sync`` whether the next backward of ``optimizer``'s model (of every model) reduces: the
+        user's forward runs before ``backward``, and DDP decides there."""
+        if self.expect_sync is None:
+            return
+        for model, sync in self.syncs(optimizer):
+            self.expect_sync(model, sync)
 
     @property
     def steps(self) -> int:
-        """Whole steps so far: a cycle's gradients are not state."""
-        return self.backwards // self.grad_accum
+        """Whole steps so far, as the optimizer took them: a cycle's gradients are not state."""
+        return self._steps
 
     @property
     def current_step(self) -> int:
         """The step the last counted batch belongs to, from 1."""
-        return (self.backwards - 1) // self.grad_accum + 1
+        return self._steps + 1
 
     def next_batch(self) -> bool:
-        """Count a batch; return whether it ends a cycle (its backward reduces over the ranks)."""
+        """Ready a backward; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
+        self._check_kept()
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
             # after a step left on another optimizer's parameters (a GAN's discriminator), but for an
@@ -68,10 +114,9 @@ class Cycle:
             self._round_over = False
         self._pending_zero.clear()
         self._freed.clear()
-        self.backwards += 1
         if self.watchdog is not None:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
-        return self.backwards % self.grad_accum == 0
+        return any(ends for _, ends in self.syncs())
 
     def due(self, optimizer: torch.optim.Optimizer) -> bool:
         """Count a ``step`` call for ``optimizer``; return whether it ends the optimizer's cycle."""
@@ -87,11 +132,18 @@ class Cycle:
         key = id(optimizer)
         count = self._micro_steps.get(key, 0) + 1
         self._micro_steps[key] = count % self.grad_accum
+        if count < self.grad_accum and _has_gradients(optimizer):
+            self._holding[key] = optimizer
+        else:
+            self._holding.pop(key, None)
+        self._expect(optimizer)
         return count == self.grad_accum
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """Free the gradients ``optimizer`` just stepped on, now or before the next backward."""
         self._round_over = True
+        self._steps += 1
+        self._check_pace(optimizer)
         if self.zero_after_step:
             optimizer.zero_grad(set_to_none=True)
             self._freed.add(id(optimizer))
@@ -100,13 +152,61 @@ class Cycle:
         if self.watchdog is not None:
             self.watchdog.beat(self.steps + 1, "the loop between optimizer steps (data, forward, loss)")
 
+    def _check_kept(self) -> None:
+        """Refuse a backward after the gradients an optimizer amid its cycle had accumulated were freed.
+
+        A loop ported from one without ``grad_accum`` calls ``optimizer.zero_grad()`` before each batch: under
+        accumulation that drops the cycle's earlier batches, and the step would take the last one alone.
+        """
+        for key, optimizer in self._holding.items():
+            if not _has_gradients(optimizer):
+                raise ConfigError(
+                    f"the gradients of the first {self._micro_steps.get(key, 0)} batches of this accumulation cycle "
+                    f"(grad_accum={self.grad_accum}) were freed before this backward: optimizer.zero_grad() (or "
+                    "setting .grad to None) mid-cycle leaves its step the last batch alone\nhint: drop "
+                    "optimizer.zero_grad() from the loop: rt.step frees the gradients itself after each real step"
+                )
+        self._holding.clear()
+
+    def _check_pace(self, optimizer: torch.optim.Optimizer) -> None:
+        """Warn, once, of an LR scheduler that steps more than once per step of ``optimizer`` under accumulation.
+
+        A loop ported from one without ``grad_accum`` steps its scheduler after every ``rt.step``, which steps
+        the optimizer once every ``grad_accum`` calls: the schedule would run ``grad_accum`` times too fast. Its
+        schedulers are looked for once torch's mark of one (each group's ``initial_lr``) appears.
+        """
+        if self.grad_accum == 1 or self._pace_warned:
+            return
+        paces = self._paces.get(id(optimizer))
+        if paces is None:
+            if any("initial_lr" in group for group in optimizer.param_groups):
+                self._paces[id(optimizer)] = [(weakref.ref(s), s.last_epoch) for s in schedulers_of(optimizer)]
+            return
+        for i, (ref, last) in enumerate(paces):
+            scheduler = ref()
+            if scheduler is not None:
+                paces[i] = (ref, scheduler.last_epoch)
+                if scheduler.last_epoch - last > 1:
+                    self._pace_warned = True
+                    log.warning(
+                        _TOO_FAST, type(scheduler).__name__, scheduler.last_epoch - last, *[self.grad_accum] * 3
+                    )
+                    return
+
     def restart(self, step: int) -> None:
         """Start a fresh cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
-        self.backwards = step * self.grad_accum  # steps go on counting from the loaded state's
+        self._steps = step  # steps go on counting from the loaded state's
         self._micro_steps.clear()
         self._pending_zero.clear()
         self._freed.clear()
+        self._paces.clear()  # the schedulers' loaded states jump: their pace is measured afresh
+        self._holding.clear()  # a load frees the gradients of the cycle it drops
         self._round_over = False
+        self._expect()
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def hang_watchdog(env: DistEnv, out_dir: Path | None, timeout_s: float | None = None) -> Watchdog | None:

@@ -8,13 +8,24 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
 
+from redline.errors import invalid
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.contract import users_failure
 from redline.runtime.transfer import move_to, tensors_in
 
 
 def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
-    """Read what the loader resolver needs from a loader (a DataLoader or any iterable of batches)."""
+    """Read what the loader resolver needs from a loader (a DataLoader or any iterable of batches).
+
+    A map-style dataset is refused: iterated, it gives its samples one by one, not batches.
+    """
+    if isinstance(loader, Dataset) and not isinstance(loader, IterableDataset):
+        raise invalid(
+            "setup_loader(loader)",
+            type(loader).__name__,
+            "a DataLoader or another iterable of batches; a dataset gives its samples one at a time, unbatched",
+            "wrap it: rt.setup_loader(DataLoader(dataset, batch_size=64, shuffle=True))",
+        )
     if not isinstance(loader, DataLoader):
         return LoaderFacts(is_dataloader=False, map_style=False, in_memory=False, num_workers=0, pin_memory=False)
     dataset = loader.dataset
@@ -26,6 +37,8 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
         pin_memory=loader.pin_memory,
         local_devices=local_devices,
         gatherable=loader.batch_sampler is not None and can_gather(dataset, loader.collate_fn),  # batches, not items
+        persistent_workers=loader.persistent_workers,
+        prefetch_factor=loader.prefetch_factor,
     )
 
 
@@ -57,6 +70,8 @@ def rebuild_dataloader(
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
         "persistent_workers": settings.persistent_workers and settings.num_workers > 0,
+        "pin_memory_device": loader.pin_memory_device,
+        "in_order": loader.in_order,  # False: a batch as soon as any worker has it
     }
     if settings.num_workers > 0 and settings.prefetch_factor is not None:
         common["prefetch_factor"] = settings.prefetch_factor

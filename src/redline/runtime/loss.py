@@ -16,6 +16,13 @@ def check_loss(loss: Any, *, training: bool, source: str = TASK_LOSS) -> torch.T
 
     Reads the tensor's shape and flags only: no device sync. ``source`` starts the message.
     """
+    if loss is None:  # outputs.loss of a model given no labels: a Hugging Face model computes its loss only then
+        raise TaskError(
+            f"{source} None; expected a scalar tensor\nhint: a model that returns its own loss (a Hugging Face "
+            "model's outputs.loss) computes it only when given the targets: pass them (labels=...), or compute the "
+            "loss from the outputs (e.g. F.cross_entropy(outputs.logits, targets)); a function gives None where it "
+            "has no `return`"
+        )
     if not isinstance(loss, torch.Tensor):
         text = repr(loss)
         raise TaskError(

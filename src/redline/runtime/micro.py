@@ -308,7 +308,12 @@ def batch_length(batch: Any) -> int:
 
 
 def take(batch: Any, start: int, end: int, total: int) -> Any:
-    """Return samples ``start:end`` of ``batch``: each tensor whose first axis is ``total`` sliced (a view)."""
+    """Return samples ``start:end`` of ``batch``: each tensor whose first axis is ``total`` sliced (a view), and each
+    list of ``total`` plain values (a string field of the samples, as default_collate batches it) cut alike."""
     if start == 0 and end == total:
         return batch
-    return map_tensors(batch, lambda t: t[start:end] if t.dim() and t.shape[0] == total else t)
+    return map_tensors(
+        batch,
+        lambda t: t[start:end] if t.dim() and t.shape[0] == total else t,
+        lambda values: values[start:end] if len(values) == total else values,
+    )

@@ -41,6 +41,7 @@ class Precision:
         self._stepping = False
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the guarded ones
         self._stepped: set[int] = set()  # optimizers stepped since the scale was last updated
+        self._unscaled: set[int] = set()  # optimizers whose gradients were unscaled for the coming step
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in this precision."""
@@ -57,7 +58,7 @@ class Precision:
         else:
             loss.backward(**kwargs)
 
-    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[torch.optim.Optimizer], None] | None) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[torch.optim.Optimizer], object] | None) -> None:
         """Step ``optimizer``: unscale the gradients (fp16), clip them if asked, then step.
 
         Under fp16 the scaler skips a step whose gradients overflowed, and lowers the scale; that is
@@ -78,14 +79,33 @@ class Precision:
                 optimizer.step()
                 return
             if clip is not None:
-                self.scaler.unscale_(optimizer)
+                self.unscale(optimizer)
                 clip(optimizer)
             self.scaler.step(optimizer)
         finally:
             self._stepping = False
+            self._unscaled.discard(id(optimizer))
         self._stepped.add(id(optimizer))
         if not any(id(o) not in self._stepped and _has_gradients(o) for o in self._optimizers):
             self._update()  # no other optimizer holds gradients this scale multiplied
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the loss scale now (fp16; once before its step), to clip or read them.
+
+        The scaler notes an overflow it finds, and the step that follows is skipped as it would have been.
+        """
+        if self.scaler is None or id(optimizer) in self._unscaled or not _has_gradients(optimizer):
+            return
+        if id(optimizer) in self._stepped:  # stepped already on this scale: the gradients are a new round's
+            self._update()
+        self.scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients to ``max_norm`` (unscaled first); return their norm before clipping."""
+        self.unscale(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def _update(self) -> None:
         """Update the scale after the steps taken since the last update (lowered if any overflowed)."""

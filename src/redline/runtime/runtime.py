@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from redline.checkpoint import Checkpoint, open_verified
+from redline.checkpoint.whole import plain_module
 from redline.config import one_of, positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -46,7 +47,7 @@ from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision,
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
-from redline.runtime.compile import CompileRecord, compile_planned, compile_seconds, explain_compile
+from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds, explain_compile
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
@@ -55,14 +56,11 @@ from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_op
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
-from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.seed import capture_rng, restore_rng, warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
-
-_NOTHING = contextlib.nullcontext()
-log = logging.getLogger("redline")
 
 
 class Runtime:
@@ -128,8 +126,7 @@ class Runtime:
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
-        self._closed = False
-        self._setups = 0
+        self._closed, self._setups = False, 0
         self._compile_records: list[CompileRecord] = []
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
@@ -182,12 +179,7 @@ class Runtime:
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
         if self._started is None and self.options.seed is not None:
-            log.warning(
-                "seed=%d was applied when setup() started the Runtime, after this model was built: its initial "
-                "weights did not come from the seed\nhint: build the model inside `with Runtime(seed=...) as rt:` "
-                "(or after rt.start())",
-                self.options.seed,
-            )
+            warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
         self._setups += 0 if again else 1
@@ -232,7 +224,8 @@ class Runtime:
             micro_batch=micro, activation_checkpointing=recompute,
         )  # fmt: skip
         self.precision.guard(built)
-        self._cycle.adopt(built)
+        self._cycle.expect_sync = self.strategy.expect_sync
+        self._cycle.adopt(built, model)
         self.model, self.optimizer = model, built
         if not again:
             self._models.append(model)
@@ -268,7 +261,7 @@ class Runtime:
             split = loader.batch_sampler
             reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
             if split.drop_last:
-                reason += "; a partial last batch is dropped: the compiled model keeps one shape"
+                reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
             reason = "; ".join([reason, *self._split_caveats])
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
@@ -302,23 +295,23 @@ class Runtime:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16.
 
         Keyword arguments go to torch's ``backward`` (``retain_graph=True`` to back-propagate through
-        the same graph again, ``inputs=[...]``). Each call counts as one batch towards ``grad_accum``.
+        the same graph again, ``inputs=[...]``). A batch may back-propagate several losses: its ``step`` call
+        is what counts towards ``grad_accum``, so every loss of the cycle is divided by it.
         """
         check_loss(loss, training=True, source="backward(loss) got")
-        sync = self._cycle.next_batch()
+        self._cycle.next_batch()
         accum = self.options.grad_accum
         if accum > 1:
             loss = loss / accum
-        synced: contextlib.AbstractContextManager[Any] = _NOTHING  # before setup: no model to synchronise
-        if self.strategy is not None and self.model is not None:
-            synced = self.strategy.gradient_sync(self.model, sync)
-        with synced:
+        with contextlib.ExitStack() as synced:
+            for model, sync in self._cycle.syncs():  # each set-up model (none before setup), reducing or not
+                synced.enter_context(cast(Strategy, self.strategy).gradient_sync(model, sync))
             self.precision.backward(loss, **kwargs)
 
     def train_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """Run ``step_fn(batch)`` (the batch's loss, under autocast) and back-propagate it; return the loss, detached.
 
-        Like ``backward``, it counts towards ``grad_accum``; call ``step(optimizer)`` after it. With
+        Its loss is divided by ``grad_accum``, as ``backward``'s; call ``step(optimizer)`` after it. With
         ``micro_batch`` N, the batch runs as micro-batches of N samples (its first axis split) whose
         gradients accumulate; with "auto" it runs whole until the device runs out of memory, then is
         done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
@@ -356,13 +349,20 @@ class Runtime:
         """
         if not self._cycle.due(optimizer):
             return False
-        self.precision.step(optimizer, self._clip if self.options.clip_grad_norm is not None else None)
+        clip = self.options.clip_grad_norm
+        self.precision.step(optimizer, None if clip is None else partial(self.precision.clip_grad_norm, max_norm=clip))
         self._cycle.stepped(optimizer)
         return True
 
-    def _clip(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, self.options.clip_grad_norm)  # type: ignore[arg-type]
+    def clip_grad_norm_(
+        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor | None:
+        """Clip ``optimizer``'s gradients to ``max_norm``, unscaled first under fp16; return their norm before clipping.
+
+        For a loop that clips or logs the norm itself (``max_norm=float("inf")`` clips nothing): torch's own would clip
+        fp16's gradients still scaled. Call it between ``backward`` and ``step``; mid-accumulation it returns None.
+        """
+        return self.precision.clip_grad_norm(optimizer, max_norm, norm_type) if self._cycle.ends(optimizer) else None
 
     @property
     def skipped_steps(self) -> int:
@@ -373,9 +373,17 @@ class Runtime:
 
     @property
     def module(self) -> nn.Module:
-        """The user's module inside the set-up model (its parameter names as the user wrote them)."""
-        strategy, model, _ = self._prepared()
-        return strategy.module(model)
+        """The user's module inside the set-up model (its parameter names as the user wrote them, compiled or not)."""
+        return self.unwrap(self._prepared()[1])
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Return the user's module inside ``model``, one of the models ``setup`` returned (a GAN's two as well): DDP's
+        wrapper taken off, the names the user wrote (compiled or not), as a state dict saved from it should hold."""
+        for known in self._models:
+            inner = cast(Strategy, self.strategy).module(known)
+            if model is known or model is inner or model is plain_module(inner):
+                return plain_module(inner)
+        raise invalid("unwrap(model)", type(model).__name__, "a model that rt.setup() returned", "set it up first")
 
     def state_dict(self) -> dict[str, Any]:
         """Return the run's state: model and optimizer (as the strategy holds them), loss scaling, RNG.
@@ -399,11 +407,11 @@ class Runtime:
     def save(self, path: str | Path, *, extra: Mapping[str, Any] | None = None, step: int | None = None) -> Checkpoint:
         """Write a checkpoint directory at ``path`` atomically: weights, optimizer, loss scaling, RNGs, the Plan.
 
-        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``. The
-        strategy picks the format: whole from one process (one device, DDP) or every rank its shards
-        (FSDP). Collective: under several processes every rank calls it.
+        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``; ``step`` defaults to
+        the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
         """
         strategy, model, optimizer = self._prepared()
+        step = self._cycle.steps if step is None else step  # a load goes on counting from it
         runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
         plan = self.explain().to_dict()
         return strategy.save(
@@ -451,7 +459,7 @@ class Runtime:
         if models and self._setups > 1:
             raise ConfigError(
                 f"this Runtime set up {self._setups} models; its state, checkpoints and weights are one model's\n"
-                "hint: use one Runtime per model you save"
+                "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
 
@@ -466,9 +474,7 @@ class Runtime:
     def compiles(self) -> tuple[int, int, list[str]]:
         """How many times the compiled models compiled, how many of those for training (under autograd; the
         rest for evaluation, under no_grad), and why each recompile happened."""
-        records = self._compile_records
-        recompiles = [c for r in records for c in r.recompiles]
-        return sum(r.compiles for r in records), sum(r.training for r in records), recompiles
+        return compile_counts(self._compile_records)
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""

@@ -8,14 +8,15 @@ depend on the number of processes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from redline.errors import invalid
+from redline.errors import ConfigError, invalid
 from redline.parallel.env import DistEnv
 
 
@@ -66,7 +67,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
     ) -> None:
         check_split(global_batch, world_size)
-        self.drop_last = drop_last  # a compiled model keeps one shape: a partial last batch would recompile it
+        self.drop_last = drop_last  # the loader drops it, or a compiled model keeps one shape (no recompile)
         self.sampler = sampler
         self.global_batch = global_batch
         self.rank = rank
@@ -153,10 +154,45 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
         return None  # one process, an iterable of batches, or the user's own batch sampler
     if isinstance(loader.dataset, IterableDataset) or isinstance(loader.batch_sampler, GlobalBatchSampler):
         return None  # an iterable dataset shards itself; the Trainer's loader is split already
+    if isinstance(loader.sampler, DistributedSampler):
+        return None  # the user's own split: each rank reads the share it gives, batch_size samples at a time
+    check_whole_order(loader.sampler, env.world_size)
+    key = (seed, env.rank, env.world_size)
+    split = _SPLITS.get(loader)
+    if split is not None and split[0] == key:  # set up again (each epoch, say): its epochs go on, each shuffled anew
+        return split[1]
     order = EpochSampler(
         len(loader.dataset),  # type: ignore[arg-type]
         shuffle=isinstance(loader.sampler, RandomSampler),
         seed=seed,  # the same order on every rank
         auto_epoch=True,
     )
-    return GlobalBatchSampler(order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size)
+    batches = GlobalBatchSampler(
+        order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size, drop_last=loader.drop_last
+    )
+    _SPLITS[loader] = (key, batches)
+    return batches
+
+
+# The split of each loader set up under several processes, by the loader: a loop that sets the same loader up
+# every epoch gets the same split, whose order moves on to the next epoch, and not epoch 0's order every time.
+_SPLITS: weakref.WeakKeyDictionary[DataLoader[Any], tuple[tuple[int, int, int], GlobalBatchSampler]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def check_whole_order(sampler: Iterable[Any], world_size: int) -> None:
+    """Refuse a sampler whose order the split cannot reproduce: it draws every sample once an epoch, in order or
+    shuffled (torch's SequentialSampler, RandomSampler without replacement), and nothing else."""
+    if type(sampler) is SequentialSampler:
+        return
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
+        return
+    name = type(sampler).__name__
+    raise ConfigError(
+        f"setup_loader splits each batch of the loader over the {world_size} processes in an order of its own, every "
+        f"sample once an epoch (shuffled where the loader shuffles), and would drop the loader's sampler ({name}): "
+        "its weights, subset or draws with replacement would be lost\nhint: give each process its share yourself "
+        "with a DistributedSampler (torch's, or a subclass of yours over your weights or subset), which setup_loader "
+        "keeps as it is; for a subset, a torch.utils.data.Subset with shuffle=True is split as any dataset"
+    )

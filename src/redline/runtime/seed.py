@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -14,6 +15,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def warn_seeded_late(seed: int) -> None:
+    """Warn that ``seed`` was applied when ``setup()`` started the Runtime, after the model it sets up was built."""
+    logging.getLogger("redline").warning(
+        "seed=%d was applied when setup() started the Runtime, after this model was built: its initial "
+        "weights did not come from the seed\nhint: build the model inside `with Runtime(seed=...) as rt:` "
+        "(or after rt.start())",
+        seed,
+    )
 
 
 def capture_rng() -> dict[str, Any]:

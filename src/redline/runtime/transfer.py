@@ -26,11 +26,16 @@ def move_to(batch: Any, device: torch.device, *, non_blocking: bool = False, cha
     return map_tensors(batch, move)
 
 
-def map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(
+    batch: Any,
+    function: Callable[[torch.Tensor], torch.Tensor],
+    values: Callable[[list[Any] | tuple[Any, ...]], Any] | None = None,
+) -> Any:
     """Return ``batch`` with ``function`` applied to every tensor, its containers rebuilt as they were.
 
     Tensors may sit in tuples, lists, dicts, namedtuples and dataclasses, nested to any depth;
-    anything else passes through unchanged.
+    anything else passes through unchanged, but for ``values``: applied, where given, to each list or
+    tuple of plain values (strings, numbers: default_collate's batch of a field that holds no tensor).
     """
 
     def apply(item: Any) -> Any:
@@ -38,6 +43,8 @@ def map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) ->
             return function(item)
         if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
             return type(item)(*(apply(x) for x in item))
+        if values is not None and isinstance(item, list | tuple) and item and all(map(_plain, item)):
+            return values(item)
         if isinstance(item, list | tuple):
             return type(item)(apply(x) for x in item)
         if isinstance(item, dict):  # a copy keeps a subclass's extras (defaultdict's factory)
@@ -54,6 +61,10 @@ def map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) ->
         return item
 
     return apply(batch)
+
+
+def _plain(item: Any) -> bool:
+    return item is None or isinstance(item, str | bytes | int | float | complex)
 
 
 def tensors_in(batch: Any) -> list[torch.Tensor]:

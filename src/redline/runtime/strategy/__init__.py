@@ -42,6 +42,10 @@ class Strategy(Protocol):
         """Return the context of a backward that does (or, mid-accumulation, does not) reduce gradients."""
         ...
 
+    def expect_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Say, before the forward of ``model``'s next backward, whether that backward reduces (DDP decides early)."""
+        ...
+
     def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Return the context of forwards and backwards that communicate nothing: gradients stay on this rank."""
         ...

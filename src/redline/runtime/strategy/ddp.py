@@ -29,6 +29,7 @@ class DDP(SingleDevice):
 
     def __init__(self, *, find_unused_parameters: bool = False) -> None:
         self._checked: set[int] = set()  # the models whose first reduction was checked for unused parameters
+        self._expected: dict[int, bool] = {}  # whether each model's next backward reduces, as expect_sync set it
         self.find_unused = find_unused_parameters
         if find_unused_parameters:
             self.detail = (
@@ -49,19 +50,44 @@ class DDP(SingleDevice):
             return self._first_reduction_checked(model)
         return model.no_sync()  # mid-accumulation: gradients stay local until the last micro-batch
 
+    def expect_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Set whether ``model``'s next forward readies DDP's reducer to all-reduce in the backward that follows.
+
+        DDP decides in the forward, not in the backward: a forward run outside ``no_sync()`` has its backward
+        all-reduce whatever context that backward runs in. The user's own loop runs the forward before
+        ``rt.backward``, so the decision is set ahead, after each step, for the batches of the cycle to come.
+        """
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = self._expected[id(model)] = enabled
+
     @contextlib.contextmanager
     def _first_reduction_checked(self, model: DistributedDataParallel) -> Iterator[None]:
         """Reduce in this backward; after the first, refuse a model with parameters the loss did not use.
 
-        DDP's reducer waits for a gradient of every parameter that requires one: after a backward that
-        left one without, the step's gradients are not all averaged, and the next forward fails with
-        "Expected to have finished reduction in the prior iteration", which names no parameter.
+        A forward run while mid-accumulation was expected (``expect_sync``) readied no reduction: its
+        gradients are averaged after the backward instead, in one pass. DDP's reducer waits for a gradient of
+        every parameter that requires one: after a backward that left one without, the step's gradients are
+        not all averaged, and the next forward fails with "Expected to have finished reduction in the prior
+        iteration", which names no parameter.
         """
-        yield
+        before = model.require_backward_grad_sync
+        if not before and self._expected.get(id(model), True):  # in the caller's own no_sync(): it stays local
+            yield  # (the batch-size search, whose steps must not wait on a rank that ran out of memory)
+        else:
+            model.require_backward_grad_sync = True  # for a forward inside (train_step)
+            try:
+                yield
+            finally:
+                model.require_backward_grad_sync = before
+            if not model.require_forward_param_sync:  # DDP's own record: the last forward readied no reduction
+                self.average_gradients(model)
         if id(model) in self._checked or self.find_unused:
             return
+        params = [(name, p) for name, p in self.module(model).named_parameters() if p.requires_grad]
+        unused = [name for name, p in params if p.grad is None]
+        if len(unused) == len(params):  # this loss did not reach the model (another model's, of several): not yet
+            return
         self._checked.add(id(model))
-        unused = [name for name, p in self.module(model).named_parameters() if p.requires_grad and p.grad is None]
         if unused:
             raise ConfigError(
                 f"under DDP every parameter that requires a gradient must get one from the loss, and {len(unused)} "

@@ -58,6 +58,9 @@ class FSDP:
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         return _gradient_sync(model, enabled)
 
+    def expect_sync(self, model: nn.Module, enabled: bool) -> None:
+        return None  # FSDP2 decides in the backward (gradient_sync)
+
     def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         raise ConfigError(_NO_LOCAL)
 

@@ -32,6 +32,9 @@ class SingleDevice:
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         return _NOTHING  # one process: nothing to synchronise
 
+    def expect_sync(self, model: nn.Module, enabled: bool) -> None:
+        return None
+
     def accumulate_locally(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return _NOTHING
 
@@ -42,10 +45,13 @@ class SingleDevice:
         return model
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {"model": self.module(model).state_dict(), "optimizer": optimizer.state_dict()}
+        # A model the user compiled: its own names, not the wrapper's `_orig_mod.` ones, which load into nothing else.
+        return {"model": whole.plain_module(self.module(model)).state_dict(), "optimizer": optimizer.state_dict()}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        self.module(model).load_state_dict(state["model"])
+        wrapper = self.module(model)  # a state taken with the wrapper's names (before redline dropped them) loads there
+        into = wrapper if set(state["model"]) == set(wrapper.state_dict()) else whole.plain_module(wrapper)
+        into.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
     def save(
