@@ -64,11 +64,11 @@ def test_a_checkpoint_a_full_disk_refuses_is_a_clear_error_that_leaves_the_earli
 ) -> None:
     with Runtime(devices="cpu") as rt:
         _trained(rt)
-        rt.save(step_dir(tmp_path, 1))
+        rt.save(step_dir(tmp_path, 1), step=1)
         # before, safetensors' SafetensorError or torch's "[enforce fail at inline_container.cc] unexpected pos"
         # came out as a traceback, and the staging directory stayed behind on the full disk
         with files_limited_to(limit), pytest.raises(CheckpointError) as raised:
-            rt.save(step_dir(tmp_path, 2))
+            rt.save(step_dir(tmp_path, 2), step=2)
     _assert_refused_cleanly(raised, tmp_path, failed)
 
 

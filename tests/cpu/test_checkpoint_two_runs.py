@@ -36,7 +36,7 @@ def test_a_staging_directory_another_run_removes_mid_write_is_named_as_such_not_
 
     with Runtime(devices="cpu") as rt:
         rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
-        rt.save(step_dir(tmp_path, 1))
+        rt.save(step_dir(tmp_path, 1), step=1)
         monkeypatch.setattr(whole, "save_object", another_run_starts_and_stages_the_same_step)
         with pytest.raises(CheckpointError) as raised:
             rt.save(final)
