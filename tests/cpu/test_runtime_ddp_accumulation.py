@@ -202,7 +202,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # two ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        rt = redline.Runtime(devices="cpu", strategy="ddp", grad_accum=2, compile="off")
-        torch.save(gan_loop(rt, rank, 2), out / f"rank-{rank}.pt")
+        with redline.Runtime(devices="cpu", strategy="ddp", grad_accum=2, compile="off") as rt:
+            torch.save(gan_loop(rt, rank, 2), out / f"rank-{rank}.pt")
     finally:
+        gc.collect()  # the DDP-wrapped models sit in reference cycles; free them while gloo still runs
         dist.destroy_process_group()
