@@ -8,7 +8,6 @@ two processes (this file run as a script) train to the weights of one.
 import gc
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -19,16 +18,6 @@ from torch import nn
 
 import redline
 from redline.runtime.strategy import Strategy
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def counted(model: nn.Module) -> list[int]:

@@ -4,13 +4,8 @@ DDP and FSDP run here on a one-rank gloo group inside the test process; tests/cp
 test_fsdp.py run them on two processes.
 """
 
-import gc
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -43,16 +38,6 @@ def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
     }
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        gc.collect()  # FSDP modules sit in reference cycles; free them while gloo still runs
-        dist.destroy_process_group()
 
 
 def adamw(params) -> torch.optim.Optimizer:
