@@ -17,13 +17,10 @@ import io
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Annotated, BinaryIO
 
 import numpy as np
@@ -45,13 +42,13 @@ from redline.cli.options import (
     count,
     said_by_flags,
 )
+from redline.cli.signals import stopped_by_signal
 from redline.cli.task_args import parse_task_args
 from redline.errors import (
     ConfigError,
     InferenceError,
     RedlineError,
     ServableError,
-    StoppedBySignal,
     describe_error,
 )
 from redline.render.console import output_console, plan_table, print_uncut
@@ -100,19 +97,20 @@ def predict(
             f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
             f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
         )
-    with as_model_spec(spec):  # not a task spec, as the loader would say
-        servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
-    check_samples(samples, servable, input_path)
-    batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
-    warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
-    with model_raising(warming, check_hint(servable)), said_by_flags(**ENGINE_FLAGS):  # may time it (--measure)
-        engine = InferenceEngine(
-            servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-            measure=measure, max_batch_size=batch_size,
-        )  # fmt: skip
-        started = time.perf_counter()
-        engine.warm_up()
-        warm_s = time.perf_counter() - started
+    with stopped_by_signal("loading the model", NOT_WRITTEN):  # which can take minutes, compiles included
+        with as_model_spec(spec):  # not a task spec, as the loader would say
+            servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+        check_samples(samples, servable, input_path)
+        batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
+        warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
+        with model_raising(warming, check_hint(servable)), said_by_flags(**ENGINE_FLAGS):  # may time it (--measure)
+            engine = InferenceEngine(
+                servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+                measure=measure, max_batch_size=batch_size,
+            )  # fmt: skip
+            started = time.perf_counter()
+            engine.warm_up()
+            warm_s = time.perf_counter() - started
     console = Console(stderr=True) if to_stdout else output_console()  # stdout carries the array
     if not json_output:
         print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
@@ -126,7 +124,7 @@ def predict(
 
         return run_batches(engine, samples, batch_size, source, hint, kept)
 
-    with stopped_by_signal():  # the temporary file of the outputs goes with the run
+    with stopped_by_signal("predicting", NOT_WRITTEN):  # the temporary file of the outputs goes with the run
         seconds = write_outputs(output_path, len(samples), run)
     rate = len(samples) / seconds if seconds > 0 else None
     if json_output:
@@ -380,26 +378,6 @@ class NpyWriter:
             except ValueError:  # a header over 64 KiB (a shape of many dimensions)
                 np.lib.format.write_array_header_2_0(self.out, header)
         self.out.write(np.ascontiguousarray(batch, dtype=self.dtype).data)
-
-
-@contextlib.contextmanager
-def stopped_by_signal() -> Iterator[None]:
-    """Turn SIGTERM (a scheduler's, timeout(1)'s) and Ctrl-C into StoppedBySignal inside, saying that --output was
-    not written: Python's own default for SIGTERM ends the process at once, leaving the temporary file of the
-    outputs written so far beside ``--output``, and its KeyboardInterrupt ends it without a word."""
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise StoppedBySignal(signum, f"stopped by SIGTERM while predicting: {NOT_WRITTEN}")
-
-    taken = threading.current_thread() is threading.main_thread()  # elsewhere, signals are not ours to take
-    previous = signal.signal(signal.SIGTERM, stop) if taken else None
-    try:
-        yield
-    except KeyboardInterrupt:  # the temporary file went with the write it interrupted
-        raise StoppedBySignal(signal.SIGINT, f"stopped by Ctrl-C while predicting: {NOT_WRITTEN}") from None
-    finally:
-        if taken:
-            signal.signal(signal.SIGTERM, previous)
 
 
 NOT_WRITTEN = "--output was not written (a file there is kept)"

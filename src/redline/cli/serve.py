@@ -26,6 +26,7 @@ from redline.cli.options import (
     flags,
     said_by_flags,
 )
+from redline.cli.signals import stopped_by_signal
 from redline.cli.task_args import parse_task_args
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
@@ -66,13 +67,16 @@ def _serve(
     options.token()  # an empty --token-env variable is refused before the model loads
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
-        with as_model_spec(spec):  # not a task spec, as the loader would say
-            servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
-        with said_by_flags(**ENGINE_FLAGS):
-            engine = InferenceEngine(
-                servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-                measure=measure, max_batch_size=options.max_batch_size, batch_buckets=buckets,
-            )  # fmt: skip
+        # Loading, measuring and compiling can take minutes: a signal then says so, where by default it would end
+        # the process without a word. From listening on, the server drains on a signal instead.
+        with stopped_by_signal("loading the model", "nothing was served"):
+            with as_model_spec(spec):  # not a task spec, as the loader would say
+                servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+            with said_by_flags(**ENGINE_FLAGS):
+                engine = InferenceEngine(
+                    servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
+                    measure=measure, max_batch_size=options.max_batch_size, batch_buckets=buckets,
+                )  # fmt: skip
         console = output_console()
         print_uncut(console, plan_table(engine.plan, title=f"Serving {servable.name}"))
 
