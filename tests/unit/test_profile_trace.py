@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from redline.bench.profiling import Breakdown, Phase, _covered, advise, read_breakdown
+from redline.bench.advice import advise
+from redline.bench.profiling import Breakdown, Phase, _covered, read_breakdown
 from redline.errors import TrainingError
 from redline.plan import Choice, Plan
 
