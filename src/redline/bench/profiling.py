@@ -134,11 +134,12 @@ def profile(
 
     With neither ``precision`` nor ``compile`` (nor a ``compile_mode``) it profiles what `redline train`
     would run (``planned_steps``, default the task's epochs, decides auto's compile); either one
-    profiles that setting, the other left to auto. ``compile`` is True, False or None (auto), or
-    "on", "off" or "auto". ``compile_mode`` ("reduce-overhead": CUDA graphs, or "max-autotune")
-    profiles a compiled step in that mode: it compiles unless ``compile`` is off, which refuses it.
-    ``trace`` writes torch.profiler's Chrome trace there
-    (``.json``, or ``.json.gz`` compressed) for ui.perfetto.dev or chrome://tracing.
+    profiles that setting, the other left to auto (a precision left to auto is measured, as train
+    measures it: a cached trial, else one where the planned run repays it). ``compile`` is True, False
+    or None (auto), or "on", "off" or "auto". ``compile_mode`` ("reduce-overhead": CUDA graphs, or
+    "max-autotune") profiles a compiled step in that mode: it compiles unless ``compile`` is off, which
+    refuses it. ``trace`` writes torch.profiler's Chrome trace there (``.json``, or ``.json.gz``
+    compressed) for ui.perfetto.dev or chrome://tracing.
     """
     task = require_task(task)
     compile = _compiles(compile, compile_mode)
