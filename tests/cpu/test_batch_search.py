@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset
 import redline
 from redline.errors import ConfigError, TrainingError
 
-CPU = redline.RuntimeOptions(devices="cpu")
+CPU = redline.RuntimeOptions(devices="cpu", precision="fp32")  # given: auto's trial is tested on its own, below
 JOB = str(Path(__file__).with_name("batch_search_job.py"))
 
 
@@ -285,3 +285,21 @@ def test_a_stream_of_no_length_caps_the_search_where_it_ends(monkeypatch, limit,
         assert search.reason == "12 fits: the dataset's size (12), the largest batch a run has, stopped the search"
     else:
         assert search.reason.startswith("10 fits; 11 ran out of memory")
+
+
+def test_an_auto_search_runs_in_the_precision_a_trial_measured_as_redline_train_does(bf16_measured_faster):
+    autocast: list[bool] = []
+
+    def build() -> nn.Module:
+        model = Limited(5, "forward")
+        model.register_forward_pre_hook(lambda module, args: autocast.append(torch.is_autocast_enabled("cpu")))
+        return model
+
+    task, auto = dataclasses.replace(limited_task(5), model=build), redline.RuntimeOptions(devices="cpu")
+    search = redline.find_batch_size(task, options=auto, max_batch_size=8)
+    assert search.largest == 5 and search.precision == "bf16-mixed"  # the rule keeps fp32 on a CPU
+    assert search.precision_reason.startswith("measured: bf16-mixed ran 1.43x fp32")
+    assert autocast and all(autocast)  # every probe stepped in bf16 (the faked trial runs no forward)
+    again = redline.find_batch_size(task, options=auto, max_batch_size=8)
+    assert again.precision == "bf16-mixed" and "cached from" in again.precision_reason
+    assert bf16_measured_faster == [["bf16-mixed"]]  # measured once, at the task's batch, as train measures it

@@ -158,6 +158,18 @@ def test_the_setting_names_what_the_plan_ran_not_auto():
     assert found.setting == f"cpu {found.plan.precision.value} eager b8"  # not "cpu auto eager b8"
 
 
+def test_a_precision_left_to_auto_beside_a_given_compile_is_measured_as_redline_train_measures_it(
+    bf16_measured_faster,
+):
+    long = redline.profile(small_task(), devices="cpu", compile=False, steps=1, warmup=1, planned_steps=10_000)
+    assert long.plan.precision.value == "bf16-mixed"  # the rule keeps fp32 on a CPU
+    assert long.plan.precision.reason.startswith("measured: bf16-mixed ran 1.43x fp32")
+    assert long.setting == "cpu bf16-mixed eager b8"
+    short = redline.profile(small_task(), devices="cpu", precision="auto", compile=False, steps=1, warmup=1)
+    assert short.plan.precision.value == "bf16-mixed" and "cached from" in short.plan.precision.reason
+    assert bf16_measured_faster == [["bf16-mixed"]]  # the short run recalled the measurement, as train's does
+
+
 def test_a_process_without_stderr_is_profiled_all_the_same(monkeypatch):
     monkeypatch.setattr("sys.stderr", None)  # what Python sets when the process starts with stderr closed
     found = redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)

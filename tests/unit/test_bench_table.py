@@ -212,3 +212,14 @@ def test_a_row_whose_loss_went_not_finite_is_said_so_and_never_named_the_fastest
     assert "auto cpu b64 (what `redline train` runs: fp16-mixed, eager): 1.40x the naive loop, but its loss" in line
     alone = best_line({**result, "rows": [diverged]})
     assert alone.startswith("at batch 64 no configuration kept a finite loss"), alone
+
+
+def test_the_shares_and_a_gpus_memory_say_what_they_are_of_under_the_table():
+    gpu = _row("cuda fp32 eager b32", "explicit", 9000.0, device="cuda", mfu=0.41, mfu_measured=0.5)
+    text = " ".join(shown(result_of(dict(gpu, peak_mem_kind="allocated"))).split())
+    assert "MFU/of matmul: the achieved FLOP/s as a share of the catalog's dense peak for the GPU" in text
+    assert "and of a square matmul's FLOP/s timed on the device in that precision" in text
+    assert "memory on a GPU: the row's own tensors at their peak (allocated)" in text
+    cpu = " ".join(shown(result_of(_row("cpu fp32 eager b32", "explicit", 60.0, mfu_measured=0.2))).split())
+    assert "of matmul: the achieved FLOP/s as a share of a square matmul's FLOP/s" in cpu and "MFU/" not in cpu
+    assert "memory on a GPU" not in cpu

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from redline.bench.profiling import Breakdown, Phase, _covered, advise, read_breakdown
+from redline.bench.advice import advise
+from redline.bench.profiling import Breakdown, Phase, _covered, read_breakdown
 from redline.errors import TrainingError
 from redline.plan import Choice, Plan
 
@@ -170,6 +171,23 @@ def test_the_operators_table_gives_each_operator_one_line_in_80_columns():
     assert rows[0].split()[:4] == ["##", "Call", "CompiledFxGraph", "f7j22vsuvjdghffrnbb…"]
     assert rows[0].split()[-3:] == ["0.021", "0.667", "3.0%"]  # calls per step to three figures, not 0.666667
     assert rows[1].split() == ["aten::addmm", "0.029", "2", "4.3%"]
+
+
+def test_each_share_in_the_profile_tables_says_what_it_is_a_share_of():
+    from rich.console import Console
+
+    from redline.render.profile import ops_table, phases_table
+
+    phases = [{"name": "forward", "host_ms": 1.0, "share": 0.5, "device_ms": None}]
+    found = {"breakdown": {"device_busy": None, "phases": phases}, "ops_on": "host", "ops": []}
+    console = Console(width=120, record=True)
+    console.print(phases_table(found), ops_table(found))
+    text = console.export_text()
+    headers = [line.split() for line in text.splitlines() if "ms/step" in line]
+    assert headers == [
+        ["phase", "host", "ms/step", "of", "step"],
+        ["operator", "ms/step", "calls/step", "of", "all"],
+    ]
 
 
 def test_a_step_whose_flops_cannot_be_counted_says_so_rather_than_dropping_the_line():

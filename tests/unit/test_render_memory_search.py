@@ -10,7 +10,8 @@ def test_the_table_lists_the_sizes_in_order_and_the_answer_with_its_notes():
     oom = "rank 1: OutOfMemoryError: CUDA out of memory [pool]"
     search = BatchSearch(
         largest=9, tried=((8, True, ""), (16, False, oom), (9, True, "")), device="cuda:0", precision="bf16-mixed",
-        seconds=1.5, reason="9 fits; 10 ran out of memory", cap=None, steps=2, world_size=2,
+        precision_reason="measured: bf16-mixed ran 1.40x fp32", seconds=1.5, reason="9 fits; 10 ran out of memory",
+        cap=None, steps=2, world_size=2,
         notes=("compile off: it changes memory",),
     )  # fmt: skip
     console = Console(record=True, width=200)
@@ -21,11 +22,13 @@ def test_the_table_lists_the_sizes_in_order_and_the_answer_with_its_notes():
     assert rows == [["8", "yes"], ["16", "no"], ["9", "yes"]]
     assert oom in text  # the error's brackets are not taken for markup
     assert "largest batch: 9 fits; 10 ran out of memory" in text and "- compile off: it changes memory" in text
+    assert "precision bf16-mixed: measured: bf16-mixed ran 1.40x fp32" in text  # why the search ran in it
 
 
 def test_a_narrow_table_keeps_its_title_and_answer_on_one_line_each():
     search = BatchSearch(
-        largest=1438, tried=((1024, True, ""), (1438, True, "")), device="cpu", precision="fp32", seconds=9.0,
+        largest=1438, tried=((1024, True, ""), (1438, True, "")), device="cpu", precision="fp32",
+        precision_reason="requested", seconds=9.0,
         reason="1438 fits: the cap (max_batch_size=1438) stopped the search", cap=1438, steps=2,
         notes=("max_batch_size defaults to the dataset's size (1438) on a CPU, whose out-of-memory kills the process",),
     )  # fmt: skip

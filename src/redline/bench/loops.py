@@ -153,9 +153,7 @@ def runtime_runner(
 
     A step takes the setting's batch: with ``grad_accum`` k, as k micro-batches of a k-th of it.
     """
-    if options is None:
-        compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
-        options = RuntimeOptions(devices=setting.device, precision=setting.precision, compile=compile_)  # type: ignore[arg-type]
+    options = options or row_options(setting)
     rt = Runtime(options, planned_steps=planned_steps, measured=measured)
     torch.manual_seed(seed)
     model, optimizer = rt.setup(task.build_model(), task.optimizer)
@@ -178,6 +176,12 @@ def runtime_runner(
 
     batches = rt.setup_loader(_loader(task, setting.batch_size // options.grad_accum, seed))
     return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt, micro_steps=options.grad_accum)
+
+
+def row_options(setting: Setting) -> RuntimeOptions:
+    """The Runtime options of an explicit row: its device, precision and compile (None: auto)."""
+    compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
+    return RuntimeOptions(devices=setting.device, precision=setting.precision, compile=compile_)  # type: ignore[arg-type]
 
 
 def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
-from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, runtime_runner
+from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, row_options, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.bench.result import BenchResult, BenchRow
@@ -247,6 +247,9 @@ def warm_up(
     measured, tuning = None, None
     if setting.kind == "auto":
         options, measured, tuning = _auto(task, setting, planned)
+    elif setting.kind == "explicit":  # a precision left to auto (a profile's, compile given) is auto's, measured
+        options = options or row_options(setting)
+        measured = _measured(task, options, setting.batch_size, planned)
     with PeakMemory(device) as memory:  # after auto's trial: the copies it trains are not the row's
         if setting.kind == "naive":
             runner = naive_runner(task, setting, seed=seed)
@@ -267,12 +270,18 @@ def _auto(
     """What `redline train` would run on the row's device at its batch size, by train's own rules: the
     cached tuned Plan (its options, micro-batches included, and its reasons), else auto's rules with
     the precision a trial measured, where the planned run repays one or a measurement is cached."""
-    env, options = read_env(), RuntimeOptions(devices=setting.device)
-    tuned = auto_tuned(task, options, setting.batch_size, env)
+    options = RuntimeOptions(devices=setting.device)
+    tuned = auto_tuned(task, options, setting.batch_size, read_env())
     if tuned is not None:
         return tuned.options, None, tuned.tuning
+    return None, _measured(task, options, setting.batch_size, planned), None
+
+
+def _measured(task: Task, options: RuntimeOptions, batch_size: int, planned: int | None) -> dict[str, Choice[str]]:
+    """The precision a trial measured where ``options`` leave it to auto, as `redline train` measures it:
+    a cached trial, else one where the planned run repays it ({} where the precision is given)."""
     trial = "auto" if planned else "on"  # train measures a run long enough to repay it (a stream: unknown)
-    return None, measure_auto(task, options, setting.batch_size, planned or 1, env, trial=trial), None
+    return measure_auto(task, options, batch_size, planned or 1, read_env(), trial=trial)
 
 
 def time_runners(

@@ -19,6 +19,11 @@ from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_wh
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
+from redline.parallel.env import read_env
+from redline.plan import Choice
+from redline.plan.precision import resolve_precision
+from redline.runtime.measure import measure_auto
+from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
 from redline.task import Task, require_task
 
@@ -175,6 +180,23 @@ class MemoryFit:
             "rows": [row.to_dict() for row in self.rows],
             "notes": list(self.notes),
         }
+
+
+def fit_precision(task: Task, precision: str, facts: DeviceFacts, *, here: bool, batch_size: int | None) -> Choice[str]:
+    """The precision to weigh ``task``'s step in on the device of ``facts``: ``precision`` as given, or auto's.
+
+    Where the device is this machine's own (``here``), auto is what a run of the task at this batch measures,
+    as `redline train` runs it (runtime/measure.py: a cached trial, else one run now, within its budget).
+    On a GPU weighed from afar (a catalog's, a memory size) no trial can run: the rule of thumb, which says so.
+    """
+    chosen: Choice[str] = resolve_precision(precision, facts)
+    if precision != "auto":
+        return chosen
+    if not here:
+        return Choice(chosen.value, f"{chosen.reason}; not measured: a trial runs on this machine's own device only")
+    options = RuntimeOptions(devices=facts.type)
+    measured = measure_auto(task, options, batch_size or task.batch_size, 1, read_env(), trial="on")
+    return measured.get("precision", chosen)
 
 
 def fit_memory(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,7 +39,9 @@ from redline.memory.host import NOT_RUN, HostGuard
 from redline.memory.meta import build_on_meta
 from redline.parallel.collectives import gather_objects, is_collective_failure
 from redline.parallel.env import join_process_group, read_env
+from redline.plan import Choice
 from redline.runtime.contract import check_loss, split_batch, user_code, user_line
+from redline.runtime.measure import measure_auto
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -104,6 +106,7 @@ class BatchSearch:
     tried: tuple[Tried, ...]
     device: str
     precision: str
+    precision_reason: str  # the Plan's reason: auto's is measured by a trial, as `redline train` runs it
     seconds: float
     reason: str
     cap: int | None
@@ -130,7 +133,9 @@ def find_batch_size(
     """Return the largest batch that runs ``steps`` full training steps of ``task`` on the Runtime's device.
 
     The Runtime follows ``options`` (device, precision, layout), with compile off: compiling changes
-    the memory a step needs and would compile again for every size. The cap defaults to the dataset's
+    the memory a step needs and would compile again for every size. An "auto" precision is the one a
+    run of the task measures (runtime/measure.py: a cached trial at the task's batch size, else one
+    run now), so the answer is for the precision `redline train` runs. The cap defaults to the dataset's
     size (a stream's where it has ``__len__``), the largest batch a run has. A CPU needs it: the operating
     system kills the process long before torch raises, so a stream of no length needs ``max_batch_size``
     there; on a GPU an out-of-memory error stops the doubling of such a stream, or its end. An error other than
@@ -143,8 +148,7 @@ def find_batch_size(
     positive_int("steps", steps)
     options = RuntimeOptions.build(options, compile="off", grad_accum=1)
     began = time.perf_counter()
-    first = Runtime(options)  # resolves the device and precision; starts nothing
-    device, precision = first.device, first.precision.name
+    device = Runtime(options).device  # resolves the device; starts nothing
     cap, notes = _cap(task.train_data, device, max_batch_size)
     if cap is not None and start > cap:
         where = (
@@ -164,6 +168,8 @@ def find_batch_size(
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
         with join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
+            measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
+            precision = Runtime(options, measured=measured).explain().precision
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
                 if size < smallest:  # halved below the smallest batch the model trains on: nothing fits
                     break
@@ -171,7 +177,7 @@ def find_batch_size(
                     tried.append((size, False, refused))
                     continue
                 try:
-                    error, samples = _probe(task, options, size, steps)
+                    error, samples = _probe(task, options, measured, size, steps)
                 except TrainingError as exc:  # BatchNorm refuses one value per channel: no run trains on 1 sample
                     if tried or size != 1 or cap == 1 or isinstance(exc, OutOfMemory) or not _batch_norm(task):
                         raise
@@ -205,7 +211,8 @@ def find_batch_size(
         largest=(max(fitted) if cap is None else min(max(fitted), cap)) if fitted else None,
         tried=tuple(tried),
         device=str(device),
-        precision=precision,
+        precision=precision.value,
+        precision_reason=precision.reason,
         seconds=time.perf_counter() - began,
         reason=search_reason(tried, cap, cap_given=max_batch_size is not None),
         cap=cap,
@@ -240,7 +247,9 @@ def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -
     ]
 
 
-def _probe(task: Task, options: RuntimeOptions, size: int, steps: int) -> tuple[str, int]:
+def _probe(
+    task: Task, options: RuntimeOptions, measured: Mapping[str, Choice[str]], size: int, steps: int
+) -> tuple[str, int]:
     """Run ``steps`` training steps at ``size``; return the out-of-memory error ("" if it fitted) and the samples used.
 
     The ranks agree after every stage: the model built and placed (each rank on its own), the model
@@ -248,7 +257,7 @@ def _probe(task: Task, options: RuntimeOptions, size: int, steps: int) -> tuple[
     same stages, so none waits in a collective that a rank which failed before it skips. Whatever the
     probe held is freed before it returns.
     """
-    probe = _Probe(task, options, size)
+    probe = _Probe(task, options, measured, size)
     device = probe.rt.device
     try:
         for stage in range(_PLACE, steps + 1):
@@ -269,9 +278,9 @@ _PLACE, _WRAP = -1, 0  # a probe's stages before its training steps (1, 2, ...)
 class _Probe:
     """One try of a batch size: a fresh Runtime, model, optimizer and batch, all dropped with it."""
 
-    def __init__(self, task: Task, options: RuntimeOptions, size: int) -> None:
+    def __init__(self, task: Task, options: RuntimeOptions, measured: Mapping[str, Choice[str]], size: int) -> None:
         self.task, self.size = task, size
-        self.rt = Runtime(options)
+        self.rt = Runtime(options, measured=measured)
         self.samples = 0
         self.placed: nn.Module | None = None
         self.model: nn.Module | None = None

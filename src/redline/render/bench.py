@@ -79,8 +79,16 @@ def diverged(row: Mapping[str, Any]) -> bool:
 
 
 def _notes(rows: list[Mapping[str, Any]]) -> Text:
-    """What the table's columns mean where a header cannot say it: a CPU's memory, the compile cell."""
+    """What the table's columns mean where a header cannot say it: the shares' peaks, the memory, the compile cell."""
     notes = []
+    if any(r["mfu"] is not None for r in rows):
+        notes.append(f"MFU/of matmul: {SHARES_TOLD}")
+    elif any(r["mfu_measured"] is not None for r in rows):
+        notes.append(f"of matmul: {MATMUL_TOLD}")
+    if any(r.get("peak_mem_kind") == "allocated" for r in rows):
+        notes.append(
+            "memory on a GPU: the row's own tensors at their peak (allocated) while it was built and warmed up"
+        )
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
         note = "memory on a CPU: the whole process's resident set at its peak"
         if any(r.get("estimate_bytes") is not None for r in rows):
@@ -195,6 +203,11 @@ def _bytes(value: int | None) -> str:
     return size_text(value)
 
 
+SHARES_TOLD = (
+    "the achieved FLOP/s as a share of the catalog's dense peak for the GPU in the row's precision, and of a square "
+    "matmul's FLOP/s timed on the device in that precision"
+)
+MATMUL_TOLD = "the achieved FLOP/s as a share of a square matmul's FLOP/s timed on the device in the row's precision"
 COMPILE_TOLD = (
     "the seconds the compile took/the steps whose time saved against the eager row of its precision repays "
     "them (never: the compiled step is not faster; -: no eager row to compare)"

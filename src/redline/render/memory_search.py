@@ -27,5 +27,6 @@ def batch_search_table(result: Mapping[str, Any]) -> Group:
         fits = "[green]yes[/green]" if tried["fitted"] else "[red]no[/red]"
         table.add_row(str(tried["batch_size"]), fits, escape(tried["error"]))
     lines = [f"largest batch: {result['reason']}"]  # the reason begins with it: "9 fits; 10 ran out of memory"
+    lines.append(f"precision {result['precision']}: {result['precision_reason']}")  # auto's says what it measured
     lines += [f"- {note}" for note in result["notes"]]
     return Group(table, Text("\n".join(lines)))

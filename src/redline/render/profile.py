@@ -18,7 +18,7 @@ def phases_table(profile: Mapping[str, Any]) -> Table:
     table = Table(title=Text("Phases of a step"), title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("phase", style="bold", no_wrap=True)
     table.add_column("host ms/step", justify="right", no_wrap=True)
-    table.add_column("share", justify="right", no_wrap=True)
+    table.add_column("of step", justify="right", no_wrap=True)  # its share of the step's host time
     on_gpu = breakdown["device_busy"] is not None
     if on_gpu:
         table.add_column("GPU ms/step", justify="right", no_wrap=True)
@@ -35,7 +35,7 @@ def ops_table(profile: Mapping[str, Any]) -> Table:
     where = "GPU" if profile["ops_on"] == "gpu" else "host"
     table = Table(title=Text(f"Heaviest operators ({where} self time)"), title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("operator")
-    for name in ("ms/step", "calls/step", "share"):
+    for name in ("ms/step", "calls/step", "of all"):  # its share of every operator's self time
         table.add_column(name, justify="right", no_wrap=True)
     for op in profile["ops"]:
         table.add_row(Text(_short(op["name"])), f"{op['self_ms']:.3f}", f"{op['calls']:.3g}", f"{op['share']:.1%}")

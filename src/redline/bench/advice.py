@@ -1,0 +1,96 @@
+"""What a profiled step suggests trying: rules over its breakdown and Plan, each naming the flag and the
+command that measures it (a profile proposes, a measurement decides)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from redline.plan import Plan
+
+if TYPE_CHECKING:  # the breakdown is read in profiling, which applies these rules to it
+    from redline.bench.profiling import Breakdown
+
+DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
+IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
+OPTIMIZER_SHARE = 0.30
+
+
+def advise(
+    breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False, batch_size: int | None = None,
+    graphs: bool = False,
+) -> list[str]:  # fmt: skip
+    """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
+
+    ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold). ``batch_size``: the
+    profiled one, which a bench of larger ones starts from. ``graphs``: the step ran compiled as CUDA
+    graphs (reduce-overhead), which the advice then does not propose again.
+    """
+    shares = {p.name: p.share for p in breakdown.phases}
+    sizes = f"{batch_size},{2 * batch_size}" if batch_size else "64,128"
+    out = []
+    if gpu and breakdown.device_busy is None:
+        out.append(
+            "the trace holds no GPU kernel: the profiler could not record the GPU (CUPTI refused; in a container "
+            "it may need --cap-add SYS_ADMIN, on a host the driver option NVreg_RestrictProfilingToAdminUsers=0), "
+            "so every time above is the host's"
+        )
+    if anomaly:
+        out.append(
+            "autograd anomaly detection is on (torch.autograd.set_detect_anomaly): every backward op is checked "
+            "and slowed; turn it off outside debugging"
+        )
+    if env.get("CUDA_LAUNCH_BLOCKING") == "1":
+        out.append("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait for the GPU; unset it outside debugging")
+    if shares.get("data", 0.0) >= DATA_SHARE:
+        loader = plan.loader.value if plan.loader is not None else "as built"
+        out.append(
+            f"loading: {shares['data']:.0%} of each step waits for the next batch (loader {loader}); try "
+            "`redline train --loader-workers N` (and a dataset that does less per item); `redline tune` measures "
+            "loader workers"
+        )
+    if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
+        out.append(
+            f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step"
+            + (" though the step runs as CUDA graphs" if graphs else "")
+            + ": the host launches kernels slower than they run (a small model or batch); try a larger "
+            f"--batch-size (`redline bench --batch-size {sizes}` measures it)"
+            + (
+                ""
+                if graphs
+                else ", or CUDA graphs: `redline profile --compile on --compile-mode reduce-overhead` shows their "
+                "step, and `redline tune` measures compile and its CUDA graphs mode"
+            )
+        )
+    if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
+        taken = f"the optimizer step takes {shares['optimizer']:.0%} of each step"
+        if plan.optimizer is not None and plan.optimizer.value == "fused":  # fusing it is not left to propose
+            out.append(
+                f"{taken} though it runs fused: its cost does not grow with the batch, so a larger --batch-size "
+                f"spreads it (`redline bench --batch-size {sizes}` measures it)"
+            )
+        else:
+            out.append(
+                f"{taken}: many small parameter tensors are stepped one by one unless the optimizer is foreach "
+                "or fused (the Plan's optimizer row says which)"
+            )
+    if not out:
+        compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+        left = [
+            what
+            for what, taken in (
+                ("reduced precision", plan.precision.value != "fp32"),
+                ("compile", plan.compile is not None and bool(plan.compile.value)),
+            )
+            if not taken
+        ]
+        then = (
+            f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
+            if left
+            else "the Plan already runs reduced precision and compiled: a larger --batch-size (`redline bench "
+            f"--batch-size {sizes}` measures it) or a faster device is what is left"
+        )
+        out.append(
+            f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "
+            f"arithmetic bounds it; {then}"
+        )
+    return out
