@@ -44,11 +44,19 @@ REPAY = 10  # a trial runs when the planned run is at least this many times its 
 
 
 def measure_auto(
-    task: Task, options: RuntimeOptions, batch_size: int, planned_steps: float, env: DistEnv, *, trial: str
+    task: Task,
+    options: RuntimeOptions,
+    batch_size: int,
+    planned_steps: float,
+    env: DistEnv,
+    *,
+    trial: str,
+    insist: str = "--trial on measures anyway",
 ) -> dict[str, Choice[str]]:
     """The "auto" choices a trial measured for this run (``{"precision": ...}``), or {} where none applies.
 
-    ``trial`` is "auto" (measure when the run repays it), "on" or "off".
+    ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
+    reason of a run too short to repay a trial, how the command at hand would measure anyway.
     """
     if options.precision != "auto" or trial == "off":
         return {}
@@ -67,7 +75,7 @@ def measure_auto(
     if shared is None:
         rule = resolve_precision("auto", facts)
         why = f"not measured: a trial costs {cost} steps, and this run of {planned_steps:g} would not repay it"
-        return {"precision": Choice(rule.value, f"{rule.reason}; {why} (--trial on measures anyway)")}
+        return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
     return {"precision": Choice(*shared)}
 
 
