@@ -1,7 +1,7 @@
-"""docs/errors.md quotes the Runtime's refusals and warnings as a loop of one's own meets them.
+"""docs/errors.md quotes the refusals and warnings as a loop of one's own and the commands give them.
 
-Each case makes one mistake the page lists under "A loop of your own" and checks that one of the page's
-quoted messages (a `**`...`**` heading, its `...` standing for what varies) is what the Runtime says.
+Each case makes one mistake the page lists and checks that one of the page's quoted messages (a
+`**`...`**` heading, its `...` standing for what varies) is what redline says.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typer.testing import CliRunner
 
 import redline
+from redline.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {"devices": "cpu", "precision": "fp32", "compile": "off"}
@@ -123,3 +125,38 @@ def test_errors_md_quotes_the_scheduler_warning(caplog):
 
 def test_a_quote_matches_only_its_own_message():
     assert quotes("a ... c", "a b c") and not quotes("c ... a", "a b c")
+
+
+TINY_TASK = """\
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+
+def make():
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    return redline.Task(model=lambda: nn.Linear(8, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=TensorDataset(x, y), batch_size=8, name="tiny")
+"""
+
+REFUSED = {
+    "a script that is not there": ["launch", "train.py"],
+    "-m of a module that is not there": ["launch", "-m", "mypkg.train"],
+    "--master-addr beside --rdzv-endpoint": ["launch", "--master-addr", "127.0.0.1", "--rdzv-endpoint", "h:1", "t.py"],
+    "--nnodes without a rendezvous": ["launch", "--nnodes", "2", "tasks.py"],
+    "--max-restarts without --nproc": ["train", "--task", "tasks.py:make", "--max-restarts", "2"],
+    "grad_accum past the epochs": ["train", "--task", "tasks.py:make", "--grad-accum", "20", "--epochs", "1"],
+    "--measure with --batch-size": ["memory", "--task", "tasks.py:make", "--measure", "--batch-size", "8"],
+    "a batch larger than the data": ["bench", "--task", "tasks.py:make", "--batch-size", "100", "--devices", "cpu"],
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_errors_md_quotes_the_command_refusal(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.py").write_text(TINY_TASK)
+    result = CliRunner().invoke(app, REFUSED[case])
+    assert isinstance(result.exception, redline.RedlineError), result.output
+    said = str(result.exception).split("\nhint:")[0]
+    assert any(quotes(quote, said) for quote in quoted_messages()), f"docs/errors.md quotes no part of: {said}"
