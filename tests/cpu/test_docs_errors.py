@@ -142,7 +142,7 @@ def make():
 
 REFUSED = {
     "a script that is not there": ["launch", "train.py"],
-    "-m of a module that is not there": ["launch", "-m", "mypkg.train"],
+    "-m of a module that is not there": ["launch", "-m", "myproject.train"],
     "--master-addr beside --rdzv-endpoint": ["launch", "--master-addr", "127.0.0.1", "--rdzv-endpoint", "h:1", "t.py"],
     "--nnodes without a rendezvous": ["launch", "--nnodes", "2", "tasks.py"],
     "--max-restarts without --nproc": ["train", "--task", "tasks.py:make", "--max-restarts", "2"],
