@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.run
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typer.testing import CliRunner
@@ -129,6 +130,7 @@ def test_a_quote_matches_only_its_own_message():
 
 TINY_TASK = """\
 import torch
+import torch.distributed.run
 from torch import nn
 from torch.utils.data import TensorDataset
 import redline
@@ -152,10 +154,15 @@ REFUSED = {
 }
 
 
+def never_start(args: object) -> None:
+    raise AssertionError("the launch started workers where it should have refused")
+
+
 @pytest.mark.parametrize("case", REFUSED)
 def test_errors_md_quotes_the_command_refusal(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tasks.py").write_text(TINY_TASK)
+    monkeypatch.setattr(torch.distributed.run, "run", never_start)  # each is refused before any worker starts
     result = CliRunner().invoke(app, REFUSED[case])
     assert isinstance(result.exception, redline.RedlineError), result.output
     said = str(result.exception).split("\nhint:")[0]
