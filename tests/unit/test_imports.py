@@ -57,7 +57,7 @@ def test_import_touches_no_cuda_and_no_optional_extra():
     assert result["loaded"] == []
 
 
-# The layers of ../shared/DESIGN.md: Face -> Apps -> Core -> torch. A Core module never imports an App
+# The layers (README.md, "Layout and tests"): Face -> Apps -> Core -> torch. A Core module never imports an App
 # or the Face; an App imports Core only, never another App (what two Apps share belongs in Core).
 FACE = {"cli", "render", "__init__", "__main__"}
 APPS = {"train", "launch", "doctor", "memory", "bench", "serve", "advise", "profile"}
@@ -99,7 +99,7 @@ def kind_of(name: str) -> str:
     for kind, members in (("face", FACE), ("app", APPS), ("core", CORE)):
         if name in members:
             return kind
-    raise AssertionError(f"redline.{name} has no layer; place it in FACE, APPS or CORE as DESIGN.md does")
+    raise AssertionError(f"redline.{name} has no layer; place it in FACE, APPS or CORE")
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))

@@ -32,7 +32,7 @@ class BenchRow:
     break_even_steps: float | None = None  # steps after which the compile has paid for itself
     speedup_naive: float | None = None  # over the naive loop on the same device and batch size
     speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
-    loss: float | None = None  # the last window's loss: every row trains, none is a no-op
+    loss: float | None = None  # of one more step after the timing (its micro-batches' mean), None if not finite
     plan: dict[str, dict[str, Any]] | None = None
     error: str = ""
 

@@ -1,11 +1,11 @@
 """Inference axes: which precision and compile settings an InferenceEngine times, which it keeps; CUDA graphs.
 
-A rule proposes, a measurement decides (DESIGN.md, "Plans"). ``propose`` lists the settings worth
-timing against the reference (fp32 and eager, unless a value was given) from the device's facts;
-the engine times each on its largest and smallest buckets, and ``choose`` keeps the fastest one that
-beats the reference by ``MARGIN`` on the largest, loses by no more than that on the smallest, and
-whose outputs stay within ``TOLERANCE`` of the reference's. Everything
-here is a pure function of facts and numbers: tests feed it a GPU, or timings, as data.
+A rule proposes, a measurement decides: where the device's facts cannot rank the settings, the engine
+times them. ``propose`` lists the settings worth timing against the reference (fp32 and eager, unless a
+value was given) from the device's facts; the engine times each on its largest and smallest buckets,
+and ``choose`` keeps the fastest one that beats the reference by ``MARGIN`` on the largest, loses by no
+more than that on the smallest, and whose outputs stay within ``TOLERANCE`` of the reference's.
+Everything here is a pure function of facts and numbers: tests feed it a GPU, or timings, as data.
 """
 
 from __future__ import annotations
