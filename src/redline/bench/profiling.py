@@ -224,7 +224,8 @@ def _compiles(compile: bool | str | None, compile_mode: str) -> bool | None:
     if compile is False:
         raise invalid(
             "compile_mode", compile_mode, "'default' when compile is off (a mode is how a compiled step runs)",
-            f"pass compile='on' to profile the step compiled in {compile_mode}, or leave compile_mode out",
+            f"pass compile='on' to profile the step compiled in {compile_mode}, or compile_mode='default' for an eager "
+            "step",
         )  # fmt: skip
     return True
 
