@@ -47,6 +47,7 @@ from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import keep_steps, step_failure
+from redline.train.lock import holding_out_dir
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_results
 from redline.train.progress import Progress
@@ -118,6 +119,12 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
+        self.env = read_env()
+        self._join_group()  # the ranks meet first: rank 0 holds out_dir for them all
+        with holding_out_dir(self.out_dir):  # one run at a time writes there: a second is refused at once
+            return self._fit()
+
+    def _fit(self) -> TrainSummary:
         run = self._start()
         if isinstance(run, TrainSummary):  # a rerun of a run that had ended: left as it was
             mark_finished(self.env)
@@ -272,7 +279,6 @@ class Trainer:
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> Run | TrainSummary:
-        self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
             self.early_stopping.reset()
