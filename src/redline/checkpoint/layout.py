@@ -242,6 +242,15 @@ def run_dirs(root: Path) -> list[Path]:
     return [path for path in paths if _is_step(path.name.removeprefix(PREFIX)) and path.is_dir()]
 
 
+def other_versions(root: Path) -> list[int]:
+    """The steps of the run's checkpoints under ``root`` that another version of redline wrote, oldest first.
+
+    This version neither resumes from, prunes nor writes over them, and ``find_checkpoints`` leaves them out:
+    a run deciding about the checkpoints already there counts them too.
+    """
+    return sorted(step_of(path, {}) for path in run_dirs(root) if _other_version(path) is not None)
+
+
 def _is_step(digits: str) -> bool:
     return digits.isascii() and digits.isdigit()
 
