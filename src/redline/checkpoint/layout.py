@@ -3,7 +3,8 @@
 A checkpoint is a directory ``step-00000100/``. It is written under ``.tmp-step-00000100/``; when
 every file is on disk and fsynced, a manifest with each file's size and SHA-256 is written last and
 the directory renamed into place. A directory without a readable manifest is not a checkpoint, so
-a crash at any moment leaves the last committed one. ``verify`` reads every file back against its
+a crash at any moment leaves the last committed one (and one staged whole, which ``recover`` renames
+into place where the crash came between the manifest and the rename). ``verify`` reads every file back against its
 manifest; under several processes each rank checks its share of the files.
 """
 
@@ -315,10 +316,13 @@ def clean_staging(root: Path) -> int:
 
 
 def recover(root: Path) -> None:
-    """Put back a checkpoint whose replacement a crash cut short (where the system cannot swap two directories).
+    """Finish the commits a crash cut short after the manifest was written, under ``root``.
 
-    The new one, when its manifest was written, takes the step's name; else the older one gets it
-    back. Call it where no checkpoint is being written under ``root``, on one rank.
+    A replacement (where the system cannot swap two directories): the new one, when its manifest
+    was written, takes the step's name; else the older one gets it back. A new step staged whole
+    (its manifest written, every file matching it) is renamed into place, as its commit would have
+    done; a staged step that is not whole is left for ``clean_staging``. Call it where no checkpoint
+    is being written under ``root``, on one rank.
     """
     asides = sorted(path for path in root.glob(f"{ASIDE}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
     for aside in asides:
@@ -326,6 +330,26 @@ def recover(root: Path) -> None:
         restored = recover_directory(aside, root / f"{STAGING}{name}", lambda tmp: (tmp / MANIFEST).is_file())
         if restored is not None:
             log.warning("put back %s, whose replacement a killed run had not finished", restored)
+    staged = sorted(path for path in root.glob(f"{STAGING}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
+    for tmp in staged:
+        final = root / tmp.name.removeprefix(STAGING)
+        if _is_step(final.name.removeprefix(PREFIX)) and not final.exists() and not final.is_symlink() and _whole(tmp):
+            tmp.rename(final)
+            fsync_path(root)
+            log.warning("put back %s: a killed run had written it whole, but not yet renamed it into place", final)
+
+
+def _whole(tmp: Path) -> bool:
+    """Whether the staged checkpoint ``tmp`` is complete: its manifest reads, and every file matches its entry.
+
+    Where a step is written again, the rename that swaps the two may have been cut short after the swap:
+    then ``tmp`` holds the older one, whole too, so the caller moves it only where the step's name is free.
+    """
+    try:
+        staged = read_checkpoint(tmp)
+    except CheckpointError:  # no manifest yet: the write never finished
+        return False
+    return bool(staged.manifest["files"]) and not any(_check_file(staged, name) for name in staged.manifest["files"])
 
 
 def verify(checkpoint: Checkpoint) -> None:
