@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,34 +47,53 @@ def trainer(out: Path, **fields: Any) -> Trainer:
     return Trainer(task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=out, progress=False, **fields)
 
 
-def test_a_second_run_on_an_out_dir_in_use_is_refused_at_once_and_a_killed_runs_lock_blocks_nothing(tmp_path):
-    """Before, both runs wrote checkpoints and logs into one directory, pruning and cleaning up each other's."""
+@contextlib.contextmanager
+def held_by_another_process(out: Path) -> Iterator[subprocess.Popen]:
+    """Run HOLDER on ``out`` until it holds the lock; kill it, and the child it forked, on the way out."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     child = None
     try:
         assert holder.stdout is not None
         said, child = holder.stdout.readline().split()
         assert said == "held"
-        with pytest.raises(ConfigError) as raised:
-            trainer(tmp_path, max_steps=2).fit()
-        assert sorted(path.name for path in tmp_path.iterdir()) == [LOCK]  # the refused run wrote nothing
-        holder.kill()  # SIGKILL: it lets go of nothing itself, and its pid stays written in the lock file
-        holder.wait()
-        assert trainer(tmp_path, max_steps=2).fit().steps == 2  # the kernel let go, though its child lives on
+        yield holder
     finally:
         holder.kill()
         holder.wait()
         if child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(child), signal.SIGKILL)
+
+
+def test_a_second_run_on_an_out_dir_in_use_is_refused_at_once_and_a_killed_runs_lock_blocks_nothing(tmp_path):
+    """Before, both runs wrote checkpoints and logs into one directory, pruning and cleaning up each other's."""
+    with held_by_another_process(tmp_path) as holder:
+        with pytest.raises(ConfigError) as raised:
+            trainer(tmp_path, max_steps=2).fit()
+        assert sorted(path.name for path in tmp_path.iterdir()) == [LOCK]  # the refused run wrote nothing
+        holder.kill()  # SIGKILL: it lets go of nothing itself, and its pid stays written in the lock file
+        holder.wait()
+        assert trainer(tmp_path, max_steps=2).fit().steps == 2  # the kernel let go, though its child lives on
     assert str(raised.value) == (
         f"out_dir={str(tmp_path)!r} is not allowed; expected a directory no other run is writing in; another run "
         f"(pid {holder.pid}) is writing its checkpoints and logs there now\nhint: wait for that run to end "
-        "(--resume auto then continues it), or pass another --out (out_dir=...)"
+        "(resume='auto' then continues it), or pass another out_dir=DIR"
     )
     assert (tmp_path / "summary.json").is_file()
+
+
+def test_redline_train_names_the_out_dir_in_use_by_its_flag(tmp_path):
+    command = [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "1"]
+    with held_by_another_process(tmp_path) as holder:
+        result = subprocess.run([*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.endswith(
+        f"error: --out={str(tmp_path)!r} is not allowed; expected a directory no other run is writing in; another "
+        f"run (pid {holder.pid}) is writing its checkpoints and logs there now\nhint: wait for that run to end "
+        "(--resume 'auto' then continues it), or pass another --out DIR\n"
+    )
 
 
 class StartAnother(Callback):

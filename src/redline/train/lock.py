@@ -112,7 +112,7 @@ def in_use(out_dir: Path, holder: str) -> ConfigError:
         "out_dir",
         str(out_dir),
         f"a directory no other run is writing in; {who} is writing its checkpoints and logs there now",
-        "wait for that run to end (--resume auto then continues it), or pass another --out (out_dir=...)",
+        "wait for that run to end (resume='auto' then continues it), or pass another out_dir=DIR",
     )
 
 
