@@ -46,7 +46,7 @@ from redline.train.callbacks import Callback, call_hooks, check_callbacks
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
-from redline.train.failures import keep_steps, step_failure
+from redline.train.failures import check_finite, keep_steps, step_failure
 from redline.train.lock import holding_out_dir
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_results
@@ -431,15 +431,7 @@ class Trainer:
             losses = stacked.tolist()
         elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
         first = pos.step - len(losses) + 1
-        for offset, value in enumerate(losses):
-            if not math.isfinite(value):
-                last = run.last_ckpt
-                where = f"the last good checkpoint is {last.path}" if last else "no checkpoint was written yet"
-                raise TrainingError(
-                    f"step {first + offset}: the loss is {value}; training stopped ({where})\n"
-                    "hint: lower the learning rate, clip gradients (--clip-grad-norm 1.0), or use bf16-mixed "
-                    "instead of fp16-mixed"
-                )
+        check_finite(losses, first, run.last_ckpt)
         rates = run.meter.window(elapsed, len(losses), window.samples, window.tokens)
         rows = [
             {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}
