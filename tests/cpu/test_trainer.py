@@ -54,7 +54,7 @@ def unbroken(tmp_path_factory) -> dict[str, torch.Tensor]:
     [
         ["--kill-at-step", "7"],  # between steps, mid-epoch, after the checkpoint of step 6
         ["--kill-at-step", "14"],  # the step after an epoch boundary (13 batches an epoch)
-        ["--kill-in-checkpoint", "12"],  # while checkpoint 12 is being committed: 9 must be used
+        ["--kill-in-checkpoint", "12"],  # between checkpoint 12's manifest and its rename: 12 is put in place
     ],
     ids=["between-steps", "after-epoch-boundary", "during-checkpoint-write"],
 )

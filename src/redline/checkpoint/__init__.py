@@ -1,19 +1,20 @@
 """Checkpoints that survive a crash at any moment: one directory layout, two formats.
 
-``layout`` names, commits, lists and verifies checkpoint directories; ``whole`` is the format one
-process writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP); both
-refuse, through ``shapes``, a checkpoint of another model before loading it. The Runtime picks the
-format through its strategy (``Runtime.save`` / ``Runtime.load``).
+``layout`` names, commits, lists and verifies checkpoint directories, and ``finding`` picks the one
+a run resumes from; ``whole`` is the format one process writes (one device, DDP), ``sharded`` the
+one every rank writes its shards of (FSDP); both refuse, through ``shapes``, a checkpoint of
+another model before loading it. The Runtime picks the format through its strategy
+(``Runtime.save`` / ``Runtime.load``).
 """
 
+from redline.checkpoint.finding import open_checkpoint, open_verified
 from redline.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
     clean_staging,
     find_checkpoints,
     load_plan,
-    open_checkpoint,
-    open_verified,
+    other_versions,
     prune,
     read_checkpoint,
     recover,
@@ -29,6 +30,7 @@ __all__ = [
     "load_plan",
     "open_checkpoint",
     "open_verified",
+    "other_versions",
     "prune",
     "read_checkpoint",
     "recover",

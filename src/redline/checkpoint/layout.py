@@ -3,7 +3,8 @@
 A checkpoint is a directory ``step-00000100/``. It is written under ``.tmp-step-00000100/``; when
 every file is on disk and fsynced, a manifest with each file's size and SHA-256 is written last and
 the directory renamed into place. A directory without a readable manifest is not a checkpoint, so
-a crash at any moment leaves the last committed one. ``verify`` reads every file back against its
+a crash at any moment leaves the last committed one (and one staged whole, which ``recover`` renames
+into place where the crash came between the manifest and the rename). ``verify`` reads every file back against its
 manifest; under several processes each rank checks its share of the files.
 """
 
@@ -17,13 +18,13 @@ import logging
 import os
 import shutil
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from redline.atomic import ASIDE, commit_directory, fsync_path, recover_directory
 from redline.errors import RedlineError, few, nearest
-from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
+from redline.parallel.collectives import gather_objects, rank_and_world
 
 PREFIX = "step-"
 STAGING = ".tmp-"  # a checkpoint being written: .tmp-step-00000100
@@ -153,7 +154,7 @@ def commit(
     fsync_path(tmp / MANIFEST)
     fsync_path(tmp)
     commit_directory(tmp, final)
-    return Checkpoint(final, _step_of(final, manifest), manifest)
+    return Checkpoint(final, step_of(final, manifest), manifest)
 
 
 def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) -> CheckpointError:
@@ -211,7 +212,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
             f"{path}: checkpoint format {manifest.get('format')!r} is not one this redline reads ({known})\n"
             "hint: it was written by another version of redline: load it with that version"
         )
-    return Checkpoint(path, _step_of(path, manifest), manifest)
+    return Checkpoint(path, step_of(path, manifest), manifest)
 
 
 def _not_there(path: Path) -> CheckpointError:
@@ -224,7 +225,7 @@ def _not_there(path: Path) -> CheckpointError:
     return CheckpointError(f"{path}: no such checkpoint: nothing is there\nhint: {hint}")
 
 
-def _step_of(path: Path, manifest: Mapping[str, Any]) -> int:
+def step_of(path: Path, manifest: Mapping[str, Any]) -> int:
     step = manifest.get("step")
     if isinstance(step, int):
         return step
@@ -240,6 +241,15 @@ def run_dirs(root: Path) -> list[Path]:
     """
     paths = root.glob(f"{PREFIX}*") if root.is_dir() else ()
     return [path for path in paths if _is_step(path.name.removeprefix(PREFIX)) and path.is_dir()]
+
+
+def other_versions(root: Path) -> list[int]:
+    """The steps of the run's checkpoints under ``root`` that another version of redline wrote, oldest first.
+
+    This version neither resumes from, prunes nor writes over them, and ``find_checkpoints`` leaves them out:
+    a run deciding about the checkpoints already there counts them too.
+    """
+    return sorted(step_of(path, {}) for path in run_dirs(root) if _other_version(path) is not None)
 
 
 def _is_step(digits: str) -> bool:
@@ -306,10 +316,13 @@ def clean_staging(root: Path) -> int:
 
 
 def recover(root: Path) -> None:
-    """Put back a checkpoint whose replacement a crash cut short (where the system cannot swap two directories).
+    """Finish the commits a crash cut short after the manifest was written, under ``root``.
 
-    The new one, when its manifest was written, takes the step's name; else the older one gets it
-    back. Call it where no checkpoint is being written under ``root``, on one rank.
+    A replacement (where the system cannot swap two directories): the new one, when its manifest
+    was written, takes the step's name; else the older one gets it back. A new step staged whole
+    (its manifest written, every file matching it) is renamed into place, as its commit would have
+    done; a staged step that is not whole is left for ``clean_staging``. Call it where no checkpoint
+    is being written under ``root``, on one rank.
     """
     asides = sorted(path for path in root.glob(f"{ASIDE}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
     for aside in asides:
@@ -317,6 +330,26 @@ def recover(root: Path) -> None:
         restored = recover_directory(aside, root / f"{STAGING}{name}", lambda tmp: (tmp / MANIFEST).is_file())
         if restored is not None:
             log.warning("put back %s, whose replacement a killed run had not finished", restored)
+    staged = sorted(path for path in root.glob(f"{STAGING}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
+    for tmp in staged:
+        final = root / tmp.name.removeprefix(STAGING)
+        if _is_step(final.name.removeprefix(PREFIX)) and not final.exists() and not final.is_symlink() and _whole(tmp):
+            tmp.rename(final)
+            fsync_path(root)
+            log.warning("put back %s: a killed run had written it whole, but not yet renamed it into place", final)
+
+
+def _whole(tmp: Path) -> bool:
+    """Whether the staged checkpoint ``tmp`` is complete: its manifest reads, and every file matches its entry.
+
+    Where a step is written again, the rename that swaps the two may have been cut short after the swap:
+    then ``tmp`` holds the older one, whole too, so the caller moves it only where the step's name is free.
+    """
+    try:
+        staged = read_checkpoint(tmp)
+    except CheckpointError:  # no manifest yet: the write never finished
+        return False
+    return bool(staged.manifest["files"]) and not any(_check_file(staged, name) for name in staged.manifest["files"])
 
 
 def verify(checkpoint: Checkpoint) -> None:
@@ -374,105 +407,6 @@ def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
     except OSError as exc:  # reported like any other problem, so the other ranks do not wait for this one
         return f"{name} cannot be read ({exc.strerror or exc})"
     return None if digest == expected else f"{name} does not match its checksum (corrupt)"
-
-
-def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
-    """Return the checkpoint to resume from: ``"auto"`` picks the newest under ``root`` that verifies, else a path.
-
-    Collective under several processes: rank 0 lists the checkpoints, so every rank considers the
-    same ones in the same order, and the ranks verify each together, so they agree on the one they
-    resume from. A checkpoint met on the way that does not verify, or whose manifest cannot be read,
-    is logged and skipped for an older one; an explicit path that does not verify is an error. None
-    where ``root`` holds no checkpoint; where it holds some and none verifies, a CheckpointError that
-    names each: a new run among them would overwrite and prune them, and the run would be lost.
-    """
-    if str(where) != "auto":
-        try:
-            return open_verified(Path(where))
-        except CheckpointError as exc:
-            near, which = _checkpoint_near(Path(where))
-            if near is None:
-                raise
-            lead = f"pass the checkpoint directory itself, e.g. --resume {near.path} ({which})"
-            if not which:  # an uncommitted directory beside committed checkpoints
-                lead = f"resume from the newest committed checkpoint beside it, --resume {near.path}"
-            raise CheckpointError(
-                f"{str(exc).split(chr(10))[0]}\nhint: {lead}, or --resume auto with --out {near.path.parent.parent}"
-            ) from None
-    listed = run_on_rank0(lambda: [str(path) for path in _step_dirs(root, repaired=True)], "listing the checkpoints")
-    problems, skipped = [], []
-    for path in reversed(listed):
-        try:
-            found = open_verified(Path(path))
-        except FormatError as exc:  # a newer redline's, not corrupt: skipped, it would be trained past and written over
-            raise FormatError(
-                f"{str(exc).split(chr(10))[0]}\nhint: resume with the version of redline that wrote it; --resume auto "
-                "does not go back past it to an older checkpoint, whose run would write over it (to go on from an "
-                "older one, pass it as --resume PATH with another --out)"
-            ) from None
-        except CheckpointError as exc:
-            problems.append(str(exc).split("\nhint:")[0])
-            with contextlib.suppress(CheckpointError):  # its manifest reads: a checkpoint pruning would count
-                skipped.append(read_checkpoint(Path(path)))
-            continue
-        for problem in problems:
-            log.warning("skipping a corrupt checkpoint: %s", problem)
-        return replace(found, skipped=tuple(skipped))
-    if problems:
-        raise CheckpointError(
-            f"{root}: no checkpoint there verifies ({len(problems)} tried), so the run cannot resume:\n  "
-            + "\n  ".join(problems)
-            + f"\nhint: a new run there would write over them; to start over, delete {root} or pass another "
-            "--out (out_dir=...); to resume from a copy kept elsewhere, pass --resume PATH"
-        )
-    return None
-
-
-def _checkpoint_near(path: Path) -> tuple[Checkpoint | None, str]:
-    """The checkpoint a resume path that is none meant, and which it is: the one a file is in, the newest in a
-    run or checkpoints directory, or the newest of the run a file such as model.safetensors is in; for a
-    directory never committed (a write a crash cut short), the newest committed beside it, which ``""``; None
-    where there is none (a corrupt checkpoint, a path that does not exist)."""
-    if path.is_file() and (path.parent / MANIFEST).is_file():
-        with contextlib.suppress(CheckpointError):
-            return read_checkpoint(path.parent), "the one that file is in"
-    for root in (path, path / "checkpoints"):
-        found = find_checkpoints(root)
-        if found:
-            return found[-1], "the newest there"
-    found = find_checkpoints(path.parent / "checkpoints") if path.is_file() else []  # OUT/model.safetensors, say
-    if found:
-        return found[-1], f"the newest of the run {path.name} is in; {path.name} alone holds no optimizer or position"
-    if path.is_dir() and not (path / MANIFEST).is_file():  # a write a crash cut short, or a step never committed
-        found = [c for c in find_checkpoints(path.parent) if c.path != path]
-        if found:
-            return found[-1], ""
-    return None, ""
-
-
-def _step_dirs(root: Path, *, repaired: bool = False) -> list[Path]:
-    """Return the checkpoint directories under ``root``, readable or not, oldest step (by name) first; ``repaired``:
-    after putting back one a crash left moved aside (``recover``)."""
-    if repaired:
-        recover(root)
-    return sorted(run_dirs(root), key=lambda path: (_step_of(path, {}), path))
-
-
-def open_verified(path: Path) -> Checkpoint:
-    """Read ``path``'s manifest on every rank and verify it together; every rank raises alike if one fails."""
-    try:
-        checkpoint, failure = read_checkpoint(path), None
-    except CheckpointError as exc:  # this rank cannot read it: the others must hear it, or they would wait
-        checkpoint, failure = None, exc
-    failures = [f for share in gather_objects([str(failure).split("\n")[0]] if failure else []) for f in share]
-    if failure is not None:
-        raise failure
-    if failures or checkpoint is None:
-        raise CheckpointError(
-            f"{failures[0]} (seen by another rank)\nhint: the checkpoint directory must be on storage every rank shares"
-        )
-    verify(checkpoint)
-    return checkpoint
 
 
 def legacy_states(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

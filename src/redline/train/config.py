@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -71,10 +72,11 @@ class TrainerConfig:
         non_negative_number("checkpoint_minutes", self.checkpoint_minutes)
         positive_int("log_every", self.log_every)
         positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
-        if self.out_dir is not None and not isinstance(self.out_dir, Path):
-            object.__setattr__(self, "out_dir", Path(self.out_dir))
+        # "~" is the shell's: a quoted one, or --out=~/x, would otherwise make a directory named "~"
+        if self.out_dir is not None:
+            object.__setattr__(self, "out_dir", Path(self.out_dir).expanduser())
         if self.resume is not None:
-            object.__setattr__(self, "resume", str(self.resume))
+            object.__setattr__(self, "resume", os.path.expanduser(self.resume))
         if self.out_dir is None:  # asked for, these would do nothing unnoticed: nowhere to write or read
             needs_out_dir = {
                 "resume": (self.resume == "auto", "'auto' looks for the checkpoints in DIR/checkpoints"),

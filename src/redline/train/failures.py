@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from redline.parallel.collectives import is_collective_failure
 from redline.runtime.oom import is_oom
 
 if TYPE_CHECKING:
+    from redline.checkpoint import Checkpoint
     from redline.train.state import Run
 
 log = logging.getLogger("redline")
@@ -39,6 +41,22 @@ def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) ->
             "the last checkpoint)"
         )
     return None
+
+
+def check_finite(losses: list[float], first_step: int, last: Checkpoint | None) -> None:
+    """Raise TrainingError at the first of ``losses`` (of the steps from ``first_step`` on) that is not finite.
+
+    A NaN spreads to every weight in the next step: the run stops there, naming ``last``, the newest
+    checkpoint (none holds a NaN: the losses are read before each one is written).
+    """
+    for offset, value in enumerate(losses):
+        if not math.isfinite(value):
+            where = f"the last good checkpoint is {last.path}" if last else "no checkpoint was written yet"
+            raise TrainingError(
+                f"step {first_step + offset}: the loss is {value}; training stopped ({where})\n"
+                "hint: lower the learning rate, clip gradients (--clip-grad-norm 1.0), or use bf16-mixed "
+                "instead of fp16-mixed"
+            )
 
 
 def kept_note(saved: str) -> str:

@@ -123,29 +123,39 @@ def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, foun
     """
     explicit = resume not in (None, "auto") and found is not None
     if env.restart_count == 0 and (resume is None or explicit):
-        steps = run_on_rank0(lambda: _repaired_steps(root), "listing the checkpoints")
+        steps, others = run_on_rank0(lambda: _repaired_steps(root), "listing the checkpoints")
         if steps and resume is None:
-            raise ConfigError(
-                f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {steps[-1]}); "
-                "a new run there would mix its checkpoints and logs with that run's\nhint: continue that run with "
-                f"--resume auto (resume='auto'), or pass another --out; to start over, delete {root}"
-            )
+            raise _earlier_run(root, steps[-1], other_version=steps[-1] in others)
         if steps and found is not None:
-            _refuse_a_mix(root, found, steps)
+            _refuse_a_mix(root, found, steps, others)
     if env.is_main:
         checkpoint.clean_staging(root)
 
 
-def _repaired_steps(root: Path) -> list[int]:
-    """The steps of the checkpoints under ``root``, after putting back one a crash left moved aside."""
+def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError:
+    """The error of a new run in an out_dir whose checkpoints under ``root`` go up to step ``newest``; where
+    ``other_version`` wrote that one, --resume auto stops there: only the version that wrote it goes on."""
+    written = ", written by another version of redline" if other_version else ""
+    go_on = "the version of redline that wrote it" if other_version else "--resume auto (resume='auto')"
+    return ConfigError(
+        f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {newest}{written}); a "
+        f"new run there would mix its checkpoints and logs with that run's\nhint: continue that run with {go_on}, or "
+        f"pass another --out; to start over, delete {root}"
+    )
+
+
+def _repaired_steps(root: Path) -> tuple[list[int], list[int]]:
+    """The steps of the checkpoints under ``root`` (another version of redline's among them), after putting back one
+    a crash left moved aside; and the steps of those another version wrote, which this one keeps but never reads."""
     checkpoint.recover(root)
-    return [c.step for c in checkpoint.find_checkpoints(root)]
+    others = checkpoint.other_versions(root)
+    return sorted([c.step for c in checkpoint.find_checkpoints(root)] + others), others
 
 
-def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int]) -> None:
-    """Refuse to resume from ``found`` into ``root``, whose checkpoints are at ``steps``, where they belong to another
-    run or go past ``found``: the resumed run's own checkpoints would be pruned first, and --resume auto would
-    continue the others."""
+def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int], others: list[int]) -> None:
+    """Refuse to resume from ``found`` into ``root``, whose checkpoints are at ``steps`` (``others`` of another
+    version of redline), where they belong to another run or go past ``found``: the resumed run's own checkpoints
+    would be pruned first, and --resume auto would continue the others (or stop at another version's)."""
     if found.path.resolve().parent != root.resolve():
         what = "checkpoints of its own (of another run, or of this one resumed there before)"
         hint = (
@@ -153,8 +163,9 @@ def _refuse_a_mix(root: Path, found: Checkpoint, steps: list[int]) -> None:
             f"(or delete {root})"
         )
     elif steps[-1] > found.step:
-        newer = [step for step in steps if step > found.step]
-        what = f"checkpoints past step {found.step} (at {', '.join(map(str, newer))})"
+        past = [step for step in steps if step > found.step]
+        newer = [f"{step} (another version of redline)" if step in others else str(step) for step in past]
+        what = f"checkpoints past step {found.step} (at {', '.join(newer)})"
         hint = (
             f"to branch from step {found.step}, pass another --out (the checkpoint is read where it is); to take "
             f"this run back to it, delete the checkpoints past it under {root}"

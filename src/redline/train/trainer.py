@@ -46,7 +46,8 @@ from redline.train.callbacks import Callback, call_hooks, check_callbacks
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
-from redline.train.failures import keep_steps, step_failure
+from redline.train.failures import check_finite, keep_steps, step_failure
+from redline.train.lock import holding_out_dir
 from redline.train.logs import Loggers, open_loggers
 from redline.train.output import prepare_out_dir, write_results
 from redline.train.progress import Progress
@@ -118,6 +119,12 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
+        self.env = read_env()
+        self._join_group()  # the ranks meet first: rank 0 holds out_dir for them all
+        with holding_out_dir(self.out_dir):  # one run at a time writes there: a second is refused at once
+            return self._fit()
+
+    def _fit(self) -> TrainSummary:
         run = self._start()
         if isinstance(run, TrainSummary):  # a rerun of a run that had ended: left as it was
             mark_finished(self.env)
@@ -272,7 +279,6 @@ class Trainer:
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> Run | TrainSummary:
-        self.env = read_env()
         self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
         if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
             self.early_stopping.reset()
@@ -425,15 +431,7 @@ class Trainer:
             losses = stacked.tolist()
         elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
         first = pos.step - len(losses) + 1
-        for offset, value in enumerate(losses):
-            if not math.isfinite(value):
-                last = run.last_ckpt
-                where = f"the last good checkpoint is {last.path}" if last else "no checkpoint was written yet"
-                raise TrainingError(
-                    f"step {first + offset}: the loss is {value}; training stopped ({where})\n"
-                    "hint: lower the learning rate, clip gradients (--clip-grad-norm 1.0), or use bf16-mixed "
-                    "instead of fp16-mixed"
-                )
+        check_finite(losses, first, run.last_ckpt)
         rates = run.meter.window(elapsed, len(losses), window.samples, window.tokens)
         rows = [
             {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}

@@ -1,0 +1,30 @@
+"""A "~" the shell did not expand (quoted, or --out=~/x) names the home directory, not a directory named "~"."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.train.config import TrainerConfig
+from redline.train.trainer import Trainer
+
+
+def test_out_dir_and_resume_expand_the_home_directory(tmp_path, monkeypatch):
+    """Before, Trainer(out_dir="~/runs/x") wrote the run under ./~/runs/x."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    config = TrainerConfig(out_dir="~/runs/x", resume="~/runs/x/checkpoints/step-00000002")  # type: ignore[arg-type]
+    assert config.out_dir == home / "runs" / "x"
+    assert config.resume == str(home / "runs" / "x" / "checkpoints" / "step-00000002")
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    task = redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8)  # fmt: skip
+    summary = Trainer(task, runtime=redline.RuntimeOptions(devices="cpu"), out_dir="~/runs/x", max_steps=2,
+                      progress=False).fit()  # fmt: skip
+    assert summary.steps == 2 and (home / "runs" / "x" / "summary.json").is_file()
+    assert list(here.iterdir()) == []  # no directory named "~"
+    assert TrainerConfig(resume="auto", out_dir="~").resume == "auto"  # type: ignore[arg-type]
