@@ -17,7 +17,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from redline.errors import RedlineError, first_to_say
+from redline.errors import ConfigError, RedlineError, first_to_say, invalid
 from redline.render.log import show_logs
 
 
@@ -95,6 +95,28 @@ SUBCOMMANDS = {
 HELP_MARKUP = None
 
 
+# What a number flag takes, said as every refusal says what is allowed.
+_NUMBER_WORDS = {int: "an integer", float: "a number"}
+
+
+def unparsed(error: typer.BadParameter) -> ConfigError | None:
+    """Say the parser's refusal of a flag's value (``--epochs ten``) as every refusal is said: the flag, the value as
+    typed, what the flag takes, and an example; None for a refusal that is not of a value (a missing option).
+
+    The parser (typer, through pydantic) keeps the value it could not read in the error's cause.
+    """
+    param, cause = error.param, error.__cause__
+    problems = cause.errors() if cause is not None and hasattr(cause, "errors") else []
+    if param is None or not problems or "input" not in problems[0]:
+        return None
+    flag, value = max(param.opts, key=len), problems[0]["input"]
+    kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if kind not in _NUMBER_WORDS:  # no number: what the parser expected, in its words
+        return invalid(flag, value, str(problems[0]["msg"]).lower().removeprefix("input should be "))
+    example = param.default if type(param.default) is kind else 1
+    return invalid(flag, value, _NUMBER_WORDS[kind], f"e.g. {flag} {example}")
+
+
 class LazyCommand(TyperCommand):
     """A subcommand known by its name and summary until it runs; then its module is imported."""
 
@@ -117,7 +139,11 @@ class LazyCommand(TyperCommand):
 
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         # The group invokes the command of the context made here: the real one, loaded now.
-        return self.load().make_context(info_name, args, parent=parent, **extra)
+        command = self.load()
+        try:
+            return command.make_context(info_name, args, parent=parent, **extra)
+        except typer.BadParameter as error:  # a value the parser cannot read (--epochs ten): said as any refusal
+            raise unparsed(error) or error from None
 
 
 class LazyGroup(TyperGroup):

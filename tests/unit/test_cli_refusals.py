@@ -1,0 +1,54 @@
+"""The command line's refusals: each is said as `--flag=value is not allowed; expected ...` with a hint, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from redline.cli.main import app
+from redline.errors import ConfigError
+
+# What each command needs besides the flag under test; none of it is reached, as the value is refused first.
+WHERE = {"serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"], "predict": ["example:digits"]}
+
+
+def refusal(*args: str) -> str:
+    """The message of the ConfigError the command refuses ``args`` with (main() prints it and exits 2)."""
+    result = CliRunner().invoke(app, [*args, *WHERE.get(args[0], ["--task", "example:digits"])])
+    assert isinstance(result.exception, ConfigError), result.output
+    return str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected", "hint"),
+    [
+        (["train", "--epochs", "ten"], "an integer", "e.g. --epochs 1"),
+        (["train", "--batch-size", "1.5"], "an integer", "e.g. --batch-size 1"),
+        (["train", "--clip-grad-norm", "abc"], "a number", "e.g. --clip-grad-norm 1"),
+        (["bench", "--steps", "x"], "an integer", "e.g. --steps 60"),
+        (["serve", "--port", "http"], "an integer", "e.g. --port 8000"),
+        (["loadtest", "--rate", "fast"], "a number", "e.g. --rate 1"),
+        (["memory", "--mem-gib", "lots"], "a number", "e.g. --mem-gib 1"),
+        (["predict", "--batch-size", ""], "an integer", "e.g. --batch-size 32"),
+    ],
+)
+def test_a_value_the_parser_cannot_read_is_refused_by_its_flag_with_an_example(args, expected, hint):
+    flag, value = args[1], args[2]
+    assert refusal(*args) == f"{flag}={value!r} is not allowed; expected {expected}\nhint: {hint}"
+
+
+def test_a_missing_option_is_still_the_parsers_usage_error():
+    result = CliRunner().invoke(app, ["train"])
+    assert result.exit_code == 2 and "Missing option '--task'" in result.output
+
+
+def test_the_console_prints_a_value_refusal_as_one_error_line_and_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "serve", "example:digits", "--port", "http"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == "error: --port='http' is not allowed; expected an integer\nhint: e.g. --port 8000\n"
