@@ -101,18 +101,16 @@ _NUMBER_WORDS = {int: "an integer", float: "a number"}
 
 def unparsed(error: typer.BadParameter) -> ConfigError | None:
     """Say the parser's refusal of a flag's value (``--epochs ten``) as every refusal is said: the flag, the value as
-    typed, what the flag takes, and an example; None for a refusal that is not of a value (a missing option).
+    typed, what the flag takes, and an example; None for any other (a missing option), left in the parser's words.
 
     The parser (typer, through pydantic) keeps the value it could not read in the error's cause.
     """
     param, cause = error.param, error.__cause__
     problems = cause.errors() if cause is not None and hasattr(cause, "errors") else []
-    if param is None or not problems or "input" not in problems[0]:
+    kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if param is None or kind not in _NUMBER_WORDS or not problems or "input" not in problems[0]:
         return None
     flag, value = max(param.opts, key=len), problems[0]["input"]
-    kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
-    if kind not in _NUMBER_WORDS:  # no number: what the parser expected, in its words
-        return invalid(flag, value, str(problems[0]["msg"]).lower().removeprefix("input should be "))
     example = param.default if type(param.default) is kind else 1
     return invalid(flag, value, _NUMBER_WORDS[kind], f"e.g. {flag} {example}")
 
