@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -12,7 +13,10 @@ from redline.cli.main import app
 from redline.errors import ConfigError
 
 # What each command needs besides the flag under test; none of it is reached, as the value is refused first.
-WHERE = {"serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"], "predict": ["example:digits"]}
+WHERE = {
+    "serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"], "predict": ["example:digits"],
+    "launch": ["train.py"],  # the script comes last: every argument after it is its own
+}  # fmt: skip
 
 
 def refusal(*args: str) -> str:
@@ -52,3 +56,34 @@ def test_the_console_prints_a_value_refusal_as_one_error_line_and_exits_2():
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr == "error: --port='http' is not allowed; expected an integer\nhint: e.g. --port 8000\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["train", "--loader-workers", "-1"], "--loader-workers=-1 is not allowed; expected a whole number of "
+                                              "worker processes (0 or more)\n"
+                                              "hint: leave --loader-workers out for its default"),
+        (["train", "--nproc", "two"], "--nproc='two' is not allowed; expected 'auto' or a positive integer\n"
+                                      "hint: e.g. --nproc 'auto'"),
+        (["launch", "--node-rank", "3"], "--node-rank=3 is not allowed; expected 0..0 for --nnodes 1\n"
+                                         "hint: leave --node-rank out for its default"),
+        (["loadtest", "--method", ""], "--method='' is not allowed; expected an HTTP method such as GET or POST\n"
+                                       "hint: leave --method out for its default"),
+    ],
+)  # fmt: skip
+def test_an_options_refusal_without_a_hint_is_given_the_flags_default_as_one(args, said):
+    assert refusal(*args) == said
+
+
+def test_an_options_refusal_with_a_hint_keeps_its_own():
+    assert refusal("train", "--precision", "bf16").endswith("\nhint: did you mean --precision 'bf16-mixed'?")
+
+
+def test_predict_refuses_an_input_of_no_samples_with_the_fix(tmp_path):
+    np.save(tmp_path / "empty.npy", np.zeros((0, 1, 8, 8), dtype=np.float32))
+    args = ["predict", "--input", str(tmp_path / "empty.npy"), "--output", str(tmp_path / "out.npy")]
+    message = refusal(*args)
+    assert message.startswith(f"--input {str(tmp_path / 'empty.npy')!r} holds no samples (shape (0, 1, 8, 8))\n")
+    assert message.endswith("\nhint: save at least one sample along the first dimension: numpy.save(path, array)")
+    assert not (tmp_path / "out.npy").exists()

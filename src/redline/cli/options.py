@@ -133,8 +133,25 @@ def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", option
     The dataclass checks its values under its fields' names (``clip_grad_norm=-1.0``); the user typed
     ``--clip-grad-norm -1``, so the error says that instead.
     """
-    with said_by_flags(**spellings(owner, prefix=prefix, optional=optional)):
-        return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+    try:
+        with said_by_flags(**spellings(owner, prefix=prefix, optional=optional)):
+            return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+    except ConfigError as error:
+        raise _with_default(owner, error, prefix=prefix) from None
+
+
+def _with_default(owner: type, error: ConfigError, *, prefix: str) -> ConfigError:
+    """Give a flag's refusal that came without a hint one: the flag's default, the value to go back to (``e.g.
+    --nproc 'auto'``), or leaving the flag out where its default is decided later (None)."""
+    if error.parts is None or error.parts[3]:
+        return error
+    flag, value, allowed, _ = error.parts
+    field = next((f.field for f in flags(owner, prefix=prefix) if f.name == flag), None)
+    if field is None:  # a refusal of two fields together, or of one off the command line
+        return error
+    default = next(f.default for f in dataclasses.fields(owner) if f.name == field)
+    hint = f"leave {flag} out for its default" if default is None else f"e.g. {flag} {default!r}"
+    return invalid(flag, value, allowed, hint)
 
 
 def spellings(owner: type, *, prefix: str = "", optional: bool = False) -> dict[str, str]:

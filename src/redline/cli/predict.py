@@ -191,7 +191,10 @@ def read_samples(path: Path) -> np.ndarray:
             "hint: the first dimension counts the samples: save this one as numpy.save(path, array[None])"
         )
     if len(loaded) == 0:
-        raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
+        raise ConfigError(
+            f"--input {str(path)!r} holds no samples (shape {loaded.shape})\n"
+            "hint: save at least one sample along the first dimension: numpy.save(path, array)"
+        )
     return loaded  # saved on a big-endian machine, it stays so on the map: each batch is read into native order
 
 
