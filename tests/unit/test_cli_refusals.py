@@ -87,3 +87,42 @@ def test_predict_refuses_an_input_of_no_samples_with_the_fix(tmp_path):
     assert message.startswith(f"--input {str(tmp_path / 'empty.npy')!r} holds no samples (shape (0, 1, 8, 8))\n")
     assert message.endswith("\nhint: save at least one sample along the first dimension: numpy.save(path, array)")
     assert not (tmp_path / "out.npy").exists()
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The workers `redline train --nproc` would start, recorded instead, in an environment of no launcher."""
+    import redline.cli.train as train_cli
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(train_cli, "check_spec", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_cli, "launch", lambda config, target, module: started.append(list(target)))
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return started
+
+
+def test_a_stray_rank_is_refused_with_nproc_naming_the_variables_to_unset(launches, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    message = refusal("train", "--nproc", "2")
+    assert message.startswith("--nproc starts the worker processes, but RANK=0 is set in the environment")
+    assert message.endswith("\nhint: unset RANK WORLD_SIZE and run the command again")
+    assert launches == []
+
+
+def test_nproc_starts_the_workers_when_no_rank_is_set(launches):
+    result = CliRunner().invoke(app, ["train", "--task", "example:digits", "--nproc", "2"])
+    assert result.exit_code == 0, result.output
+    assert len(launches) == 1 and launches[0][0] == "redline"  # the workers run `python -m redline` less --nproc
+
+
+def test_a_worker_of_a_launcher_runs_as_that_worker_whatever_nproc_says(launches, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["train", "--task", "no/such/file.py:task", "--nproc", "2"])
+    assert "no/such/file.py" in str(result.exception)  # it went on to load the task itself, as a worker does
+    assert launches == []
