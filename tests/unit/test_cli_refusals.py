@@ -16,6 +16,7 @@ from redline.errors import ConfigError
 WHERE = {
     "serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"], "predict": ["example:digits"],
     "launch": ["train.py"],  # the script comes last: every argument after it is its own
+    "doctor": [],
 }  # fmt: skip
 
 
@@ -126,3 +127,24 @@ def test_a_worker_of_a_launcher_runs_as_that_worker_whatever_nproc_says(launches
     result = CliRunner().invoke(app, ["train", "--task", "no/such/file.py:task", "--nproc", "2"])
     assert "no/such/file.py" in str(result.exception)  # it went on to load the task itself, as a worker does
     assert launches == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--out", ""],  # was the current directory: the run's files went there
+        ["train", "--out="],
+        ["loadtest", "--payload", ""],
+        ["serve", "--weights", ""],
+        ["predict", "--input", "", "--output", "out.npy"],
+        ["bench", "--html", ""],
+        ["profile", "--trace", ""],
+        ["doctor", "--save-probe", ""],
+    ],
+)
+def test_an_empty_path_is_refused_by_its_flag_not_read_as_the_current_directory(args):
+    flag = args[1].removesuffix("=")
+    assert refusal(*args) == (
+        f"{flag}='' is not allowed; expected a path, not an empty one\n"
+        "hint: name the file or folder; an empty value is often a shell variable that is not set"
+    )

@@ -43,6 +43,7 @@ from redline.cli.options import (
     TaskArgs,
     Weights,
     count,
+    given_path,
     said_by_flags,
 )
 from redline.cli.task_args import parse_task_args
@@ -68,8 +69,12 @@ ROWS_CHECK = "check those rows' values"  # the hint's start when the model raise
 
 def predict(
     spec: ModelSpec,
-    input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
-    output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
+    input_path: Annotated[
+        Path, typer.Option("--input", metavar="FILE.npy", parser=given_path, help="The samples, one per row.")
+    ],
+    output_path: Annotated[
+        Path, typer.Option("--output", metavar="FILE.npy", parser=given_path, help="Where the outputs go.")
+    ],
     batch_size: Annotated[int, count("Samples per batch (the largest bucket; at most the samples in --input).")] = 32,
     weights: Weights = None,
     task_arg: TaskArgs = None,
