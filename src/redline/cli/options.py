@@ -152,7 +152,7 @@ def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", option
 
 def _with_default(owner: type, error: ConfigError, *, prefix: str) -> ConfigError:
     """Give a flag's refusal that came without a hint one: the flag's default, the value to go back to (``e.g.
-    --nproc 'auto'``), or leaving the flag out where its default is decided later (None)."""
+    --nproc 'auto'``), or leaving the flag out where its default is decided later (None) or is no one value."""
     if error.parts is None or error.parts[3]:
         return error
     flag, value, allowed, _ = error.parts
@@ -160,7 +160,8 @@ def _with_default(owner: type, error: ConfigError, *, prefix: str) -> ConfigErro
     if field is None:  # a refusal of two fields together, or of one off the command line
         return error
     default = next(f.default for f in dataclasses.fields(owner) if f.name == field)
-    hint = f"leave {flag} out for its default" if default is None else f"e.g. {flag} {default!r}"
+    typed = type(default) in (int, float, str)  # a value one writes after the flag (not None, a list, a switch)
+    hint = f"e.g. {flag} {default!r}" if typed else f"leave {flag} out for its default"
     return invalid(flag, value, allowed, hint)
 
 
