@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
-from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
@@ -54,7 +54,9 @@ def bench(
         bool, typer.Option("--estimate/--no-estimate", help="Show the predicted step peak beside the measured one.")
     ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
-    html: Annotated[Path | None, typer.Option(metavar="FILE", help="Write a self-contained HTML report.")] = None,
+    html: Annotated[
+        Path | None, typer.Option(metavar="FILE", parser=given_path, help="Write a self-contained HTML report.")
+    ] = None,
 ) -> None:
     """Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU."""
     if planned_steps is not None and not auto:  # only auto's compile reads it: the matrix's rows set theirs

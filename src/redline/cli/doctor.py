@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from redline.atomic import check_writable, make_parent
+from redline.cli.options import given_path
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import ConfigError, invalid
 from redline.render.console import output_console, print_uncut
@@ -23,11 +24,22 @@ def doctor(
         typer.Option("--quick", help="The fast answer: no measurements, and torch read without importing it."),
     ] = False,
     save_probe: Annotated[
-        Path | None, typer.Option("--save-probe", help="Also write the machine's snapshot here, for a bug report.")
+        Path | None,
+        typer.Option(
+            "--save-probe",
+            metavar="FILE",
+            parser=given_path,
+            help="Also write the machine's snapshot here, for a bug report.",
+        ),
     ] = None,
     probe_file: Annotated[
         Path | None,
-        typer.Option("--probe-file", help="Judge a snapshot saved with --save-probe instead of this machine."),
+        typer.Option(
+            "--probe-file",
+            metavar="FILE",
+            parser=given_path,
+            help="Judge a snapshot saved with --save-probe instead of this machine.",
+        ),
     ] = None,
 ) -> None:
     """Check this machine for GPU deep learning, measure its devices, and give the fix for each problem.

@@ -12,12 +12,13 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from redline.errors import RedlineError, first_to_say
+from redline.errors import ConfigError, RedlineError, first_to_say, invalid
 from redline.render.log import show_logs
 
 
@@ -95,6 +96,33 @@ SUBCOMMANDS = {
 HELP_MARKUP = None
 
 
+# What a number flag takes, said as every refusal says what is allowed.
+_NUMBER_WORDS = {int: "an integer", float: "a number"}
+# An empty path flag (refused by cli.options.given_path): typed so, it would name the current directory.
+_EMPTY_PATH = (
+    "a path, not an empty one",
+    "name the file or folder; an empty value is often a shell variable that is not set",
+)
+
+
+def unparsed(error: typer.BadParameter) -> ConfigError | None:
+    """Say the parser's refusal of a flag's value (``--epochs ten``, ``--out ""``) as every refusal is said: the flag,
+    the value as typed, what the flag takes, and the fix; None for any other (a missing option), in the parser's words.
+
+    The parser (typer, through pydantic) keeps the value it could not read in the error's cause.
+    """
+    param, cause = error.param, error.__cause__
+    problems = cause.errors() if cause is not None and hasattr(cause, "errors") else []
+    kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if param is None or kind not in (*_NUMBER_WORDS, Path) or not problems or "input" not in problems[0]:
+        return None
+    flag, value = max(param.opts, key=len), problems[0]["input"]
+    if kind is Path:
+        return invalid(flag, value, *_EMPTY_PATH)
+    example = param.default if type(param.default) is kind else 1
+    return invalid(flag, value, _NUMBER_WORDS[kind], f"e.g. {flag} {example}")
+
+
 class LazyCommand(TyperCommand):
     """A subcommand known by its name and summary until it runs; then its module is imported."""
 
@@ -117,7 +145,11 @@ class LazyCommand(TyperCommand):
 
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         # The group invokes the command of the context made here: the real one, loaded now.
-        return self.load().make_context(info_name, args, parent=parent, **extra)
+        command = self.load()
+        try:
+            return command.make_context(info_name, args, parent=parent, **extra)
+        except typer.BadParameter as error:  # a value the parser cannot read (--epochs ten): said as any refusal
+            raise unparsed(error) or error from None
 
 
 class LazyGroup(TyperGroup):

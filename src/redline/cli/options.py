@@ -60,7 +60,9 @@ def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None,
             # not allowed; expected a positive integer), not in the parser's words; the help still shows it.
             least = meta.get("min")
             shown = meta["help"] if least is None else f"{meta['help'].rstrip('.')} (at least {least})."
-            info = typer.Option(flag, help=shown, metavar=_choices(hints[field.name]))
+            # A path is read by given_path (an empty one refused), shown as the parser would show it.
+            parser, metavar = (given_path, "<path>") if kind is Path else (None, _choices(hints[field.name]))
+            info = typer.Option(flag, help=shown, metavar=metavar, parser=parser)
         annotation: Any = Annotated.__class_getitem__((kind if default is not None else kind | None, info))  # type: ignore[attr-defined]
         parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         out.append(Flag(owner, field.name, flag, parameter))
@@ -74,6 +76,14 @@ def _at_least_one(param: typer.CallbackParam, value: int | None) -> int | None:
         with said_by_flags(**{param.name: max(param.opts, key=len)}):
             positive_int(param.name, value)
     return value
+
+
+def given_path(text: str | Path) -> Path:
+    """Read a path flag's value; an empty one is refused (``Path("")`` is the current directory, where ``--out ""``
+    would write the run's files): the command line says it by its flag (cli.main.unparsed)."""
+    if text == "":
+        raise ValueError("an empty path")
+    return Path(text)
 
 
 def count(help: str, **kwargs: Any) -> Any:
@@ -133,8 +143,26 @@ def build(owner: type[T], parsed: Mapping[str, Any], *, prefix: str = "", option
     The dataclass checks its values under its fields' names (``clip_grad_norm=-1.0``); the user typed
     ``--clip-grad-norm -1``, so the error says that instead.
     """
-    with said_by_flags(**spellings(owner, prefix=prefix, optional=optional)):
-        return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+    try:
+        with said_by_flags(**spellings(owner, prefix=prefix, optional=optional)):
+            return owner(**values(owner, parsed, prefix=prefix, optional=optional), **given)
+    except ConfigError as error:
+        raise _with_default(owner, error, prefix=prefix) from None
+
+
+def _with_default(owner: type, error: ConfigError, *, prefix: str) -> ConfigError:
+    """Give a flag's refusal that came without a hint one: the flag's default, the value to go back to (``e.g.
+    --nproc 'auto'``), or leaving the flag out where its default is decided later (None) or is no one value."""
+    if error.parts is None or error.parts[3]:
+        return error
+    flag, value, allowed, _ = error.parts
+    field = next((f.field for f in flags(owner, prefix=prefix) if f.name == flag), None)
+    if field is None:  # a refusal of two fields together, or of one off the command line
+        return error
+    default = next(f.default for f in dataclasses.fields(owner) if f.name == field)
+    typed = type(default) in (int, float, str)  # a value one writes after the flag (not None, a list, a switch)
+    hint = f"e.g. {flag} {default!r}" if typed else f"leave {flag} out for its default"
+    return invalid(flag, value, allowed, hint)
 
 
 def spellings(owner: type, *, prefix: str = "", optional: bool = False) -> dict[str, str]:
@@ -209,7 +237,9 @@ TaskArgs = Annotated[
 ModelSpec = Annotated[
     str, typer.Argument(metavar="SPEC", help="Model spec: example:digits, pkg.module:factory or file.py:factory.")
 ]
-Weights = Annotated[Path | None, typer.Option(metavar="FILE", help="A safetensors file to load into the model.")]
+Weights = Annotated[
+    Path | None, typer.Option(metavar="FILE", parser=given_path, help="A safetensors file to load into the model.")
+]
 EngineDevice = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 EnginePrecision = Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")]
 EngineCompile = Annotated[str, typer.Option(help="torch.compile: auto, on or off.")]

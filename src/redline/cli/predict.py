@@ -40,6 +40,7 @@ from redline.cli.options import (
     TaskArgs,
     Weights,
     count,
+    given_path,
     said_by_flags,
 )
 from redline.cli.signals import stopped_by_signal
@@ -65,8 +66,12 @@ ROWS_CHECK = "check those rows' values"  # the hint's start when the model raise
 
 def predict(
     spec: ModelSpec,
-    input_path: Annotated[Path, typer.Option("--input", metavar="FILE.npy", help="The samples, one per row.")],
-    output_path: Annotated[Path, typer.Option("--output", metavar="FILE.npy", help="Where the outputs go.")],
+    input_path: Annotated[
+        Path, typer.Option("--input", metavar="FILE.npy", parser=given_path, help="The samples, one per row.")
+    ],
+    output_path: Annotated[
+        Path, typer.Option("--output", metavar="FILE.npy", parser=given_path, help="Where the outputs go.")
+    ],
     batch_size: Annotated[int, count("Samples per batch (the largest bucket; at most the samples in --input).")] = 32,
     weights: Weights = None,
     task_arg: TaskArgs = None,
@@ -189,7 +194,10 @@ def read_samples(path: Path) -> np.ndarray:
             "hint: the first dimension counts the samples: save this one as numpy.save(path, array[None])"
         )
     if len(loaded) == 0:
-        raise ConfigError(f"--input {str(path)!r} holds no samples (shape {loaded.shape})")
+        raise ConfigError(
+            f"--input {str(path)!r} holds no samples (shape {loaded.shape})\n"
+            "hint: save at least one sample along the first dimension: numpy.save(path, array)"
+        )
     return loaded  # saved on a big-endian machine, it stays so on the map: each batch is read into native order
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from redline.bench.profiling import profile
-from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
@@ -41,7 +41,8 @@ def profile_command(
         int | None, count("The run auto plans for (default: the task's epochs); decides compile.")
     ] = None,
     trace: Annotated[
-        Path | None, typer.Option(metavar="FILE", help="Write the Chrome trace there (.json or .json.gz).")
+        Path | None,
+        typer.Option(metavar="FILE", parser=given_path, help="Write the Chrome trace there (.json or .json.gz)."),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
 ) -> None:

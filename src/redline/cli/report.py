@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from redline.cli.options import given_path
 from redline.render.html import report as write_run_report
 
 
@@ -22,7 +23,10 @@ def report(
     html: Annotated[
         Path | None,
         typer.Option(
-            "--html", metavar="FILE", help="Where to write the page [default: RUN_DIR/report.html, or FILE.html]."
+            "--html",
+            metavar="FILE",
+            parser=given_path,
+            help="Where to write the page [default: RUN_DIR/report.html, or FILE.html].",
         ),
     ] = None,
 ) -> None:

@@ -13,7 +13,7 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,7 +63,7 @@ def _train(
     config = build(TrainerConfig, parsed, runtime=build(RuntimeOptions, parsed))
     with said_by_flags(devices="--devices"):  # a GPU asked of a machine without one, too
         resolve_device(config.runtime.devices, probe_accelerators())
-    if launching["nproc"] is not None and "RANK" not in os.environ:  # not yet a worker: start the workers
+    if launching["nproc"] is not None and not launched_worker(os.environ):  # not yet a worker: start the workers
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
         if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
@@ -109,6 +109,25 @@ train = command(
     flags(EarlyStopping, prefix=EARLY_STOPPING, optional=True),
     _LAUNCH,
 )
+
+
+def launched_worker(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a worker a launcher started (torchrun, `redline launch`, a cluster's job): it has
+    RANK and MASTER_ADDR (as ``DistEnv.launched`` reads them), and runs as that worker whatever --nproc says.
+
+    A RANK alone (left exported, or copied from another job) is refused: it would make the run one
+    process of a job that does not exist, and quietly not the N processes --nproc asks for.
+    """
+    if "RANK" not in environ:
+        return False
+    if "MASTER_ADDR" in environ:
+        return True
+    stray = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in environ]
+    raise ConfigError(
+        f"--nproc starts the worker processes, but RANK={environ['RANK']} is set in the environment as in a worker "
+        "a launcher started, with no launcher's MASTER_ADDR beside it\n"
+        f"hint: unset {' '.join(stray)} and run the command again"
+    )
 
 
 def stopped_early(summary: TrainSummary) -> StoppedBySignal:

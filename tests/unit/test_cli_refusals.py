@@ -1,0 +1,150 @@
+"""The command line's refusals: each is said as `--flag=value is not allowed; expected ...` with a hint, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from redline.cli.main import app
+from redline.errors import ConfigError
+
+# What each command needs besides the flag under test; none of it is reached, as the value is refused first.
+WHERE = {
+    "serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"], "predict": ["example:digits"],
+    "launch": ["train.py"],  # the script comes last: every argument after it is its own
+    "doctor": [],
+}  # fmt: skip
+
+
+def refusal(*args: str) -> str:
+    """The message of the ConfigError the command refuses ``args`` with (main() prints it and exits 2)."""
+    result = CliRunner().invoke(app, [*args, *WHERE.get(args[0], ["--task", "example:digits"])])
+    assert isinstance(result.exception, ConfigError), result.output
+    return str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected", "hint"),
+    [
+        (["train", "--epochs", "ten"], "an integer", "e.g. --epochs 1"),
+        (["train", "--batch-size", "1.5"], "an integer", "e.g. --batch-size 1"),
+        (["train", "--clip-grad-norm", "abc"], "a number", "e.g. --clip-grad-norm 1"),
+        (["bench", "--steps", "x"], "an integer", "e.g. --steps 60"),
+        (["serve", "--port", "http"], "an integer", "e.g. --port 8000"),
+        (["loadtest", "--rate", "fast"], "a number", "e.g. --rate 1"),
+        (["memory", "--mem-gib", "lots"], "a number", "e.g. --mem-gib 1"),
+        (["predict", "--batch-size", ""], "an integer", "e.g. --batch-size 32"),
+    ],
+)
+def test_a_value_the_parser_cannot_read_is_refused_by_its_flag_with_an_example(args, expected, hint):
+    flag, value = args[1], args[2]
+    assert refusal(*args) == f"{flag}={value!r} is not allowed; expected {expected}\nhint: {hint}"
+
+
+def test_a_missing_option_is_still_the_parsers_usage_error():
+    result = CliRunner().invoke(app, ["train"])
+    assert result.exit_code == 2 and "Missing option '--task'" in result.output
+
+
+def test_the_console_prints_a_value_refusal_as_one_error_line_and_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "serve", "example:digits", "--port", "http"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == "error: --port='http' is not allowed; expected an integer\nhint: e.g. --port 8000\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["train", "--loader-workers", "-1"], "--loader-workers=-1 is not allowed; expected a whole number of "
+                                              "worker processes (0 or more)\n"
+                                              "hint: leave --loader-workers out for its default"),
+        (["train", "--nproc", "two"], "--nproc='two' is not allowed; expected 'auto' or a positive integer\n"
+                                      "hint: e.g. --nproc 'auto'"),
+        (["launch", "--node-rank", "3"], "--node-rank=3 is not allowed; expected 0..0 for --nnodes 1\n"
+                                         "hint: leave --node-rank out for its default"),
+        (["loadtest", "--method", ""], "--method='' is not allowed; expected an HTTP method such as GET or POST\n"
+                                       "hint: leave --method out for its default"),
+    ],
+)  # fmt: skip
+def test_an_options_refusal_without_a_hint_is_given_the_flags_default_as_one(args, said):
+    assert refusal(*args) == said
+
+
+def test_an_options_refusal_with_a_hint_keeps_its_own():
+    assert refusal("train", "--precision", "bf16").endswith("\nhint: did you mean --precision 'bf16-mixed'?")
+
+
+def test_predict_refuses_an_input_of_no_samples_with_the_fix(tmp_path):
+    np.save(tmp_path / "empty.npy", np.zeros((0, 1, 8, 8), dtype=np.float32))
+    args = ["predict", "--input", str(tmp_path / "empty.npy"), "--output", str(tmp_path / "out.npy")]
+    message = refusal(*args)
+    assert message.startswith(f"--input {str(tmp_path / 'empty.npy')!r} holds no samples (shape (0, 1, 8, 8))\n")
+    assert message.endswith("\nhint: save at least one sample along the first dimension: numpy.save(path, array)")
+    assert not (tmp_path / "out.npy").exists()
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The workers `redline train --nproc` would start, recorded instead, in an environment of no launcher."""
+    import redline.cli.train as train_cli
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(train_cli, "check_spec", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_cli, "launch", lambda config, target, module: started.append(list(target)))
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return started
+
+
+def test_a_stray_rank_is_refused_with_nproc_naming_the_variables_to_unset(launches, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    message = refusal("train", "--nproc", "2")
+    assert message.startswith("--nproc starts the worker processes, but RANK=0 is set in the environment")
+    assert message.endswith("\nhint: unset RANK WORLD_SIZE and run the command again")
+    assert launches == []
+
+
+def test_nproc_starts_the_workers_when_no_rank_is_set(launches):
+    result = CliRunner().invoke(app, ["train", "--task", "example:digits", "--nproc", "2"])
+    assert result.exit_code == 0, result.output
+    assert len(launches) == 1 and launches[0][0] == "redline"  # the workers run `python -m redline` less --nproc
+
+
+def test_a_worker_of_a_launcher_runs_as_that_worker_whatever_nproc_says(launches, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["train", "--task", "no/such/file.py:task", "--nproc", "2"])
+    assert "no/such/file.py" in str(result.exception)  # it went on to load the task itself, as a worker does
+    assert launches == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--out", ""],  # was the current directory: the run's files went there
+        ["train", "--out="],
+        ["loadtest", "--payload", ""],
+        ["serve", "--weights", ""],
+        ["predict", "--input", "", "--output", "out.npy"],
+        ["bench", "--html", ""],
+        ["profile", "--trace", ""],
+        ["doctor", "--save-probe", ""],
+    ],
+)
+def test_an_empty_path_is_refused_by_its_flag_not_read_as_the_current_directory(args):
+    flag = args[1].removesuffix("=")
+    assert refusal(*args) == (
+        f"{flag}='' is not allowed; expected a path, not an empty one\n"
+        "hint: name the file or folder; an empty value is often a shell variable that is not set"
+    )
