@@ -148,3 +148,20 @@ def test_an_empty_path_is_refused_by_its_flag_not_read_as_the_current_directory(
         f"{flag}='' is not allowed; expected a path, not an empty one\n"
         "hint: name the file or folder; an empty value is often a shell variable that is not set"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["bench", "--html=~/figures/bench.html"], "--html"),
+        (["profile", "--trace=~/traces/t.json"], "--trace"),
+        (["predict", "--input", "~/samples.npy", "--output", "~/out.npy"], "--input"),
+    ],
+)
+def test_a_path_flag_starting_with_a_tilde_is_under_home_as_the_shell_would_make_it(tmp_path, monkeypatch, args, said):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "figures").touch()  # a file where the report's directory would be: refused, naming the path read
+    (tmp_path / "traces").touch()
+    result = CliRunner().invoke(app, [*args, *WHERE.get(args[0], ["--task", "example:digits"])])
+    first = str(result.exception).splitlines()[0]
+    assert first.startswith(said) and str(tmp_path) in first and "~" not in first, result.output

@@ -80,10 +80,11 @@ def _at_least_one(param: typer.CallbackParam, value: int | None) -> int | None:
 
 def given_path(text: str | Path) -> Path:
     """Read a path flag's value; an empty one is refused (``Path("")`` is the current directory, where ``--out ""``
-    would write the run's files): the command line says it by its flag (cli.main.unparsed)."""
+    would write the run's files): the command line says it by its flag (cli.main.unparsed). A leading ``~`` is
+    the home directory, as the shell makes it where it can (it does not in ``--out=~/x``, nor quoted)."""
     if text == "":
         raise ValueError("an empty path")
-    return Path(text)
+    return Path(text).expanduser()
 
 
 def count(help: str, **kwargs: Any) -> Any:
