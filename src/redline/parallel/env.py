@@ -61,6 +61,12 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
     world = number("WORLD_SIZE", 1)
     rank = number("RANK", 0)
+    if world > 1 and not env.get("RANK"):  # left over from another job: torch's rendezvous would fail on RANK
+        raise ConfigError(
+            f"WORLD_SIZE={world} is set in the environment without RANK, so this process is no rank of a launched "
+            "run\nhint: unset WORLD_SIZE for one process, or start the processes with `redline launch` or "
+            "`redline train --nproc N`"
+        )
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent\nhint: launch with `redline launch`")
     return DistEnv(

@@ -1,0 +1,35 @@
+"""read_env: the launcher's variables read into a DistEnv, and the ones left over from elsewhere refused clearly."""
+
+import pytest
+
+from redline.errors import ConfigError
+from redline.parallel.env import read_env
+
+
+def test_no_variables_is_one_process():
+    env = read_env({})
+    assert (env.rank, env.world_size, env.distributed, env.launched) == (0, 1, False, False)
+
+
+def test_a_launched_worker_reads_its_rank_and_the_world():
+    env = read_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"})
+    assert (env.rank, env.world_size, env.local_rank, env.launched) == (1, 2, 1, True)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set in the environment without RANK"),  # was a traceback from torch
+        ({"WORLD_SIZE": "4", "RANK": ""}, "WORLD_SIZE=4 is set in the environment without RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 and WORLD_SIZE=2 are inconsistent"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ],
+)
+def test_variables_that_name_no_rank_of_a_run_are_refused_with_the_fix(variables, message):
+    with pytest.raises(ConfigError, match="^" + message) as refused:
+        read_env(variables)
+    assert "\nhint: " in str(refused.value) and "redline launch" in str(refused.value)
+
+
+def test_world_size_one_without_rank_is_one_process_as_before():
+    assert read_env({"WORLD_SIZE": "1"}).world_size == 1
