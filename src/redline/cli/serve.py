@@ -96,7 +96,9 @@ def _buckets(text: str) -> str | tuple[int, ...]:
     try:
         return tuple(int(size) for size in text.split(","))
     except ValueError:
-        raise invalid("batch_buckets", text, "auto, or batch sizes separated by commas", "e.g. 1,8,32") from None
+        raise invalid(
+            "batch_buckets", text, "auto, or batch sizes separated by commas", "e.g. --batch-buckets 1,8,32"
+        ) from None
 
 
 def _say(line: str) -> None:

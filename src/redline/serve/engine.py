@@ -78,8 +78,12 @@ def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -
         raise invalid("batch_buckets", requested, "'auto' or batch sizes", "e.g. batch_buckets=(1, 8, 32)")
     sizes: list[int] = sorted(set(requested))
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes) or sizes[-1] != max_batch_size:
+        largest = sizes[-1] if isinstance(sizes[-1], int) and sizes[-1] >= 1 else None
+        hint = f"add {max_batch_size} as the largest size" + (
+            f", or pass max_batch_size={largest} to make {largest} the largest" if largest else ""
+        )
         raise invalid(
-            "batch_buckets", requested, f"positive sizes, the largest equal to max_batch_size={max_batch_size}"
+            "batch_buckets", requested, f"positive sizes, the largest equal to max_batch_size={max_batch_size}", hint
         )
     return tuple(sizes)
 
