@@ -94,7 +94,10 @@ class LaunchConfig:
         if isinstance(self.nproc, str) and self.nproc.isdigit():  # from the command line
             object.__setattr__(self, "nproc", int(self.nproc))
         if self.nproc != "auto" and (not isinstance(self.nproc, int) or isinstance(self.nproc, bool) or self.nproc < 1):
-            raise invalid("nproc", self.nproc, "'auto' or a positive integer")
+            raise invalid(
+                "nproc", self.nproc, "'auto' or a positive integer",
+                "nproc=N starts N workers on this machine; nproc='auto' one per GPU (one in all without a GPU)",
+            )  # fmt: skip
         positive_int("nnodes", self.nnodes)
         non_negative_int("max_restarts", self.max_restarts)
         positive_number("hang_timeout", self.hang_timeout_s, optional=True)
@@ -132,7 +135,10 @@ class LaunchConfig:
                     f"the same free port to every machine, e.g. {flag} {example}",
                 )  # fmt: skip
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
-            raise invalid("node_rank", self.node_rank, f"0..{self.nnodes - 1} for --nnodes {self.nnodes}")
+            raise invalid(
+                "node_rank", self.node_rank, f"0..{self.nnodes - 1} for --nnodes {self.nnodes}",
+                "number the machines from 0: node_rank=0 on the one whose address the others are given",
+            )  # fmt: skip
 
 
 def processes_per_node(nproc: int | str, cuda_count: int) -> tuple[int, str]:

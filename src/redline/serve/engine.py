@@ -133,7 +133,10 @@ def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, 
             raise invalid("input_shape", given, "nothing when a Servable is passed", says)
         return model
     if not isinstance(model, nn.Module):
-        raise invalid("model", type(model).__name__, "an nn.Module (with input_shape=...) or a redline.Servable")
+        raise invalid(
+            "model", type(model).__name__, "an nn.Module (with input_shape=...) or a redline.Servable",
+            "wrap a plain function in an nn.Module",
+        )  # fmt: skip
     if input_shape is None:
         raise ConfigError(
             f"InferenceEngine({type(model).__name__}) needs input_shape: one sample's shape, without the batch\n"

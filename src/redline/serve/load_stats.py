@@ -38,14 +38,17 @@ def schedule(rate: float, duration_s: float, *, arrivals: Arrivals = "uniform", 
     seeded with ``seed``, so a run's arrivals can be repeated.
     """
     if not (math.isfinite(rate) and rate > 0):
-        raise invalid("rate", rate, "a number of requests per second > 0")
+        raise invalid("rate", rate, "a number of requests per second > 0", "e.g. rate=100")
     if not (math.isfinite(duration_s) and duration_s >= 0):
-        raise invalid("duration_s", duration_s, "a number of seconds >= 0")
+        raise invalid("duration_s", duration_s, "a number of seconds >= 0", "e.g. duration_s=10")
     if arrivals == "uniform":
         count = math.ceil(rate * duration_s - 1e-9)  # i / rate < duration_s, without float noise at the edge
         return [i / rate for i in range(max(count, 0))]
     if arrivals != "poisson":
-        raise invalid("arrivals", arrivals, "'uniform' or 'poisson'")
+        raise invalid(
+            "arrivals", arrivals, "'uniform' or 'poisson'",
+            "poisson sends at random gaps, as independent users do; uniform at even ones",
+        )  # fmt: skip
     draw = random.Random(seed)
     offsets, t = [], draw.expovariate(rate)
     while t < duration_s:

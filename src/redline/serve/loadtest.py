@@ -99,7 +99,7 @@ class LoadOptions:
             )  # fmt: skip
         positive_number("max_send_lag_ms", self.max_send_lag_ms)
         if self.method is not None and not self.method.isalpha():
-            raise invalid("method", self.method, "an HTTP method such as GET or POST")
+            raise invalid("method", self.method, "an HTTP method such as GET or POST", "e.g. method='POST'")
         object.__setattr__(self, "headers", tuple(self.headers))
         parse_headers(self.headers)
 

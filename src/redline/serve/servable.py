@@ -56,10 +56,13 @@ class Servable:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
-            raise invalid("model", type(self.model).__name__, "an nn.Module")
+            raise invalid("model", type(self.model).__name__, "an nn.Module", "wrap a plain function in an nn.Module")
         shape = tuple(self.input_shape) if isinstance(self.input_shape, tuple | list) else (None,)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
-            raise invalid("input_shape", self.input_shape, "positive integers, one sample's shape without the batch")
+            raise invalid(
+                "input_shape", self.input_shape, "positive integers, one sample's shape without the batch",
+                "e.g. input_shape=(1, 28, 28) for one 28x28 grey image",
+            )  # fmt: skip
         object.__setattr__(self, "input_shape", shape)
         if self.input_dtype not in DTYPES:
             raise invalid("input_dtype", self.input_dtype, f"one of {', '.join(DTYPES)}")
