@@ -1,13 +1,21 @@
-"""The precision `redline memory` weighs a step in: auto's is measured on this machine, as `redline train` runs it."""
+"""The precision `redline memory` weighs a step in: auto's is the one a trial measured on this machine, where one is
+cached, as `redline train` runs it; an estimate itself runs no trial (it is made before a step is known to fit)."""
+
+import json
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from typer.testing import CliRunner
 
 import redline
 from devices import H100
+from redline.cli.main import app
 from redline.hardware.device import probe_device
 from redline.memory.fit import fit_precision
+from redline.parallel.env import DistEnv
+from redline.runtime.measure import measure_auto
+from redline.runtime.options import RuntimeOptions
 
 
 def small_task() -> redline.Task:
@@ -15,16 +23,37 @@ def small_task() -> redline.Task:
     return redline.Task(model=lambda: nn.Linear(8, 1), loss_fn=nn.functional.mse_loss, train_data=data, batch_size=8)
 
 
-def test_auto_on_this_machine_is_the_measured_choice_and_elsewhere_the_rule_said_so(bf16_measured_faster):
+def test_auto_here_is_a_cached_measurement_else_the_rule_said_so_and_no_trial_runs(bf16_measured_faster):
     cpu = probe_device(torch.device("cpu"))
-    here = fit_precision(small_task(), "auto", cpu, here=True, batch_size=None)
-    assert here.value == "bf16-mixed"  # the rule keeps fp32 on a CPU
-    assert here.reason.startswith("measured: bf16-mixed ran 1.43x fp32")
-    again = fit_precision(small_task(), "auto", cpu, here=True, batch_size=8)  # the task's batch: train's trial
-    assert again.value == "bf16-mixed" and "cached from" in again.reason
+    before = fit_precision(small_task(), "auto", cpu, here=True, batch_size=None)
+    assert before.value == "fp32" and "not measured: an estimate runs no trial" in before.reason  # the CPU's rule
+    assert bf16_measured_faster == []
+    measure_auto(small_task(), RuntimeOptions(devices="cpu"), 8, 1, DistEnv(), trial="on")  # as a run measures it
+    here = fit_precision(small_task(), "auto", cpu, here=True, batch_size=8)
+    assert here.value == "bf16-mixed" and here.reason.startswith("measured: bf16-mixed ran 1.43x fp32")
+    assert "cached from" in here.reason
     afar = fit_precision(small_task(), "auto", H100, here=False, batch_size=None)
     assert afar.value == "bf16-mixed" and afar.reason.endswith(
         "not measured: a trial runs on this machine's own device only"
     )
     assert fit_precision(small_task(), "fp32", cpu, here=True, batch_size=None).reason == "requested"
-    assert bf16_measured_faster == [["bf16-mixed"]]  # one trial: the cache served the second, nothing the others
+    assert bf16_measured_faster == [["bf16-mixed"]]  # the one trial the run made; the estimates ran none
+
+
+def test_the_memory_command_weighs_the_step_in_the_measured_precision(bf16_measured_faster, tmp_path):
+    (tmp_path / "small.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nimport redline\n\n\n"
+        "def task():\n    data = TensorDataset(torch.randn(32, 8), torch.randn(32, 1))\n"
+        "    return redline.Task(model=lambda: nn.Linear(8, 1), loss_fn=nn.functional.mse_loss, train_data=data, "
+        "batch_size=8)\n"
+    )
+    spec = f"{tmp_path / 'small.py'}:task"
+    first = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
+    assert first.exit_code == 0, first.output
+    said = " ".join(first.stderr.split())  # the console wraps its line
+    assert "(fp32: " in said and "an estimate runs no trial" in said
+    measured = CliRunner().invoke(app, ["memory", "--task", spec, "--measure", "--max-batch-size", "8", "--json"])
+    assert measured.exit_code == 0, measured.output
+    again = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
+    assert "(bf16-mixed: measured: bf16-mixed ran 1.43x fp32" in " ".join(again.stderr.split()), again.stderr
+    assert json.loads(again.stdout)["rows"][0]["estimate"]["precision"] == "bf16-mixed"

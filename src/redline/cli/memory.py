@@ -21,10 +21,9 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.memory import memory_limit_bytes
-from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_memory, gpu_facts
+from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_memory, fit_precision, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
-from redline.plan.precision import resolve_precision
 from redline.render.console import output_console, print_uncut
 from redline.render.memory import memory_tables
 from redline.render.memory_search import batch_search_table
@@ -100,7 +99,7 @@ def memory(
         return
     device, facts, mem = weighed
     with said_by_flags(precision="--precision"):
-        chosen = resolve_precision(precision, facts)
+        chosen = fit_precision(loaded, precision, facts, here=gpu is None and mem_gib is None, batch_size=batch_size)
     Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({chosen.value}: {chosen.reason})")
     result = fit_memory(
         loaded, device=device, mem_gib=mem, target=facts.type, batch_size=batch_size,

@@ -22,7 +22,7 @@ from redline.parallel.blocks import find_blocks
 from redline.parallel.env import read_env
 from redline.plan import Choice
 from redline.plan.precision import resolve_precision
-from redline.runtime.measure import measure_auto
+from redline.runtime.measure import recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
 from redline.task import Task, require_task
@@ -185,9 +185,10 @@ class MemoryFit:
 def fit_precision(task: Task, precision: str, facts: DeviceFacts, *, here: bool, batch_size: int | None) -> Choice[str]:
     """The precision to weigh ``task``'s step in on the device of ``facts``: ``precision`` as given, or auto's.
 
-    Where the device is this machine's own (``here``), auto is what a run of the task at this batch measures,
-    as `redline train` runs it (runtime/measure.py: a cached trial, else one run now, within its budget).
-    On a GPU weighed from afar (a catalog's, a memory size) no trial can run: the rule of thumb, which says so.
+    Where the device is this machine's own (``here``), auto is what a run of the task at this batch measured,
+    as `redline train` runs it, where a trial of it is cached (runtime/measure.py). An estimate runs no trial:
+    it is made to learn whether a step fits before one runs, and a trial would run steps, on the GPU too.
+    On a GPU weighed from afar (a catalog's, a memory size) no trial can have run: the rule, which says so.
     """
     chosen: Choice[str] = resolve_precision(precision, facts)
     if precision != "auto":
@@ -195,8 +196,14 @@ def fit_precision(task: Task, precision: str, facts: DeviceFacts, *, here: bool,
     if not here:
         return Choice(chosen.value, f"{chosen.reason}; not measured: a trial runs on this machine's own device only")
     options = RuntimeOptions(devices=facts.type)
-    measured = measure_auto(task, options, batch_size or task.batch_size, 1, read_env(), trial="on")
-    return measured.get("precision", chosen)
+    recalled = recall_auto(task, options, batch_size or task.batch_size, read_env())
+    if recalled is not None:
+        return recalled
+    return Choice(
+        chosen.value,
+        f"{chosen.reason}; not measured: an estimate runs no trial (`redline memory --measure`, or a `redline train` "
+        "of this task, measures one, which later estimates use)",
+    )
 
 
 def fit_memory(

@@ -79,6 +79,18 @@ def measure_auto(
     return {"precision": Choice(*shared)}
 
 
+def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> Choice[str] | None:
+    """The precision a trial cached for this run's auto (as ``measure_auto`` would read it), else None: a reader
+    that must not run steps (an estimate of memory, made before the step is known to fit) takes no more."""
+    if options.precision != "auto":
+        return None
+    device, facts = worker_device(options, env)
+    candidates = fast_precisions(facts)
+    if not candidates:
+        return None
+    return _measure(task, device, facts, batch_size // env.world_size, candidates, True)
+
+
 def fingerprint_of(task: Task) -> str:
     """The task's fingerprint; the model factory or the dataset failing under it (the first of the user's code a
     run meets) is a TrainingError that shows their line, as the Trainer says it when it builds the model."""
