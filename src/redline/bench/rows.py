@@ -1,0 +1,158 @@
+"""A bench row's figures, from the windows its steps were timed in: rates, step times, memory, FLOP/s and MFU,
+compile time and its break-even, and the speed-ups over the naive loop of its device and of the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from redline.bench.figures import break_even, percentile, rate, speedup, step_times
+from redline.bench.loops import Runner
+from redline.bench.matrix import Setting
+from redline.bench.memory import PeakMemory
+from redline.bench.result import BenchRow
+from redline.errors import RedlineError, describe_error
+from redline.hardware.catalog import find_gpu, peak_tflops
+from redline.hardware.device import probe_device
+from redline.hardware.flops import matmul_peak, mfu, share_of_peak
+from redline.runtime.contract import is_tokens
+from redline.task import Task
+
+Built = dict[Setting, tuple[Runner, PeakMemory, int | None]]  # each row's runner, its warm-up's peak, its FLOPs
+
+
+def bench_rows(
+    task: Task,
+    group: list[Setting],
+    built: Built,
+    timed: dict[int, tuple[list[float], str]],
+    failed: dict[Setting, str],
+    window: int,
+) -> list[BenchRow]:
+    """The rows of one batch size's ``group``: each with its figures, or the error that failed it."""
+    rows = []
+    position = {setting: i for i, setting in enumerate(built)}
+    peaks: dict[tuple[str, str, bool], float | None] = {}
+    for setting in group:
+        base = base_row(setting)
+        if setting in failed:
+            rows.append(dataclasses.replace(base, error=failed[setting]))
+            continue
+        runner, memory, flops = built[setting]
+        windows, error = timed[position[setting]]
+        try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
+            loss = None if error else _last_loss(runner)
+        except RedlineError:
+            raise
+        except Exception as exc:
+            error = describe_error(exc)
+        if error:
+            rows.append(dataclasses.replace(base, error=error))
+            continue
+        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks, loss))
+    return _with_break_even(_with_shared_compiles(rows))
+
+
+def base_row(setting: Setting) -> BenchRow:
+    """A row of ``setting`` without figures yet."""
+    return BenchRow(
+        setting.name, setting.kind, setting.device, setting.precision, setting.compile, None, setting.batch_size
+    )
+
+
+def _with_shared_compiles(rows: list[BenchRow]) -> list[BenchRow]:
+    """Give a compiled row whose graph an earlier row compiled (torch.compile's cache is process-wide,
+    so its own compile took no time) that row's compile seconds: what a run of it alone would pay."""
+    paid: dict[tuple[str, str, bool | None], float] = {}
+    out = []
+    for row in rows:
+        key = (row.device, row.precision, row.channels_last)
+        if row.compile and row.compile_s is not None:
+            paid.setdefault(key, row.compile_s)
+        elif row.compile and key in paid:
+            row = dataclasses.replace(row, compile_s=paid[key])
+        out.append(row)
+    return out
+
+
+def _figures(
+    task: Task,
+    base: BenchRow,
+    runner: Runner,
+    windows: list[float],
+    window: int,
+    memory: PeakMemory,
+    flops: int | None,
+    peaks: dict[tuple[str, str, bool], float | None],
+    loss: float | None,
+) -> BenchRow:
+    plan = runner.plan()
+    precision = plan.precision.value if plan is not None else "fp32"
+    compiled = bool(plan.compile.value) if plan is not None and plan.compile is not None else False
+    layout = bool(plan.channels_last.value) if plan is not None and plan.channels_last is not None else False
+    tf32 = bool(plan.tf32.value) if plan is not None else False
+    samples = rate(windows, base.batch_size * window)
+    assert runner.first_batch is not None
+    targets = runner.first_batch[1]
+    tokens = rate(windows, targets.numel() * runner.micro_steps * window) if is_tokens(targets) else None
+    per_step = step_times(windows, window)
+    achieved = flops * samples / base.batch_size if flops and samples else None
+    facts = probe_device(torch.device(base.device))
+    spec = find_gpu(facts.name) if facts.type == "cuda" else None
+    key = (base.device, precision, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
+    if achieved is not None and key not in peaks:
+        with runner.scope():
+            peaks[key] = matmul_peak(torch.device(base.device), precision)
+    measured_peak = peaks.get(key)
+    p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
+    return dataclasses.replace(
+        base,
+        precision=precision,
+        compile=compiled,
+        channels_last=layout,
+        samples_per_s=samples,
+        tokens_per_s=tokens,
+        step_ms_p50=p50 * 1e3 if p50 is not None else None,
+        step_ms_p90=p90 * 1e3 if p90 is not None else None,
+        peak_mem_bytes=memory.peak,
+        peak_mem_kind=memory.kind if memory.peak is not None else "",
+        tflops=achieved / 1e12 if achieved is not None else None,
+        mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
+        mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
+        compile_s=runner.compile_seconds() if compiled else None,
+        loss=loss,
+        plan=plan.to_dict() if plan is not None else None,
+    )
+
+
+def _last_loss(runner: Runner) -> float | None:
+    """The loss of one more step (outside the timing), as a check that the row trains."""
+    value = runner.run(1)
+    return value if math.isfinite(value) else None
+
+
+def _with_break_even(rows: list[BenchRow]) -> list[BenchRow]:
+    """Give each compiled row the steps its compile takes to repay, against the eager row of its precision."""
+    eager = {(r.device, r.precision): r for r in rows if r.kind == "explicit" and r.compile is False and not r.error}
+    out = []
+    for row in rows:
+        twin = eager.get((row.device, row.precision))
+        if row.compile and twin is not None and row.step_ms_p50 and twin.step_ms_p50:
+            steps = break_even(row.compile_s, twin.step_ms_p50 / 1e3, row.step_ms_p50 / 1e3)
+            row = dataclasses.replace(row, break_even_steps=steps)
+        out.append(row)
+    return out
+
+
+def with_speedups(rows: list[BenchRow]) -> list[BenchRow]:
+    naive = {(r.device, r.batch_size): r.samples_per_s for r in rows if r.kind == "naive" and not r.error}
+    return [
+        dataclasses.replace(
+            row,
+            speedup_naive=speedup(row.samples_per_s, naive.get((row.device, row.batch_size))),
+            speedup_cpu_fp32=speedup(row.samples_per_s, naive.get(("cpu", row.batch_size))),
+        )
+        for row in rows
+    ]
