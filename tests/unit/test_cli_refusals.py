@@ -165,6 +165,7 @@ def test_an_empty_path_is_refused_by_its_flag_not_read_as_the_current_directory(
 )
 def test_a_path_flag_starting_with_a_tilde_is_under_home_as_the_shell_would_make_it(tmp_path, monkeypatch, args, said):
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where a ~ not expanded would make a directory of that name
     (tmp_path / "figures").touch()  # a file where the report's directory would be: refused, naming the path read
     (tmp_path / "traces").touch()
     result = CliRunner().invoke(app, [*args, *WHERE.get(args[0], ["--task", "example:digits"])])
