@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from redline.bench.advice import advise
-from redline.bench.profiling import Breakdown, Phase, _covered, read_breakdown
+from redline.bench.trace import Breakdown, Phase, _covered, read_breakdown
 from redline.errors import TrainingError
 from redline.plan import Choice, Plan
 

@@ -3,12 +3,10 @@ command that measures it (a profile proposes, a measurement decides)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from redline.bench.trace import Breakdown
 from redline.plan import Plan
-
-if TYPE_CHECKING:  # the breakdown is read in profiling, which applies these rules to it
-    from redline.bench.profiling import Breakdown
 
 DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
 IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
