@@ -210,7 +210,7 @@ class Runtime:
         model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
         if self.strategy.detail:
             strategy = Choice(strategy.value, f"{strategy.reason}; {self.strategy.detail}")
-        facts = optimizer_facts(built, model)
+        facts = optimizer_facts(built, model, device=self.facts)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
         impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
