@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.config import call_refused
 from redline.errors import ConfigError, few, invalid
 from redline.plan.optimizer import scheduled
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
+_FACTORY = "`lambda params: torch.optim.AdamW(params, lr=1e-3)`"
 
 
 def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer:
@@ -23,6 +25,8 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
         return optimizer
     if not callable(optimizer):
         raise invalid("optimizer", type(optimizer).__name__, "an Optimizer or a factory params -> Optimizer")
+    if why := call_refused(optimizer, 1):  # called below, its TypeError would point at this line
+        raise invalid("optimizer", type(optimizer).__name__, "a factory params -> Optimizer", f"{why}; e.g. {_FACTORY}")
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")

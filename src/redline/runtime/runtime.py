@@ -124,7 +124,7 @@ class Runtime(RunState):
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
-        self._closed, self._setups = False, 0
+        self._closed, self._setups, self._entered = False, 0, 0
         self._compile_records: list[CompileRecord] = []
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
@@ -159,10 +159,14 @@ class Runtime(RunState):
             stack.close()
 
     def __enter__(self) -> Runtime:
-        return self.start()
+        started = self.start()
+        self._entered += 1
+        return started
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._entered -= 1
+        if self._entered == 0:  # a `with rt:` inside another (a helper's) leaves the run to the outer one
+            self.close()
 
     # -- setup ---------------------------------------------------------------------------------
 

@@ -65,6 +65,14 @@ class RunState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what ``state_dict()`` returned into the set-up model, optimizer, loss scaling and RNG."""
         strategy, model, optimizer = self._prepared()
+        if not isinstance(state, Mapping) or not {"model", "optimizer"} <= state.keys():
+            shown = sorted(map(str, state))[:4] if isinstance(state, Mapping) else type(state).__name__
+            raise invalid(
+                "load_state_dict(state)",
+                shown,
+                "what rt.state_dict() returned: a dict with 'model' and 'optimizer'",
+                "to load a model's weights alone: rt.unwrap(model).load_state_dict(state)",
+            )
         strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
         self._restart_cycle(int(state.get("step") or 0))
         self.precision.load_state_dict(dict(state.get("precision") or {}))

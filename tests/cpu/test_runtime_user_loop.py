@@ -1,0 +1,49 @@
+"""A user's own loop around the Runtime: plausible slips end in a redline error naming the fix, or just work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import redline
+from redline.errors import ConfigError
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Linear(4, 1)
+
+
+def test_an_optimizer_factory_that_takes_no_parameters_is_refused_with_the_factory_form() -> None:
+    """Called by setup, its TypeError would come from redline's line, as if the bug were redline's."""
+    with redline.Runtime(devices="cpu") as rt:
+        model = _model()
+        with pytest.raises(ConfigError, match=r"cannot be called with 1 argument(.|\n)*lambda params: torch.optim"):
+            rt.setup(model, lambda: torch.optim.SGD(model.parameters(), lr=0.1))
+        _, built = rt.setup(model, torch.optim.SGD)  # a class whose other arguments have defaults is a factory
+        assert isinstance(built, torch.optim.SGD)
+
+
+def test_load_state_dict_of_a_models_weights_is_refused_with_how_to_load_them() -> None:
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(ConfigError, match=r"\['bias', 'weight'\](.|\n)*rt.unwrap\(model\).load_state_dict"):
+            rt.load_state_dict(_model().state_dict())
+        state = rt.state_dict()
+        rt.load_state_dict(state)  # what state_dict() returned loads
+        assert state["step"] == 0
+
+
+def test_a_with_block_inside_another_on_the_same_runtime_leaves_the_run_to_the_outer_one() -> None:
+    """A helper that enters the Runtime it is given must not close it under its caller."""
+    was = torch.are_deterministic_algorithms_enabled()
+    rt = redline.Runtime(devices="cpu", deterministic=True)
+    with rt:
+        with rt:
+            pass
+        assert torch.are_deterministic_algorithms_enabled()  # still the run's settings
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(model(torch.ones(2, 4)).sum())
+        assert rt.step(optimizer)
+    assert torch.are_deterministic_algorithms_enabled() == was  # put back when the outer block ends
+    with pytest.raises(ConfigError, match="this Runtime was closed"):
+        rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
