@@ -47,3 +47,17 @@ def test_a_with_block_inside_another_on_the_same_runtime_leaves_the_run_to_the_o
     assert torch.are_deterministic_algorithms_enabled() == was  # put back when the outer block ends
     with pytest.raises(ConfigError, match="this Runtime was closed"):
         rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_a_half_model_under_fp16_mixed_is_refused_at_setup_with_the_fix() -> None:
+    """torch's grad scaler would fail at the first step ("Attempting to unscale FP16 gradients"), from redline's
+    own step; the mixed precision keeps float32 weights, so the .half() is the slip."""
+    with redline.Runtime(devices="cpu", precision="fp16-mixed") as rt:
+        with pytest.raises(ConfigError, match=r"5 float16 parameters(.|\n)*hint: drop the model's .half\(\)"):
+            rt.setup(_model().half(), lambda params: torch.optim.SGD(params, lr=0.1))
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        with rt.autocast():
+            loss = model(torch.ones(2, 4)).float().mean()
+        rt.backward(loss)
+        assert rt.step(optimizer)
+        assert "step" in rt.state_dict()  # the refused setup left no second model: the state is this one's

@@ -124,7 +124,7 @@ class Runtime(RunState):
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
-        self._closed, self._setups, self._entered = False, 0, 0
+        self._closed, self._entered = False, 0
         self._compile_records: list[CompileRecord] = []
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
@@ -184,7 +184,6 @@ class Runtime(RunState):
             warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
-        self._setups += 0 if again else 1
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())

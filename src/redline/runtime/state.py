@@ -36,7 +36,6 @@ class RunState:
     explain: Callable[[], Plan]
     _cycle: Cycle
     _models: list[nn.Module]
-    _setups: int
 
     @property
     def module(self) -> nn.Module:
@@ -131,9 +130,9 @@ class RunState:
                 "the Runtime has no model yet: its state, checkpoints, weights and train_step are the set-up model's\n"
                 "hint: call rt.setup(model, optimizer) first"
             )
-        if models and self._setups > 1:
+        if models and len(self._models) > 1:  # only a setup that succeeded counts
             raise ConfigError(
-                f"this Runtime set up {self._setups} models; its state, checkpoints and weights are one model's\n"
+                f"this Runtime set up {len(self._models)} models; its state, checkpoints and weights are one model's\n"
                 "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
