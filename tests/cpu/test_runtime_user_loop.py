@@ -61,3 +61,14 @@ def test_a_half_model_under_fp16_mixed_is_refused_at_setup_with_the_fix() -> Non
         rt.backward(loss)
         assert rt.step(optimizer)
         assert "step" in rt.state_dict()  # the refused setup left no second model: the state is this one's
+
+
+def test_clipping_the_gradients_of_an_optimizer_setup_did_not_return_is_refused() -> None:
+    """On CUDA setup rebuilds the optimizer fused: clipping the one it was given would clip nothing, silently."""
+    with redline.Runtime(devices="cpu") as rt:
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(model(torch.ones(2, 4)).sum())
+        other = torch.optim.SGD(_model().parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match=r"rt.clip_grad_norm_\(\) got an optimizer .* did not return"):
+            rt.clip_grad_norm_(other, 1.0)
+        assert float(rt.clip_grad_norm_(optimizer, 1.0)) > 0  # the set-up one's gradients

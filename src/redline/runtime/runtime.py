@@ -363,6 +363,7 @@ class Runtime(RunState):
         For a loop that clips or logs the norm itself (``max_norm=float("inf")`` clips nothing): torch's own would clip
         fp16's gradients still scaled. Call it between ``backward`` and ``step``; mid-accumulation it returns None.
         """
+        self._cycle.check_set_up(optimizer, "clip_grad_norm_")
         return self.precision.clip_grad_norm(optimizer, max_norm, norm_type) if self._cycle.ends(optimizer) else None
 
     @property
