@@ -72,3 +72,15 @@ def test_clipping_the_gradients_of_an_optimizer_setup_did_not_return_is_refused(
         with pytest.raises(ConfigError, match=r"rt.clip_grad_norm_\(\) got an optimizer .* did not return"):
             rt.clip_grad_norm_(other, 1.0)
         assert float(rt.clip_grad_norm_(optimizer, 1.0)) > 0  # the set-up one's gradients
+
+
+def test_a_model_built_on_the_meta_device_is_refused_with_how_to_give_it_weights() -> None:
+    """torch's own error, from setup's move to the device, suggests to_empty(): weights of uninitialised memory."""
+    with torch.device("meta"):
+        empty = _model()
+    with redline.Runtime(devices="cpu") as rt:
+        with pytest.raises(ConfigError, match=r"tensors weight, bias are on the meta device(.|\n)*assign=True"):
+            rt.setup(empty, lambda params: torch.optim.SGD(params, lr=0.1))
+        empty.load_state_dict(_model().state_dict(), assign=True)  # the hint's fix
+        model, _ = rt.setup(empty, lambda params: torch.optim.SGD(params, lr=0.1))
+        assert not model.weight.is_meta

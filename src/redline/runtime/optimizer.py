@@ -57,6 +57,17 @@ def check_no_closure(optimizer: torch.optim.Optimizer) -> None:
     )
 
 
+def check_materialized(model: nn.Module) -> None:
+    """Refuse a model whose tensors are on the meta device: shapes without data, which no device move can fill."""
+    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        raise ConfigError(
+            f"the model's ({type(model).__name__}) tensors {few(empty, 4)} are on the meta device: shapes with no "
+            "data, which setup cannot move to the device\nhint: build the model without torch.device('meta'), or "
+            "load its weights first: model.load_state_dict(weights, assign=True)"
+        )
+
+
 def check_trainable(model: nn.Module) -> None:
     """Refuse a model with nothing to train: no parameters, or none that requires a gradient."""
     params = list(model.parameters())

@@ -49,7 +49,7 @@ from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
-from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
+from redline.runtime.optimizer import OptimizerLike, check_materialized, check_trainable, rebuild_optimizer
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
@@ -180,6 +180,7 @@ class Runtime(RunState):
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
+        check_materialized(model)
         if self._started is None and self.options.seed is not None:
             warn_seeded_late(self.options.seed)
         self.start()
