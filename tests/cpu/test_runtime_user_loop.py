@@ -84,3 +84,15 @@ def test_a_model_built_on_the_meta_device_is_refused_with_how_to_give_it_weights
         empty.load_state_dict(_model().state_dict(), assign=True)  # the hint's fix
         model, _ = rt.setup(empty, lambda params: torch.optim.SGD(params, lr=0.1))
         assert not model.weight.is_meta
+
+
+def test_train_step_given_a_loss_or_a_function_returning_loss_and_outputs_says_what_it_takes() -> None:
+    with redline.Runtime(devices="cpu") as rt:
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        batch = (torch.ones(2, 4), torch.zeros(2, 1))
+        with pytest.raises(ConfigError, match=r"train_step\(step_fn\)='Tensor'(.|\n)*pass the function itself"):
+            rt.train_step(model(batch[0]).mean(), batch)  # the loss, not the function that computes it
+        with pytest.raises(redline.errors.TaskError, match=r"a tuple of 2 (.|\n)*return only the loss"):
+            rt.train_step(lambda b: (model(b[0]).mean(), model(b[0])), batch)
+        loss = rt.train_step(lambda b: ((model(b[0]) - b[1]) ** 2).mean(), batch)
+        assert rt.step(optimizer) and loss.requires_grad is False

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from redline.config import one_of, positive_int
+from redline.config import call_refused, one_of, positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.env import join_process_group, read_env
@@ -319,6 +319,10 @@ class Runtime(RunState):
         done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
         """
         strategy, _, _ = self._prepared(models=False)
+        if not callable(step_fn) or call_refused(step_fn, 1):  # called later, its TypeError would be redline's
+            hint = "pass the function itself, which takes the batch: "
+            hint += "rt.train_step(lambda b: loss_fn(model(b[0]), b[1]), batch)"
+            raise invalid("train_step(step_fn)", type(step_fn).__name__, "a function batch -> loss", hint)
         sync = self._cycle.next_batch()
         step = self._cycle.current_step
         how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
