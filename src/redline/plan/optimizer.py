@@ -29,8 +29,14 @@ class OptimizerFacts:
     has_scheduler: bool = False  # an LR scheduler was built on it: a rebuilt optimizer would leave it stepping this one
 
 
-def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> OptimizerFacts:
-    """Read the facts of a built optimizer (and of the ``model`` it updates, whose layers may give sparse gradients)."""
+def optimizer_facts(
+    optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, device: DeviceFacts | None = None
+) -> OptimizerFacts:
+    """Read the facts of a built optimizer (and of the ``model`` it updates, whose layers may give sparse gradients).
+
+    ``device``: where it will train. Given, the heap is scanned for a ReduceLROnPlateau (see ``scheduled``) only
+    where resolve_optimizer's answer depends on it: not off CUDA, nor for an optimizer it keeps as given anyway.
+    """
     cls = type(optimizer)
     from_torch = cls.__module__.startswith("torch.optim")
     has_fused = from_torch and "fused" in inspect.signature(cls.__init__).parameters
@@ -41,25 +47,28 @@ def optimizer_facts(optimizer: torch.optim.Optimizer, model: nn.Module | None = 
         unfusable = "the model has parameters that are not real floating point"
     elif model is not None and any(getattr(m, "sparse", False) is True for m in model.modules()):
         unfusable = "the model has layers with sparse gradients (sparse=True)"
+    has_state = any(bool(s) for s in optimizer.state.values())
+    # None is torch's "not given"; fused=False turns fused off on purpose, like foreach=False.
+    impl_set_by_user = defaults.get("fused") is not None or defaults.get("foreach") is not None
+    decides = has_fused and not has_state and not impl_set_by_user and (device is None or device.type == "cuda")
     return OptimizerFacts(
         name=cls.__name__,
         has_fused=has_fused,
-        has_state=any(bool(s) for s in optimizer.state.values()),
-        # None is torch's "not given"; fused=False turns fused off on purpose, like foreach=False.
-        impl_set_by_user=defaults.get("fused") is not None or defaults.get("foreach") is not None,
+        has_state=has_state,
+        impl_set_by_user=impl_set_by_user,
         unfusable=unfusable,
-        has_scheduler=scheduled(optimizer),
+        has_scheduler=scheduled(optimizer, scan=decides),
     )
 
 
-def scheduled(optimizer: torch.optim.Optimizer) -> bool:
+def scheduled(optimizer: torch.optim.Optimizer, *, scan: bool = True) -> bool:
     """Whether an LR scheduler was built on ``optimizer``.
 
     torch's schedulers record each group's ``initial_lr``, but for ReduceLROnPlateau, which sets the
     learning rate from a metric and records nothing on the optimizer: that one is found among the
-    objects holding the optimizer (once, at setup).
+    objects holding the optimizer, a scan of the heap (``scan``; about 80 ms for 5 million live containers).
     """
-    return any("initial_lr" in group for group in optimizer.param_groups) or bool(schedulers_of(optimizer))
+    return any("initial_lr" in group for group in optimizer.param_groups) or (scan and bool(schedulers_of(optimizer)))
 
 
 def schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
@@ -67,11 +76,17 @@ def schedulers_of(optimizer: torch.optim.Optimizer) -> list[LRScheduler]:
     that hold it: a scan of the heap, for a one-off question, not for each step."""
     found = []
     for holder in gc.get_referrers(optimizer):
-        if isinstance(holder, dict) and holder.get("optimizer") is optimizer:  # a scheduler's __dict__
+        if _scheduler_dict(holder, optimizer):  # a scheduler's __dict__, once asked for: found by a second scan
             holder = next((o for o in gc.get_referrers(holder) if isinstance(o, LRScheduler)), None)
         if isinstance(holder, LRScheduler) and getattr(holder, "optimizer", None) is optimizer:
             found.append(holder)
     return found
+
+
+def _scheduler_dict(holder: object, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``holder`` may be an LR scheduler's ``__dict__``: every one sets ``last_epoch``, which a script's
+    globals holding a variable named ``optimizer`` lack (they would cost a second scan of the heap)."""
+    return isinstance(holder, dict) and holder.get("optimizer") is optimizer and "last_epoch" in holder
 
 
 def resolve_optimizer(optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False) -> Choice[OptimizerImpl]:

@@ -118,15 +118,20 @@ class Cycle:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
         return any(ends for _, ends in self.syncs())
 
-    def due(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Count a ``step`` call for ``optimizer``; return whether it ends the optimizer's cycle."""
+    def check_set_up(self, optimizer: torch.optim.Optimizer, called: str = "step") -> None:
+        """Refuse an optimizer that setup did not return: a step on it, or a clip of its gradients, would do nothing
+        to the set-up model (the one setup was given was rebuilt fused on CUDA, or over the shards under FSDP)."""
         if len(self._set_up) and optimizer not in self._set_up:
             raise ConfigError(
-                f"rt.step() got an optimizer ({type(optimizer).__name__}) that rt.setup() did not return: setup "
+                f"rt.{called}() got an optimizer ({type(optimizer).__name__}) that rt.setup() did not return: setup "
                 "may rebuild the one it is given (fused, or over the shards under FSDP), and only the one it "
                 "returns trains the set-up model\nhint: keep what setup returns: "
-                "`model, optimizer = rt.setup(model, optimizer)`, and step that"
+                f"`model, optimizer = rt.setup(model, optimizer)`, and pass that to rt.{called}()"
             )
+
+    def due(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Count a ``step`` call for ``optimizer``; return whether it ends the optimizer's cycle."""
+        self.check_set_up(optimizer)
         if self.grad_accum == 1:
             return True
         key = id(optimizer)

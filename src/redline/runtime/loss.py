@@ -23,6 +23,12 @@ def check_loss(loss: Any, *, training: bool, source: str = TASK_LOSS) -> torch.T
             "loss from the outputs (e.g. F.cross_entropy(outputs.logits, targets)); a function gives None where it "
             "has no `return`"
         )
+    if isinstance(loss, tuple | list) and loss and isinstance(loss[0], torch.Tensor):  # `return loss, logits`
+        raise TaskError(
+            f"{source} a {type(loss).__name__} of {len(loss)} (the first a tensor of shape {tuple(loss[0].shape)}); "
+            "expected the loss alone, a scalar tensor\nhint: return only the loss (`return loss`, not "
+            "`return loss, outputs`), and compute what else you log outside"
+        )
     if not isinstance(loss, torch.Tensor):
         text = repr(loss)
         raise TaskError(

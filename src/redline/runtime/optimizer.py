@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from redline.config import call_refused
 from redline.errors import ConfigError, few, invalid
 from redline.plan.optimizer import scheduled
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
+_FACTORY = "`lambda params: torch.optim.AdamW(params, lr=1e-3)`"
 
 
 def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer:
@@ -23,6 +25,8 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
         return optimizer
     if not callable(optimizer):
         raise invalid("optimizer", type(optimizer).__name__, "an Optimizer or a factory params -> Optimizer")
+    if why := call_refused(optimizer, 1):  # called below, its TypeError would point at this line
+        raise invalid("optimizer", type(optimizer).__name__, "a factory params -> Optimizer", f"{why}; e.g. {_FACTORY}")
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")
@@ -51,6 +55,17 @@ def check_no_closure(optimizer: torch.optim.Optimizer) -> None:
         f"hint: use an optimizer that steps without a closure (torch.optim.AdamW, SGD, ...); to train with {name}, "
         "write the loop yourself and call optimizer.step(closure) there, without Runtime.step or the Trainer"
     )
+
+
+def check_materialized(model: nn.Module) -> None:
+    """Refuse a model whose tensors are on the meta device: shapes without data, which no device move can fill."""
+    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        raise ConfigError(
+            f"the model's ({type(model).__name__}) tensors {few(empty, 4)} are on the meta device: shapes with no "
+            "data, which setup cannot move to the device\nhint: build the model without torch.device('meta'), or "
+            "load its weights first: model.load_state_dict(weights, assign=True)"
+        )
 
 
 def check_trainable(model: nn.Module) -> None:

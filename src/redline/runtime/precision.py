@@ -122,8 +122,10 @@ class Precision:
 
         Those gradients are still multiplied by the loss scale (65,536 at the start): stepping on them
         moves the weights that many times too far, to inf within a step or two. Only ``step`` unscales.
+        Parameters already in float16 are refused here, before the first step's unscaling would.
         """
         if self.scaler is not None:
+            _refuse_half_parameters(optimizer)
             self._optimizers.add(optimizer)
             optimizer.register_step_pre_hook(self._refuse_scaled_step)
 
@@ -175,3 +177,19 @@ class Precision:
 def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a backward reached any of ``optimizer``'s parameters since their gradients were last freed."""
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _refuse_half_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse float16 parameters under fp16-mixed: torch's grad scaler cannot unscale float16 gradients.
+
+    fp16-mixed keeps the weights in float32 and runs the forward in float16 under autocast; a model
+    cast with ``.half()`` would fail at its first ``rt.step`` with torch's "Attempting to unscale FP16 gradients".
+    """
+    halves = sum(p.numel() for group in optimizer.param_groups for p in group["params"] if p.dtype == torch.float16)
+    if halves:
+        raise ConfigError(
+            f"precision='fp16-mixed' got a model with {halves:,} float16 parameters: fp16-mixed keeps the weights "
+            "in float32 and autocasts the forward to float16, and its loss scaler cannot unscale float16 gradients\n"
+            "hint: drop the model's .half() (or .to(torch.float16)): fp16-mixed gives the float16 speed; or train "
+            "the float16 model as it is with precision='fp32'"
+        )

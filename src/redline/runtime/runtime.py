@@ -30,12 +30,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from redline.checkpoint import Checkpoint, open_verified
-from redline.checkpoint.whole import plain_module
-from redline.config import one_of, positive_int
+from redline.config import call_refused, one_of, positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.parallel.collectives import gather_objects
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.device import resolve_worker_device
@@ -52,18 +49,19 @@ from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
-from redline.runtime.optimizer import OptimizerLike, check_trainable, rebuild_optimizer
+from redline.runtime.optimizer import OptimizerLike, check_materialized, check_trainable, rebuild_optimizer
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
-from redline.runtime.seed import capture_rng, restore_rng, warn_seeded_late
+from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
+from redline.runtime.state import RunState
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
 
 
-class Runtime:
+class Runtime(RunState):
     """Accelerate a plain PyTorch loop: device, precision, compile, layout, optimizer, loading and checkpoints.
 
     Pass a ``RuntimeOptions`` or its fields as keywords (``Runtime(precision="bf16-mixed")``).
@@ -126,7 +124,7 @@ class Runtime:
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
-        self._closed, self._setups = False, 0
+        self._closed, self._entered = False, 0
         self._compile_records: list[CompileRecord] = []
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
@@ -161,10 +159,14 @@ class Runtime:
             stack.close()
 
     def __enter__(self) -> Runtime:
-        return self.start()
+        started = self.start()
+        self._entered += 1
+        return started
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._entered -= 1
+        if self._entered == 0:  # a `with rt:` inside another (a helper's) leaves the run to the outer one
+            self.close()
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -178,11 +180,11 @@ class Runtime:
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
+        check_materialized(model)
         if self._started is None and self.options.seed is not None:
             warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
-        self._setups += 0 if again else 1
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
         has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
@@ -210,7 +212,7 @@ class Runtime:
         model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
         if self.strategy.detail:
             strategy = Choice(strategy.value, f"{strategy.reason}; {self.strategy.detail}")
-        facts = optimizer_facts(built, model)
+        facts = optimizer_facts(built, model, device=self.facts)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
         impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
@@ -317,6 +319,10 @@ class Runtime:
         done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
         """
         strategy, _, _ = self._prepared(models=False)
+        if not callable(step_fn) or call_refused(step_fn, 1):  # called later, its TypeError would be redline's
+            hint = "pass the function itself, which takes the batch: "
+            hint += "rt.train_step(lambda b: loss_fn(model(b[0]), b[1]), batch)"
+            raise invalid("train_step(step_fn)", type(step_fn).__name__, "a function batch -> loss", hint)
         sync = self._cycle.next_batch()
         step = self._cycle.current_step
         how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
@@ -362,106 +368,13 @@ class Runtime:
         For a loop that clips or logs the norm itself (``max_norm=float("inf")`` clips nothing): torch's own would clip
         fp16's gradients still scaled. Call it between ``backward`` and ``step``; mid-accumulation it returns None.
         """
+        self._cycle.check_set_up(optimizer, "clip_grad_norm_")
         return self.precision.clip_grad_norm(optimizer, max_norm, norm_type) if self._cycle.ends(optimizer) else None
 
     @property
     def skipped_steps(self) -> int:
         """fp16 optimizer steps the grad scaler skipped on overflow."""
         return self.precision.skipped_steps
-
-    # -- state and checkpoints -------------------------------------------------------------------
-
-    @property
-    def module(self) -> nn.Module:
-        """The user's module inside the set-up model (its parameter names as the user wrote them, compiled or not)."""
-        return self.unwrap(self._prepared()[1])
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """Return the user's module inside ``model``, one of the models ``setup`` returned (a GAN's two as well): DDP's
-        wrapper taken off, the names the user wrote (compiled or not), as a state dict saved from it should hold."""
-        for known in self._models:
-            inner = cast(Strategy, self.strategy).module(known)
-            if model is known or model is inner or model is plain_module(inner):
-                return plain_module(inner)
-        raise invalid("unwrap(model)", type(model).__name__, "a model that rt.setup() returned", "set it up first")
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the run's state: model and optimizer (as the strategy holds them), loss scaling, RNG.
-
-        Like torch's own ``state_dict()``, it holds the live tensors: ``copy.deepcopy`` it to keep a snapshot.
-        """
-        strategy, model, optimizer = self._prepared()
-        state = strategy.state_dict(model, optimizer)
-        steps = self._cycle.steps
-        return {**state, "precision": self.precision.state_dict(), "rng": capture_rng(), "step": steps}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load what ``state_dict()`` returned into the set-up model, optimizer, loss scaling and RNG."""
-        strategy, model, optimizer = self._prepared()
-        strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
-        self._restart_cycle(int(state.get("step") or 0))
-        self.precision.load_state_dict(dict(state.get("precision") or {}))
-        if state.get("rng") is not None:
-            restore_rng(state["rng"])
-
-    def save(self, path: str | Path, *, extra: Mapping[str, Any] | None = None, step: int | None = None) -> Checkpoint:
-        """Write a checkpoint directory at ``path`` atomically: weights, optimizer, loss scaling, RNGs, the Plan.
-
-        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``; ``step`` defaults to
-        the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
-        """
-        strategy, model, optimizer = self._prepared()
-        step = self._cycle.steps if step is None else step  # a load goes on counting from it
-        runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
-        plan = self.explain().to_dict()
-        return strategy.save(
-            Path(path), model, optimizer, runtime_state=runtime_state, extra=dict(extra or {}), plan=plan, step=step
-        )
-
-    def load(self, checkpoint: str | Path | Checkpoint) -> dict[str, Any]:
-        """Load a checkpoint that ``save`` wrote into the set-up model and optimizer; return its ``extra``.
-
-        Either format loads under any strategy and any number of processes. A path is verified
-        against its manifest first (a ``Checkpoint`` from ``open_checkpoint`` was already); the
-        checkpoint of another model (a tensor's name or shape differs) is refused before anything
-        loads, with a CheckpointError that names a few of the differences. With the same number of
-        processes each rank continues its own random streams; otherwise all take rank 0's.
-        Collective under several processes.
-        """
-        strategy, model, optimizer = self._prepared()
-        if not isinstance(checkpoint, Checkpoint):
-            checkpoint = open_verified(Path(checkpoint))
-        runtime_state, extra = strategy.load(checkpoint, model, optimizer)
-        self._restart_cycle(checkpoint.step)
-        self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
-        per_rank = runtime_state.get("rng") or []
-        if per_rank:
-            restore_rng(per_rank[self.env.rank] if len(per_rank) == self.env.world_size else per_rank[0])
-        return extra
-
-    def _restart_cycle(self, step: int) -> None:
-        """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
-        self._cycle.restart(step)
-        for model in self._models:  # gradients accumulated before the load belong to the old weights
-            model.zero_grad(set_to_none=True)
-
-    def save_weights(self, path: str | Path) -> None:
-        """Write the whole weights as one safetensors file that loads into the plain model. Collective."""
-        strategy, model, _ = self._prepared()
-        strategy.save_weights(Path(path), model)
-
-    def _prepared(self, *, models: bool = True) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
-        if self.strategy is None or self.model is None or self.optimizer is None:
-            raise ConfigError(
-                "the Runtime has no model yet: its state, checkpoints, weights and train_step are the set-up model's\n"
-                "hint: call rt.setup(model, optimizer) first"
-            )
-        if models and self._setups > 1:
-            raise ConfigError(
-                f"this Runtime set up {self._setups} models; its state, checkpoints and weights are one model's\n"
-                "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
-            )
-        return self.strategy, self.model, self.optimizer
 
     # -- explaining ----------------------------------------------------------------------------
 

@@ -1,0 +1,138 @@
+"""The Runtime's state and checkpoints: what ``rt.state_dict``, ``rt.save`` and ``rt.load`` write and read.
+
+The set-up model and optimizer are held as the strategy wrapped them; the strategy writes them (whole from one
+process, or each rank its shards), and the Runtime adds its loss scaling, random streams, step and Plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from redline.checkpoint import Checkpoint, open_verified
+from redline.checkpoint.whole import plain_module
+from redline.errors import ConfigError, invalid
+from redline.parallel.collectives import gather_objects
+from redline.parallel.env import DistEnv
+from redline.plan import Plan
+from redline.runtime.cycle import Cycle
+from redline.runtime.precision import Precision
+from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.strategy import Strategy
+
+
+class RunState:
+    """The Runtime's state and checkpoint methods, over the set-up model and optimizer it holds."""
+
+    strategy: Strategy | None
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    precision: Precision
+    env: DistEnv
+    explain: Callable[[], Plan]
+    _cycle: Cycle
+    _models: list[nn.Module]
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module inside the set-up model (its parameter names as the user wrote them, compiled or not)."""
+        return self.unwrap(self._prepared()[1])
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Return the user's module inside ``model``, one of the models ``setup`` returned (a GAN's two as well): DDP's
+        wrapper taken off, the names the user wrote (compiled or not), as a state dict saved from it should hold."""
+        for known in self._models:
+            inner = cast(Strategy, self.strategy).module(known)
+            if model is known or model is inner or model is plain_module(inner):
+                return plain_module(inner)
+        raise invalid("unwrap(model)", type(model).__name__, "a model that rt.setup() returned", "set it up first")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the run's state: model and optimizer (as the strategy holds them), loss scaling, RNG.
+
+        Like torch's own ``state_dict()``, it holds the live tensors: ``copy.deepcopy`` it to keep a snapshot.
+        """
+        strategy, model, optimizer = self._prepared()
+        state = strategy.state_dict(model, optimizer)
+        steps = self._cycle.steps
+        return {**state, "precision": self.precision.state_dict(), "rng": capture_rng(), "step": steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what ``state_dict()`` returned into the set-up model, optimizer, loss scaling and RNG."""
+        strategy, model, optimizer = self._prepared()
+        if not isinstance(state, Mapping) or not {"model", "optimizer"} <= state.keys():
+            shown = sorted(map(str, state))[:4] if isinstance(state, Mapping) else type(state).__name__
+            raise invalid(
+                "load_state_dict(state)",
+                shown,
+                "what rt.state_dict() returned: a dict with 'model' and 'optimizer'",
+                "to load a model's weights alone: rt.unwrap(model).load_state_dict(state)",
+            )
+        strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
+        self._restart_cycle(int(state.get("step") or 0))
+        self.precision.load_state_dict(dict(state.get("precision") or {}))
+        if state.get("rng") is not None:
+            restore_rng(state["rng"])
+
+    def save(self, path: str | Path, *, extra: Mapping[str, Any] | None = None, step: int | None = None) -> Checkpoint:
+        """Write a checkpoint directory at ``path`` atomically: weights, optimizer, loss scaling, RNGs, the Plan.
+
+        ``extra`` is the caller's own state (tensors and plain values), returned by ``load``; ``step`` defaults to
+        the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
+        """
+        strategy, model, optimizer = self._prepared()
+        step = self._cycle.steps if step is None else step  # a load goes on counting from it
+        runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
+        plan = self.explain().to_dict()
+        return strategy.save(
+            Path(path), model, optimizer, runtime_state=runtime_state, extra=dict(extra or {}), plan=plan, step=step
+        )
+
+    def load(self, checkpoint: str | Path | Checkpoint) -> dict[str, Any]:
+        """Load a checkpoint that ``save`` wrote into the set-up model and optimizer; return its ``extra``.
+
+        Either format loads under any strategy and any number of processes. A path is verified
+        against its manifest first (a ``Checkpoint`` from ``open_checkpoint`` was already); the
+        checkpoint of another model (a tensor's name or shape differs) is refused before anything
+        loads, with a CheckpointError that names a few of the differences. With the same number of
+        processes each rank continues its own random streams; otherwise all take rank 0's.
+        Collective under several processes.
+        """
+        strategy, model, optimizer = self._prepared()
+        if not isinstance(checkpoint, Checkpoint):
+            checkpoint = open_verified(Path(checkpoint))
+        runtime_state, extra = strategy.load(checkpoint, model, optimizer)
+        self._restart_cycle(checkpoint.step)
+        self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
+        per_rank = runtime_state.get("rng") or []
+        if per_rank:
+            restore_rng(per_rank[self.env.rank] if len(per_rank) == self.env.world_size else per_rank[0])
+        return extra
+
+    def _restart_cycle(self, step: int) -> None:
+        """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
+        self._cycle.restart(step)
+        for model in self._models:  # gradients accumulated before the load belong to the old weights
+            model.zero_grad(set_to_none=True)
+
+    def save_weights(self, path: str | Path) -> None:
+        """Write the whole weights as one safetensors file that loads into the plain model. Collective."""
+        strategy, model, _ = self._prepared()
+        strategy.save_weights(Path(path), model)
+
+    def _prepared(self, *, models: bool = True) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
+        if self.strategy is None or self.model is None or self.optimizer is None:
+            raise ConfigError(
+                "the Runtime has no model yet: its state, checkpoints, weights and train_step are the set-up model's\n"
+                "hint: call rt.setup(model, optimizer) first"
+            )
+        if models and len(self._models) > 1:  # only a setup that succeeded counts
+            raise ConfigError(
+                f"this Runtime set up {len(self._models)} models; its state, checkpoints and weights are one model's\n"
+                "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
+            )
+        return self.strategy, self.model, self.optimizer

@@ -1,0 +1,98 @@
+"""A user's own loop around the Runtime: plausible slips end in a redline error naming the fix, or just work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import redline
+from redline.errors import ConfigError
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Linear(4, 1)
+
+
+def test_an_optimizer_factory_that_takes_no_parameters_is_refused_with_the_factory_form() -> None:
+    """Called by setup, its TypeError would come from redline's line, as if the bug were redline's."""
+    with redline.Runtime(devices="cpu") as rt:
+        model = _model()
+        with pytest.raises(ConfigError, match=r"cannot be called with 1 argument(.|\n)*lambda params: torch.optim"):
+            rt.setup(model, lambda: torch.optim.SGD(model.parameters(), lr=0.1))
+        _, built = rt.setup(model, torch.optim.SGD)  # a class whose other arguments have defaults is a factory
+        assert isinstance(built, torch.optim.SGD)
+
+
+def test_load_state_dict_of_a_models_weights_is_refused_with_how_to_load_them() -> None:
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(ConfigError, match=r"\['bias', 'weight'\](.|\n)*rt.unwrap\(model\).load_state_dict"):
+            rt.load_state_dict(_model().state_dict())
+        state = rt.state_dict()
+        rt.load_state_dict(state)  # what state_dict() returned loads
+        assert state["step"] == 0
+
+
+def test_a_with_block_inside_another_on_the_same_runtime_leaves_the_run_to_the_outer_one() -> None:
+    """A helper that enters the Runtime it is given must not close it under its caller."""
+    was = torch.are_deterministic_algorithms_enabled()
+    rt = redline.Runtime(devices="cpu", deterministic=True)
+    with rt:
+        with rt:
+            pass
+        assert torch.are_deterministic_algorithms_enabled()  # still the run's settings
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(model(torch.ones(2, 4)).sum())
+        assert rt.step(optimizer)
+    assert torch.are_deterministic_algorithms_enabled() == was  # put back when the outer block ends
+    with pytest.raises(ConfigError, match="this Runtime was closed"):
+        rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_a_half_model_under_fp16_mixed_is_refused_at_setup_with_the_fix() -> None:
+    """torch's grad scaler would fail at the first step ("Attempting to unscale FP16 gradients"), from redline's
+    own step; the mixed precision keeps float32 weights, so the .half() is the slip."""
+    with redline.Runtime(devices="cpu", precision="fp16-mixed") as rt:
+        with pytest.raises(ConfigError, match=r"5 float16 parameters(.|\n)*hint: drop the model's .half\(\)"):
+            rt.setup(_model().half(), lambda params: torch.optim.SGD(params, lr=0.1))
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        with rt.autocast():
+            loss = model(torch.ones(2, 4)).float().mean()
+        rt.backward(loss)
+        assert rt.step(optimizer)
+        assert "step" in rt.state_dict()  # the refused setup left no second model: the state is this one's
+
+
+def test_clipping_the_gradients_of_an_optimizer_setup_did_not_return_is_refused() -> None:
+    """On CUDA setup rebuilds the optimizer fused: clipping the one it was given would clip nothing, silently."""
+    with redline.Runtime(devices="cpu") as rt:
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(model(torch.ones(2, 4)).sum())
+        other = torch.optim.SGD(_model().parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match=r"rt.clip_grad_norm_\(\) got an optimizer .* did not return"):
+            rt.clip_grad_norm_(other, 1.0)
+        assert float(rt.clip_grad_norm_(optimizer, 1.0)) > 0  # the set-up one's gradients
+
+
+def test_a_model_built_on_the_meta_device_is_refused_with_how_to_give_it_weights() -> None:
+    """torch's own error, from setup's move to the device, suggests to_empty(): weights of uninitialised memory."""
+    with torch.device("meta"):
+        empty = _model()
+    with redline.Runtime(devices="cpu") as rt:
+        with pytest.raises(ConfigError, match=r"tensors weight, bias are on the meta device(.|\n)*assign=True"):
+            rt.setup(empty, lambda params: torch.optim.SGD(params, lr=0.1))
+        empty.load_state_dict(_model().state_dict(), assign=True)  # the hint's fix
+        model, _ = rt.setup(empty, lambda params: torch.optim.SGD(params, lr=0.1))
+        assert not model.weight.is_meta
+
+
+def test_train_step_given_a_loss_or_a_function_returning_loss_and_outputs_says_what_it_takes() -> None:
+    with redline.Runtime(devices="cpu") as rt:
+        model, optimizer = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        batch = (torch.ones(2, 4), torch.zeros(2, 1))
+        with pytest.raises(ConfigError, match=r"train_step\(step_fn\)='Tensor'(.|\n)*pass the function itself"):
+            rt.train_step(model(batch[0]).mean(), batch)  # the loss, not the function that computes it
+        with pytest.raises(redline.errors.TaskError, match=r"a tuple of 2 (.|\n)*return only the loss"):
+            rt.train_step(lambda b: (model(b[0]).mean(), model(b[0])), batch)
+        loss = rt.train_step(lambda b: ((model(b[0]) - b[1]) ** 2).mean(), batch)
+        assert rt.step(optimizer) and loss.requires_grad is False
