@@ -371,3 +371,40 @@ def test_a_dataset_given_to_setup_loader_is_refused_with_the_wrapping_and_a_stre
     with pytest.raises(ConfigError, match=r"(?s)'TensorDataset'.*hint: wrap it: rt\.setup_loader\(DataLoader\(dataset"):
         rt.setup_loader(tensor_data())
     assert len(list(rt.setup_loader(Counting()))) == len(list(Counting()))  # an iterable dataset may yield batches
+
+
+class Unsplit(IterableDataset):
+    """A stream that does not split itself across workers: each worker would yield all of it."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(8.0).split(1))
+
+
+class SelfSplitting(Unsplit):
+    splits_across_workers = True
+
+
+@pytest.mark.parametrize(
+    ("dataset", "own_workers", "asked", "warned"),
+    [
+        (Unsplit(), 0, 2, True),  # asked for: every sample would come twice, unsaid
+        (Unsplit(), 0, 1, False),  # one worker runs the stream once
+        (Unsplit(), 2, 2, False),  # the loader's own workers: as the user built it, plain torch alike
+        (SelfSplitting(), 0, 2, False),  # a stream that says it splits itself
+    ],
+)
+def test_workers_asked_for_over_a_stream_that_may_not_split_itself_are_warned_of(
+    caplog, dataset, own_workers, asked, warned
+):
+    loader = DataLoader(dataset, batch_size=2, num_workers=own_workers)
+    settings = LoaderSettings(num_workers=asked, pin_memory=False, persistent_workers=False, prefetch_factor=2,
+                              rebuild=True)  # fmt: skip
+    with caplog.at_level("WARNING", logger="redline"):
+        rebuilt = rebuild_dataloader(loader, settings)
+    assert rebuilt.num_workers == asked  # warned, not refused: the request stands
+    said = [r.getMessage() for r in caplog.records if "IterableDataset" in r.getMessage()]
+    if warned:
+        assert said and said[0].startswith(f"{asked} loader workers over Unsplit, an IterableDataset")
+        assert f"yields every sample {asked} times" in said[0] and "splits_across_workers = True" in said[0]
+    else:
+        assert not said

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -12,6 +13,8 @@ from redline.errors import invalid
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.contract import users_failure
 from redline.runtime.transfer import move_to, tensors_in
+
+log = logging.getLogger("redline")
 
 
 def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
@@ -78,6 +81,8 @@ def rebuild_dataloader(
     if batch_sampler is not None:  # a new order, such as this rank's share of each global batch
         return DataLoader(dataset, batch_sampler=batch_sampler, **common)
     if isinstance(dataset, IterableDataset):
+        if settings.num_workers > 1 and settings.num_workers != loader.num_workers:
+            _warn_unsplit(dataset, settings.num_workers)
         return DataLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
     if loader.batch_size is not None:
         # The same sampler object: the user's shuffling, generator and position carry over.
@@ -87,6 +92,22 @@ def rebuild_dataloader(
     if loader.batch_sampler is not None:  # the user's own batch sampler
         return DataLoader(dataset, batch_sampler=loader.batch_sampler, **common)
     return DataLoader(dataset, batch_size=None, sampler=loader.sampler, **common)  # single items
+
+
+SPLITS_ACROSS_WORKERS = "splits_across_workers"  # a stream's attribute: True where each worker yields its own share
+
+
+def _warn_unsplit(dataset: IterableDataset[Any], workers: int) -> None:
+    """Warn that ``workers`` processes (asked for, not the loader's own) each run a stream's ``__iter__`` in full:
+    unless it splits itself by ``get_worker_info()``, as torch leaves streams to do, every sample comes N times."""
+    if getattr(dataset, SPLITS_ACROSS_WORKERS, False):
+        return
+    log.warning(
+        "%d loader workers over %s, an IterableDataset: each worker runs its __iter__ in full, so a stream that does "
+        "not split itself by torch.utils.data.get_worker_info() yields every sample %d times (set the class "
+        "attribute %s = True on one that does, to say so)", workers, type(dataset).__name__, workers,
+        SPLITS_ACROSS_WORKERS,
+    )  # fmt: skip
 
 
 class GatheredTensors(Dataset[Any]):

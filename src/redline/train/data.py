@@ -39,6 +39,8 @@ class StreamShard(IterableDataset[Any]):
     A last global batch that does not split evenly across the ranks is dropped, as in a map-style run.
     """
 
+    splits_across_workers = True  # each loader worker yields its own batches (get_worker_info), none twice
+
     def __init__(
         self, dataset: Dataset[Any], *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
     ) -> None:
