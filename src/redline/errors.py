@@ -6,6 +6,7 @@ import asyncio
 import difflib
 import hashlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterable, Sequence
@@ -42,6 +43,21 @@ class StoppedBySignal(RedlineError):
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum  # the shell's convention (130, 143): a scheduler reads it as "terminated"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a command takes it as Ctrl-C raises KeyboardInterrupt (cli/signals.py): code that keeps
+    what a Ctrl-C leaves behind (a bench's finished batch sizes, a tune's measured axes) keeps it for a scheduler's
+    SIGTERM too, and code that wraps the user's errors (``except Exception``) lets it pass."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def interrupting_signal(exc: KeyboardInterrupt) -> int:
+    """The signal behind a KeyboardInterrupt: SIGTERM for a Terminated, else SIGINT (Ctrl-C)."""
+    return exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
 
 
 class TaskSpecError(RedlineError, ValueError):

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -318,6 +319,31 @@ def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then
         bench_command(task="example:digits", estimate=False)
     shown = " ".join(capsys.readouterr().out.split())
     assert "interrupted (SIGINT) while warming up naive cpu fp32 b32 (batch 32), so the batch sizes from it" in shown
+    assert "fastest at batch 16" in shown
+
+
+def test_a_sigterm_keeps_the_batch_sizes_finished_as_a_ctrl_c_does_and_exits_143(monkeypatch, capsys):
+    def not_taken(signum, frame):
+        raise AssertionError("the command line did not take SIGTERM")  # instead of the test process ending
+
+    def terminated_at_32(task, setting, *args):
+        if setting.batch_size == 32:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's, while the second batch size warms up
+            time.sleep(10)  # its handler raises in here
+        return warm_up(task, setting, *args)
+
+    monkeypatch.setattr("redline.bench.run.warm_up", terminated_at_32)
+    before = signal.signal(signal.SIGTERM, not_taken)
+    try:
+        with pytest.raises(BenchInterrupted) as stopped:
+            bench_command(task="example:digits", devices="cpu", precision="fp32", compile="off", batch_size="16,32",
+                          steps=2, window=1, auto=False, estimate=False)  # fmt: skip
+        assert signal.getsignal(signal.SIGTERM) is not_taken  # given back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.exit_code == 143
+    assert str(stopped.value).startswith("bench interrupted (SIGTERM) while warming up naive cpu fp32 b32 (batch 32)")
+    shown = " ".join(capsys.readouterr().out.split())
     assert "fastest at batch 16" in shown
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from redline.bench.tune import UNMEASURED, TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
-from redline.errors import ConfigError, StoppedBySignal, TaskError, TrainingError
+from redline.errors import ConfigError, StoppedBySignal, TaskError, Terminated, TrainingError
 from redline.hardware.device import probe_device
 from redline.parallel.env import DistEnv
 from redline.runtime.options import RuntimeOptions
@@ -206,13 +207,24 @@ def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch)
     assert re.fullmatch(r"searched in \d\.\d+ s of the 60 s budget", within.reasons["budget"])
 
 
-def interrupted_at(axis):
+def interrupted_at(axis, by: KeyboardInterrupt | type[KeyboardInterrupt] = KeyboardInterrupt):
     def measure(task, device, candidates, planned, steps, window, seed, budget_s):
         if candidates[1:] and getattr(candidates[1], axis) != getattr(candidates[0], axis):
-            raise KeyboardInterrupt  # Ctrl-C in the middle of this axis's measurement
+            raise by  # Ctrl-C (or SIGTERM, as the command line raises it) in the middle of this axis's measurement
         return [Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates]
 
     return measure
+
+
+def test_a_sigterm_the_command_line_takes_caches_what_was_measured_as_a_ctrl_c_does_and_exits_143(monkeypatch):
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile", Terminated(signal.SIGTERM)))
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert stopped.value.exit_code == 143 and str(stopped.value).startswith("tune interrupted by SIGTERM")
+    assert stopped.value.tuned.best == Candidate(precision="bf16-mixed")  # what was measured is kept
+    assert stopped.value.tuned.reasons["compile"].startswith("not measured: the search was interrupted (SIGTERM)")
 
 
 def cached_plans(tmp_path) -> list[dict]:

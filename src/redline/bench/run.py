@@ -27,7 +27,15 @@ from redline.bench.memory import PeakMemory
 from redline.bench.result import BenchResult, BenchRow
 from redline.bench.rows import Built, base_row, bench_rows, with_speedups
 from redline.config import positive_int, positive_number
-from redline.errors import ConfigError, RedlineError, StoppedBySignal, TaskError, describe_error, invalid
+from redline.errors import (
+    ConfigError,
+    RedlineError,
+    StoppedBySignal,
+    TaskError,
+    describe_error,
+    interrupting_signal,
+    invalid,
+)
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops
 from redline.parallel.env import read_env
@@ -99,7 +107,7 @@ def benchmark(
     total, done = len(settings) + rounds * len(sizes), 0
     rows: list[BenchRow] = []
     timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
-    interrupted = ""
+    interrupted, signum = "", int(signal.SIGINT)
     task_error: RedlineError | None = None
     for size in dict.fromkeys(sizes):
         group = [s for s in settings if s.batch_size == size]
@@ -115,8 +123,9 @@ def benchmark(
             done += rounds
             group_rows = bench_rows(task, group, built, timed, failed, window)
             timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
-        except KeyboardInterrupt:
-            interrupted = f"interrupted (SIGINT) while {running[0]} (batch {size})"
+        except KeyboardInterrupt as exc:  # Ctrl-C, or a scheduler's SIGTERM where the command line takes it so
+            signum = interrupting_signal(exc)
+            interrupted = f"interrupted ({signal.Signals(signum).name}) while {running[0]} (batch {size})"
             break
         except StoppedBySignal:
             raise
@@ -137,22 +146,23 @@ def benchmark(
         interrupted=interrupted,
     )
     if interrupted:
-        raise BenchInterrupted(result)
+        raise BenchInterrupted(result, signum)
     if task_error is not None and all(row.error for row in rows):  # at every size: the task's error, as raised
         raise task_error
     return result
 
 
 class BenchInterrupted(StoppedBySignal):
-    """A bench a SIGINT (Ctrl-C) stopped; ``result`` holds the batch sizes it finished before (maybe none)."""
+    """A bench a SIGINT (Ctrl-C) or SIGTERM stopped; ``result`` holds the batch sizes it finished before (maybe
+    none)."""
 
-    def __init__(self, result: BenchResult) -> None:
+    def __init__(self, result: BenchResult, signum: int = signal.SIGINT) -> None:
         if result.rows:
             told = "the table shows the batch sizes finished before it"
         else:
             told = "no batch size was finished, so there is nothing to show"
         super().__init__(
-            signal.SIGINT,
+            signum,
             f"bench {result.interrupted}: {told}\nhint: --max-seconds S "
             "bounds each batch size's timing (two rounds at least), and --steps N shortens it",
         )

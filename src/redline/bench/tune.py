@@ -39,6 +39,7 @@ from redline.errors import (
     TrainingError,
     describe_error,
     few,
+    interrupting_signal,
     invalid,
 )
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -105,14 +106,15 @@ def tune(
     best = Candidate(precision="fp32")
     trials: list[Trial] = []
     reasons: dict[str, str] = {}
-    interrupted = ""  # the axis a Ctrl-C stopped: it and the axes after it are left to the run's auto
+    interrupted = ""  # the axis a Ctrl-C (or SIGTERM) stopped: it and the axes after it are left to the run's auto
+    signum = int(signal.SIGINT)
     unmeasured: list[str] = []  # the axes whose alternatives were not all measured: "kept" there decides nothing
     for index, (axis, values) in enumerate(axes):
         tell(index, len(axes), f"tuning {axis}")
         left = deadline - time.perf_counter()
         if interrupted:
             unmeasured.append(axis)
-            reasons[axis] = f"not measured: the search was interrupted (SIGINT); {LEFT}"
+            reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
             continue
         if left <= 0:
             unmeasured.append(axis)
@@ -124,10 +126,10 @@ def tune(
         candidates = [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
         try:
             measured = _measure(task, device, candidates, planned, steps, window, seed, left)
-        except KeyboardInterrupt:  # keep what the axes before it measured, to show and cache
-            interrupted = axis
+        except KeyboardInterrupt as exc:  # keep what the axes before it measured, to show and cache (also on SIGTERM,
+            interrupted, signum = axis, interrupting_signal(exc)  # where the command line takes it as a Ctrl-C)
             unmeasured.append(axis)
-            reasons[axis] = f"not measured: the search was interrupted (SIGINT); {LEFT}"
+            reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
             continue
         trials += measured
         before = best
@@ -136,12 +138,13 @@ def tune(
             unmeasured.append(axis)  # kept, with an alternative never run: no decision
             reasons[axis] = f"not measured in full: {reasons[axis]}; {LEFT}"
     tell(len(axes), len(axes), "done")
-    _check_measured(task, trials, interrupted, budget_s)
+    _check_measured(task, trials, interrupted, budget_s, signum)
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
     spent = time.perf_counter() - started
     reasons["budget"] = spent_line(spent, budget_s, trials)
     if interrupted:
-        reasons["budget"] = f"interrupted (SIGINT) after {_figure(spent)} s of the {budget_s:g} s budget"
+        name = signal.Signals(signum).name
+        reasons["budget"] = f"interrupted ({name}) after {_figure(spent)} s of the {budget_s:g} s budget"
     elif unmeasured:
         enough = _enough(spent, len(axes), len(axes) - len(unmeasured))
         reasons["budget"] += f"; {few(unmeasured, 4)} left to auto: about {enough} s would measure every axis"
@@ -152,16 +155,19 @@ def tune(
     )  # fmt: skip
     path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
     if interrupted:
-        raise TuneInterrupted(tuned, path, interrupted, unmeasured)
+        raise TuneInterrupted(tuned, path, interrupted, unmeasured, signum)
     return tuned, path
 
 
-def _check_measured(task: Task, trials: Sequence[Trial], interrupted: str, budget_s: float) -> None:
+def _check_measured(
+    task: Task, trials: Sequence[Trial], interrupted: str, budget_s: float, signum: int = signal.SIGINT
+) -> None:
     """Refuse a search that ran no candidate: there is nothing to choose from, or to show."""
     if interrupted and not trials:
         raise StoppedBySignal(
-            signal.SIGINT,
-            f"tune interrupted by SIGINT while it measured {interrupted}, its first axis: nothing was cached\n"
+            signum,
+            f"tune interrupted by {signal.Signals(signum).name} while it measured {interrupted}, its first axis: "
+            "nothing was cached\n"
             "hint: run it again; --budget SECONDS bounds the search instead, showing what it measured",
         )
     if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
@@ -175,13 +181,16 @@ def _check_measured(task: Task, trials: Sequence[Trial], interrupted: str, budge
 
 
 class TuneInterrupted(StoppedBySignal):
-    """A tune a SIGINT (Ctrl-C) stopped after its first axis: what it measured is cached, the axes it did not are
-    left to auto; ``tuned`` and ``path`` are that Plan and its cache entry."""
+    """A tune a SIGINT (Ctrl-C) or SIGTERM stopped after its first axis: what it measured is cached, the axes it did
+    not are left to auto; ``tuned`` and ``path`` are that Plan and its cache entry."""
 
-    def __init__(self, tuned: TunedPlan, path: str, axis: str, unmeasured: Sequence[str]) -> None:
+    def __init__(
+        self, tuned: TunedPlan, path: str, axis: str, unmeasured: Sequence[str], signum: int = signal.SIGINT
+    ) -> None:
         super().__init__(
-            signal.SIGINT,
-            f"tune interrupted by SIGINT while it measured {axis}: the axes measured before it were cached, and "
+            signum,
+            f"tune interrupted by {signal.Signals(signum).name} while it measured {axis}: the axes measured before "
+            "it were cached, and "
             f"{few(unmeasured, 4)} left to auto\nhint: run the same command again to search every axis",
         )
         self.tuned, self.path = tuned, path

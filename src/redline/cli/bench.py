@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
+from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
@@ -78,15 +79,15 @@ def bench(
         def tell(done: int, total: int, what: str) -> None:
             bar.update(job, completed=done, total=total, description=what)
 
-        try:
-            with said_by_flags(max_seconds="--max-seconds", devices="--devices"):
+        try:  # a scheduler's SIGTERM, as a Ctrl-C, keeps the batch sizes finished
+            with said_by_flags(max_seconds="--max-seconds", devices="--devices"), terminate_as_interrupt():
                 result = benchmark(
                     loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
                     batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
                     max_seconds=max_seconds, auto=auto, progress=tell,
                     estimate=_estimator(loaded, console) if estimate else None,
                 )  # fmt: skip
-        except BenchInterrupted as stopped:  # show (and write) the batch sizes it finished, then exit 130
+        except BenchInterrupted as stopped:  # show (and write) the batch sizes it finished, then exit 130 (143)
             if not stopped.result.rows:
                 raise
             interrupted: BenchInterrupted | None = stopped

@@ -13,38 +13,39 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from redline.errors import StoppedBySignal
+from redline.errors import StoppedBySignal, Terminated, interrupting_signal
 
 SAID = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
 
 
-class _Terminated(BaseException):
-    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt: not an Exception, so code that wraps the user's errors
-    (a model factory's, a forward's) lets it pass, as it lets Ctrl-C."""
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM raises Terminated, a KeyboardInterrupt: what a command does on Ctrl-C it does on SIGTERM.
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    Outside the main thread signals are not ours to take, and the handler stays as it is.
+    """
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(signum)
+
+    taken = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if taken else None
+    try:
+        yield
+    finally:
+        if taken:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
 def stopped_by_signal(doing: str, outcome: str) -> Iterator[None]:
     """Inside, SIGTERM and Ctrl-C raise StoppedBySignal: "stopped by SIGTERM while {doing}: {outcome}".
 
-    Its exit code is 128 + the signal's number (143, 130), as the shell gives a process a signal
-    stopped. Outside the main thread signals are not ours to take, and the handlers stay as they are.
+    Its exit code is 128 + the signal's number (143, 130), as the shell gives a process a signal stopped.
     """
-
-    def terminate(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated(signum)
-
-    taken = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, terminate) if taken else None
     try:
-        yield
-    except (KeyboardInterrupt, _Terminated) as exc:  # Ctrl-C keeps Python's own handler, which libraries expect
-        signum = exc.signum if isinstance(exc, _Terminated) else signal.SIGINT
+        with terminate_as_interrupt():
+            yield
+    except KeyboardInterrupt as exc:  # Ctrl-C keeps Python's own handler, which libraries expect
+        signum = interrupting_signal(exc)
         raise StoppedBySignal(signum, f"stopped by {SAID[signal.Signals(signum)]} while {doing}: {outcome}") from None
-    finally:
-        if taken:
-            signal.signal(signal.SIGTERM, previous)

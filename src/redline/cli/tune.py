@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from redline.bench.run import timed_steps
 from redline.bench.tune import ONE_STEP, WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
+from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import parse_task_args
 from redline.errors import TrainingError
 from redline.render.console import key_value_table, output_console, print_uncut
@@ -60,13 +61,14 @@ def tune_command(
         with (
             said_by_flags(budget_s="--budget", devices="--devices"),
             _one_step_named(task, task_arg, devices, batch_size),
+            terminate_as_interrupt(),  # a scheduler's SIGTERM, as a Ctrl-C, keeps the axes measured
         ):
             try:
                 tuned, path = tune(
                     loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
                     steps=steps, progress=tell,
                 )  # fmt: skip
-            except TuneInterrupted as partial:  # show what it measured and cached, then exit 130
+            except TuneInterrupted as partial:  # show what it measured and cached, then exit 130 (143)
                 stopped: TuneInterrupted | None = partial
                 tuned, path = partial.tuned, partial.path
             else:
