@@ -214,7 +214,7 @@ def trace_step(
             _checkpoint_blocks(model)
         model.train()
         opt = optimizer(model.parameters())
-        if resolve_optimizer(optimizer_facts(opt, model), device).value == "fused":
+        if resolve_optimizer(optimizer_facts(opt, model, device=device), device).value == "fused":
             opt = rebuild_optimizer(opt, fused=True)
         inputs, targets = split_batch(tree_map(_faked(mode, tracker, rows, batch_size), sample), "train_data")
         grad_keys: set[int] = set()
