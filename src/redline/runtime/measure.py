@@ -1,9 +1,8 @@
 """Measuring the Runtime's "auto" precision on the Task's own model before a run.
 
 The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
-is long enough to repay it: a trial costs ``trial_steps`` training steps, at most 1/``REPAY`` of
-the planned run, in as many rounds of timed blocks as that allows (``trial_rounds``: four, down to
-two; a shorter run gets none). Its result is cached on disk, keyed by the Task's
+is long enough to repay it: a trial costs ``trial_steps`` training steps, and runs only when the
+planned run is at least ``REPAY`` times as long. Its result is cached on disk, keyed by the Task's
 fingerprint and this machine, so a second run pays nothing, a short one included. Under several processes rank 0
 measures and every rank runs its choice.
 """
@@ -30,15 +29,12 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
-    MIN_ROUNDS,
-    ROUNDS,
     Measured,
     choose,
     load_cached,
     run_trial,
     store,
     trial_key,
-    trial_rounds,
     trial_steps,
 )
 from redline.task import Task
@@ -68,19 +64,17 @@ def measure_auto(
     candidates = fast_precisions(facts)
     if not candidates:
         return {}  # the rule's reason says why nothing else is worth trying here
-    # A run too short to repay a whole trial gets a shorter one, down to MIN_ROUNDS blocks; shorter still, none
-    # (a measurement already cached is taken all the same).
-    rounds = trial_rounds(candidates, planned_steps, REPAY) if trial == "auto" else ROUNDS
+    cost = trial_steps(candidates)
+    short = trial == "auto" and planned_steps < REPAY * cost  # too short to repay a trial, not a cached one
 
     def trial_on_rank0() -> tuple[str, str] | None:
-        choice = _measure(task, device, facts, batch_size // env.world_size, candidates, rounds)
+        choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short)
         return (choice.value, choice.reason) if choice is not None else None
 
     shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
     if shared is None:
         rule = resolve_precision("auto", facts)
-        cost = trial_steps(candidates, MIN_ROUNDS)
-        why = f"not measured: a trial costs {cost} steps at least, and this run of {planned_steps:g} would not repay it"
+        why = f"not measured: a trial costs {cost} steps, and this run of {planned_steps:g} would not repay it"
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
     return {"precision": Choice(*shared)}
 
@@ -94,7 +88,7 @@ def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistE
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    return _measure(task, device, facts, batch_size // env.world_size, candidates, None)
+    return _measure(task, device, facts, batch_size // env.world_size, candidates, True)
 
 
 def fingerprint_of(task: Task) -> str:
@@ -119,23 +113,23 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
 
 
 def _measure(
-    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], rounds: int | None
+    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
 ) -> Choice[str] | None:
-    """Time fp32 and ``candidates`` on the task's model and first batch, in ``rounds`` blocks each (or read the
-    cache); return the choice. With ``rounds`` None, only read the cache: None when it holds no measurement.
+    """Time fp32 and ``candidates`` on the task's model and first batch (or read the cache); return the choice.
+    With ``recall_only``, only read the cache: None when it holds no measurement of this workload.
 
     A model factory draws weights (for the fingerprint and the trial) and the batch is drawn too:
     the run's random streams are put back as they were.
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, device, facts, local_batch, candidates, rounds)
+        return _measure_or_recall(task, device, facts, local_batch, candidates, recall_only)
     finally:
         restore_rng(saved)
 
 
 def _measure_or_recall(
-    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], rounds: int | None
+    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
 ) -> Choice[str] | None:
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     key = trial_key(fingerprint_of(task), facts, local_batch, candidates)
@@ -144,7 +138,7 @@ def _measure_or_recall(
         measured, when = cached
         choice = choose(measured, where)
         return Choice(choice.value, f"{choice.reason}; cached from {when}")
-    if rounds is None:
+    if recall_only:
         return None
     model = task.build_model()
     loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
@@ -152,14 +146,7 @@ def _measure_or_recall(
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(
-            model,
-            task.optimizer,
-            task.loss_fn,
-            batch,
-            device,
-            candidates,
-            zero_after_step=zero_after_step,
-            rounds=rounds,
+            model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
         )
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time

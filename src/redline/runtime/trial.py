@@ -40,7 +40,6 @@ from redline.runtime.transfer import move_to
 
 WARMUP_STEPS = 2
 ROUNDS, BLOCK = 4, 3  # timed blocks per candidate, and timed steps per block (after one settling step)
-MIN_ROUNDS = 2  # the fewest a trial runs: a shorter run keeps the rule rather than trust one block each
 TIMED_STEPS = ROUNDS * BLOCK
 MARGIN = 1.10  # a candidate must run this much faster than fp32 to be chosen: the trial's error on whole runs
 TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's that rejects it
@@ -166,7 +165,6 @@ def run_trial(
     clock: Callable[[], float] = time.perf_counter,
     max_seconds: float = MAX_SECONDS,
     zero_after_step: bool = False,
-    rounds: int = ROUNDS,
 ) -> list[Measured]:
     """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
 
@@ -174,7 +172,6 @@ def run_trial(
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
     does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
     candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
-    ``rounds`` blocks of timed steps each (fewer where a short run can afford no more: ``trial_rounds``).
     """
     inputs, targets = move_to(batch, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -200,12 +197,7 @@ def run_trial(
             steps[name] = (step, first)
         timed = [name for name in names if name in steps]
         times, losses = time_steps(
-            [steps[name][0] for name in timed],
-            warmup=WARMUP_STEPS - 1,
-            rounds=rounds,
-            sync=sync,
-            clock=clock,
-            budget_s=max_seconds,
+            [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, sync=sync, clock=clock, budget_s=max_seconds
         )
     finally:
         restore_rng(saved)
@@ -292,17 +284,9 @@ def copy_model(model: nn.Module) -> nn.Module:
 CACHE_ENV = "REDLINE_CACHE_DIR"  # where measured choices are kept (default ~/.cache/redline)
 
 
-def trial_steps(candidates: Sequence[str], rounds: int = ROUNDS) -> int:
-    """The training steps a trial of ``candidates`` costs in ``rounds`` blocks each, fp32's included."""
-    return (WARMUP_STEPS + rounds * (1 + BLOCK)) * (1 + len(candidates))
-
-
-def trial_rounds(candidates: Sequence[str], planned_steps: float, repay: float) -> int | None:
-    """The most rounds (``MIN_ROUNDS`` to ``ROUNDS``) of a trial that costs at most 1/``repay`` of the planned run;
-    None where even the fewest would cost more: that run keeps the rule (or a measurement already cached)."""
-    return next(
-        (n for n in range(ROUNDS, MIN_ROUNDS - 1, -1) if repay * trial_steps(candidates, n) <= planned_steps), None
-    )
+def trial_steps(candidates: Sequence[str]) -> int:
+    """The training steps a trial of ``candidates`` costs, fp32's included."""
+    return (WARMUP_STEPS + ROUNDS * (1 + BLOCK)) * (1 + len(candidates))
 
 
 def trial_key(fingerprint: str, facts: DeviceFacts, batch_size: int, candidates: Sequence[str]) -> str:
