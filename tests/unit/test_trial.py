@@ -27,6 +27,7 @@ from redline.runtime.trial import (
     choose,
     judge,
     load_cached,
+    none_can_win,
     run_trial,
     store,
     time_steps,
@@ -86,6 +87,27 @@ def test_time_steps_stops_at_its_budget_after_two_rounds():
     clock = FakeClock()
     times, _ = time_steps([fake_step(clock, [1.0] * 40)], warmup=1, rounds=10, block=2, clock=clock, budget_s=3.0)
     assert times == [[1.0] * 4]
+
+
+def test_time_steps_stops_after_two_rounds_once_settled():
+    clock = FakeClock()
+    fp32, slower = fake_step(clock, [1.0] * 40), fake_step(clock, [1.5] * 40)
+    times, _ = time_steps([fp32, slower], warmup=1, rounds=4, block=3, clock=clock, settled=none_can_win)
+    assert times == [[1.0] * 6, [1.5] * 6]  # two rounds of three, not four: the candidate cannot win
+
+
+@pytest.mark.parametrize(
+    ("times", "settled"),
+    [
+        ([[1.0, 1.2], [1.1, 1.3]], True),  # every candidate slower than fp32 at its fastest
+        ([[1.0, 1.2], [1.1, 1.3], [0.99, 2.0]], False),  # one is faster at its fastest: it may yet win
+        ([[1.0], [1.0]], True),  # as fast is not 10% faster
+        ([[1.0], []], True),  # a candidate with nothing timed cannot win either
+        ([[1.0]], False),  # no candidate: nothing to decide early
+    ],
+)
+def test_none_can_win_once_every_candidate_is_slower_than_fp32(times, settled):
+    assert none_can_win(times) is settled
 
 
 def test_the_step_after_a_switch_is_not_timed():
@@ -156,7 +178,7 @@ def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_t
     batch = (data.tensors[0][:16], data.tensors[1][:16])
     results = run_trial(
         model, lambda p: torch.optim.SGD(p, lr=0.1), nn.functional.mse_loss, batch, torch.device("cpu"), ["bf16-mixed"],
-        zero_after_step=zero_after_step,
+        zero_after_step=zero_after_step, stop_early=False,  # every round, whichever is faster on this machine
     )  # fmt: skip
     assert torch.equal(torch.rand(3), expected)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -88,6 +88,7 @@ def time_steps(
     clock: Callable[[], float] = time.perf_counter,
     budget_s: float = math.inf,
     settle: Sequence[Callable[[], float]] | None = None,
+    settled: Callable[[list[list[float]]], bool] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Time several step functions (each returns its loss) side by side, in blocks that take turns.
 
@@ -96,8 +97,8 @@ def time_steps(
     step itself: a timed "step" may be a window of several), then ``block`` timed steps, each
     synchronised (``sync``). The order rotates from round to round, so a machine whose speed drifts
     (a clock ramping up, a neighbour's load) weighs on all alike. Timing stops once ``budget_s`` is
-    spent, after at least two rounds. Returns, per step function, the timed durations and every
-    loss (untimed steps included).
+    spent, or once ``settled(times)`` says the rounds left would change nothing, after at least two
+    rounds. Returns, per step function, the timed durations and every loss (untimed steps included).
     """
     losses: list[list[float]] = [[] for _ in steps]
     times: list[list[float]] = [[] for _ in steps]
@@ -115,7 +116,7 @@ def time_steps(
                 sync()
                 times[index].append(clock() - start)
                 spent += times[index][-1]
-        if round_ >= 1 and spent >= budget_s:
+        if round_ >= 1 and (spent >= budget_s or (settled is not None and settled(times))):
             break
     return times, losses
 
@@ -165,6 +166,7 @@ def run_trial(
     clock: Callable[[], float] = time.perf_counter,
     max_seconds: float = MAX_SECONDS,
     zero_after_step: bool = False,
+    stop_early: bool = True,
 ) -> list[Measured]:
     """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
 
@@ -172,6 +174,8 @@ def run_trial(
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
     does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
     candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
+    With ``stop_early``, the timing ends after two rounds where every candidate ran slower than fp32
+    (``none_can_win``): a trial that finds nothing is the run's loss, and its last rounds cost the most.
     """
     inputs, targets = move_to(batch, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -196,9 +200,11 @@ def run_trial(
                 continue
             steps[name] = (step, first)
         timed = [name for name in names if name in steps]
+        settled = none_can_win if stop_early and timed[:1] == ["fp32"] else None
         times, losses = time_steps(
-            [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, sync=sync, clock=clock, budget_s=max_seconds
-        )
+            [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, sync=sync, clock=clock,
+            budget_s=max_seconds, settled=settled,
+        )  # fmt: skip
     finally:
         restore_rng(saved)
     results = {
@@ -208,6 +214,17 @@ def run_trial(
     results.update({name: Measured(name, (), (), why) for name, why in failed.items()})
     reference = results["fp32"]
     return [reference, *(_with_verdict(reference, results[name]) for name in candidates)]
+
+
+def none_can_win(times: list[list[float]]) -> bool:
+    """Whether every candidate's fastest step so far (``times[1:]``) is slower than fp32's (``times[0]``).
+
+    Chosen, a candidate must run ``MARGIN`` (10%) faster than fp32: one slower after two rounds would
+    need its fastest step to fall by more than that against fp32's, which more rounds of the same
+    steps rarely do. Stopping there keeps fp32, the choice that is never slower than the plain loop.
+    """
+    reference, *others = times
+    return bool(reference) and bool(others) and all(not t or min(t) >= min(reference) for t in others)
 
 
 def _fails_the_candidate(exc: Exception) -> bool:
