@@ -26,6 +26,7 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
 from redline.launch.torchrun import LaunchConfig, launch
+from redline.parallel.env import is_launched
 from redline.plan.device import resolve_device
 from redline.render.console import key_value_table, output_console, plan_table, print_uncut
 from redline.runtime.options import RuntimeOptions
@@ -112,15 +113,15 @@ train = command(
 
 
 def launched_worker(environ: Mapping[str, str]) -> bool:
-    """Whether this process is a worker a launcher started (torchrun, `redline launch`, a cluster's job): it has
-    RANK and MASTER_ADDR (as ``DistEnv.launched`` reads them), and runs as that worker whatever --nproc says.
+    """Whether this process is a worker a launcher started (``is_launched``): it runs as that worker whatever
+    --nproc says.
 
     A RANK alone (left exported, or copied from another job) is refused: it would make the run one
     process of a job that does not exist, and quietly not the N processes --nproc asks for.
     """
     if "RANK" not in environ:
         return False
-    if "MASTER_ADDR" in environ:
+    if is_launched(environ):
         return True
     stray = [name for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in environ]
     raise ConfigError(

@@ -46,6 +46,12 @@ class DistEnv:
         return self.rank == 0
 
 
+def is_launched(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` is a launched worker's (torchrun, `redline launch`, a cluster's job): RANK and MASTER_ADDR
+    are set. A RANK alone is no launcher's: it was left exported, or copied from another job."""
+    return "RANK" in environ and "MASTER_ADDR" in environ
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Read torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...); none set means one process."""
     env = os.environ if environ is None else environ
@@ -75,7 +81,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_rank=number("LOCAL_RANK", 0),
         local_world_size=number("LOCAL_WORLD_SIZE", 1),
         restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
-        launched="RANK" in env and "MASTER_ADDR" in env,
+        launched=is_launched(env),
         hang_timeout_s=_seconds(env, HANG_TIMEOUT_ENV),
     )
 
