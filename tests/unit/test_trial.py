@@ -25,9 +25,9 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.trial import (
     Measured,
     choose,
+    decided,
     judge,
     load_cached,
-    none_can_win,
     run_trial,
     store,
     time_steps,
@@ -89,25 +89,47 @@ def test_time_steps_stops_at_its_budget_after_two_rounds():
     assert times == [[1.0] * 4]
 
 
-def test_time_steps_stops_after_two_rounds_once_settled():
+@pytest.mark.parametrize(
+    ("candidate", "rounds"),
+    [
+        (1.5, 1),  # slower than fp32 after the first round: decided there
+        (1.0, 1),  # as fast is not 10% faster
+        (0.97, 2),  # 3% faster: given up on after two rounds
+        (0.5, 2),  # twice as fast: the winner after two rounds
+        (0.92, 4),  # 8.7% faster: may yet reach the 10% margin, so every round runs
+    ],
+)
+def test_time_steps_stops_once_the_trial_is_decided(candidate, rounds):
     clock = FakeClock()
-    fp32, slower = fake_step(clock, [1.0] * 40), fake_step(clock, [1.5] * 40)
-    times, _ = time_steps([fp32, slower], warmup=1, rounds=4, block=3, clock=clock, settled=none_can_win)
-    assert times == [[1.0] * 6, [1.5] * 6]  # two rounds of three, not four: the candidate cannot win
+    fp32, other = fake_step(clock, [1.0] * 40), fake_step(clock, [candidate] * 40)
+    calls: list[int] = []
+
+    def settled(times, done):
+        calls.append(done)
+        return decided(times, done)
+
+    times, _ = time_steps([fp32, other], warmup=0, rounds=4, block=3, clock=clock, settled=settled)
+    assert times == [pytest.approx([1.0] * 3 * rounds), pytest.approx([candidate] * 3 * rounds)]
+    assert calls == list(range(1, rounds + 1))  # asked after every round, the first included
 
 
 @pytest.mark.parametrize(
-    ("times", "settled"),
+    ("times", "rounds", "settled"),
     [
-        ([[1.0, 1.2], [1.1, 1.3]], True),  # every candidate slower than fp32 at its fastest
-        ([[1.0, 1.2], [1.1, 1.3], [0.99, 2.0]], False),  # one is faster at its fastest: it may yet win
-        ([[1.0], [1.0]], True),  # as fast is not 10% faster
-        ([[1.0], []], True),  # a candidate with nothing timed cannot win either
-        ([[1.0]], False),  # no candidate: nothing to decide early
+        ([[1.0, 1.2], [1.1, 1.3]], 1, True),  # every candidate slower than fp32 at its fastest
+        ([[1.0, 1.2], [1.1, 1.3], [0.99, 2.0]], 1, False),  # one is faster at its fastest: it may yet win
+        ([[1.0, 1.2], [1.1, 1.3], [0.99, 2.0]], 2, True),  # ... but by 1% after two rounds: it will not
+        ([[1.0], [1.0]], 1, True),  # as fast is not 10% faster
+        ([[1.0], []], 1, True),  # a candidate with nothing timed cannot win either
+        ([[1.0], []], 3, True),
+        ([[1.0]], 1, False),  # no candidate: nothing to decide early
+        ([[1.0], [0.85]], 1, False),  # 18% faster: one round never picks a winner
+        ([[1.0], [0.85]], 2, False),  # ... two rounds do at 21%, not at 18%
+        ([[1.0], [1.3], [0.8]], 2, True),  # 25% faster: the winner
     ],
 )
-def test_none_can_win_once_every_candidate_is_slower_than_fp32(times, settled):
-    assert none_can_win(times) is settled
+def test_a_trial_is_decided_where_the_rounds_left_could_hardly_change_the_choice(times, rounds, settled):
+    assert decided(times, rounds) is settled
 
 
 def test_the_step_after_a_switch_is_not_timed():
@@ -183,7 +205,7 @@ def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_t
     assert torch.equal(torch.rand(3), expected)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert [m.precision for m in results] == ["fp32", "bf16-mixed"]
-    assert all(len(m.step_times) == 12 and len(m.losses) == 2 + 4 * 4 for m in results)
+    assert all(len(m.step_times) == 12 and len(m.losses) == 1 + 4 * 4 for m in results)
     assert results[1].rejected == "" or "off fp32's" in results[1].rejected
 
 
@@ -231,7 +253,7 @@ def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):
 def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_request(counted_trials):
     cpu, env = RuntimeOptions(devices="cpu"), DistEnv()
     short = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")
-    assert short["precision"].value == "fp32" and "not measured: a trial costs 36 steps" in short["precision"].reason
+    assert short["precision"].value == "fp32" and "not measured: a trial costs 34 steps" in short["precision"].reason
     assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
     recalled = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")["precision"]  # a measurement costs nothing
     assert recalled.value == "bf16-mixed" and "cached from" in recalled.reason

@@ -38,10 +38,12 @@ from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.transfer import move_to
 
-WARMUP_STEPS = 2
+WARMUP_STEPS = 1  # the first step, whose loss is compared; each round's settling step warms up the rest
 ROUNDS, BLOCK = 4, 3  # timed blocks per candidate, and timed steps per block (after one settling step)
 TIMED_STEPS = ROUNDS * BLOCK
 MARGIN = 1.10  # a candidate must run this much faster than fp32 to be chosen: the trial's error on whole runs
+REACH = 1 + (MARGIN - 1) / 2  # after two rounds, a candidate not this much faster than fp32 is given up on
+CLEAR = MARGIN * 1.1  # after two rounds, a candidate this much faster than fp32 has won: its lead dwarfs the noise
 TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's that rejects it
 MAX_SECONDS = 30.0  # the whole trial; a candidate that would exceed it is timed on fewer steps
 
@@ -88,7 +90,7 @@ def time_steps(
     clock: Callable[[], float] = time.perf_counter,
     budget_s: float = math.inf,
     settle: Sequence[Callable[[], float]] | None = None,
-    settled: Callable[[list[list[float]]], bool] | None = None,
+    settled: Callable[[list[list[float]], int], bool] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Time several step functions (each returns its loss) side by side, in blocks that take turns.
 
@@ -97,8 +99,9 @@ def time_steps(
     step itself: a timed "step" may be a window of several), then ``block`` timed steps, each
     synchronised (``sync``). The order rotates from round to round, so a machine whose speed drifts
     (a clock ramping up, a neighbour's load) weighs on all alike. Timing stops once ``budget_s`` is
-    spent, or once ``settled(times)`` says the rounds left would change nothing, after at least two
-    rounds. Returns, per step function, the timed durations and every loss (untimed steps included).
+    spent (after two rounds at least), or once ``settled(times, rounds_done)`` says the rounds left
+    would change nothing. Returns, per step function, the timed durations and every loss (untimed
+    steps included).
     """
     losses: list[list[float]] = [[] for _ in steps]
     times: list[list[float]] = [[] for _ in steps]
@@ -116,7 +119,7 @@ def time_steps(
                 sync()
                 times[index].append(clock() - start)
                 spent += times[index][-1]
-        if round_ >= 1 and (spent >= budget_s or (settled is not None and settled(times))):
+        if (round_ >= 1 and spent >= budget_s) or (settled is not None and settled(times, round_ + 1)):
             break
     return times, losses
 
@@ -174,8 +177,9 @@ def run_trial(
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
     does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
     candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
-    With ``stop_early``, the timing ends after two rounds where every candidate ran slower than fp32
-    (``none_can_win``): a trial that finds nothing is the run's loss, and its last rounds cost the most.
+    With ``stop_early``, the timing ends once the rounds left could hardly change the choice
+    (``decided``): a trial that finds nothing is the run's loss, and one that finds a clear winner
+    need not confirm it twice.
     """
     inputs, targets = move_to(batch, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -200,7 +204,7 @@ def run_trial(
                 continue
             steps[name] = (step, first)
         timed = [name for name in names if name in steps]
-        settled = none_can_win if stop_early and timed[:1] == ["fp32"] else None
+        settled = decided if stop_early and timed[:1] == ["fp32"] else None
         times, losses = time_steps(
             [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, sync=sync, clock=clock,
             budget_s=max_seconds, settled=settled,
@@ -216,15 +220,22 @@ def run_trial(
     return [reference, *(_with_verdict(reference, results[name]) for name in candidates)]
 
 
-def none_can_win(times: list[list[float]]) -> bool:
-    """Whether every candidate's fastest step so far (``times[1:]``) is slower than fp32's (``times[0]``).
+def decided(times: list[list[float]], rounds: int) -> bool:
+    """Whether the rounds left could hardly change the choice, from the fastest steps so far: fp32's in
+    ``times[0]``, the candidates' after it, ``rounds`` rounds in.
 
-    Chosen, a candidate must run ``MARGIN`` (10%) faster than fp32: one slower after two rounds would
-    need its fastest step to fall by more than that against fp32's, which more rounds of the same
-    steps rarely do. Stopping there keeps fp32, the choice that is never slower than the plain loop.
+    Chosen, a candidate must run ``MARGIN`` (10%) faster than fp32, and more rounds of the same steps
+    move a candidate's lead by less than that: after one round, a trial where no candidate is faster
+    than fp32 at all is decided (fp32 stays, the choice that is never slower than the plain loop);
+    after two, one where none is ``REACH`` (5%) faster, or where one is ``CLEAR`` (21%) faster and wins.
     """
     reference, *others = times
-    return bool(reference) and bool(others) and all(not t or min(t) >= min(reference) for t in others)
+    if not reference or not others:
+        return False
+    best = max((min(reference) / min(t) for t in others if t), default=0.0)
+    if rounds < 2:
+        return best <= 1.0
+    return best < REACH or best >= CLEAR
 
 
 def _fails_the_candidate(exc: Exception) -> bool:
@@ -302,7 +313,8 @@ CACHE_ENV = "REDLINE_CACHE_DIR"  # where measured choices are kept (default ~/.c
 
 
 def trial_steps(candidates: Sequence[str]) -> int:
-    """The training steps a trial of ``candidates`` costs, fp32's included."""
+    """The training steps a trial of ``candidates`` costs at most, fp32's included (one that is decided early
+    costs less: ten steps for one candidate that is slower than fp32 after its first round)."""
     return (WARMUP_STEPS + ROUNDS * (1 + BLOCK)) * (1 + len(candidates))
 
 
