@@ -1,0 +1,124 @@
+"""What auto's precision trial costs, in seconds and in the run's own fp32 steps, and what it chose.
+
+For each task, the trial (runtime/trial.py ``run_trial``, as `redline train` runs it on the task's
+first batch) runs with its early decisions (the default) and with every round, in alternating
+order, ``--pairs`` times each after one uncounted trial that pays the process's first-use costs.
+The figures are medians: the trial's wall time, that time in fp32 steps (the trial's own fastest
+fp32 step), the timed steps per candidate, and the choice. A trial that finds nothing is a cost the
+plain loop does not pay; one that finds a winner repays itself over the run.
+
+``--baseline-src DIR`` times another version's trial.py too (DIR is that checkout's src/), in the
+same rounds, so two versions are compared side by side on the same noisy machine.
+
+    python benchmarks/trial_cost.py [--tasks example:digits,example:chargpt] [--pairs 5]
+        [--baseline-src /tmp/before/src] [--write NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+import environment
+from redline.hardware.device import probe_device
+from redline.plan.precision import fast_precisions
+from redline.runtime import trial as current
+from redline.runtime.contract import split_batch
+from redline.runtime.loading import read_batches
+from redline.task.spec import load_task
+
+
+def load_baseline(src: str) -> ModuleType:
+    """Another version's runtime/trial.py, importing the rest of redline from this one."""
+    path = Path(src) / "redline" / "runtime" / "trial.py"
+    spec = importlib.util.spec_from_file_location("baseline_trial", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no trial.py at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def trial_runner(task: Any, module: ModuleType, stop_early: bool) -> Callable[[], tuple[float, list[Any]]]:
+    device = torch.device("cpu")
+    candidates = fast_precisions(probe_device(device))
+    model = task.build_model()
+    loader = DataLoader(task.train_data, batch_size=task.batch_size, collate_fn=task.collate_fn)
+    batch = split_batch(next(read_batches(loader)), "train_data")
+
+    def run() -> tuple[float, list[Any]]:
+        began = time.perf_counter()
+        measured = module.run_trial(
+            model, task.optimizer, task.loss_fn, batch, device, candidates, stop_early=stop_early
+        )
+        return time.perf_counter() - began, measured
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="example:digits,example:chargpt")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--baseline-src", default=None, help="another checkout's src/, timed side by side")
+    parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
+    args = parser.parse_args()
+    versions = [("this version", current)]
+    if args.baseline_src:
+        versions.append((f"baseline ({args.baseline_src})", load_baseline(args.baseline_src)))
+    candidates = fast_precisions(probe_device(torch.device("cpu")))
+    if not candidates:
+        raise SystemExit("this CPU has no bf16 arithmetic: auto runs no trial here, there is nothing to time")
+    body = [
+        f"`python benchmarks/trial_cost.py --tasks {args.tasks} --pairs {args.pairs}"
+        + (" --baseline-src DIR" if args.baseline_src else "")
+        + "`. Per task, every entry below runs in turn, in rotated order, "
+        f'{args.pairs} times after an uncounted trial each; medians. "in fp32 steps" divides the trial\'s '
+        "wall time by its own fastest fp32 step: what the trial costs a run that keeps fp32.",
+        "",
+        "| task | version | trial | wall s | in fp32 steps | timed steps per candidate | choice |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for spec in args.tasks.split(","):
+        task = load_task(spec)
+        entries = [
+            (version, "early decisions" if early else "every round", trial_runner(task, module, early))
+            for version, module in versions
+            for early in (True, False)
+        ]
+        for _, _, run in entries:
+            run()  # uncounted: the first optimizer imports torch._dynamo, the first bf16 step builds its kernels
+        walls: list[list[float]] = [[] for _ in entries]
+        steps: list[list[float]] = [[] for _ in entries]
+        timed: list[list[int]] = [[] for _ in entries]
+        choices: list[list[str]] = [[] for _ in entries]
+        for round_ in range(args.pairs):
+            for offset in range(len(entries)):
+                index = (round_ + offset) % len(entries)
+                wall, measured = entries[index][2]()
+                walls[index].append(wall)
+                steps[index].append(wall / measured[0].step_s)
+                timed[index].append(len(measured[0].step_times))
+                choices[index].append(current.choose(measured, "this CPU").value)
+            print(f"{spec}: round {round_ + 1}/{args.pairs} done", flush=True)
+        for (version, kind, _), wall, step, count, chose in zip(entries, walls, steps, timed, choices, strict=True):
+            told = ", ".join(f"{name} x{chose.count(name)}" for name in dict.fromkeys(chose))
+            body.append(
+                f"| `{spec}` | {version} | {kind} | {environment.median(wall):.3f} | {environment.median(step):.1f} | "
+                f"{'/'.join(str(c) for c in sorted(set(count)))} | {told} |"
+            )
+    environment.publish(args.write, "What auto's precision trial costs", body)
+
+
+if __name__ == "__main__":
+    main()
