@@ -32,6 +32,7 @@ from redline.runtime.trial import (
     store,
     time_steps,
     trial_key,
+    trial_steps,
 )
 from redline.task import Task
 from redline.train.throughput import Throughput
@@ -238,6 +239,38 @@ def counted_trials(tmp_path, monkeypatch):
     return calls
 
 
+@pytest.fixture
+def asked_rounds(tmp_path, monkeypatch):
+    """Plan as on an AMX CPU; record the rounds each trial was given (bf16 at 0.7 of fp32's step)."""
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    asked = []
+
+    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, *, rounds=4, **_):
+        asked.append(rounds)
+        return [measured("fp32", 10.0), measured("bf16-mixed", 7.0)]
+
+    monkeypatch.setattr(measure, "run_trial", fake_trial)
+    return asked
+
+
+@pytest.mark.parametrize(
+    ("planned", "rounds"),
+    [(179, None), (180, 2), (259, 2), (260, 3), (339, 3), (340, 4), (5000, 4)],  # 18, 26, 34 steps for 2, 3, 4
+)
+def test_a_short_run_gets_a_trial_of_fewer_rounds_within_a_tenth_of_it(asked_rounds, planned, rounds):
+    chosen = measure_auto(tiny_task(), RuntimeOptions(devices="cpu"), 16, planned, DistEnv(), trial="auto")
+    assert asked_rounds == ([] if rounds is None else [rounds])
+    assert chosen["precision"].value == ("fp32" if rounds is None else "bf16-mixed")
+    assert measure.repaid_rounds(["bf16-mixed"], planned) == (rounds or 0)
+    assert trial_steps(["bf16-mixed"], rounds or 2) * 10 <= max(planned, 180)  # within a tenth of the run
+
+
+def test_trial_on_measures_every_round_whatever_the_run(asked_rounds):
+    measure_auto(tiny_task(), RuntimeOptions(devices="cpu"), 16, 20, DistEnv(), trial="on")
+    assert asked_rounds == [4]
+
+
 def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):
     options, env = RuntimeOptions(devices="cpu"), DistEnv()
     first = measure_auto(tiny_task(), options, 16, 1000, env, trial="auto")
@@ -253,7 +286,8 @@ def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):
 def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_request(counted_trials):
     cpu, env = RuntimeOptions(devices="cpu"), DistEnv()
     short = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")
-    assert short["precision"].value == "fp32" and "not measured: a trial costs 34 steps" in short["precision"].reason
+    assert short["precision"].value == "fp32"
+    assert "not measured: a trial costs 18 steps or more" in short["precision"].reason
     assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
     recalled = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")["precision"]  # a measurement costs nothing
     assert recalled.value == "bf16-mixed" and "cached from" in recalled.reason

@@ -1,10 +1,11 @@
 """Measuring the Runtime's "auto" precision on the Task's own model before a run.
 
 The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
-is long enough to repay it: a trial costs ``trial_steps`` training steps, and runs only when the
-planned run is at least ``REPAY`` times as long. Its result is cached on disk, keyed by the Task's
-fingerprint and this machine, so a second run pays nothing, a short one included. Under several processes rank 0
-measures and every rank runs its choice.
+is long enough to repay it: a trial of r rounds costs at most ``trial_steps(candidates, r)``
+training steps, and runs with as many rounds (four at most) as keep that within a ``REPAY``-th of
+the planned run; where not even two rounds fit, it does not run. Its result is cached on disk, keyed
+by the Task's fingerprint and this machine, so a second run pays nothing, a short one included.
+Under several processes rank 0 measures and every rank runs its choice.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
+    ROUNDS,
     Measured,
     choose,
     load_cached,
@@ -40,7 +42,8 @@ from redline.runtime.trial import (
 from redline.task import Task
 
 log = logging.getLogger("redline")
-REPAY = 10  # a trial runs when the planned run is at least this many times its steps: it costs <= 10%
+REPAY = 10  # a trial's rounds are as many as keep its steps within this share of the planned run: <= 10%
+LEAST_ROUNDS = 2  # fewer rounds than this choose nothing: one round can only keep fp32
 
 
 def measure_auto(
@@ -64,19 +67,27 @@ def measure_auto(
     candidates = fast_precisions(facts)
     if not candidates:
         return {}  # the rule's reason says why nothing else is worth trying here
-    cost = trial_steps(candidates)
-    short = trial == "auto" and planned_steps < REPAY * cost  # too short to repay a trial, not a cached one
+    rounds = repaid_rounds(candidates, planned_steps) if trial == "auto" else ROUNDS
+    short = rounds < LEAST_ROUNDS  # too short to repay a trial, not a cached one
 
     def trial_on_rank0() -> tuple[str, str] | None:
-        choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short)
+        choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short, rounds)
         return (choice.value, choice.reason) if choice is not None else None
 
     shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
     if shared is None:
         rule = resolve_precision("auto", facts)
-        why = f"not measured: a trial costs {cost} steps, and this run of {planned_steps:g} would not repay it"
+        cost = trial_steps(candidates, LEAST_ROUNDS)
+        why = f"not measured: a trial costs {cost} steps or more, and this run of {planned_steps:g} would not repay it"
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
     return {"precision": Choice(*shared)}
+
+
+def repaid_rounds(candidates: list[Any], planned_steps: float) -> int:
+    """The most rounds (``ROUNDS`` at most) of a trial whose steps stay within a ``REPAY``-th of the planned run;
+    0 where even ``LEAST_ROUNDS`` would not."""
+    fits = [r for r in range(LEAST_ROUNDS, ROUNDS + 1) if REPAY * trial_steps(candidates, r) <= planned_steps]
+    return max(fits, default=0)
 
 
 def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> Choice[str] | None:
@@ -88,7 +99,7 @@ def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistE
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    return _measure(task, device, facts, batch_size // env.world_size, candidates, True)
+    return _measure(task, device, facts, batch_size // env.world_size, candidates, True, ROUNDS)
 
 
 def fingerprint_of(task: Task) -> str:
@@ -113,23 +124,36 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
 
 
 def _measure(
-    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
+    task: Task,
+    device: torch.device,
+    facts: Any,
+    local_batch: int,
+    candidates: list[Any],
+    recall_only: bool,
+    rounds: int,
 ) -> Choice[str] | None:
-    """Time fp32 and ``candidates`` on the task's model and first batch (or read the cache); return the choice.
-    With ``recall_only``, only read the cache: None when it holds no measurement of this workload.
+    """Time fp32 and ``candidates`` on the task's model and first batch, in ``rounds`` rounds at most (or read the
+    cache); return the choice. With ``recall_only``, only read the cache: None when it holds no measurement of this
+    workload.
 
     A model factory draws weights (for the fingerprint and the trial) and the batch is drawn too:
     the run's random streams are put back as they were.
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, device, facts, local_batch, candidates, recall_only)
+        return _measure_or_recall(task, device, facts, local_batch, candidates, recall_only, rounds)
     finally:
         restore_rng(saved)
 
 
 def _measure_or_recall(
-    task: Task, device: torch.device, facts: Any, local_batch: int, candidates: list[Any], recall_only: bool
+    task: Task,
+    device: torch.device,
+    facts: Any,
+    local_batch: int,
+    candidates: list[Any],
+    recall_only: bool,
+    rounds: int,
 ) -> Choice[str] | None:
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     key = trial_key(fingerprint_of(task), facts, local_batch, candidates)
@@ -146,8 +170,9 @@ def _measure_or_recall(
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(
-            model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step
-        )
+            model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step,
+            rounds=rounds,
+        )  # fmt: skip
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)

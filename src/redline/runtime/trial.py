@@ -170,6 +170,7 @@ def run_trial(
     max_seconds: float = MAX_SECONDS,
     zero_after_step: bool = False,
     stop_early: bool = True,
+    rounds: int = ROUNDS,
 ) -> list[Measured]:
     """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
 
@@ -177,6 +178,7 @@ def run_trial(
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
     does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
     candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
+    The timing runs ``rounds`` rounds at most (a short run's trial has fewer).
     With ``stop_early``, the timing ends once the rounds left could hardly change the choice
     (``decided``): a trial that finds nothing is the run's loss, and one that finds a clear winner
     need not confirm it twice.
@@ -206,7 +208,7 @@ def run_trial(
         timed = [name for name in names if name in steps]
         settled = decided if stop_early and timed[:1] == ["fp32"] else None
         times, losses = time_steps(
-            [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, sync=sync, clock=clock,
+            [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, rounds=rounds, sync=sync, clock=clock,
             budget_s=max_seconds, settled=settled,
         )  # fmt: skip
     finally:
@@ -312,10 +314,10 @@ def copy_model(model: nn.Module) -> nn.Module:
 CACHE_ENV = "REDLINE_CACHE_DIR"  # where measured choices are kept (default ~/.cache/redline)
 
 
-def trial_steps(candidates: Sequence[str]) -> int:
-    """The training steps a trial of ``candidates`` costs at most, fp32's included (one that is decided early
-    costs less: ten steps for one candidate that is slower than fp32 after its first round)."""
-    return (WARMUP_STEPS + ROUNDS * (1 + BLOCK)) * (1 + len(candidates))
+def trial_steps(candidates: Sequence[str], rounds: int = ROUNDS) -> int:
+    """The training steps a trial of ``candidates`` in ``rounds`` rounds costs at most, fp32's included (one that
+    is decided early costs less: ten steps for one candidate that is slower than fp32 after its first round)."""
+    return (WARMUP_STEPS + rounds * (1 + BLOCK)) * (1 + len(candidates))
 
 
 def trial_key(fingerprint: str, facts: DeviceFacts, batch_size: int, candidates: Sequence[str]) -> str:
