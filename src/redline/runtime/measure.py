@@ -3,7 +3,7 @@
 The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
 is long enough to repay it: a trial of r rounds costs at most ``trial_steps(candidates, r)``
 training steps, and runs with as many rounds (four at most) as keep that within a ``REPAY``-th of
-the planned run; where not even two rounds fit, it does not run. Its result is cached on disk, keyed
+the planned run; where not even ``LEAST_ROUNDS`` (three) fit, it does not run. Its result is cached on disk, keyed
 by the Task's fingerprint and this machine, so a second run pays nothing, a short one included.
 Under several processes rank 0 measures and every rank runs its choice.
 """
@@ -43,7 +43,9 @@ from redline.task import Task
 
 log = logging.getLogger("redline")
 REPAY = 10  # a trial's rounds are as many as keep its steps within this share of the planned run: <= 10%
-LEAST_ROUNDS = 2  # fewer rounds than this choose nothing: one round can only keep fp32
+# The fewest rounds a trial runs: one round can only keep fp32; at two, a trial that finds nothing (about 12 of the
+# run's steps for one candidate) would cost a run of 180 steps 7%, more than the whole-trial rule ever let it cost.
+LEAST_ROUNDS = 3
 
 
 def measure_auto(
