@@ -69,7 +69,8 @@ def _train(
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
         if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
-            refuse_if_held(config.out_dir)
+            with said_by_flags(**spellings(TrainerConfig)):
+                refuse_if_held(config.out_dir)
         if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
             log.warning(
                 "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "
