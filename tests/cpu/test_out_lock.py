@@ -96,6 +96,20 @@ def test_redline_train_names_the_out_dir_in_use_by_its_flag(tmp_path):
     )
 
 
+def test_redline_train_with_nproc_refuses_an_out_dir_in_use_before_starting_a_worker(tmp_path):
+    """Before, each worker started, loaded the task and was refused, and was restarted to be refused again."""
+    command = [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "1"]
+    command += ["--nproc", "1", "--max-restarts", "3", "--out", str(tmp_path)]
+    with held_by_another_process(tmp_path) as holder:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.endswith(
+        f"another run (pid {holder.pid}) is writing its checkpoints and logs there now\nhint: wait for that run to "
+        "end (--resume 'auto' then continues it), or pass another --out DIR\n"
+    )
+    assert "attempt" not in result.stderr and "rank 0" not in result.stderr  # said by the launcher, no worker ran
+
+
 class StartAnother(Callback):
     """Start a second run in the first one's out_dir at its first step, and keep what that raised."""
 

@@ -34,6 +34,7 @@ from redline.runtime.seed import seed_everything
 from redline.task import check_spec, load_task
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
+from redline.train.lock import refuse_if_held
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
@@ -67,6 +68,9 @@ def _train(
     if launching["nproc"] is not None and not launched_worker(os.environ):  # not yet a worker: start the workers
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
+        if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
+            with said_by_flags(**spellings(TrainerConfig)):
+                refuse_if_held(config.out_dir)
         if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
             log.warning(
                 "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "

@@ -90,14 +90,16 @@ def _forget_held() -> None:
     _HELD.clear()
 
 
-def _lock(fd: int, path: Path, out_dir: Path) -> bool:
-    """Take the lock on ``fd`` without waiting; False where the file system has no locks (the run goes on)."""
+def _lock(fd: int, path: Path, out_dir: Path, *, quiet: bool = False) -> bool:
+    """Take the lock on ``fd`` without waiting; False where the file system has no locks (the run goes on, warned
+    unless ``quiet``)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise in_use(out_dir, os.pread(fd, 256, 0).decode(errors="replace")) from None
     except OSError as exc:  # a network file system without locks, say
-        _unlocked(path, exc)
+        if not quiet:
+            _unlocked(path, exc)
         return False
     return True
 
@@ -114,6 +116,26 @@ def in_use(out_dir: Path, holder: str) -> ConfigError:
         f"a directory no other run is writing in; {who} is writing its checkpoints and logs there now",
         "wait for that run to end (resume='auto' then continues it), or pass another out_dir=DIR",
     )
+
+
+def refuse_if_held(out_dir: Path | None) -> None:
+    """Refuse at once, as the run itself would, where another run holds ``out_dir``'s lock; take nothing.
+
+    A launcher asks before it starts its workers: else the workers would start, load the task and be refused,
+    and be restarted to be refused again, once per --max-restarts.
+    """
+    if out_dir is None or fcntl is None:
+        return
+    path = out_dir / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file, so no holder; or one this process cannot read, which the run will report
+        return
+    try:
+        if _lock(fd, path, out_dir, quiet=True):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _unlocked(path: Path, exc: OSError) -> None:
