@@ -169,7 +169,7 @@ def test_the_auto_row_of_a_run_too_short_to_repay_a_trial_keeps_the_rule_as_trai
     assert auto["value"] == trained.value
     # The same reason, but for the way to measure anyway: bench has no --trial flag.
     assert auto["reason"] == trained.reason.replace(
-        "--trial on measures anyway", "without --planned-steps it is measured anyway"
+        "--trial on measures anyway", "--planned-steps with your run's length measures it where that repays it"
     )
 
 

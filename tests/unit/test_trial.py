@@ -287,7 +287,9 @@ def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_reques
     cpu, env = RuntimeOptions(devices="cpu"), DistEnv()
     short = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")
     assert short["precision"].value == "fp32"
-    assert "not measured: a trial costs 26 steps or more" in short["precision"].reason
+    assert "not measured: a trial costs 26 steps or more, which a run of 260 repays, not this one of 50 (" in (
+        short["precision"].reason
+    )
     assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
     recalled = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")["precision"]  # a measurement costs nothing
     assert recalled.value == "bf16-mixed" and "cached from" in recalled.reason

@@ -286,7 +286,7 @@ def _measured(task: Task, options: RuntimeOptions, batch_size: int, planned: int
     """The precision a trial measured where ``options`` leave it to auto, as `redline train` measures it:
     a cached trial, else one where the planned run repays it ({} where the precision is given)."""
     trial = "auto" if planned else "on"  # train measures a run long enough to repay it (a stream: unknown)
-    insist = "without --planned-steps it is measured anyway"
+    insist = "--planned-steps with your run's length measures it where that repays it"
     return measure_auto(task, options, batch_size, planned or 1, read_env(), trial=trial, insist=insist)
 
 

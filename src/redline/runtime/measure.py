@@ -80,7 +80,10 @@ def measure_auto(
     if shared is None:
         rule = resolve_precision("auto", facts)
         cost = trial_steps(candidates, LEAST_ROUNDS)
-        why = f"not measured: a trial costs {cost} steps or more, and this run of {planned_steps:g} would not repay it"
+        why = (
+            f"not measured: a trial costs {cost} steps or more, which a run of {REPAY * cost} repays, not this one "
+            f"of {planned_steps:g}"
+        )
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
     return {"precision": Choice(*shared)}
 
