@@ -6,6 +6,8 @@ order, ``--pairs`` times each after one uncounted trial that pays the process's 
 The figures are medians: the trial's wall time, that time in fp32 steps (the trial's own fastest
 fp32 step), the timed steps per candidate, and the choice. A trial that finds nothing is a cost the
 plain loop does not pay; one that finds a winner repays itself over the run.
+Each precision is timed in the layout the run gives it (plan/layout.py), where a version's trial
+takes a layout.
 
 ``--baseline-src DIR`` times another version's trial.py too (DIR is that checkout's src/), in the
 same rounds, so two versions are compared side by side on the same noisy machine.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +33,7 @@ from torch.utils.data import DataLoader
 
 import environment
 from redline.hardware.device import probe_device
+from redline.plan.layout import resolve_channels_last
 from redline.plan.precision import fast_precisions
 from redline.runtime import trial as current
 from redline.runtime.contract import split_batch
@@ -51,15 +55,22 @@ def load_baseline(src: str) -> ModuleType:
 
 def trial_runner(task: Any, module: ModuleType, stop_early: bool) -> Callable[[], tuple[float, list[Any]]]:
     device = torch.device("cpu")
-    candidates = fast_precisions(probe_device(device))
+    facts = probe_device(device)
+    candidates = fast_precisions(facts)
     model = task.build_model()
     loader = DataLoader(task.train_data, batch_size=task.batch_size, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data")
 
+    has_conv2d = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+
+    def layout(precision: str) -> bool:  # as the run lays the model out under each precision
+        return resolve_channels_last("auto", facts, has_conv2d=has_conv2d, precision=precision).value
+
     def run() -> tuple[float, list[Any]]:
         began = time.perf_counter()
+        kwargs = {"layout": layout} if "layout" in inspect.signature(module.run_trial).parameters else {}
         measured = module.run_trial(
-            model, task.optimizer, task.loss_fn, batch, device, candidates, stop_early=stop_early
+            model, task.optimizer, task.loss_fn, batch, device, candidates, stop_early=stop_early, **kwargs
         )
         return time.perf_counter() - began, measured
 

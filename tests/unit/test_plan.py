@@ -221,6 +221,16 @@ def test_channels_last_auto():
     assert resolve_channels_last("auto", P100, has_conv2d=True, precision="fp32").value is False
 
 
+def test_channels_last_auto_on_a_cpu_is_for_bf16_on_amx_alone():
+    # oneDNN's AMX bf16 convolutions want NHWC (digits: 1.33x); its fp32 ones ran as fast in NCHW
+    amx = resolve_channels_last("auto", CPUS["amx"], has_conv2d=True, precision="bf16-mixed")
+    assert amx.value is True and "AMX" in amx.reason
+    assert resolve_channels_last("auto", CPUS["amx"], has_conv2d=True, precision="fp32").value is False
+    assert resolve_channels_last("auto", CPUS["amx"], has_conv2d=False, precision="bf16-mixed").value is False
+    for isa in ("avx512_bf16", "avx512", "avx2", "arm"):  # not measured there: NCHW, as before
+        assert resolve_channels_last("auto", CPUS[isa], has_conv2d=True, precision="bf16-mixed").value is False
+
+
 def test_channels_last_explicit():
     assert resolve_channels_last("on", CPU, has_conv2d=True, precision="fp32") == Choice(True, "requested")
     assert resolve_channels_last(False, H100, has_conv2d=True, precision="bf16-mixed").value is False

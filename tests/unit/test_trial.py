@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -210,6 +211,33 @@ def test_a_trial_runs_on_copies_and_leaves_the_model_and_the_random_streams_as_t
     assert results[1].rejected == "" or "off fp32's" in results[1].rejected
 
 
+class Recording(nn.Module):
+    """A small CNN that records, at each forward, whether autocast was on and whether its input was channels_last."""
+
+    seen: ClassVar[list[tuple[bool, bool, bool]]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6 * 6, 1)  # 3 channels: no layout is both
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        laid, weight = (not t.is_contiguous() for t in (x, self.conv.weight))  # the one other layout: channels_last
+        Recording.seen.append((torch.is_autocast_enabled("cpu"), laid, weight))
+        return self.head(self.conv(x).flatten(1))
+
+
+def test_each_precision_is_timed_in_the_layout_the_run_would_give_it():
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 3, 6, 6, generator=gen), torch.randn(8, 1, generator=gen))
+    Recording.seen.clear()
+    run_trial(
+        Recording(), lambda p: torch.optim.SGD(p, lr=0.01), nn.functional.mse_loss, batch, torch.device("cpu"),
+        ["bf16-mixed"], layout=lambda precision: precision == "bf16-mixed",
+    )  # fmt: skip
+    assert {autocast for autocast, _, _ in Recording.seen} == {True, False}  # both were timed
+    assert all(laid == weight == autocast for autocast, laid, weight in Recording.seen)  # bf16 alone in NHWC
+
+
 def test_the_cache_is_keyed_by_the_workload_and_the_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
     key = trial_key("abc", CPUS["amx"], 16, ["bf16-mixed"])
@@ -269,6 +297,26 @@ def test_a_short_run_gets_a_trial_of_fewer_rounds_within_a_tenth_of_it(asked_rou
 def test_trial_on_measures_every_round_whatever_the_run(asked_rounds):
     measure_auto(tiny_task(), RuntimeOptions(devices="cpu"), 16, 20, DistEnv(), trial="on")
     assert asked_rounds == [4]
+
+
+def test_a_trial_is_keyed_by_the_layout_asked_and_given_the_rule_layout_of_each_precision(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    layouts = []
+
+    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, *, layout, **_):
+        layouts.append({name: layout(name) for name in ("fp32", *candidates)})
+        return [measured("fp32", 10.0), measured("bf16-mixed", 7.0)]
+
+    monkeypatch.setattr(measure, "run_trial", fake_trial)
+    gen = torch.Generator().manual_seed(0)
+    images = TensorDataset(torch.randn(32, 3, 6, 6, generator=gen), torch.randn(32, 1, generator=gen))
+    cnn = tiny_task(model=Recording, train_data=images)
+    for channels_last in ("auto", "off", "auto"):  # the third reads what the first cached
+        measure_auto(cnn, RuntimeOptions(devices="cpu", channels_last=channels_last), 16, 5000, DistEnv(), trial="auto")
+    assert layouts == [{"fp32": False, "bf16-mixed": True}, {"fp32": False, "bf16-mixed": False}]
+    measure_auto(tiny_task(), RuntimeOptions(devices="cpu"), 16, 5000, DistEnv(), trial="auto")
+    assert layouts[-1] == {"fp32": False, "bf16-mixed": False}  # no convolution: NCHW under every precision
 
 
 def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):

@@ -9,15 +9,21 @@ from redline.plan import Choice, parse_switch
 def resolve_channels_last(
     requested: str | bool, facts: DeviceFacts, *, has_conv2d: bool, precision: str
 ) -> Choice[bool]:
-    """Use channels_last where tensor cores run the convolutions.
+    """Use channels_last where tensor cores, or a CPU's AMX tiles, run the convolutions.
 
     cuDNN's tensor-core convolutions want NHWC; in NCHW they pay transposes around every layer
-    (https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html).
+    (https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html). So do oneDNN's bf16
+    convolutions on AMX: the digits CNN's bf16 training step ran 1.32-1.36x faster in NHWC on a Xeon
+    with AMX, while its fp32 step gained nothing steady (0.86-1.10x, benchmarks/results/trial-layout-cpu.md).
     """
     value = parse_switch("channels_last", requested)
     if value is None:
         if not has_conv2d:
             return Choice(False, "auto: the model has no 2-d convolution")
+        if facts.type == "cpu":
+            if facts.cpu_isa == "amx" and precision == "bf16-mixed":
+                return Choice(True, "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC")
+            return Choice(False, f"auto: NCHW is as fast for {precision} convolutions on this CPU")
         if not facts.tensor_cores:
             return Choice(False, f"auto: no tensor cores on {facts.name}; NCHW is as fast")
         if precision == "fp32" and (facts.capability or (0, 0)) < (8, 0):

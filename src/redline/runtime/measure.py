@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -22,8 +25,9 @@ from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
+from redline.plan.layout import resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
-from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
+from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.contract import split_batch, users_failure
 from redline.runtime.loading import read_batches
 from redline.runtime.options import RuntimeOptions
@@ -63,23 +67,20 @@ def measure_auto(
     ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
     reason of a run too short to repay a trial, how the command at hand would measure anyway.
     """
-    if options.precision != "auto" or trial == "off":
-        return {}
-    device, facts = worker_device(options, env)
-    candidates = fast_precisions(facts)
-    if not candidates:
-        return {}  # the rule's reason says why nothing else is worth trying here
-    rounds = repaid_rounds(candidates, planned_steps) if trial == "auto" else ROUNDS
+    work = _workload(options, batch_size, env) if trial != "off" else None
+    if work is None:
+        return {}  # a precision given, or none worth trying here: the rule's reason says why
+    rounds = repaid_rounds(work.candidates, planned_steps) if trial == "auto" else ROUNDS
     short = rounds < LEAST_ROUNDS  # too short to repay a trial, not a cached one
 
     def trial_on_rank0() -> tuple[str, str] | None:
-        choice = _measure(task, device, facts, batch_size // env.world_size, candidates, short, rounds)
+        choice = _measure(task, work, short, rounds)
         return (choice.value, choice.reason) if choice is not None else None
 
     shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
     if shared is None:
-        rule = resolve_precision("auto", facts)
-        cost = trial_steps(candidates, LEAST_ROUNDS)
+        rule = resolve_precision("auto", work.facts)
+        cost = trial_steps(work.candidates, LEAST_ROUNDS)
         why = (
             f"not measured: a trial costs {cost} steps or more, which a run of {REPAY * cost} repays, not this one "
             f"of {planned_steps:g}"
@@ -98,13 +99,37 @@ def repaid_rounds(candidates: list[Any], planned_steps: float) -> int:
 def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> Choice[str] | None:
     """The precision a trial cached for this run's auto (as ``measure_auto`` would read it), else None: a reader
     that must not run steps (an estimate of memory, made before the step is known to fit) takes no more."""
+    work = _workload(options, batch_size, env)
+    return _measure(task, work, True, ROUNDS) if work is not None else None
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """What a trial times, besides the task: on which device, at which batch, which candidates, in which layout."""
+
+    device: torch.device
+    facts: DeviceFacts
+    local_batch: int
+    candidates: list[PrecisionName]
+    channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
+
+    def layout(self, model: nn.Module) -> Callable[[str], bool]:
+        """Whether the run would lay ``model`` out channels_last under each precision."""
+        has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        return lambda precision: (
+            resolve_channels_last(self.channels_last, self.facts, has_conv2d=has_conv2d, precision=precision).value
+        )
+
+
+def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
+    """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying."""
     if options.precision != "auto":
         return None
     device, facts = worker_device(options, env)
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    return _measure(task, device, facts, batch_size // env.world_size, candidates, True, ROUNDS)
+    return _Workload(device, facts, batch_size // env.world_size, candidates, options.channels_last)
 
 
 def fingerprint_of(task: Task) -> str:
@@ -128,16 +153,8 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
     return device, probe_device(device)
 
 
-def _measure(
-    task: Task,
-    device: torch.device,
-    facts: Any,
-    local_batch: int,
-    candidates: list[Any],
-    recall_only: bool,
-    rounds: int,
-) -> Choice[str] | None:
-    """Time fp32 and ``candidates`` on the task's model and first batch, in ``rounds`` rounds at most (or read the
+def _measure(task: Task, work: _Workload, recall_only: bool, rounds: int) -> Choice[str] | None:
+    """Time fp32 and the candidates on the task's model and first batch, in ``rounds`` rounds at most (or read the
     cache); return the choice. With ``recall_only``, only read the cache: None when it holds no measurement of this
     workload.
 
@@ -146,22 +163,15 @@ def _measure(
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, device, facts, local_batch, candidates, recall_only, rounds)
+        return _measure_or_recall(task, work, recall_only, rounds)
     finally:
         restore_rng(saved)
 
 
-def _measure_or_recall(
-    task: Task,
-    device: torch.device,
-    facts: Any,
-    local_batch: int,
-    candidates: list[Any],
-    recall_only: bool,
-    rounds: int,
-) -> Choice[str] | None:
+def _measure_or_recall(task: Task, work: _Workload, recall_only: bool, rounds: int) -> Choice[str] | None:
+    facts, local_batch = work.facts, work.local_batch
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
-    key = trial_key(fingerprint_of(task), facts, local_batch, candidates)
+    key = trial_key(fingerprint_of(task), facts, local_batch, [*work.candidates, f"layout {work.channels_last}"])
     cached = load_cached(key)
     if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
         measured, when = cached
@@ -175,8 +185,8 @@ def _measure_or_recall(
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(
-            model, task.optimizer, task.loss_fn, batch, device, candidates, zero_after_step=zero_after_step,
-            rounds=rounds,
+            model, task.optimizer, task.loss_fn, batch, work.device, work.candidates, zero_after_step=zero_after_step,
+            rounds=rounds, layout=work.layout(model),
         )  # fmt: skip
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time

@@ -171,6 +171,7 @@ def run_trial(
     zero_after_step: bool = False,
     stop_early: bool = True,
     rounds: int = ROUNDS,
+    layout: Callable[[str], bool] = lambda precision: False,
 ) -> list[Measured]:
     """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
 
@@ -178,7 +179,8 @@ def run_trial(
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
     does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
     candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
-    The timing runs ``rounds`` rounds at most (a short run's trial has fewer).
+    The timing runs ``rounds`` rounds at most (a short run's trial has fewer). ``layout(precision)`` says whether
+    the run would lay the model and its images out channels_last under that precision: each is timed so.
     With ``stop_early``, the timing ends once the rounds left could hardly change the choice
     (``decided``): a trial that finds nothing is the run's loss, and one that finds a clear winner
     need not confirm it twice.
@@ -195,7 +197,7 @@ def run_trial(
             except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
                 failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
                 continue
-            step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step)
+            step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step, layout(name))
             try:
                 torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
                 first = step()
@@ -274,9 +276,14 @@ def _trainer(
     device: torch.device,
     name: PrecisionName,
     zero_after_step: bool,
+    channels_last: bool = False,
 ) -> Callable[[], float]:
-    """One training step of ``copied`` (a copy of the run's model) in precision ``name``, returning its loss."""
+    """One training step of ``copied`` (a copy of the run's model) in precision ``name``, returning its loss; with
+    ``channels_last``, the model and its 4-d inputs laid out so, as the run would."""
     copied.to(device).train()
+    if channels_last:
+        copied.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        inputs = move_to(inputs, device, channels_last=True)
     opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
     precision = Precision(name, device)
 
