@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 import environment
 from redline.hardware.device import probe_device
-from redline.plan.layout import resolve_channels_last
+from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.precision import fast_precisions
 from redline.runtime import trial as current
 from redline.runtime.contract import split_batch
@@ -61,10 +61,10 @@ def trial_runner(task: Any, module: ModuleType, stop_early: bool) -> Callable[[]
     loader = DataLoader(task.train_data, batch_size=task.batch_size, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data")
 
-    has_conv2d = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    convolutional = has_conv2d(model)
 
     def layout(precision: str) -> bool:  # as the run lays the model out under each precision
-        return resolve_channels_last("auto", facts, has_conv2d=has_conv2d, precision=precision).value
+        return resolve_channels_last("auto", facts, has_conv2d=convolutional, precision=precision).value
 
     def run() -> tuple[float, list[Any]]:
         began = time.perf_counter()

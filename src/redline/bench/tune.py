@@ -44,6 +44,7 @@ from redline.errors import (
 )
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.plan.device import resolve_device
+from redline.plan.layout import has_conv2d
 from redline.plan.precision import fast_precisions
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
@@ -234,7 +235,7 @@ def skipped_axes(task: Task, facts: DeviceFacts) -> dict[str, str]:
     if not fast_precisions(facts):
         skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
     model = task.model if isinstance(task.model, nn.Module) else task.build_model()
-    if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+    if not has_conv2d(model):
         skipped["channels_last"] = "the model has no 2-d convolution"
     if isinstance(task.train_data, TensorDataset):
         skipped["loader_workers"] = "the data are tensors in memory, which index faster than workers send them"

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice, parse_switch
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    """Whether ``model`` has a 2-d convolution: the layers channels_last lays out."""
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
 def resolve_channels_last(

@@ -25,7 +25,7 @@ from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.device import resolve_worker_device
-from redline.plan.layout import resolve_channels_last
+from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.contract import split_batch, users_failure
@@ -115,9 +115,9 @@ class _Workload:
 
     def layout(self, model: nn.Module) -> Callable[[str], bool]:
         """Whether the run would lay ``model`` out channels_last under each precision."""
-        has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        convolutional = has_conv2d(model)
         return lambda precision: (
-            resolve_channels_last(self.channels_last, self.facts, has_conv2d=has_conv2d, precision=precision).value
+            resolve_channels_last(self.channels_last, self.facts, has_conv2d=convolutional, precision=precision).value
         )
 
 

@@ -36,7 +36,7 @@ from redline.hardware.device import DeviceFacts, probe_accelerators, probe_devic
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.device import resolve_worker_device
-from redline.plan.layout import resolve_channels_last
+from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.micro_batch import found_size
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
@@ -187,10 +187,9 @@ class Runtime(RunState):
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
-        has_conv2d = any(isinstance(m, nn.Conv2d) for m in model.modules())
         self._split_caveats = split_caveats(model, self.env.world_size)
         layout = resolve_channels_last(
-            self.options.channels_last, self.facts, has_conv2d=has_conv2d, precision=self.precision.name
+            self.options.channels_last, self.facts, has_conv2d=has_conv2d(model), precision=self.precision.name
         )
         recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
