@@ -361,6 +361,30 @@ def test_the_auto_rows_peak_memory_is_its_own_not_its_precision_trials(monkeypat
     assert auto.peak_mem_bytes < naive.peak_mem_bytes + 32 * 2**20
 
 
+def test_a_precision_the_tuned_plan_left_to_auto_is_measured_in_the_auto_row_as_train_does(monkeypatch):
+    # A tune whose budget ran out before precision left it to the run's auto: train then measured it, while the
+    # auto row took the rule's fp32 (on an AMX CPU, where the trial picks bf16 for digits).
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    task = tiny_task()
+    tuned = TunedPlan(
+        task=task.name, device="cpu", batch_size=32, planned_steps=500, measured_at="2026-12-01 06:00 UTC",
+        best=Candidate(precision="fp32"), reasons={"precision": "not measured: the budget was spent; left to auto"},
+        trials=(Trial(Candidate(), 0.002),), unmeasured=("precision",),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    asked = []
+
+    def measured_bf16(task, options, batch_size, planned, env, **_):
+        asked.append((options.precision, batch_size))
+        return {"precision": Choice("bf16-mixed", "measured: bf16-mixed ran 1.70x fp32 (made up)")}
+
+    monkeypatch.setattr("redline.bench.run.measure_auto", measured_bf16)
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    auto = result.row("auto cpu b32")
+    assert ("auto", 32) in asked
+    assert auto.precision == "bf16-mixed" and auto.plan["precision"]["reason"].startswith("measured: bf16-mixed")
+
+
 def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
     # After `redline tune`, `redline train` runs the tuned Plan: the auto row shows that run, not auto's rules.
     task = tiny_task()

@@ -274,11 +274,12 @@ def _auto(
 ) -> tuple[RuntimeOptions | None, dict[str, Choice[str]] | None, Tuning | None]:
     """What `redline train` would run on the row's device at its batch size, by train's own rules: the
     cached tuned Plan (its options, micro-batches included, and its reasons), else auto's rules with
-    the precision a trial measured, where the planned run repays one or a measurement is cached."""
+    the precision a trial measured, where the planned run repays one or a measurement is cached. A
+    precision the tuned Plan left to the run's auto (its budget spent first) is measured so too."""
     options = RuntimeOptions(devices=setting.device)
     tuned = auto_tuned(task, options, setting.batch_size, read_env())
     if tuned is not None:
-        return tuned.options, None, tuned.tuning
+        return tuned.options, _measured(task, tuned.options, tuned.batch_size, planned), tuned.tuning
     return None, _measured(task, options, setting.batch_size, planned), None
 
 
