@@ -12,7 +12,7 @@ measured in the same rounds. This is the measurement behind channels_last's auto
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader
 import environment
 from redline.runtime.contract import split_batch
 from redline.runtime.loading import read_batches
+from redline.runtime.trial import time_steps
 from redline.task.spec import load_task
 
 
-def step_of(task: Any, batch: tuple[Any, Any], bf16: bool, channels_last: bool) -> Callable[[], None]:
+def step_of(task: Any, batch: tuple[Any, Any], bf16: bool, channels_last: bool) -> Callable[[], float]:
     torch.manual_seed(0)
     model, (inputs, targets) = task.build_model(), batch
     if channels_last:
@@ -33,14 +34,20 @@ def step_of(task: Any, batch: tuple[Any, Any], bf16: bool, channels_last: bool) 
         inputs = inputs.contiguous(memory_format=torch.channels_last)
     optimizer = task.optimizer(model.parameters())
 
-    def step() -> None:
+    def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = task.loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
+        return float(loss.detach())
 
     return step
+
+
+def window(step: Callable[[], float], steps: int) -> float:
+    """``steps`` training steps in a row, timed as one; the last loss."""
+    return [step() for _ in range(steps)][-1]
 
 
 def main() -> None:
@@ -67,15 +74,10 @@ def main() -> None:
         for step in steps:
             for _ in range(3):  # warm-up: first kernels, allocations
                 step()
-        best = [float("inf")] * len(steps)
-        for round_ in range(args.rounds):
-            for offset in range(len(steps)):
-                index = (round_ + offset) % len(steps)
-                steps[index]()  # settling step: this entry's memory back in the caches
-                began = time.perf_counter()
-                for _ in range(args.block):
-                    steps[index]()
-                best[index] = min(best[index], (time.perf_counter() - began) / args.block)
+        # the trial's own timing: rotating rounds of a settling step and one timed window of --block steps each
+        windows = [functools.partial(window, step, args.block) for step in steps]
+        times, _ = time_steps(windows, warmup=0, rounds=args.rounds, block=1, settle=steps)
+        best = [min(timed) / args.block for timed in times]
         for (bf16, laid), seconds in zip(entries, best, strict=True):
             body.append(
                 f"| `{spec}` | {'bf16-mixed' if bf16 else 'fp32'} | {'channels_last' if laid else 'NCHW'} | "
