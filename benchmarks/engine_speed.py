@@ -1,4 +1,5 @@
-"""The InferenceEngine's own speed, without HTTP: eager fp32 against CUDA graphs, bf16 and compile, and auto.
+"""The InferenceEngine's own speed, without HTTP: eager fp32 against CUDA graphs, bf16 (autocast or weights cast
+once), channels_last and compile, and auto.
 
 Each setting gets its own engine over the same model (serve_models.py), warmed up on every bucket;
 then the engines take turns, round after round, each timing a block of ``predict`` calls on the
@@ -22,17 +23,26 @@ import environment
 from redline.serve.engine import InferenceEngine
 from serve_models import SHAPES, digits, mlp
 
-TITLE = "InferenceEngine: eager fp32 vs CUDA graphs, bf16, compile and auto"
+TITLE = "InferenceEngine: eager fp32 vs CUDA graphs, bf16, channels_last, compile and auto"
 SERVABLES = {"digits": digits, "mlp": mlp}
-# name -> (engine keywords, needs CUDA); "eager fp32" is the reference every ratio is against.
+# name -> (engine keywords, needs CUDA); "eager fp32" is the reference every ratio is against. Every fixed setting
+# gives its layout (the rule alone would lay a CNN out channels_last on a GPU); "+cl" settings run for CNNs only.
+FIXED = {"compile": "off", "measure": "off", "channels_last": "off"}
 SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
-    "eager fp32": ({"precision": "fp32", "compile": "off", "cuda_graphs": "off", "measure": "off"}, False),
-    "eager bf16": ({"precision": "bf16-mixed", "compile": "off", "cuda_graphs": "off", "measure": "off"}, False),
-    "graphs fp32": ({"precision": "fp32", "compile": "off", "cuda_graphs": "on", "measure": "off"}, True),
-    "graphs bf16": ({"precision": "bf16-mixed", "compile": "off", "cuda_graphs": "on", "measure": "off"}, True),
-    "compile+graphs bf16": ({"precision": "bf16-mixed", "compile": "on", "cuda_graphs": "on", "measure": "off"}, True),
+    "eager fp32": ({**FIXED, "precision": "fp32", "cuda_graphs": "off"}, False),
+    "eager fp32+cl": ({**FIXED, "precision": "fp32", "cuda_graphs": "off", "channels_last": "on"}, False),
+    "eager bf16": ({**FIXED, "precision": "bf16-mixed", "cuda_graphs": "off"}, False),
+    "eager bf16-true": ({**FIXED, "precision": "bf16-true", "cuda_graphs": "off"}, False),
+    "eager bf16-true+cl": ({**FIXED, "precision": "bf16-true", "cuda_graphs": "off", "channels_last": "on"}, False),
+    "graphs fp32": ({**FIXED, "precision": "fp32", "cuda_graphs": "on"}, True),
+    "graphs bf16": ({**FIXED, "precision": "bf16-mixed", "cuda_graphs": "on"}, True),
+    "graphs bf16-true": ({**FIXED, "precision": "bf16-true", "cuda_graphs": "on"}, True),
+    "graphs bf16-true+cl": ({**FIXED, "precision": "bf16-true", "cuda_graphs": "on", "channels_last": "on"}, True),
+    "compile+graphs bf16": ({**FIXED, "precision": "bf16-mixed", "compile": "on", "cuda_graphs": "on"}, True),
     "auto": ({}, False),
 }
+CONVOLUTIONAL = {"digits"}  # the models a "+cl" setting lays out
+PLAN_AXES = ("precision", "channels_last", "compile", "cuda_graphs")
 
 
 def build(model: str, device: str, settings: dict[str, Any], max_batch: int) -> tuple[InferenceEngine, float]:
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         engines, built = {}, {}
         for name, (settings, needs_cuda) in SETTINGS.items():
-            if needs_cuda and not on_cuda:
+            if (needs_cuda and not on_cuda) or ("+cl" in name and model not in CONVOLUTIONAL):
                 continue
             print(f"{model}: building {name} ...", flush=True)
             try:
@@ -94,9 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds = time_rounds(engines, batch, args.rounds, args.calls)
             for name, engine in engines.items():
                 diff = (engine.predict(batch).float() - reference.float()).abs().max().item()
-                plan = ", ".join(
-                    f"{axis}={engine.plan[axis].value}" for axis in ("precision", "compile", "cuda_graphs")
-                )
+                plan = ", ".join(f"{axis}={engine.plan[axis].value}" for axis in PLAN_AXES)
                 lines.append(
                     f"| {model} | {name} | {size} | {seconds[name] * 1e3:.3f} | {size / seconds[name]:,.0f} "
                     f"| **{seconds['eager fp32'] / seconds[name]:.2f}x** | {diff:.2e} | {built[name]:.1f} | {plan} |"

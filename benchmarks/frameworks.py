@@ -13,7 +13,7 @@ The peers live in their own environment, not in redline's dependencies:
     python3 -m venv .venv-peers
     .venv-peers/bin/pip install -c constraints.txt torch==2.13.0
     .venv-peers/bin/pip install -c constraints.txt -r benchmarks/peers-requirements.txt
-    .venv-peers/bin/pip install -e .
+    .venv-peers/bin/pip install -c constraints.txt -e '.[serve]'   # serve.py starts redline's server with it too
     .venv-peers/bin/python benchmarks/frameworks.py [--tasks example:digits,example:chargpt] [--steps N]
         [--rounds 3] [--frameworks plain,accelerate,...] [--device cpu] [--python PY] [--write NAME]
 

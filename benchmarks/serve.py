@@ -36,15 +36,27 @@ from pathlib import Path
 from typing import Any
 
 import environment
+from redline.serve.engine import InferenceEngine
 from redline.serve.loadtest import Payload, run_load
-from serve_models import SHAPES
+from serve_models import SHAPES, digits, mlp
 
 HERE = Path(__file__).parent
 SERVERS = ("redline", "litserve", "fastapi")
 # redline with its choices fixed, for the GPU check: eager fp32 against bf16, compile and CUDA graphs.
 VARIANTS = {
     "redline": [],
-    "redline-eager": ["--precision", "fp32", "--compile", "off", "--cuda-graphs", "off", "--measure", "off"],
+    "redline-eager": [
+        "--precision",
+        "fp32",
+        "--compile",
+        "off",
+        "--cuda-graphs",
+        "off",
+        "--measure",
+        "off",
+        "--channels-last",
+        "off",
+    ],
     "redline-fast": ["--precision", "bf16-mixed", "--compile", "on", "--cuda-graphs", "on", "--measure", "off"],
 }
 CONCURRENCY = 64
@@ -147,6 +159,16 @@ def measure(server: str, model: str, duration: float, device: str | None = None)
     return {"closed": closed.to_dict(), "open": opened.to_dict(), "wrk": cross}
 
 
+def plan_of(server: str, model: str, device: str | None) -> str:
+    """The precision and layout the redline server kept, read back from the measurement it cached (an engine
+    with its options, built here, finds the server's entry and times nothing)."""
+    flags = dict(zip(VARIANTS[server][::2], VARIANTS[server][1::2], strict=True))
+    options = {flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()}
+    servable = {"digits": digits, "mlp": mlp}[model]()
+    plan = InferenceEngine(servable, device=device or "cpu", max_batch_size=32, **options).plan
+    return "; ".join(f"{axis}={plan[axis].value} ({plan[axis].reason})" for axis in ("precision", "channels_last"))
+
+
 def nested(shape: tuple[int, ...]) -> object:
     """One sample of ``shape`` as nested lists."""
     return 0.5 if not shape else [nested(shape[1:])] * shape[0]
@@ -192,14 +214,17 @@ def main(argv: list[str] | None = None) -> None:
         "| wrk req/s / p99 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    notes = [""]
     for model in args.models.split(","):
         results = {}
         for server in servers:
             print(f"{model} on {server} ...", flush=True)
             results[server] = measure(server, model, args.duration, args.device)
+            if server in VARIANTS:
+                notes.append(f"- {model} on {server}: {plan_of(server, model, args.device)}")
         lines += [row(model, server, results[server], results[base]) for server in servers]
     title = "Serving: redline vs LitServe vs FastAPI" if "litserve" in servers else "Serving: redline's settings"
-    environment.publish(args.write, title, lines, device=args.device or "cpu")
+    environment.publish(args.write, title, lines + notes, device=args.device or "cpu")
 
 
 if __name__ == "__main__":

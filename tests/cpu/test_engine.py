@@ -357,7 +357,7 @@ def test_the_plan_names_every_axis_and_is_json_ready():
     engine = plain(Spy(), max_batch_size=4)
     engine.warm_up()
     plan = json.loads(json.dumps(engine.plan_dict()))
-    assert list(plan) == ["device", "precision", "compile", "cuda_graphs", "buckets"]
+    assert list(plan) == ["device", "precision", "compile", "channels_last", "cuda_graphs", "buckets"]
     assert plan["buckets"]["value"] == [1, 2, 4]
     assert plan["cuda_graphs"] == {"value": False, "reason": "auto: CUDA graphs need a CUDA device, this is cpu"}
 

@@ -89,3 +89,23 @@ def test_a_forward_that_syncs_with_the_cpu_falls_back_to_eager_with_the_reason()
     assert "capture failed" in fallback.plan["cuda_graphs"].reason
     assert fallback.broken is None
     assert fallback.predict(torch.ones(2, 4)).shape == (2, 2)
+
+
+def test_bf16_weights_in_channels_last_replay_as_graphs_close_to_fp32():
+    fast = engine(small_cnn(), precision="bf16-true", channels_last="on", cuda_graphs="on")
+    fast.warm_up()
+    assert fast.model[0].weight.dtype == torch.bfloat16
+    assert fast.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    inputs = torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    expected = engine(small_cnn(), cuda_graphs="off").predict(inputs)
+    out = fast.predict(inputs)
+    assert out.dtype == torch.float32 and out.shape == (5, 10)
+    assert (out - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_auto_times_both_weight_formats_and_layouts_with_graphs():
+    auto = engine(small_cnn(), precision="auto", compile="off")
+    timed = auto.plan["measured"].reason
+    assert all(label in timed for label in ("bf16-true", "fp32+channels_last", "bf16-true+channels_last")), timed
+    auto.warm_up()
+    assert torch.isfinite(auto.predict(torch.randn(3, 1, 8, 8))).all()

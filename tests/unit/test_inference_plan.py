@@ -49,20 +49,53 @@ def test_a_cpu_without_bf16_arithmetic_times_nothing_and_keeps_fp32_with_the_rea
 def test_a_cpu_with_bf16_arithmetic_times_bf16_against_fp32_but_never_a_compile(facts):
     asked = []
     proposal = propose(facts, precision="auto", compile="auto", measure=True, compile_supported=lambda: asked.append(1))
-    assert labels(proposal) == ["fp32", "bf16-mixed"]
+    assert labels(proposal) == ["fp32", "bf16-mixed", "bf16-true"]
     assert asked == [], "whether compile is supported is not asked where no compile is in question"
+    assert proposal.channels_last.value is False and "no 2-d convolution" in proposal.channels_last.reason
+
+
+def test_a_convolutional_model_is_timed_in_both_layouts_under_every_precision():
+    proposal = propose(AMX, precision="auto", compile="auto", measure=True, compile_supported=supported,
+                       convolutional=True)  # fmt: skip
+    assert labels(proposal) == [
+        "fp32", "fp32+channels_last", "bf16-mixed", "bf16-mixed+channels_last", "bf16-true", "bf16-true+channels_last",
+    ]  # fmt: skip
+    assert proposal.reference == Setting("fp32", False, False)
+    assert proposal.channels_last.value is False and "unless channels_last is measured" in proposal.channels_last.reason
+    asked = propose(AMX, precision="fp32", compile="off", measure=True, compile_supported=supported,
+                    channels_last="on", convolutional=True)  # fmt: skip
+    assert labels(asked) == ["fp32+channels_last"] and asked.channels_last.reason == "requested"
+
+
+def test_a_compile_is_timed_only_on_the_references_weights_where_the_others_are_copies():
+    """A setting whose weights are cast or laid out otherwise runs on a copy of the model, and eagerly."""
+    proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=supported,
+                       convolutional=True)  # fmt: skip
+    compiled = [c.label for c in proposal.candidates if c.compiled]
+    assert compiled == ["fp32+compile", "bf16-mixed+compile"]
+    assert all(c.variant == proposal.reference.variant for c in proposal.candidates if c.compiled)
+    assert "bf16-true+channels_last" in labels(proposal) and len(labels(proposal)) == 8
+
+
+def test_without_a_measurement_the_layout_follows_the_training_rule():
+    amx = propose(AMX, precision="bf16-true", compile="off", measure=False, compile_supported=supported,
+                  convolutional=True)  # fmt: skip
+    assert amx.channels_last.value is True and "AMX" in amx.channels_last.reason, "bf16-true is judged as bf16"
+    plain = propose(AMX, precision="fp32", compile="off", measure=False, compile_supported=supported,
+                    convolutional=True)  # fmt: skip
+    assert plain.channels_last.value is False
 
 
 def test_cuda_times_each_fast_precision_with_and_without_compile():
     proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=supported)
-    assert labels(proposal) == ["fp32", "fp32+compile", "bf16-mixed", "bf16-mixed+compile"]
+    assert labels(proposal) == ["fp32", "fp32+compile", "bf16-mixed", "bf16-mixed+compile", "bf16-true"]
     old = propose(V100, precision="auto", compile="auto", measure=True, compile_supported=supported)
-    assert labels(old) == ["fp32", "fp32+compile", "fp16-mixed", "fp16-mixed+compile"]
+    assert labels(old) == ["fp32", "fp32+compile", "fp16-mixed", "fp16-mixed+compile", "fp16-true"]
 
 
 def test_cuda_without_a_working_compiler_times_precision_only_and_says_why():
     proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=unsupported)
-    assert labels(proposal) == ["fp32", "bf16-mixed"]
+    assert labels(proposal) == ["fp32", "bf16-mixed", "bf16-true"]
     assert proposal.compile.value is False and "triton" in proposal.compile.reason
 
 
@@ -73,6 +106,15 @@ def test_explicit_values_are_used_as_given_and_not_timed():
     # An explicit precision with compile still auto: only the compile is timed, in that precision.
     half = propose(H200, precision="fp32", compile="auto", measure=True, compile_supported=supported)
     assert labels(half) == ["fp32", "fp32+compile"]
+    true = propose(H200, precision="bf16-true", compile="auto", measure=True, compile_supported=supported)
+    assert labels(true) == ["bf16-true", "bf16-true+compile"] and true.precision.reason == "requested"
+
+
+def test_a_precision_no_engine_takes_or_bf16_weights_on_a_gpu_without_bf16_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="did you mean precision='bf16-true'"):
+        propose(H200, precision="bf16-ture", compile="off", measure=True, compile_supported=supported)
+    with pytest.raises(ConfigError, match="hint: use precision='fp16-true'"):
+        propose(V100, precision="bf16-true", compile="off", measure=True, compile_supported=supported)
 
 
 def test_fp16_asked_for_on_a_cpu_is_not_explained_by_training_terms():
@@ -125,7 +167,8 @@ CPU_PROPOSAL = propose(AMX, precision="auto", compile="auto", measure=True, comp
 
 
 def test_a_candidate_faster_by_the_margin_and_accurate_is_kept_with_its_numbers():
-    precision, compiled, measured = choose(CPU_PROPOSAL, [timed(FP32, 1.31), timed(BF16, 1.0, error=0.01)], bucket=32)
+    chosen = choose(CPU_PROPOSAL, [timed(FP32, 1.31), timed(BF16, 1.0, error=0.01)], bucket=32)
+    precision, compiled, measured = chosen["precision"], chosen["compile"], chosen["measured"]
     assert precision.value == "bf16-mixed"
     assert "1.31x fp32" in precision.reason and "largest bucket (32)" in precision.reason
     assert "median of 5" in precision.reason
@@ -135,23 +178,24 @@ def test_a_candidate_faster_by_the_margin_and_accurate_is_kept_with_its_numbers(
 
 def test_a_candidate_faster_by_less_than_the_margin_leaves_fp32():
     slightly = 1.0 * MARGIN * 0.99
-    precision, _, _ = choose(CPU_PROPOSAL, [timed(FP32, slightly), timed(BF16, 1.0)], bucket=8)
+    precision = choose(CPU_PROPOSAL, [timed(FP32, slightly), timed(BF16, 1.0)], bucket=8)["precision"]
     assert precision.value == "fp32" and "(a candidate must run 5% faster, within tolerance)" in precision.reason
 
 
 def test_a_fast_candidate_whose_outputs_depart_is_rejected_with_the_departure():
-    precision, _, measured = choose(CPU_PROPOSAL, [timed(FP32, 3.0), timed(BF16, 1.0, error=TOLERANCE * 2)], bucket=8)
+    chosen = choose(CPU_PROPOSAL, [timed(FP32, 3.0), timed(BF16, 1.0, error=TOLERANCE * 2)], bucket=8)
+    precision, measured = chosen["precision"], chosen["measured"]
     assert precision.value == "fp32"
     assert "10.0% off fp32's (tolerance 5%)" in measured.reason
 
 
 def test_a_candidate_with_non_finite_outputs_or_that_failed_is_rejected():
     nan = choose(CPU_PROPOSAL, [timed(FP32, 3.0), timed(BF16, 1.0, error=float("nan"))], bucket=8)
-    assert nan[0].value == "fp32" and "non-finite" in nan[2].reason
+    assert nan["precision"].value == "fp32" and "non-finite" in nan["measured"].reason
     failed = choose(
         CPU_PROPOSAL, [timed(FP32, 3.0), Timing(BF16, failed="it failed: RuntimeError: no kernel")], bucket=8
     )
-    assert failed[0].value == "fp32" and "no kernel" in failed[2].reason
+    assert failed["precision"].value == "fp32" and "no kernel" in failed["measured"].reason
 
 
 def test_the_fastest_accepted_setting_sets_both_timed_axes():
@@ -162,35 +206,51 @@ def test_the_fastest_accepted_setting_sets_both_timed_axes():
         timed(Setting("bf16-mixed", False), 1.9),
         timed(Setting("bf16-mixed", True), 0.5, error=0.5),  # fastest, but wrong
     ]
-    precision, compiled, _ = choose(proposal, timings, bucket=32)
-    assert (precision.value, compiled.value) == ("fp32", True)
-    assert "fp32+compile ran 1.33x fp32" in compiled.reason
+    chosen = choose(proposal, timings, bucket=32)
+    assert (chosen["precision"].value, chosen["compile"].value) == ("fp32", True)
+    assert "fp32+compile ran 1.33x fp32" in chosen["compile"].reason
+    assert chosen["channels_last"] == proposal.channels_last, "an axis that was not timed keeps the rule's choice"
 
 
 def test_a_candidate_that_loses_on_the_smallest_bucket_is_not_kept_and_the_reason_says_so():
     large = [timed(FP32, 2.0), timed(BF16, 1.0)]
     slow_alone = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), timed(BF16, 0.4)]))
-    assert slow_alone[0].value == "fp32"
+    assert slow_alone["precision"].value == "fp32"
     assert (
         "fp32 kept (a candidate must run 5% faster at 32 and lose no more than 5% at 1, within tolerance): "
         "bf16-mixed 2.00x (0.25x at 1), on the largest bucket (32)"
-    ) in slow_alone[0].reason
-    assert "on the largest bucket (32) and the smallest (1)" in slow_alone[2].reason
+    ) in slow_alone["precision"].reason
+    assert "on the largest bucket (32) and the smallest (1)" in slow_alone["measured"].reason
     just_inside = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), timed(BF16, 0.1 * MARGIN)]))
-    assert just_inside[0].value == "bf16-mixed" and "ran 2.00x fp32 (0.95x at 1)" in just_inside[0].reason
+    assert (
+        just_inside["precision"].value == "bf16-mixed"
+        and "ran 2.00x fp32 (0.95x at 1)" in just_inside["precision"].reason
+    )
     failed = choose(CPU_PROPOSAL, large, bucket=32, small=(1, [timed(FP32, 0.1), Timing(BF16, failed="it failed: x")]))
-    assert failed[0].value == "fp32" and "bf16-mixed rejected: it failed: x" in failed[2].reason
+    assert failed["precision"].value == "fp32" and "bf16-mixed rejected: it failed: x" in failed["measured"].reason
 
 
 def test_the_median_block_is_compared_so_one_slow_block_does_not_decide():
     noisy = Timing(BF16, (0.001, 0.001, 0.001, 0.001, 0.100))
-    precision, _, _ = choose(CPU_PROPOSAL, [timed(FP32, 2.0), noisy], bucket=8)
-    assert precision.value == "bf16-mixed"
+    assert choose(CPU_PROPOSAL, [timed(FP32, 2.0), noisy], bucket=8)["precision"].value == "bf16-mixed"
+
+
+def test_a_setting_laid_out_and_cast_otherwise_sets_precision_and_layout_together():
+    proposal = propose(AMX, precision="auto", compile="auto", measure=True, compile_supported=supported,
+                       convolutional=True)  # fmt: skip
+    fast = Setting("bf16-true", False, True)
+    timings = [timed(s, 1.0 if s == fast else 2.0) for s in [proposal.reference, *proposal.candidates]]
+    chosen = choose(proposal, timings, bucket=32)
+    assert (chosen["precision"].value, chosen["channels_last"].value) == ("bf16-true", True)
+    assert "bf16-true+channels_last ran 2.00x fp32" in chosen["channels_last"].reason
+    assert chosen["compile"] == proposal.compile and chosen["measured"].value == "6 settings"
 
 
 def test_timings_survive_the_cache_round_trip():
     timing = Timing(Setting("bf16-mixed", True), (0.1, 0.2), 0.01, "")
     assert Timing.from_dict(timing.to_dict()) == timing
+    laid_out = Timing(Setting("bf16-true", False, True), (0.1,), 0.0, "")
+    assert Timing.from_dict(laid_out.to_dict()) == laid_out
 
 
 @pytest.mark.parametrize(

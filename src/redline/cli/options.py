@@ -242,12 +242,15 @@ Weights = Annotated[
     Path | None, typer.Option(metavar="FILE", parser=given_path, help="A safetensors file to load into the model.")
 ]
 EngineDevice = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
-EnginePrecision = Annotated[str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed.")]
+EnginePrecision = Annotated[
+    str, typer.Option(help="auto, fp32, bf16-mixed, fp16-mixed (autocast), bf16-true or fp16-true (weights cast once).")
+]
 EngineCompile = Annotated[str, typer.Option(help="torch.compile: auto, on or off.")]
 EngineGraphs = Annotated[str, typer.Option(help="A CUDA graph per batch size: auto, on or off.")]
 EngineMeasure = Annotated[str, typer.Option(help="Time the candidate settings (auto) or plan by rules (off).")]
+EngineLayout = Annotated[str, typer.Option(help="channels_last (NHWC) for a convolutional model: auto, on or off.")]
 # The flag of each engine argument, for said_by_flags (the device is checked as ``devices``).
 ENGINE_FLAGS = {
     "devices": "--device", "precision": "--precision", "compile": "--compile", "cuda_graphs": "--cuda-graphs",
-    "measure": "--measure",
+    "measure": "--measure", "channels_last": "--channels-last",
 }  # fmt: skip

@@ -34,6 +34,7 @@ from redline.cli.options import (
     EngineCompile,
     EngineDevice,
     EngineGraphs,
+    EngineLayout,
     EngineMeasure,
     EnginePrecision,
     ModelSpec,
@@ -80,6 +81,7 @@ def predict(
     compile: EngineCompile = "auto",
     cuda_graphs: EngineGraphs = "auto",
     measure: EngineMeasure = "auto",
+    channels_last: EngineLayout = "auto",
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the plan and the summary as JSON on stdout (no table).")
     ] = False,
@@ -87,8 +89,9 @@ def predict(
     """Run a model over a .npy file of samples and write its outputs to another .npy file."""
     with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
         check_engine_options(
-            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
-        )
+            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure,
+            channels_last=channels_last,
+        )  # fmt: skip
     samples = read_samples(input_path)
     check_output(output_path, "--output", "outputs.npy")  # after the input: a mistyped --input makes no directory
     to_stdout = same_as_stdout(output_path)  # --output /dev/stdout | consumer: the table would go into the array
@@ -111,7 +114,7 @@ def predict(
         with model_raising(warming, check_hint(servable)), said_by_flags(**ENGINE_FLAGS):  # may time it (--measure)
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-                measure=measure, max_batch_size=batch_size,
+                measure=measure, channels_last=channels_last, max_batch_size=batch_size,
             )  # fmt: skip
             started = time.perf_counter()
             engine.warm_up()

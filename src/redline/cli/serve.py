@@ -16,6 +16,7 @@ from redline.cli.options import (
     EngineCompile,
     EngineDevice,
     EngineGraphs,
+    EngineLayout,
     EngineMeasure,
     EnginePrecision,
     ModelSpec,
@@ -30,7 +31,8 @@ from redline.cli.signals import stopped_by_signal
 from redline.cli.task_args import parse_task_args
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
-from redline.serve.engine import InferenceEngine, bucket_sizes, check_engine_options
+from redline.serve.batcher import bucket_sizes
+from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.options import ServeOptions
 from redline.serve.servable import as_model_spec, load_servable
 from redline.serve.server import bind, serve
@@ -45,6 +47,7 @@ def _serve(
     compile: EngineCompile = "auto",
     cuda_graphs: EngineGraphs = "auto",
     measure: EngineMeasure = "auto",
+    channels_last: EngineLayout = "auto",
     batch_buckets: Annotated[
         str,
         typer.Option(
@@ -59,8 +62,9 @@ def _serve(
     options = build(ServeOptions, parsed)
     with said_by_flags(**ENGINE_FLAGS):  # a bad engine flag is told before the model loads, by its flag
         check_engine_options(
-            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure
-        )
+            device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs, measure=measure,
+            channels_last=channels_last,
+        )  # fmt: skip
     with said_by_flags(batch_buckets="--batch-buckets", max_batch_size="--max-batch-size"):
         buckets = _buckets(batch_buckets)  # auto stays "auto": the Plan then says the buckets are the default
         bucket_sizes(options.max_batch_size, buckets)  # checked before the model loads
@@ -75,7 +79,8 @@ def _serve(
             with said_by_flags(**ENGINE_FLAGS):
                 engine = InferenceEngine(
                     servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-                    measure=measure, max_batch_size=options.max_batch_size, batch_buckets=buckets,
+                    measure=measure, channels_last=channels_last, max_batch_size=options.max_batch_size,
+                    batch_buckets=buckets,
                 )  # fmt: skip
         console = output_console()
         print_uncut(console, plan_table(engine.plan, title=f"Serving {servable.name}"))

@@ -1,11 +1,17 @@
-"""Inference axes: which precision and compile settings an InferenceEngine times, which it keeps; CUDA graphs.
+"""Inference axes: which precision, layout and compile settings an InferenceEngine times, which it keeps; CUDA graphs.
 
 A rule proposes, a measurement decides: where the device's facts cannot rank the settings, the engine
-times them. ``propose`` lists the settings worth timing against the reference (fp32 and eager, unless a
-value was given) from the device's facts; the engine times each on its largest and smallest buckets,
-and ``choose`` keeps the fastest one that beats the reference by ``MARGIN`` on the largest, loses by no
-more than that on the smallest, and whose outputs stay within ``TOLERANCE`` of the reference's.
-Everything here is a pure function of facts and numbers: tests feed it a GPU, or timings, as data.
+times them. ``propose`` lists the settings worth timing against the reference (fp32, NCHW and eager,
+unless a value was given) from the device's facts; the engine times each on its largest and smallest
+buckets, and ``choose`` keeps the fastest one that beats the reference by ``MARGIN`` on the largest,
+loses by no more than that on the smallest, and whose outputs stay within ``TOLERANCE`` of the
+reference's. Everything here is a pure function of facts and numbers: tests feed it a GPU, or
+timings, as data.
+
+Inference has two precisions training has not: ``bf16-true`` and ``fp16-true`` cast the weights
+once, where autocast (``-mixed``) casts them on every call. On a Xeon with AMX a 4096-wide MLP ran
+bf16-true 4.1x faster than fp32 on batches of 32, and bf16-mixed 0.5x: per call, autocast's casts of
+the weights cost more than the bf16 matmuls save (benchmarks/results/engine-cpu-xeon-amx.md).
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
-from redline.errors import invalid
+from redline.errors import invalid, one_of
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice, parse_switch, times
+from redline.plan.layout import resolve_channels_last
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision
 
 # A candidate must run this much faster than the reference to be kept: below it, a shared
@@ -30,19 +37,40 @@ MARGIN = 1.05
 TOLERANCE = 0.05
 
 Measure = Literal["auto", "off"]
+# Training's precisions, and the ones whose weights are cast once: what an engine runs in.
+InferencePrecision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"]
+INFERENCE_PRECISIONS: tuple[str, ...] = get_args(InferencePrecision)
+TRUE_OF: dict[str, InferencePrecision] = {"bf16-mixed": "bf16-true", "fp16-mixed": "fp16-true"}
+
+
+def check_inference_precision(requested: str) -> None:
+    """Refuse a precision no engine takes ("auto" or one of INFERENCE_PRECISIONS), whatever the device."""
+    if requested not in (*INFERENCE_PRECISIONS, "auto"):
+        raise one_of("precision", requested, ("auto", *INFERENCE_PRECISIONS))
+
+
+def autocast_of(precision: InferencePrecision) -> PrecisionName:
+    """The autocast a precision runs under: its own for a mixed one, none (fp32) where the weights are cast."""
+    return precision if precision in ("bf16-mixed", "fp16-mixed") else "fp32"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One way to run the model: its precision, and whether it is compiled."""
+    """One way to run the model: its precision, whether it is compiled, and whether it is laid out channels_last."""
 
-    precision: PrecisionName
+    precision: InferencePrecision
     compiled: bool
+    channels_last: bool = False
 
     @property
     def label(self) -> str:
-        """How reasons name it: ``fp32``, ``bf16-mixed+compile``."""
-        return self.precision + ("+compile" if self.compiled else "")
+        """How reasons name it: ``fp32``, ``bf16-mixed+compile``, ``bf16-true+channels_last``."""
+        return self.precision + ("+channels_last" if self.channels_last else "") + ("+compile" if self.compiled else "")
+
+    @property
+    def variant(self) -> tuple[str, bool]:
+        """What the model's weights must be for it: their precision (cast or not) and layout."""
+        return (self.precision if self.precision in TRUE_OF.values() else "fp32", self.channels_last)
 
 
 @dataclass(frozen=True)
@@ -51,8 +79,9 @@ class Proposal:
 
     reference: Setting
     candidates: tuple[Setting, ...]
-    precision: Choice[PrecisionName]
+    precision: Choice[InferencePrecision]
     compile: Choice[bool]
+    channels_last: Choice[bool]
 
 
 @dataclass(frozen=True)
@@ -74,6 +103,7 @@ class Timing:
         return {
             "precision": self.setting.precision,
             "compiled": self.setting.compiled,
+            "channels_last": self.setting.channels_last,
             "block_s": list(self.block_s),
             "error": self.error,
             "failed": self.failed,
@@ -82,7 +112,7 @@ class Timing:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timing:
         """Read back ``to_dict()``."""
-        setting = Setting(data["precision"], bool(data["compiled"]))
+        setting = Setting(data["precision"], bool(data["compiled"]), bool(data.get("channels_last", False)))
         return cls(setting, tuple(float(s) for s in data["block_s"]), float(data["error"]), str(data["failed"]))
 
 
@@ -102,22 +132,55 @@ def propose(
     compile: str | bool,
     measure: bool,
     compile_supported: Callable[[], tuple[bool, str]],
+    channels_last: str | bool = "auto",
+    convolutional: bool = False,
 ) -> Proposal:
     """Return what to time: an explicit value is used as given, an "auto" one is timed where a rule cannot rank it.
 
     ``compile_supported()`` says whether torch.compile can run here and why not; it is asked only
-    when a compile is in question (finding out imports the compiler stack).
+    when a compile is in question (finding out imports the compiler stack). ``convolutional`` says
+    whether the model has 2-d convolutions, the layers channels_last lays out. A compiled candidate
+    runs on the reference's weights: a setting that casts them or lays them out otherwise runs on
+    a copy of the model, and is timed eagerly.
     """
-    rule_precision = resolve_precision(precision, facts)  # validates an explicit value for this device
-    if precision != "auto":  # training's notes (fp16's loss scaling on a CPU) say nothing of inference
-        rule_precision = Choice(rule_precision.value, "requested")
-    precisions: list[PrecisionName] = [rule_precision.value]
+    rule_precision = _precision_rule(precision, facts)
+    precisions: list[InferencePrecision] = [rule_precision.value]
     if precision == "auto" and measure:
-        precisions = ["fp32", *fast_precisions(facts)]
+        fast = fast_precisions(facts)
+        precisions = ["fp32", *fast, *(TRUE_OF[p] for p in fast)]
     rule_compile, compiles = _compile_rule(compile, facts, measure, compile_supported)
-    reference = Setting(precisions[0], compiles[0])
-    candidates = tuple(Setting(p, c) for p in precisions for c in compiles if Setting(p, c) != reference)
-    return Proposal(reference, candidates, rule_precision, rule_compile)
+    rule_layout, layouts = _layout_rule(channels_last, facts, convolutional, measure, rule_precision.value)
+    reference = Setting(precisions[0], compiles[0], layouts[0])
+    settings = (Setting(p, c, cl) for p in precisions for c in compiles for cl in layouts)
+    candidates = tuple(s for s in settings if s != reference and (not s.compiled or s.variant == reference.variant))
+    return Proposal(reference, candidates, rule_precision, rule_compile, rule_layout)
+
+
+def _precision_rule(requested: str, facts: DeviceFacts) -> Choice[InferencePrecision]:
+    """The precision without a measurement; an explicit one is checked against the device and used as given."""
+    check_inference_precision(requested)
+    if requested == "bf16-true" and facts.type == "cuda" and not facts.bf16:
+        raise invalid(
+            "precision", requested, f"'fp32', 'fp16-true', 'fp16-mixed' or 'auto' on {facts.name}, which has no "
+            "native bf16", "use precision='fp16-true' (fp16 weights) or 'auto'",
+        )  # fmt: skip
+    if requested in TRUE_OF.values():
+        return Choice(cast(InferencePrecision, requested), "requested")
+    rule = resolve_precision(requested, facts)  # refuses bf16-mixed where the GPU lacks bf16
+    if requested != "auto":  # training's notes (fp16's loss scaling on a CPU) say nothing of inference
+        return Choice(rule.value, "requested")
+    return Choice(rule.value, rule.reason)
+
+
+def _layout_rule(
+    requested: str | bool, facts: DeviceFacts, convolutional: bool, measure: bool, precision: InferencePrecision
+) -> tuple[Choice[bool], list[bool]]:
+    """The channels_last axis without a measurement, and the values to time (the first is the reference's)."""
+    if parse_switch("channels_last", requested) is None and convolutional and measure:
+        return Choice(False, "auto: NCHW unless channels_last is measured faster"), [False, True]
+    mixed = next((m for m, t in TRUE_OF.items() if t == precision), precision)  # the rule's terms: bf16 as bf16
+    rule = resolve_channels_last(requested, facts, has_conv2d=convolutional, precision=mixed)
+    return rule, [rule.value]
 
 
 def _compile_rule(
@@ -189,15 +252,16 @@ def choose(
     small: tuple[int, Sequence[Timing]] | None = None,
     margin: float = MARGIN,
     tolerance: float = TOLERANCE,
-) -> tuple[Choice[PrecisionName], Choice[bool], Choice[str]]:
-    """Return the precision, compile and measurement choices from timings whose first is the reference's.
+) -> dict[str, Choice[Any]]:
+    """Return the engine's plan entries (precision, compile, channels_last, measured) from timings whose first is
+    the reference's.
 
     ``timings`` were taken on the largest bucket, ``small`` (when given) holds the smallest bucket and
     the same settings' timings there. The fastest accepted candidate on the largest bucket is kept if
     it beats the reference by ``margin`` there and does not lose by ``margin`` on the smallest: a
     cost paid per call (autocast casting the weights, say) can make a candidate that wins on full
     batches several times slower on the single requests of a lightly loaded server. Otherwise the
-    reference stays. Each reason carries the numbers.
+    reference stays. Each reason carries the numbers; an axis that was not timed keeps the rule's choice.
     """
     reference, *others = timings
     ratios = {t.setting: reference.median_s / t.median_s for t in others if t.block_s}
@@ -225,26 +289,26 @@ def choose(
         and small_ratios.get(t.setting, 1.0) >= 1 / margin
     ]  # fmt: skip
     best = max(accepted, key=lambda t: ratios[t.setting], default=None)
-    measured: Choice[str] = Choice(f"{len(timings)} settings", summary)
     if best is None:
         losing = f" at {bucket} and lose no more than {margin - 1:.0%}{at_small}" if small is not None else ""
         rule = f"a candidate must run {margin - 1:.0%} faster{losing}, within tolerance"
-        why = f"measured: {reference.setting.label} kept ({rule}): {told}, {where}"
-        return (
-            _axis_precision(proposal, reference.setting, why),
-            _axis_compile(proposal, reference.setting, why),
-            measured,
-        )
-    also = f" ({times(small_ratios[best.setting])}{at_small})" if best.setting in small_ratios else ""
-    won = f"measured: {best.setting.label} ran {times(ratios[best.setting])} {reference.setting.label}{also} {where}"
-    return _axis_precision(proposal, best.setting, won), _axis_compile(proposal, best.setting, won), measured
+        kept, why = reference.setting, f"measured: {reference.setting.label} kept ({rule}): {told}, {where}"
+    else:
+        also = f" ({times(small_ratios[best.setting])}{at_small})" if best.setting in small_ratios else ""
+        kept = best.setting
+        why = f"measured: {kept.label} ran {times(ratios[kept])} {reference.setting.label}{also} {where}"
+    return {**_timed_axes(proposal, kept, why), "measured": Choice(f"{len(timings)} settings", summary)}
 
 
-def _axis_precision(proposal: Proposal, setting: Setting, reason: str) -> Choice[PrecisionName]:
-    timed = {c.precision for c in proposal.candidates} - {proposal.reference.precision}
-    return Choice(setting.precision, reason) if timed else proposal.precision
+def _timed_axes(proposal: Proposal, setting: Setting, reason: str) -> dict[str, Choice[Any]]:
+    """Each axis's choice: ``setting``'s value for the ones the candidates varied, the rule's for the others."""
+    settings = [proposal.reference, *proposal.candidates]
 
+    def varied(field: str) -> bool:
+        return len({getattr(s, field) for s in settings}) > 1
 
-def _axis_compile(proposal: Proposal, setting: Setting, reason: str) -> Choice[bool]:
-    timed = {c.compiled for c in proposal.candidates} - {proposal.reference.compiled}
-    return Choice(setting.compiled, reason) if timed else proposal.compile
+    return {
+        "precision": Choice(setting.precision, reason) if varied("precision") else proposal.precision,
+        "compile": Choice(setting.compiled, reason) if varied("compiled") else proposal.compile,
+        "channels_last": Choice(setting.channels_last, reason) if varied("channels_last") else proposal.channels_last,
+    }

@@ -4,6 +4,7 @@
     decision.expired     # indices of requests past their deadline: answer 504, never run them
     decision.run         # indices of the requests to run together now (empty: wait)
     decision.wait_until  # when to decide again if nothing arrives before (None: the queue is empty)
+    bucket_sizes(32)     # the padded batch sizes an engine runs: (1, 2, 4, 8, 16, 32)
 
 The wait starts at the arrival of the oldest live request, not when the worker looks at the queue:
 a timer started at dequeue (TorchServe, LitServe) lets a request that arrived during the previous
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from redline.config import positive_int
+from redline.errors import invalid
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,28 @@ def decide(queue: Sequence[Pending], now: float, *, max_batch_size: int, max_wai
     if full or now >= ready_at or any(queue[i].deadline <= ready_at for i in batch):
         return Decision(run=tuple(batch), expired=expired)
     return Decision(expired=expired, wait_until=ready_at)
+
+
+def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -> tuple[int, ...]:
+    """Return the padded batch sizes: powers of two below ``max_batch_size``, and it; or those given."""
+    positive_int("max_batch_size", max_batch_size)
+    if requested == "auto":
+        powers = [1 << k for k in range(max_batch_size.bit_length()) if 1 << k < max_batch_size]
+        return (*powers, max_batch_size)
+    if isinstance(requested, str) or not requested:
+        raise invalid("batch_buckets", requested, "'auto' or batch sizes", "e.g. batch_buckets=(1, 8, 32)")
+    sizes: list[int] = sorted(set(requested))
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes) or sizes[-1] != max_batch_size:
+        largest = sizes[-1] if isinstance(sizes[-1], int) and sizes[-1] >= 1 else None
+        hint = f"add {max_batch_size} as the largest size" + (
+            f", or pass max_batch_size={largest} to make {largest} the largest" if largest else ""
+        )
+        raise invalid(
+            "batch_buckets", requested, f"positive sizes, the largest equal to max_batch_size={max_batch_size}", hint
+        )
+    return tuple(sizes)
+
+
+def bucket_for(size: int, buckets: Sequence[int]) -> int:
+    """Return the smallest bucket that holds ``size`` samples (``size`` at most the largest bucket)."""
+    return next(b for b in buckets if b >= size)

@@ -5,11 +5,14 @@
     outputs = engine.predict(batch)            # a CPU tensor, one row per input row
     engine.plan_dict()                         # every choice with its reason, as JSON-ready data
 
-The model runs in eval mode under inference_mode and the Plan's autocast. Batches are padded up to
-the next bucket (powers of two up to ``max_batch_size`` by default), so a compiled model or a CUDA
-graph sees a few fixed shapes only; a batch larger than ``max_batch_size`` runs in chunks.
-With ``measure="auto"`` the precision and compile candidates a rule cannot rank are timed on the
-largest and smallest buckets when the engine is built (serve/measure.py), and cached on disk.
+The model runs in eval mode under inference_mode and the Plan's precision: autocast (``-mixed``), or
+weights cast once (``-true``); channels_last lays out a convolutional model NHWC. The engine takes
+the model over: it moves it to the device and converts it, in place, to the precision and layout
+kept. Batches are padded up to the next bucket (powers of two up to ``max_batch_size`` by default),
+so a compiled model or a CUDA graph sees a few fixed shapes only; a batch larger than
+``max_batch_size`` runs in chunks. With ``measure="auto"`` the precision, layout and compile
+candidates a rule cannot rank are timed on the largest and smallest buckets when the engine is
+built (serve/measure.py), and cached on disk.
 A sticky CUDA error (an illegal memory access, a device-side assert) marks the engine ``broken``.
 """
 
@@ -25,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from redline.config import positive_int
 from redline.errors import ConfigError, DeviceUnavailableError, ServableError, describe_error, invalid
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice, parse_switch
@@ -35,12 +37,13 @@ from redline.plan.inference import (
     Setting,
     Timing,
     check_cuda_graphs,
+    check_inference_precision,
     choose,
     propose,
     read_measure,
     resolve_cuda_graphs,
 )
-from redline.plan.precision import check_precision
+from redline.plan.layout import has_conv2d
 from redline.runtime.compile import (
     CompileRecord,
     compile_module,
@@ -50,7 +53,7 @@ from redline.runtime.compile import (
 )
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
-from redline.runtime.precision import Precision
+from redline.serve.batcher import bucket_for, bucket_sizes
 from redline.serve.measure import (
     load_measured,
     measure_key,
@@ -59,7 +62,15 @@ from redline.serve.measure import (
     time_settings,
     weights_digest,
 )
-from redline.serve.runners import CaptureFailed, EagerRunner, Forward, GraphRunner, make_forward
+from redline.serve.runners import (
+    CaptureFailed,
+    EagerRunner,
+    Forward,
+    GraphRunner,
+    convert,
+    make_forward,
+    variant_of,
+)
 from redline.serve.servable import Servable, shape_text
 from redline.task import model_fingerprint
 
@@ -68,33 +79,14 @@ log = logging.getLogger("redline")
 PROBE_SEED = 0  # the random batch on which each candidate's outputs are compared with the reference's
 
 
-def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -> tuple[int, ...]:
-    """Return the padded batch sizes: powers of two below ``max_batch_size``, and it; or those given."""
-    positive_int("max_batch_size", max_batch_size)
-    if requested == "auto":
-        powers = [1 << k for k in range(max_batch_size.bit_length()) if 1 << k < max_batch_size]
-        return (*powers, max_batch_size)
-    if isinstance(requested, str) or not requested:
-        raise invalid("batch_buckets", requested, "'auto' or batch sizes", "e.g. batch_buckets=(1, 8, 32)")
-    sizes: list[int] = sorted(set(requested))
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes) or sizes[-1] != max_batch_size:
-        largest = sizes[-1] if isinstance(sizes[-1], int) and sizes[-1] >= 1 else None
-        hint = f"add {max_batch_size} as the largest size" + (
-            f", or pass max_batch_size={largest} to make {largest} the largest" if largest else ""
-        )
-        raise invalid(
-            "batch_buckets", requested, f"positive sizes, the largest equal to max_batch_size={max_batch_size}", hint
-        )
-    return tuple(sizes)
-
-
-def bucket_for(size: int, buckets: Sequence[int]) -> int:
-    """Return the smallest bucket that holds ``size`` samples (``size`` at most the largest bucket)."""
-    return next(b for b in buckets if b >= size)
-
-
 def check_engine_options(
-    *, device: str, precision: str, compile: str | bool, cuda_graphs: str | bool, measure: str | bool
+    *,
+    device: str,
+    precision: str,
+    compile: str | bool,
+    cuda_graphs: str | bool,
+    measure: str | bool,
+    channels_last: str | bool = "auto",
 ) -> None:
     """Refuse an engine option that cannot work here, before a model is built (the engine finds it only after).
 
@@ -102,8 +94,9 @@ def check_engine_options(
     asked of a device that is not CUDA, a ConfigError naming the argument.
     """
     chosen = resolve_device(device, probe_accelerators())
-    check_precision(precision)
+    check_inference_precision(precision)
     parse_switch("compile", compile)
+    parse_switch("channels_last", channels_last)
     check_cuda_graphs(cuda_graphs, torch.device(chosen.value).type)
     read_measure(measure)
 
@@ -164,6 +157,7 @@ class InferenceEngine:
         compile: str | bool = "auto",
         cuda_graphs: str | bool = "auto",
         measure: str | bool = "auto",
+        channels_last: str | bool = "auto",
         max_batch_size: int = 32,
         batch_buckets: Sequence[int] | str = "auto",
     ) -> None:
@@ -175,17 +169,21 @@ class InferenceEngine:
         self.facts = probe_device(self.device)
         proposal = propose(
             self.facts, precision=precision, compile=compile, measure=read_measure(measure),
-            compile_supported=lambda: compile_supported(self.facts.type),
+            compile_supported=lambda: compile_supported(self.facts.type), channels_last=channels_last,
+            convolutional=has_conv2d(self.servable.model),
         )  # fmt: skip
         shown = "powers of two up to max_batch_size" if batch_buckets == "auto" else "requested"
         self.plan: dict[str, Choice[Any]] = {
             "device": chosen_device,
             "precision": proposal.precision,
             "compile": proposal.compile,
+            "channels_last": proposal.channels_last,
             "cuda_graphs": resolve_cuda_graphs(cuda_graphs, self.facts),
             "buckets": Choice(self.buckets, f"{shown}; a batch is padded up to the next bucket"),
         }
-        self.model = self.servable.model.to(self.device).eval()
+        self.model = convert(self.servable.model.to(self.device).eval(), proposal.reference)
+        self._kept = proposal.reference  # the setting the model is converted for
+        self._variants: dict[tuple[str, bool], nn.Module] = {}  # copies other settings are timed on
         self.ready = False
         self.broken: str | None = None  # set when an error left the device unusable (a sticky CUDA error)
         self._lock = threading.Lock()
@@ -270,12 +268,15 @@ class InferenceEngine:
 
     def _set_up(self) -> None:
         self._planned_compile: Choice[bool] = self.plan["compile"]
-        self.precision = Precision(self.plan["precision"].value, self.device)
-        if self.plan["compile"].value:
+        kept = Setting(self.plan["precision"].value, bool(self.plan["compile"].value), self.plan["channels_last"].value)
+        if kept.variant != self._kept.variant:  # a setting timed on a copy won: the model itself becomes it
+            self.model = convert(self.model, kept)
+        self._kept, self._variants = kept, {}
+        if kept.compiled:
             self._compile()
         else:
             self._uncompile()
-        self._runner = self._runner_for(make_forward(self.model, self.precision))
+        self._runner = self._runner_for(make_forward(self.model, kept, self.device))
 
     def _runner_for(self, forward: Forward) -> EagerRunner | GraphRunner:
         """The runner the plan's CUDA graph setting asks for, around ``forward``."""
@@ -401,10 +402,9 @@ class InferenceEngine:
             store_measured(key, timings)
             note = "measured now"
         small = (smallest, timings[smallest]) if smallest != largest else None
-        precision, compiled, measured = choose(proposal, timings[largest], bucket=largest, small=small)
-        self.plan.update(
-            precision=precision, compile=compiled, measured=Choice(measured.value, f"{measured.reason}; {note}")
-        )
+        chosen = choose(proposal, timings[largest], bucket=largest, small=small)
+        measured = chosen["measured"]
+        self.plan.update(chosen, measured=Choice(measured.value, f"{measured.reason}; {note}"))
 
     def _time(self, settings: Sequence[Setting], bucket: int) -> list[Timing]:
         """Time ``settings`` (the reference first) on ``bucket``, each through the runner it would serve with."""
@@ -424,8 +424,13 @@ class InferenceEngine:
         return build
 
     def _forward(self, setting: Setting) -> Forward:
-        """The forward of ``setting``: the compiled one, or the model's own while compiled settings are timed too."""
-        forward = make_forward(self.model, Precision(setting.precision, self.device))
+        """The forward of ``setting``: the compiled one, or the model's own while compiled settings are timed too;
+        on a converted copy of the model where its weights differ from the model's (never a compiled one)."""
+        if setting.variant != self._kept.variant:
+            if setting.variant not in self._variants:
+                self._variants[setting.variant] = variant_of(self.model, setting)
+            return make_forward(self._variants[setting.variant], setting, self.device)
+        forward = make_forward(self.model, setting, self.device)
         record = self._record
         if setting.compiled or record is None:
             return forward

@@ -1,14 +1,16 @@
 """How one padded batch runs: the model's forward as called per bucket, eagerly or as a replayed CUDA graph.
 
-    forward = make_forward(model, Precision("bf16-mixed", device))
+    forward = make_forward(model, Setting("bf16-mixed", compiled=False), device)
     runner = GraphRunner(forward, device) if graphs else EagerRunner(forward, device)
     runner.prepare(bucket)                     # eager: one call on zeros; graphs: warm up, then capture
     outputs = runner.run(inputs, bucket)       # inputs: <= bucket rows on the CPU; outputs: those rows, on the CPU
 
-A forward may be compiled (``compile_module`` patches the model's forward in place): the runners
-only call it. With CUDA graphs, a compiled forward is compiled in plain mode (not
-"reduce-overhead", whose own CUDA graphs would nest in ours) during the warm-up calls, then its
-kernels are captured like any others.
+A ``-true`` precision runs on weights cast once (``convert``, in place; ``variant_of`` converts a
+copy), its floating inputs cast to match, where autocast (``-mixed``) casts the weights on every
+call; channels_last runs on weights and 4-d inputs laid out NHWC. A forward may be compiled
+(``compile_module`` patches the model's forward in place): the runners only call it. With CUDA
+graphs, a compiled forward is compiled in plain mode (not "reduce-overhead", whose own CUDA graphs
+would nest in ours) during the warm-up calls, then its kernels are captured like any others.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch
 from torch import nn
 
 from redline.errors import ServableError, describe_error, few
+from redline.plan.inference import Setting, autocast_of
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.precision import Precision
+from redline.runtime.trial import copy_model
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -35,15 +39,41 @@ class CaptureFailed(RuntimeError):
     """The forward ran but could not be captured as a CUDA graph (it synchronises with the CPU, say)."""
 
 
-def make_forward(model: nn.Module, precision: Precision) -> Forward:
-    """Return the model's call under inference_mode and ``precision``'s autocast (both are per thread)."""
+WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}  # the precisions that cast the weights
+
+
+def make_forward(model: nn.Module, setting: Setting, device: torch.device) -> Forward:
+    """Return the model's call under inference_mode and ``setting``'s autocast (both per thread), its inputs cast
+    and laid out as ``setting`` has the weights (``model`` already converted for it)."""
+    precision = Precision(autocast_of(setting.precision), device)
+    dtype = WEIGHT_DTYPES.get(setting.precision)
+    layout = setting.channels_last
 
     def forward(inputs: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(), precision.autocast():
+            if dtype is not None and inputs.is_floating_point():
+                inputs = inputs.to(dtype)
+            if layout and inputs.ndim == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
             outputs: torch.Tensor = model(inputs)
         return outputs
 
     return forward
+
+
+def convert(model: nn.Module, setting: Setting) -> nn.Module:
+    """Cast ``model``'s floating weights and buffers for ``setting``'s precision, and lay them out, in place."""
+    dtype = WEIGHT_DTYPES.get(setting.precision)
+    if dtype is not None:
+        model.to(dtype)
+    if setting.channels_last:
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return model
+
+
+def variant_of(model: nn.Module, setting: Setting) -> nn.Module:
+    """A copy of ``model`` converted for ``setting``: what the engine times a setting on whose weights differ."""
+    return convert(copy_model(model), setting)
 
 
 def pad_to(inputs: torch.Tensor, bucket: int) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""The engine's weight precisions and layouts: bf16-true casts the weights once, channels_last lays them out NHWC;
+a measured winner timed on a copy becomes the engine's own model."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from redline.cli.main import app
+from redline.hardware.device import FAKE_CPU_ENV
+from redline.runtime.trial import CACHE_ENV
+from redline.serve.engine import InferenceEngine
+
+SLEEP_S = 0.02
+
+
+class Conv(nn.Module):
+    """A seeded small CNN; with ``slow_unless``, its forward sleeps unless its weights are in that dtype and layout."""
+
+    def __init__(self, slow_unless=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, 3)
+        self.slow_unless = slow_unless
+
+    def forward(self, x):
+        weight = self.conv.weight
+        now = (weight.dtype, weight.is_contiguous(memory_format=torch.channels_last))
+        if self.slow_unless is not None and now != self.slow_unless:
+            time.sleep(SLEEP_S)
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+
+
+def engine(model, **options):
+    return InferenceEngine(
+        model, input_shape=(1, 8, 8), device="cpu", compile="off", **{"max_batch_size": 4, **options}
+    )
+
+
+def reference(inputs):
+    with torch.no_grad():
+        return Conv()(inputs)
+
+
+def test_bf16_true_casts_the_weights_once_in_place_and_returns_float32_outputs_close_to_fp32():
+    model = Conv()
+    made = engine(model, precision="bf16-true", channels_last="off")
+    assert made.model is model, "the engine takes the model over and converts it in place"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert made.plan["precision"].value == "bf16-true" and made.plan["precision"].reason == "requested"
+    inputs = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    outputs = made.predict(inputs)
+    assert outputs.dtype == torch.float32 and outputs.shape == (3, 3)
+    expected = reference(inputs)
+    assert (outputs - expected).abs().max() <= 0.02 * expected.abs().max(), "bf16 weights: about 0.4% per rounding"
+    assert not torch.equal(outputs, expected), "the outputs come from bf16 arithmetic, not fp32"
+
+
+def test_integer_inputs_reach_a_bf16_true_model_as_integers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 2))
+    made = InferenceEngine(model, input_shape=(2,), input_dtype="int64", device="cpu", precision="bf16-true",
+                           compile="off", max_batch_size=2)  # fmt: skip
+    outputs = made.predict(torch.tensor([[1, 2], [3, 9]]))
+    assert outputs.dtype == torch.float32 and outputs.shape == (2, 2) and outputs.isfinite().all()
+
+
+def test_channels_last_lays_out_weights_and_inputs_and_leaves_the_outputs_as_they_were():
+    model = Conv()
+    made = engine(model, precision="fp32", channels_last="on")
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert made.plan["channels_last"].value is True and made.plan["channels_last"].reason == "requested"
+    inputs = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(made.predict(inputs), reference(inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_asked_of_a_model_without_convolutions_is_off_and_says_why():
+    made = InferenceEngine(nn.Linear(3, 2), input_shape=(3,), device="cpu", precision="fp32", channels_last="on")
+    assert made.plan["channels_last"].value is False
+    assert made.plan["channels_last"].reason == "requested, but the model has no 2-d convolution"
+
+
+def test_a_measured_winner_timed_on_a_copy_becomes_the_engines_model(cache, monkeypatch):
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")  # a CPU with bf16 arithmetic: bf16 and both layouts are timed
+    model = Conv(slow_unless=(torch.bfloat16, True))
+    made = engine(model, max_batch_size=2)
+    assert made.plan["measured"].value == "6 settings"
+    assert (made.plan["precision"].value, made.plan["channels_last"].value) == ("bf16-true", True)
+    assert "measured: bf16-true+channels_last ran" in made.plan["precision"].reason
+    assert made.model is model and model.conv.weight.dtype == torch.bfloat16
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert made._variants == {}, "the copies the other settings were timed on are let go"
+    started = time.perf_counter()
+    made.predict(torch.zeros(2, 1, 8, 8))
+    assert time.perf_counter() - started < SLEEP_S, "the model now runs as the fast setting"
+
+
+def test_the_flags_reach_the_engine_and_bad_values_are_named_by_their_flag(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((3, 1, 8, 8), np.float32))
+    args = ["predict", "example:digits", "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy"),
+            "--batch-size", "2", "--compile", "off", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, [*args, "--precision", "bf16-true", "--channels-last", "on"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["precision"]["value"] == "bf16-true" and plan["channels_last"]["value"] is True
+    assert np.load(tmp_path / "y.npy").dtype == np.float32
+    bad = str(CliRunner().invoke(app, [*args, "--channels-last", "sideways"]).exception)
+    assert bad.startswith("--channels-last='sideways' is not allowed; expected one of 'auto', 'on', 'off'"), bad
+    typo = str(CliRunner().invoke(app, [*args, "--precision", "bf16-ture"]).exception)
+    assert typo.startswith("--precision='bf16-ture'") and "did you mean --precision 'bf16-true'" in typo, typo
