@@ -21,10 +21,9 @@ import torch
 
 import environment
 from redline.serve.engine import InferenceEngine
-from serve_models import SHAPES, digits, mlp
+from serve_models import SERVABLES, SHAPES
 
 TITLE = "InferenceEngine: eager fp32 vs CUDA graphs, bf16, channels_last, compile and auto"
-SERVABLES = {"digits": digits, "mlp": mlp}
 # name -> (engine keywords, needs CUDA); "eager fp32" is the reference every ratio is against. Every fixed setting
 # gives its layout (the rule alone would lay a CNN out channels_last on a GPU); "+cl" settings run for CNNs only.
 FIXED = {"compile": "off", "measure": "off", "channels_last": "off"}
@@ -41,7 +40,7 @@ SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
     "compile+graphs bf16": ({**FIXED, "precision": "bf16-mixed", "compile": "on", "cuda_graphs": "on"}, True),
     "auto": ({}, False),
 }
-CONVOLUTIONAL = {"digits"}  # the models a "+cl" setting lays out
+CONVOLUTIONAL = {"digits", "cnn"}  # the models a "+cl" setting lays out
 PLAN_AXES = ("precision", "channels_last", "compile", "cuda_graphs")
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import environment
 from redline.serve.engine import InferenceEngine
 from redline.serve.loadtest import Payload, run_load
-from serve_models import SHAPES, digits, mlp
+from serve_models import SERVABLES, SHAPES
 
 HERE = Path(__file__).parent
 SERVERS = ("redline", "litserve", "fastapi")
@@ -60,7 +60,7 @@ VARIANTS = {
     "redline-fast": ["--precision", "bf16-mixed", "--compile", "on", "--cuda-graphs", "on", "--measure", "off"],
 }
 CONCURRENCY = 64
-OPEN_RATE = {"digits": 200.0, "mlp": 100.0}  # requests/s: below every server's capacity here
+OPEN_RATE = {"digits": 200.0, "mlp": 100.0, "cnn": 50.0}  # requests/s: below every server's capacity here
 
 
 def command(server: str, model: str, port: int, device: str | None = None) -> list[str]:
@@ -164,7 +164,7 @@ def plan_of(server: str, model: str, device: str | None) -> str:
     with its options, built here, finds the server's entry and times nothing)."""
     flags = dict(zip(VARIANTS[server][::2], VARIANTS[server][1::2], strict=True))
     options = {flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()}
-    servable = {"digits": digits, "mlp": mlp}[model]()
+    servable = SERVABLES[model]()
     plan = InferenceEngine(servable, device=device or "cpu", max_batch_size=32, **options).plan
     return "; ".join(f"{axis}={plan[axis].value} ({plan[axis].reason})" for axis in ("precision", "channels_last"))
 

@@ -1,4 +1,5 @@
-"""The models benchmarks/serve.py serves, the same weights in every server: the digits CNN and a larger MLP.
+"""The models benchmarks/serve.py serves, the same weights in every server: the digits CNN and a larger MLP;
+and a VGG-style CNN on 64x64 images, which benchmarks/engine_speed.py times too (--models digits,mlp,cnn).
 
 Each factory seeds its own weights, so redline, LitServe and FastAPI load the same model.
     redline serve benchmarks/serve_models.py:digits
@@ -28,8 +29,19 @@ def mlp_model() -> nn.Module:
     ).eval()
 
 
-SHAPES = {"digits": (1, 8, 8), "mlp": (MLP_INPUT,)}
-MODELS = {"digits": digits_model, "mlp": mlp_model}
+def cnn_model() -> nn.Module:
+    """Four conv-BN-ReLU-pool blocks (64-256 channels) and a linear head: 1.4M weights, a small vision model."""
+    torch.manual_seed(0)
+
+    def block(given: int, made: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(given, made, 3, padding=1), nn.BatchNorm2d(made), nn.ReLU(), nn.MaxPool2d(2))
+
+    blocks = [block(3, 64), block(64, 128), block(128, 256), block(256, 256)]
+    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(256 * 4 * 4, 100)).eval()
+
+
+SHAPES = {"digits": (1, 8, 8), "mlp": (MLP_INPUT,), "cnn": (3, 64, 64)}
+MODELS = {"digits": digits_model, "mlp": mlp_model, "cnn": cnn_model}
 
 
 def digits() -> Servable:
@@ -38,3 +50,10 @@ def digits() -> Servable:
 
 def mlp() -> Servable:
     return Servable(model=mlp_model(), input_shape=SHAPES["mlp"], name="mlp")
+
+
+def cnn() -> Servable:
+    return Servable(model=cnn_model(), input_shape=SHAPES["cnn"], name="cnn")
+
+
+SERVABLES = {"digits": digits, "mlp": mlp, "cnn": cnn}

@@ -246,6 +246,24 @@ def test_a_setting_laid_out_and_cast_otherwise_sets_precision_and_layout_togethe
     assert chosen["compile"] == proposal.compile and chosen["measured"].value == "6 settings"
 
 
+def test_candidates_tied_on_full_batches_are_told_apart_by_single_requests():
+    """Within the margin on the largest bucket the timing cannot rank them: the smallest bucket decides."""
+    proposal = propose(AMX, precision="auto", compile="auto", measure=True, compile_supported=supported,
+                       convolutional=True)  # fmt: skip
+    mixed, true = Setting("bf16-mixed", False, True), Setting("bf16-true", False, True)
+    ms = {mixed: (1.00, 0.58), true: (1.02, 0.47)}  # as measured for a CNN: 3.87x and 3.82x fp32 at 32
+    settings = [proposal.reference, *proposal.candidates]
+    large = [timed(s, ms.get(s, (3.87, 1.0))[0]) for s in settings]
+    small = [timed(s, ms.get(s, (3.87, 1.0))[1]) for s in settings]
+    chosen = choose(proposal, large, bucket=32, small=(1, small))
+    assert (chosen["precision"].value, chosen["channels_last"].value) == ("bf16-true", True)
+    assert "bf16-true+channels_last ran 3.79x fp32 (2.13x at 1)" in chosen["precision"].reason
+    apart = [timed(s, 0.9 if s == mixed else t.median_s * 1e3) for s, t in zip(settings, large, strict=True)]
+    assert choose(proposal, apart, bucket=32, small=(1, small))["precision"].value == "bf16-mixed", (
+        "one 10% faster on full batches is no tie: it wins"
+    )
+
+
 def test_timings_survive_the_cache_round_trip():
     timing = Timing(Setting("bf16-mixed", True), (0.1, 0.2), 0.01, "")
     assert Timing.from_dict(timing.to_dict()) == timing

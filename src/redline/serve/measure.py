@@ -3,15 +3,19 @@
 Each setting (the reference first) runs through the runner the engine will use (eager, or a
 captured CUDA graph), on a zero batch of the bucket: a few warm-up calls, then timed blocks
 taking turns (``runtime.trial.time_steps``), each call including the copy of its outputs to the CPU
-as ``predict`` does. Its outputs on a seeded random batch are compared with the reference's. The
-numbers are cached under ``$REDLINE_CACHE_DIR/inference/``, keyed by the model's fingerprint and
-weights, this machine, the buckets, the input and the settings, so a restarted server measures nothing.
+as ``predict`` does. A timed step is one call, or as many calls as last ``MIN_STEP_S`` where one
+is shorter: the digits CNN's single-sample call takes 0.1 ms on a CPU, and a block of three such
+calls was mostly the machine's jitter (it timed channels_last at 0.79x fp32 in one run, 1.11-1.18x
+in others). Its outputs on a seeded random batch are compared with the reference's. The numbers
+are cached under ``$REDLINE_CACHE_DIR/inference/``, keyed by the model's fingerprint and weights,
+this machine, the buckets, the input and the settings, so a restarted server measures nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +32,8 @@ WARMUP_CALLS = 3
 ROUNDS, BLOCK = 5, 3  # timed blocks per setting, and calls per block
 CACHE_KIND = "inference"  # the cache's folder for the engine's measurements
 MAX_SECONDS = 20.0  # timing stops after two rounds once this much was spent
+MIN_STEP_S = 0.002  # a timed step is as many calls as take this long (one call, where that takes longer)
+MOST_CALLS = 64  # the most calls a timed step makes
 
 log = logging.getLogger("redline")
 
@@ -60,27 +66,43 @@ def time_settings(
             failed[setting] = f"it failed: {describe_error(exc)}"
             continue
         built.append((setting, runner))
-    steps = [_step(runner, zeros) for _, runner in built]
-    times, _ = time_steps(steps, warmup=WARMUP_CALLS, rounds=ROUNDS, block=BLOCK, sync=sync, clock=clock,
-                          budget_s=MAX_SECONDS)  # fmt: skip
+    for _ in range(WARMUP_CALLS):
+        for _, runner in built:
+            runner(zeros)
+    calls = [calls_per_step(runner, zeros, sync=sync, clock=clock) for _, runner in built]
+    steps = [_step(runner, zeros, n) for (_, runner), n in zip(built, calls, strict=True)]
+    settle = [_step(runner, zeros, 1) for _, runner in built]
+    times, _ = time_steps(steps, warmup=0, rounds=ROUNDS, block=BLOCK, sync=sync, clock=clock, budget_s=MAX_SECONDS,
+                          settle=settle)  # fmt: skip
     reference = outputs.get(runners[0][0])
     timed = {
-        setting: Timing(setting, _blocks(calls), _error(outputs[setting], reference))
-        for (setting, _), calls in zip(built, times, strict=True)
+        setting: Timing(setting, _blocks([t / n for t in step_times]), _error(outputs[setting], reference))
+        for (setting, _), step_times, n in zip(built, times, calls, strict=True)
     }
     return [timed.get(setting) or Timing(setting, failed=failed[setting]) for setting, _ in runners]
 
 
-def _step(runner: Runner, zeros: torch.Tensor) -> Callable[[], float]:
+def calls_per_step(runner: Runner, zeros: torch.Tensor, *, sync: Callable[[], None], clock: Callable[[], float]) -> int:
+    """How many calls of ``runner`` a timed step makes: enough for ``MIN_STEP_S`` at the speed of one call (warmed
+    up, timed now), ``MOST_CALLS`` at most. Each setting gets its own count: its time per call is what compares."""
+    start = clock()
+    runner(zeros)
+    sync()
+    took = clock() - start
+    return 1 if took >= MIN_STEP_S else min(MOST_CALLS, math.ceil(MIN_STEP_S / max(took, 1e-9)))
+
+
+def _step(runner: Runner, zeros: torch.Tensor, calls: int) -> Callable[[], float]:
     def step() -> float:
-        runner(zeros)
+        for _ in range(calls):
+            runner(zeros)
         return 0.0
 
     return step
 
 
 def _blocks(calls: Sequence[float]) -> tuple[float, ...]:
-    """Seconds per call of each block of BLOCK calls."""
+    """Seconds per call of each block of BLOCK timed steps, from each step's seconds per call."""
     return tuple(sum(calls[i : i + BLOCK]) / BLOCK for i in range(0, len(calls) - BLOCK + 1, BLOCK))
 
 
@@ -107,7 +129,7 @@ def measure_key(
     """The cache key of a measurement: the model, everything about this machine that times it, and what was timed."""
     labels = ",".join(s.label for s in settings)
     what = (",".join(map(str, buckets)), str(input_shape), input_dtype, labels, str(graphs))
-    return cache_key(fingerprint, facts, *what, f"{ROUNDS}x{BLOCK}")
+    return cache_key(fingerprint, facts, *what, f"{ROUNDS}x{BLOCK}, steps of {MIN_STEP_S:g} s")
 
 
 def weights_digest(model: torch.nn.Module) -> str:
