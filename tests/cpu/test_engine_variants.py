@@ -118,3 +118,35 @@ def test_the_flags_reach_the_engine_and_bad_values_are_named_by_their_flag(tmp_p
     assert bad.startswith("--channels-last='sideways' is not allowed; expected one of 'auto', 'on', 'off'"), bad
     typo = str(CliRunner().invoke(app, [*args, "--precision", "bf16-ture"]).exception)
     assert typo.startswith("--precision='bf16-ture'") and "did you mean --precision 'bf16-true'" in typo, typo
+
+
+ODD = """
+import torch
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.linear(x + torch.ones(3))  # made in float32: bf16 inputs become float32 again
+
+
+def make():
+    return Servable(model=Odd(), input_shape=(3,), name="odd")
+"""
+
+
+def test_a_model_that_makes_float32_tensors_under_bf16_true_is_told_why_and_the_fix(tmp_path):
+    (tmp_path / "odd.py").write_text(ODD)
+    np.save(tmp_path / "x.npy", np.zeros((2, 3), np.float32))
+    args = ["predict", f"{tmp_path / 'odd.py'}:make", "--input", str(tmp_path / "x.npy"), "--output",
+            str(tmp_path / "y.npy"), "--compile", "off"]  # fmt: skip
+    error = str(CliRunner().invoke(app, [*args, "--precision", "bf16-true"]).exception)
+    assert "mat1 and mat2 must have the same dtype" in error, error
+    assert "hint: --precision bf16-true runs the model in bfloat16 throughout" in error
+    assert "or pass --precision bf16-mixed (autocast)" in error and not (tmp_path / "y.npy").exists()
+    assert CliRunner().invoke(app, [*args, "--precision", "bf16-mixed"]).exit_code == 0, "autocast runs it"

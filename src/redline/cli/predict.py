@@ -59,6 +59,7 @@ from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine, check_engine_options
 from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_array
 from redline.serve.refused import Refused
+from redline.serve.runners import WEIGHT_DTYPES
 from redline.serve.servable import Servable, as_model_spec, load_servable, shape_text
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
@@ -111,7 +112,7 @@ def predict(
         check_samples(samples, servable, input_path)
         batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
         warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
-        with model_raising(warming, check_hint(servable)), said_by_flags(**ENGINE_FLAGS):  # may time it (--measure)
+        with model_raising(warming, check_hint(servable, precision=precision)), said_by_flags(**ENGINE_FLAGS):
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
                 measure=measure, channels_last=channels_last, max_batch_size=batch_size,
@@ -122,7 +123,7 @@ def predict(
     console = Console(stderr=True) if to_stdout else output_console()  # stdout carries the array
     if not json_output:
         print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
-    source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples)
+    source, hint = f"--input {str(input_path)!r}", check_hint(servable, samples, precision=precision)
     first: list[tuple[tuple[int, ...], np.dtype]] = []  # one sample's output shape and dtype, as the file has them
 
     def run(emit: Callable[[np.ndarray], None]) -> float:
@@ -308,13 +309,24 @@ def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception
     return None
 
 
-def check_hint(servable: Servable, samples: np.ndarray | None = None) -> str:
-    """What to check when the model raises: in the warm-up (no ``samples``), or on rows of ``samples``."""
+def check_hint(servable: Servable, samples: np.ndarray | None = None, *, precision: str = "auto") -> str:
+    """What to check when the model raises: in the warm-up (no ``samples``), or on rows of ``samples``; under a
+    precision that casts the weights, first that the model runs in that dtype throughout."""
     takes = f"the model takes the Servable's input_shape {servable.input_shape} and input_dtype {servable.input_dtype}"
     if samples is None:
-        return f"check that {takes}: the warm-up runs zeros of that shape and dtype, as --input's rows will be"
-    held = f"--input holds {samples.dtype} samples of shape {samples.shape[1:]}"
-    return f"{ROWS_CHECK}, and that {takes} ({held})"
+        check = f"check that {takes}: the warm-up runs zeros of that shape and dtype, as --input's rows will be"
+    else:
+        held = f"--input holds {samples.dtype} samples of shape {samples.shape[1:]}"
+        check = f"{ROWS_CHECK}, and that {takes} ({held})"
+    if precision not in WEIGHT_DTYPES:
+        return check
+    dtype = str(WEIGHT_DTYPES[precision]).removeprefix("torch.")
+    mixed = precision.replace("-true", "-mixed")
+    return (
+        f"--precision {precision} runs the model in {dtype} throughout (weights and floating inputs): a tensor it "
+        f"makes in float32 meets {dtype} ones, which dtype=x.dtype avoids, or pass --precision {mixed} (autocast); "
+        f"else {check}"
+    )
 
 
 @contextlib.contextmanager
