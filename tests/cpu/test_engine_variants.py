@@ -11,8 +11,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 from redline.cli.main import app
-from redline.hardware.device import FAKE_CPU_ENV
+from redline.hardware.device import FAKE_CPU_ENV, DeviceFacts
+from redline.plan import inference
 from redline.runtime.trial import CACHE_ENV
+from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 
 SLEEP_S = 0.02
@@ -39,6 +41,7 @@ class Conv(nn.Module):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 def engine(model, **options):
@@ -150,3 +153,21 @@ def test_a_model_that_makes_float32_tensors_under_bf16_true_is_told_why_and_the_
     assert "hint: --precision bf16-true runs the model in bfloat16 throughout" in error
     assert "or pass --precision bf16-mixed (autocast)" in error and not (tmp_path / "y.npy").exists()
     assert CliRunner().invoke(app, [*args, "--precision", "bf16-mixed"]).exit_code == 0, "autocast runs it"
+
+
+def test_copies_timed_beside_a_compile_run_their_own_weights_not_the_compiled_originals(cache, monkeypatch):
+    """Compiling patches the model's forward on the instance: a copy made after it would run the original."""
+    h200 = DeviceFacts(type="cuda", name="NVIDIA H200", index=0, capability=(9, 0))
+    real_propose = inference.propose
+    monkeypatch.setattr(engine_module, "propose", lambda facts, **kw: real_propose(h200, **kw))  # times compiles
+    monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # compiles nothing, patches all the same
+    made = InferenceEngine(Conv(), input_shape=(1, 8, 8), device="cpu", max_batch_size=2, cuda_graphs="off")
+    (entry,) = (cache / "inference").glob("*.json")
+    errors = {
+        (t["precision"], t["compiled"], t["channels_last"]): t["error"]
+        for t in json.loads(entry.read_text())["measured"]
+    }
+    assert ("fp32", True, False) in errors, "a compile was timed"
+    assert errors[("bf16-true", False, False)] > 0, "the bf16 copy ran bf16 weights: its outputs differ from fp32's"
+    assert errors[("fp32", False, True)] < 1e-5 and made.plan["measured"].value == "8 settings"

@@ -388,6 +388,8 @@ class InferenceEngine:
                 "InferenceEngine: timing %s on batches of %s", ", ".join(s.label for s in settings),
                 " and ".join(map(str, buckets)),
             )  # fmt: skip
+            for setting in settings:  # copies of the model as it is: a compile patches its forward, and a copy's
+                self._variant(setting)  # forward would then be the original's
             if any(s.compiled for s in settings):
                 self._compile()
             try:
@@ -427,9 +429,7 @@ class InferenceEngine:
         """The forward of ``setting``: the compiled one, or the model's own while compiled settings are timed too;
         on a converted copy of the model where its weights differ from the model's (never a compiled one)."""
         if setting.variant != self._kept.variant:
-            if setting.variant not in self._variants:
-                self._variants[setting.variant] = variant_of(self.model, setting)
-            return make_forward(self._variants[setting.variant], setting, self.device)
+            return make_forward(self._variant(setting), setting, self.device)
         forward = make_forward(self.model, setting, self.device)
         record = self._record
         if setting.compiled or record is None:
@@ -440,6 +440,14 @@ class InferenceEngine:
                 return forward(inputs)
 
         return eager
+
+    def _variant(self, setting: Setting) -> nn.Module:
+        """The model as ``setting`` runs it: the model itself, or a copy converted for it (made once)."""
+        if setting.variant == self._kept.variant:
+            return self.model
+        if setting.variant not in self._variants:
+            self._variants[setting.variant] = variant_of(self.model, setting)
+        return self._variants[setting.variant]
 
     def _probe(self, bucket: int) -> torch.Tensor:
         """A seeded random batch for comparing outputs (zeros for integer inputs, whose valid range is unknown)."""
