@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     if base not in servers:
         parser.error(f"--base {base} is not among --servers {args.servers}")
     lines = [
-        f"Closed loop: `redline loadtest --concurrency {CONCURRENCY}`; open loop: `--rate R` (digits "
-        f"{OPEN_RATE['digits']:g}/s, mlp {OPEN_RATE['mlp']:g}/s); {args.duration:g} s each after a warm-up. "
+        f"Closed loop: `redline loadtest --concurrency {CONCURRENCY}`; open loop: `--rate R` ("
+        f"{', '.join(f'{model} {OPEN_RATE[model]:g}/s' for model in args.models.split(','))}); {args.duration:g} s "
+        "each after a warm-up. "
         f"Ratios against {base} in the same run. wrk: requests/s / p99 ms at 64 connections.",
         "",
         f"| model | server | req/s (c=64) | vs {base} | p50 ms | p99 ms | non-2xx | open p50 ms | open p99 ms "
