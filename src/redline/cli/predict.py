@@ -53,6 +53,7 @@ from redline.errors import (
     ServableError,
     describe_error,
 )
+from redline.plan.inference import MIXED_OF
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
@@ -321,7 +322,7 @@ def check_hint(servable: Servable, samples: np.ndarray | None = None, *, precisi
     if precision not in WEIGHT_DTYPES:
         return check
     dtype = str(WEIGHT_DTYPES[precision]).removeprefix("torch.")
-    mixed = precision.replace("-true", "-mixed")
+    mixed = MIXED_OF[precision]
     return (
         f"--precision {precision} runs the model in {dtype} throughout (weights and floating inputs): a tensor it "
         f"makes in float32 meets {dtype} ones, which dtype=x.dtype avoids, or pass --precision {mixed} (autocast); "

@@ -41,6 +41,7 @@ Measure = Literal["auto", "off"]
 InferencePrecision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"]
 INFERENCE_PRECISIONS: tuple[str, ...] = get_args(InferencePrecision)
 TRUE_OF: dict[str, InferencePrecision] = {"bf16-mixed": "bf16-true", "fp16-mixed": "fp16-true"}
+MIXED_OF: dict[str, PrecisionName] = {"bf16-true": "bf16-mixed", "fp16-true": "fp16-mixed"}  # autocast's name for it
 
 
 def check_inference_precision(requested: str) -> None:
@@ -70,7 +71,7 @@ class Setting:
     @property
     def variant(self) -> tuple[str, bool]:
         """What the model's weights must be for it: their precision (cast or not) and layout."""
-        return (self.precision if self.precision in TRUE_OF.values() else "fp32", self.channels_last)
+        return (self.precision if self.precision in MIXED_OF else "fp32", self.channels_last)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _precision_rule(requested: str, facts: DeviceFacts) -> Choice[InferencePreci
             "precision", requested, f"'fp32', 'fp16-true', 'fp16-mixed' or 'auto' on {facts.name}, which has no "
             "native bf16", "use precision='fp16-true' (fp16 weights) or 'auto'",
         )  # fmt: skip
-    if requested in TRUE_OF.values():
+    if requested in MIXED_OF:
         return Choice(cast(InferencePrecision, requested), "requested")
     rule = resolve_precision(requested, facts)  # refuses bf16-mixed where the GPU lacks bf16
     if requested != "auto":  # training's notes (fp16's loss scaling on a CPU) say nothing of inference
@@ -178,7 +179,7 @@ def _layout_rule(
     """The channels_last axis without a measurement, and the values to time (the first is the reference's)."""
     if parse_switch("channels_last", requested) is None and convolutional and measure:
         return Choice(False, "auto: NCHW unless channels_last is measured faster"), [False, True]
-    mixed = next((m for m, t in TRUE_OF.items() if t == precision), precision)  # the rule's terms: bf16 as bf16
+    mixed = MIXED_OF.get(precision, precision)  # the rule's terms: bf16 weights as bf16
     rule = resolve_channels_last(requested, facts, has_conv2d=convolutional, precision=mixed)
     return rule, [rule.value]
 

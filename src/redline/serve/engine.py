@@ -428,11 +428,10 @@ class InferenceEngine:
     def _forward(self, setting: Setting) -> Forward:
         """The forward of ``setting``: the compiled one, or the model's own while compiled settings are timed too;
         on a converted copy of the model where its weights differ from the model's (never a compiled one)."""
-        if setting.variant != self._kept.variant:
-            return make_forward(self._variant(setting), setting, self.device)
-        forward = make_forward(self.model, setting, self.device)
+        model = self._variant(setting)
+        forward = make_forward(model, setting, self.device)
         record = self._record
-        if setting.compiled or record is None:
+        if model is not self.model or setting.compiled or record is None:
             return forward
 
         def eager(inputs: torch.Tensor) -> torch.Tensor:
