@@ -41,7 +41,7 @@ SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
     "auto": ({}, False),
 }
 CONVOLUTIONAL = {"digits", "cnn"}  # the models a "+cl" setting lays out
-PLAN_AXES = ("precision", "channels_last", "compile", "cuda_graphs")
+PLAN_AXES = ("precision", "channels_last", "compile", "cuda_graphs", "small_batches")  # the last when measured
 
 
 def build(model: str, device: str, settings: dict[str, Any], max_batch: int) -> tuple[InferenceEngine, float]:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", default="digits,mlp")
-    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--batch-sizes", default="1,4,32")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--write", metavar="NAME", help="also write benchmarks/results/NAME.md")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds = time_rounds(engines, batch, args.rounds, args.calls)
             for name, engine in engines.items():
                 diff = (engine.predict(batch).float() - reference.float()).abs().max().item()
-                plan = ", ".join(f"{axis}={engine.plan[axis].value}" for axis in PLAN_AXES)
+                plan = ", ".join(f"{axis}={engine.plan[axis].value}" for axis in PLAN_AXES if axis in engine.plan)
                 lines.append(
                     f"| {model} | {name} | {size} | {seconds[name] * 1e3:.3f} | {size / seconds[name]:,.0f} "
                     f"| **{seconds['eager fp32'] / seconds[name]:.2f}x** | {diff:.2e} | {built[name]:.1f} | {plan} |"

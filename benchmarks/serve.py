@@ -166,7 +166,8 @@ def plan_of(server: str, model: str, device: str | None) -> str:
     options = {flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()}
     servable = SERVABLES[model]()
     plan = InferenceEngine(servable, device=device or "cpu", max_batch_size=32, **options).plan
-    return "; ".join(f"{axis}={plan[axis].value} ({plan[axis].reason})" for axis in ("precision", "channels_last"))
+    axes = [axis for axis in ("precision", "channels_last", "small_batches") if axis in plan]
+    return "; ".join(f"{axis}={plan[axis].value} ({plan[axis].reason})" for axis in axes)
 
 
 def nested(shape: tuple[int, ...]) -> object:

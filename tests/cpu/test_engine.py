@@ -257,16 +257,23 @@ def test_auto_rejects_a_faster_bf16_whose_outputs_depart_from_fp32(cache, bf16_c
     assert min(measured_blocks(cache, "fp32")) >= SLEEP_S
 
 
-def test_auto_keeps_fp32_when_bf16_wins_on_full_batches_but_loses_on_single_requests(cache, bf16_cpu):
+def test_auto_runs_bf16_on_full_batches_and_fp32_on_single_requests_where_each_wins(cache, bf16_cpu):
     # As autocast does on a CPU for a wide MLP: it casts the weights on every call, which a batch of 1 cannot repay.
     model = Spy(fp32_sleep_s={4: SLEEP_S}, autocast_sleep_s={1: SLEEP_S})
     engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
-    precision = engine.plan["precision"]
-    assert precision.value == "fp32" and "lose no more than 5% at 1" in precision.reason
-    assert "largest bucket (4) and the smallest (1)" in precision.reason
-    bf16 = precision.reason.split("bf16-mixed ")[1]
-    # "N.NNx (0.NNx at 1)": each side of 1 by the sleep's margin, which a loaded machine's own delays may eat into
-    assert float(bf16.split("x")[0]) > 1.2 and float(bf16.split("(")[1].split("x")[0]) < 0.8
+    precision, small = engine.plan["precision"], engine.plan["small_batches"]
+    assert precision.value == "bf16-mixed" and "on the largest bucket (4); smaller buckets run fp32" in precision.reason
+    ratios = precision.reason.split("bf16-mixed ran ")[1]
+    # "N.NNx fp32 ... M.MMx bf16-mixed at 1": each by the sleep's margin, which a loaded machine's delays may eat into
+    assert float(ratios.split("x")[0]) > 1.2 and float(ratios.split("fp32, ")[1].split("x")[0]) > 1.2
+    assert small.value.startswith("fp32 at 1") and "fp32 against bf16-mixed:" in small.reason
+    assert engine._variants == {}, "autocast runs on the fp32 weights: no second copy"
+    engine.warm_up()
+    before = model.autocast_calls
+    engine.predict(torch.zeros(1, 3))
+    assert model.autocast_calls == before, "a single request runs in fp32"
+    engine.predict(torch.zeros(3, 3))
+    assert model.autocast_calls == before + 1, "a batch of 3 (bucket 4) runs under autocast"
     both = Spy(fp32_sleep_s=SLEEP_S)  # faster at every size: kept, its ratio on the smallest bucket said
     kept = InferenceEngine(both, input_shape=(3,), device="cpu", max_batch_size=2).plan["precision"]  # not cached
     assert kept.value == "bf16-mixed" and " at 1) on the largest bucket (2) and the smallest (1)" in kept.reason
@@ -477,11 +484,11 @@ def fake_graphs(monkeypatch):
 
 def test_with_graphs_warm_up_captures_every_bucket_largest_first_and_batches_replay_their_bucket(fake_graphs):
     engine = plain(Spy(), max_batch_size=8)
-    assert isinstance(engine._runner, FakeGraphs)
+    assert isinstance(engine._runner_of(engine.buckets[-1]), FakeGraphs)
     engine.warm_up()
     assert fake_graphs.captured == [8, 4, 2, 1], "the largest first: the smaller graphs reuse its memory pool"
     engine.predict(torch.zeros(11, 3))
-    assert engine._runner.replayed == [8, 4]
+    assert engine._runner_of(engine.buckets[-1]).replayed == [8, 4]
 
 
 NOT_PERMITTED = RuntimeError("operation not permitted when stream is capturing")
@@ -495,7 +502,7 @@ def test_a_failed_capture_falls_back_to_running_without_graphs_with_the_reason(f
     graphs = engine.plan["cuda_graphs"]
     assert graphs.value is False and "capture failed, running without graphs" in graphs.reason
     assert "operation not permitted" in graphs.reason
-    assert isinstance(engine._runner, EagerRunner) and engine.ready and engine.broken is None
+    assert isinstance(engine._runner_of(engine.buckets[-1]), EagerRunner) and engine.ready and engine.broken is None
     inputs = torch.randn(3, 3)
     torch.testing.assert_close(engine.predict(inputs), model.linear(inputs).detach(), rtol=0, atol=1e-6)
 
@@ -522,7 +529,8 @@ def test_a_capture_out_of_memory_is_tried_again_on_the_next_start(fake_graphs, c
 
 
 def test_without_cuda_the_engine_runs_eagerly():
-    assert isinstance(plain(Spy())._runner, EagerRunner)
+    eager = plain(Spy())
+    assert isinstance(eager._runner_of(eager.buckets[-1]), EagerRunner)
 
 
 class Pixels(nn.Module):

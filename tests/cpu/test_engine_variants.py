@@ -173,3 +173,51 @@ def test_copies_timed_beside_a_compile_run_their_own_weights_not_the_compiled_or
     assert ("fp32", True, False) in errors, "a compile was timed"
     assert errors[("bf16-true", False, False)] > 0, "the bf16 copy ran bf16 weights: its outputs differ from fp32's"
     assert errors[("fp32", False, True)] < 1e-5 and made.plan["measured"].value == "8 settings"
+
+
+class Split(Conv):
+    """Fast with bf16 weights in channels_last on batches of 2 or more, and with fp32 NCHW weights on one sample."""
+
+    def forward(self, x):
+        fast = (torch.bfloat16, True) if len(x) > 1 else (torch.float32, False)
+        if layout(self.mix.weight) != fast:
+            time.sleep(SLEEP_S)
+        return self.head(torch.relu(self.mix(torch.relu(self.conv(x)))).flatten(1))
+
+
+def test_small_buckets_beaten_by_another_setting_run_it_on_a_second_copy(cache, monkeypatch):
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    model = Split()
+    made = engine(model)  # buckets 1, 2 and 4
+    assert (made.plan["precision"].value, made.plan["channels_last"].value) == ("bf16-true", True)
+    assert "smaller buckets run fp32" in made.plan["precision"].reason
+    small = made.plan["small_batches"]
+    assert small.value == "fp32 at 1", "bucket 2, timed both ways, runs bf16 weights in channels_last"
+    assert "batches of 1 run fp32 on a second copy of the model" in small.reason and " at 2" in small.reason
+    assert made.model is model and layout(model.mix.weight) == (torch.bfloat16, True)
+    (copy,) = made._variants.values()
+    assert layout(copy.mix.weight) == (torch.float32, False), "the copy keeps the fp32 NCHW weights"
+    one, three = (torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(n)) for n in (1, 3))
+    torch.testing.assert_close(made.predict(one), reference(one), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(made.predict(three), reference(three)), "three samples (bucket 4) run the bf16 weights"
+    torch.testing.assert_close(made.predict(three), reference(three), rtol=0.05, atol=0.02)
+    again = engine(Split())
+    assert again.plan["small_batches"].value == "fp32 at 1" and "cached from" in again.plan["measured"].reason
+
+
+def test_no_second_copy_where_the_weights_would_take_too_much_memory(cache, monkeypatch):
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    monkeypatch.setattr(engine_module, "host_memory_bytes", lambda: 1000)  # the weights: 3.6 KB
+    made = engine(Split())
+    small = made.plan["small_batches"]
+    assert small.value is None and "a second copy of the weights" in small.reason
+    assert made._variants == {} and "small_batches" in made.plan_dict()
+    assert made.plan["precision"].value == "fp32", "bf16 weights lose on one sample: one setting keeps fp32"
+
+
+def test_one_setting_fastest_on_every_bucket_needs_no_second_copy(cache, monkeypatch):
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    made = engine(Conv(slow_unless=(torch.bfloat16, True)))
+    small = made.plan["small_batches"]
+    assert small.value is None and "one setting serves every bucket" in small.reason
+    assert made._variants == {}

@@ -10,9 +10,11 @@ from redline.plan.inference import (
     Setting,
     Timing,
     choose,
+    no_room_for_copy,
     propose,
     read_measure,
     resolve_cuda_graphs,
+    split_buckets,
 )
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 
@@ -309,3 +311,82 @@ def test_a_sticky_error_wrapped_in_another_is_recognised():
             raise ValueError("postprocessing failed") from inner
     except ValueError as outer:
         assert is_sticky_cuda_error(outer)
+
+
+DIGITS_CL = Setting("fp32", False, True)
+BF16_CL = Setting("bf16-true", False, True)
+
+
+def conv_timings(ms):
+    """The convolutional proposal's timings, ``ms`` per setting (3.0 ms for the ones not named)."""
+    proposal = propose(AMX, precision="auto", compile="auto", measure=True, compile_supported=supported,
+                       convolutional=True)  # fmt: skip
+    return proposal, [timed(s, ms.get(s, 3.0)) for s in [proposal.reference, *proposal.candidates]]
+
+
+def test_with_a_second_copy_allowed_each_end_keeps_its_own_fastest_setting():
+    """As measured for digits on a Xeon with AMX: bf16 weights in channels_last 2.67x fp32 on 32, 0.48x on 1."""
+    proposal, large = conv_timings({BF16_CL: 1.0, DIGITS_CL: 1.6})
+    large[0] = timed(proposal.reference, 2.67)
+    _, small = conv_timings({BF16_CL: 0.21, DIGITS_CL: 0.094})
+    small[0] = timed(proposal.reference, 0.1)
+    one = choose(proposal, large, bucket=32, small=(1, small))
+    assert (one["precision"].value, one["channels_last"].value) == ("fp32", True), "one setting: no loss at 1"
+    assert "small_batches" not in one
+    two = choose(proposal, large, bucket=32, small=(1, small), split=True)
+    assert (two["precision"].value, two["channels_last"].value) == ("bf16-true", True)
+    assert two["small_batches"].value == DIGITS_CL
+    assert (
+        "measured: bf16-true+channels_last ran 2.67x fp32 on the largest bucket (32); smaller buckets run "
+        "fp32+channels_last, 2.23x bf16-true+channels_last at 1"
+    ) in two["precision"].reason
+
+
+def test_no_split_where_one_setting_is_fastest_on_both_ends_or_the_gap_is_under_the_margin():
+    proposal, large = conv_timings({BF16_CL: 1.0})
+    _, small = conv_timings({BF16_CL: 1.0})
+    chosen = choose(proposal, large, bucket=32, small=(1, small), split=True)
+    assert chosen["precision"].value == "bf16-true" and chosen["small_batches"].value is None
+    assert "one setting serves every bucket: no other runs 5% faster than it at 1" in chosen["small_batches"].reason
+    _, close = conv_timings({BF16_CL: 1.0, DIGITS_CL: 1.0 / MARGIN * 1.01})
+    nearly = choose(proposal, large, bucket=32, small=(1, close), split=True)
+    assert nearly["small_batches"].value is None, "faster at 1 by less than the margin: no second copy"
+
+
+def test_a_split_pairs_settings_compiled_alike_and_only_accurate_ones():
+    proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    order = [proposal.reference, *proposal.candidates]
+    compiled_bf16, compiled_fp32, true = Setting("bf16-mixed", True), Setting("fp32", True), Setting("bf16-true", False)
+    large = [timed(s, {compiled_bf16: 1.0}.get(s, 3.0)) for s in order]
+    small = [timed(s, {compiled_bf16: 3.0, true: 0.5}.get(s, 1.0)) for s in order]
+    chosen = choose(proposal, large, bucket=32, small=(1, small), split=True)
+    assert chosen["compile"].value is True and chosen["precision"].value == "bf16-mixed"
+    assert chosen["small_batches"].value == compiled_fp32, "bf16-true ran faster at 1, but eagerly: not paired"
+    large = [timed(s, {true: 1.0}.get(s, 3.0)) for s in order]
+    small = [timed(s, {true: 3.0, BF16: 0.5}.get(s, 1.0), error=0.5 if s == BF16 else 0.0) for s in order]
+    accurate = choose(proposal, large, bucket=32, small=(1, small), split=True)
+    assert accurate["precision"].value == "bf16-true"
+    assert accurate["small_batches"].value == FP32, "bf16-mixed ran fastest at 1, but 50% off: not kept"
+
+
+def test_the_buckets_between_go_to_whichever_of_the_two_settings_ran_them_faster():
+    timings = {
+        1: [timed(BF16_CL, 0.21), timed(DIGITS_CL, 0.09), timed(FP32, 0.1)],
+        2: [timed(BF16_CL, 0.30), timed(DIGITS_CL, 0.20)],
+        4: [timed(BF16_CL, 0.40), timed(DIGITS_CL, 0.41)],
+        32: [timed(BF16_CL, 1.0), timed(DIGITS_CL, 1.6), timed(FP32, 2.67)],
+    }
+    runs, choice = split_buckets(BF16_CL, DIGITS_CL, timings)
+    assert runs == {1, 2} and choice.value == "fp32+channels_last at 1, 2"
+    assert "batches of 1, 2 run fp32+channels_last on a second copy of the model, the rest bf16-true+channels_last" in (
+        choice.reason
+    )
+    assert "2.33x at 1, 1.50x at 2, 0.98x at 4, 0.62x at 32" in choice.reason
+    failed = {**timings, 2: [timed(BF16_CL, 0.30), Timing(DIGITS_CL, failed="it failed: x")]}
+    assert split_buckets(BF16_CL, DIGITS_CL, failed)[0] == {1}, "a setting that failed on a bucket does not run it"
+
+
+def test_a_second_copy_is_held_only_within_a_tenth_of_the_devices_memory():
+    assert no_room_for_copy(100 * 2**20, 2 * 2**30, "cuda") == ""
+    told = no_room_for_copy(300 * 2**20, 2 * 2**30, "cuda")
+    assert "a second copy of the weights (300 MiB), over 10% of the cuda's 2 GiB" in told

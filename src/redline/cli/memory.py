@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 from typing import Annotated
 
@@ -20,7 +19,7 @@ from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.task_args import parse_task_args
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.hardware.memory import memory_limit_bytes
+from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes
 from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_memory, fit_precision, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
@@ -137,7 +136,7 @@ def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, f
         facts = probe_device(torch.device("cuda", 0))
         return facts.name, facts, facts.mem_gib or 0.0
     facts = dataclasses.replace(probe_device(torch.device("cpu")), name="this machine's CPU")
-    machine, limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), memory_limit_bytes()
+    machine, limit = machine_memory_bytes(), memory_limit_bytes()
     if limit is not None and limit < machine:  # a container or a job: the kernel kills the process past its limit
         facts = dataclasses.replace(facts, name="this machine's CPU, under its cgroup's memory limit")
         return facts.name, facts, limit / 2**30

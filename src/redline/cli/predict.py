@@ -57,8 +57,9 @@ from redline.plan.inference import MIXED_OF
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
-from redline.serve.engine import InferenceEngine, check_engine_options
+from redline.serve.engine import InferenceEngine
 from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_array
+from redline.serve.options import check_engine_options
 from redline.serve.refused import Refused
 from redline.serve.runners import WEIGHT_DTYPES
 from redline.serve.servable import Servable, as_model_spec, load_servable, shape_text

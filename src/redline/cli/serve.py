@@ -32,8 +32,8 @@ from redline.cli.task_args import parse_task_args
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.serve.batcher import bucket_sizes
-from redline.serve.engine import InferenceEngine, check_engine_options
-from redline.serve.options import ServeOptions
+from redline.serve.engine import InferenceEngine
+from redline.serve.options import ServeOptions, check_engine_options
 from redline.serve.servable import as_model_spec, load_servable
 from redline.serve.server import bind, serve
 

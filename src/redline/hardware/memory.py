@@ -37,6 +37,17 @@ def resident_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def machine_memory_bytes() -> int:
+    """The machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_memory_bytes() -> int:
+    """The memory this process may fill: the machine's, or its cgroup's limit where that is lower."""
+    machine, limit = machine_memory_bytes(), memory_limit_bytes()
+    return min(machine, limit) if limit is not None else machine
+
+
 def resident_peak_bytes() -> int | None:
     """The process's resident high-water mark (VmHWM) in bytes since start or the last reset; None without /proc."""
     return proc_bytes(STATUS, "VmHWM")

@@ -9,11 +9,9 @@ fitting instead of being run.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from redline.hardware.memory import WindowPeak, memory_limit_bytes, proc_bytes, resident_bytes
+from redline.hardware.memory import WindowPeak, machine_memory_bytes, memory_limit_bytes, proc_bytes, resident_bytes
 
 GIB = 2**30
 # The share of what the process can reach (or of the cgroup's limit) a probe may use: the allocator keeps
@@ -72,4 +70,4 @@ def _available_bytes() -> int:
     """The memory the machine has free for a process to take (MemAvailable, /proc/meminfo, man 5 proc); where
     that cannot be read (macOS, Windows), all of the machine's memory."""
     available = proc_bytes(MEMINFO, "MemAvailable")
-    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return available if available is not None else machine_memory_bytes()

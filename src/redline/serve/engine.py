@@ -12,7 +12,9 @@ kept. Batches are padded up to the next bucket (powers of two up to ``max_batch_
 so a compiled model or a CUDA graph sees a few fixed shapes only; a batch larger than
 ``max_batch_size`` runs in chunks. With ``measure="auto"`` the precision, layout and compile
 candidates a rule cannot rank are timed on the largest and smallest buckets when the engine is
-built (serve/measure.py), and cached on disk.
+built (serve/measure.py), and cached on disk. Where one setting wins on the largest bucket and
+another on the smallest, both serve: the buckets between are timed both ways, and each runs the
+faster (the plan's ``small_batches``), on a second copy of the model where their weights differ.
 A sticky CUDA error (an illegal memory access, a device-side assert) marks the engine ``broken``.
 """
 
@@ -22,26 +24,27 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from redline.errors import ConfigError, DeviceUnavailableError, ServableError, describe_error, invalid
-from redline.hardware.device import probe_accelerators, probe_device
-from redline.plan import Choice, parse_switch
-from redline.plan.device import resolve_device
+from redline.errors import DeviceUnavailableError, ServableError, describe_error, invalid
+from redline.hardware.device import probe_device
+from redline.hardware.memory import host_memory_bytes
+from redline.plan import Choice
 from redline.plan.inference import (
     Proposal,
     Setting,
     Timing,
-    check_cuda_graphs,
-    check_inference_precision,
     choose,
+    no_room_for_copy,
     propose,
     read_measure,
     resolve_cuda_graphs,
+    split_buckets,
 )
 from redline.plan.layout import has_conv2d
 from redline.runtime.compile import (
@@ -54,6 +57,7 @@ from redline.runtime.compile import (
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
 from redline.serve.batcher import bucket_for, bucket_sizes
+from redline.serve.inputs import refuse_changed_by_cast
 from redline.serve.measure import (
     load_measured,
     measure_key,
@@ -62,6 +66,7 @@ from redline.serve.measure import (
     time_settings,
     weights_digest,
 )
+from redline.serve.options import engine_device
 from redline.serve.runners import (
     CaptureFailed,
     EagerRunner,
@@ -71,72 +76,12 @@ from redline.serve.runners import (
     make_forward,
     variant_of,
 )
-from redline.serve.servable import Servable, shape_text
+from redline.serve.servable import Servable, as_servable, shape_text
 from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
 
 PROBE_SEED = 0  # the random batch on which each candidate's outputs are compared with the reference's
-
-
-def check_engine_options(
-    *,
-    device: str,
-    precision: str,
-    compile: str | bool,
-    cuda_graphs: str | bool,
-    measure: str | bool,
-    channels_last: str | bool = "auto",
-) -> None:
-    """Refuse an engine option that cannot work here, before a model is built (the engine finds it only after).
-
-    A device this machine lacks is a DeviceUnavailableError; a value no engine takes, or CUDA graphs
-    asked of a device that is not CUDA, a ConfigError naming the argument.
-    """
-    chosen = resolve_device(device, probe_accelerators())
-    check_inference_precision(precision)
-    parse_switch("compile", compile)
-    parse_switch("channels_last", channels_last)
-    check_cuda_graphs(cuda_graphs, torch.device(chosen.value).type)
-    read_measure(measure)
-
-
-def _engine_device(device: str) -> Choice[str]:
-    """The device ``device`` names, its errors saying ``device=`` (the resolver says the Runtime's ``devices=``).
-
-    check_engine_options keeps the resolver's word: the command line turns it into --device.
-    """
-    try:
-        return resolve_device(device, probe_accelerators())
-    except ConfigError as error:
-        if error.parts is None or error.parts[0] != "devices":
-            raise
-        _, value, allowed, hint = error.parts
-        raise invalid("device", value, allowed, hint.replace("devices=", "device=")) from None
-    except DeviceUnavailableError as error:
-        raise DeviceUnavailableError(str(error).replace("devices=", "device=")) from error.__cause__
-
-
-def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:
-    """Return ``model`` as a Servable: itself, or a bare module with the input's shape and dtype given."""
-    if isinstance(model, Servable):
-        if input_shape is not None or input_dtype is not None:
-            given = input_shape if input_shape is not None else input_dtype
-            says = f"the Servable already names them: {model.input_shape}, {model.input_dtype}"
-            raise invalid("input_shape", given, "nothing when a Servable is passed", says)
-        return model
-    if not isinstance(model, nn.Module):
-        raise invalid(
-            "model", type(model).__name__, "an nn.Module (with input_shape=...) or a redline.Servable",
-            "wrap a plain function in an nn.Module",
-        )  # fmt: skip
-    if input_shape is None:
-        raise ConfigError(
-            f"InferenceEngine({type(model).__name__}) needs input_shape: one sample's shape, without the batch\n"
-            "hint: InferenceEngine(model, input_shape=(3, 32, 32)), or pass a redline.Servable"
-        )
-    shape = tuple(input_shape) if isinstance(input_shape, Sequence) else input_shape  # a lone 4: Servable says why
-    return Servable(model=model, input_shape=shape, input_dtype=input_dtype or "float32", name=type(model).__name__)
 
 
 class WarmUpStopped(Exception):
@@ -164,7 +109,7 @@ class InferenceEngine:
         self.servable = as_servable(model, input_shape, input_dtype)
         self.max_batch_size = max_batch_size
         self.buckets = bucket_sizes(max_batch_size, batch_buckets)
-        chosen_device = _engine_device(device)
+        chosen_device = engine_device(device)
         self.device = torch.device(chosen_device.value)
         self.facts = probe_device(self.device)
         proposal = propose(
@@ -183,7 +128,8 @@ class InferenceEngine:
         }
         self.model = convert(self.servable.model.to(self.device).eval(), proposal.reference)
         self._kept = proposal.reference  # the setting the model is converted for
-        self._variants: dict[tuple[str, bool], nn.Module] = {}  # copies other settings are timed on
+        self._variants: dict[tuple[str, bool], nn.Module] = {}  # copies other settings are timed (or run) on
+        self._split: tuple[Setting, frozenset[int]] | None = None  # another setting for these (small) buckets
         self.ready = False
         self.broken: str | None = None  # set when an error left the device unusable (a sticky CUDA error)
         self._lock = threading.Lock()
@@ -236,13 +182,12 @@ class InferenceEngine:
         if not self.ready:
             self.warm_up()
         with self._lock:
-            chunks = self._guarded(
-                lambda: [
-                    self._runner.run(part, bucket_for(len(part), self.buckets))
-                    for part in inputs.split(self.max_batch_size)
-                ]
-            )
+            chunks = self._guarded(lambda: [self._run(part) for part in inputs.split(self.max_batch_size)])
         return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
+    def _run(self, part: torch.Tensor) -> torch.Tensor:
+        bucket = bucket_for(len(part), self.buckets)
+        return self._runner_of(bucket).run(part, bucket)
 
     def _as_batch(self, batch: Any) -> torch.Tensor:
         """``batch`` as a tensor of real numbers with the input's sample shape, or a ConfigError naming what it is."""
@@ -261,22 +206,40 @@ class InferenceEngine:
             hint = f"one sample? add the batch dimension: batch[None] has shape {shape_text((1, *self.input_shape))}"
             hint = hint if one else ""
             raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
-        _refuse_changed_by_cast(inputs, self.servable.torch_dtype)
+        refuse_changed_by_cast(inputs, self.servable.torch_dtype)
         return inputs
 
     # -- setting up: the chosen precision, compile and runner --------------------------------------
 
     def _set_up(self) -> None:
+        """Convert the model for the plan's setting, compile it if asked, and make each bucket's runner.
+
+        Buckets the plan splits off run another setting: on a copy of the model converted for it where
+        its weights differ, made before the model is converted or compiled (a compile patches the forward).
+        """
         self._planned_compile: Choice[bool] = self.plan["compile"]
         kept = Setting(self.plan["precision"].value, bool(self.plan["compile"].value), self.plan["channels_last"].value)
+        small = replace(self._split[0], compiled=kept.compiled) if self._split is not None else None
+        if not kept.compiled:
+            self._uncompile()
+        lanes = {kept} if small is None else {kept, small}
+        copies = {  # the model's own weights, where another setting wants them, on a copy: the model is converted
+            s.variant: variant_of(self.model, s) if s.variant == self._kept.variant else self._variant(s)
+            for s in lanes
+            if s.variant != kept.variant
+        }
         if kept.variant != self._kept.variant:  # a setting timed on a copy won: the model itself becomes it
             self.model = convert(self.model, kept)
-        self._kept, self._variants = kept, {}
+        self._kept, self._variants = kept, copies
         if kept.compiled:
             self._compile()
-        else:
-            self._uncompile()
-        self._runner = self._runner_for(make_forward(self.model, kept, self.device))
+        self._runners = {s: self._runner_for(make_forward(self._variant(s), s, self.device)) for s in lanes}
+
+    def _runner_of(self, bucket: int) -> EagerRunner | GraphRunner:
+        """The runner of ``bucket``'s setting."""
+        if self._split is not None and bucket in self._split[1]:
+            return self._runners[replace(self._split[0], compiled=self._kept.compiled)]
+        return self._runners[self._kept]
 
     def _runner_for(self, forward: Forward) -> EagerRunner | GraphRunner:
         """The runner the plan's CUDA graph setting asks for, around ``forward``."""
@@ -315,7 +278,7 @@ class InferenceEngine:
                 for bucket in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
                     if self._stop is not None and self._stop.is_set():
                         raise WarmUpStopped(f"the warm-up was stopped before the bucket of {bucket}")
-                    self._runner.prepare(bucket, self._zeros(bucket))
+                    self._runner_of(bucket).prepare(bucket, self._zeros(bucket))
         except CaptureFailed as exc:
             self._fall_back("cuda_graphs", _without_graphs(exc))
             self._warm_buckets()
@@ -365,11 +328,38 @@ class InferenceEngine:
     def _measure(self, proposal: Proposal) -> None:
         """Time the proposal's settings on the largest and smallest buckets (or read them from the cache); plan by them.
 
-        The smallest bucket is what a lightly loaded server runs: a candidate must not lose there.
+        The smallest bucket is what a lightly loaded server runs: a candidate must not lose there, unless
+        another setting, faster there, runs the small buckets on a second copy of the model.
         """
         largest, smallest = self.buckets[-1], self.buckets[0]
         buckets = (largest, smallest) if smallest != largest else (largest,)
-        settings = [proposal.reference, *proposal.candidates]
+        found = self._timings([proposal.reference, *proposal.candidates], buckets)
+        if found is None:  # capturing failed, and the plan now runs without graphs
+            self._measure(proposal)
+            return
+        timings, note = found
+        small = (smallest, timings[smallest]) if smallest != largest else None
+        chosen = choose(proposal, timings[largest], bucket=largest, small=small, split=small is not None)
+        lighter = chosen.pop("small_batches", None)
+        if lighter is not None and isinstance(lighter.value, Setting):
+            kept = Setting(chosen["precision"].value, bool(chosen["compile"].value), chosen["channels_last"].value)
+            split = self._split_off(kept, lighter.value, timings)
+            if split is None:
+                self._measure(proposal)
+                return
+            lighter = split
+            if lighter.value is None:
+                chosen = choose(proposal, timings[largest], bucket=largest, small=small)
+        measured = chosen["measured"]
+        self.plan.update(chosen, measured=Choice(measured.value, f"{measured.reason}; {note}"))
+        if lighter is not None:
+            self.plan["small_batches"] = lighter
+
+    def _timings(
+        self, settings: Sequence[Setting], buckets: Sequence[int]
+    ) -> tuple[dict[int, list[Timing]], str] | None:
+        """Each bucket's timings of ``settings`` (the reference first), measured now or cached, and which;
+        None where capturing a CUDA graph failed: the plan then runs without graphs, and the caller measures again."""
         graphs = bool(self.plan["cuda_graphs"].value)
         sample = self._zeros(1)  # the model's own input, after the Servable's preprocess
         key = measure_key(
@@ -379,34 +369,43 @@ class InferenceEngine:
         cached = load_measured(key)
         if graphs and cached is not None and cached.capture_failed:  # this model could not be captured here
             self.plan["cuda_graphs"] = Choice(False, f"{cached.capture_failed} (cached from {cached.when})")
-            self._measure(proposal)
-            return
+            return None
         if cached is not None and set(cached.timings) == set(buckets):
-            timings, note = cached.timings, f"cached from {cached.when}"
-        else:
-            log.info(
-                "InferenceEngine: timing %s on batches of %s", ", ".join(s.label for s in settings),
-                " and ".join(map(str, buckets)),
-            )  # fmt: skip
-            for setting in settings:  # copies of the model as it is: a compile patches its forward, and a copy's
-                self._variant(setting)  # forward would then be the original's
-            if any(s.compiled for s in settings):
-                self._compile()
-            try:
-                with self._compile_room():
-                    timings = {bucket: self._time(settings, bucket) for bucket in buckets}
-            except CaptureFailed as exc:
-                self.plan["cuda_graphs"] = Choice(False, _without_graphs(exc))
-                if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
-                    store_capture_failure(key, _without_graphs(exc))
-                self._measure(proposal)
-                return
-            store_measured(key, timings)
-            note = "measured now"
-        small = (smallest, timings[smallest]) if smallest != largest else None
-        chosen = choose(proposal, timings[largest], bucket=largest, small=small)
-        measured = chosen["measured"]
-        self.plan.update(chosen, measured=Choice(measured.value, f"{measured.reason}; {note}"))
+            return cached.timings, f"cached from {cached.when}"
+        log.info(
+            "InferenceEngine: timing %s on batches of %s", ", ".join(s.label for s in settings),
+            " and ".join(map(str, buckets)),
+        )  # fmt: skip
+        for setting in settings:  # copies of the model as it is: a compile patches its forward, and a copy's
+            self._variant(setting)  # forward would then be the original's
+        if any(s.compiled for s in settings):
+            self._compile()
+        try:
+            with self._compile_room():
+                timings = {bucket: self._time(settings, bucket) for bucket in buckets}
+        except CaptureFailed as exc:
+            self.plan["cuda_graphs"] = Choice(False, _without_graphs(exc))
+            if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
+                store_capture_failure(key, _without_graphs(exc))
+            return None
+        store_measured(key, timings)
+        return timings, "measured now"
+
+    def _split_off(self, kept: Setting, small: Setting, ends: dict[int, list[Timing]]) -> Choice[str | None] | None:
+        """The small_batches entry where ``small`` beat ``kept`` on the smallest bucket: the buckets it runs, timed
+        both ways on those in between; None where capturing failed (measure again)."""
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        memory = self.facts.mem_gib * 2**30 if self.facts.mem_gib else host_memory_bytes()
+        no_room = no_room_for_copy(weights, memory, self.facts.type) if small.variant != kept.variant else ""
+        if no_room:
+            return Choice(None, no_room)
+        middle = [b for b in self.buckets if b not in ends]
+        found = self._timings([kept, small], middle) if middle else ({}, "")
+        if found is None:
+            return None
+        runs, choice = split_buckets(kept, small, {**ends, **found[0]})
+        self._split = (small, runs)
+        return choice
 
     def _time(self, settings: Sequence[Setting], bucket: int) -> list[Timing]:
         """Time ``settings`` (the reference first) on ``bucket``, each through the runner it would serve with."""
@@ -455,35 +454,6 @@ class InferenceEngine:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
         return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
-
-
-def _refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse a batch holding a value the cast to ``dtype`` would change without a word (300 becomes 44 in uint8,
-    NaN a large negative integer, 1e6 infinity in float16), naming the first row that holds one."""
-    if inputs.dtype == dtype or inputs.numel() == 0:
-        return
-    # widened: a bound compared with a narrow tensor is cast to its dtype (int8 against int64's bounds overflows)
-    values = inputs.double() if inputs.is_floating_point() else inputs.long()
-    if dtype == torch.bool:
-        bad, allowed = (values != 0) & (values != 1), "0 or 1 (False or True)"
-    elif dtype.is_floating_point:
-        largest = torch.finfo(dtype).max
-        bad, allowed = values.isfinite() & (values.abs() > largest), f"values within {dtype}'s range ±{largest:.6g}"
-    else:
-        info = torch.iinfo(dtype)
-        bad = (values < info.min) | (values > info.max)
-        if inputs.is_floating_point():
-            bad |= ~values.isfinite() | (values != values.round())
-        allowed = f"whole numbers within {dtype}'s range [{info.min}, {info.max}]"
-    if not bool(bad.any()):
-        return
-    row = int(bad.reshape(len(bad), -1).any(dim=1).int().argmax())
-    value = inputs[row][bad[row]][0].item()
-    raise invalid(
-        "batch", f"row {row} holding {value!r}", str(allowed).replace("torch.", ""),
-        f"the cast to the input dtype {str(dtype).removeprefix('torch.')} would change it without a word; check the "
-        "inputs, or give the model a wider input_dtype",
-    )  # fmt: skip
 
 
 def _without_graphs(exc: CaptureFailed) -> str:

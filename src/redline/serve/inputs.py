@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 import torch
 
+from redline.errors import invalid
 from redline.serve.refused import Refused
 from redline.serve.servable import shape_text
 
@@ -225,3 +226,32 @@ def _bad_values(spec: InputSpec, bad: np.ndarray[Any, Any], problem: str) -> Ref
 def _outside_range(dtype: str) -> str:
     info = np.iinfo(dtype)
     return f"inputs hold integers outside {dtype}'s range [{info.min}, {info.max}]"
+
+
+def refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse a batch holding a value the cast to ``dtype`` would change without a word (300 becomes 44 in uint8,
+    NaN a large negative integer, 1e6 infinity in float16), naming the first row that holds one."""
+    if inputs.dtype == dtype or inputs.numel() == 0:
+        return
+    # widened: a bound compared with a narrow tensor is cast to its dtype (int8 against int64's bounds overflows)
+    values = inputs.double() if inputs.is_floating_point() else inputs.long()
+    if dtype == torch.bool:
+        bad, allowed = (values != 0) & (values != 1), "0 or 1 (False or True)"
+    elif dtype.is_floating_point:
+        largest = torch.finfo(dtype).max
+        bad, allowed = values.isfinite() & (values.abs() > largest), f"values within {dtype}'s range ±{largest:.6g}"
+    else:
+        info = torch.iinfo(dtype)
+        bad = (values < info.min) | (values > info.max)
+        if inputs.is_floating_point():
+            bad |= ~values.isfinite() | (values != values.round())
+        allowed = f"whole numbers within {dtype}'s range [{info.min}, {info.max}]"
+    if not bool(bad.any()):
+        return
+    row = int(bad.reshape(len(bad), -1).any(dim=1).int().argmax())
+    value = inputs[row][bad[row]][0].item()
+    raise invalid(
+        "batch", f"row {row} holding {value!r}", str(allowed).replace("torch.", ""),
+        f"the cast to the input dtype {str(dtype).removeprefix('torch.')} would change it without a word; check the "
+        "inputs, or give the model a wider input_dtype",
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The HTTP server's options: one validated value, turned into `redline serve`'s flags."""
+"""The HTTP server's options (one validated value, turned into `redline serve`'s flags), and the engine's checks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from redline.config import non_negative_int, non_negative_number, option, positive_int, positive_number, with_changes
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, DeviceUnavailableError, invalid
+from redline.hardware.device import probe_accelerators
+from redline.plan import Choice, parse_switch
+from redline.plan.device import resolve_device
+from redline.plan.inference import check_cuda_graphs, check_inference_precision, read_measure
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,3 +80,41 @@ class ServeOptions:
                 f"hint: export {self.token_env}=$(openssl rand -hex 32), or drop --token-env"
             )
         return value
+
+
+def check_engine_options(
+    *,
+    device: str,
+    precision: str,
+    compile: str | bool,
+    cuda_graphs: str | bool,
+    measure: str | bool,
+    channels_last: str | bool = "auto",
+) -> None:
+    """Refuse an engine option that cannot work here, before a model is built (the engine finds it only after).
+
+    A device this machine lacks is a DeviceUnavailableError; a value no engine takes, or CUDA graphs
+    asked of a device that is not CUDA, a ConfigError naming the argument.
+    """
+    chosen = resolve_device(device, probe_accelerators())
+    check_inference_precision(precision)
+    parse_switch("compile", compile)
+    parse_switch("channels_last", channels_last)
+    check_cuda_graphs(cuda_graphs, torch.device(chosen.value).type)
+    read_measure(measure)
+
+
+def engine_device(device: str) -> Choice[str]:
+    """The device ``device`` names, its errors saying ``device=`` (the resolver says the Runtime's ``devices=``).
+
+    check_engine_options keeps the resolver's word: the command line turns it into --device.
+    """
+    try:
+        return resolve_device(device, probe_accelerators())
+    except ConfigError as error:
+        if error.parts is None or error.parts[0] != "devices":
+            raise
+        _, value, allowed, hint = error.parts
+        raise invalid("device", value, allowed, hint.replace("devices=", "device=")) from None
+    except DeviceUnavailableError as error:
+        raise DeviceUnavailableError(str(error).replace("devices=", "device=")) from error.__cause__

@@ -289,3 +289,25 @@ def _saved_by_torch(path: Path) -> bool:
     except OSError:
         return False
     return start.startswith(b"PK\x03\x04") or (len(start) >= 2 and start[0] == 0x80 and 2 <= start[1] <= 5)
+
+
+def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:
+    """Return ``model`` as a Servable: itself, or a bare module with the input's shape and dtype given."""
+    if isinstance(model, Servable):
+        if input_shape is not None or input_dtype is not None:
+            given = input_shape if input_shape is not None else input_dtype
+            says = f"the Servable already names them: {model.input_shape}, {model.input_dtype}"
+            raise invalid("input_shape", given, "nothing when a Servable is passed", says)
+        return model
+    if not isinstance(model, nn.Module):
+        raise invalid(
+            "model", type(model).__name__, "an nn.Module (with input_shape=...) or a redline.Servable",
+            "wrap a plain function in an nn.Module",
+        )  # fmt: skip
+    if input_shape is None:
+        raise ConfigError(
+            f"InferenceEngine({type(model).__name__}) needs input_shape: one sample's shape, without the batch\n"
+            "hint: InferenceEngine(model, input_shape=(3, 32, 32)), or pass a redline.Servable"
+        )
+    shape = tuple(input_shape) if isinstance(input_shape, Sequence) else input_shape  # a lone 4: Servable says why
+    return Servable(model=model, input_shape=shape, input_dtype=input_dtype or "float32", name=type(model).__name__)
