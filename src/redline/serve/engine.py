@@ -219,10 +219,11 @@ class InferenceEngine:
         """
         self._planned_compile: Choice[bool] = self.plan["compile"]
         kept = Setting(self.plan["precision"].value, bool(self.plan["compile"].value), self.plan["channels_last"].value)
-        small = replace(self._split[0], compiled=kept.compiled) if self._split is not None else None
+        small, split = self._split if self._split is not None else (kept, frozenset[int]())
+        small = replace(small, compiled=kept.compiled)  # both compiled or neither: a compile that failed, neither
         if not kept.compiled:
             self._uncompile()
-        lanes = {kept} if small is None else {kept, small}
+        lanes = {kept, small}
         copies = {  # the model's own weights, where another setting wants them, on a copy: the model is converted
             s.variant: variant_of(self.model, s) if s.variant == self._kept.variant else self._variant(s)
             for s in lanes
@@ -233,13 +234,12 @@ class InferenceEngine:
         self._kept, self._variants = kept, copies
         if kept.compiled:
             self._compile()
-        self._runners = {s: self._runner_for(make_forward(self._variant(s), s, self.device)) for s in lanes}
+        runners = {s: self._runner_for(make_forward(self._variant(s), s, self.device)) for s in lanes}
+        self._runners = {b: runners[small if b in split else kept] for b in self.buckets}
 
     def _runner_of(self, bucket: int) -> EagerRunner | GraphRunner:
         """The runner of ``bucket``'s setting."""
-        if self._split is not None and bucket in self._split[1]:
-            return self._runners[replace(self._split[0], compiled=self._kept.compiled)]
-        return self._runners[self._kept]
+        return self._runners[bucket]
 
     def _runner_for(self, forward: Forward) -> EagerRunner | GraphRunner:
         """The runner the plan's CUDA graph setting asks for, around ``forward``."""
