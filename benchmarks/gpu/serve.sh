@@ -2,7 +2,7 @@
 # GPU check for serving, on one CUDA GPU; about 7 minutes on an H200.
 # 1. engine_speed.py: the InferenceEngine without HTTP on the digits CNN and the 4096-wide MLP,
 #    eager fp32 against CUDA graphs (fp32, bf16 autocast, bf16 weights, bf16 weights in channels_last for
-#    the CNN), bf16 + compile + CUDA graphs, and auto (which times these itself), at batch 1 and 32:
+#    the CNN), bf16 + compile + CUDA graphs, and auto (which times these itself), at batch 1, 4 and 32:
 #    ms per call, samples/s, ratio to eager fp32, output difference, warm-up time.
 # 2. serve.py: `redline serve` of both models with eager fp32 (redline-eager), bf16 + compile +
 #    CUDA graphs (redline-fast) and auto (redline), closed loop at 64 and open loop: requests/s, p99.

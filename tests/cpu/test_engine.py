@@ -28,15 +28,19 @@ class Spy(nn.Module):
     """A seeded linear layer that records each batch's size and whether autocast was on.
 
     Under autocast it can sleep (a slow candidate) or shift its outputs (an inaccurate one); in fp32
-    it can sleep too, so that a candidate is the faster one. A sleep given as {batch size: seconds}
-    sleeps on those sizes only. A sample holding ``poison`` raises ``error``.
+    it can sleep too, so that a candidate is the faster one, and with its weights cast (bf16-true; as in fp32
+    unless given). A sleep given as {batch size: seconds} sleeps on those sizes only. A sample holding
+    ``poison`` raises ``error``.
     """
 
-    def __init__(self, *, autocast_sleep_s=0.0, autocast_shift=0.0, fp32_sleep_s=0.0, poison=None, error=None):
+    def __init__(
+        self, *, autocast_sleep_s=0.0, autocast_shift=0.0, fp32_sleep_s=0.0, cast_sleep_s=None, poison=None, error=None
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.linear = nn.Linear(3, 2)
         self.autocast_sleep_s, self.autocast_shift, self.fp32_sleep_s = autocast_sleep_s, autocast_shift, fp32_sleep_s
+        self.cast_sleep_s = fp32_sleep_s if cast_sleep_s is None else cast_sleep_s  # with its weights cast (bf16-true)
         self.poison, self.error = poison, error
         self.sizes: list[int] = []
         self.autocast_calls = 0
@@ -50,7 +54,7 @@ class Spy(nn.Module):
             self.autocast_calls += 1
             sleep(self.autocast_sleep_s, x.shape[0])
             return out + self.autocast_shift
-        sleep(self.fp32_sleep_s, x.shape[0])
+        sleep(self.fp32_sleep_s if self.linear.weight.dtype == torch.float32 else self.cast_sleep_s, x.shape[0])
         return out
 
 
@@ -236,7 +240,7 @@ def measured_blocks(cache, precision):
 
 
 def test_auto_keeps_fp32_when_bf16_is_slower_and_says_by_how_much(cache, bf16_cpu):
-    model = Spy(autocast_sleep_s=SLEEP_S)
+    model = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
     engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
     precision = engine.plan["precision"]
     assert precision.value == "fp32"
@@ -259,7 +263,7 @@ def test_auto_rejects_a_faster_bf16_whose_outputs_depart_from_fp32(cache, bf16_c
 
 def test_auto_runs_bf16_on_full_batches_and_fp32_on_single_requests_where_each_wins(cache, bf16_cpu):
     # As autocast does on a CPU for a wide MLP: it casts the weights on every call, which a batch of 1 cannot repay.
-    model = Spy(fp32_sleep_s={4: SLEEP_S}, autocast_sleep_s={1: SLEEP_S})
+    model = Spy(fp32_sleep_s={4: SLEEP_S}, autocast_sleep_s={1: SLEEP_S}, cast_sleep_s=SLEEP_S)
     engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
     precision, small = engine.plan["precision"], engine.plan["small_batches"]
     assert precision.value == "bf16-mixed" and "on the largest bucket (4); smaller buckets run fp32" in precision.reason
@@ -280,17 +284,17 @@ def test_auto_runs_bf16_on_full_batches_and_fp32_on_single_requests_where_each_w
 
 
 def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):
-    first = Spy(autocast_sleep_s=SLEEP_S)
+    first = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
     InferenceEngine(first, input_shape=(3,), device="cpu", max_batch_size=4)
     assert first.autocast_calls > 0
-    second = Spy(autocast_sleep_s=SLEEP_S)  # the same architecture: the same fingerprint
+    second = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)  # the same architecture: the same fingerprint
     engine = InferenceEngine(second, input_shape=(3,), device="cpu", max_batch_size=4)
     assert second.autocast_calls == 0 and second.sizes == [], "nothing ran: the measurement came from the cache"
     assert engine.plan["precision"].value == "fp32" and "cached from" in engine.plan["measured"].reason
-    other_bucket = Spy(autocast_sleep_s=SLEEP_S)
+    other_bucket = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
     InferenceEngine(other_bucket, input_shape=(3,), device="cpu", max_batch_size=2)
     assert other_bucket.autocast_calls > 0, "another largest bucket is measured anew"
-    retrained = Spy(autocast_sleep_s=SLEEP_S)
+    retrained = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
     with torch.no_grad():
         retrained.linear.weight.add_(0.5)
     InferenceEngine(retrained, input_shape=(3,), device="cpu", max_batch_size=4)

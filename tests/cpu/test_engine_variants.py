@@ -221,3 +221,30 @@ def test_one_setting_fastest_on_every_bucket_needs_no_second_copy(cache, monkeyp
     small = made.plan["small_batches"]
     assert small.value is None and "one setting serves every bucket" in small.reason
     assert made._variants == {}
+
+
+def test_a_fall_back_after_the_split_was_timed_leaves_one_setting_and_says_why(cache, monkeypatch):
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    made = engine(Split())
+    assert made.plan["small_batches"].value == "fp32 at 1"
+    made._fall_back("compile", "compile failed, ran eagerly: x")  # as the warm-up does when a compile fails
+    small = made.plan["small_batches"]
+    assert small.value is None and "the split was timed with compile on, which fell back" in small.reason
+    assert made._variants == {} and made._runner_of(1) is made._runner_of(4), "the second copy is let go"
+    assert made.predict(torch.zeros(1, 1, 8, 8)).shape == (1, 3)
+
+
+def test_a_failure_timing_the_buckets_between_leaves_one_setting(cache, monkeypatch):
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    real = engine_module.time_settings
+
+    def failing_on_two(runners, zeros, probe, **options):
+        if len(zeros) == 2:
+            raise RuntimeError("no kernel for this size")
+        return real(runners, zeros, probe, **options)
+
+    monkeypatch.setattr(engine_module, "time_settings", failing_on_two)
+    made = engine(Split())
+    small = made.plan["small_batches"]
+    assert small.value is None and "timing the buckets between failed: RuntimeError: no kernel" in small.reason
+    assert made._variants == {} and made.predict(torch.zeros(3, 1, 8, 8)).shape == (3, 3)

@@ -358,7 +358,7 @@ def test_a_split_pairs_settings_compiled_alike_and_only_accurate_ones():
     order = [proposal.reference, *proposal.candidates]
     compiled_bf16, compiled_fp32, true = Setting("bf16-mixed", True), Setting("fp32", True), Setting("bf16-true", False)
     large = [timed(s, {compiled_bf16: 1.0}.get(s, 3.0)) for s in order]
-    small = [timed(s, {compiled_bf16: 3.0, true: 0.5}.get(s, 1.0)) for s in order]
+    small = [timed(s, {compiled_bf16: 3.0, true: 0.5, compiled_fp32: 0.8}.get(s, 1.0)) for s in order]
     chosen = choose(proposal, large, bucket=32, small=(1, small), split=True)
     assert chosen["compile"].value is True and chosen["precision"].value == "bf16-mixed"
     assert chosen["small_batches"].value == compiled_fp32, "bf16-true ran faster at 1, but eagerly: not paired"
@@ -390,3 +390,26 @@ def test_a_second_copy_is_held_only_within_a_tenth_of_the_devices_memory():
     assert no_room_for_copy(100 * 2**20, 2 * 2**30, "cuda") == ""
     told = no_room_for_copy(300 * 2**20, 2 * 2**30, "cuda")
     assert "a second copy of the weights (300 MiB), over 10% of the cuda's 2 GiB" in told
+
+
+def test_a_split_never_runs_small_batches_slower_than_the_reference():
+    """A compiled winner pairs with compiled settings only: where none beats eager fp32 on one sample, no split."""
+    proposal = propose(H200, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    order = [proposal.reference, *proposal.candidates]
+    compiled_fp32, compiled_bf16 = Setting("fp32", True), Setting("bf16-mixed", True)
+    large = [timed(s, {FP32: 2.0, compiled_fp32: 1.0, compiled_bf16: 1.3}.get(s, 3.0)) for s in order]
+    small = [timed(s, {FP32: 1.0, compiled_fp32: 3.0, compiled_bf16: 2.5}.get(s, 3.0)) for s in order]
+    chosen = choose(proposal, large, bucket=32, small=(1, small), split=True)
+    assert chosen["small_batches"].value is None
+    assert chosen == {**choose(proposal, large, bucket=32, small=(1, small)), "small_batches": chosen["small_batches"]}
+
+
+def test_a_split_takes_no_setting_within_the_margin_of_the_reference_on_its_bucket():
+    order = [CPU_PROPOSAL.reference, *CPU_PROPOSAL.candidates]
+    true = Setting("bf16-true", False)
+    large = [timed(s, {FP32: 1.0, true: 0.98, BF16: 1.04}.get(s, 3.0)) for s in order]
+    small = [timed(s, {FP32: 1.0, true: 2.0, BF16: 0.9}.get(s, 3.0)) for s in order]
+    chosen = choose(CPU_PROPOSAL, large, bucket=32, small=(1, small), split=True)
+    assert chosen["precision"].value == "fp32" and chosen["small_batches"].value is None, (
+        "bf16-true's 1.02x at 32 is noise: fp32 stays, with no second copy"
+    )

@@ -75,6 +75,7 @@ from redline.serve.runners import (
     convert,
     make_forward,
     variant_of,
+    weight_bytes,
 )
 from redline.serve.servable import Servable, as_servable, shape_text
 from redline.task import model_fingerprint
@@ -291,6 +292,10 @@ class InferenceEngine:
     def _fall_back(self, axis: str, reason: str) -> None:
         log.warning("InferenceEngine: %s; %s off", reason, axis)
         self.plan[axis] = Choice(False, reason)
+        if self._split is not None:  # the two settings were timed with it: the split no longer stands
+            self._split = None
+            self.plan["small_batches"] = Choice(None, f"one setting serves every bucket: the split was timed with "
+                                                      f"{axis} on, which fell back")  # fmt: skip
         self._set_up()
 
     def _guarded(self, work: Any) -> Any:
@@ -394,18 +399,25 @@ class InferenceEngine:
     def _split_off(self, kept: Setting, small: Setting, ends: dict[int, list[Timing]]) -> Choice[str | None] | None:
         """The small_batches entry where ``small`` beat ``kept`` on the smallest bucket: the buckets it runs, timed
         both ways on those in between; None where capturing failed (measure again)."""
-        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         memory = self.facts.mem_gib * 2**30 if self.facts.mem_gib else host_memory_bytes()
-        no_room = no_room_for_copy(weights, memory, self.facts.type) if small.variant != kept.variant else ""
+        copy = weight_bytes(self.model, small)
+        no_room = no_room_for_copy(copy, memory, self.facts.type) if small.variant != kept.variant else ""
         if no_room:
             return Choice(None, no_room)
         middle = [b for b in self.buckets if b not in ends]
-        found = self._timings([kept, small], middle) if middle else ({}, "")
+        try:
+            found = self._timings([kept, small], middle) if middle else ({}, "")
+        except Exception as exc:  # the kept setting failing on a bucket between (a compile): the warm-up decides
+            if is_sticky_cuda_error(exc):
+                raise
+            return Choice(
+                None, f"one setting serves every bucket: timing the buckets between failed: {describe_error(exc)}"
+            )
         if found is None:
             return None
         runs, choice = split_buckets(kept, small, {**ends, **found[0]})
         self._split = (small, runs)
-        return choice
+        return Choice(choice.value, f"{choice.reason}; {found[1]}") if found[1] else choice
 
     def _time(self, settings: Sequence[Setting], bucket: int) -> list[Timing]:
         """Time ``settings`` (the reference first) on ``bucket``, each through the runner it would serve with."""

@@ -76,6 +76,14 @@ def variant_of(model: nn.Module, setting: Setting) -> nn.Module:
     return convert(copy_model(model), setting)
 
 
+def weight_bytes(model: nn.Module, setting: Setting) -> int:
+    """The bytes of ``model``'s weights and buffers converted for ``setting`` (floating ones cast where it casts)."""
+    cast = WEIGHT_DTYPES.get(setting.precision)
+    size = torch.empty((), dtype=cast).element_size() if cast is not None else 0
+    tensors = (*model.parameters(), *model.buffers())
+    return sum(t.numel() * (size if size and t.is_floating_point() else t.element_size()) for t in tensors)
+
+
 def pad_to(inputs: torch.Tensor, bucket: int) -> torch.Tensor:
     """Return ``inputs`` with zero rows appended up to ``bucket`` rows (``inputs`` itself when it has them)."""
     missing = bucket - inputs.shape[0]
