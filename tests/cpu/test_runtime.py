@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import redline
 from redline.errors import ConfigError, DeviceUnavailableError
-from redline.runtime.compile import compile_module
+from redline.plan import Choice
+from redline.runtime.compile import compile_module, explain_compile, recompile_room
 from redline.runtime.optimizer import rebuild_optimizer
 
 STEPS = 12
@@ -380,3 +381,44 @@ def test_fp16_two_optimizers_step_as_torchs_one_scaler_recipe():
     assert_same_weights(rb, b, atol=0)  # stepped as far as torch's recipe steps it
     assert not torch.equal(rb.weight, two_models()[1].weight)
     assert rt.skipped_steps == 1 and rt.precision.scaler.get_scale() == scaler.get_scale() == 2.0**15
+
+
+def _limit_name():
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config, "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+
+def test_a_second_model_of_a_class_gets_room_for_its_own_graphs():
+    """torch.compile's limit counts the graphs of a forward's code, which all instances of the class share."""
+
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    dynamo_config, name = _limit_name()
+    with dynamo_config.patch(name, 2):
+        first = compile_module(Double(), backend="eager", dynamic=False)
+        for rows in (1, 2):
+            first.module(torch.zeros(rows))
+        second = compile_module(Double(), backend="eager", dynamic=False)
+        with recompile_room(second, 2):
+            for rows in (3, 4):
+                second.module(torch.zeros(rows))
+    assert (first.compiles, second.compiles, second.uncompiled) == (2, 2, 0)
+
+
+def test_a_call_torch_compile_gave_up_on_is_counted_and_told():
+    class Triple(nn.Module):
+        def forward(self, x):
+            return x * 3
+
+    dynamo_config, name = _limit_name()
+    with dynamo_config.patch(name, 1):
+        record = compile_module(Triple(), backend="eager", dynamic=False)
+        record.module(torch.zeros(1))
+        out = record.module(torch.ones(2))  # a second shape, past the limit: eager, and still right
+    assert torch.equal(out, torch.full((2,), 3.0))
+    assert (record.compiles, record.uncompiled) == (1, 1)
+    told = explain_compile(Choice(True, "requested"), [record]).reason
+    assert "torch.compile gave up compiling 1 time(s), and those calls ran eagerly" in told

@@ -50,6 +50,7 @@ class CompileRecord:
     compiles: int = 0
     training: int = 0  # of them, the ones under autograd (a training forward); the rest ran under no_grad
     recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
+    uncompiled: int = 0  # calls torch.compile tried and gave up on, run eagerly (its recompile limit, say)
     module: nn.Module | None = None
     eager: Any = None  # the module's own forward, before compiling
 
@@ -122,16 +123,56 @@ def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choi
         reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
     if causes:
         reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
+    uncompiled = sum(r.uncompiled for r in records)
+    if uncompiled:
+        reason += (
+            f"; torch.compile gave up compiling {uncompiled} time(s), and those calls ran eagerly (its recompile "
+            "limit, or a frame it cannot trace)"
+        )
     return Choice(True, reason)
 
 
 def _compiled_frames() -> int:
     """How many frames torch.compile has compiled in this process: it grows by one per compile or recompile."""
+    return _frames("ok")
+
+
+def _frames(kind: str) -> int:
+    """torch.compile's count of frames in this process: "ok" (compiled) or "total" (tried: compiled, or given up on)."""
     try:
         from torch._dynamo.utils import counters
     except Exception:
         return 0
-    return int(counters["frames"]["ok"])
+    return int(counters["frames"][kind])
+
+
+@contextlib.contextmanager
+def recompile_room(record: CompileRecord | None, graphs: int) -> Iterator[None]:
+    """Let torch.compile keep ``graphs`` more graphs of ``record``'s forward than it holds now, inside.
+
+    Its limit (8 by default) counts the graphs of a forward's code, which every instance of the model's
+    class shares: past it, a new shape runs eagerly without a word, so a second engine of the same class
+    in one process would have served eagerly what its plan called compiled.
+    """
+    if record is None:
+        yield
+        return
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    need = max(int(getattr(dynamo_config, name)), _graphs_held(record.eager) + graphs)
+    with dynamo_config.patch(name, need):
+        yield
+
+
+def _graphs_held(function: Any) -> int:
+    """How many graphs torch.compile holds for ``function``'s code (0 where torch cannot say)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(function.__code__))
+    except Exception:
+        return 0
 
 
 def _last_guard_failure() -> str:
@@ -188,11 +229,14 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles)."""
-        before, start = _compiled_frames(), time.perf_counter()
+        before, tried, start = _compiled_frames(), _frames("total"), time.perf_counter()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         out = compiled(*args, **kwargs)
-        if _compiled_frames() != before:
+        if _compiled_frames() == before and _frames("total") != tried:  # tried, gave up, ran eagerly
+            record.uncompiled += 1
+            log.warning("torch.compile ran %s eagerly: it gave up compiling this call", type(model).__name__)
+        elif _compiled_frames() != before:
             training = torch.is_grad_enabled()
             record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "", training=training)
             if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once

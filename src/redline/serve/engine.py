@@ -53,6 +53,7 @@ from redline.runtime.compile import (
     compile_supported,
     explain_compile,
     is_compiler_error,
+    recompile_room,
 )
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
@@ -264,14 +265,8 @@ class InferenceEngine:
         self._record = None
 
     def _compile_room(self) -> contextlib.AbstractContextManager[Any]:
-        """Let torch.compile keep a graph per bucket and precision: its default limit (8) falls back to eager beyond."""
-        if self._record is None:
-            return contextlib.nullcontext()
-        import torch._dynamo.config as dynamo_config
-
-        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-        need = max(int(getattr(dynamo_config, name)), 2 * len(self.buckets) + 2)
-        return dynamo_config.patch(name, need)
+        """Room for a graph per bucket and precision beyond those torch.compile holds (runtime.compile says why)."""
+        return recompile_room(self._record, 2 * len(self.buckets) + 2)
 
     def _warm_buckets(self) -> None:
         try:
