@@ -389,23 +389,19 @@ def _limit_name():
     return dynamo_config, "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
 
 
-def test_a_second_model_of_a_class_gets_room_for_its_own_graphs():
-    """torch.compile's limit counts the graphs of a forward's code, which all instances of the class share."""
-
-    class Double(nn.Module):
-        def forward(self, x):
-            return x * 2
-
+def test_each_compiled_model_keeps_its_graphs_apart_and_room_is_made_for_more():
+    """torch.compile's limit counts the graphs of one code object; it wraps torch.nn's own forwards (an
+    nn.Sequential's) in a function whose code all of them would share."""
     dynamo_config, name = _limit_name()
     with dynamo_config.patch(name, 2):
-        first = compile_module(Double(), backend="eager", dynamic=False)
-        for rows in (1, 2):
-            first.module(torch.zeros(rows))
-        second = compile_module(Double(), backend="eager", dynamic=False)
+        first, second = (compile_module(nn.Sequential(nn.ReLU()), backend="eager", dynamic=False) for _ in "ab")
+        for record in (first, second):
+            for rows in (1, 2):
+                record.module(torch.zeros(rows))
         with recompile_room(second, 2):
             for rows in (3, 4):
                 second.module(torch.zeros(rows))
-    assert (first.compiles, second.compiles, second.uncompiled) == (2, 2, 0)
+    assert (first.compiles, second.compiles, second.uncompiled) == (2, 4, 0)
 
 
 def test_a_call_torch_compile_gave_up_on_is_counted_and_told():

@@ -53,6 +53,7 @@ class CompileRecord:
     uncompiled: int = 0  # calls torch.compile tried and gave up on, run eagerly (its recompile limit, say)
     module: nn.Module | None = None
     eager: Any = None  # the module's own forward, before compiling
+    code: Any = None  # the code object torch.compile keeps the graphs of
 
     @contextlib.contextmanager
     def eagerly(self) -> Iterator[None]:
@@ -150,9 +151,8 @@ def _frames(kind: str) -> int:
 def recompile_room(record: CompileRecord | None, graphs: int) -> Iterator[None]:
     """Let torch.compile keep ``graphs`` more graphs of ``record``'s forward than it holds now, inside.
 
-    Its limit (8 by default) counts the graphs of a forward's code, which every instance of the model's
-    class shares: past it, a new shape runs eagerly without a word, so a second engine of the same class
-    in one process would have served eagerly what its plan called compiled.
+    Its limit (8 by default) counts the graphs of one code object (``compile_module`` gives each model its
+    own): past it, a new shape runs eagerly, and only a warning says so.
     """
     if record is None:
         yield
@@ -160,17 +160,17 @@ def recompile_room(record: CompileRecord | None, graphs: int) -> Iterator[None]:
     import torch._dynamo.config as dynamo_config
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    need = max(int(getattr(dynamo_config, name)), _graphs_held(record.eager) + graphs)
+    need = max(int(getattr(dynamo_config, name)), _graphs_held(record.code) + graphs)
     with dynamo_config.patch(name, need):
         yield
 
 
-def _graphs_held(function: Any) -> int:
-    """How many graphs torch.compile holds for ``function``'s code (0 where torch cannot say)."""
+def _graphs_held(code: Any) -> int:
+    """How many graphs torch.compile holds for ``code`` (0 where torch cannot say)."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        return len(_debug_get_cache_entry_list(function.__code__))
+        return len(_debug_get_cache_entry_list(code))
     except Exception:
         return 0
 
@@ -202,11 +202,20 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     the model logs a warning once with the reason and runs eagerly from then on.
     """
     eager = model.forward
-    compiled = torch.compile(eager, **options)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return eager(*args, **kwargs)
+
+    # torch.compile keeps a forward's graphs, and counts them against its recompile limit, per code object.
+    # Given torch.nn's own forward (an nn.Sequential's), it wraps it in a function whose code every such
+    # module in the process shares (pytorch#124269): a second model's graphs then ran eagerly past the
+    # limit. A code object of the model's own keeps its graphs apart.
+    forward.__code__ = forward.__code__.replace(co_name=f"{type(model).__name__}_forward")
+    compiled = torch.compile(forward, **options)
     # CUDA graphs (mode="reduce-overhead") replay into the same output buffers: each forward starts a
     # new step, so the last step's outputs are never mistaken for live ones (a no-op without CUDA graphs).
     graphs = options.get("mode") == "reduce-overhead"
-    record = CompileRecord(module=model, eager=eager)
+    record = CompileRecord(module=model, eager=eager, code=forward.__code__)
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
