@@ -241,7 +241,7 @@ def measured_blocks(cache, precision):
 
 def test_auto_keeps_fp32_when_bf16_is_slower_and_says_by_how_much(cache, bf16_cpu):
     model = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
-    engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     precision = engine.plan["precision"]
     assert precision.value == "fp32"
     assert "measured: fp32 kept" in precision.reason and "bf16-mixed 0." in precision.reason
@@ -254,7 +254,7 @@ def test_auto_keeps_fp32_when_bf16_is_slower_and_says_by_how_much(cache, bf16_cp
 
 def test_auto_rejects_a_faster_bf16_whose_outputs_depart_from_fp32(cache, bf16_cpu):
     model = Spy(fp32_sleep_s=SLEEP_S, autocast_shift=10.0)
-    engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     assert engine.plan["precision"].value == "fp32"
     assert "bf16-mixed rejected: its outputs are" in engine.plan["precision"].reason
     assert "off fp32's (tolerance 5%)" in engine.plan["measured"].reason
@@ -264,7 +264,7 @@ def test_auto_rejects_a_faster_bf16_whose_outputs_depart_from_fp32(cache, bf16_c
 def test_auto_runs_bf16_on_full_batches_and_fp32_on_single_requests_where_each_wins(cache, bf16_cpu):
     # As autocast does on a CPU for a wide MLP: it casts the weights on every call, which a batch of 1 cannot repay.
     model = Spy(fp32_sleep_s={4: SLEEP_S}, autocast_sleep_s={1: SLEEP_S}, cast_sleep_s=SLEEP_S)
-    engine = InferenceEngine(model, input_shape=(3,), device="cpu", max_batch_size=4)
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     precision, small = engine.plan["precision"], engine.plan["small_batches"]
     assert precision.value == "bf16-mixed" and "on the largest bucket (4); smaller buckets run fp32" in precision.reason
     ratios = precision.reason.split("bf16-mixed ran ")[1]
@@ -279,25 +279,27 @@ def test_auto_runs_bf16_on_full_batches_and_fp32_on_single_requests_where_each_w
     engine.predict(torch.zeros(3, 3))
     assert model.autocast_calls == before + 1, "a batch of 3 (bucket 4) runs under autocast"
     both = Spy(fp32_sleep_s=SLEEP_S)  # faster at every size: kept, its ratio on the smallest bucket said
-    kept = InferenceEngine(both, input_shape=(3,), device="cpu", max_batch_size=2).plan["precision"]  # not cached
+    kept = InferenceEngine(both, input_shape=(3,), device="cpu", compile="off", max_batch_size=2).plan[
+        "precision"
+    ]  # not cached
     assert kept.value == "bf16-mixed" and " at 1) on the largest bucket (2) and the smallest (1)" in kept.reason
 
 
 def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):
     first = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
-    InferenceEngine(first, input_shape=(3,), device="cpu", max_batch_size=4)
+    InferenceEngine(first, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     assert first.autocast_calls > 0
     second = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)  # the same architecture: the same fingerprint
-    engine = InferenceEngine(second, input_shape=(3,), device="cpu", max_batch_size=4)
+    engine = InferenceEngine(second, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     assert second.autocast_calls == 0 and second.sizes == [], "nothing ran: the measurement came from the cache"
     assert engine.plan["precision"].value == "fp32" and "cached from" in engine.plan["measured"].reason
     other_bucket = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
-    InferenceEngine(other_bucket, input_shape=(3,), device="cpu", max_batch_size=2)
+    InferenceEngine(other_bucket, input_shape=(3,), device="cpu", compile="off", max_batch_size=2)
     assert other_bucket.autocast_calls > 0, "another largest bucket is measured anew"
     retrained = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
     with torch.no_grad():
         retrained.linear.weight.add_(0.5)
-    InferenceEngine(retrained, input_shape=(3,), device="cpu", max_batch_size=4)
+    InferenceEngine(retrained, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     assert retrained.autocast_calls > 0, "other weights are measured anew: the accuracy verdict depends on them"
 
 
@@ -513,11 +515,11 @@ def test_a_failed_capture_falls_back_to_running_without_graphs_with_the_reason(f
 
 def test_a_capture_that_failed_while_measuring_is_not_tried_again_on_the_next_start(fake_graphs, cache, bf16_cpu):
     fake_graphs.fail = NOT_PERMITTED
-    InferenceEngine(Spy(), input_shape=(3,), device="cpu", max_batch_size=4)
+    InferenceEngine(Spy(), input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     assert fake_graphs.attempts == [4]  # the reference's capture, on the largest bucket
     fake_graphs.attempts.clear()
     second = Spy()
-    engine = InferenceEngine(second, input_shape=(3,), device="cpu", max_batch_size=4)
+    engine = InferenceEngine(second, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     graphs = engine.plan["cuda_graphs"]
     assert fake_graphs.attempts == [] and second.sizes == [], "nothing ran: both verdicts came from the cache"
     assert graphs.value is False and "operation not permitted" in graphs.reason and "(cached from " in graphs.reason
@@ -526,9 +528,9 @@ def test_a_capture_that_failed_while_measuring_is_not_tried_again_on_the_next_st
 
 def test_a_capture_out_of_memory_is_tried_again_on_the_next_start(fake_graphs, cache, bf16_cpu):
     fake_graphs.fail = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    InferenceEngine(Spy(), input_shape=(3,), device="cpu", max_batch_size=4)
+    InferenceEngine(Spy(), input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     fake_graphs.attempts.clear()
-    engine = InferenceEngine(Spy(), input_shape=(3,), device="cpu", max_batch_size=4)
+    engine = InferenceEngine(Spy(), input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
     assert fake_graphs.attempts == [4] and engine.plan["cuda_graphs"].value is False
 
 

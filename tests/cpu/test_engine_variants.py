@@ -248,3 +248,48 @@ def test_a_failure_timing_the_buckets_between_leaves_one_setting(cache, monkeypa
     small = made.plan["small_batches"]
     assert small.value is None and "timing the buckets between failed: RuntimeError: no kernel" in small.reason
     assert made._variants == {} and made.predict(torch.zeros(3, 1, 8, 8)).shape == (3, 3)
+
+
+class CompiledFast(Conv):
+    """A CNN that sleeps unless it runs through the compiled forward (``fake_compile``)."""
+
+    compiled = False
+
+    def forward(self, x):
+        if not CompiledFast.compiled:
+            time.sleep(SLEEP_S)
+        return super().forward(x)
+
+
+def fake_compile(fn, **options):
+    """torch.compile's stand-in: the forward as it was, run with ``CompiledFast.compiled`` set."""
+
+    def compiled(*args, **kwargs):
+        CompiledFast.compiled = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CompiledFast.compiled = False
+
+    return compiled
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_on_a_cpu_the_setting_kept_is_timed_compiled_and_the_compile_kept_where_it_wins(cache, monkeypatch, faster):
+    monkeypatch.setenv(FAKE_CPU_ENV, "avx2")  # no bf16 candidates: the layouts alone are timed, then the compile
+    monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = CompiledFast() if faster else Conv()
+    made = InferenceEngine(model, input_shape=(1, 8, 8), device="cpu", max_batch_size=4)
+    compiled = made.plan["compile"]
+    entries = [json.loads(path.read_text()) for path in (cache / "inference").glob("*.json")]
+    timed = {(t["precision"], t["compiled"], t["channels_last"]) for entry in entries for t in entry["measured"]}
+    kept = made.plan["channels_last"].value
+    assert ("fp32", True, kept) in timed and ("fp32", True, not kept) not in timed, "only the setting kept compiled"
+    if faster:
+        assert compiled.value is True and "+compile ran" in compiled.reason and "measured now" in compiled.reason
+    else:
+        assert compiled.value is False and "a candidate must run 5% faster" in compiled.reason
+    made.warm_up()
+    inputs = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(made.predict(inputs), reference(inputs), rtol=1e-4, atol=1e-5)

@@ -48,12 +48,20 @@ def test_a_cpu_without_bf16_arithmetic_times_nothing_and_keeps_fp32_with_the_rea
 
 
 @pytest.mark.parametrize("facts", [AMX, BF16_CPU])
-def test_a_cpu_with_bf16_arithmetic_times_bf16_against_fp32_but_never_a_compile(facts):
-    asked = []
-    proposal = propose(facts, precision="auto", compile="auto", measure=True, compile_supported=lambda: asked.append(1))
-    assert labels(proposal) == ["fp32", "bf16-mixed", "bf16-true"]
-    assert asked == [], "whether compile is supported is not asked where no compile is in question"
+def test_a_cpu_with_bf16_arithmetic_times_bf16_against_fp32_and_a_compile_of_the_one_kept_after(facts):
+    proposal = propose(facts, precision="auto", compile="auto", measure=True, compile_supported=supported)
+    assert labels(proposal) == ["fp32", "bf16-mixed", "bf16-true"], "no compiled candidate among the others"
+    assert (
+        proposal.compile_after and "unless a compile of the setting kept is measured faster" in proposal.compile.reason
+    )
     assert proposal.channels_last.value is False and "no 2-d convolution" in proposal.channels_last.reason
+    unsupported_here = propose(facts, precision="auto", compile="auto", measure=True, compile_supported=unsupported)
+    assert not unsupported_here.compile_after and "triton is not installed" in unsupported_here.compile.reason
+    for given in ({"compile": "off", "measure": True}, {"compile": "auto", "measure": False}):
+        assert not propose(facts, precision="auto", compile_supported=supported, **given).compile_after, given
+    asked = []
+    propose(facts, precision="auto", compile="off", measure=True, compile_supported=lambda: asked.append(1))
+    assert asked == [], "whether compile is supported is not asked where no compile is in question"
 
 
 def test_a_convolutional_model_is_timed_in_both_layouts_under_every_precision():

@@ -63,16 +63,17 @@ def base_row(setting: Setting) -> BenchRow:
 
 
 def _with_shared_compiles(rows: list[BenchRow]) -> list[BenchRow]:
-    """Give a compiled row whose graph an earlier row compiled (torch.compile's cache is process-wide,
-    so its own compile took no time) that row's compile seconds: what a run of it alone would pay."""
+    """Give a compiled row whose graph an earlier row compiled that row's compile seconds: what a run of it alone
+    would pay. torch.compile's caches are process-wide, so its own compile took little time (the kernels were
+    built) or none (the graph was held)."""
     paid: dict[tuple[str, str, bool | None], float] = {}
     out = []
     for row in rows:
         key = (row.device, row.precision, row.channels_last)
-        if row.compile and row.compile_s is not None:
-            paid.setdefault(key, row.compile_s)
-        elif row.compile and key in paid:
+        if row.compile and key in paid:
             row = dataclasses.replace(row, compile_s=paid[key])
+        elif row.compile and row.compile_s is not None:
+            paid[key] = row.compile_s
         out.append(row)
     return out
 

@@ -87,6 +87,9 @@ class Proposal:
     precision: Choice[InferencePrecision]
     compile: Choice[bool]
     channels_last: Choice[bool]
+    # Time the kept setting compiled once the others are timed (a CPU, where compiling every candidate
+    # for a trial would take minutes): the engine keeps the compile where it wins.
+    compile_after: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,19 +149,20 @@ def propose(
     when a compile is in question (finding out imports the compiler stack). ``convolutional`` says
     whether the model has 2-d convolutions, the layers channels_last lays out. A compiled candidate
     runs on the reference's weights: a setting that casts them or lays them out otherwise runs on
-    a copy of the model, and is timed eagerly.
+    a copy of the model, and is timed eagerly. On a CPU no compiled candidate is timed with the
+    others; ``compile_after`` asks for the setting kept to be timed compiled after them.
     """
     rule_precision = _precision_rule(precision, facts)
     precisions: list[InferencePrecision] = [rule_precision.value]
     if precision == "auto" and measure:
         fast = fast_precisions(facts)
         precisions = ["fp32", *fast, *(TRUE_OF[p] for p in fast)]
-    rule_compile, compiles = _compile_rule(compile, facts, measure, compile_supported)
+    rule_compile, compiles, compile_after = _compile_rule(compile, facts, measure, compile_supported)
     rule_layout, layouts = _layout_rule(channels_last, facts, convolutional, measure, rule_precision.value)
     reference = Setting(precisions[0], compiles[0], layouts[0])
     settings = (Setting(p, c, cl) for p in precisions for c in compiles for cl in layouts)
     candidates = tuple(s for s in settings if s != reference and (not s.compiled or s.variant == reference.variant))
-    return Proposal(reference, candidates, rule_precision, rule_compile, rule_layout)
+    return Proposal(reference, candidates, rule_precision, rule_compile, rule_layout, compile_after)
 
 
 def _precision_rule(requested: str, facts: DeviceFacts) -> Choice[InferencePrecision]:
@@ -190,31 +194,29 @@ def _layout_rule(
 
 def _compile_rule(
     requested: str | bool, facts: DeviceFacts, measure: bool, supported: Callable[[], tuple[bool, str]]
-) -> tuple[Choice[bool], list[bool]]:
-    """The compile axis without a measurement, and the values to time (the first is the reference's)."""
+) -> tuple[Choice[bool], list[bool], bool]:
+    """The compile axis without a measurement, the values to time with the others (the first is the reference's),
+    and whether to time a compile of the setting kept after them."""
     value = parse_switch("compile", requested)
     if value is False:
-        return Choice(False, "requested"), [False]
+        return Choice(False, "requested"), [False], False
     if value is True:
         can, why_not = supported()
         if can:
-            return Choice(True, "requested"), [True]
-        return Choice(False, f"requested, but {why_not}; running eagerly"), [False]
-    if facts.type != "cuda":
-        # Not timed: a compile per bucket takes seconds each on a CPU, and its gain depends on the model. On a
-        # Xeon with AMX it ran a VGG-style CNN's batches of 32 2.5x faster (bf16 weights in channels_last:
-        # 12.0x eager fp32 against 4.8x), the digits CNN's single samples 0.7x, and the MLP 0.9-1.0x
-        # (benchmarks/results/engine-cpu-xeon-amx.md).
-        return Choice(
-            False, f"auto: not timed on {facts.type}, where a compile per bucket takes seconds and may run slower "
-            "(measured 0.7x to 2.5x eager); compile='on' compiles",
-        ), [False]  # fmt: skip
+            return Choice(True, "requested"), [True], False
+        return Choice(False, f"requested, but {why_not}; running eagerly"), [False], False
     if not measure:
-        return Choice(False, "auto, not measured: a compile is kept only where it is measured faster"), [False]
+        return Choice(False, "auto, not measured: a compile is kept only where it is measured faster"), [False], False
     can, why_not = supported()
     if not can:
-        return Choice(False, f"auto: {why_not}"), [False]
-    return Choice(False, "auto: eager unless compiling is measured faster"), [False, True]
+        return Choice(False, f"auto: {why_not}"), [False], False
+    if facts.type != "cuda":
+        # On a CPU a compile takes seconds per bucket, and its gain depends on the model: on a Xeon with AMX it
+        # ran a VGG-style CNN's batches of 32 2.5x faster (bf16 weights in channels_last), the digits CNN's
+        # single samples 0.7x and the MLP 0.9-1.0x (benchmarks/results/engine-cpu-xeon-amx.md). Only the
+        # setting the others' timing kept is compiled and timed.
+        return Choice(False, "auto: eager unless a compile of the setting kept is measured faster"), [False], True
+    return Choice(False, "auto: eager unless compiling is measured faster"), [False, True], False
 
 
 def check_cuda_graphs(requested: str | bool, device_type: str) -> bool | None:

@@ -140,6 +140,8 @@ class InferenceEngine:
         self._own_forward = "forward" in vars(self.model)  # a forward set on the instance, put back on uncompile
         if proposal.candidates:
             self._guarded(lambda: self._measure(proposal))
+        elif proposal.compile_after:  # precision and layout given: nothing else is timed, nor is the compile
+            self.plan["compile"] = Choice(False, "auto: eager; a compile is timed beside the other candidates only")
         self._set_up()
 
     @property
@@ -214,30 +216,36 @@ class InferenceEngine:
     # -- setting up: the chosen precision, compile and runner --------------------------------------
 
     def _set_up(self) -> None:
-        """Convert the model for the plan's setting, compile it if asked, and make each bucket's runner.
-
-        Buckets the plan splits off run another setting: on a copy of the model converted for it where
-        its weights differ, made before the model is converted or compiled (a compile patches the forward).
-        """
+        """Convert the model for the plan's settings, compile it if asked, and make each bucket's runner."""
         self._planned_compile: Choice[bool] = self.plan["compile"]
+        kept, small, split = self._convert()
+        if kept.compiled:
+            self._compile()
+        runners = {s: self._runner_for(self._forward(s)) for s in {kept, small}}
+        self._runners = {b: runners[small if b in split else kept] for b in self.buckets}
+
+    def _convert(self) -> tuple[Setting, Setting, frozenset[int]]:
+        """Make the model the plan's setting, and the buckets split off (if any) a copy of their own where their
+        weights differ, made before the model is converted (or compiled: a compile patches the forward). Return
+        the two settings (the same one twice where nothing is split off) and the buckets split off.
+
+        A compile serves the model itself: the setting of the buckets split off keeps its own, or runs the
+        compiled model's own forward eagerly (``_forward``).
+        """
         kept = Setting(self.plan["precision"].value, bool(self.plan["compile"].value), self.plan["channels_last"].value)
         small, split = self._split if self._split is not None else (kept, frozenset[int]())
-        small = replace(small, compiled=kept.compiled)  # both compiled or neither: a compile that failed, neither
-        if not kept.compiled:
+        small = small if self.plan["compile"].value or not small.compiled else replace(small, compiled=False)
+        if not kept.compiled and not small.compiled:
             self._uncompile()
-        lanes = {kept, small}
         copies = {  # the model's own weights, where another setting wants them, on a copy: the model is converted
             s.variant: variant_of(self.model, s) if s.variant == self._kept.variant else self._variant(s)
-            for s in lanes
+            for s in (kept, small)
             if s.variant != kept.variant
         }
         if kept.variant != self._kept.variant:  # a setting timed on a copy won: the model itself becomes it
             self.model = convert(self.model, kept)
         self._kept, self._variants = kept, copies
-        if kept.compiled:
-            self._compile()
-        runners = {s: self._runner_for(make_forward(self._variant(s), s, self.device)) for s in lanes}
-        self._runners = {b: runners[small if b in split else kept] for b in self.buckets}
+        return kept, small, split
 
     def _runner_of(self, bucket: int) -> EagerRunner | GraphRunner:
         """The runner of ``bucket``'s setting."""
@@ -354,6 +362,26 @@ class InferenceEngine:
         self.plan.update(chosen, measured=Choice(measured.value, f"{measured.reason}; {note}"))
         if lighter is not None:
             self.plan["small_batches"] = lighter
+        if proposal.compile_after:
+            self._time_compile(proposal)
+
+    def _time_compile(self, proposal: Proposal) -> None:
+        """Time the setting kept compiled against itself eager, on the model converted for it, on the largest and
+        smallest of its buckets (the others may be split off); keep the faster."""
+        kept, _, split = self._convert()
+        lane = [b for b in self.buckets if b not in split]
+        largest, smallest = lane[-1], lane[0]
+        buckets = (largest, smallest) if smallest != largest else (largest,)
+        trial = replace(proposal, reference=kept, candidates=(replace(kept, compiled=True),))
+        found = self._timings([trial.reference, *trial.candidates], buckets)
+        if found is None:  # no CUDA graphs here: a capture cannot fail
+            return
+        timings, note = found
+        small = (smallest, timings[smallest]) if smallest != largest else None
+        compiled = choose(trial, timings[largest], bucket=largest, small=small)["compile"]
+        record = self._record
+        took = f"; its compile took {record.seconds:.1f} s" if record is not None and record.seconds else ""
+        self.plan["compile"] = Choice(compiled.value, f"{compiled.reason}{took}; {note}")
 
     def _timings(
         self, settings: Sequence[Setting], buckets: Sequence[int]
