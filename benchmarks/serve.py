@@ -160,13 +160,13 @@ def measure(server: str, model: str, duration: float, device: str | None = None)
 
 
 def plan_of(server: str, model: str, device: str | None) -> str:
-    """The precision and layout the redline server kept, read back from the measurement it cached (an engine
+    """The precision, layout and compile the redline server kept, read back from the measurement it cached (an engine
     with its options, built here, finds the server's entry and times nothing)."""
     flags = dict(zip(VARIANTS[server][::2], VARIANTS[server][1::2], strict=True))
     options = {flag.removeprefix("--").replace("-", "_"): value for flag, value in flags.items()}
     servable = SERVABLES[model]()
     plan = InferenceEngine(servable, device=device or "cpu", max_batch_size=32, **options).plan
-    axes = [axis for axis in ("precision", "channels_last", "small_batches") if axis in plan]
+    axes = [axis for axis in ("precision", "channels_last", "compile", "small_batches") if axis in plan]
     return "; ".join(f"{axis}={plan[axis].value} ({plan[axis].reason})" for axis in axes)
 
 
