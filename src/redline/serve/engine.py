@@ -295,7 +295,7 @@ class InferenceEngine:
     def _fall_back(self, axis: str, reason: str) -> None:
         log.warning("InferenceEngine: %s; %s off", reason, axis)
         self.plan[axis] = Choice(False, reason)
-        if self._split is not None:  # the two settings were timed with it: the split no longer stands
+        if self._split is not None and (axis == "cuda_graphs" or self._split[0].compiled):  # timed with it
             self._split = None
             self.plan["small_batches"] = Choice(None, f"one setting serves every bucket: the split was timed with "
                                                       f"{axis} on, which fell back")  # fmt: skip
