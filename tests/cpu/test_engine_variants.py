@@ -254,12 +254,17 @@ def test_a_failure_timing_the_buckets_between_leaves_one_setting(cache, monkeypa
 
 
 class CompiledFast(Conv):
-    """A CNN that sleeps unless it runs through the compiled forward (``fake_compile``)."""
+    """A CNN that sleeps unless it runs through the compiled forward (``fake_compile``), or, with ``slower``,
+    only there."""
 
     compiled = False
 
+    def __init__(self, slower=False):
+        super().__init__()
+        self.slower = slower
+
     def forward(self, x):
-        if not CompiledFast.compiled:
+        if CompiledFast.compiled == self.slower:
             time.sleep(SLEEP_S)
         return super().forward(x)
 
@@ -282,7 +287,7 @@ def test_on_a_cpu_the_setting_kept_is_timed_compiled_and_the_compile_kept_where_
     monkeypatch.setenv(FAKE_CPU_ENV, "avx2")  # no bf16 candidates: the layouts alone are timed, then the compile
     monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
     monkeypatch.setattr(torch, "compile", fake_compile)
-    model = CompiledFast() if faster else Conv()
+    model = CompiledFast(slower=not faster)
     made = InferenceEngine(model, input_shape=(1, 8, 8), device="cpu", max_batch_size=4)
     compiled = made.plan["compile"]
     entries = [json.loads(path.read_text()) for path in (cache / "inference").glob("*.json")]
