@@ -242,10 +242,11 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         out = compiled(*args, **kwargs)
-        if _compiled_frames() == before and _frames("total") != tried:  # tried, gave up, ran eagerly
+        compiled_now = _compiled_frames() != before
+        if not compiled_now and _frames("total") != tried:  # tried, gave up, ran eagerly
             record.uncompiled += 1
             log.warning("torch.compile ran %s eagerly: it gave up compiling this call", type(model).__name__)
-        elif _compiled_frames() != before:
+        elif compiled_now:
             training = torch.is_grad_enabled()
             record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "", training=training)
             if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
