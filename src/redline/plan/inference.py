@@ -307,6 +307,7 @@ def choose(
         and small_ratios.get(t.setting, 1.0) >= 1 / margin
     ]  # fmt: skip
     best = _fastest(accepted, ratios, small_ratios, margin)
+    measured = Choice(f"{len(timings)} settings", summary)
     pair = split_of(reference, others, rejected, ratios, small_ratios, margin) if split and small else None
     if pair is not None:
         kept, lighter = pair
@@ -315,7 +316,7 @@ def choose(
             f"measured: {kept.label} {gain} on the largest bucket ({bucket}); smaller buckets run {lighter.label}, "
             f"{times(small_ratios.get(lighter, 1.0) / small_ratios.get(kept, 1.0))} {kept.label}{at_small}"
         )
-        return {**_timed_axes(proposal, kept, why), "measured": Choice(f"{len(timings)} settings", summary),
+        return {**_timed_axes(proposal, kept, why), "measured": measured,
                 "small_batches": Choice(lighter, why)}  # fmt: skip
     if best is None:
         losing = f" at {bucket} and lose no more than {margin - 1:.0%}{at_small}" if small is not None else ""
@@ -325,7 +326,7 @@ def choose(
         also = f" ({times(small_ratios[best.setting])}{at_small})" if best.setting in small_ratios else ""
         kept = best.setting
         why = f"measured: {kept.label} ran {times(ratios[kept])} {reference.setting.label}{also} {where}"
-    entries = {**_timed_axes(proposal, kept, why), "measured": Choice(f"{len(timings)} settings", summary)}
+    entries = {**_timed_axes(proposal, kept, why), "measured": measured}
     if split and small is not None:
         entries["small_batches"] = Choice(
             None, f"one setting serves every bucket: no other runs {margin - 1:.0%} faster than it at {small[0]} "

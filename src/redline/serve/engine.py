@@ -422,11 +422,11 @@ class InferenceEngine:
     def _split_off(self, kept: Setting, small: Setting, ends: dict[int, list[Timing]]) -> Choice[str | None] | None:
         """The small_batches entry where ``small`` beat ``kept`` on the smallest bucket: the buckets it runs, timed
         both ways on those in between; None where capturing failed (measure again)."""
-        memory = self.facts.mem_gib * 2**30 if self.facts.mem_gib else host_memory_bytes()
-        copy = weight_bytes(self.model, small)
-        no_room = no_room_for_copy(copy, memory, self.facts.type) if small.variant != kept.variant else ""
-        if no_room:
-            return Choice(None, no_room)
+        if small.variant != kept.variant:  # a second copy of the weights: only where the device has room
+            memory = self.facts.mem_gib * 2**30 if self.facts.mem_gib else host_memory_bytes()
+            no_room = no_room_for_copy(weight_bytes(self.model, small), memory, self.facts.type)
+            if no_room:
+                return Choice(None, no_room)
         middle = [b for b in self.buckets if b not in ends]
         try:
             found = self._timings([kept, small], middle) if middle else ({}, "")
