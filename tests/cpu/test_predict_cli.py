@@ -383,6 +383,13 @@ def test_a_tasks_model_loaded_without_weights_is_said_to_be_untrained(tmp_path, 
     load_servable("example:digits")
     assert len(caplog.messages) == 1 and caplog.messages[0].startswith("task 'digits': no --weights given")
     assert "untrained" in caplog.messages[0]
+    torch.manual_seed(5)
+    state = torch.random.get_rng_state()
+    again = load_servable("example:digits").model.state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in load_servable("example:digits").model.state_dict().items()), (
+        "the untrained model is the same on every start"
+    )
+    assert torch.equal(torch.random.get_rng_state(), state), "the caller's random state is left alone"
 
 
 def test_weights_that_are_not_a_safetensors_file_are_one_clear_error(tmp_path, spec):

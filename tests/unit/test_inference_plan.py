@@ -394,6 +394,16 @@ def test_the_buckets_between_go_to_whichever_of_the_two_settings_ran_them_faster
     assert split_buckets(BF16_CL, DIGITS_CL, failed)[0] == {1}, "a setting that failed on a bucket does not run it"
 
 
+def test_the_buckets_split_off_are_the_smallest_with_no_gap_where_the_gains_summed_are_greatest():
+    timings = {b: [timed(BF16_CL, 1.0), timed(DIGITS_CL, 1.0 / x)] for b, x in
+               {1: 1.2, 2: 1.1, 4: 1.04, 8: 0.97, 16: 1.01, 32: 0.8}.items()}  # fmt: skip
+    assert split_buckets(BF16_CL, DIGITS_CL, timings)[0] == {1, 2, 4}, "16's 1.01x is noise past 8's 0.97x"
+    timings[8] = [timed(BF16_CL, 1.0), timed(DIGITS_CL, 1.0 / 0.995)]
+    assert split_buckets(BF16_CL, DIGITS_CL, timings)[0] == {1, 2, 4, 8, 16}, "16 gains more than 8 loses"
+    timings[2] = [Timing(BF16_CL, failed="it failed: x"), timed(DIGITS_CL, 1.0)]
+    assert split_buckets(BF16_CL, DIGITS_CL, timings)[0] == {1, 2, 4, 8, 16}, "a bucket only small ran is small's"
+
+
 def test_a_second_copy_is_held_only_within_a_tenth_of_the_devices_memory():
     assert no_room_for_copy(100 * 2**20, 2 * 2**30, "cuda") == ""
     told = no_room_for_copy(300 * 2**20, 2 * 2**30, "cuda")

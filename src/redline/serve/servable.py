@@ -4,7 +4,9 @@ A spec names a factory, as a Task spec does (``example:digits``, ``pkg.module:fa
 ``path/to/file.py:factory``). The factory returns a ``Servable``, or a Task (its model, with the
 shape and dtype of its first training sample). A bare module is refused: without the input's
 shape nothing can be checked before it reaches the model, nor warmed up. A Task's model is built
-afresh, so without ``weights`` it is untrained unless the Task loads its own: a warning says so.
+afresh, so without ``weights`` it is untrained unless the Task loads its own: a warning says so. It
+is built under a fixed seed, so an untrained model answers alike on every start (and the engine's
+measurements, keyed by the weights, are found in the cache on the next).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from redline.task import Task, find_factory, run_factory
 
 log = logging.getLogger("redline")
 
+UNTRAINED_SEED = 0  # a Task's model built without weights is seeded: the same untrained model on every start
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool")
 
 Preprocess = Callable[[torch.Tensor], torch.Tensor]
@@ -121,11 +124,14 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
     if isinstance(made, Task):
         if weights is None:
             log.warning(
-                "task %r: no --weights given, so its model is as build_model() makes it: untrained, unless the "
-                "task loads trained weights itself (redline train --out DIR writes DIR/model.safetensors)",
-                made.name,
-            )
-        made = from_task(made)
+                "task %r: no --weights given, so its model is as build_model() makes it: untrained (seeded with "
+                "%d, the same on every start), unless the task loads trained weights itself (redline train --out "
+                "DIR writes DIR/model.safetensors)",
+                made.name, UNTRAINED_SEED,
+            )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            torch.manual_seed(UNTRAINED_SEED)
+            made = from_task(made)
     elif isinstance(made, nn.Module):
         raise TaskSpecError(
             f"model spec {spec!r}: the factory returned a bare {type(made).__name__}, whose input shape is unknown\n"
