@@ -13,8 +13,8 @@ so a compiled model or a CUDA graph sees a few fixed shapes only; a batch larger
 ``max_batch_size`` runs in chunks. With ``measure="auto"`` the precision, layout and compile
 candidates a rule cannot rank are timed on the largest and smallest buckets when the engine is
 built (serve/measure.py), and cached on disk. Where one setting wins on the largest bucket and
-another on the smallest, both serve: the buckets between are timed both ways, and each runs the
-faster (the plan's ``small_batches``), on a second copy of the model where their weights differ.
+another on the smallest, both serve: the buckets between are timed both ways, and the smallest
+buckets run the other (the plan's ``small_batches``), on a second copy of the model where their weights differ.
 A sticky CUDA error (an illegal memory access, a device-side assert) marks the engine ``broken``.
 """
 
