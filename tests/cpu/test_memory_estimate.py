@@ -172,11 +172,19 @@ def test_tied_weights_are_counted_once(given: bool) -> None:
         # an optimizer already built (on other parameters) where a factory belongs, named before any trace
         ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters())}, r"optimizer=<SGD> is not.*\n.*lambda params"),
         ({"optimizer": "adamw"}, "optimizer='adamw'"),
+        ({"activation_checkpointing": "off"}, "activation_checkpointing='off' is not allowed; expected True or False"),
     ],
 )
 def test_bad_arguments_name_the_problem(kwargs, message) -> None:
     with pytest.raises(ConfigError, match=message):
         estimate_memory(mlp(), **kwargs)
+
+
+def test_a_half_model_under_fp16_mixed_is_refused_as_a_run_refuses_it() -> None:
+    half = mlp(lambda: mlp_model().half())
+    with pytest.raises(ConfigError, match=r"precision='fp16-mixed' got a model with 19,210 float16 parameters"):
+        estimate_memory(half, precision="fp16-mixed")
+    assert estimate_memory(half, precision="fp32").params == 19_210 * 2, "fp32 trains it as it is"
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 
 from devices import A100, H100, P100, T4, V100
 from redline.errors import ConfigError
-from redline.hardware.catalog import GPUSpec, find_gpu, load_catalog, peak_tflops
+from redline.hardware.catalog import GPUSpec, find_gpu, load_catalog, names_whole, nearest_gpus, peak_tflops
 
 CATALOG = load_catalog()
 PEAKS = ("peak_tflops_fp32", "peak_tflops_tf32", "peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp8")
@@ -117,6 +117,20 @@ def test_a_card_named_with_the_memory_it_reports_finds_its_row():
     assert [s.id for s in gpus_named("t4 15gb")] == ["t4"]  # a 16 GB T4 reports 15 GiB: the driver keeps some
     assert [s.id for s in gpus_named("a100 80gb")] == ["a100-sxm4-80gb", "a100-pcie-80gb"]
     assert gpus_named("t4 12gb") == [] and gpus_named("a100 60gb") == []  # more than a tenth off is another card
+    assert [s.id for s in gpus_named("T4 16 GB")] == ["t4"], "a size typed with a space is still the memory"
+    assert [s.id for s in gpus_named("NVIDIA H200 141GB")] == ["h200-sxm"], "torch's name for it, with its memory"
+    assert names_whole("NVIDIA H200 141GB", gpus_named("NVIDIA H200 141GB")[0])
+
+
+def test_a_word_that_starts_a_row_term_finds_it_but_a_card_number_never_another():
+    from redline.hardware.catalog import gpus_named
+
+    assert [s.id for s in gpus_named("A100 SXM")] == ["a100-sxm4-80gb", "a100-sxm4-40gb"]  # sxm of sxm4
+    assert [s.id for s in gpus_named("a10")] == ["a10"], "a10 is a card, not the start of a100"
+
+
+def test_the_nearest_rows_put_the_card_named_first_where_its_memory_is_off():
+    assert nearest_gpus("B200 192GB")[0].id == "b200"  # the catalog's B200 has 180 GB
 
 
 def test_catalog_agrees_with_the_test_devices():

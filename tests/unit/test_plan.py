@@ -6,7 +6,7 @@ import pytest
 
 from devices import A100, CPU, CPU_AMX, CPUS, EIGHT_GPUS, H100, MAC, MPS, NO_ACCELERATOR, ONE_GPU, P100, T4, V100
 from redline.errors import ConfigError, DeviceUnavailableError
-from redline.hardware.device import Accelerators
+from redline.hardware.device import Accelerators, DeviceFacts
 from redline.plan import Choice, Plan, parse_switch
 from redline.plan.compile import MIN_STEPS_CUDA, resolve_compile
 from redline.plan.device import resolve_device, resolve_worker_device
@@ -104,6 +104,8 @@ def test_auto_precision(facts, expected):
 def test_auto_precision_reason_names_the_architecture():
     assert "sm90" in resolve_precision("auto", H100).reason
     assert "no bf16" in resolve_precision("auto", V100).reason
+    mi300x = DeviceFacts(type="cuda", name="AMD Instinct MI300X", capability=(9, 4), mem_gib=192)
+    assert "natively (ROCm capability 9.4)" in resolve_precision("auto", mi300x).reason, "gfx942: no sm name"
 
 
 # What each CPU's precision reason must say: the instruction set it saw (a phrase no other CPU's

@@ -148,7 +148,11 @@ def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[G
     found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
     if found:
         return found
-    held = [s for s in specs if wanted and all(w in _row_terms(s) or _its_memory(w, s) for w in wanted)]
+    sizes = {w for w in wanted if _MEMORY.fullmatch(w)}
+    reported = find_gpu(_without_memory(name), catalog=specs) if sizes else None
+    if reported is not None and all(_its_memory(w, reported) for w in sizes):
+        return [reported]  # the name torch reports, with the memory: "NVIDIA H200 141GB" (the NVL has 141 GB too)
+    held = [s for s in specs if wanted and all(_holds(s, w) for w in wanted)]
     whole = [s for s in held if names_whole(name, s)]
     return whole or held
 
@@ -156,7 +160,8 @@ def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[G
 def names_whole(name: str, spec: GPUSpec) -> bool:
     """Whether ``name`` holds every word of ``spec``'s id or of its name (the vendor's aside), so it can mean no
     other card: "rtx 4090" and "h100nvl" do, "4090" (a laptop's 4090 has 16 GB) and "rtx 6000" do not."""
-    if set(_words(name)) == set(_words(spec.id)) or find_gpu(name, catalog=[spec]) is spec:
+    reported = (find_gpu(given, catalog=[spec]) for given in (name, _without_memory(name)))
+    if set(_words(name)) == set(_words(spec.id)) or spec in reported:
         return True
     typed = _compact(name)
     for label in (spec.id, spec.name):
@@ -173,7 +178,10 @@ def nearest_gpus(name: str, *, count: int = 3, catalog: Iterable[GPUSpec] | None
     wanted = _compact(name)
     keys = {key: spec for spec in specs for key in (_compact(spec.id), _compact(spec.name))}
     close = difflib.get_close_matches(wanted, list(keys), n=len(keys), cutoff=0.6) if wanted else []
-    nearest = list(dict.fromkeys(keys[key] for key in close))  # each row once, in the order of closeness
+    # first the rows the name holds but for its memory ("B200 192GB": the b200 of 180 GB), then by spelling
+    bare = _without_memory(name)
+    named = gpus_named(bare, catalog=specs) if bare != " ".join(_words(name)) else []
+    nearest = list(dict.fromkeys([*named, *(keys[key] for key in close)]))  # each row once, closest first
     return nearest[:count]
 
 
@@ -245,7 +253,9 @@ def _check_unique(specs: tuple[GPUSpec, ...], origin: str) -> None:
 
 
 def _words(text: str) -> list[str]:
-    return [word for word in re.split(r"[^0-9a-z.]+", text.casefold()) if word]
+    """``text``'s words, lower case, a memory size written as one ("16 GB" -> "16gb")."""
+    joined = re.sub(r"(\d)\s+(gi?b)\b", r"\1\2", text.casefold())
+    return [word for word in re.split(r"[^0-9a-z.]+", joined) if word]
 
 
 def _terms(text: str) -> set[str]:
@@ -262,10 +272,28 @@ def _row_terms(spec: GPUSpec) -> set[str]:
     return set().union(*map(_terms, labels)) | {f"{spec.mem_gib:g}gb"}
 
 
+def _holds(spec: GPUSpec, word: str) -> bool:
+    """Whether a typed ``word`` is one of ``spec``'s terms, its memory, or the start of a term of letters and
+    digits that begins with letters ("sxm" of "sxm4"; never "a10" of "a100", a card of its own)."""
+    terms = _row_terms(spec)
+    if word in terms or _its_memory(word, spec):
+        return True
+    return word.isalpha() and len(word) >= 3 and any(t.startswith(word) and t[len(word)].isdigit() for t in terms
+                                                     if len(t) > len(word))  # fmt: skip
+
+
+def _without_memory(name: str) -> str:
+    """``name``'s words without its memory sizes: "NVIDIA H200 141GB" -> "nvidia h200"."""
+    return " ".join(w for w in _words(name) if not _MEMORY.fullmatch(w))
+
+
+_MEMORY = re.compile(r"(\d+(?:\.\d+)?)gi?b")  # a memory size as typed: "80gb", "15gib"
+
+
 def _its_memory(word: str, spec: GPUSpec) -> bool:
     """Whether ``word`` is ``spec``'s memory as the card reports it: "15gb" for a 16 GB T4, "79gb" for an 80 GB
     H100 (the driver keeps some back), within a tenth below the size sold."""
-    size = re.fullmatch(r"(\d+(?:\.\d+)?)gi?b", word)
+    size = _MEMORY.fullmatch(word)
     return size is not None and 0.9 * spec.mem_gib <= float(size.group(1)) <= spec.mem_gib
 
 

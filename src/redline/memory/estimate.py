@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from redline.config import one_of, positive_int
+from redline.config import boolean, one_of, positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
 from redline.memory.meta import build_on_meta, held_tensors, meta_copy
@@ -53,6 +53,7 @@ from redline.runtime.checkpointing import apply_checkpointing
 from redline.runtime.contract import split_batch, user_line
 from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import check_trainable, rebuild_optimizer
+from redline.runtime.precision import refuse_half_parameters
 from redline.task import CollateFn, OptimizerFactory, Task, require_task
 
 Target = Literal["cuda", "cpu"]
@@ -133,6 +134,7 @@ def estimate_memory(
     batch_size = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch_size)
     positive_int("world_size", world_size)
+    boolean("activation_checkpointing", activation_checkpointing)
     if precision == "auto":  # what auto picks depends on a device this function is not given
         raise invalid(
             "precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}",
@@ -175,7 +177,7 @@ def estimate_memory(
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
         workspace=_workspace(structure) if target == "cuda" and structure is not None else 0,
-        notes=_notes(precision, target, strategy, sparse),
+        notes=_notes(precision, target, strategy, sparse) + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
     return _distributed(estimate, structure, strategy, world_size, precision)
@@ -214,6 +216,8 @@ def trace_step(
             _checkpoint_blocks(model)
         model.train()
         opt = optimizer(model.parameters())
+        if precision == "fp16-mixed":  # a .half() model: refused as the run refuses it
+            refuse_half_parameters(opt)
         if resolve_optimizer(optimizer_facts(opt, model, device=device), device).value == "fused":
             opt = rebuild_optimizer(opt, fused=True)
         inputs, targets = split_batch(tree_map(_faked(mode, tracker, rows, batch_size), sample), "train_data")
@@ -386,12 +390,22 @@ def _notes(precision: str, target: str, strategy: str, sparse: bool) -> tuple[st
         notes.append(f"{precision} traced with the CPU's autocast lists, which differ from CUDA's in a few ops")
     if target == "cuda":
         notes.append(
-            "workspace is an allowance (cuBLAS, and cuDNN for convolutions); the CUDA context and the allocator's "
-            "cache come on top of the total"
+            "workspace is an allowance (cuBLAS, and cuDNN for convolutions; hipBLAS and MIOpen on ROCm); the CUDA "
+            "context and the allocator's cache come on top of the total"
         )
     if strategy != "single":
         notes.append(f"{strategy} modelled from one process's trace")
     return tuple(notes)
+
+
+def _uneven(batch_size: int, world_size: int, local_batch: int) -> tuple[str, ...]:
+    """A note where the ranks' batches add up to more than ``batch_size``: each rank was traced with its share
+    rounded up (at least one sample), which the batch size alone would not say."""
+    if local_batch * world_size == batch_size:
+        return ()
+    traced = local_batch * world_size
+    return (f"batch {batch_size} over {world_size} ranks: each rank is weighed with {local_batch} "
+            f"sample{'s' if local_batch > 1 else ''} ({traced:,} in all), its share rounded up",)  # fmt: skip
 
 
 def _distributed(

@@ -41,12 +41,14 @@ def resolve_precision(requested: str, facts: DeviceFacts) -> Choice[PrecisionNam
 
 def _auto(facts: DeviceFacts) -> Choice[PrecisionName]:
     if facts.type == "cuda":
-        cc = "".join(map(str, facts.capability or (0, 0)))
+        major, minor = facts.capability or (0, 0)
+        # a ROCm build reports an AMD card's gfx architecture as its capability (gfx942 as 9.4), not an sm
+        cc = f"ROCm capability {major}.{minor}" if facts.name.startswith("AMD") else f"sm{major}{minor}"
         if facts.bf16:
-            return Choice("bf16-mixed", f"auto: {facts.name} runs bf16 natively (sm{cc})")
+            return Choice("bf16-mixed", f"auto: {facts.name} runs bf16 natively ({cc})")
         if facts.tensor_cores:
-            return Choice("fp16-mixed", f"auto: {facts.name} (sm{cc}) has fp16 tensor cores but no bf16")
-        return Choice("fp32", f"auto: {facts.name} (sm{cc}) has no tensor cores; mixed precision gains little")
+            return Choice("fp16-mixed", f"auto: {facts.name} ({cc}) has fp16 tensor cores but no bf16")
+        return Choice("fp32", f"auto: {facts.name} ({cc}) has no tensor cores; mixed precision gains little")
     if facts.type == "mps":
         return Choice("fp32", "auto: mixed precision on MPS is not reliably faster; fp32 kept")
     # fp32 on every CPU until a trial measures bf16 on the user's own model: a rule cannot rank them.

@@ -125,7 +125,7 @@ class Precision:
         Parameters already in float16 are refused here, before the first step's unscaling would.
         """
         if self.scaler is not None:
-            _refuse_half_parameters(optimizer)
+            refuse_half_parameters(optimizer)
             self._optimizers.add(optimizer)
             optimizer.register_step_pre_hook(self._refuse_scaled_step)
 
@@ -179,7 +179,7 @@ def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
-def _refuse_half_parameters(optimizer: torch.optim.Optimizer) -> None:
+def refuse_half_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Refuse float16 parameters under fp16-mixed: torch's grad scaler cannot unscale float16 gradients.
 
     fp16-mixed keeps the weights in float32 and runs the forward in float16 under autocast; a model
