@@ -121,6 +121,26 @@ async def test_stopping_at_once_answers_the_running_and_queued_requests_503_and_
     assert page['redline_serve_requests_total{"status": "503"}'] == 4
 
 
+async def test_a_stop_waits_for_every_answer_but_not_for_a_model_call_whose_requests_all_timed_out(caplog):
+    engine = FakeEngine()
+    engine.gate.clear()  # a hung model: it holds its batch for 10 s, past every deadline and the shutdown
+    try:
+        async with running(engine, max_batch_size=1, timeout_ms=200) as (client, serving):
+            first = asyncio.create_task(client.post("/v1/predict", json={"inputs": [1, 1, 1]}))
+            await eventually(lambda: engine.threads)
+            queued = asyncio.create_task(client.post("/v1/predict", json={"inputs": [2, 2, 2]}))
+            await eventually(lambda: serving.dispatcher.queued == 1)
+            serving.begin_drain()  # as SIGTERM does: the stop begins with both requests unanswered
+            closing = time.monotonic()
+        closed_in = time.monotonic() - closing
+        answers = [await first, await queued]
+    finally:
+        engine.gate.set()
+    assert [a.status_code for a in answers] == [504, 504], "each request was answered, at its deadline"
+    assert 0.1 < closed_in < 3, f"the shutdown took {closed_in:.1f} s: it waits for the answers, not the model"
+    assert "it is not waited for" in caplog.text
+
+
 async def test_requests_that_timed_out_in_the_queue_do_not_count_toward_a_full_queue():
     engine = FakeEngine()
     engine.gate.clear()  # the model holds its first batch past every deadline

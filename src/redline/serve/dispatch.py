@@ -24,8 +24,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -41,6 +41,52 @@ from redline.serve.refused import Refused
 log = logging.getLogger("redline")
 
 RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
+CLOSE_POLL_S = 0.05  # how often a closing dispatcher looks whether every request was answered
+
+
+class ModelThread:
+    """The one thread that calls the engine. A daemon: a model call that never returns (a hung model, whose
+    requests were all answered 504 by their deadlines) does not keep a stopped server's process alive, as a
+    ``ThreadPoolExecutor``'s worker would (Python joins those at exit)."""
+
+    def __init__(self) -> None:
+        self._calls: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]] | None]
+        self._calls = SimpleQueue()
+        self.busy = False  # a call is running
+        self._thread = threading.Thread(target=self._serve, name="redline-model", daemon=True)
+        self._thread.start()
+
+    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` in the thread, awaited."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls.put((function, args, future))
+        return await future
+
+    def stop(self) -> None:
+        """End the thread after the call it is running, if any (not waited for)."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            function, args, future = call
+            self.busy = True
+            try:
+                outcome: tuple[Any, BaseException | None] = (function(*args), None)
+            except BaseException as exc:  # handed to the awaiting task, as an executor would
+                outcome = (None, exc)
+            finally:
+                self.busy = False
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
+                future.get_loop().call_soon_threadsafe(_hand_over, future, *outcome)
+
+
+def _hand_over(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its awaiting task was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 @dataclass(eq=False)
@@ -76,7 +122,7 @@ class Dispatcher:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread: ModelThread | None = None
         self._stop_warm_up = threading.Event()  # set by close: a warm-up in progress ends before its next bucket
         self._running: list[Queued] = []  # the batch in the model now
         self._abandoned: Callable[[], Refused] | None = None  # makes each request's answer once stopped at once
@@ -95,24 +141,31 @@ class Dispatcher:
         self._abandoned = None
         self._wakeup = asyncio.Event()
         self._stop_warm_up = threading.Event()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redline-model")
+        self._thread = ModelThread()
         self._task = asyncio.get_running_loop().create_task(self._work(), name="redline-serve-worker")
 
     async def close(self) -> None:
         """Answer what is queued, then stop the worker and its thread; a warm-up still running stops early.
 
-        After ``abandon`` nothing is waited for: the worker stops at once (a batch in the model runs to its end).
+        Once every request was answered (each ends by its deadline), nothing more is waited for: a batch
+        still in the model, whose requests all timed out, is left to end in its own (daemon) thread. After
+        ``abandon`` the worker stops at once.
         """
         self._closing = True
         self._stop_warm_up.set()
         self._wakeup.set()
-        if self._task is not None and self._abandoned is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})  # its cancellation is not raised here
-        elif self._task is not None:
-            await self._task
+        while self._task is not None and not self._task.done():
+            if self._abandoned is not None or (not self._queue and all(q.future.done() for q in self._running)):
+                if self._running and self._abandoned is None:
+                    log.warning(
+                        "redline serve: stopping while the model still runs a batch whose requests were all "
+                        "answered (504 at their deadline); it is not waited for"
+                    )
+                if self._running or self._abandoned is not None:
+                    self._task.cancel()
+            await asyncio.wait({self._task}, timeout=CLOSE_POLL_S)  # its cancellation is not raised here
         if self._thread is not None:
-            self._thread.shutdown(wait=self._abandoned is None)
+            self._thread.stop()
 
     def abandon(self, refused: Callable[[], Refused]) -> int:
         """Refuse every request queued or in the model, and any that comes after, with a ``refused()`` of its own
@@ -157,6 +210,11 @@ class Dispatcher:
                 self._queue.remove(queued)
                 self.metrics.queued.set(len(self._queue))
 
+    def _model_thread(self) -> ModelThread:
+        if self._thread is None:
+            raise RuntimeError("the dispatcher was not started")
+        return self._thread
+
     def _drop_gone(self) -> None:
         """Forget queued requests whose handler stopped waiting (timed out, or the client went away)."""
         self._queue = deque(q for q in self._queue if not q.future.done())
@@ -169,7 +227,7 @@ class Dispatcher:
     async def _work(self) -> None:
         try:
             if not getattr(self.engine, "ready", False):
-                await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.warm_up, self._stop_warm_up)
+                await self._model_thread().run(self.engine.warm_up, self._stop_warm_up)
             if self.on_ready is not None:
                 self.on_ready()
             await self._batches()
@@ -239,7 +297,7 @@ class Dispatcher:
         samples = sum(q.samples for q in batch)
         try:
             inputs = torch.cat([q.inputs for q in batch]) if len(batch) > 1 else batch[0].inputs
-            outputs = await asyncio.get_running_loop().run_in_executor(self._thread, self._predict, inputs)
+            outputs = await self._model_thread().run(self._predict, inputs)
         except Exception as exc:  # this batch fails; the server goes on with the next one
             broken = getattr(self.engine, "broken", None)
             if len(batch) > 1 and not broken:
