@@ -153,18 +153,29 @@ class AsFloats(nn.Module):
         ("int32", [[0, 0, 2**40]], r"batch='row 0 holding 1099511627776' .* within int32's range"),
         ("float16", [[1.0, 1e6, 0.0]], r"batch='row 0 holding 1000000.0' .* within float16's range ±65504"),
         ("bool", [[0, 2, 1]], r"batch='row 0 holding 2' is not allowed; expected 0 or 1 \(False or True\)"),
+        ("float32", [[1e300, 0.0, 0.0]], r"batch='row 0 holding 1e\+300' .* within float32's range"),
     ],
 )  # fmt: skip
-def test_predict_refuses_values_the_cast_to_the_input_dtype_would_change_without_a_word(dtype, batch, message):
-    # 300 became 44 in uint8, NaN -9.2e18 in int64, 2**40 zero in int32, 1e6 infinity in float16: wrong answers
+@pytest.mark.parametrize("given", [np.array, list])
+def test_predict_refuses_values_the_cast_to_the_input_dtype_would_change_without_a_word(dtype, batch, message, given):
+    # 300 became 44 in uint8, NaN -9.2e18 in int64, 2**40 zero in int32, 1e6 infinity in float16, 1e300 a NaN
+    # output in float32: wrong answers; nested lists too (torch made their floats float32 before the check)
     model = AsFloats()
     engine = InferenceEngine(model, input_shape=(3,), input_dtype=dtype, device="cpu", precision="fp32",
                              compile="off", max_batch_size=2)  # fmt: skip
     engine.warm_up()
     model.seen.clear()
     with pytest.raises(ConfigError, match=message):
-        engine.predict(np.array(batch))
+        engine.predict(given(batch))
     assert model.seen == [], "nothing reached the model"
+
+
+def test_nested_lists_keep_their_float64_values_for_a_float64_input():
+    model = AsFloats()
+    engine = InferenceEngine(model, input_shape=(1,), input_dtype="float64", device="cpu", precision="fp32",
+                             compile="off", max_batch_size=2)  # fmt: skip
+    engine.predict([[0.1]])
+    assert model.seen[-1].dtype == torch.float64 and model.seen[-1].item() == 0.1, "not 0.1 rounded to float32"
 
 
 @pytest.mark.parametrize(

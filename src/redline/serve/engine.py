@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from redline.errors import DeviceUnavailableError, ServableError, describe_error, invalid
+from redline.errors import DeviceUnavailableError, ServableError, describe_error
 from redline.hardware.device import probe_device
 from redline.hardware.memory import host_memory_bytes
 from redline.plan import Choice
@@ -58,7 +58,7 @@ from redline.runtime.compile import (
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
 from redline.serve.batcher import bucket_for, bucket_sizes
-from redline.serve.inputs import refuse_changed_by_cast
+from redline.serve.inputs import as_batch
 from redline.serve.measure import (
     load_measured,
     measure_key,
@@ -78,7 +78,7 @@ from redline.serve.runners import (
     variant_of,
     weight_bytes,
 )
-from redline.serve.servable import Servable, as_servable, shape_text
+from redline.serve.servable import Servable, as_servable
 from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
@@ -181,7 +181,7 @@ class InferenceEngine:
             raise DeviceUnavailableError(
                 f"the engine's device is unusable: {self.broken}\nhint: only a new process recovers it; restart"
             )
-        inputs = self._as_batch(batch)
+        inputs = as_batch(batch, self.servable)
         inputs = self._guarded(lambda: self._model_inputs(inputs.to(self.servable.torch_dtype)))
         if not self.ready:
             self.warm_up()
@@ -192,26 +192,6 @@ class InferenceEngine:
     def _run(self, part: torch.Tensor) -> torch.Tensor:
         bucket = bucket_for(len(part), self.buckets)
         return self._runner_of(bucket).run(part, bucket)
-
-    def _as_batch(self, batch: Any) -> torch.Tensor:
-        """``batch`` as a tensor of real numbers with the input's sample shape, or a ConfigError naming what it is."""
-        expected = shape_text(("N", *self.input_shape))
-        real = f"real numbers, shape {expected}, cast to {self.servable.input_dtype}"
-        try:
-            inputs = torch.as_tensor(batch)
-        except (TypeError, ValueError, RuntimeError) as exc:  # text, objects, ragged lists
-            what = f"array of {batch.dtype}" if isinstance(batch, np.ndarray) else type(batch).__name__
-            hint = f"pass a tensor, a numpy array of numbers, or nested lists of equal lengths ({exc})"
-            raise invalid("batch", what, real, hint) from None
-        if inputs.is_complex():  # a cast would drop the imaginary part without a word
-            raise invalid("batch", str(inputs.dtype).removeprefix("torch."), real, "pass batch.real if that is meant")
-        if inputs.ndim != len(self.input_shape) + 1 or tuple(inputs.shape[1:]) != self.input_shape:
-            one = tuple(inputs.shape) == self.input_shape
-            hint = f"one sample? add the batch dimension: batch[None] has shape {shape_text((1, *self.input_shape))}"
-            hint = hint if one else ""
-            raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
-        refuse_changed_by_cast(inputs, self.servable.torch_dtype)
-        return inputs
 
     # -- setting up: the chosen precision, compile and runner --------------------------------------
 

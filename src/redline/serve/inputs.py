@@ -22,7 +22,7 @@ import torch
 
 from redline.errors import invalid
 from redline.serve.refused import Refused
-from redline.serve.servable import shape_text
+from redline.serve.servable import Servable, shape_text
 
 NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
@@ -255,3 +255,36 @@ def refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
         f"the cast to the input dtype {str(dtype).removeprefix('torch.')} would change it without a word; check the "
         "inputs, or give the model a wider input_dtype",
     )  # fmt: skip
+
+
+def as_batch(batch: Any, servable: Servable) -> torch.Tensor:
+    """``batch`` (a tensor, an array or nested lists: ``engine.predict``'s) as a tensor of real numbers with
+    ``servable``'s sample shape, or a ConfigError naming what it is."""
+    shape = servable.input_shape
+    expected = shape_text(("N", *shape))
+    real = f"real numbers, shape {expected}, cast to {servable.input_dtype}"
+    try:
+        inputs = _tensor_of(batch)
+    except (TypeError, ValueError, RuntimeError) as exc:  # text, objects, ragged lists
+        what = f"array of {batch.dtype}" if isinstance(batch, np.ndarray) else type(batch).__name__
+        hint = f"pass a tensor, a numpy array of numbers, or nested lists of equal lengths ({exc})"
+        raise invalid("batch", what, real, hint) from None
+    if inputs.is_complex():  # a cast would drop the imaginary part without a word
+        raise invalid("batch", str(inputs.dtype).removeprefix("torch."), real, "pass batch.real if that is meant")
+    if inputs.ndim != len(shape) + 1 or tuple(inputs.shape[1:]) != shape:
+        one = tuple(inputs.shape) == shape
+        hint = f"one sample? add the batch dimension: batch[None] has shape {shape_text((1, *shape))}" if one else ""
+        raise invalid("batch", f"shape {tuple(inputs.shape)}", expected, hint)
+    refuse_changed_by_cast(inputs, servable.torch_dtype)
+    return inputs
+
+
+def _tensor_of(batch: Any) -> torch.Tensor:
+    """``batch`` as a tensor; lists through numpy, as torch would make their floats float32 before the range check
+    and the cast to the input dtype, torch's error where numpy fails (it names a ragged row's length)."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    try:
+        return torch.as_tensor(np.asarray(batch))
+    except (TypeError, ValueError, RuntimeError):
+        return torch.as_tensor(batch)
