@@ -418,3 +418,18 @@ def test_a_call_torch_compile_gave_up_on_is_counted_and_told():
     assert (record.compiles, record.uncompiled) == (1, 1)
     told = explain_compile(Choice(True, "requested"), [record]).reason
     assert "torch.compile gave up compiling 1 time(s), and those calls ran eagerly" in told
+
+
+def test_an_engines_graph_per_bucket_is_told_as_planned_not_as_recompiles(caplog):
+    told = {}
+    for per_bucket in (False, True):
+        record = compile_module(nn.Sequential(nn.ReLU()), per_bucket=per_bucket, backend="eager", dynamic=False)
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="redline"):
+            caplog.clear()
+            for rows in (1, 2):
+                record.module(torch.zeros(rows))
+        told[per_bucket] = (explain_compile(Choice(True, "measured"), [record]).reason, caplog.text)
+    assert "(0 for training, 2 for evaluation under no_grad) (recompiled:" in told[False][0]
+    assert "compiled Sequential again" in told[False][1]
+    assert "compiled 2 time(s)" in told[True][0] and told[True][0].endswith("(a graph per batch bucket)")
+    assert "again" not in told[True][1], "a bucket's own graph is no news"

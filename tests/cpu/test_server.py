@@ -608,7 +608,9 @@ def test_redline_serve_pads_to_the_batch_buckets_given_and_refuses_bad_ones_befo
     monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
     for given, said in [("1,4", "--batch-buckets=(1, 4) is not allowed; expected positive sizes, the largest "
                                 "equal to --max-batch-size 8\nhint: add 8 as the largest size, or pass "
-                                "--max-batch-size 4 to make 4 the largest"),
+                                "--max-batch-size 4 to make it the largest"),
+                        ("0,8", "--batch-buckets=(0, 8) is not allowed; expected positive whole batch sizes\n"
+                                "hint: drop 0, keeping 8"),  # not "add 8 as the largest": it is
                         ("1,four,8", "--batch-buckets='1,four,8' is not allowed; expected auto, or batch "
                                      "sizes separated by commas\nhint: e.g. --batch-buckets 1,8,32")]:  # fmt: skip
         refused = CliRunner().invoke(app, [*args, "--batch-buckets", given])

@@ -51,6 +51,7 @@ class CompileRecord:
     training: int = 0  # of them, the ones under autograd (a training forward); the rest ran under no_grad
     recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
     uncompiled: int = 0  # calls torch.compile tried and gave up on, run eagerly (its recompile limit, say)
+    per_bucket: bool = False  # an inference engine's: a graph for each batch bucket is the plan, not a recompile
     module: nn.Module | None = None
     eager: Any = None  # the module's own forward, before compiling
     code: Any = None  # the code object torch.compile keeps the graphs of
@@ -93,7 +94,8 @@ def compile_planned(
         return planned
     mode = options.compile_mode
     if not any(record.module is model for record in records):  # set up again: its forward is compiled already
-        records.append(compile_module(model, **({} if mode == "default" else {"mode": mode})))
+        options_of_mode: dict[str, Any] = {} if mode == "default" else {"mode": mode}
+        records.append(compile_module(model, **options_of_mode))
     return planned if mode == "default" else Choice(True, f"{planned.reason}; mode={mode}")
 
 
@@ -118,9 +120,11 @@ def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choi
     if not planned.value or seconds is None:
         return planned
     count, training = sum(r.compiles for r in records), sum(r.training for r in records)
-    causes = [c for r in records for c in r.recompiles]
+    causes = [c for r in records if not r.per_bucket for c in r.recompiles]
     reason = f"{planned.reason}; compiled {count} time(s) in {seconds:.1f} s"
-    if count > training:
+    if all(r.per_bucket for r in records):
+        reason += " (a graph per batch bucket)"
+    elif count > training:
         reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
     if causes:
         reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
@@ -191,8 +195,9 @@ def is_compiler_error(exc: BaseException) -> bool:
     return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx"))
 
 
-def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
-    """Compile ``model``'s forward in place and return its record.
+def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any) -> CompileRecord:
+    """Compile ``model``'s forward in place and return its record (``per_bucket``: an inference engine's, whose
+    batch buckets each compile a graph as planned, told at debug level, not as recompiles).
 
     The module stays the same object with the same parameter names (no ``_orig_mod.`` prefix).
     ``nn.Module.compile()`` is not used: it compiles ``_call_impl``, a torch.nn frame that dynamo
@@ -215,7 +220,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
     # CUDA graphs (mode="reduce-overhead") replay into the same output buffers: each forward starts a
     # new step, so the last step's outputs are never mistaken for live ones (a no-op without CUDA graphs).
     graphs = options.get("mode") == "reduce-overhead"
-    record = CompileRecord(module=model, eager=eager, code=forward.__code__)
+    record = CompileRecord(module=model, eager=eager, code=forward.__code__, per_bucket=per_bucket)
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -251,6 +256,7 @@ def compile_module(model: nn.Module, **options: Any) -> CompileRecord:
             record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "", training=training)
             if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
                 level = logging.WARNING if training and record.training > 1 else logging.INFO
+                level = logging.DEBUG if per_bucket else level
                 log.log(level, "torch.compile compiled %s again: %s", type(model).__name__, record.recompiles[-1])
         return out
 

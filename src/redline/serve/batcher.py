@@ -76,12 +76,14 @@ def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -
         return (*powers, max_batch_size)
     if isinstance(requested, str) or not requested:
         raise invalid("batch_buckets", requested, "'auto' or batch sizes", "e.g. batch_buckets=(1, 8, 32)")
-    sizes: list[int] = sorted(set(requested))
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes) or sizes[-1] != max_batch_size:
-        largest = sizes[-1] if isinstance(sizes[-1], int) and sizes[-1] >= 1 else None
-        hint = f"add {max_batch_size} as the largest size" + (
-            f", or pass max_batch_size={largest} to make {largest} the largest" if largest else ""
-        )
+    bad = [s for s in requested if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    sizes: list[int] = sorted({s for s in requested if s not in bad})
+    if bad:
+        hint = f"drop {', '.join(map(repr, bad))}" + (f", keeping {', '.join(map(str, sizes))}" if sizes else "")
+        raise invalid("batch_buckets", requested, "positive whole batch sizes", hint)
+    if sizes[-1] != max_batch_size:
+        largest = sizes[-1]
+        hint = f"add {max_batch_size} as the largest size, or pass max_batch_size={largest} to make it the largest"
         raise invalid(
             "batch_buckets", requested, f"positive sizes, the largest equal to max_batch_size={max_batch_size}", hint
         )

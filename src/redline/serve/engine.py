@@ -119,7 +119,12 @@ class InferenceEngine:
             compile_supported=lambda: compile_supported(self.facts.type), channels_last=channels_last,
             convolutional=has_conv2d(self.servable.model),
         )  # fmt: skip
-        shown = "powers of two up to max_batch_size" if batch_buckets == "auto" else "requested"
+        powers = (
+            "powers of two up to max_batch_size"
+            if max_batch_size & (max_batch_size - 1) == 0
+            else (f"powers of two below max_batch_size, and {max_batch_size}")
+        )
+        shown = powers if batch_buckets == "auto" else "requested"
         self.plan: dict[str, Choice[Any]] = {
             "device": chosen_device,
             "precision": proposal.precision,
@@ -240,7 +245,7 @@ class InferenceEngine:
     def _compile(self) -> CompileRecord:
         if self._record is None:
             # dynamic=False: the buckets are the only shapes, each compiled for its own size.
-            self._record = compile_module(self.model, dynamic=False)
+            self._record = compile_module(self.model, per_bucket=True, dynamic=False)
         return self._record
 
     def _uncompile(self) -> None:
