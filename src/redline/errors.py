@@ -124,13 +124,27 @@ def refuse_inside_event_loop(blocking: str, hint: str) -> None:
     )
 
 
-def describe_error(exc: BaseException) -> str:
-    """One line naming an exception: ``Type: first line``, for the innermost cause of a wrapped one
-    (compiler errors wrap the real failure)."""
+TRACEBACK_ENV = "REDLINE_TRACEBACK"  # set to 1: an error also prints the traceback that led to it
+
+
+def traceback_asked() -> bool:
+    """Whether the user asked for whole tracebacks (REDLINE_TRACEBACK=1), beside the one-line errors."""
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def innermost(exc: BaseException) -> BaseException:
+    """The innermost cause of a wrapped exception (compiler errors wrap the real failure)."""
     inner = getattr(exc, "inner_exception", None) or exc.__cause__
     while inner is not None:
         exc = inner
         inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line naming an exception: ``Type: first line``, for the innermost cause of a wrapped one
+    (compiler errors wrap the real failure)."""
+    exc = innermost(exc)
     return f"{type(exc).__name__}: {first_line(exc)}".strip(": ")
 
 

@@ -205,13 +205,22 @@ async def test_batching_waits_and_deadlines_work_where_asyncio_has_its_own_timeo
     assert waited.status_code == 200 and late.status_code == 504 and after.status_code == 200
 
 
-async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_succeeds():
+async def test_a_model_exception_fails_its_batch_with_500_and_the_next_request_succeeds(caplog, monkeypatch):
     async with running(FakeEngine()) as (client, _):
         failed = await client.post("/v1/predict", json={"inputs": [POISON, 0, 0]})
+        logged = [r for r in caplog.records if "the model failed" in r.getMessage()]
+        monkeypatch.setenv("REDLINE_TRACEBACK", "1")
+        await client.post("/v1/predict", json={"inputs": [POISON, 0, 0]})
         after = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
         alive = await client.get("/livez")
     assert failed.status_code == 500 and failed.json()["reason"] == "model_error"
     assert "RuntimeError: the model hit a poisoned sample" in failed.json()["error"]
+    assert "serve_engines.py" not in failed.json()["error"], "the client is not told the server's files"
+    where = logged[0].getMessage().split("\n")[-1]  # the line of the model's code that raised
+    assert "serve_engines.py:" in where and " in predict: raise RuntimeError(" in where
+    assert logged[0].exc_info is None, "the traceback only when REDLINE_TRACEBACK=1 asks for it"
+    traced = [r for r in caplog.records if "the model failed" in r.getMessage()][-1]
+    assert traced.exc_info is not None and isinstance(traced.exc_info[1], RuntimeError)
     assert after.status_code == 200 and after.json() == {"outputs": [[2.0, 4.0, 6.0]]}
     assert alive.status_code == 200
 

@@ -8,7 +8,6 @@ group keeps each subcommand's one-line summary, so the help lists them without i
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from redline.errors import ConfigError, RedlineError, first_to_say, invalid
+from redline.errors import ConfigError, RedlineError, first_to_say, invalid, traceback_asked
 from redline.render.log import show_logs
 
 
@@ -200,9 +199,6 @@ def _root(
     """Run plain PyTorch training and inference as fast as the hardware allows, and say why."""
 
 
-TRACEBACK_ENV = "REDLINE_TRACEBACK"  # set to 1: an error also prints the traceback that led to it
-
-
 def main() -> None:
     """Entry point of the console script: a RedlineError becomes one clear message and its exit code (2).
 
@@ -215,7 +211,7 @@ def main() -> None:
     except RedlineError as exc:
         if not first_to_say(str(exc)):  # under the launcher, the workers that failed alike print it once
             sys.exit(exc.exit_code)
-        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):  # the cause's traceback: the message follows
+        if traceback_asked():  # the cause's traceback: the message follows
             if exc.__cause__ is not None:
                 traceback.print_exception(exc.__cause__, file=sys.stderr)
             else:

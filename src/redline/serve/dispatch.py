@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from redline.errors import RedlineError, ServableError, describe_error
+from redline.errors import RedlineError, ServableError, describe_error, innermost, traceback_asked, user_line
 from redline.runtime.contract import blames_user_code
 from redline.serve.batcher import Pending, decide
 from redline.serve.engine import WarmUpStopped
@@ -340,7 +340,12 @@ def _batch_failed(exc: Exception, samples: int) -> Refused:
     """The 500 of every request of a batch that raised ``exc``, logged: the model's error, or redline's own."""
     message = describe_error(exc)
     if isinstance(exc, RedlineError) or blames_user_code(exc):  # a redline error names what the model gave
-        log.error("redline serve: the model failed on a batch of %d samples: %s", samples, message)
+        # the log (not the client) gets the line of the user's code that raised: the model's, or its
+        # preprocess's or postprocess's; REDLINE_TRACEBACK=1 the whole traceback
+        log.error(
+            "redline serve: the model failed on a batch of %d samples: %s%s", samples, message,
+            user_line(innermost(exc)), exc_info=exc if traceback_asked() else None,
+        )  # fmt: skip
         return Refused(500, "model_error", f"the model failed: {message}")
     log.error("redline serve: redline's own code failed on a batch of %d samples", samples, exc_info=exc)
     return Refused(
