@@ -353,3 +353,15 @@ def test_pruning_keeps_an_older_checkpoint_in_place_of_one_damaged_since_it_was_
     assert found is not None and found.step == 1  # the last good one
     assert [step_dir(tmp_path, step) for step in (3, 2)] == [c.path for c in found.skipped]
     assert "optimizer.pt has grown since it was written (" in caplog.text
+
+
+def test_a_resumed_runs_final_loss_is_the_mean_of_its_last_steps_as_an_unbroken_runs_is(tmp_path):
+    def fit(out, steps, **changes):
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu", seed=0), max_steps=steps,
+                       out_dir=tmp_path / out, progress=False, **changes).fit()  # fmt: skip
+
+    whole = fit("whole", 12)
+    fit("split", 11)
+    resumed = fit("split", 12, resume="auto")  # one step of its own: the mean of 20 steps goes on from the stored 11
+    assert resumed.steps == 12 and resumed.resumed_from is not None
+    assert resumed.final_loss == pytest.approx(whole.final_loss, rel=1e-6)

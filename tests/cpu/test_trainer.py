@@ -380,11 +380,11 @@ def test_a_run_early_stopping_ended_trains_on_when_rerun_with_more_patience_or_n
 
 
 def test_resuming_a_checkpoint_past_max_steps_says_the_count_includes_the_resumed_steps(tmp_path, caplog):
-    quiet(tiny_task(), max_steps=5, out_dir=tmp_path / "first").fit()
+    first = quiet(tiny_task(), max_steps=5, out_dir=tmp_path / "first").fit()
     found = tmp_path / "first" / "checkpoints" / "step-00000005"
     with caplog.at_level("WARNING", logger="redline"):  # "3 more steps" meant: nothing trains, and the log says why
         summary = quiet(tiny_task(), max_steps=3, out_dir=tmp_path / "tuned", resume=found).fit()
-    assert summary.steps == 5 and summary.final_loss is None
+    assert summary.steps == 5 and summary.final_loss == first.final_loss, "the checkpoint's last steps' loss"
     assert "resumed at step 5, past --max-steps 3: nothing to train" in caplog.text
     assert "hint: to train 3 more, pass --max-steps 8" in caplog.text
 

@@ -54,7 +54,7 @@ from redline.train.progress import Progress
 from redline.train.schedule import Schedule
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window
-from redline.train.summary import TrainSummary, summarize
+from redline.train.summary import LOSS_WINDOW, TrainSummary, summarize
 from redline.train.throughput import Throughput
 from redline.train.tuned import resumed_batch, use_tuned
 
@@ -93,6 +93,7 @@ class Trainer:
         self._batches_per_epoch: int | None = 1  # None for a stream of unknown length
         self._evaluated_at: int | None = None
         self._stored_stop = ""  # why the run the resumed checkpoint belongs to ended, if it did
+        self._stored_losses: list[float] = []  # its last steps' losses: the summary's final loss goes on from them
         self.best = best_weights(self.config.keep_best, self.out_dir)  # the best evaluation's weights, if kept
         self.rt: Runtime | None = None
         self.model: nn.Module | None = None
@@ -279,7 +280,7 @@ class Trainer:
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> Run | TrainSummary:
-        self._evaluated_at, self._stored_stop = None, ""  # a second fit() starts from nothing of the first's
+        self._evaluated_at, self._stored_stop, self._stored_losses = None, "", []  # nothing of a first fit()'s
         if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
             self.early_stopping.reset()
         self.best = best_weights(self.config.keep_best, self.out_dir)
@@ -337,6 +338,7 @@ class Trainer:
             resumed=resumed,
             last_ckpt=resumed,
             stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
+            losses=list(self._stored_losses),
         )
 
     def _setup(
@@ -360,6 +362,7 @@ class Trainer:
             resume.check_written_by_trainer(found, state)
             pos = Position(**state["position"])
             self._stored_stop = state.get("stopped") or ""
+            self._stored_losses = [float(v) for v in state.get("recent_losses") or []]  # none in an older one
             scheduler.load_state_dict(state.get("scheduler"))
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
@@ -393,6 +396,7 @@ class Trainer:
         extra = {
             "position": vars(pos).copy(),
             "stopped": stopped,
+            "recent_losses": run.losses[-LOSS_WINDOW:],
             "scheduler": scheduler.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "best": self.best.to_dict() if self.best else None,
