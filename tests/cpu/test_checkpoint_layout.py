@@ -265,6 +265,14 @@ def test_a_run_resumed_without_an_out_dir_warns_that_it_writes_nothing(tmp_path,
     message = " ".join(caplog.text.split())
     assert f"resuming from {newest} without --out (out_dir): this run writes no checkpoint, weights" in message
     assert f"hint: pass --out DIR (--out {tmp_path} continues that run there)" in message
+    Trainer(tiny_task(), runtime=options, out_dir=tmp_path, progress=False, max_steps=3, resume="auto").fit()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="redline"):  # the run went on past step 2: --out there is refused
+        Trainer(tiny_task(), runtime=options, progress=False, max_steps=4, resume=str(newest)).fit()
+    message = " ".join(caplog.text.split())
+    assert f"hint: pass --out DIR of its own: {tmp_path} goes on past this step, a branch from it needs another" in (
+        message
+    )
 
 
 def test_a_replacement_cut_short_where_directories_cannot_be_swapped_is_put_back(tmp_path, monkeypatch):

@@ -323,7 +323,9 @@ def test_resuming_a_stopped_run_with_no_steps_left_exits_0_not_as_if_stopped_aga
     assert json.loads(again.stdout) == stopped  # the run's summary, left as it was
     message = " ".join(again.stderr.split())
     assert f"the run in {out} was stopped at step {stopped['steps']} (by signal SIGTERM)" in message
-    assert "hint: to train it further, raise --max-steps or --epochs" in message and "error:" not in message
+    steps = stopped["steps"]  # --max-steps 1 under it reads as "1 more": the hint says how to ask for that
+    hint = f"to train 1 more, pass --max-steps {steps + 1}" if steps > 1 else "to train it further, raise --max-steps"
+    assert f"hint: {hint}" in message and "error:" not in message
 
 
 def test_a_run_that_finished_its_work_exits_0_and_says_so_to_the_launcher(tmp_path):

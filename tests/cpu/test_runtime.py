@@ -304,6 +304,18 @@ def test_step_refuses_an_optimizer_setup_did_not_return(initial):
     assert rt.step(optimizer)
 
 
+def test_step_and_clip_before_setup_are_refused_naming_setup():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    before = copy.deepcopy(model.state_dict())
+    with redline.Runtime(devices="cpu") as rt:
+        for called in (lambda: rt.step(optimizer), lambda: rt.clip_grad_norm_(optimizer, 1.0)):
+            with pytest.raises(ConfigError, match=r"called before rt.setup\(\)(.|\n)*hint: `model, optimizer = rt"):
+                called()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "nothing was stepped"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
 def test_backward_passes_its_keywords_to_torch(initial, precision):
     """retain_graph lets a second loss back-propagate through the same forward, as loss.backward(...) does."""

@@ -155,6 +155,13 @@ def test_an_empty_path_is_refused_by_its_flag_not_read_as_the_current_directory(
     )
 
 
+def test_an_empty_resume_is_refused_not_read_as_the_current_directory():
+    assert refusal("train", "--resume=", "--out", "run") == (
+        "--resume='' is not allowed; expected 'auto' or a checkpoint's path, not an empty one\n"
+        "hint: name it; an empty value is often a shell variable that is not set"
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

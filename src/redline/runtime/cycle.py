@@ -121,7 +121,13 @@ class Cycle:
     def check_set_up(self, optimizer: torch.optim.Optimizer, called: str = "step") -> None:
         """Refuse an optimizer that setup did not return: a step on it, or a clip of its gradients, would do nothing
         to the set-up model (the one setup was given was rebuilt fused on CUDA, or over the shards under FSDP)."""
-        if len(self._set_up) and optimizer not in self._set_up:
+        if not len(self._set_up):  # nothing set up: no loss scale, accumulation or sync would apply to its step
+            raise ConfigError(
+                f"rt.{called}() was called before rt.setup(): the Runtime steps (and clips) the optimizers it set "
+                "up, with their model\nhint: `model, optimizer = rt.setup(model, optimizer)` first, then pass that "
+                f"optimizer to rt.{called}()"
+            )
+        if optimizer not in self._set_up:
             raise ConfigError(
                 f"rt.{called}() got an optimizer ({type(optimizer).__name__}) that rt.setup() did not return: setup "
                 "may rebuild the one it is given (fused, or over the shards under FSDP), and only the one it "

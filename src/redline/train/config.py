@@ -76,6 +76,12 @@ class TrainerConfig:
         if self.out_dir is not None:
             object.__setattr__(self, "out_dir", Path(self.out_dir).expanduser())
         if self.resume is not None:
+            given = os.fspath(self.resume) if isinstance(self.resume, str | os.PathLike) else ""
+            if not isinstance(given, str) or not given.strip():  # "" would resume from the current folder
+                raise invalid(
+                    "resume", self.resume, "'auto' or a checkpoint's path, not an empty one",
+                    "name it; an empty value is often a shell variable that is not set",
+                )  # fmt: skip
             object.__setattr__(self, "resume", os.path.expanduser(self.resume))
         if self.out_dir is None:  # asked for, these would do nothing unnoticed: nowhere to write or read
             needs_out_dir = {

@@ -105,7 +105,9 @@ def warn_unsaved(found: Checkpoint | None, out_dir: Path | None) -> None:
     """Warn that a run resumed without an out_dir writes nothing: its steps end with the process."""
     if found is not None and out_dir is None:
         run_dir = found.path.parent.parent if found.path.parent.name == "checkpoints" else None
-        where = f" (--out {run_dir} continues that run there)" if run_dir else ""
+        later = run_dir is not None and any(c.step > found.step for c in checkpoint.find_checkpoints(found.path.parent))
+        where = f" (--out {run_dir} continues that run there)" if run_dir and not later else ""
+        where = f" of its own: {run_dir} goes on past this step, a branch from it needs another" if later else where
         log.warning(
             "resuming from %s without --out (out_dir): this run writes no checkpoint, weights or summary, so what it "
             "trains is lost when it ends\nhint: pass --out DIR%s", found.path, where
@@ -227,19 +229,22 @@ def ended_run(
                 pos.step, max_steps, max_steps, pos.step + max_steps,
             )  # fmt: skip
         return None, reason
+    if reason == "early stopping":
+        further = "to train it further, raise --early-stopping-patience, or drop early stopping"
+    elif max_steps is not None and max_steps < pos.step:  # a count taken as "more steps", as above
+        further = f"to train {max_steps} more, pass --max-steps {pos.step + max_steps} (it counts from the start)"
+    else:
+        further = "to train it further, raise --max-steps or --epochs"
     if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
         log.warning(
             "the run in %s was stopped at step %d (by %s), as far as this run's --max-steps or --epochs goes or "
-            "past it: nothing to train; its checkpoints, logs and summary are left as they were\nhint: to train "
-            "it further, raise --max-steps or --epochs", out_dir, pos.step, ended.stopped
+            "past it: nothing to train; its checkpoints, logs and summary are left as they were\nhint: %s",
+            out_dir, pos.step, ended.stopped, further,
         )  # fmt: skip
     else:
-        further = "raise --early-stopping-patience, or drop early stopping" if reason == "early stopping" else (
-            "raise --max-steps or --epochs"
-        )  # fmt: skip
         log.warning(
             "the run in %s ended at step %d (stopped: %s): its checkpoints, logs and summary are left as they "
-            "were\nhint: to train it further, %s", out_dir, pos.step, ended.stopped, further
+            "were\nhint: %s", out_dir, pos.step, ended.stopped, further
         )  # fmt: skip
     return ended, reason
 
