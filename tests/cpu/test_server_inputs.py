@@ -72,7 +72,12 @@ async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_
         (b"", 400, 'the body is empty: send JSON {"inputs": [...]}'),
         (b" \n", 400, 'the body is empty: send JSON {"inputs": [...]}'),
         (b"[[1, 2, 3]]", 422, 'a JSON object {"inputs": [...]}'),
-        (b'{"input": [1, 2, 3]}', 422, 'a JSON object {"inputs": [...]}'),
+        (b'{"input": [1, 2, 3]}', 422, 'the JSON object has no "inputs" key (its keys: "input"); send {"inputs"'),
+        (
+            b'{"inputs": ' + b"[" * 70 + b"1" + b"]" * 70 + b"}",
+            422,
+            "inputs are lists nested 70 deep; a batch of samples of shape (3,) is nested 2 deep",
+        ),
         (b'{"inputs": [1, 2]}', 422, "inputs have shape (2,)"),
         (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths: inputs[1] has 2 items where inputs[0] has 3"),
         (b'{"inputs": [[1, 2, 3], 4]}', 422, "unequal lengths: inputs[1] is a number where inputs[0] has 3 items"),

@@ -178,3 +178,13 @@ def test_a_path_flag_starting_with_a_tilde_is_under_home_as_the_shell_would_make
     result = CliRunner().invoke(app, [*args, *WHERE.get(args[0], ["--task", "example:digits"])])
     first = str(result.exception).splitlines()[0]
     assert first.startswith(said) and str(tmp_path) in first and "~" not in first, result.output
+
+
+def test_a_batch_the_workers_cannot_split_is_refused_before_they_start(monkeypatch):
+    from redline.cli import train as train_cli
+
+    monkeypatch.setattr(train_cli, "launch", lambda *args, **kwargs: pytest.fail("the workers were started"))
+    assert refusal("train", "--nproc", "2", "--batch-size", "15") == (
+        "--batch-size=15 is not allowed; expected a multiple of 2: the batch size is the global batch, split across 2 "
+        "processes\nhint: e.g. --batch-size 16"
+    )

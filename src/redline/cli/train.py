@@ -30,6 +30,7 @@ from redline.parallel.env import is_launched
 from redline.plan.device import resolve_device
 from redline.render.console import key_value_table, output_console, plan_table, print_uncut
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.sampling import check_split
 from redline.runtime.seed import seed_everything
 from redline.task import check_spec, load_task
 from redline.train.callbacks import Callback, EarlyStopping
@@ -68,9 +69,11 @@ def _train(
     if launching["nproc"] is not None and not launched_worker(os.environ):  # not yet a worker: start the workers
         launch_config = build(LaunchConfig, launching, optional=True)
         check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
-        if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
-            with said_by_flags(**spellings(TrainerConfig)):
+        with said_by_flags(**spellings(TrainerConfig)):
+            if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
                 refuse_if_held(config.out_dir)
+            if isinstance(launch_config.nproc, int) and config.batch_size is not None:  # not after the workers start
+                check_split(config.batch_size, launch_config.nproc * launch_config.nnodes)
         if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
             log.warning(
                 "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "

@@ -33,9 +33,13 @@ class HostGuard:
         """Why ``size`` is not to run ("" to run it); a size to run starts the window its peak is read over."""
         need = predicted_peak(self.points, size)
         if need is not None and need > self.budget:
+            digits = 2  # as many as tell the two apart: 1.77 GiB past 1.77 GiB reads as a contradiction
+            while round(need / GIB, digits) <= round(self.budget / GIB, digits) and digits < 6:
+                digits += 1
             return (
-                f"{NOT_RUN}: predicted to need about {need / GIB:.2f} GiB (from the peaks of the sizes that ran), past "
-                f"the {self.budget / GIB:.2f} GiB this machine gives the process, where the kernel would kill it"
+                f"{NOT_RUN}: predicted to need about {need / GIB:.{digits}f} GiB (from the peaks of the sizes that "
+                f"ran), past the {self.budget / GIB:.{digits}f} GiB this machine gives the process, where the kernel "
+                "would kill it"
             )
         self.peak.read()
         return ""

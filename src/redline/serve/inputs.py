@@ -73,13 +73,19 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise _unreadable_json(exc, body, spec) from None
-    if not isinstance(document, dict) or "inputs" not in document:
+    if not isinstance(document, dict):
         raise spec.refuse(422, 'the body must be a JSON object {"inputs": [...]}')
+    if "inputs" not in document:  # a typo ("input"), or another server's key ("instances")
+        keys = ", ".join(orjson.dumps(key).decode() for key in list(document)[:5]) or "none"
+        raise spec.refuse(422, f'the JSON object has no "inputs" key (its keys: {keys}); send {{"inputs": [...]}}')
     inputs = document["inputs"]
     try:
         array = np.asarray(inputs)
-    except (ValueError, OverflowError):  # ragged lists (numpy >= 1.24 refuses them)
-        where = _ragged(inputs, "inputs")
+    except (ValueError, OverflowError):  # ragged lists (numpy >= 1.24 refuses them), or nested past numpy's limit
+        where, depth = _ragged(inputs, "inputs"), _depth(inputs)
+        if where is None and depth > len(spec.shape) + 1:  # nested past numpy's limit of dimensions
+            nested = f"a batch of samples of shape {shape_text(spec.shape)} is nested {len(spec.shape) + 1} deep"
+            raise spec.refuse(422, f"inputs are lists nested {depth} deep; {nested}") from None
         raise spec.refuse(422, "inputs are nested lists of unequal lengths" + (f": {where}" if where else "")) from None
     if array.dtype.kind not in "biuf":
         raise spec.refuse(422, "inputs hold values that are not numbers (text, null, objects or too large integers)")
@@ -119,6 +125,14 @@ def _ragged(value: Any, path: str, depth: int = 0) -> str | None:
         if length != lengths[0]:
             return f"{path}[{i}] {_holds(value[i])} where {path}[0] {_holds(value[0])}"
     return next((found for i, item in enumerate(value) if (found := _ragged(item, f"{path}[{i}]", depth + 1))), None)
+
+
+def _depth(value: Any) -> int:
+    """How deep the first items of nested lists go: ``[[1, 2]]`` is 2 deep."""
+    depth = 0
+    while isinstance(value, list) and value:
+        value, depth = value[0], depth + 1
+    return depth
 
 
 def _holds(item: Any) -> str:
