@@ -260,9 +260,11 @@ def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
 
 
 def test_an_error_every_worker_meets_is_printed_once(tmp_path):
+    # the task's own batch: the launcher does not load the task, so the workers are the first to see it (a
+    # --batch-size 15 is refused before they start, tests/unit/test_cli_refusals.py)
     result = subprocess.run(
         [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "2", "--nproc", "2",
-         "--batch-size", "15", "--no-progress"],
+         "--task-arg", "batch_size=15", "--no-progress"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]

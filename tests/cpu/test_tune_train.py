@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.tune import UNMEASURED, TuneInterrupted, _measure, decide, tune
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, Terminated, TrainingError
-from redline.hardware.device import probe_device
+from redline.hardware.device import FAKE_CPU_ENV, probe_device
 from redline.parallel.env import DistEnv
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -233,6 +233,7 @@ def cached_plans(tmp_path) -> list[dict]:
 
 def test_a_ctrl_c_caches_what_was_measured_leaves_the_rest_to_auto_and_exits_130(tmp_path, monkeypatch, capsys):
     # compile "kept" off, its alternative never run, is no decision: a run that uses the tune decides it as auto.
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")  # a CPU whose bf16 is worth searching, as the space below has it
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
@@ -265,6 +266,7 @@ def test_an_axis_the_budget_left_unmeasured_is_cached_as_left_to_auto(tmp_path, 
     def compile_unmeasured(task, device, candidates, planned, steps, window, seed, budget_s):
         return [Trial(c, 0.010) if not c.compile else Trial(c, None, rejected=UNMEASURED) for c in candidates]
 
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")  # a CPU whose bf16 is worth searching, as the space below has it
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
     monkeypatch.setattr("redline.bench.tune._measure", compile_unmeasured)

@@ -52,7 +52,6 @@ class ModelThread:
     def __init__(self) -> None:
         self._calls: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]] | None]
         self._calls = SimpleQueue()
-        self.busy = False  # a call is running
         self._thread = threading.Thread(target=self._serve, name="redline-model", daemon=True)
         self._thread.start()
 
@@ -69,13 +68,10 @@ class ModelThread:
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
             function, args, future = call
-            self.busy = True
             try:
                 outcome: tuple[Any, BaseException | None] = (function(*args), None)
             except BaseException as exc:  # handed to the awaiting task, as an executor would
                 outcome = (None, exc)
-            finally:
-                self.busy = False
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
                 future.get_loop().call_soon_threadsafe(_hand_over, future, *outcome)
 

@@ -119,11 +119,9 @@ class InferenceEngine:
             compile_supported=lambda: compile_supported(self.facts.type), channels_last=channels_last,
             convolutional=has_conv2d(self.servable.model),
         )  # fmt: skip
-        powers = (
-            "powers of two up to max_batch_size"
-            if max_batch_size & (max_batch_size - 1) == 0
-            else (f"powers of two below max_batch_size, and {max_batch_size}")
-        )
+        powers = "powers of two up to max_batch_size"
+        if max_batch_size & (max_batch_size - 1):  # no power of two: the largest bucket is max_batch_size itself
+            powers = f"powers of two below max_batch_size, and {max_batch_size}"
         shown = powers if batch_buckets == "auto" else "requested"
         self.plan: dict[str, Choice[Any]] = {
             "device": chosen_device,
