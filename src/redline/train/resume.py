@@ -105,9 +105,12 @@ def warn_unsaved(found: Checkpoint | None, out_dir: Path | None) -> None:
     """Warn that a run resumed without an out_dir writes nothing: its steps end with the process."""
     if found is not None and out_dir is None:
         run_dir = found.path.parent.parent if found.path.parent.name == "checkpoints" else None
-        later = run_dir is not None and any(c.step > found.step for c in checkpoint.find_checkpoints(found.path.parent))
-        where = f" (--out {run_dir} continues that run there)" if run_dir and not later else ""
-        where = f" of its own: {run_dir} goes on past this step, a branch from it needs another" if later else where
+        if run_dir is None:
+            where = ""
+        elif any(c.step > found.step for c in checkpoint.find_checkpoints(found.path.parent)):
+            where = f" of its own: {run_dir} goes on past this step, a branch from it needs another"
+        else:
+            where = f" (--out {run_dir} continues that run there)"
         log.warning(
             "resuming from %s without --out (out_dir): this run writes no checkpoint, weights or summary, so what it "
             "trains is lost when it ends\nhint: pass --out DIR%s", found.path, where
