@@ -469,8 +469,8 @@ def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
         (["--devices", "cuda:7"], "hint:"),
     ],
 )
-def test_cli_bench_refuses_bad_flags_with_a_hint(args, message):
-    result = redline_cli("bench", "--task", "example:digits", *args)
+def test_cli_bench_refuses_bad_flags_with_a_hint(args, message, redline_here):
+    result = redline_here("bench", "--task", "example:digits", *args)
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr

@@ -51,9 +51,9 @@ CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum"
             "loader"]  # fmt: skip
 
 
-def test_train_json_and_out_dir(tmp_path):
+def test_train_json_and_out_dir(tmp_path, redline_here):
     out = tmp_path / "run"
-    result = redline_cli(
+    result = redline_here(
         "train", "--task", "example:digits", "--max-steps", "6", "--seed", "0", "--json", "--out", str(out)
     )
     assert result.returncode == 0, result.stderr
@@ -71,8 +71,8 @@ def test_train_json_and_out_dir(tmp_path):
     assert not any(name.startswith(("_orig_mod.", "module.")) for name in weights)
 
 
-def test_train_prints_the_plan_table():
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "2", "--task-arg", "width=8")
+def test_train_prints_the_plan_table(redline_here):
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "2", "--task-arg", "width=8")
     assert result.returncode == 0, result.stderr
     plan = plan_table(result.stdout)
     assert list(plan) == CPU_AXES
@@ -87,9 +87,9 @@ FAKE_CPUS = {"avx2": "AVX2 only", "avx512": "CPU has AVX-512", "amx": "CPU has A
 
 
 @pytest.mark.parametrize("isa", FAKE_CPUS)
-def test_redline_cpu_makes_the_plan_as_on_that_cpu(isa):
+def test_redline_cpu_makes_the_plan_as_on_that_cpu(isa, redline_here):
     # 200 columns, as a file or pipe gets outside pytest-xdist (whose workers set COLUMNS=80)
-    result = redline_cli(
+    result = redline_here(
         "train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": isa, "COLUMNS": "200"}
     )
     assert result.returncode == 0, result.stderr
@@ -99,30 +99,30 @@ def test_redline_cpu_makes_the_plan_as_on_that_cpu(isa):
     assert not any(phrase in why for other, phrase in FAKE_CPUS.items() if other != isa)
 
 
-def test_unknown_redline_cpu_is_one_clear_line():
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": "avx3"})
+def test_unknown_redline_cpu_is_one_clear_line(redline_here):
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "1", env={"REDLINE_CPU": "avx3"})
     assert result.returncode == 2
     assert "REDLINE_CPU='avx3'" in result.stderr and "'amx'" in result.stderr and "hint:" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_bad_task_spec_is_one_clear_line():
-    result = redline_cli("train", "--task", "example:nope", "--max-steps", "1")
+def test_bad_task_spec_is_one_clear_line(redline_here):
+    result = redline_here("train", "--task", "example:nope", "--max-steps", "1")
     assert result.returncode == 2
     assert "no built-in example 'nope'" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_unavailable_device_exits_with_the_fix():
-    result = redline_cli("train", "--task", "example:digits", "--devices", "cuda", "--max-steps", "1")
+def test_unavailable_device_exits_with_the_fix(redline_here):
+    result = redline_here("train", "--task", "example:digits", "--devices", "cuda", "--max-steps", "1")
     assert result.returncode == 2
     assert "no CUDA device" in result.stderr and "hint:" in result.stderr
 
 
-def test_out_dir_that_is_a_file_is_refused(tmp_path):
+def test_out_dir_that_is_a_file_is_refused(tmp_path, redline_here):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--out", str(blocker))
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "1", "--out", str(blocker))
     assert result.returncode == 2 and f"--out={str(blocker)!r} is not allowed" in result.stderr
     assert "it is a file" in result.stderr and "hint: e.g. --out runs/NAME" in result.stderr
 
@@ -162,10 +162,10 @@ def make():
 """
 
 
-def test_train_json_is_strict_json_when_a_figure_is_not_finite(tmp_path):
+def test_train_json_is_strict_json_when_a_figure_is_not_finite(tmp_path, redline_here):
     (tmp_path / "nan_task.py").write_text(NAN_VAL_TASK)
     out = tmp_path / "run"
-    result = redline_cli("train", "--task", f"{tmp_path / 'nan_task.py'}:make", "--max-steps", "2", "--no-progress",
+    result = redline_here("train", "--task", f"{tmp_path / 'nan_task.py'}:make", "--max-steps", "2", "--no-progress",
                          "--json", "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout, parse_constant=lambda word: pytest.fail(f"{word} is not JSON"))
@@ -188,9 +188,9 @@ def make():
 """
 
 
-def test_train_prints_a_generated_sample_as_written_brackets_and_all(tmp_path):
+def test_train_prints_a_generated_sample_as_written_brackets_and_all(tmp_path, redline_here):
     (tmp_path / "bracket_task.py").write_text(BRACKET_SAMPLE_TASK)
-    result = redline_cli("train", "--task", f"{tmp_path / 'bracket_task.py'}:make", "--max-steps", "1",
+    result = redline_here("train", "--task", f"{tmp_path / 'bracket_task.py'}:make", "--max-steps", "1",
                          "--no-progress", env={"COLUMNS": "200"})  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "def pick(xs: list[int]) -> int:  # xs[/0] [bold]" in result.stdout
@@ -210,26 +210,26 @@ def test_bench_warns_of_a_failed_memory_estimate_with_its_error_as_written(monke
     assert "cannot trace [fc.weight] under [/tmp/x]" in console.export_text()
 
 
-def test_task_arg_false_reaches_a_bool_option_as_false(tmp_path):
+def test_task_arg_false_reaches_a_bool_option_as_false(tmp_path, redline_here):
     (tmp_path / "flag_task.py").write_text(FLAG_TASK)
     spec = f"{tmp_path / 'flag_task.py'}:make"
     args = ("train", "--task", spec, "--max-steps", "1", "--no-progress", "--json")
-    result = redline_cli(*args, "--task-arg", "flag=false", "--task-arg", "name=123")
+    result = redline_here(*args, "--task-arg", "flag=false", "--task-arg", "name=123")
     assert result.returncode == 0, result.stderr  # the factory raises when flag is truthy
     assert json.loads(result.stdout)["task"] == "123"  # str option: the text as typed, not the number
 
 
-def test_task_arg_that_does_not_convert_is_one_clear_line(tmp_path):
+def test_task_arg_that_does_not_convert_is_one_clear_line(tmp_path, redline_here):
     (tmp_path / "flag_task.py").write_text(FLAG_TASK)
     spec = f"{tmp_path / 'flag_task.py'}:make"
-    result = redline_cli("train", "--task", spec, "--max-steps", "1", "--task-arg", "flag=maybe")
+    result = redline_here("train", "--task", spec, "--max-steps", "1", "--task-arg", "flag=maybe")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--task-arg flag='maybe': the factory's option 'flag' is a bool; expected true or false" in result.stderr
     assert "hint: e.g. --task-arg flag=true" in result.stderr
 
 
-def test_warnings_reach_stderr_through_the_one_logger(tmp_path):
-    result = redline_cli(
+def test_warnings_reach_stderr_through_the_one_logger(tmp_path, redline_here):
+    result = redline_here(
         "train", "--task", "example:digits", "--max-steps", "1", "--out", str(tmp_path), "--resume", "auto", "--json"
     )
     assert result.returncode == 0, result.stderr
@@ -237,8 +237,8 @@ def test_warnings_reach_stderr_through_the_one_logger(tmp_path):
     json.loads(result.stdout)  # stdout still holds the JSON alone
 
 
-def test_a_launch_option_without_nproc_is_refused_with_the_fix():
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--max-restarts", "2")
+def test_a_launch_option_without_nproc_is_refused_with_the_fix(redline_here):
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "1", "--max-restarts", "2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--max-restarts concerns the worker processes that --nproc starts" in result.stderr
     assert "hint: add --nproc N" in result.stderr
@@ -260,12 +260,12 @@ def mlp(hidden: int = 16):
 """
 
 
-def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path):
+def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path, redline_here):
     (tmp_path / "mlp_task.py").write_text(MLP_TASK)
     task, out = f"{tmp_path / 'mlp_task.py'}:mlp", tmp_path / "run"
-    first = redline_cli("train", "--task", task, "--out", str(out), "--max-steps", "2", "--json")
+    first = redline_here("train", "--task", task, "--out", str(out), "--max-steps", "2", "--json")
     assert first.returncode == 0, first.stderr
-    again = redline_cli(
+    again = redline_here(
         "train", "--task", task, "--task-arg", "hidden=8", "--out", str(out), "--resume", "auto", "--max-steps", "4"
     )
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
@@ -311,13 +311,13 @@ def test_sigterm_stops_one_process_with_exit_143_after_the_summary_and_a_checkpo
     assert not finished.exists(), "a stopped run must not tell a launcher that it finished"
 
 
-def test_resuming_a_stopped_run_with_no_steps_left_exits_0_not_as_if_stopped_again(tmp_path):
+def test_resuming_a_stopped_run_with_no_steps_left_exits_0_not_as_if_stopped_again(tmp_path, redline_here):
     out = tmp_path / "run"
     proc = start_training(out, "--json")
     proc.send_signal(signal.SIGTERM)
     stopped = json.loads(proc.communicate(timeout=120)[0])
     assert proc.returncode == 128 + signal.SIGTERM and stopped["steps"] >= 1
-    again = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--out", str(out), "--resume", "auto",
+    again = redline_here("train", "--task", "example:digits", "--max-steps", "1", "--out", str(out), "--resume", "auto",
                         "--json")  # fmt: skip
     assert again.returncode == 0, again.stderr  # nothing stopped it now: a 143 would tell a scheduler to retry
     assert json.loads(again.stdout) == stopped  # the run's summary, left as it was
@@ -328,9 +328,9 @@ def test_resuming_a_stopped_run_with_no_steps_left_exits_0_not_as_if_stopped_aga
     assert f"hint: {hint}" in message and "error:" not in message
 
 
-def test_a_run_that_finished_its_work_exits_0_and_says_so_to_the_launcher(tmp_path):
+def test_a_run_that_finished_its_work_exits_0_and_says_so_to_the_launcher(tmp_path, redline_here):
     finished = tmp_path / "finished"
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--json",
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "1", "--json",
                          env={"REDLINE_FINISHED_FILE": str(finished)})  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["stopped"] == "max_steps" and finished.is_file()
@@ -418,8 +418,8 @@ def test_a_ctrl_c_before_the_loop_says_it_was_not_a_second_one_and_what_is_saved
     )
 
 
-def test_a_tensorboard_logger_without_out_is_refused_with_the_fix():
-    result = redline_cli("train", "--task", "example:digits", "--max-steps", "1", "--logger", "tensorboard")
+def test_a_tensorboard_logger_without_out_is_refused_with_the_fix(redline_here):
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "1", "--logger", "tensorboard")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "logger 'tensorboard' writes its files under out_dir, and out_dir is None" in result.stderr
     assert "hint: pass --out DIR" in result.stderr
@@ -467,12 +467,12 @@ def make():
 """
 
 
-def test_seed_makes_a_factory_built_model_repeat(tmp_path):
+def test_seed_makes_a_factory_built_model_repeat(tmp_path, redline_here):
     (tmp_path / "eager_task.py").write_text(EAGER_TASK)
     spec = f"{tmp_path / 'eager_task.py'}:make"
 
     def final_loss(seed: str) -> float:
-        result = redline_cli("train", "--task", spec, "--seed", seed, "--json", "--max-steps", "2", "--no-progress")
+        result = redline_here("train", "--task", spec, "--seed", seed, "--json", "--max-steps", "2", "--no-progress")
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)["final_loss"]
 
@@ -481,9 +481,9 @@ def test_seed_makes_a_factory_built_model_repeat(tmp_path):
     assert final_loss("4") != first
 
 
-def test_a_factory_that_builds_a_malformed_task_is_one_clear_line(tmp_path):
+def test_a_factory_that_builds_a_malformed_task_is_one_clear_line(tmp_path, redline_here):
     (tmp_path / "empty_task.py").write_text(EAGER_TASK.replace("linspace(-1, 1, 32).reshape(8, 4)", "empty(0, 4)"))
-    result = redline_cli("train", "--task", f"{tmp_path / 'empty_task.py'}:make", "--max-steps", "1")
+    result = redline_here("train", "--task", f"{tmp_path / 'empty_task.py'}:make", "--max-steps", "1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "the factory raised ConfigError: len(train_data)=0 is not allowed; expected at least one" in result.stderr
     assert "hint: check how train_data is built" in result.stderr
@@ -493,10 +493,10 @@ NORM_MODEL = "model=nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.1), nn.Linear(
 NORM_TASK = EAGER_TASK.replace("model=nn.Linear(4, 1)", NORM_MODEL)
 
 
-def test_one_process_plan_has_no_split_caveats(tmp_path):
+def test_one_process_plan_has_no_split_caveats(tmp_path, redline_here):
     (tmp_path / "norm_task.py").write_text(NORM_TASK)
     spec = f"{tmp_path / 'norm_task.py'}:make"
-    result = redline_cli("train", "--task", spec, "--json", "--max-steps", "1", "--no-progress")
+    result = redline_here("train", "--task", spec, "--json", "--max-steps", "1", "--no-progress")
     assert result.returncode == 0, result.stderr
     loader = json.loads(result.stdout)["plan"]["loader"]["reason"]
     assert "global batch 4 = 1 x 4" in loader  # the line that carries the caveats under several processes
@@ -504,11 +504,11 @@ def test_one_process_plan_has_no_split_caveats(tmp_path):
 
 
 @pytest.mark.parametrize(("command", "columns"), [("train", 80), ("train", 100), ("launch", 80), ("doctor", 80)])
-def test_help_shows_every_flag_name_whole(command, columns):
+def test_help_shows_every_flag_name_whole(command, columns, redline_here):
     loaded = typer.main.get_command(app).commands[command].load()  # type: ignore[attr-defined]
     names = [name for param in loaded.params for name in (*param.opts, *param.secondary_opts) if name.startswith("-")]
     assert "--early-stopping-patience" in names or command != "train"
-    result = redline_cli(command, "--help", env={"COLUMNS": str(columns)})
+    result = redline_here(command, "--help", env={"COLUMNS": str(columns)})
     assert result.returncode == 0, result.stderr
     for name in names:
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.stdout), name
@@ -600,8 +600,8 @@ def test_a_measure_start_past_its_cap_is_refused_by_the_flags_the_user_typed():
     assert "max_batch_size" not in message
 
 
-def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts():
-    result = redline_cli("train", "--task", "example:nope", "--nproc", "2", "--max-steps", "1")
+def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts(redline_here):
+    result = redline_here("train", "--task", "example:nope", "--nproc", "2", "--max-steps", "1")
     assert result.returncode == 2
     assert result.stderr.count("no built-in example 'nope'") == 1
     assert "launched job" not in result.stderr and "torch.distributed" not in result.stderr

@@ -9,7 +9,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -421,16 +420,9 @@ def test_the_summary_is_strict_json_when_a_figure_is_missing(tmp_path):
 # -- through the command line: exit 2, the message, no traceback ---------------------------------
 
 
-def redline_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("kind", MISTAKES)
-def test_the_cli_says_the_mistake_in_one_message(kind):
-    result = redline_cli("train", "--task", SPEC, "--task-arg", f"kind={kind}", "--max-steps", "2", "--no-progress")
+def test_the_cli_says_the_mistake_in_one_message(kind, redline_here):
+    result = redline_here("train", "--task", SPEC, "--task-arg", f"kind={kind}", "--max-steps", "2", "--no-progress")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     message = " ".join(result.stderr.split())  # rich may wrap the message's lines
@@ -449,35 +441,35 @@ def test_the_cli_says_the_mistake_in_one_message(kind):
         (("--eval-every", "2"), "--eval-every=2 is not allowed; expected it with a task that has val_data (task 'ok'"),
     ],
 )
-def test_the_cli_refuses_a_bad_option_before_training(flags, message):
-    result = redline_cli("train", "--task", SPEC, "--max-steps", "2", "--no-progress", *flags)
+def test_the_cli_refuses_a_bad_option_before_training(flags, message, redline_here):
+    result = redline_here("train", "--task", SPEC, "--max-steps", "2", "--no-progress", *flags)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr and "hint:" in result.stderr
 
 
-def test_redline_traceback_prints_the_users_traceback_before_the_message():
+def test_redline_traceback_prints_the_users_traceback_before_the_message(redline_here):
     args = ("train", "--task", SPEC, "--task-arg", "kind=key_error", "--max-steps", "2", "--no-progress")
-    result = redline_cli(*args, env={"REDLINE_TRACEBACK": "1"})
+    result = redline_here(*args, env={"REDLINE_TRACEBACK": "1"})
     assert result.returncode == 2
     traceback_text, message = result.stderr.split("error: step 1:", 1)
     assert "Traceback (most recent call last)" in traceback_text and "KeyError: 'pixels'" in traceback_text
     assert 'return self.fc(inputs["pixels"])' in traceback_text and "hint:" in message
 
 
-def test_the_cli_reruns_a_finished_run_without_touching_it(tmp_path):
+def test_the_cli_reruns_a_finished_run_without_touching_it(tmp_path, redline_here):
     args = ("train", "--task", SPEC, "--max-steps", "3", "--out", str(tmp_path), "--no-progress", "--json")
-    first = redline_cli(*args)
+    first = redline_here(*args)
     assert first.returncode == 0, first.stderr
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
-    again = redline_cli(*args, "--resume", "auto")
+    again = redline_here(*args, "--resume", "auto")
     assert again.returncode == 0, again.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files
     assert json.loads(again.stdout) == json.loads(first.stdout)
     assert "ended at step 3 (stopped: max_steps)" in " ".join(again.stderr.split())
 
 
-def test_the_cli_trains_a_stream_and_counts_its_samples():
-    result = redline_cli("train", "--task", SPEC, "--task-arg", "kind=stream", "--max-steps", "6", "--json")
+def test_the_cli_trains_a_stream_and_counts_its_samples(redline_here):
+    result = redline_here("train", "--task", SPEC, "--task-arg", "kind=stream", "--max-steps", "6", "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert (summary["steps"], summary["samples"], summary["epochs"]) == (6, 48, None)

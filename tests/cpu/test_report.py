@@ -1,9 +1,5 @@
 """`redline report` on a run the Trainer wrote: the page shows what the run logged, the command says where it went."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 import redline
@@ -34,26 +30,20 @@ def test_the_report_of_a_real_run_shows_its_steps_evaluations_and_plan(run):
     assert summary["plan"]["precision"]["reason"].split(":")[0] in doc
 
 
-def redline_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "redline", "report", *args], capture_output=True, text=True, timeout=120, env=os.environ
-    )
-
-
-def test_the_command_writes_the_page_and_prints_its_path(run, tmp_path):
+def test_the_command_writes_the_page_and_prints_its_path(run, tmp_path, redline_here):
     out, _ = run
     (out / "report.html").unlink(missing_ok=True)
-    result = redline_cli(str(out))
+    result = redline_here("report", str(out))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out / "report.html") and (out / "report.html").is_file()
     elsewhere = tmp_path / "digits.html"
-    result = redline_cli(str(out), "--html", str(elsewhere))
+    result = redline_here("report", str(out), "--html", str(elsewhere))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(elsewhere) and elsewhere.read_text().startswith("<!DOCTYPE html>")
 
 
-def test_the_command_on_a_missing_run_exits_2_with_the_fix(tmp_path):
-    result = redline_cli(str(tmp_path / "nothing-here"))
+def test_the_command_on_a_missing_run_exits_2_with_the_fix(tmp_path, redline_here):
+    result = redline_here("report", str(tmp_path / "nothing-here"))
     assert result.returncode == 2 and result.stdout == ""
     assert f"error: run directory '{tmp_path / 'nothing-here'}' does not exist" in result.stderr
     assert "hint: pass the directory a run wrote with --out" in result.stderr

@@ -22,7 +22,6 @@ from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
 from redline.runtime.optimizer import OptimizerLike
 from redline.runtime.strategy.ddp import DDP
-from redline.runtime.strategy.fsdp import FSDP
 from redline.runtime.strategy.single import SingleDevice
 
 
@@ -88,5 +87,10 @@ def build_strategy(name: StrategyName, *, find_unused_parameters: bool = False) 
     """Return the strategy object for a resolved strategy name (``find_unused_parameters`` is DDP's)."""
     if name == "ddp":
         return DDP(find_unused_parameters=find_unused_parameters)
-    strategies: dict[str, type[Strategy]] = {"single": SingleDevice, "fsdp": FSDP}
-    return strategies[name]()
+    if name == "fsdp":
+        # Imported here: torch.distributed.checkpoint and DTensor take about a second to import, which a run
+        # that does not shard (and every `redline` command that only plans or refuses) need not pay.
+        from redline.runtime.strategy.fsdp import FSDP
+
+        return FSDP()
+    return SingleDevice()

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from redline.checkpoint import Checkpoint, whole
-from redline.checkpoint.sharded import load_sharded
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
 from redline.runtime.optimizer import OptimizerLike, build_optimizer
@@ -67,6 +66,8 @@ class SingleDevice:
         self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         if checkpoint.sharded:  # an FSDP run's: DCP gathers the pieces into the whole model
+            from redline.checkpoint.sharded import load_sharded  # slow to import (DCP); only a sharded one needs it
+
             return load_sharded(checkpoint, model, optimizer)
         whole.load_model_and_optimizer(checkpoint, self.module(model), optimizer)
         return whole.read_states(checkpoint)
