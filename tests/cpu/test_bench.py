@@ -7,8 +7,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -425,16 +423,10 @@ def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
         assert auto.compile and compiled.compile_s > 0 and auto.compile_s == compiled.compile_s
 
 
-def redline_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "redline", *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)
-    )
-
-
 @pytest.mark.slow
-def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path):
+def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path, redline_here):
     page = tmp_path / "bench.html"
-    result = redline_cli(
+    result = redline_here(
         "bench", "--task", "example:digits", "--precision", "fp32", "--compile", "off,on", "--steps", "4",
         "--window", "2", "--no-auto", "--json", "--html", str(page),
     )  # fmt: skip

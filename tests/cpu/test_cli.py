@@ -516,11 +516,11 @@ def test_help_shows_every_flag_name_whole(command, columns, redline_here):
 
 
 @pytest.mark.slow
-def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once():
+def test_chargpt_compiled_on_cpu_compiles_its_training_forward_once(redline_here):
     """The inductor compile of the CLI tier: evaluation each epoch, a partial last batch and sampling, one graph."""
     small = ["--task-arg", "n_layer=1", "--task-arg", "n_embd=32", "--task-arg", "n_head=2", "--task-arg",
              "block_size=16", "--task-arg", "max_chars=3000", "--task-arg", "batch_size=16"]  # fmt: skip
-    result = redline_cli("train", "--task", "example:chargpt", *small, "--compile", "on", "--epochs", "2", "--json")
+    result = redline_here("train", "--task", "example:chargpt", *small, "--compile", "on", "--epochs", "2", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
     assert summary["plan"]["compile"]["value"] is True

@@ -443,19 +443,15 @@ def test_fsdp_takes_a_fixed_micro_batch_and_refuses_auto(tmp_path, small_from_th
 # -- the command line ---------------------------------------------------------------------------
 
 
-def test_redline_train_takes_micro_batch_auto(tmp_path):
+def test_redline_train_takes_micro_batch_auto(tmp_path, redline_here):
     spec = f"{Path(__file__).with_name('oom_models.py')}:oom_task"
     args = ["train", "--task", spec, "--max-steps", "2", "--trial", "off", "--no-progress", "--json"]
-    result = subprocess.run(
-        [sys.executable, "-m", "redline", *args, "--micro-batch", "auto"], capture_output=True, text=True, timeout=120
-    )
+    result = redline_here(*args, "--micro-batch", "auto")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["plan"]["micro_batch"]["value"] == 4 and len(summary["oom_recoveries"]) == 2
     assert "halved them to 8" in result.stderr
-    wrong = subprocess.run(
-        [sys.executable, "-m", "redline", *args, "--micro-batch", "half"], capture_output=True, text=True, timeout=120
-    )
+    wrong = redline_here(*args, "--micro-batch", "half")
     assert (
         wrong.returncode == 2
         and "--micro-batch='half' is not allowed; expected 'auto', a positive number of samples\n" in wrong.stderr

@@ -84,10 +84,10 @@ def test_a_second_run_on_an_out_dir_in_use_is_refused_at_once_and_a_killed_runs_
     assert (tmp_path / "summary.json").is_file()
 
 
-def test_redline_train_names_the_out_dir_in_use_by_its_flag(tmp_path):
-    command = [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "1"]
+def test_redline_train_names_the_out_dir_in_use_by_its_flag(tmp_path, redline_here):
+    command = ["train", "--task", "example:digits", "--max-steps", "1"]
     with held_by_another_process(tmp_path) as holder:
-        result = subprocess.run([*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        result = redline_here(*command, "--out", str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert result.stderr.endswith(
         f"error: --out={str(tmp_path)!r} is not allowed; expected a directory no other run is writing in; another "
@@ -96,12 +96,12 @@ def test_redline_train_names_the_out_dir_in_use_by_its_flag(tmp_path):
     )
 
 
-def test_redline_train_with_nproc_refuses_an_out_dir_in_use_before_starting_a_worker(tmp_path):
+def test_redline_train_with_nproc_refuses_an_out_dir_in_use_before_starting_a_worker(tmp_path, redline_here):
     """Before, each worker started, loaded the task and was refused, and was restarted to be refused again."""
-    command = [sys.executable, "-m", "redline", "train", "--task", "example:digits", "--max-steps", "1"]
+    command = ["train", "--task", "example:digits", "--max-steps", "1"]
     command += ["--nproc", "1", "--max-restarts", "3", "--out", str(tmp_path)]
     with held_by_another_process(tmp_path) as holder:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        result = redline_here(*command)
     assert result.returncode == 2, result.stderr
     assert result.stderr.endswith(
         f"another run (pid {holder.pid}) is writing its checkpoints and logs there now\nhint: wait for that run to "

@@ -155,12 +155,9 @@ def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file
     assert np.load(tmp_path / "y.npy").shape == (3, 2)
 
 
-def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec):
+def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec, redline_here):
     bad = samples(tmp_path, np.zeros((5, 4), np.float32))
-    result = subprocess.run(
-        [sys.executable, "-m", "redline", "predict", spec, "--input", bad, "--output", str(tmp_path / "y.npy")],
-        capture_output=True, text=True, timeout=300, env={**os.environ},
-    )  # fmt: skip
+    result = redline_here("predict", spec, "--input", bad, "--output", str(tmp_path / "y.npy"))
     assert result.returncode == 2
     assert "samples of shape (4,)" in result.stderr and "expected (N, 3)" in result.stderr
     assert "Traceback" not in result.stderr
@@ -313,16 +310,15 @@ def test_an_output_directory_that_cannot_be_written_is_refused_before_the_model_
     assert "Predicting with" not in result.output, "refused before the model was loaded and run"
 
 
-def test_a_model_failing_midway_is_one_clear_error_naming_its_row_and_leaves_the_old_output(tmp_path, spec):
+def test_a_model_failing_midway_is_one_clear_error_naming_its_row_and_leaves_the_old_output(
+    tmp_path, spec, redline_here
+):
     inputs = np.zeros((6, 3), np.float32)
     inputs[4] = 666  # the third batch of two
     out = tmp_path / "y.npy"
     np.save(out, np.arange(3))  # a previous run's outputs
-    result = subprocess.run(
-        [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, inputs), "--output", str(out),
-         "--batch-size", "2", "--precision", "fp32", "--compile", "off"],
-        capture_output=True, text=True, timeout=300, env={**os.environ},
-    )  # fmt: skip
+    result = redline_here("predict", spec, "--input", samples(tmp_path, inputs), "--output", str(out),
+                          "--batch-size", "2", "--precision", "fp32", "--compile", "off")  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert "the model raised while predicting row 4 of --input" in result.stderr

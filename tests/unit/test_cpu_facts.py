@@ -81,6 +81,7 @@ def test_child_plans_as_the_faked_cpu():
 
 def test_suite_option_fakes_the_cpu_for_the_processes_tests_start(pytester, monkeypatch):
     monkeypatch.delenv("REDLINE_CPU", raising=False)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the inner runs need none (3 s each to import)
     pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_child=CHILD_TEST)
     faked = pytester.runpytest_subprocess("--redline-cpu", "arm", "-p", "no:cacheprovider")
