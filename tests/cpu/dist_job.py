@@ -19,7 +19,10 @@ import signal
 import time
 from pathlib import Path
 
+# torch._dynamo first: torch imports it when the first optimizer is built, inside the hang watchdog's 'start',
+# seconds on a loaded machine, which a test's short --hang-timeout would take for a hang
 import torch
+import torch._dynamo
 from torch import nn
 from torch.utils.data import TensorDataset
 

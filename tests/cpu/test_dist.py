@@ -469,7 +469,7 @@ def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):
 
     start = time.monotonic()
     result = launch(
-        "--nproc", "2", "--hang-timeout", "3", JOB, str(tmp_path), "20",
+        "--nproc", "2", "--hang-timeout", "5", JOB, str(tmp_path), "20",
         "--kill-rank", "1", "--kill-step", "5", "--sleep", "120",
     )  # fmt: skip
     elapsed = time.monotonic() - start
