@@ -26,29 +26,30 @@ class Ran:
 
 
 @pytest.fixture
-def redline_here(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ran]]:
+def redline_here(capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., Ran]]:
     """Run `redline ARGS` in this process through the console script's own ``main()``: exit code, stdout, stderr.
 
     A command in a process of its own pays torch's import first (3-6 s here), which most tests of a command's
-    words need not: they run it here. The tests of what only a process shows (signals, the console script
-    found on PATH, exit at interpreter shutdown) still start one.
+    words need not: they run it here, ``env`` set for that call alone. The tests of what only a process shows
+    (signals, the console script found on PATH, exit at interpreter shutdown) still start one.
     """
     logger = logging.getLogger(LOGGER)
     saved = (list(logger.handlers), logger.level, logger.propagate)  # main() sets them up as for a process
 
     def run(*args: str, env: dict[str, str] | None = None) -> Ran:
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, value)
-        monkeypatch.setattr(sys, "argv", ["redline", *args])
-        capsys.readouterr()
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:  # typer ends every command with one, as the process would exit
-            if isinstance(exc.code, str):  # as Python exits with one: the text on stderr, status 1
-                print(exc.code, file=sys.stderr)
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        out, err = capsys.readouterr()
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            patch.setattr(sys, "argv", ["redline", *args])
+            capsys.readouterr()
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:  # typer ends every command with one, as the process would exit
+                if isinstance(exc.code, str):  # as Python exits with one: the text on stderr, status 1
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            out, err = capsys.readouterr()
         return Ran(code, out, err)
 
     yield run
