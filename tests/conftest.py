@@ -46,6 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (the inner pytest of a test) knows it not
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker more than the cores. Much of the suite waits rather than computes (a launch's
     rendezvous, a server's latency window, a watchdog's timeout, a signal's pacing): on 2 cores two workers kept
