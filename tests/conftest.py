@@ -46,15 +46,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
 
 
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (the inner pytest of a test) knows it not
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: a worker more than the cores. Much of the suite waits rather than computes (a launch's
-    rendezvous, a server's latency window, a watchdog's timeout, a signal's pacing): on 2 cores two workers kept
-    77% of them busy, three 97%. Measured on a 2-core AVX2 machine, the whole suite: 957 s with two, 755 s with
-    three, every test passing in both."""
-    return len(os.sched_getaffinity(0)) + 1
-
-
 def pytest_report_header(config: pytest.Config) -> str:
     isa, faked = probe_cpu_isa()
     return f"redline plans as CPU: {isa} ({f'faked by {FAKE_CPU_ENV}' if faked else 'probed'})"
