@@ -2,6 +2,7 @@
 clean-up between probes, and two ranks that agree."""
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -139,24 +140,25 @@ def test_the_public_names():
     assert {"find_batch_size", "BatchSearch"} <= set(redline.__all__)
 
 
-def run_memory_cli(redline_here, *args: str):
+@pytest.fixture
+def memory_cli(redline_here):
     """`redline memory` on the task that runs out of memory above its limit, in this process."""
-    return redline_here("memory", "--task", f"{JOB}:limited_task", *args)
+    return functools.partial(redline_here, "memory", "--task", f"{JOB}:limited_task")
 
 
-def test_redline_memory_measure_runs_the_search_on_this_machine(redline_here):
-    done = run_memory_cli(redline_here, "--task-arg", "limit=5", "--measure", "--max-batch-size", "16", "--json")
+def test_redline_memory_measure_runs_the_search_on_this_machine(memory_cli):
+    done = memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "16", "--json")
     assert done.returncode == 0, done.stderr
     search = json.loads(done.stdout)
     assert [t["batch_size"] for t in search["tried"]] == [1, 2, 4, 8, 6, 5]
     assert search["largest"] == 5 and search["cap"] == 16 and search["device"] == "cpu"
-    table = run_memory_cli(redline_here, "--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--start", "4")
+    table = memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--start", "4")
     assert table.returncode == 0, table.stderr
     assert "Batch-size search on cpu" in table.stdout and "largest batch: 5 fits" in table.stdout
 
 
-def test_redline_memory_measure_refuses_another_gpu(redline_here):
-    done = run_memory_cli(redline_here, "--measure", "--gpu", "l4")
+def test_redline_memory_measure_refuses_another_gpu(memory_cli):
+    done = memory_cli("--measure", "--gpu", "l4")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--measure runs on this machine's own device" in done.stderr
 
@@ -176,10 +178,8 @@ def test_the_search_trains_under_the_caller_s_no_grad_and_leaves_it_in_place():
         assert not torch.is_grad_enabled()
 
 
-def test_redline_memory_measure_refuses_a_batch_size_it_would_ignore(redline_here):
-    done = run_memory_cli(
-        redline_here, "--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--batch-size", "64"
-    )
+def test_redline_memory_measure_refuses_a_batch_size_it_would_ignore(memory_cli):
+    done = memory_cli("--task-arg", "limit=5", "--measure", "--max-batch-size", "8", "--batch-size", "64")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--batch-size" in done.stderr and "--start" in done.stderr
 

@@ -1,6 +1,7 @@
 """`redline loadtest` against a small aiohttp server in a background thread: counts, timings' lower bounds, the CLI."""
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -251,26 +252,25 @@ def test_run_load_inside_a_running_loop_says_to_await_run_load_async(server):
     assert server.counts["/pattern/notebook"] == 0
 
 
-def run_loadtest(redline_here, *args: str):
+@pytest.fixture
+def loadtest(redline_here):
     """`redline loadtest ARGS` in this process, on a terminal 120 columns wide."""
-    return redline_here("loadtest", *args, env={"COLUMNS": "120"})
+    return functools.partial(redline_here, "loadtest", env={"COLUMNS": "120"})
 
 
-def test_cli_json_round_trip_and_table(server, redline_here):
-    result = run_loadtest(
-        redline_here, f"{server.url}/pattern/cli", "--rate", "20", "--duration", "1", "--header", "X-Test: 1", "--json"
-    )
+def test_cli_json_round_trip_and_table(server, loadtest):
+    result = loadtest(f"{server.url}/pattern/cli", "--rate", "20", "--duration", "1", "--header", "X-Test: 1", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["status_counts"] == {"200": 10, "503": 5, "500": 5}
     assert (data["mode"], data["target_rate"], data["requests_sent"], data["method"]) == ("open", 20.0, 20, "GET")
     assert set(data["latency_ms"]) == {"count", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms"}
-    closed = run_loadtest(redline_here, f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3", "--json")
+    closed = loadtest(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3", "--json")
     assert closed.returncode == 0, closed.stderr
     data = json.loads(closed.stdout)
     assert (data["mode"], data["concurrency"]) == ("closed", 2) and data["requests_sent"] >= 2
     assert not {"target_rate", "arrivals", "send_lag_ms", "client_kept_up", "max_in_flight"} & set(data)
-    table = run_loadtest(redline_here, f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3")
+    table = loadtest(f"{server.url}/slow/cli", "--concurrency", "2", "--duration", "0.3")
     assert table.returncode == 0, table.stderr
     assert "closed loop, 2 workers" in table.stdout and "latency in ms, from each request's actual send" in table.stdout
     assert "note: closed loop:" in table.stdout
@@ -289,16 +289,14 @@ def test_cli_json_round_trip_and_table(server, redline_here):
      (["--payload", "missing.json"], "error: --payload='missing.json' is not allowed; expected a readable .json or "
                                      ".npy file\nhint: it cannot be read (No such file or directory)")],
 )  # fmt: skip
-def test_cli_errors_are_one_clear_message(server, args, message, redline_here):
-    result = run_loadtest(redline_here, f"{server.url}/pattern/never", *args)
+def test_cli_errors_are_one_clear_message(server, args, message, loadtest):
+    result = loadtest(f"{server.url}/pattern/never", *args)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(message) and "Traceback" not in result.stderr
 
 
-def test_cli_unreachable_url_is_one_clear_message(redline_here):
-    result = run_loadtest(
-        redline_here, f"http://127.0.0.1:{free_port()}/v1/predict", "--rate", "5", "--duration", "0.2"
-    )
+def test_cli_unreachable_url_is_one_clear_message(loadtest):
+    result = loadtest(f"http://127.0.0.1:{free_port()}/v1/predict", "--rate", "5", "--duration", "0.2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines()[0].startswith("error: cannot reach http://127.0.0.1:")
     assert result.stderr.splitlines()[1].startswith("hint: start the server first")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -200,13 +201,14 @@ def test_a_value_close_to_an_allowed_one_is_refused_with_the_one_it_meant(kwargs
     assert str(refused.value).split("\nhint: ")[1].startswith(hint)
 
 
-def run_cli(redline_here, *args: str):
+@pytest.fixture
+def memory_cli(redline_here):
     """`redline memory ARGS` in this process, on a terminal 120 columns wide."""
-    return redline_here("memory", *args, env={"COLUMNS": "120"})
+    return functools.partial(redline_here, "memory", env={"COLUMNS": "120"})
 
 
-def test_redline_memory_json_weighs_each_way_against_the_gpu(redline_here) -> None:
-    done = run_cli(redline_here, "--task", "example:chargpt", "--task-arg", "n_layer=2", "--task-arg", "n_embd=64",
+def test_redline_memory_json_weighs_each_way_against_the_gpu(memory_cli) -> None:
+    done = memory_cli("--task", "example:chargpt", "--task-arg", "n_layer=2", "--task-arg", "n_embd=64",
                    "--task-arg", "block_size=32", "--task-arg", "max_chars=20000", "--gpu", "l4", "--gpus", "4",
                    "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -220,14 +222,14 @@ def test_redline_memory_json_weighs_each_way_against_the_gpu(redline_here) -> No
     assert result["rows"][2]["largest_batch"] % 4 == 0
 
 
-def test_redline_memory_table_and_a_gpu_too_small(redline_here) -> None:
-    done = run_cli(redline_here, "--task", "example:digits", "--mem-gib", "0.5")
+def test_redline_memory_table_and_a_gpu_too_small(memory_cli) -> None:
+    done = memory_cli("--task", "example:digits", "--mem-gib", "0.5")
     assert done.returncode == 0, done.stderr
     assert "total peak" in done.stdout and "largest batch" in done.stdout and "none" in done.stdout
 
 
-def test_redline_memory_unknown_gpu_is_one_clear_line(redline_here) -> None:
-    done = run_cli(redline_here, "--task", "example:digits", "--gpu", "voodoo-2")
+def test_redline_memory_unknown_gpu_is_one_clear_line(memory_cli) -> None:
+    done = memory_cli("--task", "example:digits", "--gpu", "voodoo-2")
     assert done.returncode == 2
     assert "not in the GPU catalog" in done.stderr and "Traceback" not in done.stderr
 
@@ -437,10 +439,10 @@ def task():
 """
 
 
-def test_a_factory_that_moves_its_model_is_weighed_by_redline_memory(tmp_path: Path, redline_here) -> None:
+def test_a_factory_that_moves_its_model_is_weighed_by_redline_memory(tmp_path: Path, memory_cli) -> None:
     # in a fresh process, where torch cannot swap a fake parameter for the copy .to() makes
     (tmp_path / "moved.py").write_text(MOVED_TASK, encoding="utf-8")
-    done = run_cli(redline_here, "--task", f"{tmp_path / 'moved.py'}:task", "--gpu", "l4", "--json")
+    done = memory_cli("--task", f"{tmp_path / 'moved.py'}:task", "--gpu", "l4", "--json")
     assert done.returncode == 0, done.stderr
     first = json.loads(done.stdout)["rows"][0]["estimate"]
     assert first["params"] == (64 * 256 + 256 + 256 * 10 + 10) * 4
