@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from redline.cli.main import main
+from redline.cli import main as cli_main
 from redline.render.log import LOGGER
 from redline.runtime import measure
 from redline.runtime.trial import Measured
@@ -41,14 +41,13 @@ def redline_here(capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., R
             for name, value in (env or {}).items():
                 patch.setenv(name, value)
             patch.setattr(sys, "argv", ["redline", *args])
+            patch.setattr(cli_main, "_leave", lambda done: None)  # a run in this process never ends it
             capsys.readouterr()
             try:
-                main()
+                cli_main.main()
                 code = 0
             except SystemExit as exc:  # typer ends every command with one, as the process would exit
-                if isinstance(exc.code, str):  # as Python exits with one: the text on stderr, status 1
-                    print(exc.code, file=sys.stderr)
-                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                code = cli_main.exit_status(exc)
             out, err = capsys.readouterr()
         return Ran(code, out, err)
 

@@ -132,13 +132,27 @@ async def test_a_stop_waits_for_every_answer_but_not_for_a_model_call_whose_requ
             await eventually(lambda: serving.dispatcher.queued == 1)
             serving.begin_drain()  # as SIGTERM does: the stop begins with both requests unanswered
             closing = time.monotonic()
+            model_thread = serving.dispatcher._thread
         closed_in = time.monotonic() - closing
         answers = [await first, await queued]
+        left_in_its_call = model_thread.alive and dispatch_module.calls_left_running() >= 1
     finally:
         engine.gate.set()
     assert [a.status_code for a in answers] == [504, 504], "each request was answered, at its deadline"
     assert 0.1 < closed_in < 3, f"the shutdown took {closed_in:.1f} s: it waits for the answers, not the model"
     assert "it is not waited for" in caplog.text
+    assert left_in_its_call, "a process exiting now must know that a model call still runs"
+    await eventually(lambda: not model_thread.alive)  # the call returned: the stopped thread ends
+
+
+async def test_a_stop_with_nothing_in_the_model_waits_for_the_model_thread_to_end():
+    # A daemon thread alive at interpreter shutdown aborts the process when it next retakes the GIL from torch.
+    engine = FakeEngine()
+    async with running(engine) as (client, serving):
+        assert (await client.post("/v1/predict", json={"inputs": [1, 1, 1]})).status_code == 200
+        model_thread = serving.dispatcher._thread
+        assert model_thread.alive
+    assert not model_thread.alive, "the closed dispatcher returned before its model thread ended"
 
 
 async def test_requests_that_timed_out_in_the_queue_do_not_count_toward_a_full_queue():
@@ -534,6 +548,69 @@ class Slow(nn.Module):
 def make():
     return Servable(model=Slow(), input_shape=(3,))
 """
+
+
+SLOW_IN_TORCH_AFTER_WARM_UP = """
+import time
+import torch
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class SlowInTorch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 1:  # past the warm-up of the one bucket: torch operations for 10 s, each retaking the GIL
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                x = torch.tanh(x)
+        return self.linear(x)
+
+
+def make():
+    return Servable(model=SlowInTorch(), input_shape=(3,))
+"""
+
+
+@pytest.mark.slow
+def test_a_server_stopped_while_its_model_runs_a_timed_out_batch_exits_0_not_aborted(tmp_path):
+    # The model's thread is left in its call: the interpreter's shutdown would end it when torch next returns to
+    # Python, and the unwinding through torch's C++ frames would abort the process (-6, perhaps a core dump).
+    (tmp_path / "slow.py").write_text(SLOW_IN_TORCH_AFTER_WARM_UP)
+    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'slow.py'}:make", "--port", "0",
+               "--device", "cpu", "--measure", "off", "--compile", "off", "--max-batch-size", "1",
+               "--timeout-ms", "300"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = next((line.split()[2] for line in process.stdout if line.startswith("listening on ")), None)
+        assert url, process.stderr.read()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/readyz", timeout=5).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None, "the server never became ready"
+                time.sleep(0.2)
+        body = json.dumps({"inputs": [1, 2, 3]}).encode()
+        request = urllib.request.Request(url + "/v1/predict", data=body, headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        process.send_signal(signal.SIGTERM)  # the model still runs that batch, for seconds
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert refused.value.code == 504
+    assert process.returncode == 0, err
+    assert "it is not waited for" in err and "terminate called" not in err
+    assert out.rstrip().endswith("stopped: every accepted request was answered")
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ group keeps each subcommand's one-line summary, so the help lists them without i
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -207,6 +209,14 @@ def main() -> None:
     """
     show_logs()
     try:
+        _run()
+    except SystemExit as done:
+        _leave(done)
+        raise
+
+
+def _run() -> None:
+    try:
         app()
     except RedlineError as exc:
         if not first_to_say(str(exc)):  # under the launcher, the workers that failed alike print it once
@@ -218,3 +228,26 @@ def main() -> None:
                 traceback.print_tb(exc.__traceback__, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+
+
+def _leave(done: SystemExit) -> None:
+    """Exit now by ``os._exit`` when a served model was left in a call (a batch whose requests all timed out).
+
+    The interpreter's shutdown would abort the process as soon as that call's next torch operation returns
+    (see ``redline.serve.dispatch.ModelThread``): what was written is flushed, and the exit status kept.
+    """
+    dispatch = sys.modules.get("redline.serve.dispatch")  # not imported: no model was served
+    if dispatch is None or not dispatch.calls_left_running():
+        return
+    status = exit_status(done)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def exit_status(done: SystemExit) -> int:
+    """The status a process ends with on ``done``, as Python has it: a message is printed to stderr, status 1."""
+    if done.code is not None and not isinstance(done.code, int):
+        print(done.code, file=sys.stderr)
+    return done.code if isinstance(done.code, int) else int(done.code is not None)

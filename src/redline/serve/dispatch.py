@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,12 +48,20 @@ CLOSE_POLL_S = 0.05  # how often a closing dispatcher looks whether every reques
 class ModelThread:
     """The one thread that calls the engine. A daemon: a model call that never returns (a hung model, whose
     requests were all answered 504 by their deadlines) does not keep a stopped server's process alive, as a
-    ``ThreadPoolExecutor``'s worker would (Python joins those at exit)."""
+    ``ThreadPoolExecutor``'s worker would (Python joins those at exit).
+
+    A daemon still in a call when the interpreter shuts down is a hazard of its own: CPython (3.10 to 3.13)
+    ends a daemon thread that retakes the GIL during shutdown by unwinding its stack, and torch's C++ frames
+    cannot be unwound, so the process aborts ("terminate called without an active exception", -6) as soon as
+    the model's next operation returns. ``Dispatcher.close`` therefore waits for an idle thread to end, and
+    ``calls_left_running`` tells a process about to exit that one was left in a call.
+    """
 
     def __init__(self) -> None:
         self._calls: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]] | None]
         self._calls = SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="redline-model", daemon=True)
+        self.busy = False  # in a call: set and cleared by the thread itself
+        self._thread = threading.Thread(target=self._serve, name=MODEL_THREAD_NAME, daemon=True)
         self._thread.start()
 
     async def run(self, function: Callable[..., Any], *args: Any) -> Any:
@@ -63,17 +72,50 @@ class ModelThread:
 
     def stop(self) -> None:
         """End the thread after the call it is running, if any (not waited for)."""
+        _STOPPED.add(self)
         self._calls.put(None)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (after ``stop``: in the call it was left in)."""
+        return self._thread.is_alive()
+
+    async def ended(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for the thread to end (after ``stop``); return whether it did."""
+        deadline = time.monotonic() + within
+        while self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(THREAD_POLL_S)
+        return not self.alive
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
             function, args, future = call
+            self.busy = True
             try:
                 outcome: tuple[Any, BaseException | None] = (function(*args), None)
             except BaseException as exc:  # handed to the awaiting task, as an executor would
                 outcome = (None, exc)
+            self.busy = False
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
                 future.get_loop().call_soon_threadsafe(_hand_over, future, *outcome)
+            del call, function, args, future, outcome  # the batch's tensors go now, not when the next call comes
+
+
+MODEL_THREAD_NAME = "redline-model"
+THREAD_POLL_S = 0.005
+THREAD_END_S = 5.0  # the longest a closing dispatcher waits for its idle thread to end (it takes microseconds)
+
+
+_STOPPED: weakref.WeakSet[ModelThread] = weakref.WeakSet()  # a running thread holds its own: kept while it runs
+
+
+def calls_left_running() -> int:
+    """How many model threads were stopped but still run: each was left in a model call (a stopped server's).
+
+    A process about to exit with one should leave by ``os._exit`` (after flushing what it wrote), since the
+    interpreter's shutdown would abort it when the call's next torch operation returns (see ``ModelThread``).
+    """
+    return sum(thread.alive for thread in list(_STOPPED))
 
 
 def _hand_over(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -162,6 +204,8 @@ class Dispatcher:
             await asyncio.wait({self._task}, timeout=CLOSE_POLL_S)  # its cancellation is not raised here
         if self._thread is not None:
             self._thread.stop()
+            if not self._thread.busy:  # idle: it ends at once, and is waited for, so that it does not outlive us
+                await self._thread.ended(THREAD_END_S)
 
     def abandon(self, refused: Callable[[], Refused]) -> int:
         """Refuse every request queued or in the model, and any that comes after, with a ``refused()`` of its own
