@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from redline.errors import ConfigError
-from redline.parallel.watchdog import HANG_EXIT_CODE, Position, Watchdog, diagnose, enable_torch_debug
+from redline.parallel.watchdog import (
+    HANG_EXIT_CODE,
+    START_ALLOWANCE_S,
+    Position,
+    Watchdog,
+    diagnose,
+    enable_torch_debug,
+)
 
 NOW = 1_000_000.0
 STALL_STEP = 5
@@ -138,6 +145,22 @@ def test_flight_recorder_variables_use_the_names_of_the_torch_at_hand_and_leave_
 def test_a_timeout_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"hang_timeout=0 is not allowed; expected a number > 0"):
         Watchdog(dist.HashStore(), 0, 1, 0)
+    with pytest.raises(ConfigError, match=r"hang_start_timeout=0 is not allowed; expected a number > 0"):
+        Watchdog(dist.HashStore(), 0, 1, 5, start_timeout_s=0)
+
+
+def test_the_start_allowance_is_ten_minutes_unless_the_timeout_or_the_user_says_more() -> None:
+    assert Watchdog(dist.HashStore(), 0, 1, 5).start_timeout_s == START_ALLOWANCE_S == 600
+    assert Watchdog(dist.HashStore(), 0, 1, 900).start_timeout_s == 900
+    assert Watchdog(dist.HashStore(), 0, 1, 5, start_timeout_s=2).start_timeout_s == 2
+
+
+def test_a_hang_in_the_first_step_is_reported_against_the_start_allowance_and_names_its_flag() -> None:
+    records = {0: at(1, "forward and backward", 1, ago=40), 1: at(1, "forward and backward", 2, ago=1)}
+    hang = diagnose(records, now=NOW, timeout_s=30, world_size=2, starting=True)
+    assert hang is not None and hang.stalled == (0,)
+    assert "(hang start timeout 30 s, for the set-up and first step)" in hang.message.splitlines()[0]
+    assert "(building, loading, a first compile), raise --hang-start-timeout" in hang.message
 
 
 # -- the watchdog in this process: the exit is recorded instead of taken ---------------------------
@@ -153,8 +176,10 @@ class Exits:
         self.done.set()
 
 
-def watched(store: dist.Store, rank: int, world: int, timeout_s: float, out: Path | None) -> tuple[Watchdog, Exits]:
-    watchdog, exits = Watchdog(store, rank, world, timeout_s, out), Exits()
+def watched(
+    store: dist.Store, rank: int, world: int, timeout_s: float, out: Path | None, start_timeout_s: float | None = None
+) -> tuple[Watchdog, Exits]:
+    watchdog, exits = Watchdog(store, rank, world, timeout_s, out, start_timeout_s=start_timeout_s), Exits()
     watchdog._exit = exits
     return watchdog, exits
 
@@ -178,10 +203,38 @@ def test_a_loop_that_keeps_beating_never_fires_even_after_a_restart_from_a_hang(
     assert b'"where": "left the watched loop"' in store.get("redline/watchdog/attempt_1/0")
 
 
+def test_the_set_up_and_first_step_have_the_start_allowance_and_later_steps_the_timeout(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    watchdog, exits = watched(store, 0, 1, 0.3, tmp_path, start_timeout_s=30)
+    with watchdog:
+        time.sleep(1.0)  # the set-up: no beat yet
+        watchdog.beat(1, "forward")
+        time.sleep(1.0)  # the first step: a compile, say
+        watchdog.beat(1, "logging")
+        quiet_through_the_start = list(exits.codes)
+        watchdog.beat(2, "forward")  # the first step is done: from here on, 0.3 s
+        stuck_in_forward(exits)
+    assert quiet_through_the_start == []
+    assert exits.codes == [HANG_EXIT_CODE]
+    assert (tmp_path / "hang.txt").read_text().startswith("hang: rank 0 stopped at step 2 in 'forward' (hang timeout")
+
+
+def test_a_rank_stuck_in_its_first_step_fires_at_the_start_allowance(tmp_path: Path) -> None:
+    watchdog, exits = watched(dist.HashStore(), 0, 1, 30, tmp_path, start_timeout_s=0.4)
+    with watchdog:
+        watchdog.beat(5, "forward")  # resumed at step 4: its first step is 5
+        stuck_in_forward(exits)
+    assert exits.codes == [HANG_EXIT_CODE]
+    report = (tmp_path / "hang.txt").read_text()
+    assert report.startswith("hang: rank 0 stopped at step 5 in 'forward' (hang start timeout 0.4 s, for the set-up")
+    assert "raise --hang-start-timeout" in report
+
+
 def test_a_stalled_rank_writes_its_stack_and_the_report_then_exits(tmp_path: Path) -> None:
     watchdog, exits = watched(dist.HashStore(), 0, 1, 0.4, tmp_path)
     with watchdog:
-        watchdog.beat(3, "forward")
+        watchdog.beat(2, "forward")
+        watchdog.beat(3, "forward")  # past its first step: the timeout applies
         stuck_in_forward(exits)
     assert exits.codes == [HANG_EXIT_CODE]
     assert "stuck_in_forward" in (tmp_path / "hang-rank0.txt").read_text()

@@ -33,3 +33,13 @@ def test_variables_that_name_no_rank_of_a_run_are_refused_with_the_fix(variables
 
 def test_world_size_one_without_rank_is_one_process_as_before():
     assert read_env({"WORLD_SIZE": "1"}).world_size == 1
+
+
+def test_the_launchers_hang_timeouts_reach_the_worker():
+    from redline.launch.torchrun import _hang_env
+
+    worker = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env = read_env({**worker, **_hang_env(9.0, 60.0)})
+    assert (env.hang_timeout_s, env.hang_start_timeout_s) == (9.0, 60.0)
+    env = read_env({**worker, **_hang_env(9.0, None)})
+    assert (env.hang_timeout_s, env.hang_start_timeout_s) == (9.0, 0.0)  # 0: the watchdog's own default

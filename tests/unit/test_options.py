@@ -152,14 +152,14 @@ def test_every_field_of_the_trainer_and_runtime_is_a_train_flag_with_its_default
         assert default == field.default, f"--{field.name}: default {default!r}, field {field.default!r}"
         assert params[field.name].help.startswith(field.metadata["help"].rstrip("."))  # a bound is added to it
     uncovered = [f.name for f in dataclasses.fields(owner) if f.init and not f.metadata.get("cli")]
-    assert set(uncovered) <= {"runtime", "hang_timeout_s"}  # a nested object, and the launcher's job
+    assert set(uncovered) <= {"runtime", "hang_timeout_s", "hang_start_timeout_s"}  # nested; the launcher's job
 
 
 def test_every_launch_field_is_a_launch_flag_and_train_takes_the_one_machine_ones():
     launch_params, train_params = click_params(launch_command), click_params(train_cli.train)
     assert {f.name for f in cli_fields(LaunchConfig)} <= set(launch_params)
-    assert {"nproc", "max_restarts", "hang_timeout_s"} <= set(train_params)
-    assert train_cli.LAUNCH_OPTIONS == ("--nproc", "--max-restarts", "--hang-timeout")
+    assert {"nproc", "max_restarts", "hang_timeout_s", "hang_start_timeout_s"} <= set(train_params)
+    assert train_cli.LAUNCH_OPTIONS == ("--nproc", "--max-restarts", "--hang-timeout", "--hang-start-timeout")
     assert {f"early_stopping_{f.name}" for f in cli_fields(EarlyStopping)} <= set(train_params)
 
 
@@ -234,6 +234,7 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
         (["loadtest", "http://127.0.0.1:9/", "--duration", "inf"], "--duration=inf", "--duration 1.0"),
         (["loadtest", "http://127.0.0.1:9/", "--warmup", "inf"], "--warmup=inf", "--warmup 0.0"),
         (["launch", "--hang-timeout", "0", "script.py"], "--hang-timeout=0.0", ""),
+        (["launch", "--hang-start-timeout", "60", "script.py"], "--hang-start-timeout=60.0", "add --hang-timeout S"),
         (["tune", "--task", "example:digits", "--budget", "0"], "--budget=0.0", "--budget 1.0"),
         (["bench", "--task", "example:digits", "--max-seconds", "nan"], "--max-seconds=nan", "--max-seconds 1.0"),
         (["bench", "--task", "example:digits", "--devices", "gpu"], "--devices='gpu'", ""),

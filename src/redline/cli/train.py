@@ -42,7 +42,7 @@ from redline.train.tuned import TUNE_COMMAND
 
 log = logging.getLogger("redline")
 # The options that start the workers (on one machine); each worker runs the rest of the command.
-LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s")
+LAUNCH_FIELDS = ("nproc", "max_restarts", "hang_timeout_s", "hang_start_timeout_s")
 EARLY_STOPPING = "early_stopping_"
 
 

@@ -26,7 +26,7 @@ from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBy
 from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.waiting import stoppable_while_waiting
-from redline.parallel.env import FINISHED_ENV, HANG_TIMEOUT_ENV
+from redline.parallel.env import FINISHED_ENV, HANG_START_TIMEOUT_ENV, HANG_TIMEOUT_ENV
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
@@ -89,6 +89,11 @@ class LaunchConfig:
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report names the stalled rank.", flag="--hang-timeout"
     )
+    hang_start_timeout_s: float | None = option(
+        None,
+        "Seconds allowed for the set-up and first step, with --hang-timeout (default: the larger of it and 600).",
+        flag="--hang-start-timeout",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, str) and self.nproc.isdigit():  # from the command line
@@ -100,7 +105,7 @@ class LaunchConfig:
             )  # fmt: skip
         positive_int("nnodes", self.nnodes)
         non_negative_int("max_restarts", self.max_restarts)
-        positive_number("hang_timeout", self.hang_timeout_s, optional=True)
+        _check_hang_timeouts(self.hang_timeout_s, self.hang_start_timeout_s)
         if self.rdzv_endpoint is not None and not _ENDPOINT.match(self.rdzv_endpoint):
             raise invalid("rdzv_endpoint", self.rdzv_endpoint, "HOST:PORT", "e.g. --rdzv-endpoint 10.0.0.1:29400")
         if self.rdzv_endpoint is not None and int(self.rdzv_endpoint.rsplit(":", 1)[1]) > _MAX_PORT:
@@ -195,6 +200,23 @@ def _master(config: LaunchConfig) -> tuple[str, int]:
     return config.master_addr or "127.0.0.1", port
 
 
+def _check_hang_timeouts(timeout_s: float | None, start_timeout_s: float | None) -> None:
+    positive_number("hang_timeout", timeout_s, optional=True)
+    positive_number("hang_start_timeout", start_timeout_s, optional=True)
+    if start_timeout_s is not None and timeout_s is None:
+        raise invalid(
+            "hang_start_timeout", start_timeout_s,
+            "no value without hang_timeout=S: the start allowance is the hang watchdog's, which hang_timeout=S "
+            "turns on", "add hang_timeout=S, the seconds any later step may take",
+        )  # fmt: skip
+
+
+def _hang_env(timeout_s: float, start_timeout_s: float | None) -> dict[str, str]:
+    """What tells the workers the hang watchdog's timeouts."""
+    given = {HANG_TIMEOUT_ENV: timeout_s, HANG_START_TIMEOUT_ENV: start_timeout_s}
+    return {name: str(seconds) for name, seconds in given.items() if seconds is not None}
+
+
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
     """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
     from torch.distributed import DistError
@@ -221,7 +243,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     if threads is not None:
         workers["OMP_NUM_THREADS"] = str(threads)
     if config.hang_timeout_s is not None:
-        workers[HANG_TIMEOUT_ENV] = str(config.hang_timeout_s)
+        workers.update(_hang_env(config.hang_timeout_s, config.hang_start_timeout_s))
         workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
     argv = torchrun_args(config, nproc, target, module=module)
     # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.

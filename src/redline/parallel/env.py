@@ -17,6 +17,7 @@ import torch.distributed as torch_dist
 from redline.errors import ConfigError
 
 HANG_TIMEOUT_ENV = "REDLINE_HANG_TIMEOUT"  # the launcher hands --hang-timeout to its workers through it
+HANG_START_TIMEOUT_ENV = "REDLINE_HANG_START_TIMEOUT"  # and --hang-start-timeout
 FINISHED_ENV = "REDLINE_FINISHED_FILE"  # where the workers tell the launcher that the run finished its work
 # Longer than any hang watchdog timeout, so the watchdog's diagnosis comes before torch's own error.
 COLLECTIVE_TIMEOUT = dt.timedelta(minutes=30)
@@ -35,6 +36,7 @@ class DistEnv:
     restart_count: int = 0
     launched: bool = False  # started by torchrun (even as 1 process): a process group can be formed
     hang_timeout_s: float = 0.0  # the launcher's --hang-timeout (REDLINE_HANG_TIMEOUT); 0: no hang watchdog
+    hang_start_timeout_s: float = 0.0  # its --hang-start-timeout (REDLINE_HANG_START_TIMEOUT); 0: the default
 
     @property
     def distributed(self) -> bool:
@@ -83,6 +85,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
         launched=is_launched(env),
         hang_timeout_s=_seconds(env, HANG_TIMEOUT_ENV),
+        hang_start_timeout_s=_seconds(env, HANG_START_TIMEOUT_ENV),
     )
 
 

@@ -4,7 +4,12 @@ A collective that never completes (a rank stuck in its data loader, a rank that 
 link) otherwise blocks every rank until the backend's own timeout, which then names no culprit. The
 training loop calls ``Watchdog.beat(step, where)`` at cheap points. A thread on each rank fires when its
 own rank has not beaten for ``timeout_s`` (every rank blocked in the stalled collective does, so no
-clocks are compared across hosts) or when another rank has fired. Firing:
+clocks are compared across hosts) or when another rank has fired. Until the rank's first step is done
+(its beats name a later step than the first they named), the limit is ``start_timeout_s`` instead: the
+set-up (building, wrapping, loading a checkpoint) and the first step (a first compile takes minutes on a
+large model) are slower than any later step, and a limit tight enough for the steps would end the job
+there; by default it is the larger of ``timeout_s`` and ten minutes, as torchtitan's init timeout
+allows more than its train timeout. Firing:
 
 1. writes this rank's Python stacks and the collective it is in, read from torch's flight recorder, to
    ``out_dir/hang-rank{rank}.txt``, and the recorder's raw dump to ``out_dir/flight_recorder/rank_{rank}``
@@ -47,6 +52,7 @@ FR_DIR = "flight_recorder"
 _GATHER_S = 5.0  # how long the first rank to fire waits for the others' stacks
 _STORE_TIMEOUT_S = 10.0  # the longest any store call of the watchdog blocks
 _DEADLINE_S = _GATHER_S + 3 * _STORE_TIMEOUT_S  # a firing rank exits by then, whatever the store or disk do
+START_ALLOWANCE_S = 600.0  # the least a rank's set-up and first step are allowed, unless start_timeout_s is given
 
 log = logging.getLogger("redline")
 
@@ -76,16 +82,19 @@ class Hang:
     message: str
 
 
-def diagnose(records: Mapping[int, Position], *, now: float, timeout_s: float, world_size: int) -> Hang | None:
+def diagnose(
+    records: Mapping[int, Position], *, now: float, timeout_s: float, world_size: int, starting: bool = False
+) -> Hang | None:
     """Return the hang the records show (some rank without a beat for over ``timeout_s``), else None.
 
     The stalled ranks are those without a record, else those with the least progress by (step,
     collectives entered, beats within the step): clocks never decide who stalled. Ages, clamped at 0
-    because hosts' clocks differ, only decide whether there is a hang, and are reported.
+    because hosts' clocks differ, only decide whether there is a hang, and are reported. ``starting``:
+    ``timeout_s`` is the start allowance (the set-up and first step), and the report says so.
     """
     if not any(now - p.time > timeout_s for p in records.values()):
         return None
-    return _describe(records, now=now, timeout_s=timeout_s, world_size=world_size)
+    return _describe(records, now=now, timeout_s=timeout_s, world_size=world_size, starting=starting)
 
 
 def _behind(records: Mapping[int, Position], world_size: int) -> list[int]:
@@ -98,7 +107,9 @@ def _behind(records: Mapping[int, Position], world_size: int) -> list[int]:
     return sorted(r for r, key in progress.items() if key == least)
 
 
-def _describe(records: Mapping[int, Position], *, now: float, timeout_s: float, world_size: int) -> Hang:
+def _describe(
+    records: Mapping[int, Position], *, now: float, timeout_s: float, world_size: int, starting: bool = False
+) -> Hang:
     stalled = _behind(records, world_size)
     waiting = sorted(r for r in records if r not in stalled)
     first = records.get(stalled[0])
@@ -108,9 +119,10 @@ def _describe(records: Mapping[int, Position], *, now: float, timeout_s: float, 
     elif waiting or world_size == 1:
         at = f"at step {first.step} in {first.where!r}" if first.step >= 0 else "before its first beat"
         head = f"{_ranks(stalled)} stopped {at}" + (", and the others wait for it" if waiting else "")
+        slower = "(building, loading, a first compile)" if starting else "(a checkpoint, evaluation on one rank)"
         hint = (
             f"the stack of {_ranks(stalled)} shows where it is stuck; if that work is legitimately slower "
-            "(a first-step compile, a checkpoint, evaluation on one rank), raise --hang-timeout"
+            f"{slower}, raise --hang-{'start-' * starting}timeout"
         )
     else:
         head = f"all {world_size} ranks stopped at step {first.step} in {first.where!r}, none behind the others"
@@ -118,7 +130,8 @@ def _describe(records: Mapping[int, Position], *, now: float, timeout_s: float, 
             "the collective itself does not complete: check the links between hosts (NCCL_DEBUG=INFO) and that "
             "every rank issues the same collectives with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL)"
         )
-    lines = [f"hang: {head} (hang timeout {timeout_s:g} s)"]
+    limit = f"hang start timeout {timeout_s:g} s, for the set-up and first step" if starting else None
+    lines = [f"hang: {head} ({limit or f'hang timeout {timeout_s:g} s'})"]
     for role, ranks in (("stalled", stalled), ("waiting", waiting)):
         groups: dict[tuple[int, str, str | None], list[int]] = {}
         for r in (r for r in ranks if r in records):
@@ -188,9 +201,17 @@ class Watchdog:
     """
 
     def __init__(
-        self, store: torch_dist.Store, rank: int, world_size: int, timeout_s: float, out_dir: Path | None = None
+        self,
+        store: torch_dist.Store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        out_dir: Path | None = None,
+        *,
+        start_timeout_s: float | None = None,
     ) -> None:
         positive_number("hang_timeout", timeout_s)
+        positive_number("hang_start_timeout", start_timeout_s, optional=True)
         if not 0 <= rank < world_size:
             raise invalid("rank", rank, f"0..{world_size - 1} for world_size={world_size}")
         try:
@@ -200,7 +221,9 @@ class Watchdog:
             pass  # a store that cannot be cloned is used as given
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.out_dir = timeout_s, out_dir
-        self.poll_s = min(1.0, timeout_s / 4)
+        self.start_timeout_s = max(timeout_s, START_ALLOWANCE_S) if start_timeout_s is None else start_timeout_s
+        self.poll_s = min(1.0, timeout_s / 4, self.start_timeout_s / 4)
+        self._first_step: int | None = None  # the step the first beat named: the start lasts until a later one
         # torchrun keeps its store across restarts: a new attempt must not read the last one's hang
         self._key = f"redline/watchdog/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._last = _Beat(-1, "start", 0, time.monotonic())
@@ -212,6 +235,8 @@ class Watchdog:
         """Record that this rank reached ``where`` in ``step``: one tuple, no I/O, well under a microsecond."""
         last = self._last
         self._last = _Beat(step, where, last.beats + 1 if step == last.step else 1, time.monotonic())
+        if self._first_step is None:
+            self._first_step = step
 
     def __enter__(self) -> Watchdog:
         self._publish(self._position(self._last))
@@ -231,11 +256,17 @@ class Watchdog:
             if beat is not published:  # the store sees progress at most once a poll, off the training thread
                 self._publish(self._position(beat))
                 published = beat
-            if time.monotonic() - beat.mono > self.timeout_s or self._store_call(
+            if time.monotonic() - beat.mono > self._limit(beat)[0] or self._store_call(
                 self.store.check, [self._key + "hang"]
             ):
                 self._fire(beat)
                 return
+
+    def _limit(self, beat: _Beat) -> tuple[float, bool]:
+        """The seconds ``beat`` may stay the last, and whether the start allowance applies (no step done yet)."""
+        first = self._first_step
+        starting = first is None or beat.step <= first
+        return (self.start_timeout_s if starting else self.timeout_s), starting
 
     def _fire(self, beat: _Beat) -> None:
         deadline = threading.Timer(_DEADLINE_S, self._exit, args=(HANG_EXIT_CODE,))
@@ -247,7 +278,7 @@ class Watchdog:
         first = self._store_call(self.store.add, self._key + "hang", 1) in (1, None)  # None: no store, report alone
         self._publish(position)
         if first:
-            message = self._describe_all(position)
+            message = self._describe_all(position, *self._limit(beat))
             if self.out_dir is not None:
                 _write(self.out_dir / REPORT_FILE, message + "\n")
             log.error("%s", message)
@@ -255,19 +286,22 @@ class Watchdog:
         else:  # stay until the report exists: exiting first would let torchrun kill the reporting rank
             self._store_call(self.store.wait, [self._key + "report"], dt.timedelta(seconds=_GATHER_S + 2))
             report = self._store_call(self.store.get, self._key + "report") if self._reported() else None
-            message = report.decode() if isinstance(report, bytes) else self._describe_all(position)
+            message = report.decode() if isinstance(report, bytes) else self._describe_all(position, *self._limit(beat))
             log.error("redline hang watchdog, rank %d: stack in %s", self.rank, position.stack)
         _record_for_torchrun(message)
         deadline.cancel()
         self._exit(HANG_EXIT_CODE)
 
-    def _describe_all(self, mine: Position) -> str:
+    def _describe_all(self, mine: Position, limit_s: float, starting: bool) -> str:
         """Wait (bounded) for every rank's stack, then describe the hang from all positions."""
         end = time.monotonic() + _GATHER_S
         while True:
             records = {r: p for r in range(self.world_size) if (p := self._read(r)) is not None} | {self.rank: mine}
             if (len(records) == self.world_size and all(p.stack for p in records.values())) or time.monotonic() > end:
-                return _describe(records, now=time.time(), timeout_s=self.timeout_s, world_size=self.world_size).message
+                hang = _describe(
+                    records, now=time.time(), timeout_s=limit_s, world_size=self.world_size, starting=starting
+                )
+                return hang.message
             time.sleep(0.1)
 
     def _position(self, beat: _Beat, entries: Sequence[dict[str, Any]] = ()) -> Position:

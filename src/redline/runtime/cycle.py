@@ -220,9 +220,15 @@ def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
-def hang_watchdog(env: DistEnv, out_dir: Path | None, timeout_s: float | None = None) -> Watchdog | None:
+def hang_watchdog(
+    env: DistEnv, out_dir: Path | None, timeout_s: float | None = None, start_timeout_s: float | None = None
+) -> Watchdog | None:
     """The hang watchdog of a distributed run given ``timeout_s``, or of a launched job given --hang-timeout
-    (REDLINE_HANG_TIMEOUT), not yet entered; else None."""
+    (REDLINE_HANG_TIMEOUT), not yet entered; else None. ``start_timeout_s`` (else --hang-start-timeout,
+    REDLINE_HANG_START_TIMEOUT): the allowance for the set-up and first step."""
     timeout_s = timeout_s or env.hang_timeout_s
+    start_timeout_s = start_timeout_s or env.hang_start_timeout_s or None
     store = process_group_store() if env.distributed and timeout_s else None
-    return Watchdog(store, env.rank, env.world_size, timeout_s, out_dir) if store is not None else None
+    if store is None:
+        return None
+    return Watchdog(store, env.rank, env.world_size, timeout_s, out_dir, start_timeout_s=start_timeout_s)

@@ -62,6 +62,12 @@ class TrainerConfig:
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report (default: the launcher's --hang-timeout).", cli=False
     )
+    hang_start_timeout_s: float | None = option(
+        None,
+        "Seconds allowed for the set-up and first step before a hang report (default: the launcher's "
+        "--hang-start-timeout, else the larger of hang_timeout_s and 600).",
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, RuntimeOptions):
@@ -72,6 +78,7 @@ class TrainerConfig:
         non_negative_number("checkpoint_minutes", self.checkpoint_minutes)
         positive_int("log_every", self.log_every)
         positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
+        positive_number("hang_start_timeout_s", self.hang_start_timeout_s, optional=True)
         # "~" is the shell's: a quoted one, or --out=~/x, would otherwise make a directory named "~"
         if self.out_dir is not None:
             object.__setattr__(self, "out_dir", Path(self.out_dir).expanduser())

@@ -131,7 +131,8 @@ class Trainer:
             mark_finished(self.env)
             return run
         history = record_memory_history(run.rt.device) if self.config.memory_history else contextlib.nullcontext()
-        run.watchdog = hang_watchdog(self.env, self.out_dir, self.config.hang_timeout_s)
+        config = self.config
+        run.watchdog = hang_watchdog(self.env, self.out_dir, config.hang_timeout_s, config.hang_start_timeout_s)
         with self._signals, run.loggers, run.watchdog or contextlib.nullcontext(), history, self._keeping_steps(run):
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
