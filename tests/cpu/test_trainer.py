@@ -344,6 +344,21 @@ def test_a_signal_handler_writes_nothing_and_the_loop_reports_it_once(caplog):
     assert [r.getMessage() for r in caplog.records] == ["SIGTERM: stopping after this step, then writing a checkpoint"]
 
 
+def test_the_workers_a_signal_reaches_together_say_so_once_and_without_out_promise_no_checkpoint(
+    caplog, tmp_path, monkeypatch
+):
+    from redline.errors import SAID_ERRORS_ENV
+    from redline.train.signals import StopOnSignal
+
+    monkeypatch.setenv(SAID_ERRORS_ENV, str(tmp_path))  # as the launcher sets it for the workers of a machine
+    for _ in range(2):  # two workers, the launcher's SIGTERM passed to each
+        with StopOnSignal() as stop:
+            signal.raise_signal(signal.SIGTERM)
+            stop.announce(checkpointing=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["SIGTERM: stopping after this step, without a checkpoint (the run has no --out, out_dir)"]
+
+
 def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_path):
     frozen = tiny_task(optimizer=lambda params: torch.optim.SGD(params, lr=0.0))  # 8 steps an epoch
 

@@ -8,7 +8,10 @@ import threading
 from types import FrameType
 from typing import Any
 
+from redline.errors import first_to_say
+
 log = logging.getLogger("redline")
+NO_CHECKPOINT = "without a checkpoint (the run has no --out, out_dir)"
 
 
 class StopOnSignal:
@@ -37,11 +40,15 @@ class StopOnSignal:
             raise KeyboardInterrupt
         self.received = signum
 
-    def announce(self) -> None:
-        """Log, once per signal and outside the handler, that the run stops after this step."""
+    def announce(self, checkpointing: bool = True) -> None:
+        """Log, once per signal and outside the handler, that the run stops after this step (and whether a
+        checkpoint follows); under the launcher, once for the workers of a machine, whose signal is the same."""
         if self.received is not None and self.received != self._announced:
             self._announced = self.received
-            log.warning("%s: stopping after this step, then writing a checkpoint", signal.Signals(self.received).name)
+            then = "then writing a checkpoint" if checkpointing else NO_CHECKPOINT
+            message = f"{signal.Signals(self.received).name}: stopping after this step, {then}"
+            if first_to_say(message):
+                log.warning("%s", message)
 
     def reason(self, distributed: bool) -> str:
         """The summary's ``stopped`` for a run a signal stops: which one, or, in a distributed run, that every rank

@@ -196,7 +196,7 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
         step = run.pos.step
-        self._signals.announce()
+        self._signals.announce(checkpointing=self.out_dir is not None)
         period_s = 60 * self.config.checkpoint_minutes if self.out_dir else 0.0
         timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
         agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
