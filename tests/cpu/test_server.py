@@ -30,6 +30,7 @@ from redline.serve import dispatch as dispatch_module
 from redline.serve import engine as engine_module
 from redline.serve import server as server_module
 from redline.serve.app import build_app
+from redline.serve.batcher import bucket_sizes
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
 from redline.serve.servable import Servable
@@ -528,8 +529,12 @@ def test_redline_serve_answers_and_on_sigterm_finishes_its_queued_request_then_e
 
 SLOW_AFTER_WARM_UP = """
 import time
+import torch
 from torch import nn
 from redline.serve.servable import Servable
+
+WARM_UP_CALLS = {warm_up_calls}  # one per bucket
+IN_TORCH = {in_torch}  # a slow call runs torch operations for 10 s, each retaking the GIL, instead of sleeping 3 s
 
 
 class Slow(nn.Module):
@@ -540,8 +545,11 @@ class Slow(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if self.calls > 3:  # past the warm-up of the buckets 1, 2 and 4
+        if self.calls > WARM_UP_CALLS and not IN_TORCH:
             time.sleep(3)
+        end = time.monotonic() + 10
+        while self.calls > WARM_UP_CALLS and IN_TORCH and time.monotonic() < end:
+            x = torch.tanh(x)
         return self.linear(x)
 
 
@@ -550,58 +558,43 @@ def make():
 """
 
 
-SLOW_IN_TORCH_AFTER_WARM_UP = """
-import time
-import torch
-from torch import nn
-from redline.serve.servable import Servable
+def serving_slow_model(tmp_path, *flags, in_torch=False, **popen):
+    """``redline serve`` of a model that is slow once warmed up, in a process of its own, ready; and its URL."""
+    buckets = len(bucket_sizes(int(flags[flags.index("--max-batch-size") + 1]), "auto"))
+    (tmp_path / "slow.py").write_text(SLOW_AFTER_WARM_UP.format(warm_up_calls=buckets, in_torch=in_torch))
+    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'slow.py'}:make", "--port", "0",
+               "--device", "cpu", "--measure", "off", "--compile", "off", *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+    url = next((line.split()[2] for line in process.stdout if line.startswith("listening on ")), None)
+    if url is None:
+        process.kill()
+        pytest.fail(f"the server did not listen: {process.stderr.read()}")
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(url + "/readyz", timeout=5).status == 200:
+                return process, url
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                pytest.fail("the server never became ready")
+            time.sleep(0.2)
 
 
-class SlowInTorch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(3, 2)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls > 1:  # past the warm-up of the one bucket: torch operations for 10 s, each retaking the GIL
-            end = time.monotonic() + 10
-            while time.monotonic() < end:
-                x = torch.tanh(x)
-        return self.linear(x)
-
-
-def make():
-    return Servable(model=SlowInTorch(), input_shape=(3,))
-"""
+def predict_request(url: str) -> urllib.request.Request:
+    body = json.dumps({"inputs": [1, 2, 3]}).encode()
+    return urllib.request.Request(url + "/v1/predict", data=body, headers={"content-type": "application/json"})
 
 
 @pytest.mark.slow
 def test_a_server_stopped_while_its_model_runs_a_timed_out_batch_exits_0_not_aborted(tmp_path):
     # The model's thread is left in its call: the interpreter's shutdown would end it when torch next returns to
     # Python, and the unwinding through torch's C++ frames would abort the process (-6, perhaps a core dump).
-    (tmp_path / "slow.py").write_text(SLOW_IN_TORCH_AFTER_WARM_UP)
-    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'slow.py'}:make", "--port", "0",
-               "--device", "cpu", "--measure", "off", "--compile", "off", "--max-batch-size", "1",
-               "--timeout-ms", "300"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    process, url = serving_slow_model(tmp_path, "--max-batch-size", "1", "--timeout-ms", "300", in_torch=True)
     try:
-        url = next((line.split()[2] for line in process.stdout if line.startswith("listening on ")), None)
-        assert url, process.stderr.read()
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(url + "/readyz", timeout=5).status == 200:
-                    break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "the server never became ready"
-                time.sleep(0.2)
-        body = json.dumps({"inputs": [1, 2, 3]}).encode()
-        request = urllib.request.Request(url + "/v1/predict", data=body, headers={"content-type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=30)
+            urllib.request.urlopen(predict_request(url), timeout=30)
         process.send_signal(signal.SIGTERM)  # the model still runs that batch, for seconds
         out, err = process.communicate(timeout=60)
     finally:
@@ -615,34 +608,19 @@ def test_a_server_stopped_while_its_model_runs_a_timed_out_batch_exits_0_not_abo
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_answers_the_waiting_requests_503_and_exits_130_saying_so(tmp_path):
-    (tmp_path / "slow.py").write_text(SLOW_AFTER_WARM_UP)
-    command = [sys.executable, "-m", "redline", "serve", f"{tmp_path / 'slow.py'}:make", "--port", "0",
-               "--device", "cpu", "--measure", "off", "--compile", "off", "--max-batch-size", "4"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     # a process started in the background ignores SIGINT unless told otherwise
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    process, url = serving_slow_model(
+        tmp_path, "--max-batch-size", "4", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
     answers = []
 
     def send():
-        body = json.dumps({"inputs": [1, 2, 3]}).encode()
-        request = urllib.request.Request(url + "/v1/predict", data=body, headers={"content-type": "application/json"})
         try:
-            urllib.request.urlopen(request, timeout=30)
+            urllib.request.urlopen(predict_request(url), timeout=30)
         except urllib.error.HTTPError as refused:
             answers.append((refused.code, json.loads(refused.read())))
 
     try:
-        url = next((line.split()[2] for line in process.stdout if line.startswith("listening on ")), None)
-        assert url, process.stderr.read()
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(url + "/readyz", timeout=5).status == 200:
-                    break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "the server never became ready"
-                time.sleep(0.2)
         senders = [threading.Thread(target=send) for _ in range(3)]
         for sender in senders:
             sender.start()
