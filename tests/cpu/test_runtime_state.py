@@ -347,3 +347,26 @@ def test_a_checkpoint_saved_without_a_step_records_the_steps_taken_and_a_load_go
     rt2.load(tmp_path / "latest")
     assert rt2.state_dict()["step"] == 3
     assert rt.save(tmp_path / "mine", step=7).step == 7  # a step given is the checkpoint's
+
+
+@pytest.mark.parametrize(("step", "said"), [(1.5, "step=1.5"), ("3", "step='3'"), (-1, "step=-1"), (True, "step=True")])
+def test_a_checkpoints_step_is_a_whole_number_or_refused_before_anything_is_written(tmp_path, step, said):
+    rt, _, _ = fresh()
+    with pytest.raises(ConfigError, match=f"^{said} is not allowed; expected an integer >= 0"):
+        rt.save(tmp_path / "ckpt", step=step)  # a fraction or a text was written as step 0, and a load counted from it
+    assert list(tmp_path.iterdir()) == []
+    assert rt.save(tmp_path / "ckpt", step=torch.tensor(5)).step == 5  # numpy's and torch's integers are integers
+
+
+def test_a_save_that_fails_other_than_on_the_disk_leaves_no_staging_directory(tmp_path, monkeypatch):
+    from redline.checkpoint import whole
+
+    rt, _, _ = fresh()
+
+    def refused(path, plan):
+        raise TypeError("Object of type Thing is not JSON serializable")
+
+    monkeypatch.setattr(whole, "write_json", refused)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        rt.save(tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []

@@ -27,6 +27,7 @@ from redline.train.config import TrainerConfig
         ("grad_accum", True, "grad_accum=True"),
         ("clip_grad_norm", -1.0, "clip_grad_norm=-1.0"),
         ("seed", "7", "seed='7'"),
+        ("seed", 2**64, "seed=18446744073709551616 is not allowed; expected an integer from -9223372036854775808 to"),
         ("deterministic", "yes", "deterministic='yes'"),
         ("find_unused_parameters", "yes", "find_unused_parameters='yes'"),
         ("micro_batch", 0, "micro_batch=0"),

@@ -10,6 +10,7 @@ Trainer's position) and ``plan.json``. Loading never unpickles arbitrary objects
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,9 @@ def save_whole(
         return commit(tmp, final, format=FORMAT, step=step, files=files)
     except OSError as exc:  # a full disk, a quota, storage gone read-only: say so, and leave no half of it there
         raise write_failure(final, tmp, exc) from exc
+    except BaseException:  # anything else (a value a writer refused, a Ctrl-C): no half of it is left either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:

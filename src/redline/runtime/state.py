@@ -6,6 +6,7 @@ process, or each rank its shards), and the Runtime adds its loss scaling, random
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -85,7 +86,7 @@ class RunState:
         the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
         """
         strategy, model, optimizer = self._prepared()
-        step = self._cycle.steps if step is None else step  # a load goes on counting from it
+        step = self._cycle.steps if step is None else _whole_step(step)  # a load goes on counting from it
         runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
         plan = self.explain().to_dict()
         return strategy.save(
@@ -136,3 +137,15 @@ class RunState:
                 "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
+
+
+def _whole_step(step: object) -> int:
+    """``step`` as an int (numpy's and torch's integers too), or a ConfigError naming it: a fraction or a text
+    would have been written as step 0, and a load would count from there."""
+    try:
+        number = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        number = -1
+    if isinstance(step, bool) or number < 0:
+        raise invalid("step", step, "an integer >= 0, or None for the steps taken", "leave it out for the steps taken")
+    return number
