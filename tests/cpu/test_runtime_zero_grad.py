@@ -18,7 +18,7 @@ def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-@pytest.mark.parametrize("how", ["zero_grad", "grad = None"])
+@pytest.mark.parametrize("how", ["zero_grad", "grad = None", "zero_grad(set_to_none=False)", "grad.zero_()"])
 def test_freeing_the_gradients_amid_an_accumulation_cycle_is_refused_with_the_fix(how):
     rt = redline.Runtime(devices="cpu", grad_accum=2, compile="off")
     model, optimizer = rt.setup(nn.Linear(4, 2), sgd)
@@ -27,6 +27,10 @@ def test_freeing_the_gradients_amid_an_accumulation_cycle_is_refused_with_the_fi
     assert not rt.step(optimizer)
     if how == "zero_grad":
         optimizer.zero_grad()
+    elif how == "zero_grad(set_to_none=False)":  # the gradients stay, zeroed in place
+        optimizer.zero_grad(set_to_none=False)
+    elif how == "grad.zero_()":
+        model.weight.grad.zero_()  # one of them is enough to lose the first batch
     else:
         for p in model.parameters():
             p.grad = None

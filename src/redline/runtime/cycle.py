@@ -57,7 +57,9 @@ class Cycle:
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
         self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
         self._pace_warned = False
-        self._holding: dict[int, torch.optim.Optimizer] = {}  # amid a cycle, with gradients at their last step call
+        # amid a cycle, with gradients at their last step call: each gradient's identity and version, which
+        # optimizer.zero_grad(set_to_none=False) changes (it zeroes them in place) as surely as freeing them
+        self._holding: dict[int, tuple[torch.optim.Optimizer, list[tuple[int, int]]]] = {}
         # set by setup: told, before the forward of each model's next backward, whether that backward reduces
         self.expect_sync: Callable[[nn.Module, bool], None] | None = None
 
@@ -144,7 +146,7 @@ class Cycle:
         count = self._micro_steps.get(key, 0) + 1
         self._micro_steps[key] = count % self.grad_accum
         if count < self.grad_accum and _has_gradients(optimizer):
-            self._holding[key] = optimizer
+            self._holding[key] = (optimizer, _marks(optimizer))
         else:
             self._holding.pop(key, None)
         self._expect(optimizer)
@@ -169,13 +171,13 @@ class Cycle:
         A loop ported from one without ``grad_accum`` calls ``optimizer.zero_grad()`` before each batch: under
         accumulation that drops the cycle's earlier batches, and the step would take the last one alone.
         """
-        for key, optimizer in self._holding.items():
-            if not _has_gradients(optimizer):
+        for key, (optimizer, marks) in self._holding.items():
+            if _marks(optimizer) != marks:
                 raise ConfigError(
                     f"the gradients of the first {self._micro_steps.get(key, 0)} batches of this accumulation cycle "
-                    f"(grad_accum={self.grad_accum}) were freed before this backward: optimizer.zero_grad() (or "
-                    "setting .grad to None) mid-cycle leaves its step the last batch alone\nhint: drop "
-                    "optimizer.zero_grad() from the loop: rt.step frees the gradients itself after each real step"
+                    f"(grad_accum={self.grad_accum}) were freed or zeroed before this backward: optimizer.zero_grad() "
+                    "(or setting .grad to None, or zeroing it) mid-cycle leaves its step the last batch alone\nhint: "
+                    "drop optimizer.zero_grad() from the loop: rt.step frees the gradients itself after each real step"
                 )
         self._holding.clear()
 
@@ -218,6 +220,12 @@ class Cycle:
 
 def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _marks(optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
+    """Each gradient's identity and in-place version: what a backward adding to them finds unchanged."""
+    grads = (p.grad for group in optimizer.param_groups for p in group["params"])
+    return [(id(g), g._version) if g is not None else (0, -1) for g in grads]
 
 
 def hang_watchdog(
