@@ -78,6 +78,26 @@ def test_auto_halves_and_ends_with_the_weights_of_the_small_micro_batch_from_the
     assert len(warnings) == 2 and f"in {kind}): freed the memory, halved them to 8" in warnings[0]
 
 
+def test_a_model_with_trainable_parameters_no_optimizer_steps_still_recovers_from_a_backward_out_of_memory():
+    # Fine-tuning a head, its backbone left trainable: the backbone's gradients are never freed, which made every
+    # batch after the first look mid-cycle, where a backward that failed half-way cannot be taken back.
+    def run(micro_batch, limit: int | None) -> tuple[redline.Runtime, nn.Module]:
+        rt = redline.Runtime(devices="cpu", compile="off", micro_batch=micro_batch)
+        model = make_model("backward", limit=None)
+        model, optimizer = rt.setup(model, torch.optim.AdamW(model.head.parameters(), lr=1e-2))
+        for step, batch in enumerate(batches()):
+            model.limit = None if step == 0 else limit  # the first step fits whole; then memory runs short
+            rt.train_step(loss_fn(model), batch)
+            rt.step(optimizer)
+        return rt, model
+
+    rt, auto = run("auto", limit=5)
+    _, whole = run(None, limit=None)
+    assert rt.oom_events == [OomEvent(2, 16, 8, "backward"), OomEvent(2, 8, 4, "backward")]
+    assert_equal_weights(auto.head, whole.head, atol=1e-6)  # micro-batches of 4 from step 2: the same steps
+    assert torch.equal(auto.body.weight, whole.body.weight)  # no optimizer: untouched
+
+
 def recompute_run(**options) -> tuple[redline.Runtime, nn.Module]:
     rt = redline.Runtime(devices="cpu", compile="off", **options)
     torch.manual_seed(0)
@@ -162,7 +182,7 @@ def test_under_ddp_only_auto_gives_up_the_all_reduce_overlap(requested, calls):
     model = make_model()
     strategy = RecordingDDP()
     how = BatchRun(precision=Precision("fp32", "cpu"), strategy=strategy, models=[model], device=torch.device("cpu"),
-                   accum=1, sync=True, step=1, snapshot_dir=None)  # fmt: skip
+                   accum=1, sync=True, step=1, fresh=True, snapshot_dir=None)  # fmt: skip
     MicroBatcher(requested).run(loss_fn(model), batches(steps=1)[0], how)
     assert strategy.calls == calls
     assert model.sizes == ([4] * 4 if requested == 4 else [BATCH])

@@ -120,6 +120,10 @@ class Cycle:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
         return any(ends for _, ends in self.syncs())
 
+    def fresh(self) -> bool:
+        """Whether no set-up optimizer holds gradients: nothing accumulated before the batch ``next_batch`` readied."""
+        return not any(_has_gradients(optimizer) for optimizer in self._set_up)
+
     def check_set_up(self, optimizer: torch.optim.Optimizer, called: str = "step") -> None:
         """Refuse an optimizer that setup did not return: a step on it, or a clip of its gradients, would do nothing
         to the set-up model (the one setup was given was rebuilt fused on CUDA, or over the shards under FSDP)."""

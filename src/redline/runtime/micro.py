@@ -73,6 +73,9 @@ class BatchRun:
     accum: int  # grad_accum: every loss is divided by it
     sync: bool  # the batch ends an accumulation cycle: its gradients are reduced over the ranks
     step: int  # the optimizer step the batch belongs to, counted from 1
+    # no set-up optimizer holds gradients (the batch begins a cycle): an out-of-memory drops the batch's own and
+    # redoes it; a parameter no optimizer steps keeps its gradients forever, and does not count
+    fresh: bool
     snapshot_dir: Path | None
     # turns activation checkpointing on (reason in, whether it changed anything out): left to "auto", it
     # is the last way to fit before giving up at one sample
@@ -110,7 +113,7 @@ class MicroBatcher:
         # "auto" under DDP: communicate nothing per micro-batch; agree, then average once. A fixed size fails
         # outright on out-of-memory, so it keeps DDP's all-reduce overlapped with the last backward.
         local = how.strategy.name == "ddp" and self.requested == "auto"
-        fresh = all(p.grad is None for model in how.models for p in model.parameters())
+        fresh = how.fresh
         size, start, loss = min(self.size or total, total), 0, None
         while True:
             start, where, part = self._pass(step_fn, batch, (start, total, size), how, local=local)

@@ -325,7 +325,8 @@ class Runtime(RunState):
         sync = self._cycle.next_batch()
         step = self._cycle.current_step
         how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
-                    accum=self.options.grad_accum, sync=sync, step=step, snapshot_dir=self.snapshot_dir,
+                    accum=self.options.grad_accum, sync=sync, step=step, fresh=self._cycle.fresh(),
+                    snapshot_dir=self.snapshot_dir,
                     recompute=self.enable_activation_checkpointing)  # fmt: skip
         loss = self._micro.run(step_fn, batch, how)
         if self._plan.micro_batch is not self._micro.choice:  # "auto" halved: the Plan says when and why
