@@ -283,6 +283,39 @@ def test_a_field_of_plain_values_per_sample_is_split_with_the_tensors():
     assert seen[2][2] == ("g", "h")
 
 
+def test_a_list_of_one_target_per_sample_is_split_with_its_samples_and_steps_as_the_whole_batch():
+    """A detection-style batch: images and a list of one target per sample, of different lengths (tensors, or
+    dicts of tensors). Each micro-batch gets its own samples' targets, not every sample's, nor the rows of a
+    target whose length happens to be the batch's; and the step is the whole batch's."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(4, 3, generator=gen)
+    lengths = (2, 4, 1, 3)  # the second has 4 rows: as many as the batch has samples
+    targets = [torch.randn(n, 1, generator=gen) for n in lengths]
+    boxes = [{"boxes": t, "labels": torch.zeros(len(t), dtype=torch.long)} for t in targets]
+
+    def grads(micro_batch, which) -> tuple[torch.Tensor, list]:
+        rt = redline.Runtime(devices="cpu", compile="off", micro_batch=micro_batch)
+        torch.manual_seed(0)
+        model, _ = rt.setup(nn.Linear(3, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+        seen = []
+
+        def step_fn(batch) -> torch.Tensor:
+            x, per_sample = batch
+            ys = [t["boxes"] if isinstance(t, dict) else t for t in per_sample]
+            seen.append([len(y) for y in ys])
+            out = model(x)
+            return torch.stack([((out[i] - ys[i]) ** 2).mean() for i in range(len(x))]).mean()
+
+        rt.train_step(step_fn, (images, which))
+        return model.weight.grad.clone(), seen
+
+    for which in (targets, boxes):
+        whole, _ = grads(None, which)
+        split, seen = grads(2, which)
+        assert seen == [[2, 4], [1, 3]]
+        assert torch.allclose(split, whole, rtol=0, atol=1e-6), (split, whole)
+
+
 # -- the memory snapshot ------------------------------------------------------------------------
 
 

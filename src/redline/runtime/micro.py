@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -311,12 +311,48 @@ def batch_length(batch: Any) -> int:
 
 
 def take(batch: Any, start: int, end: int, total: int) -> Any:
-    """Return samples ``start:end`` of ``batch``: each tensor whose first axis is ``total`` sliced (a view), and each
-    list of ``total`` plain values (a string field of the samples, as default_collate batches it) cut alike."""
+    """Return samples ``start:end`` of ``batch``: each tensor whose first axis is ``total`` sliced (a view), each
+    list of ``total`` plain values (a string field of the samples, as default_collate batches it) cut alike, and
+    so is each list of one tensor or one dict per sample (ragged targets: a detection model's boxes)."""
     if start == 0 and end == total:
         return batch
-    return map_tensors(
-        batch,
-        lambda t: t[start:end] if t.dim() and t.shape[0] == total else t,
-        lambda values: values[start:end] if len(values) == total else values,
-    )
+    cut = _Cut(start, end, total)
+    if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):  # the batch's own fields: never its samples
+        return type(batch)(cut(item) for item in batch)
+    return cut(batch)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    start: int
+    end: int
+    total: int
+
+    def __call__(self, item: Any) -> Any:
+        if _per_sample(item, self.total):
+            return item[self.start : self.end]
+        return map_tensors(item, self._tensor, self._values, inside=self._inside)
+
+    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[self.start : self.end] if tensor.dim() and tensor.shape[0] == self.total else tensor
+
+    def _values(self, values: list[Any] | tuple[Any, ...]) -> Any:
+        return values[self.start : self.end] if len(values) == self.total else values
+
+    def _inside(self, item: Any) -> Any:
+        return item[self.start : self.end] if _per_sample(item, self.total) else None
+
+
+def _per_sample(item: Any, total: int) -> bool:
+    """Whether ``item`` is a list (or tuple) of one tensor or one dict per sample: ``total`` of them, all tensors or
+    all dicts, not all of them (nor all the tensors they hold) with a first axis of ``total``, which would make them
+    fields of the batch, each holding every sample."""
+    if not isinstance(item, list | tuple) or hasattr(item, "_fields") or len(item) != total:
+        return False
+    if all(isinstance(x, torch.Tensor) for x in item):
+        inner = list(item)
+    elif all(isinstance(x, Mapping) for x in item):
+        inner = [t for x in item for t in tensors_in(x)]
+    else:
+        return False
+    return not all(t.dim() and t.shape[0] == total for t in inner)

@@ -30,17 +30,23 @@ def map_tensors(
     batch: Any,
     function: Callable[[torch.Tensor], torch.Tensor],
     values: Callable[[list[Any] | tuple[Any, ...]], Any] | None = None,
+    *,
+    inside: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Return ``batch`` with ``function`` applied to every tensor, its containers rebuilt as they were.
 
     Tensors may sit in tuples, lists, dicts, namedtuples and dataclasses, nested to any depth;
     anything else passes through unchanged, but for ``values``: applied, where given, to each list or
     tuple of plain values (strings, numbers: default_collate's batch of a field that holds no tensor).
+    ``inside``, where given, is asked first of each item below the top: what it returns, unless None,
+    stands for the item whole (nothing in it is mapped).
     """
 
     def apply(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
             return function(item)
+        if inside is not None and item is not batch and (whole := inside(item)) is not None:
+            return whole
         if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
             return type(item)(*(apply(x) for x in item))
         if values is not None and isinstance(item, list | tuple) and item and all(map(_plain, item)):
