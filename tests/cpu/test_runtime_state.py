@@ -1,5 +1,6 @@
 """The Runtime owns its state: state_dict/load_state_dict, save/load, and the process-wide settings it enters."""
 
+import collections
 import copy
 import os
 
@@ -253,6 +254,9 @@ def test_extra_state_that_could_not_be_loaded_back_is_refused_when_saved_and_not
         with pytest.raises(ConfigError, match=r"extra\['stats'\]\['history'\]\[1\]='numpy\.float64' is not allowed"):
             rt.save(tmp_path / "step-00000001", extra=extra)
         assert list(tmp_path.iterdir()) == []  # not even a staging directory
+        counts = collections.defaultdict(list)  # plain values in it, but a class the safe load refuses
+        with pytest.raises(ConfigError, match=r"extra\['counts'\]='collections\.defaultdict' is not allowed"):
+            rt.save(tmp_path / "step-00000001", extra={"counts": counts})
         extra["stats"]["history"][1] = 0.25  # the fix the hint names: a plain float
         rt.save(tmp_path / "step-00000001", extra=extra)
         assert rt.load(tmp_path / "step-00000001")["stats"] == {"history": [0.5, 0.25]}
@@ -267,8 +271,54 @@ def test_a_checkpoint_holding_what_the_safe_loader_refuses_is_a_checkpoint_error
         rt.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.1))
         monkeypatch.setattr(whole, "check_loadable", lambda extra: None)  # as a redline that did not check wrote it
         rt.save(tmp_path / "ckpt", extra={"when": datetime.datetime(2026, 1, 1)})
+        before = copy.deepcopy(rt.state_dict())
+        run(rt, rt.model, rt.optimizer, list(loader())[:2])  # the run moves on from the checkpoint
+        moved = copy.deepcopy(rt.state_dict())
         with pytest.raises(CheckpointError, match=r"(?s)extra\.pt: holds a value .*datetime.*hint: if you trust"):
             rt.load(tmp_path / "ckpt")
+    assert not torch.equal(before["model"]["0.weight"], moved["model"]["0.weight"])
+    assert_same_state(rt.state_dict(), moved)  # the failed load changed nothing: not the weights, nor the optimizer
+
+
+def assert_same_state(state: dict, expected: dict) -> None:
+    for part in ("model", "optimizer"):
+        got, want = numbers_of(state[part]), numbers_of(expected[part])
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), f"{part} {key} changed"
+
+
+def numbers_of(tree, prefix: str = "") -> dict:
+    """A state dict's numbers and tensors by path."""
+    if isinstance(tree, dict):
+        return {k: v for key, item in tree.items() for k, v in numbers_of(item, f"{prefix}{key}.").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, item in enumerate(tree) for k, v in numbers_of(item, f"{prefix}{i}.").items()}
+    return {prefix: tree} if isinstance(tree, torch.Tensor | int | float) else {}
+
+
+def test_a_state_of_another_optimizer_or_model_is_refused_before_anything_loads():
+    from redline.checkpoint import CheckpointError
+
+    rt, model, optimizer = fresh()
+    run(rt, model, optimizer, list(loader())[:1])
+    adam = copy.deepcopy(rt.state_dict())
+    sgd_run = redline.Runtime(devices="cpu", seed=0)
+    sgd_run.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    kept = copy.deepcopy(sgd_run.state_dict())
+    with pytest.raises(CheckpointError, match=r"^rt\.load_state_dict\(state\): the state's optimizer differs"):
+        sgd_run.load_state_dict(adam)  # loaded, its first step failed with KeyError: 'momentum'
+    assert_same_state(sgd_run.state_dict(), kept)
+    other = {**adam, "model": {f"body.{name}": value for name, value in adam["model"].items()}}
+    with pytest.raises(CheckpointError, match=r"^rt\.load_state_dict\(state\): the state's model differs .*missing"):
+        rt.load_state_dict(other)
+    grouped = redline.Runtime(devices="cpu", seed=0)
+    net = make_model()
+    grouped.setup(net, torch.optim.AdamW([{"params": net[0].parameters()}, {"params": net[3].parameters()}]))
+    kept = copy.deepcopy(grouped.state_dict())
+    with pytest.raises(CheckpointError, match=r"the state's optimizer has parameter groups of \[4\] tensors"):
+        grouped.load_state_dict(adam)  # torch's ValueError came after the weights were replaced
+    assert_same_state(grouped.state_dict(), kept)
 
 
 def test_the_same_model_set_up_again_with_a_new_optimizer_still_saves(tmp_path):

@@ -7,6 +7,7 @@ resumed from. It is refused when saved, naming where it sits.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import re
@@ -65,11 +66,13 @@ def _hollow(value: Any) -> Any:
     """``value`` with every tensor replaced by an empty one of its dtype: the check serialises no data."""
     if isinstance(value, torch.Tensor):
         return torch.empty(0, dtype=value.dtype)
-    if isinstance(value, Mapping):
-        return {key: _hollow(item) for key, item in value.items()}
+    if isinstance(value, dict):  # of its own class: the safe load refuses a defaultdict, where a dict loads
+        hollowed = copy.copy(value)
+        hollowed.update((key, _hollow(item)) for key, item in value.items())
+        return hollowed
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
         return type(value)(_hollow(item) for item in value)
-    return value
+    return value  # another kind of mapping too, data and all: whether it loads is its class's
 
 
 def _culprit(value: Any, where: str) -> tuple[str, Any]:

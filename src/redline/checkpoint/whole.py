@@ -67,12 +67,15 @@ def save_whole(
         for name, write in writers.items():
             write(tmp / name)
             files[name] = file_entry(tmp / name)
-        return commit(tmp, final, format=FORMAT, step=step, files=files)
     except OSError as exc:  # a full disk, a quota, storage gone read-only: say so, and leave no half of it there
         raise write_failure(final, tmp, exc) from exc
-    except BaseException:  # anything else (a value a writer refused, a Ctrl-C): no half of it is left either
+    except Exception:  # a value a writer refused: no half of it is left either
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:  # a run killed once the manifest is written leaves a whole checkpoint, which the next run puts back
+        return commit(tmp, final, format=FORMAT, step=step, files=files)
+    except OSError as exc:
+        raise write_failure(final, tmp, exc) from exc
 
 
 def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
@@ -118,7 +121,7 @@ def load_model_and_optimizer(checkpoint: Checkpoint, module: nn.Module, optimize
     checked: another model is refused as such (it has other groups too), then another kind of optimizer."""
     check_model(checkpoint, module)
     saved = read_optimizer(checkpoint, _device_of(module))
-    check_same_optimizer(checkpoint, saved, optimizer)  # before the weights change
+    check_same_optimizer(checkpoint.path, saved, optimizer)  # before the weights change
     _load_checked(checkpoint, module)
     optimizer.load_state_dict(saved)
 
@@ -137,8 +140,11 @@ def read_optimizer(checkpoint: Checkpoint, device: torch.device | str = "cpu") -
     return _load(checkpoint, OPTIMIZER, device)
 
 
-def check_same_optimizer(checkpoint: Checkpoint, saved: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> None:
-    """Raise CheckpointError if ``saved`` (an optimizer's ``state_dict()``) was written by another kind of optimizer.
+def check_same_optimizer(
+    where: object, saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, *, holder: str = "the checkpoint"
+) -> None:
+    """Raise CheckpointError if ``saved`` (an optimizer's ``state_dict()``) was written by another kind of optimizer;
+    ``where`` names what holds it (a checkpoint's path), which is ``holder``.
 
     torch's own load takes the saved groups' options in place of the live ones, so Adam's loaded into
     SGD left it without ``momentum``: the first step failed with a KeyError. Options only one side has
@@ -149,14 +155,14 @@ def check_same_optimizer(checkpoint: Checkpoint, saved: Mapping[str, Any], optim
     hint = "the run that wrote it built another optimizer, or the same with other groups: build that one to resume"
     if sizes != live_sizes:
         raise CheckpointError(
-            f"{checkpoint.path}: the checkpoint's optimizer has parameter groups of {sizes} tensors, this run's "
+            f"{where}: {holder}'s optimizer has parameter groups of {sizes} tensors, this run's "
             f"({type(optimizer).__name__}) of {live_sizes}\nhint: {hint} from it"
         )
     options = {key for group in groups for key in group} - {"params"}
     live_options = {key for group in live for key in group} - {"params"}
     if options - live_options and live_options - options:
         raise CheckpointError(
-            f"{checkpoint.path}: the checkpoint's optimizer differs from this run's ({type(optimizer).__name__}): it "
+            f"{where}: {holder}'s optimizer differs from this run's ({type(optimizer).__name__}): it "
             f"has options {few(sorted(options - live_options), 4)} where this one has "
             f"{few(sorted(live_options - options), 4)}\nhint: {hint} from it"
         )

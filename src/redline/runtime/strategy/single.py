@@ -9,12 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.checkpoint import Checkpoint, whole
+from redline.checkpoint import Checkpoint, CheckpointError, whole
+from redline.checkpoint.shapes import differences, shapes_of
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
 from redline.runtime.optimizer import OptimizerLike, build_optimizer
 
 _NOTHING = contextlib.nullcontext()
+STATE = "rt.load_state_dict(state)"  # what a refused state is named by
 
 
 class SingleDevice:
@@ -50,6 +52,14 @@ class SingleDevice:
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         wrapper = self.module(model)  # a state taken with the wrapper's names (before redline dropped them) loads there
         into = wrapper if set(state["model"]) == set(wrapper.state_dict()) else whole.plain_module(wrapper)
+        # Checked before anything loads: torch's own loads would change the weights, then raise.
+        found = differences(shapes_of(state["model"]), shapes_of(into.state_dict()))
+        if found:
+            raise CheckpointError(
+                f"{STATE}: the state's model differs from this run's model: {'; '.join(found)}\nhint: load a "
+                "state that rt.state_dict() returned for this model (the same modules, the same shapes)"
+            )
+        whole.check_same_optimizer(STATE, state["optimizer"], optimizer, holder="the state")
         into.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
@@ -69,8 +79,9 @@ class SingleDevice:
             from redline.checkpoint.sharded import load_sharded  # slow to import (DCP); only a sharded one needs it
 
             return load_sharded(checkpoint, model, optimizer)
+        states = whole.read_states(checkpoint)  # first: a state that cannot be read leaves the run as it was
         whole.load_model_and_optimizer(checkpoint, self.module(model), optimizer)
-        return whole.read_states(checkpoint)
+        return states
 
     def save_weights(self, path: Path, model: nn.Module) -> None:
         whole.save_weights_file(path, self.module(model))
