@@ -225,6 +225,13 @@ def test_a_bare_module_needs_its_input_shape_and_the_error_names_the_fix():
     assert isinstance(redline.InferenceEngine(servable, device="cpu", measure="off").servable, Servable)
 
 
+def test_an_input_dtype_given_as_torchs_is_taken_by_its_name_and_another_is_refused_naming_the_choices():
+    servable = Servable(model=nn.Linear(3, 2), input_shape=(3,), input_dtype=torch.float16)  # type: ignore[arg-type]
+    assert servable.input_dtype == "float16" and servable.torch_dtype is torch.float16
+    with pytest.raises(ConfigError, match=r"^input_dtype=torch.complex64 is not allowed; expected one of float32, "):
+        Servable(model=nn.Linear(3, 2), input_shape=(3,), input_dtype=torch.complex64)  # type: ignore[arg-type]
+
+
 def test_explicit_precision_and_compile_are_used_as_given_without_measuring(cache, bf16_cpu):
     model = Spy()
     engine = InferenceEngine(model, input_shape=(3,), device="cpu", precision="bf16-mixed", compile="off")

@@ -171,6 +171,15 @@ def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_pat
     assert "metrics.csv holds no step yet" in run_report(run)
 
 
+def test_a_finished_run_copied_elsewhere_keeps_its_summary_whatever_the_files_times(tmp_path):
+    # cp -r, scp -r, an artifact's download: each file is stamped as it arrives, summary.json perhaps first
+    run = write_run(tmp_path, steps=30)
+    old = time.time() - 60
+    os.utime(run / "summary.json", (old, old))
+    doc = run_report(run)
+    assert "<h2>Summary</h2>" in doc and "<h2>Plan</h2>" in doc and "is older than" not in doc
+
+
 def test_a_resumed_run_that_has_not_ended_is_not_shown_with_the_summary_it_resumed_from(tmp_path):
     run = write_run(tmp_path, steps=45)  # resumed from step 30, whose summary.json stays until the run ends
     doc = run_report(run)
@@ -210,6 +219,7 @@ def test_report_writes_run_dir_report_html_atomically(tmp_path):
             r"it: the report then reads metrics.csv in its place, if the run wrote one$",
         ),
         ("no step", r"metrics.jsonl cannot be read: row 2: it has no 'step'\nhint: restore metrics.jsonl"),
+        ("bad last row", r"eval.jsonl cannot be read: row \d+: .*\nhint: restore eval.jsonl"),  # whole: no cut
         (
             "bad csv",
             r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv from the run: the report "
@@ -224,6 +234,9 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
     elif damage == "no logs":
         for log in ("metrics.jsonl", "metrics.csv"):
             (run / log).unlink()
+    elif damage == "bad last row":
+        with (run / "eval.jsonl").open("a") as file:
+            file.write("garbage\n")
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
     elif damage in ("bad row", "no step"):

@@ -85,7 +85,10 @@ def _with_summary(
     # A resumed run keeps the summary.json of the stretch it resumed until it ends and writes its own.
     ended_at = summary.get("steps") if summary else None
     stale = isinstance(ended_at, int) and bool(train) and train[-1]["step"] > ended_at
-    older = summary is not None and not stale and _older(run_dir / "summary.json", written)
+    # One that ended at the last logged step is this run's, whatever the times say: a copy (cp -r, scp, an
+    # artifact's download) stamps each file when it arrives.
+    ends_the_log = isinstance(ended_at, int) and bool(train) and train[-1]["step"] == ended_at
+    older = summary is not None and not stale and not ends_the_log and _older(run_dir / "summary.json", written)
     return RunFiles(
         run_dir=run_dir,
         summary=None if stale or older else summary,
@@ -193,7 +196,8 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
 
 
 def _read_rows(path: Path) -> list[Row]:
-    """The file's rows, each with an int "step"; a last row a killed run left half-written is skipped."""
+    """The file's rows, each with an int "step"; a last row a killed run left half-written (without its end) is
+    skipped."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
@@ -204,12 +208,10 @@ def _read_rows(path: Path) -> list[Row]:
     lines: list[Any] = text.splitlines() if path.suffix == ".jsonl" else list(csv.DictReader(io.StringIO(text)))
     parse = _json_row if path.suffix == ".jsonl" else _csv_row
     rows = []
-    for index, line in enumerate(lines):
+    for index, line in enumerate(lines):  # each one whole: a row that does not parse is damage, not a cut
         try:
             row = parse(line)
         except (TypeError, ValueError, KeyError) as exc:
-            if index == len(lines) - 1:
-                break  # the row an interrupted run was writing
             why = f"it has no {exc}" if isinstance(exc, KeyError) else exc
             raise _unreadable(path, f"row {index + 1}: {why}") from exc
         rows.append(row)

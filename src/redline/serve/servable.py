@@ -51,7 +51,7 @@ class Servable:
 
     model: nn.Module
     input_shape: tuple[int, ...]
-    input_dtype: str = "float32"
+    input_dtype: str = "float32"  # a torch.dtype is taken for its name
     preprocess: Preprocess | None = None
     postprocess: Postprocess | None = None
     name: str = "model"
@@ -67,8 +67,11 @@ class Servable:
                 "e.g. input_shape=(1, 28, 28) for one 28x28 grey image",
             )  # fmt: skip
         object.__setattr__(self, "input_shape", shape)
+        given = self.input_dtype
+        if isinstance(given, torch.dtype):  # torch.float32 means "float32"
+            object.__setattr__(self, "input_dtype", str(given).removeprefix("torch."))
         if self.input_dtype not in DTYPES:
-            raise invalid("input_dtype", self.input_dtype, f"one of {', '.join(DTYPES)}")
+            raise invalid("input_dtype", given, f"one of {', '.join(DTYPES)} (or the torch.dtype)")
         if self.preprocess is not None and not callable(self.preprocess):
             raise invalid("preprocess", type(self.preprocess).__name__, "a function inputs -> the model's input batch")
         if self.postprocess is not None and not callable(self.postprocess):
