@@ -300,19 +300,20 @@ def test_a_list_of_one_target_per_sample_is_split_with_its_samples_and_steps_as_
         seen = []
 
         def step_fn(batch) -> torch.Tensor:
-            x, per_sample = batch
+            x, per_sample, meta = batch
             ys = [t["boxes"] if isinstance(t, dict) else t for t in per_sample]
-            seen.append([len(y) for y in ys])
+            seen.append(([len(y) for y in ys], [m["id"] for m in meta]))
             out = model(x)
             return torch.stack([((out[i] - ys[i]) ** 2).mean() for i in range(len(x))]).mean()
 
-        rt.train_step(step_fn, (images, which))
+        meta = [{"id": f"image-{i}"} for i in range(4)]  # one dict of plain values per sample
+        rt.train_step(step_fn, (images, which, meta))
         return model.weight.grad.clone(), seen
 
     for which in (targets, boxes):
         whole, _ = grads(None, which)
         split, seen = grads(2, which)
-        assert seen == [[2, 4], [1, 3]]
+        assert seen == [([2, 4], ["image-0", "image-1"]), ([1, 3], ["image-2", "image-3"])]
         assert torch.allclose(split, whole, rtol=0, atol=1e-6), (split, whole)
 
 

@@ -355,4 +355,4 @@ def _per_sample(item: Any, total: int) -> bool:
         inner = [t for x in item for t in tensors_in(x)]
     else:
         return False
-    return not all(t.dim() and t.shape[0] == total for t in inner)
+    return not inner or not all(t.dim() and t.shape[0] == total for t in inner)  # dicts of plain values: per sample
