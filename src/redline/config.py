@@ -38,6 +38,18 @@ def positive_int(name: str, value: object, *, optional: bool = False) -> None:
         raise invalid(name, value, "a positive integer" + (" or None" if optional else ""), _example(name, 1))
 
 
+SEEDS = (-(2**63), 2**64 - 1)  # the seeds torch.manual_seed takes
+
+
+def seed_number(name: str, value: object, *, optional: bool = False) -> None:
+    """Check that ``value`` is a seed torch takes (an integer in ``SEEDS``), or None when ``optional``."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not SEEDS[0] <= value <= SEEDS[1]:
+        taken = f"an integer from {SEEDS[0]} to {SEEDS[1]} (what torch takes)" + (", or None" if optional else "")
+        raise invalid(name, value, taken, _example(name, 0))
+
+
 def non_negative_int(name: str, value: object) -> None:
     """Check that ``value`` is an integer >= 0."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -114,6 +114,16 @@ def test_a_lone_value_where_a_list_belongs_is_refused_before_anything_runs(given
         benchmark(tiny_task(), **given)
 
 
+@pytest.mark.parametrize("measure", ["benchmark", "profile", "tune"])
+def test_a_seed_torch_does_not_take_is_refused_naming_it_not_blamed_on_the_task(measure):
+    import redline
+
+    # Runtime(seed=None) means "not set"; here each row failed with torch.manual_seed's TypeError, or profile
+    # blamed the task's model, loss or optimizer for it.
+    with pytest.raises(ConfigError, match=r"^seed=None is not allowed; expected an integer from "):
+        getattr(redline, measure)(tiny_task(), devices="cpu", seed=None)
+
+
 def test_a_batch_size_larger_than_the_data_is_refused_before_anything_runs():
     built: list[int] = []
     task = dataclasses.replace(tiny_task(), model=lambda: built.append(1) or Slowed())  # 256 samples

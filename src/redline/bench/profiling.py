@@ -33,7 +33,7 @@ from redline.bench.loops import Runner, phase
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, task_steps, warm_up
 from redline.bench.trace import Breakdown, read_breakdown
-from redline.config import one_of, positive_int
+from redline.config import one_of, positive_int, seed_number
 from redline.errors import TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
@@ -126,6 +126,7 @@ def profile(
     positive_int("warmup", warmup)
     positive_int("batch_size", batch_size, optional=True)
     positive_int("planned_steps", planned_steps, optional=True)
+    seed_number("seed", seed)
     size = batch_size or task.batch_size
     check_sizes(task, [size])
     trace_path = Path(trace) if trace is not None else None

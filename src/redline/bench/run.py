@@ -26,7 +26,7 @@ from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
 from redline.bench.result import BenchResult, BenchRow
 from redline.bench.rows import Built, base_row, bench_rows, with_speedups
-from redline.config import positive_int, positive_number
+from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     ConfigError,
     RedlineError,
@@ -90,6 +90,7 @@ def benchmark(
     positive_int("window", window)
     positive_number("max_seconds", max_seconds)
     positive_int("planned_steps", planned_steps, optional=True)
+    seed_number("seed", seed)
     precisions = listed("precisions", precisions, "['fp32', 'bf16-mixed']") if precisions is not None else None
     compiles = listed("compiles", compiles, "[False, True]")
     sizes = (listed("batch_sizes", batch_sizes, "[32, 64]") if batch_sizes is not None else []) or [task.batch_size]

@@ -32,7 +32,7 @@ from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
-from redline.config import positive_int, positive_number
+from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     RedlineError,
     StoppedBySignal,
@@ -92,6 +92,7 @@ def tune(
     positive_int("window", window)
     positive_int("planned_steps", planned_steps, optional=True)
     positive_int("batch_size", batch_size, optional=True)
+    seed_number("seed", seed)
     check_tuned_cache()
     fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
     if batch_size is not None:

@@ -6,12 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from redline.config import boolean, one_of, option, positive_int, positive_number, with_changes
+from redline.config import boolean, one_of, option, positive_int, positive_number, seed_number, with_changes
 from redline.errors import invalid
 from redline.plan.device import check_devices
 from redline.plan.micro_batch import MicroBatch, check_micro_batch
-
-SEEDS = (-(2**63), 2**64 - 1)  # the seeds torch.manual_seed takes
 
 Switch = Literal["auto", "on", "off"]
 PrecisionRequest = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
@@ -69,10 +67,7 @@ class RuntimeOptions:
         positive_int("grad_accum", self.grad_accum)
         object.__setattr__(self, "micro_batch", check_micro_batch(self.micro_batch))
         positive_number("clip_grad_norm", self.clip_grad_norm, optional=True)
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEEDS[0] <= self.seed <= SEEDS[1]
-        ):
-            raise invalid("seed", self.seed, f"an integer from {SEEDS[0]} to {SEEDS[1]} (what torch takes), or None")
+        seed_number("seed", self.seed, optional=True)
         boolean("deterministic", self.deterministic)
         boolean("find_unused_parameters", self.find_unused_parameters)
 
