@@ -188,3 +188,10 @@ def test_check_machine_refuses_quick_with_a_probe_file_as_the_command_does():
     with pytest.raises(ConfigError, match="drop quick"):
         check_machine(quick=True, probe_file=FIXTURES / "healthy-h200.json")
     assert check_machine(probe_file=FIXTURES / "healthy-h200.json").exit_code == 0
+
+
+def test_check_machine_names_an_argument_of_the_wrong_kind():
+    with pytest.raises(ConfigError, match=r"^quick='yes' is not allowed; expected True or False"):
+        check_machine(quick="yes")  # type: ignore[arg-type]  # was taken as true
+    with pytest.raises(ConfigError, match=r"^probe_file=123 is not allowed; expected a path to a snapshot file"):
+        check_machine(probe_file=123)  # type: ignore[arg-type]  # was a raw TypeError

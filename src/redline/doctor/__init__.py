@@ -9,8 +9,10 @@ judged on another with ``load_snapshot``. Nothing here imports torch, so the doc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from redline.config import boolean
 from redline.doctor.judge import judge
 from redline.doctor.probes import take_snapshot
 from redline.doctor.report import Check, DeviceReport, DoctorReport
@@ -38,6 +40,9 @@ def check_machine(*, quick: bool = False, probe_file: str | Path | None = None) 
     ``probe_file`` raises ConfigError, as `redline doctor --quick --probe-file` refuses them: a saved
     snapshot is judged as it was taken.
     """
+    boolean("quick", quick)
+    if probe_file is not None and not isinstance(probe_file, str | os.PathLike):
+        raise invalid("probe_file", probe_file, "a path to a snapshot file, or None", "e.g. probe_file='probe.json'")
     if probe_file is not None and quick:
         raise invalid("quick", quick, "False with probe_file", "a saved snapshot is judged as it was taken; drop quick")
     snapshot = load_snapshot(probe_file) if probe_file is not None else take_snapshot(quick=quick)
