@@ -169,16 +169,17 @@ def train_loader(
     A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order. With
     ``drop_last`` a partial last batch is left out (a compiled model then keeps one shape).
     """
+    # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
+    # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
+    generator = torch.Generator().manual_seed(seed)
     if is_stream(dataset):
         stream = StreamShard(dataset, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last)
-        return DataLoader(stream, batch_size=batch_size // world_size, collate_fn=collate_fn), stream
+        loader = DataLoader(stream, batch_size=batch_size // world_size, generator=generator, collate_fn=collate_fn)
+        return loader, stream
     sampler = EpochSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
     batches = GlobalBatchSampler(
         sampler, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last
     )
-    # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
-    # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
-    generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_sampler=batches, generator=generator, collate_fn=collate_fn), sampler
 
 
