@@ -86,3 +86,16 @@ def test_a_sample_that_raises_after_training_leaves_the_weights_and_summary_writ
     said = caplog.text
     assert "task.sample raised ValueError: no prompt" in said and "test_trainer_again.py" in said
     assert "the summary and final weights are written without it" in said
+
+
+def test_the_config_may_be_passed_by_name_and_a_rerun_of_a_finished_run_still_ends_its_fit(tmp_path):
+    ended = []
+
+    class Ends(redline.Callback):
+        def on_fit_end(self, trainer, summary):
+            ended.append(summary.steps)
+
+    config = redline.TrainerConfig(max_steps=2, out_dir=tmp_path, progress=False)
+    Trainer(frozen_task(), config=config, callbacks=[Ends()]).fit()  # by name: was TypeError, "multiple values"
+    again = Trainer(frozen_task(), config=config, resume="auto", callbacks=[Ends()]).fit()  # left as it was
+    assert again.steps == 2 and ended == [2, 2]

@@ -75,14 +75,14 @@ def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None
         return
     if run.micro_loss is not None and run.step_start is not None:
         run.pos = run.step_start
-    before = run.last_ckpt
     try:
         saved = keep()
     except Exception as again:  # the disk is full, say; a NaN loss fails again (no checkpoint holds one)
         if str(again) != str(exc):
             log.warning("the steps since the last checkpoint could not be saved: %s", first_line(again))
         return
-    if saved is None or run.last_ckpt is before:
+    # Written now, or already at this step (a failure just after a checkpoint): either holds every step so far.
+    if saved is None or run.last_ckpt is None or run.last_ckpt.step != run.pos.step:
         return
     if isinstance(exc, RedlineError):
         exc.args = (f"{exc}{kept_note(saved)}",)

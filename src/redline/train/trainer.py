@@ -74,7 +74,7 @@ class Trainer:
     """
 
     def __init__(
-        self, task: Task, config: TrainerConfig | None = None, /, *, callbacks: Sequence[Callback] = (), **fields: Any
+        self, task: Task, config: TrainerConfig | None = None, *, callbacks: Sequence[Callback] = (), **fields: Any
     ) -> None:
         self.task = require_task(task)
         self.config = TrainerConfig.build(config, **fields)
@@ -129,6 +129,7 @@ class Trainer:
         run = self._start()
         if isinstance(run, TrainSummary):  # a rerun of a run that had ended: left as it was
             mark_finished(self.env)
+            call_hooks(self.callbacks, "on_fit_end", self, run)  # fit ended, as every fit does
             return run
         history = record_memory_history(run.rt.device) if self.config.memory_history else contextlib.nullcontext()
         config = self.config
