@@ -99,3 +99,33 @@ def test_the_config_may_be_passed_by_name_and_a_rerun_of_a_finished_run_still_en
     Trainer(frozen_task(), config=config, callbacks=[Ends()]).fit()  # by name: was TypeError, "multiple values"
     again = Trainer(frozen_task(), config=config, resume="auto", callbacks=[Ends()]).fit()  # left as it was
     assert again.steps == 2 and ended == [2, 2]
+
+
+def test_a_module_given_as_the_model_stays_as_it_was_and_the_trained_one_is_the_trainers():
+    module = nn.Linear(4, 2)
+    before = module.weight.detach().clone()
+    task = dataclasses.replace(frozen_task(lr=0.1), model=module)
+    with quiet(task, max_steps=3) as trainer:
+        trainer.fit()
+        trained = trainer.model
+    assert torch.equal(module.weight, before)  # every fit of the Task starts from these weights
+    assert trained is not None and not torch.equal(trained.weight, before)
+
+
+def test_predict_names_the_users_line_when_the_model_raises_and_takes_items_of_several_inputs_nested():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 2)
+
+        def forward(self, inputs):
+            a, b = inputs
+            return self.linear(torch.cat([a, b], 1))
+
+    rows = torch.randn(5, 4)
+    task = dataclasses.replace(frozen_task(), model=Two, train_data=[((r[:2], r[2:]), 0) for r in rows], val_data=None)
+    with quiet(task, max_steps=1) as trainer:
+        trainer.fit()
+        with pytest.raises(TrainingError, match=r"(?s)^predict: the model or loss raised ValueError: .*hint: check"):
+            trainer.predict([(r[:2], r[2:]) for r in rows])  # read as (inputs, targets): the model gets a alone
+        assert trainer.predict([((r[:2], r[2:]),) for r in rows]).shape == (5, 2)

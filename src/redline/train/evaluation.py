@@ -83,8 +83,9 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -
     outputs = []
     with _eval_mode(model):
         for batch in read_batches(eval_loader(data, batch_size=batch_size)):
-            inputs = batch[0] if isinstance(batch, list | tuple) else batch
-            with rt.autocast(), rt.eager():
+            pair = isinstance(batch, list | tuple)  # (inputs, targets), or (inputs,): items of several inputs nest
+            inputs, rest = (batch[0], batch[1] if len(batch) > 1 else None) if pair else (batch, None)
+            with user_code("predict", inputs, rest), rt.autocast(), rt.eager():  # the user's line, if it raises
                 outputs.append(_on_cpu(model(rt.to_device(inputs))))
     if not outputs:
         raise invalid("len(data)", 0, "at least one item to predict", "check how the data is built: it is empty")

@@ -486,7 +486,8 @@ class Trainer:
 
     def predict(self, data: Any, batch_size: int | None = None) -> Any:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
-        tensor, or the tuple, list or dict of tensors the model returns."""
+        tensor, or the tuple, list or dict of tensors the model returns. An item that is a tuple is read as
+        (inputs, targets): a model of several inputs takes items ((a, b),) or ((a, b), targets)."""
         rt, model = self._ready()
         return predict_outputs(model, rt, data, self.batch_size if batch_size is None else batch_size)
 
