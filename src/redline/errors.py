@@ -107,8 +107,17 @@ def nearest(value: object, allowed: Iterable[object]) -> object | None:
 
 def one_of(name: str, value: object, allowed: Sequence[object]) -> ConfigError:
     """Build the error for ``value`` that is none of ``allowed``; its hint is the choice it most likely meant."""
+    parts = [part.strip() for part in value.split(",")] if isinstance(value, str) and "," in value else []
     near = nearest(value, allowed)
-    hint = f"did you mean {name}={near!r}?" if near is not None else f"e.g. {name}={allowed[0]!r}"
+    if len(parts) > 1 and all(part in map(str, allowed) for part in parts):
+        hint = (
+            f"one value here, not a list: give {parts[0]!r}, then {parts[1]!r} in another run"
+            " (redline bench times several side by side)"
+        )
+    elif near is not None:
+        hint = f"did you mean {name}={near!r}?"
+    else:
+        hint = f"e.g. {name}={allowed[0]!r}"
     return invalid(name, value, "one of " + ", ".join(map(repr, allowed)), hint)
 
 

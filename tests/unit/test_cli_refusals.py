@@ -75,6 +75,8 @@ def test_an_options_refusal_without_a_hint_is_given_the_flags_default_as_one(arg
     ("args", "hint"),
     [
         (["train", "--precision", "bf16"], "did you mean --precision 'bf16-mixed'?"),
+        (["profile", "--precision", "fp32,bf16-mixed"], "one value here, not a list: give 'fp32', then 'bf16-mixed' "
+                                                        "in another run (redline bench times several side by side)"),
         (["train", "--nproc", "two"], "--nproc N starts N workers on this machine; --nproc 'auto' one per GPU (one "
                                       "in all without a GPU)"),
         (["launch", "--node-rank", "3"], "number the machines from 0: --node-rank 0 on the one whose address the "

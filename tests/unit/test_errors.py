@@ -37,6 +37,18 @@ def test_one_of_hints_the_nearest_choice_else_an_example():
     one_of("compile", "on", ("auto", "on", "off"))  # an allowed value passes
 
 
+def test_one_of_says_a_list_of_allowed_values_is_one_too_many():
+    with pytest.raises(ConfigError) as caught:
+        one_of("precision", "fp32, bf16-mixed", ("auto", "fp32", "bf16-mixed"))
+    assert str(caught.value).endswith(
+        "hint: one value here, not a list: give 'fp32', then 'bf16-mixed' in another run"
+        " (redline bench times several side by side)"
+    )
+    with pytest.raises(ConfigError) as caught:  # a list with a stranger in it gets the usual hint
+        one_of("precision", "fp32,bf17", ("auto", "fp32", "bf16-mixed"))
+    assert "not a list" not in str(caught.value)
+
+
 def test_the_users_line_skips_code_python_made_such_as_a_dataclass_init():
     from redline.errors import user_line
 
