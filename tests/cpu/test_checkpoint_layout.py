@@ -2,7 +2,9 @@
 
 import contextlib
 import logging
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -373,3 +375,26 @@ def test_a_resumed_runs_final_loss_is_the_mean_of_its_last_steps_as_an_unbroken_
     resumed = fit("split", 12, resume="auto")  # one step of its own: the mean of 20 steps goes on from the stored 11
     assert resumed.steps == 12 and resumed.resumed_from is not None
     assert resumed.final_loss == pytest.approx(whole.final_loss, rel=1e-6)
+
+
+def test_weights_and_checkpoint_files_have_the_mode_the_umask_gives_and_a_private_file_stays_private(tmp_path):
+    """Before, safetensors left every weights file 0600, readable by its owner alone, unlike the files beside it."""
+    old = os.umask(0o022)
+    try:
+        private = tmp_path / "private.safetensors"
+        private.write_bytes(b"")
+        private.chmod(0o600)
+        with redline.Runtime(devices="cpu", compile="off") as rt:
+            rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+            rt.save_weights(tmp_path / "weights.safetensors")
+            rt.save_weights(private)
+            rt.save(tmp_path / "checkpoint")
+    finally:
+        os.umask(old)
+    modes = {
+        path.name: stat.S_IMODE(path.stat().st_mode)
+        for path in [*tmp_path.iterdir(), *(tmp_path / "checkpoint").iterdir()]
+    }
+    assert modes.pop("checkpoint") == 0o755 and modes.pop("private.safetensors") == 0o600
+    assert modes and set(modes.values()) == {0o644}, modes
+    assert "model.safetensors" in modes and "weights.safetensors" in modes

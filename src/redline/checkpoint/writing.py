@@ -12,12 +12,15 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
+
+from redline.atomic import is_stream
 
 # safetensors' message of an I/O failure: "(os error 28)" (>= 0.5), "IoError(Os { code: 28, ..." (0.4)
 _OS_ERROR = re.compile(r"(?:os error|code:) (\d+)")
@@ -39,15 +42,29 @@ def save_object(value: Any, path: Path) -> None:
 
 
 def save_tensors(write: Callable[[str], None], path: Path) -> None:
-    """Run ``write(str(path))``, a safetensors save; a write the system refuses raises an OSError naming ``path``."""
+    """Run ``write(str(path))``, a safetensors save; a write the system refuses raises an OSError naming ``path``.
+
+    The file lands with the mode a plain ``open(path, "w")`` gives it (0o666 less the umask, or the mode of
+    the file it overwrites): safetensors makes its file 0o600, readable by its owner alone.
+    """
+    mode = None if is_stream(path) else _plain_mode(path)
     try:
         write(str(path))
+        if mode is not None and stat.S_IMODE(path.stat().st_mode) != mode:
+            os.chmod(path, mode)
     except SafetensorError as exc:
         if "I/O error" not in str(exc) and "IoError" not in str(exc):
             raise
         found = _OS_ERROR.search(str(exc))
         code = int(found.group(1)) if found else errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from exc
+
+
+def _plain_mode(path: Path) -> int:
+    """The mode a plain write leaves ``path`` with: the mode it has, made as ``open`` makes it if it is not there."""
+    with open(path, "ab"):
+        pass
+    return stat.S_IMODE(path.stat().st_mode)
 
 
 class _Recording:
