@@ -398,3 +398,43 @@ def test_weights_and_checkpoint_files_have_the_mode_the_umask_gives_and_a_privat
     assert modes.pop("checkpoint") == 0o755 and modes.pop("private.safetensors") == 0o600
     assert modes and set(modes.values()) == {0o644}, modes
     assert "model.safetensors" in modes and "weights.safetensors" in modes
+
+
+def _sgd_run(tmp_path, lr: float, *, save: bool, scheduled: bool = False) -> torch.optim.Optimizer:
+    """A Runtime run of SGD at ``lr`` (with a warm-up schedule, if ``scheduled``) that saves or loads ``tmp_path``."""
+    with redline.Runtime(devices="cpu", compile="off", seed=0) as rt:
+        _, opt = rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9))
+        if scheduled:
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 10))
+        if save:
+            for _ in range(3):
+                opt.step()  # no gradients: the weights stay, and the schedule moves the lr
+                if scheduled:
+                    schedule.step()
+            rt.save(tmp_path / "ck")
+        else:
+            rt.load(tmp_path / "ck")
+    return opt
+
+
+def test_loading_names_an_optimizer_option_the_checkpoint_overrides(tmp_path, caplog):
+    """Before, a resume with another learning rate (--task-arg lr=0.1) went on with the checkpoint's, unsaid."""
+    _sgd_run(tmp_path, 0.003, save=True)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        opt = _sgd_run(tmp_path, 0.1, save=False)
+    assert opt.param_groups[0]["lr"] == 0.003  # torch's load keeps the saved options: now it is said
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "this run's optimizer has lr 0.1, the checkpoint's 0.003, and goes on with the checkpoint's" in warning
+    assert "hint: to train on with other options, set them in optimizer.param_groups after loading" in warning
+
+
+def test_a_checkpoint_mid_schedule_loads_without_a_warning_where_the_options_are_the_same(tmp_path, caplog):
+    """The lr a schedule moved is no change of options: each side's own lr is the one before the schedule."""
+    _sgd_run(tmp_path, 0.5, save=True, scheduled=True)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        _sgd_run(tmp_path, 0.5, save=False, scheduled=True)
+        _sgd_run(tmp_path, 0.5, save=False)  # a scheduler not built yet
+    assert [r.getMessage() for r in caplog.records] == []
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        _sgd_run(tmp_path, 0.25, save=False, scheduled=True)
+    assert "has lr 0.25, the checkpoint's 0.5," in caplog.records[-1].getMessage()

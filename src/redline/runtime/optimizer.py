@@ -150,3 +150,40 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.op
     # the ones it takes; every group keeps all of its own keys.
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})
+
+
+# how an optimizer steps, not what it does: the Plan may choose them, and a checkpoint keeps no promise of them
+_IMPLEMENTATION = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"})
+
+
+def group_options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's options (lr, weight_decay, betas, ...), plain values, to compare across a load.
+
+    The lr is the group's own, before a scheduler moved it (``initial_lr``, where one was built on it):
+    a run resumed mid-schedule holds another lr than a fresh optimizer, by design.
+    """
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        return tuple(plain(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+    groups = []
+    for group in optimizer.param_groups:
+        options = {"lr": plain(group.get("initial_lr", group.get("lr")))}
+        options.update((key, plain(value)) for key, value in group.items() if key not in _IMPLEMENTATION)
+        groups.append(options)
+    return groups
+
+
+def changed_options(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
+    """The options a load changed, each as "lr 0.1, the checkpoint's 0.003" (and its group, where there are several)."""
+    changed = []
+    for i, (now, kept) in enumerate(zip(before, after, strict=False)):
+        where = f" (group {i})" if len(before) > 1 else ""
+        changed += [
+            f"{key} {now[key]}{where}, the checkpoint's {kept[key]}"
+            for key in now
+            if key in kept and now[key] != kept[key]
+        ]
+    return changed

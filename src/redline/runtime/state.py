@@ -6,6 +6,7 @@ process, or each rank its shards), and the Runtime adds its loss scaling, random
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,9 +22,12 @@ from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
 from redline.plan import Plan
 from redline.runtime.cycle import Cycle
+from redline.runtime.optimizer import changed_options, group_options
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.strategy import Strategy
+
+log = logging.getLogger("redline")
 
 
 class RunState:
@@ -106,7 +110,14 @@ class RunState:
         strategy, model, optimizer = self._prepared()
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = open_verified(Path(checkpoint))
+        built = group_options(optimizer)
         runtime_state, extra = strategy.load(checkpoint, model, optimizer)
+        if (changed := changed_options(built, group_options(optimizer))) and self.env.is_main:
+            log.warning(
+                "%s: this run's optimizer has %s, and goes on with the checkpoint's: loading restores the optimizer "
+                "as it was saved\nhint: to train on with other options, set them in optimizer.param_groups after "
+                "loading, or start a new run (another --out)", checkpoint.path, "; ".join(changed)
+            )  # fmt: skip
         self._restart_cycle(checkpoint.step)
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
         per_rank = runtime_state.get("rng") or []
