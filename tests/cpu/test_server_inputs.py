@@ -208,6 +208,11 @@ async def test_tensors_a_postprocess_returns_are_answered_as_their_values_as_num
         "0-d tensors in dicts": lambda out: [
             {"label": i, "scores": row} for i, row in zip(out.argmax(1), out, strict=True)
         ],
+        # before, a view orjson does not write (a row of a Fortran-ordered array) or a float16 array was a 500
+        "numpy views in dicts": lambda out: [
+            {"label": np.int64(i), "scores": row, "half": row.astype(np.float16)}
+            for i, row in zip(out.argmax(1).numpy(), np.asfortranarray(out.numpy()), strict=True)
+        ],
     }
     inputs = [[1.0, -2.0, 0.5], [-3.0, 1.0, 2.0]]
     answers = {}
@@ -218,11 +223,14 @@ async def test_tensors_a_postprocess_returns_are_answered_as_their_values_as_num
             answers[name] = await client.post("/v1/predict", json={"inputs": inputs})
     expected = reference(engine, inputs)
     labels = [int(i) for i in expected.argmax(1)]
-    assert [answer.status_code for answer in answers.values()] == [200, 200, 200], answers["tensor"].text
+    assert [answer.status_code for answer in answers.values()] == [200] * 4, answers["numpy views in dicts"].text
     assert answers["tensor"].json() == answers["numpy"].json() == {"outputs": labels}
-    given = answers["0-d tensors in dicts"].json()["outputs"]
-    assert [item["label"] for item in given] == labels
-    torch.testing.assert_close(torch.tensor([item["scores"] for item in given]), expected)
+    for name in ("0-d tensors in dicts", "numpy views in dicts"):
+        given = answers[name].json()["outputs"]
+        assert [item["label"] for item in given] == labels
+        torch.testing.assert_close(torch.tensor([item["scores"] for item in given]), expected)
+    halves = torch.tensor([item["half"] for item in answers["numpy views in dicts"].json()["outputs"]])
+    torch.testing.assert_close(halves, expected, atol=1e-2, rtol=1e-3)
 
 
 async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():

@@ -409,8 +409,12 @@ def _outputs_json(outputs: list[Any]) -> Response:
 
 
 def _tensor_as_list(value: Any) -> Any:
-    """A tensor as the number or nested lists it holds (orjson's ``default``); anything else stays unserialisable."""
-    if isinstance(value, torch.Tensor):
+    """A tensor as the number or nested lists it holds (orjson's ``default``); anything else stays unserialisable.
+
+    So is an array orjson does not write itself: a view that is not C-contiguous (``scores[:, ::-1]``), or of a
+    dtype it lacks (float16).
+    """
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
         return value.tolist()
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
