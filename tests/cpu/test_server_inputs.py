@@ -1,6 +1,7 @@
 """The server's answers to what it reads: outputs for JSON and .npy, every input refusal, body limits, the token."""
 
 import gzip
+import threading
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from redline.cli.main import app
 from redline.errors import ConfigError
+from redline.serve import app as serve_app
 from redline.serve.app import build_app
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions
@@ -82,6 +84,9 @@ async def test_preprocess_reads_the_request_as_declared_and_feeds_the_model_its_
         (b'{"inputs": [[1, 2, 3], [1, 2]]}', 422, "unequal lengths: inputs[1] has 2 items where inputs[0] has 3"),
         (b'{"inputs": [[1, 2, 3], 4]}', 422, "unequal lengths: inputs[1] is a number where inputs[0] has 3 items"),
         (b'{"inputs": [[[1], [2, 3]]]}', 422, "inputs[0][1] has 2 items where inputs[0][0] has 1 item;"),
+        # samples each even within, unlike each other: before, where they differ went unsaid
+        (b'{"inputs": [[[1, 2], [3, 4]], [[1], [2]]]}', 422, "inputs[1][0] has 1 item where inputs[0][0] has 2 items;"),
+        (b'{"inputs": [[[1, 2]], [[1, 2], [3, 4]]]}', 422, "inputs[1] has 2 items where inputs[0] has 1 item;"),
         (b'{"inputs": ["a", "b", "c"]}', 422, "not numbers"),
         (b'{"inputs": [1, null, 3]}', 422, "not numbers"),
         (b'{"inputs": []}', 422, "inputs hold no sample"),
@@ -431,3 +436,36 @@ async def test_a_model_of_scalar_samples_is_told_its_batch_shape_as_python_write
     assert nested.json()["error"] == (
         "inputs have shape (1, 1); expected float32 numbers, one sample of shape () or up to 8 of them, shape (N,)"
     )
+
+
+async def test_a_batch_over_the_limit_is_refused_by_its_count_before_its_numbers_are_read():
+    """Before, numpy read every number of a 100,000-sample body first, for seconds, and then refused it."""
+    samples = [[1.0, 2.0, 3.0]] * 20
+    samples[15] = [1.0, 2.0]  # ragged too: refused for its count, so never read that far
+    async with running(FakeEngine(max_batch_size=8)) as (client, _):
+        answer = await client.post("/v1/predict", json={"inputs": samples})
+        one = await client.post("/v1/predict", json={"inputs": [1.0] * 20})  # one sample of 20 numbers
+    assert answer.status_code == 422, answer.text
+    assert "inputs hold 20 samples, more than max_batch_size=8 in one request" in answer.json()["error"]
+    assert one.status_code == 422 and "inputs have shape (20,)" in one.json()["error"]
+
+
+async def test_a_large_body_is_read_off_the_event_loop_and_a_small_one_on_it(monkeypatch):
+    """Before, seconds of numpy work on a large JSON batch held the loop: /livez went unanswered meanwhile."""
+    readers, read_json = [], serve_app.read_json
+
+    def recording(body, spec):
+        readers.append(threading.get_ident())
+        return read_json(body, spec)
+
+    monkeypatch.setattr(serve_app, "read_json", recording)
+    loop_thread = threading.get_ident()
+    engine = linear_engine()
+    inputs = [[1.0, -2.0, 0.5]] * 4
+    async with running(engine) as (client, _):
+        await ready(client)
+        small = await client.post("/v1/predict", json={"inputs": inputs})
+        monkeypatch.setattr(serve_app, "PARSED_ASIDE", 16)  # this body counts as large now
+        large = await client.post("/v1/predict", json={"inputs": inputs})
+    assert small.status_code == large.status_code == 200 and small.json() == large.json()
+    assert readers[0] == loop_thread and readers[1] != loop_thread

@@ -47,6 +47,7 @@ JSON_TYPES = ("application/json", "")  # no Content-Type: read as JSON (as .npy 
 NPY_TYPES = ("application/octet-stream", "application/x-npy")
 # The refusals of queued requests: the latency histogram times them (not those refused at the door).
 QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
+PARSED_ASIDE = 1 << 20  # bytes: a body this large is read into a batch off the event loop
 # The types curl sends for a form (-d, -F) unless told otherwise: the first requests of many a user.
 FORM_FIXES = {
     "application/x-www-form-urlencoded": (
@@ -209,7 +210,11 @@ class Serving:
             # Without a Content-Type (Python's requests.post(url, data=...) sends none) numpy's bytes are told by
             # their magic: no JSON text starts with them.
             as_npy = media in NPY_TYPES or (not media and body.startswith(NPY_MAGIC))
-            inputs = read_npy(body, self.spec) if as_npy else read_json(body, self.spec)
+            parse = read_npy if as_npy else read_json
+            if len(body) < PARSED_ASIDE:
+                inputs = parse(body, self.spec)
+            else:  # seconds of numpy work on a large JSON batch: the loop goes on answering /livez meanwhile
+                inputs = await asyncio.to_thread(parse, body, self.spec)
             outputs = await self.answer_unless_gone(request, inputs, arrived)
             answer = _outputs_json(outputs)
         except Refused as refused:

@@ -79,6 +79,8 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
         keys = ", ".join(orjson.dumps(key).decode() for key in list(document)[:5]) or "none"
         raise spec.refuse(422, f'the JSON object has no "inputs" key (its keys: {keys}); send {{"inputs": [...]}}')
     inputs = document["inputs"]
+    if isinstance(inputs, list) and len(inputs) > spec.max_batch_size and _depth(inputs) == len(spec.shape) + 1:
+        raise _too_many(len(inputs), spec)  # before numpy reads a batch that is refused anyway, number by number
     try:
         array = np.asarray(inputs)
     except (ValueError, OverflowError):  # ragged lists (numpy >= 1.24 refuses them), or nested past numpy's limit
@@ -93,6 +95,12 @@ def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     if spec.kind() != "b" and array.dtype.kind != "b" and (b"true" in body or b"false" in body) and _has_bool(inputs):
         raise spec.refuse(422, "inputs hold true/false where numbers are expected")
     return check_array(array, spec)
+
+
+def _too_many(samples: int, spec: InputSpec) -> Refused:
+    return spec.refuse(
+        422, f"inputs hold {samples} samples, more than max_batch_size={spec.max_batch_size} in one request"
+    )
 
 
 def _unreadable_json(exc: orjson.JSONDecodeError, body: bytes, spec: InputSpec) -> Refused:
@@ -116,15 +124,34 @@ def _unreadable_json(exc: orjson.JSONDecodeError, body: bytes, spec: InputSpec) 
     return spec.refuse(400, f"the body is not valid JSON ({exc})")
 
 
-def _ragged(value: Any, path: str, depth: int = 0) -> str | None:
-    """Where nested lists first differ: ``inputs[1] has 2 items where inputs[0] has 3``; None if nowhere found."""
-    if not isinstance(value, list) or not value or depth > 32:  # numpy takes at most 32 dimensions
+def _ragged(value: Any, path: str) -> str | None:
+    """Where nested lists first differ: ``inputs[1][0] has 2 items where inputs[0][0] has 3``; None if nowhere.
+
+    Every list is held against the one at its depth along the first items (``inputs[0][0]``), so lists that
+    differ across samples are found as well as those within one.
+    """
+    chain = [value]  # inputs, inputs[0], inputs[0][0], ...
+    while isinstance(chain[-1], list) and chain[-1] and len(chain) <= 32:  # numpy takes at most 32 dimensions
+        chain.append(chain[-1][0])
+    return _unlike(value, path, chain, path, 0)
+
+
+def _unlike(value: Any, path: str, chain: list[Any], root: str, depth: int) -> str | None:
+    if depth >= len(chain):
         return None
-    lengths = [len(item) if isinstance(item, list) else None for item in value]
-    for i, length in enumerate(lengths):
-        if length != lengths[0]:
-            return f"{path}[{i}] {_holds(value[i])} where {path}[0] {_holds(value[0])}"
-    return next((found for i, item in enumerate(value) if (found := _ragged(item, f"{path}[{i}]", depth + 1))), None)
+    model = chain[depth]
+    if _length(value) != _length(model):
+        return f"{path} {_holds(value)} where {root}{'[0]' * depth} {_holds(model)}"
+    if not isinstance(value, list):
+        return None
+    return next(
+        (found for i, item in enumerate(value) if (found := _unlike(item, f"{path}[{i}]", chain, root, depth + 1))),
+        None,
+    )
+
+
+def _length(value: Any) -> int | None:
+    return len(value) if isinstance(value, list) else None
 
 
 def _depth(value: Any) -> int:
@@ -185,9 +212,7 @@ def check_array(array: np.ndarray[Any, Any], spec: InputSpec) -> torch.Tensor:
     elif array.ndim != len(spec.shape) + 1 or array.shape[1:] != spec.shape:
         raise spec.refuse(422, f"inputs have shape {shape_text(array.shape)}")
     if array.shape[0] > spec.max_batch_size:
-        raise spec.refuse(
-            422, f"inputs hold {array.shape[0]} samples, more than max_batch_size={spec.max_batch_size} in one request"
-        )
+        raise _too_many(array.shape[0], spec)
     kind = spec.kind()
     if kind in "iu" and array.dtype.kind == "f":
         array = _whole_numbers(array, spec)
