@@ -229,9 +229,12 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
                     _wait_for_device(torch.device(runner.setting.device))
                 with _without_profiler_chatter():
                     recorder.step()  # after the last, the trace is complete
-    finally:
-        with _without_profiler_chatter():
+    except BaseException:  # Ctrl-C mid-operator, say: stopping then can fail itself, and would be said in its place
+        with contextlib.suppress(Exception), _without_profiler_chatter():
             recorder.stop()
+        raise
+    with _without_profiler_chatter():
+        recorder.stop()
     recorder.export_chrome_trace(str(path))
     return recorder.key_averages()
 

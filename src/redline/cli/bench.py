@@ -18,13 +18,13 @@ from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
-from redline.cli.task_args import parse_task_args
+from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console, print_uncut
 from redline.render.plots import require_matplotlib
-from redline.task import Task, load_task
+from redline.task import Task
 
 SWITCH = {"on": True, "off": False, "true": True, "false": False}
 
@@ -63,7 +63,7 @@ def bench(
     if planned_steps is not None and not auto:  # only auto's compile reads it: the matrix's rows set theirs
         hint = "--planned-steps decides whether the auto row compiles; drop it, or drop --no-auto"
         raise invalid("--planned-steps", planned_steps, "only with the auto row", hint)
-    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    loaded = load_given_task(task, task_arg)
     if html is not None:
         _check_html(html, task)
     console = Console(stderr=True)

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
-from redline.cli.task_args import parse_task_args
+from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes
@@ -27,7 +27,7 @@ from redline.render.console import output_console, print_uncut
 from redline.render.memory import memory_tables
 from redline.render.memory_search import batch_search_table
 from redline.runtime.options import RuntimeOptions
-from redline.task import Task, load_task
+from redline.task import Task
 
 
 def memory(
@@ -92,7 +92,7 @@ def memory(
             f"--gpus {gpus} sizes the FSDP rows of a GPU's estimate, but this machine has no GPU and none was named, "
             "so nothing would read it\nhint: name the GPU with --gpu NAME or --mem-gib G, or drop --gpus"
         )
-    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    loaded = load_given_task(task, task_arg)
     if weighed is None:
         _measure(loaded, precision, start or 1, max_batch_size, json_output)
         return

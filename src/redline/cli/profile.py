@@ -10,11 +10,11 @@ import typer
 
 from redline.bench.profiling import profile
 from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
-from redline.cli.task_args import parse_task_args
+from redline.cli.signals import stopped_by_signal
+from redline.cli.task_args import load_given_task
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.render.profile import header_line, ops_table, phases_table, summary_lines
-from redline.task import load_task
 
 
 def profile_command(
@@ -49,10 +49,10 @@ def profile_command(
     """Profile a Task's training steps: each phase's time, the heaviest operators, and what to try."""
     if compile is not None and compile.lower() not in ("auto", "on", "off"):
         raise invalid("--compile", compile, "auto, on or off", "e.g. --compile on")
-    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    loaded = load_given_task(task, task_arg)
     flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode",
              "compile": "--compile"}  # fmt: skip
-    with said_by_flags(**flags):
+    with said_by_flags(**flags), stopped_by_signal("profiling", "nothing was written"):
         found = profile(
             loaded, devices=devices, precision=precision, compile=compile.lower() if compile else None,
             compile_mode=compile_mode,

@@ -14,8 +14,16 @@ from collections.abc import Callable, Mapping
 from pathlib import PurePath
 from typing import Any, Literal
 
+from redline.cli.signals import stopped_by_signal
 from redline.errors import TaskSpecError, invalid
-from redline.task import find_factory
+from redline.task import Task, find_factory, load_task
+
+
+def load_given_task(spec: str, pairs: list[str] | None) -> Task:
+    """The Task ``--task SPEC --task-arg KEY=VALUE ...`` names; SIGTERM or Ctrl-C while its factory runs (reading a
+    dataset can take minutes) stops the command with a line saying so, not a bare exit code."""
+    with stopped_by_signal("loading the task", "nothing had run yet"):
+        return load_task(spec, **parse_task_args(spec, pairs or []))
 
 
 def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:

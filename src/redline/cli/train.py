@@ -22,7 +22,7 @@ from rich.text import Text
 
 from redline.checkpoint import find_checkpoints
 from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, spellings, values
-from redline.cli.task_args import parse_task_args
+from redline.cli.task_args import load_given_task, parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
 from redline.launch.torchrun import LaunchConfig, launch
@@ -32,7 +32,7 @@ from redline.render.console import key_value_table, output_console, plan_table, 
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import check_split
 from redline.runtime.seed import seed_everything
-from redline.task import check_spec, load_task
+from redline.task import check_spec
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.lock import refuse_if_held
@@ -83,7 +83,7 @@ def _train(
         return
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
         seed_everything(parsed["seed"])
-    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    loaded = load_given_task(task, task_arg)
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
     flagged = said_by_flags(**spellings(TrainerConfig), **spellings(RuntimeOptions))

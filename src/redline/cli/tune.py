@@ -16,11 +16,10 @@ from redline.bench.run import timed_steps
 from redline.bench.tune import ONE_STEP, WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
-from redline.cli.task_args import parse_task_args
+from redline.cli.task_args import load_given_task
 from redline.errors import TrainingError
 from redline.render.console import key_value_table, output_console, print_uncut
 from redline.runtime.tuned import TunedPlan
-from redline.task import load_task
 
 
 def tune_command(
@@ -45,7 +44,7 @@ def tune_command(
     The search covers precision, compile (and its CUDA-graphs mode), channels_last, loader workers and
     micro-batching, each weighed by the planned run's total time, compile included.
     """
-    loaded = load_task(task, **parse_task_args(task, task_arg or []))
+    loaded = load_given_task(task, task_arg)
     console = Console(stderr=True)
     if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
