@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import redline
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
+from redline.runtime import state
 
 
 def _model() -> torch.nn.Module:
@@ -96,3 +97,33 @@ def test_train_step_given_a_loss_or_a_function_returning_loss_and_outputs_says_w
             rt.train_step(lambda b: (model(b[0]).mean(), model(b[0])), batch)
         loss = rt.train_step(lambda b: ((model(b[0]) - b[1]) ** 2).mean(), batch)
         assert rt.step(optimizer) and loss.requires_grad is False
+
+
+class _PeerGone(torch.autograd.Function):
+    """The gradient reduction of a rank whose peer ran out of batches first: gloo's words, as they come."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9402. GLHF!")
+
+
+def test_a_collective_that_breaks_in_backward_or_save_says_that_every_rank_takes_part(monkeypatch, tmp_path) -> None:
+    """Before, gloo's own RuntimeError, which names neither the likely cause nor the call."""
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        model, _ = rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(TrainingError) as err:
+            rt.backward(_PeerGone.apply(model(torch.randn(2, 4))).sum())
+        assert str(err.value).startswith(
+            "rt.backward: a collective with the other ranks failed: Connection closed by peer [127.0.0.1]:9402\n"
+        )
+        assert "or ran fewer steps: every rank calls backward as often as the others" in str(err.value)
+        monkeypatch.setattr(state, "gather_objects", lambda obj: _PeerGone.backward(None, None))
+        with pytest.raises(
+            TrainingError, match=r"writing the checkpoint .*ck: a collective(.|\n)*did not call rt.save"
+        ):
+            rt.save(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()

@@ -1,7 +1,9 @@
 """The collectives' single-process behaviour and the pure parts of the stop vote."""
 
+import pytest
 import torch
 
+from redline.errors import TrainingError
 from redline.parallel import collectives
 from redline.parallel.collectives import StopVote, is_collective_failure, vote_interval
 
@@ -28,3 +30,26 @@ def test_tensors_go_into_buckets_of_one_dtype_in_order(monkeypatch):
     assert collectives.all_reduce_max(3, torch.device("cpu")) == 3  # one process: the value itself
     collectives.average_tensors([a])  # nothing to average with
     assert torch.equal(a, torch.zeros(8))
+
+
+GLOO = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:9402. This is typically caused by a remote worker crashing. Check the logs of the remote worker."
+)
+
+
+def test_a_broken_collective_is_said_in_its_first_sentence_without_the_source_line():
+    assert collectives.failed_collective(RuntimeError(GLOO)) == "Connection closed by peer [127.0.0.1]:9402"
+    nccl = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0\nmore")
+    assert collectives.failed_collective(nccl) == "NCCL communicator was aborted on rank 0"
+
+
+def test_peers_said_names_what_the_ranks_did_together_and_lets_other_errors_pass():
+    with pytest.raises(TrainingError) as said, collectives.peers_said("rt.backward", "call it on every rank"):
+        raise RuntimeError(GLOO)
+    assert str(said.value) == (
+        "rt.backward: a collective with the other ranks failed: Connection closed by peer [127.0.0.1]:9402\n"
+        "hint: call it on every rank"
+    )
+    with pytest.raises(ValueError, match="a bad batch"), collectives.peers_said("rt.backward", "unused"):
+        raise ValueError("a bad batch")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 
-from redline.errors import RedlineError
+from redline.errors import RedlineError, TrainingError
 
 T = TypeVar("T")
 
@@ -137,6 +139,27 @@ def is_collective_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("gloo/transport" in text or "Connection reset by peer" in text)
+
+
+@contextlib.contextmanager
+def peers_said(where: str, hint: str) -> Iterator[None]:
+    """Inside, a collective that breaks (``is_collective_failure``) raises a TrainingError: "{where}: a collective
+    with the other ranks failed", and ``hint``, in place of the transport's own words ("Connection closed by peer")."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_collective_failure(exc):
+            raise
+        raise TrainingError(
+            f"{where}: a collective with the other ranks failed: {failed_collective(exc)}\nhint: {hint}"
+        ) from exc
+
+
+def failed_collective(exc: BaseException) -> str:
+    """What a broken collective says, in its first sentence: gloo's "[.../pair.cc:553] Connection closed by peer
+    [127.0.0.1]:9402. This is typically caused by ... GLHF!" is "Connection closed by peer [127.0.0.1]:9402"."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\.cc:\d+\]\s*", "", first).split(". ", 1)[0]
 
 
 VOTE_PERIOD_S = 0.2  # how often, in training time, the ranks vote on stopping

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from redline.config import call_refused, one_of, positive_int
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.parallel.collectives import peers_said
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.device import resolve_worker_device
@@ -59,6 +60,12 @@ from redline.runtime.state import RunState
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
+
+# a backward whose gradient reduction broke: a peer died, or a loop of the user's gave its ranks unequal steps
+_UNEVEN = (
+    "another rank stopped first (its log says why), or ran fewer steps: every rank calls backward as often as the "
+    "others (rt.setup_loader gives each rank the same number of batches)"
+)
 
 
 class Runtime(RunState):
@@ -307,7 +314,8 @@ class Runtime(RunState):
         with contextlib.ExitStack() as synced:
             for model, sync in self._cycle.syncs():  # each set-up model (none before setup), reducing or not
                 synced.enter_context(cast(Strategy, self.strategy).gradient_sync(model, sync))
-            self.precision.backward(loss, **kwargs)
+            with peers_said("rt.backward", _UNEVEN):
+                self.precision.backward(loss, **kwargs)
 
     def train_step(self, step_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """Run ``step_fn(batch)`` (the batch's loss, under autocast) and back-propagate it; return the loss, detached.

@@ -6,6 +6,7 @@ process, or each rank its shards), and the Runtime adds its loss scaling, random
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections.abc import Callable, Mapping
@@ -18,7 +19,7 @@ from torch import nn
 from redline.checkpoint import Checkpoint, open_verified
 from redline.checkpoint.whole import plain_module
 from redline.errors import ConfigError, invalid
-from redline.parallel.collectives import gather_objects
+from redline.parallel.collectives import gather_objects, peers_said
 from redline.parallel.env import DistEnv
 from redline.plan import Plan
 from redline.runtime.cycle import Cycle
@@ -91,11 +92,12 @@ class RunState:
         """
         strategy, model, optimizer = self._prepared()
         step = self._cycle.steps if step is None else _whole_step(step)  # a load goes on counting from it
-        runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
-        plan = self.explain().to_dict()
-        return strategy.save(
-            Path(path), model, optimizer, runtime_state=runtime_state, extra=dict(extra or {}), plan=plan, step=step
-        )
+        with _collective(f"writing the checkpoint {path}", "rt.save"):
+            runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
+            plan = self.explain().to_dict()
+            return strategy.save(
+                Path(path), model, optimizer, runtime_state=runtime_state, extra=dict(extra or {}), plan=plan, step=step
+            )
 
     def load(self, checkpoint: str | Path | Checkpoint) -> dict[str, Any]:
         """Load a checkpoint that ``save`` wrote into the set-up model and optimizer; return its ``extra``.
@@ -108,10 +110,11 @@ class RunState:
         Collective under several processes.
         """
         strategy, model, optimizer = self._prepared()
-        if not isinstance(checkpoint, Checkpoint):
-            checkpoint = open_verified(Path(checkpoint))
-        built = group_options(optimizer)
-        runtime_state, extra = strategy.load(checkpoint, model, optimizer)
+        with _collective(f"loading the checkpoint {getattr(checkpoint, 'path', checkpoint)}", "rt.load"):
+            if not isinstance(checkpoint, Checkpoint):
+                checkpoint = open_verified(Path(checkpoint))
+            built = group_options(optimizer)
+            runtime_state, extra = strategy.load(checkpoint, model, optimizer)
         if (changed := changed_options(built, group_options(optimizer))) and self.env.is_main:
             log.warning(
                 "%s: this run's optimizer has %s, and goes on with the checkpoint's: loading restores the optimizer "
@@ -134,7 +137,8 @@ class RunState:
     def save_weights(self, path: str | Path) -> None:
         """Write the whole weights as one safetensors file that loads into the plain model. Collective."""
         strategy, model, _ = self._prepared()
-        strategy.save_weights(Path(path), model)
+        with _collective(f"writing the weights {path}", "rt.save_weights"):
+            strategy.save_weights(Path(path), model)
 
     def _prepared(self, *, models: bool = True) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
         if self.strategy is None or self.model is None or self.optimizer is None:
@@ -160,3 +164,11 @@ def _whole_step(step: object) -> int:
     if isinstance(step, bool) or number < 0:
         raise invalid("step", step, "an integer >= 0, or None for the steps taken", "leave it out for the steps taken")
     return number
+
+
+def _collective(doing: str, call: str) -> contextlib.AbstractContextManager[None]:
+    """Inside, a collective that breaks is a TrainingError naming what the ranks were ``doing`` together."""
+    return peers_said(
+        doing, f"another rank stopped first (its log says why), or did not call {call}: it is collective, so in a "
+        f"loop of your own every rank calls it",
+    )  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.errors import OutOfMemory, RedlineError, TrainingError, describe_error, first_line
-from redline.parallel.collectives import is_collective_failure
+from redline.parallel.collectives import failed_collective, is_collective_failure
 from redline.runtime.oom import is_oom
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) ->
         )
     if is_collective_failure(exc):  # a dead peer surfaces in this rank's next collective, wherever it is
         return TrainingError(
-            f"step {step}: a collective with the other ranks failed: {str(exc).splitlines()[0]}\n"
+            f"step {step}: a collective with the other ranks failed: {failed_collective(exc)}\n"
             "hint: another rank stopped first; its log says why (with --max-restarts K the job restarts from "
             "the last checkpoint)"
         )
