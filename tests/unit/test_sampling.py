@@ -127,3 +127,31 @@ def test_a_loader_that_drops_its_last_short_batch_drops_it_on_every_rank():
     split = global_batches(DataLoader(data, batch_size=4, drop_last=True), DistEnv(rank=0, world_size=2), seed=0)
     assert split is not None
     assert [len(batch) * 2 for batch in split] == alone == [4, 4] and len(split) == 2
+
+
+def test_without_a_seed_the_order_is_drawn_as_a_plain_shuffling_loader_draws_its_own():
+    """Before, an unseeded run under several processes read seed 0's order every time: each run the same shuffle."""
+
+    def first_epoch(**loader_options) -> list[list[int]]:
+        return list(global_batches(loader_with(shuffle=True, **loader_options), TWO_RANKS, seed=None))
+
+    torch.manual_seed(3)
+    seeded_3 = first_epoch()
+    torch.manual_seed(3)
+    assert first_epoch() == seeded_3  # torch.manual_seed fixes it, as it fixes a plain DataLoader's
+    draws = [first_epoch() for _ in range(4)]  # torch's stream goes on: another order each time
+    assert len({str(d) for d in [seeded_3, *draws]}) == 5
+    ordered = first_epoch(generator=torch.Generator().manual_seed(5))  # the loader's own generator decides
+    assert ordered == first_epoch(generator=torch.Generator().manual_seed(5)) != seeded_3
+    before = torch.get_rng_state()
+    in_order = list(global_batches(loader_with(), TWO_RANKS, seed=None))  # not shuffled: nothing drawn
+    assert in_order == list(
+        GlobalBatchSampler(EpochSampler(12, shuffle=False, seed=0), global_batch=4, rank=1, world_size=2)
+    )
+    assert torch.equal(before, torch.get_rng_state())
+    loader = loader_with(shuffle=True)
+    epoch_0 = list(global_batches(loader, TWO_RANKS, seed=None))
+    drawn = torch.get_rng_state()
+    assert not torch.equal(before, drawn)  # its first set-up drew the seed
+    epoch_1 = list(global_batches(loader, TWO_RANKS, seed=None))  # set up again: its next epoch, no new draw
+    assert torch.equal(drawn, torch.get_rng_state()) and epoch_1 != epoch_0

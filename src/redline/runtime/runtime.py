@@ -262,7 +262,7 @@ class Runtime(RunState):
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
         """Return ``loader`` tuned for the device, yielding batches already on it."""
         chosen = resolve_loader(loader_facts(loader, local_devices), self.facts, workers=self.options.loader_workers)
-        batches = global_batches(loader, self.env, seed=self.options.seed or 0)
+        batches = global_batches(loader, self.env, seed=self.options.seed)
         if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
             loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
         if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):

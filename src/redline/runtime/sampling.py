@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from redline.errors import ConfigError, invalid
+from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 
 
@@ -145,10 +146,12 @@ def split_caveats(model: nn.Module, world_size: int) -> list[str]:
     return caveats
 
 
-def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalBatchSampler | None:
+def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> GlobalBatchSampler | None:
     """Under several processes, a batch sampler that gives this rank its share of each global batch of ``loader``.
 
     None for one process, an iterable of batches, the user's own batch sampler, or a loader already split.
+    Without a ``seed``, a shuffled order's is drawn on rank 0 as a plain shuffling DataLoader draws its own
+    (from its generator, else torch's, which ``torch.manual_seed`` fixes) and shared by every rank.
     """
     if not env.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
         return None  # one process, an iterable of batches, or the user's own batch sampler
@@ -161,9 +164,12 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
     split = _SPLITS.get(loader)
     if split is not None and split[0] == key:  # set up again (each epoch, say): its epochs go on, each shuffled anew
         return split[1]
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    if seed is None:  # a collective: every rank sets its loader up
+        seed = run_on_rank0(lambda: _drawn_seed(loader), "drawing the data order's seed") if shuffle else 0
     order = EpochSampler(
         len(loader.dataset),  # type: ignore[arg-type]
-        shuffle=isinstance(loader.sampler, RandomSampler),
+        shuffle=shuffle,
         seed=seed,  # the same order on every rank
         auto_epoch=True,
     )
@@ -174,9 +180,15 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int) -> GlobalB
     return batches
 
 
+def _drawn_seed(loader: DataLoader[Any]) -> int:
+    """A seed drawn as a shuffling DataLoader draws its order's: from its sampler's or its generator, else torch's."""
+    generator = getattr(loader.sampler, "generator", None) or loader.generator
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
 # The split of each loader set up under several processes, by the loader: a loop that sets the same loader up
 # every epoch gets the same split, whose order moves on to the next epoch, and not epoch 0's order every time.
-_SPLITS: weakref.WeakKeyDictionary[DataLoader[Any], tuple[tuple[int, int, int], GlobalBatchSampler]] = (
+_SPLITS: weakref.WeakKeyDictionary[DataLoader[Any], tuple[tuple[int | None, int, int], GlobalBatchSampler]] = (
     weakref.WeakKeyDictionary()
 )
 
