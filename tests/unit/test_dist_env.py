@@ -1,9 +1,10 @@
 """read_env: the launcher's variables read into a DistEnv, and the ones left over from elsewhere refused clearly."""
 
 import pytest
+import torch
 
 from redline.errors import ConfigError
-from redline.parallel.env import read_env
+from redline.parallel.env import init_process_group, read_env
 
 
 def test_no_variables_is_one_process():
@@ -43,3 +44,19 @@ def test_the_launchers_hang_timeouts_reach_the_worker():
     assert (env.hang_timeout_s, env.hang_start_timeout_s) == (9.0, 60.0)
     env = read_env({**worker, **_hang_env(9.0, None)})
     assert (env.hang_timeout_s, env.hang_start_timeout_s) == (9.0, 0.0)  # 0: the watchdog's own default
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"), [({}, "MASTER_ADDR and MASTER_PORT"), ({"MASTER_ADDR": "h"}, "MASTER_PORT")]
+)
+def test_a_rank_without_the_address_where_the_ranks_meet_is_refused_before_joining(monkeypatch, given, missing):
+    """RANK and WORLD_SIZE left over from another job: before, torch's ValueError from its rendezvous."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as refused:
+        init_process_group(read_env({"RANK": "1", "WORLD_SIZE": "2"}), "cpu")
+    assert str(refused.value).startswith(f"RANK=1 and WORLD_SIZE=2 are set in the environment without {missing},")
+    assert "hint: unset RANK and WORLD_SIZE for one process" in str(refused.value)
+    assert not torch.distributed.is_initialized()

@@ -122,6 +122,14 @@ def init_process_group(env: DistEnv, device_type: str) -> bool:
         return False
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
+    unmet = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if unmet:  # RANK and WORLD_SIZE left over from another job: torch's rendezvous would fail on the first of them
+        raise ConfigError(
+            f"RANK={env.rank} and WORLD_SIZE={env.world_size} are set in the environment without "
+            f"{' and '.join(unmet)}, where the ranks meet, so this process is no rank of a launched run\nhint: unset "
+            "RANK and WORLD_SIZE for one process, or start the processes with `redline launch` or "
+            "`redline train --nproc N`"
+        )
     backend = backend_for(device_type)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
         # A restarted worker (--max-restarts) meets the others in torchrun's long-lived store, where the
