@@ -217,6 +217,14 @@ def test_the_eta_counts_from_the_resumed_step(monkeypatch):
     assert out.getvalue() == "step 600/1000  epoch 3  0.75 samples/s  eta 0:00:40\n"
 
 
+def test_an_eta_past_any_runs_length_is_shown_as_such(monkeypatch):
+    """--max-steps 1e17: before, timedelta overflowed and the run stopped at its first progress line."""
+    fake_clock(monkeypatch, 0.0, 10.0)
+    out = io.StringIO()
+    Progress(10**17, stream=out).update(100, loss=None, samples_per_s=None, epoch=1)
+    assert out.getvalue() == f"step 100/{10**17}  epoch 1  eta >999 days\n"
+
+
 def test_disabled_progress_prints_only_messages():
     out = io.StringIO()
     progress = Progress(1000, enabled=False, stream=out)

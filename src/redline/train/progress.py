@@ -128,6 +128,9 @@ class Progress:
             self._broken = True
 
 
+LONGEST_ETA_S = 999 * 86400  # an eta past it reads ">999 days"
+
+
 def _describe(*, epoch: int, loss: float | None, samples_per_s: float | None, eta_s: float | None) -> str:
     """Return ``epoch 1  loss 2.3456  1,234 samples/s  eta 0:01:23``, leaving out the figures that are None."""
     parts = [f"epoch {epoch}"]
@@ -137,8 +140,13 @@ def _describe(*, epoch: int, loss: float | None, samples_per_s: float | None, et
         # whole numbers once they are large; a slow run (0.75 samples/s) still shows a figure
         rate = f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
         parts.append(f"{rate} samples/s")
-    if eta_s is not None:
-        parts.append(f"eta {datetime.timedelta(seconds=round(eta_s))}")
+    if eta_s is not None:  # a --max-steps far past any run's length is shown so, not an overflow of timedelta
+        shown = (
+            f"{datetime.timedelta(seconds=round(eta_s))}"
+            if eta_s < LONGEST_ETA_S
+            else f">{LONGEST_ETA_S // 86400} days"
+        )
+        parts.append(f"eta {shown}")
     return "  ".join(parts)
 
 
