@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import typer
 
+from redline.cli import task_args
 from redline.cli import train as train_cli
 from redline.cli.launch import launch_command
 from redline.errors import ConfigError
@@ -182,7 +183,7 @@ def test_a_command_line_parses_into_the_options_objects(monkeypatch):
             return False
 
     monkeypatch.setattr(train_cli, "Trainer", FakeTrainer)
-    monkeypatch.setattr(train_cli, "load_task", lambda spec, **options: (spec, options))
+    monkeypatch.setattr(task_args, "load_task", lambda spec, **options: (spec, options))
     monkeypatch.delenv("RANK", raising=False)
     app = typer.Typer()
     app.command()(train_cli.train)

@@ -45,3 +45,19 @@ def test_a_terminal_keeps_its_own_width_for_a_plan():
     print_uncut(console, plan_table({"precision": Choice("fp32", reason)}))
     widths = [len(line.rstrip()) for line in console.export_text().splitlines()]
     assert READABLE_WIDTH < max(widths) <= 160
+
+
+def test_in_a_narrow_terminal_the_reasons_keep_a_fair_share_of_the_width():
+    """Before, at 50 columns the value took what the terminal left, and the reasons ran one letter a line."""
+    plan = {
+        "activation_checkpointing": Choice(False, "auto: memory suffices without recomputing"),
+        "loader": Choice("2 workers, pinned, prefetch 4", "auto: " + "a reason long enough to wrap " * 3),
+    }
+    for width in (50, 60, 80):
+        console = Console(width=width, record=True, force_terminal=True)
+        print_uncut(console, plan_table(plan))
+        lines = console.export_text().splitlines()
+        assert max(len(line.rstrip()) for line in lines) <= width, lines
+        value, why = next(line for line in lines if "value" in line).split("┃")[2:4]
+        assert abs(len(value) - len(why)) <= 1, lines  # each wants more than the terminal leaves: halves
+        assert "a reason long enough to wrap" in " ".join(" ".join(line.split("│")[3] for line in lines[4:-1]).split())

@@ -31,8 +31,8 @@ def output_console() -> Console:
 
 def print_uncut(console: Console, table: Table) -> None:
     """Print a table whole, its ``no_wrap`` columns never cut (rich would cut a figure to "8,…" or drop
-    a column to fit a narrow terminal): the wrapping columns share what the terminal leaves, down to
-    their ``min_width``; where even that is too wide, the table prints wider than the terminal. In a file
+    a column to fit a narrow terminal): the wrapping columns share what the terminal leaves evenly, down
+    to their ``min_width``; where even that is too wide, the table prints wider than the terminal. In a file
     or pipe (no terminal, no $COLUMNS) they share ``READABLE_WIDTH``."""
     target = READABLE_WIDTH if _unbounded(console) else console.width
     flexible = [column for column in table.columns if not column.no_wrap and column.width is None]
@@ -44,11 +44,18 @@ def print_uncut(console: Console, table: Table) -> None:
         column.width = least[id(column)]
     fixed = _width_of(console, table)
     spare = max(0, target - fixed)
-    for column in flexible:  # the first (a name, say) widens first, up to what its cells need
+    wants = {}
+    for column in flexible:  # what each needs past its least, the others at theirs
         column.width = None
-        wants = _width_of(console, table) - fixed
-        column.width = least[id(column)] + min(spare, wants)
-        spare -= column.width - least[id(column)]
+        wants[id(column)] = _width_of(console, table) - fixed
+        column.width = least[id(column)]
+    # An even share each, the room a column needs less than its share goes to the others: a short value is
+    # whole, and a long reason beside it is not left one character wide.
+    by_need = sorted(flexible, key=lambda column: wants[id(column)])
+    for left, column in zip(range(len(by_need), 0, -1), by_need, strict=True):
+        given = min(wants[id(column)], spare // left)
+        column.width = least[id(column)] + given
+        spare -= given
     width = console.width
     console.width = max(width, _width_of(console, table))  # print(width=...) would not go past the console's
     try:
