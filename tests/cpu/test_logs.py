@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import logging
 import sys
 import types
 from pathlib import Path
@@ -271,3 +272,17 @@ def test_a_log_write_the_disk_refuses_is_a_clear_error_naming_the_file(tmp_path)
     assert "hint: free space on that disk" in str(raised.value) and "--resume auto" in str(raised.value)
     with pytest.raises(ValueError, match="closed"):  # every file closed on the way out, the refused one too
         logs.log(rows(3, 3))
+
+
+def test_a_resume_without_a_logger_the_run_before_wrote_warns_that_its_files_miss_the_steps(tmp_path, caplog):
+    """Before, a resume with --logger csv left metrics.jsonl short of its steps, and a later one a gap in it, unsaid."""
+    write_run(tmp_path, 6)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        open_loggers(["csv", "jsonl"], tmp_path, columns=COLUMNS, resume_step=4).close()  # the same: no word
+        assert caplog.records == []
+        open_loggers(["csv"], tmp_path, columns=COLUMNS, resume_step=4).close()
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(
+        f"{tmp_path}: metrics.jsonl, eval.jsonl, written by the run before, miss the steps from 5 on: this run "
+        "writes the loggers csv\nhint: resume with the loggers the run began with"
+    )

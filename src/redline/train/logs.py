@@ -11,6 +11,7 @@ import contextlib
 import csv
 import io
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +31,7 @@ EVAL_COLUMNS = ("step", "val_loss", "val_metric")
 Value = float | int | str | None
 Row = Mapping[str, Value]
 T = TypeVar("T")
+log = logging.getLogger("redline")
 
 
 class _FileLog(Protocol):
@@ -152,6 +154,8 @@ def open_loggers(
         _check_step(resume_step, name="resume_step")
         eval_resume_step = resume_step if eval_resume_step is None else eval_resume_step
         _check_step(eval_resume_step, name="eval_resume_step")
+    if resume_step is not None:
+        _warn_unwritten(out_dir, chosen, resume_step)
     # Import before touching any file, so a missing package leaves the old run's logs as they were.
     writer_class = _summary_writer_class() if "tensorboard" in chosen else None
     if chosen:
@@ -168,6 +172,27 @@ def open_loggers(
     if writer_class is not None:
         tensorboard = _open_tensorboard(writer_class, out_dir / "tensorboard", resume_step)
     return Loggers(train, evals, tensorboard)
+
+
+# The files and directories each logger writes in out_dir.
+LOG_FILES = {
+    "csv": ("metrics.csv", "eval.csv"),
+    "jsonl": ("metrics.jsonl", "eval.jsonl"),
+    "tensorboard": ("tensorboard",),
+}
+
+
+def _warn_unwritten(out_dir: Path, chosen: Sequence[str], resume_step: int) -> None:
+    """Warn that the logs an earlier run wrote in ``out_dir``, and a resumed run does not, miss its steps."""
+    left = [name for logger, names in LOG_FILES.items() if logger not in chosen for name in names]
+    left = [name for name in left if (out_dir / name).exists()]
+    if left:
+        given = ", ".join(chosen) or "none"
+        log.warning(
+            "%s: %s, written by the run before, miss the steps from %d on: this run writes the loggers %s\n"
+            "hint: resume with the loggers the run began with (--logger, loggers=...), so its logs read as one run",
+            out_dir, ", ".join(left), resume_step + 1, given,
+        )  # fmt: skip
 
 
 class _CsvLog:
