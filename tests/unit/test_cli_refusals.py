@@ -190,3 +190,24 @@ def test_a_batch_the_workers_cannot_split_is_refused_before_they_start(monkeypat
         "--batch-size=15 is not allowed; expected a multiple of 2: the batch size is the global batch, split across 2 "
         "processes\nhint: e.g. --batch-size 16"
     )
+
+
+def test_tune_refuses_a_budget_of_nothing_before_the_task_loads():
+    """Before, the task loaded first: a factory reading a dataset for minutes, then the refusal."""
+    result = CliRunner().invoke(app, ["tune", "--task", "no_such_module_here:task", "--budget", "0"])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == "--budget=0.0 is not allowed; expected a number > 0\nhint: e.g. --budget 1.0"
+
+
+def test_an_error_under_a_progress_bar_in_a_pipe_is_the_first_line_not_after_a_blank_one():
+    """A bar that ended was a blank line in a file or pipe, before the error of a run it was drawn for."""
+    result = subprocess.run(
+        [sys.executable, "-m", "redline", "bench", "--task", "example:digits", "--devices", "cuda:99"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and result.stderr.startswith("error: "), result.stderr
+
+
+def test_tunes_steps_say_their_own_least_once():
+    shown = " ".join(CliRunner().invoke(app, ["tune", "--help"], terminal_width=200).output.split())
+    assert "Timed steps per candidate, rounded up to whole windows of 5, and 10 at least. [default: 30]" in shown

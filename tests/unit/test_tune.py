@@ -1,6 +1,7 @@
 """The tune's decisions and its cached Plan, on measurements given as data."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,24 @@ def test_an_unmeasured_or_rejected_trial_costs_forever():
     assert Trial(Candidate(), None).total_s(10) == float("inf")
     assert Trial(Candidate(), 0.01, rejected="it failed").total_s(10) == float("inf")
     assert Trial(Candidate(compile=True), 0.01, compile_s=5.0).total_s(10) == pytest.approx(5.1)
+
+
+def test_a_file_where_the_cache_directory_goes_is_named_with_the_variable_that_moves_it(tmp_path, monkeypatch, caplog):
+    """Before, the warning said to tune again, which would fail on the same file."""
+    blocking = tmp_path / "cache"
+    blocking.write_text("not a directory")
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(blocking))
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        assert load_tuned("fingerprint", AMX_CPU, 8) is None
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert (
+        f"hint: {blocking} is a file, where the cache's directory goes: move it, or point REDLINE_CACHE_DIR" in warning
+    )
+    assert "run `redline tune` again" not in warning
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "fresh"))  # an entry that cannot be read: tune again
+    store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed"))
+    next((tmp_path / "fresh" / "tuned").glob("*.json")).write_text("{")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        assert load_tuned("fingerprint", AMX_CPU, 8) is None
+    assert "run `redline tune` again" in caplog.records[-1].getMessage()

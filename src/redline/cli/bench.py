@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
@@ -22,7 +22,7 @@ from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
-from redline.render.console import output_console, print_uncut
+from redline.render.console import output_console, print_uncut, transient_bar
 from redline.render.plots import require_matplotlib
 from redline.task import Task
 
@@ -70,10 +70,9 @@ def bench(
     if timed_steps(steps, window) != steps:  # said before the run, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, window)} steps per row: whole windows of {window}"
         console.print(f"{told} (--window), two at least", highlight=False, markup=False)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    ) as bar:  # fmt: skip
+    with transient_bar(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
         job = bar.add_task("bench", total=None)
 
         def tell(done: int, total: int, what: str) -> None:

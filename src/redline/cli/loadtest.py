@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from redline.cli.options import build, command, flags, said_by_flags
-from redline.render.console import output_console, print_uncut
+from redline.render.console import output_console, print_uncut, transient_bar
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
 from redline.serve.loadtest import Progress as LoadProgress
@@ -37,9 +37,9 @@ def _loadtest(
 
         def tell(now: LoadProgress) -> None:
             if not shown:  # started on the first report, after the URL was found reachable
-                bar = Progress(
+                bar = transient_bar(
                     TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, refresh_per_second=4,
+                    console=Console(stderr=True), refresh_per_second=4,
                 )  # fmt: skip
                 stack.enter_context(bar)
                 shown.append((bar, bar.add_task("", total=now.total_s)))

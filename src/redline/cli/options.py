@@ -87,9 +87,11 @@ def given_path(text: str | Path) -> Path:
     return Path(text).expanduser()
 
 
-def count(help: str, **kwargs: Any) -> Any:
-    """A ``typer.Option`` for a command's own count (``--steps``): at least 1, as its help says."""
-    return typer.Option(callback=_at_least_one, help=f"{help.rstrip('.')} (at least 1).", **kwargs)
+def count(help: str, *, least: bool = True, **kwargs: Any) -> Any:
+    """A ``typer.Option`` for a command's own count (``--steps``): at least 1, as its help says (unless ``least``
+    is False: a help that says its own least)."""
+    said = f"{help.rstrip('.')} (at least 1)." if least else help
+    return typer.Option(callback=_at_least_one, help=said, **kwargs)
 
 
 def _cli_type(hint: Any) -> Any:

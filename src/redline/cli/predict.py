@@ -26,7 +26,7 @@ from typing import Annotated, BinaryIO
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from redline.atomic import check_output, write_atomic
 from redline.cli.options import (
@@ -54,7 +54,7 @@ from redline.errors import (
     describe_error,
 )
 from redline.plan.inference import MIXED_OF
-from redline.render.console import output_console, plan_table, print_uncut
+from redline.render.console import output_console, plan_table, print_uncut, transient_bar
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine
@@ -259,9 +259,9 @@ def run_batches(
     The model raising on a batch is an InferenceError naming its rows of ``source`` (the input), with ``hint``.
     """
     shape: tuple[int, ...] | None = None  # of one sample's output: every batch's must be the first's
-    bar = Progress(  # a file that takes hours says how long is left, not only how long it ran
+    bar = transient_bar(  # a file that takes hours says how long is left, not only how long it ran
         TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
-        TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+        TimeRemainingColumn(), console=Console(stderr=True),
     )  # fmt: skip
     started = time.perf_counter()
     with bar:

@@ -10,15 +10,16 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
 from redline.bench.tune import ONE_STEP, WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import load_given_task
+from redline.config import positive_number
 from redline.errors import TrainingError
-from redline.render.console import key_value_table, output_console, print_uncut
+from redline.render.console import key_value_table, output_console, print_uncut, transient_bar
 from redline.runtime.tuned import TunedPlan
 
 
@@ -36,7 +37,9 @@ def tune_command(
         int | None, count("The run to weigh total time for, compile included (default: the task's).")
     ] = None,
     batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
-    steps: Annotated[int, count("Timed steps per candidate, in whole windows of 5 (two at least).")] = 30,
+    steps: Annotated[
+        int, count("Timed steps per candidate, rounded up to whole windows of 5, and 10 at least.", least=False)
+    ] = 30,
     json_output: Annotated[bool, typer.Option("--json", help="Print the tuned Plan as JSON on stdout.")] = False,
 ) -> None:
     """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
@@ -44,14 +47,14 @@ def tune_command(
     The search covers precision, compile (and its CUDA-graphs mode), channels_last, loader workers and
     micro-batching, each weighed by the planned run's total time, compile included.
     """
+    with said_by_flags(budget_s="--budget"):  # before the task loads, which can take minutes
+        positive_number("budget_s", budget)
     loaded = load_given_task(task, task_arg)
     console = Console(stderr=True)
     if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
         console.print(f"{told}: whole windows of {WINDOW}, two at least", highlight=False, markup=False)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
-    ) as bar:
+    with transient_bar(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
         job = bar.add_task("tune", total=None)
 
         def tell(done: int, total: int, what: str) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.measure import Measurement
+from rich.progress import Progress, ProgressColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -96,3 +97,9 @@ def key_value_table(rows: Iterable[tuple[str, str]], title: str) -> Table:
     for key, value in rows:
         table.add_row(Text(key), Text(value))
     return table
+
+
+def transient_bar(*columns: ProgressColumn | str, console: Console, **options: Any) -> Progress:
+    """A progress bar that leaves nothing behind: drawn in a terminal, and in a file or pipe not even the blank
+    line a transient bar ends with there (the first line of a log, or before the error a run stopped with)."""
+    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal, **options)

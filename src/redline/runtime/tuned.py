@@ -168,7 +168,14 @@ def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPl
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("the tuned Plan in %s could not be read (%s); run `redline tune` again", path, exc)
+        blocked = next((p for p in (path.parent.parent, path.parent) if p.exists() and not p.is_dir()), None)
+        if blocked is not None:  # a file where the cache's directory goes: tuning again would fail the same way
+            log.warning(
+                "the tuned Plan in %s could not be read (%s)\nhint: %s is a file, where the cache's directory goes: "
+                "move it, or point %s at a directory", path, exc, blocked, CACHE_ENV,
+            )  # fmt: skip
+        else:
+            log.warning("the tuned Plan in %s could not be read (%s); run `redline tune` again", path, exc)
         return None
 
 
