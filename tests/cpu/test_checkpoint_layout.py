@@ -400,8 +400,11 @@ def test_weights_and_checkpoint_files_have_the_mode_the_umask_gives_and_a_privat
     assert "model.safetensors" in modes and "weights.safetensors" in modes
 
 
-def _sgd_run(tmp_path, lr: float, *, save: bool, scheduled: bool = False) -> torch.optim.Optimizer:
-    """A Runtime run of SGD at ``lr`` (with a warm-up schedule, if ``scheduled``) that saves or loads ``tmp_path``."""
+def _sgd_run(
+    tmp_path, lr: float, *, save: bool, scheduled: bool = False, plateau: bool = False
+) -> torch.optim.Optimizer:
+    """A Runtime run of SGD at ``lr`` (with a warm-up schedule, if ``scheduled``, or a plateau's decay, as a loop's
+    own decay would be) that saves or loads ``tmp_path``."""
     with redline.Runtime(devices="cpu", compile="off", seed=0) as rt:
         _, opt = rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9))
         if scheduled:
@@ -411,6 +414,9 @@ def _sgd_run(tmp_path, lr: float, *, save: bool, scheduled: bool = False) -> tor
                 opt.step()  # no gradients: the weights stay, and the schedule moves the lr
                 if scheduled:
                     schedule.step()
+            if plateau:
+                for group in opt.param_groups:
+                    group["lr"] /= 10
             rt.save(tmp_path / "ck")
         else:
             rt.load(tmp_path / "ck")
@@ -429,12 +435,16 @@ def test_loading_names_an_optimizer_option_the_checkpoint_overrides(tmp_path, ca
 
 
 def test_a_checkpoint_mid_schedule_loads_without_a_warning_where_the_options_are_the_same(tmp_path, caplog):
-    """The lr a schedule moved is no change of options: each side's own lr is the one before the schedule."""
+    """The lr a schedule moved is no change of options: each side's optimizer is compared as it was built."""
     _sgd_run(tmp_path, 0.5, save=True, scheduled=True)
     with caplog.at_level(logging.WARNING, logger="redline"):
         _sgd_run(tmp_path, 0.5, save=False, scheduled=True)
         _sgd_run(tmp_path, 0.5, save=False)  # a scheduler not built yet
     assert [r.getMessage() for r in caplog.records] == []
+    _sgd_run(tmp_path, 0.5, save=True, plateau=True)  # ReduceLROnPlateau, or a loop's own decay, sets no initial_lr
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        opt = _sgd_run(tmp_path, 0.5, save=False)
+    assert [r.getMessage() for r in caplog.records] == [] and opt.param_groups[0]["lr"] == 0.05
     with caplog.at_level(logging.WARNING, logger="redline"):
         _sgd_run(tmp_path, 0.25, save=False, scheduled=True)
     assert "has lr 0.25, the checkpoint's 0.5," in caplog.records[-1].getMessage()

@@ -157,11 +157,9 @@ _IMPLEMENTATION = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "
 
 
 def group_options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each parameter group's options (lr, weight_decay, betas, ...), plain values, to compare across a load.
-
-    The lr is the group's own, before a scheduler moved it (``initial_lr``, where one was built on it):
-    a run resumed mid-schedule holds another lr than a fresh optimizer, by design.
-    """
+    """Each parameter group's options (lr, weight_decay, betas, ...) as plain values, taken as it is built: what
+    a resumed run's optimizer is compared with the checkpoint's by (a schedule, or a loop's own decay, moves the
+    lr of both later; the lr is ``initial_lr`` where a scheduler was built on it already)."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

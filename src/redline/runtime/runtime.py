@@ -50,7 +50,13 @@ from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
-from redline.runtime.optimizer import OptimizerLike, check_materialized, check_trainable, rebuild_optimizer
+from redline.runtime.optimizer import (
+    OptimizerLike,
+    check_materialized,
+    check_trainable,
+    group_options,
+    rebuild_optimizer,
+)
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
@@ -129,6 +135,7 @@ class Runtime(RunState):
         self.strategy: Strategy | None = None
         self.model: nn.Module | None = None  # the set-up (wrapped) model and its optimizer: what save() writes
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
+        self._built_options = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
         self._closed, self._entered = False, 0
@@ -235,6 +242,7 @@ class Runtime(RunState):
         self._cycle.expect_sync = self.strategy.expect_sync
         self._cycle.adopt(built, model)
         self.model, self.optimizer = model, built
+        self._built_options = group_options(built)  # what a checkpoint's load is held against, a schedule aside
         if not again:
             self._models.append(model)
         if self._tuning is not None:

@@ -23,7 +23,7 @@ from redline.parallel.collectives import gather_objects, peers_said
 from redline.parallel.env import DistEnv
 from redline.plan import Plan
 from redline.runtime.cycle import Cycle
-from redline.runtime.optimizer import changed_options, group_options
+from redline.runtime.optimizer import changed_options
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.strategy import Strategy
@@ -42,6 +42,7 @@ class RunState:
     explain: Callable[[], Plan]
     _cycle: Cycle
     _models: list[nn.Module]
+    _built_options: list[dict[str, Any]]  # the set-up optimizer's groups' options as built, before any step
 
     @property
     def module(self) -> nn.Module:
@@ -93,7 +94,10 @@ class RunState:
         strategy, model, optimizer = self._prepared()
         step = self._cycle.steps if step is None else _whole_step(step)  # a load goes on counting from it
         with _collective(f"writing the checkpoint {path}", "rt.save"):
-            runtime_state = {"precision": self.precision.state_dict(), "rng": gather_objects(capture_rng())}
+            runtime_state = {
+                "precision": self.precision.state_dict(), "rng": gather_objects(capture_rng()),
+                "optimizer_options": self._built_options,
+            }  # fmt: skip
             plan = self.explain().to_dict()
             return strategy.save(
                 Path(path), model, optimizer, runtime_state=runtime_state, extra=dict(extra or {}), plan=plan, step=step
@@ -113,9 +117,9 @@ class RunState:
         with _collective(f"loading the checkpoint {getattr(checkpoint, 'path', checkpoint)}", "rt.load"):
             if not isinstance(checkpoint, Checkpoint):
                 checkpoint = open_verified(Path(checkpoint))
-            built = group_options(optimizer)
             runtime_state, extra = strategy.load(checkpoint, model, optimizer)
-        if (changed := changed_options(built, group_options(optimizer))) and self.env.is_main:
+        saved = runtime_state.get("optimizer_options")  # none in a checkpoint of an earlier redline
+        if saved and (changed := changed_options(self._built_options, saved)) and self.env.is_main:
             log.warning(
                 "%s: this run's optimizer has %s, and goes on with the checkpoint's: loading restores the optimizer "
                 "as it was saved\nhint: to train on with other options, set them in optimizer.param_groups after "
