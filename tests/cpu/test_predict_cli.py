@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
+from safetensors.torch import save_model
 from typer.testing import CliRunner
 
 from redline.cli import predict as predict_module
@@ -589,6 +590,55 @@ def test_outputs_that_change_shape_between_batches_are_one_clear_error_at_that_b
     )
     assert "hint: give every sample's output one shape, whatever the batch" in message
     assert not out.exists()
+
+
+def test_outputs_that_change_dtype_between_batches_are_one_clear_error_not_cast(tmp_path):
+    """Before, later batches were cast to the first's dtype: float logits written as integers, exit 0."""
+    (tmp_path / "vary.py").write_text(
+        "import torch\nfrom torch import nn\nfrom redline.serve.servable import Servable\n\n\n"
+        "class Vary(nn.Module):\n    def forward(self, x):\n"
+        "        return x.long() if bool((x == 0).all()) else x * 0.5  # integers for the zero rows alone\n\n\n"
+        "def make():\n    return Servable(model=Vary(), input_shape=(3,), name='vary')\n"
+    )
+    rows = np.ones((8, 3), np.float32)
+    rows[:4] = 0
+    out = tmp_path / "y.npy"
+    result = predict(f"{tmp_path / 'vary.py'}:make", "--input", samples(tmp_path, rows), "--output", str(out),
+                     "--batch-size", "4", "--compile", "off", "--measure", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.output
+    assert str(result.exception).startswith(
+        f"the model's outputs changed dtype while predicting rows 4 to 7 of --input {str(tmp_path / 'x.npy')!r}: "
+        "float32, where the rows before gave int64"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kept", ["weights", "code"])
+def test_an_output_that_is_the_weights_or_the_models_code_is_refused_and_the_file_kept(tmp_path, spec, kept):
+    """Before, --output model.safetensors (or the factory's own .py) replaced it with the outputs, exit 0."""
+    weights = tmp_path / "w.safetensors"
+    save_model(load_servable(spec).model, str(weights))
+    target = weights if kept == "weights" else tmp_path / "tiny.py"
+    before = target.read_bytes()
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--weights", str(weights),
+                     "--output", str(target))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.output
+    named = "the --weights file: the outputs would replace the model's weights" if kept == "weights" else (
+        f"the file of {spec}: the outputs would replace the model's code"
+    )  # fmt: skip
+    assert str(result.exception).startswith(f"--output {str(target)!r} is {named}\nhint: write the outputs")
+    assert target.read_bytes() == before
+
+
+def test_an_output_ending_with_a_slash_is_refused_as_a_directory_not_written_as_a_file(tmp_path, spec):
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", f"{tmp_path / 'results'}/")  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == (
+        f"--output={str(tmp_path / 'results') + '/'!r} is not allowed; expected a file, not a directory (it ends "
+        f"with /)\nhint: name a file in it, e.g. {tmp_path / 'results'}/out.npy"
+    )
+    assert not (tmp_path / "results").exists()
 
 
 def test_one_row_with_a_fraction_for_an_integer_model_is_named_not_every_sample(tmp_path):

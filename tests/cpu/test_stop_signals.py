@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-SIGNALS = [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGINT, "Ctrl-C", 130)]
+SIGNALS = [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGINT, "Ctrl-C", 130), (signal.SIGHUP, "SIGHUP", 129)]
 
 SLOW_FACTORY = """
 import pathlib

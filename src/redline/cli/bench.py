@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
-from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, given_file, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
@@ -56,7 +56,7 @@ def bench(
     ] = True,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     html: Annotated[
-        Path | None, typer.Option(metavar="FILE", parser=given_path, help="Write a self-contained HTML report.")
+        Path | None, typer.Option(metavar="FILE", parser=given_file, help="Write a self-contained HTML report.")
     ] = None,
 ) -> None:
     """Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU."""

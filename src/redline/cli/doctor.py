@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from redline.atomic import check_writable, make_parent
-from redline.cli.options import given_path
+from redline.cli.options import given_file, given_path
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import ConfigError, invalid
 from redline.render.console import output_console, print_uncut
@@ -28,7 +28,7 @@ def doctor(
         typer.Option(
             "--save-probe",
             metavar="FILE",
-            parser=given_path,
+            parser=given_file,
             help="Also write the machine's snapshot here, for a bug report.",
         ),
     ] = None,

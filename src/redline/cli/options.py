@@ -87,6 +87,15 @@ def given_path(text: str | Path) -> Path:
     return Path(text).expanduser()
 
 
+def given_file(text: str | Path) -> Path:
+    """Read a file flag's value (an output's), as ``given_path``; one that ends with a slash names a directory
+    (``Path`` would drop the slash, and the file be written under the directory's name): refused by its flag."""
+    path = given_path(text)
+    if str(text).endswith("/"):
+        raise ValueError("a directory")
+    return path
+
+
 def count(help: str, *, least: bool = True, **kwargs: Any) -> Any:
     """A ``typer.Option`` for a command's own count (``--steps``): at least 1, as its help says (unless ``least``
     is False: a help that says its own least)."""

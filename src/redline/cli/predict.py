@@ -41,6 +41,7 @@ from redline.cli.options import (
     TaskArgs,
     Weights,
     count,
+    given_file,
     given_path,
     said_by_flags,
 )
@@ -74,7 +75,7 @@ def predict(
         Path, typer.Option("--input", metavar="FILE.npy", parser=given_path, help="The samples, one per row.")
     ],
     output_path: Annotated[
-        Path, typer.Option("--output", metavar="FILE.npy", parser=given_path, help="Where the outputs go.")
+        Path, typer.Option("--output", metavar="FILE.npy", parser=given_file, help="Where the outputs go.")
     ],
     batch_size: Annotated[int, count("Samples per batch (the largest bucket; at most the samples in --input).")] = 32,
     weights: Weights = None,
@@ -103,11 +104,15 @@ def predict(
             f"--output {str(output_path)!r} is stdout, where --json prints too: the two would mix in one stream\n"
             "hint: drop --json (the plan and the summary then go to stderr), or write the outputs to a file"
         )
-    if output_path.exists() and output_path.samefile(input_path):  # a link to it included
-        raise ConfigError(
-            f"--output {str(output_path)!r} is the --input file: the outputs would replace the samples\n"
-            f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
-        )
+    code_file = Path(spec.rsplit(":", 1)[0]) if spec.rsplit(":", 1)[0].endswith(".py") else None
+    kept = [(input_path, "the --input file", "the samples"), (weights, "the --weights file", "the model's weights"),
+            (code_file, f"the file of {spec}", "the model's code")]  # fmt: skip
+    for path, named, what in kept:
+        if path is not None and output_path.exists() and path.exists() and output_path.samefile(path):  # a link too
+            raise ConfigError(
+                f"--output {str(output_path)!r} is {named}: the outputs would replace {what}\n"
+                f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
+            )
     with stopped_by_signal("loading the model", NOT_WRITTEN):  # which can take minutes, compiles included
         with as_model_spec(spec):  # not a task spec, as the loader would say
             servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
@@ -258,7 +263,9 @@ def run_batches(
 
     The model raising on a batch is an InferenceError naming its rows of ``source`` (the input), with ``hint``.
     """
-    shape: tuple[int, ...] | None = None  # of one sample's output: every batch's must be the first's
+    kind: tuple[tuple[int, ...], np.dtype] | None = (
+        None  # one sample's output shape and dtype: every batch's the first's
+    )
     bar = transient_bar(  # a file that takes hours says how long is left, not only how long it ran
         TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
         TimeRemainingColumn(), console=Console(stderr=True),
@@ -281,14 +288,20 @@ def run_batches(
                     check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
                 with model_raising(running, check):
                     raise
-            shape = outputs.shape[1:] if shape is None else shape
-            if outputs.shape[1:] != shape:
+            kind = (outputs.shape[1:], outputs.dtype) if kind is None else kind
+            if outputs.shape[1:] != kind[0]:
                 raise InferenceError(
                     f"the model's outputs changed shape while predicting {rows} of {source}: "
-                    f"{outputs.shape[1:]} per sample, where the rows before gave {shape}; the "
+                    f"{outputs.shape[1:]} per sample, where the rows before gave {kind[0]}; the "
                     "outputs are written as one array\nhint: give every sample's output one shape, whatever the batch: "
                     "not one that follows the batch's size (each batch is padded to one of the plan's buckets) "
                     "or its values"
+                )
+            if outputs.dtype != kind[1]:  # written as the first batch's dtype, floats would be cut to integers
+                raise InferenceError(
+                    f"the model's outputs changed dtype while predicting {rows} of {source}: {outputs.dtype}, where "
+                    f"the rows before gave {kind[1]}; the outputs are written as one array\nhint: give every "
+                    "batch's outputs one dtype, whatever its values (cast them in forward: .float())"
                 )
             emit(outputs)
             bar.advance(job, len(batch))

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from redline.bench.profiling import profile
-from redline.cli.options import TaskArgs, TaskSpec, count, given_path, said_by_flags
+from redline.cli.options import TaskArgs, TaskSpec, count, given_file, said_by_flags
 from redline.cli.signals import stopped_by_signal
 from redline.cli.task_args import load_given_task
 from redline.errors import invalid
@@ -42,7 +42,7 @@ def profile_command(
     ] = None,
     trace: Annotated[
         Path | None,
-        typer.Option(metavar="FILE", parser=given_path, help="Write the Chrome trace there (.json or .json.gz)."),
+        typer.Option(metavar="FILE", parser=given_file, help="Write the Chrome trace there (.json or .json.gz)."),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
 ) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from redline.cli.options import given_path
+from redline.cli.options import given_file
 from redline.render.html import report as write_run_report
 
 
@@ -25,7 +25,7 @@ def report(
         typer.Option(
             "--html",
             metavar="FILE",
-            parser=given_path,
+            parser=given_file,
             help="Where to write the page [default: RUN_DIR/report.html, or FILE.html].",
         ),
     ] = None,

@@ -15,33 +15,38 @@ from types import FrameType
 
 from redline.errors import StoppedBySignal, Terminated, interrupting_signal
 
-SAID = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+SAID = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP", signal.SIGINT: "Ctrl-C"}
 
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """Inside, SIGTERM raises Terminated, a KeyboardInterrupt: what a command does on Ctrl-C it does on SIGTERM.
 
-    Outside the main thread signals are not ours to take, and the handler stays as it is.
+    So does SIGHUP (the terminal closed, an ssh session dropped), whose default ends the process without a
+    word and leaves a temporary file behind; not where it is ignored (``nohup``), which is the user's choice.
+    Outside the main thread signals are not ours to take, and the handlers stay as they are.
     """
 
     def terminate(signum: int, frame: FrameType | None) -> None:
         raise Terminated(signum)
 
-    taken = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, terminate) if taken else None
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = [signal.SIGTERM] + [signal.SIGHUP] * (signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)
+    previous = {signum: signal.signal(signum, terminate) for signum in taken}
     try:
         yield
     finally:
-        if taken:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
 def stopped_by_signal(doing: str, outcome: str) -> Iterator[None]:
-    """Inside, SIGTERM and Ctrl-C raise StoppedBySignal: "stopped by SIGTERM while {doing}: {outcome}".
+    """Inside, SIGTERM, SIGHUP and Ctrl-C raise StoppedBySignal: "stopped by SIGTERM while {doing}: {outcome}".
 
-    Its exit code is 128 + the signal's number (143, 130), as the shell gives a process a signal stopped.
+    Its exit code is 128 + the signal's number (143, 129, 130), as the shell gives a process a signal stopped.
     """
     try:
         with terminate_as_interrupt():
