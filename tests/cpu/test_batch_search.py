@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import redline
-from redline.errors import ConfigError, TrainingError
+from redline.errors import ConfigError, StoppedBySignal, TrainingError
 
 CPU = redline.RuntimeOptions(devices="cpu", precision="fp32")  # given: auto's trial is tested on its own, below
 JOB = str(Path(__file__).with_name("batch_search_job.py"))
@@ -303,3 +303,34 @@ def test_an_auto_search_runs_in_the_precision_a_trial_measured_as_redline_train_
     again = redline.find_batch_size(task, options=auto, max_batch_size=8)
     assert again.precision == "bf16-mixed" and "cached from" in again.precision_reason
     assert bf16_measured_faster == [["bf16-mixed"]]  # measured once, at the task's batch, as train measures it
+
+
+def test_a_search_stopped_by_ctrl_c_keeps_the_sizes_it_ran_and_the_command_says_them(monkeypatch, tmp_path):
+    """Before, `redline memory --measure` stopped by Ctrl-C or SIGTERM ended without a word, its sizes lost."""
+    from redline.cli import memory as memory_cli
+    from redline.memory import search as search_module
+
+    real_probe = search_module._probe
+
+    def probe(task, options, measured, size, steps):
+        if size == 8:
+            raise KeyboardInterrupt
+        return real_probe(task, options, measured, size, steps)
+
+    monkeypatch.setattr(search_module, "_probe", probe)
+    with pytest.raises(search_module.SearchStopped) as stopped:
+        redline.find_batch_size(limited_task(6, "forward"), options=CPU, max_batch_size=64)
+    assert isinstance(stopped.value, KeyboardInterrupt) and stopped.value.signum == 2
+    assert [(size, ok) for size, ok, _ in stopped.value.tried] == [(1, True), (2, True), (4, True)]
+
+    def stopped_search(*args, **kwargs):
+        raise stopped.value
+
+    monkeypatch.setattr(memory_cli, "find_batch_size", stopped_search)
+    with pytest.raises(StoppedBySignal) as said:
+        memory_cli._measure(limited_task(6, "forward"), "fp32", 1, None, json_output=False)
+    assert str(said.value) == (
+        "stopped by Ctrl-C while measuring batch sizes: the largest batch that trained so far is 4 (1 trained, "
+        "2 trained, 4 trained); a larger one may train too"
+    )
+    assert said.value.exit_code == 130

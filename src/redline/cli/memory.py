@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
+from redline.cli.signals import stopped_by_signal
 from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -110,7 +111,8 @@ def memory(
 def _measure(task: Task, precision: str, start: int, max_batch_size: int | None, json_output: bool) -> None:
     """Search this machine's device for the largest batch that trains; every rank searches, the first prints."""
     Console(stderr=True).print(f"running training steps of {task.name} at growing batch sizes")
-    with said_by_flags(start="--start", max_batch_size="--max-batch-size", precision="--precision"):
+    flags = said_by_flags(start="--start", max_batch_size="--max-batch-size", precision="--precision")
+    with flags, stopped_by_signal("measuring batch sizes", _found_so_far):
         search = find_batch_size(task, options=RuntimeOptions.build(None, precision=precision), start=start,
                                  max_batch_size=max_batch_size)  # fmt: skip
     if read_env().rank != 0:
@@ -122,6 +124,16 @@ def _measure(task: Task, precision: str, start: int, max_batch_size: int | None,
         print(json.dumps(search.to_dict(), indent=2))
     else:
         output_console().print(batch_search_table(search.to_dict()))
+
+
+def _found_so_far(stop: KeyboardInterrupt) -> str:
+    """What a search stopped early had found: the largest batch that trained, and the sizes tried."""
+    tried = getattr(stop, "tried", ())
+    fitted = [size for size, ok, _ in tried if ok]
+    ran = ", ".join(f"{size} {'trained' if ok else 'did not fit'}" for size, ok, _ in tried)
+    if not fitted:
+        return f"no batch size had trained yet ({ran})" if ran else "no batch size had run yet"
+    return f"the largest batch that trained so far is {max(fitted)} ({ran}); a larger one may train too"
 
 
 def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from redline.errors import StoppedBySignal, Terminated, interrupting_signal
@@ -43,14 +43,16 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stopped_by_signal(doing: str, outcome: str) -> Iterator[None]:
+def stopped_by_signal(doing: str, outcome: str | Callable[[KeyboardInterrupt], str]) -> Iterator[None]:
     """Inside, SIGTERM, SIGHUP and Ctrl-C raise StoppedBySignal: "stopped by SIGTERM while {doing}: {outcome}".
 
     Its exit code is 128 + the signal's number (143, 129, 130), as the shell gives a process a signal stopped.
+    ``outcome`` may be a function of the interrupt, for what was done by then.
     """
     try:
         with terminate_as_interrupt():
             yield
     except KeyboardInterrupt as exc:  # Ctrl-C keeps Python's own handler, which libraries expect
         signum = interrupting_signal(exc)
-        raise StoppedBySignal(signum, f"stopped by {SAID[signal.Signals(signum)]} while {doing}: {outcome}") from None
+        left = outcome(exc) if callable(outcome) else outcome
+        raise StoppedBySignal(signum, f"stopped by {SAID[signal.Signals(signum)]} while {doing}: {left}") from None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,7 +34,17 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from redline.config import positive_int
-from redline.errors import ConfigError, OutOfMemory, RedlineError, TaskError, TrainingError, describe_error, invalid
+from redline.errors import (
+    ConfigError,
+    OutOfMemory,
+    RedlineError,
+    TaskError,
+    Terminated,
+    TrainingError,
+    describe_error,
+    interrupting_signal,
+    invalid,
+)
 from redline.memory.host import NOT_RUN, HostGuard
 from redline.memory.meta import build_on_meta
 from redline.parallel.collectives import gather_objects, is_collective_failure
@@ -50,6 +60,14 @@ from redline.runtime.seed import capture_rng, restore_rng
 from redline.task import CollateFn, Task, require_task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
+
+
+class SearchStopped(Terminated):
+    """Ctrl-C (or SIGTERM, where a command takes it so) during ``find_batch_size``; ``tried`` holds the sizes run."""
+
+    def __init__(self, signum: int, tried: tuple[Tried, ...]) -> None:
+        super().__init__(signum)
+        self.tried = tried
 
 
 def next_batch_size(tried: Sequence[tuple[int, bool]], *, start: int, cap: int | None = None) -> int | None:
@@ -167,7 +185,7 @@ def find_batch_size(
     saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
-        with join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
+        with _told(tried), join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
             measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
             precision = Runtime(options, measured=measured).explain().precision
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
@@ -220,6 +238,15 @@ def find_batch_size(
         world_size=env.world_size,
         notes=tuple(notes),
     )
+
+
+@contextlib.contextmanager
+def _told(tried: list[Tried]) -> Iterator[None]:
+    """Inside, a Ctrl-C (or a SIGTERM taken as one) is a SearchStopped holding the sizes ``tried`` so far."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        raise SearchStopped(interrupting_signal(stop), tuple(tried)) from stop
 
 
 def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -> tuple[int | None, list[str]]:
