@@ -448,3 +448,16 @@ def test_a_checkpoint_mid_schedule_loads_without_a_warning_where_the_options_are
     with caplog.at_level(logging.WARNING, logger="redline"):
         _sgd_run(tmp_path, 0.25, save=False, scheduled=True)
     assert "has lr 0.25, the checkpoint's 0.5," in caplog.records[-1].getMessage()
+
+
+def test_no_checkpoint_to_resume_from_is_said_once_for_the_job_by_rank_0(tmp_path, caplog):
+    """Before, every rank of `redline train --nproc N --resume auto` printed the warning."""
+    from redline.parallel.env import DistEnv
+    from redline.train.resume import find_resume
+
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        for rank in (1, 0):
+            assert find_resume("auto", tmp_path / "checkpoints", DistEnv(rank=rank, world_size=2)) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no checkpoint under {tmp_path / 'checkpoints'}; starting from scratch"
+    ]

@@ -599,11 +599,14 @@ def test_launch_help_names_the_script_and_its_arguments():
     assert "every argument after it is the script's own" in usage
 
 
-@pytest.mark.parametrize("node_rank", ["0", "1"])
-def test_ctrl_c_stops_a_launcher_waiting_for_the_other_machines(tmp_path, node_rank):
-    """Before, Ctrl-C did nothing while torchrun's store waited for the others: the launcher sat there for minutes."""
+@pytest.mark.parametrize(("node_rank", "stop"), [("0", "SIGINT"), ("1", "SIGINT"), ("0", "SIGTERM")])
+def test_ctrl_c_stops_a_launcher_waiting_for_the_other_machines(tmp_path, node_rank, stop):
+    """Before, Ctrl-C did nothing while torchrun's store waited for the others: the launcher sat there for minutes;
+    and SIGTERM ended it at once, without a word, its temporary directory left behind."""
     import signal
     import time
+
+    signum = signal.Signals[stop]
 
     script = tmp_path / "hello.py"
     script.write_text("print('hello')\n")
@@ -617,10 +620,10 @@ def test_ctrl_c_stops_a_launcher_waiting_for_the_other_machines(tmp_path, node_r
             assert said, "the launcher ended without saying what it waits for"
             said = waiting.stderr.readline()
         time.sleep(2)  # inside torchrun's wait by now
-        waiting.send_signal(signal.SIGINT)
+        waiting.send_signal(signum)
         _, rest = waiting.communicate(timeout=30)
     finally:
         waiting.kill()
-    assert waiting.returncode == 128 + signal.SIGINT, rest[-3000:]
-    assert "stopped by SIGINT while waiting for the other machines of --nnodes 2: no worker had started" in rest
+    assert waiting.returncode == 128 + signum, rest[-3000:]
+    assert f"stopped by {stop} while waiting for the other machines of --nnodes 2: no worker had started" in rest
     assert "hello" not in rest

@@ -60,3 +60,20 @@ def test_a_rank_without_the_address_where_the_ranks_meet_is_refused_before_joini
     assert str(refused.value).startswith(f"RANK=1 and WORLD_SIZE=2 are set in the environment without {missing},")
     assert "hint: unset RANK and WORLD_SIZE for one process" in str(refused.value)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_hang_timeout_left_in_the_shell_is_refused_by_the_launcher_before_any_worker_with_the_fix(monkeypatch):
+    """Before, each worker refused it after it started, with the hint to launch with `redline launch`."""
+    from redline.launch.torchrun import LaunchConfig, _watchdog_env
+
+    monkeypatch.setenv("REDLINE_HANG_TIMEOUT", "abc")
+    with pytest.raises(ConfigError) as refused:
+        _watchdog_env(LaunchConfig(nproc=2))
+    assert str(refused.value) == (
+        "REDLINE_HANG_TIMEOUT='abc' is not a number of seconds\n"
+        "hint: unset REDLINE_HANG_TIMEOUT, and give the launcher --hang-timeout S for a timeout"
+    )
+    given = _watchdog_env(LaunchConfig(nproc=2, hang_timeout_s=9.0))  # the launcher's own value replaces it
+    assert given["REDLINE_HANG_TIMEOUT"] == "9.0"
+    monkeypatch.delenv("REDLINE_HANG_TIMEOUT")
+    assert _watchdog_env(LaunchConfig(nproc=2)) == {}

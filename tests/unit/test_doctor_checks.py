@@ -335,7 +335,17 @@ def test_visible_devices_on_a_single_gpu_speaks_of_the_gpu():
 
 @pytest.mark.parametrize(
     ("value", "status"),
-    [("4", "ok"), (" 4", "ok"), ("4,2", "ok"), ("0", "warn"), ("-2", "warn"), ("four", "warn"), ("", "warn")],
+    [
+        ("4", "ok"),
+        (" 4", "ok"),
+        ("4,2", "ok"),
+        ("0", "warn"),
+        ("-2", "warn"),
+        ("four", "warn"),
+        ("", "warn"),
+        ("1x", "warn"),
+        ("1.5", "warn"),
+    ],  # OpenMP refuses these whole: before, "ok" for the 1 torch would read
 )
 def test_omp_num_threads_is_read_as_torch_reads_it(value, status):
     # torch takes the leading integer (std::stoi): OpenMP's nested list "4,2" runs 4 threads, as " 4" does

@@ -26,7 +26,7 @@ from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBy
 from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.waiting import stoppable_while_waiting
-from redline.parallel.env import FINISHED_ENV, HANG_START_TIMEOUT_ENV, HANG_TIMEOUT_ENV
+from redline.parallel.env import FINISHED_ENV, HANG_START_TIMEOUT_ENV, HANG_TIMEOUT_ENV, check_hang_env
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
@@ -217,6 +217,18 @@ def _hang_env(timeout_s: float, start_timeout_s: float | None) -> dict[str, str]
     return {name: str(seconds) for name, seconds in given.items() if seconds is not None}
 
 
+def _watchdog_env(config: LaunchConfig) -> dict[str, str]:
+    """The hang watchdog's settings for the workers, from the launcher's flags; without them, the ones left in the
+    shell are checked here, once, rather than refused by every worker after it started."""
+    from redline.parallel.watchdog import enable_torch_debug
+
+    if config.hang_timeout_s is None:
+        check_hang_env(os.environ)
+        return {}
+    # torch's flight recorder, for the hang report
+    return {**_hang_env(config.hang_timeout_s, config.hang_start_timeout_s), **enable_torch_debug(os.environ)}
+
+
 def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False) -> None:
     """Run ``target`` on every worker through torchrun; raise LaunchError if the job fails."""
     from torch.distributed import DistError
@@ -226,7 +238,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     from torch.distributed.run import get_args_parser, run
 
     from redline.hardware.device import probe_accelerators, usable_cpu_count
-    from redline.parallel.watchdog import HANG_EXIT_CODE, enable_torch_debug
+    from redline.parallel.watchdog import HANG_EXIT_CODE
 
     if not module and target:
         check_script(Path(target[0]))
@@ -238,13 +250,10 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     crowded = crowding(nproc, cores, cuda_count)
     if crowded is not None:
         log.warning("%s", crowded)
-    workers: dict[str, str] = {}
+    workers = _watchdog_env(config)
     threads = worker_threads(nproc, cores, os.environ)
     if threads is not None:
         workers["OMP_NUM_THREADS"] = str(threads)
-    if config.hang_timeout_s is not None:
-        workers.update(_hang_env(config.hang_timeout_s, config.hang_start_timeout_s))
-        workers.update(enable_torch_debug(os.environ))  # torch's flight recorder, for the hang report
     argv = torchrun_args(config, nproc, target, module=module)
     # The script's own arguments are set, not parsed: argparse would take a --nproc or -m of theirs for torchrun's.
     args = get_args_parser().parse_args(argv[: len(argv) - len(target) + 1])

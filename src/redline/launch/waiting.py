@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 
 log = logging.getLogger("redline")
 _STOPPING = (signal.SIGINT, signal.SIGTERM)
@@ -31,6 +32,11 @@ def stoppable_while_waiting(what: str, cleanup: Callable[[], None] = lambda: Non
     if threading.current_thread() is not threading.main_thread():  # only the main thread sets the wakeup fd
         yield
         return
+    # Python's default for SIGTERM kills at once, past the wakeup fd, which only a handler of Python's is written
+    # to: one that does nothing lets the thread below see it
+    defaults = [signum for signum in _STOPPING if signal.getsignal(signum) is signal.SIG_DFL]
+    for signum in defaults:
+        signal.signal(signum, _seen)
     before = {signum: signal.getsignal(signum) for signum in _STOPPING}  # torchrun replaces them as workers start
     reader, writer = socket.socketpair()
     writer.setblocking(False)  # as set_wakeup_fd requires
@@ -51,6 +57,13 @@ def stoppable_while_waiting(what: str, cleanup: Callable[[], None] = lambda: Non
         writer.close()  # the thread's read returns empty: it ends
         thread.join(timeout=5)
         reader.close()
+        for signum in defaults:
+            if signal.getsignal(signum) is _seen:  # not once torchrun has put its own in place
+                signal.signal(signum, signal.SIG_DFL)
+
+
+def _seen(signum: int, frame: FrameType | None) -> None:
+    """A handler that leaves a stopping signal to the thread reading the wakeup fd."""
 
 
 def _receive(reader: socket.socket) -> bytes:

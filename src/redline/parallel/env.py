@@ -90,14 +90,23 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def _seconds(env: Mapping[str, str], name: str) -> float:
+    """A timeout the launcher passes its workers (``--hang-timeout``); one left in the shell is read too."""
     text = env.get(name) or "0"
+    flag = "--hang-start-timeout" if name == HANG_START_TIMEOUT_ENV else "--hang-timeout"
+    hint = f"unset {name}, and give the launcher {flag} S for a timeout"
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"{name}={text!r} is not a number of seconds\nhint: launch with `redline launch`") from None
+        raise ConfigError(f"{name}={text!r} is not a number of seconds\nhint: {hint}") from None
     if not value >= 0:
-        raise ConfigError(f"{name}={text!r} must be >= 0 seconds\nhint: launch with `redline launch`")
+        raise ConfigError(f"{name}={text!r} must be >= 0 seconds\nhint: {hint}")
     return value
+
+
+def check_hang_env(env: Mapping[str, str]) -> None:
+    """Refuse a hang timeout left in ``env`` that no worker could read: said once, before the workers start."""
+    for name in (HANG_TIMEOUT_ENV, HANG_START_TIMEOUT_ENV):
+        _seconds(env, name)
 
 
 def mark_finished(env: DistEnv) -> None:

@@ -90,13 +90,13 @@ def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoi
     if env.restart_count > 0 and root is not None and resume != "auto":
         found = checkpoint.open_checkpoint("auto", root)
         if found is not None or resume is None:
-            if found is None:
+            if found is None and env.is_main:
                 log.warning("no checkpoint under %s; starting from scratch", root)
             return found
     if resume is None:
         return None
     found = checkpoint.open_checkpoint(resume, root or Path("."))
-    if found is None:
+    if found is None and env.is_main:  # rank 0 speaks for the job
         log.warning("no checkpoint under %s; starting from scratch", root)
     return found
 

@@ -100,8 +100,9 @@ def cpu_threads(m: Machine) -> Check:
 
 def _thread_count(value: str) -> int | None:
     """OMP_NUM_THREADS as torch reads it (std::stoi, aten/src/ATen/ParallelCommon.cpp): its leading integer, so
-    " 8" and OpenMP's nested list "8,2" give 8; None where torch warns that it is invalid and ignores it."""
-    match = re.match(r"\s*([+-]?\d+)", value)
+    " 8" and OpenMP's nested list "8,2" give 8; None where torch warns that it is invalid and ignores it, or
+    where OpenMP does ("1x", "1.5": libgomp refuses the whole value, and its threads are then as many as cores)."""
+    match = re.fullmatch(r"\s*([+-]?\d+)\s*(?:,\s*\d+\s*)*", value)
     count = int(match.group(1)) if match and value.isascii() else 0
     return count if 0 < count < 2**31 else None  # past an int, stoi throws: torch warns too
 
