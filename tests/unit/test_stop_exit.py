@@ -14,6 +14,8 @@ def test_a_signal_that_stopped_the_workers_exits_128_plus_it_and_asks_for_resume
     assert stopped.exit_code == 143
     assert str(stopped).startswith("stopped by SIGTERM: the launcher passed it to every worker")
     assert "hint: run the same command again with --resume auto" in str(stopped)
+    # before, it promised a checkpoint "within two steps" even where the ranks were still setting up and wrote none
+    assert "after the step under way" in str(stopped) and "none where they were still setting up" in str(stopped)
     assert stopped_by(signal.SIGINT, tmp_path / "finished").exit_code == 130
 
 

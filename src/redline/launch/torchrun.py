@@ -60,9 +60,9 @@ class LaunchStopped(LaunchError, StoppedBySignal):
             return
         if trainer:
             said = (
-                "the Trainer's ranks stop together within two steps and, with --out, write a checkpoint there "
-                "(within torchrun's 30 s grace)\nhint: run the same command again with --resume auto to continue "
-                "from the last checkpoint"
+                "the Trainer's ranks stop together after the step under way and, with --out, write a checkpoint "
+                "there (within torchrun's 30 s grace; none where they were still setting up)\nhint: run the same "
+                "command again with --resume auto to continue from the last checkpoint, or from the start if none"
             )
         else:
             said = (
