@@ -742,3 +742,21 @@ def test_a_rocm_build_reports_miopens_version_as_miopen_not_as_a_garbled_cudnn()
         "9.19.0",
         None,
     )
+
+
+@pytest.mark.parametrize(
+    ("stage", "fix_starts"),
+    [("cpu", 'run `python -c "import torch; print((torch.randn'), ("import", 'run `python -c "import torch"`')],
+)
+def test_a_child_that_died_outside_cuda_is_not_sent_to_the_nvidia_driver(stage, fix_starts):
+    """Before, a crash measuring the CPU (or importing torch) on a machine without a GPU got the driver's fix."""
+    snap = load_snapshot(FIXTURES / "healthy-cpu-laptop.json")
+    snap.child = replace(snap.child, exit_code=-11, unfinished_stage=stage)
+    snap.measurements = [r for r in snap.measurements if r.device != "cpu"]
+    fix = Machine(snap).child_fix()
+    assert fix.startswith(fix_starts) and "nvidia" not in fix.lower() and "dmesg" not in fix
+    if stage == "cpu":
+        cpu = next(device for device in judge(snap).devices if device.id == "cpu")
+        assert cpu.error == "not measured: the child process measuring it was killed by SIGSEGV"
+    snap.child = replace(snap.child, unfinished_stage="cuda:0")
+    assert "dmesg" in Machine(snap).child_fix()  # a CUDA stage keeps the driver's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from redline.doctor.checks import run_checks
@@ -21,7 +22,7 @@ def devices(snap: Snapshot) -> list[DeviceReport]:
     """List the CPU, each device torch sees, and each GPU the driver lists that torch does not (or was not asked)."""
     measured = {r.device: r for r in snap.measurements}
     torch = snap.torch if snap.torch and not snap.torch.import_error else None
-    found = [DeviceReport(id="cpu", name=snap.system.cpu_name or "CPU", **_figures(measured.get("cpu")))]
+    found = [DeviceReport(id="cpu", name=snap.system.cpu_name or "CPU", **_figures(measured.get("cpu"), snap, "cpu"))]
     torch_devices = torch.devices if torch and torch.cuda_available else []
     for device in torch_devices:
         label = f"cuda:{device.index}"
@@ -33,7 +34,7 @@ def devices(snap: Snapshot) -> list[DeviceReport]:
                 capability=capability,
                 arch=device.arch.split(":")[0] or None,  # gfx90a:sramecc+:xnack- -> gfx90a
                 mem_gib=_round(device.mem_total_gib),
-                **_figures(measured.get(label)),
+                **_figures(measured.get(label), snap, label),
             )
         )
     seen = {_uuid(d.uuid) for d in torch_devices}
@@ -48,7 +49,7 @@ def devices(snap: Snapshot) -> list[DeviceReport]:
             )
         )
     if torch and torch.mps_available:
-        found.append(DeviceReport(id="mps", name="Apple MPS", **_figures(measured.get("mps"))))
+        found.append(DeviceReport(id="mps", name="Apple MPS", **_figures(measured.get("mps"), snap, "mps")))
     return found
 
 
@@ -61,9 +62,18 @@ def _round(value: float | None) -> float | None:
     return None if value is None else float(f"{value:.3g}")
 
 
-def _figures(result: Measurement | None) -> dict[str, Any]:
+def _figures(result: Measurement | None, snap: Snapshot, stage: str) -> dict[str, Any]:
+    """A device's measured figures; where the child process died or hung measuring it, ``error`` says so."""
     if result is None:
-        return {}
+        run = snap.child
+        if run is None or run.unfinished_stage != stage:
+            return {}
+        how = f"ended with exit code {run.exit_code}"
+        if run.timed_out:
+            how = f"hung for {run.timeout_s:.0f} s"
+        elif run.exit_code is not None and -run.exit_code in set(signal.Signals):
+            how = f"was killed by {signal.Signals(-run.exit_code).name}"
+        return {"error": f"not measured: the child process measuring it {how}"}
     correct = None if result.error or result.max_rel_err is None else result.max_rel_err <= MAX_REL_ERR
     return {
         "error": first_line(result.error) or None,

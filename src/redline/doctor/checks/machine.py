@@ -32,6 +32,15 @@ CRASH_FIX = (
     "and look for driver errors with `sudo dmesg | grep -i -e xid -e nvrm`"
 )
 
+IMPORT_FIX = (
+    'run `python -c "import torch"` to see the error: a torch install broken or mixed with another (reinstall it '
+    "in a fresh environment), or a sitecustomize or LD_PRELOAD of the environment's"
+)
+CPU_FIX = (
+    'run `python -c "import torch; print((torch.randn(256, 256) @ torch.randn(256, 256)).sum())"` to see the '
+    "error: the torch install or the BLAS and OpenMP libraries it loads (check LD_PRELOAD and LD_LIBRARY_PATH)"
+)
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -146,7 +155,14 @@ class Machine:
         return f"exited with code {run.exit_code}{where}" + (f": {tail[-1]}" if tail else "")
 
     def child_fix(self) -> str:
+        """The fix for the child's failure: the driver's, where it stopped in a CUDA stage (or one not known); the
+        torch install's, where it stopped importing torch or measuring the CPU, which no driver touches."""
         run = self.snap.child
+        stage = run.unfinished_stage if run is not None else None
+        if stage == "import":
+            return IMPORT_FIX
+        if stage in ("cpu", "mps"):
+            return CPU_FIX
         return HANG_FIX if run is not None and run.timed_out else CRASH_FIX
 
     def cuda_library_dirs(self) -> list[str]:
