@@ -283,3 +283,14 @@ def test_a_cpu_search_is_weighed_against_the_memory_the_machine_has_free(monkeyp
     assert host.host_budget() == int((2 + 4) * GIB * host.HOST_SHARE)  # its own 2 GiB and the 4 GiB free besides
     monkeypatch.setattr(host, "memory_limit_bytes", lambda: 3 * GIB)  # a container's limit below that binds
     assert host.host_budget() == int(3 * GIB * host.HOST_SHARE)
+
+
+def test_a_row_whose_least_batch_is_more_than_the_training_set_predicts_none_and_says_why() -> None:
+    """Before, FSDP over 8 GPUs on 5 items predicted a largest batch of 8, "train_data's most 8 ranks share"."""
+    data = TensorDataset(torch.randn(5, 4), torch.randint(0, 2, (5,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=4)
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", gpus=8)
+    assert [(row.label, row.largest_batch) for row in result.rows] == [("as it stands", 5), ("FSDP over 8 GPUs", None)]
+    assert "FSDP over 8 GPUs: train_data holds 5 items, and a batch needs at least 8 (1 on each of 8 devices)" in (
+        result.notes
+    )

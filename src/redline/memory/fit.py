@@ -242,16 +242,22 @@ def fit_memory(
         if has_blocks:
             ways.append((f"FSDP over {gpus} GPUs, checkpointing", "fsdp", gpus, True))
     rows = []
+    notes: list[str] = []
     for label, strategy, world, checkpointing in ways:
         estimate_at = functools.partial(
             estimate_memory, task, precision=precision, strategy=strategy, world_size=world,
             activation_checkpointing=checkpointing, target=target,
         )  # fmt: skip
-        first = estimate_at(batch_size=max(batch, world * per_rank))
-        row_cap = None if cap is None else max(cap // world * world, world * per_rank)  # the ranks share it evenly
-        largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=world * per_rank)
+        least = world * per_rank  # the smallest batch a run of this row trains on
+        first = estimate_at(batch_size=max(batch, least))
+        row_cap = None if cap is None else cap // world * world  # the ranks share it evenly
+        largest = None
+        if row_cap is not None and row_cap < least:  # no batch of the data's trains: none is predicted to fit
+            each = f"{per_rank} on each of {world} devices" if world > 1 else "one sample cannot train"
+            notes.append(f"{label}: train_data holds {_items(cap or 0)}, and a batch needs at least {least} ({each})")
+        else:
+            largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=least)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
-    notes: list[str] = []
     if cap is None:  # the largest batch may read far past the stream's end, repeating its items
         notes.append(
             "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's "
@@ -259,7 +265,7 @@ def fit_memory(
         )
     if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
         notes.append(
-            f"batch {batch} is more than train_data holds ({cap} items): a run's batches stop at {cap}, "
+            f"batch {batch} is more than train_data holds ({_items(cap)}): a run's batches stop at {cap}, "
             "so the largest batch does too"
         )
     weighed = ", ".join(f"{row.estimate.batch_size} ({row.label})" for row in rows if row.estimate.batch_size > batch)
@@ -294,3 +300,7 @@ def _one_sample_fails(task: Task, model: nn.Module, precision: str, target: str)
     except TrainingError as exc:  # an error of the model's own; if a larger batch meets it too, that trace says so
         return describe_error(exc)
     return ""
+
+
+def _items(count: int) -> str:
+    return f"{count} item{'s' * (count != 1)}"
