@@ -133,7 +133,11 @@ def test_checkpointing_turned_off_leaves_the_error_at_one_sample():
         recompute_run(micro_batch="auto", activation_checkpointing="off")
 
 
-def test_a_fixed_micro_batch_steps_as_the_plain_loop_on_the_whole_batch():
+@pytest.mark.parametrize(
+    ("size", "sizes"),
+    [(4, [4, 4, 4, 4]), (7, [6, 5, 5])],  # at 7, evened out: before, 7, 7 and 2 (8 at 7 was 7 and 1: no BatchNorm)
+)
+def test_a_fixed_micro_batch_steps_as_the_plain_loop_on_the_whole_batch(size, sizes):
     torch.manual_seed(0)
     plain = make_model()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -144,11 +148,11 @@ def test_a_fixed_micro_batch_steps_as_the_plain_loop_on_the_whole_batch():
         loss.backward()
         optimizer.step()
         plain_losses.append(loss.item())
-    rt, micro, losses = train("forward", limit=None, micro_batch=4)
-    assert micro.sizes == [4] * (STEPS * 4) and rt.oom_events == []
+    rt, micro, losses = train("forward", limit=None, micro_batch=size)
+    assert micro.sizes == sizes * STEPS and rt.oom_events == []
     assert_equal_weights(micro, plain, atol=1e-6)
     assert losses == pytest.approx(plain_losses, abs=1e-6)  # the batch's mean loss, from its micro-batches
-    assert rt.explain().micro_batch.reason.startswith("requested: micro-batches of 4 samples")
+    assert rt.explain().micro_batch.reason.startswith(f"requested: micro-batches of at most {size} samples")
 
 
 class RecordingDDP(SingleDevice):

@@ -387,7 +387,7 @@ def test_micro_batch_reasons_say_how_the_batch_runs_and_syncs():
     assert resolve_micro_batch("auto") == Choice("auto", "auto: the whole batch; halved on out-of-memory")
     assert (
         resolve_micro_batch(4, strategy="single").reason
-        == "requested: micro-batches of 4 samples, gradients accumulated"
+        == "requested: micro-batches of at most 4 samples, gradients accumulated"
     )
     ddp = resolve_micro_batch("auto", strategy="ddp").reason
     assert "without gradient sync" in ddp and "all-reduced once per batch, after the backward" in ddp

@@ -49,7 +49,7 @@ def resolve_micro_batch(requested: MicroBatch, *, strategy: str | None = None) -
     if requested == "auto":
         return Choice("auto", "auto: the whole batch; halved on out-of-memory" + _AUTO_SYNC.get(strategy or "", ""))
     sync = _SYNC.get(strategy or "", "")
-    return Choice(requested, f"requested: micro-batches of {requested} samples, gradients accumulated" + sync)
+    return Choice(requested, f"requested: micro-batches of at most {requested} samples, gradients accumulated" + sync)
 
 
 def after_oom(failed: Sequence[tuple[int, int]], size: int, *, strategy: str | None = None) -> Choice[int]:

@@ -162,8 +162,9 @@ class MicroBatcher:
         *,
         local: bool,
     ) -> tuple[int, Where | None, torch.Tensor | None]:
-        """Run micro-batches of ``size`` from sample ``start`` to ``total`` (``span``); return where it stopped,
-        where it ran out of memory (None if it did not), and the finished micro-batches' weighted losses."""
+        """Run micro-batches of at most ``size`` from sample ``start`` to ``total`` (``span``), as even as they split;
+        return where it stopped, where it ran out of memory (None if it did not), and the finished micro-batches'
+        weighted losses."""
         start, total, size = span
         loss = None
         with contextlib.ExitStack() as stack:
@@ -171,7 +172,8 @@ class MicroBatcher:
                 for model in how.models:
                     stack.enter_context(how.strategy.accumulate_locally(model))
             while start < total:
-                end = min(start + size, total)
+                left = total - start  # in as few micro-batches of at most size as it takes, evened out: 8 at 7 is
+                end = start + -(-left // -(-left // size))  # 4 and 4, not 7 and 1 (which BatchNorm cannot train)
                 with contextlib.nullcontext() if local else gradient_sync(how, how.sync and end == total):
                     part, where = self._one(step_fn, take(batch, start, end, total), (end - start) / total, size, how)
                 if where is not None:
