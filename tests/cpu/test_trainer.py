@@ -169,15 +169,45 @@ def test_callbacks_the_loop_could_not_call_are_refused_before_training():
     class EveryHook(OnStepOnly, redline.Callback):
         pass
 
+    class Unbound(redline.Callback):  # a hook that leaves out the trainer: before, a TypeError at the first log
+        def on_step(self, step, loss):
+            pass
+
     refused = {
         "a function": ([lambda *args: None], r"one is function, with no on_step, on_evaluate, on_checkpoint"),
         "one hook": ([OnStepOnly()], r"one is OnStepOnly, with no on_evaluate, on_checkpoint, on_fit_end"),
         "no list": (EveryHook(), r"expected a list of Callback objects\nhint: pass callbacks=\[EveryHook\(\.\.\.\)\]"),
+        # the class itself: before, accepted, then every hook a TypeError mid-run
+        "a class": (
+            [EveryHook],
+            r"one is the class EveryHook itself\nhint: pass an instance: callbacks=\[EveryHook\(\)\]",
+        ),
+        "a signature": (
+            [Unbound()],
+            r"Unbound.on_step: on_step cannot be called with 3 arguments(.|\n)*"
+            r"hint: define it as def on_step\(self, trainer, step, loss\)",
+        ),
     }
     for callbacks, said in refused.values():
         with pytest.raises(ConfigError, match=said):
             quiet(tiny_task(), max_steps=2, callbacks=callbacks)
     assert quiet(tiny_task(), max_steps=2, callbacks=(EveryHook(),)).fit().steps == 2
+
+
+def test_a_failing_on_checkpoint_runs_once_and_the_error_names_the_checkpoint_it_left(tmp_path):
+    """Before, the hook ran twice for one step, the checkpoint was written twice, and the error named none."""
+    calls = []
+
+    class Upload(redline.Callback):
+        def on_checkpoint(self, trainer, step, path):
+            calls.append(step)
+            raise ValueError("upload failed")
+
+    trainer = quiet(tiny_task(val_data=None), max_steps=6, checkpoint_every=4, out_dir=tmp_path, callbacks=[Upload()])
+    with pytest.raises(TrainingError, match=r"callback Upload\.on_checkpoint raised ValueError: upload failed") as err:
+        trainer.fit()
+    assert calls == [4]
+    assert f"the steps so far are saved in {tmp_path / 'checkpoints' / 'step-00000004'}" in str(err.value)
 
 
 def test_early_stopping_stops_when_the_metric_stops_improving():

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from redline.config import non_negative_number, one_of, option, positive_int
+from redline.config import call_refused, non_negative_number, one_of, option, positive_int
 from redline.errors import ConfigError, TrainingError, invalid
 from redline.runtime.contract import users_failure
 
@@ -113,6 +113,11 @@ def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], Earl
             "callbacks", callbacks, "a list of Callback objects", f"pass callbacks=[{type(callbacks).__name__}(...)]"
         )
     for callback in callbacks:
+        if isinstance(callback, type):  # its hooks are plain functions, callable, but without self: mid-run TypeErrors
+            raise invalid(
+                "callbacks", list(callbacks), f"Callback objects; one is the class {callback.__name__} itself",
+                f"pass an instance: callbacks=[{callback.__name__}()]",
+            )  # fmt: skip
         missing = [hook for hook in _HOOKS if not callable(getattr(callback, hook, None))]
         if missing:  # a Callback has every hook; an object of the user's own may too
             raise invalid(
@@ -121,13 +126,26 @@ def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], Earl
                 "subclass redline.Callback and override the hooks you need (on_step, on_evaluate, on_checkpoint, "
                 "on_fit_end); the others do nothing",
             )  # fmt: skip
+        for hook, params in _HOOKS.items():  # a hook that cannot take what the loop gives would fail mid-run
+            if why := call_refused(getattr(callback, hook), len(params)):
+                raise invalid(
+                    "callbacks", list(callbacks),
+                    f"hooks that take what the loop gives; {type(callback).__name__}.{hook}: {why}",
+                    f"define it as def {hook}(self, {', '.join(params)})",
+                )  # fmt: skip
     stoppers = [c for c in callbacks if isinstance(c, EarlyStopping)]
     if len(stoppers) > 1:
         raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
     return list(callbacks), stoppers[0] if stoppers else None
 
 
-_HOOKS = ("on_step", "on_evaluate", "on_checkpoint", "on_fit_end")
+# Each hook and what the loop gives it.
+_HOOKS = {
+    "on_step": ("trainer", "step", "loss"),
+    "on_evaluate": ("trainer", "step", "metrics"),
+    "on_checkpoint": ("trainer", "step", "path"),
+    "on_fit_end": ("trainer", "summary"),
+}
 
 
 def call_hooks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:

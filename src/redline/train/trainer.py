@@ -407,6 +407,7 @@ class Trainer:
         with run.meter.excluded("checkpoint"):
             written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
         run.checkpointed_at = time.perf_counter()
+        run.last_ckpt = written  # before the hooks: one that raises leaves it committed, not to be written again
         if self.env.is_main:
             checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
             call_hooks(self.callbacks, "on_checkpoint", self, pos.step, str(written.path))
