@@ -211,3 +211,13 @@ def test_an_error_under_a_progress_bar_in_a_pipe_is_the_first_line_not_after_a_b
 def test_tunes_steps_say_their_own_least_once():
     shown = " ".join(CliRunner().invoke(app, ["tune", "--help"], terminal_width=200).output.split())
     assert "Timed steps per candidate, rounded up to whole windows of 5, and 10 at least. [default: 30]" in shown
+
+
+def test_bench_refuses_a_page_over_a_file_that_is_no_page_and_keeps_it(tmp_path):
+    """Before, `bench --html RUN/checkpoints/step-5/model.safetensors` replaced the weights with the page."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    result = CliRunner().invoke(app, ["bench", "--task", "example:digits", "--html", str(weights)])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(f"--html {str(weights)!r} is a file that is no page (not .html)")
+    assert weights.read_bytes() == b"weights"

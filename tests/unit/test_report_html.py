@@ -34,7 +34,7 @@ def test_bench_report_charts_the_rows_that_ran_and_tables_every_row():
     throughput = alts(doc)[0]
     assert "naive cpu fp32 5,000" in throughput and "auto 7,000" in throughput
     assert "cpu compiled" not in throughput  # the failed row is in the table, not in the charts
-    assert "auto 1.40x" in alts(doc)[1] and "cpu bf16-mixed 0.14 GiB" in alts(doc)[2]
+    assert "auto 1.40x" in alts(doc)[1] and "cpu bf16-mixed 143.1 MiB" in alts(doc)[2]
     table = doc.split("<h2>Every configuration</h2>", 1)[1]
     for field in bench_result()["rows"][0]:
         if field != "plan":
@@ -287,6 +287,27 @@ def test_a_page_asked_over_a_file_the_report_reads_is_refused_and_the_file_kept(
         report(run, run / "metrics.jsonl")
     assert (run / "metrics.jsonl").read_text() == kept
     assert report(run, run / "notes.html") == run / "notes.html"
+    assert report(run, run / "notes.html") == run / "notes.html"  # an earlier page is replaced
+    # any other file of the run too: before, --html RUN/model.safetensors replaced the trained weights, exit 0
+    (run / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ConfigError, match=r"model\.safetensors' is a file that is no page \(not \.html\)") as refused:
+        report(run, run / "model.safetensors")
+    assert str(refused.value).endswith(f"hint: name a .html file, e.g. --html {run / 'model.html'}")
+    assert (run / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_figures_a_json_holds_as_nan_or_infinity_are_no_figures_and_sizes_keep_their_unit(tmp_path):
+    """Before, an Infinity (Python's json writes it) stopped the page with matplotlib's ValueError, and every
+    estimate under a GiB read "0.00 GiB"."""
+    result = bench_result()
+    result["rows"][0]["samples_per_s"] = float("inf")
+    result["rows"][1]["speedup_naive"] = float("nan")
+    for row in result["rows"]:
+        row["estimate_bytes"] = 4_076_736
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(result))
+    doc = report(saved).read_text()
+    assert '<td class="num">3.9 MiB</td>' in doc and "0.00 GiB" not in doc
 
 
 def test_the_bench_page_names_no_row_whose_loss_went_not_finite_the_best():

@@ -23,6 +23,7 @@ from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console, print_uncut, transient_bar
+from redline.render.html import refuse_replacing
 from redline.render.plots import require_matplotlib
 from redline.task import Task
 
@@ -157,6 +158,7 @@ def _check_html(path: Path, spec: str) -> None:
             f"--html {str(path)!r} is the task's own file ({spec}): the page would replace its code\n"
             f"hint: name another file, e.g. --html {path.with_suffix('.html')}"
         )
+    refuse_replacing(path)
     try:
         existing = next(parent for parent in path.parents if parent.exists())  # "." at least
         if not existing.is_dir():

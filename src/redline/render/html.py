@@ -19,6 +19,7 @@ from typing import Any
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError
 from redline.render.bench import DIVERGED, diverged, percent, steps_told
+from redline.render.memory import size as size_text
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
 from redline.version import __version__
@@ -173,7 +174,18 @@ def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: l
             f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
             f"hint: name another file, e.g. --html {default}"
         )
+    refuse_replacing(target)
     return target
+
+
+def refuse_replacing(target: Path) -> None:
+    """Refuse a page's ``target`` that is a file of another kind (a run's model.safetensors, say): a page there
+    would replace what it holds. An earlier page (.html, .htm) is replaced, as a new report should."""
+    if target.is_file() and target.suffix.lower() not in (".html", ".htm"):
+        raise ConfigError(
+            f"--html {str(target)!r} is a file that is no page (not .html): the page would replace what it holds\n"
+            f"hint: name a .html file, e.g. --html {target.with_suffix('.html')}"
+        )
 
 
 def _read_bench(path: Path) -> Mapping[str, Any]:
@@ -431,8 +443,9 @@ def _table(
 
 
 def _number(value: object) -> float | None:
-    """``value`` as a float when it is a number (not a bool); None otherwise."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    """``value`` as a float when it is a finite number (not a bool); None otherwise: a JSON's NaN or Infinity
+    (Python's json writes them) is no figure to chart."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
 
@@ -454,8 +467,8 @@ def _format(key: str, value: object) -> str:
         return json.dumps(value)
     if number is None:
         return str(value)
-    if key.endswith("_bytes"):
-        return f"{number / GIB:.2f} GiB"
+    if key.endswith("_bytes"):  # in the unit the terminal's table uses: a small model's is no "0.00 GiB"
+        return size_text(int(number))
     if key in ("mfu", "mfu_measured") or key.endswith("_ratio"):
         return percent(number, 1)
     if key.startswith("speedup"):
