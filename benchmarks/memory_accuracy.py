@@ -133,6 +133,7 @@ def _peak(device: str, tensors: list[torch.Tensor]) -> Iterator[list[int]]:
     result = [0]
     if device == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()  # the peak since now: the configurations before this one left theirs
         yield result
         torch.cuda.synchronize()
         result[0] = torch.cuda.max_memory_allocated()  # the second step is at least the first's peak

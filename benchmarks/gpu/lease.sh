@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU checks of bench/tune (part 1), memory and serving (part 2), cut to fit one 15-minute lease of
+# an H200: two calls back to back on one warm machine, each under its own deadline in seconds. The
+# full-length checks are bench.sh, memory.sh and serve.sh; this one runs fewer steps, rounds and
+# servers, and leaves out frameworks.py and tune on digits.
+#   PART=1 DEADLINE=400 OUT=/some/dir bash benchmarks/gpu/lease.sh
+#   PART=2 DEADLINE=300 OUT=/some/dir bash benchmarks/gpu/lease.sh     (serving wants .whl/, see serve.sh)
+#   DEVICE=cpu QUICK=1 PART=1 OUT=/tmp/x PYTHON=.venv/bin/python bash benchmarks/gpu/lease.sh   # a dry run
+# Part 1: doctor; bench on digits; naive vs auto for 2,000 steps end to end; GPT-2-small for 300 steps
+#   under the Trainer (summary vs logged step speed, compile count); tune GPT-2-small at batch 64, then
+#   its tuned run (MFU).
+# Part 2: memory estimate vs torch.cuda.max_memory_allocated; find_batch_size and out-of-memory recovery
+#   under a 24 GiB cap; the InferenceEngine's settings; `redline serve` eager fp32 vs bf16 + compile +
+#   CUDA graphs; then tests/gpu with the time left.
+# Every step writes under $WORK; after each, $WORK is packed into $OUT/partN.tgz (what comes back holds
+# at most 8 files), so a step cut short by the deadline loses only itself.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:?OUT names the folder the results are packed into}
+PART=${PART:?PART is 1 or 2}
+DEADLINE=${DEADLINE:-400}
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+WORK=${WORK:-/tmp/lease-part$PART}
+rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
+SITE=""
+if [ "$PART" = 2 ] && compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && SITE=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${SITE:+:$SITE}" PYTHONUNBUFFERED=1 COLUMNS=160
+export REDLINE_CACHE_DIR="$WORK/cache" REDLINE_RESULTS="$WORK"
+START=$SECONDS
+
+keep() { cp "$WORK/$1.out" "$WORK/$2" 2>/dev/null || true; }  # keep NAME FILE: a step's output under the name read later
+pack() {  # weights and optimizer state stay behind: GPT-2 small's run writes gigabytes of them
+  tar czf "$OUT/part$PART.tgz" --exclude='*.safetensors' --exclude='*.pt' -C "$WORK" . 2>/dev/null
+}
+# step SECONDS NAME CMD...: CMD under the lesser of SECONDS and the time left; its output in $WORK/NAME.log
+step() {
+  local want=$1 name=$2 left=$((DEADLINE - (SECONDS - START)))
+  shift 2
+  local limit=$((want < left ? want : left))
+  if [ "$limit" -lt 15 ]; then
+    echo "$name: skipped, ${left} s left" | tee -a "$WORK/steps.txt"
+    return 0
+  fi
+  echo "== $name (limit $limit s, $((SECONDS - START)) s so far)" | tee -a "$WORK/steps.txt"
+  local began=$SECONDS
+  timeout "$limit" "$@" > "$WORK/$name.out" 2> "$WORK/$name.log"
+  echo "$name: exit $? after $((SECONDS - began)) s" | tee -a "$WORK/steps.txt"
+  pack
+}
+
+FAST=redline-fast  # bf16 + compile + CUDA graphs; on a CPU (no CUDA graphs) auto stands in
+[ "$DEVICE" = cpu ] && FAST=redline
+if [ -n "${QUICK:-}" ]; then  # the CPU dry run: every command, a few steps each
+  STEPS=10; LONG=40; GPT_STEPS=6; TUNED=6; GPT="--task example:chargpt --task-arg n_layer=2 --task-arg n_embd=64"
+  GPT_BIG="$GPT"; MODELS=mlp,digits; SIZES=1,4; ROUNDS=1; DURATION=1
+else
+  STEPS=200; LONG=2000; GPT_STEPS=300; TUNED=40
+  GPT="--task example:chargpt --task-arg n_layer=12 --task-arg n_head=12 --task-arg n_embd=768
+       --task-arg block_size=1024 --task-arg batch_size=16 --task-arg epochs=1000 --task-arg lr=6e-4"
+  GPT_BIG="${GPT/batch_size=16/batch_size=64}"; MODELS=mlp,digits,chargpt,gpt2; SIZES=1,4,32; ROUNDS=3; DURATION=4
+fi
+
+{ nvidia-smi; "$PY" -c "import sys, torch; print(sys.version); print(torch.__version__, torch.cuda.is_available())"; } \
+  > "$WORK/machine.txt" 2>&1
+if ! "$PY" -c "import redline.cli.main" 2> "$WORK/import.log"; then
+  echo "redline does not import here:" && cat "$WORK/import.log" && pack && exit 3
+fi
+
+if [ "$PART" = 1 ]; then
+  step 30 doctor "$PY" -m redline doctor --json
+  step 90 bench-digits "$PY" -m redline bench --task example:digits --devices "$DEVICE" --steps "$STEPS" \
+    --planned-steps "$LONG" --json --html "$WORK/bench-digits.html"
+  keep bench-digits bench-digits.json
+  step 70 speedup-digits "$PY" benchmarks/speedup.py --device "$DEVICE" --tasks example:digits --steps "$LONG" \
+    --repeats 2
+  keep speedup-digits speedup-digits.txt
+  step 120 gpt2-small "$PY" -m redline train $GPT --devices "$DEVICE" --precision bf16-mixed --compile on \
+    --max-steps "$GPT_STEPS" --log-every 25 --no-progress --json --out "$WORK/gpt2-run"
+  keep gpt2-small gpt2-small.json
+  step 90 tune-gpt2-b64 "$PY" -m redline tune $GPT_BIG --devices "$DEVICE" --budget 40 --planned-steps 5000 \
+    --steps 10 --json
+  keep tune-gpt2-b64 tune-gpt2-b64.json
+  step 70 tuned-gpt2-b64 "$PY" -m redline train $GPT_BIG --devices "$DEVICE" --plan tuned --max-steps "$TUNED" \
+    --no-progress --json
+  keep tuned-gpt2-b64 tuned-gpt2-b64.json
+  "$PY" benchmarks/gpu/bench_summary.py "$WORK" > "$WORK/summary.md" 2>&1
+else
+  step 90 memory-accuracy "$PY" benchmarks/memory_accuracy.py --device "$DEVICE" --models "$MODELS" \
+    --write "memory-$DEVICE"
+  step 75 memory-fit "$PY" benchmarks/memory_fit.py --device "$DEVICE" --write "memory-fit-$DEVICE"
+  step 100 engine-speed "$PY" benchmarks/engine_speed.py --device "$DEVICE" --batch-sizes "$SIZES" \
+    --rounds "$ROUNDS" --calls 30 --write "engine-$DEVICE"
+  step 130 serve "$PY" benchmarks/serve.py --device "$DEVICE" --servers "redline-eager,$FAST" \
+    --base redline-eager --duration "$DURATION" --write "serve-$DEVICE"
+  if [ "$DEVICE" != cpu ]; then
+    step 90 gpu-tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+  fi
+fi
+pack
+cat "$WORK/steps.txt"
+[ -f "$WORK/summary.md" ] && cat "$WORK/summary.md"
+exit 0
