@@ -55,6 +55,17 @@ class CompileRecord:
     module: nn.Module | None = None
     eager: Any = None  # the module's own forward, before compiling
     code: Any = None  # the code object torch.compile keeps the graphs of
+    parked: Any = None  # the compiled forward while ``use_eager`` has the module run its own
+
+    def use_eager(self) -> None:
+        """Have the module run its own forward from now on (``use_compiled`` brings the compiled one back)."""
+        if self.module is not None and self.parked is None:
+            self.parked, self.module.forward = self.module.forward, self.eager
+
+    def use_compiled(self) -> None:
+        """Bring back the compiled forward ``use_eager`` set aside."""
+        if self.module is not None and self.parked is not None:
+            self.module.forward, self.parked = self.parked, None
 
     @contextlib.contextmanager
     def eagerly(self) -> Iterator[None]:

@@ -46,6 +46,7 @@ from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds, explain_compile
+from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
@@ -140,6 +141,7 @@ class Runtime(RunState):
         self._started: contextlib.ExitStack | None = None
         self._closed, self._entered = False, 0
         self._compile_records: list[CompileRecord] = []
+        self._compile_check: CompileCheck | None = None  # an automatic compile, confirmed on the first steps
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
 
@@ -231,8 +233,10 @@ class Runtime(RunState):
         impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
-        planned = compile_planned(
-            model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
+        planned = self._check_compile(
+            compile_planned(
+                model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
+            )
         )
         self._plan = dataclasses.replace(
             self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl,
@@ -374,6 +378,8 @@ class Runtime(RunState):
         clip = self.options.clip_grad_norm
         self.precision.step(optimizer, None if clip is None else partial(self.precision.clip_grad_norm, max_norm=clip))
         self._cycle.stepped(optimizer)
+        if self._compile_check is not None:
+            self._compile_check.after_step()
         return True
 
     def clip_grad_norm_(
@@ -409,8 +415,22 @@ class Runtime(RunState):
         """Return the resolved Plan: each axis with its value and the reason for it."""
         plan = self._plan
         if plan.compile is not None:
-            plan = dataclasses.replace(plan, compile=explain_compile(plan.compile, self._compile_records))
+            checked = self._compile_check.explain() if self._compile_check is not None else plan.compile
+            plan = dataclasses.replace(plan, compile=explain_compile(checked, self._compile_records))
         return plan
+
+    def _check_compile(self, planned: Choice[bool]) -> Choice[bool]:
+        """Have the run's own first steps confirm a compile the rule chose (runtime/compile_check.py)."""
+        if not (planned.value and self.options.compile == "auto" and self._compile_records):
+            return planned
+        if self._compile_check is None:
+            device = self.device
+            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+            self._compile_check = CompileCheck(planned, sync)
+        record = self._compile_records[-1]
+        if not any(known is record for known in self._compile_check.records):  # a model set up again is checked already
+            self._compile_check.add(record)
+        return planned
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
         """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""
