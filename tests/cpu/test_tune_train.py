@@ -310,21 +310,26 @@ def test_a_micro_batched_candidate_is_timed_per_whole_optimizer_step(monkeypatch
     assert whole.step_s == pytest.approx(1.0) and split.step_s == pytest.approx(1.0)
 
 
-def test_the_compile_mode_is_not_measured_when_compile_stays_off(monkeypatch):
-    # As on a GPU, where compile_mode is searched: with compile off, both modes would run the same eager model.
+@pytest.mark.parametrize(("graphs_ms", "chosen"), [(4.0, ("reduce-overhead", True)), (12.0, ("default", False))])
+def test_cuda_graphs_are_tried_against_eager_where_the_default_compile_lost(monkeypatch, graphs_ms, chosen):
+    # As on a GPU for a model bound by kernel launches: the default compile is slower than eager, CUDA graphs
+    # (reduce-overhead) may still be faster, since they cut the launches; they win only if they are.
     measured = []
 
     def fake_measure(task, device, candidates, planned, steps, window, seed, budget_s):
         measured.append(candidates)
-        return [Trial(c, 0.010 if not c.compile else 0.020, compile_s=5.0 if c.compile else 0.0) for c in candidates]
+        ms = {(False, "default"): 10.0, (True, "default"): 20.0, (True, "reduce-overhead"): graphs_ms}
+        return [Trial(c, ms[c.compile, c.compile_mode] / 1e3, compile_s=5.0 if c.compile else 0.0) for c in candidates]
 
     space = [("compile", [False, True]), ("compile_mode", ["default", "reduce-overhead"])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
     monkeypatch.setattr("redline.bench.tune.skipped_axes", lambda task, facts: {})
     monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
-    tuned, _ = tune(mlp_task(), devices="cpu")
-    assert [len(c) for c in measured] == [2]  # the compile axis alone
-    assert tuned.best == Candidate() and "compile is off" in tuned.reasons["compile"]
+    tuned, _ = tune(mlp_task(), devices="cpu", planned_steps=10_000)
+    assert measured[1] == [Candidate(), Candidate(compile=True, compile_mode="reduce-overhead")]
+    assert (tuned.best.compile_mode, tuned.best.compile) == chosen
+    shown = "compile on in mode reduce-overhead, 2.22x less time" if chosen[1] else "compile off kept"
+    assert tuned.reasons["compile"].startswith(shown)
 
 
 def test_a_compile_that_fell_back_to_eager_is_not_tuned_as_compiled(monkeypatch):
