@@ -19,7 +19,7 @@ from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.precision import fast_precisions
 from redline.runtime import measure
-from redline.runtime.compile import compile_module
+from redline.runtime.compile import CompileRecord, compile_module
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -387,6 +387,31 @@ def test_the_rates_cover_training_steps_only_and_evaluation_and_checkpoints_are_
                 clock.now += 2.0
     assert meter.totals().samples_per_s == pytest.approx(160 / 1.0)  # 10 steps of 0.1 s; 7 s elsewhere
     assert meter.seconds == {"eval": 8.0, "checkpoint": 2.0}
+
+
+def test_a_compile_inside_a_later_training_step_is_left_out_of_the_rates():
+    # An automatic compile's check compiles at step 19 (runtime/compile_check.py): its seconds are the summary's
+    # compile_seconds, not step time.
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    first = CompileRecord()
+    first.add(20.0, "", training=True)  # the first step's compile: before the meter starts
+    rt._compile_records.append(first)
+    meter = Throughput(rt, task, clock=clock)
+    meter.first_step_done(inputs, targets, model)
+    for step in range(10):
+        meter.count(16, 0)
+        clock.now += 0.1
+        if step == 4:
+            record = CompileRecord()
+            record.add(6.0, "", training=True)
+            record.add(1.0, "", training=False)  # an evaluation's graph: timed inside excluded("eval") instead
+            rt._compile_records.append(record)
+            clock.now += 6.0
+        meter.first_step_done(inputs, targets, model)
+    assert meter.totals().samples_per_s == pytest.approx(160 / 1.0)
 
 
 @pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])

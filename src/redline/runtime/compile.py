@@ -49,6 +49,7 @@ class CompileRecord:
     fell_back: str | None = None
     compiles: int = 0
     training: int = 0  # of them, the ones under autograd (a training forward); the rest ran under no_grad
+    training_seconds: float = 0.0  # the time of those: spent inside training steps (evaluation's is timed apart)
     recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
     uncompiled: int = 0  # calls torch.compile tried and gave up on, run eagerly (its recompile limit, say)
     per_bucket: bool = False  # an inference engine's: a graph for each batch bucket is the plan, not a recompile
@@ -84,6 +85,7 @@ class CompileRecord:
         self.seconds = (self.seconds or 0.0) + seconds
         self.compiles += 1
         self.training += training
+        self.training_seconds += seconds if training else 0.0
         if self.compiles > 1:
             self.recompiles.append(cause)
 

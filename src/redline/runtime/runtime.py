@@ -406,6 +406,11 @@ class Runtime(RunState):
         return compile_seconds(self._compile_records)
 
     @property
+    def training_compile_seconds(self) -> float:
+        """Seconds spent compiling inside training steps (under autograd): a throughput leaves them out."""
+        return sum(record.training_seconds for record in self._compile_records)
+
+    @property
     def compiles(self) -> tuple[int, int, list[str]]:
         """How many times the compiled models compiled, how many of those for training (under autograd; the
         rest for evaluation, under no_grad), and why each recompile happened."""

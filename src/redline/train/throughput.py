@@ -34,7 +34,9 @@ class Throughput:
     """Count FLOPs once, time the steps from after the first, and report per window and in total.
 
     Evaluation and checkpoints run inside ``excluded(kind)``: their time is counted apart
-    (``seconds``) and left out of the rates, which so cover training steps only.
+    (``seconds``) and left out of the rates, which so cover training steps only. So is a compile
+    inside a training step after the first (an automatic compile's check compiles at its switch,
+    runtime/compile_check.py; a recompile), which the summary reports as ``compile_seconds``.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Throughput:
         self.steps = self.samples = self.tokens = 0
         self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0}
         self._paused = 0.0  # excluded time since ``start``
+        self._compiled = 0.0  # the Runtime's training compile seconds at ``start``
         self._memory = WindowPeak(rt.device)  # the first window starts here
 
     @contextlib.contextmanager
@@ -87,6 +90,7 @@ class Throughput:
         self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
         self._sync()
         self.start = self.clock()
+        self._compiled = self.rt.training_compile_seconds
 
     def window(self, elapsed_s: float, steps: int, samples: int, tokens: int) -> dict[str, float | None]:
         """Return the logged figures of a window of ``steps`` steps that took ``elapsed_s``."""
@@ -110,7 +114,10 @@ class Throughput:
     def totals(self) -> Figures:
         """Return the run's figures from after its first step (syncs once)."""
         self._sync()
-        elapsed = self.clock() - self.start - self._paused if self.start is not None else 0.0
+        elapsed = 0.0
+        if self.start is not None:
+            compiling = self.rt.training_compile_seconds - self._compiled
+            elapsed = self.clock() - self.start - self._paused - compiling
         if not self.steps or elapsed <= 0:
             return Figures(None, None, self.flops_per_step, None, None, None)
         # Per device: the MFU of one device equals the job's when every rank runs an equal share.
