@@ -243,7 +243,7 @@ def test_the_model_is_built_once_for_the_trace_and_once_for_its_structure() -> N
 
     task = dataclasses.replace(mlp(), model=counted)
     estimate_memory(task, batch_size=8, strategy="ddp", world_size=2, target="cuda")
-    assert len(calls) == 2  # one under the fake mode, one on the meta device for the workspace and DDP's buckets
+    assert len(calls) == 2  # one under the fake mode, one on the meta device for DDP's buckets
 
 
 def test_the_caller_s_no_grad_or_inference_mode_does_not_change_the_estimate() -> None:

@@ -7,11 +7,16 @@ as it does for the rest of the run.
 
 What a CPU trace cannot see of a GPU, and how it is modelled:
 - autocast("cuda") does nothing without CUDA, so a GPU's bf16/fp16 autocast is traced with the CPU's
-  autocast at the same dtype. Both lists put matmuls, linear layers and convolutions in the low
-  precision and norms, softmax and losses in fp32; a few ops differ (einsum, addmv are low precision
-  only on CUDA), so an activation that passes through them may be counted at the other width.
-- Kernels that keep extra buffers on one device only (cuDNN's convolution workspace, the attention
-  kernel's saved statistics) are covered by an allowance, not traced: ``workspace``.
+  autocast at the same dtype. Both lists put matmuls, linear layers, convolutions and attention in the low
+  precision and losses in fp32; the ops only CUDA's puts in fp32 (pow, exp, log, layer_norm, softmax, sum,
+  ...) are run in fp32 by the trace itself (memory/cuda_ops.py). A few ops are low precision only on CUDA
+  (einsum, addmv), so an activation that passes through them may be counted at the other width.
+- Attention and dropout are traced as CUDA's fused kernels run them (memory/cuda_ops.py, attention.py):
+  attention keeps no seq x seq matrix, where a CPU's math path (taken for dropout, say) keeps several, and
+  dropout keeps a one-byte mask, where a CPU keeps noise of the input's dtype.
+- cuBLAS's workspaces, one per thread that runs matmuls (the caller's for the forward, autograd's for the
+  backward), are not tensors of the step: the trace notes which threads multiply and ``workspace`` adds
+  them (memory/workspace.py).
 - The optimizer implementation (fused on CUDA) and the moment gradients are freed (right after the step
   on CUDA, just before the next backward on a CPU, so a CPU step carries them through the forward) come
   from the Runtime's own resolvers for the target device.
@@ -23,6 +28,7 @@ What a CPU trace cannot see of a GPU, and how it is modelled:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -43,9 +49,11 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from redline.config import boolean, one_of, positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import DeviceFacts, DeviceType
+from redline.memory.cuda_ops import CudaOps
 from redline.memory.meta import build_on_meta, held_tensors, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
+from redline.memory.workspace import MatmulThreads
 from redline.parallel.blocks import find_blocks
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS
@@ -59,13 +67,6 @@ from redline.task import CollateFn, OptimizerFactory, Task, require_task
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
 
-MIB = 2**20
-# cuBLAS's workspace: torch allocates it through the caching allocator, 32 MiB per handle on Hopper and
-# newer (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize); the same allowance elsewhere.
-CUBLAS_WORKSPACE = 32 * MIB
-# cuDNN picks convolution algorithms by speed within a workspace it allocates per call; torch caps
-# nothing by default, so this is an allowance, not a bound (stated in the estimate's notes).
-CUDNN_WORKSPACE = 64 * MIB
 # What fake tensors cannot run (a value read, a shape that depends on values), as against an error of the task's code.
 _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -80,8 +81,9 @@ class MemoryEstimate:
     ``params``, ``buffers`` (running statistics, masks, caches), ``gradients`` and ``optimizer_state`` are what
     was alive of each at the peak; ``activations`` is the rest of the peak: tensors saved for backward,
     temporaries and the batch.
-    ``total`` adds the ``workspace`` allowance to the traced ``peak``. ``top_modules`` lists the modules
-    whose forward left the most memory alive (saved activations and output, a block's children included).
+    ``total`` adds the CUDA ``workspace`` (cuBLAS's, held beside the tensors) to the traced ``peak``.
+    ``top_modules`` lists the modules whose forward left the most memory alive (saved activations and output, a
+    block's children included).
     """
 
     batch_size: int
@@ -167,8 +169,8 @@ def estimate_memory(
         device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
     )
     sparse = trace.pop("sparse_gradients")
-    # The model's structure (convolutions, parameter sizes, blocks), built once and only when asked about.
-    structure = meta_model(task) if target == "cuda" or strategy != "single" else None
+    # The model's structure (parameter sizes, blocks), built once and only when asked about.
+    structure = meta_model(task) if strategy != "single" else None
     estimate = MemoryEstimate(
         batch_size=batch_size,
         precision=precision,
@@ -176,7 +178,6 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
-        workspace=_workspace(structure) if target == "cuda" and structure is not None else 0,
         notes=_notes(precision, target, strategy, sparse) + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
@@ -195,9 +196,12 @@ def trace_step(
     device: DeviceFacts,
 ) -> dict[str, Any]:
     """Run two training steps of ``task`` on fake tensors, as the Runtime would run them on ``device`` (its
-    optimizer implementation, its moment to free gradients); return the second step's peak and its parts."""
+    optimizer implementation, its moment to free gradients, on CUDA its kernels and autocast); return the second
+    step's peak and its parts, and the workspaces the device holds beside them."""
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
+    threads = MatmulThreads()
+    cuda = device.type == "cuda"
     # a real tensor the model's code reads (a module-level constant, MASK.to(x.device)) is faked where an op meets
     # it; the model's own tensors are faked before the trace (_fake_model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -207,13 +211,13 @@ def trace_step(
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
     if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
         check_trainable(built)
-    with mode, tracker, _tracing(task):
+    with mode, tracker, _as_on_cuda_step(cuda, threads), _tracing(task):
         model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
         if activation_checkpointing:
-            _checkpoint_blocks(model)
+            _checkpoint_blocks(model, cuda)
         model.train()
         opt = optimizer(model.parameters())
         if precision == "fp16-mixed":  # a .half() model: refused as the run refuses it
@@ -222,7 +226,7 @@ def trace_step(
             opt = rebuild_optimizer(opt, fused=True)
         inputs, targets = split_batch(tree_map(_faked(mode, tracker, rows, batch_size), sample), "train_data")
         grad_keys: set[int] = set()
-        step = _stepper(task, model, opt, autocast, grads_through_forward, tracker, grad_keys)
+        step = _stepper(task, model, opt, autocast, grads_through_forward, tracker, grad_keys, threads)
         step(inputs, targets)
         tracker.reset_peak()
         with retained_by_module(model, tracker) as retained:
@@ -242,6 +246,7 @@ def trace_step(
         "optimizer_state": opt_state,
         "activations": peak - params - buffers - grads - opt_state,
         "peak": peak,
+        "workspace": threads.workspace if cuda else 0,
         "top_modules": tuple(top),
         "sparse_gradients": sparse,
     }
@@ -286,16 +291,18 @@ def _stepper(
     grads_through_forward: bool,
     tracker: LiveBytes,
     grad_keys: set[int],
+    threads: MatmulThreads,
 ) -> Callable[[Any, Any], None]:
     """One training step as the Runtime runs it, gradients freed when it frees them; ``grad_keys`` gathers
-    the gradients' storages while they exist."""
+    the gradients' storages while they exist, ``threads`` notes the backward's matmuls as autograd's thread's."""
 
     def step(inputs: Any, targets: Any) -> None:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = check_loss(task.loss_fn(model(inputs), targets), training=True)
         if grads_through_forward:
             opt.zero_grad(set_to_none=True)  # the CPU frees them just before the next backward
-        loss.backward()
+        with threads.on_autograd_thread():
+            loss.backward()
         del loss
         grad_keys.update(tracker.track(p.grad) for p in model.parameters() if p.grad is not None)
         opt.step()
@@ -366,20 +373,32 @@ def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return model
 
 
-def _checkpoint_blocks(model: nn.Module) -> None:
+def _checkpoint_blocks(model: nn.Module, cuda: bool) -> None:
     blocks = find_blocks(model)
     if not blocks:
         raise ConfigError(
             "activation_checkpointing=True, but the model has no repeated blocks to recompute\n"
             "hint: leave it off, or wrap your own layers with torch.utils.checkpoint"
         )
+    if cuda:  # a recomputation runs in backward, where torch enters no torch-function mode: each block enters CudaOps
+        for _, block in blocks:
+            block.forward = functools.partial(_as_on_cuda, block.forward)
     apply_checkpointing(model, blocks)
 
 
-def _workspace(model: nn.Module) -> int:
-    """The CUDA workspace allowance for ``model``: cuBLAS's, and cuDNN's when it has convolutions."""
-    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    return CUBLAS_WORKSPACE + (CUDNN_WORKSPACE if has_conv else 0)
+@contextmanager
+def _as_on_cuda_step(cuda: bool, threads: MatmulThreads) -> Iterator[None]:
+    """Run the ops CUDA runs its own way as CUDA does, and note the threads that multiply: for a CUDA step only."""
+    if not cuda:
+        yield
+        return
+    with threads, CudaOps():
+        yield
+
+
+def _as_on_cuda(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with CudaOps():
+        return forward(*args, **kwargs)
 
 
 def _notes(precision: str, target: str, strategy: str, sparse: bool) -> tuple[str, ...]:
@@ -390,8 +409,8 @@ def _notes(precision: str, target: str, strategy: str, sparse: bool) -> tuple[st
         notes.append(f"{precision} traced with the CPU's autocast lists, which differ from CUDA's in a few ops")
     if target == "cuda":
         notes.append(
-            "workspace is an allowance (cuBLAS, and cuDNN for convolutions; hipBLAS and MIOpen on ROCm); the CUDA "
-            "context and the allocator's cache come on top of the total"
+            "workspace is cuBLAS's, one per thread that multiplies matrices (hipBLAS's on ROCm); cuDNN's per-call "
+            "convolution workspace, the CUDA context and the allocator's cache come on top of the total"
         )
     if strategy != "single":
         notes.append(f"{strategy} modelled from one process's trace")

@@ -1,0 +1,151 @@
+"""Attention traced as a GPU runs it: the fused kernel CUDA picks, whatever kernel the CPU would pick.
+
+``F.scaled_dot_product_attention`` chooses its kernel by device. On a CPU, dropout or (for some inputs) a
+mask sends it to the math path, which keeps the (batch, heads, seq, seq) attention probabilities, their
+dropout mask and the dropped probabilities for backward: transformers' GPT-2 in training (dropout 0.1) is
+traced so. On CUDA the flash and memory-efficient kernels keep only the output, a log-sum-exp of
+(batch, heads, seq) in fp32 and the dropout RNG's seed and offset; nothing of seq x seq size. So, when the
+step is traced for CUDA, ``fused_attention`` runs the kernel CUDA would choose, as its fake-tensor kernel,
+in place of the CPU's: flash for fp16/bf16 without a mask, memory-efficient for fp32 or with a mask, and
+the call as it was where neither applies (CUDA takes the math path there too).
+
+The rules follow torch's own choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+``select_sdp_backend``; attention.cpp, ``scaled_dot_product_attention``) on an Ampere or newer GPU. Where
+cuDNN's attention is preferred (Hopper), it keeps what flash keeps: the output and (batch, heads, seq)
+statistics in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Literal["flash", "efficient"]
+
+_aten = torch.ops.aten
+_LOW = (torch.float16, torch.bfloat16)
+_FLASH_HEAD_DIM = 256  # flash's largest head dimension (sdp_utils.cpp, check_head_dim_size_flash)
+_MASK_ALIGNMENT = 8  # the memory-efficient kernel's mask rows start on 8 elements (attention.cpp, preprocess_mask)
+
+
+def fused_attention(
+    sdpa: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The attention output, computed by the kernel CUDA would choose, else by ``sdpa`` itself."""
+    query, key, value = _autocast(query), _autocast(key), _autocast(value)
+    attn_mask = _autocast(attn_mask) if attn_mask is not None else None
+    kernel = cuda_kernel(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    if kernel == "flash":
+        return _flash(query, key, value, dropout_p, is_causal, scale)
+    if kernel == "efficient":
+        return _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def cuda_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> Kernel | None:
+    """The fused kernel CUDA runs for these inputs ("flash", "efficient"), or None where it takes the math path."""
+    tensors = (query, key, value)
+    if any(t.dim() != 4 or t.is_nested or t.stride(-1) != 1 for t in tensors):
+        return None
+    if len({t.dtype for t in tensors}) > 1 or len({t.size(0) for t in tensors}) > 1:
+        return None
+    dtype, heads, head_dim = query.dtype, query.size(1), query.size(-1)
+    same_heads = key.size(1) == heads and value.size(1) == heads
+    grouped = enable_gqa and heads % key.size(1) == 0 and heads % value.size(1) == 0
+    if (
+        dtype in _LOW
+        and attn_mask is None
+        and key.size(-1) == head_dim == value.size(-1) <= _FLASH_HEAD_DIM
+        and not (is_causal and query.size(-2) != key.size(-2))
+        and (same_heads or grouped)
+    ):
+        return "flash"
+    # 16 bytes in elements, for tensor cores (sdp_utils.cpp, minimum_gemm_alignment)
+    alignment = 8 if dtype in _LOW else 4
+    if (
+        dtype in (*_LOW, torch.float32)
+        and key.size(-1) == head_dim
+        and head_dim % alignment == 0
+        and value.size(-1) % alignment == 0
+        and same_heads
+        and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, dtype))
+    ):
+        return "efficient"
+    return None
+
+
+def _autocast(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as CUDA's autocast hands it to attention (in its lower-precision list): in the autocast dtype
+    where it is floating. The trace runs the CPU's autocast at the GPU's dtype, so that is the one asked."""
+    if not torch.is_autocast_enabled("cpu") or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(torch.get_autocast_dtype("cpu"))
+
+
+def _flash(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, is_causal: bool, scale: float | None
+) -> torch.Tensor:
+    """Flash attention: it saves the output, a (batch, heads, seq) log-sum-exp and the RNG state. Head
+    dimensions are padded to a multiple of 8 first, as torch does, and the output cut back."""
+    head_dim = query.size(-1)
+    scale = head_dim**-0.5 if scale is None else scale  # from the head dimension before padding
+    padded = [_pad_last(t, 8) for t in (query, key, value)]
+    output = _aten._scaled_dot_product_flash_attention(*padded, dropout_p, is_causal, False, scale=scale)[0]
+    return output[..., :head_dim] if output.size(-1) != head_dim else output
+
+
+def _efficient(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """Memory-efficient attention: it saves the output, a (batch, heads, seq rounded up to 32) log-sum-exp, the
+    RNG state and the mask it was given, which torch makes additive (a copy, where the mask is boolean) and
+    pads to aligned rows (another, where they are not)."""
+    bias = None
+    if attn_mask is not None:
+        bias = _additive(attn_mask, query.dtype)
+        bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    efficient = _aten._scaled_dot_product_efficient_attention
+    return efficient(query, key, value, bias, grads, dropout_p, is_causal, scale=scale)[0]
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as the memory-efficient kernel takes it: additive (-inf where a boolean mask is False), its
+    rows aligned to 8 elements (padded, then sliced back to its length)."""
+    if mask.dtype == torch.bool:
+        mask = torch.where(~mask, float("-inf"), torch.zeros((), dtype=dtype))
+    aligned = all(s % _MASK_ALIGNMENT == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
+    if aligned:
+        return mask
+    length = mask.size(-1)
+    return F.pad(mask, (0, _MASK_ALIGNMENT - length % _MASK_ALIGNMENT))[..., :length]
+
+
+def _pad_last(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -tensor.size(-1) % multiple
+    return F.pad(tensor, (0, extra)) if extra else tensor
