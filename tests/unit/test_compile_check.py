@@ -7,12 +7,16 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import redline.runtime.compile as compile_home
+from redline.bench.matrix import Setting
+from redline.bench.run import warm_up
 from redline.plan import Choice
 from redline.runtime.compile import CompileRecord
 from redline.runtime.compile_check import EAGER_END, STEPS, CompileCheck
 from redline.runtime.runtime import Runtime
+from redline.task import Task
 
 PLANNED = Choice(True, "auto: 5000 steps on NVIDIA H100 repay the compile time")
 
@@ -151,3 +155,13 @@ def test_a_requested_compile_is_not_checked(rule_compiles):
     model = train(rt, STEPS + 2)
     assert model.forward.calls == STEPS + 2  # compiled from the first step to the last, slower or not
     assert rt.explain().compile.value is True and "checked" not in rt.explain().compile.reason
+
+
+def test_a_bench_row_warms_up_until_the_compile_check_has_decided(rule_compiles):
+    _, paused = rule_compiles
+    paused[0] = 0.004
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
+    task = Task(model=Tiny, loss_fn=nn.functional.mse_loss, train_data=data, batch_size=4, name="tiny")
+    runner, _, _ = warm_up(task, Setting("auto", "cpu", "auto", None, 4), window=5, planned=5000, seed=0)
+    assert runner.runtime is not None and not runner.runtime.compile_checking  # the timed windows run eager
+    assert runner.runtime.explain().compile.value is False

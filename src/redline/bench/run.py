@@ -247,6 +247,9 @@ def warm_up(
 ) -> tuple[Runner, PeakMemory, int | None]:
     """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory.
 
+    An automatic compile's check (its first 35 steps, eager then compiled) runs to its end here too, so the timed
+    windows see the form the run keeps, not the switch and its compile.
+
     ``options`` runs an explicit row with every Runtime option given (a compile mode, say).
     """
     device = torch.device(setting.device)
@@ -265,6 +268,8 @@ def warm_up(
             )
         with quiet_failed_ops():  # the warm-up compiles
             runner.run(window)
+            while runner.runtime is not None and runner.runtime.compile_checking:
+                runner.run(1)
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
     return runner, memory, flops * runner.micro_steps if flops is not None else None

@@ -406,6 +406,11 @@ class Runtime(RunState):
         return compile_seconds(self._compile_records)
 
     @property
+    def compile_checking(self) -> bool:
+        """Whether an automatic compile is still being checked on the run's first steps (runtime/compile_check.py)."""
+        return self._compile_check is not None and self._compile_check.choice is None
+
+    @property
     def training_compile_seconds(self) -> float:
         """Seconds spent compiling inside training steps (under autograd): a throughput leaves them out."""
         return sum(record.training_seconds for record in self._compile_records)
