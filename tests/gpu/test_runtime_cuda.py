@@ -72,3 +72,45 @@ def test_auto_plan_on_this_gpu_is_explained():
     assert plan.device.value.startswith("cuda")
     major, _ = torch.cuda.get_device_capability()
     assert plan.precision.value == ("bf16-mixed" if major >= 8 else "fp16-mixed")
+
+
+def train_steps(rt: redline.Runtime, steps: int) -> nn.Module:
+    torch.manual_seed(0)
+    model, opt = rt.setup(make_model(), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    batches = iter(rt.setup_loader(make_loader()))
+    for _ in range(steps):
+        try:
+            inputs, targets = next(batches)
+        except StopIteration:
+            batches = iter(rt.setup_loader(make_loader()))
+            inputs, targets = next(batches)
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(opt)
+    return model
+
+
+def test_an_automatic_compile_is_checked_on_the_first_steps_and_kept_only_if_faster():
+    # A model this small is bound by kernel launches: whichever form wins here, the Plan says which with both figures.
+    from redline.runtime.compile_check import STEPS
+
+    rt = redline.Runtime(devices="cuda", precision="fp32", planned_steps=10_000)
+    train_steps(rt, STEPS + 5)
+    plan = rt.explain().compile
+    print(plan)
+    assert not rt.compile_checking
+    assert "compiled steps ran" in plan.reason and "eager (" in plan.reason
+    assert ("confirmed on this run" in plan.reason) == plan.value
+
+
+def test_training_under_cuda_graphs_matches_eager():
+    # compile_mode="reduce-overhead": the step's forward and backward replay as CUDA graphs; the batches have one
+    # shape (256 samples in batches of 32), so the weights after 16 steps agree with eager fp32's.
+    eager = train_steps(redline.Runtime(devices="cuda", precision="fp32", compile="off", seed=0), 16)
+    graphs = train_steps(
+        redline.Runtime(devices="cuda", precision="fp32", compile="on", compile_mode="reduce-overhead", seed=0), 16
+    )
+    worst = max((a - b).abs().max().item() for a, b in zip(graphs.parameters(), eager.parameters(), strict=True))
+    print(f"CUDA graphs vs eager: max abs weight difference {worst:.3g}")
+    assert worst <= 1e-3
