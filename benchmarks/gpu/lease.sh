@@ -3,15 +3,17 @@
 # an H200: two calls back to back on one warm machine, each under its own deadline in seconds. The
 # full-length checks are bench.sh, memory.sh and serve.sh; this one runs fewer steps, rounds and
 # servers, and leaves out frameworks.py and tune on digits.
-#   PART=1 DEADLINE=400 OUT=/some/dir bash benchmarks/gpu/lease.sh
+#   PART=1 DEADLINE=450 OUT=/some/dir bash benchmarks/gpu/lease.sh
 #   PART=2 DEADLINE=300 OUT=/some/dir bash benchmarks/gpu/lease.sh     (serving wants .whl/, see serve.sh)
+# On 2026-12-04 part 1 took 236 s (before tune on digits joined it, and with a 40 s tune of GPT-2) and part 2
+# 285 s; the machine's start took about a minute. Set part 2's deadline from the lease's time left.
 #   DEVICE=cpu QUICK=1 PART=1 OUT=/tmp/x PYTHON=.venv/bin/python bash benchmarks/gpu/lease.sh   # a dry run
 # Part 1: doctor; bench on digits; naive vs auto for 2,000 steps end to end; GPT-2-small for 300 steps
-#   under the Trainer (summary vs logged step speed, compile count); tune GPT-2-small at batch 64, then
-#   its tuned run (MFU).
+#   under the Trainer (summary vs logged step speed, compile count); tune on digits (CUDA graphs among
+#   the candidates) and its tuned run; tune GPT-2-small at batch 64, then its tuned run (MFU).
 # Part 2: memory estimate vs torch.cuda.max_memory_allocated; find_batch_size and out-of-memory recovery
-#   under a 24 GiB cap; the InferenceEngine's settings; `redline serve` eager fp32 vs bf16 + compile +
-#   CUDA graphs; then tests/gpu with the time left.
+#   under a 24 GiB cap; tests/gpu; then, with the time left, the InferenceEngine's settings and `redline
+#   serve` eager fp32 vs bf16 + compile + CUDA graphs.
 # Every step writes under $WORK; after each, $WORK is packed into $OUT/partN.tgz (what comes back holds
 # at most 8 files), so a step cut short by the deadline loses only itself.
 set -uo pipefail
@@ -81,7 +83,13 @@ if [ "$PART" = 1 ]; then
   step 120 gpt2-small "$PY" -m redline train $GPT --devices "$DEVICE" --precision bf16-mixed --compile on \
     --max-steps "$GPT_STEPS" --log-every 25 --no-progress --json --out "$WORK/gpt2-run"
   keep gpt2-small gpt2-small.json
-  step 90 tune-gpt2-b64 "$PY" -m redline tune $GPT_BIG --devices "$DEVICE" --budget 40 --planned-steps 5000 \
+  step 60 tune-digits "$PY" -m redline tune --task example:digits --devices "$DEVICE" --budget 30 \
+    --planned-steps "$LONG" --json
+  keep tune-digits tune-digits.json
+  step 40 tuned-digits "$PY" -m redline train --task example:digits --devices "$DEVICE" --plan tuned \
+    --max-steps "$LONG" --no-progress --json
+  keep tuned-digits tuned-digits.json
+  step 130 tune-gpt2-b64 "$PY" -m redline tune $GPT_BIG --devices "$DEVICE" --budget 90 --planned-steps 5000 \
     --steps 10 --json
   keep tune-gpt2-b64 tune-gpt2-b64.json
   step 70 tuned-gpt2-b64 "$PY" -m redline train $GPT_BIG --devices "$DEVICE" --plan tuned --max-steps "$TUNED" \
@@ -92,13 +100,13 @@ else
   step 90 memory-accuracy "$PY" benchmarks/memory_accuracy.py --device "$DEVICE" --models "$MODELS" \
     --write "memory-$DEVICE"
   step 75 memory-fit "$PY" benchmarks/memory_fit.py --device "$DEVICE" --write "memory-fit-$DEVICE"
+  if [ "$DEVICE" != cpu ]; then
+    step 90 gpu-tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+  fi
   step 100 engine-speed "$PY" benchmarks/engine_speed.py --device "$DEVICE" --batch-sizes "$SIZES" \
     --rounds "$ROUNDS" --calls 30 --write "engine-$DEVICE"
   step 130 serve "$PY" benchmarks/serve.py --device "$DEVICE" --servers "redline-eager,$FAST" \
     --base redline-eager --duration "$DURATION" --write "serve-$DEVICE"
-  if [ "$DEVICE" != cpu ]; then
-    step 90 gpu-tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu
-  fi
 fi
 pack
 cat "$WORK/steps.txt"
