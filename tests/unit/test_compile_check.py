@@ -36,12 +36,14 @@ def fake_compiled(model: nn.Module, pause: float = 0.0) -> CompileRecord:
     return CompileRecord(module=model, eager=eager, seconds=4.0, compiles=1, training=1)
 
 
-def drive(eager_ms: float, compiled_ms: float, steps: int = STEPS) -> tuple[CompileCheck, CompileRecord, list[str]]:
+def drive(
+    eager_ms: float, compiled_ms: float, steps: int = STEPS, planned: int = 100_000
+) -> tuple[CompileCheck, CompileRecord, list[str]]:
     """Run a check for ``steps`` steps on a fake clock: each step takes what the model's current forward costs."""
     model = nn.Linear(2, 2)
     record = fake_compiled(model)
     now = [0.0]
-    check = CompileCheck(PLANNED, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(PLANNED, planned, sync=lambda: None, clock=lambda: now[0])
     check.add(record)
     ran = []
     for _ in range(steps):
@@ -79,7 +81,7 @@ def test_the_slowest_blocks_do_not_decide_only_the_fastest_of_each():
     model = nn.Linear(2, 2)
     record = fake_compiled(model)
     now = [0.0]
-    check = CompileCheck(PLANNED, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(PLANNED, 100_000, sync=lambda: None, clock=lambda: now[0])
     check.add(record)
     for step in range(1, STEPS + 1):
         compiled = model.forward is not record.eager
@@ -87,6 +89,16 @@ def test_the_slowest_blocks_do_not_decide_only_the_fastest_of_each():
         now[0] += 0.002 if compiled and not disturbed else 0.05 if disturbed else 0.003
         check.after_step()
     assert check.choice is not None and check.choice.value is True
+
+
+def test_a_run_too_short_for_any_compile_to_repay_is_not_compiled_at_all():
+    # The digits CNN on an H200: 2,000 steps of 2.2 ms are 4.4 s, of which a compile (3 s or more) could save 2.2.
+    check, record, ran = drive(eager_ms=2.2, compiled_ms=0.5, steps=STEPS + 5, planned=2000)
+    assert ran == ["eager"] * (STEPS + 5) and record.parked is not None and record.parked.calls == 0
+    assert check.choice is not None and check.choice.value is False
+    assert "eager steps take 2.2 ms: 2000 of them (4.4 s) cannot repay a compile" in check.choice.reason
+    long_run, _, _ = drive(eager_ms=2.2, compiled_ms=0.5, steps=STEPS + 5, planned=3000)  # 6.6 s: worth a try
+    assert long_run.choice is not None and long_run.choice.value is True
 
 
 def test_until_it_decides_the_plan_says_the_compile_is_being_checked():
@@ -139,7 +151,7 @@ def train(rt: Runtime, steps: int) -> nn.Module:
 def test_the_runtime_checks_an_automatic_compile_and_drops_a_slower_one(rule_compiles):
     made, paused = rule_compiles
     paused[0] = 0.004  # a forward 4 ms slower per call loses to eager whatever the machine
-    rt = Runtime(devices="cpu", precision="fp32", planned_steps=5000)
+    rt = Runtime(devices="cpu", precision="fp32", planned_steps=10**7)  # a run long enough to try
     model = train(rt, STEPS + 4)
     record = made[0]
     plan = rt.explain().compile
@@ -162,6 +174,6 @@ def test_a_bench_row_warms_up_until_the_compile_check_has_decided(rule_compiles)
     paused[0] = 0.004
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
     task = Task(model=Tiny, loss_fn=nn.functional.mse_loss, train_data=data, batch_size=4, name="tiny")
-    runner, _, _ = warm_up(task, Setting("auto", "cpu", "auto", None, 4), window=5, planned=5000, seed=0)
+    runner, _, _ = warm_up(task, Setting("auto", "cpu", "auto", None, 4), window=5, planned=10**7, seed=0)
     assert runner.runtime is not None and not runner.runtime.compile_checking  # the timed windows run eager
     assert runner.runtime.explain().compile.value is False

@@ -8,7 +8,9 @@ times blocks of eager steps, then switches to the compiled forward and times as 
 each block between two synchronisations. The compiled forward stays only if its fastest block beats
 eager's by ``KEEP``; else the model runs its own forward for the rest of the run, and the Plan says so
 with both figures. The compile's time is spent either way (a trial on a copy would spend it too); what
-the check saves is every later step. The check needs no loss function and no copy of the model, so a
+the check saves is every later step. And where the eager steps show that the whole run is too short
+for any compile to repay itself (the digits CNN's 2,000 steps of 2.2 ms on an H200, against a compile
+of 3-6 s), the model is not compiled at all. The check needs no loss function and no copy of the model, so a
 user's own loop under the Runtime gets it as the Trainer does. Under several processes rank 0's
 figures decide, and every rank follows at the same step.
 """
@@ -27,6 +29,12 @@ WARMUP = 3  # eager steps not timed: the first batches, the allocator and cuDNN'
 BLOCKS, BLOCK = 3, 5  # timed blocks of each kind, and optimizer steps per block
 SETTLE = 2  # compiled steps not timed: the first compiles forward and backward, the second settles
 KEEP = 1.03  # the compiled steps must run this much faster than eager to stay: the noise of a few blocks
+# Before compiling, the eager steps tell what a compile could save at most: a compiled step rarely runs more than
+# twice as fast (the torch.compile tutorial: 1.3-2x on common models), and a compile takes seconds even for a
+# small model (2.9-6.0 s for the digits CNN on an H200, 14.8 s for GPT-2-small). A run whose eager steps add up
+# to less than LEAST_COMPILE_S / (1 - 1 / MOST_GAIN) is not compiled at all.
+MOST_GAIN = 2.0
+LEAST_COMPILE_S = 3.0
 EAGER_END = WARMUP + BLOCKS * BLOCK  # the step after which the compiled forward takes over
 COMPILED_START = EAGER_END + SETTLE
 STEPS = COMPILED_START + BLOCKS * BLOCK  # the step after which the check decides
@@ -41,6 +49,7 @@ class CompileCheck:
     """
 
     planned: Choice[bool]
+    planned_steps: int
     sync: Callable[[], None]
     clock: Callable[[], float] = time.perf_counter
     records: list[CompileRecord] = field(default_factory=list)
@@ -64,6 +73,8 @@ class CompileCheck:
         step = self.steps
         if WARMUP <= step <= EAGER_END and (step - WARMUP) % BLOCK == 0:
             self._time_block(self.eager, first=step == WARMUP)
+        if step == EAGER_END and not self._worth_compiling():
+            return
         if step == EAGER_END:
             for record in self.records:
                 record.use_compiled()
@@ -92,6 +103,21 @@ class CompileCheck:
         if not first:
             blocks.append((now - self._mark) / BLOCK)
         self._mark = now
+
+    def _worth_compiling(self) -> bool:
+        """Whether the run's eager steps leave a compile anything to repay itself with; if not, decide on eager now
+        (nothing was compiled: the compiled forward compiles on its first call)."""
+        eager = min(self.eager)
+        saved = self.planned_steps * eager * (1 - 1 / MOST_GAIN)
+        worth = bool(run_on_rank0(lambda: saved >= LEAST_COMPILE_S, "the compile check"))  # rank 0's figures
+        if not worth:
+            self.choice = Choice(
+                False,
+                f"{self.planned.reason}, but on this run eager steps take {eager * 1e3:.3g} ms: {self.planned_steps} "
+                f"of them ({self.planned_steps * eager:.1f} s) cannot repay a compile (at least {LEAST_COMPILE_S:g} s, "
+                f"saving at most {1 - 1 / MOST_GAIN:.0%} of each step); not compiled",
+            )
+        return worth
 
     def _decide(self) -> None:
         eager, compiled = min(self.eager), min(self.compiled)

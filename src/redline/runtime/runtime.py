@@ -436,7 +436,7 @@ class Runtime(RunState):
         if self._compile_check is None:
             device = self.device
             sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-            self._compile_check = CompileCheck(planned, sync)
+            self._compile_check = CompileCheck(planned, self.planned_steps or 0, sync)
         record = self._compile_records[-1]
         if not any(known is record for known in self._compile_check.records):  # a model set up again is checked already
             self._compile_check.add(record)
