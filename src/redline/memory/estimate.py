@@ -20,6 +20,8 @@ What a CPU trace cannot see of a GPU, and how it is modelled:
 - The optimizer implementation (fused on CUDA) and the moment gradients are freed (right after the step
   on CUDA, just before the next backward on a CPU, so a CPU step carries them through the forward) come
   from the Runtime's own resolvers for the target device.
+- On a CPU, the model's layout (channels_last for bf16 convolutions on AMX) comes from the Runtime's resolver
+  for the CPU given, and the copies its pooling backwards make are counted (memory/cpu_ops.py).
 - Sharding (FSDP) and DDP are modelled on the one-process trace: the model states divide by the
   number of ranks under FSDP, plus what it holds whole (the root's own parameters and two of the largest
   block), and the batch is each rank's share.
@@ -34,7 +36,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -44,17 +46,19 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map
 
 from redline.config import boolean, one_of, positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid
-from redline.hardware.device import DeviceFacts, DeviceType
+from redline.hardware.device import CPU_ISAS, CpuIsa, DeviceFacts
+from redline.memory.cpu_ops import CpuKernels, cpu_layout, device_facts, to_channels_last
 from redline.memory.cuda_ops import CudaOps
-from redline.memory.meta import build_on_meta, held_tensors, meta_copy
+from redline.memory.meta import build_on_meta, fake_model, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.memory.workspace import MatmulThreads
 from redline.parallel.blocks import find_blocks
+from redline.plan import Choice
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS
 from redline.runtime.checkpointing import apply_checkpointing
@@ -71,7 +75,6 @@ Strategy = Literal["single", "ddp", "fsdp"]
 _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _TOP_MODULES = 5
-_HELD = ("_parameters", "_buffers", "_modules")  # a module's own dicts, each tensor in them faked as what it is
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,12 +128,16 @@ def estimate_memory(
     world_size: int = 1,
     activation_checkpointing: bool = False,
     target: str = "cuda",
+    cpu_isa: CpuIsa | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``task`` on one device of ``target`` ("cuda" or "cpu").
 
     ``batch_size`` is the global batch (the Task's by default), split over ``world_size`` ranks for
     "ddp" and "fsdp". ``optimizer`` replaces the Task's optimizer factory. On "cuda" the optimizer is
-    the fused implementation redline picks there. Nothing is allocated on any device.
+    the fused implementation redline picks there. On "cpu", ``cpu_isa`` is the CPU's instruction set (as
+    ``DeviceFacts.cpu_isa``), which decides the layout of a convolutional model (channels_last for bf16 on
+    AMX); None takes this machine's, as a Runtime here would (``REDLINE_CPU`` fakes it), and a note says
+    which. Nothing is allocated on any device.
     """
     task = require_task(task)
     batch_size = task.batch_size if batch_size is None else batch_size
@@ -150,6 +157,8 @@ def estimate_memory(
             "target", target, "'cuda' or 'cpu'", "did you mean target='cuda'? (any GPU, AMD's under ROCm too)"
         )
     one_of("target", target, get_args(Target))
+    if cpu_isa is not None:
+        one_of("cpu_isa", cpu_isa, CPU_ISAS)
     if strategy == "single" and world_size > 1:
         raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
     if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
@@ -166,9 +175,10 @@ def estimate_memory(
         precision=precision,
         optimizer=optimizer or task.optimizer,
         activation_checkpointing=activation_checkpointing,
-        device=DeviceFacts(type=cast(DeviceType, target), name=f"a {target} device"),
+        device=device_facts(target, cpu_isa),
     )
     sparse = trace.pop("sparse_gradients")
+    layout = trace.pop("channels_last")
     # The model's structure (parameter sizes, blocks), built once and only when asked about.
     structure = meta_model(task) if strategy != "single" else None
     estimate = MemoryEstimate(
@@ -178,7 +188,7 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
-        notes=_notes(precision, target, strategy, sparse) + _uneven(batch_size, world_size, local_batch),
+        notes=_notes(precision, target, strategy, sparse, layout) + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
     return _distributed(estimate, structure, strategy, world_size, precision)
@@ -196,8 +206,9 @@ def trace_step(
     device: DeviceFacts,
 ) -> dict[str, Any]:
     """Run two training steps of ``task`` on fake tensors, as the Runtime would run them on ``device`` (its
-    optimizer implementation, its moment to free gradients, on CUDA its kernels and autocast); return the second
-    step's peak and its parts, and the workspaces the device holds beside them."""
+    optimizer implementation, its moment to free gradients, on a CPU its layout and the copies its kernels make,
+    on CUDA its kernels and autocast); return the second step's peak and its parts, the workspaces the device
+    holds beside them, and the layout chosen (``channels_last``)."""
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     threads = MatmulThreads()
@@ -211,9 +222,12 @@ def trace_step(
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
     if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
         check_trainable(built)
-    with mode, tracker, _as_on_cuda_step(cuda, threads), _tracing(task):
-        model = _fake_model(built, mode) if built is not None else task.build_model()  # fake already
+    with mode, tracker, _device_kernels(cuda, threads), _tracing(task):
+        model = fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
+        layout = cpu_layout(model, precision, device)
+        if layout.value:
+            to_channels_last(model)
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
         if activation_checkpointing:
@@ -224,7 +238,8 @@ def trace_step(
             refuse_half_parameters(opt)
         if resolve_optimizer(optimizer_facts(opt, model, device=device), device).value == "fused":
             opt = rebuild_optimizer(opt, fused=True)
-        inputs, targets = split_batch(tree_map(_faked(mode, tracker, rows, batch_size), sample), "train_data")
+        faked = tree_map(_faked(mode, tracker, rows, batch_size, layout.value), sample)
+        inputs, targets = split_batch(faked, "train_data")
         grad_keys: set[int] = set()
         step = _stepper(task, model, opt, autocast, grads_through_forward, tracker, grad_keys, threads)
         step(inputs, targets)
@@ -249,6 +264,7 @@ def trace_step(
         "workspace": threads.workspace if cuda else 0,
         "top_modules": tuple(top),
         "sparse_gradients": sparse,
+        "channels_last": layout,
     }
 
 
@@ -322,55 +338,24 @@ def _sample(data: Any, size: int, collate: CollateFn | None) -> tuple[Any, int]:
     return real_batch(data, size, collate)[0], size
 
 
-def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int) -> Callable[[Any], Any]:
+def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int, channels_last: bool) -> Callable[[Any], Any]:
     """Fake a leaf of a batch of ``rows``; a tensor of one item becomes the batch's ``size`` rows (collate stacks
-    items along a new first axis)."""
+    items along a new first axis). With ``channels_last`` an image (a 4-d floating tensor) is laid out NHWC, as
+    the Runtime moves it (runtime/transfer.py)."""
 
     def fake(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        out = mode.from_tensor(leaf)
-        if rows < size:
-            return out.new_empty((size, *out.shape[1:]))  # an op under the tracker: counted as it is made
+        out: torch.Tensor = mode.from_tensor(leaf)
+        nhwc = channels_last and out.dim() == 4 and out.is_floating_point()
+        layout = torch.channels_last if nhwc else torch.contiguous_format
+        if rows < size:  # an op under the tracker: counted as it is made
+            return torch.empty((size, *out.shape[1:]), dtype=out.dtype, memory_format=layout)
+        out = out.contiguous(memory_format=layout) if nhwc else out
         tracker.track(out)
         return out
 
     return fake
-
-
-def _fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
-    """``model`` (a copy of the Task's module, or the factory's built on the meta device) with its tensors
-    replaced by fake ones on the CPU; call it under ``mode``.
-
-    A factory is not run under the fake mode itself: a module's ``.to(dtype)``, ``.half()`` or ``.float()``
-    cannot swap a fake parameter for its converted copy (torch holds a weak reference to it), while on
-    the meta device they work, and the model is the same, shape for shape and dtype for dtype."""
-
-    def fake(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_meta:  # no values to copy: an empty tensor of its size, stride and dtype
-            return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
-        return mode.from_tensor(tensor)
-
-    memo: dict[int, torch.Tensor] = {}
-
-    def once(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:  # tied weights stay one tensor
-        if id(tensor) not in memo:
-            faked = fake(tensor)
-            memo[id(tensor)] = nn.Parameter(faked, tensor.requires_grad) if parameter else faked
-        return memo[id(tensor)]
-
-    for module in model.modules():
-        for held, parameters in ((module._parameters, True), (module._buffers, False)):
-            for name, tensor in list(held.items()):
-                if tensor is not None:
-                    held[name] = once(tensor, parameters)  # type: ignore[assignment]
-        for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
-            if isinstance(value, torch.Tensor):
-                setattr(module, name, once(value))
-            elif name not in _HELD and held_tensors(value):  # constants kept in a list or a dict
-                faked = tree_map_only(torch.Tensor, lambda t: once(t, isinstance(t, nn.Parameter)), value)
-                setattr(module, name, faked)
-    return model
 
 
 def _checkpoint_blocks(model: nn.Module, cuda: bool) -> None:
@@ -387,10 +372,12 @@ def _checkpoint_blocks(model: nn.Module, cuda: bool) -> None:
 
 
 @contextmanager
-def _as_on_cuda_step(cuda: bool, threads: MatmulThreads) -> Iterator[None]:
-    """Run the ops CUDA runs its own way as CUDA does, and note the threads that multiply: for a CUDA step only."""
+def _device_kernels(cuda: bool, threads: MatmulThreads) -> Iterator[None]:
+    """For a CUDA step, run the ops CUDA runs its own way as CUDA does and note the threads that multiply; for a
+    CPU step, count the copies the CPU's kernels make (memory/cpu_ops.py). Entered above the tracker."""
     if not cuda:
-        yield
+        with CpuKernels():
+            yield
         return
     with threads, CudaOps():
         yield
@@ -401,8 +388,10 @@ def _as_on_cuda(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
 
 
-def _notes(precision: str, target: str, strategy: str, sparse: bool) -> tuple[str, ...]:
+def _notes(precision: str, target: str, strategy: str, sparse: bool, layout: Choice[bool]) -> tuple[str, ...]:
     notes = ["eager model: torch.compile fuses ops and usually saves activation memory"]
+    if layout.value:  # the layout changes what the CPU's kernels copy; the CPU it was chosen for is said
+        notes.append(f"traced channels_last (NHWC), {layout.reason}")
     if sparse:  # a sparse gradient's size is its number of rows looked up: a value fake tensors do not hold
         notes.append("sparse embedding gradients are counted empty: they hold a row per index looked up in the batch")
     if target == "cuda" and precision != "fp32":

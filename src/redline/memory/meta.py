@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from redline.task import Task
+
+_HELD = ("_parameters", "_buffers", "_modules")  # a module's own dicts, each tensor in them faked as what it is
 
 _MOVES: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu})
 
@@ -100,3 +103,38 @@ def held_tensors(value: object) -> list[torch.Tensor]:
     if not isinstance(value, list | tuple | dict):
         return []
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """``model`` (a copy of the Task's module, or the factory's built on the meta device) with its tensors
+    replaced by fake ones on the CPU; call it under ``mode``.
+
+    A factory is not run under the fake mode itself: a module's ``.to(dtype)``, ``.half()`` or ``.float()``
+    cannot swap a fake parameter for its converted copy (torch holds a weak reference to it), while on
+    the meta device they work, and the model is the same, shape for shape and dtype for dtype."""
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta:  # no values to copy: an empty tensor of its size, stride and dtype
+            return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+        return mode.from_tensor(tensor)
+
+    memo: dict[int, torch.Tensor] = {}
+
+    def once(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:  # tied weights stay one tensor
+        if id(tensor) not in memo:
+            faked = fake(tensor)
+            memo[id(tensor)] = nn.Parameter(faked, tensor.requires_grad) if parameter else faked
+        return memo[id(tensor)]
+
+    for module in model.modules():
+        for held, parameters in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(held.items()):
+                if tensor is not None:
+                    held[name] = once(tensor, parameters)  # type: ignore[assignment]
+        for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, once(value))
+            elif name not in _HELD and held_tensors(value):  # constants kept in a list or a dict
+                faked = tree_map_only(torch.Tensor, lambda t: once(t, isinstance(t, nn.Parameter)), value)
+                setattr(module, name, faked)
+    return model
