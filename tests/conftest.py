@@ -38,12 +38,19 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
-    # Measured choices are cached per run of the suite, never in the developer's own cache.
+    # Measured choices are never cached in the developer's own cache (each test has its own: own_measurement_cache).
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="redline-test-cache-")
     try:
         probe_cpu_isa()
     except ConfigError as exc:  # a bad REDLINE_CPU would otherwise fail every test that plans
         raise pytest.UsageError(str(exc)) from None
+
+
+@pytest.fixture(autouse=True)
+def own_measurement_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test measures into a cache of its own: a trial one test ran for real (`memory --measure` on digits, on a
+    CPU where bf16 wins) must not decide the precision of another test's short run of the same model."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("redline-cache")))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

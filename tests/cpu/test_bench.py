@@ -427,6 +427,8 @@ def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
         "redline.runtime.compile.resolve_compile",
         lambda requested, *a, **k: Choice(True, "auto (test)") if requested == "auto" else real(requested, *a, **k),
     )
+    monkeypatch.setattr("redline.runtime.compile_check.LEAST_COMPILE_S", 0.0)  # a run long enough to try compiling
+    monkeypatch.setattr("redline.runtime.compile_check.KEEP", 0.0)  # and its check keeps the compile, faster or not
     for _ in range(2):
         result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[True], steps=2, window=2)
         compiled, auto = result.row("cpu fp32 compiled b32"), result.row("auto cpu b32")
