@@ -73,9 +73,9 @@ class CompileCheck:
         step = self.steps
         if WARMUP <= step <= EAGER_END and (step - WARMUP) % BLOCK == 0:
             self._time_block(self.eager, first=step == WARMUP)
-        if step == EAGER_END and not self._worth_compiling():
-            return
         if step == EAGER_END:
+            if not self._worth_compiling():
+                return
             for record in self.records:
                 record.use_compiled()
         if COMPILED_START <= step <= STEPS and (step - COMPILED_START) % BLOCK == 0:

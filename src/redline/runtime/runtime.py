@@ -65,7 +65,7 @@ from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.state import RunState
 from redline.runtime.strategy import Strategy, build_strategy
-from redline.runtime.transfer import move_to
+from redline.runtime.transfer import device_sync, move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
 
 # a backward whose gradient reduction broke: a peer died, or a loop of the user's gave its ranks unequal steps
@@ -434,9 +434,7 @@ class Runtime(RunState):
         if not (planned.value and self.options.compile == "auto" and self._compile_records):
             return planned
         if self._compile_check is None:
-            device = self.device
-            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-            self._compile_check = CompileCheck(planned, self.planned_steps or 0, sync)
+            self._compile_check = CompileCheck(planned, self.planned_steps or 0, device_sync(self.device))
         record = self._compile_records[-1]
         if not any(known is record for known in self._compile_check.records):  # a model set up again is checked already
             self._compile_check.add(record)

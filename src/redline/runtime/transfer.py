@@ -10,6 +10,12 @@ from typing import Any
 import torch
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (a no-op where calls are synchronous): what a timing
+    wraps each timed block in."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
 def move_to(batch: Any, device: torch.device, *, non_blocking: bool = False, channels_last: bool = False) -> Any:
     """Return ``batch`` with every tensor on ``device``.
 

@@ -36,7 +36,7 @@ from redline.runtime.contract import blames_user_code, check_loss
 from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.transfer import move_to
+from redline.runtime.transfer import device_sync, move_to
 
 WARMUP_STEPS = 1  # the first step, whose loss is compared; each round's settling step warms up the rest
 ROUNDS, BLOCK = 4, 3  # timed blocks per candidate, and timed steps per block (after one settling step)
@@ -186,7 +186,7 @@ def run_trial(
     need not confirm it twice.
     """
     inputs, targets = move_to(batch, device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     names: list[PrecisionName] = ["fp32", *candidates]
     saved = capture_rng()
     try:
