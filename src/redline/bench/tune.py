@@ -136,6 +136,9 @@ def tune(
         if any(trial.rejected == UNMEASURED for trial in measured) and getattr(best, axis) == getattr(before, axis):
             unmeasured.append(axis)  # kept, with an alternative never run: no decision
             reasons[axis] = f"not measured in full: {reasons[axis]}; {LEFT}"
+        if axis == "compile_mode" and best.compile and not before.compile:  # CUDA graphs won where compile lost
+            mode = reasons.pop(axis)
+            reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
     tell(len(axes), len(axes), "done")
     _check_measured(task, trials, interrupted, budget_s, signum)
     reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
@@ -401,8 +404,5 @@ def _plan_reasons(reasons: dict[str, str]) -> dict[str, str]:
     out = dict(reasons)
     mode = out.pop("compile_mode", None)
     if mode is not None and "compile" in out:
-        if out["compile"].startswith("compile off kept") and not mode.startswith(("compile off", "not ")):
-            out["compile"] = f"compile on in mode {mode}; the default mode alone lost: {out['compile']}"  # CUDA graphs
-        else:
-            out["compile"] += f"; mode {mode}"
+        out["compile"] += f"; mode {mode}"
     return out
