@@ -26,7 +26,7 @@ import torch.nn.functional as F
 Kernel = Literal["flash", "efficient"]
 
 _aten = torch.ops.aten
-_LOW = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # the dtypes autocast and the fused kernels treat as low
 _FLASH_HEAD_DIM = 256  # flash's largest head dimension (sdp_utils.cpp, check_head_dim_size_flash)
 _MASK_ALIGNMENT = 8  # the memory-efficient kernel's mask rows start on 8 elements (attention.cpp, preprocess_mask)
 
@@ -72,7 +72,7 @@ def cuda_kernel(
     same_heads = key.size(1) == heads and value.size(1) == heads
     grouped = enable_gqa and heads % key.size(1) == 0 and heads % value.size(1) == 0
     if (
-        dtype in _LOW
+        dtype in LOW_PRECISION
         and attn_mask is None
         and key.size(-1) == head_dim == value.size(-1) <= _FLASH_HEAD_DIM
         and not (is_causal and query.size(-2) != key.size(-2))
@@ -80,9 +80,9 @@ def cuda_kernel(
     ):
         return "flash"
     # 16 bytes in elements, for tensor cores (sdp_utils.cpp, minimum_gemm_alignment)
-    alignment = 8 if dtype in _LOW else 4
+    alignment = 8 if dtype in LOW_PRECISION else 4
     if (
-        dtype in (*_LOW, torch.float32)
+        dtype in (*LOW_PRECISION, torch.float32)
         and key.size(-1) == head_dim
         and head_dim % alignment == 0
         and value.size(-1) % alignment == 0

@@ -25,6 +25,7 @@ from torch._prims_common import suggest_memory_format  # Tensor.suggest_memory_f
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from redline.hardware.device import FAKE_CPU_ENV, CpuIsa, DeviceFacts, DeviceType, probe_cpu_isa
+from redline.memory.meta import swap_tensors
 from redline.plan import Choice
 from redline.plan.layout import has_conv2d, resolve_channels_last
 
@@ -83,15 +84,5 @@ def cpu_layout(model: nn.Module, precision: str, device: DeviceFacts) -> Choice[
 
 
 def to_channels_last(model: nn.Module) -> None:
-    """Lay ``model``'s 4-d tensors out NHWC, as ``model.to(memory_format=torch.channels_last)`` does; that call
-    cannot swap a fake parameter for its copy (torch holds a weak reference to it), so each is replaced here."""
-    memo: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for held, parameters in ((module._parameters, True), (module._buffers, False)):
-            for name, tensor in list(held.items()):
-                if tensor is None or tensor.dim() != 4:
-                    continue
-                if id(tensor) not in memo:  # tied weights stay one tensor
-                    nhwc = tensor.detach().contiguous(memory_format=torch.channels_last)
-                    memo[id(tensor)] = nn.Parameter(nhwc, tensor.requires_grad) if parameters else nhwc
-                held[name] = memo[id(tensor)]  # type: ignore[assignment]
+    """Lay ``model``'s 4-d tensors out NHWC, as ``model.to(memory_format=torch.channels_last)`` does for real ones."""
+    swap_tensors(model, lambda t: t.detach().contiguous(memory_format=torch.channels_last) if t.dim() == 4 else None)

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from redline.memory.attention import fused_attention
+from redline.memory.attention import LOW_PRECISION, fused_attention
 
 Handler = Callable[..., Any]
 
-_LOW = (torch.float16, torch.bfloat16)
 # In CUDA's autocast "fp32" list and not in the CPU's: floating inputs are cast to fp32.
 _FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
@@ -76,7 +75,7 @@ def _with_fp32_dtype(func: Handler, *args: Any, **kwargs: Any) -> Any:
 
 
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.float() if tensor.dtype in _LOW else tensor
+    return tensor.float() if tensor.dtype in LOW_PRECISION else tensor
 
 
 def _handlers() -> dict[Callable[..., Any], Handler]:

@@ -118,23 +118,41 @@ def fake_model(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
             return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
         return mode.from_tensor(tensor)
 
+    memo = swap_tensors(model, fake)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, _once(memo, value, fake))
+            elif name not in _HELD and held_tensors(value):  # constants kept in a list or a dict
+                faked = tree_map_only(torch.Tensor, lambda t: _once(memo, t, fake, isinstance(t, nn.Parameter)), value)
+                setattr(module, name, faked)
+    return model
+
+
+def swap_tensors(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor | None]) -> dict[int, torch.Tensor]:
+    """Replace every module's parameters and buffers by ``convert``'s copy of each (None keeps one as it is), once
+    per tensor so tied weights stay one; a parameter stays a parameter. Returns the replacements by the original's id.
+
+    ``Module.to`` cannot do this for fake tensors: torch holds a weak reference to each parameter it swaps."""
     memo: dict[int, torch.Tensor] = {}
-
-    def once(tensor: torch.Tensor, parameter: bool = False) -> torch.Tensor:  # tied weights stay one tensor
-        if id(tensor) not in memo:
-            faked = fake(tensor)
-            memo[id(tensor)] = nn.Parameter(faked, tensor.requires_grad) if parameter else faked
-        return memo[id(tensor)]
-
     for module in model.modules():
         for held, parameters in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in list(held.items()):
                 if tensor is not None:
-                    held[name] = once(tensor, parameters)  # type: ignore[assignment]
-        for name, value in list(vars(module).items()):  # a plain tensor attribute (a mask kept unregistered)
-            if isinstance(value, torch.Tensor):
-                setattr(module, name, once(value))
-            elif name not in _HELD and held_tensors(value):  # constants kept in a list or a dict
-                faked = tree_map_only(torch.Tensor, lambda t: once(t, isinstance(t, nn.Parameter)), value)
-                setattr(module, name, faked)
-    return model
+                    held[name] = _once(memo, tensor, convert, parameters)  # type: ignore[assignment]
+    return memo
+
+
+def _once(
+    memo: dict[int, torch.Tensor],
+    tensor: torch.Tensor,
+    convert: Callable[[torch.Tensor], torch.Tensor | None],
+    parameter: bool = False,
+) -> torch.Tensor:
+    if id(tensor) not in memo:
+        copied = convert(tensor)
+        if copied is None:
+            memo[id(tensor)] = tensor
+        else:
+            memo[id(tensor)] = nn.Parameter(copied, tensor.requires_grad) if parameter else copied
+    return memo[id(tensor)]
