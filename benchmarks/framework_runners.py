@@ -210,7 +210,14 @@ def run_redline_trainer(task: redline.Task, clock: Clock, steps: int, device: to
         "compile": bool(plan.compile and plan.compile.value),
         "final_loss": summary.final_loss,
         "why": plan.precision.reason,
+        "graphs_why": _graphs_why(plan, device),
     }
+
+
+def _graphs_why(plan: Any, device: torch.device) -> str | None:
+    """The CUDA graphs axis's reason on a CUDA device (what the run's first steps measured), where the Plan has it."""
+    graphs = getattr(plan, "cuda_graphs", None)
+    return graphs.reason if graphs is not None and device.type == "cuda" else None
 
 
 def run_redline_runtime(**tuned: str) -> Callable[..., dict[str, Any]]:
@@ -228,7 +235,8 @@ def run_redline_runtime(**tuned: str) -> Callable[..., dict[str, Any]]:
                 clock.loss(loss)
             plan = rt.explain()
         compiled = bool(plan.compile and plan.compile.value)
-        return {"precision": plan.precision.value, "compile": compiled, "why": plan.precision.reason}
+        why, graphs = plan.precision.reason, _graphs_why(plan, device)
+        return {"precision": plan.precision.value, "compile": compiled, "why": why, "graphs_why": graphs}
 
     return run
 

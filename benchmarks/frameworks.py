@@ -242,6 +242,8 @@ def task_table(task: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> 
             f"| {fig.final_loss:.4f} |"
         )
         notes += [f"- {entry.label}'s precision: {why}." for why in sorted({r.get("why") for r in done} - {None})]
+        graphs = sorted({r.get("graphs_why") for r in done} - {None})
+        notes += [f"- {entry.label}'s CUDA graphs: {why}." for why in graphs]
         slowed += fig.slowed
     for fp32, label in (("accelerate", "Accelerate"), ("fabric", "Fabric"), ("lightning", "the Lightning Trainer")):
         if fp32 in figures and f"{fp32}-bf16" in figures:

@@ -8,6 +8,8 @@
 # On 2026-12-04 part 1 took 236 s (before tune on digits joined it, and with a 40 s tune of GPT-2) and part 2
 # 285 s; the machine's start took about a minute. Set part 2's deadline from the lease's time left.
 #   DEVICE=cpu QUICK=1 PART=1 OUT=/tmp/x PYTHON=.venv/bin/python bash benchmarks/gpu/lease.sh   # a dry run
+# Part 3 (added when CUDA graphs for training joined auto, tune and profile): tests/gpu, then part 1's digits checks,
+#   a profile of digits under CUDA graphs, and frameworks.py on digits (the GPT-2 checks of part 1 left out).
 # Part 1: doctor; bench on digits; naive vs auto for 2,000 steps end to end; GPT-2-small for 300 steps
 #   under the Trainer (summary vs logged step speed, compile count); tune on digits (CUDA graphs among
 #   the candidates) and its tuned run; tune GPT-2-small at batch 64, then its tuned run (MFU).
@@ -72,7 +74,34 @@ if ! "$PY" -c "import redline.cli.main" 2> "$WORK/import.log"; then
   echo "redline does not import here:" && cat "$WORK/import.log" && pack && exit 3
 fi
 
-if [ "$PART" = 1 ]; then
+if [ "$PART" = 3 ]; then  # after CUDA graphs for training joined auto, tune and profile
+  if [ "$DEVICE" != cpu ]; then
+    step 60 gpu-tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu
+  fi
+  step 90 bench-digits "$PY" -m redline bench --task example:digits --devices "$DEVICE" --steps "$STEPS" \
+    --planned-steps "$LONG" --json --html "$WORK/bench-digits.html"
+  keep bench-digits bench-digits.json
+  step 60 speedup-digits "$PY" benchmarks/speedup.py --device "$DEVICE" --tasks example:digits --steps "$LONG" \
+    --repeats 2
+  keep speedup-digits speedup-digits.txt
+  GRAPHS=on
+  [ "$DEVICE" = cpu ] && GRAPHS=off
+  step 40 profile-graphs "$PY" -m redline profile --task example:digits --devices "$DEVICE" --precision fp32 \
+    --compile off --cuda-graphs "$GRAPHS" --steps 20
+  step 60 tune-digits "$PY" -m redline tune --task example:digits --devices "$DEVICE" --budget 30 \
+    --planned-steps "$LONG" --json
+  keep tune-digits tune-digits.json
+  step 40 tuned-digits "$PY" -m redline train --task example:digits --devices "$DEVICE" --plan tuned \
+    --max-steps "$LONG" --no-progress --json
+  keep tuned-digits tuned-digits.json
+  FW_STEPS=600
+  [ -n "${QUICK:-}" ] && FW_STEPS=20
+  step 200 frameworks "$PY" benchmarks/frameworks.py --device "$DEVICE" --rounds 1 --tasks example:digits \
+    --steps "$FW_STEPS" --python "$PY" --timeout 60 --write "frameworks-$DEVICE"
+  cp benchmarks/results/frameworks-$DEVICE.md "$WORK/" 2>/dev/null
+  pack
+  "$PY" benchmarks/gpu/bench_summary.py "$WORK" > "$WORK/summary.md" 2>&1
+elif [ "$PART" = 1 ]; then
   step 30 doctor "$PY" -m redline doctor --json
   step 90 bench-digits "$PY" -m redline bench --task example:digits --devices "$DEVICE" --steps "$STEPS" \
     --planned-steps "$LONG" --json --html "$WORK/bench-digits.html"

@@ -47,7 +47,7 @@ def plan_table(stdout: str) -> dict[str, tuple[str, str]]:
 
 
 CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum", "micro_batch", "clip_grad_norm",
-            "strategy", "channels_last", "compile", "activation_checkpointing", "optimizer", "zero_grad",
+            "strategy", "channels_last", "compile", "cuda_graphs", "activation_checkpointing", "optimizer", "zero_grad",
             "loader"]  # fmt: skip
 
 
@@ -605,3 +605,14 @@ def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts(re
     assert result.returncode == 2
     assert result.stderr.count("no built-in example 'nope'") == 1
     assert "launched job" not in result.stderr and "torch.distributed" not in result.stderr
+
+
+def test_cuda_graphs_asked_of_a_cpu_are_refused_by_the_flag_before_anything_runs():
+    from typer.testing import CliRunner
+
+    args = ["train", "--task", "example:digits", "--devices", "cpu", "--cuda-graphs", "on", "--max-steps", "2"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError)
+    message = str(result.exception)
+    assert "--cuda-graphs='on' is not allowed; expected 'auto' or 'off' on cpu" in message, message
+    assert "CUDA graphs need a CUDA device" in message

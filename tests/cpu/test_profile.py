@@ -134,6 +134,14 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         redline.profile(small_task(), devices="cpu", steps=0)
     with pytest.raises(Exception, match=r"fewer than the batch size 128"):
         redline.profile(small_task(), devices="cpu", batch_size=128)
+    with pytest.raises(ConfigError, match=r"cuda_graphs='on' is not allowed; expected 'auto' or 'off' on cpu"):
+        redline.profile(small_task(), devices="cpu", precision="fp32", cuda_graphs="on")
+
+
+def test_a_profile_with_graphs_off_is_an_explicit_eager_row():
+    found = redline.profile(small_task(), devices="cpu", precision="fp32", cuda_graphs="off", steps=2, warmup=1)
+    assert found.plan.cuda_graphs is not None and found.plan.cuda_graphs == redline.Choice(False, "requested")
+    assert found.setting.startswith("cpu fp32 eager") and "CUDA graphs" not in found.setting
 
 
 def test_the_recorded_steps_last_until_the_device_is_done(monkeypatch):

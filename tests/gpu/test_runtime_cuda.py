@@ -95,7 +95,7 @@ def test_an_automatic_compile_is_checked_on_the_first_steps_and_kept_only_if_fas
     # A model this small is bound by kernel launches: whichever form wins here, the Plan says which with both figures.
     from redline.runtime.compile_check import STEPS
 
-    rt = redline.Runtime(devices="cuda", precision="fp32", planned_steps=1_000_000)  # long enough to try compiling
+    rt = redline.Runtime(devices="cuda", precision="fp32", planned_steps=1_000_000, cuda_graphs="off")  # long enough
     train_steps(rt, STEPS + 5)
     plan = rt.explain().compile
     print(plan)

@@ -108,8 +108,8 @@ def test_the_advice_for_an_idle_gpu_names_commands_that_measure_what_it_suggests
     assert "a larger --batch-size (`redline bench --batch-size 32,64` measures it)" in said
     # bench has no --compile-mode: its compiled rows run the default mode, never CUDA graphs
     assert "`redline bench --compile on`" not in said
-    assert "`redline profile --compile on --compile-mode reduce-overhead` shows their step" in said
-    assert said.endswith("`redline tune` measures compile and its CUDA graphs mode")
+    assert "`redline profile --cuda-graphs on` shows their step" in said
+    assert said.endswith("`redline tune` measures both")
     compiled = dataclasses.replace(PLAN, compile=Choice(True, "requested; mode=reduce-overhead"))
     (graphs,) = advise(breakdown(busy=0.35), compiled, env={}, anomaly=False, batch_size=32, graphs=True)
     assert graphs.startswith("the GPU is idle 65% of each step though the step runs as CUDA graphs: the host")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import decide, search_space, skipped_axes
+from redline.bench.tune import _alternatives, decide, search_space, skipped_axes
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.runtime.options import RuntimeOptions
@@ -77,9 +77,27 @@ def test_the_search_tries_only_what_can_win_here():
     on_gpu = dict(search_space(conv_task(Listed()), H100))
     assert on_gpu["precision"] == ["fp32", "bf16-mixed"]
     assert on_gpu["compile_mode"] == ["default", "reduce-overhead"]
+    assert on_gpu["cuda_graphs"] == [False, True]
     assert on_gpu["loader_workers"] == [None, 0, 8]
     mlp = Task(model=nn.Linear(4, 2), loss_fn=nn.functional.mse_loss, train_data=conv_task().train_data, batch_size=7)
-    assert set(skipped_axes(mlp, AMX_CPU)) == {"channels_last", "loader_workers", "grad_accum", "compile_mode"}
+    skipped = {"channels_last", "loader_workers", "grad_accum", "compile_mode", "cuda_graphs"}
+    assert set(skipped_axes(mlp, AMX_CPU)) == skipped
+
+
+def test_graphs_are_tried_uncompiled_against_the_best_and_micro_batches_run_without_them():
+    compiled = Candidate(precision="bf16-mixed", compile=True)
+    _, graphed = _alternatives(compiled, "cuda_graphs", [False, True])
+    assert graphed == Candidate(precision="bf16-mixed", cuda_graphs=True)  # graphs of the model's own forward
+    assert graphed.options(RuntimeOptions()).cuda_graphs == "on" and graphed.label == "bf16-mixed, eager, CUDA graphs"
+    _, split = _alternatives(graphed, "grad_accum", [1, 2])
+    assert split == Candidate(precision="bf16-mixed", grad_accum=2)  # a graphed step back-propagates once
+
+
+def test_a_tuned_plan_with_graphs_turns_them_on_unless_asked_otherwise():
+    tuned = tuned_plan(cuda_graphs=True)
+    assert tuned.apply(RuntimeOptions()).cuda_graphs == "on"
+    assert tuned.apply(RuntimeOptions(cuda_graphs="off")).cuda_graphs == "off"
+    assert tuned.plan_reasons(tuned.apply(RuntimeOptions()))["cuda_graphs"]["value"] is True
 
 
 def tuned_plan(**best) -> TunedPlan:

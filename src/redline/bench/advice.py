@@ -55,8 +55,8 @@ def advise(
             + (
                 ""
                 if graphs
-                else ", or CUDA graphs: `redline profile --compile on --compile-mode reduce-overhead` shows their "
-                "step, and `redline tune` measures compile and its CUDA graphs mode"
+                else ", or CUDA graphs: `redline profile --cuda-graphs on` shows their step (`--compile on "
+                "--compile-mode reduce-overhead` a compiled one's), and `redline tune` measures both"
             )
         )
     if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from redline.bench.matrix import Setting
 from redline.errors import TaskError
 from redline.plan import Choice, Plan
 from redline.runtime.contract import split_batch
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import PrecisionRequest, RuntimeOptions, Switch
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import data_size
 from redline.runtime.transfer import move_to
@@ -179,9 +179,11 @@ def runtime_runner(
 
 
 def row_options(setting: Setting) -> RuntimeOptions:
-    """The Runtime options of an explicit row: its device, precision and compile (None: auto)."""
-    compile_ = "auto" if setting.compile is None else "on" if setting.compile else "off"
-    return RuntimeOptions(devices=setting.device, precision=setting.precision, compile=compile_)  # type: ignore[arg-type]
+    """The Runtime options of an explicit row: its device, precision and compile (None: auto); no CUDA graphs, which
+    only the auto row may choose (an "eager" row runs eager)."""
+    compile_: Switch = "auto" if setting.compile is None else "on" if setting.compile else "off"
+    precision = cast(PrecisionRequest, setting.precision)
+    return RuntimeOptions(devices=setting.device, precision=precision, compile=compile_, cuda_graphs="off")
 
 
 def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:

@@ -101,6 +101,7 @@ def profile(
     precision: str | None = None,
     compile: bool | str | None = None,
     compile_mode: str = "default",
+    cuda_graphs: str | None = None,
     batch_size: int | None = None,
     steps: int = 10,
     warmup: int = 5,
@@ -116,8 +117,9 @@ def profile(
     measures it: a cached trial, else one where the planned run repays it). ``compile`` is True, False
     or None (auto), or "on", "off" or "auto". ``compile_mode`` ("reduce-overhead": CUDA graphs, or
     "max-autotune") profiles a compiled step in that mode: it compiles unless ``compile`` is off, which
-    refuses it. ``trace`` writes torch.profiler's Chrome trace there (``.json``, or ``.json.gz``
-    compressed) for ui.perfetto.dev or chrome://tracing.
+    refuses it. ``cuda_graphs`` "on" profiles the step with its forward and backward replayed as CUDA graphs
+    (runtime/graphs.py), uncompiled: with ``compile`` on it is refused. ``trace`` writes torch.profiler's
+    Chrome trace there (``.json``, or ``.json.gz`` compressed) for ui.perfetto.dev or chrome://tracing.
     """
     task = require_task(task)
     compile = _compiles(compile, compile_mode)
@@ -142,11 +144,16 @@ def profile(
         allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
         raise invalid("devices", devices, allowed, f"profile one at a time, e.g. devices={first!r}")
     device = resolve_device(devices, probe_accelerators()).value
-    explicit = precision is not None or compile is not None or compile_mode != "default"
+    graphed = cuda_graphs not in (None, "auto")
+    explicit = precision is not None or compile is not None or compile_mode != "default" or graphed
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
     options = None
-    if compile_mode != "default":  # every option given, the mode among them (the matrix's rows take the default)
-        given: dict[str, Any] = {"precision": precision or "auto", "compile": "on", "compile_mode": compile_mode}
+    if compile_mode != "default" or graphed:  # every option given, the mode among them (the matrix's rows take none)
+        given: dict[str, Any] = {"precision": precision or "auto", "cuda_graphs": cuda_graphs or "off"}
+        if compile_mode != "default":
+            given.update(compile="on", compile_mode=compile_mode)
+        else:
+            given["compile"] = {True: "on", False: "off", None: "off"}[compile]
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
     planned = planned_steps or task_steps(task, size)
     with users_failure(f"profiling task {task.name!r}: its model, loss or optimizer", STEP_HINT):
@@ -166,13 +173,16 @@ def profile(
     if setting.kind == "explicit":  # the label says what ran: the axes left to auto as the Plan resolved them
         setting = replace(setting, precision=plan.precision.value, compile=compiled)
     graphs = compiled and runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
+    graphs = graphs or (plan.cuda_graphs is not None and bool(plan.cuda_graphs.value))
     advice = advise(
         breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
     )
     return Profile(
         task=task.name,
         device=device,
-        setting=setting.name + (f", {compile_mode}" if compile_mode != "default" else ""),
+        setting=setting.name
+        + (f", {compile_mode}" if compile_mode != "default" else "")
+        + (", CUDA graphs" if plan.cuda_graphs is not None and plan.cuda_graphs.value else ""),
         batch_size=size,
         plan=plan,
         breakdown=breakdown,

@@ -221,6 +221,8 @@ def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
     axes.append(("compile", [False, True]))
     if "compile_mode" not in skipped:
         axes.append(("compile_mode", ["default", "reduce-overhead"]))
+    if "cuda_graphs" not in skipped:
+        axes.append(("cuda_graphs", [False, True]))
     if "channels_last" not in skipped:
         axes.append(("channels_last", [False, True]))
     if "loader_workers" not in skipped:
@@ -244,6 +246,7 @@ def skipped_axes(task: Task, facts: DeviceFacts) -> dict[str, str]:
         skipped["grad_accum"] = f"batch {task.batch_size} does not split into two equal micro-batches"
     if facts.type != "cuda":
         skipped["compile_mode"] = "CUDA graphs (reduce-overhead) need a CUDA device"
+        skipped["cuda_graphs"] = "CUDA graphs need a CUDA device"
     return skipped
 
 
@@ -268,9 +271,15 @@ def _alternatives(best: Candidate, axis: str, values: Sequence[Any]) -> list[Can
     A compile mode is tried with compile on even where the default compile lost: CUDA graphs
     (reduce-overhead) cut the kernel launches that bind a small model, which a default compile leaves
     (on an H200 the digits CNN ran 0.83x eager compiled by default, its GPU busy 4% of each step).
+    CUDA graphs of the uncompiled model (runtime/graphs.py) are tried against the best so far, compiled
+    or not, as they capture in milliseconds where a compile takes seconds.
     """
     if axis == "compile_mode" and not best.compile:
         return [best, *(dataclasses.replace(best, compile=True, compile_mode=v) for v in values if v != "default")]
+    if axis == "cuda_graphs":  # graphs replay the model's own forward: against a compiled best, uncompiled
+        return [best, *(dataclasses.replace(best, compile=False, compile_mode="default", cuda_graphs=True),)]
+    if axis == "grad_accum" and best.cuda_graphs:  # a graphed step back-propagates once: micro-batches run eagerly
+        return [best, *(dataclasses.replace(best, grad_accum=v, cuda_graphs=False) for v in values if v != 1)]
     return [best, *(dataclasses.replace(best, **{axis: v}) for v in values if v != getattr(best, axis))]
 
 
@@ -337,9 +346,12 @@ def _measure(
 
 
 def _ran_eagerly(runner: Runner, candidate: Candidate) -> str:
-    """Why a compiled candidate ran its eager model ("" when it compiled): torch.compile fell back, or could
-    not run here. Its timing would be the eager model's, which could win by noise as "compiled"."""
+    """Why a compiled (or graphed) candidate ran its eager model ("" when it compiled): torch.compile fell back, the
+    capture failed, or neither could run here. Its timing would be the eager model's, which could win by noise."""
     plan = runner.plan()
+    graphs = plan.cuda_graphs if plan is not None else None
+    if candidate.cuda_graphs and graphs is not None and not graphs.value:
+        return f"the CUDA graphs were not captured, so it would time the eager model ({graphs.reason})"
     compiled = plan.compile if plan is not None else None
     if not candidate.compile or compiled is None or compiled.value:
         return ""

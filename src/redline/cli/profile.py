@@ -34,6 +34,12 @@ def profile_command(
             "a mode other than default profiles the step compiled."
         ),
     ] = "default",
+    cuda_graphs: Annotated[
+        str | None,
+        typer.Option(
+            help="CUDA graphs of the forward and backward: on, off or auto (default: what `redline train` would run)."
+        ),
+    ] = None,
     batch_size: Annotated[int | None, count("Batch size (default: the task's own).")] = None,
     steps: Annotated[int, count("Steps to record, after the warm-up.")] = 10,
     warmup: Annotated[int, count("Steps to run first, unrecorded (compiling, if it compiles).")] = 5,
@@ -51,11 +57,11 @@ def profile_command(
         raise invalid("--compile", compile, "auto, on or off", "e.g. --compile on")
     loaded = load_given_task(task, task_arg)
     flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode",
-             "compile": "--compile"}  # fmt: skip
+             "compile": "--compile", "cuda_graphs": "--cuda-graphs"}  # fmt: skip
     with said_by_flags(**flags), stopped_by_signal("profiling", "nothing was written"):
         found = profile(
             loaded, devices=devices, precision=precision, compile=compile.lower() if compile else None,
-            compile_mode=compile_mode,
+            compile_mode=compile_mode, cuda_graphs=cuda_graphs.lower() if cuda_graphs else None,
             batch_size=batch_size, steps=steps, warmup=warmup, planned_steps=planned_steps, trace=trace,
         )  # fmt: skip
     data = found.to_dict()

@@ -1,4 +1,4 @@
-"""Confirming an automatic compile on the run's own steps.
+"""Confirming an automatic compile, and CUDA graphs, on the run's own steps.
 
 The compile rule (plan/compile.py) proposes compiling a long run on a GPU. Whether a compiled step is
 faster depends on the model: on an H200, GPT-2-small at batch 64 ran 1.14x faster compiled, while the
@@ -13,6 +13,11 @@ for any compile to repay itself (the digits CNN's 2,000 steps of 2.2 ms on an H2
 of 3-6 s), the model is not compiled at all. The check needs no loss function and no copy of the model, so a
 user's own loop under the Runtime gets it as the Trainer does. Under several processes rank 0's
 figures decide, and every rank follows at the same step.
+
+CUDA graphs (runtime/graphs.py) are checked the same way, before the compile: on a CUDA device, where
+"auto" proposes them, a phase of graphed steps follows the eager blocks, then the compiled phase if a
+compile is planned and worth it. The fastest form stays if it beats eager by ``KEEP``; graphs cost a
+capture of milliseconds, so no run is too short to try them.
 """
 
 from __future__ import annotations
@@ -24,28 +29,34 @@ from dataclasses import dataclass, field
 from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice, times
 from redline.runtime.compile import CompileRecord
+from redline.runtime.graphs import GraphRecord
 
 WARMUP = 3  # eager steps not timed: the first batches, the allocator and cuDNN's algorithm search settle
 BLOCKS, BLOCK = 3, 5  # timed blocks of each kind, and optimizer steps per block
-SETTLE = 2  # compiled steps not timed: the first compiles forward and backward, the second settles
-KEEP = 1.03  # the compiled steps must run this much faster than eager to stay: the noise of a few blocks
+SETTLE = 2  # steps of a new form not timed: the first compiles (or captures) forward and backward, the second settles
+KEEP = 1.03  # a candidate form must run this much faster than eager to stay: the noise of a few blocks
 # Before compiling, the eager steps tell what a compile could save at most: a compiled step rarely runs more than
 # twice as fast (the torch.compile tutorial: 1.3-2x on common models), and a compile takes seconds even for a
 # small model (2.9-6.0 s for the digits CNN on an H200, 14.8 s for GPT-2-small). A run whose eager steps add up
 # to less than LEAST_COMPILE_S / (1 - 1 / MOST_GAIN) is not compiled at all.
 MOST_GAIN = 2.0
 LEAST_COMPILE_S = 3.0
-EAGER_END = WARMUP + BLOCKS * BLOCK  # the step after which the compiled forward takes over
-COMPILED_START = EAGER_END + SETTLE
-STEPS = COMPILED_START + BLOCKS * BLOCK  # the step after which the check decides
+EAGER_END = WARMUP + BLOCKS * BLOCK  # the step after which the first candidate form takes over
+PHASE = SETTLE + BLOCKS * BLOCK  # steps each candidate form runs
+COMPILED_START = EAGER_END + SETTLE  # where the compile is the only candidate: its first timed step
+STEPS = EAGER_END + PHASE  # the step after which a check of one candidate decides
+
+GRAPHS, COMPILED = "graphs", "compiled"
+_NAMES = {GRAPHS: "graphed steps", COMPILED: "compiled steps"}
 
 
 @dataclass
 class CompileCheck:
-    """Times the run's first steps eager, then compiled, and keeps the faster (``after_step`` after each step).
+    """Times the run's first steps eager, then graphed and compiled, and keeps the fastest (``after_step`` after each).
 
-    ``sync`` waits for the device (so a block's time is its work's), ``clock`` reads seconds; both are
-    given so a test can drive the check with a fake clock.
+    ``planned`` is the compile axis as the rule planned it (False: the compile is no candidate); CUDA graphs
+    join with ``add_graphs``. ``sync`` waits for the device (so a block's time is its work's), ``clock`` reads
+    seconds; both are given so a test can drive the check with a fake clock.
     """
 
     planned: Choice[bool]
@@ -55,47 +66,118 @@ class CompileCheck:
     records: list[CompileRecord] = field(default_factory=list)
     eager: list[float] = field(default_factory=list)  # seconds per step of each timed eager block
     compiled: list[float] = field(default_factory=list)
+    graphed: list[float] = field(default_factory=list)
     steps: int = 0
-    choice: Choice[bool] | None = None  # once decided
+    choice: Choice[bool] | None = None  # the compile axis, once decided
+    graphs: GraphRecord | None = None
+    graphs_planned: Choice[bool] | None = None
+    graphs_choice: Choice[bool] | None = None  # the CUDA graphs axis, once decided
+    phases: list[str] = field(default_factory=list)  # the candidate forms after eager, in order (known at EAGER_END)
+    decided: bool = False
     _mark: float = 0.0
 
     def add(self, record: CompileRecord) -> None:
-        """Check ``record``'s model too; it starts in the form the check is at (eager until the switch)."""
+        """Check ``record``'s model too; it starts in the form the check is at (eager until the compiled phase)."""
         self.records.append(record)
-        if self.steps < EAGER_END or (self.choice is not None and not self.choice.value):
+        if self._form() != COMPILED:
             record.use_eager()
+
+    def add_graphs(self, record: GraphRecord, planned: Choice[bool]) -> None:
+        """Check CUDA graphs for ``record``'s model too (it runs its own forward until the graphed phase)."""
+        self.graphs, self.graphs_planned = record, planned
 
     def after_step(self) -> None:
         """Count an optimizer step; time, switch and decide at the steps the schedule names."""
-        if self.choice is not None:
+        if self.decided:
             return
         self.steps += 1
         step = self.steps
         if WARMUP <= step <= EAGER_END and (step - WARMUP) % BLOCK == 0:
             self._time_block(self.eager, first=step == WARMUP)
         if step == EAGER_END:
-            if not self._worth_compiling():
+            self.phases = self._candidates()
+            if not self.phases:
+                self.decided = True  # nothing left to time: eager, for the reasons the candidates gave
                 return
-            for record in self.records:
-                record.use_compiled()
-        if COMPILED_START <= step <= STEPS and (step - COMPILED_START) % BLOCK == 0:
-            self._time_block(self.compiled, first=step == COMPILED_START)
-        if step == STEPS:
-            self._decide()
+            self._switch(self.phases[0])
+        if step <= EAGER_END:
+            return
+        index, within = divmod(step - EAGER_END - 1, PHASE)
+        at = within + 1  # the phase's step, 1..PHASE
+        if at >= SETTLE and (at - SETTLE) % BLOCK == 0:
+            self._time_block(self._blocks(self.phases[index]), first=at == SETTLE)
+        if at == PHASE:
+            if index + 1 < len(self.phases):
+                self._switch(self.phases[index + 1])
+            else:
+                self._decide()
+
+    @property
+    def end(self) -> int:
+        """The step after which the check decides (as far as it can tell yet)."""
+        count = len(self.phases) if self.steps >= EAGER_END else (self.graphs is not None) + bool(self.planned.value)
+        return EAGER_END + PHASE * count
 
     def explain(self) -> Choice[bool]:
         """The compile axis as the check stands: its decision, or the plan with how far the check got."""
         if self.choice is not None:
             return self.choice
+        if not self.planned.value or self.decided:
+            return self.planned
+        end = self.end
         if self.steps < EAGER_END:
             return Choice(
                 self.planned.value,
-                f"{self.planned.reason}; checked on this run: {EAGER_END} steps eager, then {STEPS - EAGER_END} "
-                f"compiled, and kept only if faster (eager so far: {self.steps} of {STEPS} steps)",
+                f"{self.planned.reason}; checked on this run: {EAGER_END} steps eager, then {end - EAGER_END} "
+                f"{'graphed and compiled' if self.graphs is not None else 'compiled'}, and kept only if faster "
+                f"(eager so far: {self.steps} of {end} steps)",
             )
-        return Choice(
-            self.planned.value, f"{self.planned.reason}; being checked on this run (step {self.steps} of {STEPS})"
-        )
+        checking = f"being checked on this run (step {self.steps} of {end})"
+        return Choice(self.planned.value, f"{self.planned.reason}; {checking}")
+
+    def explain_graphs(self) -> Choice[bool] | None:
+        """The CUDA graphs axis as the check stands (None when graphs are no candidate)."""
+        if self.graphs is None or self.graphs_planned is None:
+            return None
+        if self.graphs_choice is not None:
+            return self.graphs_choice
+        planned = self.graphs_planned
+        if self.graphs.failed is not None:
+            return Choice(False, f"{planned.reason}, but off: {self.graphs.failed}; the model runs its own forward")
+        return Choice(True, f"{planned.reason}; being checked on this run (step {self.steps} of {self.end})")
+
+    def _form(self) -> str:
+        """The form the models run in now: "eager" or a phase's."""
+        if self.decided:
+            if self.choice is not None and self.choice.value:
+                return COMPILED
+            return GRAPHS if self.graphs_choice is not None and self.graphs_choice.value else "eager"
+        if self.steps < EAGER_END or not self.phases:
+            return "eager"
+        return self.phases[min((self.steps - EAGER_END) // PHASE, len(self.phases) - 1)]
+
+    def _blocks(self, form: str) -> list[float]:
+        return self.graphed if form == GRAPHS else self.compiled
+
+    def _switch(self, form: str) -> None:
+        if form == GRAPHS:
+            for record in self.records:
+                record.use_eager()
+            assert self.graphs is not None
+            self.graphs.use_graphed()
+        else:
+            if self.graphs is not None:
+                self.graphs.use_eager()
+            for record in self.records:
+                record.use_compiled()
+
+    def _candidates(self) -> list[str]:
+        phases = []
+        if self.graphs is not None and self.graphs.failed is None:
+            phases.append(GRAPHS)
+        if self.records and self.planned.value and self._worth_compiling():
+            phases.append(COMPILED)
+        return phases
 
     def _time_block(self, blocks: list[float], *, first: bool) -> None:
         self.sync()
@@ -120,20 +202,47 @@ class CompileCheck:
         return worth
 
     def _decide(self) -> None:
-        eager, compiled = min(self.eager), min(self.compiled)
-        keep = bool(run_on_rank0(lambda: eager / compiled >= KEEP, "the compile check"))  # rank 0's figures
-        figures = (
-            f"compiled steps ran {times(eager / compiled)} eager ({compiled * 1e3:.3g} against {eager * 1e3:.3g} ms, "
-            f"fastest of {BLOCKS} blocks of {BLOCK} steps each)"
-        )
-        if keep:
-            self.choice = Choice(True, f"{self.planned.reason}; confirmed on this run: {figures}")
-            return
-        for record in self.records:
-            record.use_eager()
-        spent = sum(record.seconds or 0.0 for record in self.records)
-        self.choice = Choice(
-            False,
-            f"{self.planned.reason}, but on this run {figures}: eager from step {STEPS + 1} "
-            f"(the compile took {spent:.1f} s)",
-        )
+        self.decided = True
+        eager = min(self.eager)
+        timed = {form: min(self._blocks(form)) for form in self.phases}
+        if self.graphs is not None and self.graphs.failed is not None:
+            timed.pop(GRAPHS, None)  # its blocks ran the model's own forward
+
+        def best() -> str:
+            fastest = min(timed, key=lambda form: timed[form], default="eager")
+            return fastest if fastest != "eager" and eager / timed[fastest] >= KEEP else "eager"
+
+        kept = str(run_on_rank0(best, "the compile check"))  # rank 0's figures
+        figures = {
+            form: f"{_NAMES[form]} ran {times(eager / seconds)} eager ({seconds * 1e3:.3g} against "
+            f"{eager * 1e3:.3g} ms, fastest of {BLOCKS} blocks of {BLOCK} steps each)"
+            for form, seconds in timed.items()
+        }
+        after = f"from step {self.steps + 1}"
+        if kept != COMPILED and COMPILED in self.phases:
+            for record in self.records:
+                record.use_eager()
+            spent = sum(record.seconds or 0.0 for record in self.records)
+            beaten = f", and {figures[kept]}" if kept != "eager" else ""
+            self.choice = Choice(
+                False,
+                f"{self.planned.reason}, but on this run {figures[COMPILED]}{beaten}: "
+                f"{'CUDA graphs' if kept == GRAPHS else 'eager'} {after} (the compile took {spent:.1f} s)",
+            )
+        elif kept == COMPILED:
+            self.choice = Choice(True, f"{self.planned.reason}; confirmed on this run: {figures[COMPILED]}")
+        if self.graphs is not None and self.graphs_planned is not None:
+            self.graphs_choice = self._graphs_decided(kept, figures, after)
+
+    def _graphs_decided(self, kept: str, figures: dict[str, str], after: str) -> Choice[bool]:
+        assert self.graphs is not None and self.graphs_planned is not None
+        planned, record = self.graphs_planned.reason, self.graphs
+        if record.failed is not None:
+            return Choice(False, f"{planned}, but off: {record.failed}; the model runs its own forward")
+        if kept == GRAPHS:
+            record.use_graphed()
+            captured = f"captured in {record.seconds:.2f} s"
+            return Choice(True, f"{planned}; confirmed on this run: {figures[GRAPHS]} ({captured})")
+        record.use_eager()
+        instead = "the compiled forward" if kept == COMPILED else "the model's own forward"
+        return Choice(False, f"{planned}, but on this run {figures[GRAPHS]}: {instead} {after}")

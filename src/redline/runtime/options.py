@@ -22,7 +22,8 @@ SWITCHES: tuple[str, ...] = get_args(Switch)
 class RuntimeOptions:
     """What a run asks of the Runtime; every "auto" is resolved into the Plan when the Runtime is built.
 
-    ``compile``, ``channels_last`` and ``activation_checkpointing`` also take True/False, kept as "on"/"off".
+    ``compile``, ``cuda_graphs``, ``channels_last`` and ``activation_checkpointing`` also take True/False, kept as
+    "on"/"off".
     """
 
     devices: str = option("auto", "auto, cpu, cuda, cuda:N or mps.")
@@ -30,6 +31,11 @@ class RuntimeOptions:
     compile: Switch = option("auto", "torch.compile: auto, on or off.")
     compile_mode: CompileMode = option(
         "default", "torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune."
+    )
+    cuda_graphs: Switch = option(
+        "auto",
+        "CUDA graphs for the training forward and backward: auto (on CUDA, kept if the first steps run faster), on or "
+        "off.",
     )
     channels_last: Switch = option("auto", "channels_last memory layout: auto, on or off.")
     loader_workers: int | None = option(None, "DataLoader worker processes (default: chosen for the device).")
@@ -51,7 +57,7 @@ class RuntimeOptions:
     )
 
     def __post_init__(self) -> None:
-        for name in ("compile", "channels_last", "activation_checkpointing"):
+        for name in ("compile", "cuda_graphs", "channels_last", "activation_checkpointing"):
             value = getattr(self, name)
             if isinstance(value, bool):
                 object.__setattr__(self, name, "on" if value else "off")

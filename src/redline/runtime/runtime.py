@@ -37,6 +37,7 @@ from redline.parallel.collectives import peers_said
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.device import resolve_worker_device
+from redline.plan.inference import check_cuda_graphs
 from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.micro_batch import found_size
@@ -48,6 +49,7 @@ from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds, explain_compile
 from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
+from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
@@ -108,6 +110,7 @@ class Runtime(RunState):
         device = resolve_worker_device(self.options.devices, probe_accelerators(), local_rank=local_rank)
         self.device = torch.device(device.value)
         self.facts: DeviceFacts = probe_device(self.device)
+        check_cuda_graphs(self.options.cuda_graphs, self.facts.type)  # "on" off CUDA: refused before any work
         chosen = resolve_precision(self.options.precision, self.facts)
         if measured and "precision" in measured and self.options.precision == "auto":
             found = measured["precision"]
@@ -141,7 +144,8 @@ class Runtime(RunState):
         self._started: contextlib.ExitStack | None = None
         self._closed, self._entered = False, 0
         self._compile_records: list[CompileRecord] = []
-        self._compile_check: CompileCheck | None = None  # an automatic compile, confirmed on the first steps
+        self._compile_check: CompileCheck | None = None  # automatic compile and graphs, confirmed on the first steps
+        self._graphs: GraphRecord | None = None  # the model whose training forward and backward may replay CUDA graphs
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
 
@@ -233,13 +237,19 @@ class Runtime(RunState):
         impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
-        planned = self._check_compile(
-            compile_planned(
+        if self.options.cuda_graphs == "on" and self.options.compile == "auto":  # one form of the forward at a time
+            planned = Choice(False, "auto: off with cuda_graphs='on' (the graphs replay the model's own forward)")
+        else:
+            planned = compile_planned(
                 model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
             )
-        )
+        graphs, self._graphs = setup_graphs(
+            model, self.options, self.facts, world_size=self.env.world_size, records=self._compile_records,
+            current=self._graphs,
+        )  # fmt: skip
+        self._check_forms(planned, graphs)
         self._plan = dataclasses.replace(
-            self._plan, strategy=strategy, channels_last=layout, compile=planned, optimizer=impl,
+            self._plan, strategy=strategy, channels_last=layout, compile=planned, cuda_graphs=graphs, optimizer=impl,
             micro_batch=micro, activation_checkpointing=recompute,
         )  # fmt: skip
         self.precision.guard(built)
@@ -262,6 +272,8 @@ class Runtime(RunState):
         turned = self._checkpointing.enable(reason)
         if turned is not None:
             self._plan = dataclasses.replace(self._plan, activation_checkpointing=turned)
+            if self._graphs is not None:  # a graph cannot recompute in its backward
+                self._graphs.stop("activation checkpointing turned on")
         return turned is not None
 
     def _use_tuned(self, model: nn.Module) -> None:
@@ -305,6 +317,8 @@ class Runtime(RunState):
         with contextlib.ExitStack() as stack:
             for record in self._compile_records:
                 stack.enter_context(record.eagerly())
+            if self._graphs is not None:
+                stack.enter_context(self._graphs.eagerly())
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -378,6 +392,8 @@ class Runtime(RunState):
         clip = self.options.clip_grad_norm
         self.precision.step(optimizer, None if clip is None else partial(self.precision.clip_grad_norm, max_norm=clip))
         self._cycle.stepped(optimizer)
+        if self._graphs is not None:
+            self._graphs.stepped()
         if self._compile_check is not None:
             self._compile_check.after_step()
         return True
@@ -407,8 +423,9 @@ class Runtime(RunState):
 
     @property
     def compile_checking(self) -> bool:
-        """Whether an automatic compile is still being checked on the run's first steps (runtime/compile_check.py)."""
-        return self._compile_check is not None and self._compile_check.choice is None
+        """Whether an automatic compile or CUDA graphs are still being checked on the run's first steps
+        (runtime/compile_check.py)."""
+        return self._compile_check is not None and not self._compile_check.decided
 
     @property
     def training_compile_seconds(self) -> float:
@@ -424,21 +441,33 @@ class Runtime(RunState):
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
         plan = self._plan
+        check = self._compile_check
         if plan.compile is not None:
-            checked = self._compile_check.explain() if self._compile_check is not None else plan.compile
+            checked = check.explain() if check is not None else plan.compile
             plan = dataclasses.replace(plan, compile=explain_compile(checked, self._compile_records))
+        if plan.cuda_graphs is not None:
+            graphs = check.explain_graphs() if check is not None else None
+            requested = self._graphs.explain(plan.cuda_graphs) if self._graphs is not None else plan.cuda_graphs
+            plan = dataclasses.replace(plan, cuda_graphs=graphs or requested)
         return plan
 
-    def _check_compile(self, planned: Choice[bool]) -> Choice[bool]:
-        """Have the run's own first steps confirm a compile the rule chose (runtime/compile_check.py)."""
-        if not (planned.value and self.options.compile == "auto" and self._compile_records):
-            return planned
+    def _check_forms(self, planned: Choice[bool], graphs: Choice[bool]) -> None:
+        """Have the run's own first steps confirm a compile the rule chose, and CUDA graphs "auto" proposed
+        (runtime/compile_check.py)."""
+        compiles = bool(planned.value and self.options.compile == "auto" and self._compile_records)
+        graphed = bool(graphs.value and self.options.cuda_graphs == "auto" and self._graphs is not None)
+        if not (compiles or graphed):
+            return
         if self._compile_check is None:
-            self._compile_check = CompileCheck(planned, self.planned_steps or 0, device_sync(self.device))
-        record = self._compile_records[-1]
-        if not any(known is record for known in self._compile_check.records):  # a model set up again is checked already
-            self._compile_check.add(record)
-        return planned
+            proposed = planned if compiles else Choice(False, planned.reason)
+            self._compile_check = CompileCheck(proposed, self.planned_steps or 0, device_sync(self.device))
+        check = self._compile_check
+        if compiles:
+            record = self._compile_records[-1]
+            if not any(known is record for known in check.records):  # a model set up again is checked already
+                check.add(record)
+        if graphed and check.graphs is None and self._graphs is not None:
+            check.add_graphs(self._graphs, graphs)
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
         """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""

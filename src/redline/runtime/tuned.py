@@ -34,7 +34,7 @@ from redline.task import Task, model_fingerprint
 
 log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
-TUNED_AXES = ("precision", "compile", "compile_mode", "channels_last", "loader_workers", "grad_accum")
+TUNED_AXES = ("precision", "compile", "compile_mode", "cuda_graphs", "channels_last", "loader_workers", "grad_accum")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Candidate:
     precision: str = "fp32"
     compile: bool = False
     compile_mode: str = "default"
+    cuda_graphs: bool = False  # the forward and backward replayed as CUDA graphs, without a compile
     channels_last: bool = False
     loader_workers: int | None = None  # None: the device's rule
     grad_accum: int = 1
@@ -51,6 +52,8 @@ class Candidate:
     @property
     def label(self) -> str:
         parts = [self.precision, f"compiled ({self.compile_mode})" if self.compile else "eager"]
+        if self.cuda_graphs:
+            parts.append("CUDA graphs")
         if self.channels_last:
             parts.append("channels_last")
         if self.loader_workers is not None:
@@ -66,6 +69,7 @@ class Candidate:
             precision=self.precision,
             compile="on" if self.compile else "off",
             compile_mode=self.compile_mode,
+            cuda_graphs="on" if self.cuda_graphs else "off",
             channels_last="on" if self.channels_last else "off",
             loader_workers=self.loader_workers,
             grad_accum=self.grad_accum,
@@ -144,6 +148,7 @@ class TunedPlan:
         values = {
             "precision": (options.precision, self.best.precision),
             "compile": (options.compile == "on", self.best.compile),
+            "cuda_graphs": (options.cuda_graphs == "on", self.best.cuda_graphs),
             "channels_last": (options.channels_last == "on", self.best.channels_last),
             "grad_accum": (options.grad_accum, self.best.grad_accum),
         }

@@ -1,0 +1,212 @@
+"""CUDA graphs for a training step's forward and backward, captured from the model's own eager forward.
+
+A small model on a GPU spends its step launching kernels, not running them: on an H200 the digits CNN kept
+the GPU busy 4% of its step (benchmarks/results/h200-2026-12-04.md), and torch.compile, which fuses kernels
+but still launches each, made it slower. ``torch.cuda.make_graphed_callables`` captures the forward and its
+backward as two CUDA graphs; a training forward then copies its inputs into the graph's and replays the
+whole forward in one launch, and autograd replays the backward in one more. Nothing is compiled: the
+capture runs the forward three times and records it once, milliseconds where a compile takes seconds.
+
+What a graph cannot follow runs the model's own forward, call by call:
+- inputs of another shape, dtype or device than the captured ones (a partial last batch, a micro-batch),
+  a keyword or an argument that is not a tensor: the graph would copy them into its buffers wrongly;
+- a forward under no_grad or in the other train/eval mode than the captured one (evaluation, sampling);
+- a second forward before the optimizer steps: the graph's outputs and saved activations are single
+  buffers, and a second replay would overwrite the first's before its backward ran.
+A capture that fails (a forward that waits on the host, a hook, memory) is logged, and the model runs its
+own forward for the rest of the run; the Plan says why. The capture's warm-up runs the forward on the
+first batch three times, which would move BatchNorm's running statistics three extra times: the buffers
+are put back after it.
+
+The graph's backward hands out gradients that live in its own buffers, so a graphed step must
+back-propagate once and have its gradients freed after the optimizer step, as the Runtime does on CUDA:
+gradient accumulation, micro-batches and several processes keep graphs off (plan/graphs.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.errors import describe_error
+from redline.hardware.device import DeviceFacts
+from redline.plan import Choice
+from redline.plan.graphs import resolve_graphs
+from redline.runtime.compile import CompileRecord
+from redline.runtime.oom import free_memory
+from redline.runtime.options import RuntimeOptions
+
+log = logging.getLogger("redline")
+
+Capture = Callable[[nn.Module, tuple[torch.Tensor, ...]], Callable[..., Any]]
+
+
+def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+    """Capture ``module``'s forward and backward on ``sample`` as CUDA graphs; return the graphed forward.
+
+    Under autocast the capture runs with autocast's cache off, as torch requires: a cached cast would
+    be a tensor from outside the graph. The module's buffers are put back after the warm-up.
+    """
+    own = module.forward
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if torch.is_autocast_enabled("cuda"):
+        autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    try:
+        with autocast:
+            graphed = torch.cuda.make_graphed_callables(module, sample, allow_unused_input=True)
+        forward: Callable[..., Any] = graphed.forward  # type: ignore[union-attr]  # a module in, a module out
+    finally:
+        module.forward = own
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return forward
+
+
+@dataclass
+class GraphRecord:
+    """A module whose training forward and backward replay as CUDA graphs, captured on its first eligible call.
+
+    ``use_graphed`` installs the graphed forward on the module, ``use_eager`` its own; ``stepped`` starts a
+    new optimizer step (one graphed forward per step). ``capture`` is given so a test can stand in for CUDA.
+    """
+
+    module: nn.Module
+    eager: Callable[..., Any]  # the module's own forward (the uncompiled one, where it is compiled too)
+    capture: Capture = capture_graphs
+    graphed: Callable[..., Any] | None = None  # once captured
+    shapes: tuple[tuple[Any, ...], ...] | None = None  # the captured inputs' shape, dtype and device
+    training: bool = True  # the mode captured
+    failed: str | None = None  # why graphs are off for good ("the capture failed: ..."): the module runs its own
+    seconds: float = 0.0  # the capture's time, warm-up included
+    replays: int = 0  # training forwards that ran as graphs
+    eager_calls: int = 0  # forwards the graph could not take, while graphs were in use
+    used_this_step: bool = False
+    on: bool = False  # whether the module's forward is the graphed one
+
+    def use_graphed(self) -> None:
+        """Have the module's training forward replay the graphs from now on (captured on its next eligible call)."""
+        if self.failed is None:
+            self.module.forward = self._forward
+            self.on = True
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(args, kwargs)
+
+    def stop(self, reason: str) -> None:
+        """Turn graphs off for the rest of the run, for ``reason`` (the Plan says it)."""
+        self.failed = reason
+        self.use_eager()
+
+    def use_eager(self) -> None:
+        """Have the module run its own forward from now on."""
+        if self.on:
+            self.module.forward = self.eager
+            self.on = False
+
+    @contextlib.contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """Run the module's own forward inside (evaluation, sampling), whatever form it is in."""
+        current = self.module.forward
+        self.module.forward = self.eager
+        try:
+            yield
+        finally:
+            self.module.forward = current
+
+    def explain(self, planned: Choice[bool]) -> Choice[bool]:
+        """The axis for graphs asked for (no check): captured, or off and why."""
+        if not planned.value:
+            return planned
+        if self.failed is not None:
+            return Choice(False, f"{planned.reason}, but off: {self.failed}; the model runs its own forward")
+        if self.graphed is None:
+            return Choice(True, f"{planned.reason}; captured on the first training forward")
+        return Choice(True, f"{planned.reason}; captured in {self.seconds:.2f} s, {self.replays} forward(s) replayed")
+
+    def stepped(self) -> None:
+        """An optimizer step happened: the next training forward may replay the graphs again."""
+        self.used_this_step = False
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward while graphs are in use: the graphs where they can follow the call, else the module's own."""
+        if not self._fits(args, kwargs):
+            self.eager_calls += 1
+            return self.eager(*args, **kwargs)
+        if self.graphed is None:
+            self._capture(args)
+            if self.graphed is None:
+                return self.eager(*args, **kwargs)
+        self.used_this_step = True
+        self.replays += 1
+        return self.graphed(*args)
+
+    def _fits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if kwargs or self.used_this_step or not torch.is_grad_enabled() or not args:
+            return False
+        if not all(isinstance(a, torch.Tensor) and not a.requires_grad for a in args):
+            return False
+        if self.graphed is None:
+            return True  # the call that captures
+        return self.module.training == self.training and _shapes(args) == self.shapes
+
+    def _capture(self, args: tuple[torch.Tensor, ...]) -> None:
+        sample = tuple(a.detach().clone() for a in args)
+        start = time.perf_counter()
+        current, self.module.forward = self.module.forward, self.eager  # the capture runs the module's own forward
+        try:
+            graphed = self.capture(self.module, sample)
+        except Exception as exc:  # the model's own forward still works: it runs from now on, and the Plan says why
+            self.seconds = time.perf_counter() - start
+            self.stop(f"the capture failed: {describe_error(exc)}")
+            free_memory(args[0].device)
+            log.warning(
+                "CUDA graphs could not capture %s (%s); it runs its own forward\nhint: pass cuda_graphs='off' to skip "
+                "the attempt",
+                type(self.module).__name__,
+                self.failed,
+            )
+            return
+        self.module.forward = current
+        self.seconds = time.perf_counter() - start
+        self.graphed, self.shapes, self.training = graphed, _shapes(args), self.module.training
+
+
+def setup_graphs(
+    model: nn.Module,
+    options: RuntimeOptions,
+    facts: DeviceFacts,
+    *,
+    world_size: int,
+    records: list[CompileRecord],
+    current: GraphRecord | None,
+) -> tuple[Choice[bool], GraphRecord | None]:
+    """Resolve the CUDA graphs axis for ``model`` and, where it says so, give it a record (``current``: the record
+    of a model set up before, which a second model turns off: a graphed step is one model's forward and backward)."""
+    planned = resolve_graphs(
+        options.cuda_graphs, facts, compile=options.compile, world_size=world_size, grad_accum=options.grad_accum,
+        micro_batch=options.micro_batch, checkpointing=options.activation_checkpointing,
+    )  # fmt: skip
+    if not planned.value:
+        return planned, current
+    if current is not None and current.module is not model:
+        current.stop("a second model was set up (a graphed step is one model's forward and backward)")
+        return Choice(False, f"{planned.reason}, but off: a second model was set up"), current
+    if current is None:
+        compiled = next((r for r in records if r.module is model), None)
+        current = GraphRecord(model, compiled.eager if compiled is not None else model.forward)
+        if options.cuda_graphs == "on":
+            current.use_graphed()
+    return planned, current
+
+
+def _shapes(args: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], ...]:
+    return tuple((tuple(a.shape), a.dtype, a.device) for a in args)

@@ -1,0 +1,326 @@
+"""CUDA graphs for training: the axis's rules, the record that routes each forward, and the check that keeps the
+fastest form. CUDA is stood in for: a capture here returns a forward that counts its calls (tests/gpu captures for
+real)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import redline.runtime.graphs as graphs_home
+import redline.runtime.runtime as runtime_home
+from devices import CPU_AVX2, H100
+from redline.errors import ConfigError
+from redline.plan import Choice
+from redline.plan.graphs import resolve_graphs
+from redline.runtime.compile import CompileRecord
+from redline.runtime.compile_check import EAGER_END, PHASE, STEPS, CompileCheck
+from redline.runtime.graphs import GraphRecord, capture_graphs
+from redline.runtime.runtime import Runtime
+
+# -- the axis -------------------------------------------------------------------------------------
+
+
+def test_auto_proposes_graphs_on_a_cuda_device_and_not_elsewhere():
+    assert resolve_graphs("auto", H100, compile="auto").value is True
+    off = resolve_graphs("auto", CPU_AVX2, compile="auto")
+    assert off.value is False and "need a CUDA device, this is cpu" in off.reason
+    assert resolve_graphs("off", H100, compile="auto") == Choice(False, "requested")
+    assert resolve_graphs(True, H100, compile="off") == Choice(True, "requested")
+
+
+@pytest.mark.parametrize(
+    ("run", "said"),
+    [
+        ({"world_size": 2}, "2 processes"),
+        ({"grad_accum": 4}, "grad_accum=4"),
+        ({"micro_batch": "auto"}, "micro_batch='auto'"),
+        ({"checkpointing": "on"}, "activation checkpointing"),
+    ],
+)
+def test_what_a_graphed_step_cannot_follow_keeps_auto_off_and_refuses_on(run, said):
+    off = resolve_graphs("auto", H100, compile="auto", **run)
+    assert off.value is False and said in off.reason
+    with pytest.raises(ConfigError, match=said) as refused:
+        resolve_graphs("on", H100, compile="off", **run)
+    assert "hint: pass cuda_graphs='auto' or 'off'" in str(refused.value)
+
+
+def test_graphs_and_a_requested_compile_are_one_too_many():
+    assert resolve_graphs("auto", H100, compile="on").value is False
+    with pytest.raises(ConfigError, match="reduce-overhead"):
+        resolve_graphs("on", H100, compile="on")
+
+
+def test_graphs_asked_of_a_cpu_are_refused_when_the_runtime_is_built():
+    with pytest.raises(ConfigError, match="cuda_graphs") as refused:
+        Runtime(devices="cpu", cuda_graphs="on")
+    assert "CUDA graphs need a CUDA device" in str(refused.value)
+
+
+def test_on_a_cpu_the_plan_says_why_graphs_are_off():
+    rt = Runtime(devices="cpu", precision="fp32", compile="off")
+    model = nn.Linear(4, 2)
+    rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    plan = rt.explain()
+    assert plan.cuda_graphs is not None and plan.cuda_graphs.value is False
+    assert "need a CUDA device" in plan.cuda_graphs.reason
+    assert "cuda_graphs" in plan.to_dict()
+
+
+# -- the record -------------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.layer(x.float())
+
+
+class Capture:
+    """Stands in for capture_graphs: records each sample, returns a "graph" that runs the module's own forward."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.samples: list[tuple[torch.Tensor, ...]] = []
+        self.replays = 0
+        self.fail = fail
+
+    def __call__(self, module: nn.Module, sample: tuple[torch.Tensor, ...]):
+        self.samples.append(sample)
+        if self.fail is not None:
+            raise self.fail
+        own = module.forward
+
+        def replay(*args):
+            self.replays += 1
+            return own(*args)
+
+        return replay
+
+
+def graphed(capture: Capture) -> tuple[Net, GraphRecord]:
+    net = Net()
+    record = GraphRecord(net, net.forward, capture=capture)
+    record.use_graphed()
+    return net, record
+
+
+def test_the_first_training_forward_captures_on_a_copy_of_its_inputs_and_later_steps_replay():
+    capture = Capture()
+    net, record = graphed(capture)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        net(x).sum().backward()
+        record.stepped()
+    assert len(capture.samples) == 1 and capture.replays == 3 and record.replays == 3
+    sample = capture.samples[0][0]
+    assert torch.equal(sample, x) and sample.data_ptr() != x.data_ptr()  # the graph's buffer, not the batch
+
+
+def test_what_the_graph_cannot_follow_runs_the_modules_own_forward():
+    capture = Capture()
+    net, record = graphed(capture)
+    net(torch.randn(3, 4))  # captured at batch 3
+    record.stepped()
+    net(torch.randn(2, 4))  # a partial last batch
+    with torch.no_grad():
+        net(torch.randn(3, 4))  # evaluation
+    net.eval()
+    net(torch.randn(3, 4))
+    net.train()
+    net(torch.randn(3, 4), **{})  # a keyword-free call in train mode: graphed
+    net(torch.randn(3, 4))  # a second forward before the step
+    record.stepped()
+    net(torch.randn(3, 4).double())  # another dtype
+    assert capture.replays == 2 and record.eager_calls == 5
+
+
+def test_a_failed_capture_leaves_the_model_on_its_own_forward_and_says_why(caplog):
+    capture = Capture(fail=RuntimeError("operation not permitted when stream is capturing"))
+    net, record = graphed(capture)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        out = net(torch.randn(3, 4))
+    assert out.shape == (3, 2) and record.failed is not None and "operation not permitted" in record.failed
+    assert net.forward == record.eager and not record.on
+    net(torch.randn(3, 4))
+    assert len(capture.samples) == 1  # never tried again
+    assert "hint: pass cuda_graphs='off'" in caplog.text
+    record.use_graphed()  # a check switching forms does not bring back a graph that failed
+    assert net.forward == record.eager
+
+
+def test_the_capture_puts_back_the_buffers_its_warm_up_moved(monkeypatch):
+    bn = nn.BatchNorm1d(4)
+    before = bn.running_mean.clone()
+
+    def make_graphed_callables(module, sample, **_):
+        for _ in range(3):  # torch's warm-up runs the forward on the sample
+            module(*sample)
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    own = bn.forward
+    capture_graphs(bn, (torch.randn(8, 4) + 5,))
+    assert torch.equal(bn.running_mean, before) and int(bn.num_batches_tracked) == 0
+    assert bn.forward == own
+
+
+def test_eagerly_runs_the_modules_own_forward_inside_and_the_graphs_after():
+    capture = Capture()
+    net, record = graphed(capture)
+    with record.eagerly():
+        assert net.forward == record.eager
+    assert record.on and net.forward != record.eager
+
+
+# -- the check ---------------------------------------------------------------------------------------
+
+PLANNED = Choice(True, "auto: 5000 steps on NVIDIA H100 repay the compile time")
+GRAPHS = Choice(True, "auto: graphs")
+
+
+def drive(
+    eager_ms: float, graphed_ms: float, compiled_ms: float | None, steps: int, *, fail: bool = False
+) -> tuple[CompileCheck, GraphRecord, list[str]]:
+    """Run a check on a fake clock for ``steps`` steps: each step costs what the model's current form costs.
+    ``compiled_ms`` None: the compile is no candidate (the rule said no)."""
+    net = Net()
+    capture = Capture(fail=RuntimeError("capture failed") if fail else None)
+    graphs = GraphRecord(net, net.forward, capture=capture)
+    now = [0.0]
+    planned = PLANNED if compiled_ms is not None else Choice(False, "auto: 600 steps are too few")
+    check = CompileCheck(planned, 100_000, sync=lambda: None, clock=lambda: now[0])
+    compiled = None
+    if compiled_ms is not None:
+        own = net.forward
+
+        def compiled_forward(*args):
+            return own(*args)
+
+        net.forward = compiled_forward
+        compiled = CompileRecord(module=net, eager=own, seconds=4.0, compiles=1, training=1)
+        check.add(compiled)
+    check.add_graphs(graphs, GRAPHS)
+    ran = []
+    x = torch.randn(2, 4)
+    for _ in range(steps):
+        if compiled is not None and net.forward is compiled_forward:
+            form, cost = "compiled", compiled_ms
+        elif graphs.on:
+            form, cost = "graphs", graphed_ms
+        else:
+            form, cost = "eager", eager_ms
+        net(x)
+        graphs.stepped()
+        ran.append(form)
+        now[0] += float(cost or 0.0) / 1e3
+        check.after_step()
+    return check, graphs, ran
+
+
+def test_faster_graphs_are_kept_where_no_compile_is_planned():
+    check, graphs, ran = drive(eager_ms=2.2, graphed_ms=1.0, compiled_ms=None, steps=STEPS + 5)
+    assert ran[:EAGER_END] == ["eager"] * EAGER_END and set(ran[EAGER_END:]) == {"graphs"}
+    assert check.decided and check.graphed == [pytest.approx(0.001)] * 3
+    choice = check.explain_graphs()
+    assert choice is not None and choice.value is True and graphs.on
+    assert "confirmed on this run: graphed steps ran 2.20x eager (1 against 2.2 ms" in choice.reason
+    assert check.explain() == check.planned  # the compile was never a candidate
+
+
+def test_graphs_then_the_compile_are_timed_and_the_fastest_form_stays():
+    check, graphs, ran = drive(eager_ms=3.0, graphed_ms=2.0, compiled_ms=1.5, steps=EAGER_END + 2 * PHASE + 3)
+    assert ran[EAGER_END : EAGER_END + PHASE] == ["graphs"] * PHASE
+    assert set(ran[EAGER_END + PHASE :]) == {"compiled"}
+    compile_choice, graphs_choice = check.explain(), check.explain_graphs()
+    assert compile_choice.value is True and "compiled steps ran 2.00x eager" in compile_choice.reason
+    assert graphs_choice is not None and graphs_choice.value is False and not graphs.on
+    assert f"the compiled forward from step {EAGER_END + 2 * PHASE + 1}" in graphs_choice.reason
+
+
+def test_graphs_that_beat_the_compile_stay_and_the_compile_is_dropped():
+    check, graphs, ran = drive(eager_ms=3.0, graphed_ms=1.0, compiled_ms=2.5, steps=EAGER_END + 2 * PHASE + 3)
+    assert ran[-3:] == ["graphs"] * 3 and graphs.on
+    compile_choice = check.explain()
+    assert compile_choice.value is False and "and graphed steps ran 3.00x eager" in compile_choice.reason
+    assert f"CUDA graphs from step {EAGER_END + 2 * PHASE + 1} (the compile took 4.0 s)" in compile_choice.reason
+
+
+def test_slower_graphs_give_the_model_back_its_own_forward():
+    check, graphs, ran = drive(eager_ms=2.0, graphed_ms=2.5, compiled_ms=None, steps=STEPS + 3)
+    assert ran[-3:] == ["eager"] * 3 and not graphs.on
+    choice = check.explain_graphs()
+    assert choice is not None and choice.value is False
+    assert "graphed steps ran 0.80x eager" in choice.reason and "the model's own forward from step" in choice.reason
+
+
+def test_a_failed_capture_is_not_timed_as_graphs():
+    check, _, _ = drive(eager_ms=2.0, graphed_ms=0.5, compiled_ms=None, steps=STEPS + 1, fail=True)
+    choice = check.explain_graphs()
+    assert check.decided and choice is not None and choice.value is False
+    assert "but off: the capture failed: RuntimeError: capture failed" in choice.reason
+
+
+def test_until_it_decides_the_plan_says_graphs_are_being_checked():
+    check, _, _ = drive(eager_ms=2.0, graphed_ms=1.0, compiled_ms=None, steps=EAGER_END + 3)
+    choice = check.explain_graphs()
+    assert choice is not None and f"being checked on this run (step {EAGER_END + 3} of {STEPS})" in choice.reason
+
+
+# -- the Runtime, with CUDA stood in for ----------------------------------------------------------------
+
+
+@pytest.fixture
+def graphs_proposed(monkeypatch):
+    """The Runtime on a CPU proposes graphs as on a CUDA device, and captures with a stand-in."""
+    capture = Capture()
+
+    def resolve(requested, facts, **_):
+        return Choice(requested != "off", "auto: graphs" if requested == "auto" else "requested")
+
+    monkeypatch.setattr(graphs_home, "resolve_graphs", resolve)
+    monkeypatch.setattr(runtime_home, "check_cuda_graphs", lambda requested, device_type: None)
+    monkeypatch.setattr(graphs_home, "GraphRecord", functools.partial(GraphRecord, capture=capture))
+    return capture
+
+
+def train(rt: Runtime, steps: int) -> tuple[Net, GraphRecord | None]:
+    torch.manual_seed(0)
+    net = Net()
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    for _ in range(steps):
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        rt.step(optimizer)
+        with rt.eager(), torch.no_grad():
+            model(x)  # evaluation in between runs the model's own forward
+    return net, rt._graphs
+
+
+def test_the_runtime_times_graphs_on_its_first_steps_and_keeps_them_when_faster(graphs_proposed, monkeypatch):
+    monkeypatch.setattr("redline.runtime.compile_check.KEEP", 0.0)  # kept whatever this machine's timing
+    rt = Runtime(devices="cpu", precision="fp32", compile="off")
+    assert rt.compile_checking is False
+    _, record = train(rt, STEPS + 4)
+    assert record is not None and record.on and not rt.compile_checking
+    assert len(graphs_proposed.samples) == 1 and graphs_proposed.replays == STEPS + 4 - EAGER_END
+    plan = rt.explain().cuda_graphs
+    assert plan is not None and plan.value is True and "confirmed on this run: graphed steps ran" in plan.reason
+
+
+def test_graphs_asked_for_replay_from_the_first_step_unchecked(graphs_proposed):
+    rt = Runtime(devices="cpu", precision="fp32", cuda_graphs="on", planned_steps=10**6)
+    _, record = train(rt, 5)
+    assert record is not None and graphs_proposed.replays == 5 and rt._compile_check is None
+    plan = rt.explain()
+    assert plan.cuda_graphs is not None and "requested; captured in" in plan.cuda_graphs.reason
+    assert plan.compile is not None and plan.compile.value is False and "cuda_graphs='on'" in plan.compile.reason
