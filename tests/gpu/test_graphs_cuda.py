@@ -25,7 +25,7 @@ def test_training_under_captured_graphs_matches_eager_weights():
     plan = rt.explain().cuda_graphs
     print(f"CUDA graphs (captured) vs eager: max abs weight difference {worst:.3g}; {plan}")
     assert plan is not None and plan.value is True and "24 forward(s) replayed" in plan.reason
-    assert worst <= 1e-4
+    assert worst <= 1e-3  # as compile_mode="reduce-overhead" against eager (test_runtime_cuda.py)
 
 
 def test_graphs_capture_under_bf16_autocast_and_keep_batchnorm_statistics_as_eager():
@@ -106,3 +106,22 @@ def test_auto_times_graphs_on_the_first_steps_and_says_what_it_kept():
     assert not rt.compile_checking
     assert plan.cuda_graphs is not None and "graphed steps ran" in plan.cuda_graphs.reason
     assert ("confirmed on this run" in plan.cuda_graphs.reason) == plan.cuda_graphs.value
+
+
+def test_a_capture_beside_a_pin_memory_thread_neither_fails_nor_breaks_the_loader():
+    # Loader workers with pinned memory: a thread pins each batch while the step captures; a capture in torch's
+    # "global" mode would fail that thread's CUDA calls (runtime/graphs.py captures "thread_local").
+    rt = redline.Runtime(devices="cuda", precision="fp32", compile="off", cuda_graphs="on", seed=0, loader_workers=2)
+    net, opt = rt.setup(make_model(), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    gen = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(512, 1, 8, 8, generator=gen), torch.randint(0, 10, (512,), generator=gen))
+    loader = DataLoader(data, batch_size=32, num_workers=2, pin_memory=True, drop_last=True)
+    steps = 0
+    for inputs, targets in rt.setup_loader(loader):
+        loss = nn.functional.cross_entropy(net(inputs), targets)
+        rt.backward(loss)
+        rt.step(opt)
+        steps += 1
+    plan = rt.explain()
+    print(plan.cuda_graphs, plan.loader)
+    assert steps == 16 and rt._graphs is not None and rt._graphs.failed is None and rt._graphs.replays == 16

@@ -324,3 +324,17 @@ def test_graphs_asked_for_replay_from_the_first_step_unchecked(graphs_proposed):
     plan = rt.explain()
     assert plan.cuda_graphs is not None and "requested; captured in" in plan.cuda_graphs.reason
     assert plan.compile is not None and plan.compile.value is False and "cuda_graphs='on'" in plan.compile.reason
+
+
+def test_captures_refuse_unsafe_cuda_calls_in_the_capturing_thread_only(monkeypatch):
+    made = []
+
+    class Graph:  # stands in for torch.cuda.graph, with its signature
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            made.append(capture_error_mode)
+
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    with graphs_home._thread_local_capture():
+        torch.cuda.graph(object(), pool=None)  # as make_graphed_callables calls it
+        torch.cuda.graph(object(), capture_error_mode="relaxed")  # a mode given stays
+    assert made == ["thread_local", "relaxed"] and torch.cuda.graph is Graph

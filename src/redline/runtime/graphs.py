@@ -26,6 +26,7 @@ gradient accumulation, micro-batches and several processes keep graphs off (plan
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -60,7 +61,7 @@ def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Calla
     if torch.is_autocast_enabled("cuda"):
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
     try:
-        with autocast:
+        with autocast, _thread_local_capture():
             graphed = torch.cuda.make_graphed_callables(module, sample, allow_unused_input=True)
         forward: Callable[..., Any] = graphed.forward  # type: ignore[union-attr]  # a module in, a module out
     finally:
@@ -69,6 +70,32 @@ def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Calla
             for buffer, saved in buffers:
                 buffer.copy_(saved)
     return forward
+
+
+@contextlib.contextmanager
+def _thread_local_capture() -> Iterator[None]:
+    """Have the captures inside refuse unsafe CUDA calls from the capturing thread only.
+
+    ``make_graphed_callables`` captures in torch's default "global" mode, where a CUDA call that is unsafe
+    during a capture fails in any thread: a DataLoader's pin-memory thread allocating pinned memory while
+    the step captures would fail, and with it the run. torch.compile's CUDA graphs capture "thread_local"
+    for that reason; so do these. Where torch's ``graph`` takes no such mode, its default stays.
+    """
+    original = torch.cuda.graph
+    if "capture_error_mode" not in inspect.signature(original.__init__).parameters:
+        yield
+        return
+
+    class graph(original):  # type: ignore[valid-type,misc]
+        def __init__(self, cuda_graph: Any, pool: Any = None, stream: Any = None, **options: Any) -> None:
+            options.setdefault("capture_error_mode", "thread_local")
+            super().__init__(cuda_graph, pool=pool, stream=stream, **options)
+
+    torch.cuda.graph = graph  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.graph = original  # type: ignore[misc]
 
 
 @dataclass
