@@ -74,26 +74,34 @@ if ! "$PY" -c "import redline.cli.main" 2> "$WORK/import.log"; then
   echo "redline does not import here:" && cat "$WORK/import.log" && pack && exit 3
 fi
 
-if [ "$PART" = 3 ]; then  # after CUDA graphs for training joined auto, tune and profile
-  if [ "$DEVICE" != cpu ]; then
-    step 60 gpu-tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu
-  fi
+# The digits checks both part 1 and part 3 run: bench and naive vs auto end to end, then (tune) tune and its run.
+bench_digits() {
   step 90 bench-digits "$PY" -m redline bench --task example:digits --devices "$DEVICE" --steps "$STEPS" \
     --planned-steps "$LONG" --json --html "$WORK/bench-digits.html"
   keep bench-digits bench-digits.json
-  step 60 speedup-digits "$PY" benchmarks/speedup.py --device "$DEVICE" --tasks example:digits --steps "$LONG" \
+  step 70 speedup-digits "$PY" benchmarks/speedup.py --device "$DEVICE" --tasks example:digits --steps "$LONG" \
     --repeats 2
   keep speedup-digits speedup-digits.txt
-  GRAPHS=on
-  [ "$DEVICE" = cpu ] && GRAPHS=off
-  step 40 profile-graphs "$PY" -m redline profile --task example:digits --devices "$DEVICE" --precision fp32 \
-    --compile off --cuda-graphs "$GRAPHS" --steps 20
+}
+tune_digits() {
   step 60 tune-digits "$PY" -m redline tune --task example:digits --devices "$DEVICE" --budget 30 \
     --planned-steps "$LONG" --json
   keep tune-digits tune-digits.json
   step 40 tuned-digits "$PY" -m redline train --task example:digits --devices "$DEVICE" --plan tuned \
     --max-steps "$LONG" --no-progress --json
   keep tuned-digits tuned-digits.json
+}
+
+if [ "$PART" = 3 ]; then  # after CUDA graphs for training joined auto, tune and profile
+  if [ "$DEVICE" != cpu ]; then
+    step 60 gpu-tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu
+  fi
+  bench_digits
+  GRAPHS=on
+  [ "$DEVICE" = cpu ] && GRAPHS=off
+  step 40 profile-graphs "$PY" -m redline profile --task example:digits --devices "$DEVICE" --precision fp32 \
+    --compile off --cuda-graphs "$GRAPHS" --steps 20
+  tune_digits
   FW_STEPS=600
   [ -n "${QUICK:-}" ] && FW_STEPS=20
   step 200 frameworks "$PY" benchmarks/frameworks.py --device "$DEVICE" --rounds 1 --tasks example:digits \
@@ -103,21 +111,11 @@ if [ "$PART" = 3 ]; then  # after CUDA graphs for training joined auto, tune and
   "$PY" benchmarks/gpu/bench_summary.py "$WORK" > "$WORK/summary.md" 2>&1
 elif [ "$PART" = 1 ]; then
   step 30 doctor "$PY" -m redline doctor --json
-  step 90 bench-digits "$PY" -m redline bench --task example:digits --devices "$DEVICE" --steps "$STEPS" \
-    --planned-steps "$LONG" --json --html "$WORK/bench-digits.html"
-  keep bench-digits bench-digits.json
-  step 70 speedup-digits "$PY" benchmarks/speedup.py --device "$DEVICE" --tasks example:digits --steps "$LONG" \
-    --repeats 2
-  keep speedup-digits speedup-digits.txt
+  bench_digits
   step 120 gpt2-small "$PY" -m redline train $GPT --devices "$DEVICE" --precision bf16-mixed --compile on \
     --max-steps "$GPT_STEPS" --log-every 25 --no-progress --json --out "$WORK/gpt2-run"
   keep gpt2-small gpt2-small.json
-  step 60 tune-digits "$PY" -m redline tune --task example:digits --devices "$DEVICE" --budget 30 \
-    --planned-steps "$LONG" --json
-  keep tune-digits tune-digits.json
-  step 40 tuned-digits "$PY" -m redline train --task example:digits --devices "$DEVICE" --plan tuned \
-    --max-steps "$LONG" --no-progress --json
-  keep tuned-digits tuned-digits.json
+  tune_digits
   step 130 tune-gpt2-b64 "$PY" -m redline tune $GPT_BIG --devices "$DEVICE" --budget 90 --planned-steps 5000 \
     --steps 10 --json
   keep tune-gpt2-b64 tune-gpt2-b64.json

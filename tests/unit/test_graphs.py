@@ -89,22 +89,41 @@ class Net(nn.Module):
 class Capture:
     """Stands in for capture_graphs: records each sample, returns a "graph" that runs the module's own forward."""
 
-    def __init__(self, fail: Exception | None = None) -> None:
+    def __init__(self, fail: Exception | None = None, scale: float = 1.0, static: bool = False) -> None:
         self.samples: list[tuple[torch.Tensor, ...]] = []
-        self.replays = 0
-        self.fail = fail
+        self.replays = 0  # the comparison with the module's own forward replays once too
+        self.fail, self.scale, self.static = fail, scale, static
 
     def __call__(self, module: nn.Module, sample: tuple[torch.Tensor, ...]):
         self.samples.append(sample)
         if self.fail is not None:
             raise self.fail
         own = module.forward
+        buffer: list[torch.Tensor] = []
 
         def replay(*args):
             self.replays += 1
-            return own(*args)
+            out = own(*args) * self.scale  # scale != 1: a graph that computes something else
+            if not self.static:
+                return out
+            if not buffer:  # a real graph's output: one buffer, overwritten by each replay
+                buffer.append(torch.empty_like(out.detach()))
+            return _Static.apply(out, buffer[0])
 
         return replay
+
+
+class _Static(torch.autograd.Function):
+    """Hands out the graph's output buffer itself, as torch's graphed function does (its gradient passes through)."""
+
+    @staticmethod
+    def forward(ctx, out, buffer):
+        buffer.copy_(out)
+        return out.detach().new_empty(0).set_(buffer.untyped_storage(), 0, buffer.shape, buffer.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def graphed(capture: Capture) -> tuple[Net, GraphRecord]:
@@ -121,7 +140,7 @@ def test_the_first_training_forward_captures_on_a_copy_of_its_inputs_and_later_s
     for _ in range(3):
         net(x).sum().backward()
         record.stepped()
-    assert len(capture.samples) == 1 and capture.replays == 3 and record.replays == 3
+    assert len(capture.samples) == 1 and record.replays == 3 and capture.replays == 3 + 1  # and the comparison
     sample = capture.samples[0][0]
     assert torch.equal(sample, x) and sample.data_ptr() != x.data_ptr()  # the graph's buffer, not the batch
 
@@ -141,7 +160,7 @@ def test_what_the_graph_cannot_follow_runs_the_modules_own_forward():
     net(torch.randn(3, 4))  # a second forward before the step
     record.stepped()
     net(torch.randn(3, 4).double())  # another dtype
-    assert capture.replays == 2 and record.eager_calls == 5
+    assert record.replays == 2 and record.eager_calls == 5
 
 
 def test_a_failed_capture_leaves_the_model_on_its_own_forward_and_says_why(caplog):
@@ -156,6 +175,40 @@ def test_a_failed_capture_leaves_the_model_on_its_own_forward_and_says_why(caplo
     assert "hint: pass cuda_graphs='off'" in caplog.text
     record.use_graphed()  # a check switching forms does not bring back a graph that failed
     assert net.forward == record.eager
+
+
+def test_graphs_that_compute_something_else_than_the_model_are_never_used(caplog):
+    capture = Capture(scale=2.0)
+    net, record = graphed(capture)
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        out = net(x)
+    assert torch.allclose(out, net.layer(x))  # this step ran the model's own forward
+    assert record.failed is not None and "differ from the model's own (by 1 at most, more than 0.01)" in record.failed
+    assert net.forward == record.eager and "are not used" in caplog.text
+
+
+def test_graphs_that_match_say_by_how_much_and_a_random_forward_is_held_by_its_shapes():
+    net, record = graphed(Capture())
+    net(torch.randn(3, 4))
+    assert record.compared == "outputs and gradients match the model's own forward within 0"
+    dropout = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+    random = GraphRecord(dropout, dropout.forward, capture=Capture())
+    random.use_graphed()
+    dropout(torch.randn(16, 4))
+    assert random.failed is None and "not compared by value" in random.compared
+
+
+def test_the_outputs_are_copies_a_later_replay_does_not_overwrite():
+    net, record = graphed(Capture(static=True))
+    x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    first = net(x1)
+    kept = first.detach().clone()
+    first.sum().backward()  # the gradient flows through the copy into the graph
+    assert net.layer.weight.grad is not None
+    record.stepped()
+    net(x2)
+    assert torch.equal(first.detach(), kept)
 
 
 def test_the_capture_puts_back_the_buffers_its_warm_up_moved(monkeypatch):
@@ -312,7 +365,7 @@ def test_the_runtime_times_graphs_on_its_first_steps_and_keeps_them_when_faster(
     assert rt.compile_checking is False
     _, record = train(rt, STEPS + 4)
     assert record is not None and record.on and not rt.compile_checking
-    assert len(graphs_proposed.samples) == 1 and graphs_proposed.replays == STEPS + 4 - EAGER_END
+    assert len(graphs_proposed.samples) == 1 and record.replays == STEPS + 4 - EAGER_END
     plan = rt.explain().cuda_graphs
     assert plan is not None and plan.value is True and "confirmed on this run: graphed steps ran" in plan.reason
 
@@ -320,7 +373,7 @@ def test_the_runtime_times_graphs_on_its_first_steps_and_keeps_them_when_faster(
 def test_graphs_asked_for_replay_from_the_first_step_unchecked(graphs_proposed):
     rt = Runtime(devices="cpu", precision="fp32", cuda_graphs="on", planned_steps=10**6)
     _, record = train(rt, 5)
-    assert record is not None and graphs_proposed.replays == 5 and rt._compile_check is None
+    assert record is not None and record.replays == 5 and rt._compile_check is None
     plan = rt.explain()
     assert plan.cuda_graphs is not None and "requested; captured in" in plan.cuda_graphs.reason
     assert plan.compile is not None and plan.compile.value is False and "cuda_graphs='on'" in plan.compile.reason

@@ -241,7 +241,7 @@ class CompileCheck:
             return Choice(False, f"{planned}, but off: {record.failed}; the model runs its own forward")
         if kept == GRAPHS:
             record.use_graphed()
-            captured = f"captured in {record.seconds:.2f} s"
+            captured = f"captured in {record.seconds:.2f} s; {record.compared}"
             return Choice(True, f"{planned}; confirmed on this run: {figures[GRAPHS]} ({captured})")
         record.use_eager()
         instead = "the compiled forward" if kept == COMPILED else "the model's own forward"

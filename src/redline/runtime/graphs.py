@@ -56,20 +56,88 @@ def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Calla
     be a tensor from outside the graph. The module's buffers are put back after the warm-up.
     """
     own = module.forward
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
     autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if torch.is_autocast_enabled("cuda"):
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
     try:
-        with autocast, _thread_local_capture():
+        with kept_buffers(module), autocast, _thread_local_capture():
             graphed = torch.cuda.make_graphed_callables(module, sample, allow_unused_input=True)
         forward: Callable[..., Any] = graphed.forward  # type: ignore[union-attr]  # a module in, a module out
     finally:
         module.forward = own
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
     return forward
+
+
+@contextlib.contextmanager
+def kept_buffers(module: nn.Module) -> Iterator[None]:
+    """Put ``module``'s buffers (BatchNorm's running statistics) back as they were after the forwards inside."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+# The largest difference allowed between the graphed and the module's own forward, outputs and gradients alike,
+# relative to the largest magnitude: kernels chosen apart round apart (TF32, bf16), a graph that reads or writes
+# the wrong memory differs by far more.
+TOLERANCE = 1e-2
+
+
+def compare_with_eager(
+    module: nn.Module, eager: Callable[..., Any], graphed: Callable[..., Any], sample: tuple[torch.Tensor, ...]
+) -> tuple[float | None, str]:
+    """Run ``sample`` through the module's own forward and through the graphs, each with its backward; return the
+    largest relative difference of their outputs and gradients, and what it means (None: not comparable).
+
+    The own forward runs twice first: where those two differ (dropout draws anew), so would the graphs, and
+    only the shapes can be held against each other.
+    """
+    with kept_buffers(module):
+        first = _outputs_and_grads(module, eager, sample)
+        again = _outputs_and_grads(module, eager, sample)
+        random = _difference(first, again)
+        got = _outputs_and_grads(module, graphed, sample)
+    if random is None or random > TOLERANCE:
+        shapes = [tuple(t.shape) if t is not None else None for t in first]
+        if shapes != [tuple(t.shape) if t is not None else None for t in got]:
+            return float("inf"), "their outputs or gradients have other shapes than the model's own"
+        return None, "not compared by value: the model's own forward gives another result each time (dropout)"
+    worst = _difference(first, got)
+    if worst is None or worst > TOLERANCE:
+        return float("inf") if worst is None else worst, "their outputs or gradients differ from the model's own"
+    return worst, f"outputs and gradients match the model's own forward within {worst:.1g}"
+
+
+def _outputs_and_grads(
+    module: nn.Module, forward: Callable[..., Any], sample: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor | None]:
+    outputs = [t for t in torch.utils._pytree.tree_leaves(forward(*sample)) if isinstance(t, torch.Tensor)]
+    params = [p for p in module.parameters() if p.requires_grad]
+    live = [t for t in outputs if t.requires_grad]
+    grads: tuple[torch.Tensor | None, ...] = ()
+    if live and params:
+        grads = torch.autograd.grad(live, params, [torch.ones_like(t) for t in live], allow_unused=True)
+    return [t.detach().float() for t in outputs] + [g.detach().float() if g is not None else None for g in grads]
+
+
+def _difference(reference: list[torch.Tensor | None], other: list[torch.Tensor | None]) -> float | None:
+    """The largest difference of each pair relative to the reference's largest magnitude (None: not the same kind)."""
+    if len(reference) != len(other):
+        return None
+    worst = 0.0
+    for a, b in zip(reference, other, strict=True):
+        if a is None or b is None:
+            if a is not b:
+                return None
+            continue
+        if a.shape != b.shape:
+            return None
+        scale = max(float(a.abs().max()), 1e-12) if a.numel() else 1.0
+        worst = max(worst, float((a - b).abs().max()) / scale if a.numel() else 0.0)
+    return worst
 
 
 @contextlib.contextmanager
@@ -112,6 +180,7 @@ class GraphRecord:
     graphed: Callable[..., Any] | None = None  # once captured
     shapes: tuple[tuple[Any, ...], ...] | None = None  # the captured inputs' shape, dtype and device
     training: bool = True  # the mode captured
+    compared: str = ""  # how the graphs compared with the module's own forward on the captured batch
     failed: str | None = None  # why graphs are off for good ("the capture failed: ..."): the module runs its own
     seconds: float = 0.0  # the capture's time, warm-up included
     replays: int = 0  # training forwards that ran as graphs
@@ -157,7 +226,8 @@ class GraphRecord:
             return Choice(False, f"{planned.reason}, but off: {self.failed}; the model runs its own forward")
         if self.graphed is None:
             return Choice(True, f"{planned.reason}; captured on the first training forward")
-        return Choice(True, f"{planned.reason}; captured in {self.seconds:.2f} s, {self.replays} forward(s) replayed")
+        replayed = f"captured in {self.seconds:.2f} s ({self.compared}), {self.replays} forward(s) replayed"
+        return Choice(True, f"{planned.reason}; {replayed}")
 
     def stepped(self) -> None:
         """An optimizer step happened: the next training forward may replay the graphs again."""
@@ -174,7 +244,9 @@ class GraphRecord:
                 return self.eager(*args, **kwargs)
         self.used_this_step = True
         self.replays += 1
-        return self.graphed(*args)
+        # Copied out of the graph's buffers, which the next replay overwrites: a loop that keeps the outputs (an
+        # epoch's logits for a metric) keeps what it saw.
+        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, self.graphed(*args))
 
     def _fits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if kwargs or self.used_this_step or not torch.is_grad_enabled() or not args:
@@ -202,8 +274,14 @@ class GraphRecord:
                 self.failed,
             )
             return
+        worst, said = compare_with_eager(self.module, self.eager, graphed, sample)
         self.module.forward = current
         self.seconds = time.perf_counter() - start
+        if worst is not None and worst > TOLERANCE:  # a graph that would train the model wrong is never used
+            self.stop(f"the graphs were captured, but {said} (by {worst:.3g} at most, more than {TOLERANCE:g})")
+            log.warning("CUDA graphs of %s are not used: %s", type(self.module).__name__, self.failed)
+            return
+        self.compared = said
         self.graphed, self.shapes, self.training = graphed, _shapes(args), self.module.training
 
 
