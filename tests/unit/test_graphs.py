@@ -391,3 +391,64 @@ def test_captures_refuse_unsafe_cuda_calls_in_the_capturing_thread_only(monkeypa
         torch.cuda.graph(object(), pool=None)  # as make_graphed_callables calls it
         torch.cuda.graph(object(), capture_error_mode="relaxed")  # a mode given stays
     assert made == ["thread_local", "relaxed"] and torch.cuda.graph is Graph
+
+
+class Faithful:
+    """Stands in for torch's capture as its graphed function behaves: the output and every parameter's gradient live
+    in one buffer each, which each replay overwrites, and are handed out detached, as views of those buffers (so
+    autograd keeps the gradient buffer itself as ``.grad``)."""
+
+    def __call__(self, module: nn.Module, sample: tuple[torch.Tensor, ...]):
+        own, params = module.forward, [p for p in module.parameters() if p.requires_grad]
+        grads = [torch.zeros_like(p) for p in params]
+        out_buffer: list[torch.Tensor] = []
+        saved: list[torch.Tensor] = []
+
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, *_params):
+                with torch.enable_grad():
+                    out = own(x.detach())
+                saved[:] = [out]  # the graph's saved activations: one set, the last replay's
+                if not out_buffer:
+                    out_buffer.append(torch.empty_like(out.detach()))
+                out_buffer[0].copy_(out.detach())
+                return out_buffer[0].detach()
+
+            @staticmethod
+            def backward(ctx, grad):
+                computed = torch.autograd.grad(saved[0], params, grad)
+                for buffer, value in zip(grads, computed, strict=True):
+                    buffer.copy_(value)
+                return (None, *(buffer.detach() for buffer in grads))
+
+        return lambda x: Graphed.apply(x, *params)
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_graphed_steps_train_the_weights_eager_steps_do_though_gradients_live_in_the_graphs_buffers(
+    monkeypatch, backwards
+):
+    # Two backwards per step (a loop that accumulates without telling the Runtime): the second forward runs eagerly
+    # and adds to the gradient the graph handed out, before the next replay could overwrite it.
+    monkeypatch.setattr(runtime_home, "check_cuda_graphs", lambda requested, device_type: None)
+    proposed = lambda requested, facts, **_: Choice(requested == "on", "requested")  # noqa: E731
+    monkeypatch.setattr(graphs_home, "resolve_graphs", proposed)
+    monkeypatch.setattr(graphs_home, "GraphRecord", functools.partial(GraphRecord, capture=Faithful()))
+
+    def run(graphs: str) -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        rt = Runtime(devices="cpu", precision="fp32", compile="off", cuda_graphs=graphs)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            for _ in range(backwards):
+                x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 2, generator=gen)
+                rt.backward(nn.functional.mse_loss(model(x), y))
+            rt.step(optimizer)
+        return net
+
+    eager, graphed = run("off"), run("on")
+    for a, b in zip(eager.parameters(), graphed.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -18,9 +18,11 @@ own forward for the rest of the run; the Plan says why. The capture's warm-up ru
 first batch three times, which would move BatchNorm's running statistics three extra times: the buffers
 are put back after it.
 
-The graph's backward hands out gradients that live in its own buffers, so a graphed step must
-back-propagate once and have its gradients freed after the optimizer step, as the Runtime does on CUDA:
-gradient accumulation, micro-batches and several processes keep graphs off (plan/graphs.py).
+The graph's backward hands out gradients that live in its own buffers (autograd keeps them as ``.grad``),
+so a graphed step must back-propagate once and have its gradients freed after the optimizer step, as the
+Runtime does on CUDA: a second forward in the step runs eagerly and adds to them before any replay could
+overwrite them, and gradient accumulation, micro-batches and several processes keep graphs off
+(plan/graphs.py).
 """
 
 from __future__ import annotations
