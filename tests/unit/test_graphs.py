@@ -20,6 +20,7 @@ from redline.plan.graphs import resolve_graphs
 from redline.runtime.compile import CompileRecord
 from redline.runtime.compile_check import EAGER_END, PHASE, STEPS, CompileCheck
 from redline.runtime.graphs import GraphRecord, capture_graphs
+from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 
 # -- the axis -------------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def test_graphs_asked_for_replay_from_the_first_step_unchecked(graphs_proposed):
     _, record = train(rt, 5)
     assert record is not None and record.replays == 5 and rt._compile_check is None
     plan = rt.explain()
-    assert plan.cuda_graphs is not None and "requested; captured in" in plan.cuda_graphs.reason
+    assert plan.cuda_graphs is not None and "requested; captured 1 time(s) in" in plan.cuda_graphs.reason
     assert plan.compile is not None and plan.compile.value is False and "cuda_graphs='on'" in plan.compile.reason
 
 
@@ -417,7 +418,7 @@ class Faithful:
 
             @staticmethod
             def backward(ctx, grad):
-                computed = torch.autograd.grad(saved[0], params, grad)
+                computed = torch.autograd.grad(saved[0], params, grad, retain_graph=True)  # a graph replays again
                 for buffer, value in zip(grads, computed, strict=True):
                     buffer.copy_(value)
                 return (None, *(buffer.detach() for buffer in grads))
@@ -452,3 +453,107 @@ def test_graphed_steps_train_the_weights_eager_steps_do_though_gradients_live_in
     eager, graphed = run("off"), run("on")
     for a, b in zip(eager.parameters(), graphed.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+class Keyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.layer(x) * scale
+
+
+def test_graphs_that_never_replay_in_their_phase_are_not_kept_on_eager_timing():
+    net = Keyword()
+    graphs = GraphRecord(net, net.forward, capture=Capture())
+    now = [0.0]
+    check = CompileCheck(Choice(False, "auto: too few steps"), 100_000, sync=lambda: None, clock=lambda: now[0])
+    check.add_graphs(graphs, GRAPHS)
+    for _ in range(STEPS + 1):
+        net(torch.randn(2, 4), scale=0.5)  # a keyword: the graphs cannot take the call
+        graphs.stepped()
+        now[0] += 0.001 if graphs.on else 0.002  # "faster" in the graphed phase, though no forward replayed
+        check.after_step()
+    choice = check.explain_graphs()
+    assert choice is not None and choice.value is False and graphs.replays == 0 and not graphs.on
+    assert f"the graphs replayed 0 of the {PHASE} forwards of their phase" in choice.reason
+
+
+def test_graphs_stopped_after_the_check_kept_them_are_said_off():
+    check, graphs, _ = drive(eager_ms=2.2, graphed_ms=1.0, compiled_ms=None, steps=STEPS + 1)
+    assert check.explain_graphs().value is True
+    graphs.stop("a second model was set up (a graphed step is one model's forward and backward)")
+    choice = check.explain_graphs()
+    assert choice.value is False and "a second model was set up" in choice.reason and graphs.graphed is None
+
+
+def test_unfrozen_parameters_or_inputs_that_stay_other_are_captured_anew():
+    capture = Capture()
+    net, record = graphed(capture)
+    net.layer.bias.requires_grad_(False)
+    x = torch.randn(3, 4)
+    net(x)
+    record.stepped()
+    net.layer.bias.requires_grad_(True)  # a second phase unfreezes it: the first graphs give it no gradient
+    net(x).sum().backward()
+    record.stepped()
+    assert record.captures == 2 and net.layer.bias.grad is not None
+    for _ in range(2):  # batches of 5 from now on: the first two run eagerly, the third captures at 5
+        net(torch.randn(5, 4))
+        record.stepped()
+    assert record.captures == 2 and record.eager_calls == 2
+    net(torch.randn(5, 4))
+    assert record.captures == 3 and record.inputs is not None and record.inputs[0][0][0] == (5, 4)
+
+
+def test_eval_mode_never_captures_and_a_second_model_refuses_graphs_asked_for(monkeypatch):
+    capture = Capture()
+    net, record = graphed(capture)
+    net.eval()
+    net(torch.randn(3, 4))
+    assert record.captures == 0 and not capture.samples
+    monkeypatch.setattr(graphs_home, "resolve_graphs", lambda requested, facts, **_: Choice(True, "requested"))
+    options = RuntimeOptions(cuda_graphs="on")
+    with pytest.raises(ConfigError, match="a second model was set up"):
+        graphs_home.setup_graphs(nn.Linear(2, 2), options, H100, world_size=1, records=[], current=record)
+
+
+def test_auto_leaves_graphs_to_a_reduce_overhead_compile():
+    off = resolve_graphs("auto", H100, compile="auto", compile_mode="reduce-overhead")
+    assert off.value is False and "reduce-overhead" in off.reason
+
+
+def test_a_second_backward_through_one_graphed_forward_counts_both(monkeypatch):
+    # retain_graph: the graph's backward replays twice and writes its gradient buffer twice; a copy goes to .grad
+    def grads(graphs: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        record = GraphRecord(net, net.forward, capture=Faithful())
+        if graphs:
+            record.use_graphed()
+        out = net(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)))
+        out.pow(2).sum().backward(retain_graph=True)
+        out.sum().backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    for a, b in zip(grads(False), grads(True), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_deep_copy_of_a_graphed_model_captures_its_own_and_leaves_the_originals_alone():
+    import copy
+
+    capture = Capture()
+    net, record = graphed(capture)
+    x = torch.randn(3, 4)
+    net(x)
+    record.stepped()
+    twin = copy.deepcopy(net)  # an EMA or a teacher
+    own = twin.forward.__self__
+    assert own is not record and own.module is twin and own.graphed is None  # not the original's graphs
+    with torch.no_grad():
+        twin.layer.weight.add_(1.0)
+    assert torch.allclose(twin(x), twin.layer(x))  # its own weights, through graphs of its own
+    assert own.captures == 1 and record.captures == 1 and all(p._backward_hooks for p in net.parameters())
+    assert torch.allclose(net(x), net.layer(x)) and record.replays == 2

@@ -93,11 +93,18 @@ def test_graphs_are_tried_uncompiled_against_the_best_and_micro_batches_run_with
     assert split == Candidate(precision="bf16-mixed", grad_accum=2)  # a graphed step back-propagates once
 
 
-def test_a_tuned_plan_with_graphs_turns_them_on_unless_asked_otherwise():
+def test_a_tuned_plan_with_graphs_leaves_them_to_the_runs_check_and_an_old_tune_did_not_measure_them():
     tuned = tuned_plan(cuda_graphs=True)
-    assert tuned.apply(RuntimeOptions()).cuda_graphs == "on"
+    assert tuned.apply(RuntimeOptions()).cuda_graphs == "auto"  # proposed on CUDA, confirmed on the first steps
     assert tuned.apply(RuntimeOptions(cuda_graphs="off")).cuda_graphs == "off"
-    assert tuned.plan_reasons(tuned.apply(RuntimeOptions()))["cuda_graphs"]["value"] is True
+    assert "cuda_graphs" not in tuned.plan_reasons(tuned.apply(RuntimeOptions()))  # the run's check says why
+    slower = tuned_plan(cuda_graphs=False)
+    assert slower.apply(RuntimeOptions()).cuda_graphs == "off"
+    assert slower.plan_reasons(slower.apply(RuntimeOptions()))["cuda_graphs"]["value"] is False
+    old = tuned_plan().to_dict()
+    del old["best"]["cuda_graphs"]
+    assert "cuda_graphs" in TunedPlan.from_dict(old).unmeasured
+    assert TunedPlan.from_dict(old).apply(RuntimeOptions()).cuda_graphs == "auto"
 
 
 def tuned_plan(**best) -> TunedPlan:
@@ -193,3 +200,18 @@ def test_a_file_where_the_cache_directory_goes_is_named_with_the_variable_that_m
     with caplog.at_level(logging.WARNING, logger="redline"):
         assert load_tuned("fingerprint", AMX_CPU, 8) is None
     assert "run `redline tune` again" in caplog.records[-1].getMessage()
+
+
+def test_a_graphs_candidate_that_never_replayed_is_rejected_not_timed_as_graphs():
+    from types import SimpleNamespace
+
+    from redline.bench.tune import _ran_eagerly
+    from redline.plan import Choice
+
+    plan = SimpleNamespace(cuda_graphs=Choice(True, "requested; no training forward replayed yet"), compile=None)
+    idle = SimpleNamespace(plan=lambda: plan, runtime=SimpleNamespace(graphed_forwards=0))
+    said = _ran_eagerly(idle, Candidate(cuda_graphs=True))
+    assert said.startswith("the CUDA graphs never replayed, so it would time the eager model (requested; no")
+    replayed = SimpleNamespace(plan=lambda: plan, runtime=SimpleNamespace(graphed_forwards=12))
+    assert _ran_eagerly(replayed, Candidate(cuda_graphs=True)) == ""
+    assert _ran_eagerly(idle, Candidate()) == ""  # an uncompiled, ungraphed candidate is what it says

@@ -350,8 +350,9 @@ def _ran_eagerly(runner: Runner, candidate: Candidate) -> str:
     capture failed, or neither could run here. Its timing would be the eager model's, which could win by noise."""
     plan = runner.plan()
     graphs = plan.cuda_graphs if plan is not None else None
-    if candidate.cuda_graphs and graphs is not None and not graphs.value:
-        return f"the CUDA graphs were not captured, so it would time the eager model ({graphs.reason})"
+    if candidate.cuda_graphs and (runner.runtime is None or not runner.runtime.graphed_forwards):
+        why = graphs.reason if graphs is not None else "no Plan"
+        return f"the CUDA graphs never replayed, so it would time the eager model ({why})"
     compiled = plan.compile if plan is not None else None
     if not candidate.compile or compiled is None or compiled.value:
         return ""

@@ -21,6 +21,7 @@ def resolve_graphs(
     facts: DeviceFacts,
     *,
     compile: str,
+    compile_mode: str = "default",
     world_size: int = 1,
     grad_accum: int = 1,
     micro_batch: int | str | None = None,
@@ -29,7 +30,7 @@ def resolve_graphs(
     """Decide whether the training forward and backward run as CUDA graphs (for "auto": a proposal the run checks).
 
     ``compile`` is the compile request: a compile asked for gets its own graphs from torch.compile's
-    ``reduce-overhead`` mode, and one model is not graphed twice.
+    ``reduce-overhead`` mode, and one model is not graphed twice (so "auto" stays off with that mode too).
     """
     value = check_cuda_graphs(requested, facts.type)  # "on" off CUDA is refused here
     if value is False:
@@ -52,6 +53,8 @@ def resolve_graphs(
         return Choice(False, f"auto: CUDA graphs need a CUDA device, this is {facts.type}")
     if parse_switch("compile", compile) is True:
         return Choice(False, "auto: compile was requested (compile_mode='reduce-overhead' graphs a compiled model)")
+    if compile_mode == "reduce-overhead":
+        return Choice(False, "auto: compile_mode='reduce-overhead' graphs the model where it is compiled")
     if blocker:
         return Choice(False, f"auto: off with {blocker}")
     return Choice(

@@ -73,6 +73,7 @@ class CompileCheck:
     graphs_planned: Choice[bool] | None = None
     graphs_choice: Choice[bool] | None = None  # the CUDA graphs axis, once decided
     phases: list[str] = field(default_factory=list)  # the candidate forms after eager, in order (known at EAGER_END)
+    graphed_replays: int = 0  # forwards the graphs replayed in their phase (a call they cannot take runs eagerly)
     decided: bool = False
     _mark: float = 0.0
 
@@ -107,6 +108,8 @@ class CompileCheck:
         if at >= SETTLE and (at - SETTLE) % BLOCK == 0:
             self._time_block(self._blocks(self.phases[index]), first=at == SETTLE)
         if at == PHASE:
+            if self.phases[index] == GRAPHS and self.graphs is not None:
+                self.graphed_replays = self.graphs.replays - self.graphed_replays  # started as the count at the switch
             if index + 1 < len(self.phases):
                 self._switch(self.phases[index + 1])
             else:
@@ -139,10 +142,10 @@ class CompileCheck:
         """The CUDA graphs axis as the check stands (None when graphs are no candidate)."""
         if self.graphs is None or self.graphs_planned is None:
             return None
-        if self.graphs_choice is not None:
-            return self.graphs_choice
         planned = self.graphs_planned
-        if self.graphs.failed is not None:
+        if self.graphs_choice is not None and (not self.graphs_choice.value or self.graphs.failed is None):
+            return self.graphs_choice
+        if self.graphs.failed is not None:  # stopped after the check kept them (a second model set up)
             return Choice(False, f"{planned.reason}, but off: {self.graphs.failed}; the model runs its own forward")
         return Choice(True, f"{planned.reason}; being checked on this run (step {self.steps} of {self.end})")
 
@@ -165,6 +168,7 @@ class CompileCheck:
                 record.use_eager()
             assert self.graphs is not None
             self.graphs.use_graphed()
+            self.graphed_replays = self.graphs.replays
         else:
             if self.graphs is not None:
                 self.graphs.use_eager()
@@ -205,8 +209,8 @@ class CompileCheck:
         self.decided = True
         eager = min(self.eager)
         timed = {form: min(self._blocks(form)) for form in self.phases}
-        if self.graphs is not None and self.graphs.failed is not None:
-            timed.pop(GRAPHS, None)  # its blocks ran the model's own forward
+        if GRAPHS in timed and (self._graphs_missed() or (self.graphs is not None and self.graphs.failed is not None)):
+            timed.pop(GRAPHS)  # its blocks ran the model's own forward, in all or in part
 
         def best() -> str:
             fastest = min(timed, key=lambda form: timed[form], default="eager")
@@ -234,15 +238,31 @@ class CompileCheck:
         if self.graphs is not None and self.graphs_planned is not None:
             self.graphs_choice = self._graphs_decided(kept, figures, after)
 
+    def _graphs_missed(self) -> str:
+        """Why the graphed phase's timing is not the graphs' ("" when every timed step replayed them)."""
+        if GRAPHS not in self.phases or self.graphed_replays >= BLOCKS * BLOCK:
+            return ""
+        return (
+            f"the graphs replayed {self.graphed_replays} of the {PHASE} forwards of their phase, and the others ran "
+            "the model's own (keyword or non-tensor arguments, inputs of other shapes, eval mode, or a second forward "
+            "in a step), so their timing is not the graphs'"
+        )
+
     def _graphs_decided(self, kept: str, figures: dict[str, str], after: str) -> Choice[bool]:
         assert self.graphs is not None and self.graphs_planned is not None
         planned, record = self.graphs_planned.reason, self.graphs
         if record.failed is not None:
             return Choice(False, f"{planned}, but off: {record.failed}; the model runs its own forward")
+        missed = self._graphs_missed()
+        if missed:
+            record.use_eager()
+            record.release()
+            return Choice(False, f"{planned}, but off: {missed}")
         if kept == GRAPHS:
             record.use_graphed()
             captured = f"captured in {record.seconds:.2f} s; {record.compared}"
             return Choice(True, f"{planned}; confirmed on this run: {figures[GRAPHS]} ({captured})")
         record.use_eager()
+        record.release()
         instead = "the compiled forward" if kept == COMPILED else "the model's own forward"
         return Choice(False, f"{planned}, but on this run {figures[GRAPHS]}: {instead} {after}")

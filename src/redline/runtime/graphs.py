@@ -7,38 +7,43 @@ backward as two CUDA graphs; a training forward then copies its inputs into the 
 whole forward in one launch, and autograd replays the backward in one more. Nothing is compiled: the
 capture runs the forward three times and records it once, milliseconds where a compile takes seconds.
 
-What a graph cannot follow runs the model's own forward, call by call:
-- inputs of another shape, dtype or device than the captured ones (a partial last batch, a micro-batch),
-  a keyword or an argument that is not a tensor: the graph would copy them into its buffers wrongly;
-- a forward under no_grad or in the other train/eval mode than the captured one (evaluation, sampling);
+Graphs are captured in training mode only. What they cannot follow runs the model's own forward, call by call:
+- inputs of another shape, dtype or device than the captured ones (a partial last batch), autocast on or off
+  unlike the capture, a keyword or an argument that is not a tensor: the graph would copy them wrongly;
+- a forward under no_grad or in eval mode (evaluation, sampling);
 - a second forward before the optimizer steps: the graph's outputs and saved activations are single
   buffers, and a second replay would overwrite the first's before its backward ran.
-A capture that fails (a forward that waits on the host, a hook, memory) is logged, and the model runs its
-own forward for the rest of the run; the Plan says why. The capture's warm-up runs the forward on the
-first batch three times, which would move BatchNorm's running statistics three extra times: the buffers
-are put back after it.
+Inputs that stay other for ``MISFITS`` calls in a row, and a model whose parameters or layer modes changed
+(layers unfrozen, parameters replaced, the model set up again), are captured anew.
 
-The graph's backward hands out gradients that live in its own buffers (autograd keeps them as ``.grad``),
-so a graphed step must back-propagate once and have its gradients freed after the optimizer step, as the
-Runtime does on CUDA: a second forward in the step runs eagerly and adds to them before any replay could
-overwrite them, and gradient accumulation, micro-batches and several processes keep graphs off
-(plan/graphs.py).
+At each capture the graphs are held against the model's own forward and backward on the captured batch
+(``compare_with_eager``), and graphs that differ are never used. A capture that fails (a forward that
+waits on the host, a hook, memory) is logged, and the model runs its own forward for the rest of the run;
+the Plan says why. The capture's warm-up runs the forward on the batch three times, which would move
+BatchNorm's running statistics: the buffers are put back after it. Graphs let go of give their memory back.
+
+The graph's backward hands out each gradient in a buffer of its own, which the next replay overwrites: a
+hook gives autograd a copy to keep as ``.grad``, so a second backward through one forward adds up as it
+would eagerly. Outputs are handed back as copies too. A graphed step back-propagates once per forward and
+frees its gradients after the optimizer step, as the Runtime does on CUDA; gradient accumulation,
+micro-batches and several processes keep graphs off (plan/graphs.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from redline.errors import describe_error
+from redline.errors import ConfigError, describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.graphs import resolve_graphs
@@ -168,6 +173,9 @@ def _thread_local_capture() -> Iterator[None]:
         torch.cuda.graph = original  # type: ignore[misc]
 
 
+MISFITS = 3  # calls in a row with the same other inputs after which the graphs are captured anew at those
+
+
 @dataclass
 class GraphRecord:
     """A module whose training forward and backward replay as CUDA graphs, captured on its first eligible call.
@@ -180,15 +188,18 @@ class GraphRecord:
     eager: Callable[..., Any]  # the module's own forward (the uncompiled one, where it is compiled too)
     capture: Capture = capture_graphs
     graphed: Callable[..., Any] | None = None  # once captured
-    shapes: tuple[tuple[Any, ...], ...] | None = None  # the captured inputs' shape, dtype and device
-    training: bool = True  # the mode captured
+    inputs: tuple[Any, ...] | None = None  # what the captured call's inputs were: shapes, dtypes, devices, autocast
+    model: tuple[Any, ...] | None = None  # what the captured model was: its parameters (which, trainable) and modes
     compared: str = ""  # how the graphs compared with the module's own forward on the captured batch
     failed: str | None = None  # why graphs are off for good ("the capture failed: ..."): the module runs its own
-    seconds: float = 0.0  # the capture's time, warm-up included
+    seconds: float = 0.0  # the captures' time, warm-ups and comparisons included
+    captures: int = 0
     replays: int = 0  # training forwards that ran as graphs
     eager_calls: int = 0  # forwards the graph could not take, while graphs were in use
     used_this_step: bool = False
     on: bool = False  # whether the module's forward is the graphed one
+    _misfit: tuple[Any, int] = (None, 0)
+    _hooks: list[Any] = field(default_factory=list)
 
     def use_graphed(self) -> None:
         """Have the module's training forward replay the graphs from now on (captured on its next eligible call)."""
@@ -199,16 +210,36 @@ class GraphRecord:
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(args, kwargs)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphRecord:
+        """A copy of the module (an EMA or a teacher, by ``copy.deepcopy``) gets a record of its own, with no graphs:
+        the captured ones read and write the original's parameters, and their hooks are the original's."""
+        fresh = GraphRecord(copy.deepcopy(self.module, memo), copy.deepcopy(self.eager, memo), capture=self.capture)
+        fresh.failed, fresh.on = self.failed, self.on
+        return fresh
+
     def stop(self, reason: str) -> None:
-        """Turn graphs off for the rest of the run, for ``reason`` (the Plan says it)."""
+        """Turn graphs off for the rest of the run, for ``reason`` (the Plan says it), and free their memory."""
         self.failed = reason
         self.use_eager()
+        self.release()
 
     def use_eager(self) -> None:
         """Have the module run its own forward from now on."""
         if self.on:
             self.module.forward = self.eager
             self.on = False
+
+    def release(self) -> None:
+        """Let go of the captured graphs and their memory pool (a later eligible call captures anew)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        had = self.graphed is not None
+        self.graphed, self.inputs, self.model, self._misfit = None, None, None, (None, 0)
+        if had:
+            device = next((p.device for p in self.module.parameters()), None)
+            if device is not None:
+                free_memory(device)
 
     @contextlib.contextmanager
     def eagerly(self) -> Iterator[None]:
@@ -226,10 +257,14 @@ class GraphRecord:
             return planned
         if self.failed is not None:
             return Choice(False, f"{planned.reason}, but off: {self.failed}; the model runs its own forward")
-        if self.graphed is None:
-            return Choice(True, f"{planned.reason}; captured on the first training forward")
-        replayed = f"captured in {self.seconds:.2f} s ({self.compared}), {self.replays} forward(s) replayed"
-        return Choice(True, f"{planned.reason}; {replayed}")
+        if not self.replays:
+            return Choice(
+                True,
+                f"{planned.reason}; no training forward replayed yet ({self.eager_calls} ran the model's own: a "
+                "keyword or non-tensor argument, no_grad or eval mode, or a second forward in a step)",
+            )
+        replayed = f"captured {self.captures} time(s) in {self.seconds:.2f} s ({self.compared})"
+        return Choice(True, f"{planned.reason}; {replayed}, {self.replays} forward(s) replayed, {self.eager_calls} not")
 
     def stepped(self) -> None:
         """An optimizer step happened: the next training forward may replay the graphs again."""
@@ -237,11 +272,19 @@ class GraphRecord:
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The forward while graphs are in use: the graphs where they can follow the call, else the module's own."""
-        if not self._fits(args, kwargs):
+        if not self._eligible(args, kwargs):
             self.eager_calls += 1
             return self.eager(*args, **kwargs)
+        inputs, model = _inputs_of(args), _model_of(self.module)
+        if self.graphed is not None and model != self.model:  # parameters unfrozen, replaced, or a layer's mode changed
+            self.release()
+        if self.graphed is not None and inputs != self.inputs:
+            if not self._persists(inputs):  # a partial last batch, a forward outside autocast: this call runs eagerly
+                self.eager_calls += 1
+                return self.eager(*args, **kwargs)
+            self.release()  # the batches have these inputs now (the first capture may have seen an odd one)
         if self.graphed is None:
-            self._capture(args)
+            self._capture(args, inputs, model)
             if self.graphed is None:
                 return self.eager(*args, **kwargs)
         self.used_this_step = True
@@ -250,25 +293,29 @@ class GraphRecord:
         # epoch's logits for a metric) keeps what it saw.
         return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, self.graphed(*args))
 
-    def _fits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if kwargs or self.used_this_step or not torch.is_grad_enabled() or not args:
+    def _eligible(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the call is a training forward a graph can take at all (captured in training mode only)."""
+        if kwargs or self.used_this_step or not torch.is_grad_enabled() or not args or not self.module.training:
             return False
-        if not all(isinstance(a, torch.Tensor) and not a.requires_grad for a in args):
-            return False
-        if self.graphed is None:
-            return True  # the call that captures
-        return self.module.training == self.training and _shapes(args) == self.shapes
+        return all(isinstance(a, torch.Tensor) and not a.requires_grad for a in args)
 
-    def _capture(self, args: tuple[torch.Tensor, ...]) -> None:
+    def _persists(self, inputs: tuple[Any, ...]) -> bool:
+        """Count a call whose inputs differ from the captured ones; whether they came ``MISFITS`` times in a row."""
+        seen, count = self._misfit
+        self._misfit = (inputs, count + 1 if seen == inputs else 1)
+        return self._misfit[1] >= MISFITS
+
+    def _capture(self, args: tuple[torch.Tensor, ...], inputs: tuple[Any, ...], model: tuple[Any, ...]) -> None:
         sample = tuple(a.detach().clone() for a in args)
         start = time.perf_counter()
         current, self.module.forward = self.module.forward, self.eager  # the capture runs the module's own forward
         try:
             graphed = self.capture(self.module, sample)
+            worst, said = compare_with_eager(self.module, self.eager, graphed, sample)
         except Exception as exc:  # the model's own forward still works: it runs from now on, and the Plan says why
-            self.seconds = time.perf_counter() - start
+            self.seconds += time.perf_counter() - start
+            self.module.forward = current
             self.stop(f"the capture failed: {describe_error(exc)}")
-            free_memory(args[0].device)
             log.warning(
                 "CUDA graphs could not capture %s (%s); it runs its own forward\nhint: pass cuda_graphs='off' to skip "
                 "the attempt",
@@ -276,15 +323,37 @@ class GraphRecord:
                 self.failed,
             )
             return
-        worst, said = compare_with_eager(self.module, self.eager, graphed, sample)
         self.module.forward = current
-        self.seconds = time.perf_counter() - start
+        self.seconds += time.perf_counter() - start
+        self.captures += 1
         if worst is not None and worst > TOLERANCE:  # a graph that would train the model wrong is never used
             self.stop(f"the graphs were captured, but {said} (by {worst:.3g} at most, more than {TOLERANCE:g})")
             log.warning("CUDA graphs of %s are not used: %s", type(self.module).__name__, self.failed)
             return
         self.compared = said
-        self.graphed, self.shapes, self.training = graphed, _shapes(args), self.module.training
+        self.graphed, self.inputs, self.model = graphed, inputs, model
+        # The graph hands out each gradient in a buffer of its own, which autograd would keep as .grad and the next
+        # replay overwrite: a second backward through the same forward (retain_graph) would then count only its own.
+        # A copy goes on instead, while the graphs are in use.
+        for param in self.module.parameters():
+            if param.requires_grad:
+                self._hooks.append(param.register_hook(self._own_copy))
+
+    def _own_copy(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone() if self.on else grad
+
+
+def _inputs_of(args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """What a graph captured for these inputs can replay: their shapes, dtypes and devices, and autocast's state."""
+    autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+    return (tuple((tuple(a.shape), a.dtype, a.device) for a in args), autocast)
+
+
+def _model_of(module: nn.Module) -> tuple[Any, ...]:
+    """What a graph captured of this module holds to: which parameters, where their memory is, which are trained,
+    and each layer's train/eval mode."""
+    params = tuple((id(p), p.data_ptr(), p.requires_grad) for p in module.parameters())
+    return params, tuple(m.training for m in module.modules())
 
 
 def setup_graphs(
@@ -299,21 +368,24 @@ def setup_graphs(
     """Resolve the CUDA graphs axis for ``model`` and, where it says so, give it a record (``current``: the record
     of a model set up before, which a second model turns off: a graphed step is one model's forward and backward)."""
     planned = resolve_graphs(
-        options.cuda_graphs, facts, compile=options.compile, world_size=world_size, grad_accum=options.grad_accum,
-        micro_batch=options.micro_batch, checkpointing=options.activation_checkpointing,
+        options.cuda_graphs, facts, compile=options.compile, compile_mode=options.compile_mode, world_size=world_size,
+        grad_accum=options.grad_accum, micro_batch=options.micro_batch, checkpointing=options.activation_checkpointing,
     )  # fmt: skip
     if not planned.value:
         return planned, current
     if current is not None and current.module is not model:
+        if options.cuda_graphs == "on":
+            raise ConfigError(
+                "cuda_graphs='on' graphs one model's forward and backward, and a second model was set up\n"
+                "hint: pass cuda_graphs='auto' (graphs where one model trains) or 'off'"
+            )
         current.stop("a second model was set up (a graphed step is one model's forward and backward)")
         return Choice(False, f"{planned.reason}, but off: a second model was set up"), current
-    if current is None:
+    if current is not None:  # set up again (layers unfrozen, another optimizer): captured anew on its next step
+        current.release()
+    else:
         compiled = next((r for r in records if r.module is model), None)
         current = GraphRecord(model, compiled.eager if compiled is not None else model.forward)
         if options.cuda_graphs == "on":
             current.use_graphed()
     return planned, current
-
-
-def _shapes(args: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((tuple(a.shape), a.dtype, a.device) for a in args)

@@ -428,6 +428,11 @@ class Runtime(RunState):
         return self._compile_check is not None and not self._compile_check.decided
 
     @property
+    def graphed_forwards(self) -> int:
+        """Training forwards that replayed as CUDA graphs (runtime/graphs.py); 0 where none did."""
+        return self._graphs.replays if self._graphs is not None else 0
+
+    @property
     def training_compile_seconds(self) -> float:
         """Seconds spent compiling inside training steps (under autograd): a throughput leaves them out."""
         return sum(record.training_seconds for record in self._compile_records)

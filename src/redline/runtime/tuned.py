@@ -124,18 +124,26 @@ class TunedPlan:
             task=data["task"], device=data["device"], batch_size=int(data["batch_size"]),
             planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
             best=best, reasons=dict(data["reasons"]), trials=trials,
-            unmeasured=tuple(a for a in data.get("unmeasured", ()) if a in TUNED_AXES),
+            unmeasured=tuple(a for a in data.get("unmeasured", ()) if a in TUNED_AXES)
+            + (("cuda_graphs",) if "cuda_graphs" not in data["best"] else ()),  # a tune from before it was searched
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions) -> RuntimeOptions:
         """``options`` with the tuned axes, for those the user left to auto (an explicit request wins); an axis
-        the tune did not measure keeps what ``options`` say (auto, unless asked otherwise)."""
+        the tune did not measure keeps what ``options`` say (auto, unless asked otherwise).
+
+        CUDA graphs the tune found faster stay as ``options`` say too: "auto" proposes them on CUDA and the run's
+        first steps confirm them, where "on" would refuse a run the tune's one process did not see (several
+        processes, micro-batches after running out of memory, a compile asked for).
+        """
         defaults = RuntimeOptions()
         base = self.best.options(options)
         kept = {
             axis: getattr(options, axis)
             for axis in TUNED_AXES
-            if axis in self.unmeasured or getattr(options, axis) != getattr(defaults, axis)
+            if axis in self.unmeasured
+            or getattr(options, axis) != getattr(defaults, axis)
+            or (axis == "cuda_graphs" and self.best.cuda_graphs)
         }
         return RuntimeOptions.build(base, **kept)
 
