@@ -541,7 +541,7 @@ def test_a_second_backward_through_one_graphed_forward_counts_both(monkeypatch):
         assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_a_deep_copy_of_a_graphed_model_captures_its_own_and_leaves_the_originals_alone():
+def test_a_deep_copy_of_a_graphed_model_runs_its_own_forward_and_leaves_the_originals_graphs_alone():
     import copy
 
     capture = Capture()
@@ -551,9 +551,48 @@ def test_a_deep_copy_of_a_graphed_model_captures_its_own_and_leaves_the_original
     record.stepped()
     twin = copy.deepcopy(net)  # an EMA or a teacher
     own = twin.forward.__self__
-    assert own is not record and own.module is twin and own.graphed is None  # not the original's graphs
+    assert own is not record and own.module is twin and own.graphed is None and not own.on
     with torch.no_grad():
         twin.layer.weight.add_(1.0)
-    assert torch.allclose(twin(x), twin.layer(x))  # its own weights, through graphs of its own
-    assert own.captures == 1 and record.captures == 1 and all(p._backward_hooks for p in net.parameters())
+    assert torch.allclose(twin(x), twin.layer(x)) and own.captures == 0  # its own weights, its own forward
+    assert record.captures == 1 and all(p._backward_hooks for p in net.parameters())  # the original's, untouched
     assert torch.allclose(net(x), net.layer(x)) and record.replays == 2
+
+
+def test_buffers_put_back_do_not_break_the_backward_of_an_earlier_forward():
+    bn = nn.BatchNorm1d(4)
+    x = torch.randn(8, 4, requires_grad=True)
+    y = bn(x)  # its backward saved the running statistics
+    with graphs_home.kept_buffers(bn):
+        bn(torch.randn(8, 4))  # a capture's warm-up or comparison moves them
+    y.sum().backward()  # put back without bumping their version: no "modified by an inplace operation"
+    assert x.grad is not None
+
+
+def test_a_capture_waits_for_the_first_forward_of_a_step_and_a_fitting_call_breaks_a_run_of_others():
+    net = Keyword()
+    record = GraphRecord(net, net.forward, capture=Capture())
+    record.use_graphed()
+    x = torch.randn(4, 4)
+    net(x, scale=2.0)  # a keyword first: ineligible, and the step now has a forward whose backward is pending
+    net(x)  # eligible, but a capture now would put back buffers that forward saved: it runs eagerly
+    assert record.captures == 0 and record.eager_calls == 2
+    record.stepped()
+    net(x)
+    assert record.captures == 1
+    for _ in range(4):  # epochs of two full batches and a partial one: the partial never builds a run of 3
+        for batch in (4, 4, 2):
+            record.stepped()
+            net(torch.randn(batch, 4))
+    assert record.captures == 1 and record.replays == 1 + 8
+
+
+def test_graphs_stay_off_under_ddp_or_fsdp_and_a_closed_runtime_gives_the_model_its_own_forward(graphs_proposed):
+    off = resolve_graphs("auto", H100, compile="auto", strategy="ddp")
+    assert off.value is False and "strategy='ddp'" in off.reason
+    rt = Runtime(devices="cpu", precision="fp32", cuda_graphs="on")
+    net, record = train(rt, 3)
+    assert record is not None and record.on and record.graphed is not None
+    rt.close()
+    assert not record.on and record.graphed is None and net.forward == record.eager
+    assert rt.explain().cuda_graphs.value is True  # what the run did stays said

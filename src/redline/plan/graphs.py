@@ -22,6 +22,7 @@ def resolve_graphs(
     *,
     compile: str,
     compile_mode: str = "default",
+    strategy: str = "single",
     world_size: int = 1,
     grad_accum: int = 1,
     micro_batch: int | str | None = None,
@@ -35,7 +36,7 @@ def resolve_graphs(
     value = check_cuda_graphs(requested, facts.type)  # "on" off CUDA is refused here
     if value is False:
         return Choice(False, "requested")
-    blocker = _blocker(world_size, grad_accum, micro_batch, checkpointing)
+    blocker = _blocker(strategy, world_size, grad_accum, micro_batch, checkpointing)
     if value is True:
         if parse_switch("compile", compile) is True:
             raise invalid(
@@ -64,10 +65,12 @@ def resolve_graphs(
     )
 
 
-def _blocker(world_size: int, grad_accum: int, micro_batch: int | str | None, checkpointing: str) -> str:
+def _blocker(strategy: str, world_size: int, grad_accum: int, micro_batch: int | str | None, checkpointing: str) -> str:
     """What in the run a graphed step cannot follow, in words, or ""."""
     if world_size > 1:
         return f"{world_size} processes (gradients are reduced outside the graph)"
+    if strategy != "single":
+        return f"strategy={strategy!r} (its hooks reduce or gather outside the graph)"
     if grad_accum > 1:
         return f"grad_accum={grad_accum} (several backwards per optimizer step)"
     if micro_batch is not None:

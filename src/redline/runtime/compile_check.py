@@ -243,9 +243,9 @@ class CompileCheck:
         if GRAPHS not in self.phases or self.graphed_replays >= BLOCKS * BLOCK:
             return ""
         return (
-            f"the graphs replayed {self.graphed_replays} of the {PHASE} forwards of their phase, and the others ran "
-            "the model's own (keyword or non-tensor arguments, inputs of other shapes, eval mode, or a second forward "
-            "in a step), so their timing is not the graphs'"
+            f"the graphs replayed {self.graphed_replays} of the {PHASE} forwards of their phase (its {BLOCKS * BLOCK} "
+            "timed steps need as many), and the others ran the model's own (keyword or non-tensor arguments, inputs "
+            "of other shapes, eval mode, or a second forward in a step), so their timing is not the graphs'"
         )
 
     def _graphs_decided(self, kept: str, figures: dict[str, str], after: str) -> Choice[bool]:

@@ -82,9 +82,8 @@ def kept_buffers(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+        for buffer, value in saved:  # through .data: an earlier forward's backward saved these, and must not see them
+            buffer.data.copy_(value)  # as modified in place
 
 
 # The largest difference allowed between the graphed and the module's own forward, outputs and gradients alike,
@@ -197,6 +196,7 @@ class GraphRecord:
     replays: int = 0  # training forwards that ran as graphs
     eager_calls: int = 0  # forwards the graph could not take, while graphs were in use
     used_this_step: bool = False
+    calls_this_step: int = 0  # training forwards of the module since the last step, graphed or not
     on: bool = False  # whether the module's forward is the graphed one
     _misfit: tuple[Any, int] = (None, 0)
     _hooks: list[Any] = field(default_factory=list)
@@ -206,16 +206,17 @@ class GraphRecord:
         if self.failed is None:
             self.module.forward = self._forward
             self.on = True
+            self._arm()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.on:  # a copy's record (an EMA's), or one set aside: the module's own forward
+            return self.eager(*args, **kwargs)
         return self.call(args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GraphRecord:
         """A copy of the module (an EMA or a teacher, by ``copy.deepcopy``) gets a record of its own, with no graphs:
         the captured ones read and write the original's parameters, and their hooks are the original's."""
-        fresh = GraphRecord(copy.deepcopy(self.module, memo), copy.deepcopy(self.eager, memo), capture=self.capture)
-        fresh.failed, fresh.on = self.failed, self.on
-        return fresh
+        return GraphRecord(copy.deepcopy(self.module, memo), copy.deepcopy(self.eager, memo), capture=self.capture)
 
     def stop(self, reason: str) -> None:
         """Turn graphs off for the rest of the run, for ``reason`` (the Plan says it), and free their memory."""
@@ -228,12 +229,11 @@ class GraphRecord:
         if self.on:
             self.module.forward = self.eager
             self.on = False
+        self._disarm()
 
     def release(self) -> None:
         """Let go of the captured graphs and their memory pool (a later eligible call captures anew)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._disarm()
         had = self.graphed is not None
         self.graphed, self.inputs, self.model, self._misfit = None, None, None, (None, 0)
         if had:
@@ -268,22 +268,33 @@ class GraphRecord:
 
     def stepped(self) -> None:
         """An optimizer step happened: the next training forward may replay the graphs again."""
-        self.used_this_step = False
+        self.used_this_step, self.calls_this_step = False, 0
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The forward while graphs are in use: the graphs where they can follow the call, else the module's own."""
+        first = self.calls_this_step == 0  # a capture happens only there: before any backward of the step is pending
+        if torch.is_grad_enabled() and self.module.training:
+            self.calls_this_step += 1
         if not self._eligible(args, kwargs):
             self.eager_calls += 1
             return self.eager(*args, **kwargs)
         inputs, model = _inputs_of(args), _model_of(self.module)
-        if self.graphed is not None and model != self.model:  # parameters unfrozen, replaced, or a layer's mode changed
-            self.release()
+        if self.graphed is not None and model != self.model and first:  # parameters unfrozen or replaced, a mode
+            self.release()  # changed
         if self.graphed is not None and inputs != self.inputs:
-            if not self._persists(inputs):  # a partial last batch, a forward outside autocast: this call runs eagerly
+            if not (self._persists(inputs) and first):  # a partial last batch, a forward outside autocast
                 self.eager_calls += 1
                 return self.eager(*args, **kwargs)
             self.release()  # the batches have these inputs now (the first capture may have seen an odd one)
+        elif self.graphed is not None:
+            self._misfit = (None, 0)  # in a row: a call that fits breaks the run of other inputs
+        if self.graphed is not None and model != self.model:
+            self.eager_calls += 1  # the model changed mid-step: captured anew at the next step's first forward
+            return self.eager(*args, **kwargs)
         if self.graphed is None:
+            if not first:
+                self.eager_calls += 1
+                return self.eager(*args, **kwargs)
             self._capture(args, inputs, model)
             if self.graphed is None:
                 return self.eager(*args, **kwargs)
@@ -332,15 +343,22 @@ class GraphRecord:
             return
         self.compared = said
         self.graphed, self.inputs, self.model = graphed, inputs, model
-        # The graph hands out each gradient in a buffer of its own, which autograd would keep as .grad and the next
-        # replay overwrite: a second backward through the same forward (retain_graph) would then count only its own.
-        # A copy goes on instead, while the graphs are in use.
+        self._arm()
+
+    def _arm(self) -> None:
+        """While graphs are in use: the graph hands out each gradient in a buffer of its own, which autograd would
+        keep as .grad and the next replay overwrite (a second backward through the same forward, retain_graph,
+        would count only its own); a hook gives autograd a copy instead."""
+        if self._hooks or self.graphed is None or not self.on:
+            return
         for param in self.module.parameters():
             if param.requires_grad:
-                self._hooks.append(param.register_hook(self._own_copy))
+                self._hooks.append(param.register_hook(torch.clone))
 
-    def _own_copy(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad.clone() if self.on else grad
+    def _disarm(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
 
 def _inputs_of(args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
@@ -362,14 +380,16 @@ def setup_graphs(
     facts: DeviceFacts,
     *,
     world_size: int,
+    strategy: str = "single",
     records: list[CompileRecord],
     current: GraphRecord | None,
 ) -> tuple[Choice[bool], GraphRecord | None]:
     """Resolve the CUDA graphs axis for ``model`` and, where it says so, give it a record (``current``: the record
     of a model set up before, which a second model turns off: a graphed step is one model's forward and backward)."""
     planned = resolve_graphs(
-        options.cuda_graphs, facts, compile=options.compile, compile_mode=options.compile_mode, world_size=world_size,
-        grad_accum=options.grad_accum, micro_batch=options.micro_batch, checkpointing=options.activation_checkpointing,
+        options.cuda_graphs, facts, compile=options.compile, compile_mode=options.compile_mode, strategy=strategy,
+        world_size=world_size, grad_accum=options.grad_accum, micro_batch=options.micro_batch,
+        checkpointing=options.activation_checkpointing,
     )  # fmt: skip
     if not planned.value:
         return planned, current

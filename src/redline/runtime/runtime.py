@@ -177,6 +177,9 @@ class Runtime(RunState):
         if stack is not None:
             self._closed = True
             stack.close()
+        if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
+            self._graphs.use_eager()
+            self._graphs.release()
 
     def __enter__(self) -> Runtime:
         started = self.start()
@@ -244,8 +247,8 @@ class Runtime(RunState):
                 model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
             )
         graphs, self._graphs = setup_graphs(
-            model, self.options, self.facts, world_size=self.env.world_size, records=self._compile_records,
-            current=self._graphs,
+            model, self.options, self.facts, world_size=self.env.world_size, strategy=strategy.value,
+            records=self._compile_records, current=self._graphs,
         )  # fmt: skip
         self._check_forms(planned, graphs)
         self._plan = dataclasses.replace(
