@@ -144,16 +144,16 @@ def profile(
         allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
         raise invalid("devices", devices, allowed, f"profile one at a time, e.g. devices={first!r}")
     device = resolve_device(devices, probe_accelerators()).value
-    graphed = cuda_graphs not in (None, "auto")
-    explicit = precision is not None or compile is not None or compile_mode != "default" or graphed
+    graphs_given = cuda_graphs not in (None, "auto")
+    explicit = precision is not None or compile is not None or compile_mode != "default" or graphs_given
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
     options = None
-    if compile_mode != "default" or graphed:  # every option given, the mode among them (the matrix's rows take none)
+    if compile_mode != "default" or graphs_given:  # every option given (the matrix's rows take no mode, no graphs)
         given: dict[str, Any] = {"precision": precision or "auto", "cuda_graphs": cuda_graphs or "off"}
         if compile_mode != "default":
             given.update(compile="on", compile_mode=compile_mode)
         else:
-            given["compile"] = {True: "on", False: "off", None: "off"}[compile]
+            given["compile"] = "on" if compile else "off"
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
     planned = planned_steps or task_steps(task, size)
     with users_failure(f"profiling task {task.name!r}: its model, loss or optimizer", STEP_HINT):
@@ -172,8 +172,9 @@ def profile(
     compiled = plan.compile is not None and bool(plan.compile.value)
     if setting.kind == "explicit":  # the label says what ran: the axes left to auto as the Plan resolved them
         setting = replace(setting, precision=plan.precision.value, compile=compiled)
-    graphs = compiled and runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
-    graphs = graphs or (plan.cuda_graphs is not None and bool(plan.cuda_graphs.value))
+    captured = plan.cuda_graphs is not None and bool(plan.cuda_graphs.value)
+    overhead = runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
+    graphs = (compiled and overhead) or captured
     advice = advise(
         breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
     )
@@ -182,7 +183,7 @@ def profile(
         device=device,
         setting=setting.name
         + (f", {compile_mode}" if compile_mode != "default" else "")
-        + (", CUDA graphs" if plan.cuda_graphs is not None and plan.cuda_graphs.value else ""),
+        + (", CUDA graphs" if captured else ""),
         batch_size=size,
         plan=plan,
         breakdown=breakdown,

@@ -100,6 +100,8 @@ def compile_planned(
 ) -> Choice[bool]:
     """Resolve the compile axis and, when it says so, compile ``model`` in the requested mode (its record
     joins ``records``)."""
+    if options.cuda_graphs == "on" and options.compile == "auto":  # one form of the forward at a time
+        return Choice(False, "auto: off with cuda_graphs='on' (the graphs replay the model's own forward)")
     planned = resolve_compile(
         options.compile, facts, planned_steps=planned_steps, supported=lambda: compile_supported(facts.type)
     )

@@ -76,6 +76,7 @@ class CompileCheck:
     graphed_replays: int = 0  # forwards the graphs replayed in their phase (a call they cannot take runs eagerly)
     decided: bool = False
     _mark: float = 0.0
+    _replays_before: int = 0  # the graphs' replays when their phase began
 
     def add(self, record: CompileRecord) -> None:
         """Check ``record``'s model too; it starts in the form the check is at (eager until the compiled phase)."""
@@ -109,7 +110,7 @@ class CompileCheck:
             self._time_block(self._blocks(self.phases[index]), first=at == SETTLE)
         if at == PHASE:
             if self.phases[index] == GRAPHS and self.graphs is not None:
-                self.graphed_replays = self.graphs.replays - self.graphed_replays  # started as the count at the switch
+                self.graphed_replays = self.graphs.replays - self._replays_before
             if index + 1 < len(self.phases):
                 self._switch(self.phases[index + 1])
             else:
@@ -146,7 +147,7 @@ class CompileCheck:
         if self.graphs_choice is not None and (not self.graphs_choice.value or self.graphs.failed is None):
             return self.graphs_choice
         if self.graphs.failed is not None:  # stopped after the check kept them (a second model set up)
-            return Choice(False, f"{planned.reason}, but off: {self.graphs.failed}; the model runs its own forward")
+            return self.graphs.turned_off(planned.reason)
         return Choice(True, f"{planned.reason}; being checked on this run (step {self.steps} of {self.end})")
 
     def _form(self) -> str:
@@ -168,7 +169,7 @@ class CompileCheck:
                 record.use_eager()
             assert self.graphs is not None
             self.graphs.use_graphed()
-            self.graphed_replays = self.graphs.replays
+            self._replays_before = self.graphs.replays
         else:
             if self.graphs is not None:
                 self.graphs.use_eager()
@@ -252,7 +253,7 @@ class CompileCheck:
         assert self.graphs is not None and self.graphs_planned is not None
         planned, record = self.graphs_planned.reason, self.graphs
         if record.failed is not None:
-            return Choice(False, f"{planned}, but off: {record.failed}; the model runs its own forward")
+            return record.turned_off(planned)
         missed = self._graphs_missed()
         if missed:
             record.use_eager()

@@ -251,12 +251,16 @@ class GraphRecord:
         finally:
             self.module.forward = current
 
+    def turned_off(self, planned: str) -> Choice[bool]:
+        """The axis once graphs were turned off for good: the plan's reason (``planned``), then why."""
+        return Choice(False, f"{planned}, but off: {self.failed}; the model runs its own forward")
+
     def explain(self, planned: Choice[bool]) -> Choice[bool]:
         """The axis for graphs asked for (no check): captured, or off and why."""
         if not planned.value:
             return planned
         if self.failed is not None:
-            return Choice(False, f"{planned.reason}, but off: {self.failed}; the model runs its own forward")
+            return self.turned_off(planned.reason)
         if not self.replays:
             return Choice(
                 True,

@@ -240,12 +240,9 @@ class Runtime(RunState):
         impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
         if impl.value == "fused":
             built = rebuild_optimizer(built, fused=True)
-        if self.options.cuda_graphs == "on" and self.options.compile == "auto":  # one form of the forward at a time
-            planned = Choice(False, "auto: off with cuda_graphs='on' (the graphs replay the model's own forward)")
-        else:
-            planned = compile_planned(
-                model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
-            )
+        planned = compile_planned(
+            model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
+        )
         graphs, self._graphs = setup_graphs(
             model, self.options, self.facts, world_size=self.env.world_size, strategy=strategy.value,
             records=self._compile_records, current=self._graphs,
