@@ -114,3 +114,30 @@ def test_training_under_cuda_graphs_matches_eager():
     worst = max((a - b).abs().max().item() for a, b in zip(graphs.parameters(), eager.parameters(), strict=True))
     print(f"CUDA graphs vs eager: max abs weight difference {worst:.3g}")
     assert worst <= 1e-3
+
+
+def test_an_unmeasured_auto_precision_is_checked_on_the_first_steps_and_dropout_compares_alike():
+    # The rule picks bf16-mixed on this GPU; with no trial, the run's own first steps time fp32 against it, and the
+    # phase's first forward holds the two precisions' outputs against each other on one batch: the random streams
+    # put back, dropout must draw the same mask in both, or the comparison would drop bf16 for a reason not its own.
+    from redline.runtime.compile_check import EAGER_END, PHASE
+
+    torch.manual_seed(0)
+    rt = redline.Runtime(devices="cuda", compile="off", cuda_graphs="off", seed=0)
+    model, opt = rt.setup(nn.Sequential(make_model(), nn.Dropout(0.2)), lambda params: torch.optim.AdamW(params))
+    batches = iter(())
+    for _ in range(EAGER_END + PHASE + 2):
+        try:
+            inputs, targets = next(batches)
+        except StopIteration:
+            batches = iter(rt.setup_loader(make_loader()))
+            inputs, targets = next(batches)
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        rt.backward(loss)
+        rt.step(opt)
+    plan = rt.explain().precision
+    print(plan)
+    assert not rt.compile_checking and "on this run" in plan.reason
+    assert "outputs within" in plan.reason and "dropped" not in plan.reason
+    assert rt.precision.name == plan.value

@@ -14,6 +14,7 @@ from torch import nn
 import redline.runtime.graphs as graphs_home
 import redline.runtime.runtime as runtime_home
 from devices import CPU_AVX2, H100
+from graph_standins import Capture, Net
 from redline.errors import ConfigError
 from redline.plan import Choice
 from redline.plan.graphs import resolve_graphs
@@ -74,57 +75,6 @@ def test_on_a_cpu_the_plan_says_why_graphs_are_off():
 
 
 # -- the record -------------------------------------------------------------------------------------
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 2)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.layer(x.float())
-
-
-class Capture:
-    """Stands in for capture_graphs: records each sample, returns a "graph" that runs the module's own forward."""
-
-    def __init__(self, fail: Exception | None = None, scale: float = 1.0, static: bool = False) -> None:
-        self.samples: list[tuple[torch.Tensor, ...]] = []
-        self.replays = 0  # the comparison with the module's own forward replays once too
-        self.fail, self.scale, self.static = fail, scale, static
-
-    def __call__(self, module: nn.Module, sample: tuple[torch.Tensor, ...]):
-        self.samples.append(sample)
-        if self.fail is not None:
-            raise self.fail
-        own = module.forward
-        buffer: list[torch.Tensor] = []
-
-        def replay(*args):
-            self.replays += 1
-            out = own(*args) * self.scale  # scale != 1: a graph that computes something else
-            if not self.static:
-                return out
-            if not buffer:  # a real graph's output: one buffer, overwritten by each replay
-                buffer.append(torch.empty_like(out.detach()))
-            return _Static.apply(out, buffer[0])
-
-        return replay
-
-
-class _Static(torch.autograd.Function):
-    """Hands out the graph's output buffer itself, as torch's graphed function does (its gradient passes through)."""
-
-    @staticmethod
-    def forward(ctx, out, buffer):
-        buffer.copy_(out)
-        return out.detach().new_empty(0).set_(buffer.untyped_storage(), 0, buffer.shape, buffer.stride())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def graphed(capture: Capture) -> tuple[Net, GraphRecord]:

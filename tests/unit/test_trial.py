@@ -341,7 +341,8 @@ def test_measure_auto_skips_short_runs_unless_asked_and_never_overrides_a_reques
     assert measure_auto(tiny_task(), cpu, 16, 50, env, trial="on")["precision"].value == "bf16-mixed"
     recalled = measure_auto(tiny_task(), cpu, 16, 50, env, trial="auto")["precision"]  # a measurement costs nothing
     assert recalled.value == "bf16-mixed" and "cached from" in recalled.reason
-    assert measure_auto(tiny_task(), cpu, 16, 5000, env, trial="off") == {}
+    off = measure_auto(tiny_task(), cpu, 16, 5000, env, trial="off")["precision"]  # the rule's, final: the Runtime
+    assert off.value == "fp32" and off.reason.endswith("; not measured: the trial is off")  # does not check it either
     assert measure_auto(tiny_task(), RuntimeOptions(precision="fp32"), 16, 5000, env, trial="on") == {}
     assert len(counted_trials) == 1
 

@@ -87,6 +87,17 @@ def resolve_tf32(facts: DeviceFacts) -> Choice[bool]:
     return Choice(True, f"{facts.name} has TF32 tensor cores; fp32 matmuls run on them")
 
 
+def live_candidate(requested: str, chosen: str, facts: DeviceFacts) -> PrecisionName | None:
+    """The precision a run's own first steps time against the rule's ``chosen``, where "auto" was left to the rule:
+    bf16-mixed where the device has fast bf16 and the rule kept fp32, fp32 where the rule chose bf16-mixed; None
+    elsewhere (fp16 needs a loss scale from the first step, so it is never switched to or from mid-run)."""
+    if requested != "auto":
+        return None
+    if chosen == "fp32" and "bf16-mixed" in fast_precisions(facts):
+        return "bf16-mixed"
+    return "fp32" if chosen == "bf16-mixed" else None
+
+
 def fast_precisions(facts: DeviceFacts) -> list[PrecisionName]:
     """The mixed precisions the device has fast arithmetic for: the only ones worth timing against fp32.
 

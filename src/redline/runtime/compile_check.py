@@ -1,4 +1,4 @@
-"""Confirming an automatic compile, and CUDA graphs, on the run's own steps.
+"""Confirming an automatic compile, CUDA graphs and precision on the run's own steps.
 
 The compile rule (plan/compile.py) proposes compiling a long run on a GPU. Whether a compiled step is
 faster depends on the model: on an H200, GPT-2-small at batch 64 ran 1.14x faster compiled, while the
@@ -18,6 +18,13 @@ CUDA graphs (runtime/graphs.py) are checked the same way, before the compile: on
 "auto" proposes them, a phase of graphed steps follows the eager blocks, then the compiled phase if a
 compile is planned and worth it. The fastest form stays if it beats eager by ``KEEP``; graphs cost a
 capture of milliseconds, so no run is too short to try them.
+
+Precision comes first, where no trial measured "auto" (runtime/precision_check.py): a phase in the other of
+fp32 and bf16-mixed follows the eager blocks, and bf16-mixed stays only if it beats fp32 by the trial's margin.
+The graphs and the compile are then timed in the precision kept, against eager steps in it. Its phase ends
+after one timed block where that block already shows the other precision cannot win, and it is left out
+where even one block could cost too much (``SLOWEST``, ``MOST_COST_S``) or, for fp32 on a GPU, need memory the
+run may not have.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice, times
 from redline.runtime.compile import CompileRecord
 from redline.runtime.graphs import GraphRecord
+from redline.runtime.precision_check import PrecisionSwitch
+from redline.runtime.trial import MARGIN
 
 WARMUP = 3  # eager steps not timed: the first batches, the allocator and cuDNN's algorithm search settle
 BLOCKS, BLOCK = 3, 5  # timed blocks of each kind, and optimizer steps per block
@@ -46,7 +55,17 @@ PHASE = SETTLE + BLOCKS * BLOCK  # steps each candidate form runs
 COMPILED_START = EAGER_END + SETTLE  # where the compile is the only candidate: its first timed step
 STEPS = EAGER_END + PHASE  # the step after which a check of one candidate decides
 
-GRAPHS, COMPILED = "graphs", "compiled"
+# The other precision is timed only where a block of it costs little even if it runs SLOWEST times as slow as
+# the rule's (fp32 ran GPT-2-small 2.9x slower than bf16-mixed on an H200): at most MOST_COST_S, or COST_SHARE of
+# a run whose length is known. Its phase stops after the first timed block if that is more than SLACK short of
+# winning.
+SLOWEST = 3.0
+MOST_COST_S = 1.0
+COST_SHARE = 0.02
+SLACK = 1.1
+FP32_MEMORY = 0.45  # fp32 is not tried on a GPU whose memory the rule's bf16 steps filled beyond this share
+
+PRECISION, GRAPHS, COMPILED = "precision", "graphs", "compiled"
 _NAMES = {GRAPHS: "graphed steps", COMPILED: "compiled steps"}
 
 
@@ -74,9 +93,15 @@ class CompileCheck:
     graphs_choice: Choice[bool] | None = None  # the CUDA graphs axis, once decided
     phases: list[str] = field(default_factory=list)  # the candidate forms after eager, in order (known at EAGER_END)
     graphed_replays: int = 0  # forwards the graphs replayed in their phase (a call they cannot take runs eagerly)
+    precision: PrecisionSwitch | None = None
+    precisioned: list[float] = field(default_factory=list)  # seconds per step of each block in the other precision
+    precision_choice: Choice[str] | None = None  # the precision axis, once decided
+    memory_share: Callable[[], float | None] = lambda: None  # the device memory's peak share so far (None: unknown)
     decided: bool = False
     _mark: float = 0.0
     _replays_before: int = 0  # the graphs' replays when their phase began
+    _index: int = 0  # the phase running, in ``phases``
+    _started: int = 0  # the step after which it began
 
     def add(self, record: CompileRecord) -> None:
         """Check ``record``'s model too; it starts in the form the check is at (eager until the compiled phase)."""
@@ -87,6 +112,11 @@ class CompileCheck:
     def add_graphs(self, record: GraphRecord, planned: Choice[bool]) -> None:
         """Check CUDA graphs for ``record``'s model too (it runs its own forward until the graphed phase)."""
         self.graphs, self.graphs_planned = record, planned
+
+    def add_precision(self, switch: PrecisionSwitch, memory_share: Callable[[], float | None]) -> None:
+        """Check the rule's precision against ``switch.candidate`` first; ``memory_share`` reads the device memory's
+        peak share (a GPU's), or None."""
+        self.precision, self.memory_share = switch, memory_share
 
     def after_step(self) -> None:
         """Count an optimizer step; time, switch and decide at the steps the schedule names."""
@@ -101,25 +131,36 @@ class CompileCheck:
             if not self.phases:
                 self.decided = True  # nothing left to time: eager, for the reasons the candidates gave
                 return
-            self._switch(self.phases[0])
+            self._begin(0)
         if step <= EAGER_END:
             return
-        index, within = divmod(step - EAGER_END - 1, PHASE)
-        at = within + 1  # the phase's step, 1..PHASE
+        form = self.phases[self._index]
+        at = step - self._started  # the phase's step, 1..PHASE
         if at >= SETTLE and (at - SETTLE) % BLOCK == 0:
-            self._time_block(self._blocks(self.phases[index]), first=at == SETTLE)
-        if at == PHASE:
-            if self.phases[index] == GRAPHS and self.graphs is not None:
-                self.graphed_replays = self.graphs.replays - self._replays_before
-            if index + 1 < len(self.phases):
-                self._switch(self.phases[index + 1])
+            self._time_block(self._blocks(form), first=at == SETTLE)
+        if at == PHASE or (form == PRECISION and self._precision_over(at)):
+            self._end(form)
+            if self._index + 1 < len(self.phases):
+                self._begin(self._index + 1)
             else:
                 self._decide()
+
+    def _begin(self, index: int) -> None:
+        self._index, self._started = index, self.steps
+        self._switch(self.phases[index])
+
+    def _end(self, form: str) -> None:
+        if form == GRAPHS and self.graphs is not None:
+            self.graphed_replays = self.graphs.replays - self._replays_before
+        elif form == PRECISION:
+            self._decide_precision()
 
     @property
     def end(self) -> int:
         """The step after which the check decides (as far as it can tell yet)."""
-        count = len(self.phases) if self.steps >= EAGER_END else (self.graphs is not None) + bool(self.planned.value)
+        if self.steps >= EAGER_END:
+            return self._started + PHASE * (len(self.phases) - self._index) if self.phases else EAGER_END
+        count = (self.precision is not None) + (self.graphs is not None) + bool(self.planned.value)
         return EAGER_END + PHASE * count
 
     def explain(self) -> Choice[bool]:
@@ -150,6 +191,20 @@ class CompileCheck:
             return self.graphs.turned_off(planned.reason)
         return Choice(True, f"{planned.reason}; being checked on this run (step {self.steps} of {self.end})")
 
+    def explain_precision(self) -> Choice[str] | None:
+        """The precision axis as the check stands (None where precision is no candidate)."""
+        switch = self.precision
+        if switch is None:
+            return None
+        if self.precision_choice is not None:
+            return self.precision_choice
+        planned = switch.planned
+        return Choice(
+            planned.value,
+            f"{planned.reason}; being checked on this run: {switch.candidate} timed against {planned.value} after "
+            f"{EAGER_END} steps (step {self.steps} of {self.end})",
+        )
+
     def _form(self) -> str:
         """The form the models run in now: "eager" or a phase's."""
         if self.decided:
@@ -158,13 +213,16 @@ class CompileCheck:
             return GRAPHS if self.graphs_choice is not None and self.graphs_choice.value else "eager"
         if self.steps < EAGER_END or not self.phases:
             return "eager"
-        return self.phases[min((self.steps - EAGER_END) // PHASE, len(self.phases) - 1)]
+        return self.phases[self._index]
 
     def _blocks(self, form: str) -> list[float]:
-        return self.graphed if form == GRAPHS else self.compiled
+        return {PRECISION: self.precisioned, GRAPHS: self.graphed}.get(form, self.compiled)
 
     def _switch(self, form: str) -> None:
-        if form == GRAPHS:
+        if form == PRECISION:
+            assert self.precision is not None
+            self.precision.use(self.precision.candidate)
+        elif form == GRAPHS:
             for record in self.records:
                 record.use_eager()
             assert self.graphs is not None
@@ -178,11 +236,82 @@ class CompileCheck:
 
     def _candidates(self) -> list[str]:
         phases = []
+        if self.precision is not None:
+            unchecked = self._precision_unchecked()
+            if unchecked:
+                planned = self.precision.planned
+                self.precision_choice = Choice(planned.value, f"{planned.reason}; not checked on this run: {unchecked}")
+            else:
+                phases.append(PRECISION)
         if self.graphs is not None and self.graphs.failed is None:
             phases.append(GRAPHS)
         if self.records and self.planned.value and self._worth_compiling():
             phases.append(COMPILED)
         return phases
+
+    def _precision_unchecked(self) -> str:
+        """Why the other precision is not timed on this run ("" where it is)."""
+        assert self.precision is not None
+        eager, candidate = min(self.eager), self.precision.candidate
+        cost = (SETTLE + BLOCK) * eager * (SLOWEST - 1)
+        allowed = max(MOST_COST_S, COST_SHARE * self.planned_steps * eager)
+        if cost > allowed:
+            return (
+                f"its steps take {eager * 1e3:.3g} ms, so a block of {candidate} steps could cost up to {cost:.1f} s "
+                f"more (if {SLOWEST:g}x as slow), beyond the check's {allowed:.1f} s"
+            )
+        share = self.memory_share() if candidate == "fp32" else None
+        if share is not None and share > FP32_MEMORY:
+            return f"its steps filled {share:.0%} of the device's memory, and fp32 could need up to twice bf16's"
+        return ""
+
+    def _precision_over(self, at: int) -> bool:
+        """Whether the precision phase ends early: the other precision was dropped, or its first block cannot win."""
+        assert self.precision is not None
+        if self.precision.failed is not None:
+            return True
+        if at != SETTLE + BLOCK or not self.precisioned:
+            return False
+        return self._precision_ratio() < self._precision_needs() / SLACK
+
+    def _precision_ratio(self) -> float:
+        """How many times faster the other precision ran than the rule's (its fastest block against eager's)."""
+        return min(self.eager) / min(self.precisioned)
+
+    def _precision_needs(self) -> float:
+        """The ratio at which the other precision is kept: bf16-mixed must beat fp32 by the trial's margin."""
+        assert self.precision is not None
+        return MARGIN if self.precision.candidate != "fp32" else 1 / MARGIN
+
+    def _decide_precision(self) -> None:
+        """Keep the faster of the two precisions (bf16-mixed by a margin), or the one a failed comparison leaves."""
+        switch = self.precision
+        assert switch is not None
+        planned, candidate = switch.planned, switch.candidate
+        after = f"from step {self.steps + 1}"
+        if switch.failed is not None or not self.precisioned:
+            kept = switch.fallback or planned.value
+            why = switch.failed or "no block of it was timed"
+            self.precision_choice = Choice(kept, f"{planned.reason}; checked on this run: {why}: {kept} {after}")
+        else:
+            ratio, blocks = self._precision_ratio(), len(self.precisioned)
+            kept = candidate if ratio >= self._precision_needs() else planned.value
+            figures = (
+                f"{candidate} steps ran {times(ratio)} {planned.value} ({min(self.precisioned) * 1e3:.3g} against "
+                f"{min(self.eager) * 1e3:.3g} ms, fastest of {blocks} block{'s' if blocks > 1 else ''} of {BLOCK} "
+                f"steps each; {switch.compared})"
+            )
+            if kept == candidate:
+                self.eager = self.precisioned  # the forms timed next are held against eager steps in this precision
+                self.precision_choice = Choice(
+                    kept,
+                    f"measured on this run: {figures}: {kept} {after}; the rule alone would have kept {planned.value} "
+                    f"({planned.reason})",
+                )
+            else:
+                reason = f"{planned.reason}; checked on this run: {figures}: {kept} {after}"
+                self.precision_choice = Choice(kept, reason)
+        switch.use(self.precision_choice.value)
 
     def _time_block(self, blocks: list[float], *, first: bool) -> None:
         self.sync()
@@ -209,7 +338,7 @@ class CompileCheck:
     def _decide(self) -> None:
         self.decided = True
         eager = min(self.eager)
-        timed = {form: min(self._blocks(form)) for form in self.phases}
+        timed = {form: min(self._blocks(form)) for form in self.phases if form != PRECISION}
         if GRAPHS in timed and (self._graphs_missed() or (self.graphs is not None and self.graphs.failed is not None)):
             timed.pop(GRAPHS)  # its blocks ran the model's own forward, in all or in part
 
@@ -267,3 +396,31 @@ class CompileCheck:
         record.release()
         instead = "the compiled forward" if kept == COMPILED else "the model's own forward"
         return Choice(False, f"{planned}, but on this run {figures[GRAPHS]}: {instead} {after}")
+
+
+def check_forms(
+    check: CompileCheck | None,
+    planned: Choice[bool],
+    graphs: Choice[bool],
+    *,
+    compiled: CompileRecord | None,
+    graphed: GraphRecord | None,
+    switch: PrecisionSwitch | None,
+    planned_steps: int,
+    sync: Callable[[], None],
+    memory_share: Callable[[], float | None],
+) -> CompileCheck | None:
+    """The check of a model set up: ``check`` (the run's so far, or None) with what this model adds to it: the compile
+    the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None where
+    there is nothing to check."""
+    if compiled is None and graphed is None and switch is None:
+        return check
+    if check is None:
+        check = CompileCheck(planned if compiled is not None else Choice(False, planned.reason), planned_steps, sync)
+    if compiled is not None and not any(known is compiled for known in check.records):  # a model set up again
+        check.add(compiled)  # is checked already
+    if graphed is not None and check.graphs is None:
+        check.add_graphs(graphed, graphs)
+    if switch is not None:
+        check.add_precision(switch, memory_share)
+    return check

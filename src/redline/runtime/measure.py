@@ -6,6 +6,10 @@ training steps, and runs with as many rounds (four at most) as keep that within 
 the planned run; where not even ``LEAST_ROUNDS`` (three) fit, it does not run. Its result is cached on disk, keyed
 by the Task's fingerprint and this machine, so a second run pays nothing, a short one included.
 Under several processes rank 0 measures and every rank runs its choice.
+
+Whatever the trial did, the choice it hands the Runtime is final: the Runtime checks on the run's own steps
+only a precision no trial was asked about (runtime/precision_check.py), so a Trainer's run takes the same
+precision from its first step to its last, and one resumed from a checkpoint goes on exactly as it would have.
 """
 
 from __future__ import annotations
@@ -62,14 +66,18 @@ def measure_auto(
     trial: str,
     insist: str = "--trial on measures anyway",
 ) -> dict[str, Choice[str]]:
-    """The "auto" choices a trial measured for this run (``{"precision": ...}``), or {} where none applies.
+    """The "auto" choices a trial measured for this run (``{"precision": ...}``: the rule's where it did not
+    measure, with why), or {} where none applies.
 
     ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
     reason of a run too short to repay a trial, how the command at hand would measure anyway.
     """
-    work = _workload(options, batch_size, env) if trial != "off" else None
+    work = _workload(options, batch_size, env)
     if work is None:
         return {}  # a precision given, or none worth trying here: the rule's reason says why
+    if trial == "off":
+        rule = resolve_precision("auto", work.facts)
+        return {"precision": Choice(rule.value, f"{rule.reason}; not measured: the trial is off")}
     rounds = repaid_rounds(work.candidates, planned_steps) if trial == "auto" else ROUNDS
     short = rounds < LEAST_ROUNDS  # too short to repay a trial, not a cached one
 

@@ -38,3 +38,10 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     elif device.type == "mps" and torch.backends.mps.is_available():
         torch.mps.empty_cache()
+
+
+def peak_memory_share(device: torch.device) -> float | None:
+    """The share of ``device``'s memory the allocator's peak took so far: a GPU's, else None (not known)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated(device) / torch.cuda.get_device_properties(device).total_memory

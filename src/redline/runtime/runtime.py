@@ -47,12 +47,13 @@ from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds, explain_compile
-from redline.runtime.compile_check import CompileCheck
+from redline.runtime.compile_check import CompileCheck, check_forms
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
+from redline.runtime.oom import peak_memory_share
 from redline.runtime.optimizer import (
     OptimizerLike,
     check_materialized,
@@ -62,6 +63,7 @@ from redline.runtime.optimizer import (
 )
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
+from redline.runtime.precision_check import propose_switch
 from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
 from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
@@ -112,6 +114,7 @@ class Runtime(RunState):
         self.facts: DeviceFacts = probe_device(self.device)
         check_cuda_graphs(self.options.cuda_graphs, self.facts.type)  # "on" off CUDA: refused before any work
         chosen = resolve_precision(self.options.precision, self.facts)
+        self._precision_measured = bool(measured and "precision" in measured)  # else auto is checked on the steps
         if measured and "precision" in measured and self.options.precision == "auto":
             found = measured["precision"]
             one_of("measured precision", found.value, PRECISIONS)
@@ -144,7 +147,7 @@ class Runtime(RunState):
         self._started: contextlib.ExitStack | None = None
         self._closed, self._entered = False, 0
         self._compile_records: list[CompileRecord] = []
-        self._compile_check: CompileCheck | None = None  # automatic compile and graphs, confirmed on the first steps
+        self._compile_check: CompileCheck | None = None  # auto compile, graphs and precision, checked on first steps
         self._graphs: GraphRecord | None = None  # the model whose training forward and backward may replay CUDA graphs
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
@@ -180,6 +183,8 @@ class Runtime(RunState):
         if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
             self._graphs.use_eager()
             self._graphs.release()
+        if self._compile_check is not None and self._compile_check.precision is not None:
+            self._compile_check.precision.disarm()  # the model keeps no hook of the run's
 
     def __enter__(self) -> Runtime:
         started = self.start()
@@ -247,7 +252,7 @@ class Runtime(RunState):
             model, self.options, self.facts, world_size=self.env.world_size, strategy=strategy.value,
             records=self._compile_records, current=self._graphs,
         )  # fmt: skip
-        self._check_forms(planned, graphs)
+        self._check_forms(planned, graphs, model, strategy.value)
         self._plan = dataclasses.replace(
             self._plan, strategy=strategy, channels_last=layout, compile=planned, cuda_graphs=graphs, optimizer=impl,
             micro_batch=micro, activation_checkpointing=recompute,
@@ -450,29 +455,34 @@ class Runtime(RunState):
         if plan.compile is not None:
             checked = check.explain() if check is not None else plan.compile
             plan = dataclasses.replace(plan, compile=explain_compile(checked, self._compile_records))
+        precision = check.explain_precision() if check is not None else None
+        if precision is not None:
+            plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
         if plan.cuda_graphs is not None:
             graphs = check.explain_graphs() if check is not None else None
             requested = self._graphs.explain(plan.cuda_graphs) if self._graphs is not None else plan.cuda_graphs
             plan = dataclasses.replace(plan, cuda_graphs=graphs or requested)
         return plan
 
-    def _check_forms(self, planned: Choice[bool], graphs: Choice[bool]) -> None:
-        """Have the run's own first steps confirm a compile the rule chose, and CUDA graphs "auto" proposed
-        (runtime/compile_check.py)."""
-        compiles = bool(planned.value and self.options.compile == "auto" and self._compile_records)
-        graphed = bool(graphs.value and self.options.cuda_graphs == "auto" and self._graphs is not None)
-        if not (compiles or graphed):
-            return
-        if self._compile_check is None:
-            proposed = planned if compiles else Choice(False, planned.reason)
-            self._compile_check = CompileCheck(proposed, self.planned_steps or 0, device_sync(self.device))
-        check = self._compile_check
-        if compiles:
-            record = self._compile_records[-1]
-            if not any(known is record for known in check.records):  # a model set up again is checked already
-                check.add(record)
-        if graphed and check.graphs is None and self._graphs is not None:
-            check.add_graphs(self._graphs, graphs)
+    def _check_forms(self, planned: Choice[bool], graphs: Choice[bool], model: nn.Module, strategy: str) -> None:
+        """Have the run's first steps confirm a compile the rule chose, CUDA graphs "auto" proposed, and a precision no
+        trial or tuned Plan decided (runtime/compile_check.py, runtime/precision_check.py)."""
+        compiles = planned.value and self.options.compile == "auto" and self._compile_records
+        switch = None if self._models else propose_switch(
+            self.options, self.facts, self._plan.precision, self._use_precision, strategy=strategy,
+            decided=self._precision_measured or self._wants_tuned, world_size=self.env.world_size,
+        )  # fmt: skip
+        if switch is not None:
+            switch.watch(model)
+        self._compile_check = check_forms(
+            self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
+            compiled=self._compile_records[-1] if compiles else None,
+            graphed=self._graphs if graphs.value and self.options.cuda_graphs == "auto" else None,
+            sync=device_sync(self.device), memory_share=partial(peak_memory_share, self.device),
+        )  # fmt: skip
+
+    def _use_precision(self, name: str) -> None:
+        self.precision = Precision(cast(PrecisionName, name), self.device)
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
         """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""

@@ -1,0 +1,213 @@
+"""Checking an automatic precision on the run's own steps, where no trial measured it.
+
+A trial (runtime/trial.py) measures "auto" precision on a copy of the model before a run, but only where
+it has the Task (a loss to train the copy with) and a run long enough to repay about 26 extra steps. A
+Runtime in the user's own loop has neither, so there the rule's pick went unmeasured: fp32 on a CPU with
+AMX, where bf16-mixed ran the digits CNN 1.6x faster, and bf16-mixed on an H200, where it ran the same
+CNN 0.84x fp32 (benchmarks/results/). The run's own first steps measure it instead, as they do the
+compile (runtime/compile_check.py): after the eager blocks in the rule's precision, a phase of steps runs in
+the other of fp32 and bf16-mixed, and bf16-mixed is kept only if it beats fp32 by the trial's margin.
+The steps are the run's own, so the check costs only the difference between the two, and less where the
+first timed block already shows the other cannot win (the phase stops there).
+
+The numbers are checked too. At the phase's first training forward, the same inputs also run through the
+model in the rule's precision, without autograd, with the random streams and BatchNorm statistics as
+they were before the forward (so dropout draws alike), and the two outputs are compared. bf16-mixed
+whose outputs depart from fp32's by more than ``TOLERANCE`` of their norm, or are not finite where fp32's
+are, is never used: the step goes on with fp32's output and the run stays in fp32.
+
+Only fp32 and bf16-mixed are switched: fp16 needs a loss scale from the first step. The switch happens
+between optimizer steps, through ``rt.autocast()``: a loop that enters it for each step follows it, and
+a loop whose forward runs outside it (or under an autocast of its own) is not checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.errors import describe_error
+from redline.hardware.device import DeviceFacts
+from redline.plan import Choice
+from redline.plan.precision import live_candidate
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.seed import capture_rng, restore_rng
+
+# The largest departure of bf16-mixed's outputs from fp32's, relative to the norm of fp32's: bf16 keeps 8 bits of
+# mantissa, so a forward in it departs by a few tenths of a percent (0.4-0.6% for the built-in examples, a
+# dropout MLP and attention); a model whose numbers bf16 cannot hold departs by far more.
+TOLERANCE = 0.05
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16}
+
+
+@dataclass
+class PrecisionSwitch:
+    """The rule's precision (``planned``) and the other one the run's first steps time against it.
+
+    ``apply(name)`` has the Runtime run in that precision from the next step on; ``watch`` names the module
+    whose first forward in the other precision is compared with the rule's.
+    """
+
+    planned: Choice[str]
+    candidate: str
+    apply: Callable[[str], None]
+    device_type: str
+    module: nn.Module | None = None
+    current: str = ""
+    compared: str = ""  # how the two precisions' outputs compared on the phase's first batch
+    failed: str | None = None  # why the other precision was dropped before its timing could decide
+    fallback: str = ""  # the precision the run takes when it was: fp32 where bf16 departed, else the rule's
+    _handles: list[Any] = field(default_factory=list)
+    _before: tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def __post_init__(self) -> None:
+        self.current = self.planned.value
+
+    def watch(self, module: nn.Module) -> None:
+        self.module = module
+
+    def use(self, name: str) -> None:
+        """Run in ``name`` from the next step; the first training forward in the candidate is compared."""
+        if name != self.current:
+            self.apply(name)
+            self.current = name
+        if name == self.candidate and not self.compared and self.failed is None:
+            self._arm()
+        else:
+            self.disarm()
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._before = [], None
+
+    def _arm(self) -> None:
+        if self.module is not None and not self._handles:
+            self._handles = [
+                self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                self.module.register_forward_hook(self._after_forward, with_kwargs=True),
+            ]
+
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if module.training and torch.is_grad_enabled():  # evaluation in between is not the training step's
+            self._before = (capture_rng(), _buffers(module))
+
+    def _after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        before = self._before
+        if before is None:
+            return None
+        self.disarm()  # before the forwards below, which must not come back here
+        return self._compare(module, args, kwargs, output, *before)
+
+    def _compare(
+        self, module: nn.Module, args: Any, kwargs: Any, output: Any, rng: dict[str, Any], buffers: list[Any]
+    ) -> Any:
+        """Hold the candidate's ``output`` against the rule's precision on the same inputs; return the output the
+        step goes on with (None: the candidate's)."""
+        running = _autocast_dtype(self.device_type)
+        if running != _AUTOCAST_DTYPES.get(self.candidate):
+            self._fail(
+                self.planned.value,
+                f"the loop's forward ran {'under autocast to ' + str(running) if running else 'without autocast'}, "
+                "not in the precision rt.autocast() gives (enter it for each step's forward to have it followed)",
+            )
+            return None
+        after = capture_rng(), _buffers(module)
+        try:
+            _put_back(rng, buffers)
+            with torch.no_grad(), autocast_for(self.planned.value, self.device_type):
+                reference = module(*args, **kwargs)
+        except Exception as exc:  # the rule's precision ran this model before: a surprise, told and left alone
+            self._fail(self.planned.value, f"the forward in {self.planned.value} failed on the same batch: "
+                       f"{describe_error(exc)}")  # fmt: skip
+            _put_back(*after)
+            return None
+        fp32, bf16 = (reference, output) if self.planned.value == "fp32" else (output, reference)
+        departure, said = compare_outputs(fp32, bf16)
+        if departure <= TOLERANCE:
+            self.compared = said
+            _put_back(*after)
+            return None
+        self._fail("fp32", f"bf16-mixed was dropped: {said}")
+        if self.candidate == "fp32":  # the step's output is fp32's already
+            _put_back(*after)
+            return None
+        _put_back(rng, buffers)  # the step goes on as fp32 would have run it, autograd and all
+        with autocast_for("fp32", self.device_type):
+            return module(*args, **kwargs)
+
+    def _fail(self, fallback: str, reason: str) -> None:
+        self.failed, self.fallback = reason, fallback
+
+
+def propose_switch(
+    options: RuntimeOptions,
+    facts: DeviceFacts,
+    planned: Choice[str],
+    apply: Callable[[str], None],
+    *,
+    decided: bool,
+    strategy: str,
+    world_size: int,
+) -> PrecisionSwitch | None:
+    """The switch to the other precision for the run's first steps to time, where "auto" was left to the rule; None
+    where a trial or a tuned Plan ``decided`` it, or the run could not switch it safely: several processes or a
+    sharded strategy (each rank's forward would be compared alone), a compile or graphs asked for (fixed to one
+    autocast), or ``deterministic`` (a run that must repeat itself cannot follow a timing)."""
+    other = live_candidate(options.precision, planned.value, facts)
+    held = decided or strategy != "single" or world_size > 1 or options.deterministic
+    if held or other is None or "on" in (options.compile, options.cuda_graphs):
+        return None
+    return PrecisionSwitch(planned, other, apply, facts.type)
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast as ``precision`` runs it: off for fp32 (whatever an outer context asked), bf16 for bf16-mixed."""
+    dtype = _AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def compare_outputs(fp32: Any, other: Any) -> tuple[float, str]:
+    """How far ``other``'s floating-point outputs are from ``fp32``'s, and what that means: the largest norm of their
+    difference relative to fp32's norm; 0 where nothing can be compared (fp32's own not finite, no floating-point
+    output); inf where other's are not finite or have other shapes."""
+    first, second = _leaves(fp32), _leaves(other)
+    if [t.shape for t in first] != [t.shape for t in second]:
+        return math.inf, "its outputs have other shapes than fp32's"
+    if not first:
+        return 0.0, "not compared by value: the model returns no floating-point tensor"
+    if not all(bool(torch.isfinite(t).all()) for t in first):
+        return 0.0, "not compared by value: fp32's own outputs are not finite"
+    if not all(bool(torch.isfinite(t).all()) for t in second):
+        return math.inf, "its outputs are not finite where fp32's are"
+    worst = max(float((a - b).norm()) / max(float(a.norm()), 1e-12) for a, b in zip(first, second, strict=True))
+    if worst > TOLERANCE:
+        return worst, f"its outputs depart from fp32's by {worst:.1%} of their norm (more than {TOLERANCE:.0%})"
+    return worst, f"outputs within {worst:.1%} of fp32's"
+
+
+def _leaves(output: Any) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves(output)
+    return [t.detach().float() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in module.buffers()]
+
+
+def _put_back(rng: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    restore_rng(rng)
+    for buffer, value in buffers:  # through .data: the candidate's forward saved these for its backward
+        buffer.data.copy_(value)

@@ -1,0 +1,350 @@
+"""An unmeasured "auto" precision checked on the run's own steps: the candidate the rule leaves open, the comparison
+of the two precisions' outputs on the phase's first batch, and the schedule that keeps the faster on a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from devices import CPU_AMX, CPU_ARM, CPU_AVX2, CPU_AVX512_BF16, H100, V100
+from graph_standins import Capture
+from graph_standins import Net as GraphNet
+from redline.plan import Choice
+from redline.plan.precision import live_candidate, resolve_precision
+from redline.runtime.compile_check import (
+    BLOCK,
+    EAGER_END,
+    PHASE,
+    SETTLE,
+    CompileCheck,
+)
+from redline.runtime.graphs import GraphRecord
+from redline.runtime.precision_check import TOLERANCE, PrecisionSwitch, compare_outputs
+from redline.runtime.runtime import Runtime
+
+# -- which precision is checked ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("facts", "expected"),
+    [(CPU_AMX, "bf16-mixed"), (CPU_AVX512_BF16, "bf16-mixed"), (CPU_AVX2, None), (CPU_ARM, None), (H100, "fp32"),
+     (V100, None)],
+)  # fmt: skip
+def test_auto_leaves_open_the_other_of_fp32_and_bf16_where_the_device_runs_bf16_fast(facts, expected):
+    chosen = resolve_precision("auto", facts).value
+    assert live_candidate("auto", chosen, facts) == expected  # V100: the rule's fp16 is never switched mid-run
+
+
+def test_a_precision_asked_for_is_never_checked():
+    assert live_candidate("fp32", "fp32", CPU_AMX) is None
+    assert live_candidate("bf16-mixed", "bf16-mixed", H100) is None
+
+
+# -- comparing the outputs ----------------------------------------------------------------------------
+
+
+def test_outputs_within_the_tolerance_pass_and_say_by_how_much():
+    a = torch.randn(8, 10)
+    worst, said = compare_outputs((a, {"x": a}), (a * 1.01, {"x": a}))
+    assert worst == pytest.approx(0.01, rel=1e-3) and said == "outputs within 1.0% of fp32's"
+
+
+@pytest.mark.parametrize(
+    ("other", "said"),
+    [
+        (lambda a: a + 0.2 * a.norm() / math.sqrt(a.numel()), "depart from fp32's by"),
+        (lambda a: torch.full_like(a, float("nan")), "not finite where fp32's are"),
+        (lambda a: a[:4], "other shapes"),
+    ],
+)
+def test_outputs_that_depart_or_are_not_finite_fail(other, said):
+    a = torch.randn(8, 10)
+    worst, reason = compare_outputs(a, other(a))
+    assert worst > TOLERANCE and said in reason
+
+
+def test_fp32_outputs_that_are_not_finite_leave_nothing_to_hold_bf16_against():
+    a = torch.full((3,), float("inf"))
+    assert compare_outputs(a, torch.zeros(3)) == (0.0, "not compared by value: fp32's own outputs are not finite")
+
+
+# -- the switch on a real module ----------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    """A small MLP with BatchNorm and dropout; ``offset`` is added to its output under autocast only (a model whose
+    numbers bf16 cannot hold)."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return out + self.offset if torch.is_autocast_enabled("cpu") else out
+
+
+def switch_on(net: nn.Module, planned: str = "fp32", candidate: str = "bf16-mixed") -> tuple[PrecisionSwitch, list]:
+    applied: list[str] = []
+    switch = PrecisionSwitch(Choice(planned, "auto: the rule"), candidate, applied.append, "cpu")
+    switch.watch(net)
+    switch.use(candidate)
+    return switch, applied
+
+
+def bf16(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return net(x)
+
+
+def test_the_first_training_forward_in_bf16_is_held_against_fp32_and_goes_on_in_bf16():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(32, 6)
+    switch, applied = switch_on(net)
+    assert applied == ["bf16-mixed"] and switch.current == "bf16-mixed"
+    with torch.no_grad():
+        bf16(net, x)  # evaluation in between is not compared
+    assert switch.compared == "" and net._forward_hooks
+    torch.manual_seed(1)
+    out = bf16(net, x)
+    assert out.dtype == torch.bfloat16 and out.requires_grad
+    assert switch.failed is None and switch.compared.startswith("outputs within")
+    assert not net._forward_hooks and not net._forward_pre_hooks  # compared once, then the hooks are gone
+    torch.manual_seed(0)
+    fresh = Net()
+    with torch.no_grad():
+        bf16(fresh, x)  # the same evaluation forward (in training mode, so it moved the statistics too)
+    torch.manual_seed(1)
+    expected = bf16(fresh, x)
+    assert torch.equal(out, expected)  # the same dropout draw as without the comparison: the random streams put back
+    for name, buffer in net.named_buffers():  # the statistics moved once, by the step's own forward, not twice
+        assert torch.equal(buffer, dict(fresh.named_buffers())[name]), name
+
+
+def test_bf16_outputs_that_depart_from_fp32_are_dropped_and_the_step_goes_on_with_fp32s():
+    torch.manual_seed(0)
+    net, x = Net(offset=50.0), torch.randn(16, 6)
+    switch, _ = switch_on(net)
+    torch.manual_seed(0)
+    reference = Net(offset=50.0)
+    net.body[3].p = reference.body[3].p = 0.0  # no dropout: fp32's output is known
+    out = bf16(net, x)
+    assert switch.failed is not None and "bf16-mixed was dropped: its outputs depart from fp32's by" in switch.failed
+    assert switch.fallback == "fp32"
+    assert out.dtype == torch.float32 and out.requires_grad
+    assert torch.allclose(out, reference(x), atol=1e-6)  # fp32's output, with autograd: the step trains as fp32
+    out.sum().backward()
+    assert net.body[0].weight.grad is not None
+
+
+def test_a_loop_whose_forward_runs_outside_rt_autocast_is_not_checked():
+    net = Net()
+    switch, _ = switch_on(net)
+    out = net(torch.randn(4, 6))  # no autocast: the loop's own precision
+    assert out.dtype == torch.float32
+    assert switch.failed is not None and "the loop's forward ran without autocast" in switch.failed
+    assert switch.fallback == "fp32"  # the rule's
+
+
+def test_where_the_rule_chose_bf16_a_departing_bf16_leaves_fp32():
+    torch.manual_seed(0)
+    net = Net(offset=50.0)
+    switch, applied = switch_on(net, planned="bf16-mixed", candidate="fp32")
+    out = net(torch.randn(8, 6))  # the candidate, fp32, runs without autocast
+    assert applied == ["fp32"] and out.dtype == torch.float32
+    assert switch.failed is not None and switch.fallback == "fp32"
+
+
+# -- the schedule, on a fake clock ----------------------------------------------------------------------
+
+
+def drive(
+    fp32_ms: float,
+    bf16_ms: float,
+    steps: int,
+    *,
+    planned: str = "fp32",
+    planned_steps: int = 0,
+    memory: float | None = None,
+    graphs_ms: float | None = None,
+    fail: str | None = None,
+) -> tuple[CompileCheck, PrecisionSwitch, list[str]]:
+    """Run a check for ``steps`` steps, each costing what the precision it ran in costs (graphed steps cost
+    ``graphs_ms``); returns the check, the switch and each step's form."""
+    now = [0.0]
+    candidate = "bf16-mixed" if planned == "fp32" else "fp32"
+    current = [planned]
+    switch = PrecisionSwitch(Choice(planned, "auto: the rule"), candidate, lambda name: current.__setitem__(0, name),
+                             "cpu")  # fmt: skip
+    check = CompileCheck(Choice(False, "auto: no compile"), planned_steps, sync=lambda: None, clock=lambda: now[0])
+    check.add_precision(switch, lambda: memory)
+    graphs, net, x = None, GraphNet(), torch.randn(2, 4)
+    if graphs_ms is not None:
+        graphs = GraphRecord(net, net.forward, capture=Capture())
+        check.add_graphs(graphs, Choice(True, "auto: graphs"))
+    ran = []
+    for _ in range(steps):
+        if fail is not None and current[0] == candidate and switch.failed is None:
+            switch.failed, switch.fallback = fail, "fp32"
+        graphed = graphs is not None and graphs.on
+        net(x)
+        if graphs is not None:
+            graphs.stepped()
+        ran.append("graphs" if graphed else current[0])
+        now[0] += (graphs_ms if graphed else fp32_ms if current[0] == "fp32" else bf16_ms) / 1e3
+        check.after_step()
+    return check, switch, ran
+
+
+def test_bf16_that_beats_fp32_by_the_margin_is_kept_from_the_step_after_its_phase():
+    check, switch, ran = drive(fp32_ms=4.0, bf16_ms=2.5, steps=EAGER_END + PHASE + 5)
+    assert ran[:EAGER_END] == ["fp32"] * EAGER_END
+    assert set(ran[EAGER_END:]) == {"bf16-mixed"} and check.decided
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "bf16-mixed"
+    assert choice.reason.startswith(
+        f"measured on this run: bf16-mixed steps ran 1.60x fp32 (2.5 against 4 ms, fastest of 3 blocks of {BLOCK} steps"
+    )
+    assert f"bf16-mixed from step {EAGER_END + PHASE + 1}; the rule alone would have kept fp32 (auto: the rule)" in (
+        choice.reason
+    )
+    assert not switch._handles
+
+
+def test_bf16_short_of_the_margin_leaves_fp32_after_its_whole_phase():
+    check, _, ran = drive(fp32_ms=4.0, bf16_ms=3.8, steps=EAGER_END + PHASE + 3)
+    assert ran[EAGER_END : EAGER_END + PHASE] == ["bf16-mixed"] * PHASE and set(ran[EAGER_END + PHASE :]) == {"fp32"}
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"
+    assert "auto: the rule; checked on this run: bf16-mixed steps ran 1.05x fp32" in choice.reason
+
+
+def test_bf16_whose_first_block_cannot_win_stops_its_phase_there():
+    check, _, ran = drive(fp32_ms=4.0, bf16_ms=6.0, steps=EAGER_END + PHASE)
+    short = SETTLE + BLOCK
+    assert ran[EAGER_END : EAGER_END + short] == ["bf16-mixed"] * short
+    assert set(ran[EAGER_END + short :]) == {"fp32"} and check.decided
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"
+    assert f"0.67x fp32 (6 against 4 ms, fastest of 1 block of {BLOCK} steps" in choice.reason
+    assert f"fp32 from step {EAGER_END + short + 1}" in choice.reason
+
+
+def test_a_comparison_that_dropped_bf16_ends_the_phase_at_once():
+    check, _, ran = drive(fp32_ms=4.0, bf16_ms=1.0, steps=EAGER_END + 4, fail="bf16-mixed was dropped: its outputs")
+    assert ran[EAGER_END:] == ["bf16-mixed", "fp32", "fp32", "fp32"]
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"
+    assert f"checked on this run: bf16-mixed was dropped: its outputs: fp32 from step {EAGER_END + 2}" in choice.reason
+
+
+def test_steps_too_long_to_risk_a_slower_block_are_not_checked_unless_the_run_is_long_enough():
+    check, _, ran = drive(fp32_ms=100.0, bf16_ms=10.0, steps=EAGER_END + 2)
+    assert set(ran) == {"fp32"} and check.decided
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"
+    assert "not checked on this run: its steps take 100 ms, so a block of bf16-mixed steps could cost up to 1.4 s" in (
+        choice.reason
+    )
+    check, _, ran = drive(fp32_ms=100.0, bf16_ms=10.0, steps=EAGER_END + PHASE + 1, planned_steps=1000)
+    assert ran[-1] == "bf16-mixed"  # 2% of a 100 s run repays the risk
+
+
+def test_fp32_is_not_tried_on_a_gpu_whose_memory_bf16_already_filled():
+    check, _, _ = drive(fp32_ms=4.0, bf16_ms=2.0, steps=EAGER_END + 1, planned="bf16-mixed", memory=0.6)
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "bf16-mixed"
+    assert "its steps filled 60% of the device's memory" in choice.reason
+    check, _, _ = drive(fp32_ms=2.0, bf16_ms=2.4, steps=EAGER_END + PHASE + 1, planned="bf16-mixed", memory=0.2)
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"  # the launch-bound CNN: bf16 slower, fp32 kept
+    assert "measured on this run: fp32 steps ran 1.20x bf16-mixed" in choice.reason
+
+
+def test_graphs_are_timed_after_the_precision_against_eager_steps_in_the_precision_kept():
+    check, _, ran = drive(fp32_ms=4.0, bf16_ms=2.0, graphs_ms=1.98, steps=EAGER_END + 2 * PHASE + 2)
+    assert ran[EAGER_END : EAGER_END + PHASE] == ["bf16-mixed"] * PHASE
+    assert ran[EAGER_END + PHASE : EAGER_END + 2 * PHASE] == ["graphs"] * PHASE
+    graphs = check.explain_graphs()
+    assert graphs is not None and graphs.value is False  # 1.01x bf16's eager: short of KEEP, though 2x fp32's
+    assert "graphed steps ran 1.01x eager (1.98 against 2 ms" in graphs.reason
+    assert ran[-2:] == ["bf16-mixed", "bf16-mixed"]
+
+
+def test_until_it_decides_the_plan_says_the_precision_is_being_checked():
+    check, _, _ = drive(fp32_ms=4.0, bf16_ms=2.0, steps=EAGER_END + 3)
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"
+    checking = (
+        f"being checked on this run: bf16-mixed timed against fp32 after {EAGER_END} steps (step {EAGER_END + 3} "
+    )
+    assert checking in choice.reason
+
+
+# -- the Runtime ---------------------------------------------------------------------------------------
+
+
+def train(rt: Runtime, steps: int, costs: dict[str, float], net: nn.Module | None = None) -> nn.Module:
+    """Train a small model ``steps`` steps in the user's loop shape, each step costing ``costs[precision]`` seconds on
+    the check's clock."""
+    torch.manual_seed(0)
+    net = net or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    now = [0.0]
+    if rt._compile_check is not None:
+        rt._compile_check.clock = lambda: now[0]
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for _ in range(steps):
+        with rt.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        rt.backward(loss)
+        now[0] += costs[rt.precision.name]
+        rt.step(optimizer)
+    return net
+
+
+def test_the_runtime_on_an_amx_cpu_checks_bf16_on_its_steps_and_keeps_it_when_faster(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        net = train(rt, EAGER_END + PHASE + 2, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert rt.precision.name == "bf16-mixed" and not rt.compile_checking
+        plan = rt.explain().precision
+        assert plan.value == "bf16-mixed" and plan.reason.startswith("measured on this run: bf16-mixed steps ran 1.60x")
+        assert "outputs within" in plan.reason
+        with rt.autocast():
+            assert torch.is_autocast_enabled("cpu")
+    assert not net._forward_hooks and not net._forward_pre_hooks
+
+
+def test_the_runtime_keeps_fp32_where_bf16_is_slower_and_a_closed_runtime_leaves_no_hook(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        train(rt, EAGER_END + PHASE, {"fp32": 0.004, "bf16-mixed": 0.006})
+        assert rt.precision.name == "fp32" and "checked on this run: bf16-mixed steps ran 0.67x" in (
+            rt.explain().precision.reason
+        )
+    with Runtime(devices="cpu", compile="off") as rt:  # closed while the bf16 phase waits for its first forward
+        net = train(rt, EAGER_END, {"fp32": 0.004, "bf16-mixed": 0.002})
+        assert net._forward_hooks
+    assert not net._forward_hooks and not net._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("cpu", "fields"),
+    [
+        ("avx2", {}),  # no fast bf16: nothing to check
+        ("amx", {"precision": "fp32"}),  # asked for
+        ("amx", {"measured": {"precision": Choice("fp32", "measured: a trial")}}),
+        ("amx", {"deterministic": True}),  # a run that must repeat itself cannot follow a timing
+    ],
+)
+def test_a_precision_given_measured_or_without_a_fast_other_is_not_checked(monkeypatch, cpu, fields):
+    monkeypatch.setenv("REDLINE_CPU", cpu)
+    with Runtime(devices="cpu", compile="off", **fields) as rt:
+        train(rt, EAGER_END + PHASE + 1, {"fp32": 0.004, "bf16-mixed": 0.001})
+        assert rt.precision.name == "fp32" and rt._compile_check is None
+        assert "on this run" not in rt.explain().precision.reason
