@@ -74,9 +74,9 @@ def test_auto_plan_on_this_gpu_is_explained():
     assert plan.precision.value == ("bf16-mixed" if major >= 8 else "fp16-mixed")
 
 
-def train_steps(rt: redline.Runtime, steps: int) -> nn.Module:
+def train_steps(rt: redline.Runtime, steps: int, model: nn.Module | None = None) -> nn.Module:
     torch.manual_seed(0)
-    model, opt = rt.setup(make_model(), lambda params: torch.optim.AdamW(params, lr=1e-3))
+    model, opt = rt.setup(model or make_model(), lambda params: torch.optim.AdamW(params, lr=1e-3))
     batches = iter(rt.setup_loader(make_loader()))
     for _ in range(steps):
         try:
@@ -122,20 +122,9 @@ def test_an_unmeasured_auto_precision_is_checked_on_the_first_steps_and_dropout_
     # put back, dropout must draw the same mask in both, or the comparison would drop bf16 for a reason not its own.
     from redline.runtime.compile_check import EAGER_END, PHASE
 
-    torch.manual_seed(0)
     rt = redline.Runtime(devices="cuda", compile="off", cuda_graphs="off", seed=0)
-    model, opt = rt.setup(nn.Sequential(make_model(), nn.Dropout(0.2)), lambda params: torch.optim.AdamW(params))
-    batches = iter(())
-    for _ in range(EAGER_END + PHASE + 2):
-        try:
-            inputs, targets = next(batches)
-        except StopIteration:
-            batches = iter(rt.setup_loader(make_loader()))
-            inputs, targets = next(batches)
-        with rt.autocast():
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-        rt.backward(loss)
-        rt.step(opt)
+    torch.manual_seed(0)
+    train_steps(rt, EAGER_END + PHASE + 2, nn.Sequential(make_model(), nn.Dropout(0.2)))
     plan = rt.explain().precision
     print(plan)
     assert not rt.compile_checking and "on this run" in plan.reason

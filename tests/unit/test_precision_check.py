@@ -212,6 +212,7 @@ def test_bf16_that_beats_fp32_by_the_margin_is_kept_from_the_step_after_its_phas
     assert f"bf16-mixed from step {EAGER_END + PHASE + 1}; the rule alone would have kept fp32 (auto: the rule)" in (
         choice.reason
     )
+    assert "outputs not compared: no training forward of the model ran" in choice.reason  # no module watched here
     assert not switch._handles
 
 

@@ -299,7 +299,7 @@ class CompileCheck:
             figures = (
                 f"{candidate} steps ran {times(ratio)} {planned.value} ({min(self.precisioned) * 1e3:.3g} against "
                 f"{min(self.eager) * 1e3:.3g} ms, fastest of {blocks} block{'s' if blocks > 1 else ''} of {BLOCK} "
-                f"steps each; {switch.compared})"
+                f"steps each; {switch.compared or 'outputs not compared: no training forward of the model ran'})"
             )
             if kept == candidate:
                 self.eager = self.precisioned  # the forms timed next are held against eager steps in this precision
@@ -312,6 +312,7 @@ class CompileCheck:
                 reason = f"{planned.reason}; checked on this run: {figures}: {kept} {after}"
                 self.precision_choice = Choice(kept, reason)
         switch.use(self.precision_choice.value)
+        switch.disarm()  # decided: a forward still to come is not compared
 
     def _time_block(self, blocks: list[float], *, first: bool) -> None:
         self.sync()

@@ -16,6 +16,9 @@ they were before the forward (so dropout draws alike), and the two outputs are c
 whose outputs depart from fp32's by more than ``TOLERANCE`` of their norm, or are not finite where fp32's
 are, is never used: the step goes on with fp32's output and the run stays in fp32.
 
+That comparison runs the model's forward once more, at that one step: what a forward does besides computing
+(a call counter, a hook's side effect) happens twice there.
+
 Only fp32 and bf16-mixed are switched: fp16 needs a loss scale from the first step. The switch happens
 between optimizer steps, through ``rt.autocast()``: a loop that enters it for each step follows it, and
 a loop whose forward runs outside it (or under an autocast of its own) is not checked.
