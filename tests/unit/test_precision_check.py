@@ -3,6 +3,7 @@ of the two precisions' outputs on the phase's first batch, and the schedule that
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -350,3 +351,89 @@ def test_a_precision_given_measured_or_without_a_fast_other_is_not_checked(monke
         train(rt, EAGER_END + PHASE + 1, {"fp32": 0.004, "bf16-mixed": 0.001})
         assert rt.precision.name == "fp32" and rt._compile_check is None
         assert "on this run" not in rt.explain().precision.reason
+
+
+# -- what the review found ------------------------------------------------------------------------------
+
+
+class Aux(nn.Module):
+    """Keeps an auxiliary loss as an attribute, as mixture-of-experts layers do, and a feature a hook reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        self.aux = out.float().pow(2).mean()
+        return out
+
+
+def test_the_steps_own_forward_runs_last_so_what_it_leaves_behind_keeps_its_autograd():
+    net = Aux()
+    switch, _ = switch_on(net)
+    bf16(net, torch.randn(8, 4))
+    assert switch.compared.startswith("outputs within")
+    assert net.aux is not None and net.aux.requires_grad  # the no_grad comparison ran first, not last
+
+
+def test_a_users_pre_hook_that_changes_the_input_applies_once_to_each_forward():
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    net.register_forward_pre_hook(lambda module, args: (args[0] * 3.0,))
+    switch, _ = switch_on(net)
+    bf16(net, torch.randn(8, 4))
+    assert switch.failed is None and switch.compared.startswith("outputs within")
+
+
+@dataclasses.dataclass
+class Result:
+    logits: torch.Tensor
+
+
+class Returns(Net):
+    def forward(self, x: torch.Tensor) -> Result:  # type: ignore[override]
+        return Result(super().forward(x))
+
+
+def test_outputs_in_a_dataclass_are_compared_too():
+    net = Returns(offset=50.0)
+    switch, _ = switch_on(net)
+    out = bf16(net, torch.randn(8, 6))
+    assert switch.failed is not None and "depart from fp32's" in switch.failed
+    assert out.logits.dtype == torch.float32
+
+
+def test_a_precision_a_failed_comparison_changed_is_given_eager_blocks_of_its_own_before_graphs_are_timed():
+    check, _, ran = drive(
+        fp32_ms=4.0, bf16_ms=2.0, graphs_ms=3.0, planned="bf16-mixed", fail="bf16-mixed was dropped: depart",
+        steps=EAGER_END + 1 + 2 * PHASE + 2,
+    )  # fmt: skip
+    assert ran[EAGER_END : EAGER_END + 1 + PHASE] == ["fp32"] * (1 + PHASE)  # fp32 from the failed comparison on
+    assert check.eager == [pytest.approx(0.004)] * 3  # timed anew in fp32
+    graphs = check.explain_graphs()
+    assert (
+        graphs is not None
+        and graphs.value is True
+        and "graphed steps ran 1.33x eager (3 against 4 ms" in (graphs.reason)
+    )
+
+
+def test_a_second_model_or_a_closed_runtime_ends_the_check_with_the_rule_s_precision(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        first = nn.Linear(4, 2)
+        rt.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
+        second = nn.Linear(4, 2)
+        rt.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+        plan = rt.explain().precision
+        assert plan.value == "fp32" and "not checked on this run: a second model was set up" in plan.reason
+    rt = Runtime(devices="cpu", compile="off")
+    net = train(rt, 3, {"fp32": 0.004, "bf16-mixed": 0.002})
+    rt.close()
+    train_more = rt._compile_check
+    assert train_more is not None
+    for _ in range(EAGER_END + PHASE):  # a loop that steps on after closing: nothing switches, no hook comes back
+        train_more.after_step()
+    assert rt.precision.name == "fp32" and not net._forward_hooks and not net._forward_pre_hooks
+    assert "not checked on this run: the Runtime was closed before it decided" in rt.explain().precision.reason

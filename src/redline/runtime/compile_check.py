@@ -68,6 +68,7 @@ SLACK = 1.5
 FP32_MEMORY = 0.45  # fp32 is not tried on a GPU whose memory the rule's bf16 steps filled beyond this share
 
 PRECISION, GRAPHS, COMPILED = "precision", "graphs", "compiled"
+EAGER = "eager"  # eager blocks timed anew, in a precision a failed comparison changed to
 _NAMES = {GRAPHS: "graphed steps", COMPILED: "compiled steps"}
 
 
@@ -119,6 +120,17 @@ class CompileCheck:
         """Check the rule's precision against ``switch.candidate`` first; ``memory_share`` reads the device memory's
         peak share (a GPU's), or None."""
         self.precision, self.memory_share = switch, memory_share
+
+    def drop_precision(self, reason: str) -> None:
+        """Check the precision no further: the rule's stands from the next step (if undecided), for ``reason``."""
+        switch = self.precision
+        if switch is None:
+            return
+        if self.precision_choice is None:
+            planned = switch.planned
+            switch.use(planned.value)
+            self.precision_choice = Choice(planned.value, f"{planned.reason}; not checked on this run: {reason}")
+        switch.finish()
 
     def after_step(self) -> None:
         """Count an optimizer step; time, switch and decide at the steps the schedule names."""
@@ -175,8 +187,8 @@ class CompileCheck:
         if self.steps < EAGER_END:
             return Choice(
                 self.planned.value,
-                f"{self.planned.reason}; checked on this run: {EAGER_END} steps eager, then {end - EAGER_END} "
-                f"{'graphed and compiled' if self.graphs is not None else 'compiled'}, and kept only if faster "
+                f"{self.planned.reason}; checked on this run: {EAGER_END} steps eager, then {PHASE} each "
+                f"{'graphed, then ' if self.graphs is not None else ''}compiled, and kept only if faster "
                 f"(eager so far: {self.steps} of {end} steps)",
             )
         checking = f"being checked on this run (step {self.steps} of {end})"
@@ -218,9 +230,11 @@ class CompileCheck:
         return self.phases[self._index]
 
     def _blocks(self, form: str) -> list[float]:
-        return {PRECISION: self.precisioned, GRAPHS: self.graphed}.get(form, self.compiled)
+        return {PRECISION: self.precisioned, GRAPHS: self.graphed, EAGER: self.eager}.get(form, self.compiled)
 
     def _switch(self, form: str) -> None:
+        if form == EAGER:
+            return  # the models run eagerly already: only the timing starts anew
         if form == PRECISION:
             assert self.precision is not None
             self.precision.use(self.precision.candidate)
@@ -238,7 +252,7 @@ class CompileCheck:
 
     def _candidates(self) -> list[str]:
         phases = []
-        if self.precision is not None:
+        if self.precision is not None and self.precision_choice is None:
             unchecked = self._precision_unchecked()
             if unchecked:
                 planned = self.precision.planned
@@ -270,7 +284,7 @@ class CompileCheck:
     def _precision_over(self, at: int) -> bool:
         """Whether the precision phase ends early: the other precision was dropped, or its first block cannot win."""
         assert self.precision is not None
-        if self.precision.failed is not None:
+        if self.precision.failed is not None or self.precision_choice is not None:
             return True
         if at != SETTLE + BLOCK or not self.precisioned:
             return False
@@ -291,10 +305,15 @@ class CompileCheck:
         assert switch is not None
         planned, candidate = switch.planned, switch.candidate
         after = f"from step {self.steps + 1}"
+        if self.precision_choice is not None:  # dropped (a second model, a closed Runtime): the rule's stands
+            return
         if switch.failed is not None or not self.precisioned:
             kept = switch.fallback or planned.value
             why = switch.failed or "no block of it was timed"
             self.precision_choice = Choice(kept, f"{planned.reason}; checked on this run: {why}: {kept} {after}")
+            if kept != planned.value and self._index + 1 < len(self.phases):  # no step of it was timed: the forms
+                self.eager = []  # still to come are held against eager blocks timed anew in it
+                self.phases.insert(self._index + 1, EAGER)
         else:
             ratio, blocks = self._precision_ratio(), len(self.precisioned)
             kept = candidate if ratio >= self._precision_needs() else planned.value
@@ -314,7 +333,7 @@ class CompileCheck:
                 reason = f"{planned.reason}; checked on this run: {figures}: {kept} {after}"
                 self.precision_choice = Choice(kept, reason)
         switch.use(self.precision_choice.value)
-        switch.disarm()  # decided: a forward still to come is not compared
+        switch.finish()  # decided: a forward still to come is not compared
 
     def _time_block(self, blocks: list[float], *, first: bool) -> None:
         self.sync()
@@ -341,7 +360,7 @@ class CompileCheck:
     def _decide(self) -> None:
         self.decided = True
         eager = min(self.eager)
-        timed = {form: min(self._blocks(form)) for form in self.phases if form != PRECISION}
+        timed = {form: min(self._blocks(form)) for form in self.phases if form not in (PRECISION, EAGER)}
         if GRAPHS in timed and (self._graphs_missed() or (self.graphs is not None and self.graphs.failed is not None)):
             timed.pop(GRAPHS)  # its blocks ran the model's own forward, in all or in part
 
@@ -409,13 +428,17 @@ def check_forms(
     compiled: CompileRecord | None,
     graphed: GraphRecord | None,
     switch: PrecisionSwitch | None,
+    another_model: bool,
     planned_steps: int,
     sync: Callable[[], None],
     memory_share: Callable[[], float | None],
 ) -> CompileCheck | None:
     """The check of a model set up: ``check`` (the run's so far, or None) with what this model adds to it: the compile
     the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None where
-    there is nothing to check."""
+    there is nothing to check. ``another_model`` (a second model set up: a GAN's) ends the precision's check, whose
+    switch would fall between two optimizers' steps of one iteration."""
+    if another_model and check is not None:
+        check.drop_precision("a second model was set up, and a switch could fall between its step and the first's")
     if compiled is None and graphed is None and switch is None:
         return check
     if check is None:

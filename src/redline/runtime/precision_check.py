@@ -16,8 +16,9 @@ they were before the forward (so dropout draws alike), and the two outputs are c
 whose outputs depart from fp32's by more than ``TOLERANCE`` of their norm, or are not finite where fp32's
 are, is never used: the step goes on with fp32's output and the run stays in fp32.
 
-That comparison runs the model's forward once more, at that one step: what a forward does besides computing
-(a call counter, a hook's side effect) happens twice there.
+That comparison runs the model's forward once more, first, at that one step: what a forward does besides
+computing (a call counter, a hook's side effect) happens twice there, and the step's own forward, run last,
+leaves what it leaves (an attribute it sets, a feature a hook keeps) as it would alone.
 
 Only fp32 and bf16-mixed are switched: fp16 needs a loss scale from the first step. The switch happens
 between optimizer steps, through ``rt.autocast()``: a loop that enters it for each step follows it, and
@@ -27,8 +28,9 @@ a loop whose forward runs outside it (or under an autocast of its own) is not ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,8 +68,10 @@ class PrecisionSwitch:
     compared: str = ""  # how the two precisions' outputs compared on the phase's first batch
     failed: str | None = None  # why the other precision was dropped before its timing could decide
     fallback: str = ""  # the precision the run takes when it was: fp32 where bf16 departed, else the rule's
+    done: bool = False  # decided or given up: nothing is compared any more
     _handles: list[Any] = field(default_factory=list)
-    _before: tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    _reference: tuple[Any, ...] | None = None  # the rule's output, and what the step's forward started from
+    _in_reference: bool = False
 
     def __post_init__(self) -> None:
         self.current = self.planned.value
@@ -80,39 +84,34 @@ class PrecisionSwitch:
         if name != self.current:
             self.apply(name)
             self.current = name
-        if name == self.candidate and not self.compared and self.failed is None:
+        if name == self.candidate and not self.compared and self.failed is None and not self.done:
             self._arm()
         else:
             self.disarm()
 
+    def finish(self) -> None:
+        """Compare nothing more (the check decided, gave up, or the Runtime closed)."""
+        self.done = True
+        self.disarm()
+
     def disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._before = [], None
+        self._handles, self._reference = [], None
 
     def _arm(self) -> None:
         if self.module is not None and not self._handles:
-            self._handles = [
-                self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            self._handles = [  # first among the pre-hooks: it sees the arguments before a user's hook changes them
+                self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
                 self.module.register_forward_hook(self._after_forward, with_kwargs=True),
             ]
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if module.training and torch.is_grad_enabled():  # evaluation in between is not the training step's
-            self._before = (capture_rng(), _buffers(module))
-
-    def _after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        before = self._before
-        if before is None:
-            return None
-        self.disarm()  # before the forwards below, which must not come back here
-        return self._compare(module, args, kwargs, output, *before)
-
-    def _compare(
-        self, module: nn.Module, args: Any, kwargs: Any, output: Any, rng: dict[str, Any], buffers: list[Any]
-    ) -> Any:
-        """Hold the candidate's ``output`` against the rule's precision on the same inputs; return the output the
-        step goes on with (None: the candidate's)."""
+        """Run the rule's precision first, without autograd, then put back the random streams and buffers: the step's
+        own forward runs last, so what it leaves behind (an attribute, a hooked feature, BatchNorm's statistics)
+        is its own."""
+        if self._in_reference or not (module.training and torch.is_grad_enabled()):
+            return  # evaluation in between is not the training step's
         running = _autocast_dtype(self.device_type)
         if running != _AUTOCAST_DTYPES.get(self.candidate):
             self._fail(
@@ -120,30 +119,40 @@ class PrecisionSwitch:
                 f"the loop's forward ran {'under autocast to ' + str(running) if running else 'without autocast'}, "
                 "not in the precision rt.autocast() gives (enter it for each step's forward to have it followed)",
             )
-            return None
-        after = capture_rng(), _buffers(module)
+            self.disarm()
+            return
+        rng, buffers = capture_rng(), _buffers(module)
+        self._in_reference = True
         try:
-            _put_back(rng, buffers)
             with torch.no_grad(), autocast_for(self.planned.value, self.device_type):
                 reference = module(*args, **kwargs)
         except Exception as exc:  # the rule's precision ran this model before: a surprise, told and left alone
             self._fail(self.planned.value, f"the forward in {self.planned.value} failed on the same batch: "
                        f"{describe_error(exc)}")  # fmt: skip
-            _put_back(*after)
+            self.disarm()
+            return
+        finally:
+            self._in_reference = False
+            _put_back(rng, buffers)
+        self._reference = (reference, rng, buffers, args, kwargs)
+
+    def _after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """Hold the step's output against the rule's; return the output the step goes on with (None: its own)."""
+        if self._in_reference or self._reference is None:
             return None
+        reference, rng, buffers, first_args, first_kwargs = self._reference
+        self.disarm()  # before the forward below, which must not come back here
         fp32, bf16 = (reference, output) if self.planned.value == "fp32" else (output, reference)
         departure, said = compare_outputs(fp32, bf16)
         if departure <= TOLERANCE:
             self.compared = said
-            _put_back(*after)
             return None
         self._fail("fp32", f"bf16-mixed was dropped: {said}")
         if self.candidate == "fp32":  # the step's output is fp32's already
-            _put_back(*after)
             return None
-        _put_back(rng, buffers)  # the step goes on as fp32 would have run it, autograd and all
+        _put_back(rng, buffers)  # the step goes on as fp32 would have run it, autograd, hooks and all
         with autocast_for("fp32", self.device_type):
-            return module(*args, **kwargs)
+            return module(*first_args, **first_kwargs)
 
     def _fail(self, fallback: str, reason: str) -> None:
         self.failed, self.fallback = reason, fallback
@@ -155,19 +164,23 @@ def propose_switch(
     planned: Choice[str],
     apply: Callable[[str], None],
     *,
+    model: nn.Module,
     decided: bool,
     strategy: str,
     world_size: int,
 ) -> PrecisionSwitch | None:
-    """The switch to the other precision for the run's first steps to time, where "auto" was left to the rule; None
-    where a trial or a tuned Plan ``decided`` it, or the run could not switch it safely: several processes or a
-    sharded strategy (each rank's forward would be compared alone), a compile or graphs asked for (fixed to one
-    autocast), or ``deterministic`` (a run that must repeat itself cannot follow a timing)."""
+    """The switch to the other precision for the run's first steps to time (``model``'s first forward in it compared
+    with the rule's), where "auto" was left to the rule; None where a trial or a tuned Plan ``decided`` it, or the
+    run could not switch it safely: several processes or a sharded strategy (each rank's forward would be compared
+    alone), a compile or graphs asked for (fixed to one autocast), or ``deterministic`` (a run that must repeat
+    itself cannot follow a timing)."""
     other = live_candidate(options.precision, planned.value, facts)
     held = decided or strategy != "single" or world_size > 1 or options.deterministic
     if held or other is None or "on" in (options.compile, options.cuda_graphs):
         return None
-    return PrecisionSwitch(planned, other, apply, facts.type)
+    switch = PrecisionSwitch(planned, other, apply, facts.type)
+    switch.watch(model)
+    return switch
 
 
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -186,7 +199,7 @@ def compare_outputs(fp32: Any, other: Any) -> tuple[float, str]:
     if [t.shape for t in first] != [t.shape for t in second]:
         return math.inf, "its outputs have other shapes than fp32's"
     if not first:
-        return 0.0, "not compared by value: the model returns no floating-point tensor"
+        return 0.0, "not compared by value: no floating-point tensor found in the model's outputs"
     if not all(bool(torch.isfinite(t).all()) for t in first):
         return 0.0, "not compared by value: fp32's own outputs are not finite"
     if not all(bool(torch.isfinite(t).all()) for t in second):
@@ -198,8 +211,18 @@ def compare_outputs(fp32: Any, other: Any) -> tuple[float, str]:
 
 
 def _leaves(output: Any) -> list[torch.Tensor]:
-    leaves = torch.utils._pytree.tree_leaves(output)
-    return [t.detach().float() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The floating-point tensors in ``output``: in tuples, lists, dicts (a ModelOutput) and dataclasses."""
+    if isinstance(output, torch.Tensor):
+        return [output.detach().float()] if output.is_floating_point() else []
+    if isinstance(output, Mapping):
+        items: Any = output.values()
+    elif isinstance(output, (list, tuple)):
+        items = output
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    else:
+        return []
+    return [t for item in items for t in _leaves(item)]
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

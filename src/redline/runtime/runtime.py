@@ -183,8 +183,8 @@ class Runtime(RunState):
         if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
             self._graphs.use_eager()
             self._graphs.release()
-        if self._compile_check is not None and self._compile_check.precision is not None:
-            self._compile_check.precision.disarm()  # the model keeps no hook of the run's
+        if self._compile_check is not None:  # the model keeps no hook of the run's
+            self._compile_check.drop_precision("the Runtime was closed before it decided")
 
     def __enter__(self) -> Runtime:
         started = self.start()
@@ -469,13 +469,12 @@ class Runtime(RunState):
         trial or tuned Plan decided (runtime/compile_check.py, runtime/precision_check.py)."""
         compiles = planned.value and self.options.compile == "auto" and self._compile_records
         switch = None if self._models else propose_switch(
-            self.options, self.facts, self._plan.precision, self._use_precision, strategy=strategy,
+            self.options, self.facts, self._plan.precision, self._use_precision, model=model, strategy=strategy,
             decided=self._precision_measured or self._wants_tuned, world_size=self.env.world_size,
         )  # fmt: skip
-        if switch is not None:
-            switch.watch(model)
         self._compile_check = check_forms(
             self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
+            another_model=bool(self._models) and not any(model is known for known in self._models),
             compiled=self._compile_records[-1] if compiles else None,
             graphed=self._graphs if graphs.value and self.options.cuda_graphs == "auto" else None,
             sync=device_sync(self.device), memory_share=partial(peak_memory_share, self.device),
