@@ -437,3 +437,41 @@ def test_a_second_model_or_a_closed_runtime_ends_the_check_with_the_rule_s_preci
         train_more.after_step()
     assert rt.precision.name == "fp32" and not net._forward_hooks and not net._forward_pre_hooks
     assert "not checked on this run: the Runtime was closed before it decided" in rt.explain().precision.reason
+
+
+def test_a_forward_that_changes_its_input_in_place_does_so_once_at_the_compared_step():
+    class Halves(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x.mul_(0.5))
+
+    net, x = Halves(), torch.ones(8, 4)
+    switch, _ = switch_on(net)
+    bf16(net, x)
+    assert switch.failed is None and torch.equal(x, torch.full((8, 4), 0.5))  # the comparison ran on copies
+
+
+def test_a_forward_that_fails_in_bf16_only_drops_it_and_the_step_runs_in_fp32():
+    class Scatter(nn.Module):  # index_add_ into a float32 buffer, as message passing does: no bf16 source allowed
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(2, 3)
+            return out.index_add_(0, torch.tensor([0, 1, 0, 1]), self.layer(x))
+
+    net = Scatter()
+    switch, _ = switch_on(net)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = net(torch.randn(4, 4))  # would raise without the check: the run in fp32 must not break
+        assert torch.is_autocast_enabled("cpu")  # the step's fp32 context ended with its forward
+    assert out.dtype == torch.float32 and out.requires_grad
+    assert switch.failed is not None and "its forward in bf16-mixed failed: RuntimeError" in switch.failed
+    assert switch.fallback == "fp32" and not net._forward_hooks
+    check, _, _ = drive(fp32_ms=4.0, bf16_ms=2.0, steps=5)
+    check.drop_precision("a second model was set up")
+    assert check.end == EAGER_END  # a dropped precision phase is not counted in the schedule's end

@@ -174,7 +174,8 @@ class CompileCheck:
         """The step after which the check decides (as far as it can tell yet)."""
         if self.steps >= EAGER_END:
             return self._started + PHASE * (len(self.phases) - self._index) if self.phases else EAGER_END
-        count = (self.precision is not None) + (self.graphs is not None) + bool(self.planned.value)
+        checking = self.precision is not None and self.precision_choice is None
+        count = checking + (self.graphs is not None) + bool(self.planned.value)
         return EAGER_END + PHASE * count
 
     def explain(self) -> Choice[bool]:

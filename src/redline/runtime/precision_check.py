@@ -10,15 +10,16 @@ the other of fp32 and bf16-mixed, and bf16-mixed is kept only if it beats fp32 b
 The steps are the run's own, so the check costs only the difference between the two, and less where the
 first timed block already shows the other cannot win (the phase stops there).
 
-The numbers are checked too. At the phase's first training forward, the same inputs also run through the
-model in the rule's precision, without autograd, with the random streams and BatchNorm statistics as
-they were before the forward (so dropout draws alike), and the two outputs are compared. bf16-mixed
-whose outputs depart from fp32's by more than ``TOLERANCE`` of their norm, or are not finite where fp32's
-are, is never used: the step goes on with fp32's output and the run stays in fp32.
+The numbers are checked too. Before the phase's first training forward, the model runs on copies of its
+inputs in both precisions, without autograd, with the random streams and BatchNorm statistics put back after
+each (so dropout draws alike), and the two outputs are compared. bf16-mixed whose outputs depart from fp32's
+by more than ``TOLERANCE`` of their norm, or are not finite where fp32's are, is never used: the step's own
+forward then runs in fp32, and so does the run. A candidate whose forward fails (an op without a bf16
+kernel) is dropped the same way, and the step runs in the rule's precision.
 
-That comparison runs the model's forward once more, first, at that one step: what a forward does besides
-computing (a call counter, a hook's side effect) happens twice there, and the step's own forward, run last,
-leaves what it leaves (an attribute it sets, a feature a hook keeps) as it would alone.
+The step's own forward runs once, last, on the inputs as given: what it leaves behind (an attribute it sets,
+a feature a hook keeps, BatchNorm's statistics) is its own. What a forward does besides computing (a call
+counter, a hook's side effect) happens three times at that one step.
 
 Only fp32 and bf16-mixed are switched: fp16 needs a loss scale from the first step. The switch happens
 between optimizer steps, through ``rt.autocast()``: a loop that enters it for each step follows it, and
@@ -70,8 +71,8 @@ class PrecisionSwitch:
     fallback: str = ""  # the precision the run takes when it was: fp32 where bf16 departed, else the rule's
     done: bool = False  # decided or given up: nothing is compared any more
     _handles: list[Any] = field(default_factory=list)
-    _reference: tuple[Any, ...] | None = None  # the rule's output, and what the step's forward started from
-    _in_reference: bool = False
+    _probing: bool = False  # the no_grad forwards of the comparison are running
+    _context: contextlib.AbstractContextManager[Any] | None = None  # the precision the step's forward runs in instead
 
     def __post_init__(self) -> None:
         self.current = self.planned.value
@@ -97,21 +98,21 @@ class PrecisionSwitch:
     def disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._reference = [], None
+        self._handles = []
 
     def _arm(self) -> None:
         if self.module is not None and not self._handles:
             self._handles = [  # first among the pre-hooks: it sees the arguments before a user's hook changes them
                 self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
-                self.module.register_forward_hook(self._after_forward, with_kwargs=True),
+                self.module.register_forward_hook(self._after_forward),
             ]
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Run the rule's precision first, without autograd, then put back the random streams and buffers: the step's
-        own forward runs last, so what it leaves behind (an attribute, a hooked feature, BatchNorm's statistics)
-        is its own."""
-        if self._in_reference or not (module.training and torch.is_grad_enabled()):
-            return  # evaluation in between is not the training step's
+        """Run both precisions on copies of the inputs, without autograd, the random streams and buffers put back
+        after each; compare them. The step's own forward then runs once, last, in the candidate, or in the
+        precision left where the candidate failed."""
+        if self._probing or not (module.training and torch.is_grad_enabled()):
+            return  # the comparison's own forwards, or evaluation in between
         running = _autocast_dtype(self.device_type)
         if running != _AUTOCAST_DTYPES.get(self.candidate):
             self._fail(
@@ -121,38 +122,41 @@ class PrecisionSwitch:
             )
             self.disarm()
             return
-        rng, buffers = capture_rng(), _buffers(module)
-        self._in_reference = True
-        try:
-            with torch.no_grad(), autocast_for(self.planned.value, self.device_type):
-                reference = module(*args, **kwargs)
-        except Exception as exc:  # the rule's precision ran this model before: a surprise, told and left alone
-            self._fail(self.planned.value, f"the forward in {self.planned.value} failed on the same batch: "
-                       f"{describe_error(exc)}")  # fmt: skip
-            self.disarm()
-            return
-        finally:
-            self._in_reference = False
-            _put_back(rng, buffers)
-        self._reference = (reference, rng, buffers, args, kwargs)
+        outputs: dict[str, Any] = {}
+        for name in (self.candidate, self.planned.value):
+            try:
+                outputs[name] = self._probe(module, args, kwargs, name)
+            except Exception as exc:  # the step goes on in the rule's precision, which ran this model before
+                self._fail(self.planned.value, f"its forward in {name} failed: {describe_error(exc)}")
+                break
+        if self.failed is None:
+            departure, said = compare_outputs(outputs["fp32"], outputs["bf16-mixed"])
+            if departure <= TOLERANCE:
+                self.compared = said
+                return
+            self._fail("fp32", f"bf16-mixed was dropped: {said}")
+        if self.fallback != self.candidate:
+            self._context = autocast_for(self.fallback, self.device_type)
+            self._context.__enter__()  # left in the forward hook, right after this forward
 
-    def _after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        """Hold the step's output against the rule's; return the output the step goes on with (None: its own)."""
-        if self._in_reference or self._reference is None:
-            return None
-        reference, rng, buffers, first_args, first_kwargs = self._reference
-        self.disarm()  # before the forward below, which must not come back here
-        fp32, bf16 = (reference, output) if self.planned.value == "fp32" else (output, reference)
-        departure, said = compare_outputs(fp32, bf16)
-        if departure <= TOLERANCE:
-            self.compared = said
-            return None
-        self._fail("fp32", f"bf16-mixed was dropped: {said}")
-        if self.candidate == "fp32":  # the step's output is fp32's already
-            return None
-        _put_back(rng, buffers)  # the step goes on as fp32 would have run it, autograd, hooks and all
-        with autocast_for("fp32", self.device_type):
-            return module(*first_args, **first_kwargs)
+    def _probe(self, module: nn.Module, args: Any, kwargs: Any, precision: str) -> Any:
+        rng, buffers = capture_rng(), _buffers(module)
+        self._probing = True
+        try:
+            with torch.no_grad(), autocast_for(precision, self.device_type):
+                return module(*_copied(args), **_copied(kwargs))  # a forward that changes its inputs changes copies
+        finally:
+            self._probing = False
+            _put_back(rng, buffers)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._probing:
+            return
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
+        if self.compared or self.failed is not None:
+            self.disarm()
 
     def _fail(self, fallback: str, reason: str) -> None:
         self.failed, self.fallback = reason, fallback
@@ -223,6 +227,10 @@ def _leaves(output: Any) -> list[torch.Tensor]:
     else:
         return []
     return [t for item in items for t in _leaves(item)]
+
+
+def _copied(inputs: Any) -> Any:
+    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
