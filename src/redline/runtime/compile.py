@@ -8,7 +8,7 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,17 @@ def compile_supported(device_type: str) -> tuple[bool, str]:
     if device_type == "mps":
         return False, "torch.compile's MPS backend is still experimental"
     return True, ""
+
+
+@contextlib.contextmanager
+def own_forward(module: nn.Module, eager: Callable[..., Any]) -> Iterator[None]:
+    """Run ``module``'s own forward (``eager``) inside, whatever form (compiled, graphed) it is in; that form after."""
+    current = module.forward
+    module.forward = eager
+    try:
+        yield
+    finally:
+        module.forward = current
 
 
 @dataclass
@@ -74,12 +85,8 @@ class CompileRecord:
         if self.module is None:
             yield
             return
-        compiled = self.module.forward
-        self.module.forward = self.eager
-        try:
+        with own_forward(self.module, self.eager):
             yield
-        finally:
-            self.module.forward = compiled
 
     def add(self, seconds: float, cause: str, *, training: bool) -> None:
         self.seconds = (self.seconds or 0.0) + seconds

@@ -47,7 +47,7 @@ from redline.errors import ConfigError, describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.graphs import resolve_graphs
-from redline.runtime.compile import CompileRecord
+from redline.runtime.compile import CompileRecord, own_forward
 from redline.runtime.oom import free_memory
 from redline.runtime.options import RuntimeOptions
 
@@ -244,12 +244,8 @@ class GraphRecord:
     @contextlib.contextmanager
     def eagerly(self) -> Iterator[None]:
         """Run the module's own forward inside (evaluation, sampling), whatever form it is in."""
-        current = self.module.forward
-        self.module.forward = self.eager
-        try:
+        with own_forward(self.module, self.eager):
             yield
-        finally:
-            self.module.forward = current
 
     def turned_off(self, planned: str) -> Choice[bool]:
         """The axis once graphs were turned off for good: the plan's reason (``planned``), then why."""

@@ -42,6 +42,7 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import live_candidate
+from redline.runtime.graphs import kept_buffers
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 
@@ -140,14 +141,14 @@ class PrecisionSwitch:
             self._context.__enter__()  # left in the forward hook, right after this forward
 
     def _probe(self, module: nn.Module, args: Any, kwargs: Any, precision: str) -> Any:
-        rng, buffers = capture_rng(), _buffers(module)
+        rng = capture_rng()
         self._probing = True
         try:
-            with torch.no_grad(), autocast_for(precision, self.device_type):
+            with kept_buffers(module), torch.no_grad(), autocast_for(precision, self.device_type):
                 return module(*_copied(args), **_copied(kwargs))  # a forward that changes its inputs changes copies
         finally:
             self._probing = False
-            _put_back(rng, buffers)
+            restore_rng(rng)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._probing:
@@ -235,13 +236,3 @@ def _copied(inputs: Any) -> Any:
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
-def _buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(b, b.detach().clone()) for b in module.buffers()]
-
-
-def _put_back(rng: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    restore_rng(rng)
-    for buffer, value in buffers:  # through .data: the candidate's forward saved these for its backward
-        buffer.data.copy_(value)
