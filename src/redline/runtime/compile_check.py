@@ -20,11 +20,11 @@ compile is planned and worth it. The fastest form stays if it beats eager by ``K
 capture of milliseconds, so no run is too short to try them.
 
 Precision comes first, where no trial measured "auto" (runtime/precision_check.py): a phase in the other of
-fp32 and bf16-mixed follows the eager blocks, and bf16-mixed stays only if it beats fp32 by the trial's margin.
-The graphs and the compile are then timed in the precision kept, against eager steps in it. Its phase ends
-after one timed block where that block already shows the other precision cannot win, and it is left out
-where even one block could cost too much (``SLOWEST``, ``MOST_COST_S``) or, for fp32 on a GPU, need memory the
-run may not have.
+fp32 and bf16-mixed (in the layout the rule gives it) follows the eager blocks, and bf16-mixed stays only if it
+beats fp32 by the trial's margin. The graphs and the compile are then timed in the precision kept, against eager
+steps in it. Its phase ends after one timed block where that block already shows the other precision cannot win,
+and it is left out where even one block could cost too much (``SLOWEST``, ``MOST_COST_S``) or, for fp32 on a GPU,
+need memory the run may not have.
 """
 
 from __future__ import annotations

@@ -172,9 +172,15 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         if self.device.type == "cuda":
             return self._prefetch_cuda()
-        if self.device.type == "cpu" and not self.channels_last:
-            return read_batches(self.loader)
+        if self.device.type == "cpu":
+            return self._laid_out(read_batches(self.loader))
         return (move_to(b, self.device, channels_last=self.channels_last) for b in read_batches(self.loader))
+
+    def _laid_out(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """CPU batches as they come, their 4-d tensors laid out NHWC while ``channels_last`` (which a run's precision
+        check may change between two batches: runtime/layout.py)."""
+        for batch in batches:
+            yield move_to(batch, self.device, channels_last=True) if self.channels_last else batch
 
     def __getattr__(self, name: str) -> Any:
         # Reach through to the loader for .dataset, .sampler, .batch_size and friends.

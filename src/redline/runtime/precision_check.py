@@ -21,6 +21,9 @@ The step's own forward runs once, last, on the inputs as given: what it leaves b
 a feature a hook keeps, BatchNorm's statistics) is its own. What a forward does besides computing (a call
 counter, a hook's side effect) happens three times at that one step.
 
+The layout "auto" chose switches with the precision (runtime/layout.py): on a CPU with AMX, bf16-mixed's steps run
+channels_last, as the rule lays out bf16 convolutions there, and fp32's NCHW.
+
 Only fp32 and bf16-mixed are switched: fp16 needs a loss scale from the first step. The switch happens
 between optimizer steps, through ``rt.autocast()``: a loop that enters it for each step follows it, and
 a loop whose forward runs outside it (or under an autocast of its own) is not checked.

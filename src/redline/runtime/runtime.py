@@ -38,7 +38,6 @@ from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
-from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.loader import resolve_loader
 from redline.plan.micro_batch import found_size
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
@@ -50,6 +49,7 @@ from redline.runtime.compile import CompileRecord, compile_counts, compile_plann
 from redline.runtime.compile_check import CompileCheck, check_forms
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.graphs import GraphRecord, setup_graphs
+from redline.runtime.layout import Layout
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
@@ -151,6 +151,7 @@ class Runtime(RunState):
         self._graphs: GraphRecord | None = None  # the model whose training forward and backward may replay CUDA graphs
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
+        self._layout = Layout(self.facts)  # channels_last or not: "auto" follows a precision the first steps switch to
 
     # -- the run's process-wide state ------------------------------------------------------------
 
@@ -216,13 +217,9 @@ class Runtime(RunState):
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
         self._split_caveats = split_caveats(model, self.env.world_size)
-        layout = resolve_channels_last(
-            self.options.channels_last, self.facts, has_conv2d=has_conv2d(model), precision=self.precision.name
-        )
         recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
-        if layout.value:
-            model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        layout = self._layout.setup(model, self.options.channels_last, self.precision.name)
         strategy = resolve_strategy(
             self.options.strategy,
             world_size=self.env.world_size,
@@ -302,16 +299,12 @@ class Runtime(RunState):
             reason = "; ".join([reason, *self._split_caveats])
             chosen = Choice(chosen.value, reason)
         self._plan = dataclasses.replace(self._plan, loader=chosen)
-        return DeviceLoader(loader, self.device, channels_last=self._channels_last)
-
-    @property
-    def _channels_last(self) -> bool:
-        return self._plan.channels_last is not None and self._plan.channels_last.value
+        return self._layout.loader(loader, self.device)
 
     def to_device(self, batch: Any) -> Any:
         """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
         non_blocking = self.device.type == "cuda"
-        return move_to(batch, self.device, non_blocking=non_blocking, channels_last=self._channels_last)
+        return move_to(batch, self.device, non_blocking=non_blocking, channels_last=self._layout.channels_last)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -482,6 +475,9 @@ class Runtime(RunState):
 
     def _use_precision(self, name: str) -> None:
         self.precision = Precision(cast(PrecisionName, name), self.device)
+        if self.model is not None:  # the check's model: the only one set up
+            layout = self._layout.follow(name, self.model, self.optimizer, step=self._cycle.steps + 1)
+            self._plan = dataclasses.replace(self._plan, channels_last=layout)
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
         """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""

@@ -1,0 +1,160 @@
+"""The layout follows the precision the run's first steps switch to: on a CPU with AMX, "auto" lays a convolutional
+model out channels_last for bf16-mixed and NCHW for fp32, so the precision check's bf16 steps, and a run that keeps
+them, are laid out as bf16's own; a layout given stays as it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from redline.runtime.compile_check import EAGER_END, PHASE
+from redline.runtime.layout import lay_out
+from redline.runtime.loading import DeviceLoader
+from redline.runtime.runtime import Runtime
+
+NHWC = torch.channels_last
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+
+
+def is_nhwc(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous(memory_format=NHWC) and not tensor.is_contiguous()
+
+
+def test_lay_out_moves_weights_gradients_and_the_optimizer_state_of_their_shape_and_keeps_the_parameters():
+    net = conv_net()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    net(torch.randn(2, 3, 4, 4)).sum().backward()
+    optimizer.step()
+    params = list(net.parameters())
+    weight = net[0].weight
+    lay_out(net, optimizer, channels_last=True)
+    assert list(net.parameters()) == params and optimizer.param_groups[0]["params"][0] is weight
+    assert is_nhwc(weight) and weight.grad is not None and is_nhwc(weight.grad)
+    assert is_nhwc(optimizer.state[weight]["exp_avg"]) and is_nhwc(optimizer.state[weight]["exp_avg_sq"])
+    assert optimizer.state[weight]["step"].dim() == 0  # a step count is no image
+    lay_out(net, optimizer, channels_last=False)
+    assert weight.is_contiguous() and optimizer.state[weight]["exp_avg"].is_contiguous()
+
+
+def test_training_goes_on_alike_after_the_layout_changes():
+    def run(relay: bool) -> list[torch.Tensor]:
+        net = conv_net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        torch.manual_seed(1)
+        batches = [torch.randn(4, 3, 4, 4) for _ in range(4)]
+        for index, batch in enumerate(batches):
+            if relay and index == 2:  # between two optimizer steps, as the precision check switches
+                lay_out(net, optimizer, channels_last=True)
+                batch = batch.contiguous(memory_format=NHWC)
+            optimizer.zero_grad()
+            net(batch).square().mean().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    for kept, relaid in zip(run(False), run(True), strict=True):
+        torch.testing.assert_close(relaid, kept, rtol=1e-5, atol=1e-6)
+
+
+def test_a_device_loader_lays_out_the_batches_after_a_change_even_within_an_epoch():
+    loader = DeviceLoader([(torch.randn(2, 3, 4, 4), torch.zeros(2)) for _ in range(3)], torch.device("cpu"))
+    batches = iter(loader)
+    assert next(batches)[0].is_contiguous()
+    loader.channels_last = True
+    inputs, targets = next(batches)
+    assert is_nhwc(inputs) and targets.shape == (2,)
+
+
+def train(rt: Runtime, steps: int, costs: dict[str, float]) -> tuple[nn.Module, list[bool], list[bool]]:
+    """Train ``conv_net`` ``steps`` steps from a loader the Runtime set up, each step costing ``costs[precision]``
+    seconds on the check's clock; return the model, and whether each step's inputs and weights were NHWC."""
+    net = conv_net()
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    now = [0.0]
+    if rt._compile_check is not None:
+        rt._compile_check.clock = lambda: now[0]
+    data = TensorDataset(torch.randn(steps * 4, 3, 4, 4), torch.randint(0, 2, (steps * 4,)))
+    inputs_nhwc, weights_nhwc = [], []
+    for inputs, targets in rt.setup_loader(DataLoader(data, batch_size=4)):
+        inputs_nhwc.append(is_nhwc(inputs))
+        weights_nhwc.append(is_nhwc(net[0].weight))
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(inputs).float(), targets)
+        rt.backward(loss)
+        now[0] += costs[rt.precision.name]
+        rt.step(optimizer)
+    return net, inputs_nhwc, weights_nhwc
+
+
+def test_on_an_amx_cpu_the_bf16_phase_and_the_bf16_kept_run_channels_last(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        assert rt._layout.channels_last is False
+        _, inputs, weights = train(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert rt.precision.name == "bf16-mixed"
+        assert inputs == weights == [False] * EAGER_END + [True] * (PHASE + 3)
+        layout = rt.explain().channels_last
+        assert layout.value is True
+        assert layout.reason == (
+            f"auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC: laid out so from step "
+            f"{EAGER_END + 1}, with bf16-mixed"
+        )
+
+
+def test_on_an_amx_cpu_fp32_kept_lays_the_model_back_out_nchw_after_the_phase(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        net, inputs, weights = train(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.006})
+        assert rt.precision.name == "fp32" and net[0].weight.is_contiguous()
+        phase = sum(inputs)  # the phase stopped after its first block, far from winning
+        assert 0 < phase < PHASE and inputs == weights == [False] * EAGER_END + [True] * phase + [False] * (
+            PHASE + 3 - phase
+        )
+        layout = rt.explain().channels_last
+        assert layout.value is False and layout.reason == "auto: NCHW is as fast for fp32 convolutions on this CPU"
+
+
+@pytest.mark.parametrize("given", ["on", "off"])
+def test_a_layout_given_stays_whatever_the_precision(monkeypatch, given):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off", channels_last=given) as rt:
+        _, inputs, weights = train(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert rt.precision.name == "bf16-mixed"
+        assert set(inputs) == set(weights) == {given == "on"}
+        assert rt.explain().channels_last.reason == "requested"
+
+
+def test_a_runtime_closed_during_the_bf16_phase_leaves_the_model_as_the_rule_laid_it_out(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    rt = Runtime(devices="cpu", compile="off")
+    net, _, weights = train(rt, EAGER_END + 4, {"fp32": 0.004, "bf16-mixed": 0.0025})
+    assert weights[-1] and is_nhwc(net[0].weight)
+    rt.close()
+    assert net[0].weight.is_contiguous() and rt.precision.name == "fp32"
+    assert rt.explain().channels_last.value is False
+
+
+def test_a_model_set_up_again_follows_with_its_new_optimizer(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        net = conv_net()
+        rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+        model, optimizer = rt.setup(net, optimizer)
+        now = [0.0]
+        assert rt._compile_check is not None
+        rt._compile_check.clock = lambda: now[0]
+        x = torch.randn(4, 3, 4, 4)
+        for _ in range(EAGER_END + 3):
+            with rt.autocast():
+                loss = model(rt.to_device(x)).float().square().mean()
+            rt.backward(loss)
+            now[0] += 0.004 if rt.precision.name == "fp32" else 0.002
+            rt.step(optimizer)
+        assert is_nhwc(net[0].weight) and is_nhwc(optimizer.state[net[0].weight]["exp_avg"])
+        assert is_nhwc(rt.to_device(x))
