@@ -158,3 +158,14 @@ def test_a_model_set_up_again_follows_with_its_new_optimizer(monkeypatch):
             rt.step(optimizer)
         assert is_nhwc(net[0].weight) and is_nhwc(optimizer.state[net[0].weight]["exp_avg"])
         assert is_nhwc(rt.to_device(x))
+
+
+def test_a_second_model_set_up_during_the_bf16_phase_lays_the_first_back_out_as_fp32_runs_it(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        first, _, weights = train(rt, EAGER_END + 4, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert weights[-1] and is_nhwc(first[0].weight) and rt.precision.name == "bf16-mixed"
+        second = conv_net()
+        rt.setup(second, torch.optim.SGD(second.parameters(), lr=0.01))
+        assert rt.precision.name == "fp32" and first[0].weight.is_contiguous() and second[0].weight.is_contiguous()
+        assert rt.explain().channels_last.value is False

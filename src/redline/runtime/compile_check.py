@@ -121,6 +121,11 @@ class CompileCheck:
         peak share (a GPU's), or None."""
         self.precision, self.memory_share = switch, memory_share
 
+    def another_model(self) -> None:
+        """A second model is being set up (a GAN's): the precision is checked no further, since its switch would fall
+        between two optimizers' steps of one iteration. Called before that model is laid out for a precision."""
+        self.drop_precision("a second model was set up, and a switch could fall between its step and the first's")
+
     def drop_precision(self, reason: str) -> None:
         """Check the precision no further: the rule's stands from the next step (if undecided), for ``reason``."""
         switch = self.precision
@@ -429,17 +434,13 @@ def check_forms(
     compiled: CompileRecord | None,
     graphed: GraphRecord | None,
     switch: PrecisionSwitch | None,
-    another_model: bool,
     planned_steps: int,
     sync: Callable[[], None],
     memory_share: Callable[[], float | None],
 ) -> CompileCheck | None:
     """The check of a model set up: ``check`` (the run's so far, or None) with what this model adds to it: the compile
     the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None where
-    there is nothing to check. ``another_model`` (a second model set up: a GAN's) ends the precision's check, whose
-    switch would fall between two optimizers' steps of one iteration."""
-    if another_model and check is not None:
-        check.drop_precision("a second model was set up, and a switch could fall between its step and the first's")
+    there is nothing to check."""
     if compiled is None and graphed is None and switch is None:
         return check
     if check is None:

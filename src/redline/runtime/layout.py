@@ -33,6 +33,7 @@ class Layout:
         self.choice: Choice[bool] | None = None  # the layout now (None before a model is set up)
         self.planned: Choice[bool] | None = None  # the layout setup gave, for the precision the run began in
         self._loaders: weakref.WeakSet[DeviceLoader] = weakref.WeakSet()
+        self._laid: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()  # each model: NHWC?
 
     @property
     def channels_last(self) -> bool:
@@ -45,6 +46,7 @@ class Layout:
         if choice.value:
             model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.choice = self.planned = choice
+        self._laid[model] = choice.value
         return choice
 
     def loader(self, loader: Iterable[Any], device: torch.device) -> DeviceLoader:
@@ -58,12 +60,12 @@ class Layout:
     ) -> Choice[bool] | None:
         """Lay ``model`` (with its optimizer's state) and the loaders' batches out as the rule would for ``precision``,
         from optimizer step ``step`` on; return the axis's Choice now. Only "auto" follows: a layout given stays."""
-        if self.choice is None or self.planned is None:
-            return self.choice
+        laid = self._laid.get(model)
         wanted = resolve_channels_last(self.requested, self.facts, has_conv2d=has_conv2d(model), precision=precision)
-        if wanted.value == self.choice.value:
+        if laid is None or self.planned is None or wanted.value == laid:
             return self.choice
         lay_out(model, optimizer, channels_last=wanted.value)
+        self._laid[model] = wanted.value
         for loader in self._loaders:
             loader.channels_last = wanted.value
         if wanted.value == self.planned.value:

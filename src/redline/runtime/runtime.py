@@ -214,6 +214,8 @@ class Runtime(RunState):
             warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
+        if self._models and not again and self._compile_check is not None:
+            self._compile_check.another_model()  # the precision it runs in is the rule's, and so is its layout
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
         self._split_caveats = split_caveats(model, self.env.world_size)
@@ -467,7 +469,6 @@ class Runtime(RunState):
         )  # fmt: skip
         self._compile_check = check_forms(
             self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
-            another_model=bool(self._models) and not any(model is known for known in self._models),
             compiled=self._compile_records[-1] if compiles else None,
             graphed=self._graphs if graphs.value and self.options.cuda_graphs == "auto" else None,
             sync=device_sync(self.device), memory_share=partial(peak_memory_share, self.device),
