@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from redline.runtime.compile_check import EAGER_END, PHASE
 from redline.runtime.layout import lay_out
 from redline.runtime.loading import DeviceLoader
+from redline.runtime.optimizer import match_state_layout
 from redline.runtime.runtime import Runtime
 
 NHWC = torch.channels_last
@@ -169,3 +170,155 @@ def test_a_second_model_set_up_during_the_bf16_phase_lays_the_first_back_out_as_
         rt.setup(second, torch.optim.SGD(second.parameters(), lr=0.01))
         assert rt.precision.name == "fp32" and first[0].weight.is_contiguous() and second[0].weight.is_contiguous()
         assert rt.explain().channels_last.value is False
+
+
+# -- "auto" checks that the model runs in NHWC ---------------------------------------------------------------------
+
+
+class Flattens(nn.Module):
+    """Flattens a convolution's output with ``view``, as old tutorials write: NHWC memory cannot be viewed so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(64, 2)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return self.head(torch.relu(self.conv(x)).view(len(x), -1))
+
+
+def run(rt: Runtime, net: nn.Module, steps: int, costs: dict[str, float] | None = None) -> list[bool]:
+    """Train ``net`` ``steps`` steps on one batch through ``rt.to_device``; whether its weights were NHWC after each."""
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    now = [0.0]
+    if rt._compile_check is not None:
+        rt._compile_check.clock = lambda: now[0]
+    x = torch.randn(4, 3, 4, 4)
+    nhwc = []
+    for _ in range(steps):
+        with rt.autocast():
+            loss = model(rt.to_device(x)).float().square().mean()
+        rt.backward(loss)
+        now[0] += (costs or {}).get(rt.precision.name, 0.004)
+        rt.step(optimizer)
+        nhwc.append(is_nhwc(net.conv.weight))
+    return nhwc
+
+
+def test_a_model_whose_forward_fails_in_nhwc_goes_back_to_nchw_for_good_when_the_bf16_phase_begins(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = Flattens()
+    with Runtime(devices="cpu", compile="off") as rt:
+        nhwc = run(rt, net, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert nhwc == [False] * (EAGER_END - 1) + [True] + [False] * (PHASE + 3)  # back at step 19's forward
+        assert rt.precision.name == "bf16-mixed"  # timed and kept in NCHW, where it runs
+        switch = rt._compile_check.precision if rt._compile_check is not None else None
+        assert switch is not None and switch.failed is None and switch.compared.startswith("outputs within")
+        layout = rt.explain().channels_last
+        assert layout.value is False
+        assert layout.reason.startswith(
+            "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC: laid out so from step "
+            f"{EAGER_END + 1}, with bf16-mixed, but the model's forward failed so (RuntimeError: view size is not"
+        )
+        assert layout.reason.endswith("): NCHW")
+        assert is_nhwc(rt.to_device(torch.randn(2, 3, 4, 4))) is False
+
+
+def test_a_model_laid_out_nhwc_at_setup_is_checked_once_at_its_first_forward(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", precision="bf16-mixed") as rt:  # "auto" lays bf16 convolutions out NHWC here
+        failing = run(rt, Flattens(), 3)
+    assert failing == [False] * 3 and rt.explain().channels_last.value is False
+    net = Flattens()
+    net.head = nn.Sequential(nn.Flatten(), net.head)
+    net.forward = lambda x: net.head(torch.relu(net.conv(x)))  # type: ignore[method-assign]
+    calls = []
+    net.conv.register_forward_hook(lambda *_: calls.append(1))
+    with Runtime(devices="cpu", precision="bf16-mixed") as rt:
+        assert run(rt, net, 3) == [True] * 3
+    assert len(calls) == 4  # one forward on copies, before the first step's, then none
+    assert rt.explain().channels_last.reason == "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC"
+
+
+def test_a_layout_asked_for_is_not_checked_and_a_model_failing_either_way_raises_its_own_error(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", precision="bf16-mixed", channels_last="on") as rt, pytest.raises(RuntimeError) as err:
+        run(rt, Flattens(), 1)
+    assert "view size is not compatible" in str(err.value)
+
+    class Broken(Flattens):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("the model's own bug")
+
+    net = Broken()
+    with Runtime(devices="cpu", precision="bf16-mixed") as rt, pytest.raises(ValueError, match="own bug"):
+        run(rt, net, 1)
+    assert is_nhwc(net.conv.weight) and rt.explain().channels_last.value is True
+
+
+def test_a_model_with_5d_tensors_beside_its_convolutions_is_laid_out_in_its_4d_ones():
+    net = nn.Sequential(nn.Conv3d(2, 2, 1), nn.Flatten(0, 1), nn.Conv2d(2, 2, 1))
+    lay_out(net, None, channels_last=True)
+    assert net[0].weight.dim() == 5 and net[0].weight.is_contiguous() and net[2].weight.dim() == 4
+
+
+def test_an_optimizer_state_loaded_in_another_layout_takes_its_parameters_and_fused_adam_steps_right():
+    def stepped(relaid: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.randn(8, 3, 3, 3))
+        optimizer = torch.optim.Adam([weight], lr=0.1, fused=True)
+        weight.grad = torch.randn(8, 3, 3, 3)
+        optimizer.step()
+        if relaid:  # as a checkpoint written channels_last loads into an NCHW run
+            state = optimizer.state[weight]
+            state["exp_avg"] = state["exp_avg"].contiguous(memory_format=NHWC)
+            match_state_layout(optimizer)
+            assert state["exp_avg"].stride() == weight.stride()
+        weight.grad = torch.randn(8, 3, 3, 3)
+        optimizer.step()
+        return weight.detach()
+
+    torch.testing.assert_close(stepped(True), stepped(False), rtol=0, atol=0)
+
+
+def test_a_checkpoint_written_channels_last_loads_into_an_nchw_run_with_its_state_laid_out_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", precision="bf16-mixed") as rt:
+        net = conv_net()
+        model, optimizer = rt.setup(net, lambda params: torch.optim.Adam(params, lr=0.01))
+        with rt.autocast():
+            loss = model(rt.to_device(torch.randn(4, 3, 4, 4))).float().square().mean()
+        rt.backward(loss)
+        rt.step(optimizer)
+        assert is_nhwc(optimizer.state[net[0].weight]["exp_avg"])
+        rt.save(tmp_path / "step-1")
+    with Runtime(devices="cpu", precision="fp32") as rt:
+        net = conv_net()
+        _, optimizer = rt.setup(net, lambda params: torch.optim.Adam(params, lr=0.01))
+        rt.load(tmp_path / "step-1")
+        weight = net[0].weight
+        assert weight.is_contiguous() and optimizer.state[weight]["exp_avg"].stride() == weight.stride()
+
+
+def test_a_second_setup_that_fails_leaves_the_first_models_check_running(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        first = conv_net()
+        run_into_phase = train(rt, EAGER_END + 2, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert run_into_phase[2][-1] and rt.precision.name == "bf16-mixed"
+        second = conv_net()
+        with pytest.raises(Exception):  # noqa: B017 - the optimizer holds another model's parameters
+            rt.setup(second, torch.optim.SGD(first.parameters(), lr=0.01))
+        assert rt.precision.name == "bf16-mixed" and rt.compile_checking
+        assert "being checked on this run" in rt.explain().precision.reason
+
+
+@pytest.mark.parametrize("given", ["on", True])
+def test_a_loader_made_before_setup_lays_its_batches_out_as_the_model_set_up_after_it(monkeypatch, given):
+    with Runtime(devices="cpu", channels_last=given) as rt:
+        loader = rt.setup_loader([(torch.randn(2, 3, 4, 4), torch.zeros(2))])
+        net = conv_net()
+        rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        assert is_nhwc(next(iter(loader))[0])

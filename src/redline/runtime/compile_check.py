@@ -121,6 +121,12 @@ class CompileCheck:
         peak share (a GPU's), or None."""
         self.precision, self.memory_share = switch, memory_share
 
+    def settled_precision(self) -> str | None:
+        """The precision the run keeps if the check of it ends now: its decision, or the rule's (None: not checked)."""
+        if self.precision is None:
+            return None
+        return (self.precision_choice or self.precision.planned).value
+
     def another_model(self) -> None:
         """A second model is being set up (a GAN's): the precision is checked no further, since its switch would fall
         between two optimizers' steps of one iteration. Called before that model is laid out for a precision."""
@@ -434,13 +440,16 @@ def check_forms(
     compiled: CompileRecord | None,
     graphed: GraphRecord | None,
     switch: PrecisionSwitch | None,
+    another_model: bool,
     planned_steps: int,
     sync: Callable[[], None],
     memory_share: Callable[[], float | None],
 ) -> CompileCheck | None:
     """The check of a model set up: ``check`` (the run's so far, or None) with what this model adds to it: the compile
     the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None where
-    there is nothing to check."""
+    there is nothing to check. ``another_model`` (a second model set up: a GAN's) ends the precision's check."""
+    if another_model and check is not None:
+        check.another_model()
     if compiled is None and graphed is None and switch is None:
         return check
     if check is None:

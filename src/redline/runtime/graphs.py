@@ -50,6 +50,7 @@ from redline.plan.graphs import resolve_graphs
 from redline.runtime.compile import CompileRecord, own_forward
 from redline.runtime.oom import free_memory
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.probe import kept_buffers
 
 log = logging.getLogger("redline")
 
@@ -73,17 +74,6 @@ def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Calla
     finally:
         module.forward = own
     return forward
-
-
-@contextlib.contextmanager
-def kept_buffers(module: nn.Module) -> Iterator[None]:
-    """Put ``module``'s buffers (BatchNorm's running statistics) back as they were after the forwards inside."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        for buffer, value in saved:  # through .data: an earlier forward's backward saved these, and must not see them
-            buffer.data.copy_(value)  # as modified in place
 
 
 # The largest difference allowed between the graphed and the module's own forward, outputs and gradients alike,

@@ -185,3 +185,20 @@ def changed_options(before: list[dict[str, Any]], after: list[dict[str, Any]]) -
             if key in kept and now[key] != kept[key]
         ]
     return changed
+
+
+def match_state_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each state tensor of its parameter's shape (a momentum, Adam's moments) the parameter's strides.
+
+    torch's fused optimizers read a parameter, its gradient and its state as flat memory, so a state laid out
+    otherwise, channels_last against an NCHW weight, is updated wrongly and without an error (fused SGD and Adam on
+    a CPU; the for-loop and foreach kinds are right either way). A state takes another layout when it is loaded
+    from a run laid out otherwise, or when the run lays its model out anew (runtime/layout.py). Sharded (DTensor)
+    state is left as it is.
+    """
+    for param, state in optimizer.state.items():
+        if type(param.data) is not torch.Tensor:
+            continue
+        for key, value in state.items():
+            if type(value) is torch.Tensor and value.shape == param.shape and value.stride() != param.stride():
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)

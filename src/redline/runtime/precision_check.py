@@ -45,9 +45,8 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import live_candidate
-from redline.runtime.graphs import kept_buffers
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.probe import probe_forward
 
 # The largest departure of bf16-mixed's outputs from fp32's, relative to the norm of fp32's: bf16 keeps 8 bits of
 # mantissa, so a forward in it departs by a few tenths of a percent (0.4-0.6% for the built-in examples, a
@@ -86,13 +85,13 @@ class PrecisionSwitch:
 
     def use(self, name: str) -> None:
         """Run in ``name`` from the next step; the first training forward in the candidate is compared."""
+        if name == self.candidate and not self.compared and self.failed is None and not self.done:
+            self._arm()  # before ``apply``: a pre-hook it adds (the layout's check, runtime/layout.py) runs first
+        else:
+            self.disarm()
         if name != self.current:
             self.apply(name)
             self.current = name
-        if name == self.candidate and not self.compared and self.failed is None and not self.done:
-            self._arm()
-        else:
-            self.disarm()
 
     def finish(self) -> None:
         """Compare nothing more (the check decided, gave up, or the Runtime closed)."""
@@ -144,14 +143,12 @@ class PrecisionSwitch:
             self._context.__enter__()  # left in the forward hook, right after this forward
 
     def _probe(self, module: nn.Module, args: Any, kwargs: Any, precision: str) -> Any:
-        rng = capture_rng()
         self._probing = True
         try:
-            with kept_buffers(module), torch.no_grad(), autocast_for(precision, self.device_type):
-                return module(*_copied(args), **_copied(kwargs))  # a forward that changes its inputs changes copies
+            with autocast_for(precision, self.device_type):
+                return probe_forward(module, args, kwargs)
         finally:
             self._probing = False
-            restore_rng(rng)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._probing:
@@ -231,10 +228,6 @@ def _leaves(output: Any) -> list[torch.Tensor]:
     else:
         return []
     return [t for item in items for t in _leaves(item)]
-
-
-def _copied(inputs: Any) -> Any:
-    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

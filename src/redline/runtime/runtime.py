@@ -151,7 +151,7 @@ class Runtime(RunState):
         self._graphs: GraphRecord | None = None  # the model whose training forward and backward may replay CUDA graphs
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
-        self._layout = Layout(self.facts)  # channels_last or not: "auto" follows a precision the first steps switch to
+        self._layout = Layout(self.facts, checked=self.env.world_size == 1)  # channels_last, checked by a forward
 
     # -- the run's process-wide state ------------------------------------------------------------
 
@@ -186,6 +186,7 @@ class Runtime(RunState):
             self._graphs.release()
         if self._compile_check is not None:  # the model keeps no hook of the run's
             self._compile_check.drop_precision("the Runtime was closed before it decided")
+        self._layout.close()
 
     def __enter__(self) -> Runtime:
         started = self.start()
@@ -214,14 +215,14 @@ class Runtime(RunState):
             warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
-        if self._models and not again and self._compile_check is not None:
-            self._compile_check.another_model()  # the precision it runs in is the rule's, and so is its layout
+        second = bool(self._models) and not again  # a GAN's: it ends the precision check, and runs as it leaves it
         if self._wants_tuned and self._tuning is None:
             self._use_tuned(model)
         self._split_caveats = split_caveats(model, self.env.world_size)
         recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
-        layout = self._layout.setup(model, self.options.channels_last, self.precision.name)
+        settled = self._compile_check.settled_precision() if second and self._compile_check is not None else None
+        layout = self._layout.setup(model, self.options.channels_last, settled or self.precision.name)
         strategy = resolve_strategy(
             self.options.strategy,
             world_size=self.env.world_size,
@@ -251,7 +252,7 @@ class Runtime(RunState):
             model, self.options, self.facts, world_size=self.env.world_size, strategy=strategy.value,
             records=self._compile_records, current=self._graphs,
         )  # fmt: skip
-        self._check_forms(planned, graphs, model, strategy.value)
+        self._check_forms(planned, graphs, model, strategy.value, second=second)
         self._plan = dataclasses.replace(
             self._plan, strategy=strategy, channels_last=layout, compile=planned, cuda_graphs=graphs, optimizer=impl,
             micro_batch=micro, activation_checkpointing=recompute,
@@ -259,6 +260,7 @@ class Runtime(RunState):
         self.precision.guard(built)
         self._cycle.expect_sync = self.strategy.expect_sync
         self._cycle.adopt(built, model)
+        self._layout.adopt(self.strategy.module(model), built)
         self.model, self.optimizer = model, built
         self._built_options = group_options(built)  # what a checkpoint's load is held against, a schedule aside
         if not again:
@@ -457,9 +459,13 @@ class Runtime(RunState):
             graphs = check.explain_graphs() if check is not None else None
             requested = self._graphs.explain(plan.cuda_graphs) if self._graphs is not None else plan.cuda_graphs
             plan = dataclasses.replace(plan, cuda_graphs=graphs or requested)
+        if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
+            plan = dataclasses.replace(plan, channels_last=self._layout.choice)
         return plan
 
-    def _check_forms(self, planned: Choice[bool], graphs: Choice[bool], model: nn.Module, strategy: str) -> None:
+    def _check_forms(
+        self, planned: Choice[bool], graphs: Choice[bool], model: nn.Module, strategy: str, *, second: bool
+    ) -> None:
         """Have the run's first steps confirm a compile the rule chose, CUDA graphs "auto" proposed, and a precision no
         trial or tuned Plan decided (runtime/compile_check.py, runtime/precision_check.py)."""
         compiles = planned.value and self.options.compile == "auto" and self._compile_records
@@ -469,16 +475,14 @@ class Runtime(RunState):
         )  # fmt: skip
         self._compile_check = check_forms(
             self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
-            compiled=self._compile_records[-1] if compiles else None,
+            compiled=self._compile_records[-1] if compiles else None, another_model=second,
             graphed=self._graphs if graphs.value and self.options.cuda_graphs == "auto" else None,
             sync=device_sync(self.device), memory_share=partial(peak_memory_share, self.device),
         )  # fmt: skip
 
-    def _use_precision(self, name: str) -> None:
+    def _use_precision(self, name: str) -> None:  # the precision check's switch; the layout "auto" chose follows
         self.precision = Precision(cast(PrecisionName, name), self.device)
-        if self.model is not None:  # the check's model: the only one set up
-            layout = self._layout.follow(name, self.model, self.optimizer, step=self._cycle.steps + 1)
-            self._plan = dataclasses.replace(self._plan, channels_last=layout)
+        self._layout.follow(name, step=cast(CompileCheck, self._compile_check).steps + 1)
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
         """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""

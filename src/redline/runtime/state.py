@@ -23,7 +23,7 @@ from redline.parallel.collectives import gather_objects, peers_said
 from redline.parallel.env import DistEnv
 from redline.plan import Plan
 from redline.runtime.cycle import Cycle
-from redline.runtime.optimizer import changed_options
+from redline.runtime.optimizer import changed_options, match_state_layout
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.strategy import Strategy
@@ -80,6 +80,7 @@ class RunState:
                 "to load a model's weights alone: rt.unwrap(model).load_state_dict(state)",
             )
         strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
+        match_state_layout(optimizer)  # a state saved in another layout than the model's now
         self._restart_cycle(int(state.get("step") or 0))
         self.precision.load_state_dict(dict(state.get("precision") or {}))
         if state.get("rng") is not None:
@@ -118,6 +119,7 @@ class RunState:
             if not isinstance(checkpoint, Checkpoint):
                 checkpoint = open_verified(Path(checkpoint))
             runtime_state, extra = strategy.load(checkpoint, model, optimizer)
+        match_state_layout(optimizer)  # a state saved in another layout than the model's now
         saved = runtime_state.get("optimizer_options")  # none in a checkpoint of an earlier redline
         if saved and (changed := changed_options(self._built_options, saved)) and self.env.is_main:
             log.warning(

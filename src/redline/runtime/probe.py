@@ -1,0 +1,46 @@
+"""A forward that leaves no trace: on copies of the inputs, without autograd, the random streams and buffers put back.
+
+The run's first steps check what "auto" chose by running the model once more on a step's own inputs before that
+step's forward (runtime/precision_check.py: the other precision; runtime/layout.py: a channels_last layout). The
+step's own forward then runs as if the check had not: dropout draws the same mask, BatchNorm's running statistics
+move once, and a forward that changes its inputs in place changes copies. What a forward does besides computing
+(a call counter, a hook of the user's) happens at the check too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from redline.runtime.seed import capture_rng, restore_rng
+
+
+@contextlib.contextmanager
+def kept_buffers(module: nn.Module) -> Iterator[None]:
+    """Put ``module``'s buffers (BatchNorm's running statistics) back as they were after the forwards inside."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for buffer, value in saved:  # through .data: an earlier forward's backward saved these, and must not see them
+            buffer.data.copy_(value)  # as modified in place
+
+
+def probe_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` on copies of the inputs, without autograd; its outputs. The random streams and the
+    module's buffers are as they were before, whether it returned or raised."""
+    rng = capture_rng()
+    try:
+        with kept_buffers(module), torch.no_grad():
+            return module(*copied(args), **copied(kwargs))
+    finally:
+        restore_rng(rng)
+
+
+def copied(inputs: Any) -> Any:
+    """``inputs`` (tensors in tuples, lists, dicts) with each tensor cloned."""
+    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
