@@ -130,3 +130,31 @@ def test_an_unmeasured_auto_precision_is_checked_on_the_first_steps_and_dropout_
     assert not rt.compile_checking and "on this run" in plan.reason
     assert "outputs within" in plan.reason and "dropped" not in plan.reason
     assert rt.precision.name == plan.value
+
+
+class Flattens(nn.Module):
+    """The digits-sized CNN flattening its convolution's output with ``view``, which NHWC memory cannot take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 16, 3, padding=1)
+        self.head = nn.Linear(16 * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).view(len(x), -1))
+
+
+def test_a_model_that_cannot_run_channels_last_runs_nchw_under_auto_through_the_first_steps_checks():
+    # "auto" lays convolutions out NHWC on tensor cores; this model's first forward fails so on copies of its inputs,
+    # and the run goes on in NCHW through the precision, graphs and compile checks.
+    from redline.runtime.compile_check import EAGER_END, PHASE
+
+    for options in ({"precision": "bf16-mixed", "compile": "off", "cuda_graphs": "off"}, {"planned_steps": 200}):
+        rt = redline.Runtime(devices="cuda", seed=0, **options)
+        net = Flattens()
+        train_steps(rt, EAGER_END + 3 * PHASE + 2, net)
+        plan = rt.explain().channels_last
+        print(options, plan)
+        assert plan.value is False and "forward failed so (RuntimeError: view size" in plan.reason
+        assert net.conv.weight.is_contiguous()
+        rt.close()

@@ -4,13 +4,16 @@ them, are laid out as bf16's own; a layout given stays as it is."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from devices import CPU_AMX
 from redline.runtime.compile_check import EAGER_END, PHASE
-from redline.runtime.layout import lay_out
+from redline.runtime.layout import Layout, lay_out
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.optimizer import match_state_layout
 from redline.runtime.runtime import Runtime
@@ -322,3 +325,26 @@ def test_a_loader_made_before_setup_lays_its_batches_out_as_the_model_set_up_aft
         net = conv_net()
         rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
         assert is_nhwc(next(iter(loader))[0])
+
+
+def test_the_check_runs_the_models_own_forward_where_a_compiled_one_would_compile_for_no_grad():
+    inside = []
+
+    @contextlib.contextmanager
+    def eagerly():
+        inside.append(True)
+        yield
+        inside.append(False)
+
+    seen = []
+
+    class Records(Flattens):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(bool(inside) and inside[-1])  # inside eagerly() or not
+            return self.head(torch.relu(self.conv(x)).reshape(len(x), -1))
+
+    net = Records()
+    layout = Layout(CPU_AMX, eagerly=eagerly)
+    assert layout.setup(net, "auto", "bf16-mixed").value is True
+    net(torch.randn(2, 3, 4, 4).contiguous(memory_format=NHWC))
+    assert seen == [True, False] and layout.channels_last  # the probe inside, the forward itself outside; NHWC runs

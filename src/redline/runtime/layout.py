@@ -18,8 +18,9 @@ on. A layout given (``channels_last="on"``) is not checked: the forward's own er
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +53,18 @@ class Layout:
     """Whether the set-up models and the batches the Runtime moves are channels_last, as the Plan's axis says.
 
     ``checked``: a model "auto" lays out channels_last runs its first forward so on copies first (one process
-    only: under several, each rank would decide alone).
+    only: under several, each rank would decide alone), inside ``eagerly()`` (a compiled model's own forward: a
+    forward without autograd would compile a graph of its own).
     """
 
-    def __init__(self, facts: DeviceFacts, *, checked: bool = True) -> None:
-        self.facts, self.checked = facts, checked
+    def __init__(
+        self,
+        facts: DeviceFacts,
+        *,
+        checked: bool = True,
+        eagerly: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.facts, self.checked, self.eagerly = facts, checked, eagerly
         self.requested: str | bool = "auto"
         self.choice: Choice[bool] | None = None  # the layout now (None before a model is set up)
         self.planned: Choice[bool] | None = None  # the layout setup gave, for the precision the run began in
@@ -138,7 +146,8 @@ class Layout:
         laid = self._laid[model]
         _uncheck(laid)
         try:
-            probe_forward(model, args, kwargs)
+            with self.eagerly():
+                probe_forward(model, args, kwargs)
             laid.verified = True
             return None
         except Exception as exc:
@@ -148,7 +157,8 @@ class Layout:
         lay_out(model, laid.optimizer, channels_last=False)
         args, kwargs = _nchw(args), _nchw(kwargs)
         try:
-            probe_forward(model, args, kwargs)
+            with self.eagerly():
+                probe_forward(model, args, kwargs)
         except Exception:
             lay_out(model, laid.optimizer, channels_last=True)  # it fails either way: its own error is the forward's
             return None
