@@ -5,6 +5,7 @@ them, are laid out as bf16's own; a layout given stays as it is."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -348,3 +349,142 @@ def test_the_check_runs_the_models_own_forward_where_a_compiled_one_would_compil
     assert layout.setup(net, "auto", "bf16-mixed").value is True
     net(torch.randn(2, 3, 4, 4).contiguous(memory_format=NHWC))
     assert seen == [True, False] and layout.channels_last  # the probe inside, the forward itself outside; NHWC runs
+
+
+# -- what the second review found --------------------------------------------------------------------------------
+
+
+class Gray(Flattens):
+    """One channel, as the MNIST tutorial's: its NHWC weight and images count as contiguous in either layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+
+
+def bf16_nhwc(**fields) -> Runtime:
+    return Runtime(devices="cpu", precision="bf16-mixed", **fields)  # "auto" lays bf16 convolutions out NHWC (AMX)
+
+
+def step(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    with rt.autocast():
+        loss = model(x).float().square().mean()
+    rt.backward(loss)
+    rt.step(optimizer)
+
+
+def test_a_one_channel_model_goes_back_to_nchw_too(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = Gray()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        step(rt, model, optimizer, rt.to_device(torch.randn(4, 1, 4, 4)))
+        assert net.conv.weight.stride() == (9, 9, 3, 1) and rt.explain().channels_last.value is False
+
+
+def test_a_refused_model_gets_nchw_inputs_at_every_forward_a_batch_moved_before_or_another_models_output(
+    monkeypatch,
+):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = Flattens()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        x = rt.to_device(torch.randn(4, 3, 4, 4))  # NHWC, moved before the model went back to NCHW
+        assert is_nhwc(x)
+        for _ in range(3):
+            step(rt, model, optimizer, x)
+        assert rt.explain().channels_last.value is False and net.forwards == 3 + 2  # and the two checks'
+
+
+def test_an_evaluation_first_does_not_stand_for_the_training_forward(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+
+    class TrainsOtherwise(Flattens):  # a head used in training only, say an auxiliary loss's
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            features = torch.relu(self.conv(x))
+            return self.head(features.view(len(x), -1) if self.training else features.flatten(1))
+
+    net = TrainsOtherwise()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        x = rt.to_device(torch.randn(4, 3, 4, 4))
+        model.eval()
+        with torch.no_grad(), rt.autocast():
+            model(x)
+        assert is_nhwc(net.conv.weight)  # the evaluation runs in NHWC
+        model.train()
+        step(rt, model, optimizer, x)
+        assert not is_nhwc(net.conv.weight) and rt.explain().channels_last.value is False
+
+
+def test_a_fallback_inside_inference_mode_leaves_the_weights_trainable(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = Flattens()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        with torch.inference_mode(), rt.autocast():
+            model(rt.to_device(torch.randn(4, 3, 4, 4)))
+        assert not net.conv.weight.is_inference() and not is_nhwc(net.conv.weight)
+        before = net.conv.weight.detach().clone()
+        step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+        assert not torch.equal(net.conv.weight, before)
+
+
+def test_an_out_of_memory_in_the_check_leaves_the_next_forward_checked(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+
+    class ShortOnce(Flattens):
+        short = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if ShortOnce.short and not torch.is_grad_enabled():  # the check's forward, the first time
+                ShortOnce.short = False
+                raise torch.OutOfMemoryError("out of memory (a stand-in)")
+            return super().forward(x)
+
+    net = ShortOnce()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        with pytest.raises(RuntimeError, match="view size"):  # the forward itself, in NHWC
+            step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+        step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))  # checked: back to NCHW
+        assert rt.explain().channels_last.value is False
+
+
+def test_the_check_leaves_a_buffer_a_forward_assigns_anew_and_an_input_it_changes_as_one_forward_would(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+
+    @dataclasses.dataclass
+    class Images:
+        pixels: torch.Tensor
+
+    class Counts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, batch: Images) -> torch.Tensor:
+            self.seen = self.seen + 1
+            batch.pixels.mul_(2)
+            return self.conv(batch.pixels).flatten(1)
+
+    net = Counts()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        batch = rt.to_device(Images(torch.ones(2, 3, 4, 4)))
+        with rt.autocast():
+            loss = model(batch).float().square().mean()
+        assert float(net.seen) == 1 and float(batch.pixels.mean()) == 2
+        rt.backward(loss)
+        rt.step(optimizer)
+
+
+def test_the_check_stays_with_the_model_when_the_runtime_closes(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = Flattens()
+    with bf16_nhwc() as rt:  # as `redline bench` does: set up, closed, then the steps
+        model, _ = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 3, 4, 4).contiguous(memory_format=NHWC))
+    assert not is_nhwc(net.conv.weight)

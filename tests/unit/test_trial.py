@@ -503,3 +503,24 @@ def test_evaluation_runs_eagerly_beside_a_compiled_training_graph(monkeypatch, c
         reason = trainer.fit().plan.compile.reason
     assert "compiled 1 time(s)" in reason and "recompiled" not in reason  # no graph for no_grad nor the batch of 4
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "compiled" in r.getMessage()]
+
+
+class Views(nn.Module):
+    """Flattens its convolution's output with ``view``: it trains in NCHW only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6 * 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).view(len(x), -1))
+
+
+def test_a_candidate_that_fails_laid_out_nhwc_is_timed_in_nchw_where_the_run_would_go_back_to():
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 3, 6, 6, generator=gen), torch.randn(8, 1, generator=gen))
+    results = run_trial(
+        Views(), lambda p: torch.optim.SGD(p, lr=0.01), nn.functional.mse_loss, batch, torch.device("cpu"),
+        ["bf16-mixed"], layout=lambda precision: True, stop_early=False,
+    )  # fmt: skip
+    assert all(m.step_times for m in results) and not any("failed" in m.rejected for m in results)

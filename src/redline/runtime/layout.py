@@ -10,10 +10,13 @@ optimizer's state of their shape are laid out anew between two optimizer steps, 
 the Runtime moves from then on.
 
 A model can work in NCHW and fail in NHWC: ``x.view(len(x), -1)`` on a convolution's output, which old
-tutorials write, cannot view NHWC memory. So "auto" checks its own pick: before the first forward a model runs
-laid out channels_last by "auto", it runs once on copies of that forward's inputs (runtime/probe.py). Where that
-fails and NCHW runs, the model goes back to NCHW for the rest of the run, the Plan says why, and the step goes
-on. A layout given (``channels_last="on"``) is not checked: the forward's own error says what failed.
+tutorials write, cannot view NHWC memory. So "auto" checks its own pick: the first training forward and the
+first other forward (an evaluation) a model runs laid out channels_last by "auto" each run once more before, on
+copies of their inputs (runtime/probe.py). Where that fails and NCHW runs, the model goes back to NCHW for the
+rest of the run, the Plan says why, the step goes on, and every later forward of the model gets its 4-d inputs
+in NCHW (a batch moved before, a micro-batch cut from it, another model's output: a convolution given one NHWC
+operand computes in NHWC). A layout given (``channels_last="on"``) is not checked: the forward's own error says
+what failed. The check stays with the model when the Runtime closes: it is about whether the model runs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +39,9 @@ from redline.runtime.loading import DeviceLoader
 from redline.runtime.oom import is_oom
 from redline.runtime.optimizer import match_state_layout
 from redline.runtime.probe import probe_forward
+from redline.runtime.transfer import map_tensors
+
+TRAINING, OTHER = "training", "other"  # the kinds of forward checked apart: a path may run in one only
 
 
 @dataclass
@@ -45,14 +51,14 @@ class _Laid:
     channels_last: bool
     optimizer: torch.optim.Optimizer | None = None
     refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so
-    verified: bool = False  # a forward of it ran in NHWC: nothing to check again
-    check: RemovableHandle | None = None  # the pre-hook that checks its next forward in NHWC
+    verified: set[str] = field(default_factory=set)  # the kinds of forward seen to run in NHWC
+    hook: RemovableHandle | None = None  # the pre-hook that checks its forwards, or gives a refused one NCHW inputs
 
 
 class Layout:
     """Whether the set-up models and the batches the Runtime moves are channels_last, as the Plan's axis says.
 
-    ``checked``: a model "auto" lays out channels_last runs its first forward so on copies first (one process
+    ``checked``: a model "auto" lays out channels_last runs its first forwards so on copies first (one process
     only: under several, each rank would decide alone), inside ``eagerly()`` (a compiled model's own forward: a
     forward without autograd would compile a graph of its own).
     """
@@ -70,6 +76,7 @@ class Layout:
         self.planned: Choice[bool] | None = None  # the layout setup gave, for the precision the run began in
         self._loaders: weakref.WeakSet[DeviceLoader] = weakref.WeakSet()
         self._laid: weakref.WeakKeyDictionary[nn.Module, _Laid] = weakref.WeakKeyDictionary()
+        self._probing = False
 
     @property
     def channels_last(self) -> bool:
@@ -118,11 +125,6 @@ class Layout:
             else:
                 self._set(Choice(wanted.value, f"{wanted.reason}: laid out so from step {step}, with {precision}"))
 
-    def close(self) -> None:
-        """Check no forward any more (the Runtime closed)."""
-        for laid in self._laid.values():
-            _uncheck(laid)
-
     @property
     def _auto(self) -> bool:
         return parse_switch("channels_last", self.requested) is None
@@ -131,34 +133,43 @@ class Layout:
         if channels_last != laid.channels_last:
             lay_out(model, laid.optimizer, channels_last=channels_last)
             laid.channels_last = channels_last
-        _uncheck(laid)
-        if channels_last and self._auto and self.checked and not laid.verified:
-            laid.check = model.register_forward_pre_hook(self._check_forward, with_kwargs=True, prepend=True)
+        checking = channels_last and self._auto and self.checked and len(laid.verified) < 2
+        if (checking or laid.refused) and laid.hook is None:
+            laid.hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True)
+        elif not (checking or laid.refused) and laid.hook is not None:
+            laid.hook.remove()
+            laid.hook = None
 
     def _set(self, choice: Choice[bool]) -> None:
         self.choice = choice
         for loader in self._loaders:
             loader.channels_last = choice.value
 
-    def _check_forward(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        """Before the first forward in NHWC: where it fails on copies of its inputs and runs in NCHW, lay the model
-        out NCHW for good and give the forward its inputs so."""
-        laid = self._laid[model]
-        _uncheck(laid)
-        try:
-            with self.eagerly():
-                probe_forward(model, args, kwargs)
-            laid.verified = True
+    def _before_forward(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """A refused model's inputs in NCHW; else, before the first forward of its kind in NHWC, where that fails on
+        copies of its inputs and NCHW runs, lay the model out NCHW for good and give the forward its inputs so."""
+        laid = self._laid.get(model)
+        if self._probing or laid is None:
             return None
+        if laid.refused:
+            return in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
+        kind = TRAINING if model.training and torch.is_grad_enabled() else OTHER
+        if not laid.channels_last or kind in laid.verified:
+            return None
+        try:
+            self._probe(model, args, kwargs)
         except Exception as exc:
             if is_oom(exc):
-                return None  # memory, not the layout: the forward itself meets it, where it is handled
+                return None  # memory, not the layout: the forward itself meets it, and the next forward is checked
             failed = describe_error(exc)
+        else:
+            laid.verified.add(kind)
+            self._lay(model, laid, True)  # both kinds ran: the hook goes
+            return None
         lay_out(model, laid.optimizer, channels_last=False)
-        args, kwargs = _nchw(args), _nchw(kwargs)
+        args, kwargs = in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
         try:
-            with self.eagerly():
-                probe_forward(model, args, kwargs)
+            self._probe(model, args, kwargs)
         except Exception:
             lay_out(model, laid.optimizer, channels_last=True)  # it fails either way: its own error is the forward's
             return None
@@ -167,6 +178,14 @@ class Layout:
             self._set(Choice(False, self._refusal(self.choice, failed)))
         return args, kwargs
 
+    def _probe(self, model: nn.Module, args: Any, kwargs: Any) -> None:
+        self._probing = True
+        try:
+            with self.eagerly():
+                probe_forward(model, args, kwargs)
+        finally:
+            self._probing = False
+
     @staticmethod
     def _refusal(choice: Choice[bool], failed: str) -> str:
         return f"{choice.reason}, but the model's forward failed so ({failed}): NCHW"
@@ -174,23 +193,31 @@ class Layout:
 
 def lay_out(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, channels_last: bool) -> None:
     """Lay ``model``'s 4-d parameters, gradients and buffers out NHWC (``channels_last``) or NCHW, in place, and the
-    optimizer's state of their shape with them (its momenta then match the gradients they are updated with)."""
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    model._apply(lambda t: t.contiguous(memory_format=layout) if t.dim() == 4 else t)  # 5-d (Conv3d) kept as is
+    optimizer's state of their shape with them (its momenta then match the gradients they are updated with).
+
+    Done outside inference mode, where a forward may have called it: the parameters stay trainable."""
+    with torch.inference_mode(False):
+        model._apply(lambda t: restrided(t, channels_last=channels_last))  # 5-d (Conv3d) tensors are kept as they are
+        if optimizer is not None:
+            match_state_layout(optimizer)
     torch.clear_autocast_cache()  # inside autocast, a weight's cast copy would keep the old layout
-    if optimizer is not None:
-        match_state_layout(optimizer)
 
 
-def _uncheck(laid: _Laid) -> None:
-    if laid.check is not None:
-        laid.check.remove()
-        laid.check = None
+def in_layout(inputs: Any, *, channels_last: bool) -> Any:
+    """``inputs`` (tensors in tuples, lists, dicts, dataclasses) with their 4-d floating-point tensors (images) laid
+    out NHWC or NCHW."""
+    return map_tensors(inputs, lambda t: restrided(t, channels_last=channels_last) if t.is_floating_point() else t)
 
 
-def _nchw(inputs: Any) -> Any:
-    """``inputs`` with their 4-d floating-point tensors (images) laid out NCHW, as the Runtime moves batches."""
-    return torch.utils._pytree.tree_map(
-        lambda x: x.contiguous() if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() else x,
-        inputs,
-    )
+def restrided(tensor: torch.Tensor, *, channels_last: bool) -> torch.Tensor:
+    """A 4-d ``tensor`` with the strides of the layout, copied where it has others (other tensors as they are).
+
+    By strides, not ``is_contiguous``: a one-channel image or weight laid out NHWC counts as contiguous either way,
+    yet a convolution reads its strides as NHWC's."""
+    if tensor.dim() != 4:
+        return tensor
+    c, h, w = tensor.shape[1:]
+    strides = (h * w * c, 1, w * c, c) if channels_last else (c * h * w, h * w, w, 1)
+    if tensor.stride() == strides:
+        return tensor
+    return tensor.clone(memory_format=torch.channels_last if channels_last else torch.contiguous_format)

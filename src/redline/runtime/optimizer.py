@@ -200,5 +200,10 @@ def match_state_layout(optimizer: torch.optim.Optimizer) -> None:
         if type(param.data) is not torch.Tensor:
             continue
         for key, value in state.items():
-            if type(value) is torch.Tensor and value.shape == param.shape and value.stride() != param.stride():
+            if (
+                type(value) is torch.Tensor
+                and value.shape == param.shape
+                and value.device == param.device  # a state kept elsewhere on purpose (offloaded) stays there
+                and value.stride() != param.stride()
+            ):
                 state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)

@@ -17,17 +17,27 @@ import torch
 from torch import nn
 
 from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.transfer import map_tensors
 
 
 @contextlib.contextmanager
 def kept_buffers(module: nn.Module) -> Iterator[None]:
-    """Put ``module``'s buffers (BatchNorm's running statistics) back as they were after the forwards inside."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    """Put ``module``'s buffers (BatchNorm's running statistics) back as they were after the forwards inside: each the
+    same tensor, with the same values, also where a forward assigned a new one (``self.seen = self.seen + 1``)."""
+    saved = [
+        (owner, name, buffer, buffer.detach().clone())
+        for owner in module.modules()
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+    ]
     try:
         yield
     finally:
-        for buffer, value in saved:  # through .data: an earlier forward's backward saved these, and must not see them
-            buffer.data.copy_(value)  # as modified in place
+        for owner, name, buffer, value in saved:
+            owner._buffers[name] = buffer
+            buffer.data.copy_(
+                value
+            )  # through .data: an earlier forward's backward saved it, and must not see it changed
 
 
 def probe_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -42,5 +52,5 @@ def probe_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
 
 
 def copied(inputs: Any) -> Any:
-    """``inputs`` (tensors in tuples, lists, dicts) with each tensor cloned."""
-    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
+    """``inputs`` (tensors in tuples, lists, dicts, dataclasses) with each tensor cloned."""
+    return map_tensors(inputs, torch.clone)

@@ -33,6 +33,7 @@ from redline.hardware.device import DeviceFacts
 from redline.plan import Choice, times
 from redline.plan.precision import PrecisionName
 from redline.runtime.contract import blames_user_code, check_loss
+from redline.runtime.layout import lay_out
 from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
@@ -46,6 +47,9 @@ REACH = 1 + (MARGIN - 1) / 2  # after two rounds, a candidate not this much fast
 CLEAR = MARGIN * 1.1  # after two rounds, a candidate this much faster than fp32 has won: its lead dwarfs the noise
 TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's that rejects it
 MAX_SECONDS = 30.0  # the whole trial; a candidate that would exceed it is timed on fewer steps
+# How a trial measures, in its cache key: a change to it leaves what the old way measured unread. 2: a candidate
+# whose step fails laid out NHWC is timed in NCHW, where the run would go back to (it was rejected).
+METHOD = 2
 
 log = logging.getLogger("redline")
 
@@ -192,21 +196,22 @@ def run_trial(
     try:
         steps, failed = {}, {}
         for name in names:
-            try:
-                copied = copy_model(model)
-            except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
-                failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
-                continue
-            step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step, layout(name))
-            try:
-                torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
-                first = step()
-            except Exception as exc:
-                if not _fails_the_candidate(exc):
-                    raise
-                failed[name] = f"it failed: {_first_line(exc)}"
-                continue
-            steps[name] = (step, first)
+            for nhwc in dict.fromkeys((layout(name), False)):  # NCHW where the model fails in NHWC, as the run goes
+                try:  # back to it (runtime/layout.py)
+                    copied = copy_model(model)
+                except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
+                    failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
+                    break
+                step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step, nhwc)
+                try:
+                    torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
+                    steps[name] = (step, step())
+                    failed.pop(name, None)
+                    break
+                except Exception as exc:
+                    if not _fails_the_candidate(exc):
+                        raise
+                    failed[name] = f"it failed: {_first_line(exc)}"
         timed = [name for name in names if name in steps]
         settled = decided if stop_early and timed[:1] == ["fp32"] else None
         times, losses = time_steps(
@@ -282,7 +287,7 @@ def _trainer(
     ``channels_last``, the model and its 4-d inputs laid out so, as the run would."""
     copied.to(device).train()
     if channels_last:
-        copied.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        lay_out(copied, None, channels_last=True)
         inputs = move_to(inputs, device, channels_last=True)
     opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
     precision = Precision(name, device)
@@ -329,7 +334,7 @@ def trial_steps(candidates: Sequence[str], rounds: int = ROUNDS) -> int:
 
 def trial_key(fingerprint: str, facts: DeviceFacts, batch_size: int, candidates: Sequence[str]) -> str:
     """The cache key of a trial: the workload's fingerprint and everything about this machine that times it."""
-    return cache_key(fingerprint, facts, str(batch_size), ",".join(candidates), str(TIMED_STEPS))
+    return cache_key(fingerprint, facts, str(batch_size), ",".join(candidates), str(TIMED_STEPS), f"method {METHOD}")
 
 
 def cache_key(fingerprint: str, facts: DeviceFacts, *what: str, threads: bool = True) -> str:
