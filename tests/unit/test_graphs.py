@@ -546,3 +546,20 @@ def test_graphs_stay_off_under_ddp_or_fsdp_and_a_closed_runtime_gives_the_model_
     rt.close()
     assert not record.on and record.graphed is None and net.forward == record.eager
     assert rt.explain().cuda_graphs.value is True  # what the run did stays said
+
+
+def test_a_module_with_forward_hooks_is_captured_without_them_and_they_run_around_each_replay():
+    class Bare(Capture):  # torch refuses to capture a module with hooks
+        def __call__(self, module: nn.Module, sample: tuple[torch.Tensor, ...]):
+            assert not module._forward_pre_hooks and not module._forward_hooks
+            return super().__call__(module, sample)
+
+    capture = Bare()
+    net, record = graphed(capture)
+    calls = []
+    net.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    net.register_forward_hook(lambda module, args, out: calls.append("post"))
+    for _ in range(2):
+        net(torch.randn(3, 4)).sum().backward()
+        record.stepped()
+    assert record.failed is None and record.replays == 2 and calls == ["pre", "post"] * 2

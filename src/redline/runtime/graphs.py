@@ -31,6 +31,7 @@ micro-batches and several processes keep graphs off (plan/graphs.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import inspect
@@ -74,6 +75,19 @@ def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Calla
     finally:
         module.forward = own
     return forward
+
+
+@contextlib.contextmanager
+def forward_hooks_aside(module: nn.Module) -> Iterator[None]:
+    """Set ``module``'s forward hooks aside inside: torch captures no module with hooks (make_graphed_callables), and
+    they need not be in the graphs, since the graphed forward becomes the module's ``forward``, and a call runs its
+    hooks around it as around its own (the run's layout check, runtime/layout.py, or a hook of the user's)."""
+    before, after = module._forward_pre_hooks, module._forward_hooks
+    module._forward_pre_hooks, module._forward_hooks = collections.OrderedDict(), collections.OrderedDict()
+    try:
+        yield
+    finally:
+        module._forward_pre_hooks, module._forward_hooks = before, after
 
 
 # The largest difference allowed between the graphed and the module's own forward, outputs and gradients alike,
@@ -311,7 +325,8 @@ class GraphRecord:
         start = time.perf_counter()
         current, self.module.forward = self.module.forward, self.eager  # the capture runs the module's own forward
         try:
-            graphed = self.capture(self.module, sample)
+            with forward_hooks_aside(self.module):
+                graphed = self.capture(self.module, sample)
             worst, said = compare_with_eager(self.module, self.eager, graphed, sample)
         except Exception as exc:  # the model's own forward still works: it runs from now on, and the Plan says why
             self.seconds += time.perf_counter() - start
