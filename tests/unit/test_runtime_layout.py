@@ -5,7 +5,11 @@ them, are laid out as bf16's own; a layout given stays as it is."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import gc
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -14,9 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from devices import CPU_AMX
 from redline.runtime.compile_check import EAGER_END, PHASE
-from redline.runtime.layout import Layout, lay_out
+from redline.runtime.layout import Layout, lay_out, unchecked
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.optimizer import match_state_layout
+from redline.runtime.probe import probe_forward
 from redline.runtime.runtime import Runtime
 
 NHWC = torch.channels_last
@@ -480,11 +485,45 @@ def test_the_check_leaves_a_buffer_a_forward_assigns_anew_and_an_input_it_change
         rt.step(optimizer)
 
 
-def test_the_check_stays_with_the_model_when_the_runtime_closes(monkeypatch):
+def test_a_copy_made_during_the_run_carries_no_runtime_and_a_closed_runtime_leaves_no_hook(monkeypatch):
     monkeypatch.setenv("REDLINE_CPU", "amx")
     net = Flattens()
-    with bf16_nhwc() as rt:  # as `redline bench` does: set up, closed, then the steps
-        model, _ = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(torch.randn(4, 3, 4, 4).contiguous(memory_format=NHWC))
-    assert not is_nhwc(net.conv.weight)
+    rt = bf16_nhwc()
+    model, optimizer = rt.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    pending = copy.deepcopy(model)  # an EMA's copy, before any check ran: it holds neither the Runtime nor the check
+    assert list(pending._forward_pre_hooks.values()) == [unchecked]
+    assert pickle.loads(pickle.dumps(model))._forward_pre_hooks  # torch.save(model) mid-run
+    step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))  # refused: NCHW from now on
+    refused = copy.deepcopy(model)
+    assert refused(torch.randn(4, 3, 4, 4).contiguous(memory_format=NHWC)).shape == (4, 2)  # its inputs NCHW too
+    rt.close()
+    assert not net._forward_pre_hooks and not net._forward_hooks
+    done = weakref.ref(rt)
+    del rt, model, optimizer
+    gc.collect()
+    assert done() is None  # nothing of the model keeps the Runtime
+
+
+def test_a_sparse_momentum_is_left_as_it_is():
+    embedding = nn.Embedding(10, 4, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    match_state_layout(optimizer)
+    assert optimizer.state[embedding.weight]["momentum_buffer"].is_sparse
+
+
+def test_the_check_takes_off_a_buffer_its_forward_registered_or_filled():
+    class Lazy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("total", None)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.total = x.sum() if self.total is None else self.total + x.sum()
+            self.register_buffer("extra", torch.ones(()))
+            return x
+
+    net = Lazy()
+    probe_forward(net, (torch.ones(2),), {})
+    assert net.total is None and "extra" not in net._buffers

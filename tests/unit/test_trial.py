@@ -521,6 +521,11 @@ def test_a_candidate_that_fails_laid_out_nhwc_is_timed_in_nchw_where_the_run_wou
     batch = (torch.randn(8, 3, 6, 6, generator=gen), torch.randn(8, 1, generator=gen))
     results = run_trial(
         Views(), lambda p: torch.optim.SGD(p, lr=0.01), nn.functional.mse_loss, batch, torch.device("cpu"),
-        ["bf16-mixed"], layout=lambda precision: True, stop_early=False,
+        ["bf16-mixed"], layout=lambda precision: True, stop_early=False, nchw_fallback=True,
     )  # fmt: skip
     assert all(m.step_times for m in results) and not any("failed" in m.rejected for m in results)
+    unchecked = run_trial(  # several processes, or a layout given: the run stays NHWC, and so does its trial
+        Views(), lambda p: torch.optim.SGD(p, lr=0.01), nn.functional.mse_loss, batch, torch.device("cpu"),
+        ["bf16-mixed"], layout=lambda precision: precision == "bf16-mixed", stop_early=False,
+    )  # fmt: skip
+    assert unchecked[0].step_times and unchecked[1].rejected.startswith("it failed: view size is not compatible")

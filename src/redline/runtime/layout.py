@@ -16,7 +16,8 @@ copies of their inputs (runtime/probe.py). Where that fails and NCHW runs, the m
 rest of the run, the Plan says why, the step goes on, and every later forward of the model gets its 4-d inputs
 in NCHW (a batch moved before, a micro-batch cut from it, another model's output: a convolution given one NHWC
 operand computes in NHWC). A layout given (``channels_last="on"``) is not checked: the forward's own error says
-what failed. The check stays with the model when the Runtime closes: it is about whether the model runs.
+what failed. When the Runtime closes, the model keeps no hook of it: it pickles and scripts as it did, and a copy
+(``copy.deepcopy``, an EMA's) made during the run gets none of the check, nor the Runtime.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Laid:
     refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so
     verified: set[str] = field(default_factory=set)  # the kinds of forward seen to run in NHWC
     hook: RemovableHandle | None = None  # the pre-hook that checks its forwards, or gives a refused one NCHW inputs
+    nchw: RemovableHandle | None = None  # a refused model's: its inputs in NCHW
 
 
 class Layout:
@@ -110,6 +112,14 @@ class Layout:
         self._loaders.add(moved)
         return moved
 
+    def close(self) -> None:
+        """Take the hooks off the set-up models: the check of a forward still to come, a refused model's conversion."""
+        for laid in self._laid.values():
+            for handle in (laid.hook, laid.nchw):
+                if handle is not None:
+                    handle.remove()
+            laid.hook = laid.nchw = None
+
     def follow(self, precision: str, *, step: int) -> None:
         """Lay the set-up models (with their optimizers' state) and the loaders' batches out as the rule would for
         ``precision``, from optimizer step ``step`` on. Only "auto" follows: a layout given stays, and so does NCHW for
@@ -134,9 +144,9 @@ class Layout:
             lay_out(model, laid.optimizer, channels_last=channels_last)
             laid.channels_last = channels_last
         checking = channels_last and self._auto and self.checked and len(laid.verified) < 2
-        if (checking or laid.refused) and laid.hook is None:
-            laid.hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True)
-        elif not (checking or laid.refused) and laid.hook is not None:
+        if checking and laid.hook is None:
+            laid.hook = model.register_forward_pre_hook(_Check(self), with_kwargs=True, prepend=True)
+        elif not checking and laid.hook is not None:
             laid.hook.remove()
             laid.hook = None
 
@@ -151,8 +161,6 @@ class Layout:
         laid = self._laid.get(model)
         if self._probing or laid is None:
             return None
-        if laid.refused:
-            return in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
         kind = TRAINING if model.training and torch.is_grad_enabled() else OTHER
         if not laid.channels_last or kind in laid.verified:
             return None
@@ -174,6 +182,8 @@ class Layout:
             lay_out(model, laid.optimizer, channels_last=True)  # it fails either way: its own error is the forward's
             return None
         laid.channels_last, laid.refused = False, failed
+        self._lay(model, laid, False)  # the check goes, the conversion comes
+        laid.nchw = model.register_forward_pre_hook(nchw_inputs, with_kwargs=True, prepend=True)
         if self.choice is not None and self.choice.value:
             self._set(Choice(False, self._refusal(self.choice, failed)))
         return args, kwargs
@@ -189,6 +199,39 @@ class Layout:
     @staticmethod
     def _refusal(choice: Choice[bool], failed: str) -> str:
         return f"{choice.reason}, but the model's forward failed so ({failed}): NCHW"
+
+
+class _Check:
+    """The pre-hook that checks a model's forwards in NHWC (``Layout._before_forward``), holding its Layout weakly. A
+    copy of the model, by ``copy.deepcopy`` or pickling, gets a hook that does nothing instead: the Runtime stays
+    behind, and the copy was laid out before any check."""
+
+    def __init__(self, layout: Layout) -> None:
+        self._layout = weakref.ref(layout)
+
+    def __call__(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        layout = self._layout()
+        return layout._before_forward(model, args, kwargs) if layout is not None else None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return unchecked
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _unchecked, ()
+
+
+def unchecked(model: nn.Module, args: Any, kwargs: Any) -> None:
+    """What a copy of a model being checked gets in the check's place: nothing."""
+    return None
+
+
+def _unchecked() -> Callable[..., None]:
+    return unchecked
+
+
+def nchw_inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The pre-hook of a model whose forward fails in NHWC: its 4-d floating-point inputs in NCHW."""
+    return in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
 
 
 def lay_out(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, channels_last: bool) -> None:

@@ -120,6 +120,7 @@ class _Workload:
     local_batch: int
     candidates: list[PrecisionName]
     channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
+    fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
 
     def layout(self, model: nn.Module) -> Callable[[str], bool]:
         """Whether the run would lay ``model`` out channels_last under each precision."""
@@ -137,7 +138,8 @@ def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Worklo
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    return _Workload(device, facts, batch_size // env.world_size, candidates, options.channels_last)
+    fallback = options.channels_last == "auto" and env.world_size == 1  # checked in one process only
+    return _Workload(device, facts, batch_size // env.world_size, candidates, options.channels_last, fallback)
 
 
 def fingerprint_of(task: Task) -> str:
@@ -179,7 +181,8 @@ def _measure(task: Task, work: _Workload, recall_only: bool, rounds: int) -> Cho
 def _measure_or_recall(task: Task, work: _Workload, recall_only: bool, rounds: int) -> Choice[str] | None:
     facts, local_batch = work.facts, work.local_batch
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
-    key = trial_key(fingerprint_of(task), facts, local_batch, [*work.candidates, f"layout {work.channels_last}"])
+    layout = [f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
+    key = trial_key(fingerprint_of(task), facts, local_batch, [*work.candidates, *layout])
     cached = load_cached(key)
     if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
         measured, when = cached
@@ -194,7 +197,7 @@ def _measure_or_recall(task: Task, work: _Workload, recall_only: bool, rounds: i
     with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
         measured = run_trial(
             model, task.optimizer, task.loss_fn, batch, work.device, work.candidates, zero_after_step=zero_after_step,
-            rounds=rounds, layout=work.layout(model),
+            rounds=rounds, layout=work.layout(model), nchw_fallback=work.fallback,
         )  # fmt: skip
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time

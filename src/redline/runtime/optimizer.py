@@ -202,6 +202,7 @@ def match_state_layout(optimizer: torch.optim.Optimizer) -> None:
         for key, value in state.items():
             if (
                 type(value) is torch.Tensor
+                and value.layout == param.layout == torch.strided  # a sparse momentum (a sparse embedding's) as is
                 and value.shape == param.shape
                 and value.device == param.device  # a state kept elsewhere on purpose (offloaded) stays there
                 and value.stride() != param.stride()

@@ -23,21 +23,25 @@ from redline.runtime.transfer import map_tensors
 @contextlib.contextmanager
 def kept_buffers(module: nn.Module) -> Iterator[None]:
     """Put ``module``'s buffers (BatchNorm's running statistics) back as they were after the forwards inside: each the
-    same tensor, with the same values, also where a forward assigned a new one (``self.seen = self.seen + 1``)."""
+    same tensor with the same values, also where a forward assigned a new one (``self.seen = self.seen + 1``), filled
+    one registered as None, or registered one."""
+    owners = list(module.modules())
+    present = [(owner, set(owner._buffers)) for owner in owners]
     saved = [
-        (owner, name, buffer, buffer.detach().clone())
-        for owner in module.modules()
+        (owner, name, buffer, None if buffer is None else buffer.detach().clone())
+        for owner in owners
         for name, buffer in owner._buffers.items()
-        if buffer is not None
     ]
     try:
         yield
     finally:
+        for owner, names in present:  # a buffer a forward registered is taken off again
+            for name in set(owner._buffers) - names:
+                del owner._buffers[name]
         for owner, name, buffer, value in saved:
-            owner._buffers[name] = buffer
-            buffer.data.copy_(
-                value
-            )  # through .data: an earlier forward's backward saved it, and must not see it changed
+            owner._buffers[name] = buffer  # a buffer registered as None that a forward filled is None again
+            if buffer is not None and value is not None:  # through .data: an earlier forward's backward saved it
+                buffer.data.copy_(value)
 
 
 def probe_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:

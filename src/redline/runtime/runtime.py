@@ -186,6 +186,7 @@ class Runtime(RunState):
             self._graphs.release()
         if self._compile_check is not None:  # the model keeps no hook of the run's
             self._compile_check.drop_precision("the Runtime was closed before it decided")
+        self._layout.close()
 
     def __enter__(self) -> Runtime:
         started = self.start()

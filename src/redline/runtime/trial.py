@@ -34,6 +34,7 @@ from redline.plan import Choice, times
 from redline.plan.precision import PrecisionName
 from redline.runtime.contract import blames_user_code, check_loss
 from redline.runtime.layout import lay_out
+from redline.runtime.oom import is_oom
 from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
@@ -176,6 +177,7 @@ def run_trial(
     stop_early: bool = True,
     rounds: int = ROUNDS,
     layout: Callable[[str], bool] = lambda precision: False,
+    nchw_fallback: bool = False,
 ) -> list[Measured]:
     """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
 
@@ -184,7 +186,9 @@ def run_trial(
     does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
     candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
     The timing runs ``rounds`` rounds at most (a short run's trial has fewer). ``layout(precision)`` says whether
-    the run would lay the model and its images out channels_last under that precision: each is timed so.
+    the run would lay the model and its images out channels_last under that precision: each is timed so, and with
+    ``nchw_fallback`` (the run goes back to NCHW where the model fails in NHWC: runtime/layout.py) a precision whose
+    first step fails so is timed in NCHW.
     With ``stop_early``, the timing ends once the rounds left could hardly change the choice
     (``decided``): a trial that finds nothing is the run's loss, and one that finds a clear winner
     need not confirm it twice.
@@ -196,8 +200,9 @@ def run_trial(
     try:
         steps, failed = {}, {}
         for name in names:
-            for nhwc in dict.fromkeys((layout(name), False)):  # NCHW where the model fails in NHWC, as the run goes
-                try:  # back to it (runtime/layout.py)
+            nhwc_first = layout(name)
+            for nhwc in [True, False] if nhwc_first and nchw_fallback else [nhwc_first]:
+                try:
                     copied = copy_model(model)
                 except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
                     failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
@@ -212,6 +217,9 @@ def run_trial(
                     if not _fails_the_candidate(exc):
                         raise
                     failed[name] = f"it failed: {_first_line(exc)}"
+                    del copied, step  # let go before another copy is made
+                    if is_oom(exc):  # memory, not the layout: the run would stay in it
+                        break
         timed = [name for name in names if name in steps]
         settled = decided if stop_early and timed[:1] == ["fp32"] else None
         times, losses = time_steps(
