@@ -156,8 +156,8 @@ class Layout:
             loader.channels_last = choice.value
 
     def _before_forward(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        """A refused model's inputs in NCHW; else, before the first forward of its kind in NHWC, where that fails on
-        copies of its inputs and NCHW runs, lay the model out NCHW for good and give the forward its inputs so."""
+        """Before the first forward of its kind in NHWC: where that fails on copies of its inputs and NCHW runs, lay
+        the model out NCHW for good, give this forward its inputs so, and every later one (``nchw_inputs``)."""
         laid = self._laid.get(model)
         if self._probing or laid is None:
             return None
