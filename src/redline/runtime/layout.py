@@ -53,26 +53,26 @@ class _Laid:
     optimizer: torch.optim.Optimizer | None = None
     refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so
     verified: set[str] = field(default_factory=set)  # the kinds of forward seen to run in NHWC
-    hook: RemovableHandle | None = None  # the pre-hook that checks its forwards, or gives a refused one NCHW inputs
+    hook: RemovableHandle | None = None  # the pre-hook that checks its forwards in NHWC
     nchw: RemovableHandle | None = None  # a refused model's: its inputs in NCHW
 
 
 class Layout:
     """Whether the set-up models and the batches the Runtime moves are channels_last, as the Plan's axis says.
 
-    ``checked``: a model "auto" lays out channels_last runs its first forwards so on copies first (one process
-    only: under several, each rank would decide alone), inside ``eagerly()`` (a compiled model's own forward: a
-    forward without autograd would compile a graph of its own).
+    Where the run ``falls_back`` (in ``world_size`` processes), a model "auto" lays out channels_last runs its first
+    forwards so on copies first, inside ``eagerly()`` (a compiled model's own forward: a forward without autograd
+    would compile a graph of its own).
     """
 
     def __init__(
         self,
         facts: DeviceFacts,
         *,
-        checked: bool = True,
+        world_size: int = 1,
         eagerly: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
-        self.facts, self.checked, self.eagerly = facts, checked, eagerly
+        self.facts, self.world_size, self.eagerly = facts, world_size, eagerly
         self.requested: str | bool = "auto"
         self.choice: Choice[bool] | None = None  # the layout now (None before a model is set up)
         self.planned: Choice[bool] | None = None  # the layout setup gave, for the precision the run began in
@@ -94,7 +94,7 @@ class Layout:
         self.requested = requested
         choice = resolve_channels_last(requested, self.facts, has_conv2d=has_conv2d(model), precision=precision)
         laid = self._laid.setdefault(model, _Laid(False))
-        if laid.refused and choice.value and self._auto:
+        if laid.refused and choice.value and self._falls_back:
             choice = Choice(False, self._refusal(choice, laid.refused))
         self._lay(model, laid, choice.value)
         self._set(choice)
@@ -136,14 +136,14 @@ class Layout:
                 self._set(Choice(wanted.value, f"{wanted.reason}: laid out so from step {step}, with {precision}"))
 
     @property
-    def _auto(self) -> bool:
-        return parse_switch("channels_last", self.requested) is None
+    def _falls_back(self) -> bool:
+        return falls_back(self.requested, self.world_size)
 
     def _lay(self, model: nn.Module, laid: _Laid, channels_last: bool) -> None:
         if channels_last != laid.channels_last:
             lay_out(model, laid.optimizer, channels_last=channels_last)
             laid.channels_last = channels_last
-        checking = channels_last and self._auto and self.checked and len(laid.verified) < 2
+        checking = channels_last and self._falls_back and len(laid.verified) < 2
         if checking and laid.hook is None:
             laid.hook = model.register_forward_pre_hook(_Check(self), with_kwargs=True, prepend=True)
         elif not checking and laid.hook is not None:
@@ -199,6 +199,12 @@ class Layout:
     @staticmethod
     def _refusal(choice: Choice[bool], failed: str) -> str:
         return f"{choice.reason}, but the model's forward failed so ({failed}): NCHW"
+
+
+def falls_back(requested: str | bool, world_size: int) -> bool:
+    """Whether a run goes back to NCHW where its model fails in NHWC: where "auto" chose the layout, in one process
+    (under several, each rank would decide alone). The Trainer's trial times a precision so too (runtime/trial.py)."""
+    return parse_switch("channels_last", requested) is None and world_size == 1
 
 
 class _Check:

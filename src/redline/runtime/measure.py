@@ -33,6 +33,7 @@ from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.contract import split_batch, users_failure
+from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
@@ -138,7 +139,7 @@ def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Worklo
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    fallback = options.channels_last == "auto" and env.world_size == 1  # checked in one process only
+    fallback = falls_back(options.channels_last, env.world_size)
     return _Workload(device, facts, batch_size // env.world_size, candidates, options.channels_last, fallback)
 
 

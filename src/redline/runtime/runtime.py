@@ -151,7 +151,7 @@ class Runtime(RunState):
         self._graphs: GraphRecord | None = None  # the model whose training forward and backward may replay CUDA graphs
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
-        self._layout = Layout(self.facts, checked=self.env.world_size == 1, eagerly=self.eager)  # channels_last
+        self._layout = Layout(self.facts, world_size=self.env.world_size, eagerly=self.eager)  # channels_last
 
     # -- the run's process-wide state ------------------------------------------------------------
 
