@@ -195,6 +195,31 @@ def test_a_setting_that_fails_is_reported_in_its_row_and_the_others_run(monkeypa
     assert auto.precision == "fp32" and "bf16-mixed rejected: it failed" in auto.plan["precision"]["reason"]
 
 
+class Flattens(nn.Module):
+    """Flattens a convolution's output with ``view``, as old tutorials write: NHWC memory cannot be viewed so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).view(len(x), -1))
+
+
+def test_a_row_whose_model_cannot_run_channels_last_runs_nchw_as_train_would_and_says_why(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # "auto" lays bf16 convolutions out NHWC on this CPU
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, 4, 4, generator=generator), torch.randint(0, 2, (64,), generator=generator))
+    task = Task(model=Flattens, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=16, name="flattens")
+    result = benchmark(task, devices="cpu", precisions=["bf16-mixed"], compiles=[False], steps=4, window=2)
+    row = result.row("cpu bf16-mixed eager b16")
+    assert not row.error and row.samples_per_s > 0
+    layout = row.plan["channels_last"]
+    assert layout["value"] is False
+    assert "but the model's forward failed so (RuntimeError: view size is not compatible" in layout["reason"]
+
+
 def test_a_precision_the_device_cannot_run_fails_its_rows_and_the_others_run(monkeypatch):
     # As bf16-mixed on a V100 (no native bf16): the Runtime refuses it for that device, not for the bench.
     real = runtime_module.resolve_precision

@@ -85,6 +85,26 @@ def test_the_runtime_applies_its_settings_while_it_runs_and_puts_them_back():
     assert plan.seed.value == 7 and plan.tf32.value is False
 
 
+def test_a_paused_runtime_puts_its_settings_back_keeps_its_models_checks_and_starts_again(monkeypatch):
+    # Runtimes that take turns in one process (a bench's rows): each leaves the process as it found it between turns.
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # "auto" lays bf16 convolutions out NHWC, and checks the model runs so
+    rt = redline.Runtime(devices="cpu", precision="bf16-mixed", deterministic=True)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(64, 2))
+    model, _ = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    rt.pause()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert model._forward_pre_hooks  # the layout's check of the first forward in NHWC is still armed
+    with rt.settings.enter():
+        assert torch.are_deterministic_algorithms_enabled()
+    rt.start()
+    assert torch.are_deterministic_algorithms_enabled()
+    rt.pause()
+    rt.close()  # paused after a setup: closed for good, hooks taken off
+    assert not model._forward_pre_hooks and not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ConfigError, match="this Runtime was closed"):
+        rt.start()
+
+
 def test_a_runtime_that_is_never_started_changes_nothing_global():
     torch.manual_seed(1)
     expected = torch.rand(2)

@@ -125,3 +125,20 @@ def test_a_capture_beside_a_pin_memory_thread_neither_fails_nor_breaks_the_loade
     plan = rt.explain()
     print(plan.cuda_graphs, plan.loader)
     assert steps == 16 and rt._graphs is not None and rt._graphs.failed is None and rt._graphs.replays == 16
+
+
+def test_a_bench_row_with_graphs_on_replays_them_between_other_rows_turns():
+    # A bench's (and a tune's) rows take turns in one process: each row's Runtime leaves the process settings
+    # between turns, and its model keeps its graphs. Closing it instead had turned them off before its first step.
+    from redline.bench.loops import runtime_runner
+    from redline.bench.matrix import Setting
+    from redline.runtime.options import RuntimeOptions
+    from redline.task import Task
+
+    task = Task(model=make_model, loss_fn=nn.functional.cross_entropy, train_data=make_loader().dataset,
+                batch_size=32, name="graphed")  # fmt: skip
+    setting = Setting("explicit", "cuda", "fp32", False, 32)
+    options = RuntimeOptions(devices="cuda", precision="fp32", compile="off", cuda_graphs="on")
+    runner = runtime_runner(task, setting, seed=0, planned_steps=None, options=options)
+    runner.run(6)
+    assert runner.runtime is not None and runner.runtime.graphed_forwards >= 4

@@ -161,8 +161,10 @@ def runtime_runner(
     if tuning is not None:
         rt.adopt_reasons(tuning.reasons, tuning.note)
     # setup() applied the Runtime's process-wide settings (TF32 on a GPU); rows take turns, so each
-    # enters its own for the steps it runs and leaves the process as it found it in between.
-    rt.close()
+    # enters its own for the steps it runs and leaves the process as it found it in between. Paused, not
+    # closed: the model keeps the run's checks (auto's channels_last going back to NCHW for a model that
+    # cannot run in it, the compile's and the graphs' first steps).
+    rt.pause()
     loss_fn = task.loss_fn
 
     def step(inputs: Any, targets: Any) -> torch.Tensor:

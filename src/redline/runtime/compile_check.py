@@ -29,13 +29,16 @@ need memory the run may not have.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from redline.parallel.collectives import run_on_rank0
-from redline.plan import Choice, times
-from redline.runtime.compile import CompileRecord
+from redline.plan import Choice, Plan, times
+from redline.plan.precision import PrecisionName
+from redline.runtime.compile import CompileRecord, explain_compile
 from redline.runtime.graphs import GraphRecord
 from redline.runtime.precision_check import PrecisionSwitch
 from redline.runtime.trial import MARGIN
@@ -430,6 +433,24 @@ class CompileCheck:
         record.release()
         instead = "the compiled forward" if kept == COMPILED else "the model's own forward"
         return Choice(False, f"{planned}, but on this run {figures[GRAPHS]}: {instead} {after}")
+
+
+def explain_forms(
+    plan: Plan, check: CompileCheck | None, records: list[CompileRecord], graphs: GraphRecord | None
+) -> Plan:
+    """``plan``'s compile, precision and CUDA graphs axes as the run left them: the first steps' ``check`` as it
+    stands, every compile of ``records`` counted, and the graphs of ``graphs`` captured or turned off."""
+    if plan.compile is not None:
+        checked = check.explain() if check is not None else plan.compile
+        plan = dataclasses.replace(plan, compile=explain_compile(checked, records))
+    precision = check.explain_precision() if check is not None else None
+    if precision is not None:
+        plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
+    if plan.cuda_graphs is not None:
+        found = check.explain_graphs() if check is not None else None
+        requested = graphs.explain(plan.cuda_graphs) if graphs is not None else plan.cuda_graphs
+        plan = dataclasses.replace(plan, cuda_graphs=found or requested)
+    return plan
 
 
 def check_forms(

@@ -45,8 +45,8 @@ from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision,
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.checkpointing import ActivationCheckpointing
-from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds, explain_compile
-from redline.runtime.compile_check import CompileCheck, check_forms
+from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds
+from redline.runtime.compile_check import CompileCheck, check_forms, explain_forms
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.layout import Layout
@@ -175,12 +175,17 @@ class Runtime(RunState):
         self._started = stack
         return self
 
-    def close(self) -> None:
-        """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
+    def pause(self) -> None:
+        """Put back the process-wide settings and leave the process group until ``start()``; the models keep the run's
+        checks (several Runtimes taking turns in one process, a bench's rows: ``with rt.settings.enter()`` per turn)."""
         stack, self._started = self._started, None
         if stack is not None:
-            self._closed = True
             stack.close()
+
+    def close(self) -> None:
+        """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
+        self._closed = self._closed or self._started is not None or bool(self._models)  # paused after a setup
+        self.pause()
         if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
             self._graphs.use_eager()
             self._graphs.release()
@@ -447,18 +452,7 @@ class Runtime(RunState):
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
-        plan = self._plan
-        check = self._compile_check
-        if plan.compile is not None:
-            checked = check.explain() if check is not None else plan.compile
-            plan = dataclasses.replace(plan, compile=explain_compile(checked, self._compile_records))
-        precision = check.explain_precision() if check is not None else None
-        if precision is not None:
-            plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
-        if plan.cuda_graphs is not None:
-            graphs = check.explain_graphs() if check is not None else None
-            requested = self._graphs.explain(plan.cuda_graphs) if self._graphs is not None else plan.cuda_graphs
-            plan = dataclasses.replace(plan, cuda_graphs=graphs or requested)
+        plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
             plan = dataclasses.replace(plan, channels_last=self._layout.choice)
         return plan
