@@ -47,8 +47,8 @@ def plan_table(stdout: str) -> dict[str, tuple[str, str]]:
 
 
 CPU_AXES = ["device", "precision", "tf32", "deterministic", "seed", "grad_accum", "micro_batch", "clip_grad_norm",
-            "strategy", "channels_last", "compile", "cuda_graphs", "activation_checkpointing", "optimizer", "zero_grad",
-            "loader"]  # fmt: skip
+            "strategy", "channels_last", "compile", "cuda_graphs", "attention", "activation_checkpointing", "optimizer",
+            "zero_grad", "loader"]  # fmt: skip
 
 
 def test_train_json_and_out_dir(tmp_path, redline_here):
@@ -616,3 +616,16 @@ def test_cuda_graphs_asked_of_a_cpu_are_refused_by_the_flag_before_anything_runs
     message = str(result.exception)
     assert "--cuda-graphs='on' is not allowed; expected 'auto' or 'off' on cpu" in message, message
     assert "CUDA graphs need a CUDA device" in message
+
+
+def test_train_runs_the_attention_kernel_asked_for_and_refuses_one_the_device_lacks(redline_here):
+    small = ["--task-arg", "n_layer=1", "--task-arg", "n_embd=32", "--task-arg", "n_head=2", "--task-arg",
+             "block_size=16", "--task-arg", "max_chars=3000"]  # fmt: skip
+    result = redline_here("train", "--task", "example:chargpt", *small, "--max-steps", "2", "--attention", "math",
+                          "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["attention"] == {"value": "math", "reason": "requested: math for every call"}
+    refused = redline_here("train", "--task", "example:chargpt", *small, "--max-steps", "1", "--attention", "cudnn")
+    assert refused.returncode == 2
+    assert "attention='cudnn' is not allowed; expected 'auto', 'flash' or 'math' on a CPU" in refused.stderr

@@ -134,8 +134,8 @@ def test_explain_lists_every_axis_after_setup(initial):
     plan = rt.explain()
     assert [row[0] for row in plan.rows()] == [
         "device", "precision", "tf32", "deterministic", "seed", "grad_accum", "micro_batch", "clip_grad_norm",
-        "strategy", "channels_last", "compile", "cuda_graphs", "activation_checkpointing", "optimizer", "zero_grad",
-        "loader",
+        "strategy", "channels_last", "compile", "cuda_graphs", "attention", "activation_checkpointing", "optimizer",
+        "zero_grad", "loader",
     ]  # fmt: skip
     assert plan.precision.value == "fp32" and plan.compile.value is False
     assert all(reason for _, _, reason in plan.rows())

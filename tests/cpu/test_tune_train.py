@@ -192,7 +192,7 @@ def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch)
         return [Trial(c, 0.010, compile_s=0.3 if c.compile else 0.0) for c in candidates]
 
     monkeypatch.setattr(
-        "redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True]), ("grad_accum", [1, 2])]
+        "redline.bench.tune.search_space", lambda task, facts, **_: [("compile", [False, True]), ("grad_accum", [1, 2])]
     )
     monkeypatch.setattr("redline.bench.tune._measure", slow_compile)
     tuned, _ = tune(mlp_task(), devices="cpu", budget_s=0.1)  # grad_accum was not measured: left to auto
@@ -218,7 +218,7 @@ def interrupted_at(axis, by: KeyboardInterrupt | type[KeyboardInterrupt] = Keybo
 
 def test_a_sigterm_the_command_line_takes_caches_what_was_measured_as_a_ctrl_c_does_and_exits_143(monkeypatch):
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile", Terminated(signal.SIGTERM)))
     with pytest.raises(TuneInterrupted) as stopped:
         tune(mlp_task(), devices="cpu", planned_steps=100)
@@ -235,7 +235,7 @@ def test_a_ctrl_c_caches_what_was_measured_leaves_the_rest_to_auto_and_exits_130
     # compile "kept" off, its alternative never run, is no decision: a run that uses the tune decides it as auto.
     monkeypatch.setenv(FAKE_CPU_ENV, "amx")  # a CPU whose bf16 is worth searching, as the space below has it
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
     task = mlp_task()
     with pytest.raises(TuneInterrupted) as stopped:
@@ -268,7 +268,7 @@ def test_an_axis_the_budget_left_unmeasured_is_cached_as_left_to_auto(tmp_path, 
 
     monkeypatch.setenv(FAKE_CPU_ENV, "amx")  # a CPU whose bf16 is worth searching, as the space below has it
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
     monkeypatch.setattr("redline.bench.tune._measure", compile_unmeasured)
     tuned, path = tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
     assert [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [["compile"]] and path.endswith(".json")
@@ -285,7 +285,9 @@ def test_an_axis_the_budget_left_unmeasured_is_cached_as_left_to_auto(tmp_path, 
 
 
 def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: [("precision", ["fp32", "bf16-mixed"])])
+    monkeypatch.setattr(
+        "redline.bench.tune.search_space", lambda task, facts, **_: [("precision", ["fp32", "bf16-mixed"])]
+    )
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("precision"))
     with pytest.raises(StoppedBySignal, match="while it measured precision, its first axis: nothing was cached") as e:
         tune(mlp_task(), devices="cpu")
@@ -322,8 +324,8 @@ def test_cuda_graphs_are_tried_against_eager_where_the_default_compile_lost(monk
         return [Trial(c, ms[c.compile, c.compile_mode] / 1e3, compile_s=5.0 if c.compile else 0.0) for c in candidates]
 
     space = [("compile", [False, True]), ("compile_mode", ["default", "reduce-overhead"])]
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: space)
-    monkeypatch.setattr("redline.bench.tune.skipped_axes", lambda task, facts: {})
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr("redline.bench.tune.skipped_axes", lambda task, facts, **_: {})
     monkeypatch.setattr("redline.bench.tune._measure", fake_measure)
     tuned, _ = tune(mlp_task(), devices="cpu", planned_steps=10_000)
     assert measured[1] == [Candidate(), Candidate(compile=True, compile_mode="reduce-overhead")]
@@ -342,7 +344,7 @@ def test_a_compile_that_fell_back_to_eager_is_not_tuned_as_compiled(monkeypatch)
     real = torch.compile
     monkeypatch.setattr("torch.compile", lambda fn, **options: real(fn, backend=broken_backend, **options))
     monkeypatch.setattr("redline.runtime.compile.compile_supported", lambda device_type: (True, ""))
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts: [("compile", [False, True])])
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: [("compile", [False, True])])
     monkeypatch.setattr("redline.bench.tune.MARGIN", 1e-9)
     tuned, _ = tune(mlp_task(), devices="cpu", budget_s=60, planned_steps=100, steps=4, window=2)
     assert tuned.best.compile is False

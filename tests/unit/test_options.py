@@ -45,7 +45,8 @@ def test_runtime_options_keep_switches_as_words_and_build_from_changes():
     options = RuntimeOptions(compile=True, channels_last=False)
     assert (options.compile, options.channels_last) == ("on", "off")
     assert RuntimeOptions.build(options, seed=3) == dataclasses.replace(options, seed=3)
-    with pytest.raises(ConfigError, match="a Runtime option: activation_checkpointing, channels_last, clip_grad_norm"):
+    listed = "a Runtime option: activation_checkpointing, attention, channels_last, clip_grad_norm"
+    with pytest.raises(ConfigError, match=listed):
         RuntimeOptions.build(precison="fp32")
     with pytest.raises(ConfigError, match=r"\nhint: did you mean precision='fp32'\?$"):
         RuntimeOptions.build(precison="fp32")

@@ -80,7 +80,7 @@ def test_the_search_tries_only_what_can_win_here():
     assert on_gpu["cuda_graphs"] == [False, True]
     assert on_gpu["loader_workers"] == [None, 0, 8]
     mlp = Task(model=nn.Linear(4, 2), loss_fn=nn.functional.mse_loss, train_data=conv_task().train_data, batch_size=7)
-    skipped = {"channels_last", "loader_workers", "grad_accum", "compile_mode", "cuda_graphs"}
+    skipped = {"channels_last", "attention", "loader_workers", "grad_accum", "compile_mode", "cuda_graphs"}
     assert set(skipped_axes(mlp, AMX_CPU)) == skipped
 
 

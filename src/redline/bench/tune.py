@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
@@ -43,10 +43,15 @@ from redline.errors import (
     invalid,
 )
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.plan.attention import KERNELS
 from redline.plan.device import resolve_device
 from redline.plan.layout import has_conv2d
 from redline.plan.precision import fast_precisions
+from redline.runtime.attention import AttentionCall, attention_calls, kernels_taking, torch_pick
+from redline.runtime.contract import split_batch
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.precision import AUTOCAST_DTYPES
+from redline.runtime.transfer import move_to
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, store_tuned
 from redline.task import Task, require_task
@@ -101,7 +106,8 @@ def tune(
     device = _one_device(devices)
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
-    axes = search_space(task, facts)
+    calls = model_attention(task, device)
+    axes = search_space(task, facts, calls=calls)
     tell = progress or (lambda done, total, what: None)
     started = time.perf_counter()
     deadline = started + budget_s
@@ -122,7 +128,10 @@ def tune(
             unmeasured.append(axis)
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
             continue
-        candidates = _alternatives(best, axis, values)
+        candidates = _alternatives(best, axis, _values(axis, values, calls, device, best))
+        if len(candidates) == 1:  # nothing else runs here: no other attention kernel takes the model's calls
+            reasons[axis] = f"{_value(best, axis)} kept: no other kernel takes the model's calls in {best.precision}"
+            continue
         try:
             measured = _measure(task, device, candidates, planned, steps, window, seed, left)
         except KeyboardInterrupt as exc:  # keep what the axes before it measured, to show and cache (also on SIGTERM,
@@ -141,7 +150,8 @@ def tune(
             reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
     tell(len(axes), len(axes), "done")
     _check_measured(task, trials, interrupted, budget_s, signum)
-    reasons.update({axis: "not searched here: " + why for axis, why in skipped_axes(task, facts).items()})
+    skipped = skipped_axes(task, facts, calls=calls)
+    reasons.update({axis: "not searched here: " + why for axis, why in skipped.items()})
     spent = time.perf_counter() - started
     reasons["budget"] = spent_line(spent, budget_s, trials)
     if interrupted:
@@ -212,10 +222,12 @@ def _one_device(devices: str) -> str:
     return resolve_device(devices, probe_accelerators()).value
 
 
-def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
-    """The axes worth measuring for this task on this device, each with the values to try."""
+def search_space(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCall] = ()) -> list[tuple[str, list[Any]]]:
+    """The axes worth measuring for this task on this device, each with the values to try; ``calls`` are the model's
+    calls to the attention function (``model_attention``): the attention kernels are searched only where it has some,
+    and only those that take them in the precision chosen before (``attention_kernels``)."""
     axes: list[tuple[str, list[Any]]] = []
-    skipped = skipped_axes(task, facts)
+    skipped = skipped_axes(task, facts, calls=calls)
     if "precision" not in skipped:
         axes.append(("precision", ["fp32", *fast_precisions(facts)]))
     axes.append(("compile", [False, True]))
@@ -225,6 +237,8 @@ def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
         axes.append(("cuda_graphs", [False, True]))
     if "channels_last" not in skipped:
         axes.append(("channels_last", [False, True]))
+    if "attention" not in skipped:
+        axes.append(("attention", ["auto", *(KERNELS if facts.type == "cuda" else ("flash", "math"))]))
     if "loader_workers" not in skipped:
         axes.append(("loader_workers", [None, 0, max(1, min(8, facts.cpu_count // 2))]))
     if "grad_accum" not in skipped:
@@ -232,9 +246,13 @@ def search_space(task: Task, facts: DeviceFacts) -> list[tuple[str, list[Any]]]:
     return axes
 
 
-def skipped_axes(task: Task, facts: DeviceFacts) -> dict[str, str]:
-    """The axes that cannot win for this task here, and why."""
+def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCall] = ()) -> dict[str, str]:
+    """The axes that cannot win for this task here, and why (``calls``: as ``search_space``'s)."""
     skipped = {}
+    if facts.type not in ("cpu", "cuda"):
+        skipped["attention"] = f"torch picks the attention kernel on {facts.type}"
+    elif not calls:
+        skipped["attention"] = "the model calls no scaled_dot_product_attention"
     if not fast_precisions(facts):
         skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
     model = task.model if isinstance(task.model, nn.Module) else task.build_model()
@@ -248,6 +266,34 @@ def skipped_axes(task: Task, facts: DeviceFacts) -> dict[str, str]:
         skipped["compile_mode"] = "CUDA graphs (reduce-overhead) need a CUDA device"
         skipped["cuda_graphs"] = "CUDA graphs need a CUDA device"
     return skipped
+
+
+def model_attention(task: Task, device: str) -> list[AttentionCall]:
+    """The calls the task's model makes to ``F.scaled_dot_product_attention`` in a training forward on ``device``, on
+    two samples of its data; none where that forward fails here (the search's candidates then say why)."""
+    model = task.build_model().to(device).train()
+    loader = DataLoader(task.train_data, batch_size=min(2, task.batch_size), collate_fn=task.collate_fn)
+    try:
+        inputs, _ = split_batch(next(iter(loader)), "train_data")
+        return attention_calls(model, move_to(inputs, torch.device(device)))
+    except Exception:  # a model that cannot run here fails every candidate, each saying why
+        return []
+
+
+def _values(axis: str, values: list[Any], calls: Sequence[AttentionCall], device: str, best: Candidate) -> list[Any]:
+    """The values to try on ``axis`` now: for the attention kernel, torch's pick ("auto") and the kernels that take the
+    model's calls in the precision chosen before."""
+    if axis != "attention":
+        return values
+    return ["auto", *(kernel for kernel in attention_kernels(calls, device, best.precision) if kernel in values)]
+
+
+def attention_kernels(calls: Sequence[AttentionCall], device: str, precision: str) -> list[str]:
+    """The attention kernels worth timing against torch's own pick ("auto") in ``precision``: those that take every
+    one of ``calls`` (their inputs cast as autocast casts them), but the one torch picks for all of them already."""
+    dtype, where = AUTOCAST_DTYPES.get(precision), torch.device(device)
+    picked = {torch_pick(call, where, dtype) for call in calls}
+    return [kernel for kernel in kernels_taking(list(calls), where, dtype) if picked != {kernel}]
 
 
 def decide(axis: str, measured: Sequence[Trial], planned: int) -> tuple[Candidate, str]:
@@ -309,6 +355,8 @@ def _measure(
         if index and time.perf_counter() >= deadline:  # the current setting is measured: the axis has begun
             failed[index] = UNMEASURED
             continue
+        if index and candidate.compile and candidate.attention != candidates[index - 1].attention:
+            reset_compiler()  # a graph traces the attention kernel the flags pick then: another kernel compiles anew
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:
@@ -409,6 +457,8 @@ def _value(candidate: Candidate, axis: str) -> str:
         return f"{axis} {'on' if value else 'off'}"
     if axis == "compile_mode" and not candidate.compile:
         return "compile off"
+    if axis == "attention":
+        return "torch's pick of attention kernel" if value == "auto" else f"{value} attention"
     return str(value)
 
 

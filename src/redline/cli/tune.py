@@ -44,8 +44,8 @@ def tune_command(
 ) -> None:
     """Search for the fastest settings of a Task within a budget, and cache them for --plan tuned.
 
-    The search covers precision, compile (and its CUDA-graphs mode), channels_last, loader workers and
-    micro-batching, each weighed by the planned run's total time, compile included.
+    The search covers precision, compile (and its CUDA-graphs mode), channels_last, the attention kernel,
+    loader workers and micro-batching, each weighed by the planned run's total time, compile included.
     """
     with said_by_flags(budget_s="--budget"):  # before the task loads, which can take minutes
         positive_number("budget_s", budget)

@@ -43,6 +43,7 @@ class Plan:
     channels_last: Choice[bool] | None = None
     compile: Choice[bool] | None = None
     cuda_graphs: Choice[bool] | None = None
+    attention: Choice[str] | None = None
     activation_checkpointing: Choice[bool] | None = None
     optimizer: Choice[str] | None = None
     zero_grad: Choice[str] | None = None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from redline.config import boolean, one_of, option, positive_int, positive_number, seed_number, with_changes
 from redline.errors import invalid
+from redline.plan.attention import AttentionRequest
 from redline.plan.device import check_devices
 from redline.plan.micro_batch import MicroBatch, check_micro_batch
 
@@ -38,6 +39,11 @@ class RuntimeOptions:
         "off.",
     )
     channels_last: Switch = option("auto", "channels_last memory layout: auto, on or off.")
+    attention: AttentionRequest = option(
+        "auto",
+        "scaled_dot_product_attention's kernel: auto (torch picks per call), flash, efficient, cudnn or math; a kernel "
+        "named runs every call it takes, math the rest.",
+    )
     loader_workers: int | None = option(None, "DataLoader worker processes (default: chosen for the device).")
     grad_accum: int = option(1, "Micro-batches per optimizer step.", min=1)
     micro_batch: MicroBatch = option(
@@ -66,6 +72,7 @@ class RuntimeOptions:
         one_of("precision", self.precision, get_args(PrecisionRequest))
         one_of("strategy", self.strategy, get_args(StrategyRequest))
         one_of("compile_mode", self.compile_mode, get_args(CompileMode))
+        one_of("attention", self.attention, get_args(AttentionRequest))
         if self.loader_workers is not None and (
             isinstance(self.loader_workers, bool) or not isinstance(self.loader_workers, int) or self.loader_workers < 0
         ):
@@ -85,8 +92,8 @@ class RuntimeOptions:
     def with_plan(self, plan: Mapping[str, Mapping[str, Any]]) -> RuntimeOptions:
         """Return these options with the axes a stored Plan fixed (``Plan.to_dict()``), for a resumed run.
 
-        Precision, compile, layout, accumulation, clipping and the seed (it fixes the data order, and a
-        resumed epoch goes on in its order) come from the Plan, so the run goes on as it started; the
+        Precision, compile, layout, the attention kernel, accumulation, clipping and the seed (it fixes the data
+        order, and a resumed epoch goes on in its order) come from the Plan, so the run goes on as it started; the
         device too unless one is asked for now (a run may move to a GPU). The strategy (it follows the
         number of processes, which may differ now), determinism and the micro-batches (a run that ran
         out of memory is resumed with --micro-batch auto) stay as asked for now. Activation
@@ -111,5 +118,14 @@ class RuntimeOptions:
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],
             seed=plan["seed"]["value"] if "seed" in plan else self.seed,
+            attention=_stored_kernel(plan.get("attention"), self.attention),
             activation_checkpointing=checkpointing,
         )
+
+
+def _stored_kernel(stored: Mapping[str, Any] | None, now: AttentionRequest) -> AttentionRequest:
+    """The attention kernel a stored Plan ran: "auto" where torch picked per call; ``now`` for a Plan without it."""
+    if stored is None:
+        return now
+    value = stored.get("value")
+    return cast(AttentionRequest, value) if value in get_args(AttentionRequest) else "auto"

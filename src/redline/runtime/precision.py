@@ -22,7 +22,7 @@ import torch
 from redline.errors import ConfigError
 from redline.plan.precision import PrecisionName
 
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _NOTHING = contextlib.nullcontext()
 
 
@@ -33,7 +33,7 @@ class Precision:
         self.name: PrecisionName = name
         self.device = torch.device(device)
         self.device_type = self.device.type
-        self.dtype = _AUTOCAST_DTYPES.get(name)
+        self.dtype = AUTOCAST_DTYPES.get(name)
         self.scaler = torch.amp.GradScaler(self.device_type) if name == "fp16-mixed" else None
         self._one: torch.Tensor | None = None
         self._skipped: torch.Tensor | int = 0  # fp16 steps skipped on overflow, counted on the device

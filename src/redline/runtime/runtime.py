@@ -36,6 +36,7 @@ from redline.hardware.device import DeviceFacts, probe_accelerators, probe_devic
 from redline.parallel.collectives import peers_said
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
+from redline.plan.attention import resolve_attention
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
 from redline.plan.loader import resolve_loader
@@ -44,6 +45,7 @@ from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_z
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
+from redline.runtime.attention import prefer_kernel
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds
 from redline.runtime.compile_check import CompileCheck, check_forms, explain_forms
@@ -64,7 +66,7 @@ from redline.runtime.optimizer import (
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.precision_check import propose_switch
-from redline.runtime.sampling import GlobalBatchSampler, global_batches, split_caveats
+from redline.runtime.sampling import global_batches, split_caveats, split_reason
 from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.state import RunState
@@ -121,9 +123,11 @@ class Runtime(RunState):
             chosen = Choice(cast(PrecisionName, found.value), found.reason)
         self.precision = Precision(chosen.value, self.device)
         tf32, zero_grad = resolve_tf32(self.facts), resolve_zero_grad(self.facts)
+        attention = resolve_attention(self.options.attention, self.facts)
         self.settings = ProcessSettings(
-            tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed
-        )
+            tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed,
+            attention=None if self.options.attention == "auto" else attention.value,
+        )  # fmt: skip
         self._cycle = Cycle(self.options.grad_accum, zero_after_step=zero_grad.value == "after step")
         self._micro = MicroBatcher(self.options.micro_batch)
         self.snapshot_dir: Path | None = None  # where an out-of-memory on CUDA writes its memory snapshot
@@ -132,6 +136,7 @@ class Runtime(RunState):
             device=Choice(device.value, f"{device.reason} ({self.facts.name})"),
             precision=chosen,
             tf32=tf32,
+            attention=attention,
             deterministic=resolve_deterministic(self.options.deterministic),
             seed=resolve_seed(self.options.seed),
             grad_accum=Choice(accum, "requested" if accum > 1 else "default: a step per batch"),
@@ -290,9 +295,13 @@ class Runtime(RunState):
     def _use_tuned(self, model: nn.Module) -> None:
         """Take the tuned Plan's options for this model, and its precision, before anything uses them."""
         self.options, self._tuning = tuned_for_model(model, self.facts, self.options)
-        chosen = resolve_precision(self.options.precision, self.facts)
+        chosen, attention = resolve_precision(self.options.precision, self.facts), self._plan.attention
         self.precision = Precision(chosen.value, self.device)
-        self._plan = dataclasses.replace(self._plan, precision=chosen)
+        if self.options.attention != "auto":  # a tuned kernel: entered now, with the settings started before
+            attention = resolve_attention(self.options.attention, self.facts)
+            self.settings = dataclasses.replace(self.settings, attention=attention.value)
+            cast(contextlib.ExitStack, self._started).enter_context(prefer_kernel(attention.value))
+        self._plan = dataclasses.replace(self._plan, precision=chosen, attention=attention)
 
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
         """Return ``loader`` tuned for the device, yielding batches already on it."""
@@ -300,14 +309,7 @@ class Runtime(RunState):
         batches = global_batches(loader, self.env, seed=self.options.seed)
         if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
             loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
-        if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):
-            split = loader.batch_sampler
-            reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
-            if split.drop_last:
-                reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
-            reason = "; ".join([reason, *self._split_caveats])
-            chosen = Choice(chosen.value, reason)
-        self._plan = dataclasses.replace(self._plan, loader=chosen)
+        self._plan = dataclasses.replace(self._plan, loader=split_reason(chosen, loader, self._split_caveats))
         return self._layout.loader(loader, self.device)
 
     def to_device(self, batch: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from redline.errors import ConfigError, invalid
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
+from redline.plan import Choice
+
+T = TypeVar("T")
 
 
 class EpochSampler(Sampler[int]):
@@ -178,6 +181,18 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
     )
     _SPLITS[loader] = (key, batches)
     return batches
+
+
+def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str]) -> Choice[T]:
+    """The loader axis with how a launched job's global batch is split over its ranks, and the model's layers that
+    depend on that split (``caveats``); as it is for a loader with no global batch sampler."""
+    if not (isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler)):
+        return chosen
+    split = loader.batch_sampler
+    reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
+    if split.drop_last:
+        reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
+    return Choice(chosen.value, "; ".join([reason, *caveats]))
 
 
 def _drawn_seed(loader: DataLoader[Any]) -> int:

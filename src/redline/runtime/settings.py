@@ -1,9 +1,10 @@
-"""The process-wide settings a run changes (TF32, deterministic algorithms, seeds), entered and left as one context.
+"""The process-wide settings a run changes (TF32, deterministic algorithms, seeds, the attention kernel), entered and
+left as one context.
 
 torch keeps these settings per process, so a library that sets them quietly changes its caller's
 program. The Runtime applies them when it starts and puts the previous values back when it closes;
-the Plan lists each (``tf32``, ``deterministic``, ``seed``); deterministic algorithms on CUDA come with
-cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG). A setting the run does not change is
+the Plan lists each (``tf32``, ``deterministic``, ``seed``, ``attention``); deterministic algorithms on CUDA come
+with cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG). A setting the run does not change is
 neither read nor written.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from redline.runtime.attention import prefer_kernel
 from redline.runtime.seed import seed_everything
 
 
@@ -26,6 +28,7 @@ class ProcessSettings:
     tf32: bool = False  # TF32 matmuls and cuDNN convolutions (Ampere and newer)
     deterministic: bool = False  # torch.use_deterministic_algorithms(True): an op without one raises
     seed: int | None = None  # seeds Python, NumPy and torch when the run starts; not undone after
+    attention: str | None = None  # the kernel scaled_dot_product_attention prefers (None: torch picks per call)
 
     def enter(self) -> contextlib.ExitStack:
         """Apply the settings; closing the returned stack puts the previous ones back."""
@@ -39,6 +42,8 @@ class ProcessSettings:
             undo.callback(_cublas_workspace_fixed())
             torch.use_deterministic_algorithms(True, warn_only=False)
             undo.callback(torch.use_deterministic_algorithms, enabled, warn_only=warn_only)
+        if self.attention is not None:
+            undo.enter_context(prefer_kernel(self.attention))
         return undo
 
 

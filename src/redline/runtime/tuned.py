@@ -26,6 +26,7 @@ from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
+from redline.plan.attention import plan_kernel
 from redline.runtime.measure import fingerprint_of, worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
@@ -34,7 +35,9 @@ from redline.task import Task, model_fingerprint
 
 log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
-TUNED_AXES = ("precision", "compile", "compile_mode", "cuda_graphs", "channels_last", "loader_workers", "grad_accum")
+TUNED_AXES = (
+    "precision", "compile", "compile_mode", "cuda_graphs", "channels_last", "attention", "loader_workers", "grad_accum",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Candidate:
     compile_mode: str = "default"
     cuda_graphs: bool = False  # the forward and backward replayed as CUDA graphs, without a compile
     channels_last: bool = False
+    attention: str = "auto"  # scaled_dot_product_attention's kernel; "auto": torch picks per call
     loader_workers: int | None = None  # None: the device's rule
     grad_accum: int = 1
 
@@ -56,6 +60,8 @@ class Candidate:
             parts.append("CUDA graphs")
         if self.channels_last:
             parts.append("channels_last")
+        if self.attention != "auto":
+            parts.append(f"{self.attention} attention")
         if self.loader_workers is not None:
             parts.append(f"{self.loader_workers} workers")
         if self.grad_accum > 1:
@@ -71,6 +77,7 @@ class Candidate:
             compile_mode=self.compile_mode,
             cuda_graphs="on" if self.cuda_graphs else "off",
             channels_last="on" if self.channels_last else "off",
+            attention=self.attention,
             loader_workers=self.loader_workers,
             grad_accum=self.grad_accum,
         )
@@ -125,7 +132,7 @@ class TunedPlan:
             planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
             best=best, reasons=dict(data["reasons"]), trials=trials,
             unmeasured=tuple(a for a in data.get("unmeasured", ()) if a in TUNED_AXES)
-            + (("cuda_graphs",) if "cuda_graphs" not in data["best"] else ()),  # a tune from before it was searched
+            + tuple(a for a in ("cuda_graphs", "attention") if a not in data["best"]),  # tuned before they existed
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions) -> RuntimeOptions:
@@ -158,6 +165,7 @@ class TunedPlan:
             "compile": (options.compile == "on", self.best.compile),
             "cuda_graphs": (options.cuda_graphs == "on", self.best.cuda_graphs),
             "channels_last": (options.channels_last == "on", self.best.channels_last),
+            "attention": (plan_kernel(options.attention), plan_kernel(self.best.attention)),
             "grad_accum": (options.grad_accum, self.best.grad_accum),
         }
         return {

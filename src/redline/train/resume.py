@@ -52,6 +52,7 @@ def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]
         "precision": (options.precision, "auto"),
         "compile": (options.compile, "auto"),
         "channels_last": (options.channels_last, "auto"),
+        "attention": (options.attention, "auto"),
         "grad_accum": (options.grad_accum, 1),
         "clip_grad_norm": (options.clip_grad_norm, None),
         "seed": (options.seed, None),

@@ -1,0 +1,177 @@
+"""The attention kernel: resolved into the Plan, applied for the run's process and put back, found from the model's own
+calls, searched by `redline tune`, kept by a tuned Plan and a resumed run."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.bench.tune import attention_kernels, model_attention, search_space, skipped_axes, tune
+from redline.errors import ConfigError
+from redline.examples.gpt import GPT, GPTConfig
+from redline.hardware.device import DeviceFacts, probe_device
+from redline.plan.attention import resolve_attention
+from redline.runtime.attention import attention_calls, kernels_taking, torch_pick
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.runtime import Runtime
+from redline.runtime.settings import ProcessSettings
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
+from redline.task import Task
+
+CPU = DeviceFacts(type="cpu", name="Xeon", cpu_isa="amx", cpu_count=8)
+H100 = DeviceFacts(type="cuda", name="NVIDIA H100 80GB HBM3", index=0, capability=(9, 0), cpu_count=16)
+T4 = DeviceFacts(type="cuda", name="Tesla T4", index=0, capability=(7, 5), cpu_count=8)
+MPS = DeviceFacts(type="mps", name="Apple M2")
+HERE = torch.device("cpu")
+
+
+def small_gpt(dropout: float = 0.0) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=dropout))
+
+
+def gpt_task() -> Task:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32, (64, 17), generator=generator)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return Task(model=small_gpt, loss_fn=loss, train_data=data, batch_size=8, name="gpt")
+
+
+def flags() -> tuple[bool, bool, bool, bool, list[int]]:
+    cuda = torch.backends.cuda
+    order = torch._C._get_sdp_priority_order() if hasattr(torch._C, "_get_sdp_priority_order") else []
+    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled(), list(order))  # fmt: skip
+
+
+def test_auto_leaves_torchs_pick_per_call_and_a_kernel_named_is_checked_against_the_device():
+    assert resolve_attention("auto", H100).value == "default"
+    assert "flash for fp16/bf16 without a mask" in resolve_attention("auto", H100).reason
+    assert resolve_attention("auto", CPU).reason.startswith("auto: torch picks per call: its CPU flash kernel")
+    assert str(resolve_attention("cudnn", H100)) == "cudnn: requested: cudnn for every call it takes, math for the rest"
+    assert resolve_attention("math", CPU).reason == "requested: math for every call"
+    with pytest.raises(ConfigError, match=r"(?s)attention='efficient' is not allowed; expected 'auto', 'flash' or "
+                       r"'math' on a CPU\nhint: .*efficient is a CUDA kernel"):  # fmt: skip
+        resolve_attention("efficient", CPU)
+    with pytest.raises(ConfigError, match=r"(?s)on Tesla T4 \(sm75\).*needs an Ampere or newer GPU"):
+        resolve_attention("flash", T4)
+    assert resolve_attention("efficient", T4).value == "efficient"
+    with pytest.raises(ConfigError, match="'auto' on mps"):
+        resolve_attention("math", MPS)
+    with pytest.raises(ConfigError, match="attention='fast' is not allowed; expected one of"):
+        RuntimeOptions(attention="fast")  # type: ignore[arg-type]
+
+
+def test_a_kernel_is_set_for_the_process_while_the_settings_last_and_torchs_flags_come_back():
+    before = flags()
+    with ProcessSettings(attention="math").enter():
+        assert flags()[:4] == (False, False, True, False)
+        call = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))[0]
+        assert torch_pick(call, HERE) == "math"
+    assert flags() == before
+    with ProcessSettings(attention="flash").enter():
+        assert flags()[0] and flags()[2] and torch_pick(call, HERE) == "flash"  # math stays for what flash cannot take
+    assert flags() == before and torch_pick(call, HERE) == "flash"  # torch's own pick on a CPU
+
+
+def test_the_runtime_plans_and_applies_the_kernel_and_leaves_torchs_choice_where_it_closes():
+    before = flags()
+    with Runtime(devices="cpu", attention="math") as rt:
+        rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.1))
+        assert rt.explain().attention.value == "math" and flags()[0] is False
+    assert flags() == before
+    with Runtime(devices="cpu") as rt:
+        assert rt.explain().attention.value == "default" and flags() == before  # auto changes nothing
+
+
+def test_a_models_attention_calls_are_found_with_the_kernels_that_take_them():
+    calls = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))
+    assert len(calls) == 1  # the one layer's call: the same shapes and options, recorded once
+    call = calls[0]
+    assert call.shapes[0] == (2, 2, 16, 8) and call.is_causal and call.dropout_p == 0.0 and call.mask is None
+    assert kernels_taking(calls, HERE) == ["flash", "math"]  # efficient and cuDNN are CUDA's
+    assert attention_kernels(calls, "cpu", "fp32") == ["math"]  # flash is torch's own pick on a CPU
+    dropping = attention_calls(small_gpt(dropout=0.1).train(), torch.randint(0, 32, (2, 16)))
+    assert dropping[0].dropout_p == 0.1 and kernels_taking(dropping, HERE) == ["math"]  # CPU flash has no dropout
+    assert attention_kernels(dropping, "cpu", "fp32") == []  # math is what torch picks already
+    assert attention_calls(nn.Linear(4, 2), torch.randn(2, 4)) == []
+
+
+def test_the_tune_searches_the_kernels_only_for_a_model_that_calls_attention():
+    task = gpt_task()
+    calls = model_attention(task, "cpu")
+    assert calls and calls[0].shapes[0][0] == 2  # two samples of the task's data
+    assert dict(search_space(task, CPU, calls=calls))["attention"] == ["auto", "flash", "math"]
+    assert dict(search_space(task, H100, calls=calls))["attention"] == ["auto", "flash", "efficient", "cudnn", "math"]
+    assert skipped_axes(task, CPU)["attention"] == "the model calls no scaled_dot_product_attention"
+    assert skipped_axes(task, MPS, calls=calls)["attention"] == "torch picks the attention kernel on mps"
+
+
+def test_tune_times_the_kernels_that_take_the_calls_and_a_tuned_run_prefers_the_winner(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        "redline.bench.tune.search_space", lambda task, facts, **_: [("attention", ["auto", "flash", "math"])]
+    )
+    task = gpt_task()
+    tuned, _ = tune(task, devices="cpu", budget_s=60, planned_steps=100, steps=4, window=2)
+    tried = [t.candidate.attention for t in tuned.trials]
+    assert tried == ["auto", "math"]  # flash is torch's pick here: timing it again would time "auto" twice
+    assert all(t.step_s is not None and not t.rejected for t in tuned.trials)
+    reason = tuned.reasons["attention"]
+    assert "fp32, eager: " in reason and "fp32, eager, math attention: " in reason
+    assert reason.startswith(("torch's pick of attention kernel kept", "math attention, "))
+    # A tuned Plan whose best kernel is math: the run prefers it for the whole process, and says so.
+    best = Candidate(attention="math")
+    plan = TunedPlan(
+        task="gpt",
+        device="cpu",
+        batch_size=8,
+        planned_steps=100,
+        measured_at="2026-12-05 01:00 UTC",
+        best=best,
+        reasons={"attention": "math attention, 1.20x less time"},
+        trials=(Trial(best, 0.01),),
+    )
+    store_tuned(task.fingerprint(), probe_device(HERE), plan, model=task.build_model())  # fmt: skip
+    before = flags()
+    with Runtime(devices="cpu", plan="tuned") as rt:
+        rt.setup(task.build_model(), task.optimizer)
+        chosen = rt.explain().attention
+        assert flags()[0] is False  # flash off: math runs every call
+    assert chosen.value == "math" and chosen.reason.startswith("tuned 2026-12-05 01:00 UTC at batch 8 for 100 steps")
+    assert chosen.reason.endswith("math attention, 1.20x less time")
+    assert flags() == before
+
+
+def test_a_tune_cached_before_the_kernel_was_searched_leaves_it_to_auto():
+    data = TunedPlan(task="t", device="cpu", batch_size=8, planned_steps=10, measured_at="then", best=Candidate(),
+                     reasons={}, trials=()).to_dict()  # fmt: skip
+    del data["best"]["attention"]
+    old = TunedPlan.from_dict(json.loads(json.dumps(data)))
+    assert "attention" in old.unmeasured and old.apply(RuntimeOptions()).attention == "auto"
+
+
+def test_a_resumed_run_keeps_the_kernel_its_plan_ran_and_names_one_asked_for_now():
+    from redline.train.resume import overridden_requests
+
+    plan = {"attention": {"value": "math", "reason": "requested: math for every call"}}
+    assert RuntimeOptions().with_plan(_full(plan)).attention == "math"
+    assert RuntimeOptions(attention="flash").with_plan(_full({"attention": {"value": "default"}})).attention == "auto"
+    assert RuntimeOptions(attention="flash").with_plan(_full({})).attention == "flash"  # a Plan from before the axis
+    assert overridden_requests(RuntimeOptions(attention="flash"), plan) == [
+        "--attention flash asked, the checkpoint's math kept"
+    ]
+
+
+def _full(extra: dict) -> dict:
+    plan = {
+        "device": {"value": "cpu"}, "precision": {"value": "fp32"}, "compile": {"value": False},
+        "channels_last": {"value": False}, "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None},
+    }  # fmt: skip
+    return {**plan, **extra}
