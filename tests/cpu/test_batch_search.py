@@ -292,7 +292,9 @@ def test_an_auto_search_runs_in_the_precision_a_trial_measured_as_redline_train_
 
     def build() -> nn.Module:
         model = Limited(5, "forward")
-        model.register_forward_pre_hook(lambda module, args: autocast.append(torch.is_autocast_enabled("cpu")))
+        model.register_forward_pre_hook(  # the training forwards (the trial's look at the model's calls runs no_grad)
+            lambda module, args: autocast.append(torch.is_autocast_enabled("cpu")) if torch.is_grad_enabled() else None
+        )
         return model
 
     task, auto = dataclasses.replace(limited_task(5), model=build), redline.RuntimeOptions(devices="cpu")

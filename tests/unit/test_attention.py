@@ -8,15 +8,19 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import attention_kernels, model_attention, search_space, skipped_axes, tune
+from redline.bench.tune import search_space, skipped_axes, tune
 from redline.errors import ConfigError
 from redline.examples.gpt import GPT, GPTConfig
 from redline.hardware.device import DeviceFacts, probe_device
+from redline.parallel.env import DistEnv
 from redline.plan.attention import resolve_attention
-from redline.runtime.attention import attention_calls, kernels_taking, torch_pick
+from redline.runtime import measure
+from redline.runtime.attention import attention_calls, attention_kernels, kernels_taking, model_attention, torch_pick
+from redline.runtime.measure import measure_auto, recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.settings import ProcessSettings
+from redline.runtime.trial import Measured, form, form_parts, run_trial
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 
@@ -175,3 +179,82 @@ def _full(extra: dict) -> dict:
         "channels_last": {"value": False}, "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None},
     }  # fmt: skip
     return {**plan, **extra}
+
+
+# -- the precision trial times each reduced precision with the kernels that take the model's calls ---------------
+
+
+def test_a_trial_form_names_its_precision_and_the_kernel_its_steps_prefer():
+    assert form("bf16-mixed") == "bf16-mixed" and form("bf16-mixed", "math") == "bf16-mixed with math attention"
+    assert form_parts("bf16-mixed with math attention") == ("bf16-mixed", "math")
+    assert form_parts("fp16-mixed") == ("fp16-mixed", "auto")
+
+
+@pytest.fixture
+def math_wins(tmp_path, monkeypatch):
+    """Plan as on an AMX CPU; each trial times bf16 at 1.1x fp32's step and bf16 with math attention at 0.7x."""
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    asked = []
+
+    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, **_):
+        asked.append(list(candidates))
+        steps = {"fp32": 10.0, "bf16-mixed": 11.0, "bf16-mixed with math attention": 7.0}
+        return [Measured(name, (steps[name] / 1e3,) * 12, (2.0, 1.8)) for name in ("fp32", *candidates)]
+
+    monkeypatch.setattr(measure, "run_trial", fake_trial)
+    return asked
+
+
+def test_the_trial_measures_a_precision_with_the_kernels_of_the_models_attention_and_the_run_takes_both(math_wins):
+    found = measure_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, 5000, DistEnv(), trial="auto")
+    assert math_wins == [["bf16-mixed", "bf16-mixed with math attention"]]  # the CPU flash kernel is torch's pick
+    assert found["precision"].value == "bf16-mixed" and found["attention"].value == "math"
+    assert found["attention"].reason.startswith("measured: bf16-mixed with math attention ran 1.43x fp32")
+    before = flags()
+    with Runtime(devices="cpu", measured=found) as rt:
+        plan = rt.explain()
+        assert (plan.precision.value, plan.attention.value) == ("bf16-mixed", "math") and flags()[0] is False
+    assert flags() == before
+    again = measure_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, 5000, DistEnv(), trial="auto")
+    assert len(math_wins) == 1  # read from the cache, kernel and all
+    assert again["attention"].value == "math" and "cached from" in again["attention"].reason
+    assert recall_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, DistEnv()).value == "bf16-mixed"  # precision
+
+
+def test_no_kernel_is_timed_for_a_model_without_attention_or_one_whose_kernel_is_given(math_wins):
+    mlp = Task(model=lambda: nn.Linear(16, 32), loss_fn=nn.functional.mse_loss,
+               train_data=TensorDataset(torch.randn(32, 16), torch.randn(32, 32)), batch_size=8)  # fmt: skip
+    assert set(measure_auto(mlp, RuntimeOptions(devices="cpu"), 8, 5000, DistEnv(), trial="auto")) == {"precision"}
+    given = RuntimeOptions(devices="cpu", attention="flash")
+    assert set(measure_auto(gpt_task(), given, 8, 5000, DistEnv(), trial="auto")) == {"precision"}
+    assert math_wins == [["bf16-mixed"], ["bf16-mixed"]]
+
+
+def test_a_trial_step_prefers_its_kernel_and_leaves_torchs_flags_as_they_were():
+    task, before, seen = gpt_task(), flags(), []
+
+    class Watching(GPT):
+        def forward(self, idx, targets=None):
+            seen.append(flags()[0])  # whether flash is enabled while the step runs
+            return super().forward(idx)
+
+    model = Watching(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    batch = next(iter(torch.utils.data.DataLoader(task.train_data, batch_size=8)))
+    found = run_trial(model, task.optimizer, task.loss_fn, batch, HERE, ["fp32 with math attention"], rounds=1,
+                      stop_early=False)  # fmt: skip
+    assert {m.precision for m in found} == {"fp32", "fp32 with math attention"} and not any(m.rejected for m in found)
+    assert True in seen and False in seen and flags() == before
+
+
+def test_the_tunes_precision_axis_tries_a_reduced_precision_with_each_kernel_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # bf16 is a candidate
+    space = [("precision", ["fp32", "bf16-mixed"]), ("attention", ["auto", "flash", "math"])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    tuned, _ = tune(gpt_task(), devices="cpu", budget_s=60, planned_steps=100, steps=2, window=1)
+    tried = [(t.candidate.precision, t.candidate.attention) for t in tuned.trials]
+    assert tried[:3] == [("fp32", "auto"), ("bf16-mixed", "auto"), ("bf16-mixed", "math")]
+    assert "bf16-mixed, eager, math attention: " in tuned.reasons["precision"]
+    (first, _), (second, _) = tried[3:]  # the kernels then, in the precision kept: its own pick and math (flash is it)
+    assert first == second and {a for _, a in tried[3:]} == {"auto", "math"}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
@@ -47,11 +47,8 @@ from redline.plan.attention import KERNELS
 from redline.plan.device import resolve_device
 from redline.plan.layout import has_conv2d
 from redline.plan.precision import fast_precisions
-from redline.runtime.attention import AttentionCall, attention_calls, kernels_taking, torch_pick
-from redline.runtime.contract import split_batch
+from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.precision import AUTOCAST_DTYPES
-from redline.runtime.transfer import move_to
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, store_tuned
 from redline.task import Task, require_task
@@ -128,7 +125,7 @@ def tune(
             unmeasured.append(axis)
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
             continue
-        candidates = _alternatives(best, axis, _values(axis, values, calls, device, best))
+        candidates = _candidates(best, axis, values, calls, device)
         if len(candidates) == 1:  # nothing else runs here: no other attention kernel takes the model's calls
             reasons[axis] = f"{_value(best, axis)} kept: no other kernel takes the model's calls in {best.precision}"
             continue
@@ -268,32 +265,31 @@ def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCal
     return skipped
 
 
-def model_attention(task: Task, device: str) -> list[AttentionCall]:
-    """The calls the task's model makes to ``F.scaled_dot_product_attention`` in a training forward on ``device``, on
-    two samples of its data; none where that forward fails here (the search's candidates then say why)."""
-    model = task.build_model().to(device).train()
-    loader = DataLoader(task.train_data, batch_size=min(2, task.batch_size), collate_fn=task.collate_fn)
-    try:
-        inputs, _ = split_batch(next(iter(loader)), "train_data")
-        return attention_calls(model, move_to(inputs, torch.device(device)))
-    except Exception:  # a model that cannot run here fails every candidate, each saying why
-        return []
+def _candidates(
+    best: Candidate, axis: str, values: list[Any], calls: Sequence[AttentionCall], device: str
+) -> list[Candidate]:
+    """The candidates of ``axis`` now (``_alternatives``), the current best first.
 
-
-def _values(axis: str, values: list[Any], calls: Sequence[AttentionCall], device: str, best: Candidate) -> list[Any]:
-    """The values to try on ``axis`` now: for the attention kernel, torch's pick ("auto") and the kernels that take the
-    model's calls in the precision chosen before."""
-    if axis != "attention":
-        return values
-    return ["auto", *(kernel for kernel in attention_kernels(calls, device, best.precision) if kernel in values)]
-
-
-def attention_kernels(calls: Sequence[AttentionCall], device: str, precision: str) -> list[str]:
-    """The attention kernels worth timing against torch's own pick ("auto") in ``precision``: those that take every
-    one of ``calls`` (their inputs cast as autocast casts them), but the one torch picks for all of them already."""
-    dtype, where = AUTOCAST_DTYPES.get(precision), torch.device(device)
-    picked = {torch_pick(call, where, dtype) for call in calls}
-    return [kernel for kernel in kernels_taking(list(calls), where, dtype) if picked != {kernel}]
+    For the attention kernel, the values are torch's pick ("auto") and the kernels that take the model's calls in the
+    precision chosen before. A reduced precision is also tried with each such kernel, as the precision trial tries
+    it: torch's pick can be what loses it (chargpt's bf16 step on a CPU with AMX ran 1.62x faster with math attention
+    than with the flash kernel torch picks, and faster than fp32, where it had lost), and the attention axis alone,
+    after fp32 was kept, would never see that. Math is left out on CUDA, where a fused kernel takes any call it does.
+    """
+    if axis == "attention":
+        values = ["auto", *(kernel for kernel in attention_kernels(calls, device, best.precision) if kernel in values)]
+    candidates = _alternatives(best, axis, values)
+    if axis != "precision" or not calls:
+        return candidates
+    cuda = torch.device(device).type == "cuda"
+    with_kernels = [
+        dataclasses.replace(candidate, attention=kernel)
+        for candidate in candidates
+        if candidate.precision != "fp32"
+        for kernel in attention_kernels(calls, device, candidate.precision)
+        if not (cuda and kernel == "math") and kernel != candidate.attention
+    ]
+    return candidates + with_kernels
 
 
 def decide(axis: str, measured: Sequence[Trial], planned: int) -> tuple[Candidate, str]:
@@ -459,6 +455,8 @@ def _value(candidate: Candidate, axis: str) -> str:
         return "compile off"
     if axis == "attention":
         return "torch's pick of attention kernel" if value == "auto" else f"{value} attention"
+    if axis == "precision" and candidate.attention != "auto":
+        return f"{value} with {candidate.attention} attention"
     return str(value)
 
 

@@ -2,15 +2,15 @@
 
 torch keeps the enabled attention kernels per process, as it keeps TF32: ``prefer_kernel`` enables the chosen one
 first and math after it (math takes any call), and puts torch's flags back when it is left. ``attention_calls``
-records what a model's forward passes to the attention function, so `redline tune` times only the kernels that
-take those calls (``kernels_taking``) and skips the axis for a model that never calls it.
+records what a model's forward passes to the attention function, so `redline tune` and the precision trial time only
+the kernels that take those calls (``attention_kernels``), and nothing for a model that never calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+from torch.utils.data import DataLoader
+
+from redline.runtime.contract import split_batch
+from redline.runtime.precision import AUTOCAST_DTYPES
+from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.transfer import move_to
+from redline.task import Task
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -118,3 +125,34 @@ def kernels_taking(calls: list[AttentionCall], device: torch.device, dtype: torc
             if calls and all(torch_pick(call, device, dtype) == name for call in calls):
                 taking.append(name)
     return taking
+
+
+def model_attention(task: Task, device: str | torch.device) -> list[AttentionCall]:
+    """The calls the task's model makes to ``F.scaled_dot_product_attention`` in a training forward, on two samples of
+    its data: run on the meta device (shapes alone: no weights, no arithmetic), else on ``device`` for a model that
+    cannot run there (one that loads weights, or reads a value); none where it fails on both (what runs the model then
+    says why). The random streams the model's weights and the samples draw are put back."""
+    saved = capture_rng()
+    try:
+        loader = DataLoader(task.train_data, batch_size=min(2, task.batch_size), collate_fn=task.collate_fn)
+        inputs, _ = split_batch(next(iter(loader)), "train_data")
+        for where in (torch.device("meta"), torch.device(device)):
+            try:
+                with where if where.type == "meta" else contextlib.nullcontext():
+                    model = task.build_model()
+                return attention_calls(model.to(where).train(), move_to(inputs, where))
+            except Exception:  # a model that cannot run on shapes alone runs on the device
+                continue
+        return []
+    except Exception:  # data that cannot be read fails where the run reads it, saying why
+        return []
+    finally:
+        restore_rng(saved)
+
+
+def attention_kernels(calls: Sequence[AttentionCall], device: str | torch.device, precision: str) -> list[str]:
+    """The attention kernels worth timing against torch's own pick ("auto") in ``precision``: those that take every
+    one of ``calls`` (their inputs cast as autocast casts them), but the one torch picks for all of them already."""
+    dtype, where = AUTOCAST_DTYPES.get(precision), torch.device(device)
+    picked = {torch_pick(call, where, dtype) for call in calls}
+    return [kernel for kernel in kernels_taking(list(calls), where, dtype) if picked != {kernel}]

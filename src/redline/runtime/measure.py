@@ -28,10 +28,12 @@ from redline.hardware.device import DeviceFacts, probe_accelerators, probe_devic
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
+from redline.plan.attention import plan_kernel
 from redline.plan.device import resolve_worker_device
 from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
-from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
+from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
+from redline.runtime.attention import attention_kernels, model_attention
 from redline.runtime.contract import split_batch, users_failure
 from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
@@ -42,6 +44,8 @@ from redline.runtime.trial import (
     ROUNDS,
     Measured,
     choose,
+    form,
+    form_parts,
     load_cached,
     run_trial,
     store,
@@ -73,7 +77,7 @@ def measure_auto(
     ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
     reason of a run too short to repay a trial, how the command at hand would measure anyway.
     """
-    work = _workload(options, batch_size, env)
+    work = _workload(task, options, batch_size, env)
     if work is None:
         return {}  # a precision given, or none worth trying here: the rule's reason says why
     if trial == "off":
@@ -95,7 +99,7 @@ def measure_auto(
             f"of {planned_steps:g}"
         )
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
-    return {"precision": Choice(*shared)}
+    return work.choices(Choice(*shared))
 
 
 def repaid_rounds(candidates: list[Any], planned_steps: float) -> int:
@@ -108,8 +112,9 @@ def repaid_rounds(candidates: list[Any], planned_steps: float) -> int:
 def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> Choice[str] | None:
     """The precision a trial cached for this run's auto (as ``measure_auto`` would read it), else None: a reader
     that must not run steps (an estimate of memory, made before the step is known to fit) takes no more."""
-    work = _workload(options, batch_size, env)
-    return _measure(task, work, True, ROUNDS) if work is not None else None
+    work = _workload(task, options, batch_size, env)
+    found = _measure(task, work, True, ROUNDS) if work is not None else None
+    return Choice(form_parts(found.value)[0], found.reason) if found is not None else None
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class _Workload:
     device: torch.device
     facts: DeviceFacts
     local_batch: int
-    candidates: list[PrecisionName]
+    candidates: list[str]  # the reduced precisions, each also with the attention kernels that take the model's calls
     channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
     fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
 
@@ -130,15 +135,35 @@ class _Workload:
             resolve_channels_last(self.channels_last, self.facts, has_conv2d=convolutional, precision=precision).value
         )
 
+    def choices(self, chosen: Choice[str]) -> dict[str, Choice[str]]:
+        """The Runtime's measured axes from the trial's choice of form: the precision, and the attention kernel where
+        the trial timed kernels ("default": torch's pick per call), each with the trial's reason."""
+        precision, kernel = form_parts(chosen.value)
+        found = {"precision": Choice(precision, chosen.reason)}
+        if any(form_parts(name)[1] != "auto" for name in self.candidates):
+            found["attention"] = Choice(plan_kernel(kernel), chosen.reason)
+        return found
 
-def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
-    """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying."""
+
+def _workload(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
+    """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying.
+
+    Where the attention kernel is left to auto too, each reduced precision is also timed with every other kernel that
+    takes the model's attention calls in it: torch's pick can be what loses a precision (on a 2-core Xeon with AMX,
+    chargpt's bf16 step ran 1.62x faster with math attention than with the CPU flash kernel torch picks, and 1.35x
+    fp32's, where it had lost to fp32). Math is left out on CUDA, where a fused kernel takes any call it does.
+    """
     if options.precision != "auto":
         return None
     device, facts = worker_device(options, env)
-    candidates = fast_precisions(facts)
-    if not candidates:
+    fast = fast_precisions(facts)
+    if not fast:
         return None
+    candidates: list[str] = list(fast)
+    if options.attention == "auto":
+        calls = model_attention(task, device)
+        kernels = {precision: attention_kernels(calls, device, precision) for precision in fast} if calls else {}
+        candidates += [form(p, k) for p, found in kernels.items() for k in found if facts.type != "cuda" or k != "math"]
     fallback = falls_back(options.channels_last, env.world_size)
     return _Workload(device, facts, batch_size // env.world_size, candidates, options.channels_last, fallback)
 

@@ -36,7 +36,7 @@ from redline.hardware.device import DeviceFacts, probe_accelerators, probe_devic
 from redline.parallel.collectives import peers_said
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice, Plan
-from redline.plan.attention import resolve_attention
+from redline.plan.attention import DEFAULT, KERNELS, resolve_attention
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
 from redline.plan.loader import resolve_loader
@@ -124,9 +124,12 @@ class Runtime(RunState):
         self.precision = Precision(chosen.value, self.device)
         tf32, zero_grad = resolve_tf32(self.facts), resolve_zero_grad(self.facts)
         attention = resolve_attention(self.options.attention, self.facts)
+        if measured and "attention" in measured and self.options.attention == "auto":  # the trial timed kernels
+            attention = measured["attention"]
+            one_of("measured attention", attention.value, (DEFAULT, *KERNELS))
         self.settings = ProcessSettings(
             tf32=tf32.value, deterministic=self.options.deterministic, seed=self.options.seed,
-            attention=None if self.options.attention == "auto" else attention.value,
+            attention=None if attention.value == DEFAULT else attention.value,
         )  # fmt: skip
         self._cycle = Cycle(self.options.grad_accum, zero_after_step=zero_grad.value == "after step")
         self._micro = MicroBatcher(self.options.micro_batch)

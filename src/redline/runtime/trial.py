@@ -12,6 +12,7 @@ The timing and the choice are pure functions of the measured numbers (a fake clo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice, times
 from redline.plan.precision import PrecisionName
+from redline.runtime.attention import prefer_kernel
 from redline.runtime.contract import blames_user_code, check_loss
 from redline.runtime.layout import lay_out
 from redline.runtime.oom import is_oom
@@ -169,7 +171,7 @@ def run_trial(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     batch: tuple[Any, Any],
     device: torch.device,
-    candidates: Sequence[PrecisionName],
+    candidates: Sequence[str],
     *,
     clock: Callable[[], float] = time.perf_counter,
     max_seconds: float = MAX_SECONDS,
@@ -179,7 +181,9 @@ def run_trial(
     layout: Callable[[str], bool] = lambda precision: False,
     nchw_fallback: bool = False,
 ) -> list[Measured]:
-    """Measure fp32 and each candidate precision side by side on copies of ``model``; the RNG is left as it was.
+    """Measure fp32 and each candidate side by side on copies of ``model``; the RNG is left as it was.
+
+    A candidate is a precision, or a precision with the attention kernel its steps prefer (``form``).
 
     ``model`` is not changed: each candidate trains its own deep copy, built on ``device``, with a
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
@@ -195,12 +199,12 @@ def run_trial(
     """
     inputs, targets = move_to(batch, device)
     sync = device_sync(device)
-    names: list[PrecisionName] = ["fp32", *candidates]
+    names: list[str] = ["fp32", *candidates]
     saved = capture_rng()
     try:
         steps, failed = {}, {}
         for name in names:
-            nhwc_first = layout(name)
+            nhwc_first = layout(form_parts(name)[0])
             for nhwc in [True, False] if nhwc_first and nchw_fallback else [nhwc_first]:
                 try:
                     copied = copy_model(model)
@@ -287,23 +291,25 @@ def _trainer(
     inputs: Any,
     targets: Any,
     device: torch.device,
-    name: PrecisionName,
+    name: str,
     zero_after_step: bool,
     channels_last: bool = False,
 ) -> Callable[[], float]:
-    """One training step of ``copied`` (a copy of the run's model) in precision ``name``, returning its loss; with
-    ``channels_last``, the model and its 4-d inputs laid out so, as the run would."""
+    """One training step of ``copied`` (a copy of the run's model) in the precision ``name`` names, preferring its
+    attention kernel, returning its loss; with ``channels_last``, the model and its 4-d inputs laid out so, as the run
+    would."""
     copied.to(device).train()
     if channels_last:
         lay_out(copied, None, channels_last=True)
         inputs = move_to(inputs, device, channels_last=True)
     opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
-    precision = Precision(name, device)
+    precision_name, kernel = form_parts(name)
+    precision = Precision(cast(PrecisionName, precision_name), device)
 
     def step() -> float:  # in the Runtime's order (a CPU re-faults memory freed too early)
         if not zero_after_step:
             opt.zero_grad(set_to_none=True)
-        with precision.autocast():
+        with prefer_kernel(kernel) if kernel != "auto" else contextlib.nullcontext(), precision.autocast():
             loss = check_loss(loss_fn(copied(inputs), targets), training=True)
         precision.backward(loss)
         precision.step(opt, None)
@@ -312,6 +318,17 @@ def _trainer(
         return float(loss.detach())
 
     return step
+
+
+def form(precision: str, kernel: str = "auto") -> str:
+    """A trial candidate's name: its precision, and the attention kernel its steps prefer where not torch's pick."""
+    return precision if kernel == "auto" else f"{precision} with {kernel} attention"
+
+
+def form_parts(name: str) -> tuple[str, str]:
+    """The precision and the attention kernel ("auto": torch's pick) a ``form`` names."""
+    precision, _, kernel = name.partition(" with ")
+    return precision, kernel.removesuffix(" attention") or "auto"
 
 
 def copy_model(model: nn.Module) -> nn.Module:
