@@ -8,7 +8,7 @@ slower). Rows that run the same configuration (auto and the explicit row it chos
 of a difference is noise.
 
     python benchmarks/bench_examples.py [--tasks example:digits,example:chargpt] [--steps 200] [--window 10]
-                                        [--device cpu] [--write bench-cpu]
+                                        [--device cpu] [--planned-steps N] [--write bench-cpu]
 """
 
 from __future__ import annotations
@@ -64,7 +64,14 @@ def runs_alike(row: redline.bench.BenchRow, auto: redline.bench.BenchRow) -> boo
     micro-batched auto (a tuned Plan's gradient accumulation) has no twin among them."""
     micro_batches = (auto.plan or {}).get("grad_accum", {}).get("value", 1)
     alike = (row.precision, row.compile, row.channels_last) == (auto.precision, auto.compile, auto.channels_last)
-    return alike and micro_batches == 1
+    kernels = [(r.plan or {}).get("attention", {}).get("value") for r in (row, auto)]  # explicit rows: torch's pick
+    return alike and micro_batches == 1 and kernels[0] == kernels[1]
+
+
+def _kernel(row: redline.bench.BenchRow) -> str:
+    """ " with KERNEL attention" where the row's attention kernel is not torch's pick."""
+    kernel = (row.plan or {}).get("attention", {}).get("value", "default")
+    return "" if kernel == "default" else f" with {kernel} attention"
 
 
 def verdict(result: redline.BenchResult) -> list[str]:
@@ -77,7 +84,7 @@ def verdict(result: redline.BenchResult) -> list[str]:
     never_slower = "met" if auto.speedup_naive >= 1 else "NOT met"
     near_fastest = "met" if share >= 0.95 else "NOT met"
     lines = [
-        f"- auto ran {auto.precision}, {'compiled' if auto.compile else 'eager'}: "
+        f"- auto ran {auto.precision}{_kernel(auto)}, {'compiled' if auto.compile else 'eager'}: "
         f"**{auto.speedup_naive:.3f}x** the naive loop (goal: >= 1, {never_slower}); "
         f"{share:.1%} of the fastest explicit row, {fastest.name} (goal: >= 95%, {near_fastest}).",
         f"- auto's precision: {auto.plan['precision']['reason']}" if auto.plan else "",
@@ -97,6 +104,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--planned-steps", type=int, default=None, help="the run auto plans for (default: the task's)")
     parser.add_argument("--json", default=None, help="also write every result as JSON to this file")
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
@@ -110,9 +118,11 @@ def main() -> None:
     results = []
     for spec in args.tasks.split(","):
         task = redline.load_task(spec)
-        result = benchmark(task, devices=args.device, steps=args.steps, window=args.window)
+        result = benchmark(
+            task, devices=args.device, steps=args.steps, window=args.window, planned_steps=args.planned_steps
+        )
         results.append(result.to_dict())
-        planned = task_steps(task, task.batch_size) or 1000
+        planned = args.planned_steps or task_steps(task, task.batch_size) or 1000
         body += [f"### `{spec}` at batch {task.batch_size}", "", *table(result), "", *verdict(result)]
         body += [*planned_run(result, planned), ""]
         print("\n".join(body[-12:]), flush=True)

@@ -258,3 +258,13 @@ def test_the_tunes_precision_axis_tries_a_reduced_precision_with_each_kernel_too
     assert "bf16-mixed, eager, math attention: " in tuned.reasons["precision"]
     (first, _), (second, _) = tried[3:]  # the kernels then, in the precision kept: its own pick and math (flash is it)
     assert first == second and {a for _, a in tried[3:]} == {"auto", "math"}
+
+
+def test_a_kernel_preferred_tags_torch_compiles_cache_keys_so_no_graph_of_another_kernel_is_served():
+    # torch's compile caches do not key on the kernel flags: a graph compiled under math attention was served, from
+    # disk, to a later process that asked for flash. The tag keeps each kernel's graphs apart, and comes off after.
+    config = torch.compiler.config
+    before = config.cache_key_tag
+    with ProcessSettings(attention="math").enter():
+        assert config.cache_key_tag.endswith("redline attention=math")
+    assert config.cache_key_tag == before

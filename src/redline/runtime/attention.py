@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +36,36 @@ BACKENDS = {
 _NAMES = {backend.value: name for name, backend in BACKENDS.items()}
 
 
-def prefer_kernel(name: str) -> contextlib.AbstractContextManager[Any]:
-    """Run attention on kernel ``name`` wherever it takes the call, else on math; torch's flags come back on exit."""
+@contextlib.contextmanager
+def prefer_kernel(name: str) -> Iterator[None]:
+    """Run attention on kernel ``name`` wherever it takes the call, else on math; torch's flags come back on exit.
+
+    A graph torch.compile builds inside is cached on disk under a key of its own: torch's compile caches do not key on
+    the kernel flags, so a graph compiled for math attention was served to a later process that asked for flash (and
+    the other way round), running the other kernel without a word.
+    """
     chosen = BACKENDS[name]
     try:
-        return sdpa_kernel([chosen, SDPBackend.MATH], set_priority=True)
+        kernels = sdpa_kernel([chosen, SDPBackend.MATH], set_priority=True)
     except TypeError:  # a torch without priorities: math would come before cuDNN in its order, so the kernel alone
-        return sdpa_kernel([chosen])
+        kernels = sdpa_kernel([chosen])
+    with kernels, _cache_tagged(f"redline attention={name}"):
+        yield
+
+
+@contextlib.contextmanager
+def _cache_tagged(tag: str) -> Iterator[None]:
+    """Add ``tag`` to torch.compile's cache keys inside (where this torch has the setting), as it was after."""
+    config = getattr(torch.compiler, "config", None)
+    before = getattr(config, "cache_key_tag", None)
+    if config is None or not isinstance(before, str):
+        yield
+        return
+    config.cache_key_tag = f"{before};{tag}" if before else tag
+    try:
+        yield
+    finally:
+        config.cache_key_tag = before
 
 
 @dataclass(frozen=True)
