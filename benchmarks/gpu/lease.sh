@@ -9,7 +9,8 @@
 # 285 s; the machine's start took about a minute. Set part 2's deadline from the lease's time left.
 #   DEVICE=cpu QUICK=1 PART=1 OUT=/tmp/x PYTHON=.venv/bin/python bash benchmarks/gpu/lease.sh   # a dry run
 # Part 3 (added when CUDA graphs for training joined auto, tune and profile): tests/gpu, then part 1's digits checks,
-#   a profile of digits under CUDA graphs, and frameworks.py on digits (the GPT-2 checks of part 1 left out).
+#   a profile of digits under CUDA graphs, each attention kernel against torch's pick on GPT-2 small's shape
+#   (attention_speed.py), and frameworks.py on digits (the GPT-2 checks of part 1 left out).
 # Part 1: doctor; bench on digits; naive vs auto for 2,000 steps end to end; GPT-2-small for 300 steps
 #   under the Trainer (summary vs logged step speed, compile count); tune on digits (CUDA graphs among
 #   the candidates) and its tuned run; tune GPT-2-small at batch 64, then its tuned run (MFU).
@@ -102,6 +103,10 @@ if [ "$PART" = 3 ]; then  # after CUDA graphs for training joined auto, tune and
   step 40 profile-graphs "$PY" -m redline profile --task example:digits --devices "$DEVICE" --precision fp32 \
     --compile off --cuda-graphs "$GRAPHS" --steps 20
   tune_digits
+  ATTENTION="example:chargpt?n_layer=12&n_head=12&n_embd=768&block_size=1024&batch_size=16"  # GPT-2 small's shape
+  [ -n "${QUICK:-}" ] && ATTENTION="example:chargpt?n_layer=2&n_embd=64"
+  step 70 attention "$PY" benchmarks/attention_speed.py --device "$DEVICE" --tasks "$ATTENTION" --rounds 3 \
+    --block 3 --write "attention-$DEVICE"
   FW_STEPS=600
   [ -n "${QUICK:-}" ] && FW_STEPS=20
   step 200 frameworks "$PY" benchmarks/frameworks.py --device "$DEVICE" --rounds 1 --tasks example:digits \
