@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import environment
+from layout_speed import window
 from redline.bench.tune import model_attention
 from redline.hardware.device import probe_device
 from redline.plan.precision import fast_precisions
@@ -60,11 +61,6 @@ def step_of(task: Any, batch: Any, device: torch.device, precision: str, kernel:
         return float(loss.detach())
 
     return step
-
-
-def window(step: Callable[[], float], steps: int) -> float:
-    """``steps`` training steps in a row, timed as one; the last loss."""
-    return [step() for _ in range(steps)][-1]
 
 
 def main() -> None:
