@@ -146,6 +146,7 @@ def tune(
             mode = reasons.pop(axis)
             reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
     tell(len(axes), len(axes), "done")
+    _kernel_with_precision(best, unmeasured, reasons)
     _check_measured(task, trials, interrupted, budget_s, signum)
     skipped = skipped_axes(task, facts, calls=calls)
     reasons.update({axis: "not searched here: " + why for axis, why in skipped.items()})
@@ -166,6 +167,17 @@ def tune(
     if interrupted:
         raise TuneInterrupted(tuned, path, interrupted, unmeasured, signum)
     return tuned, path
+
+
+def _kernel_with_precision(best: Candidate, unmeasured: list[str], reasons: dict[str, str]) -> None:
+    """Keep an attention kernel the precision axis chose with its precision where the attention axis went unmeasured
+    (the budget spent, a Ctrl-C): left to auto, the run would pair the precision with the kernel it lost with."""
+    if "attention" in unmeasured and best.attention != "auto":
+        unmeasured.remove("attention")
+        reasons["attention"] = (
+            f"{best.attention} attention, timed with {best.precision} on the precision axis (its own axis was not "
+            "measured)"
+        )
 
 
 def _check_measured(
@@ -249,7 +261,10 @@ def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCal
     if facts.type not in ("cpu", "cuda"):
         skipped["attention"] = f"torch picks the attention kernel on {facts.type}"
     elif not calls:
-        skipped["attention"] = "the model calls no scaled_dot_product_attention"
+        skipped["attention"] = (
+            "no call of the model's to F.scaled_dot_product_attention was seen (those inside torch's "
+            "nn.MultiheadAttention are not)"
+        )
     if not fast_precisions(facts):
         skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
     model = task.model if isinstance(task.model, nn.Module) else task.build_model()
@@ -351,8 +366,6 @@ def _measure(
         if index and time.perf_counter() >= deadline:  # the current setting is measured: the axis has begun
             failed[index] = UNMEASURED
             continue
-        if index and candidate.compile and candidate.attention != candidates[index - 1].attention:
-            reset_compiler()  # a graph traces the attention kernel the flags pick then: another kernel compiles anew
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:

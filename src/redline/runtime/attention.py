@@ -9,6 +9,7 @@ the kernels that take those calls (``attention_kernels``), and nothing for a mod
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ BACKENDS = {
     "math": SDPBackend.MATH,
 }
 _NAMES = {backend.value: name for name, backend in BACKENDS.items()}
+_SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever a profiler or a patch wraps F's name in
 
 
 @contextlib.contextmanager
@@ -49,8 +51,13 @@ def prefer_kernel(name: str) -> Iterator[None]:
         kernels = sdpa_kernel([chosen, SDPBackend.MATH], set_priority=True)
     except TypeError:  # a torch without priorities: math would come before cuDNN in its order, so the kernel alone
         kernels = sdpa_kernel([chosen])
-    with kernels, _cache_tagged(f"redline attention={name}"):
-        yield
+    order = getattr(torch._C, "_get_sdp_priority_order", lambda: None)()  # private, tolerated where absent
+    try:
+        with kernels, _cache_tagged(f"redline attention={name}"):
+            yield
+    finally:  # torch's context puts back the kernels it had enabled, but not their order where one was disabled
+        if order is not None:
+            torch._C._set_sdp_priority_order(order)
 
 
 @contextlib.contextmanager
@@ -94,7 +101,7 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is _SDPA or func is F.scaled_dot_product_attention:
             self.calls.append(_call_of(*args, **kwargs))
         return func(*args, **kwargs)
 
@@ -150,24 +157,30 @@ def kernels_taking(calls: list[AttentionCall], device: torch.device, dtype: torc
     return taking
 
 
-def model_attention(task: Task, device: str | torch.device) -> list[AttentionCall]:
-    """The calls the task's model makes to ``F.scaled_dot_product_attention`` in a training forward, on two samples of
-    its data: run on the meta device (shapes alone: no weights, no arithmetic), else on ``device`` for a model that
-    cannot run there (one that loads weights, or reads a value); none where it fails on both (what runs the model then
-    says why). The random streams the model's weights and the samples draw are put back."""
+def model_attention(task: Task, device: str | torch.device, inputs: Any = None) -> list[AttentionCall]:
+    """The calls the task's model makes to ``F.scaled_dot_product_attention`` in a training forward on ``inputs``
+    (default: two samples of its data).
+
+    The model is built on the meta device and run there (shapes alone: no weights, no arithmetic); one that cannot be
+    (a module the factory built before, one that loads weights or reads a value) runs as a copy on ``device``, the
+    factory's own left as it was. None where both fail (what runs the model then says why). The random streams its
+    weights and the samples draw are put back.
+    """
     saved = capture_rng()
     try:
-        loader = DataLoader(task.train_data, batch_size=min(2, task.batch_size), collate_fn=task.collate_fn)
-        inputs, _ = split_batch(next(iter(loader)), "train_data")
-        for where in (torch.device("meta"), torch.device(device)):
-            try:
-                with where if where.type == "meta" else contextlib.nullcontext():
-                    model = task.build_model()
-                return attention_calls(model.to(where).train(), move_to(inputs, where))
-            except Exception:  # a model that cannot run on shapes alone runs on the device
-                continue
-        return []
-    except Exception:  # data that cannot be read fails where the run reads it, saying why
+        if inputs is None:
+            loader = DataLoader(task.train_data, batch_size=min(2, task.batch_size), collate_fn=task.collate_fn)
+            inputs, _ = split_batch(next(iter(loader)), "train_data")
+        meta = torch.device("meta")
+        with meta:
+            built = task.build_model()
+        tensors = [*built.parameters(), *built.buffers()]
+        if tensors and all(t.device == meta for t in tensors):
+            with contextlib.suppress(Exception):  # a model that reads a value runs on the device
+                return attention_calls(built.train(), move_to(inputs, meta))
+        model = copy.deepcopy(task.build_model())  # a factory may hand out one module it keeps
+        return attention_calls(model.to(device).train(), move_to(inputs, torch.device(device)))
+    except Exception:  # a model or data that cannot be read fails where the run reads it, saying why
         return []
     finally:
         restore_rng(saved)

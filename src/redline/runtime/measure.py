@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from redline.plan.attention import plan_kernel
 from redline.plan.device import resolve_worker_device
 from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
-from redline.plan.precision import fast_precisions, resolve_precision, resolve_tf32
+from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.attention import attention_kernels, model_attention
 from redline.runtime.contract import split_batch, users_failure
 from redline.runtime.layout import falls_back
@@ -77,18 +77,21 @@ def measure_auto(
     ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
     reason of a run too short to repay a trial, how the command at hand would measure anyway.
     """
-    work = _workload(task, options, batch_size, env)
+    work = _workload(options, batch_size, env)
     if work is None:
         return {}  # a precision given, or none worth trying here: the rule's reason says why
     if trial == "off":
         rule = resolve_precision("auto", work.facts)
         return {"precision": Choice(rule.value, f"{rule.reason}; not measured: the trial is off")}
-    rounds = repaid_rounds(work.candidates, planned_steps) if trial == "auto" else ROUNDS
-    short = rounds < LEAST_ROUNDS  # too short to repay a trial, not a cached one
 
-    def trial_on_rank0() -> tuple[str, str] | None:
-        choice = _measure(task, work, short, rounds)
-        return (choice.value, choice.reason) if choice is not None else None
+    def rounds_for(names: Sequence[str]) -> int:  # a trial of these candidates: as many rounds as the run repays
+        return repaid_rounds(names, planned_steps) if trial == "auto" else ROUNDS
+
+    short = rounds_for(work.candidates) < LEAST_ROUNDS  # too short to repay a trial, not a cached one
+
+    def trial_on_rank0() -> tuple[str, str, bool] | None:
+        found = _measure(task, work, short, rounds_for)
+        return (found[0].value, found[0].reason, found[1]) if found is not None else None
 
     shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
     if shared is None:
@@ -99,10 +102,11 @@ def measure_auto(
             f"of {planned_steps:g}"
         )
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
-    return work.choices(Choice(*shared))
+    value, reason, kernels = shared
+    return work.choices(Choice(value, reason), kernels=kernels)
 
 
-def repaid_rounds(candidates: list[Any], planned_steps: float) -> int:
+def repaid_rounds(candidates: Sequence[Any], planned_steps: float) -> int:
     """The most rounds (``ROUNDS`` at most) of a trial whose steps stay within a ``REPAY``-th of the planned run;
     0 where even ``LEAST_ROUNDS`` would not."""
     fits = [r for r in range(LEAST_ROUNDS, ROUNDS + 1) if REPAY * trial_steps(candidates, r) <= planned_steps]
@@ -112,9 +116,9 @@ def repaid_rounds(candidates: list[Any], planned_steps: float) -> int:
 def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> Choice[str] | None:
     """The precision a trial cached for this run's auto (as ``measure_auto`` would read it), else None: a reader
     that must not run steps (an estimate of memory, made before the step is known to fit) takes no more."""
-    work = _workload(task, options, batch_size, env)
-    found = _measure(task, work, True, ROUNDS) if work is not None else None
-    return Choice(form_parts(found.value)[0], found.reason) if found is not None else None
+    work = _workload(options, batch_size, env)
+    found = _measure(task, work, True, lambda names: ROUNDS) if work is not None else None
+    return Choice(form_parts(found[0].value)[0], found[0].reason) if found is not None else None
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,10 @@ class _Workload:
     device: torch.device
     facts: DeviceFacts
     local_batch: int
-    candidates: list[str]  # the reduced precisions, each also with the attention kernels that take the model's calls
+    candidates: list[PrecisionName]  # the reduced precisions: each is timed, and with each attention kernel (below)
     channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
     fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
+    attention: str  # the run's request: "auto" times the kernels (``kernel_forms``); a kernel named runs every step
 
     def layout(self, model: nn.Module) -> Callable[[str], bool]:
         """Whether the run would lay ``model`` out channels_last under each precision."""
@@ -135,37 +140,41 @@ class _Workload:
             resolve_channels_last(self.channels_last, self.facts, has_conv2d=convolutional, precision=precision).value
         )
 
-    def choices(self, chosen: Choice[str]) -> dict[str, Choice[str]]:
+    def choices(self, chosen: Choice[str], *, kernels: bool) -> dict[str, Choice[str]]:
         """The Runtime's measured axes from the trial's choice of form: the precision, and the attention kernel where
-        the trial timed kernels ("default": torch's pick per call), each with the trial's reason."""
+        the trial timed ``kernels`` ("default": torch's pick per call), each with the trial's reason."""
         precision, kernel = form_parts(chosen.value)
         found = {"precision": Choice(precision, chosen.reason)}
-        if any(form_parts(name)[1] != "auto" for name in self.candidates):
+        if kernels:
             found["attention"] = Choice(plan_kernel(kernel), chosen.reason)
         return found
 
+    def kernel_forms(self, task: Task, inputs: Any) -> list[str]:
+        """Each reduced precision with every other attention kernel that takes the model's calls on ``inputs`` in it.
 
-def _workload(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
-    """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying.
+        torch's pick can be what loses a precision: on a 2-core Xeon with AMX, chargpt's bf16 step ran 1.62x faster
+        with math attention than with the CPU flash kernel torch picks, and 1.35x fp32's, where it had lost to fp32.
+        Math is left out on CUDA, where a fused kernel takes any call it does.
+        """
+        calls = model_attention(task, self.device, inputs)
+        if not calls:
+            return []
+        found = [(p, k) for p in self.candidates for k in attention_kernels(calls, self.device, p)]
+        return [form(p, k) for p, k in found if self.facts.type != "cuda" or k != "math"]
 
-    Where the attention kernel is left to auto too, each reduced precision is also timed with every other kernel that
-    takes the model's attention calls in it: torch's pick can be what loses a precision (on a 2-core Xeon with AMX,
-    chargpt's bf16 step ran 1.62x faster with math attention than with the CPU flash kernel torch picks, and 1.35x
-    fp32's, where it had lost to fp32). Math is left out on CUDA, where a fused kernel takes any call it does.
-    """
+
+def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
+    """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying."""
     if options.precision != "auto":
         return None
     device, facts = worker_device(options, env)
-    fast = fast_precisions(facts)
-    if not fast:
+    candidates = fast_precisions(facts)
+    if not candidates:
         return None
-    candidates: list[str] = list(fast)
-    if options.attention == "auto":
-        calls = model_attention(task, device)
-        kernels = {precision: attention_kernels(calls, device, precision) for precision in fast} if calls else {}
-        candidates += [form(p, k) for p, found in kernels.items() for k in found if facts.type != "cuda" or k != "math"]
     fallback = falls_back(options.channels_last, env.world_size)
-    return _Workload(device, facts, batch_size // env.world_size, candidates, options.channels_last, fallback)
+    return _Workload(
+        device, facts, batch_size // env.world_size, candidates, options.channels_last, fallback, options.attention
+    )
 
 
 def fingerprint_of(task: Task) -> str:
@@ -189,49 +198,73 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
     return device, probe_device(device)
 
 
-def _measure(task: Task, work: _Workload, recall_only: bool, rounds: int) -> Choice[str] | None:
-    """Time fp32 and the candidates on the task's model and first batch, in ``rounds`` rounds at most (or read the
-    cache); return the choice. With ``recall_only``, only read the cache: None when it holds no measurement of this
-    workload.
+Found = tuple[Choice[str], bool]  # the trial's choice of form, and whether it timed attention kernels
+
+
+def _measure(
+    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int]
+) -> Found | None:
+    """Time fp32 and the candidates on the task's model and first batch, in ``rounds_for(candidates)`` rounds at most
+    (or read the cache); return the choice. With ``recall_only``, only read the cache: None when it holds no
+    measurement of this workload.
 
     A model factory draws weights (for the fingerprint and the trial) and the batch is drawn too:
     the run's random streams are put back as they were.
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, work, recall_only, rounds)
+        return _measure_or_recall(task, work, recall_only, rounds_for)
     finally:
         restore_rng(saved)
 
 
-def _measure_or_recall(task: Task, work: _Workload, recall_only: bool, rounds: int) -> Choice[str] | None:
+def _measure_or_recall(
+    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int]
+) -> Found | None:
+    """As ``_measure``. Where the attention kernel is left to auto, the kernels are looked for (and timed) only when a
+    trial is about to run, and the run repays a trial of them too; its cache entry, kernels and all (or none found),
+    is read first, so a later run looks for nothing. A kernel named is preferred in every step timed."""
     facts, local_batch = work.facts, work.local_batch
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
-    layout = [f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
-    key = trial_key(fingerprint_of(task), facts, local_batch, [*work.candidates, *layout])
-    cached = load_cached(key)
-    if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
-        measured, when = cached
-        choice = choose(measured, where)
-        return Choice(choice.value, f"{choice.reason}; cached from {when}")
+    parts = [*work.candidates, f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
+    fingerprint = fingerprint_of(task)
+    with_kernels = trial_key(fingerprint, facts, local_batch, [*parts, "attention kernels timed"])
+    plain = trial_key(fingerprint, facts, local_batch, [*parts, f"attention {work.attention}"])
+    for key in [with_kernels, plain] if work.attention == "auto" else [plain]:
+        cached = load_cached(key)
+        if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
+            measured, when = cached
+            choice = choose(measured, where)
+            return Choice(choice.value, f"{choice.reason}; cached from {when}"), _kernels_timed(measured)
     if recall_only:
         return None
     model = task.build_model()
     loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data")
+    names: list[str] = list(work.candidates)
+    key = plain
+    if work.attention == "auto" and rounds_for([*names, ""]) >= LEAST_ROUNDS:  # a run that repays one kernel more
+        forms = work.kernel_forms(task, batch[0])
+        if rounds_for([*names, *forms]) >= LEAST_ROUNDS:  # else the precisions alone, as before kernels were timed
+            names, key = [*names, *forms], with_kernels
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
-    with ProcessSettings(tf32=resolve_tf32(facts).value).enter():  # fp32 as the run will have it (TF32 on GPUs)
+    kernel = None if work.attention == "auto" else work.attention
+    with ProcessSettings(tf32=resolve_tf32(facts).value, attention=kernel).enter():  # fp32 as the run will have it
         measured = run_trial(
-            model, task.optimizer, task.loss_fn, batch, work.device, work.candidates, zero_after_step=zero_after_step,
-            rounds=rounds, layout=work.layout(model), nchw_fallback=work.fallback,
+            model, task.optimizer, task.loss_fn, batch, work.device, names, zero_after_step=zero_after_step,
+            rounds=rounds_for(names), layout=work.layout(model), nchw_fallback=work.fallback,
         )  # fmt: skip
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)
-        return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})")
+        return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})"), False
     store(key, measured)
     _log(measured)
-    return choose(measured, where)
+    return choose(measured, where), _kernels_timed(measured)
+
+
+def _kernels_timed(measured: list[Measured]) -> bool:
+    return any(form_parts(m.precision)[1] != "auto" for m in measured)
 
 
 def unusable(measured: list[Measured]) -> str:

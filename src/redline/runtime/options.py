@@ -118,14 +118,22 @@ class RuntimeOptions:
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],
             seed=plan["seed"]["value"] if "seed" in plan else self.seed,
-            attention=_stored_kernel(plan.get("attention"), self.attention),
+            attention=_stored_kernel(plan.get("attention"), self.attention, plan["device"]["value"], self.devices),
             activation_checkpointing=checkpointing,
         )
 
 
-def _stored_kernel(stored: Mapping[str, Any] | None, now: AttentionRequest) -> AttentionRequest:
-    """The attention kernel a stored Plan ran: "auto" where torch picked per call; ``now`` for a Plan without it."""
-    if stored is None:
+def _stored_kernel(
+    stored: Mapping[str, Any] | None, now: AttentionRequest, stored_device: Any, devices: str
+) -> AttentionRequest:
+    """The attention kernel a stored Plan ran: "auto" where torch picked per call. ``now`` (the request made now) for a
+    Plan without it, and for a run moved to another kind of device (``devices``), whose kernels differ."""
+    if stored is None or not same_kind(str(stored_device), devices):
         return now
     value = stored.get("value")
     return cast(AttentionRequest, value) if value in get_args(AttentionRequest) else "auto"
+
+
+def same_kind(stored_device: str, devices: str) -> bool:
+    """Whether a resumed run asking for ``devices`` ("auto": the stored one) runs on the kind of device it was on."""
+    return devices == "auto" or devices.split(":")[0] == stored_device.split(":")[0]

@@ -300,7 +300,7 @@ class Runtime(RunState):
         self.options, self._tuning = tuned_for_model(model, self.facts, self.options)
         chosen, attention = resolve_precision(self.options.precision, self.facts), self._plan.attention
         self.precision = Precision(chosen.value, self.device)
-        if self.options.attention != "auto":  # a tuned kernel: entered now, with the settings started before
+        if self.options.attention not in ("auto", self.settings.attention):  # a tuned kernel: entered now, once
             attention = resolve_attention(self.options.attention, self.facts)
             self.settings = dataclasses.replace(self.settings, attention=attention.value)
             cast(contextlib.ExitStack, self._started).enter_context(prefer_kernel(attention.value))

@@ -145,12 +145,14 @@ class TunedPlan:
         """
         defaults = RuntimeOptions()
         base = self.best.options(options)
+        other_precision = options.precision not in (defaults.precision, self.best.precision)
         kept = {
             axis: getattr(options, axis)
             for axis in TUNED_AXES
             if axis in self.unmeasured
             or getattr(options, axis) != getattr(defaults, axis)
             or (axis == "cuda_graphs" and self.best.cuda_graphs)
+            or (axis == "attention" and other_precision)  # a kernel is tuned for its precision: another runs auto's
         }
         return RuntimeOptions.build(base, **kept)
 

@@ -15,7 +15,7 @@ from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import gather_objects, run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan.device import resolve_device
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import RuntimeOptions, same_kind
 from redline.train.callbacks import EarlyStopping
 from redline.train.output import read_summary
 from redline.train.state import Position
@@ -68,6 +68,10 @@ def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]
             stored = "on" if stored else "off"
         if axis == "seed" and stored is None:  # the data order's seed was 0, and the RNGs are the checkpoint's
             stored = 0
+        if axis == "attention":  # a run moved to another kind of device takes the kernel asked now
+            stored = "auto" if stored == "default" else stored
+            if not same_kind(str(plan.get("device", {}).get("value", "")), options.devices):
+                continue
         stored = "none" if stored is None else stored
         if now != default and now != stored:
             overridden.append(f"--{axis.replace('_', '-')} {now} asked, the checkpoint's {stored} kept")
