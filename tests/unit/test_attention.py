@@ -15,8 +15,17 @@ from redline.examples.gpt import GPT, GPTConfig
 from redline.hardware.device import DeviceFacts, probe_device
 from redline.parallel.env import DistEnv
 from redline.plan.attention import resolve_attention
+from redline.runtime import attention as attention_module
 from redline.runtime import measure
-from redline.runtime.attention import attention_calls, attention_kernels, kernels_taking, model_attention, torch_pick
+from redline.runtime.attention import (
+    attention_calls,
+    attention_kernels,
+    kernels_taking,
+    model_attention,
+    time_kernels,
+    torch_pick,
+)
+from redline.runtime.compile_check import EAGER_END, PHASE
 from redline.runtime.measure import measure_auto, recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -365,3 +374,73 @@ def test_a_tuned_plan_with_a_kernel_asked_for_too_enters_it_once(tmp_path, monke
     with Runtime(devices="cpu", plan="tuned", attention="math") as rt:
         rt.setup(task.build_model(), task.optimizer)
         assert torch.compiler.config.cache_key_tag == "redline attention=math"
+
+
+# -- a Runtime in the user's own loop: the precision check's bf16 phase times the kernels ----------------------
+
+
+def loop(rt: Runtime, steps: int, costs: dict[str, float], kernel_costs: dict[str, float] | None = None) -> list[bool]:
+    """Train the small GPT ``steps`` steps in a loop of the user's, each step costing ``costs[precision]`` on the
+    check's clock (bf16-mixed's times ``kernel_costs[kernel]``); whether flash was enabled at each step."""
+    model, optimizer = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+    now = [0.0]
+    if rt._compile_check is not None:
+        rt._compile_check.clock = lambda: now[0]
+    tokens, flash = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(0)), []
+    for _ in range(steps):
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
+        rt.backward(loss)
+        flash.append(flags()[0])
+        kernel = "flash" if flags()[0] else "math"
+        now[0] += costs[rt.precision.name] * (
+            (kernel_costs or {}).get(kernel, 1.0) if rt.precision.name != "fp32" else 1
+        )
+        rt.step(optimizer)
+    return flash
+
+
+@pytest.fixture
+def kernel_times(monkeypatch):
+    """Plan as on an AMX CPU; the kernel check's own timing gives math ``times["math"]`` s and torch's pick 0.02 s."""
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    times = {"math": 0.01}
+
+    def timed(calls, device, kernels, **_):
+        return {k: times.get(k, 0.02) if k is not None else 0.02 for k in kernels}
+
+    monkeypatch.setattr(attention_module, "time_kernels", timed)
+    return times
+
+
+def test_a_user_loops_bf16_phase_runs_the_kernel_its_calls_ran_fastest_and_keeps_it_with_bf16(kernel_times):
+    before = flags()
+    with Runtime(devices="cpu", compile="off") as rt:
+        flash = loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.004}, {"math": 0.6, "flash": 1.0})
+        plan = rt.explain()
+        assert flash == [True] * EAGER_END + [False] * (PHASE + 3)  # math from the bf16 phase's first step on
+    assert (plan.precision.value, plan.attention.value) == ("bf16-mixed", "math")
+    assert plan.attention.reason.startswith("measured on this run: math ran 2.00x torch's pick (the model's 1 ")
+    assert flags() == before  # closed: torch's flags back
+
+
+def test_a_kernel_timed_in_bf16_is_dropped_with_it_and_one_not_faster_is_never_taken(kernel_times):
+    with Runtime(devices="cpu", compile="off") as rt:  # bf16 loses whatever the kernel: fp32 stays, flash comes back
+        flash = loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.008})
+        attention = rt.explain().attention
+    assert flash[-1] is True and attention.value == "default" and attention.reason.endswith("but fp32 stays")
+    kernel_times["math"] = 0.019  # within KEEP of torch's pick
+    with Runtime(devices="cpu", compile="off") as rt:
+        flash = loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.002})
+        attention = rt.explain().attention
+    assert all(flash) and attention.value == "default" and "measured on this run, torch's pick kept" in attention.reason
+    with Runtime(devices="cpu", compile="off", attention="flash") as rt:  # a kernel named is not checked
+        assert rt._kernels is None or rt._kernels.chosen is None
+
+
+def test_the_kernels_are_timed_on_the_calls_shapes_and_leave_the_random_streams_and_flags_as_they_were():
+    calls = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))
+    state, before = torch.random.get_rng_state(), flags()
+    timed = time_kernels(calls * 2, HERE, [None, "math"], repeats=1)
+    assert set(timed) == {None, "math"} and all(t > 0 for t in timed.values())
+    assert torch.equal(torch.random.get_rng_state(), state) and flags() == before

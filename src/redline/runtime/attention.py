@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,10 +24,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
+from redline.plan import Choice
 from redline.runtime.contract import split_batch
 from redline.runtime.precision import AUTOCAST_DTYPES
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.transfer import move_to
+from redline.runtime.transfer import device_sync, move_to
 from redline.task import Task
 
 BACKENDS = {
@@ -192,3 +195,88 @@ def attention_kernels(calls: Sequence[AttentionCall], device: str | torch.device
     dtype, where = AUTOCAST_DTYPES.get(precision), torch.device(device)
     picked = {torch_pick(call, where, dtype) for call in calls}
     return [kernel for kernel in kernels_taking(list(calls), where, dtype) if picked != {kernel}]
+
+
+# -- a Runtime in the user's own loop: the precision check's bf16 phase times the kernels on the model's own calls --
+
+KEEP = 1.10  # a kernel replaces torch's pick where the model's attention calls run this much faster on it
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[AttentionCall]]:
+    """Record, into the list yielded, the attention calls made inside (every one, repeats included)."""
+    recorder = _Recorder()
+    with recorder:
+        yield recorder.calls
+
+
+def time_kernels(
+    calls: Sequence[AttentionCall], device: torch.device, kernels: Sequence[str | None], *, repeats: int = 3
+) -> dict[str | None, float]:
+    """Seconds the calls take, forward and backward, on each kernel (None: torch's pick), each on random inputs of the
+    calls' shapes and dtypes: the fastest of ``repeats`` passes after one that warms up. The random streams are put
+    back, and autocast is off inside (the calls' dtypes are those autocast gave them)."""
+    sync, counts, timed = device_sync(device), Counter(calls), {}
+    saved = capture_rng()
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            for kernel in kernels:
+                with prefer_kernel(kernel) if kernel is not None else contextlib.nullcontext():
+                    passes = []
+                    for _ in range(repeats + 1):
+                        start = time.perf_counter()
+                        for call, count in counts.items():
+                            for _ in range(count):
+                                _run(call, device)
+                        sync()
+                        passes.append(time.perf_counter() - start)
+                timed[kernel] = min(passes[1:])
+    finally:
+        restore_rng(saved)
+    return timed
+
+
+def _run(call: AttentionCall, device: torch.device) -> None:
+    query, key, value = (torch.randn(s, device=device, dtype=call.dtype, requires_grad=True) for s in call.shapes)
+    mask = torch.ones(call.mask[0], device=device, dtype=call.mask[1]) if call.mask is not None else None
+    out = _SDPA(query, key, value, attn_mask=mask, dropout_p=call.dropout_p, is_causal=call.is_causal,
+                enable_gqa=call.enable_gqa)  # fmt: skip
+    out.backward(torch.ones_like(out))
+
+
+@dataclass
+class KernelCheck:
+    """The attention kernel the bf16-mixed phase of a precision check runs (runtime/precision_check.py), where
+    ``attention`` was left to auto: at the phase's first training forward, the model's own attention calls (recorded
+    in the comparison's forward) are timed alone on each kernel that takes them, and one ``KEEP`` faster than torch's
+    pick runs from that forward on; it stays if the precision does, and is dropped with it."""
+
+    device: torch.device
+    default: Choice[str]  # the axis as resolved: torch's pick per call
+    chosen: Choice[str] | None = None
+    _kernel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def check(self, calls: Sequence[AttentionCall], precision: str) -> None:
+        if self.chosen is not None or not calls:
+            return
+        cuda = self.device.type == "cuda"
+        others = [k for k in kernels_taking(list(dict.fromkeys(calls)), self.device) if not (cuda and k == "math")]
+        picked = {torch_pick(call, self.device) for call in calls}
+        timed = time_kernels(calls, self.device, [None, *(k for k in others if picked != {k})])
+        best = min(timed, key=lambda k: timed[k])
+        ratio = timed[None] / timed[best]
+        told = ", ".join(f"{k or 'torch pick'} {timed[k] * 1e3:.3g} ms" for k in timed)
+        what = f"the model's {len(calls)} attention calls under {precision}, forward and backward, timed alone: {told}"
+        if best is None or ratio < KEEP:
+            self.chosen = Choice(
+                self.default.value, f"{self.default.reason}; measured on this run, torch's pick kept: {what}"
+            )
+            return
+        self._kernel.enter_context(prefer_kernel(best))
+        self.chosen = Choice(best, f"measured on this run: {best} ran {ratio:.2f}x torch's pick ({what})")
+
+    def drop(self, why: str) -> None:
+        """Go back to torch's pick, for ``why`` (the precision kept is another, the Runtime closed)."""
+        self._kernel.close()
+        if self.chosen is not None and self.chosen.value != self.default.value:
+            self.chosen = Choice(self.default.value, f"{self.default.reason}; {self.chosen.reason}, but {why}")

@@ -45,6 +45,7 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import live_candidate
+from redline.runtime.attention import AttentionCall, KernelCheck, recording
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.probe import probe_forward
 
@@ -76,6 +77,7 @@ class PrecisionSwitch:
     _handles: list[Any] = field(default_factory=list)
     _probing: bool = False  # the no_grad forwards of the comparison are running
     _context: contextlib.AbstractContextManager[Any] | None = None  # the precision the step's forward runs in instead
+    kernels: KernelCheck | None = None  # the attention kernel bf16-mixed's phase runs, where it is left to auto
 
     def __post_init__(self) -> None:
         self.current = self.planned.value
@@ -89,6 +91,8 @@ class PrecisionSwitch:
             self._arm()  # before ``apply``: a pre-hook it adds (the layout's check, runtime/layout.py) runs first
         else:
             self.disarm()
+        if self.kernels is not None and name != self.candidate:  # a kernel timed in the candidate goes with it
+            self.kernels.drop(f"{name} stays")
         if name != self.current:
             self.apply(name)
             self.current = name
@@ -126,9 +130,11 @@ class PrecisionSwitch:
             self.disarm()
             return
         outputs: dict[str, Any] = {}
+        calls: dict[str, list[AttentionCall]] = {}
         for name in (self.candidate, self.planned.value):
             try:
-                outputs[name] = self._probe(module, args, kwargs, name)
+                with recording() as calls[name]:
+                    outputs[name] = self._probe(module, args, kwargs, name)
             except Exception as exc:  # the step goes on in the rule's precision, which ran this model before
                 self._fail(self.planned.value, f"its forward in {name} failed: {describe_error(exc)}")
                 break
@@ -136,6 +142,8 @@ class PrecisionSwitch:
             departure, said = compare_outputs(outputs["fp32"], outputs["bf16-mixed"])
             if departure <= TOLERANCE:
                 self.compared = said
+                if self.kernels is not None:  # before the step's own forward, which then runs on the kernel kept
+                    self.kernels.check(calls[self.candidate], self.candidate)
                 return
             self._fail("fp32", f"bf16-mixed was dropped: {said}")
         if self.fallback != self.candidate:
@@ -173,17 +181,22 @@ def propose_switch(
     decided: bool,
     strategy: str,
     world_size: int,
+    attention: Choice[str] | None = None,
 ) -> PrecisionSwitch | None:
     """The switch to the other precision for the run's first steps to time (``model``'s first forward in it compared
     with the rule's), where "auto" was left to the rule; None where a trial or a tuned Plan ``decided`` it, or the
     run could not switch it safely: several processes or a sharded strategy (each rank's forward would be compared
     alone), a compile or graphs asked for (fixed to one autocast), or ``deterministic`` (a run that must repeat
-    itself cannot follow a timing)."""
+    itself cannot follow a timing). With ``attention`` (the axis left to auto), a bf16-mixed phase also times the
+    attention kernels on the model's own calls (runtime/attention.py, ``KernelCheck``)."""
     other = live_candidate(options.precision, planned.value, facts)
     held = decided or strategy != "single" or world_size > 1 or options.deterministic
     if held or other is None or "on" in (options.compile, options.cuda_graphs):
         return None
     switch = PrecisionSwitch(planned, other, apply, facts.type)
+    if other == "bf16-mixed" and attention is not None:
+        device = next((p.device for p in model.parameters()), torch.device(facts.type))
+        switch.kernels = KernelCheck(device, attention)
     switch.watch(model)
     return switch
 

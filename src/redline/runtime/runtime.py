@@ -40,12 +40,11 @@ from redline.plan.attention import DEFAULT, KERNELS, resolve_attention
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
 from redline.plan.loader import resolve_loader
-from redline.plan.micro_batch import found_size
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
-from redline.runtime.attention import prefer_kernel
+from redline.runtime.attention import KernelCheck, prefer_kernel
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds
 from redline.runtime.compile_check import CompileCheck, check_forms, explain_forms
@@ -160,6 +159,7 @@ class Runtime(RunState):
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
         self._layout = Layout(self.facts, world_size=self.env.world_size, eagerly=self.eager)  # channels_last
+        self._kernels: KernelCheck | None = None  # an attention kernel the precision check's bf16 phase timed
 
     # -- the run's process-wide state ------------------------------------------------------------
 
@@ -189,6 +189,8 @@ class Runtime(RunState):
         stack, self._started = self._started, None
         if stack is not None:
             stack.close()
+        if self._kernels is not None:  # torch's own kernel flags back, for good
+            self._kernels.drop("the Runtime was paused or closed")
 
     def close(self) -> None:
         """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
@@ -458,6 +460,8 @@ class Runtime(RunState):
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
         plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs)
+        if self._kernels is not None and self._kernels.chosen is not None:  # timed in the precision check's phase
+            plan = dataclasses.replace(plan, attention=self._kernels.chosen)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
             plan = dataclasses.replace(plan, channels_last=self._layout.choice)
         return plan
@@ -471,7 +475,9 @@ class Runtime(RunState):
         switch = None if self._models else propose_switch(
             self.options, self.facts, self._plan.precision, self._use_precision, model=model, strategy=strategy,
             decided=self._precision_measured or self._wants_tuned, world_size=self.env.world_size,
+            attention=self._plan.attention if self.options.attention == "auto" else None,
         )  # fmt: skip
+        self._kernels = switch.kernels if switch is not None else self._kernels
         self._compile_check = check_forms(
             self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
             compiled=self._compile_records[-1] if compiles else None, another_model=second,
@@ -482,18 +488,6 @@ class Runtime(RunState):
     def _use_precision(self, name: str) -> None:  # the precision check's switch; the layout "auto" chose follows
         self.precision = Precision(cast(PrecisionName, name), self.device)
         self._layout.follow(name, step=cast(CompileCheck, self._compile_check).steps + 1)
-
-    def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
-        """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""
-        changes = {}
-        for axis, current in self._plan.to_dict().items():
-            old = stored.get(axis)
-            if old is not None and old.get("value") == current["value"]:
-                changes[axis] = Choice(getattr(self._plan, axis).value, f"{note}: {old.get('reason', '')}")
-        size = found_size(stored.get("micro_batch"))  # "auto" goes on from the size it had halved to
-        if size is not None and self.options.micro_batch == "auto":
-            changes["micro_batch"] = self._micro.resume(size, f"{note}: {stored['micro_batch'].get('reason', '')}")
-        self._plan = dataclasses.replace(self._plan, **changes)
 
     def __repr__(self) -> str:
         return f"Runtime(device={self.device}, precision={self.precision.name})"

@@ -7,6 +7,7 @@ process, or each rank its shards), and the Runtime adds its loss scaling, random
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
 from collections.abc import Callable, Mapping
@@ -21,9 +22,12 @@ from redline.checkpoint.whole import plain_module
 from redline.errors import ConfigError, invalid
 from redline.parallel.collectives import gather_objects, peers_said
 from redline.parallel.env import DistEnv
-from redline.plan import Plan
+from redline.plan import Choice, Plan
+from redline.plan.micro_batch import found_size
 from redline.runtime.cycle import Cycle
+from redline.runtime.micro import MicroBatcher
 from redline.runtime.optimizer import changed_options, match_state_layout
+from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.strategy import Strategy
@@ -43,6 +47,21 @@ class RunState:
     _cycle: Cycle
     _models: list[nn.Module]
     _built_options: list[dict[str, Any]]  # the set-up optimizer's groups' options as built, before any step
+    _plan: Plan
+    _micro: MicroBatcher
+    options: RuntimeOptions
+
+    def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
+        """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""
+        changes = {}
+        for axis, current in self._plan.to_dict().items():
+            old = stored.get(axis)
+            if old is not None and old.get("value") == current["value"]:
+                changes[axis] = Choice(getattr(self._plan, axis).value, f"{note}: {old.get('reason', '')}")
+        size = found_size(stored.get("micro_batch"))  # "auto" goes on from the size it had halved to
+        if size is not None and self.options.micro_batch == "auto":
+            changes["micro_batch"] = self._micro.resume(size, f"{note}: {stored['micro_batch'].get('reason', '')}")
+        self._plan = dataclasses.replace(self._plan, **changes)
 
     @property
     def module(self) -> nn.Module:
