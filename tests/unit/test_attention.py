@@ -444,3 +444,15 @@ def test_the_kernels_are_timed_on_the_calls_shapes_and_leave_the_random_streams_
     timed = time_kernels(calls * 2, HERE, [None, "math"], repeats=1)
     assert set(timed) == {None, "math"} and all(t > 0 for t in timed.values())
     assert torch.equal(torch.random.get_rng_state(), state) and flags() == before
+
+
+def test_kernels_that_cannot_be_timed_leave_torchs_pick_and_the_users_step_runs(kernel_times, monkeypatch):
+    def broken(*_, **__):
+        raise RuntimeError("out of memory while timing (made up by the test)")
+
+    monkeypatch.setattr(attention_module, "time_kernels", broken)
+    with Runtime(devices="cpu", compile="off") as rt:
+        flash = loop(rt, EAGER_END + 3, {"fp32": 0.004, "bf16-mixed": 0.002})
+        attention = rt.explain().attention
+    assert all(flash) and attention.value == "default"
+    assert "the kernels could not be timed (RuntimeError: out of memory while timing" in attention.reason

@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
+from redline.errors import describe_error
 from redline.plan import Choice
 from redline.runtime.contract import split_batch
 from redline.runtime.precision import AUTOCAST_DTYPES
@@ -260,9 +261,14 @@ class KernelCheck:
         if self.chosen is not None or not calls:
             return
         cuda = self.device.type == "cuda"
-        others = [k for k in kernels_taking(list(dict.fromkeys(calls)), self.device) if not (cuda and k == "math")]
-        picked = {torch_pick(call, self.device) for call in calls}
-        timed = time_kernels(calls, self.device, [None, *(k for k in others if picked != {k})])
+        try:
+            others = [k for k in kernels_taking(list(dict.fromkeys(calls)), self.device) if not (cuda and k == "math")]
+            picked = {torch_pick(call, self.device) for call in calls}
+            timed = time_kernels(calls, self.device, [None, *(k for k in others if picked != {k})])
+        except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
+            why = describe_error(exc)
+            self.chosen = Choice(self.default.value, f"{self.default.reason}; the kernels could not be timed ({why})")
+            return
         best = min(timed, key=lambda k: timed[k])
         ratio = timed[None] / timed[best]
         told = ", ".join(f"{k or 'torch pick'} {timed[k] * 1e3:.3g} ms" for k in timed)
