@@ -120,7 +120,7 @@ def test_a_models_attention_calls_are_found_with_the_kernels_that_take_them():
 def test_the_tune_searches_the_kernels_only_for_a_model_that_calls_attention():
     task = gpt_task()
     calls = model_attention(task, "cpu")
-    assert calls and calls[0].shapes[0][0] == 2  # two samples of the task's data
+    assert calls and calls[0].shapes[0][0] == 8  # a batch of the task's data at its batch size
     assert dict(search_space(task, CPU, calls=calls))["attention"] == ["auto", "flash", "math"]
     assert dict(search_space(task, H100, calls=calls))["attention"] == ["auto", "flash", "efficient", "cudnn", "math"]
     assert skipped_axes(task, CPU)["attention"].startswith("no call of the model's to F.scaled_dot_product_attention")
@@ -420,7 +420,9 @@ def test_a_user_loops_bf16_phase_runs_the_kernel_its_calls_ran_fastest_and_keeps
         plan = rt.explain()
         assert flash == [True] * EAGER_END + [False] * (PHASE + 3)  # math from the bf16 phase's first step on
     assert (plan.precision.value, plan.attention.value) == ("bf16-mixed", "math")
-    assert plan.attention.reason.startswith("measured on this run: math ran 2.00x torch's pick (the model's 1 ")
+    assert plan.attention.reason.startswith(
+        "measured on this run: math ran 2.00x torch's pick (the model's attention calls (1) "
+    )
     assert flags() == before  # closed: torch's flags back
 
 
@@ -456,3 +458,59 @@ def test_kernels_that_cannot_be_timed_leave_torchs_pick_and_the_users_step_runs(
         attention = rt.explain().attention
     assert all(flash) and attention.value == "default"
     assert "the kernels could not be timed (RuntimeError: out of memory while timing" in attention.reason
+
+
+def test_a_loop_that_sets_its_own_kernels_around_each_forward_gets_torchs_flags_back_as_they_were(kernel_times):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = flags()
+    with Runtime(devices="cpu", compile="off") as rt:
+        model, optimizer = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+        tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(0))
+        for _ in range(EAGER_END + 3):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH], set_priority=True), rt.autocast():
+                loss = model(tokens[:, :-1]).float().square().mean()
+            rt.backward(loss)
+            rt.step(optimizer)
+    assert flags() == before  # the kernel entered inside the loop's context is not put back over what it left
+
+
+def test_math_is_left_out_where_the_attention_weights_it_keeps_would_not_fit(monkeypatch):
+    calls = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))  # 2 x 2 heads x 16 x 16 weights, fp32
+    assert attention_module.math_fits(calls, HERE)
+    monkeypatch.setattr(attention_module, "_free_bytes", lambda device: 4 * 2 * (2 * 2 * 16 * 16 * 4) - 1)
+    assert not attention_module.math_fits(calls, HERE) and attention_kernels(calls, "cpu", "fp32") == []
+
+
+def test_each_distinct_call_is_timed_once_a_pass_and_a_kernel_far_slower_stops_after_its_first(monkeypatch):
+    import time as clock
+
+    ran = []
+
+    def run(call, device):
+        ran.append(flags()[0])  # flash on: torch's pick; off: math
+        clock.sleep(0.001 if flags()[0] else 0.03)
+
+    monkeypatch.setattr(attention_module, "_run", run)
+    call = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))[0]
+    timed = time_kernels([call] * 6, HERE, [None, "math"], repeats=2)
+    assert ran == [True] * 3 + [False]  # three passes of the one distinct call, then math's first, too slow to go on
+    assert timed["math"] > 20 * timed[None]  # each pass counts the call six times
+
+
+def test_a_call_under_autocast_is_recorded_in_the_dtype_it_runs_in():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        calls = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))
+    assert calls[0].dtype == torch.bfloat16
+    q = torch.randn(1, 2, 8, 4)  # fp32 inputs straight into the function: autocast casts them too
+    with attention_module.recording() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(8, 8))
+    assert seen[0].dtype == torch.bfloat16 and seen[0].mask == ((8, 8), torch.bfloat16)
+
+
+def test_torchs_pick_kept_in_the_bf16_phase_says_fp32_stayed_when_it_did(kernel_times):
+    kernel_times["math"] = 0.019  # within KEEP of torch's pick
+    with Runtime(devices="cpu", compile="off") as rt:
+        loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.008})
+        attention = rt.explain().attention
+    assert attention.value == "default" and attention.reason.endswith("; fp32 stays")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 import warnings
 from collections import Counter
@@ -25,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
 from redline.errors import describe_error
+from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes, proc_bytes
 from redline.plan import Choice
 from redline.runtime.contract import split_batch
 from redline.runtime.precision import AUTOCAST_DTYPES
@@ -46,37 +48,68 @@ _SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever a pro
 def prefer_kernel(name: str) -> Iterator[None]:
     """Run attention on kernel ``name`` wherever it takes the call, else on math; torch's flags come back on exit.
 
-    A graph torch.compile builds inside is cached on disk under a key of its own: torch's compile caches do not key on
-    the kernel flags, so a graph compiled for math attention was served to a later process that asked for flash (and
-    the other way round), running the other kernel without a word.
+    The flags (which kernels are on, and their order) come back only where they still hold what was set here: a
+    caller's own ``sdpa_kernel`` entered and left around a forward in between has set them since, and putting back
+    what was found inside it would leave its choice for good. A graph torch.compile builds inside is cached on disk
+    under a key of its own: torch's compile caches do not key on the kernel flags, so a graph compiled for math
+    attention was served to a later process that asked for flash (and the other way round), running the other kernel
+    without a word.
     """
-    chosen = BACKENDS[name]
+    before = _sdp_state()
+    chosen, math = BACKENDS[name].value, SDPBackend.MATH.value
+    order = before[1]
+    if order:  # the kernel first, math after it (math would come before cuDNN in torch's own order), the rest after
+        head = tuple(dict.fromkeys((chosen, math)))
+        _set_sdp_state(set(head), (*head, *(b for b in order if b not in head)))
+    else:  # a torch without priorities: the kernel alone
+        _set_sdp_state({chosen}, ())
+    ours = _sdp_state()
     try:
-        kernels = sdpa_kernel([chosen, SDPBackend.MATH], set_priority=True)
-    except TypeError:  # a torch without priorities: math would come before cuDNN in its order, so the kernel alone
-        kernels = sdpa_kernel([chosen])
-    order = getattr(torch._C, "_get_sdp_priority_order", lambda: None)()  # private, tolerated where absent
-    try:
-        with kernels, _cache_tagged(f"redline attention={name}"):
+        with _cache_tagged(f"redline attention={name}"):
             yield
-    finally:  # torch's context puts back the kernels it had enabled, but not their order where one was disabled
-        if order is not None:
-            torch._C._set_sdp_priority_order(order)
+    finally:
+        if _sdp_state() == ours:
+            _set_sdp_state({b for b, on in zip(_FLAGS, before[0], strict=True) if on}, before[1])
+
+
+_cuda = torch.backends.cuda
+_FLAGS: dict[int, tuple[Callable[[], bool], Callable[[bool], None]]] = {
+    SDPBackend.FLASH_ATTENTION.value: (_cuda.flash_sdp_enabled, _cuda.enable_flash_sdp),
+    SDPBackend.EFFICIENT_ATTENTION.value: (_cuda.mem_efficient_sdp_enabled, _cuda.enable_mem_efficient_sdp),
+    SDPBackend.CUDNN_ATTENTION.value: (_cuda.cudnn_sdp_enabled, _cuda.enable_cudnn_sdp),
+    SDPBackend.MATH.value: (_cuda.math_sdp_enabled, _cuda.enable_math_sdp),
+}  # torch keeps them per process; the "cuda" names hold for a CPU's kernels too
+
+
+def _sdp_state() -> tuple[tuple[bool, ...], tuple[int, ...]]:
+    """Which attention kernels are on, and torch's order of them (empty where this torch has none)."""
+    order = getattr(torch._C, "_get_sdp_priority_order", None)  # private, tolerated where absent
+    return tuple(get() for get, _ in _FLAGS.values()), tuple(order()) if order is not None else ()
+
+
+def _set_sdp_state(enabled: set[int], order: tuple[int, ...]) -> None:
+    for backend, (_, enable) in _FLAGS.items():
+        enable(backend in enabled)
+    if order:
+        torch._C._set_sdp_priority_order(list(order))
 
 
 @contextlib.contextmanager
 def _cache_tagged(tag: str) -> Iterator[None]:
-    """Add ``tag`` to torch.compile's cache keys inside (where this torch has the setting), as it was after."""
+    """Add ``tag`` to torch.compile's cache keys inside (where this torch has the setting), and put the key's tag
+    back after where it is still the one set here."""
     config = getattr(torch.compiler, "config", None)
     before = getattr(config, "cache_key_tag", None)
     if config is None or not isinstance(before, str):
         yield
         return
-    config.cache_key_tag = f"{before};{tag}" if before else tag
+    ours = f"{before};{tag}" if before else tag
+    config.cache_key_tag = ours
     try:
         yield
     finally:
-        config.cache_key_tag = before
+        if config.cache_key_tag == ours:
+            config.cache_key_tag = before
 
 
 @dataclass(frozen=True)
@@ -120,9 +153,18 @@ def _call_of(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> AttentionCall:
-    mask = (tuple(attn_mask.shape), attn_mask.dtype) if attn_mask is not None else None
+    cast = _autocast_to(query)  # the dtype the call runs in: autocast casts fp32 inputs to its own
+    mask = (tuple(attn_mask.shape), cast(attn_mask.dtype)) if attn_mask is not None else None
     shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
-    return AttentionCall(shapes, query.dtype, mask, float(dropout_p), bool(is_causal), bool(enable_gqa))
+    return AttentionCall(shapes, cast(query.dtype), mask, float(dropout_p), bool(is_causal), bool(enable_gqa))
+
+
+def _autocast_to(tensor: torch.Tensor) -> Callable[[torch.dtype], torch.dtype]:
+    device = tensor.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return lambda dtype: dtype
+    low = torch.get_autocast_dtype(device)
+    return lambda dtype: low if dtype == torch.float32 else dtype
 
 
 def attention_calls(model: nn.Module, inputs: Any) -> list[AttentionCall]:
@@ -163,7 +205,7 @@ def kernels_taking(calls: list[AttentionCall], device: torch.device, dtype: torc
 
 def model_attention(task: Task, device: str | torch.device, inputs: Any = None) -> list[AttentionCall]:
     """The calls the task's model makes to ``F.scaled_dot_product_attention`` in a training forward on ``inputs``
-    (default: two samples of its data).
+    (default: a batch of its data at its batch size, whose attention weights math would keep).
 
     The model is built on the meta device and run there (shapes alone: no weights, no arithmetic); one that cannot be
     (a module the factory built before, one that loads weights or reads a value) runs as a copy on ``device``, the
@@ -173,7 +215,7 @@ def model_attention(task: Task, device: str | torch.device, inputs: Any = None) 
     saved = capture_rng()
     try:
         if inputs is None:
-            loader = DataLoader(task.train_data, batch_size=min(2, task.batch_size), collate_fn=task.collate_fn)
+            loader = DataLoader(task.train_data, batch_size=task.batch_size, collate_fn=task.collate_fn)
             inputs, _ = split_batch(next(iter(loader)), "train_data")
         meta = torch.device("meta")
         with meta:
@@ -190,17 +232,40 @@ def model_attention(task: Task, device: str | torch.device, inputs: Any = None) 
         restore_rng(saved)
 
 
+def math_fits(calls: Sequence[AttentionCall], device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """Whether the attention weights math keeps for the backward (a (batch, heads, queries, keys) tensor per call,
+    and as much again for its gradient; the fused kernels keep none) fit in ``MATH_SHARE`` of the memory free."""
+    need = 0
+    for call in calls:
+        query, key = call.shapes[0], call.shapes[1]
+        need += 2 * math.prod(query[:-1]) * key[-2] * (dtype or call.dtype).itemsize
+    return need <= MATH_SHARE * _free_bytes(device)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = proc_bytes("/proc/meminfo", "MemAvailable") or machine_memory_bytes()
+    limit = memory_limit_bytes()
+    return min(available, limit) if limit is not None else available
+
+
 def attention_kernels(calls: Sequence[AttentionCall], device: str | torch.device, precision: str) -> list[str]:
     """The attention kernels worth timing against torch's own pick ("auto") in ``precision``: those that take every
     one of ``calls`` (their inputs cast as autocast casts them), but the one torch picks for all of them already."""
     dtype, where = AUTOCAST_DTYPES.get(precision), torch.device(device)
     picked = {torch_pick(call, where, dtype) for call in calls}
-    return [kernel for kernel in kernels_taking(list(calls), where, dtype) if picked != {kernel}]
+    fits = math_fits(calls, where, dtype)
+    return [
+        k for k in kernels_taking(list(dict.fromkeys(calls)), where, dtype) if picked != {k} and (fits or k != "math")
+    ]
 
 
 # -- a Runtime in the user's own loop: the precision check's bf16 phase times the kernels on the model's own calls --
 
 KEEP = 1.10  # a kernel replaces torch's pick where the model's attention calls run this much faster on it
+GIVE_UP = 3.0  # a kernel this much slower than torch's pick on its first pass is not timed further
+MATH_SHARE = 0.25  # math attention is left out where the attention weights it keeps would take this share of the free
 
 
 @contextlib.contextmanager
@@ -214,24 +279,34 @@ def recording() -> Iterator[list[AttentionCall]]:
 def time_kernels(
     calls: Sequence[AttentionCall], device: torch.device, kernels: Sequence[str | None], *, repeats: int = 3
 ) -> dict[str | None, float]:
-    """Seconds the calls take, forward and backward, on each kernel (None: torch's pick), each on random inputs of the
-    calls' shapes and dtypes: the fastest of ``repeats`` passes after one that warms up. The random streams are put
-    back, and autocast is off inside (the calls' dtypes are those autocast gave them)."""
-    sync, counts, timed = device_sync(device), Counter(calls), {}
+    """Seconds the calls take, forward and backward, on each kernel (None: torch's pick, timed first), on random
+    inputs of the calls' shapes and dtypes: each distinct call once per pass, counted as often as it was made; the
+    fastest of ``repeats`` passes after one that warms up. A kernel whose warm-up pass takes over ``GIVE_UP`` times the
+    first kernel's is not timed further (it cannot win). The random streams are put back, and autocast is off inside
+    (the calls' dtypes are those autocast gave them)."""
+    sync, counts = device_sync(device), Counter(calls)
+    timed: dict[str | None, float] = {}
     saved = capture_rng()
+
+    def one_pass() -> float:
+        total = 0.0
+        for call, count in counts.items():
+            start = time.perf_counter()
+            _run(call, device)
+            sync()
+            total += (time.perf_counter() - start) * count
+        return total
+
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             for kernel in kernels:
                 with prefer_kernel(kernel) if kernel is not None else contextlib.nullcontext():
-                    passes = []
-                    for _ in range(repeats + 1):
-                        start = time.perf_counter()
-                        for call, count in counts.items():
-                            for _ in range(count):
-                                _run(call, device)
-                        sync()
-                        passes.append(time.perf_counter() - start)
-                timed[kernel] = min(passes[1:])
+                    warm = one_pass()
+                    first = next(iter(timed.values()), None)
+                    if first is not None and warm > GIVE_UP * first:
+                        timed[kernel] = warm
+                        continue
+                    timed[kernel] = min(one_pass() for _ in range(repeats))
     finally:
         restore_rng(saved)
     return timed
@@ -262,7 +337,10 @@ class KernelCheck:
             return
         cuda = self.device.type == "cuda"
         try:
-            others = [k for k in kernels_taking(list(dict.fromkeys(calls)), self.device) if not (cuda and k == "math")]
+            no_math = cuda or not math_fits(calls, self.device)
+            others = [
+                k for k in kernels_taking(list(dict.fromkeys(calls)), self.device) if not (no_math and k == "math")
+            ]
             picked = {torch_pick(call, self.device) for call in calls}
             timed = time_kernels(calls, self.device, [None, *(k for k in others if picked != {k})])
         except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
@@ -271,8 +349,10 @@ class KernelCheck:
             return
         best = min(timed, key=lambda k: timed[k])
         ratio = timed[None] / timed[best]
-        told = ", ".join(f"{k or 'torch pick'} {timed[k] * 1e3:.3g} ms" for k in timed)
-        what = f"the model's {len(calls)} attention calls under {precision}, forward and backward, timed alone: {told}"
+        told = ", ".join(f"{k or 'torch pick'} {_ms(timed[k])}" for k in timed)
+        what = (
+            f"the model's attention calls ({len(calls)}) under {precision}, forward and backward, timed alone: {told}"
+        )
         if best is None or ratio < KEEP:
             self.chosen = Choice(
                 self.default.value, f"{self.default.reason}; measured on this run, torch's pick kept: {what}"
@@ -284,5 +364,14 @@ class KernelCheck:
     def drop(self, why: str) -> None:
         """Go back to torch's pick, for ``why`` (the precision kept is another, the Runtime closed)."""
         self._kernel.close()
-        if self.chosen is not None and self.chosen.value != self.default.value:
+        if self.chosen is None:
+            return
+        if self.chosen.value != self.default.value:
             self.chosen = Choice(self.default.value, f"{self.default.reason}; {self.chosen.reason}, but {why}")
+        elif not self.chosen.reason.endswith(why):
+            self.chosen = Choice(self.chosen.value, f"{self.chosen.reason}; {why}")
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
