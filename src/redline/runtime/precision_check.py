@@ -22,7 +22,11 @@ a feature a hook keeps, BatchNorm's statistics) is its own. What a forward does 
 counter, a hook's side effect) happens three times at that one step.
 
 The layout "auto" chose switches with the precision (runtime/layout.py): on a CPU with AMX, bf16-mixed's steps run
-channels_last, as the rule lays out bf16 convolutions there, and fp32's NCHW.
+channels_last, as the rule lays out bf16 convolutions there, and fp32's NCHW. So does the attention kernel, where it
+is left to auto (runtime/attention.py, ``KernelCheck``): the comparison's forwards record the model's attention
+calls, which are timed alone on each kernel that takes them, and one faster than torch's pick runs bf16-mixed's
+phase and stays with it (chargpt's bf16 step on a CPU with AMX lost to fp32 with torch's flash kernel, and beat it
+with math).
 
 Only fp32 and bf16-mixed are switched: fp16 needs a loss scale from the first step. The switch happens
 between optimizer steps, through ``rt.autocast()``: a loop that enters it for each step follows it, and
