@@ -72,7 +72,7 @@ def measure_auto(
     insist: str = "--trial on measures anyway",
 ) -> dict[str, Choice[str]]:
     """The "auto" choices a trial measured for this run (``{"precision": ...}``: the rule's where it did not
-    measure, with why), or {} where none applies.
+    measure, with why; and ``"attention"`` where it timed the kernels too), or {} where none applies.
 
     ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
     reason of a run too short to repay a trial, how the command at hand would measure anyway.
