@@ -106,7 +106,7 @@ def test_the_runtime_plans_and_applies_the_kernel_and_leaves_torchs_choice_where
 
 def test_a_models_attention_calls_are_found_with_the_kernels_that_take_them():
     calls = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))
-    assert len(calls) == 1  # the one layer's call: the same shapes and options, recorded once
+    assert len(calls) == 1  # the one layer's call
     call = calls[0]
     assert call.shapes[0] == (2, 2, 16, 8) and call.is_causal and call.dropout_p == 0.0 and call.mask is None
     assert kernels_taking(calls, HERE) == ["flash", "math"]  # efficient and cuDNN are CUDA's
@@ -514,3 +514,21 @@ def test_torchs_pick_kept_in_the_bf16_phase_says_fp32_stayed_when_it_did(kernel_
         loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.008})
         attention = rt.explain().attention
     assert attention.value == "default" and attention.reason.endswith("; fp32 stays")
+
+
+def test_every_layers_call_counts_toward_the_weights_math_keeps(monkeypatch):
+    torch.manual_seed(0)
+    two = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    calls = attention_calls(two, torch.randint(0, 32, (2, 16)))
+    assert len(calls) == 2 and calls[0] == calls[1]  # alike, and each a layer's weights
+    one_layer = 2 * (2 * 2 * 16 * 16 * 4)  # weights and their gradient, fp32
+    monkeypatch.setattr(attention_module, "_free_bytes", lambda device: int(1.5 * one_layer / 0.25))
+    assert attention_module.math_fits(calls[:1], HERE) and not attention_module.math_fits(calls, HERE)
+
+
+def test_autocast_casts_every_floating_input_but_float64_and_the_call_is_recorded_so():
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float16)
+    with attention_module.recording() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert [call.dtype for call in seen] == [torch.bfloat16, torch.float64]

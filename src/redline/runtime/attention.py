@@ -153,7 +153,7 @@ def _call_of(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> AttentionCall:
-    cast = _autocast_to(query)  # the dtype the call runs in: autocast casts fp32 inputs to its own
+    cast = _autocast_to(query)  # the dtype the call runs in: autocast casts floating inputs to its own (not float64)
     mask = (tuple(attn_mask.shape), cast(attn_mask.dtype)) if attn_mask is not None else None
     shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
     return AttentionCall(shapes, cast(query.dtype), mask, float(dropout_p), bool(is_causal), bool(enable_gqa))
@@ -164,19 +164,19 @@ def _autocast_to(tensor: torch.Tensor) -> Callable[[torch.dtype], torch.dtype]:
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return lambda dtype: dtype
     low = torch.get_autocast_dtype(device)
-    return lambda dtype: low if dtype == torch.float32 else dtype
+    return lambda dtype: low if dtype.is_floating_point and dtype != torch.float64 else dtype
 
 
 def attention_calls(model: nn.Module, inputs: Any) -> list[AttentionCall]:
-    """The distinct calls ``model``'s forward on ``inputs`` makes to ``F.scaled_dot_product_attention``, in order.
+    """The calls ``model``'s forward on ``inputs`` makes to ``F.scaled_dot_product_attention``, in order, each as
+    often as it is made (a layer's each: the attention weights math keeps add up over them).
 
     The forward runs once, without autograd and with the random streams put back, in the model's own mode.
     """
-    recorder = _Recorder()
     devices = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), recorder:
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), recording() as calls:
         model(inputs)
-    return list(dict.fromkeys(recorder.calls))
+    return calls
 
 
 def torch_pick(call: AttentionCall, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
@@ -195,10 +195,10 @@ def torch_pick(call: AttentionCall, device: torch.device, dtype: torch.dtype | N
 
 def kernels_taking(calls: list[AttentionCall], device: torch.device, dtype: torch.dtype | None = None) -> list[str]:
     """The kernels that take every one of ``calls`` on ``device`` (inputs cast to ``dtype``), in torch's names."""
-    taking = []
+    distinct, taking = list(dict.fromkeys(calls)), []
     for name, backend in BACKENDS.items():
         with sdpa_kernel([backend]):
-            if calls and all(torch_pick(call, device, dtype) == name for call in calls):
+            if distinct and all(torch_pick(call, device, dtype) == name for call in distinct):
                 taking.append(name)
     return taking
 
