@@ -291,18 +291,18 @@ def _candidates(
     than with the flash kernel torch picks, and faster than fp32, where it had lost), and the attention axis alone,
     after fp32 was kept, would never see that. Math is left out on CUDA, where a fused kernel takes any call it does.
     """
-    if axis == "attention":
-        values = ["auto", *(kernel for kernel in attention_kernels(calls, device, best.precision) if kernel in values)]
+    if axis == "attention":  # every kernel that takes the calls is searched here, math on CUDA too
+        found = attention_kernels(calls, device, best.precision, math_on_cuda=True)
+        values = ["auto", *(kernel for kernel in found if kernel in values)]
     candidates = _alternatives(best, axis, values)
     if axis != "precision" or not calls:
         return candidates
-    cuda = torch.device(device).type == "cuda"
     with_kernels = [
         dataclasses.replace(candidate, attention=kernel)
         for candidate in candidates
         if candidate.precision != "fp32"
         for kernel in attention_kernels(calls, device, candidate.precision)
-        if not (cuda and kernel == "math") and kernel != candidate.attention
+        if kernel != candidate.attention
     ]
     return candidates + with_kernels
 

@@ -193,7 +193,7 @@ def torch_pick(call: AttentionCall, device: torch.device, dtype: torch.dtype | N
     return _NAMES.get(int(picked))
 
 
-def kernels_taking(calls: list[AttentionCall], device: torch.device, dtype: torch.dtype | None = None) -> list[str]:
+def kernels_taking(calls: Sequence[AttentionCall], device: torch.device, dtype: torch.dtype | None = None) -> list[str]:
     """The kernels that take every one of ``calls`` on ``device`` (inputs cast to ``dtype``), in torch's names."""
     distinct, taking = list(dict.fromkeys(calls)), []
     for name, backend in BACKENDS.items():
@@ -250,15 +250,17 @@ def _free_bytes(device: torch.device) -> int:
     return min(available, limit) if limit is not None else available
 
 
-def attention_kernels(calls: Sequence[AttentionCall], device: str | torch.device, precision: str) -> list[str]:
+def attention_kernels(
+    calls: Sequence[AttentionCall], device: str | torch.device, precision: str, *, math_on_cuda: bool = False
+) -> list[str]:
     """The attention kernels worth timing against torch's own pick ("auto") in ``precision``: those that take every
-    one of ``calls`` (their inputs cast as autocast casts them), but the one torch picks for all of them already."""
+    one of ``calls`` (their inputs cast as autocast casts them), but the one torch picks for all of them already.
+    Math is left out where the attention weights it keeps would not fit (``math_fits``), and on CUDA, where a fused
+    kernel takes any call it does (unless ``math_on_cuda``: a search of every kernel)."""
     dtype, where = AUTOCAST_DTYPES.get(precision), torch.device(device)
-    picked = {torch_pick(call, where, dtype) for call in calls}
-    fits = math_fits(calls, where, dtype)
-    return [
-        k for k in kernels_taking(list(dict.fromkeys(calls)), where, dtype) if picked != {k} and (fits or k != "math")
-    ]
+    picked = {torch_pick(call, where, dtype) for call in dict.fromkeys(calls)}
+    math_timed = (math_on_cuda or where.type != "cuda") and math_fits(calls, where, dtype)
+    return [k for k in kernels_taking(calls, where, dtype) if picked != {k} and (math_timed or k != "math")]
 
 
 # -- a Runtime in the user's own loop: the precision check's bf16 phase times the kernels on the model's own calls --
@@ -335,14 +337,8 @@ class KernelCheck:
     def check(self, calls: Sequence[AttentionCall], precision: str) -> None:
         if self.chosen is not None or not calls:
             return
-        cuda = self.device.type == "cuda"
         try:
-            no_math = cuda or not math_fits(calls, self.device)
-            others = [
-                k for k in kernels_taking(list(dict.fromkeys(calls)), self.device) if not (no_math and k == "math")
-            ]
-            picked = {torch_pick(call, self.device) for call in calls}
-            timed = time_kernels(calls, self.device, [None, *(k for k in others if picked != {k})])
+            timed = time_kernels(calls, self.device, [None, *attention_kernels(calls, self.device, precision)])
         except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
             why = describe_error(exc)
             self.chosen = Choice(self.default.value, f"{self.default.reason}; the kernels could not be timed ({why})")

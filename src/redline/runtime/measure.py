@@ -154,13 +154,12 @@ class _Workload:
 
         torch's pick can be what loses a precision: on a 2-core Xeon with AMX, chargpt's bf16 step ran 1.62x faster
         with math attention than with the CPU flash kernel torch picks, and 1.35x fp32's, where it had lost to fp32.
-        Math is left out on CUDA, where a fused kernel takes any call it does.
+        Math is left out on CUDA, and where it would not fit (``attention_kernels``).
         """
         calls = model_attention(task, self.device, inputs)
         if not calls:
             return []
-        found = [(p, k) for p in self.candidates for k in attention_kernels(calls, self.device, p)]
-        return [form(p, k) for p, k in found if self.facts.type != "cuda" or k != "math"]
+        return [form(p, k) for p in self.candidates for k in attention_kernels(calls, self.device, p)]
 
 
 def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:

@@ -137,7 +137,10 @@ class PrecisionSwitch:
         calls: dict[str, list[AttentionCall]] = {}
         for name in (self.candidate, self.planned.value):
             try:
-                with recording() as calls[name]:
+                record: contextlib.AbstractContextManager[list[AttentionCall]] = (
+                    recording() if self.kernels is not None else contextlib.nullcontext([])
+                )  # the attention calls, for the kernel check alone
+                with record as calls[name]:
                     outputs[name] = self._probe(module, args, kwargs, name)
             except Exception as exc:  # the step goes on in the rule's precision, which ran this model before
                 self._fail(self.planned.value, f"its forward in {name} failed: {describe_error(exc)}")
