@@ -532,3 +532,30 @@ def test_autocast_casts_every_floating_input_but_float64_and_the_call_is_recorde
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
         torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
     assert [call.dtype for call in seen] == [torch.bfloat16, torch.float64]
+
+
+def test_the_calls_nn_multihead_attention_makes_in_every_transformer_layer_are_seen_and_fs_name_comes_back():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    named = torch.nn.functional.scaled_dot_product_attention
+    calls = attention_calls(encoder, torch.randn(4, 8, 16))
+    assert [call.shapes[0] for call in calls] == [(4, 2, 8, 8)] * 2  # one call a layer, per head
+    assert torch.nn.functional.scaled_dot_product_attention is named
+    assert kernels_taking(calls, HERE) == ["flash", "math"]
+    weighing = nn.MultiheadAttention(16, 2, batch_first=True)  # returning the weights: its own arithmetic, no kernel
+    x = torch.randn(4, 8, 16)
+    assert attention_calls(_Called(weighing, need_weights=True), x) == []
+    assert len(attention_calls(_Called(weighing, need_weights=False), x)) == 1
+    with pytest.raises(AssertionError), attention_module.recording():
+        weighing(x, torch.randn(4, 8, 3), x, need_weights=False)  # a key of the wrong width fails inside
+    assert torch.nn.functional.scaled_dot_product_attention is named
+
+
+class _Called(nn.Module):
+    def __init__(self, attention: nn.MultiheadAttention, *, need_weights: bool) -> None:
+        super().__init__()
+        self.attention, self.need_weights = attention, need_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=self.need_weights)[0]

@@ -140,7 +140,29 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _SDPA or func is F.scaled_dot_product_attention:
             self.calls.append(_call_of(*args, **kwargs))
+        elif func is F.multi_head_attention_forward:  # nn.MultiheadAttention's, in every nn.Transformer layer
+            with _name_recorded(self.calls):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _name_recorded(calls: list[AttentionCall]) -> Iterator[None]:
+    """Record the calls made through ``F.scaled_dot_product_attention``'s name inside: the body of a function torch
+    lets a mode see (multi_head_attention_forward) runs with no mode on, and calls the attention function by that name.
+    The name is put back on exit, where it still holds what was set here."""
+    original = F.scaled_dot_product_attention
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(_call_of(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = recorded
+    try:
+        yield
+    finally:
+        if F.scaled_dot_product_attention is recorded:
+            F.scaled_dot_product_attention = original
 
 
 def _call_of(
