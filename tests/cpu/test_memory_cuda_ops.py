@@ -95,6 +95,33 @@ def test_attention_under_bf16_keeps_no_seq_by_seq_matrix_on_cuda() -> None:
     assert retained(Attention(), precision="bf16-mixed", target="cpu") > MATRIX // 2  # a bf16 matrix at least
 
 
+class TorchAttention(nn.Module):
+    """torch's own layer, as every nn.TransformerEncoderLayer holds it (dropout 0.1, no weights asked for): its
+    call to the attention function is made inside multi_head_attention_forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(C, H, dropout=0.1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False, is_causal=True, attn_mask=_causal())[0]
+
+
+def _causal() -> torch.Tensor:
+    return nn.Transformer.generate_square_subsequent_mask(S)
+
+
+def test_the_attention_inside_torchs_multihead_layer_keeps_no_seq_by_seq_matrix_on_cuda() -> None:
+    """As above, through nn.MultiheadAttention: the memory-efficient kernel's output and log-sum-exp; the layer keeps
+    its input projection's three outputs and the attention's output, reshaped, for its output projection."""
+    lse = B * H * math.ceil(S / 32) * 32 * 4
+    kept = retained(TorchAttention())
+    assert kept < MATRIX // 4  # not one (B, H, S, S) matrix, of the several the CPU's math path keeps
+    assert kept >= B * S * 3 * C * 4 + lse
+    assert retained(TorchAttention(), target="cpu") > 2 * MATRIX  # the CPU's math path, for contrast
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # F's name given back
+
+
 @pytest.mark.parametrize(
     ("shapes", "kwargs", "kernel"),
     [

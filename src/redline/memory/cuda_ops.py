@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from redline.memory.attention import LOW_PRECISION, fused_attention
+from redline.runtime.attention import AttentionMode
 
 Handler = Callable[..., Any]
 
@@ -35,16 +35,16 @@ _FP32_DTYPE = ("softmax", "log_softmax", "cumsum", "cumprod", "sum")
 _FP32_DTYPE_FUNCTIONAL = (F.softmax, F.log_softmax, torch.linalg.vector_norm, torch.linalg.matrix_norm)
 
 
-class CudaOps(TorchFunctionMode):
-    """Run attention, dropout and the ops CUDA's autocast puts in fp32 as a CUDA step runs them."""
+class CudaOps(AttentionMode):
+    """Run attention (the calls inside ``nn.MultiheadAttention`` too), dropout and the ops CUDA's autocast puts in
+    fp32 as a CUDA step runs them."""
 
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
+    def attend(self, sdpa: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return fused_attention(sdpa, *args, **kwargs)
+
+    def other(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         handler = _HANDLERS.get(func)
-        if handler is None:
-            return func(*args, **(kwargs or {}))
-        return handler(func, *args, **(kwargs or {}))
+        return func(*args, **kwargs) if handler is None else handler(func, *args, **kwargs)
 
 
 def _dropout(func: Handler, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
@@ -80,7 +80,7 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
 
 def _handlers() -> dict[Callable[..., Any], Handler]:
     """Each intercepted callable (the function, the Tensor method, the operator) and its handler."""
-    handlers: dict[Callable[..., Any], Handler] = {F.scaled_dot_product_attention: fused_attention, F.dropout: _dropout}
+    handlers: dict[Callable[..., Any], Handler] = {F.dropout: _dropout}
     rules = ((_FP32, _FP32_FUNCTIONAL, _in_fp32), (_FP32_DTYPE, _FP32_DTYPE_FUNCTIONAL, _with_fp32_dtype))
     for names, functional, handler in rules:
         for name in names:

@@ -131,38 +131,53 @@ class AttentionCall:
         return {"query": query, "key": key, "value": value, "attn_mask": mask}
 
 
-class _Recorder(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[AttentionCall] = []
+class AttentionMode(TorchFunctionMode):
+    """A torch-function mode that hands every call of ``F.scaled_dot_product_attention`` to ``attend``, those
+    ``nn.MultiheadAttention`` makes inside included (every ``nn.Transformer*`` layer's in training), and every other
+    call to ``other``. Its body runs with no mode on (torch lets a mode see the function, not what it calls) and calls
+    the attention function by F's name, so that name leads to ``attend`` while it runs."""
+
+    def attend(self, sdpa: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return sdpa(*args, **kwargs)
+
+    def other(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA or func is F.scaled_dot_product_attention:
-            self.calls.append(_call_of(*args, **kwargs))
-        elif func is F.multi_head_attention_forward:  # nn.MultiheadAttention's, in every nn.Transformer layer
-            with _name_recorded(self.calls):
+            return self.attend(func, *args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            with _named(self.attend):
                 return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        return self.other(func, *args, **kwargs)
 
 
 @contextlib.contextmanager
-def _name_recorded(calls: list[AttentionCall]) -> Iterator[None]:
-    """Record the calls made through ``F.scaled_dot_product_attention``'s name inside: the body of a function torch
-    lets a mode see (multi_head_attention_forward) runs with no mode on, and calls the attention function by that name.
-    The name is put back on exit, where it still holds what was set here."""
+def _named(attend: Callable[..., Any]) -> Iterator[None]:
+    """Lead F's name of the attention function to ``attend`` inside; the name comes back on exit, where it still
+    holds what was set here."""
     original = F.scaled_dot_product_attention
 
-    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(_call_of(*args, **kwargs))
-        return original(*args, **kwargs)
+    def named(*args: Any, **kwargs: Any) -> Any:
+        return attend(original, *args, **kwargs)
 
-    F.scaled_dot_product_attention = recorded
+    F.scaled_dot_product_attention = named
     try:
         yield
     finally:
-        if F.scaled_dot_product_attention is recorded:
+        if F.scaled_dot_product_attention is named:
             F.scaled_dot_product_attention = original
+
+
+class _Recorder(AttentionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[AttentionCall] = []
+
+    def attend(self, sdpa: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(_call_of(*args, **kwargs))
+        return sdpa(*args, **kwargs)
 
 
 def _call_of(
