@@ -11,8 +11,11 @@ Runtime (the path `redline train` takes), and its peak is read
   the batch);
 - on a GPU, from torch.cuda.max_memory_allocated, against the estimate's total (workspace included).
 The second step is the one measured, as in the estimate: by then the optimizer holds its state.
+``--attention KERNEL`` runs (and weighs) every step with that attention kernel preferred, as `--attention` does
+for a run: math keeps the (batch, heads, seq, seq) weights the fused kernels do not.
 
-    python benchmarks/memory_accuracy.py [--device cpu|cuda] [--models mlp,digits,chargpt,gpt2] [--write memory]
+    python benchmarks/memory_accuracy.py [--device cpu|cuda] [--models mlp,digits,chargpt,gpt2] [--attention auto]
+                                         [--write memory]
 """
 
 from __future__ import annotations
@@ -95,15 +98,15 @@ def models(device: str) -> dict[str, tuple[Task | None, tuple[int, int]]]:
     }
 
 
-def measured_peak(task: Task, batch_size: int, precision: str, device: str) -> int:
+def measured_peak(task: Task, batch_size: int, precision: str, device: str, attention: str = "auto") -> int:
     """The peak bytes of the second training step, run for real through the Runtime on ``device``."""
-    peak = _run_two_steps(task, batch_size, precision, device)
+    peak = _run_two_steps(task, batch_size, precision, device, attention)
     gc.collect()  # the steps' model and optimizer are gone before the next configuration
     return peak
 
 
-def _run_two_steps(task: Task, batch_size: int, precision: str, device: str) -> int:
-    with Runtime(devices=device, precision=precision, compile="off", seed=0) as rt:
+def _run_two_steps(task: Task, batch_size: int, precision: str, device: str, attention: str) -> int:
+    with Runtime(devices=device, precision=precision, compile="off", seed=0, attention=attention) as rt:
         model, optimizer = rt.setup(task.build_model(), task.optimizer)
         model.train()
         inputs, targets = split_batch(rt.to_device(real_batch(task.train_data, batch_size)[0]), "train_data")
@@ -152,11 +155,11 @@ def _peak(device: str, tensors: list[torch.Tensor]) -> Iterator[list[int]]:
     result[0] = before + highest
 
 
-def compare(task: Task, batch_size: int, precision: str, device: str) -> tuple[int, int]:
+def compare(task: Task, batch_size: int, precision: str, device: str, attention: str = "auto") -> tuple[int, int]:
     """(predicted, measured) peak bytes for one configuration."""
-    estimate = estimate_memory(task, batch_size=batch_size, precision=precision, target=device)
+    estimate = estimate_memory(task, batch_size=batch_size, precision=precision, target=device, attention=attention)
     predicted = estimate.total if device == "cuda" else estimate.peak
-    return predicted, measured_peak(task, batch_size, precision, device)
+    return predicted, measured_peak(task, batch_size, precision, device, attention)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,12 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--models", default="mlp,digits,chargpt,gpt2")
     parser.add_argument("--precisions", default="fp32,bf16-mixed")
+    parser.add_argument("--attention", default="auto", help="the attention kernel every step prefers")
     parser.add_argument("--write", metavar="NAME", help="also write benchmarks/results/NAME.md")
     args = parser.parse_args(argv)
     wanted = args.models.split(",")
     lines = [
-        "| model | batch | precision | predicted MiB | measured MiB | error | within 10% |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | batch | precision | attention | predicted MiB | measured MiB | error | within 10% |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     errors: list[float] = []
     skipped: list[str] = []
@@ -181,11 +185,12 @@ def main(argv: list[str] | None = None) -> None:
             continue
         for precision in args.precisions.split(","):
             for size in sizes:
-                predicted, measured = compare(task, size, precision, args.device)
+                predicted, measured = compare(task, size, precision, args.device, args.attention)
                 error = predicted / measured - 1
                 errors.append(abs(error))
                 lines.append(
-                    f"| {name} | {size} | {precision} | {predicted / MIB:,.1f} | {measured / MIB:,.1f} "
+                    f"| {name} | {size} | {precision} | {args.attention} | {predicted / MIB:,.1f} "
+                    f"| {measured / MIB:,.1f} "
                     f"| {error:+.1%} | {'yes' if abs(error) <= GOAL else '**no**'} |"
                 )
                 print(lines[-1], flush=True)

@@ -107,6 +107,8 @@ if [ "$PART" = 3 ]; then  # after CUDA graphs for training joined auto, tune and
   [ -n "${QUICK:-}" ] && ATTENTION="example:chargpt?n_layer=2&n_embd=64"
   step 70 attention "$PY" benchmarks/attention_speed.py --device "$DEVICE" --tasks "$ATTENTION" --rounds 3 \
     --block 3 --write "attention-$DEVICE"
+  step 60 memory-math "$PY" benchmarks/memory_accuracy.py --device "$DEVICE" --models chargpt \
+    --precisions bf16-mixed --attention math --write "memory-attention-$DEVICE"
   FW_STEPS=600
   [ -n "${QUICK:-}" ] && FW_STEPS=20
   step 200 frameworks "$PY" benchmarks/frameworks.py --device "$DEVICE" --rounds 1 --tasks example:digits \

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from redline.errors import ConfigError
 from redline.memory.attention import cuda_kernel
 from redline.memory.estimate import estimate_memory
 from redline.memory.workspace import CUBLAS_WORKSPACE, CUBLASLT_WORKSPACE
@@ -25,14 +26,14 @@ class Attention(nn.Module):
     """transformers' GPT-2 calls scaled_dot_product_attention so in training: is_causal, no mask, dropout 0.1
     (a CPU runs that on its math path); ``mask`` passes an explicit boolean mask instead."""
 
-    def __init__(self, mask: torch.Tensor | None = None) -> None:
+    def __init__(self, mask: torch.Tensor | None = None, dropout: float = 0.1) -> None:
         super().__init__()
         self.qkv = nn.Linear(C, 3 * C)
-        self.mask = mask
+        self.mask, self.dropout = mask, dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.view(B, S, H, C // H).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
-        dropout = 0.1 if self.training else 0.0
+        dropout = self.dropout if self.training else 0.0
         if self.mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:
@@ -255,3 +256,38 @@ def test_convolutions_alone_hold_no_workspace_beside_the_step() -> None:
         name="conv",
     )
     assert estimate_memory(conv, batch_size=B, target="cuda").workspace == 0
+
+
+def test_a_kernel_preferred_is_traced_where_it_takes_the_call_and_math_elsewhere() -> None:
+    """`--attention KERNEL` runs the kernel on every call it takes and math on the rest: math keeps a (B, H, S, S)
+    matrix where torch's own pick kept none; flash takes no mask, so a masked call runs math where auto took the
+    memory-efficient kernel; cuDNN's is weighed as flash's."""
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+
+    def kept(body: nn.Module, precision: str, attention: str) -> int:
+        estimate = estimate_memory(task(body), batch_size=B, precision=precision, attention=attention)
+        assert estimate.attention == attention
+        return dict(estimate.top_modules)["body"]
+
+    auto = kept(Attention(), "bf16-mixed", "auto")
+    assert kept(Attention(), "bf16-mixed", "flash") == kept(Attention(), "bf16-mixed", "cudnn") == auto < MATRIX // 4
+    assert kept(Attention(), "bf16-mixed", "math") > auto + MATRIX // 2  # one bf16 matrix at least
+    assert kept(Attention(mask), "fp32", "efficient") == kept(Attention(mask), "fp32", "auto") < MATRIX // 4
+    assert kept(Attention(mask), "fp32", "flash") > 2 * MATRIX
+
+
+def test_a_cpu_step_is_traced_on_the_kernel_preferred_and_torchs_flags_come_back() -> None:
+    cuda = torch.backends.cuda
+    before = (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())
+
+    def kept(attention: str) -> int:  # no dropout: the CPU's flash kernel takes the call
+        estimate = estimate_memory(task(Attention(dropout=0.0)), batch_size=B, target="cpu", attention=attention)
+        return dict(estimate.top_modules)["body"]
+
+    assert kept("auto") == kept("flash") < MATRIX // 4
+    assert kept("math") > MATRIX
+    assert (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled()) == before
+    with pytest.raises(ConfigError, match="on a CPU use attention='flash' or attention='math'"):
+        estimate_memory(task(Attention()), batch_size=B, target="cpu", attention="cudnn")
+    with pytest.raises(ConfigError, match="did you mean attention='flash'"):
+        estimate_memory(task(Attention()), batch_size=B, attention="flsh")

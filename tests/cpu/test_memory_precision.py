@@ -12,7 +12,7 @@ import redline
 from devices import H100
 from redline.cli.main import app
 from redline.hardware.device import probe_device
-from redline.memory.fit import fit_precision
+from redline.memory.fit import fit_choices
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
@@ -25,18 +25,18 @@ def small_task() -> redline.Task:
 
 def test_auto_here_is_a_cached_measurement_else_the_rule_said_so_and_no_trial_runs(bf16_measured_faster):
     cpu = probe_device(torch.device("cpu"))
-    before = fit_precision(small_task(), "auto", cpu, here=True, batch_size=None)
+    before = fit_choices(small_task(), "auto", "auto", cpu, here=True, batch_size=None)[0]
     assert before.value == "fp32" and "not measured: an estimate runs no trial" in before.reason  # the CPU's rule
     assert bf16_measured_faster == []
     measure_auto(small_task(), RuntimeOptions(devices="cpu"), 8, 1, DistEnv(), trial="on")  # as a run measures it
-    here = fit_precision(small_task(), "auto", cpu, here=True, batch_size=8)
+    here = fit_choices(small_task(), "auto", "auto", cpu, here=True, batch_size=8)[0]
     assert here.value == "bf16-mixed" and here.reason.startswith("measured: bf16-mixed ran 1.43x fp32")
     assert "cached from" in here.reason
-    afar = fit_precision(small_task(), "auto", H100, here=False, batch_size=None)
+    afar = fit_choices(small_task(), "auto", "auto", H100, here=False, batch_size=None)[0]
     assert afar.value == "bf16-mixed" and afar.reason.endswith(
         "not measured: a trial runs on this machine's own device only"
     )
-    assert fit_precision(small_task(), "fp32", cpu, here=True, batch_size=None).reason == "requested"
+    assert fit_choices(small_task(), "fp32", "auto", cpu, here=True, batch_size=None)[0].reason == "requested"
     assert bf16_measured_faster == [["bf16-mixed"]]  # the one trial the run made; the estimates ran none
 
 
@@ -57,3 +57,20 @@ def test_the_memory_command_weighs_the_step_in_the_measured_precision(bf16_measu
     again = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
     assert "(bf16-mixed: measured: bf16-mixed ran 1.43x fp32" in " ".join(again.stderr.split()), again.stderr
     assert json.loads(again.stdout)["rows"][0]["estimate"]["precision"] == "bf16-mixed"
+
+
+def test_the_memory_command_weighs_the_attention_kernel_asked_for():
+    """Math attention keeps the (batch, heads, seq, seq) weights for backward, which the CPU's flash kernel (torch's
+    pick without dropout) does not: a step weighed on math holds more, and the table's title says the kernel."""
+    base = ["memory", "--task", "example:chargpt", "--task-arg", "n_layer=1", "--task-arg", "max_chars=20000"]
+    weighed = {}
+    for kernel in ("auto", "math"):
+        result = CliRunner().invoke(app, [*base, "--attention", kernel, "--json"])
+        assert result.exit_code == 0, result.output
+        weighed[kernel] = json.loads(result.stdout)["rows"][0]["estimate"]
+        assert weighed[kernel]["attention"] == kernel
+    heads, block, batch = 4, 64, 32  # chargpt's defaults: one fp32 (batch, heads, block, block) matrix
+    assert weighed["math"]["activations"] > weighed["auto"]["activations"] + batch * heads * block * block * 4 // 2
+    table = CliRunner().invoke(app, [*base, "--attention", "math"])
+    assert "one training step at batch 32, fp32, math attention" in " ".join(table.stdout.split())
+    assert "math attention: requested: math for every call" in " ".join(table.stderr.split())

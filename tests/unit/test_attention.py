@@ -13,6 +13,7 @@ from redline.bench.tune import search_space, skipped_axes, tune
 from redline.errors import ConfigError
 from redline.examples.gpt import GPT, GPTConfig
 from redline.hardware.device import DeviceFacts, probe_device
+from redline.memory.fit import fit_choices
 from redline.parallel.env import DistEnv
 from redline.plan.attention import resolve_attention
 from redline.runtime import attention as attention_module
@@ -229,7 +230,13 @@ def test_the_trial_measures_a_precision_with_the_kernels_of_the_models_attention
     again = measure_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, 5000, DistEnv(), trial="auto")
     assert len(math_wins) == 1  # read from the cache, kernel and all
     assert again["attention"].value == "math" and "cached from" in again["attention"].reason
-    assert recall_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, DistEnv()).value == "bf16-mixed"  # precision
+    recalled = recall_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, DistEnv())  # as `redline memory` reads it
+    assert (recalled["precision"].value, recalled["attention"].value) == ("bf16-mixed", "math")
+    memory_cpu = probe_device(HERE)
+    precision, kernel = fit_choices(gpt_task(), "auto", "auto", memory_cpu, here=True, batch_size=8)
+    assert (precision.value, kernel.value) == ("bf16-mixed", "math") and "cached from" in kernel.reason
+    assert fit_choices(gpt_task(), "auto", "auto", H100, here=False, batch_size=8)[1].value == "auto"
+    assert len(math_wins) == 1  # an estimate runs no trial
 
 
 def test_no_kernel_is_timed_for_a_model_without_attention_or_one_whose_kernel_is_given(math_wins):

@@ -250,6 +250,17 @@ TRAIN_DIGITS = ["train", "--task", "example:digits"]
             "--precision='bf16-mixed'",
             "use --precision 'fp16-mixed'",
         ),
+        (["memory", "--task", "example:digits", "--attention", "cudnn"], "--attention='cudnn'", "--attention 'math'"),
+        (
+            ["memory", "--task", "example:digits", "--gpu", "t4", "--attention", "flash"],
+            "--attention='flash'",
+            "use --attention 'efficient'",
+        ),
+        (
+            ["memory", "--task", "example:digits", "--attention", "flsh", "--measure"],
+            "--attention='flsh'",
+            "did you mean --attention 'flash'?",
+        ),
         ([*TRAIN_DIGITS, "--precision", "bf16"], "--precision='bf16'", "did you mean --precision 'bf16-mixed'?"),
         ([*TRAIN_DIGITS, "--strategy", "ddpp"], "--strategy='ddpp'", "did you mean --strategy 'ddp'?"),
         ([*TRAIN_DIGITS, "--compile", "maybe"], "--compile='maybe'", "e.g. --compile 'auto'"),

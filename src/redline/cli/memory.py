@@ -21,7 +21,7 @@ from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes
-from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_memory, fit_precision, gpu_facts
+from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_choices, fit_memory, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
 from redline.render.console import output_console, print_uncut
@@ -37,6 +37,13 @@ def memory(
     batch_size: Annotated[int | None, count("Global batch size (default: the task's own).")] = None,
     precision: Annotated[
         str, typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed (auto: what a run on the device picks).")
+    ] = "auto",
+    attention: Annotated[
+        str,
+        typer.Option(
+            help="auto, flash, efficient, cudnn or math: the attention kernel the run prefers (auto: what a run on the "
+            "device picks; math keeps the attention weights for backward)."
+        ),
     ] = "auto",
     gpu: Annotated[
         str | None,
@@ -95,26 +102,34 @@ def memory(
         )
     loaded = load_given_task(task, task_arg)
     if weighed is None:
-        _measure(loaded, precision, start or 1, max_batch_size, json_output)
+        _measure(loaded, precision, attention, start or 1, max_batch_size, json_output)
         return
     device, facts, mem = weighed
-    with said_by_flags(precision="--precision"):
-        chosen = fit_precision(loaded, precision, facts, here=gpu is None and mem_gib is None, batch_size=batch_size)
-    Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({chosen.value}: {chosen.reason})")
+    here = gpu is None and mem_gib is None
+    with said_by_flags(precision="--precision", attention="--attention"):
+        chosen, kernel = fit_choices(loaded, precision, attention, facts, here=here, batch_size=batch_size)
+    said = f"{chosen.value}: {chosen.reason}"
+    if kernel.value != "auto" and kernel.reason != chosen.reason:  # a trial's one reason says both
+        said += f"; {kernel.value} attention: {kernel.reason}"
+    Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({said})", highlight=False, markup=False)
     result = fit_memory(
         loaded, device=device, mem_gib=mem, target=facts.type, batch_size=batch_size,
-        precision=chosen.value, gpus=8 if gpus is None else gpus,
+        precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
     )  # fmt: skip
     _print(result, json_output)
 
 
-def _measure(task: Task, precision: str, start: int, max_batch_size: int | None, json_output: bool) -> None:
+def _measure(
+    task: Task, precision: str, attention: str, start: int, max_batch_size: int | None, json_output: bool
+) -> None:
     """Search this machine's device for the largest batch that trains; every rank searches, the first prints."""
     Console(stderr=True).print(f"running training steps of {task.name} at growing batch sizes")
-    flags = said_by_flags(start="--start", max_batch_size="--max-batch-size", precision="--precision")
+    flags = said_by_flags(
+        start="--start", max_batch_size="--max-batch-size", precision="--precision", attention="--attention"
+    )
     with flags, stopped_by_signal("measuring batch sizes", _found_so_far):
-        search = find_batch_size(task, options=RuntimeOptions.build(None, precision=precision), start=start,
-                                 max_batch_size=max_batch_size)  # fmt: skip
+        options = RuntimeOptions.build(None, precision=precision, attention=attention)
+        search = find_batch_size(task, options=options, start=start, max_batch_size=max_batch_size)
     if read_env().rank != 0:
         return
     # the search speaks of its argument, the user typed its flag: "the cap (--max-batch-size 64)"

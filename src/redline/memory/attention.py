@@ -7,7 +7,9 @@ traced so. On CUDA the flash and memory-efficient kernels keep only the output, 
 (batch, heads, seq) in fp32 and the dropout RNG's seed and offset; nothing of seq x seq size. So, when the
 step is traced for CUDA, ``fused_attention`` runs the kernel CUDA would choose, as its fake-tensor kernel,
 in place of the CPU's: flash for fp16/bf16 without a mask, memory-efficient for fp32 or with a mask, and
-the call as it was where neither applies (CUDA takes the math path there too).
+the math path where neither applies (as CUDA does; not the CPU's pick, whose flash kernel takes calls CUDA's does
+not). A run that prefers a kernel (`--attention KERNEL`) is traced on it where it takes the call, and on the math
+path elsewhere, as it runs.
 
 The rules follow torch's own choice (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
 ``select_sdp_backend``; attention.cpp, ``scaled_dot_product_attention``) on an Ampere or newer GPU. Where
@@ -17,7 +19,6 @@ statistics in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -26,13 +27,20 @@ import torch.nn.functional as F
 Kernel = Literal["flash", "efficient"]
 
 _aten = torch.ops.aten
+# The fused kernels tried for a call, in order, for each kernel a run may prefer; math where none takes it.
+_TRIED: dict[str, tuple[Kernel, ...]] = {
+    "auto": ("flash", "efficient"),
+    "flash": ("flash",),
+    "cudnn": ("flash",),  # weighed as flash: it keeps what flash keeps
+    "efficient": ("efficient",),
+}
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # the dtypes autocast and the fused kernels treat as low
 _FLASH_HEAD_DIM = 256  # flash's largest head dimension (sdp_utils.cpp, check_head_dim_size_flash)
 _MASK_ALIGNMENT = 8  # the memory-efficient kernel's mask rows start on 8 elements (attention.cpp, preprocess_mask)
 
 
 def fused_attention(
-    sdpa: Callable[..., torch.Tensor],
+    preferred: str,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -42,15 +50,17 @@ def fused_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """The attention output, computed by the kernel CUDA would choose, else by ``sdpa`` itself."""
+    """The attention output, computed by the kernel CUDA runs for the call where ``preferred`` is "auto", by the
+    kernel ``preferred`` where it takes the call, else by the math path (what `--attention KERNEL` runs)."""
     query, key, value = _autocast(query), _autocast(key), _autocast(value)
     attn_mask = _autocast(attn_mask) if attn_mask is not None else None
-    kernel = cuda_kernel(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    kernel = cuda_kernel(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, preferred=preferred)
     if kernel == "flash":
         return _flash(query, key, value, dropout_p, is_causal, scale)
     if kernel == "efficient":
         return _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale)
-    return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    math_path = _aten._scaled_dot_product_attention_math  # not the CPU's pick: its flash takes calls CUDA's does not
+    return math_path(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 def cuda_kernel(
@@ -61,36 +71,50 @@ def cuda_kernel(
     *,
     is_causal: bool,
     enable_gqa: bool,
+    preferred: str = "auto",
 ) -> Kernel | None:
-    """The fused kernel CUDA runs for these inputs ("flash", "efficient"), or None where it takes the math path."""
+    """The fused kernel CUDA runs for these inputs ("flash", "efficient"), or None where it takes the math path:
+    torch's pick where ``preferred`` is "auto", else the kernel preferred where it takes them. cuDNN's is weighed
+    as flash: it keeps what flash keeps, and is taken where flash is."""
     tensors = (query, key, value)
     if any(t.dim() != 4 or t.is_nested or t.stride(-1) != 1 for t in tensors):
         return None
     if len({t.dtype for t in tensors}) > 1 or len({t.size(0) for t in tensors}) > 1:
         return None
+    order = _TRIED.get(preferred, ())  # math: none
+    return next((k for k in order if _takes(k, query, key, value, attn_mask, is_causal, enable_gqa)), None)
+
+
+def _takes(
+    kernel: Kernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> bool:
     dtype, heads, head_dim = query.dtype, query.size(1), query.size(-1)
     same_heads = key.size(1) == heads and value.size(1) == heads
-    grouped = enable_gqa and heads % key.size(1) == 0 and heads % value.size(1) == 0
-    if (
-        dtype in LOW_PRECISION
-        and attn_mask is None
-        and key.size(-1) == head_dim == value.size(-1) <= _FLASH_HEAD_DIM
-        and not (is_causal and query.size(-2) != key.size(-2))
-        and (same_heads or grouped)
-    ):
-        return "flash"
+    if kernel == "flash":
+        grouped = enable_gqa and heads % key.size(1) == 0 and heads % value.size(1) == 0
+        return (
+            dtype in LOW_PRECISION
+            and attn_mask is None
+            and key.size(-1) == head_dim == value.size(-1) <= _FLASH_HEAD_DIM
+            and not (is_causal and query.size(-2) != key.size(-2))
+            and (same_heads or grouped)
+        )
     # 16 bytes in elements, for tensor cores (sdp_utils.cpp, minimum_gemm_alignment)
     alignment = 8 if dtype in LOW_PRECISION else 4
-    if (
+    return (
         dtype in (*LOW_PRECISION, torch.float32)
         and key.size(-1) == head_dim
         and head_dim % alignment == 0
         and value.size(-1) % alignment == 0
         and same_heads
         and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, dtype))
-    ):
-        return "efficient"
-    return None
+    )
 
 
 def _autocast(tensor: torch.Tensor) -> torch.Tensor:

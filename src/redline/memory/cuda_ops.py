@@ -39,8 +39,12 @@ class CudaOps(AttentionMode):
     """Run attention (the calls inside ``nn.MultiheadAttention`` too), dropout and the ops CUDA's autocast puts in
     fp32 as a CUDA step runs them."""
 
+    def __init__(self, attention: str = "auto") -> None:
+        super().__init__()
+        self.attention = attention  # the kernel the run prefers ("auto": torch's pick per call)
+
     def attend(self, sdpa: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        return fused_attention(sdpa, *args, **kwargs)
+        return fused_attention(self.attention, *args, **kwargs)
 
     def other(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         handler = _HANDLERS.get(func)

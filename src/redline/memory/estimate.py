@@ -34,7 +34,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -59,8 +59,10 @@ from redline.memory.trace import LiveBytes, retained_by_module
 from redline.memory.workspace import MatmulThreads
 from redline.parallel.blocks import find_blocks
 from redline.plan import Choice
+from redline.plan.attention import AttentionRequest, check_attention
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS
+from redline.runtime.attention import prefer_kernel
 from redline.runtime.checkpointing import apply_checkpointing
 from redline.runtime.contract import split_batch, user_line
 from redline.runtime.loss import check_loss
@@ -95,6 +97,7 @@ class MemoryEstimate:
     strategy: str
     world_size: int
     activation_checkpointing: bool
+    attention: str = "auto"
     params: int
     buffers: int = 0
     gradients: int
@@ -129,6 +132,7 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     target: str = "cuda",
     cpu_isa: CpuIsa | None = None,
+    attention: str = "auto",
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``task`` on one device of ``target`` ("cuda" or "cpu").
 
@@ -137,7 +141,9 @@ def estimate_memory(
     the fused implementation redline picks there. On "cpu", ``cpu_isa`` is the CPU's instruction set (as
     ``DeviceFacts.cpu_isa``), which decides the layout of a convolutional model (channels_last for bf16 on
     AMX); None takes this machine's, as a Runtime here would (``REDLINE_CPU`` fakes it), and a note says
-    which. Nothing is allocated on any device.
+    which. ``attention`` is the kernel the run prefers, as ``RuntimeOptions.attention``: "auto" traces torch's pick
+    per call on the target, a kernel named runs every call it takes and math the rest (math keeps the
+    (batch, heads, seq, seq) attention weights for backward). Nothing is allocated on any device.
     """
     task = require_task(task)
     batch_size = task.batch_size if batch_size is None else batch_size
@@ -159,6 +165,9 @@ def estimate_memory(
     one_of("target", target, get_args(Target))
     if cpu_isa is not None:
         one_of("cpu_isa", cpu_isa, CPU_ISAS)
+    one_of("attention", attention, get_args(AttentionRequest))
+    if target == "cpu":
+        check_attention(attention, DeviceFacts(type="cpu", name="a CPU"))
     if strategy == "single" and world_size > 1:
         raise invalid("world_size", world_size, "1 with strategy='single'", "use strategy='ddp' or 'fsdp'")
     if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
@@ -176,6 +185,7 @@ def estimate_memory(
         optimizer=optimizer or task.optimizer,
         activation_checkpointing=activation_checkpointing,
         device=device_facts(target, cpu_isa),
+        attention=attention,
     )
     sparse = trace.pop("sparse_gradients")
     layout = trace.pop("channels_last")
@@ -188,6 +198,7 @@ def estimate_memory(
         strategy=strategy,
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
+        attention=attention,
         notes=_notes(precision, target, strategy, sparse, layout) + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
@@ -204,11 +215,12 @@ def trace_step(
     optimizer: OptimizerFactory,
     activation_checkpointing: bool,
     device: DeviceFacts,
+    attention: str = "auto",
 ) -> dict[str, Any]:
     """Run two training steps of ``task`` on fake tensors, as the Runtime would run them on ``device`` (its
     optimizer implementation, its moment to free gradients, on a CPU its layout and the copies its kernels make,
-    on CUDA its kernels and autocast); return the second step's peak and its parts, the workspaces the device
-    holds beside them, and the layout chosen (``channels_last``)."""
+    on CUDA its kernels and autocast, and the ``attention`` kernel it prefers); return the second step's peak and
+    its parts, the workspaces the device holds beside them, and the layout chosen (``channels_last``)."""
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     threads = MatmulThreads()
@@ -222,7 +234,7 @@ def trace_step(
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
     if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
         check_trainable(built)
-    with mode, tracker, _device_kernels(cuda, threads), _tracing(task):
+    with mode, tracker, _device_kernels(cuda, threads, attention), _tracing(task):
         model = fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
         layout = cpu_layout(model, precision, device)
@@ -231,7 +243,7 @@ def trace_step(
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
         if activation_checkpointing:
-            _checkpoint_blocks(model, cuda)
+            _checkpoint_blocks(model, cuda, attention)
         model.train()
         opt = optimizer(model.parameters())
         if precision == "fp16-mixed":  # a .half() model: refused as the run refuses it
@@ -358,7 +370,7 @@ def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int, chann
     return fake
 
 
-def _checkpoint_blocks(model: nn.Module, cuda: bool) -> None:
+def _checkpoint_blocks(model: nn.Module, cuda: bool, attention: str) -> None:
     blocks = find_blocks(model)
     if not blocks:
         raise ConfigError(
@@ -367,24 +379,25 @@ def _checkpoint_blocks(model: nn.Module, cuda: bool) -> None:
         )
     if cuda:  # a recomputation runs in backward, where torch enters no torch-function mode: each block enters CudaOps
         for _, block in blocks:
-            block.forward = functools.partial(_as_on_cuda, block.forward)
+            block.forward = functools.partial(_as_on_cuda, attention, block.forward)
     apply_checkpointing(model, blocks)
 
 
 @contextmanager
-def _device_kernels(cuda: bool, threads: MatmulThreads) -> Iterator[None]:
-    """For a CUDA step, run the ops CUDA runs its own way as CUDA does and note the threads that multiply; for a
-    CPU step, count the copies the CPU's kernels make (memory/cpu_ops.py). Entered above the tracker."""
+def _device_kernels(cuda: bool, threads: MatmulThreads, attention: str) -> Iterator[None]:
+    """For a CUDA step, run the ops CUDA runs its own way as CUDA does (attention on ``attention``'s kernel) and
+    note the threads that multiply; for a CPU step, count the copies the CPU's kernels make (memory/cpu_ops.py),
+    its attention on the kernel preferred as a run prefers it. Entered above the tracker."""
     if not cuda:
-        with CpuKernels():
+        with CpuKernels(), prefer_kernel(attention) if attention != "auto" else nullcontext():
             yield
         return
-    with threads, CudaOps():
+    with threads, CudaOps(attention):
         yield
 
 
-def _as_on_cuda(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with CudaOps():
+def _as_on_cuda(attention: str, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with CudaOps(attention):
         return forward(*args, **kwargs)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -21,6 +22,7 @@ from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
 from redline.parallel.env import read_env
 from redline.plan import Choice
+from redline.plan.attention import DEFAULT, AttentionRequest, resolve_attention
 from redline.plan.precision import resolve_precision
 from redline.runtime.measure import recall_auto
 from redline.runtime.options import RuntimeOptions
@@ -182,28 +184,41 @@ class MemoryFit:
         }
 
 
-def fit_precision(task: Task, precision: str, facts: DeviceFacts, *, here: bool, batch_size: int | None) -> Choice[str]:
-    """The precision to weigh ``task``'s step in on the device of ``facts``: ``precision`` as given, or auto's.
+def fit_choices(
+    task: Task, precision: str, attention: str, facts: DeviceFacts, *, here: bool, batch_size: int | None
+) -> tuple[Choice[str], Choice[str]]:
+    """The precision and the attention kernel to weigh ``task``'s step in on the device of ``facts``: each as given,
+    or auto's (the kernel's value is "auto" where torch picks per call).
 
     Where the device is this machine's own (``here``), auto is what a run of the task at this batch measured,
-    as `redline train` runs it, where a trial of it is cached (runtime/measure.py). An estimate runs no trial:
-    it is made to learn whether a step fits before one runs, and a trial would run steps, on the GPU too.
-    On a GPU weighed from afar (a catalog's, a memory size) no trial can have run: the rule, which says so.
+    as `redline train` runs it, where a trial of it is cached (runtime/measure.py): the precision, and the kernel
+    where the trial timed the kernels too. An estimate runs no trial: it is made to learn whether a step fits
+    before one runs, and a trial would run steps, on the GPU too. On a GPU weighed from afar (a catalog's, a memory
+    size) no trial can have run: the rule, which says so.
     """
     chosen: Choice[str] = resolve_precision(precision, facts)
+    kernel = _as_requested(resolve_attention(attention, facts))  # a kernel the device lacks is refused, before a trace
     if precision != "auto":
-        return chosen
+        return chosen, kernel
     if not here:
-        return Choice(chosen.value, f"{chosen.reason}; not measured: a trial runs on this machine's own device only")
-    options = RuntimeOptions(devices=facts.type)
+        afar = "not measured: a trial runs on this machine's own device only"
+        return Choice(chosen.value, f"{chosen.reason}; {afar}"), kernel
+    options = RuntimeOptions(devices=facts.type, attention=cast(AttentionRequest, attention))
     recalled = recall_auto(task, options, batch_size or task.batch_size, read_env())
-    if recalled is not None:
-        return recalled
-    return Choice(
+    if recalled:
+        timed = recalled.get("attention")
+        return recalled["precision"], _as_requested(timed) if timed is not None else kernel
+    unmeasured = Choice(
         chosen.value,
         f"{chosen.reason}; not measured: an estimate runs no trial (`redline memory --measure`, or a `redline train` "
         "of this task, measures one, which later estimates use)",
     )
+    return unmeasured, kernel
+
+
+def _as_requested(kernel: Choice[str]) -> Choice[str]:
+    """The Plan's attention value as a run asks for it: "auto" where torch picks per call."""
+    return Choice("auto" if kernel.value == DEFAULT else kernel.value, kernel.reason)
 
 
 def fit_memory(
@@ -215,11 +230,12 @@ def fit_memory(
     batch_size: int | None = None,
     precision: str = "fp32",
     gpus: int = 8,
+    attention: str = "auto",
 ) -> MemoryFit:
     """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
-    GPUs) sharded by FSDP over ``gpus``; each with the largest batch predicted to fit, up to the training
-    set's size (a batch never holds more, and tracing far past it can take long: a batch of items that are
-    not tensors is collated for real)."""
+    GPUs) sharded by FSDP over ``gpus``, its attention on the ``attention`` kernel; each with the largest batch
+    predicted to fit, up to the training set's size (a batch never holds more, and tracing far past it can take
+    long: a batch of items that are not tensors is collated for real)."""
     task = require_task(task)
     batch = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch)  # before any trace: 0 would be traced as 1 sample, or as the ranks' number
@@ -232,7 +248,7 @@ def fit_memory(
     cap = data_size(task.train_data)
     model = meta_model(task)
     has_blocks = bool(find_blocks(model))
-    one_sample = _one_sample_fails(task, model, precision, target)  # BatchNorm normalises no single value
+    one_sample = _one_sample_fails(task, model, precision, target, attention)  # BatchNorm normalises no single value
     per_rank = 2 if one_sample else 1
     ways: list[tuple[str, str, int, bool]] = [("as it stands", "single", 1, False)]
     if has_blocks:
@@ -246,7 +262,7 @@ def fit_memory(
     for label, strategy, world, checkpointing in ways:
         estimate_at = functools.partial(
             estimate_memory, task, precision=precision, strategy=strategy, world_size=world,
-            activation_checkpointing=checkpointing, target=target,
+            activation_checkpointing=checkpointing, target=target, attention=attention,
         )  # fmt: skip
         least = world * per_rank  # the smallest batch a run of this row trains on
         first = estimate_at(batch_size=max(batch, least))
@@ -289,14 +305,14 @@ def fit_memory(
     )
 
 
-def _one_sample_fails(task: Task, model: nn.Module, precision: str, target: str) -> str:
+def _one_sample_fails(task: Task, model: nn.Module, precision: str, target: str, attention: str) -> str:
     """The error a training step of one sample meets, where the model has BatchNorm layers, else "": in training
     BatchNorm refuses a single value per channel (a BatchNorm1d on one sample), which no batch size of the rows
     may ask of it; a BatchNorm2d over an image has values enough, and one sample traces."""
     if not any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
         return ""
     try:
-        estimate_memory(task, batch_size=1, precision=precision, target=target)
+        estimate_memory(task, batch_size=1, precision=precision, target=target, attention=attention)
     except TrainingError as exc:  # an error of the model's own; if a larger batch meets it too, that trace says so
         return describe_error(exc)
     return ""

@@ -12,7 +12,8 @@ GIB = 2**30
 def memory_tables(result: MemoryFit) -> list[Table]:
     """The breakdown of the first row's estimate, its largest modules, and every row against the device."""
     first = result.rows[0].estimate
-    parts = titled_table(f"{result.task}: one training step at batch {first.batch_size}, {first.precision}")
+    kernel = f", {first.attention} attention" if first.attention != "auto" else ""
+    parts = titled_table(f"{result.task}: one training step at batch {first.batch_size}, {first.precision}{kernel}")
     parts.add_column("part")
     parts.add_column("memory", justify="right")
     for name, count in (

@@ -113,12 +113,13 @@ def repaid_rounds(candidates: Sequence[Any], planned_steps: float) -> int:
     return max(fits, default=0)
 
 
-def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> Choice[str] | None:
-    """The precision a trial cached for this run's auto (as ``measure_auto`` would read it), else None: a reader
-    that must not run steps (an estimate of memory, made before the step is known to fit) takes no more."""
+def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> dict[str, Choice[str]]:
+    """The "auto" choices a trial cached for this run (as ``measure_auto`` would read them: ``"precision"``, and
+    ``"attention"`` where it timed the kernels), else {}: a reader that must not run steps (an estimate of memory,
+    made before the step is known to fit) takes no more."""
     work = _workload(options, batch_size, env)
     found = _measure(task, work, True, lambda names: ROUNDS) if work is not None else None
-    return Choice(form_parts(found[0].value)[0], found[0].reason) if found is not None else None
+    return work.choices(found[0], kernels=found[1]) if work is not None and found is not None else {}
 
 
 @dataclass(frozen=True)
