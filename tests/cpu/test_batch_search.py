@@ -330,7 +330,7 @@ def test_a_search_stopped_by_ctrl_c_keeps_the_sizes_it_ran_and_the_command_says_
 
     monkeypatch.setattr(memory_cli, "find_batch_size", stopped_search)
     with pytest.raises(StoppedBySignal) as said:
-        memory_cli._measure(limited_task(6, "forward"), "fp32", 1, None, json_output=False)
+        memory_cli._measure(limited_task(6, "forward"), "fp32", "auto", 1, None, json_output=False)
     assert str(said.value) == (
         "stopped by Ctrl-C while measuring batch sizes: the largest batch that trained so far is 4 (1 trained, "
         "2 trained, 4 trained); a larger one may train too"
