@@ -2,6 +2,7 @@
 calls, searched by `redline tune`, kept by a tuned Plan and a resumed run."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from redline.memory.fit import fit_choices
 from redline.parallel.env import DistEnv
 from redline.plan.attention import resolve_attention
 from redline.runtime import attention as attention_module
-from redline.runtime import measure
+from redline.runtime import attention_mode, measure
 from redline.runtime.attention import (
     attention_calls,
     attention_kernels,
@@ -566,3 +567,94 @@ class _Called(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attention(x, x, x, need_weights=self.need_weights)[0]
+
+
+class _Counting(attention_mode.AttentionMode):
+    """Counts the calls it sees; ``stop`` runs them itself, as the memory trace's mode does, without the function."""
+
+    def __init__(self, *, stop: bool = False) -> None:
+        super().__init__()
+        self.seen, self.stop = 0, stop
+
+    def attend(self, sdpa, *args, **kwargs):
+        self.seen += 1
+        if self.stop:
+            return torch.zeros_like(args[0])
+        return sdpa(*args, **kwargs)
+
+
+class _MhaThenDirect(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.attention(x, x, x, need_weights=False)[0]
+        q = y.view(4, 8, 2, 8).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_modes_stacked_each_see_both_kinds_of_call_in_their_order(stop):
+    model, x = _MhaThenDirect(), torch.randn(4, 8, 16)
+    lower = _Counting(stop=stop)
+    with torch.no_grad(), lower, attention_module.recording() as calls:  # the recorder on top sees each call first
+        model(x)
+    assert len(calls) == 2 and lower.seen == 2
+    assert torch.nn.functional.scaled_dot_product_attention is attention_mode.TORCH_SDPA
+
+
+def test_another_threads_attention_runs_on_torchs_function_while_a_window_is_open():
+    started, other_done = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    class Waiting(attention_mode.AttentionMode):
+        def attend(self, sdpa, *args, **kwargs):
+            seen.append(threading.current_thread().name)
+            started.set()
+            other_done.wait(timeout=30)
+            return sdpa(*args, **kwargs)
+
+    mha, x = nn.MultiheadAttention(16, 2, batch_first=True), torch.randn(4, 8, 16)
+
+    def run() -> None:
+        with torch.no_grad(), Waiting():
+            mha(x, x, x, need_weights=False)
+
+    worker = threading.Thread(target=run, name="windowed")
+    worker.start()
+    assert started.wait(timeout=30)
+    assert torch.nn.functional.scaled_dot_product_attention is not attention_mode.TORCH_SDPA  # the window is open
+    q = torch.randn(2, 2, 8, 8)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q)  # this thread's: no mode of its own
+    other_done.set()
+    worker.join(timeout=30)
+    assert seen == ["windowed"] and out.shape == q.shape
+    assert torch.nn.functional.scaled_dot_product_attention is attention_mode.TORCH_SDPA
+
+
+def test_windows_closed_out_of_order_on_two_threads_give_fs_name_back():
+    first_open, second_open, first_closed = threading.Event(), threading.Event(), threading.Event()
+    held: list[bool] = []
+
+    def first() -> None:
+        attention_mode._open(lambda sdpa, *a, **k: sdpa(*a, **k))
+        first_open.set()
+        second_open.wait(timeout=30)
+        attention_mode._close()  # closes before the window opened after it
+        first_closed.set()
+
+    def second() -> None:
+        first_open.wait(timeout=30)
+        attention_mode._open(lambda sdpa, *a, **k: sdpa(*a, **k))
+        second_open.set()
+        first_closed.wait(timeout=30)
+        held.append(torch.nn.functional.scaled_dot_product_attention is not attention_mode.TORCH_SDPA)  # still open
+        attention_mode._close()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert held == [True] and torch.nn.functional.scaled_dot_product_attention is attention_mode.TORCH_SDPA

@@ -19,28 +19,31 @@ statistics in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-Kernel = Literal["flash", "efficient"]
+Kernel = Literal["flash", "efficient", "cudnn"]
 
 _aten = torch.ops.aten
 # The fused kernels tried for a call, in order, for each kernel a run may prefer; math where none takes it.
 _TRIED: dict[str, tuple[Kernel, ...]] = {
     "auto": ("flash", "efficient"),
     "flash": ("flash",),
-    "cudnn": ("flash",),  # weighed as flash: it keeps what flash keeps
+    "cudnn": ("cudnn",),
     "efficient": ("efficient",),
 }
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # the dtypes autocast and the fused kernels treat as low
 _FLASH_HEAD_DIM = 256  # flash's largest head dimension (sdp_utils.cpp, check_head_dim_size_flash)
+_CUDNN_HEAD_DIM = 128  # cuDNN's, but on the newest GPUs and cuDNN (sdp_utils.cpp, check_cudnn_tensor_shapes)
 _MASK_ALIGNMENT = 8  # the memory-efficient kernel's mask rows start on 8 elements (attention.cpp, preprocess_mask)
 
 
 def fused_attention(
     preferred: str,
+    sdpa: Callable[..., torch.Tensor],
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -51,16 +54,21 @@ def fused_attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """The attention output, computed by the kernel CUDA runs for the call where ``preferred`` is "auto", by the
-    kernel ``preferred`` where it takes the call, else by the math path (what `--attention KERNEL` runs)."""
+    kernel ``preferred`` where it takes the call, else by the math path (what `--attention KERNEL` runs). Nested
+    inputs run on ``sdpa`` itself."""
+    if any(t.is_nested for t in (query, key, value)):
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     query, key, value = _autocast(query), _autocast(key), _autocast(value)
     attn_mask = _autocast(attn_mask) if attn_mask is not None else None
-    kernel = cuda_kernel(query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, preferred=preferred)
-    if kernel == "flash":
+    kernel = cuda_kernel(
+        query, key, value, attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, dropout_p=dropout_p,
+        preferred=preferred,
+    )  # fmt: skip
+    if kernel in ("flash", "cudnn"):  # cuDNN's keeps what flash keeps: the output and (batch, heads, seq) statistics
         return _flash(query, key, value, dropout_p, is_causal, scale)
     if kernel == "efficient":
         return _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale)
-    math_path = _aten._scaled_dot_product_attention_math  # not the CPU's pick: its flash takes calls CUDA's does not
-    return math_path(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def cuda_kernel(
@@ -71,50 +79,68 @@ def cuda_kernel(
     *,
     is_causal: bool,
     enable_gqa: bool,
+    dropout_p: float = 0.0,
     preferred: str = "auto",
 ) -> Kernel | None:
-    """The fused kernel CUDA runs for these inputs ("flash", "efficient"), or None where it takes the math path:
-    torch's pick where ``preferred`` is "auto", else the kernel preferred where it takes them. cuDNN's is weighed
-    as flash: it keeps what flash keeps, and is taken where flash is."""
+    """The fused kernel CUDA runs for these inputs ("flash", "efficient", "cudnn"), or None where it takes the math
+    path: torch's pick where ``preferred`` is "auto", else the kernel preferred where it takes them. cuDNN's is
+    weighed as taking less than torch lets it (no mask; head dimensions of 128 at most, a multiple of 8; a dropout
+    in sixteenths): where it is refused, math runs, and keeps more."""
     tensors = (query, key, value)
     if any(t.dim() != 4 or t.is_nested or t.stride(-1) != 1 for t in tensors):
         return None
     if len({t.dtype for t in tensors}) > 1 or len({t.size(0) for t in tensors}) > 1:
         return None
-    order = _TRIED.get(preferred, ())  # math: none
-    return next((k for k in order if _takes(k, query, key, value, attn_mask, is_causal, enable_gqa)), None)
-
-
-def _takes(
-    kernel: Kernel,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    enable_gqa: bool,
-) -> bool:
     dtype, heads, head_dim = query.dtype, query.size(1), query.size(-1)
     same_heads = key.size(1) == heads and value.size(1) == heads
-    if kernel == "flash":
-        grouped = enable_gqa and heads % key.size(1) == 0 and heads % value.size(1) == 0
-        return (
-            dtype in LOW_PRECISION
-            and attn_mask is None
-            and key.size(-1) == head_dim == value.size(-1) <= _FLASH_HEAD_DIM
-            and not (is_causal and query.size(-2) != key.size(-2))
-            and (same_heads or grouped)
-        )
-    # 16 bytes in elements, for tensor cores (sdp_utils.cpp, minimum_gemm_alignment)
-    alignment = 8 if dtype in LOW_PRECISION else 4
-    return (
-        dtype in (*LOW_PRECISION, torch.float32)
+    grouped = enable_gqa and heads % key.size(1) == 0 and heads % value.size(1) == 0
+    alignment = 8 if dtype in LOW_PRECISION else 4  # 16 bytes in elements, for tensor cores (minimum_gemm_alignment)
+    flash_like = (
+        dtype in LOW_PRECISION
+        and attn_mask is None
+        and key.size(-1) == head_dim == value.size(-1)
+        and not (is_causal and query.size(-2) != key.size(-2))
+    )
+    takes = {
+        "flash": flash_like and head_dim <= _FLASH_HEAD_DIM and (same_heads or grouped),
+        "cudnn": flash_like
+        and head_dim <= _CUDNN_HEAD_DIM
+        and head_dim % 8 == 0
+        and same_heads
+        and float(dropout_p * 16).is_integer(),
+        "efficient": dtype in (*LOW_PRECISION, torch.float32)
         and key.size(-1) == head_dim
         and head_dim % alignment == 0
         and value.size(-1) % alignment == 0
         and same_heads
-        and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, dtype))
-    )
+        and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, dtype)),
+    }
+    return next((kernel for kernel in _TRIED.get(preferred, ()) if takes[kernel]), None)  # math: none tried
+
+
+def _math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """The math path as CUDA runs it, not the CPU's pick (whose flash kernel takes calls CUDA's does not): autocast
+    off inside, as sdpa's own wrapper turns it off (fp16/bf16 inputs are then multiplied in fp32, and the
+    (batch, heads, seq, seq) weights kept in fp32); a boolean mask made additive first, as sdpa makes it; dropout
+    keeping a one-byte mask, as CUDA's fused dropout does (a CPU's keeps noise of the weights' dtype)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+        attn_mask = zeros.masked_fill(attn_mask.logical_not(), float("-inf"))
+    shape = (*query.shape[:-1], key.size(-2))
+    dropped = torch.empty(shape, dtype=torch.bool, device=query.device) if dropout_p > 0 else None
+    with torch.autocast("cpu", enabled=False):  # torch's warning that a dropout mask given is for testing: estimate.py
+        return _aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, dropped, scale=scale, enable_gqa=enable_gqa
+        )[0]
 
 
 def _autocast(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from redline.memory.attention import LOW_PRECISION, fused_attention
-from redline.runtime.attention import AttentionMode
+from redline.runtime.attention_mode import AttentionMode
 
 Handler = Callable[..., Any]
 
@@ -44,7 +44,7 @@ class CudaOps(AttentionMode):
         self.attention = attention  # the kernel the run prefers ("auto": torch's pick per call)
 
     def attend(self, sdpa: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        return fused_attention(self.attention, *args, **kwargs)
+        return fused_attention(self.attention, sdpa, *args, **kwargs)
 
     def other(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         handler = _HANDLERS.get(func)

@@ -13,7 +13,8 @@ What a CPU trace cannot see of a GPU, and how it is modelled:
   (einsum, addmv), so an activation that passes through them may be counted at the other width.
 - Attention and dropout are traced as CUDA's fused kernels run them (memory/cuda_ops.py, attention.py):
   attention keeps no seq x seq matrix, where a CPU's math path (taken for dropout, say) keeps several, and
-  dropout keeps a one-byte mask, where a CPU keeps noise of the input's dtype.
+  dropout keeps a one-byte mask, where a CPU keeps noise of the input's dtype. A call CUDA runs on its math
+  path (no fused kernel takes it, or the run prefers math) keeps its seq x seq weights, in fp32.
 - cuBLAS's workspaces, one per thread that runs matmuls (the caller's for the forward, autograd's for the
   backward), are not tensors of the step: the trace notes which threads multiply and ``workspace`` adds
   them (memory/workspace.py).
@@ -33,6 +34,7 @@ import dataclasses
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -392,7 +394,10 @@ def _device_kernels(cuda: bool, threads: MatmulThreads, attention: str) -> Itera
         with CpuKernels(), prefer_kernel(attention) if attention != "auto" else nullcontext():
             yield
         return
-    with threads, CudaOps(attention):
+    with threads, CudaOps(attention), warnings.catch_warnings():
+        # the math path is traced with the dropout mask CUDA keeps given to it, which torch says is for tests; the
+        # warning reaches Python when the call that entered the mode returns, so it is filtered around the step
+        warnings.filterwarnings("ignore", message="Dropout mask should only be used for testing")
         yield
 
 

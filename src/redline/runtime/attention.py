@@ -19,15 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
 from redline.errors import describe_error
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes, proc_bytes
 from redline.plan import Choice
+from redline.runtime.attention_mode import TORCH_SDPA, AttentionMode
 from redline.runtime.contract import split_batch
 from redline.runtime.precision import AUTOCAST_DTYPES
 from redline.runtime.seed import capture_rng, restore_rng
@@ -41,7 +40,6 @@ BACKENDS = {
     "math": SDPBackend.MATH,
 }
 _NAMES = {backend.value: name for name, backend in BACKENDS.items()}
-_SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever a profiler or a patch wraps F's name in
 
 
 @contextlib.contextmanager
@@ -129,45 +127,6 @@ class AttentionCall:
         query, key, value = (torch.empty(shape, device=device, dtype=dtype) for shape in self.shapes)
         mask = torch.empty(self.mask[0], device=device, dtype=self.mask[1]) if self.mask is not None else None
         return {"query": query, "key": key, "value": value, "attn_mask": mask}
-
-
-class AttentionMode(TorchFunctionMode):
-    """A torch-function mode that hands every call of ``F.scaled_dot_product_attention`` to ``attend``, those
-    ``nn.MultiheadAttention`` makes inside included (every ``nn.Transformer*`` layer's in training), and every other
-    call to ``other``. Its body runs with no mode on (torch lets a mode see the function, not what it calls) and calls
-    the attention function by F's name, so that name leads to ``attend`` while it runs."""
-
-    def attend(self, sdpa: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        return sdpa(*args, **kwargs)
-
-    def other(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return func(*args, **kwargs)
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _SDPA or func is F.scaled_dot_product_attention:
-            return self.attend(func, *args, **kwargs)
-        if func is F.multi_head_attention_forward:
-            with _named(self.attend):
-                return func(*args, **kwargs)
-        return self.other(func, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _named(attend: Callable[..., Any]) -> Iterator[None]:
-    """Lead F's name of the attention function to ``attend`` inside; the name comes back on exit, where it still
-    holds what was set here."""
-    original = F.scaled_dot_product_attention
-
-    def named(*args: Any, **kwargs: Any) -> Any:
-        return attend(original, *args, **kwargs)
-
-    F.scaled_dot_product_attention = named
-    try:
-        yield
-    finally:
-        if F.scaled_dot_product_attention is named:
-            F.scaled_dot_product_attention = original
 
 
 class _Recorder(AttentionMode):
@@ -354,7 +313,7 @@ def time_kernels(
 def _run(call: AttentionCall, device: torch.device) -> None:
     query, key, value = (torch.randn(s, device=device, dtype=call.dtype, requires_grad=True) for s in call.shapes)
     mask = torch.ones(call.mask[0], device=device, dtype=call.mask[1]) if call.mask is not None else None
-    out = _SDPA(query, key, value, attn_mask=mask, dropout_p=call.dropout_p, is_causal=call.is_causal,
+    out = TORCH_SDPA(query, key, value, attn_mask=mask, dropout_p=call.dropout_p, is_causal=call.is_causal,
                 enable_gqa=call.enable_gqa)  # fmt: skip
     out.backward(torch.ones_like(out))
 
