@@ -41,8 +41,8 @@ def memory(
     attention: Annotated[
         str,
         typer.Option(
-            help="auto, flash, efficient, cudnn or math: the attention kernel the run prefers (auto: what a run on the "
-            "device picks; math keeps the attention weights for backward)."
+            help="auto, flash, efficient, cudnn or math: the attention kernel the run prefers (auto: torch's pick per "
+            "call, or the kernel a cached trial of the task measured faster; math keeps the attention weights)."
         ),
     ] = "auto",
     gpu: Annotated[
