@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
 import warnings
@@ -121,11 +122,13 @@ class AttentionCall:
     is_causal: bool
     enable_gqa: bool
 
-    def tensors(self, device: torch.device, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """Empty inputs like the call's on ``device``, in ``dtype`` (as autocast casts them), for torch's checks."""
+    def tensors(self, device: torch.device, dtype: torch.dtype | None = None, *, grad: bool = False) -> dict[str, Any]:
+        """Inputs like the call's on ``device``, in ``dtype`` (as autocast casts them): empty for torch's checks, or
+        random and needing a gradient (``grad``) to time a forward and backward; a mask of ones."""
         dtype = dtype or self.dtype
-        query, key, value = (torch.empty(shape, device=device, dtype=dtype) for shape in self.shapes)
-        mask = torch.empty(self.mask[0], device=device, dtype=self.mask[1]) if self.mask is not None else None
+        make = functools.partial(torch.randn, requires_grad=True) if grad else torch.empty
+        query, key, value = (make(shape, device=device, dtype=dtype) for shape in self.shapes)
+        mask = torch.ones(self.mask[0], device=device, dtype=self.mask[1]) if self.mask is not None else None
         return {"query": query, "key": key, "value": value, "attn_mask": mask}
 
 
@@ -311,10 +314,8 @@ def time_kernels(
 
 
 def _run(call: AttentionCall, device: torch.device) -> None:
-    query, key, value = (torch.randn(s, device=device, dtype=call.dtype, requires_grad=True) for s in call.shapes)
-    mask = torch.ones(call.mask[0], device=device, dtype=call.mask[1]) if call.mask is not None else None
-    out = TORCH_SDPA(query, key, value, attn_mask=mask, dropout_p=call.dropout_p, is_causal=call.is_causal,
-                enable_gqa=call.enable_gqa)  # fmt: skip
+    inputs = call.tensors(device, grad=True)
+    out = TORCH_SDPA(**inputs, dropout_p=call.dropout_p, is_causal=call.is_causal, enable_gqa=call.enable_gqa)
     out.backward(torch.ones_like(out))
 
 
