@@ -16,6 +16,7 @@ from redline.memory.fit import fit_choices
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.tuned import Candidate, TunedPlan, store_tuned
 
 
 def small_task() -> redline.Task:
@@ -25,18 +26,18 @@ def small_task() -> redline.Task:
 
 def test_auto_here_is_a_cached_measurement_else_the_rule_said_so_and_no_trial_runs(bf16_measured_faster):
     cpu = probe_device(torch.device("cpu"))
-    before = fit_choices(small_task(), "auto", "auto", cpu, here=True, batch_size=None)[0]
+    before = fit_choices(small_task(), "auto", "auto", cpu, here=True, batch_size=None).precision
     assert before.value == "fp32" and "not measured: an estimate runs no trial" in before.reason  # the CPU's rule
     assert bf16_measured_faster == []
     measure_auto(small_task(), RuntimeOptions(devices="cpu"), 8, 1, DistEnv(), trial="on")  # as a run measures it
-    here = fit_choices(small_task(), "auto", "auto", cpu, here=True, batch_size=8)[0]
+    here = fit_choices(small_task(), "auto", "auto", cpu, here=True, batch_size=8).precision
     assert here.value == "bf16-mixed" and here.reason.startswith("measured: bf16-mixed ran 1.43x fp32")
     assert "cached from" in here.reason
-    afar = fit_choices(small_task(), "auto", "auto", H100, here=False, batch_size=None)[0]
+    afar = fit_choices(small_task(), "auto", "auto", H100, here=False, batch_size=None).precision
     assert afar.value == "bf16-mixed" and afar.reason.endswith(
         "not measured: a trial runs on this machine's own device only"
     )
-    assert fit_choices(small_task(), "fp32", "auto", cpu, here=True, batch_size=None)[0].reason == "requested"
+    assert fit_choices(small_task(), "fp32", "auto", cpu, here=True, batch_size=None).precision.reason == "requested"
     assert bf16_measured_faster == [["bf16-mixed"]]  # the one trial the run made; the estimates ran none
 
 
@@ -74,3 +75,48 @@ def test_the_memory_command_weighs_the_attention_kernel_asked_for():
     table = CliRunner().invoke(app, [*base, "--attention", "math"])
     assert "one training step at batch 32, fp32, math attention" in " ".join(table.stdout.split())
     assert "math attention: requested: math for every call" in " ".join(table.stderr.split())
+
+
+GPT_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+from redline.examples.gpt import GPT, GPTConfig
+
+
+def model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+
+
+def task():
+    tokens = torch.randint(0, 32, (64, 17), generator=torch.Generator().manual_seed(0))
+    loss = lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return redline.Task(model=model, loss_fn=loss, train_data=TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                        batch_size=8, name="gpt")
+"""
+
+
+def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batches_too(tmp_path):
+    """`redline train --plan auto` runs a cached tune's precision, kernel and micro-batches; so the estimate weighs
+    them, and says where they came from. An axis asked for leaves the tune out, as it does for a run."""
+    (tmp_path / "gpt_task.py").write_text(GPT_TASK)
+    spec = f"{tmp_path / 'gpt_task.py'}:task"
+    task = redline.load_task(spec)
+    best = Candidate(precision="bf16-mixed", attention="math", grad_accum=2)
+    reasons = {"precision": "tuned: 1.3x less time", "attention": "tuned: 1.3x less time", "grad_accum": "tuned"}
+    plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
+                     best=best, reasons=reasons, trials=())  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), plan, model=task.build_model())
+    result = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
+    assert result.exit_code == 0, result.output
+    estimate = json.loads(result.stdout)["rows"][0]["estimate"]
+    assert (estimate["precision"], estimate["attention"], estimate["batch_size"]) == ("bf16-mixed", "math", 4)
+    said = " ".join(result.stderr.split())
+    assert "(bf16-mixed: tuned: 1.3x less time (tuned 2026-12-05 for 100 steps)" in said, said
+    assert "splits each batch of 8 into 2 micro-batches of 4" in said
+    asked = CliRunner().invoke(app, ["memory", "--task", spec, "--attention", "flash", "--json"])
+    assert asked.exit_code == 0, asked.output
+    estimate = json.loads(asked.stdout)["rows"][0]["estimate"]
+    assert (estimate["precision"], estimate["attention"], estimate["batch_size"]) == ("fp32", "flash", 8)

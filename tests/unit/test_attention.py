@@ -234,9 +234,10 @@ def test_the_trial_measures_a_precision_with_the_kernels_of_the_models_attention
     recalled = recall_auto(gpt_task(), RuntimeOptions(devices="cpu"), 8, DistEnv())  # as `redline memory` reads it
     assert (recalled["precision"].value, recalled["attention"].value) == ("bf16-mixed", "math")
     memory_cpu = probe_device(HERE)
-    precision, kernel = fit_choices(gpt_task(), "auto", "auto", memory_cpu, here=True, batch_size=8)
-    assert (precision.value, kernel.value) == ("bf16-mixed", "math") and "cached from" in kernel.reason
-    assert fit_choices(gpt_task(), "auto", "auto", H100, here=False, batch_size=8)[1].value == "auto"
+    weighing = fit_choices(gpt_task(), "auto", "auto", memory_cpu, here=True, batch_size=8)
+    assert (weighing.precision.value, weighing.attention.value) == ("bf16-mixed", "math")
+    assert "cached from" in weighing.attention.reason
+    assert fit_choices(gpt_task(), "auto", "auto", H100, here=False, batch_size=8).attention.value == "auto"
     assert len(math_wins) == 1  # an estimate runs no trial
 
 

@@ -107,13 +107,17 @@ def memory(
     device, facts, mem = weighed
     here = gpu is None and mem_gib is None
     with said_by_flags(precision="--precision", attention="--attention"):
-        chosen, kernel = fit_choices(loaded, precision, attention, facts, here=here, batch_size=batch_size)
+        weighing = fit_choices(loaded, precision, attention, facts, here=here, batch_size=batch_size)
+    chosen, kernel = weighing.precision, weighing.attention
     said = f"{chosen.value}: {chosen.reason}"
     if kernel.value != "auto" and kernel.reason != chosen.reason:  # a trial's one reason says both
         said += f"; {kernel.value} attention: {kernel.reason}"
-    Console(stderr=True).print(f"tracing {loaded.name} on fake tensors ({said})", highlight=False, markup=False)
+    err = Console(stderr=True)
+    err.print(f"tracing {loaded.name} on fake tensors ({said})", highlight=False, markup=False)
+    if weighing.note:
+        err.print(f"note: {weighing.note}", highlight=False, markup=False)
     result = fit_memory(
-        loaded, device=device, mem_gib=mem, target=facts.type, batch_size=batch_size,
+        loaded, device=device, mem_gib=mem, target=facts.type, batch_size=weighing.micro_batch or batch_size,
         precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
     )  # fmt: skip
     _print(result, json_output)

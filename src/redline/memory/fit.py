@@ -27,6 +27,7 @@ from redline.plan.precision import resolve_precision
 from redline.runtime.measure import recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
+from redline.runtime.tuned import TunedRun, auto_tuned
 from redline.task import Task, require_task
 
 GIB = 2**30
@@ -184,36 +185,72 @@ class MemoryFit:
         }
 
 
+@dataclass(frozen=True)
+class Weighing:
+    """What a step is weighed in: the precision, the attention kernel ("auto": torch's pick per call), and the
+    micro-batch a tuned Plan splits each batch into (None: each batch runs whole), with a ``note`` that says so."""
+
+    precision: Choice[str]
+    attention: Choice[str]
+    micro_batch: int | None = None
+    note: str = ""
+
+
 def fit_choices(
     task: Task, precision: str, attention: str, facts: DeviceFacts, *, here: bool, batch_size: int | None
-) -> tuple[Choice[str], Choice[str]]:
-    """The precision and the attention kernel to weigh ``task``'s step in on the device of ``facts``: each as given,
-    or auto's (the kernel's value is "auto" where torch picks per call).
+) -> Weighing:
+    """What to weigh ``task``'s step in on the device of ``facts``: each axis as given, or as `redline train` runs
+    auto there.
 
-    Where the device is this machine's own (``here``), auto is what a run of the task at this batch measured,
-    as `redline train` runs it, where a trial of it is cached (runtime/measure.py): the precision, and the kernel
-    where the trial timed the kernels too. An estimate runs no trial: it is made to learn whether a step fits
+    Where the device is this machine's own (``here``), auto is a tuned Plan's where `redline tune` cached one for
+    this batch and both axes are auto (as ``--plan auto`` takes it: its precision, kernel and micro-batches), else
+    what a trial of the task at this batch measured where one is cached (runtime/measure.py): the precision, and the
+    kernel where the trial timed the kernels too. An estimate runs no trial: it is made to learn whether a step fits
     before one runs, and a trial would run steps, on the GPU too. On a GPU weighed from afar (a catalog's, a memory
     size) no trial can have run: the rule, which says so.
     """
     chosen: Choice[str] = resolve_precision(precision, facts)
     kernel = _as_requested(resolve_attention(attention, facts))  # a kernel the device lacks is refused, before a trace
     if precision != "auto":
-        return chosen, kernel
+        return Weighing(chosen, kernel)
     if not here:
         afar = "not measured: a trial runs on this machine's own device only"
-        return Choice(chosen.value, f"{chosen.reason}; {afar}"), kernel
+        return Weighing(Choice(chosen.value, f"{chosen.reason}; {afar}"), kernel)
+    batch = batch_size or task.batch_size
+    if attention == "auto":
+        tuned = auto_tuned(task, RuntimeOptions(devices=facts.type), batch, read_env())
+        if tuned is not None and tuned.options.precision != "auto":
+            return _tuned(tuned, batch, kernel)
     options = RuntimeOptions(devices=facts.type, attention=cast(AttentionRequest, attention))
-    recalled = recall_auto(task, options, batch_size or task.batch_size, read_env())
+    recalled = recall_auto(task, options, batch, read_env())
     if recalled:
         timed = recalled.get("attention")
-        return recalled["precision"], _as_requested(timed) if timed is not None else kernel
+        return Weighing(recalled["precision"], _as_requested(timed) if timed is not None else kernel)
     unmeasured = Choice(
         chosen.value,
         f"{chosen.reason}; not measured: an estimate runs no trial (`redline memory --measure`, or a `redline train` "
         "of this task, measures one, which later estimates use)",
     )
-    return unmeasured, kernel
+    return Weighing(unmeasured, kernel)
+
+
+def _tuned(tuned: TunedRun, batch: int, kernel: Choice[str]) -> Weighing:
+    """The axes of a tuned Plan that change what a step holds, with the tune's reasons."""
+    rows, when, options = tuned.tuning.reasons, tuned.tuning.note, tuned.options
+
+    def reason(axis: str) -> str:
+        return f"{rows[axis]['reason'] or 'tuned'} ({when})" if axis in rows else f"the tuned Plan's ({when})"
+
+    precision = Choice(str(options.precision), reason("precision"))
+    if options.attention != "auto":
+        kernel = Choice(str(options.attention), reason("attention"))
+    if tuned.batch_size == batch:
+        return Weighing(precision, kernel)
+    note = (
+        f"the tuned Plan ({when}) splits each batch of {batch} into {options.grad_accum} micro-batches of "
+        f"{tuned.batch_size}: the step is weighed at {tuned.batch_size}, and the largest batch is a micro-batch's"
+    )
+    return Weighing(precision, kernel, micro_batch=tuned.batch_size, note=note)
 
 
 def _as_requested(kernel: Choice[str]) -> Choice[str]:
