@@ -122,6 +122,21 @@ def test_fsdp_shards_the_model_states_and_ddp_holds_the_gradients() -> None:
     assert ddp.gradients >= single.params  # DDP's buckets hold them through the step
 
 
+def test_micro_batches_accumulating_a_step_hold_the_gradients_through_it_under_fsdp_unsharded() -> None:
+    task = load_task("example:chargpt", n_layer=8, n_head=2, n_embd=64, block_size=32, max_chars=20_000)
+    single = estimate_memory(task, batch_size=8, target="cuda")
+    assert single.gradients < single.params  # CUDA frees them right after the step: not all alive at its peak
+    accumulating = estimate_memory(task, batch_size=8, target="cuda", grad_accum=4)
+    assert accumulating.gradients == single.params  # fp32: one gradient per trainable parameter
+    assert accumulating.peak == single.peak + single.params - single.gradients
+    assert accumulating.grad_accum == 4 and any("accumulates 4 micro-batches" in n for n in accumulating.notes)
+    sharded = estimate_memory(task, batch_size=8, strategy="fsdp", world_size=4, target="cuda")
+    unsynced = estimate_memory(task, batch_size=8, strategy="fsdp", world_size=4, target="cuda", grad_accum=4)
+    assert sharded.gradients <= -(-single.params // 4) < unsynced.gradients == single.params
+    with pytest.raises(ConfigError, match="grad_accum"):
+        estimate_memory(task, batch_size=8, grad_accum=0)
+
+
 def test_a_given_module_is_traced_on_a_copy_and_left_as_it_was() -> None:
     model = mlp_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -115,7 +115,10 @@ def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batch
     assert (estimate["precision"], estimate["attention"], estimate["batch_size"]) == ("bf16-mixed", "math", 4)
     said = " ".join(result.stderr.split())
     assert "(bf16-mixed: tuned: 1.3x less time (tuned 2026-12-05 for 100 steps)" in said, said
-    assert "splits each batch of 8 into 2 micro-batches of 4" in said
+    assert "note: the tuned Plan (tuned 2026-12-05 for 100 steps) splits each batch of 8 into 2 micro-batches" in said
+    fit = json.loads(result.stdout)
+    assert any("each step is 2 micro-batches of 4" in note for note in fit["notes"])  # in the JSON too
+    assert estimate["grad_accum"] == 2
     asked = CliRunner().invoke(app, ["memory", "--task", spec, "--attention", "flash", "--json"])
     assert asked.exit_code == 0, asked.output
     estimate = json.loads(asked.stdout)["rows"][0]["estimate"]

@@ -639,19 +639,17 @@ def test_windows_closed_out_of_order_on_two_threads_give_fs_name_back():
     held: list[bool] = []
 
     def first() -> None:
-        attention_mode._open(lambda sdpa, *a, **k: sdpa(*a, **k))
-        first_open.set()
-        second_open.wait(timeout=30)
-        attention_mode._close()  # closes before the window opened after it
-        first_closed.set()
+        with attention_mode._window(lambda sdpa, *a, **k: sdpa(*a, **k)):
+            first_open.set()
+            second_open.wait(timeout=30)
+        first_closed.set()  # closed before the window opened after it
 
     def second() -> None:
         first_open.wait(timeout=30)
-        attention_mode._open(lambda sdpa, *a, **k: sdpa(*a, **k))
-        second_open.set()
-        first_closed.wait(timeout=30)
-        held.append(torch.nn.functional.scaled_dot_product_attention is not attention_mode.TORCH_SDPA)  # still open
-        attention_mode._close()
+        with attention_mode._window(lambda sdpa, *a, **k: sdpa(*a, **k)):
+            second_open.set()
+            first_closed.wait(timeout=30)
+            held.append(torch.nn.functional.scaled_dot_product_attention is not attention_mode.TORCH_SDPA)  # open
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for thread in threads:
@@ -659,3 +657,36 @@ def test_windows_closed_out_of_order_on_two_threads_give_fs_name_back():
     for thread in threads:
         thread.join(timeout=30)
     assert held == [True] and torch.nn.functional.scaled_dot_product_attention is attention_mode.TORCH_SDPA
+
+
+def test_a_wrapper_put_on_fs_name_and_taken_off_across_a_window_leaves_attention_working(monkeypatch):
+    """A window opens; something wraps F's name and the window closes (the wrapper keeps the name); the wrapper is
+    taken off, putting back the window's function with no window open. Calls still reach torch's function, once."""
+    functional = torch.nn.functional
+    mha, x = nn.MultiheadAttention(16, 2, batch_first=True), torch.randn(4, 8, 16)
+    with attention_mode._window(lambda sdpa, *a, **k: sdpa(*a, **k)):
+        inside = functional.scaled_dot_product_attention
+        monkeypatch.setattr(functional, "scaled_dot_product_attention", lambda *a, **k: inside(*a, **k))
+    monkeypatch.undo()  # the name leads to the window's function again, with no window open
+    q = torch.randn(2, 2, 8, 8)
+    assert functional.scaled_dot_product_attention(q, q, q).shape == q.shape
+    with torch.no_grad(), attention_module.recording() as calls:
+        mha(x, x, x, need_weights=False)  # a window opens and closes again: no call loops back to itself
+    assert len(calls) == 1
+    assert functional.scaled_dot_product_attention is attention_mode.TORCH_SDPA
+
+
+def test_a_mode_that_calls_attention_by_name_again_is_not_handed_its_own_call():
+    class ByName(attention_mode.AttentionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def attend(self, sdpa, *args, **kwargs):
+            self.seen += 1
+            return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)  # not the sdpa given
+
+    mode, mha, x = ByName(), nn.MultiheadAttention(16, 2, batch_first=True), torch.randn(4, 8, 16)
+    with torch.no_grad(), mode:
+        mha(x, x, x, need_weights=False)
+    assert mode.seen == 1

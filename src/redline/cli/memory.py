@@ -119,6 +119,7 @@ def memory(
     result = fit_memory(
         loaded, device=device, mem_gib=mem, target=facts.type, batch_size=weighing.micro_batch or batch_size,
         precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
+        grad_accum=weighing.grad_accum,
     )  # fmt: skip
     _print(result, json_output)
 

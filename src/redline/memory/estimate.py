@@ -100,6 +100,7 @@ class MemoryEstimate:
     world_size: int
     activation_checkpointing: bool
     attention: str = "auto"
+    grad_accum: int = 1
     params: int
     buffers: int = 0
     gradients: int
@@ -135,6 +136,7 @@ def estimate_memory(
     target: str = "cuda",
     cpu_isa: CpuIsa | None = None,
     attention: str = "auto",
+    grad_accum: int = 1,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``task`` on one device of ``target`` ("cuda" or "cpu").
 
@@ -145,12 +147,15 @@ def estimate_memory(
     AMX); None takes this machine's, as a Runtime here would (``REDLINE_CPU`` fakes it), and a note says
     which. ``attention`` is the kernel the run prefers, as ``RuntimeOptions.attention``: "auto" traces torch's pick
     per call on the target, a kernel named runs every call it takes and math the rest (math keeps the
-    (batch, heads, seq, seq) attention weights for backward). Nothing is allocated on any device.
+    (batch, heads, seq, seq) attention weights for backward). ``grad_accum`` micro-batches of ``batch_size`` each
+    make one step: the gradients are held through them all (under FSDP, unsharded, as it holds them until the last
+    micro-batch syncs). Nothing is allocated on any device.
     """
     task = require_task(task)
     batch_size = task.batch_size if batch_size is None else batch_size
     positive_int("batch_size", batch_size)
     positive_int("world_size", world_size)
+    positive_int("grad_accum", grad_accum)
     boolean("activation_checkpointing", activation_checkpointing)
     if precision == "auto":  # what auto picks depends on a device this function is not given
         raise invalid(
@@ -192,7 +197,7 @@ def estimate_memory(
     sparse = trace.pop("sparse_gradients")
     layout = trace.pop("channels_last")
     # The model's structure (parameter sizes, blocks), built once and only when asked about.
-    structure = meta_model(task) if strategy != "single" else None
+    structure = meta_model(task) if strategy != "single" or grad_accum > 1 else None
     estimate = MemoryEstimate(
         batch_size=batch_size,
         precision=precision,
@@ -201,10 +206,12 @@ def estimate_memory(
         world_size=world_size,
         activation_checkpointing=activation_checkpointing,
         attention=attention,
-        notes=_notes(precision, target, strategy, sparse, layout) + _uneven(batch_size, world_size, local_batch),
+        grad_accum=grad_accum,
+        notes=_notes(precision, target, strategy, sparse, layout, grad_accum)
+        + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
-    return _distributed(estimate, structure, strategy, world_size, precision)
+    return _as_run(estimate, structure, strategy, world_size, precision, grad_accum)
 
 
 @torch.inference_mode(False)  # a training step needs autograd, whatever the caller's mode
@@ -406,7 +413,9 @@ def _as_on_cuda(attention: str, forward: Callable[..., Any], *args: Any, **kwarg
         return forward(*args, **kwargs)
 
 
-def _notes(precision: str, target: str, strategy: str, sparse: bool, layout: Choice[bool]) -> tuple[str, ...]:
+def _notes(
+    precision: str, target: str, strategy: str, sparse: bool, layout: Choice[bool], grad_accum: int
+) -> tuple[str, ...]:
     notes = ["eager model: torch.compile fuses ops and usually saves activation memory"]
     if layout.value:  # the layout changes what the CPU's kernels copy; the CPU it was chosen for is said
         notes.append(f"traced channels_last (NHWC), {layout.reason}")
@@ -421,6 +430,9 @@ def _notes(precision: str, target: str, strategy: str, sparse: bool, layout: Cho
         )
     if strategy != "single":
         notes.append(f"{strategy} modelled from one process's trace")
+    if grad_accum > 1:
+        held = " (unsharded, until the last one syncs them)" if strategy == "fsdp" else ""
+        notes.append(f"each step accumulates {grad_accum} micro-batches: the gradients are held through them{held}")
     return tuple(notes)
 
 
@@ -434,20 +446,29 @@ def _uneven(batch_size: int, world_size: int, local_batch: int) -> tuple[str, ..
             f"sample{'s' if local_batch > 1 else ''} ({traced:,} in all), its share rounded up",)  # fmt: skip
 
 
-def _distributed(
-    estimate: MemoryEstimate, model: nn.Module | None, strategy: str, world_size: int, precision: str
+def _as_run(
+    estimate: MemoryEstimate,
+    model: nn.Module | None,
+    strategy: str,
+    world_size: int,
+    precision: str,
+    grad_accum: int,
 ) -> MemoryEstimate:
-    """Adjust a one-process trace for DDP (gradients held in its buckets) or FSDP (model states sharded);
-    ``model`` is the Task's model for its structure (``meta_model``)."""
-    if model is None or strategy == "single":
+    """Adjust a one-process trace of one plain step for what a run holds besides: the gradients for the whole step
+    (DDP's buckets; every micro-batch of an accumulating step), or the model states sharded (FSDP), its gradients
+    whole while micro-batches accumulate them unsynced; ``model`` is the Task's model for its structure
+    (``meta_model``)."""
+    if model is None:
         return estimate
-    if strategy == "ddp":  # gradient_as_bucket_view: the gradients live in DDP's buckets for the whole run
+    fsdp = strategy == "fsdp" and world_size > 1
+    if (strategy == "ddp" or grad_accum > 1) and not fsdp:  # DDP: gradient_as_bucket_view
         missing = max(_trainable_bytes(model) - estimate.gradients, 0)
         return dataclasses.replace(estimate, gradients=estimate.gradients + missing, peak=estimate.peak + missing)
-    if strategy != "fsdp" or world_size == 1:
+    if not fsdp:
         return estimate
     states = estimate.params + estimate.gradients + estimate.optimizer_state
-    sharded = [math.ceil(b / world_size) for b in (estimate.params, estimate.gradients, estimate.optimizer_state)]
+    grads = _trainable_bytes(model) if grad_accum > 1 else math.ceil(estimate.gradients / world_size)
+    sharded = [math.ceil(estimate.params / world_size), grads, math.ceil(estimate.optimizer_state / world_size)]
     gathered = _gathered_bytes(model, precision)
     return dataclasses.replace(
         estimate,

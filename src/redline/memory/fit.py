@@ -188,11 +188,13 @@ class MemoryFit:
 @dataclass(frozen=True)
 class Weighing:
     """What a step is weighed in: the precision, the attention kernel ("auto": torch's pick per call), and the
-    micro-batch a tuned Plan splits each batch into (None: each batch runs whole), with a ``note`` that says so."""
+    micro-batches a tuned Plan splits each batch into (``grad_accum`` of ``micro_batch``; None: each batch runs
+    whole), with a ``note`` that says so."""
 
     precision: Choice[str]
     attention: Choice[str]
     micro_batch: int | None = None
+    grad_accum: int = 1
     note: str = ""
 
 
@@ -246,11 +248,8 @@ def _tuned(tuned: TunedRun, batch: int, kernel: Choice[str]) -> Weighing:
         kernel = Choice(str(options.attention), reason("attention"))
     if tuned.batch_size == batch:
         return Weighing(precision, kernel)
-    note = (
-        f"the tuned Plan ({when}) splits each batch of {batch} into {options.grad_accum} micro-batches of "
-        f"{tuned.batch_size}: the step is weighed at {tuned.batch_size}, and the largest batch is a micro-batch's"
-    )
-    return Weighing(precision, kernel, micro_batch=tuned.batch_size, note=note)
+    note = f"the tuned Plan ({when}) splits each batch of {batch} into {options.grad_accum} micro-batches"
+    return Weighing(precision, kernel, micro_batch=tuned.batch_size, grad_accum=options.grad_accum, note=note)
 
 
 def _as_requested(kernel: Choice[str]) -> Choice[str]:
@@ -268,9 +267,11 @@ def fit_memory(
     precision: str = "fp32",
     gpus: int = 8,
     attention: str = "auto",
+    grad_accum: int = 1,
 ) -> MemoryFit:
     """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
-    GPUs) sharded by FSDP over ``gpus``, its attention on the ``attention`` kernel; each with the largest batch
+    GPUs) sharded by FSDP over ``gpus``, its attention on the ``attention`` kernel, each step ``grad_accum``
+    micro-batches of ``batch_size`` (the gradients held through them); each with the largest batch
     predicted to fit, up to the training set's size (a batch never holds more, and tracing far past it can take
     long: a batch of items that are not tensors is collated for real)."""
     task = require_task(task)
@@ -299,7 +300,7 @@ def fit_memory(
     for label, strategy, world, checkpointing in ways:
         estimate_at = functools.partial(
             estimate_memory, task, precision=precision, strategy=strategy, world_size=world,
-            activation_checkpointing=checkpointing, target=target, attention=attention,
+            activation_checkpointing=checkpointing, target=target, attention=attention, grad_accum=grad_accum,
         )  # fmt: skip
         least = world * per_rank  # the smallest batch a run of this row trains on
         first = estimate_at(batch_size=max(batch, least))
@@ -311,16 +312,7 @@ def fit_memory(
         else:
             largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=least)
         rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
-    if cap is None:  # the largest batch may read far past the stream's end, repeating its items
-        notes.append(
-            "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's "
-            "is: a run's batches stop where the stream ends (give it __len__ to cap the prediction)"
-        )
-    if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
-        notes.append(
-            f"batch {batch} is more than train_data holds ({_items(cap)}): a run's batches stop at {cap}, "
-            "so the largest batch does too"
-        )
+    notes += _batch_notes(batch, cap, grad_accum)
     weighed = ", ".join(f"{row.estimate.batch_size} ({row.label})" for row in rows if row.estimate.batch_size > batch)
     if one_sample:  # the table's batch column would differ, or its largest batch stop at 2, unexplained
         notes.append(
@@ -340,6 +332,27 @@ def fit_memory(
     return MemoryFit(
         task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=tuple(notes)
     )
+
+
+def _batch_notes(batch: int, cap: int | None, grad_accum: int) -> list[str]:
+    """What the table's batch means, where it is not plainly a step's within the data."""
+    notes = []
+    if grad_accum > 1:  # the table's batch is not the step's
+        notes.append(
+            f"each step is {grad_accum} micro-batches of {batch}: the batch weighed, and the largest batch predicted, "
+            f"are a micro-batch's (a step trains on {grad_accum} times as many samples)"
+        )
+    if cap is None:  # the largest batch may read far past the stream's end, repeating its items
+        notes.append(
+            "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's "
+            "is: a run's batches stop where the stream ends (give it __len__ to cap the prediction)"
+        )
+    if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
+        notes.append(
+            f"batch {batch} is more than train_data holds ({_items(cap)}): a run's batches stop at {cap}, "
+            "so the largest batch does too"
+        )
+    return notes
 
 
 def _one_sample_fails(task: Task, model: nn.Module, precision: str, target: str, attention: str) -> str:
