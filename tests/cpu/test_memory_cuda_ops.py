@@ -270,7 +270,7 @@ def test_convolutions_alone_hold_no_workspace_beside_the_step() -> None:
 def test_a_kernel_preferred_is_traced_where_it_takes_the_call_and_math_elsewhere() -> None:
     """`--attention KERNEL` runs the kernel on every call it takes and math on the rest: math keeps a (B, H, S, S)
     matrix where torch's own pick kept none; flash takes no mask, so a masked call runs math where auto took the
-    memory-efficient kernel; cuDNN's is weighed as flash's."""
+    memory-efficient kernel; cuDNN keeps what flash keeps, where it takes the call."""
     mask = torch.ones(S, S, dtype=torch.bool).tril()
 
     def kept(body: nn.Module, precision: str, attention: str) -> int:

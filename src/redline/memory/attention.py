@@ -132,21 +132,21 @@ def _math(
     off inside, as sdpa's own wrapper turns it off (fp16/bf16 inputs are then multiplied in fp32, and the
     (batch, heads, seq, seq) weights kept in fp32); a boolean mask made additive first, as sdpa makes it; dropout
     keeping a one-byte mask, as CUDA's fused dropout does (a CPU's keeps noise of the weights' dtype)."""
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        zeros = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-        attn_mask = zeros.masked_fill(attn_mask.logical_not(), float("-inf"))
+    mask = _additive(attn_mask, query.dtype) if attn_mask is not None else None
     shape = (*query.shape[:-1], key.size(-2))
     dropped = torch.empty(shape, dtype=torch.bool, device=query.device) if dropout_p > 0 else None
-    with torch.autocast("cpu", enabled=False):  # torch's warning that a dropout mask given is for testing: estimate.py
+    # torch warns that a dropout mask given is for tests: estimate.py filters it around the step
+    with torch.autocast("cpu", enabled=False):
         return _aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, dropped, scale=scale, enable_gqa=enable_gqa
+            query, key, value, mask, dropout_p, is_causal, dropped, scale=scale, enable_gqa=enable_gqa
         )[0]
 
 
 def _autocast(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as CUDA's autocast hands it to attention (in its lower-precision list): in the autocast dtype
-    where it is floating. The trace runs the CPU's autocast at the GPU's dtype, so that is the one asked."""
-    if not torch.is_autocast_enabled("cpu") or not tensor.is_floating_point():
+    where it is floating, but float64, which autocast leaves. The trace runs the CPU's autocast at the GPU's dtype,
+    so that is the one asked."""
+    if not torch.is_autocast_enabled("cpu") or not tensor.is_floating_point() or tensor.dtype == torch.float64:
         return tensor
     return tensor.to(torch.get_autocast_dtype("cpu"))
 
@@ -177,7 +177,7 @@ def _efficient(
     pads to aligned rows (another, where they are not)."""
     bias = None
     if attn_mask is not None:
-        bias = _additive(attn_mask, query.dtype)
+        bias = _aligned(_additive(attn_mask, query.dtype))
         bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     efficient = _aten._scaled_dot_product_efficient_attention
@@ -185,10 +185,15 @@ def _efficient(
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``mask`` as the memory-efficient kernel takes it: additive (-inf where a boolean mask is False), its
-    rows aligned to 8 elements (padded, then sliced back to its length)."""
-    if mask.dtype == torch.bool:
-        mask = torch.where(~mask, float("-inf"), torch.zeros((), dtype=dtype))
+    """``mask`` as sdpa hands it to a kernel: additive (-inf where a boolean mask is False), a float mask as given."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.where(~mask, float("-inf"), torch.zeros((), dtype=dtype))
+
+
+def _aligned(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as the memory-efficient kernel takes it: its rows aligned to 8 elements (padded, then sliced back
+    to its length)."""
     aligned = all(s % _MASK_ALIGNMENT == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
     if aligned:
         return mask
