@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -57,6 +57,7 @@ from redline.memory.cpu_ops import CpuKernels, cpu_layout, device_facts, to_chan
 from redline.memory.cuda_ops import CudaOps
 from redline.memory.meta import build_on_meta, fake_model, meta_copy
 from redline.memory.search import real_batch
+from redline.memory.states import States, as_run
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.memory.workspace import MatmulThreads
 from redline.parallel.blocks import find_blocks
@@ -211,7 +212,9 @@ def estimate_memory(
         + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
-    return _as_run(estimate, structure, strategy, world_size, precision, grad_accum)
+    traced = States(estimate.params, estimate.gradients, estimate.optimizer_state, estimate.peak)
+    held = as_run(traced, structure, strategy, world_size, precision, grad_accum)
+    return dataclasses.replace(estimate, **dataclasses.asdict(held))
 
 
 @torch.inference_mode(False)  # a training step needs autograd, whatever the caller's mode
@@ -444,59 +447,6 @@ def _uneven(batch_size: int, world_size: int, local_batch: int) -> tuple[str, ..
     traced = local_batch * world_size
     return (f"batch {batch_size} over {world_size} ranks: each rank is weighed with {local_batch} "
             f"sample{'s' if local_batch > 1 else ''} ({traced:,} in all), its share rounded up",)  # fmt: skip
-
-
-def _as_run(
-    estimate: MemoryEstimate,
-    model: nn.Module | None,
-    strategy: str,
-    world_size: int,
-    precision: str,
-    grad_accum: int,
-) -> MemoryEstimate:
-    """Adjust a one-process trace of one plain step for what a run holds besides: the gradients for the whole step
-    (DDP's buckets; every micro-batch of an accumulating step), or the model states sharded (FSDP), its gradients
-    whole while micro-batches accumulate them unsynced; ``model`` is the Task's model for its structure
-    (``meta_model``)."""
-    if model is None:
-        return estimate
-    fsdp = strategy == "fsdp" and world_size > 1
-    if (strategy == "ddp" or grad_accum > 1) and not fsdp:  # DDP: gradient_as_bucket_view
-        missing = max(_trainable_bytes(model) - estimate.gradients, 0)
-        return dataclasses.replace(estimate, gradients=estimate.gradients + missing, peak=estimate.peak + missing)
-    if not fsdp:
-        return estimate
-    states = estimate.params + estimate.gradients + estimate.optimizer_state
-    grads = _trainable_bytes(model) if grad_accum > 1 else math.ceil(estimate.gradients / world_size)
-    sharded = [math.ceil(estimate.params / world_size), grads, math.ceil(estimate.optimizer_state / world_size)]
-    gathered = _gathered_bytes(model, precision)
-    return dataclasses.replace(
-        estimate,
-        params=sharded[0] + gathered,
-        gradients=sharded[1],
-        optimizer_state=sharded[2],
-        peak=estimate.peak - states + sum(sharded) + gathered,
-    )
-
-
-def _trainable_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters that get a gradient: DDP buckets only those."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _gathered_bytes(model: nn.Module, precision: str) -> int:
-    """The parameters FSDP holds whole on each rank at the step's peak (parallel/fsdp.py shards each block,
-    then the root): the root's own (embeddings, head, final norm: gathered from the forward to the end of
-    the backward) and two blocks (one computing, the next prefetched)."""
-    low = 2 if precision in _AUTOCAST else None  # gathered in the compute dtype under mixed precision
-
-    def size(params: Iterable[nn.Parameter]) -> int:
-        return sum(p.numel() * (low or p.element_size()) for p in params)
-
-    blocks = [block for _, block in find_blocks(model, layers=True)]
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    root = size(p for p in model.parameters() if id(p) not in in_blocks)
-    return root + 2 * max((size(block.parameters()) for block in blocks), default=0)
 
 
 def meta_model(task: Task) -> nn.Module:
