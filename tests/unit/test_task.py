@@ -243,6 +243,25 @@ def test_fingerprint_is_the_same_for_a_module_and_a_factory_of_it() -> None:
     )
 
 
+def test_a_factorys_model_is_fingerprinted_without_weights_unless_it_cannot_be_built_on_meta() -> None:
+    """The fingerprint reads shapes, not values: a factory builds on the meta device, so a large model costs no
+    memory for it; one that cannot (it moves its model to the CPU, whose copy of a meta tensor fails) is built for
+    real, and both give the fingerprint of the module itself."""
+    data, built_on = tiny_data(), []
+
+    def factory() -> nn.Module:
+        model = nn.Linear(2, 1)
+        built_on.append(model.weight.device.type)
+        return model
+
+    def moving() -> nn.Module:
+        return factory().to("cpu")
+
+    own = tiny_task(model=nn.Linear(2, 1), train_data=data).fingerprint()
+    assert tiny_task(model=factory, train_data=data).fingerprint() == own and built_on == ["meta"]
+    assert tiny_task(model=moving, train_data=data).fingerprint() == own and built_on[1:] == ["meta", "cpu"]
+
+
 @pytest.mark.parametrize(
     "change",
     [
