@@ -245,8 +245,8 @@ def test_fingerprint_is_the_same_for_a_module_and_a_factory_of_it() -> None:
 
 def test_a_factorys_model_is_fingerprinted_without_weights_unless_it_cannot_be_built_on_meta() -> None:
     """The fingerprint reads shapes, not values: a factory builds on the meta device, so a large model costs no
-    memory for it; one that cannot (it moves its model to the CPU, whose copy of a meta tensor fails) is built for
-    real, and both give the fingerprint of the module itself."""
+    memory for it, its moves to a device kept there; one that cannot (it reads a weight's value) is built for real,
+    and all give the fingerprint of the module itself."""
     data, built_on = tiny_data(), []
 
     def factory() -> nn.Module:
@@ -257,9 +257,15 @@ def test_a_factorys_model_is_fingerprinted_without_weights_unless_it_cannot_be_b
     def moving() -> nn.Module:
         return factory().to("cpu")
 
+    def reading() -> nn.Module:
+        model = factory()
+        assert float(model.weight.abs().sum()) >= 0  # a value: none on meta
+        return model
+
     own = tiny_task(model=nn.Linear(2, 1), train_data=data).fingerprint()
     assert tiny_task(model=factory, train_data=data).fingerprint() == own and built_on == ["meta"]
-    assert tiny_task(model=moving, train_data=data).fingerprint() == own and built_on[1:] == ["meta", "cpu"]
+    assert tiny_task(model=moving, train_data=data).fingerprint() == own and built_on[1:] == ["meta"]
+    assert tiny_task(model=reading, train_data=data).fingerprint() == own and built_on[2:] == ["meta", "cpu"]
 
 
 @pytest.mark.parametrize(

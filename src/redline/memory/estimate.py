@@ -55,7 +55,7 @@ from redline.errors import ConfigError, RedlineError, TrainingError, invalid
 from redline.hardware.device import CPU_ISAS, CpuIsa, DeviceFacts
 from redline.memory.cpu_ops import CpuKernels, cpu_layout, device_facts, to_channels_last
 from redline.memory.cuda_ops import CudaOps
-from redline.memory.meta import build_on_meta, fake_model, meta_copy
+from redline.memory.meta import fake_model, meta_copy
 from redline.memory.search import real_batch
 from redline.memory.states import States, as_run
 from redline.memory.trace import LiveBytes, retained_by_module
@@ -72,6 +72,7 @@ from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import check_trainable, rebuild_optimizer
 from redline.runtime.precision import refuse_half_parameters
 from redline.task import CollateFn, OptimizerFactory, Task, require_task
+from redline.task.meta import on_meta
 
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
@@ -243,7 +244,7 @@ def trace_step(
     sample, rows = _sample(task.train_data, batch_size, task.collate_fn)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
-        built = meta_copy(task.model) if isinstance(task.model, nn.Module) else build_on_meta(task)
+        built = meta_copy(task.model) if isinstance(task.model, nn.Module) else on_meta(task.build_model)
     if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
         check_trainable(built)
     with mode, tracker, _device_kernels(cuda, threads, attention), _tracing(task):
@@ -454,7 +455,7 @@ def meta_model(task: Task) -> nn.Module:
     fake tensors where the factory cannot build on meta)."""
     if isinstance(task.model, nn.Module):
         return task.model
-    built = build_on_meta(task)
+    built = on_meta(task.build_model)
     if built is None:
         with FakeTensorMode(), _tracing(task):  # an error of the factory's own, said as the trace says it
             built = task.build_model()

@@ -46,7 +46,6 @@ from redline.errors import (
     invalid,
 )
 from redline.memory.host import NOT_RUN, HostGuard
-from redline.memory.meta import build_on_meta
 from redline.parallel.collectives import gather_objects, is_collective_failure
 from redline.parallel.env import join_process_group, read_env
 from redline.plan import Choice
@@ -58,6 +57,7 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import data_size
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.task import CollateFn, Task, require_task
+from redline.task.meta import on_meta
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
 
@@ -363,7 +363,7 @@ class _Probe:
 
 def _batch_norm(task: Task) -> bool:
     """Whether the Task's model has BatchNorm layers, which in training refuse one sample of one value per channel."""
-    model = task.model if isinstance(task.model, nn.Module) else build_on_meta(task)
+    model = task.model if isinstance(task.model, nn.Module) else on_meta(task.build_model)
     return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 

@@ -33,6 +33,7 @@ from redline.runtime.precision import AUTOCAST_DTYPES
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.transfer import device_sync, move_to
 from redline.task import Task
+from redline.task.meta import on_meta
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -216,13 +217,11 @@ def model_attention(task: Task, device: str | torch.device, inputs: Any = None) 
         if inputs is None:
             loader = DataLoader(task.train_data, batch_size=task.batch_size, collate_fn=task.collate_fn)
             inputs, _ = split_batch(next(iter(loader)), "train_data")
-        meta = torch.device("meta")
-        with meta:
-            built = task.build_model()
-        tensors = [*built.parameters(), *built.buffers()]
-        if tensors and all(t.device == meta for t in tensors):
+        built = on_meta(task.build_model)
+        tensors = [*built.parameters(), *built.buffers()] if built is not None else []
+        if built is not None and tensors and all(t.is_meta for t in tensors):
             with contextlib.suppress(Exception):  # a model that reads a value runs on the device
-                return attention_calls(built.train(), move_to(inputs, meta))
+                return attention_calls(built.train(), move_to(inputs, torch.device("meta")))
         model = copy.deepcopy(task.build_model())  # a factory may hand out one module it keeps
         return attention_calls(model.to(device).train(), move_to(inputs, torch.device(device)))
     except Exception:  # a model or data that cannot be read fails where the run reads it, saying why
