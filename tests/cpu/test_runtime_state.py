@@ -94,8 +94,9 @@ def test_a_paused_runtime_puts_its_settings_back_keeps_its_models_checks_and_sta
     rt.pause()
     assert not torch.are_deterministic_algorithms_enabled()
     assert model._forward_pre_hooks  # the layout's check of the first forward in NHWC is still armed
-    with rt.settings.enter():
+    with rt.turn():
         assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
     rt.start()
     assert torch.are_deterministic_algorithms_enabled()
     rt.pause()

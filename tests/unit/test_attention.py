@@ -3,6 +3,7 @@ calls, searched by `redline tune`, kept by a tuned Plan and a resumed run."""
 
 import json
 import threading
+import types
 
 import pytest
 import torch
@@ -435,6 +436,25 @@ def test_a_user_loops_bf16_phase_runs_the_kernel_its_calls_ran_fastest_and_keeps
     assert flags() == before  # closed: torch's flags back
 
 
+def test_a_paused_runtime_gives_torchs_flags_back_and_prefers_its_kernel_again_when_it_runs(kernel_times):
+    before = flags()
+    rt = Runtime(devices="cpu", compile="off")
+    with rt:
+        loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.004}, {"math": 0.6, "flash": 1.0})
+        assert flags()[0] is False  # math preferred
+        rt.pause()  # another Runtime's turn (a bench's rows) runs with torch's own flags
+        assert flags() == before
+        with rt.turn():
+            assert flags()[0] is False
+        assert flags() == before
+        rt.start()
+        with rt.turn():  # a turn inside a running Runtime leaves its kernel on
+            pass
+        assert flags()[0] is False and rt.explain().attention.value == "math"
+    assert flags() == before  # closed: torch's flags back for good, and the Plan still says what the run ran
+    assert rt.explain().attention.value == "math"
+
+
 def test_a_kernel_timed_in_bf16_is_dropped_with_it_and_one_not_faster_is_never_taken(kernel_times):
     with Runtime(devices="cpu", compile="off") as rt:  # bf16 loses whatever the kernel: fp32 stays, flash comes back
         flash = loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.008})
@@ -505,6 +525,40 @@ def test_each_distinct_call_is_timed_once_a_pass_and_a_kernel_far_slower_stops_a
     timed = time_kernels([call] * 6, HERE, [None, "math"], repeats=2)
     assert ran == [True] * 3 + [False]  # three passes of the one distinct call, then math's first, too slow to go on
     assert timed["math"] > 20 * timed[None]  # each pass counts the call six times
+
+
+def test_no_pass_of_the_kernels_timing_starts_that_would_end_past_its_budget(monkeypatch):
+    now, ran = [0.0], []
+
+    def run(call, device):  # each call takes 20 ms on the timing's clock
+        ran.append(flags()[0])
+        now[0] += 0.02
+
+    monkeypatch.setattr(attention_module, "_run", run)
+    monkeypatch.setattr(attention_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    call = attention_calls(small_gpt(), torch.randint(0, 32, (2, 16)))[0]
+    timed = time_kernels([call], HERE, [None, "math"], repeats=3, budget_s=0.07)
+    assert list(timed) == [None] and ran == [True] * 3  # warm-up and two passes of torch's pick: a third, or math's
+    assert now[0] <= 0.07  # first, would have ended past the budget
+    ran.clear()
+    timed = time_kernels([call], HERE, [None, "math"], repeats=1)  # no budget: every kernel, every pass
+    assert list(timed) == [None, "math"] and ran == [True, True, False, False]
+
+
+def test_the_kernel_check_gets_what_the_precision_block_leaves_of_the_allowance_and_says_when_it_ran_out(
+    kernel_times, monkeypatch
+):
+    with Runtime(devices="cpu", compile="off") as rt:  # eager steps of 4 ms: a bf16 block costs up to 0.056 s more
+        loop(rt, EAGER_END + 1, {"fp32": 0.004, "bf16-mixed": 0.004})
+        assert rt._kernels is not None and rt._kernels.budget_s == pytest.approx(1.0 - (2 + 5) * 0.004 * 2)
+    monkeypatch.setattr(attention_module, "time_kernels", lambda calls, device, kernels, **_: {None: 0.02})
+    with Runtime(devices="cpu", compile="off") as rt:
+        flash = loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.004})
+        attention = rt.explain().attention
+    assert all(flash) and attention.value == "default"
+    assert "torch's pick kept: timing the kernels of the model's attention calls (1) would take longer than" in (
+        attention.reason
+    )
 
 
 def test_a_call_under_autocast_is_recorded_in_the_dtype_it_runs_in():

@@ -160,10 +160,10 @@ def runtime_runner(
     model.train()
     if tuning is not None:
         rt.adopt_reasons(tuning.reasons, tuning.note)
-    # setup() applied the Runtime's process-wide settings (TF32 on a GPU); rows take turns, so each
-    # enters its own for the steps it runs and leaves the process as it found it in between. Paused, not
-    # closed: the model keeps the run's checks (auto's channels_last going back to NCHW for a model that
-    # cannot run in it, the compile's and the graphs' first steps).
+    # setup() applied the Runtime's process-wide settings (TF32 on a GPU); rows take turns, so each enters its own
+    # (and an attention kernel its check chose) for the steps it runs and leaves the process as it found it in
+    # between. Paused, not closed: the model keeps the run's checks (auto's channels_last going back to NCHW for a
+    # model that cannot run in it, the compile's and the graphs' first steps).
     rt.pause()
     loss_fn = task.loss_fn
 
@@ -177,7 +177,7 @@ def runtime_runner(
         return loss
 
     batches = rt.setup_loader(_loader(task, setting.batch_size // options.grad_accum, seed))
-    return Runner(setting, model, step, batches, scope=rt.settings.enter, runtime=rt, micro_steps=options.grad_accum)
+    return Runner(setting, model, step, batches, scope=rt.turn, runtime=rt, micro_steps=options.grad_accum)
 
 
 def row_options(setting: Setting) -> RuntimeOptions:

@@ -277,36 +277,55 @@ def recording() -> Iterator[list[AttentionCall]]:
 
 
 def time_kernels(
-    calls: Sequence[AttentionCall], device: torch.device, kernels: Sequence[str | None], *, repeats: int = 3
+    calls: Sequence[AttentionCall],
+    device: torch.device,
+    kernels: Sequence[str | None],
+    *,
+    repeats: int = 3,
+    budget_s: float | None = None,
 ) -> dict[str | None, float]:
     """Seconds the calls take, forward and backward, on each kernel (None: torch's pick, timed first), on random
     inputs of the calls' shapes and dtypes: each distinct call once per pass, counted as often as it was made; the
     fastest of ``repeats`` passes after one that warms up. A kernel whose warm-up pass takes over ``GIVE_UP`` times the
     first kernel's is not timed further (it cannot win). The random streams are put back, and autocast is off inside
-    (the calls' dtypes are those autocast gave them)."""
+    (the calls' dtypes are those autocast gave them).
+
+    With ``budget_s``, no pass starts that would end past it (each is taken to cost what the last one did, input
+    making included): a kernel left without a timed pass is left out of the result."""
     sync, counts = device_sync(device), Counter(calls)
     timed: dict[str | None, float] = {}
     saved = capture_rng()
+    began, last = time.perf_counter(), [0.0]  # the wall time of the last pass
+
+    def affordable() -> bool:
+        return budget_s is None or time.perf_counter() - began + last[0] <= budget_s
 
     def one_pass() -> float:
-        total = 0.0
+        total, opened = 0.0, time.perf_counter()
         for call, count in counts.items():
             start = time.perf_counter()
             _run(call, device)
             sync()
             total += (time.perf_counter() - start) * count
+        last[0] = time.perf_counter() - opened
         return total
 
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             for kernel in kernels:
+                if not affordable():
+                    break
                 with prefer_kernel(kernel) if kernel is not None else contextlib.nullcontext():
                     warm = one_pass()
                     first = next(iter(timed.values()), None)
                     if first is not None and warm > GIVE_UP * first:
                         timed[kernel] = warm
                         continue
-                    timed[kernel] = min(one_pass() for _ in range(repeats))
+                    passes: list[float] = []
+                    while len(passes) < repeats and affordable():
+                        passes.append(one_pass())
+                    if passes:
+                        timed[kernel] = min(passes)
     finally:
         restore_rng(saved)
     return timed
@@ -328,22 +347,38 @@ class KernelCheck:
     device: torch.device
     default: Choice[str]  # the axis as resolved: torch's pick per call
     chosen: Choice[str] | None = None
+    budget_s: float | None = None  # the seconds the timing may take (the precision check's allowance left)
     _kernel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _holds: int = 0  # the ``held`` contexts open
 
     def check(self, calls: Sequence[AttentionCall], precision: str) -> None:
         if self.chosen is not None or not calls:
             return
+        began = time.perf_counter()
         try:
-            timed = time_kernels(calls, self.device, [None, *attention_kernels(calls, self.device, precision)])
+            kernels = [None, *attention_kernels(calls, self.device, precision)]
+            timed = time_kernels(calls, self.device, kernels, budget_s=self.budget_s)
         except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
             why = describe_error(exc)
             self.chosen = Choice(self.default.value, f"{self.default.reason}; the kernels could not be timed ({why})")
             return
+        spent = time.perf_counter() - began
+        if None not in timed or len(timed) < 2:  # the allowance ran out before a kernel could be set against torch's
+            self.chosen = Choice(
+                self.default.value,
+                f"{self.default.reason}; torch's pick kept: timing the kernels of the model's attention calls "
+                f"({len(calls)}) would take longer than the {self.budget_s or 0:.2g} s the check left for it",
+            )
+            return
         best = min(timed, key=lambda k: timed[k])
         ratio = timed[None] / timed[best]
         told = ", ".join(f"{k or 'torch pick'} {_ms(timed[k])}" for k in timed)
+        untimed = [k for k in kernels if k not in timed]
+        if untimed:
+            told += f" ({', '.join(map(str, untimed))} not timed within the check's {self.budget_s or 0:.2g} s)"
         what = (
-            f"the model's attention calls ({len(calls)}) under {precision}, forward and backward, timed alone: {told}"
+            f"the model's attention calls ({len(calls)}) under {precision}, forward and backward, timed alone in "
+            f"{spent:.2g} s: {told}"
         )
         if best is None or ratio < KEEP:
             self.chosen = Choice(
@@ -353,8 +388,22 @@ class KernelCheck:
         self._kernel.enter_context(prefer_kernel(best))
         self.chosen = Choice(best, f"measured on this run: {best} ran {ratio:.2f}x torch's pick ({what})")
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Prefer the kernel chosen while inside (or from when ``check`` chooses it inside); torch's own flags after the
+        outermost exit, the kernel still chosen (a paused Runtime's, until it runs again)."""
+        self._holds += 1
+        if self._holds == 1 and self.chosen is not None and self.chosen.value != self.default.value:
+            self._kernel.enter_context(prefer_kernel(self.chosen.value))
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if self._holds == 0:
+                self._kernel.close()
+
     def drop(self, why: str) -> None:
-        """Go back to torch's pick, for ``why`` (the precision kept is another, the Runtime closed)."""
+        """Go back to torch's pick, for ``why`` (the precision kept is another)."""
         self._kernel.close()
         if self.chosen is None:
             return

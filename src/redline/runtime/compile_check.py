@@ -24,7 +24,8 @@ fp32 and bf16-mixed (in the layout the rule gives it) follows the eager blocks, 
 beats fp32 by the trial's margin. The graphs and the compile are then timed in the precision kept, against eager
 steps in it. Its phase ends after one timed block where that block already shows the other precision cannot win,
 and it is left out where even one block could cost too much (``SLOWEST``, ``MOST_COST_S``) or, for fp32 on a GPU,
-need memory the run may not have.
+need memory the run may not have. The attention kernels bf16-mixed's phase times (runtime/attention.py,
+``KernelCheck``) get what that worst block leaves of the allowance, and stop timing where it runs out.
 """
 
 from __future__ import annotations
@@ -294,6 +295,8 @@ class CompileCheck:
         share = self.memory_share() if candidate == "fp32" else None
         if share is not None and share > FP32_MEMORY:
             return f"its steps filled {share:.0%} of the device's memory, and fp32 could need up to twice bf16's"
+        if self.precision.kernels is not None:  # the attention kernels are timed within what the block leaves
+            self.precision.kernels.budget_s = allowed - cost
         return ""
 
     def _precision_over(self, at: int) -> bool:
@@ -438,14 +441,17 @@ class CompileCheck:
 def explain_forms(
     plan: Plan, check: CompileCheck | None, records: list[CompileRecord], graphs: GraphRecord | None
 ) -> Plan:
-    """``plan``'s compile, precision and CUDA graphs axes as the run left them: the first steps' ``check`` as it
-    stands, every compile of ``records`` counted, and the graphs of ``graphs`` captured or turned off."""
+    """``plan``'s compile, precision, attention and CUDA graphs axes as the run left them: the first steps' ``check``
+    as it stands, every compile of ``records`` counted, and the graphs of ``graphs`` captured or turned off."""
     if plan.compile is not None:
         checked = check.explain() if check is not None else plan.compile
         plan = dataclasses.replace(plan, compile=explain_compile(checked, records))
     precision = check.explain_precision() if check is not None else None
     if precision is not None:
         plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
+    kernels = check.precision.kernels if check is not None and check.precision is not None else None
+    if kernels is not None and kernels.chosen is not None:  # timed in the precision check's bf16 phase
+        plan = dataclasses.replace(plan, attention=kernels.chosen)
     if plan.cuda_graphs is not None:
         found = check.explain_graphs() if check is not None else None
         requested = graphs.explain(plan.cuda_graphs) if graphs is not None else plan.cuda_graphs

@@ -180,17 +180,24 @@ class Runtime(RunState):
         stack.enter_context(self.settings.enter())
         watchdog = hang_watchdog(self.env, self.snapshot_dir) if self._watch_hangs else None
         self._cycle.watchdog = stack.enter_context(watchdog) if watchdog is not None else None
+        if self._kernels is not None:  # a kernel the precision check chose, given back while paused
+            stack.enter_context(self._kernels.held())
         self._started = stack
         return self
 
     def pause(self) -> None:
         """Put back the process-wide settings and leave the process group until ``start()``; the models keep the run's
-        checks (several Runtimes taking turns in one process, a bench's rows: ``with rt.settings.enter()`` per turn)."""
+        checks (several Runtimes taking turns in one process, a bench's rows: ``with rt.turn()`` per turn)."""
         stack, self._started = self._started, None
         if stack is not None:
             stack.close()
-        if self._kernels is not None:  # torch's own kernel flags back, for good
-            self._kernels.drop("the Runtime was paused or closed")
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """The process-wide settings and the attention kernel the precision check chose, for a turn of a paused
+        Runtime's steps; put back after it, so the next turn (another Runtime's) starts as this one found it."""
+        with self.settings.enter(), self._kernels.held() if self._kernels is not None else contextlib.nullcontext():
+            yield
 
     def close(self) -> None:
         """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
@@ -460,8 +467,6 @@ class Runtime(RunState):
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
         plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs)
-        if self._kernels is not None and self._kernels.chosen is not None:  # timed in the precision check's phase
-            plan = dataclasses.replace(plan, attention=self._kernels.chosen)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
             plan = dataclasses.replace(plan, channels_last=self._layout.choice)
         return plan
@@ -477,7 +482,9 @@ class Runtime(RunState):
             decided=self._precision_measured or self._wants_tuned, world_size=self.env.world_size,
             attention=self._plan.attention if self.options.attention == "auto" else None,
         )  # fmt: skip
-        self._kernels = switch.kernels if switch is not None else self._kernels
+        if switch is not None and switch.kernels is not None:  # held from the check's choice until pause() or close()
+            self._kernels = switch.kernels
+            cast(contextlib.ExitStack, self._started).enter_context(switch.kernels.held())
         self._compile_check = check_forms(
             self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
             compiled=self._compile_records[-1] if compiles else None, another_model=second,
