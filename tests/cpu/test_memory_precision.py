@@ -123,3 +123,40 @@ def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batch
     assert asked.exit_code == 0, asked.output
     estimate = json.loads(asked.stdout)["rows"][0]["estimate"]
     assert (estimate["precision"], estimate["attention"], estimate["batch_size"]) == ("fp32", "flash", 8)
+
+
+def test_the_measured_search_runs_its_steps_as_the_tuned_plan_does_but_whole(tmp_path, monkeypatch):
+    """`redline memory --measure` answers for the run `redline train --plan auto` makes: a cached tune's precision
+    and kernel; not its micro-batches, since the search finds the batch one step holds, which a note says."""
+    from redline.memory import search as search_module
+
+    (tmp_path / "gpt_task.py").write_text(GPT_TASK)
+    spec = f"{tmp_path / 'gpt_task.py'}:task"
+    task = redline.load_task(spec)
+    best = Candidate(precision="bf16-mixed", attention="math", grad_accum=2)
+    reasons = {"precision": "tuned: 1.3x less time", "attention": "tuned: 1.3x less time", "grad_accum": "tuned"}
+    plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
+                     best=best, reasons=reasons, trials=())  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), plan, model=task.build_model())
+    probed: list[RuntimeOptions] = []
+    probe_init = search_module._Probe.__init__
+
+    def spy(self, task, options, measured, size):
+        probed.append(options)
+        probe_init(self, task, options, measured, size)
+
+    monkeypatch.setattr(search_module._Probe, "__init__", spy)
+    result = CliRunner().invoke(app, ["memory", "--task", spec, "--measure", "--max-batch-size", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    search = json.loads(result.stdout)
+    assert search["precision"] == "bf16-mixed" and search["largest"] == 8
+    assert search["precision_reason"] == "tuned 2026-12-05 for 100 steps: tuned: 1.3x less time"
+    assert probed and all((o.precision, o.attention, o.grad_accum) == ("bf16-mixed", "math", 1) for o in probed)
+    tuned_note = next(note for note in search["notes"] if "tuned Plan" in note)
+    assert "precision bf16-mixed, attention math" in tuned_note and "not its 2 micro-batches a step" in tuned_note
+    probed.clear()
+    asked = CliRunner().invoke(app, ["memory", "--task", spec, "--measure", "--max-batch-size", "8", "--json",
+                                     "--precision", "fp32"])  # fmt: skip
+    assert asked.exit_code == 0, asked.output
+    assert all((o.precision, o.attention) == ("fp32", "auto") for o in probed)  # an axis given: the tune is left out
+    assert not any("tuned Plan" in note for note in json.loads(asked.stdout)["notes"])

@@ -23,6 +23,7 @@ errs on the safe side by at most a copy of the gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,7 +48,7 @@ from redline.errors import (
 )
 from redline.memory.host import NOT_RUN, HostGuard
 from redline.parallel.collectives import gather_objects, is_collective_failure
-from redline.parallel.env import join_process_group, read_env
+from redline.parallel.env import DistEnv, join_process_group, read_env
 from redline.plan import Choice
 from redline.runtime.contract import check_loss, split_batch, user_code, user_line
 from redline.runtime.measure import measure_auto
@@ -56,6 +57,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import data_size
 from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.tuned import auto_tuned
 from redline.task import CollateFn, Task, require_task
 from redline.task.meta import on_meta
 
@@ -153,7 +155,8 @@ def find_batch_size(
     The Runtime follows ``options`` (device, precision, layout), with compile off: compiling changes
     the memory a step needs and would compile again for every size. An "auto" precision is the one a
     run of the task measures (runtime/measure.py: a cached trial at the task's batch size, else one
-    run now), so the answer is for the precision `redline train` runs. The cap defaults to the dataset's
+    run now), and a tuned Plan's precision, kernel and layout where `redline tune` cached one, so the answer
+    is for the run `redline train` makes. The cap defaults to the dataset's
     size (a stream's where it has ``__len__``), the largest batch a run has. A CPU needs it: the operating
     system kills the process long before torch raises, so a stream of no length needs ``max_batch_size``
     there; on a GPU an out-of-memory error stops the doubling of such a stream, or its end. An error other than
@@ -164,7 +167,8 @@ def find_batch_size(
     positive_int("start", start)
     positive_int("max_batch_size", max_batch_size, optional=True)
     positive_int("steps", steps)
-    options = RuntimeOptions.build(options, compile="off", grad_accum=1)
+    given = RuntimeOptions.build(options)
+    options = RuntimeOptions.build(given, compile="off", grad_accum=1)
     began = time.perf_counter()
     device = Runtime(options).device  # resolves the device; starts nothing
     cap, notes = _cap(task.train_data, device, max_batch_size)
@@ -186,8 +190,7 @@ def find_batch_size(
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
         with _told(tried), join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
-            measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
-            precision = Runtime(options, measured=measured).explain().precision
+            options, measured, precision = _as_trained(task, given, options, env, notes)
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
                 if size < smallest:  # halved below the smallest batch the model trains on: nothing fits
                     break
@@ -238,6 +241,31 @@ def find_batch_size(
         world_size=env.world_size,
         notes=tuple(notes),
     )
+
+
+def _as_trained(
+    task: Task, given: RuntimeOptions, options: RuntimeOptions, env: DistEnv, notes: list[str]
+) -> tuple[RuntimeOptions, dict[str, Choice[str]], Choice[str]]:
+    """The options, the measured choices and the precision the probes run ``task`` in, as `redline train` runs it.
+
+    Where ``given`` left every tuned axis to auto and `redline tune` cached a Plan, its axes that change what a
+    step holds (precision, attention kernel, layout) replace ``options``'; its micro-batches do not (the search
+    finds the batch one step holds), and ``notes`` says so. An "auto" precision left is the one a run measures
+    (a cached trial at the task's batch size, else one run now)."""
+    tuned = auto_tuned(task, given, task.batch_size, env)
+    if tuned is not None:
+        taken = {axis: getattr(tuned.options, axis) for axis in _TUNED_MEMORY}
+        said = ", ".join(f"{axis} {value}" for axis, value in taken.items())
+        note = f"run in the tuned Plan's {said} ({tuned.tuning.note}), as `redline train` runs them"
+        if tuned.options.grad_accum > 1:
+            note += f"; not its {tuned.options.grad_accum} micro-batches a step: the search finds what one step holds"
+        notes.append(note)
+        options = dataclasses.replace(options, **taken)
+    measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
+    planned = Runtime(options, measured=measured)
+    if tuned is not None:
+        planned.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
+    return options, measured, planned.explain().precision
 
 
 @contextlib.contextmanager
@@ -299,6 +327,7 @@ def _probe(
         free_memory(device)
 
 
+_TUNED_MEMORY = ("precision", "attention", "channels_last")  # a tuned Plan's axes that change what a step holds
 _PLACE, _WRAP = -1, 0  # a probe's stages before its training steps (1, 2, ...)
 
 
