@@ -160,3 +160,28 @@ def test_the_measured_search_runs_its_steps_as_the_tuned_plan_does_but_whole(tmp
     assert asked.exit_code == 0, asked.output
     assert all((o.precision, o.attention) == ("fp32", "auto") for o in probed)  # an axis given: the tune is left out
     assert not any("tuned Plan" in note for note in json.loads(asked.stdout)["notes"])
+
+
+def test_a_precision_the_tune_left_unmeasured_is_the_trials_at_its_micro_batch_its_kernel_and_split_stay(
+    bf16_measured_faster, tmp_path
+):
+    """A tune whose budget ran out before precision leaves it to the run's auto: `redline train --plan auto` then
+    measures it by a trial of the tuned run, at its micro-batch. The estimate weighs that, and still the tune's kernel
+    and micro-batches."""
+    (tmp_path / "gpt_task.py").write_text(GPT_TASK)
+    task = redline.load_task(f"{tmp_path / 'gpt_task.py'}:task")
+    cpu = probe_device(torch.device("cpu"))
+    best = Candidate(precision="fp32", attention="math", grad_accum=2)
+    plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
+                     best=best, reasons={"attention": "tuned", "grad_accum": "tuned"}, trials=(),
+                     unmeasured=("precision",))  # fmt: skip
+    store_tuned(task.fingerprint(), cpu, plan, model=task.build_model())
+    before = fit_choices(task, "auto", "auto", cpu, here=True, batch_size=8)
+    assert (before.precision.value, before.attention.value, before.micro_batch) == ("fp32", "math", 4)
+    assert "not measured: an estimate runs no trial" in before.precision.reason
+    tuned_run = plan.apply(RuntimeOptions(devices="cpu"))  # precision auto, math attention, 2 micro-batches
+    assert (tuned_run.precision, tuned_run.attention, tuned_run.grad_accum) == ("auto", "math", 2)
+    measure_auto(task, tuned_run, 4, 1, DistEnv(), trial="on")  # as the tuned run measures it, at its micro-batch
+    after = fit_choices(task, "auto", "auto", cpu, here=True, batch_size=8)
+    assert (after.precision.value, after.attention.value, after.micro_batch) == ("bf16-mixed", "math", 4)
+    assert after.precision.reason.startswith("measured: bf16-mixed ran 1.43x fp32")

@@ -205,7 +205,8 @@ def fit_choices(
     auto there.
 
     Where the device is this machine's own (``here``), auto is a tuned Plan's where `redline tune` cached one for
-    this batch and both axes are auto (as ``--plan auto`` takes it: its precision, kernel and micro-batches), else
+    this batch and both axes are auto (as ``--plan auto`` takes it: its precision, kernel and micro-batches; a
+    precision it left to auto is a trial's at its micro-batch), else
     what a trial of the task at this batch measured where one is cached (runtime/measure.py): the precision, and the
     kernel where the trial timed the kernels too. An estimate runs no trial: it is made to learn whether a step fits
     before one runs, and a trial would run steps, on the GPU too. On a GPU weighed from afar (a catalog's, a memory
@@ -221,31 +222,44 @@ def fit_choices(
     batch = batch_size or task.batch_size
     if attention == "auto":
         tuned = auto_tuned(task, RuntimeOptions(devices=facts.type), batch, read_env())
-        if tuned is not None and tuned.options.precision != "auto":
-            return _tuned(tuned, batch, kernel)
+        if tuned is not None:
+            return _tuned(task, tuned, batch, kernel, chosen)
     options = RuntimeOptions(devices=facts.type, attention=cast(AttentionRequest, attention))
+    return Weighing(*_recalled(task, options, batch, chosen, kernel))
+
+
+def _recalled(
+    task: Task, options: RuntimeOptions, batch: int, rule: Choice[str], kernel: Choice[str]
+) -> tuple[Choice[str], Choice[str]]:
+    """The precision, and the kernel, a trial of ``task`` at ``batch`` under ``options`` cached; else the ``rule``'s
+    precision, saying no trial was run, and ``kernel``."""
     recalled = recall_auto(task, options, batch, read_env())
     if recalled:
         timed = recalled.get("attention")
-        return Weighing(recalled["precision"], _as_requested(timed) if timed is not None else kernel)
+        return recalled["precision"], _as_requested(timed) if timed is not None else kernel
     unmeasured = Choice(
-        chosen.value,
-        f"{chosen.reason}; not measured: an estimate runs no trial (`redline memory --measure`, or a `redline train` "
+        rule.value,
+        f"{rule.reason}; not measured: an estimate runs no trial (`redline memory --measure`, or a `redline train` "
         "of this task, measures one, which later estimates use)",
     )
-    return Weighing(unmeasured, kernel)
+    return unmeasured, kernel
 
 
-def _tuned(tuned: TunedRun, batch: int, kernel: Choice[str]) -> Weighing:
-    """The axes of a tuned Plan that change what a step holds, with the tune's reasons."""
+def _tuned(task: Task, tuned: TunedRun, batch: int, kernel: Choice[str], rule: Choice[str]) -> Weighing:
+    """The axes of a tuned Plan that change what a step holds, with the tune's reasons. A precision the tune left to
+    auto (its budget spent first) is the one a trial cached for the tuned run, at its micro-batch, as
+    `redline train` measures it there."""
     rows, when, options = tuned.tuning.reasons, tuned.tuning.note, tuned.options
 
     def reason(axis: str) -> str:
         return f"{rows[axis]['reason'] or 'tuned'} ({when})" if axis in rows else f"the tuned Plan's ({when})"
 
-    precision = Choice(str(options.precision), reason("precision"))
     if options.attention != "auto":
         kernel = Choice(str(options.attention), reason("attention"))
+    if options.precision != "auto":
+        precision = Choice(str(options.precision), reason("precision"))
+    else:
+        precision, kernel = _recalled(task, options, tuned.batch_size, rule, kernel)
     if tuned.batch_size == batch:
         return Weighing(precision, kernel)
     note = f"the tuned Plan ({when}) splits each batch of {batch} into {options.grad_accum} micro-batches"
