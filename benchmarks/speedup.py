@@ -7,11 +7,16 @@ ratios naive/auto (above 1 means redline is faster): end to end (model set-up, c
 steps) and at steady state (samples/s after the first tenth of the steps).
 
     python benchmarks/speedup.py [--device cpu|cuda] [--steps 300] [--repeats 5] [--write NAME]
+        [--options precision=bf16-mixed] [--against precision=bf16-mixed,attention=flash]
+
+``--options`` gives the Runtime run options of its own (the rest stay auto); ``--against`` sets a Runtime run with
+those options in the naive loop's place, to time one choice of redline's against another side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -65,10 +70,10 @@ def naive(task: redline.Task, device: torch.device, steps: int) -> Timing:
     return _timed_steps(steps, _forever(loader), step, device, start)
 
 
-def auto(task: redline.Task, device: torch.device, steps: int) -> Timing:
+def auto(task: redline.Task, device: torch.device, steps: int, options: dict[str, str] | None = None) -> Timing:
     start = time.perf_counter()
     torch.manual_seed(0)
-    rt = redline.Runtime(devices=str(device), planned_steps=steps)
+    rt = redline.Runtime(devices=str(device), planned_steps=steps, **(options or {}))
     model, optimizer = rt.setup(task.build_model(), task.optimizer)
     loader = rt.setup_loader(DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True, drop_last=True))
 
@@ -81,6 +86,14 @@ def auto(task: redline.Task, device: torch.device, steps: int) -> Timing:
     timing = _timed_steps(steps, _forever(loader), step, device, start)
     timing.plan = "; ".join(f"{axis}={value}" for axis, value, _ in rt.explain().rows())
     return timing
+
+
+def _options(text: str) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in text.split(",") if pair)
+
+
+def _said(options: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items())
 
 
 def _forever(loader: Iterable[Any]) -> Any:
@@ -99,13 +112,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
+    parser.add_argument("--options", type=_options, default={}, help="the Runtime run's options: K=V,K=V")
+    parser.add_argument("--against", type=_options, default=None, help="a Runtime run in the naive loop's place")
     args = parser.parse_args()
     device = torch.device(args.device)
+    ours = functools.partial(auto, options=args.options)
+    baseline = naive if args.against is None else functools.partial(auto, options=args.against)
+    base_name = "naive" if args.against is None else f"Runtime({_said(args.against)})"
 
     body = [
         f"{args.steps} steps per run, {args.repeats} pairs per task in alternating order after one uncounted "
         "warm-up pair. Speed-ups are naive/auto time (above 1: redline faster): the ratio of the medians, "
         "and in brackets the median of the per-pair ratios.",
+        *(
+            [f"Here the naive loop's place is taken by {base_name}, and auto is Runtime({_said(args.options)})."]
+            if args.against is not None
+            else []
+        ),
         "",
         "| task | naive total (s) | auto total (s) | end-to-end speed-up | naive samples/s | auto samples/s "
         "| steady-state speed-up |",
@@ -115,10 +138,10 @@ def main() -> None:
     for spec in args.tasks.split(","):
         task = redline.load_task(spec)
         runs: dict[str, list[Timing]] = {"naive": [], "auto": []}
-        naive(task, device, max(10, args.steps // 10))  # warm-up, not counted: first-touch costs
-        auto(task, device, max(10, args.steps // 10))
+        baseline(task, device, max(10, args.steps // 10))  # warm-up, not counted: first-touch costs
+        ours(task, device, max(10, args.steps // 10))
         for i in range(args.repeats):
-            order = [("naive", naive), ("auto", auto)]
+            order = [("naive", baseline), ("auto", ours)]
             for name, fn in order if i % 2 == 0 else order[::-1]:
                 runs[name].append(fn(task, device, args.steps))
         end_to_end = [n.total_s / a.total_s for n, a in zip(runs["naive"], runs["auto"], strict=True)]
@@ -135,9 +158,14 @@ def main() -> None:
             f"({med(steady):.3f}x) |"
         )
         plans.append(f"- {spec}: {runs['auto'][0].plan}")
+        if args.against is not None:
+            plans.append(f"- {spec}, {base_name}: {runs['naive'][0].plan}")
         print(body[-1], flush=True)
     body += ["", "The auto Plan chose:", *plans]
-    environment.publish(args.write, "Speed-up of the auto Plan over the naive loop", body, args.device)
+    title = "Speed-up of the auto Plan over the naive loop"
+    if args.against is not None:
+        title = f"Runtime({_said(args.options)}) against {base_name}, in a user's own loop"
+    environment.publish(args.write, title, body, args.device)
 
 
 if __name__ == "__main__":

@@ -744,3 +744,86 @@ def test_a_mode_that_calls_attention_by_name_again_is_not_handed_its_own_call():
     with torch.no_grad(), mode:
         mha(x, x, x, need_weights=False)
     assert mode.seen == 1
+
+
+# -- a user's loop that starts in a reduced precision times the kernels after its first training forward ------------
+
+
+def test_a_user_loop_asking_bf16_times_the_kernels_on_its_first_forwards_calls_and_prefers_the_winner(kernel_times):
+    before = flags()
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        flash = loop(rt, 3, {"bf16-mixed": 0.004})
+        attention = rt.explain().attention
+    assert flash == [False] * 3  # math from the step after the first forward on
+    assert (rt.explain().precision.value, attention.value) == ("bf16-mixed", "math")
+    assert attention.reason.startswith(
+        "measured on this run: math ran 2.00x torch's pick (the model's attention calls (1)"
+    )
+    assert flags() == before
+
+
+def test_no_kernel_is_timed_where_the_run_decided_before_or_must_repeat_itself(kernel_times, monkeypatch):
+    timed = []
+    monkeypatch.setattr(attention_module, "time_kernels", lambda *a, **k: timed.append(a) or {None: 0.02})
+    for options, measured in [
+        ({"attention": "flash"}, None),  # a kernel named
+        ({"deterministic": True}, None),
+        ({}, {}),  # a Runtime given a trial's word (the Trainer's, a bench row's): the trial decided
+        ({"precision": "fp32"}, None),  # no reduced precision
+    ]:
+        rt = Runtime(devices="cpu", compile="off", measured=measured, **{"precision": "bf16-mixed", **options})
+        with rt:
+            flash = loop(rt, 2, {"bf16-mixed": 0.004, "fp32": 0.004})
+        assert all(flash) and timed == [] and rt.explain().attention.value != "math", options
+
+
+def test_only_a_training_forward_in_rt_autocast_is_timed_and_the_model_carries_no_hook_of_the_check(
+    kernel_times, monkeypatch
+):
+    timed = []
+    faked = attention_module.time_kernels  # the fixture's: math twice as fast as torch's pick
+    monkeypatch.setattr(
+        attention_module, "time_kernels", lambda calls, *a, **k: timed.append(calls) or faked(calls, *a)
+    )
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        model, optimizer = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+        assert not model._forward_hooks and not model._forward_pre_hooks  # a copy or a pickle of it carries none
+        tokens = torch.randint(0, 32, (4, 17))
+        model(tokens[:, :-1])  # a forward outside rt.autocast(): fp32, not the run's precision
+        with torch.no_grad(), rt.autocast():  # an evaluation first: no training forward
+            model(tokens[:, :-1])
+        assert timed == [] and rt.explain().attention.value == "default"
+        with rt.autocast():
+            loss = model(tokens[:, :-1]).float().square().mean()
+        rt.backward(loss)
+        rt.step(optimizer)
+        with rt.autocast():  # checked once
+            model(tokens[:, :-1])
+    assert len(timed) == 1 and [call.dtype for call in timed[0]] == [torch.bfloat16]
+    assert rt.explain().attention.value == "math"
+
+
+def test_a_first_forward_that_fails_leaves_no_recorder_on_torchs_stack_and_the_next_one_is_checked(kernel_times):
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt, self.fail = small_gpt(), True
+
+        def forward(self, tokens):
+            out = self.gpt(tokens)
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("made up by the test")
+            return out
+
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        model, optimizer = rt.setup(Failing(), lambda params: torch.optim.SGD(params, lr=0.01))
+        tokens = torch.randint(0, 32, (4, 17))
+        with pytest.raises(RuntimeError, match="made up"), rt.autocast():
+            model(tokens[:, :-1])
+        assert not torch.overrides._get_current_function_mode_stack()
+        with rt.autocast():
+            loss = model(tokens[:, :-1]).float().square().mean()
+        rt.backward(loss)
+        rt.step(optimizer)
+        assert rt.explain().attention.value == "math" and flags()[0] is False

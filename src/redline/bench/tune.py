@@ -43,7 +43,8 @@ from redline.errors import (
     invalid,
 )
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
-from redline.plan.attention import KERNELS
+from redline.plan import Choice
+from redline.plan.attention import DEFAULT, KERNELS
 from redline.plan.device import resolve_device
 from redline.plan.layout import has_conv2d
 from redline.plan.precision import fast_precisions
@@ -57,6 +58,8 @@ MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace
 UNMEASURED = "not measured: the budget was spent"
 LEFT = "left to the run's auto"  # what a run that uses the tune does with an axis the tune did not decide
 WINDOW = 5  # timed steps between two device syncs
+# A candidate that leaves the kernel to auto runs torch's pick per call, untimed: the other kernels are candidates
+_PICK_OWN = {"attention": Choice(DEFAULT, "torch's pick per call: the tune times each other kernel as a candidate")}
 ONE_STEP = "redline train --task SPEC --max-steps 1"  # the command line says the task as typed for SPEC
 Progress = Callable[[int, int, str], None]
 
@@ -369,7 +372,9 @@ def _measure(
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
         options = candidate.options(RuntimeOptions(devices=device))
         try:
-            runner = runtime_runner(task, setting, seed=seed, planned_steps=planned, options=options)
+            runner = runtime_runner(
+                task, setting, seed=seed, planned_steps=planned, options=options, measured=_PICK_OWN
+            )  # a candidate with torch's pick runs it (the other kernels are candidates of their own)
             with quiet_failed_ops():  # the warm-up compiles
                 runner.run(window)
         except RedlineError:

@@ -339,17 +339,27 @@ def _run(call: AttentionCall, device: torch.device) -> None:
 
 @dataclass
 class KernelCheck:
-    """The attention kernel the bf16-mixed phase of a precision check runs (runtime/precision_check.py), where
-    ``attention`` was left to auto: at the phase's first training forward, the model's own attention calls (recorded
-    in the comparison's forward) are timed alone on each kernel that takes them, and one ``KEEP`` faster than torch's
-    pick runs from that forward on; it stays if the precision does, and is dropped with it."""
+    """The attention kernel a run whose ``attention`` was left to auto prefers, timed on the model's own calls: each
+    kernel that takes them runs them alone, and one ``KEEP`` faster than torch's pick is preferred from then on.
+
+    Two runs check: the bf16-mixed phase of a precision check (runtime/precision_check.py), at the phase's first
+    training forward, on the calls its comparison's forward recorded (the kernel stays if the precision does, and is
+    dropped with it); and a run that starts in a reduced precision (``pending``), after its first training forward
+    in ``rt.autocast()`` (``around``), on that forward's calls.
+    """
 
     device: torch.device
     default: Choice[str]  # the axis as resolved: torch's pick per call
     chosen: Choice[str] | None = None
     budget_s: float | None = None  # the seconds the timing may take (the precision check's allowance left)
+    pending: str | None = None  # the reduced precision of a run whose first training forward's calls are to be timed
     _kernel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _holds: int = 0  # the ``held`` contexts open
+
+    def around(self, autocast: contextlib.AbstractContextManager[Any]) -> contextlib.AbstractContextManager[Any]:
+        """``autocast`` (``rt.autocast()``'s context), recording the attention calls made inside while a check is
+        ``pending``; they are timed when it closes (``_Watched``)."""
+        return _Watched(self, autocast) if self.pending is not None else autocast
 
     def check(self, calls: Sequence[AttentionCall], precision: str) -> None:
         if self.chosen is not None or not calls:
@@ -411,6 +421,40 @@ class KernelCheck:
             self.chosen = Choice(self.default.value, f"{self.default.reason}; {self.chosen.reason}, but {why}")
         elif not self.chosen.reason.endswith(why):
             self.chosen = Choice(self.chosen.value, f"{self.chosen.reason}; {why}")
+
+
+class _Watched:
+    """``rt.autocast()``'s context while a ``KernelCheck`` is pending: a training forward inside it (autograd on) has
+    its attention calls recorded, and timed when it closes, unless it raised; the kernel kept runs from the next
+    forward on. Entered again (a loop that keeps one context), it records again only while the check is pending."""
+
+    def __init__(self, check: KernelCheck, autocast: contextlib.AbstractContextManager[Any]) -> None:
+        self.check, self.autocast = check, autocast
+        self._recording: contextlib.ExitStack | None = None
+        self._calls: list[AttentionCall] = []
+
+    def __enter__(self) -> Any:
+        if self.check.pending is not None and torch.is_grad_enabled() and self._recording is None:
+            self._recording = contextlib.ExitStack()
+            self._calls = self._recording.enter_context(recording())
+        return self.autocast.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.autocast.__exit__(*exc)
+        finally:
+            stack, self._recording = self._recording, None
+            if stack is not None:
+                stack.close()  # the recorder leaves torch's mode stack, whatever happened inside
+                precision = self.check.pending
+                if exc[0] is None and precision is not None:
+                    self.check.pending = None
+                    self.check.check(self._calls, precision)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on ``device_type`` now (None: autocast is off)."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _ms(seconds: float) -> str:

@@ -39,6 +39,7 @@ from typing import cast
 from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice, Plan, times
 from redline.plan.precision import PrecisionName
+from redline.runtime.attention import KernelCheck
 from redline.runtime.compile import CompileRecord, explain_compile
 from redline.runtime.graphs import GraphRecord
 from redline.runtime.precision_check import PrecisionSwitch
@@ -439,18 +440,22 @@ class CompileCheck:
 
 
 def explain_forms(
-    plan: Plan, check: CompileCheck | None, records: list[CompileRecord], graphs: GraphRecord | None
+    plan: Plan,
+    check: CompileCheck | None,
+    records: list[CompileRecord],
+    graphs: GraphRecord | None,
+    kernels: KernelCheck | None = None,
 ) -> Plan:
     """``plan``'s compile, precision, attention and CUDA graphs axes as the run left them: the first steps' ``check``
-    as it stands, every compile of ``records`` counted, and the graphs of ``graphs`` captured or turned off."""
+    as it stands, every compile of ``records`` counted, the graphs of ``graphs`` captured or turned off, and the
+    attention kernel ``kernels`` timed on the run's own calls."""
     if plan.compile is not None:
         checked = check.explain() if check is not None else plan.compile
         plan = dataclasses.replace(plan, compile=explain_compile(checked, records))
     precision = check.explain_precision() if check is not None else None
     if precision is not None:
         plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
-    kernels = check.precision.kernels if check is not None and check.precision is not None else None
-    if kernels is not None and kernels.chosen is not None:  # timed in the precision check's bf16 phase
+    if kernels is not None and kernels.chosen is not None:  # timed on the run's own calls
         plan = dataclasses.replace(plan, attention=kernels.chosen)
     if plan.cuda_graphs is not None:
         found = check.explain_graphs() if check is not None else None

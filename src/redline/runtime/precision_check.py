@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +49,9 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import live_candidate
-from redline.runtime.attention import AttentionCall, KernelCheck, recording
+from redline.runtime.attention import AttentionCall, KernelCheck, autocast_dtype, recording
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.precision import AUTOCAST_DTYPES
 from redline.runtime.probe import probe_forward
 
 # The largest departure of bf16-mixed's outputs from fp32's, relative to the norm of fp32's: bf16 keeps 8 bits of
@@ -58,6 +59,7 @@ from redline.runtime.probe import probe_forward
 # dropout MLP and attention); a model whose numbers bf16 cannot hold departs by far more.
 TOLERANCE = 0.05
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16}
+KERNELS_ALONE_S = 1.0  # the most the kernels' timing takes in a run with no precision phase to share an allowance
 
 
 @dataclass
@@ -124,7 +126,7 @@ class PrecisionSwitch:
         precision left where the candidate failed."""
         if self._probing or not (module.training and torch.is_grad_enabled()):
             return  # the comparison's own forwards, or evaluation in between
-        running = _autocast_dtype(self.device_type)
+        running = autocast_dtype(self.device_type)
         if running != _AUTOCAST_DTYPES.get(self.candidate):
             self._fail(
                 self.planned.value,
@@ -208,6 +210,44 @@ def propose_switch(
     return switch
 
 
+def propose_checks(
+    options: RuntimeOptions,
+    facts: DeviceFacts,
+    planned: Choice[str],
+    apply: Callable[[str], None],
+    *,
+    model: nn.Module,
+    measured: Collection[str] | None,
+    tuned: bool,
+    strategy: str,
+    world_size: int,
+    attention: Choice[str] | None,
+) -> tuple[PrecisionSwitch | None, KernelCheck | None]:
+    """What the run's first steps check of its precision and attention kernel (``attention``: the axis, where it was
+    left to auto): the precision ``switch`` where no trial ``measured`` it and no ``tuned`` Plan set it
+    (``propose_switch``, which times the kernels in its bf16-mixed phase where the trial did not time them).
+
+    Else a run that starts in a reduced precision (asked for, or the rule's where nothing switches it) times the
+    kernels after its first training forward in ``rt.autocast()`` (runtime/attention.py, ``KernelCheck.around``),
+    where nothing decided the run's axes before it: a Runtime given no ``measured`` at all (a user's loop; the
+    Trainer, the bench and the tune decide theirs by a trial or a search), not tuned, in one process (each would
+    time its own), not ``deterministic`` (a run that must repeat itself), and no compile or CUDA graphs asked for
+    (they fix the kernel at their first step)."""
+    known = measured or ()
+    switch = propose_switch(
+        options, facts, planned, apply, model=model, decided="precision" in known or tuned, strategy=strategy,
+        world_size=world_size, attention=None if "attention" in known else attention,
+    )  # fmt: skip
+    if switch is not None:
+        return switch, switch.kernels
+    decided = measured is not None or tuned
+    held = decided or world_size > 1 or options.deterministic or "on" in (options.compile, options.cuda_graphs)
+    if attention is None or held or planned.value not in AUTOCAST_DTYPES:
+        return None, None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return None, KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value)
+
+
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Autocast as ``precision`` runs it: off for fp32 (whatever an outer context asked), bf16 for bf16-mixed."""
     dtype = _AUTOCAST_DTYPES.get(precision)
@@ -248,7 +288,3 @@ def _leaves(output: Any) -> list[torch.Tensor]:
     else:
         return []
     return [t for item in items for t in _leaves(item)]
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

@@ -64,7 +64,7 @@ from redline.runtime.optimizer import (
 )
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision
-from redline.runtime.precision_check import propose_switch
+from redline.runtime.precision_check import propose_checks
 from redline.runtime.sampling import global_batches, split_caveats, split_reason
 from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
@@ -115,7 +115,7 @@ class Runtime(RunState):
         self.facts: DeviceFacts = probe_device(self.device)
         check_cuda_graphs(self.options.cuda_graphs, self.facts.type)  # "on" off CUDA: refused before any work
         chosen = resolve_precision(self.options.precision, self.facts)
-        self._precision_measured = bool(measured and "precision" in measured)  # else auto is checked on the steps
+        self._measured = set(measured) if measured is not None else None  # None: no trial's word (a user's loop)
         if measured and "precision" in measured and self.options.precision == "auto":
             found = measured["precision"]
             one_of("measured precision", found.value, PRECISIONS)
@@ -343,8 +343,9 @@ class Runtime(RunState):
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Return the context that runs the forward pass in the planned precision."""
-        return self.precision.autocast()
+        """Return the context that runs the forward pass in the planned precision (and times the attention kernels on
+        the first training forward's calls, in a run that starts in a reduced precision: ``propose_checks``)."""
+        return self._kernels.around(self.precision.autocast()) if self._kernels else self.precision.autocast()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16.
@@ -444,8 +445,7 @@ class Runtime(RunState):
 
     @property
     def compile_checking(self) -> bool:
-        """Whether an automatic compile or CUDA graphs are still being checked on the run's first steps
-        (runtime/compile_check.py)."""
+        """Whether an automatic compile or CUDA graphs are still being checked on the run's first steps."""
         return self._compile_check is not None and not self._compile_check.decided
 
     @property
@@ -466,7 +466,7 @@ class Runtime(RunState):
 
     def explain(self) -> Plan:
         """Return the resolved Plan: each axis with its value and the reason for it."""
-        plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs)
+        plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs, self._kernels)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
             plan = dataclasses.replace(plan, channels_last=self._layout.choice)
         return plan
@@ -474,17 +474,17 @@ class Runtime(RunState):
     def _check_forms(
         self, planned: Choice[bool], graphs: Choice[bool], model: nn.Module, strategy: str, *, second: bool
     ) -> None:
-        """Have the run's first steps confirm a compile the rule chose, CUDA graphs "auto" proposed, and a precision no
-        trial or tuned Plan decided (runtime/compile_check.py, runtime/precision_check.py)."""
+        """Have the run's first steps confirm a compile the rule chose, CUDA graphs "auto" proposed, and a precision and
+        attention kernel no trial or tuned Plan decided (runtime/compile_check.py, runtime/precision_check.py)."""
         compiles = planned.value and self.options.compile == "auto" and self._compile_records
-        switch = None if self._models else propose_switch(
+        switch, kernels = (None, None) if self._models else propose_checks(
             self.options, self.facts, self._plan.precision, self._use_precision, model=model, strategy=strategy,
-            decided=self._precision_measured or self._wants_tuned, world_size=self.env.world_size,
+            measured=self._measured, tuned=self._wants_tuned, world_size=self.env.world_size,
             attention=self._plan.attention if self.options.attention == "auto" else None,
         )  # fmt: skip
-        if switch is not None and switch.kernels is not None:  # held from the check's choice until pause() or close()
-            self._kernels = switch.kernels
-            cast(contextlib.ExitStack, self._started).enter_context(switch.kernels.held())
+        if kernels is not None:  # held from the check's choice until pause() or close()
+            self._kernels = kernels
+            cast(contextlib.ExitStack, self._started).enter_context(kernels.held())
         self._compile_check = check_forms(
             self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
             compiled=self._compile_records[-1] if compiles else None, another_model=second,
