@@ -98,17 +98,24 @@ def task():
 """
 
 
-def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batches_too(tmp_path):
-    """`redline train --plan auto` runs a cached tune's precision, kernel and micro-batches; so the estimate weighs
-    them, and says where they came from. An axis asked for leaves the tune out, as it does for a run."""
+TUNED_REASONS = {"precision": "tuned: 1.3x less time", "attention": "tuned: 1.3x less time", "grad_accum": "tuned"}
+
+
+def tuned_gpt(tmp_path, best: Candidate, reasons=TUNED_REASONS, unmeasured=()) -> tuple[str, redline.Task, TunedPlan]:
+    """The small GPT task written as a file (its spec, the task), with ``best`` cached as its tuned Plan at batch 8."""
     (tmp_path / "gpt_task.py").write_text(GPT_TASK)
     spec = f"{tmp_path / 'gpt_task.py'}:task"
     task = redline.load_task(spec)
-    best = Candidate(precision="bf16-mixed", attention="math", grad_accum=2)
-    reasons = {"precision": "tuned: 1.3x less time", "attention": "tuned: 1.3x less time", "grad_accum": "tuned"}
     plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
-                     best=best, reasons=reasons, trials=())  # fmt: skip
+                     best=best, reasons=reasons, trials=(), unmeasured=unmeasured)  # fmt: skip
     store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), plan, model=task.build_model())
+    return spec, task, plan
+
+
+def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batches_too(tmp_path):
+    """`redline train --plan auto` runs a cached tune's precision, kernel and micro-batches; so the estimate weighs
+    them, and says where they came from. An axis asked for leaves the tune out, as it does for a run."""
+    spec, _, _ = tuned_gpt(tmp_path, Candidate(precision="bf16-mixed", attention="math", grad_accum=2))
     result = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
     assert result.exit_code == 0, result.output
     estimate = json.loads(result.stdout)["rows"][0]["estimate"]
@@ -130,14 +137,7 @@ def test_the_measured_search_runs_its_steps_as_the_tuned_plan_does_but_whole(tmp
     and kernel; not its micro-batches, since the search finds the batch one step holds, which a note says."""
     from redline.memory import search as search_module
 
-    (tmp_path / "gpt_task.py").write_text(GPT_TASK)
-    spec = f"{tmp_path / 'gpt_task.py'}:task"
-    task = redline.load_task(spec)
-    best = Candidate(precision="bf16-mixed", attention="math", grad_accum=2)
-    reasons = {"precision": "tuned: 1.3x less time", "attention": "tuned: 1.3x less time", "grad_accum": "tuned"}
-    plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
-                     best=best, reasons=reasons, trials=())  # fmt: skip
-    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), plan, model=task.build_model())
+    spec, _, _ = tuned_gpt(tmp_path, Candidate(precision="bf16-mixed", attention="math", grad_accum=2))
     probed: list[RuntimeOptions] = []
     probe_init = search_module._Probe.__init__
 
@@ -168,14 +168,9 @@ def test_a_precision_the_tune_left_unmeasured_is_the_trials_at_its_micro_batch_i
     """A tune whose budget ran out before precision leaves it to the run's auto: `redline train --plan auto` then
     measures it by a trial of the tuned run, at its micro-batch. The estimate weighs that, and still the tune's kernel
     and micro-batches."""
-    (tmp_path / "gpt_task.py").write_text(GPT_TASK)
-    task = redline.load_task(f"{tmp_path / 'gpt_task.py'}:task")
+    best, reasons = Candidate(precision="fp32", attention="math", grad_accum=2), {"attention": "t", "grad_accum": "t"}
+    _, task, plan = tuned_gpt(tmp_path, best, reasons, unmeasured=("precision",))
     cpu = probe_device(torch.device("cpu"))
-    best = Candidate(precision="fp32", attention="math", grad_accum=2)
-    plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
-                     best=best, reasons={"attention": "tuned", "grad_accum": "tuned"}, trials=(),
-                     unmeasured=("precision",))  # fmt: skip
-    store_tuned(task.fingerprint(), cpu, plan, model=task.build_model())
     before = fit_choices(task, "auto", "auto", cpu, here=True, batch_size=8)
     assert (before.precision.value, before.attention.value, before.micro_batch) == ("fp32", "math", 4)
     assert "not measured: an estimate runs no trial" in before.precision.reason
