@@ -70,10 +70,10 @@ def naive(task: redline.Task, device: torch.device, steps: int) -> Timing:
     return _timed_steps(steps, _forever(loader), step, device, start)
 
 
-def auto(task: redline.Task, device: torch.device, steps: int, options: dict[str, str] | None = None) -> Timing:
+def auto(task: redline.Task, device: torch.device, steps: int, options: dict[str, Any] | None = None) -> Timing:
     start = time.perf_counter()
     torch.manual_seed(0)
-    rt = redline.Runtime(devices=str(device), planned_steps=steps, **(options or {}))
+    rt = redline.Runtime(**{"devices": str(device), "planned_steps": steps, **(options or {})})
     model, optimizer = rt.setup(task.build_model(), task.optimizer)
     loader = rt.setup_loader(DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True, drop_last=True))
 
@@ -88,11 +88,17 @@ def auto(task: redline.Task, device: torch.device, steps: int, options: dict[str
     return timing
 
 
-def _options(text: str) -> dict[str, str]:
-    return dict(pair.split("=", 1) for pair in text.split(",") if pair)
+def _options(text: str) -> dict[str, Any]:
+    """``K=V,K=V`` as Runtime options: integers, true/false and none read as such, the rest as given."""
+    words = {"true": True, "false": False, "none": None}
+    options: dict[str, Any] = {}
+    for pair in filter(None, text.split(",")):
+        key, _, value = pair.partition("=")
+        options[key] = words.get(value.lower(), int(value) if value.isdigit() else value)
+    return options
 
 
-def _said(options: dict[str, str]) -> str:
+def _said(options: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in options.items())
 
 
@@ -118,6 +124,7 @@ def main() -> None:
     device = torch.device(args.device)
     ours = functools.partial(auto, options=args.options)
     baseline = naive if args.against is None else functools.partial(auto, options=args.against)
+    against = args.against is not None
     base_name = "naive" if args.against is None else f"Runtime({_said(args.against)})"
 
     body = [
@@ -125,10 +132,11 @@ def main() -> None:
         "warm-up pair. Speed-ups are naive/auto time (above 1: redline faster): the ratio of the medians, "
         "and in brackets the median of the per-pair ratios.",
         *(
-            [f"Here the naive loop's place is taken by {base_name}, and auto is Runtime({_said(args.options)})."]
-            if args.against is not None
+            [f"auto is Runtime({_said(args.options)}); the naive loop's place is taken by {base_name}."]
+            if against
             else []
         ),
+        *([f"auto is Runtime({_said(args.options)})."] if args.options and not against else []),
         "",
         "| task | naive total (s) | auto total (s) | end-to-end speed-up | naive samples/s | auto samples/s "
         "| steady-state speed-up |",
@@ -163,6 +171,8 @@ def main() -> None:
         print(body[-1], flush=True)
     body += ["", "The auto Plan chose:", *plans]
     title = "Speed-up of the auto Plan over the naive loop"
+    if args.options:
+        title = f"Speed-up of Runtime({_said(args.options)}) over the naive loop"
     if args.against is not None:
         title = f"Runtime({_said(args.options)}) against {base_name}, in a user's own loop"
     environment.publish(args.write, title, body, args.device)

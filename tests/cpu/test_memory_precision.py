@@ -14,7 +14,7 @@ from redline.cli.main import app
 from redline.hardware.device import probe_device
 from redline.memory.fit import fit_choices
 from redline.parallel.env import DistEnv
-from redline.runtime.measure import measure_auto
+from redline.runtime.measure import measure_auto, recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.tuned import Candidate, TunedPlan, store_tuned
 
@@ -180,3 +180,19 @@ def test_a_precision_the_tune_left_unmeasured_is_the_trials_at_its_micro_batch_i
     after = fit_choices(task, "auto", "auto", cpu, here=True, batch_size=8)
     assert (after.precision.value, after.attention.value, after.micro_batch) == ("bf16-mixed", "math", 4)
     assert after.precision.reason.startswith("measured: bf16-mixed ran 1.43x fp32")
+
+
+def test_the_measured_search_measures_a_precision_the_tune_left_open_at_its_micro_batch(bf16_measured_faster, tmp_path):
+    """`redline train --plan auto` measures a precision the tune left open by a trial of the tuned run at its
+    micro-batch; `--measure` reads (or runs) that same trial, so the estimate and the run find it after."""
+    best, reasons = Candidate(precision="fp32", attention="math", grad_accum=2), {"attention": "t", "grad_accum": "t"}
+    spec, task, plan = tuned_gpt(tmp_path, best, reasons, unmeasured=("precision",))
+    result = CliRunner().invoke(app, ["memory", "--task", spec, "--measure", "--max-batch-size", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    search = json.loads(result.stdout)
+    assert search["precision"] == "bf16-mixed" and search["precision_reason"].startswith("measured: bf16-mixed ran")
+    note = next(note for note in search["notes"] if "tuned Plan" in note)
+    assert "precision bf16-mixed, attention math" in note
+    tuned_run = plan.apply(RuntimeOptions(devices="cpu"))
+    assert recall_auto(task, tuned_run, 4, DistEnv())["precision"].value == "bf16-mixed"  # the tuned run's trial
+    assert bf16_measured_faster == [["bf16-mixed"]]  # one trial, at the micro-batch; none at the whole batch

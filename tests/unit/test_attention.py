@@ -827,3 +827,85 @@ def test_a_first_forward_that_fails_leaves_no_recorder_on_torchs_stack_and_the_n
         rt.backward(loss)
         rt.step(optimizer)
         assert rt.explain().attention.value == "math" and flags()[0] is False
+
+
+def test_a_runtime_closed_or_paused_times_nothing_and_leaves_torchs_flags(kernel_times):
+    before = flags()
+    rt = Runtime(devices="cpu", precision="bf16-mixed", compile="off")
+    with rt:
+        model, _ = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+    tokens = torch.randint(0, 32, (4, 17))
+    with rt.autocast():  # a step after close: nothing is timed, nothing preferred
+        model(tokens[:, :-1])
+    assert flags() == before and rt.explain().attention.value == "default"
+    paused = Runtime(devices="cpu", precision="bf16-mixed", compile="off")
+    model, _ = paused.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+    paused.pause()
+    with paused.autocast():  # outside a turn: the run is not on
+        model(tokens[:, :-1])
+    assert flags() == before
+    with paused.turn(), paused.autocast():  # its turn: timed, and the kernel runs from the next forward
+        model(tokens[:, :-1])
+    assert flags() == before and paused.explain().attention.value == "math"
+    with paused.turn():
+        assert flags()[0] is False
+    paused.close()
+    assert flags() == before
+
+
+def test_a_loop_whose_calls_only_torchs_pick_takes_is_told_so_without_timing(kernel_times, monkeypatch):
+    monkeypatch.setattr(attention_module, "time_kernels", lambda *a, **k: pytest.fail("nothing to time"))
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        model, _ = rt.setup(small_gpt(dropout=0.1), lambda params: torch.optim.SGD(params, lr=0.01))
+        with rt.autocast():  # on a CPU math alone takes attention with dropout in training, and torch picks it
+            model(torch.randint(0, 32, (4, 16)))
+        attention = rt.explain().attention
+    assert attention.value == "default"
+    assert attention.reason.endswith("no other kernel takes the model's attention calls (1) under bf16-mixed")
+
+
+def test_the_outermost_training_autocast_records_and_a_forward_without_attention_leaves_the_check_pending(
+    kernel_times,
+):
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        model, optimizer = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+        tokens = torch.randint(0, 32, (4, 17))
+        with rt.autocast():  # a training autocast around something else first: no attention call
+            torch.ones(2, requires_grad=True).sum()
+        model.eval()
+        with rt.autocast():  # an evaluation forward with autograd on: not a training forward
+            model(tokens[:, :-1])
+        model.train()
+        assert rt.explain().attention.value == "default" and rt._kernels.pending == "bf16-mixed"
+        with rt.autocast():
+            logits = model(tokens[:, :-1])
+            with rt.autocast():  # a loop that enters it again around its loss: the outer one records
+                loss = logits.float().square().mean()
+        rt.backward(loss)
+        rt.step(optimizer)
+        assert rt.explain().attention.value == "math" and flags()[0] is False
+
+
+def test_a_loop_that_sets_its_own_kernels_is_not_timed_and_gets_its_choice(kernel_times):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = flags()
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        model, _ = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
+        with sdpa_kernel([SDPBackend.MATH]), rt.autocast():
+            model(torch.randint(0, 32, (4, 16)))
+            assert flags()[:4] == (False, False, True, False)  # the loop's own choice, untouched
+        attention = rt.explain().attention
+    assert attention.value == "default" and attention.reason.endswith("the loop sets its own attention kernels")
+    assert flags() == before
+
+
+def test_a_model_the_user_compiled_is_not_recorded_so_dynamo_compiles_it_once(kernel_times):
+    from redline.runtime.precision_check import compiled
+
+    plain, part = small_gpt(), small_gpt()
+    part.blocks[0].compile(backend="eager")
+    assert not compiled(plain) and compiled(part) and compiled(torch.compile(small_gpt(), backend="eager"))
+    with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
+        rt.setup(part, lambda params: torch.optim.SGD(params, lr=0.01))
+        assert rt._kernels is None

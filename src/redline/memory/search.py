@@ -251,21 +251,23 @@ def _as_trained(
     Where ``given`` left every tuned axis to auto and `redline tune` cached a Plan, its axes that change what a
     step holds (precision, attention kernel, layout) replace ``options``'; its micro-batches do not (the search
     finds the batch one step holds), and ``notes`` says so. An "auto" precision left is the one a run measures
-    (a cached trial at the task's batch size, else one run now)."""
+    (a cached trial at the task's batch size, else one run now; a tuned run's at its micro-batch)."""
     tuned = auto_tuned(task, given, task.batch_size, env)
-    if tuned is not None:
-        taken = {axis: getattr(tuned.options, axis) for axis in _TUNED_MEMORY}
-        said = ", ".join(f"{axis} {value}" for axis, value in taken.items())
-        note = f"run in the tuned Plan's {said} ({tuned.tuning.note}), as `redline train` runs them"
-        if tuned.options.grad_accum > 1:
-            note += f"; not its {tuned.options.grad_accum} micro-batches a step: the search finds what one step holds"
-        notes.append(note)
-        options = dataclasses.replace(options, **taken)
-    measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
+    if tuned is None:
+        measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
+        return options, measured, Runtime(options, measured=measured).explain().precision
+    # a precision the tune left to auto is measured as train measures the tuned run: at its micro-batch
+    measured = measure_auto(task, tuned.options, tuned.batch_size, 1, env, trial="on")
+    options = dataclasses.replace(options, **{axis: getattr(tuned.options, axis) for axis in _TUNED_MEMORY})
     planned = Runtime(options, measured=measured)
-    if tuned is not None:
-        planned.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
-    return options, measured, planned.explain().precision
+    planned.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
+    precision = planned.explain().precision
+    said = f"precision {precision.value}, attention {options.attention}, channels_last {options.channels_last}"
+    note = f"run in the tuned Plan's {said} ({tuned.tuning.note}), as `redline train` runs them"
+    if tuned.options.grad_accum > 1:
+        note += f"; not its {tuned.options.grad_accum} micro-batches a step: the search finds what one step holds"
+    notes.append(note)
+    return options, measured, precision
 
 
 @contextlib.contextmanager

@@ -266,6 +266,7 @@ def attention_kernels(
 KEEP = 1.10  # a kernel replaces torch's pick where the model's attention calls run this much faster on it
 GIVE_UP = 3.0  # a kernel this much slower than torch's pick on its first pass is not timed further
 MATH_SHARE = 0.25  # math attention is left out where the attention weights it keeps would take this share of the free
+TRIES = 3  # training forwards a run's first-forward check records before it takes the model for one without attention
 
 
 @contextlib.contextmanager
@@ -291,14 +292,15 @@ def time_kernels(
     (the calls' dtypes are those autocast gave them).
 
     With ``budget_s``, no pass starts that would end past it (each is taken to cost what the last one did, input
-    making included): a kernel left without a timed pass is left out of the result."""
+    making included, and a new kernel's warm-up up to ``GIVE_UP`` times that): a kernel left without a timed pass is
+    left out of the result."""
     sync, counts = device_sync(device), Counter(calls)
     timed: dict[str | None, float] = {}
     saved = capture_rng()
     began, last = time.perf_counter(), [0.0]  # the wall time of the last pass
 
-    def affordable() -> bool:
-        return budget_s is None or time.perf_counter() - began + last[0] <= budget_s
+    def affordable(passes: float = 1.0) -> bool:  # whether ``passes`` more passes like the last one end in time
+        return budget_s is None or time.perf_counter() - began + passes * last[0] <= budget_s
 
     def one_pass() -> float:
         total, opened = 0.0, time.perf_counter()
@@ -313,7 +315,7 @@ def time_kernels(
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             for kernel in kernels:
-                if not affordable():
+                if not affordable(GIVE_UP):  # a new kernel's warm-up may take GIVE_UP passes before it is let go
                     break
                 with prefer_kernel(kernel) if kernel is not None else contextlib.nullcontext():
                     warm = one_pass()
@@ -353,8 +355,12 @@ class KernelCheck:
     chosen: Choice[str] | None = None
     budget_s: float | None = None  # the seconds the timing may take (the precision check's allowance left)
     pending: str | None = None  # the reduced precision of a run whose first training forward's calls are to be timed
+    module: nn.Module | None = None  # the model whose training forwards (``module.training``) ``around`` records
+    _flags: tuple[tuple[bool, ...], tuple[int, ...]] = field(default_factory=lambda: _sdp_state())  # torch's, at set-up
     _kernel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _holds: int = 0  # the ``held`` contexts open
+    _recording: bool = False  # an ``around`` context records now (one inside it, around the loss say, does not)
+    _tries: int = 0  # training forwards recorded that made no attention call
 
     def around(self, autocast: contextlib.AbstractContextManager[Any]) -> contextlib.AbstractContextManager[Any]:
         """``autocast`` (``rt.autocast()``'s context), recording the attention calls made inside while a check is
@@ -367,6 +373,13 @@ class KernelCheck:
         began = time.perf_counter()
         try:
             kernels = [None, *attention_kernels(calls, self.device, precision)]
+            if len(kernels) == 1:  # nothing to set against torch's pick (on a CPU, math alone takes dropout)
+                self.chosen = Choice(
+                    self.default.value,
+                    f"{self.default.reason}; no other kernel takes the model's attention calls ({len(calls)}) under "
+                    f"{precision}",
+                )
+                return
             timed = time_kernels(calls, self.device, kernels, budget_s=self.budget_s)
         except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
             why = describe_error(exc)
@@ -395,8 +408,9 @@ class KernelCheck:
                 self.default.value, f"{self.default.reason}; measured on this run, torch's pick kept: {what}"
             )
             return
-        self._kernel.enter_context(prefer_kernel(best))
         self.chosen = Choice(best, f"measured on this run: {best} ran {ratio:.2f}x torch's pick ({what})")
+        if self._holds:  # the run is on: from the next forward (else from when it runs again, ``held``)
+            self._kernel.enter_context(prefer_kernel(best))
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -424,9 +438,11 @@ class KernelCheck:
 
 
 class _Watched:
-    """``rt.autocast()``'s context while a ``KernelCheck`` is pending: a training forward inside it (autograd on) has
-    its attention calls recorded, and timed when it closes, unless it raised; the kernel kept runs from the next
-    forward on. Entered again (a loop that keeps one context), it records again only while the check is pending."""
+    """``rt.autocast()``'s context while a ``KernelCheck`` is pending: a training forward inside it (autograd on, the
+    model in training mode, the Runtime running) has its attention calls recorded, and timed when it closes, unless it
+    raised; the kernel kept runs from the next forward on. Only the outermost such context records, and a forward
+    that made no attention call leaves the check pending, ``TRIES`` times at most. A loop that sets its own kernels
+    around its steps (torch's flags other than at set-up) is not checked: the loop chose."""
 
     def __init__(self, check: KernelCheck, autocast: contextlib.AbstractContextManager[Any]) -> None:
         self.check, self.autocast = check, autocast
@@ -434,9 +450,18 @@ class _Watched:
         self._calls: list[AttentionCall] = []
 
     def __enter__(self) -> Any:
-        if self.check.pending is not None and torch.is_grad_enabled() and self._recording is None:
-            self._recording = contextlib.ExitStack()
-            self._calls = self._recording.enter_context(recording())
+        check = self.check
+        ready = check.pending is not None and check._holds and not check._recording and torch.is_grad_enabled()
+        if ready and (check.module is None or check.module.training):
+            if _sdp_state() != check._flags:
+                check.pending = None
+                check.chosen = Choice(
+                    check.default.value,
+                    f"{check.default.reason}; not timed on this run: the loop sets its own attention kernels",
+                )
+            else:
+                self._recording, check._recording = contextlib.ExitStack(), True
+                self._calls = self._recording.enter_context(recording())
         return self.autocast.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -446,10 +471,19 @@ class _Watched:
             stack, self._recording = self._recording, None
             if stack is not None:
                 stack.close()  # the recorder leaves torch's mode stack, whatever happened inside
-                precision = self.check.pending
-                if exc[0] is None and precision is not None:
-                    self.check.pending = None
-                    self.check.check(self._calls, precision)
+                self.check._recording = False
+                self._done(failed=exc[0] is not None)
+
+    def _done(self, *, failed: bool) -> None:
+        check, precision = self.check, self.check.pending
+        if failed or precision is None:
+            return
+        if not self._calls:
+            check._tries += 1
+            check.pending = None if check._tries >= TRIES else precision
+            return
+        check.pending = None
+        check.check(self._calls, precision)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

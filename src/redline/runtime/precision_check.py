@@ -231,8 +231,8 @@ def propose_checks(
     kernels after its first training forward in ``rt.autocast()`` (runtime/attention.py, ``KernelCheck.around``),
     where nothing decided the run's axes before it: a Runtime given no ``measured`` at all (a user's loop; the
     Trainer, the bench and the tune decide theirs by a trial or a search), not tuned, in one process (each would
-    time its own), not ``deterministic`` (a run that must repeat itself), and no compile or CUDA graphs asked for
-    (they fix the kernel at their first step)."""
+    time its own), not ``deterministic`` (a run that must repeat itself), no compile or CUDA graphs asked for (they
+    fix the kernel at their first step), and a model the user did not compile (``compiled``)."""
     known = measured or ()
     switch = propose_switch(
         options, facts, planned, apply, model=model, decided="precision" in known or tuned, strategy=strategy,
@@ -240,12 +240,25 @@ def propose_checks(
     )  # fmt: skip
     if switch is not None:
         return switch, switch.kernels
-    decided = measured is not None or tuned
-    held = decided or world_size > 1 or options.deterministic or "on" in (options.compile, options.cuda_graphs)
-    if attention is None or held or planned.value not in AUTOCAST_DTYPES:
+    decided = measured is not None or tuned or compiled(model)
+    held = decided or world_size > 1 or strategy != "single" or options.deterministic
+    if (
+        attention is None
+        or held
+        or "on" in (options.compile, options.cuda_graphs)
+        or planned.value not in AUTOCAST_DTYPES
+    ):
         return None, None
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    return None, KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value)
+    device = next((p.device for p in model.parameters()), torch.device(facts.type))
+    return None, KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value, module=model)
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether the user compiled ``model`` (``torch.compile(model)``, or ``model.compile()`` on it or a part): a
+    recorder on torch's mode stack during its forward would make dynamo compile it again."""
+    return hasattr(model, "_orig_mod") or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
 
 
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:

@@ -159,7 +159,7 @@ class Runtime(RunState):
         self._split_caveats: list[str] = []  # the model's layers that depend on how the batch is split
         self._checkpointing = ActivationCheckpointing()
         self._layout = Layout(self.facts, world_size=self.env.world_size, eagerly=self.eager)  # channels_last
-        self._kernels: KernelCheck | None = None  # an attention kernel the precision check's bf16 phase timed
+        self._kernels: KernelCheck | None = None  # the attention kernels timed on the run's own calls (propose_checks)
 
     # -- the run's process-wide state ------------------------------------------------------------
 
