@@ -19,7 +19,7 @@ from redline.memory.fit import fit_choices
 from redline.parallel.env import DistEnv
 from redline.plan.attention import resolve_attention
 from redline.runtime import attention as attention_module
-from redline.runtime import attention_mode, measure
+from redline.runtime import attention_mode, kernel_check, measure
 from redline.runtime.attention import (
     attention_calls,
     attention_kernels,
@@ -419,7 +419,7 @@ def kernel_times(monkeypatch):
     def timed(calls, device, kernels, **_):
         return {k: times.get(k, 0.02) if k is not None else 0.02 for k in kernels}
 
-    monkeypatch.setattr(attention_module, "time_kernels", timed)
+    monkeypatch.setattr(kernel_check, "time_kernels", timed)
     return times
 
 
@@ -481,7 +481,7 @@ def test_kernels_that_cannot_be_timed_leave_torchs_pick_and_the_users_step_runs(
     def broken(*_, **__):
         raise RuntimeError("out of memory while timing (made up by the test)")
 
-    monkeypatch.setattr(attention_module, "time_kernels", broken)
+    monkeypatch.setattr(kernel_check, "time_kernels", broken)
     with Runtime(devices="cpu", compile="off") as rt:
         flash = loop(rt, EAGER_END + 3, {"fp32": 0.004, "bf16-mixed": 0.002})
         attention = rt.explain().attention
@@ -551,7 +551,7 @@ def test_the_kernel_check_gets_what_the_precision_block_leaves_of_the_allowance_
     with Runtime(devices="cpu", compile="off") as rt:  # eager steps of 4 ms: a bf16 block costs up to 0.056 s more
         loop(rt, EAGER_END + 1, {"fp32": 0.004, "bf16-mixed": 0.004})
         assert rt._kernels is not None and rt._kernels.budget_s == pytest.approx(1.0 - (2 + 5) * 0.004 * 2)
-    monkeypatch.setattr(attention_module, "time_kernels", lambda calls, device, kernels, **_: {None: 0.02})
+    monkeypatch.setattr(kernel_check, "time_kernels", lambda calls, device, kernels, **_: {None: 0.02})
     with Runtime(devices="cpu", compile="off") as rt:
         flash = loop(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.004})
         attention = rt.explain().attention
@@ -764,7 +764,7 @@ def test_a_user_loop_asking_bf16_times_the_kernels_on_its_first_forwards_calls_a
 
 def test_no_kernel_is_timed_where_the_run_decided_before_or_must_repeat_itself(kernel_times, monkeypatch):
     timed = []
-    monkeypatch.setattr(attention_module, "time_kernels", lambda *a, **k: timed.append(a) or {None: 0.02})
+    monkeypatch.setattr(kernel_check, "time_kernels", lambda *a, **k: timed.append(a) or {None: 0.02})
     for options, measured in [
         ({"attention": "flash"}, None),  # a kernel named
         ({"deterministic": True}, None),
@@ -781,10 +781,8 @@ def test_only_a_training_forward_in_rt_autocast_is_timed_and_the_model_carries_n
     kernel_times, monkeypatch
 ):
     timed = []
-    faked = attention_module.time_kernels  # the fixture's: math twice as fast as torch's pick
-    monkeypatch.setattr(
-        attention_module, "time_kernels", lambda calls, *a, **k: timed.append(calls) or faked(calls, *a)
-    )
+    faked = kernel_check.time_kernels  # the fixture's: math twice as fast as torch's pick
+    monkeypatch.setattr(kernel_check, "time_kernels", lambda calls, *a, **k: timed.append(calls) or faked(calls, *a))
     with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
         model, optimizer = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
         assert not model._forward_hooks and not model._forward_pre_hooks  # a copy or a pickle of it carries none
@@ -854,7 +852,7 @@ def test_a_runtime_closed_or_paused_times_nothing_and_leaves_torchs_flags(kernel
 
 
 def test_a_loop_whose_calls_only_torchs_pick_takes_is_told_so_without_timing(kernel_times, monkeypatch):
-    monkeypatch.setattr(attention_module, "time_kernels", lambda *a, **k: pytest.fail("nothing to time"))
+    monkeypatch.setattr(kernel_check, "time_kernels", lambda *a, **k: pytest.fail("nothing to time"))
     with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
         model, _ = rt.setup(small_gpt(dropout=0.1), lambda params: torch.optim.SGD(params, lr=0.01))
         with rt.autocast():  # on a CPU math alone takes attention with dropout in training, and torch picks it
@@ -909,3 +907,41 @@ def test_a_model_the_user_compiled_is_not_recorded_so_dynamo_compiles_it_once(ke
     with Runtime(devices="cpu", precision="bf16-mixed", compile="off") as rt:
         rt.setup(part, lambda params: torch.optim.SGD(params, lr=0.01))
         assert rt._kernels is None
+
+
+@pytest.mark.parametrize(("fp32_ms", "kept"), [(6.0, "bf16-mixed"), (2.0, "fp32")])
+def test_a_run_that_starts_in_bf16_keeps_its_kernel_out_of_the_fp32_phase_and_drops_it_if_fp32_stays(
+    kernel_times, fp32_ms, kept
+):
+    """A GPU's rule starts in bf16 and times fp32 against it: the kernels are timed after the first bf16 forward, the
+    kernel chosen sits out the fp32 phase (math would take fp32 calls a fused kernel cannot), and goes if fp32
+    stays. Driven on this CPU with the switch a GPU run builds, on a fake clock."""
+    from redline.plan import Choice
+    from redline.runtime.compile_check import CompileCheck
+    from redline.runtime.kernel_check import KernelCheck
+    from redline.runtime.precision_check import PrecisionSwitch, autocast_for
+
+    before, model, now, current = flags(), small_gpt(), [0.0], ["bf16-mixed"]
+    kernels = KernelCheck(HERE, Choice("default", "auto: torch's pick"), pending="bf16-mixed", module=model)
+    switch = PrecisionSwitch(Choice("bf16-mixed", "auto: the rule"), "fp32", lambda n: current.__setitem__(0, n), "cpu")
+    switch.kernels = kernels
+    switch.watch(model)
+    check = CompileCheck(Choice(False, "auto: no compile"), 0, sync=lambda: None, clock=lambda: now[0])
+    check.add_precision(switch, lambda: None)
+    tokens, seen = torch.randint(0, 32, (4, 16)), []
+    with kernels.held():
+        for _ in range(EAGER_END + PHASE + 2):
+            with kernels.around(autocast_for(current[0], "cpu")):
+                model(tokens)
+            seen.append((current[0], flags()[0]))  # the precision of the step, and whether flash is on after it
+            now[0] += (fp32_ms if current[0] == "fp32" else 4.0) / 1e3
+            check.after_step()
+    assert seen[:EAGER_END] == [("bf16-mixed", False)] * EAGER_END  # math from the step after the first forward
+    assert seen[EAGER_END + 1 : EAGER_END + 3] == [("fp32", True)] * 2  # torch's own flags in the fp32 phase
+    after = seen[-1]
+    assert check.precision_choice.value == kept and after == (kept, kept == "fp32")
+    attention = kernels.chosen
+    assert (attention.value, attention.reason.endswith("but fp32 stays")) == (
+        ("math", False) if kept == "bf16-mixed" else ("default", True)
+    )
+    assert flags() == before

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,9 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader
 
-from redline.errors import describe_error
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes, proc_bytes
-from redline.plan import Choice
 from redline.runtime.attention_mode import TORCH_SDPA, AttentionMode
 from redline.runtime.contract import split_batch
 from redline.runtime.precision import AUTOCAST_DTYPES
@@ -55,7 +53,7 @@ def prefer_kernel(name: str) -> Iterator[None]:
     attention was served to a later process that asked for flash (and the other way round), running the other kernel
     without a word.
     """
-    before = _sdp_state()
+    before = sdp_state()
     chosen, math = BACKENDS[name].value, SDPBackend.MATH.value
     order = before[1]
     if order:  # the kernel first, math after it (math would come before cuDNN in torch's own order), the rest after
@@ -63,12 +61,12 @@ def prefer_kernel(name: str) -> Iterator[None]:
         _set_sdp_state(set(head), (*head, *(b for b in order if b not in head)))
     else:  # a torch without priorities: the kernel alone
         _set_sdp_state({chosen}, ())
-    ours = _sdp_state()
+    ours = sdp_state()
     try:
         with _cache_tagged(f"redline attention={name}"):
             yield
     finally:
-        if _sdp_state() == ours:
+        if sdp_state() == ours:
             _set_sdp_state({b for b, on in zip(_FLAGS, before[0], strict=True) if on}, before[1])
 
 
@@ -81,7 +79,7 @@ _FLAGS: dict[int, tuple[Callable[[], bool], Callable[[bool], None]]] = {
 }  # torch keeps them per process; the "cuda" names hold for a CPU's kernels too
 
 
-def _sdp_state() -> tuple[tuple[bool, ...], tuple[int, ...]]:
+def sdp_state() -> tuple[tuple[bool, ...], tuple[int, ...]]:
     """Which attention kernels are on, and torch's order of them (empty where this torch has none)."""
     order = getattr(torch._C, "_get_sdp_priority_order", None)  # private, tolerated where absent
     return tuple(get() for get, _ in _FLAGS.values()), tuple(order()) if order is not None else ()
@@ -263,10 +261,8 @@ def attention_kernels(
 
 # -- a Runtime in the user's own loop: the precision check's bf16 phase times the kernels on the model's own calls --
 
-KEEP = 1.10  # a kernel replaces torch's pick where the model's attention calls run this much faster on it
 GIVE_UP = 3.0  # a kernel this much slower than torch's pick on its first pass is not timed further
 MATH_SHARE = 0.25  # math attention is left out where the attention weights it keeps would take this share of the free
-TRIES = 3  # training forwards a run's first-forward check records before it takes the model for one without attention
 
 
 @contextlib.contextmanager
@@ -339,158 +335,6 @@ def _run(call: AttentionCall, device: torch.device) -> None:
     out.backward(torch.ones_like(out))
 
 
-@dataclass
-class KernelCheck:
-    """The attention kernel a run whose ``attention`` was left to auto prefers, timed on the model's own calls: each
-    kernel that takes them runs them alone, and one ``KEEP`` faster than torch's pick is preferred from then on.
-
-    Two runs check: the bf16-mixed phase of a precision check (runtime/precision_check.py), at the phase's first
-    training forward, on the calls its comparison's forward recorded (the kernel stays if the precision does, and is
-    dropped with it); and a run that starts in a reduced precision (``pending``), after its first training forward
-    in ``rt.autocast()`` (``around``), on that forward's calls.
-    """
-
-    device: torch.device
-    default: Choice[str]  # the axis as resolved: torch's pick per call
-    chosen: Choice[str] | None = None
-    budget_s: float | None = None  # the seconds the timing may take (the precision check's allowance left)
-    pending: str | None = None  # the reduced precision of a run whose first training forward's calls are to be timed
-    module: nn.Module | None = None  # the model whose training forwards (``module.training``) ``around`` records
-    _flags: tuple[tuple[bool, ...], tuple[int, ...]] = field(default_factory=lambda: _sdp_state())  # torch's, at set-up
-    _kernel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    _holds: int = 0  # the ``held`` contexts open
-    _recording: bool = False  # an ``around`` context records now (one inside it, around the loss say, does not)
-    _tries: int = 0  # training forwards recorded that made no attention call
-
-    def around(self, autocast: contextlib.AbstractContextManager[Any]) -> contextlib.AbstractContextManager[Any]:
-        """``autocast`` (``rt.autocast()``'s context), recording the attention calls made inside while a check is
-        ``pending``; they are timed when it closes (``_Watched``)."""
-        return _Watched(self, autocast) if self.pending is not None else autocast
-
-    def check(self, calls: Sequence[AttentionCall], precision: str) -> None:
-        if self.chosen is not None or not calls:
-            return
-        began = time.perf_counter()
-        try:
-            kernels = [None, *attention_kernels(calls, self.device, precision)]
-            if len(kernels) == 1:  # nothing to set against torch's pick (on a CPU, math alone takes dropout)
-                self.chosen = Choice(
-                    self.default.value,
-                    f"{self.default.reason}; no other kernel takes the model's attention calls ({len(calls)}) under "
-                    f"{precision}",
-                )
-                return
-            timed = time_kernels(calls, self.device, kernels, budget_s=self.budget_s)
-        except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
-            why = describe_error(exc)
-            self.chosen = Choice(self.default.value, f"{self.default.reason}; the kernels could not be timed ({why})")
-            return
-        spent = time.perf_counter() - began
-        if None not in timed or len(timed) < 2:  # the allowance ran out before a kernel could be set against torch's
-            self.chosen = Choice(
-                self.default.value,
-                f"{self.default.reason}; torch's pick kept: timing the kernels of the model's attention calls "
-                f"({len(calls)}) would take longer than the {self.budget_s or 0:.2g} s the check left for it",
-            )
-            return
-        best = min(timed, key=lambda k: timed[k])
-        ratio = timed[None] / timed[best]
-        told = ", ".join(f"{k or 'torch pick'} {_ms(timed[k])}" for k in timed)
-        untimed = [k for k in kernels if k not in timed]
-        if untimed:
-            told += f" ({', '.join(map(str, untimed))} not timed within the check's {self.budget_s or 0:.2g} s)"
-        what = (
-            f"the model's attention calls ({len(calls)}) under {precision}, forward and backward, timed alone in "
-            f"{spent:.2g} s: {told}"
-        )
-        if best is None or ratio < KEEP:
-            self.chosen = Choice(
-                self.default.value, f"{self.default.reason}; measured on this run, torch's pick kept: {what}"
-            )
-            return
-        self.chosen = Choice(best, f"measured on this run: {best} ran {ratio:.2f}x torch's pick ({what})")
-        if self._holds:  # the run is on: from the next forward (else from when it runs again, ``held``)
-            self._kernel.enter_context(prefer_kernel(best))
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Prefer the kernel chosen while inside (or from when ``check`` chooses it inside); torch's own flags after the
-        outermost exit, the kernel still chosen (a paused Runtime's, until it runs again)."""
-        self._holds += 1
-        if self._holds == 1 and self.chosen is not None and self.chosen.value != self.default.value:
-            self._kernel.enter_context(prefer_kernel(self.chosen.value))
-        try:
-            yield
-        finally:
-            self._holds -= 1
-            if self._holds == 0:
-                self._kernel.close()
-
-    def drop(self, why: str) -> None:
-        """Go back to torch's pick, for ``why`` (the precision kept is another)."""
-        self._kernel.close()
-        if self.chosen is None:
-            return
-        if self.chosen.value != self.default.value:
-            self.chosen = Choice(self.default.value, f"{self.default.reason}; {self.chosen.reason}, but {why}")
-        elif not self.chosen.reason.endswith(why):
-            self.chosen = Choice(self.chosen.value, f"{self.chosen.reason}; {why}")
-
-
-class _Watched:
-    """``rt.autocast()``'s context while a ``KernelCheck`` is pending: a training forward inside it (autograd on, the
-    model in training mode, the Runtime running) has its attention calls recorded, and timed when it closes, unless it
-    raised; the kernel kept runs from the next forward on. Only the outermost such context records, and a forward
-    that made no attention call leaves the check pending, ``TRIES`` times at most. A loop that sets its own kernels
-    around its steps (torch's flags other than at set-up) is not checked: the loop chose."""
-
-    def __init__(self, check: KernelCheck, autocast: contextlib.AbstractContextManager[Any]) -> None:
-        self.check, self.autocast = check, autocast
-        self._recording: contextlib.ExitStack | None = None
-        self._calls: list[AttentionCall] = []
-
-    def __enter__(self) -> Any:
-        check = self.check
-        ready = check.pending is not None and check._holds and not check._recording and torch.is_grad_enabled()
-        if ready and (check.module is None or check.module.training):
-            if _sdp_state() != check._flags:
-                check.pending = None
-                check.chosen = Choice(
-                    check.default.value,
-                    f"{check.default.reason}; not timed on this run: the loop sets its own attention kernels",
-                )
-            else:
-                self._recording, check._recording = contextlib.ExitStack(), True
-                self._calls = self._recording.enter_context(recording())
-        return self.autocast.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self.autocast.__exit__(*exc)
-        finally:
-            stack, self._recording = self._recording, None
-            if stack is not None:
-                stack.close()  # the recorder leaves torch's mode stack, whatever happened inside
-                self.check._recording = False
-                self._done(failed=exc[0] is not None)
-
-    def _done(self, *, failed: bool) -> None:
-        check, precision = self.check, self.check.pending
-        if failed or precision is None:
-            return
-        if not self._calls:
-            check._tries += 1
-            check.pending = None if check._tries >= TRIES else precision
-            return
-        check.pending = None
-        check.check(self._calls, precision)
-
-
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts to on ``device_type`` now (None: autocast is off)."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms"

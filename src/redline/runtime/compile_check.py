@@ -24,7 +24,7 @@ fp32 and bf16-mixed (in the layout the rule gives it) follows the eager blocks, 
 beats fp32 by the trial's margin. The graphs and the compile are then timed in the precision kept, against eager
 steps in it. Its phase ends after one timed block where that block already shows the other precision cannot win,
 and it is left out where even one block could cost too much (``SLOWEST``, ``MOST_COST_S``) or, for fp32 on a GPU,
-need memory the run may not have. The attention kernels bf16-mixed's phase times (runtime/attention.py,
+need memory the run may not have. The attention kernels bf16-mixed's phase times (runtime/kernel_check.py,
 ``KernelCheck``) get what that worst block leaves of the allowance, and stop timing where it runs out.
 """
 
@@ -39,9 +39,9 @@ from typing import cast
 from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice, Plan, times
 from redline.plan.precision import PrecisionName
-from redline.runtime.attention import KernelCheck
 from redline.runtime.compile import CompileRecord, explain_compile
 from redline.runtime.graphs import GraphRecord
+from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.precision_check import PrecisionSwitch
 from redline.runtime.trial import MARGIN
 

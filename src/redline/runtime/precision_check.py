@@ -23,7 +23,7 @@ counter, a hook's side effect) happens three times at that one step.
 
 The layout "auto" chose switches with the precision (runtime/layout.py): on a CPU with AMX, bf16-mixed's steps run
 channels_last, as the rule lays out bf16 convolutions there, and fp32's NCHW. So does the attention kernel, where it
-is left to auto (runtime/attention.py, ``KernelCheck``): the comparison's forwards record the model's attention
+is left to auto (runtime/kernel_check.py, ``KernelCheck``): the comparison's forwards record the model's attention
 calls, which are timed alone on each kernel that takes them, and one faster than torch's pick runs bf16-mixed's
 phase and stays with it (chargpt's bf16 step on a CPU with AMX lost to fp32 with torch's flash kernel, and beat it
 with math).
@@ -49,7 +49,8 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import live_candidate
-from redline.runtime.attention import AttentionCall, KernelCheck, autocast_dtype, recording
+from redline.runtime.attention import AttentionCall, autocast_dtype, recording
+from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import AUTOCAST_DTYPES
 from redline.runtime.probe import probe_forward
@@ -97,16 +98,20 @@ class PrecisionSwitch:
             self._arm()  # before ``apply``: a pre-hook it adds (the layout's check, runtime/layout.py) runs first
         else:
             self.disarm()
-        if self.kernels is not None and name != self.candidate:  # a kernel timed in the candidate goes with it
-            self.kernels.drop(f"{name} stays")
+        if self.kernels is not None:  # a kernel timed in one precision runs only in it
+            self.kernels.follow(name)
         if name != self.current:
             self.apply(name)
             self.current = name
 
     def finish(self) -> None:
-        """Compare nothing more (the check decided, gave up, or the Runtime closed)."""
+        """Compare nothing more (the check decided, gave up, or the Runtime closed); a kernel timed in the precision
+        not kept goes with it."""
         self.done = True
         self.disarm()
+        kernels = self.kernels
+        if kernels is not None and kernels.timed_in is not None and kernels.timed_in != self.current:
+            kernels.drop(f"{self.current} stays")
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -140,7 +145,7 @@ class PrecisionSwitch:
         for name in (self.candidate, self.planned.value):
             try:
                 record: contextlib.AbstractContextManager[list[AttentionCall]] = (
-                    recording() if self.kernels is not None else contextlib.nullcontext([])
+                    recording() if self._times_kernels() else contextlib.nullcontext([])
                 )  # the attention calls, for the kernel check alone
                 with record as calls[name]:
                     outputs[name] = self._probe(module, args, kwargs, name)
@@ -151,13 +156,18 @@ class PrecisionSwitch:
             departure, said = compare_outputs(outputs["fp32"], outputs["bf16-mixed"])
             if departure <= TOLERANCE:
                 self.compared = said
-                if self.kernels is not None:  # before the step's own forward, which then runs on the kernel kept
-                    self.kernels.check(calls[self.candidate], self.candidate)
+                if self.kernels is not None and self._times_kernels():  # before the step's own forward, which
+                    self.kernels.check(calls[self.candidate], self.candidate)  # then runs on the kernel kept
                 return
             self._fail("fp32", f"bf16-mixed was dropped: {said}")
         if self.fallback != self.candidate:
             self._context = autocast_for(self.fallback, self.device_type)
             self._context.__enter__()  # left in the forward hook, right after this forward
+
+    def _times_kernels(self) -> bool:
+        """Whether the phase times the kernels: a bf16-mixed one (a run that starts in bf16 timed them at its first
+        training forward, ``propose_checks``)."""
+        return self.kernels is not None and self.candidate != "fp32"
 
     def _probe(self, module: nn.Module, args: Any, kwargs: Any, precision: str) -> Any:
         self._probing = True
@@ -191,21 +201,26 @@ def propose_switch(
     strategy: str,
     world_size: int,
     attention: Choice[str] | None = None,
+    first_forward: bool = False,
 ) -> PrecisionSwitch | None:
     """The switch to the other precision for the run's first steps to time (``model``'s first forward in it compared
     with the rule's), where "auto" was left to the rule; None where a trial or a tuned Plan ``decided`` it, or the
     run could not switch it safely: several processes or a sharded strategy (each rank's forward would be compared
     alone), a compile or graphs asked for (fixed to one autocast), or ``deterministic`` (a run that must repeat
     itself cannot follow a timing). With ``attention`` (the axis left to auto), a bf16-mixed phase also times the
-    attention kernels on the model's own calls (runtime/attention.py, ``KernelCheck``)."""
+    attention kernels on the model's own calls (runtime/kernel_check.py, ``KernelCheck``); a run that starts in bf16
+    (a GPU's rule) times them after its first training forward instead where ``first_forward`` allows it (nothing
+    decided the run's axes before it), and the kernel chosen sits out the fp32 phase, and goes if fp32 stays."""
     other = live_candidate(options.precision, planned.value, facts)
     held = decided or strategy != "single" or world_size > 1 or options.deterministic
     if held or other is None or "on" in (options.compile, options.cuda_graphs):
         return None
     switch = PrecisionSwitch(planned, other, apply, facts.type)
+    device = next((p.device for p in model.parameters()), torch.device(facts.type))
     if other == "bf16-mixed" and attention is not None:
-        device = next((p.device for p in model.parameters()), torch.device(facts.type))
         switch.kernels = KernelCheck(device, attention)
+    elif attention is not None and first_forward and planned.value in AUTOCAST_DTYPES and not compiled(model):
+        switch.kernels = KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value, module=model)
     switch.watch(model)
     return switch
 
@@ -228,7 +243,7 @@ def propose_checks(
     (``propose_switch``, which times the kernels in its bf16-mixed phase where the trial did not time them).
 
     Else a run that starts in a reduced precision (asked for, or the rule's where nothing switches it) times the
-    kernels after its first training forward in ``rt.autocast()`` (runtime/attention.py, ``KernelCheck.around``),
+    kernels after its first training forward in ``rt.autocast()`` (runtime/kernel_check.py, ``KernelCheck.around``),
     where nothing decided the run's axes before it: a Runtime given no ``measured`` at all (a user's loop; the
     Trainer, the bench and the tune decide theirs by a trial or a search), not tuned, in one process (each would
     time its own), not ``deterministic`` (a run that must repeat itself), no compile or CUDA graphs asked for (they
@@ -236,7 +251,7 @@ def propose_checks(
     known = measured or ()
     switch = propose_switch(
         options, facts, planned, apply, model=model, decided="precision" in known or tuned, strategy=strategy,
-        world_size=world_size, attention=None if "attention" in known else attention,
+        world_size=world_size, attention=None if "attention" in known else attention, first_forward=measured is None,
     )  # fmt: skip
     if switch is not None:
         return switch, switch.kernels

@@ -44,12 +44,13 @@ from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_z
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
-from redline.runtime.attention import KernelCheck, prefer_kernel
+from redline.runtime.attention import prefer_kernel
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds
 from redline.runtime.compile_check import CompileCheck, check_forms, explain_forms
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.graphs import GraphRecord, setup_graphs
+from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
 from redline.runtime.loss import check_loss
@@ -292,11 +293,9 @@ class Runtime(RunState):
         return model, built
 
     def enable_activation_checkpointing(self, reason: str) -> bool:
-        """Have the set-up models' repeated blocks recompute their activations from now on; return whether that is new.
-
-        For "auto" when memory runs short after setup (``reason`` says how it was found); a compiled model
-        compiles again. Nothing changes when "on" or "off" was requested or no model has repeated blocks.
-        """
+        """Have the set-up models' repeated blocks recompute their activations from now on; return whether that is new:
+        for "auto" when memory runs short after setup (``reason`` says how it was found); a compiled model compiles
+        again. Nothing changes when "on" or "off" was requested or no model has repeated blocks."""
         turned = self._checkpointing.enable(reason)
         if turned is not None:
             self._plan = dataclasses.replace(self._plan, activation_checkpointing=turned)
