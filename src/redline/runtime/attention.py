@@ -259,7 +259,7 @@ def attention_kernels(
     return [k for k in kernels_taking(calls, where, dtype) if picked != {k} and (math_timed or k != "math")]
 
 
-# -- a Runtime in the user's own loop: the precision check's bf16 phase times the kernels on the model's own calls --
+# -- timing the kernels on the model's own calls (runtime/kernel_check.py, as a run goes; the tune's search) -------
 
 GIVE_UP = 3.0  # a kernel this much slower than torch's pick on its first pass is not timed further
 MATH_SHARE = 0.25  # math attention is left out where the attention weights it keeps would take this share of the free

@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ class KernelCheck:
     module: nn.Module | None = None  # the model whose training forwards (``module.training``) ``around`` records
     timed_in: str | None = None  # the precision the kernels were timed in: the kernel chosen runs only in it
     _following: str | None = None  # the precision the run's steps are in now, where a precision check switches it
-    _flags: tuple[tuple[bool, ...], tuple[int, ...]] = field(default_factory=lambda: sdp_state())  # torch's, at set-up
+    _flags: tuple[tuple[bool, ...], tuple[int, ...]] = field(default_factory=sdp_state)  # torch's, at set-up
     _kernel: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     _holds: int = 0  # the ``held`` contexts open
     _recording: bool = False  # an ``around`` context records now (one inside it, around the loss say, does not)
@@ -106,29 +106,29 @@ class KernelCheck:
             )
             return
         self.chosen = Choice(best, f"measured on this run: {best} ran {ratio:.2f}x torch's pick ({what})")
-        if self._holds and self._following in (None, precision):  # from the next forward (else from ``held``)
-            self._kernel.enter_context(prefer_kernel(best))
+        self._apply()  # from the next forward, where the run is on (else from ``held``)
 
     def follow(self, precision: str) -> None:
         """The run's steps go on in ``precision`` (a precision check's switch): the kernel chosen runs only in the
         precision it was timed in, and comes back with it."""
         self._following = precision
-        self._kernel.close()
-        if self._holds and self._runs():
-            self._kernel.enter_context(prefer_kernel(cast(Choice[str], self.chosen).value))
+        self._apply()
 
-    def _runs(self) -> bool:
-        """Whether the kernel chosen runs now: one other than torch's pick, in the precision it was timed in."""
-        chosen = self.chosen is not None and self.chosen.value != self.default.value
-        return chosen and self._following in (None, self.timed_in)
+    def _apply(self) -> None:
+        """Prefer the kernel chosen where it runs now: the Runtime on (``held``), a kernel other than torch's pick,
+        and the run's steps in the precision it was timed in; else torch's own flags."""
+        self._kernel.close()
+        chosen = self.chosen.value if self.chosen is not None else self.default.value
+        if self._holds and chosen != self.default.value and self._following in (None, self.timed_in):
+            self._kernel.enter_context(prefer_kernel(chosen))
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Prefer the kernel chosen while inside (or from when ``check`` chooses it inside); torch's own flags after the
         outermost exit, the kernel still chosen (a paused Runtime's, until it runs again)."""
         self._holds += 1
-        if self._holds == 1 and self._runs():
-            self._kernel.enter_context(prefer_kernel(cast(Choice[str], self.chosen).value))
+        if self._holds == 1:
+            self._apply()
         try:
             yield
         finally:

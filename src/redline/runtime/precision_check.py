@@ -201,26 +201,20 @@ def propose_switch(
     strategy: str,
     world_size: int,
     attention: Choice[str] | None = None,
-    first_forward: bool = False,
 ) -> PrecisionSwitch | None:
     """The switch to the other precision for the run's first steps to time (``model``'s first forward in it compared
     with the rule's), where "auto" was left to the rule; None where a trial or a tuned Plan ``decided`` it, or the
     run could not switch it safely: several processes or a sharded strategy (each rank's forward would be compared
     alone), a compile or graphs asked for (fixed to one autocast), or ``deterministic`` (a run that must repeat
     itself cannot follow a timing). With ``attention`` (the axis left to auto), a bf16-mixed phase also times the
-    attention kernels on the model's own calls (runtime/kernel_check.py, ``KernelCheck``); a run that starts in bf16
-    (a GPU's rule) times them after its first training forward instead where ``first_forward`` allows it (nothing
-    decided the run's axes before it), and the kernel chosen sits out the fp32 phase, and goes if fp32 stays."""
+    attention kernels on the model's own calls (runtime/kernel_check.py, ``KernelCheck``)."""
     other = live_candidate(options.precision, planned.value, facts)
     held = decided or strategy != "single" or world_size > 1 or options.deterministic
     if held or other is None or "on" in (options.compile, options.cuda_graphs):
         return None
     switch = PrecisionSwitch(planned, other, apply, facts.type)
-    device = next((p.device for p in model.parameters()), torch.device(facts.type))
     if other == "bf16-mixed" and attention is not None:
-        switch.kernels = KernelCheck(device, attention)
-    elif attention is not None and first_forward and planned.value in AUTOCAST_DTYPES and not compiled(model):
-        switch.kernels = KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value, module=model)
+        switch.kernels = KernelCheck(_device(model, facts), attention)
     switch.watch(model)
     return switch
 
@@ -242,30 +236,32 @@ def propose_checks(
     left to auto): the precision ``switch`` where no trial ``measured`` it and no ``tuned`` Plan set it
     (``propose_switch``, which times the kernels in its bf16-mixed phase where the trial did not time them).
 
-    Else a run that starts in a reduced precision (asked for, or the rule's where nothing switches it) times the
-    kernels after its first training forward in ``rt.autocast()`` (runtime/kernel_check.py, ``KernelCheck.around``),
-    where nothing decided the run's axes before it: a Runtime given no ``measured`` at all (a user's loop; the
-    Trainer, the bench and the tune decide theirs by a trial or a search), not tuned, in one process (each would
-    time its own), not ``deterministic`` (a run that must repeat itself), no compile or CUDA graphs asked for (they
-    fix the kernel at their first step), and a model the user did not compile (``compiled``)."""
+    A run that starts in a reduced precision (asked for, or the rule's: a GPU's bf16, with or without an fp32 phase)
+    times the kernels after its first training forward in ``rt.autocast()`` instead (runtime/kernel_check.py,
+    ``KernelCheck.around``); in a run that times fp32 too, the kernel chosen sits out the fp32 phase, and goes if
+    fp32 stays. That is where nothing decided the run's axes before it: a Runtime given no ``measured`` at all (a
+    user's loop; the Trainer, the bench and the tune decide theirs by a trial or a search), not tuned, in one
+    process (each would time its own), not ``deterministic`` (a run that must repeat itself), no compile or CUDA
+    graphs asked for (they fix the kernel at their first step), and a model the user did not compile
+    (``compiled``)."""
     known = measured or ()
     switch = propose_switch(
         options, facts, planned, apply, model=model, decided="precision" in known or tuned, strategy=strategy,
-        world_size=world_size, attention=None if "attention" in known else attention, first_forward=measured is None,
+        world_size=world_size, attention=None if "attention" in known else attention,
     )  # fmt: skip
-    if switch is not None:
-        return switch, switch.kernels
-    decided = measured is not None or tuned or compiled(model)
-    held = decided or world_size > 1 or strategy != "single" or options.deterministic
-    if (
-        attention is None
-        or held
-        or "on" in (options.compile, options.cuda_graphs)
-        or planned.value not in AUTOCAST_DTYPES
-    ):
-        return None, None
-    device = next((p.device for p in model.parameters()), torch.device(facts.type))
-    return None, KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value, module=model)
+    held = measured is not None or tuned or world_size > 1 or strategy != "single" or options.deterministic
+    held = held or planned.value not in AUTOCAST_DTYPES or "on" in (options.compile, options.cuda_graphs)
+    if attention is None or held or compiled(model):
+        return switch, switch.kernels if switch is not None else None
+    device = _device(model, facts)
+    kernels = KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value, module=model)
+    if switch is not None:  # a run in bf16 first: its switch times fp32, a phase the kernel sits out
+        switch.kernels = kernels
+    return switch, kernels
+
+
+def _device(model: nn.Module, facts: DeviceFacts) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device(facts.type))
 
 
 def compiled(model: nn.Module) -> bool:

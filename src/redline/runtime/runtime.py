@@ -344,7 +344,8 @@ class Runtime(RunState):
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Return the context that runs the forward pass in the planned precision (and times the attention kernels on
         the first training forward's calls, in a run that starts in a reduced precision: ``propose_checks``)."""
-        return self._kernels.around(self.precision.autocast()) if self._kernels else self.precision.autocast()
+        autocast = self.precision.autocast()
+        return self._kernels.around(autocast) if self._kernels is not None else autocast
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Back-propagate ``loss``, divided over the accumulated micro-batches and scaled for fp16.
