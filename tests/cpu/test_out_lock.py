@@ -23,14 +23,24 @@ from redline.train.lock import LOCK
 from redline.train.trainer import Trainer
 
 # Holds out_dir's lock as a run does, forks a child that outlives it (a DataLoader worker, say), says so with the
-# child's pid, and waits until the test kills it.
+# child's pid once the child runs, and waits until the test kills it. The child closes its copy of the lock's
+# descriptor as it starts (redline.train.lock): one not yet scheduled when the test locks again, on a loaded
+# machine, would still hold the lock.
 HOLDER = """
 import multiprocessing, sys, time
 from pathlib import Path
 from redline.train.lock import holding_out_dir
+
+def outlive(started):
+    started.set()
+    time.sleep(120)
+
 with holding_out_dir(Path(sys.argv[1])):
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=False)
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+    child = fork.Process(target=outlive, args=(started,), daemon=False)
     child.start()
+    started.wait()
     print("held", child.pid, flush=True)
     sys.stdin.read()
 """
