@@ -363,6 +363,9 @@ def test_the_trainer_runs_with_the_measured_choice_and_a_resumed_run_keeps_it(tm
     with Trainer(tiny_task(), max_steps=5, trial="on", progress=False, out_dir=tmp_path / "run", resume="auto") as t:
         resumed = t.fit()
     assert resumed.plan.precision.value == "bf16-mixed" and "from checkpoint step 3" in resumed.plan.precision.reason
+    with Trainer(tiny_task(), max_steps=7, trial="on", progress=False, out_dir=tmp_path / "run", resume="auto") as t:
+        again = t.fit()  # a second resume names its own checkpoint, once: the notes do not pile up
+    assert again.plan.precision.reason == first.plan.precision.reason.join(["from checkpoint step 5: ", ""])
     assert len(counted_trials) == 1  # the resumed run measured nothing
     with pytest.raises(ConfigError, match="trial='sometimes'"):
         Trainer(tiny_task(), trial="sometimes")

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import operator
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +36,9 @@ from redline.runtime.strategy import Strategy
 log = logging.getLogger("redline")
 
 
+_RESUMED = re.compile(r"^(?:from checkpoint step \d+: )+")  # the notes of earlier resumes, given once: the latest
+
+
 class RunState:
     """The Runtime's state and checkpoint methods, over the set-up model and optimizer it holds."""
 
@@ -52,16 +56,25 @@ class RunState:
     options: RuntimeOptions
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
-        """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run)."""
+        """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run, or a tuned Plan's),
+        each after ``note``; a checkpoint's note replaces the one an earlier resume put there."""
+
+        def reason(old: Mapping[str, Any]) -> str:
+            return f"{note}: {_RESUMED.sub('', str(old.get('reason', '')))}"
+
         changes = {}
         for axis, current in self._plan.to_dict().items():
             old = stored.get(axis)
             if old is not None and old.get("value") == current["value"]:
-                changes[axis] = Choice(getattr(self._plan, axis).value, f"{note}: {old.get('reason', '')}")
+                changes[axis] = Choice(getattr(self._plan, axis).value, reason(old))
         size = found_size(stored.get("micro_batch"))  # "auto" goes on from the size it had halved to
         if size is not None and self.options.micro_batch == "auto":
-            changes["micro_batch"] = self._micro.resume(size, f"{note}: {stored['micro_batch'].get('reason', '')}")
+            changes["micro_batch"] = self._micro.resume(size, reason(stored["micro_batch"]))
         self._plan = dataclasses.replace(self._plan, **changes)
+
+    def resumed_from(self, stored: Mapping[str, Mapping[str, Any]], step: int) -> None:
+        """Carry the Plan of the checkpoint a run resumes from (written at ``step``) over, as ``adopt_reasons``."""
+        self.adopt_reasons(stored, f"from checkpoint step {step}")
 
     @property
     def module(self) -> nn.Module:

@@ -370,7 +370,7 @@ class Trainer:
                 self.early_stopping.load_state_dict(state["early_stopping"])
             if self.best is not None:
                 self.best.load_state_dict(state.get("best"))
-            rt.adopt_reasons(checkpoint.load_plan(found), note=f"from checkpoint step {found.step}")
+            rt.resumed_from(checkpoint.load_plan(found), found.step)
         self.model = model
         return rt, model, optimizer, scheduler, pos
 
