@@ -50,6 +50,19 @@ def test_a_with_block_inside_another_on_the_same_runtime_leaves_the_run_to_the_o
         rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
 
 
+def test_a_closed_runtime_refuses_to_start_even_if_it_never_started(caplog) -> None:
+    """close() is final whether or not the Runtime ran: setup() then refuses it, and says nothing of a seed."""
+    for started in (True, False):
+        rt = redline.Runtime(devices="cpu", seed=0)
+        if started:
+            rt.start()
+        rt.close()
+        caplog.clear()
+        with pytest.raises(ConfigError, match="this Runtime was closed"):
+            rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        assert "seed" not in caplog.text  # no warning that the seed came late: nothing was seeded
+
+
 def test_a_half_model_under_fp16_mixed_is_refused_at_setup_with_the_fix() -> None:
     """torch's grad scaler would fail at the first step ("Attempting to unscale FP16 gradients"), from redline's
     own step; the mixed precision keeps float32 weights, so the .half() is the slip."""
@@ -127,3 +140,16 @@ def test_a_collective_that_breaks_in_backward_or_save_says_that_every_rank_takes
         ):
             rt.save(tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def test_find_unused_parameters_where_no_ddp_runs_is_named_in_the_plan_as_doing_nothing() -> None:
+    with redline.Runtime(devices="cpu", compile="off", find_unused_parameters=True) as rt:
+        rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        strategy = rt.explain().strategy
+    assert (
+        strategy.value == "single"
+        and strategy.reason == "auto: one process; find_unused_parameters is DDP's: it does nothing here"
+    )
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        rt.setup(_model(), lambda params: torch.optim.SGD(params, lr=0.1))
+        assert rt.explain().strategy.reason == "auto: one process"

@@ -67,6 +67,20 @@ def test_a_stored_plan_fixes_the_numerics_and_the_data_order_and_keeps_this_runs
     assert now.with_plan(plan).seed == 9
 
 
+def test_a_compile_mode_with_compile_off_is_refused_and_a_resumed_eager_run_drops_the_mode_asked_now():
+    with pytest.raises(ConfigError, match=r"compile_mode='max-autotune' is not allowed; expected 'default' when"):
+        RuntimeOptions(compile="off", compile_mode="max-autotune")
+    assert RuntimeOptions(compile="auto", compile_mode="reduce-overhead").compile_mode == "reduce-overhead"
+    plan = {
+        "device": {"value": "cpu"}, "precision": {"value": "fp32"}, "compile": {"value": False},
+        "channels_last": {"value": False}, "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None},
+    }  # fmt: skip
+    resumed = RuntimeOptions(compile_mode="max-autotune").with_plan(plan)  # the stored run ran eager, and still does
+    assert (resumed.compile, resumed.compile_mode) == ("off", "default")
+    plan["compile"] = {"value": True}
+    assert RuntimeOptions(compile_mode="max-autotune").with_plan(plan).compile_mode == "max-autotune"
+
+
 def test_a_device_asked_for_now_moves_a_resumed_run_and_auto_keeps_the_stored_one():
     plan = {
         "device": {"value": "cuda:0"}, "precision": {"value": "fp32"}, "compile": {"value": False},

@@ -72,6 +72,12 @@ class RuntimeOptions:
         one_of("precision", self.precision, get_args(PrecisionRequest))
         one_of("strategy", self.strategy, get_args(StrategyRequest))
         one_of("compile_mode", self.compile_mode, get_args(CompileMode))
+        if self.compile == "off" and self.compile_mode != "default":
+            raise invalid(
+                "compile_mode", self.compile_mode, "'default' when compile is off (a mode is how a compiled step runs)",
+                f"pass compile='on' (or 'auto') to compile in {self.compile_mode}, or compile_mode='default' for an "
+                "eager step; for CUDA graphs without a compile, cuda_graphs='on'",
+            )  # fmt: skip
         one_of("attention", self.attention, get_args(AttentionRequest))
         if self.loader_workers is not None and (
             isinstance(self.loader_workers, bool) or not isinstance(self.loader_workers, int) or self.loader_workers < 0
@@ -114,6 +120,7 @@ class RuntimeOptions:
             devices=str(plan["device"]["value"]) if self.devices == "auto" else self.devices,
             precision=plan["precision"]["value"],
             compile=switch("compile"),
+            compile_mode=self.compile_mode if switch("compile") == "on" else "default",
             channels_last=switch("channels_last"),
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],

@@ -70,7 +70,7 @@ from redline.runtime.sampling import global_batches, split_caveats, split_reason
 from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.state import RunState
-from redline.runtime.strategy import Strategy, build_strategy
+from redline.runtime.strategy import Strategy, build_strategy, explained
 from redline.runtime.transfer import device_sync, move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
 
@@ -202,7 +202,7 @@ class Runtime(RunState):
 
     def close(self) -> None:
         """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
-        self._closed = self._closed or self._started is not None or bool(self._models)  # paused after a setup
+        self._closed = True  # started, paused or never started: it does not start again
         self.pause()
         if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
             self._graphs.use_eager()
@@ -234,7 +234,7 @@ class Runtime(RunState):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
         check_materialized(model)
-        if self._started is None and self.options.seed is not None:
+        if self._started is None and self.options.seed is not None and not self._closed:
             warn_seeded_late(self.options.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
@@ -260,8 +260,7 @@ class Runtime(RunState):
         self.strategy = build_strategy(strategy.value, find_unused_parameters=self.options.find_unused_parameters)
         micro = self._micro.plan(strategy.value)  # "auto" under FSDP is refused here, before anything is wrapped
         model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
-        if self.strategy.detail:
-            strategy = Choice(strategy.value, f"{strategy.reason}; {self.strategy.detail}")
+        strategy = explained(strategy, self.strategy, find_unused_parameters=self.options.find_unused_parameters)
         facts = optimizer_facts(built, model, device=self.facts)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from redline.checkpoint import Checkpoint
+from redline.plan import Choice
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
 from redline.runtime.optimizer import OptimizerLike
@@ -94,3 +95,14 @@ def build_strategy(name: StrategyName, *, find_unused_parameters: bool = False) 
 
         return FSDP()
     return SingleDevice()
+
+
+def explained(
+    choice: Choice[StrategyName], strategy: Strategy, *, find_unused_parameters: bool
+) -> Choice[StrategyName]:
+    """``choice`` with how ``strategy`` applies it (its ``detail``); ``find_unused_parameters`` asked for where no DDP
+    runs (one process, FSDP) does nothing, and the Plan says so."""
+    notes = [choice.reason, strategy.detail]
+    if find_unused_parameters and choice.value != "ddp":
+        notes.append("find_unused_parameters is DDP's: it does nothing here")
+    return Choice(choice.value, "; ".join(filter(None, notes)))
