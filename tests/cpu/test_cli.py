@@ -345,6 +345,8 @@ def test_sigterm_to_the_launcher_of_one_worker_exits_143_after_its_checkpoint(tm
     assert "error: stopped by SIGTERM: the launcher passed it to every worker" in stderr and "--resume auto" in stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "signal SIGTERM" and summary["checkpoint"].endswith(f"step-{summary['steps']:08d}")
+    named = f"the newest checkpoint under --out is step {summary['steps']}, at {summary['checkpoint']}\n"
+    assert named in stderr  # where a resume goes on from, as a one-process run says it
     assert (out / "checkpoints" / f"step-{summary['steps']:08d}" / "manifest.json").is_file()
 
 

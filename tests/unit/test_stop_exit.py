@@ -96,3 +96,19 @@ def test_a_trainer_a_signal_to_its_workers_stopped_exits_as_a_stopped_run_not_0(
     launch(LaunchConfig(nproc=1), ["redline", "train", "--help"], module=True)  # the help trains nothing
     monkeypatch.setattr(torch.distributed.run, "run", finished)
     launch(LaunchConfig(nproc=2), trainer, module=True)  # the run finished its work: 0, as before
+
+
+def test_a_stopped_launch_names_the_newest_checkpoint_under_out_or_that_there_is_none():
+    from pathlib import Path
+
+    at = LaunchStopped(signal.SIGTERM).named((240, Path("runs/p/checkpoints/step-00000240")))
+    assert at.exit_code == 143 and str(at) == (
+        "stopped by SIGTERM: the launcher passed it to every worker; the newest checkpoint under --out is step 240, "
+        "at runs/p/checkpoints/step-00000240\nhint: run the same command again with --resume auto to continue from it"
+    )
+    none = LaunchStopped(signal.SIGINT, workers_only=True).named(None)
+    assert none.exit_code == 130 and str(none).startswith(
+        "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together before "
+        "the run had finished its work; no checkpoint was written under --out"
+    )
+    assert str(none).endswith("signal the launcher (it passes the signal on to every worker)")

@@ -25,6 +25,7 @@ from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_
 from redline.cli.task_args import load_given_task, parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
+from redline.launch.stopped import LaunchStopped
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.parallel.env import is_launched
 from redline.plan.device import resolve_device
@@ -67,19 +68,7 @@ def _train(
     with said_by_flags(devices="--devices"):  # a GPU asked of a machine without one, too
         resolve_device(config.runtime.devices, probe_accelerators())
     if launching["nproc"] is not None and not launched_worker(os.environ):  # not yet a worker: start the workers
-        launch_config = build(LaunchConfig, launching, optional=True)
-        check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
-        with said_by_flags(**spellings(TrainerConfig)):
-            if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
-                refuse_if_held(config.out_dir)
-            if isinstance(launch_config.nproc, int) and config.batch_size is not None:  # not after the workers start
-                check_split(config.batch_size, launch_config.nproc * launch_config.nnodes)
-        if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
-            log.warning(
-                "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "
-                "from the start again\nhint: add --out DIR", launch_config.max_restarts,
-            )  # fmt: skip
-        launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
+        _launch_workers(config, build(LaunchConfig, launching, optional=True), task, task_arg)
         return
     if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
         seed_everything(parsed["seed"])
@@ -117,6 +106,29 @@ train = command(
     flags(EarlyStopping, prefix=EARLY_STOPPING, optional=True),
     _LAUNCH,
 )
+
+
+def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: TaskSpec, task_arg: TaskArgs) -> None:
+    """Start the workers of `redline train --nproc N` (this process is the launcher), checking first what would fail in
+    every one of them; a stop names the newest checkpoint under --out, the one a resume goes on from."""
+    check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
+    with said_by_flags(**spellings(TrainerConfig)):
+        if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
+            refuse_if_held(config.out_dir)
+        if isinstance(launch_config.nproc, int) and config.batch_size is not None:  # not after the workers start
+            check_split(config.batch_size, launch_config.nproc * launch_config.nnodes)
+    if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat
+        log.warning(
+            "--max-restarts %d without --out: a restarted worker finds no checkpoint to go on from, so it trains "
+            "from the start again\nhint: add --out DIR", launch_config.max_restarts,
+        )  # fmt: skip
+    try:
+        launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
+    except LaunchStopped as stopped:  # rank 0's machine holds --out: name the checkpoint a resume goes on from
+        if config.out_dir is None or launch_config.node_rank:
+            raise
+        found = find_checkpoints(config.out_dir / "checkpoints")
+        raise stopped.named((found[-1].step, found[-1].path) if found else None) from None
 
 
 def launched_worker(environ: Mapping[str, str]) -> bool:

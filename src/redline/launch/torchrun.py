@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, RedlineError, StoppedBySignal, first_line, invalid
+from redline.errors import SAID_ERRORS_ENV, ConfigError, first_line, invalid
 from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
+from redline.launch.stopped import LaunchError, LaunchStopped, stopped_by, unfinished
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_START_TIMEOUT_ENV, HANG_TIMEOUT_ENV, check_hang_env
 
@@ -36,41 +37,6 @@ TRAIN = ("redline", "train")  # the module and first argument of the workers `re
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-
-class LaunchError(RedlineError):
-    """A worker of a launched job failed."""
-
-
-class LaunchStopped(LaunchError, StoppedBySignal):
-    """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
-
-    def __init__(self, signum: int, *, trainer: bool = True, workers_only: bool = False) -> None:
-        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
-        ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher."""
-        name = signal.Signals(signum).name
-        if workers_only:
-            super().__init__(
-                signum,
-                "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together "
-                "before the run had finished its work and, with --out, wrote a checkpoint there\nhint: run the same "
-                "command again with --resume auto to continue from the last checkpoint; to stop a launched job, "
-                "signal the launcher (it passes the signal on to every worker)",
-            )
-            return
-        if trainer:
-            said = (
-                "the Trainer's ranks stop together after the step under way and, with --out, write a checkpoint "
-                "there (within torchrun's 30 s grace; none where they were still setting up)\nhint: run the same "
-                "command again with --resume auto to continue from the last checkpoint, or from the start if none"
-            )
-        else:
-            said = (
-                "torchrun gives them 30 s to exit before it kills them\nhint: run the same command again to "
-                "continue; a script that trains with redline's Trainer and an out_dir resumes from its last "
-                "checkpoint with resume='auto'"
-            )
-        super().__init__(signum, f"stopped by {name}: the launcher passed it to every worker; {said}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,33 +421,6 @@ def _ended(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"was ended by {signal.Signals(-code).name}"
     return f"exited with {code}"
-
-
-def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchStopped | None:
-    """Return the error a launcher sent ``signum`` exits with; None if the workers had finished their work by then.
-
-    A signal that arrives as the run ends (while torchrun's agent waits at its exit barrier, say)
-    stopped nothing: the workers marked the file ``finished`` (``mark_finished``), and the launch
-    succeeded. Without the mark (they were stopped, or the script is not the Trainer's) it did stop them.
-    ``trainer``: the workers run ``redline train``, whose resume the error names.
-    """
-    if not finished.exists():
-        return LaunchStopped(signum, trainer=trainer)
-    log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
-    return None
-
-
-def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
-    """Return the error of a launch whose ``redline train`` workers all exited 0 before the run finished its work.
-
-    The Trainer stops on a signal that reaches any one rank (``kill`` of a worker's process, a scheduler that
-    signals the workers and not the launcher): the ranks stop together, checkpoint and exit 0, so torchrun
-    reports success. Without the workers' ``finished`` mark the run is not done, and the launch says so as a
-    launcher sent the signal would: 143, and how to continue. None for a finished run, or a script of the user's.
-    """
-    if not trainer or finished.exists():
-        return None
-    return LaunchStopped(signal.SIGTERM, workers_only=True)  # the signal is the workers' to know: 143, kill's
 
 
 @contextlib.contextmanager

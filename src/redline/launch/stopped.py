@@ -1,0 +1,101 @@
+"""How a launch that a signal stopped ends: the error its launcher exits with (``LaunchStopped``), saying what the
+workers left and how to go on."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+from redline.errors import RedlineError, StoppedBySignal
+
+log = logging.getLogger("redline")
+
+_SIGNAL_THE_LAUNCHER = "; to stop a launched job, signal the launcher (it passes the signal on to every worker)"
+
+
+class LaunchError(RedlineError):
+    """A worker of a launched job failed."""
+
+
+class LaunchStopped(LaunchError, StoppedBySignal):
+    """The launcher was sent SIGTERM/SIGINT (a scheduler preempting the job) and stopped its workers."""
+
+    def __init__(
+        self, signum: int, *, trainer: bool = True, workers_only: bool = False, newest: tuple[int, Path] | None = None,
+        looked: bool = False,
+    ) -> None:  # fmt: skip
+        """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
+        ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher.
+        ``looked``: the run's --out was looked in after the stop (``named``), and ``newest`` is the step and path of
+        the newest checkpoint there, None where there is none."""
+        self.signum, self.trainer, self.workers_only = signum, trainer, workers_only
+        if workers_only:
+            said = (
+                "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together "
+                "before the run had finished its work"
+            )
+        else:
+            said = f"stopped by {signal.Signals(signum).name}: the launcher passed it to every worker"
+        other = _SIGNAL_THE_LAUNCHER if workers_only else ""
+        if looked and newest is not None:
+            message = (
+                f"{said}; the newest checkpoint under --out is step {newest[0]}, at {newest[1]}\n"
+                f"hint: run the same command again with --resume auto to continue from it{other}"
+            )
+        elif looked:
+            message = (
+                f"{said}; no checkpoint was written under --out (the workers were still setting up, or were stopped "
+                f"before their first)\nhint: run the same command again to start over{other}"
+            )
+        elif workers_only:
+            message = (
+                f"{said} and, with --out, wrote a checkpoint there\nhint: run the same command again with --resume "
+                f"auto to continue from the last checkpoint{other}"
+            )
+        elif trainer:
+            message = (
+                f"{said}; the Trainer's ranks stop together after the step under way and, with --out, write a "
+                "checkpoint there (within torchrun's 30 s grace; none where they were still setting up)\nhint: run "
+                "the same command again with --resume auto to continue from the last checkpoint, or from the start "
+                "if none"
+            )
+        else:
+            message = (
+                f"{said}; torchrun gives them 30 s to exit before it kills them\nhint: run the same command again to "
+                "continue; a script that trains with redline's Trainer and an out_dir resumes from its last "
+                "checkpoint with resume='auto'"
+            )
+        super().__init__(signum, message)
+
+    def named(self, newest: tuple[int, Path] | None) -> LaunchStopped:
+        """This stop of the Trainer's workers, naming the newest checkpoint they left under --out (``newest``: its
+        step and path, the one --resume auto takes), or that they left none."""
+        return LaunchStopped(self.signum, workers_only=self.workers_only, newest=newest, looked=True)
+
+
+def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchStopped | None:
+    """Return the error a launcher sent ``signum`` exits with; None if the workers had finished their work by then.
+
+    A signal that arrives as the run ends (while torchrun's agent waits at its exit barrier, say)
+    stopped nothing: the workers marked the file ``finished`` (``mark_finished``), and the launch
+    succeeded. Without the mark (they were stopped, or the script is not the Trainer's) it did stop them.
+    ``trainer``: the workers run ``redline train``, whose resume the error names.
+    """
+    if not finished.exists():
+        return LaunchStopped(signum, trainer=trainer)
+    log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
+    return None
+
+
+def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
+    """Return the error of a launch whose ``redline train`` workers all exited 0 before the run finished its work.
+
+    The Trainer stops on a signal that reaches any one rank (``kill`` of a worker's process, a scheduler that
+    signals the workers and not the launcher): the ranks stop together, checkpoint and exit 0, so torchrun
+    reports success. Without the workers' ``finished`` mark the run is not done, and the launch says so as a
+    launcher sent the signal would: 143, and how to continue. None for a finished run, or a script of the user's.
+    """
+    if not trainer or finished.exists():
+        return None
+    return LaunchStopped(signal.SIGTERM, workers_only=True)  # the signal is the workers' to know: 143, kill's
