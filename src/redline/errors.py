@@ -15,6 +15,7 @@ from pathlib import Path
 # The folder where the workers of one launcher mark the errors they printed, so that an error every
 # rank meets alike (a bug in the model, a wrong option) is printed once, not once per GPU.
 SAID_ERRORS_ENV = "REDLINE_SAID_ERRORS"
+ONE_STEP = "redline train --task SPEC --max-steps 1"  # a failing task's one-step run; the command line says it as typed
 
 
 class RedlineError(Exception):

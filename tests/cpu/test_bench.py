@@ -355,6 +355,17 @@ def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then
     assert "fastest at batch 16" in shown
 
 
+def test_a_ctrl_c_before_the_first_row_warms_up_says_the_bench_was_setting_up(monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt  # Ctrl-C before any row is told to warm up (it said "while  (batch 16)")
+
+    monkeypatch.setattr("redline.bench.run._warm_up_all", interrupted)
+    with pytest.raises(BenchInterrupted) as stopped:
+        benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16], steps=2,
+                  window=1, auto=False)  # fmt: skip
+    assert str(stopped.value).startswith("bench interrupted (SIGINT) while setting up (batch 16)")
+
+
 def test_a_sigterm_keeps_the_batch_sizes_finished_as_a_ctrl_c_does_and_exits_143(monkeypatch, capsys):
     def not_taken(signum, frame):
         raise AssertionError("the command line did not take SIGTERM")  # instead of the test process ending

@@ -34,3 +34,21 @@ def test_a_tune_that_ran_nothing_names_the_one_step_run_with_the_task_as_typed(t
     expected = f"'{spec}' --task-arg features=7 --batch-size 8 --devices cpu --max-steps 1"
     assert f"`redline train --task {expected}` runs one step" in hint, hint
     assert "SPEC" not in hint
+
+
+def test_profile_and_bench_name_the_one_step_run_with_the_task_as_typed(tmp_path, capsys):
+    # profile said `redline train --task SPEC --max-steps 1` (bench and tune said the task as typed)
+    from redline.cli.bench import bench as bench_command
+    from redline.cli.profile import profile_command
+
+    (tmp_path / "broken tasks.py").write_text(BROKEN)
+    spec = f"{tmp_path / 'broken tasks.py'}:mlp"
+    with pytest.raises(TrainingError) as profiled:
+        profile_command(task=spec, task_arg=["features=7"], devices="cpu", precision="fp32", compile="off",
+                        batch_size=8, steps=1, warmup=1)  # fmt: skip
+    expected = f"`redline train --task '{spec}' --task-arg features=7 --batch-size 8 --devices cpu --max-steps 1` runs"
+    assert expected in str(profiled.value) and "SPEC" not in str(profiled.value)
+    with pytest.raises(TrainingError) as benched:
+        bench_command(task=spec, task_arg=["features=7"], devices="cpu", precision="fp32", compile="off",
+                      batch_size="8", steps=10, auto=False)  # fmt: skip
+    assert expected in str(benched.value) and "SPEC" not in str(benched.value)

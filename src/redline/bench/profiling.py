@@ -34,7 +34,7 @@ from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, task_steps, warm_up
 from redline.bench.trace import Breakdown, read_breakdown
 from redline.config import one_of, positive_int, seed_number
-from redline.errors import TrainingError, invalid
+from redline.errors import ONE_STEP, TrainingError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.plan import Plan
 from redline.plan.device import resolve_device
@@ -45,7 +45,7 @@ from redline.task import Task, require_task
 TOP_OPS = 8
 STEP_HINT = (
     "check that the dataset's items are (inputs, targets) shaped as the model expects and that loss_fn takes what "
-    "the model returns; `redline train --task SPEC --max-steps 1` runs one step and says what each was given "
+    f"the model returns; `{ONE_STEP}` runs one step and says what each was given "
     "(REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
 )
 SWITCH = {"auto": None, "on": True, "off": False}  # compile given as RuntimeOptions takes it

@@ -98,7 +98,7 @@ def benchmark(
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
     rounds = timed_steps(steps, window) // window
-    running = [""]  # what runs now, for the message of a Ctrl-C
+    running = ["setting up"]  # what runs now, for the message of a Ctrl-C (before the first row warms up: its set-up)
 
     def tell(done: int, total: int, what: str) -> None:
         running[0] = what

@@ -34,6 +34,7 @@ from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
+    ONE_STEP,
     RedlineError,
     StoppedBySignal,
     TrainingError,
@@ -60,7 +61,6 @@ LEFT = "left to the run's auto"  # what a run that uses the tune does with an ax
 WINDOW = 5  # timed steps between two device syncs
 # A candidate that leaves the kernel to auto runs torch's pick per call, untimed: the other kernels are candidates
 _PICK_OWN = {"attention": Choice(DEFAULT, "torch's pick per call: the tune times each other kernel as a candidate")}
-ONE_STEP = "redline train --task SPEC --max-steps 1"  # the command line says the task as typed for SPEC
 Progress = Callable[[int, int, str], None]
 
 

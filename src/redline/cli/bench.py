@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import re
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +17,7 @@ from redline.atomic import check_writable
 from redline.bench.run import BenchInterrupted, Estimate, benchmark, timed_steps
 from redline.cli.options import TaskArgs, TaskSpec, count, given_file, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
-from redline.cli.task_args import load_given_task
+from redline.cli.task_args import load_given_task, one_step
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
@@ -102,7 +101,8 @@ def bench(
         raise interrupted
     rows = data["rows"]
     if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
-        one = shlex.join(["redline", "train", *_one_run(task, task_arg, devices, batch_size), "--max-steps", "1"])
+        sizes, named = set(_sizes(batch_size) or []), _parts(devices)
+        one = one_step(task, task_arg, named[0] if len(named) == 1 else None, sizes.pop() if len(sizes) == 1 else None)
         raise TrainingError(
             f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
             f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
@@ -130,16 +130,6 @@ def _by_flag(error: str) -> str:
     allowed ... hint: use precision='fp16-mixed'" as "--precision='bf16-mixed' ... use --precision 'fp16-mixed'"."""
     said = re.sub(r"^(precision|compile)=", r"--\1=", error)  # the house format's head, as said_by_flags says it
     return re.sub(r"(?<![\w.-])(precision|compile)=", r"--\1 ", said)
-
-
-def _one_run(task: str, task_arg: list[str] | None, devices: str, batch_size: str | None) -> list[str]:
-    """The flags of a `redline train` of what was benched: the task, its arguments, and the device and batch
-    size where one was given (a batch that does not fit fails there, not at the task's own size)."""
-    flags = ["--task", task, *(part for arg in task_arg or [] for part in ("--task-arg", arg))]
-    sizes = _sizes(batch_size) or []
-    flags += ["--batch-size", str(sizes[0])] if len(set(sizes)) == 1 else []
-    named = _parts(devices)
-    return flags + (["--devices", named[0]] if len(named) == 1 and named[0] != "auto" else [])
 
 
 def _check_html(path: Path, spec: str) -> None:

@@ -11,7 +11,7 @@ import typer
 from redline.bench.profiling import profile
 from redline.cli.options import TaskArgs, TaskSpec, count, given_file, said_by_flags
 from redline.cli.signals import stopped_by_signal
-from redline.cli.task_args import load_given_task
+from redline.cli.task_args import load_given_task, one_step_named
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.render.profile import header_line, ops_table, phases_table, summary_lines
@@ -58,7 +58,11 @@ def profile_command(
     loaded = load_given_task(task, task_arg)
     flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode",
              "compile": "--compile", "cuda_graphs": "--cuda-graphs"}  # fmt: skip
-    with said_by_flags(**flags), stopped_by_signal("profiling", "nothing was written"):
+    with (
+        said_by_flags(**flags),
+        stopped_by_signal("profiling", "nothing was written"),
+        one_step_named(task, task_arg, devices, batch_size),
+    ):
         found = profile(
             loaded, devices=devices, precision=precision, compile=compile.lower() if compile else None,
             compile_mode=compile_mode, cuda_graphs=cuda_graphs.lower() if cuda_graphs else None,

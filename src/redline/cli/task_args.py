@@ -7,16 +7,42 @@ each is converted by the annotation of the factory's parameter of that name.
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import shlex
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import PurePath
 from typing import Any, Literal
 
 from redline.cli.signals import stopped_by_signal
-from redline.errors import TaskSpecError, invalid
+from redline.errors import ONE_STEP, TaskSpecError, TrainingError, invalid
 from redline.task import Task, find_factory, load_task
+
+
+def one_step(task: str, task_arg: list[str] | None, devices: str | None, batch_size: int | None) -> str:
+    """The `redline train` of one step of what a command ran, as typed: the task and its arguments, and the device
+    and batch size where one was named (a batch that does not fit fails there, not at the task's own size)."""
+    typed = ["redline", "train", "--task", task, *(part for arg in task_arg or [] for part in ("--task-arg", arg))]
+    typed += ["--batch-size", str(batch_size)] if batch_size is not None else []
+    typed += ["--devices", devices] if devices not in (None, "auto") else []
+    return shlex.join([*typed, "--max-steps", "1"])
+
+
+@contextlib.contextmanager
+def one_step_named(
+    task: str, task_arg: list[str] | None, devices: str | None, batch_size: int | None
+) -> Iterator[None]:
+    """A failing task's error with the one-step run that shows it (``ONE_STEP``) as typed (``one_step``), not SPEC."""
+    try:
+        yield
+    except TrainingError as error:
+        if ONE_STEP not in str(error):
+            raise
+        raise TrainingError(str(error).replace(ONE_STEP, one_step(task, task_arg, devices, batch_size))) from (
+            error.__cause__
+        )
 
 
 def load_given_task(spec: str, pairs: list[str] | None) -> Task:

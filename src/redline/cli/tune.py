@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
-from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -13,12 +11,11 @@ from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
-from redline.bench.tune import ONE_STEP, WINDOW, TuneInterrupted, tune
+from redline.bench.tune import WINDOW, TuneInterrupted, tune
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
-from redline.cli.task_args import load_given_task
+from redline.cli.task_args import load_given_task, one_step_named
 from redline.config import positive_number
-from redline.errors import TrainingError
 from redline.render.console import key_value_table, output_console, print_uncut, transient_bar
 from redline.runtime.tuned import TunedPlan
 
@@ -62,7 +59,7 @@ def tune_command(
 
         with (
             said_by_flags(budget_s="--budget", devices="--devices"),
-            _one_step_named(task, task_arg, devices, batch_size),
+            one_step_named(task, task_arg, devices, batch_size),
             terminate_as_interrupt(),  # a scheduler's SIGTERM, as a Ctrl-C, keeps the axes measured
         ):
             try:
@@ -78,22 +75,6 @@ def tune_command(
     _show(tuned, path, task, task_arg, devices, batch_size, json_output)
     if stopped is not None:
         raise stopped
-
-
-@contextlib.contextmanager
-def _one_step_named(task: str, task_arg: list[str] | None, devices: str, batch_size: int | None) -> Iterator[None]:
-    """Say the one-step run that shows a failing task's error with the task, its arguments and the tune's
-    device and batch size as typed, not SPEC, as `redline bench` says it."""
-    try:
-        yield
-    except TrainingError as error:
-        if ONE_STEP not in str(error):
-            raise
-        typed = ["redline", "train", "--task", task, *(part for arg in task_arg or [] for part in ("--task-arg", arg))]
-        typed += ["--batch-size", str(batch_size)] if batch_size is not None else []
-        typed += ["--devices", devices] if devices != "auto" else []
-        one = shlex.join([*typed, "--max-steps", "1"])
-        raise TrainingError(str(error).replace(ONE_STEP, one)) from error.__cause__
 
 
 def _show(
