@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -427,3 +428,47 @@ def test_an_explicit_flag_that_overrides_the_tune_keeps_its_own_reason():
     with Runtime(devices="cpu", plan="tuned", precision="fp32") as rt:
         rt.setup(task.build_model(), task.optimizer)
         assert rt.explain().precision.value == "fp32" and "bf16-mixed" not in rt.explain().precision.reason
+
+
+def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, monkeypatch, capsys):
+    # A re-tune stopped by Ctrl-C replaced a complete tune with its partial one: three measured axes lost.
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr(
+        "redline.bench.tune._measure",
+        lambda task, device, candidates, *args: [
+            Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates
+        ],
+    )
+    complete, path = tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert complete.unmeasured == () and [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [[]]
+    before = Path(path).read_text()
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert stopped.value.path is None and stopped.value.kept == complete
+    assert f"nothing was cached: the earlier tune of {complete.measured_at}, which measured every axis, is kept" in (
+        str(stopped.value)
+    )
+    assert Path(path).read_text() == before
+    monkeypatch.setattr("redline.cli.tune.tune", lambda *args, **kwargs: (_ for _ in ()).throw(stopped.value))
+    with pytest.raises(TuneInterrupted):
+        tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
+                     batch_size=None, steps=10, json_output=False)  # fmt: skip
+    assert "cached: nothing: the earlier tune, which measured more, is kept" in capsys.readouterr().out
+
+
+def test_a_budget_that_decides_no_axis_is_refused_and_caches_nothing(tmp_path, monkeypatch):
+    # It cached a Plan that left every axis to auto, said what it "chose", and offered --plan tuned.
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr(
+        "redline.bench.tune._measure",
+        lambda task, device, candidates, *args: (
+            [Trial(candidates[0], 0.010)] + [Trial(c, None, rejected=UNMEASURED) for c in candidates[1:]]
+        ),
+    )
+    with pytest.raises(ConfigError, match=r"budget_s=.* is not allowed; expected enough seconds to measure one axis"):
+        tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
+    assert cached_plans(tmp_path) == []

@@ -52,7 +52,7 @@ from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
-from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, store_tuned
+from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, load_tuned, store_tuned
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
@@ -150,7 +150,7 @@ def tune(
             reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
     tell(len(axes), len(axes), "done")
     _kernel_with_precision(best, unmeasured, reasons)
-    _check_measured(task, trials, interrupted, budget_s, signum)
+    _check_measured(task, trials, interrupted, budget_s, signum, decided=len(unmeasured) < len(axes))
     skipped = skipped_axes(task, facts, calls=calls)
     reasons.update({axis: "not searched here: " + why for axis, why in skipped.items()})
     spent = time.perf_counter() - started
@@ -166,10 +166,19 @@ def tune(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured),
     )  # fmt: skip
+    return tuned, _cache(task, fingerprint, facts, tuned, interrupted, signum)
+
+
+def _cache(task: Task, fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, interrupted: str, signum: int) -> str:
+    """Cache ``tuned``; return where. A search a signal stopped (at axis ``interrupted``) raises ``TuneInterrupted``
+    after, and caches nothing where the cache holds a tune of this workload that left fewer axes to auto."""
+    earlier = load_tuned(fingerprint, facts, tuned.batch_size) if interrupted else None
+    if earlier is not None and len(earlier.unmeasured) < len(tuned.unmeasured):
+        raise TuneInterrupted(tuned, None, interrupted, tuned.unmeasured, signum, kept=earlier)
     path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
     if interrupted:
-        raise TuneInterrupted(tuned, path, interrupted, unmeasured, signum)
-    return tuned, path
+        raise TuneInterrupted(tuned, path, interrupted, tuned.unmeasured, signum)
+    return path
 
 
 def _kernel_with_precision(best: Candidate, unmeasured: list[str], reasons: dict[str, str]) -> None:
@@ -184,9 +193,10 @@ def _kernel_with_precision(best: Candidate, unmeasured: list[str], reasons: dict
 
 
 def _check_measured(
-    task: Task, trials: Sequence[Trial], interrupted: str, budget_s: float, signum: int = signal.SIGINT
+    task: Task, trials: Sequence[Trial], interrupted: str, budget_s: float, signum: int, *, decided: bool
 ) -> None:
-    """Refuse a search that ran no candidate: there is nothing to choose from, or to show."""
+    """Refuse a search that ran no candidate (nothing to choose from, or to show), or that the budget let decide no
+    axis (``decided``): a Plan that leaves every axis to auto is auto, and caching it as tuned would say otherwise."""
     if interrupted and not trials:
         raise StoppedBySignal(
             signum,
@@ -194,7 +204,7 @@ def _check_measured(
             "nothing was cached\n"
             "hint: run it again; --budget SECONDS bounds the search instead, showing what it measured",
         )
-    if not trials:  # the budget ran out before the first axis: nothing to choose from, or to cache
+    if not trials or not (decided or interrupted):  # the budget ran out before an axis was measured in full
         raise invalid("budget_s", budget_s, "enough seconds to measure one axis", "e.g. budget_s=120")
     if all(trial.rejected for trial in trials):  # a Plan of nothing measured must not be cached for --plan tuned
         first = trials[0]
@@ -206,18 +216,21 @@ def _check_measured(
 
 class TuneInterrupted(StoppedBySignal):
     """A tune a SIGINT (Ctrl-C) or SIGTERM stopped after its first axis: what it measured is cached, the axes it did
-    not are left to auto; ``tuned`` and ``path`` are that Plan and its cache entry."""
+    not are left to auto; ``tuned`` and ``path`` are that Plan and its cache entry. Where the cache held a tune of the
+    same workload that left fewer axes to auto (``kept``), that one stays, and ``path`` is None."""
 
     def __init__(
-        self, tuned: TunedPlan, path: str, axis: str, unmeasured: Sequence[str], signum: int = signal.SIGINT
-    ) -> None:
-        super().__init__(
-            signum,
-            f"tune interrupted by {signal.Signals(signum).name} while it measured {axis}: the axes measured before "
-            "it were cached, and "
-            f"{few(unmeasured, 4)} left to auto\nhint: run the same command again to search every axis",
-        )
-        self.tuned, self.path = tuned, path
+        self, tuned: TunedPlan, path: str | None, axis: str, unmeasured: Sequence[str], signum: int = signal.SIGINT,
+        *, kept: TunedPlan | None = None,
+    ) -> None:  # fmt: skip
+        stopped = f"tune interrupted by {signal.Signals(signum).name} while it measured {axis}"
+        if kept is None:
+            said = f"the axes measured before it were cached, and {few(unmeasured, 4)} left to auto"
+        else:
+            left = f"left {few(kept.unmeasured, 4)} to auto" if kept.unmeasured else "measured every axis"
+            said = f"nothing was cached: the earlier tune of {kept.measured_at}, which {left}, is kept"
+        super().__init__(signum, f"{stopped}: {said}\nhint: run the same command again to search every axis")
+        self.tuned, self.path, self.kept = tuned, path, kept
 
 
 def _enough(spent_s: float, axes: int, measured: int) -> int:

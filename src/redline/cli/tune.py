@@ -62,6 +62,7 @@ def tune_command(
             one_step_named(task, task_arg, devices, batch_size),
             terminate_as_interrupt(),  # a scheduler's SIGTERM, as a Ctrl-C, keeps the axes measured
         ):
+            path: str | None
             try:
                 tuned, path = tune(
                     loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
@@ -79,7 +80,7 @@ def tune_command(
 
 def _show(
     tuned: TunedPlan,
-    path: str,
+    path: str | None,
     task: str,
     task_arg: list[str] | None,
     devices: str,
@@ -101,4 +102,5 @@ def _show(
     same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []
     use = " ".join(["redline train --task", shlex.quote(task), *same, "--plan tuned"])
     # a command to copy: unbroken, and its `[...]` printed as text
-    out.print(f"cached: {path}\nuse it: {use}", highlight=False, markup=False, soft_wrap=True)
+    cached = path or "nothing: the earlier tune, which measured more, is kept"  # a stopped search (TuneInterrupted)
+    out.print(f"cached: {cached}\nuse it: {use}", highlight=False, markup=False, soft_wrap=True)
