@@ -68,6 +68,14 @@ def test_a_profile_splits_the_step_into_its_phases_and_writes_the_trace(tmp_path
     assert (data["ops_on"], data["peak_memory_kind"], data["warmup"]) == ("host", "resident", 1)
 
 
+def test_an_earlier_trace_is_replaced(tmp_path):
+    trace = tmp_path / "trace.json.gz"
+    trace.write_bytes(gzip.compress(b'{"schemaVersion": 1, "traceEvents": [{"name": "old"}]}'))
+    redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1, trace=trace)
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert {"name": "old"} not in events and any(e.get("name", "").startswith("ProfilerStep#") for e in events)
+
+
 def test_slow_loading_is_found_and_the_advice_names_the_loader_flag():
     found = redline.profile(
         small_task(train_data=SlowItems(small_task().train_data), batch_size=4),
@@ -130,6 +138,14 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"expected a file in a directory; .*file is a file"):
         redline.profile(small_task(), devices="cpu", trace=tmp_path / "file" / "trace.json")
+    summary = tmp_path / "run" / "summary.json"  # a run's own file: profile --trace replaced it with a trace
+    summary.parent.mkdir()
+    summary.write_text('{"task": "digits", "steps": 100}')
+    for kept in (summary, tmp_path / "not-gzip.json.gz"):
+        kept.write_bytes(kept.read_bytes() if kept.exists() else b"plain bytes")
+        with pytest.raises(ConfigError, match=r"expected a new file, or an earlier Chrome trace to replace; this one"):
+            redline.profile(small_task(), devices="cpu", trace=kept)
+    assert summary.read_text() == '{"task": "digits", "steps": 100}'
     with pytest.raises(ConfigError, match=r"steps=0 is not allowed"):
         redline.profile(small_task(), devices="cpu", steps=0)
     with pytest.raises(Exception, match=r"fewer than the batch size 128"):

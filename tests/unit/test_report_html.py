@@ -219,6 +219,11 @@ def test_report_writes_run_dir_report_html_atomically(tmp_path):
             r"it: the report then reads metrics.csv in its place, if the run wrote one$",
         ),
         ("no step", r"metrics.jsonl cannot be read: row 2: it has no 'step'\nhint: restore metrics.jsonl"),
+        (  # another tool's JSON written over it (a trace of `redline profile --trace`, before it refused that)
+            "trace as summary",
+            r"summary.json cannot be read: it is not a run's summary: no task or steps in it \(its keys: "
+            r"schemaVersion, traceEvents\)\nhint: restore summary.json",
+        ),
         ("bad last row", r"eval.jsonl cannot be read: row \d+: .*\nhint: restore eval.jsonl"),  # whole: no cut
         (
             "bad csv",
@@ -239,6 +244,8 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
             file.write("garbage\n")
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
+    elif damage == "trace as summary":
+        (run / "summary.json").write_text('{"schemaVersion": 1, "traceEvents": []}')
     elif damage in ("bad row", "no step"):
         lines = (run / "metrics.jsonl").read_text().splitlines()
         bad = "garbage" if damage == "bad row" else '{"loss": 1.0}'

@@ -139,6 +139,7 @@ def profile(
                 f"e.g. trace={str(trace_path.with_suffix('.json'))!r}",
             )  # fmt: skip
         check_output(trace_path, "trace", "trace.json.gz")  # before the steps run, not after
+        _check_replaceable(trace_path)
     if isinstance(devices, str) and "," in devices:  # a bench's list: a profile is of the one device a run trains on
         first = devices.split(",")[0].strip() or "cpu"
         allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
@@ -257,6 +258,23 @@ def _wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse a trace ``path`` that holds a file other than a trace (a run's summary.json, a bench's result): an
+    earlier trace there is replaced, anything else would be lost."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with gzip.open(path) if path.name.endswith(".gz") else path.open("rb") as file:
+            head = file.read(1 << 16)
+    except (OSError, EOFError):  # not gzip, unreadable: not a trace this command wrote
+        head = b""
+    if b'"traceEvents"' not in head and b'"schemaVersion"' not in head:
+        raise invalid(
+            "trace", str(path), "a new file, or an earlier Chrome trace to replace; this one holds something else",
+            f"name another file, e.g. trace={str(path.with_name('trace.json.gz'))!r}",
+        )  # fmt: skip
 
 
 def _keep(written: Path, path: Path) -> None:

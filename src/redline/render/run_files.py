@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redline.errors import ConfigError
+from redline.errors import ConfigError, few
 
 Row = dict[str, Any]
 LOGS = ("metrics.jsonl", "metrics.csv")  # a run's training log, JSONL first
@@ -192,6 +192,8 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
         raise _unreadable(path, exc) from exc
     if not isinstance(data, dict):
         raise _unreadable(path, f"it holds a JSON {type(data).__name__}, not an object")
+    if data and not {"task", "steps"} & data.keys():  # another tool's JSON there (a trace): not the run's summary
+        raise _unreadable(path, f"it is not a run's summary: no task or steps in it (its keys: {few(list(data), 4)})")
     return data
 
 
