@@ -21,6 +21,16 @@ def alts(doc):
     return [image["alt"] for image in images(doc)]
 
 
+def test_bench_report_takes_what_benchmark_returns_as_its_to_dict_and_refuses_anything_else():
+    class Returned:  # as redline.benchmark's BenchResult: it failed with "'BenchResult' object has no attribute 'get'"
+        def to_dict(self):
+            return bench_result()
+
+    assert bench_report(Returned()) == bench_report(bench_result())
+    with pytest.raises(ConfigError, match=r"result='list' is not allowed; expected a BenchResult or its to_dict\(\)"):
+        bench_report([])
+
+
 def test_bench_report_charts_the_rows_that_ran_and_tables_every_row():
     doc = bench_report(bench_result())
     assert doc.startswith("<!DOCTYPE html>") and doc.rstrip().endswith("</html>")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.atomic import make_parent, write_atomic
-from redline.errors import ConfigError
+from redline.errors import ConfigError, invalid
 from redline.render.bench import DIVERGED, diverged, percent, steps_told
 from redline.render.memory import size as size_text
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
@@ -55,11 +55,18 @@ footer { color: #888; font-size: .8rem; margin-top: 2.5rem; }
 """
 
 
-def bench_report(result: Mapping[str, Any]) -> str:
-    """Return a bench result (the bench command's JSON data) as one self-contained HTML document.
+def bench_report(result: Mapping[str, Any] | Any) -> str:
+    """Return a bench result (what ``redline.benchmark`` returns, or its ``to_dict()``: the bench command's JSON data)
+    as one self-contained HTML document.
 
     Charts show the rows without an error; every row, failed ones included, is in the table.
     """
+    if not isinstance(result, Mapping):
+        if not callable(getattr(result, "to_dict", None)):
+            raise invalid(
+                "result", type(result).__name__, "a BenchResult or its to_dict()", "pass what benchmark returns"
+            )
+        result = result.to_dict()
     require_matplotlib()
     rows = list(result.get("rows") or [])
     ok = [row for row in rows if not row.get("error")]
