@@ -103,6 +103,20 @@ def test_advice_names_the_phase_that_costs_and_the_flag_to_try():
     assert heavy[0].startswith("the optimizer step takes 40% of each step")
 
 
+def test_loading_from_tensors_in_memory_is_not_sent_to_workers_the_tune_would_not_measure():
+    import dataclasses
+
+    from redline.plan.loader import LoaderSettings
+
+    gathered = LoaderSettings(num_workers=0, pin_memory=False, persistent_workers=False, prefetch_factor=None,
+                              rebuild=True, gather=True)  # fmt: skip
+    plan = dataclasses.replace(PLAN, loader=Choice(gathered, "auto"))
+    (said,) = advise(breakdown(data=0.3, forward=0.3, backward=0.3, optimizer=0.1), plan, env={}, anomaly=False)
+    assert said.startswith("loading: 30% of each step waits for the next batch (loader workers=0 pin_memory=off "
+                           "gather=on): each is gathered whole from the tensors in memory")  # fmt: skip
+    assert "--loader-workers" not in said and "redline tune" not in said and "--batch-size 64,128" in said
+
+
 def test_the_advice_for_an_idle_gpu_names_commands_that_measure_what_it_suggests():
     (said,) = advise(breakdown(busy=0.35), PLAN, env={}, anomaly=False, batch_size=32)
     assert "a larger --batch-size (`redline bench --batch-size 32,64` measures it)" in said

@@ -41,11 +41,18 @@ def advise(
         out.append("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait for the GPU; unset it outside debugging")
     if shares.get("data", 0.0) >= DATA_SHARE:
         loader = plan.loader.value if plan.loader is not None else "as built"
-        out.append(
-            f"loading: {shares['data']:.0%} of each step waits for the next batch (loader {loader}); try "
-            "`redline train --loader-workers N` (and a dataset that does less per item); `redline tune` measures "
-            "loader workers"
-        )
+        waits = f"loading: {shares['data']:.0%} of each step waits for the next batch (loader {loader})"
+        if getattr(loader, "gather", False):  # in-memory tensors, indexed whole: workers send batches slower
+            out.append(
+                f"{waits}: each is gathered whole from the tensors in memory, which worker processes cannot beat; "
+                f"the time is its indexing and copy, which a larger --batch-size spreads over more samples "
+                f"(`redline bench --batch-size {sizes}` measures it)"
+            )
+        else:
+            out.append(
+                f"{waits}; try `redline train --loader-workers N` (and a dataset that does less per item); "
+                "`redline tune` measures loader workers"
+            )
     if breakdown.device_busy is not None and 1 - breakdown.device_busy >= IDLE_SHARE:
         out.append(
             f"the GPU is idle {1 - breakdown.device_busy:.0%} of each step"

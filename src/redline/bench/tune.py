@@ -277,10 +277,7 @@ def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCal
     if facts.type not in ("cpu", "cuda"):
         skipped["attention"] = f"torch picks the attention kernel on {facts.type}"
     elif not calls:
-        skipped["attention"] = (
-            "no call of the model's to F.scaled_dot_product_attention was seen (those inside torch's "
-            "nn.MultiheadAttention are not)"
-        )
+        skipped["attention"] = "the model made no call to F.scaled_dot_product_attention (nor nn.MultiheadAttention)"
     if not fast_precisions(facts):
         skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
     model = task.model if isinstance(task.model, nn.Module) else task.build_model()
