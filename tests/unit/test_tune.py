@@ -153,6 +153,27 @@ def test_a_cached_plan_with_a_setting_no_run_takes_is_unreadable_not_a_flag_erro
     assert f"{field}={value!r} is not allowed" in caplog.text and "run `redline tune` again" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("damage", "told"),
+    [
+        (lambda data: [], "the entry is [], not an object"),
+        (lambda data: None, "the entry is null, not an object"),
+        (lambda data: {**data, "trials": None}, "'trials' is null, not an array"),
+        (lambda data: {**data, "unmeasured": "channels_last"}, "'unmeasured' is \"channels_last\", not an array"),
+        (lambda data: {k: v for k, v in data.items() if k != "trials"}, "it has no 'trials'"),
+        (lambda data: {**data, "trials": [1]}, "trial 1 is 1, not an object"),
+        (lambda data: {**data, "reasons": []}, "'reasons' is [], not an object"),
+    ],
+)
+def test_a_damaged_cache_entry_is_named_by_its_field_and_counts_as_none(tmp_path, monkeypatch, caplog, damage, told):
+    # "unmeasured" as a string was read letter by letter, and other damage was told as "('trials')"
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    path = Path(store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed")))
+    path.write_text(json.dumps(damage(json.loads(path.read_text()))))
+    assert load_tuned("fingerprint", AMX_CPU, 8) is None
+    assert f"could not be read ({told})" in caplog.text and "run `redline tune` again" in caplog.text
+
+
 def test_a_tune_is_found_by_workers_with_fewer_threads(tmp_path, monkeypatch):
     # torchrun starts each worker of `redline train --nproc N` with OMP_NUM_THREADS=1
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))

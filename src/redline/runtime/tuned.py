@@ -117,22 +117,28 @@ class TunedPlan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TunedPlan:
-        trials = tuple(
-            Trial(Candidate(**t["candidate"]), t["step_s"], t["compile_s"], t.get("rejected", ""))
-            for t in data["trials"]
-        )
-        best = Candidate(**data["best"])
+    def from_dict(cls, data: Any) -> TunedPlan:
+        """The Plan a cache entry holds; ValueError naming the field where it is not one (an entry edited by hand,
+        or cut short), which the reader says before it counts the entry as none."""
+        entry = _typed("the entry", data, dict)
+        trials = []
+        for index, trial in enumerate(_typed("'trials'", _field(entry, "trials"), list)):
+            trial = _typed(f"trial {index + 1}", trial, dict)
+            candidate = Candidate(**_typed(f"trial {index + 1}'s 'candidate'", _field(trial, "candidate"), dict))
+            trials.append(Trial(candidate, trial.get("step_s"), trial.get("compile_s", 0.0), trial.get("rejected", "")))
+        best = Candidate(**_typed("'best'", _field(entry, "best"), dict))
         try:  # an entry edited by hand fails here, where it is read, not as a flag the run was never given
             best.options(RuntimeOptions())
         except ConfigError as exc:
             raise ValueError(f"its best setting is not one a run can take: {str(exc).splitlines()[0]}") from None
+        unmeasured = _typed("'unmeasured'", entry.get("unmeasured", []), list)
         return cls(
-            task=data["task"], device=data["device"], batch_size=int(data["batch_size"]),
-            planned_steps=int(data["planned_steps"]), measured_at=data["measured_at"],
-            best=best, reasons=dict(data["reasons"]), trials=trials,
-            unmeasured=tuple(a for a in data.get("unmeasured", ()) if a in TUNED_AXES)
-            + tuple(a for a in ("cuda_graphs", "attention") if a not in data["best"]),  # tuned before they existed
+            task=str(_field(entry, "task")), device=str(_field(entry, "device")),
+            batch_size=int(_field(entry, "batch_size")), planned_steps=int(_field(entry, "planned_steps")),
+            measured_at=str(_field(entry, "measured_at")), best=best,
+            reasons=dict(_typed("'reasons'", _field(entry, "reasons"), dict)), trials=tuple(trials),
+            unmeasured=tuple(a for a in unmeasured if a in TUNED_AXES)
+            + tuple(a for a in ("cuda_graphs", "attention") if a not in entry["best"]),  # tuned before they existed
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions) -> RuntimeOptions:
@@ -175,6 +181,20 @@ class TunedPlan:
             for axis, (value, tuned) in values.items()
             if value == tuned and axis not in self.unmeasured
         }
+
+
+def _field(entry: Mapping[str, Any], name: str) -> Any:
+    if name not in entry:
+        raise ValueError(f"it has no {name!r}")
+    return entry[name]
+
+
+def _typed(what: str, value: Any, kind: type) -> Any:
+    """``value`` where it is a ``kind`` (JSON's object or array); else ValueError naming ``what`` it is instead."""
+    if not isinstance(value, (list, tuple) if kind is list else kind):  # a to_dict() read back keeps its tuples
+        told = "an object" if kind is dict else "an array"
+        raise ValueError(f"{what} is {json.dumps(value)[:40]}, not {told}")
+    return value
 
 
 def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
