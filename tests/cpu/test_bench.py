@@ -107,6 +107,11 @@ def test_a_stream_with_a_length_is_benched_in_its_own_order():
         ({"precisions": "fp32"}, "precisions='fp32' is not allowed; expected a list"),
         ({"compiles": False}, "compiles=False is not allowed; expected a list"),
         ({"batch_sizes": 32}, "batch_sizes=32 is not allowed; expected a list"),
+        # empty: the defaults ran unsaid (the command line refuses an empty --precision)
+        ({"precisions": []}, r"precisions=\[\] is not allowed; expected a list of one or more"),
+        ({"batch_sizes": []}, r"batch_sizes=\[\] is not allowed; expected a list of one or more"),
+        ({"compiles": [], "auto": False}, r"compiles=\[\] is not allowed; expected a list of one or more"),
+        ({"batch_sizes": [0]}, r"batch_sizes=\[0\] is not allowed; expected positive integers"),  # not CLI syntax
     ],
 )
 def test_a_lone_value_where_a_list_belongs_is_refused_before_anything_runs(given, message):
@@ -514,6 +519,19 @@ def test_cli_bench_refuses_bad_flags_with_a_hint(args, message, redline_here):
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_bench_takes_precisions_in_any_case_as_it_takes_compile_on(monkeypatch):
+    asked = {}
+
+    def benchmark_seen(task, **kwargs):
+        asked.update(kwargs)
+        raise KeyboardInterrupt  # enough: the flags were read
+
+    monkeypatch.setattr("redline.cli.bench.benchmark", benchmark_seen)
+    with pytest.raises(KeyboardInterrupt):
+        bench_command(task="example:digits", precision="FP32,BF16-mixed", compile="ON", estimate=False)
+    assert asked["precisions"] == ["fp32", "bf16-mixed"] and asked["compiles"] == [True]
 
 
 def test_cli_bench_refuses_planned_steps_without_the_auto_row_it_decides_for(monkeypatch):

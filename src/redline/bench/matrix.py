@@ -46,7 +46,10 @@ def listed(name: str, given: Iterable[T], example: str) -> list[T]:
     """Return ``given`` as a list; a lone string or number, a slip for a list of one, is a ConfigError."""
     if isinstance(given, str | int | float):  # a string would be read letter by letter; bool is an int
         raise invalid(name, given, "a list", f"e.g. {name}={example}")
-    return list(given)
+    items = list(given)
+    if not items:  # the command line refuses an empty --precision too; None (the default) is how to ask for it
+        raise invalid(name, items, "a list of one or more", f"e.g. {name}={example}, or leave it out for the default")
+    return items
 
 
 def expand(
@@ -76,7 +79,7 @@ def expand(
         raise invalid("compiles", compiles, allowed, "e.g. compiles=[False, True]")
     for size in batch_sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"batch size {size!r} is not a positive integer\nhint: e.g. --batch-size 32,64")
+            raise invalid("batch_sizes", batch_sizes, "positive integers", "e.g. batch_sizes=[32, 64]")
     rows: list[Setting] = []
     for size in dict.fromkeys(batch_sizes):
         for facts in devices:

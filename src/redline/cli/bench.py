@@ -196,7 +196,7 @@ def _estimator(task: Task, console: Console) -> Estimate:
 def _names(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    names = _parts(text)
+    names = [name.lower() for name in _parts(text)]  # FP32 as --compile takes ON
     if not names:
         raise ConfigError(f"--precision {text!r} names nothing\nhint: e.g. --precision fp32,bf16-mixed")
     return names
