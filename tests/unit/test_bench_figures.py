@@ -75,7 +75,7 @@ def test_expand_refuses_what_cannot_be_benched():
         expand([AMX_CPU], precisions=["fp8"], compiles=[False], batch_sizes=[8])
     with pytest.raises(ConfigError, match=r"hint: did you mean bf16-mixed\?"):
         expand([AMX_CPU], precisions=["bf16"], compiles=[False], batch_sizes=[8])
-    with pytest.raises(ConfigError, match=r"hint: e\.g\. --batch-size"):
+    with pytest.raises(ConfigError, match=r"hint: e\.g\. batch_sizes=\[32, 64\]"):
         expand([AMX_CPU], precisions=None, compiles=[False], batch_sizes=[0])
     with pytest.raises(ConfigError, match="hint: pass --devices"):
         expand([], precisions=None, compiles=[False], batch_sizes=[8])
