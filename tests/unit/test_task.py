@@ -421,6 +421,14 @@ def test_load_task_passes_options_to_the_factory(task_file: Path, task_module: s
         assert (task.batch_size, task.name) == (3, "big")
 
 
+def test_an_example_spec_with_a_second_colon_names_the_example_meant() -> None:
+    # it said "module 'example:digits' not found ... run redline in the folder that holds example:digits/"
+    with pytest.raises(
+        TaskSpecError, match=r"'example:digits:extra' has more than one ':'.*\nhint: did you mean 'example:digits'\?$"
+    ):
+        load_task("example:digits:extra")
+
+
 def test_spec_without_colon_is_rejected_with_the_allowed_forms() -> None:
     with pytest.raises(TaskSpecError) as info:
         load_task("just_a_name")

@@ -111,7 +111,11 @@ def _split_spec(spec: str) -> tuple[str, str]:
     forms = FORMS.format(", ".join(EXAMPLES))
     if not isinstance(spec, str) or ":" not in spec:
         raise TaskSpecError(f"task spec {spec!r} has no ':'; expected {forms}{_spec_hint(spec)}")
-    head, _, tail = spec.rpartition(":")
+    head, _, tail = spec.rpartition(":")  # the last ':': a Windows path has one of its own (C:\tasks.py:make)
+    if head.startswith("example:"):  # 'example:digits:extra': the example is the part after the first ':'
+        name = head.split(":")[1]
+        hint = f"\nhint: did you mean 'example:{name}'?" if name in EXAMPLES else ""
+        raise TaskSpecError(f"task spec {spec!r} has more than one ':'; expected {forms}{hint}")
     if head == "example":
         if tail not in EXAMPLES:
             near = nearest(tail, EXAMPLES)
