@@ -55,7 +55,7 @@ from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, load_tuned, store_tuned
 from redline.task import Task, require_task
 
-MARGIN = 1.05  # an alternative must cut the planned run's time by 5% to replace the current setting
+MARGIN = 1.05  # an alternative replaces the current setting where the current's planned run is 1.05x as long
 UNMEASURED = "not measured: the budget was spent"
 LEFT = "left to the run's auto"  # what a run that uses the tune does with an axis the tune did not decide
 WINDOW = 5  # timed steps between two device syncs
