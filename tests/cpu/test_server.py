@@ -680,3 +680,26 @@ def test_redline_serve_pads_to_the_batch_buckets_given_and_refuses_bad_ones_befo
         refused = CliRunner().invoke(app, [*args, "--batch-buckets", given])
         assert isinstance(refused.exception, ConfigError) and str(refused.exception) == said, refused.exception
     assert loaded == [], "the model was loaded before the flag was checked"
+
+
+@pytest.mark.parametrize("raised", [SystemExit(4), KeyboardInterrupt()])
+async def test_a_model_that_raises_systemexit_or_keyboardinterrupt_fails_its_request_not_the_server(raised):
+    # Either one reached the event loop: the request got a plain-text 500 (or no answer) and the server ended.
+    engine = FakeEngine()
+    predict = engine.predict
+
+    def exits(inputs, *args, **kwargs):
+        if bool((inputs == POISON).any()):
+            raise raised
+        return predict(inputs, *args, **kwargs)
+
+    engine.predict = exits
+    async with running(engine) as (client, _):
+        await ready(client)
+        failed = await client.post("/v1/predict", json={"inputs": [POISON, 0, 0]})
+        after = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        alive = await client.get("/livez")
+    assert failed.status_code == 500 and failed.json()["reason"] == "model_error"
+    assert failed.json()["error"].startswith(f"the model failed: {type(raised).__name__}")
+    assert after.status_code == 200 and after.json() == {"outputs": [[2.0, 4.0, 6.0]]}
+    assert alive.status_code == 200

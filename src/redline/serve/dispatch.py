@@ -93,6 +93,8 @@ class ModelThread:
             self.busy = True
             try:
                 outcome: tuple[Any, BaseException | None] = (function(*args), None)
+            except (SystemExit, KeyboardInterrupt) as exc:  # the model's own (signals reach the main thread only):
+                outcome = (None, _model_exit(exc))  # a model error the request is answered with, not the server's end
             except BaseException as exc:  # handed to the awaiting task, as an executor would
                 outcome = (None, exc)
             self.busy = False
@@ -116,6 +118,15 @@ def calls_left_running() -> int:
     interpreter's shutdown would abort it when the call's next torch operation returns (see ``ModelThread``).
     """
     return sum(thread.alive for thread in list(_STOPPED))
+
+
+def _model_exit(exc: SystemExit | KeyboardInterrupt) -> RuntimeError:
+    """A model call's SystemExit or KeyboardInterrupt as an error of the model's, its traceback kept (the log names the
+    model's line): raised in the event loop, it would end the server, and every request after it unanswered."""
+    said = f"the model raised {type(exc).__name__}({', '.join(map(repr, exc.args))})"
+    error = RuntimeError(f"{said}, which ends a program, not one request").with_traceback(exc.__traceback__)
+    error.__cause__ = exc
+    return error
 
 
 def _hand_over(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
