@@ -73,6 +73,17 @@ def pairs():
 
 def broken():
     raise RuntimeError("no checkpoint")
+
+
+class Exits(nn.Module):
+    def forward(self, x):
+        if bool((x == 777).any()):
+            raise SystemExit(4)
+        return x
+
+
+def exits():
+    return Servable(model=Exits(), input_shape=(3,), name="exits")
 '''
 
 
@@ -333,6 +344,19 @@ def test_a_model_failing_midway_is_one_clear_error_naming_its_row_and_leaves_the
         "x.npy",
         "y.npy",
     ], "no temporary file of the output is left"
+
+
+def test_a_model_that_calls_sys_exit_is_an_error_naming_it_not_a_silent_exit(tmp_path, spec):
+    # it exited with the model's code, 4, and printed nothing
+    inputs = np.zeros((4, 3), np.float32)
+    inputs[3] = 777
+    out = tmp_path / "y.npy"
+    np.save(out, np.arange(3))
+    result = predict(spec.replace(":make", ":exits"), "--input", samples(tmp_path, inputs), "--output", str(out),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert isinstance(result.exception, InferenceError), result.output  # exit 2 through the command line's handler
+    assert "the model raised SystemExit(4) while predicting rows 0 to 3 of" in str(result.exception)
+    assert np.array_equal(np.load(out), np.arange(3)), "the previous output is intact"
 
 
 def test_a_model_that_fails_on_the_declared_input_shape_is_told_at_the_warm_up(tmp_path, spec):

@@ -288,6 +288,12 @@ def run_batches(
                     check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
                 with model_raising(running, check):
                     raise
+            except SystemExit as exc:  # the model's sys.exit() would end the command with its code, saying nothing
+                raise InferenceError(
+                    f"the model raised SystemExit({exc.code!r}) while predicting {rows} of {source}, which ends a "
+                    "program, not one prediction; nothing was written\nhint: raise an exception in the model "
+                    "instead; REDLINE_TRACEBACK=1 prints where it was raised"
+                ) from exc
             kind = (outputs.shape[1:], outputs.dtype) if kind is None else kind
             if outputs.shape[1:] != kind[0]:
                 raise InferenceError(
