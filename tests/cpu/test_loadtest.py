@@ -227,6 +227,7 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
         ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
         ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
         ({"rate": 5, "payload": tmp_path / "missing.json"}, r"readable .json .*\nhint: it cannot be read \(No such"),
+        ({"rate": 5, "payload": 123}, r"payload=123 is not allowed; expected a .json or .npy file's path"),  # sent GETs
         (
             {"rate": 1e7, "duration": 55, "warmup": 5},
             r"rate=10000000.0 is not allowed; expected at most "
@@ -241,6 +242,15 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
     with pytest.raises(ConfigError, match=r"https:// URL \(Port out of range 0-65535\)"):
         run_load("http://127.0.0.1:99999/x", rate=5, duration=0.2)
     assert server.counts["/pattern/never"] == 0
+
+
+def test_load_options_take_a_payload_path_given_as_a_string(tmp_path):
+    from redline.serve.loadtest import LoadOptions
+
+    # it was taken, then failed at the first request: AttributeError: 'str' object has no attribute 'suffix'
+    assert LoadOptions(rate=5, payload=str(tmp_path / "body.json")).payload == tmp_path / "body.json"
+    with pytest.raises(ConfigError, match=r"payload=b'x' is not allowed; expected a .json or .npy file's path"):
+        LoadOptions(rate=5, payload=b"x")
 
 
 def test_run_load_inside_a_running_loop_says_to_await_run_load_async(server):

@@ -75,6 +75,10 @@ class LoadOptions:
     max_send_lag_ms: float = option(10.0, "Open loop: p99 lag behind the schedule above which the client says so.")
 
     def __post_init__(self) -> None:
+        if isinstance(self.payload, str):  # a path as a string, as run_load takes it
+            object.__setattr__(self, "payload", Path(self.payload))
+        if self.payload is not None and not isinstance(self.payload, Path):
+            raise invalid("payload", self.payload, "a .json or .npy file's path", "e.g. payload='body.json'")
         if self.rate is not None and self.concurrency is not None:  # said by their flags on the command line
             raise invalid(
                 "concurrency", self.concurrency, f"no concurrency beside rate={self.rate:g}: one of the two",
@@ -419,6 +423,8 @@ def run_load(
     """
     if isinstance(headers, Mapping):
         headers = [f"{name}: {value}" for name, value in headers.items()]
+    if payload is not None and not isinstance(payload, Payload | str | Path):  # it sent GETs with no body
+        raise invalid("payload", payload, "a .json or .npy file's path, or a Payload", "e.g. payload='body.json'")
     body = payload if isinstance(payload, Payload) else None
     path = Path(payload) if isinstance(payload, str | Path) else None
     options = LoadOptions(
