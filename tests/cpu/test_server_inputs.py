@@ -125,6 +125,15 @@ async def test_the_content_types_of_curls_forms_get_415_with_the_flags_that_fix_
     assert answer.json()["error"].endswith(fix), answer.json()["error"]
 
 
+async def test_a_npy_body_curl_sent_as_a_form_is_told_the_octet_stream_type_not_json():
+    # the hint said to add Content-Type: application/json, which a .npy body then failed as JSON
+    async with running(FakeEngine()) as (client, _):
+        answer = await client.post("/v1/predict", content=npy(np.zeros((2, 3), np.float32)),
+                                   headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert answer.status_code == 415 and "the body is a .npy array" in answer.json()["error"]
+    assert answer.json()["error"].endswith("add -H 'Content-Type: application/octet-stream'")
+
+
 async def test_a_bad_value_in_a_batch_is_refused_naming_the_first_sample_that_holds_one():
     octet = {"content-type": "application/octet-stream"}
     batch = np.zeros((4, 3), np.float32)

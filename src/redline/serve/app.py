@@ -49,10 +49,13 @@ NPY_TYPES = ("application/octet-stream", "application/x-npy")
 QUEUED_REFUSALS = ("model_error", "internal_error", "timeout")
 PARSED_ASIDE = 1 << 20  # bytes: a body this large is read into a batch off the event loop
 # The types curl sends for a form (-d, -F) unless told otherwise: the first requests of many a user.
+FORM = "application/x-www-form-urlencoded"  # what curl -d and --data-binary send unless told
+NPY_AS_FORM = (
+    "; the body is a .npy array, which curl --data-binary sends as application/x-www-form-urlencoded unless told: "
+    "add -H 'Content-Type: application/octet-stream'"
+)
 FORM_FIXES = {
-    "application/x-www-form-urlencoded": (
-        "; curl -d sends application/x-www-form-urlencoded unless told: add -H 'Content-Type: application/json'"
-    ),
+    FORM: "; curl -d sends application/x-www-form-urlencoded unless told: add -H 'Content-Type: application/json'",
     "multipart/form-data": (
         "; send the array as the whole body, not a form's file: "
         "curl --data-binary @x.npy -H 'Content-Type: application/octet-stream'"
@@ -193,10 +196,14 @@ class Serving:
                 raise Refused(503, "not_ready", "the model is warming up", headers={"Retry-After": str(RETRY_AFTER_S)})
             media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
             if media not in JSON_TYPES + NPY_TYPES:
+                fix = FORM_FIXES.get(media, "")
+                if media == FORM:  # the fix depends on the body: a .npy array is told by its magic
+                    body = await self.read_body_by(request, arrived + self.options.timeout_ms / 1000)
+                    fix = NPY_AS_FORM if body.startswith(NPY_MAGIC) else fix
                 raise Refused(
                     415, "unsupported_media_type",
                     f"Content-Type {media!r} is not read; send application/json or application/octet-stream (.npy)"
-                    + FORM_FIXES.get(media, ""),
+                    + fix,
                 )  # fmt: skip
             coding = request.headers.get("content-encoding", "identity").strip().lower()
             if coding not in ("identity", ""):  # a compressed body would be read as broken JSON or .npy
