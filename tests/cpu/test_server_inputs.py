@@ -318,18 +318,21 @@ async def test_a_full_batch_over_the_body_limit_is_told_at_start_and_its_413_say
         five = await client.post("/v1/predict", content=npy(np.ones((5, 256), np.float32)), headers=octet)
     assert len(said) == 1, caplog.text
     assert said[0].startswith(
-        "a request of --max-batch-size 8 samples of shape (256,) is 0.00793 MiB as a float32 .npy body, more as "
-        "JSON, over --max-body-mb 0.005: it is refused with 413; a request holds at most 4 samples"
+        "a request of --max-batch-size 8 samples of shape (256,) is 0.00793 MiB as a float32 .npy body (as JSON, as "
+        "its numbers are written), over --max-body-mb 0.005: it is refused with 413; a .npy request holds at most 4 "
+        "samples"
     )
     assert "hint: --max-body-mb 0.00794 lets a request of 8 samples in, or --max-batch-size 4" in said[0]
     assert four.status_code == 200 and five.status_code == 413
-    assert "(a float32 .npy body of up to 4 samples fits; as JSON, fewer)" in five.json()["error"]
+    assert "(a float32 .npy body of up to 4 samples fits; as JSON, as its numbers are written)" in five.json()["error"]
 
 
-def test_a_body_limit_that_not_even_one_sample_fits_says_no_request_can_pass(caplog):
+def test_a_body_limit_that_not_even_one_sample_fits_says_only_short_json_can_pass(caplog):
+    # it said "no request can pass", where JSON of small numbers (shorter than .npy's four bytes each) did
     caplog.set_level("WARNING", logger="redline")
     build_app(FakeEngine(input_shape=(3, 512, 512), max_batch_size=4), ServeOptions(max_batch_size=4, max_body_mb=1))
-    assert "and so is a request of one sample (3 MiB): no request can pass\nhint: --max-body-mb 12.1" in caplog.text
+    said = "and so is a .npy request of one sample (3 MiB): only JSON whose numbers are written short can pass\n"
+    assert said + "hint: --max-body-mb 12.1" in caplog.text
 
 
 def test_a_full_batch_within_the_body_limit_is_not_warned_of(caplog):

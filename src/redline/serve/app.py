@@ -130,9 +130,11 @@ class Serving:
         limit = self.options.max_body_bytes
         fits, dtype = "", npy_dtype(self.spec)
         if self.fits_in_body == 0:
-            fits = f" (a {dtype} .npy body of one sample is larger: this server can answer no request)"
+            fits = f" (a {dtype} .npy body of one sample is larger: only JSON whose numbers are written short fits)"
         elif self.fits_in_body < self.options.max_batch_size:  # a request of max_batch_size samples is refused too
-            fits = f" (a {dtype} .npy body of up to {self.fits_in_body} samples fits; as JSON, fewer)"
+            fits = (
+                f" (a {dtype} .npy body of up to {self.fits_in_body} samples fits; as JSON, as its numbers are written)"
+            )
         too_large = Refused(
             413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB{fits}"
         )
@@ -305,14 +307,18 @@ def body_limit_note(spec: InputSpec, options: ServeOptions) -> str | None:
     shape = ", ".join(map(str, spec.shape)) + "," * (len(spec.shape) == 1)
     said = (
         f"a request of --max-batch-size {options.max_batch_size} samples of shape ({shape}) is {_mib(full)} MiB as a "
-        f"{dtype} .npy body, more as JSON, over --max-body-mb {options.max_body_mb:g}: it is refused with 413"
+        f"{dtype} .npy body (as JSON, as its numbers are written), over --max-body-mb {options.max_body_mb:g}: it is "
+        "refused with 413"
     )
     raise_to = f"--max-body-mb {_mib(full, up=True)} lets a request of {options.max_batch_size} samples in"
     if fits == 0:
         one = _mib(npy_bytes(1, spec))
-        return f"{said}, and so is a request of one sample ({one} MiB): no request can pass\nhint: {raise_to}"
+        return (
+            f"{said}, and so is a .npy request of one sample ({one} MiB): only JSON whose numbers are written short "
+            f"can pass\nhint: {raise_to}"
+        )
     return (
-        f"{said}; a request holds at most {fits} samples (fewer as JSON), and batches of up to "
+        f"{said}; a .npy request holds at most {fits} samples, and batches of up to "
         f"{options.max_batch_size} form from several requests\nhint: {raise_to}, or --max-batch-size {fits} refuses "
         "a larger request with 422, which names the limit"
     )
