@@ -421,6 +421,13 @@ def test_load_task_passes_options_to_the_factory(task_file: Path, task_module: s
         assert (task.batch_size, task.name) == (3, "big")
 
 
+def test_a_missing_factory_lists_what_the_file_defines_and_how_many_more(tmp_path: Path) -> None:
+    # the list was cut at 12 names without a word
+    (tmp_path / "many.py").write_text("".join(f"def f{i:02d}():\n    pass\n" for i in range(16)))
+    with pytest.raises(TaskSpecError, match=r"defined there: f00, f01, .*, f11 and 4 more\n"):
+        load_task(f"{tmp_path / 'many.py'}:nope")
+
+
 def test_an_example_spec_with_a_second_colon_names_the_example_meant() -> None:
     # it said "module 'example:digits' not found ... run redline in the folder that holds example:digits/"
     with pytest.raises(

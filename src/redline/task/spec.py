@@ -53,7 +53,7 @@ def find_factory(spec: str) -> Callable[..., Any]:
         hint = _shadowed(module_name, module, factory_name) or hint
         raise TaskSpecError(
             f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
-            f"defined there: {', '.join(shown[:12]) or 'none'}\nhint: {hint}"
+            f"defined there: {few(shown, 12) if shown else 'none'}\nhint: {hint}"
         )
     return factory
 
