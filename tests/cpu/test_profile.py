@@ -68,6 +68,15 @@ def test_a_profile_splits_the_step_into_its_phases_and_writes_the_trace(tmp_path
     assert (data["ops_on"], data["peak_memory_kind"], data["warmup"]) == ("host", "resident", 1)
 
 
+def test_a_loss_that_is_not_finite_is_said_first_in_the_advice():
+    # bench marks such a row "not finite"; profile gave its times as a healthy run's
+    diverged = small_task(loss_fn=lambda out, y: nn.functional.cross_entropy(out, y) * float("nan"))
+    found = redline.profile(diverged, devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)
+    assert found.advice[0].startswith("the loss is not finite (NaN or infinity) at the last recorded step")
+    healthy = redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1)
+    assert not any("not finite" in line for line in healthy.advice)
+
+
 def test_an_earlier_trace_is_replaced(tmp_path):
     trace = tmp_path / "trace.json.gz"
     trace.write_bytes(gzip.compress(b'{"schemaVersion": 1, "traceEvents": [{"name": "old"}]}'))

@@ -49,6 +49,10 @@ STEP_HINT = (
     "(REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
 )
 SWITCH = {"auto": None, "on": True, "off": False}  # compile given as RuntimeOptions takes it
+NOT_FINITE = (
+    "the loss is not finite (NaN or infinity) at the last recorded step: the model diverged, so these are the times "
+    "of a broken run; `redline train` stops at the step where the loss turns so and names it"
+)
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ def profile(
     with tempfile.TemporaryDirectory(prefix="redline-profile-") as scratch:
         written = Path(scratch) / "trace.json"
         with users_failure(f"profiling task {task.name!r}: a recorded step", STEP_HINT):
-            averages = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
+            averages, loss = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
         events = json.loads(written.read_text(encoding="utf-8")).get("traceEvents", [])
         if trace_path is not None:
             _keep(written, trace_path)
@@ -179,6 +183,8 @@ def profile(
     advice = advise(
         breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
     )
+    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):  # as the bench marks such a row
+        advice.insert(0, NOT_FINITE)
     return Profile(
         task=task.name,
         device=device,
@@ -221,10 +227,10 @@ def _compiles(compile: bool | str | None, compile_mode: str) -> bool | None:
     return True
 
 
-def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
+def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> tuple[Any, torch.Tensor | None]:
     """Run one unrecorded step and ``steps`` recorded ones under torch.profiler; write the trace to ``path``
-    and return its operator averages."""
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    and return its operator averages and the last step's loss."""
+    activities, loss = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])], None
     recorder = torch.profiler.profile(
         activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)
     )
@@ -236,7 +242,7 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
                 for _ in range(runner.micro_steps):  # a tuned Plan's micro-batches make one step
                     with phase("data"):
                         inputs, targets = runner.next_batch()
-                    runner.step_fn(inputs, targets)
+                    loss = runner.step_fn(inputs, targets)
                 if index in (0, steps):  # the recorded steps start on an idle device and end when it is done
                     _wait_for_device(torch.device(runner.setting.device))
                 with _without_profiler_chatter():
@@ -248,7 +254,7 @@ def _record(runner: Runner, steps: int, path: Path, *, cuda: bool) -> Any:
     with _without_profiler_chatter():
         recorder.stop()
     recorder.export_chrome_trace(str(path))
-    return recorder.key_averages()
+    return recorder.key_averages(), loss
 
 
 def _wait_for_device(device: torch.device) -> None:
