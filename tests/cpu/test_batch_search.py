@@ -57,6 +57,13 @@ def test_each_probe_trains_a_fresh_model_and_frees_the_last_one_first():
     assert steps == [4, 4, 4, 5, 5, 5]  # three full steps on the sizes that fit; no forward gets past the limit
 
 
+def test_a_compile_mode_in_the_runs_options_does_not_stop_the_search_which_runs_eager():
+    # the search forced compile off and kept the mode, which RuntimeOptions then refused
+    options = dataclasses.replace(CPU, compile="on", compile_mode="max-autotune")
+    search = redline.find_batch_size(limited_task(1000, samples=16), options=options, start=8, max_batch_size=16)
+    assert search.largest == 16
+
+
 def test_on_a_cpu_the_cap_defaults_to_the_dataset_and_small_data_repeats():
     search = redline.find_batch_size(limited_task(1000, samples=48), options=CPU)
     assert [s for s, _ in sizes(search)] == [1, 2, 4, 8, 16, 32, 48] and search.largest == 48

@@ -76,14 +76,22 @@ def broken():
 
 
 class Exits(nn.Module):
+    def __init__(self, always=False):
+        super().__init__()
+        self.always = always
+
     def forward(self, x):
-        if bool((x == 777).any()):
+        if self.always or bool((x == 777).any()):
             raise SystemExit(4)
         return x
 
 
 def exits():
     return Servable(model=Exits(), input_shape=(3,), name="exits")
+
+
+def always_exits():
+    return Servable(model=Exits(always=True), input_shape=(3,), name="exits")
 '''
 
 
@@ -355,8 +363,14 @@ def test_a_model_that_calls_sys_exit_is_an_error_naming_it_not_a_silent_exit(tmp
     result = predict(spec.replace(":make", ":exits"), "--input", samples(tmp_path, inputs), "--output", str(out),
                      "--precision", "fp32", "--compile", "off")  # fmt: skip
     assert isinstance(result.exception, InferenceError), result.output  # exit 2 through the command line's handler
-    assert "the model raised SystemExit(4) while predicting rows 0 to 3 of" in str(result.exception)
+    said = str(result.exception)
+    assert said.startswith("the model raised SystemExit(4) while predicting row 3 of --input") and "fails alone" in said
+    assert "in forward: raise SystemExit(4)" in said  # the model's line
     assert np.array_equal(np.load(out), np.arange(3)), "the previous output is intact"
+    always = predict(spec.replace(":make", ":always_exits"), "--input", samples(tmp_path, inputs), "--output",
+                     str(out), "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert isinstance(always.exception, InferenceError), always.output  # in the warm-up
+    assert str(always.exception).startswith("the model raised SystemExit(4) while warming up, before any row")
 
 
 def test_a_model_that_fails_on_the_declared_input_shape_is_told_at_the_warm_up(tmp_path, spec):

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from redline.bench.tune import UNMEASURED, TuneInterrupted, _measure, decide, tune
+from redline.bench.tune import UNMEASURED, _measure, decide, tune
+from redline.bench.tune_cache import TuneInterrupted
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, Terminated, TrainingError
 from redline.hardware.device import FAKE_CPU_ENV, probe_device
@@ -447,7 +448,7 @@ def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, mon
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
     with pytest.raises(TuneInterrupted) as stopped:
         tune(mlp_task(), devices="cpu", planned_steps=100)
-    assert stopped.value.path is None and stopped.value.kept == complete
+    assert stopped.value.path == path and stopped.value.kept == complete
     assert f"nothing was cached: the earlier tune of {complete.measured_at}, which measured every axis, is kept" in (
         str(stopped.value)
     )
@@ -456,7 +457,13 @@ def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, mon
     with pytest.raises(TuneInterrupted):
         tune_command(task="example:digits", task_arg=None, devices="cpu", budget=60.0, planned_steps=100,
                      batch_size=None, steps=10, json_output=False)  # fmt: skip
-    assert "cached: nothing: the earlier tune, which measured more, is kept" in capsys.readouterr().out
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"cached: nothing new: the earlier tune above, which measured more, stays at {path}" in shown
+    assert "left to auto" not in shown  # the table is the earlier tune's, which --plan tuned runs
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
+    with pytest.raises(TuneInterrupted) as longer:  # a tune for another run length decides compile for that length
+        tune(mlp_task(), devices="cpu", planned_steps=100_000)
+    assert longer.value.kept is None and [plan["planned_steps"] for plan in cached_plans(tmp_path)] == [100_000]
 
 
 def test_a_budget_that_decides_no_axis_is_refused_and_caches_nothing(tmp_path, monkeypatch):

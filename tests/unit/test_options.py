@@ -79,6 +79,23 @@ def test_a_compile_mode_with_compile_off_is_refused_and_a_resumed_eager_run_drop
     assert (resumed.compile, resumed.compile_mode) == ("off", "default")
     plan["compile"] = {"value": True}
     assert RuntimeOptions(compile_mode="max-autotune").with_plan(plan).compile_mode == "max-autotune"
+    # reduce-overhead kept auto's CUDA graphs off in the run that ran eager: the resumed run goes on without them
+    eager = {**plan, "compile": {"value": False}, "cuda_graphs": {"value": False}}
+    resumed = RuntimeOptions(compile_mode="reduce-overhead").with_plan(eager)
+    assert (resumed.compile_mode, resumed.cuda_graphs) == ("default", "off")
+    graphed = {**eager, "cuda_graphs": {"value": True}}  # the run's auto took them: auto checks them again
+    assert RuntimeOptions(compile_mode="reduce-overhead").with_plan(graphed).cuda_graphs == "auto"
+
+
+def test_a_tune_that_chose_eager_drops_a_compile_mode_asked_with_compile_left_to_auto():
+    from redline.runtime.tuned import Candidate, TunedPlan
+
+    tuned = TunedPlan(task="t", device="cuda", batch_size=8, planned_steps=100, measured_at="then",
+                      best=Candidate(precision="bf16-mixed", compile=False), reasons={}, trials=())  # fmt: skip
+    applied = tuned.apply(RuntimeOptions(compile_mode="reduce-overhead"))  # --plan tuned --compile-mode: it raised
+    assert (applied.compile, applied.compile_mode, applied.precision) == ("off", "default", "bf16-mixed")
+    asked = tuned.apply(RuntimeOptions(compile="on", compile_mode="max-autotune"))  # an explicit compile wins
+    assert (asked.compile, asked.compile_mode) == ("on", "max-autotune")
 
 
 def test_a_device_asked_for_now_moves_a_resumed_run_and_auto_keeps_the_stored_one():

@@ -32,6 +32,7 @@ from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
+from redline.bench.tune_cache import cache_tune
 from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     ONE_STEP,
@@ -52,7 +53,13 @@ from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
-from redline.runtime.tuned import MICRO_BATCHES, Candidate, Trial, TunedPlan, check_tuned_cache, load_tuned, store_tuned
+from redline.runtime.tuned import (
+    MICRO_BATCHES,
+    Candidate,
+    Trial,
+    TunedPlan,
+    check_tuned_cache,
+)
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative replaces the current setting where the current's planned run is 1.05x as long
@@ -166,19 +173,7 @@ def tune(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
         reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured),
     )  # fmt: skip
-    return tuned, _cache(task, fingerprint, facts, tuned, interrupted, signum)
-
-
-def _cache(task: Task, fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, interrupted: str, signum: int) -> str:
-    """Cache ``tuned``; return where. A search a signal stopped (at axis ``interrupted``) raises ``TuneInterrupted``
-    after, and caches nothing where the cache holds a tune of this workload that left fewer axes to auto."""
-    earlier = load_tuned(fingerprint, facts, tuned.batch_size) if interrupted else None
-    if earlier is not None and len(earlier.unmeasured) < len(tuned.unmeasured):
-        raise TuneInterrupted(tuned, None, interrupted, tuned.unmeasured, signum, kept=earlier)
-    path = store_tuned(fingerprint, facts, tuned, model=task.build_model())
-    if interrupted:
-        raise TuneInterrupted(tuned, path, interrupted, tuned.unmeasured, signum)
-    return path
+    return tuned, cache_tune(tuned, fingerprint, facts, task.build_model(), interrupted, signum)
 
 
 def _kernel_with_precision(best: Candidate, unmeasured: list[str], reasons: dict[str, str]) -> None:
@@ -212,25 +207,6 @@ def _check_measured(
             f"no candidate of {task.name} ran ({len(trials)} tried); {_value(first.candidate, '')}: {first.rejected}\n"
             f"hint: fix the task, then tune again; `{ONE_STEP}` runs one step and shows the line that fails"
         )
-
-
-class TuneInterrupted(StoppedBySignal):
-    """A tune a SIGINT (Ctrl-C) or SIGTERM stopped after its first axis: what it measured is cached, the axes it did
-    not are left to auto; ``tuned`` and ``path`` are that Plan and its cache entry. Where the cache held a tune of the
-    same workload that left fewer axes to auto (``kept``), that one stays, and ``path`` is None."""
-
-    def __init__(
-        self, tuned: TunedPlan, path: str | None, axis: str, unmeasured: Sequence[str], signum: int = signal.SIGINT,
-        *, kept: TunedPlan | None = None,
-    ) -> None:  # fmt: skip
-        stopped = f"tune interrupted by {signal.Signals(signum).name} while it measured {axis}"
-        if kept is None:
-            said = f"the axes measured before it were cached, and {few(unmeasured, 4)} left to auto"
-        else:
-            left = f"left {few(kept.unmeasured, 4)} to auto" if kept.unmeasured else "measured every axis"
-            said = f"nothing was cached: the earlier tune of {kept.measured_at}, which {left}, is kept"
-        super().__init__(signum, f"{stopped}: {said}\nhint: run the same command again to search every axis")
-        self.tuned, self.path, self.kept = tuned, path, kept
 
 
 def _enough(spent_s: float, axes: int, measured: int) -> int:

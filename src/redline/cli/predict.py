@@ -279,7 +279,7 @@ def run_batches(
             rows = f"rows {start} to {start + len(batch) - 1}"
             try:
                 outputs = engine.predict(batch).numpy()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # a model's sys.exit() would end the command saying nothing
                 row = first_failing_row(engine, batch, exc)
                 of = f"of {source} ({len(samples)} rows)"
                 running, check = f"predicting {rows} {of}", hint
@@ -288,12 +288,6 @@ def run_batches(
                     check = hint.replace(ROWS_CHECK, f"check row {start + row}'s values", 1)
                 with model_raising(running, check):
                     raise
-            except SystemExit as exc:  # the model's sys.exit() would end the command with its code, saying nothing
-                raise InferenceError(
-                    f"the model raised SystemExit({exc.code!r}) while predicting {rows} of {source}, which ends a "
-                    "program, not one prediction; nothing was written\nhint: raise an exception in the model "
-                    "instead; REDLINE_TRACEBACK=1 prints where it was raised"
-                ) from exc
             kind = (outputs.shape[1:], outputs.dtype) if kind is None else kind
             if outputs.shape[1:] != kind[0]:
                 raise InferenceError(
@@ -314,7 +308,7 @@ def run_batches(
     return time.perf_counter() - started
 
 
-def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception) -> int | None:
+def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception | SystemExit) -> int | None:
     """The first row of ``batch`` the model raises on when run alone, after the batch raised ``exc``.
 
     None for a lone row, for an out-of-memory error (the rows alone would fit) or an error of
@@ -325,7 +319,7 @@ def first_failing_row(engine: InferenceEngine, batch: np.ndarray, exc: Exception
     for row in range(len(batch)):
         try:
             engine.predict(batch[row : row + 1])
-        except Exception:
+        except (Exception, SystemExit):
             return row
     return None
 
@@ -362,6 +356,12 @@ def model_raising(running: str, check: str) -> Iterator[None]:
     """
     try:
         yield
+    except SystemExit as exc:  # the model's sys.exit(): the command would end with its code, saying nothing
+        raise InferenceError(
+            f"the model raised SystemExit({exc.code!r}) while {running}: a model raises an exception, it does not end "
+            f"the program{user_line(exc)}\nhint: raise an exception in the model instead; REDLINE_TRACEBACK=1 prints "
+            "the whole traceback"
+        ) from exc
     except ServableError as exc:
         raise InferenceError(f"while {running}: {exc}") from exc
     except RedlineError:

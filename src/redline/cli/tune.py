@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
-from redline.bench.tune import WINDOW, TuneInterrupted, tune
+from redline.bench.tune import WINDOW, tune
+from redline.bench.tune_cache import TuneInterrupted
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import load_given_task, one_step_named
@@ -62,7 +63,6 @@ def tune_command(
             one_step_named(task, task_arg, devices, batch_size),
             terminate_as_interrupt(),  # a scheduler's SIGTERM, as a Ctrl-C, keeps the axes measured
         ):
-            path: str | None
             try:
                 tuned, path = tune(
                     loaded, devices=devices, batch_size=batch_size, budget_s=budget, planned_steps=planned_steps,
@@ -70,25 +70,36 @@ def tune_command(
                 )  # fmt: skip
             except TuneInterrupted as partial:  # show what it measured and cached, then exit 130 (143)
                 stopped: TuneInterrupted | None = partial
-                tuned, path = partial.tuned, partial.path
+                tuned, path = partial.kept or partial.tuned, partial.path  # a kept earlier tune is what --plan runs
             else:
                 stopped = None
-    _show(tuned, path, task, task_arg, devices, batch_size, json_output)
+    _show(
+        tuned,
+        path,
+        task,
+        task_arg,
+        devices,
+        batch_size,
+        json_output,
+        kept=stopped is not None and stopped.kept is not None,
+    )
     if stopped is not None:
         raise stopped
 
 
 def _show(
     tuned: TunedPlan,
-    path: str | None,
+    path: str,
     task: str,
     task_arg: list[str] | None,
     devices: str,
     batch_size: int | None,
     json_output: bool,
+    *,
+    kept: bool = False,
 ) -> None:
     if json_output:
-        print(json.dumps({**tuned.to_dict(), "cached": path}, indent=2))
+        print(json.dumps({**tuned.to_dict(), "cached": path, "kept_earlier": kept}, indent=2))
         return
     out = output_console()
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"
@@ -102,5 +113,5 @@ def _show(
     same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []
     use = " ".join(["redline train --task", shlex.quote(task), *same, "--plan tuned"])
     # a command to copy: unbroken, and its `[...]` printed as text
-    cached = path or "nothing: the earlier tune, which measured more, is kept"  # a stopped search (TuneInterrupted)
+    cached = f"nothing new: the earlier tune above, which measured more, stays at {path}" if kept else path
     out.print(f"cached: {cached}\nuse it: {use}", highlight=False, markup=False, soft_wrap=True)

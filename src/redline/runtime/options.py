@@ -115,12 +115,19 @@ class RuntimeOptions:
         if checkpointing == "auto" and plan.get("activation_checkpointing", {}).get("value") is True:
             checkpointing = "on"
 
+        # A mode says how a compile runs: a run that ran eager goes on without one. Its CUDA graphs left to auto stay
+        # as it ran them (a reduce-overhead mode kept them off: graphs are then the compile's).
+        mode = self.compile_mode if switch("compile") == "on" else "default"
+        graphs = self.cuda_graphs
+        if mode != self.compile_mode and graphs == "auto" and plan.get("cuda_graphs", {}).get("value") is False:
+            graphs = "off"
         return RuntimeOptions.build(
             self,
             devices=str(plan["device"]["value"]) if self.devices == "auto" else self.devices,
             precision=plan["precision"]["value"],
             compile=switch("compile"),
-            compile_mode=self.compile_mode if switch("compile") == "on" else "default",
+            compile_mode=mode,
+            cuda_graphs=graphs,
             channels_last=switch("channels_last"),
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],

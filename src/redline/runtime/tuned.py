@@ -160,6 +160,8 @@ class TunedPlan:
             or (axis == "cuda_graphs" and self.best.cuda_graphs)
             or (axis == "attention" and other_precision)  # a kernel is tuned for its precision: another runs auto's
         }
+        if kept.get("compile", base.compile) == "off":  # a mode asked for says how a compile runs: eager takes none
+            kept["compile_mode"] = "default"
         return RuntimeOptions.build(base, **kept)
 
     def plan_reasons(self, options: RuntimeOptions) -> dict[str, dict[str, Any]]:
@@ -203,9 +205,25 @@ def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
     return cache_key(fingerprint, facts, str(batch_size), "tune", threads=False)
 
 
+def tuned_path(fingerprint: str, facts: DeviceFacts, batch_size: int) -> Path:
+    """Where the tune of this workload on this machine is cached."""
+    return cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, batch_size)}.json"
+
+
+def measured_more(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan) -> tuple[TunedPlan, Path] | None:
+    """The cached tune, and where, that a stopped search (``tuned``, with the axes it left unmeasured) must not replace:
+    one of the same workload and run length that measured every axis it did, and more. None where there is none."""
+    earlier = load_tuned(fingerprint, facts, tuned.batch_size)
+    if earlier is None or earlier.planned_steps != tuned.planned_steps:
+        return None  # a tune for another run length decided compile for that length
+    if not set(earlier.unmeasured) < set(tuned.unmeasured):
+        return None
+    return earlier, tuned_path(fingerprint, facts, tuned.batch_size)
+
+
 def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
     """The cached tuned Plan of this workload on this machine, or None (an unreadable entry counts as none)."""
-    path = cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, batch_size)}.json"
+    path = tuned_path(fingerprint, facts, batch_size)
     try:
         return TunedPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
     except FileNotFoundError:
@@ -225,7 +243,7 @@ def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPl
 def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, *, model: nn.Module | None = None) -> str:
     """Cache ``tuned`` atomically; return where it went. With ``model``, also under the model's own
     fingerprint, where a bare ``Runtime(plan="tuned")`` looks (it knows the model, not the Task)."""
-    path = cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, tuned.batch_size)}.json"
+    path = tuned_path(fingerprint, facts, tuned.batch_size)
     text = json.dumps(tuned.to_dict(), indent=2, allow_nan=False) + "\n"
 
     def write(tmp: Path) -> None:
