@@ -16,8 +16,9 @@ from redline.bench.result import BenchRow
 from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
-from redline.hardware.flops import matmul_peak, mfu, share_of_peak
+from redline.hardware.flops import mfu, share_of_peak
 from redline.runtime.contract import is_tokens
+from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
 
 Built = dict[Setting, tuple[Runner, PeakMemory, int | None]]  # each row's runner, its warm-up's peak, its FLOPs
@@ -105,7 +106,7 @@ def _figures(
     key = (base.device, precision, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
     if achieved is not None and key not in peaks:
         with runner.scope():
-            peaks[key] = matmul_peak(torch.device(base.device), precision)
+            peaks[key] = best_matmul_peak(torch.device(base.device), facts, precision)
     measured_peak = peaks.get(key)
     p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
     return dataclasses.replace(

@@ -31,6 +31,7 @@ from torch import nn
 from redline.atomic import write_atomic
 from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
+from redline.hardware.flops import matmul_peak
 from redline.plan import Choice, times
 from redline.plan.precision import PrecisionName
 from redline.runtime.attention import prefer_kernel
@@ -417,3 +418,17 @@ def write_cache(kind: str, key: str, entries: list[Any]) -> None:
         write_atomic(path, write)
     except OSError as exc:
         log.warning("could not cache the measurement in %s (%s); the next run measures again", path, exc)
+
+
+def best_matmul_peak(device: torch.device, facts: DeviceFacts, precision: str, *, blocks: int = 5) -> float | None:
+    """The matmul TFLOP/s ``device`` does in ``precision``: the best of a measurement now and those cached before on
+    this machine (its threads and torch included). A measurement only ever comes out low (a busy machine's stall:
+    a 2-core CPU timed 0.004 TFLOP/s beside another job, 0.27 alone), so the best one seen is the device's peak;
+    a new best is cached. None where none was ever measured (a GPU the run left full)."""
+    key = cache_key("matmul peak", facts, precision, torch.get_float32_matmul_precision())  # TF32's on or off
+    found = read_cache("peaks", key)
+    before = max((float(v) for v in found[0] if isinstance(v, int | float)), default=None) if found else None
+    now = matmul_peak(device, precision, blocks=blocks)
+    if now is not None and (before is None or now > before):
+        write_cache("peaks", key, [now])
+    return max((v for v in (now, before) if v is not None), default=None)

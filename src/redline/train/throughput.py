@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from redline.hardware.catalog import find_gpu, peak_tflops
-from redline.hardware.flops import count_train_flops, matmul_peak, mfu, share_of_peak
+from redline.hardware.flops import count_train_flops, mfu, share_of_peak
 from redline.hardware.memory import WindowPeak
 from redline.runtime.runtime import Runtime
+from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
 
 
@@ -127,9 +128,10 @@ class Throughput:
         peak = peak_tflops(spec, self.rt.precision.name, tf32=plan.tf32.value) if spec else None
         measured = None
         if achieved is not None:
-            measured = share_of_peak(achieved, matmul_peak(self.rt.device, self.rt.precision.name))
+            device, facts, precision = self.rt.device, self.rt.facts, self.rt.precision.name
+            measured = share_of_peak(achieved, best_matmul_peak(device, facts, precision))
             if measured is None:  # stalled, or the GPU is full: once more, over more blocks
-                measured = share_of_peak(achieved, matmul_peak(self.rt.device, self.rt.precision.name, blocks=20))
+                measured = share_of_peak(achieved, best_matmul_peak(device, facts, precision, blocks=20))
         return Figures(
             samples_per_s=self.samples * self.world_size / elapsed,
             tokens_per_s=self.tokens * self.world_size / elapsed if self.tokens else None,
