@@ -72,6 +72,19 @@ def test_fp32_outputs_that_are_not_finite_leave_nothing_to_hold_bf16_against():
     assert compare_outputs(a, torch.zeros(3)) == (0.0, "not compared by value: fp32's own outputs are not finite")
 
 
+def test_a_mask_of_minus_infinity_is_held_apart_and_the_finite_values_are_still_compared():
+    # a -inf mask (illegal actions, padded vocabulary) turned the comparison off, and a bf16 that was all wrong stayed
+    a = torch.tensor([[1.0, float("-inf"), 3.0, float("nan")]])
+    assert compare_outputs(a, a * 1.001)[1] == "outputs within 0.1% of fp32's"
+    worst, said = compare_outputs(a, torch.tensor([[1e4, float("-inf"), -3e4, float("nan")]]))
+    assert worst > TOLERANCE and said.startswith("its outputs depart from fp32's by")
+    unmasked = torch.tensor([[1.0, 0.0, 3.0, float("nan")]])  # the mask lost: a value where fp32 has -inf
+    assert compare_outputs(a, unmasked) == (
+        math.inf,
+        "its outputs are not the infinities or NaNs fp32's give where fp32's are not finite",
+    )
+
+
 # -- the switch on a real module ----------------------------------------------------------------------
 
 

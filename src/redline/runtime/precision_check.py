@@ -282,21 +282,33 @@ def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContext
 
 def compare_outputs(fp32: Any, other: Any) -> tuple[float, str]:
     """How far ``other``'s floating-point outputs are from ``fp32``'s, and what that means: the largest norm of their
-    difference relative to fp32's norm; 0 where nothing can be compared (fp32's own not finite, no floating-point
-    output); inf where other's are not finite or have other shapes."""
+    difference relative to fp32's norm, over the values fp32 gives finite; 0 where nothing can be compared (no finite
+    fp32 value, no floating-point output); inf where other's have other shapes, or are not finite where fp32's are
+    (or are where fp32's are not: a mask's -inf, say, must come out as it does in fp32)."""
     first, second = _leaves(fp32), _leaves(other)
     if [t.shape for t in first] != [t.shape for t in second]:
         return math.inf, "its outputs have other shapes than fp32's"
     if not first:
         return 0.0, "not compared by value: no floating-point tensor found in the model's outputs"
-    if not all(bool(torch.isfinite(t).all()) for t in first):
+    finite = [torch.isfinite(t) for t in first]
+    if not any(bool(kept.any()) for kept in finite):
         return 0.0, "not compared by value: fp32's own outputs are not finite"
-    if not all(bool(torch.isfinite(t).all()) for t in second):
+    if not all(bool(torch.isfinite(b[kept]).all()) for b, kept in zip(second, finite, strict=True)):
         return math.inf, "its outputs are not finite where fp32's are"
-    worst = max(float((a - b).norm()) / max(float(a.norm()), 1e-12) for a, b in zip(first, second, strict=True))
+    if not all(_same(a[~kept], b[~kept]) for a, b, kept in zip(first, second, finite, strict=True)):
+        return math.inf, "its outputs are not the infinities or NaNs fp32's give where fp32's are not finite"
+    worst = max(
+        float((a[kept] - b[kept]).norm()) / max(float(a[kept].norm()), 1e-12)
+        for a, b, kept in zip(first, second, finite, strict=True)
+    )
     if worst > TOLERANCE:
         return worst, f"its outputs depart from fp32's by {worst:.1%} of their norm (more than {TOLERANCE:.0%})"
     return worst, f"outputs within {worst:.1%} of fp32's"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values, NaN where the other has NaN."""
+    return bool(torch.where(torch.isnan(a), torch.isnan(b), a == b).all())
 
 
 def _leaves(output: Any) -> list[torch.Tensor]:
