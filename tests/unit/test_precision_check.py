@@ -155,6 +155,51 @@ def test_bf16_outputs_that_depart_from_fp32_are_dropped_and_the_step_goes_on_wit
     assert net.body[0].weight.grad is not None
 
 
+def test_a_model_copied_or_pickled_while_the_check_is_armed_carries_none_of_it():
+    # between the step that arms the check and the next training forward, deepcopy failed ("cannot pickle
+    # 'generator' object") and torch.save(model) too: the hooks were bound methods holding the Runtime's switch
+    import copy
+    import io
+    import pickle
+
+    class Runtime:  # what a Runtime's switch holds, through ``apply``: things no copy or pickle takes
+        def __init__(self):
+            self.steps = (step for step in range(3))
+
+        def apply(self, name):
+            pass
+
+    net = Net()
+    switch = PrecisionSwitch(Choice("fp32", "auto: the rule"), "bf16-mixed", Runtime().apply, "cpu")
+    switch.watch(net)
+    switch.use("bf16-mixed")
+    copied = copy.deepcopy(net)
+    pickle.loads(pickle.dumps(net))
+    torch.save(net, io.BytesIO())
+    assert copied(torch.randn(4, 6)).dtype == torch.float32 and switch.compared == ""  # the copy checks nothing
+    bf16(net, torch.randn(4, 6))
+    assert switch.compared.startswith("outputs within")  # the model itself is still checked
+
+
+def test_a_forward_that_raises_after_bf16_was_dropped_leaves_autocast_as_it_found_it():
+    # the fp32 fallback's autocast(enabled=False), entered in the pre-hook, was left only by the forward hook: a
+    # forward that raised left it open for good, and autocast's weight cache was never cleared after
+    class Fails(Net):
+        def forward(self, x):
+            out = super().forward(x)
+            if not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+                return out  # the comparison's own forwards
+            raise ValueError("a bad batch the loop skips")
+
+    net = Fails(offset=50.0)
+    switch, _ = switch_on(net)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="a bad batch"):
+            net(torch.randn(4, 6))
+        assert torch.is_autocast_enabled("cpu")  # the fp32 fallback's context was left with the failed forward
+    assert switch.failed is not None and not torch.is_autocast_enabled("cpu")
+
+
 def test_a_loop_whose_forward_runs_outside_rt_autocast_is_not_checked():
     net = Net()
     switch, _ = switch_on(net)

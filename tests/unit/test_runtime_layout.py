@@ -18,11 +18,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from devices import CPU_AMX
 from redline.runtime.compile_check import EAGER_END, PHASE
-from redline.runtime.layout import Layout, lay_out, unchecked
+from redline.runtime.layout import Layout, lay_out
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.optimizer import match_state_layout
 from redline.runtime.probe import probe_forward
 from redline.runtime.runtime import Runtime
+from redline.runtime.weak_hook import unchecked
 
 NHWC = torch.channels_last
 

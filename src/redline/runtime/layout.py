@@ -41,6 +41,7 @@ from redline.runtime.oom import is_oom
 from redline.runtime.optimizer import match_state_layout
 from redline.runtime.probe import probe_forward
 from redline.runtime.transfer import map_tensors
+from redline.runtime.weak_hook import WeakHook
 
 TRAINING, OTHER = "training", "other"  # the kinds of forward checked apart: a path may run in one only
 
@@ -145,7 +146,9 @@ class Layout:
             laid.channels_last = channels_last
         checking = channels_last and self._falls_back and len(laid.verified) < 2
         if checking and laid.hook is None:
-            laid.hook = model.register_forward_pre_hook(_Check(self), with_kwargs=True, prepend=True)
+            laid.hook = model.register_forward_pre_hook(
+                WeakHook(self, "_before_forward"), with_kwargs=True, prepend=True
+            )
         elif not checking and laid.hook is not None:
             laid.hook.remove()
             laid.hook = None
@@ -205,34 +208,6 @@ def falls_back(requested: str | bool, world_size: int) -> bool:
     """Whether a run goes back to NCHW where its model fails in NHWC: where "auto" chose the layout, in one process
     (under several, each rank would decide alone). The Trainer's trial times a precision so too (runtime/trial.py)."""
     return parse_switch("channels_last", requested) is None and world_size == 1
-
-
-class _Check:
-    """The pre-hook that checks a model's forwards in NHWC (``Layout._before_forward``), holding its Layout weakly. A
-    copy of the model, by ``copy.deepcopy`` or pickling, gets a hook that does nothing instead: the Runtime stays
-    behind, and the copy was laid out before any check."""
-
-    def __init__(self, layout: Layout) -> None:
-        self._layout = weakref.ref(layout)
-
-    def __call__(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        layout = self._layout()
-        return layout._before_forward(model, args, kwargs) if layout is not None else None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        return unchecked
-
-    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
-        return _unchecked, ()
-
-
-def unchecked(model: nn.Module, args: Any, kwargs: Any) -> None:
-    """What a copy of a model being checked gets in the check's place: nothing."""
-    return None
-
-
-def _unchecked() -> Callable[..., None]:
-    return unchecked
 
 
 def nchw_inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:

@@ -54,6 +54,7 @@ from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import AUTOCAST_DTYPES
 from redline.runtime.probe import probe_forward
+from redline.runtime.weak_hook import WeakHook
 
 # The largest departure of bf16-mixed's outputs from fp32's, relative to the norm of fp32's: bf16 keeps 8 bits of
 # mantissa, so a forward in it departs by a few tenths of a percent (0.4-0.6% for the built-in examples, a
@@ -117,12 +118,17 @@ class PrecisionSwitch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        context, self._context = self._context, None
+        if context is not None:  # a forward that raised between the two hooks: autocast's nesting is put back
+            context.__exit__(None, None, None)
 
     def _arm(self) -> None:
         if self.module is not None and not self._handles:
             self._handles = [  # first among the pre-hooks: it sees the arguments before a user's hook changes them
-                self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
-                self.module.register_forward_hook(self._after_forward),
+                self.module.register_forward_pre_hook(
+                    WeakHook(self, "_before_forward"), with_kwargs=True, prepend=True
+                ),  # held weakly: a copy of the model made meanwhile (a best model kept) copies no Runtime
+                self.module.register_forward_hook(WeakHook(self, "_after_forward"), always_call=True),
             ]
 
     def _before_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
