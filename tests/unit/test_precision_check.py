@@ -200,6 +200,26 @@ def test_a_forward_that_raises_after_bf16_was_dropped_leaves_autocast_as_it_foun
     assert switch.failed is not None and not torch.is_autocast_enabled("cpu")
 
 
+def test_a_loop_whose_rule_steps_run_under_its_own_autocast_is_not_timed_as_the_rules():
+    # the loop's own autocast(bf16) inside rt.autocast(): the "fp32" steps ran bf16, timed against bf16, and the
+    # Plan said fp32 "checked on this run"
+    net = Net()
+    applied: list[str] = []
+    switch = PrecisionSwitch(Choice("fp32", "auto: the rule"), "bf16-mixed", applied.append, "cpu")
+    switch.watch(net)
+    with torch.no_grad():
+        bf16(net, torch.randn(4, 6))  # evaluation says nothing
+    assert switch.outside == "" and net._forward_pre_hooks
+    bf16(net, torch.randn(4, 6))
+    assert switch.outside.startswith("the loop's forward ran under autocast to torch.bfloat16, not in the precision")
+    assert not net._forward_pre_hooks  # looked once
+    plain = Net()
+    switch = PrecisionSwitch(Choice("fp32", "auto: the rule"), "bf16-mixed", applied.append, "cpu")
+    switch.watch(plain)
+    plain(torch.randn(4, 6))  # the rule's fp32, as rt.autocast() gives it
+    assert switch.outside == "" and not plain._forward_pre_hooks
+
+
 def test_a_loop_whose_forward_runs_outside_rt_autocast_is_not_checked():
     net = Net()
     switch, _ = switch_on(net)

@@ -285,6 +285,8 @@ class CompileCheck:
     def _precision_unchecked(self) -> str:
         """Why the other precision is not timed on this run ("" where it is)."""
         assert self.precision is not None
+        if self.precision.outside:  # the rule's steps ran under the loop's own autocast: they time nothing
+            return self.precision.outside
         eager, candidate = min(self.eager), self.precision.candidate
         cost = (SETTLE + BLOCK) * eager * (SLOWEST - 1)
         allowed = max(MOST_COST_S, COST_SHARE * self.planned_steps * eager)

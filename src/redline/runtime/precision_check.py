@@ -86,12 +86,25 @@ class PrecisionSwitch:
     _probing: bool = False  # the no_grad forwards of the comparison are running
     _context: contextlib.AbstractContextManager[Any] | None = None  # the precision the step's forward runs in instead
     kernels: KernelCheck | None = None  # the attention kernel bf16-mixed's phase runs, where it is left to auto
+    outside: str = ""  # why the rule's phase cannot be timed: its first training forward ran under another autocast
+    _watching: Any = None  # the hook that looks at that forward
 
     def __post_init__(self) -> None:
         self.current = self.planned.value
 
     def watch(self, module: nn.Module) -> None:
         self.module = module
+        if self._watching is None:  # the rule's phase: its steps must run in the rule's precision to be timed so
+            self._watching = module.register_forward_pre_hook(WeakHook(self, "_first_forward"))
+
+    def _first_forward(self, module: nn.Module, args: Any) -> None:
+        if self._probing or not (module.training and torch.is_grad_enabled()) or self._watching is None:
+            return
+        self._watching.remove()
+        self._watching = None
+        running = autocast_dtype(self.device_type)
+        if self.current == self.planned.value and running != _AUTOCAST_DTYPES.get(self.current):
+            self.outside = _outside(running)  # a loop's own autocast: the rule's steps ran in another precision
 
     def use(self, name: str) -> None:
         """Run in ``name`` from the next step; the first training forward in the candidate is compared."""
@@ -115,6 +128,9 @@ class PrecisionSwitch:
             kernels.drop(f"{self.current} stays")
 
     def disarm(self) -> None:
+        if self._watching is not None and self.done:
+            self._watching.remove()
+            self._watching = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -139,11 +155,7 @@ class PrecisionSwitch:
             return  # the comparison's own forwards, or evaluation in between
         running = autocast_dtype(self.device_type)
         if running != _AUTOCAST_DTYPES.get(self.candidate):
-            self._fail(
-                self.planned.value,
-                f"the loop's forward ran {'under autocast to ' + str(running) if running else 'without autocast'}, "
-                "not in the precision rt.autocast() gives (enter it for each step's forward to have it followed)",
-            )
+            self._fail(self.planned.value, _outside(running))
             self.disarm()
             return
         outputs: dict[str, Any] = {}
@@ -194,6 +206,14 @@ class PrecisionSwitch:
 
     def _fail(self, fallback: str, reason: str) -> None:
         self.failed, self.fallback = reason, fallback
+
+
+def _outside(running: torch.dtype | None) -> str:
+    """Why a forward that ran under ``running`` (autocast's dtype, None: off) is not one rt.autocast() gave."""
+    return (
+        f"the loop's forward ran {'under autocast to ' + str(running) if running else 'without autocast'}, not in "
+        "the precision rt.autocast() gives (enter it for each step's forward to have it followed)"
+    )
 
 
 def propose_switch(
