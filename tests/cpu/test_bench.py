@@ -79,6 +79,10 @@ def test_every_row_is_measured_against_the_naive_loop():
     assert result.rows[0].speedup_naive == 1.0 and result.rows[0].plan is None
     auto = result.row("auto cpu b32")
     assert auto.plan["precision"]["value"] == auto.precision and auto.plan["compile"]["value"] is False
+    # CUDA graphs left to auto, as `redline train` leaves them (the auto row had them off, "requested"), and an
+    # explicit row's off, as asked
+    assert auto.plan["cuda_graphs"]["reason"].startswith("auto: CUDA graphs need a CUDA device")
+    assert result.row("cpu fp32 eager b32").plan["cuda_graphs"] == {"value": False, "reason": "requested"}
     json.dumps(result.to_dict(), allow_nan=False)  # strict JSON: what --json prints
 
 

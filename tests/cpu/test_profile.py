@@ -163,6 +163,12 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         redline.profile(small_task(), devices="cpu", precision="fp32", cuda_graphs="on")
 
 
+def test_a_profile_of_given_flags_leaves_cuda_graphs_to_auto_as_train_does():
+    # it forced them off, "requested", where `redline train --precision fp32` leaves them to auto
+    found = redline.profile(small_task(), devices="cpu", precision="fp32", steps=1, warmup=1)
+    assert found.plan.cuda_graphs is not None and found.plan.cuda_graphs.reason.startswith("auto: CUDA graphs need")
+
+
 def test_a_profile_with_graphs_off_is_an_explicit_eager_row():
     found = redline.profile(small_task(), devices="cpu", precision="fp32", cuda_graphs="off", steps=2, warmup=1)
     assert found.plan.cuda_graphs is not None and found.plan.cuda_graphs == redline.Choice(False, "requested")

@@ -181,11 +181,12 @@ def runtime_runner(
 
 
 def row_options(setting: Setting) -> RuntimeOptions:
-    """The Runtime options of an explicit row: its device, precision and compile (None: auto); no CUDA graphs, which
-    only the auto row may choose (an "eager" row runs eager)."""
+    """The Runtime options of a row: its device, precision and compile (None: auto). CUDA graphs are auto's in the
+    auto row, as `redline train` leaves them, and off in an explicit row (an "eager" row runs eager)."""
     compile_: Switch = "auto" if setting.compile is None else "on" if setting.compile else "off"
     precision = cast(PrecisionRequest, setting.precision)
-    return RuntimeOptions(devices=setting.device, precision=precision, compile=compile_, cuda_graphs="off")
+    graphs: Switch = "auto" if setting.kind == "auto" else "off"
+    return RuntimeOptions(devices=setting.device, precision=precision, compile=compile_, cuda_graphs=graphs)
 
 
 def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:

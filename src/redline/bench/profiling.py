@@ -153,10 +153,12 @@ def profile(
     explicit = precision is not None or compile is not None or compile_mode != "default" or graphs_given
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
     options = None
-    if compile_mode != "default" or graphs_given:  # every option given (the matrix's rows take no mode, no graphs)
-        given: dict[str, Any] = {"precision": precision or "auto", "cuda_graphs": cuda_graphs or "off"}
+    if explicit:  # as `redline train` runs these flags: CUDA graphs left to auto unless given
+        given: dict[str, Any] = {"precision": precision or "auto", "cuda_graphs": cuda_graphs or "auto"}
         if compile_mode != "default":
             given.update(compile="on", compile_mode=compile_mode)
+        elif compile is None:
+            given["compile"] = "off" if graphs_given else "auto"
         else:
             given["compile"] = "on" if compile else "off"
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
