@@ -343,6 +343,21 @@ def test_device_loader_with_channels_last_lays_out_images_nhwc() -> None:
         assert y.tolist() == [2 * i, 2 * i + 1]
 
 
+def test_device_loader_with_channels_last_leaves_the_targets_of_a_pair_nchw() -> None:
+    # a segmentation mask laid out NHWC failed the user's loss at target.view(len(target), -1), at the step a CPU
+    # with AMX switched to bf16 and channels_last
+    images, masks = torch.randn(4, 3, 5, 5), torch.rand(4, 1, 5, 6).round()
+    loader = DataLoader(TensorDataset(images, masks.expand(4, 2, 5, 6).contiguous()), batch_size=2)
+    for x, y in DeviceLoader(loader, torch.device("cpu"), channels_last=True):
+        assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        assert y.is_contiguous() and y.view(len(y), -1).shape == (2, 60)
+    three = DataLoader(TensorDataset(images, images, torch.arange(4)), batch_size=2)  # not a pair: every image
+    assert all(
+        b.is_contiguous(memory_format=torch.channels_last)
+        for _, b, _ in DeviceLoader(three, torch.device("cpu"), channels_last=True)
+    )
+
+
 class Numbered(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return ((torch.tensor([float(i)]), torch.tensor(i % 2)) for i in range(16))

@@ -528,3 +528,20 @@ def test_the_check_takes_off_a_buffer_its_forward_registered_or_filled():
     net = Lazy()
     probe_forward(net, (torch.ones(2),), {})
     assert net.total is None and "extra" not in net._buffers
+
+
+@pytest.mark.parametrize("given", ["auto", "on"])
+def test_autos_nhwc_stays_inside_the_model_and_its_image_outputs_come_back_nchw(monkeypatch, given):
+    # a segmentation loss's logits.view(len(logits), -1) failed on the NHWC outputs from the step auto laid it out
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    torch.manual_seed(0)
+    with Runtime(devices="cpu", compile="off", precision="bf16-mixed", channels_last=given) as rt:
+        net, _ = rt.setup(nn.Conv2d(3, 4, 3, padding=1), lambda params: torch.optim.SGD(params, lr=0.1))
+        assert is_nhwc(net.weight)
+        with rt.autocast():
+            out = net(torch.randn(2, 3, 5, 5).to(memory_format=NHWC))
+    if given == "auto":
+        assert out.is_contiguous() and out.view(2, -1).shape == (2, 100)
+    else:
+        assert is_nhwc(out)  # asked for: the outputs are as the model gives them
+    assert not net._forward_hooks  # closed: nothing of the run's stays on the model

@@ -56,6 +56,7 @@ class _Laid:
     verified: set[str] = field(default_factory=set)  # the kinds of forward seen to run in NHWC
     hook: RemovableHandle | None = None  # the pre-hook that checks its forwards in NHWC
     nchw: RemovableHandle | None = None  # a refused model's: its inputs in NCHW
+    outputs: RemovableHandle | None = None  # auto's NHWC model's: its 4-d outputs back in NCHW
 
 
 class Layout:
@@ -116,10 +117,10 @@ class Layout:
     def close(self) -> None:
         """Take the hooks off the set-up models: the check of a forward still to come, a refused model's conversion."""
         for laid in self._laid.values():
-            for handle in (laid.hook, laid.nchw):
+            for handle in (laid.hook, laid.nchw, laid.outputs):
                 if handle is not None:
                     handle.remove()
-            laid.hook = laid.nchw = None
+            laid.hook = laid.nchw = laid.outputs = None
 
     def follow(self, precision: str, *, step: int) -> None:
         """Lay the set-up models (with their optimizers' state) and the loaders' batches out as the rule would for
@@ -152,6 +153,12 @@ class Layout:
         elif not checking and laid.hook is not None:
             laid.hook.remove()
             laid.hook = None
+        inside = channels_last and self._falls_back  # auto's NHWC stays inside the model: the loss sees NCHW outputs
+        if inside and laid.outputs is None:
+            laid.outputs = model.register_forward_hook(nchw_outputs)
+        elif not inside and laid.outputs is not None:
+            laid.outputs.remove()
+            laid.outputs = None
 
     def _set(self, choice: Choice[bool]) -> None:
         self.choice = choice
@@ -225,6 +232,13 @@ def lay_out(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, channe
         if optimizer is not None:
             match_state_layout(optimizer)
     torch.clear_autocast_cache()  # inside autocast, a weight's cast copy would keep the old layout
+
+
+def nchw_outputs(model: nn.Module, args: Any, output: Any) -> Any:
+    """The forward hook of a model auto laid out NHWC: its 4-d floating-point outputs in NCHW, so code outside the
+    model sees the layout it wrote for (a loss's ``logits.view(len(logits), -1)`` fails on NHWC strides). A model
+    whose outputs are not images (a classifier's logits) pays nothing."""
+    return in_layout(output, channels_last=False)
 
 
 def in_layout(inputs: Any, *, channels_last: bool) -> Any:

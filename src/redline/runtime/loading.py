@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Tens
 from redline.errors import invalid
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.contract import users_failure
-from redline.runtime.transfer import move_to, tensors_in
+from redline.runtime.transfer import move_batch, tensors_in
 
 log = logging.getLogger("redline")
 
@@ -174,13 +174,13 @@ class DeviceLoader:
             return self._prefetch_cuda()
         if self.device.type == "cpu":
             return self._laid_out(read_batches(self.loader))
-        return (move_to(b, self.device, channels_last=self.channels_last) for b in read_batches(self.loader))
+        return (move_batch(b, self.device, channels_last=self.channels_last) for b in read_batches(self.loader))
 
     def _laid_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         """CPU batches as they come, their 4-d tensors laid out NHWC while ``channels_last`` (which a run's precision
         check may change between two batches: runtime/layout.py)."""
         for batch in batches:
-            yield move_to(batch, self.device, channels_last=True) if self.channels_last else batch
+            yield move_batch(batch, self.device, channels_last=True) if self.channels_last else batch
 
     def __getattr__(self, name: str) -> Any:
         # Reach through to the loader for .dataset, .sampler, .batch_size and friends.
@@ -193,7 +193,7 @@ class DeviceLoader:
 
         def copy(batch: Any) -> Any:
             with torch.cuda.stream(stream):
-                return move_to(batch, self.device, non_blocking=True, channels_last=self.channels_last)
+                return move_batch(batch, self.device, non_blocking=True, channels_last=self.channels_last)
 
         source = read_batches(self.loader)
         try:

@@ -32,6 +32,17 @@ def move_to(batch: Any, device: torch.device, *, non_blocking: bool = False, cha
     return map_tensors(batch, move)
 
 
+def move_batch(batch: Any, device: torch.device, *, non_blocking: bool = False, channels_last: bool = False) -> Any:
+    """``move_to`` for a loader's batch: with ``channels_last``, an (inputs, targets) pair has its inputs laid out NHWC
+    and its targets not (a segmentation mask a loss views as ``target.view(len(target), -1)`` keeps NCHW)."""
+    pair = isinstance(batch, tuple | list) and len(batch) == 2 and not hasattr(batch, "_fields")  # not a namedtuple
+    if not (channels_last and pair):
+        return move_to(batch, device, non_blocking=non_blocking, channels_last=channels_last)
+    inputs = move_to(batch[0], device, non_blocking=non_blocking, channels_last=True)
+    targets = move_to(batch[1], device, non_blocking=non_blocking)
+    return (inputs, targets) if isinstance(batch, tuple) else [inputs, targets]
+
+
 def map_tensors(
     batch: Any,
     function: Callable[[torch.Tensor], torch.Tensor],
