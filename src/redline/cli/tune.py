@@ -73,16 +73,8 @@ def tune_command(
                 tuned, path = partial.kept or partial.tuned, partial.path  # a kept earlier tune is what --plan runs
             else:
                 stopped = None
-    _show(
-        tuned,
-        path,
-        task,
-        task_arg,
-        devices,
-        batch_size,
-        json_output,
-        kept=stopped is not None and stopped.kept is not None,
-    )
+    kept = stopped is not None and stopped.kept is not None
+    _show(tuned, path, task, task_arg, devices, batch_size, json_output, kept=kept)
     if stopped is not None:
         raise stopped
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
@@ -87,7 +88,7 @@ class PrecisionSwitch:
     _context: contextlib.AbstractContextManager[Any] | None = None  # the precision the step's forward runs in instead
     kernels: KernelCheck | None = None  # the attention kernel bf16-mixed's phase runs, where it is left to auto
     outside: str = ""  # why the rule's phase cannot be timed: its first training forward ran under another autocast
-    _watching: Any = None  # the hook that looks at that forward
+    _watching: RemovableHandle | None = None  # the hook that looks at that forward
 
     def __post_init__(self) -> None:
         self.current = self.planned.value
@@ -99,7 +100,7 @@ class PrecisionSwitch:
 
     def _first_forward(self, module: nn.Module, args: Any) -> None:
         if self._probing or not (module.training and torch.is_grad_enabled()) or self._watching is None:
-            return
+            return  # the comparison's own forwards, or evaluation
         self._watching.remove()
         self._watching = None
         running = autocast_dtype(self.device_type)
