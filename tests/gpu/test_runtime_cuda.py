@@ -158,3 +158,23 @@ def test_a_model_that_cannot_run_channels_last_runs_nchw_under_auto_through_the_
         assert plan.value is False and "forward failed so (RuntimeError: view size" in plan.reason
         assert net.conv.weight.is_contiguous()
         rt.close()
+
+
+def test_a_step_is_timed_on_the_device_from_its_forward_so_the_wait_before_it_is_left_out():
+    import time
+
+    from redline.runtime.stopwatch import StepTimer, Stopwatch
+
+    model = nn.Linear(256, 256).cuda()
+    x = torch.randn(512, 256, device="cuda")
+    timer = StepTimer(Stopwatch(device=torch.device("cuda")))
+    timer.watch(model)
+    timer.stepped()
+    time.sleep(0.2)  # the loop's own work between steps, with the device idle
+    model(x).sum().backward()
+    timer.stepped()
+    spent = timer.block()
+    assert 0.0 < spent < 0.1
+    time.sleep(0.2)
+    timer.stepped()  # a step no watched model ran: timed from the step before, the wait included
+    assert timer.block() >= 0.2

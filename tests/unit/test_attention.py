@@ -33,6 +33,7 @@ from redline.runtime.measure import measure_auto, recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.settings import ProcessSettings
+from redline.runtime.stopwatch import StepTimer, Stopwatch
 from redline.runtime.trial import Measured, form, form_parts, run_trial
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
@@ -395,7 +396,7 @@ def loop(rt: Runtime, steps: int, costs: dict[str, float], kernel_costs: dict[st
     model, optimizer = rt.setup(small_gpt(), lambda params: torch.optim.SGD(params, lr=0.01))
     now = [0.0]
     if rt._compile_check is not None:
-        rt._compile_check.clock = lambda: now[0]
+        rt._compile_check.timer.stopwatch.clock = lambda: now[0]
     tokens, flash = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(0)), []
     for _ in range(steps):
         with rt.autocast():
@@ -926,7 +927,7 @@ def test_a_run_that_starts_in_bf16_keeps_its_kernel_out_of_the_fp32_phase_and_dr
     switch = PrecisionSwitch(Choice("bf16-mixed", "auto: the rule"), "fp32", lambda n: current.__setitem__(0, n), "cpu")
     switch.kernels = kernels
     switch.watch(model)
-    check = CompileCheck(Choice(False, "auto: no compile"), 0, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(Choice(False, "auto: no compile"), 0, StepTimer(Stopwatch(clock=lambda: now[0])))
     check.add_precision(switch, lambda: None)
     tokens, seen = torch.randint(0, 32, (4, 16)), []
     with kernels.held():

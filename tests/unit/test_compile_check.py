@@ -16,6 +16,7 @@ from redline.plan import Choice
 from redline.runtime.compile import CompileRecord
 from redline.runtime.compile_check import EAGER_END, STEPS, CompileCheck
 from redline.runtime.runtime import Runtime
+from redline.runtime.stopwatch import StepTimer, Stopwatch
 from redline.task import Task
 
 PLANNED = Choice(True, "auto: 5000 steps on NVIDIA H100 repay the compile time")
@@ -43,7 +44,7 @@ def drive(
     model = nn.Linear(2, 2)
     record = fake_compiled(model)
     now = [0.0]
-    check = CompileCheck(PLANNED, planned, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(PLANNED, planned, StepTimer(Stopwatch(clock=lambda: now[0])))
     check.add(record)
     ran = []
     for _ in range(steps):
@@ -81,7 +82,7 @@ def test_the_slowest_blocks_do_not_decide_only_the_fastest_of_each():
     model = nn.Linear(2, 2)
     record = fake_compiled(model)
     now = [0.0]
-    check = CompileCheck(PLANNED, 100_000, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(PLANNED, 100_000, StepTimer(Stopwatch(clock=lambda: now[0])))
     check.add(record)
     for step in range(1, STEPS + 1):
         compiled = model.forward is not record.eager

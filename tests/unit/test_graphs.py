@@ -23,6 +23,7 @@ from redline.runtime.compile_check import EAGER_END, PHASE, STEPS, CompileCheck
 from redline.runtime.graphs import GraphRecord, capture_graphs
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.stopwatch import StepTimer, Stopwatch
 
 # -- the axis -------------------------------------------------------------------------------------
 
@@ -202,7 +203,7 @@ def drive(
     graphs = GraphRecord(net, net.forward, capture=capture)
     now = [0.0]
     planned = PLANNED if compiled_ms is not None else Choice(False, "auto: 600 steps are too few")
-    check = CompileCheck(planned, 100_000, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(planned, 100_000, StepTimer(Stopwatch(clock=lambda: now[0])))
     compiled = None
     if compiled_ms is not None:
         own = net.forward
@@ -418,7 +419,7 @@ def test_graphs_that_never_replay_in_their_phase_are_not_kept_on_eager_timing():
     net = Keyword()
     graphs = GraphRecord(net, net.forward, capture=Capture())
     now = [0.0]
-    check = CompileCheck(Choice(False, "auto: too few steps"), 100_000, sync=lambda: None, clock=lambda: now[0])
+    check = CompileCheck(Choice(False, "auto: too few steps"), 100_000, StepTimer(Stopwatch(clock=lambda: now[0])))
     check.add_graphs(graphs, GRAPHS)
     for _ in range(STEPS + 1):
         net(torch.randn(2, 4), scale=0.5)  # a keyword: the graphs cannot take the call

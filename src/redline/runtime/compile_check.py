@@ -4,15 +4,15 @@ The compile rule (plan/compile.py) proposes compiling a long run on a GPU. Wheth
 faster depends on the model: on an H200, GPT-2-small at batch 64 ran 1.14x faster compiled, while the
 digits CNN, a small model bound by kernel launches, ran 0.83x (benchmarks/results/h200-2026-12-04.md).
 So where the rule, not the user, turned compile on, the run measures it: after a few settling steps it
-times blocks of eager steps, then switches to the compiled forward and times as many compiled blocks,
-each block between two synchronisations. The compiled forward stays only if its fastest block beats
-eager's by ``KEEP``; else the model runs its own forward for the rest of the run, and the Plan says so
-with both figures. The compile's time is spent either way (a trial on a copy would spend it too); what
-the check saves is every later step. And where the eager steps show that the whole run is too short
-for any compile to repay itself (the digits CNN's 2,000 steps of 2.2 ms on an H200, against a compile
-of 3-6 s), the model is not compiled at all. The check needs no loss function and no copy of the model, so a
-user's own loop under the Runtime gets it as the Trainer does. Under several processes rank 0's
-figures decide, and every rank follows at the same step.
+times blocks of eager steps, then switches to the compiled forward and times as many compiled blocks. A step is
+timed from its first training forward to its optimizer step (runtime/stopwatch.py, ``StepTimer``): what the loop
+does between steps (an evaluation, a checkpoint, the loader's next batch) would weigh on whichever block it fell
+in. The compiled forward stays only if its fastest block beats eager's by ``KEEP``; else the model runs its own
+forward for the rest of the run, and the Plan says so with both figures. The compile's time is spent either way;
+what the check saves is every later step. Where the eager steps show that the run is too short for any compile to
+repay itself (the digits CNN's 2,000 steps of 2.2 ms on an H200, against a compile of 3-6 s), nothing is compiled.
+The check needs no loss function and no copy of the model, so a user's own loop under the Runtime gets it as the
+Trainer does. Under several processes rank 0's figures decide, and every rank follows at the same step.
 
 CUDA graphs (runtime/graphs.py) are checked the same way, before the compile: on a CUDA device, where
 "auto" proposes them, a phase of graphed steps follows the eager blocks, then the compiled phase if a
@@ -30,19 +30,15 @@ need memory the run may not have. The attention kernels bf16-mixed's phase times
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 from redline.parallel.collectives import run_on_rank0
-from redline.plan import Choice, Plan, times
-from redline.plan.precision import PrecisionName
-from redline.runtime.compile import CompileRecord, explain_compile
+from redline.plan import Choice, times
+from redline.runtime.compile import CompileRecord
 from redline.runtime.graphs import GraphRecord
-from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.precision_check import PrecisionSwitch
+from redline.runtime.stopwatch import StepTimer
 from redline.runtime.trial import MARGIN
 
 WARMUP = 3  # eager steps not timed: the first batches, the allocator and cuDNN's algorithm search settle
@@ -63,9 +59,7 @@ STEPS = EAGER_END + PHASE  # the step after which a check of one candidate decid
 # The other precision is timed only where a block of it costs little even if it runs SLOWEST times as slow as
 # the rule's (fp32 ran GPT-2-small 2.9x slower than bf16-mixed on an H200): at most MOST_COST_S, or COST_SHARE of
 # a run whose length is known. Its phase stops after the first timed block if that is SLACK times short of winning:
-# one block is a noisy figure against eager's fastest of three, and a block that spans an epoch's end pays for the
-# loader's new iterator (on a 2-core AMX machine such a block ran bf16-mixed 0.91-0.95x fp32 where its steps ran
-# 1.2x; benchmarks/results/frameworks-xeon-amx-runtime.md), so only a block far from winning ends the phase.
+# one block is a noisy figure against eager's fastest of three, so only a block far from winning ends the phase.
 SLOWEST = 3.0
 MOST_COST_S = 1.0
 COST_SHARE = 0.02
@@ -82,14 +76,14 @@ class CompileCheck:
     """Times the run's first steps eager, then graphed and compiled, and keeps the fastest (``after_step`` after each).
 
     ``planned`` is the compile axis as the rule planned it (False: the compile is no candidate); CUDA graphs
-    join with ``add_graphs``. ``sync`` waits for the device (so a block's time is its work's), ``clock`` reads
-    seconds; both are given so a test can drive the check with a fake clock.
+    join with ``add_graphs``. A block's time is its steps' own work, each step timed by the ``timer`` from its first
+    training forward in a model it watches to its optimizer step (runtime/stopwatch.py). A test drives the check on
+    a fake clock.
     """
 
     planned: Choice[bool]
     planned_steps: int
-    sync: Callable[[], None]
-    clock: Callable[[], float] = time.perf_counter
+    timer: StepTimer = field(default_factory=StepTimer)
     records: list[CompileRecord] = field(default_factory=list)
     eager: list[float] = field(default_factory=list)  # seconds per step of each timed eager block
     compiled: list[float] = field(default_factory=list)
@@ -106,7 +100,6 @@ class CompileCheck:
     precision_choice: Choice[str] | None = None  # the precision axis, once decided
     memory_share: Callable[[], float | None] = lambda: None  # the device memory's peak share so far (None: unknown)
     decided: bool = False
-    _mark: float = 0.0
     _replays_before: int = 0  # the graphs' replays when their phase began
     _index: int = 0  # the phase running, in ``phases``
     _started: int = 0  # the step after which it began
@@ -137,6 +130,11 @@ class CompileCheck:
         between two optimizers' steps of one iteration. Called before that model is laid out for a precision."""
         self.drop_precision("a second model was set up, and a switch could fall between its step and the first's")
 
+    def close(self) -> None:
+        """The Runtime closed: the rule's precision stands where undecided, and the models keep no hook of the check."""
+        self.drop_precision("the Runtime was closed before it decided")
+        self.timer.unwatch()
+
     def drop_precision(self, reason: str) -> None:
         """Check the precision no further: the rule's stands from the next step (if undecided), for ``reason``."""
         switch = self.precision
@@ -152,8 +150,14 @@ class CompileCheck:
         """Count an optimizer step; time, switch and decide at the steps the schedule names."""
         if self.decided:
             return
+        self.timer.stepped()
         self.steps += 1
-        step = self.steps
+        self._schedule(self.steps)
+        if self.decided:
+            self.timer.unwatch()
+
+    def _schedule(self, step: int) -> None:
+        """Time a block, begin a phase, or decide, where ``step`` falls in the schedule."""
         if WARMUP <= step <= EAGER_END and (step - WARMUP) % BLOCK == 0:
             self._time_block(self.eager, first=step == WARMUP)
         if step == EAGER_END:
@@ -357,11 +361,10 @@ class CompileCheck:
         switch.finish()  # decided: a forward still to come is not compared
 
     def _time_block(self, blocks: list[float], *, first: bool) -> None:
-        self.sync()
-        now = self.clock()
+        """End a block (``first``: start one) and keep its seconds per step."""
+        seconds = self.timer.block()
         if not first:
-            blocks.append((now - self._mark) / BLOCK)
-        self._mark = now
+            blocks.append(seconds / BLOCK)
 
     def _worth_compiling(self) -> bool:
         """Whether the run's eager steps leave a compile anything to repay itself with; if not, decide on eager now
@@ -439,59 +442,3 @@ class CompileCheck:
         record.release()
         instead = "the compiled forward" if kept == COMPILED else "the model's own forward"
         return Choice(False, f"{planned}, but on this run {figures[GRAPHS]}: {instead} {after}")
-
-
-def explain_forms(
-    plan: Plan,
-    check: CompileCheck | None,
-    records: list[CompileRecord],
-    graphs: GraphRecord | None,
-    kernels: KernelCheck | None = None,
-) -> Plan:
-    """``plan``'s compile, precision, attention and CUDA graphs axes as the run left them: the first steps' ``check``
-    as it stands, every compile of ``records`` counted, the graphs of ``graphs`` captured or turned off, and the
-    attention kernel ``kernels`` timed on the run's own calls."""
-    if plan.compile is not None:
-        checked = check.explain() if check is not None else plan.compile
-        plan = dataclasses.replace(plan, compile=explain_compile(checked, records))
-    precision = check.explain_precision() if check is not None else None
-    if precision is not None:
-        plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
-    if kernels is not None and kernels.chosen is not None:  # timed on the run's own calls
-        plan = dataclasses.replace(plan, attention=kernels.chosen)
-    if plan.cuda_graphs is not None:
-        found = check.explain_graphs() if check is not None else None
-        requested = graphs.explain(plan.cuda_graphs) if graphs is not None else plan.cuda_graphs
-        plan = dataclasses.replace(plan, cuda_graphs=found or requested)
-    return plan
-
-
-def check_forms(
-    check: CompileCheck | None,
-    planned: Choice[bool],
-    graphs: Choice[bool],
-    *,
-    compiled: CompileRecord | None,
-    graphed: GraphRecord | None,
-    switch: PrecisionSwitch | None,
-    another_model: bool,
-    planned_steps: int,
-    sync: Callable[[], None],
-    memory_share: Callable[[], float | None],
-) -> CompileCheck | None:
-    """The check of a model set up: ``check`` (the run's so far, or None) with what this model adds to it: the compile
-    the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None where
-    there is nothing to check. ``another_model`` (a second model set up: a GAN's) ends the precision's check."""
-    if another_model and check is not None:
-        check.another_model()
-    if compiled is None and graphed is None and switch is None:
-        return check
-    if check is None:
-        check = CompileCheck(planned if compiled is not None else Choice(False, planned.reason), planned_steps, sync)
-    if compiled is not None and not any(known is compiled for known in check.records):  # a model set up again
-        check.add(compiled)  # is checked already
-    if graphed is not None and check.graphs is None:
-        check.add_graphs(graphed, graphs)
-    if switch is not None:
-        check.add_precision(switch, memory_share)
-    return check

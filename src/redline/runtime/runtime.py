@@ -47,8 +47,9 @@ from redline.plan.strategy import resolve_strategy
 from redline.runtime.attention import prefer_kernel
 from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds
-from redline.runtime.compile_check import CompileCheck, check_forms, explain_forms
+from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
+from redline.runtime.forms import check_forms, explain_forms
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
@@ -71,7 +72,7 @@ from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.state import RunState
 from redline.runtime.strategy import Strategy, build_strategy, explained
-from redline.runtime.transfer import device_sync, move_to
+from redline.runtime.transfer import move_to
 from redline.runtime.tuned import Tuning, tuned_for_model
 
 # a backward whose gradient reduction broke: a peer died, or a loop of the user's gave its ranks unequal steps
@@ -208,7 +209,7 @@ class Runtime(RunState):
             self._graphs.use_eager()
             self._graphs.release()
         if self._compile_check is not None:  # the model keeps no hook of the run's
-            self._compile_check.drop_precision("the Runtime was closed before it decided")
+            self._compile_check.close()
         self._layout.close()
 
     def __enter__(self) -> Runtime:
@@ -485,10 +486,10 @@ class Runtime(RunState):
             self._kernels = kernels
             cast(contextlib.ExitStack, self._started).enter_context(kernels.held())
         self._compile_check = check_forms(
-            self._compile_check, planned, graphs, switch=switch, planned_steps=self.planned_steps or 0,
+            self._compile_check, planned, graphs, model=model, switch=switch, planned_steps=self.planned_steps or 0,
             compiled=self._compile_records[-1] if compiles else None, another_model=second,
             graphed=self._graphs if graphs.value and self.options.cuda_graphs == "auto" else None,
-            sync=device_sync(self.device), memory_share=partial(peak_memory_share, self.device),
+            device=self.device, memory_share=partial(peak_memory_share, self.device),
         )  # fmt: skip
 
     def _use_precision(self, name: str) -> None:  # the precision check's switch; the layout "auto" chose follows

@@ -1,0 +1,86 @@
+"""The forms a run's first steps check, as the Runtime sets them up and explains them.
+
+``check_forms`` gives each model set up to the run's check (runtime/compile_check.py, ``CompileCheck``): the compile
+the rule chose, the CUDA graphs auto proposed, the precision no trial decided. ``explain_forms`` gives the Plan's
+axes as the check stands: decided, or being checked, with how far it got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from redline.plan import Choice, Plan
+from redline.plan.precision import PrecisionName
+from redline.runtime.compile import CompileRecord, explain_compile
+from redline.runtime.compile_check import CompileCheck
+from redline.runtime.graphs import GraphRecord
+from redline.runtime.kernel_check import KernelCheck
+from redline.runtime.precision_check import PrecisionSwitch
+from redline.runtime.stopwatch import StepTimer, Stopwatch
+
+
+def explain_forms(
+    plan: Plan,
+    check: CompileCheck | None,
+    records: list[CompileRecord],
+    graphs: GraphRecord | None,
+    kernels: KernelCheck | None = None,
+) -> Plan:
+    """``plan``'s compile, precision, attention and CUDA graphs axes as the run left them: the first steps' ``check``
+    as it stands, every compile of ``records`` counted, the graphs of ``graphs`` captured or turned off, and the
+    attention kernel ``kernels`` timed on the run's own calls."""
+    if plan.compile is not None:
+        checked = check.explain() if check is not None else plan.compile
+        plan = dataclasses.replace(plan, compile=explain_compile(checked, records))
+    precision = check.explain_precision() if check is not None else None
+    if precision is not None:
+        plan = dataclasses.replace(plan, precision=cast(Choice[PrecisionName], precision))
+    if kernels is not None and kernels.chosen is not None:  # timed on the run's own calls
+        plan = dataclasses.replace(plan, attention=kernels.chosen)
+    if plan.cuda_graphs is not None:
+        found = check.explain_graphs() if check is not None else None
+        requested = graphs.explain(plan.cuda_graphs) if graphs is not None else plan.cuda_graphs
+        plan = dataclasses.replace(plan, cuda_graphs=found or requested)
+    return plan
+
+
+def check_forms(
+    check: CompileCheck | None,
+    planned: Choice[bool],
+    graphs: Choice[bool],
+    *,
+    model: nn.Module,
+    compiled: CompileRecord | None,
+    graphed: GraphRecord | None,
+    switch: PrecisionSwitch | None,
+    another_model: bool,
+    planned_steps: int,
+    device: torch.device,
+    memory_share: Callable[[], float | None],
+) -> CompileCheck | None:
+    """The check of ``model`` set up: ``check`` (the run's so far, or None) with what this model adds to it: the
+    compile the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None
+    where there is nothing to check. Its steps are timed on ``device``, each from a watched model's first training
+    forward. ``another_model`` (a second model set up: a GAN's) ends the precision's check; its forwards begin steps
+    too, so the check watches it as it does the first."""
+    if another_model and check is not None:
+        check.another_model()
+    if check is None and compiled is None and graphed is None and switch is None:
+        return None
+    if check is None:
+        compiles = planned if compiled is not None else Choice(False, planned.reason)
+        check = CompileCheck(compiles, planned_steps, StepTimer(Stopwatch(device=device)))
+    if compiled is not None and not any(known is compiled for known in check.records):  # a model set up again
+        check.add(compiled)  # is checked already
+    if graphed is not None and check.graphs is None:
+        check.add_graphs(graphed, graphs)
+    if switch is not None:
+        check.add_precision(switch, memory_share)
+    if not check.decided:
+        check.timer.watch(model)
+    return check
