@@ -108,7 +108,8 @@ def test_on_an_amx_cpu_the_bf16_phase_and_the_bf16_kept_run_channels_last(monkey
         assert rt._layout.channels_last is False
         _, inputs, weights = train(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
         assert rt.precision.name == "bf16-mixed"
-        assert inputs == weights == [False] * EAGER_END + [True] * (PHASE + 3)
+        # laid out at step 19's training forward, which is checked then: its batch and weights were NCHW before it
+        assert inputs == weights == [False] * (EAGER_END + 1) + [True] * (PHASE + 2)
         layout = rt.explain().channels_last
         assert layout.value is True
         assert layout.reason == (
@@ -123,8 +124,8 @@ def test_on_an_amx_cpu_fp32_kept_lays_the_model_back_out_nchw_after_the_phase(mo
         net, inputs, weights = train(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.006})
         assert rt.precision.name == "fp32" and net[0].weight.is_contiguous()
         phase = sum(inputs)  # the phase stopped after its first block, far from winning
-        assert 0 < phase < PHASE and inputs == weights == [False] * EAGER_END + [True] * phase + [False] * (
-            PHASE + 3 - phase
+        assert 0 < phase < PHASE and inputs == weights == [False] * (EAGER_END + 1) + [True] * phase + [False] * (
+            PHASE + 2 - phase
         )
         layout = rt.explain().channels_last
         assert layout.value is False and layout.reason == "auto: NCHW is as fast for fp32 convolutions on this CPU"
@@ -222,7 +223,7 @@ def test_a_model_whose_forward_fails_in_nhwc_goes_back_to_nchw_for_good_when_the
     net = Flattens()
     with Runtime(devices="cpu", compile="off") as rt:
         nhwc = run(rt, net, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
-        assert nhwc == [False] * (EAGER_END - 1) + [True] + [False] * (PHASE + 3)  # back at step 19's forward
+        assert nhwc == [False] * (EAGER_END + PHASE + 3)  # laid out at step 19's forward, and back before it ran
         assert rt.precision.name == "bf16-mixed"  # timed and kept in NCHW, where it runs
         switch = rt._compile_check.precision if rt._compile_check is not None else None
         assert switch is not None and switch.failed is None and switch.compared.startswith("outputs within")
@@ -395,8 +396,7 @@ def test_a_refused_model_gets_nchw_inputs_at_every_forward_a_batch_moved_before_
     net = Flattens()
     with bf16_nhwc() as rt:
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
-        x = rt.to_device(torch.randn(4, 3, 4, 4))  # NHWC, moved before the model went back to NCHW
-        assert is_nhwc(x)
+        x = torch.randn(4, 3, 4, 4).contiguous(memory_format=NHWC)  # as a batch moved while the model ran NHWC
         for _ in range(3):
             step(rt, model, optimizer, x)
         assert rt.explain().channels_last.value is False and net.forwards == 3 + 2  # and the two checks'
@@ -417,7 +417,7 @@ def test_an_evaluation_first_does_not_stand_for_the_training_forward(monkeypatch
         model.eval()
         with torch.no_grad(), rt.autocast():
             model(x)
-        assert is_nhwc(net.conv.weight)  # the evaluation runs in NHWC
+        assert not is_nhwc(net.conv.weight)  # the evaluation runs NCHW: auto's NHWC waits for a training forward
         model.train()
         step(rt, model, optimizer, x)
         assert not is_nhwc(net.conv.weight) and rt.explain().channels_last.value is False
@@ -537,11 +537,102 @@ def test_autos_nhwc_stays_inside_the_model_and_its_image_outputs_come_back_nchw(
     torch.manual_seed(0)
     with Runtime(devices="cpu", compile="off", precision="bf16-mixed", channels_last=given) as rt:
         net, _ = rt.setup(nn.Conv2d(3, 4, 3, padding=1), lambda params: torch.optim.SGD(params, lr=0.1))
-        assert is_nhwc(net.weight)
         with rt.autocast():
             out = net(torch.randn(2, 3, 5, 5).to(memory_format=NHWC))
+        assert is_nhwc(net.weight)  # auto's: laid out at this first training forward
     if given == "auto":
         assert out.is_contiguous() and out.view(2, -1).shape == (2, 100)
     else:
         assert is_nhwc(out)  # asked for: the outputs are as the model gives them
     assert not net._forward_hooks  # closed: nothing of the run's stays on the model
+
+
+class EncodesDecodes(nn.Module):
+    """A convolutional autoencoder a loop trains through its methods, not its forward (``decode(encode(x))``), its
+    encoder flattening a convolution's output with ``view``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.down = nn.Linear(64, 8)
+        self.up = nn.Linear(8, 48)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.conv(x)).view(len(x), -1))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.up(z).view(len(z), 3, 4, 4)
+
+
+def train_through_methods(rt: Runtime, steps: int, costs: dict[str, float] | None = None) -> nn.Module:
+    net = EncodesDecodes()
+    _, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    now = [0.0]
+    if rt._compile_check is not None:
+        rt._compile_check.timer.stopwatch.clock = lambda: now[0]
+    for _ in range(steps):
+        x = rt.to_device(torch.randn(4, 3, 4, 4))
+        with rt.autocast():
+            loss = (net.decode(net.encode(x)).float() - x).square().mean()
+        rt.backward(loss)
+        now[0] += (costs or {}).get(rt.precision.name, 0.004)
+        rt.step(optimizer)
+    return net
+
+
+def test_a_model_trained_through_other_methods_than_forward_is_never_laid_out_nhwc_unchecked(monkeypatch):
+    # decode(encode(x)) with a view in encode failed at its first step where auto laid the model out NHWC at setup
+    # (a GPU's tensor cores, bf16 on a CPU with AMX): its forward, which the check runs on copies, never ran.
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with bf16_nhwc() as rt:
+        net = train_through_methods(rt, 3)
+        layout = rt.explain().channels_last
+        assert layout.value is False and not is_nhwc(net.conv.weight)
+        assert layout.reason == (
+            "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC, but its optimizer stepped before "
+            "any training forward of the model: the loop trains it through other methods "
+            "(model.decode(model.encode(x))), which the check cannot run on NHWC copies first: NCHW "
+            "(channels_last='on' lays it out anyway, unchecked)"
+        )
+        assert not is_nhwc(rt.to_device(torch.randn(2, 3, 4, 4)))
+    assert not net._forward_pre_hooks and not net._forward_hooks
+
+
+def test_nor_when_the_precision_check_switches_to_bf16_after_its_fp32_steps(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        net = train_through_methods(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
+        assert rt.precision.name == "bf16-mixed" and not is_nhwc(net.conv.weight)
+        layout = rt.explain().channels_last
+        assert layout.value is False and "its optimizer stepped before any training forward" in layout.reason
+
+
+def test_autos_nhwc_is_laid_out_at_the_first_training_forward_and_the_batches_follow(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = conv_net()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+        assert not is_nhwc(net[0].weight) and not is_nhwc(rt.to_device(torch.randn(2, 3, 4, 4)))
+        assert optimizer._optimizer_step_post_hooks  # a step before any forward would end the wait
+        model.eval()
+        with torch.no_grad(), rt.autocast():
+            model(torch.randn(2, 3, 4, 4))  # an evaluation first: not how the model trains
+        assert not is_nhwc(net[0].weight)
+        model.train()
+        step(rt, model, optimizer, rt.to_device(torch.randn(2, 3, 4, 4)))
+        assert is_nhwc(net[0].weight) and is_nhwc(optimizer.state[net[0].weight]["momentum_buffer"])
+        assert is_nhwc(rt.to_device(torch.randn(2, 3, 4, 4))) and not optimizer._optimizer_step_post_hooks
+        assert rt.explain().channels_last.value is True
+
+
+def test_a_second_model_waits_for_its_own_forward_not_the_first_models_step(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    first, second = conv_net(), conv_net()
+    with bf16_nhwc() as rt:
+        d, d_optimizer = rt.setup(first, torch.optim.SGD(first.parameters(), lr=0.01))
+        g, g_optimizer = rt.setup(second, torch.optim.SGD(second.parameters(), lr=0.01))
+        x = rt.to_device(torch.randn(2, 3, 4, 4))
+        step(rt, d, d_optimizer, x)  # the discriminator's step, before the generator's first forward
+        step(rt, g, g_optimizer, x)
+        assert is_nhwc(first[0].weight) and is_nhwc(second[0].weight)
+        assert rt.explain().channels_last.value is True

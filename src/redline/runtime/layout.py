@@ -10,9 +10,11 @@ optimizer's state of their shape are laid out anew between two optimizer steps, 
 the Runtime moves from then on.
 
 A model can work in NCHW and fail in NHWC: ``x.view(len(x), -1)`` on a convolution's output, which old
-tutorials write, cannot view NHWC memory. So "auto" checks its own pick: the first training forward and the
-first other forward (an evaluation) a model runs laid out channels_last by "auto" each run once more before, on
-copies of their inputs (runtime/probe.py). Where that fails and NCHW runs, the model goes back to NCHW for the
+tutorials write, cannot view NHWC memory. So "auto" checks its own pick: it lays a model out NHWC at the model's
+first training forward, and that forward and the first other forward (an evaluation) it runs so each run once more
+before, on NHWC copies of their inputs (runtime/probe.py). A model whose optimizer steps before any training forward
+of it is trained through other methods (``model.decode(model.encode(x))``), which no check can run first: it stays
+NCHW, and the Plan says why. Where that fails and NCHW runs, the model goes back to NCHW for the
 rest of the run, the Plan says why, the step goes on, and every later forward of the model gets its 4-d inputs
 in NCHW (a batch moved before, a micro-batch cut from it, another model's output: a convolution given one NHWC
 operand computes in NHWC). A layout given (``channels_last="on"``) is not checked: the forward's own error says
@@ -26,7 +28,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,6 +46,10 @@ from redline.runtime.transfer import map_tensors
 from redline.runtime.weak_hook import WeakHook
 
 TRAINING, OTHER = "training", "other"  # the kinds of forward checked apart: a path may run in one only
+NOT_FORWARD = (
+    "its optimizer stepped before any training forward of the model: the loop trains it through other methods "
+    "(model.decode(model.encode(x))), which the check cannot run on NHWC copies first"
+)
 
 
 @dataclass
@@ -52,7 +58,9 @@ class _Laid:
 
     channels_last: bool
     optimizer: torch.optim.Optimizer | None = None
-    refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so
+    refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so, or never ran
+    pending: bool = False  # auto's NHWC, waiting for the model's first training forward to be laid out and checked
+    stepping: RemovableHandle | None = None  # while pending: its optimizer's step hook (a step with no forward)
     verified: set[str] = field(default_factory=set)  # the kinds of forward seen to run in NHWC
     hook: RemovableHandle | None = None  # the pre-hook that checks its forwards in NHWC
     nchw: RemovableHandle | None = None  # a refused model's: its inputs in NCHW
@@ -84,7 +92,8 @@ class Layout:
 
     @property
     def channels_last(self) -> bool:
-        return self.choice is not None and self.choice.value
+        """Whether the batches the Runtime moves are laid out NHWC: as the set-up models are now."""
+        return self.choice is not None and self.choice.value and any(m.channels_last for m in self._laid.values())
 
     @property
     def changed(self) -> bool:
@@ -105,8 +114,13 @@ class Layout:
 
     def adopt(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """``model``'s optimizer: its state is laid out with the model, from now on."""
-        self._laid[model].optimizer = optimizer
+        laid = self._laid[model]
+        if laid.stepping is not None and laid.optimizer is not optimizer:  # set up again, with another optimizer
+            laid.stepping.remove()
+            laid.stepping = None
+        laid.optimizer = optimizer
         match_state_layout(optimizer)
+        self._watch_steps(laid)
 
     def loader(self, loader: Iterable[Any], device: torch.device) -> DeviceLoader:
         """``loader`` on ``device``, its 4-d batches laid out as the model is now and after any change."""
@@ -117,10 +131,10 @@ class Layout:
     def close(self) -> None:
         """Take the hooks off the set-up models: the check of a forward still to come, a refused model's conversion."""
         for laid in self._laid.values():
-            for handle in (laid.hook, laid.nchw, laid.outputs):
+            for handle in (laid.hook, laid.nchw, laid.outputs, laid.stepping):
                 if handle is not None:
                     handle.remove()
-            laid.hook = laid.nchw = laid.outputs = None
+            laid.hook = laid.nchw = laid.outputs = laid.stepping = None
 
     def follow(self, precision: str, *, step: int) -> None:
         """Lay the set-up models (with their optimizers' state) and the loaders' batches out as the rule would for
@@ -129,7 +143,7 @@ class Layout:
         for model, laid in list(self._laid.items()):
             conv = has_conv2d(model)
             wanted = resolve_channels_last(self.requested, self.facts, has_conv2d=conv, precision=precision)
-            if self.planned is None or wanted.value == laid.channels_last or laid.refused:
+            if self.planned is None or wanted.value == (laid.channels_last or laid.pending) or laid.refused:
                 continue
             self._lay(model, laid, wanted.value)
             if wanted.value == self.planned.value:
@@ -142,9 +156,13 @@ class Layout:
         return falls_back(self.requested, self.world_size)
 
     def _lay(self, model: nn.Module, laid: _Laid, channels_last: bool) -> None:
-        if channels_last != laid.channels_last:
+        # auto's NHWC, unchecked: laid out at the model's first training forward, which is checked then; a loop
+        # whose steps call other methods of the model (encode, decode) never runs the check, and keeps NCHW
+        laid.pending = channels_last and self._falls_back and TRAINING not in laid.verified and not laid.channels_last
+        if channels_last != laid.channels_last and not laid.pending:
             lay_out(model, laid.optimizer, channels_last=channels_last)
             laid.channels_last = channels_last
+        self._watch_steps(laid)
         checking = channels_last and self._falls_back and len(laid.verified) < 2
         if checking and laid.hook is None:
             laid.hook = model.register_forward_pre_hook(
@@ -163,7 +181,26 @@ class Layout:
     def _set(self, choice: Choice[bool]) -> None:
         self.choice = choice
         for loader in self._loaders:
-            loader.channels_last = choice.value
+            loader.channels_last = self.channels_last
+
+    def _watch_steps(self, laid: _Laid) -> None:
+        """Hook the optimizer of a ``pending`` model: a step it takes before the model's first training forward
+        ends the wait (``_stepped``); let go of it otherwise."""
+        if laid.pending and laid.optimizer is not None and laid.stepping is None:
+            laid.stepping = laid.optimizer.register_step_post_hook(WeakHook(self, "_stepped"))
+        elif not laid.pending and laid.stepping is not None:
+            laid.stepping.remove()
+            laid.stepping = None
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer stepped: a model of it still waiting for its first training forward was trained through other
+        methods (``model.decode(model.encode(x))``), which no check sees before they run: it stays NCHW."""
+        for model, laid in list(self._laid.items()):
+            if laid.pending and laid.optimizer is optimizer:
+                laid.refused = NOT_FORWARD
+                self._lay(model, laid, False)
+                if self.choice is not None and self.choice.value:
+                    self._set(Choice(False, self._refusal(self.choice, NOT_FORWARD)))
 
     def _before_forward(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         """Before the first forward of its kind in NHWC: where that fails on copies of its inputs and NCHW runs, lay
@@ -172,10 +209,16 @@ class Layout:
         if self._probing or laid is None:
             return None
         kind = TRAINING if model.training and torch.is_grad_enabled() else OTHER
+        if laid.pending and kind == TRAINING:  # its forward is how it trains: NHWC from this forward on, if it runs
+            laid.pending = False
+            lay_out(model, laid.optimizer, channels_last=True)
+            laid.channels_last = True
+            self._watch_steps(laid)
+            self._set(cast(Choice[bool], self.choice))  # the batches moved from now on
         if not laid.channels_last or kind in laid.verified:
             return None
-        try:
-            self._probe(model, args, kwargs)
+        try:  # on NHWC copies of the inputs, as the batches moved from now on come (these may be the loader's NCHW)
+            self._probe(model, in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True))
         except Exception as exc:
             if is_oom(exc):
                 return None  # memory, not the layout: the forward itself meets it, and the next forward is checked
@@ -208,6 +251,8 @@ class Layout:
 
     @staticmethod
     def _refusal(choice: Choice[bool], failed: str) -> str:
+        if failed == NOT_FORWARD:
+            return f"{choice.reason}, but {NOT_FORWARD}: NCHW (channels_last='on' lays it out anyway, unchecked)"
         return f"{choice.reason}, but the model's forward failed so ({failed}): NCHW"
 
 
