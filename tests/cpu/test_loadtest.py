@@ -253,6 +253,18 @@ def test_load_options_take_a_payload_path_given_as_a_string(tmp_path):
         LoadOptions(rate=5, payload=b"x")
 
 
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [({"duration_s": 5}, "duration=5"), ({"sed": 3}, "seed=3"), ({"bogus": 1}, None)],
+)
+def test_run_load_names_a_keyword_it_does_not_take_and_the_one_meant(given, meant):
+    # duration_s (the LoadOptions field) raised "got multiple values for keyword argument", a misspelling a raw
+    # TypeError from LoadOptions; neither named run_load's own keywords
+    with pytest.raises(ConfigError, match=r"is not allowed; expected a keyword of run_load: rate, .*duration, ") as err:
+        run_load(f"http://127.0.0.1:{free_port()}/x", rate=5, **given)
+    assert (f"hint: did you mean {meant}?" if meant else "hint: see help(") in str(err.value)
+
+
 def test_run_load_inside_a_running_loop_says_to_await_run_load_async(server):
     async def in_a_notebook():  # Jupyter runs its cells inside an event loop
         run_load(f"{server.url}/pattern/notebook", rate=5, duration=0.2)

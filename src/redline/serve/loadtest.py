@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
+from redline import errors
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
 from redline.errors import ConfigError, StoppedBySignal, invalid, refuse_inside_event_loop
 from redline.serve.inputs import NPY_MAGIC
@@ -421,6 +422,7 @@ def run_load(
     takes LoadOptions' other fields (arrivals, seed, max_in_flight, max_send_lag_ms). ``headers``
     is a mapping or ``K:V`` strings; ``payload`` a .json or .npy file, or a Payload.
     """
+    _check_more(more)
     if isinstance(headers, Mapping):
         headers = [f"{name}: {value}" for name, value in headers.items()]
     if payload is not None and not isinstance(payload, Payload | str | Path):  # it sent GETs with no body
@@ -433,6 +435,25 @@ def run_load(
         **more,  # type: ignore[arg-type]
     )  # fmt: skip
     return load_test(url, options, payload=body, progress=progress)
+
+
+# run_load's own keywords, by the LoadOptions field each sets; ``more`` takes the other fields
+_NAMED = {"rate": "rate", "concurrency": "concurrency", "duration_s": "duration", "warmup_s": "warmup",
+          "timeout_s": "timeout", "payload": "payload", "method": "method", "headers": "headers"}  # fmt: skip
+
+
+def _check_more(more: Mapping[str, object]) -> None:
+    """Refuse a keyword of run_load's that is no LoadOptions field, or one it names itself (``duration_s``: run_load
+    takes ``duration``), with the keyword meant."""
+    others = [f.name for f in dataclasses.fields(LoadOptions) if f.name not in _NAMED]
+    for name, value in more.items():
+        if name in others:
+            continue
+        meant = _NAMED.get(name) or errors.nearest(name, [*_NAMED.values(), *others])
+        raise invalid(
+            name, value, "a keyword of run_load: " + ", ".join([*_NAMED.values(), *others, "progress"]),
+            f"did you mean {meant}={value!r}?" if meant else "see help(redline.serve.loadtest.run_load)",
+        )  # fmt: skip
 
 
 def load_test(
