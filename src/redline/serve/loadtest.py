@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,10 +22,9 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
-from redline import errors
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
-from redline.errors import ConfigError, StoppedBySignal, invalid, refuse_inside_event_loop
-from redline.serve.inputs import NPY_MAGIC
+from redline.errors import ConfigError, StoppedBySignal, invalid, nearest, refuse_inside_event_loop
+from redline.serve.load_payload import Payload, parse_headers
 from redline.serve.load_stats import (
     Arrivals,
     LoadResult,
@@ -126,48 +124,6 @@ class LoadOptions:
     def mode(self) -> Mode:
         """'closed' when a concurrency was given, else 'open'."""
         return "closed" if self.concurrency is not None else "open"
-
-
-def parse_headers(headers: Sequence[str]) -> dict[str, str]:
-    """Return ``K:V`` strings as a mapping; a string without a name and a colon is a clear error."""
-    out = {}
-    for text in headers:
-        name, colon, value = text.partition(":")
-        if not colon or not name.strip() or any(c.isspace() for c in name.strip()):
-            raise invalid("header", text, "NAME:VALUE", "e.g. --header 'Authorization: Bearer TOKEN'")
-        out[name.strip()] = value.strip()
-    return out
-
-
-@dataclass(frozen=True)
-class Payload:
-    """A request body and its content type."""
-
-    body: bytes
-    content_type: str
-
-    @classmethod
-    def from_file(cls, path: Path) -> Payload:
-        """Read a .json file (checked to parse) or a .npy array (checked by its magic bytes)."""
-        suffix = path.suffix.lower()
-        if suffix not in (".json", ".npy"):
-            raise invalid("payload", str(path), "a .json or .npy file", "save the body as body.json or array.npy")
-        try:
-            body = path.read_bytes()
-        except OSError as exc:  # said as the other refusals are: by --payload on the command line
-            raise invalid(
-                "payload", str(path), "a readable .json or .npy file",
-                f"it cannot be read ({exc.strerror or exc}): check the path and its permissions",
-            ) from exc  # fmt: skip
-        if suffix == ".json":
-            try:
-                json.loads(body)
-            except ValueError as exc:
-                raise invalid("payload", str(path), "a file holding valid JSON", f"it does not parse: {exc}") from exc
-            return cls(body, "application/json")
-        if not body.startswith(NPY_MAGIC):
-            raise invalid("payload", str(path), "a .npy file as numpy.save writes it", "it lacks the .npy header")
-        return cls(body, "application/octet-stream")
 
 
 @dataclass(frozen=True)
@@ -449,7 +405,7 @@ def _check_more(more: Mapping[str, object]) -> None:
     for name, value in more.items():
         if name in others:
             continue
-        meant = _NAMED.get(name) or errors.nearest(name, [*_NAMED.values(), *others])
+        meant = _NAMED.get(name) or nearest(name, [*_NAMED.values(), *others])
         raise invalid(
             name, value, "a keyword of run_load: " + ", ".join([*_NAMED.values(), *others, "progress"]),
             f"did you mean {meant}={value!r}?" if meant else "see help(redline.serve.loadtest.run_load)",
