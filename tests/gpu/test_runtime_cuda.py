@@ -178,3 +178,15 @@ def test_a_step_is_timed_on_the_device_from_its_forward_so_the_wait_before_it_is
     time.sleep(0.2)
     timer.stepped()  # a step no watched model ran: timed from the step before, the wait included
     assert timer.block() >= 0.2
+
+
+def test_a_batch_copied_ahead_before_the_model_was_laid_out_nhwc_comes_nhwc_as_the_next_ones():
+    from redline.runtime.loading import DeviceLoader
+
+    data = TensorDataset(torch.randn(12, 3, 4, 4), torch.randint(0, 2, (12,)))
+    loader = DeviceLoader(DataLoader(data, batch_size=4), torch.device("cuda"))
+    batches = iter(loader)
+    first, _ = next(batches)  # the second is copied already, NCHW
+    loader.channels_last = True  # the model's first training forward laid it out
+    later = [inputs for inputs, _ in batches]
+    assert first.is_contiguous() and all(x.is_contiguous(memory_format=torch.channels_last) for x in later)

@@ -478,7 +478,7 @@ def test_the_check_leaves_a_buffer_a_forward_assigns_anew_and_an_input_it_change
     net = Counts()
     with bf16_nhwc() as rt:
         model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
-        batch = rt.to_device(Images(torch.ones(2, 3, 4, 4)))
+        batch = rt.to_device(Images(torch.ones(2, 3, 4, 4).contiguous(memory_format=NHWC)))  # as the model runs
         with rt.autocast():
             loss = model(batch).float().square().mean()
         assert float(net.seen) == 1 and float(batch.pixels.mean()) == 2
@@ -636,3 +636,27 @@ def test_a_second_model_waits_for_its_own_forward_not_the_first_models_step(monk
         step(rt, g, g_optimizer, x)
         assert is_nhwc(first[0].weight) and is_nhwc(second[0].weight)
         assert rt.explain().channels_last.value is True
+
+
+def test_the_forward_that_lays_the_model_out_gets_its_inputs_nhwc_as_every_later_one(monkeypatch):
+    # the first batch was moved NCHW while the model waited: a model compiled on its first call compiled for NCHW,
+    # and again for the NHWC batches after it (bench's compile row: "stride mismatch at index 1")
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    seen = []
+
+    class Records(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(is_nhwc(x))
+            return self.conv(x).flatten(1)
+
+    net = Records()
+    data = TensorDataset(torch.randn(12, 3, 4, 4), torch.randint(0, 2, (12,)))
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        for inputs, _ in rt.setup_loader(DataLoader(data, batch_size=4)):
+            step(rt, model, optimizer, inputs)
+    assert seen == [True] * 4  # the check's forward on copies, then the three steps'

@@ -209,24 +209,27 @@ class Layout:
         if self._probing or laid is None:
             return None
         kind = TRAINING if model.training and torch.is_grad_enabled() else OTHER
+        given: tuple[Any, Any] | None = None  # this forward's inputs laid out anew, where they were
         if laid.pending and kind == TRAINING:  # its forward is how it trains: NHWC from this forward on, if it runs
             laid.pending = False
             lay_out(model, laid.optimizer, channels_last=True)
             laid.channels_last = True
             self._watch_steps(laid)
             self._set(cast(Choice[bool], self.choice))  # the batches moved from now on
+            # this one's too, as the next ones come: a model compiled on its first call compiles once, for NHWC
+            given = in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True)
         if not laid.channels_last or kind in laid.verified:
-            return None
-        try:  # on NHWC copies of the inputs, as the batches moved from now on come (these may be the loader's NCHW)
-            self._probe(model, in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True))
+            return given
+        try:  # on NHWC copies of the inputs, as the batches moved from now on come
+            self._probe(model, *(given or (in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True))))
         except Exception as exc:
             if is_oom(exc):
-                return None  # memory, not the layout: the forward itself meets it, and the next forward is checked
+                return given  # memory, not the layout: the forward itself meets it, and the next forward is checked
             failed = describe_error(exc)
         else:
             laid.verified.add(kind)
             self._lay(model, laid, True)  # both kinds ran: the hook goes
-            return None
+            return given
         lay_out(model, laid.optimizer, channels_last=False)
         args, kwargs = in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
         try:

@@ -191,9 +191,10 @@ class DeviceLoader:
     def _prefetch_cuda(self) -> Iterator[Any]:
         stream = torch.cuda.Stream(self.device)
 
-        def copy(batch: Any) -> Any:
+        def copy(batch: Any) -> tuple[Any, bool]:
             with torch.cuda.stream(stream):
-                return move_batch(batch, self.device, non_blocking=True, channels_last=self.channels_last)
+                laid = self.channels_last
+                return move_batch(batch, self.device, non_blocking=True, channels_last=laid), laid
 
         source = read_batches(self.loader)
         try:
@@ -203,10 +204,12 @@ class DeviceLoader:
         while True:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(stream)
-            for tensor in tensors_in(ready):
+            for tensor in tensors_in(ready[0]):
                 # Memory allocated on the side stream is used on the compute stream.
                 tensor.record_stream(current)
-            batch = ready
+            batch, laid = ready
+            if self.channels_last and not laid:  # copied before the model was laid out NHWC: as the next ones come
+                batch = move_batch(batch, self.device, channels_last=True)
             try:
                 ready = copy(next(source))
             except StopIteration:
