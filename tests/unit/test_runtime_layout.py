@@ -589,8 +589,8 @@ def test_a_model_trained_through_other_methods_than_forward_is_never_laid_out_nh
         layout = rt.explain().channels_last
         assert layout.value is False and not is_nhwc(net.conv.weight)
         assert layout.reason == (
-            "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC, but its optimizer stepped before "
-            "any training forward of the model: the loop trains it through other methods "
+            "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC, but its optimizer stepped on "
+            "gradients before any forward of the model with autograd: the loop trains it through other methods "
             "(model.decode(model.encode(x))), which the check cannot run on NHWC copies first: NCHW "
             "(channels_last='on' lays it out anyway, unchecked)"
         )
@@ -604,7 +604,7 @@ def test_nor_when_the_precision_check_switches_to_bf16_after_its_fp32_steps(monk
         net = train_through_methods(rt, EAGER_END + PHASE + 3, {"fp32": 0.004, "bf16-mixed": 0.0025})
         assert rt.precision.name == "bf16-mixed" and not is_nhwc(net.conv.weight)
         layout = rt.explain().channels_last
-        assert layout.value is False and "its optimizer stepped before any training forward" in layout.reason
+        assert layout.value is False and "its optimizer stepped on gradients before any forward" in layout.reason
 
 
 def test_autos_nhwc_is_laid_out_at_the_first_training_forward_and_the_batches_follow(monkeypatch):
@@ -660,3 +660,81 @@ def test_the_forward_that_lays_the_model_out_gets_its_inputs_nhwc_as_every_later
         for inputs, _ in rt.setup_loader(DataLoader(data, batch_size=4)):
             step(rt, model, optimizer, inputs)
     assert seen == [True] * 4  # the check's forward on copies, then the three steps'
+
+
+# -- what the review of the wait for the first forward found ---------------------------------------------------------
+
+
+def test_a_users_step_hook_beside_the_wait_runs_and_the_step_goes_on(monkeypatch):
+    # the wait's own hook took itself off while torch iterated the optimizer's hooks: "OrderedDict mutated"
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = EncodesDecodes()
+    with bf16_nhwc() as rt:
+        _, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        ran = []
+        optimizer.register_step_post_hook(lambda *_: ran.append(1))  # an EMA's update, say
+        for _ in range(3):
+            x = rt.to_device(torch.randn(4, 3, 4, 4))
+            with rt.autocast():
+                loss = (net.decode(net.encode(x)).float() - x).square().mean()
+            rt.backward(loss)
+            rt.step(optimizer)
+        assert ran == [1, 1, 1] and rt.explain().channels_last.value is False
+
+
+def test_a_model_still_waiting_gets_nchw_batches_while_another_model_runs_nhwc(monkeypatch):
+    # a VAE-GAN: the discriminator was laid out at its first forward and every batch came NHWC, so the VAE, trained
+    # through its methods and not yet refused, failed on its view at its second micro-batch
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    vae, critic = EncodesDecodes(), conv_net()
+    with bf16_nhwc(grad_accum=2) as rt:
+        d, d_optimizer = rt.setup(critic, torch.optim.SGD(critic.parameters(), lr=0.01))
+        _, v_optimizer = rt.setup(vae, torch.optim.SGD(vae.parameters(), lr=0.01))
+        for _ in range(2):
+            for _ in range(2):  # the critic's cycle first, then the VAE's
+                step(rt, d, d_optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+            assert is_nhwc(critic[0].weight) and not is_nhwc(rt.to_device(torch.randn(4, 3, 4, 4)))
+            for _ in range(2):
+                x = rt.to_device(torch.randn(4, 3, 4, 4))
+                with rt.autocast():
+                    loss = (vae.decode(vae.encode(x)).float() - x).square().mean()
+                rt.backward(loss)
+                rt.step(v_optimizer)
+        assert not is_nhwc(vae.conv.weight)
+
+
+def test_a_model_trained_in_eval_mode_or_stepped_before_its_first_backward_is_still_laid_out(monkeypatch):
+    # both were refused as trained "through other methods": a forward with autograd in eval mode (frozen norms) is
+    # how such a model trains, and a step before any backward steps on no gradient
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    for eval_mode, step_first in [(True, False), (False, True)]:
+        net = conv_net()
+        with bf16_nhwc() as rt:
+            model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+            model.train(not eval_mode)
+            if step_first:
+                rt.step(optimizer)
+            step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+            assert is_nhwc(net[0].weight) and rt.explain().channels_last.value is True
+
+
+def test_the_plan_says_when_a_model_still_waits_to_be_laid_out(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = conv_net()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        assert rt.explain().channels_last.reason.endswith("; laid out at the model's first forward with autograd")
+        step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+        assert rt.explain().channels_last.reason == (
+            "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC"
+        )
+
+
+def test_to_device_lays_out_the_inputs_of_a_pair_and_not_its_targets_as_the_loader_does(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = conv_net()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+        images, masks = rt.to_device((torch.randn(2, 3, 4, 4), torch.randn(2, 2, 4, 4)))  # two classes' masks
+        assert is_nhwc(images) and not is_nhwc(masks) and masks.view(2, -1).shape == (2, 32)

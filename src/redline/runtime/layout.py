@@ -11,15 +11,17 @@ the Runtime moves from then on.
 
 A model can work in NCHW and fail in NHWC: ``x.view(len(x), -1)`` on a convolution's output, which old
 tutorials write, cannot view NHWC memory. So "auto" checks its own pick: it lays a model out NHWC at the model's
-first training forward, and that forward and the first other forward (an evaluation) it runs so each run once more
-before, on NHWC copies of their inputs (runtime/probe.py). A model whose optimizer steps before any training forward
-of it is trained through other methods (``model.decode(model.encode(x))``), which no check can run first: it stays
-NCHW, and the Plan says why. Where that fails and NCHW runs, the model goes back to NCHW for the
-rest of the run, the Plan says why, the step goes on, and every later forward of the model gets its 4-d inputs
-in NCHW (a batch moved before, a micro-batch cut from it, another model's output: a convolution given one NHWC
-operand computes in NHWC). A layout given (``channels_last="on"``) is not checked: the forward's own error says
-what failed. When the Runtime closes, the model keeps no hook of it: it pickles and scripts as it did, and a copy
-(``copy.deepcopy``, an EMA's) made during the run gets none of the check, nor the Runtime.
+first forward with autograd (a training step's, in eval mode too), and that forward and the first other forward (an
+evaluation) it runs so each run once more before, on NHWC copies of their inputs (runtime/probe.py). A model whose
+optimizer steps on gradients before any such forward is trained through other methods
+(``model.decode(model.encode(x))``), which no check can run first: it stays NCHW, and the Plan says why. The
+batches the Runtime moves are laid out NHWC once a model is, and no other still waits. Where a forward fails in NHWC
+and NCHW runs, the model goes back to NCHW for the rest of the run, the Plan says why, the step goes on, and every
+later forward of the model gets its 4-d inputs in NCHW (a batch moved before, a micro-batch cut from it, another
+model's output: a convolution given one NHWC operand computes in NHWC). A layout given (``channels_last="on"``) is
+not checked: the forward's own error says what failed. When the Runtime closes, the model keeps no hook of it: it
+pickles and scripts as it did, and a copy (``copy.deepcopy``, an EMA's) made during the run gets none of the check,
+nor the Runtime.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from redline.runtime.weak_hook import WeakHook
 
 TRAINING, OTHER = "training", "other"  # the kinds of forward checked apart: a path may run in one only
 NOT_FORWARD = (
-    "its optimizer stepped before any training forward of the model: the loop trains it through other methods "
-    "(model.decode(model.encode(x))), which the check cannot run on NHWC copies first"
+    "its optimizer stepped on gradients before any forward of the model with autograd: the loop trains it through "
+    "other methods (model.decode(model.encode(x))), which the check cannot run on NHWC copies first"
 )
 
 
@@ -59,7 +61,7 @@ class _Laid:
     channels_last: bool
     optimizer: torch.optim.Optimizer | None = None
     refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so, or never ran
-    pending: bool = False  # auto's NHWC, waiting for the model's first training forward to be laid out and checked
+    pending: bool = False  # auto's NHWC, waiting for the model's first forward with autograd to be laid out, checked
     stepping: RemovableHandle | None = None  # while pending: its optimizer's step hook (a step with no forward)
     verified: set[str] = field(default_factory=set)  # the kinds of forward seen to run in NHWC
     hook: RemovableHandle | None = None  # the pre-hook that checks its forwards in NHWC
@@ -89,16 +91,27 @@ class Layout:
         self._loaders: weakref.WeakSet[DeviceLoader] = weakref.WeakSet()
         self._laid: weakref.WeakKeyDictionary[nn.Module, _Laid] = weakref.WeakKeyDictionary()
         self._probing = False
+        self._stepping = False  # a step's post-hooks are running
 
     @property
     def channels_last(self) -> bool:
-        """Whether the batches the Runtime moves are laid out NHWC: as the set-up models are now."""
-        return self.choice is not None and self.choice.value and any(m.channels_last for m in self._laid.values())
+        """Whether the batches the Runtime moves are laid out NHWC: once a set-up model is, and none still waits (a
+        waiting model may train through other methods, whose convolutions would then give NHWC outputs)."""
+        laid = self._laid.values()
+        chosen = self.choice is not None and self.choice.value
+        return chosen and any(m.channels_last for m in laid) and not any(m.pending for m in laid)
 
     @property
     def changed(self) -> bool:
-        """Whether the layout changed since the last model was set up."""
-        return self.choice is not self.planned
+        """Whether the layout changed since the last model was set up, or a model waits to be laid out."""
+        return self.choice is not self.planned or any(m.pending for m in self._laid.values())
+
+    @property
+    def shown(self) -> Choice[bool] | None:
+        """The layout as the Plan gives it: ``choice``, with a note where a model still waits to be laid out."""
+        if self.choice is None or not any(m.pending for m in self._laid.values()):
+            return self.choice
+        return Choice(self.choice.value, f"{self.choice.reason}; laid out at the model's first forward with autograd")
 
     def setup(self, model: nn.Module, requested: str | bool, precision: str) -> Choice[bool]:
         """Lay ``model`` out as ``requested`` ("auto": by the rule, for ``precision``); return the axis's Choice."""
@@ -188,19 +201,25 @@ class Layout:
         ends the wait (``_stepped``); let go of it otherwise."""
         if laid.pending and laid.optimizer is not None and laid.stepping is None:
             laid.stepping = laid.optimizer.register_step_post_hook(WeakHook(self, "_stepped"))
-        elif not laid.pending and laid.stepping is not None:
+        elif not laid.pending and laid.stepping is not None and not self._stepping:  # torch is calling its hooks
             laid.stepping.remove()
             laid.stepping = None
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """An optimizer stepped: a model of it still waiting for its first training forward was trained through other
-        methods (``model.decode(model.encode(x))``), which no check sees before they run: it stays NCHW."""
-        for model, laid in list(self._laid.items()):
-            if laid.pending and laid.optimizer is optimizer:
-                laid.refused = NOT_FORWARD
-                self._lay(model, laid, False)
-                if self.choice is not None and self.choice.value:
-                    self._set(Choice(False, self._refusal(self.choice, NOT_FORWARD)))
+        """An optimizer stepped: a model of it still waiting for its first forward with autograd, whose gradients it
+        stepped on, was trained through other methods (``model.decode(model.encode(x))``), which no check sees before
+        they run: it stays NCHW. (Its hook stays, doing nothing, until the Runtime closes: torch is iterating them.)"""
+        self._stepping = True
+        try:
+            for model, laid in list(self._laid.items()):
+                trained = any(p.grad is not None for p in model.parameters())  # not a step before any backward
+                if laid.pending and laid.optimizer is optimizer and trained:
+                    laid.refused = NOT_FORWARD
+                    self._lay(model, laid, False)
+                    if self.choice is not None and self.choice.value:
+                        self._set(Choice(False, self._refusal(self.choice, NOT_FORWARD)))
+        finally:
+            self._stepping = False
 
     def _before_forward(self, model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         """Before the first forward of its kind in NHWC: where that fails on copies of its inputs and NCHW runs, lay
@@ -210,14 +229,14 @@ class Layout:
             return None
         kind = TRAINING if model.training and torch.is_grad_enabled() else OTHER
         given: tuple[Any, Any] | None = None  # this forward's inputs laid out anew, where they were
-        if laid.pending and kind == TRAINING:  # its forward is how it trains: NHWC from this forward on, if it runs
+        if laid.pending and torch.is_grad_enabled():  # its forward is how it trains (in eval mode too, frozen norms)
             laid.pending = False
             lay_out(model, laid.optimizer, channels_last=True)
             laid.channels_last = True
             self._watch_steps(laid)
             self._set(cast(Choice[bool], self.choice))  # the batches moved from now on
-            # this one's too, as the next ones come: a model compiled on its first call compiles once, for NHWC
-            given = in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True)
+            if self.channels_last:  # this one's too, as the next ones come: a model compiled on its first call
+                given = in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True)  # compiles once
         if not laid.channels_last or kind in laid.verified:
             return given
         try:  # on NHWC copies of the inputs, as the batches moved from now on come

@@ -72,7 +72,7 @@ from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.state import RunState
 from redline.runtime.strategy import Strategy, build_strategy, explained
-from redline.runtime.transfer import move_to
+from redline.runtime.transfer import move_batch
 from redline.runtime.tuned import Tuning, tuned_for_model
 
 # a backward whose gradient reduction broke: a peer died, or a loop of the user's gave its ranks unequal steps
@@ -326,7 +326,7 @@ class Runtime(RunState):
     def to_device(self, batch: Any) -> Any:
         """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
         non_blocking = self.device.type == "cuda"
-        return move_to(batch, self.device, non_blocking=non_blocking, channels_last=self._layout.channels_last)
+        return move_batch(batch, self.device, non_blocking=non_blocking, channels_last=self._layout.channels_last)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -468,7 +468,7 @@ class Runtime(RunState):
         """Return the resolved Plan: each axis with its value and the reason for it."""
         plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs, self._kernels)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
-            plan = dataclasses.replace(plan, channels_last=self._layout.choice)
+            plan = dataclasses.replace(plan, channels_last=self._layout.shown)
         return plan
 
     def _check_forms(
