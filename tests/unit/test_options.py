@@ -67,6 +67,23 @@ def test_a_stored_plan_fixes_the_numerics_and_the_data_order_and_keeps_this_runs
     assert now.with_plan(plan).seed == 9
 
 
+def test_a_layout_auto_chose_stays_auto_in_a_resumed_run_and_one_asked_for_stays_as_asked():
+    # a resumed run got "on" for auto's NHWC: no NCHW fallback, and its image outputs came out NHWC, where a loss's
+    # logits.view(len(logits), -1) that ran before the resume then failed
+    plan = {
+        "device": {"value": "cpu"}, "precision": {"value": "bf16-mixed"}, "compile": {"value": False},
+        "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None},
+    }  # fmt: skip
+    for value, reason, resumed in [
+        (True, "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC", "auto"),
+        (False, "auto: ..., but the model's forward failed so (RuntimeError: view size): NCHW", "auto"),
+        (True, "requested", "on"),
+        (False, "requested", "off"),
+    ]:
+        stored = {**plan, "channels_last": {"value": value, "reason": reason}}
+        assert RuntimeOptions().with_plan(stored).channels_last == resumed
+
+
 def test_a_compile_mode_with_compile_off_is_refused_and_a_resumed_eager_run_drops_the_mode_asked_now():
     with pytest.raises(ConfigError, match=r"compile_mode='max-autotune' is not allowed; expected 'default' when"):
         RuntimeOptions(compile="off", compile_mode="max-autotune")

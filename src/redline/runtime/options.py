@@ -98,9 +98,9 @@ class RuntimeOptions:
     def with_plan(self, plan: Mapping[str, Mapping[str, Any]]) -> RuntimeOptions:
         """Return these options with the axes a stored Plan fixed (``Plan.to_dict()``), for a resumed run.
 
-        Precision, compile, layout, the attention kernel, accumulation, clipping and the seed (it fixes the data
-        order, and a resumed epoch goes on in its order) come from the Plan, so the run goes on as it started; the
-        device too unless one is asked for now (a run may move to a GPU). The strategy (it follows the
+        Precision, compile, layout (auto's stays auto), the attention kernel, accumulation, clipping and the seed (it
+        fixes the data order, and a resumed epoch goes on in its order) come from the Plan, so the run goes on as it
+        started; the device too unless one is asked for now (a run may move to a GPU). The strategy (it follows the
         number of processes, which may differ now), determinism and the micro-batches (a run that ran
         out of memory is resumed with --micro-batch auto) stay as asked for now. Activation
         checkpointing left to "auto" stays on if the Plan had it on.
@@ -108,6 +108,11 @@ class RuntimeOptions:
 
         def switch(axis: str) -> Switch:
             return "on" if plan.get(axis, {}).get("value") else "off"
+
+        # A layout auto chose stays auto: in the Plan's precision the rule lays the model out as it did, and auto's
+        # own ways go on (the check and its NCHW fallback, NHWC kept inside the model: "on" gives NHWC outputs)
+        layout = plan.get("channels_last", {})
+        channels_last = "auto" if str(layout.get("reason", "")).startswith("auto") else switch("channels_last")
 
         # Recomputing changes memory, not results: "on" or "off" asked now wins (a run that ran out of
         # memory resumes with it on). "auto" keeps a stored "on"; stored off, it starts off as it did.
@@ -128,7 +133,7 @@ class RuntimeOptions:
             compile=switch("compile"),
             compile_mode=mode,
             cuda_graphs=graphs,
-            channels_last=switch("channels_last"),
+            channels_last=channels_last,
             grad_accum=int(plan["grad_accum"]["value"]),
             clip_grad_norm=plan["clip_grad_norm"]["value"],
             seed=plan["seed"]["value"] if "seed" in plan else self.seed,
