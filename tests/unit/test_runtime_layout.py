@@ -738,3 +738,17 @@ def test_to_device_lays_out_the_inputs_of_a_pair_and_not_its_targets_as_the_load
         step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
         images, masks = rt.to_device((torch.randn(2, 3, 4, 4), torch.randn(2, 2, 4, 4)))  # two classes' masks
         assert is_nhwc(images) and not is_nhwc(masks) and masks.view(2, -1).shape == (2, 32)
+
+
+def test_a_model_the_user_compiles_after_setup_is_checked_eagerly_and_laid_out(monkeypatch):
+    # dynamo traced the check's hook, probe forward and all, failed inside ("exception table entry ..."), and the
+    # model was refused NHWC for the error of the trace, not its own
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = conv_net()
+    with bf16_nhwc() as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(2):
+            step(rt, compiled, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+        layout = rt.explain().channels_last
+        assert is_nhwc(net[0].weight) and layout.value is True, layout.reason
