@@ -564,6 +564,15 @@ class EncodesDecodes(nn.Module):
         return self.up(z).view(len(z), 3, 4, 4)
 
 
+def autoencoder_step(rt: Runtime, net: EncodesDecodes, optimizer: torch.optim.Optimizer) -> None:
+    """One step of ``net`` trained through its methods on a batch ``rt.to_device`` moved."""
+    x = rt.to_device(torch.randn(4, 3, 4, 4))
+    with rt.autocast():
+        loss = (net.decode(net.encode(x)).float() - x).square().mean()
+    rt.backward(loss)
+    rt.step(optimizer)
+
+
 def train_through_methods(rt: Runtime, steps: int, costs: dict[str, float] | None = None) -> nn.Module:
     net = EncodesDecodes()
     _, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
@@ -674,11 +683,7 @@ def test_a_users_step_hook_beside_the_wait_runs_and_the_step_goes_on(monkeypatch
         ran = []
         optimizer.register_step_post_hook(lambda *_: ran.append(1))  # an EMA's update, say
         for _ in range(3):
-            x = rt.to_device(torch.randn(4, 3, 4, 4))
-            with rt.autocast():
-                loss = (net.decode(net.encode(x)).float() - x).square().mean()
-            rt.backward(loss)
-            rt.step(optimizer)
+            autoencoder_step(rt, net, optimizer)
         assert ran == [1, 1, 1] and rt.explain().channels_last.value is False
 
 
@@ -695,11 +700,7 @@ def test_a_model_still_waiting_gets_nchw_batches_while_another_model_runs_nhwc(m
                 step(rt, d, d_optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
             assert is_nhwc(critic[0].weight) and not is_nhwc(rt.to_device(torch.randn(4, 3, 4, 4)))
             for _ in range(2):
-                x = rt.to_device(torch.randn(4, 3, 4, 4))
-                with rt.autocast():
-                    loss = (vae.decode(vae.encode(x)).float() - x).square().mean()
-                rt.backward(loss)
-                rt.step(v_optimizer)
+                autoencoder_step(rt, vae, v_optimizer)
         assert not is_nhwc(vae.conv.weight)
 
 
