@@ -434,6 +434,25 @@ def test_loading_names_an_optimizer_option_the_checkpoint_overrides(tmp_path, ca
     assert "hint: to train on with other options, set them in optimizer.param_groups after loading" in warning
 
 
+def test_a_resumed_runs_checkpoint_records_the_options_it_trained_with_not_its_factorys(tmp_path, caplog):
+    """A run resumed with lr=0.03 trained at the checkpoint's 0.003 but recorded 0.03: the next resume with no flag
+    warned falsely of 0.03, and one asking 0.03 again was not warned."""
+    _sgd_run(tmp_path, 0.003, save=True)
+    with redline.Runtime(devices="cpu", compile="off", seed=0) as rt:  # resumed asking 0.03: warned, trains at 0.003
+        _, opt = rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.03, momentum=0.9))
+        rt.load(tmp_path / "ck")
+        assert opt.param_groups[0]["lr"] == 0.003
+        rt.save(tmp_path / "ck2")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        (tmp_path / "ck").rename(tmp_path / "first")
+        (tmp_path / "ck2").rename(tmp_path / "ck")
+        _sgd_run(tmp_path, 0.003, save=False)
+        assert [r.getMessage() for r in caplog.records] == []
+        _sgd_run(tmp_path, 0.03, save=False)
+    assert "this run's optimizer has lr 0.03, the checkpoint's 0.003" in caplog.records[-1].getMessage()
+
+
 def test_a_checkpoint_mid_schedule_loads_without_a_warning_where_the_options_are_the_same(tmp_path, caplog):
     """The lr a schedule moved is no change of options: each side's optimizer is compared as it was built."""
     _sgd_run(tmp_path, 0.5, save=True, scheduled=True)

@@ -77,8 +77,9 @@ def test_a_layout_auto_chose_stays_auto_in_a_resumed_run_and_one_asked_for_stays
     for value, reason, resumed in [
         (True, "auto: bf16 convolutions run on this CPU's AMX tiles, which want NHWC", "auto"),
         (False, "auto: ..., but the model's forward failed so (RuntimeError: view size): NCHW", "auto"),
+        (True, "from checkpoint step 10: auto: bf16 convolutions run on ...", "auto"),  # resumed before: its note
         (True, "requested", "on"),
-        (False, "requested", "off"),
+        (False, "from checkpoint step 10: requested", "off"),
     ]:
         stored = {**plan, "channels_last": {"value": value, "reason": reason}}
         assert RuntimeOptions().with_plan(stored).channels_last == resumed

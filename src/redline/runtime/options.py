@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -111,8 +112,8 @@ class RuntimeOptions:
 
         # A layout auto chose stays auto: in the Plan's precision the rule lays the model out as it did, and auto's
         # own ways go on (the check and its NCHW fallback, NHWC kept inside the model: "on" gives NHWC outputs)
-        layout = plan.get("channels_last", {})
-        channels_last = "auto" if str(layout.get("reason", "")).startswith("auto") else switch("channels_last")
+        chosen = stored_reason(plan.get("channels_last", {}).get("reason", "")).startswith("auto")
+        channels_last = "auto" if chosen else switch("channels_last")
 
         # Recomputing changes memory, not results: "on" or "off" asked now wins (a run that ran out of
         # memory resumes with it on). "auto" keeps a stored "on"; stored off, it starts off as it did.
@@ -140,6 +141,14 @@ class RuntimeOptions:
             attention=_stored_kernel(plan.get("attention"), self.attention, plan["device"]["value"], self.devices),
             activation_checkpointing=checkpointing,
         )
+
+
+RESUMED = re.compile(r"^(?:from checkpoint step \d+: )+")  # the notes a resume puts before a stored Plan's reasons
+
+
+def stored_reason(reason: object) -> str:
+    """A stored Plan row's reason as the run that decided it gave it: the notes of resumes since taken off."""
+    return RESUMED.sub("", str(reason))
 
 
 def _stored_kernel(

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import operator
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -28,15 +27,12 @@ from redline.plan.micro_batch import found_size
 from redline.runtime.cycle import Cycle
 from redline.runtime.micro import MicroBatcher
 from redline.runtime.optimizer import changed_options, match_state_layout
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import RuntimeOptions, stored_reason
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.strategy import Strategy
 
 log = logging.getLogger("redline")
-
-
-_RESUMED = re.compile(r"^(?:from checkpoint step \d+: )+")  # the notes of earlier resumes, given once: the latest
 
 
 class RunState:
@@ -60,7 +56,7 @@ class RunState:
         each after ``note``; a checkpoint's note replaces the one an earlier resume put there."""
 
         def reason(old: Mapping[str, Any]) -> str:
-            return f"{note}: {_RESUMED.sub('', str(old.get('reason', '')))}"
+            return f"{note}: {stored_reason(old.get('reason', ''))}"  # the notes of earlier resumes: the latest
 
         changes = {}
         for axis, current in self._plan.to_dict().items():
@@ -159,6 +155,8 @@ class RunState:
                 "as it was saved\nhint: to train on with other options, set them in optimizer.param_groups after "
                 "loading, or start a new run (another --out)", checkpoint.path, "; ".join(changed)
             )  # fmt: skip
+        if saved:  # the optimizer's options now: what this run's checkpoints record, and a later resume is held against
+            self._built_options = saved
         self._restart_cycle(checkpoint.step)
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
         per_rank = runtime_state.get("rng") or []

@@ -15,7 +15,7 @@ from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import gather_objects, run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan.device import resolve_device
-from redline.runtime.options import RuntimeOptions, same_kind
+from redline.runtime.options import RuntimeOptions, same_kind, stored_reason
 from redline.train.callbacks import EarlyStopping
 from redline.train.output import read_summary
 from redline.train.state import Position
@@ -61,7 +61,7 @@ def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]
     for axis, (now, default) in asked.items():
         if axis not in plan:  # a Plan of an earlier version without it
             continue
-        stored, reason = plan[axis].get("value"), str(plan[axis].get("reason", ""))
+        stored, reason = plan[axis].get("value"), stored_reason(plan[axis].get("reason", ""))
         if isinstance(stored, bool):
             if now == "on" and not stored and reason.startswith("requested"):
                 continue
