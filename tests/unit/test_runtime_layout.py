@@ -753,3 +753,23 @@ def test_a_model_the_user_compiles_after_setup_is_checked_eagerly_and_laid_out(m
             step(rt, compiled, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
         layout = rt.explain().channels_last
         assert is_nhwc(net[0].weight) and layout.value is True, layout.reason
+
+
+def test_autos_nhwc_leaves_a_dict_batch_as_it_is_and_on_lays_it_out_whole(monkeypatch):
+    # {"noisy": x, "clean": y} from rt.setup_loader: auto laid every 4-d tensor out NHWC, and the loss's
+    # clean.view(len(clean), -1) failed from the second step; a pair's targets were kept NCHW already
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    data = [{"noisy": torch.randn(3, 4, 4), "clean": torch.randn(3, 4, 4)} for _ in range(12)]
+    for given, laid in [("auto", False), ("on", True)]:
+        net = nn.Conv2d(3, 3, 3, padding=1)
+        with bf16_nhwc(channels_last=given) as rt:
+            model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+            for batch in rt.setup_loader(DataLoader(data, batch_size=4)):
+                assert is_nhwc(batch["clean"]) is is_nhwc(batch["noisy"]) is (laid and is_nhwc(net.weight))
+                with rt.autocast():
+                    out = model(batch["noisy"]).float()
+                loss = (out.reshape(len(out), -1) - batch["clean"].reshape(len(out), -1)).square().mean()
+                rt.backward(loss)
+                rt.step(optimizer)
+            assert is_nhwc(net.weight)
+            assert is_nhwc(rt.to_device({"clean": torch.randn(2, 3, 4, 4)})["clean"]) is laid

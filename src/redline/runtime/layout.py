@@ -44,7 +44,7 @@ from redline.runtime.loading import DeviceLoader
 from redline.runtime.oom import is_oom
 from redline.runtime.optimizer import match_state_layout
 from redline.runtime.probe import probe_forward
-from redline.runtime.transfer import map_tensors
+from redline.runtime.transfer import map_tensors, move_batch
 from redline.runtime.weak_hook import WeakHook
 
 TRAINING, OTHER = "training", "other"  # the kinds of forward checked apart: a path may run in one only
@@ -137,9 +137,14 @@ class Layout:
 
     def loader(self, loader: Iterable[Any], device: torch.device) -> DeviceLoader:
         """``loader`` on ``device``, its 4-d batches laid out as the model is now and after any change."""
-        moved = DeviceLoader(loader, device, channels_last=self.channels_last)
+        moved = DeviceLoader(loader, device, channels_last=self.channels_last, whole=not self._falls_back)
         self._loaders.add(moved)
         return moved
+
+    def move(self, batch: Any, device: torch.device) -> Any:
+        """``batch`` on ``device``, laid out as the loaders' batches are (``rt.to_device``)."""
+        laid, whole = self.channels_last, not self._falls_back  # auto's NHWC lays out only what the model takes
+        return move_batch(batch, device, non_blocking=device.type == "cuda", channels_last=laid, whole=whole)
 
     def close(self) -> None:
         """Take the hooks off the set-up models: the check of a forward still to come, a refused model's conversion."""
@@ -194,7 +199,7 @@ class Layout:
     def _set(self, choice: Choice[bool]) -> None:
         self.choice = choice
         for loader in self._loaders:
-            loader.channels_last = self.channels_last
+            loader.channels_last, loader.whole = self.channels_last, not self._falls_back
 
     def _watch_steps(self, laid: _Laid) -> None:
         """Hook the optimizer of a ``pending`` model: a step it takes before the model's first training forward

@@ -161,10 +161,13 @@ class DeviceLoader:
     compute stream waits for that copy before it reads the batch.
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device, *, channels_last: bool = False) -> None:
+    def __init__(
+        self, loader: Iterable[Any], device: torch.device, *, channels_last: bool = False, whole: bool = True
+    ) -> None:
         self.loader = loader
         self.device = device
         self.channels_last = channels_last
+        self.whole = whole  # with channels_last, a batch other than an (inputs, targets) pair is laid out too
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -174,13 +177,17 @@ class DeviceLoader:
             return self._prefetch_cuda()
         if self.device.type == "cpu":
             return self._laid_out(read_batches(self.loader))
-        return (move_batch(b, self.device, channels_last=self.channels_last) for b in read_batches(self.loader))
+        return (self._move(b) for b in read_batches(self.loader))
 
     def _laid_out(self, batches: Iterator[Any]) -> Iterator[Any]:
         """CPU batches as they come, their 4-d tensors laid out NHWC while ``channels_last`` (which a run's precision
         check may change between two batches: runtime/layout.py)."""
         for batch in batches:
-            yield move_batch(batch, self.device, channels_last=True) if self.channels_last else batch
+            yield self._move(batch) if self.channels_last else batch
+
+    def _move(self, batch: Any, *, non_blocking: bool = False) -> Any:
+        laid, whole = self.channels_last, self.whole
+        return move_batch(batch, self.device, non_blocking=non_blocking, channels_last=laid, whole=whole)
 
     def __getattr__(self, name: str) -> Any:
         # Reach through to the loader for .dataset, .sampler, .batch_size and friends.
@@ -194,7 +201,7 @@ class DeviceLoader:
         def copy(batch: Any) -> tuple[Any, bool]:
             with torch.cuda.stream(stream):
                 laid = self.channels_last
-                return move_batch(batch, self.device, non_blocking=True, channels_last=laid), laid
+                return self._move(batch, non_blocking=True), laid
 
         source = read_batches(self.loader)
         try:
@@ -209,7 +216,7 @@ class DeviceLoader:
                 tensor.record_stream(current)
             batch, laid = ready
             if self.channels_last and not laid:  # copied before the model was laid out NHWC: as the next ones come
-                batch = move_batch(batch, self.device, channels_last=True)
+                batch = self._move(batch)
             try:
                 ready = copy(next(source))
             except StopIteration:

@@ -72,7 +72,6 @@ from redline.runtime.seed import warn_seeded_late
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.state import RunState
 from redline.runtime.strategy import Strategy, build_strategy, explained
-from redline.runtime.transfer import move_batch
 from redline.runtime.tuned import Tuning, tuned_for_model
 
 # a backward whose gradient reduction broke: a peer died, or a loop of the user's gave its ranks unequal steps
@@ -325,8 +324,7 @@ class Runtime(RunState):
 
     def to_device(self, batch: Any) -> Any:
         """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
-        non_blocking = self.device.type == "cuda"
-        return move_batch(batch, self.device, non_blocking=non_blocking, channels_last=self._layout.channels_last)
+        return self._layout.move(batch, self.device)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -32,12 +32,17 @@ def move_to(batch: Any, device: torch.device, *, non_blocking: bool = False, cha
     return map_tensors(batch, move)
 
 
-def move_batch(batch: Any, device: torch.device, *, non_blocking: bool = False, channels_last: bool = False) -> Any:
+def move_batch(
+    batch: Any, device: torch.device, *, non_blocking: bool = False, channels_last: bool = False, whole: bool = True
+) -> Any:
     """``move_to`` for a loader's batch: with ``channels_last``, an (inputs, targets) pair has its inputs laid out NHWC
-    and its targets not (a segmentation mask a loss views as ``target.view(len(target), -1)`` keeps NCHW)."""
+    and its targets not (a segmentation mask a loss views as ``target.view(len(target), -1)`` keeps NCHW); a batch of
+    another shape (a dict, a triple) is laid out ``whole``, or not at all, where which of its tensors the model takes
+    is not known (a tensor alone is the model's input)."""
     pair = isinstance(batch, tuple | list) and len(batch) == 2 and not hasattr(batch, "_fields")  # not a namedtuple
     if not (channels_last and pair):
-        return move_to(batch, device, non_blocking=non_blocking, channels_last=channels_last)
+        laid = channels_last and (whole or isinstance(batch, torch.Tensor))
+        return move_to(batch, device, non_blocking=non_blocking, channels_last=laid)
     inputs = move_to(batch[0], device, non_blocking=non_blocking, channels_last=True)
     targets = move_to(batch[1], device, non_blocking=non_blocking)
     return (inputs, targets) if isinstance(batch, tuple) else [inputs, targets]
