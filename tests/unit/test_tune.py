@@ -1,5 +1,6 @@
 """The tune's decisions and its cached Plan, on measurements given as data."""
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -123,6 +124,22 @@ def test_a_tuned_plan_fills_the_axes_left_to_auto_and_keeps_explicit_ones():
     assert (mine.precision, mine.compile, mine.grad_accum) == ("fp32", "off", 2)
     reasons = tuned.plan_reasons(applied)
     assert reasons["precision"] == {"value": "bf16-mixed", "reason": "bf16-mixed, 1.40x less time"}
+
+
+def test_a_tuned_nhwc_runs_as_autos_where_auto_lays_that_precision_out_so_and_keeps_the_tunes_reason():
+    # "on" handed NHWC outputs to a metric that views them: a run that worked before `redline tune` failed after it
+    from devices import CPU_AMX
+
+    tuned = dataclasses.replace(
+        tuned_plan(precision="bf16-mixed", channels_last=True), reasons={"channels_last": "NHWC, 1.30x less time"}
+    )
+    applied = tuned.apply(RuntimeOptions(), CPU_AMX)  # auto lays bf16 convolutions out NHWC on AMX
+    assert applied.channels_last == "auto"
+    assert tuned.plan_reasons(applied)["channels_last"] == {"value": True, "reason": "NHWC, 1.30x less time"}
+    fp32 = Candidate(precision="fp32", channels_last=True)  # auto keeps fp32 NCHW there: only "on" gives NHWC
+    assert fp32.options(RuntimeOptions(), CPU_AMX).channels_last == "on"
+    assert Candidate(precision="bf16-mixed").options(RuntimeOptions(), CPU_AMX).channels_last == "off"
+    assert tuned.apply(RuntimeOptions(channels_last="on"), CPU_AMX).channels_last == "on"  # asked for: as asked
 
 
 def test_the_cache_round_trips_and_misses_on_another_machine_or_batch(tmp_path, monkeypatch, caplog):

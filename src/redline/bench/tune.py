@@ -356,7 +356,7 @@ def _measure(
             failed[index] = UNMEASURED
             continue
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
-        options = candidate.options(RuntimeOptions(devices=device))
+        options = candidate.options(RuntimeOptions(devices=device), probe_device(torch.device(device)))
         try:
             runner = runtime_runner(
                 task, setting, seed=seed, planned_steps=planned, options=options, measured=_PICK_OWN

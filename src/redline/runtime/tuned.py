@@ -27,6 +27,7 @@ from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan.attention import plan_kernel
+from redline.plan.layout import resolve_channels_last
 from redline.runtime.measure import fingerprint_of, worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
@@ -68,15 +69,21 @@ class Candidate:
             parts.append(f"{self.grad_accum} micro-batches")
         return ", ".join(parts)
 
-    def options(self, base: RuntimeOptions) -> RuntimeOptions:
-        """``base`` with this candidate's axes set."""
+    def options(self, base: RuntimeOptions, facts: DeviceFacts | None = None) -> RuntimeOptions:
+        """``base`` with this candidate's axes set, for a run on the device of ``facts`` (None: any).
+
+        NHWC goes through "auto" where auto lays the candidate's precision out NHWC on that device: the model's image
+        outputs then come back NCHW and a forward that fails in NHWC goes back to NCHW, where "on" would hand NHWC
+        outputs to a loss or metric that views them (runtime/layout.py)."""
+        rule = resolve_channels_last("auto", facts, has_conv2d=True, precision=self.precision) if facts else None
+        auto = rule is not None and rule.value
         return RuntimeOptions.build(
             base,
             precision=self.precision,
             compile="on" if self.compile else "off",
             compile_mode=self.compile_mode,
             cuda_graphs="on" if self.cuda_graphs else "off",
-            channels_last="on" if self.channels_last else "off",
+            channels_last=("auto" if auto else "on") if self.channels_last else "off",
             attention=self.attention,
             loader_workers=self.loader_workers,
             grad_accum=self.grad_accum,
@@ -141,7 +148,7 @@ class TunedPlan:
             + tuple(a for a in ("cuda_graphs", "attention") if a not in entry["best"]),  # tuned before they existed
         )  # fmt: skip
 
-    def apply(self, options: RuntimeOptions) -> RuntimeOptions:
+    def apply(self, options: RuntimeOptions, facts: DeviceFacts | None = None) -> RuntimeOptions:
         """``options`` with the tuned axes, for those the user left to auto (an explicit request wins); an axis
         the tune did not measure keeps what ``options`` say (auto, unless asked otherwise).
 
@@ -150,7 +157,7 @@ class TunedPlan:
         processes, micro-batches after running out of memory, a compile asked for).
         """
         defaults = RuntimeOptions()
-        base = self.best.options(options)
+        base = self.best.options(options, facts)
         other_precision = options.precision not in (defaults.precision, self.best.precision)
         kept = {
             axis: getattr(options, axis)
@@ -174,7 +181,7 @@ class TunedPlan:
             "precision": (options.precision, self.best.precision),
             "compile": (options.compile == "on", self.best.compile),
             "cuda_graphs": (options.cuda_graphs == "on", self.best.cuda_graphs),
-            "channels_last": (options.channels_last == "on", self.best.channels_last),
+            "channels_last": (options.channels_last != "off", self.best.channels_last),  # "auto": apply's NHWC
             "attention": (plan_kernel(options.attention), plan_kernel(self.best.attention)),
             "grad_accum": (options.grad_accum, self.best.grad_accum),
         }
@@ -298,7 +305,7 @@ def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOption
             f"plan='tuned': the tuned Plan of this {type(model).__name__} in {path} could not be read ({exc})\n"
             "hint: run `redline tune --task SPEC` on a Task with this model again, or use plan='auto'"
         ) from None
-    applied = dataclasses.replace(tuned.apply(options), grad_accum=options.grad_accum)
+    applied = dataclasses.replace(tuned.apply(options, facts), grad_accum=options.grad_accum)
     reasons = tuned.plan_reasons(applied)
     if (k := tuned.best.grad_accum) > 1 and options.grad_accum == 1:
         told = f"not applied: the tune ran {k} {MICRO_BATCHES} faster; your loop owns the batches: "
@@ -350,7 +357,7 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
     if data is None:
         return None
     tuned = TunedPlan.from_dict(data)
-    applied = tuned.apply(options)
+    applied = tuned.apply(options, facts)
     micro = batch_size // applied.grad_accum if applied.grad_accum != options.grad_accum else batch_size
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
     return TunedRun(applied, micro, Tuning(tuned.plan_reasons(applied), note))
