@@ -614,6 +614,7 @@ def test_nor_when_the_precision_check_switches_to_bf16_after_its_fp32_steps(monk
         assert rt.precision.name == "bf16-mixed" and not is_nhwc(net.conv.weight)
         layout = rt.explain().channels_last
         assert layout.value is False and "its optimizer stepped on gradients before any forward" in layout.reason
+        assert "laid out so from step" not in layout.reason  # it never was
 
 
 def test_autos_nhwc_is_laid_out_at_the_first_training_forward_and_the_batches_follow(monkeypatch):

@@ -27,6 +27,7 @@ nor the Runtime.
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from redline.runtime.transfer import map_tensors, move_batch
 from redline.runtime.weak_hook import WeakHook
 
 TRAINING, OTHER = "training", "other"  # the kinds of forward checked apart: a path may run in one only
+_LAID_FROM = re.compile(r": laid out so from step \d+, with [\w-]+$")  # what follow() adds to the rule's reason
 NOT_FORWARD = (
     "its optimizer stepped on gradients before any forward of the model with autograd: the loop trains it through "
     "other methods (model.decode(model.encode(x))), which the check cannot run on NHWC copies first"
@@ -278,8 +280,9 @@ class Layout:
 
     @staticmethod
     def _refusal(choice: Choice[bool], failed: str) -> str:
-        if failed == NOT_FORWARD:
-            return f"{choice.reason}, but {NOT_FORWARD}: NCHW (channels_last='on' lays it out anyway, unchecked)"
+        if failed == NOT_FORWARD:  # it waited, so it was never laid out, whatever step the precision switched at
+            rule = _LAID_FROM.sub("", choice.reason)
+            return f"{rule}, but {NOT_FORWARD}: NCHW (channels_last='on' lays it out anyway, unchecked)"
         return f"{choice.reason}, but the model's forward failed so ({failed}): NCHW"
 
 
