@@ -176,7 +176,7 @@ class Layout:
         return falls_back(self.requested, self.world_size)
 
     def _lay(self, model: nn.Module, laid: _Laid, channels_last: bool) -> None:
-        # auto's NHWC, unchecked: laid out at the model's first training forward, which is checked then; a loop
+        # auto's NHWC, unchecked: laid out at the model's first forward with autograd, checked then; a loop
         # whose steps call other methods of the model (encode, decode) never runs the check, and keeps NCHW
         laid.pending = channels_last and self._falls_back and TRAINING not in laid.verified and not laid.channels_last
         if channels_last != laid.channels_last and not laid.pending:
@@ -204,7 +204,7 @@ class Layout:
             loader.channels_last, loader.whole = self.channels_last, not self._falls_back
 
     def _watch_steps(self, laid: _Laid) -> None:
-        """Hook the optimizer of a ``pending`` model: a step it takes before the model's first training forward
+        """Hook the optimizer of a ``pending`` model: a step it takes before the model's first forward with autograd
         ends the wait (``_stepped``); let go of it otherwise."""
         if laid.pending and laid.optimizer is not None and laid.stepping is None:
             laid.stepping = laid.optimizer.register_step_post_hook(WeakHook(self, "_stepped"))
@@ -219,8 +219,8 @@ class Layout:
         self._stepping = True
         try:
             for model, laid in list(self._laid.items()):
-                trained = any(p.grad is not None for p in model.parameters())  # not a step before any backward
-                if laid.pending and laid.optimizer is optimizer and trained:
+                waits = laid.pending and laid.optimizer is optimizer
+                if waits and any(p.grad is not None for p in model.parameters()):  # not a step before any backward
                     laid.refused = NOT_FORWARD
                     self._lay(model, laid, False)
                     if self.choice is not None and self.choice.value:
