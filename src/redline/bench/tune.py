@@ -351,12 +351,13 @@ def _measure(
     reset_compiler()
     runners: list[Runner] = []
     failed: dict[int, str] = {}
+    facts = probe_device(torch.device(device))  # what each candidate's layout is resolved for
     for index, candidate in enumerate(candidates):
         if index and time.perf_counter() >= deadline:  # the current setting is measured: the axis has begun
             failed[index] = UNMEASURED
             continue
         setting = Setting("explicit", device, candidate.precision, candidate.compile, task.batch_size)
-        options = candidate.options(RuntimeOptions(devices=device), probe_device(torch.device(device)))
+        options = candidate.options(RuntimeOptions(devices=device), facts)
         try:
             runner = runtime_runner(
                 task, setting, seed=seed, planned_steps=planned, options=options, measured=_PICK_OWN

@@ -99,19 +99,23 @@ class Layout:
     def channels_last(self) -> bool:
         """Whether the batches the Runtime moves are laid out NHWC: once a set-up model is, and none still waits (a
         waiting model may train through other methods, whose convolutions would then give NHWC outputs)."""
-        laid = self._laid.values()
         chosen = self.choice is not None and self.choice.value
-        return chosen and any(m.channels_last for m in laid) and not any(m.pending for m in laid)
+        return chosen and any(m.channels_last for m in self._laid.values()) and not self._waiting
 
     @property
     def changed(self) -> bool:
         """Whether the layout changed since the last model was set up, or a model waits to be laid out."""
-        return self.choice is not self.planned or any(m.pending for m in self._laid.values())
+        return self.choice is not self.planned or self._waiting
+
+    @property
+    def _waiting(self) -> bool:
+        """Whether a set-up model waits for its first forward with autograd to be laid out NHWC."""
+        return any(m.pending for m in self._laid.values())
 
     @property
     def shown(self) -> Choice[bool] | None:
         """The layout as the Plan gives it: ``choice``, with a note where a model still waits to be laid out."""
-        if self.choice is None or not any(m.pending for m in self._laid.values()):
+        if self.choice is None or not self._waiting:
             return self.choice
         return Choice(self.choice.value, f"{self.choice.reason}; laid out at the model's first forward with autograd")
 
@@ -243,11 +247,11 @@ class Layout:
             self._watch_steps(laid)
             self._set(cast(Choice[bool], self.choice))  # the batches moved from now on
             if self.channels_last:  # this one's too, as the next ones come: a model compiled on its first call
-                given = in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True)  # compiles once
+                given = in_layout((args, kwargs), channels_last=True)  # compiles once
         if not laid.channels_last or kind in laid.verified:
             return given
         try:  # on NHWC copies of the inputs, as the batches moved from now on come
-            self._probe(model, *(given or (in_layout(args, channels_last=True), in_layout(kwargs, channels_last=True))))
+            self._probe(model, *(given or in_layout((args, kwargs), channels_last=True)))
         except Exception as exc:
             if is_oom(exc):
                 return given  # memory, not the layout: the forward itself meets it, and the next forward is checked
@@ -257,7 +261,7 @@ class Layout:
             self._lay(model, laid, True)  # both kinds ran: the hook goes
             return given
         lay_out(model, laid.optimizer, channels_last=False)
-        args, kwargs = in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
+        args, kwargs = nchw_inputs(model, args, kwargs)
         try:
             self._probe(model, args, kwargs)
         except Exception:
@@ -294,7 +298,7 @@ def falls_back(requested: str | bool, world_size: int) -> bool:
 
 def nchw_inputs(model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """The pre-hook of a model whose forward fails in NHWC: its 4-d floating-point inputs in NCHW."""
-    return in_layout(args, channels_last=False), in_layout(kwargs, channels_last=False)
+    return in_layout((args, kwargs), channels_last=False)
 
 
 def lay_out(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, channels_last: bool) -> None:
