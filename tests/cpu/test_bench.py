@@ -564,6 +564,18 @@ def test_cli_bench_names_an_empty_compile_by_its_own_flag(given, monkeypatch):
         bench_command(task="example:digits", compile=given)
 
 
+@pytest.mark.parametrize(
+    ("flag", "given", "example"),
+    [("precision", "fp32,", "fp32,bf16-mixed"), ("batch_size", "16,", "32,64"), ("compile", "off,,on", "off,on")],
+)
+def test_cli_bench_refuses_a_blank_item_in_any_list_as_devices_does(flag, given, example, monkeypatch):
+    monkeypatch.setattr("redline.cli.bench.benchmark", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    name = "--" + flag.replace("_", "-")
+    expected = f"{name} {given!r} has an empty item between commas\nhint: e.g. {name} {example}"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        bench_command(task="example:digits", **{flag: given})
+
+
 def test_cli_bench_checks_where_the_html_goes_before_it_spends_the_bench(tmp_path, monkeypatch):
     def no_bench(*args, **kwargs):
         raise AssertionError("the bench ran, and its result would be lost when the page cannot be written")

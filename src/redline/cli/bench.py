@@ -101,7 +101,7 @@ def bench(
         raise interrupted
     rows = data["rows"]
     if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
-        sizes, named = set(_sizes(batch_size) or []), _parts(devices)
+        sizes, named = set(_sizes(batch_size) or []), _parts(devices, "--devices", "cpu,cuda")
         one = one_step(task, task_arg, named[0] if len(named) == 1 else None, sizes.pop() if len(sizes) == 1 else None)
         raise TrainingError(
             f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
@@ -196,18 +196,22 @@ def _estimator(task: Task, console: Console) -> Estimate:
 def _names(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    names = [name.lower() for name in _parts(text)]  # FP32 as --compile takes ON
+    names = [name.lower() for name in _parts(text, "--precision", "fp32,bf16-mixed")]  # FP32 as --compile takes ON
     if not names:
         raise ConfigError(f"--precision {text!r} names nothing\nhint: e.g. --precision fp32,bf16-mixed")
     return names
 
 
-def _parts(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+def _parts(text: str, flag: str, example: str) -> list[str]:
+    """The items of a comma-separated list; a blank one between commas (``16,`` or ``fp32,,bf16``) is refused."""
+    parts = [part.strip() for part in text.split(",")]
+    if any(parts) and not all(parts):  # a list of blanks alone names nothing, as the flag's own check says
+        raise ConfigError(f"{flag} {text!r} has an empty item between commas\nhint: e.g. {flag} {example}")
+    return [part for part in parts if part]
 
 
 def _switches(text: str) -> list[bool]:
-    names = _parts(text)
+    names = _parts(text, "--compile", "off,on")
     unknown = [name for name in names if name.lower() not in SWITCH]
     if unknown or not names:
         raise ConfigError(f"--compile {text!r}: expected on and/or off\nhint: e.g. --compile off,on")
@@ -217,8 +221,9 @@ def _switches(text: str) -> list[bool]:
 def _sizes(text: str | None) -> list[int] | None:
     if text is None:
         return None
+    parts = _parts(text, "--batch-size", "32,64")
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
+        sizes = [int(part) for part in parts]
     except ValueError:
         sizes = []
     if not sizes or any(size < 1 for size in sizes):
