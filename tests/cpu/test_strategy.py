@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import read_checkpoint, verify
 from redline.errors import ConfigError
+from redline.runtime.runtime import Runtime
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.strategy.single import SingleDevice
 
@@ -118,6 +119,22 @@ def test_fsdp_shards_rebuilds_the_optimizer_and_writes_shards_that_a_plain_model
     fresh, fresh_optimizer = plain.wrap(make_model(), adamw, device=CPU, precision="fp32")
     assert plain.load(written, fresh, fresh_optimizer) == ({"x": 1}, {"y": 2})
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("requested", ["auto", "on"])
+def test_a_runtime_under_fsdp_trains_a_convolutional_model_nchw_where_nhwc_would_stop_its_setup(requested, monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # where auto lays bf16 convolutions out NHWC
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+    with Runtime(devices="cpu", strategy="fsdp", precision="bf16-mixed", compile="off", channels_last=requested) as rt:
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for _ in range(2):
+            rt.backward(model(rt.to_device(torch.randn(4, 3, 4, 4))).float().square().mean())
+            rt.step(optimizer)
+        layout = rt.explain().channels_last
+    assert all(p.full_tensor().is_contiguous() for p in model.parameters())
+    assert layout.value is False and "FSDP shards contiguous parameters only" in layout.reason
 
 
 @pytest.mark.usefixtures("one_rank_group")

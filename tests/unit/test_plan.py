@@ -223,6 +223,16 @@ def test_channels_last_auto():
     assert resolve_channels_last("auto", P100, has_conv2d=True, precision="fp32").value is False
 
 
+@pytest.mark.parametrize("requested", ["auto", "on"])
+def test_channels_last_keeps_a_model_fsdp_shards_nchw_and_says_why(requested):
+    # fully_shard takes contiguous parameters only: NHWC convolution weights would stop the run at setup
+    for facts, precision in ((H100, "bf16-mixed"), (CPUS["amx"], "bf16-mixed")):
+        sharded = resolve_channels_last(requested, facts, has_conv2d=True, precision=precision, sharded=True)
+        assert sharded.value is False and "FSDP shards contiguous parameters only" in sharded.reason
+        assert sharded.reason.startswith("auto: " if requested == "auto" else "requested, but ")
+    assert resolve_channels_last("off", H100, has_conv2d=True, precision="fp32", sharded=True).reason == "requested"
+
+
 def test_channels_last_auto_on_a_cpu_is_for_bf16_on_amx_alone():
     # oneDNN's AMX bf16 convolutions want NHWC (digits: 1.33x); its fp32 ones ran as fast in NCHW
     amx = resolve_channels_last("auto", CPUS["amx"], has_conv2d=True, precision="bf16-mixed")

@@ -315,6 +315,9 @@ def test_a_trial_is_keyed_by_the_layout_asked_and_given_the_rule_layout_of_each_
     for channels_last in ("auto", "off", "auto"):  # the third reads what the first cached
         measure_auto(cnn, RuntimeOptions(devices="cpu", channels_last=channels_last), 16, 5000, DistEnv(), trial="auto")
     assert layouts == [{"fp32": False, "bf16-mixed": True}, {"fp32": False, "bf16-mixed": False}]
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "sharded"))  # FSDP's models stay NCHW: so do its trials
+    measure_auto(cnn, RuntimeOptions(devices="cpu", strategy="fsdp"), 16, 5000, DistEnv(), trial="auto")
+    assert layouts[-1] == {"fp32": False, "bf16-mixed": False}
     measure_auto(tiny_task(), RuntimeOptions(devices="cpu"), 16, 5000, DistEnv(), trial="auto")
     assert layouts[-1] == {"fp32": False, "bf16-mixed": False}  # no convolution: NCHW under every precision
 

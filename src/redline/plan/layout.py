@@ -14,7 +14,7 @@ def has_conv2d(model: nn.Module) -> bool:
 
 
 def resolve_channels_last(
-    requested: str | bool, facts: DeviceFacts, *, has_conv2d: bool, precision: str
+    requested: str | bool, facts: DeviceFacts, *, has_conv2d: bool, precision: str, sharded: bool = False
 ) -> Choice[bool]:
     """Use channels_last where tensor cores, or a CPU's AMX tiles, run the convolutions.
 
@@ -22,8 +22,13 @@ def resolve_channels_last(
     (https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html). So do oneDNN's bf16
     convolutions on AMX: the digits CNN's bf16 training step ran 1.32-1.36x faster in NHWC on a Xeon
     with AMX, while its fp32 step gained nothing steady (0.86-1.10x, benchmarks/results/trial-layout-cpu.md).
+
+    A ``sharded`` (FSDP) model stays NCHW: FSDP shards contiguous parameters only, and NHWC weights are not.
     """
     value = parse_switch("channels_last", requested)
+    if sharded and has_conv2d and value is not False:
+        told = "auto:" if value is None else "requested, but"
+        return Choice(False, f"{told} FSDP shards contiguous parameters only, and NHWC convolution weights are not")
     if value is None:
         if not has_conv2d:
             return Choice(False, "auto: the model has no 2-d convolution")

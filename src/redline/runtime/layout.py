@@ -61,6 +61,7 @@ class _Laid:
     """How one set-up model is laid out."""
 
     channels_last: bool
+    sharded: bool = False  # FSDP shards it: NCHW whatever the precision
     optimizer: torch.optim.Optimizer | None = None
     refused: str = ""  # why it runs NCHW where "auto" would lay it out NHWC: its forward failed so, or never ran
     pending: bool = False  # auto's NHWC, waiting for the model's first forward with autograd to be laid out, checked
@@ -119,11 +120,13 @@ class Layout:
             return self.choice
         return Choice(self.choice.value, f"{self.choice.reason}; laid out at the model's first forward with autograd")
 
-    def setup(self, model: nn.Module, requested: str | bool, precision: str) -> Choice[bool]:
-        """Lay ``model`` out as ``requested`` ("auto": by the rule, for ``precision``); return the axis's Choice."""
+    def setup(self, model: nn.Module, requested: str | bool, precision: str, *, sharded: bool = False) -> Choice[bool]:
+        """Lay ``model`` out as ``requested`` ("auto": by the rule, for ``precision``); return the axis's Choice.
+        A model FSDP will shard (``sharded``) stays NCHW, whatever the precision the run goes on in."""
         self.requested = requested
-        choice = resolve_channels_last(requested, self.facts, has_conv2d=has_conv2d(model), precision=precision)
         laid = self._laid.setdefault(model, _Laid(False))
+        laid.sharded = sharded
+        choice = self._rule(model, laid, requested, precision)
         if laid.refused and choice.value and self._falls_back:
             choice = Choice(False, self._refusal(choice, laid.refused))
         self._lay(model, laid, choice.value)
@@ -165,8 +168,7 @@ class Layout:
         ``precision``, from optimizer step ``step`` on. Only "auto" follows: a layout given stays, and so does NCHW for
         a model whose forward failed in NHWC."""
         for model, laid in list(self._laid.items()):
-            conv = has_conv2d(model)
-            wanted = resolve_channels_last(self.requested, self.facts, has_conv2d=conv, precision=precision)
+            wanted = self._rule(model, laid, self.requested, precision)
             if self.planned is None or wanted.value == (laid.channels_last or laid.pending) or laid.refused:
                 continue
             self._lay(model, laid, wanted.value)
@@ -174,6 +176,10 @@ class Layout:
                 self._set(self.planned)
             else:
                 self._set(Choice(wanted.value, f"{wanted.reason}: laid out so from step {step}, with {precision}"))
+
+    def _rule(self, model: nn.Module, laid: _Laid, requested: str | bool, precision: str) -> Choice[bool]:
+        conv = has_conv2d(model)
+        return resolve_channels_last(requested, self.facts, has_conv2d=conv, precision=precision, sharded=laid.sharded)
 
     @property
     def _falls_back(self) -> bool:

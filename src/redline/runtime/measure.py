@@ -171,10 +171,9 @@ def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Worklo
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    fallback = falls_back(options.channels_last, env.world_size)
-    return _Workload(
-        device, facts, batch_size // env.world_size, candidates, options.channels_last, fallback, options.attention
-    )
+    layout = "off" if options.strategy == "fsdp" else options.channels_last  # FSDP's models stay NCHW (plan/layout.py)
+    fallback = falls_back(layout, env.world_size)
+    return _Workload(device, facts, batch_size // env.world_size, candidates, layout, fallback, options.attention)
 
 
 def fingerprint_of(task: Task) -> str:

@@ -245,13 +245,14 @@ class Runtime(RunState):
         recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
         settled = self._compile_check.settled_precision() if second and self._compile_check is not None else None
-        layout = self._layout.setup(model, self.options.channels_last, settled or self.precision.name)
         strategy = resolve_strategy(
             self.options.strategy,
             world_size=self.env.world_size,
             params=sum(p.numel() for p in model.parameters()),
             device_mem_gib=self.facts.mem_gib,
         )
+        precision = settled or self.precision.name
+        layout = self._layout.setup(model, self.options.channels_last, precision, sharded=strategy.value == "fsdp")
         if strategy.value != "single" and not torch.distributed.is_initialized():
             raise ConfigError(
                 f"strategy={strategy.value!r} needs a process group, and this process was not launched as a "
