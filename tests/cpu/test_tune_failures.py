@@ -52,3 +52,16 @@ def test_profile_and_bench_name_the_one_step_run_with_the_task_as_typed(tmp_path
         bench_command(task=spec, task_arg=["features=7"], devices="cpu", precision="fp32", compile="off",
                       batch_size="8", steps=10, auto=False)  # fmt: skip
     assert expected in str(benched.value) and "SPEC" not in str(benched.value)
+
+
+def test_a_model_factory_that_raises_is_named_by_its_line_as_train_names_it(tmp_path):
+    # The tune's fingerprint ran the factory bare: the command ended in the user's traceback, not this error.
+    (tmp_path / "raising.py").write_text(
+        "from torch import nn\nfrom redline import Task\n\n"
+        "def bad():\n    return Task(model=lambda: nn.Linear(-1, 3), loss_fn=nn.functional.cross_entropy, "
+        "train_data=[1, 2], batch_size=1, name='bad')\n"
+    )
+    with pytest.raises(TrainingError, match=r"task 'bad': building the model or reading the first item") as refused:
+        tune_command(task=f"{tmp_path / 'raising.py'}:bad", devices="cpu", budget=5.0, planned_steps=None,
+                     batch_size=None, steps=1, json_output=False)  # fmt: skip
+    assert "raising.py" in str(refused.value)

@@ -279,6 +279,11 @@ def test_timings_survive_the_cache_round_trip():
     assert Timing.from_dict(timing.to_dict()) == timing
     laid_out = Timing(Setting("bf16-true", False, True), (0.1,), 0.0, "")
     assert Timing.from_dict(laid_out.to_dict()) == laid_out
+    failed = Timing(Setting("bf16-mixed", True), (), 0.0, "compile failed")
+    assert Timing.from_dict(failed.to_dict()) == failed
+    for edited in ([0.0], [float("inf")], [-0.1]):  # no block takes no time: an entry edited on disk, measured again
+        with pytest.raises(ValueError, match="block_s"):
+            Timing.from_dict({**timing.to_dict(), "block_s": edited})
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ that cover training steps only."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import ClassVar
@@ -25,6 +26,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import (
     Measured,
+    cache_dir,
     choose,
     decided,
     judge,
@@ -252,6 +254,34 @@ def test_the_cache_is_keyed_by_the_workload_and_the_machine(tmp_path, monkeypatc
     assert load_cached(key) is None  # measured again, not an error
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda m: [],  # nothing measured: the choice reads the first entry as fp32's
+        lambda m: [m[1], m[0]],  # no fp32 reference first
+        lambda m: [{**m[0], "step_times": [0.0, 0.0]}, m[1]],  # ratios divide by the step time
+        lambda m: [{**m[0], "step_times": ["a"]}, m[1]],
+        lambda m: [{**m[0], "losses": [True]}, m[1]],
+        lambda m: [{**m[0], "precision": 32}, m[1]],
+        lambda m: {"fp32": m[0]},
+    ],
+)
+def test_a_cached_trial_edited_or_damaged_on_disk_is_measured_again_not_a_crash(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    key = trial_key("abc", CPUS["amx"], 16, ["bf16-mixed"])
+    store(key, [measured("fp32", 10.0), measured("bf16-mixed", 7.0)])
+    path = tmp_path / "trials" / f"{key}.json"
+    entry = json.loads(path.read_text())
+    path.write_text(json.dumps({**entry, "measured": damage(entry["measured"])}))
+    assert load_cached(key) is None
+
+
+def test_the_cache_directory_variable_reads_a_tilde_as_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("REDLINE_CACHE_DIR", "~/redline-cache")  # quoted in a shell: it made ./~/redline-cache
+    assert cache_dir() == tmp_path / "redline-cache"
+
+
 @pytest.fixture
 def counted_trials(tmp_path, monkeypatch):
     """Plan as on an AMX CPU and count the trials, each timing bf16 at 0.7 of fp32's step."""
@@ -458,6 +488,9 @@ def test_the_matmul_peak_is_the_best_this_machine_has_shown_so_a_stall_does_not_
     assert [best_matmul_peak(cpu, facts, "fp32") for _ in range(4)] == [2.0, 2.0, 3.0, 3.0]
     monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: 0.5)
     assert best_matmul_peak(cpu, facts, "bf16-mixed") == 0.5  # each precision has its own peak
+    for path in (cache_dir() / "peaks").glob("*.json"):  # edited by hand: no peak a matmul can reach
+        path.write_text(json.dumps({"measured_at": "then", "measured": [float("inf"), True, -1.0]}))
+    assert best_matmul_peak(cpu, facts, "bf16-mixed") == 0.5
 
 
 def test_the_summary_reports_evaluation_time_beside_the_run(tmp_path):

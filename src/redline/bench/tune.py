@@ -51,6 +51,7 @@ from redline.plan.device import resolve_device
 from redline.plan.layout import has_conv2d
 from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
+from redline.runtime.measure import fingerprint_of
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import (
@@ -106,7 +107,7 @@ def tune(
     positive_int("batch_size", batch_size, optional=True)
     seed_number("seed", seed)
     check_tuned_cache()
-    fingerprint = task.fingerprint()  # of the Task as given: a run looks it up so, its batch size beside it
+    fingerprint = fingerprint_of(task)  # of the Task as given: a run looks it up so, its batch size beside it
     if batch_size is not None:
         task = dataclasses.replace(task, batch_size=batch_size)
     check_sizes(task, [task.batch_size])  # before the search: the hint names the largest that fits

@@ -121,7 +121,10 @@ class Timing:
     def from_dict(cls, data: dict[str, Any]) -> Timing:
         """Read back ``to_dict()``."""
         setting = Setting(data["precision"], bool(data["compiled"]), bool(data.get("channels_last", False)))
-        return cls(setting, tuple(float(s) for s in data["block_s"]), float(data["error"]), str(data["failed"]))
+        block_s = tuple(float(s) for s in data["block_s"])
+        if not all(math.isfinite(s) and s > 0 for s in block_s):  # edited on disk: no block takes no time
+            raise ValueError(f"block_s {list(block_s)} are not all positive")
+        return cls(setting, block_s, float(data["error"]), str(data["failed"]))
 
 
 def read_measure(requested: object) -> bool:

@@ -85,7 +85,21 @@ class Measured:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Measured:
-        return cls(data["precision"], tuple(data["step_times"]), tuple(data["losses"]), data.get("rejected", ""))
+        """A cached candidate; ValueError or TypeError where an entry edited or damaged on disk holds what no trial
+        writes (a step that took no time, a loss that is not a number)."""
+        precision, rejected = data["precision"], data.get("rejected", "")
+        if not isinstance(precision, str) or not isinstance(rejected, str):
+            raise TypeError(f"precision {precision!r} and rejected {rejected!r} are not texts")
+        times, losses = _numbers(data["step_times"]), _numbers(data["losses"])
+        if not all(math.isfinite(t) and t > 0 for t in times):
+            raise ValueError(f"step_times {list(times)} are not all positive")
+        return cls(precision, times, losses, rejected)
+
+
+def _numbers(value: Any) -> tuple[float, ...]:
+    if not isinstance(value, list | tuple) or any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
+        raise TypeError(f"{value!r} is not a list of numbers")
+    return tuple(float(v) for v in value)
 
 
 def time_steps(
@@ -377,17 +391,21 @@ def cache_key(fingerprint: str, facts: DeviceFacts, *what: str, threads: bool = 
 
 
 def cache_dir() -> Path:
-    """Where measured choices are cached: ``$REDLINE_CACHE_DIR``, else ``~/.cache/redline``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "redline")
+    """Where measured choices are cached: ``$REDLINE_CACHE_DIR`` (a quoted ``~`` read as the home directory), else
+    ``~/.cache/redline``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "redline").expanduser()
 
 
 def load_cached(key: str) -> tuple[list[Measured], str] | None:
     """A cached trial and when it was measured, or None (an unreadable entry is measured again)."""
     found = read_cache("trials", key)
     try:
-        return ([Measured.from_dict(m) for m in found[0]], found[1]) if found else None
+        measured = [Measured.from_dict(m) for m in found[0]] if found else None
     except (ValueError, KeyError, TypeError):
         return None
+    if not found or not measured or measured[0].precision != "fp32":  # every trial times its fp32 reference first
+        return None
+    return measured, found[1]
 
 
 def store(key: str, measured: Sequence[Measured]) -> None:
@@ -427,7 +445,8 @@ def best_matmul_peak(device: torch.device, facts: DeviceFacts, precision: str, *
     a new best is cached. None where none was ever measured (a GPU the run left full)."""
     key = cache_key("matmul peak", facts, precision, torch.get_float32_matmul_precision())  # TF32's on or off
     found = read_cache("peaks", key)
-    before = max((float(v) for v in found[0] if isinstance(v, int | float)), default=None) if found else None
+    peaks = [float(v) for v in found[0] if isinstance(v, int | float) and not isinstance(v, bool)] if found else []
+    before = max((v for v in peaks if math.isfinite(v) and v > 0), default=None)  # an edited 0 or inf: none
     now = matmul_peak(device, precision, blocks=blocks)
     if now is not None and (before is None or now > before):
         write_cache("peaks", key, [now])
