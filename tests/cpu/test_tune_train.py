@@ -106,6 +106,9 @@ def test_plan_tuned_without_a_tune_says_the_tune_command_with_the_task_as_typed(
     assert isinstance(result.exception, ConfigError), result.output
     hint = str(result.exception).split("\nhint: ")[-1]
     assert hint.startswith("run `redline tune --task example:chargpt --task-arg n_layer=1 --batch-size 4` first")
+    result = CliRunner().invoke(app, [*args, "--batch-size", "4", "--devices", "cpu"])  # a GPU machine tunes cuda
+    tune = "`redline tune --task example:chargpt --task-arg n_layer=1 --batch-size 4 --devices cpu` first"
+    assert str(result.exception).split("\nhint: ")[-1].startswith(f"run {tune}")
 
 
 def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_path):
@@ -120,6 +123,22 @@ def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_
     with Trainer(task, dataclasses.replace(config, max_steps=5, resume="auto")) as again:
         resumed = again.fit()
     assert again.batch_size == 16 and resumed.steps == 5 and resumed.samples == 5 * 32
+
+
+def test_grad_accum_asked_as_the_tune_chose_it_runs_whole_batches_and_resumes_so(tmp_path):
+    # --grad-accum 2 runs two whole batches a step; the tune's 2 splits one. The tune's reason went with the run's
+    # value, so the resume halved the batch and was refused, its hint naming twice the batch the run had.
+    task = mlp_task()
+    cache_plan(task, grad_accum=2)
+    config = TrainerConfig(max_steps=2, plan="tuned", runtime=RuntimeOptions(grad_accum=2), progress=False,
+                           out_dir=tmp_path / "run", checkpoint_every=2)  # fmt: skip
+    with Trainer(task, config) as trainer:
+        first = trainer.fit()
+    assert trainer.batch_size == 32 and first.samples == 2 * 64
+    assert "tuned" not in first.plan.to_dict()["grad_accum"]["reason"]
+    with Trainer(task, dataclasses.replace(config, max_steps=4, resume="auto")) as again:
+        resumed = again.fit()
+    assert again.batch_size == 32 and resumed.steps == 4 and resumed.samples == 4 * 64
 
 
 def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):

@@ -358,9 +358,13 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
         return None
     tuned = TunedPlan.from_dict(data)
     applied = tuned.apply(options, facts)
-    micro = batch_size // applied.grad_accum if applied.grad_accum != options.grad_accum else batch_size
+    split = applied.grad_accum != options.grad_accum  # the tune's micro-batches split the batch; a user's add batches
+    micro = batch_size // applied.grad_accum if split else batch_size
+    reasons = tuned.plan_reasons(applied)
+    if not split:  # --grad-accum K runs K whole batches a step, the tune's K parts of one: its reason is not this run's
+        reasons.pop("grad_accum", None)
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
-    return TunedRun(applied, micro, Tuning(tuned.plan_reasons(applied), note))
+    return TunedRun(applied, micro, Tuning(reasons, note))
 
 
 def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:

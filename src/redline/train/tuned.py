@@ -29,10 +29,11 @@ def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv
     found = find_tuned(task, options, batch_size, env)
     if found is None:
         _, facts = worker_device(options, env)
+        devices = f" --devices {options.devices}" if options.devices != "auto" else ""  # the tune runs where asked
         raise ConfigError(
             f"no tuned Plan for task {task.name!r} at batch size {batch_size} on this machine ({facts.name})\n"
-            f"hint: run `{TUNE_COMMAND} --batch-size {batch_size}` first (it caches the Plan under {cache_dir()}), "
-            "or use --plan auto"
+            f"hint: run `{TUNE_COMMAND} --batch-size {batch_size}{devices}` first (it caches the Plan under "
+            f"{cache_dir()}), or use --plan auto"
         )
     return found
 
