@@ -475,6 +475,27 @@ def test_a_stalled_matmul_peak_is_measured_again_and_never_reported_above_100_pe
     assert figures.measured_peak_ratio == (None if expected is None else pytest.approx(achieved / 1e12))
 
 
+def test_a_run_whose_first_step_is_an_epochs_short_last_batch_counts_the_flops_its_steps_ran(monkeypatch):
+    # A resume at an epoch's last step counted the FLOPs of its 30-sample batch for every 64-sample step after it.
+    from redline.hardware.flops import count_train_flops
+
+    monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: 1.0)
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    inputs, targets = task.train_data.tensors
+    full = count_train_flops(model, task.loss_fn, (inputs[:16], targets[:16]))
+    meter = Throughput(rt, task, clock=clock)
+    meter.first_step_done(inputs[:6], targets[:6], model)  # untimed: the epoch's last 6 samples
+    for _ in range(3):
+        meter.count(16, 0)
+        clock.now += 0.1
+        meter.first_step_done(inputs[:16], targets[:16], model)
+    figures = meter.totals()
+    assert figures.flops_per_step == full
+    assert figures.measured_peak_ratio == pytest.approx(full / 0.1 / 1e12)
+
+
 def test_the_matmul_peak_is_the_best_this_machine_has_shown_so_a_stall_does_not_inflate_the_share(monkeypatch):
     # On a busy 2-core machine one summary said 52.9% of the matmul peak and others 0.7-1.5%: the peak measured at
     # the summary had stalled. A measurement only comes out low, so the best one seen (cached) is the device's.

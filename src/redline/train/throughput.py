@@ -14,6 +14,7 @@ from torch import nn
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.flops import count_train_flops, mfu, share_of_peak
 from redline.hardware.memory import WindowPeak
+from redline.runtime.contract import count_samples
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
@@ -48,6 +49,7 @@ class Throughput:
         self.world_size = world_size  # every rank runs an equal share: global figures are world x local
         self.clock = clock
         self.flops_per_step: int | None = None
+        self._flops_per_sample: float | None = None
         self.start: float | None = None
         self.steps = self.samples = self.tokens = 0
         self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0}
@@ -89,6 +91,8 @@ class Throughput:
             return
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
         self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
+        rows = count_samples(inputs)  # the FLOPs of a sample: a first batch may be an epoch's short last one (a resume)
+        self._flops_per_sample = flops / rows if flops is not None and rows else None
         self._sync()
         self.start = self.clock()
         self._compiled = self.rt.training_compile_seconds
@@ -121,8 +125,12 @@ class Throughput:
             elapsed = self.clock() - self.start - self._paused - compiling
         if not self.steps or elapsed <= 0:
             return Figures(None, None, self.flops_per_step, None, None, None)
-        # Per device: the MFU of one device equals the job's when every rank runs an equal share.
-        achieved = self.flops_per_step / self.world_size * self.steps / elapsed if self.flops_per_step else None
+        # Per device: the MFU of one device equals the job's when every rank runs an equal share. The FLOPs are the
+        # samples the timed steps ran, so a short batch counted first, or short batches timed, weigh what they ran.
+        flops = self._flops_per_sample * self.samples if self._flops_per_sample and self.samples else None
+        if flops is not None:
+            self.flops_per_step = round(flops * self.world_size / self.steps)  # the mean step's, every rank's
+        achieved = flops / elapsed if flops is not None else None
         plan = self.rt.explain()
         spec = find_gpu(self.rt.facts.name) if self.rt.device.type == "cuda" else None
         peak = peak_tflops(spec, self.rt.precision.name, tf32=plan.tf32.value) if spec else None
