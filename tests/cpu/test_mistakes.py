@@ -385,6 +385,47 @@ def test_weights_the_disk_refuses_are_a_clear_error_that_leaves_the_earlier_file
     assert (tmp_path / "model.safetensors").read_bytes() == b"the earlier weights"
 
 
+TINY_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+def make():
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    return redline.Task(model=lambda: nn.Linear(8, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=TensorDataset(x, y), batch_size=8, name="tiny")
+"""
+
+
+def test_train_nproc_refuses_an_earlier_runs_checkpoints_before_any_worker_a_restart_would_let_go_on(
+    tmp_path, monkeypatch
+):
+    # Only the workers' first attempt refused: torchrun restarted the refused worker (--max-restarts), the restart
+    # went on from the earlier run's newest checkpoint, and the job exited 0.
+    import torch.distributed.run
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    def never_start(args: object) -> None:
+        raise AssertionError("workers started")
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.py").write_text(TINY_TASK)
+    earlier = CliRunner().invoke(app, ["train", "--task", "tasks.py:make", "--max-steps", "4", "--out", "run",
+                                       "--checkpoint-every", "2", "--no-progress"])  # fmt: skip
+    assert earlier.exit_code == 0, earlier.output
+    monkeypatch.setattr(torch.distributed.run, "run", never_start)
+    launch = ["train", "--task", "tasks.py:make", "--nproc", "2", "--max-restarts", "1", "--out", "run"]
+    new = CliRunner().invoke(app, launch)
+    assert isinstance(new.exception, ConfigError), new.output
+    assert "holds an earlier run's checkpoints (the newest at step 4)" in str(new.exception)
+    branch = CliRunner().invoke(app, [*launch, "--resume", "run/checkpoints/step-00000002"])  # its steps past 2
+    assert isinstance(branch.exception, ConfigError), branch.output
+    assert "holds checkpoints past step 2 (at 4)" in str(branch.exception)
+
+
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(tmp_path):
     with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False) as trainer:
         trainer.fit()

@@ -37,6 +37,7 @@ from redline.task import check_spec
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.lock import refuse_if_held
+from redline.train.resume import refuse_before_launch
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
@@ -115,6 +116,8 @@ def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: Ta
     with said_by_flags(**spellings(TrainerConfig)):
         if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
             refuse_if_held(config.out_dir)
+            if config.out_dir is not None:  # another run's checkpoints: a restarted worker would go on from them
+                refuse_before_launch(config.out_dir / "checkpoints", config.resume)
         if isinstance(launch_config.nproc, int) and config.batch_size is not None:  # not after the workers start
             check_split(config.batch_size, launch_config.nproc * launch_config.nnodes)
     if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat

@@ -134,12 +134,31 @@ def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, foun
     explicit = resume not in (None, "auto") and found is not None
     if env.restart_count == 0 and (resume is None or explicit):
         steps, others = run_on_rank0(lambda: _repaired_steps(root), "listing the checkpoints")
-        if steps and resume is None:
-            raise _earlier_run(root, steps[-1], other_version=steps[-1] in others)
-        if steps and found is not None:
-            _refuse_a_mix(root, found, steps, others)
+        _refuse(root, found, steps, others)
     if env.is_main:
         checkpoint.clean_staging(root)
+
+
+def refuse_before_launch(root: Path, resume: str | None) -> None:
+    """Refuse, in the launcher of `train --nproc` before any worker starts, what ``prepare_checkpoint_dir`` refuses
+    in the workers' first attempt: a worker torchrun restarts (--max-restarts) goes on from the newest checkpoint
+    under ``root``, so a refusal of the first attempt alone would be undone, and the job would continue another run."""
+    if resume == "auto":
+        return
+    found = None
+    if resume is not None:
+        try:
+            found = checkpoint.read_checkpoint(Path(resume))  # its manifest: the workers verify it
+        except (checkpoint.CheckpointError, OSError):
+            return  # the workers say what is wrong with it
+    _refuse(root, found, *_repaired_steps(root))
+
+
+def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list[int]) -> None:
+    if steps and found is None:
+        raise _earlier_run(root, steps[-1], other_version=steps[-1] in others)
+    if steps and found is not None:
+        _refuse_a_mix(root, found, steps, others)
 
 
 def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError:
