@@ -477,6 +477,7 @@ def test_a_stalled_rank_is_named_by_the_hang_watchdog(tmp_path):
     assert elapsed < 60, f"the job took {elapsed:.0f} s; the watchdog should end it within the timeout plus a few s"
     assert "rank 1 stopped at step 5" in result.stderr, result.stderr[-3000:]
     assert "error: hang: rank 1 stopped at step 5" in result.stderr  # said as every error is, not "HangError: ..."
+    assert result.stderr.count("hang: rank 1 stopped at step 5") == 1  # by the launcher; rank 0 printed it too
     assert (tmp_path / "hang.txt").is_file() and (tmp_path / "hang-rank1.txt").is_file()
     assert "on_step" in (tmp_path / "hang-rank1.txt").read_text()  # rank 1's own stack shows where it sleeps
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from redline.errors import ConfigError
+from redline.errors import SAID_ERRORS_ENV, ConfigError
 from redline.parallel.watchdog import (
     HANG_EXIT_CODE,
     START_ALLOWANCE_S,
@@ -240,6 +241,25 @@ def test_a_stalled_rank_writes_its_stack_and_the_report_then_exits(tmp_path: Pat
     assert "stuck_in_forward" in (tmp_path / "hang-rank0.txt").read_text()
     report = (tmp_path / "hang.txt").read_text()
     assert report.startswith("hang: rank 0 stopped at step 3 in 'forward' (hang timeout 0.4 s)")
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_the_diagnosis_is_printed_once_under_redlines_launcher_which_prints_it_from_torchruns_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, launched: bool
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    if launched:  # the launcher's folder of errors printed: it prints the hang from the error file itself
+        monkeypatch.setenv(SAID_ERRORS_ENV, str(tmp_path))
+    watchdog, exits = watched(dist.HashStore(), 0, 1, 0.4, tmp_path)
+    with caplog.at_level(logging.ERROR, logger="redline"), watchdog:
+        watchdog.beat(2, "forward")
+        watchdog.beat(3, "forward")
+        stuck_in_forward(exits)
+    report = (tmp_path / "hang.txt").read_text().strip()
+    said = [r.getMessage() for r in caplog.records]
+    assert (report in said) is not launched
+    assert any("stack in" in line for line in said) is launched
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == f"HangError: {report}"
 
 
 def test_a_fresh_rank_dumps_too_when_another_fired_and_gives_torchrun_its_report(

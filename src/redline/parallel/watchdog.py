@@ -44,7 +44,7 @@ import torch.distributed as torch_dist
 from torch.torch_version import TorchVersion
 
 from redline.config import positive_number
-from redline.errors import RedlineError, few, invalid
+from redline.errors import SAID_ERRORS_ENV, RedlineError, few, invalid
 
 HANG_EXIT_CODE = 124  # as coreutils timeout(1) uses; torchrun reports it as the worker's exitcode
 REPORT_FILE = "hang.txt"
@@ -277,17 +277,21 @@ class Watchdog:
         position = dataclasses.replace(position, stack=self._write_stack(position, entries))
         first = self._store_call(self.store.add, self._key + "hang", 1) in (1, None)  # None: no store, report alone
         self._publish(position)
+        where = (self.rank, position.stack)
         if first:
             message = self._describe_all(position, *self._limit(beat))
             if self.out_dir is not None:
                 _write(self.out_dir / REPORT_FILE, message + "\n")
-            log.error("%s", message)
+            if _launcher_says():
+                log.error("redline hang watchdog, rank %d: stack in %s; the launcher prints the diagnosis", *where)
+            else:
+                log.error("%s", message)
             self._store_call(self.store.set, self._key + "report", message)
         else:  # stay until the report exists: exiting first would let torchrun kill the reporting rank
             self._store_call(self.store.wait, [self._key + "report"], dt.timedelta(seconds=_GATHER_S + 2))
             report = self._store_call(self.store.get, self._key + "report") if self._reported() else None
             message = report.decode() if isinstance(report, bytes) else self._describe_all(position, *self._limit(beat))
-            log.error("redline hang watchdog, rank %d: stack in %s", self.rank, position.stack)
+            log.error("redline hang watchdog, rank %d: stack in %s", *where)
         _record_for_torchrun(message)
         deadline.cancel()
         self._exit(HANG_EXIT_CODE)
@@ -396,6 +400,11 @@ def _write(path: Path, data: str | bytes) -> bool:
     except OSError:
         return False
     return True
+
+
+def _launcher_says() -> bool:
+    """Whether redline's launcher prints the diagnosis, from torchrun's error file: printed here too, it came twice."""
+    return bool(os.environ.get(SAID_ERRORS_ENV)) and "TORCHELASTIC_ERROR_FILE" in os.environ
 
 
 def _record_for_torchrun(message: str) -> None:
