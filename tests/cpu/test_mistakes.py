@@ -560,3 +560,28 @@ def test_a_signal_during_the_last_step_ends_the_run_as_finished_not_interrupted(
     with Trainer(mistake(), max_steps=4, log_every=1, progress=False, callbacks=[SignalAt(1)]) as trainer:
         early = trainer.fit()
     assert (early.steps, early.stopped) == (2, "signal SIGTERM")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_job_wide_warnings_of_a_resume_and_of_the_data_are_said_by_rank_0_alone(tmp_path, caplog, rank):
+    # Under `train --nproc N` each of these came N times: every rank said them.
+    import logging
+
+    from redline.checkpoint import open_checkpoint
+    from redline.parallel.env import DistEnv
+    from redline.train import resume
+    from redline.train.state import Position
+
+    fp32 = RuntimeOptions(devices="cpu", precision="fp32")
+    with Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False, runtime=fp32) as trainer:
+        trainer.fit()
+    found = open_checkpoint("auto", tmp_path / "checkpoints")
+    env = DistEnv(rank=rank, world_size=2)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        resume.resumed_options(RuntimeOptions(devices="cpu", precision="bf16-mixed"), found, env)  # the Plan's fp32
+        resume.warn_unsaved(found, None, env)  # resumed without --out
+        resume.ended_run(Position(step=4), "max_steps", total=4, max_epochs=1, max_steps=4, out_dir=tmp_path, env=env)
+        plan_length(list(range(3)), batch_size=8, world_size=1, grad_accum=1, max_epochs=1, max_steps=None,
+                    warn=rank == 0)  # fmt: skip
+    said = [record.getMessage().split("\n")[0] for record in caplog.records]
+    assert len(said) == (4 if rank == 0 else 0), said

@@ -82,6 +82,7 @@ def plan_length(
     max_epochs: float,
     max_steps: int | None,
     drop_last: bool = False,
+    warn: bool = True,
 ) -> tuple[float, int | None]:
     """Return a run's optimizer steps, and its batches per epoch (None for a stream whose length is unknown).
 
@@ -105,7 +106,7 @@ def plan_length(
             f"train_data {found}{split}: there is nothing to train on\n"
             "hint: check the dataset's length, or lower the batch size"
         )
-    if size < batch_size and not drop_last:  # one partial batch an epoch: each step sees the whole set
+    if size < batch_size and not drop_last and warn:  # one partial batch an epoch: each step sees the whole set
         log.warning(
             "train_data holds %d items, fewer than a batch of %d: every batch is the whole set of %d\nhint: pass "
             "--batch-size %d to say so, or --grad-accum N for more samples per step", size, batch_size, size, size

@@ -30,7 +30,7 @@ def resumed_options(options: RuntimeOptions, found: Checkpoint | None, env: Dist
         return options
     plan = checkpoint.load_plan(found)
     overridden = overridden_requests(options, plan)
-    if overridden:
+    if overridden and env.is_main:  # rank 0 speaks for the job
         log.warning(
             "resuming %s under the Plan it was written with: %s\nhint: to train with other numerics, start a new "
             "run (another --out); drop the flag to silence this", found.path, "; ".join(overridden)
@@ -106,9 +106,9 @@ def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoi
     return found
 
 
-def warn_unsaved(found: Checkpoint | None, out_dir: Path | None) -> None:
+def warn_unsaved(found: Checkpoint | None, out_dir: Path | None, env: DistEnv) -> None:
     """Warn that a run resumed without an out_dir writes nothing: its steps end with the process."""
-    if found is not None and out_dir is None:
+    if found is not None and out_dir is None and env.is_main:
         run_dir = found.path.parent.parent if found.path.parent.name == "checkpoints" else None
         if run_dir is None:
             where = ""
@@ -248,6 +248,8 @@ def ended_run(
     if not reason:
         return None, reason
     ended = stored_summary(out_dir, env) if out_dir is not None else None
+    if not env.is_main:  # rank 0 speaks for the job
+        return ended, reason
     if ended is None:
         if max_steps is not None and pos.step > max_steps:  # not this run's own end: a count taken as "more steps"
             log.warning(

@@ -287,7 +287,7 @@ class Trainer:
             self.early_stopping.reset()
         self.best = best_weights(self.config.keep_best, self.out_dir)
         resumed = self._find_resume()
-        resume.warn_unsaved(resumed, self.out_dir)
+        resume.warn_unsaved(resumed, self.out_dir, self.env)
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
             resume.prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
         options = resume.resumed_options(self.options, resumed, self.env)
@@ -299,6 +299,7 @@ class Trainer:
         length = functools.partial(
             plan_length, self.task.train_data, batch_size=self.batch_size, world_size=self.env.world_size,
             grad_accum=options.grad_accum, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
+            warn=self.env.is_main,
         )  # fmt: skip
         total, self._batches_per_epoch = length()
         trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
@@ -348,9 +349,8 @@ class Trainer:
     ) -> tuple[Runtime, nn.Module, Any, Any, Position]:
         if self.rt is not None:  # a second fit (or evaluate, then fit) starts from a fresh Runtime
             self.rt.close()
-        rt = Runtime(
-            options, planned_steps=planned_steps, measured=measured, watch_hangs=False
-        ).start()  # seeded before the model is built; the loop's own watchdog knows more phases
+        # Seeded before the model is built; the loop's own watchdog knows more phases.
+        rt = Runtime(options, planned_steps=planned_steps, measured=measured, watch_hangs=False).start()
         rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
         self.rt = rt
         with users_failure(f"task {self.task.name!r}: building the model", FINGERPRINT_HINT):
