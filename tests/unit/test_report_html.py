@@ -166,6 +166,16 @@ def test_a_jsonl_log_an_earlier_run_left_beside_a_newer_csv_is_not_drawn(tmp_pat
     assert "train loss over 30 points" in alts(run_report(write_run(tmp_path / "both")))[0]  # one run's: JSONL
 
 
+def test_a_jsonl_log_a_resume_added_is_not_drawn_where_the_csv_holds_the_run_from_its_start(tmp_path):
+    # --logger csv, then a resume with the default loggers: the JSONL starts at the resumed step, and the report
+    # drew the curve from there alone, half the run missing.
+    run = write_run(tmp_path, steps=30)
+    rows = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(rows[15:]))  # resumed at step 15
+    doc = run_report(run)
+    assert "train loss over 30 points" in alts(doc)[0] and "Read from metrics.csv" in doc
+
+
 def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):
     run = write_run(tmp_path, summary=None)
     (run / "metrics.jsonl").unlink()

@@ -165,11 +165,27 @@ def _first_present(run_dir: Path, names: tuple[str, ...]) -> str | None:
 
 def _newer_csv(run_dir: Path, name: str) -> str:
     """The CSV twin of a JSONL log where it was written later: a run with ``--logger csv`` alone in an --out an
-    earlier run wrote JSONL in leaves that JSONL as it was. One run writes the CSV, then the JSONL, each log."""
+    earlier run wrote JSONL in leaves that JSONL as it was. One run writes the CSV, then the JSONL, each log.
+
+    Of the two written alike, the CSV where it starts at an earlier step: a run resumed with the JSONL logger added
+    (``--logger csv``, then the default) wrote the JSONL from the resumed step, the CSV from the run's first."""
     twin = name.removesuffix(".jsonl") + ".csv"
     if not name.endswith(".jsonl") or not (run_dir / twin).is_file():
         return name
-    return twin if _older(run_dir / name, run_dir / twin) else name
+    if _older(run_dir / name, run_dir / twin):
+        return twin
+    if _older(run_dir / twin, run_dir / name):
+        return name
+    try:
+        return twin if _first_step(run_dir / twin) < _first_step(run_dir / name) else name
+    except ConfigError:  # one is damaged: the JSONL is read, and named if it is the one
+        return name
+
+
+def _first_step(path: Path) -> float:
+    """The first logged step of ``path`` (infinity where it has none)."""
+    rows = _read_rows(path)
+    return rows[0]["step"] if rows else math.inf
 
 
 STALE_S = 2.0  # a file this much older than one its run writes with or before it is an earlier run's
