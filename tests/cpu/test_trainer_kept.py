@@ -2,6 +2,7 @@
 to the same weights as a run that never failed."""
 
 import dataclasses
+import json
 import logging
 from types import SimpleNamespace
 
@@ -70,7 +71,8 @@ def task(rows_fail_at: int | None = None) -> redline.Task:
 
 def trainer(out, task: redline.Task, grad_accum: int = 1, **kwargs) -> Trainer:
     options = redline.RuntimeOptions(devices="cpu", seed=0, grad_accum=grad_accum, precision="fp32", compile=False)
-    return Trainer(task, runtime=options, progress=False, max_steps=10, out_dir=out, trial="off", **kwargs)
+    kwargs = {"max_steps": 10, **kwargs}
+    return Trainer(task, runtime=options, progress=False, out_dir=out, trial="off", **kwargs)
 
 
 def same_weights(a, b) -> None:
@@ -154,3 +156,33 @@ def test_a_failure_inside_the_optimizers_step_keeps_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="half way"):
         trainer(tmp_path / "run", broken).fit()
     assert saved_steps(tmp_path / "run") == []
+
+
+def test_an_epochs_evaluation_that_raises_is_run_again_by_the_resume_the_error_asks_for(tmp_path):
+    # The kept checkpoint held the next epoch's start, so the resumed run never evaluated that epoch's end: early
+    # stopping, a plateau schedule and --keep-best went on without it.
+    broken = [True]
+
+    def metric(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if broken[0]:
+            raise ValueError("the metric's lookup table is missing")
+        return float((outputs.argmax(1) == targets).float().mean())
+
+    def with_val() -> redline.Task:
+        gen = torch.Generator().manual_seed(1)
+        val = TensorDataset(torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen))
+        return dataclasses.replace(task(), val_data=val, metric=metric)
+
+    def evaluated(out) -> list[int]:
+        return [json.loads(line)["step"] for line in (out / "eval.jsonl").read_text().splitlines()]
+
+    broken[0] = False
+    trainer(tmp_path / "unbroken", with_val(), max_steps=20).fit()
+    broken[0] = True
+    with pytest.raises(TrainingError, match=r"evaluation at step 8") as e:
+        trainer(tmp_path / "run", with_val(), max_steps=20).fit()
+    assert "then run the same command with --resume auto" in str(e.value)
+    broken[0] = False
+    assert trainer(tmp_path / "run", with_val(), max_steps=20, resume="auto").fit().steps == 20
+    assert evaluated(tmp_path / "run") == evaluated(tmp_path / "unbroken") == [8, 16, 20]
+    same_weights(tmp_path / "unbroken", tmp_path / "run")

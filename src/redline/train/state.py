@@ -34,6 +34,18 @@ class Position:
     samples: int = 0
     batch_size: int = 0  # what the loader's batches held; 0 in checkpoints from before it was saved
 
+    @contextlib.contextmanager
+    def next_epoch(self) -> Iterator[None]:
+        """At the next epoch's start for what runs inside (the epoch's evaluation); where that fails, back at this
+        epoch's last batch, so the checkpoint of the steps so far resumes into the evaluation again."""
+        ended = (self.epoch, self.batches_in_epoch)
+        self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+        try:
+            yield
+        except BaseException:
+            self.epoch, self.batches_in_epoch = ended
+            raise
+
     def check_batch_size(self, batch_size: int, found: Checkpoint | None, *, split: int = 1) -> None:
         """Refuse to continue this position (of checkpoint ``found``) with batches of another size.
 

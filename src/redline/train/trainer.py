@@ -146,8 +146,8 @@ class Trainer:
                 else:
                     if run.pos.batches_in_epoch == 0:  # the steps before are kept: resumed, the run goes on
                         raise no_batch(run.pos.epoch, self.env.world_size, self._keep_steps(run))
-                    run.pos.epoch, run.pos.batches_in_epoch = run.pos.epoch + 1, 0
-                    run.stopped = self._after_epoch(run)
+                    with run.pos.next_epoch():
+                        run.stopped = self._after_epoch(run)
             self._finish(run)
             run.progress.close()
             run.beat("summary and final weights (gathered under FSDP)")  # still watched: both are collective
