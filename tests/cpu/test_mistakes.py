@@ -585,3 +585,19 @@ def test_the_job_wide_warnings_of_a_resume_and_of_the_data_are_said_by_rank_0_al
                     warn=rank == 0)  # fmt: skip
     said = [record.getMessage().split("\n")[0] for record in caplog.records]
     assert len(said) == (4 if rank == 0 else 0), said
+
+
+@pytest.mark.parametrize(("batch", "world", "told"), [(64, 3, "1, 2 or 4 processes"), (7, 2, "1 or 7 processes")])
+def test_a_resume_into_processes_its_batch_does_not_split_across_names_the_counts_it_does(batch, world, told):
+    # It said "expected a multiple of 3 ... e.g. --batch-size 66", and with 66, "resume with --batch-size 64".
+    from types import SimpleNamespace
+
+    from redline.train.state import Position
+
+    found = SimpleNamespace(path=Path("run/checkpoints/step-00000040"))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"batches of {batch}, which do not split across {world} processes")
+    ) as e:
+        Position(step=40, batch_size=batch).check_batch_size(batch, found, world_size=world)  # type: ignore[arg-type]
+    assert f"hint: resume in {told} (--nproc)" in str(e.value)
+    Position(step=40, batch_size=batch).check_batch_size(batch, found, world_size=1)  # type: ignore[arg-type]

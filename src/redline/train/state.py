@@ -46,13 +46,27 @@ class Position:
             self.epoch, self.batches_in_epoch = ended
             raise
 
-    def check_batch_size(self, batch_size: int, found: Checkpoint | None, *, split: int = 1) -> None:
-        """Refuse to continue this position (of checkpoint ``found``) with batches of another size.
+    def check_batch_size(
+        self, batch_size: int, found: Checkpoint | None, *, split: int = 1, world_size: int = 1
+    ) -> None:
+        """Refuse to continue this position (of checkpoint ``found``) with batches of another size, or in a number of
+        processes (``world_size``) its batches do not split across.
 
         The data position counts batches, so a resumed epoch at another size would repeat samples or skip them.
         ``split``: the micro-batches a tuned run splits the ``--batch-size`` batch into (the hint's flag is the whole).
         """
-        if found is None or not self.batch_size or self.batch_size == batch_size:
+        if found is None or not self.batch_size:
+            return
+        if self.batch_size == batch_size and batch_size % world_size:  # the batch cannot change: the processes can
+            counts = [n for n in range(1, batch_size + 1) if batch_size % n == 0]
+            near = [str(n) for n in sorted(sorted(counts, key=lambda n: abs(n - world_size))[:3])]
+            told = f"{', '.join(near[:-1])} or {near[-1]} processes" if len(near) > 1 else "1 process"
+            raise ConfigError(
+                f"{found.path} was written with batches of {batch_size}, which do not split across {world_size} "
+                "processes, and a resumed run keeps its batch size (the data position counts batches)\nhint: resume "
+                f"in {told} (--nproc); or start a new run (another --out) at a batch size they split"
+            )
+        if self.batch_size == batch_size:
             return
         raise ConfigError(
             f"{found.path} was written with batches of {self.batch_size}, and this run's are {batch_size}: "

@@ -314,7 +314,7 @@ class Trainer:
         if ended is not None:
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
-        pos.check_batch_size(self.batch_size, resumed, split=split)  # an ended run is left as it was, at any size
+        pos.check_batch_size(self.batch_size, resumed, split=split, world_size=self.env.world_size)  # not ended
         compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
         drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env.world_size, compiled=compiled)
         if drop_last:  # the epochs are a partial batch shorter
