@@ -158,9 +158,10 @@ def test_a_failure_inside_the_optimizers_step_keeps_nothing(tmp_path):
     assert saved_steps(tmp_path / "run") == []
 
 
-def test_an_epochs_evaluation_that_raises_is_run_again_by_the_resume_the_error_asks_for(tmp_path):
-    # The kept checkpoint held the next epoch's start, so the resumed run never evaluated that epoch's end: early
-    # stopping, a plateau schedule and --keep-best went on without it.
+@pytest.mark.parametrize(("eval_every", "steps"), [(None, [8, 16, 20]), (5, [5, 10, 15, 20])])
+def test_an_evaluation_that_raises_is_run_again_by_the_resume_the_error_asks_for(tmp_path, eval_every, steps):
+    # The kept checkpoint held the next epoch's start, or the step after the evaluation's, so the resumed run never
+    # evaluated there: early stopping, a plateau schedule and --keep-best went on without it.
     broken = [True]
 
     def metric(outputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -177,12 +178,12 @@ def test_an_epochs_evaluation_that_raises_is_run_again_by_the_resume_the_error_a
         return [json.loads(line)["step"] for line in (out / "eval.jsonl").read_text().splitlines()]
 
     broken[0] = False
-    trainer(tmp_path / "unbroken", with_val(), max_steps=20).fit()
+    trainer(tmp_path / "unbroken", with_val(), max_steps=20, eval_every=eval_every).fit()
     broken[0] = True
-    with pytest.raises(TrainingError, match=r"evaluation at step 8") as e:
-        trainer(tmp_path / "run", with_val(), max_steps=20).fit()
+    with pytest.raises(TrainingError, match=rf"evaluation at step {steps[0]}") as e:
+        trainer(tmp_path / "run", with_val(), max_steps=20, eval_every=eval_every).fit()
     assert "then run the same command with --resume auto" in str(e.value)
     broken[0] = False
-    assert trainer(tmp_path / "run", with_val(), max_steps=20, resume="auto").fit().steps == 20
-    assert evaluated(tmp_path / "run") == evaluated(tmp_path / "unbroken") == [8, 16, 20]
+    assert trainer(tmp_path / "run", with_val(), max_steps=20, eval_every=eval_every, resume="auto").fit().steps == 20
+    assert evaluated(tmp_path / "run") == evaluated(tmp_path / "unbroken") == steps
     same_weights(tmp_path / "unbroken", tmp_path / "run")

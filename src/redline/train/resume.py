@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from redline.parallel.env import DistEnv
 from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions, same_kind, stored_reason
 from redline.train.callbacks import EarlyStopping
+from redline.train.config import TrainerConfig
+from redline.train.logs import Loggers, open_loggers
 from redline.train.output import read_summary
 from redline.train.state import Position
 from redline.train.summary import TrainSummary
@@ -287,6 +290,32 @@ def _end_reason(pos: Position, stopped: str, *, total: float, max_epochs: float,
     if max_steps is not None and pos.step >= max_steps:
         return "max_steps"
     return "epochs" if pos.step >= total or pos.epoch >= max_epochs else ""
+
+
+def run_loggers(
+    config: TrainerConfig,
+    out_dir: Path | None,
+    resumed: Position | None,
+    batches_per_epoch: int | None,
+    *,
+    validates: bool,
+    ended: bool,
+) -> Loggers:
+    """The run's logs in ``out_dir`` (None: none, as on a rank other than 0), each cut back to the resumed position
+    (``log_cut``); ``validates``: the task has validation data."""
+    if out_dir is None:
+        return open_loggers((), Path("."))
+    each_epoch = validates and not config.eval_every
+    step, evals = log_cut(resumed, batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
+    return open_loggers(config.loggers, out_dir, resume_step=step, eval_resume_step=evals)
+
+
+def owes_evaluation(state: Mapping[str, Any], step: int, eval_every: int | None, val_data: object) -> bool:
+    """Whether a run resumed at ``step`` (its checkpoint's ``state``) owes that step's evaluation: due every
+    ``eval_every`` steps, it failed, and the error kept the steps without it. An older checkpoint says nothing: none."""
+    if not eval_every or val_data is None:
+        return False
+    return state.get("evaluated") is False and step % eval_every == 0
 
 
 def log_cut(

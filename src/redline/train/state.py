@@ -117,6 +117,7 @@ class Run:
     metrics: dict[str, float | None] = field(default_factory=dict)
     stopped: str = ""
     watchdog: Watchdog | None = None
+    owed_eval: bool = False  # the resumed step's evaluation, due and failed: run before the first step
 
     @contextlib.contextmanager
     def optimizer_step(self) -> Iterator[None]:

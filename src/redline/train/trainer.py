@@ -48,7 +48,7 @@ from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import check_finite, keep_steps, step_failure
 from redline.train.lock import holding_out_dir
-from redline.train.logs import Loggers, open_loggers
+from redline.train.logs import TRAIN_COLUMNS as LOG_COLUMNS
 from redline.train.output import prepare_out_dir, write_results
 from redline.train.progress import Progress
 from redline.train.schedule import Schedule
@@ -59,7 +59,6 @@ from redline.train.throughput import Throughput
 from redline.train.tuned import resumed_batch, use_tuned
 
 log = logging.getLogger("redline")
-LOG_COLUMNS = ("step", "epoch", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_ms", "mem_gib")
 
 
 __all__ = ["LOG_COLUMNS", "Trainer", "TrainingError"]
@@ -92,6 +91,7 @@ class Trainer:
         self.env = read_env()
         self._batches_per_epoch: int | None = 1  # None for a stream of unknown length
         self._evaluated_at: int | None = None
+        self._owed_eval = False  # the resumed step's evaluation was due and failed: the resume runs it first
         self._stored_stop = ""  # why the run the resumed checkpoint belongs to ended, if it did
         self._stored_losses: list[float] = []  # its last steps' losses: the summary's final loss goes on from them
         self.best = best_weights(self.config.keep_best, self.out_dir)  # the best evaluation's weights, if kept
@@ -135,6 +135,8 @@ class Trainer:
         config = self.config
         run.watchdog = hang_watchdog(self.env, self.out_dir, config.hang_timeout_s, config.hang_start_timeout_s)
         with self._signals, run.loggers, run.watchdog or contextlib.nullcontext(), history, self._keeping_steps(run):
+            if run.owed_eval and self._evaluate(run):
+                run.stopped = "early stopping"
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
                 for batch in run.batches:
@@ -325,6 +327,10 @@ class Trainer:
         )  # fmt: skip
         model.train()
         main = self.env.is_main
+        loggers = resume.run_loggers(
+            self.config, self.out_dir if main else None, pos if resumed else None, self._batches_per_epoch,
+            validates=self.task.val_data is not None, ended=bool(done),
+        )  # fmt: skip
         return Run(
             rt=rt,
             model=model,
@@ -334,7 +340,8 @@ class Trainer:
             batches=rt.setup_loader(loader),
             pos=pos,
             total=total,
-            loggers=self._loggers(pos if resumed else None, main, ended=bool(done)),
+            loggers=loggers,
+            owed_eval=resumed is not None and self._owed_eval,
             progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
@@ -365,6 +372,7 @@ class Trainer:
             pos = Position(**state["position"])
             self._stored_stop = state.get("stopped") or ""
             self._stored_losses = [float(v) for v in state.get("recent_losses") or []]  # none in an older one
+            self._owed_eval = resume.owes_evaluation(state, pos.step, self.config.eval_every, self.task.val_data)
             scheduler.load_state_dict(state.get("scheduler"))
             if self.early_stopping is not None and state.get("early_stopping"):
                 self.early_stopping.load_state_dict(state["early_stopping"])
@@ -398,6 +406,7 @@ class Trainer:
         extra = {
             "position": vars(pos).copy(),
             "stopped": stopped,
+            "evaluated": self._evaluated_at == pos.step,  # False where this step's due evaluation failed
             "recent_losses": run.losses[-LOSS_WINDOW:],
             "scheduler": scheduler.state_dict(),
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
@@ -414,15 +423,6 @@ class Trainer:
         return written
 
     # -- logging, evaluation, summary ------------------------------------------------------------
-
-    def _loggers(self, resumed: Position | None, main: bool, *, ended: bool) -> Loggers:
-        if self.out_dir is None or not main:
-            return open_loggers((), Path("."), columns=LOG_COLUMNS)
-        each_epoch = not self.config.eval_every and self.task.val_data is not None
-        step, evals = resume.log_cut(resumed, self._batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
-        return open_loggers(
-            self.config.loggers, self.out_dir, resume_step=step, eval_resume_step=evals, columns=LOG_COLUMNS
-        )
 
     def _flush(self, run: Run) -> None:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
