@@ -187,3 +187,38 @@ def test_an_evaluation_that_raises_is_run_again_by_the_resume_the_error_asks_for
     assert trainer(tmp_path / "run", with_val(), max_steps=20, eval_every=eval_every, resume="auto").fit().steps == 20
     assert evaluated(tmp_path / "run") == evaluated(tmp_path / "unbroken") == steps
     same_weights(tmp_path / "unbroken", tmp_path / "run")
+
+
+def val_task() -> redline.Task:
+    gen = torch.Generator().manual_seed(1)
+    val = TensorDataset(torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen))
+    return dataclasses.replace(task(), val_data=val)
+
+
+def test_a_run_resumed_past_the_steps_it_stopped_at_logs_the_evaluations_an_unbroken_run_does(tmp_path):
+    # The stopped run's final evaluation at step 10 (mid-epoch: an epoch is 8 steps) stayed in eval.jsonl.
+    trainer(tmp_path / "unbroken", val_task(), max_steps=20).fit()
+    trainer(tmp_path / "run", val_task(), max_steps=10).fit()
+    trainer(tmp_path / "run", val_task(), max_steps=20, resume="auto").fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    unbroken = [json.loads(line) for line in (tmp_path / "unbroken" / "eval.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [row["step"] for row in unbroken] == [8, 16, 20]
+
+
+@pytest.mark.parametrize(
+    ("pos", "kwargs", "evals"),
+    [
+        # 23 batches, 2 a step: step 11 ends at batch 22, and the epoch's evaluation comes after batch 23, at 11
+        (Position(11, 0, 22), {"grad_accum": 2}, 10),
+        (Position(11, 0, 22), {"grad_accum": 1}, 11),
+        (Position(8, 0, 8), {"stopped": "signal SIGINT"}, 7),  # the stopped run's final evaluation, mid-epoch
+        (Position(23, 1, 0), {"stopped": "early stopping"}, 23),  # the epoch's own, checkpointed after it
+        (Position(10, 0, 10), {"stopped": "max_steps", "evaluates_each_epoch": False, "eval_every": 5}, 10),
+        (Position(8, 0, 8), {"stopped": "max_steps", "evaluates_each_epoch": False, "eval_every": 5}, 7),
+    ],
+)
+def test_the_evaluation_log_keeps_the_rows_an_unbroken_run_has(pos, kwargs, evals):
+    from redline.train.resume import log_cut
+
+    kwargs = {"evaluates_each_epoch": True, **kwargs}
+    assert log_cut(pos, 23, **kwargs) == (pos.step, evals)

@@ -104,10 +104,10 @@ class EarlyStopping(Callback):
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
 
 
-def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], EarlyStopping | None]:
+def check_callbacks(callbacks: Sequence[Callback], task: Task) -> tuple[list[Callback], EarlyStopping | None]:
     """Return ``callbacks`` as a list and the EarlyStopping among them; refuse, before training, what the loop
-    could not call (a bare function, an object without every hook: it would fail mid-run) and a second
-    EarlyStopping."""
+    could not call (a bare function, an object without every hook: it would fail mid-run), a second
+    EarlyStopping, and one watching what ``task``'s evaluation does not report."""
     if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | set | frozenset):
         raise invalid(
             "callbacks", callbacks, "a list of Callback objects", f"pass callbacks=[{type(callbacks).__name__}(...)]"
@@ -136,6 +136,8 @@ def check_callbacks(callbacks: Sequence[Callback]) -> tuple[list[Callback], Earl
     stoppers = [c for c in callbacks if isinstance(c, EarlyStopping)]
     if len(stoppers) > 1:
         raise ConfigError("callbacks hold more than one EarlyStopping\nhint: pass one, watching one metric")
+    for stopper in stoppers:
+        stopper.check_task(task)
     return list(callbacks), stoppers[0] if stoppers else None
 
 

@@ -300,13 +300,18 @@ def run_loggers(
     *,
     validates: bool,
     ended: bool,
+    stopped: str,
+    grad_accum: int,
 ) -> Loggers:
     """The run's logs in ``out_dir`` (None: none, as on a rank other than 0), each cut back to the resumed position
-    (``log_cut``); ``validates``: the task has validation data."""
+    (``log_cut``, with its arguments); ``validates``: the task has validation data."""
     if out_dir is None:
         return open_loggers((), Path("."))
-    each_epoch = validates and not config.eval_every
-    step, evals = log_cut(resumed, batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended)
+    each_epoch, every = validates and not config.eval_every, config.eval_every
+    step, evals = log_cut(
+        resumed, batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended, grad_accum=grad_accum,
+        stopped=stopped, eval_every=every,
+    )  # fmt: skip
     return open_loggers(config.loggers, out_dir, resume_step=step, eval_resume_step=evals)
 
 
@@ -319,18 +324,33 @@ def owes_evaluation(state: Mapping[str, Any], step: int, eval_every: int | None,
 
 
 def log_cut(
-    pos: Position | None, batches_per_epoch: int | None, *, evaluates_each_epoch: bool, ended: bool = False
+    pos: Position | None,
+    batches_per_epoch: int | None,
+    *,
+    evaluates_each_epoch: bool,
+    ended: bool = False,
+    grad_accum: int = 1,
+    stopped: str = "",
+    eval_every: int | None = None,
 ) -> tuple[int | None, int | None]:
     """The steps a resumed run (at ``pos``; None for a new run) cuts its training and evaluation logs back to.
 
     An epoch's last step is checkpointed before the epoch's evaluation, and a run's last step before its
     final one; resumed from there (or, ``ended``, with nothing left to train), the run evaluates that step
-    again, so the interrupted run's row of that evaluation goes.
+    again, so the interrupted run's row of that evaluation goes. With ``grad_accum`` micro-batches a step, an
+    epoch whose last batches make no whole step evaluates at the step before them: a checkpoint there is at its
+    end too. A run that had stopped (``stopped``: a signal, or --max-steps it is now resumed past) evaluated its
+    last step where none was due (every ``eval_every`` steps, or at an epoch's end): an unbroken run has no such
+    row, so it goes.
     """
     if pos is None:
         return None, None
-    at_end = batches_per_epoch is not None and pos.batches_in_epoch >= batches_per_epoch
-    again = ended or (evaluates_each_epoch and at_end)
+    at_end = batches_per_epoch is not None and batches_per_epoch - pos.batches_in_epoch < grad_accum
+    if evaluates_each_epoch:
+        due = at_end or (pos.batches_in_epoch == 0 and pos.step > 0)  # 0: checkpointed after the epoch's evaluation
+    else:
+        due = bool(eval_every) and pos.step % (eval_every or 1) == 0
+    again = ended or (evaluates_each_epoch and at_end) or (bool(stopped) and not due)
     return pos.step, pos.step - 1 if again and pos.step else pos.step
 
 

@@ -83,9 +83,7 @@ class Trainer:
         self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
         self.batch_size = self.config.batch_size or task.batch_size
         self.out_dir = prepare_out_dir(self.config.out_dir) if self.config.out_dir is not None else None
-        self.callbacks, self.early_stopping = check_callbacks(callbacks)
-        if self.early_stopping is not None:
-            self.early_stopping.check_task(task)
+        self.callbacks, self.early_stopping = check_callbacks(callbacks, self.task)
         self.seed = self.options.seed if self.options.seed is not None else 0
         self._signals = StopOnSignal()
         self.env = read_env()
@@ -329,7 +327,8 @@ class Trainer:
         main = self.env.is_main
         loggers = resume.run_loggers(
             self.config, self.out_dir if main else None, pos if resumed else None, self._batches_per_epoch,
-            validates=self.task.val_data is not None, ended=bool(done),
+            validates=self.task.val_data is not None, ended=bool(done), stopped=self._stored_stop,
+            grad_accum=options.grad_accum,
         )  # fmt: skip
         return Run(
             rt=rt,
