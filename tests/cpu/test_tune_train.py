@@ -485,6 +485,34 @@ def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, mon
     assert longer.value.kept is None and [plan["planned_steps"] for plan in cached_plans(tmp_path)] == [100_000]
 
 
+def test_a_stopped_search_keeps_a_complete_tune_an_earlier_version_made_before_axes_it_cannot_search_here(
+    tmp_path, monkeypatch
+):
+    # A tune cached before the CUDA graphs and attention axes existed reads them as unmeasured; a CPU search skips
+    # both, so they weighed against the earlier tune, and a Ctrl-C'd partial tune replaced it.
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr(
+        "redline.bench.tune._measure",
+        lambda task, device, candidates, *args: [
+            Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates
+        ],
+    )
+    complete, path = tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert complete.unmeasured == ()
+    entry = json.loads(Path(path).read_text())
+    for candidate in (entry["best"], *(trial["candidate"] for trial in entry["trials"])):
+        candidate.pop("cuda_graphs", None)
+        candidate.pop("attention", None)
+    Path(path).write_text(json.dumps(entry))
+    before = Path(path).read_text()
+    monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(mlp_task(), devices="cpu", planned_steps=100)
+    assert stopped.value.kept is not None and Path(path).read_text() == before
+
+
 def test_a_budget_that_decides_no_axis_is_refused_and_caches_nothing(tmp_path, monkeypatch):
     # It cached a Plan that left every axis to auto, said what it "chose", and offered --plan tuned.
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]

@@ -56,6 +56,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import (
     MICRO_BATCHES,
+    NOT_SEARCHED,
     Candidate,
     Trial,
     TunedPlan,
@@ -160,7 +161,7 @@ def tune(
     _kernel_with_precision(best, unmeasured, reasons)
     _check_measured(task, trials, interrupted, budget_s, signum, decided=len(unmeasured) < len(axes))
     skipped = skipped_axes(task, facts, calls=calls)
-    reasons.update({axis: "not searched here: " + why for axis, why in skipped.items()})
+    reasons.update({axis: f"{NOT_SEARCHED}: {why}" for axis, why in skipped.items()})
     spent = time.perf_counter() - started
     reasons["budget"] = spent_line(spent, budget_s, trials)
     if interrupted:

@@ -217,13 +217,19 @@ def tuned_path(fingerprint: str, facts: DeviceFacts, batch_size: int) -> Path:
     return cache_dir() / "tuned" / f"{tuned_key(fingerprint, facts, batch_size)}.json"
 
 
+NOT_SEARCHED = "not searched here"  # how a tune's reason for an axis it skipped on this device begins
+
+
 def measured_more(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan) -> tuple[TunedPlan, Path] | None:
     """The cached tune, and where, that a stopped search (``tuned``, with the axes it left unmeasured) must not replace:
     one of the same workload and run length that measured every axis it did, and more. None where there is none."""
     earlier = load_tuned(fingerprint, facts, tuned.batch_size)
     if earlier is None or earlier.planned_steps != tuned.planned_steps:
         return None  # a tune for another run length decided compile for that length
-    if not set(earlier.unmeasured) < set(tuned.unmeasured):
+    # An axis not searched here (CUDA graphs on a CPU) counts for neither: an earlier version's tune, made before
+    # that axis existed, reads it as unmeasured.
+    skipped = {axis for axis, why in tuned.reasons.items() if str(why).startswith(NOT_SEARCHED)}
+    if not set(earlier.unmeasured) - skipped < set(tuned.unmeasured):
         return None
     return earlier, tuned_path(fingerprint, facts, tuned.batch_size)
 
