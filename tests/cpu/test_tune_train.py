@@ -450,8 +450,8 @@ def test_an_explicit_flag_that_overrides_the_tune_keeps_its_own_reason():
         assert rt.explain().precision.value == "fp32" and "bf16-mixed" not in rt.explain().precision.reason
 
 
-def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, monkeypatch, capsys):
-    # A re-tune stopped by Ctrl-C replaced a complete tune with its partial one: three measured axes lost.
+def complete_tune(monkeypatch) -> tuple[TunedPlan, str]:
+    """A tune of three axes, each measured in full (bf16-mixed at half fp32's step), cached; and where."""
     monkeypatch.setenv(FAKE_CPU_ENV, "amx")
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
@@ -461,7 +461,12 @@ def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, mon
             Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates
         ],
     )
-    complete, path = tune(mlp_task(), devices="cpu", planned_steps=100)
+    return tune(mlp_task(), devices="cpu", planned_steps=100)
+
+
+def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, monkeypatch, capsys):
+    # A re-tune stopped by Ctrl-C replaced a complete tune with its partial one: three measured axes lost.
+    complete, path = complete_tune(monkeypatch)
     assert complete.unmeasured == () and [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [[]]
     before = Path(path).read_text()
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("compile"))
@@ -490,16 +495,7 @@ def test_a_stopped_search_keeps_a_complete_tune_an_earlier_version_made_before_a
 ):
     # A tune cached before the CUDA graphs and attention axes existed reads them as unmeasured; a CPU search skips
     # both, so they weighed against the earlier tune, and a Ctrl-C'd partial tune replaced it.
-    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
-    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
-    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
-    monkeypatch.setattr(
-        "redline.bench.tune._measure",
-        lambda task, device, candidates, *args: [
-            Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates
-        ],
-    )
-    complete, path = tune(mlp_task(), devices="cpu", planned_steps=100)
+    complete, path = complete_tune(monkeypatch)
     assert complete.unmeasured == ()
     entry = json.loads(Path(path).read_text())
     for candidate in (entry["best"], *(trial["candidate"] for trial in entry["trials"])):
