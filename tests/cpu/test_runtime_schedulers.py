@@ -18,6 +18,27 @@ def loss_of(model: nn.Module, step: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gated", [False, True])
+def test_a_chained_scheduler_under_accumulation_is_paced_by_the_schedulers_it_chains(gated, caplog):
+    # A ChainedScheduler has no last_epoch of its own: the pace check's read of it raised AttributeError at rt.step.
+    rt = redline.Runtime(devices="cpu", grad_accum=2, compile="off")
+    model, optimizer = rt.setup(make_model(), lambda params: torch.optim.SGD(params, lr=0.5))
+    chained = torch.optim.lr_scheduler.ChainedScheduler(
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9),
+        ]
+    )
+    with caplog.at_level("WARNING", logger="redline"):
+        for step in range(8):
+            rt.backward(loss_of(model, step))
+            if rt.step(optimizer) or not gated:
+                chained.step()
+    warned = [r.getMessage() for r in caplog.records if "LR scheduler" in r.getMessage()]
+    assert len(warned) == (0 if gated else 1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * 0.9 ** (4 if gated else 8))
+
+
+@pytest.mark.parametrize("gated", [False, True])
 def test_a_scheduler_stepped_after_every_call_under_accumulation_is_warned_of_once(gated, caplog):
     """A loop ported from one without grad_accum steps its scheduler after each rt.step: with grad_accum=4 the
     schedule ran four times too fast, with no word. Stepped when rt.step says the optimizer stepped, it is right."""

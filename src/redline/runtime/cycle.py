@@ -57,6 +57,7 @@ class Cycle:
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
         self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
         self._pace_warned = False
+        self.closed = False  # the Runtime was closed: no more training calls
         # amid a cycle, with gradients at their last step call: each gradient's identity and version, which
         # optimizer.zero_grad(set_to_none=False) changes (it zeroes them in place) as surely as freeing them
         self._holding: dict[int, tuple[torch.optim.Optimizer, list[tuple[int, int]]]] = {}
@@ -97,12 +98,18 @@ class Cycle:
         return self._steps
 
     @property
+    def accumulated(self) -> int:
+        """The batches counted towards the step under way (0 at a step's end): gradients a checkpoint does not hold."""
+        return max(self._micro_steps.values(), default=0)
+
+    @property
     def current_step(self) -> int:
         """The step the last counted batch belongs to, from 1."""
         return self._steps + 1
 
     def next_batch(self) -> bool:
         """Ready a backward; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
+        self._check_open("backward")
         self._check_kept()
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
@@ -119,6 +126,15 @@ class Cycle:
         if self.watchdog is not None:
             self.watchdog.beat(self.current_step, "backward (gradient all-reduce)")
         return any(ends for _, ends in self.syncs())
+
+    def _check_open(self, called: str) -> None:
+        """Refuse a training call on a closed Runtime: its process-wide settings are put back, its checks let go."""
+        if self.closed:
+            raise ConfigError(
+                f"rt.{called}() was called on a closed Runtime: its precision, process settings and checks are "
+                "let go, so the step would not run as its Plan says\nhint: train inside `with Runtime(...) as rt:` "
+                "(or before rt.close()); for more training, build a new Runtime and rt.load the last checkpoint"
+            )
 
     def fresh(self) -> bool:
         """Whether no set-up optimizer holds gradients: nothing accumulated before the batch ``next_batch`` readied."""
@@ -143,6 +159,7 @@ class Cycle:
 
     def due(self, optimizer: torch.optim.Optimizer) -> bool:
         """Count a ``step`` call for ``optimizer``; return whether it ends the optimizer's cycle."""
+        self._check_open("step")
         self.check_set_up(optimizer)
         if self.grad_accum == 1:
             return True
@@ -197,17 +214,17 @@ class Cycle:
         paces = self._paces.get(id(optimizer))
         if paces is None:
             if any("initial_lr" in group for group in optimizer.param_groups):
-                self._paces[id(optimizer)] = [(weakref.ref(s), s.last_epoch) for s in schedulers_of(optimizer)]
+                paced = [s for s in schedulers_of(optimizer) if isinstance(getattr(s, "last_epoch", None), int)]
+                self._paces[id(optimizer)] = [(weakref.ref(s), s.last_epoch) for s in paced]  # a chain has none
             return
         for i, (ref, last) in enumerate(paces):
             scheduler = ref()
-            if scheduler is not None:
-                paces[i] = (ref, scheduler.last_epoch)
-                if scheduler.last_epoch - last > 1:
+            now = getattr(scheduler, "last_epoch", None)
+            if isinstance(now, int):
+                paces[i] = (ref, now)
+                if now - last > 1:
                     self._pace_warned = True
-                    log.warning(
-                        _TOO_FAST, type(scheduler).__name__, scheduler.last_epoch - last, *[self.grad_accum] * 3
-                    )
+                    log.warning(_TOO_FAST, type(scheduler).__name__, now - last, *[self.grad_accum] * 3)
                     return
 
     def restart(self, step: int) -> None:

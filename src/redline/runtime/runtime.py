@@ -202,7 +202,7 @@ class Runtime(RunState):
 
     def close(self) -> None:
         """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
-        self._closed = True  # started, paused or never started: it does not start again
+        self._closed = self._cycle.closed = True  # started, paused or never started: it neither starts nor trains again
         self.pause()
         if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
             self._graphs.use_eager()
@@ -315,12 +315,13 @@ class Runtime(RunState):
         self._plan = dataclasses.replace(self._plan, precision=chosen, attention=attention)
 
     def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
-        """Return ``loader`` tuned for the device, yielding batches already on it."""
+        """Return ``loader`` tuned for the device, yielding batches already on it; the Plan tells the first set up."""
         chosen = resolve_loader(loader_facts(loader, local_devices), self.facts, workers=self.options.loader_workers)
         batches = global_batches(loader, self.env, seed=self.options.seed)
         if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
             loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
-        self._plan = dataclasses.replace(self._plan, loader=split_reason(chosen, loader, self._split_caveats))
+        shown = self._plan.loader or split_reason(chosen, loader, self._split_caveats)
+        self._plan = dataclasses.replace(self._plan, loader=shown)
         return self._layout.loader(loader, self.device)
 
     def to_device(self, batch: Any) -> Any:

@@ -121,6 +121,17 @@ class RunState:
         the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
         """
         strategy, model, optimizer = self._prepared()
+        if not isinstance(extra, Mapping | None):
+            raise invalid(
+                "extra", type(extra).__name__, "a dict of your own state (or None)", 'e.g. extra={"epoch": 3}'
+            )
+        if self._cycle.accumulated:  # a cycle's gradients are not state: a resume from here goes on without them
+            log.warning(
+                "rt.save at %d of the %d batches of a step (grad_accum): the checkpoint holds the weights of step %d, "
+                "not the gradients of the %d batch(es) since\nhint: save once rt.step(optimizer) returns True; "
+                "resumed from this one, go on from the batch after step %d's last", self._cycle.accumulated,
+                self.options.grad_accum, self._cycle.steps, self._cycle.accumulated, self._cycle.steps,
+            )  # fmt: skip
         step = self._cycle.steps if step is None else _whole_step(step)  # a load goes on counting from it
         with _collective(f"writing the checkpoint {path}", "rt.save"):
             runtime_state = {
@@ -143,6 +154,8 @@ class RunState:
         Collective under several processes.
         """
         strategy, model, optimizer = self._prepared()
+        if not isinstance(checkpoint, str | Path | Checkpoint):
+            raise invalid("checkpoint", type(checkpoint).__name__, "a path (str or Path), or a Checkpoint")
         with _collective(f"loading the checkpoint {getattr(checkpoint, 'path', checkpoint)}", "rt.load"):
             if not isinstance(checkpoint, Checkpoint):
                 checkpoint = open_verified(Path(checkpoint))
