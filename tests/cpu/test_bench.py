@@ -364,6 +364,21 @@ def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then
     assert "fastest at batch 16" in shown
 
 
+def test_a_ctrl_c_while_memory_is_estimated_after_the_timing_keeps_every_row_timed():
+    # The estimates run after every batch size is timed, outside the loop that kept them: a Ctrl-C there lost
+    # every row, and the command exited 130 without a word.
+    def estimate(batch_size, precision, device):
+        raise KeyboardInterrupt
+
+    with pytest.raises(BenchInterrupted) as stopped:
+        benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 32], steps=2,
+                  window=1, auto=False, estimate=estimate)  # fmt: skip
+    result = stopped.value.result
+    assert stopped.value.exit_code == 130 and [row.batch_size for row in result.rows] == [16, 16, 32, 32]
+    assert all(row.estimate_bytes is None and row.samples_per_s for row in result.rows)
+    assert str(stopped.value).startswith("bench interrupted (SIGINT) while estimating memory")
+
+
 def test_a_ctrl_c_before_the_first_row_warms_up_says_the_bench_was_setting_up(monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt  # Ctrl-C before any row is told to warm up (it said "while  (batch 16)")

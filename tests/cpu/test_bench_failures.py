@@ -167,3 +167,51 @@ def test_with_json_the_page_written_is_said_on_stderr_and_stdout_stays_json(tmp_
     said = capsys.readouterr()
     assert json.loads(said.out)["task"] == "digits"
     assert f"report: {page}" in said.err and page.is_file()
+
+
+class OnlyBuffers(nn.Module):
+    """A model whose tensors are buffers: nothing to train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(8, 2))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+BUFFERS_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from redline import Task
+from test_bench_failures import OnlyBuffers
+
+def buffers():
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    return Task(model=OnlyBuffers, loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y),
+                batch_size=16, name="buffers")
+"""
+
+
+def test_a_model_with_nothing_to_train_is_named_so_by_the_naive_row_the_trial_and_the_failed_bench(
+    tmp_path, monkeypatch
+):
+    # The naive loop's and the precision trial's optimizers raised torch's "optimizer got an empty parameter list",
+    # which the bench's final error quoted, and `redline memory --measure` ended in its traceback.
+    from redline.parallel.env import DistEnv
+    from redline.runtime.measure import measure_auto
+    from redline.runtime.options import RuntimeOptions
+
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # a CPU where the trial times bf16-mixed against fp32
+    (tmp_path / "tasks.py").write_text(BUFFERS_TASK)
+    spec = f"{tmp_path / 'tasks.py'}:buffers"
+    with pytest.raises(TrainingError) as failed:
+        bench_command(task=spec, devices="cpu", precision="fp32", compile="off", steps=2, window=1, estimate=False)
+    said = str(failed.value)
+    assert "the first: the model (OnlyBuffers) has no parameters: there is nothing to train\nhint: its tensors" in said
+    assert "register_buffer" in said and "--max-steps 1` runs one step" in said and "empty parameter list" not in said
+    task = Task(model=OnlyBuffers, loss_fn=nn.functional.cross_entropy, batch_size=16, name="buffers",
+                train_data=TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,))))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"has no parameters: there is nothing to train"):
+        measure_auto(task, RuntimeOptions(devices="cpu"), 16, 5000, DistEnv(), trial="on")

@@ -468,6 +468,11 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
         load_task(f"{missing}:make")
     assert "absent.py" in str(info.value)
     assert "does not exist" in str(info.value)
+    hint = f"\nhint: a relative path is read from {Path.cwd()}; `example:digits` names a built-in task"
+    assert hint in str(info.value)
+    (tmp_path / "tasks.py").write_text("def make(): pass\n")
+    with pytest.raises(TaskSpecError, match=r"\nhint: did you mean '.*tasks\.py:make'\?"):
+        load_task(f"{tmp_path / 'taks.py'}:make")  # one letter off the file beside it
 
 
 def test_file_that_fails_to_import_is_reported(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from redline.bench.matrix import Setting
 from redline.errors import TaskError
 from redline.plan import Choice, Plan
 from redline.runtime.contract import split_batch
+from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import PrecisionRequest, RuntimeOptions, Switch
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import data_size
@@ -122,6 +123,7 @@ def naive_runner(task: Task, setting: Setting, *, seed: int) -> Runner:
     device = torch.device(setting.device)
     torch.manual_seed(seed)
     model = task.build_model().to(device)
+    check_trainable(model)  # the Runtime's rows refuse it so; torch's optimizer would say "empty parameter list"
     model.train()
     optimizer = task.optimizer(model.parameters())
     loss_fn = task.loss_fn

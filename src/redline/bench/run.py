@@ -134,6 +134,12 @@ def benchmark(
             task_error = task_error or exc  # say so, and the sizes measured before it stay
             group_rows = [dataclasses.replace(base_row(setting), error=str(exc)) for setting in group]
         rows += group_rows
+    rows = with_speedups(rows)
+    try:
+        rows = list(_with_estimates(rows, estimate))
+    except KeyboardInterrupt as exc:  # the rows are timed: shown and written without the estimates still to come
+        signum = interrupting_signal(exc)
+        interrupted = interrupted or f"interrupted ({signal.Signals(signum).name}) while estimating memory"
     result = BenchResult(
         task=task.name,
         steps=timed_rounds * window,
@@ -141,7 +147,7 @@ def benchmark(
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine=_machine(facts),
         versions={"python": platform.python_version(), "torch": torch.__version__, "redline": __version__},
-        rows=tuple(_with_estimates(with_speedups(rows), estimate)),
+        rows=tuple(rows),
         steps_asked=steps,
         stopped_early=timed_rounds < rounds,
         interrupted=interrupted,

@@ -103,9 +103,11 @@ def bench(
     if rows and all(row["error"] for row in rows):  # printed first, but a bench that measured nothing has failed
         sizes, named = set(_sizes(batch_size) or []), _parts(devices, "--devices", "cpu,cuda")
         one = one_step(task, task_arg, named[0] if len(named) == 1 else None, sizes.pop() if len(sizes) == 1 else None)
+        problem, _, fix = str(rows[0]["error"]).partition("\nhint: ")  # the row's own fix goes first in the hint
         raise TrainingError(
-            f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {rows[0]['error']}\n"
-            f"hint: fix the task, then bench again; `{one}` runs one step and shows the line that fails"
+            f"no configuration of {loaded.name} ran ({len(rows)} failed); the first: {problem}\n"
+            f"hint: {fix + '; ' if fix else 'fix the task, then bench again; '}`{one}` runs one step and shows the "
+            "line that fails"
         )
 
 

@@ -37,6 +37,7 @@ from redline.runtime.attention import attention_kernels, model_attention
 from redline.runtime.contract import split_batch, users_failure
 from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
+from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
@@ -238,6 +239,7 @@ def _measure_or_recall(
     if recall_only:
         return None
     model = task.build_model()
+    check_trainable(model)  # as setup refuses it: the trial's optimizer would raise torch's bare error
     loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data")
     names: list[str] = list(work.candidates)

@@ -160,8 +160,15 @@ def _import_module(spec: str, module_name: str) -> Any:
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
         path = Path(module_name).expanduser()
         if not path.is_file():
-            files = sorted(f"'{f}:{spec.rpartition(':')[2]}'" for f in path.glob("*.py")) if path.is_dir() else []
+            factory = spec.rpartition(":")[2]
+            files = sorted(f"'{f}:{factory}'" for f in path.glob("*.py")) if path.is_dir() else []
             hint = f"\nhint: name the file in it, one of: {few(files, 4)}" if files else ""
+            if not path.is_dir():
+                beside = [f.name for f in path.parent.glob("*.py")] if path.parent.is_dir() else []
+                near = nearest(path.name, beside)
+                hint = f"\nhint: a relative path is read from {Path.cwd()}; `example:digits` names a built-in task"
+                if near:
+                    hint = f"\nhint: did you mean '{path.parent / str(near)}:{factory}'?"
             said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
             raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
         name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
