@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -174,6 +175,21 @@ def test_a_jsonl_log_a_resume_added_is_not_drawn_where_the_csv_holds_the_run_fro
     (run / "metrics.jsonl").write_text("".join(rows[15:]))  # resumed at step 15
     doc = run_report(run)
     assert "train loss over 30 points" in alts(doc)[0] and "Read from metrics.csv" in doc
+
+
+def test_a_resumed_runs_rates_are_said_to_be_those_since_the_resume(tmp_path):
+    summary = json.loads(json.dumps(SUMMARY))
+    summary["resumed_from"] = str(tmp_path / "run" / "checkpoints" / "step-00000020")
+    doc = run_report(write_run(tmp_path, summary=summary))
+    assert "the rates since the resume from step-00000020." in doc
+    assert "since the resume" not in run_report(write_run(tmp_path / "whole"))
+
+
+def test_html_dash_is_refused_rather_than_written_as_a_file_named_dash(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"--html '-' would write a file named '-'.*\nhint: name a .html file"):
+        report_command(write_run(tmp_path / "run"), html=Path("-"))
+    assert not (tmp_path / "-").exists()
 
 
 def test_a_csv_row_a_killed_run_left_half_written_is_not_drawn_as_a_step(tmp_path):

@@ -36,3 +36,14 @@ def test_a_share_too_small_for_one_decimal_is_said_as_under_it_not_as_none(ratio
     rows = dict(summary_rows(TrainSummary.from_dict(figures)))
     assert rows["of measured matmul peak"] == said
     assert rows["MFU"] == (f"{said} of 989 TFLOP/s" if ratio else "n/a")
+
+
+def test_a_resumed_runs_rates_and_time_say_they_are_the_stretch_since_the_resume():
+    # The summary's samples/s and train time are the last process's: a resumed run's cover its last stretch only.
+    figures = {"task": "t", "plan": PLAN.to_dict(), "steps": 69, "epochs": 3.0, "samples": 4414, "stopped": "epochs"}
+    figures.update(train_seconds=0.68, samples_per_s=9000.0, resumed_from="run/checkpoints/step-00000022")
+    rows = dict(summary_rows(TrainSummary.from_dict(figures)))
+    assert rows["samples/s"] == "9,000 (training steps after the first since the resume from step-00000022)"
+    assert rows["train time"].startswith("0.7 s end to end since the resume from step-00000022")
+    del figures["resumed_from"]
+    assert dict(summary_rows(TrainSummary.from_dict(figures)))["samples/s"] == "9,000 (training steps after the first)"

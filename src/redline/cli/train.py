@@ -262,6 +262,8 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         epochs = "streamed, "
     else:
         epochs = f"{summary.epochs:g} epoch{'' if summary.epochs == 1 else 's'}, "
+    # A resumed run's rates and times are its last stretch's: the process that wrote the summary timed only those.
+    stretch = f" since the resume from {Path(summary.resumed_from).name}" if summary.resumed_from else ""
     rows = [
         ("device", summary.device),
         ("steps", f"{summary.steps} ({epochs}{summary.samples} samples; stopped: {summary.stopped})"),
@@ -270,7 +272,7 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
             "samples/s",
             "n/a"
             if summary.samples_per_s is None
-            else f"{summary.samples_per_s:,.0f} (training steps after the first)",
+            else f"{summary.samples_per_s:,.0f} (training steps after the first{stretch})",
         ),
     ]
     if summary.tokens_per_s:
@@ -278,7 +280,7 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     rows.append(("MFU", f"{_share(summary.mfu)} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
     if summary.measured_peak_ratio is not None:
         rows.append(("of measured matmul peak", _share(summary.measured_peak_ratio)))
-    rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{_spent(summary)}"))
+    rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{stretch}{_spent(summary)}"))
     if summary.compile_seconds is not None:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))
     if summary.skipped_steps:

@@ -187,7 +187,13 @@ def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: l
 
 def refuse_replacing(target: Path) -> None:
     """Refuse a page's ``target`` that is a file of another kind (a run's model.safetensors, say): a page there
-    would replace what it holds. An earlier page (.html, .htm) is replaced, as a new report should."""
+    would replace what it holds. An earlier page (.html, .htm) is replaced, as a new report should. ``-`` is refused:
+    read as standard output by many tools, it would be a file named "-"."""
+    if str(target) == "-":
+        raise ConfigError(
+            "--html '-' would write a file named '-': the page is written to a file, with its plots inside\nhint: name "
+            "a .html file, e.g. --html bench.html; `redline bench --json` prints the results to standard output"
+        )
     if target.is_file() and target.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(
             f"--html {str(target)!r} is a file that is no page (not .html): the page would replace what it holds\n"
@@ -342,6 +348,8 @@ def _run_line(files: RunFiles) -> str:
             parts.append(f"{_format(key, summary[key])} {unit}")
     if _number(summary.get("mfu")) is not None:
         parts.append(f"MFU {percent(summary['mfu'], 1)}")
+    if isinstance(summary.get("resumed_from"), str) and _number(summary.get("samples_per_s")) is not None:
+        parts.append(f"the rates since the resume from {Path(summary['resumed_from']).name}")  # its process timed them
     return escape(", ".join(parts) + ".")
 
 
