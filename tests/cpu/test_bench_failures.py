@@ -215,3 +215,23 @@ def test_a_model_with_nothing_to_train_is_named_so_by_the_naive_row_the_trial_an
                 train_data=TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,))))  # fmt: skip
     with pytest.raises(ConfigError, match=r"has no parameters: there is nothing to train"):
         measure_auto(task, RuntimeOptions(devices="cpu"), 16, 5000, DistEnv(), trial="on")
+
+
+def test_a_batch_norm_given_one_sample_is_named_with_its_fix_by_the_run_and_the_bench_rows():
+    # The run said "check that the dataset's items are (inputs, targets) shaped as the model expects", and the
+    # bench's rows torch's bare ValueError.
+    from redline.train.trainer import Trainer
+
+    def normed() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+    task = Task(model=normed, loss_fn=nn.functional.cross_entropy, batch_size=1, name="normed",
+                train_data=TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,))))  # fmt: skip
+    with pytest.raises(TrainingError, match=r"step 1: the model raised ValueError: Expected more than 1 value") as e:
+        Trainer(task, max_steps=2, progress=False, trial="off").fit()
+    assert "\nhint: a batch norm layer normalises each channel over the batch, so it cannot" in str(e.value)
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[1, 4], steps=2,
+                       window=1, auto=False)  # fmt: skip
+    failed = [row for row in result.rows if row.batch_size == 1]
+    assert failed and all("so it cannot train on one sample: use batches of 2 or more" in row.error for row in failed)
+    assert all(not row.error for row in result.rows if row.batch_size == 4)

@@ -41,6 +41,7 @@ from redline.hardware.flops import count_train_flops
 from redline.parallel.env import read_env
 from redline.plan import Choice
 from redline.plan.device import resolve_device
+from redline.runtime.contract import ONE_SAMPLE_HINT, one_sample_norm
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
@@ -228,6 +229,11 @@ def task_steps(task: Task, batch_size: int) -> int | None:
     return max(1, size // batch_size) * task.epochs if size is not None else None
 
 
+def _row_error(exc: BaseException) -> str:
+    """A failed row's error, with the fix where redline knows the cause (a batch norm given one sample)."""
+    return describe_error(exc) + (f" ({ONE_SAMPLE_HINT})" if one_sample_norm(exc) else "")
+
+
 def _warm_up_all(
     task: Task, group: list[Setting], window: int, planned: int | None, seed: int, tell: Callable[[int, str], None]
 ) -> tuple[Built, dict[Setting, str]]:
@@ -244,7 +250,7 @@ def _warm_up_all(
         except RedlineError:  # the task's own (its data, its loss): every row would fail alike
             raise
         except Exception as exc:  # a setting this machine cannot run: its row says why
-            failed[setting] = describe_error(exc)
+            failed[setting] = _row_error(exc)
     return built, failed
 
 
@@ -326,7 +332,7 @@ def time_runners(
             except RedlineError:
                 raise
             except Exception as exc:
-                errors[index] = describe_error(exc)
+                errors[index] = _row_error(exc)
                 return math.nan
 
         return run

@@ -121,6 +121,19 @@ class Forward:
         self._outputs, self.returned = value, True
 
 
+ONE_SAMPLE_HINT = (
+    "a batch norm layer normalises each channel over the batch, so it cannot train on one sample: use batches of 2 or "
+    "more per process"
+)
+
+
+def one_sample_norm(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the error redline wrapped it in) is a batch norm's refusal of a batch of one sample in
+    training ("Expected more than 1 value per channel when training")."""
+    cause = exc.__cause__ if isinstance(exc, RedlineError) else exc
+    return isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause)
+
+
 @contextlib.contextmanager
 def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) -> Iterator[Forward]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
@@ -157,6 +170,9 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
                 f"inside loss_fn ({part}, say), or return one tensor from forward"
             )
             found = "; the line above is where the loss failed"
+        elif one_sample_norm(exc):
+            culprit, given = "the model", f"inputs {describe(inputs)}, targets {describe(targets)}"
+            hint, found = ONE_SAMPLE_HINT, "; the line above is the layer's call"
         else:
             culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
             hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"

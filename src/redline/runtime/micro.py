@@ -29,6 +29,7 @@ from redline.errors import OutOfMemory, RedlineError, TaskError
 from redline.parallel.collectives import all_reduce_max, rank_and_world
 from redline.plan import Choice
 from redline.plan.micro_batch import MicroBatch, after_oom, resolve_micro_batch, whole_again
+from redline.runtime.contract import one_sample_norm
 from redline.runtime.loss import check_loss
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.precision import Precision
@@ -285,10 +286,9 @@ class MicroBatcher:
 
 
 def _one_sample_refusal(exc: Exception) -> BaseException | None:
-    """A batch norm's refusal of one sample in training ("Expected more than 1 value per channel when training")
-    inside ``exc``, or None: a micro-batch of 1 is no way to fit for such a model."""
-    cause = exc.__cause__ if isinstance(exc, RedlineError) else exc  # the Trainer's TrainingError wraps torch's
-    return cause if isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause) else None
+    """A batch norm's refusal of one sample in training inside ``exc`` (the Trainer's TrainingError wraps torch's), or
+    None: a micro-batch of 1 is no way to fit for such a model."""
+    return (exc.__cause__ if isinstance(exc, RedlineError) else exc) if one_sample_norm(exc) else None
 
 
 @contextlib.contextmanager
