@@ -235,3 +235,24 @@ def test_a_batch_norm_given_one_sample_is_named_with_its_fix_by_the_run_and_the_
     failed = [row for row in result.rows if row.batch_size == 1]
     assert failed and all("so it cannot train on one sample: use batches of 2 or more" in row.error for row in failed)
     assert all(not row.error for row in result.rows if row.batch_size == 4)
+
+
+def test_a_view_of_an_nhwc_output_under_channels_last_on_is_named_with_its_fixes():
+    from redline.runtime.options import RuntimeOptions
+    from redline.train.trainer import Trainer
+
+    class Viewed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6 * 6, 2)
+
+        def forward(self, x):
+            return self.head(self.conv(x).view(len(x), -1))
+
+    task = Task(model=Viewed, loss_fn=nn.functional.cross_entropy, batch_size=8, name="viewed",
+                train_data=TensorDataset(torch.randn(32, 3, 6, 6), torch.randint(0, 2, (32,))))  # fmt: skip
+    options = RuntimeOptions(devices="cpu", channels_last="on", precision="fp32", compile="off")
+    with pytest.raises(TrainingError, match=r"view size is not compatible") as e:
+        Trainer(task, runtime=options, max_steps=2, progress=False, trial="off").fit()
+    assert "\nhint: .view needs a contiguous tensor, and with channels_last on a convolution's output" in str(e.value)
+    assert "use .reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off" in str(e.value)

@@ -173,6 +173,13 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         elif one_sample_norm(exc):
             culprit, given = "the model", f"inputs {describe(inputs)}, targets {describe(targets)}"
             hint, found = ONE_SAMPLE_HINT, "; the line above is the layer's call"
+        elif "view size is not compatible with input tensor's size and stride" in first:
+            culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
+            hint = (
+                ".view needs a contiguous tensor, and with channels_last on a convolution's output is NHWC: use "
+                ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
+            )
+            found = "; the line above is the .view"
         else:
             culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
             hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
