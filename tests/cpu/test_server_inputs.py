@@ -265,6 +265,7 @@ async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_co
         (lambda out: {"labels": out.argmax(1).tolist()}, "postprocess returned dict; expected a list"),
         (lambda out: None, "postprocess returned NoneType; expected a list"),
         (lambda out: [1, 2], "postprocess returned 2 values for 1 samples"),
+        (lambda out: set(out.argmax(1).tolist()), "postprocess returned set; expected a list"),  # in no sample order
     ],
 )
 async def test_a_postprocess_that_does_not_give_one_value_per_sample_is_a_500_naming_what_it_gave(postprocess, problem):

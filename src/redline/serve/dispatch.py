@@ -379,7 +379,7 @@ class Dispatcher:
             values: list[Any] = outputs.tolist()
             return values
         made = postprocess(outputs)
-        if not isinstance(made, Iterable) or isinstance(made, str | bytes | dict):
+        if not isinstance(made, Iterable) or isinstance(made, str | bytes | dict | set | frozenset):  # a set: no order
             raise ServableError(f"postprocess returned {type(made).__name__}; expected a list of one value per sample")
         values = list(made)
         if len(values) != inputs.shape[0]:
