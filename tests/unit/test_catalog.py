@@ -133,6 +133,13 @@ def test_the_nearest_rows_put_the_card_named_first_where_its_memory_is_off():
     assert nearest_gpus("B200 192GB")[0].id == "b200"  # the catalog's B200 has 180 GB
 
 
+def test_a_card_one_letter_off_a_family_of_rows_names_that_family():
+    # "h900" named none: its ids ("h100-sxm", "h200-nvl") read too far from four letters
+    assert {spec.id.split("-")[0] for spec in nearest_gpus("h900")} <= {"h100", "h200"}
+    assert nearest_gpus("h900")
+    assert [spec.id for spec in nearest_gpus("l40")] == ["l40s", "l4"]
+
+
 def test_catalog_agrees_with_the_test_devices():
     for facts in (H100, A100, V100, T4):
         spec = find_gpu(facts.name)

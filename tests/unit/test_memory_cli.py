@@ -59,3 +59,17 @@ def test_a_cpu_estimate_weighs_against_the_container_s_limit_not_the_host_s_memo
     monkeypatch.setattr(memory_cli, "memory_limit_bytes", lambda: None)
     name, _, mem_gib = memory_cli._device(None, None)
     assert name == "this machine's CPU" and mem_gib > 0
+
+
+def test_a_ctrl_c_while_the_model_is_traced_says_what_it_stopped(monkeypatch):
+    # It exited 130 with nothing after the "tracing ..." line.
+    from redline.errors import StoppedBySignal
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memory_cli, "fit_memory", interrupted)
+    result = CliRunner().invoke(app, ["memory", "--task", "example:digits", "--gpu", "h100-sxm"])
+    assert isinstance(result.exception, StoppedBySignal), result.output
+    assert str(result.exception) == "stopped by Ctrl-C while tracing the model: nothing was estimated"
+    assert result.exception.exit_code == 130

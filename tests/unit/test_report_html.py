@@ -187,8 +187,9 @@ def test_a_resumed_runs_rates_are_said_to_be_those_since_the_resume(tmp_path):
 
 def test_html_dash_is_refused_rather_than_written_as_a_file_named_dash(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"--html '-' would write a file named '-'.*\nhint: name a .html file"):
+    with pytest.raises(ConfigError, match=r"--html '-' would write a file named '-'.*\nhint: name a .html file") as e:
         report_command(write_run(tmp_path / "run"), html=Path("-"))
+    assert str(e.value).endswith("e.g. --html report.html")  # a run's page: bench's --json is no help here
     assert not (tmp_path / "-").exists()
 
 

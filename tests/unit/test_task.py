@@ -803,3 +803,22 @@ def test_an_unknown_task_option_names_the_nearest_the_factory_takes():
     assert "unknown option(s) n_layers" in message and message.endswith("hint: did you mean n_layer?")
     with pytest.raises(TaskSpecError, match="hint: drop it, or add it as a parameter of the factory"):
         load_task("example:chargpt", colour="red")
+
+
+def test_a_task_file_imports_the_modules_beside_it_as_python_runs_it(tmp_path: Path, monkeypatch) -> None:
+    # `python slow.py` finds a sibling module; the task file's import of it raised ModuleNotFoundError.
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what the load appends goes with the test
+    monkeypatch.chdir(tmp_path)  # the file's folder is not the working directory
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "redline_sibling_models_1f3.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n\n"
+        "def make():\n    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))\n"
+        "    return Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, "
+        "batch_size=4, name='beside')\n"
+    )
+    (folder / "train_tasks.py").write_text("from redline_sibling_models_1f3 import make\n")
+    monkeypatch.delitem(sys.modules, "redline_sibling_models_1f3", raising=False)
+    assert load_task("project/train_tasks.py:make").name == "beside"

@@ -116,11 +116,12 @@ def memory(
     err.print(f"tracing {loaded.name} on fake tensors ({said})", highlight=False, markup=False)
     if weighing.note:
         err.print(f"note: {weighing.note}", highlight=False, markup=False)
-    result = fit_memory(
-        loaded, device=device, mem_gib=mem, target=facts.type, batch_size=weighing.micro_batch or batch_size,
-        precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
-        grad_accum=weighing.grad_accum,
-    )  # fmt: skip
+    with stopped_by_signal("tracing the model", "nothing was estimated"):
+        result = fit_memory(
+            loaded, device=device, mem_gib=mem, target=facts.type, batch_size=weighing.micro_batch or batch_size,
+            precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
+            grad_accum=weighing.grad_accum,
+        )  # fmt: skip
     _print(result, json_output)
 
 

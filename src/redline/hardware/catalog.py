@@ -176,12 +176,15 @@ def nearest_gpus(name: str, *, count: int = 3, catalog: Iterable[GPUSpec] | None
     closest first; none when nothing is close."""
     specs = tuple(load_catalog() if catalog is None else catalog)
     wanted = _compact(name)
-    keys = {key: spec for spec in specs for key in (_compact(spec.id), _compact(spec.name))}
+    keys: dict[str, list[GPUSpec]] = {}  # its id, its name, and its id's family ("h100" of "h100-sxm")
+    for spec in specs:
+        for key in dict.fromkeys((_compact(spec.id), _compact(spec.name), _compact(spec.id.split("-")[0]))):
+            keys.setdefault(key, []).append(spec)
     close = difflib.get_close_matches(wanted, list(keys), n=len(keys), cutoff=0.6) if wanted else []
     # first the rows the name holds but for its memory ("B200 192GB": the b200 of 180 GB), then by spelling
     bare = _without_memory(name)
     named = gpus_named(bare, catalog=specs) if bare != " ".join(_words(name)) else []
-    nearest = list(dict.fromkeys([*named, *(keys[key] for key in close)]))  # each row once, closest first
+    nearest = list(dict.fromkeys([*named, *(spec for key in close for spec in keys[key])]))  # each once, closest first
     return nearest[:count]
 
 

@@ -181,18 +181,19 @@ def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: l
             f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
             f"hint: name another file, e.g. --html {default}"
         )
-    refuse_replacing(target)
+    refuse_replacing(target, example=default.name)
     return target
 
 
-def refuse_replacing(target: Path) -> None:
+def refuse_replacing(target: Path, *, example: str = "bench.html") -> None:
     """Refuse a page's ``target`` that is a file of another kind (a run's model.safetensors, say): a page there
     would replace what it holds. An earlier page (.html, .htm) is replaced, as a new report should. ``-`` is refused:
     read as standard output by many tools, it would be a file named "-"."""
     if str(target) == "-":
+        stdout = "; `redline bench --json` prints the results to standard output" if example == "bench.html" else ""
         raise ConfigError(
             "--html '-' would write a file named '-': the page is written to a file, with its plots inside\nhint: name "
-            "a .html file, e.g. --html bench.html; `redline bench --json` prints the results to standard output"
+            f"a .html file, e.g. --html {example}{stdout}"
         )
     if target.is_file() and target.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(

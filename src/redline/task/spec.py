@@ -171,6 +171,7 @@ def _import_module(spec: str, module_name: str) -> Any:
                     hint = f"\nhint: did you mean '{path.parent / str(near)}:{factory}'?"
             said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
             raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
+        _search_working_directory(path.resolve().parent)  # its own imports of the modules beside it
         name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
         file_spec = importlib.util.spec_from_file_location(name, path)
         if file_spec is None or file_spec.loader is None:
@@ -229,20 +230,21 @@ def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:
     )
 
 
-def _search_working_directory() -> None:
-    """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``.
+def _search_working_directory(folder: Path | None = None) -> None:
+    """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``; with
+    ``folder`` (a task file's), let the file import the modules beside it, as ``python file.py`` does.
 
     The ``redline`` console script's sys.path starts with the script's own folder, where
     ``python -m`` puts the working directory. It goes last here, so that an installed package of
     the same name still comes first.
     """
     try:
-        cwd = os.getcwd()
+        where = str(folder) if folder is not None else os.getcwd()
     except OSError:  # the working directory was removed
         return
     searched = {os.path.realpath(entry or os.curdir) for entry in sys.path if isinstance(entry, str)}
-    if os.path.realpath(cwd) not in searched:
-        sys.path.append(cwd)
+    if os.path.realpath(where) not in searched:
+        sys.path.append(where)
 
 
 def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
