@@ -176,11 +176,16 @@ def nearest_gpus(name: str, *, count: int = 3, catalog: Iterable[GPUSpec] | None
     closest first; none when nothing is close."""
     specs = tuple(load_catalog() if catalog is None else catalog)
     wanted = _compact(name)
-    keys: dict[str, list[GPUSpec]] = {}  # its id, its name, and its id's family ("h100" of "h100-sxm")
+    keys: dict[str, list[GPUSpec]] = {}
     for spec in specs:
-        for key in dict.fromkeys((_compact(spec.id), _compact(spec.name), _compact(spec.id.split("-")[0]))):
+        for key in dict.fromkeys((_compact(spec.id), _compact(spec.name))):
             keys.setdefault(key, []).append(spec)
     close = difflib.get_close_matches(wanted, list(keys), n=len(keys), cutoff=0.6) if wanted else []
+    if not close and wanted:  # none near a whole id or name: near a family's ("h900": h100-*, h200-*)
+        keys = {}
+        for spec in specs:
+            keys.setdefault(_compact(spec.id.split("-")[0]), []).append(spec)
+        close = difflib.get_close_matches(wanted, list(keys), n=len(keys), cutoff=0.6)
     # first the rows the name holds but for its memory ("B200 192GB": the b200 of 180 GB), then by spelling
     bare = _without_memory(name)
     named = gpus_named(bare, catalog=specs) if bare != " ".join(_words(name)) else []
