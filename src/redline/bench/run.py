@@ -41,7 +41,7 @@ from redline.hardware.flops import count_train_flops
 from redline.parallel.env import read_env
 from redline.plan import Choice
 from redline.plan.device import resolve_device
-from redline.runtime.contract import ONE_SAMPLE_HINT, one_sample_norm
+from redline.runtime.contract import ONE_SAMPLE_HINT, one_sample_refusal
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
@@ -231,7 +231,7 @@ def task_steps(task: Task, batch_size: int) -> int | None:
 
 def _row_error(exc: BaseException) -> str:
     """A failed row's error, with the fix where redline knows the cause (a batch norm given one sample)."""
-    return describe_error(exc) + (f" ({ONE_SAMPLE_HINT})" if one_sample_norm(exc) else "")
+    return describe_error(exc) + (f" ({ONE_SAMPLE_HINT})" if one_sample_refusal(exc) else "")
 
 
 def _warm_up_all(

@@ -127,11 +127,11 @@ ONE_SAMPLE_HINT = (
 )
 
 
-def one_sample_norm(exc: BaseException) -> bool:
-    """Whether ``exc`` (or the error redline wrapped it in) is a batch norm's refusal of a batch of one sample in
-    training ("Expected more than 1 value per channel when training")."""
+def one_sample_refusal(exc: BaseException) -> BaseException | None:
+    """A batch norm's refusal of a batch of one sample in training ("Expected more than 1 value per channel when
+    training"): ``exc``, or the error of torch's that redline wrapped in it; None where it is none."""
     cause = exc.__cause__ if isinstance(exc, RedlineError) else exc
-    return isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause)
+    return cause if isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause) else None
 
 
 @contextlib.contextmanager
@@ -156,6 +156,7 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         line = user_line(exc)
+        culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
         if metric:
             culprit, given = "task.metric", f"outputs {describe(inputs)}, targets {describe(targets)}"
             hint = "task.metric(outputs, targets) is given the model's outputs and the batch's targets, as shown"
@@ -163,25 +164,21 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         elif forward.returned and not isinstance(forward.outputs, torch.Tensor):  # the loss failed on them
             outputs, kind = forward.outputs, type(forward.outputs).__name__
             part = f"outputs[{next(iter(outputs))!r}]" if isinstance(outputs, Mapping) and outputs else "outputs[0]"
-            culprit = "loss_fn(outputs, targets)"
-            given = f"inputs {describe(inputs)}, targets {describe(targets)}\n  outputs: {describe(outputs)}"
+            culprit, given = "loss_fn(outputs, targets)", f"{given}\n  outputs: {describe(outputs)}"
             hint = (
                 f"the model returned a {kind}, and loss_fn is given it as it is: take the tensor the loss needs "
                 f"inside loss_fn ({part}, say), or return one tensor from forward"
             )
             found = "; the line above is where the loss failed"
-        elif one_sample_norm(exc):
-            culprit, given = "the model", f"inputs {describe(inputs)}, targets {describe(targets)}"
-            hint, found = ONE_SAMPLE_HINT, "; the line above is the layer's call"
+        elif one_sample_refusal(exc):
+            culprit, hint, found = "the model", ONE_SAMPLE_HINT, "; the line above is the layer's call"
         elif "view size is not compatible with input tensor's size and stride" in first:
-            culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
             hint = (
                 ".view needs a contiguous tensor, and with channels_last on a convolution's output is NHWC: use "
                 ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
             )
             found = "; the line above is the .view"
         else:
-            culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
             hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
             found = "; if they are, the line above is where your code failed"
         if line:

@@ -29,7 +29,7 @@ from redline.errors import OutOfMemory, RedlineError, TaskError
 from redline.parallel.collectives import all_reduce_max, rank_and_world
 from redline.plan import Choice
 from redline.plan.micro_batch import MicroBatch, after_oom, resolve_micro_batch, whole_again
-from redline.runtime.contract import one_sample_norm
+from redline.runtime.contract import one_sample_refusal
 from redline.runtime.loss import check_loss
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.precision import Precision
@@ -196,7 +196,7 @@ class MicroBatcher:
             with how.precision.autocast():
                 loss = check_loss(step_fn(micro), training=True, source=SOURCE)
         except Exception as exc:
-            refusal = _one_sample_refusal(exc) if size == 1 and self._failed else None  # halved to 1 by "auto"
+            refusal = one_sample_refusal(exc) if size == 1 and self._failed else None  # halved to 1 by "auto"
             if refusal is not None:
                 raise self._no_smaller(how, refusal) from exc
             if isinstance(exc, RedlineError) or not is_oom(exc):
@@ -283,12 +283,6 @@ class MicroBatcher:
             + (f"-rank{rank}" if world > 1 else "")
         )
         self.last_snapshot = write_memory_snapshot(how.device, how.snapshot_dir, name)
-
-
-def _one_sample_refusal(exc: Exception) -> BaseException | None:
-    """A batch norm's refusal of one sample in training inside ``exc`` (the Trainer's TrainingError wraps torch's), or
-    None: a micro-batch of 1 is no way to fit for such a model."""
-    return (exc.__cause__ if isinstance(exc, RedlineError) else exc) if one_sample_norm(exc) else None
 
 
 @contextlib.contextmanager

@@ -171,7 +171,7 @@ def _import_module(spec: str, module_name: str) -> Any:
                     hint = f"\nhint: did you mean '{path.parent / str(near)}:{factory}'?"
             said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
             raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
-        _search_working_directory(path.resolve().parent)  # its own imports of the modules beside it
+        _search_folder(path.resolve().parent)  # its own imports of the modules beside it
         name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
         file_spec = importlib.util.spec_from_file_location(name, path)
         if file_spec is None or file_spec.loader is None:
@@ -186,7 +186,7 @@ def _import_module(spec: str, module_name: str) -> Any:
                 raise _exited(spec, str(path), exc) from exc
             raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
         return module
-    _search_working_directory()
+    _search_folder()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -230,7 +230,7 @@ def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:
     )
 
 
-def _search_working_directory(folder: Path | None = None) -> None:
+def _search_folder(folder: Path | None = None) -> None:
     """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``; with
     ``folder`` (a task file's), let the file import the modules beside it, as ``python file.py`` does.
 
