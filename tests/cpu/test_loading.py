@@ -423,3 +423,63 @@ def test_workers_asked_for_over_a_stream_that_may_not_split_itself_are_warned_of
         assert f"yields every sample {asked} times" in said[0] and "splits_across_workers = True" in said[0]
     else:
         assert not said
+
+
+class SplitsItselfByWorker(IterableDataset):
+    """Torch's documented way to share a stream among workers: each yields every num_workers-th item."""
+
+    splits_across_workers = True
+
+    def __len__(self) -> int:
+        return 32
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(worker, 32, workers):
+            yield torch.full((4,), float(i)), torch.tensor(i)
+
+
+def test_the_trainer_reads_a_stream_that_splits_itself_in_one_worker_and_loses_none_of_it():
+    """Two workers would each read half the stream, and the Trainer's global batches would keep half of those."""
+    from test_trainer import tiny_task
+
+    import redline
+    from redline.train.trainer import Trainer
+
+    seen: list[int] = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.device.type != "meta" and torch.is_grad_enabled():
+            seen.extend(y.tolist())
+        return out.float().pow(2).mean()
+
+    task = tiny_task(train_data=SplitsItselfByWorker(), val_data=None, metric=None, loss_fn=loss_fn, epochs=1)
+    options = redline.RuntimeOptions(devices="cpu", seed=0, loader_workers=2)
+    summary = Trainer(task, runtime=options, progress=False, trial="off").fit()
+    assert summary.steps == 4
+    assert sorted(seen) == list(range(32))  # each item once, none lost
+    loader = summary.plan.loader
+    assert loader is not None and loader.value.num_workers == 1
+    assert "splits itself across loader workers" in loader.reason
+
+
+def test_a_dataset_class_of_a_task_file_loads_in_workers_started_by_spawn(tmp_path, monkeypatch):
+    """macOS starts workers by spawn (Linux by forkserver from Python 3.14): they import the class by its module."""
+    import sys
+
+    from redline.task import load_task
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "redline_spawned_task_5d0.py").write_text(
+        "import torch\nfrom torch import nn\nfrom redline import Task\n\n"
+        "class Items(torch.utils.data.Dataset):\n    def __len__(self):\n        return 8\n\n"
+        "    def __getitem__(self, i):\n        return torch.full((4,), float(i)), i % 2\n\n"
+        "def make():\n    return Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, "
+        "train_data=Items(), batch_size=4)\n"
+    )
+    monkeypatch.delitem(sys.modules, "redline_spawned_task_5d0", raising=False)
+    task = load_task(f"{tmp_path / 'redline_spawned_task_5d0.py'}:make")
+    loader = DataLoader(task.train_data, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    assert [x[:, 0].tolist() for x, _ in loader] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    sys.modules.pop("redline_spawned_task_5d0")

@@ -822,3 +822,70 @@ def test_a_task_file_imports_the_modules_beside_it_as_python_runs_it(tmp_path: P
     (folder / "train_tasks.py").write_text("from redline_sibling_models_1f3 import make\n")
     monkeypatch.delitem(sys.modules, "redline_sibling_models_1f3", raising=False)
     assert load_task("project/train_tasks.py:make").name == "beside"
+
+
+def test_a_task_files_sibling_comes_before_an_installed_module_of_the_same_name(tmp_path: Path, monkeypatch) -> None:
+    """`python train.py` imports the example.py beside it; the load found an installed example.py first."""
+    import sys
+
+    installed, folder = tmp_path / "site", tmp_path / "project"
+    installed.mkdir()
+    folder.mkdir()
+    (installed / "redline_shadow_3c1.py").write_text("NAME = 'installed'\n")
+    (folder / "redline_shadow_3c1.py").write_text("NAME = 'beside'\n")
+    (folder / "train_task.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "from redline_shadow_3c1 import NAME\n\n"
+        "def make():\n    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))\n"
+        "    return Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, "
+        "batch_size=4, name=NAME)\n"
+    )
+    monkeypatch.setattr(sys, "path", [str(installed), *sys.path])
+    monkeypatch.delitem(sys.modules, "redline_shadow_3c1", raising=False)
+    assert load_task(f"{folder / 'train_task.py'}:make").name == "beside"
+    sys.modules.pop("redline_shadow_3c1", None)
+
+
+def test_a_task_file_is_imported_under_its_own_name_unless_that_names_another_module(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Loader workers started by spawn import a dataset class by its module's name: a made-up one they cannot."""
+    import csv
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    body = (
+        "import torch\nfrom torch import nn\nfrom redline import Task\n\n"
+        "class Items(torch.utils.data.Dataset):\n    def __len__(self):\n        return 8\n\n"
+        "    def __getitem__(self, i):\n        return torch.randn(4), i % 2\n\n"
+        "def make():\n    return Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, "
+        "train_data=Items(), batch_size=4)\n"
+    )
+    for name in ("redline_own_name_8e2", "csv"):
+        (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.delitem(sys.modules, "redline_own_name_8e2", raising=False)
+    task = load_task(f"{tmp_path / 'redline_own_name_8e2.py'}:make")
+    assert type(task.train_data).__module__ == "redline_own_name_8e2"
+    assert sys.modules["redline_own_name_8e2"].__file__ == str(tmp_path / "redline_own_name_8e2.py")
+    sys.modules.pop("redline_own_name_8e2")
+    # the standard library's name stays the standard library's
+    assert type(load_task(f"{tmp_path / 'csv.py'}:make").train_data).__module__.startswith("redline_task_")
+    assert sys.modules["csv"] is csv
+
+
+def test_a_spec_may_name_a_task_the_module_built_as_well_as_a_factory(tmp_path: Path, monkeypatch) -> None:
+    """Before, `tasks.py:TASK` for `TASK = Task(...)` said the file had no callable 'TASK' and listed the others."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "redline_built_task_2b7.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n\n"
+        "TASK = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, "
+        "train_data=TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4, name='built')\n"
+    )
+    monkeypatch.delitem(sys.modules, "redline_built_task_2b7", raising=False)
+    spec = f"{tmp_path / 'redline_built_task_2b7.py'}:TASK"
+    assert load_task(spec).name == "built"
+    with pytest.raises(TaskSpecError, match=r"unknown option\(s\) width"):  # a built Task takes no options
+        load_task(spec, width=3)
+    sys.modules.pop("redline_built_task_2b7", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
@@ -22,6 +23,8 @@ class LoaderFacts:
     gatherable: bool = False  # batches of a TensorDataset under the default collation: one index per tensor
     persistent_workers: bool = False  # as the user set them: a kept loader keeps them
     prefetch_factor: int | None = None
+    worker_limit: int | None = None  # the most workers the data can be read by without losing its order
+    limit_reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +80,9 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
     # (a new shuffle, a resumed run's position) would never reach it. Those workers start again each epoch.
     persist = loader.map_style
     if workers is not None:
+        limited = loader.worker_limit is not None and workers > loader.worker_limit
+        if limited:
+            workers = cast(int, loader.worker_limit)
         asked = LoaderSettings(
             num_workers=workers,
             pin_memory=facts.type == "cuda",
@@ -84,7 +90,8 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
             prefetch_factor=PREFETCH if workers else None,
             rebuild=True,
         )
-        return Choice(asked, "requested" + ("; pinned for non-blocking copies" if facts.type == "cuda" else ""))
+        why = f"{workers} of the workers asked for: {loader.limit_reason}" if limited else "requested"
+        return Choice(asked, why + ("; pinned for non-blocking copies" if facts.type == "cuda" else ""))
     if facts.type != "cuda":
         return Choice(keep, f"kept: on {facts.type} workers would compete with the model for cores")
     if not loader.map_style:

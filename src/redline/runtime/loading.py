@@ -42,6 +42,8 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
         gatherable=loader.batch_sampler is not None and can_gather(dataset, loader.collate_fn),  # batches, not items
         persistent_workers=loader.persistent_workers,
         prefetch_factor=loader.prefetch_factor,
+        worker_limit=limit if isinstance(limit := getattr(dataset, "worker_limit", None), int) else None,
+        limit_reason=str(getattr(dataset, "limit_reason", "")),
     )
 
 

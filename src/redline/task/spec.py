@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -44,6 +45,9 @@ def find_factory(spec: str) -> Callable[..., Any]:
     module_name, factory_name = _split_spec(spec)
     module = _import_module(spec, module_name)
     factory = getattr(module, factory_name, None)
+    if isinstance(factory, Task):  # a Task the module built as it was imported: taken as it is
+        built = factory
+        return lambda: built
     if factory is None or not callable(factory):
         public = {n: v for n, v in vars(module).items() if callable(v) and not n.startswith("_")}
         own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
@@ -171,8 +175,8 @@ def _import_module(spec: str, module_name: str) -> Any:
                     hint = f"\nhint: did you mean '{path.parent / str(near)}:{factory}'?"
             said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
             raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
-        _search_folder(path.resolve().parent)  # its own imports of the modules beside it
-        name = f"redline_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
+        _search_folder(path.resolve().parent, first=True)  # its own imports of the modules beside it
+        name = _file_module_name(path.resolve())
         file_spec = importlib.util.spec_from_file_location(name, path)
         if file_spec is None or file_spec.loader is None:
             raise TaskSpecError(f"task spec {spec!r}: cannot import {str(path)!r} as Python")
@@ -230,17 +234,36 @@ def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:
     )
 
 
-def _search_folder(folder: Path | None = None) -> None:
+def _file_module_name(path: Path) -> str:
+    """The name a task file is imported under: its own, as ``import name`` from its folder finds it, so that loader
+    workers started by spawn or forkserver (macOS; Linux from Python 3.14) can import the classes it defines; a
+    made-up one where that name means another module (the standard library's, another file's, a package's)."""
+    stem = path.stem
+    if stem.isidentifier() and stem not in sys.stdlib_module_names:
+        found = importlib.machinery.PathFinder.find_spec(stem, [str(path.parent)])
+        finds_it = found is not None and found.origin is not None and Path(found.origin).resolve() == path
+        loaded = sys.modules.get(stem)
+        free = loaded is None or Path(getattr(loaded, "__file__", None) or "/").resolve() == path
+        if finds_it and free:
+            return stem
+    return f"redline_task_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+
+
+def _search_folder(folder: Path | None = None, *, first: bool = False) -> None:
     """Let a dotted spec name a module in the working directory, as it does under ``python -m redline``; with
-    ``folder`` (a task file's), let the file import the modules beside it, as ``python file.py`` does.
+    ``folder`` (a task file's) and ``first``, let the file import the modules beside it, as ``python file.py`` does.
 
     The ``redline`` console script's sys.path starts with the script's own folder, where
-    ``python -m`` puts the working directory. It goes last here, so that an installed package of
-    the same name still comes first.
+    ``python -m`` puts the working directory. That goes last here, so that an installed package of
+    the same name still comes first; a task file's folder goes first, as Python puts a script's.
     """
     try:
         where = str(folder) if folder is not None else os.getcwd()
     except OSError:  # the working directory was removed
+        return
+    if first:
+        if not sys.path or os.path.realpath(sys.path[0] or os.curdir) != os.path.realpath(where):
+            sys.path.insert(0, where)
         return
     searched = {os.path.realpath(entry or os.curdir) for entry in sys.path if isinstance(entry, str)}
     if os.path.realpath(where) not in searched:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_w
 
 from redline.errors import ConfigError, TaskError
 from redline.plan import Choice
-from redline.runtime.loading import gathered
+from redline.runtime.loading import SPLITS_ACROSS_WORKERS, gathered
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split, data_size
 from redline.task import CollateFn
 from redline.train.failures import kept_note
@@ -51,6 +51,20 @@ class StreamShard(IterableDataset[Any]):
         self.rank = rank
         self.world_size = world_size
         self.skip = 0
+
+    @property
+    def worker_limit(self) -> int | None:
+        """One loader worker for a stream that splits itself by get_worker_info(): under N workers each would
+        read only its own share of it, and keep only every N-th of those batches (see loader_facts)."""
+        return 1 if getattr(self.dataset, SPLITS_ACROSS_WORKERS, False) else None
+
+    @property
+    def limit_reason(self) -> str:
+        return (
+            f"train_data ({type(self.dataset).__name__}) splits itself across loader workers, and the Trainer cuts "
+            "its global batches in the stream's own order (so that a resumed run goes on exactly), which one "
+            "worker reads whole"
+        )
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.skip = skip
