@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -107,8 +108,11 @@ def call_refused(function: Any, count: int) -> str:
 
     A run that calls it so later would raise the TypeError from its own line, as if the bug were the caller's.
     """
+    # A module is called through its forward: nn.Module.__call__'s own signature (*args, **kwargs) takes anything.
+    torch = sys.modules.get("torch")  # not imported here: a module of torch's exists only where torch was imported
+    called = function.forward if torch is not None and isinstance(function, torch.nn.Module) else function
     try:
-        inspect.signature(function).bind(*range(count))
+        inspect.signature(called).bind(*range(count))
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ValueError) or "not a callable" in str(exc):  # no signature to read
             return ""

@@ -320,6 +320,23 @@ def test_an_older_checkpoint_moved_aside_comes_back_where_its_replacement_was_un
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
 
 
+def test_a_checkpoint_whose_manifest_no_longer_reads_is_pruned_once_the_run_goes_past_it(tmp_path):
+    """Skipped by the resume, it was never pruned: find_checkpoints leaves out what has no readable manifest."""
+
+    def trainer(**changes) -> Trainer:
+        return Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=tmp_path, progress=False,
+                       **changes)  # fmt: skip
+
+    trainer(max_steps=4, checkpoint_every=2).fit()
+    root = tmp_path / "checkpoints"
+    (step_dir(root, 4) / "manifest.json").write_text("{bad")
+    other = step_dir(root, 1)  # another version's checkpoint: never this version's to remove
+    other.mkdir()
+    (other / "manifest.json").write_text('{"format": "redline-checkpoint-v99", "files": {}}')
+    trainer(max_steps=8, checkpoint_every=3, keep_checkpoints=1, resume="auto").fit()  # from step 2 to 8
+    assert sorted(path.name for path in root.iterdir()) == ["step-00000001", "step-00000008"]
+
+
 def test_a_copy_the_user_made_beside_the_checkpoints_is_never_pruned_counted_or_resumed_from(tmp_path):
     """A copy of step 2 kept as step-00000002-best was pruned with the run's old checkpoints."""
 

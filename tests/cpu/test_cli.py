@@ -127,6 +127,15 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path, redline_here):
     assert "it is a file" in result.stderr and "hint: e.g. --out runs/NAME" in result.stderr
 
 
+def test_a_checkpoints_folder_the_run_could_not_write_is_refused_before_it_trains(tmp_path, redline_here):
+    """Before, the run trained its steps and failed at its first checkpoint, which lost them."""
+    (tmp_path / "checkpoints").write_text("")  # where the run's checkpoints folder would be
+    result = redline_here("train", "--task", "example:digits", "--max-steps", "3", "--out", str(tmp_path))
+    assert result.returncode == 2 and "the checkpoints/ an earlier run left in it is a file" in result.stderr
+    assert f"hint: make {tmp_path / 'checkpoints'} a writable directory" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before the first step
+
+
 FLAG_TASK = """
 import torch
 from torch import nn

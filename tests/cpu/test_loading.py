@@ -66,6 +66,26 @@ def test_a_subset_of_a_tensor_dataset_is_still_in_memory() -> None:
     assert facts.map_style
 
 
+class Augmented(Dataset):
+    """Work of its own per item over tensors it holds in .dataset, as Subset names its own."""
+
+    def __init__(self) -> None:
+        self.dataset = tensor_data()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.dataset[index]
+        return x.flip(0) + 0.1 * torch.randn_like(x), y
+
+
+def test_a_users_wrapper_of_a_tensor_dataset_is_not_in_memory_its_items_cost_work() -> None:
+    """Any .dataset holding a TensorDataset read as in-memory: on CUDA the Plan gave it no workers."""
+    assert not loader_facts(DataLoader(Augmented(), batch_size=2)).in_memory
+    assert loader_facts(DataLoader(Subset(Subset(tensor_data(), [0, 1, 2]), [0, 1]), batch_size=2)).in_memory
+
+
 def test_a_custom_dataset_is_not_in_memory() -> None:
     facts = loader_facts(DataLoader(Squares(8), batch_size=2, num_workers=2, pin_memory=True))
     assert (facts.is_dataloader, facts.map_style, facts.in_memory) == (True, True, False)

@@ -246,6 +246,26 @@ def test_a_broken_collective_is_named_as_such_not_as_a_bad_batch(where):
     assert "shaped as the model expects" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("inputs", "targets", "says"),
+    [
+        (torch.float32, torch.int32, "expected target dtype to be Long"),  # labels of NumPy's int32
+        (torch.float64, torch.int64, "mat1 and mat2 must have the same dtype"),  # inputs of NumPy's float64
+    ],
+)
+def test_a_batch_of_the_wrong_dtype_gets_the_cast_to_make_not_a_hint_of_shapes(inputs, targets, says):
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(16, 4, generator=gen).to(inputs), torch.randint(0, 2, (16,), generator=gen).to(targets)
+    )
+    with pytest.raises(TrainingError, match=rf"step 1: the model or loss raised RuntimeError: {says}") as err:
+        quiet(tiny_task(train_data=data, val_data=None), max_steps=1, trial="off").fit()
+    assert "\nhint: a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__" in str(
+        err.value
+    )
+    assert "shaped as the model expects" not in str(err.value)
+
+
 def test_a_checkpoint_of_a_users_own_loop_is_refused_clearly(tmp_path):
     with redline.Runtime(devices="cpu") as rt:
         rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))

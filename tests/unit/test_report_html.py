@@ -250,22 +250,21 @@ def test_report_writes_run_dir_report_html_atomically(tmp_path):
             r"summary.json cannot be read: .*\nhint: restore summary.json from the run, or delete it: "
             r"the report then draws the run from its logs, as one that has not ended$",
         ),
-        (
-            "bad row",
-            r"metrics.jsonl cannot be read: row 2: .*\nhint: restore metrics.jsonl from the run, or delete "
+        (  # every row: one damaged among good ones is left out (see below)
+            "bad rows",
+            r"metrics.jsonl cannot be read: line 1: .*\nhint: restore metrics.jsonl from the run, or delete "
             r"it: the report then reads metrics.csv in its place, if the run wrote one$",
         ),
-        ("no step", r"metrics.jsonl cannot be read: row 2: it has no 'step'\nhint: restore metrics.jsonl"),
+        ("no step", r"metrics.jsonl cannot be read: line 1: it has no 'step'\nhint: restore metrics.jsonl"),
         (  # another tool's JSON written over it (a trace of `redline profile --trace`, before it refused that)
             "trace as summary",
             r"summary.json cannot be read: it is not a run's summary: no task or steps in it \(its keys: "
             r"schemaVersion, traceEvents\)\nhint: restore summary.json",
         ),
-        ("bad last row", r"eval.jsonl cannot be read: row \d+: .*\nhint: restore eval.jsonl"),  # whole: no cut
         (
             "bad csv",
-            r"metrics.csv cannot be read: row 1: .*\nhint: restore metrics.csv from the run: the report "
-            r"draws its curves from it$",
+            r"metrics.csv cannot be read: line 2: could not convert string to float: 'one'\nhint: restore "
+            r"metrics.csv from the run: the report draws its curves from it$",
         ),
     ],
 )
@@ -276,23 +275,65 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
     elif damage == "no logs":
         for log in ("metrics.jsonl", "metrics.csv"):
             (run / log).unlink()
-    elif damage == "bad last row":
-        with (run / "eval.jsonl").open("a") as file:
-            file.write("garbage\n")
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
     elif damage == "trace as summary":
         (run / "summary.json").write_text('{"schemaVersion": 1, "traceEvents": []}')
-    elif damage in ("bad row", "no step"):
+    elif damage in ("bad rows", "no step"):
         lines = (run / "metrics.jsonl").read_text().splitlines()
-        bad = "garbage" if damage == "bad row" else '{"loss": 1.0}'
-        (run / "metrics.jsonl").write_text("\n".join([lines[0], bad, *lines[2:]]) + "\n")
+        bad = "garbage" if damage == "bad rows" else '{"loss": 1.0}'
+        (run / "metrics.jsonl").write_text(f"{bad}\n" * len(lines))
     else:
         (run / "metrics.jsonl").unlink()
-        text = (run / "metrics.csv").read_text().replace("\n1,0,", "\none,0,", 1)
-        (run / "metrics.csv").write_text(text)
+        header = (run / "metrics.csv").read_text().splitlines()[0]
+        (run / "metrics.csv").write_text(f"{header}\none{',' * header.count(',')}\n")
     with pytest.raises(ConfigError, match=message):
         run_report(run)
+
+
+def test_rows_damaged_among_good_ones_are_left_out_and_named_and_the_page_is_drawn(tmp_path, caplog):
+    """One bad row stopped the whole report, and the hint said to delete the log; a stray quote in a CSV cell put
+    the rest of the file into the message."""
+    run = write_run(tmp_path / "run", steps=30)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([*lines[:10], "garbage{{", *lines[10:]]) + "\n")
+    with (run / "eval.jsonl").open("a") as file:
+        file.write("garbage\n")  # a whole line, not a killed write's cut: damage
+    with caplog.at_level("WARNING", logger="redline"):
+        doc = run_report(run)
+    assert "train loss over 30 points" in alts(doc)[0]
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"{run / 'metrics.jsonl'}: 1 damaged row(s) left out") and "line 11: " in m for m in said)
+    assert any(m.startswith(f"{run / 'eval.jsonl'}: 1 damaged row(s) left out") for m in said), said
+    csv_only = write_run(tmp_path / "csv", steps=30)
+    (csv_only / "metrics.jsonl").unlink()
+    rows = (csv_only / "metrics.csv").read_text().splitlines()
+    (csv_only / "metrics.csv").write_text("\n".join([*rows[:5], '5,"2', *rows[5:]]) + "\n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="redline"):
+        run_report(csv_only)
+    said = [r.getMessage() for r in caplog.records if "damaged row" in r.getMessage()]
+    assert len(said) == 1 and len(said[0]) < 400, said  # the cell cut short, not the rest of the file
+    assert "lines 6-32: could not convert string to float: '2\\n5,0" in said[0]  # and what it took in
+
+
+def test_a_run_directory_whose_name_is_not_utf8_gets_its_page(tmp_path):
+    """Its name, shown on the page, held lone surrogates that UTF-8 cannot encode: a traceback, no page."""
+    import os
+
+    run = write_run(Path(os.fsdecode(bytes(tmp_path) + b"/run\xff")), steps=5)
+    written = report(run)
+    assert "train loss over 5 points" in alts(written.read_text(encoding="utf-8"))[0]
+
+
+def test_a_jsonl_log_with_a_gap_is_not_drawn_where_the_csv_holds_every_step(tmp_path):
+    # resumed with --logger csv (the JSONL misses those steps), then again with both: the report drew the JSONL's
+    # line straight across the gap
+    run = write_run(tmp_path, steps=30)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(lines[:10] + lines[20:]))
+    doc = run_report(run)
+    assert "train loss over 30 points" in alts(doc)[0] and "Read from metrics.csv" in doc
 
 
 def test_a_checkpoint_given_for_its_run_names_the_run_directory(tmp_path):

@@ -188,6 +188,11 @@ def test_a_model_class_that_needs_arguments_is_refused_when_the_task_is_made() -
         assert isinstance(tiny_task(model=fine).build_model(), nn.Linear)
 
 
+class OneInput(nn.Module):
+    def forward(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs.mean()
+
+
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [
@@ -197,6 +202,9 @@ def test_a_model_class_that_needs_arguments_is_refused_when_the_task_is_made() -
         ("collate_fn", lambda: None, "<lambda> cannot be called with 1 argument"),
         ("sample", lambda model, prompt: "", "<lambda> cannot be called with 1 argument"),
         ("optimizer", lambda params, lr: torch.optim.SGD(params, lr), "<lambda> cannot be called with 1 argument"),
+        # a module, read by its forward: nn.Module.__call__ takes anything, and the step failed with a hint of shapes
+        ("loss_fn", OneInput(), "OneInput cannot be called with 2 arguments (too many positional"),
+        ("metric", OneInput(), "OneInput cannot be called with 2 arguments (too many positional"),
     ],
 )
 def test_a_function_that_cannot_take_what_a_run_passes_it_is_refused(field: str, value: object, says: str) -> None:
@@ -889,3 +897,20 @@ def test_a_spec_may_name_a_task_the_module_built_as_well_as_a_factory(tmp_path: 
     with pytest.raises(TaskSpecError, match=r"unknown option\(s\) width"):  # a built Task takes no options
         load_task(spec, width=3)
     sys.modules.pop("redline_built_task_2b7", None)
+
+
+def test_a_module_that_cannot_be_copied_is_refused_with_the_factory_to_pass_instead() -> None:
+    """Its deepcopy's TypeError was shown at the standard library's line, with a hint about lazy modules."""
+    import threading
+
+    class Locked(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 2)
+            self.lock = threading.Lock()
+
+    with pytest.raises(ConfigError, match=r"^model=<Locked> is not allowed; expected a module that can be copied") as e:
+        tiny_task(model=Locked()).build_model()
+    assert "TypeError: cannot pickle '_thread.lock' object" in str(e.value)
+    assert str(e.value).endswith("hint: pass the factory that builds it instead: model=lambda: Locked(...), or "
+                                 "model=Locked where it takes no arguments")  # fmt: skip
+    assert isinstance(tiny_task(model=Locked).build_model(), Locked)

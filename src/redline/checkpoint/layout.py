@@ -295,6 +295,11 @@ def prune(root: Path, keep: int, *, corrupt: Collection[Checkpoint] = ()) -> Non
         kept.append(candidate)
     for old in found[: found.index(kept[-1])] if kept else ():
         shutil.rmtree(old.path, ignore_errors=True)
+    if kept:  # one whose manifest no longer reads (damaged since its commit), once the run has gone past it
+        listed = {c.path for c in found}
+        for path in run_dirs(root):
+            if path not in listed and _other_version(path) is None and step_of(path, {}) < kept[-1].step:
+                shutil.rmtree(path, ignore_errors=True)
     clean_staging(root)
 
 

@@ -128,8 +128,8 @@ def write_report(path: str | os.PathLike[str], html: str) -> Path:
     """
     target = Path(path)
 
-    def write(tmp: Path) -> None:
-        tmp.write_text(html, encoding="utf-8")
+    def write(tmp: Path) -> None:  # a path that is not UTF-8 (a run directory's, shown) carries lone surrogates
+        tmp.write_text(html, encoding="utf-8", errors="replace")
 
     try:
         make_parent(target)

@@ -20,6 +20,7 @@ from typing import Any
 
 from redline.errors import ConfigError, few
 
+log = logging.getLogger("redline")
 Row = dict[str, Any]
 LOGS = ("metrics.jsonl", "metrics.csv")  # a run's training log, JSONL first
 TENSORBOARD = "tensorboard/"  # where a run with --logger tensorboard writes its events, read without the others
@@ -177,15 +178,17 @@ def _newer_csv(run_dir: Path, name: str) -> str:
     if _older(run_dir / twin, run_dir / name):
         return name
     try:
-        return twin if _first_step(run_dir / twin) < _first_step(run_dir / name) else name
+        return twin if _span(run_dir / twin) > _span(run_dir / name) else name
     except ConfigError:  # one is damaged: the JSONL is read, and named if it is the one
         return name
 
 
-def _first_step(path: Path) -> float:
-    """The first logged step of ``path`` (infinity where it has none)."""
-    rows = _read_rows(path)
-    return rows[0]["step"] if rows else math.inf
+def _span(path: Path) -> tuple[float, int]:
+    """How much of the run ``path`` logged: from an earlier first step, then in more rows, is more. A run resumed
+    with the JSONL logger added (``--logger csv``, then the default) wrote the JSONL from the resumed step; one
+    resumed with the CSV alone and then with both has a JSONL with a gap, the stretch the CSV alone logged."""
+    rows = _read_rows(path, quiet=True)
+    return (-rows[0]["step"] if rows else -math.inf), len(rows)
 
 
 STALE_S = 2.0  # a file this much older than one its run writes with or before it is an earlier run's
@@ -213,9 +216,9 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def _read_rows(path: Path) -> list[Row]:
+def _read_rows(path: Path, *, quiet: bool = False) -> list[Row]:
     """The file's rows, each with an int "step"; a last row a killed run left half-written (without its end) is
-    skipped."""
+    skipped, and so are rows damaged in the middle (named in a warning, unless ``quiet``), where any row reads."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
@@ -223,16 +226,29 @@ def _read_rows(path: Path) -> list[Row]:
     # The logger writes whole lines: one left without its end is the row a killed run was writing. In CSV
     # it can still parse, its last figure cut short ("655" of "655.38") and the cells after it empty.
     text = text[: text.rfind("\n") + 1]
-    lines: list[Any] = text.splitlines() if path.suffix == ".jsonl" else list(csv.DictReader(io.StringIO(text)))
-    parse = _json_row if path.suffix == ".jsonl" else _csv_row
-    rows = []
-    for index, line in enumerate(lines):  # each one whole: a row that does not parse is damage, not a cut
+    if path.suffix == ".jsonl":
+        lines: list[tuple[str, Any]] = [(f"line {n}", line) for n, line in enumerate(text.splitlines(), start=1)]
+        parse = _json_row
+    else:
+        reader, lines, end = csv.DictReader(io.StringIO(text)), [], 1
+        for line in reader:  # a quoted cell spans lines: a stray quote takes in the rows after it
+            start, end = end + 1, reader.line_num
+            lines.append((f"line {start}" if start == end else f"lines {start}-{end}", line))
+        parse = _csv_row
+    rows, damaged = [], []
+    for where, line in lines:  # each one whole: a row that does not parse is damage, not a cut
         try:
-            row = parse(line)
+            rows.append(parse(line))
         except (TypeError, ValueError, KeyError) as exc:
-            why = f"it has no {exc}" if isinstance(exc, KeyError) else exc
-            raise _unreadable(path, f"row {index + 1}: {why}") from exc
-        rows.append(row)
+            why = f"it has no {exc}" if isinstance(exc, KeyError) else str(exc)
+            damaged.append(f"{where}: {why if len(why) <= 80 else why[:77] + '...'}")
+    if damaged and not rows:
+        raise _unreadable(path, damaged[0])
+    if damaged and not quiet:
+        log.warning(
+            "%s: %d damaged row(s) left out, which do not parse (%s); the curves go on without them", path,
+            len(damaged), few(damaged, 2),
+        )  # fmt: skip
     return rows
 
 

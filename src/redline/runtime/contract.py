@@ -9,6 +9,7 @@ that shows the user's line, so a genuine bug there is not passed off as a data m
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -178,6 +179,13 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
                 ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
             )
             found = "; the line above is the .view"
+        elif DTYPE_TROUBLE.search(first):
+            hint = (
+                "a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__ (or collate_fn), "
+                "inputs .float() to match the model's float32 weights (NumPy's arrays are float64), class targets "
+                ".long() for cross_entropy, targets .float() for mse_loss or binary_cross_entropy"
+            )
+            found = "; if they fit, the line above is where your code failed"
         else:
             hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
             found = "; if they are, the line above is where your code failed"
@@ -186,6 +194,11 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         raise TrainingError(
             f"{where}: {culprit} raised {type(exc).__name__}: {first}\n  batch: {given}{line}\nhint: {hint}"
         ) from exc
+
+
+# torch's words for operands of the wrong dtype: "mat1 and mat2 must have the same dtype", "expected target dtype to be
+# Long", "result type Float can't be cast to the desired output type Long", "expected scalar type Long but found Int"
+DTYPE_TROUBLE = re.compile(r"dtype|scalar type|can't be cast to the desired|not implemented for '")
 
 
 def describe(value: Any) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset, default_collate
 
 from redline.errors import invalid
 from redline.plan.loader import LoaderFacts, LoaderSettings
@@ -48,8 +48,9 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
 
 
 def _in_memory(dataset: Any) -> bool:
-    # Subset and similar wrappers hold the real dataset in .dataset.
-    while not isinstance(dataset, TensorDataset) and hasattr(dataset, "dataset"):
+    # A Subset (and the gathering twin) hands on the items of the dataset it holds in .dataset; a user's class
+    # with a .dataset may do work of its own per item (augmenting, decoding), which workers would take on.
+    while isinstance(dataset, Subset | GatheredTensors):
         dataset = dataset.dataset
     return isinstance(dataset, TensorDataset)
 

@@ -79,7 +79,18 @@ class Task:
     def build_model(self) -> nn.Module:
         """Return a fresh model: the factory's result, or a deep copy of the given module."""
         if isinstance(self.model, nn.Module):
-            return copy.deepcopy(self.model)
+            try:
+                return copy.deepcopy(self.model)
+            except Exception as exc:  # a lock, an open file, a C handle held in an attribute
+                kind = type(self.model).__name__
+                raise invalid(
+                    "model",
+                    _shown(self.model),
+                    f"a module that can be copied (every fit, trial and bench starts from a copy of it; "
+                    f"copying it raised {type(exc).__name__}: {exc})",
+                    f"pass the factory that builds it instead: model=lambda: {kind}(...), or model={kind} where it "
+                    "takes no arguments",
+                ) from exc
         model = self.model()
         if not isinstance(model, nn.Module):
             raise invalid("model()", type(model).__name__, "the factory to return an nn.Module")

@@ -28,15 +28,21 @@ def write_results(rt: Runtime, out_dir: Path, summary: dict[str, Any], *, main: 
 
 
 def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` if needed and check that it is a writable directory."""
+    """Create ``path`` if needed and check that it, and the checkpoints folder an earlier run left in it, are
+    writable directories: found at the first checkpoint, the steps trained since the last one would be lost."""
     out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
-            pass
-    except OSError as exc:
-        why = "it is a file" if out.is_file() else f"writing there failed: {exc.strerror or exc}"
-        raise invalid("out_dir", str(out), f"a directory to write the run in; {why}", "e.g. out_dir=runs/NAME") from exc
+    for where in (out, out / "checkpoints"):
+        if where != out and not where.exists():
+            continue
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=where, prefix=".write-check-"):
+                pass
+        except OSError as exc:
+            it = "it" if where == out else f"the {where.name}/ an earlier run left in it"
+            why = f"{it} is a file" if where.is_file() else f"writing in {it} failed: {exc.strerror or exc}"
+            fix = "e.g. out_dir=runs/NAME" if where == out else f"make {where} a writable directory, or pass another"
+            raise invalid("out_dir", str(out), f"a directory to write the run in; {why}", fix) from exc
     return out
 
 
