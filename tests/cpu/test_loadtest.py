@@ -226,6 +226,18 @@ def test_bad_input_is_refused_before_any_request(server, tmp_path):
         ({"rate": 5, "payload": tmp_path / "body.txt"}, "expected a .json or .npy file"),
         ({"rate": 5, "payload": tmp_path / "bad.json"}, "it does not parse"),
         ({"rate": 5, "headers": ["no-colon"]}, "expected NAME:VALUE"),
+        # what the HTTP client refuses at the first request, a traceback mid-run
+        ({"rate": 5, "headers": ["Authorization: Bearer abc\ndef"]}, "expected NAME:VALUE on one line: a line break"),
+        ({"rate": 5, "headers": ["Bad(Name): 1"]}, r"expected NAME:VALUE, the name a token"),
+        ({"rate": 5, "method": "PÖST"}, "method='PÖST' is not allowed; expected an HTTP method"),
+        # no rate: open loop at the default rate, which the request limit counts too (a MemoryError before)
+        (
+            {"duration": 5e6},
+            r"duration=5000000.0 is not allowed; expected at most 10,000,000 requests in all; it "
+            r"schedules 50,000,000 in 5e\+06 s at the default 10 requests/s",
+        ),
+        ({"rate": 5, "duration": 1e308, "warmup": 1e308}, r"duration=1e\+308 is not allowed; expected with --warmup"),
+        ({"concurrency": 10**9}, r"concurrency=1000000000 is not allowed; expected at most 100,000 workers"),
         ({"rate": 5, "payload": tmp_path / "missing.json"}, r"readable .json .*\nhint: it cannot be read \(No such"),
         ({"rate": 5, "payload": 123}, r"payload=123 is not allowed; expected a .json or .npy file's path"),  # sent GETs
         (
@@ -379,6 +391,44 @@ def test_a_ctrl_c_after_the_window_while_answers_are_awaited_keeps_the_window_wh
     assert result.duration_s == 0.5, "the window would stretch to the Ctrl-C, and every rate with it"
     assert result.requests_sent == 5 and result.error_counts == {"timeout": 5}
     assert not any("stopped by Ctrl-C" in note for note in result.notes), result.notes
+
+
+def test_a_ctrl_c_sends_none_of_the_requests_queued_behind_the_in_flight_cap(server):
+    """They were sent as slots came free, long after the Ctrl-C: the run went on until a second one."""
+    sent = []
+
+    def ctrl_c_mid_window(now):
+        if now.elapsed_s > 0.5 and not sent:
+            sent.append(now.elapsed_s)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = run_load(f"{server.url}/hang", rate=20, duration=3.0, timeout=1.0, max_in_flight=2,
+                      progress=ctrl_c_mid_window)  # fmt: skip
+    assert sent and any(note.startswith("stopped by Ctrl-C") for note in result.notes), result.notes
+    assert result.requests_sent == 2 and result.error_counts == {"timeout": 2}  # the two out, timed out at 1 s
+    assert result.elapsed_s < 2.0, "queued requests went out after the Ctrl-C"
+
+
+def test_requests_still_queued_when_the_window_and_timeout_are_over_count_as_timeouts_unsent(server):
+    """One in flight at a time, each timing out at 0.3 s: the nine queued went out one by one, 2.7 s past the end."""
+    result = run_load(f"{server.url}/hang", rate=20, duration=0.5, timeout=0.3, max_in_flight=1)
+    assert result.requests_sent == 10 and result.error_counts == {"timeout": 10}
+    assert result.elapsed_s < 1.5, result.elapsed_s
+
+
+def test_run_load_gives_the_signal_handlers_back_as_it_found_them(server):
+    """A service's own SIGTERM handler was left as the default after a load test it ran."""
+
+    def own(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        run_load(f"{server.url}/pattern/handlers", rate=10, duration=0.2)
+        assert signal.getsignal(signal.SIGTERM) is own
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def default_sigint() -> None:

@@ -138,7 +138,8 @@ def test_json_prints_the_plan_and_the_summary_as_data_and_nothing_else_on_stdout
     assert (data["input"], data["output"], data["model"]) == (str(tmp_path / "x.npy"), str(out), "tiny")
     assert data["seconds"] > 0 and data["samples_per_s"] == pytest.approx(11 / data["seconds"])
     assert data["warm_up_s"] >= 0
-    assert data["plan"]["precision"]["value"] == "fp32" and data["plan"]["buckets"]["value"] == [1, 2, 4]
+    assert data["plan"]["precision"]["value"] == "fp32" and data["plan"]["buckets"]["value"] == [4]
+    assert data["plan"]["buckets"]["reason"].startswith("the batch size alone: every row runs in one setting")
     assert np.load(out).shape == (11, 2)
 
 
@@ -173,6 +174,25 @@ def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file
     assert result.exit_code == 0, result.output
     assert built == [3], "the buckets up to 65536 would each run once on zeros"
     assert np.load(tmp_path / "y.npy").shape == (3, 2)
+
+
+def test_every_row_runs_in_one_bucket_so_a_sample_gets_the_same_outputs_in_any_row(tmp_path, spec, monkeypatch):
+    """With a server's buckets, the last partial batch ran on the smaller buckets, which a measured plan may split
+    off to another setting (fp32 beside bf16): one sample repeated 33 times gave row 32 other logits."""
+    made = []
+
+    def engine(*args, **kwargs):
+        made.append(kwargs.get("batch_buckets"))
+        return InferenceEngine(*args, **kwargs)
+
+    monkeypatch.setattr(predict_module, "InferenceEngine", engine)
+    one = np.random.default_rng(0).normal(size=(1, 3)).astype(np.float32)
+    result = predict(spec, "--input", samples(tmp_path, np.repeat(one, 9, axis=0)), "--output", str(tmp_path / "y.npy"),
+                     "--batch-size", "4", "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert made == [(4,)]
+    written = np.load(tmp_path / "y.npy")
+    assert (written == written[0]).all()
 
 
 def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec, redline_here):
@@ -614,11 +634,12 @@ def test_serve_and_predict_name_the_spec_the_user_typed_a_model_spec(tmp_path, s
 def test_outputs_that_change_shape_between_batches_are_one_clear_error_at_that_batch(tmp_path):
     (tmp_path / "square.py").write_text(
         "from torch import nn\nfrom redline.serve.servable import Servable\n\n\nclass Square(nn.Module):\n"
-        "    def forward(self, x):\n        return x.new_zeros((len(x), len(x)))  # as wide as the padded batch\n\n\n"
+        "    def forward(self, x):\n        return x.new_zeros((len(x), 4 if bool((x == 0).all()) else 2))\n\n\n"
         "def make():\n    return Servable(model=Square(), input_shape=(3,), name='square')\n"
     )
-    out = tmp_path / "y.npy"
-    result = predict(f"{tmp_path / 'square.py'}:make", "--input", samples(tmp_path, np.zeros((6, 3), np.float32)),
+    out, rows = tmp_path / "y.npy", np.zeros((6, 3), np.float32)
+    rows[4:] = 1  # the second batch: 4 wide no more
+    result = predict(f"{tmp_path / 'square.py'}:make", "--input", samples(tmp_path, rows),
                      "--output", str(out), "--batch-size", "4", "--compile", "off")  # fmt: skip
     assert isinstance(result.exception, InferenceError), result.exception  # not numpy's ValueError, after the last
     message = str(result.exception)
@@ -919,3 +940,25 @@ def test_the_progress_bar_says_how_long_is_left_not_only_how_long_it_ran(tmp_pat
     predict_module.run_batches(engine, np.zeros((40, 3), np.float32), 4, "--input", "check", lambda outputs: None)
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue())  # the terminal's colours and cursor moves
     assert re.search(r"40/40 \d+:\d\d:\d\d left \d+:\d\d:\d\d", shown), shown
+
+
+def test_a_reader_that_exits_before_the_last_row_is_said_to_have_exited_not_a_full_disk(tmp_path, spec):
+    """`--output /dev/stdout | head -c 10` said 'Broken pipe' with a hint to find a disk with room."""
+    command = [sys.executable, "-m", "redline", "predict", spec, "--input",
+               samples(tmp_path, np.zeros((40_000, 3), np.float32)), "--output", "/dev/stdout", "--precision", "fp32",
+               "--compile", "off", "--measure", "off"]  # fmt: skip
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+    assert run.stdout is not None and len(run.stdout.read(10)) == 10
+    run.stdout.close()  # as head -c 10 exits
+    _, err = run.communicate(timeout=300)
+    said = err.decode()
+    assert "--output '/dev/stdout' cannot be written: the program reading it exited before every row" in said, said
+    assert "on a disk with room" not in said
+
+
+def test_a_model_spec_naming_no_function_says_what_the_function_returns(tmp_path, spec):
+    result = predict(spec.replace(":make", ":nothere"), "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"))  # fmt: skip
+    said = str(result.exception)
+    assert said.startswith("model spec") and said.endswith("hint: name a function that returns a Servable (or a model, "
+                                                             "or a Task)"), said  # fmt: skip

@@ -54,6 +54,7 @@ from redline.errors import (
     ServableError,
     describe_error,
 )
+from redline.plan import Choice
 from redline.plan.inference import MIXED_OF
 from redline.render.console import output_console, plan_table, print_uncut, transient_bar
 from redline.runtime.contract import blames_user_code, user_line
@@ -120,10 +121,16 @@ def predict(
         batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
         warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"
         with model_raising(warming, check_hint(servable, precision=precision)), said_by_flags(**ENGINE_FLAGS):
+            # One bucket: every row runs in one setting, at one batch shape (the last batch padded up), so a sample
+            # gets the same outputs whatever its row; a server's smaller buckets (a second setting, split off for
+            # light load) would run the last partial batch another way.
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-                measure=measure, channels_last=channels_last, max_batch_size=batch_size,
+                measure=measure, channels_last=channels_last, max_batch_size=batch_size, batch_buckets=(batch_size,),
             )  # fmt: skip
+            engine.plan["buckets"] = Choice(
+                [batch_size], "the batch size alone: every row runs in one setting at one shape, the last batch padded"
+            )
             started = time.perf_counter()
             engine.warm_up()
             warm_s = time.perf_counter() - started
@@ -428,6 +435,11 @@ NOT_WRITTEN = "--output was not written (a file there is kept)"
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
+    if isinstance(exc, BrokenPipeError):  # --output /dev/stdout | head: the reader went first
+        return ConfigError(
+            f"--output {str(path)!r} cannot be written: the program reading it exited before every row was written\n"
+            "hint: let the reader take the whole array (numpy.load reads it from a pipe), or write a file"
+        )
     return ConfigError(
         f"--output {str(path)!r} cannot be written ({exc.strerror or exc})\n"
         "hint: write the outputs to a directory you can write to, on a disk with room for them"

@@ -10,14 +10,32 @@ from pathlib import Path
 from redline.errors import invalid
 from redline.serve.inputs import NPY_MAGIC
 
+# RFC 9110's token: what a header's name and a method are made of (no space, no separator, ASCII only)
+TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def is_token(text: str) -> bool:
+    """Whether ``text`` is an HTTP token, as a header's name and a method must be."""
+    return bool(text) and set(text) <= TOKEN_CHARS
+
 
 def parse_headers(headers: Sequence[str]) -> dict[str, str]:
-    """Return ``K:V`` strings as a mapping; a string without a name and a colon is a clear error."""
+    """Return ``K:V`` strings as a mapping; a string without a name and a colon, a name that is not an HTTP token,
+    or a value holding a line break or another control character is a clear error (the HTTP client would raise
+    at the first request, mid-run)."""
     out = {}
     for text in headers:
         name, colon, value = text.partition(":")
-        if not colon or not name.strip() or any(c.isspace() for c in name.strip()):
-            raise invalid("header", text, "NAME:VALUE", "e.g. --header 'Authorization: Bearer TOKEN'")
+        if not colon or not is_token(name.strip()):
+            raise invalid(
+                "header", text, "NAME:VALUE, the name a token (letters, digits and !#$%&'*+-.^_`|~)",
+                "e.g. --header 'Authorization: Bearer TOKEN'",
+            )  # fmt: skip
+        if any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in value):
+            raise invalid(
+                "header", text, "NAME:VALUE on one line: a line break or another control character in a value "
+                "would end the header there", "remove the line break (a token pasted from a file often ends in one)",
+            )  # fmt: skip
         out[name.strip()] = value.strip()
     return out
 

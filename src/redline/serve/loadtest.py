@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +25,8 @@ from yarl import URL
 
 from redline.config import non_negative_int, non_negative_number, one_of, option, positive_int, positive_number
 from redline.errors import ConfigError, StoppedBySignal, invalid, nearest, refuse_inside_event_loop
-from redline.serve.load_payload import Payload, parse_headers
+from redline.serve.load_payload import Payload, is_token, parse_headers
+from redline.serve.load_signals import give_back_signals, on_stop_signals
 from redline.serve.load_stats import (
     Arrivals,
     LoadResult,
@@ -43,6 +45,7 @@ STOP_CHECK_S = 0.1  # the longest the schedule sleeps between looks at a Ctrl-C
 # Requests one run may schedule: every one is kept (its send time, then its record), and one client process sends
 # a few thousand a second; a rate with a few zeros too many would fill the memory before the first request.
 MAX_REQUESTS = 10_000_000
+MAX_CONCURRENCY = 100_000  # closed-loop workers, each a connection: beyond what one client process can hold
 # What each open-loop setting does, said when one is given beside a concurrency, where it would be ignored.
 OPEN_LOOP_ONLY = {
     "arrivals": "the workers send back to back, on no schedule",
@@ -93,15 +96,25 @@ class LoadOptions:
         non_negative_int("seed", self.seed)
         positive_int("max_in_flight", self.max_in_flight)
         total_s = self.warmup_s + self.duration_s
-        if self.rate is not None and self.rate * total_s > MAX_REQUESTS:
+        if not math.isfinite(total_s):  # each finite, their sum not
+            raise invalid("duration", self.duration_s, f"with --warmup {self.warmup_s:g}, a finite number of seconds")
+        rate = self.rate if self.rate is not None or self.concurrency is not None else DEFAULT_RATE
+        if rate is not None and rate * total_s > MAX_REQUESTS:
+            named, value = ("rate", rate) if self.rate is not None else ("duration", self.duration_s)
+            at = "" if self.rate is not None else f" at the default {DEFAULT_RATE:g} requests/s"
             raise invalid(
-                "rate", self.rate,
-                f"at most {MAX_REQUESTS:,} requests in all; it schedules {self.rate * total_s:,.0f} in {total_s:g} s",
+                named, value,
+                f"at most {MAX_REQUESTS:,} requests in all; it schedules {rate * total_s:,.0f} in {total_s:g} s{at}",
                 "one client process sends a few thousand requests/s: lower the rate, shorten the warmup and the "
                 "duration, or run several clients",
             )  # fmt: skip
+        if self.concurrency is not None and self.concurrency > MAX_CONCURRENCY:
+            raise invalid(
+                "concurrency", self.concurrency, f"at most {MAX_CONCURRENCY:,} workers, each with a connection",
+                "one client process keeps a few thousand connections busy: lower it, or run several clients",
+            )  # fmt: skip
         positive_number("max_send_lag_ms", self.max_send_lag_ms)
-        if self.method is not None and not self.method.isalpha():
+        if self.method is not None and not is_token(self.method):
             raise invalid("method", self.method, "an HTTP method such as GET or POST", "e.g. method='POST'")
         object.__setattr__(self, "headers", tuple(self.headers))
         parse_headers(self.headers)
@@ -158,6 +171,7 @@ class _Request:
     method: str
     body: bytes | None
     headers: dict[str, str]
+    deadline_s: float = math.inf  # from t0: a request still queued then is not sent (the window and --timeout over)
 
 
 def _timeouts() -> tuple[type[BaseException], ...]:
@@ -188,6 +202,14 @@ async def _send(
     waited = slots.locked()
     async with slots:
         sent = time.perf_counter() - t0
+        if waited and counters.stopped_s is not None:  # queued behind --max-in-flight when a Ctrl-C came: not sent
+            counters.sent -= 1
+            return
+        if waited and sent > request.deadline_s:  # queued past the window and --timeout: late beyond it, not sent
+            counters.errors += 1
+            keep_said(counters.said, "timeout", "waited in the client past the window's end and --timeout, not sent")
+            counters.records.append(RequestRecord(scheduled, dispatched, sent, sent, None, "timeout", waited))
+            return
         status = error = None
         try:
             # A redirect is not followed: the latency would time two requests, and a 301 or 302 turns a POST
@@ -199,8 +221,8 @@ async def _send(
                 if not 200 <= status < 300:
                     location = response.headers.get("Location") if status < 400 else None
                     keep_said(counters.said, str(status), location or body.decode("utf-8", errors="replace"))
-        except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
-            error = error_kind(exc)
+        except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError, ValueError) as exc:
+            error = error_kind(exc)  # a ValueError: the client refused what it was to send ("other"), not the run
             keep_said(counters.said, error, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         done = time.perf_counter() - t0
     counters.completed += status is not None
@@ -306,7 +328,8 @@ async def run_load_async(
     headers = parse_headers(options.headers)
     if payload is not None and not any(name.lower() == "content-type" for name in headers):
         headers["Content-Type"] = payload.content_type  # unless --header gave one, in any case: it would go twice
-    request = _Request(url, method, payload.body if payload else None, headers)
+    total_s = options.warmup_s + options.duration_s
+    request = _Request(url, method, payload.body if payload else None, headers, total_s + options.timeout_s)
     await check_reachable(url, options.timeout_s)
     rate = options.rate if options.rate is not None or options.concurrency is not None else DEFAULT_RATE
     cap = options.concurrency or options.max_in_flight
@@ -319,14 +342,13 @@ async def run_load_async(
     notes = []
     if rate == DEFAULT_RATE and options.rate is None:
         notes.append(f"neither a rate nor a concurrency given: open loop at {DEFAULT_RATE:g} requests/s")
-    total_s = options.warmup_s + options.duration_s
     counters = _Counters()
     connector = aiohttp.TCPConnector(limit=cap, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=options.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter() + LEAD_S
         reporter = asyncio.create_task(_report(progress, counters, t0, total_s)) if progress else None
-        stoppable = stop_on_sigint and _on_stop_signals(lambda signum: _stop(counters, signum, t0))
+        stoppable = on_stop_signals(lambda signum: _stop(counters, signum, t0)) if stop_on_sigint else {}
         try:
             if rate is not None:
                 offsets = schedule(rate, total_s, arrivals=options.arrivals, seed=options.seed)
@@ -337,8 +359,7 @@ async def run_load_async(
             if reporter is not None:
                 reporter.cancel()
             if stoppable:
-                for signum in STOP_SIGNALS:
-                    asyncio.get_running_loop().remove_signal_handler(signum)
+                give_back_signals(stoppable)
     elapsed_s = time.perf_counter() - t0
     if progress:
         progress(Progress(elapsed_s, total_s, counters.sent, counters.completed, counters.errors, 0))
@@ -439,33 +460,9 @@ def load_test(
         loop.close()
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 def _stop(counters: _Counters, signum: signal.Signals, t0: float) -> None:
     if counters.stopped_s is None:  # a run the request limit stopped already ended there, not later
         counters.stopped_s, counters.stopped_by = time.perf_counter() - t0, signum
-
-
-def _on_stop_signals(stop: Callable[[signal.Signals], None]) -> bool:
-    """Call ``stop`` with the first SIGINT or SIGTERM, then give both back to their defaults (KeyboardInterrupt, and
-    the end of the process); False where they cannot be caught (not the main thread, or no signals on this loop).
-
-    A run under a scheduler or timeout(1) gets SIGTERM: ended at once, it would report nothing of what it measured.
-    """
-    loop = asyncio.get_running_loop()
-
-    def first(signum: signal.Signals) -> None:
-        for each in STOP_SIGNALS:
-            loop.remove_signal_handler(each)
-        stop(signum)
-
-    try:
-        for signum in STOP_SIGNALS:
-            loop.add_signal_handler(signum, first, signum)
-    except (RuntimeError, ValueError, NotImplementedError):  # the first fails where the second would
-        return False
-    return True
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -117,6 +117,7 @@ _MODEL_WORDS = {
         "the function that returns the Servable (or a Task), one of:"
     ),
     "the error is in the task's own code": "the error is in the model factory's own code",
+    "name a function that returns a Task": "name a function that returns a Servable (or a model, or a Task)",
 }
 
 

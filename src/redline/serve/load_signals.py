@@ -1,0 +1,43 @@
+"""A load test's stop signals: the first SIGINT or SIGTERM ends the run early with what it measured, and the
+handlers the caller had are given back when it ends (serve/loadtest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def on_stop_signals(stop: Callable[[signal.Signals], None]) -> dict[signal.Signals, Any]:
+    """Call ``stop`` with the first SIGINT or SIGTERM, then give both back to their defaults (KeyboardInterrupt, and
+    the end of the process); return the handlers they had before, for ``give_back_signals``, or {} where they
+    cannot be caught (not the main thread, or no signals on this loop).
+
+    A run under a scheduler or timeout(1) gets SIGTERM: ended at once, it would report nothing of what it measured.
+    """
+    loop = asyncio.get_running_loop()
+
+    def first(signum: signal.Signals) -> None:
+        for each in STOP_SIGNALS:
+            loop.remove_signal_handler(each)
+        stop(signum)
+
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, first, signum)
+    except (RuntimeError, ValueError, NotImplementedError):  # the first fails where the second would
+        return {}
+    return before
+
+
+def give_back_signals(before: dict[signal.Signals, Any]) -> None:
+    """Give SIGINT and SIGTERM back the handlers they had before the run (a service's own, run_load's caller's):
+    the loop's removal would leave torch's and Python's defaults in their place."""
+    loop = asyncio.get_running_loop()
+    for signum, handler in before.items():
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
