@@ -165,6 +165,28 @@ def test_a_crashing_child_becomes_a_failed_check(tmp_path):
     assert report.exit_code == 1
 
 
+def test_a_child_that_writes_bytes_that_are_not_utf8_keeps_its_report(tmp_path):
+    """One byte of another encoding (a library's message in Latin-1) lost the whole torch report to a decode error."""
+    script = tmp_path / "latin1.py"
+    script.write_text(
+        "import sys\n"
+        "sys.stderr.buffer.write(b'caf\\xe9\\n'); sys.stderr.flush()\n"
+        'print(\'@redline-doctor {"stage": "import", "status": "begin"}\', flush=True)\n'
+        "sys.exit(3)\n"
+    )
+    report = judge(take_snapshot(child_script=script))
+    check = report.check("torch-build")
+    assert check.status == "fail" and "exited with code 3 in stage 'import': caf\ufffd" in check.detail, check.detail
+    assert "UnicodeDecodeError" not in check.detail
+
+
+def test_the_python_api_names_its_own_argument_for_a_snapshot_it_cannot_read(tmp_path):
+    from redline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^probe_file='.*missing.json' is not allowed; expected a readable file"):
+        redline.doctor.check_machine(probe_file=tmp_path / "missing.json")
+
+
 NO_CUDA_IN_PARENT = (
     CUDA_SPY
     + """

@@ -45,5 +45,5 @@ def check_machine(*, quick: bool = False, probe_file: str | Path | None = None) 
         raise invalid("probe_file", probe_file, "a path to a snapshot file, or None", "e.g. probe_file='probe.json'")
     if probe_file is not None and quick:
         raise invalid("quick", quick, "False with probe_file", "a saved snapshot is judged as it was taken; drop quick")
-    snapshot = load_snapshot(probe_file) if probe_file is not None else take_snapshot(quick=quick)
+    snapshot = load_snapshot(probe_file, name="probe_file") if probe_file is not None else take_snapshot(quick=quick)
     return judge(snapshot)

@@ -43,7 +43,8 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
+            encoding="utf-8",
+            errors="replace",  # a library's message in another encoding must not cost the child's whole report
         )
 
     def wait(self) -> tuple[ChildReport, ChildRun]:

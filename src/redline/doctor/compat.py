@@ -133,8 +133,16 @@ def arch_support(device: int, arch_list: list[str]) -> Literal["native", "ptx"] 
     return None
 
 
-def best_channel(capabilities: list[int], max_cuda: Version | None, channels: dict[str, list[int]]) -> str | None:
-    """Return the newest channel the driver runs (CUDA <= ``max_cuda``) whose kernels run on every GPU."""
+def is_index_tag(tag: str) -> bool:
+    """Whether a version's local tag ("cu128" of "2.7.1+cu128") names a download.pytorch.org index."""
+    return re.fullmatch(r"cpu|cu\d+|rocm\d+(\.\d+)*|xpu", tag) is not None
+
+
+def best_channel(
+    capabilities: list[int], max_cuda: Version | None, channels: dict[str, list[int]], *, oldest: bool = False
+) -> str | None:
+    """Return the newest channel the driver runs (CUDA <= ``max_cuda``) whose kernels run on every GPU; with
+    ``oldest``, the oldest such, which needs the least driver upgrade."""
     fits = []
     for cuda, codes in channels.items():
         version = parse_version(cuda)
@@ -142,7 +150,7 @@ def best_channel(capabilities: list[int], max_cuda: Version | None, channels: di
             continue
         if all(any(runs_on(code, cc) for code in codes) for cc in capabilities):
             fits.append((version, cuda))
-    return max(fits)[1] if fits else None
+    return (min(fits) if oldest else max(fits))[1] if fits else None
 
 
 def install_torch(torch_version: str | None, channel: str | None, companions: list[str], own_table: bool) -> str:

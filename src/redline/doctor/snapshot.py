@@ -214,19 +214,19 @@ class Snapshot:
         return load_fields(cls, data, source)
 
 
-def load_snapshot(path: str | Path) -> Snapshot:
-    """Read a snapshot written by `redline doctor --save-probe`."""
+def load_snapshot(path: str | Path, *, name: str = "--probe-file") -> Snapshot:
+    """Read a snapshot written by `redline doctor --save-probe`; ``name`` is the argument errors name."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise invalid("--probe-file", str(path), "a readable file", str(exc)) from exc
+        raise invalid(name, str(path), "a readable file", str(exc)) from exc
     except ValueError as exc:  # not JSON, or not even UTF-8 text (UnicodeDecodeError)
         raise invalid(
-            "--probe-file", str(path), "a JSON snapshot", f"{exc}; write one with `redline doctor --save-probe FILE`"
+            name, str(path), "a JSON snapshot", f"{exc}; write one with `redline doctor --save-probe FILE`"
         ) from exc
     if isinstance(data, dict) and {"checks", "devices"} <= set(data) and "format_version" not in data:
         raise invalid(  # a slip: the report `--json` prints, saved where the facts it was judged from belong
-            "--probe-file", str(path), "a snapshot written by `redline doctor --save-probe FILE`",
+            name, str(path), "a snapshot written by `redline doctor --save-probe FILE`",
             "this file is the report `redline doctor --json` prints, not the facts it judged; "
             "write those with `redline doctor --save-probe FILE`",
         )  # fmt: skip

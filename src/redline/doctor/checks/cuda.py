@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from redline.doctor.checks.machine import (
     DRIVER_DOWNLOAD,
     HANG_FIX,
@@ -13,7 +15,15 @@ from redline.doctor.checks.machine import (
 )
 from redline.doctor.checks.rocm import rocm_arch_supported, rocm_start_fix
 from redline.doctor.checks.visible import hides_every_gpu
-from redline.doctor.compat import INDEX_URL, arch_support, best_channel, compat_floor, min_driver, parse_version
+from redline.doctor.compat import (
+    INDEX_URL,
+    arch_support,
+    best_channel,
+    compat_floor,
+    is_index_tag,
+    min_driver,
+    parse_version,
+)
 from redline.doctor.report import Check, fail, ok, skip, warn
 
 # nvidia-smi itself answers a lost GPU with "Reboot the system to recover this GPU": a reset cannot reach it.
@@ -53,6 +63,9 @@ def nvidia_driver(m: Machine) -> Check:
             return fail("nvidia-driver", f"the driver did not answer: {error}", HANG_FIX)
         if (refused := driver_refused(m, error)) is not None:
             return refused
+        if driver.device_nodes and (seen := torch_sees(m)):
+            detail = f"torch runs on {seen}, but NVIDIA's management library (NVML) cannot be read: {error}"
+            return warn("nvidia-driver", f"{detail}; nvidia-smi and the driver's checks go without it", nvml_fix(m))
         if driver.device_nodes:
             if m.snap.system.wsl:
                 step = "install the NVIDIA driver on Windows, never inside WSL (/usr/lib/wsl/lib holds its libraries)"
@@ -77,6 +90,28 @@ def nvidia_driver(m: Machine) -> Check:
             "run `nvidia-smi -L`" + (f"; {m.container_gpus()}" if m.snap.system.container else ""),
         )
     return ok("nvidia-driver", f"driver {driver.version}{runs} via {driver.source}: {m.gpu_summary()}")
+
+
+def torch_sees(m: Machine) -> str:
+    """The CUDA devices torch started, as "2x NVIDIA H100 80GB HBM3"; "" where it started none."""
+    facts = m.torch
+    if facts is None or not m.imported or not facts.cuda_available or not facts.devices:
+        return ""
+    counts = Counter(device.name for device in facts.devices)
+    return ", ".join(f"{n}x {name}" if n > 1 else name for name, n in counts.items())
+
+
+def nvml_fix(m: Machine) -> str:
+    """How to get NVML beside a CUDA that works: a container given compute alone lacks the utility libraries."""
+    kind = m.snap.system.container
+    if kind == "apptainer":
+        return "run the container with `apptainer exec --nv`, which binds nvidia-smi and libnvidia-ml too"
+    if kind:  # NVIDIA_DRIVER_CAPABILITIES=compute mounts libcuda alone; `utility` adds nvidia-smi and NVML
+        return (
+            "start the container with `-e NVIDIA_DRIVER_CAPABILITIES=compute,utility` (or `all`), which mounts "
+            "nvidia-smi and libnvidia-ml beside libcuda"
+        )
+    return "install the utilities of the loaded driver (e.g. `sudo apt install nvidia-utils-<branch>`)"
 
 
 def driver_refused(m: Machine, error: str) -> Check | None:
@@ -123,7 +158,12 @@ def torch_build(m: Machine) -> Check:
         return ok("torch-build", f"torch {version}: a ROCm {facts.hip} build{read}")
     if m.build == "cuda":
         archs = f" with {' '.join(facts.arch_list) or 'unknown architectures'}" if m.imported else ""
-        where = f"for {m.gpu_summary()}" if m.gpus else "(no NVIDIA GPU here, so it runs on the CPU)"
+        if m.gpus:
+            where = f"for {m.gpu_summary()}"
+        elif seen := torch_sees(m):  # the driver's library unread (see nvidia-driver): the GPUs as torch started them
+            where = f"for {seen}"
+        else:
+            where = "(no NVIDIA GPU here, so it runs on the CPU)"
         return ok("torch-build", f"torch {version}: a CUDA {facts.cuda} build{archs} {where}{read}")
     if m.gpus:
         detail = f"torch {version} is a CPU-only build, but the driver lists {len(m.gpus)} NVIDIA GPU(s)"
@@ -141,6 +181,11 @@ def reinstall_torch(installed: str | None) -> str:
     if installed is None:
         return "pip install --force-reinstall torch"
     version, _, tag = installed.partition("+")
+    if tag and not is_index_tag(tag):  # a build of its own (NGC's "+ecf3bae40a.nv25.01", a source "+git1a2b3c")
+        return (
+            f"torch {installed} was not built by download.pytorch.org: reinstall it as it came (its container image, "
+            "or its own build), or install an official build from https://pytorch.org/get-started/locally/"
+        )
     index = f" --index-url {INDEX_URL}/{tag}" if tag else ""
     return f"pip install --force-reinstall torch=={version}{index}"
 

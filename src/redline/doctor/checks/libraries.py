@@ -13,6 +13,7 @@ from redline.doctor.compat import (
     Version,
     companion_version,
     dotted,
+    is_index_tag,
     local_tag,
     parse_version,
     tag_cuda,
@@ -121,24 +122,27 @@ def nccl(m: Machine) -> Check:
         return warn("nccl", detail, m.install(facts.cuda))
     set_to = {name: m.snap.env[name] for name in NCCL_SLOW_SWITCHES if m.snap.env.get(name, "").strip()}
     switches = [name for name, value in set_to.items() if nccl_switch_on(name, value)]
-    if switches:
-        return warn(
-            "nccl",
-            f"NCCL {facts.nccl_version} with {', '.join(switches)} set, which slows every collective",
-            f"unset {' '.join(switches)}; if a multi-GPU run hangs without NCCL_P2P_DISABLE, fix the cause "
-            "instead: disable PCI ACS or boot with iommu=pt (NCCL troubleshooting guide, 'GPU Direct')",
-        )
     # "true" or "2": meant to turn a transport off, which NCCL leaves on; "0", "false" or "off" mean what NCCL does
-    ignored = [name for name, value in set_to.items() if not _says_off(value)]
+    ignored = [name for name, value in set_to.items() if name not in switches and not _says_off(value)]
+    details, fixes = [], []
+    if switches:
+        details.append(f"NCCL {facts.nccl_version} with {', '.join(switches)} set, which slows every collective")
+        fixes.append(
+            f"unset {' '.join(switches)}; if a multi-GPU run hangs without NCCL_P2P_DISABLE, fix the cause "
+            "instead: disable PCI ACS or boot with iommu=pt (NCCL troubleshooting guide, 'GPU Direct')"
+        )
     if ignored:
         shown = ", ".join(f"{name}={set_to[name]!r}" for name in ignored)
-        return warn(
-            "nccl",
+        details.append(
             f"NCCL {facts.nccl_version} ignores {shown}: it reads these switches as numbers and turns P2P and "
-            "shared memory off only at 1, InfiniBand at any number but 0",
-            f"unset {' '.join(ignored)}; to turn a transport off NCCL needs the number, as in "
-            f"`export {ignored[0]}=1` (which slows every collective)",
+            "shared memory off only at 1, InfiniBand at any number but 0"
         )
+        fixes.append(
+            f"unset {' '.join(ignored)}; to turn a transport off NCCL needs the number, as in "
+            f"`export {ignored[0]}=1` (which slows every collective)"
+        )
+    if details:
+        return warn("nccl", "; ".join(details), "; and ".join(fixes))
     return ok("nccl", f"NCCL {facts.nccl_version}")
 
 
@@ -297,7 +301,7 @@ def torch_companions(m: Machine) -> Check:
             continue
         pins.append(f"{name}=={dotted(want, 2)}.*" if want else name)
     if problems:
-        index = f" --index-url {INDEX_URL}/{torch_tag}" if torch_tag else ""
+        index = f" --index-url {INDEX_URL}/{torch_tag}" if torch_tag and is_index_tag(torch_tag) else ""
         fix = f"pip install --force-reinstall --no-deps {' '.join(pins)}{index}"
         detail = (
             "; ".join(problems) + "; a mismatched build fails at import ('operator torchvision::nms does not exist')"

@@ -134,12 +134,13 @@ class Machine:
         channel = best_channel(caps, self.max_cuda, channels)
         if channel is not None:
             return self.install(channel)
-        newest = best_channel(caps, None, channels)
-        if newest is None:
+        # the driver runs none: the channel that asks the least of it, whose kernels still run on every GPU
+        least = best_channel(caps, None, channels, oldest=True)
+        if least is None:
             archs = " ".join(f"sm_{cc}" for cc in sorted(set(caps)))
             return f"no official torch wheel has kernels for {archs}: pick a release that does at https://pytorch.org/get-started/locally/"
-        need = min_driver(parse_version(newest) or (), self.windows)
-        return f"upgrade the NVIDIA driver to {need} or newer ({DRIVER_DOWNLOAD}), then {self.install(newest)}"
+        need = min_driver(parse_version(least) or (), self.windows)
+        return f"upgrade the NVIDIA driver to {need} or newer ({DRIVER_DOWNLOAD}), then {self.install(least)}"
 
     def child_failure(self) -> str:
         """Describe how the child process that touched CUDA failed: a hang, a crash, or never starting."""

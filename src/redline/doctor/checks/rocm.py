@@ -65,18 +65,19 @@ def rocm_devices(m: Machine) -> Check:
     amd = m.snap.amd
     if amd is None:
         return skip("rocm-devices", "the snapshot has no facts of AMD's device files (taken by an older redline)")
-    if m.build == "cuda":
+    if m.build == "cuda" and not (amd.kfd and not m.gpus):
         return skip("rocm-devices", "a CUDA build of torch, which does not use AMD GPUs")
     if not amd.kfd:
         if m.build == "rocm":
             return skip("rocm-devices", f"a ROCm build of torch, but no AMD GPU here (no /dev/kfd){missing_hint(m)}")
         return skip("rocm-devices", f"no AMD GPU (no /dev/kfd){missing_hint(m)}")
-    if m.build == "cpu":
+    if m.build in ("cpu", "cuda"):  # a CUDA build here: a plain `pip install torch` on Linux, the common slip
         if m.gpus:
             return skip("rocm-devices", "a CPU-only torch on a machine with NVIDIA GPUs (see torch-build)")
+        kind = "a CPU-only build" if m.build == "cpu" else "a CUDA build, which runs on NVIDIA GPUs alone"
         return warn(
             "rocm-devices",
-            f"an AMD GPU (/dev/kfd) but torch {m.torch_version} is a CPU-only build, so it runs on the CPU",
+            f"an AMD GPU (/dev/kfd) but torch {m.torch_version} is {kind}, so it runs on the CPU",
             "install a ROCm build of torch: https://pytorch.org/get-started/locally/ gives the --index-url "
             "(download.pytorch.org/whl/rocmX.Y) for your ROCm",
         )

@@ -90,6 +90,13 @@ def visible_devices(m: Machine) -> Check:
             f"unset CUDA_VISIBLE_DEVICES (or list GPUs: {every})",
         )
     parsed = read_visible(value, gpus)
+    if parsed.stopped_at == "" and parsed.visible and parsed.visible == parsed.valid:  # "0,1,": a stray comma
+        return warn(
+            "visible-devices",
+            f"{shown} has an empty entry, where CUDA stops reading: it sees {', '.join(parsed.visible)}, every GPU "
+            "listed, but an entry added after it would be lost",
+            f"export CUDA_VISIBLE_DEVICES={','.join(parsed.valid)}",
+        )
     if parsed.stopped_at is not None:
         seen = f"CUDA sees only {', '.join(parsed.visible)}" if parsed.visible else "CUDA sees no GPU"
         named = "is not the GPU (0)" if len(gpus) == 1 else f"names none of the {len(gpus)} GPUs (0-{len(gpus) - 1})"
