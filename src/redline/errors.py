@@ -6,6 +6,7 @@ import asyncio
 import difflib
 import hashlib
 import os
+import re
 import signal
 import sys
 import traceback
@@ -167,6 +168,31 @@ def few(names: Sequence[str], most: int) -> str:
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message that is not blank ("" if none): what a one-line report quotes."""
     return next((line for line in str(exc).splitlines() if line.strip()), "")
+
+
+WORKER_TRACEBACK = "Original Traceback (most recent call last):"  # what torch puts before a loader worker's own
+_FRAME = re.compile(r'^  File "([^"]+)", line (\d+), in (.+)\n(?:    (\S.*)\n)?', re.MULTILINE)
+
+
+def worker_failure(exc: BaseException) -> tuple[str, str] | None:
+    """An error a DataLoader worker raised, as torch raises it again in the training process: the message of the
+    worker's own (its traceback's last line, without the type) and its user's line (as ``user_line`` gives it),
+    both of which torch's first line ("Caught KeyError in DataLoader worker process 1.") leaves out. None for
+    any other error."""
+    text = str(exc)
+    if WORKER_TRACEBACK not in text:
+        return None
+    tail = text.split(WORKER_TRACEBACK, 1)[1]
+    said = next((ln for ln in reversed(tail.splitlines()) if ln.strip() and not ln.startswith(" ")), "")
+    said = said.removeprefix(f"{type(exc).__name__}: ") or said
+    torch = sys.modules.get("torch")
+    skip = (str(PACKAGE),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
+    frames = [f for f in _FRAME.findall(tail + "\n") if not f[0].startswith((*skip, "<"))]
+    line = ""
+    if frames:
+        filename, lineno, name, code = frames[-1]
+        line = f"\n  at {filename}:{lineno} in {name}" + (f": {code.strip()}" if code else "")
+    return said, line
 
 
 PACKAGE = Path(__file__).parent  # redline's own code, but for the built-in examples' models (a user's model as any)

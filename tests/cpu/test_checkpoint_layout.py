@@ -497,3 +497,20 @@ def test_no_checkpoint_to_resume_from_is_said_once_for_the_job_by_rank_0(tmp_pat
     assert [r.getMessage() for r in caplog.records] == [
         f"no checkpoint under {tmp_path / 'checkpoints'}; starting from scratch"
     ]
+
+
+def test_a_corrupt_checkpoint_resumed_by_path_names_the_earlier_one_beside_it(tmp_path):
+    """The hint said --resume auto, which in a new --out started from scratch beside two good checkpoints."""
+    run = tmp_path / "run"
+    Trainer(tiny_task(), runtime=redline.RuntimeOptions(devices="cpu"), out_dir=run, progress=False, max_steps=4,
+            checkpoint_every=2).fit()  # fmt: skip
+    root = run / "checkpoints"
+    blob = bytearray((step_dir(root, 4) / "optimizer.pt").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (step_dir(root, 4) / "optimizer.pt").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError) as raised:
+        open_checkpoint(step_dir(root, 4), tmp_path / "elsewhere" / "checkpoints")
+    assert str(raised.value).endswith(
+        f"hint: the checkpoint is corrupt; resume from an earlier one beside it, --resume {step_dir(root, 2)}, or with "
+        f"--resume auto --out {run} (which skips it)"
+    )

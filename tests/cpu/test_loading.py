@@ -445,6 +445,17 @@ def test_workers_asked_for_over_a_stream_that_may_not_split_itself_are_warned_of
         assert not said
 
 
+def recording_loss(seen: list[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A loss that records the targets each training step is given (not the FLOP count's on meta, nor evaluation's)."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.device.type != "meta" and torch.is_grad_enabled():
+            seen.extend(y.tolist())
+        return out.float().pow(2).mean()
+
+    return loss_fn
+
+
 class SplitsItselfByWorker(IterableDataset):
     """Torch's documented way to share a stream among workers: each yields every num_workers-th item."""
 
@@ -468,11 +479,7 @@ def test_the_trainer_reads_a_stream_that_splits_itself_in_one_worker_and_loses_n
     from redline.train.trainer import Trainer
 
     seen: list[int] = []
-
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if out.device.type != "meta" and torch.is_grad_enabled():
-            seen.extend(y.tolist())
-        return out.float().pow(2).mean()
+    loss_fn = recording_loss(seen)
 
     task = tiny_task(train_data=SplitsItselfByWorker(), val_data=None, metric=None, loss_fn=loss_fn, epochs=1)
     options = redline.RuntimeOptions(devices="cpu", seed=0, loader_workers=2)
@@ -503,3 +510,61 @@ def test_a_dataset_class_of_a_task_file_loads_in_workers_started_by_spawn(tmp_pa
     loader = DataLoader(task.train_data, batch_size=4, num_workers=1, multiprocessing_context="spawn")
     assert [x[:, 0].tolist() for x, _ in loader] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     sys.modules.pop("redline_spawned_task_5d0")
+
+
+class MissingFile(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index == 7:
+            raise KeyError("missing file 7")
+        return torch.randn(4), index % 2
+
+
+def test_an_error_in_a_loader_worker_says_its_own_message_and_line_not_torchs_wrapping():
+    """It said "KeyError: Caught KeyError in DataLoader worker process 1.": neither 'missing file 7' nor the line."""
+    from test_trainer import tiny_task
+
+    import redline
+    from redline.errors import TrainingError
+    from redline.train.trainer import Trainer
+
+    task = tiny_task(train_data=MissingFile(), val_data=None, metric=None, epochs=1)
+    options = redline.RuntimeOptions(devices="cpu", seed=0, loader_workers=2)
+    with pytest.raises(TrainingError) as raised:
+        Trainer(task, runtime=options, progress=False, trial="off").fit()
+    said = str(raised.value)
+    assert "reading a batch of the data raised KeyError in a loader worker: 'missing file 7'" in said, said
+    assert f"\n  at {__file__}:" in said and 'in __getitem__: raise KeyError("missing file 7")' in said
+
+
+class LongerThanSaid(IterableDataset):
+    """Says 20 items a pass, yields 64."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(64):
+            yield torch.full((4,), float(i)), torch.tensor(i)
+
+
+def test_a_stream_that_yields_more_than_its_length_is_cut_there_each_epoch_and_said(caplog):
+    """An epoch read the whole pass and a batch of the next: 3 epochs asked, 1.33 trained, and nothing said."""
+    from test_trainer import tiny_task
+
+    import redline
+    from redline.train.trainer import Trainer
+
+    seen: list[int] = []
+    loss_fn = recording_loss(seen)
+
+    task = tiny_task(train_data=LongerThanSaid(), val_data=None, metric=None, loss_fn=loss_fn, epochs=2)
+    with caplog.at_level("WARNING", logger="redline"):
+        summary = Trainer(
+            task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, trial="off"
+        ).fit()
+    assert seen == [*range(20), *range(20)] and summary.steps == 6  # batches of 8, 8 and 4, twice
+    said = [r.getMessage() for r in caplog.records if "more items in one pass" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("train_data (LongerThanSaid) yields more items in one pass than its")

@@ -88,3 +88,15 @@ def test_a_run_that_logged_to_files_and_tensorboard_is_read_from_its_files(tmp_p
     files = read_run(tmp_path)
     assert files.train_file == "metrics.jsonl" and files.eval_file == "eval.jsonl"
     assert [row["step"] for row in files.train] == [1, 2] and files.evals == [{"step": 2, "val_loss": 0.5}]
+
+
+def test_events_damaged_in_a_finished_run_are_said_to_be_unreadable_not_a_run_yet_to_log(tmp_path):
+    """The accumulator skips what it cannot parse: a page said '23 steps' beside 'holds no step yet'."""
+    with open_loggers(["tensorboard"], tmp_path) as loggers:
+        log_steps(loggers, [1, 2, 3], lambda s: 1.0 / s)
+    (tmp_path / "summary.json").write_text('{"task": "t", "steps": 3}', encoding="utf-8")
+    for events in (tmp_path / "tensorboard").glob("events.out.tfevents.*"):
+        events.write_bytes(os.urandom(1000))
+    with pytest.raises(ConfigError, match=r"tensorboard cannot be read: its events hold no scalar, though summary.json "
+                                          r"says the run trained 3 steps"):  # fmt: skip
+        read_run(tmp_path)

@@ -504,3 +504,48 @@ def test_a_long_run_checkpoints_by_the_clock_without_checkpoint_every(tmp_path):
     assert [c.step for c in ckpt.find_checkpoints(tmp_path / "default" / "checkpoints")] == [4]
     quiet(tiny_task(), max_steps=4, out_dir=tmp_path / "never", checkpoint_minutes=0, keep_checkpoints=10).fit()
     assert [c.step for c in ckpt.find_checkpoints(tmp_path / "never" / "checkpoints")] == [4]  # the last alone
+
+
+def test_a_model_of_several_inputs_is_told_forward_takes_them_as_one_tuple():
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, a, b):
+            return self.a(a) + self.b(b)
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return (torch.randn(4), torch.randn(4)), i % 2
+
+    with pytest.raises(TrainingError, match=r"missing 1 required positional argument: 'b'") as err:
+        quiet(
+            tiny_task(model=TwoInputs, train_data=Pairs(), val_data=None, metric=None), max_steps=1, trial="off"
+        ).fit()
+    assert (
+        "hint: the model is called with the batch's inputs as one argument, model(inputs): a model of several "
+        "inputs takes them as one tuple (def forward(self, inputs): a, b = inputs)" in str(err.value)
+    )
+
+
+def test_a_last_batch_of_one_sample_is_left_out_for_a_model_with_batch_norm(caplog):
+    """17 items in batches of 16: the epoch's last batch of one failed in the batch norm, its hint to use batches of 2
+    or more, which they were, and --resume auto failed the same way."""
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(17, 4, generator=gen), torch.randint(0, 2, (17,), generator=gen))
+
+    def normed() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+    with caplog.at_level("WARNING", logger="redline"):
+        summary = quiet(tiny_task(model=normed, train_data=data, val_data=None, metric=None, batch_size=16, epochs=2),
+                        trial="off").fit()  # fmt: skip
+    assert summary.steps == 2  # one batch of 16 an epoch
+    said = [r.getMessage() for r in caplog.records if "batch norm cannot train" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("train_data's 17 items leave a last batch of 1 per epoch"), said
+    plain = quiet(tiny_task(train_data=data, val_data=None, metric=None, batch_size=16, epochs=2), trial="off").fit()
+    assert plain.steps == 4  # no batch norm: every sample kept

@@ -824,3 +824,14 @@ def test_a_stray_comma_in_visible_devices_loses_no_gpu_and_is_a_warning():
     assert check.fix == "export CUDA_VISIBLE_DEVICES=0,1"
     snap.env["CUDA_VISIBLE_DEVICES"] = "0,,1"  # one comma too many in the middle: GPU 1 is lost
     assert judge(snap).check("visible-devices").status == "fail"
+
+
+def test_cuda_launch_blocking_left_set_is_a_warning_on_a_working_gpu():
+    """Recorded in the snapshot and read by no check: a leftover CUDA_LAUNCH_BLOCKING=1 passed without a word."""
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["CUDA_LAUNCH_BLOCKING"] = "1"
+    check = judge(snap).check("cuda-available")
+    assert check.status == "warn" and "CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait" in check.detail
+    assert (check.fix or "").startswith("unset CUDA_LAUNCH_BLOCKING")
+    snap.env["CUDA_LAUNCH_BLOCKING"] = "0"
+    assert judge(snap).check("cuda-available").status == "ok"

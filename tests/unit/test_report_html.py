@@ -273,7 +273,7 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
     if damage == "no dir":
         run = tmp_path / "missing"
     elif damage == "no logs":
-        for log in ("metrics.jsonl", "metrics.csv"):
+        for log in ("metrics.jsonl", "metrics.csv", "summary.json"):  # with its summary, its page is drawn (below)
             (run / log).unlink()
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
@@ -523,3 +523,13 @@ def test_a_run_reported_as_the_current_directory_is_named_by_it(tmp_path, monkey
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     monkeypatch.chdir(run)
     assert "<title>redline run: run-7</title>" in report(".").read_text(encoding="utf-8")
+
+
+def test_a_finished_run_that_logged_nothing_gets_its_summary_and_plan(tmp_path):
+    """Trained with no logger (loggers=()), it could not be reported: 'has no metrics.jsonl or metrics.csv'."""
+    run = write_run(tmp_path / "run")
+    for log in ("metrics.jsonl", "metrics.csv", "eval.jsonl", "eval.csv"):
+        (run / log).unlink()
+    doc = run_report(run)
+    assert "The run logged no metrics (no logger), so there is no curve to draw." in doc
+    assert "<h2>Summary</h2>" in doc and "Read from summary.json in" in doc

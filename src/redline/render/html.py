@@ -117,7 +117,7 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
             body += ["<h3>Sample</h3>", f"<pre>{escape(str(summary['sample']))}</pre>"]
         if summary.get("plan"):
             body += ["<h2>Plan</h2>", plan_table(summary["plan"])]
-    sources = " and ".join(dict.fromkeys(name for name in (files.train_file, files.eval_file) if name))
+    sources = " and ".join(dict.fromkeys(n for n in (files.train_file, files.eval_file) if n)) or "summary.json"
     return _page(f"redline run: {task}", sub, body, footer=f"Read from {sources} in {run_dir}.")
 
 
@@ -357,8 +357,9 @@ def _run_line(files: RunFiles) -> str:
 def _run_charts(files: RunFiles) -> list[str]:
     train, evals = files.train, files.evals
     steps = [float(row["step"]) for row in train]
-    if not train:
-        return [_p("note", f"{files.train_file} holds no step yet, so there is no curve to draw.")]
+    if not train:  # no log named: the run's summary alone, a run with no logger (loggers=())
+        said = f"{files.train_file} holds no step yet" if files.train_file else "The run logged no metrics (no logger)"
+        return [_p("note", f"{said}, so there is no curve to draw.")]
     out = []
     loss = [Series("train loss", steps, values(train, "loss"))]
     if has_values(evals, "val_loss"):

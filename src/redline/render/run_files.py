@@ -59,6 +59,8 @@ def read_run(run_dir: Path) -> RunFiles:
     train_file = _newer_csv(run_dir, train_file) if train_file else None
     if _has_events(run_dir) and (train_file is None or _logs_older(run_dir, _newest_events(run_dir))):
         return _read_tensorboard_run(run_dir)
+    if train_file is None and (summary := _read_summary(run_dir / "summary.json")):  # a run with no logger at all
+        return RunFiles(run_dir=run_dir, summary=summary, train=[], evals=[], train_file="", eval_file=None)
     if train_file is None:
         run = run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
         if run is None and not any(not p.name.startswith(".") and p.name != "checkpoints" for p in run_dir.iterdir()):
@@ -146,6 +148,9 @@ def _read_tensorboard_run(run_dir: Path) -> RunFiles:
             rows.setdefault(int(event.step), {"step": int(event.step)})[key] = float(event.value)
     in_order = [train[step] for step in sorted(train)]
     evals_in_order = [evals[step] for step in sorted(evals)]
+    ended = (_read_summary(run_dir / "summary.json") or {}).get("steps")
+    if not in_order and isinstance(ended, int) and ended > 0:  # the accumulator skips records it cannot parse
+        raise _unreadable(folder, f"its events hold no scalar, though summary.json says the run trained {ended} steps")
     newest = _newest_events(run_dir)
     return _with_summary(run_dir, in_order, evals_in_order, TENSORBOARD, TENSORBOARD if evals else None, newest)
 

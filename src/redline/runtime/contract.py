@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from redline.errors import RedlineError, TaskError, TrainingError, first_line, raised_in_redline, user_line
+from redline.errors import (
+    RedlineError,
+    TaskError,
+    TrainingError,
+    first_line,
+    raised_in_redline,
+    user_line,
+    worker_failure,
+)
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.loss import check_loss
@@ -100,9 +108,10 @@ def users_failure(what: str, hint: str) -> Iterator[None]:
     except Exception as exc:
         if is_oom(exc) or not blames_user_code(exc):
             raise
-        raise TrainingError(
-            f"{what} raised {type(exc).__name__}: {first_line(exc)}{user_line(exc)}\nhint: {hint}"
-        ) from exc
+        said, line, where = first_line(exc), user_line(exc), ""
+        if (worker := worker_failure(exc)) is not None:  # the worker's own message and line, not torch's wrapping
+            (said, line), where = worker, " in a loader worker"
+        raise TrainingError(f"{what} raised {type(exc).__name__}{where}: {said}{line}\nhint: {hint}") from exc
 
 
 class Forward:
@@ -179,6 +188,12 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
                 ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
             )
             found = "; the line above is the .view"
+        elif isinstance(exc, TypeError) and isinstance(inputs, tuple | list) and FORWARD_WANTS_MORE.search(first):
+            hint = (
+                "the model is called with the batch's inputs as one argument, model(inputs): a model of several "
+                "inputs takes them as one tuple (def forward(self, inputs): a, b = inputs), its items ((a, b), targets)"
+            )
+            found = "; the line above is the model's call"
         elif DTYPE_TROUBLE.search(first):
             hint = (
                 "a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__ (or collate_fn), "
@@ -198,6 +213,7 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
 
 # torch's words for operands of the wrong dtype: "mat1 and mat2 must have the same dtype", "expected target dtype to be
 # Long", "result type Float can't be cast to the desired output type Long", "expected scalar type Long but found Int"
+FORWARD_WANTS_MORE = re.compile(r"forward\(\) missing \d+ required positional argument")  # forward(self, a, b)
 DTYPE_TROUBLE = re.compile(r"dtype|scalar type|can't be cast to the desired|not implemented for '")
 
 

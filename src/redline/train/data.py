@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 from redline.errors import ConfigError, TaskError
+from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.runtime.loading import SPLITS_ACROSS_WORKERS, gathered
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split, data_size
@@ -24,6 +25,9 @@ from redline.task import CollateFn
 from redline.train.failures import kept_note
 
 log = logging.getLogger("redline")
+
+
+_END = object()
 
 
 def is_stream(dataset: Dataset[Any]) -> bool:
@@ -51,6 +55,7 @@ class StreamShard(IterableDataset[Any]):
         self.rank = rank
         self.world_size = world_size
         self.skip = 0
+        self._said_longer = False
 
     @property
     def worker_limit(self) -> int | None:
@@ -66,6 +71,17 @@ class StreamShard(IterableDataset[Any]):
             "worker reads whole"
         )
 
+    def _pass(self, length: int | None, *, warn: bool) -> Iterator[Any]:
+        """One pass of the stream, cut at its ``__len__`` (said once where it had more to give)."""
+        stream = iter(self.dataset)
+        if length is None:
+            yield from stream
+            return
+        yield from itertools.islice(stream, length)
+        if warn and not self._said_longer and next(stream, _END) is not _END:
+            self._said_longer = True
+            _more_than_said(self.dataset, length)
+
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.skip = skip
         if callable(getattr(self.dataset, "set_epoch", None)):
@@ -77,7 +93,8 @@ class StreamShard(IterableDataset[Any]):
         # takes the workers' batches in turn, so the order is the one a single process reads.
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        items = itertools.islice(iter(self.dataset), self.skip, None)
+        length = data_size(self.dataset)  # the run planned its epochs by it: a pass ends there
+        items = itertools.islice(self._pass(length, warn=worker == 0), self.skip, None)
         for index in itertools.count():
             batch = list(itertools.islice(items, self.global_batch))
             if not batch or len(batch) % self.world_size or (self.drop_last and len(batch) < self.global_batch):
@@ -85,6 +102,14 @@ class StreamShard(IterableDataset[Any]):
             n = len(batch) // self.world_size if len(batch) < self.global_batch else share
             if index % workers == worker:
                 yield from batch[self.rank * n : (self.rank + 1) * n]
+
+
+def _more_than_said(dataset: Dataset[Any], length: int) -> None:
+    log.warning(
+        "train_data (%s) yields more items in one pass than its __len__ says (%d): an epoch takes the first %d, as "
+        "the run was planned by them\nhint: make __len__ return the items one pass yields", type(dataset).__name__,
+        length, length,
+    )  # fmt: skip
 
 
 def plan_length(
@@ -160,13 +185,27 @@ def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError
     )
 
 
-def fixed_shapes(data: Any, batch_size: int, world_size: int, *, compiled: Choice[bool] | None) -> bool:
+def fixed_shapes(
+    data: Any, batch_size: int, env: DistEnv, *, compiled: Choice[bool] | None, model: torch.nn.Module
+) -> bool:
     """Whether to drop a partial last batch: a model ``compiled`` (the Plan's field) given one would compile again
-    for its shape. Not where a stream has no length, nor where every batch is partial (fewer items than one)."""
-    if compiled is None or not compiled.value:
-        return False
+    for its shape, and a batch norm cannot train on a last batch of one sample a process (said on rank 0). Not where
+    a stream has no length, nor where every batch is partial (fewer items than one)."""
     size = data_size(data)
-    return size is not None and batches_per_epoch(size, batch_size, world_size, drop_last=True) > 0
+    if size is None or not batches_per_epoch(size, batch_size, env.world_size, drop_last=True):
+        return False
+    if compiled is not None and compiled.value:
+        return True
+    left = size % batch_size  # the last global batch, split across the processes (or dropped where it cannot be)
+    if left != env.world_size or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return False
+    if env.is_main:
+        log.warning(
+            "train_data's %d items leave a last batch of %d per epoch, one sample a process, on which the model's "
+            "batch norm cannot train: it is left out of each epoch\nhint: a batch size that leaves no remainder of "
+            "one keeps every sample", size, left,
+        )  # fmt: skip
+    return True
 
 
 def train_loader(

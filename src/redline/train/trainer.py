@@ -316,7 +316,7 @@ class Trainer:
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_batch_size(self.batch_size, resumed, split=split, world_size=self.env.world_size)  # not ended
         compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
-        drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env.world_size, compiled=compiled)
+        drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env, compiled=compiled, model=model)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
         loader, sampler = train_loader(

@@ -209,7 +209,16 @@ def cuda_available(m: Machine) -> Check:
         for device in facts.devices:
             by_name.setdefault(device.name, []).append(f"cuda:{device.index}")
         names = "; ".join(f"{device_ranges(ids)} {name}" for name, ids in by_name.items())
-        return ok("cuda-available", f"torch sees {facts.device_count} device(s): {names}")
+        sees = f"torch sees {facts.device_count} device(s): {names}"
+        if m.snap.env.get("CUDA_LAUNCH_BLOCKING", "").strip() == "1":  # left set after a debugging session
+            return warn(
+                "cuda-available",
+                f"{sees}; CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait for the GPU, which slows a run "
+                "several times over",
+                "unset CUDA_LAUNCH_BLOCKING: it is for debugging, where it makes a CUDA error name the kernel that "
+                "raised it",
+            )
+        return ok("cuda-available", sees)
     amd = m.snap.amd
     if m.build == "rocm" and amd is not None:  # ROCm reaches AMD GPUs through /dev/kfd, not NVIDIA's files
         if not amd.kfd:
