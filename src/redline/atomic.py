@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import os
 import secrets
 import shutil
+import socket
 import stat
 import sys
 from collections.abc import Callable
@@ -142,6 +144,25 @@ def is_stream(path: Path) -> bool:
     return path.exists() and not path.is_file() and not path.is_dir()
 
 
+_OWNER = socket.gethostname().replace("/", "_") or "host"  # whose process a temporary file is: this machine's
+
+
+def _sweep_stale(path: Path) -> None:
+    """Remove the temporary files of ``path`` that a process of this machine killed mid-write left (SIGKILL, the
+    OOM killer: no ``finally`` ran), told by their writer's pid, which no longer runs; another machine's, on
+    shared storage, are left alone."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.{glob.escape(_OWNER)}-*-*.tmp"):
+        pid = tmp.name.removesuffix(".tmp").rsplit("-", 2)[-2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its writer is gone: nothing will finish or remove it
+            tmp.unlink(missing_ok=True)
+        except OSError:  # another user's process runs under that pid: leave it
+            continue
+
+
 def _temporary_beside(path: Path) -> Path:
     """A new empty file in ``path``'s directory, hidden and named after it, for a write to go through.
 
@@ -149,7 +170,7 @@ def _temporary_beside(path: Path) -> Path:
     0o600 would leave every result, renamed into place, readable by its owner alone.
     """
     while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        tmp = path.parent / f".{path.name}.{_OWNER}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except FileExistsError:
@@ -183,6 +204,7 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         write(path)
         return
     path = _through_link(path)
+    _sweep_stale(path)
     tmp = _temporary_beside(path)
     try:
         write(tmp)

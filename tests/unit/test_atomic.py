@@ -62,3 +62,23 @@ def test_a_link_is_written_through_to_its_file_not_replaced(tmp_path):
     assert link.is_symlink() and link.resolve() == target
     assert target.read_text() == "later"
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest.json", "runs", "summary.json"]  # nothing left over
+
+
+def test_temporary_files_a_killed_write_left_are_removed_by_the_next_write_of_that_file(tmp_path):
+    """SIGKILL (or the OOM killer) mid-write ran no cleanup: its hidden temporary file, as large as the output,
+    stayed for good beside it."""
+    import subprocess
+    import sys
+
+    from redline.atomic import _OWNER
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)  # fmt: skip
+    killed = tmp_path / f".out.npy.{_OWNER}-{gone}-0a1b2c3d.tmp"
+    remote = tmp_path / f".out.npy.elsewhere-{gone}-0a1b2c3d.tmp"  # another machine's, on shared storage
+    ours = tmp_path / f".out.npy.{_OWNER}-{os.getpid()}-0a1b2c3d.tmp"  # this process's own write, in progress
+    for path in (killed, remote, ours):
+        path.write_bytes(b"half")
+    write_atomic(tmp_path / "out.npy", lambda tmp: tmp.write_bytes(b"whole"))
+    assert (tmp_path / "out.npy").read_bytes() == b"whole"
+    assert not killed.exists() and remote.exists() and ours.exists()
