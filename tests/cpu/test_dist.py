@@ -404,6 +404,7 @@ def test_a_failed_job_exits_with_the_failing_workers_exit_code(tmp_path):
     assert "rank 1 exited with 3 (then the launcher stopped rank 0)" in result.stderr
     assert "printed above" not in result.stderr  # nothing was: the hint says what the exit code tells instead
     assert "hint: no error of redline's was printed: rank 1's exit code 3 is the script's own" in result.stderr
+    assert "closing signal" not in result.stderr, result.stderr  # torchrun's agent's narration of the stop
 
 
 def test_a_master_addr_of_another_machine_for_one_machine_is_named_by_its_flag_before_any_worker_waits(tmp_path):

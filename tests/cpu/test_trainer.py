@@ -177,6 +177,8 @@ def test_callbacks_the_loop_could_not_call_are_refused_before_training():
         "a function": ([lambda *args: None], r"one is function, with no on_step, on_evaluate, on_checkpoint"),
         "one hook": ([OnStepOnly()], r"one is OnStepOnly, with no on_evaluate, on_checkpoint, on_fit_end"),
         "no list": (EveryHook(), r"expected a list of Callback objects\nhint: pass callbacks=\[EveryHook\(\.\.\.\)\]"),
+        # a generator of them: the hint was callbacks=[generator(...)]
+        "a generator": ((c for c in [EveryHook()]), r"Callback objects\nhint: pass callbacks=list\(\.\.\.\)$"),
         # the class itself: before, accepted, then every hook a TypeError mid-run
         "a class": (
             [EveryHook],

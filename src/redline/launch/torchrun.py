@@ -238,7 +238,7 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         said.mkdir()
         workers[SAID_ERRORS_ENV] = str(said)
         try:
-            with worker_environment(workers), waiting:
+            with worker_environment(workers), waiting, _launcher_unsaid():
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             stopped = stopped_by(int(exc.sigval), finished, trainer=module and tuple(target[:2]) == TRAIN)
@@ -257,6 +257,20 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
     gc.collect()
     if stopped is not None:
         raise stopped
+
+
+@contextlib.contextmanager
+def _launcher_unsaid() -> Iterator[None]:
+    """Quiet torchrun's agent's warnings while it runs ("Sending process ... closing signal SIGTERM", "Received 15
+    death signal, shutting down workers"): the stop they narrate is said after it, by rank and cause. Its errors
+    stay: "failed (exitcode: -9) local_rank: 1" is the one word of a worker that a restart (--max-restarts) hid."""
+    agent = logging.getLogger("torch.distributed.elastic")
+    level = agent.level
+    agent.setLevel(logging.ERROR)  # setLevel, not the attribute: it clears the loggers' cached levels
+    try:
+        yield
+    finally:
+        agent.setLevel(level)
 
 
 def tether(args: Namespace, launcher: int) -> None:

@@ -109,9 +109,9 @@ def check_callbacks(callbacks: Sequence[Callback], task: Task) -> tuple[list[Cal
     could not call (a bare function, an object without every hook: it would fail mid-run), a second
     EarlyStopping, and one watching what ``task``'s evaluation does not report."""
     if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | set | frozenset):
-        raise invalid(
-            "callbacks", callbacks, "a list of Callback objects", f"pass callbacks=[{type(callbacks).__name__}(...)]"
-        )
+        many = hasattr(callbacks, "__iter__") and not hasattr(callbacks, "on_step")  # a generator of callbacks
+        fix = "callbacks=list(...)" if many else f"callbacks=[{type(callbacks).__name__}(...)]"  # or one, alone
+        raise invalid("callbacks", callbacks, "a list of Callback objects", f"pass {fix}")
     for callback in callbacks:
         if isinstance(callback, type):  # its hooks are plain functions, callable, but without self: mid-run TypeErrors
             raise invalid(

@@ -109,8 +109,15 @@ def find_resume(resume: str | None, root: Path | None, env: DistEnv) -> Checkpoi
     return found
 
 
-def warn_unsaved(found: Checkpoint | None, out_dir: Path | None, env: DistEnv) -> None:
-    """Warn that a run resumed without an out_dir writes nothing: its steps end with the process."""
+def warn_unsaved(found: Checkpoint | None, out_dir: Path | None, env: DistEnv, *, replaced: Any = None) -> None:
+    """Warn that a run resumed without an out_dir writes nothing: its steps end with the process; and that a fit
+    which does not resume replaces the model an earlier fit() or evaluate() of the Trainer left (``replaced``)."""
+    if found is None and replaced is not None and env.is_main:  # a notebook's second fit(), meant to train on
+        log.warning(
+            "fit() trains a fresh model built from the task: trainer.model, from the last fit() or evaluate(), is "
+            "replaced, not trained on\nhint: to train on, fit once with more max_steps, or resume its checkpoint "
+            "(out_dir=DIR with resume='auto')"
+        )
     if found is not None and out_dir is None and env.is_main:
         run_dir = found.path.parent.parent if found.path.parent.name == "checkpoints" else None
         if run_dir is None:

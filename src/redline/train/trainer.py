@@ -117,7 +117,8 @@ class Trainer:
     # -- fit: the loop ---------------------------------------------------------------------------
 
     def fit(self) -> TrainSummary:
-        """Train until max_steps, max_epochs, early stopping or a signal; return the summary."""
+        """Train a fresh model from the task until max_steps, max_epochs, early stopping or a signal (or go on from
+        the checkpoint ``resume`` names); return the summary."""
         self.env = read_env()
         self._join_group()  # the ranks meet first: rank 0 holds out_dir for them all
         with holding_out_dir(self.out_dir):  # one run at a time writes there: a second is refused at once
@@ -287,7 +288,7 @@ class Trainer:
             self.early_stopping.reset()
         self.best = best_weights(self.config.keep_best, self.out_dir)
         resumed = self._find_resume()
-        resume.warn_unsaved(resumed, self.out_dir, self.env)
+        resume.warn_unsaved(resumed, self.out_dir, self.env, replaced=self.model)
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
             resume.prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
         options = resume.resumed_options(self.options, resumed, self.env)
