@@ -91,3 +91,11 @@ def test_a_second_fit_says_it_trains_a_fresh_model_and_a_resumed_one_does_not(tm
     resumed.config = dataclasses.replace(resumed.config, resume="auto", max_steps=4)
     assert resumed.fit().steps == 4  # went on from step 2's checkpoint: nothing replaced
     assert not [r for r in caplog.records if "fit() trains a fresh model" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("device", "summed"), [("cuda:1", "cuda:1"), ("mps", "cpu"), ("cpu", "cpu")])
+def test_evaluation_sums_are_reduced_where_the_backend_and_float64_allow(device, summed):
+    """NCCL reduces CUDA tensors alone (the sums were a CPU tensor); MPS has no float64 (they must not go there)."""
+    from redline.train.evaluation import summed_on
+
+    assert summed_on(torch.device(device)) == torch.device(summed)

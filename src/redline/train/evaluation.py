@@ -21,6 +21,12 @@ from redline.task import Task
 from redline.train.data import eval_loader
 
 
+def summed_on(device: torch.device) -> torch.device:
+    """Where the ranks' evaluation sums are reduced: a CUDA run's device (NCCL reduces no CPU tensor), else the CPU
+    (gloo reduces CPU tensors, and MPS has no float64)."""
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
 @torch.no_grad()
 def evaluate_model(
     task: Task, model: nn.Module, rt: Runtime, batch_size: int, env: DistEnv | None = None, *, where: str = "evaluation"
@@ -50,9 +56,8 @@ def evaluate_model(
             total_loss += loss.item() * n
             total_metric += metric * n
             count += n
-    # On the run's device (NCCL reduces no CPU tensor), in float64: a metric of 0.6 on every batch reads 0.6, and a
-    # count past 2**24 samples stays exact.
-    sums = torch.tensor([total_loss, total_metric, float(count)], dtype=torch.float64, device=rt.device)
+    # In float64: a metric of 0.6 on every batch reads 0.6, and a count past 2**24 samples stays exact.
+    sums = torch.tensor([total_loss, total_metric, float(count)], dtype=torch.float64, device=summed_on(rt.device))
     total_loss, total_metric, count = all_reduce_sum(sums).tolist()
     if count == 0:  # every rank knows: the count is the job's total
         raise TaskError(
