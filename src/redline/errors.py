@@ -185,14 +185,8 @@ def worker_failure(exc: BaseException) -> tuple[str, str] | None:
     tail = text.split(WORKER_TRACEBACK, 1)[1]
     said = next((ln for ln in reversed(tail.splitlines()) if ln.strip() and not ln.startswith(" ")), "")
     said = said.removeprefix(f"{type(exc).__name__}: ") or said
-    torch = sys.modules.get("torch")
-    skip = (str(PACKAGE),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
-    frames = [f for f in _FRAME.findall(tail + "\n") if not f[0].startswith((*skip, "<"))]
-    line = ""
-    if frames:
-        filename, lineno, name, code = frames[-1]
-        line = f"\n  at {filename}:{lineno} in {name}" + (f": {code.strip()}" if code else "")
-    return said, line
+    frames = [f for f in _FRAME.findall(tail + "\n") if users_file(f[0])]
+    return said, _at(*frames[-1]) if frames else ""
 
 
 PACKAGE = Path(__file__).parent  # redline's own code, but for the built-in examples' models (a user's model as any)
@@ -217,15 +211,24 @@ def raised_in_redline(exc: BaseException) -> bool:
 
 def user_line(exc: BaseException) -> str:
     """The innermost frame of the traceback outside torch and redline, as an indented 'at FILE:LINE' line."""
-    torch = sys.modules.get("torch")  # not imported: none of its frames can be in the traceback
-    skip = (str(PACKAGE),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
-    # a "<string>" frame is code Python made (a dataclass's __init__), not a line of the user's to show
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((*skip, "<"))]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if users_file(f.filename)]
     if not frames:
         return ""
     frame = frames[-1]
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"\n  at {frame.filename}:{frame.lineno} in {frame.name}{code}"
+    return _at(frame.filename, frame.lineno, frame.name, frame.line)
+
+
+def users_file(filename: str) -> bool:
+    """Whether a traceback's frame in ``filename`` is the user's: not torch's, not redline's, and not code Python
+    made (a "<string>" frame: a dataclass's __init__)."""
+    torch = sys.modules.get("torch")  # not imported: none of its frames can be in the traceback
+    skip = (str(PACKAGE),) + ((str(Path(torch.__file__).parent),) if torch and torch.__file__ else ())
+    return not filename.startswith((*skip, "<"))
+
+
+def _at(filename: str, lineno: int | str | None, name: str, code: str | None) -> str:
+    """A frame as the indented 'at FILE:LINE in NAME: code' line messages end with."""
+    return f"\n  at {filename}:{lineno} in {name}" + (f": {code.strip()}" if code else "")
 
 
 def first_to_say(message: str) -> bool:

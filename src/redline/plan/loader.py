@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import cast
 
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
@@ -81,8 +80,7 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
     persist = loader.map_style
     if workers is not None:
         limited = loader.worker_limit is not None and workers > loader.worker_limit
-        if limited:
-            workers = cast(int, loader.worker_limit)
+        workers = min(workers, loader.worker_limit) if loader.worker_limit is not None else workers
         asked = LoaderSettings(
             num_workers=workers,
             pin_memory=facts.type == "cuda",

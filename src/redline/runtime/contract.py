@@ -211,9 +211,9 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         ) from exc
 
 
+FORWARD_WANTS_MORE = re.compile(r"forward\(\) missing \d+ required positional argument")  # forward(self, a, b)
 # torch's words for operands of the wrong dtype: "mat1 and mat2 must have the same dtype", "expected target dtype to be
 # Long", "result type Float can't be cast to the desired output type Long", "expected scalar type Long but found Int"
-FORWARD_WANTS_MORE = re.compile(r"forward\(\) missing \d+ required positional argument")  # forward(self, a, b)
 DTYPE_TROUBLE = re.compile(r"dtype|scalar type|can't be cast to the desired|not implemented for '")
 
 

@@ -95,10 +95,9 @@ class LoadOptions:
         one_of("arrivals", self.arrivals, ("uniform", "poisson"))
         non_negative_int("seed", self.seed)
         positive_int("max_in_flight", self.max_in_flight)
-        total_s = self.warmup_s + self.duration_s
+        total_s, rate = self.total_s, self.open_rate
         if not math.isfinite(total_s):  # each finite, their sum not
             raise invalid("duration", self.duration_s, f"with --warmup {self.warmup_s:g}, a finite number of seconds")
-        rate = self.rate if self.rate is not None or self.concurrency is not None else DEFAULT_RATE
         if rate is not None and rate * total_s > MAX_REQUESTS:
             named, value = ("rate", rate) if self.rate is not None else ("duration", self.duration_s)
             at = "" if self.rate is not None else f" at the default {DEFAULT_RATE:g} requests/s"
@@ -132,6 +131,17 @@ class LoadOptions:
                     "drop it for closed loop (peak throughput), or give rate=R instead of a concurrency for open "
                     "loop (latency)",
                 )  # fmt: skip
+
+    @property
+    def total_s(self) -> float:
+        """The run's length: the warm-up and the measured window."""
+        return self.warmup_s + self.duration_s
+
+    @property
+    def open_rate(self) -> float | None:
+        """The open loop's requests/s: the rate given, the default where neither it nor a concurrency is; None for
+        a closed loop."""
+        return self.rate if self.rate is not None or self.concurrency is not None else DEFAULT_RATE
 
     @property
     def mode(self) -> Mode:
@@ -328,10 +338,9 @@ async def run_load_async(
     headers = parse_headers(options.headers)
     if payload is not None and not any(name.lower() == "content-type" for name in headers):
         headers["Content-Type"] = payload.content_type  # unless --header gave one, in any case: it would go twice
-    total_s = options.warmup_s + options.duration_s
+    total_s, rate = options.total_s, options.open_rate
     request = _Request(url, method, payload.body if payload else None, headers, total_s + options.timeout_s)
     await check_reachable(url, options.timeout_s)
-    rate = options.rate if options.rate is not None or options.concurrency is not None else DEFAULT_RATE
     cap = options.concurrency or options.max_in_flight
     setup = Setup(
         mode=options.mode, url=url, method=method, target_rate=rate,
