@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 import threading
 import time
 from typing import ClassVar
@@ -361,6 +362,29 @@ def test_compile_on_compiles_every_bucket_at_warm_up_and_matches_eager():
         expected = engine._record.eager(inputs)
     torch.testing.assert_close(engine.predict(inputs[:1]), expected[:1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(engine.predict(inputs), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_job_too_short_for_a_compile_to_pay_back_times_none_and_a_long_one_does(cache, bf16_cpu, monkeypatch):
+    """predict on 100 samples compiled the digits CNN for 5.6 s to time it, for a job of 0.04 s eagerly."""
+    compiled = []
+
+    def no_compiler(fn, **options):  # torch.compile, standing still: the test times no real compile
+        compiled.append(options)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
+    slow = {"fp32_sleep_s": SLEEP_S, "autocast_sleep_s": SLEEP_S}  # every setting 20 ms a batch (bf16-true too)
+    short = InferenceEngine(Spy(**slow), input_shape=(3,), device="cpu", max_batch_size=1, planned_batches=5)
+    reason = short.plan["compile"].reason
+    assert short.plan["compile"].value is False and compiled == [], reason
+    kept = short.plan["precision"].value
+    assert re.match(rf"auto: eager; the job's 5 batches take about 0\.1\d* s eagerly \({kept}\)", reason), reason
+    long = InferenceEngine(Spy(**slow), input_shape=(3,), device="cpu", max_batch_size=1, planned_batches=10_000)
+    assert compiled, "a job of minutes times the compile of the setting kept"
+    assert "+compile" in long.plan["compile"].reason and "the job's" not in long.plan["compile"].reason
+    with pytest.raises(ConfigError, match="planned_batches=0 is not allowed"):
+        InferenceEngine(Spy(), input_shape=(3,), device="cpu", planned_batches=0)
 
 
 ILLEGAL = "CUDA error: an illegal memory access was encountered"

@@ -123,6 +123,7 @@ def test_the_output_file_holds_the_engines_outputs_for_every_sample(tmp_path, sp
         plain = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
     np.testing.assert_allclose(written, plain, rtol=0, atol=1e-6)
     assert "11 samples in" in result.output and "samples/s" in result.output
+    assert re.search(r"set-up \d+\.\d s, warm-up \d+\.\d s of it", result.output), result.output
     assert "precision" in result.output and "buckets" in result.output, "the plan is printed"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary file remains"
 
@@ -137,7 +138,7 @@ def test_json_prints_the_plan_and_the_summary_as_data_and_nothing_else_on_stdout
     assert data["batch_size"] == 4
     assert (data["input"], data["output"], data["model"]) == (str(tmp_path / "x.npy"), str(out), "tiny")
     assert data["seconds"] > 0 and data["samples_per_s"] == pytest.approx(11 / data["seconds"])
-    assert data["warm_up_s"] >= 0
+    assert data["setup_s"] >= data["warm_up_s"] >= 0, "the set-up (measuring included) holds the warm-up"
     assert data["plan"]["precision"]["value"] == "fp32" and data["plan"]["buckets"]["value"] == [4]
     assert data["plan"]["buckets"]["reason"].startswith("the batch size alone: every row runs in one setting")
     assert np.load(out).shape == (11, 2)
@@ -182,7 +183,7 @@ def test_every_row_runs_in_one_bucket_so_a_sample_gets_the_same_outputs_in_any_r
     made = []
 
     def engine(*args, **kwargs):
-        made.append(kwargs.get("batch_buckets"))
+        made.append((kwargs.get("batch_buckets"), kwargs.get("planned_batches")))
         return InferenceEngine(*args, **kwargs)
 
     monkeypatch.setattr(predict_module, "InferenceEngine", engine)
@@ -190,7 +191,7 @@ def test_every_row_runs_in_one_bucket_so_a_sample_gets_the_same_outputs_in_any_r
     result = predict(spec, "--input", samples(tmp_path, np.repeat(one, 9, axis=0)), "--output", str(tmp_path / "y.npy"),
                      "--batch-size", "4", "--precision", "fp32", "--compile", "off")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert made == [(4,)]
+    assert made == [((4,), 3)], "one bucket, and the job's length: 3 batches of 4 for 9 rows"
     written = np.load(tmp_path / "y.npy")
     assert (written == written[0]).all()
 

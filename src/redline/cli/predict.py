@@ -124,16 +124,18 @@ def predict(
             # One bucket: every row runs in one setting, at one batch shape (the last batch padded up), so a sample
             # gets the same outputs whatever its row; a server's smaller buckets (a second setting, split off for
             # light load) would run the last partial batch another way.
+            building = time.perf_counter()  # the settings' timing, where measured, is part of the set-up
             engine = InferenceEngine(
                 servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
                 measure=measure, channels_last=channels_last, max_batch_size=batch_size, batch_buckets=(batch_size,),
+                planned_batches=math.ceil(len(samples) / batch_size),
             )  # fmt: skip
             engine.plan["buckets"] = Choice(
                 [batch_size], "the batch size alone: every row runs in one setting at one shape, the last batch padded"
             )
             started = time.perf_counter()
             engine.warm_up()
-            warm_s = time.perf_counter() - started
+            warm_s, setup_s = time.perf_counter() - started, time.perf_counter() - building
     console = Console(stderr=True) if to_stdout else output_console()  # stdout carries the array
     if not json_output:
         print_uncut(console, plan_table(engine.plan, title=f"Predicting with {servable.name}"))
@@ -154,13 +156,15 @@ def predict(
         summary = {
             "model": servable.name, "input": str(input_path), "output": str(output_path), "samples": len(samples),
             "output_shape": [len(samples), *first[0][0]], "output_dtype": str(first[0][1]),
-            "seconds": seconds, "samples_per_s": rate, "warm_up_s": warm_s, "batch_size": batch_size,
+            "seconds": seconds, "samples_per_s": rate, "warm_up_s": warm_s, "setup_s": setup_s,
+            "batch_size": batch_size,
             "plan": engine.plan_dict(),
         }  # fmt: skip
         print(json.dumps(summary, indent=2))
         return
     console.print(
-        f"{len(samples)} samples in {seconds:.2f} s ({rate or math.inf:,.1f} samples/s; warm-up {warm_s:.1f} s) -> "
+        f"{len(samples)} samples in {seconds:.2f} s ({rate or math.inf:,.1f} samples/s; set-up {setup_s:.1f} s, "
+        f"warm-up {warm_s:.1f} s of it) -> "
         f"{output_path}",
         highlight=False,
         markup=False,  # a path's `[...]` is text

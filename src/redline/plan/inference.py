@@ -222,6 +222,27 @@ def _compile_rule(
     return Choice(False, "auto: eager unless compiling is measured faster"), [False, True], False
 
 
+# Seconds below which a job's whole eager time leaves a CPU compile nothing to win: compiling takes seconds
+# (the digits CNN's: 5.6 s on a 2-core EPYC) and saves part of the job's time at most (2.6x, the most a
+# compile has won here, saves 62% of it).
+COMPILE_PAYBACK_S = 3.0
+
+
+def short_job(setting: Setting, timing: Timing | None, batches: int | None) -> str | None:
+    """Why a compile of ``setting`` is not timed for a job of ``batches`` batches of the largest bucket, at the
+    speed ``timing`` measured: its whole run eagerly takes less than ``COMPILE_PAYBACK_S``. None where it is timed
+    (no job length given, as a server's, or a job long enough)."""
+    if batches is None or timing is None or not timing.block_s:
+        return None
+    job_s = timing.median_s * batches
+    if job_s >= COMPILE_PAYBACK_S:
+        return None
+    return (
+        f"auto: eager; the job's {batches} batch{'es' if batches != 1 else ''} take about {job_s:.2g} s eagerly "
+        f"({setting.label}), less than a compile would take, so none was timed"
+    )
+
+
 def check_cuda_graphs(requested: str | bool, device_type: str) -> bool | None:
     """Read ``requested`` (True, False, or None for auto); refuse CUDA graphs asked of a device that is not CUDA."""
     value = parse_switch("cuda_graphs", requested)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from redline.config import positive_int
 from redline.errors import DeviceUnavailableError, ServableError, describe_error
 from redline.hardware.device import probe_device
 from redline.hardware.memory import host_memory_bytes
@@ -44,6 +45,7 @@ from redline.plan.inference import (
     propose,
     read_measure,
     resolve_cuda_graphs,
+    short_job,
     split_buckets,
 )
 from redline.plan.layout import has_conv2d
@@ -107,9 +109,12 @@ class InferenceEngine:
         channels_last: str | bool = "auto",
         max_batch_size: int = 32,
         batch_buckets: Sequence[int] | str = "auto",
+        planned_batches: int | None = None,
     ) -> None:
         self.servable = as_servable(model, input_shape, input_dtype)
         self.max_batch_size = max_batch_size
+        positive_int("planned_batches", planned_batches, optional=True)
+        self.planned_batches = planned_batches  # the job's length where one is known (predict's), for the compile
         self.buckets = bucket_sizes(max_batch_size, batch_buckets)
         chosen_device = engine_device(device)
         self.device = torch.device(chosen_device.value)
@@ -346,7 +351,13 @@ class InferenceEngine:
         if lighter is not None:
             self.plan["small_batches"] = lighter
         if proposal.compile_after:
-            self._time_compile(proposal)
+            kept = Setting(chosen["precision"].value, False, chosen["channels_last"].value)
+            timed = next((t for t in timings[largest] if t.setting == kept), None)
+            short = short_job(kept, timed, self.planned_batches)
+            if short is None:
+                self._time_compile(proposal)
+            else:
+                self.plan["compile"] = Choice(False, short)
 
     def _time_compile(self, proposal: Proposal) -> None:
         """Time the setting kept compiled against itself eager, on the model converted for it, on the largest and
