@@ -85,6 +85,29 @@ def test_an_earlier_trace_is_replaced(tmp_path):
     assert {"name": "old"} not in events and any(e.get("name", "").startswith("ProfilerStep#") for e in events)
 
 
+def test_a_stop_before_the_profile_is_done_leaves_the_earlier_trace_as_it_was(tmp_path, monkeypatch):
+    """A Ctrl-C while the advice was drawn said "nothing was written" with the new trace already in place."""
+    from redline.bench import profiling
+
+    trace = tmp_path / "trace.json"
+    trace.write_text('{"traceEvents": [{"name": "old"}]}')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profiling, "advise", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        redline.profile(small_task(), devices="cpu", precision="fp32", compile=False, steps=1, warmup=1, trace=trace)
+    assert trace.read_text() == '{"traceEvents": [{"name": "old"}]}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
+def test_a_refused_device_makes_no_folder_for_the_trace(tmp_path):
+    with pytest.raises(RedlineError, match="cuda"):
+        redline.profile(small_task(), devices="cuda", trace=tmp_path / "new" / "deep" / "t.json")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_slow_loading_is_found_and_the_advice_names_the_loader_flag():
     found = redline.profile(
         small_task(train_data=SlowItems(small_task().train_data), batch_size=4),
@@ -173,6 +196,8 @@ def test_a_profile_with_graphs_off_is_an_explicit_eager_row():
     found = redline.profile(small_task(), devices="cpu", precision="fp32", cuda_graphs="off", steps=2, warmup=1)
     assert found.plan.cuda_graphs is not None and found.plan.cuda_graphs == redline.Choice(False, "requested")
     assert found.setting.startswith("cpu fp32 eager") and "CUDA graphs" not in found.setting
+    # graphs off leave the compile to auto, as `redline train --cuda-graphs off` does (on a GPU auto may compile)
+    assert found.plan.compile is not None and found.plan.compile.reason.startswith("auto"), found.plan.compile
 
 
 def test_the_recorded_steps_last_until_the_device_is_done(monkeypatch):

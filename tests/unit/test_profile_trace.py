@@ -155,11 +155,43 @@ def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_ru
     assert "a larger --batch-size" in advise(breakdown(), both, env={}, anomaly=False)[0]
 
 
+def test_a_device_without_a_fast_reduced_precision_is_not_told_to_try_one():
+    """On an AVX2 CPU (no fast bf16) the advice proposed reduced precision, which the Plan above it and the tune both
+    said the device lacks; a slow one given is told fp32 instead."""
+    plain = dataclasses.replace(PLAN, precision=Choice("fp32", "auto"), compile=Choice(False, "auto"))
+    (said,) = advise(breakdown(), plain, env={}, anomaly=False, fast=())
+    assert said.endswith("; compile may shorten it, and `redline tune` measures it") and "precision" not in said
+    compiled = dataclasses.replace(plain, compile=Choice(True, "auto"))
+    (done,) = advise(breakdown(), compiled, env={}, anomaly=False, fast=())
+    assert "the Plan already runs compiled (this device has no reduced precision faster than fp32)" in done
+    slow = dataclasses.replace(plain, precision=Choice("bf16-mixed", "requested"))
+    (told,) = advise(breakdown(), slow, env={}, anomaly=False, fast=())
+    assert told.startswith("bf16-mixed has no fast arithmetic on this device, where fp32 is likely faster")
+    assert told.endswith("`redline bench --precision fp32,bf16-mixed` measures it")
+    fp16 = dataclasses.replace(plain, precision=Choice("fp16-mixed", "requested"))  # on a CPU with fast bf16
+    (other,) = advise(breakdown(), fp16, env={}, anomaly=False, fast=("bf16-mixed",))
+    assert other.endswith("`redline bench --precision fp32,bf16-mixed,fp16-mixed` measures it")
+    (kept,) = advise(breakdown(), dataclasses.replace(fp16, precision=Choice("bf16-true", "requested")), env={},
+                     anomaly=False, fast=("bf16-mixed",))  # fmt: skip
+    assert kept.startswith("no phase stands out"), "bf16 weights have the device's fast bf16 arithmetic"
+
+
+def test_an_optimizer_the_user_built_fused_or_foreach_is_not_told_to_be():
+    heavy = breakdown(optimizer=0.4, forward=0.25, backward=0.3)
+    given = dataclasses.replace(PLAN, optimizer=Choice("as given", "AdamW: implementation set by the user"))
+    for way in ("fused", "foreach"):
+        (said,) = advise(heavy, given, env={}, anomaly=False, batch_size=8, optimizer=way)
+        assert said.startswith(f"the optimizer step takes 40% of each step though it runs {way}: its cost"), said
+
+
 def test_debugging_switches_left_on_are_named_first():
-    said = advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "1"}, anomaly=True)
+    said = advise(breakdown(busy=0.9), PLAN, env={"CUDA_LAUNCH_BLOCKING": "1"}, anomaly=True, gpu=True)
     assert said[0].startswith("autograd anomaly detection is on")
     assert said[1].startswith("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait")
     assert len(said) == 2  # nothing stands out beside them
+    # on a CPU the variable does nothing: it is not named, and the advice of the step's own costs stays
+    (cpu,) = advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "1"}, anomaly=False)
+    assert cpu.startswith("no phase stands out")
     assert advise(breakdown(), PLAN, env={"CUDA_LAUNCH_BLOCKING": "0"}, anomaly=False)[0].startswith("no phase")
 
 
@@ -209,6 +241,10 @@ def test_a_step_whose_flops_cannot_be_counted_says_so_rather_than_dropping_the_l
 
     found = {"breakdown": {"device_busy": None}, "peak_memory_bytes": None, "advice": [], "trace": None}
     assert summary_lines({**found, "tflops": 0.125})[0] == "achieved: 0.125 TFLOP/s (the profiler's overhead included)"
-    assert summary_lines({**found, "tflops": None})[0].startswith(
+    assert summary_lines({**found, "tflops": None, "flops_per_step": None})[0].startswith(
         "achieved: n/a (the FLOPs are counted on meta tensors"
+    )
+    # counted, and none: an elementwise step is not blamed on a .item() that stops the count
+    assert summary_lines({**found, "tflops": 0.0, "flops_per_step": 0})[0] == (
+        "achieved: n/a (no matmul or convolution FLOPs were counted: the step's work is elementwise)"
     )

@@ -3,6 +3,7 @@ command that measures it (a profile proposes, a measurement decides)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from redline.bench.trace import Breakdown
@@ -15,13 +16,15 @@ OPTIMIZER_SHARE = 0.30
 
 def advise(
     breakdown: Breakdown, plan: Plan, *, env: Any, anomaly: bool, gpu: bool = False, batch_size: int | None = None,
-    graphs: bool = False,
+    graphs: bool = False, fast: Sequence[str] = ("bf16-mixed",), optimizer: str | None = None,
 ) -> list[str]:  # fmt: skip
     """What to try, by the breakdown's biggest costs; each names its flag and the command that measures it.
 
     ``gpu``: the step ran on a CUDA GPU (whose kernels the trace should hold). ``batch_size``: the
     profiled one, which a bench of larger ones starts from. ``graphs``: the step ran compiled as CUDA
-    graphs (reduce-overhead), which the advice then does not propose again.
+    graphs (reduce-overhead), which the advice then does not propose again. ``fast``: the reduced
+    precisions the device has fast arithmetic for (``fast_precisions``; none on an AVX2 CPU, where bf16
+    ran 30x slower). ``optimizer``: how the optimizer stepped ("fused", "foreach", or None: one tensor at a time).
     """
     shares = {p.name: p.share for p in breakdown.phases}
     sizes = f"{batch_size},{2 * batch_size}" if batch_size else "64,128"
@@ -37,7 +40,7 @@ def advise(
             "autograd anomaly detection is on (torch.autograd.set_detect_anomaly): every backward op is checked "
             "and slowed; turn it off outside debugging"
         )
-    if env.get("CUDA_LAUNCH_BLOCKING") == "1":
+    if gpu and env.get("CUDA_LAUNCH_BLOCKING") == "1":  # a CPU's step launches no kernel
         out.append("CUDA_LAUNCH_BLOCKING=1 makes every kernel launch wait for the GPU; unset it outside debugging")
     if shares.get("data", 0.0) >= DATA_SHARE:
         loader = plan.loader.value if plan.loader is not None else "as built"
@@ -68,9 +71,11 @@ def advise(
         )
     if shares.get("optimizer", 0.0) >= OPTIMIZER_SHARE:
         taken = f"the optimizer step takes {shares['optimizer']:.0%} of each step"
-        if plan.optimizer is not None and plan.optimizer.value == "fused":  # fusing it is not left to propose
+        planned = plan.optimizer.value if plan.optimizer is not None else None
+        way = "fused" if "fused" in (planned, optimizer) else optimizer  # the Plan's, or the one the user built
+        if way is not None:  # fusing it, or stepping its tensors together, is not left to propose
             out.append(
-                f"{taken} though it runs fused: its cost does not grow with the batch, so a larger --batch-size "
+                f"{taken} though it runs {way}: its cost does not grow with the batch, so a larger --batch-size "
                 f"spreads it (`redline bench --batch-size {sizes}` measures it)"
             )
         else:
@@ -78,12 +83,19 @@ def advise(
                 f"{taken}: many small parameter tensors are stepped one by one unless the optimizer is foreach "
                 "or fused (the Plan's optimizer row says which)"
             )
+    precision = plan.precision.value
+    if precision != "fp32" and precision.split("-")[0] not in {f.split("-")[0] for f in fast}:  # bf16-true too
+        fastest = f"{fast[0]}," if fast else ""
+        out.append(
+            f"{precision} has no fast arithmetic on this device, where fp32 is likely faster (bf16 autocast ran a CNN "
+            f"30x slower than fp32 on an AVX2 CPU): `redline bench --precision fp32,{fastest}{precision}` measures it"
+        )
     if not out:
         compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
         left = [
             what
             for what, taken in (
-                ("reduced precision", plan.precision.value != "fp32"),
+                ("reduced precision", precision != "fp32" or not fast),  # none to try on this device
                 ("compile", plan.compile is not None and bool(plan.compile.value)),
             )
             if not taken
@@ -91,8 +103,9 @@ def advise(
         then = (
             f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
             if left
-            else "the Plan already runs reduced precision and compiled: a larger --batch-size (`redline bench "
-            f"--batch-size {sizes}` measures it) or a faster device is what is left"
+            else f"the Plan already runs {'reduced precision and ' if fast else ''}compiled"
+            f"{'' if fast else ' (this device has no reduced precision faster than fp32)'}: a larger --batch-size "
+            f"(`redline bench --batch-size {sizes}` measures it) or a faster device is what is left"
         )
         out.append(
             f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "

@@ -46,6 +46,7 @@ class Runner:
     first_batch: tuple[Any, Any] | None = None
     first_loss: float | None = None  # of the very first step (its micro-batches' mean), before any update
     micro_steps: int = 1  # micro-batches per optimizer step (a tune's grad_accum): a step is all of them
+    optimizer: torch.optim.Optimizer | None = None
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:
@@ -179,7 +180,9 @@ def runtime_runner(
         return loss
 
     batches = rt.setup_loader(_loader(task, setting.batch_size // options.grad_accum, seed))
-    return Runner(setting, model, step, batches, scope=rt.turn, runtime=rt, micro_steps=options.grad_accum)
+    return Runner(
+        setting, model, step, batches, scope=rt.turn, runtime=rt, micro_steps=options.grad_accum, optimizer=optimizer
+    )
 
 
 def row_options(setting: Setting) -> RuntimeOptions:

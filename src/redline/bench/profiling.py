@@ -35,9 +35,10 @@ from redline.bench.run import check_sizes, task_steps, warm_up
 from redline.bench.trace import Breakdown, read_breakdown
 from redline.config import one_of, positive_int, seed_number
 from redline.errors import ONE_STEP, TrainingError, invalid
-from redline.hardware.device import probe_accelerators
+from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Plan
 from redline.plan.device import resolve_device
+from redline.plan.precision import fast_precisions
 from redline.runtime.contract import users_failure
 from redline.runtime.options import CompileMode, RuntimeOptions
 from redline.task import Task, require_task
@@ -86,8 +87,9 @@ class Profile:
 
     @property
     def tflops(self) -> float | None:
-        """Achieved TFLOP/s over the profiled steps (the profiler's own overhead included)."""
-        if not self.flops_per_step or self.breakdown.step_ms <= 0:
+        """Achieved TFLOP/s over the profiled steps (the profiler's own overhead included); 0.0 where no FLOPs were
+        counted (no matmul or convolution), None where they could not be."""
+        if self.flops_per_step is None or self.breakdown.step_ms <= 0:
             return None
         return self.flops_per_step / (self.breakdown.step_ms / 1000) / 1e12
 
@@ -135,6 +137,11 @@ def profile(
     seed_number("seed", seed)
     size = batch_size or task.batch_size
     check_sizes(task, [size])
+    if isinstance(devices, str) and "," in devices:  # a bench's list: a profile is of the one device a run trains on
+        first = devices.split(",")[0].strip() or "cpu"
+        allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+        raise invalid("devices", devices, allowed, f"profile one at a time, e.g. devices={first!r}")
+    device = resolve_device(devices, probe_accelerators()).value
     trace_path = Path(trace) if trace is not None else None
     if trace_path is not None:
         if not trace_path.name.endswith((".json", ".json.gz")) and not trace_path.is_dir():
@@ -142,13 +149,8 @@ def profile(
                 "trace", str(trace_path), "a .json or .json.gz file name (torch.profiler writes Chrome's trace format)",
                 f"e.g. trace={str(trace_path.with_suffix('.json'))!r}",
             )  # fmt: skip
-        check_output(trace_path, "trace", "trace.json.gz")  # before the steps run, not after
+        check_output(trace_path, "trace", "trace.json.gz")  # before the steps, after the device: a refusal makes none
         _check_replaceable(trace_path)
-    if isinstance(devices, str) and "," in devices:  # a bench's list: a profile is of the one device a run trains on
-        first = devices.split(",")[0].strip() or "cpu"
-        allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
-        raise invalid("devices", devices, allowed, f"profile one at a time, e.g. devices={first!r}")
-    device = resolve_device(devices, probe_accelerators()).value
     graphs_given = cuda_graphs not in (None, "auto")
     explicit = precision is not None or compile is not None or compile_mode != "default" or graphs_given
     setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
@@ -158,7 +160,7 @@ def profile(
         if compile_mode != "default":
             given.update(compile="on", compile_mode=compile_mode)
         elif compile is None:
-            given["compile"] = "off" if graphs_given else "auto"
+            given["compile"] = "off" if cuda_graphs == "on" else "auto"  # graphs replay an uncompiled step
         else:
             given["compile"] = "on" if compile else "off"
         options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
@@ -170,41 +172,50 @@ def profile(
         with users_failure(f"profiling task {task.name!r}: a recorded step", STEP_HINT):
             averages, loss = _record(runner, steps, written, cuda=torch.device(device).type == "cuda")
         events = json.loads(written.read_text(encoding="utf-8")).get("traceEvents", [])
-        if trace_path is not None:
+        breakdown = read_breakdown(events)
+        plan = runner.plan()
+        assert plan is not None  # a Runtime's row
+        gpu = device.startswith("cuda")
+        compiled = plan.compile is not None and bool(plan.compile.value)
+        if setting.kind == "explicit":  # the label says what ran: the axes left to auto as the Plan resolved them
+            setting = replace(setting, precision=plan.precision.value, compile=compiled)
+        captured = plan.cuda_graphs is not None and bool(plan.cuda_graphs.value)
+        overhead = runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
+        graphs = (compiled and overhead) or captured
+        fast = fast_precisions(probe_device(torch.device(device)))
+        advice = advise(
+            breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size,
+            graphs=graphs, fast=fast, optimizer=stepped_by(runner.optimizer),
+        )  # fmt: skip
+        if loss is not None and not bool(torch.isfinite(loss.detach()).all()):  # as the bench marks such a row
+            advice.insert(0, NOT_FINITE)
+        found = Profile(
+            task=task.name,
+            device=device,
+            setting=setting.name
+            + (f", {compile_mode}" if compile_mode != "default" else "")
+            + (", CUDA graphs" if captured else ""),
+            batch_size=size,
+            plan=plan,
+            breakdown=breakdown,
+            ops=top_ops(averages, breakdown.steps, cuda=breakdown.device_busy is not None),
+            advice=tuple(advice),
+            trace=str(trace_path) if trace_path is not None else None,
+            flops_per_step=flops,
+            peak_memory_bytes=memory.peak,
+            peak_memory_kind=memory.kind,
+            ops_on="gpu" if breakdown.device_busy is not None else "host",
+            warmup=warmup,
+        )
+        if trace_path is not None:  # last: a stop before it leaves any earlier trace there as it was
             _keep(written, trace_path)
-    breakdown = read_breakdown(events)
-    plan = runner.plan()
-    assert plan is not None  # a Runtime's row
-    gpu = device.startswith("cuda")
-    compiled = plan.compile is not None and bool(plan.compile.value)
-    if setting.kind == "explicit":  # the label says what ran: the axes left to auto as the Plan resolved them
-        setting = replace(setting, precision=plan.precision.value, compile=compiled)
-    captured = plan.cuda_graphs is not None and bool(plan.cuda_graphs.value)
-    overhead = runner.runtime is not None and runner.runtime.options.compile_mode == "reduce-overhead"
-    graphs = (compiled and overhead) or captured
-    advice = advise(
-        breakdown, plan, env=os.environ, anomaly=torch.is_anomaly_enabled(), gpu=gpu, batch_size=size, graphs=graphs
-    )
-    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):  # as the bench marks such a row
-        advice.insert(0, NOT_FINITE)
-    return Profile(
-        task=task.name,
-        device=device,
-        setting=setting.name
-        + (f", {compile_mode}" if compile_mode != "default" else "")
-        + (", CUDA graphs" if captured else ""),
-        batch_size=size,
-        plan=plan,
-        breakdown=breakdown,
-        ops=top_ops(averages, breakdown.steps, cuda=breakdown.device_busy is not None),
-        advice=tuple(advice),
-        trace=str(trace_path) if trace_path is not None else None,
-        flops_per_step=flops,
-        peak_memory_bytes=memory.peak,
-        peak_memory_kind=memory.kind,
-        ops_on="gpu" if breakdown.device_busy is not None else "host",
-        warmup=warmup,
-    )
+    return found
+
+
+def stepped_by(optimizer: Any) -> str | None:
+    """How ``optimizer`` steps its tensors, as built: "fused", "foreach", or None (one at a time, or not known)."""
+    defaults = getattr(optimizer, "defaults", None) or {}
+    return "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else None
 
 
 def _compiles(compile: bool | str | None, compile_mode: str) -> bool | None:

@@ -67,6 +67,8 @@ def summary_lines(profile: Mapping[str, Any]) -> list[str]:
         lines.append(f"GPU busy: {busy:.0%} of the steps' wall time")
     if profile["tflops"]:
         lines.append(f"achieved: {profile['tflops']:.3g} TFLOP/s (the profiler's overhead included)")
+    elif profile["flops_per_step"] == 0:
+        lines.append("achieved: n/a (no matmul or convolution FLOPs were counted: the step's work is elementwise)")
     else:  # said, not left out: a missing line reads as a figure forgotten
         lines.append(
             "achieved: n/a (the FLOPs are counted on meta tensors, where this step does not run: a .item() or "
