@@ -190,6 +190,33 @@ def test_a_seeded_runtime_started_by_setup_says_the_model_was_not_seeded(caplog)
     assert not caplog.records
 
 
+def test_the_seed_is_applied_once_so_turns_and_restarts_draw_on_rather_than_repeat(caplog):
+    """Each turn seeded again: a loop taking turns trained on one dropout mask and one shuffle, every turn."""
+    rt = redline.Runtime(devices="cpu", seed=0)
+    rt.start()
+    first = torch.rand(4)
+    rt.pause()
+    drawn = []
+    for _ in range(3):
+        with rt.turn():
+            drawn.append(torch.randperm(16).tolist())
+    rt.start()
+    drawn.append(torch.randperm(16).tolist())
+    rt.close()
+    assert len({tuple(d) for d in drawn}) == 4, "every turn, and the start after a pause, drew anew"
+    torch.manual_seed(0)
+    assert torch.equal(first, torch.rand(4)), "the first start seeded as asked"
+    with caplog.at_level("WARNING", logger="redline"), redline.Runtime(devices="cpu", seed=0) as again:
+        again.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        again.pause()
+        again.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))  # restarted, seeded already
+    assert not caplog.records, "a setup after a pause is not a seed applied late"
+
+
+def test_options_are_taken_by_keyword_too():
+    assert redline.Runtime(options=redline.RuntimeOptions(seed=1), devices="cpu").options.seed == 1
+
+
 def test_evaluate_then_fit_leaves_the_process_as_it_found_it():
     task = redline.Task(
         model=lambda: nn.Linear(6, 3),

@@ -95,7 +95,6 @@ class Runtime(RunState):
     def __init__(
         self,
         options: RuntimeOptions | None = None,
-        /,
         *,
         planned_steps: int | None = None,
         measured: Mapping[str, Choice[str]] | None = None,
@@ -165,10 +164,8 @@ class Runtime(RunState):
     # -- the run's process-wide state ------------------------------------------------------------
 
     def start(self) -> Runtime:
-        """Join a launched job's process group and apply the process-wide settings; nothing happens twice.
-
-        ``setup()`` starts the Runtime if it was not; ``close()`` (or leaving ``with``) undoes it all.
-        """
+        """Join a launched job's process group and apply the process-wide settings (the seed at the first start
+        only); nothing happens twice. ``setup()`` starts it if it was not; ``close()`` undoes it."""
         if self._started is not None:
             return self
         if self._closed:
@@ -179,6 +176,7 @@ class Runtime(RunState):
         stack = contextlib.ExitStack()
         stack.enter_context(join_process_group(self.env, self.device.type))
         stack.enter_context(self.settings.enter())
+        self.settings = dataclasses.replace(self.settings, seed=None)  # seeded once: a restart or a turn draws on
         watchdog = hang_watchdog(self.env, self.snapshot_dir) if self._watch_hangs else None
         self._cycle.watchdog = stack.enter_context(watchdog) if watchdog is not None else None
         if self._kernels is not None:  # a kernel the precision check chose, given back while paused
@@ -197,7 +195,8 @@ class Runtime(RunState):
     def turn(self) -> Iterator[None]:
         """The process-wide settings and the attention kernel the precision check chose, for a turn of a paused
         Runtime's steps; put back after it, so the next turn (another Runtime's) starts as this one found it."""
-        with self.settings.enter(), self._kernels.held() if self._kernels is not None else contextlib.nullcontext():
+        settings, self.settings = self.settings, dataclasses.replace(self.settings, seed=None)  # seeded once, as start
+        with settings.enter(), self._kernels.held() if self._kernels is not None else contextlib.nullcontext():
             yield
 
     def close(self) -> None:
@@ -234,8 +233,8 @@ class Runtime(RunState):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
         check_materialized(model)
-        if self._started is None and self.options.seed is not None and not self._closed:
-            warn_seeded_late(self.options.seed)
+        if self.settings.seed is not None and not self._closed:  # not started yet: the seed comes now
+            warn_seeded_late(self.settings.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer
         second = bool(self._models) and not again  # a GAN's: it ends the precision check, and runs as it leaves it
