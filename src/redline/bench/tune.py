@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
@@ -49,8 +49,10 @@ from redline.plan import Choice
 from redline.plan.attention import DEFAULT, KERNELS
 from redline.plan.device import resolve_device
 from redline.plan.layout import has_conv2d
+from redline.plan.loader import resolve_loader
 from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
+from redline.runtime.loading import loader_facts
 from redline.runtime.measure import fingerprint_of
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
@@ -243,7 +245,7 @@ def search_space(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCal
     if "attention" not in skipped:
         axes.append(("attention", ["auto", *(KERNELS if facts.type == "cuda" else ("flash", "math"))]))
     if "loader_workers" not in skipped:
-        axes.append(("loader_workers", [None, 0, max(1, min(8, facts.cpu_count // 2))]))
+        axes.append(("loader_workers", [None, *_worker_counts(task, facts)]))
     if "grad_accum" not in skipped:
         axes.append(("grad_accum", [1, 2]))
     return axes
@@ -269,6 +271,19 @@ def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCal
         skipped["compile_mode"] = "CUDA graphs (reduce-overhead) need a CUDA device"
         skipped["cuda_graphs"] = "CUDA graphs need a CUDA device"
     return skipped
+
+
+def _worker_counts(task: Task, facts: DeviceFacts) -> list[int]:
+    """The loader worker counts to time against the device's rule, leaving out the count the rule itself resolves to
+    (on a CPU it keeps the loader's 0 workers, and 0 timed against itself "won" 4.60x once, by noise).
+
+    A stream is read through one worker at most: more would each read the whole of it (a plain DataLoader gives every
+    sample once per worker, and the Trainer's split keeps one worker's share of each), so its time is not the run's.
+    """
+    stream = isinstance(task.train_data, IterableDataset)
+    most = 1 if stream else max(1, min(8, facts.cpu_count // 2))
+    rule = resolve_loader(loader_facts(DataLoader(task.train_data, batch_size=task.batch_size)), facts).value
+    return [count for count in dict.fromkeys((0, most)) if count != rule.num_workers]
 
 
 def _candidates(
