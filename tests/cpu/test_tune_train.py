@@ -195,6 +195,26 @@ def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batchin
         Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
 
 
+def test_a_tuned_worker_count_is_told_as_the_tunes_not_as_requested(tmp_path):
+    """The loader row of a run on a tuned Plan read "requested", with the tune's figures gone."""
+    task = mlp_task()
+    tuned = cache_plan(task, loader_workers=1)
+    tuned = dataclasses.replace(tuned, reasons={"loader_workers": "1 loader workers, 1.30x less time (made up)"})
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned, model=task.build_model())
+    with Trainer(task, TrainerConfig(max_steps=1, plan="tuned", progress=False)) as trainer:
+        loader = trainer.fit().plan.to_dict()["loader"]
+    assert loader["value"].startswith("workers=1") and loader["reason"].startswith("tuned 2026-12-01 06:00 UTC for 500")
+    assert "1.30x less time (made up)" in loader["reason"]
+    with Runtime(devices="cpu", plan="tuned") as rt:
+        rt.setup(task.build_model(), task.optimizer)
+        rt.setup_loader(torch.utils.data.DataLoader(task.train_data, batch_size=32))
+        assert "1.30x less time (made up)" in rt.explain().loader.reason
+    asking = TrainerConfig(max_steps=1, plan="tuned", progress=False, runtime=RuntimeOptions(loader_workers=0))
+    with Trainer(task, asking) as asked:
+        assert asked.fit().plan.to_dict()["loader"]["reason"].startswith("requested"), "a request wins, and says so"
+
+
 def test_no_candidate_starts_once_the_budget_is_spent():
     # A compile cannot be cut short, so the budget is kept by not starting one (nor any warm-up) past it:
     # the axis's current setting is measured, the alternative is said to be unmeasured, not rejected.

@@ -50,6 +50,7 @@ class RunState:
     _plan: Plan
     _micro: MicroBatcher
     options: RuntimeOptions
+    _tuned_workers: tuple[int, str] | None = None  # a tune's worker count and reason, for the loader set up later
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
         """Carry a stored Plan's reasons over to the axes whose values it fixed (a resumed run, or a tuned Plan's),
@@ -63,10 +64,19 @@ class RunState:
             old = stored.get(axis)
             if old is not None and old.get("value") == current["value"]:
                 changes[axis] = Choice(getattr(self._plan, axis).value, reason(old))
+        workers = stored.get("loader_workers")  # a tune's count: the loader row comes with setup_loader
+        if workers is not None and isinstance(workers.get("value"), int):
+            self._tuned_workers = (workers["value"], reason(workers))
         size = found_size(stored.get("micro_batch"))  # "auto" goes on from the size it had halved to
         if size is not None and self.options.micro_batch == "auto":
             changes["micro_batch"] = self._micro.resume(size, reason(stored["micro_batch"]))
         self._plan = dataclasses.replace(self._plan, **changes)
+
+    def tuned_loader(self, chosen: Choice[Any]) -> Choice[Any]:
+        """The loader's Plan row: with the tune's reason where it runs the worker count a tune chose."""
+        if self._tuned_workers is not None and chosen.value.num_workers == self._tuned_workers[0]:
+            return Choice(chosen.value, self._tuned_workers[1])
+        return chosen
 
     def resumed_from(self, stored: Mapping[str, Mapping[str, Any]], step: int) -> None:
         """Carry the Plan of the checkpoint a run resumes from (written at ``step``) over, as ``adopt_reasons``."""

@@ -184,6 +184,7 @@ class TunedPlan:
             "channels_last": (options.channels_last != "off", self.best.channels_last),  # "auto": apply's NHWC
             "attention": (plan_kernel(options.attention), plan_kernel(self.best.attention)),
             "grad_accum": (options.grad_accum, self.best.grad_accum),
+            "loader_workers": (options.loader_workers, self.best.loader_workers),  # for the loader, set up later
         }
         return {
             axis: {"value": value, "reason": self.reasons.get(axis, "")}
