@@ -310,6 +310,20 @@ def test_fingerprint_changes_with_the_loss_or_the_optimizer(change: dict[str, ob
     assert base.fingerprint() != changed.fingerprint()
 
 
+def test_fingerprint_changes_when_part_of_the_model_is_frozen() -> None:
+    """A linear probe (its body frozen) has little of a full fine-tuning's backward: one's tune is not the other's."""
+    data = tiny_data()
+
+    def probe() -> nn.Module:
+        model = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 1))
+        model[0].requires_grad_(False)
+        return model
+
+    whole = tiny_task(model=lambda: nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 1)), train_data=data).fingerprint()
+    frozen = tiny_task(model=probe, train_data=data).fingerprint()
+    assert frozen != whole and tiny_task(model=probe(), train_data=data).fingerprint() == frozen
+
+
 def test_fingerprint_is_the_same_for_another_learning_rate() -> None:
     """A sweep over the learning rate or weight decay is one workload: it pays for one trial, not one each."""
     data = tiny_data()

@@ -124,11 +124,15 @@ class Task:
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A short hash of a model's structure and its tensors' names, shapes and dtypes (not their values)."""
+    """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), and which of its
+    parameters are frozen: a linear probe of a model has little of its full fine-tuning's backward and optimizer."""
     digest = hashlib.sha256()
     digest.update(repr(model).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
+    if frozen:  # said only where some are: a model trained whole keeps the hash it had
+        digest.update(f"frozen={','.join(frozen)}".encode())
     return digest.hexdigest()[:16]
 
 
