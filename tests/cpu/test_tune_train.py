@@ -325,6 +325,29 @@ def test_an_axis_the_budget_left_unmeasured_is_cached_as_left_to_auto(tmp_path, 
     assert "chosen: fp32, eager; left to auto (not measured): compile" in shown and "use it" in shown
 
 
+def test_a_tune_its_budget_cut_short_replaces_a_fuller_one_and_says_so(tmp_path, monkeypatch, caplog):
+    """It replaced a tune that measured every axis without a word, and `--plan tuned` then left an axis to auto."""
+
+    def every_axis(task, device, candidates, planned, steps, window, seed, budget_s):
+        return [Trial(c, 0.010) for c in candidates]
+
+    def compile_unmeasured(task, device, candidates, planned, steps, window, seed, budget_s):
+        return [Trial(c, 0.010) if not c.compile else Trial(c, None, rejected=UNMEASURED) for c in candidates]
+
+    space = [("precision", ["fp32"]), ("compile", [False, True])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr("redline.bench.tune._measure", every_axis)
+    first, _ = tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
+    assert first.unmeasured == () and not caplog.records
+    monkeypatch.setattr("redline.bench.tune._measure", compile_unmeasured)
+    with caplog.at_level("WARNING", logger="redline"):
+        tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"this tune, cut short by its budget, left compile to auto: it replaces the tune of "
+                           f"{first.measured_at}, which measured every axis, and --plan tuned now runs it")  # fmt: skip
+    assert [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [["compile"]], "asked for: it is cached"
+
+
 def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(
         "redline.bench.tune.search_space", lambda task, facts, **_: [("precision", ["fp32", "bf16-mixed"])]

@@ -3,6 +3,7 @@ cached, unless the cache holds a tune of the same workload and run length that m
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Sequence
 
@@ -12,16 +13,26 @@ from redline.errors import StoppedBySignal, few
 from redline.hardware.device import DeviceFacts
 from redline.runtime.tuned import TunedPlan, measured_more, store_tuned
 
+log = logging.getLogger("redline")
+
 
 def cache_tune(
     tuned: TunedPlan, fingerprint: str, facts: DeviceFacts, model: nn.Module, interrupted: str, signum: int
 ) -> str:
     """Cache ``tuned`` (under ``model``'s fingerprint too, for a bare ``Runtime(plan="tuned")``); return where. A search
     a signal stopped (at axis ``interrupted``) raises ``TuneInterrupted`` after, and caches nothing where the cache
-    holds a tune of this workload for as many planned steps that measured every axis this one did, and more."""
-    kept = measured_more(fingerprint, facts, tuned) if interrupted else None
-    if kept is not None:
+    holds a tune of this workload for as many planned steps that measured every axis this one did, and more; one its
+    budget cut short replaces such a tune with a warning (asked for, it is the user's to make)."""
+    kept = measured_more(fingerprint, facts, tuned) if interrupted or tuned.unmeasured else None
+    if kept is not None and interrupted:
         raise TuneInterrupted(tuned, str(kept[1]), interrupted, tuned.unmeasured, signum, kept=kept[0])
+    if kept is not None:  # cut short by its budget: asked for, so it replaces the earlier tune, said
+        earlier = f"left {few(kept[0].unmeasured, 4)} to auto" if kept[0].unmeasured else "measured every axis"
+        log.warning(
+            "this tune, cut short by its budget, left %s to auto: it replaces the tune of %s, which %s, and "
+            "--plan tuned now runs it\nhint: a larger --budget measures every axis (the budget row says how much)",
+            few(tuned.unmeasured, 4), kept[0].measured_at, earlier,
+        )  # fmt: skip
     path = store_tuned(fingerprint, facts, tuned, model=model)
     if interrupted:
         raise TuneInterrupted(tuned, path, interrupted, tuned.unmeasured, signum)
