@@ -213,6 +213,25 @@ def test_the_seed_is_applied_once_so_turns_and_restarts_draw_on_rather_than_repe
     assert not caplog.records, "a setup after a pause is not a seed applied late"
 
 
+def test_a_closed_runtime_of_several_processes_refuses_to_save_or_load_alone(tmp_path):
+    """Closed, a launched worker has left its process group: rt.save after the `with` block ran on every rank at once,
+    and two of four runs failed writing one checkpoint (the others kept one rank's random state)."""
+    import dataclasses
+
+    from redline.parallel.env import DistEnv
+
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(2, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(tmp_path / "inside")
+    rt.save(tmp_path / "after")  # one process: nothing to leave, so nothing to refuse
+    rt.env = dataclasses.replace(DistEnv(), world_size=2, launched=True)  # as a worker of `redline launch --nproc 2`
+    for call in (lambda: rt.save(tmp_path / "x"), lambda: rt.load(tmp_path / "inside"),
+                 lambda: rt.save_weights(tmp_path / "w.safetensors")):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"(?s)on a closed Runtime of 2 processes.*hint: call it inside the"):
+            call()
+    assert not (tmp_path / "x").exists() and not (tmp_path / "w.safetensors").exists()
+
+
 def test_options_are_taken_by_keyword_too():
     assert redline.Runtime(options=redline.RuntimeOptions(seed=1), devices="cpu").options.seed == 1
 

@@ -50,6 +50,7 @@ class RunState:
     _plan: Plan
     _micro: MicroBatcher
     options: RuntimeOptions
+    _closed: bool
     _tuned_workers: tuple[int, str] | None = None  # a tune's worker count and reason, for the loader set up later
 
     def adopt_reasons(self, stored: Mapping[str, Mapping[str, Any]], note: str) -> None:
@@ -130,7 +131,7 @@ class RunState:
         ``extra`` is the caller's own state (tensors and plain values), returned by ``load``; ``step`` defaults to
         the steps taken. Whole from one process (one device, DDP), or each rank its shards (FSDP). Collective.
         """
-        strategy, model, optimizer = self._prepared()
+        strategy, model, optimizer = self._prepared(collective="rt.save")
         if not isinstance(extra, Mapping | None):
             raise invalid(
                 "extra", type(extra).__name__, "a dict of your own state (or None)", 'e.g. extra={"epoch": 3}'
@@ -163,7 +164,7 @@ class RunState:
         processes each rank continues its own random streams; otherwise all take rank 0's.
         Collective under several processes.
         """
-        strategy, model, optimizer = self._prepared()
+        strategy, model, optimizer = self._prepared(collective="rt.load")
         if not isinstance(checkpoint, str | Path | Checkpoint):
             raise invalid("checkpoint", type(checkpoint).__name__, "a path (str or Path), or a Checkpoint")
         with _collective(f"loading the checkpoint {getattr(checkpoint, 'path', checkpoint)}", "rt.load"):
@@ -195,11 +196,21 @@ class RunState:
 
     def save_weights(self, path: str | Path) -> None:
         """Write the whole weights as one safetensors file that loads into the plain model. Collective."""
-        strategy, model, _ = self._prepared()
+        strategy, model, _ = self._prepared(collective="rt.save_weights")
         with _collective(f"writing the weights {path}", "rt.save_weights"):
             strategy.save_weights(Path(path), model)
 
-    def _prepared(self, *, models: bool = True) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
+    def _prepared(
+        self, *, models: bool = True, collective: str | None = None
+    ) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
+        """The set-up strategy, model and optimizer, refused where there are none (or several models); ``collective``:
+        the call that needs every rank, refused on a closed Runtime of several processes, which left their group."""
+        if collective is not None and self._closed and self.env.world_size > 1:
+            raise ConfigError(
+                f"{collective} on a closed Runtime of {self.env.world_size} processes: it left the process group, so "
+                "each rank would write alone, at once, into one checkpoint\nhint: call it inside the `with` block (or "
+                "before rt.close()), on every rank"
+            )
         if self.strategy is None or self.model is None or self.optimizer is None:
             raise ConfigError(
                 "the Runtime has no model yet: its state, checkpoints, weights and train_step are the set-up model's\n"
