@@ -155,3 +155,44 @@ def test_without_a_seed_the_order_is_drawn_as_a_plain_shuffling_loader_draws_its
     assert not torch.equal(before, drawn)  # its first set-up drew the seed
     epoch_1 = list(global_batches(loader, TWO_RANKS, seed=None))  # set up again: its next epoch, no new draw
     assert torch.equal(drawn, torch.get_rng_state()) and epoch_1 != epoch_0
+
+
+def test_a_loader_set_up_under_several_processes_goes_on_from_the_epoch_it_is_told():
+    """A loop resumed under `redline launch` read epoch 0's order again: the split's epochs count this process's
+    passes. set_epoch, as a DistributedSampler's, is how it goes on; with one process it does nothing."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from redline.runtime.loading import DeviceLoader
+
+    def epochs(loader, n):
+        return [[batch.tolist() for batch in loader] for _ in range(n)]
+
+    def split_loader():
+        order = EpochSampler(16, shuffle=True, seed=0, auto_epoch=True)
+        split = GlobalBatchSampler(order, global_batch=4, rank=1, world_size=2)
+        return DeviceLoader(DataLoader(list(range(16)), batch_sampler=split), torch.device("cpu"))
+
+    unbroken = epochs(split_loader(), 3)
+    resumed = split_loader()
+    resumed.set_epoch(1)
+    assert epochs(resumed, 2) == unbroken[1:], "epoch 1, then 2, as the unbroken run read them"
+    plain = DeviceLoader(DataLoader(list(range(4)), batch_size=2), torch.device("cpu"))
+    plain.set_epoch(5)  # one process: its own order, left alone
+    assert epochs(plain, 1) == [[[0, 1], [2, 3]]]
+
+
+def test_a_loader_the_split_leaves_alone_under_several_processes_is_warned_of(caplog):
+    """A DataLoader with its own batch_sampler, or an iterable of batches, was read whole by every rank, silently."""
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    env = DistEnv(rank=0, world_size=2, launched=True)
+    own = DataLoader(list(range(8)), batch_sampler=BatchSampler(SequentialSampler(range(8)), 4, False))
+    with caplog.at_level("WARNING", logger="redline"):
+        assert global_batches(own, env, seed=0) is None
+        assert global_batches([[0, 1], [2, 3]], env, seed=0) is None
+        split = GlobalBatchSampler(EpochSampler(8, shuffle=False, seed=0), global_batch=4, world_size=2)
+        assert global_batches(DataLoader(list(range(8)), batch_sampler=split), env, seed=0) is None  # the Trainer's
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("setup_loader keeps a DataLoader with a batch_sampler as it is: each")
+    assert said[1].startswith("setup_loader keeps an iterable of batches as it is: each of the 2 processes reads every")

@@ -7,11 +7,21 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, TensorDataset, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+)
 
 from redline.errors import invalid
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.contract import users_failure
+from redline.runtime.sampling import EpochSampler, GlobalBatchSampler
 from redline.runtime.transfer import move_batch, tensors_in
 
 log = logging.getLogger("redline")
@@ -174,6 +184,16 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Have the next pass read epoch ``epoch``'s order, as a DistributedSampler's ``set_epoch``: what a loop resumed
+        under several processes calls before each epoch, so its order goes on where it left off (each pass moves on
+        by itself from there). With one process it does nothing: a plain loader draws its order from torch's random
+        stream, which ``rt.load`` restores."""
+        split = getattr(self.loader, "batch_sampler", None)
+        order = split.sampler if isinstance(split, GlobalBatchSampler) else getattr(self.loader, "sampler", None)
+        if isinstance(order, EpochSampler | DistributedSampler):  # the split's order, or the user's own split
+            order.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self.device.type == "cuda":

@@ -8,6 +8,7 @@ depend on the number of processes.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from redline.parallel.env import DistEnv
 from redline.plan import Choice
 
 T = TypeVar("T")
+log = logging.getLogger("redline")
 
 
 class EpochSampler(Sampler[int]):
@@ -156,10 +158,21 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
     Without a ``seed``, a shuffled order's is drawn on rank 0 as a plain shuffling DataLoader draws its own
     (from its generator, else torch's, which ``torch.manual_seed`` fixes) and shared by every rank.
     """
-    if not env.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
-        return None  # one process, an iterable of batches, or the user's own batch sampler
-    if isinstance(loader.dataset, IterableDataset) or isinstance(loader.batch_sampler, GlobalBatchSampler):
-        return None  # an iterable dataset shards itself; the Trainer's loader is split already
+    if not env.distributed:
+        return None
+    if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler):
+        return None  # the Trainer's loader is split already
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:  # an iterable of batches, or its own sampler
+        if env.rank == 0:
+            what = "a DataLoader with a batch_sampler" if isinstance(loader, DataLoader) else "an iterable of batches"
+            log.warning(
+                "setup_loader keeps %s as it is: each of the %d processes reads every batch it gives, unless it gives "
+                "each rank its own share already\nhint: pass a DataLoader with batch_size (and a sampler, or shuffle), "
+                "which setup_loader splits across the ranks, or a DistributedSampler of your own", what, env.world_size,
+            )  # fmt: skip
+        return None
+    if isinstance(loader.dataset, IterableDataset):
+        return None  # an iterable dataset shards itself
     if isinstance(loader.sampler, DistributedSampler):
         return None  # the user's own split: each rank reads the share it gives, batch_size samples at a time
     check_whole_order(loader.sampler, env.world_size)
