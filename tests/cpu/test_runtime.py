@@ -446,3 +446,19 @@ def test_an_engines_graph_per_bucket_is_told_as_planned_not_as_recompiles(caplog
     assert "compiled Sequential again" in told[False][1]
     assert "compiled 2 time(s)" in told[True][0] and told[True][0].endswith("(a graph per batch bucket)")
     assert "again" not in told[True][1], "a bucket's own graph is no news"
+
+
+@pytest.mark.parametrize("cpu", ["amx", "avx2"])  # with the run's precision check, and without
+@pytest.mark.parametrize("asked", ["auto", "off"])
+def test_a_model_the_caller_compiled_is_said_to_run_compiled(monkeypatch, cpu, asked):
+    """Its Plan said `off: auto: on cpu the gain rarely repays the compile` while the model ran compiled."""
+    from redline.hardware.device import FAKE_CPU_ENV
+
+    monkeypatch.setenv(FAKE_CPU_ENV, cpu)
+    model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    with redline.Runtime(devices="cpu", compile=asked) as rt:
+        rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        compile_choice = rt.explain().compile
+    assert compile_choice is not None and compile_choice.value is True
+    assert compile_choice.reason.startswith("compiled by the caller (torch.compile before setup): run as given")
+    assert ("cannot undo it" in compile_choice.reason) == (asked == "off")

@@ -97,6 +97,13 @@ class CompileRecord:
             self.recompiles.append(cause)
 
 
+def compiled_by_user(model: nn.Module) -> bool:
+    """Whether the user compiled ``model`` (``torch.compile(model)``, or ``model.compile()`` on it or a part)."""
+    return hasattr(model, "_orig_mod") or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
+
+
 def compile_planned(
     model: nn.Module,
     options: RuntimeOptions,
@@ -109,6 +116,9 @@ def compile_planned(
     joins ``records``)."""
     if options.cuda_graphs == "on" and options.compile == "auto":  # one form of the forward at a time
         return Choice(False, "auto: off with cuda_graphs='on' (the graphs replay the model's own forward)")
+    if compiled_by_user(model):  # its compiles are the caller's: neither counted nor checked against eager
+        undo = "; compile='off' cannot undo it: set it up before torch.compile" if options.compile == "off" else ""
+        return Choice(True, f"compiled by the caller (torch.compile before setup): run as given{undo}")
     planned = resolve_compile(
         options.compile, facts, planned_steps=planned_steps, supported=lambda: compile_supported(facts.type)
     )

@@ -75,6 +75,8 @@ def check_forms(
     if check is None:
         compiles = planned if compiled is not None else Choice(False, planned.reason)
         check = CompileCheck(compiles, planned_steps, StepTimer(Stopwatch(device=device)))
+        if planned.value and compiled is None:  # a compile the run does not check (the caller's own): said as it is
+            check.choice = planned
     if compiled is not None and not any(known is compiled for known in check.records):  # a model set up again
         check.add(compiled)  # is checked already
     if graphed is not None and check.graphs is None:

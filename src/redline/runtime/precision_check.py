@@ -51,6 +51,7 @@ from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.precision import live_candidate
 from redline.runtime.attention import AttentionCall, autocast_dtype, recording
+from redline.runtime.compile import compiled_by_user
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import AUTOCAST_DTYPES
@@ -278,7 +279,7 @@ def propose_checks(
     )  # fmt: skip
     held = measured is not None or tuned or world_size > 1 or strategy != "single" or options.deterministic
     held = held or planned.value not in AUTOCAST_DTYPES or "on" in (options.compile, options.cuda_graphs)
-    if attention is None or held or compiled(model):
+    if attention is None or held or compiled_by_user(model):  # a recorder in its forward would compile it again
         return switch, switch.kernels if switch is not None else None
     device = _device(model, facts)
     kernels = KernelCheck(device, attention, budget_s=KERNELS_ALONE_S, pending=planned.value, module=model)
@@ -289,14 +290,6 @@ def propose_checks(
 
 def _device(model: nn.Module, facts: DeviceFacts) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device(facts.type))
-
-
-def compiled(model: nn.Module) -> bool:
-    """Whether the user compiled ``model`` (``torch.compile(model)``, or ``model.compile()`` on it or a part): a
-    recorder on torch's mode stack during its forward would make dynamo compile it again."""
-    return hasattr(model, "_orig_mod") or any(
-        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
-    )
 
 
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
