@@ -286,8 +286,8 @@ def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path,
         "checkpoint, [8] in this model), 2.weight ([2, 16] in the checkpoint, [2, 8] in this model)" in message
     )
     assert (
-        "hint: this run's model is not the one that wrote the checkpoint: use another --out (or --resume a "
-        "checkpoint of this model)" in message
+        "hint: this run's model is not the one that wrote the checkpoint: load a checkpoint of this model "
+        "(redline train: --resume one of this model, or another --out)" in message
     )
 
 

@@ -41,8 +41,8 @@ def check_same_model(path: Path, saved: Mapping[str, tuple[int, ...]], expected:
     if found:
         raise CheckpointError(
             f"{path}: the checkpoint's model differs from this run's model: {'; '.join(found)}\n"
-            "hint: this run's model is not the one that wrote the checkpoint: use another --out "
-            "(or --resume a checkpoint of this model)"
+            "hint: this run's model is not the one that wrote the checkpoint: load a checkpoint of this model "
+            "(redline train: --resume one of this model, or another --out)"
         )
 
 

@@ -177,7 +177,7 @@ class RunState:
             log.warning(
                 "%s: this run's optimizer has %s, and goes on with the checkpoint's: loading restores the optimizer "
                 "as it was saved\nhint: to train on with other options, set them in optimizer.param_groups after "
-                "loading, or start a new run (another --out)", checkpoint.path, "; ".join(changed)
+                "loading, or start a new run (with redline train, another --out)", checkpoint.path, "; ".join(changed)
             )  # fmt: skip
         if saved:  # the optimizer's options now: what this run's checkpoints record, and a later resume is held against
             self._built_options = saved
