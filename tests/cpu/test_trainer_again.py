@@ -129,3 +129,32 @@ def test_predict_names_the_users_line_when_the_model_raises_and_takes_items_of_s
         with pytest.raises(TrainingError, match=r"(?s)^predict: the model or loss raised ValueError: .*hint: check"):
             trainer.predict([(r[:2], r[2:]) for r in rows])  # read as (inputs, targets): the model gets a alone
         assert trainer.predict([((r[:2], r[2:]),) for r in rows]).shape == (5, 2)
+
+
+class OutOfMemoryInEval(nn.Module):
+    """Trains, then runs out of memory in its first evaluation (as a model whose validation samples are larger)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if not self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return self.linear(x)
+
+
+def test_an_out_of_memory_in_evaluation_is_an_error_that_says_so_not_torchs_traceback(tmp_path):
+    from redline.errors import OutOfMemory
+    from redline.train.config import TrainerConfig
+
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    task = redline.Task(model=OutOfMemoryInEval, loss_fn=nn.functional.cross_entropy, train_data=data, val_data=data,
+                        batch_size=8)  # fmt: skip
+    config = TrainerConfig(max_steps=4, eval_every=2, progress=False, out_dir=tmp_path / "run", trial="off")
+    with pytest.raises(OutOfMemory) as failed, Trainer(task, config) as trainer:
+        trainer.fit()
+    message = str(failed.value)
+    assert message.startswith("evaluation at step 2: the device ran out of memory: ")
+    assert "evaluation runs val_data in batches of 8 without gradients" in message
+    assert "--micro-batch does not split evaluation" in message and "step-00000002" in message, "the steps are kept"

@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from redline.config import positive_int
-from redline.errors import TaskError, invalid
+from redline.errors import OutOfMemory, TaskError, describe_error, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
 from redline.runtime.loading import read_batches
+from redline.runtime.oom import is_oom
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.train.data import eval_loader
@@ -41,7 +42,7 @@ def evaluate_model(
     env = env or DistEnv()
     assert task.val_data is not None
     total_loss, total_metric, count = 0.0, 0.0, 0
-    with _eval_mode(model):
+    with _eval_mode(model), _out_of_memory(where, batch_size):
         val = eval_loader(
             task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
         )
@@ -66,6 +67,21 @@ def evaluate_model(
             "__iter__ start a fresh pass each time it is called (write it as a generator, with yield)"
         )
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
+
+
+@contextlib.contextmanager
+def _out_of_memory(where: str, batch_size: int) -> Iterator[None]:
+    """An out-of-memory while evaluating is an OutOfMemory that says so (it ended the run with torch's traceback)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        raise OutOfMemory(
+            f"{where}: the device ran out of memory: {describe_error(exc)}\nhint: evaluation runs val_data in batches "
+            f"of {batch_size} without gradients, less than a training step holds: larger samples in val_data than in "
+            "train_data, or outputs a loss_fn or metric keeps, take the rest; --micro-batch does not split evaluation"
+        ) from exc
 
 
 def _numpy_read(value: Any) -> Any:
