@@ -376,7 +376,25 @@ def test_a_ctrl_c_while_memory_is_estimated_after_the_timing_keeps_every_row_tim
     result = stopped.value.result
     assert stopped.value.exit_code == 130 and [row.batch_size for row in result.rows] == [16, 16, 32, 32]
     assert all(row.estimate_bytes is None and row.samples_per_s for row in result.rows)
-    assert str(stopped.value).startswith("bench interrupted (SIGINT) while estimating memory")
+    assert str(stopped.value).startswith("bench interrupted (SIGINT) while estimating memory: every row was timed")
+    from redline.render.bench import steps_told
+
+    told = steps_told(result.to_dict())
+    assert told.endswith("while estimating memory, so the estimates are missing"), "no batch size is missing"
+
+
+def test_a_task_name_with_brackets_is_shown_as_written_not_read_as_markup():
+    """`name=x[/]` ended the bench, every row timed, in rich's MarkupError: no table, no page."""
+    from rich.console import Console
+
+    from redline.render.bench import bench_table
+
+    task = dataclasses.replace(tiny_task(), name="x[/] and gpt[small]")
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16], steps=2,
+                       window=1, auto=False)  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(bench_table(result.to_dict()))
+    assert "Bench of x[/] and gpt[small]:" in console.export_text()
 
 
 def test_a_ctrl_c_before_the_first_row_warms_up_says_the_bench_was_setting_up(monkeypatch):

@@ -165,7 +165,9 @@ class BenchInterrupted(StoppedBySignal):
     none)."""
 
     def __init__(self, result: BenchResult, signum: int = signal.SIGINT) -> None:
-        if result.rows:
+        if result.interrupted.endswith("while estimating memory"):
+            told = "every row was timed, and the table shows them without the memory estimates"
+        elif result.rows:
             told = "the table shows the batch sizes finished before it"
         else:
             told = "no batch size was finished, so there is nothing to show"

@@ -118,7 +118,7 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
         print(json.dumps(data, indent=2))
     else:
         print_uncut(out, bench_table(data))
-        out.print(best_line(data), highlight=False)
+        out.print(best_line(data), highlight=False, markup=False)  # a task's name is text
     if html is not None:
         from redline.render.html import bench_report, write_report
 

@@ -24,7 +24,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     table is printed wider than the terminal (``print_uncut``) rather than losing digits.
     """
     table = Table(
-        title=f"Bench of {result['task']}: {steps_told(result)}",
+        title=Text(f"Bench of {result['task']}: {steps_told(result)}"),  # a task's name is text, not markup
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -106,7 +106,10 @@ def steps_told(result: Mapping[str, Any]) -> str:
     steps, window, asked = result["steps"], result["window"], result.get("steps_asked")
     told = f"{steps} timed steps per row, in windows of {window}"
     if result.get("interrupted"):  # a Ctrl-C: the rows are the batch sizes finished before it
-        told += f"; {result['interrupted']}, so the batch sizes from it on are missing"
+        estimating = result["interrupted"].endswith("while estimating memory")  # after every row was timed
+        told += f"; {result['interrupted']}, so " + (
+            "the estimates are missing" if estimating else "the batch sizes from it on are missing"
+        )
     if result.get("stopped_early"):
         return told + f" (of {asked} asked: the time limit ended the timing early)"
     if asked is not None and asked != steps:
