@@ -660,3 +660,21 @@ def test_a_row_refused_by_its_device_says_the_fix_by_the_cli_flag(monkeypatch, c
     assert failed["name"] == "cpu bf16-mixed eager b64"
     assert failed["error"].startswith("--precision='bf16-mixed' is not allowed; expected 'fp32', 'fp16-mixed'")
     assert failed["error"].endswith("\nhint: use --precision 'fp16-mixed' (loss scaling is handled) or 'auto'")
+
+
+def test_a_compiled_row_whose_compile_fell_back_is_a_failed_row_not_the_fastest(monkeypatch):
+    """With the compiler broken, the row named "cpu fp32 compiled" ran the eager model, and was named the fastest."""
+
+    def broken_backend(graph_module, example_inputs):
+        raise RuntimeError("backend exploded (made up by the test)")
+
+    real = torch.compile
+    monkeypatch.setattr("torch.compile", lambda fn, **options: real(fn, backend=broken_backend, **options))
+    monkeypatch.setattr("redline.runtime.compile.compile_supported", lambda device_type: (True, ""))
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False, True], batch_sizes=[16],
+                       steps=2, window=1, auto=False)  # fmt: skip
+    rows = {row.name: row for row in result.rows}
+    eager, compiled = rows["cpu fp32 eager b16"], rows["cpu fp32 compiled b16"]
+    assert eager.error == "" and eager.samples_per_s
+    assert compiled.error.startswith("torch.compile fell back to eager, so it would time the eager model")
+    assert "backend exploded" in compiled.error and compiled.samples_per_s is None

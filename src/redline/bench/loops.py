@@ -206,3 +206,18 @@ def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:
         task.train_data, batch_size=batch_size, shuffle=shuffle, drop_last=True, generator=order,
         collate_fn=task.collate_fn,
     )  # fmt: skip
+
+
+def ran_eagerly(runner: Runner, *, compiled: bool, graphs: bool = False) -> str:
+    """Why a row asked to run ``compiled`` (or as CUDA ``graphs``) ran its eager model ("" when it did not):
+    torch.compile fell back, the capture failed, or neither could run here. Its timing would be the eager model's,
+    which could win by noise and pass for the compiled one's (a tune's candidate, a bench's row)."""
+    plan = runner.plan()
+    captured = plan.cuda_graphs if plan is not None else None
+    if graphs and (runner.runtime is None or not runner.runtime.graphed_forwards):
+        why = captured.reason if captured is not None else "no Plan"
+        return f"the CUDA graphs never replayed, so it would time the eager model ({why})"
+    planned = plan.compile if plan is not None else None
+    if not compiled or planned is None or planned.value:
+        return ""
+    return f"torch.compile fell back to eager, so it would time the eager model ({planned.reason})"

@@ -9,7 +9,7 @@ import math
 import torch
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
-from redline.bench.loops import Runner
+from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
 from redline.bench.memory import PeakMemory
 from redline.bench.result import BenchRow
@@ -49,6 +49,7 @@ def bench_rows(
             raise
         except Exception as exc:
             error = describe_error(exc)
+        error = error or ran_eagerly(runner, compiled=setting.compile is True)  # "compiled" must mean compiled
         if error:
             rows.append(dataclasses.replace(base, error=error))
             continue

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.bench.figures import rate
-from redline.bench.loops import Runner, quiet_failed_ops, runtime_runner
+from redline.bench.loops import Runner, quiet_failed_ops, ran_eagerly, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.bench.tune_cache import cache_tune
@@ -386,7 +386,7 @@ def _measure(
         except Exception as exc:  # a setting this machine cannot run
             failed[index] = f"it failed: {describe_error(exc)}"
             continue
-        eager = _ran_eagerly(runner, candidate)
+        eager = ran_eagerly(runner, compiled=candidate.compile, graphs=candidate.cuda_graphs)
         if eager:
             failed[index] = eager
         else:
@@ -409,20 +409,6 @@ def _measure(
         compile_s = compiles.setdefault(graph, runner.compile_seconds() or 0.0) if candidate.compile else 0.0
         trials.append(Trial(candidate, step_s, compile_s, error or _departure(runner, reference)))
     return trials
-
-
-def _ran_eagerly(runner: Runner, candidate: Candidate) -> str:
-    """Why a compiled (or graphed) candidate ran its eager model ("" when it compiled): torch.compile fell back, the
-    capture failed, or neither could run here. Its timing would be the eager model's, which could win by noise."""
-    plan = runner.plan()
-    graphs = plan.cuda_graphs if plan is not None else None
-    if candidate.cuda_graphs and (runner.runtime is None or not runner.runtime.graphed_forwards):
-        why = graphs.reason if graphs is not None else "no Plan"
-        return f"the CUDA graphs never replayed, so it would time the eager model ({why})"
-    compiled = plan.compile if plan is not None else None
-    if not candidate.compile or compiled is None or compiled.value:
-        return ""
-    return f"torch.compile fell back to eager, so it would time the eager model ({compiled.reason})"
 
 
 def _departure(runner: Runner, reference: float | None) -> str:
