@@ -10,7 +10,9 @@ complete it. Every refusal is JSON ``{"error": message, "reason": word, ...}`` w
 not ready or stopped at once, 504 deadline, 500 model (or redline), 499 (counted, never read) a client that
 hung up before its answer, and off the routes 404 (no such path: the endpoints listed) and 405 (a method the
 path does not take).
-The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it.
+The engine's warm-up runs when the app starts (its lifespan); /readyz answers 200 after it. An app whose
+lifespan does not run (mounted inside another app, or served with the lifespan off) starts its worker and
+warm-up at its first request, /readyz's included.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ class Serving:
             self.check_token(request)
             if (reason := self.unusable()) is not None:
                 raise Refused(503, "not_ready", f"the model cannot run: {reason}")
+            self.dispatcher.start_unless_running()  # no lifespan started it: the app mounted inside another, say
             if not self.engine.ready:
                 raise Refused(503, "not_ready", "the model is warming up", headers={"Retry-After": str(RETRY_AFTER_S)})
             media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -248,12 +251,14 @@ class Serving:
         return _json({"status": "alive"}, 200)
 
     async def readyz(self, request: Request) -> Response:
-        """GET /readyz: 200 when warmed up and not draining."""
+        """GET /readyz: 200 when warmed up and not draining; an app whose lifespan did not run starts its worker
+        (and the warm-up) here or at its first request."""
         reason = self.unusable()
         if reason is not None:
             return _json({"status": "broken", "reason": reason}, 503)
         if self.draining:
             return _json({"status": "draining"}, 503)
+        self.dispatcher.start_unless_running()
         if not self.engine.ready:
             return _json({"status": "warming_up"}, 503)
         return _json({"status": "ready"}, 200)
@@ -339,7 +344,8 @@ def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
     Without ``options``, the defaults with the engine's own ``max_batch_size``.
 
     The engine's warm-up (when it is not ready yet) and the batching worker start with the app's
-    lifespan; at its end the queue is answered before the worker stops.
+    lifespan; at its end the queue is answered before the worker stops. Without a lifespan (the app
+    mounted inside another, whose lifespan does not run this one's) they start at the first request.
     """
     serving = Serving(engine, options or ServeOptions(max_batch_size=engine.max_batch_size))
 

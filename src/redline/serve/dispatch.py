@@ -61,6 +61,7 @@ class ModelThread:
         self._calls: SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]] | None]
         self._calls = SimpleQueue()
         self.busy = False  # in a call: set and cleared by the thread itself
+        self.stopped = False  # told to end: a dispatcher started again makes a new one
         self._thread = threading.Thread(target=self._serve, name=MODEL_THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -72,6 +73,7 @@ class ModelThread:
 
     def stop(self) -> None:
         """End the thread after the call it is running, if any (not waited for)."""
+        self.stopped = True
         _STOPPED.add(self)
         self._calls.put(None)
 
@@ -190,8 +192,24 @@ class Dispatcher:
         self._abandoned = None
         self._wakeup = asyncio.Event()
         self._stop_warm_up = threading.Event()
-        self._thread = ModelThread()
+        self._running = []
+        if self._thread is None or self._thread.stopped:  # one not stopped serves any loop: its calls name theirs
+            self._thread = ModelThread()
         self._task = asyncio.get_running_loop().create_task(self._work(), name="redline-serve-worker")
+
+    def start_unless_running(self) -> None:
+        """Start the worker where no lifespan did, as a request comes: in an app mounted inside another (whose
+        lifespan does not run the mounted app's), or run with the lifespan off; and again where the loop it ran
+        on has ended (Starlette's TestClient outside ``with`` runs each request in an event loop of its own).
+
+        Without this its requests would wait in a queue nobody takes from, each answered 504 at its deadline.
+        """
+        if self._task is not None:
+            ran_on = self._task.get_loop()
+            if ran_on is asyncio.get_running_loop() or ran_on.is_running():  # here (or closed here), or elsewhere
+                return
+            self._queue.clear()  # the ended loop's requests: their handlers ended with it
+        self.start()
 
     async def close(self) -> None:
         """Answer what is queued, then stop the worker and its thread; a warm-up still running stops early.
@@ -278,7 +296,7 @@ class Dispatcher:
     async def _work(self) -> None:
         try:
             if not getattr(self.engine, "ready", False):
-                await self._model_thread().run(self.engine.warm_up, self._stop_warm_up)
+                await self._model_thread().run(self._warm_up, self._stop_warm_up)
             if self.on_ready is not None:
                 self.on_ready()
             await self._batches()
@@ -295,6 +313,12 @@ class Dispatcher:
             self._queue.clear()
             if self.on_failed is not None:
                 self.on_failed(self.failed)
+
+    def _warm_up(self, stop: threading.Event) -> None:
+        """Warm the engine up, in the model thread, unless a warm-up queued before this one (by a worker whose
+        loop ended meanwhile) already did."""
+        if not getattr(self.engine, "ready", False):
+            self.engine.warm_up(stop)
 
     async def _batches(self) -> None:
         max_wait = self.options.max_wait_ms / 1000
