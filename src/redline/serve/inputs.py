@@ -320,10 +320,19 @@ def as_batch(batch: Any, servable: Servable) -> torch.Tensor:
 
 def _tensor_of(batch: Any) -> torch.Tensor:
     """``batch`` as a tensor; lists through numpy, as torch would make their floats float32 before the range check
-    and the cast to the input dtype, torch's error where numpy fails (it names a ragged row's length)."""
+    and the cast to the input dtype, torch's error where numpy fails (it names a ragged row's length).
+
+    An array torch cannot share (a view with negative strides, ``x[::-1]`` or ``np.flip(x)``; bytes in the
+    other byte order, ``x.astype('>f4')`` or a file's) is copied into one it can, its values unchanged.
+    """
     if isinstance(batch, torch.Tensor):
         return batch
     try:
-        return torch.as_tensor(np.asarray(batch))
+        array = np.asarray(batch)
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        if any(stride < 0 for stride in array.strides):
+            array = array.copy()
+        return torch.as_tensor(array)
     except (TypeError, ValueError, RuntimeError):
         return torch.as_tensor(batch)
