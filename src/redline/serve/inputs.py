@@ -272,8 +272,10 @@ def refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
     NaN a large negative integer, 1e6 infinity in float16), naming the first row that holds one."""
     if inputs.dtype == dtype or inputs.numel() == 0:
         return
-    # widened: a bound compared with a narrow tensor is cast to its dtype (int8 against int64's bounds overflows)
-    values = inputs.double() if inputs.is_floating_point() else inputs.long()
+    # widened: a bound compared with a narrow tensor is cast to its dtype (int8 against int64's bounds overflows);
+    # uint64 as double, as .long() wraps it negative from 2**63 on (2**64 - 1 became -1)
+    unsigned_64 = inputs.dtype == torch.uint64
+    values = inputs.double() if inputs.is_floating_point() or unsigned_64 else inputs.long()
     if dtype == torch.bool:
         bad, allowed = (values != 0) & (values != 1), "0 or 1 (False or True)"
     elif dtype.is_floating_point:
@@ -282,6 +284,8 @@ def refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
     else:
         info = torch.iinfo(dtype)
         bad = (values < info.min) | (values > info.max)
+        if unsigned_64:  # 2**63 as double equals int64's largest (2**63 - 1) as double: its top bit tells it
+            bad |= inputs.view(torch.int64) < 0
         if inputs.is_floating_point():
             bad |= ~values.isfinite() | (values != values.round())
         allowed = f"whole numbers within {dtype}'s range [{info.min}, {info.max}]"
