@@ -1,14 +1,21 @@
 """Clients that hang up before their answer: counted apart (499, as nginx does), never as a 200, never run when
-still queued, and never an error in the server's log; and clients whose body stops arriving (408 at the deadline)."""
+still queued, and never an error in the server's log; and clients whose body stops arriving (408 at the deadline),
+or is too large (413): either connection is closed after its answer, not held for a body nobody reads."""
 
 import asyncio
+import contextlib
+import socket
+import threading
+import time
 
 import pytest
+import uvicorn
 from serve_client import eventually, metrics
 from serve_engines import FakeEngine
 
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
+from redline.serve.server import bind, listen
 
 pytestmark = pytest.mark.anyio
 
@@ -88,3 +95,57 @@ async def test_a_body_that_stops_arriving_gets_408_at_the_deadline_not_a_handler
         page = metrics(app.state.serving.metrics.render().decode())
     assert engine.batches == []
     assert page['redline_serve_rejections_total{"reason": "body_timeout"}'] == 1
+
+
+@contextlib.contextmanager
+def uvicorn_serving(app, http):
+    """``app`` under a real uvicorn server in a thread; yields its port."""
+    sock = bind("127.0.0.1", 0)
+    listen(sock)
+    server = uvicorn.Server(uvicorn.Config(app, http=http, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server never started"
+            time.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def trickled(port, declared_bytes, within_s=3.0):
+    """Send a request declaring a body of ``declared_bytes``, then its bytes one at a time; return what came back
+    and whether the server closed the connection (within ``within_s``; kept alive, it takes bytes until then)."""
+    head = f"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared_bytes}"
+    received, closed = b"", False
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.settimeout(0.05)
+        client.sendall(head.encode() + b"\r\n\r\n[")
+        deadline = time.monotonic() + within_s
+        while not closed and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # once closed by the server, a send may fail
+                client.sendall(b"1")
+            try:
+                chunk = client.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # reset: closed with our bytes unread
+                chunk = b""
+            received += chunk
+            closed = not chunk
+    return received, closed
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_a_body_refused_408_or_413_closes_its_connection_so_a_trickling_client_holds_it_no_longer(http):
+    app = build_app(FakeEngine(), ServeOptions(max_batch_size=1, timeout_ms=200, max_body_mb=0.01))
+    with uvicorn_serving(app, http) as port:
+        for declared, status in [(1000, b"408"), (100_000, b"413")]:  # 100_000 bytes: over the 10 KiB limit
+            started = time.monotonic()
+            received, closed = trickled(port, declared)
+            assert received.startswith(b"HTTP/1.1 " + status), received
+            assert b"\r\nconnection: close\r\n" in received.lower(), received
+            assert closed and time.monotonic() - started < 2.0, "closed after the answer, not held for the body"

@@ -63,6 +63,9 @@ FORM_FIXES = {
         "curl --data-binary @x.npy -H 'Content-Type: application/octet-stream'"
     ),
 }
+# A refusal sent before the body was read whole (408, 413) ends the connection: kept alive, it went on taking a slow
+# client's bytes for the rest of a body nobody reads.
+CLOSE = {"Connection": "close"}
 # nginx's status for a client that closed its connection before the answer: no client ever reads it, but the
 # metrics count it apart from the answers that were delivered.
 CLIENT_CLOSED = 499
@@ -138,8 +141,9 @@ class Serving:
                 f" (a {dtype} .npy body of up to {self.fits_in_body} samples fits; as JSON, as its numbers are written)"
             )
         too_large = Refused(
-            413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB{fits}"
-        )
+            413, "body_too_large", f"the body is larger than max_body_mb={self.options.max_body_mb:g} MiB{fits}",
+            headers=dict(CLOSE),
+        )  # fmt: skip
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.strip().isdigit():
@@ -159,7 +163,7 @@ class Serving:
 
     async def read_body_by(self, request: Request, deadline: float) -> bytes:
         """Return the body, refusing (408) one still arriving at the request's deadline: a stalled upload holds
-        no handler, nor its connection, forever."""
+        no handler, nor its connection (closed after the answer), forever."""
         try:
             return await asyncio.wait_for(self.read_body(request), max(deadline - self.dispatcher.clock(), 0.0))
         except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; two on 3.10
@@ -168,6 +172,7 @@ class Serving:
                 f"the body was still arriving timeout_ms={self.options.timeout_ms:g} after the request began; "
                 "send it whole, without pausing (a large body on a slow link needs a server with a larger "
                 "--timeout-ms)",
+                headers=dict(CLOSE),
             ) from None  # fmt: skip
 
     async def answer_unless_gone(self, request: Request, inputs: Any, arrived: float) -> list[Any]:
