@@ -221,8 +221,10 @@ def test_a_bare_module_needs_its_input_shape_and_the_error_names_the_fix():
     with pytest.raises(ConfigError, match=r"^input_shape=3 is not allowed; expected positive integers"):
         InferenceEngine(nn.Linear(3, 2), input_shape=3, device="cpu")  # type: ignore[arg-type]  # a slip for (3,)
     servable = Servable(model=nn.Linear(3, 2), input_shape=(3,))
-    with pytest.raises(ConfigError, match="input_shape"):
+    with pytest.raises(ConfigError, match=r"^input_shape=\(3,\) is not allowed; expected nothing when a Servable"):
         InferenceEngine(servable, input_shape=(3,), device="cpu")
+    with pytest.raises(ConfigError, match=r"^input_dtype='float64' is not allowed; .*\nhint: .*leave input_dtype out"):
+        InferenceEngine(servable, input_dtype="float64", device="cpu")
     assert isinstance(redline.InferenceEngine(servable, device="cpu", measure="off").servable, Servable)
 
 

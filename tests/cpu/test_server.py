@@ -380,6 +380,14 @@ def test_redline_serve_tells_a_busy_port_before_it_loads_the_model(monkeypatch):
         pass
 
 
+def test_redline_serve_naming_no_function_hints_at_what_the_function_may_return(tmp_path):
+    (tmp_path / "models.py").write_text("import torch\n")
+    result = CliRunner().invoke(app, ["serve", f"{tmp_path / 'models.py'}:nope", "--port", "0"])
+    said = str(result.exception)
+    # a bare model is refused (its input shape is unknown): the hint does not offer it
+    assert said.startswith("model spec") and said.endswith("hint: name a function that returns a Servable (or a Task)")
+
+
 def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
     said = []
 

@@ -117,7 +117,7 @@ _MODEL_WORDS = {
         "the function that returns the Servable (or a Task), one of:"
     ),
     "the error is in the task's own code": "the error is in the model factory's own code",
-    "name a function that returns a Task": "name a function that returns a Servable (or a model, or a Task)",
+    "name a function that returns a Task": "name a function that returns a Servable (or a Task)",
 }
 
 
@@ -305,9 +305,10 @@ def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, 
     """Return ``model`` as a Servable: itself, or a bare module with the input's shape and dtype given."""
     if isinstance(model, Servable):
         if input_shape is not None or input_dtype is not None:
-            given = input_shape if input_shape is not None else input_dtype
-            says = f"the Servable already names them: {model.input_shape}, {model.input_dtype}"
-            raise invalid("input_shape", given, "nothing when a Servable is passed", says)
+            name, given = ("input_shape", input_shape) if input_shape is not None else ("input_dtype", input_dtype)
+            names = f"input_shape={model.input_shape}, input_dtype={model.input_dtype!r}"
+            fix = f"the Servable names them ({names}): leave {name} out, or build the Servable with the one meant"
+            raise invalid(name, given, "nothing when a Servable is passed", fix)
         return model
     if not isinstance(model, nn.Module):
         raise invalid(
