@@ -312,7 +312,33 @@ def test_an_auto_search_runs_in_the_precision_a_trial_measured_as_redline_train_
     assert autocast and all(autocast)  # every probe stepped in bf16 (the faked trial runs no forward)
     again = redline.find_batch_size(task, options=auto, max_batch_size=8)
     assert again.precision == "bf16-mixed" and "cached from" in again.precision_reason
-    assert bf16_measured_faster == [["bf16-mixed"]]  # measured once, at the task's batch, as train measures it
+    assert bf16_measured_faster == [["bf16-mixed"]]  # measured once, at the cap (the task's batch is 64)
+
+
+def test_an_auto_search_runs_no_trial_past_its_cap_but_takes_one_cached_at_the_batch(bf16_measured_faster, monkeypatch):
+    """Before, the trial ran at the task's batch (4096, say) past --max-batch-size: a CPU's out-of-memory killed the
+    process before any guarded size ran."""
+    from redline.parallel.env import read_env
+    from redline.runtime import measure
+
+    batches, fake = [], measure.run_trial
+
+    def trial(model, optimizer, loss_fn, batch, *args, **kwargs):
+        batches.append(batch[0].shape[0])
+        return fake(model, optimizer, loss_fn, batch, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "run_trial", trial)
+    task, auto = limited_task(100), redline.RuntimeOptions(devices="cpu")
+    search = redline.find_batch_size(task, options=auto, max_batch_size=4)
+    assert batches == [4] and task.batch_size == 64 and search.precision == "bf16-mixed"
+    assert search.notes[-1] == (
+        "the precision trial ran at batch 4, the search's cap, not at the run's 64, which the cap keeps from running "
+        "here; `redline train` measures at 64 and may choose otherwise"
+    )
+    measure.measure_auto(task, auto, 64, 1, read_env(), trial="on")  # as `redline train` does
+    again = redline.find_batch_size(task, options=auto, max_batch_size=2)
+    assert batches == [4, 64] and "cached from" in again.precision_reason  # the run's own trial: no step ran for it
+    assert not any("precision trial" in note for note in again.notes)
 
 
 def test_a_search_stopped_by_ctrl_c_keeps_the_sizes_it_ran_and_the_command_says_them(monkeypatch, tmp_path):

@@ -47,11 +47,11 @@ from redline.errors import (
     invalid,
 )
 from redline.memory.host import NOT_RUN, HostGuard
-from redline.parallel.collectives import gather_objects, is_collective_failure
+from redline.parallel.collectives import gather_objects, is_collective_failure, run_on_rank0
 from redline.parallel.env import DistEnv, join_process_group, read_env
 from redline.plan import Choice
 from redline.runtime.contract import check_loss, split_batch, user_code, user_line
-from redline.runtime.measure import measure_auto
+from redline.runtime.measure import measure_auto, recall_auto
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -190,7 +190,7 @@ def find_batch_size(
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
         with _told(tried), join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
-            options, measured, precision = _as_trained(task, given, options, env, notes)
+            options, measured, precision = _as_trained(task, given, options, env, cap, notes)
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:
                 if size < smallest:  # halved below the smallest batch the model trains on: nothing fits
                     break
@@ -244,20 +244,20 @@ def find_batch_size(
 
 
 def _as_trained(
-    task: Task, given: RuntimeOptions, options: RuntimeOptions, env: DistEnv, notes: list[str]
+    task: Task, given: RuntimeOptions, options: RuntimeOptions, env: DistEnv, cap: int | None, notes: list[str]
 ) -> tuple[RuntimeOptions, dict[str, Choice[str]], Choice[str]]:
     """The options, the measured choices and the precision the probes run ``task`` in, as `redline train` runs it.
 
     Where ``given`` left every tuned axis to auto and `redline tune` cached a Plan, its axes that change what a
     step holds (precision, attention kernel, layout) replace ``options``'; its micro-batches do not (the search
     finds the batch one step holds), and ``notes`` says so. An "auto" precision left is the one a run measures
-    (a cached trial at the task's batch size, else one run now; a tuned run's at its micro-batch)."""
+    (``_measured``: at the task's batch size, a tuned run's at its micro-batch; past the cap, at the cap)."""
     tuned = auto_tuned(task, given, task.batch_size, env)
     if tuned is None:
-        measured = measure_auto(task, options, task.batch_size, 1, env, trial="on")  # {} for a precision given
+        measured = _measured(task, options, task.batch_size, env, cap, notes)  # {} for a precision given
         return options, measured, Runtime(options, measured=measured).explain().precision
     # a precision the tune left to auto is measured as train measures the tuned run: at its micro-batch
-    measured = measure_auto(task, tuned.options, tuned.batch_size, 1, env, trial="on")
+    measured = _measured(task, tuned.options, tuned.batch_size, env, cap, notes)
     options = dataclasses.replace(options, **{axis: getattr(tuned.options, axis) for axis in _TUNED_MEMORY})
     planned = Runtime(options, measured=measured)
     planned.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
@@ -268,6 +268,31 @@ def _as_trained(
         note += f"; not its {tuned.options.grad_accum} micro-batches a step: the search finds what one step holds"
     notes.append(note)
     return options, measured, precision
+
+
+def _measured(
+    task: Task, options: RuntimeOptions, batch: int, env: DistEnv, cap: int | None, notes: list[str]
+) -> dict[str, Choice[str]]:
+    """The choices of an "auto" precision for a run of ``batch`` (global): the trial a run cached at that batch, else
+    one run now, at the search's ``cap`` (per process) where the batch is past it, and ``notes`` says so.
+
+    The search runs nothing past its cap (a CPU's out-of-memory kills the process), the precision trial before it
+    included: a task's batch of 4096 under ``max_batch_size=4`` is tried at 4 instead.
+    """
+    trial_batch = batch if cap is None else min(batch, cap * env.world_size)
+    if trial_batch == batch:
+        return measure_auto(task, options, batch, 1, env, trial="on")
+    # a trial cached at the run's own batch ran no step here: it is what `redline train` takes
+    cached = run_on_rank0(lambda: recall_auto(task, options, batch, env), "reading the cached precision trial")
+    if cached:
+        return cached
+    measured = measure_auto(task, options, trial_batch, 1, env, trial="on")
+    if measured:
+        notes.append(
+            f"the precision trial ran at batch {trial_batch}, the search's cap, not at the run's {batch}, which "
+            f"the cap keeps from running here; `redline train` measures at {batch} and may choose otherwise"
+        )
+    return measured
 
 
 @contextlib.contextmanager
