@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.errors import OutOfMemory, RedlineError, TrainingError, describe_error, first_line
 from redline.parallel.collectives import failed_collective, is_collective_failure
+from redline.plan.micro_batch import MicroBatch
 from redline.runtime.oom import is_oom
+from redline.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
     from redline.checkpoint import Checkpoint
@@ -22,18 +25,17 @@ log = logging.getLogger("redline")
 def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) -> TrainingError | None:
     """Return the TrainingError that ``exc`` from step ``step`` becomes, or None for one that passes as it is.
 
-    An out-of-memory the Runtime did not recover from (no ``--micro-batch``) names the recovery and
-    the memory snapshot (CUDA); a failed collective says another rank stopped first.
+    An out-of-memory the Runtime did not recover from names the memory snapshot (CUDA) and the way
+    out: for the forward and backward of a whole batch, ``--micro-batch``; for the optimizer's step,
+    which no split of the batch makes smaller, less state or state sharded. A failed collective
+    says another rank stopped first.
     """
     if isinstance(exc, RedlineError):
         return None
     if is_oom(exc):
         written = f"; memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)" if snapshot else ""
-        return OutOfMemory(
-            f"step {step}: the device ran out of memory: {describe_error(exc)}{written}\n"
-            "hint: --micro-batch auto (micro_batch='auto') splits the batch in halves on out-of-memory and redoes it "
-            "by gradient accumulation, losing no step; or lower --batch-size"
-        )
+        hint = OPTIMIZER_STEP_HINT if in_optimizer_step(exc) else SPLIT_HINT + LOWER_BATCH
+        return OutOfMemory(f"step {step}: the device ran out of memory: {describe_error(exc)}{written}\nhint: {hint}")
     if is_collective_failure(exc):  # a dead peer surfaces in this rank's next collective, wherever it is
         return TrainingError(
             f"step {step}: a collective with the other ranks failed: {failed_collective(exc)}\n"
@@ -41,6 +43,26 @@ def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) ->
             "the last checkpoint)"
         )
     return None
+
+
+SPLIT_HINT = (
+    "--micro-batch auto (micro_batch='auto') splits the batch in halves on out-of-memory and redoes it by gradient "
+    "accumulation, losing no step"
+)
+LOWER_BATCH = "; or lower --batch-size"  # not once steps are kept: a resumed run keeps its batch size
+OPTIMIZER_STEP_HINT = (
+    "it ran out in the optimizer's step, where neither micro-batches nor a smaller batch help: the gradients and "
+    "the optimizer's state (AdamW's is two copies of the weights, allocated at the first step) are as large at any "
+    "batch. FSDP shards them over N GPUs (`redline launch --nproc N` with --strategy fsdp); an optimizer that keeps "
+    "less state needs less (SGD with momentum keeps one copy of the weights, torch.optim.Adafactor a factored "
+    "one); `redline memory --task SPEC` weighs each part against the GPU"
+)
+
+
+def in_optimizer_step(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside ``Runtime.step`` (the optimizer's step, clipping and loss scaling): its
+    traceback runs through that method's frame."""
+    return any(frame.f_code is Runtime.step.__code__ for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def check_finite(losses: list[float], first_step: int, last: Checkpoint | None) -> None:
@@ -59,9 +81,25 @@ def check_finite(losses: list[float], first_step: int, last: Checkpoint | None) 
             )
 
 
-def kept_note(saved: str) -> str:
-    """What a failure's message adds when the steps before it are saved in ``saved``."""
-    return f"; the steps so far are saved in {saved}: then run the same command with --resume auto"
+def kept_note(saved: str, resume: str = "then run the same command with --resume auto") -> str:
+    """What a failure's message adds when the steps before it are saved in ``saved``; ``resume`` says how on."""
+    return f"; the steps so far are saved in {saved}: {resume}"
+
+
+def oom_kept_note(saved: str, micro_batch: MicroBatch) -> str:
+    """``kept_note`` for an out-of-memory: the same command would run out again where the last run did, and a
+    resumed run keeps its batch size and precision (the data position counts batches), so ``micro_batch`` "auto"
+    is what a resume can add."""
+    if micro_batch == "auto":
+        return kept_note(saved, RESUMED_AUTO)
+    return kept_note(saved, "then run the same command with --resume auto --micro-batch auto " + RESUMED_SPLIT)
+
+
+RESUMED_SPLIT = "(a resumed run keeps its batch size: its micro-batches are what can shrink)"
+RESUMED_AUTO = (
+    "a resumed run (--resume auto) keeps their batch size and precision, so the same command would run out of memory "
+    "again"
+)
 
 
 def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None:
@@ -84,7 +122,9 @@ def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None
     # Written now, or already at this step (a failure just after a checkpoint): either holds every step so far.
     if saved is None or run.last_ckpt is None or run.last_ckpt.step != run.pos.step:
         return
-    if isinstance(exc, RedlineError):
+    if isinstance(exc, OutOfMemory):  # "lower --batch-size" would be refused on resume
+        exc.args = (f"{str(exc).replace(LOWER_BATCH, '')}{oom_kept_note(saved, run.rt.options.micro_batch)}",)
+    elif isinstance(exc, RedlineError):
         exc.args = (f"{exc}{kept_note(saved)}",)
     else:
         log.warning("%s", kept_note(saved).removeprefix("; "))
