@@ -236,6 +236,11 @@ def test_a_model_that_cannot_train_on_one_sample_is_searched_from_two():
     none = redline.find_batch_size(dataclasses.replace(task, model=lambda: Normed(1)), options=CPU, max_batch_size=64)
     assert sizes(none) == [(2, False)] and none.largest is None  # 1 is not tried again: it cannot train
     assert none.reason.startswith("nothing fits: batch size 2 ran out of memory")
+    # halved down to 1 from a larger start: it aborted there, on BatchNorm's refusal, instead of saying nothing fits
+    halved = redline.find_batch_size(dataclasses.replace(task, model=lambda: Normed(1)), options=CPU, start=4)
+    assert sizes(halved) == [(4, False), (2, False)] and halved.largest is None
+    assert halved.reason.startswith("nothing fits: batch size 2 ran out of memory")
+    assert "Expected more than 1 value per channel" in halved.notes[-1] and "stopped at 2" in halved.notes[-1]
     one = r"batch size 1, step 1: the model raised ValueError: Expected(?s:.*)hint: a batch norm .* batches of 2"
     with pytest.raises(TrainingError, match=one):
         redline.find_batch_size(task, options=CPU, start=1, max_batch_size=1)  # 1 is all there is to try

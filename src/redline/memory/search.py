@@ -200,10 +200,13 @@ def find_batch_size(
                 try:
                     error, samples = _probe(task, options, measured, size, steps)
                 except TrainingError as exc:  # BatchNorm refuses one value per channel: no run trains on 1 sample
-                    if tried or size != 1 or cap == 1 or isinstance(exc, OutOfMemory) or not _batch_norm(task):
+                    if size != 1 or cap == 1 or isinstance(exc, OutOfMemory) or not _batch_norm(task):
                         raise
-                    start = smallest = 2  # every rank raised alike, so every rank starts again at 2
-                    notes.append(f"batch size 1 cannot train ({describe_error(exc)}): the search began at 2")
+                    # every rank raised alike, so every rank starts again at 2, or, halved down to 1 from sizes
+                    # out of memory, stops there: nothing fits
+                    start = smallest = 2
+                    how = "stopped" if tried else "began"
+                    notes.append(f"batch size 1 cannot train ({describe_error(exc)}): the search {how} at 2")
                     continue
                 tried.append((size, not error, error))
                 if guard is not None:
