@@ -187,6 +187,24 @@ def test_a_batch_larger_than_the_training_set_is_estimated_as_asked_and_noted() 
     assert fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=100, gpus=1).notes == ()
 
 
+def test_with_micro_batches_the_largest_batch_stops_where_a_step_takes_the_whole_training_set() -> None:
+    """Before, a micro-batch was capped at the whole set: "256 (all of train_data)", a step then taking 512."""
+    data = TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
+    result = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=8, grad_accum=2, gpus=3)
+    assert [(row.label, row.largest_batch, row.cap) for row in result.rows] == [
+        ("as it stands", 128, 128),
+        ("FSDP over 3 GPUs", 126, 126),  # 2 micro-batches of 126 over 3 ranks: the most the data gives each step
+    ]
+    assert result.notes[0].endswith("(a step trains on 2 times as many samples: at most 128 each, as 2 of them take "
+                                    "all of train_data)")  # fmt: skip
+    over = fit_memory(task, device="a GPU", mem_gib=80, target="cuda", batch_size=200, grad_accum=2, gpus=1)
+    assert over.notes[1] == (
+        "2 micro-batches of 200 are more than train_data holds (256 items): a step's micro-batches stop at 128, so "
+        "the largest batch does too"
+    )
+
+
 def test_a_gpu_whose_context_takes_all_its_memory_says_so() -> None:
     data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
     task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)

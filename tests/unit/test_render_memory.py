@@ -49,6 +49,10 @@ def test_a_largest_batch_at_the_training_set_s_size_says_so():
         "│ 1432 (train_data's most 8 ranks share evenly) │" in line
         for line in text_of(replace(result, rows=(sharded,)))
     )
+    # a step of 2 micro-batches takes the whole set at half of it each
+    halves = replace(capped, largest_batch=719, cap=719, estimate=replace(capped.estimate, grad_accum=2))
+    said = text_of(replace(result, rows=(halves,)))
+    assert any("│ 719 (all of train_data in 2 micro-batches) │" in line for line in said)
 
 
 def test_a_size_the_device_name_holds_is_not_said_twice():

@@ -298,6 +298,7 @@ def fit_memory(
     one_of("target", target, ("cuda", "cpu"))
     available = available_bytes(mem_gib, target)
     cap = data_size(task.train_data)
+    step_cap = None if cap is None else cap // grad_accum  # a step's micro-batches share the data: none is larger
     model = meta_model(task)
     has_blocks = bool(find_blocks(model))
     one_sample = _one_sample_fails(task, model, precision, target, attention)  # BatchNorm normalises no single value
@@ -318,10 +319,11 @@ def fit_memory(
         )  # fmt: skip
         least = world * per_rank  # the smallest batch a run of this row trains on
         first = estimate_at(batch_size=max(batch, least))
-        row_cap = None if cap is None else cap // world * world  # the ranks share it evenly
+        row_cap = None if step_cap is None else step_cap // world * world  # the ranks share it evenly
         largest = None
         if row_cap is not None and row_cap < least:  # no batch of the data's trains: none is predicted to fit
             each = f"{per_rank} on each of {world} devices" if world > 1 else "one sample cannot train"
+            each += f"; a step takes {grad_accum} of them" if grad_accum > 1 else ""
             notes.append(f"{label}: train_data holds {_items(cap or 0)}, and a batch needs at least {least} ({each})")
         else:
             largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=least)
@@ -352,18 +354,21 @@ def _batch_notes(batch: int, cap: int | None, grad_accum: int) -> list[str]:
     """What the table's batch means, where it is not plainly a step's within the data."""
     notes = []
     if grad_accum > 1:  # the table's batch is not the step's
+        whole = f": at most {cap // grad_accum} each, as {grad_accum} of them take all of train_data" if cap else ""
         notes.append(
             f"each step is {grad_accum} micro-batches of {batch}: the batch weighed, and the largest batch predicted, "
-            f"are a micro-batch's (a step trains on {grad_accum} times as many samples)"
+            f"are a micro-batch's (a step trains on {grad_accum} times as many samples{whole})"
         )
     if cap is None:  # the largest batch may read far past the stream's end, repeating its items
         notes.append(
             "train_data is a stream with no length, so the largest batch is not capped at its size, as a dataset's "
             "is: a run's batches stop where the stream ends (give it __len__ to cap the prediction)"
         )
-    if cap is not None and batch > cap:  # traced as asked (the shapes hold), but a run never batches past its data
+    if cap is not None and batch * grad_accum > cap:  # traced as asked (the shapes hold), but no run batches past it
+        asked = f"batch {batch} is" if grad_accum == 1 else f"{grad_accum} micro-batches of {batch} are"
+        stop = "a run's batches" if grad_accum == 1 else "a step's micro-batches"
         notes.append(
-            f"batch {batch} is more than train_data holds ({_items(cap)}): a run's batches stop at {cap}, "
+            f"{asked} more than train_data holds ({_items(cap)}): {stop} stop at {cap // grad_accum}, "
             "so the largest batch does too"
         )
     return notes

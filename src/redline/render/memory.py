@@ -61,9 +61,11 @@ def _largest(row: Fit) -> str:
     if row.largest_batch != row.cap:
         return str(row.largest_batch)
     ranks = row.estimate.world_size  # the cap is then train_data's size rounded down to a multiple of the ranks
+    accum = row.estimate.grad_accum  # and shared by a step's micro-batches
+    steps = f" in {accum} micro-batches" if accum > 1 else ""
     if ranks == 1:
-        return f"{row.largest_batch} (all of train_data)"
-    return f"{row.largest_batch} (train_data's most {ranks} ranks share evenly)"
+        return f"{row.largest_batch} (all of train_data{steps})"
+    return f"{row.largest_batch} (train_data's most {ranks} ranks share evenly{steps})"
 
 
 def titled_table(title: str) -> Table:
