@@ -73,3 +73,39 @@ def test_a_ctrl_c_while_the_model_is_traced_says_what_it_stopped(monkeypatch):
     assert isinstance(result.exception, StoppedBySignal), result.output
     assert str(result.exception) == "stopped by Ctrl-C while tracing the model: nothing was estimated"
     assert result.exception.exit_code == 130
+
+
+def test_the_text_prints_the_notes_of_every_row_naming_the_rows_not_all_carry(capsys, monkeypatch) -> None:
+    # Only the first row's notes were printed: FSDP's "each rank is weighed with 6 samples" was lost but in --json.
+    from dataclasses import replace
+
+    from redline.memory.estimate import MemoryEstimate
+    from redline.memory.fit import Fit, MemoryFit
+
+    estimate = MemoryEstimate(
+        batch_size=16, precision="fp32", target="cuda", strategy="single", world_size=1, activation_checkpointing=False,
+        params=1, buffers=0, gradients=1, optimizer_state=2, activations=8, workspace=0, peak=12, top_modules=(),
+        notes=("eager model",),
+    )  # fmt: skip
+    split = "batch 16 over 3 ranks: each rank is weighed with 6 samples (18 in all), its share rounded up"
+    sharded = replace(estimate, strategy="fsdp", world_size=3, notes=("eager model", "fsdp modelled", split))
+    rows = [
+        Fit(label="as it stands", estimate=estimate, available=10**9, largest_batch=256),
+        Fit(label="FSDP over 3 GPUs", estimate=sharded, available=10**9, largest_batch=255),
+        Fit(label="FSDP over 3 GPUs, checkpointing", estimate=replace(sharded, notes=(split,)), available=10**9,
+            largest_batch=255),
+    ]  # fmt: skip
+    result = MemoryFit(task="mlp", device="L4", mem_gib=24, target="cuda", rows=tuple(rows), notes=("the fit's",))
+    monkeypatch.setenv("COLUMNS", "1000")  # a line a narrower console would wrap
+    memory_cli._print(result, json_output=False)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note")]
+    assert (
+        notes
+        == memory_cli.note_lines(result)
+        == [
+            "note: eager model",
+            "note (FSDP over 3 GPUs): fsdp modelled",
+            f"note (FSDP over 3 GPUs; FSDP over 3 GPUs, checkpointing): {split}",
+            "note: the fit's",
+        ]
+    )

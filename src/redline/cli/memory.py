@@ -183,7 +183,22 @@ def _print(result: MemoryFit, json_output: bool) -> None:
     out = output_console()
     for table in memory_tables(result):
         print_uncut(out, table)
-    for note in result.rows[0].estimate.notes:
-        out.print(f"note: {note}", highlight=False, markup=False)
-    for note in result.notes:  # the fit's own: a batch past the training set's size
-        out.print(f"note: {note}", highlight=False, markup=False)
+    for line in note_lines(result):
+        out.print(line, highlight=False, markup=False)
+
+
+def note_lines(result: MemoryFit) -> list[str]:
+    """The notes under the tables, each once: the first row's (most hold for every row), then each other row's
+    own, naming the rows that carry it (FSDP's split of the batch over its ranks), then the fit's (a batch past
+    the training set's size)."""
+    first = result.rows[0].estimate.notes
+    carried: dict[str, list[str]] = {}
+    for row in result.rows[1:]:
+        for note in row.estimate.notes:
+            if note not in first:
+                carried.setdefault(note, []).append(row.label)
+    return [
+        *(f"note: {note}" for note in first),
+        *(f"note ({'; '.join(rows)}): {note}" for note, rows in carried.items()),
+        *(f"note: {note}" for note in result.notes),
+    ]
