@@ -286,6 +286,32 @@ def test_a_model_that_cannot_be_traced_says_so_and_names_the_measured_search() -
         estimate_memory(task, target="cpu")
 
 
+class ClipsByNorm(torch.optim.SGD):
+    """An optimizer whose step reads a value, as torch.optim.Adafactor reads its step count and norms."""
+
+    def step(self, closure=None):
+        norm = self.param_groups[0]["params"][0].grad.norm().item()
+        return super().step(closure) if norm < 1e6 else None
+
+
+@pytest.mark.parametrize("optimizer", ["Adafactor", "ClipsByNorm"])
+def test_an_optimizer_that_reads_values_is_named_as_what_cannot_be_traced(optimizer: str) -> None:
+    """Before, the hint blamed an .item() in the user's code for Adafactor's own."""
+    made = getattr(torch.optim, optimizer, None) or ClipsByNorm
+    if optimizer == "Adafactor" and made is ClipsByNorm:
+        pytest.skip("torch.optim.Adafactor is torch 2.5's")
+    with pytest.raises(TrainingError) as caught:
+        estimate_memory(mlp(), target="cpu", optimizer=lambda params: made(params, lr=0.1))
+    message = str(caught.value)
+    assert message.startswith(
+        f"task 'mlp': the optimizer's step could not be traced on fake tensors: {optimizer}.step reads a tensor's "
+        "value (DataDependentOutputException: aten._local_scalar_dense.default), which fake tensors do not hold"
+    )
+    assert ("in step: norm = " in message) == (optimizer == "ClipsByNorm")  # the user's own line, where theirs
+    assert "\nhint: find the largest batch by running training steps on the device instead: redline memory" in message
+    assert message.endswith(f"(AdamW, SGD), not {optimizer}")
+
+
 @pytest.mark.parametrize("batch_size", [2**62, 10**19])  # a batch size typed with zeros too many
 def test_a_batch_too_large_for_any_tensor_says_so_instead_of_blaming_the_model(batch_size: int) -> None:
     with pytest.raises(TrainingError, match=r"(?si)overflow.*\nhint: a tensor of this size cannot exist.*smaller"):

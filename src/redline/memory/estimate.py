@@ -346,11 +346,28 @@ def _stepper(
             loss.backward()
         del loss
         grad_keys.update(tracker.track(p.grad) for p in model.parameters() if p.grad is not None)
-        opt.step()
+        try:
+            opt.step()
+        except _FAKE_LIMITS as exc:  # the optimizer's own code reads a value (Adafactor: its step count, norms)
+            raise _unread_optimizer(task, opt, exc) from exc
         if not grads_through_forward:
             opt.zero_grad(set_to_none=True)  # CUDA frees them right after the step
 
     return step
+
+
+def _unread_optimizer(task: Task, opt: torch.optim.Optimizer, exc: Exception) -> TrainingError:
+    """The error for an optimizer whose step reads a tensor's value, which fake tensors do not hold: the optimizer
+    named as the cause, where the trace's general hint would send the user looking for an .item() of their own."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    name = type(opt).__name__
+    return TrainingError(
+        f"task {task.name!r}: the optimizer's step could not be traced on fake tensors: {name}.step reads a "
+        f"tensor's value ({type(exc).__name__}: {first}), which fake tensors do not hold{user_line(exc)}\n"
+        "hint: find the largest batch by running training steps on the device instead: redline memory --measure "
+        f"(redline.find_batch_size); the estimate traces optimizers that only compute on tensors (AdamW, SGD), "
+        f"not {name}"
+    )
 
 
 def _sample(data: Any, size: int, collate: CollateFn | None) -> tuple[Any, int]:
