@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from redline.config import positive_int
-from redline.errors import OutOfMemory, TaskError, describe_error, invalid
+from redline.errors import TaskError, describe_error, invalid
 from redline.parallel.collectives import all_reduce_sum
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
@@ -20,6 +20,7 @@ from redline.runtime.oom import is_oom
 from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.train.data import eval_loader
+from redline.train.failures import EvaluationOutOfMemory
 
 
 def summed_on(device: torch.device) -> torch.device:
@@ -77,7 +78,7 @@ def _out_of_memory(where: str, batch_size: int) -> Iterator[None]:
     except Exception as exc:
         if not is_oom(exc):
             raise
-        raise OutOfMemory(
+        raise EvaluationOutOfMemory(
             f"{where}: the device ran out of memory: {describe_error(exc)}\nhint: evaluation runs val_data in batches "
             f"of {batch_size} without gradients, less than a training step holds: larger samples in val_data than in "
             "train_data, or outputs a loss_fn or metric keeps, take the rest; --micro-batch does not split evaluation"

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("redline")
 
 
+class EvaluationOutOfMemory(OutOfMemory):
+    """The device ran out of memory while evaluating: micro-batches, which split a training step, do not help."""
+
+
 def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) -> TrainingError | None:
     """Return the TrainingError that ``exc`` from step ``step`` becomes, or None for one that passes as it is.
 
@@ -122,7 +126,7 @@ def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None
     # Written now, or already at this step (a failure just after a checkpoint): either holds every step so far.
     if saved is None or run.last_ckpt is None or run.last_ckpt.step != run.pos.step:
         return
-    if isinstance(exc, OutOfMemory):  # "lower --batch-size" would be refused on resume
+    if isinstance(exc, OutOfMemory) and not isinstance(exc, EvaluationOutOfMemory):  # a step's: micro-batches help
         exc.args = (f"{str(exc).replace(LOWER_BATCH, '')}{oom_kept_note(saved, run.rt.options.micro_batch)}",)
     elif isinstance(exc, RedlineError):
         exc.args = (f"{exc}{kept_note(saved)}",)
