@@ -159,3 +159,33 @@ def test_an_out_of_memory_in_evaluation_is_an_error_that_says_so_not_torchs_trac
     assert "evaluation runs val_data in batches of 8 without gradients" in message
     assert "--micro-batch does not split evaluation" in message and "step-00000002" in message, "the steps are kept"
     assert message.endswith("then run the same command with --resume auto"), "micro-batches split no evaluation"
+
+
+class FailsInTheSecondBatchOfAStep(nn.Module):
+    """Raises in the 4th training forward: the second batch of step 2, with grad_accum 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(4, 2), 0
+
+    def forward(self, x):
+        self.calls += self.training
+        if self.calls == 4:
+            raise ValueError("the model's bug (made up)")
+        return self.linear(x)
+
+
+def test_a_failure_amid_a_step_keeps_the_steps_before_it_without_a_warning_meant_for_a_users_loop(tmp_path, caplog):
+    """The kept checkpoint warned 'rt.save at 1 of the 2 batches of a step ... save once rt.step returns True'."""
+    from redline.train.config import TrainerConfig
+
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    task = redline.Task(model=FailsInTheSecondBatchOfAStep, loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8)  # fmt: skip
+    config = TrainerConfig(max_steps=4, progress=False, out_dir=tmp_path / "run", trial="off",
+                           runtime=redline.RuntimeOptions(grad_accum=2))  # fmt: skip
+    caught = caplog.at_level("WARNING", logger="redline")
+    with caught, pytest.raises(TrainingError) as failed, Trainer(task, config) as trainer:
+        trainer.fit()
+    assert "step-00000001" in str(failed.value), "step 1 is kept, step 2's first batch left for the resume to redo"
+    assert not [r for r in caplog.records if "rt.save at" in r.getMessage()]

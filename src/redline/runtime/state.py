@@ -188,6 +188,11 @@ class RunState:
             restore_rng(per_rank[self.env.rank] if len(per_rank) == self.env.world_size else per_rank[0])
         return extra
 
+    def drop_cycle(self) -> None:
+        """Drop the batches of a step under way (a loop that gives that step up, to redo it whole on resume): a save
+        then holds the whole steps without the warning meant for a save amid a cycle."""
+        self._restart_cycle(self._cycle.steps)
+
     def _restart_cycle(self, step: int) -> None:
         """Start a fresh accumulation cycle after ``step`` whole steps: a cycle begun before a load is dropped."""
         self._cycle.restart(step)
