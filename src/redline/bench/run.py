@@ -9,6 +9,7 @@ built and warmed up alone (compiling, if it compiles), which is when its peak me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -16,7 +17,7 @@ import math
 import platform
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -116,7 +117,8 @@ def benchmark(
         planned = planned_steps or task_steps(task, size)
         try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
             if any(s.compile is not False for s in group):
-                reset_compiler()  # each compile is timed as a fresh run's, not served from an earlier graph
+                # each compile is timed as a fresh run's, not served from an earlier graph
+                reset_compiler({s.device for s in group if s.compile is not False})
             warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
             built, failed = _warm_up_all(task, group, window, planned, seed, warming)
             done += len(group)
@@ -378,11 +380,27 @@ def _machine(facts: list[DeviceFacts]) -> dict[str, Any]:
     }
 
 
-def reset_compiler() -> None:
-    """Clear torch.compile's process-wide cache, so that the next compile is timed as a fresh run's."""
+def reset_compiler(devices: Iterable[str] = ()) -> None:
+    """Clear torch.compile's process-wide cache, so that the next compile is timed as a fresh run's; first, once a
+    process and device, pay torch.compile's own start-up on ``devices`` (its compiler stack loaded and checked:
+    seconds), which would otherwise fall on whichever compiled row or candidate came first and make every later
+    one look 10-20x cheaper to compile."""
+    for device in devices:
+        if device not in _STARTED:
+            _STARTED.add(device)
+            with contextlib.suppress(Exception):  # a compiler that cannot run here fails the rows, with its reason
+                x = torch.ones(2, device=device, requires_grad=True)  # a forward and backward, as a training step's
+                torch.compile(_doubled, dynamic=False)(x).sum().backward()
     try:
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.reset()
+        _dynamo.reset()
     except Exception as exc:  # only a cache: a failure costs a recompile at most
         log.debug("torch._dynamo.reset() failed: %s", exc)
+
+
+_STARTED: set[str] = set()  # the devices whose compiler start-up this process has paid
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2

@@ -365,7 +365,7 @@ def _measure(
     is); a warm-up begun, compile included, is not cut short, nor are the two rounds of timing.
     """
     deadline = time.perf_counter() + budget_s
-    reset_compiler()
+    reset_compiler([device] if any(c.compile for c in candidates) else [])
     runners: list[Runner] = []
     failed: dict[int, str] = {}
     facts = probe_device(torch.device(device))  # what each candidate's layout is resolved for
