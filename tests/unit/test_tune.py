@@ -257,13 +257,13 @@ def test_a_file_where_the_cache_directory_goes_is_named_with_the_variable_that_m
 def test_a_graphs_candidate_that_never_replayed_is_rejected_not_timed_as_graphs():
     from types import SimpleNamespace
 
-    from redline.bench.tune import _ran_eagerly
+    from redline.bench.loops import ran_eagerly
     from redline.plan import Choice
 
     plan = SimpleNamespace(cuda_graphs=Choice(True, "requested; no training forward replayed yet"), compile=None)
     idle = SimpleNamespace(plan=lambda: plan, runtime=SimpleNamespace(graphed_forwards=0))
-    said = _ran_eagerly(idle, Candidate(cuda_graphs=True))
+    said = ran_eagerly(idle, compiled=False, graphs=True)
     assert said.startswith("the CUDA graphs never replayed, so it would time the eager model (requested; no")
     replayed = SimpleNamespace(plan=lambda: plan, runtime=SimpleNamespace(graphed_forwards=12))
-    assert _ran_eagerly(replayed, Candidate(cuda_graphs=True)) == ""
-    assert _ran_eagerly(idle, Candidate()) == ""  # an uncompiled, ungraphed candidate is what it says
+    assert ran_eagerly(replayed, compiled=False, graphs=True) == ""
+    assert ran_eagerly(idle, compiled=False) == ""  # an uncompiled, ungraphed candidate is what it says
