@@ -900,7 +900,7 @@ def test_a_loop_that_sets_its_own_kernels_is_not_timed_and_gets_its_choice(kerne
 
 
 def test_a_model_the_user_compiled_is_not_recorded_so_dynamo_compiles_it_once(kernel_times):
-    from redline.runtime.precision_check import compiled
+    from redline.runtime.compile import compiled_by_user as compiled
 
     plain, part = small_gpt(), small_gpt()
     part.blocks[0].compile(backend="eager")
