@@ -533,3 +533,35 @@ def test_a_finished_run_that_logged_nothing_gets_its_summary_and_plan(tmp_path):
     doc = run_report(run)
     assert "The run logged no metrics (no logger), so there is no curve to draw." in doc
     assert "<h2>Summary</h2>" in doc and "Read from summary.json in" in doc
+
+
+def test_the_page_tells_a_compile_never_repaid_from_one_with_nothing_to_compare_and_a_cpus_memory_as_the_process(
+    monkeypatch,
+):
+    """The page showed "—" for both, where the terminal says "never" and "-"; its memory chart called a CPU's
+    resident set, which only grows from row to row, "the peak of a training step"."""
+    from redline.render import html
+    from report_samples import _row
+
+    result = bench_result()
+    result["rows"] = [
+        _row("cpu fp32 eager", "explicit", 5000.0, peak_mem_kind="resident"),
+        _row("cpu fp32 compiled", "explicit", 4000.0, compile=True, compile_s=2.5, peak_mem_kind="resident"),
+        _row("cpu bf16 compiled", "explicit", 6000.0, precision="bf16-mixed", compile=True, compile_s=2.0),
+    ]
+    result["rows"][2]["peak_mem_kind"] = "resident"
+    labels = []
+    real = html._bars
+
+    def drawn(rows, key, **options):
+        labels.append((key, options["xlabel"]))
+        return real(rows, key, **options)
+
+    monkeypatch.setattr(html, "_bars", drawn)
+    table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
+    cells = re.findall(r"<tr[^>]*><td>(cpu [^<]+)</td>(.*?)</tr>", table, re.S)
+    repaid = {name: re.findall(r"<td[^>]*>([^<]*)</td>", rest) for name, rest in cells}
+    column = re.findall(r"<th>([^<]+)</th>", table).index("break_even_steps") - 1
+    assert repaid["cpu fp32 compiled"][column] == "never" and repaid["cpu bf16 compiled"][column] == "-"
+    assert repaid["cpu fp32 eager"][column] == "—"
+    assert dict(labels)["peak_mem_bytes"] == "GiB the process held at its peak (on a CPU: it only grows, row by row)"

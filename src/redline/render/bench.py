@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich import box
@@ -217,17 +217,25 @@ COMPILE_TOLD = (
 )
 
 
-def _compile(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:
+def _compile(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
     """Compile seconds and their break-even in steps, which needs an eager row of the same precision to compare
     with: "12/1,234", "12/never", "3.0/-"."""
     if row["compile_s"] is None:
         return ""
-    steps = row["break_even_steps"]
+    repaid = repaid_after(row, rows)
+    seconds = row["compile_s"]
+    return f"{seconds:.0f}/{repaid}" if seconds >= 10 else f"{seconds:.1f}/{repaid}"  # "12/1,234", "3.0/45"
+
+
+def repaid_after(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """A compiled row's break-even as a person reads it: its steps ("1,234"), "never" (the compiled step is not
+    faster than the eager row of its precision), or "-" (no such eager row to compare with)."""
+    steps = row.get("break_even_steps")
+    if steps is not None:
+        return f"{steps:,.0f}"
     same = ("device", "precision", "batch_size")
     eager = any(
         r["kind"] == "explicit" and r["compile"] is False and r["step_ms_p50"] and all(r[k] == row[k] for k in same)
         for r in rows
     )
-    repaid = f"{steps:,.0f}" if steps is not None else "never" if eager else "-"
-    seconds = row["compile_s"]
-    return f"{seconds:.0f}/{repaid}" if seconds >= 10 else f"{seconds:.1f}/{repaid}"  # "12/1,234", "3.0/45"
+    return "never" if eager else "-"

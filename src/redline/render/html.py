@@ -18,7 +18,7 @@ from typing import Any
 
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError, invalid
-from redline.render.bench import DIVERGED, diverged, percent, steps_told
+from redline.render.bench import DIVERGED, diverged, percent, repaid_after, steps_told
 from redline.render.memory import size as size_text
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
@@ -280,7 +280,9 @@ def _bench_charts(ok: Sequence[Mapping[str, Any]]) -> list[str]:
         out.append(_figure(mfu, "Rows whose device has no known peak FLOP/s are left out."))
     else:
         out.append(_p("note", "MFU: not available for any configuration (a CPU, or a GPU without a known peak)."))
-    memory = _bars(ok, "peak_mem_bytes", title="Peak memory", xlabel="GiB at the peak of a training step")
+    resident = all(row.get("peak_mem_kind") == "resident" for row in ok)  # a CPU's: the process's, growing by row
+    at = "the process held at its peak (on a CPU: it only grows, row by row)" if resident else "at a step's peak"
+    memory = _bars(ok, "peak_mem_bytes", title="Peak memory", xlabel=f"GiB {at}")
     out.append(_figure(memory, KIND_LEGEND) if memory else _p("note", "Peak memory: not measured."))
     return out
 
@@ -314,7 +316,9 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
     columns.append("error")
     cells = []
     for row in rows:
-        said = {**row, "loss": "not finite"} if diverged(row) else row
+        said = {**row, "loss": "not finite"} if diverged(row) else dict(row)
+        if row.get("compile_s") is not None:  # "never" repaid, told apart from no eager row to compare with
+            said["break_even_steps"] = repaid_after(row, rows)
         cells.append([escape(_format(key, said.get(key))) for key in columns])
     classes = ["failed" if row.get("error") else "" for row in rows]
     numeric = {i for i, key in enumerate(columns) if any(_number(row.get(key)) is not None for row in rows)}
