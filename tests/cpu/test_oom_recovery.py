@@ -378,10 +378,9 @@ def fit(micro_batch, kind: str = "forward", limit: int | None = 5, **config) -> 
     trainer = Trainer(
         oom_task(kind, limit),
         runtime=redline.RuntimeOptions(devices="cpu", compile="off", seed=0, micro_batch=micro_batch),
-        max_steps=STEPS,
+        **{"max_steps": STEPS, **config},
         trial="off",
         progress=False,
-        **config,
     )
     with trainer:
         return trainer, trainer.fit()
@@ -420,7 +419,8 @@ def test_a_resumed_auto_run_starts_from_the_size_it_had_found(tmp_path):
     )
     with resumed:
         summary = resumed.fit()
-    assert resumed.rt is not None and resumed.rt.oom_events == []  # no size that had failed is tried again
+    assert resumed.rt is not None  # no size that had failed is tried again: the recoveries are the first run's
+    assert [(e.step, e.from_size) for e in resumed.rt.oom_events] == [(1, 16), (1, 8)]
     assert set(resumed.rt.module.sizes) == {4}
     micro = summary.plan.micro_batch
     assert micro.value == 4
@@ -540,3 +540,12 @@ def test_auto_halving_a_batch_norm_model_to_one_sample_ends_in_out_of_memory_not
     options = redline.RuntimeOptions(devices="cpu", micro_batch="auto", activation_checkpointing="off")
     with pytest.raises(OutOfMemory, match=said), Trainer(task, runtime=options, max_steps=1, progress=False) as run:
         run.fit()  # through the Trainer, whose loop wraps the model's own errors
+
+
+def test_a_resumed_run_keeps_the_out_of_memory_recoveries_of_the_run_it_goes_on(tmp_path):
+    """The summary of a resumed run listed none: the recoveries lived in the first process only."""
+    _, summary = fit("auto", max_steps=2, out_dir=tmp_path / "run", checkpoint_every=2)
+    assert len(summary.oom_recoveries) == 2
+    again, resumed = fit("auto", max_steps=STEPS, out_dir=tmp_path / "run", resume="auto")
+    assert resumed.resumed_from is not None and resumed.oom_recoveries == summary.oom_recoveries
+    assert again.rt is not None and again.rt.oom_events[0].from_size == 16

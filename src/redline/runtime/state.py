@@ -25,7 +25,7 @@ from redline.parallel.env import DistEnv
 from redline.plan import Choice, Plan
 from redline.plan.micro_batch import found_size
 from redline.runtime.cycle import Cycle
-from redline.runtime.micro import MicroBatcher
+from redline.runtime.micro import MicroBatcher, OomEvent
 from redline.runtime.optimizer import changed_options, match_state_layout
 from redline.runtime.options import RuntimeOptions, stored_reason
 from redline.runtime.precision import Precision
@@ -147,7 +147,7 @@ class RunState:
         with _collective(f"writing the checkpoint {path}", "rt.save"):
             runtime_state = {
                 "precision": self.precision.state_dict(), "rng": gather_objects(capture_rng()),
-                "optimizer_options": self._built_options,
+                "optimizer_options": self._built_options, "oom_events": [_event_state(e) for e in self._micro.events],
             }  # fmt: skip
             plan = self.explain().to_dict()
             return strategy.save(
@@ -182,6 +182,7 @@ class RunState:
         if saved:  # the optimizer's options now: what this run's checkpoints record, and a later resume is held against
             self._built_options = saved
         self._restart_cycle(checkpoint.step)
+        self._micro.events = [_event(e) for e in runtime_state.get("oom_events") or []]  # the run's recoveries so far
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
         per_rank = runtime_state.get("rng") or []
         if per_rank:
@@ -227,6 +228,16 @@ class RunState:
                 "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
+
+
+def _event_state(event: OomEvent) -> dict[str, Any]:
+    """An out-of-memory recovery as a checkpoint holds it: plain values."""
+    return {**dataclasses.asdict(event), "snapshot": str(event.snapshot) if event.snapshot else None}
+
+
+def _event(state: Mapping[str, Any]) -> OomEvent:
+    snapshot = state.get("snapshot")
+    return OomEvent(**{**state, "snapshot": Path(snapshot) if snapshot else None})
 
 
 def _whole_step(step: object) -> int:
