@@ -694,3 +694,17 @@ def test_torch_compiles_start_up_is_paid_once_before_the_first_compiled_row(monk
     assert compiled == [run._doubled], "once a process and device, before the cache is cleared"
     run.reset_compiler()
     assert compiled == [run._doubled], "no compiled row, no start-up"
+
+
+def test_a_row_on_a_tuned_plan_of_micro_batches_is_estimated_at_its_micro_batch():
+    """A tuned Plan of 2 micro-batches ran batches of 16 in an auto row of 32, estimated at 32: the bf16 eager row's."""
+    from redline.bench.result import BenchRow
+    from redline.bench.run import _with_estimates
+
+    split = {"grad_accum": {"value": 2, "reason": "tuned ... 2 micro-batches per step"}}
+    rows = [
+        BenchRow("auto cpu b32", "auto", "cpu", "bf16-mixed", False, None, 32, samples_per_s=1.0, plan=split),
+        BenchRow("cpu bf16-mixed eager b32", "explicit", "cpu", "bf16-mixed", False, None, 32, samples_per_s=1.0),
+    ]
+    estimated = _with_estimates(rows, lambda batch, precision, device: 1000 * batch)
+    assert [row.estimate_bytes for row in estimated] == [16_000, 32_000]

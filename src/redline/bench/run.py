@@ -187,13 +187,15 @@ def timed_steps(steps: int, window: int) -> int:
 
 
 def _with_estimates(rows: list[BenchRow], estimate: Estimate | None) -> list[BenchRow]:
-    """Give each row that ran the predicted peak of its batch size, precision and device type."""
+    """Give each row that ran the predicted peak of its batch size, precision and device type: of its micro-batch,
+    where a tuned Plan splits the batch (a step's peak is one micro-batch's activations)."""
     if estimate is None:
         return rows
     known: dict[tuple[int, str, str], int | None] = {}
     out = []
     for row in rows:
-        key = (row.batch_size, row.precision, torch.device(row.device).type)
+        parts = int((row.plan or {}).get("grad_accum", {}).get("value") or 1)
+        key = (row.batch_size // parts, row.precision, torch.device(row.device).type)
         if not row.error and key not in known:
             known[key] = estimate(*key)
         out.append(dataclasses.replace(row, estimate_bytes=known.get(key)))
