@@ -82,3 +82,17 @@ def bf16_measured_faster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> lis
 
     monkeypatch.setattr(measure, "run_trial", fake_trial)
     return calls
+
+
+@pytest.fixture
+def broken_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile whose backend fails on every graph (as a broken C++ compiler would), on a device where the Runtime
+    takes it as able to compile: the Runtime then falls back to eager, with torch's reason."""
+    import torch
+
+    def broken_backend(graph_module: object, example_inputs: object) -> object:
+        raise RuntimeError("backend exploded (made up by the test)")
+
+    real = torch.compile
+    monkeypatch.setattr("torch.compile", lambda fn, **options: real(fn, backend=broken_backend, **options))
+    monkeypatch.setattr("redline.runtime.compile.compile_supported", lambda device_type: (True, ""))

@@ -662,15 +662,8 @@ def test_a_row_refused_by_its_device_says_the_fix_by_the_cli_flag(monkeypatch, c
     assert failed["error"].endswith("\nhint: use --precision 'fp16-mixed' (loss scaling is handled) or 'auto'")
 
 
-def test_a_compiled_row_whose_compile_fell_back_is_a_failed_row_not_the_fastest(monkeypatch):
+def test_a_compiled_row_whose_compile_fell_back_is_a_failed_row_not_the_fastest(broken_compiler):
     """With the compiler broken, the row named "cpu fp32 compiled" ran the eager model, and was named the fastest."""
-
-    def broken_backend(graph_module, example_inputs):
-        raise RuntimeError("backend exploded (made up by the test)")
-
-    real = torch.compile
-    monkeypatch.setattr("torch.compile", lambda fn, **options: real(fn, backend=broken_backend, **options))
-    monkeypatch.setattr("redline.runtime.compile.compile_supported", lambda device_type: (True, ""))
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False, True], batch_sizes=[16],
                        steps=2, window=1, auto=False)  # fmt: skip
     rows = {row.name: row for row in result.rows}

@@ -398,16 +398,10 @@ def test_cuda_graphs_are_tried_against_eager_where_the_default_compile_lost(monk
     assert tuned.reasons["compile"].startswith(shown)
 
 
-def test_a_compile_that_fell_back_to_eager_is_not_tuned_as_compiled(monkeypatch):
+def test_a_compile_that_fell_back_to_eager_is_not_tuned_as_compiled(broken_compiler, monkeypatch):
     # torch.compile fails here (a broken backend, as a broken compiler would) and the Runtime runs eagerly: the
     # compiled candidate would time the eager model and could win by noise, leaving a tuned Plan that claims
     # compile is on and faster. Any alternative wins here, as noise could make one.
-    def broken_backend(graph_module, example_inputs):
-        raise RuntimeError("backend exploded (made up by the test)")
-
-    real = torch.compile
-    monkeypatch.setattr("torch.compile", lambda fn, **options: real(fn, backend=broken_backend, **options))
-    monkeypatch.setattr("redline.runtime.compile.compile_supported", lambda device_type: (True, ""))
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: [("compile", [False, True])])
     monkeypatch.setattr("redline.bench.tune.MARGIN", 1e-9)
     tuned, _ = tune(mlp_task(), devices="cpu", budget_s=60, planned_steps=100, steps=4, window=2)
