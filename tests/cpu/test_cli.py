@@ -640,3 +640,36 @@ def test_train_runs_the_attention_kernel_asked_for_and_refuses_one_the_device_la
     refused = redline_here("train", "--task", "example:chargpt", *small, "--max-steps", "1", "--attention", "cudnn")
     assert refused.returncode == 2
     assert "attention='cudnn' is not allowed; expected 'auto', 'flash' or 'math' on a CPU" in refused.stderr
+
+
+WITHOUT = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):  # as an environment without the package
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == {missing!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def test_a_command_whose_extra_is_not_installed_names_the_extra_not_doctor():
+    """`redline serve` without starlette said to run `redline doctor`, which checks torch."""
+    script = WITHOUT.format(missing="starlette") + "from redline.cli.main import main; sys.exit(main())"
+    ran = subprocess.run([sys.executable, "-c", script, "serve", "example:digits"], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.strip().splitlines()[-2:] == [
+        "error: `redline serve` needs starlette, of redline's 'serve' extra, which is not installed",
+        "hint: pip install 'redline[serve]'",
+    ]
+
+
+def test_the_engine_and_predict_need_no_package_of_the_serve_extra():
+    """predict, a file in and a file out, failed without orjson, which only the server's JSON bodies use."""
+    script = WITHOUT.format(missing="orjson") + (
+        "import numpy, torch, redline\n"
+        "engine = redline.InferenceEngine(torch.nn.Linear(3, 2), input_shape=(3,), measure='off')\n"
+        "print(tuple(engine.predict(numpy.zeros((4, 3), numpy.float32)).shape))\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and ran.stdout.strip() == "(4, 2)", ran.stderr

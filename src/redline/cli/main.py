@@ -127,6 +127,14 @@ def unparsed(error: typer.BadParameter) -> ConfigError | None:
     return invalid(flag, value, _NUMBER_WORDS[kind], f"e.g. {flag} {example}")
 
 
+# The packages of redline's extras (pyproject.toml), by the extra that installs each.
+EXTRAS = {
+    **dict.fromkeys(("starlette", "uvicorn", "prometheus_client", "orjson", "aiohttp"), "serve"),
+    "matplotlib": "report",
+    "tensorboard": "tensorboard",
+}
+
+
 class LazyCommand(TyperCommand):
     """A subcommand known by its name and summary until it runs; then its module is imported."""
 
@@ -138,7 +146,13 @@ class LazyCommand(TyperCommand):
         """Import the subcommand's module and return its command, as typer builds it."""
         try:
             module = importlib.import_module(self.spec.module)
-        except ImportError as exc:  # torch (or a library it loads) is broken: say where to look
+        except ImportError as exc:  # an extra not installed; else torch (or a library it loads) is broken
+            missing = (getattr(exc, "name", None) or "").split(".")[0]
+            if missing in EXTRAS:
+                raise RedlineError(
+                    f"`redline {self.name}` needs {missing}, of redline's {EXTRAS[missing]!r} extra, which is not "
+                    f"installed\nhint: pip install 'redline[{EXTRAS[missing]}]'"
+                ) from exc
             raise RedlineError(
                 f"`redline {self.name}` could not start: {type(exc).__name__}: {exc}\n"
                 "hint: run `redline doctor`: it checks torch and its CUDA libraries and gives the fix"

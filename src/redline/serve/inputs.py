@@ -10,19 +10,22 @@ wrong shape, dtype or number of samples a 422.
 from __future__ import annotations
 
 import io
+import json
 import math
 import re
 import tokenize
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 import torch
 
 from redline.errors import invalid
 from redline.serve.refused import Refused
 from redline.serve.servable import Servable, shape_text
+
+if TYPE_CHECKING:
+    import orjson
 
 NPY_MAGIC = (
     b"\x93NUMPY"  # how a .npy file starts: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
@@ -64,6 +67,8 @@ class InputSpec:
 
 def read_json(body: bytes, spec: InputSpec) -> torch.Tensor:
     """Return the batch a JSON body holds under ``inputs``."""
+    import orjson  # the serve extra's, imported by the server alone: predict and the engine need none of it
+
     if body.startswith(NPY_MAGIC):  # numpy.save's bytes sent as JSON: orjson would speak of UTF-8 surrogates
         raise spec.refuse(
             400, "the body is a .npy array, sent as JSON (Content-Type application/json); send it with "
@@ -167,7 +172,7 @@ def _holds(item: Any) -> str:
     if isinstance(item, list):
         return f"has {len(item)} item{'s' * (len(item) != 1)}"
     if isinstance(item, bool) or item is None:
-        return f"is {orjson.dumps(item).decode()}"
+        return f"is {json.dumps(item)}"
     return {int: "is a number", float: "is a number", str: "is text"}.get(type(item), "is an object")
 
 
