@@ -28,3 +28,24 @@ def test_out_dir_and_resume_expand_the_home_directory(tmp_path, monkeypatch):
     assert summary.steps == 2 and (home / "runs" / "x" / "summary.json").is_file()
     assert list(here.iterdir()) == []  # no directory named "~"
     assert TrainerConfig(resume="auto", out_dir="~").resume == "auto"  # type: ignore[arg-type]
+
+
+def test_an_out_dir_that_is_a_checkpoint_is_refused_and_the_checkpoint_kept(tmp_path):
+    """--out given where --resume was meant wrote the new run's weights into the checkpoint, which the next resume then
+    skipped as corrupt."""
+    import hashlib
+
+    import pytest
+
+    from redline.errors import ConfigError
+
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    task = redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8)  # fmt: skip
+    Trainer(task, out_dir=tmp_path / "run", max_steps=2, checkpoint_every=2, progress=False).fit()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    before = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()
+    with pytest.raises(ConfigError, match=r"this one is a checkpoint \(it holds manifest\.json\)") as refused:
+        Trainer(task, out_dir=checkpoint, max_steps=2, progress=False, resume="auto")
+    assert str(refused.value).endswith(f"hint: to go on from it: --resume {checkpoint} --out {tmp_path / 'run'}")
+    assert hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest() == before

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from redline.atomic import write_or_refuse
+from redline.checkpoint.layout import MANIFEST
 from redline.errors import TrainingError, invalid
 
 if TYPE_CHECKING:
@@ -31,6 +32,13 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` if needed and check that it, and the checkpoints folder an earlier run left in it, are
     writable directories: found at the first checkpoint, the steps trained since the last one would be lost."""
     out = Path(path)
+    if (out / MANIFEST).is_file():  # --out mistaken for --resume: the run's files would overwrite the checkpoint's
+        run = out.parent.parent if out.parent.name == "checkpoints" else out.parent
+        raise invalid(
+            "out_dir", str(out), "a directory of its own to write the run in; this one is a checkpoint (it holds "
+            f"{MANIFEST}), whose model.safetensors the run would replace",
+            f"to go on from it: --resume {out} --out {run}",
+        )  # fmt: skip
     for where in (out, out / "checkpoints"):
         if where != out and not where.exists():
             continue
