@@ -243,3 +243,17 @@ def test_load_task_takes_real_values_and_texts_go_through_the_conversion(tmp_pat
     factory = find_factory(spec)
     task = call_factory(spec, factory, convert_task_args(factory, {"batch_size": "3", "name": "big"}))
     assert (task.batch_size, task.name) == (3, "big")  # make() has no annotations: a literal, else the text
+
+
+def test_an_option_without_an_annotation_reads_as_its_defaults_type():
+    """`augment=False` took "false" as the text 'false', which is true; `width=8` took "8.0" as a float, which failed
+    deep in the model; `name="run"` took "123" as the number 123."""
+
+    def factory(augment=False, width=8, lr=1e-3, name="run", other=None):
+        return None
+
+    read = convert_task_args(factory, {"augment": "false", "width": "16", "lr": "3e-4", "name": "123", "other": "[1]"})
+    assert read == {"augment": False, "width": 16, "lr": 3e-4, "name": "123", "other": [1]}
+    assert type(read["lr"]) is float and convert_task_args(factory, {"lr": "1"}) == {"lr": 1.0}
+    with pytest.raises(TaskSpecError, match=r"--task-arg width='8\.5': the factory's option 'width' is an int"):
+        convert_task_args(factory, {"width": "8.5"})

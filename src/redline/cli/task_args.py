@@ -78,9 +78,9 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     exponent (``max_chars=4e5``); a ``Path`` reads as a path; ``X | None`` (or ``X = None``) also
     reads none; a ``Literal`` reads one of its values; ``list[X]``, ``tuple[X, ...]`` and ``set[X]``
     read comma-separated values (``sizes=1,2``) or a Python literal (``sizes=[1, 2]``), each item
-    read as ``X``; a ``dict`` reads a Python literal. An option without an annotation, or with one
-    not listed here, reads as a Python literal or else as text (``name=tiny``), and "none" as None where
-    its default is None. A text that does
+    read as ``X``; a ``dict`` reads a Python literal. An option without an annotation reads as the type of
+    its default where that is a bool, int, float or str; else, or with an annotation not listed here, as a
+    Python literal or else as text (``name=tiny``), and "none" as None where its default is None. A text that does
     not convert is a TaskSpecError naming the option, its type and the text.
     """
     hints = _option_types(factory)
@@ -283,11 +283,14 @@ def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
         scope = getattr(inspect.unwrap(target), "__globals__", {})
         hints = {name: _resolve(p.annotation, scope) for name, p in parameters.items()}
     untyped = (None, Any, object, inspect.Parameter.empty)
-    return {
+    typed = {
         name: _or_none(hint) if parameters[name].default is None else hint
         for name, hint in hints.items()
         if name in parameters and hint not in untyped
     }
+    # Without an annotation, the default's type: `augment=False` read "false" as the text, which is true.
+    plain = {name: type(p.default) for name, p in parameters.items() if type(p.default) in (bool, int, float, str)}
+    return {**plain, **typed}
 
 
 def _defaults_none(factory: Callable[..., Any]) -> set[str]:
