@@ -673,3 +673,37 @@ def test_the_engine_and_predict_need_no_package_of_the_serve_extra():
     )
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0 and ran.stdout.strip() == "(4, 2)", ran.stderr
+
+
+SPLIT_TASK = """
+import json, os, torch
+from torch import nn
+from torch.utils.data import Subset, TensorDataset
+import redline
+
+def task():
+    inputs = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(inputs, torch.zeros(40, dtype=torch.long))
+    order = torch.randperm(40).tolist()  # the split, drawn from torch's random stream as many factories draw it
+    with open(os.environ["SPLIT_FILE"], "a") as f:
+        f.write(json.dumps(order[:8]) + "\\n")
+    return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=Subset(data, order[8:]), val_data=Subset(data, order[:8]), batch_size=8)
+"""
+
+
+def test_a_resumed_run_builds_its_task_under_the_checkpoints_seed(tmp_path, monkeypatch):
+    """--seed 2 on a resume of a --seed 1 run drew another train/val split, the data position going on over it."""
+    (tmp_path / "split.py").write_text(SPLIT_TASK)
+    monkeypatch.setenv("SPLIT_FILE", str(tmp_path / "splits.jsonl"))
+    spec, out = f"{tmp_path / 'split.py'}:task", str(tmp_path / "run")
+    from typer.testing import CliRunner
+
+    first = CliRunner().invoke(app, ["train", "--task", spec, "--out", out, "--max-steps", "2",
+                                                   "--seed", "1", "--checkpoint-every", "2"])  # fmt: skip
+    assert first.exit_code == 0, first.output
+    again = CliRunner().invoke(app, ["train", "--task", spec, "--out", out, "--max-steps", "4",
+                                                   "--seed", "2", "--resume", "auto"])  # fmt: skip
+    assert again.exit_code == 0, again.output
+    splits = (tmp_path / "splits.jsonl").read_text().splitlines()
+    assert len(splits) == 2 and splits[0] == splits[1], "the resumed run validates on the rows the first one did"

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from redline.checkpoint import find_checkpoints
+from redline.checkpoint import CheckpointError, find_checkpoints, load_plan, read_checkpoint
 from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, spellings, values
 from redline.cli.task_args import load_given_task, parse_task_args
 from redline.errors import ConfigError, StoppedBySignal
@@ -71,8 +71,9 @@ def _train(
     if launching["nproc"] is not None and not launched_worker(os.environ):  # not yet a worker: start the workers
         _launch_workers(config, build(LaunchConfig, launching, optional=True), task, task_arg)
         return
-    if parsed["seed"] is not None:  # a factory that builds its model or data now draws from the seed too
-        seed_everything(parsed["seed"])
+    seed = stored_seed(config) if config.resume is not None else None  # a resumed run's data split is its own
+    if seed is not None or parsed["seed"] is not None:  # a factory that builds its model or data draws from it too
+        seed_everything(seed if seed is not None else parsed["seed"])
     loaded = load_given_task(task, task_arg)
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
@@ -132,6 +133,22 @@ def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: Ta
             raise
         found = find_checkpoints(config.out_dir / "checkpoints")
         raise stopped.named((found[-1].step, found[-1].path) if found else None) from None
+
+
+def stored_seed(config: TrainerConfig) -> int | None:
+    """The seed of the checkpoint a run resumes (None: none found, or it had none): the factory is built under it,
+    so a train/val split it draws is the one the run was trained on (the new --seed split it anew, and the data
+    position went on over other data). The Trainer says what is wrong with a checkpoint that does not read."""
+    root = config.out_dir / "checkpoints" if config.out_dir is not None else None
+    try:
+        if config.resume == "auto":
+            found = find_checkpoints(root)[-1:] if root is not None else []
+        else:
+            found = [read_checkpoint(Path(str(config.resume)))]
+        value = load_plan(found[0]).get("seed", {}).get("value") if found else None
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def launched_worker(environ: Mapping[str, str]) -> bool:
