@@ -151,7 +151,8 @@ def test_trainer_config_checks_and_normalises():
     with pytest.raises(ConfigError, match="max_steps=0"):
         TrainerConfig(max_steps=0)
     # asked for without out_dir, each would do nothing, unnoticed
-    for asked in ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}, {"checkpoint_minutes": 5}):
+    asking = ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}, {"checkpoint_minutes": 5})
+    for asked in (*asking, {"memory_history": True}):  # an out-of-memory wrote its snapshot nowhere
         with pytest.raises(ConfigError, match=f"{next(iter(asked))}=.* expected it with out_dir=DIR"):
             TrainerConfig(**asked)  # type: ignore[arg-type]
         TrainerConfig(**asked, out_dir="runs/x")  # type: ignore[arg-type]

@@ -97,6 +97,7 @@ class TrainerConfig:
                 "keep_checkpoints": (self.keep_checkpoints != KEEP_CHECKPOINTS, "it counts the checkpoints in DIR"),
                 "checkpoint_minutes": (self.checkpoint_minutes != CHECKPOINT_MINUTES, "the checkpoints go in DIR"),
                 "keep_best": (self.keep_best != "off", "the best weights are written to DIR/best.safetensors"),
+                "memory_history": (self.memory_history is True, "an out-of-memory writes its snapshot in DIR"),
             }
             for name, (asked, why) in needs_out_dir.items():
                 if asked:
