@@ -554,6 +554,24 @@ def test_every_compile_and_recompile_is_counted_with_its_cause():
     assert record.seconds is not None and record.seconds > 0
 
 
+def test_a_compile_no_guard_caused_is_said_as_another_frame_and_not_warned_of(monkeypatch, caplog):
+    """Under DDP the forward's second frame compiled at a later step: "recompiled: " and a warning "compiled
+    DistributedDataParallel again: ", each with nothing after the colon."""
+    from redline.runtime import compile as compile_home
+
+    monkeypatch.setattr(compile_home, "_last_guard_failure", lambda: "")  # torch gave no guard's failure
+    torch._dynamo.reset()
+    model = OwnForward()
+    record = compile_module(model, backend="eager")
+    model(torch.randn(16, 8))
+    with caplog.at_level("INFO", logger="redline"):
+        model(torch.randn(5, 8))
+    assert record.compiles == 2 and record.recompiles == [compile_home.NEW_FRAME]
+    said = [r for r in caplog.records if r.name == "redline"]
+    assert [r.levelname for r in said] == ["INFO"], "a frame's first compile is no repeat"
+    assert said[0].getMessage() == f"torch.compile compiled OwnForward again: {compile_home.NEW_FRAME}"
+
+
 def test_a_compiled_run_drops_the_partial_last_batch_and_says_so(monkeypatch):
     real = compile_module_home.compile_module
     monkeypatch.setattr(compile_module_home, "compile_module", lambda model: real(model, backend="eager"))

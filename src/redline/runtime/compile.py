@@ -211,6 +211,11 @@ def _graphs_held(code: Any) -> int:
         return 0
 
 
+# A compile after the first that no guard's failure caused: another frame of the forward compiled for the first time,
+# past a graph break (under several processes, DDP's forward calls its own logging code between two graphs).
+NEW_FRAME = "no guard failed: another frame of the forward, past a graph break (DDP's own code, say), compiled once"
+
+
 def _last_guard_failure() -> str:
     """The newest reason torch gave for a recompile (a guard that failed), or "" if it gave none."""
     try:
@@ -285,9 +290,11 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
             log.warning("torch.compile ran %s eagerly: it gave up compiling this call", type(model).__name__)
         elif compiled_now:
             training = torch.is_grad_enabled()
-            record.add(time.perf_counter() - start, _last_guard_failure() if record.compiles else "", training=training)
+            cause = (_last_guard_failure() or NEW_FRAME) if record.compiles else ""
+            record.add(time.perf_counter() - start, cause, training=training)
             if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
-                level = logging.WARNING if training and record.training > 1 else logging.INFO
+                again = training and record.training > 1 and cause != NEW_FRAME  # a frame's first compile is no repeat
+                level = logging.WARNING if again else logging.INFO
                 level = logging.DEBUG if per_bucket else level
                 log.log(level, "torch.compile compiled %s again: %s", type(model).__name__, record.recompiles[-1])
         return out
