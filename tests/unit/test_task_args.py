@@ -257,3 +257,13 @@ def test_an_option_without_an_annotation_reads_as_its_defaults_type():
     assert type(read["lr"]) is float and convert_task_args(factory, {"lr": "1"}) == {"lr": 1.0}
     with pytest.raises(TaskSpecError, match=r"--task-arg width='8\.5': the factory's option 'width' is an int"):
         convert_task_args(factory, {"width": "8.5"})
+
+
+def test_a_path_option_expands_the_home_directory_as_out_does(monkeypatch, tmp_path):
+    """`--task-arg=path=~/x` reached the factory as Path('~/x'), where --out and --resume expand it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def factory(path: Path):
+        return None
+
+    assert convert_task_args(factory, {"path": "~/data"}) == {"path": tmp_path / "data"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import os
 import shlex
 import types
 import typing
@@ -147,7 +148,7 @@ def _read_structured(text: str, hint: Any) -> Any:
     if isinstance(hint, type) and issubclass(hint, PurePath):
         if not text.strip():
             raise ValueError(text)
-        return hint(text)
+        return hint(os.path.expanduser(text))  # `path=~/data` reaches the factory as the shell gives --out
     if (origin or hint) in _COLLECTIONS:
         return _read_collection(text, origin or hint, args)
     if (origin or hint) is dict:
