@@ -19,7 +19,7 @@ from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions, same_kind, stored_reason
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.logs import Loggers, open_loggers
+from redline.train.logs import LOG_FILES, Loggers, open_loggers
 from redline.train.output import read_summary
 from redline.train.state import Position
 from redline.train.summary import TrainSummary
@@ -165,6 +165,14 @@ def refuse_before_launch(root: Path, resume: str | None) -> None:
 
 
 def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list[int]) -> None:
+    if not steps and found is not None and found.path.resolve().parent != root.resolve():
+        logs = [name for names in LOG_FILES.values() for name in names if (root.parent / name).exists()]
+        if logs:  # a run killed before its first checkpoint: the resumed run's steps would follow that run's
+            raise ConfigError(
+                f"out_dir={str(root.parent)!r} holds another run's logs ({', '.join(logs)}) and no checkpoint; "
+                f"resumed from {found.path} there, this run's steps would be logged after that run's, as one run\n"
+                f"hint: pass another --out for it, or move those logs out of {root.parent}"
+            )
     if steps and found is None:
         raise _earlier_run(root, steps[-1], other_version=steps[-1] in others)
     if steps and found is not None:
