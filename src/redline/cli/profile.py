@@ -22,7 +22,8 @@ def profile_command(
     task_arg: TaskArgs = None,
     devices: Annotated[str, typer.Option(help="The device to profile on: auto, cpu, cuda, cuda:N or mps.")] = "auto",
     precision: Annotated[
-        str | None, typer.Option(help="fp32, bf16-mixed or fp16-mixed (default: what `redline train` would run).")
+        str | None,
+        typer.Option(help="auto, fp32, bf16-mixed or fp16-mixed (default auto: what `redline train` would run)."),
     ] = None,
     compile: Annotated[
         str | None, typer.Option(help="torch.compile: auto, on or off (default: what `redline train` would run).")
