@@ -47,3 +47,14 @@ def test_a_resumed_runs_rates_and_time_say_they_are_the_stretch_since_the_resume
     assert rows["train time"].startswith("0.7 s end to end since the resume from step-00000022")
     del figures["resumed_from"]
     assert dict(summary_rows(TrainSummary.from_dict(figures)))["samples/s"] == "9,000 (training steps after the first)"
+
+
+def test_a_resumed_run_that_wrote_no_checkpoint_does_not_pass_the_one_it_resumed_from_for_its_own():
+    """`--resume PATH` without --out printed `steps 15` beside `checkpoint .../step-00000012`: steps 13-15 unsaved."""
+    figures = {"task": "t", "plan": PLAN.to_dict(), "steps": 15, "epochs": 1.0, "samples": 40, "stopped": "max_steps"}
+    old = "r4/checkpoints/step-00000012"
+    figures.update(train_seconds=1.0, resumed_from=old, checkpoint=old)
+    rows = dict(summary_rows(TrainSummary.from_dict(figures)))
+    assert rows["checkpoint"] == f"{old} (the one resumed from: none written since)"
+    figures["checkpoint"] = "r4/checkpoints/step-00000015"
+    assert dict(summary_rows(TrainSummary.from_dict(figures)))["checkpoint"] == "r4/checkpoints/step-00000015"

@@ -313,8 +313,9 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         rows.append(("val loss", f"{summary.val_loss:.4f}"))
     if summary.val_metric is not None:
         rows.append(("val metric", f"{summary.val_metric:.4f}"))
-    if summary.checkpoint:
-        rows.append(("checkpoint", summary.checkpoint))
+    if summary.checkpoint:  # the one resumed from, where this run wrote none (no --out): its later steps are unsaved
+        since = " (the one resumed from: none written since)" if summary.checkpoint == summary.resumed_from else ""
+        rows.append(("checkpoint", summary.checkpoint + since))
     if summary.best:
         best = summary.best
         rows.append(("best weights", f"{best['path']} ({best['monitor']} {best['value']:.4f} at step {best['step']})"))
