@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +12,6 @@ from redline.errors import OutOfMemory, RedlineError, TrainingError, describe_er
 from redline.parallel.collectives import failed_collective, is_collective_failure
 from redline.plan.micro_batch import MicroBatch
 from redline.runtime.oom import is_oom
-from redline.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
     from redline.checkpoint import Checkpoint
@@ -26,19 +24,21 @@ class EvaluationOutOfMemory(OutOfMemory):
     """The device ran out of memory while evaluating: micro-batches, which split a training step, do not help."""
 
 
-def step_failure(exc: BaseException, step: int, snapshot: Path | None = None) -> TrainingError | None:
+def step_failure(
+    exc: BaseException, step: int, snapshot: Path | None = None, *, in_optimizer: bool = False
+) -> TrainingError | None:
     """Return the TrainingError that ``exc`` from step ``step`` becomes, or None for one that passes as it is.
 
     An out-of-memory the Runtime did not recover from names the memory snapshot (CUDA) and the way
     out: for the forward and backward of a whole batch, ``--micro-batch``; for the optimizer's step,
-    which no split of the batch makes smaller, less state or state sharded. A failed collective
-    says another rank stopped first.
+    which no split of the batch makes smaller (``in_optimizer``: it failed there), less state or state
+    sharded. A failed collective says another rank stopped first.
     """
     if isinstance(exc, RedlineError):
         return None
     if is_oom(exc):
         written = f"; memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)" if snapshot else ""
-        hint = OPTIMIZER_STEP_HINT if in_optimizer_step(exc) else SPLIT_HINT + LOWER_BATCH
+        hint = OPTIMIZER_STEP_HINT if in_optimizer else SPLIT_HINT + LOWER_BATCH
         return OutOfMemory(f"step {step}: the device ran out of memory: {describe_error(exc)}{written}\nhint: {hint}")
     if is_collective_failure(exc):  # a dead peer surfaces in this rank's next collective, wherever it is
         return TrainingError(
@@ -61,12 +61,6 @@ OPTIMIZER_STEP_HINT = (
     "less state needs less (SGD with momentum keeps one copy of the weights, torch.optim.Adafactor a factored "
     "one); `redline memory --task SPEC` weighs each part against the GPU"
 )
-
-
-def in_optimizer_step(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised inside ``Runtime.step`` (the optimizer's step, clipping and loss scaling): its
-    traceback runs through that method's frame."""
-    return any(frame.f_code is Runtime.step.__code__ for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def check_finite(losses: list[float], first_step: int, last: Checkpoint | None) -> None:

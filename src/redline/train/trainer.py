@@ -165,7 +165,7 @@ class Trainer:
         try:
             return self._micro_step(run, inputs, targets)
         except Exception as exc:
-            failure = step_failure(exc, run.pos.step + 1, run.rt.last_snapshot)
+            failure = step_failure(exc, run.pos.step + 1, run.rt.last_snapshot, in_optimizer=run.in_optimizer_step)
             if failure is None:
                 raise
             raise failure from exc
