@@ -116,9 +116,9 @@ def benchmark(
         group = [s for s in settings if s.batch_size == size]
         planned = planned_steps or task_steps(task, size)
         try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
-            if any(s.compile is not False for s in group):
-                # each compile is timed as a fresh run's, not served from an earlier graph
-                reset_compiler({s.device for s in group if s.compile is not False})
+            compiling = {s.device for s in group if s.compile is not False}  # auto's rows may compile too
+            if compiling:  # each compile is timed as a fresh run's, not served from an earlier graph
+                reset_compiler(compiling)
             warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
             built, failed = _warm_up_all(task, group, window, planned, seed, warming)
             done += len(group)

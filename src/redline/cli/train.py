@@ -71,9 +71,10 @@ def _train(
     if launching["nproc"] is not None and not launched_worker(os.environ):  # not yet a worker: start the workers
         _launch_workers(config, build(LaunchConfig, launching, optional=True), task, task_arg)
         return
-    seed = stored_seed(config) if config.resume is not None else None  # a resumed run's data split is its own
-    if seed is not None or parsed["seed"] is not None:  # a factory that builds its model or data draws from it too
-        seed_everything(seed if seed is not None else parsed["seed"])
+    seed = stored_seed(config)  # a resumed run's: its data split is its own
+    seed = parsed["seed"] if seed is None else seed
+    if seed is not None:  # a factory that builds its model or data draws from it too
+        seed_everything(seed)
     loaded = load_given_task(task, task_arg)
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
@@ -139,6 +140,8 @@ def stored_seed(config: TrainerConfig) -> int | None:
     """The seed of the checkpoint a run resumes (None: none found, or it had none): the factory is built under it,
     so a train/val split it draws is the one the run was trained on (the new --seed split it anew, and the data
     position went on over other data). The Trainer says what is wrong with a checkpoint that does not read."""
+    if config.resume is None:
+        return None
     root = config.out_dir / "checkpoints" if config.out_dir is not None else None
     try:
         if config.resume == "auto":
