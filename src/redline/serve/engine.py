@@ -338,8 +338,7 @@ class InferenceEngine:
         chosen = choose(proposal, timings[largest], bucket=largest, small=small, split=small is not None)
         lighter = chosen.pop("small_batches", None)
         if lighter is not None and isinstance(lighter.value, Setting):
-            kept = Setting(chosen["precision"].value, bool(chosen["compile"].value), chosen["channels_last"].value)
-            split = self._split_off(kept, lighter.value, timings)
+            split = self._split_off(_kept(chosen), lighter.value, timings)
             if split is None:
                 self._measure(proposal)
                 return
@@ -351,7 +350,7 @@ class InferenceEngine:
         if lighter is not None:
             self.plan["small_batches"] = lighter
         if proposal.compile_after:
-            kept = Setting(chosen["precision"].value, False, chosen["channels_last"].value)
+            kept = _kept(chosen)  # eager: on a CPU no compiled setting was timed with the others
             timed = next((t for t in timings[largest] if t.setting == kept), None)
             short = short_job(kept, timed, self.planned_batches)
             if short is None:
@@ -483,6 +482,11 @@ class InferenceEngine:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
         return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
+
+
+def _kept(chosen: dict[str, Choice[Any]]) -> Setting:
+    """The setting the plan entries ``choose`` returned keep for the largest bucket."""
+    return Setting(chosen["precision"].value, bool(chosen["compile"].value), chosen["channels_last"].value)
 
 
 def _without_graphs(exc: CaptureFailed) -> str:
