@@ -483,6 +483,7 @@ def test_the_cli_says_the_mistake_in_one_message(kind, redline_here):
         (("--clip-grad-norm", "0"), "--clip-grad-norm=0.0 is not allowed; expected a number > 0\n"),
         (("--logger", "wandb"), "--logger='wandb' is not allowed; expected one of 'csv', 'jsonl', 'tensorboard'"),
         (("--logger", "tensorboard"), "logger 'tensorboard' writes its files under out_dir, and out_dir is None"),
+        (("--logger", "jsonl"), "logger 'jsonl' writes its files under out_dir, and out_dir is None"),
         (("--early-stopping-patience", "2"), "early stopping watches a validation metric, and task 'ok' has no"),
         (("--eval-every", "2"), "--eval-every=2 is not allowed; expected it with a task that has val_data (task 'ok'"),
     ],

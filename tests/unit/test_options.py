@@ -170,7 +170,11 @@ def test_a_logger_asked_for_by_name_needs_an_out_dir():
     assert "logger 'tensorboard' writes its files under out_dir, and out_dir is None" in str(info.value)
     assert "\nhint: pass --out DIR" in str(info.value)
     assert TrainerConfig(loggers=("tensorboard",), out_dir="runs/x").loggers == ("tensorboard",)
-    assert TrainerConfig().out_dir is None and TrainerConfig(loggers=("csv",)).loggers == ("csv",)  # defaults: fine
+    assert TrainerConfig().out_dir is None and TrainerConfig(loggers=()).loggers == ()  # nothing asked: fine
+    # a default logger named alone (--logger csv) is asked for too: it wrote nothing and said nothing
+    with pytest.raises(ConfigError, match="logger 'csv' writes its files under out_dir, and out_dir is None"):
+        TrainerConfig(loggers=("csv",))
+    assert TrainerConfig(loggers=("csv", "jsonl")).out_dir is None  # the default, spelled out
 
 
 def test_launch_config_reads_nproc_as_text_and_checks_it():

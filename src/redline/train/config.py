@@ -26,7 +26,7 @@ log = logging.getLogger("redline")
 
 KEEP_CHECKPOINTS = 3
 CHECKPOINT_MINUTES = 30.0  # a crash of a long run loses at most this much of it
-DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not
+DEFAULT_LOGGERS = ("csv", "jsonl")  # written when out_dir is set, skipped quietly when it is not (unless named)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,8 +105,10 @@ class TrainerConfig:
         loggers = (self.loggers,) if isinstance(self.loggers, str) else tuple(self.loggers)
         check_logger_names(loggers, field="loggers")
         object.__setattr__(self, "loggers", loggers)
-        chosen = [name for name in loggers if name not in DEFAULT_LOGGERS]
-        if chosen and self.out_dir is None:  # asked for by name: writing nothing would go unnoticed
+        # asked for by name (any set but the default's): writing nothing would go unnoticed
+        named = list(loggers) if loggers != DEFAULT_LOGGERS else []
+        chosen = [name for name in named if name not in DEFAULT_LOGGERS] or named
+        if chosen and self.out_dir is None:
             raise ConfigError(
                 f"logger {chosen[0]!r} writes its files under out_dir, and out_dir is None; expected an out_dir "
                 f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
