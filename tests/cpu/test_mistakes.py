@@ -485,6 +485,10 @@ def test_the_cli_says_the_mistake_in_one_message(kind, redline_here):
         (("--logger", "tensorboard"), "logger 'tensorboard' writes its files under out_dir, and out_dir is None"),
         (("--logger", "jsonl"), "logger 'jsonl' writes its files under out_dir, and out_dir is None"),
         (("--early-stopping-patience", "2"), "early stopping watches a validation metric, and task 'ok' has no"),
+        (
+            ("--strategy", "ddp"),
+            "--strategy='ddp' is not allowed; expected it in the processes `redline launch` starts",
+        ),
         (("--eval-every", "2"), "--eval-every=2 is not allowed; expected it with a task that has val_data (task 'ok'"),
     ],
 )

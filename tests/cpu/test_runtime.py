@@ -334,8 +334,9 @@ def test_backward_passes_its_keywords_to_torch(initial, precision):
 
 def test_a_distributed_strategy_outside_a_launch_says_how_to_launch(initial):
     rt = redline.Runtime(devices="cpu", strategy="ddp")
-    with pytest.raises(ConfigError, match="redline launch"):
+    with pytest.raises(ConfigError, match="redline launch") as info:
         rt.setup(initial, lambda params: torch.optim.SGD(params, lr=0.1))
+    assert info.value.parts is not None and info.value.parts[0] == "strategy"  # said by its flag on the CLI
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])

@@ -253,10 +253,10 @@ class Runtime(RunState):
         precision = settled or self.precision.name
         layout = self._layout.setup(model, self.options.channels_last, precision, sharded=strategy.value == "fsdp")
         if strategy.value != "single" and not torch.distributed.is_initialized():
-            raise ConfigError(
-                f"strategy={strategy.value!r} needs a process group, and this process was not launched as a "
-                "worker\nhint: start it with `redline launch` (or `redline train --nproc N`), or use strategy='auto'"
-            )
+            raise invalid(
+                "strategy", strategy.value, "it in the processes `redline launch` starts: it needs a process group",
+                "start it with `redline launch` (or `redline train --nproc N`), or use strategy='auto'",
+            )  # fmt: skip
         self.strategy = build_strategy(strategy.value, find_unused_parameters=self.options.find_unused_parameters)
         micro = self._micro.plan(strategy.value)  # "auto" under FSDP is refused here, before anything is wrapped
         model, built = self.strategy.wrap(model, optimizer, device=self.device, precision=self.precision.name)
