@@ -19,7 +19,7 @@ def _launch(
             help="The script to run (or a module with --module); every argument after it is the script's own.",
         ),
     ],
-    module: Annotated[bool, typer.Option("--module", "-m", help="TARGET is a module: python -m TARGET.")] = False,
+    module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module: python -m SCRIPT.")] = False,
     **parsed: Any,
 ) -> None:
     """Run SCRIPT [ARGS...] on N processes (and N machines) with torch.distributed."""
