@@ -229,6 +229,7 @@ def test_redline_memory_json_weighs_each_way_against_the_gpu(memory_cli) -> None
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["device"] == "NVIDIA L4" and result["target"] == "cuda"
+    assert result["mem_gib"] == 22.03  # what torch reads on an L4, not the datasheet's 24
     labels = [row["label"] for row in result["rows"]]
     assert labels == ["as it stands", "activation checkpointing", "FSDP over 4 GPUs", "FSDP over 4 GPUs, checkpointing"]
     first = result["rows"][0]

@@ -32,6 +32,24 @@ def test_every_row_is_sourced_and_sane(spec):
         assert spec.peak_tflops_fp8 is None
 
 
+@pytest.mark.parametrize("spec", CATALOG, ids=lambda s: s.id)
+def test_what_torch_reads_on_each_card_is_sourced_or_its_absence_explained(spec):
+    # a card reads less than its datasheet's size (ECC, the driver's reserve): the memory a step is weighed against
+    if spec.usable_gib is None:
+        assert "usable_gib is left out" in spec.note
+    else:
+        assert spec.usable_gib < spec.mem_gib and spec.usable_source.startswith(("https://", "as ", "measured by"))
+    assert spec.weighed_gib == (spec.usable_gib or spec.mem_gib)
+
+
+def test_gddr_cards_lose_more_than_a_sixteenth_to_ecc_and_the_driver_and_hbm_cards_less():
+    # ECC on GDDR keeps 1/16 of it (an L4's 24 GiB reads 22.03), where HBM holds its ECC apart (an H100's 80: 79.11)
+    for gddr in ("l4", "t4", "a10", "a10g", "l40s", "rtx-6000-ada"):
+        spec = next(s for s in CATALOG if s.id == gddr)
+        assert spec.usable_gib is not None and spec.usable_gib < spec.mem_gib * 15 / 16, gddr
+    assert H100_SXM.usable_gib is not None and H100_SXM.usable_gib > H100_SXM.mem_gib * 15 / 16
+
+
 def test_the_catalog_is_read_once():
     assert load_catalog() is CATALOG
 
@@ -217,6 +235,17 @@ def test_a_catalog_file_loads(tmp_path):
     assert find_gpu("nvidia good", catalog=[row]) == row
 
 
+def test_a_row_takes_the_reading_of_a_row_with_the_same_memory_only_while_the_two_agree(tmp_path):
+    read = GOOD_ROW.replace("tdp_w = 700", 'usable_gib = 79.1\nusable_source = "https://example.com/oom"')
+    twin = read.replace('id = "good"', 'id = "twin"').replace("NVIDIA Good", "NVIDIA Twin")
+    twin = twin.replace("https://example.com/oom", "as good: the same chip and memory")
+    good, taken = load_catalog(write(tmp_path, read + twin))
+    assert taken.weighed_gib == good.weighed_gib == 79.1
+    drifted = twin.replace("usable_gib = 79.1", "usable_gib = 79.5")  # the lender's figure corrected, this one not
+    with pytest.raises(ConfigError, match=r"row 'twin' takes usable_gib 79.5 'as good', which is no row reading"):
+        load_catalog(write(tmp_path, read + drifted))
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -229,8 +258,14 @@ def test_a_catalog_file_loads(tmp_path):
         (("compute_capability = [9, 0]", "compute_capability = [9]"), r"row 2 \(id='bad'\): compute_capability"),
         (('match = ["NVIDIA Good"]', "match = []"), r"row 2 \(id='bad'\): match=\(\)"),
         (('match = ["NVIDIA Good"]', 'match = ["nvidia  GOOD"]'), r"'nvidia  GOOD' is in rows 'good' and 'bad'"),
+        (("tdp_w = 700", 'usable_gib = 81.0\nusable_source = "https://example.com/oom"'),
+         r"row 2 \(id='bad'\): usable_gib=81.0 is not allowed; expected a positive number no larger than mem_gib"),
+        (("tdp_w = 700", "usable_gib = 79.1"), r"row 2 \(id='bad'\): usable_source='' .*given with it"),
+        (("tdp_w = 700", 'usable_source = "https://example.com/oom"'), r"usable_source='https://example.com/oom'"),
+        (('match = ["NVIDIA Good"]', 'match = ["NVIDIA Bad"]\nusable_gib = 79.1\nusable_source = "as good: the same"'),
+         r"row 'bad' takes usable_gib 79.1 'as good', which is no row reading the same mem_gib and usable_gib"),
     ],
-)
+)  # fmt: skip
 def test_a_malformed_row_names_the_row_and_the_field(tmp_path, edit, message):
     bad = GOOD_ROW.replace('id = "good"', 'id = "bad"').replace(*edit)
     with pytest.raises(ConfigError, match=message):

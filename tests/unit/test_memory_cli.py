@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -9,6 +11,7 @@ import redline.cli.memory as memory_cli
 from redline.cli.main import app
 from redline.errors import ConfigError
 from redline.hardware.device import Accelerators
+from redline.memory.fit import MemoryFit
 
 # A spec that cannot load: a refusal that comes first never meets it.
 UNLOADABLE = ["--task", "no/such/file.py:task"]
@@ -39,6 +42,26 @@ def test_gpus_with_a_gpu_named_goes_on_to_load_the_task(where: list[str]) -> Non
     assert "no/such/file.py" in str(result.exception)  # past the flags, stopped by the spec
 
 
+def test_a_catalog_gpu_is_weighed_at_what_torch_reads_on_it_and_the_result_says_so(monkeypatch) -> None:
+    # An L4 was weighed at its datasheet's 24 GiB, where torch reads 22.03 (ECC and the driver keep the rest): the
+    # largest batch of a chargpt came out 279 where 22.03 GiB holds 255.
+    def weighed(task, *, device, mem_gib, target, **rest):
+        return MemoryFit(task=task.name, device=device, mem_gib=mem_gib, target=target, rows=(), notes=("its own",))
+
+    monkeypatch.setattr(memory_cli, "fit_memory", weighed)
+    result = CliRunner().invoke(app, ["memory", "--task", "example:digits", "--gpu", "l4", "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    assert found["device"] == "NVIDIA L4" and found["mem_gib"] == 22.03
+    assert found["notes"] == [
+        "NVIDIA L4 is weighed against the 22.03 GiB torch reports on one (total_memory), not the 24 GB it is sold "
+        "with: ECC and the driver keep the rest",
+        "its own",
+    ]
+    result = CliRunner().invoke(app, ["memory", "--task", "example:digits", "--mem-gib", "24", "--json"])
+    assert json.loads(result.stdout)["notes"] == ["its own"]  # a size given is the size weighed: nothing to tell
+
+
 @pytest.mark.parametrize("size", ["1e308", "2e6", "inf", "0", "-24"])
 def test_a_memory_size_no_device_has_is_refused_by_its_flag(size: str) -> None:
     message = refusal("--mem-gib", size)  # 1e308 GiB is more bytes than a float holds: it crashed the fit
@@ -54,10 +77,10 @@ def test_a_cpu_estimate_weighs_against_the_container_s_limit_not_the_host_s_memo
     # a container given 8 GiB on a host of hundreds: past 8 GiB the kernel kills the run
     monkeypatch.setattr(memory_cli, "probe_accelerators", lambda: Accelerators(cuda_count=0))
     monkeypatch.setattr(memory_cli, "memory_limit_bytes", lambda: 8 * 2**30)
-    name, facts, mem_gib = memory_cli._device(None, None)
+    name, facts, mem_gib, _ = memory_cli._device(None, None)
     assert mem_gib == 8 and facts.type == "cpu" and name == "this machine's CPU, under its cgroup's memory limit"
     monkeypatch.setattr(memory_cli, "memory_limit_bytes", lambda: None)
-    name, _, mem_gib = memory_cli._device(None, None)
+    name, _, mem_gib, _ = memory_cli._device(None, None)
     assert name == "this machine's CPU" and mem_gib > 0
 
 
@@ -80,7 +103,7 @@ def test_the_text_prints_the_notes_of_every_row_naming_the_rows_not_all_carry(ca
     from dataclasses import replace
 
     from redline.memory.estimate import MemoryEstimate
-    from redline.memory.fit import Fit, MemoryFit
+    from redline.memory.fit import Fit
 
     estimate = MemoryEstimate(
         batch_size=16, precision="fp32", target="cuda", strategy="single", world_size=1, activation_checkpointing=False,

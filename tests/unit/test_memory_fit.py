@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 from redline.errors import ConfigError
 from redline.memory.estimate import MemoryEstimate
-from redline.memory.fit import GIB, available_bytes, fit_memory, gpu_facts, largest_batch
+from redline.memory.fit import GIB, available_bytes, catalog_memory_note, fit_memory, gpu_facts, largest_batch
 from redline.task import Task
 
 
@@ -80,6 +80,21 @@ def test_a_gpu_is_found_by_id_or_by_the_name_torch_reports() -> None:
     assert spec.mem_gib == 192 and facts.capability == (9, 4) and facts.bf16
     with pytest.raises(ConfigError, match=r"(?s)not in the GPU catalog.*h100-sxm.*--mem-gib"):
         gpu_facts("voodoo-2")
+
+
+@pytest.mark.parametrize(
+    ("name", "reads", "note"),
+    [("l4", 22.03, "against the 22.03 GiB torch reports on one (total_memory), not the 24 GB it is sold with"),
+     ("t4", 14.56, "against the 14.56 GiB torch reports"), ("h200-sxm", 139.8, "not the 141 GB"),
+     ("h100-pcie", 79.11, "against the 79.11 GiB"),  # the H100 SXM's reading: the same chip and memory
+     ("mi300x", 192, "against the 192 GiB of its datasheet: the catalog holds no reading")],
+)  # fmt: skip
+def test_a_catalog_gpu_is_weighed_at_the_memory_torch_reads_on_it(name, reads, note) -> None:
+    # ECC on a GDDR card takes a sixteenth of it, and the driver keeps some of every card: weighed at the
+    # datasheet's 24 GiB, an L4's largest batch came out 8% more than fits in the 22.03 GiB torch reports
+    spec, facts = gpu_facts(name)
+    assert facts.mem_gib == spec.weighed_gib == reads
+    assert note in catalog_memory_note(spec)
 
 
 @pytest.mark.parametrize(

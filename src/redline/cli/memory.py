@@ -21,7 +21,7 @@ from redline.cli.task_args import load_given_task
 from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes
-from redline.memory.fit import MAX_MEM_GIB, MemoryFit, fit_choices, fit_memory, gpu_facts
+from redline.memory.fit import MAX_MEM_GIB, MemoryFit, catalog_memory_note, fit_choices, fit_memory, gpu_facts
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
 from redline.render.console import output_console, print_uncut
@@ -104,7 +104,7 @@ def memory(
     if weighed is None:
         _measure(loaded, precision, attention, start or 1, max_batch_size, json_output)
         return
-    device, facts, mem = weighed
+    device, facts, mem, told = weighed
     here = gpu is None and mem_gib is None
     with said_by_flags(precision="--precision", attention="--attention"):
         weighing = fit_choices(loaded, precision, attention, facts, here=here, batch_size=batch_size)
@@ -122,6 +122,8 @@ def memory(
             precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
             grad_accum=weighing.grad_accum,
         )  # fmt: skip
+    if told:  # which figure of a catalog GPU's memory it was weighed against
+        result = dataclasses.replace(result, notes=(told, *result.notes))
     _print(result, json_output)
 
 
@@ -157,23 +159,24 @@ def _found_so_far(stop: KeyboardInterrupt) -> str:
     return f"the largest batch that trained so far is {max(fitted)} ({ran}); a larger one may train too"
 
 
-def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, float]:
-    """The device to weigh against: a catalog GPU, a GPU of a given size, or this machine's own."""
+def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, float, str]:
+    """The device to weigh against: a catalog GPU, a GPU of a given size, or this machine's own; its name, facts,
+    GiB, and a note on which figure of its memory that is, where the name leaves it open (a catalog GPU's)."""
     if gpu is not None:
         spec, facts = gpu_facts(gpu)
-        return spec.name, facts, spec.mem_gib
+        return spec.name, facts, spec.weighed_gib, catalog_memory_note(spec)
     if mem_gib is not None:  # a GPU of that size, as recent as bf16
         facts = DeviceFacts(type="cuda", name=f"a {mem_gib:.10g} GiB GPU", capability=(8, 0), mem_gib=mem_gib)
-        return facts.name, facts, mem_gib
+        return facts.name, facts, mem_gib, ""
     if probe_accelerators().cuda_count:
         facts = probe_device(torch.device("cuda", 0))
-        return facts.name, facts, facts.mem_gib or 0.0
+        return facts.name, facts, facts.mem_gib or 0.0, ""
     facts = dataclasses.replace(probe_device(torch.device("cpu")), name="this machine's CPU")
     machine, limit = machine_memory_bytes(), memory_limit_bytes()
     if limit is not None and limit < machine:  # a container or a job: the kernel kills the process past its limit
         facts = dataclasses.replace(facts, name="this machine's CPU, under its cgroup's memory limit")
-        return facts.name, facts, limit / 2**30
-    return facts.name, facts, machine / 2**30
+        return facts.name, facts, limit / 2**30, ""
+    return facts.name, facts, machine / 2**30, ""
 
 
 def _print(result: MemoryFit, json_output: bool) -> None:

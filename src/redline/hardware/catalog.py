@@ -53,6 +53,8 @@ class GPUSpec:
 
     Peaks are dense TFLOP/s (no 2:4 sparsity); bf16 and fp16 are tensor-core rates with FP32
     accumulate. ``match`` holds the names torch reports for the SKU, ``*`` standing for any text.
+    ``mem_gib`` is the datasheet's size; ``usable_gib`` what torch's ``total_memory`` reads on the card
+    (ECC and the driver keep the rest), read where ``usable_source`` says, or ``None`` where none was found.
     """
 
     id: str
@@ -69,6 +71,8 @@ class GPUSpec:
     peak_tflops_bf16: float | None = None
     peak_tflops_fp16: float | None = None
     peak_tflops_fp8: float | None = None
+    usable_gib: float | None = None
+    usable_source: str = ""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -92,6 +96,26 @@ class GPUSpec:
             value = getattr(self, name)
             if value is not None and not _is_positive(value):
                 raise invalid(name, value, "a positive number, or the field left out when no source gives it")
+        self._check_usable()
+
+    def _check_usable(self) -> None:
+        """What torch reads on the card: no more than the card has, and sourced where given."""
+        if self.usable_gib is not None and not (_is_positive(self.usable_gib) and self.usable_gib <= self.mem_gib):
+            raise invalid(
+                "usable_gib", self.usable_gib, f"a positive number no larger than mem_gib ({self.mem_gib:g})",
+                "what torch's total_memory reads on the card, in GiB; leave it out where no source gives it",
+            )  # fmt: skip
+        text = self.usable_source
+        if not isinstance(text, str) or bool(text.strip()) != (self.usable_gib is not None):
+            raise invalid(
+                "usable_source", self.usable_source, "where usable_gib was read, given with it and only with it",
+                "a thread quoting the reading, or 'as <id>' for a row of the same memory whose reading is taken",
+            )  # fmt: skip
+
+    @property
+    def weighed_gib(self) -> float:
+        """The GiB a step may be weighed against on this card: what torch reads on it, else the datasheet's size."""
+        return self.mem_gib if self.usable_gib is None else self.usable_gib
 
 
 _FIELDS = {f.name for f in fields(GPUSpec)}
@@ -220,6 +244,7 @@ def _parse(text: str, *, origin: str) -> tuple[GPUSpec, ...]:
         raise ConfigError(f"{origin} has no [[gpu]] rows\nhint: each SKU is a [[gpu]] table; see catalog.toml")
     specs = tuple(_row(row, f"{origin}: [[gpu]] row {i + 1}") for i, row in enumerate(rows))
     _check_unique(specs, origin)
+    _check_borrowed_readings(specs, origin)
     return specs
 
 
@@ -258,6 +283,24 @@ def _check_unique(specs: tuple[GPUSpec, ...], origin: str) -> None:
                     "a name must lead to one row"
                 )
             owners[key] = spec.id
+
+
+def _check_borrowed_readings(specs: tuple[GPUSpec, ...], origin: str) -> None:
+    """A row whose usable_source is "as <id>" takes that row's reading: the row must exist, read for itself, and
+    hold the same memory, so a borrowed figure cannot drift from the one it was taken from."""
+    by_id = {spec.id: spec for spec in specs}
+    for spec in specs:
+        borrowed = re.match(r"as ([\w-]+)", spec.usable_source)  # "as h100-sxm: the same GH100 chip ..."
+        if borrowed is None:
+            continue
+        lender = by_id.get(borrowed.group(1))
+        memory = (spec.mem_gib, spec.usable_gib)
+        if lender is None or lender.usable_source.startswith("as ") or (lender.mem_gib, lender.usable_gib) != memory:
+            raise ConfigError(
+                f"{origin}: row {spec.id!r} takes usable_gib {spec.usable_gib!r} 'as {borrowed.group(1)}', which is "
+                "no row reading the same mem_gib and usable_gib for itself\nhint: name a row with the same memory "
+                "and the reading, or give this row's own source"
+            )
 
 
 def _words(text: str) -> list[str]:

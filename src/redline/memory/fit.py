@@ -159,8 +159,22 @@ def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
             f"hint: {'name one of the nearest, or ' if near else ''}give its memory instead with --mem-gib"
         )
     spec = found[0]
-    facts = DeviceFacts(type="cuda", name=spec.name, capability=spec.compute_capability, mem_gib=spec.mem_gib)
+    # the memory torch reports on the card, as a run there reads it: its datasheet's size less ECC and the driver's
+    facts = DeviceFacts(type="cuda", name=spec.name, capability=spec.compute_capability, mem_gib=spec.weighed_gib)
     return spec, facts
+
+
+def catalog_memory_note(spec: GPUSpec) -> str:
+    """Which of a catalog GPU's memory figures a step is weighed against, and why."""
+    if spec.usable_gib is None:
+        return (
+            f"{spec.name} is weighed against the {spec.mem_gib:g} GiB of its datasheet: the catalog holds no reading "
+            "of what torch reports on one (redline/hardware/catalog.toml says why)"
+        )
+    return (
+        f"{spec.name} is weighed against the {spec.usable_gib:g} GiB torch reports on one (total_memory), not the "
+        f"{spec.mem_gib:g} GB it is sold with: ECC and the driver keep the rest"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
