@@ -55,6 +55,10 @@ BROKEN = {
         "visible-devices": ("fail", ["unset CUDA_VISIBLE_DEVICES", "0,1,2,3"]),
         "cuda-available": ("fail", ["unset CUDA_VISIBLE_DEVICES"]),
     },
+    "visible-devices-repeated": {
+        "visible-devices": ("fail", ["export CUDA_VISIBLE_DEVICES=0,1"]),
+        "cuda-available": ("fail", ["CUDA_VISIBLE_DEVICES"]),
+    },
     "shm-64mb-docker": {
         "shm-size": ("fail", ["--ipc=host", "--shm-size"]),
     },
@@ -276,7 +280,7 @@ def test_visible_devices_cuda_stops_at_the_first_bad_entry():
     check = judge(snap).check("visible-devices")
     assert check.status == "fail" and "CUDA sees only 0, 2" in check.detail
     assert check.fix == "export CUDA_VISIBLE_DEVICES=0,2,1"
-    snap.env["CUDA_VISIBLE_DEVICES"] = f"{snap.driver.gpus[3].uuid[:12]},0"
+    snap.env["CUDA_VISIBLE_DEVICES"] = f"{snap.driver.gpus[3].uuid[:12]},{snap.driver.gpus[0].uuid}"
     snap.torch = None
     check = judge(snap).check("visible-devices")
     assert check.status == "ok" and "GPU 3 as cuda:0, GPU 0 as cuda:1" in check.detail

@@ -88,9 +88,9 @@ def test_cuda_visible_devices_reads_like_cuda():
     gpus = [GpuFacts(index=i, name="A100", uuid=f"GPU-{i}aaa-bbb") for i in range(4)]
     parsed = read_visible("0, 2,-1,1", gpus)
     assert parsed.visible == ["0", "2"] and parsed.stopped_at == "-1" and parsed.valid == ["0", "2", "1"]
-    assert read_visible("GPU-3aaa,1,1", gpus).visible == ["3", "1"] and read_visible("1,1", gpus).duplicates == ["1"]
+    assert read_visible("GPU-3aaa,GPU-1", gpus).visible == ["3", "1"]
     assert read_visible("GPU-,0", gpus).stopped_at == "GPU-"  # a prefix that names several GPUs names none
-    assert read_visible("MIG-5c3e,0", gpus).visible == ["MIG-5c3e", "0"]
+    assert read_visible("MIG-5c3e,MIG-77", gpus).visible == ["MIG-5c3e", "MIG-77"]
 
 
 def test_library_versions_and_ranges_read_right():
