@@ -66,6 +66,12 @@ BROKEN = {
         "torch-build": ("fail", ["export LD_LIBRARY_PATH=/opt/tools/lib"]),
         "library-shadowing": ("fail", ["export LD_LIBRARY_PATH=/opt/tools/lib"]),
     },
+    "cudnn-missing-in-container": {
+        "torch-build": (
+            "fail",
+            ["pip install --force-reinstall torch==2.4.0 --index-url https://download.pytorch.org/whl/cu124"],
+        ),
+    },
     "ld-library-path-older-cuda": {
         "library-shadowing": ("fail", ["export LD_LIBRARY_PATH=/opt/tools/lib"]),
     },

@@ -144,8 +144,8 @@ def torch_build(m: Machine) -> Check:
         return fail("torch-build", f"importing torch in a child process {m.child_failure()}", m.child_fix())
     if facts.import_error:
         error = first_line(facts.import_error)
-        if mentions(error, "undefined symbol", "cannot open shared object") and m.snap.library_path:
-            fix = f"{m.ld_path_without(m.cuda_library_dirs())} (it hands torch other CUDA libraries)"
+        if mentions(error, "undefined symbol", "cannot open shared object") and (dirs := m.cuda_library_dirs()):
+            fix = f"{m.ld_path_without(dirs)} (it hands torch other CUDA libraries)"
         else:
             fix = reinstall_torch(m.snap.packages.get("torch"))
         return fail("torch-build", f"import torch failed: {error}", fix)

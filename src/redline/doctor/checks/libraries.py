@@ -238,9 +238,9 @@ def library_shadowing(m: Machine) -> Check:
     if not m.linux:
         return skip("library-shadowing", "LD_LIBRARY_PATH is a Linux matter")
     import_error = m.snap.torch.import_error if m.snap.torch else None
-    if import_error and mentions(import_error, "undefined symbol") and m.snap.library_path:
-        detail = f"import torch failed with {first_line(import_error)!r} while LD_LIBRARY_PATH is set"
-        return fail("library-shadowing", detail, m.ld_path_without(m.cuda_library_dirs()))
+    if import_error and mentions(import_error, "undefined symbol") and (dirs := m.cuda_library_dirs()):
+        detail = f"import torch failed with {first_line(import_error)!r} while LD_LIBRARY_PATH holds CUDA libraries"
+        return fail("library-shadowing", detail, m.ld_path_without(dirs))
     if not m.snap.library_path:
         return ok("library-shadowing", "LD_LIBRARY_PATH is unset")
     if m.build is not None and m.build != "cuda":

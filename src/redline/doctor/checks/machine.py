@@ -167,9 +167,9 @@ class Machine:
         return HANG_FIX if run is not None and run.timed_out else CRASH_FIX
 
     def cuda_library_dirs(self) -> list[str]:
-        """Return the LD_LIBRARY_PATH entries holding CUDA libraries (all of them if none is known to)."""
-        entries = self.snap.library_path
-        return [e.path for e in entries if e.libs] or [e.path for e in entries]
+        """Return the LD_LIBRARY_PATH entries holding CUDA libraries: only these can hand torch other copies (an
+        NVIDIA container sets /usr/local/nvidia/lib64, which holds the driver's libraries and none of torch's)."""
+        return [entry.path for entry in self.snap.library_path if entry.libs]
 
     def ld_path_without(self, drop: list[str]) -> str:
         """Return the command that removes ``drop`` from LD_LIBRARY_PATH, keeping the other entries."""
