@@ -36,9 +36,13 @@ BROKEN = {
         "torch-build": ("fail", ["pip install", "torch==2.13.0", "torchvision", "download.pytorch.org/whl/cu126"]),
         "cuda-available": ("fail", ["download.pytorch.org/whl/cu126"]),
     },
-    "driver-too-old": {
-        "driver-runtime-compat": ("fail", ["upgrade the NVIDIA driver to 580.65.06"]),
-        "cuda-available": ("fail", ["upgrade the NVIDIA driver to 580.65.06"]),
+    "cpu-wheel-on-rtx5090-driver-570": {  # sm_120 needs cu128+: cu129 runs on driver 570 in minor-version compat
+        "torch-build": ("fail", ["whl/cu129", "570.133.07) runs only in minor-version compatibility", "575.51.03"]),
+        "cuda-available": ("fail", ["whl/cu129", "575.51.03"]),
+    },
+    "driver-too-old": {  # cu130 does not start on driver 550, cu126 does
+        "driver-runtime-compat": ("fail", ["keep the driver", "whl/cu126", "upgrade the NVIDIA driver to 580.65.06"]),
+        "cuda-available": ("fail", ["keep the driver", "whl/cu126", "upgrade the NVIDIA driver to 580.65.06"]),
     },
     "driver-minor-version-compat": {
         "driver-runtime-compat": ("warn", ["upgrade the NVIDIA driver to 570.26"]),

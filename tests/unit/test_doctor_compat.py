@@ -11,6 +11,7 @@ from redline.doctor.compat import (
     arch_support,
     best_channel,
     companion_version,
+    compatible_channel,
     driver_cuda,
     install_torch,
     local_tag,
@@ -65,6 +66,16 @@ def test_the_newest_channel_the_driver_runs_that_covers_every_gpu_wins():
     assert best_channel([60], None, CHANNELS) == "12.6"
     assert best_channel([120, 60], None, CHANNELS) is None  # no channel covers both
     assert best_channel([120], (12, 6), CHANNELS) is None  # only newer channels cover sm_120
+
+
+def test_a_driver_starts_the_oldest_newer_channel_of_a_major_whose_floor_it_meets():
+    """Minor-version compatibility: driver 550 (CUDA 12.4) starts CUDA 12.6 and 12.8, never 13.0 (floor 580)."""
+    assert compatible_channel([80], "550.54.15", CHANNELS) == "12.6"
+    assert compatible_channel([120], "560.35.03", CHANNELS) == "12.8"  # sm_120 needs 12.8 or newer
+    assert compatible_channel([120], "520.61.05", CHANNELS) is None  # below CUDA 12's floor, 525.60.13
+    assert compatible_channel([80], "580.65.06", {"13.0": [80]}) == "13.0"
+    assert compatible_channel([80], "581.57", {"13.0": [80]}, windows=True) is None  # NVIDIA lists no Windows floor
+    assert compatible_channel([80], None, CHANNELS) is None
 
 
 def test_install_commands_pin_torch_where_the_channel_carries_it():

@@ -48,6 +48,10 @@ COMPAT_FLOOR: dict[int, tuple[str, str | None]] = {
     12: ("525.60.13", "527.41"),
     11: ("450.80.02", "452.39"),
 }
+# What a fix says of a wheel it offers in that mode.
+MINOR_COMPAT = (
+    "minor-version compatibility, where PTX newer than the driver (Triton and torch.compile kernels) fails to load"
+)
 
 # Code built for a compute capability runs on the same major with the same or a newer minor, except
 # on the Jetson and integrated parts. PyTorch's DEVICE_REQUIREMENT, torch/cuda/__init__.py.
@@ -151,6 +155,26 @@ def best_channel(
         if all(any(runs_on(code, cc) for code in codes) for cc in capabilities):
             fits.append((version, cuda))
     return (min(fits) if oldest else max(fits))[1] if fits else None
+
+
+def compatible_channel(
+    capabilities: list[int], driver: str | None, channels: dict[str, list[int]], windows: bool = False
+) -> str | None:
+    """Return the oldest channel this driver starts, in full or in minor-version compatibility (the driver at or
+    above its CUDA major's COMPAT_FLOOR), whose kernels run on every GPU; the oldest asks the least of the driver."""
+    have = parse_version(driver)
+    if have is None:
+        return None
+    fits = []
+    for cuda, codes in channels.items():
+        version, floor = parse_version(cuda), None
+        if version is not None:
+            floor = parse_version(compat_floor(version[0], windows))
+        if version is None or floor is None or have < floor:
+            continue
+        if all(any(runs_on(code, cc) for code in codes) for cc in capabilities):
+            fits.append((version, cuda))
+    return min(fits)[1] if fits else None
 
 
 def install_torch(torch_version: str | None, channel: str | None, companions: list[str], own_table: bool) -> str:

@@ -17,9 +17,11 @@ from redline.doctor.checks.rocm import rocm_arch_supported, rocm_start_fix
 from redline.doctor.checks.visible import hides_every_gpu
 from redline.doctor.compat import (
     INDEX_URL,
+    MINOR_COMPAT,
     arch_support,
     best_channel,
     compat_floor,
+    compatible_channel,
     is_index_tag,
     min_driver,
     parse_version,
@@ -283,8 +285,7 @@ def driver_runtime_compat(m: Machine) -> Check:
     if have >= need_v:
         return ok("driver-runtime-compat", f"{detail} (needs {need} or newer)")
     if floor_v is not None and have >= floor_v:
-        detail += f": below the {need} it asks for, so it runs in minor-version compatibility, where PTX newer than "
-        detail += "the driver (Triton and torch.compile kernels) fails to load"
+        detail += f": below the {need} it asks for, so it runs in {MINOR_COMPAT}"
         return warn("driver-runtime-compat", detail, driver_upgrade_fix(m))
     detail += f": too old, CUDA {facts.cuda} needs {need} or newer, so CUDA will not start"
     return fail("driver-runtime-compat", detail, driver_upgrade_fix(m))
@@ -295,8 +296,18 @@ def driver_upgrade_fix(m: Machine) -> str:
     runtime = parse_version(m.torch.cuda if m.torch else None)
     need = min_driver(runtime, m.windows) if runtime else None
     upgrade = f"upgrade the NVIDIA driver to {need or 'a newer release'} or newer ({DRIVER_DOWNLOAD})"
-    older = best_channel(m.capabilities, m.max_cuda, m.channels()[0])
-    return upgrade + (f"; or keep the driver and install a wheel it runs: {m.install(older)}" if older else "")
+    channels = m.channels()[0]
+    older = best_channel(m.capabilities, m.max_cuda, channels)
+    if older:
+        return f"{upgrade}; or keep the driver and install a wheel it runs: {m.install(older)}"
+    floor, have = parse_version(compat_floor(runtime[0], m.windows) if runtime else None), m.snap.driver.version
+    if floor is not None and (parse_version(have) or ()) >= floor:  # it starts this wheel: another such gains nothing
+        return upgrade
+    started = compatible_channel(m.capabilities, have, channels, m.windows)
+    if started is None:
+        return upgrade
+    keep = f"keep the driver and install a wheel it starts: {m.install(started)}, {m.in_minor_compat(started)}"
+    return f"{keep}; or {upgrade}"
 
 
 def gpu_arch_supported(m: Machine) -> Check:

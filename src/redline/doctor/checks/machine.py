@@ -11,8 +11,10 @@ from typing import Literal
 
 from redline.doctor.compat import (
     FALLBACK_CHANNELS,
+    MINOR_COMPAT,
     Version,
     best_channel,
+    compatible_channel,
     driver_cuda,
     install_torch,
     min_driver,
@@ -140,7 +142,14 @@ class Machine:
             archs = " ".join(f"sm_{cc}" for cc in sorted(set(caps)))
             return f"no official torch wheel has kernels for {archs}: pick a release that does at https://pytorch.org/get-started/locally/"
         need = min_driver(parse_version(least) or (), self.windows)
-        return f"upgrade the NVIDIA driver to {need} or newer ({DRIVER_DOWNLOAD}), then {self.install(least)}"
+        upgrade = f"upgrade the NVIDIA driver to {need} or newer ({DRIVER_DOWNLOAD})"
+        if compatible_channel(caps, self.snap.driver.version, {least: channels[least]}, self.windows) is None:
+            return f"{upgrade}, then {self.install(least)}"
+        return f"{self.install(least)}, {self.in_minor_compat(least)}; to run it in full, {upgrade}"
+
+    def in_minor_compat(self, channel: str) -> str:
+        """Say that the driver runs a wheel newer than it only in minor-version compatibility, and what that costs."""
+        return f"whose CUDA {channel} the driver ({self.snap.driver.version}) runs only in {MINOR_COMPAT}"
 
     def child_failure(self) -> str:
         """Describe how the child process that touched CUDA failed: a hang, a crash, or never starting."""
