@@ -83,6 +83,9 @@ BROKEN = {
         "cudnn": ("fail", ["unset LD_LIBRARY_PATH"]),
         "library-shadowing": ("fail", ["unset LD_LIBRARY_PATH"]),
     },
+    "torch-logs-refused": {
+        "torch-build": ("fail", ["unset TORCH_LOGS", "TORCH_LOGS='dynamo,nonsense'"]),
+    },
     "torchvision-mismatch": {
         "torch-companions": ("fail", ["--no-deps torchvision==0.19.*", "whl/cu121"]),
     },

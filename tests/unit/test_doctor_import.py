@@ -2,7 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from redline.doctor import judge, load_snapshot
+from redline.doctor.checks.machine import TORCH_SETTINGS, first_line
+from redline.doctor.probes import ENV_VARS
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
 
@@ -25,3 +29,62 @@ def test_an_undefined_symbol_is_blamed_on_ld_library_path_only_where_it_holds_cu
     report = judge(snap)
     assert "LD_LIBRARY_PATH" not in (report.check("torch-build").fix or "")
     assert report.check("library-shadowing").status != "fail"
+
+
+def test_a_torch_setting_torch_refuses_at_import_is_the_fix_not_a_reinstall():
+    """TORCH_LOGS=nonsense: the detail was 'import torch failed: ValueError:' and the fix reinstalled torch."""
+    check = judge(load_snapshot(FIXTURES / "torch-logs-refused.json")).check("torch-build")
+    assert check.status == "fail", check
+    assert check.detail.startswith("import torch failed: ValueError: Invalid log settings: dynamo,nonsense, must be")
+    assert (check.fix or "").startswith("unset TORCH_LOGS,") and "pip install" not in (check.fix or "")
+
+
+def test_the_first_line_of_a_message_that_begins_with_a_newline_is_its_type_and_its_reason():
+    assert first_line("ValueError: \n\nInvalid log settings: x\nmore") == "ValueError: Invalid log settings: x"
+    assert first_line("torch._C.Error:\nbad") == "torch._C.Error: bad"
+    assert first_line("ImportError: libx.so: cannot open\nmore") == "ImportError: libx.so: cannot open"
+    assert first_line("\n  \n") == "" and first_line(None) == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error"),
+    [
+        ("TORCH_LOGS_FORMAT", "%(nonsense", "ValueError: Invalid format '%(nonsense' for '%' style"),  # quotes it
+        ("TORCH_LOGS_OUT", "/gone/x.log", "FileNotFoundError: [Errno 2] No such file or directory: '/gone/x.log'"),
+    ],
+)
+def test_a_torch_setting_is_blamed_when_the_error_quotes_its_value(name, value, error):
+    snap = load_snapshot(FIXTURES / "torch-logs-refused.json")
+    snap.env = {name: value, "TORCH_LOGS": "dynamo"}  # a TORCH_LOGS torch accepts, which the error does not name
+    snap.torch.import_error = error
+    assert (judge(snap).check("torch-build").fix or "").startswith(f"unset {name},")
+
+
+def test_a_torch_setting_the_error_does_not_name_is_left_alone():
+    snap = load_snapshot(FIXTURES / "torch-logs-refused.json")
+    snap.env = {"TORCH_LOGS": "dynamo", "TORCH_LOGS_OUT": "/tmp/x.log"}
+    snap.torch.import_error = "ImportError: libcudnn.so.9: cannot open shared object file: No such file or directory"
+    assert (judge(snap).check("torch-build").fix or "").startswith("pip install --force-reinstall torch==2.13.0")
+
+
+def test_an_allocator_setting_a_gpu_refuses_is_the_fix_for_the_device():
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segment:True"  # a misspelt key
+    gpu = next(result for result in snap.measurements if result.device == "cuda:0")
+    gpu.error = "RuntimeError: Unrecognized key 'expandable_segment' in Accelerator allocator config."
+    check = judge(snap).check("device-smoke")
+    assert check.status == "fail" and (check.fix or "").startswith("unset PYTORCH_CUDA_ALLOC_CONF,"), check
+
+
+def test_every_torch_setting_a_check_blames_is_recorded_in_the_snapshot():
+    assert set(TORCH_SETTINGS) <= set(ENV_VARS)
+
+
+def test_an_allocator_setting_that_stops_cuda_is_the_fix_before_the_driver():
+    """torch before 2.9 parses PYTORCH_CUDA_ALLOC_CONF as CUDA starts: the fix said to check nvidia-smi."""
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    snap.env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size:512"
+    snap.torch.cuda_available, snap.torch.devices = False, []
+    snap.torch.cuda_error = "RuntimeError: Unrecognized CachingAllocator option: max_split_size"
+    check = judge(snap).check("cuda-available")
+    assert check.status == "fail" and (check.fix or "").startswith("unset PYTORCH_CUDA_ALLOC_CONF,"), check

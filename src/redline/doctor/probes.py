@@ -42,6 +42,12 @@ ENV_VARS = (
     "NCCL_IB_DISABLE",
     "PYTORCH_ENABLE_MPS_FALLBACK",
     "CUDA_LAUNCH_BLOCKING",
+    # torch's own settings that stop it when it refuses their value (checks/machine.py, TORCH_SETTINGS)
+    "TORCH_LOGS",
+    "TORCH_LOGS_FORMAT",
+    "TORCH_LOGS_OUT",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
 )
 APPTAINER_ENV = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER")
 PACKAGES = ("torch", "torchvision", "torchaudio", "triton", "numpy", "nvidia-ml-py")

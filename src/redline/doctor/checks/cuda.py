@@ -146,7 +146,9 @@ def torch_build(m: Machine) -> Check:
         return fail("torch-build", f"importing torch in a child process {m.child_failure()}", m.child_fix())
     if facts.import_error:
         error = first_line(facts.import_error)
-        if mentions(error, "undefined symbol", "cannot open shared object") and (dirs := m.cuda_library_dirs()):
+        if (setting := m.setting_fix(facts.import_error)) is not None:
+            fix = setting
+        elif mentions(error, "undefined symbol", "cannot open shared object") and (dirs := m.cuda_library_dirs()):
             fix = f"{m.ld_path_without(dirs)} (it hands torch other CUDA libraries)"
         else:
             fix = reinstall_torch(m.snap.packages.get("torch"))
@@ -239,6 +241,8 @@ def cuda_start_fix(m: Machine, text: str) -> str:
     refused = driver_refused(m, m.snap.driver.error or "") if m.snap.driver.source is None else None
     if refused is not None and refused.fix:  # the driver said why first: torch's message only repeats it
         return refused.fix
+    if (setting := m.setting_fix(text)) is not None:
+        return setting
     if mentions(text, "too old", "insufficient"):
         return driver_upgrade_fix(m)
     if mentions(m.snap.driver.error or "", "mismatch") or mentions(text, r"\b804\b"):

@@ -43,6 +43,18 @@ CPU_FIX = (
     "error: the torch install or the BLAS and OpenMP libraries it loads (check LD_PRELOAD and LD_LIBRARY_PATH)"
 )
 
+# torch's settings in the environment whose value, refused, stops torch: the logging ones at `import torch`
+# (torch/_logging/_internal.py, _init_logs: an unknown TORCH_LOGS name, a bad format, an unwritable file), the
+# allocator's at the first allocation on a GPU (c10/core/AllocatorConfig.cpp; c10/cuda/CUDAAllocatorConfig.cpp
+# before it). An error blames one that is set when it names it, quotes its value, or reads as its refusal here.
+TORCH_SETTINGS: dict[str, tuple[str, ...]] = {
+    "TORCH_LOGS": (),
+    "TORCH_LOGS_FORMAT": (r"Invalid format '",),
+    "TORCH_LOGS_OUT": (),
+    "PYTORCH_CUDA_ALLOC_CONF": (r"allocator config", r"CachingAllocator option"),
+    "PYTORCH_ALLOC_CONF": (r"allocator config", r"CachingAllocator option"),
+}
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -175,6 +187,17 @@ class Machine:
             return CPU_FIX
         return HANG_FIX if run is not None and run.timed_out else CRASH_FIX
 
+    def setting_fix(self, error: str) -> str | None:
+        """Return how to fix the torch setting in the environment an error shows torch refused; None for none."""
+        for name, refusals in TORCH_SETTINGS.items():
+            value = self.snap.env.get(name)
+            if value is None:
+                continue
+            named = re.search(rf"\b{name}\b", error) or (value.strip() and f"'{value}'" in error)
+            if named or mentions(error, *refusals):
+                return f"unset {name}, or give it a value torch accepts: the error is torch refusing {name}={value!r}"
+        return None
+
     def cuda_library_dirs(self) -> list[str]:
         """Return the LD_LIBRARY_PATH entries holding CUDA libraries: only these can hand torch other copies (an
         NVIDIA container sets /usr/local/nvidia/lib64, which holds the driver's libraries and none of torch's)."""
@@ -194,8 +217,12 @@ def _signal_name(number: int) -> str:
 
 
 def first_line(text: str | None, limit: int = 240) -> str:
-    """Return the first non-empty line of an error message, shortened."""
-    line = next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
+    """Return the first line of an error message that says something, shortened; a message that begins with a
+    newline (torch's refusal of TORCH_LOGS) leaves its type alone on the first line, so the next one joins it."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    line = lines[0] if lines else ""
+    if re.fullmatch(r"[\w.]+:", line) and len(lines) > 1:  # "ValueError:"
+        line = f"{line} {lines[1]}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 

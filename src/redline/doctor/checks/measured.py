@@ -89,6 +89,8 @@ def flops(tflops: list[float]) -> str:
 
 
 def error_fix(m: Machine, device: str, error: str) -> str:
+    if (setting := m.setting_fix(error)) is not None:  # PYTORCH_CUDA_ALLOC_CONF is read at the first allocation
+        return setting
     if mentions(error, "no kernel image"):
         return m.wheel_fix()
     if mentions(error, "invalid device function") and m.build == "rocm":
