@@ -318,9 +318,9 @@ def test_cuda_that_will_not_start_is_blamed_on_visible_devices_only_when_they_hi
 @pytest.mark.parametrize(
     ("name", "value", "status", "words"),
     [
-        ("NCCL_P2P_DISABLE", "1", "warn", "NCCL_P2P_DISABLE set, which slows every collective"),
-        ("NCCL_P2P_DISABLE", "0x1", "warn", "NCCL_P2P_DISABLE set, which slows every collective"),  # strtol, base 0
-        ("NCCL_IB_DISABLE", "2", "warn", "NCCL_IB_DISABLE set, which slows every collective"),  # IB: any number but 0
+        ("NCCL_P2P_DISABLE", "1", "warn", "NCCL_P2P_DISABLE set, which slows collectives between this machine's"),
+        ("NCCL_P2P_DISABLE", "0x1", "warn", "NCCL_P2P_DISABLE set, which slows collectives"),  # strtol, base 0
+        ("NCCL_IB_DISABLE", "2", "ok", "NCCL_IB_DISABLE set, which slows only collectives between nodes"),  # not 0
         ("NCCL_P2P_DISABLE", "false", "ok", "NCCL 2.26.2"),  # NCCL reads 0: P2P stays on, nothing slows
         ("NCCL_SHM_DISABLE", "0", "ok", "NCCL 2.26.2"),
         ("NCCL_P2P_DISABLE", "true", "warn", "ignores NCCL_P2P_DISABLE='true'"),  # read as 0: P2P stays on

@@ -98,6 +98,7 @@ def take_snapshot(
     snap.driver = guard("driver", lambda: probe_driver(snap.system.wsl), snap.driver, DRIVER_TIMEOUT_S)
     if snap.system.os == "Linux":
         snap.amd = guard("amd", probe_amd, None)
+        snap.infiniband = guard("infiniband", probe_infiniband, None)
     if quick:
         snap.torch = guard("torch", read_torch_build, None)
     elif child is not None:
@@ -207,6 +208,11 @@ def probe_amd(dev: Path = Path("/dev")) -> AmdFacts:
         render_nodes=[str(p) for p in nodes],
         render_access=[str(p) for p in nodes if usable(p)],
     )
+
+
+def probe_infiniband(sysfs: Path = Path("/sys/class/infiniband")) -> list[str]:
+    """List the RDMA devices the kernel has (mlx5_0, ...): what NCCL's InfiniBand transport, RoCE too, runs on."""
+    return sorted(entry.name for entry in sysfs.iterdir()) if sysfs.is_dir() else []
 
 
 def probe_packages() -> dict[str, str]:

@@ -183,6 +183,9 @@ class Snapshot:
     wheel_libs: list[LibraryDir] = field(default_factory=list)  # site-packages/nvidia/*/lib beside torch
     driver: DriverFacts = field(default_factory=DriverFacts)
     amd: AmdFacts | None = None  # None where not probed: not Linux, or a snapshot from before redline read them
+    # The RDMA devices in /sys/class/infiniband (InfiniBand or RoCE: mlx5_0, ...), which NCCL's IB transport runs on
+    # between nodes; None where not probed, as amd.
+    infiniband: list[str] | None = None
     torch: TorchFacts | None = None  # None when the child process never reported importing torch
     measurements: list[Measurement] = field(default_factory=list)
     child: ChildRun | None = None

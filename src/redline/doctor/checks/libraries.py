@@ -124,13 +124,34 @@ def nccl(m: Machine) -> Check:
     switches = [name for name, value in set_to.items() if nccl_switch_on(name, value)]
     # "true" or "2": meant to turn a transport off, which NCCL leaves on; "0", "false" or "off" mean what NCCL does
     ignored = [name for name, value in set_to.items() if name not in switches and not _says_off(value)]
-    details, fixes = [], []
-    if switches:
-        details.append(f"NCCL {facts.nccl_version} with {', '.join(switches)} set, which slows every collective")
+    details, fixes, notes = [], [], []
+    version, gpus = facts.nccl_version, len(m.gpus) or len(facts.devices)
+    # P2P and shared memory carry traffic between the GPUs of one machine, InfiniBand (and RoCE) between machines
+    # (NCCL's user guide, "Environment Variables"): with one GPU the first two have nothing to carry.
+    between_gpus = [name for name in switches if name in _NCCL_OFF_AT_ONE]
+    if between_gpus and gpus <= 1:
+        verb = "changes" if len(between_gpus) == 1 else "change"
+        notes.append(f"{' and '.join(between_gpus)} set, which {verb} nothing with one GPU")
+    elif between_gpus:
+        details.append(
+            f"NCCL {version} with {', '.join(between_gpus)} set, which slows collectives between this machine's GPUs"
+        )
         fixes.append(
-            f"unset {' '.join(switches)}; if a multi-GPU run hangs without NCCL_P2P_DISABLE, fix the cause "
+            f"unset {' '.join(between_gpus)}; if a multi-GPU run hangs without NCCL_P2P_DISABLE, fix the cause "
             "instead: disable PCI ACS or boot with iommu=pt (NCCL troubleshooting guide, 'GPU Direct')"
         )
+    rdma = m.snap.infiniband
+    if "NCCL_IB_DISABLE" in switches and rdma:  # the doctor sees one machine, not whether a run spans several
+        details.append(
+            f"NCCL {version} with NCCL_IB_DISABLE set, which sends collectives between nodes over TCP sockets instead "
+            f"of this machine's InfiniBand/RoCE devices ({', '.join(rdma)}): a run across nodes slows, one on this "
+            "machine alone does not"
+        )
+        fixes.append("unset NCCL_IB_DISABLE before a run across nodes")
+    elif "NCCL_IB_DISABLE" in switches and rdma == []:
+        notes.append("NCCL_IB_DISABLE set, which changes nothing: this machine has no InfiniBand or RoCE device")
+    elif "NCCL_IB_DISABLE" in switches:  # a snapshot that did not look for the devices
+        notes.append("NCCL_IB_DISABLE set, which slows only collectives between nodes, sent over TCP, not InfiniBand")
     if ignored:
         shown = ", ".join(f"{name}={set_to[name]!r}" for name in ignored)
         details.append(
@@ -138,12 +159,11 @@ def nccl(m: Machine) -> Check:
             "shared memory off only at 1, InfiniBand at any number but 0"
         )
         fixes.append(
-            f"unset {' '.join(ignored)}; to turn a transport off NCCL needs the number, as in "
-            f"`export {ignored[0]}=1` (which slows every collective)"
+            f"unset {' '.join(ignored)}; to turn a transport off NCCL needs the number, as in `export {ignored[0]}=1`"
         )
     if details:
-        return warn("nccl", "; ".join(details), "; and ".join(fixes))
-    return ok("nccl", f"NCCL {facts.nccl_version}")
+        return warn("nccl", "; ".join(details + notes), "; and ".join(fixes))
+    return ok("nccl", "; ".join([f"NCCL {version}", *notes]))
 
 
 def nccl_switch_on(name: str, value: str) -> bool:
