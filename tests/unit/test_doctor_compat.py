@@ -113,10 +113,11 @@ def test_library_versions_and_ranges_read_right():
     assert span([51.0, 51.2]) == "51.2" and span([40.0, 51.0]) == "40-51"
 
 
-@given(st.text(max_size=30))
+@given(st.one_of(st.text(max_size=30), st.text(alphabet="GPU-MI0123,+ a", max_size=30)))
 def test_parsers_take_any_text(text):
     parse_version(text)
     tag_cuda(local_tag(text))
     soname_of(text)
-    parsed = read_visible(text, [GpuFacts(index=0, name="g", uuid="GPU-1")])
-    assert set(parsed.visible) <= set(parsed.valid)
+    gpus = [GpuFacts(index=0, name="g", uuid="GPU-1"), GpuFacts(index=1, name="g", uuid="GPU-2")]
+    parsed = read_visible(text, gpus)
+    assert len(parsed.visible) == len(set(parsed.visible)) <= len(parsed.valid)  # each GPU once, each one named
