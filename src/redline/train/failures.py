@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,6 +99,19 @@ RESUMED_AUTO = (
     "a resumed run (--resume auto) keeps their batch size and precision, so the same command would run out of memory "
     "again"
 )
+
+
+@contextlib.contextmanager
+def keeping_steps(run: Run, keep: Callable[[], str | None], *, distributed: bool) -> Iterator[None]:
+    """A one-process run that trained and fails inside first checkpoints the steps since its last checkpoint
+    (``keep_steps``). In a ``distributed`` run the other ranks wait inside a collective that a checkpoint would
+    wait on too."""
+    try:
+        yield
+    except Exception as exc:
+        if not distributed:
+            keep_steps(exc, run, keep)
+        raise
 
 
 def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from redline.train.progress import Progress
 from redline.train.schedule import Schedule
 from redline.train.throughput import Throughput
 
+log = logging.getLogger("redline")
+
 
 @dataclass
 class Position:
@@ -33,6 +36,8 @@ class Position:
     batches_in_epoch: int = 0
     samples: int = 0
     batch_size: int = 0  # what the loader's batches held; 0 in checkpoints from before it was saved
+    train_samples: int | None = None  # the training set's length; None for a stream without one, or an older checkpoint
+    task: str = ""  # the task's name; "" in checkpoints from before it was saved
 
     @contextlib.contextmanager
     def next_epoch(self) -> Iterator[None]:
@@ -45,6 +50,48 @@ class Position:
         except BaseException:
             self.epoch, self.batches_in_epoch = ended
             raise
+
+    def check_resume(
+        self,
+        found: Checkpoint | None,
+        *,
+        batch_size: int,
+        split: int,
+        world_size: int,
+        task: str,
+        train_samples: int | None,
+    ) -> None:
+        """Refuse to continue this position (of checkpoint ``found``; None for a new run) where the batches or the
+        training set differ (``check_batch_size``, ``check_data``), then hold this run's task and length."""
+        self.check_batch_size(batch_size, found, split=split, world_size=world_size)
+        self.check_data(task, train_samples, found)
+        self.task, self.train_samples = task, train_samples
+
+    def check_data(self, task: str, train_samples: int | None, found: Checkpoint | None) -> None:
+        """Refuse to continue this position (of checkpoint ``found``) on a training set of another length, and warn
+        where the task has another name.
+
+        The data position counts batches into an epoch of this many samples: on another set it would land elsewhere
+        (past the end, or in another epoch), and a validation split moved by a task option would hold trained samples.
+        A checkpoint from before these were saved, or a stream without a length, is not checked.
+        """
+        if found is None:
+            return
+        if self.train_samples is not None and train_samples is not None and self.train_samples != train_samples:
+            named = f" of task {self.task!r}" if self.task else ""
+            raise ConfigError(
+                f"{found.path} was written training on {self.train_samples} samples{named}, and this run's "
+                f"train_data holds {train_samples}: the data position counts batches into its epochs, so a resumed "
+                "run would skip or repeat samples (and a validation split moved would hold trained ones)\nhint: "
+                "resume with the task and --task-arg options the run began with; to train on this data, start a new "
+                "run (another --out)"
+            )
+        if self.task and task != self.task:
+            log.warning(
+                "resuming %s, written by task %r, with task %r: the weights and the data position go on as if it "
+                "were the same task\nhint: resume with the task the run began with; for another, start a new run "
+                "(another --out)", found.path, self.task, task,
+            )  # fmt: skip
 
     def check_batch_size(
         self, batch_size: int, found: Checkpoint | None, *, split: int = 1, world_size: int = 1

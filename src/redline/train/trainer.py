@@ -19,7 +19,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from redline.runtime.cycle import hang_watchdog
 from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.sampling import data_size
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
@@ -46,7 +47,7 @@ from redline.train.callbacks import Callback, call_hooks, check_callbacks
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
-from redline.train.failures import check_finite, keep_steps, step_failure
+from redline.train.failures import check_finite, keeping_steps, step_failure
 from redline.train.lock import holding_out_dir
 from redline.train.logs import TRAIN_COLUMNS as LOG_COLUMNS
 from redline.train.output import prepare_out_dir, write_results
@@ -133,7 +134,8 @@ class Trainer:
         history = record_memory_history(run.rt.device) if self.config.memory_history else contextlib.nullcontext()
         config = self.config
         run.watchdog = hang_watchdog(self.env, self.out_dir, config.hang_timeout_s, config.hang_start_timeout_s)
-        with self._signals, run.loggers, run.watchdog or contextlib.nullcontext(), history, self._keeping_steps(run):
+        kept = keeping_steps(run, lambda: self._keep_steps(run), distributed=self.env.distributed)
+        with self._signals, run.loggers, run.watchdog or contextlib.nullcontext(), history, kept:
             if run.owed_eval and self._evaluate(run):
                 run.stopped = "early stopping"
             while not run.stopped and run.pos.epoch < self.max_epochs:
@@ -226,19 +228,6 @@ class Trainer:
             return "early stopping"
         return ""
 
-    @contextlib.contextmanager
-    def _keeping_steps(self, run: Run) -> Iterator[None]:
-        """A one-process run that trained and fails first checkpoints the steps since the last checkpoint.
-
-        In a distributed run the other ranks wait inside a collective that a checkpoint would wait on too.
-        """
-        try:
-            yield
-        except Exception as exc:
-            if not self.env.distributed:
-                keep_steps(exc, run, lambda: self._keep_steps(run))
-            raise
-
     def _keep_steps(self, run: Run) -> str | None:
         """Checkpoint the steps since the last checkpoint (all ranks together); return where they are."""
         if run.window.losses:  # a checkpoint must not hold a NaN
@@ -315,7 +304,10 @@ class Trainer:
         if ended is not None:
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
-        pos.check_batch_size(self.batch_size, resumed, split=split, world_size=self.env.world_size)  # not ended
+        pos.check_resume(
+            resumed, batch_size=self.batch_size, split=split, world_size=self.env.world_size, task=self.task.name,
+            train_samples=data_size(self.task.train_data),
+        )  # fmt: skip
         compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
         drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env, compiled=compiled, model=model)
         if drop_last:  # the epochs are a partial batch shorter

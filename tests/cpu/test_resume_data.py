@@ -1,0 +1,68 @@
+"""A resumed run goes on over the data it began with: another training set is refused, another task is named."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.errors import ConfigError
+from redline.train.state import Position
+from redline.train.trainer import Trainer
+
+
+def task(samples: int = 64, name: str = "pairs") -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(samples, 4, generator=gen), torch.randint(0, 2, (samples,), generator=gen))
+    return redline.Task(
+        model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name=name,
+    )  # fmt: skip
+
+
+def fit(task: redline.Task, out: Path, steps: int, **kwargs: object) -> redline.TrainSummary:
+    options = redline.RuntimeOptions(devices="cpu", seed=0)
+    with Trainer(task, runtime=options, progress=False, max_steps=steps, out_dir=out, **kwargs) as trainer:
+        return trainer.fit()
+
+
+def test_a_resume_on_a_training_set_of_another_length_is_refused_naming_both(tmp_path: Path) -> None:
+    # It went on silently: the stored "batch 6 of epoch 0" fell past the shorter epoch's end, into the next.
+    fit(task(64), tmp_path, 6)
+    with pytest.raises(ConfigError) as refused:
+        fit(task(40), tmp_path, 10, resume="auto")
+    message = str(refused.value)
+    assert re.search(r"step-00000006 was written training on 64 samples of task 'pairs', and this run's train_data "
+                     r"holds 40", message)  # fmt: skip
+    assert "hint: resume with the task and --task-arg options the run began with" in message
+    assert "start a new run (another --out)" in message
+    assert fit(task(64), tmp_path, 10, resume="auto").steps == 10  # the same data goes on
+
+
+def test_a_resume_under_another_task_name_warns_and_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fit(task(name="pairs"), tmp_path, 4)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        assert fit(task(name="others"), tmp_path, 8, resume="auto").steps == 8
+    assert "written by task 'pairs', with task 'others'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="redline"):  # its own checkpoints now name the task it went on as
+        fit(task(name="others"), tmp_path, 10, resume="auto")
+    assert "written by task" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("stored", "now"),
+    [(Position(step=6, batch_size=8), 40), (Position(step=6, batch_size=8, train_samples=64, task="pairs"), None)],
+    ids=["a checkpoint from before the length was saved", "a stream without a length"],
+)
+def test_a_length_unknown_on_either_side_is_not_checked(stored: Position, now: int | None) -> None:
+    found = SimpleNamespace(path=Path("run/checkpoints/step-00000006"))
+    stored.check_resume(found, batch_size=8, split=1, world_size=1, task="pairs", train_samples=now)  # type: ignore[arg-type]
+    assert (stored.task, stored.train_samples) == ("pairs", now)  # its next checkpoint holds this run's
