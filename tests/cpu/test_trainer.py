@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -159,6 +160,10 @@ def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
         trainer.fit()
     assert "step-00000008" in str(err.value)  # the checkpoint at 8 was written before the NaN
     assert [c.step for c in ckpt.find_checkpoints(tmp_path / "checkpoints")] == [4, 8]
+    # The window of the NaN is logged (once, though the failure flushes it again): the report shows the divergence
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 11))
+    assert [math.isnan(row["loss"]) for row in rows[7:]] == [False, True, True]
 
 
 def test_callbacks_the_loop_could_not_call_are_refused_before_training():

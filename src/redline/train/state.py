@@ -134,6 +134,7 @@ class Window:
     start: float = field(default_factory=time.perf_counter)
     checkpointed_at: float = field(default_factory=time.perf_counter)  # the clock of --checkpoint-minutes
     excluded_s: float = 0.0  # the meter's evaluation and checkpoint seconds when the window started
+    logged: bool = False  # its rows are in the logs (a window whose loss is not finite is read twice)
 
 
 @dataclass

@@ -430,13 +430,15 @@ class Trainer:
             losses = stacked.tolist()
         elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
         first = pos.step - len(losses) + 1
-        check_finite(losses, first, run.last_ckpt)
         rates = run.meter.window(elapsed, len(losses), window.samples, window.tokens)
         rows = [
             {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}
             for i, value in enumerate(losses)
         ]
-        run.loggers.log(rows)
+        if not window.logged:  # a window that fails the check is flushed again (the steps kept): logged once
+            run.loggers.log(rows)
+        window.logged = True
+        check_finite(losses, first, run.last_ckpt)  # after the log: the steps up to a NaN show in it
         run.progress.update(pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1)
         run.losses += losses
         run.window = Window(excluded_s=run.meter.excluded_s)
