@@ -65,6 +65,7 @@ def test_resuming_into_an_out_dir_of_another_runs_logs_is_refused_not_logged_as_
     killed = tmp_path / "K"
     killed.mkdir()
     (killed / "metrics.csv").write_text("step,loss\n1,2.29\n")  # a run killed before its first checkpoint
+    (killed / ".lock").write_text("")  # which every run leaves
     checkpoint = tmp_path / "B" / "checkpoints" / "step-00000002"
     with pytest.raises(ConfigError, match=r"holds another run's logs \(metrics\.csv\) and no checkpoint"):
         Trainer(task, out_dir=killed, max_steps=4, progress=False, resume=str(checkpoint)).fit()

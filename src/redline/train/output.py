@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from redline.atomic import write_or_refuse
 from redline.checkpoint.layout import MANIFEST
 from redline.errors import TrainingError, invalid
+from redline.train.lock import LOCK
+from redline.train.logs import LOG_FILES
 
 if TYPE_CHECKING:
     from redline.runtime.runtime import Runtime
@@ -51,7 +53,38 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
             why = f"{it} is a file" if where.is_file() else f"writing in {it} failed: {exc.strerror or exc}"
             fix = "e.g. out_dir=runs/NAME" if where == out else f"make {where} a writable directory, or pass another"
             raise invalid("out_dir", str(out), f"a directory to write the run in; {why}", fix) from exc
+    _check_run_files(out)
     return out
+
+
+# What a run writes as files in its out_dir (the tensorboard logger writes a folder of its own)
+RUN_FILES = (
+    "model.safetensors",
+    "summary.json",
+    *(name for logger, names in LOG_FILES.items() if logger != "tensorboard" for name in names),
+)
+
+
+def _check_run_files(out: Path) -> None:
+    """Refuse an out_dir where a file of the run's would meet a folder of that name (found only after training, or
+    at the first log), or would replace a file of the user's own: one in a directory no redline run has used
+    (neither ``checkpoints/`` nor the ``.lock`` every run leaves), whose files are not an earlier run's."""
+    folders = [name for name in RUN_FILES if (out / name).is_dir()]
+    if folders:
+        named = ", ".join(f"{name}/" for name in folders)
+        raise invalid(
+            "out_dir", str(out), f"a directory the run can write its files in; it holds {named}, a folder where "
+            "the run writes a file of that name", f"move {out / folders[0]} out of the way, or pass another --out",
+        )  # fmt: skip
+    if (out / "checkpoints").exists() or (out / LOCK).exists():  # a redline run's: resumed, or written over
+        return
+    theirs = [name for name in RUN_FILES if (out / name).exists()]
+    if theirs:
+        raise invalid(
+            "out_dir", str(out), f"a directory of its own for the run; it holds {', '.join(theirs)}, not of a "
+            "redline run (it has no checkpoints/ or .lock), which the run would write over",
+            f"pass another --out, or move those files out of {out}",
+        )  # fmt: skip
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
