@@ -275,6 +275,7 @@ def test_a_missing_or_unreadable_run_is_a_config_error_that_names_the_file(tmp_p
     elif damage == "no logs":
         for log in ("metrics.jsonl", "metrics.csv", "summary.json"):  # with its summary, its page is drawn (below)
             (run / log).unlink()
+        (run / "model.safetensors").write_bytes(b"")  # a run that ended: its evaluations alone say it never logged
     elif damage == "bad summary":
         (run / "summary.json").write_text("{not json")
     elif damage == "trace as summary":
@@ -421,6 +422,11 @@ def test_a_run_that_has_not_logged_yet_is_told_apart_from_a_directory_that_is_no
     (starting / "checkpoints").mkdir(parents=True)
     (starting / ".write-check-x").write_text("")
     with pytest.raises(ConfigError, match=r"holds no metrics yet: a run writes .* when it first logs .*\nhint: if the"):
+        report(starting)
+    # One killed before its first log, after an evaluation: before, "has no metrics ... pass the directory a run
+    # wrote with --out", which it was.
+    (starting / "eval.jsonl").write_text('{"step": 22, "val_loss": 0.5}\n')
+    with pytest.raises(ConfigError, match=r"holds no metrics yet: .*\nhint: .*; one stopped before then logged no st"):
         report(starting)
     (tmp_path / "other" / "notes.txt").parent.mkdir()
     (tmp_path / "other" / "notes.txt").write_text("")

@@ -25,6 +25,9 @@ Row = dict[str, Any]
 LOGS = ("metrics.jsonl", "metrics.csv")  # a run's training log, JSONL first
 TENSORBOARD = "tensorboard/"  # where a run with --logger tensorboard writes its events, read without the others
 EVENTS = "events.out.tfevents.*"
+# What a run may write before its first training log: an evaluation (--eval-every below --log-every), the best
+# weights it kept, a checkpoint, the tensorboard folder before its first events
+BEFORE_FIRST_LOG = {"checkpoints", "eval.jsonl", "eval.csv", "best.safetensors", "best.json", "tensorboard"}
 OUT_HINT = "pass the directory a run wrote with --out (`redline train --task SPEC --out DIR`)"
 
 
@@ -63,11 +66,13 @@ def read_run(run_dir: Path) -> RunFiles:
         return RunFiles(run_dir=run_dir, summary=summary, train=[], evals=[], train_file="", eval_file=None)
     if train_file is None:
         run = run_above(run_dir)  # given a checkpoint of the run, or its checkpoints folder
-        if run is None and not any(not p.name.startswith(".") and p.name != "checkpoints" for p in run_dir.iterdir()):
-            raise ConfigError(  # a run creates its --out at once, its logs at its first log window
+        names = {p.name for p in run_dir.iterdir() if not p.name.startswith(".")}
+        if run is None and names <= BEFORE_FIRST_LOG:  # a run creates its --out at once, its logs at its first log
+            # one killed before it logged is no wrong directory: its evaluations or checkpoints say it is a run
+            also = "; one stopped before then logged no step to draw" if names else f"; else {OUT_HINT}"
+            raise ConfigError(
                 f"{run_dir} holds no metrics yet: a run writes metrics.jsonl and metrics.csv when it first logs "
-                f"(after --log-every steps)\nhint: if the run is starting, report it again once it has logged; "
-                f"else {OUT_HINT}"
+                f"(after --log-every steps)\nhint: if the run is starting, report it again once it has logged{also}"
             )
         hint = _report_the(run) if run is not None else f"{OUT_HINT}; the default --logger writes both"
         raise ConfigError(
