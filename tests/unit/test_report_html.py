@@ -138,6 +138,19 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "not finite (NaN or inf) at 1 of 31 logged steps, the first at step 31" in doc
 
 
+def test_a_validation_loss_that_is_not_finite_is_said_not_shown_as_not_evaluated(tmp_path):
+    # summary.json stores the NaN as null: the report showed "—", as for a run that never evaluated, and no note
+    run = write_run(tmp_path, summary={**SUMMARY, "val_loss": None})
+    with (run / "eval.jsonl").open("a") as file:
+        file.write('{"step": 30, "val_loss": NaN, "val_metric": 0.1}\n')
+    doc = run_report(run)
+    assert "The validation loss in eval.jsonl is not finite (NaN or inf) at 1 of 4 logged steps, the first at " in doc
+    assert "val loss not finite" in doc  # the line at the top
+    assert re.search(r"<strong>val_loss</strong></td>\s*<td[^>]*>not finite</td>", doc), "the summary table"
+    write_run(tmp_path, summary={**SUMMARY, "val_loss": None})  # evaluated, with finite losses: no such note
+    assert "not finite" not in run_report(tmp_path)
+
+
 def test_a_run_whose_every_loss_is_not_finite_says_so_instead_of_an_empty_chart(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

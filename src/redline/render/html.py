@@ -18,6 +18,7 @@ from typing import Any
 
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError, invalid
+from redline.render import run_files
 from redline.render.bench import DIVERGED, diverged, percent, repaid_after, steps_told
 from redline.render.memory import size as size_text
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
@@ -112,7 +113,7 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
     body = [_p("lead", _run_line(files)), *_run_charts(files)]
     if summary:
-        body += ["<h2>Summary</h2>", _summary_table(summary)]
+        body += ["<h2>Summary</h2>", _summary_table(summary, files.evals)]
         if summary.get("sample"):
             body += ["<h3>Sample</h3>", f"<pre>{escape(str(summary['sample']))}</pre>"]
         if summary.get("plan"):
@@ -348,6 +349,8 @@ def _run_line(files: RunFiles) -> str:
     for key, label in (("val_loss", "val loss"), ("val_metric", "val metric")):
         if _number(summary.get(key)) is not None:
             parts.append(f"{label} {summary[key]:.4g}")
+        elif run_files.ends_not_finite(files.evals, key):  # summary.json stores a NaN as null; the eval log keeps it
+            parts.append(f"{label} not finite")
     for key, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")):
         if _number(summary.get(key)) is not None:
             parts.append(f"{_format(key, summary[key])} {unit}")
@@ -370,7 +373,9 @@ def _run_charts(files: RunFiles) -> list[str]:
         loss.append(Series("val loss", [float(r["step"]) for r in evals], values(evals, "val_loss"), points=True))
     if has_values(train, "loss") or len(loss) > 1:
         out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
-    gaps = _not_finite(train, files.train_file)
+    notes = [run_files.not_finite(train, "loss", "train loss", files.train_file)]
+    notes.append(run_files.not_finite(evals, "val_loss", "validation loss", files.eval_file or ""))
+    gaps = [_p("note", note) for note in notes if note]
     if not gaps and not has_values(train, "loss"):  # a log without the key: what it lacks, as for the charts below
         gaps = [_p("note", f"Loss: {files.train_file} holds no loss value.")]
     out += gaps
@@ -387,18 +392,9 @@ def _run_charts(files: RunFiles) -> list[str]:
     return out
 
 
-def _not_finite(train: list[dict[str, Any]], name: str) -> list[str]:
-    """A note naming the steps whose loss is NaN or infinite (a gap the curve cannot show where it is the end)."""
-    losses = values(train, "loss")
-    bad = [row["step"] for row, v in zip(train, losses, strict=True) if v is not None and not math.isfinite(v)]
-    if not bad:
-        return []
-    told = "every logged step" if len(bad) == len(train) else f"{len(bad)} of {len(train)} logged steps"
-    return [_p("note", f"The train loss in {name} is not finite (NaN or inf) at {told}, the first at step {bad[0]}: "
-               "the curve leaves them out, and the run diverged there.")]  # fmt: skip
-
-
-def _summary_table(summary: Mapping[str, Any]) -> str:
+def _summary_table(summary: Mapping[str, Any], evals: list[dict[str, Any]]) -> str:
+    if summary.get("val_loss") is None and run_files.ends_not_finite(evals, "val_loss"):  # a NaN is stored as null
+        summary = {**summary, "val_loss": "not finite"}
     pairs = [(key, value) for key, value in summary.items() if key not in ("plan", "sample")]
     return _table(None, [[f"<strong>{escape(k)}</strong>", escape(_format(k, v))] for k, v in pairs])
 

@@ -305,6 +305,27 @@ def has_values(rows: list[Row], key: str) -> bool:
     return any(value is not None and math.isfinite(value) for value in values(rows, key))
 
 
+def not_finite(rows: list[Row], key: str, what: str, name: str) -> str:
+    """A note naming the logged steps whose ``key`` (``what``, from file ``name``) is NaN or infinite, or "": a gap
+    the curve cannot show where it is the end."""
+    bad = [
+        row["step"] for row, v in zip(rows, values(rows, key), strict=True) if v is not None and not math.isfinite(v)
+    ]
+    if not bad:
+        return ""
+    told = "every logged step" if len(bad) == len(rows) else f"{len(bad)} of {len(rows)} logged steps"
+    return (
+        f"The {what} in {name} is not finite (NaN or inf) at {told}, the first at step {bad[0]}: the curve leaves "
+        "them out, and the run diverged there."
+    )
+
+
+def ends_not_finite(rows: list[Row], key: str) -> bool:
+    """Whether the last row's ``key`` is NaN or infinite."""
+    last = values(rows[-1:], key)
+    return bool(last) and last[0] is not None and not math.isfinite(last[0])
+
+
 # What the report does without each file, for the hint of one it cannot read.
 _WITHOUT = {
     "summary.json": ", or delete it: the report then draws the run from its logs, as one that has not ended",
