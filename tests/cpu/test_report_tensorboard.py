@@ -33,7 +33,7 @@ def test_a_run_that_logged_to_tensorboard_alone_is_reported_from_its_events(tmp_
     assert files.summary is None and files.train_file == "tensorboard/"
     doc = redline.report(tmp_path).read_text(encoding="utf-8")
     alts = [image["alt"] for image in images(doc)]
-    assert "train loss over 4 points" in alts[0] and "val loss over 1 points" in alts[0]
+    assert "train loss over 4 points" in alts[0] and "val loss over 1 point," in alts[0]
     assert "Read from tensorboard/ in" in doc and "tensorboard/ and tensorboard/" not in doc
 
 

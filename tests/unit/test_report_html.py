@@ -584,3 +584,19 @@ def test_the_page_tells_a_compile_never_repaid_from_one_with_nothing_to_compare_
     assert repaid["cpu fp32 compiled"][column] == "never" and repaid["cpu bf16 compiled"][column] == "-"
     assert repaid["cpu fp32 eager"][column] == "—"
     assert dict(labels)["peak_mem_bytes"] == "GiB the process held at its peak (on a CPU: it only grows, row by row)"
+
+
+def test_a_series_of_one_logged_step_is_drawn():
+    # A run of --max-steps 1 drew empty axes (a line through one point), alt "over 1 points"
+    import io
+
+    import numpy as np
+    from matplotlib.image import imread
+
+    from redline.render.plots import Series, line_chart
+
+    chart = line_chart([Series("samples/s", [1.0], [5000.0])], title="Throughput", ylabel="samples/s")
+    assert chart.alt == "Throughput: samples/s over 1 point, last 5,000"
+    pixels = imread(io.BytesIO(chart.png), format="png")[..., :3]
+    blue = np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255).max(axis=-1) < 0.1  # matplotlib's first colour
+    assert blue.sum() > 20, "the point is marked"

@@ -104,6 +104,8 @@ def bar_chart(
 
 def line_chart(series: Sequence[Series], *, title: str, ylabel: str, log_y: bool = False) -> Chart:
     """Draw each series against the optimizer step, with a legend when there are several."""
+    from matplotlib.ticker import MaxNLocator
+
     with _figure(height_in=3.4) as fig:
         ax = fig.add_subplot()
         drawn, plotted = [], []
@@ -111,11 +113,15 @@ def line_chart(series: Sequence[Series], *, title: str, ylabel: str, log_y: bool
             steps, values = _finite(one.steps, one.values)
             if not steps:
                 continue
-            style: dict[str, Any] = {"marker": "o", "markersize": 5} if one.points else {"linewidth": 1.4}
+            # a line through one point draws nothing: a run of one logged step gets a marker
+            dots = one.points or len(steps) == 1
+            style: dict[str, Any] = {"marker": "o", "markersize": 5} if dots else {"linewidth": 1.4}
             ax.plot(steps, values, label=one.label, **style)
-            drawn.append(f"{one.label} over {len(steps)} points, last {number_text(values[-1])}")
+            drawn.append(f"{one.label} over {len(steps)} point{'' if len(steps) == 1 else 's'}, last "
+                         f"{number_text(values[-1])}")  # fmt: skip
             plotted += values
         ax.yaxis.set_major_formatter(_plain_numbers())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 2.5
         if log_y and plotted and min(plotted) > 0:
             _log_scale(ax)
         if len(drawn) > 1:
