@@ -600,3 +600,18 @@ def test_a_series_of_one_logged_step_is_drawn():
     pixels = imread(io.BytesIO(chart.png), format="png")[..., :3]
     blue = np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255).max(axis=-1) < 0.1  # matplotlib's first colour
     assert blue.sum() > 20, "the point is marked"
+
+
+def test_the_step_axis_ticks_whole_steps_around_a_single_one():
+    # One logged step was ticked 0.96, 0.98, 1.00, 1.02, 1.04; a longer run at 2.5 and 7.5
+    from matplotlib.figure import Figure
+
+    from redline.render.plots import step_axis
+
+    for steps in ({1.0}, {1.0, 2.0, 3.0}, {50.0, 100.0}):
+        ax = Figure().add_subplot()
+        ax.plot(sorted(steps), [1.0] * len(steps), marker="o")
+        step_axis(ax, steps)
+        ticks = [tick for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1]]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), (steps, ticks)
+        assert min(steps) in ticks or len(steps) > 1

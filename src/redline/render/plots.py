@@ -104,15 +104,14 @@ def bar_chart(
 
 def line_chart(series: Sequence[Series], *, title: str, ylabel: str, log_y: bool = False) -> Chart:
     """Draw each series against the optimizer step, with a legend when there are several."""
-    from matplotlib.ticker import MaxNLocator
-
     with _figure(height_in=3.4) as fig:
         ax = fig.add_subplot()
-        drawn, plotted = [], []
+        drawn, plotted, at = [], [], set()
         for one in series:
             steps, values = _finite(one.steps, one.values)
             if not steps:
                 continue
+            at.update(steps)
             # a line through one point draws nothing: a run of one logged step gets a marker
             dots = one.points or len(steps) == 1
             style: dict[str, Any] = {"marker": "o", "markersize": 5} if dots else {"linewidth": 1.4}
@@ -121,7 +120,7 @@ def line_chart(series: Sequence[Series], *, title: str, ylabel: str, log_y: bool
                          f"{number_text(values[-1])}")  # fmt: skip
             plotted += values
         ax.yaxis.set_major_formatter(_plain_numbers())
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 2.5
+        step_axis(ax, at)
         if log_y and plotted and min(plotted) > 0:
             _log_scale(ax)
         if len(drawn) > 1:
@@ -130,6 +129,17 @@ def line_chart(series: Sequence[Series], *, title: str, ylabel: str, log_y: bool
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         return _png(fig, f"{title}: " + "; ".join(drawn))
+
+
+def step_axis(ax: Axes, steps: set[float]) -> None:
+    """Tick the step axis at whole steps (no 2.5); around a single step, from the one before to the one after
+    (matplotlib's margin would tick 0.96 to 1.04)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(steps) == 1:
+        (step,) = steps
+        ax.set_xlim(step - 1, step + 1)
 
 
 def _plain_numbers() -> FuncFormatter:
