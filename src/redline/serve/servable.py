@@ -4,9 +4,9 @@ A spec names a factory, as a Task spec does (``example:digits``, ``pkg.module:fa
 ``path/to/file.py:factory``). The factory returns a ``Servable``, or a Task (its model, with the
 shape and dtype of its first training sample). A bare module is refused: without the input's
 shape nothing can be checked before it reaches the model, nor warmed up. A Task's model is built
-afresh, so without ``weights`` it is untrained unless the Task loads its own: a warning says so. It
-is built under a fixed seed, so an untrained model answers alike on every start (and the engine's
-measurements, keyed by the weights, are found in the cache on the next).
+afresh, so without ``weights`` it is untrained unless the Task loads its own: a warning says so. The
+factory and the model's building run under a fixed seed, so an untrained model answers alike on every
+start (and the engine's measurements, keyed by the weights, are found in the cache on the next).
 """
 
 from __future__ import annotations
@@ -123,25 +123,26 @@ _MODEL_WORDS = {
 
 def load_servable(spec: str, *, weights: str | Path | None = None, **options: Any) -> Servable:
     """Load the Servable a spec names, with ``weights`` (a safetensors file) loaded into its model."""
-    with as_model_spec(spec):
-        made = run_factory(spec, find_factory(spec), options)
-    if isinstance(made, Task):
-        if weights is None:
-            log.warning(
-                "task %r: no --weights given, so its model is as build_model() makes it: untrained (seeded with "
-                "%d, the same on every start), unless the task loads trained weights itself (redline train --out "
-                "DIR writes DIR/model.safetensors)",
-                made.name, UNTRAINED_SEED,
-            )  # fmt: skip
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(UNTRAINED_SEED)
+    # Seeded from the factory on: a Task given a module (Task(model=nn.Linear(6, 3))) has it built there.
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(UNTRAINED_SEED)
+        with as_model_spec(spec):
+            made = run_factory(spec, find_factory(spec), options)
+        if isinstance(made, Task):
+            if weights is None:
+                log.warning(
+                    "task %r: no --weights given, so its model is as the task builds it: untrained (seeded with "
+                    "%d, the same on every start), unless the task loads trained weights itself (redline train "
+                    "--out DIR writes DIR/model.safetensors)",
+                    made.name, UNTRAINED_SEED,
+                )  # fmt: skip
             made = from_task(made)
-    elif isinstance(made, nn.Module):
+    if isinstance(made, nn.Module):
         raise TaskSpecError(
             f"model spec {spec!r}: the factory returned a bare {type(made).__name__}, whose input shape is unknown\n"
             "hint: return redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
         )
-    elif not isinstance(made, Servable):
+    if not isinstance(made, Servable):
         raise TaskSpecError(
             f"model spec {spec!r}: the factory returned {type(made).__name__}, expected a redline.Servable or a Task"
         )
