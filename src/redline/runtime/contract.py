@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from redline.errors import (
     RedlineError,
@@ -43,14 +44,31 @@ __all__ = [
 ]
 
 PAIR_HINT = "return (inputs, targets) from the dataset's __getitem__ (a TensorDataset(x, y) does)"
+COLLATE_PAIR_HINT = (
+    "the collate_fn builds each batch: return (inputs, targets) from it (the inputs may be a tuple or dict the model "
+    "takes)"
+)
 
 
-def split_batch(batch: Any, data: str) -> tuple[Any, Any]:
-    """Return a collated batch's (inputs, targets); ``data`` names the dataset ("train_data")."""
+def split_batch(batch: Any, data: str, *, collate_fn: Callable[[list[Any]], Any] | None = None) -> tuple[Any, Any]:
+    """Return a collated batch's (inputs, targets); ``data`` names the dataset ("train_data").
+
+    ``collate_fn`` is the loader's (torch's ``default_collate`` where it has none of its own): the hint for a batch
+    that is not a pair names the code that built it. Left out, it names both, the dataset and a collate_fn.
+    """
     if isinstance(batch, list | tuple) and len(batch) == 2:
         return batch[0], batch[1]
     found = f"a {len(batch)}-tuple {describe(batch)}" if isinstance(batch, list | tuple) else describe(batch)
-    raise TaskError(f"each item of {data} must be a pair (inputs, targets); the loader gave {found}\nhint: {PAIR_HINT}")
+    if collate_fn is None:
+        hint = f"{PAIR_HINT}, or from the collate_fn where one builds the batches"
+    else:
+        hint = COLLATE_PAIR_HINT if users_collate(collate_fn) else PAIR_HINT
+    raise TaskError(f"each item of {data} must be a pair (inputs, targets); the loader gave {found}\nhint: {hint}")
+
+
+def users_collate(collate_fn: Callable[[list[Any]], Any]) -> bool:
+    """Whether ``collate_fn`` is the user's own (a Task's, a DataLoader's), not torch's default nor redline's."""
+    return collate_fn is not default_collate and not getattr(collate_fn, "__module__", "").startswith("redline.runtime")
 
 
 def is_tokens(targets: Any) -> bool:

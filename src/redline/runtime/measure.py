@@ -241,7 +241,7 @@ def _measure_or_recall(
     model = task.build_model()
     check_trainable(model)  # as setup refuses it: the trial's optimizer would raise torch's bare error
     loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
-    batch = split_batch(next(read_batches(loader)), "train_data")
+    batch = split_batch(next(read_batches(loader)), "train_data", collate_fn=loader.collate_fn)
     names: list[str] = list(work.candidates)
     key = plain
     if work.attention == "auto" and rounds_for([*names, ""]) >= LEAST_ROUNDS:  # a run that repays one kernel more
