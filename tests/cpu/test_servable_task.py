@@ -1,11 +1,18 @@
 """A Task served as it trained: its model seeded alike on every start, its inputs as its collate_fn batches them."""
 
+import logging
+
+import numpy as np
 import pytest
 import torch
 
+from redline.errors import TaskError
+from redline.runtime.contract import COLLATE_PAIR_HINT
+from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
 
 TASKS = """
+import numpy as np
 import torch
 import redline
 from torch import nn
@@ -41,6 +48,10 @@ def transformed():
     return arrays(collate_fn=doubled)
 
 
+def records():
+    return arrays(collate_fn=lambda items: {"x": cast(items)[0], "labels": cast(items)[1]})
+
+
 def module():
     return redline.Task(name="module", model=nn.Linear(6, 3), loss_fn=nn.functional.cross_entropy,
                         train_data=TensorDataset(torch.randn(8, 6), torch.zeros(8, dtype=torch.long)))
@@ -60,3 +71,35 @@ def test_a_task_given_a_module_is_the_same_untrained_model_on_every_start(tasks)
     first, again = (load_servable(f"{tasks}:module").model.state_dict() for _ in range(2))
     assert all(torch.equal(value, again[name]) for name, value in first.items())
     assert torch.equal(torch.random.get_rng_state(), state), "the caller's random state is left alone"
+
+
+def test_a_task_whose_collate_fn_casts_numpys_float64_serves_float32_and_predicts_what_training_computes(tasks):
+    # the raw item's float64 was served: the model's float32 weights failed the warm-up on it
+    servable = load_servable(f"{tasks}:arrays")
+    assert (servable.input_shape, servable.input_dtype) == ((6,), "float32")
+    engine = InferenceEngine(servable, device="cpu", precision="fp32", compile="off", max_batch_size=4)
+    x = np.random.default_rng(2).standard_normal((3, 6)).astype(np.float32)
+    assert torch.equal(engine.predict(torch.from_numpy(x)), servable.model(torch.from_numpy(x)).detach())
+
+
+def test_a_collate_fn_that_does_more_than_stack_and_cast_is_said_not_to_run_in_predict_and_serve(tasks, caplog):
+    caplog.set_level(logging.WARNING, logger="redline")
+    load_servable(f"{tasks}:arrays")
+    assert not [m for m in caplog.messages if "collate_fn" in m], "a collate_fn that only casts runs as it did"
+    servable = load_servable(f"{tasks}:transformed")
+    assert (servable.input_shape, servable.input_dtype) == ((6,), "float32")
+    said = [m for m in caplog.messages if "collate_fn" in m]
+    assert len(said) == 1 and said[0].startswith(
+        "task 'arrays': its collate_fn does more to the inputs than stack and cast them (the first item's, "
+        "array(6,) float64, come out of it as Tensor(6,) float32), and predict and serve do not run it"
+    ), said
+    assert "preprocess=..." in said[0]
+
+
+def test_a_collate_fn_that_builds_no_pair_is_named_as_the_code_to_fix(tasks):
+    with pytest.raises(TaskError) as raised:
+        load_servable(f"{tasks}:records")
+    assert str(raised.value) == (
+        "task 'arrays': each item of train_data must be a pair (inputs, targets); the loader gave {'x': Tensor(1, 6) "
+        f"float32, 'labels': Tensor(1,) int64}}\nhint: {COLLATE_PAIR_HINT}"
+    )

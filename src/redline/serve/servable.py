@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset
 
 from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
 from redline.errors import ConfigError, TaskError, TaskSpecError, describe_error, invalid, user_line
-from redline.runtime.contract import PAIR_HINT, describe
+from redline.runtime.contract import PAIR_HINT, describe, split_batch
 from redline.task import Task, find_factory, run_factory
 
 log = logging.getLogger("redline")
@@ -152,9 +152,75 @@ def load_servable(spec: str, *, weights: str | Path | None = None, **options: An
 
 
 def from_task(task: Task) -> Servable:
-    """A Task's model, with its first training sample's shape and dtype as the input."""
-    shape, dtype = _shape_and_dtype(task, _first_inputs(task))
+    """A Task's model, with its first training sample's shape and dtype as the input: as the Task's collate_fn
+    batches it, where it has one (a collate_fn that casts NumPy's float64 to float32 serves float32).
+
+    Predict and serve do not run the collate_fn on requests: where it does more to the inputs than stack and
+    cast them (scales them, say), a warning says so and names the fix, a Servable with a ``preprocess``.
+    """
+    item = _first_item(task)
+    inputs = item[0] if task.collate_fn is None else _collated_sample(task, item)
+    shape, dtype = _shape_and_dtype(task, inputs)
     return Servable(model=task.build_model(), input_shape=shape, input_dtype=dtype, name=task.name)
+
+
+def _collated_sample(task: Task, item: Any) -> Any:
+    """The inputs of ``task.collate_fn``'s batch of ``item`` alone, without the batch dimension."""
+    assert task.collate_fn is not None
+    inputs = item[0] if isinstance(item, list | tuple) and len(item) == 2 else item  # a record its collate_fn reads
+    try:
+        batch = task.collate_fn([item])
+    except Exception as exc:  # the user's own code
+        raise TaskError(
+            f"task {task.name!r}: its collate_fn, given train_data's first item to learn the served input shape, "
+            f"raised {describe_error(exc)}{user_line(exc)}\nhint: the error is in the collate_fn's own code; "
+            "REDLINE_TRACEBACK=1 prints the whole traceback"
+        ) from exc
+    try:
+        collated, _ = split_batch(batch, "train_data", collate_fn=task.collate_fn)
+    except TaskError as exc:
+        raise TaskError(f"task {task.name!r}: {exc}") from None
+    if isinstance(collated, np.ndarray) and collated.dtype.kind in "biuf":
+        collated = torch.from_numpy(collated.astype(collated.dtype.newbyteorder("=")))
+    if not isinstance(collated, torch.Tensor):
+        return collated  # a dict, a tuple of tensors: refused as what they are
+    if collated.ndim == 0 or collated.shape[0] != 1:
+        raise TaskError(
+            f"task {task.name!r}: its collate_fn made a batch of one item into inputs {describe(collated)}, whose "
+            "first dimension is not the batch of 1, so the input shape to serve is unknown\nhint: have the factory "
+            "return redline.Servable(model=..., input_shape=(...), input_dtype=...)"
+        )
+    sample = collated[0].detach().cpu()
+    if _changed(inputs, sample):
+        before, after = _described(inputs), describe(sample)
+        change = "with other values" if before == after else f"as {after}"
+        log.warning(
+            "task %r: its collate_fn does more to the inputs than stack and cast them (the first item's, %s, come "
+            "out of it %s), and predict and serve do not run it: a request's samples reach the model as they come, "
+            "so they must be as collate_fn makes them; to take them as train_data holds them, have the factory "
+            "return redline.Servable(model=..., input_shape=(...), input_dtype=..., preprocess=...) whose "
+            "preprocess does to a batch what collate_fn does",
+            task.name, before, change,
+        )  # fmt: skip
+    return sample
+
+
+def _changed(inputs: Any, sample: torch.Tensor) -> bool:
+    """Whether ``sample`` (one collated sample) holds other than ``inputs`` (the item's) cast to its dtype."""
+    try:
+        plain = inputs.detach().cpu() if isinstance(inputs, torch.Tensor) else torch.as_tensor(np.asarray(inputs))
+    except (TypeError, ValueError, RuntimeError):  # text, say, that the collate_fn turns into numbers
+        return True
+    if plain.shape != sample.shape:
+        return True
+    return not torch.allclose(plain.to(sample.dtype), sample, rtol=0, atol=0, equal_nan=True)
+
+
+def _described(inputs: Any) -> str:
+    """``inputs`` described as ``describe`` does a tensor: an array by its shape and dtype too."""
+    if isinstance(inputs, np.ndarray):
+        return f"array{inputs.shape} {inputs.dtype}"
+    return describe(inputs)
 
 
 def _shape_and_dtype(task: Task, sample: Any) -> tuple[tuple[int, ...], str]:
@@ -185,8 +251,9 @@ def _shape_and_dtype(task: Task, sample: Any) -> tuple[tuple[int, ...], str]:
     return shape, name if name in DTYPES else ("int64" if kind in "iu" else "float32")
 
 
-def _first_inputs(task: Task) -> Any:
-    """The inputs of the first item of ``task.train_data``, a stream's included; a TaskError where there are none."""
+def _first_item(task: Task) -> Any:
+    """The first item of ``task.train_data``, a stream's included, an (inputs, targets) pair; a TaskError where
+    there is none."""
     data = task.train_data
     try:
         item = next(iter(data), None) if isinstance(data, IterableDataset) else data[0]
@@ -196,7 +263,7 @@ def _first_inputs(task: Task) -> Any:
             f"raised {describe_error(exc)}{user_line(exc)}\nhint: the error is in the dataset's own code; "
             "REDLINE_TRACEBACK=1 prints the whole traceback"
         ) from exc
-    if not (isinstance(item, list | tuple) and len(item) == 2):
+    if item is None or (task.collate_fn is None and not (isinstance(item, list | tuple) and len(item) == 2)):
         found = "nothing (the stream is empty)" if item is None else describe(item)
         fix = "check what the stream reads" if item is None else PAIR_HINT
         raise TaskError(
@@ -204,7 +271,7 @@ def _first_inputs(task: Task) -> Any:
             f"input shape to serve is unknown\nhint: {fix}, or have the factory return "
             "redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
         )
-    return item[0]
+    return item
 
 
 WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
