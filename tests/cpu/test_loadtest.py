@@ -503,3 +503,20 @@ def test_a_signal_after_the_request_limit_stopped_the_run_leaves_the_window_wher
     assert (counters.stopped_s, counters.stopped_by) == (1.5, None), "the window would stretch to the Ctrl-C"
     loadtest_module._stop(fresh := loadtest_module._Counters(), signal.SIGTERM, t0=time.perf_counter() - 2.0)
     assert fresh.stopped_by == signal.SIGTERM and 1.9 < fresh.stopped_s < 60
+
+
+def test_a_second_sigterm_while_the_stopped_run_awaits_its_answers_is_the_same_stop_not_the_end(server):
+    # timeout(1) signals the process, then its group: the second SIGTERM ended the process without its result
+    path = "/slow/sigterm-twice"  # each answer takes 0.2 s: some are awaited after the first SIGTERM
+    command = [sys.executable, "-m", "redline", "loadtest", server.url + path, "--rate", "40", "--duration", "60",
+               "--json"]  # fmt: skip
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while server.counts[path] < 5 and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    time.sleep(0.05)  # the first is taken; the answers out are awaited
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 0, (run.returncode, err)
+    assert any(note.startswith("stopped by SIGTERM") for note in json.loads(out)["notes"]), out

@@ -1,5 +1,6 @@
-"""A load test's stop signals: the first SIGINT or SIGTERM ends the run early with what it measured, and the
-handlers the caller had are given back when it ends (serve/loadtest.py)."""
+"""A load test's stop signals: the first SIGINT or SIGTERM ends the run early with what it measured (a second
+Ctrl-C ends the process at once, a second SIGTERM is the same stop), and the handlers the caller had are given back
+when it ends (serve/loadtest.py)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,28 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def on_stop_signals(stop: Callable[[signal.Signals], None]) -> dict[signal.Signals, Any]:
-    """Call ``stop`` with the first SIGINT or SIGTERM, then give both back to their defaults (KeyboardInterrupt, and
-    the end of the process); return the handlers they had before, for ``give_back_signals``, or {} where they
-    cannot be caught (not the main thread, or no signals on this loop).
+    """Call ``stop`` with the first SIGINT or SIGTERM, then give SIGINT back its default (KeyboardInterrupt: a second
+    Ctrl-C ends the process at once) and take a second SIGTERM as the same stop, as training does; return the
+    handlers they had before, for ``give_back_signals``, or {} where they cannot be caught (not the main thread,
+    or no signals on this loop).
 
     A run under a scheduler or timeout(1) gets SIGTERM: ended at once, it would report nothing of what it measured.
+    timeout(1) sends it twice, to the process and then to its group, so a second one is no one's wish to hurry.
     """
     loop = asyncio.get_running_loop()
+    stopped = False
 
-    def first(signum: signal.Signals) -> None:
-        for each in STOP_SIGNALS:
-            loop.remove_signal_handler(each)
-        stop(signum)
+    def on_signal(signum: signal.Signals) -> None:
+        nonlocal stopped
+        loop.remove_signal_handler(signal.SIGINT)
+        if not stopped:
+            stopped = True
+            stop(signum)
 
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
         for signum in STOP_SIGNALS:
-            loop.add_signal_handler(signum, first, signum)
+            loop.add_signal_handler(signum, on_signal, signum)
     except (RuntimeError, ValueError, NotImplementedError):  # the first fails where the second would
         return {}
     return before
