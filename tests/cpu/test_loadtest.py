@@ -520,3 +520,35 @@ def test_a_second_sigterm_while_the_stopped_run_awaits_its_answers_is_the_same_s
     out, err = run.communicate(timeout=60)
     assert run.returncode == 0, (run.returncode, err)
     assert any(note.startswith("stopped by SIGTERM") for note in json.loads(out)["notes"]), out
+
+
+def slow_connect(monkeypatch, delay_s):
+    """Connections that take ``delay_s`` to open, as over a slow network."""
+    opened = asyncio.open_connection
+
+    async def open_connection(*args, **kwargs):
+        await asyncio.sleep(delay_s)
+        return await opened(*args, **kwargs)
+
+    monkeypatch.setattr(loadtest_module.asyncio, "open_connection", open_connection)
+
+
+def test_a_timeout_shorter_than_the_connection_takes_to_open_counts_timeouts_not_an_unreachable_server(
+    server, monkeypatch
+):
+    # the reachability check waited --timeout alone: a short one read "cannot reach ... start the server first"
+    slow_connect(monkeypatch, 0.05)
+    result = run_load(f"{server.url}/slow/short-timeout", rate=10, duration=0.2, timeout=0.01)
+    assert result.requests_sent == 2 and result.error_counts == {"timeout": 2}
+
+
+def test_a_server_that_never_answers_the_connection_is_told_so_not_to_be_started(server, monkeypatch):
+    slow_connect(monkeypatch, 60)
+    monkeypatch.setattr(loadtest_module, "CONNECT_S", 0.05)
+    with pytest.raises(ConfigError) as raised:
+        run_load(f"{server.url}/x", rate=5, duration=0.2, timeout=0.01)
+    host = server.url.removeprefix("http://")
+    assert str(raised.value) == (
+        f"cannot reach {server.url}/x: connecting to {host} failed (no answer in 0.05 s)\nhint: check the host and "
+        "port: a host that is down, or a firewall that drops the connection, is silent"
+    )

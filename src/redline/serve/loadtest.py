@@ -291,16 +291,24 @@ async def _report(progress: ProgressCallback, counters: _Counters, t0: float, to
         await asyncio.sleep(PROGRESS_EVERY_S)
 
 
+CONNECT_S = 5.0  # the least the reachability check waits to connect: a short --timeout is the requests' alone
+
+
 async def check_reachable(url: str, timeout_s: float) -> None:
-    """Open (and close) a TCP connection to the URL's host and port; raise ConfigError if that fails."""
+    """Open (and close) a TCP connection to the URL's host and port, waiting up to ``timeout_s`` (``CONNECT_S`` at
+    least); raise ConfigError if that fails."""
     parsed = URL(url)
+    deadline_s = max(timeout_s, CONNECT_S)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.host, parsed.port), timeout_s)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.host, parsed.port), deadline_s)
     except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
-        reason = "timed out" if isinstance(exc, _timeouts()) else (exc.strerror or str(exc))
+        timed_out = isinstance(exc, _timeouts())
+        reason = f"no answer in {deadline_s:g} s" if timed_out else (exc.strerror or str(exc))
+        hint = "start the server first (redline serve ...), or check the host and port"
+        if timed_out:  # not refused: something drops the connection, or the host is down
+            hint = "check the host and port: a host that is down, or a firewall that drops the connection, is silent"
         raise ConfigError(
-            f"cannot reach {url}: connecting to {parsed.host}:{parsed.port} failed ({reason})\n"
-            "hint: start the server first (redline serve ...), or check the host and port"
+            f"cannot reach {url}: connecting to {parsed.host}:{parsed.port} failed ({reason})\nhint: {hint}"
         ) from exc
     writer.close()
 
