@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from redline.errors import TaskError
+from redline.errors import ConfigError, TaskError
 from redline.runtime.contract import COLLATE_PAIR_HINT
 from redline.serve.engine import InferenceEngine
 from redline.serve.servable import load_servable
@@ -102,4 +102,19 @@ def test_a_collate_fn_that_builds_no_pair_is_named_as_the_code_to_fix(tasks):
     assert str(raised.value) == (
         "task 'arrays': each item of train_data must be a pair (inputs, targets); the loader gave {'x': Tensor(1, 6) "
         f"float32, 'labels': Tensor(1,) int64}}\nhint: {COLLATE_PAIR_HINT}"
+    )
+
+
+def test_a_checkpoints_pickle_given_as_weights_names_the_model_safetensors_beside_it(tasks, tmp_path):
+    # the hint converted optimizer.pt into a "model.safetensors" that holds no model
+    from safetensors.torch import save_model
+
+    checkpoint = tmp_path / "step-00000005"
+    checkpoint.mkdir()
+    save_model(load_servable(f"{tasks}:arrays").model, str(checkpoint / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, checkpoint / "optimizer.pt")
+    with pytest.raises(ConfigError) as raised:
+        load_servable(f"{tasks}:arrays", weights=checkpoint / "optimizer.pt")
+    assert str(raised.value).endswith(
+        f"\nhint: pass the model's weights beside it: --weights {checkpoint}/model.safetensors"
     )

@@ -344,6 +344,12 @@ def _prefix(longer: dict[str, tuple[int, ...]], shorter: dict[str, tuple[int, ..
 
 
 def _unreadable(path: Path, exc: Exception) -> ConfigError:
+    beside = path.parent / "model.safetensors"
+    if _saved_by_torch(path) and beside.is_file():  # a checkpoint's optimizer.pt, say: its model is beside it
+        return ConfigError(
+            f"--weights {str(path)!r} was written by torch.save (a pickle), not safetensors: it is not read, as "
+            f"unpickling runs code\nhint: pass the model's weights beside it: --weights {beside}"
+        )
     if _saved_by_torch(path):  # the commonest mistake: a .pt or .bin file, which safetensors calls a "too large header"
         return ConfigError(
             f"--weights {str(path)!r} was written by torch.save (a pickle), not safetensors: it is not read, as "
