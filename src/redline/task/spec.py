@@ -46,8 +46,7 @@ def find_factory(spec: str) -> Callable[..., Any]:
     module = _import_module(spec, module_name)
     factory = getattr(module, factory_name, None)
     if isinstance(factory, Task):  # a Task the module built as it was imported: taken as it is
-        built = factory
-        return lambda: built
+        return BuiltTask(factory, factory_name)
     if factory is None or not callable(factory):
         public = {n: v for n, v in vars(module).items() if callable(v) and not n.startswith("_")}
         own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
@@ -270,7 +269,24 @@ def _search_folder(folder: Path | None = None, *, first: bool = False) -> None:
         sys.path.append(where)
 
 
+class BuiltTask:
+    """A Task a module built as it was imported (``file.py:TASK``), standing where a factory would: it takes no
+    options."""
+
+    def __init__(self, task: Task, name: str) -> None:
+        self.task, self.name = task, name
+
+    def __call__(self) -> Task:
+        return self.task
+
+
 def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    if isinstance(factory, BuiltTask) and options:
+        raise TaskSpecError(
+            f"task spec {spec!r}: {factory.name} is a Task built at import; it takes no --task-arg (given: "
+            f"{', '.join(sorted(options))})\nhint: drop the --task-arg, or make {factory.name} a function that takes "
+            "it as a parameter and returns the Task"
+        )
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
