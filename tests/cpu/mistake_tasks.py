@@ -129,6 +129,11 @@ def dict_loss(outputs, targets):
     return ((outputs - targets["y"]) ** 2 * targets["weight"]).mean()
 
 
+def as_dict(items: list) -> dict:
+    """A collate_fn that builds a dict, not an (inputs, targets) pair, from pairs."""
+    return {"x": torch.stack([x for x, _ in items]), "labels": torch.stack([y for _, y in items])}
+
+
 def _fields(kind: str) -> dict:
     """The Task fields that make the mistake ``kind``, over a good regression task's."""
     per_sample = lambda outputs, targets: ((outputs - targets) ** 2).squeeze(1)  # noqa: E731
@@ -138,6 +143,7 @@ def _fields(kind: str) -> dict:
         "bare_tensor": {"train_data": Items("bare_tensor")},
         "triple": {"train_data": Items("triple")},
         "val_triple": {"val_data": Items("triple")},
+        "dict_collate": {"collate_fn": as_dict},
         "loss_per_sample": {"loss_fn": per_sample},
         "loss_number": {"loss_fn": lambda outputs, targets: 1.0},
         "loss_detached": {"loss_fn": detached},

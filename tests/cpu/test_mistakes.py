@@ -34,7 +34,11 @@ SPEC = f"{TASKS}:mistake"
 MISTAKES = {
     "bare_tensor": (TaskError, r"each item of train_data must be a pair \(inputs, targets\); the loader gave Tensor"),
     "triple": (TaskError, r"must be a pair .* a 3-tuple \(Tensor\(8, 4\) float32, Tensor\(8, 1\) float32"),
-    "val_triple": (TaskError, r"each item of val_data must be a pair"),
+    "val_triple": (
+        TaskError,
+        r"each item of val_data must be a pair.*\nhint: return .*TensorDataset\(x, y\) does\)$",
+    ),
+    "dict_collate": (TaskError, r"must be a pair .* gave \{'x': .*\nhint: the collate_fn builds each batch: return \("),
     "loss_per_sample": (TaskError, r"loss_fn\(outputs, targets\) returned a tensor of shape \(8,\); expected a scalar"),
     "loss_number": (TaskError, r"returned float 1\.0; expected a scalar tensor"),
     "loss_detached": (TaskError, r"does not depend on the model's parameters \(requires_grad=False\)"),

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from redline.config import positive_int
 from redline.errors import TaskError, describe_error, invalid
@@ -47,8 +48,9 @@ def evaluate_model(
         val = eval_loader(
             task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
         )
+        collate = task.collate_fn or default_collate  # what a batch that is no pair is blamed on
         for batch in read_batches(val):  # an error in the dataset shows the user's line
-            inputs, targets = split_batch(rt.to_device(batch), "val_data")
+            inputs, targets = split_batch(rt.to_device(batch), "val_data", collate_fn=collate)
             with user_code(where, inputs, targets) as forward, rt.eager(), rt.autocast():  # eager: one graph
                 outputs = forward.outputs = model(inputs)
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
@@ -138,10 +139,11 @@ class Trainer:
         with self._signals, run.loggers, run.watchdog or contextlib.nullcontext(), history, kept:
             if run.owed_eval and self._evaluate(run):
                 run.stopped = "early stopping"
+            collate = self.task.collate_fn or default_collate  # what a batch that is no pair is blamed on
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
                 for batch in run.batches:
-                    inputs, targets = split_batch(batch, "train_data")
+                    inputs, targets = split_batch(batch, "train_data", collate_fn=collate)
                     if self._train_step(run, inputs, targets):
                         run.stopped = self._after_step(run)
                         if run.stopped:
