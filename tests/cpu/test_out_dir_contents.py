@@ -66,3 +66,24 @@ def test_an_earlier_runs_directory_is_still_resumed_or_written_over(tmp_path: Pa
     (killed / "model.safetensors").unlink()
     (killed / "summary.json").unlink()
     assert trainer(killed).fit().steps == 2  # a new run there starts over, as before
+
+
+def test_train_with_nproc_refuses_the_users_files_before_any_worker_starts(tmp_path, monkeypatch) -> None:
+    # Each worker refused them, and each --max-restarts attempt again ("failed in all 3 attempts").
+    import torch.distributed.run
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    def never_start(args: object) -> None:
+        raise AssertionError("workers started where the launcher should have refused")
+
+    monkeypatch.setattr(torch.distributed.run, "run", never_start)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "summary.json").write_text("notes")
+    args = ["train", "--task", "example:digits", "--out", str(out), "--nproc", "2", "--max-restarts", "2"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError), result.output
+    assert f"--out='{out}' is not allowed; expected a directory of its own for the run" in str(result.exception)
+    assert (out / "summary.json").read_text() == "notes"

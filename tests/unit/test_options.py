@@ -175,6 +175,7 @@ def test_a_logger_asked_for_by_name_needs_an_out_dir():
     with pytest.raises(ConfigError, match="logger 'csv' writes its files under out_dir, and out_dir is None"):
         TrainerConfig(loggers=("csv",))
     assert TrainerConfig(loggers=("csv", "jsonl")).out_dir is None  # the default, spelled out
+    assert TrainerConfig(loggers=("jsonl", "csv")).out_dir is None  # in either order
 
 
 def test_launch_config_reads_nproc_as_text_and_checks_it():

@@ -37,6 +37,7 @@ from redline.task import check_spec
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.lock import refuse_if_held
+from redline.train.output import check_run_files
 from redline.train.resume import refuse_before_launch
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
@@ -120,6 +121,7 @@ def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: Ta
             refuse_if_held(config.out_dir)
             if config.out_dir is not None:  # another run's checkpoints: a restarted worker would go on from them
                 refuse_before_launch(config.out_dir / "checkpoints", config.resume)
+                check_run_files(config.out_dir)  # the user's own files there, refused by each worker otherwise
         if isinstance(launch_config.nproc, int) and config.batch_size is not None:  # not after the workers start
             check_split(config.batch_size, launch_config.nproc * launch_config.nnodes)
     if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat

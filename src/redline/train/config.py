@@ -106,7 +106,7 @@ class TrainerConfig:
         check_logger_names(loggers, field="loggers")
         object.__setattr__(self, "loggers", loggers)
         # asked for by name (any set but the default's): writing nothing would go unnoticed
-        named = list(loggers) if loggers != DEFAULT_LOGGERS else []
+        named = list(loggers) if set(loggers) != set(DEFAULT_LOGGERS) else []
         chosen = [name for name in named if name not in DEFAULT_LOGGERS] or named
         if chosen and self.out_dir is None:
             raise ConfigError(

@@ -53,7 +53,7 @@ def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
             why = f"{it} is a file" if where.is_file() else f"writing in {it} failed: {exc.strerror or exc}"
             fix = "e.g. out_dir=runs/NAME" if where == out else f"make {where} a writable directory, or pass another"
             raise invalid("out_dir", str(out), f"a directory to write the run in; {why}", fix) from exc
-    _check_run_files(out)
+    check_run_files(out)
     return out
 
 
@@ -65,7 +65,7 @@ RUN_FILES = (
 )
 
 
-def _check_run_files(out: Path) -> None:
+def check_run_files(out: Path) -> None:
     """Refuse an out_dir where a file of the run's would meet a folder of that name (found only after training, or
     at the first log), or would replace a file of the user's own: one in a directory no redline run has used
     (neither ``checkpoints/`` nor the ``.lock`` every run leaves), whose files are not an earlier run's."""
