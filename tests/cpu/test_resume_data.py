@@ -66,3 +66,15 @@ def test_a_length_unknown_on_either_side_is_not_checked(stored: Position, now: i
     found = SimpleNamespace(path=Path("run/checkpoints/step-00000006"))
     stored.check_resume(found, batch_size=8, split=1, world_size=1, task="pairs", train_samples=now)  # type: ignore[arg-type]
     assert (stored.task, stored.train_samples) == ("pairs", now)  # its next checkpoint holds this run's
+
+
+def test_the_checkpoint_keeps_the_data_apart_from_the_position_an_older_redline_reads(tmp_path: Path) -> None:
+    # An older redline builds Position(**extra["position"]): a field it does not know ended it with a TypeError.
+    fit(task(64), tmp_path, 3)
+    extra = torch.load(tmp_path / "checkpoints" / "step-00000003" / "extra.pt", weights_only=True)
+    assert set(extra["position"]) == {"step", "epoch", "batches_in_epoch", "samples", "batch_size"}
+    assert extra["data"] == {"train_samples": 64, "task": "pairs"}
+    assert Position.from_state(extra) == Position(step=3, batches_in_epoch=3, samples=24, batch_size=8,
+                                                  train_samples=64, task="pairs")  # fmt: skip
+    del extra["data"]  # one written before the data was saved: nothing to check against
+    assert Position.from_state(extra).train_samples is None

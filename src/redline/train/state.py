@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from redline.train.throughput import Throughput
 log = logging.getLogger("redline")
 
 
+_DATA = ("train_samples", "task")  # a Position's fields saved apart from the rest: see Position.to_state
+
+
 @dataclass
 class Position:
     """Where the run stands; saved in every checkpoint."""
@@ -38,6 +42,17 @@ class Position:
     batch_size: int = 0  # what the loader's batches held; 0 in checkpoints from before it was saved
     train_samples: int | None = None  # the training set's length; None for a stream without one, or an older checkpoint
     task: str = ""  # the task's name; "" in checkpoints from before it was saved
+
+    def to_state(self) -> dict[str, dict[str, Any]]:
+        """The checkpoint's entries for this position: where the run stands ("position"), and what it trains on
+        ("data"), kept apart so that a redline from before the data was saved reads the position it knows."""
+        known = vars(self).copy()
+        return {"data": {name: known.pop(name) for name in _DATA}, "position": known}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Position:
+        """The position a checkpoint's extra state holds (``to_state``'s entries; "data" is absent from older ones)."""
+        return cls(**state["position"], **(state.get("data") or {}))
 
     @contextlib.contextmanager
     def next_epoch(self) -> Iterator[None]:

@@ -363,7 +363,7 @@ class Trainer:
             resume.check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
             state = rt.load(found)
             resume.check_written_by_trainer(found, state)
-            pos = Position(**state["position"])
+            pos = Position.from_state(state)
             self._stored_stop = state.get("stopped") or ""
             self._stored_losses = [float(v) for v in state.get("recent_losses") or []]  # none in an older one
             self._owed_eval = resume.owes_evaluation(state, pos.step, self.config.eval_every, self.task.val_data)
@@ -398,7 +398,7 @@ class Trainer:
         run.beat("checkpoint")
         pos, scheduler = run.pos, run.scheduler
         extra = {
-            "position": vars(pos).copy(),
+            **pos.to_state(),
             "stopped": stopped,
             "evaluated": self._evaluated_at == pos.step,  # False where this step's due evaluation failed
             "recent_losses": run.losses[-LOSS_WINDOW:],
