@@ -136,6 +136,7 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
     # the gap is at the end, where the curve cannot show it: the page says so
     assert "not finite (NaN or inf) at 1 of 31 logged steps, the first at step 31" in doc
+    assert "the curve leaves them out, and the run diverged there." in doc
 
 
 def test_a_validation_loss_that_is_not_finite_is_said_not_shown_as_not_evaluated(tmp_path):
@@ -145,6 +146,8 @@ def test_a_validation_loss_that_is_not_finite_is_said_not_shown_as_not_evaluated
         file.write('{"step": 30, "val_loss": NaN, "val_metric": 0.1}\n')
     doc = run_report(run)
     assert "The validation loss in eval.jsonl is not finite (NaN or inf) at 1 of 4 logged steps, the first at " in doc
+    assert "where the train loss stays finite, the model is sound: check val_data for NaN" in doc
+    assert "diverged" not in doc  # its training loss is finite: it said "and the run diverged there"
     assert "val loss not finite" in doc  # the line at the top
     assert re.search(r"<strong>val_loss</strong></td>\s*<td[^>]*>not finite</td>", doc), "the summary table"
     write_run(tmp_path, summary={**SUMMARY, "val_loss": None})  # evaluated, with finite losses: no such note

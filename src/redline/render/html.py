@@ -218,6 +218,11 @@ def _read_bench(path: Path) -> Mapping[str, Any]:
     return data
 
 
+# A validation loss that is not finite, where training may be sound
+VAL_NOT_FINITE = (
+    "where the train loss stays finite, the model is sound: check val_data for NaN, and loss_fn on its batches "
+    "(one whose every target is ignored weighs nothing: NaN)"
+)
 BENCH_HINT = "pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
 
 
@@ -373,8 +378,8 @@ def _run_charts(files: RunFiles) -> list[str]:
         loss.append(Series("val loss", [float(r["step"]) for r in evals], values(evals, "val_loss"), points=True))
     if has_values(train, "loss") or len(loss) > 1:
         out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
-    notes = [run_files.not_finite(train, "loss", "train loss", files.train_file)]
-    notes.append(run_files.not_finite(evals, "val_loss", "validation loss", files.eval_file or ""))
+    notes = [run_files.not_finite(train, "loss", "train loss", files.train_file, "the run diverged there")]
+    notes.append(run_files.not_finite(evals, "val_loss", "validation loss", files.eval_file or "", VAL_NOT_FINITE))
     gaps = [_p("note", note) for note in notes if note]
     if not gaps and not has_values(train, "loss"):  # a log without the key: what it lacks, as for the charts below
         gaps = [_p("note", f"Loss: {files.train_file} holds no loss value.")]

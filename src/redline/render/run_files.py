@@ -305,9 +305,9 @@ def has_values(rows: list[Row], key: str) -> bool:
     return any(value is not None and math.isfinite(value) for value in values(rows, key))
 
 
-def not_finite(rows: list[Row], key: str, what: str, name: str) -> str:
-    """A note naming the logged steps whose ``key`` (``what``, from file ``name``) is NaN or infinite, or "": a gap
-    the curve cannot show where it is the end."""
+def not_finite(rows: list[Row], key: str, what: str, name: str, meaning: str) -> str:
+    """A note naming the logged steps whose ``key`` (``what``, from file ``name``) is NaN or infinite, and what that
+    means (``meaning``), or "": a gap the curve cannot show where it is the end."""
     bad = [
         row["step"] for row, v in zip(rows, values(rows, key), strict=True) if v is not None and not math.isfinite(v)
     ]
@@ -316,7 +316,7 @@ def not_finite(rows: list[Row], key: str, what: str, name: str) -> str:
     told = "every logged step" if len(bad) == len(rows) else f"{len(bad)} of {len(rows)} logged steps"
     return (
         f"The {what} in {name} is not finite (NaN or inf) at {told}, the first at step {bad[0]}: the curve leaves "
-        "them out, and the run diverged there."
+        f"them out, and {meaning}."
     )
 
 
