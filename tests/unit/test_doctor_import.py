@@ -31,6 +31,21 @@ def test_an_undefined_symbol_is_blamed_on_ld_library_path_only_where_it_holds_cu
     assert report.check("library-shadowing").status != "fail"
 
 
+def test_an_ld_library_path_entry_the_error_names_is_blamed_though_it_holds_no_cuda_library():
+    # A libtorch's lib/ hands torch its own libtorch_python.so (pytorch/pytorch#62650): the fix was a reinstall,
+    # which the loader would still bypass, and library-shadowing said ok
+    snap = load_snapshot(FIXTURES / "ld-library-path-import-error.json")
+    snap.library_path = snap.library_path[:1]
+    snap.library_path[0].path, snap.library_path[0].libs = "/home/u/libtorch/lib", []
+    snap.torch.import_error = (
+        "ImportError: /home/u/libtorch/lib/libtorch_python.so: undefined symbol: PyThread_tss_alloc"
+    )
+    report = judge(snap)
+    assert (report.check("torch-build").fix or "").startswith("unset LD_LIBRARY_PATH"), report.check("torch-build")
+    assert report.check("library-shadowing").status == "fail"
+    assert report.check("library-shadowing").fix == "unset LD_LIBRARY_PATH"
+
+
 def test_a_torch_setting_torch_refuses_at_import_is_the_fix_not_a_reinstall():
     """TORCH_LOGS=nonsense: the detail was 'import torch failed: ValueError:' and the fix reinstalled torch."""
     check = judge(load_snapshot(FIXTURES / "torch-logs-refused.json")).check("torch-build")
@@ -74,6 +89,23 @@ def test_an_allocator_setting_a_gpu_refuses_is_the_fix_for_the_device():
     gpu.error = "RuntimeError: Unrecognized key 'expandable_segment' in Accelerator allocator config."
     check = judge(snap).check("device-smoke")
     assert check.status == "fail" and (check.fix or "").startswith("unset PYTORCH_CUDA_ALLOC_CONF,"), check
+
+
+def test_an_out_of_memory_that_recommends_the_allocator_setting_does_not_blame_it():
+    # torch's message ends "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True": the fix said to unset it
+    snap = load_snapshot(FIXTURES / "healthy-h200.json")
+    gpu = next(result for result in snap.measurements if result.device == "cuda:0")
+    gpu.error = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
+        "139.80 GiB of which 1.2 GiB is free. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+    fixes = []
+    for value in (None, "expandable_segments:True"):
+        if value is not None:
+            snap.env["PYTORCH_CUDA_ALLOC_CONF"] = value
+        fixes.append(judge(snap).check("device-smoke").fix or "")
+    assert fixes[0] == fixes[1] and "unset PYTORCH_CUDA_ALLOC_CONF" not in fixes[1], fixes
 
 
 def test_every_torch_setting_a_check_blames_is_recorded_in_the_snapshot():

@@ -148,8 +148,10 @@ def torch_build(m: Machine) -> Check:
         error = first_line(facts.import_error)
         if (setting := m.setting_fix(facts.import_error)) is not None:
             fix = setting
-        elif mentions(error, "undefined symbol", "cannot open shared object") and (dirs := m.cuda_library_dirs()):
-            fix = f"{m.ld_path_without(dirs)} (it hands torch other CUDA libraries)"
+        elif mentions(error, "undefined symbol", "cannot open shared object") and (
+            dirs := m.shadowing_dirs(facts.import_error)
+        ):
+            fix = f"{m.ld_path_without(dirs)} (it hands torch other copies of its libraries)"
         else:
             fix = reinstall_torch(m.snap.packages.get("torch"))
         return fail("torch-build", f"import torch failed: {error}", fix)

@@ -258,8 +258,8 @@ def library_shadowing(m: Machine) -> Check:
     if not m.linux:
         return skip("library-shadowing", "LD_LIBRARY_PATH is a Linux matter")
     import_error = m.snap.torch.import_error if m.snap.torch else None
-    if import_error and mentions(import_error, "undefined symbol") and (dirs := m.cuda_library_dirs()):
-        detail = f"import torch failed with {first_line(import_error)!r} while LD_LIBRARY_PATH holds CUDA libraries"
+    if import_error and mentions(import_error, "undefined symbol") and (dirs := m.shadowing_dirs(import_error)):
+        detail = f"import torch failed with {first_line(import_error)!r} while LD_LIBRARY_PATH holds libraries it loads"
         return fail("library-shadowing", detail, m.ld_path_without(dirs))
     if not m.snap.library_path:
         return ok("library-shadowing", "LD_LIBRARY_PATH is unset")

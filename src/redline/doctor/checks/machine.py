@@ -188,7 +188,10 @@ class Machine:
         return HANG_FIX if run is not None and run.timed_out else CRASH_FIX
 
     def setting_fix(self, error: str) -> str | None:
-        """Return how to fix the torch setting in the environment an error shows torch refused; None for none."""
+        """Return how to fix the torch setting in the environment an error shows torch refused; None for none. An
+        out-of-memory error is none: its message names PYTORCH_CUDA_ALLOC_CONF as the setting to try."""
+        if mentions(error, r"out of memory"):
+            return None
         for name, refusals in TORCH_SETTINGS.items():
             value = self.snap.env.get(name)
             if value is None:
@@ -198,10 +201,16 @@ class Machine:
                 return f"unset {name}, or give it a value torch accepts: the error is torch refusing {name}={value!r}"
         return None
 
-    def cuda_library_dirs(self) -> list[str]:
-        """Return the LD_LIBRARY_PATH entries holding CUDA libraries: only these can hand torch other copies (an
-        NVIDIA container sets /usr/local/nvidia/lib64, which holds the driver's libraries and none of torch's)."""
-        return [entry.path for entry in self.snap.library_path if entry.libs]
+    def shadowing_dirs(self, error: str) -> list[str]:
+        """Return the LD_LIBRARY_PATH entries an import error of torch's may come from: those holding CUDA libraries,
+        and any whose library the error names (a libtorch's lib/ handing torch its own libtorch_python.so). Only
+        these can hand torch other copies: an NVIDIA container sets /usr/local/nvidia/lib64, which holds the
+        driver's libraries and none of torch's."""
+        return [
+            entry.path
+            for entry in self.snap.library_path
+            if entry.libs or (entry.path.strip() and f"{entry.path.rstrip('/')}/" in error)
+        ]
 
     def ld_path_without(self, drop: list[str]) -> str:
         """Return the command that removes ``drop`` from LD_LIBRARY_PATH, keeping the other entries."""
