@@ -52,6 +52,21 @@ def records():
     return arrays(collate_fn=lambda items: {"x": cast(items)[0], "labels": cast(items)[1]})
 
 
+def balanced(items):  # pairs the classes across the batch: one item alone makes an empty batch
+    inputs, targets = cast(items)
+    order = torch.argsort(targets, stable=True)
+    half = len(items) // 2
+    return inputs[torch.stack([order[:half], order[half : 2 * half]], 1).flatten()], targets[order[: 2 * half]]
+
+
+def pairing():
+    return arrays(collate_fn=balanced)
+
+
+def transposed():  # features first: no batch dimension to read a sample from
+    return arrays(collate_fn=lambda items: (cast(items)[0].T, cast(items)[1]))
+
+
 def module():
     return redline.Task(name="module", model=nn.Linear(6, 3), loss_fn=nn.functional.cross_entropy,
                         train_data=TensorDataset(torch.randn(8, 6), torch.zeros(8, dtype=torch.long)))
@@ -118,3 +133,19 @@ def test_a_checkpoints_pickle_given_as_weights_names_the_model_safetensors_besid
     assert str(raised.value).endswith(
         f"\nhint: pass the model's weights beside it: --weights {checkpoint}/model.safetensors"
     )
+
+
+def test_a_collate_fn_that_needs_more_than_one_item_is_read_from_a_batch_and_not_warned_of(tasks, caplog):
+    # it made a batch of one item into Tensor(0, 6): predict and serve refused the Task
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        servable = load_servable(f"{tasks}:pairing")
+    assert (servable.input_shape, servable.input_dtype) == ((6,), "float32")
+    assert not [m for m in caplog.messages if "collate_fn" in m], "its rows are the items, in another order"
+
+
+def test_a_collate_fn_whose_batches_have_no_batch_dimension_serves_the_items_as_they_are_with_a_warning(tasks, caplog):
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        servable = load_servable(f"{tasks}:transposed")
+    assert servable.input_shape == (6,)  # as train_data holds it
+    assert any("whose first dimension is not the batch of 1, so the inputs are served as train_data holds them"
+               in m for m in caplog.messages)  # fmt: skip

@@ -12,6 +12,7 @@ start (and the engine's measurements, keyed by the weights, are found in the cac
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -165,44 +166,87 @@ def from_task(task: Task) -> Servable:
 
 
 def _collated_sample(task: Task, item: Any) -> Any:
-    """The inputs of ``task.collate_fn``'s batch of ``item`` alone, without the batch dimension."""
+    """The inputs of one sample as ``task.collate_fn`` batches them, without the batch dimension: of a batch of
+    ``item`` alone, or, for a collate_fn that needs more (pairing samples across the batch), of the first batch
+    training reads; where neither gives one, the item's own inputs, with a warning."""
     assert task.collate_fn is not None
     inputs = item[0] if isinstance(item, list | tuple) and len(item) == 2 else item  # a record its collate_fn reads
+    alone = _collate(task, [item])
+    if isinstance(alone, TaskError) or _batched(alone, 1) is None:
+        items = _first_items(task, task.batch_size or 2)
+        whole = _collate(task, items) if len(items) > 1 else alone
+        if not isinstance(whole, TaskError) and (rows := _batched(whole, len(items))) is not None:
+            if not isinstance(rows, torch.Tensor):
+                return rows  # a dict, a tuple of tensors: refused as what they are
+            _warn_if_changed(task, [one[0] if isinstance(one, list | tuple) else one for one in items], rows)
+            return rows[0]
+        if isinstance(alone, TaskError):
+            raise alone
+        log.warning(
+            "task %r: its collate_fn made a batch of one item into inputs %s, whose first dimension is not the batch "
+            "of 1, so the inputs are served as train_data holds them (%s)\nhint: have the factory return "
+            "redline.Servable(model=..., input_shape=(...), input_dtype=...) to say the served shape",
+            task.name, describe(alone), _described(inputs),
+        )  # fmt: skip
+        return inputs
+    rows = _batched(alone, 1)
+    if not isinstance(rows, torch.Tensor):
+        return rows
+    _warn_if_changed(task, [inputs], rows)
+    return rows[0]
+
+
+def _collate(task: Task, items: list[Any]) -> Any:
+    """The inputs of ``task.collate_fn``'s batch of ``items``; the TaskError to raise (not raised) where it fails."""
+    assert task.collate_fn is not None
     try:
-        batch = task.collate_fn([item])
+        batch = task.collate_fn(items)
     except Exception as exc:  # the user's own code
-        raise TaskError(
-            f"task {task.name!r}: its collate_fn, given train_data's first item to learn the served input shape, "
+        error = TaskError(
+            f"task {task.name!r}: its collate_fn, given train_data's first items to learn the served input shape, "
             f"raised {describe_error(exc)}{user_line(exc)}\nhint: the error is in the collate_fn's own code; "
             "REDLINE_TRACEBACK=1 prints the whole traceback"
-        ) from exc
+        )
+        error.__cause__ = exc
+        return error
     try:
         collated, _ = split_batch(batch, "train_data", collate_fn=task.collate_fn)
     except TaskError as exc:
         raise TaskError(f"task {task.name!r}: {exc}") from None
     if isinstance(collated, np.ndarray) and collated.dtype.kind in "biuf":
         collated = torch.from_numpy(collated.astype(collated.dtype.newbyteorder("=")))
+    return collated
+
+
+def _batched(collated: Any, size: int) -> Any:
+    """``collated`` where it is a batch of ``size`` samples (or not a tensor: a dict, a tuple, refused later); None
+    where it is a tensor of another batch."""
     if not isinstance(collated, torch.Tensor):
-        return collated  # a dict, a tuple of tensors: refused as what they are
-    if collated.ndim == 0 or collated.shape[0] != 1:
-        raise TaskError(
-            f"task {task.name!r}: its collate_fn made a batch of one item into inputs {describe(collated)}, whose "
-            "first dimension is not the batch of 1, so the input shape to serve is unknown\nhint: have the factory "
-            "return redline.Servable(model=..., input_shape=(...), input_dtype=...)"
-        )
-    sample = collated[0].detach().cpu()
-    if _changed(inputs, sample):
-        before, after = _described(inputs), describe(sample)
-        change = "with other values" if before == after else f"as {after}"
-        log.warning(
-            "task %r: its collate_fn does more to the inputs than stack and cast them (the first item's, %s, come "
-            "out of it %s), and predict and serve do not run it: a request's samples reach the model as they come, "
-            "so they must be as collate_fn makes them; to take them as train_data holds them, have the factory "
-            "return redline.Servable(model=..., input_shape=(...), input_dtype=..., preprocess=...) whose "
-            "preprocess does to a batch what collate_fn does",
-            task.name, before, change,
-        )  # fmt: skip
-    return sample
+        return collated
+    return collated.detach().cpu() if collated.ndim and collated.shape[0] == size else None
+
+
+def _warn_if_changed(task: Task, inputs: list[Any], rows: torch.Tensor) -> None:
+    """Warn where the collate_fn's ``rows`` hold other than the items' ``inputs`` stacked and cast: predict and serve
+    do not run it. Rows in another order than the items (a collate_fn that pairs them) are not a change."""
+    unmatched = list(range(len(inputs)))
+    for row in rows:
+        found = next((i for i in unmatched if not _changed(inputs[i], row)), None)
+        if found is None:
+            break
+        unmatched.remove(found)
+    if not unmatched:
+        return
+    before, after = _described(inputs[0]), describe(rows[0])
+    change = "with other values" if before == after else f"as {after}"
+    log.warning(
+        "task %r: its collate_fn does more to the inputs than stack and cast them (the first item's, %s, come "
+        "out of it %s), and predict and serve do not run it: a request's samples reach the model as they come, "
+        "so they must be as collate_fn makes them; to take them as train_data holds them, have the factory "
+        "return redline.Servable(model=..., input_shape=(...), input_dtype=..., preprocess=...) whose "
+        "preprocess does to a batch what collate_fn does",
+        task.name, before, change,
+    )  # fmt: skip
 
 
 def _changed(inputs: Any, sample: torch.Tensor) -> bool:
@@ -249,6 +293,18 @@ def _shape_and_dtype(task: Task, sample: Any) -> tuple[tuple[int, ...], str]:
             "and builds the model's inputs from it"
         )
     return shape, name if name in DTYPES else ("int64" if kind in "iu" else "float32")
+
+
+def _first_items(task: Task, count: int) -> list[Any]:
+    """Up to ``count`` first items of ``task.train_data`` (a stream's included); fewer where it holds fewer, or
+    where reading them fails (the first item, read before, is what the served shape is taken from then)."""
+    data = task.train_data
+    try:
+        if isinstance(data, IterableDataset):
+            return list(itertools.islice(iter(data), count))
+        return [data[i] for i in range(min(count, len(data)))]  # type: ignore[arg-type]
+    except Exception:  # the dataset's own code; the first item was read without error
+        return []
 
 
 def _first_item(task: Task) -> Any:
