@@ -172,6 +172,34 @@ def test_recomputed_blocks_give_the_plain_gradients_under_bf16_autocast() -> Non
     assert_same_gradients(got[1], expected[1])
 
 
+class NormedBlock(nn.Module):
+    """A residual block with batch norm, as a ResNet stage's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+def test_recomputed_blocks_update_batch_norm_statistics_once_a_step() -> None:
+    # The recomputed forward in backward updated every running mean and variance a second time: the weights were
+    # equal, the statistics (and so evaluation and serving) were not, and num_batches_tracked counted 2 a step.
+    torch.manual_seed(0)
+    plain = nn.Sequential(NormedBlock(), NormedBlock())
+    checkpointed = copy.deepcopy(plain)
+    assert apply_checkpointing(checkpointed, [("0", checkpointed[0]), ("1", checkpointed[1])]) == 2
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        for model in (plain, checkpointed):
+            model(x).sum().backward()
+    expected = plain.state_dict()
+    for name, value in checkpointed.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert int(checkpointed[0].norm.num_batches_tracked) == 3
+
+
 def test_a_block_runs_again_in_backward_only_while_training_with_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_gpt()
     apply_checkpointing(model, find_blocks(model))

@@ -10,12 +10,15 @@ https://pytorch.org/docs/stable/checkpoint.html. The decision is ``plan.checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from redline.errors import ConfigError
@@ -77,7 +80,32 @@ def _recomputing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = vars(self).get(_OWN_FORWARD) or types.MethodType(type(self).forward, self)
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
+    norms = [m for m in self.modules() if isinstance(m, _NormBase) and m.training and m.track_running_stats]
+    if norms and not torch.compiler.is_compiling():  # a compiled graph recomputes without its buffers' updates
+        context = functools.partial(_stats_kept, norms)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _stats_kept(
+    norms: list[_NormBase],
+) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """The forward's context (nothing) and the recomputation's: the batch norms' running statistics as the forward
+    left them, so that a recomputed training forward does not update them a second time (ResNet's stages are full
+    of them)."""
+    return contextlib.nullcontext(), _restoring_stats(norms)
+
+
+@contextlib.contextmanager
+def _restoring_stats(norms: list[_NormBase]) -> Iterator[None]:
+    stats = [t for m in norms for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+    saved = [t.clone() for t in stats]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, copy in zip(stats, saved, strict=True):
+                tensor.copy_(copy)
 
 
 class ActivationCheckpointing:
