@@ -124,8 +124,7 @@ def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None
     if run.in_optimizer_step:
         return
     if run.micro_loss is not None and run.step_start is not None:
-        run.pos = run.step_start
-        run.rt.drop_cycle()  # the step is redone whole on resume: its batches so far are not the checkpoint's
+        run.back_to_step_start()  # the step is redone whole on resume: its batches so far are not the checkpoint's
     try:
         saved = keep()
     except Exception as again:  # the disk is full, say; a NaN loss fails again (no checkpoint holds one)

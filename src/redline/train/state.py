@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +25,10 @@ from redline.train.logs import Loggers
 from redline.train.progress import Progress
 from redline.train.schedule import Schedule
 from redline.train.throughput import Throughput
+
+if TYPE_CHECKING:
+    from redline.train.best import BestWeights
+    from redline.train.callbacks import EarlyStopping
 
 log = logging.getLogger("redline")
 
@@ -181,6 +186,28 @@ class Run:
     stopped: str = ""
     watchdog: Watchdog | None = None
     owed_eval: bool = False  # the resumed step's evaluation, due and failed: run before the first step
+    # what an epoch's evaluation inside a step (its micro-batches span the epoch's end) moves, as it stood before:
+    # the schedule, early stopping and best's checkpoint entries, and the optimizer's hyperparameters (the learning
+    # rate ReduceLROnPlateau sets); kept for a checkpoint of the step's start
+    before_eval: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+    held_back: dict[str, Any] | None = None  # before_eval's entries, once the run is put back to the step's start
+
+    def hold_before_eval(self, states: dict[str, Any]) -> None:
+        """Keep ``states`` (``eval_states``) and the optimizer's hyperparameters, before an evaluation inside a step."""
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.before_eval = states, groups
+
+    def back_to_step_start(self) -> None:
+        """Put the run back to the start of the step under way, its micro-batches dropped: a checkpoint now holds the
+        step's start (redone whole on resume), with what an epoch's evaluation inside the step moved as it stood
+        before (the resumed run evaluates that epoch's end again, as the unbroken run did once)."""
+        assert self.step_start is not None
+        self.pos = self.step_start
+        self.rt.drop_cycle()
+        if self.before_eval is not None:
+            self.held_back, groups = self.before_eval
+            for group, before in zip(self.optimizer.param_groups, groups, strict=True):
+                group.update(before)
 
     @contextlib.contextmanager
     def optimizer_step(self) -> Iterator[None]:
@@ -193,3 +220,15 @@ class Run:
         """Tell the hang watchdog where this rank is (costs well under a microsecond)."""
         if self.watchdog is not None:
             self.watchdog.beat(self.pos.step if step is None else step, where)
+
+
+def eval_states(scheduler: Schedule, early_stopping: EarlyStopping | None, best: BestWeights | None) -> dict[str, Any]:
+    """A checkpoint's entries that evaluations move: the schedule (ReduceLROnPlateau's), early stopping, best; copies,
+    which later evaluations leave as they are."""
+    return copy.deepcopy(
+        {
+            "scheduler": scheduler.state_dict(),
+            "early_stopping": early_stopping.state_dict() if early_stopping else None,
+            "best": best.to_dict() if best else None,
+        }
+    )

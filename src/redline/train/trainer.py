@@ -55,7 +55,7 @@ from redline.train.output import prepare_out_dir, write_results
 from redline.train.progress import Progress
 from redline.train.schedule import Schedule
 from redline.train.signals import StopOnSignal
-from redline.train.state import Position, Run, Window
+from redline.train.state import Position, Run, Window, eval_states
 from redline.train.summary import LOSS_WINDOW, TrainSummary, summarize
 from redline.train.throughput import Throughput
 from redline.train.tuned import resumed_batch, use_tuned
@@ -195,7 +195,7 @@ class Trainer:
         run.window.losses.append(run.micro_loss / run.rt.options.grad_accum)  # the step's mean loss
         run.window.lrs.append(lr)
         run.window.epochs.append(run.pos.epoch)
-        run.micro_loss = None
+        run.micro_loss = run.before_eval = None
         run.meter.first_step_done(inputs, targets, run.model)
         return True
 
@@ -222,13 +222,19 @@ class Trainer:
 
     def _after_epoch(self, run: Run) -> str:
         """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
-        if not self.config.eval_every and self.task.val_data is not None and self._evaluate(run):
-            if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
-                if run.window.losses:  # a checkpoint must not hold a NaN
-                    self._flush(run)
-                run.last_ckpt = self._checkpoint(run, "early stopping")
-            return "early stopping"
-        return ""
+        if self.config.eval_every or self.task.val_data is None:
+            return ""
+        if inside := run.micro_loss is not None:  # a step's micro-batches span the epoch's end
+            run.hold_before_eval(eval_states(run.scheduler, self.early_stopping, self.best))
+        if not self._evaluate(run):
+            return ""
+        if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
+            if run.window.losses:  # a checkpoint must not hold a NaN
+                self._flush(run)
+            if inside:  # stopped inside a step: its start is what a resume with more patience redoes
+                run.back_to_step_start()
+            run.last_ckpt = self._checkpoint(run, "early stopping")
+        return "early stopping"
 
     def _keep_steps(self, run: Run) -> str | None:
         """Checkpoint the steps since the last checkpoint (all ranks together); return where they are."""
@@ -396,15 +402,13 @@ class Trainer:
         ``stopped`` is why the run ends here ("" while it goes on): a rerun of an ended run knows it.
         """
         run.beat("checkpoint")
-        pos, scheduler = run.pos, run.scheduler
+        pos, states = run.pos, run.held_back or eval_states(run.scheduler, self.early_stopping, self.best)
         extra = {
             **pos.to_state(),
             "stopped": stopped,
             "evaluated": self._evaluated_at == pos.step,  # False where this step's due evaluation failed
             "recent_losses": run.losses[-LOSS_WINDOW:],
-            "scheduler": scheduler.state_dict(),
-            "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
-            "best": self.best.to_dict() if self.best else None,
+            **states,  # put back to a step's start (held_back): as they were before its evaluation
         }
         root = self._checkpoint_root()
         with run.meter.excluded("checkpoint"):
