@@ -207,6 +207,39 @@ def test_a_model_keeping_a_plain_tensor_attribute_is_counted():
     assert model.mask.device.type == "cpu" and model.mask.sum() == 36  # the real model's mask is left as it was
 
 
+class Widened(nn.Module):
+    """Takes a constructor argument with a default and draws its weights from the global RNG, as user models do."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, width, 3)
+        self.head = nn.Linear(width * 6 * 6, 10)
+
+    def forward(self, x):
+        return self.head(self.conv(x).flatten(1))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_an_fsdp_model_counts_as_the_plain_model_and_leaves_the_rng_where_it_was():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from redline.parallel.fsdp import shard
+
+    data = (torch.randn(2, 1, 8, 8), torch.randint(0, 10, (2,)))
+    plain = count_train_flops(Widened(width=4), F.cross_entropy, data)
+    sharded = shard(Widened(width=4), precision="fp32")
+    rng = torch.get_rng_state()
+    assert plain is not None and count_train_flops(sharded, F.cross_entropy, data) == plain
+    assert torch.equal(torch.get_rng_state(), rng)  # the user's __init__ did not run again
+    # A shard of a weight split over two ranks counts as the whole weight: (3, 4) held here, (6, 4) in all.
+    layer, mesh = nn.Linear(4, 6, bias=False), init_device_mesh("cpu", (1,))
+    half = DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0)], run_check=False, shape=torch.Size([6, 4]),
+                              stride=(4, 1))  # fmt: skip
+    layer.weight = nn.Parameter(half)
+    assert count_train_flops(layer, mse, (torch.randn(2, 4), torch.randn(2, 6))) == 3 * 2 * 2 * 4 * 6 - 2 * 2 * 4 * 6
+
+
 def test_a_frozen_model_counts_its_forward_only():
     model = linear_stack([16, 32])
     model.requires_grad_(False)

@@ -9,8 +9,8 @@ the PaLM definition of MFU (https://arxiv.org/abs/2204.02311, appendix B).
 
 from __future__ import annotations
 
-import copy
 import logging
+import sys
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -40,14 +40,15 @@ def count_train_flops(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tens
             raise TypeError(f"batch is a {type(batch).__name__}, not an (inputs, targets) pair")
         inputs, targets = batch
         memo: dict[int, Any] = {}
-        clone = _meta_clone(_unwrap(model), memo)
-        loss_clone = _meta_clone(loss_fn, memo) if isinstance(loss_fn, nn.Module) else loss_fn
         # Dropout on meta tensors draws nothing, but a model may draw from the CPU generator itself
         # (torch.rand without a device); the count must not shift the run's random stream.
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), FlopCounterMode(display=False) as counter:
-            loss = loss_clone(clone(_to_meta(inputs)), _to_meta(targets))
-            if loss.requires_grad:
-                loss.backward()
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            clone = _meta_clone(_unwrap(model), memo)
+            loss_clone = _meta_clone(loss_fn, memo) if isinstance(loss_fn, nn.Module) else loss_fn
+            with FlopCounterMode(display=False) as counter:
+                loss = loss_clone(clone(_to_meta(inputs)), _to_meta(targets))
+                if loss.requires_grad:
+                    loss.backward()
         return int(counter.get_total_flops())
     except Exception as exc:  # a diagnostic must never stop training: the caller shows "n/a"
         log.debug("counting FLOPs on the meta device failed: %s: %s", type(exc).__name__, exc)
@@ -149,14 +150,24 @@ def _meta_clone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """Return a shallow copy of ``module``'s tree whose parameters and buffers are empty meta tensors.
 
     Each module is copied, not deep-copied: attributes are shared, but what the count's forward
-    assigns (a cache, a counter) lands on the copy. Tied weights and shared modules stay tied.
+    assigns (a cache, a counter) lands on the copy. Tied weights and shared modules stay tied. A
+    module sharded by FSDP2 is copied as its own class, without FSDP's hooks, with whole-model shapes.
     """
     if id(module) in memo:
         clone: nn.Module = memo[id(module)]
         return clone
-    clone = copy.copy(module)
+    # Not copy.copy: on an FSDP2 module that calls the user's __init__ (FSDPModule.__new__ builds the
+    # original class anew), which draws fresh weights from the global RNG and needs __init__'s arguments.
+    cls = _unsharded_class(type(module))
+    clone = cls.__new__(cls)
     memo[id(module)] = clone
     state = clone.__dict__
+    state.update(module.__dict__)
+    for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # FSDP's would all-gather the real weights
+        if hooks in state:
+            state[hooks] = type(state[hooks])(
+                (key, hook) for key, hook in state[hooks].items() if not _is_fsdp_hook(hook)
+            )
     state["_parameters"] = {k: None if p is None else _meta_parameter(p, memo) for k, p in module._parameters.items()}
     state["_buffers"] = {k: None if b is None else _meta_tensor(b, memo) for k, b in module._buffers.items()}
     state["_modules"] = {k: None if m is None else _meta_clone(m, memo) for k, m in module._modules.items()}
@@ -171,18 +182,37 @@ def _meta_clone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     return clone
 
 
+def _unsharded_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """Return the user's class under FSDP2's dynamic ``FSDP<Class>``; ``cls`` itself for any other."""
+    if any(base.__name__ == "FSDPModule" for base in cls.__mro__):  # by name: torch < 2.6 keeps it private
+        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]  # [FSDP<Orig>, FSDPModule, Orig, ...]
+    return cls
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    return str(getattr(hook, "__module__", "")).startswith(("torch.distributed.fsdp", "torch.distributed._composable"))
+
+
 def _meta_parameter(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
     if id(param) not in memo:
-        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        memo[id(param)] = nn.Parameter(_meta_empty(param), requires_grad=param.requires_grad)
     meta: nn.Parameter = memo[id(param)]
     return meta
 
 
 def _meta_tensor(tensor: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
     if id(tensor) not in memo:
-        memo[id(tensor)] = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = _meta_empty(tensor)
     meta: torch.Tensor = memo[id(tensor)]
     return meta
+
+
+def _meta_empty(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty plain meta tensor of ``tensor``'s shape; a DTensor's is the whole tensor's, not this rank's shard."""
+    dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return torch.empty_like(tensor, device="meta")
 
 
 def _to_meta(obj: Any) -> Any:
