@@ -121,6 +121,35 @@ def test_fsdp_shards_rebuilds_the_optimizer_and_writes_shards_that_a_plain_model
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
 
 
+class Nesterov(torch.optim.SGD):
+    """Takes an argument that its ``defaults`` do not keep, as many custom optimizers do."""
+
+    def __init__(self, params, lr: float, scale: float) -> None:
+        super().__init__(params, lr=lr * scale, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_fsdp_builds_a_factory_s_optimizer_on_the_shards_and_keeps_an_instance_s_hooks():
+    steps: list[str] = []
+
+    def factory(params):
+        optimizer = Nesterov(params, lr=1e-2, scale=0.5)
+        optimizer.register_step_post_hook(lambda *_: steps.append("factory"))  # e.g. an EMA update
+        return optimizer
+
+    model, optimizer = build_strategy("fsdp").wrap(make_model(), factory, device=CPU, precision="fp32")
+    assert isinstance(optimizer, Nesterov) and optimizer.param_groups[0]["lr"] == 5e-3
+    assert all(isinstance(p, DTensor) for p in optimizer.param_groups[0]["params"])
+    train_steps(model, optimizer, build_strategy("fsdp"))
+    assert steps == ["factory"] * 2
+    given = make_model()
+    instance = torch.optim.AdamW(given.parameters(), lr=1e-2)
+    instance.register_step_post_hook(lambda *_: steps.append("instance"))
+    model, optimizer = build_strategy("fsdp").wrap(given, instance, device=CPU, precision="fp32")
+    train_steps(model, optimizer, build_strategy("fsdp"), 1)
+    assert steps[2:] == ["instance"]
+
+
 @pytest.mark.usefixtures("one_rank_group")
 @pytest.mark.parametrize("requested", ["auto", "on"])
 def test_a_runtime_under_fsdp_trains_a_convolutional_model_nchw_where_nhwc_would_stop_its_setup(requested, monkeypatch):

@@ -134,10 +134,22 @@ def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "") -> None:
         )
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.optim.Optimizer:
-    """Return a new optimizer of the same class, groups and hyperparameters, with ``impl`` changed.
+# Where torch.optim.Optimizer keeps the hooks its register_*_hook methods add; torch offers no public way to list them.
+_HOOKS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
 
-    Only an optimizer that holds no state yet can be rebuilt without changing the run.
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.optim.Optimizer:
+    """Return a new optimizer of the same class, groups, hyperparameters and hooks, with ``impl`` changed.
+
+    Only an optimizer that holds no state yet can be rebuilt without changing the run. Constructor
+    arguments the optimizer keeps nowhere in its ``defaults`` are lost: pass a factory to keep them.
     """
     check_stateless(optimizer)
     groups = [{**group, **impl} for group in optimizer.param_groups]
@@ -149,7 +161,12 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.op
     # defaults may hold keys the constructor sets itself (AdamW's decoupled_weight_decay): pass only
     # the ones it takes; every group keeps all of its own keys.
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})
+    rebuilt = type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})
+    for name in _HOOKS:  # a post-step hook (an EMA update, a log) would otherwise stop running, silently
+        hooks, into = getattr(optimizer, name, None), getattr(rebuilt, name, None)
+        if hooks and into is not None:
+            into.update(hooks)
+    return rebuilt
 
 
 # how an optimizer steps, not what it does: the Plan may choose them, and a checkpoint keeps no promise of them

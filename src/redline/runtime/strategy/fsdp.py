@@ -35,21 +35,25 @@ class FSDP:
     def wrap(
         self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Shard ``model`` in place and rebuild its optimizer on the sharded parameters.
+        """Shard ``model`` in place and build or rebuild its optimizer on the sharded parameters.
 
-        ``fully_shard`` replaces the parameters with DTensors, so an optimizer built before must be
-        rebuilt on them: its class, groups and hyperparameters carry over, each parameter matched by
-        its name. It must hold no state yet (pass it before its first step, or as a factory).
+        ``fully_shard`` replaces the parameters with DTensors. A factory is called on them, so the
+        optimizer is the factory's own (its hooks, its constructor's arguments). An optimizer built before
+        is rebuilt on them: its class, groups, hyperparameters and hooks carry over, each parameter matched
+        by its name. It must hold no state yet (pass it before its first step, or as a factory).
         """
-        built = build_optimizer(optimizer, model)
-        check_stateless(built, " on the sharded parameters")  # before the model changes, not after
-        names = {id(p): name for name, p in model.named_parameters()}
         _, world = rank_and_world()
-        shard(model, precision=precision, reshard=world > 1)
         self.detail = (
             "blocks resharded after forward, gathered again in backward" if world > 1 else
             "one rank: blocks stay gathered from forward to backward (resharding would free nothing)"
         )  # fmt: skip
+        if not isinstance(optimizer, torch.optim.Optimizer):  # called once, as on one device
+            shard(model, precision=precision, reshard=world > 1)
+            return model, build_optimizer(optimizer, model)
+        check_stateless(optimizer, " on the sharded parameters")  # before the model changes, not after
+        built = build_optimizer(optimizer, model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        shard(model, precision=precision, reshard=world > 1)
         sharded = dict(model.named_parameters())
         for group in built.param_groups:  # the old optimizer is discarded: point its groups at the new parameters
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
