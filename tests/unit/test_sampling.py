@@ -196,3 +196,31 @@ def test_a_loader_the_split_leaves_alone_under_several_processes_is_warned_of(ca
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and said[0].startswith("setup_loader keeps a DataLoader with a batch_sampler as it is: each")
     assert said[1].startswith("setup_loader keeps an iterable of batches as it is: each of the 2 processes reads every")
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from range(8)
+
+
+class NumbersOfThisRank(Numbers):
+    splits_across_ranks = True  # its __iter__ would yield this rank's share
+
+
+def test_a_stream_every_rank_reads_whole_is_warned_of_and_said_on_the_loader_line(caplog):
+    """Two ranks each read all 8 items of an IterableDataset, silently, where a stream that says it splits itself is
+    left alone."""
+    from redline.plan import Choice
+    from redline.runtime.sampling import split_reason
+
+    env, chosen = DistEnv(rank=0, world_size=2, launched=True), Choice("kept", "the loader as given")
+    stream, own = DataLoader(Numbers(), batch_size=4), DataLoader(NumbersOfThisRank(), batch_size=4)
+    with caplog.at_level("WARNING", logger="redline"):
+        assert global_batches(stream, env, seed=0) is None and global_batches(own, env, seed=0) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("setup_loader keeps a DataLoader over an IterableDataset (Numbers)")
+    assert "each of the 2 processes reads the whole stream" in said[0] and "splits_across_ranks = True" in said[0]
+    assert split_reason(chosen, stream, [], env).reason.endswith("not split: every rank reads the whole stream "
+                                                                  "(splits_across_ranks unset)")  # fmt: skip
+    assert split_reason(chosen, own, [], env) == chosen
+    assert split_reason(chosen, stream, [], DistEnv()) == chosen  # one process reads it once

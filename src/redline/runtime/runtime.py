@@ -319,7 +319,7 @@ class Runtime(RunState):
         batches = global_batches(loader, self.env, seed=self.options.seed)
         if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
             loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
-        shown = self._plan.loader or split_reason(self.tuned_loader(chosen), loader, self._split_caveats)
+        shown = self._plan.loader or split_reason(self.tuned_loader(chosen), loader, self._split_caveats, self.env)
         self._plan = dataclasses.replace(self._plan, loader=shown)
         return self._layout.loader(loader, self.device)
 

@@ -24,6 +24,7 @@ from redline.plan import Choice
 
 T = TypeVar("T")
 log = logging.getLogger("redline")
+SPLITS_ACROSS_RANKS = "splits_across_ranks"  # a stream's attribute: True where each rank yields its own share
 
 
 class EpochSampler(Sampler[int]):
@@ -171,8 +172,16 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
                 "which setup_loader splits across the ranks, or a DistributedSampler of your own", what, env.world_size,
             )  # fmt: skip
         return None
-    if isinstance(loader.dataset, IterableDataset):
-        return None  # an iterable dataset shards itself
+    if isinstance(loader.dataset, IterableDataset):  # a stream has no indices to split: it must split itself
+        if env.rank == 0 and not getattr(loader.dataset, SPLITS_ACROSS_RANKS, False):
+            log.warning(
+                "setup_loader keeps a DataLoader over an IterableDataset (%s) as it is: each of the %d processes reads "
+                "the whole stream\nhint: have its __iter__ yield this rank's share (every "
+                "get_world_size()-th item from the get_rank()-th, torch.distributed's) and set the class attribute "
+                "%s = True to say it does, or pass a dataset with __len__ and __getitem__, which setup_loader splits",
+                type(loader.dataset).__name__, env.world_size, SPLITS_ACROSS_RANKS,
+            )  # fmt: skip
+        return None
     if isinstance(loader.sampler, DistributedSampler):
         return None  # the user's own split: each rank reads the share it gives, batch_size samples at a time
     check_whole_order(loader.sampler, env.world_size)
@@ -196,16 +205,32 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
     return batches
 
 
-def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str]) -> Choice[T]:
+def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str], env: DistEnv) -> Choice[T]:
     """The loader axis with how a launched job's global batch is split over its ranks, and the model's layers that
-    depend on that split (``caveats``); as it is for a loader with no global batch sampler."""
-    if not (isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler)):
+    depend on that split (``caveats``); under several processes, a loader kept whole says that every rank reads it."""
+    if not env.distributed:
         return chosen
+    if not (isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler)):
+        unsplit = _unsplit(loader)
+        return Choice(chosen.value, f"{chosen.reason}; {unsplit}") if unsplit else chosen
     split = loader.batch_sampler
     reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
     if split.drop_last:
         reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
     return Choice(chosen.value, "; ".join([reason, *caveats]))
+
+
+def _unsplit(loader: Iterable[Any]) -> str:
+    """What a loader setup_loader keeps whole gives each rank ("" where the loader splits itself)."""
+    if not isinstance(loader, DataLoader):
+        return "not split: every rank reads every batch of the iterable"
+    if isinstance(loader.dataset, IterableDataset):
+        if getattr(loader.dataset, SPLITS_ACROSS_RANKS, False):
+            return ""
+        return f"not split: every rank reads the whole stream ({SPLITS_ACROSS_RANKS} unset)"
+    if isinstance(loader.sampler, DistributedSampler) or loader.batch_size is not None:
+        return ""
+    return "not split: every rank reads every batch of the batch_sampler"
 
 
 def _drawn_seed(loader: DataLoader[Any]) -> int:

@@ -44,6 +44,7 @@ class StreamShard(IterableDataset[Any]):
     """
 
     splits_across_workers = True  # each loader worker yields its own batches (get_worker_info), none twice
+    splits_across_ranks = True  # each rank yields its own share of every global batch
 
     def __init__(
         self, dataset: Dataset[Any], *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
