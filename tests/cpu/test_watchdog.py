@@ -64,6 +64,26 @@ def test_the_rank_behind_is_named_with_where_it_stands_and_what_the_others_wait_
     assert lines[-1].startswith("hint: the stack of rank 1 shows where it is stuck")
 
 
+def test_ranks_waiting_in_one_collective_with_different_operations_are_a_mismatch_not_a_slow_rank() -> None:
+    """rt.save under `if rank == 0`: rank 0 all-gathers where rank 1 all-reduces its gradients, both collective #10."""
+    loop, backward = "the loop between optimizer steps (data, forward, loss)", "backward (gradient all-reduce)"
+    records = {
+        0: at(5, loop, 1, ago=9, collectives=10, collective="in #10 gloo:all_gather(long[1])"),
+        1: at(5, backward, 2, ago=9, collectives=10, collective="in #10 gloo:all_reduce(float[29066])"),
+    }
+    hang = diagnose(records, now=NOW, timeout_s=8, world_size=2)
+    assert hang is not None
+    assert hang.message.startswith(
+        "hang: collective mismatch: the ranks wait in collective #10 with different operations: "
+        "rank 0 in gloo:all_gather(long[1]), rank 1 in gloo:all_reduce(float[29066]) (hang timeout 8 s)"
+    )
+    hint = hang.message.splitlines()[-1]
+    assert hint.startswith("hint: a collective called on some ranks only (e.g. rt.save under `if rank == 0`")
+    assert "raise --hang-timeout" not in hint
+    same = {r: dataclasses.replace(p, collective="in #10 gloo:all_reduce(float[29066])") for r, p in records.items()}
+    assert "mismatch" not in str(diagnose(same, now=NOW, timeout_s=8, world_size=2))
+
+
 def test_no_hang_while_every_rank_beat_within_the_timeout() -> None:
     records = {0: at(3, "forward", 1, ago=9.9), 1: at(2, "forward", 1, ago=0.1)}
     assert diagnose(records, now=NOW, timeout_s=10, world_size=2) is None

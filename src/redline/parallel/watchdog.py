@@ -130,6 +130,12 @@ def _describe(
             "the collective itself does not complete: check the links between hosts (NCCL_DEBUG=INFO) and that "
             "every rank issues the same collectives with the same shapes (TORCH_DISTRIBUTED_DEBUG=DETAIL)"
         )
+    if mismatch := _mismatched_collective(records):
+        head = f"collective mismatch: {mismatch}"
+        hint = (
+            "a collective called on some ranks only (e.g. rt.save under `if rank == 0`: every rank must call it), "
+            "or in another order: every rank must issue the same collectives; no --hang-timeout ends this wait"
+        )
     limit = f"hang start timeout {timeout_s:g} s, for the set-up and first step" if starting else None
     lines = [f"hang: {head} ({limit or f'hang timeout {timeout_s:g} s'})"]
     for role, ranks in (("stalled", stalled), ("waiting", waiting)):
@@ -150,6 +156,21 @@ def _describe(
     if any(p.collectives is None for p in records.values()):
         hint += "; to see collectives, turn on torch's flight recorder (TORCH_FR_BUFFER_SIZE=2000)"
     return Hang(stalled=tuple(stalled), message="\n".join([*lines, f"hint: {hint}"]))
+
+
+def _mismatched_collective(records: Mapping[int, Position]) -> str | None:
+    """Name the ranks that wait in the same collective (by its sequence number) with different operations or shapes,
+    the mark of a collective some ranks never call; None where they agree or the collectives are unknown."""
+    by_number: dict[str, dict[str, list[int]]] = {}
+    for rank, position in sorted(records.items()):
+        number, _, what = (position.collective or "").removeprefix("in ").partition(" ")
+        if position.collective and position.collective.startswith("in #") and what:
+            by_number.setdefault(number, {}).setdefault(what, []).append(rank)
+    for number, calls in by_number.items():
+        if len(calls) > 1:
+            each = ", ".join(f"{_ranks(ranks)} in {what}" for what, ranks in calls.items())
+            return f"the ranks wait in collective {number} with different operations: {each}"
+    return None
 
 
 def _ranks(ranks: Sequence[int]) -> str:
