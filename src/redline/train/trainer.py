@@ -43,6 +43,7 @@ from redline.runtime.sampling import data_size
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
+from redline.train.agreement import check_ranks_agree
 from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks
 from redline.train.config import TrainerConfig
@@ -363,6 +364,7 @@ class Trainer:
         with users_failure(f"task {self.task.name!r}: building the model", FINGERPRINT_HINT):
             built = self.task.build_model()
         model, optimizer = rt.setup(built, self.task.optimizer)
+        check_ranks_agree(self.config, self.task, built, optimizer, self.env)  # before they can train apart
         scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:
