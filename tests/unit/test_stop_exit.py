@@ -92,7 +92,7 @@ def test_a_trainer_a_signal_to_its_workers_stopped_exits_as_a_stopped_run_not_0(
     assert "hint: run the same command again with --resume auto" in str(stopped.value)
     script = tmp_path / "train.py"
     script.write_text("")
-    launch(LaunchConfig(nproc=2), [str(script)])  # a script of the user's marks nothing: its exit 0 is its own
+    launch(LaunchConfig(nproc=2), [str(script)])  # a script that ran no Trainer marks nothing: its exit 0 is its own
     launch(LaunchConfig(nproc=1), ["redline", "train", "--help"], module=True)  # the help trains nothing
     monkeypatch.setattr(torch.distributed.run, "run", finished)
     launch(LaunchConfig(nproc=2), trainer, module=True)  # the run finished its work: 0, as before
@@ -112,3 +112,25 @@ def test_a_stopped_launch_names_the_newest_checkpoint_under_out_or_that_there_is
         "the run had finished its work; no checkpoint was written under --out"
     )
     assert str(none).endswith("signal the launcher (it passes the signal on to every worker)")
+
+
+def test_a_script_whose_trainer_a_signal_to_its_workers_stopped_exits_as_a_stopped_run_not_0(tmp_path, monkeypatch):
+    """The README promised 143 for a signal sent to the workers alone; a script of the user's that trains with the
+    Trainer exited 0, since only `redline train`'s launch looked for the finished mark."""
+    import pytest
+    import torch.distributed.run
+
+    from redline.launch.torchrun import LaunchConfig, launch
+
+    def trainer_stopped_by_a_signal(args: object) -> None:  # what each rank's fit() does as it returns
+        for rank in range(2):
+            mark_finished(DistEnv(rank=rank, world_size=2, local_rank=rank, local_world_size=2), signalled=True)
+
+    monkeypatch.setattr(torch.distributed.run, "run", trainer_stopped_by_a_signal)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(LaunchStopped) as stopped:
+        launch(LaunchConfig(nproc=2), [str(script)])
+    assert stopped.value.exit_code == 143 and "--resume auto" not in str(stopped.value)
+    assert str(stopped.value).startswith("stopped by a signal sent to the workers, not to the launcher: the Trainer's")
+    assert "run the same command again; with resume='auto' in its TrainerConfig it continues" in str(stopped.value)

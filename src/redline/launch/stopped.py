@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from redline.errors import RedlineError, StoppedBySignal
+from redline.parallel.env import stopped_mark
 
 log = logging.getLogger("redline")
 
@@ -47,6 +48,11 @@ class LaunchStopped(LaunchError, StoppedBySignal):
             message = (
                 f"{said}; no checkpoint was written under --out (the workers were still setting up, or were stopped "
                 f"before their first)\nhint: run the same command again to start over{other}"
+            )
+        elif workers_only and not trainer:
+            message = (
+                f"{said} and, with an out_dir, wrote a checkpoint there\nhint: run the same command again; with "
+                f"resume='auto' in its TrainerConfig it continues from the last checkpoint{other}"
             )
         elif workers_only:
             message = (
@@ -89,13 +95,15 @@ def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchSt
 
 
 def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
-    """Return the error of a launch whose ``redline train`` workers all exited 0 before the run finished its work.
+    """Return the error of a launch whose Trainer's workers all exited 0 before the run finished its work.
 
     The Trainer stops on a signal that reaches any one rank (``kill`` of a worker's process, a scheduler that
     signals the workers and not the launcher): the ranks stop together, checkpoint and exit 0, so torchrun
     reports success. Without the workers' ``finished`` mark the run is not done, and the launch says so as a
-    launcher sent the signal would: 143, and how to continue. None for a finished run, or a script of the user's.
+    launcher sent the signal would: 143, and how to continue. ``trainer``: the workers run ``redline train``,
+    which marks a finished run; a script of the user's is stopped where its Trainer left the stopped mark
+    (``stopped_mark``). None for a finished run, or a script that ran no Trainer.
     """
-    if not trainer or finished.exists():
+    if finished.exists() or not (trainer or stopped_mark(finished).exists()):
         return None
-    return LaunchStopped(signal.SIGTERM, workers_only=True)  # the signal is the workers' to know: 143, kill's
+    return LaunchStopped(signal.SIGTERM, trainer=trainer, workers_only=True)  # the workers' signal: 143, kill's

@@ -109,15 +109,22 @@ def check_hang_env(env: Mapping[str, str]) -> None:
         _seconds(env, name)
 
 
-def mark_finished(env: DistEnv) -> None:
-    """Tell this machine's launcher that the run finished its work, so a signal that reaches it now stops nothing.
+def mark_finished(env: DistEnv, *, signalled: bool = False) -> None:
+    """Tell this machine's launcher how the Trainer's run ended: its work finished, so a signal that reaches the
+    launcher now stops nothing; or, ``signalled``, a signal stopped it first (``stopped_mark``).
 
-    Every rank calls it once the run has ended for a reason other than a signal; the first worker of
-    each machine writes the file the launcher named (nothing without a launcher).
+    Every rank calls it once the run has ended; the first worker of each machine writes the file the launcher
+    named, or the stopped mark beside it (nothing without a launcher).
     """
     path = os.environ.get(FINISHED_ENV)
     if path and env.local_rank == 0:
-        Path(path).touch()
+        (stopped_mark(Path(path)) if signalled else Path(path)).touch()
+
+
+def stopped_mark(finished: Path) -> Path:
+    """Where a worker's Trainer marks that a signal stopped its run before its work was done: one sent to the workers
+    alone, which the launcher never saw; their exit 0 is then no finished run."""
+    return finished.with_name(finished.name + ".stopped")
 
 
 def backend_for(device_type: str) -> str:

@@ -160,8 +160,7 @@ class Trainer:
             summary = self._summary(run)
             if self.out_dir:
                 write_results(run.rt, self.out_dir, summary.to_dict(), main=self.env.is_main)
-        if not summary.stopped.startswith("signal"):
-            mark_finished(self.env)  # a launcher that a signal reaches now has nothing left to stop
+        mark_finished(self.env, signalled=summary.stopped.startswith("signal"))  # the launch's exit: 0 or 143
         call_hooks(self.callbacks, "on_fit_end", self, summary)
         return summary
 
