@@ -56,6 +56,10 @@ def test_an_indivisible_global_batch_names_the_nearest_that_splits():
         ConfigError, match=r"(?s)batch_size=10 is not allowed; expected a multiple of 4.*e\.g\. batch_size=12"
     ):
         GlobalBatchSampler(EpochSampler(40, shuffle=False, seed=0), global_batch=10, rank=0, world_size=4)
+    with pytest.raises(ConfigError, match=r"e\.g\. batch_size=63$"):  # 63 is 1 away, 66 two: it said 66
+        GlobalBatchSampler(EpochSampler(64, shuffle=False, seed=0), global_batch=64, world_size=3)
+    with pytest.raises(ConfigError, match=r"e\.g\. batch_size=3$"):  # never 0
+        GlobalBatchSampler(EpochSampler(64, shuffle=False, seed=0), global_batch=1, world_size=3)
 
 
 def test_the_layers_that_depend_on_the_split_are_named():

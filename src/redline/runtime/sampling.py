@@ -105,7 +105,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
 def check_split(global_batch: int, world_size: int) -> None:
     """Refuse a global batch that does not split evenly across the processes."""
     if global_batch % world_size:
-        nearest = global_batch + (-global_batch) % world_size
+        below = global_batch - global_batch % world_size
+        nearest = below if below and global_batch - below < world_size / 2 else below + world_size  # a tie: the larger
         raise invalid(
             "batch_size",
             global_batch,
