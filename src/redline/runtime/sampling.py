@@ -209,10 +209,8 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
 def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str], env: DistEnv) -> Choice[T]:
     """The loader axis with how a launched job's global batch is split over its ranks, and the model's layers that
     depend on that split (``caveats``); under several processes, a loader kept whole says that every rank reads it."""
-    if not env.distributed:
-        return chosen
     if not (isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler)):
-        unsplit = _unsplit(loader)
+        unsplit = _unsplit(loader) if env.distributed else ""  # one process reads each batch once
         return Choice(chosen.value, f"{chosen.reason}; {unsplit}") if unsplit else chosen
     split = loader.batch_sampler
     reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
