@@ -707,3 +707,12 @@ def test_a_resumed_run_builds_its_task_under_the_checkpoints_seed(tmp_path, monk
     assert again.exit_code == 0, again.output
     splits = (tmp_path / "splits.jsonl").read_text().splitlines()
     assert len(splits) == 2 and splits[0] == splits[1], "the resumed run validates on the rows the first one did"
+
+
+def test_a_resume_path_with_nothing_there_under_nproc_is_refused_once_before_any_worker_starts(redline_here, tmp_path):
+    """Before, each worker said 'no such checkpoint' in each attempt --max-restarts gave it."""
+    missing = tmp_path / "missing" / "ck"
+    result = redline_here("train", "--task", "example:digits", "--nproc", "2", "--max-restarts", "1", "--resume",
+                          str(missing), "--max-steps", "1")  # fmt: skip
+    assert result.returncode != 0 and result.stderr.count(f"{missing}: no such checkpoint") == 1, result.stderr
+    assert "launched job" not in result.stderr and "torch.distributed" not in result.stderr

@@ -119,9 +119,10 @@ def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: Ta
     with said_by_flags(**spellings(TrainerConfig)):
         if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
             refuse_if_held(config.out_dir)
-            if config.out_dir is not None:  # another run's checkpoints: a restarted worker would go on from them
-                refuse_before_launch(config.out_dir / "checkpoints", config.resume)
-                check_run_files(config.out_dir)  # the user's own files there, refused by each worker otherwise
+            # another run's checkpoints under --out: a restarted worker would go on from them
+            refuse_before_launch(config.out_dir / "checkpoints" if config.out_dir else None, config.resume)
+            if config.out_dir is not None:  # the user's own files there, refused by each worker otherwise
+                check_run_files(config.out_dir)
         if isinstance(launch_config.nproc, int) and config.batch_size is not None:  # not after the workers start
             check_split(config.batch_size, launch_config.nproc * launch_config.nnodes)
     if launch_config.max_restarts and config.out_dir is None:  # said before the hours a restart would repeat

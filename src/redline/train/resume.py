@@ -149,10 +149,11 @@ def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, foun
         checkpoint.clean_staging(root)
 
 
-def refuse_before_launch(root: Path, resume: str | None) -> None:
+def refuse_before_launch(root: Path | None, resume: str | None) -> None:
     """Refuse, in the launcher of `train --nproc` before any worker starts, what ``prepare_checkpoint_dir`` refuses
     in the workers' first attempt: a worker torchrun restarts (--max-restarts) goes on from the newest checkpoint
-    under ``root``, so a refusal of the first attempt alone would be undone, and the job would continue another run."""
+    under ``root``, so a refusal of the first attempt alone would be undone, and the job would continue another run.
+    A ``resume`` path with nothing there is refused too (without --out, ``root`` None), once rather than per attempt."""
     if resume == "auto":
         return
     found = None
@@ -160,8 +161,11 @@ def refuse_before_launch(root: Path, resume: str | None) -> None:
         try:
             found = checkpoint.read_checkpoint(Path(resume))  # its manifest: the workers verify it
         except (checkpoint.CheckpointError, OSError):
+            if not Path(resume).exists():  # rank 0, started on this machine, would find nothing there either
+                raise
             return  # the workers say what is wrong with it
-    _refuse(root, found, *_repaired_steps(root))
+    if root is not None:
+        _refuse(root, found, *_repaired_steps(root))
 
 
 def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list[int]) -> None:
