@@ -46,6 +46,21 @@ def test_modules_python_finds_are_launched(tmp_path, monkeypatch, started):
     assert len(started) == 4
 
 
+def test_a_package_without_a_main_is_refused_before_any_worker_starts(tmp_path, monkeypatch, started):
+    """Before, `-m redline.examples` started every worker, each failing alike ("cannot be directly executed")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg" / "inner").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "inner" / "__init__.py").write_text("")
+    for name in ("redline.examples", "pkg", "pkg.inner"):
+        with pytest.raises(ConfigError, match=rf"module '{name}' is a package without a __main__\.py.*\nhint: name"):
+            torchrun.launch(LaunchConfig(nproc=1), [name], module=True)
+    assert started == []
+    (tmp_path / "pkg" / "inner" / "__main__.py").write_text("")
+    torchrun.launch(LaunchConfig(nproc=1), ["pkg.inner"], module=True)
+    assert len(started) == 1
+
+
 def test_a_master_addr_of_another_machine_for_a_job_on_one_is_refused_before_the_workers_wait(tmp_path, started):
     """Before, the workers looked for the launcher's rendezvous there, retrying for 15 minutes, stack traces and all."""
     script = tmp_path / "train.py"

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from redline.errors import ConfigError, few, invalid, nearest
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from redline.launch.torchrun import LaunchConfig
 
 
@@ -53,6 +55,12 @@ def check_module(name: str) -> None:
     except (ImportError, ValueError):  # a module this process holds oddly (no spec): the workers will say
         return
     if spec is not None and not (name.endswith(".py") and spec.submodule_search_locations is None):
+        package = _package_dir(name, spec.submodule_search_locations)
+        if package is not None and not (package / "__main__.py").exists():
+            raise ConfigError(
+                f"module {name!r} is a package without a __main__.py: `python -m {name}` has nothing to run\n"
+                "hint: name the module that runs inside it (-m package.module), or add a __main__.py to the package"
+            )
         return
     if Path(name).is_file() or name.endswith(".py"):
         hint = f"--module takes a module's name: pass {name} without --module (-m)"
@@ -67,6 +75,15 @@ def check_module(name: str) -> None:
         else "install the package, or run from the folder it is in; for a script, pass its path without --module (-m)"
     )
     raise ConfigError(f"module {name!r} cannot be found: no {top!r} in {Path.cwd()} or on Python's path\nhint: {hint}")
+
+
+def _package_dir(name: str, locations: Sequence[str] | None) -> Path | None:
+    """The directory of the package ``name`` names, followed on disk from its top-level package's ``locations``
+    (nothing imported); None for a module that is a file, or one that cannot be followed (the workers will say)."""
+    directories = [Path(where) for where in locations or ()]
+    for part in name.split(".")[1:]:
+        directories = [where / part for where in directories if (where / part).is_dir()][:1]
+    return directories[0] if directories else None
 
 
 def check_master_addr(config: LaunchConfig) -> None:
