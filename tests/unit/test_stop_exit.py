@@ -134,3 +134,25 @@ def test_a_script_whose_trainer_a_signal_to_its_workers_stopped_exits_as_a_stopp
     assert stopped.value.exit_code == 143 and "--resume auto" not in str(stopped.value)
     assert str(stopped.value).startswith("stopped by a signal sent to the workers, not to the launcher: the Trainer's")
     assert "run the same command again; with resume='auto' in its TrainerConfig it continues" in str(stopped.value)
+
+
+def test_torchruns_agent_does_not_narrate_the_stop_the_launcher_says_itself(tmp_path, monkeypatch, caplog):
+    """Before, "Received 15 death signal, shutting down workers" came on every stop: torch gives its agent's logger a
+    level of its own, which quieting "torch.distributed.elastic" did not reach."""
+    import torch.distributed.run
+
+    from redline.launch.torchrun import LaunchConfig, launch
+
+    def narrating(args: object) -> None:
+        agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+        agent.warning("Received 15 death signal, shutting down workers")
+        agent.error("failed (exitcode: -9) local_rank: 1")  # a worker's one word a restart hid: kept
+
+    monkeypatch.setattr(torch.distributed.run, "run", narrating)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with caplog.at_level(logging.INFO):
+        launch(LaunchConfig(nproc=1), [str(script)])
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("torch")]
+    assert said == ["failed (exitcode: -9) local_rank: 1"]
+    assert logging.getLogger("torch.distributed.elastic.agent.server.api").level == logging.WARNING  # put back

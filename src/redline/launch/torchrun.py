@@ -264,13 +264,21 @@ def _launcher_unsaid() -> Iterator[None]:
     """Quiet torchrun's agent's warnings while it runs ("Sending process ... closing signal SIGTERM", "Received 15
     death signal, shutting down workers"): the stop they narrate is said after it, by rank and cause. Its errors
     stay: "failed (exitcode: -9) local_rank: 1" is the one word of a worker that a restart (--max-restarts) hid."""
-    agent = logging.getLogger("torch.distributed.elastic")
-    level = agent.level
-    agent.setLevel(logging.ERROR)  # setLevel, not the attribute: it clears the loggers' cached levels
+    # torch's get_logger gives each of its modules' loggers a level of its own (WARNING), which the parent's cannot
+    # raise: each is set, the agent's ("torch.distributed.elastic.agent.server.api") among them.
+    names = ["torch.distributed.elastic", *(n for n in logging.root.manager.loggerDict if n.startswith(_ELASTIC))]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)  # setLevel, not the attribute: it clears the loggers' cached levels
     try:
         yield
     finally:
-        agent.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+_ELASTIC = "torch.distributed.elastic."
 
 
 def tether(args: Namespace, launcher: int) -> None:
