@@ -398,10 +398,8 @@ class Trainer:
         return self.out_dir / "checkpoints" if self.out_dir else Path(".")
 
     def _checkpoint(self, run: Run, stopped: str) -> Checkpoint:
-        """Write the checkpoint of this step from every rank, keep the newest few, tell the callbacks on rank 0.
-
-        ``stopped`` is why the run ends here ("" while it goes on): a rerun of an ended run knows it.
-        """
+        """Write the checkpoint of this step from every rank, keep the newest few, tell the callbacks on rank 0;
+        ``stopped`` is why the run ends here ("" while it goes on): a rerun of an ended run knows it."""
         run.beat("checkpoint")
         pos, states = run.pos, run.held_back or eval_states(run.scheduler, self.early_stopping, self.best)
         extra = {
