@@ -94,6 +94,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if batch and len(batch) % self.world_size == 0 and not self.drop_last:
             yield self._share(batch)
 
+    def dropped(self) -> int:
+        """The samples of a whole pass its last batch leaves out: all of a partial one under drop_last, else one
+        that does not split evenly across the ranks."""
+        rest = self.sampler.size % self.global_batch
+        return rest if self.drop_last or rest % self.world_size else 0
+
     def _share(self, batch: list[int]) -> list[int]:
         n = len(batch) // self.world_size
         return batch[self.rank * n : (self.rank + 1) * n]
@@ -203,6 +209,13 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
         order, global_batch=loader.batch_size, rank=env.rank, world_size=env.world_size, drop_last=loader.drop_last
     )
     _SPLITS[loader] = (key, batches)
+    if env.rank == 0 and (dropped := batches.dropped()) and not loader.drop_last:  # drop_last asks for it
+        log.warning(
+            "setup_loader: the last batch of each pass, %d of the %d samples, does not split evenly across the %d "
+            "processes and is left out (a rank's share must be equal: an evaluation then covers %d samples)\nhint: "
+            "a batch_size or a dataset length that leaves a multiple of %d at the end keeps every sample",
+            dropped, batches.sampler.size, env.world_size, batches.sampler.size - dropped, env.world_size,
+        )  # fmt: skip
     return batches
 
 
@@ -216,6 +229,8 @@ def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str], e
     reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
     if split.drop_last:
         reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
+    elif dropped := split.dropped():
+        reason += f"; the last {dropped} samples do not split across the {split.world_size} processes: left out"
     return Choice(chosen.value, "; ".join([reason, *caveats]))
 
 
