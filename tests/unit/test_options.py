@@ -147,6 +147,17 @@ def test_the_requests_a_resumed_run_overrides_are_named_and_a_repeated_command_n
     assert overridden_requests(RuntimeOptions(), plan) == []  # nothing asked: the Plan goes on quietly
 
 
+def test_a_switch_asked_on_where_the_stored_run_asked_it_off_is_named():
+    from redline.train.resume import overridden_requests
+
+    off = {"value": False, "reason": "requested"}  # the first run asked --compile off --channels-last off
+    plan = {"compile": off, "channels_last": off}
+    assert overridden_requests(RuntimeOptions(compile="on", channels_last="on"), plan) == [
+        "--compile on asked, the checkpoint's off kept",
+        "--channels-last on asked, the checkpoint's off kept",
+    ]
+
+
 def test_trainer_config_checks_and_normalises():
     with pytest.raises(ConfigError, match="max_steps=0"):
         TrainerConfig(max_steps=0)

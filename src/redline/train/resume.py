@@ -66,7 +66,8 @@ def overridden_requests(options: RuntimeOptions, plan: dict[str, dict[str, Any]]
             continue
         stored, reason = plan[axis].get("value"), stored_reason(plan[axis].get("reason", ""))
         if isinstance(stored, bool):
-            if now == "on" and not stored and reason.startswith("requested"):
+            # asked on then too, and it could not be; a plain "requested" off was asked off
+            if now == "on" and not stored and reason.startswith("requested, but"):
                 continue
             stored = "on" if stored else "off"
         if axis == "seed" and stored is None:  # the data order's seed was 0, and the RNGs are the checkpoint's
