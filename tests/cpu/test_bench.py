@@ -701,3 +701,16 @@ def test_a_row_on_a_tuned_plan_of_micro_batches_is_estimated_at_its_micro_batch(
     ]
     estimated = _with_estimates(rows, lambda batch, precision, device: 1000 * batch)
     assert [row.estimate_bytes for row in estimated] == [16_000, 32_000]
+
+
+def test_a_bench_leaves_the_callers_random_streams_as_they_were():
+    # Each row seeds torch with the bench's seed: after a bench, torch drew the same numbers whatever the caller seeded.
+    drawn = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=1, auto=False)
+        after = torch.rand(3)
+        torch.manual_seed(seed)
+        assert torch.equal(after, torch.rand(3))  # as if no bench had run
+        drawn.append(after)
+    assert not torch.equal(*drawn)

@@ -46,6 +46,7 @@ from redline.runtime.contract import ONE_SAMPLE_HINT, one_sample_refusal
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
+from redline.runtime.seed import keeps_rng
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Tuning, auto_tuned
 from redline.task import Task, require_task
@@ -56,6 +57,7 @@ Progress = Callable[[int, int, str], None]  # (done, total, what is running now)
 Estimate = Callable[[int, str, str], int | None]  # (batch size, precision, device type) -> predicted bytes
 
 
+@keeps_rng  # each row seeds torch with ``seed``: the caller's RNG streams go on as they were
 def benchmark(
     task: Task,
     *,

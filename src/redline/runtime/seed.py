@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def seed_everything(seed: int) -> None:
@@ -58,3 +63,20 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"][: torch.cuda.device_count()]])
     elif "cuda_seed" in state and torch.cuda.is_available():  # queued until CUDA starts, if it has not
         torch.cuda.manual_seed_all(int(state["cuda_seed"]))  # started since the capture: back to its first draw
+
+
+def keeps_rng(function: Callable[P, R]) -> Callable[P, R]:
+    """Wrap ``function`` so that every RNG state it moves is put back when it returns or raises.
+
+    For a function that seeds torch for its own repeatable draws: the caller's streams go on as if it had not run.
+    """
+
+    @functools.wraps(function)
+    def kept(*args: P.args, **kwargs: P.kwargs) -> R:
+        saved = capture_rng()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            restore_rng(saved)
+
+    return kept
