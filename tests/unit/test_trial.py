@@ -622,3 +622,36 @@ def test_a_candidate_that_fails_laid_out_nhwc_is_timed_in_nchw_where_the_run_wou
         ["bf16-mixed"], layout=lambda precision: precision == "bf16-mixed", stop_early=False,
     )  # fmt: skip
     assert unchecked[0].step_times and unchecked[1].rejected.startswith("it failed: view size is not compatible")
+
+
+class Images(nn.Module):
+    """Gives images back (a segmentation's); records whether each forward ran under autocast, its input NHWC."""
+
+    seen: ClassVar[list[tuple[bool, bool]]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Images.seen.append((torch.is_autocast_enabled("cpu"), not x.is_contiguous()))
+        return self.conv(x)
+
+
+def test_auto_nhwc_hands_the_trials_loss_nchw_outputs_as_it_does_the_runs():
+    # The run's auto NHWC gives a loss NCHW outputs; the trial's did not, so a loss's .view failed there and bf16 was
+    # timed in NCHW, a layout the run would not give it.
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 3, 6, 6, generator=gen), torch.randn(8, 3, 6, 6, generator=gen))
+    Images.seen.clear()
+
+    def flat_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.view(len(out), -1), target.view(len(target), -1))
+
+    results = run_trial(
+        Images(), lambda p: torch.optim.SGD(p, lr=0.01), flat_mse, batch, torch.device("cpu"), ["bf16-mixed"],
+        layout=lambda precision: precision == "bf16-mixed", stop_early=False, nchw_fallback=True,
+    )  # fmt: skip
+    assert all(m.step_times for m in results) and not any(m.rejected for m in results)
+    assert {autocast for autocast, _ in Images.seen} == {True, False}
+    assert all(nhwc == autocast for autocast, nhwc in Images.seen)  # bf16 timed in NHWC only, fp32 in NCHW

@@ -36,7 +36,7 @@ from redline.plan import Choice, times
 from redline.plan.precision import PrecisionName
 from redline.runtime.attention import prefer_kernel
 from redline.runtime.contract import blames_user_code, check_loss
-from redline.runtime.layout import lay_out
+from redline.runtime.layout import lay_out, nchw_outputs
 from redline.runtime.oom import is_oom
 from redline.runtime.optimizer import build_optimizer
 from redline.runtime.precision import Precision
@@ -226,7 +226,9 @@ def run_trial(
                 except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
                     failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
                     break
-                step = _trainer(copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step, nhwc)
+                step = _trainer(
+                    copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step, nhwc, nchw_fallback
+                )
                 try:
                     torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
                     steps[name] = (step, step())
@@ -309,14 +311,17 @@ def _trainer(
     name: str,
     zero_after_step: bool,
     channels_last: bool = False,
+    inside: bool = False,
 ) -> Callable[[], float]:
     """One training step of ``copied`` (a copy of the run's model) in the precision ``name`` names, preferring its
     attention kernel, returning its loss; with ``channels_last``, the model and its 4-d inputs laid out so, as the run
-    would."""
+    would, and with ``inside`` (auto's NHWC, which falls back to NCHW) its outputs handed back NCHW as auto's are."""
     copied.to(device).train()
     if channels_last:
         lay_out(copied, None, channels_last=True)
         inputs = move_to(inputs, device, channels_last=True)
+    if channels_last and inside:  # as runtime/layout.py hooks the run's model: a loss's .view sees NCHW strides
+        copied.register_forward_hook(nchw_outputs)
     opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
     precision_name, kernel = form_parts(name)
     precision = Precision(cast(PrecisionName, precision_name), device)
