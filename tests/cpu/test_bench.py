@@ -714,3 +714,23 @@ def test_a_bench_leaves_the_callers_random_streams_as_they_were():
         assert torch.equal(after, torch.rand(3))  # as if no bench had run
         drawn.append(after)
     assert not torch.equal(*drawn)
+
+
+def test_a_compiled_row_whose_calls_ran_eagerly_past_the_recompile_limit_is_not_timed_as_compiled():
+    # The Plan says compiled (it did, once), yet torch skipped the forward from its give-up on: the row timed eager.
+    from types import SimpleNamespace
+
+    import torch._dynamo.config as dynamo_config
+
+    from redline.bench.loops import ran_eagerly
+    from redline.runtime.compile import compile_module
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    with dynamo_config.patch(name, 1):
+        record = compile_module(nn.Sequential(nn.ReLU()), backend="eager", dynamic=False)
+        for rows in (1, 2, 2):
+            record.module(torch.zeros(rows))
+    plan = SimpleNamespace(compile=Choice(True, "requested; compiled 1 time(s)"), cuda_graphs=None)
+    runner = SimpleNamespace(model=record.module, runtime=None, plan=lambda: plan)
+    assert ran_eagerly(runner, compiled=True).endswith("2 of 3 call(s) ran eagerly, so it would time the eager model")
+    assert ran_eagerly(runner, compiled=False) == ""

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from redline.bench.matrix import Setting
 from redline.errors import TaskError
 from redline.plan import Choice, Plan
+from redline.runtime.compile import eager_calls_of
 from redline.runtime.contract import split_batch
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import PrecisionRequest, RuntimeOptions, Switch
@@ -218,6 +219,12 @@ def ran_eagerly(runner: Runner, *, compiled: bool, graphs: bool = False) -> str:
         why = captured.reason if captured is not None else "no Plan"
         return f"the CUDA graphs never replayed, so it would time the eager model ({why})"
     planned = plan.compile if plan is not None else None
-    if not compiled or planned is None or planned.value:
+    if not compiled or planned is None:
         return ""
-    return f"torch.compile fell back to eager, so it would time the eager model ({planned.reason})"
+    if not planned.value:
+        return f"torch.compile fell back to eager, so it would time the eager model ({planned.reason})"
+    eager, calls = eager_calls_of(runner.model)
+    if eager:  # past its recompile limit torch runs every later call eagerly: the timed steps among them
+        gave_up = f"torch.compile gave up compiling (its recompile limit, say): {eager} of {calls} call(s) ran eagerly"
+        return f"{gave_up}, so it would time the eager model"
+    return ""

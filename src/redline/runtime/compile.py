@@ -8,6 +8,7 @@ import logging
 import shutil
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from redline.plan.compile import resolve_compile
 from redline.runtime.options import RuntimeOptions
 
 log = logging.getLogger("redline")
+# Each compiled module's record, for a bench or a tune to tell a row that ran eagerly (kept no longer than the module)
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, CompileRecord] = weakref.WeakKeyDictionary()
 
 
 def compile_supported(device_type: str) -> tuple[bool, str]:
@@ -63,6 +66,8 @@ class CompileRecord:
     training_seconds: float = 0.0  # the time of those: spent inside training steps (evaluation's is timed apart)
     recompiles: list[str] = field(default_factory=list)  # why each recompile happened, as torch's guards say
     uncompiled: int = 0  # calls torch.compile tried and gave up on, run eagerly (its recompile limit, say)
+    calls: int = 0  # calls of the compiled forward
+    eager_calls: int = 0  # of them, the ones that ran eagerly: those given up on, and every later one torch skipped
     per_bucket: bool = False  # an inference engine's: a graph for each batch bucket is the plan, not a recompile
     module: nn.Module | None = None
     eager: Any = None  # the module's own forward, before compiling
@@ -160,13 +165,25 @@ def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choi
         reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
     if causes:
         reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
-    uncompiled = sum(r.uncompiled for r in records)
-    if uncompiled:
+    eager, calls = eager_calls(records)
+    if eager:
         reason += (
-            f"; torch.compile gave up compiling {uncompiled} time(s), and those calls ran eagerly (its recompile "
-            "limit, or a frame it cannot trace)"
+            f"; torch.compile gave up compiling (its recompile limit, or a frame it cannot trace): {eager} of "
+            f"{calls} call(s) ran eagerly"
         )
     return Choice(True, reason)
+
+
+def eager_calls(records: list[CompileRecord]) -> tuple[int, int]:
+    """How many calls of ``records``' compiled forwards ran eagerly (torch gave up compiling them), and of how many."""
+    eager = sum(max(r.eager_calls, r.uncompiled) for r in records)  # where torch cannot say, its give-ups at least
+    return eager, sum(r.calls for r in records)
+
+
+def eager_calls_of(model: nn.Module) -> tuple[int, int]:
+    """As ``eager_calls``, for ``model``'s compiled forward ((0, 0) where ``compile_module`` did not compile it)."""
+    record = _RECORDS.get(model)
+    return eager_calls([record]) if record is not None else (0, 0)
 
 
 def _compiled_frames() -> int:
@@ -246,6 +263,10 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     eager = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        # Traced, this line is dropped (is_compiling() is True then): it runs when torch runs the frame eagerly, as it
+        # does every call after giving up on it (its recompile limit), though it counts no frame for those
+        if not torch.compiler.is_compiling():
+            record.eager_calls += 1
         return eager(*args, **kwargs)
 
     # torch.compile keeps a forward's graphs, and counts them against its recompile limit, per code object.
@@ -281,6 +302,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     def counted(*args: Any, **kwargs: Any) -> Any:
         """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles)."""
         before, tried, start = _compiled_frames(), _frames("total"), time.perf_counter()
+        record.calls += 1
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         out = compiled(*args, **kwargs)
@@ -300,4 +322,5 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
         return out
 
     model.forward = first_call
+    _RECORDS[model] = record
     return record
