@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.tune import _alternatives, decide, search_space, skipped_axes
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned, tuned_for_model
 from redline.task import Task
 
@@ -149,7 +149,16 @@ def test_a_tuned_nhwc_runs_as_autos_where_auto_lays_that_precision_out_so_and_ke
     )
     applied = tuned.apply(RuntimeOptions(), CPU_AMX)  # auto lays bf16 convolutions out NHWC on AMX
     assert applied.channels_last == "auto"
-    assert tuned.plan_reasons(applied)["channels_last"] == {"value": True, "reason": "NHWC, 1.30x less time"}
+    reasons = tuned.plan_reasons(applied)
+    assert reasons["channels_last"] == {"value": True, "reason": f"NHWC, 1.30x less time; {LAID_OUT_BY_AUTO}"}
+    # resumed, it stays auto: "on" (read from the stored row's True) handed a loss that views them NHWC outputs
+    stored = {
+        "device": {"value": "cpu"}, "precision": {"value": "bf16-mixed"}, "compile": {"value": False},
+        "grad_accum": {"value": 1}, "clip_grad_norm": {"value": None}, **reasons,
+    }  # fmt: skip
+    assert RuntimeOptions().with_plan(stored).channels_last == "auto"
+    fp32_stored = {**stored, "channels_last": {"value": True, "reason": "NHWC, 1.10x less time"}}
+    assert RuntimeOptions().with_plan(fp32_stored).channels_last == "on"  # a tuned "on" stays on
     fp32 = Candidate(precision="fp32", channels_last=True)  # auto keeps fp32 NCHW there: only "on" gives NHWC
     assert fp32.options(RuntimeOptions(), CPU_AMX).channels_last == "on"
     assert Candidate(precision="bf16-mixed").options(RuntimeOptions(), CPU_AMX).channels_last == "off"

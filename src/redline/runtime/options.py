@@ -112,7 +112,8 @@ class RuntimeOptions:
 
         # A layout auto chose stays auto: in the Plan's precision the rule lays the model out as it did, and auto's
         # own ways go on (the check and its NCHW fallback, NHWC kept inside the model: "on" gives NHWC outputs)
-        chosen = stored_reason(plan.get("channels_last", {}).get("reason", "")).startswith("auto")
+        layout = stored_reason(plan.get("channels_last", {}).get("reason", ""))
+        chosen = layout.startswith("auto") or LAID_OUT_BY_AUTO in layout  # a tuned NHWC that went through auto
         channels_last = "auto" if chosen else switch("channels_last")
 
         # Recomputing changes memory, not results: "on" or "off" asked now wins (a run that ran out of
@@ -144,6 +145,11 @@ class RuntimeOptions:
 
 
 RESUMED = re.compile(r"^(?:from checkpoint step \d+: )+")  # the notes a resume puts before a stored Plan's reasons
+
+
+# What a tuned NHWC's Plan row says where it runs through auto's layout (the tune's rule; runtime/tuned.py): a
+# resumed run keeps it auto, or its model would hand a loss that views them NHWC outputs
+LAID_OUT_BY_AUTO = "laid out as auto lays it: image outputs come back NCHW"
 
 
 def stored_reason(reason: object) -> str:

@@ -29,7 +29,7 @@ from redline.parallel.env import DistEnv
 from redline.plan.attention import plan_kernel
 from redline.plan.layout import resolve_channels_last
 from redline.runtime.measure import fingerprint_of, worker_device
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.trial import CACHE_ENV, cache_dir, cache_key
 from redline.task import Task, model_fingerprint
@@ -186,8 +186,10 @@ class TunedPlan:
             "grad_accum": (options.grad_accum, self.best.grad_accum),
             "loader_workers": (options.loader_workers, self.best.loader_workers),  # for the loader, set up later
         }
+        through_auto = options.channels_last == "auto" and self.best.channels_last  # the tune's NHWC, as auto's
+        notes = {"channels_last": f"; {LAID_OUT_BY_AUTO}" if through_auto else ""}
         return {
-            axis: {"value": value, "reason": self.reasons.get(axis, "")}
+            axis: {"value": value, "reason": self.reasons.get(axis, "") + notes.get(axis, "")}
             for axis, (value, tuned) in values.items()
             if value == tuned and axis not in self.unmeasured
         }
