@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -28,9 +28,14 @@ from redline.train.throughput import Throughput
 
 if TYPE_CHECKING:
     from redline.train.best import BestWeights
-    from redline.train.callbacks import EarlyStopping
 
 log = logging.getLogger("redline")
+
+
+class Stateful(Protocol):
+    """What a checkpoint keeps of a callback: its state (EarlyStopping's)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 _DATA = ("train_samples", "task")  # a Position's fields saved apart from the rest: see Position.to_state
@@ -222,7 +227,7 @@ class Run:
             self.watchdog.beat(self.pos.step if step is None else step, where)
 
 
-def eval_states(scheduler: Schedule, early_stopping: EarlyStopping | None, best: BestWeights | None) -> dict[str, Any]:
+def eval_states(scheduler: Schedule, early_stopping: Stateful | None, best: BestWeights | None) -> dict[str, Any]:
     """A checkpoint's entries that evaluations move: the schedule (ReduceLROnPlateau's), early stopping, best; copies,
     which later evaluations leave as they are."""
     return copy.deepcopy(
