@@ -163,6 +163,12 @@ def test_a_tuned_nhwc_runs_as_autos_where_auto_lays_that_precision_out_so_and_ke
     assert fp32.options(RuntimeOptions(), CPU_AMX).channels_last == "on"
     assert Candidate(precision="bf16-mixed").options(RuntimeOptions(), CPU_AMX).channels_last == "off"
     assert tuned.apply(RuntimeOptions(channels_last="on"), CPU_AMX).channels_last == "on"  # asked for: as asked
+    # the layout was timed in bf16: a run asked for fp32 lays it out as auto does, not NHWC under bf16's reason
+    assert tuned.apply(RuntimeOptions(precision="fp32"), CPU_AMX).channels_last == "auto"
+    assert tuned.apply(RuntimeOptions(), AVX2_CPU).channels_last == "on"  # bf16 NHWC there: only "on" gives it
+    fp32_run = tuned.apply(RuntimeOptions(precision="fp32"), AVX2_CPU)
+    assert fp32_run.channels_last == "auto"  # it was "on", under the reason of bf16's timing
+    assert "channels_last" not in tuned.plan_reasons(fp32_run)  # auto's reason says why
 
 
 def test_the_cache_round_trips_and_misses_on_another_machine_or_batch(tmp_path, monkeypatch, caplog):

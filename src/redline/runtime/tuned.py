@@ -165,7 +165,8 @@ class TunedPlan:
             if axis in self.unmeasured
             or getattr(options, axis) != getattr(defaults, axis)
             or (axis == "cuda_graphs" and self.best.cuda_graphs)
-            or (axis == "attention" and other_precision)  # a kernel is tuned for its precision: another runs auto's
+            # a kernel and a layout are tuned for their precision: another precision runs auto's (NHWC pays in bf16)
+            or (axis in ("attention", "channels_last") and other_precision)
         }
         if kept.get("compile", base.compile) == "off":  # a mode asked for says how a compile runs: eager takes none
             kept["compile_mode"] = "default"
@@ -188,10 +189,12 @@ class TunedPlan:
         }
         through_auto = options.channels_last == "auto" and self.best.channels_last  # the tune's NHWC, as auto's
         notes = {"channels_last": f"; {LAID_OUT_BY_AUTO}" if through_auto else ""}
+        # a kernel and a layout tuned for another precision than the run's: auto decided them (apply), not the tune
+        own = ("attention", "channels_last") if options.precision != self.best.precision else ()
         return {
             axis: {"value": value, "reason": self.reasons.get(axis, "") + notes.get(axis, "")}
             for axis, (value, tuned) in values.items()
-            if value == tuned and axis not in self.unmeasured
+            if value == tuned and axis not in self.unmeasured and axis not in own
         }
 
 
