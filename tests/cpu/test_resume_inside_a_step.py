@@ -18,7 +18,8 @@ from redline.train.trainer import Trainer
 
 
 def task(fail_at: int = 0) -> redline.Task:
-    """40 samples in batches of 16: with grad_accum 2, step 2 is epoch 0's last batch and epoch 1's first."""
+    """40 samples in batches of 16: with grad_accum 2, step 2 is epoch 0's last batch and epoch 1's first. Its batch
+    norm's running statistics move in every micro-batch's forward: a dropped one's must be put back."""
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 8, generator=gen), torch.randint(0, 2, (40,), generator=gen))
     val = TensorDataset(torch.randn(16, 8, generator=gen), torch.randint(0, 2, (16,), generator=gen))
@@ -32,7 +33,8 @@ def task(fail_at: int = 0) -> redline.Task:
         return nn.functional.cross_entropy(outputs, targets)
 
     return redline.Task(
-        model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), loss_fn=loss, train_data=data,
+        model=lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)), loss_fn=loss,
+        train_data=data,
         val_data=val, batch_size=16, epochs=4, optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
         scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5),
     )  # fmt: skip

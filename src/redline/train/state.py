@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -197,6 +198,32 @@ class Run:
     before_eval: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     held_back: dict[str, Any] | None = None  # before_eval's entries, once the run is put back to the step's start
 
+    norm_stats: list[torch.Tensor] | None = None
+    saved_stats: list[torch.Tensor] | None = None  # the batch norms' running statistics at the step's start
+
+    def begin_step(self) -> None:
+        """Mark where the step now beginning starts: its position, and, where its micro-batches may be dropped
+        (grad_accum > 1), the batch norms' running statistics their forwards move (copied in one foreach op)."""
+        self.step_start = dataclasses.replace(self.pos)
+        if self.rt.options.grad_accum == 1 or not (stats := self._norm_stats()):
+            return
+        if self.saved_stats is None:
+            self.saved_stats = [t.clone() for t in stats]
+        else:
+            torch._foreach_copy_(self.saved_stats, stats)
+
+    def _norm_stats(self) -> list[torch.Tensor]:
+        """The model's batch norms' running statistics (found once: a step's start asks each step)."""
+        if self.norm_stats is None:
+            self.norm_stats = [
+                t
+                for m in self.model.modules()
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+                for t in (m.running_mean, m.running_var, m.num_batches_tracked)
+                if t is not None
+            ]
+        return self.norm_stats
+
     def hold_before_eval(self, states: dict[str, Any]) -> None:
         """Keep ``states`` (``eval_states``) and the optimizer's hyperparameters, before an evaluation inside a step."""
         groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -209,6 +236,9 @@ class Run:
         assert self.step_start is not None
         self.pos = self.step_start
         self.rt.drop_cycle()
+        if self.saved_stats is not None:  # the dropped micro-batches' forwards moved them: redone, they move again
+            with torch.no_grad():
+                torch._foreach_copy_(self._norm_stats(), self.saved_stats)
         if self.before_eval is not None:
             self.held_back, groups = self.before_eval
             for group, before in zip(self.optimizer.param_groups, groups, strict=True):

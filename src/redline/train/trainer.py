@@ -14,7 +14,6 @@ The process-wide settings the run needs stay applied until ``close()`` (or the e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -177,7 +176,7 @@ class Trainer:
     def _micro_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
         if run.micro_loss is None:  # a step begins: where a failure inside its micro-batches puts the run back
-            run.step_start = dataclasses.replace(run.pos)
+            run.begin_step()
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
         run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
         run.pos.batches_in_epoch += 1
