@@ -169,31 +169,31 @@ def _collated_sample(task: Task, item: Any) -> Any:
     """The inputs of one sample as ``task.collate_fn`` batches them, without the batch dimension: of a batch of
     ``item`` alone, or, for a collate_fn that needs more (pairing samples across the batch), of the first batch
     training reads; where neither gives one, the item's own inputs, with a warning."""
-    assert task.collate_fn is not None
-    inputs = item[0] if isinstance(item, list | tuple) and len(item) == 2 else item  # a record its collate_fn reads
-    alone = _collate(task, [item])
-    if isinstance(alone, TaskError) or _batched(alone, 1) is None:
+    items, alone = [item], _collate(task, [item])
+    rows = None if isinstance(alone, TaskError) else _batched(alone, 1)
+    if rows is None:  # one item alone makes no batch of 1: the first batch training reads
         items = _first_items(task, task.batch_size or 2)
-        whole = _collate(task, items) if len(items) > 1 else alone
-        if not isinstance(whole, TaskError) and (rows := _batched(whole, len(items))) is not None:
-            if not isinstance(rows, torch.Tensor):
-                return rows  # a dict, a tuple of tensors: refused as what they are
-            _warn_if_changed(task, [one[0] if isinstance(one, list | tuple) else one for one in items], rows)
-            return rows[0]
-        if isinstance(alone, TaskError):
-            raise alone
-        log.warning(
-            "task %r: its collate_fn made a batch of one item into inputs %s, whose first dimension is not the batch "
-            "of 1, so the inputs are served as train_data holds them (%s)\nhint: have the factory return "
-            "redline.Servable(model=..., input_shape=(...), input_dtype=...) to say the served shape",
-            task.name, describe(alone), _described(inputs),
-        )  # fmt: skip
-        return inputs
-    rows = _batched(alone, 1)
+        whole = _collate(task, items) if len(items) > 1 else None
+        rows = None if whole is None or isinstance(whole, TaskError) else _batched(whole, len(items))
+        if rows is None:
+            if isinstance(alone, TaskError):
+                raise alone
+            log.warning(
+                "task %r: its collate_fn made a batch of one item into inputs %s, whose first dimension is not the "
+                "batch of 1, so the inputs are served as train_data holds them (%s)\nhint: have the factory return "
+                "redline.Servable(model=..., input_shape=(...), input_dtype=...) to say the served shape",
+                task.name, describe(alone), _described(_inputs_of(item)),
+            )  # fmt: skip
+            return _inputs_of(item)
     if not isinstance(rows, torch.Tensor):
-        return rows
-    _warn_if_changed(task, [inputs], rows)
+        return rows  # a dict, a tuple of tensors: refused as what they are
+    _warn_if_changed(task, [_inputs_of(one) for one in items], rows)
     return rows[0]
+
+
+def _inputs_of(item: Any) -> Any:
+    """An item's inputs: the first of an (inputs, targets) pair, else the record its collate_fn reads whole."""
+    return item[0] if isinstance(item, list | tuple) and len(item) == 2 else item
 
 
 def _collate(task: Task, items: list[Any]) -> Any:
