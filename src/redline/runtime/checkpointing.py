@@ -80,32 +80,42 @@ def _recomputing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = vars(self).get(_OWN_FORWARD) or types.MethodType(type(self).forward, self)
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    norms = [m for m in self.modules() if isinstance(m, _NormBase) and m.training and m.track_running_stats]
-    if norms and not torch.compiler.is_compiling():  # a compiled graph recomputes without its buffers' updates
-        context = functools.partial(_stats_kept, norms)
+    stats = running_stats(self, training=True)
+    if stats and not torch.compiler.is_compiling():  # a compiled graph recomputes without its buffers' updates
+        context = functools.partial(_stats_kept, stats)
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
+def running_stats(module: nn.Module, *, training: bool = False) -> list[torch.Tensor]:
+    """The running statistics of ``module``'s batch norms (mean, variance, count), which a training forward moves;
+    with ``training``, of those in training mode only."""
+    return [
+        t
+        for m in module.modules()
+        if isinstance(m, _NormBase) and m.track_running_stats and (m.training or not training)
+        for t in (m.running_mean, m.running_var, m.num_batches_tracked)
+        if t is not None
+    ]
+
+
 def _stats_kept(
-    norms: list[_NormBase],
+    stats: list[torch.Tensor],
 ) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
     """The forward's context (nothing) and the recomputation's: the batch norms' running statistics as the forward
     left them, so that a recomputed training forward does not update them a second time (ResNet's stages are full
     of them)."""
-    return contextlib.nullcontext(), _restoring_stats(norms)
+    return contextlib.nullcontext(), _restoring(stats)
 
 
 @contextlib.contextmanager
-def _restoring_stats(norms: list[_NormBase]) -> Iterator[None]:
-    stats = [t for m in norms for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+def _restoring(stats: list[torch.Tensor]) -> Iterator[None]:
     saved = [t.clone() for t in stats]
     try:
         yield
     finally:
         with torch.no_grad():
-            for tensor, copy in zip(stats, saved, strict=True):
-                tensor.copy_(copy)
+            torch._foreach_copy_(stats, saved)
 
 
 class ActivationCheckpointing:

@@ -18,6 +18,7 @@ from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError
 from redline.parallel.collectives import StopVote
 from redline.parallel.watchdog import Watchdog
+from redline.runtime.checkpointing import running_stats
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import EpochSampler
@@ -215,13 +216,7 @@ class Run:
     def _norm_stats(self) -> list[torch.Tensor]:
         """The model's batch norms' running statistics (found once: a step's start asks each step)."""
         if self.norm_stats is None:
-            self.norm_stats = [
-                t
-                for m in self.model.modules()
-                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-                for t in (m.running_mean, m.running_var, m.num_batches_tracked)
-                if t is not None
-            ]
+            self.norm_stats = running_stats(self.model)
         return self.norm_stats
 
     def hold_before_eval(self, states: dict[str, Any]) -> None:
