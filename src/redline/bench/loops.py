@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from redline.bench.matrix import Setting
 from redline.errors import TaskError
 from redline.plan import Choice, Plan
-from redline.runtime.compile import eager_calls_of
+from redline.runtime.compile import gave_up_on_model
 from redline.runtime.contract import split_batch
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import PrecisionRequest, RuntimeOptions, Switch
@@ -223,8 +223,5 @@ def ran_eagerly(runner: Runner, *, compiled: bool, graphs: bool = False) -> str:
         return ""
     if not planned.value:
         return f"torch.compile fell back to eager, so it would time the eager model ({planned.reason})"
-    eager, calls = eager_calls_of(runner.model)
-    if eager:  # past its recompile limit torch runs every later call eagerly: the timed steps among them
-        gave_up = f"torch.compile gave up compiling (its recompile limit, say): {eager} of {calls} call(s) ran eagerly"
-        return f"{gave_up}, so it would time the eager model"
-    return ""
+    gave_up = gave_up_on_model(runner.model)  # past its recompile limit torch runs every later call eagerly
+    return f"{gave_up}, so it would time the eager model" if gave_up else ""

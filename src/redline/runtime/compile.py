@@ -165,12 +165,8 @@ def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choi
         reason += f" ({training} for training, {count - training} for evaluation under no_grad)"
     if causes:
         reason += f" (recompiled: {'; '.join(dict.fromkeys(causes))})"
-    eager, calls = eager_calls(records)
-    if eager:
-        reason += (
-            f"; torch.compile gave up compiling (its recompile limit, or a frame it cannot trace): {eager} of "
-            f"{calls} call(s) ran eagerly"
-        )
+    if gave_up := gave_up_on(records):
+        reason += f"; {gave_up}"
     return Choice(True, reason)
 
 
@@ -180,10 +176,25 @@ def eager_calls(records: list[CompileRecord]) -> tuple[int, int]:
     return eager, sum(r.calls for r in records)
 
 
+def gave_up_on(records: list[CompileRecord]) -> str:
+    """How many calls of ``records``' compiled forwards torch.compile gave up on and ran eagerly ("" for none)."""
+    return _gave_up(*eager_calls(records))
+
+
+def _gave_up(eager: int, calls: int) -> str:
+    why = "its recompile limit, or a frame it cannot trace"
+    return f"torch.compile gave up compiling ({why}): {eager} of {calls} call(s) ran eagerly" if eager else ""
+
+
 def eager_calls_of(model: nn.Module) -> tuple[int, int]:
     """As ``eager_calls``, for ``model``'s compiled forward ((0, 0) where ``compile_module`` did not compile it)."""
     record = _RECORDS.get(model)
     return eager_calls([record]) if record is not None else (0, 0)
+
+
+def gave_up_on_model(model: nn.Module) -> str:
+    """As ``gave_up_on``, for ``model``'s compiled forward ("" where ``compile_module`` did not compile it)."""
+    return _gave_up(*eager_calls_of(model))
 
 
 def _compiled_frames() -> int:
