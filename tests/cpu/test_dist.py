@@ -273,6 +273,29 @@ def test_an_error_every_worker_meets_is_printed_once(tmp_path):
     assert "the workers' errors are printed above, each once" in result.stderr
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
+def test_a_worker_that_fails_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):
+    # The refused batch's error held the worker's DDP model in its frames, and the model the process group:
+    # gloo's threads outlived the interpreter, which then ended by SIGABRT now and then, not with status 2.
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import atexit, os, sys\n"
+        "def threads():\n"
+        "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "    os.write(2, f'threads at exit: {sorted(names)}\\n'.encode())\n"
+        "atexit.register(threads)\n"
+        "sys.argv = ['redline', 'train', '--task', 'example:digits', '--max-steps', '2', '--task-arg',\n"
+        "            'batch_size=15', '--no-progress']\n"
+        "from redline.cli.main import main\n"
+        "main()\n"
+    )
+    result = launch("--nproc", "2", str(script))
+    assert result.returncode == 2, result.stderr[-3000:]
+    at_exit = [line for line in result.stderr.splitlines() if line.startswith("threads at exit:")]
+    assert len(at_exit) == 2, result.stderr[-3000:]
+    assert not [line for line in at_exit if "gloo" in line], at_exit
+
+
 def test_the_workers_get_their_share_of_the_cores_as_threads(tmp_path):
     import os
 

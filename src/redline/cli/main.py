@@ -7,6 +7,7 @@ group keeps each subcommand's one-line summary, so the help lists them without i
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -236,15 +237,28 @@ def _run() -> None:
     try:
         app()
     except RedlineError as exc:
-        if not first_to_say(str(exc)):  # under the launcher, the workers that failed alike print it once
-            sys.exit(exc.exit_code)
-        if traceback_asked():  # the cause's traceback: the message follows
-            if exc.__cause__ is not None:
-                traceback.print_exception(exc.__cause__, file=sys.stderr)
-            else:
-                traceback.print_tb(exc.__traceback__, file=sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        status = _say(exc)
+    else:
+        return
+    # Exited outside the handler, so that nothing holds the error once it is said: its frames hold what the
+    # command had built, a launched worker's DDP model among them, whose reducer keeps the process group
+    # alive past its leaving; gloo's threads then outlived the interpreter and aborted it at exit
+    # (SIGABRT, "terminate called without an active exception", where the exit status was 2).
+    gc.collect()  # frames in a cycle with the error go now, not at the interpreter's exit
+    sys.exit(status)
+
+
+def _say(exc: RedlineError) -> int:
+    """Print ``exc`` (once among the launched workers that met it alike); return the exit status it asks for."""
+    if not first_to_say(str(exc)):  # under the launcher, the workers that failed alike print it once
+        return exc.exit_code
+    if traceback_asked():  # the cause's traceback: the message follows
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+        else:
+            traceback.print_tb(exc.__traceback__, file=sys.stderr)
+    print(f"error: {exc}", file=sys.stderr)
+    return exc.exit_code
 
 
 def _leave(done: SystemExit) -> None:
