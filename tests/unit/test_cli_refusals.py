@@ -50,6 +50,22 @@ def test_a_missing_option_is_still_the_parsers_usage_error():
     assert result.exit_code == 2 and "Missing option '--task'" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["train", "--max-step", "3"], "--max-step is not a flag of `redline train`\nhint: did you mean "
+                                       "--max-steps or --max-restarts? (`redline train --help` lists its flags)"),
+        (["doctor", "--quik"], "--quik is not a flag of `redline doctor`\nhint: did you mean --quick? "
+                               "(`redline doctor --help` lists its flags)"),
+        # near no flag: no guess (the parser's own named --out, which shares a letter with it)
+        (["train", "--bogus"], "--bogus is not a flag of `redline train`\n"
+                               "hint: `redline train --help` lists its flags"),
+    ],
+)  # fmt: skip
+def test_a_flag_the_command_lacks_is_refused_with_the_nearest_flags(args, said):
+    assert refusal(*args) == said
+
+
 def test_the_console_prints_a_value_refusal_as_one_error_line_and_exits_2():
     result = subprocess.run(
         [sys.executable, "-m", "redline", "serve", "example:digits", "--port", "http"],

@@ -654,6 +654,15 @@ def test_task_module_missing_a_dependency_names_the_dependency(tmp_path: Path, m
         load_task(f"{name}:factory")
 
 
+def test_task_file_missing_a_dependency_names_the_dependency(tmp_path: Path) -> None:
+    # as a module spec does: the package to install, not "the error is in the task's own code"
+    (tmp_path / "tasks.py").write_text("import redline_no_such_dependency\n")
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{tmp_path / 'tasks.py'}:factory")
+    assert "it imports 'redline_no_such_dependency', which is not installed" in str(info.value)
+    assert "hint: pip install the package that provides 'redline_no_such_dependency'" in str(info.value)
+
+
 @pytest.mark.parametrize("verb", ["Trainer", "estimate_memory", "find_batch_size"])
 def test_a_verb_given_a_spec_or_a_model_instead_of_a_task_says_how_to_make_one(verb: str) -> None:
     import redline

@@ -7,6 +7,7 @@ group keeps each subcommand's one-line summary, so the help lists them without i
 
 from __future__ import annotations
 
+import difflib
 import gc
 import importlib
 import logging
@@ -128,6 +129,21 @@ def unparsed(error: typer.BadParameter) -> ConfigError | None:
     return invalid(flag, value, _NUMBER_WORDS[kind], f"e.g. {flag} {example}")
 
 
+# The parser's usage errors: click's, or the copy of click newer typers carry (typer._click), whichever typer runs.
+_USAGE_ERROR: type[Exception] = next(kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "UsageError")
+
+
+def unknown_flag(flag: str, command: Any, name: str) -> ConfigError:
+    """Say a flag the command does not have as every refusal is said, with its nearest flags as the fix (the
+    parser's own guess named any flag sharing a letter: ``--bogus``, "Possible options: --out")."""
+    flags = {opt.lstrip("-"): opt for param in command.params for opt in param.opts if opt.startswith("--")}
+    # compared without their dashes, which every flag shares: "--bogus" is then near no flag, not "--out"
+    nearest = [flags[word] for word in difflib.get_close_matches(flag.lstrip("-"), sorted(flags), n=3, cutoff=0.6)]
+    listed = f"`redline {name} --help` lists its flags"
+    hint = f"did you mean {' or '.join(nearest)}? ({listed})" if nearest else listed
+    return ConfigError(f"{flag} is not a flag of `redline {name}`\nhint: {hint}")
+
+
 # The packages of redline's extras (pyproject.toml), by the extra that installs each.
 EXTRAS = {
     **dict.fromkeys(("starlette", "uvicorn", "prometheus_client", "orjson", "aiohttp"), "serve"),
@@ -169,6 +185,11 @@ class LazyCommand(TyperCommand):
             return command.make_context(info_name, args, parent=parent, **extra)
         except typer.BadParameter as error:  # a value the parser cannot read (--epochs ten): said as any refusal
             raise unparsed(error) or error from None
+        except _USAGE_ERROR as error:  # a misspelt flag: said as any refusal, with the nearest flags
+            flag = getattr(error, "option_name", None)
+            if type(error).__name__ != "NoSuchOption" or not isinstance(flag, str):
+                raise
+            raise unknown_flag(flag, command, info_name or self.name or "") from None
 
 
 class LazyGroup(TyperGroup):

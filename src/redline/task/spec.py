@@ -174,30 +174,13 @@ def _import_module(spec: str, module_name: str) -> Any:
                     hint = f"\nhint: did you mean '{path.parent / str(near)}:{factory}'?"
             said = "folder {!r} is not a Python file" if path.is_dir() else "file {!r} does not exist"
             raise TaskSpecError(f"task spec {spec!r}: {said.format(str(path))}{hint}")
-        _search_folder(path.resolve().parent, first=True)  # its own imports of the modules beside it
-        name = _file_module_name(path.resolve())
-        file_spec = importlib.util.spec_from_file_location(name, path)
-        if file_spec is None or file_spec.loader is None:
-            raise TaskSpecError(f"task spec {spec!r}: cannot import {str(path)!r} as Python")
-        module = importlib.util.module_from_spec(file_spec)
-        sys.modules[name] = module
-        try:
-            file_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as exc:
-            sys.modules.pop(name, None)
-            if isinstance(exc, SystemExit):
-                raise _exited(spec, str(path), exc) from exc
-            raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
-        return module
+        return _import_file(spec, path)
     _search_folder()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
-            raise TaskSpecError(
-                f"task spec {spec!r}: importing {module_name!r} failed: it imports {exc.name!r}, which is "
-                f"not installed\nhint: pip install the package that provides {exc.name!r}"
-            ) from exc
+            raise _not_installed(spec, module_name, exc.name) from exc
         top = module_name.partition(".")[0]
         raise TaskSpecError(
             f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
@@ -221,6 +204,35 @@ def _where(exc: BaseException) -> str:
     return (
         f"{line}\nhint: the error is in the task's own code, at the line shown (REDLINE_TRACEBACK=1 prints the "
         "whole traceback; in Python it is the error's __cause__)"
+    )
+
+
+def _import_file(spec: str, path: Path) -> Any:
+    """Import the task file ``path`` as ``python file.py`` would, its own folder first."""
+    _search_folder(path.resolve().parent, first=True)  # its own imports of the modules beside it
+    name = _file_module_name(path.resolve())
+    file_spec = importlib.util.spec_from_file_location(name, path)
+    if file_spec is None or file_spec.loader is None:
+        raise TaskSpecError(f"task spec {spec!r}: cannot import {str(path)!r} as Python")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        if isinstance(exc, SystemExit):
+            raise _exited(spec, str(path), exc) from exc
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            raise _not_installed(spec, str(path), exc.name) from exc
+        raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
+    return module
+
+
+def _not_installed(spec: str, imported: str, missing: str) -> TaskSpecError:
+    """The error for a task module or file that imports a package this environment lacks."""
+    return TaskSpecError(
+        f"task spec {spec!r}: importing {imported!r} failed: it imports {missing!r}, which is not installed\n"
+        f"hint: pip install the package that provides {missing!r}"
     )
 
 
