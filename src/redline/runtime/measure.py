@@ -259,9 +259,14 @@ def _measure_or_recall(
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)
         return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})"), False
-    store(key, measured)
     _log(measured)
-    return choose(measured, where), _kernels_timed(measured)
+    choice = choose(measured, where)
+    short_of_memory = [m.precision for m in measured if m.out_of_memory]
+    if short_of_memory:  # the machine's free memory at the time, not the model's: the next run measures again
+        told = f"not cached: {', '.join(short_of_memory)} ran out of memory, which a run with more free may not"
+        return Choice(choice.value, f"{choice.reason}; {told}"), _kernels_timed(measured)
+    store(key, measured)
+    return choice, _kernels_timed(measured)
 
 
 def _kernels_timed(measured: list[Measured]) -> bool:

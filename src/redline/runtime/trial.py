@@ -12,8 +12,8 @@ The timing and the choice are pure functions of the measured numbers (a fake clo
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,15 +33,11 @@ from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
 from redline.hardware.flops import matmul_peak
 from redline.plan import Choice, times
-from redline.plan.precision import PrecisionName
-from redline.runtime.attention import prefer_kernel
-from redline.runtime.contract import blames_user_code, check_loss
-from redline.runtime.layout import lay_out, nchw_outputs
-from redline.runtime.oom import is_oom
-from redline.runtime.optimizer import build_optimizer
-from redline.runtime.precision import Precision
+from redline.runtime.contract import blames_user_code
+from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.transfer import device_sync, move_to
+from redline.runtime.trial_copy import TrainingCopy, Turns
 
 WARMUP_STEPS = 1  # the first step, whose loss is compared; each round's settling step warms up the rest
 ROUNDS, BLOCK = 4, 3  # timed blocks per candidate, and timed steps per block (after one settling step)
@@ -66,6 +62,7 @@ class Measured:
     step_times: tuple[float, ...]
     losses: tuple[float, ...]
     rejected: str = ""
+    out_of_memory: bool = False  # rejected for memory: a machine with more free would time it (never cached)
 
     @property
     def step_s(self) -> float:
@@ -202,8 +199,10 @@ def run_trial(
 
     ``model`` is not changed: each candidate trains its own deep copy, built on ``device``, with a
     fresh optimizer from the factory, on the one ``batch``, freeing its gradients where the Runtime
-    does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU). A
-    candidate that cannot run at all (a kernel missing in its precision) is rejected with the error.
+    does (``zero_after_step``: after the step, as on a GPU; else before backward, as on a CPU); one copy
+    at a time holds gradients and optimizer state (runtime/trial_copy.py), so the trial needs the memory of
+    one run. A candidate that cannot run at all (a kernel missing in its precision) is rejected with the
+    error, and one that ran out of memory is marked ``out_of_memory``.
     The timing runs ``rounds`` rounds at most (a short run's trial has fewer). ``layout(precision)`` says whether
     the run would lay the model and its images out channels_last under that precision: each is timed so, and with
     ``nchw_fallback`` (the run goes back to NCHW where the model fails in NHWC: runtime/layout.py) a precision whose
@@ -215,9 +214,9 @@ def run_trial(
     inputs, targets = move_to(batch, device)
     sync = device_sync(device)
     names: list[str] = ["fp32", *candidates]
-    saved = capture_rng()
+    saved, turns = capture_rng(), Turns()
     try:
-        steps, failed = {}, {}
+        steps, failed, short_of_memory = {}, {}, set()
         for name in names:
             nhwc_first = layout(form_parts(name)[0])
             for nhwc in [True, False] if nhwc_first and nchw_fallback else [nhwc_first]:
@@ -226,36 +225,75 @@ def run_trial(
                 except (RuntimeError, TypeError, copy.Error) as exc:  # a lock, a generator: what deepcopy refuses
                     failed[name] = f"the model cannot be copied for a trial: {describe_error(exc)}"
                     break
-                step = _trainer(
-                    copied, optimizer, loss_fn, inputs, targets, device, name, zero_after_step, nhwc, nchw_fallback
-                )
+                trainer = None
                 try:
+                    trainer = TrainingCopy(
+                        copied, optimizer, loss_fn, (inputs, targets), device, form_parts(name), turns,
+                        zero_after_step=zero_after_step, channels_last=nhwc, inside=nchw_fallback,
+                    )  # fmt: skip
                     torch.manual_seed(0)  # the first step of each draws the same dropout masks: its loss compares
-                    steps[name] = (step, step())
+                    steps[name] = (trainer, trainer.step())
                     failed.pop(name, None)
                     break
                 except Exception as exc:
                     if not _fails_the_candidate(exc):
                         raise
                     failed[name] = f"it failed: {_first_line(exc)}"
-                    del copied, step  # let go before another copy is made
                     if is_oom(exc):  # memory, not the layout: the run would stay in it
+                        short_of_memory.add(name)
                         break
+                finally:
+                    turns.end()  # the next copy is made with none of this one's training state held
+                    del copied, trainer  # nor, where it failed, its weights
+            if name in short_of_memory:
+                free_memory(device)  # what the failed step held, in a traceback's cycles
         timed = [name for name in names if name in steps]
-        settled = decided if stop_early and timed[:1] == ["fp32"] else None
-        times, losses = time_steps(
-            [steps[name][0] for name in timed], warmup=WARMUP_STEPS - 1, rounds=rounds, sync=sync, clock=clock,
-            budget_s=max_seconds, settled=settled,
-        )  # fmt: skip
+        while True:  # a step out of memory takes its candidate out (rejected so), and the others are timed anew
+            settled = decided if stop_early and timed[:1] == ["fp32"] else None
+            try:
+                times, losses = time_steps(
+                    [_guarded(name, steps[name][0]) for name in timed], warmup=WARMUP_STEPS - 1, rounds=rounds,
+                    sync=sync, clock=clock, budget_s=max_seconds, settled=settled,
+                )  # fmt: skip
+                break
+            except _OutOfMemory as exc:
+                turns.end()
+                timed.remove(exc.name)
+                failed[exc.name] = f"it failed: {_first_line(exc.cause)}"
+                short_of_memory.add(exc.name)
+            free_memory(device)
     finally:
+        turns.end()
         restore_rng(saved)
     results = {
         name: Measured(name, tuple(timing), (steps[name][1], *rest))
         for name, timing, rest in zip(timed, times, losses, strict=True)
     }
-    results.update({name: Measured(name, (), (), why) for name, why in failed.items()})
+    results.update({name: Measured(name, (), (), why, name in short_of_memory) for name, why in failed.items()})
     reference = results["fp32"]
     return [reference, *(_with_verdict(reference, results[name]) for name in candidates)]
+
+
+class _OutOfMemory(Exception):
+    """A timed step of the candidate ``name`` ran out of memory (``cause``)."""
+
+    def __init__(self, name: str, cause: Exception) -> None:
+        super().__init__(name)
+        self.name, self.cause = name, cause
+
+
+def _guarded(name: str, trainer: TrainingCopy) -> Callable[[], float]:
+    """``trainer``'s step, raising ``_OutOfMemory`` where it runs out of memory: the trial goes on without it."""
+
+    def step() -> float:
+        try:
+            return trainer.step()
+        except Exception as exc:
+            if is_oom(exc):
+                raise _OutOfMemory(name, exc) from exc
+            raise
+
+    return step
 
 
 def decided(times: list[list[float]], rounds: int) -> bool:
@@ -297,47 +335,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def _with_verdict(reference: Measured, candidate: Measured) -> Measured:
-    why = candidate.rejected or judge(reference, candidate)
-    return Measured(candidate.precision, candidate.step_times, candidate.losses, why)
-
-
-def _trainer(
-    copied: nn.Module,
-    optimizer: Callable[[Any], torch.optim.Optimizer],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    inputs: Any,
-    targets: Any,
-    device: torch.device,
-    name: str,
-    zero_after_step: bool,
-    channels_last: bool = False,
-    inside: bool = False,
-) -> Callable[[], float]:
-    """One training step of ``copied`` (a copy of the run's model) in the precision ``name`` names, preferring its
-    attention kernel, returning its loss; with ``channels_last``, the model and its 4-d inputs laid out so, as the run
-    would, and with ``inside`` (auto's NHWC, which falls back to NCHW) its outputs handed back NCHW as auto's are."""
-    copied.to(device).train()
-    if channels_last:
-        lay_out(copied, None, channels_last=True)
-        inputs = move_to(inputs, device, channels_last=True)
-    if channels_last and inside:  # as runtime/layout.py hooks the run's model: a loss's .view sees NCHW strides
-        copied.register_forward_hook(nchw_outputs)
-    opt = build_optimizer(optimizer, copied)  # the checks setup() makes: an LBFGS is refused here too
-    precision_name, kernel = form_parts(name)
-    precision = Precision(cast(PrecisionName, precision_name), device)
-
-    def step() -> float:  # in the Runtime's order (a CPU re-faults memory freed too early)
-        if not zero_after_step:
-            opt.zero_grad(set_to_none=True)
-        with prefer_kernel(kernel) if kernel != "auto" else contextlib.nullcontext(), precision.autocast():
-            loss = check_loss(loss_fn(copied(inputs), targets), training=True)
-        precision.backward(loss)
-        precision.step(opt, None)
-        if zero_after_step:
-            opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
+    return dataclasses.replace(candidate, rejected=candidate.rejected or judge(reference, candidate))
 
 
 def form(precision: str, kernel: str = "auto") -> str:
