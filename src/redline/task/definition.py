@@ -124,16 +124,36 @@ class Task:
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), and which of its
-    parameters are frozen: a linear probe of a model has little of its full fine-tuning's backward and optimizer."""
+    """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), its modules'
+    settings (``_settings``), and which of its parameters are frozen: a linear probe of a model has little of its
+    full fine-tuning's backward and optimizer."""
     digest = hashlib.sha256()
     digest.update(repr(model).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{_settings(module)}".encode())
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
     if frozen:  # said only where some are: a model trained whole keeps the hash it had
         digest.update(f"frozen={','.join(frozen)}".encode())
     return digest.hexdigest()[:16]
+
+
+def _settings(module: nn.Module) -> str:
+    """A module's public plain attributes by name (numbers, texts, switches, None, and tuples or lists of them), not
+    ``training``: the same shapes split into 2 heads or 4 (``self.n_head``, which nn.MultiheadAttention's repr does
+    not show either), or through another activation (``self.act = "tanh"``), are another workload to time."""
+    return ",".join(
+        f"{name}={value!r}"
+        for name, value in sorted(vars(module).items())
+        if not name.startswith("_") and name != "training" and _plain(value)
+    )
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_plain(item) for item in value)
+    return isinstance(value, bool | int | float | str | None)
 
 
 def _function_name(fn: object) -> str:
