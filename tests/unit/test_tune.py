@@ -199,6 +199,13 @@ def test_a_cached_plan_with_a_setting_no_run_takes_is_unreadable_not_a_flag_erro
     assert f"{field}={value!r} is not allowed" in caplog.text and "run `redline tune` again" in caplog.text
 
 
+BEST = "the best setting's "
+
+
+def best_with(**settings):
+    return lambda data: {**data, "best": {**data["best"], **settings}}
+
+
 @pytest.mark.parametrize(
     ("damage", "told"),
     [
@@ -209,6 +216,21 @@ def test_a_cached_plan_with_a_setting_no_run_takes_is_unreadable_not_a_flag_erro
         (lambda data: {k: v for k, v in data.items() if k != "trials"}, "it has no 'trials'"),
         (lambda data: {**data, "trials": [1]}, "trial 1 is 1, not an object"),
         (lambda data: {**data, "reasons": []}, "'reasons' is [], not an object"),
+        # each of these was read as it came: a reason of 5 failed every run with a TypeError, a "no" compiled
+        (lambda data: {**data, "reasons": {"precision": 5}}, "the reason for 'precision' is 5, not a text"),
+        (best_with(compile="no"), BEST + "'compile' is \"no\", not true or false"),
+        (best_with(channels_last="yes"), BEST + "'channels_last' is \"yes\", not true or false"),
+        (best_with(grad_accum=True), BEST + "'grad_accum' is true, not an integer"),
+        (best_with(fast=True), "the best setting has 'fast', which is not a setting a tune makes"),
+        (lambda data: {**data, "batch_size": "8"}, "'batch_size' is \"8\", not an integer"),
+        (
+            lambda data: {**data, "trials": [{"candidate": {"compile": 1}}]},
+            "trial 1's candidate's 'compile' is 1, not true or false",
+        ),
+        (
+            lambda data: {**data, "trials": [{"candidate": {}, "step_s": "1"}]},
+            "trial 1's 'step_s' is \"1\", not a number or null",
+        ),
     ],
 )
 def test_a_damaged_cache_entry_is_named_by_its_field_and_counts_as_none(tmp_path, monkeypatch, caplog, damage, told):

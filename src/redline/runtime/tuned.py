@@ -130,10 +130,17 @@ class TunedPlan:
         entry = _typed("the entry", data, dict)
         trials = []
         for index, trial in enumerate(_typed("'trials'", _field(entry, "trials"), list)):
-            trial = _typed(f"trial {index + 1}", trial, dict)
-            candidate = Candidate(**_typed(f"trial {index + 1}'s 'candidate'", _field(trial, "candidate"), dict))
-            trials.append(Trial(candidate, trial.get("step_s"), trial.get("compile_s", 0.0), trial.get("rejected", "")))
-        best = Candidate(**_typed("'best'", _field(entry, "best"), dict))
+            what = f"trial {index + 1}"
+            trial = _typed(what, trial, dict)
+            candidate = _candidate(f"{what}'s candidate", _field(trial, "candidate"))
+            step_s = _kind(f"{what}'s 'step_s'", trial.get("step_s"), (float, int, type(None)))
+            compile_s = _kind(f"{what}'s 'compile_s'", trial.get("compile_s", 0.0), (float, int))
+            rejected = _kind(f"{what}'s 'rejected'", trial.get("rejected", ""), (str,))
+            trials.append(Trial(candidate, step_s, compile_s, rejected))
+        best = _candidate("the best setting", _field(entry, "best"))
+        reasons = _typed("'reasons'", _field(entry, "reasons"), dict)
+        for axis, why in reasons.items():
+            _kind(f"the reason for {axis!r}", why, (str,))
         try:  # an entry edited by hand fails here, where it is read, not as a flag the run was never given
             best.options(RuntimeOptions())
         except ConfigError as exc:
@@ -141,9 +148,9 @@ class TunedPlan:
         unmeasured = _typed("'unmeasured'", entry.get("unmeasured", []), list)
         return cls(
             task=str(_field(entry, "task")), device=str(_field(entry, "device")),
-            batch_size=int(_field(entry, "batch_size")), planned_steps=int(_field(entry, "planned_steps")),
-            measured_at=str(_field(entry, "measured_at")), best=best,
-            reasons=dict(_typed("'reasons'", _field(entry, "reasons"), dict)), trials=tuple(trials),
+            batch_size=_kind("'batch_size'", _field(entry, "batch_size"), (int,)),
+            planned_steps=_kind("'planned_steps'", _field(entry, "planned_steps"), (int,)),
+            measured_at=str(_field(entry, "measured_at")), best=best, reasons=dict(reasons), trials=tuple(trials),
             unmeasured=tuple(a for a in unmeasured if a in TUNED_AXES)
             + tuple(a for a in ("cuda_graphs", "attention") if a not in entry["best"]),  # tuned before they existed
         )  # fmt: skip
@@ -210,6 +217,32 @@ def _typed(what: str, value: Any, kind: type) -> Any:
         told = "an object" if kind is dict else "an array"
         raise ValueError(f"{what} is {json.dumps(value)[:40]}, not {told}")
     return value
+
+
+_SETTINGS: dict[str, tuple[type, ...]] = {
+    "precision": (str,), "compile": (bool,), "compile_mode": (str,), "cuda_graphs": (bool,), "channels_last": (bool,),
+    "attention": (str,), "loader_workers": (int, type(None)), "grad_accum": (int,),
+}  # fmt: skip
+_WORDS = {str: "a text", bool: "true or false", int: "an integer", float: "a number", type(None): "null"}
+
+
+def _candidate(what: str, value: Any) -> Candidate:
+    """The Candidate an entry's object holds; ValueError naming the setting that is not one a tune writes (a
+    "compile": "no" was read as compiling, being a non-empty text)."""
+    settings = _typed(what, value, dict)
+    for name, setting in settings.items():
+        if name not in _SETTINGS:
+            raise ValueError(f"{what} has {name!r}, which is not a setting a tune makes")
+        _kind(f"{what}'s {name!r}", setting, _SETTINGS[name])
+    return Candidate(**settings)
+
+
+def _kind(what: str, value: Any, kinds: tuple[type, ...]) -> Any:
+    """``value`` where it is one of ``kinds`` (true or false being no number); else ValueError naming ``what``."""
+    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+        return value
+    told = " or ".join(_WORDS[kind] for kind in kinds if not (kind is int and float in kinds))  # a number: either
+    raise ValueError(f"{what} is {json.dumps(value)[:40]}, not {told}")
 
 
 def tuned_key(fingerprint: str, facts: DeviceFacts, batch_size: int) -> str:
