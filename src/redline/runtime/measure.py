@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -56,6 +56,10 @@ from redline.runtime.trial import (
 from redline.task import Task
 
 log = logging.getLogger("redline")
+# auto: measure where the run repays it, else take a cached measurement; on: measure whatever the run's length (a
+# cached measurement still answers); fresh: as on, in place of a cached one (a busy machine's is not pinned); off.
+TrialRequest = Literal["auto", "on", "off", "fresh"]
+TRIALS: tuple[str, ...] = get_args(TrialRequest)
 REPAY = 10  # a trial's rounds are as many as keep its steps within this share of the planned run: <= 10%
 # The fewest rounds a trial runs: one round can only keep fp32; at two, a trial that finds nothing (about 12 of the
 # run's steps for one candidate) would cost a run of 180 steps 7%, more than the whole-trial rule ever let it cost.
@@ -75,8 +79,9 @@ def measure_auto(
     """The "auto" choices a trial measured for this run (``{"precision": ...}``: the rule's where it did not
     measure, with why; and ``"attention"`` where it timed the kernels too), or {} where none applies.
 
-    ``trial`` is "auto" (measure when the run repays it), "on" or "off"; ``insist`` tells, in the
-    reason of a run too short to repay a trial, how the command at hand would measure anyway.
+    ``trial`` is a ``TrialRequest``: "auto" (measure when the run repays it), "on", "fresh" (measured again, the
+    cached measurement replaced) or "off"; ``insist`` tells, in the reason of a run too short to repay a trial, how
+    the command at hand would measure anyway.
     """
     work = _workload(options, batch_size, env)
     if work is None:
@@ -91,7 +96,7 @@ def measure_auto(
     short = rounds_for(work.candidates) < LEAST_ROUNDS  # too short to repay a trial, not a cached one
 
     def trial_on_rank0() -> tuple[str, str, bool] | None:
-        found = _measure(task, work, short, rounds_for)
+        found = _measure(task, work, short, rounds_for, fresh=trial == "fresh")
         return (found[0].value, found[0].reason, found[1]) if found is not None else None
 
     shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
@@ -202,35 +207,37 @@ Found = tuple[Choice[str], bool]  # the trial's choice of form, and whether it t
 
 
 def _measure(
-    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int]
+    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int], *, fresh: bool = False
 ) -> Found | None:
     """Time fp32 and the candidates on the task's model and first batch, in ``rounds_for(candidates)`` rounds at most
-    (or read the cache); return the choice. With ``recall_only``, only read the cache: None when it holds no
-    measurement of this workload.
+    (or read the cache, but with ``fresh``); return the choice. With ``recall_only``, only read the cache: None when
+    it holds no measurement of this workload.
 
     A model factory draws weights (for the fingerprint and the trial) and the batch is drawn too:
     the run's random streams are put back as they were.
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, work, recall_only, rounds_for)
+        return _measure_or_recall(task, work, recall_only, rounds_for, fresh)
     finally:
         restore_rng(saved)
 
 
 def _measure_or_recall(
-    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int]
+    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int], fresh: bool
 ) -> Found | None:
     """As ``_measure``. Where the attention kernel is left to auto, the kernels are looked for (and timed) only when a
     trial is about to run, and the run repays a trial of them too; its cache entry, kernels and all (or none found),
-    is read first, so a later run looks for nothing. A kernel named is preferred in every step timed."""
+    is read first, so a later run looks for nothing. A kernel named is preferred in every step timed. ``fresh`` reads
+    no cache: the kernels are looked for, as its rounds repay them, and the entry a later run reads first replaced."""
     facts, local_batch = work.facts, work.local_batch
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     parts = [*work.candidates, f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
     fingerprint = fingerprint_of(task)
     with_kernels = trial_key(fingerprint, facts, local_batch, [*parts, "attention kernels timed"])
     plain = trial_key(fingerprint, facts, local_batch, [*parts, f"attention {work.attention}"])
-    for key in [with_kernels, plain] if work.attention == "auto" else [plain]:
+    keys = [with_kernels, plain] if work.attention == "auto" else [plain]
+    for key in [] if fresh else keys:
         cached = load_cached(key)
         if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
             measured, when = cached

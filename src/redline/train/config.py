@@ -18,7 +18,8 @@ from redline.config import (
     with_changes,
 )
 from redline.errors import ConfigError, invalid
-from redline.runtime.options import SWITCHES, RuntimeOptions, Switch
+from redline.runtime.measure import TRIALS, TrialRequest
+from redline.runtime.options import RuntimeOptions
 from redline.task import Task
 from redline.train.logs import check_logger_names
 
@@ -52,7 +53,11 @@ class TrainerConfig:
     loggers: tuple[str, ...] = option(DEFAULT_LOGGERS, "csv, jsonl or tensorboard; repeatable.", flag="--logger")
     log_every: int = option(50, "Read losses and log every N steps.", min=1)
     progress: bool = option(True, "Show progress on stderr.")
-    trial: Switch = option("auto", "Time auto's choices on this model first: auto (when the run repays it), on or off.")
+    trial: TrialRequest = option(
+        "auto",
+        "Time auto's choices on this model first: auto (when the run repays it), on (whatever its length), fresh "
+        "(as on, measured again in place of a cached measurement) or off.",
+    )
     plan: Literal["auto", "tuned"] = option(
         "auto", "auto (a cached tuned Plan if every tuned axis is auto) or tuned (`redline tune`'s, required)."
     )
@@ -115,7 +120,7 @@ class TrainerConfig:
             )
         boolean("progress", self.progress)
         boolean("memory_history", self.memory_history)
-        one_of("trial", self.trial, SWITCHES)
+        one_of("trial", self.trial, TRIALS)
         one_of("plan", self.plan, ("auto", "tuned"))
         one_of("keep_best", self.keep_best, ("off", "val_loss", "val_metric"))
 

@@ -1,0 +1,92 @@
+"""The trial's cache from a user's side: `--trial fresh` measures again in place of a cached choice, and one
+workload finds one entry however its batch size was given."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.runtime import measure
+from redline.runtime.trial import Measured
+from redline.task import Task
+from redline.train.trainer import Trainer
+
+TASK_FILE = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+def make(batch_size: int = 16):
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen))
+    return redline.Task(model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)),
+                        loss_fn=nn.functional.mse_loss, train_data=data, batch_size=batch_size, name="tiny")
+"""
+
+
+def tiny_task(batch_size: int = 16) -> Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen))
+    model = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # noqa: E731
+    return Task(model=model, loss_fn=nn.functional.mse_loss, train_data=data, batch_size=batch_size, name="tiny")
+
+
+def timed(precision: str, step_ms: float) -> Measured:
+    return Measured(precision, tuple([step_ms / 1e3] * 12), (2.0, 1.8))
+
+
+@pytest.fixture
+def trials(tmp_path, monkeypatch):
+    """Plan as on an AMX CPU and count the trials: the first times bf16 at 0.7 of fp32's step (a lucky moment on a
+    busy machine), every later one at 3x."""
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    calls = []
+
+    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, **_):
+        calls.append(candidates)
+        return [timed("fp32", 10.0), timed("bf16-mixed", 7.0 if len(calls) == 1 else 30.0)]
+
+    monkeypatch.setattr(measure, "run_trial", fake_trial)
+    return calls
+
+
+def precision_of(**config) -> tuple[str, str]:
+    with Trainer(tiny_task(), max_steps=1, progress=False, **config) as trainer:
+        chosen = trainer.fit().plan.precision
+    return chosen.value, chosen.reason
+
+
+def test_trial_fresh_measures_again_and_its_choice_replaces_the_cached_one(trials):
+    """`--trial on` read the cache first: a trial measured on a busy machine stayed pinned, with no way to
+    measure again but deleting folders."""
+    assert precision_of(trial="on")[0] == "bf16-mixed"
+    value, reason = precision_of(trial="on")
+    assert value == "bf16-mixed" and "cached from" in reason and len(trials) == 1
+    value, reason = precision_of(trial="fresh")
+    assert value == "fp32" and reason.startswith("measured: fp32 kept") and "cached" not in reason
+    assert len(trials) == 2
+    value, reason = precision_of(trial="auto")  # a run too short to repay a trial reads the fresh one
+    assert value == "fp32" and "cached from" in reason and len(trials) == 2
+
+
+def test_redline_train_takes_trial_fresh(trials, tmp_path, redline_here):
+    (tmp_path / "tiny.py").write_text(TASK_FILE)
+    spec = f"{tmp_path / 'tiny.py'}:make"
+
+    def train(trial: str) -> dict[str, object]:
+        ran = redline_here("train", "--task", spec, "--max-steps", "1", "--trial", trial, "--json", "--no-progress")
+        assert ran.returncode == 0, ran.stderr
+        return json.loads(ran.stdout)["plan"]["precision"]
+
+    assert train("on")["value"] == "bf16-mixed"
+    fresh = train("fresh")
+    assert fresh["value"] == "fp32" and "cached" not in fresh["reason"] and len(trials) == 2
+    assert "cached from" in train("on")["reason"] and len(trials) == 2
+    refused = redline_here("train", "--task", spec, "--trial", "again")
+    assert refused.returncode == 2 and "'auto', 'on', 'off', 'fresh'" in refused.stderr
