@@ -10,8 +10,13 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from redline.hardware.device import probe_device
+from redline.parallel.env import DistEnv
 from redline.runtime import measure
+from redline.runtime.measure import measure_auto
+from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, find_tuned, store_tuned
 from redline.task import Task
 from redline.train.trainer import Trainer
 
@@ -90,3 +95,26 @@ def test_redline_train_takes_trial_fresh(trials, tmp_path, redline_here):
     assert "cached from" in train("on")["reason"] and len(trials) == 2
     refused = redline_here("train", "--task", spec, "--trial", "again")
     assert refused.returncode == 2 and "'auto', 'on', 'off', 'fresh'" in refused.stderr
+
+
+def test_one_workload_finds_one_cached_trial_however_its_batch_size_is_given(trials):
+    """`--batch-size 32` (the run's batch) and `--task-arg batch_size=32` (the Task's own) made two entries."""
+    cpu, env = RuntimeOptions(devices="cpu"), DistEnv()
+    given_to_the_run = measure_auto(tiny_task(batch_size=16), cpu, 32, 5000, env, trial="auto")["precision"]
+    given_to_the_task = measure_auto(tiny_task(batch_size=32), cpu, 32, 5000, env, trial="auto")["precision"]
+    assert given_to_the_run.value == given_to_the_task.value == "bf16-mixed"
+    assert "cached from" in given_to_the_task.reason and len(trials) == 1
+    measure_auto(tiny_task(batch_size=32), cpu, 16, 5000, env, trial="auto")  # another batch is another workload
+    assert len(trials) == 2
+
+
+def test_a_tune_at_a_batch_size_is_found_by_a_run_whose_task_was_given_that_batch_size(tmp_path, monkeypatch):
+    """`redline tune --batch-size 32` cached its Plan where `redline train --task-arg batch_size=32` did not look."""
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    tuned = TunedPlan(
+        task="tiny", device="cpu", batch_size=32, planned_steps=500, measured_at="2026-12-01 06:00 UTC",
+        best=Candidate(compile_mode="default"), reasons={}, trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(tiny_task(batch_size=16).fingerprint(), probe_device(torch.device("cpu")), tuned)
+    found = find_tuned(tiny_task(batch_size=32), RuntimeOptions(devices="cpu"), 32, DistEnv())
+    assert found is not None and "tuned 2026-12-01 06:00 UTC" in found.tuning.note

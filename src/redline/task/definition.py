@@ -97,14 +97,15 @@ class Task:
         return model
 
     def fingerprint(self) -> str:
-        """Return a short hash of what shapes the workload: model structure, parameters, loss, optimizer, batch, data.
+        """Return a short hash of what shapes the workload: model structure, parameters, loss, optimizer, data.
 
         The data counts by its size and the shapes and dtypes of its first sample (not its values): a
         model that takes any image size runs another workload on larger images. A stream (no length)
         is not read here. The optimizer counts by its kind and its switches (fused, foreach, amsgrad,
         ...), not its learning rate or other numbers: a sweep over them is one workload to time. A factory's model
         is built on the meta device (its weights' values are not read, and take no memory there; ``meta.on_meta``),
-        or for real where the factory cannot build there.
+        or for real where the factory cannot build there. The Task's batch size is left out: a trial's and a tune's
+        keys add the batch the run uses, given to the run (``--batch-size``) or to the Task alike.
         """
         # on meta, GPT-2 small's took 0.85 s the first time (torch's meta kernels loading), 0.03 s after, and no
         # weights; for real, 1.9 s and its weights' 0.5 GB
@@ -115,7 +116,6 @@ class Task:
         if self.collate_fn is not None:  # padding to the longest item shapes the batch: another workload
             digest.update(f"collate={_function_name(self.collate_fn)}".encode())
         digest.update(f"optimizer={_optimizer_kind(self.optimizer, model)}".encode())
-        digest.update(f"batch={self.batch_size}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
         if size > 0 and not isinstance(self.train_data, IterableDataset):
