@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,16 @@ from redline.bench.tune import _alternatives, decide, search_space, skipped_axes
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
-from redline.runtime.tuned import Candidate, Trial, TunedPlan, load_tuned, store_tuned, tuned_for_model
+from redline.runtime.trial import write_cache
+from redline.runtime.tuned import (
+    Candidate,
+    Trial,
+    TunedPlan,
+    check_tuned_cache,
+    load_tuned,
+    store_tuned,
+    tuned_for_model,
+)
 from redline.task import Task
 
 AMX_CPU = DeviceFacts(type="cpu", name="Xeon", cpu_isa="amx", cpu_count=8)
@@ -270,18 +280,27 @@ def test_an_unmeasured_or_rejected_trial_costs_forever():
     assert Trial(Candidate(compile=True), 0.01, compile_s=5.0).total_s(10) == pytest.approx(5.1)
 
 
-def test_a_file_where_the_cache_directory_goes_is_named_with_the_variable_that_moves_it(tmp_path, monkeypatch, caplog):
-    """Before, the warning said to tune again, which would fail on the same file."""
+@pytest.mark.parametrize("below", ["", "sub/dir"])  # the variable names the file, or a folder below it
+def test_a_file_where_the_cache_directory_goes_is_no_tune_and_is_named_once_where_a_measurement_is_cached(
+    tmp_path, monkeypatch, caplog, below
+):
+    """Before, every run warned that a tune it never made could not be read, and below the file said to tune again
+    (which would fail on the same file); a run that measured a peak twice, and cached a trial, warned three times."""
     blocking = tmp_path / "cache"
     blocking.write_text("not a directory")
-    monkeypatch.setenv("REDLINE_CACHE_DIR", str(blocking))
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(blocking / below))
     with caplog.at_level(logging.WARNING, logger="redline"):
         assert load_tuned("fingerprint", AMX_CPU, 8) is None
+        write_cache("peaks", "key", [0.2])
+        write_cache("peaks", "key", [0.3])  # a stalled peak, measured again over more blocks
+        write_cache("trials", "key", [])  # the run's trial, cached beside it
     [warning] = [r.getMessage() for r in caplog.records]
-    assert (
-        f"hint: {blocking} is a file, where the cache's directory goes: move it, or point REDLINE_CACHE_DIR" in warning
-    )
-    assert "run `redline tune` again" not in warning
+    assert f"could not cache the measurement in {blocking / below}/peaks/key.json: {blocking} is a file" in warning
+    assert warning.endswith("hint: move it, or point REDLINE_CACHE_DIR at a directory")
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{blocking} is a file, where the cache's directory goes\nhint: move")
+    ):
+        check_tuned_cache()  # `redline tune` says so before it searches
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "fresh"))  # an entry that cannot be read: tune again
     store_tuned("fingerprint", AMX_CPU, tuned_plan(precision="bf16-mixed"))
     next((tmp_path / "fresh" / "tuned").glob("*.json")).write_text("{")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.atomic import write_atomic
+from redline.atomic import make_parent, write_atomic
 from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
 from redline.hardware.flops import matmul_peak
@@ -435,10 +435,24 @@ def write_cache(kind: str, key: str, entries: list[Any]) -> None:
         tmp.write_text(text, encoding="utf-8")
 
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(path)
         write_atomic(path, write)
     except OSError as exc:
-        log.warning("could not cache the measurement in %s (%s); the next run measures again", path, exc)
+        blocked = isinstance(exc, NotADirectoryError) and exc.filename  # make_parent names the file in the way
+        cause = Path(exc.filename) if blocked else path.parent
+        if cause in _UNWRITABLE:  # said once: a run measures a stalled peak again, and caches its trial beside it
+            return
+        _UNWRITABLE.add(cause)
+        if blocked:
+            log.warning(
+                "could not cache the measurement in %s: %s is a file, where the cache's directory goes; the next run "
+                "measures again\nhint: move it, or point %s at a directory", path, exc.filename, CACHE_ENV,
+            )  # fmt: skip
+        else:
+            log.warning("could not cache the measurement in %s (%s); the next run measures again", path, exc)
+
+
+_UNWRITABLE: set[Path] = set()  # the cache's folders a write failed in (or the file in their way), in this process
 
 
 def best_matmul_peak(device: torch.device, facts: DeviceFacts, precision: str, *, blocks: int = 5) -> float | None:

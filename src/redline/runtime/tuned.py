@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from redline.atomic import check_writable, write_atomic
+from redline.atomic import check_writable, make_parent, write_atomic
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
@@ -278,17 +278,10 @@ def load_tuned(fingerprint: str, facts: DeviceFacts, batch_size: int) -> TunedPl
     path = tuned_path(fingerprint, facts, batch_size)
     try:
         return TunedPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no tune could be stored there: a tune names the file in the way
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        blocked = next((p for p in (path.parent.parent, path.parent) if p.exists() and not p.is_dir()), None)
-        if blocked is not None:  # a file where the cache's directory goes: tuning again would fail the same way
-            log.warning(
-                "the tuned Plan in %s could not be read (%s)\nhint: %s is a file, where the cache's directory goes: "
-                "move it, or point %s at a directory", path, exc, blocked, CACHE_ENV,
-            )  # fmt: skip
-        else:
-            log.warning("the tuned Plan in %s could not be read (%s); run `redline tune` again", path, exc)
+        log.warning("the tuned Plan in %s could not be read (%s); run `redline tune` again", path, exc)
         return None
 
 
@@ -303,7 +296,7 @@ def store_tuned(fingerprint: str, facts: DeviceFacts, tuned: TunedPlan, *, model
 
     try:
         for target in [path] + ([_model_path(model, facts)] if model is not None else []):
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_parent(target)
             write_atomic(target, write)
     except OSError as exc:
         raise _uncachable(path.parent, exc) from None
@@ -314,13 +307,18 @@ def check_tuned_cache() -> None:
     """Refuse a cache a tune could not be stored in before the search spends its budget, not after it."""
     folder = cache_dir() / "tuned"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_parent(folder / "tuned.json")
         check_writable(folder / "tuned.json")
     except OSError as exc:
         raise _uncachable(folder, exc) from None
 
 
 def _uncachable(folder: Path, exc: OSError) -> ConfigError:
+    if isinstance(exc, NotADirectoryError) and exc.filename:  # make_parent names the file in the way
+        return ConfigError(
+            f"a tuned Plan cannot be cached in {folder}: {exc.filename} is a file, where the cache's directory goes\n"
+            f"hint: move it, or set {CACHE_ENV} to a directory you can write to, then tune again"
+        )
     return ConfigError(
         f"a tuned Plan cannot be cached in {folder} ({exc.strerror or exc})\n"
         f"hint: set {CACHE_ENV} to a directory you can write to, then tune again"
