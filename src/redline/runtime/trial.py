@@ -263,7 +263,7 @@ def run_trial(
                 short_of_memory.add(exc.name)
             free_memory(device)
     finally:
-        turns.end()
+        turns.end(offload=False)  # nothing of the trial's training state outlives it, for the run to pay
         restore_rng(saved)
     results = {
         name: Measured(name, tuple(timing), (steps[name][1], *rest))

@@ -39,11 +39,11 @@ class Turns:
             copy.wake()
             self.active = copy
 
-    def end(self) -> None:
-        """End the turn of the copy that has it, if any: it lets go of its training state."""
+    def end(self, *, offload: bool = True) -> None:
+        """End the turn of the copy that has it, if any: it lets go of its training state (``TrainingCopy.park``)."""
         if self.active is not None:
             active, self.active = self.active, None
-            active.park()
+            active.park(offload=offload)
 
 
 class TrainingCopy:
@@ -105,11 +105,12 @@ class TrainingCopy:
             self.model.to(self.device)
             self.optimizer = build_optimizer(self.factory, self.model)
 
-    def park(self) -> None:
-        """Let go of the gradients and the optimizer's state, and move the weights off an accelerator."""
+    def park(self, *, offload: bool = True) -> None:
+        """Let go of the gradients and the optimizer's state, and, with ``offload``, move the weights off an
+        accelerator (a copy the trial is done with keeps them there: they go with it)."""
         self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.state.clear()  # at once: torch's AdamW sits in a reference cycle until a collection
             self.optimizer = None
-        if self.device.type != "cpu":
+        if offload and self.device.type != "cpu":
             self.model.to("cpu")
