@@ -52,3 +52,10 @@ def test_ranks_that_differ_only_in_what_a_host_sets_for_itself_train(monkeypatch
     here = TrainerConfig(max_steps=60, out_dir="/mnt/a/run", progress=False)
     check_beside(monkeypatch, rank(here), rank(dataclasses.replace(here, out_dir="/shared/run", progress=True)))
     agreement.check_ranks_agree(*rank(TrainerConfig(max_steps=60)), DistEnv())  # one process: nothing gathered
+
+
+def test_ranks_whose_models_keep_a_setting_of_their_own_train(monkeypatch):
+    # a plain attribute a model sets per rank (its device's name, say) is no other model to agree on
+    mine, theirs = rank(TrainerConfig(max_steps=60)), rank(TrainerConfig(max_steps=60))
+    mine[2].device_name, theirs[2].device_name = "cuda:0", "cuda:1"
+    check_beside(monkeypatch, mine, theirs)

@@ -123,15 +123,15 @@ class Task:
         return digest.hexdigest()[:16]
 
 
-def model_fingerprint(model: nn.Module) -> str:
+def model_fingerprint(model: nn.Module, *, settings: bool = True) -> str:
     """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), its modules'
-    settings (``_settings``), and which of its parameters are frozen: a linear probe of a model has little of its
-    full fine-tuning's backward and optimizer."""
+    settings (``_settings``; left out with ``settings=False``), and which of its parameters are frozen: a linear
+    probe of a model has little of its full fine-tuning's backward and optimizer."""
     digest = hashlib.sha256()
     digest.update(repr(model).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    for name, module in model.named_modules():
+    for name, module in model.named_modules() if settings else ():
         digest.update(f"{name}:{_settings(module)}".encode())
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
     if frozen:  # said only where some are: a model trained whole keeps the hash it had

@@ -37,7 +37,8 @@ def settings(config: TrainerConfig, task: Task, model: nn.Module, optimizer: tor
     options |= {f"runtime.{f.name}": getattr(config.runtime, f.name) for f in dataclasses.fields(config.runtime)}
     shared = {name: repr(value) for name, value in options.items() if name not in _PER_HOST}
     shared |= {"task": task.name, "task batch_size": repr(task.batch_size), "task epochs": repr(task.epochs)}
-    shared["model (structure and shapes)"] = model_fingerprint(model)
+    # not the modules' plain attributes, which a model may set per rank (self.device = f"cuda:{rank}")
+    shared["model (structure and shapes)"] = model_fingerprint(model, settings=False)
     groups = group_options(optimizer)
     shared["optimizer"] = f"{type(optimizer).__name__} of {len(groups)} parameter group(s)"
     for index, group in enumerate(groups):
