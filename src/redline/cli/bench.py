@@ -22,7 +22,7 @@ from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
 from redline.render.console import output_console, print_uncut, transient_bar
-from redline.render.html import refuse_replacing
+from redline.render.page_path import refuse_replacing
 from redline.render.plots import require_matplotlib
 from redline.task import Task
 

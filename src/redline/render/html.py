@@ -21,6 +21,7 @@ from redline.errors import ConfigError, invalid
 from redline.render import run_files
 from redline.render.bench import DIVERGED, diverged, percent, repaid_after, steps_told
 from redline.render.memory import size as size_text
+from redline.render.page_path import page_target
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
 from redline.version import __version__
@@ -155,10 +156,10 @@ def report(run_dir: str | os.PathLike[str], path: str | os.PathLike[str] | None 
         raise ConfigError(f"{str(run_dir)!r} does not exist\nhint: {BENCH_HINT}")
     if _is_bench_file(run_dir):
         html = bench_report(_read_bench(run_dir))
-        return write_report(_not_a_source(path, run_dir.with_suffix(".html"), [run_dir]), html)
+        return write_report(page_target(path, run_dir.with_suffix(".html"), [run_dir]), html)
     html = run_report(run_dir)
     sources = [run_dir / name for name in (*LOGS, "eval.jsonl", "eval.csv", "summary.json")]
-    return write_report(_not_a_source(path, run_dir / "report.html", sources), html)
+    return write_report(page_target(path, run_dir / "report.html", sources), html)
 
 
 def _is_bench_file(path: Path) -> bool:
@@ -167,40 +168,6 @@ def _is_bench_file(path: Path) -> bool:
     if not path.is_file() or path.name == "summary.json":
         return False
     return path.suffix.lower() == ".json" or run_above(path) is None
-
-
-def _not_a_source(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
-    """Where the page goes: ``path`` (else ``default``), refused where it is a directory or a file the report was
-    made from."""
-    target = default if path is None else Path(path)
-    if target.is_dir():  # writing there said "(Is a directory)", and named no file to pass
-        raise ConfigError(
-            f"--html {str(target)!r} is a directory\nhint: name a file, e.g. --html {target / default.name}"
-        )
-    if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
-        raise ConfigError(
-            f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
-            f"hint: name another file, e.g. --html {default}"
-        )
-    refuse_replacing(target, example=default.name)
-    return target
-
-
-def refuse_replacing(target: Path, *, example: str = "bench.html") -> None:
-    """Refuse a page's ``target`` that is a file of another kind (a run's model.safetensors, say): a page there
-    would replace what it holds. An earlier page (.html, .htm) is replaced, as a new report should. ``-`` is refused:
-    read as standard output by many tools, it would be a file named "-"."""
-    if str(target) == "-":
-        stdout = "; `redline bench --json` prints the results to standard output" if example == "bench.html" else ""
-        raise ConfigError(
-            "--html '-' would write a file named '-': the page is written to a file, with its plots inside\nhint: name "
-            f"a .html file, e.g. --html {example}{stdout}"
-        )
-    if target.is_file() and target.suffix.lower() not in (".html", ".htm"):
-        raise ConfigError(
-            f"--html {str(target)!r} is a file that is no page (not .html): the page would replace what it holds\n"
-            f"hint: name a .html file, e.g. --html {target.with_suffix('.html')}"
-        )
 
 
 def _read_bench(path: Path) -> Mapping[str, Any]:

@@ -1,0 +1,42 @@
+"""Where a page may be written: a file of its own or an earlier page, never a file it would destroy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from redline.errors import ConfigError
+
+
+def page_target(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
+    """Where the page goes: ``path`` (else ``default``), refused where it is a directory or a file the report was
+    made from."""
+    target = default if path is None else Path(path)
+    if target.is_dir():  # writing there said "(Is a directory)", and named no file to pass
+        raise ConfigError(
+            f"--html {str(target)!r} is a directory\nhint: name a file, e.g. --html {target / default.name}"
+        )
+    if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
+        raise ConfigError(
+            f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
+            f"hint: name another file, e.g. --html {default}"
+        )
+    refuse_replacing(target, example=default.name)
+    return target
+
+
+def refuse_replacing(target: Path, *, example: str = "bench.html") -> None:
+    """Refuse a page's ``target`` that is a file of another kind (a run's model.safetensors, say): a page there
+    would replace what it holds. An earlier page (.html, .htm) is replaced, as a new report should. ``-`` is refused:
+    read as standard output by many tools, it would be a file named "-"."""
+    if str(target) == "-":
+        stdout = "; `redline bench --json` prints the results to standard output" if example == "bench.html" else ""
+        raise ConfigError(
+            "--html '-' would write a file named '-': the page is written to a file, with its plots inside\nhint: name "
+            f"a .html file, e.g. --html {example}{stdout}"
+        )
+    if target.is_file() and target.suffix.lower() not in (".html", ".htm"):
+        raise ConfigError(
+            f"--html {str(target)!r} is a file that is no page (not .html): the page would replace what it holds\n"
+            f"hint: name a .html file, e.g. --html {target.with_suffix('.html')}"
+        )
