@@ -29,6 +29,16 @@ def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
     assert " 12/1,234 " in shown(result_of(eager, repaid))
 
 
+def test_a_compile_torchs_on_disk_caches_served_is_marked_and_said_under_the_table():
+    eager = _row("cpu fp32 eager b64", "explicit", 6500.0)
+    warm = _row("cpu fp32 compiled b64", "explicit", 7000.0, compile=True, compile_s=0.25, break_even_steps=10.0)
+    text = " ".join(shown(result_of(eager, dict(warm, compile_cached=True))).split())
+    assert " 0.2*/10 " in text and "TORCHINDUCTOR_CACHE_DIR set to a new empty folder" in text
+    for cold in (False, None):  # every lookup missed, or torch did not say: no mark, no note
+        text = " ".join(shown(result_of(eager, dict(warm, compile_cached=cold))).split())
+        assert " 0.2/10 " in text and "*" not in text
+
+
 def test_in_an_80_column_terminal_each_compile_cell_stays_on_its_row():
     # It read "12.0 s," / "repaid" / "in" / "1,234" / "steps", five lines down one narrow column.
     rows = [
@@ -38,11 +48,12 @@ def test_in_an_80_column_terminal_each_compile_cell_stays_on_its_row():
         _row("cpu bf16-mixed compiled b64", "explicit", 7100.0, precision="bf16-mixed", compile=True, compile_s=3.0),
         _row("auto cpu b64", "auto", 6000.0, estimate_bytes=2**22),
     ]
+    rows[2]["compile_cached"] = True  # its mark widens the cell
     console = Console(width=80, record=True)
     print_uncut(console, bench_table(result_of(*rows)))
     lines = console.export_text().splitlines()
     assert max(len(line.rstrip()) for line in lines) <= 80, lines
-    assert any("7,000" in line and "12/1,234" in line for line in lines), lines
+    assert any("7,000" in line and "12*/1,234" in line for line in lines), lines
     assert any("7,100" in line and "3.0/-" in line for line in lines), lines
 
 

@@ -55,6 +55,18 @@ def test_bench_report_charts_the_rows_that_ran_and_tables_every_row():
     assert "measured: 1.40x fp32 on this CPU, 8 steps each" in doc  # the auto row's Plan, with its reasons
 
 
+def test_a_compile_torchs_on_disk_caches_served_says_so_in_its_cell_and_a_note():
+    result = bench_result()
+    warm = dict(result["rows"][1], name="cpu fp32 compiled", compile=True, compile_s=0.25, compile_cached=True)
+    result["rows"].append(warm)
+    table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
+    assert '<td class="num">0.25 (cached)</td>' in table and "<th>compile_cached</th>" not in table
+    assert "compile_s (cached): torch&#x27;s on-disk compile caches" in table
+    warm["compile_cached"] = False
+    table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
+    assert '<td class="num">0.25</td>' in table and "(cached)" not in table
+
+
 def test_bench_report_draws_tokens_and_mfu_for_the_rows_that_have_them():
     result = bench_result()
     for row, mfu in zip(result["rows"], (0.31, None, None, 0.42), strict=True):

@@ -48,6 +48,7 @@ class Runner:
     first_loss: float | None = None  # of the very first step (its micro-batches' mean), before any update
     micro_steps: int = 1  # micro-batches per optimizer step (a tune's grad_accum): a step is all of them
     optimizer: torch.optim.Optimizer | None = None
+    compile_cached: bool | None = None  # its warm-up's compile was served from torch's on-disk caches (compile_cache)
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ class BenchRow:
     mfu: float | None = None  # achieved FLOP/s over the datasheet's dense peak (GPUs in the catalog)
     mfu_measured: float | None = None  # over a matmul measured on this device in the row's precision
     compile_s: float | None = None
+    compile_cached: bool | None = None  # the compile was served from torch's on-disk caches: less than a cold one's
     break_even_steps: float | None = None  # steps after which the compile has paid for itself
     speedup_naive: float | None = None  # over the naive loop on the same device and batch size
     speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU

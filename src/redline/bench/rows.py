@@ -65,17 +65,17 @@ def base_row(setting: Setting) -> BenchRow:
 
 
 def _with_shared_compiles(rows: list[BenchRow]) -> list[BenchRow]:
-    """Give a compiled row whose graph an earlier row compiled that row's compile seconds: what a run of it alone
-    would pay. torch.compile's caches are process-wide, so its own compile took little time (the kernels were
-    built) or none (the graph was held)."""
-    paid: dict[tuple[str, str, bool | None], float] = {}
+    """Give a compiled row whose graph an earlier row compiled that row's compile seconds (and whether torch's
+    on-disk caches served them): what a run of it alone would pay. torch.compile's caches are process-wide, so its
+    own compile took little time (the kernels were built) or none (the graph was held)."""
+    paid: dict[tuple[str, str, bool | None], BenchRow] = {}
     out = []
     for row in rows:
         key = (row.device, row.precision, row.channels_last)
         if row.compile and key in paid:
-            row = dataclasses.replace(row, compile_s=paid[key])
+            row = dataclasses.replace(row, compile_s=paid[key].compile_s, compile_cached=paid[key].compile_cached)
         elif row.compile and row.compile_s is not None:
-            paid[key] = row.compile_s
+            paid[key] = row
         out.append(row)
     return out
 
@@ -125,6 +125,7 @@ def _figures(
         mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
         mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
         compile_s=runner.compile_seconds() if compiled else None,
+        compile_cached=runner.compile_cached if compiled else None,
         loss=loss,
         plan=plan.to_dict() if plan is not None else None,
     )

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from redline.bench.compile_cache import cache_lookups, served_from_cache
 from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, row_options, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import PeakMemory
@@ -279,6 +280,7 @@ def warm_up(
     elif setting.kind == "explicit":  # a precision left to auto (a profile's, compile given) is auto's, measured
         options = options or row_options(setting)
         measured = _measured(task, options, setting.batch_size, planned)
+    lookups = cache_lookups()
     with PeakMemory(device) as memory:  # after auto's trial: the copies it trains are not the row's
         if setting.kind == "naive":
             runner = naive_runner(task, setting, seed=seed)
@@ -290,6 +292,7 @@ def warm_up(
             runner.run(window)
             while runner.runtime is not None and runner.runtime.compile_checking:
                 runner.run(1)
+    runner.compile_cached = served_from_cache(lookups, cache_lookups())
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
     return runner, memory, flops * runner.micro_steps if flops is not None else None

@@ -96,6 +96,8 @@ def _notes(rows: list[Mapping[str, Any]]) -> Text:
         notes.append(note)
     if any(r["compile_s"] is not None for r in rows):
         notes.append(f"compile/repaid: {COMPILE_TOLD}")
+    if any(r.get("compile_cached") for r in rows):
+        notes.append(f"* beside a compile's seconds: {CACHED_TOLD}")
     if any(diverged(r) for r in rows):
         notes.append(f"loss not finite: {DIVERGED}")
     return Text("\n".join(notes))
@@ -215,16 +217,21 @@ COMPILE_TOLD = (
     "the seconds the compile took/the steps whose time saved against the eager row of its precision repays "
     "them (never: the compiled step is not faster; -: no eager row to compare)"
 )
+CACHED_TOLD = (
+    "torch's on-disk compile caches, which an earlier process filled, served the compile: the next run here pays as "
+    "little, a cold compile more (run with TORCHINDUCTOR_CACHE_DIR set to a new empty folder to time one)"
+)
 
 
 def _compile(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
     """Compile seconds and their break-even in steps, which needs an eager row of the same precision to compare
-    with: "12/1,234", "12/never", "3.0/-"."""
+    with: "12/1,234", "12/never", "3.0/-"; "0.3*/10" where torch's on-disk caches served the compile."""
     if row["compile_s"] is None:
         return ""
     repaid = repaid_after(row, rows)
     seconds = row["compile_s"]
-    return f"{seconds:.0f}/{repaid}" if seconds >= 10 else f"{seconds:.1f}/{repaid}"  # "12/1,234", "3.0/45"
+    cached = "*" if row.get("compile_cached") else ""  # a mark, not a word: the cell stays narrow (under the table)
+    return f"{seconds:.0f}{cached}/{repaid}" if seconds >= 10 else f"{seconds:.1f}{cached}/{repaid}"
 
 
 def repaid_after(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:

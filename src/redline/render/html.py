@@ -19,7 +19,7 @@ from typing import Any
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError, invalid
 from redline.render import run_files
-from redline.render.bench import DIVERGED, diverged, percent, repaid_after, steps_told
+from redline.render.bench import CACHED_TOLD, DIVERGED, diverged, percent, repaid_after, steps_told
 from redline.render.memory import size as size_text
 from redline.render.page_path import page_target
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
@@ -80,7 +80,7 @@ def bench_report(result: Mapping[str, Any] | Any) -> str:
         sub += f"; {steps_told({'window': '?', **result})}"
     body = [_p("lead", _best_line(ok, failed=len(rows) - len(ok))), "<h2>Machine</h2>", _machine(result)]
     body += ["<h2>Throughput and speed-up</h2>", *_bench_charts(ok)]
-    body += ["<h2>Every configuration</h2>", _rows_table(rows), *_failures(rows)]
+    body += ["<h2>Every configuration</h2>", *_rows_table(rows), *_failures(rows)]
     planned = [row for row in rows if row.get("plan")]
     if planned:
         body.append("<h2>Plans</h2>")
@@ -284,18 +284,23 @@ def _bars(
     )
 
 
-def _rows_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    columns = list(dict.fromkeys(key for row in rows for key in row if key not in ("plan", "error")))
+def _rows_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every row with every figure; a compile the on-disk caches served says so in its cell, and a note why."""
+    columns = list(dict.fromkeys(k for row in rows for k in row if k not in ("plan", "error", "compile_cached")))
     columns.append("error")
     cells = []
     for row in rows:
         said = {**row, "loss": "not finite"} if diverged(row) else dict(row)
         if row.get("compile_s") is not None:  # "never" repaid, told apart from no eager row to compare with
             said["break_even_steps"] = repaid_after(row, rows)
+            if row.get("compile_cached"):
+                said["compile_s"] = f"{_format('compile_s', row['compile_s'])} (cached)"
         cells.append([escape(_format(key, said.get(key))) for key in columns])
     classes = ["failed" if row.get("error") else "" for row in rows]
     numeric = {i for i, key in enumerate(columns) if any(_number(row.get(key)) is not None for row in rows)}
-    return f'<div class="wide">{_table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
+    table = f'<div class="wide">{_table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
+    cached = any(row.get("compile_cached") for row in rows)
+    return [table, _p("note", escape(f"compile_s (cached): {CACHED_TOLD}."))] if cached else [table]
 
 
 def _failures(rows: Sequence[Mapping[str, Any]]) -> list[str]:
