@@ -93,6 +93,13 @@ def test_time_steps_stops_at_its_budget_after_two_rounds():
     assert times == [[1.0] * 4]
 
 
+def test_time_steps_counts_the_settling_steps_against_its_budget():
+    # `bench --window 1 --max-seconds 1` ran 7.7 s: only the timed windows, half the steps, were counted
+    clock = FakeClock()
+    times, _ = time_steps([fake_step(clock, [1.0] * 40)], warmup=0, rounds=10, block=1, clock=clock, budget_s=4.0)
+    assert times == [[1.0, 1.0]]  # two rounds of a settling and a timed step spend the 4 s
+
+
 @pytest.mark.parametrize(
     ("candidate", "rounds"),
     [
