@@ -1,9 +1,13 @@
 """The bench's arithmetic and its matrix, on numbers given as data."""
 
+import dataclasses
+
 import pytest
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
 from redline.bench.matrix import Setting, expand
+from redline.bench.result import BenchRow
+from redline.bench.run import _with_estimates
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 
@@ -88,3 +92,18 @@ def test_expand_refuses_what_cannot_be_benched():
 def test_a_setting_names_itself():
     assert Setting("explicit", "cpu", "bf16-mixed", True, 64).name == "cpu bf16-mixed compiled b64"
     assert Setting("auto", "cuda:0", "auto", None, 16).name == "auto cuda:0 b16"
+
+
+def test_a_failed_row_gets_no_memory_estimate_though_a_row_of_its_settings_ran():
+    # the failed compiled row showed the eager row's 3264 bytes, where its every other figure was null
+    asked = []
+
+    def estimate(batch_size: int, precision: str, device_type: str) -> int:
+        asked.append((batch_size, precision, device_type))
+        return 3264
+
+    ran = BenchRow("cpu fp32 eager b32", "explicit", "cpu", "fp32", False, False, 32)
+    failed = dataclasses.replace(ran, name="cpu fp32 compiled b32", compile=True, error="RuntimeError: no compile")
+    rows = _with_estimates([ran, failed], estimate)
+    assert [row.estimate_bytes for row in rows] == [3264, None] and asked == [(32, "fp32", "cpu")]
+    assert _with_estimates([failed], estimate)[0].estimate_bytes is None

@@ -191,7 +191,8 @@ def timed_steps(steps: int, window: int) -> int:
 
 def _with_estimates(rows: list[BenchRow], estimate: Estimate | None) -> list[BenchRow]:
     """Give each row that ran the predicted peak of its batch size, precision and device type: of its micro-batch,
-    where a tuned Plan splits the batch (a step's peak is one micro-batch's activations)."""
+    where a tuned Plan splits the batch (a step's peak is one micro-batch's activations). A failed row has none,
+    as it has no other figure, though a row of its settings ran."""
     if estimate is None:
         return rows
     known: dict[tuple[int, str, str], int | None] = {}
@@ -201,7 +202,7 @@ def _with_estimates(rows: list[BenchRow], estimate: Estimate | None) -> list[Ben
         key = (row.batch_size // parts, row.precision, torch.device(row.device).type)
         if not row.error and key not in known:
             known[key] = estimate(*key)
-        out.append(dataclasses.replace(row, estimate_bytes=known.get(key)))
+        out.append(dataclasses.replace(row, estimate_bytes=None if row.error else known.get(key)))
     return out
 
 
