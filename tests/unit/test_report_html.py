@@ -550,6 +550,26 @@ def test_a_page_asked_into_a_directory_is_refused_naming_a_file_to_pass(tmp_path
         report(saved, run)
 
 
+def test_a_default_page_path_that_cannot_be_written_is_refused_without_naming_html(tmp_path):
+    # `redline report dd.json` beside a directory dd.html said "--html 'dd.html' is a directory": no --html was given
+    saved = tmp_path / "dd.json"
+    saved.write_text(json.dumps(bench_result()))
+    (tmp_path / "dd.html").mkdir()
+    where = re.escape(str(tmp_path / "dd.html"))
+    told = rf"^the page's default path '{where}' is a directory\nhint: pass --html FILE, e\.g\. --html {where}/dd"
+    with pytest.raises(ConfigError, match=told + r"\.html$"):
+        report(saved)
+    run = write_run(tmp_path / "run")
+    (run / "report.html").mkdir()
+    with pytest.raises(ConfigError, match=r"^the page's default path '.*/run/report\.html' is a directory\nhint: pass"):
+        report(run)
+    (tmp_path / "b.html").write_text(json.dumps(bench_result()))  # a result saved as .html: its page would be itself
+    told = r"^the page's default path '.*/b\.html' is a file the report is made from: .*\nhint: pass --html FILE"
+    with pytest.raises(ConfigError, match=told + r", e\.g\. --html .*/b-report\.html$"):
+        report(tmp_path / "b.html")
+    assert json.loads((tmp_path / "b.html").read_text())["task"] == "digits"
+
+
 def test_a_run_reported_as_the_current_directory_is_named_by_it(tmp_path, monkeypatch):
     # `redline report .` in a run still going titled the page "redline run: " (the name of "." is empty).
     run = tmp_path / "run-7"

@@ -10,16 +10,17 @@ from redline.errors import ConfigError
 
 def page_target(path: str | os.PathLike[str] | None, default: Path, sources: list[Path]) -> Path:
     """Where the page goes: ``path`` (else ``default``), refused where it is a directory or a file the report was
-    made from."""
+    made from. A refusal of ``default`` says so: no --html was given to blame."""
     target = default if path is None else Path(path)
+    told = f"--html {str(target)!r}" if path is not None else f"the page's default path {str(target)!r}"
     if target.is_dir():  # writing there said "(Is a directory)", and named no file to pass
-        raise ConfigError(
-            f"--html {str(target)!r} is a directory\nhint: name a file, e.g. --html {target / default.name}"
-        )
+        fix = "name a file" if path is not None else "pass --html FILE"
+        raise ConfigError(f"{told} is a directory\nhint: {fix}, e.g. --html {target / default.name}")
     if target.is_file() and any(source.is_file() and source.samefile(target) for source in sources):
+        other = default if path is not None else target.with_name(f"{target.stem}-report.html")
+        fix = "name another file" if path is not None else "pass --html FILE"
         raise ConfigError(
-            f"--html {str(target)!r} is a file the report is made from: the page would replace it\n"
-            f"hint: name another file, e.g. --html {default}"
+            f"{told} is a file the report is made from: the page would replace it\nhint: {fix}, e.g. --html {other}"
         )
     refuse_replacing(target, example=default.name)
     return target
