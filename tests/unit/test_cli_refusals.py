@@ -229,7 +229,7 @@ def test_tunes_steps_say_their_own_least_once():
     assert "Timed steps per candidate, rounded up to whole windows of 5, and 10 at least. [default: 30]" in shown
 
 
-def test_bench_refuses_a_page_over_a_file_that_is_no_page_and_keeps_it(tmp_path):
+def test_bench_refuses_a_page_over_a_file_that_is_no_page_of_redlines_and_keeps_it(tmp_path):
     """Before, `bench --html RUN/checkpoints/step-5/model.safetensors` replaced the weights with the page."""
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"weights")
@@ -237,3 +237,9 @@ def test_bench_refuses_a_page_over_a_file_that_is_no_page_and_keeps_it(tmp_path)
     assert isinstance(result.exception, ConfigError), result.output
     assert str(result.exception).startswith(f"--html {str(weights)!r} is a file that is no page (not .html)")
     assert weights.read_bytes() == b"weights"
+    mine = tmp_path / "mine.html"  # a page written by hand: refused before the bench runs, not replaced after it
+    mine.write_text("<p>my notes</p>")
+    result = CliRunner().invoke(app, ["bench", "--task", "example:digits", "--html", str(mine)])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(f"--html {str(mine)!r} is a page redline did not make")
+    assert mine.read_text() == "<p>my notes</p>"

@@ -570,6 +570,27 @@ def test_a_default_page_path_that_cannot_be_written_is_refused_without_naming_ht
     assert json.loads((tmp_path / "b.html").read_text())["task"] == "digits"
 
 
+def test_a_page_redline_did_not_make_is_kept_and_an_earlier_one_of_redlines_replaced(tmp_path):
+    # `--html mine.html`, and `redline report b.json` writing b.html beside it, replaced a page written by hand
+    saved = tmp_path / "b.json"
+    saved.write_text(json.dumps(bench_result()))
+    mine = "<!DOCTYPE html><html><body><p>my notes</p><footer>by me</footer></body></html>"
+    for page in (tmp_path / "mine.html", tmp_path / "b.html"):
+        page.write_text(mine)
+        told = f"--html {str(page)!r}" if page.name == "mine.html" else f"the page's default path {str(page)!r}"
+        hint = rf"hint: pass --html FILE with another file, e\.g\. --html .*/{page.stem}-report\.html, or delete"
+        with pytest.raises(ConfigError, match=rf"^{re.escape(told)} is a page redline did not make: .*\n{hint}"):
+            report(saved, page if page.name == "mine.html" else None)
+        assert page.read_text() == mine
+    (tmp_path / "b.html").unlink()
+    assert report(saved) == tmp_path / "b.html" and report(saved) == tmp_path / "b.html"  # its own page, again
+    older = tmp_path / "older.html"  # an earlier version's, and an empty file: nothing of the user's to lose
+    older.write_text("<html><body>...<footer>Made by redline 0.0.1. Read from metrics.jsonl in r.</footer></body>")
+    (tmp_path / "empty.html").touch()
+    for page in (older, tmp_path / "empty.html"):
+        assert report(saved, page) == page and "<title>redline bench: digits" in page.read_text()
+
+
 def test_a_run_reported_as_the_current_directory_is_named_by_it(tmp_path, monkeypatch):
     # `redline report .` in a run still going titled the page "redline run: " (the name of "." is empty).
     run = tmp_path / "run-7"

@@ -21,7 +21,7 @@ from redline.errors import ConfigError, invalid
 from redline.render import run_files
 from redline.render.bench import CACHED_TOLD, DIVERGED, diverged, percent, repaid_after, steps_told
 from redline.render.memory import size as size_text
-from redline.render.page_path import page_target
+from redline.render.page_path import MADE_BY, page_target
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
 from redline.version import __version__
@@ -380,7 +380,7 @@ def _summary_table(summary: Mapping[str, Any], evals: list[dict[str, Any]]) -> s
 
 
 def _page(title: str, subtitle: str, body: Iterable[str], footer: str = "") -> str:
-    made = f"Made by redline {__version__}. {footer}".strip()
+    made = f"{MADE_BY} {__version__}. {footer}".strip()
     return "\n".join(
         [
             "<!DOCTYPE html>",
