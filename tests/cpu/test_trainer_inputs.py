@@ -1,5 +1,6 @@
 """The Trainer takes what users commonly hand it: a metric of NumPy's, predict's batch size, restarts."""
 
+import csv
 import dataclasses
 import subprocess
 import sys
@@ -8,8 +9,11 @@ import numpy as np
 import pytest
 import torch
 from test_trainer import quiet, tiny_task  # the same tiny task and quiet Trainer
+from torch import nn
 
+import redline
 from redline.errors import ConfigError, TaskError
+from redline.train.trainer import Trainer
 
 
 def accuracy(out: torch.Tensor, y: torch.Tensor) -> np.ndarray:
@@ -34,6 +38,23 @@ def test_a_metric_of_numpys_counts_as_the_same_number_in_a_float(metric):
 def test_a_metric_of_numpy_that_is_not_one_number_is_still_refused():
     with pytest.raises(TaskError, match=r"tensor of shape \(8,\); expected one number"):
         quiet(tiny_task(metric=accuracy), max_steps=2).fit()
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_loss_of_shape_one_trains_and_logs_as_the_scalar_loss_does(tmp_path, grad_accum):
+    """A loss kept as shape (1,) (keepdim=True, .view(1)) logged as [0.48] and failed at the first log point."""
+
+    def logged(out, loss_fn):
+        options = redline.RuntimeOptions(devices="cpu", seed=0, grad_accum=grad_accum)
+        trainer = Trainer(tiny_task(loss_fn=loss_fn), max_steps=4, log_every=2, out_dir=out, progress=False,
+                          runtime=options)  # fmt: skip
+        summary = trainer.fit()
+        assert summary.steps == 4 and summary.checkpoint is not None
+        rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+        return [float(row["loss"]) for row in rows], summary.final_loss
+
+    scalar = logged(tmp_path / "scalar", nn.functional.cross_entropy)
+    assert logged(tmp_path / "one", lambda out, y: nn.functional.cross_entropy(out, y).reshape(1)) == scalar
 
 
 @pytest.mark.parametrize("size", [0, -1, 2.5])

@@ -177,8 +177,9 @@ class Trainer:
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
         if run.micro_loss is None:  # a step begins: where a failure inside its micro-batches puts the run back
             run.begin_step()
-        loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos)
-        run.micro_loss = loss.detach() if run.micro_loss is None else run.micro_loss + loss.detach()
+        # a one-element loss of shape (1,) is one number too: stacked as it came, the window's losses would nest
+        loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos).detach().reshape(())
+        run.micro_loss = loss if run.micro_loss is None else run.micro_loss + loss
         run.pos.batches_in_epoch += 1
         samples, tokens = count_samples(inputs), targets.numel() if is_tokens(targets) else 0
         run.pos.samples += samples * self.env.world_size  # every rank takes an equal share of the global batch
