@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
@@ -23,6 +23,11 @@ from redline.train.logs import LOG_FILES, Loggers, open_loggers
 from redline.train.output import read_summary
 from redline.train.state import Position
 from redline.train.summary import TrainSummary
+
+if TYPE_CHECKING:
+    from redline.runtime.runtime import Runtime
+    from redline.train.best import BestWeights
+    from redline.train.schedule import Schedule
 
 log = logging.getLogger("redline")
 
@@ -333,6 +338,23 @@ def run_loggers(
         stopped=stopped, eval_every=every,
     )  # fmt: skip
     return open_loggers(config.loggers, out_dir, resume_step=step, eval_resume_step=evals)
+
+
+def load_run(
+    rt: Runtime, found: Checkpoint, *, scheduler: Schedule, stopping: EarlyStopping | None, best: BestWeights | None
+) -> dict[str, Any]:
+    """Load checkpoint ``found`` into ``rt`` (model, optimizer, Plan) and into what evaluations move (``scheduler``,
+    early ``stopping``, ``best``); return its extra state, where the run's position is."""
+    check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
+    state = rt.load(found)
+    check_written_by_trainer(found, state)
+    scheduler.load_state_dict(state.get("scheduler"))
+    if stopping is not None and state.get("early_stopping"):
+        stopping.load_state_dict(state["early_stopping"])
+    if best is not None:
+        best.load_state_dict(state.get("best"))
+    rt.resumed_from(checkpoint.load_plan(found), found.step)
+    return state
 
 
 def owes_evaluation(state: Mapping[str, Any], step: int, eval_every: int | None, val_data: object) -> bool:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from redline.errors import first_line, user_line
 from redline.plan import Plan
 from redline.runtime.micro import OomEvent
 
 if TYPE_CHECKING:
+    from redline.task import Task
     from redline.train.best import BestWeights
     from redline.train.state import Run
 
@@ -69,7 +72,23 @@ def recovery(event: OomEvent) -> dict[str, Any]:
     return data
 
 
+log = logging.getLogger("redline")
+
 LOSS_WINDOW = 20  # final_loss averages the last steps' losses: one batch's loss is noisy
+
+
+def take_sample(task: Task, run: Run) -> str | None:
+    """Return what ``task.sample`` makes of the trained model, or None (a task without one, or one that raised: a
+    warning says why). Timed as evaluation; every rank samples: under FSDP a forward gathers the weights."""
+    if not task.sample:
+        return None
+    with run.meter.excluded("eval"), run.rt.eager():
+        try:
+            return task.sample(run.rt.module)
+        except Exception as exc:  # the run trained: its weights and summary are written all the same
+            why = f"{type(exc).__name__}: {first_line(exc)}{user_line(exc)}"
+            log.warning("task.sample raised %s\nthe summary and final weights are written without it", why)
+            return None
 
 
 def summarize(

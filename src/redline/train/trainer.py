@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from torch.utils.data import default_collate
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
-from redline.errors import ConfigError, TrainingError, first_line, user_line
+from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.env import join_process_group, mark_finished, read_env
@@ -56,12 +55,9 @@ from redline.train.progress import Progress
 from redline.train.schedule import Schedule
 from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window, eval_states
-from redline.train.summary import LOSS_WINDOW, TrainSummary, summarize
+from redline.train.summary import LOSS_WINDOW, TrainSummary, summarize, take_sample
 from redline.train.throughput import Throughput
 from redline.train.tuned import resumed_batch, use_tuned
-
-log = logging.getLogger("redline")
-
 
 __all__ = ["LOG_COLUMNS", "Trainer", "TrainingError"]
 
@@ -156,7 +152,7 @@ class Trainer:
             self._finish(run)
             run.progress.close()
             run.beat("summary and final weights (gathered under FSDP)")  # still watched: both are collective
-            summary = self._summary(run)
+            summary = summarize(self.task.name, run, self._batches_per_epoch, take_sample(self.task, run), self.best)
             if self.out_dir:
                 write_results(run.rt, self.out_dir, summary.to_dict(), main=self.env.is_main)
         mark_finished(self.env, signalled=summary.stopped.startswith("signal"))  # the launch's exit: 0 or 143
@@ -367,19 +363,11 @@ class Trainer:
         scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:
-            resume.check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
-            state = rt.load(found)
-            resume.check_written_by_trainer(found, state)
+            state = resume.load_run(rt, found, scheduler=scheduler, stopping=self.early_stopping, best=self.best)
             pos = Position.from_state(state)
             self._stored_stop = state.get("stopped") or ""
             self._stored_losses = [float(v) for v in state.get("recent_losses") or []]  # none in an older one
             self._owed_eval = resume.owes_evaluation(state, pos.step, self.config.eval_every, self.task.val_data)
-            scheduler.load_state_dict(state.get("scheduler"))
-            if self.early_stopping is not None and state.get("early_stopping"):
-                self.early_stopping.load_state_dict(state["early_stopping"])
-            if self.best is not None:
-                self.best.load_state_dict(state.get("best"))
-            rt.resumed_from(checkpoint.load_plan(found), found.step)
         self.model = model
         return rt, model, optimizer, scheduler, pos
 
@@ -463,17 +451,6 @@ class Trainer:
                 self.best.offer(run.rt, run.metrics, run.pos.step, main=self.env.is_main)
         call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
         return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
-
-    def _summary(self, run: Run) -> TrainSummary:
-        sample = None
-        if self.task.sample:  # timed as evaluation; a task without one spends nothing there
-            with run.meter.excluded("eval"), run.rt.eager():  # every rank samples: under FSDP a forward gathers
-                try:
-                    sample = self.task.sample(run.rt.module)
-                except Exception as exc:  # the run trained: its weights and summary are written all the same
-                    why = f"{type(exc).__name__}: {first_line(exc)}{user_line(exc)}"
-                    log.warning("task.sample raised %s\nthe summary and final weights are written without it", why)
-        return summarize(self.task.name, run, self._batches_per_epoch, sample, self.best)
 
     # -- evaluate and predict --------------------------------------------------------------------
 
