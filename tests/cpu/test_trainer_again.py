@@ -1,6 +1,9 @@
 """A second run with the same Trainer, or the same callbacks, starts afresh: nothing of the first decides it."""
 
+import csv
 import dataclasses
+import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +67,58 @@ def test_a_callback_that_raises_mid_run_keeps_the_steps_before_it_and_the_run_re
     saved = tmp_path / "run" / "checkpoints" / "step-00000004"
     assert f"the steps so far are saved in {saved}" in str(e.value) and isinstance(e.value.__cause__, ValueError)
     assert trainer(tmp_path / "run", resume="auto").fit().steps == 10
+    for name, tensor in load_file(tmp_path / "unbroken" / "model.safetensors").items():
+        assert torch.equal(load_file(tmp_path / "run" / "model.safetensors")[name], tensor), name
+
+
+class Evaluations(redline.Callback):
+    """Records the steps each evaluation ran at; raises at step ``fails_at``."""
+
+    def __init__(self, fails_at: int | None = None) -> None:
+        self.steps: list[int] = []
+        self.fails_at = fails_at
+
+    def on_evaluate(self, trainer, step, metrics):
+        if step == self.fails_at:
+            raise ConnectionError("the tracking server is down")
+        self.steps.append(step)
+
+
+def logged(out: Path) -> tuple[list[dict[str, str]], list[tuple[str, ...]]]:
+    """The run's evaluation rows, and its training rows without their timings."""
+    evals = list(csv.DictReader((out / "eval.csv").read_text().splitlines()))
+    rows = csv.DictReader((out / "metrics.csv").read_text().splitlines())
+    return evals, [(row["step"], row["epoch"], row["loss"], row["lr"]) for row in rows]
+
+
+@pytest.mark.parametrize("verdict", ["stop", "go on"])
+@pytest.mark.parametrize(
+    ("eval_every", "grad_accum"), [(2, 1), (None, 1), (None, 3)], ids=["every-2", "each-epoch", "epoch-inside-a-step"]
+)
+def test_a_callback_that_raises_at_an_evaluation_resumes_to_stop_where_the_unbroken_run_does(
+    tmp_path, eval_every, grad_accum, verdict
+):
+    """Early stopping judged after the callbacks: the steps kept missed the evaluation's verdict, and the resumed run
+    stopped one evaluation late (at 6, not 4); an epoch's ReduceLROnPlateau stepped twice on the resumed run."""
+
+    def trainer(out: Path, *callbacks: redline.Callback, **kwargs) -> Trainer:
+        plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0, threshold=1.0)
+        task = dataclasses.replace(frozen_task(lr=0.5), scheduler=plateau)  # halves the rate at each evaluation
+        stopping = EarlyStopping(monitor="val_loss", patience=2, min_delta=10.0)  # no evaluation improves by 10
+        options = redline.RuntimeOptions(devices="cpu", seed=0, grad_accum=grad_accum)
+        return Trainer(task, runtime=options, progress=False, eval_every=eval_every, log_every=1, out_dir=out,
+                       keep_best="val_loss", callbacks=[*callbacks, stopping], **kwargs)  # fmt: skip
+
+    seen = Evaluations()
+    unbroken = trainer(tmp_path / "unbroken", seen).fit()
+    assert unbroken.stopped == "early stopping" and len(seen.steps) == 3, seen.steps  # the best, then 2 worse
+    fails_at = seen.steps[2] if verdict == "stop" else seen.steps[1]
+    with pytest.raises(TrainingError, match="the tracking server is down"):
+        trainer(tmp_path / "run", Evaluations(fails_at)).fit()
+    resumed = trainer(tmp_path / "run", resume="auto").fit()
+    assert (resumed.steps, resumed.stopped) == (unbroken.steps, "early stopping")
+    assert logged(tmp_path / "run") == logged(tmp_path / "unbroken")  # the rates ReduceLROnPlateau set, too
+    assert resumed.best == {**unbroken.best, "path": str(tmp_path / "run" / "best.safetensors")}
     for name, tensor in load_file(tmp_path / "unbroken" / "model.safetensors").items():
         assert torch.equal(load_file(tmp_path / "run" / "model.safetensors")[name], tensor), name
 

@@ -125,6 +125,8 @@ def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None
         return
     if run.micro_loss is not None and run.step_start is not None:
         run.back_to_step_start()  # the step is redone whole on resume: its batches so far are not the checkpoint's
+    else:
+        run.put_back_evaluation()  # an epoch's evaluation failed: the resumed run does it again
     try:
         saved = keep()
     except Exception as again:  # the disk is full, say; a NaN loss fails again (no checkpoint holds one)

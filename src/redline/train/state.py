@@ -193,11 +193,11 @@ class Run:
     stopped: str = ""
     watchdog: Watchdog | None = None
     owed_eval: bool = False  # the resumed step's evaluation, due and failed: run before the first step
-    # what an epoch's evaluation inside a step (its micro-batches span the epoch's end) moves, as it stood before:
-    # the schedule, early stopping and best's checkpoint entries, and the optimizer's hyperparameters (the learning
-    # rate ReduceLROnPlateau sets); kept for a checkpoint of the step's start
+    # what an epoch's evaluation moves, as it stood before: the schedule, early stopping and best's checkpoint
+    # entries, and the optimizer's hyperparameters (the learning rate ReduceLROnPlateau sets); kept while it runs,
+    # and to the end of a step whose micro-batches span the epoch's end, for a checkpoint the resume evaluates from
     before_eval: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
-    held_back: dict[str, Any] | None = None  # before_eval's entries, once the run is put back to the step's start
+    held_back: dict[str, Any] | None = None  # before_eval's entries, once the run is put back to before it
 
     norm_stats: list[torch.Tensor] | None = None
     saved_stats: list[torch.Tensor] | None = None  # the batch norms' running statistics at the step's start
@@ -220,7 +220,7 @@ class Run:
         return self.norm_stats
 
     def hold_before_eval(self, states: dict[str, Any]) -> None:
-        """Keep ``states`` (``eval_states``) and the optimizer's hyperparameters, before an evaluation inside a step."""
+        """Keep ``states`` (``eval_states``) and the optimizer's hyperparameters, before an epoch's evaluation."""
         groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.before_eval = states, groups
 
@@ -234,10 +234,17 @@ class Run:
         if self.saved_stats is not None:  # the dropped micro-batches' forwards moved them: redone, they move again
             with torch.no_grad():
                 torch._foreach_copy_(self._norm_stats(), self.saved_stats)
-        if self.before_eval is not None:
-            self.held_back, groups = self.before_eval
-            for group, before in zip(self.optimizer.param_groups, groups, strict=True):
-                group.update(before)
+        self.put_back_evaluation()
+
+    def put_back_evaluation(self) -> None:
+        """Put back what an epoch's evaluation moved, as ``hold_before_eval`` kept it (if it did): a checkpoint now
+        holds it as it stood before (``held_back``), with the optimizer's hyperparameters, for a resumed run that
+        evaluates that epoch's end again."""
+        if self.before_eval is None:
+            return
+        self.held_back, groups = self.before_eval
+        for group, before in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(before)
 
     @contextlib.contextmanager
     def optimizer_step(self) -> Iterator[None]:

@@ -202,7 +202,7 @@ class Trainer:
         period_s = 60 * self.config.checkpoint_minutes if self.out_dir else 0.0
         timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
         agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
-        stopped = self._stop_reason(step, run.total, agreed.stop)
+        stopped = run.stopped = self._stop_reason(step, run.total, agreed.stop)  # what steps kept from here hold
         due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0) or agreed.checkpoint
         if step % self.config.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
             run.beat("logging (loss all-reduce)")
@@ -220,9 +220,14 @@ class Trainer:
         """Evaluate at an epoch's end unless evaluation runs every N steps; return why the run stops."""
         if self.config.eval_every or self.task.val_data is None:
             return ""
-        if inside := run.micro_loss is not None:  # a step's micro-batches span the epoch's end
-            run.hold_before_eval(eval_states(run.scheduler, self.early_stopping, self.best))
-        if not self._evaluate(run):
+        # A failure inside keeps the steps before this evaluation (to the epoch's last step, or the start of a step
+        # whose micro-batches span its end): the resumed run does it again, so what it moves is held as it stood
+        inside = run.micro_loss is not None
+        run.hold_before_eval(eval_states(run.scheduler, self.early_stopping, self.best))
+        stop = self._evaluate(run)
+        if not inside:  # evaluated: steps kept from here on hold what it moved (a step inside holds it to its end)
+            run.before_eval = None
+        if not stop:
             return ""
         if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
             if run.window.losses:  # a checkpoint must not hold a NaN
@@ -237,7 +242,7 @@ class Trainer:
         if run.window.losses:  # a checkpoint must not hold a NaN
             self._flush(run)
         if run.pos.step:
-            self._checkpoint_if_new(run, "")
+            self._checkpoint_if_new(run, run.stopped)
         return str(run.last_ckpt.path) if run.last_ckpt else None
 
     def _checkpoint_if_new(self, run: Run, stopped: str) -> None:
@@ -438,7 +443,11 @@ class Trainer:
         call_hooks(self.callbacks, "on_step", self, pos.step, losses[-1])  # after the window: its steps are kept
 
     def _evaluate(self, run: Run) -> bool:
-        """Evaluate, log and tell callbacks; return whether early stopping says stop."""
+        """Evaluate, log, judge, then tell callbacks; return whether early stopping says stop.
+
+        Everything the evaluation moves (the schedule, early stopping's verdict, keep-best) is done before the
+        callbacks: one that raises keeps the steps with it, and the resumed run stops where the unbroken one does.
+        """
         run.beat("evaluate")
         where = f"evaluation at step {run.pos.step}"
         with run.meter.excluded("eval"):
@@ -446,11 +455,14 @@ class Trainer:
         self._evaluated_at = run.pos.step
         run.scheduler.after_evaluation(run.metrics)  # a ReduceLROnPlateau steps on it
         run.loggers.log_eval(run.pos.step, run.metrics)
+        stop = self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
+        if stop:
+            run.stopped = run.stopped or "early stopping"
         if self.best is not None:
             with run.meter.excluded("checkpoint"):  # written as a checkpoint is: left out of the rates
                 self.best.offer(run.rt, run.metrics, run.pos.step, main=self.env.is_main)
         call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
-        return self.early_stopping is not None and self.early_stopping.should_stop(run.metrics)
+        return stop
 
     # -- evaluate and predict --------------------------------------------------------------------
 
