@@ -88,3 +88,78 @@ def test_items_of_different_lengths_without_a_collate_fn_name_the_tasks():
     said = r"stack expects each tensor(.|\n)*Task\(collate_fn=\.\.\.\) pads"
     with redline.Trainer(stacked, config) as trainer, pytest.raises(redline.TrainingError, match=said):
         trainer.fit()
+
+
+def quiet_config(**fields) -> redline.TrainerConfig:
+    return redline.TrainerConfig(progress=False, trial="off", runtime=redline.RuntimeOptions(devices="cpu"), **fields)
+
+
+def test_predict_batches_items_of_different_lengths_with_the_tasks_collate_fn_as_evaluation_does():
+    """predict stacked the items itself: 'stack expects each tensor to be equal size', hinting at the collate_fn."""
+    task = sentences_task()
+    with redline.Trainer(task, quiet_config(max_steps=2)) as trainer:
+        trainer.fit()
+        predicted = trainer.predict(task.val_data, batch_size=8)
+        assert trainer.model is not None
+        with torch.no_grad():
+            first = trainer.model(pad([task.val_data[i] for i in range(8)])[0])
+    assert predicted.shape == (32, 2)
+    torch.testing.assert_close(predicted[:8], first)
+
+
+def test_predict_names_the_collate_fn_when_it_cannot_batch_the_items_given():
+    with redline.Trainer(sentences_task(), quiet_config(max_steps=1)) as trainer:
+        trainer.fit()
+        with pytest.raises(redline.TrainingError, match=r"predict batches the items with the Task's collate_fn"):
+            trainer.predict([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])  # token ids alone: pad takes pairs
+
+
+class PerToken(nn.Module):
+    """A label per token: outputs as long as the inputs; counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.calls = nn.Embedding(50, 2), 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.embed(ids)
+
+
+def test_outputs_whose_length_differs_between_batches_are_refused_at_the_first_that_differs():
+    """They ran every batch, then failed in torch.cat: 'Sizes of tensors must match except in dimension 0'."""
+    ids = [torch.arange(n) for n in (5, 5, 3, 5, 5)]
+    task = redline.Task(
+        model=PerToken, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+        train_data=[(torch.arange(5), torch.zeros(5, dtype=torch.long))] * 4, batch_size=2,
+    )  # fmt: skip
+    with redline.Trainer(task, quiet_config(max_steps=1)) as trainer:
+        trainer.fit()
+        assert trainer.predict(ids[:2], batch_size=1).shape == (2, 5, 2)  # one length: joined
+        assert trainer.model is not None
+        trainer.model.calls = 0
+        said = r"the model's output in batch 3 is of shape \(1, 3, 2\), in the first of shape \(1, 5, 2\)"
+        with pytest.raises(redline.TaskError, match=said) as refused:
+            trainer.predict(ids, batch_size=1)
+        assert "hint: pad every batch to one length" in str(refused.value)
+        assert trainer.model.calls == 3, "refused at the batch that differs, not after every batch"
+
+
+class Total(nn.Module):
+    """One number for the whole batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sum()
+
+
+def test_an_output_with_no_batch_axis_is_refused_by_name():
+    task = redline.Task(model=Total, loss_fn=lambda out, y: out.square(), train_data=[(torch.ones(4), 0)] * 4,
+                        batch_size=2)  # fmt: skip
+    with redline.Trainer(task, quiet_config(max_steps=1)) as trainer:
+        trainer.fit()
+        with pytest.raises(redline.TaskError, match=r"output is a tensor of shape \(\), with no batch axis"):
+            trainer.predict([torch.ones(4)], batch_size=1)

@@ -248,12 +248,13 @@ class DeviceLoader:
             yield batch
 
 
-def read_batches(loader: Iterable[Any]) -> Iterator[Any]:
+def read_batches(loader: Iterable[Any], hint: str = "") -> Iterator[Any]:
     """Yield ``loader``'s batches; an exception from the user's dataset or collate_fn is a TrainingError showing
-    their line, as one from the model is (redline's own errors, and an out-of-memory, pass as they are)."""
+    their line, as one from the model is (redline's own errors, and an out-of-memory, pass as they are). ``hint``
+    is its hint, where the caller knows better than the general one."""
     source = iter(loader)
     while True:
-        with users_failure("reading a batch of the data", READ_HINT):
+        with users_failure("reading a batch of the data", hint or READ_HINT):
             try:
                 batch = next(source)
             except StopIteration:

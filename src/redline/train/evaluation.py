@@ -19,7 +19,7 @@ from redline.runtime.contract import check_loss, count_samples, describe, metric
 from redline.runtime.loading import read_batches
 from redline.runtime.oom import is_oom
 from redline.runtime.runtime import Runtime
-from redline.task import Task
+from redline.task import CollateFn, Task
 from redline.train.data import eval_loader
 from redline.train.failures import EvaluationOutOfMemory
 
@@ -99,24 +99,82 @@ def _numpy_read(value: Any) -> Any:
 
 
 @torch.no_grad()
-def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int) -> Any:
+def predict_outputs(
+    model: nn.Module, rt: Runtime, data: Any, batch_size: int, collate_fn: CollateFn | None = None
+) -> Any:
     """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU.
 
     A model that returns a tensor gives one tensor; one that returns a tuple, list or dict of them
     (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
     Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
+    ``collate_fn`` (the Task's) batches the items, as in training: they are then as the Task's data holds them.
+    Outputs that differ in shape beyond the batch axis from one batch to the next cannot be joined: a TaskError
+    says so at that batch.
     """
     positive_int("batch_size", batch_size)  # 0 is no batch, not "the default"
-    outputs = []
+    outputs: list[Any] = []
+    first: dict[str, tuple[int, ...]] | None = None  # the first batch's output shapes
+    hint = PREDICT_COLLATE_HINT if collate_fn is not None else ""
     with _eval_mode(model):
-        for batch in read_batches(eval_loader(data, batch_size=batch_size)):
+        for batch in read_batches(eval_loader(data, batch_size=batch_size, collate_fn=collate_fn), hint):
             pair = isinstance(batch, list | tuple)  # (inputs, targets), or (inputs,): items of several inputs nest
             inputs, rest = (batch[0], batch[1] if len(batch) > 1 else None) if pair else (batch, None)
             with user_code("predict", inputs, rest), rt.autocast(), rt.eager():  # the user's line, if it raises
-                outputs.append(_on_cpu(model(rt.to_device(inputs))))
+                output = _on_cpu(model(rt.to_device(inputs)))
+            first = _check_joinable(_shapes(output), first, len(outputs) + 1)
+            outputs.append(output)
     if not outputs:
         raise invalid("len(data)", 0, "at least one item to predict", "check how the data is built: it is empty")
     return _joined(outputs)
+
+
+PREDICT_COLLATE_HINT = (
+    "predict batches the items with the Task's collate_fn, as training does: give items as the Task's data holds "
+    "them (predict(val_data) works), or fix the collate_fn; REDLINE_TRACEBACK=1 prints the whole traceback"
+)
+
+
+def _shapes(output: Any, place: str = "output") -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of a batch's ``output`` (on the CPU), by its place in the structure."""
+    if isinstance(output, torch.Tensor):
+        return {place: tuple(output.shape)}
+    parts = output.items() if isinstance(output, Mapping) else enumerate(output)
+    return {name: shape for key, value in parts for name, shape in _shapes(value, f"{place}[{key!r}]").items()}
+
+
+def _check_joinable(
+    shapes: dict[str, tuple[int, ...]], first: dict[str, tuple[int, ...]] | None, batch: int
+) -> dict[str, tuple[int, ...]]:
+    """Refuse a batch's output (its ``shapes``) that cannot be joined along the batch axis to the first batch's
+    (``first``; None: this is the first); return the first's shapes."""
+    for place, shape in shapes.items():
+        if not shape:
+            raise TaskError(
+                f"predict: the model's {place} is a tensor of shape (), with no batch axis to join the batches' "
+                "outputs along\nhint: return one row per sample from forward (shape (batch, ...))"
+            )
+    if first is None:
+        return shapes
+    differ = sorted(place for place in shapes.keys() | first.keys() if _rows(shapes, place) != _rows(first, place))
+    if differ:
+        place = differ[0]
+        raise TaskError(
+            f"predict joins the batches' outputs along the batch axis, and the model's {place} in batch {batch} is "
+            f"{_shape_text(shapes, place)}, in the first {_shape_text(first, place)}: outputs whose length differs "
+            "from batch to batch cannot be joined\nhint: pad every batch to one length (a collate_fn that pads to a "
+            "fixed length), predict in one batch (batch_size=len(data)), or run trainer.model on each batch "
+            "yourself, under torch.no_grad()"
+        )
+    return first
+
+
+def _rows(shapes: dict[str, tuple[int, ...]], place: str) -> tuple[int, ...] | None:
+    """The shape beyond the batch axis of the tensor at ``place`` (None: the output has none there)."""
+    return shapes[place][1:] if place in shapes else None
+
+
+def _shape_text(shapes: dict[str, tuple[int, ...]], place: str) -> str:
+    return f"of shape {shapes[place]}" if place in shapes else "absent"
 
 
 def _on_cpu(output: Any) -> Any:

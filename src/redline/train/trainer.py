@@ -476,9 +476,11 @@ class Trainer:
     def predict(self, data: Any, batch_size: int | None = None) -> Any:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
         tensor, or the tuple, list or dict of tensors the model returns. An item that is a tuple is read as
-        (inputs, targets): a model of several inputs takes items ((a, b),) or ((a, b), targets)."""
+        (inputs, targets): a model of several inputs takes items ((a, b),) or ((a, b), targets). A Task's
+        collate_fn batches the items, as in training: they are then as the Task's data holds them."""
         rt, model = self._ready()
-        return predict_outputs(model, rt, data, self.batch_size if batch_size is None else batch_size)
+        size = self.batch_size if batch_size is None else batch_size
+        return predict_outputs(model, rt, data, size, collate_fn=self.task.collate_fn)
 
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
