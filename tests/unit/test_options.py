@@ -175,6 +175,18 @@ def test_trainer_config_checks_and_normalises():
         TrainerConfig.build(precision="fp32")
 
 
+@pytest.mark.parametrize("given", ["", "  ", 123, b"runs/x"])
+def test_an_out_dir_that_names_no_folder_is_refused_not_read_as_the_current_one(given):
+    """out_dir="" wrote the whole run (checkpoints, logs, weights) into the current folder; 123 was a TypeError."""
+    with pytest.raises(ConfigError) as refused:
+        TrainerConfig(out_dir=given)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        f"out_dir={given!r} is not allowed; expected a folder's path, not an empty one\n"
+        "hint: name it; an empty value is often a shell variable that is not set"
+    )
+    assert TrainerConfig(out_dir=Path("runs/x")).out_dir == Path("runs/x")
+
+
 def test_a_logger_asked_for_by_name_needs_an_out_dir():
     with pytest.raises(ConfigError) as info:
         TrainerConfig(loggers=("csv", "tensorboard"))

@@ -85,15 +85,11 @@ class TrainerConfig:
         positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
         positive_number("hang_start_timeout_s", self.hang_start_timeout_s, optional=True)
         # "~" is the shell's: a quoted one, or --out=~/x, would otherwise make a directory named "~"
-        if self.out_dir is not None:
+        if self.out_dir is not None:  # "" would write the whole run into the current folder
+            _named_path("out_dir", self.out_dir, "a folder's path, not an empty one")
             object.__setattr__(self, "out_dir", Path(self.out_dir).expanduser())
-        if self.resume is not None:
-            given = os.fspath(self.resume) if isinstance(self.resume, str | os.PathLike) else ""
-            if not isinstance(given, str) or not given.strip():  # "" would resume from the current folder
-                raise invalid(
-                    "resume", self.resume, "'auto' or a checkpoint's path, not an empty one",
-                    "name it; an empty value is often a shell variable that is not set",
-                )  # fmt: skip
+        if self.resume is not None:  # "" would resume from the current folder
+            _named_path("resume", self.resume, "'auto' or a checkpoint's path, not an empty one")
             object.__setattr__(self, "resume", os.path.expanduser(self.resume))
         if self.out_dir is None:  # asked for, these would do nothing unnoticed: nowhere to write or read
             needs_out_dir = {
@@ -152,3 +148,10 @@ class TrainerConfig:
 
 
 _RUNTIME_FIELDS = {f.name for f in fields(RuntimeOptions)}
+
+
+def _named_path(name: str, value: object, allowed: str) -> None:
+    """Refuse a path field's ``value`` that names no path: an empty or blank one, or no str or path at all."""
+    given = os.fspath(value) if isinstance(value, str | os.PathLike) else ""
+    if not isinstance(given, str) or not given.strip():
+        raise invalid(name, value, allowed, "name it; an empty value is often a shell variable that is not set")
