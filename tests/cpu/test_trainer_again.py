@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import functools
+import time
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,26 @@ def test_a_failure_amid_a_step_keeps_the_steps_before_it_without_a_warning_meant
         trainer.fit()
     assert "step-00000001" in str(failed.value), "step 1 is kept, step 2's first batch left for the resume to redo"
     assert not [r for r in caplog.records if "rt.save at" in r.getMessage()]
+
+
+class Slow(redline.Callback):
+    """A callback that takes 90 ms at each step it is told of and each evaluation (a tracking server's round trip)."""
+
+    def on_step(self, trainer, step, loss):
+        time.sleep(0.09)
+
+    def on_evaluate(self, trainer, step, metrics):
+        time.sleep(0.09)
+
+
+def test_time_in_the_callbacks_is_reported_apart_and_left_out_of_the_rates(tmp_path):
+    """A callback's 0.3 s at each hook took samples/s from 194 to 27: the rates counted it as training."""
+    task = frozen_task(lr=0.1)
+    summary = quiet(task, max_steps=4, log_every=1, eval_every=2, out_dir=tmp_path, callbacks=[Slow()]).fit()
+    assert summary.callback_seconds >= 0.09 * (4 + 2)  # told of 4 steps and 2 evaluations
+    assert summary.samples_per_s is not None
+    # the steps after the first, counted with the callbacks, would take their 0.54 s; a tiny model's take a few ms
+    timed = 3 * task.batch_size / summary.samples_per_s
+    assert timed < summary.callback_seconds / 3, f"{timed:.3f} s for 3 steps: a callback's time was counted"
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
+    assert sorted(float(row["step_time_ms"]) for row in rows[1:])[1] < 60  # the hook after a step is not the next's

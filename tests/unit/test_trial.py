@@ -411,7 +411,7 @@ def test_the_trainer_runs_with_the_measured_choice_and_a_resumed_run_keeps_it(tm
         Trainer(tiny_task(), trial="sometimes")
 
 
-def test_the_rates_cover_training_steps_only_and_evaluation_and_checkpoints_are_counted_apart():
+def test_the_rates_cover_training_steps_only_and_evaluation_checkpoints_and_callbacks_are_counted_apart():
     task, clock = tiny_task(), FakeClock()
     rt = Runtime(devices="cpu", precision="fp32")
     model, _ = rt.setup(task.build_model(), task.optimizer)
@@ -429,8 +429,10 @@ def test_the_rates_cover_training_steps_only_and_evaluation_and_checkpoints_are_
                 clock.now += 5.0
             with meter.excluded("checkpoint"):
                 clock.now += 2.0
-    assert meter.totals().samples_per_s == pytest.approx(160 / 1.0)  # 10 steps of 0.1 s; 7 s elsewhere
-    assert meter.seconds == {"eval": 8.0, "checkpoint": 2.0}
+            with meter.excluded("callbacks"):
+                clock.now += 1.0
+    assert meter.totals().samples_per_s == pytest.approx(160 / 1.0)  # 10 steps of 0.1 s; 8 s elsewhere
+    assert meter.seconds == {"eval": 8.0, "checkpoint": 2.0, "callbacks": 1.0}
 
 
 def test_a_compile_inside_a_later_training_step_is_left_out_of_the_rates():

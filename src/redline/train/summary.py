@@ -36,6 +36,7 @@ class TrainSummary:
     train_seconds: float  # the whole fit, end to end: steps, evaluation, checkpoints and compiles
     eval_seconds: float | None  # spent evaluating (left out of the rates)
     checkpoint_seconds: float | None  # spent writing checkpoints (left out of the rates)
+    callback_seconds: float | None  # spent in the callbacks' hooks (left out of the rates)
     compile_seconds: float | None
     flops_per_step: int | None
     mfu: float | None
@@ -114,6 +115,7 @@ def summarize(
         train_seconds=time.perf_counter() - run.start,
         eval_seconds=run.meter.seconds["eval"],
         checkpoint_seconds=run.meter.seconds["checkpoint"],
+        callback_seconds=run.meter.seconds["callbacks"],
         compile_seconds=rt.compile_seconds,
         flops_per_step=figures.flops_per_step,
         mfu=figures.mfu,

@@ -35,8 +35,8 @@ class Figures:
 class Throughput:
     """Count FLOPs once, time the steps from after the first, and report per window and in total.
 
-    Evaluation and checkpoints run inside ``excluded(kind)``: their time is counted apart
-    (``seconds``) and left out of the rates, which so cover training steps only. So is a compile
+    Evaluation, checkpoints and the callbacks' hooks run inside ``excluded(kind)``: their time is
+    counted apart (``seconds``) and left out of the rates, which so cover training steps only. So is a compile
     inside a training step after the first (an automatic compile's check compiles at its switch,
     runtime/compile_check.py; a recompile), which the summary reports as ``compile_seconds``.
     """
@@ -52,14 +52,14 @@ class Throughput:
         self._flops_per_sample: float | None = None
         self.start: float | None = None
         self.steps = self.samples = self.tokens = 0
-        self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0}
+        self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0, "callbacks": 0.0}
         self._paused = 0.0  # excluded time since ``start``
         self._compiled = 0.0  # the Runtime's training compile seconds at ``start``
         self._memory = WindowPeak(rt.device)  # the first window starts here
 
     @contextlib.contextmanager
     def excluded(self, kind: str) -> Iterator[None]:
-        """Time what runs inside as ``kind`` ("eval", "checkpoint"), apart from the steps' time.
+        """Time what runs inside as ``kind`` ("eval", "checkpoint", "callbacks"), apart from the steps' time.
 
         The device is synchronised first, so the steps queued before are not counted as ``kind``.
         """
@@ -75,7 +75,7 @@ class Throughput:
 
     @property
     def excluded_s(self) -> float:
-        """Seconds spent so far inside ``excluded`` (evaluation and checkpoints), of every kind."""
+        """Seconds spent so far inside ``excluded`` (evaluation, checkpoints, callbacks), of every kind."""
         return sum(self.seconds.values())
 
     def count(self, samples: int, tokens: int) -> None:

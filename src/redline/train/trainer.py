@@ -409,7 +409,8 @@ class Trainer:
         run.last_ckpt = written  # before the hooks: one that raises leaves it committed, not to be written again
         if self.env.is_main:
             checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
-            call_hooks(self.callbacks, "on_checkpoint", self, pos.step, str(written.path))
+            with run.meter.excluded("callbacks"):
+                call_hooks(self.callbacks, "on_checkpoint", self, pos.step, str(written.path))
         return written
 
     # -- logging, evaluation, summary ------------------------------------------------------------
@@ -440,7 +441,8 @@ class Trainer:
         run.progress.update(pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1)
         run.losses += losses
         run.window = Window(excluded_s=run.meter.excluded_s)
-        call_hooks(self.callbacks, "on_step", self, pos.step, losses[-1])  # after the window: its steps are kept
+        with run.meter.excluded("callbacks"):  # inside the next window: its rates leave them out
+            call_hooks(self.callbacks, "on_step", self, pos.step, losses[-1])  # after the window: its steps are kept
 
     def _evaluate(self, run: Run) -> bool:
         """Evaluate, log, judge, then tell callbacks; return whether early stopping says stop.
@@ -461,7 +463,8 @@ class Trainer:
         if self.best is not None:
             with run.meter.excluded("checkpoint"):  # written as a checkpoint is: left out of the rates
                 self.best.offer(run.rt, run.metrics, run.pos.step, main=self.env.is_main)
-        call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
+        with run.meter.excluded("callbacks"):
+            call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
         return stop
 
     # -- evaluate and predict --------------------------------------------------------------------
