@@ -268,3 +268,29 @@ def test_time_in_the_callbacks_is_reported_apart_and_left_out_of_the_rates(tmp_p
     assert timed < summary.callback_seconds / 3, f"{timed:.3f} s for 3 steps: a callback's time was counted"
     rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
     assert sorted(float(row["step_time_ms"]) for row in rows[1:])[1] < 60  # the hook after a step is not the next's
+
+
+@pytest.mark.parametrize(
+    ("length", "said"),
+    [
+        ({"max_steps": 6}, "at each epoch's end (8 batches): 0 before step 6"),  # ends inside the first epoch
+        ({"max_epochs": 3}, "at each epoch's end (8 batches): 2 before step 24"),  # the third is the last step's
+        ({"max_steps": 6, "eval_every": 2}, "every 2 steps: 2 before step 6"),
+        ({"max_steps": 7, "eval_every": 2}, None),  # at 2 (the best), 4 and 6 without improvement: stops at 6
+        ({"max_epochs": 4}, None),
+    ],
+)
+def test_early_stopping_that_cannot_end_the_run_is_warned_of_before_it_trains(caplog, length, said):
+    stopping = EarlyStopping(monitor="val_loss", patience=2)
+    with caplog.at_level("WARNING", logger="redline"):
+        summary = quiet(frozen_task(), callbacks=[stopping], **length).fit()
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("early stopping")]
+    if said is None:
+        assert not warned and summary.stopped == "early stopping"
+        return
+    assert warned == [
+        f"early stopping with patience 2 needs 3 evaluations before the run's last step to end it, and this run "
+        f"evaluates {said}, so it runs to the end\nhint: evaluate more often (--eval-every N; eval_every=N in "
+        "Python), train longer, or lower the patience (--early-stopping-patience)"
+    ]
+    assert summary.stopped != "early stopping"  # a warning, not a refusal: the run trains to its end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from redline.runtime.contract import users_failure
 if TYPE_CHECKING:
     from redline.task import Task
     from redline.train.trainer import Trainer
+
+log = logging.getLogger("redline")
 
 
 class Callback:
@@ -139,6 +142,36 @@ def check_callbacks(callbacks: Sequence[Callback], task: Task) -> tuple[list[Cal
     for stopper in stoppers:
         stopper.check_task(task)
     return list(callbacks), stoppers[0] if stoppers else None
+
+
+def warn_if_stopping_cannot_act(
+    stopping: EarlyStopping | None,
+    total: float,
+    batches_per_epoch: int | None,
+    *,
+    eval_every: int | None,
+    grad_accum: int,
+) -> None:
+    """Warn where a new run of ``total`` steps evaluates too seldom before its last step for ``stopping`` to end it
+    (a first best, then ``patience`` evaluations without improvement). It evaluates every ``eval_every`` steps, else
+    at each epoch's end (of ``batches_per_epoch``; None: a stream, whose epochs' ends are not known before)."""
+    if stopping is None or math.isinf(total):
+        return
+    if eval_every:
+        when, count = f"every {eval_every} steps", (int(total) - 1) // eval_every
+    elif batches_per_epoch:
+        batches = int(total) * grad_accum  # the Runtime counts micro-batches across an epoch's end
+        when, count = f"at each epoch's end ({batches_per_epoch} batches)", (batches - 1) // batches_per_epoch
+    else:
+        return
+    if count > stopping.patience:
+        return
+    log.warning(
+        "early stopping with patience %d needs %d evaluations before the run's last step to end it, and this run "
+        "evaluates %s: %d before step %d, so it runs to the end\nhint: evaluate more often (--eval-every N; "
+        "eval_every=N in Python), train longer, or lower the patience (--early-stopping-patience)",
+        stopping.patience, stopping.patience + 1, when, count, int(total),
+    )  # fmt: skip
 
 
 # Each hook and what the loop gives it.

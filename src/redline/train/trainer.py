@@ -43,7 +43,7 @@ from redline.task import Task, require_task
 from redline.train import resume
 from redline.train.agreement import check_ranks_agree
 from redline.train.best import best_weights
-from redline.train.callbacks import Callback, call_hooks, check_callbacks
+from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
@@ -321,6 +321,11 @@ class Trainer:
         drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env, compiled=compiled, model=model)
         if drop_last:  # the epochs are a partial batch shorter
             total, self._batches_per_epoch = length(drop_last=True)
+        if resumed is None and self.env.is_main:  # said once, before a new run trains
+            warn_if_stopping_cannot_act(
+                self.early_stopping, total, self._batches_per_epoch, eval_every=self.config.eval_every,
+                grad_accum=options.grad_accum,
+            )  # fmt: skip
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
             world_size=self.env.world_size, drop_last=drop_last, collate_fn=self.task.collate_fn,
