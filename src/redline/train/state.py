@@ -16,7 +16,7 @@ from torch import nn
 
 from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError
-from redline.parallel.collectives import StopVote
+from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.watchdog import Watchdog
 from redline.runtime.checkpointing import running_stats
 from redline.runtime.loading import DeviceLoader
@@ -252,6 +252,28 @@ class Run:
         self.in_optimizer_step = True
         yield
         self.in_optimizer_step = False
+
+    def read_window(self, *, distributed: bool, world_size: int) -> tuple[list[float], list[dict[str, Any]]]:
+        """Read the window's losses (one device sync; where ``distributed``, averaged over the ``world_size`` ranks)
+        and return them with the log's row of each of its steps."""
+        window = self.window
+        stacked = torch.stack(window.losses).float()
+        excluded = self.meter.excluded_s - window.excluded_s  # an evaluation (each epoch's end) or checkpoint inside
+        if distributed:  # the step time rides along: every rank paces its stop vote by the same mean
+            queued = time.perf_counter() - window.start - excluded  # the host's time, before the device catches up
+            step_s = torch.tensor([queued / len(window.losses)], device=stacked.device)
+            *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / world_size).tolist()
+            self.vote.pace(mean_step_s)
+        else:
+            losses = stacked.tolist()
+        elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
+        first = self.pos.step - len(losses) + 1
+        rates = self.meter.window(elapsed, len(losses), window.samples, window.tokens)
+        rows = [
+            {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}
+            for i, value in enumerate(losses)
+        ]
+        return losses, rows
 
     def beat(self, where: str, step: int | None = None) -> None:
         """Tell the hang watchdog where this rank is (costs well under a microsecond)."""

@@ -29,7 +29,7 @@ from redline import checkpoint
 from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError, TrainingError
 from redline.hardware.device import probe_accelerators
-from redline.parallel.collectives import StopVote, all_reduce_sum
+from redline.parallel.collectives import StopVote
 from redline.parallel.env import join_process_group, mark_finished, read_env
 from redline.plan.device import resolve_device
 from redline.runtime.contract import check_loss, count_samples, is_tokens, split_batch, user_code, users_failure
@@ -423,27 +423,12 @@ class Trainer:
     def _flush(self, run: Run) -> None:
         """Read the window's losses (one device sync; averaged over the ranks), check them, log a row per step."""
         window, pos = run.window, run.pos
-        stacked = torch.stack(window.losses).float()
-        excluded = run.meter.excluded_s - window.excluded_s  # an evaluation (each epoch's end) or checkpoint inside
-        if self.env.distributed:  # the step time rides along: every rank paces its stop vote by the same mean
-            queued = time.perf_counter() - window.start - excluded  # the host's time, before the device catches up
-            step_s = torch.tensor([queued / len(window.losses)], device=stacked.device)
-            *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / self.env.world_size).tolist()
-            run.vote.pace(mean_step_s)
-        else:
-            losses = stacked.tolist()
-        elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
-        first = pos.step - len(losses) + 1
-        rates = run.meter.window(elapsed, len(losses), window.samples, window.tokens)
-        rows = [
-            {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}
-            for i, value in enumerate(losses)
-        ]
+        losses, rows = run.read_window(distributed=self.env.distributed, world_size=self.env.world_size)
         if not window.logged:  # a window that fails the check is flushed again (the steps kept): logged once
             run.loggers.log(rows)
         window.logged = True
-        check_finite(losses, first, run.last_ckpt)  # after the log: the steps up to a NaN show in it
-        run.progress.update(pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1)
+        check_finite(losses, rows[0]["step"], run.last_ckpt)  # after the log: the steps up to a NaN show in it
+        run.progress.update(pos.step, loss=losses[-1], samples_per_s=rows[-1]["samples_per_s"], epoch=pos.epoch + 1)
         run.losses += losses
         run.window = Window(excluded_s=run.meter.excluded_s)
         with run.meter.excluded("callbacks"):  # inside the next window: its rates leave them out
