@@ -294,3 +294,10 @@ def test_early_stopping_that_cannot_end_the_run_is_warned_of_before_it_trains(ca
         "Python), train longer, or lower the patience (--early-stopping-patience)"
     ]
     assert summary.stopped != "early stopping"  # a warning, not a refusal: the run trains to its end
+
+
+def test_callbacks_none_is_no_callbacks():
+    """It was refused, with the hint 'pass callbacks=[NoneType(...)]'."""
+    trainer = quiet(frozen_task(), max_steps=2, callbacks=None)
+    assert (trainer.callbacks, trainer.early_stopping) == ([], None)
+    assert trainer.fit().steps == 2

@@ -107,10 +107,12 @@ class EarlyStopping(Callback):
         self.best, self.bad_evals = state["best"], int(state["bad_evals"])
 
 
-def check_callbacks(callbacks: Sequence[Callback], task: Task) -> tuple[list[Callback], EarlyStopping | None]:
-    """Return ``callbacks`` as a list and the EarlyStopping among them; refuse, before training, what the loop
-    could not call (a bare function, an object without every hook: it would fail mid-run), a second
+def check_callbacks(callbacks: Sequence[Callback] | None, task: Task) -> tuple[list[Callback], EarlyStopping | None]:
+    """Return ``callbacks`` (None: none) as a list and the EarlyStopping among them; refuse, before training, what
+    the loop could not call (a bare function, an object without every hook: it would fail mid-run), a second
     EarlyStopping, and one watching what ``task``'s evaluation does not report."""
+    if callbacks is None:
+        return [], None
     if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | set | frozenset):
         many = hasattr(callbacks, "__iter__") and not hasattr(callbacks, "on_step")  # a generator of callbacks
         fix = "callbacks=list(...)" if many else f"callbacks=[{type(callbacks).__name__}(...)]"  # or one, alone

@@ -71,7 +71,12 @@ class Trainer:
     """
 
     def __init__(
-        self, task: Task, config: TrainerConfig | None = None, *, callbacks: Sequence[Callback] = (), **fields: Any
+        self,
+        task: Task,
+        config: TrainerConfig | None = None,
+        *,
+        callbacks: Sequence[Callback] | None = (),
+        **fields: Any,
     ) -> None:
         self.task = require_task(task)
         self.config = TrainerConfig.build(config, **fields)
