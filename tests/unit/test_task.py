@@ -78,6 +78,13 @@ EMPTY = TensorDataset(torch.empty(0, 2), torch.empty(0, 1))
         ({"val_data": DataLoader(tiny_data())}, "hint: pass the loader's dataset (val_data=loader.dataset)"),
         ({"train_data": torch.randn(4, 2)}, "train_data=<Tensor> is not allowed"),
         ({"train_data": np.zeros((4, 2))}, "hint: pair the inputs with their targets: torch.utils.data.TensorDataset"),
+        # the tensors themselves: trained, it warned "holds 2 items", then failed "stack expects each tensor ..."
+        (
+            {"train_data": (torch.randn(4, 2), torch.randn(4, 1))},
+            "train_data=<tuple of 2 Tensors> is not allowed; expected a torch Dataset of (inputs, targets) items\n"
+            "hint: pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)",
+        ),
+        ({"val_data": [np.zeros((4, 2)), np.zeros(4)]}, "val_data=<list of 2 ndarrays> is not allowed"),
         ({"train_data": "data/train.csv"}, "train_data='data/train.csv' is not allowed"),
         ({"train_data": Path("train.pt")}, "hint: load the file into a Dataset first"),
         ({"train_data": {"train": tiny_data()}}, "hint: pass one split, e.g. train_data=splits['train']"),
@@ -107,6 +114,17 @@ def test_each_malformed_field_says_what_was_passed_what_is_expected_and_the_fix(
     with pytest.raises(ConfigError) as info:
         tiny_task(**overrides)
     assert says in str(info.value)
+
+
+def test_a_list_of_tensors_is_data_where_the_collate_fn_makes_the_pairs() -> None:
+    sequences = [torch.arange(6), torch.arange(4)]  # token ids: the next token is each one's target
+
+    def shifted(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        shortest = min(len(ids) for ids in items)
+        batch = torch.stack([ids[:shortest] for ids in items])
+        return batch[:, :-1], batch[:, 1:]
+
+    assert tiny_task(train_data=sequences, collate_fn=shifted).train_data is sequences
 
 
 def test_a_scheduler_built_already_is_refused() -> None:

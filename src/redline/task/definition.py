@@ -57,9 +57,9 @@ class Task:
             )
         if not isinstance(self.model, nn.Module):
             _check_model_factory(self.model)
-        _check_data("train_data", self.train_data)
+        _check_data("train_data", self.train_data, collated=self.collate_fn is not None)
         if self.val_data is not None:
-            _check_data("val_data", self.val_data)
+            _check_data("val_data", self.val_data, collated=self.collate_fn is not None)
         if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
             raise invalid(
                 "optimizer",
@@ -258,14 +258,19 @@ def _check_model_factory(factory: Callable[..., Any]) -> None:
         )
 
 
-def _check_data(name: str, data: object) -> None:
-    """Refuse what a DataLoader cannot read as a dataset of (inputs, targets) items, saying what to pass."""
-    hint = ""
+def _check_data(name: str, data: object, *, collated: bool = False) -> None:
+    """Refuse what a DataLoader cannot read as a dataset of (inputs, targets) items, saying what to pass;
+    ``collated``: the Task has a collate_fn, which may make its pairs of items of another kind."""
+    hint, shown = "", _shown(data)
     if isinstance(data, IterableDataset):
         return  # a stream: no length to check
     if isinstance(data, str | bytes | os.PathLike):
         hint = "load the file into a Dataset first, e.g. torch.utils.data.TensorDataset(inputs, targets)"
-    elif isinstance(data, torch.Tensor) or (hasattr(data, "shape") and hasattr(data, "dtype")):  # an array
+    elif _is_array(data):
+        hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
+    elif isinstance(data, tuple | list) and data and _is_array(data[0]) and not collated:
+        # its items are the samples, each a tensor alone, no pair: (inputs, targets) given as they are, most often
+        shown = _Kind(f"{type(data).__name__} of {len(data)} {type(data[0]).__name__}s")
         hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
     elif isinstance(data, DataLoader):
         hint = f"pass the loader's dataset ({name}=loader.dataset) and its batch size as batch_size="
@@ -276,9 +281,14 @@ def _check_data(name: str, data: object) -> None:
     elif not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         hint = "give it __getitem__ and __len__ (a torch Dataset), or make it a torch.utils.data.IterableDataset"
     if hint:
-        raise invalid(name, _shown(data), "a torch Dataset of (inputs, targets) items", hint)
+        raise invalid(name, shown, "a torch Dataset of (inputs, targets) items", hint)
     if len(data) == 0:  # type: ignore[arg-type]
         raise invalid(f"len({name})", 0, "at least one item", f"check how {name} is built: it holds no samples")
+
+
+def _is_array(value: object) -> bool:
+    """Whether ``value`` is a tensor or an array (NumPy's, or another with a shape and a dtype)."""
+    return isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype"))
 
 
 def require_task(value: object) -> Task:
