@@ -175,6 +175,12 @@ def test_trainer_config_checks_and_normalises():
         TrainerConfig.build(precision="fp32")
 
 
+def test_a_misspelt_value_is_refused_for_itself_before_it_is_asked_for_an_out_dir():
+    # --keep-best val_los without --out said "expected it with --out DIR", and its "did you mean" only after that
+    with pytest.raises(ConfigError, match=r"keep_best='val_los' is not allowed; expected one of"):
+        TrainerConfig(keep_best="val_los")
+
+
 @pytest.mark.parametrize("given", ["", "  ", 123, b"runs/x"])
 def test_an_out_dir_that_names_no_folder_is_refused_not_read_as_the_current_one(given):
     """out_dir="" wrote the whole run (checkpoints, logs, weights) into the current folder; 123 was a TypeError."""

@@ -84,6 +84,12 @@ class TrainerConfig:
         positive_int("log_every", self.log_every)
         positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
         positive_number("hang_start_timeout_s", self.hang_start_timeout_s, optional=True)
+        # a value's own mistake first: said only once --out is added, a typo would wait for a second try
+        boolean("progress", self.progress)
+        boolean("memory_history", self.memory_history)
+        one_of("trial", self.trial, TRIALS)
+        one_of("plan", self.plan, ("auto", "tuned"))
+        one_of("keep_best", self.keep_best, ("off", "val_loss", "val_metric"))
         # "~" is the shell's: a quoted one, or --out=~/x, would otherwise make a directory named "~"
         if self.out_dir is not None:  # "" would write the whole run into the current folder
             _named_path("out_dir", self.out_dir, "a folder's path, not an empty one")
@@ -114,11 +120,6 @@ class TrainerConfig:
                 f"logger {chosen[0]!r} writes its files under out_dir, and out_dir is None; expected an out_dir "
                 f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
             )
-        boolean("progress", self.progress)
-        boolean("memory_history", self.memory_history)
-        one_of("trial", self.trial, TRIALS)
-        one_of("plan", self.plan, ("auto", "tuned"))
-        one_of("keep_best", self.keep_best, ("off", "val_loss", "val_metric"))
 
     def check_task(self, task: Task) -> None:
         """Refuse what would do nothing unnoticed for this task: evaluating every N steps, or keeping the best

@@ -22,7 +22,6 @@ from redline.plan import Choice
 from redline.runtime.loading import SPLITS_ACROSS_WORKERS, gathered
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split, data_size
 from redline.task import CollateFn
-from redline.train.failures import kept_note
 
 log = logging.getLogger("redline")
 
@@ -170,9 +169,8 @@ def plan_length(
     return min(steps, max_steps or math.inf), per_epoch
 
 
-def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError:
-    """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share;
-    ``saved``: the checkpoint that keeps the epochs before, if one was written."""
+def no_batch(epoch: int, world_size: int) -> TaskError:
+    """The error for a stream that gave no batch in ``epoch`` (from 0): empty, used up, or too short to share."""
     short = f", or it holds fewer items than the {world_size} processes share" if world_size > 1 else ""
     if epoch == 0:
         return TaskError(
@@ -182,7 +180,7 @@ def no_batch(epoch: int, world_size: int, saved: str | None = None) -> TaskError
         f"train_data gave no batch in epoch {epoch + 1}, after batches in the epoch(s) before: its __iter__ gave "
         f"nothing this time, as one that returns the same iterator each time does once it is used up{short}\n"
         "hint: make train_data's __iter__ start a fresh pass each time it is called (write it as a generator, with "
-        "yield): a stream that runs dry starts again as the next epoch" + (kept_note(saved) if saved else "")
+        "yield): a stream that runs dry starts again as the next epoch"
     )
 
 

@@ -151,7 +151,7 @@ class Trainer:
                             break
                 else:
                     if run.pos.batches_in_epoch == 0:  # the steps before are kept: resumed, the run goes on
-                        raise no_batch(run.pos.epoch, self.env.world_size, self._keep_steps(run))
+                        raise no_batch(run.pos.epoch, self.env.world_size)  # the steps before: kept by `kept`
                     with run.pos.next_epoch():
                         run.stopped = self._after_epoch(run)
             self._finish(run)
