@@ -55,6 +55,9 @@ def test_a_missing_option_is_still_the_parsers_usage_error():
     [
         (["train", "--max-step", "3"], "--max-step is not a flag of `redline train`\nhint: did you mean "
                                        "--max-steps or --max-restarts? (`redline train --help` lists its flags)"),
+        # a switch's off side is among the flags: told --progress, the user who wanted it off would turn it on
+        (["train", "--no-progres"], "--no-progres is not a flag of `redline train`\nhint: did you mean "
+                                    "--no-progress or --progress? (`redline train --help` lists its flags)"),
         (["doctor", "--quik"], "--quik is not a flag of `redline doctor`\nhint: did you mean --quick? "
                                "(`redline doctor --help` lists its flags)"),
         # near no flag: no guess (the parser's own named --out, which shares a letter with it)

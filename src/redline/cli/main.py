@@ -136,7 +136,8 @@ _USAGE_ERROR: type[Exception] = next(kind for kind in typer.BadParameter.__mro__
 def unknown_flag(flag: str, command: Any, name: str) -> ConfigError:
     """Say a flag the command does not have as every refusal is said, with its nearest flags as the fix (the
     parser's own guess named any flag sharing a letter: ``--bogus``, "Possible options: --out")."""
-    flags = {opt.lstrip("-"): opt for param in command.params for opt in param.opts if opt.startswith("--")}
+    names = [opt for param in command.params for opt in (*param.opts, *param.secondary_opts)]  # --no-progress too
+    flags = {opt.lstrip("-"): opt for opt in names if opt.startswith("--")}
     # compared without their dashes, which every flag shares: "--bogus" is then near no flag, not "--out"
     nearest = [flags[word] for word in difflib.get_close_matches(flag.lstrip("-"), sorted(flags), n=3, cutoff=0.6)]
     listed = f"`redline {name} --help` lists its flags"
