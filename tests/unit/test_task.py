@@ -680,6 +680,16 @@ def test_task_file_missing_a_dependency_names_the_dependency(tmp_path: Path) -> 
     assert "hint: pip install the package that provides 'redline_no_such_dependency'" in str(info.value)
 
 
+def test_task_file_importing_a_misspelt_submodule_shows_its_line_not_an_install_hint(tmp_path: Path) -> None:
+    # torch is installed: torch.nn.functionals is the file's typo, not a package to pip install
+    (tmp_path / "tasks.py").write_text("import torch\nimport torch.nn.functionals as F\n")
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{tmp_path / 'tasks.py'}:factory")
+    message = str(info.value)
+    assert "pip install" not in message and "import torch.nn.functionals as F" in message
+    assert "hint: the error is in the task's own code" in message
+
+
 @pytest.mark.parametrize("verb", ["Trainer", "estimate_memory", "find_batch_size"])
 def test_a_verb_given_a_spec_or_a_model_instead_of_a_task_says_how_to_make_one(verb: str) -> None:
     import redline

@@ -180,7 +180,7 @@ def _import_module(spec: str, module_name: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
-            raise _not_installed(spec, module_name, exc.name) from exc
+            raise _missing_module(spec, module_name, exc) from exc
         top = module_name.partition(".")[0]
         raise TaskSpecError(
             f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
@@ -223,16 +223,27 @@ def _import_file(spec: str, path: Path) -> Any:
         if isinstance(exc, SystemExit):
             raise _exited(spec, str(path), exc) from exc
         if isinstance(exc, ModuleNotFoundError) and exc.name:
-            raise _not_installed(spec, str(path), exc.name) from exc
+            raise _missing_module(spec, str(path), exc, beside=path.resolve().parent) from exc
         raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
     return module
 
 
-def _not_installed(spec: str, imported: str, missing: str) -> TaskSpecError:
-    """The error for a task module or file that imports a package this environment lacks."""
+def _missing_module(spec: str, imported: str, exc: ModuleNotFoundError, beside: Path | None = None) -> TaskSpecError:
+    """The error for a task module or file that imports a module not found: a package this environment lacks (or,
+    for a file, a module that is not ``beside`` it either), or, where its package is there, a misspelt submodule
+    (``torch.nn.functionals``), which is the task's own line to fix."""
+    missing = str(exc.name)
+    top = missing.partition(".")[0]
+    try:
+        installed = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec
+        installed = True
+    if installed:
+        return TaskSpecError(f"task spec {spec!r}: importing {imported!r} raised {exc!r}{_where(exc)}")
+    local = f", or put {top}.py (or {top}/) in {str(beside)!r} beside it" if beside is not None else ""
     return TaskSpecError(
-        f"task spec {spec!r}: importing {imported!r} failed: it imports {missing!r}, which is not installed\n"
-        f"hint: pip install the package that provides {missing!r}"
+        f"task spec {spec!r}: importing {imported!r} failed: it imports {missing!r}, which is not installed"
+        f"{user_line(exc)}\nhint: pip install the package that provides {top!r}{local}"
     )
 
 
