@@ -191,6 +191,11 @@ def test_a_bare_runtime_runs_the_tuned_plan_of_its_model_and_tells_micro_batchin
     assert rt.precision.name == "bf16-mixed" and plan.precision.value == "bf16-mixed"
     assert plan.precision.reason.startswith("tuned 2026-12-01 06:00 UTC at batch 32 for 500 steps")
     assert plan.grad_accum.value == 1 and "split each in 2 and pass grad_accum=2" in plan.grad_accum.reason
+    ranked = task.build_model()
+    ranked.device_name = "cuda:1"  # a setting a rank keeps of its own: each rank of a job must find the tune
+    with Runtime(devices="cpu", plan="tuned") as rt:
+        rt.setup(ranked, task.optimizer)
+        assert rt.precision.name == "bf16-mixed"
     other = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
     with pytest.raises(ConfigError, match="run `redline tune --task SPEC` on a Task with this model"):
         Runtime(devices="cpu", plan="tuned").setup(other, torch.optim.SGD(other.parameters(), lr=0.1))

@@ -326,7 +326,10 @@ def _uncachable(folder: Path, exc: OSError) -> ConfigError:
 
 
 def _model_path(model: nn.Module, facts: DeviceFacts) -> Path:
-    return cache_dir() / "tuned" / "models" / f"{tuned_key(model_fingerprint(model), facts, 0)}.json"
+    """Where a model's own tune is kept: keyed by its structure and shapes, not its modules' plain settings, which
+    may differ by rank (``self.device = f"cuda:{rank}"``) where every rank of a job must find the one tune."""
+    key = tuned_key(model_fingerprint(model, settings=False), facts, 0)
+    return cache_dir() / "tuned" / "models" / f"{key}.json"
 
 
 def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOptions) -> tuple[RuntimeOptions, Tuning]:
