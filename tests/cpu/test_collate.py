@@ -111,7 +111,29 @@ def test_predict_names_the_collate_fn_when_it_cannot_batch_the_items_given():
     with redline.Trainer(sentences_task(), quiet_config(max_steps=1)) as trainer:
         trainer.fit()
         with pytest.raises(redline.TrainingError, match=r"predict batches the items with the Task's collate_fn"):
-            trainer.predict([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])  # token ids alone: pad takes pairs
+            trainer.predict([(torch.tensor([1, 2, 3]), "a"), (torch.tensor([4, 5]), "b")])  # labels pad cannot stack
+        # token ids alone, of two lengths: stacked, as the collate_fn (written for pairs) could not read them
+        with pytest.raises(redline.TrainingError, match=r"give predict such pairs"):
+            trainer.predict([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+
+
+def pad_ids(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, labels = zip(*items, strict=True)
+    return nn.utils.rnn.pad_sequence(list(ids), batch_first=True), torch.stack(list(labels))
+
+
+def test_predict_stacks_bare_inputs_of_a_task_whose_collate_fn_takes_pairs():
+    """With the Task's collate_fn used for every predict, bare inputs failed: 'too many values to unpack'."""
+    data = Sentences(16, seed=0)
+    task = redline.Task(
+        model=lambda: nn.Sequential(nn.EmbeddingBag(50, 4), nn.Linear(4, 2)),  # (batch, length) ids: their mean
+        loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=4, collate_fn=pad_ids,
+    )  # fmt: skip
+    with redline.Trainer(task, quiet_config(max_steps=1)) as trainer:
+        trainer.fit()
+        ids = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8])]
+        assert trainer.predict(ids).shape == (2, 2)  # stacked, as before the collate_fn was used
+        assert trainer.predict(data, batch_size=4).shape == (16, 2)  # pairs of two lengths: padded by it
 
 
 class PerToken(nn.Module):

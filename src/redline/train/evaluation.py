@@ -107,14 +107,19 @@ def predict_outputs(
     A model that returns a tensor gives one tensor; one that returns a tuple, list or dict of them
     (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
     Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
-    ``collate_fn`` (the Task's) batches the items, as in training: they are then as the Task's data holds them.
+    ``collate_fn`` (the Task's) batches items given as the Task's data holds them, (inputs, targets) pairs; bare
+    inputs (a model's one input, or ``((a, b),)``) are stacked as a DataLoader stacks them, as the collate_fn
+    written for pairs could not read them.
     Outputs that differ in shape beyond the batch axis from one batch to the next cannot be joined: a TaskError
     says so at that batch.
     """
     positive_int("batch_size", batch_size)  # 0 is no batch, not "the default"
     outputs: list[Any] = []
     first: dict[str, tuple[int, ...]] | None = None  # the first batch's output shapes
-    hint = PREDICT_COLLATE_HINT if collate_fn is not None else ""
+    if collate_fn is not None and not _holds_pairs(data):
+        collate_fn, hint = None, PREDICT_BARE_HINT
+    else:
+        hint = PREDICT_COLLATE_HINT if collate_fn is not None else ""
     with _eval_mode(model):
         for batch in read_batches(eval_loader(data, batch_size=batch_size, collate_fn=collate_fn), hint):
             pair = isinstance(batch, list | tuple)  # (inputs, targets), or (inputs,): items of several inputs nest
@@ -132,6 +137,22 @@ PREDICT_COLLATE_HINT = (
     "predict batches the items with the Task's collate_fn, as training does: give items as the Task's data holds "
     "them (predict(val_data) works), or fix the collate_fn; REDLINE_TRACEBACK=1 prints the whole traceback"
 )
+
+
+PREDICT_BARE_HINT = (
+    "predict stacks bare inputs itself; the Task's collate_fn batches (inputs, targets) items: give predict such "
+    "pairs (any targets: predict(val_data) works) to have it batch them"
+)
+
+
+def _holds_pairs(data: Any) -> bool:
+    """Whether ``data``'s items are (inputs, targets) pairs, as its first item reads; True where it cannot be read
+    without iterating (a stream): the Task's collate_fn then batches it, as it does the Task's own streams."""
+    try:
+        first = data[0] if len(data) else None
+    except Exception:  # no __getitem__ or __len__, or an index it refuses
+        return True
+    return isinstance(first, tuple | list) and len(first) == 2
 
 
 def _shapes(output: Any, place: str = "output") -> dict[str, tuple[int, ...]]:
