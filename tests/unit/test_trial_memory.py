@@ -12,6 +12,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import run_trial
+from redline.runtime.trial_copy import room_beside
 from redline.task import Task
 
 OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 67108864 bytes"  # as c10 says it
@@ -111,3 +112,12 @@ def test_a_candidate_out_of_memory_in_a_later_block_leaves_the_timing_and_the_tr
     reference, bf16 = results
     assert len(reference.step_times) == 12 and not reference.rejected  # fp32 timed in full, anew
     assert bf16.out_of_memory and bf16.rejected.startswith("it failed: DefaultCPUAllocator: can't allocate memory")
+
+
+def test_a_parked_copy_keeps_its_weights_on_a_device_with_room_for_the_next_copys_training():
+    """Every turn moved a parked copy's weights to the host and back: seconds a trial for a model of a few GB."""
+    model = nn.Linear(100, 100)  # 10,100 float32 parameters: 40,400 bytes
+    weights = 40_400
+    assert room_beside(model, torch.device("cuda"), free=4 * weights)
+    assert not room_beside(model, torch.device("cuda"), free=4 * weights - 1)  # short: the weights go to the host
+    assert not room_beside(model, torch.device("mps"))  # its free memory unread: moved, as before
