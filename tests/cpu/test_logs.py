@@ -197,32 +197,36 @@ def test_tensorboard_gets_numeric_scalars_and_purges_on_resume(tmp_path, monkeyp
     assert FakeSummaryWriter.made[-1].purge_step == 7  # events after the checkpoint are hidden
 
 
-def fake_clock(monkeypatch, *times: float) -> None:
-    ticks = iter(times)
-    monkeypatch.setattr("redline.train.progress.time.perf_counter", lambda: next(ticks))
-
-
-def test_plain_lines_show_step_loss_rate_and_eta(monkeypatch):
-    fake_clock(monkeypatch, 0.0, 10.0)
+def test_plain_lines_show_step_loss_rate_and_eta():
     out = io.StringIO()
     progress = Progress(1000, stream=out)
-    progress.update(100, loss=2.3456, samples_per_s=1234.0, epoch=1)  # 100 steps in 10 s: 90 s left
+    progress.update(100, loss=2.3456, samples_per_s=1234.0, epoch=1, step_ms=100.0)  # 900 steps of 0.1 s left
     progress.close()
     assert out.getvalue() == "step 100/1000  epoch 1  loss 2.3456  1,234 samples/s  eta 0:01:30\n"
 
 
-def test_the_eta_counts_from_the_resumed_step(monkeypatch):
-    fake_clock(monkeypatch, 0.0, 10.0)
+def test_the_eta_counts_from_the_resumed_step_and_spreads_the_evaluations_over_its_steps():
     out = io.StringIO()
-    Progress(1000, stream=out, start_step=500).update(600, loss=None, samples_per_s=0.75, epoch=3)
+    progress = Progress(1000, stream=out, start_step=500)
+    progress.update(600, loss=None, samples_per_s=0.75, epoch=3, step_ms=50.0, excluded_s=5.0)  # 0.05 + 5/100 s
     assert out.getvalue() == "step 600/1000  epoch 3  0.75 samples/s  eta 0:00:40\n"
 
 
-def test_an_eta_past_any_runs_length_is_shown_as_such(monkeypatch):
-    """--max-steps 1e17: before, timedelta overflowed and the run stopped at its first progress line."""
-    fake_clock(monkeypatch, 0.0, 10.0)
+def test_the_eta_runs_at_the_latest_windows_step_time_not_the_compile_and_warm_up_before():
+    """A compiled run showed 'eta 0:00:50' at step 10 of 60: its first window held 8 s of compile and warm-up, which
+    do not recur; the steps after ran at 4 ms."""
     out = io.StringIO()
-    Progress(10**17, stream=out).update(100, loss=None, samples_per_s=None, epoch=1)
+    progress = Progress(60, stream=out)
+    progress.update(10, loss=None, samples_per_s=None, epoch=1, step_ms=None)  # a window of no timed step
+    progress.update(20, loss=None, samples_per_s=16000.0, epoch=1, step_ms=4.0)
+    assert out.getvalue().splitlines() == ["step 10/60  epoch 1", "step 20/60  epoch 1  16,000 samples/s  eta 0:00:00"]
+    assert progress.eta_s(20, 4.0) == pytest.approx(40 * 0.004)
+
+
+def test_an_eta_past_any_runs_length_is_shown_as_such():
+    """--max-steps 1e17: before, timedelta overflowed and the run stopped at its first progress line."""
+    out = io.StringIO()
+    Progress(10**17, stream=out).update(100, loss=None, samples_per_s=None, epoch=1, step_ms=100.0)
     assert out.getvalue() == f"step 100/{10**17}  epoch 1  eta >999 days\n"
 
 

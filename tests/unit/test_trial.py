@@ -460,6 +460,71 @@ def test_a_compile_inside_a_later_training_step_is_left_out_of_the_rates():
     assert meter.totals().samples_per_s == pytest.approx(160 / 1.0)
 
 
+def test_the_log_windows_time_their_steps_as_the_summary_does():
+    # A compiled run logged 64 samples/s for its first window (a step time of 1,003 ms: the compile and the first
+    # step's warm-up), then 16,000, and its summary said 14,436: each window now leaves out what the summary does.
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    first = CompileRecord()
+    first.add(8.0, "", training=True)  # the first step's compile
+    rt._compile_records.append(first)
+    meter = Throughput(rt, task, clock=clock)
+    windows = []
+    for step in range(1, 21):
+        meter.count(16, 0)
+        clock.now += 9.0 if step == 1 else 0.1  # the first: its compile and warm-up
+        if step == 15:  # a recompile inside a later step
+            record = CompileRecord()
+            record.add(6.0, "", training=True)
+            rt._compile_records.append(record)
+            clock.now += 6.0
+        meter.first_step_done(inputs, targets, model)
+        if step == 12:
+            with meter.excluded("eval"):
+                clock.now += 5.0
+        if step % 10 == 0:
+            windows.append(meter.window())
+    assert [w["samples_per_s"] for w in windows] == [pytest.approx(160.0), pytest.approx(160.0)]
+    assert [w["step_time_ms"] for w in windows] == [pytest.approx(100.0), pytest.approx(100.0)]  # 9 and 10 steps
+    assert meter.totals().samples_per_s == pytest.approx(160.0)
+
+
+def test_a_window_of_the_first_step_alone_has_no_rate_as_the_summary_has_none():
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    meter = Throughput(rt, task, clock=clock)
+    meter.count(16, 0)
+    clock.now += 0.5
+    meter.first_step_done(task.train_data.tensors[0][:16], task.train_data.tensors[1][:16], model)
+    rates = meter.window()
+    assert (rates["samples_per_s"], rates["tokens_per_s"], rates["step_time_ms"]) == (None, None, None)
+    assert meter.totals().samples_per_s is None
+
+
+def test_the_trainers_logged_rows_leave_out_the_first_steps_warm_up(tmp_path):
+    class SlowFirstForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.calls = nn.Linear(8, 1), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 1:  # the first step's warm-up (a compile, kernel selection)
+                time.sleep(0.1)
+            return self.linear(x)
+
+    task = tiny_task(model=SlowFirstForward)
+    with Trainer(task, max_steps=4, log_every=4, trial="off", progress=False, out_dir=tmp_path / "run") as trainer:
+        summary = trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["step_time_ms"] < 50 for row in rows)  # the 100 ms first step is not in its window
+    assert rows[0]["samples_per_s"] > 16 / 0.1 and summary.samples_per_s is not None
+
+
 @pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])
 def test_a_stalled_matmul_peak_is_measured_again_and_never_reported_above_100_percent(monkeypatch, peaks, expected):
     task, clock = tiny_task(), FakeClock()

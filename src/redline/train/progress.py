@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import sys
-import time
 from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 
@@ -24,7 +23,8 @@ class Progress:
 
     With ``enabled`` and a terminal ``stream`` (default: sys.stderr) it draws a rich bar, redrawn on each
     `update`; with another stream it writes one plain line per `update`; disabled, only `message` lines.
-    The ETA is the rate measured since construction, from ``start_step``: create it just before the first step.
+    The ETA is the steps left at the latest log window's step time, plus the run's evaluation, checkpoint and callback
+    seconds per step so far (counted from ``start_step``): a compile and the first step's warm-up do not recur.
     """
 
     def __init__(
@@ -34,18 +34,28 @@ class Progress:
         self.start_step = start_step
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr  # resolved now: tests and tools swap sys.stderr
-        self._started_at = time.perf_counter()
         self._broken = False
         self._bar: RichProgress | None = None
         self._task: TaskID | None = None
         if enabled and _is_terminal(self.stream):
             self._start_bar()
 
-    def update(self, step: int, *, loss: float | None, samples_per_s: float | None, epoch: int) -> None:
-        """Show the state at ``step``; ``epoch`` as the user counts it, ``None`` figures are left out."""
+    def update(
+        self,
+        step: int,
+        *,
+        loss: float | None,
+        samples_per_s: float | None,
+        epoch: int,
+        step_ms: float | None = None,
+        excluded_s: float = 0.0,
+    ) -> None:
+        """Show the state at ``step``; ``epoch`` as the user counts it, ``None`` figures are left out. ``step_ms`` and
+        ``excluded_s`` give the ETA (``eta_s``); without a step time there is none."""
         if not self.enabled or self._broken:
             return
-        status = _describe(epoch=epoch, loss=loss, samples_per_s=samples_per_s, eta_s=self.eta_s(step))
+        eta_s = self.eta_s(step, step_ms, excluded_s)
+        status = _describe(epoch=epoch, loss=loss, samples_per_s=samples_per_s, eta_s=eta_s)
         if self._bar is None or self._task is None:
             self._write(f"step {step}/{self.total_steps}  {status}")
             return
@@ -67,13 +77,14 @@ class Progress:
         except STREAM_ERRORS:
             self._broken = True
 
-    def eta_s(self, step: int) -> float | None:
-        """Return the seconds left at the rate measured since ``start_step``; None before any step is timed."""
+    def eta_s(self, step: int, step_ms: float | None, excluded_s: float = 0.0) -> float | None:
+        """Return the seconds left after ``step``: each step left takes ``step_ms`` (the latest log window's step
+        time) plus its share of ``excluded_s`` (the seconds spent outside the steps since ``start_step``: evaluation,
+        checkpoints, callbacks). None without a step time (no step timed yet)."""
         done = step - self.start_step
-        elapsed = time.perf_counter() - self._started_at
-        if done <= 0 or elapsed <= 0:
+        if step_ms is None or done <= 0:
             return None
-        return max(0, self.total_steps - step) * elapsed / done
+        return max(0, self.total_steps - step) * (step_ms / 1e3 + excluded_s / done)
 
     def close(self) -> None:
         """Stop the bar, leaving its last state on screen; safe to call twice."""

@@ -156,9 +156,7 @@ class Window:
     losses: list[torch.Tensor] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)  # the epoch each step ran in
-    samples: int = 0  # this rank's
-    tokens: int = 0
-    start: float = field(default_factory=time.perf_counter)
+    start: float = field(default_factory=time.perf_counter)  # paces the stop vote; the rates are the meter's
     checkpointed_at: float = field(default_factory=time.perf_counter)  # the clock of --checkpoint-minutes
     excluded_s: float = 0.0  # the meter's evaluation and checkpoint seconds when the window started
     logged: bool = False  # its rows are in the logs (a window whose loss is not finite is read twice)
@@ -258,17 +256,16 @@ class Run:
         and return them with the log's row of each of its steps."""
         window = self.window
         stacked = torch.stack(window.losses).float()
-        excluded = self.meter.excluded_s - window.excluded_s  # an evaluation (each epoch's end) or checkpoint inside
         if distributed:  # the step time rides along: every rank paces its stop vote by the same mean
+            excluded = self.meter.excluded_s - window.excluded_s  # an evaluation or a checkpoint inside
             queued = time.perf_counter() - window.start - excluded  # the host's time, before the device catches up
             step_s = torch.tensor([queued / len(window.losses)], device=stacked.device)
             *losses, mean_step_s = all_reduce_sum(torch.cat([stacked, step_s]) / world_size).tolist()
             self.vote.pace(mean_step_s)
         else:
             losses = stacked.tolist()
-        elapsed = time.perf_counter() - window.start - excluded  # after the sync above: the window's steps have run
         first = self.pos.step - len(losses) + 1
-        rates = self.meter.window(elapsed, len(losses), window.samples, window.tokens)
+        rates = self.meter.window()  # after the sync above: the window's steps have run
         rows = [
             {"step": first + i, "epoch": window.epochs[i], "loss": value, "lr": window.lrs[i], **rates}
             for i, value in enumerate(losses)

@@ -55,6 +55,7 @@ class Throughput:
         self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0, "callbacks": 0.0}
         self._paused = 0.0  # excluded time since ``start``
         self._compiled = 0.0  # the Runtime's training compile seconds at ``start``
+        self._window_from = (0.0, 0, 0, 0)  # timed seconds, steps, samples and tokens at the log window's start
         self._memory = WindowPeak(rt.device)  # the first window starts here
 
     @contextlib.contextmanager
@@ -97,13 +98,26 @@ class Throughput:
         self.start = self.clock()
         self._compiled = self.rt.training_compile_seconds
 
-    def window(self, elapsed_s: float, steps: int, samples: int, tokens: int) -> dict[str, float | None]:
-        """Return the logged figures of a window of ``steps`` steps that took ``elapsed_s``."""
+    def timed_s(self) -> float:
+        """Seconds the timed steps took so far: from the first step's end, less excluded time and later compiles."""
+        if self.start is None:
+            return 0.0
+        compiling = self.rt.training_compile_seconds - self._compiled
+        return self.clock() - self.start - self._paused - compiling
+
+    def window(self) -> dict[str, float | None]:
+        """Return the logged figures of the steps since the last call (a log window), timed as ``totals`` times them:
+        the first step, excluded time and compiles left out, so the rows and the summary agree. The figures are None
+        for a window that holds no timed step (the first step alone). Call it after a device sync."""
+        now = (self.timed_s(), self.steps, self.samples, self.tokens)
+        elapsed_s, steps, samples, tokens = (end - begin for begin, end in zip(self._window_from, now, strict=True))
+        self._window_from = now
+        timed = steps > 0 and elapsed_s > 0
         samples, tokens = samples * self.world_size, tokens * self.world_size
         return {
-            "samples_per_s": samples / elapsed_s if elapsed_s > 0 else None,
-            "tokens_per_s": tokens / elapsed_s if tokens and elapsed_s > 0 else None,
-            "step_time_ms": 1e3 * elapsed_s / steps if steps else None,
+            "samples_per_s": samples / elapsed_s if timed else None,
+            "tokens_per_s": tokens / elapsed_s if timed and tokens else None,
+            "step_time_ms": 1e3 * elapsed_s / steps if timed else None,
             "mem_gib": self.memory_gib(),
         }
 
@@ -119,10 +133,7 @@ class Throughput:
     def totals(self) -> Figures:
         """Return the run's figures from after its first step (syncs once)."""
         self._sync()
-        elapsed = 0.0
-        if self.start is not None:
-            compiling = self.rt.training_compile_seconds - self._compiled
-            elapsed = self.clock() - self.start - self._paused - compiling
+        elapsed = self.timed_s()
         if not self.steps or elapsed <= 0:
             return Figures(None, None, self.flops_per_step, None, None, None)
         # Per device: the MFU of one device equals the job's when every rank runs an equal share. The FLOPs are the

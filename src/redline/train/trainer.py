@@ -184,8 +184,6 @@ class Trainer:
         run.pos.batches_in_epoch += 1
         samples, tokens = count_samples(inputs), targets.numel() if is_tokens(targets) else 0
         run.pos.samples += samples * self.env.world_size  # every rank takes an equal share of the global batch
-        run.window.samples += samples
-        run.window.tokens += tokens
         run.meter.count(samples, tokens)
         lr = float(run.optimizer.param_groups[0]["lr"])  # the rate this step applies, before the scheduler moves it
         with run.optimizer_step():  # a failure inside may leave the weights or the schedule half updated
@@ -433,7 +431,11 @@ class Trainer:
             run.loggers.log(rows)
         window.logged = True
         check_finite(losses, rows[0]["step"], run.last_ckpt)  # after the log: the steps up to a NaN show in it
-        run.progress.update(pos.step, loss=losses[-1], samples_per_s=rows[-1]["samples_per_s"], epoch=pos.epoch + 1)
+        rates = rows[-1]  # the window's, on each of its rows
+        run.progress.update(
+            pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1,
+            step_ms=rates["step_time_ms"], excluded_s=run.meter.excluded_s,
+        )  # fmt: skip
         run.losses += losses
         run.window = Window(excluded_s=run.meter.excluded_s)
         with run.meter.excluded("callbacks"):  # inside the next window: its rates leave them out
