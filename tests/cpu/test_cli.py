@@ -418,6 +418,56 @@ def test_a_second_ctrl_c_exits_130_naming_the_last_checkpoint_or_that_nothing_wa
     assert "Traceback" not in saved.stderr + unsaved.stderr
 
 
+CTRL_C_AT_THE_END_TASK = """
+import os
+import signal
+
+from redline.examples.digits import digits
+
+told = False
+
+
+def accuracy_then_ctrl_c(outputs, targets):  # the final evaluation's first batch: the steps are done
+    global told
+    if not told:
+        told = True
+        for _ in range(int(os.environ["CTRL_C"])):
+            os.kill(os.getpid(), signal.SIGINT)
+    return task.metric(outputs, targets)
+
+
+task = digits()
+
+
+def make():
+    import dataclasses
+
+    return dataclasses.replace(task, metric=accuracy_then_ctrl_c)
+"""
+
+
+def test_a_ctrl_c_after_the_last_step_says_the_results_are_being_written_and_a_second_skips_them(tmp_path):
+    """A Ctrl-C in the final evaluation was silently ignored; a second said 'while the run was stopping'."""
+    (tmp_path / "end.py").write_text(CTRL_C_AT_THE_END_TASK)
+    train = ("train", "--task", f"{tmp_path / 'end.py'}:make", "--max-steps", "3", "--no-progress", "--trial", "off")
+    once = redline_cli(*train, "--out", str(tmp_path / "once"), env={"CTRL_C": "1"})
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert "SIGINT: the run has finished its steps and is writing its results" in once.stderr
+    assert (tmp_path / "once" / "summary.json").is_file()
+    run = tmp_path / "twice"
+    twice = redline_cli(*train, "--out", str(run), env={"CTRL_C": "2"})
+    assert twice.returncode == 130, twice.stderr[-3000:]
+    checkpoint = run / "checkpoints" / "step-00000003"
+    assert (
+        "error: aborted by a second SIGINT after the run's last step, before its results were written; its last "
+        f"checkpoint is {checkpoint} (step 3)\nhint: run the same command again with --resume auto to write them"
+    ) in twice.stderr
+    assert not (run / "summary.json").exists() and "Traceback" not in twice.stderr
+    resumed = redline_cli(*train, "--out", str(run), "--resume", "auto", env={"CTRL_C": "0"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3 and (run / "model.safetensors").is_file()
+
+
 def test_a_ctrl_c_before_the_loop_says_it_was_not_a_second_one_and_what_is_saved(tmp_path):
     from redline.cli.train import LastCheckpoint, aborted
 

@@ -39,6 +39,7 @@ from redline.train.config import TrainerConfig
 from redline.train.lock import refuse_if_held
 from redline.train.output import check_run_files
 from redline.train.resume import refuse_before_launch
+from redline.train.signals import ResultsSkipped
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
@@ -83,8 +84,9 @@ def _train(
     with flagged, spec_named(task, task_arg), Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
         try:
             summary = trainer.fit()
-        except KeyboardInterrupt:  # a second Ctrl-C while the run stopped (or one before it trained): say what is saved
-            raise aborted(last, config.out_dir, second=trainer.signalled) from None
+        except KeyboardInterrupt as exc:  # a second Ctrl-C as the run stopped (or one before it trained): what is saved
+            finishing = isinstance(exc, ResultsSkipped)
+            raise aborted(last, config.out_dir, second=trainer.signalled, finishing=finishing) from None
     by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
@@ -203,13 +205,20 @@ class LastCheckpoint(Callback):
         self.step, self.path = step, path
 
 
-def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool) -> StoppedBySignal:
+def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool, finishing: bool = False) -> StoppedBySignal:
     """The error a run a SIGINT aborted exits with (130), naming the last checkpoint committed, or none.
 
     ``second``: a second SIGINT, while the run stopped on the first; else one outside the loop (setting up).
+    ``finishing``: the second came once the steps were done, as the run wrote its results (``ResultsSkipped``).
     """
     what = "aborted by a second SIGINT while the run was stopping" if second else "interrupted by SIGINT"
     resume = "hint: run the same command again with --resume auto to continue from it"
+    if finishing:
+        what = "aborted by a second SIGINT after the run's last step, before its results were written"
+        resume = (
+            "hint: run the same command again with --resume auto to write them from it (the final evaluation, "
+            "summary.json and model.safetensors)"
+        )
     if out_dir is None:
         return StoppedBySignal(
             signal.SIGINT,

@@ -20,16 +20,19 @@ class StopOnSignal:
     The handler only records the signal: writing from it (a log line) could land inside a write the
     main thread was making to the same stream, which Python refuses with "reentrant call"
     (https://docs.python.org/3/library/signal.html#note-on-signal-handlers-and-exceptions). The loop
-    reports it with ``announce()`` after the step.
+    reports it with ``announce()`` after the step; once the steps are done (``finishing``), a thread that
+    waits for it reports it at once, as no step follows.
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
         self._announced: int | None = None
+        self._finishing: tuple[threading.Thread, threading.Event, bool] | None = None
+        self._late: int | None = None  # the first signal, where it came once the steps were done
 
     def __enter__(self) -> StopOnSignal:
-        self.received, self.previous, self._announced = None, {}, None
+        self.received, self.previous, self._announced, self._finishing, self._late = None, {}, None, None, None
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self.previous[signum] = signal.signal(signum, self._handle)
@@ -37,8 +40,46 @@ class StopOnSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise ResultsSkipped if self._late is not None else KeyboardInterrupt
+        if self._finishing is not None and self.received is None:
+            self._late = signum
+            self._finishing[1].set()  # its thread says so: a handler must not write
         self.received = signum
+
+    def finishing(self, checkpointing: bool, *, by_signal: bool) -> None:
+        """Mark the steps done: the run now writes its results (the final evaluation, the sample, the summary and
+        weights). Where its work was done (not ``by_signal``), a signal from here on, or one its last step left, is
+        said at once, with what a second Ctrl-C does; a run stopping for a signal said so after its step."""
+        self.announce(checkpointing)
+        if by_signal or not self.previous or self._finishing is not None:  # no handler of ours: another thread's fit
+            return
+        told = threading.Event()
+        teller = threading.Thread(target=self._tell_late, args=(told,), name="redline-signal", daemon=True)
+        self._finishing = teller, told, checkpointing
+        if self.received is not None:  # it came in the last step, whose stop was its work's end
+            self._late = self.received
+            told.set()
+        teller.start()
+
+    def _tell_late(self, told: threading.Event) -> None:
+        told.wait()
+        if self._late is None or self._finishing is None:  # woken by __exit__: no signal came
+            return
+        name = signal.Signals(self._late).name
+        if self._late != signal.SIGINT:
+            message = f"{name}: the run has finished its steps; it exits once its results are written"
+        elif self._finishing[2]:
+            message = (
+                f"{name}: the run has finished its steps and is writing its results (the final evaluation, sample, "
+                "summary.json and model.safetensors); a second Ctrl-C skips them, and --resume auto writes them later"
+            )
+        else:
+            message = (
+                f"{name}: the run has finished its steps and is ending (the final evaluation, sample and summary); "
+                "a second Ctrl-C skips them"
+            )
+        if first_to_say(message):
+            log.warning("%s", message)
 
     def announce(self, checkpointing: bool = True) -> None:
         """Log, once per signal and outside the handler, that the run stops after this step (and whether a
@@ -60,3 +101,12 @@ class StopOnSignal:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+        if self._finishing is not None:  # after the handlers: none of ours sets the event any more
+            teller, told, _ = self._finishing
+            told.set()
+            teller.join(timeout=5)
+
+
+class ResultsSkipped(KeyboardInterrupt):
+    """A second Ctrl-C once the steps were done: the run's results (final evaluation, summary, weights) are not
+    written; its last checkpoint holds every step, and a resume writes them."""

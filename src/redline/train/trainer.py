@@ -258,6 +258,7 @@ class Trainer:
         if run.window.losses:
             self._flush(run)
         run.stopped = run.stopped or "epochs"
+        self._signals.finishing(self.out_dir is not None, by_signal=run.stopped.startswith("signal"))  # said at once
         self._checkpoint_if_new(run, run.stopped)
         if self.task.val_data is not None and self._evaluated_at != run.pos.step:
             self._evaluate(run)
