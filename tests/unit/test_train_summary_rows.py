@@ -58,3 +58,15 @@ def test_a_resumed_run_that_wrote_no_checkpoint_does_not_pass_the_one_it_resumed
     assert rows["checkpoint"] == f"{old} (the one resumed from: none written since)"
     figures["checkpoint"] = "r4/checkpoints/step-00000015"
     assert dict(summary_rows(TrainSummary.from_dict(figures)))["checkpoint"] == "r4/checkpoints/step-00000015"
+
+
+def test_a_summary_without_rates_or_mfu_says_why():
+    figures = {"task": "t", "plan": PLAN.to_dict(), "steps": 1, "epochs": 0.1, "samples": 8, "stopped": "max_steps"}
+    figures.update(train_seconds=1.0, mfu_note="no step after the first, which warms up and is not timed")
+    rows = dict(summary_rows(TrainSummary.from_dict(figures)))
+    assert rows["samples/s"] == "n/a (no step after the first, which warms up and is not timed)"
+    assert rows["MFU"] == "n/a (no step after the first, which warms up and is not timed)"
+    figures.update(samples_per_s=900.0, mfu_note="no datasheet peak for a CPU")
+    assert dict(summary_rows(TrainSummary.from_dict(figures)))["MFU"] == "n/a (no datasheet peak for a CPU)"
+    del figures["mfu_note"]  # a summary.json from before the note
+    assert dict(summary_rows(TrainSummary.from_dict(figures)))["MFU"] == "n/a"

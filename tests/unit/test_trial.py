@@ -525,6 +525,33 @@ def test_the_trainers_logged_rows_leave_out_the_first_steps_warm_up(tmp_path):
     assert rows[0]["samples_per_s"] > 16 / 0.1 and summary.samples_per_s is not None
 
 
+def test_a_run_without_mfu_says_why():
+    """A CPU run's summary said MFU "n/a" and a one-step run's samples/s "n/a", with no reason."""
+    from types import SimpleNamespace
+
+    from redline.hardware.catalog import find_gpu
+    from redline.train.throughput import UNTIMED
+
+    task, clock = tiny_task(), FakeClock()
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    meter = Throughput(rt, task, clock=clock)
+    meter.first_step_done(inputs, targets, model)
+    assert meter.totals().mfu_note == UNTIMED  # the first step alone
+    meter.count(16, 0)
+    clock.now += 0.1
+    meter.first_step_done(inputs, targets, model)
+    figures = meter.totals()
+    assert (figures.mfu, figures.mfu_note) == (None, "no datasheet peak for a CPU")
+    gpu = SimpleNamespace(device=torch.device("cuda"), facts=SimpleNamespace(name="NVIDIA Imaginary 9000"),
+                          precision=SimpleNamespace(name="bf16-mixed"))  # fmt: skip
+    meter.rt = gpu  # type: ignore[assignment]
+    assert meter._no_mfu(None, 1e9) == "unknown GPU: NVIDIA Imaginary 9000"
+    h100 = find_gpu("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and meter._no_mfu(h100, None) == "the step's FLOPs could not be counted"
+
+
 @pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])
 def test_a_stalled_matmul_peak_is_measured_again_and_never_reported_above_100_percent(monkeypatch, peaks, expected):
     task, clock = tiny_task(), FakeClock()

@@ -41,6 +41,7 @@ from redline.train.output import check_run_files
 from redline.train.resume import refuse_before_launch
 from redline.train.signals import ResultsSkipped
 from redline.train.summary import TrainSummary
+from redline.train.throughput import UNTIMED
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
 
@@ -302,14 +303,15 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         ("final loss", "n/a" if summary.final_loss is None else f"{summary.final_loss:.4f} (mean of the last steps)"),
         (
             "samples/s",
-            "n/a"
+            f"n/a ({UNTIMED})"
             if summary.samples_per_s is None
             else f"{summary.samples_per_s:,.0f} (training steps after the first{stretch})",
         ),
     ]
     if summary.tokens_per_s:
         rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
-    rows.append(("MFU", f"{_share(summary.mfu)} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else "n/a"))
+    no_mfu = f"n/a ({summary.mfu_note})" if summary.mfu_note else "n/a"  # a summary.json from before the note: none
+    rows.append(("MFU", f"{_share(summary.mfu)} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else no_mfu))
     if summary.measured_peak_ratio is not None:
         rows.append(("of measured matmul peak", _share(summary.measured_peak_ratio)))
     rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{stretch}{_spent(summary)}"))

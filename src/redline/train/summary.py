@@ -42,6 +42,7 @@ class TrainSummary:
     mfu: float | None
     mfu_peak_tflops: float | None
     measured_peak_ratio: float | None
+    mfu_note: str | None  # why mfu is None (no datasheet peak for the device, an unknown GPU, no step timed)
     skipped_steps: int
     oom_recoveries: list[dict[str, Any]]  # each out-of-memory --micro-batch auto recovered from (step, sizes, where)
     stopped: str
@@ -121,6 +122,7 @@ def summarize(
         mfu=figures.mfu,
         mfu_peak_tflops=figures.peak_tflops,
         measured_peak_ratio=figures.measured_peak_ratio,
+        mfu_note=figures.mfu_note,
         skipped_steps=rt.skipped_steps,
         oom_recoveries=[recovery(e) for e in rt.oom_events],
         stopped=run.stopped,

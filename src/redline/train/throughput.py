@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.hardware.catalog import find_gpu, peak_tflops
+from redline.hardware.catalog import GPUSpec, find_gpu, peak_tflops
 from redline.hardware.flops import count_train_flops, mfu, share_of_peak
 from redline.hardware.memory import WindowPeak
 from redline.runtime.contract import count_samples
@@ -30,6 +30,10 @@ class Figures:
     mfu: float | None  # achieved FLOP/s over the datasheet's dense peak; None on a CPU or unknown GPU
     peak_tflops: float | None
     measured_peak_ratio: float | None  # achieved FLOP/s over a matmul measured on this device
+    mfu_note: str | None = None  # why ``mfu`` is None, as the summary says it
+
+
+UNTIMED = "no step after the first, which warms up and is not timed"  # why a run of one step has no rates
 
 
 class Throughput:
@@ -135,7 +139,7 @@ class Throughput:
         self._sync()
         elapsed = self.timed_s()
         if not self.steps or elapsed <= 0:
-            return Figures(None, None, self.flops_per_step, None, None, None)
+            return Figures(None, None, self.flops_per_step, None, None, None, mfu_note=UNTIMED)
         # Per device: the MFU of one device equals the job's when every rank runs an equal share. The FLOPs are the
         # samples the timed steps ran, so a short batch counted first, or short batches timed, weigh what they ran.
         flops = self._flops_per_sample * self.samples if self._flops_per_sample and self.samples else None
@@ -158,7 +162,19 @@ class Throughput:
             mfu=mfu(achieved, peak) if achieved is not None else None,
             peak_tflops=peak,
             measured_peak_ratio=measured,
+            mfu_note=None if peak is not None and achieved is not None else self._no_mfu(spec, flops),
         )
+
+    def _no_mfu(self, spec: GPUSpec | None, flops: float | None) -> str:
+        """Why the run has no MFU: no datasheet peak for its device and precision, or no FLOPs counted."""
+        device, precision = self.rt.device.type, self.rt.precision.name
+        if device != "cuda":
+            return f"no datasheet peak for {'a CPU' if device == 'cpu' else device.upper()}"
+        if spec is None:
+            return f"unknown GPU: {self.rt.facts.name}"
+        if flops is None:
+            return "the step's FLOPs could not be counted"
+        return f"no datasheet peak for {precision} on {spec.name}"
 
     def _sync(self) -> None:
         if self.rt.device.type == "cuda":
