@@ -47,8 +47,9 @@ def test_another_versions_checkpoints_are_counted_before_a_run_mixes_its_own_wit
     with pytest.raises(ConfigError) as raised:
         trainer(tmp_path, 4).fit()
     assert str(raised.value) == (
-        f"out_dir={str(tmp_path)!r} holds an earlier run's checkpoints (the newest at step 2, written by another "
-        "version of redline); a new run there would mix its checkpoints and logs with that run's\nhint: continue "
-        f"that run with the version of redline that wrote it, or pass another --out; to start over, delete {root}"
+        f"out_dir={str(tmp_path)!r} is not allowed; expected a directory of its own: it holds an earlier run's "
+        "checkpoints (the newest at step 2, written by another version of redline), and a new run there would mix "
+        "its checkpoints and logs with that run's\nhint: continue that run with the version of redline that wrote "
+        f"it, or pass another out_dir=DIR; to start over, delete {root}"
     )
     assert files(tmp_path) == before

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -425,10 +426,27 @@ def test_train_nproc_refuses_an_earlier_runs_checkpoints_before_any_worker_a_res
     launch = ["train", "--task", "tasks.py:make", "--nproc", "2", "--max-restarts", "1", "--out", "run"]
     new = CliRunner().invoke(app, launch)
     assert isinstance(new.exception, ConfigError), new.output
-    assert "holds an earlier run's checkpoints (the newest at step 4)" in str(new.exception)
+    assert "holds a finished run's checkpoints (the newest at step 4, where it ended; stopped: max_steps)" in str(
+        new.exception
+    )
+    assert "hint: to train that run further, pass --resume 'auto' with a larger --max-steps N" in str(new.exception)
     branch = CliRunner().invoke(app, [*launch, "--resume", "run/checkpoints/step-00000002"])  # its steps past 2
     assert isinstance(branch.exception, ConfigError), branch.output
     assert "holds checkpoints past step 2 (at 4)" in str(branch.exception)
+
+
+def test_a_new_run_among_the_checkpoints_of_a_run_that_had_not_ended_says_to_continue_it(tmp_path):
+    with Trainer(mistake(), max_steps=4, checkpoint_every=2, out_dir=tmp_path, progress=False) as trainer:
+        trainer.fit()
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000004")  # as if it were killed after step 2's checkpoint
+    with pytest.raises(ConfigError) as refused:
+        Trainer(mistake(), max_steps=4, out_dir=tmp_path, progress=False).fit()
+    assert str(refused.value) == (
+        f"out_dir={str(tmp_path)!r} is not allowed; expected a directory of its own: it holds an earlier run's "
+        "checkpoints (the newest at step 2), and a new run there would mix its checkpoints and logs with that run's"
+        "\nhint: continue that run with resume='auto', or pass another out_dir=DIR; to start over, delete "
+        f"{tmp_path / 'checkpoints'}"
+    )
 
 
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(tmp_path):
@@ -436,8 +454,8 @@ def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(
         trainer.fit()
     files = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     # before, the new run pruned by step number: its own step 2 went, the earlier run's step 4 stayed for --resume
-    with pytest.raises(ConfigError, match=r"(?s)holds an earlier run's checkpoints \(the newest at step 4\).*hint: .*"
-                       r"--resume auto"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"(?s)holds a finished run's checkpoints \(the newest at step 4, where it "
+                       r"ended; stopped: max_steps\).*hint: .*resume='auto' with a larger max_steps=N"):  # fmt: skip
         Trainer(mistake(), max_steps=2, keep_checkpoints=1, out_dir=tmp_path, progress=False).fit()
     assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
     with Trainer(mistake(), max_steps=6, out_dir=tmp_path, progress=False, resume="auto") as trainer:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
 from redline.checkpoint.loadable import load_safely
-from redline.errors import ConfigError, DeviceUnavailableError
+from redline.errors import ConfigError, DeviceUnavailableError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import gather_objects, run_on_rank0
 from redline.parallel.env import DistEnv
@@ -191,14 +191,35 @@ def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list
 
 def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError:
     """The error of a new run in an out_dir whose checkpoints under ``root`` go up to step ``newest``; where
-    ``other_version`` wrote that one, --resume auto stops there: only the version that wrote it goes on."""
+    ``other_version`` wrote that one, --resume auto stops there: only the version that wrote it goes on. A run that
+    ended there (its checkpoint's ``stopped``) is said to be finished: --resume auto alone would train no step."""
     written = ", written by another version of redline" if other_version else ""
-    go_on = "the version of redline that wrote it" if other_version else "--resume auto (resume='auto')"
-    return ConfigError(
-        f"out_dir={str(root.parent)!r} holds an earlier run's checkpoints (the newest at step {newest}{written}); a "
-        f"new run there would mix its checkpoints and logs with that run's\nhint: continue that run with {go_on}, or "
-        f"pass another --out; to start over, delete {root}"
-    )
+    ended = "" if other_version else _ended_at(checkpoint.step_dir(root, newest))
+    if ended:
+        further = "a larger max_steps=N or max_epochs=N"
+        if ended == "early stopping":
+            further = "more early stopping patience (or none)"
+        held = f"a finished run's checkpoints (the newest at step {newest}, where it ended; stopped: {ended})"
+        hint = f"to train that run further, pass resume='auto' with {further}; for a new run, pass another out_dir=DIR"
+    else:
+        held = f"an earlier run's checkpoints (the newest at step {newest}{written})"
+        go_on = "the version of redline that wrote it" if other_version else "resume='auto'"
+        hint = f"continue that run with {go_on}, or pass another out_dir=DIR"
+    return invalid(
+        "out_dir", str(root.parent),
+        f"a directory of its own: it holds {held}, and a new run there would mix its checkpoints and logs with "
+        "that run's", f"{hint}; to start over, delete {root}",
+    )  # fmt: skip
+
+
+def _ended_at(found: Path) -> str:
+    """Why the run whose checkpoint is ``found`` ended there (its ``stopped``: max_steps, epochs, early stopping), or
+    "" where it went on, a signal stopped it, or its state cannot be read."""
+    try:
+        stopped = load_safely(found / "extra.pt", "cpu").get("stopped") or ""
+    except (CheckpointError, OSError, RuntimeError, EOFError):  # a layout without extra.pt, or a damaged one
+        return ""
+    return "" if not isinstance(stopped, str) or stopped.startswith("signal") else stopped
 
 
 def _repaired_steps(root: Path) -> tuple[list[int], list[int]]:
