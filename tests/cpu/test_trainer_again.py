@@ -214,7 +214,9 @@ def test_an_out_of_memory_in_evaluation_is_an_error_that_says_so_not_torchs_trac
     assert message.startswith("evaluation at step 2: the device ran out of memory: ")
     assert "evaluation runs val_data in batches of 8 without gradients" in message
     assert "--micro-batch does not split evaluation" in message and "step-00000002" in message, "the steps are kept"
-    assert message.endswith("then run the same command with --resume auto"), "micro-batches split no evaluation"
+    assert message.endswith("then run the same command with --resume auto (in Python: resume='auto')"), (
+        "micro-batches split no evaluation"
+    )
 
 
 class FailsInTheSecondBatchOfAStep(nn.Module):

@@ -185,7 +185,7 @@ def test_an_evaluation_that_raises_is_run_again_by_the_resume_the_error_asks_for
     broken[0] = True
     with pytest.raises(TrainingError, match=rf"evaluation at step {steps[0]}") as e:
         trainer(tmp_path / "run", with_val(), max_steps=20, eval_every=eval_every).fit()
-    assert "then run the same command with --resume auto" in str(e.value)
+    assert "then run the same command with --resume auto (in Python: resume='auto')" in str(e.value)
     broken[0] = False
     assert trainer(tmp_path / "run", with_val(), max_steps=20, eval_every=eval_every, resume="auto").fit().steps == 20
     assert evaluated(tmp_path / "run") == evaluated(tmp_path / "unbroken") == steps

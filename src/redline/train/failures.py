@@ -80,8 +80,12 @@ def check_finite(losses: list[float], first_step: int, last: Checkpoint | None) 
             )
 
 
-def kept_note(saved: str, resume: str = "then run the same command with --resume auto") -> str:
-    """What a failure's message adds when the steps before it are saved in ``saved``; ``resume`` says how on."""
+RESUME_AGAIN = "then run the same command with --resume auto (in Python: resume='auto')"
+
+
+def kept_note(saved: str, resume: str = RESUME_AGAIN) -> str:
+    """What a failure's message adds when the steps before it are saved in ``saved``; ``resume`` says how on (a
+    failure is said in the command line's words, as refusals are, and the Python argument beside them)."""
     return f"; the steps so far are saved in {saved}: {resume}"
 
 
