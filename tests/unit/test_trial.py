@@ -411,11 +411,16 @@ def test_the_trainer_runs_with_the_measured_choice_and_a_resumed_run_keeps_it(tm
         Trainer(tiny_task(), trial="sometimes")
 
 
-def test_the_rates_cover_training_steps_only_and_evaluation_checkpoints_and_callbacks_are_counted_apart():
+def cpu_run() -> tuple[Task, FakeClock, Runtime, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny task set up on a CPU Runtime in fp32, a fake clock for its meter, and a batch of 16 of its samples."""
     task, clock = tiny_task(), FakeClock()
     rt = Runtime(devices="cpu", precision="fp32")
     model, _ = rt.setup(task.build_model(), task.optimizer)
-    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    return task, clock, rt, model, (task.train_data.tensors[0][:16], task.train_data.tensors[1][:16])
+
+
+def test_the_rates_cover_training_steps_only_and_evaluation_checkpoints_and_callbacks_are_counted_apart():
+    task, clock, rt, model, (inputs, targets) = cpu_run()
     meter = Throughput(rt, task, clock=clock)
     with meter.excluded("eval"):  # before the first step is done: counted, but nothing to leave out yet
         clock.now += 3.0
@@ -438,10 +443,7 @@ def test_the_rates_cover_training_steps_only_and_evaluation_checkpoints_and_call
 def test_a_compile_inside_a_later_training_step_is_left_out_of_the_rates():
     # An automatic compile's check compiles at step 19 (runtime/compile_check.py): its seconds are the summary's
     # compile_seconds, not step time.
-    task, clock = tiny_task(), FakeClock()
-    rt = Runtime(devices="cpu", precision="fp32")
-    model, _ = rt.setup(task.build_model(), task.optimizer)
-    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    task, clock, rt, model, (inputs, targets) = cpu_run()
     first = CompileRecord()
     first.add(20.0, "", training=True)  # the first step's compile: before the meter starts
     rt._compile_records.append(first)
@@ -463,10 +465,7 @@ def test_a_compile_inside_a_later_training_step_is_left_out_of_the_rates():
 def test_the_log_windows_time_their_steps_as_the_summary_does():
     # A compiled run logged 64 samples/s for its first window (a step time of 1,003 ms: the compile and the first
     # step's warm-up), then 16,000, and its summary said 14,436: each window now leaves out what the summary does.
-    task, clock = tiny_task(), FakeClock()
-    rt = Runtime(devices="cpu", precision="fp32")
-    model, _ = rt.setup(task.build_model(), task.optimizer)
-    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    task, clock, rt, model, (inputs, targets) = cpu_run()
     first = CompileRecord()
     first.add(8.0, "", training=True)  # the first step's compile
     rt._compile_records.append(first)
@@ -492,13 +491,11 @@ def test_the_log_windows_time_their_steps_as_the_summary_does():
 
 
 def test_a_window_of_the_first_step_alone_has_no_rate_as_the_summary_has_none():
-    task, clock = tiny_task(), FakeClock()
-    rt = Runtime(devices="cpu", precision="fp32")
-    model, _ = rt.setup(task.build_model(), task.optimizer)
+    task, clock, rt, model, (inputs, targets) = cpu_run()
     meter = Throughput(rt, task, clock=clock)
     meter.count(16, 0)
     clock.now += 0.5
-    meter.first_step_done(task.train_data.tensors[0][:16], task.train_data.tensors[1][:16], model)
+    meter.first_step_done(inputs, targets, model)
     rates = meter.window()
     assert (rates["samples_per_s"], rates["tokens_per_s"], rates["step_time_ms"]) == (None, None, None)
     assert meter.totals().samples_per_s is None
@@ -532,10 +529,7 @@ def test_a_run_without_mfu_says_why():
     from redline.hardware.catalog import find_gpu
     from redline.train.throughput import UNTIMED
 
-    task, clock = tiny_task(), FakeClock()
-    rt = Runtime(devices="cpu", precision="fp32")
-    model, _ = rt.setup(task.build_model(), task.optimizer)
-    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    task, clock, rt, model, (inputs, targets) = cpu_run()
     meter = Throughput(rt, task, clock=clock)
     meter.first_step_done(inputs, targets, model)
     assert meter.totals().mfu_note == UNTIMED  # the first step alone
@@ -554,10 +548,7 @@ def test_a_run_without_mfu_says_why():
 
 @pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])
 def test_a_stalled_matmul_peak_is_measured_again_and_never_reported_above_100_percent(monkeypatch, peaks, expected):
-    task, clock = tiny_task(), FakeClock()
-    rt = Runtime(devices="cpu", precision="fp32")
-    model, _ = rt.setup(task.build_model(), task.optimizer)
-    inputs, targets = task.train_data.tensors[0][:16], task.train_data.tensors[1][:16]
+    task, clock, rt, model, (inputs, targets) = cpu_run()
     measured: list[int] = []
 
     def matmul_peak(device, precision, *, blocks=5):
