@@ -5,7 +5,8 @@ optimizer's state (AdamW's: twice the weights) while the others ran, so a trial 
 twice the memory of the run it decides for: on a machine where a bf16 run fit, its trial ran out of memory for
 bf16 and kept fp32. Here one copy at a time holds training state: when its turn ends, a copy lets go of its
 gradients and its optimizer (built anew from the factory when its turn comes again, its state filled in the
-block's untimed settling step) and keeps its weights, on the host where the device is an accelerator.
+block's untimed settling step) and keeps its weights: on the device where it has room for the next copy's training
+(``room_beside``), else on the host.
 """
 
 from __future__ import annotations

@@ -478,7 +478,7 @@ class Trainer:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
         tensor, or the tuple, list or dict of tensors the model returns. An item that is a tuple is read as
         (inputs, targets): a model of several inputs takes items ((a, b),) or ((a, b), targets). A Task's
-        collate_fn batches the items, as in training: they are then as the Task's data holds them."""
+        collate_fn batches (inputs, targets) items, as in training; bare inputs are stacked (``predict_outputs``)."""
         rt, model = self._ready()
         size = self.batch_size if batch_size is None else batch_size
         return predict_outputs(model, rt, data, size, collate_fn=self.task.collate_fn)
