@@ -69,6 +69,29 @@ def test_a_flag_the_command_lacks_is_refused_with_the_nearest_flags(args, said):
     assert refusal(*args) == said
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["trian"], "trian is not a command of `redline`\nhint: did you mean `redline train`? (its commands are "
+                    "train, bench, tune, profile, memory, doctor, report, launch, loadtest, predict, serve)"),
+        (["--verison"], "--verison is not a flag of `redline`\nhint: did you mean --version? (`redline --help` "
+                        "lists its flags and commands)"),
+        (["--bogus", "train"], "--bogus is not a flag of `redline`\nhint: `redline --help` lists its flags and "
+                               "commands"),
+    ],
+)  # fmt: skip
+def test_a_command_or_flag_redline_lacks_is_refused_with_the_nearest(args, said):
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == said
+
+
+def test_a_command_near_no_command_is_refused_with_the_list_of_commands():
+    result = CliRunner().invoke(app, ["frobnicate", "--task", "x"])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith("frobnicate is not a command of `redline`\nhint: its commands are train")
+
+
 def test_the_console_prints_a_value_refusal_as_one_error_line_and_exits_2():
     result = subprocess.run(
         [sys.executable, "-m", "redline", "serve", "example:digits", "--port", "http"],

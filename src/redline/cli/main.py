@@ -135,14 +135,34 @@ _USAGE_ERROR: type[Exception] = next(kind for kind in typer.BadParameter.__mro__
 
 def unknown_flag(flag: str, command: Any, name: str) -> ConfigError:
     """Say a flag the command does not have as every refusal is said, with its nearest flags as the fix (the
-    parser's own guess named any flag sharing a letter: ``--bogus``, "Possible options: --out")."""
+    parser's own guess named any flag sharing a letter: ``--bogus``, "Possible options: --out").
+
+    ``name`` is the subcommand's, or empty for redline's own flags (``redline --verison``).
+    """
     names = [opt for param in command.params for opt in (*param.opts, *param.secondary_opts)]  # --no-progress too
     flags = {opt.lstrip("-"): opt for opt in names if opt.startswith("--")}
     # compared without their dashes, which every flag shares: "--bogus" is then near no flag, not "--out"
     nearest = [flags[word] for word in difflib.get_close_matches(flag.lstrip("-"), sorted(flags), n=3, cutoff=0.6)]
-    listed = f"`redline {name} --help` lists its flags"
+    called = f"redline {name}" if name else "redline"
+    listed = f"`{called} --help` lists its flags" if name else "`redline --help` lists its flags and commands"
     hint = f"did you mean {' or '.join(nearest)}? ({listed})" if nearest else listed
-    return ConfigError(f"{flag} is not a flag of `redline {name}`\nhint: {hint}")
+    return ConfigError(f"{flag} is not a flag of `{called}`\nhint: {hint}")
+
+
+def unknown_command(name: str) -> ConfigError:
+    """Say a command redline does not have as every refusal is said, with the nearest commands as the fix."""
+    nearest = [f"`redline {near}`" for near in difflib.get_close_matches(name, sorted(SUBCOMMANDS), n=3, cutoff=0.6)]
+    listed = f"its commands are {', '.join(SUBCOMMANDS)}"
+    hint = f"did you mean {' or '.join(nearest)}? ({listed})" if nearest else listed
+    return ConfigError(f"{name} is not a command of `redline`\nhint: {hint}")
+
+
+def refused_usage(error: Exception, command: Any, name: str) -> ConfigError | None:
+    """A flag the command lacks (the parser's NoSuchOption) said as every refusal is; None for other usage errors."""
+    flag = getattr(error, "option_name", None)
+    if type(error).__name__ != "NoSuchOption" or not isinstance(flag, str):
+        return None
+    return unknown_flag(flag, command, name)
 
 
 # The packages of redline's extras (pyproject.toml), by the extra that installs each.
@@ -187,10 +207,10 @@ class LazyCommand(TyperCommand):
         except typer.BadParameter as error:  # a value the parser cannot read (--epochs ten): said as any refusal
             raise unparsed(error) or error from None
         except _USAGE_ERROR as error:  # a misspelt flag: said as any refusal, with the nearest flags
-            flag = getattr(error, "option_name", None)
-            if type(error).__name__ != "NoSuchOption" or not isinstance(flag, str):
+            refused = refused_usage(error, command, info_name or self.name or "")
+            if refused is None:
                 raise
-            raise unknown_flag(flag, command, info_name or self.name or "") from None
+            raise refused from None
 
 
 class LazyGroup(TyperGroup):
@@ -200,6 +220,23 @@ class LazyGroup(TyperGroup):
         super().__init__(**attrs)
         for name, spec in SUBCOMMANDS.items():
             self.add_command(LazyCommand(name, spec))
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _USAGE_ERROR as error:  # redline's own flags (--version alone): a misspelt one as any refusal
+            refused = refused_usage(error, self, "")
+            if refused is None:
+                raise
+            raise refused from None
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        # A command redline lacks (`redline trian`), said as any refusal with the nearest commands; the parser
+        # said it in its usage message, unlike every other refusal.
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in SUBCOMMANDS:
+            raise unknown_command(name)
+        return super().resolve_command(ctx, args)
 
 
 app = typer.Typer(
