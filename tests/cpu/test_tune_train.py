@@ -163,8 +163,10 @@ def test_auto_takes_a_cached_tuned_plan_unless_an_axis_was_chosen():
     assert mine.plan.grad_accum.value == 1 and "tuned" not in json.dumps(mine.plan.to_dict())
 
 
-def test_tune_measures_the_axes_and_caches_what_train_then_runs():
+def test_tune_measures_the_axes_and_caches_what_train_then_runs(monkeypatch):
     task = mlp_task()
+    lookups = iter(range(1000))  # torch's on-disk caches served every compile, as on a machine that compiled it before
+    monkeypatch.setattr("redline.bench.tune.cache_lookups", lambda: (next(lookups), 0))
     tuned, path = tune(task, devices="cpu", budget_s=60, planned_steps=100, steps=4, window=2)
     assert path.endswith(".json")
     searched = {"compile", "grad_accum"}  # an MLP on in-memory tensors; precision too where bf16 is fast
@@ -172,6 +174,11 @@ def test_tune_measures_the_axes_and_caches_what_train_then_runs():
     assert tuned.reasons["channels_last"].startswith("not searched here: the model has no 2-d convolution")
     assert all(t.step_s is not None and t.step_s > 0 for t in tuned.trials if not t.rejected)
     assert {t.candidate.compile for t in tuned.trials} == {False, True}
+    # such a compile is said to be one (a machine that never compiled the model pays a cold one)
+    assert all(t.compile_cached is t.candidate.compile for t in tuned.trials if not t.rejected)
+    assert re.search(
+        r"compiled \(default\): [\d.]+ ms/step \+ [\d.]+ s compile \(cached on disk\)", tuned.reasons["compile"]
+    )
     summary = Trainer(task, TrainerConfig(max_steps=2, plan="tuned", progress=False)).fit()
     assert summary.plan.precision.value == tuned.best.precision
     assert summary.plan.compile.value is tuned.best.compile

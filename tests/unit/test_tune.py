@@ -41,6 +41,20 @@ def test_a_compile_is_chosen_only_for_a_run_long_enough_to_repay_it():
     assert long == COMPILED and why_long.startswith("compile on, 1.61x less time for 100000 steps")
 
 
+def test_a_compile_the_on_disk_caches_served_is_said_to_be_one_and_kept_in_the_cache(tmp_path, monkeypatch):
+    warm = Trial(COMPILED, 0.006, compile_s=0.3, compile_cached=True)
+    _, why = decide("compile", [Trial(EAGER, 0.010), warm], planned=1000)
+    assert "compiled (default): 6 ms/step + 0.3 s compile (cached on disk) = 6.3 s" in why
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    tuned = dataclasses.replace(tuned_plan(), trials=(Trial(EAGER, 0.010), warm))
+    path = Path(store_tuned("fingerprint", AMX_CPU, tuned))
+    assert load_tuned("fingerprint", AMX_CPU, 8) == tuned
+    data = json.loads(path.read_text())
+    del data["trials"][1]["compile_cached"]  # a tune made before the mark: its compiles are not said to be cached
+    path.write_text(json.dumps(data))
+    assert load_tuned("fingerprint", AMX_CPU, 8).trials[1].compile_cached is False
+
+
 def test_a_slow_candidates_step_is_told_in_whole_milliseconds_not_in_e_notation():
     _, reason = decide("precision", [Trial(Candidate(), 2.6624), Trial(Candidate(precision="bf16-mixed"), 0.0421)], 10)
     assert "fp32, eager: 2,662 ms/step = 26.6 s" in reason and "42.1 ms/step" in reason and "e+" not in reason
@@ -236,6 +250,10 @@ def best_with(**settings):
         (
             lambda data: {**data, "trials": [{"candidate": {"compile": 1}}]},
             "trial 1's candidate's 'compile' is 1, not true or false",
+        ),
+        (
+            lambda data: {**data, "trials": [{"candidate": {}, "compile_cached": "yes"}]},
+            "trial 1's 'compile_cached' is \"yes\", not true or false",
         ),
         (
             lambda data: {**data, "trials": [{"candidate": {}, "step_s": "1"}]},

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from redline.bench.compile_cache import cache_lookups, served_from_cache
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, ran_eagerly, runtime_runner
 from redline.bench.matrix import Setting
@@ -379,8 +380,10 @@ def _measure(
             runner = runtime_runner(
                 task, setting, seed=seed, planned_steps=planned, options=options, measured=_PICK_OWN
             )  # a candidate with torch's pick runs it (the other kernels are candidates of their own)
+            lookups = cache_lookups()
             with quiet_failed_ops():  # the warm-up compiles
                 runner.run(window)
+            runner.compile_cached = served_from_cache(lookups, cache_lookups())
         except RedlineError:
             raise
         except Exception as exc:  # a setting this machine cannot run
@@ -395,7 +398,7 @@ def _measure(
     timed = time_runners(runners, window, timed_steps(steps, window) // window, left)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
-    compiles: dict[Candidate, float] = {}  # a graph's compile seconds, by what shapes the graph
+    compiles: dict[Candidate, tuple[float, bool]] = {}  # a graph's compile (seconds, from the on-disk caches)
     for index, candidate in enumerate(candidates):
         if index in failed:
             trials.append(Trial(candidate, None, rejected=failed[index]))
@@ -406,8 +409,9 @@ def _measure(
         per_s = rate(windows, window)  # optimizer steps per second (a runner's step is all its micro-batches)
         step_s = 1 / per_s if per_s and not error else None
         graph = dataclasses.replace(candidate, loader_workers=None)
-        compile_s = compiles.setdefault(graph, runner.compile_seconds() or 0.0) if candidate.compile else 0.0
-        trials.append(Trial(candidate, step_s, compile_s, error or _departure(runner, reference)))
+        paid = (runner.compile_seconds() or 0.0, bool(runner.compile_cached))
+        compile_s, cached = compiles.setdefault(graph, paid) if candidate.compile else (0.0, False)
+        trials.append(Trial(candidate, step_s, compile_s, error or _departure(runner, reference), cached))
     return trials
 
 
@@ -428,7 +432,9 @@ def _told(trial: Trial, planned: int) -> str:
     if trial.rejected:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
-    compile_ = f" + {trial.compile_s:.1f} s compile" if trial.candidate.compile else ""
+    # a compile torch's on-disk caches served costs a machine that never compiled the model more
+    cached = " (cached on disk)" if trial.compile_cached else ""
+    compile_ = f" + {trial.compile_s:.1f} s compile{cached}" if trial.candidate.compile else ""
     return f"{label}: {_figure(trial.step_s * 1e3)} ms/step{compile_} = {_figure(trial.total_s(planned))} s"
 
 
