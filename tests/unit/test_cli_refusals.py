@@ -70,6 +70,25 @@ def test_a_flag_the_command_lacks_is_refused_with_the_nearest_flags(args, said):
 
 
 @pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        # the nearest spelling of each, the flag without its no-, would turn on what was asked off
+        (["train", "--no-json"], "--json is a switch, off unless given: leave it out"),
+        (["train", "--no-compile"], "did you mean --compile off?"),
+        (["train", "--no-trial"], "did you mean --trial off?"),
+        (["serve", "--no-cuda-graphs"], "did you mean --cuda-graphs off?"),
+        (["train", "--no-out"], "--out takes a value: leave it out for its default"),
+        # a field's name, as the README lists EarlyStopping's, finds its prefixed flag
+        (["train", "--patience", "3"], "did you mean --early-stopping-patience?"),
+        (["train", "--monitor", "val_loss"], "did you mean --early-stopping-monitor?"),
+    ],
+)  # fmt: skip
+def test_a_flag_asked_off_or_by_its_fields_name_is_told_the_flag_that_does_it(args, hint):
+    said = refusal(*args)
+    assert said.startswith(f"{args[1]} is not a flag of `redline {args[0]}`\nhint: {hint} (`redline {args[0]} --help`")
+
+
+@pytest.mark.parametrize(
     ("args", "said"),
     [
         (["trian"], "trian is not a command of `redline`\nhint: did you mean `redline train`? (its commands are "

@@ -12,6 +12,7 @@ import gc
 import importlib
 import logging
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -139,14 +140,39 @@ def unknown_flag(flag: str, command: Any, name: str) -> ConfigError:
 
     ``name`` is the subcommand's, or empty for redline's own flags (``redline --verison``).
     """
-    names = [opt for param in command.params for opt in (*param.opts, *param.secondary_opts)]  # --no-progress too
-    flags = {opt.lstrip("-"): opt for opt in names if opt.startswith("--")}
-    # compared without their dashes, which every flag shares: "--bogus" is then near no flag, not "--out"
-    nearest = [flags[word] for word in difflib.get_close_matches(flag.lstrip("-"), sorted(flags), n=3, cutoff=0.6)]
     called = f"redline {name}" if name else "redline"
     listed = f"`{called} --help` lists its flags" if name else "`redline --help` lists its flags and commands"
+    turned_off = _turned_off(flag, command)
+    if turned_off:
+        return ConfigError(f"{flag} is not a flag of `{called}`\nhint: {turned_off} ({listed})")
+    names = [opt for param in command.params for opt in (*param.opts, *param.secondary_opts)]  # --no-progress too
+    flags = {opt.lstrip("-"): opt for opt in names if opt.startswith("--")}
+    word = flag.lstrip("-")
+    # a field's name for its prefixed flag (--patience, --early-stopping-patience), then the near spellings,
+    # compared without their dashes, which every flag shares: "--bogus" is then near no flag, not "--out"
+    ending = [opt for key, opt in sorted(flags.items()) if key.endswith(f"-{word}")]
+    near = [flags[key] for key in difflib.get_close_matches(word, sorted(flags), n=3, cutoff=0.6)]
+    nearest = list(dict.fromkeys([*ending, *near]))[:3]
     hint = f"did you mean {' or '.join(nearest)}? ({listed})" if nearest else listed
     return ConfigError(f"{flag} is not a flag of `{called}`\nhint: {hint}")
+
+
+def _turned_off(flag: str, command: Any) -> str:
+    """How to have off what ``--no-X`` asks off where ``--X`` has no such side: ``--X off`` for a flag taking off,
+    else leaving ``--X`` out (its nearest spelling, ``--X`` itself, would turn on what was asked off); "" where
+    the command has no ``--X``."""
+    if not flag.startswith("--no-"):
+        return ""
+    positive = "--" + flag.removeprefix("--no-")
+    param = next((param for param in command.params if positive in param.opts), None)
+    if param is None:
+        return ""
+    if getattr(param, "is_flag", False):
+        return f"{positive} is a switch, off unless given: leave it out"
+    takes = f"{param.metavar or ''} {param.help or ''}"
+    if re.search(r"\boff\b", takes):
+        return f"did you mean {positive} off?"
+    return f"{positive} takes a value: leave it out for its default"
 
 
 def unknown_command(name: str) -> ConfigError:
