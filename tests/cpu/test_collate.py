@@ -113,7 +113,7 @@ def test_predict_names_the_collate_fn_when_it_cannot_batch_the_items_given():
         with pytest.raises(redline.TrainingError, match=r"predict batches the items with the Task's collate_fn"):
             trainer.predict([(torch.tensor([1, 2, 3]), "a"), (torch.tensor([4, 5]), "b")])  # labels pad cannot stack
         # token ids alone, of two lengths: stacked, as the collate_fn (written for pairs) could not read them
-        with pytest.raises(redline.TrainingError, match=r"give predict such pairs"):
+        with pytest.raises(redline.TrainingError, match=r"holds, \(inputs, targets\) pairs: give predict such items"):
             trainer.predict([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
 
 
@@ -134,6 +134,60 @@ def test_predict_stacks_bare_inputs_of_a_task_whose_collate_fn_takes_pairs():
         ids = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8])]
         assert trainer.predict(ids).shape == (2, 2)  # stacked, as before the collate_fn was used
         assert trainer.predict(data, batch_size=4).shape == (16, 2)  # pairs of two lengths: padded by it
+
+
+def masked(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([features * mask for features, mask, _ in items]), torch.stack([label for *_, label in items])
+
+
+def test_predict_batches_items_of_three_with_the_tasks_collate_fn():
+    """Items that were no pair were stacked without it: the model got the unmasked features, with no warning."""
+    gen = torch.Generator().manual_seed(0)
+    features, masks = torch.randn(32, 4, generator=gen), (torch.rand(32, 4, generator=gen) > 0.5).float()
+    items = list(zip(features, masks, torch.randint(0, 2, (32,), generator=gen), strict=True))
+    task = redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=items,
+                        val_data=items[:16], collate_fn=masked, batch_size=8)  # fmt: skip
+    with redline.Trainer(task, quiet_config(max_steps=2)) as trainer:
+        trainer.fit()
+        predicted = trainer.predict(task.val_data)
+        assert trainer.model is not None
+        with torch.no_grad():
+            expected = trainer.model(masked(items[:16])[0])
+        assert trainer.predict(features[:5]).shape == (5, 2)  # bare features: stacked, as the docs say
+    torch.testing.assert_close(predicted, expected)
+
+
+class Tokens(Dataset):  # type: ignore[type-arg]
+    """The Sentences' items as dicts, as a tokenizer's datasets give them."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.sentences = Sentences(count, seed)
+
+    def __len__(self) -> int:
+        return len(self.sentences)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, label = self.sentences[index]
+        return {"ids": ids, "label": label}
+
+
+def pad_dicts(items: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return pad([(item["ids"], item["label"]) for item in items])
+
+
+def test_predict_batches_dict_items_with_the_tasks_collate_fn():
+    """Dict items were stacked without the collate_fn: 'stack expects each tensor to be equal size', hinting at
+    predict(val_data), the very call that failed."""
+    task = dataclasses.replace(sentences_task(), train_data=Tokens(32, 0), val_data=Tokens(16, 1), collate_fn=pad_dicts)
+    with redline.Trainer(task, quiet_config(max_steps=1)) as trainer:
+        trainer.fit()
+        predicted = trainer.predict(task.val_data, batch_size=16)
+        assert trainer.model is not None
+        with torch.no_grad():
+            expected = trainer.model(pad_dicts([task.val_data[i] for i in range(16)])[0])
+        with pytest.raises(redline.TrainingError, match=r"holds, dicts of 'ids', 'label': give predict such items"):
+            trainer.predict([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])  # bare ids of two lengths: stacked
+    torch.testing.assert_close(predicted, expected)
 
 
 class PerToken(nn.Module):

@@ -266,9 +266,9 @@ def _check_data(name: str, data: object, *, collated: bool = False) -> None:
         return  # a stream: no length to check
     if isinstance(data, str | bytes | os.PathLike):
         hint = "load the file into a Dataset first, e.g. torch.utils.data.TensorDataset(inputs, targets)"
-    elif _is_array(data):
+    elif is_array(data):
         hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
-    elif isinstance(data, tuple | list) and data and _is_array(data[0]) and not collated:
+    elif isinstance(data, tuple | list) and data and is_array(data[0]) and not collated:
         # its items are the samples, each a tensor alone, no pair: (inputs, targets) given as they are, most often
         shown = _Kind(f"{type(data).__name__} of {len(data)} {type(data[0]).__name__}s")
         hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
@@ -286,7 +286,7 @@ def _check_data(name: str, data: object, *, collated: bool = False) -> None:
         raise invalid(f"len({name})", 0, "at least one item", f"check how {name} is built: it holds no samples")
 
 
-def _is_array(value: object) -> bool:
+def is_array(value: object) -> bool:
     """Whether ``value`` is a tensor or an array (NumPy's, or another with a shape and a dtype)."""
     return isinstance(value, torch.Tensor) or (hasattr(value, "shape") and hasattr(value, "dtype"))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
 from redline.config import positive_int
 from redline.errors import TaskError, describe_error, invalid
@@ -19,7 +19,8 @@ from redline.runtime.contract import check_loss, count_samples, describe, metric
 from redline.runtime.loading import read_batches
 from redline.runtime.oom import is_oom
 from redline.runtime.runtime import Runtime
-from redline.task import CollateFn, Task
+from redline.task import Task
+from redline.task.definition import is_array
 from redline.train.data import eval_loader
 from redline.train.failures import EvaluationOutOfMemory
 
@@ -99,27 +100,28 @@ def _numpy_read(value: Any) -> Any:
 
 
 @torch.no_grad()
-def predict_outputs(
-    model: nn.Module, rt: Runtime, data: Any, batch_size: int, collate_fn: CollateFn | None = None
-) -> Any:
+def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int, task: Task | None = None) -> Any:
     """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU.
 
     A model that returns a tensor gives one tensor; one that returns a tuple, list or dict of them
     (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
     Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
-    ``collate_fn`` (the Task's) batches items given as the Task's data holds them, (inputs, targets) pairs; bare
-    inputs (a model's one input, or ``((a, b),)``) are stacked as a DataLoader stacks them, as the collate_fn
-    written for pairs could not read them.
+    The ``task``'s collate_fn batches the items, as in training, unless they are bare inputs where the Task's
+    data holds other items (``_bare_inputs``): a tensor or array each, or ``(inputs,)`` (``((a, b),)``), which
+    are stacked as a DataLoader stacks them, as a collate_fn written for the Task's items could not read them.
     Outputs that differ in shape beyond the batch axis from one batch to the next cannot be joined: a TaskError
     says so at that batch.
     """
     positive_int("batch_size", batch_size)  # 0 is no batch, not "the default"
     outputs: list[Any] = []
     first: dict[str, tuple[int, ...]] | None = None  # the first batch's output shapes
-    if collate_fn is not None and not _holds_pairs(data):
-        collate_fn, hint = None, PREDICT_BARE_HINT
-    else:
-        hint = PREDICT_COLLATE_HINT if collate_fn is not None else ""
+    collate_fn, hint = task.collate_fn if task is not None else None, ""
+    if task is not None and collate_fn is not None:
+        kinds = _task_item_kinds(task)
+        if _bare_inputs(data, kinds):
+            collate_fn, hint = None, _predict_bare_hint(kinds)
+        else:
+            hint = _predict_collate_hint(kinds)
     with _eval_mode(model):
         for batch in read_batches(eval_loader(data, batch_size=batch_size, collate_fn=collate_fn), hint):
             pair = isinstance(batch, list | tuple)  # (inputs, targets), or (inputs,): items of several inputs nest
@@ -133,26 +135,59 @@ def predict_outputs(
     return _joined(outputs)
 
 
-PREDICT_COLLATE_HINT = (
-    "predict batches the items with the Task's collate_fn, as training does: give items as the Task's data holds "
-    "them (predict(val_data) works), or fix the collate_fn; REDLINE_TRACEBACK=1 prints the whole traceback"
-)
+def _predict_collate_hint(kinds: list[str]) -> str:
+    held = f", {' or '.join(kinds)}" if kinds else ""
+    return (
+        f"predict batches the items with the Task's collate_fn, as training does: give items as the Task's data "
+        f"holds them{held} (predict(val_data) works), or fix the collate_fn; REDLINE_TRACEBACK=1 prints the whole "
+        "traceback"
+    )
 
 
-PREDICT_BARE_HINT = (
-    "predict stacks bare inputs itself; the Task's collate_fn batches (inputs, targets) items: give predict such "
-    "pairs (any targets: predict(val_data) works) to have it batch them"
-)
+def _predict_bare_hint(kinds: list[str]) -> str:
+    held = " or ".join(kinds) if kinds else "items of another kind"
+    return (
+        f"predict stacks bare inputs itself; the Task's collate_fn batches the items its data holds, {held}: give "
+        "predict such items (any targets: predict(val_data) works) to have it batch them"
+    )
 
 
-def _holds_pairs(data: Any) -> bool:
-    """Whether ``data``'s items are (inputs, targets) pairs, as its first item reads; True where it cannot be read
-    without iterating (a stream): the Task's collate_fn then batches it, as it does the Task's own streams."""
+def _bare_inputs(data: Any, kinds: list[str]) -> bool:
+    """Whether ``data``'s items are bare inputs, to stack without the Task's collate_fn, as its first item reads:
+    a tensor or array, or ``(inputs,)``, where the Task's items (their ``kinds``; none known: a stream) are of
+    another kind. Items of the Task's kind, items of a third kind (a pair where the Task holds dicts: its collate_fn
+    is asked, and its failure's hint names the Task's kind), and a stream (read only by iterating) are collated."""
     try:
-        first = data[0] if len(data) else None
+        item = data[0] if len(data) else None
     except Exception:  # no __getitem__ or __len__, or an index it refuses
-        return True
-    return isinstance(first, tuple | list) and len(first) == 2
+        return False
+    if item is None or _item_kind(item) in kinds:
+        return False  # no item (predict refuses the empty data by its length), or one the Task's collate_fn reads
+    return is_array(item) or (isinstance(item, tuple | list) and len(item) == 1)
+
+
+def _task_item_kinds(task: Task) -> list[str]:
+    """The kinds of item the Task's train_data and val_data hold, as their first items read (a stream's unread)."""
+    kinds: list[str] = []
+    for data in (task.train_data, task.val_data):
+        if data is None or isinstance(data, IterableDataset):
+            continue
+        try:
+            kind = _item_kind(data[0])
+        except Exception:  # the dataset's own code; training reads it again, and says so where it fails
+            continue
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def _item_kind(item: Any) -> str:
+    """What kind of item ``item`` is, in words (plural): a collate_fn reads the items of one kind alike."""
+    if isinstance(item, Mapping):
+        return f"dicts of {', '.join(sorted(repr(key) for key in item))}"
+    if isinstance(item, tuple | list):
+        return "(inputs, targets) pairs" if len(item) == 2 else f"tuples of {len(item)}"
+    return "tensors or arrays" if is_array(item) else f"{type(item).__name__} items"
 
 
 def _shapes(output: Any, place: str = "output") -> dict[str, tuple[int, ...]]:

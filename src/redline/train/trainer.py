@@ -478,10 +478,11 @@ class Trainer:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
         tensor, or the tuple, list or dict of tensors the model returns. An item that is a tuple is read as
         (inputs, targets): a model of several inputs takes items ((a, b),) or ((a, b), targets). A Task's
-        collate_fn batches (inputs, targets) items, as in training; bare inputs are stacked (``predict_outputs``)."""
+        collate_fn batches items of the kind the Task's data holds, as in training; bare inputs (a tensor or array
+        each, where the Task's items are pairs, tuples or dicts) are stacked (``predict_outputs``)."""
         rt, model = self._ready()
         size = self.batch_size if batch_size is None else batch_size
-        return predict_outputs(model, rt, data, size, collate_fn=self.task.collate_fn)
+        return predict_outputs(model, rt, data, size, task=self.task)
 
     def _ready(self) -> tuple[Runtime, nn.Module]:
         if self.rt is None or self.model is None:
