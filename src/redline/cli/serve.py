@@ -6,6 +6,8 @@ compile, CUDA graphs) and the model's (SPEC, --weights, --task-arg) are this com
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import Annotated, Any
 
@@ -36,6 +38,8 @@ from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions, check_engine_options
 from redline.serve.servable import as_model_spec, load_servable
 from redline.serve.server import bind, serve
+
+log = logging.getLogger("redline")
 
 
 def _serve(
@@ -107,8 +111,33 @@ def _buckets(text: str) -> str | tuple[int, ...]:
 
 
 def _say(line: str) -> None:
-    print(line, flush=True)  # flushed: a supervisor reading the pipe sees the URL at once
-    sys.stdout.flush()
+    """Print ``line`` on stdout, flushed: a supervisor reading the pipe sees the URL at once.
+
+    Once stdout's reader is gone (it exited: ``| grep -m1 listening``; or stdout was closed), the line is
+    dropped, and so is every later one: they were for that reader alone, and the server serves on.
+    """
+    try:
+        print(line, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError from a pipe whose reader exited; ValueError from a closed file
+        _stdout_to_devnull()
+        log.info("redline serve: stdout's reader is gone; the server serves on, printing nothing more there")
+
+
+def _stdout_to_devnull() -> None:
+    """Send what stdout still buffers, and all it is given from now on, to os.devnull.
+
+    Else Python's flush of stdout at exit fails again, prints "Exception ignored ... BrokenPipeError" and
+    exits 120, after a server that stopped cleanly. The file descriptor is redirected, as Python's docs
+    advise for SIGPIPE: https://docs.python.org/3/library/signal.html#note-on-sigpipe
+    """
+    try:
+        descriptor = sys.stdout.fileno()
+    except (OSError, ValueError):  # closed, or a stream of no file (a test's capture): replaced instead
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (open while the process lives, as stdout)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
 
 
 serve_command = command(_serve, flags(ServeOptions))

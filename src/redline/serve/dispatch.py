@@ -167,7 +167,7 @@ class Dispatcher:
         self.clock = clock
         self.failed: str | None = None  # why the worker stopped for good (its warm-up raised)
         self.error: Exception | None = None  # the exception that stopped it, traceback and all
-        self.on_ready: Callable[[], None] | None = None  # called once the engine is warmed up
+        self.on_ready: Callable[[], None] | None = None  # called once the engine is warmed up (never fatal)
         self.on_failed: Callable[[str], None] | None = None  # called with ``failed`` when the worker gives up
         self._queue: deque[Queued] = deque()
         self._wakeup = asyncio.Event()
@@ -297,8 +297,7 @@ class Dispatcher:
         try:
             if not getattr(self.engine, "ready", False):
                 await self._model_thread().run(self._warm_up, self._stop_warm_up)
-            if self.on_ready is not None:
-                self.on_ready()
+            self._tell_ready()
             await self._batches()
         except WarmUpStopped:  # shutting down while warming up: no request was accepted, none is lost
             log.info("redline serve: the warm-up stopped early, as the server is shutting down")
@@ -313,6 +312,22 @@ class Dispatcher:
             self._queue.clear()
             if self.on_failed is not None:
                 self.on_failed(self.failed)
+
+    def _tell_ready(self) -> None:
+        """Call ``on_ready``; what it raises is logged as a warning, and the worker serves on.
+
+        The callback is its caller's (``redline serve`` prints a line with it): its failure is not the worker's,
+        which would otherwise be counted dead, its server stopped, for a line nobody could read.
+        """
+        if self.on_ready is None:
+            return
+        try:
+            self.on_ready()
+        except Exception as exc:
+            log.warning(
+                "redline serve: the on_ready callback failed, and the server serves on: %s%s", describe_error(exc),
+                user_line(exc), exc_info=exc if traceback_asked() else None,
+            )  # fmt: skip
 
     def _warm_up(self, stop: threading.Event) -> None:
         """Warm the engine up, in the model thread, unless a warm-up queued before this one (by a worker whose

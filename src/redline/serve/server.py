@@ -137,8 +137,9 @@ def serve(
     """Serve ``engine`` until SIGTERM or SIGINT; ``on_listen(url)`` once listening, ``on_ready()`` after warm-up.
 
     ``sock``: a socket from ``bind`` (else one is bound to ``options``' host and port); it is closed
-    at the end. Raise ServerFailed (exit code 1) when the model's warm-up failed. A model call whose requests
-    all timed out may still run on return: ``dispatch.calls_left_running()`` says so to a process about to exit.
+    at the end. What ``on_ready`` raises is logged as a warning, and the server serves on. Raise ServerFailed
+    (exit code 1) when the model's warm-up failed. A model call whose requests all timed out may still run on
+    return: ``dispatch.calls_left_running()`` says so to a process about to exit.
     """
     options = options or ServeOptions()
     refuse_inside_event_loop(
