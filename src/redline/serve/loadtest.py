@@ -363,6 +363,12 @@ async def run_load_async(
     connector = aiohttp.TCPConnector(limit=cap, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=options.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        # aiohttp sends an idempotent request (GET, HEAD, PUT, DELETE, OPTIONS) again, unseen, when the server reset or
+        # closed its connection: the reset would go uncounted, and both round trips timed as one request. Its own test
+        # client turns that off the same way (aiohttp.test_utils, from 3.11, which the serve extra requires); an
+        # aiohttp that renamed the private attribute is not refused for it (tests/cpu/test_loadtest.py would fail).
+        if hasattr(session, "_retry_connection"):
+            session._retry_connection = False
         t0 = time.perf_counter() + LEAD_S
         reporter = asyncio.create_task(_report(progress, counters, t0, total_s)) if progress else None
         stoppable = on_stop_signals(lambda signum: _stop(counters, signum, t0)) if stop_on_sigint else {}
