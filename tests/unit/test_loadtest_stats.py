@@ -21,11 +21,13 @@ from redline.serve.load_stats import (
 )
 
 
-def setup(mode="open", *, duration_s=10.0, warmup_s=0.0, rate=100.0, max_send_lag_ms=10.0, max_in_flight=512):
+def setup(
+    mode="open", *, duration_s=10.0, warmup_s=0.0, rate=100.0, max_send_lag_ms=10.0, max_in_flight=512, timeout_s=5.0
+):
     return Setup(
         mode=mode, url="http://127.0.0.1:1/x", method="GET", target_rate=rate if mode == "open" else None,
         concurrency=None if mode == "open" else 1, arrivals="uniform", duration_s=duration_s, warmup_s=warmup_s,
-        timeout_s=5.0, max_in_flight=max_in_flight, max_send_lag_ms=max_send_lag_ms,
+        timeout_s=timeout_s, max_in_flight=max_in_flight, max_send_lag_ms=max_send_lag_ms,
     )  # fmt: skip
 
 
@@ -220,6 +222,26 @@ def test_requests_that_timed_out_in_a_stall_are_said_to_be_missing_from_the_tail
     ) in "\n".join(result.notes)
     quick = summarize([record(i / 100, i / 100 + 0.001) for i in range(100)], setup(), elapsed_s=10.0)
     assert not any("timed out" in n for n in quick.notes)
+
+
+@pytest.mark.parametrize(
+    "answered_in", [lambda i: 2 + i / 100, lambda i: 2 + i % 10 / 10], ids=["each its own time", "ten of each"]
+)
+def test_requests_given_up_below_the_slowest_answers_give_no_floor_under_the_p99_shown(answered_in):
+    # 90 answered in 2 to 2.9 s; 10 given up at --timeout (1 s), below them: counted, they lower the p99 (2880.10
+    # where the table shows 2881.10 ms) or leave it as shown, so "at least" that figure would say nothing.
+    records = [record(i / 10, i / 10 + answered_in(i)) for i in range(90)]
+    records += [record(9 + k / 10, 10 + k / 10, error="timeout") for k in range(10)]
+    result = summarize(records, setup(timeout_s=1.0), elapsed_s=11.0)
+    assert result.latency_ms is not None
+    shown = f"{result.latency_ms.p99_ms:.2f}"
+    note = next(n for n in result.notes if "timed out" in n)
+    assert "at least" not in note
+    assert note == (
+        "10 of 100 requests timed out (--timeout 1 s) and are not in the latency figures: given up sooner than the "
+        f"slowest answers came, they leave the tail unmeasured, and the p99 of every request may be above the one "
+        f"shown ({shown} ms)\nhint: raise --timeout above the slowest answer to time them all"
+    )
 
 
 def test_a_client_behind_its_schedule_says_so():

@@ -204,6 +204,25 @@ CLOSED_LOOP_NOTE = (
 )
 
 
+def _timed_out_note(answered_s: list[float], given_up_s: list[float], measured: int, timeout_s: float) -> str:
+    """Say how many requests timed out, and the p99 with them counted when given up: a floor on the true one, given
+    only where it is above the p99 shown (of the answered requests); else that they leave the tail unmeasured."""
+    said = (
+        f"{len(given_up_s)} of {measured} requests timed out (--timeout {timeout_s:g} s) and are not in the latency "
+        "figures"
+    )
+    hint = "\nhint: raise --timeout above the slowest answer to time them all"
+    shown = percentile([s * 1000 for s in sorted(answered_s)], 99)  # as latency_stats computes the table's
+    floor = percentile([s * 1000 for s in sorted(answered_s + given_up_s)], 99)
+    if round(floor, 2) > round(shown, 2):  # as the table and the note print them
+        return f"{said}, which understate the tail: counted when given up, the p99 is at least {floor:.2f} ms{hint}"
+    # Given up below the slowest answers (a deadline that came sooner), they do not raise the p99: no floor to give.
+    return (
+        f"{said}: given up sooner than the slowest answers came, they leave the tail unmeasured, and the p99 of every "
+        f"request may be above the one shown ({shown:.2f} ms){hint}"
+    )
+
+
 def summarize(
     records: Sequence[RequestRecord],
     setup: Setup,
@@ -263,12 +282,8 @@ def summarize(
         )
     timed_out = [r for r in measured if r.error == "timeout"]
     if timed_out and completed:  # left out of the latencies, they would hide the very tail a stall makes
-        floor = percentile(sorted(r.done - origin(r) for r in completed + timed_out), 99) * 1000
-        out.append(
-            f"{len(timed_out)} of {len(measured)} requests timed out (--timeout {setup.timeout_s:g} s) and are not "
-            f"in the latency figures, which understate the tail: counted when given up, the p99 is at least "
-            f"{floor:.2f} ms\nhint: raise --timeout above the slowest answer to time them all"
-        )
+        answered_s = [r.done - origin(r) for r in completed]
+        out.append(_timed_out_note(answered_s, [r.done - origin(r) for r in timed_out], len(measured), setup.timeout_s))
     if measured and not ok:  # a wrong payload or URL: the figures above time refusals, not the service
         outcomes = Counter(str(r.status) if r.status is not None else (r.error or "unknown") for r in measured)
         top, count = outcomes.most_common(1)[0]
