@@ -1,10 +1,14 @@
 """The Trainer's check that every rank of a launched job was given the same settings, with the other rank faked."""
 
+import copy
 import dataclasses
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import Dataset, TensorDataset, random_split
 
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
@@ -15,19 +19,20 @@ from redline.train.config import TrainerConfig
 TWO_RANKS = DistEnv(rank=0, world_size=2, launched=True)
 
 
-def rank(config: TrainerConfig, lr: float = 1e-3, width: int = 4) -> tuple:
-    """What one rank's Trainer holds at set-up: its config, task, model and optimizer."""
-    task = Task(
-        model=nn.Linear(2, width), loss_fn=nn.functional.mse_loss, train_data=[(torch.zeros(2), torch.zeros(4))]
-    )
+def rank(config: TrainerConfig, lr: float = 1e-3, width: int = 4, **data: Any) -> tuple:
+    """What one rank's Trainer holds at set-up: its config, task (with ``data``'s sets), model and optimizer."""
+    sets = {"train_data": [(torch.zeros(2), torch.zeros(4))], **data}
+    task = Task(model=nn.Linear(2, width), loss_fn=nn.functional.mse_loss, **sets)
     model = nn.Linear(2, width)
     return config, task, model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def check_beside(monkeypatch: pytest.MonkeyPatch, mine: tuple, theirs: tuple) -> None:
-    """Run rank 0's check with rank 1's settings gathered as all_gather_object would gather them."""
-    monkeypatch.setattr(agreement, "gather_objects", lambda obj: [obj, agreement.settings(*theirs)])
-    agreement.check_ranks_agree(*mine, TWO_RANKS)
+    """Run rank 0's checks with rank 1's settings gathered as all_gather_object would gather them."""
+    gathered = iter([agreement.settings(*theirs[:3]), agreement.optimizer_settings(theirs[3])])
+    monkeypatch.setattr(agreement, "gather_objects", lambda obj: [obj, next(gathered)])
+    agreement.check_ranks_agree(*mine[:3], TWO_RANKS)
+    agreement.check_optimizers_agree(mine[3], TWO_RANKS)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +56,7 @@ def test_a_rank_given_other_settings_is_refused_naming_the_setting_and_both_valu
 def test_ranks_that_differ_only_in_what_a_host_sets_for_itself_train(monkeypatch):
     here = TrainerConfig(max_steps=60, out_dir="/mnt/a/run", progress=False)
     check_beside(monkeypatch, rank(here), rank(dataclasses.replace(here, out_dir="/shared/run", progress=True)))
-    agreement.check_ranks_agree(*rank(TrainerConfig(max_steps=60)), DistEnv())  # one process: nothing gathered
+    agreement.check_ranks_agree(*rank(TrainerConfig(max_steps=60))[:3], DistEnv())  # one process: nothing gathered
 
 
 def test_ranks_whose_models_keep_a_setting_of_their_own_train(monkeypatch):
@@ -59,3 +64,54 @@ def test_ranks_whose_models_keep_a_setting_of_their_own_train(monkeypatch):
     mine, theirs = rank(TrainerConfig(max_steps=60)), rank(TrainerConfig(max_steps=60))
     mine[2].device_name, theirs[2].device_name = "cuda:0", "cuda:1"
     check_beside(monkeypatch, mine, theirs)
+
+
+def digits_like(seed: int, n_val: int, size: int = 20) -> dict:
+    """The sets of a task that splits ``size`` samples in memory by a seeded permutation, as digits does."""
+    images, labels = torch.arange(size * 2.0).reshape(size, 2), torch.arange(size * 4.0).reshape(size, 4)
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+    train, val = order[n_val:], order[:n_val]
+    return {
+        "train_data": TensorDataset(images[train], labels[train]),
+        "val_data": TensorDataset(images[val], labels[val]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("theirs", "named"),
+    [
+        # --task-arg val_fraction=0.25 on one node, 0.2 on the other: trained 22 steps, then a collective mismatch
+        (digits_like(seed=0, n_val=5), "the task's train_data (its length) is 16 on rank 0 and 15 on rank 1"),
+        # a split seeded by the rank: each rank validated on samples the other trained on, and exited 0
+        (digits_like(seed=1, n_val=4), "the task's train_data (a hash of a few of its items) is "),
+    ],
+)
+def test_ranks_given_other_data_are_refused_naming_the_set(monkeypatch, theirs, named):
+    mine = rank(TrainerConfig(max_steps=60), **digits_like(seed=0, n_val=4))
+    with pytest.raises(ConfigError, match="the ranks of this job were given different settings") as refused:
+        check_beside(monkeypatch, mine, rank(TrainerConfig(max_steps=60), **theirs))
+    assert named in str(refused.value) and "a split seeded by the rank differs" in str(refused.value)
+
+
+class Augmented(Dataset):
+    """Items drawn at random on each read, as a random augmentation draws them: not read to compare."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple:
+        return torch.rand(2), torch.zeros(4)
+
+
+def test_ranks_whose_data_is_the_same_train_though_random_reads_or_devices_differ(monkeypatch):
+    config = TrainerConfig(max_steps=60)
+    check_beside(monkeypatch, rank(config, **digits_like(0, 4)), rank(config, **digits_like(0, 4)))
+    check_beside(monkeypatch, rank(config, train_data=Augmented()), rank(config, train_data=Augmented()))
+    assert agreement.items_digest(Augmented()) is None
+    # a random_split of a dataset that is not read: the same split is the same indices, another split is not
+    split = [random_split(Augmented(), [6, 2], torch.Generator().manual_seed(seed))[0] for seed in (0, 0, 1)]
+    assert agreement.items_digest(split[0]) == agreement.items_digest(split[1]) != agreement.items_digest(split[2])
+    # items of plain kinds (dicts of arrays, texts) are read; an object whose repr holds its address is not
+    items = [{"x": np.ones(2), "name": "a"}]
+    assert agreement.items_digest(items) == agreement.items_digest(copy.deepcopy(items)) is not None
+    assert agreement.items_digest([(torch.zeros(2), object())]) is None

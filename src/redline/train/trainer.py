@@ -41,7 +41,7 @@ from redline.runtime.sampling import data_size
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
-from redline.train.agreement import check_ranks_agree
+from redline.train.agreement import check_optimizers_agree, check_ranks_agree
 from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
 from redline.train.config import TrainerConfig
@@ -372,8 +372,9 @@ class Trainer:
         self.rt = rt
         with users_failure(f"task {self.task.name!r}: building the model", FINGERPRINT_HINT):
             built = self.task.build_model()
+        check_ranks_agree(self.config, self.task, built, self.env)  # before DDP's wrap compares shapes its own way
         model, optimizer = rt.setup(built, self.task.optimizer)
-        check_ranks_agree(self.config, self.task, built, optimizer, self.env)  # before they can train apart
+        check_optimizers_agree(optimizer, self.env)  # before the ranks can train apart
         scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:

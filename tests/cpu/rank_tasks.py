@@ -1,0 +1,27 @@
+"""Tasks that each rank of a launched job builds its own way (by RANK), for test_rank_disagreement.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def tiny(hidden: int = 8, model: type[nn.Module] | None = None) -> redline.Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    return redline.Task(
+        model=model or (lambda: nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 2))),
+        loss_fn=nn.functional.cross_entropy, train_data=data, val_data=data, batch_size=8, name="tiny",
+    )  # fmt: skip
+
+
+def width() -> redline.Task:
+    """A model 8 wide on rank 0 and 4 wide on rank 1."""
+    return tiny(hidden=8 if RANK == 0 else 4)
