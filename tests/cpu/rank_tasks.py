@@ -25,3 +25,18 @@ def tiny(hidden: int = 8, model: type[nn.Module] | None = None) -> redline.Task:
 def width() -> redline.Task:
     """A model 8 wide on rank 0 and 4 wide on rank 1."""
     return tiny(hidden=8 if RANK == 0 else 4)
+
+
+class FailsEvaluatingOnRank1(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and RANK == 1 and not x.is_meta:
+            raise RuntimeError("rank 1 fails evaluating")
+        return super().forward(x)
+
+
+def eval_fails() -> redline.Task:
+    """A model whose evaluation raises on rank 1: rank 0 is left in the evaluation's all-reduce."""
+    return tiny(model=FailsEvaluatingOnRank1)

@@ -1,10 +1,24 @@
-"""A job whose ranks disagree is told so in one line, not in torch's traceback."""
+"""A job whose ranks disagree, or one of whose ranks stops, is told so in a line per cause, not torch's traceback."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.errors import TrainingError
+from redline.train import evaluation
+from redline.train.state import Run
+from redline.train.trainer import Trainer
+
 TASKS = Path(__file__).with_name("rank_tasks.py")
+GLOO = (
+    "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9402. GLHF!"
+)
 
 
 def train_two_ranks(task: str, *args: str) -> subprocess.CompletedProcess:
@@ -22,3 +36,44 @@ def test_ranks_given_models_of_other_shapes_are_refused_under_ddp_as_under_fsdp(
     assert result.returncode == 2, result.stderr[-3000:]
     assert "the ranks of this job were given different settings: model (structure and shapes) is" in result.stderr
     assert "Traceback" not in result.stderr and "appears not to match" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_rank_left_in_the_evaluation_by_one_that_failed_says_another_stopped_first():
+    """Rank 0 printed 60 lines of traceback ending in gloo's "Connection closed by peer ... GLHF!"."""
+    result = train_two_ranks("eval_fails", "--max-steps", "4", "--eval-every", "2")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "rank 1 fails evaluating" in result.stderr  # rank 1's own error, then rank 0's:
+    assert "evaluation at step 2: a collective with the other ranks failed" in result.stderr, result.stderr[-3000:]
+    assert "hint: another rank stopped first" in result.stderr
+    assert "Traceback" not in result.stderr and "GLHF" not in result.stderr
+
+
+def tiny_trainer(**kwargs) -> Trainer:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=gen), torch.randint(0, 2, (32,), generator=gen))
+    task = redline.Task(
+        model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, val_data=data, batch_size=8
+    )
+    return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
+
+
+def broken(*args, **kwargs):
+    raise RuntimeError(GLOO)
+
+
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        ("evaluation", "evaluation at step 2: a collective with the other ranks failed"),  # the sums' all-reduce
+        ("log window", "after step 2: a collective with the other ranks failed"),  # the losses' all-reduce
+    ],
+)
+def test_a_collective_broken_between_steps_says_another_rank_stopped_first(monkeypatch, where, said):
+    if where == "evaluation":
+        monkeypatch.setattr(evaluation, "all_reduce_sum", broken)
+    else:
+        monkeypatch.setattr(Run, "read_window", broken)
+    with pytest.raises(TrainingError) as failed:
+        tiny_trainer(max_steps=4, eval_every=2, log_every=2).fit()
+    hint = "hint: another rank stopped first; its log says why (with --max-restarts K the job restarts from the last"
+    assert str(failed.value) == f"{said}: Connection closed by peer [127.0.0.1]:9402\n{hint} checkpoint)"

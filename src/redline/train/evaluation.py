@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from redline.config import positive_int
 from redline.errors import TaskError, describe_error, invalid
-from redline.parallel.collectives import all_reduce_sum
+from redline.parallel.collectives import all_reduce_sum, peers_said
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
 from redline.runtime.loading import read_batches
@@ -22,7 +22,7 @@ from redline.runtime.runtime import Runtime
 from redline.task import Task
 from redline.task.definition import is_array
 from redline.train.data import eval_loader
-from redline.train.failures import EvaluationOutOfMemory
+from redline.train.failures import PEER_STOPPED, EvaluationOutOfMemory
 
 
 def summed_on(device: torch.device) -> torch.device:
@@ -45,7 +45,8 @@ def evaluate_model(
     env = env or DistEnv()
     assert task.val_data is not None
     total_loss, total_metric, count = 0.0, 0.0, 0
-    with _eval_mode(model), _out_of_memory(where, batch_size):
+    # a rank that stopped first breaks the sums' all-reduce (or FSDP's gathers in the forward): said as a step says it
+    with peers_said(where, PEER_STOPPED), _eval_mode(model), _out_of_memory(where, batch_size):
         val = eval_loader(
             task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
         )
@@ -63,7 +64,8 @@ def evaluate_model(
             count += n
     # In float64: a metric of 0.6 on every batch reads 0.6, and a count past 2**24 samples stays exact.
     sums = torch.tensor([total_loss, total_metric, float(count)], dtype=torch.float64, device=summed_on(rt.device))
-    total_loss, total_metric, count = all_reduce_sum(sums).tolist()
+    with peers_said(where, PEER_STOPPED):
+        total_loss, total_metric, count = all_reduce_sum(sums).tolist()
     if count == 0:  # every rank knows: the count is the job's total
         raise TaskError(
             f"{where}: val_data gave no item, so there is no validation loss to report: the stream is empty, or "

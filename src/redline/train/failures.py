@@ -42,12 +42,20 @@ def step_failure(
         hint = OPTIMIZER_STEP_HINT if in_optimizer else SPLIT_HINT + LOWER_BATCH
         return OutOfMemory(f"step {step}: the device ran out of memory: {describe_error(exc)}{written}\nhint: {hint}")
     if is_collective_failure(exc):  # a dead peer surfaces in this rank's next collective, wherever it is
-        return TrainingError(
-            f"step {step}: a collective with the other ranks failed: {failed_collective(exc)}\n"
-            "hint: another rank stopped first; its log says why (with --max-restarts K the job restarts from "
-            "the last checkpoint)"
-        )
+        return peer_failure(exc, f"step {step}")
     return None
+
+
+def peer_failure(exc: BaseException, where: str) -> TrainingError:
+    """The TrainingError a collective that broke (``exc``) at ``where`` becomes: another rank stopped first."""
+    return TrainingError(
+        f"{where}: a collective with the other ranks failed: {failed_collective(exc)}\nhint: {PEER_STOPPED}"
+    )
+
+
+PEER_STOPPED = (
+    "another rank stopped first; its log says why (with --max-restarts K the job restarts from the last checkpoint)"
+)
 
 
 SPLIT_HINT = (
@@ -109,12 +117,15 @@ RESUMED_AUTO = (
 def keeping_steps(run: Run, keep: Callable[[], str | None], *, distributed: bool) -> Iterator[None]:
     """A one-process run that trained and fails inside first checkpoints the steps since its last checkpoint
     (``keep_steps``). In a ``distributed`` run the other ranks wait inside a collective that a checkpoint would
-    wait on too."""
+    wait on too. A collective that breaks between steps says another rank stopped first, as one inside a step does
+    (``step_failure``), not in the transport's words."""
     try:
         yield
     except Exception as exc:
         if not distributed:
             keep_steps(exc, run, keep)
+        if is_collective_failure(exc):  # outside a step (a log window's read, a checkpoint, the final weights)
+            raise peer_failure(exc, f"after step {run.pos.step}") from exc
         raise
 
 
