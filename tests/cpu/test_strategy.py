@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import read_checkpoint, verify
-from redline.errors import ConfigError
+from redline.errors import ConfigError, TrainingError
+from redline.runtime.contract import user_code
 from redline.runtime.runtime import Runtime
 from redline.runtime.strategy import Strategy, build_strategy
 from redline.runtime.strategy.single import SingleDevice
@@ -236,3 +237,33 @@ def test_ddp_names_the_parameters_the_loss_left_without_a_gradient_after_the_fir
     strategy = build_strategy("ddp")
     model, optimizer = strategy.wrap(frozen, adamw, device=CPU, precision="fp32")
     train_steps(model, optimizer, strategy, steps=3)
+
+
+class HeadOnOddSteps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.head = nn.Linear(3, 3)  # used by the first forward, the third, ...: not by the second
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.head(self.body(x)) if self.forwards % 2 else self.body(x)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_ddp_s_refusal_of_the_step_after_one_that_left_a_parameter_unused_names_the_fix():
+    """A head unused from step 2 on (the first step's check passed) gave torch's "Expected to have finished reduction
+    in the prior iteration" at step 3, hinting at the dataset's items."""
+    strategy = build_strategy("ddp")
+    model, optimizer = strategy.wrap(HeadOnOddSteps(), adamw, device=CPU, precision="fp32")
+    train_steps(model, optimizer, strategy)  # the first step used the head, the second did not
+    inputs, targets = torch.zeros(8, 6), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(TrainingError) as refused, user_code("step 3", inputs, targets):
+        model(inputs)
+    message = str(refused.value)
+    assert message.startswith(
+        "step 3: under DDP every parameter that requires a gradient must get one from the loss, and the step before "
+        "left some without one (DDP numbers them 6 7, counting from 0 those that require one)"
+    )
+    assert "--find-unused-parameters (find_unused_parameters=True)" in message and "dataset's items" not in message

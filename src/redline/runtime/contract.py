@@ -182,6 +182,8 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
     except Exception as exc:
         if is_collective_failure(exc) or is_oom(exc) or not blames_user_code(exc):
             raise
+        if UNUSED_BEFORE in str(exc):  # DDP's reducer, in a forward: not this batch's mistake but the step before's
+            raise TrainingError(unused_before(where, str(exc))) from exc
         first = str(exc).splitlines()[0] if str(exc) else ""
         line = user_line(exc)
         culprit, given = "the model or loss", f"inputs {describe(inputs)}, targets {describe(targets)}"
@@ -227,6 +229,31 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         raise TrainingError(
             f"{where}: {culprit} raised {type(exc).__name__}: {first}\n  batch: {given}{line}\nhint: {hint}"
         ) from exc
+
+
+# DDP's reducer at the forward after a backward that left a parameter without a gradient; its next lines name them
+# by index ("Parameter indices which did not receive grad for rank 1: 6 7"), or by name under
+# TORCH_DISTRIBUTED_DEBUG=DETAIL ("Parameters which did not receive grad for rank 1: extra.bias, extra.weight")
+UNUSED_BEFORE = "Expected to have finished reduction in the prior iteration"
+NO_GRAD = re.compile(r"Parameter(s| indices) which did not receive grad for rank \d+: ([^\n]*)")
+
+
+def unused_before(where: str, text: str) -> str:
+    """The message for DDP's refusal (``text``) of a forward after a step that left parameters without a gradient:
+    the first step is checked for them (``DDP._first_reduction_checked``), a later one only by DDP."""
+    which = ""
+    if named := NO_GRAD.search(text):  # without the rank: ranks that say the same are printed once by the launcher
+        kind, listed = named.groups()
+        which = (
+            f" ({listed})" if kind == "s" else f" (DDP numbers them {listed}, counting from 0 those that require one)"
+        )
+    return (
+        f"{where}: under DDP every parameter that requires a gradient must get one from the loss, and the step before "
+        f"left some without one{which}; DDP's reducer waits for their gradients, so this step cannot start\nhint: a "
+        "model that uses other parameters in other steps (a head on some steps, a branch chosen by the data) trains "
+        "under DDP with --find-unused-parameters (find_unused_parameters=True), at the cost of a walk of the autograd "
+        "graph each step; freeze what the loss never uses (param.requires_grad_(False))"
+    )
 
 
 FORWARD_WANTS_MORE = re.compile(r"forward\(\) missing \d+ required positional argument")  # forward(self, a, b)
