@@ -218,6 +218,8 @@ def test_a_run_resumed_past_the_steps_it_stopped_at_logs_the_evaluations_an_unbr
         (Position(23, 1, 0), {"stopped": "early stopping"}, 23),  # the epoch's own, checkpointed after it
         (Position(10, 0, 10), {"stopped": "max_steps", "evaluates_each_epoch": False, "eval_every": 5}, 10),
         (Position(8, 0, 8), {"stopped": "max_steps", "evaluates_each_epoch": False, "eval_every": 5}, 7),
+        # the run's last step, checkpointed before its final evaluation (due there): the resumed run owes it
+        (Position(10, 0, 10), {"evaluates_again": True, "evaluates_each_epoch": False, "eval_every": 5}, 9),
     ],
 )
 def test_the_evaluation_log_keeps_the_rows_an_unbroken_run_has(pos, kwargs, evals):

@@ -345,7 +345,7 @@ def run_loggers(
     batches_per_epoch: int | None,
     *,
     validates: bool,
-    ended: bool,
+    evaluates_again: bool,
     stopped: str,
     grad_accum: int,
 ) -> Loggers:
@@ -355,8 +355,8 @@ def run_loggers(
         return open_loggers((), Path("."))
     each_epoch, every = validates and not config.eval_every, config.eval_every
     step, evals = log_cut(
-        resumed, batches_per_epoch, evaluates_each_epoch=each_epoch, ended=ended, grad_accum=grad_accum,
-        stopped=stopped, eval_every=every,
+        resumed, batches_per_epoch, evaluates_each_epoch=each_epoch, evaluates_again=evaluates_again,
+        grad_accum=grad_accum, stopped=stopped, eval_every=every,
     )  # fmt: skip
     return open_loggers(config.loggers, out_dir, resume_step=step, eval_resume_step=evals)
 
@@ -380,7 +380,8 @@ def load_run(
 
 def owes_evaluation(state: Mapping[str, Any], step: int, eval_every: int | None, val_data: object) -> bool:
     """Whether a run resumed at ``step`` (its checkpoint's ``state``) owes that step's evaluation: due every
-    ``eval_every`` steps, it failed, and the error kept the steps without it. An older checkpoint says nothing: none."""
+    ``eval_every`` steps, it failed (the error kept the steps without it), or it was the run's last step, kept before
+    its evaluation. An older checkpoint says nothing: none."""
     if not eval_every or val_data is None:
         return False
     return state.get("evaluated") is False and step % eval_every == 0
@@ -391,7 +392,7 @@ def log_cut(
     batches_per_epoch: int | None,
     *,
     evaluates_each_epoch: bool,
-    ended: bool = False,
+    evaluates_again: bool = False,
     grad_accum: int = 1,
     stopped: str = "",
     eval_every: int | None = None,
@@ -399,12 +400,12 @@ def log_cut(
     """The steps a resumed run (at ``pos``; None for a new run) cuts its training and evaluation logs back to.
 
     An epoch's last step is checkpointed before the epoch's evaluation, and a run's last step before its
-    final one; resumed from there (or, ``ended``, with nothing left to train), the run evaluates that step
-    again, so the interrupted run's row of that evaluation goes. With ``grad_accum`` micro-batches a step, an
-    epoch whose last batches make no whole step evaluates at the step before them: a checkpoint there is at its
-    end too. A run that had stopped (``stopped``: a signal, or --max-steps it is now resumed past) evaluated its
-    last step where none was due (every ``eval_every`` steps, or at an epoch's end): an unbroken run has no such
-    row, so it goes.
+    final one; resumed from there, the run evaluates that step again (``evaluates_again``: with nothing left
+    to train, or owing that evaluation, as ``owes_evaluation`` says), so the earlier run's row of it goes. With
+    ``grad_accum`` micro-batches a step, an epoch whose last batches make no whole step evaluates at the step
+    before them: a checkpoint there is at its end too. A run that had stopped (``stopped``: a signal, or
+    --max-steps it is now resumed past) evaluated its last step where none was due (every ``eval_every`` steps,
+    or at an epoch's end): an unbroken run has no such row, so it goes.
     """
     if pos is None:
         return None, None
@@ -413,7 +414,7 @@ def log_cut(
         due = at_end or (pos.batches_in_epoch == 0 and pos.step > 0)  # 0: checkpointed after the epoch's evaluation
     else:
         due = bool(eval_every) and pos.step % (eval_every or 1) == 0
-    again = ended or (evaluates_each_epoch and at_end) or (bool(stopped) and not due)
+    again = evaluates_again or (evaluates_each_epoch and at_end) or (bool(stopped) and not due)
     return pos.step, pos.step - 1 if again and pos.step else pos.step
 
 

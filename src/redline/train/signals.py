@@ -48,10 +48,13 @@ class StopOnSignal:
 
     def finishing(self, checkpointing: bool, *, by_signal: bool) -> None:
         """Mark the steps done: the run now writes its results (the final evaluation, the sample, the summary and
-        weights). Where its work was done (not ``by_signal``), a signal from here on, or one its last step left, is
-        said at once, with what a second Ctrl-C does; a run stopping for a signal said so after its step."""
-        self.announce(checkpointing)
-        if by_signal or not self.previous or self._finishing is not None:  # no handler of ours: another thread's fit
+        weights). Where its work was done (not ``by_signal``), a signal from here on, or one its last step brought, is
+        said at once, with what a second Ctrl-C does (not that the run stops after this step, which no step follows);
+        a run stopping for a signal said so after its step."""
+        if self._finishing is not None:
+            return
+        if by_signal or not self.previous:  # no handler of ours: another thread's fit
+            self.announce(checkpointing)  # a signal's last step said so, unless another came since
             return
         told = threading.Event()
         teller = threading.Thread(target=self._tell_late, args=(told,), name="redline-signal", daemon=True)

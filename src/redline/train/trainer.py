@@ -199,13 +199,15 @@ class Trainer:
         return True
 
     def _after_step(self, run: Run) -> str:
-        """Log, evaluate and checkpoint when due; return why the run stops, or ""."""
+        """Log, evaluate and checkpoint when due (where the work is done, _finish does); return why the run stops."""
         step = run.pos.step
-        self._signals.announce(checkpointing=self.out_dir is not None)
         period_s = 60 * self.config.checkpoint_minutes if self.out_dir else 0.0
         timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
         agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
         stopped = run.stopped = self._stop_reason(step, run.total, agreed.stop)  # what steps kept from here hold
+        if stopped in ("max_steps", "epochs"):  # as at an epoch's end: its checkpoint before the final evaluation
+            return stopped
+        self._signals.announce(checkpointing=self.out_dir is not None)
         due_ckpt = bool(self.config.checkpoint_every and step % self.config.checkpoint_every == 0) or agreed.checkpoint
         if step % self.config.log_every == 0 or stopped or due_ckpt:  # a checkpoint must not hold a NaN
             run.beat("logging (loss all-reduce)")
@@ -253,13 +255,14 @@ class Trainer:
             run.last_ckpt = self._checkpoint(run, stopped)
 
     def _finish(self, run: Run) -> None:
-        """Log the last steps, write the final checkpoint, and evaluate the final model."""
+        """Log the last steps, write the final checkpoint, and evaluate the final model: from the checkpoint on, a
+        signal is said at once, and a second Ctrl-C skips the results alone (``StopOnSignal.finishing``)."""
         run.vote.close()
         if run.window.losses:
             self._flush(run)
         run.stopped = run.stopped or "epochs"
-        self._signals.finishing(self.out_dir is not None, by_signal=run.stopped.startswith("signal"))  # said at once
         self._checkpoint_if_new(run, run.stopped)
+        self._signals.finishing(self.out_dir is not None, by_signal=run.stopped.startswith("signal"))
         if self.task.val_data is not None and self._evaluated_at != run.pos.step:
             self._evaluate(run)
 
@@ -338,8 +341,8 @@ class Trainer:
         main = self.env.is_main
         loggers = resume.run_loggers(
             self.config, self.out_dir if main else None, pos if resumed else None, self._batches_per_epoch,
-            validates=self.task.val_data is not None, ended=bool(done), stopped=self._stored_stop,
-            grad_accum=options.grad_accum,
+            validates=self.task.val_data is not None, evaluates_again=bool(done) or self._owed_eval,
+            stopped=self._stored_stop, grad_accum=options.grad_accum,
         )  # fmt: skip
         return Run(
             rt=rt,
