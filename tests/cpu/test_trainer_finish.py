@@ -16,6 +16,8 @@ import redline
 from redline.train.signals import ResultsSkipped
 from redline.train.trainer import Trainer
 
+RESUME = "then run the same command with --resume auto (in Python: resume='auto') to write them"
+
 
 def ctrl_c_task(*at_calls: int, then: threading.Event | None = None) -> redline.Task:
     """A tiny task whose metric, called twice an evaluation, sends this process SIGINT (a Ctrl-C) at its
@@ -87,8 +89,11 @@ def test_a_ctrl_c_in_the_last_steps_evaluation_is_said_at_once_and_the_run_write
         summary = trainer(ctrl_c_task(3, then=said), tmp_path).fit()
     finally:
         logging.getLogger("redline").removeHandler(handler)
-    assert len(messages) == 1, messages  # not after the evaluation, and not that the run stops after this step
-    assert messages[0].startswith("SIGINT: the run has finished its steps and is writing its results")
+    kept = tmp_path / "checkpoints" / "step-00000004"
+    assert messages == [  # not after the evaluation, and not that the run stops after this step
+        "SIGINT: the run has finished its steps and is writing its results (the final evaluation, sample, "
+        f"summary.json and model.safetensors); a second Ctrl-C skips them; every step is kept in {kept}: {RESUME}"
+    ]
     assert summary.stopped == "max_steps" and (tmp_path / "summary.json").is_file()
 
 
@@ -98,3 +103,18 @@ def test_a_finished_run_trained_further_logs_its_last_evaluation_once(tmp_path):
     trainer(ctrl_c_task(), tmp_path / "run", max_steps=6, resume="auto").fit()  # evaluates step 4 again
     assert evaluated(tmp_path / "run") == evaluated(tmp_path / "unbroken") == [2, 4, 6]
     assert same_weights(tmp_path / "run", tmp_path / "unbroken")
+
+
+@pytest.mark.parametrize("out", [True, False], ids=["out_dir", "no-out_dir"])
+def test_a_second_ctrl_c_after_the_last_step_says_what_it_skipped_and_where_the_steps_are(tmp_path, out):
+    # A script's traceback ended in a bare ResultsSkipped, without a word
+    with pytest.raises(KeyboardInterrupt) as second:
+        trainer(ctrl_c_task(3, 4), tmp_path if out else None).fit()
+    kept = tmp_path / "checkpoints" / "step-00000004"
+    assert str(second.value) == (
+        "a second Ctrl-C after the run's last step skipped its results (the final evaluation, sample, summary.json "
+        f"and model.safetensors); every step is kept in {kept}: {RESUME}"
+        if out
+        else "a second Ctrl-C after the run's last step skipped the final evaluation, sample and summary; nothing was "
+        "saved: the run has no --out, out_dir"
+    )

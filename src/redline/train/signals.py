@@ -9,9 +9,13 @@ from types import FrameType
 from typing import Any
 
 from redline.errors import first_to_say
+from redline.train.failures import RESUME_AGAIN
 
 log = logging.getLogger("redline")
-NO_CHECKPOINT = "without a checkpoint (the run has no --out, out_dir)"
+NO_OUT = "the run has no --out, out_dir"
+NO_CHECKPOINT = f"without a checkpoint ({NO_OUT})"
+RESULTS = "the final evaluation, sample, summary.json and model.safetensors"  # what a run with out_dir ends with
+UNSAVED = "the final evaluation, sample and summary"  # a run without out_dir's: nothing written
 
 
 class StopOnSignal:
@@ -28,7 +32,7 @@ class StopOnSignal:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
         self._announced: int | None = None
-        self._finishing: tuple[threading.Thread, threading.Event, bool] | None = None
+        self._finishing: tuple[threading.Thread, threading.Event, str | None] | None = None  # None: nothing kept
         self._late: int | None = None  # the first signal, where it came once the steps were done
 
     def __enter__(self) -> StopOnSignal:
@@ -40,25 +44,28 @@ class StopOnSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
-            raise ResultsSkipped if self._late is not None else KeyboardInterrupt
+            if self._late is not None and self._finishing is not None:
+                raise ResultsSkipped(_skipped(self._finishing[2]))
+            raise KeyboardInterrupt
         if self._finishing is not None and self.received is None:
             self._late = signum
             self._finishing[1].set()  # its thread says so: a handler must not write
         self.received = signum
 
-    def finishing(self, checkpointing: bool, *, by_signal: bool) -> None:
-        """Mark the steps done: the run now writes its results (the final evaluation, the sample, the summary and
-        weights). Where its work was done (not ``by_signal``), a signal from here on, or one its last step brought, is
-        said at once, with what a second Ctrl-C does (not that the run stops after this step, which no step follows);
-        a run stopping for a signal said so after its step."""
+    def finishing(self, kept: str | None, *, by_signal: bool) -> None:
+        """Mark the steps done, and kept in checkpoint ``kept`` (None: the run has no out_dir): the run now writes
+        its results (the final evaluation, the sample, the summary and weights). Where its work was done (not
+        ``by_signal``), a signal from here on, or one its last step brought, is said at once, with what a second
+        Ctrl-C does (not that the run stops after this step, which no step follows); a run stopping for a signal
+        said so after its step."""
         if self._finishing is not None:
             return
         if by_signal or not self.previous:  # no handler of ours: another thread's fit
-            self.announce(checkpointing)  # a signal's last step said so, unless another came since
+            self.announce(checkpointing=kept is not None)  # a signal's last step said so, unless another came since
             return
         told = threading.Event()
         teller = threading.Thread(target=self._tell_late, args=(told,), name="redline-signal", daemon=True)
-        self._finishing = teller, told, checkpointing
+        self._finishing = teller, told, kept
         if self.received is not None:  # it came in the last step, whose stop was its work's end
             self._late = self.received
             told.set()
@@ -68,19 +75,16 @@ class StopOnSignal:
         told.wait()
         if self._late is None or self._finishing is None:  # woken by __exit__: no signal came
             return
-        name = signal.Signals(self._late).name
+        name, kept = signal.Signals(self._late).name, self._finishing[2]
         if self._late != signal.SIGINT:
             message = f"{name}: the run has finished its steps; it exits once its results are written"
-        elif self._finishing[2]:
+        elif kept is not None:
             message = (
-                f"{name}: the run has finished its steps and is writing its results (the final evaluation, sample, "
-                "summary.json and model.safetensors); a second Ctrl-C skips them, and --resume auto writes them later"
+                f"{name}: the run has finished its steps and is writing its results ({RESULTS}); a second Ctrl-C "
+                f"skips them{_kept(kept)}"
             )
         else:
-            message = (
-                f"{name}: the run has finished its steps and is ending (the final evaluation, sample and summary); "
-                "a second Ctrl-C skips them"
-            )
+            message = f"{name}: the run has finished its steps and is ending ({UNSAVED}); a second Ctrl-C skips them"
         if first_to_say(message):
             log.warning("%s", message)
 
@@ -112,4 +116,16 @@ class StopOnSignal:
 
 class ResultsSkipped(KeyboardInterrupt):
     """A second Ctrl-C once the steps were done: the run's results (final evaluation, summary, weights) are not
-    written; its last checkpoint holds every step, and a resume writes them."""
+    written; its last checkpoint (the message names it) holds every step, and a resume writes them."""
+
+
+def _kept(checkpoint: str) -> str:
+    """What a second Ctrl-C after the last step leaves: the steps, kept in ``checkpoint``, and how to go on."""
+    return f"; every step is kept in {checkpoint}: {RESUME_AGAIN} to write them"
+
+
+def _skipped(checkpoint: str | None) -> str:
+    """ResultsSkipped's message: what the second Ctrl-C skipped, and what is left (the steps, in ``checkpoint``)."""
+    if checkpoint is None:
+        return f"a second Ctrl-C after the run's last step skipped {UNSAVED}; nothing was saved: {NO_OUT}"
+    return f"a second Ctrl-C after the run's last step skipped its results ({RESULTS}){_kept(checkpoint)}"

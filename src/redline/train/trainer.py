@@ -262,7 +262,8 @@ class Trainer:
             self._flush(run)
         run.stopped = run.stopped or "epochs"
         self._checkpoint_if_new(run, run.stopped)
-        self._signals.finishing(self.out_dir is not None, by_signal=run.stopped.startswith("signal"))
+        kept = str(run.last_ckpt.path) if self.out_dir and run.last_ckpt else None
+        self._signals.finishing(kept, by_signal=run.stopped.startswith("signal"))
         if self.task.val_data is not None and self._evaluated_at != run.pos.step:
             self._evaluate(run)
 
