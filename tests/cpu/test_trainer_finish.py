@@ -13,7 +13,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
+from redline.cli.train import summary_rows
+from redline.errors import ConfigError
 from redline.train.signals import ResultsSkipped
+from redline.train.throughput import UNTRAINED
 from redline.train.trainer import Trainer
 
 RESUME = "then run the same command with --resume auto (in Python: resume='auto') to write them"
@@ -118,3 +121,20 @@ def test_a_second_ctrl_c_after_the_last_step_says_what_it_skipped_and_where_the_
         else "a second Ctrl-C after the run's last step skipped the final evaluation, sample and summary; nothing was "
         "saved: the run has no --out, out_dir"
     )
+
+
+def test_a_run_whose_results_a_second_ctrl_c_skipped_is_told_to_resume_to_write_them(tmp_path):
+    # It was refused as a finished run, "to train that run further, pass resume='auto' with a larger max_steps=N"
+    with pytest.raises(KeyboardInterrupt):
+        trainer(ctrl_c_task(3, 4), tmp_path).fit()
+    with pytest.raises(ConfigError) as refused:
+        trainer(ctrl_c_task(), tmp_path).fit()
+    assert "(the newest at step 4, where it ended; stopped: max_steps) but not its results (no summary.json" in str(
+        refused.value
+    )
+    assert "hint: to write them, pass resume='auto' with that run's settings (it trains no step); " in str(
+        refused.value
+    )
+    written = trainer(ctrl_c_task(), tmp_path, resume="auto").fit()
+    assert written.samples_per_s is None and written.mfu_note == UNTRAINED  # not "no step after the first"
+    assert ("samples/s", f"n/a ({UNTRAINED})") in summary_rows(written)

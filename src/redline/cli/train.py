@@ -303,7 +303,7 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         ("final loss", "n/a" if summary.final_loss is None else f"{summary.final_loss:.4f} (mean of the last steps)"),
         (
             "samples/s",
-            f"n/a ({UNTIMED})"
+            f"n/a ({summary.mfu_note or UNTIMED})"  # the note of a run without rates says why (an older one's: none)
             if summary.samples_per_s is None
             else f"{summary.samples_per_s:,.0f} (training steps after the first{stretch})",
         ),

@@ -192,7 +192,8 @@ def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list
 def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError:
     """The error of a new run in an out_dir whose checkpoints under ``root`` go up to step ``newest``; where
     ``other_version`` wrote that one, --resume auto stops there: only the version that wrote it goes on. A run that
-    ended there (its checkpoint's ``stopped``) is said to be finished: --resume auto alone would train no step."""
+    ended there (its checkpoint's ``stopped``) is said to be finished: --resume auto alone would train no step, and
+    writes the results where that run's are missing (a second Ctrl-C after its last step skipped them)."""
     written = ", written by another version of redline" if other_version else ""
     ended = "" if other_version else _ended_at(checkpoint.step_dir(root, newest))
     if ended:
@@ -201,6 +202,9 @@ def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError
             further = "more early stopping patience (or none)"
         held = f"a finished run's checkpoints (the newest at step {newest}, where it ended; stopped: {ended})"
         hint = f"to train that run further, pass resume='auto' with {further}; for a new run, pass another out_dir=DIR"
+        if not (root.parent / "summary.json").is_file():  # a second Ctrl-C after its last step, or a kill
+            held += " but not its results (no summary.json: they were skipped or cut short)"
+            hint = f"to write them, pass resume='auto' with that run's settings (it trains no step); {hint}"
     else:
         held = f"an earlier run's checkpoints (the newest at step {newest}{written})"
         go_on = "the version of redline that wrote it" if other_version else "resume='auto'"

@@ -34,6 +34,7 @@ class Figures:
 
 
 UNTIMED = "no step after the first, which warms up and is not timed"  # why a run of one step has no rates
+UNTRAINED = "no step trained in this stretch"  # a resumed run with none left to train (it writes its results)
 
 
 class Throughput:
@@ -139,7 +140,8 @@ class Throughput:
         self._sync()
         elapsed = self.timed_s()
         if not self.steps or elapsed <= 0:
-            return Figures(None, None, self.flops_per_step, None, None, None, mfu_note=UNTIMED)
+            untimed = UNTRAINED if self.start is None else UNTIMED
+            return Figures(None, None, self.flops_per_step, None, None, None, mfu_note=untimed)
         # Per device: the MFU of one device equals the job's when every rank runs an equal share. The FLOPs are the
         # samples the timed steps ran, so a short batch counted first, or short batches timed, weigh what they ran.
         flops = self._flops_per_sample * self.samples if self._flops_per_sample and self.samples else None
