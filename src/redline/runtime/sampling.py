@@ -27,6 +27,11 @@ log = logging.getLogger("redline")
 SPLITS_ACROSS_RANKS = "splits_across_ranks"  # a stream's attribute: True where each rank yields its own share
 
 
+def splits_across_ranks(dataset: Any) -> bool:
+    """Whether ``dataset`` says it yields each rank its own share (its class sets ``splits_across_ranks = True``)."""
+    return bool(getattr(dataset, SPLITS_ACROSS_RANKS, False))
+
+
 class EpochSampler(Sampler[int]):
     """Yield a dataset's indices in an order fixed by ``seed`` and the epoch, from any position.
 
@@ -180,7 +185,7 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
             )  # fmt: skip
         return None
     if isinstance(loader.dataset, IterableDataset):  # a stream has no indices to split: it must split itself
-        if env.rank == 0 and not getattr(loader.dataset, SPLITS_ACROSS_RANKS, False):
+        if env.rank == 0 and not splits_across_ranks(loader.dataset):
             log.warning(
                 "setup_loader keeps a DataLoader over an IterableDataset (%s) as it is: each of the %d processes reads "
                 "the whole stream\nhint: have its __iter__ yield this rank's share (every "
@@ -239,7 +244,7 @@ def _unsplit(loader: Iterable[Any]) -> str:
     if not isinstance(loader, DataLoader):
         return "not split: every rank reads every batch of the iterable"
     if isinstance(loader.dataset, IterableDataset):
-        if getattr(loader.dataset, SPLITS_ACROSS_RANKS, False):
+        if splits_across_ranks(loader.dataset):
             return ""
         return f"not split: every rank reads the whole stream ({SPLITS_ACROSS_RANKS} unset)"
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_size is not None:

@@ -1,8 +1,9 @@
 """The Trainer's data loaders: an exactly resumable training order, and an in-order evaluation.
 
 A map-style dataset is shuffled by epoch; a streaming one (an ``IterableDataset``) is read in its
-own order, each rank taking its share of every global batch, and a resumed run skips what the
-interrupted one consumed.
+own order, each rank taking its share of every global batch (or reading its own share, where the
+stream says it yields one: ``splits_across_ranks``), and a resumed run skips what the interrupted
+one consumed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from redline.errors import ConfigError, TaskError
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.runtime.loading import SPLITS_ACROSS_WORKERS, gathered
-from redline.runtime.sampling import EpochSampler, GlobalBatchSampler, batches_per_epoch, check_split, data_size
+from redline.runtime.sampling import (
+    EpochSampler,
+    GlobalBatchSampler,
+    batches_per_epoch,
+    check_split,
+    data_size,
+    splits_across_ranks,
+)
 from redline.task import CollateFn
 
 log = logging.getLogger("redline")
@@ -34,12 +42,27 @@ def is_stream(dataset: Dataset[Any]) -> bool:
     return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")
 
 
+def reads_apart(dataset: Dataset[Any], world_size: int) -> bool:
+    """Whether each of ``world_size`` ranks reads its own share of ``dataset``: a stream that says it yields one
+    (``splits_across_ranks = True``), whose ``__len__``, if it has one, is then that share's."""
+    return world_size > 1 and is_stream(dataset) and splits_across_ranks(dataset)
+
+
+def job_size(dataset: Dataset[Any], world_size: int) -> int | None:
+    """The items one pass of ``dataset`` holds over the job's ``world_size`` ranks (None for a stream without a
+    length): a stream read apart states one rank's share, the same on every rank."""
+    size = data_size(dataset)
+    return size * world_size if size is not None and reads_apart(dataset, world_size) else size
+
+
 class StreamShard(IterableDataset[Any]):
     """A stream's items, cut into global batches of which this rank takes its contiguous share.
 
     ``set_epoch(e, skip=k)`` restarts the stream (passing the epoch on to a dataset that has
     ``set_epoch``) and drops its first ``k`` items: how a resumed run continues where it stopped.
     A last global batch that does not split evenly across the ranks is dropped, as in a map-style run.
+    A stream that yields each rank its own share (``reads_apart``) is cut into this rank's batches as it
+    comes, and skips its share of the ``k`` items.
     """
 
     splits_across_workers = True  # each loader worker yields its own batches (get_worker_info), none twice
@@ -56,6 +79,11 @@ class StreamShard(IterableDataset[Any]):
         self.world_size = world_size
         self.skip = 0
         self._said_longer = False
+        # Cut what this rank reads into batches of `read` items, of which it takes part `part` of `parts`:
+        # a whole global batch shared by every rank, or this rank's own share of one.
+        apart = reads_apart(dataset, world_size)
+        self.parts, self.part = (1, 0) if apart else (world_size, rank)
+        self.read = global_batch // world_size if apart else global_batch
 
     @property
     def worker_limit(self) -> int | None:
@@ -83,12 +111,12 @@ class StreamShard(IterableDataset[Any]):
             _more_than_said(self.dataset, length)
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.skip = skip
+        self.skip = skip * self.read // self.global_batch  # the job's items, or this rank's share of them
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[Any]:
-        share = self.global_batch // self.world_size
+        share = self.read // self.parts
         # Under DataLoader workers each reads the stream and takes every workers-th global batch; the loader
         # takes the workers' batches in turn, so the order is the one a single process reads.
         info = get_worker_info()
@@ -96,12 +124,12 @@ class StreamShard(IterableDataset[Any]):
         length = data_size(self.dataset)  # the run planned its epochs by it: a pass ends there
         items = itertools.islice(self._pass(length, warn=worker == 0), self.skip, None)
         for index in itertools.count():
-            batch = list(itertools.islice(items, self.global_batch))
-            if not batch or len(batch) % self.world_size or (self.drop_last and len(batch) < self.global_batch):
+            batch = list(itertools.islice(items, self.read))
+            if not batch or len(batch) % self.parts or (self.drop_last and len(batch) < self.read):
                 return
-            n = len(batch) // self.world_size if len(batch) < self.global_batch else share
+            n = len(batch) // self.parts if len(batch) < self.read else share
             if index % workers == worker:
-                yield from batch[self.rank * n : (self.rank + 1) * n]
+                yield from batch[self.part * n : (self.part + 1) * n]
 
 
 def _more_than_said(dataset: Dataset[Any], length: int) -> None:
@@ -126,9 +154,9 @@ def plan_length(
     """Return a run's optimizer steps, and its batches per epoch (None for a stream whose length is unknown).
 
     The epochs' steps are cut at ``max_steps``; a stream without ``__len__`` needs ``max_steps``, and one with
-    it plans its epochs by that length, as torch's DataLoader reports it.
+    it plans its epochs by that length, as torch's DataLoader reports it (one rank's, where each reads its own).
     """
-    size = data_size(data)
+    size = job_size(data, world_size)
     if size is None:
         if max_steps is None:
             raise ConfigError(
@@ -190,7 +218,7 @@ def fixed_shapes(
     """Whether to drop a partial last batch: a model ``compiled`` (the Plan's field) given one would compile again
     for its shape, and a batch norm cannot train on a last batch of one sample a process (said on rank 0). Not where
     a stream has no length, nor where every batch is partial (fewer items than one)."""
-    size = data_size(data)
+    size = job_size(data, env.world_size)
     if size is None or not batches_per_epoch(size, batch_size, env.world_size, drop_last=True):
         return False
     if compiled is not None and compiled.value:
@@ -219,8 +247,9 @@ def train_loader(
 ) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:
     """Return a DataLoader over ``dataset`` (this rank's share of each global batch) and what sets its epoch.
 
-    A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order. With
-    ``drop_last`` a partial last batch is left out (a compiled model then keeps one shape).
+    A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order (one that yields each rank its
+    own share is batched as it comes). With ``drop_last`` a partial last batch is left out (a compiled model then
+    keeps one shape).
     """
     # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
     # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
@@ -246,10 +275,12 @@ def eval_loader(
 ) -> DataLoader[Any]:
     """Return an in-order DataLoader over this rank's shard: every sample is seen exactly once.
 
-    A map-style dataset is cut into contiguous shards; a stream is dealt out item by item.
+    A map-style dataset is cut into contiguous shards; a stream is dealt out item by item, unless it yields each
+    rank its own share (``splits_across_ranks``), which is read as it comes.
     """
     if world_size > 1 and is_stream(dataset):
-        dataset = _EveryNth(dataset, start=rank, step=world_size)
+        if not splits_across_ranks(dataset):  # one that yields each rank its own share is read as it comes
+            dataset = _EveryNth(dataset, start=rank, step=world_size)
     elif world_size > 1:
         size = len(dataset)  # type: ignore[arg-type]
         start, stop = size * rank // world_size, size * (rank + 1) // world_size
