@@ -27,7 +27,7 @@ from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
 from redline.launch.stopped import LaunchStopped
 from redline.launch.torchrun import LaunchConfig, launch
-from redline.parallel.env import is_launched
+from redline.parallel.env import is_launched, launcher_interrupted
 from redline.plan.device import resolve_device
 from redline.render.console import key_value_table, output_console, plan_table, print_uncut
 from redline.runtime.options import RuntimeOptions
@@ -87,6 +87,8 @@ def _train(
             summary = trainer.fit()
         except KeyboardInterrupt as exc:  # a second Ctrl-C as the run stopped (or one before it trained): what is saved
             finishing = isinstance(exc, ResultsSkipped)
+            if trainer.env.launched and launcher_interrupted(finishing=finishing):  # it says what was saved, once
+                raise typer.Exit(128 + signal.SIGINT) from None
             raise aborted(last, config.out_dir, second=trainer.signalled, finishing=finishing) from None
     by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
@@ -136,6 +138,9 @@ def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: Ta
     try:
         launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
     except LaunchStopped as stopped:  # rank 0's machine holds --out: name the checkpoint a resume goes on from
+        if stopped.aborted and not launch_config.node_rank:  # a second Ctrl-C: in the words of one process
+            raise aborted(newest_checkpoint(config.out_dir), config.out_dir, second=True,
+                          finishing=stopped.aborted == "finishing") from None  # fmt: skip
         if config.out_dir is None or launch_config.node_rank:
             raise
         found = find_checkpoints(config.out_dir / "checkpoints")
@@ -204,6 +209,14 @@ class LastCheckpoint(Callback):
 
     def on_checkpoint(self, trainer: Trainer, step: int, path: str) -> None:
         self.step, self.path = step, path
+
+
+def newest_checkpoint(out_dir: Path | None) -> LastCheckpoint:
+    """The newest checkpoint under ``out_dir``, as the workers' run left it (none without one)."""
+    last, found = LastCheckpoint(), find_checkpoints(out_dir / "checkpoints") if out_dir is not None else []
+    if found:
+        last.step, last.path = found[-1].step, str(found[-1].path)
+    return last
 
 
 def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool, finishing: bool = False) -> StoppedBySignal:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
+from typing import Literal
 
 from redline.errors import RedlineError, StoppedBySignal
 from redline.parallel.env import stopped_mark
 
 log = logging.getLogger("redline")
 
+# What a second SIGINT to a launcher aborted: the run's stop, or, once its steps were done, the writing of its results
+Aborted = Literal["stopping", "finishing"]
 _SIGNAL_THE_LAUNCHER = "; to stop a launched job, signal the launcher (it passes the signal on to every worker)"
 
 
@@ -24,13 +27,17 @@ class LaunchStopped(LaunchError, StoppedBySignal):
 
     def __init__(
         self, signum: int, *, trainer: bool = True, workers_only: bool = False, newest: tuple[int, Path] | None = None,
-        looked: bool = False,
+        looked: bool = False, aborted: Aborted | None = None,
     ) -> None:  # fmt: skip
         """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
         ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher.
         ``looked``: the run's --out was looked in after the stop (``named``), and ``newest`` is the step and path of
-        the newest checkpoint there, None where there is none."""
-        self.signum, self.trainer, self.workers_only = signum, trainer, workers_only
+        the newest checkpoint there, None where there is none. ``aborted``: what a second SIGINT aborted (``Aborted``),
+        which `redline train` says in one process's words (cli/train.py's ``aborted``)."""
+        self.signum, self.trainer, self.workers_only, self.aborted = signum, trainer, workers_only, aborted
+        if aborted:
+            super().__init__(signum, _aborted(trainer))
+            return
         if workers_only:
             said = (
                 "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together "
@@ -80,16 +87,35 @@ class LaunchStopped(LaunchError, StoppedBySignal):
         return LaunchStopped(self.signum, workers_only=self.workers_only, newest=newest, looked=True)
 
 
-def stopped_by(signum: int, finished: Path, *, trainer: bool = True) -> LaunchStopped | None:
+def _aborted(trainer: bool) -> str:
+    """The message of a launch a second SIGINT aborted where ``redline train`` does not name what was saved: the
+    workers run a script of the user's, or this machine does not hold rank 0's --out."""
+    if trainer:
+        return (
+            "aborted by a second SIGINT while the run was stopping: the launcher passed it to every worker, which "
+            "ended without finishing the stop (its checkpoint may not be written)\nhint: run the same command again "
+            "with --resume auto to continue from the last checkpoint under --out"
+        )
+    return (
+        "aborted by a second SIGINT while the workers were stopping: the launcher passed it to every worker\nhint: "
+        "run the same command again; a script that trains with redline's Trainer and an out_dir resumes from its last "
+        "checkpoint with resume='auto'"
+    )
+
+
+def stopped_by(
+    signum: int, finished: Path, *, trainer: bool = True, aborted: Aborted | None = None
+) -> LaunchStopped | None:
     """Return the error a launcher sent ``signum`` exits with; None if the workers had finished their work by then.
 
     A signal that arrives as the run ends (while torchrun's agent waits at its exit barrier, say)
     stopped nothing: the workers marked the file ``finished`` (``mark_finished``), and the launch
     succeeded. Without the mark (they were stopped, or the script is not the Trainer's) it did stop them.
-    ``trainer``: the workers run ``redline train``, whose resume the error names.
+    ``trainer``: the workers run ``redline train``, whose resume the error names. ``aborted``: a second SIGINT
+    came as they stopped, and was passed on to them (``Interrupts``): 130, as one process aborted so exits.
     """
     if not finished.exists():
-        return LaunchStopped(signum, trainer=trainer)
+        return LaunchStopped(signal.SIGINT if aborted else signum, trainer=trainer, aborted=aborted)
     log.info("%s arrived after the workers had finished their work: nothing to resume", signal.Signals(signum).name)
     return None
 

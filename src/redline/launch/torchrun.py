@@ -25,6 +25,7 @@ from redline.config import non_negative_int, option, positive_int, positive_numb
 from redline.errors import SAID_ERRORS_ENV, ConfigError, first_line, invalid
 from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
+from redline.launch.interrupts import Interrupts
 from redline.launch.stopped import LaunchError, LaunchStopped, stopped_by, unfinished
 from redline.launch.waiting import stoppable_while_waiting
 from redline.parallel.env import FINISHED_ENV, HANG_START_TIMEOUT_ENV, HANG_TIMEOUT_ENV, check_hang_env
@@ -237,11 +238,13 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         said = Path(scratch) / "said"  # where the workers mark the errors printed, to print each once
         said.mkdir()
         workers[SAID_ERRORS_ENV] = str(said)
+        interrupts = Interrupts(finished)  # a second Ctrl-C goes on to the workers as SIGINT: they abort
         try:
-            with worker_environment(workers), waiting, _launcher_unsaid():
+            with worker_environment(workers), waiting, _launcher_unsaid(), interrupts.passing_on():
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
-            stopped = stopped_by(int(exc.sigval), finished, trainer=module and tuple(target[:2]) == TRAIN)
+            trainer = module and tuple(target[:2]) == TRAIN
+            stopped = stopped_by(int(exc.sigval), finished, trainer=trainer, aborted=interrupts.aborted)
         except ChildFailedError as exc:
             printed = any(said.iterdir())  # a worker of redline's command line printed an error there
             done = finished.exists()

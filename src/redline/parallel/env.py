@@ -127,6 +127,29 @@ def stopped_mark(finished: Path) -> Path:
     return finished.with_name(finished.name + ".stopped")
 
 
+def interrupted_mark(finished: Path) -> Path:
+    """Where a launcher marks that it passed a SIGINT on to its stopping workers (a second Ctrl-C), and where a worker
+    it aborted once the run's steps were done writes ``FINISHING``: the launcher, not each worker, then says what the
+    aborted run saved, once for the job."""
+    return finished.with_name(finished.name + ".interrupted")
+
+
+FINISHING = "finishing"  # the interrupted mark's text where the run's steps were done: it was writing its results
+
+
+def launcher_interrupted(*, finishing: bool) -> bool:
+    """Whether this worker's launcher passed it a SIGINT as it stopped (``interrupted_mark``); if so, tell it whether
+    the run's steps were done (``finishing``)."""
+    path = os.environ.get(FINISHED_ENV)
+    mark = interrupted_mark(Path(path)) if path else None
+    if mark is None or not mark.exists():
+        return False
+    if finishing:
+        with contextlib.suppress(OSError):
+            mark.write_text(FINISHING)
+    return True
+
+
 def backend_for(device_type: str) -> str:
     """NCCL between GPUs, gloo between CPU processes."""
     return "nccl" if device_type == "cuda" else "gloo"
