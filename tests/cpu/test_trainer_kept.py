@@ -111,7 +111,7 @@ def test_a_dataset_that_raises_mid_run_keeps_the_steps_before_it(tmp_path):
 
 def test_an_exception_not_redlines_own_passes_unchanged_and_the_saved_steps_are_told_in_a_warning(caplog):
     run = SimpleNamespace(
-        in_optimizer_step=False, micro_loss=None, step_start=None, last_ckpt=None, pos=Position(7),
+        in_optimizer_step=False, step_under_way=False, last_ckpt=None, pos=Position(7),
         put_back_evaluation=lambda: None,
     )  # fmt: skip
 

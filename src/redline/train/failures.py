@@ -132,13 +132,14 @@ def keeping_steps(run: Run, keep: Callable[[], str | None], *, distributed: bool
 def keep_steps(exc: Exception, run: Run, keep: Callable[[], str | None]) -> None:
     """Checkpoint the steps a failing run trained since its last checkpoint (``keep`` writes it), and say where.
 
-    A failure among a step's micro-batches puts the position back to the step's start: the resumed run
-    redoes them all. A failure inside the optimizer's step keeps nothing: the weights may be half updated.
+    A failure inside a step (reading its batches, their forwards and backwards) puts the run back to the step's start
+    (its position, random streams and running statistics): the resumed run redoes it whole, as the unbroken run did.
+    A failure inside the optimizer's step keeps nothing: the weights may be half updated.
     A redline error's message names the checkpoint; any other exception passes unchanged, after a warning.
     """
     if run.in_optimizer_step:
         return
-    if run.micro_loss is not None and run.step_start is not None:
+    if run.step_under_way:
         run.back_to_step_start()  # the step is redone whole on resume: its batches so far are not the checkpoint's
     else:
         run.put_back_evaluation()  # an epoch's evaluation failed: the resumed run does it again

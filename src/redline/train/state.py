@@ -18,7 +18,6 @@ from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.watchdog import Watchdog
-from redline.runtime.checkpointing import running_stats
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import EpochSampler
@@ -26,6 +25,7 @@ from redline.train.data import StreamShard
 from redline.train.logs import Loggers
 from redline.train.progress import Progress
 from redline.train.schedule import Schedule
+from redline.train.step_start import StepStart
 from redline.train.throughput import Throughput
 
 if TYPE_CHECKING:
@@ -197,25 +197,36 @@ class Run:
     before_eval: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
     held_back: dict[str, Any] | None = None  # before_eval's entries, once the run is put back to before it
 
-    norm_stats: list[torch.Tensor] | None = None
-    saved_stats: list[torch.Tensor] | None = None  # the batch norms' running statistics at the step's start
+    keeps_steps: bool = False  # a failure checkpoints the steps so far (out_dir): a failed step is put back first
+    step_start_state: StepStart | None = None  # what the step under way moves besides the weights, as at its start
+
+    def step_batches(self) -> Iterator[Any]:
+        """This epoch's batches, each step's start marked (``begin_step``) before its first batch is read: reading
+        may draw random numbers (an augmentation), which a step redone on resume draws again."""
+        batches = iter(self.batches)
+        while True:
+            if self.micro_loss is None:
+                self.begin_step()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
 
     def begin_step(self) -> None:
-        """Mark where the step now beginning starts: its position, and, where its micro-batches may be dropped
-        (grad_accum > 1), the batch norms' running statistics their forwards move (copied in one foreach op)."""
+        """Mark where the step now beginning starts: its position, and, where a failure keeps the steps before it,
+        the random streams and running statistics its forwards move (``StepStart``)."""
         self.step_start = dataclasses.replace(self.pos)
-        if self.rt.options.grad_accum == 1 or not (stats := self._norm_stats()):
+        if not self.keeps_steps:
             return
-        if self.saved_stats is None:
-            self.saved_stats = [t.clone() for t in stats]
-        else:
-            torch._foreach_copy_(self.saved_stats, stats)
+        if self.step_start_state is None:
+            self.step_start_state = StepStart(self.model, self.rt.device)
+        self.step_start_state.keep()
 
-    def _norm_stats(self) -> list[torch.Tensor]:
-        """The model's batch norms' running statistics (found once: a step's start asks each step)."""
-        if self.norm_stats is None:
-            self.norm_stats = running_stats(self.model)
-        return self.norm_stats
+    @property
+    def step_under_way(self) -> bool:
+        """Whether a step has begun (its first batch being read, or read) and not completed."""
+        return self.step_start is not None and self.step_start.step == self.pos.step
 
     def hold_before_eval(self, states: dict[str, Any]) -> None:
         """Keep ``states`` (``eval_states``) and the optimizer's hyperparameters, before an epoch's evaluation."""
@@ -229,9 +240,8 @@ class Run:
         assert self.step_start is not None
         self.pos = self.step_start
         self.rt.drop_cycle()
-        if self.saved_stats is not None:  # the dropped micro-batches' forwards moved them: redone, they move again
-            with torch.no_grad():
-                torch._foreach_copy_(self._norm_stats(), self.saved_stats)
+        if self.step_start_state is not None:  # the dropped forwards drew and moved them: redone, they do again
+            self.step_start_state.put_back()
         self.put_back_evaluation()
 
     def put_back_evaluation(self) -> None:

@@ -143,7 +143,7 @@ class Trainer:
             collate = self.task.collate_fn or default_collate  # what a batch that is no pair is blamed on
             while not run.stopped and run.pos.epoch < self.max_epochs:
                 run.sampler.set_epoch(run.pos.epoch, skip=run.pos.batches_in_epoch * self.batch_size)
-                for batch in run.batches:
+                for batch in run.step_batches():  # each step's start marked before its first batch is read
                     inputs, targets = split_batch(batch, "train_data", collate_fn=collate)
                     if self._train_step(run, inputs, targets):
                         run.stopped = self._after_step(run)
@@ -176,8 +176,6 @@ class Trainer:
 
     def _micro_step(self, run: Run, inputs: Any, targets: Any) -> bool:
         run.beat("forward and backward (gradient all-reduce)", step=run.pos.step + 1)
-        if run.micro_loss is None:  # a step begins: where a failure inside its micro-batches puts the run back
-            run.begin_step()
         # a one-element loss of shape (1,) is one number too: stacked as it came, the window's losses would nest
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos).detach().reshape(())
         run.micro_loss = loss if run.micro_loss is None else run.micro_loss + loss
@@ -363,6 +361,7 @@ class Trainer:
             last_ckpt=resumed,
             stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
             losses=list(self._stored_losses),
+            keeps_steps=self.out_dir is not None,
         )
 
     def _setup(
