@@ -373,7 +373,7 @@ def load_run(
     check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
     state = rt.load(found)
     check_written_by_trainer(found, state)
-    scheduler.load_state_dict(state.get("scheduler"))
+    scheduler.load_state_dict(state.get("scheduler"), steps=found.step, source=str(found.path), warn=rt.env.is_main)
     if stopping is not None and state.get("early_stopping"):
         stopping.load_state_dict(state["early_stopping"])
     if best is not None:
