@@ -191,6 +191,21 @@ def group_options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return groups
 
 
+def loaded_options(
+    built: list[dict[str, Any]], saved: list[dict[str, Any]], loaded: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The options an optimizer goes on with after loading a checkpoint's: the checkpoint's (``saved``), but for those
+    it set back to this run's (``built``) as it loaded (``loaded``: ``group_options`` then), as AdamW sets its
+    decoupled_weight_decay whatever an Adam's checkpoint held. The lr is the checkpoint's: a load restores it (a
+    decay since may have brought it to this run's)."""
+    options = []
+    for i, kept in enumerate(saved):
+        mine, now = built[i] if i < len(built) else {}, loaded[i] if i < len(loaded) else {}
+        own = {k for k in kept if k != "lr" and k in mine and k in now and now[k] == mine[k] != kept[k]}
+        options.append({k: now[k] if k in own else v for k, v in kept.items()})
+    return options
+
+
 def changed_options(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
     """The options a load changed, each as "lr 0.1, the checkpoint's 0.003" (and its group, where there are several)."""
     changed = []

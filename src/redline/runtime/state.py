@@ -26,7 +26,7 @@ from redline.plan import Choice, Plan
 from redline.plan.micro_batch import found_size
 from redline.runtime.cycle import Cycle
 from redline.runtime.micro import MicroBatcher, OomEvent
-from redline.runtime.optimizer import changed_options, match_state_layout
+from redline.runtime.optimizer import changed_options, group_options, loaded_options, match_state_layout
 from redline.runtime.options import RuntimeOptions, stored_reason
 from redline.runtime.precision import Precision
 from redline.runtime.seed import capture_rng, restore_rng
@@ -173,14 +173,11 @@ class RunState:
             runtime_state, extra = strategy.load(checkpoint, model, optimizer)
         match_state_layout(optimizer)  # a state saved in another layout than the model's now
         saved = runtime_state.get("optimizer_options")  # none in a checkpoint of an earlier redline
-        if saved and (changed := changed_options(self._built_options, saved)) and self.env.is_main:
-            log.warning(
-                "%s: this run's optimizer has %s, and goes on with the checkpoint's: loading restores the optimizer "
-                "as it was saved\nhint: to train on with other options, set them in optimizer.param_groups after "
-                "loading, or start a new run (with redline train, another --out)", checkpoint.path, "; ".join(changed)
-            )  # fmt: skip
         if saved:  # the optimizer's options now: what this run's checkpoints record, and a later resume is held against
-            self._built_options = saved
+            now = loaded_options(self._built_options, saved, group_options(optimizer))
+            if self.env.is_main:
+                _warn_options(checkpoint.path, type(optimizer).__name__, self._built_options, now, saved)
+            self._built_options = now
         self._restart_cycle(checkpoint.step)
         self._micro.events = [_event(e) for e in runtime_state.get("oom_events") or []]  # the run's recoveries so far
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
@@ -228,6 +225,26 @@ class RunState:
                 "hint: save each model's rt.unwrap(model).state_dict() yourself, or use one Runtime per model you save"
             )
         return self.strategy, self.model, self.optimizer
+
+
+def _warn_options(
+    path: Path, name: str, built: list[dict[str, Any]], now: list[dict[str, Any]], saved: list[dict[str, Any]]
+) -> None:
+    """Say the options in which this run's optimizer (``name``) as ``built`` differs from the checkpoint's (``saved``):
+    those the load restored, and those the optimizer set back to its own as it loaded (``now``: what it goes on
+    with; AdamW's decoupled_weight_decay from an Adam's checkpoint)."""
+    restored, own = changed_options(built, now), changed_options(now, saved)
+    said = [f"has {'; '.join(restored)}, and goes on with the checkpoint's: loading restores the optimizer as it was "
+            "saved"] if restored else []  # fmt: skip
+    if own:
+        said.append(
+            f"{'' if restored else 'has '}{'; '.join(own)}: {name} sets its own as it loads, and goes on with it"
+        )
+    if said:
+        log.warning(
+            "%s: this run's optimizer %s\nhint: to train on with other options, set them in optimizer.param_groups "
+            "after loading, or start a new run (with redline train, another --out)", path, "; ".join(said),
+        )  # fmt: skip
 
 
 def _event_state(event: OomEvent) -> dict[str, Any]:
