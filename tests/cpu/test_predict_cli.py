@@ -509,6 +509,30 @@ def test_weights_given_as_a_run_directory_name_the_file_inside(tmp_path, spec):
     )
 
 
+@pytest.mark.parametrize("weights", ["run", "run/model.safetensors"])
+def test_weights_of_a_run_that_stopped_before_writing_them_name_its_newest_checkpoints(tmp_path, spec, weights):
+    # A killed run's --out holds checkpoints and no model.safetensors: the hint named only what a finished run writes
+    import torch
+
+    import redline
+
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        rt.setup(load_servable(spec).model, lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (3, 7):
+            rt.save(tmp_path / "run" / "checkpoints" / f"step-{step:08d}", step=step)
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(tmp_path / weights))  # fmt: skip
+    assert isinstance(result.exception, ConfigError), result.exception
+    newest = tmp_path / "run" / "checkpoints" / "step-00000007" / "model.safetensors"
+    assert str(result.exception).endswith(
+        f"\nhint: the run stopped before writing its final weights; its newest checkpoint holds those of step 7: "
+        f"--weights {newest}"
+    )
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(newest))  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
 def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
     out = tmp_path / "y[run1].npy"
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),

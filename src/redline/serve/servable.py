@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
+from redline.checkpoint.layout import find_checkpoints
 from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
 from redline.errors import ConfigError, TaskError, TaskSpecError, describe_error, invalid, user_line
 from redline.runtime.contract import PAIR_HINT, describe, split_batch
@@ -343,10 +344,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
         inside = path / "model.safetensors"
         raise ConfigError(
             f"--weights {str(path)!r} is a directory; expected a .safetensors file\n"
-            + (f"hint: pass the weights file inside it: --weights {inside}" if inside.is_file() else WEIGHTS_HINT)
+            + (f"hint: pass the weights file inside it: --weights {inside}" if inside.is_file() else _run_hint(path))
         )
     if not path.is_file():
-        raise ConfigError(f"--weights {str(path)!r} does not exist\n{WEIGHTS_HINT}")
+        raise ConfigError(f"--weights {str(path)!r} does not exist\n{_run_hint(path.parent)}")
     try:
         saved, expected = safetensors_shapes(path), shapes_of(model.state_dict())
     except SafetensorError as exc:  # not a safetensors file
@@ -364,6 +365,19 @@ def load_weights(model: nn.Module, path: Path) -> None:
     except (RuntimeError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"--weights {str(path)!r} does not fit the model: {first}\n{FIT_HINT}") from exc
+
+
+def _run_hint(run: Path) -> str:
+    """The fix for weights asked of directory ``run``: where it is a run's --out that stopped before writing its
+    final weights (killed, or failed), its newest checkpoint's weights file; else where a run writes them."""
+    for root in (run / "checkpoints", run):  # the run's --out, or its checkpoints directory
+        kept = [c for c in find_checkpoints(root) if (c.path / "model.safetensors").is_file()]
+        if kept:
+            return (
+                f"hint: the run stopped before writing its final weights; its newest checkpoint holds those of step "
+                f"{kept[-1].step}: --weights {kept[-1].path / 'model.safetensors'}"
+            )
+    return WEIGHTS_HINT
 
 
 def _renamed_hint(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str:
