@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,25 +16,35 @@ from torch.utils.data import Dataset, TensorDataset
 
 import redline
 from redline.errors import TrainingError
+from redline.runtime.loading import gathered
+from redline.train.step_start import draws_here
 from redline.train.trainer import Trainer
 
 
 class Augmented(Dataset):
-    """Rows with noise drawn from torch's global stream as each is read (an augmentation in the main process)."""
+    """Rows with noise drawn from torch's global stream (or NumPy's) as each is read (an augmentation in the main
+    process)."""
 
-    def __init__(self, data: TensorDataset) -> None:
-        self.data = data
+    def __init__(self, data: TensorDataset, numpy: bool = False) -> None:
+        self.data, self.numpy = data, numpy
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.data[i]
-        return x + 0.1 * torch.randn(x.shape), y
+        noise = torch.from_numpy(np.random.normal(size=x.shape)).float() if self.numpy else torch.randn(x.shape)
+        return x + 0.1 * noise, y
 
 
 def task(
-    *, fail_at: int = 0, dropout: float = 0.0, norm: bool = False, nan_row: int | None = None, augment: bool = False
+    *,
+    fail_at: int = 0,
+    dropout: float = 0.0,
+    norm: bool = False,
+    nan_row: int | None = None,
+    augment: bool = False,
+    numpy: bool = False,
 ) -> redline.Task:
     """64 samples in batches of 8. The loss raises at its ``fail_at``-th training call, and on a non-finite value
     (where row ``nan_row`` is NaN: a bad record)."""
@@ -59,7 +70,7 @@ def task(
         return nn.Sequential(nn.Linear(6, 16), *norms, nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 2))
 
     return redline.Task(
-        model=model, loss_fn=loss, train_data=Augmented(data) if augment else data, batch_size=8, epochs=2,
+        model=model, loss_fn=loss, train_data=Augmented(data, numpy) if augment else data, batch_size=8, epochs=2,
         val_data=TensorDataset(torch.randn(16, 6, generator=gen), torch.randint(0, 2, (16,), generator=gen)),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     )  # fmt: skip
@@ -88,6 +99,7 @@ def same_weights(a: Path, b: Path) -> None:
         ({"norm": True}, 2, 7),  # step 4's first micro-batch (only a later one's were put back)
         ({"norm": True, "dropout": 0.5}, 2, 8),  # step 4's second: its statistics were, its masks were not
         ({"augment": True}, 1, 4),  # step 4's batch drew its noise as it was read
+        ({"augment": True, "numpy": True}, 1, 4),  # from NumPy's stream, kept where this process reads the items
     ],
 )
 def test_a_run_failing_inside_a_step_resumes_into_the_unbroken_run(
@@ -111,3 +123,12 @@ def test_a_nan_batch_does_not_poison_the_checkpoint_of_the_steps_before_it(tmp_p
     fit(task(norm=True), tmp_path / "broken", resume="auto")  # the bad record fixed
     fit(task(norm=True), tmp_path / "unbroken")
     same_weights(tmp_path / "unbroken", tmp_path / "broken")
+
+
+def test_pythons_and_numpys_streams_are_kept_only_where_this_process_reads_the_items_through_the_datasets_code():
+    # reading them costs 30 us a step: kept where an augmentation or a collate_fn may draw here
+    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8))
+    whole, collate = gathered(data, None)  # an in-memory set is gathered whole: no item code runs
+    assert not draws_here(torch.utils.data.DataLoader(whole, batch_size=4, collate_fn=collate))
+    assert draws_here(torch.utils.data.DataLoader(Augmented(data), batch_size=4))
+    assert not draws_here(torch.utils.data.DataLoader(Augmented(data), batch_size=4, num_workers=1))

@@ -25,7 +25,7 @@ from redline.train.data import StreamShard
 from redline.train.logs import Loggers
 from redline.train.progress import Progress
 from redline.train.schedule import Schedule
-from redline.train.step_start import StepStart
+from redline.train.step_start import StepStart, draws_here
 from redline.train.throughput import Throughput
 
 if TYPE_CHECKING:
@@ -220,7 +220,8 @@ class Run:
         if not self.keeps_steps:
             return
         if self.step_start_state is None:
-            self.step_start_state = StepStart(self.model, self.rt.device)
+            draws = draws_here(self.batches.loader)  # whether reading the batches may draw from Python's or NumPy's
+            self.step_start_state = StepStart(self.model, self.rt.device, host_streams=draws)
         self.step_start_state.keep()
 
     @property
