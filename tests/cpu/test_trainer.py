@@ -455,7 +455,7 @@ def test_resuming_a_checkpoint_past_max_steps_says_the_count_includes_the_resume
     first = quiet(tiny_task(), max_steps=5, out_dir=tmp_path / "first").fit()
     found = tmp_path / "first" / "checkpoints" / "step-00000005"
     with caplog.at_level("WARNING", logger="redline"):  # "3 more steps" meant: nothing trains, and the log says why
-        summary = quiet(tiny_task(), max_steps=3, out_dir=tmp_path / "tuned", resume=found).fit()
+        summary = quiet(tiny_task(), max_steps=3, resume=found).fit()  # into an --out of its own: refused
     assert summary.steps == 5 and summary.final_loss == first.final_loss, "the checkpoint's last steps' loss"
     assert "resumed at step 5, past --max-steps 3: nothing to train" in caplog.text
     assert "hint: to train 3 more, pass --max-steps 8" in caplog.text

@@ -285,12 +285,14 @@ def ended_run(
     out_dir: Path | None,
     env: DistEnv,
     stopping: EarlyStopping | None = None,
+    found: Checkpoint | None = None,
 ) -> tuple[TrainSummary | None, str]:
     """Whether a resumed run (at ``pos``; ``stopped`` as its checkpoint says) has nothing left to train under this
     run's length (``total`` steps, ``max_epochs``, ``max_steps``): its summary, and why it ended ("" if it goes on).
 
     A run early stopping ended stays ended while this run's ``stopping`` (its state restored) still says stop:
-    one given more patience, or none, trains on.
+    one given more patience, or none, trains on. A run resumed from another run's checkpoint (``found``, outside
+    ``out_dir``) with nothing to train is refused (``_nothing_to_train``), on every rank alike.
 
     The summary is None where it goes on, or where its summary.json cannot be read (a run killed after its last
     checkpoint): that run starts with its reason to stop, so its loop trains no step and writes its results again.
@@ -300,6 +302,8 @@ def ended_run(
     reason = _end_reason(pos, stopped, total=total, max_epochs=max_epochs, max_steps=max_steps)
     if not reason:
         return None, reason
+    if found is not None and out_dir is not None and found.path.resolve().parent != (out_dir / "checkpoints").resolve():
+        raise _nothing_to_train(found, pos, reason, out_dir=out_dir, max_epochs=max_epochs, max_steps=max_steps)
     ended = stored_summary(out_dir, env) if out_dir is not None else None
     if not env.is_main:  # rank 0 speaks for the job
         return ended, reason
@@ -329,6 +333,31 @@ def ended_run(
             "were\nhint: %s", out_dir, pos.step, ended.stopped, further
         )  # fmt: skip
     return ended, reason
+
+
+def _nothing_to_train(
+    found: Checkpoint, pos: Position, reason: str, *, out_dir: Path, max_epochs: float, max_steps: int | None
+) -> ConfigError:
+    """The refusal of a run resumed from ``found`` into an out_dir of its own where it would train no step (it ends
+    there for ``reason``): that out_dir would hold its results and logs and no checkpoint, and the next command there,
+    the same one with a larger length, would be refused as a run among another's logs."""
+    if reason == "early stopping":
+        end = "where early stopping ended its run, and this run's early stopping says stop there too"
+        more = "to train further, raise --early-stopping-patience (EarlyStopping(patience=...)), or drop early stopping"
+    elif reason == "max_steps" and max_steps is not None and max_steps < pos.step:  # a count taken as "more steps"
+        end = f"past the end of this run (--max-steps {max_steps} counts from the run's start, the resumed steps too)"
+        more = f"to train {max_steps} more, pass --max-steps {pos.step + max_steps} (max_steps={pos.step + max_steps})"
+    elif reason == "max_steps":
+        end = f"the end of this run (--max-steps {max_steps})"
+        more = f"to train further, pass --max-steps (max_steps=) larger than {max_steps}"
+    else:
+        end = f"the end of this run (the last step of --epochs {max_epochs:g})"
+        more = f"to train further, pass --epochs (max_epochs=) larger than {max_epochs:g}"
+    return ConfigError(
+        f"nothing to train: {found.path} is at step {pos.step}, {end}; resumed from it into "
+        f"out_dir={str(out_dir)!r}, this run would write its results there and no checkpoint to go on from; nothing "
+        f"was written\nhint: {more}"
+    )
 
 
 def _end_reason(pos: Position, stopped: str, *, total: float, max_epochs: float, max_steps: int | None) -> str:

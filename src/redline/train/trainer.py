@@ -314,7 +314,7 @@ class Trainer:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
         ended, done = resume.ended_run(
             pos, self._stored_stop, total=total, max_epochs=self.max_epochs, max_steps=self.config.max_steps,
-            out_dir=self.out_dir, env=self.env, stopping=self.early_stopping,
+            out_dir=self.out_dir, env=self.env, stopping=self.early_stopping, found=resumed,
         ) if resumed else (None, "")  # fmt: skip
         if ended is not None:
             return ended
