@@ -16,7 +16,8 @@ from redline.train.trainer import Trainer
 
 
 def task() -> redline.Task:
-    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    gen = torch.Generator().manual_seed(0)  # the same data each time: a resumed run is refused other items
+    data = TensorDataset(torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen))
     return redline.Task(
         model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data, val_data=data,
         batch_size=8, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),

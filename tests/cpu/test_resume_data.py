@@ -9,11 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from small_tasks import small
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
 from redline.errors import ConfigError
+from redline.train.agreement import data_digests
 from redline.train.state import Position
 from redline.train.trainer import Trainer
 
@@ -64,7 +66,7 @@ def test_a_resume_under_another_task_name_warns_and_goes_on(tmp_path: Path, capl
 )
 def test_a_length_unknown_on_either_side_is_not_checked(stored: Position, now: int | None) -> None:
     found = SimpleNamespace(path=Path("run/checkpoints/step-00000006"))
-    stored.check_resume(found, batch_size=8, split=1, world_size=1, task="pairs", train_samples=now)  # type: ignore[arg-type]
+    stored.check_resume(found, batch_size=8, split=1, world_size=1, task="pairs", train_samples=now, data_hashes={})  # type: ignore[arg-type]
     assert (stored.task, stored.train_samples) == ("pairs", now)  # its next checkpoint holds this run's
 
 
@@ -74,7 +76,55 @@ def test_the_checkpoint_keeps_the_data_apart_from_the_position_an_older_redline_
     extra = torch.load(tmp_path / "checkpoints" / "step-00000003" / "extra.pt", weights_only=True)
     assert set(extra["position"]) == {"step", "epoch", "batches_in_epoch", "samples", "batch_size"}
     assert extra["data"] == {"train_samples": 64, "task": "pairs"}
+    assert extra["data_hashes"] == data_digests(task(64)) and set(extra["data_hashes"]) == {"train_data"}
     assert Position.from_state(extra) == Position(step=3, batches_in_epoch=3, samples=24, batch_size=8,
-                                                  train_samples=64, task="pairs")  # fmt: skip
-    del extra["data"]  # one written before the data was saved: nothing to check against
-    assert Position.from_state(extra).train_samples is None
+                                                  train_samples=64, task="pairs",
+                                                  data_hashes=extra["data_hashes"])  # fmt: skip
+    del extra["data"], extra["data_hashes"]  # one written before the data was saved: nothing to check against
+    assert Position.from_state(extra).train_samples is None and Position.from_state(extra).data_hashes == {}
+
+
+def fit_small(out: Path, steps: int, **kwargs: object) -> redline.TrainSummary:
+    split = {name: kwargs.pop(name) for name in ("split_seed", "val_seed") if name in kwargs}
+    options = redline.RuntimeOptions(devices="cpu", seed=0, micro_batch=kwargs.pop("micro_batch", None))
+    with Trainer(small(**split), runtime=options, progress=False, max_steps=steps, out_dir=out, **kwargs) as trainer:
+        return trainer.fit()
+
+
+def test_a_resume_on_a_split_moved_to_other_samples_as_many_is_refused_saying_how_to_go_on(tmp_path: Path) -> None:
+    # `--task-arg seed=7` on a run begun with seed 0 went on silently: it validated on samples it had trained on.
+    fit_small(tmp_path, 5, split_seed=0)
+    with pytest.raises(ConfigError) as refused:
+        fit_small(tmp_path, 10, split_seed=7, resume="auto")
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'checkpoints' / 'step-00000005'} was written training on other samples of "
+                              "task 'small' than this run's train_data holds: as many, but a hash of a few of their "
+                              "items differs")  # fmt: skip
+    assert (
+        "hint: resume with the same --task-arg values as the run it resumes (in Python: the Task built as it was, a "
+        "split drawn at random under the same seed)" in message
+    )
+    assert "to train on this data, start a new run (another --out)" in message
+    assert fit_small(tmp_path, 10, split_seed=0, resume="auto").steps == 10  # the same split goes on
+
+
+def test_a_resume_validating_on_other_samples_alone_warns_and_goes_on(tmp_path: Path, caplog) -> None:
+    fit_small(tmp_path, 5)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        assert fit_small(tmp_path, 10, val_seed=5, resume="auto").steps == 10
+    assert "written validating on other samples than this run's val_data holds" in caplog.text
+    assert "hint: resume with the same --task-arg values as the run it resumes" in caplog.text
+
+
+def test_the_data_is_told_by_the_whole_set_so_a_resume_in_micro_batches_goes_on(tmp_path: Path) -> None:
+    fit_small(tmp_path, 5)
+    assert fit_small(tmp_path, 10, resume="auto", micro_batch=8).steps == 10
+
+
+def test_hashes_unknown_on_either_side_are_not_checked() -> None:
+    found = SimpleNamespace(path=Path("run/checkpoints/step-00000006"))
+    for stored, now in (({}, {"train_data": "b"}), ({"train_data": "a"}, {})):  # an older checkpoint; a set not read
+        position = Position(step=6, batch_size=8, train_samples=64, task="pairs", data_hashes=stored)
+        position.check_resume(found, batch_size=8, split=1, world_size=1, task="pairs", train_samples=64,  # type: ignore[arg-type]
+                              data_hashes=now)  # fmt: skip
+        assert position.data_hashes == now  # its next checkpoint holds this run's

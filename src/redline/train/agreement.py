@@ -62,11 +62,19 @@ def data_settings(task: Task) -> dict[str, str]:
     """The task's data as every rank can tell it cheaply and alike: each set's length, and a hash of a few of its
     items (``items_digest``). The Trainer gives each rank its share of one set: sets of other lengths would have the
     ranks take different numbers of steps, and a split drawn per rank would validate on what another rank trains on."""
-    shared = {}
+    shared, digests = {}, data_digests(task)
     for name, data in (("train_data", task.train_data), ("val_data", task.val_data)):
         shared[f"the task's {name} (its length)"] = "none" if data is None else repr(data_size(data))
-        shared[f"the task's {name} (a hash of a few of its items)"] = items_digest(data) or "not read"
+        shared[f"the task's {name} (a hash of a few of its items)"] = digests.get(name, "not read")
     return shared
+
+
+def data_digests(task: Task) -> dict[str, str]:
+    """The ``items_digest`` of the task's train_data and val_data, by name, of each set it reads: of the whole set, the
+    same at any world size or micro-batch. The ranks compare them (``data_settings``); a checkpoint keeps them, and a
+    resumed run compares its own with those (``Position.check_data``)."""
+    sets = {"train_data": task.train_data, "val_data": task.val_data}
+    return {name: digest for name, data in sets.items() if data is not None and (digest := items_digest(data))}
 
 
 def items_digest(data: Any) -> str | None:

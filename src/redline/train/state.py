@@ -41,6 +41,7 @@ class Stateful(Protocol):
 
 
 _DATA = ("train_samples", "task")  # a Position's fields saved apart from the rest: see Position.to_state
+_HASHES = "data_hashes"  # saved apart from _DATA too: a redline from before it builds Position(**data), no more
 
 
 @dataclass
@@ -54,17 +55,21 @@ class Position:
     batch_size: int = 0  # what the loader's batches held; 0 in checkpoints from before it was saved
     train_samples: int | None = None  # the training set's length; None for a stream without one, or an older checkpoint
     task: str = ""  # the task's name; "" in checkpoints from before it was saved
+    # a hash of a few items of the task's train_data and val_data (``data_digests``); {} in older checkpoints
+    data_hashes: dict[str, str] = field(default_factory=dict)
 
     def to_state(self) -> dict[str, dict[str, Any]]:
         """The checkpoint's entries for this position: where the run stands ("position"), and what it trains on
-        ("data"), kept apart so that a redline from before the data was saved reads the position it knows."""
+        ("data", "data_hashes"), kept apart so that a redline from before each was saved reads the rest it knows."""
         known = vars(self).copy()
-        return {"data": {name: known.pop(name) for name in _DATA}, "position": known}
+        hashes = known.pop(_HASHES)
+        return {"data": {name: known.pop(name) for name in _DATA}, _HASHES: hashes, "position": known}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
-        """The position a checkpoint's extra state holds (``to_state``'s entries; "data" is absent from older ones)."""
-        return cls(**state["position"], **(state.get("data") or {}))
+        """The position a checkpoint's extra state holds (``to_state``'s entries; "data" and "data_hashes" are absent
+        from older ones)."""
+        return cls(**state["position"], **(state.get("data") or {}), data_hashes=dict(state.get(_HASHES) or {}))
 
     @contextlib.contextmanager
     def next_epoch(self) -> Iterator[None]:
@@ -87,25 +92,30 @@ class Position:
         world_size: int,
         task: str,
         train_samples: int | None,
+        data_hashes: dict[str, str],
     ) -> None:
         """Refuse to continue this position (of checkpoint ``found``; None for a new run) where the batches or the
-        training set differ (``check_batch_size``, ``check_data``), then hold this run's task and length."""
+        training set differ (``check_batch_size``, ``check_data``), then hold this run's task, length and hashes."""
         self.check_batch_size(batch_size, found, split=split, world_size=world_size)
-        self.check_data(task, train_samples, found)
-        self.task, self.train_samples = task, train_samples
+        self.check_data(task, train_samples, found, data_hashes)
+        self.task, self.train_samples, self.data_hashes = task, train_samples, dict(data_hashes)
 
-    def check_data(self, task: str, train_samples: int | None, found: Checkpoint | None) -> None:
-        """Refuse to continue this position (of checkpoint ``found``) on a training set of another length, and warn
-        where the task has another name.
+    def check_data(
+        self, task: str, train_samples: int | None, found: Checkpoint | None, data_hashes: dict[str, str]
+    ) -> None:
+        """Refuse to continue this position (of checkpoint ``found``) on a training set of another length, or of other
+        items (``data_hashes``, this run's ``data_digests``, differ in train_data's); warn where the validation set's
+        items differ alone, or the task has another name.
 
         The data position counts batches into an epoch of this many samples: on another set it would land elsewhere
         (past the end, or in another epoch), and a validation split moved by a task option would hold trained samples.
-        A checkpoint from before these were saved, or a stream without a length, is not checked.
+        A checkpoint from before these were saved, a stream without a length, or a set whose items are not read
+        (``items_digest``), is not checked.
         """
         if found is None:
             return
+        named = f" of task {self.task!r}" if self.task else ""
         if self.train_samples is not None and train_samples is not None and self.train_samples != train_samples:
-            named = f" of task {self.task!r}" if self.task else ""
             raise ConfigError(
                 f"{found.path} was written training on {self.train_samples} samples{named}, and this run's "
                 f"train_data holds {train_samples}: the data position counts batches into its epochs, so a resumed "
@@ -113,6 +123,23 @@ class Position:
                 "resume with the task and --task-arg options the run began with; to train on this data, start a new "
                 "run (another --out)"
             )
+        moved = [name for name, digest in self.data_hashes.items() if data_hashes.get(name, digest) != digest]
+        if "train_data" in moved:  # as long, other items: a split drawn by another seed, say
+            raise ConfigError(
+                f"{found.path} was written training on other samples{named} than this run's train_data holds: as "
+                "many, but a hash of a few of their items differs, as where a --task-arg moves the validation split "
+                "(another seed, say); resumed, the run would train on other samples, and validate on some it trained "
+                "on\nhint: resume with the same --task-arg values as the run it resumes (in Python: the Task built "
+                "as it was, a split drawn at random under the same seed); to train on this data, start a new run "
+                "(another --out)"
+            )
+        if moved:
+            log.warning(
+                "resuming %s, written validating on other samples than this run's val_data holds (a hash of a few of "
+                "their items differs): its evaluations from here are not comparable with its earlier ones, which "
+                "early stopping and --keep-best compare them with\nhint: resume with the same --task-arg values as "
+                "the run it resumes; to validate on this data throughout, start a new run (another --out)", found.path,
+            )  # fmt: skip
         if self.task and task != self.task:
             log.warning(
                 "resuming %s, written by task %r, with task %r: the weights and the data position go on as if it "

@@ -41,7 +41,7 @@ from redline.runtime.sampling import data_size
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
-from redline.train.agreement import check_optimizers_agree, check_ranks_agree
+from redline.train.agreement import check_optimizers_agree, check_ranks_agree, data_digests
 from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
 from redline.train.config import TrainerConfig
@@ -321,7 +321,7 @@ class Trainer:
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_resume(
             resumed, batch_size=self.batch_size, split=split, world_size=self.env.world_size, task=self.task.name,
-            train_samples=data_size(self.task.train_data),
+            train_samples=data_size(self.task.train_data), data_hashes=data_digests(self.task),
         )  # fmt: skip
         compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
         drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env, compiled=compiled, model=model)
