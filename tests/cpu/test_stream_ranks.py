@@ -58,16 +58,22 @@ def test_evaluation_reads_each_ranks_own_share_so_every_sample_counts_once():
 @pytest.mark.slow
 def test_two_launched_ranks_train_and_evaluate_on_every_item_of_the_stream_once(tmp_path):
     spec = f"{TASK}:task"
-    args = ["train", "--task", spec, "--task-arg", f"log={tmp_path}", "--nproc", "2", "--max-steps", "4"]
-    ran = subprocess.run([sys.executable, "-m", "redline", *args, "--trial", "off", "--no-progress"],
+    args = ["train", "--task", spec, "--task-arg", f"log={tmp_path}", "--out", str(tmp_path / "out"), "--trial", "off",
+            "--no-progress"]  # fmt: skip
+    ran = subprocess.run([sys.executable, "-m", "redline", *args, "--nproc", "2", "--max-steps", "4"],
                          capture_output=True, text=True, timeout=240)  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-3000:]
+    # the checkpoint counts the job's items (each rank's share, times the ranks): one process resumes it, its stream
+    # the whole (it was refused as another training set, of 20 samples against 40)
+    again = subprocess.run([sys.executable, "-m", "redline", *args, "--max-steps", "5", "--resume", "auto"],
+                           capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
 
     def items(kind: str) -> Counter[int]:
         text = "".join((tmp_path / f"{kind}-{rank}.txt").read_text() for rank in (0, 1))
         return Counter(int(i) for i in text.split())
 
-    assert items("train") == Counter(range(40))  # 4 steps of 10: one epoch, every item once
+    assert items("train") - Counter(range(10)) == Counter(range(40))  # 4 steps of 10: every item once; then 1 more
     evaluated = items("eval")
     passes = evaluated[1000]
     assert passes >= 1 and evaluated == Counter({i: passes for i in range(1000, 1020)})

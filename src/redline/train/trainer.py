@@ -37,7 +37,6 @@ from redline.runtime.cycle import hang_watchdog
 from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
-from redline.runtime.sampling import data_size
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
@@ -45,7 +44,7 @@ from redline.train.agreement import check_optimizers_agree, check_ranks_agree, d
 from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
 from redline.train.config import TrainerConfig
-from redline.train.data import fixed_shapes, no_batch, plan_length, train_loader
+from redline.train.data import fixed_shapes, job_size, no_batch, plan_length, train_loader
 from redline.train.evaluation import evaluate_model, predict_outputs
 from redline.train.failures import check_finite, keeping_steps, step_failure
 from redline.train.lock import holding_out_dir
@@ -321,7 +320,7 @@ class Trainer:
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_resume(
             resumed, batch_size=self.batch_size, split=split, world_size=self.env.world_size, task=self.task.name,
-            train_samples=data_size(self.task.train_data), data_hashes=data_digests(self.task),
+            train_samples=job_size(self.task.train_data, self.env.world_size), data_hashes=data_digests(self.task),
         )  # fmt: skip
         compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
         drop_last = fixed_shapes(self.task.train_data, self.batch_size, self.env, compiled=compiled, model=model)
