@@ -97,6 +97,9 @@ def test_a_flag_asked_off_or_by_its_fields_name_is_told_the_flag_that_does_it(ar
                         "lists its flags and commands)"),
         (["--bogus", "train"], "--bogus is not a flag of `redline`\nhint: `redline --help` lists its flags and "
                                "commands"),
+        (["help", "train"], "help is not a command of `redline`\nhint: did you mean `redline --help` (and `redline "
+                            "COMMAND --help`)? (its commands are train, bench, tune, profile, memory, doctor, report, "
+                            "launch, loadtest, predict, serve)"),
     ],
 )  # fmt: skip
 def test_a_command_or_flag_redline_lacks_is_refused_with_the_nearest(args, said):

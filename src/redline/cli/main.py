@@ -178,6 +178,8 @@ def _turned_off(flag: str, command: Any) -> str:
 def unknown_command(name: str) -> ConfigError:
     """Say a command redline does not have as every refusal is said, with the nearest commands as the fix."""
     nearest = [f"`redline {near}`" for near in difflib.get_close_matches(name, sorted(SUBCOMMANDS), n=3, cutoff=0.6)]
+    if name in ("help", "version"):  # the flags of git's and pip's commands of these names
+        nearest = ["`redline --help` (and `redline COMMAND --help`)" if name == "help" else "`redline --version`"]
     listed = f"its commands are {', '.join(SUBCOMMANDS)}"
     hint = f"did you mean {' or '.join(nearest)}? ({listed})" if nearest else listed
     return ConfigError(f"{name} is not a command of `redline`\nhint: {hint}")
