@@ -108,6 +108,26 @@ def test_a_resume_on_a_split_moved_to_other_samples_as_many_is_refused_saying_ho
     assert fit_small(tmp_path, 10, split_seed=0, resume="auto").steps == 10  # the same split goes on
 
 
+def test_a_run_without_a_seed_resumed_on_other_samples_goes_on_saying_why_and_to_seed(tmp_path: Path, caplog) -> None:
+    # A task drawing its data at random, in a run without --seed: no command could draw that run's samples again,
+    # and `--resume auto`, which an interrupted run is told to run, was refused naming --task-arg values never given
+    def unseeded(split_seed: int) -> redline.TrainSummary:
+        options = redline.RuntimeOptions(devices="cpu", seed=None)
+        task = small(split_seed=split_seed)
+        with Trainer(task, runtime=options, progress=False, max_steps=10, out_dir=tmp_path, resume="auto") as trainer:
+            return trainer.fit()
+
+    with Trainer(small(split_seed=0), runtime=redline.RuntimeOptions(devices="cpu", seed=None), progress=False,
+                 max_steps=5, out_dir=tmp_path) as trainer:  # fmt: skip
+        trainer.fit()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        assert unseeded(split_seed=7).steps == 10
+    assert "written training on other samples than this run's train_data holds" in caplog.text
+    assert "that run had no seed, so a task drawing its data at random drew other samples here" in caplog.text
+    assert "hint: give --seed (in Python: RuntimeOptions(seed=...)" in caplog.text
+    assert "written validating on other samples" not in caplog.text  # said once, with the training samples
+
+
 def test_a_resume_validating_on_other_samples_alone_warns_and_goes_on(tmp_path: Path, caplog) -> None:
     fit_small(tmp_path, 5)
     with caplog.at_level(logging.WARNING, logger="redline"):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from redline.checkpoint import Checkpoint
+from redline.checkpoint import Checkpoint, CheckpointError, load_plan
 from redline.errors import ConfigError
 from redline.parallel.collectives import StopVote, all_reduce_sum
 from redline.parallel.watchdog import Watchdog
@@ -42,6 +42,15 @@ class Stateful(Protocol):
 
 _DATA = ("train_samples", "task")  # a Position's fields saved apart from the rest: see Position.to_state
 _HASHES = "data_hashes"  # saved apart from _DATA too: a redline from before it builds Position(**data), no more
+
+
+def _unseeded(found: Checkpoint) -> bool:
+    """Whether the run that wrote ``found`` had no seed (its Plan's seed is None), so its data drawn at random cannot
+    be drawn again; False where its Plan cannot be read."""
+    try:
+        return load_plan(found).get("seed", {}).get("value", 0) is None
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass
@@ -124,6 +133,15 @@ class Position:
                 "run (another --out)"
             )
         moved = [name for name, digest in self.data_hashes.items() if data_hashes.get(name, digest) != digest]
+        if "train_data" in moved and _unseeded(found):  # no command could draw that run's data again: said, not refused
+            log.warning(
+                "resuming %s, written training on other samples than this run's train_data holds (a hash of a few of "
+                "their items differs): that run had no seed, so a task drawing its data at random drew other samples "
+                "here; the run goes on training on these, and may validate on samples it trained on\nhint: give "
+                "--seed (in Python: RuntimeOptions(seed=...), the Task's data drawn under it) to a run you mean to "
+                "resume", found.path,
+            )  # fmt: skip
+            moved = []  # its validation samples too: said with them
         if "train_data" in moved:  # as long, other items: a split drawn by another seed, say
             raise ConfigError(
                 f"{found.path} was written training on other samples{named} than this run's train_data holds: as "
