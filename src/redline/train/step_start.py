@@ -26,8 +26,9 @@ class StepStart:
     The statistics are copied into storage allocated once, in one foreach op (none for a model without batch norms);
     torch reads a random stream's state only into a new tensor, a few kilobytes, which is all a step's keeping
     allocates. Python's and NumPy's streams are kept only where ``host_streams`` (``draws_here``): reading them
-    costs 30 us a step (NumPy's 23), a tenth of a small model's step on a GPU, and what draws from them in a step
-    is an augmentation or a collate_fn run in this process.
+    costs 30 us a step (NumPy's 23), a tenth of a small model's step on a GPU, and what most often draws from them
+    in a step is an augmentation or a collate_fn run in this process; a model or loss drawing from them (a layer
+    dropped by ``random.random()``) resumes on the draws after a failed step where they are not kept.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *, host_streams: bool = True) -> None:
