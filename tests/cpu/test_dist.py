@@ -296,6 +296,31 @@ def test_a_worker_that_fails_leaves_no_gloo_thread_for_the_interpreters_exit(tmp
     assert not [line for line in at_exit if "gloo" in line], at_exit
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
+def test_a_loop_whose_ddp_model_outlives_the_runtime_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):
+    # The DDP model, held by the loop's frame as its Runtime left the group, kept the group (in cycles once the frame
+    # was gone): freed by the interpreter's final collection, gloo's threads ended in it, and it aborted now and then.
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import atexit, os, torch, redline\n"
+        "def threads():\n"
+        "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "    os.write(2, f'threads at exit: {sorted(names)}\\n'.encode())\n"
+        "atexit.register(threads)  # registered first: it runs last\n"
+        "def main():\n"
+        "    with redline.Runtime(devices='cpu', compile='off', strategy='ddp') as rt:\n"
+        "        model, optimizer = rt.setup(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))\n"
+        "        rt.train_step(lambda batch: model(batch).sum(), torch.ones(2, 4))\n"
+        "        rt.step(optimizer)\n"
+        "main()\n"
+    )
+    result = launch("--nproc", "2", str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    at_exit = [line for line in result.stderr.splitlines() if line.startswith("threads at exit:")]
+    assert len(at_exit) == 2, result.stderr[-3000:]
+    assert not [line for line in at_exit if "gloo" in line], at_exit
+
+
 def test_the_workers_get_their_share_of_the_cores_as_threads(tmp_path):
     import os
 

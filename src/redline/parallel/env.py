@@ -204,6 +204,11 @@ def join_process_group(env: DistEnv, device_type: str) -> contextlib.ExitStack:
         if device_type == "cpu":
             atexit.register(leave_process_group)
             stack.callback(atexit.unregister, leave_process_group)
+            # A group left while a model still held it (a DDP model in the script's frame, in cycles once that frame
+            # is gone) lives on, its threads too, until the model is collected: collected at exit, it goes before the
+            # interpreter's last clean-up, where gloo's threads ending aborted it (SIGABRT) now and then.
+            atexit.unregister(gc.collect)
+            atexit.register(gc.collect)
     return stack
 
 
