@@ -273,40 +273,47 @@ def test_an_error_every_worker_meets_is_printed_once(tmp_path):
     assert "the workers' errors are printed above, each once" in result.stderr
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
-def test_a_worker_that_fails_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):
-    # The refused batch's error held the worker's DDP model in its frames, and the model the process group:
-    # gloo's threads outlived the interpreter, which then ended by SIGABRT now and then, not with status 2.
-    script = tmp_path / "worker.py"
-    script.write_text(
-        "import atexit, os, sys\n"
-        "def threads():\n"
-        "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
-        "    os.write(2, f'threads at exit: {sorted(names)}\\n'.encode())\n"
-        "atexit.register(threads)\n"
-        "sys.argv = ['redline', 'train', '--task', 'example:digits', '--max-steps', '2', '--task-arg',\n"
-        "            'batch_size=15', '--no-progress']\n"
-        "from redline.cli.main import main\n"
-        "main()\n"
-    )
+# A script's first lines that print its threads at exit: registered first, the hook runs last (after redline's own)
+THREADS_AT_EXIT = (
+    "import atexit, os\n"
+    "def threads():\n"
+    "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+    "    os.write(2, f'threads at exit: {sorted(names)}\\n'.encode())\n"
+    "atexit.register(threads)\n"
+)
+
+
+def assert_no_gloo_thread_at_exit(tmp_path: Path, body: str, status: int) -> None:
+    """Launch ``body`` on 2 workers and check each exits with ``status``, no gloo thread alive at its exit."""
+    script = tmp_path / "script.py"
+    script.write_text(THREADS_AT_EXIT + body)
     result = launch("--nproc", "2", str(script))
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.returncode == status, result.stderr[-3000:]
     at_exit = [line for line in result.stderr.splitlines() if line.startswith("threads at exit:")]
     assert len(at_exit) == 2, result.stderr[-3000:]
     assert not [line for line in at_exit if "gloo" in line], at_exit
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
+def test_a_worker_that_fails_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):
+    # The refused batch's error held the worker's DDP model in its frames, and the model the process group:
+    # gloo's threads outlived the interpreter, which then ended by SIGABRT now and then, not with status 2.
+    body = (
+        "import sys\n"
+        "sys.argv = ['redline', 'train', '--task', 'example:digits', '--max-steps', '2', '--task-arg',\n"
+        "            'batch_size=15', '--no-progress']\n"
+        "from redline.cli.main import main\n"
+        "main()\n"
+    )
+    assert_no_gloo_thread_at_exit(tmp_path, body, status=2)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
 def test_a_loop_whose_ddp_model_outlives_the_runtime_leaves_no_gloo_thread_for_the_interpreters_exit(tmp_path):
     # The DDP model, held by the loop's frame as its Runtime left the group, kept the group (in cycles once the frame
     # was gone): freed by the interpreter's final collection, gloo's threads ended in it, and it aborted now and then.
-    script = tmp_path / "loop.py"
-    script.write_text(
-        "import atexit, os, torch, redline\n"
-        "def threads():\n"
-        "    names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
-        "    os.write(2, f'threads at exit: {sorted(names)}\\n'.encode())\n"
-        "atexit.register(threads)  # registered first: it runs last\n"
+    body = (
+        "import torch, redline\n"
         "def main():\n"
         "    with redline.Runtime(devices='cpu', compile='off', strategy='ddp') as rt:\n"
         "        model, optimizer = rt.setup(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))\n"
@@ -314,11 +321,7 @@ def test_a_loop_whose_ddp_model_outlives_the_runtime_leaves_no_gloo_thread_for_t
         "        rt.step(optimizer)\n"
         "main()\n"
     )
-    result = launch("--nproc", "2", str(script))
-    assert result.returncode == 0, result.stderr[-3000:]
-    at_exit = [line for line in result.stderr.splitlines() if line.startswith("threads at exit:")]
-    assert len(at_exit) == 2, result.stderr[-3000:]
-    assert not [line for line in at_exit if "gloo" in line], at_exit
+    assert_no_gloo_thread_at_exit(tmp_path, body, status=0)
 
 
 def test_the_workers_get_their_share_of_the_cores_as_threads(tmp_path):
