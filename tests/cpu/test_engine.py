@@ -324,6 +324,27 @@ def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):
     assert retrained.autocast_calls > 0, "other weights are measured anew: the accuracy verdict depends on them"
 
 
+def test_a_split_measured_on_the_buckets_between_is_read_from_the_cache_by_the_next_engine(cache, bf16_cpu):
+    # Spy counts its calls in public attributes, as a model with a step counter would: the cache keys must not
+    # change as the model runs, or the buckets between (timed after the ends) would be measured on every start.
+    def split():
+        return Spy(fp32_sleep_s={4: SLEEP_S}, autocast_sleep_s={1: SLEEP_S}, cast_sleep_s=SLEEP_S)
+
+    first = split()
+    assert (
+        InferenceEngine(first, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
+        .plan["small_batches"]
+        .value.startswith("fp32 at 1")
+    )
+    assert 2 in first.sizes, "the bucket between the ends was timed"
+    second = split()
+    engine = InferenceEngine(second, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
+    assert second.sizes == [], "nothing ran: the ends' and the buckets' between timings came from the cache"
+    assert "cached from" in engine.plan["small_batches"].reason and engine.plan["small_batches"].value.startswith(
+        "fp32 at 1"
+    )
+
+
 class CompilerFailure(Exception):
     """Stands in for an error of torch's compiler stack."""
 

@@ -137,6 +137,8 @@ class InferenceEngine:
             "buckets": Choice(self.buckets, f"{shown}; a batch is padded up to the next bucket"),
         }
         self.model = convert(self.servable.model.to(self.device).eval(), proposal.reference)
+        # Taken before anything runs: a model's counters (``self.calls += 1`` in forward) are hashed as its settings.
+        self._identity = f"{model_fingerprint(self.model)}:{weights_digest(self.model)}"
         self._kept = proposal.reference  # the setting the model is converted for
         self._variants: dict[tuple[str, bool], nn.Module] = {}  # copies other settings are timed (or run) on
         self._split: tuple[Setting, frozenset[int]] | None = None  # another setting for these (small) buckets
@@ -384,7 +386,7 @@ class InferenceEngine:
         graphs = bool(self.plan["cuda_graphs"].value)
         sample = self._zeros(1)  # the model's own input, after the Servable's preprocess
         key = measure_key(
-            f"{model_fingerprint(self.model)}:{weights_digest(self.model)}", self.facts, buckets=buckets,
+            self._identity, self.facts, buckets=buckets,
             input_shape=tuple(sample.shape[1:]), input_dtype=str(sample.dtype), settings=settings, graphs=graphs,
         )  # fmt: skip
         cached = load_measured(key)
