@@ -74,6 +74,9 @@ def make_app(server: Server) -> web.Application:
 
     async def moved(request: web.Request) -> web.Response:
         server.counts[request.path] += 1
+        # The body read first, as a real endpoint would: the one handler here that answered a POST unread, its
+        # requests failed in the client now and then under load (2 of 10, once in CI; cf. aio-libs/aiohttp#3597).
+        await request.read()
         raise web.HTTPMovedPermanently(location="/echo/moved")
 
     async def refuse(request: web.Request) -> web.Response:
@@ -189,7 +192,7 @@ def test_payloads_are_sent_with_their_content_type_and_headers(server, tmp_path)
 def test_a_redirect_is_counted_as_its_status_not_followed_and_the_note_says_where_it_points(server):
     result = run_load(f"{server.url}/moved/a", rate=20, duration=0.5, payload=Payload(b'{"inputs": [1]}', "text/json"))
     assert server.counts["/moved/a"] == 10 and server.counts["/echo/moved"] == 0, "the redirect was not followed"
-    assert result.status_counts == {301: 10}
+    assert result.status_counts == {301: 10}, (result.error_counts, result.notes)
     assert any(
         note.startswith("10 answers were redirects (301 to /echo/moved): not followed") for note in result.notes
     ), result.notes
