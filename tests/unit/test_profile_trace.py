@@ -155,6 +155,27 @@ def test_when_nothing_stands_out_the_advice_names_only_what_the_plan_does_not_ru
     assert "a larger --batch-size" in advise(breakdown(), both, env={}, anomaly=False)[0]
 
 
+def test_what_the_plan_timed_here_and_ran_faster_without_is_not_proposed_again():
+    # After a tune (or auto's trial) kept fp32 and eager as the faster, the advice still proposed both.
+    tuned = dataclasses.replace(
+        PLAN,
+        precision=Choice("fp32", "tuned 2026-12-06 11:17 UTC for 16 steps: fp32 kept (fp32 0.33 ms/step; bf16 0.99)"),
+        compile=Choice(False, "tuned 2026-12-06 11:17 UTC for 16 steps: compile off kept (eager 1.94 ms/step; ...)"),
+    )
+    (said,) = advise(breakdown(), tuned, env={}, anomaly=False, batch_size=32)
+    assert said.endswith(
+        "; reduced precision and compile ran slower here, as the Plan measured: a larger --batch-size "
+        "(`redline bench --batch-size 32,64` measures it) or a faster device is what is left"
+    ), said
+    trial = dataclasses.replace(tuned, precision=Choice("fp32", "measured: fp32 kept, bf16-mixed 0.52x"),
+                                compile=Choice(False, "auto: eager on a CPU"))  # fmt: skip
+    (left,) = advise(breakdown(), trial, env={}, anomaly=False)
+    assert left.endswith(
+        "; compile may shorten it, and `redline tune` measures it (reduced precision ran slower here, as the Plan "
+        "measured)"
+    ), left
+
+
 def test_a_device_without_a_fast_reduced_precision_is_not_told_to_try_one():
     """On an AVX2 CPU (no fast bf16) the advice proposed reduced precision, which the Plan above it and the tune both
     said the device lacks; a slow one given is told fp32 instead."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redline.bench.trace import Breakdown
-from redline.plan import Plan
+from redline.plan import Choice, Plan
 
 DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
 IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
@@ -91,24 +91,38 @@ def advise(
             f"30x slower than fp32 on an AVX2 CPU): `redline bench --precision fp32,{fastest}{precision}` measures it"
         )
     if not out:
-        compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
-        left = [
-            what
-            for what, taken in (
-                ("reduced precision", precision != "fp32" or not fast),  # none to try on this device
-                ("compile", plan.compile is not None and bool(plan.compile.value)),
-            )
-            if not taken
-        ]
-        then = (
-            f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
-            if left
-            else f"the Plan already runs {'reduced precision and ' if fast else ''}compiled"
-            f"{'' if fast else ' (this device has no reduced precision faster than fp32)'}: a larger --batch-size "
-            f"(`redline bench --batch-size {sizes}` measures it) or a faster device is what is left"
-        )
-        out.append(
-            f"no phase stands out: forward and backward take {compute:.0%} of each step, so the model's own "
-            f"arithmetic bounds it; {then}"
-        )
+        out.append(_arithmetic_bound(plan, shares, fast=fast, sizes=sizes))
     return out
+
+
+def _arithmetic_bound(plan: Plan, shares: dict[str, float], *, fast: Sequence[str], sizes: str) -> str:
+    """The advice where no phase stands out: what may still shorten the arithmetic, unless the Plan runs it already or
+    timed it here and ran faster without."""
+    compute = shares.get("forward", 0.0) + shares.get("backward", 0.0)
+    precision = plan.precision.value
+    axes = (  # what may shorten the arithmetic, whether the Plan runs it, and whether it was timed against it
+        ("reduced precision", precision != "fp32" or not fast, measured(plan.precision)),  # none on this device
+        ("compile", plan.compile is not None and bool(plan.compile.value), measured(plan.compile)),
+    )
+    left = [what for what, taken, timed in axes if not taken and not timed]
+    lost = [what for what, taken, timed in axes if not taken and timed]
+    bigger = f"a larger --batch-size (`redline bench --batch-size {sizes}` measures it) or a faster device"
+    if left:
+        then = f"{' or '.join(left)} may shorten it, and `redline tune` measures {'both' if len(left) > 1 else 'it'}"
+        then += f" ({' and '.join(lost)} ran slower here, as the Plan measured)" if lost else ""
+    elif lost:
+        then = f"{' and '.join(lost)} ran slower here, as the Plan measured: {bigger} is what is left"
+    else:
+        runs = (
+            "reduced precision and compiled"
+            if fast
+            else "compiled (this device has no reduced precision faster than fp32)"
+        )
+        then = f"the Plan already runs {runs}: {bigger} is what is left"
+    bound = f"forward and backward take {compute:.0%} of each step, so the model's own arithmetic bounds it"
+    return f"no phase stands out: {bound}; {then}"
+
+
+def measured(choice: Choice[Any] | None) -> bool:
+    """Whether a Plan row was decided by timing its candidates on this machine (auto's trial, or a tune)."""
+    return choice is not None and choice.reason.startswith(("measured", "tuned "))
