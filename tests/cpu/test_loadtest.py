@@ -469,7 +469,8 @@ def test_ctrl_c_ends_the_window_there_and_reports_what_was_measured(server, warm
         return
     assert run.returncode == 0, err
     data = json.loads(out)
-    assert data["notes"][-1].startswith("stopped by Ctrl-C") and "s into the 60 s window" in data["notes"][-1]
+    stopped = [note for note in data["notes"] if note.startswith("stopped by Ctrl-C")]  # a busy machine adds a lag note
+    assert stopped and "s into the 60 s window" in stopped[0], data["notes"]
     assert 0.4 < data["duration_s"] < 30 and data["requests_sent"] >= 10, data
     assert data["requests_failed"] == 0 and sum(data["status_counts"].values()) == data["requests_sent"]
     assert data["elapsed_s"] < 40, "it waited out the whole window"
