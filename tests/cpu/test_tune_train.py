@@ -316,6 +316,54 @@ def test_a_ctrl_c_caches_what_was_measured_leaves_the_rest_to_auto_and_exits_130
     assert [t["step_s"] for t in shown["trials"]] == [0.010, 0.005]  # the precision axis's timings
 
 
+def test_the_model_is_not_built_again_once_the_search_has_ended(tmp_path, monkeypatch):
+    """It was, twice, outside the search's Ctrl-C handling: a real factory takes seconds (GPT-2's about 2 s), and a
+    Ctrl-C or a scheduler's SIGTERM landing in it lost every axis measured, with no table and nothing cached."""
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
+    searched = []
+
+    def measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        searched.append(candidates)
+        return [Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates]
+
+    def build():
+        built.append(len(searched))  # how many axes were measured when it was called
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    built: list[int] = []
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr("redline.bench.tune._measure", measure)
+    tuned, path = tune(dataclasses.replace(mlp_task(), model=build), devices="cpu", planned_steps=100)
+    assert built and len(space) not in built, f"built after the search: {built}"
+    assert tuned.best == Candidate(precision="bf16-mixed") and tuned.unmeasured == ()
+    assert [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [[]] and Path(path).exists()
+
+
+@pytest.mark.parametrize("by, code", [(KeyboardInterrupt(), 130), (Terminated(signal.SIGTERM), 143)])
+def test_a_signal_as_the_ended_search_is_cached_caches_all_of_it_and_exits_as_stopped(tmp_path, monkeypatch, by, code):
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
+    said = []
+
+    def tell(done, total, what):
+        said.append(what)
+        if what == "done" and said.count("done") == 1:
+            raise by  # the signal lands after the last axis, where the command line's bar is told the search ended
+
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr("redline.bench.tune._measure", lambda task, device, candidates, *_: [
+        Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates
+    ])  # fmt: skip
+    with pytest.raises((TuneInterrupted, KeyboardInterrupt)) as stopped:  # a bare one would end the test session
+        tune(mlp_task(), devices="cpu", planned_steps=100, progress=tell)
+    assert isinstance(stopped.value, TuneInterrupted), "the signal lost the search"
+    assert stopped.value.exit_code == code and stopped.value.tuned.unmeasured == ()
+    assert str(stopped.value).startswith(f"tune interrupted by {signal.Signals(code - 128).name} after its search: "
+                                         "its result was cached\nhint: --plan tuned runs it")  # fmt: skip
+    assert stopped.value.tuned.best == Candidate(precision="bf16-mixed")
+    assert stopped.value.tuned.reasons["budget"].startswith("searched in")  # the search was whole
+    assert [plan["unmeasured"] for plan in cached_plans(tmp_path)] == [[]] and Path(stopped.value.path).exists()
+
+
 def test_an_axis_the_budget_left_unmeasured_is_cached_as_left_to_auto(tmp_path, monkeypatch, capsys):
     def compile_unmeasured(task, device, candidates, planned, steps, window, seed, budget_s):
         return [Trial(c, 0.010) if not c.compile else Trial(c, None, rejected=UNMEASURED) for c in candidates]

@@ -33,7 +33,7 @@ from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, ran_eagerly, runtime_runner
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
-from redline.bench.tune_cache import cache_tune
+from redline.bench.tune_cache import TuneInterrupted, cache_tune
 from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     ONE_STEP,
@@ -66,6 +66,7 @@ from redline.runtime.tuned import (
     check_tuned_cache,
 )
 from redline.task import Task, require_task
+from redline.task.meta import on_meta
 
 MARGIN = 1.05  # an alternative replaces the current setting where the current's planned run is 1.05x as long
 UNMEASURED = "not measured: the budget was spent"
@@ -119,7 +120,11 @@ def tune(
     facts = probe_device(torch.device(device))
     planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
     calls = model_attention(task, device)
-    axes = search_space(task, facts, calls=calls)
+    skipped = skipped_axes(task, facts, calls=calls)
+    axes = search_space(task, facts, calls=calls, skipped=skipped)
+    # a bare Runtime's key to the tune, built before the search (on meta where it can be, as the fingerprint is): a
+    # factory's seconds after the search lay outside its Ctrl-C handling, and a signal there lost all of it
+    keyed = task.model if isinstance(task.model, nn.Module) else on_meta(task.build_model) or task.build_model()
     tell = progress or (lambda done, total, what: None)
     started = time.perf_counter()
     deadline = started + budget_s
@@ -160,25 +165,26 @@ def tune(
         if axis == "compile_mode" and best.compile and not before.compile:  # CUDA graphs won where compile lost
             mode = reasons.pop(axis)
             reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
-    tell(len(axes), len(axes), "done")
-    _kernel_with_precision(best, unmeasured, reasons)
-    _check_measured(task, trials, interrupted, budget_s, signum, decided=len(unmeasured) < len(axes))
-    skipped = skipped_axes(task, facts, calls=calls)
-    reasons.update({axis: f"{NOT_SEARCHED}: {why}" for axis, why in skipped.items()})
-    spent = time.perf_counter() - started
-    reasons["budget"] = spent_line(spent, budget_s, trials)
-    if interrupted:
-        name = signal.Signals(signum).name
-        reasons["budget"] = f"interrupted ({name}) after {_figure(spent)} s of the {budget_s:g} s budget"
-    elif unmeasured:
-        enough = _enough(spent, len(axes), len(axes) - len(unmeasured))
-        reasons["budget"] += f"; {few(unmeasured, 4)} left to auto: about {enough} s would measure every axis"
-    tuned = TunedPlan(
-        task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
-        measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
-        reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured),
-    )  # fmt: skip
-    return tuned, cache_tune(tuned, fingerprint, facts, task.build_model(), interrupted, signum)
+
+    def finish() -> tuple[TunedPlan, str]:  # the search's result, cached; it runs again where a signal lands in it
+        _kernel_with_precision(best, unmeasured, reasons)
+        _check_measured(task, trials, interrupted, budget_s, signum, decided=len(unmeasured) < len(axes))
+        reasons.update({axis: f"{NOT_SEARCHED}: {why}" for axis, why in skipped.items()})
+        spent, stopped_by = time.perf_counter() - started, signal.Signals(signum).name if interrupted else ""
+        reasons["budget"] = _budget_line(spent, budget_s, trials, len(axes), unmeasured, stopped_by)
+        tuned = TunedPlan(
+            task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
+            measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
+            reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured),
+        )  # fmt: skip
+        return tuned, cache_tune(tuned, fingerprint, facts, keyed, interrupted, signum)
+
+    try:
+        tell(len(axes), len(axes), "done")
+        return finish()
+    except KeyboardInterrupt as exc:  # a signal as the ended search is cached: cache all of it, then stop as asked
+        tuned, path = finish()  # (a search a signal stopped before raises its own TuneInterrupted from here)
+        raise TuneInterrupted(tuned, path, "", tuned.unmeasured, interrupting_signal(exc)) from None
 
 
 def _kernel_with_precision(best: Candidate, unmeasured: list[str], reasons: dict[str, str]) -> None:
@@ -214,9 +220,16 @@ def _check_measured(
         )
 
 
-def _enough(spent_s: float, axes: int, measured: int) -> int:
-    """A budget that would likely measure every axis: the seconds spent per axis measured, for all, in tens."""
-    return max(10, math.ceil(spent_s / max(1, measured) * axes * 1.5 / 10) * 10)
+def _budget_line(
+    spent_s: float, budget_s: float, trials: Sequence[Trial], axes: int, unmeasured: list[str], stopped_by: str
+) -> str:
+    """The budget row: how long the search took (``spent_line``), or that a signal (``stopped_by``) stopped it; where
+    the budget left axes to auto, a budget likely to measure every axis: the seconds per axis measured, in tens."""
+    if stopped_by:
+        return f"interrupted ({stopped_by}) after {_figure(spent_s)} s of the {budget_s:g} s budget"
+    enough = max(10, math.ceil(spent_s / max(1, axes - len(unmeasured)) * axes * 1.5 / 10) * 10)
+    left = f"; {few(unmeasured, 4)} left to auto: about {enough} s would measure every axis" if unmeasured else ""
+    return spent_line(spent_s, budget_s, trials) + left
 
 
 def _one_device(devices: str) -> str:
@@ -228,12 +241,15 @@ def _one_device(devices: str) -> str:
     return resolve_device(devices, probe_accelerators()).value
 
 
-def search_space(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCall] = ()) -> list[tuple[str, list[Any]]]:
+def search_space(
+    task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCall] = (), skipped: dict[str, str] | None = None
+) -> list[tuple[str, list[Any]]]:
     """The axes worth measuring for this task on this device, each with the values to try; ``calls`` are the model's
     calls to the attention function (``model_attention``): the attention kernels are searched only where it has some,
-    and only those that take them in the precision chosen before (``attention_kernels``)."""
+    and only those that take them in the precision chosen before (``attention_kernels``); ``skipped``: the
+    ``skipped_axes`` found before (it builds the model)."""
     axes: list[tuple[str, list[Any]]] = []
-    skipped = skipped_axes(task, facts, calls=calls)
+    skipped = skipped_axes(task, facts, calls=calls) if skipped is None else skipped
     if "precision" not in skipped:
         axes.append(("precision", ["fp32", *fast_precisions(facts)]))
     axes.append(("compile", [False, True]))

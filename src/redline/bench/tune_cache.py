@@ -42,17 +42,25 @@ def cache_tune(
 class TuneInterrupted(StoppedBySignal):
     """A tune a SIGINT (Ctrl-C) or SIGTERM stopped after its first axis: what it measured is cached, the axes it did
     not are left to auto; ``tuned`` and ``path`` are that Plan and its cache entry. Where the cache held a tune of the
-    same workload and run length that measured more (``kept``), that one stays at ``path``; ``tuned`` is not cached."""
+    same workload and run length that measured more (``kept``), that one stays at ``path``; ``tuned`` is not cached.
+    Without an ``axis``, the signal came after the search, as its result was cached: all of it is."""
 
     def __init__(
         self, tuned: TunedPlan, path: str, axis: str, unmeasured: Sequence[str], signum: int = signal.SIGINT,
         *, kept: TunedPlan | None = None,
     ) -> None:  # fmt: skip
-        stopped = f"tune interrupted by {signal.Signals(signum).name} while it measured {axis}"
-        if kept is None:
+        name = signal.Signals(signum).name
+        stopped = f"tune interrupted by {name} while it measured {axis}"
+        hint = "run the same command again to search every axis"
+        if not axis:  # after the search: every axis it measured is cached
+            stopped, hint = f"tune interrupted by {name} after its search", "--plan tuned runs it"
+            said = "its result was cached" + (
+                f"; {few(unmeasured, 4)} left to auto, its budget spent" if unmeasured else ""
+            )
+        elif kept is None:
             said = f"the axes measured before it were cached, and {few(unmeasured, 4)} left to auto"
         else:
             left = f"left {few(kept.unmeasured, 4)} to auto" if kept.unmeasured else "measured every axis"
             said = f"nothing was cached: the earlier tune of {kept.measured_at}, which {left}, is kept"
-        super().__init__(signum, f"{stopped}: {said}\nhint: run the same command again to search every axis")
+        super().__init__(signum, f"{stopped}: {said}\nhint: {hint}")
         self.tuned, self.path, self.kept = tuned, path, kept
