@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 import torch
 from torch import nn
@@ -112,13 +113,48 @@ def phase(name: str) -> contextlib.AbstractContextManager[Any]:
 @contextlib.contextmanager
 def quiet_failed_ops() -> Iterator[None]:
     """Keep torch from logging an op that fails on fake tensors (a compile tracing a model with a bug) with
-    its whole traceback: the row or candidate it fails says the error once."""
+    its whole traceback: the row or candidate it fails says the error once. A Ctrl-C (or SIGTERM) that ends the
+    block drops the warnings ``_forward_traces_held`` holds."""
     torch_log = logging.getLogger("torch._subclasses.fake_tensor")
     disabled, torch_log.disabled = torch_log.disabled, True
     try:
-        yield
+        with _forward_traces_held():
+            yield
     finally:
         torch_log.disabled = disabled
+
+
+@contextlib.contextmanager
+def _forward_traces_held() -> Iterator[None]:
+    """Hold torch's "Error detected in ...Backward. Traceback of forward call that caused the error" warnings until
+    the block ends, and show them then, unless a KeyboardInterrupt ends it.
+
+    AOTAutograd traces a compile's backward in anomaly mode (for its nodes' stack traces), where any error leaving a
+    backward node gives that warning: a Ctrl-C during a compile's warm-up pointed the user at a line of their model.
+    """
+    held: list[tuple[Any, ...]] = []
+    show = warnings.showwarning
+
+    def hold(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int,
+        file: TextIO | None = None, line: str | None = None,
+    ) -> None:  # fmt: skip
+        said = (message, category, filename, lineno, file, line)
+        if str(message).startswith("Error detected in "):
+            held.append(said)
+        else:
+            show(*said)
+
+    warnings.showwarning = hold
+    try:
+        yield
+    except KeyboardInterrupt:
+        held.clear()  # the user's own keypress (or a scheduler's SIGTERM), not an error of their model
+        raise
+    finally:
+        warnings.showwarning = show
+        for args in held:
+            show(*args)
 
 
 def naive_runner(task: Task, setting: Setting, *, seed: int) -> Runner:

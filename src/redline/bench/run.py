@@ -396,7 +396,8 @@ def reset_compiler(devices: Iterable[str] = ()) -> None:
     for device in devices:
         if device not in _STARTED:
             _STARTED.add(device)
-            with contextlib.suppress(Exception):  # a compiler that cannot run here fails the rows, with its reason
+            # a compiler that cannot run here fails the rows, with its reason; quiet as a warm-up is (a Ctrl-C's too)
+            with contextlib.suppress(Exception), quiet_failed_ops():
                 x = torch.ones(2, device=device, requires_grad=True)  # a forward and backward, as a training step's
                 torch.compile(_doubled, dynamic=False)(x).sum().backward()
     try:
