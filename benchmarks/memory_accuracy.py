@@ -2,7 +2,8 @@
 
 The models: an MLP, the digits CNN, chargpt, and GPT-2 from Hugging Face transformers built from its
 config (no weights; skipped where transformers is not installed: see peers-requirements.txt). Each
-is weighed at two batch sizes in fp32 and bf16-mixed.
+is weighed at two batch sizes in fp32 and bf16-mixed. Asked for by name (`--models lstm,bilstm`), two
+LSTM taggers too, whose CPU kernel (oneDNN's) holds a workspace the meta kernels do not show.
 
 The measurement is independent of the estimator's tracker: the step runs for real through redline's
 Runtime (the path `redline train` takes), and its peak is read
@@ -86,6 +87,34 @@ def gpt2(large: bool) -> Task | None:
     )
 
 
+class Tagger(nn.Module):
+    """Embeddings of 80 tokens through an LSTM, its last step into a linear head."""
+
+    def __init__(self, width: int, hidden: int, layers: int, bidirectional: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, width)
+        self.lstm = nn.LSTM(width, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), 1000)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.emb(tokens))
+        return self.head(out[:, -1])
+
+
+def tagger(name: str, width: int, hidden: int, layers: int = 1, bidirectional: bool = False) -> Task:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randint(0, 1000, (512, 80), generator=gen), torch.randint(0, 1000, (512,), generator=gen)
+    )
+    return Task(
+        model=lambda: Tagger(width, hidden, layers, bidirectional),
+        loss_fn=nn.functional.cross_entropy,
+        train_data=data,
+        batch_size=64,
+        name=name,
+    )
+
+
 def models(device: str) -> dict[str, tuple[Task | None, tuple[int, int]]]:
     """Each model with its two batch sizes; on a GPU, chargpt and GPT-2 at GPT-2 small's shape."""
     large = device == "cuda"
@@ -97,6 +126,8 @@ def models(device: str) -> dict[str, tuple[Task | None, tuple[int, int]]]:
         "digits": (load_task("example:digits"), (64, 512)),
         "chargpt": (load_task("example:chargpt", **gpt), (8, 16) if large else (16, 32)),
         "gpt2": (gpt2(large), (4, 8) if large else (8, 16)),
+        "lstm": (tagger("lstm", 128, 256), (64, 256)),
+        "bilstm": (tagger("bilstm (2 layers, both directions)", 64, 128, layers=2, bidirectional=True), (64, 256)),
     }
 
 

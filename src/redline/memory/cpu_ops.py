@@ -13,6 +13,9 @@ into a linear head gets that gradient back in NCHW, so each such backward holds 
 gradient, and max pooling a copy of its int64 indices, beside the result: on a Xeon with AMX the digits CNN's
 bf16 step measured 30-34% above a trace that counted neither the layout nor the copies
 (benchmarks/results/memory-xeon-amx.md).
+
+An LSTM layer's oneDNN kernel holds more: the workspace it returns for the backward, which torch's meta kernel
+returns empty, and its reordered weights and scratchpad while it runs (memory/cpu_lstm.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch._prims_common import suggest_memory_format  # Tensor.suggest_memory_f
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from redline.hardware.device import FAKE_CPU_ENV, CpuIsa, DeviceFacts, DeviceType, probe_cpu_isa
+from redline.memory.cpu_lstm import lstm_backward, lstm_forward
 from redline.memory.meta import swap_tensors
 from redline.plan import Choice
 from redline.plan.layout import has_conv2d, resolve_channels_last
@@ -37,10 +41,17 @@ _COPIED = {
     _aten.avg_pool2d_backward.default: (0,),
     _aten._adaptive_avg_pool2d_backward.default: (0,),
 }
+# The ops whose outputs a rule replaces, after holding what their CPU kernel works in.
+_RULES = {_aten.mkldnn_rnn_layer.default: lstm_forward, _aten.mkldnn_rnn_layer_backward.default: lstm_backward}
 
 
 class CpuKernels(TorchDispatchMode):
-    """Hold, while a pooling backward runs, the copies its CPU kernel makes; enter it above the tracker."""
+    """Hold, while a pooling backward or an LSTM layer runs, the copies and buffers its CPU kernel makes, and an
+    LSTM's workspace as ``cpu_isa``'s kernels size it; enter it above the tracker."""
+
+    def __init__(self, cpu_isa: CpuIsa = "other") -> None:
+        super().__init__()
+        self.cpu_isa = cpu_isa
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -48,7 +59,8 @@ class CpuKernels(TorchDispatchMode):
         if copied is not None:
             working = pooling_copies([args[i] for i in copied], out)
             del working  # freed as the kernel returns: held only beside its output
-        return out
+        rule = _RULES.get(func)
+        return out if rule is None else rule(args, out, self.cpu_isa)
 
 
 def pooling_copies(inputs: list[torch.Tensor], grad_input: torch.Tensor) -> list[torch.Tensor]:

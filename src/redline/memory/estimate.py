@@ -22,7 +22,8 @@ What a CPU trace cannot see of a GPU, and how it is modelled:
   on CUDA, just before the next backward on a CPU, so a CPU step carries them through the forward) come
   from the Runtime's own resolvers for the target device.
 - On a CPU, the model's layout (channels_last for bf16 convolutions on AMX) comes from the Runtime's resolver
-  for the CPU given, and the copies its pooling backwards make are counted (memory/cpu_ops.py).
+  for the CPU given, and the copies its pooling backwards make and an LSTM's oneDNN workspace and buffers are
+  counted (memory/cpu_ops.py, cpu_lstm.py).
 - Sharding (FSDP) and DDP are modelled on the one-process trace: the model states divide by the
   number of ranks under FSDP, plus what it holds whole (the root's own parameters and two of the largest
   block), and the batch is each rank's share.
@@ -247,7 +248,7 @@ def trace_step(
         built = meta_copy(task.model) if isinstance(task.model, nn.Module) else on_meta(task.build_model)
     if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
         check_trainable(built)
-    with mode, tracker, _device_kernels(cuda, threads, attention), _tracing(task):
+    with mode, tracker, _device_kernels(device, threads, attention), _tracing(task):
         model = fake_model(built, mode) if built is not None else task.build_model()  # fake already
         check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
         layout = cpu_layout(model, precision, device)
@@ -414,12 +415,12 @@ def _checkpoint_blocks(model: nn.Module, cuda: bool, attention: str) -> None:
 
 
 @contextmanager
-def _device_kernels(cuda: bool, threads: MatmulThreads, attention: str) -> Iterator[None]:
+def _device_kernels(device: DeviceFacts, threads: MatmulThreads, attention: str) -> Iterator[None]:
     """For a CUDA step, run the ops CUDA runs its own way as CUDA does (attention on ``attention``'s kernel) and
-    note the threads that multiply; for a CPU step, count the copies the CPU's kernels make (memory/cpu_ops.py),
-    its attention on the kernel preferred as a run prefers it. Entered above the tracker."""
-    if not cuda:
-        with CpuKernels(), prefer_kernel(attention) if attention != "auto" else nullcontext():
+    note the threads that multiply; for a CPU step, count what the CPU's kernels make beside their outputs
+    (memory/cpu_ops.py), its attention on the kernel preferred as a run prefers it. Entered above the tracker."""
+    if device.type != "cuda":
+        with CpuKernels(device.cpu_isa), prefer_kernel(attention) if attention != "auto" else nullcontext():
             yield
         return
     with threads, CudaOps(attention), warnings.catch_warnings():
