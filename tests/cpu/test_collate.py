@@ -68,6 +68,40 @@ def test_the_trainer_batches_items_of_different_lengths_with_the_tasks_collate_f
     assert metrics["val_loss"] is not None and math.isfinite(metrics["val_loss"])
 
 
+class CharCounts(nn.Module):
+    """A text model that reads raw strings: each one's length, through one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, texts: list[str]) -> torch.Tensor:
+        return self.scale * torch.tensor([float(len(text)) for text in texts])
+
+
+def test_a_batch_of_strings_counts_its_strings_as_its_samples_and_evaluation_weighs_them_so(tmp_path):
+    # A list of strings holds no tensor: its first string's characters were counted as the batch's samples, which
+    # inflated `samples` and weighed each evaluation batch by the length of its first text.
+    words = ["a", "bb", "ccccccccccccccc", "dd", "eeeeeeeeeeee", "f", "ggggggg", "h", "iii", "j"]
+    val = [("z" * 20, 1.0), ("y", 2.0), ("x", 3.0), ("w", 4.0), ("v" * 10, 50.0)]  # batches of 4 and 1
+
+    def texts(items):
+        return [text for text, _ in items], torch.tensor([float(target) for _, target in items])
+
+    task = redline.Task(
+        model=CharCounts, loss_fn=nn.functional.mse_loss, train_data=[(w, 0.0) for w in words], val_data=val,
+        collate_fn=texts, batch_size=4, optimizer=lambda params: torch.optim.SGD(params, lr=0.0), name="texts",
+    )  # fmt: skip
+    config = redline.TrainerConfig(
+        max_epochs=1, out_dir=tmp_path, progress=False, runtime=redline.RuntimeOptions(devices="cpu", precision="fp32")
+    )
+    with redline.Trainer(task, config) as trainer:
+        summary = trainer.fit()
+    per_sample = [(len(text) - target) ** 2 for text, target in val]  # the weight stays 1 (lr 0)
+    assert summary.samples == len(words)
+    assert summary.val_loss == pytest.approx(sum(per_sample) / len(val))
+
+
 def test_the_bench_and_the_memory_estimate_collate_with_it_too():
     result = benchmark(sentences_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=1)
     assert [row.error for row in result.rows] == ["", "", ""]

@@ -29,6 +29,7 @@ from redline.parallel.collectives import is_collective_failure
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.loss import check_loss
 from redline.runtime.oom import is_oom
+from redline.task.definition import is_array
 
 __all__ = [
     "blames_user_code",
@@ -92,15 +93,27 @@ def metric_value(value: Any) -> float:
 
 
 def count_samples(inputs: Any) -> int:
-    """The batch size of ``inputs``: the first axis of its first tensor (in a tuple, list or dict)."""
-    if isinstance(inputs, torch.Tensor):
-        return int(inputs.shape[0]) if inputs.dim() else 1
+    """The batch size of ``inputs``: the first axis of its first tensor or array (in a tuple, list or dict); where it
+    holds none, the raw samples' count: a list's length (of strings, token lists: a text model's own batch), or the
+    length of a dict's first list. A string counted its characters, and a batch of strings its first one's."""
+    size = _first_axis(inputs)
+    if size is not None:
+        return size
+    if isinstance(inputs, Mapping):
+        return next((len(value) for value in inputs.values() if isinstance(value, list | tuple)), 1)
+    return len(inputs) if isinstance(inputs, list | tuple) else 1
+
+
+def _first_axis(inputs: Any) -> int | None:
+    """The first axis of the first tensor or array in ``inputs`` (a 0-d one counts 1), or None where it holds none."""
+    if is_array(inputs):
+        return int(inputs.shape[0]) if len(inputs.shape) else 1
     values = inputs.values() if isinstance(inputs, Mapping) else inputs if isinstance(inputs, list | tuple) else ()
     for value in values:
-        size = count_samples(value)
+        size = _first_axis(value)
         if size:
             return size
-    return len(inputs) if hasattr(inputs, "__len__") else 0
+    return None
 
 
 def blames_user_code(exc: BaseException) -> bool:
