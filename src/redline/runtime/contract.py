@@ -95,7 +95,7 @@ def metric_value(value: Any) -> float:
 def count_samples(inputs: Any) -> int:
     """The batch size of ``inputs``: the first axis of its first tensor or array (in a tuple, list or dict); where it
     holds none, the raw samples' count: a list's length (of strings, token lists: a text model's own batch), or the
-    length of a dict's first list. A string counted its characters, and a batch of strings its first one's."""
+    length of a dict's first list. A string is one sample, never its characters."""
     size = _first_axis(inputs)
     if size is not None:
         return size
