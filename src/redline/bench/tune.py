@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.bench.compile_cache import cache_lookups, served_from_cache
@@ -66,7 +65,6 @@ from redline.runtime.tuned import (
     check_tuned_cache,
 )
 from redline.task import Task, require_task
-from redline.task.meta import on_meta
 
 MARGIN = 1.05  # an alternative replaces the current setting where the current's planned run is 1.05x as long
 UNMEASURED = "not measured: the budget was spent"
@@ -122,9 +120,9 @@ def tune(
     calls = model_attention(task, device)
     skipped = skipped_axes(task, facts, calls=calls)
     axes = search_space(task, facts, calls=calls, skipped=skipped)
-    # a bare Runtime's key to the tune, built before the search (on meta where it can be, as the fingerprint is): a
-    # factory's seconds after the search lay outside its Ctrl-C handling, and a signal there lost all of it
-    keyed = task.model if isinstance(task.model, nn.Module) else on_meta(task.build_model) or task.build_model()
+    # a bare Runtime's key to the tune, built before the search: a factory's seconds after the search lay outside its
+    # Ctrl-C handling, and a signal there lost all of it
+    keyed = task.outline()
     tell = progress or (lambda done, total, what: None)
     started = time.perf_counter()
     deadline = started + budget_s
@@ -277,8 +275,7 @@ def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCal
         skipped["attention"] = "the model made no call to F.scaled_dot_product_attention (nor nn.MultiheadAttention)"
     if not fast_precisions(facts):
         skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
-    model = task.model if isinstance(task.model, nn.Module) else task.build_model()
-    if not has_conv2d(model):
+    if not has_conv2d(task.outline()):
         skipped["channels_last"] = "the model has no 2-d convolution"
     if isinstance(task.train_data, TensorDataset):
         skipped["loader_workers"] = "the data are tensors in memory, which index faster than workers send them"
