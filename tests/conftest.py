@@ -1,6 +1,9 @@
+import gc
+import multiprocessing
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,16 @@ def own_measurement_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     """Each test measures into a cache of its own: a trial one test ran for real (`memory --measure` on digits, on a
     CPU where bf16 wins) must not decide the precision of another test's short run of the same model."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("redline-cache")))
+
+
+@pytest.fixture(autouse=True)
+def no_stray_loader_workers() -> Iterator[None]:
+    """A test that leaves a DataLoader's worker processes alive (an error's traceback holding its iterator) has them
+    collected here: left to a later collection, torch stops them there at 5 s a worker, inside another test's
+    timed requests (a load test saw one of its requests time out)."""
+    yield
+    if multiprocessing.active_children():
+        gc.collect()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

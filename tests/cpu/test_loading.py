@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -532,11 +533,14 @@ def test_an_error_in_a_loader_worker_says_its_own_message_and_line_not_torchs_wr
 
     task = tiny_task(train_data=MissingFile(), val_data=None, metric=None, epochs=1)
     options = redline.RuntimeOptions(devices="cpu", seed=0, loader_workers=2)
+    before = set(multiprocessing.active_children())
     with pytest.raises(TrainingError) as raised:
         Trainer(task, runtime=options, progress=False, trial="off").fit()
     said = str(raised.value)
     assert "reading a batch of the data raised KeyError in a loader worker: 'missing file 7'" in said, said
     assert f"\n  at {__file__}:" in said and 'in __getitem__: raise KeyError("missing file 7")' in said
+    # The error's traceback holds the loader: its workers lived on until a garbage collection stopped them, 5 s each
+    assert set(multiprocessing.active_children()) <= before, "the loader's workers outlived the error"
 
 
 class LongerThanSaid(IterableDataset):
