@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from redline.errors import ConfigError, TaskError
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
-from redline.runtime.loading import SPLITS_ACROSS_WORKERS, gathered
+from redline.runtime.loading import gathered
 from redline.runtime.sampling import (
     EpochSampler,
     GlobalBatchSampler,
@@ -62,10 +62,9 @@ class StreamShard(IterableDataset[Any]):
     ``set_epoch``) and drops its first ``k`` items: how a resumed run continues where it stopped.
     A last global batch that does not split evenly across the ranks is dropped, as in a map-style run.
     A stream that yields each rank its own share (``reads_apart``) is cut into this rank's batches as it
-    comes, and skips its share of the ``k`` items.
+    comes, and skips its share of the ``k`` items. One loader worker at most reads it (``worker_limit``).
     """
 
-    splits_across_workers = True  # each loader worker yields its own batches (get_worker_info), none twice
     splits_across_ranks = True  # each rank yields its own share of every global batch
 
     def __init__(
@@ -86,27 +85,26 @@ class StreamShard(IterableDataset[Any]):
         self.read = global_batch // world_size if apart else global_batch
 
     @property
-    def worker_limit(self) -> int | None:
-        """One loader worker for a stream that splits itself by get_worker_info(): under N workers each would
-        read only its own share of it, and keep only every N-th of those batches (see loader_facts)."""
-        return 1 if getattr(self.dataset, SPLITS_ACROSS_WORKERS, False) else None
+    def worker_limit(self) -> int:
+        """One loader worker: the global batches are cut in the stream's own order, which one reader sees whole."""
+        return 1
 
     @property
     def limit_reason(self) -> str:
         return (
-            f"train_data ({type(self.dataset).__name__}) splits itself across loader workers, and the Trainer cuts "
-            "its global batches in the stream's own order (so that a resumed run goes on exactly), which one "
-            "worker reads whole"
+            f"train_data ({type(self.dataset).__name__}) is a stream, cut into global batches in its own order so "
+            "that a resumed run goes on exactly: one worker reads it whole, where each of N would run its __iter__ "
+            "and yield all of it, or only its share where it splits itself by get_worker_info()"
         )
 
-    def _pass(self, length: int | None, *, warn: bool) -> Iterator[Any]:
+    def _pass(self, length: int | None) -> Iterator[Any]:
         """One pass of the stream, cut at its ``__len__`` (said once where it had more to give)."""
         stream = iter(self.dataset)
         if length is None:
             yield from stream
             return
         yield from itertools.islice(stream, length)
-        if warn and not self._said_longer and next(stream, _END) is not _END:
+        if not self._said_longer and next(stream, _END) is not _END:
             self._said_longer = True
             _more_than_said(self.dataset, length)
 
@@ -117,19 +115,13 @@ class StreamShard(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         share = self.read // self.parts
-        # Under DataLoader workers each reads the stream and takes every workers-th global batch; the loader
-        # takes the workers' batches in turn, so the order is the one a single process reads.
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         length = data_size(self.dataset)  # the run planned its epochs by it: a pass ends there
-        items = itertools.islice(self._pass(length, warn=worker == 0), self.skip, None)
-        for index in itertools.count():
-            batch = list(itertools.islice(items, self.read))
-            if not batch or len(batch) % self.parts or (self.drop_last and len(batch) < self.read):
+        items = itertools.islice(self._pass(length), self.skip, None)
+        while batch := list(itertools.islice(items, self.read)):
+            if len(batch) % self.parts or (self.drop_last and len(batch) < self.read):
                 return
             n = len(batch) // self.parts if len(batch) < self.read else share
-            if index % workers == worker:
-                yield from batch[self.part * n : (self.part + 1) * n]
+            yield from batch[self.part * n : (self.part + 1) * n]
 
 
 def _more_than_said(dataset: Dataset[Any], length: int) -> None:
