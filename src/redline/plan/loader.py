@@ -24,6 +24,7 @@ class LoaderFacts:
     prefetch_factor: int | None = None
     worker_limit: int | None = None  # the most workers the data can be read by without losing its order
     limit_reason: str = ""
+    subclass: str = ""  # the class of a DataLoader subclass: kept as given, its own __iter__ and methods with it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,8 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
     )
     if not loader.is_dataloader:
         return Choice(keep, "not a DataLoader: batches are moved to the device as they come")
+    if loader.subclass:
+        return Choice(keep, _kept_subclass(loader, workers))
     # A persistent worker keeps the copy of an iterable dataset it started with: the next epoch's set_epoch
     # (a new shuffle, a resumed run's position) would never reach it. Those workers start again each epoch.
     persist = loader.map_style
@@ -122,3 +125,15 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
         rebuild=True,
     )
     return Choice(settings, f"pinned memory for non-blocking copies; {why}")
+
+
+def _kept_subclass(loader: LoaderFacts, workers: int | None) -> str:
+    """Why a DataLoader subclass is kept as given, with what ``workers`` asked for that it does not run."""
+    name = loader.subclass
+    ignored = workers is not None and workers != loader.num_workers
+    asked = f"loader_workers={workers} not applied ({name} runs its own {loader.num_workers}); " if ignored else ""
+    return (
+        f"kept as given: {name} is a DataLoader subclass, whose own __iter__ and methods a plain DataLoader rebuilt "
+        f"from it would lose; {asked}for tuned workers and pinned memory pass a plain DataLoader (with the "
+        f"subclass's work done in its dataset or collate_fn), or set num_workers and pin_memory on {name} yourself"
+    )

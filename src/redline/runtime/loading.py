@@ -42,6 +42,7 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
     if not isinstance(loader, DataLoader):
         return LoaderFacts(is_dataloader=False, map_style=False, in_memory=False, num_workers=0, pin_memory=False)
     dataset = loader.dataset
+    subclass = "" if type(loader) is DataLoader else type(loader).__name__  # rebuilt, it would lose its own code
     return LoaderFacts(
         is_dataloader=True,
         map_style=not isinstance(dataset, IterableDataset),
@@ -49,12 +50,36 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         local_devices=local_devices,
-        gatherable=loader.batch_sampler is not None and can_gather(dataset, loader.collate_fn),  # batches, not items
+        gatherable=not subclass and loader.batch_sampler is not None and can_gather(dataset, loader.collate_fn),
         persistent_workers=loader.persistent_workers,
         prefetch_factor=loader.prefetch_factor,
         worker_limit=limit if isinstance(limit := getattr(dataset, "worker_limit", None), int) else None,
         limit_reason=str(getattr(dataset, "limit_reason", "")),
+        subclass=subclass,
     )
+
+
+def tuned_dataloader(
+    loader: Iterable[Any], settings: LoaderSettings, batches: Sampler[list[int]] | None, *, workers: int | None
+) -> Iterable[Any]:
+    """Return ``loader`` with ``settings`` applied: a DataLoader rebuilt where they differ from its own, or where
+    ``batches`` gives this rank its share. A DataLoader subclass is kept as given (rebuilt, it would lose its own
+    ``__iter__`` and methods), and loader ``workers`` asked for that it does not run are warned of."""
+    if not isinstance(loader, DataLoader):
+        return loader
+    if type(loader) is not DataLoader:
+        if workers is not None and workers != loader.num_workers:
+            log.warning(
+                "loader_workers=%d is not applied to %s: a DataLoader subclass is kept as given (its own "
+                "num_workers=%d runs), since a plain DataLoader rebuilt from it would lose its own __iter__ and "
+                "methods\nhint: set num_workers on %s yourself, or pass a plain DataLoader (with the subclass's work "
+                "done in its dataset or collate_fn)", workers, type(loader).__name__, loader.num_workers,
+                type(loader).__name__,
+            )  # fmt: skip
+        return loader
+    if settings.rebuild or batches is not None:
+        return rebuild_dataloader(loader, settings, batch_sampler=batches)
+    return loader
 
 
 def _in_memory(dataset: Any) -> bool:

@@ -28,7 +28,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from redline.config import call_refused, one_of, positive_int
 from redline.errors import ConfigError, invalid
@@ -53,7 +52,7 @@ from redline.runtime.forms import check_forms, explain_forms
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
-from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
+from redline.runtime.loading import DeviceLoader, loader_facts, tuned_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
 from redline.runtime.oom import peak_memory_share
@@ -317,8 +316,7 @@ class Runtime(RunState):
         """Return ``loader`` tuned for the device, yielding batches already on it; the Plan tells the first set up."""
         chosen = resolve_loader(loader_facts(loader, local_devices), self.facts, workers=self.options.loader_workers)
         batches = global_batches(loader, self.env, seed=self.options.seed)
-        if isinstance(loader, DataLoader) and (chosen.value.rebuild or batches is not None):
-            loader = rebuild_dataloader(loader, chosen.value, batch_sampler=batches)
+        loader = tuned_dataloader(loader, chosen.value, batches, workers=self.options.loader_workers)
         shown = self._plan.loader or split_reason(self.tuned_loader(chosen), loader, self._split_caveats, self.env)
         self._plan = dataclasses.replace(self._plan, loader=shown)
         return self._layout.loader(loader, self.device)

@@ -167,7 +167,8 @@ def split_caveats(model: nn.Module, world_size: int) -> list[str]:
 def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> GlobalBatchSampler | None:
     """Under several processes, a batch sampler that gives this rank its share of each global batch of ``loader``.
 
-    None for one process, an iterable of batches, the user's own batch sampler, or a loader already split.
+    None for one process, an iterable of batches, the user's own batch sampler, a loader already split, or a
+    DataLoader subclass (kept as given).
     Without a ``seed``, a shuffled order's is drawn on rank 0 as a plain shuffling DataLoader draws its own
     (from its generator, else torch's, which ``torch.manual_seed`` fixes) and shared by every rank.
     """
@@ -196,6 +197,9 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
         return None
     if isinstance(loader.sampler, DistributedSampler):
         return None  # the user's own split: each rank reads the share it gives, batch_size samples at a time
+    if type(loader) is not DataLoader:  # rebuilt to take this rank's share, it would lose its own __iter__
+        _warn_kept_whole(loader, env)
+        return None
     check_whole_order(loader.sampler, env.world_size)
     key = (seed, env.rank, env.world_size)
     split = _SPLITS.get(loader)
@@ -224,6 +228,16 @@ def global_batches(loader: Iterable[Any], env: DistEnv, *, seed: int | None) -> 
     return batches
 
 
+def _warn_kept_whole(loader: DataLoader[Any], env: DistEnv) -> None:
+    """Warn (on rank 0) that every rank reads every batch of a DataLoader subclass: setup_loader keeps it as given."""
+    if env.rank == 0:
+        log.warning(
+            "setup_loader keeps %s, a DataLoader subclass, as given: each of the %d processes reads every batch it "
+            "gives\nhint: give it a DistributedSampler of your own, or pass a plain DataLoader, which setup_loader "
+            "splits across the ranks", type(loader).__name__, env.world_size,
+        )  # fmt: skip
+
+
 def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str], env: DistEnv) -> Choice[T]:
     """The loader axis with how a launched job's global batch is split over its ranks, and the model's layers that
     depend on that split (``caveats``); under several processes, a loader kept whole says that every rank reads it."""
@@ -247,7 +261,11 @@ def _unsplit(loader: Iterable[Any]) -> str:
         if splits_across_ranks(loader.dataset):
             return ""
         return f"not split: every rank reads the whole stream ({SPLITS_ACROSS_RANKS} unset)"
-    if isinstance(loader.sampler, DistributedSampler) or loader.batch_size is not None:
+    if isinstance(loader.sampler, DistributedSampler):
+        return ""
+    if type(loader) is not DataLoader:
+        return f"not split: every rank reads every batch of {type(loader).__name__}, a DataLoader subclass"
+    if loader.batch_size is not None:
         return ""
     return "not split: every rank reads every batch of the batch_sampler"
 
