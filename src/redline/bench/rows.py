@@ -17,7 +17,7 @@ from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
 from redline.hardware.flops import mfu, share_of_peak
-from redline.runtime.contract import is_tokens
+from redline.runtime.contract import count_tokens
 from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
 
@@ -99,7 +99,8 @@ def _figures(
     samples = rate(windows, base.batch_size * window)
     assert runner.first_batch is not None
     targets = runner.first_batch[1]
-    tokens = rate(windows, targets.numel() * runner.micro_steps * window) if is_tokens(targets) else None
+    counted = count_tokens(targets)  # the first batch's, as its samples are: each row's batches are alike
+    tokens = rate(windows, int(counted) * runner.micro_steps * window) if counted is not None else None
     per_step = step_times(windows, window)
     achieved = flops * samples / base.batch_size if flops and samples else None
     facts = probe_device(torch.device(base.device))

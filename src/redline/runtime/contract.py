@@ -35,8 +35,8 @@ __all__ = [
     "blames_user_code",
     "check_loss",
     "count_samples",
+    "count_tokens",
     "describe",
-    "is_tokens",
     "metric_value",
     "split_batch",
     "user_code",
@@ -72,9 +72,21 @@ def users_collate(collate_fn: Callable[[list[Any]], Any]) -> bool:
     return collate_fn is not default_collate and not getattr(collate_fn, "__module__", "").startswith("redline.runtime")
 
 
-def is_tokens(targets: Any) -> bool:
-    """Whether targets are token ids (an integer tensor with a sequence axis), so tokens/s applies."""
-    return isinstance(targets, torch.Tensor) and targets.dim() >= 2 and not targets.is_floating_point()
+IGNORE_INDEX = -100  # torch's cross_entropy and nll_loss default ignore_index: the target a padded position is given
+
+
+def count_tokens(targets: Any) -> torch.Tensor | None:
+    """The tokens of a batch whose ``targets`` are token ids, else None (tokens/s then does not apply).
+
+    Token ids are an integer tensor of shape (batch, sequence), as a language model's or a seq2seq decoder's; not class
+    labels (batch,), nor a segmentation's (batch, height, width) pixels. Its tokens are the positions whose target is
+    not ``IGNORE_INDEX`` (padding), counted as a 0-d tensor on the targets' device, so that counting asks no sync.
+    """
+    if not isinstance(targets, torch.Tensor) or targets.dim() != 2:
+        return None
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        return None
+    return (targets != IGNORE_INDEX).sum()
 
 
 def metric_value(value: Any) -> float:

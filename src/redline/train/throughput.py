@@ -56,7 +56,8 @@ class Throughput:
         self.flops_per_step: int | None = None
         self._flops_per_sample: float | None = None
         self.start: float | None = None
-        self.steps = self.samples = self.tokens = 0
+        self.steps = self.samples = 0
+        self.tokens: int | torch.Tensor = 0  # on the device, read where the figures are (after a sync)
         self.seconds: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0, "callbacks": 0.0}
         self._paused = 0.0  # excluded time since ``start``
         self._compiled = 0.0  # the Runtime's training compile seconds at ``start``
@@ -84,11 +85,12 @@ class Throughput:
         """Seconds spent so far inside ``excluded`` (evaluation, checkpoints, callbacks), of every kind."""
         return sum(self.seconds.values())
 
-    def count(self, samples: int, tokens: int) -> None:
-        """Count one micro-batch of this rank's; the warm-up step's are left out."""
+    def count(self, samples: int, tokens: int | torch.Tensor | None) -> None:
+        """Count one micro-batch of this rank's (``tokens``: None where its targets are not token ids); the warm-up
+        step's are left out."""
         if self.start is not None:
             self.samples += samples
-            self.tokens += tokens
+            self.tokens = self.tokens + tokens if tokens is not None else self.tokens
 
     def first_step_done(self, inputs: Any, targets: Any, model: nn.Module) -> None:
         """Mark the end of the warm-up step and count one step's FLOPs; later calls count the steps."""
@@ -114,7 +116,7 @@ class Throughput:
         """Return the logged figures of the steps since the last call (a log window), timed as ``totals`` times them:
         the first step, excluded time and compiles left out, so the rows and the summary agree. The figures are None
         for a window that holds no timed step (the first step alone). Call it after a device sync."""
-        now = (self.timed_s(), self.steps, self.samples, self.tokens)
+        now = (self.timed_s(), self.steps, self.samples, int(self.tokens))
         elapsed_s, steps, samples, tokens = (end - begin for begin, end in zip(self._window_from, now, strict=True))
         self._window_from = now
         timed = steps > 0 and elapsed_s > 0
@@ -159,7 +161,7 @@ class Throughput:
                 measured = share_of_peak(achieved, best_matmul_peak(device, facts, precision, blocks=20))
         return Figures(
             samples_per_s=self.samples * self.world_size / elapsed,
-            tokens_per_s=self.tokens * self.world_size / elapsed if self.tokens else None,
+            tokens_per_s=tokens * self.world_size / elapsed if (tokens := int(self.tokens)) else None,
             flops_per_step=self.flops_per_step,
             mfu=mfu(achieved, peak) if achieved is not None else None,
             peak_tflops=peak,
