@@ -629,12 +629,11 @@ def test_fsdp_writes_a_gpt_whose_tied_weights_load_into_the_plain_model(tmp_path
     from safetensors import safe_open
     from safetensors.torch import load_model
 
-    from redline.cli.task_args import parse_task_args
-    from redline.task import load_task
+    from redline.cli.task_args import load_given_task
 
     result = train_json("--nproc", "2", "--strategy", "fsdp", "--out", str(tmp_path), "--checkpoint-every", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    task = load_task("example:chargpt", **parse_task_args("example:chargpt", TINY_GPT[3::2]))
+    task = load_given_task("example:chargpt", TINY_GPT[3::2])
     model = task.build_model()
     load_model(model, str(tmp_path / "model.safetensors"), strict=True)  # wte and lm_head: one tensor, both names
     assert model.lm_head.weight is model.wte.weight

@@ -561,8 +561,8 @@ def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
 def test_a_bad_engine_flag_is_named_by_its_flag_before_the_model_loads(
     tmp_path, monkeypatch, command, flag, value, said
 ):
-    monkeypatch.setattr(predict_module, "load_servable", lambda *a, **k: pytest.fail("the model was loaded"))
-    monkeypatch.setattr("redline.cli.serve.load_servable", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(predict_module, "load_given_servable", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("redline.cli.serve.load_given_servable", lambda *a, **k: pytest.fail("the model was loaded"))
     where = ["--port", "0"] if command == "serve" else ["--input", samples(tmp_path, np.zeros((2, 3), np.float32))]
     where += [] if command == "serve" else ["--output", str(tmp_path / "y.npy")]
     args = [command, "example:digits", *where, "--device", "cpu", flag, value]

@@ -368,7 +368,7 @@ def test_a_port_held_while_the_model_loads_is_refused_to_a_second_server_and_kep
 
 def test_redline_serve_tells_a_busy_port_before_it_loads_the_model(monkeypatch):
     loaded = []
-    monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
+    monkeypatch.setattr(serve_cli, "load_given_servable", lambda *args, **kwargs: loaded.append(args))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -677,7 +677,7 @@ def test_redline_serve_pads_to_the_batch_buckets_given_and_refuses_bad_ones_befo
     assert result.exit_code == 0, result.output
     assert served[0].buckets == (1, 4, 8) and "1, 4, 8" in result.output
     loaded = []
-    monkeypatch.setattr(serve_cli, "load_servable", lambda *args, **kwargs: loaded.append(args))
+    monkeypatch.setattr(serve_cli, "load_given_servable", lambda *args, **kwargs: loaded.append(args))
     for given, said in [("1,4", "--batch-buckets=(1, 4) is not allowed; expected positive sizes, the largest "
                                 "equal to --max-batch-size 8\nhint: add 8 as the largest size, or pass "
                                 "--max-batch-size 4 to make it the largest"),

@@ -170,7 +170,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     import redline.cli.train as train_cli
 
     started: list[list[str]] = []
-    monkeypatch.setattr(train_cli, "check_spec", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_cli, "check_given_task", lambda *args, **kwargs: None)
     monkeypatch.setattr(train_cli, "launch", lambda config, target, module: started.append(list(target)))
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)

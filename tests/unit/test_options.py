@@ -268,7 +268,7 @@ def test_a_command_line_parses_into_the_options_objects(monkeypatch):
             return False
 
     monkeypatch.setattr(train_cli, "Trainer", FakeTrainer)
-    monkeypatch.setattr(task_args, "load_task", lambda spec, **options: (spec, options))
+    monkeypatch.setattr(task_args, "call_factory", lambda spec, factory, options: (spec, options))
     monkeypatch.delenv("RANK", raising=False)
     app = typer.Typer()
     app.command()(train_cli.train)

@@ -9,7 +9,13 @@ from typing import Literal, Optional
 
 import pytest
 
-from redline.cli.task_args import convert_task_args, parse_task_args
+from redline.cli.task_args import (
+    check_given_task,
+    convert_task_args,
+    given_factory,
+    load_given_servable,
+    load_given_task,
+)
 from redline.errors import ConfigError, TaskSpecError
 from redline.task import call_factory, find_factory, load_task
 
@@ -30,19 +36,19 @@ def make(batch_size=2, name="tiny"):
 
 def test_pairs_must_be_key_equals_value_and_read_by_the_factory() -> None:
     # digits(width: int, lr: float, ...): "8" becomes 8 and "3e-4" a float, not the texts.
-    assert parse_task_args("example:digits", ["width=8", "lr=3e-4"]) == {"width": 8, "lr": 3e-4}
-    assert parse_task_args("example:digits", []) == {}
+    assert given_factory("example:digits", ["width=8", "lr=3e-4"])[1] == {"width": 8, "lr": 3e-4}
+    assert given_factory("example:digits", [])[1] == {}
     with pytest.raises(ConfigError, match=r"KEY=VALUE.*\nhint: e.g. --task-arg width=VALUE$"):
-        parse_task_args("example:digits", ["width"])  # the key is there, its value is not: say where it goes
+        given_factory("example:digits", ["width"])  # the key is there, its value is not: say where it goes
     with pytest.raises(ConfigError, match=r"KEY=VALUE.*\nhint: e.g. --task-arg n_layer=4$"):
-        parse_task_args("example:digits", ["2x=1"])
+        given_factory("example:digits", ["2x=1"])
 
 
 def test_a_key_given_twice_with_two_values_is_refused_naming_both() -> None:
     with pytest.raises(ConfigError, match="each KEY once; width is also given as --task-arg width=8") as caught:
-        parse_task_args("example:digits", ["width=8", "lr=0.1", "width=16"])
+        given_factory("example:digits", ["width=8", "lr=0.1", "width=16"])
     assert "--task-arg='width=16' is not allowed" in str(caught.value)
-    assert parse_task_args("example:digits", ["width=8", "width=8"]) == {"width": 8}  # the same twice: no doubt
+    assert given_factory("example:digits", ["width=8", "width=8"])[1] == {"width": 8}  # the same twice: no doubt
 
 
 def typed_factory(
@@ -267,3 +273,38 @@ def test_a_path_option_expands_the_home_directory_as_out_does(monkeypatch, tmp_p
         return None
 
     assert convert_task_args(factory, {"path": "~/data"}) == {"path": tmp_path / "data"}
+
+
+COUNTED = """
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from redline.task import Task
+
+with open(Path(__file__).with_suffix(".imports"), "a") as imports:  # one line each time the file runs
+    imports.write("imported\\n")
+
+
+def make(batch_size: int = 2):
+    data = TensorDataset(torch.randn(4, 2), torch.randn(4, 1))
+    return Task(model=nn.Linear(2, 1), loss_fn=nn.functional.mse_loss, train_data=data, batch_size=batch_size)
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "train --nproc", "serve"])
+def test_a_task_file_given_task_args_is_imported_once(tmp_path: Path, command: str) -> None:
+    """The factory was found once to read the texts and once more to call it: the file's top level ran twice, so data
+    drawn at import changed under the same --seed."""
+    path = tmp_path / "counted_tasks.py"
+    path.write_text(COUNTED)
+    spec, pairs = f"{path}:make", ["batch_size=3"]
+    if command == "train":
+        assert load_given_task(spec, pairs).batch_size == 3
+    elif command == "train --nproc":
+        check_given_task(spec, pairs)  # the launcher's check before it starts the workers
+    else:
+        assert load_given_servable(spec, pairs, weights=None).input_shape == (2,)
+    assert path.with_suffix(".imports").read_text().splitlines() == ["imported"]

@@ -46,7 +46,7 @@ from redline.cli.options import (
     said_by_flags,
 )
 from redline.cli.signals import stopped_by_signal
-from redline.cli.task_args import parse_task_args
+from redline.cli.task_args import load_given_servable
 from redline.errors import (
     ConfigError,
     InferenceError,
@@ -64,7 +64,7 @@ from redline.serve.inputs import FIRST_IN_SAMPLE, NPY_MAGIC, InputSpec, check_ar
 from redline.serve.options import check_engine_options
 from redline.serve.refused import Refused
 from redline.serve.runners import WEIGHT_DTYPES
-from redline.serve.servable import Servable, as_model_spec, load_servable, shape_text
+from redline.serve.servable import Servable, as_model_spec, shape_text
 
 CHECK_CHUNK = 4096  # samples validated at a time: a large file is not copied whole
 ROWS_CHECK = "check those rows' values"  # the hint's start when the model raised on a batch
@@ -116,7 +116,7 @@ def predict(
             )
     with stopped_by_signal("loading the model", NOT_WRITTEN):  # which can take minutes, compiles included
         with as_model_spec(spec):  # not a task spec, as the loader would say
-            servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+            servable = load_given_servable(spec, task_arg, weights)
         check_samples(samples, servable, input_path)
         batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
         warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"

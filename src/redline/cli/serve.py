@@ -30,13 +30,13 @@ from redline.cli.options import (
     said_by_flags,
 )
 from redline.cli.signals import stopped_by_signal
-from redline.cli.task_args import parse_task_args
+from redline.cli.task_args import load_given_servable
 from redline.errors import invalid
 from redline.render.console import output_console, plan_table, print_uncut
 from redline.serve.batcher import bucket_sizes
 from redline.serve.engine import InferenceEngine
 from redline.serve.options import ServeOptions, check_engine_options
-from redline.serve.servable import as_model_spec, load_servable
+from redline.serve.servable import as_model_spec
 from redline.serve.server import bind, serve
 
 log = logging.getLogger("redline")
@@ -79,7 +79,7 @@ def _serve(
         # the process without a word. From listening on, the server drains on a signal instead.
         with stopped_by_signal("loading the model", "nothing was served"):
             with as_model_spec(spec):  # not a task spec, as the loader would say
-                servable = load_servable(spec, weights=weights, **parse_task_args(spec, task_arg or []))
+                servable = load_given_servable(spec, task_arg, weights)
             with said_by_flags(**ENGINE_FLAGS):
                 engine = InferenceEngine(
                     servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,

@@ -14,12 +14,13 @@ import shlex
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from redline.cli.signals import stopped_by_signal
 from redline.errors import ONE_STEP, TaskSpecError, TrainingError, invalid
-from redline.task import Task, find_factory, load_task
+from redline.serve.servable import Servable, load_servable_with
+from redline.task import Task, call_factory, check_options, find_factory
 
 
 def one_step(task: str, task_arg: list[str] | None, devices: str | None, batch_size: int | None) -> str:
@@ -50,11 +51,36 @@ def load_given_task(spec: str, pairs: list[str] | None) -> Task:
     """The Task ``--task SPEC --task-arg KEY=VALUE ...`` names; SIGTERM or Ctrl-C while its factory runs (reading a
     dataset can take minutes) stops the command with a line saying so, not a bare exit code."""
     with stopped_by_signal("loading the task", "nothing had run yet"):
-        return load_task(spec, **parse_task_args(spec, pairs or []))
+        factory, options = given_factory(spec, pairs or [])
+        return call_factory(spec, factory, options)
 
 
-def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
-    """Turn repeated ``KEY=VALUE`` strings into keyword options, read by the task factory's annotations."""
+def check_given_task(spec: str, pairs: list[str] | None) -> None:
+    """Raise the TaskSpecError loading the task would, without running the factory (a launcher checks once, before
+    it starts workers that would each fail the same way)."""
+    factory, options = given_factory(spec, pairs or [])
+    check_options(spec, factory, options)
+
+
+def load_given_servable(spec: str, pairs: list[str] | None, weights: Path | None) -> Servable:
+    """The Servable ``SPEC --task-arg KEY=VALUE ...`` names, with ``weights`` loaded into its model."""
+    texts = task_arg_texts(pairs or [])
+    return load_servable_with(spec, lambda factory: convert_task_args(factory, texts), weights=weights)
+
+
+def given_factory(spec: str, pairs: list[str]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The factory a spec names and its ``--task-arg`` options, read by its annotations.
+
+    The spec's module is imported once: a task file's top level (data drawn at import, a print) runs once, as it
+    does without options.
+    """
+    texts = task_arg_texts(pairs)
+    factory = find_factory(spec)
+    return factory, convert_task_args(factory, texts)
+
+
+def task_arg_texts(pairs: list[str]) -> dict[str, str]:
+    """Turn repeated ``KEY=VALUE`` strings into the texts of keyword options, each KEY once."""
     texts: dict[str, str] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -68,7 +94,7 @@ def parse_task_args(spec: str, pairs: list[str]) -> dict[str, Any]:
                 f"keep the one you mean, e.g. --task-arg {pair}",
             )  # fmt: skip
         texts[key] = text
-    return convert_task_args(find_factory(spec), texts) if texts else {}
+    return texts
 
 
 def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> dict[str, Any]:

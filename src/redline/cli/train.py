@@ -22,7 +22,7 @@ from rich.text import Text
 
 from redline.checkpoint import CheckpointError, find_checkpoints, load_plan, read_checkpoint
 from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, spellings, values
-from redline.cli.task_args import load_given_task, parse_task_args
+from redline.cli.task_args import check_given_task, load_given_task
 from redline.errors import ConfigError, StoppedBySignal
 from redline.hardware.device import probe_accelerators
 from redline.launch.stopped import LaunchStopped
@@ -33,7 +33,6 @@ from redline.render.console import key_value_table, output_console, plan_table, 
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import check_split
 from redline.runtime.seed import seed_everything
-from redline.task import check_spec
 from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.lock import refuse_if_held
@@ -120,7 +119,7 @@ train = command(
 def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: TaskSpec, task_arg: TaskArgs) -> None:
     """Start the workers of `redline train --nproc N` (this process is the launcher), checking first what would fail in
     every one of them; a stop names the newest checkpoint under --out, the one a resume goes on from."""
-    check_spec(task, **parse_task_args(task, task_arg or []))  # once here, not once in every worker
+    check_given_task(task, task_arg)  # once here, not once in every worker
     with said_by_flags(**spellings(TrainerConfig)):
         if not launch_config.node_rank:  # rank 0 is started here: its out_dir must be free (once, not per restart)
             refuse_if_held(config.out_dir)

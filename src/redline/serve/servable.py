@@ -125,11 +125,21 @@ _MODEL_WORDS = {
 
 def load_servable(spec: str, *, weights: str | Path | None = None, **options: Any) -> Servable:
     """Load the Servable a spec names, with ``weights`` (a safetensors file) loaded into its model."""
-    # Seeded from the factory on: a Task given a module (Task(model=nn.Linear(6, 3))) has it built there.
+    return load_servable_with(spec, lambda factory: options, weights=weights)
+
+
+def load_servable_with(
+    spec: str, options_for: Callable[[Callable[..., Any]], dict[str, Any]], *, weights: str | Path | None = None
+) -> Servable:
+    """Load the Servable a spec names, its factory called with ``options_for(factory)``: the command line's texts
+    read by the factory's annotations, from the one import of its module (a second would run its top level again)."""
+    # Seeded from the import on: a module that builds its model or draws its data as it is imported, or a Task given
+    # a module (Task(model=nn.Linear(6, 3))), builds it alike on every start.
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(UNTRAINED_SEED)
         with as_model_spec(spec):
-            made = run_factory(spec, find_factory(spec), options)
+            factory = find_factory(spec)
+            made = run_factory(spec, factory, options_for(factory))
         if isinstance(made, Task):
             if weights is None:
                 log.warning(

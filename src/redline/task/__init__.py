@@ -13,7 +13,7 @@ from redline.task.definition import (
     model_fingerprint,
     require_task,
 )
-from redline.task.spec import EXAMPLES, FORMS, call_factory, check_spec, find_factory, load_task, run_factory
+from redline.task.spec import EXAMPLES, FORMS, call_factory, check_options, find_factory, load_task, run_factory
 
 __all__ = [
     "EXAMPLES",
@@ -23,7 +23,7 @@ __all__ = [
     "SchedulerFactory",
     "Task",
     "call_factory",
-    "check_spec",
+    "check_options",
     "find_factory",
     "load_task",
     "model_fingerprint",

@@ -34,12 +34,6 @@ def load_task(spec: str, **options: Any) -> Task:
     return call_factory(spec, find_factory(spec), options)
 
 
-def check_spec(spec: str, **options: Any) -> None:
-    """Raise the TaskSpecError ``load_task`` would for a spec or its options, without running the factory
-    (a launcher checks once, before it starts workers that would each fail the same way)."""
-    _check_options(spec, find_factory(spec), options)
-
-
 def find_factory(spec: str) -> Callable[..., Any]:
     """Import the module a spec string names and return its factory (a TaskSpecError says what is wrong)."""
     module_name, factory_name = _split_spec(spec)
@@ -98,7 +92,7 @@ def _returned_hint(made: object) -> str:
 
 def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> Any:
     """Call ``factory(**options)`` with its options checked; what it raises becomes a TaskSpecError naming ``spec``."""
-    _check_options(spec, factory, options)
+    check_options(spec, factory, options)
     try:
         return factory(**options)
     except TaskSpecError:
@@ -303,7 +297,9 @@ class BuiltTask:
         return self.task
 
 
-def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+def check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Raise the TaskSpecError calling ``factory(**options)`` would for its options (required, unknown), without
+    calling it."""
     if isinstance(factory, BuiltTask) and options:
         raise TaskSpecError(
             f"task spec {spec!r}: {factory.name} is a Task built at import; it takes no --task-arg (given: "
