@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
 import textwrap
 from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
+import torch
 
 from redline.cli.task_args import (
     check_given_task,
@@ -308,3 +311,78 @@ def test_a_task_file_given_task_args_is_imported_once(tmp_path: Path, command: s
     else:
         assert load_given_servable(spec, pairs, weights=None).input_shape == (2,)
     assert path.with_suffix(".imports").read_text().splitlines() == ["imported"]
+
+
+class Pool(enum.Enum):
+    MEAN = "mean"
+    MAX = "max"
+
+
+@dataclasses.dataclass
+class Optim:
+    lr: float = 0.01
+    momentum: float = 0.9
+
+
+def class_factory(
+    pool: Pool = Pool.MEAN,
+    pools: list[Pool] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    scale: complex = 1j,
+    optim: Optim = Optim(),  # noqa: B008 - read, never changed
+) -> None:
+    """A factory whose options are classes: an Enum, torch's dtype and device, a literal's type, a dataclass."""
+
+
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        ({"pool": "MAX"}, {"pool": Pool.MAX}),  # by name: the member itself, so `pool is Pool.MAX` holds
+        ({"pool": "max"}, {"pool": Pool.MAX}),  # by value
+        ({"pool": "Mean"}, {"pool": Pool.MEAN}),  # in any case
+        ({"pools": "MAX,mean"}, {"pools": [Pool.MAX, Pool.MEAN]}),
+        ({"dtype": "bfloat16"}, {"dtype": torch.bfloat16}),
+        ({"dtype": "torch.float16"}, {"dtype": torch.float16}),
+        ({"device": "cuda:1"}, {"device": torch.device("cuda:1")}),
+        ({"device": "none"}, {"device": None}),
+        ({"scale": "2+1j"}, {"scale": 2 + 1j}),  # a Python literal that is one
+    ],
+)
+def test_an_enum_a_dtype_and_a_device_read_as_such(texts: dict[str, str], expected: dict[str, object]) -> None:
+    """An Enum option got the text 'MAX', so `pool is Pool.MAX` was False and the factory silently took its default
+    branch; a torch.dtype got 'bfloat16', which no tensor takes as a dtype."""
+    options = convert_task_args(class_factory, texts)
+    assert options == expected
+    assert [type(v) for v in options.values()] == [type(v) for v in expected.values()]
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "says"),
+    [
+        ("pool", "min", "--task-arg pool='min': the factory's option 'pool' is a Pool; expected one of MEAN, MAX"),
+        ("dtype", "f32", "option 'dtype' is a torch.dtype; expected a dtype's name: float32, bfloat16"),
+        ("device", "gpu0", "option 'device' is annotated torch.device | None; expected a device: cpu, cuda"),
+        ("scale", "big", "option 'scale' is a complex; expected a Python literal that is a complex"),
+    ],
+)
+def test_a_text_that_is_no_member_or_dtype_is_refused_with_the_choices(key: str, text: str, says: str) -> None:
+    with pytest.raises(TaskSpecError) as info:
+        convert_task_args(class_factory, {key: text})
+    message = str(info.value)
+    assert says in message
+    example = message.split(f"hint: e.g. --task-arg {key}=")[-1]
+    assert convert_task_args(class_factory, {key: example})  # the hint's example is itself a valid text
+
+
+@pytest.mark.parametrize("text", ["0.1", "{'lr': 0.1}", "Optim(lr=0.1)"])
+def test_an_option_of_a_class_no_text_can_build_is_refused_naming_its_fields(text: str) -> None:
+    """A dataclass option got the text (or a dict) in place of the instance, and failed, if at all, deep in the
+    factory."""
+    with pytest.raises(TaskSpecError) as info:
+        convert_task_args(class_factory, {"optim": text})
+    assert str(info.value) == (
+        f"--task-arg optim={text!r}: the factory's option 'optim' is an Optim, which --task-arg cannot build from a "
+        "text\nhint: make Optim's fields the factory's own parameters and build it there: def make(lr: float = "
+        "0.01, momentum: float = 0.9): ... Optim(lr=lr, momentum=momentum), then --task-arg lr=..."
+    )

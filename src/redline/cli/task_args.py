@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
+import enum
 import inspect
 import os
 import shlex
@@ -17,8 +19,10 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePath
 from typing import Any, Literal
 
+import torch
+
 from redline.cli.signals import stopped_by_signal
-from redline.errors import ONE_STEP, TaskSpecError, TrainingError, invalid
+from redline.errors import ONE_STEP, TaskSpecError, TrainingError, few, invalid
 from redline.serve.servable import Servable, load_servable_with
 from redline.task import Task, call_factory, check_options, find_factory
 
@@ -105,10 +109,13 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     exponent (``max_chars=4e5``); a ``Path`` reads as a path; ``X | None`` (or ``X = None``) also
     reads none; a ``Literal`` reads one of its values; ``list[X]``, ``tuple[X, ...]`` and ``set[X]``
     read comma-separated values (``sizes=1,2``) or a Python literal (``sizes=[1, 2]``), each item
-    read as ``X``; a ``dict`` reads a Python literal. An option without an annotation reads as the type of
-    its default where that is a bool, int, float or str; else, or with an annotation not listed here, as a
-    Python literal or else as text (``name=tiny``), and "none" as None where its default is None. A text that does
-    not convert is a TaskSpecError naming the option, its type and the text.
+    read as ``X``; a ``dict`` reads a Python literal; an ``Enum`` a member's name or value; a
+    ``torch.dtype`` a dtype's name (``bfloat16``), a ``torch.device`` a device; another class a
+    Python literal that is one (``complex``), and a class no text can be (a dataclass) is refused
+    with the hint to take its fields as options. An option without an annotation reads as the type
+    of its default where that is a bool, int, float or str; else, or with an annotation not listed
+    here, as a Python literal or else as text (``name=tiny``), and "none" as None where its default
+    is None. A text that does not convert is a TaskSpecError naming the option, its type and the text.
     """
     hints = _option_types(factory)
     nullable = _defaults_none(factory)
@@ -121,11 +128,20 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
             else:
                 options[key] = _read(text, hint)
         except ValueError:
-            raise TaskSpecError(
-                f"--task-arg {key}={text!r}: the factory's option {key!r} is {_type_name(hint)}; "
-                f"expected {_expected(hint)}\nhint: e.g. --task-arg {key}={_example(hint)}"
-            ) from None
+            raise _not_read(key, text, hint) from None
     return options
+
+
+def _not_read(key: str, text: str, hint: Any) -> TaskSpecError:
+    """The error for an option's text that its annotation does not read."""
+    said = f"--task-arg {key}={text!r}: the factory's option {key!r} is {_type_name(hint)}"
+    unbuildable = next((member for member in _members(hint) if _unbuildable(member)), None)
+    if unbuildable is not None:  # its text was passed on as it was: a str where the factory expects a class
+        expected = "; it reads none" if type(None) in _members(hint) else ""
+        return TaskSpecError(
+            f"{said}, which --task-arg cannot build from a text{expected}\nhint: {_fields_hint(unbuildable)}"
+        )
+    return TaskSpecError(f"{said}; expected {_expected(hint)}\nhint: e.g. --task-arg {key}={_example(hint)}")
 
 
 _TRUE = ("true", "yes", "on", "1")
@@ -171,10 +187,11 @@ _SCALARS: dict[Any, Callable[[str], Any]] = {int: _whole, float: float, str: str
 def _read_structured(text: str, hint: Any) -> Any:
     """Return ``text`` as a path, a collection or a dict; as a Python literal or text for any other type."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if isinstance(hint, type) and issubclass(hint, PurePath):
+    if _is_path(hint):
         if not text.strip():
             raise ValueError(text)
-        return hint(os.path.expanduser(text))  # `path=~/data` reaches the factory as the shell gives --out
+        made = Path if hint is os.PathLike else hint
+        return made(os.path.expanduser(text))  # `path=~/data` reaches the factory as the shell gives --out
     if (origin or hint) in _COLLECTIONS:
         return _read_collection(text, origin or hint, args)
     if (origin or hint) is dict:
@@ -183,7 +200,101 @@ def _read_structured(text: str, hint: Any) -> Any:
             raise ValueError(text)
         key_type, value_type = args if len(args) == 2 else (None, None)
         return {_item(k, key_type): _item(v, value_type) for k, v in value.items()}
-    return _literal_or_text(text)  # a type without a reading of its own (a class): as before
+    if origin is None and isinstance(hint, type):
+        return _read_class(text, hint)
+    return _literal_or_text(text)  # a typing form without a reading of its own (Callable[..., X]): as before
+
+
+def _read_class(text: str, hint: type) -> Any:
+    """Return ``text`` as a member of an Enum, a torch dtype or device, or a Python literal that is a ``hint``
+    (``complex``, ``bytes``); any other class (a dataclass, say) has no text form: ValueError, as for a bad text."""
+    if issubclass(hint, enum.Enum):
+        return _member(text, hint)
+    if hint is torch.dtype:
+        dtype = getattr(torch, text.strip().removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(text)
+        return dtype
+    if hint is torch.device:
+        try:
+            return torch.device(text.strip())
+        except (RuntimeError, TypeError):
+            raise ValueError(text) from None
+    value = _literal_or_text(text)
+    try:
+        if isinstance(value, hint):
+            return value
+    except TypeError:  # a Protocol that isinstance cannot check
+        pass
+    raise ValueError(text)
+
+
+def _member(text: str, kind: type[enum.Enum]) -> enum.Enum:
+    """The member of ``kind`` that ``text`` names, or whose value it is (``MAX`` or ``max``), in any case if one."""
+    members = kind.__members__
+    if text in members:
+        return members[text]
+    by_value = [m for m in members.values() if text == str(m.value)]
+    folded = [m for name, m in members.items() if text.strip().lower() in (name.lower(), str(m.value).lower())]
+    found = by_value or (folded if len(set(folded)) == 1 else [])
+    if not found:
+        raise ValueError(text)
+    return found[0]
+
+
+def _is_path(hint: Any) -> bool:
+    return hint is os.PathLike or (isinstance(hint, type) and issubclass(hint, PurePath))
+
+
+def _literal_of(hint: type) -> str | None:
+    """A Python literal that is a ``hint`` (``complex``, ``bytes``, ``Mapping``), or None where none is one."""
+    try:
+        return next((text for kind, text in _LITERALS.items() if issubclass(kind, hint)), None)
+    except TypeError:  # a Protocol that issubclass cannot check
+        return None
+
+
+_LITERALS = {int: "4", float: "0.5", complex: "1+2j", str: "text", bytes: "b'text'", list: "[1, 2]", dict: "{'a': 1}"}
+
+
+def _unbuildable(hint: Any) -> bool:
+    """Whether ``hint`` is a class that no command-line text can be (a dataclass, a model's config class)."""
+    if typing.get_origin(hint) is not None or not isinstance(hint, type):
+        return False
+    read = (type(None), bool, *_SCALARS, *_COLLECTIONS, dict, torch.dtype, torch.device)
+    return not (hint in read or issubclass(hint, enum.Enum) or _is_path(hint) or _literal_of(hint) is not None)
+
+
+def _fields_hint(kind: type) -> str:
+    """The fix for an option of a class ``kind`` that a text cannot build: its fields as the factory's parameters."""
+    name = kind.__name__
+    try:
+        fields = [
+            p for p in inspect.signature(kind).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        fields = []
+    if not fields:
+        return (
+            f"make what builds a {name} the factory's own parameters (bool, int, float, str, ...), and build it there"
+        )
+    shown = [_parameter_text(p) for p in fields[:3]] + (["..."] if len(fields) > 3 else [])
+    built = ", ".join(f"{p.name}={p.name}" for p in fields[:3]) + (", ..." if len(fields) > 3 else "")
+    what = "fields" if dataclasses.is_dataclass(kind) else "arguments"
+    return (
+        f"make {name}'s {what} the factory's own parameters and build it there: "
+        f"def make({', '.join(shown)}): ... {name}({built}), then --task-arg {fields[0].name}=..."
+    )
+
+
+def _parameter_text(parameter: inspect.Parameter) -> str:
+    annotation = parameter.annotation
+    if annotation is inspect.Parameter.empty:
+        text = parameter.name
+    else:
+        written = annotation if isinstance(annotation, str) else _bare_name(annotation)
+        text = f"{parameter.name}: {written}"
+    return text if parameter.default is inspect.Parameter.empty else f"{text} = {parameter.default!r}"
 
 
 _COLLECTIONS: dict[Any, type] = {list: list, tuple: tuple, set: set, frozenset: frozenset}
@@ -193,9 +304,11 @@ def _lenient(hint: Any) -> int:
     """How much text a union's member takes: those that refuse a text are tried first, ``str`` last."""
     if hint is str:
         return 3
-    if isinstance(hint, type) and issubclass(hint, PurePath):
+    if _is_path(hint):
         return 2
-    known = (type(None), bool, int, float, *_COLLECTIONS, dict)
+    if isinstance(hint, type) and typing.get_origin(hint) is None and issubclass(hint, enum.Enum):
+        return 0
+    known = (type(None), bool, int, float, *_COLLECTIONS, dict, torch.dtype, torch.device)
     return 0 if hint in known or typing.get_origin(hint) in (Literal, *known) else 1
 
 
@@ -251,11 +364,20 @@ def _bare_name(hint: Any) -> str:
         return f"Literal[{', '.join(map(repr, typing.get_args(hint)))}]"
     if typing.get_origin(hint) is not None:  # list[int] (whose __name__ is just "list")
         return str(hint).replace("typing.", "")
+    if hint in (torch.dtype, torch.device):  # not a bare "dtype"
+        return f"torch.{hint.__name__}"
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-_EXPECTED = {bool: "true or false", int: "a whole number", float: "a number", type(None): "none", str: "text"}
-_EXAMPLES = {bool: "true", int: "4", float: "0.001", type(None): "none", str: "text"}
+_EXPECTED = {
+    bool: "true or false", int: "a whole number", float: "a number", type(None): "none", str: "text",
+    torch.dtype: "a dtype's name: float32, bfloat16, float16, float64, int64, ...",
+    torch.device: "a device: cpu, cuda, cuda:N or mps",
+}  # fmt: skip
+_EXAMPLES = {
+    bool: "true", int: "4", float: "0.001", type(None): "none", str: "text", torch.dtype: "bfloat16",
+    torch.device: "cpu",
+}  # fmt: skip
 
 
 def _expected(hint: Any) -> str:
@@ -266,8 +388,14 @@ def _expected_one(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Literal:
         return "one of " + ", ".join(str(v) for v in args)
-    if isinstance(hint, type) and issubclass(hint, PurePath):
+    if _is_path(hint):
         return "a path"
+    if origin is None and isinstance(hint, type) and issubclass(hint, enum.Enum):
+        names, values = list(hint.__members__), [str(m.value) for m in hint.__members__.values()]
+        by_value = f" (or its value: {few(values, 8)})" if values != names else ""
+        return f"one of {few(names, 8)}{by_value}"
+    if origin is None and isinstance(hint, type) and _literal_of(hint) is not None and hint not in _EXPECTED:
+        return f"a Python literal that is a {_bare_name(hint)}"
     if (origin or hint) is dict:
         return "a Python dict"
     if (origin or hint) in _COLLECTIONS:
@@ -283,8 +411,12 @@ def _example(hint: Any) -> str:
     origin, args = typing.get_origin(first), typing.get_args(first)
     if origin is Literal:
         return str(args[0])
-    if isinstance(first, type) and issubclass(first, PurePath):
+    if _is_path(first):
         return "path/to/file"
+    if origin is None and isinstance(first, type) and issubclass(first, enum.Enum):
+        return next(iter(first.__members__))
+    if first not in _EXAMPLES and origin is None and isinstance(first, type):
+        return _literal_of(first) or "..."
     if (origin or first) is dict:
         key, value = (repr(_read(_example(a), a)) for a in args) if len(args) == 2 else ("'a'", "1")
         return f"{{{key}: {value}}}"
