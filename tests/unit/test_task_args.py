@@ -268,6 +268,21 @@ def test_an_option_without_an_annotation_reads_as_its_defaults_type():
         convert_task_args(factory, {"width": "8.5"})
 
 
+@pytest.mark.parametrize(
+    ("text", "read"),
+    [("false", False), ("FALSE", False), ("True", True), ("true", True), ("none", None), ("NONE", None),
+     ("0.5", 0.5), ("3", 3), ("[1, 2]", [1, 2]), ("off", "off"), ("tiny", "tiny")],
+)  # fmt: skip
+def test_an_untyped_option_reads_true_false_and_none_in_any_case(text: str, read: object) -> None:
+    """`def make(augment=None)` given `--task-arg augment=false` got the text 'false', which is true: augmentation on.
+    Through **kwargs too."""
+
+    def factory(augment=None, **options):
+        return None
+
+    assert convert_task_args(factory, {"augment": text, "extra": text}) == {"augment": read, "extra": read}
+
+
 def test_a_path_option_expands_the_home_directory_as_out_does(monkeypatch, tmp_path):
     """`--task-arg=path=~/x` reached the factory as Path('~/x'), where --out and --resume expand it."""
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -243,7 +243,14 @@ TaskSpec = Annotated[
 ]
 TaskArgs = Annotated[
     list[str] | None,
-    typer.Option("--task-arg", metavar="KEY=VALUE", help="An option for the task factory; repeatable."),
+    typer.Option(
+        "--task-arg",
+        metavar="KEY=VALUE",
+        help=(
+            "An option for the task factory, read as its parameter's annotation (or default) says; an untyped one "
+            "reads true/false/none in any case as True/False/None, a number as a number, else text. Repeatable."
+        ),
+    ),
 ]
 # The model and engine flags `redline serve` and `redline predict` share.
 ModelSpec = Annotated[

@@ -113,18 +113,18 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     ``torch.dtype`` a dtype's name (``bfloat16``), a ``torch.device`` a device; another class a
     Python literal that is one (``complex``), and a class no text can be (a dataclass) is refused
     with the hint to take its fields as options. An option without an annotation reads as the type
-    of its default where that is a bool, int, float or str; else, or with an annotation not listed
-    here, as a Python literal or else as text (``name=tiny``), and "none" as None where its default
-    is None. A text that does not convert is a TaskSpecError naming the option, its type and the text.
+    of its default where that is a bool, int, float or str; else true, false and none (any case)
+    read as True, False and None, and any other text as a Python literal or else as text
+    (``name=tiny``); one with an annotation not listed here reads as a Python literal or else as
+    text. A text that does not convert is a TaskSpecError naming the option, its type and the text.
     """
     hints = _option_types(factory)
-    nullable = _defaults_none(factory)
     options = {}
     for key, text in texts.items():
         hint = hints.get(key)
         try:
-            if hint is None:  # no annotation: "none" is the default None, not the text 'none'
-                options[key] = None if key in nullable and text.strip().lower() == "none" else _literal_or_text(text)
+            if hint is None:  # no annotation, nor a default of a type to read by
+                options[key] = _untyped(text)
             else:
                 options[key] = _read(text, hint)
         except ValueError:
@@ -339,6 +339,16 @@ def _item(value: Any, hint: Any) -> Any:
     return _read(value if isinstance(value, str) else repr(value), hint)
 
 
+def _untyped(text: str) -> Any:
+    """Read an option without a type: true, false and none in any case as Python's (``augment=false`` for a factory's
+    ``augment=None`` is off, not the text 'false', which is true), else a Python literal, else the text."""
+    word = text.strip().lower()
+    return _WORDS[word] if word in _WORDS else _literal_or_text(text)
+
+
+_WORDS = {"true": True, "false": False, "none": None}
+
+
 def _literal_or_text(text: str) -> Any:
     try:
         return ast.literal_eval(text)
@@ -450,14 +460,6 @@ def _option_types(factory: Callable[..., Any]) -> dict[str, Any]:
     # Without an annotation, the default's type: `augment=False` read "false" as the text, which is true.
     plain = {name: type(p.default) for name, p in parameters.items() if type(p.default) in (bool, int, float, str)}
     return {**plain, **typed}
-
-
-def _defaults_none(factory: Callable[..., Any]) -> set[str]:
-    """The factory's parameters whose default is None."""
-    try:
-        return {name for name, p in inspect.signature(factory).parameters.items() if p.default is None}
-    except (TypeError, ValueError):
-        return set()
 
 
 def _or_none(hint: Any) -> Any:
