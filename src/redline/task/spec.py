@@ -10,13 +10,14 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from redline.errors import TaskSpecError, few, nearest, user_line
+from redline.errors import TaskSpecError, few, nearest, user_line, users_file
 from redline.task.definition import Task
 
 EXAMPLES = {
@@ -131,6 +132,9 @@ def _spec_hint(spec: object) -> str:
         return ""
     if spec in EXAMPLES:
         return f"\nhint: the built-in example is 'example:{spec}'"
+    dotted = _dotted_factory(spec)
+    if dotted:
+        return f"\nhint: did you mean '{dotted}'?"
     if spec and not spec.endswith(".py") and Path(f"{spec}.py").expanduser().is_file():
         spec += ".py"  # 'tasks' where tasks.py lies: the file's factory is meant
     if spec.endswith(".py") or "." in spec:
@@ -142,6 +146,20 @@ def _spec_hint(spec: object) -> str:
         return f"\nhint: add the function that returns the Task (or model), e.g. '{spec}:make_task'"
     near = nearest(spec, EXAMPLES)
     return f"\nhint: did you mean 'example:{near}'?" if spec and near else ""
+
+
+def _dotted_factory(spec: str) -> str:
+    """The spec a factory named with a dot meant (``tasks.make`` -> ``tasks:make``) where the file of the part before
+    the last dot defines it; "" if not."""
+    module, _, name = spec.rpartition(".")
+    if not module or not name.isidentifier() or module.endswith(".py"):
+        return ""
+    if "/" in module or "\\" in module:  # a path: its file spec
+        file, meant = Path(f"{module}.py"), f"{module}.py:{name}"
+    else:
+        file, meant = Path(*module.split(".")).with_suffix(".py"), f"{module}:{name}"
+        file = file if file.is_file() else file.with_suffix("") / "__init__.py"
+    return meant if name in _functions_in(file.expanduser()) else ""
 
 
 def _functions_in(path: Path) -> list[str]:
@@ -218,14 +236,46 @@ def _import_file(spec: str, path: Path) -> Any:
             raise _exited(spec, str(path), exc) from exc
         if isinstance(exc, ModuleNotFoundError) and exc.name:
             raise _missing_module(spec, str(path), exc, beside=path.resolve().parent) from exc
+        if _relative_import(exc, path):
+            raise TaskSpecError(
+                f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{user_line(exc)}\n"
+                f"hint: {_package_hint(path, spec.rpartition(':')[2])}"
+            ) from exc
         raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
     return module
 
 
+def _relative_import(exc: BaseException, path: Path) -> bool:
+    """Whether ``exc`` is the task file's own relative import (``from .models import net``) failing: a file imported
+    by its path is no module of a package, so it has nothing to import relative to."""
+    if not isinstance(exc, ImportError) or isinstance(exc, ModuleNotFoundError) or "relative import" not in str(exc):
+        return False
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if users_file(frame.filename)]
+    return bool(frames) and Path(frames[-1].filename).resolve() == path.resolve()
+
+
+def _package_hint(path: Path, factory: str) -> str:
+    """The fix for a task file's relative import: its module spec where the file is in a package (``mypkg/tasks.py``
+    -> ``mypkg.tasks:make``), run from the folder that holds the package; else an absolute import."""
+    parts, root = [path.stem] if path.stem != "__init__" else [], path.resolve().parent
+    while (root / "__init__.py").is_file():
+        parts.insert(0, root.name)
+        root = root.parent
+    if root == path.resolve().parent:  # no package: its folder is searched first, so `from models import` finds it
+        return f"{path.name} is in no package (no __init__.py beside it): import absolutely, `from models import ...`"
+    try:
+        here = root.samefile(Path.cwd())
+    except OSError:  # no working directory left
+        here = False
+    where = "" if here else f", with redline run in {str(root)!r}"
+    return f"{path.name} is a module of the package {parts[0]!r}: name it as one, '{'.'.join(parts)}:{factory}'{where}"
+
+
 def _missing_module(spec: str, imported: str, exc: ModuleNotFoundError, beside: Path | None = None) -> TaskSpecError:
     """The error for a task module or file that imports a module not found: a package this environment lacks (or,
-    for a file, a module that is not ``beside`` it either), or, where its package is there, a misspelt submodule
-    (``torch.nn.functionals``), which is the task's own line to fix."""
+    for a file, a module that is not ``beside`` it either; for a module spec, one beside its file, which only a file
+    spec finds), or, where its package is there, a misspelt submodule (``torch.nn.functionals``), which is the task's
+    own line to fix."""
     missing = str(exc.name)
     top = missing.partition(".")[0]
     try:
@@ -234,11 +284,34 @@ def _missing_module(spec: str, imported: str, exc: ModuleNotFoundError, beside: 
         installed = True
     if installed:
         return TaskSpecError(f"task spec {spec!r}: importing {imported!r} raised {exc!r}{_where(exc)}")
-    local = f", or put {top}.py (or {top}/) in {str(beside)!r} beside it" if beside is not None else ""
+    file = _module_file(imported) if beside is None else None  # a module spec: the file it names
+    local_module = next((name for name in (f"{top}.py", f"{top}/") if file and (file.parent / name).exists()), None)
+    if file is not None and local_module is not None:
+        try:
+            shown = file.relative_to(Path.cwd())
+        except (ValueError, OSError):
+            shown = file
+        hint = (
+            f"{local_module} lies beside {file.name}, whose folder is searched first only for a file given by its "
+            f"path: give the file, '{shown}:{spec.rpartition(':')[2]}'"
+        )
+    else:
+        local = f", or put {top}.py (or {top}/) in {str(beside)!r} beside it" if beside is not None else ""
+        hint = f"pip install the package that provides {top!r}{local}"
     return TaskSpecError(
         f"task spec {spec!r}: importing {imported!r} failed: it imports {missing!r}, which is not installed"
-        f"{user_line(exc)}\nhint: pip install the package that provides {top!r}{local}"
+        f"{user_line(exc)}\nhint: {hint}"
     )
+
+
+def _module_file(module_name: str) -> Path | None:
+    """The file a module spec's module is read from, found without importing it (None if not known)."""
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    origin = found.origin if found is not None else None
+    return Path(origin).resolve() if origin and Path(origin).is_file() else None
 
 
 def _exited(spec: str, what: str, exc: SystemExit) -> TaskSpecError:

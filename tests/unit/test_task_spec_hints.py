@@ -1,0 +1,87 @@
+"""A task spec that imports the way only another spec form allows is told that form, and the form it names works."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from redline.errors import TaskSpecError
+from redline.task import Task, load_task
+
+NET = "from torch import nn\n\n\ndef net():\n    return nn.Linear(2, 1)\n"
+MAKE = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+
+
+def make():
+    data = TensorDataset(torch.randn(4, 2), torch.randn(4, 1))
+    return redline.Task(model={model}, loss_fn=nn.functional.mse_loss, train_data=data, batch_size=2)
+"""
+
+
+def unique(prefix: str) -> str:
+    """A module name no other test has imported: Python keeps a module once imported, by its name."""
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize("run_in", ["the package's folder", "another folder"])
+def test_a_package_file_that_imports_relatively_is_told_its_module_spec(tmp_path, monkeypatch, run_in):
+    """`--task mypkg/tasks.py:make` whose tasks.py does `from .models import net` was told "the error is in the
+    task's own code", where the module spec mypkg.tasks:make loads it."""
+    package = unique("redline_pkg")
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "models.py").write_text(NET)
+    (tmp_path / package / "tasks.py").write_text("from .models import net\n" + MAKE.format(model="net"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path if run_in == "the package's folder" else tmp_path / "elsewhere")
+    with pytest.raises(TaskSpecError) as refused:
+        load_task(f"{tmp_path / package / 'tasks.py'}:make")
+    message = str(refused.value)
+    assert "the error is in the task's own code" not in message
+    run = "" if run_in == "the package's folder" else f", with redline run in {str(tmp_path)!r}"
+    assert message.endswith(f"\nhint: tasks.py is a module of the package {package!r}: name it as one, "
+                            f"'{package}.tasks:make'{run}"), message  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert isinstance(load_task(f"{package}.tasks:make"), Task)
+
+
+def test_a_file_in_no_package_that_imports_relatively_is_told_to_import_absolutely(tmp_path):
+    (tmp_path / "tasks.py").write_text("from .models import net\n")
+    with pytest.raises(TaskSpecError, match=r"\nhint: tasks\.py is in no package \(no __init__\.py beside it\): "):
+        load_task(f"{tmp_path / 'tasks.py'}:make")
+
+
+def test_a_module_spec_whose_module_imports_one_beside_it_is_told_the_file_spec(tmp_path, monkeypatch):
+    """From the parent folder, `--task proj.tasks:make` where tasks.py does `from models import MLP` (models.py beside
+    it) was told to pip install 'models'; the file spec proj/tasks.py:make finds it."""
+    folder, models = unique("redline_proj"), unique("redline_models")
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / f"{models}.py").write_text(
+        "from torch import nn\n\n\ndef net():\n    return nn.Linear(2, 1)\n"
+    )
+    (tmp_path / folder / "tasks.py").write_text(f"from {models} import net\n" + MAKE.format(model="net"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TaskSpecError) as refused:
+        load_task(f"{folder}.tasks:make")
+    message = str(refused.value)
+    assert "pip install" not in message
+    assert message.endswith(f"\nhint: {models}.py lies beside tasks.py, whose folder is searched first only for a "
+                            f"file given by its path: give the file, '{folder}/tasks.py:make'"), message  # fmt: skip
+    assert isinstance(load_task(f"{folder}/tasks.py:make"), Task)
+
+
+def test_a_factory_named_with_a_dot_is_told_the_spec_with_a_colon(tmp_path, monkeypatch):
+    """`--task tasks.make` was told 'tasks.make:make_task', where tasks.py defines make."""
+    module = unique("redline_tasks")
+    (tmp_path / f"{module}.py").write_text(MAKE.format(model="nn.Linear(2, 1)"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TaskSpecError) as refused:
+        load_task(f"{module}.make")
+    assert str(refused.value).endswith(f"\nhint: did you mean '{module}:make'?"), str(refused.value)
+    assert isinstance(load_task(f"{module}:make"), Task)
