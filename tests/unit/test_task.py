@@ -88,6 +88,13 @@ EMPTY = TensorDataset(torch.empty(0, 2), torch.empty(0, 1))
         ({"train_data": "data/train.csv"}, "train_data='data/train.csv' is not allowed"),
         ({"train_data": Path("train.pt")}, "hint: load the file into a Dataset first"),
         ({"train_data": {"train": tiny_data()}}, "hint: pass one split, e.g. train_data=splits['train']"),
+        # Hugging Face's columns (dataset.to_dict()): not splits to choose from, but one dataset to pair up
+        (
+            {"train_data": {"x": [[0.0, 1.0]] * 4, "y": [[0.0]] * 4}},
+            "train_data=<dict> is not allowed; expected a torch Dataset of (inputs, targets) items\nhint: its values "
+            "are columns of one length: pair them in a Dataset, e.g. train_data=torch.utils.data.TensorDataset("
+            "torch.tensor(columns['x']), torch.tensor(columns['y']))",
+        ),
         ({"train_data": iter(tiny_data())}, "hint: an iterator is used up after one pass"),
         ({"train_data": {1, 2}}, "hint: give it __getitem__ and __len__"),
         ({"val_data": 3}, "val_data=3 is not allowed; expected a torch Dataset of (inputs, targets) items"),

@@ -279,6 +279,12 @@ def _check_data(name: str, data: object, *, collated: bool = False) -> None:
         hint = "pair the inputs with their targets: torch.utils.data.TensorDataset(inputs, targets)"
     elif isinstance(data, DataLoader):
         hint = f"pass the loader's dataset ({name}=loader.dataset) and its batch size as batch_size="
+    elif isinstance(data, Mapping) and _columns(data):  # {"x": [...], "y": [...]}: Hugging Face's to_dict(), say
+        first, second = (repr(key) for key in list(data)[:2])
+        hint = (
+            f"its values are columns of one length: pair them in a Dataset, e.g. {name}=torch.utils.data."
+            f"TensorDataset(torch.tensor(columns[{first}]), torch.tensor(columns[{second}]))"
+        )
     elif isinstance(data, Mapping):
         hint = f"pass one split, e.g. {name}=splits['train']"
     elif isinstance(data, Iterator):
@@ -289,6 +295,17 @@ def _check_data(name: str, data: object, *, collated: bool = False) -> None:
         raise invalid(name, shown, "a torch Dataset of (inputs, targets) items", hint)
     if len(data) == 0:  # type: ignore[arg-type]
         raise invalid(f"len({name})", 0, "at least one item", f"check how {name} is built: it holds no samples")
+
+
+def _columns(data: Mapping[Any, Any]) -> bool:
+    """Whether a mapping holds two or more columns of one length (lists, tuples or arrays), not named splits."""
+    values = list(data.values())
+    if len(values) < 2 or not all(isinstance(v, list | tuple) or is_array(v) for v in values):
+        return False
+    try:
+        return len({len(v) for v in values}) == 1
+    except TypeError:  # a zero-dimensional array
+        return False
 
 
 def is_array(value: object) -> bool:
