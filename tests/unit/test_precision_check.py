@@ -252,14 +252,18 @@ def drive(
     memory: float | None = None,
     graphs_ms: float | None = None,
     fail: str | None = None,
+    compared: bool = True,
 ) -> tuple[CompileCheck, PrecisionSwitch, list[str]]:
     """Run a check for ``steps`` steps, each costing what the precision it ran in costs (graphed steps cost
-    ``graphs_ms``); returns the check, the switch and each step's form."""
+    ``graphs_ms``); returns the check, the switch and each step's form. ``compared``: the outputs of the phase's first
+    forward were held against fp32's (no module is watched here to compare them)."""
     now = [0.0]
     candidate = "bf16-mixed" if planned == "fp32" else "fp32"
     current = [planned]
     switch = PrecisionSwitch(Choice(planned, "auto: the rule"), candidate, lambda name: current.__setitem__(0, name),
                              "cpu")  # fmt: skip
+    if compared:
+        switch.compared, switch.by_value = "outputs within 0.4% of fp32's", True
     check = CompileCheck(Choice(False, "auto: no compile"), planned_steps, StepTimer(Stopwatch(clock=lambda: now[0])))
     check.add_precision(switch, lambda: memory)
     graphs, net, x = None, GraphNet(), torch.randn(2, 4)
@@ -292,8 +296,19 @@ def test_bf16_that_beats_fp32_by_the_margin_is_kept_from_the_step_after_its_phas
     assert f"bf16-mixed from step {EAGER_END + PHASE + 1}; the rule alone would have kept fp32 (auto: the rule)" in (
         choice.reason
     )
-    assert "outputs not compared: no training forward of the model ran" in choice.reason  # no module watched here
+    assert "outputs within 0.4% of fp32's" in choice.reason
     assert not switch._handles
+
+
+def test_bf16_whose_outputs_were_not_compared_is_not_adopted_on_its_timing_alone():
+    # a loop training in eval mode ran no forward the comparison saw, and bf16, 1.89x faster, was adopted unchecked
+    check, _, ran = drive(fp32_ms=4.0, bf16_ms=2.5, steps=EAGER_END + PHASE + 2, compared=False)
+    assert set(ran[EAGER_END + PHASE :]) == {"fp32"} and check.decided
+    choice = check.explain_precision()
+    assert choice is not None and choice.value == "fp32"
+    assert choice.reason.startswith("auto: the rule; checked on this run: bf16-mixed steps ran 1.60x fp32")
+    after = f"fp32 from step {EAGER_END + PHASE + 1}"
+    assert f"but its outputs were not held against fp32's, so it is not adopted: {after}" in choice.reason
 
 
 @pytest.mark.parametrize("bf16_ms", [3.8, 5.0])  # 1.05x, and 0.8x: slower, but not so far that one block decides
@@ -588,3 +603,56 @@ def test_what_the_loop_does_between_steps_is_not_timed_against_the_phase_it_fall
         assert plan.value == "bf16-mixed" and plan.reason.startswith(
             "measured on this run: bf16-mixed steps ran 1.60x fp32 (2.5 against 4 ms"
         )
+
+
+# -- a loop that trains in eval mode ---------------------------------------------------------------------
+
+
+def test_a_training_forward_in_eval_mode_is_compared_and_a_departing_bf16_dropped():
+    # frozen BatchNorm and dropout (model.eval() while training): the forward was taken for an evaluation, never
+    # compared, and bf16 adopted on its timing though its outputs departed ~100%
+    net = Net(offset=50.0).eval()
+    switch, _ = switch_on(net)
+    out = bf16(net, torch.randn(8, 6))
+    assert switch.failed is not None and "bf16-mixed was dropped: its outputs depart from fp32's by" in switch.failed
+    assert out.dtype == torch.float32 and out.requires_grad
+
+
+def test_outputs_with_nothing_to_compare_by_value_do_not_count_as_compared():
+    class Opaque(nn.Module):  # returns an object the comparison cannot look into
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> object:
+            return type("Out", (), {"logits": self.layer(x)})()
+
+    switch, _ = switch_on(Opaque())
+    bf16(switch.module, torch.randn(8, 4))
+    assert switch.failed is None and switch.compared.startswith("not compared by value") and not switch.by_value
+    plain, _ = switch_on(nn.Linear(4, 2))
+    bf16(plain.module, torch.randn(8, 4))
+    assert plain.compared.startswith("outputs within") and plain.by_value
+
+
+@pytest.mark.parametrize("cpu", ["amx", "avx512_bf16"])  # the check runs on both; the maths runs on any CPU
+def test_a_runtime_loop_training_in_eval_mode_keeps_fp32_where_bf16_departs(monkeypatch, cpu):
+    monkeypatch.setenv("REDLINE_CPU", cpu)
+    with Runtime(devices="cpu", compile="off") as rt:
+        torch.manual_seed(0)
+        net = Net(offset=50.0)
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        model.eval()  # BatchNorm statistics and dropout frozen, trained all the same
+        assert rt._compile_check is not None
+        now = [0.0]
+        rt._compile_check.timer.stopwatch.clock = lambda: now[0]
+        x, y = torch.randn(8, 6), torch.randn(8, 3)
+        for _ in range(EAGER_END + PHASE + 2):
+            with rt.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            rt.backward(loss)
+            now[0] += {"fp32": 0.004, "bf16-mixed": 0.0025}[rt.precision.name]  # bf16 would win on its timing
+            rt.step(optimizer)
+        plan = rt.explain().precision
+        assert rt.precision.name == "fp32" and plan.value == "fp32"
+        assert "bf16-mixed was dropped: its outputs depart from fp32's by" in plan.reason

@@ -48,6 +48,20 @@ def test_an_evaluation_begins_no_step(evaluation):
     assert timer.block() == pytest.approx(1.0)
 
 
+def test_a_step_trained_in_eval_mode_is_timed_from_its_forward_with_autograd():
+    # frozen BatchNorm and dropout (model.eval() while training): its steps were timed from the step before,
+    # the loop's work between steps included
+    now, net, x = [0.0], nn.Linear(2, 2).eval(), torch.randn(3, 2)
+    timer = timer_on(now)
+    timer.watch(net)
+    timer.stepped()
+    now[0] += 5.0  # the loader's next batch
+    net(x)
+    now[0] += 0.5
+    timer.stepped()
+    assert timer.block() == pytest.approx(0.5)
+
+
 def test_a_step_no_watched_model_ran_is_timed_from_the_step_before():
     now = [0.0]
     timer = timer_on(now)

@@ -347,6 +347,9 @@ class CompileCheck:
                 f"{min(self.eager) * 1e3:.3g} ms, fastest of {blocks} block{'s' if blocks > 1 else ''} of {BLOCK} "
                 f"steps each; {switch.compared or 'outputs not compared: no training forward of the model ran'})"
             )
+            if kept == candidate != "fp32" and not switch.by_value:  # faster, but perhaps wrong: never on timing alone
+                kept = planned.value
+                figures += f", but its outputs were not held against {planned.value}'s, so it is not adopted"
             if kept == candidate:
                 self.eager = self.precisioned  # the forms timed next are held against eager steps in this precision
                 self.precision_choice = Choice(

@@ -10,12 +10,14 @@ the other of fp32 and bf16-mixed, and bf16-mixed is kept only if it beats fp32 b
 The steps are the run's own, so the check costs only the difference between the two, and less where the
 first timed block already shows the other cannot win (the phase stops there).
 
-The numbers are checked too. Before the phase's first training forward, the model runs on copies of its
-inputs in both precisions, without autograd, with the random streams and BatchNorm statistics put back after
-each (so dropout draws alike), and the two outputs are compared. bf16-mixed whose outputs depart from fp32's
-by more than ``TOLERANCE`` of their norm, or are not finite where fp32's are, is never used: the step's own
-forward then runs in fp32, and so does the run. A candidate whose forward fails (an op without a bf16
-kernel) is dropped the same way, and the step runs in the rule's precision.
+The numbers are checked too. Before the phase's first training forward (any forward with autograd on: a loop
+that trains in eval mode, its BatchNorm statistics and dropout frozen, trains all the same), the model runs on
+copies of its inputs in both precisions, without autograd, with the random streams and BatchNorm statistics put
+back after each (so dropout draws alike), and the two outputs are compared. bf16-mixed whose outputs depart from
+fp32's by more than ``TOLERANCE`` of their norm, or are not finite where fp32's are, is never used: the step's
+own forward then runs in fp32, and so does the run. A candidate whose forward fails (an op without a bf16
+kernel) is dropped the same way, and the step runs in the rule's precision. Nor is bf16-mixed adopted on its
+timing alone where no output of it was compared by value (``by_value``).
 
 The step's own forward runs once, last, on the inputs as given: what it leaves behind (an attribute it sets,
 a feature a hook keeps, BatchNorm's statistics) is its own. What a forward does besides computing (a call
@@ -63,6 +65,7 @@ from redline.runtime.weak_hook import WeakHook
 # dropout MLP and attention); a model whose numbers bf16 cannot hold departs by far more.
 TOLERANCE = 0.05
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16}
+UNCOMPARED = "not compared by value"  # how compare_outputs begins where it found nothing to hold bf16 against
 KERNELS_ALONE_S = 1.0  # the most the kernels' timing takes in a run with no precision phase to share an allowance
 
 
@@ -81,6 +84,7 @@ class PrecisionSwitch:
     module: nn.Module | None = None
     current: str = ""
     compared: str = ""  # how the two precisions' outputs compared on the phase's first batch
+    by_value: bool = False  # they were compared value by value (not for want of a finite floating-point output)
     failed: str | None = None  # why the other precision was dropped before its timing could decide
     fallback: str = ""  # the precision the run takes when it was: fp32 where bf16 departed, else the rule's
     done: bool = False  # decided or given up: nothing is compared any more
@@ -100,8 +104,8 @@ class PrecisionSwitch:
             self._watching = module.register_forward_pre_hook(WeakHook(self, "_first_forward"))
 
     def _first_forward(self, module: nn.Module, args: Any) -> None:
-        if self._probing or not (module.training and torch.is_grad_enabled()) or self._watching is None:
-            return  # the comparison's own forwards, or evaluation
+        if self._probing or not torch.is_grad_enabled() or self._watching is None:
+            return  # the comparison's own forwards, or evaluation (a training forward may run in eval mode)
         self._watching.remove()
         self._watching = None
         running = autocast_dtype(self.device_type)
@@ -153,8 +157,8 @@ class PrecisionSwitch:
         """Run both precisions on copies of the inputs, without autograd, the random streams and buffers put back
         after each; compare them. The step's own forward then runs once, last, in the candidate, or in the
         precision left where the candidate failed."""
-        if self._probing or not (module.training and torch.is_grad_enabled()):
-            return  # the comparison's own forwards, or evaluation in between
+        if self._probing or not torch.is_grad_enabled():
+            return  # the comparison's own forwards, or evaluation in between (a training forward may run in eval mode)
         running = autocast_dtype(self.device_type)
         if running != _AUTOCAST_DTYPES.get(self.candidate):
             self._fail(self.planned.value, _outside(running))
@@ -175,7 +179,7 @@ class PrecisionSwitch:
         if self.failed is None:
             departure, said = compare_outputs(outputs["fp32"], outputs["bf16-mixed"])
             if departure <= TOLERANCE:
-                self.compared = said
+                self.compared, self.by_value = said, not said.startswith(UNCOMPARED)
                 if self.kernels is not None and self._times_kernels():  # before the step's own forward, which
                     self.kernels.check(calls[self.candidate], self.candidate)  # then runs on the kernel kept
                 return
@@ -309,10 +313,10 @@ def compare_outputs(fp32: Any, other: Any) -> tuple[float, str]:
     if [t.shape for t in first] != [t.shape for t in second]:
         return math.inf, "its outputs have other shapes than fp32's"
     if not first:
-        return 0.0, "not compared by value: no floating-point tensor found in the model's outputs"
+        return 0.0, f"{UNCOMPARED}: no floating-point tensor found in the model's outputs"
     finite = [torch.isfinite(t) for t in first]
     if not any(bool(kept.any()) for kept in finite):
-        return 0.0, "not compared by value: fp32's own outputs are not finite"
+        return 0.0, f"{UNCOMPARED}: fp32's own outputs are not finite"
     if not all(bool(torch.isfinite(b[kept]).all()) for b, kept in zip(second, finite, strict=True)):
         return math.inf, "its outputs are not finite where fp32's are"
     if not all(_same(a[~kept], b[~kept]) for a, b, kept in zip(first, second, finite, strict=True)):

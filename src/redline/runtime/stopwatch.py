@@ -55,15 +55,18 @@ class Stopwatch:
 class StepTimer:
     """The spans of a run's steps, each from its first training forward to the end of its optimizer step.
 
-    ``watch`` hooks a model: its first training forward after a step begins the next step's span (an evaluation, in
-    eval mode or without autograd, begins none). ``stepped`` ends a span; a step whose forward no watched model ran
-    (the loop called another module) is timed from the end of the step before. ``block`` adds up the spans ended
-    since it was last called.
+    ``watch`` hooks a model: its first training forward after a step begins the next step's span. A training forward
+    is one with autograd on: a loop may train in eval mode (BatchNorm statistics and dropout frozen), and an
+    evaluation without autograd begins no span; one in eval mode with autograd on begins it only until a forward in
+    training mode comes before the step (the loop's evaluation between two training-mode steps). ``stepped`` ends a
+    span; a step whose forward no watched model ran (the loop called another module) is timed from the end of the
+    step before. ``block`` adds up the spans ended since it was last called.
     """
 
     stopwatch: Stopwatch = field(default_factory=Stopwatch)
     _spans: list[tuple[Any, Any]] = field(default_factory=list)
     _begun: Any = None  # the mark of the first training forward since the last step, if a watched model ran one
+    _begun_training: bool = False  # that forward ran in training mode: no later one begins the span again
     _stepped: Any = None  # the mark of the last step's end
     _hooks: dict[int, RemovableHandle] = field(default_factory=dict)  # each watched model's, by its id
 
@@ -79,8 +82,8 @@ class StepTimer:
         self._hooks = {}
 
     def _forward(self, module: nn.Module, args: Any) -> None:
-        if self._begun is None and module.training and torch.is_grad_enabled():
-            self._begun = self.stopwatch.mark()
+        if torch.is_grad_enabled() and (self._begun is None or (module.training and not self._begun_training)):
+            self._begun, self._begun_training = self.stopwatch.mark(), module.training
 
     def stepped(self) -> None:
         """End the span of the step just taken."""
@@ -88,7 +91,7 @@ class StepTimer:
         start = self._begun if self._begun is not None else self._stepped
         if start is not None:
             self._spans.append((start, end))
-        self._begun, self._stepped = None, end
+        self._begun, self._begun_training, self._stepped = None, False, end
 
     def block(self) -> float:
         """The seconds of the spans ended since the last call, added up (once the device has run them)."""
