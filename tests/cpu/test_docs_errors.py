@@ -86,6 +86,14 @@ def zero_grad_mid_cycle(tmp_path: Path) -> None:
             rt.step(optimizer)
 
 
+def step_a_replaced_optimizer(tmp_path: Path) -> None:
+    with redline.Runtime(**OPTIONS) as rt:
+        model, first = rt.setup(nn.Linear(2, 2), sgd)
+        model, _ = rt.setup(model, lambda params: torch.optim.Adam(params))
+        rt.backward(model(torch.randn(3, 2)).sum())
+        rt.step(first)
+
+
 def scheduler_each_call() -> None:
     loader = DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=2)
     with redline.Runtime(grad_accum=2, **OPTIONS) as rt:
@@ -104,6 +112,7 @@ RAISED: dict[str, Callable[[Path], None]] = {
     "dataset": dataset_for_a_loader,
     "None loss": a_none_loss,
     "zero_grad": zero_grad_mid_cycle,
+    "replaced optimizer": step_a_replaced_optimizer,
 }
 
 

@@ -401,6 +401,8 @@ def test_the_same_model_set_up_again_with_a_new_optimizer_still_saves(tmp_path):
     model[0].requires_grad_(True)
     model, everything = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=0.01))
     rt.backward(model(torch.randn(4, 6)).sum())
+    with pytest.raises(ConfigError, match=r"a later rt.setup\(\) of its model replaced with another \(AdamW\)"):
+        rt.step(head)  # the first phase's: its state is in no checkpoint
     assert rt.step(everything)
     rt.save(tmp_path / "ck")
     resumed = redline.Runtime(devices="cpu", compile="off")

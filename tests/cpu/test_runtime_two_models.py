@@ -108,3 +108,23 @@ def test_an_optimizer_amid_its_accumulation_keeps_its_gradients_when_another_ste
     second(torch.ones(1, 2)).sum().backward()
     assert cycle.due(opt_second)
     assert torch.equal(second.weight.grad, torch.full((1, 2), 2.0))  # both halves: none dropped by the other's step
+
+
+def test_one_model_set_up_twice_with_two_optimizers_refuses_the_first_before_its_state_is_lost(tmp_path):
+    # both steps were taken, the checkpoint kept the second optimizer's state alone (the first's momentum lost
+    # without a word), and it counted 8 steps for 4 batches
+    with redline.Runtime(devices="cpu", precision="fp32", compile="off") as rt:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        weights = [p for p in model.parameters() if p.dim() == 2]
+        model, first = rt.setup(model, torch.optim.SGD(weights, lr=0.1, momentum=0.9))
+        biases = [p for p in model.parameters() if p.dim() == 1]
+        model, second = rt.setup(model, torch.optim.Adam(biases, lr=1e-2))
+        for _ in range(2):
+            rt.backward(model(torch.randn(5, 8)).square().mean())
+            replaced = r"(?s)rt.step\(\) got an optimizer \(SGD\) that a later rt.setup\(\) of its model replaced with"
+            with pytest.raises(redline.ConfigError, match=replaced + r" another \(Adam\).*parameter groups"):
+                rt.step(first)
+            with pytest.raises(redline.ConfigError, match=r"rt.clip_grad_norm_\(\) got an optimizer \(SGD\) that a"):
+                rt.clip_grad_norm_(first, 1.0)
+            assert rt.step(second)
+        assert not first.state and rt.save(tmp_path / "ck").step == 2  # a step per batch

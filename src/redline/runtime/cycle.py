@@ -11,9 +11,10 @@ generator loss, back-propagated through the discriminator after the discriminato
 gradients there that are not the discriminator's next step's to take. Only an optimizer that
 ``setup`` returned may step: setup may rebuild the one it was given (fused, or over the shards under
 FSDP), and the user's own then trains nothing of the set-up model, or trains it with a second,
-separate state. Under ``redline launch --hang-timeout`` the cycle tells the hang watchdog where the
-loop is: in a backward (its gradient all-reduce), or between optimizer steps (the user's data,
-forward and loss).
+separate state. Nor may one that a later setup of its model replaced (a second phase's optimizer): a
+checkpoint holds the model's latest optimizer alone, and the replaced one's state would be lost. Under
+``redline launch --hang-timeout`` the cycle tells the hang watchdog where the loop is: in a backward (its
+gradient all-reduce), or between optimizer steps (the user's data, forward and loss).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Cycle:
         self._freed: set[int] = set()  # optimizers whose gradients were freed after a step since the last backward
         self._round_over = False  # an optimizer stepped since the last backward
         self._set_up: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # each optimizer a later setup of its model replaced, with the name of the one that replaced it
+        self._replaced: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
         self._trains: dict[int, tuple[nn.Module, torch.optim.Optimizer]] = {}  # each set-up model, its optimizer
         self.watchdog: Watchdog | None = None  # set while a launched job with --hang-timeout runs
         self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
@@ -65,9 +68,16 @@ class Cycle:
         self.expect_sync: Callable[[nn.Module, bool], None] | None = None
 
     def adopt(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-        """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its)."""
+        """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its, and
+        the one an earlier setup gave it steps no more)."""
         self._set_up.add(optimizer)
         if model is not None:
+            _, before = self._trains.get(id(model), (model, optimizer))
+            if before is not optimizer:
+                self._set_up.discard(before)
+                self._replaced[before] = type(optimizer).__name__
+                self._micro_steps.pop(id(before), None)  # its cycle under way is not the run's any more
+                self._holding.pop(id(before), None)
             self._trains[id(model)] = (model, optimizer)
             self._expect(optimizer)
 
@@ -148,6 +158,15 @@ class Cycle:
                 f"rt.{called}() was called before rt.setup(): the Runtime steps (and clips) the optimizers it set "
                 "up, with their model\nhint: `model, optimizer = rt.setup(model, optimizer)` first, then pass that "
                 f"optimizer to rt.{called}()"
+            )
+        if optimizer in self._replaced:
+            raise ConfigError(
+                f"rt.{called}() got an optimizer ({type(optimizer).__name__}) that a later rt.setup() of its model "
+                f"replaced with another ({self._replaced[optimizer]}): a checkpoint holds the latest setup's "
+                "optimizer alone, so this one's state (its momentum, its step count) would be lost\nhint: to train "
+                "parts of one model with different options, build one optimizer with parameter groups, "
+                "`torch.optim.SGD([{'params': weights}, {'params': biases, 'lr': 0.01}])`, and set the model up once; "
+                "for a second phase (layers unfrozen), step only the optimizer the latest rt.setup() returned"
             )
         if optimizer not in self._set_up:
             raise ConfigError(
