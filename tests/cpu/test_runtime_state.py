@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import redline
 from redline.errors import ConfigError
+from redline.runtime.attention import sdp_state
 from redline.runtime.settings import ProcessSettings
 
 
@@ -149,6 +150,33 @@ def test_the_trainer_leaves_the_process_as_it_found_it():
         assert torch.are_deterministic_algorithms_enabled()
     assert not torch.are_deterministic_algorithms_enabled()
     assert summary.plan.deterministic.value is True
+
+
+def test_runtimes_closed_out_of_order_keep_each_setting_while_one_holds_it_and_put_back_the_first_found():
+    # the first to close turned deterministic mode off under the second, which then left it on for good
+    first, second = (redline.Runtime(devices="cpu", deterministic=True) for _ in range(2))
+    first.start()
+    second.start()
+    first.close()
+    assert torch.are_deterministic_algorithms_enabled()  # the second still runs
+    second.close()
+    assert not torch.are_deterministic_algorithms_enabled()
+    before = torch.get_float32_matmul_precision()
+    tf32, other = ProcessSettings(tf32=True).enter(), ProcessSettings(tf32=True).enter()
+    tf32.close()
+    assert torch.get_float32_matmul_precision() == "high"
+    other.close()
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_attention_kernels_preferred_by_overlapping_runs_come_back_whatever_order_they_end_in():
+    found = sdp_state()
+    flash, math = ProcessSettings(attention="flash").enter(), ProcessSettings(attention="math").enter()
+    math_only = sdp_state()
+    flash.close()
+    assert sdp_state() == math_only  # the later run's kernel stands
+    math.close()
+    assert sdp_state() == found  # not the first run's flash, for good
 
 
 def test_tf32_goes_through_the_per_backend_api_when_the_process_uses_it():

@@ -28,6 +28,7 @@ from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes, pr
 from redline.runtime.attention_mode import TORCH_SDPA, AttentionMode
 from redline.runtime.contract import split_batch
 from redline.runtime.precision import AUTOCAST_DTYPES
+from redline.runtime.process_holds import hold_setting
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.transfer import device_sync, move_to
 from redline.task import Task
@@ -51,8 +52,14 @@ def prefer_kernel(name: str) -> Iterator[None]:
     what was found inside it would leave its choice for good. A graph torch.compile builds inside is cached on disk
     under a key of its own: torch's compile caches do not key on the kernel flags, so a graph compiled for math
     attention was served to a later process that asked for flash (and the other way round), running the other kernel
-    without a word.
+    without a word. Runs that overlap (two Runtimes' kernels) may leave in any order (runtime/process_holds.py).
     """
+    with hold_setting("attention", functools.partial(_kernel_preferred, name)):
+        yield
+
+
+def _kernel_preferred(name: str) -> Callable[[], None]:
+    """Prefer kernel ``name`` (``prefer_kernel``); return what puts torch's flags and the cache key's tag back."""
     before = sdp_state()
     chosen, math = BACKENDS[name].value, SDPBackend.MATH.value
     order = before[1]
@@ -62,12 +69,15 @@ def prefer_kernel(name: str) -> Iterator[None]:
     else:  # a torch without priorities: the kernel alone
         _set_sdp_state({chosen}, ())
     ours = sdp_state()
-    try:
-        with _cache_tagged(f"redline attention={name}"):
-            yield
-    finally:
+    tagged = contextlib.ExitStack()
+    tagged.enter_context(_cache_tagged(f"redline attention={name}"))
+
+    def restore() -> None:
+        tagged.close()
         if sdp_state() == ours:
             _set_sdp_state({b for b, on in zip(_FLAGS, before[0], strict=True) if on}, before[1])
+
+    return restore
 
 
 _cuda = torch.backends.cuda

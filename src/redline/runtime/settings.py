@@ -5,7 +5,8 @@ torch keeps these settings per process, so a library that sets them quietly chan
 program. The Runtime applies them when it starts and puts the previous values back when it closes;
 the Plan lists each (``tf32``, ``deterministic``, ``seed``, ``attention``); deterministic algorithms on CUDA come
 with cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG). A setting the run does not change is
-neither read nor written.
+neither read nor written. Runtimes that overlap may close in any order (runtime/process_holds.py): a setting stays
+while a later Runtime holds it, and what the first found comes back when the last of them closes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from redline.runtime.attention import prefer_kernel
+from redline.runtime.process_holds import hold_setting
 from redline.runtime.seed import seed_everything
 
 
@@ -36,12 +38,9 @@ class ProcessSettings:
         if self.seed is not None:
             seed_everything(self.seed)
         if self.tf32:
-            undo.callback(_tf32_on())
+            undo.enter_context(hold_setting("tf32", _tf32_on))
         if self.deterministic:
-            enabled, warn_only = torch.are_deterministic_algorithms_enabled(), _warn_only()
-            undo.callback(_cublas_workspace_fixed())
-            torch.use_deterministic_algorithms(True, warn_only=False)
-            undo.callback(torch.use_deterministic_algorithms, enabled, warn_only=warn_only)
+            undo.enter_context(hold_setting("deterministic", _deterministic_on))
         if self.attention is not None:
             undo.enter_context(prefer_kernel(self.attention))
         return undo
@@ -63,6 +62,19 @@ def _cublas_workspace_fixed() -> Callable[[], None]:
 
     def restore() -> None:
         os.environ.pop(CUBLAS_WORKSPACE, None)
+
+    return restore
+
+
+def _deterministic_on() -> Callable[[], None]:
+    """Turn deterministic algorithms on, with cuBLAS's workspace; return what puts both back."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), _warn_only()
+    workspace = _cublas_workspace_fixed()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        workspace()
 
     return restore
 
