@@ -94,6 +94,11 @@ def step_a_replaced_optimizer(tmp_path: Path) -> None:
         rt.step(first)
 
 
+def a_half_model_under_bf16(tmp_path: Path) -> None:
+    with redline.Runtime(**{**OPTIONS, "precision": "bf16-mixed"}) as rt:
+        rt.setup(nn.Linear(2, 2).half(), sgd)
+
+
 def scheduler_each_call() -> None:
     loader = DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=2)
     with redline.Runtime(grad_accum=2, **OPTIONS) as rt:
@@ -113,6 +118,7 @@ RAISED: dict[str, Callable[[Path], None]] = {
     "None loss": a_none_loss,
     "zero_grad": zero_grad_mid_cycle,
     "replaced optimizer": step_a_replaced_optimizer,
+    "half model": a_half_model_under_bf16,
 }
 
 

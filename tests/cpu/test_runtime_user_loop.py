@@ -77,6 +77,31 @@ def test_a_half_model_under_fp16_mixed_is_refused_at_setup_with_the_fix() -> Non
         assert "step" in rt.state_dict()  # the refused setup left no second model: the state is this one's
 
 
+def test_a_half_model_under_bf16_mixed_is_refused_at_setup_with_the_fix() -> None:
+    """bf16-mixed has no loss scale: its float16 weights trained on float16 gradients, unscaled, without a word."""
+    with redline.Runtime(devices="cpu", precision="bf16-mixed") as rt:
+        with pytest.raises(ConfigError, match=r"(?s)precision='bf16-mixed' got a model with 5 float16 parameters.*"
+                           r"no loss scale.*hint: drop the model's .half\(\).*precision='fp32'"):  # fmt: skip
+            rt.setup(_model().half(), lambda params: torch.optim.SGD(params, lr=0.1))
+        frozen = torch.nn.Sequential(torch.nn.Linear(4, 4).half().requires_grad_(False), torch.nn.Linear(4, 1))
+        rt.setup(frozen, lambda params: torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1))  # trains fp32
+
+
+@pytest.mark.parametrize(("precision", "cpu"), [("fp32", "avx2"), ("bf16-mixed", "avx2"), ("auto", "amx")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_the_plan_says_the_dtype_of_parameters_no_precision_changes(monkeypatch, precision, cpu, dtype) -> None:
+    """A bfloat16 model's Plan said "fp32: requested", and it trained in bfloat16."""
+    monkeypatch.setenv("REDLINE_CPU", cpu)
+    name = str(dtype).removeprefix("torch.")
+    with redline.Runtime(devices="cpu", precision=precision, compile="off") as rt:
+        rt.setup(_model().to(dtype), lambda params: torch.optim.SGD(params, lr=0.1))
+        plan = rt.explain().precision
+        assert plan.value == ("bf16-mixed" if precision == "bf16-mixed" else "fp32")
+        assert plan.reason.endswith(f"; the model's trained parameters are {name}, not float32: they and their "
+                                    f"gradients stay {name}")  # fmt: skip
+        assert rt._compile_check is None  # auto's check would time a switch that changes no weight's dtype
+
+
 def test_clipping_the_gradients_of_an_optimizer_setup_did_not_return_is_refused() -> None:
     """On CUDA setup rebuilds the optimizer fused: clipping the one it was given would clip nothing, silently."""
     with redline.Runtime(devices="cpu") as rt:

@@ -260,8 +260,8 @@ def trace_step(
             _checkpoint_blocks(model, cuda, attention)
         model.train()
         opt = optimizer(model.parameters())
-        if precision == "fp16-mixed":  # a .half() model: refused as the run refuses it
-            refuse_half_parameters(opt)
+        if precision in ("fp16-mixed", "bf16-mixed"):  # a .half() model: refused as the run refuses it
+            refuse_half_parameters(opt, precision)
         if resolve_optimizer(optimizer_facts(opt, model, device=device), device).value == "fused":
             opt = rebuild_optimizer(opt, fused=True)
         faked = tree_map(_faked(mode, tracker, rows, batch_size, layout.value), sample)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from redline.errors import ConfigError
+from redline.plan import Choice
 from redline.plan.precision import PrecisionName
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -117,17 +119,22 @@ class Precision:
         self._scaled = False
         self._skipped = self._skipped + (self._scale() < before).int()  # the scale drops only on overflow
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse ``optimizer.step()`` called directly on gradients that a fp16 backward scaled up.
+    def guard(self, optimizer: torch.optim.Optimizer, chosen: Choice[str]) -> Choice[str]:
+        """Refuse what this precision cannot train ``optimizer``'s parameters with; return the Plan's row, ``chosen``,
+        with the parameters' dtype where it is not float32 (no precision changes it).
 
-        Those gradients are still multiplied by the loss scale (65,536 at the start): stepping on them
-        moves the weights that many times too far, to inf within a step or two. Only ``step`` unscales.
-        Parameters already in float16 are refused here, before the first step's unscaling would.
+        Under fp16, ``optimizer.step()`` called directly is refused on gradients that a backward scaled up: they are
+        still multiplied by the loss scale (65,536 at the start), and stepping on them moves the weights that many
+        times too far, to inf within a step or two. Only ``step`` unscales. float16 parameters are refused under fp16
+        and bf16 (``refuse_half_parameters``).
         """
+        if self.name in AUTOCAST_DTYPES:
+            refuse_half_parameters(optimizer, self.name)
         if self.scaler is not None:
-            refuse_half_parameters(optimizer)
             self._optimizers.add(optimizer)
             optimizer.register_step_pre_hook(self._refuse_scaled_step)
+        said = parameter_dtypes(optimizer)
+        return chosen if not said or said in chosen.reason else Choice(chosen.value, f"{chosen.reason}; {said}")
 
     def _refuse_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._scaled and not self._stepping:
@@ -179,17 +186,41 @@ def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
-def refuse_half_parameters(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse float16 parameters under fp16-mixed: torch's grad scaler cannot unscale float16 gradients.
+def refuse_half_parameters(optimizer: torch.optim.Optimizer, precision: str = "fp16-mixed") -> None:
+    """Refuse float16 parameters to train under fp16-mixed or bf16-mixed (``precision``), which keep the weights in
+    float32 and autocast the forward.
 
-    fp16-mixed keeps the weights in float32 and runs the forward in float16 under autocast; a model
-    cast with ``.half()`` would fail at its first ``rt.step`` with torch's "Attempting to unscale FP16 gradients".
+    Under fp16-mixed a model cast with ``.half()`` would fail at its first ``rt.step`` with torch's "Attempting to
+    unscale FP16 gradients". Under bf16-mixed (asked for, or auto's choice) it would train float16 weights on float16
+    gradients with no loss scale to keep the small ones from underflowing, the forward cast to bfloat16 on the way.
     """
     halves = sum(p.numel() for group in optimizer.param_groups for p in group["params"] if p.dtype == torch.float16)
-    if halves:
-        raise ConfigError(
-            f"precision='fp16-mixed' got a model with {halves:,} float16 parameters: fp16-mixed keeps the weights "
-            "in float32 and autocasts the forward to float16, and its loss scaler cannot unscale float16 gradients\n"
-            "hint: drop the model's .half() (or .to(torch.float16)): fp16-mixed gives the float16 speed; or train "
-            "the float16 model as it is with precision='fp32'"
-        )
+    if not halves:
+        return
+    why = (
+        "its loss scaler cannot unscale float16 gradients"
+        if precision == "fp16-mixed"
+        else "it has no loss scale, so float16 weights would train on float16 gradients that underflow"
+    )
+    dtype = str(AUTOCAST_DTYPES[precision]).removeprefix("torch.")
+    raise ConfigError(
+        f"precision={precision!r} got a model with {halves:,} float16 parameters: {precision} keeps the "
+        f"weights in float32 and autocasts the forward to {dtype}, and {why}\nhint: drop the model's .half() (or "
+        f".to(torch.float16)): {precision} gives the {dtype} speed; or train the float16 model as it is with "
+        "precision='fp32'"
+    )
+
+
+def parameter_dtypes(optimizer: torch.optim.Optimizer) -> str:
+    """Which of the parameters ``optimizer`` trains are not float32, and what that means ("" where all are)."""
+    counts: Counter[torch.dtype] = Counter()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            counts[p.dtype] += p.numel()
+    others = {dtype: count for dtype, count in counts.items() if dtype != torch.float32}
+    if not others:
+        return ""
+    names = " and ".join(str(dtype).removeprefix("torch.") for dtype in others)
+    share, total = sum(others.values()), counts.total()
+    which = "the model's" if share == total else f"{share:,} of the model's {total:,}"
+    return f"{which} trained parameters are {names}, not float32: they and their gradients stay {names}"

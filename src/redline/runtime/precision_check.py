@@ -237,11 +237,14 @@ def propose_switch(
     """The switch to the other precision for the run's first steps to time (``model``'s first forward in it compared
     with the rule's), where "auto" was left to the rule; None where a trial or a tuned Plan ``decided`` it, or the
     run could not switch it safely: several processes or a sharded strategy (each rank's forward would be compared
-    alone), a compile or graphs asked for (fixed to one autocast), or ``deterministic`` (a run that must repeat
-    itself cannot follow a timing). With ``attention`` (the axis left to auto), a bf16-mixed phase also times the
-    attention kernels on the model's own calls (runtime/kernel_check.py, ``KernelCheck``)."""
+    alone), a compile or graphs asked for (fixed to one autocast), ``deterministic`` (a run that must repeat
+    itself cannot follow a timing), or a model that trains parameters of another dtype than float32 (they stay in
+    it whatever the precision, and float16 ones would train unscaled under bf16-mixed). With ``attention`` (the
+    axis left to auto), a bf16-mixed phase also times the attention kernels on the model's own calls
+    (runtime/kernel_check.py, ``KernelCheck``)."""
     other = live_candidate(options.precision, planned.value, facts)
     held = decided or strategy != "single" or world_size > 1 or options.deterministic
+    held = held or any(p.dtype != torch.float32 for p in model.parameters() if p.requires_grad)
     if held or other is None or "on" in (options.compile, options.cuda_graphs):
         return None
     switch = PrecisionSwitch(planned, other, apply, facts.type)

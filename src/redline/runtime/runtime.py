@@ -277,8 +277,8 @@ class Runtime(RunState):
         self._plan = dataclasses.replace(
             self._plan, strategy=strategy, channels_last=layout, compile=planned, cuda_graphs=graphs, optimizer=impl,
             micro_batch=micro, activation_checkpointing=recompute,
+            precision=self.precision.guard(built, self._plan.precision),  # refuses float16 weights, says others' dtype
         )  # fmt: skip
-        self.precision.guard(built)
         self._cycle.expect_sync = self.strategy.expect_sync
         self._cycle.adopt(built, model)
         self._layout.adopt(self.strategy.module(model), built)
