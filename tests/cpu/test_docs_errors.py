@@ -99,6 +99,18 @@ def a_half_model_under_bf16(tmp_path: Path) -> None:
         rt.setup(nn.Linear(2, 2).half(), sgd)
 
 
+def backward_before_setup(tmp_path: Path) -> None:
+    with redline.Runtime(**OPTIONS) as rt:
+        rt.backward(nn.Linear(2, 2)(torch.randn(3, 2)).sum())
+
+
+def step_a_model(tmp_path: Path) -> None:
+    with redline.Runtime(**OPTIONS) as rt:
+        model, _ = rt.setup(nn.Linear(2, 2), sgd)
+        rt.backward(model(torch.randn(3, 2)).sum())
+        rt.step(model)  # type: ignore[arg-type]
+
+
 def scheduler_each_call() -> None:
     loader = DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=2)
     with redline.Runtime(grad_accum=2, **OPTIONS) as rt:
@@ -119,6 +131,8 @@ RAISED: dict[str, Callable[[Path], None]] = {
     "zero_grad": zero_grad_mid_cycle,
     "replaced optimizer": step_a_replaced_optimizer,
     "half model": a_half_model_under_bf16,
+    "backward before setup": backward_before_setup,
+    "a model to step": step_a_model,
 }
 
 

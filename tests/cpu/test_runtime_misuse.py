@@ -35,6 +35,23 @@ def test_a_closed_runtime_refuses_to_train_on():
         rt.backward(loss_of(model, 1))
     with pytest.raises(ConfigError, match=r"rt\.step\(\) was called on a closed Runtime"):
         rt.step(optimizer)
+    with pytest.raises(ConfigError, match=r"rt\.train_step\(\) was called on a closed Runtime"):  # not "backward"
+        rt.train_step(lambda batch: loss_of(model, 2), None)
+
+
+def test_a_backward_before_setup_and_a_model_given_to_step_are_refused_with_the_fix():
+    # the backward ran, with no precision, accumulation or sync applied; step(model) spoke of "an optimizer (Linear)"
+    rt = redline.Runtime(devices="cpu", compile="off", precision="fp32")
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=r"(?s)rt\.backward\(\) was called before rt\.setup\(\).*hint: `model, "):
+        rt.backward(loss_of(model, 0))
+    assert model.weight.grad is None
+    model, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    rt.backward(loss_of(model, 0))
+    with pytest.raises(ConfigError, match=r"rt\.step\(\) got a model \(Linear\), not an optimizer.*\nhint:"):
+        rt.step(model)  # type: ignore[arg-type]
+    assert rt.step(optimizer)
+    rt.close()
 
 
 def test_a_checkpoint_amid_an_accumulation_cycle_says_the_batches_since_the_last_step_are_not_in_it(tmp_path, caplog):

@@ -656,3 +656,43 @@ def test_a_runtime_loop_training_in_eval_mode_keeps_fp32_where_bf16_departs(monk
         plan = rt.explain().precision
         assert rt.precision.name == "fp32" and plan.value == "fp32"
         assert "bf16-mixed was dropped: its outputs depart from fp32's by" in plan.reason
+
+
+# -- a loop that steps its optimizer itself --------------------------------------------------------------
+
+
+def test_a_loop_that_steps_its_optimizer_itself_is_not_checked_and_the_plan_says_so(monkeypatch):
+    # its steps never reached the check, and every checkpoint's Plan said "being checked (step 0 of 35)"
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        for _ in range(3):
+            with rt.autocast():
+                loss = model(torch.randn(8, 4)).square().mean()
+            rt.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        plan = rt.explain().precision
+        assert plan.value == "fp32" and not rt.compile_checking
+        assert plan.reason.endswith(
+            "not checked on this run: the loop steps its optimizer itself (optimizer.step()), and the check counts "
+            "rt.step(optimizer)'s"
+        )
+        assert not net._forward_pre_hooks and not net._forward_hooks  # nothing more to watch
+
+
+def test_a_loop_stepping_itself_ends_graphs_and_a_compile_under_check_with_the_models_own_forward():
+    check, switch, _ = drive(fp32_ms=4.0, bf16_ms=2.0, graphs_ms=1.0, steps=EAGER_END + 2)
+    assert switch.current == "bf16-mixed"  # amid bf16's phase
+    check.stepped_directly()
+    assert check.decided and switch.current == "fp32"  # the rule's, as the run had it before the phase
+    graphs = check.explain_graphs()
+    assert graphs is not None and graphs.value is False and "the loop steps its optimizer itself" in graphs.reason
+    compiled = CompileCheck(Choice(True, "auto: the rule"), 0, StepTimer(Stopwatch(clock=lambda: 0.0)))
+    compiled.stepped_directly()
+    assert compiled.explain() == Choice(
+        False,
+        "auto: the rule, but not checked on this run: the loop steps its optimizer itself (optimizer.step()), and "
+        "the check counts rt.step(optimizer)'s; not compiled",
+    )

@@ -135,6 +135,22 @@ class CompileCheck:
         self.drop_precision("the Runtime was closed before it decided")
         self.timer.unwatch()
 
+    def stepped_directly(self) -> None:
+        """The loop stepped a set-up optimizer itself (``optimizer.step()``), whose steps the check cannot count: it
+        decides now, each form as the run has it (the rule's precision, the model's own forward: eager, no graphs)."""
+        if self.decided:
+            return
+        reason = "the loop steps its optimizer itself (optimizer.step()), and the check counts rt.step(optimizer)'s"
+        self.drop_precision(reason)
+        if self.graphs is not None and self.graphs_choice is None and self.graphs.failed is None:
+            self.graphs.stop(f"not checked on this run: {reason}")
+        if self.choice is None and self.planned.value:
+            for record in self.records:
+                record.use_eager()
+            self.choice = Choice(False, f"{self.planned.reason}, but not checked on this run: {reason}; not compiled")
+        self.decided = True
+        self.timer.unwatch()
+
     def drop_precision(self, reason: str) -> None:
         """Check the precision no further: the rule's stands from the next step (if undecided), for ``reason``."""
         switch = self.precision

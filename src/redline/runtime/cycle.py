@@ -32,6 +32,7 @@ from redline.errors import ConfigError
 from redline.parallel.env import DistEnv, process_group_store
 from redline.parallel.watchdog import Watchdog
 from redline.plan.optimizer import schedulers_of
+from redline.runtime.weak_hook import WeakHook
 
 log = logging.getLogger("redline")
 _TOO_FAST = (
@@ -66,10 +67,15 @@ class Cycle:
         self._holding: dict[int, tuple[torch.optim.Optimizer, list[tuple[int, int]]]] = {}
         # set by setup: told, before the forward of each model's next backward, whether that backward reduces
         self.expect_sync: Callable[[nn.Module, bool], None] | None = None
+        # set by setup: told when a set-up optimizer steps outside rt.step (the loop's own optimizer.step())
+        self.direct_step: Callable[[], None] | None = None
+        self._stepping = False  # rt.step is stepping an optimizer now
 
     def adopt(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
         """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its, and
         the one an earlier setup gave it steps no more)."""
+        if optimizer not in self._set_up:  # held weakly: a copy of the optimizer's state carries no Runtime
+            optimizer.register_step_pre_hook(WeakHook(self, "_optimizer_step"))
         self._set_up.add(optimizer)
         if model is not None:
             _, before = self._trains.get(id(model), (model, optimizer))
@@ -117,9 +123,17 @@ class Cycle:
         """The step the last counted batch belongs to, from 1."""
         return self._steps + 1
 
-    def next_batch(self) -> bool:
-        """Ready a backward; return whether it ends a set-up optimizer's cycle (every model's backward then reduces)."""
-        self._check_open("backward")
+    def next_batch(self, called: str = "backward") -> bool:
+        """Ready a backward (``called`` by rt.backward or rt.train_step); return whether it ends a set-up optimizer's
+        cycle (every model's backward then reduces)."""
+        self._check_open(called)
+        if not len(self._set_up):  # nothing set up: no precision, accumulation or sync would apply to it
+            raise ConfigError(
+                f"rt.{called}() was called before rt.setup(): the Runtime back-propagates through the models it set "
+                "up, scaled and accumulated for their optimizers\nhint: `model, optimizer = rt.setup(model, "
+                f"optimizer)` first, then rt.{called}(...) and rt.step(optimizer)"
+            )
+        self._stepping = False
         self._check_kept()
         if self._round_over:  # a step came since the last backward: no gradient carries over to this one
             # The last step's gradients, freed as late as the plain loop frees them, and those a backward
@@ -153,6 +167,12 @@ class Cycle:
     def check_set_up(self, optimizer: torch.optim.Optimizer, called: str = "step") -> None:
         """Refuse an optimizer that setup did not return: a step on it, or a clip of its gradients, would do nothing
         to the set-up model (the one setup was given was rebuilt fused on CUDA, or over the shards under FSDP)."""
+        if isinstance(optimizer, nn.Module):
+            raise ConfigError(
+                f"rt.{called}() got a model ({type(optimizer).__name__}), not an optimizer: it steps (and clips) the "
+                f"optimizer rt.setup() returned\nhint: `model, optimizer = rt.setup(model, optimizer)`, then "
+                f"rt.{called}(optimizer)"
+            )
         if not len(self._set_up):  # nothing set up: no loss scale, accumulation or sync would apply to its step
             raise ConfigError(
                 f"rt.{called}() was called before rt.setup(): the Runtime steps (and clips) the optimizers it set "
@@ -181,6 +201,7 @@ class Cycle:
         self._check_open("step")
         self.check_set_up(optimizer)
         if self.grad_accum == 1:
+            self._stepping = True
             return True
         key = id(optimizer)
         count = self._micro_steps.get(key, 0) + 1
@@ -190,10 +211,12 @@ class Cycle:
         else:
             self._holding.pop(key, None)
         self._expect(optimizer)
-        return count == self.grad_accum
+        self._stepping = count == self.grad_accum
+        return self._stepping
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """Free the gradients ``optimizer`` just stepped on, now or before the next backward."""
+        self._stepping = False
         self._round_over = True
         self._steps += 1
         self._check_pace(optimizer)
@@ -204,6 +227,10 @@ class Cycle:
             self._pending_zero[id(optimizer)] = optimizer
         if self.watchdog is not None:
             self.watchdog.beat(self.steps + 1, "the loop between optimizer steps (data, forward, loss)")
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if not self._stepping and self.direct_step is not None:  # the loop's own optimizer.step(), not rt.step's
+            self.direct_step()
 
     def _check_kept(self) -> None:
         """Refuse a backward after the gradients an optimizer amid its cycle had accumulated were freed.

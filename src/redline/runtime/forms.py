@@ -18,6 +18,7 @@ from redline.plan import Choice, Plan
 from redline.plan.precision import PrecisionName
 from redline.runtime.compile import CompileRecord, explain_compile
 from redline.runtime.compile_check import CompileCheck
+from redline.runtime.cycle import Cycle
 from redline.runtime.graphs import GraphRecord
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.precision_check import PrecisionSwitch
@@ -62,12 +63,14 @@ def check_forms(
     planned_steps: int,
     device: torch.device,
     memory_share: Callable[[], float | None],
+    cycle: Cycle | None = None,
 ) -> CompileCheck | None:
     """The check of ``model`` set up: ``check`` (the run's so far, or None) with what this model adds to it: the
     compile the rule chose (``compiled``), the graphs auto proposed (``graphed``), the precision ``switch``; None
     where there is nothing to check. Its steps are timed on ``device``, each from a watched model's first training
     forward. ``another_model`` (a second model set up: a GAN's) ends the precision's check; its forwards begin steps
-    too, so the check watches it as it does the first."""
+    too, so the check watches it as it does the first. ``cycle`` tells it of a loop that steps its optimizer itself,
+    whose steps it cannot count."""
     if another_model and check is not None:
         check.another_model()
     if check is None and compiled is None and graphed is None and switch is None:
@@ -85,4 +88,6 @@ def check_forms(
         check.add_precision(switch, memory_share)
     if not check.decided:
         check.timer.watch(model)
+    if cycle is not None:
+        cycle.direct_step = check.stepped_directly
     return check

@@ -375,7 +375,7 @@ class Runtime(RunState):
             hint = "pass the function itself, which takes the batch: "
             hint += "rt.train_step(lambda b: loss_fn(model(b[0]), b[1]), batch)"
             raise invalid("train_step(step_fn)", type(step_fn).__name__, "a function batch -> loss", hint)
-        sync = self._cycle.next_batch()
+        sync = self._cycle.next_batch("train_step")
         step = self._cycle.current_step
         how = BatchRun(precision=self.precision, strategy=strategy, models=self._models, device=self.device,
                     accum=self.options.grad_accum, sync=sync, step=step, fresh=self._cycle.fresh(),
@@ -486,7 +486,7 @@ class Runtime(RunState):
             self._compile_check, planned, graphs, model=model, switch=switch, planned_steps=self.planned_steps or 0,
             compiled=self._compile_records[-1] if compiles else None, another_model=second,
             graphed=self._graphs if graphs.value and self.options.cuda_graphs == "auto" else None,
-            device=self.device, memory_share=partial(peak_memory_share, self.device),
+            device=self.device, memory_share=partial(peak_memory_share, self.device), cycle=self._cycle,
         )  # fmt: skip
 
     def _use_precision(self, name: str) -> None:  # the precision check's switch; the layout "auto" chose follows
