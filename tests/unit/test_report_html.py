@@ -166,6 +166,16 @@ def test_a_validation_loss_that_is_not_finite_is_said_not_shown_as_not_evaluated
     assert "not finite" not in run_report(tmp_path)
 
 
+def test_a_validation_metric_that_is_not_finite_is_said_in_the_summary_table_too(tmp_path):
+    # The line at the top said "val metric not finite" while the summary table showed "—", as if never evaluated
+    run = write_run(tmp_path, summary={**SUMMARY, "val_metric": None})
+    with (run / "eval.jsonl").open("a") as file:
+        file.write('{"step": 30, "val_loss": 0.5, "val_metric": NaN}\n')
+    doc = run_report(run)
+    assert "val metric not finite" in doc
+    assert re.search(r"<strong>val_metric</strong></td>\s*<td[^>]*>not finite</td>", doc), "the summary table"
+
+
 def test_a_run_whose_every_loss_is_not_finite_says_so_instead_of_an_empty_chart(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -671,3 +681,17 @@ def test_the_step_axis_ticks_whole_steps_around_a_single_one():
         ticks = [tick for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1]]
         assert ticks and all(float(tick).is_integer() for tick in ticks), (steps, ticks)
         assert min(steps) in ticks or len(steps) > 1
+
+
+def test_write_report_refuses_a_file_that_is_no_page_or_a_page_redline_did_not_make(tmp_path):
+    # The documented way to write a bench page from Python replaced any file there, while the CLI refused it
+    notes, mine = tmp_path / "notes.txt", tmp_path / "mine.html"
+    notes.write_text("precious")
+    mine.write_text("<p>mine</p>")
+    with pytest.raises(ConfigError, match="is a file that is no page"):
+        write_report(notes, "<html></html>")
+    with pytest.raises(ConfigError, match="is a page redline did not make"):
+        write_report(mine, "<html></html>")
+    assert (notes.read_text(), mine.read_text()) == ("precious", "<p>mine</p>")
+    ours = write_report(tmp_path / "bench.html", bench_report(bench_result()))
+    assert write_report(ours, bench_report(bench_result())) == ours, "a page of redline's is replaced, as a new report should"

@@ -21,7 +21,7 @@ from redline.errors import ConfigError, invalid
 from redline.render import run_files
 from redline.render.bench import CACHED_TOLD, DIVERGED, diverged, percent, repaid_after, steps_told
 from redline.render.memory import size as size_text
-from redline.render.page_path import MADE_BY, page_target
+from redline.render.page_path import MADE_BY, page_target, refuse_replacing
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
 from redline.version import __version__
@@ -126,9 +126,11 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
 def write_report(path: str | os.PathLike[str], html: str) -> Path:
     """Write ``html`` to ``path`` atomically (a crash leaves the old file or the new one) and return the path.
 
-    A missing directory is created.
+    A missing directory is created. A file there that is no page (not .html), or a page redline did not make, is
+    refused (ConfigError), as ``redline bench --html`` and ``report`` refuse it: the page would replace it.
     """
     target = Path(path)
+    refuse_replacing(target, told=repr(str(target)))
 
     def write(tmp: Path) -> None:  # a path that is not UTF-8 (a run directory's, shown) carries lone surrogates
         tmp.write_text(html, encoding="utf-8", errors="replace")
@@ -370,8 +372,9 @@ def _run_charts(files: RunFiles) -> list[str]:
 
 
 def _summary_table(summary: Mapping[str, Any], evals: list[dict[str, Any]]) -> str:
-    if summary.get("val_loss") is None and run_files.ends_not_finite(evals, "val_loss"):  # a NaN is stored as null
-        summary = {**summary, "val_loss": "not finite"}
+    for key in ("val_loss", "val_metric"):
+        if summary.get(key) is None and run_files.ends_not_finite(evals, key):  # a NaN is stored as null
+            summary = {**summary, key: "not finite"}
     pairs = [(key, value) for key, value in summary.items() if key not in ("plan", "sample")]
     return _table(None, [[f"<strong>{escape(k)}</strong>", escape(_format(k, v))] for k, v in pairs])
 
