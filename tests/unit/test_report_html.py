@@ -694,4 +694,5 @@ def test_write_report_refuses_a_file_that_is_no_page_or_a_page_redline_did_not_m
         write_report(mine, "<html></html>")
     assert (notes.read_text(), mine.read_text()) == ("precious", "<p>mine</p>")
     ours = write_report(tmp_path / "bench.html", bench_report(bench_result()))
-    assert write_report(ours, bench_report(bench_result())) == ours, "a page of redline's is replaced, as a new report should"
+    again = write_report(ours, bench_report(bench_result()))
+    assert again == ours, "a page of redline's is replaced, as a new report should"
