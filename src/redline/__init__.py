@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from redline import doctor
     from redline.bench.profiling import Profile, profile
     from redline.bench.result import BenchResult
-    from redline.bench.run import benchmark
+    from redline.bench.run import BenchInterrupted, benchmark
     from redline.bench.tune import tune
+    from redline.bench.tune_cache import TuneInterrupted
     from redline.checkpoint.layout import CheckpointError
     from redline.errors import (
         ConfigError,
@@ -49,12 +50,14 @@ if TYPE_CHECKING:
     from redline.task import Task, load_task
     from redline.train.callbacks import Callback, EarlyStopping
     from redline.train.config import TrainerConfig
+    from redline.train.signals import ResultsSkipped
     from redline.train.summary import TrainSummary
     from redline.train.trainer import Trainer
 
 # Public name -> the module that defines it; a subpackage (doctor) maps to itself.
 _LAZY = {
     "BatchSearch": "redline.memory.search",
+    "BenchInterrupted": "redline.bench.run",
     "BenchResult": "redline.bench.result",
     "Callback": "redline.train.callbacks",
     "CheckpointError": "redline.checkpoint.layout",
@@ -72,6 +75,7 @@ _LAZY = {
     "Profile": "redline.bench.profiling",
     "RankZeroError": "redline.parallel.collectives",
     "RedlineError": "redline.errors",
+    "ResultsSkipped": "redline.train.signals",
     "Runtime": "redline.runtime.runtime",
     "Servable": "redline.serve.servable",
     "ServableError": "redline.errors",
@@ -85,6 +89,7 @@ _LAZY = {
     "TrainSummary": "redline.train.summary",
     "Trainer": "redline.train.trainer",
     "TrainerConfig": "redline.train.config",
+    "TuneInterrupted": "redline.bench.tune_cache",
     "TunedPlan": "redline.runtime.tuned",
     "benchmark": "redline.bench.run",
     "build_app": "redline.serve.app",
@@ -116,6 +121,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BatchSearch",
+    "BenchInterrupted",
     "BenchResult",
     "Callback",
     "CheckpointError",
@@ -133,6 +139,7 @@ __all__ = [
     "Profile",
     "RankZeroError",
     "RedlineError",
+    "ResultsSkipped",
     "Runtime",
     "RuntimeOptions",
     "Servable",
@@ -146,6 +153,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainingError",
+    "TuneInterrupted",
     "TunedPlan",
     "__version__",
     "benchmark",

@@ -175,3 +175,13 @@ def test_quick_doctor_reads_the_broken_torchs_build_without_importing_it(broken_
     assert "--quick does not import torch" in torch_build["detail"]
     assert checks["cuda-available"]["status"] == "skip"
     assert checks["cuda-available"]["detail"] == NOT_IMPORTED and "run `redline doctor`" in NOT_IMPORTED
+
+
+def test_the_exceptions_the_docs_tell_scripts_to_catch_are_public_names():
+    # docs/bench.md and docs/errors.md name them for scripts to catch; they were reachable only from their modules
+    named = (("BenchInterrupted", "bench.md"), ("TuneInterrupted", "bench.md"), ("ResultsSkipped", "errors.md"))
+    for name, doc in named:
+        assert f"`{name}`" in (PACKAGE.parents[1] / "docs" / doc).read_text(), name
+        assert name in redline.__all__ and issubclass(getattr(redline, name), BaseException), name
+    assert issubclass(redline.BenchInterrupted, redline.StoppedBySignal)
+    assert issubclass(redline.TuneInterrupted, redline.StoppedBySignal)
