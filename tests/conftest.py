@@ -1,6 +1,7 @@
 import gc
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +32,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # Through the environment, so that `redline train` and `redline launch` children plan the same way;
     # xdist's workers start after this and inherit it too.
+    # A shell runs a background job (`make test &`) with SIGINT ignored, and nohup ignores SIGHUP: the processes the
+    # tests start would inherit that and shrug off the signals the stop tests send them. Tests run as from a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     fake = config.getoption("--redline-cpu")
     if fake:
         os.environ[FAKE_CPU_ENV] = fake
