@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -557,6 +558,35 @@ def test_an_error_in_a_loader_worker_says_its_own_message_and_line_not_torchs_wr
     assert f"\n  at {__file__}:" in said and 'in __getitem__: raise KeyError("missing file 7")' in said
     # The error's traceback holds the loader: its workers lived on until a garbage collection stopped them, 5 s each
     assert set(multiprocessing.active_children()) <= before, "the loader's workers outlived the error"
+
+
+class MissingOnce(Dataset):
+    """Item 5 is missing until ``fixed`` exists (the workers are other processes: a file tells them)."""
+
+    def __init__(self, fixed: Path) -> None:
+        self.fixed = fixed
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 5 and not self.fixed.exists():
+            raise KeyError("missing file 5")
+        return torch.tensor([float(index)])
+
+
+def test_persistent_workers_that_met_an_error_read_the_next_epoch(tmp_path):
+    # Their DataLoader keeps their iterator for the next epoch: stopped after the error, it raised "Queue is closed"
+    import redline
+    from redline.errors import TrainingError
+
+    with redline.Runtime(devices="cpu", loader_workers=2) as rt:
+        loader = rt.setup_loader(DataLoader(MissingOnce(tmp_path / "fixed"), batch_size=2, num_workers=2,
+                                            persistent_workers=True))  # fmt: skip
+        with pytest.raises(TrainingError, match="missing file 5"):
+            list(loader)
+        (tmp_path / "fixed").touch()
+        assert [batch.flatten().tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 class LongerThanSaid(IterableDataset):
