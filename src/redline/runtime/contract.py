@@ -159,8 +159,8 @@ def users_failure(what: str, hint: str) -> Iterator[None]:
 
 
 def stop_loader_workers(exc: BaseException) -> None:
-    """Stop the worker processes of the DataLoader whose worker raised ``exc``, found in its traceback (persistent
-    ones are left to their DataLoader, which iterates them again).
+    """Stop the worker processes of the DataLoader whose worker raised ``exc``, found in its traceback (a DataLoader
+    that keeps persistent workers is then told to start new ones: ``read_batches``).
 
     The traceback holds the loader's iterator: its workers would live on, each with its copy of the dataset,
     until Python's garbage collector freed the error (an interactive session keeps the last one), and torch
@@ -171,8 +171,7 @@ def stop_loader_workers(exc: BaseException) -> None:
     while iterator_type is not None and tb is not None:
         held = tb.tb_frame.f_locals.get("self")
         if isinstance(held, iterator_type) and hasattr(held, "_shutdown_workers"):
-            if not getattr(held, "_persistent_workers", False):  # those its DataLoader keeps, and iterates again
-                held._shutdown_workers()
+            held._shutdown_workers()
             return
         tb = tb.tb_next
 

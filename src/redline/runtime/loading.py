@@ -18,7 +18,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from redline.errors import invalid
+from redline.errors import RedlineError, invalid
 from redline.plan.loader import LoaderFacts, LoaderSettings
 from redline.runtime.contract import users_failure
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler
@@ -279,12 +279,23 @@ def read_batches(loader: Iterable[Any], hint: str = "") -> Iterator[Any]:
     is its hint, where the caller knows better than the general one."""
     source = iter(loader)
     while True:
-        with users_failure("reading a batch of the data", hint or READ_HINT):
-            try:
-                batch = next(source)
-            except StopIteration:
-                return
+        try:
+            with users_failure("reading a batch of the data", hint or READ_HINT):
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    return
+        except RedlineError:
+            _forget_stopped_workers(loader)
+            raise
         yield batch
+
+
+def _forget_stopped_workers(loader: Iterable[Any]) -> None:
+    """Have a DataLoader whose persistent workers a worker's error stopped (``stop_loader_workers``) start new ones
+    at its next pass: it would iterate the stopped ones again, and fail on their closed queues."""
+    if isinstance(loader, DataLoader) and getattr(loader._iterator, "_shutdown", False):
+        loader._iterator = None
 
 
 READ_HINT = (
