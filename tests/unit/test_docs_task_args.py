@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from redline.cli.task_args import convert_task_args
 
@@ -24,3 +27,14 @@ def test_an_option_whose_default_is_none_takes_none_with_or_without_an_annotatio
     assert read == {"checkpoint": None, "steps": None, "name": "none"}, "a default of None reads none; text stays"
     assert convert_task_args(make, {"checkpoint": "runs/x"}) == {"checkpoint": "runs/x"}
     assert convert_task_args(make, {"checkpoint": "[1, 2]"}) == {"checkpoint": [1, 2]}, "a Python literal, as before"
+
+
+def test_an_option_that_also_takes_a_str_keeps_the_text_as_docs_errors_says():
+    assert "An option that also takes a `str` (`str | os.PathLike`, `str | torch.device`) keeps the text as typed" in (
+        said("docs/errors.md")
+    )
+
+    def make(root: str | os.PathLike = "data", device: str | torch.device = "cpu"):
+        pass
+
+    assert convert_task_args(make, {"root": "s3://bucket", "device": "cpu"}) == {"root": "s3://bucket", "device": "cpu"}

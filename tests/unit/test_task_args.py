@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -401,3 +402,40 @@ def test_an_option_of_a_class_no_text_can_build_is_refused_naming_its_fields(tex
         "text\nhint: make Optim's fields the factory's own parameters and build it there: def make(lr: float = "
         "0.01, momentum: float = 0.9): ... Optim(lr=lr, momentum=momentum), then --task-arg lr=..."
     )
+
+
+def text_or_factory(
+    data_root: str | os.PathLike = "data",
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    out: Path | str | None = None,
+    pool: Pool | str = Pool.MEAN,
+    mode: Literal["fast"] | str = "fast",
+    either: bool | int | str = 0,
+) -> None:
+    """A factory whose options take a str or something else; a str keeps the text as given."""
+
+
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        ({"data_root": "s3://bucket/train"}, {"data_root": "s3://bucket/train"}),  # not Path('s3:/bucket/train')
+        ({"device": "cpu"}, {"device": "cpu"}),  # so the factory's device.startswith("cuda") works
+        ({"dtype": "half"}, {"dtype": "half"}),  # not torch.float16
+        ({"out": "runs//a"}, {"out": "runs//a"}),
+        ({"out": "none"}, {"out": None}),  # none, Enums, Literals, bools and numbers still read ahead of str
+        ({"pool": "max"}, {"pool": Pool.MAX}),
+        ({"pool": "median"}, {"pool": "median"}),
+        ({"mode": "fast"}, {"mode": "fast"}),
+        ({"either": "true"}, {"either": True}),
+        ({"either": "7"}, {"either": 7}),
+    ],
+)
+def test_a_str_option_keeps_its_text_ahead_of_a_path_a_device_or_a_dtype(
+    texts: dict[str, str], expected: dict[str, object]
+) -> None:
+    """`data_root: str | os.PathLike` got PosixPath('s3:/bucket/train'), its // collapsed, and `device: str |
+    torch.device` a torch.device that the factory's `device.startswith` failed on."""
+    options = convert_task_args(text_or_factory, texts)
+    assert options == expected
+    assert [type(v) for v in options.values()] == [type(v) for v in expected.values()]

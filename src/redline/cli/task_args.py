@@ -106,11 +106,13 @@ def convert_task_args(factory: Callable[..., Any], texts: Mapping[str, str]) -> 
     read as ``X``; a ``dict`` reads a Python literal; an ``Enum`` a member's name or value; a
     ``torch.dtype`` a dtype's name (``bfloat16``), a ``torch.device`` a device; another class a
     Python literal that is one (``complex``), and a class no text can be (a dataclass) is refused
-    with the hint to take its fields as options. An option without an annotation reads as the type
-    of its default where that is a bool, int, float or str; else true, false and none (any case)
-    read as True, False and None, and any other text as a Python literal or else as text
-    (``name=tiny``); one with an annotation not listed here reads as a Python literal or else as
-    text. A text that does not convert is a TaskSpecError naming the option, its type and the text.
+    with the hint to take its fields as options. Beside ``str`` in a union, a path, a dtype or a
+    device is not read: the text stays as given (``str | os.PathLike`` keeps ``s3://bucket``). An
+    option without an annotation reads as the type of its default where that is a bool, int, float
+    or str; else true, false and none (any case) read as True, False and None, and any other text
+    as a Python literal or else as text (``name=tiny``); one with an annotation not listed here
+    reads as a Python literal or else as text. A text that does not convert is a TaskSpecError
+    naming the option, its type and the text.
     """
     hints = _option_types(factory)
     options = {}

@@ -42,7 +42,7 @@ def read_as(text: str, hint: Any) -> Any:
     """Return ``text`` as a value of type ``hint``, or raise ValueError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        for member in sorted(args, key=_lenient):  # a type that takes any text goes last: "none" is None
+        for member in sorted(args, key=lambda member: _lenient(member, beside_str=str in args)):
             try:
                 return read_as(text, member)
             except ValueError:
@@ -190,10 +190,16 @@ def _parameter_text(parameter: inspect.Parameter) -> str:
 _COLLECTIONS: dict[Any, type] = {list: list, tuple: tuple, set: set, frozenset: frozenset}
 
 
-def _lenient(hint: Any) -> int:
-    """How much text a union's member takes: those that refuse a text are tried first, ``str`` last."""
+def _lenient(hint: Any, *, beside_str: bool) -> int:
+    """How much text a union's member takes: those that refuse a text are tried first ("none" is None), ``str`` last.
+
+    Beside ``str``, a path, a device and a dtype come after it, so are never tried: they only re-express a text the
+    factory said it takes as is (``str | os.PathLike`` keeps ``s3://bucket`` whole, ``str | torch.dtype`` ``half``).
+    """
     if hint is str:
         return 3
+    if beside_str and (_is_path(hint) or hint in (torch.dtype, torch.device)):
+        return 4
     if _is_path(hint):
         return 2
     if isinstance(hint, type) and typing.get_origin(hint) is None and issubclass(hint, enum.Enum):
