@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
+import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from redline.cli.main import app
 from redline.errors import TaskSpecError
 from redline.task import Task, load_task
 
@@ -85,3 +89,26 @@ def test_a_factory_named_with_a_dot_is_told_the_spec_with_a_colon(tmp_path, monk
         load_task(f"{module}.make")
     assert str(refused.value).endswith(f"\nhint: did you mean '{module}:make'?"), str(refused.value)
     assert isinstance(load_task(f"{module}:make"), Task)
+
+
+@pytest.mark.parametrize("spec", ["..make", "...x", ".make", "a..make"])
+def test_a_spec_of_dots_without_a_colon_is_told_it_has_none(spec, tmp_path, monkeypatch):
+    """`--task ..make` ended in a traceback, ValueError: PosixPath('.') has an empty name, from the look for the
+    module file that `tasks.make` means."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TaskSpecError, match=rf"^task spec '{re.escape(spec)}' has no ':'; expected 'example:NAME'"):
+        load_task(spec)
+
+
+@pytest.mark.parametrize("command", ["train", "train with a task-arg", "predict"])
+def test_the_commands_refuse_a_spec_of_dots_with_the_spec_error(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "in.npy", np.zeros((2, 64), dtype=np.float32))
+    args = {
+        "train": ["train", "--task", "..make", "--max-steps", "1"],
+        "train with a task-arg": ["train", "--task", "..make", "--task-arg", "n=1"],
+        "predict": ["predict", "..make", "--input", "in.npy", "--output", "out.npy"],
+    }[command]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, TaskSpecError), result.exception  # main() says it without a traceback
+    assert "spec '..make' has no ':'" in str(result.exception)

@@ -156,6 +156,8 @@ def _dotted_factory(spec: str) -> str:
         return ""
     if "/" in module or "\\" in module:  # a path: its file spec
         file, meant = Path(f"{module}.py"), f"{module}.py:{name}"
+    elif not all(part.isidentifier() for part in module.split(".")):  # '..make', 'a..make': no module's name
+        return ""
     else:
         file, meant = Path(*module.split(".")).with_suffix(".py"), f"{module}:{name}"
         file = file if file.is_file() else file.with_suffix("") / "__init__.py"
