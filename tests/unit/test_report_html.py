@@ -588,7 +588,7 @@ def test_a_page_redline_did_not_make_is_kept_and_an_earlier_one_of_redlines_repl
     for page in (tmp_path / "mine.html", tmp_path / "b.html"):
         page.write_text(mine)
         told = f"--html {str(page)!r}" if page.name == "mine.html" else f"the page's default path {str(page)!r}"
-        hint = rf"hint: pass --html FILE with another file, e\.g\. --html .*/{page.stem}-report\.html, or delete"
+        hint = rf"hint: name another file, e\.g\. --html .*/{page.stem}-report\.html, or delete"
         with pytest.raises(ConfigError, match=rf"^{re.escape(told)} is a page redline did not make: .*\n{hint}"):
             report(saved, page if page.name == "mine.html" else None)
         assert page.read_text() == mine
@@ -690,8 +690,9 @@ def test_write_report_refuses_a_file_that_is_no_page_or_a_page_redline_did_not_m
     mine.write_text("<p>mine</p>")
     with pytest.raises(ConfigError, match="is a file that is no page"):
         write_report(notes, "<html></html>")
-    with pytest.raises(ConfigError, match="is a page redline did not make"):
+    with pytest.raises(ConfigError, match="is a page redline did not make") as refused:
         write_report(mine, "<html></html>")
+    assert f"hint: name another file, e.g. {tmp_path / 'mine-report.html'}, or" in str(refused.value), "no --html"
     assert (notes.read_text(), mine.read_text()) == ("precious", "<p>mine</p>")
     ours = write_report(tmp_path / "bench.html", bench_report(bench_result()))
     again = write_report(ours, bench_report(bench_result()))

@@ -130,7 +130,7 @@ def write_report(path: str | os.PathLike[str], html: str) -> Path:
     refused (ConfigError), as ``redline bench --html`` and ``report`` refuse it: the page would replace it.
     """
     target = Path(path)
-    refuse_replacing(target, told=repr(str(target)))
+    refuse_replacing(target, told=repr(str(target)), flag="")
 
     def write(tmp: Path) -> None:  # a path that is not UTF-8 (a run directory's, shown) carries lone surrogates
         tmp.write_text(html, encoding="utf-8", errors="replace")

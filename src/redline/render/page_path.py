@@ -29,11 +29,12 @@ def page_target(path: str | os.PathLike[str] | None, default: Path, sources: lis
     return target
 
 
-def refuse_replacing(target: Path, *, example: str = "bench.html", told: str = "") -> None:
+def refuse_replacing(target: Path, *, example: str = "bench.html", told: str = "", flag: str = "--html ") -> None:
     """Refuse a page's ``target`` that is a file of another kind (a run's model.safetensors, say) or a page redline
     did not make (one written by hand): a page there would replace what it holds. An earlier page of redline's is
     replaced, as a new report should. ``-`` is refused: read as standard output by many tools, it would be a file
-    named "-". ``told`` names the target in the error (default: as --html gave it)."""
+    named "-". ``told`` names the target in the error (default: as --html gave it); ``flag`` comes before a path the
+    hint gives ("" for a Python caller's)."""
     told = told or f"--html {str(target)!r}"
     if str(target) == "-":
         stdout = "; `redline bench --json` prints the results to standard output" if example == "bench.html" else ""
@@ -46,12 +47,12 @@ def refuse_replacing(target: Path, *, example: str = "bench.html", told: str = "
     if target.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(
             f"{told} is a file that is no page (not .html): the page would replace what it holds\n"
-            f"hint: name a .html file, e.g. --html {target.with_suffix('.html')}"
+            f"hint: name a .html file, e.g. {flag}{target.with_suffix('.html')}"
         )
     if not made_by_redline(target):
         raise ConfigError(
             f"{told} is a page redline did not make: the report would replace what it holds\n"
-            f"hint: pass --html FILE with another file, e.g. --html {target.with_name(f'{target.stem}-report.html')}, "
+            f"hint: name another file, e.g. {flag}{target.with_name(f'{target.stem}-report.html')}, "
             f"or delete {str(target)!r} first"
         )
 
