@@ -112,3 +112,21 @@ def test_the_commands_refuse_a_spec_of_dots_with_the_spec_error(command, tmp_pat
     result = CliRunner().invoke(app, args)
     assert isinstance(result.exception, TaskSpecError), result.exception  # main() says it without a traceback
     assert "spec '..make' has no ':'" in str(result.exception)
+
+
+@pytest.mark.parametrize("spec", ["~nosuchuser.make", "~nosuchuser/tasks.py:make", "~nosuchuser"])
+def test_a_path_under_an_unknown_users_home_is_an_error_of_the_spec_not_a_traceback(spec):
+    # Path.expanduser raises RuntimeError("Could not determine home directory.") for ~nosuchuser; the shell leaves it
+    with pytest.raises(TaskSpecError, match=re.escape(f"task spec '{spec}'")):
+        load_task(spec)
+
+
+def test_an_out_dir_under_an_unknown_users_home_stays_as_given(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from redline.cli.options import given_file
+    from redline.train.config import TrainerConfig
+
+    monkeypatch.chdir(tmp_path)
+    assert TrainerConfig(out_dir="~nosuchuser/run").out_dir == Path("~nosuchuser/run"), "as the shell leaves it"
+    assert given_file("~nosuchuser/x.json") == Path("~nosuchuser/x.json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -173,7 +174,7 @@ def _task_file(spec: str) -> Path | None:
     """The file that defines the task ``spec`` names (imported by now), or None where it has none."""
     module = spec.rpartition(":")[0]
     if module.endswith(".py") or "/" in module or "\\" in module:
-        return Path(module).expanduser()
+        return Path(os.path.expanduser(module))
     file = getattr(sys.modules.get(module), "__file__", None)
     return Path(file) if file else None
 

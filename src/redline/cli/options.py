@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import re
 import types
 import typing
@@ -84,7 +85,7 @@ def given_path(text: str | Path) -> Path:
     the home directory, as the shell makes it where it can (it does not in ``--out=~/x``, nor quoted)."""
     if text == "":
         raise ValueError("an empty path")
-    return Path(text).expanduser()
+    return Path(os.path.expanduser(text))  # Path.expanduser raises for ~nosuchuser
 
 
 def given_file(text: str | Path) -> Path:

@@ -135,10 +135,10 @@ def _spec_hint(spec: object) -> str:
     dotted = _dotted_factory(spec)
     if dotted:
         return f"\nhint: did you mean '{dotted}'?"
-    if spec and not spec.endswith(".py") and Path(f"{spec}.py").expanduser().is_file():
+    if spec and not spec.endswith(".py") and Path(os.path.expanduser(f"{spec}.py")).is_file():
         spec += ".py"  # 'tasks' where tasks.py lies: the file's factory is meant
     if spec.endswith(".py") or "." in spec:
-        defined = _functions_in(Path(spec).expanduser()) if spec.endswith(".py") else []
+        defined = _functions_in(Path(os.path.expanduser(spec))) if spec.endswith(".py") else []
         if len(defined) == 1:
             return f"\nhint: did you mean '{spec}:{defined[0]}'?"
         if defined:
@@ -161,7 +161,7 @@ def _dotted_factory(spec: str) -> str:
     else:
         file, meant = Path(*module.split(".")).with_suffix(".py"), f"{module}:{name}"
         file = file if file.is_file() else file.with_suffix("") / "__init__.py"
-    return meant if name in _functions_in(file.expanduser()) else ""
+    return meant if name in _functions_in(Path(os.path.expanduser(file))) else ""
 
 
 def _functions_in(path: Path) -> list[str]:
@@ -175,7 +175,7 @@ def _functions_in(path: Path) -> list[str]:
 
 def _import_module(spec: str, module_name: str) -> Any:
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        path = Path(module_name).expanduser()
+        path = Path(os.path.expanduser(module_name))  # ~nosuchuser stays as given
         if not path.is_file():
             factory = spec.rpartition(":")[2]
             files = sorted(f"'{f}:{factory}'" for f in path.glob("*.py")) if path.is_dir() else []

@@ -93,7 +93,7 @@ class TrainerConfig:
         # "~" is the shell's: a quoted one, or --out=~/x, would otherwise make a directory named "~"
         if self.out_dir is not None:  # "" would write the whole run into the current folder
             _named_path("out_dir", self.out_dir, "a folder's path, not an empty one")
-            object.__setattr__(self, "out_dir", Path(self.out_dir).expanduser())
+            object.__setattr__(self, "out_dir", Path(os.path.expanduser(self.out_dir)))  # ~nosuchuser stays
         if self.resume is not None:  # "" would resume from the current folder
             _named_path("resume", self.resume, "'auto' or a checkpoint's path, not an empty one")
             object.__setattr__(self, "resume", os.path.expanduser(self.resume))
