@@ -7,7 +7,8 @@ import torch
 
 import redline
 from redline.errors import ConfigError, TrainingError
-from redline.runtime import state
+from redline.plan import Choice
+from redline.runtime import runtime, state
 
 
 def _model() -> torch.nn.Module:
@@ -85,6 +86,24 @@ def test_a_half_model_under_bf16_mixed_is_refused_at_setup_with_the_fix() -> Non
             rt.setup(_model().half(), lambda params: torch.optim.SGD(params, lr=0.1))
         frozen = torch.nn.Sequential(torch.nn.Linear(4, 4).half().requires_grad_(False), torch.nn.Linear(4, 1))
         rt.setup(frozen, lambda params: torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1))  # trains fp32
+
+
+@pytest.mark.parametrize("chosen", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("by", ["the rule", "a trial"])
+def test_auto_keeps_fp32_for_a_half_model_where_the_rule_or_a_trial_chose_mixed_precision(monkeypatch, chosen, by):
+    """A trial timed bf16-mixed on a .half() model (2.38x), and the run it chose it for was refused at setup, as every
+    later one that read the cached choice; on a bf16 GPU the rule alone did the same."""
+    said = Choice(chosen, f"auto: {by} chose it")
+    monkeypatch.setattr(runtime, "resolve_precision", lambda requested, facts: said)  # as on a GPU
+    measured = {"precision": said} if by == "a trial" else None
+    with redline.Runtime(devices="cpu", precision="auto", compile="off", measured=measured) as rt:
+        model, optimizer = rt.setup(_model().half(), lambda params: torch.optim.SGD(params, lr=0.1))
+        plan = rt.explain().precision
+        assert (plan.value, rt.precision.name) == ("fp32", "fp32")
+        assert plan.reason.startswith(f"auto: fp32, not {chosen}, since the model trains 5 float16 parameters: ")
+        rt.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum())
+        rt.step(optimizer)  # it trains, in float16, as it would have under fp32
+        assert model.weight.dtype == torch.float16
 
 
 @pytest.mark.parametrize(("precision", "cpu"), [("fp32", "avx2"), ("bf16-mixed", "avx2"), ("auto", "amx")])

@@ -118,3 +118,16 @@ def test_a_tune_at_a_batch_size_is_found_by_a_run_whose_task_was_given_that_batc
     store_tuned(tiny_task(batch_size=16).fingerprint(), probe_device(torch.device("cpu")), tuned)
     found = find_tuned(tiny_task(batch_size=32), RuntimeOptions(devices="cpu"), 32, DistEnv())
     assert found is not None and "tuned 2026-12-01 06:00 UTC" in found.tuning.note
+
+
+def test_auto_times_no_mixed_precision_for_a_half_model_and_keeps_fp32(trials):
+    """The trial timed bf16-mixed on a .half() model, chose it, and the run was refused at setup (cached: every run)."""
+    task = tiny_task()
+    half = task.model
+    task = Task(model=lambda: half().half(), loss_fn=lambda out, y: nn.functional.mse_loss(out.float(), y),
+                train_data=task.train_data, batch_size=16, name="tiny half")  # fmt: skip
+    task.train_data.tensors = tuple(t.half() for t in task.train_data.tensors)
+    with Trainer(task, max_steps=1, progress=False, trial="on") as trainer:
+        chosen = trainer.fit().plan.precision
+    assert chosen.value == "fp32" and chosen.reason.startswith("auto: fp32, not bf16-mixed, since the model trains ")
+    assert trials == []  # nothing was timed

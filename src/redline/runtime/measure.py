@@ -39,6 +39,7 @@ from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.precision import half_model_keeps_fp32
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
@@ -246,6 +247,9 @@ def _measure_or_recall(
     if recall_only:
         return None
     model = task.build_model()
+    kept = half_model_keeps_fp32(model, work.candidates[0], "auto")  # nothing to time: mixed would refuse the model
+    if kept is not None:
+        return kept, False
     check_trainable(model)  # as setup refuses it: the trial's optimizer would raise torch's bare error
     loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data", collate_fn=loader.collate_fn)

@@ -186,12 +186,26 @@ def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
+def half_model_keeps_fp32(model: torch.nn.Module, precision: str, requested: str) -> Choice[str] | None:
+    """fp32, with why, where "auto" (``requested``) chose ``precision``, a mixed one, by the rule or a trial for a
+    ``model`` with float16 trained parameters, which mixed precision refuses (``refuse_half_parameters``); None where
+    it did not. Only a mixed precision the user asked for is refused."""
+    halves = sum(p.numel() for p in model.parameters() if p.requires_grad and p.dtype == torch.float16)
+    if requested != "auto" or precision not in AUTOCAST_DTYPES or not halves:
+        return None
+    return Choice(
+        "fp32",
+        f"auto: fp32, not {precision}, since the model trains {halves:,} float16 parameters: mixed precision keeps "
+        f"the weights in float32 and refuses float16 ones (drop the model's .half() to have {precision})",
+    )
+
+
 def refuse_half_parameters(optimizer: torch.optim.Optimizer, precision: str = "fp16-mixed") -> None:
     """Refuse float16 parameters to train under fp16-mixed or bf16-mixed (``precision``), which keep the weights in
     float32 and autocast the forward.
 
     Under fp16-mixed a model cast with ``.half()`` would fail at its first ``rt.step`` with torch's "Attempting to
-    unscale FP16 gradients". Under bf16-mixed (asked for, or auto's choice) it would train float16 weights on float16
+    unscale FP16 gradients". Under bf16-mixed it would train float16 weights on float16
     gradients with no loss scale to keep the small ones from underflowing, the forward cast to bfloat16 on the way.
     """
     halves = sum(p.numel() for group in optimizer.param_groups for p in group["params"] if p.dtype == torch.float16)

@@ -64,7 +64,7 @@ from redline.runtime.optimizer import (
     rebuild_optimizer,
 )
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.precision import Precision
+from redline.runtime.precision import Precision, half_model_keeps_fp32
 from redline.runtime.precision_check import propose_checks
 from redline.runtime.sampling import global_batches, split_caveats, split_reason
 from redline.runtime.seed import warn_seeded_late
@@ -242,6 +242,9 @@ class Runtime(RunState):
         self._split_caveats = split_caveats(model, self.env.world_size)
         recompute = self._checkpointing.setup(model, self.options.activation_checkpointing)  # before wrap, compile
         model.to(self.device)
+        kept = half_model_keeps_fp32(model, self.precision.name, self.options.precision)  # rather than refused
+        if kept is not None:
+            self.precision, self._plan = Precision("fp32", self.device), dataclasses.replace(self._plan, precision=kept)
         settled = self._compile_check.settled_precision() if second and self._compile_check is not None else None
         strategy = resolve_strategy(
             self.options.strategy,
