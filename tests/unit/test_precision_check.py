@@ -696,3 +696,34 @@ def test_a_loop_stepping_itself_ends_graphs_and_a_compile_under_check_with_the_m
         "auto: the rule, but not checked on this run: the loop steps its optimizer itself (optimizer.step()), and "
         "the check counts rt.step(optimizer)'s; not compiled",
     )
+
+
+def test_the_steps_torchs_state_dict_functions_take_are_not_the_loops_own(monkeypatch, tmp_path):
+    # FSDP's get_state_dict and set_state_dict step a fresh optimizer once at lr=0: a checkpoint before the first step,
+    # or a resume, ended the check with "the loop steps its optimizer itself"
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+
+    def stepping(method):  # the strategy's method, as torch's state-dict functions run it
+        def standin(*args, **kwargs):
+            optimizer = next(arg for arg in args if isinstance(arg, torch.optim.Optimizer))
+            lr = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+            optimizer.step()
+            for group, was in zip(optimizer.param_groups, lr, strict=True):
+                group["lr"] = was
+            return method(*args, **kwargs)
+
+        return standin
+
+    with Runtime(devices="cpu", compile="off") as rt:
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        rt.save(tmp_path / "ck")
+        for name in ("state_dict", "load_state_dict", "save", "load"):
+            monkeypatch.setattr(rt.strategy, name, stepping(getattr(rt.strategy, name)))
+        rt.load_state_dict(rt.state_dict())
+        rt.save(tmp_path / "ck2")
+        rt.load(tmp_path / "ck")
+        assert rt.compile_checking
+        assert "steps its optimizer itself" not in rt.explain().precision.reason

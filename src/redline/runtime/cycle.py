@@ -19,9 +19,10 @@ gradient all-reduce), or between optimizer steps (the user's data, forward and l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -227,6 +228,16 @@ class Cycle:
             self._pending_zero[id(optimizer)] = optimizer
         if self.watchdog is not None:
             self.watchdog.beat(self.steps + 1, "the loop between optimizer steps (data, forward, loss)")
+
+    @contextlib.contextmanager
+    def steps_of_torch(self) -> Iterator[None]:
+        """Within, an optimizer step is not the loop's own: torch's state-dict functions (FSDP's get_state_dict and
+        set_state_dict) step an optimizer that has no state yet once, at lr=0, to give it some."""
+        was, self._stepping = self._stepping, True
+        try:
+            yield
+        finally:
+            self._stepping = was
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if not self._stepping and self.direct_step is not None:  # the loop's own optimizer.step(), not rt.step's

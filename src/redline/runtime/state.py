@@ -103,7 +103,8 @@ class RunState:
         Like torch's own ``state_dict()``, it holds the live tensors: ``copy.deepcopy`` it to keep a snapshot.
         """
         strategy, model, optimizer = self._prepared()
-        state = strategy.state_dict(model, optimizer)
+        with self._cycle.steps_of_torch():  # FSDP's may step a fresh optimizer once at lr=0
+            state = strategy.state_dict(model, optimizer)
         steps = self._cycle.steps
         return {**state, "precision": self.precision.state_dict(), "rng": capture_rng(), "step": steps}
 
@@ -118,7 +119,8 @@ class RunState:
                 "what rt.state_dict() returned: a dict with 'model' and 'optimizer'",
                 "to load a model's weights alone: rt.unwrap(model).load_state_dict(state)",
             )
-        strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
+        with self._cycle.steps_of_torch():  # FSDP's may step a fresh optimizer once at lr=0
+            strategy.load_state_dict(model, optimizer, {"model": state["model"], "optimizer": state["optimizer"]})
         match_state_layout(optimizer)  # a state saved in another layout than the model's now
         self._restart_cycle(int(state.get("step") or 0))
         self.precision.load_state_dict(dict(state.get("precision") or {}))
@@ -144,7 +146,7 @@ class RunState:
                 self.options.grad_accum, self._cycle.steps, self._cycle.accumulated, self._cycle.steps,
             )  # fmt: skip
         step = self._cycle.steps if step is None else _whole_step(step)  # a load goes on counting from it
-        with _collective(f"writing the checkpoint {path}", "rt.save"):
+        with _collective(f"writing the checkpoint {path}", "rt.save"), self._cycle.steps_of_torch():
             runtime_state = {
                 "precision": self.precision.state_dict(), "rng": gather_objects(capture_rng()),
                 "optimizer_options": self._built_options, "oom_events": [_event_state(e) for e in self._micro.events],
@@ -167,7 +169,8 @@ class RunState:
         strategy, model, optimizer = self._prepared(collective="rt.load")
         if not isinstance(checkpoint, str | Path | Checkpoint):
             raise invalid("checkpoint", type(checkpoint).__name__, "a path (str or Path), or a Checkpoint")
-        with _collective(f"loading the checkpoint {getattr(checkpoint, 'path', checkpoint)}", "rt.load"):
+        loading = _collective(f"loading the checkpoint {getattr(checkpoint, 'path', checkpoint)}", "rt.load")
+        with loading, self._cycle.steps_of_torch():  # FSDP's load may step a fresh optimizer once at lr=0
             if not isinstance(checkpoint, Checkpoint):
                 checkpoint = open_verified(Path(checkpoint))
             runtime_state, extra = strategy.load(checkpoint, model, optimizer)
