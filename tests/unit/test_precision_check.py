@@ -230,6 +230,60 @@ def test_a_loop_whose_forward_runs_outside_rt_autocast_is_not_checked():
     assert switch.fallback == "fp32"  # the rule's
 
 
+def test_a_validation_in_eval_mode_outside_rt_autocast_waits_for_the_training_forward():
+    # a sanity validation without no_grad cancelled the check: "the loop's forward ran without autocast"
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(8, 6)
+    switch, _ = switch_on(net)
+    net.eval()
+    net(x)  # the validation, outside rt.autocast()
+    assert switch.failed is None and not switch.compared and switch._handles  # still waiting
+    bf16(net, x)  # the training forward, in eval mode too (frozen BatchNorm), inside rt.autocast(): it counts
+    assert switch.failed is None and switch.compared.startswith("outputs within") and not switch._handles
+    training = Net()
+    switch, _ = switch_on(training)
+    training(x)  # a forward in training mode outside rt.autocast() is the loop's training forward, as before
+    assert switch.failed is not None and "the loop's forward ran without autocast" in switch.failed
+    rule = Net()
+    switch = PrecisionSwitch(Choice("bf16-mixed", "auto: the rule"), "fp32", lambda name: None, "cpu")
+    switch.watch(rule)
+    rule.eval()
+    rule(x)  # the validation, in the rule's phase: not the first training forward
+    assert switch.outside == "" and rule._forward_pre_hooks
+    bf16(rule, x)  # the training forward, in eval mode, inside rt.autocast()
+    assert switch.outside == "" and not rule._forward_pre_hooks
+
+
+def test_a_runtime_loop_that_validates_without_no_grad_adopts_a_faster_bf16(monkeypatch):
+    # bf16 was not adopted: a validation in eval mode, neither under no_grad nor in rt.autocast(), was taken for the
+    # training forward, and the check ended with "the loop's forward ran without autocast"
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    with Runtime(devices="cpu", compile="off") as rt:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        assert rt._compile_check is not None
+        now = [0.0]
+        rt._compile_check.timer.stopwatch.clock = lambda: now[0]
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        for step in range(1, EAGER_END + PHASE + 2):
+            now[0] += 0.03  # the loader
+            with rt.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            rt.backward(loss)
+            now[0] += {"fp32": 0.004, "bf16-mixed": 0.0025}[rt.precision.name]
+            rt.step(optimizer)
+            if step % 6 == 0:
+                model.eval()
+                model(x)  # the validation
+                model.train()
+                now[0] += 0.5
+        plan = rt.explain().precision
+        assert rt.precision.name == "bf16-mixed" and plan.value == "bf16-mixed"
+        assert plan.reason.startswith("measured on this run: bf16-mixed steps ran 1.60x fp32 (2.5 against 4 ms")
+        assert "outputs within" in plan.reason
+
+
 def test_where_the_rule_chose_bf16_a_departing_bf16_leaves_fp32():
     torch.manual_seed(0)
     net = Net(offset=50.0)

@@ -11,7 +11,8 @@ The steps are the run's own, so the check costs only the difference between the 
 first timed block already shows the other cannot win (the phase stops there).
 
 The numbers are checked too. Before the phase's first training forward (any forward with autograd on: a loop
-that trains in eval mode, its BatchNorm statistics and dropout frozen, trains all the same), the model runs on
+that trains in eval mode, its BatchNorm statistics and dropout frozen, trains all the same; but one in eval mode
+outside rt.autocast() is a validation that forgot no_grad, and the next is waited for), the model runs on
 copies of its inputs in both precisions, without autograd, with the random streams and BatchNorm statistics put
 back after each (so dropout draws alike), and the two outputs are compared. bf16-mixed whose outputs depart from
 fp32's by more than ``TOLERANCE`` of their norm, or are not finite where fp32's are, is never used: the step's
@@ -106,10 +107,13 @@ class PrecisionSwitch:
     def _first_forward(self, module: nn.Module, args: Any) -> None:
         if self._probing or not torch.is_grad_enabled() or self._watching is None:
             return  # the comparison's own forwards, or evaluation (a training forward may run in eval mode)
+        running = autocast_dtype(self.device_type)
+        outside = running != _AUTOCAST_DTYPES.get(self.current)
+        if outside and not module.training:
+            return  # a validation without no_grad, outside rt.autocast(): the training forward is still to come
         self._watching.remove()
         self._watching = None
-        running = autocast_dtype(self.device_type)
-        if self.current == self.planned.value and running != _AUTOCAST_DTYPES.get(self.current):
+        if self.current == self.planned.value and outside:
             self.outside = _outside(running)  # a loop's own autocast: the rule's steps ran in another precision
 
     def use(self, name: str) -> None:
@@ -160,6 +164,8 @@ class PrecisionSwitch:
         if self._probing or not torch.is_grad_enabled():
             return  # the comparison's own forwards, or evaluation in between (a training forward may run in eval mode)
         running = autocast_dtype(self.device_type)
+        if running != _AUTOCAST_DTYPES.get(self.candidate) and not module.training:
+            return  # a validation without no_grad, outside rt.autocast(): the training forward is still to come
         if running != _AUTOCAST_DTYPES.get(self.candidate):
             self._fail(self.planned.value, _outside(running))
             self.disarm()
