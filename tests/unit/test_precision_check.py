@@ -3,6 +3,7 @@ of the two precisions' outputs on the phase's first batch, and the schedule that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -252,36 +253,6 @@ def test_a_validation_in_eval_mode_outside_rt_autocast_waits_for_the_training_fo
     assert switch.outside == "" and rule._forward_pre_hooks
     bf16(rule, x)  # the training forward, in eval mode, inside rt.autocast()
     assert switch.outside == "" and not rule._forward_pre_hooks
-
-
-def test_a_runtime_loop_that_validates_without_no_grad_adopts_a_faster_bf16(monkeypatch):
-    # bf16 was not adopted: a validation in eval mode, neither under no_grad nor in rt.autocast(), was taken for the
-    # training forward, and the check ended with "the loop's forward ran without autocast"
-    monkeypatch.setenv("REDLINE_CPU", "amx")
-    with Runtime(devices="cpu", compile="off") as rt:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
-        assert rt._compile_check is not None
-        now = [0.0]
-        rt._compile_check.timer.stopwatch.clock = lambda: now[0]
-        x, y = torch.randn(8, 4), torch.randn(8, 2)
-        for step in range(1, EAGER_END + PHASE + 2):
-            now[0] += 0.03  # the loader
-            with rt.autocast():
-                loss = nn.functional.mse_loss(model(x).float(), y)
-            rt.backward(loss)
-            now[0] += {"fp32": 0.004, "bf16-mixed": 0.0025}[rt.precision.name]
-            rt.step(optimizer)
-            if step % 6 == 0:
-                model.eval()
-                model(x)  # the validation
-                model.train()
-                now[0] += 0.5
-        plan = rt.explain().precision
-        assert rt.precision.name == "bf16-mixed" and plan.value == "bf16-mixed"
-        assert plan.reason.startswith("measured on this run: bf16-mixed steps ran 1.60x fp32 (2.5 against 4 ms")
-        assert "outputs within" in plan.reason
 
 
 def test_where_the_rule_chose_bf16_a_departing_bf16_leaves_fp32():
@@ -625,10 +596,15 @@ def test_a_forward_that_fails_in_bf16_only_drops_it_and_the_step_runs_in_fp32():
     assert check.end == EAGER_END  # a dropped precision phase is not counted in the schedule's end
 
 
-@pytest.mark.parametrize("evaluation", ["eval mode, no_grad", "no_grad", "eval mode"])
-def test_what_the_loop_does_between_steps_is_not_timed_against_the_phase_it_falls_in(monkeypatch, evaluation):
+@pytest.mark.parametrize(
+    ("evaluation", "every"),
+    [("eval mode, no_grad", 10), ("no_grad", 10), ("eval mode", 10), ("eval mode, outside rt.autocast()", 6)],
+)
+def test_what_the_loop_does_between_steps_is_not_timed_against_the_phase_it_falls_in(monkeypatch, evaluation, every):
     # An evaluation every 10 steps fell in bf16's first block (steps 21-25) and made it lose 0.09x, where its steps ran
     # 1.6x fp32's: the phase stopped there. Steps are timed from their first training forward to their optimizer step.
+    # One in eval mode, neither under no_grad nor in rt.autocast(), every 6 steps (one falls where bf16's phase
+    # starts), was taken for the training forward, and the check ended: "the loop's forward ran without autocast".
     monkeypatch.setenv("REDLINE_CPU", "amx")
     costs = {"fp32": 0.004, "bf16-mixed": 0.0025}
     with Runtime(devices="cpu", compile="off") as rt:
@@ -646,9 +622,10 @@ def test_what_the_loop_does_between_steps_is_not_timed_against_the_phase_it_fall
             rt.backward(loss)
             now[0] += costs[rt.precision.name]
             rt.step(optimizer)
-            if step % 10 == 0:
+            if step % every == 0:
                 model.train("eval mode" not in evaluation)
-                with torch.set_grad_enabled("no_grad" not in evaluation), rt.autocast():
+                inside = contextlib.nullcontext() if "outside" in evaluation else rt.autocast()
+                with torch.set_grad_enabled("no_grad" not in evaluation), inside:
                     model(x)
                 now[0] += 0.5
                 model.train()
@@ -657,6 +634,7 @@ def test_what_the_loop_does_between_steps_is_not_timed_against_the_phase_it_fall
         assert plan.value == "bf16-mixed" and plan.reason.startswith(
             "measured on this run: bf16-mixed steps ran 1.60x fp32 (2.5 against 4 ms"
         )
+        assert "outputs within" in plan.reason
 
 
 # -- a loop that trains in eval mode ---------------------------------------------------------------------
