@@ -154,26 +154,7 @@ def users_failure(what: str, hint: str) -> Iterator[None]:
         said, line, where = first_line(exc), user_line(exc), ""
         if (worker := worker_failure(exc)) is not None:  # the worker's own message and line, not torch's wrapping
             (said, line), where = worker, " in a loader worker"
-            stop_loader_workers(exc)
         raise TrainingError(f"{what} raised {type(exc).__name__}{where}: {said}{line}\nhint: {hint}") from exc
-
-
-def stop_loader_workers(exc: BaseException) -> None:
-    """Stop the worker processes of the DataLoader whose worker raised ``exc``, found in its traceback (a DataLoader
-    that keeps persistent workers is then told to start new ones: ``read_batches``).
-
-    The traceback holds the loader's iterator: its workers would live on, each with its copy of the dataset,
-    until Python's garbage collector freed the error (an interactive session keeps the last one), and torch
-    stopping them from there waits 5 s a worker, stalling whatever the process was doing at that moment.
-    """
-    iterator_type = getattr(torch.utils.data.dataloader, "_MultiProcessingDataLoaderIter", None)
-    tb = exc.__traceback__
-    while iterator_type is not None and tb is not None:
-        held = tb.tb_frame.f_locals.get("self")
-        if isinstance(held, iterator_type) and hasattr(held, "_shutdown_workers"):
-            held._shutdown_workers()
-            return
-        tb = tb.tb_next
 
 
 class Forward:

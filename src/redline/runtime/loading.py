@@ -286,15 +286,25 @@ def read_batches(loader: Iterable[Any], hint: str = "") -> Iterator[Any]:
                 except StopIteration:
                     return
         except RedlineError:
-            _forget_stopped_workers(loader)
+            _stop_workers(loader, source)
             raise
         yield batch
 
 
-def _forget_stopped_workers(loader: Iterable[Any]) -> None:
-    """Have a DataLoader whose persistent workers a worker's error stopped (``stop_loader_workers``) start new ones
-    at its next pass: it would iterate the stopped ones again, and fail on their closed queues."""
-    if isinstance(loader, DataLoader) and getattr(loader._iterator, "_shutdown", False):
+def _stop_workers(loader: Iterable[Any], source: Iterator[Any]) -> None:
+    """Stop the worker processes of ``loader``'s pass ``source``, which a failure ended, and have a DataLoader that
+    keeps persistent ones start new ones at its next pass.
+
+    The error's traceback holds the pass: its workers would live on, each with its copy of the dataset, until
+    Python's garbage collector freed the error (an interactive session keeps the last one), and torch stopping them
+    from there waits 5 s a worker, stalling whatever the process was doing at that moment. A DataLoader would iterate
+    stopped persistent workers again, and fail on their closed queues.
+    """
+    shutdown = getattr(source, "_shutdown_workers", None)  # a pass with worker processes (torch's own name)
+    if shutdown is None:
+        return
+    shutdown()
+    if isinstance(loader, DataLoader) and loader._iterator is source:
         loader._iterator = None
 
 
