@@ -264,9 +264,10 @@ def test_a_layout_asked_for_is_not_checked_and_a_model_failing_either_way_raises
             raise ValueError("the model's own bug")
 
     net = Broken()
-    with Runtime(devices="cpu", precision="bf16-mixed") as rt, pytest.raises(ValueError, match="own bug"):
-        run(rt, net, 1)
-    assert is_nhwc(net.conv.weight) and rt.explain().channels_last.value is True
+    with Runtime(devices="cpu", precision="bf16-mixed") as rt:
+        with pytest.raises(ValueError, match="own bug"):
+            run(rt, net, 1)
+        assert is_nhwc(net.conv.weight) and rt.explain().channels_last.value is True
 
 
 def test_a_model_with_5d_tensors_beside_its_convolutions_is_laid_out_in_its_4d_ones():
@@ -545,6 +546,26 @@ def test_autos_nhwc_stays_inside_the_model_and_its_image_outputs_come_back_nchw(
     else:
         assert is_nhwc(out)  # asked for: the outputs are as the model gives them
     assert not net._forward_hooks  # closed: nothing of the run's stays on the model
+
+
+@pytest.mark.parametrize("given", ["auto", "on"])
+def test_a_closed_runtime_gives_autos_nhwc_model_back_nchw_and_keeps_a_layout_asked_for(monkeypatch, given):
+    # after `with rt:` the model's outputs came out NHWC (a .view failed) and safetensors refused its weights
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    net = conv_net()
+    with bf16_nhwc(compile="off", channels_last=given) as rt:
+        model, optimizer = rt.setup(net, lambda params: torch.optim.Adam(params, lr=0.01, fused=True))
+        step(rt, model, optimizer, rt.to_device(torch.randn(4, 3, 4, 4)))
+        assert is_nhwc(net[0].weight) and is_nhwc(optimizer.state[net[0].weight]["exp_avg"])
+    weight = net[0].weight
+    if given == "on":  # asked for: the model stays as the user asked it laid out
+        assert is_nhwc(weight) and is_nhwc(optimizer.state[weight]["exp_avg"])
+        return
+    assert weight.is_contiguous() and weight.grad is not None and weight.grad.is_contiguous()
+    assert optimizer.state[weight]["exp_avg"].is_contiguous()  # fused Adam reads it as flat memory, as the weight
+    assert all(t.is_contiguous() for t in net.state_dict().values())  # safetensors.save_file takes them
+    out = net[0](torch.randn(2, 3, 4, 4))
+    assert out.view(2, -1).shape == (2, 64)
 
 
 class EncodesDecodes(nn.Module):
