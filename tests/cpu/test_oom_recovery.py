@@ -21,10 +21,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import redline
-from redline.errors import OutOfMemory, TrainingError
+from redline.errors import OutOfMemory, TaskError, TrainingError
 from redline.plan import Choice
 from redline.runtime import snapshot
-from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
+from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent, batch_length
 from redline.runtime.precision import Precision
 from redline.runtime.strategy.single import SingleDevice
 from redline.train.summary import TrainSummary
@@ -319,6 +319,56 @@ def test_a_list_of_one_target_per_sample_is_split_with_its_samples_and_steps_as_
         split, seen = grads(2, which)
         assert seen == [([2, 4], ["image-0", "image-1"]), ([1, 3], ["image-2", "image-3"])]
         assert torch.allclose(split, whole, rtol=0, atol=1e-6), (split, whole)
+
+
+def detection_step(model: nn.Module, seen: list):
+    def step_fn(batch) -> torch.Tensor:
+        images, targets = ([s["image"] for s in batch], batch) if isinstance(batch, list) else batch
+        seen.append([tuple(image.shape) for image in images])
+        pairs = zip(images, targets, strict=True)
+        losses = [((model(image.mean((1, 2))) - t["boxes"]) ** 2).mean() for image, t in pairs]
+        return torch.stack(losses).mean()
+
+    return step_fn
+
+
+@pytest.mark.parametrize("form", ["zip", "dicts"])
+def test_a_batch_of_per_sample_images_and_targets_is_cut_by_sample_not_by_channel(form):
+    """torchvision's detection collation (``tuple(zip(*samples))``: a tuple of images of their own sizes, one of
+    target dicts) and a plain list of per-sample dicts hold 4 samples of 3 channels: cut by channel, each micro-batch
+    had every image, with one or two of its channels."""
+    gen = torch.Generator().manual_seed(0)
+    images = tuple(torch.randn(3, 5 + i, 5, generator=gen) for i in range(4))
+    targets = tuple({"boxes": torch.randn(i + 1, 1, generator=gen)} for i in range(4))
+    batch = (images, targets) if form == "zip" else [{"image": x, **t} for x, t in zip(images, targets, strict=True)]
+
+    def grads(micro_batch) -> tuple[torch.Tensor, list]:
+        rt = redline.Runtime(devices="cpu", compile="off", micro_batch=micro_batch)
+        torch.manual_seed(0)
+        model, _ = rt.setup(nn.Linear(3, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+        seen: list = []
+        rt.train_step(detection_step(model, seen), batch)
+        return model.weight.grad.clone(), seen
+
+    whole, _ = grads(None)
+    split, seen = grads(2)
+    assert seen == [[(3, 5, 5), (3, 6, 5)], [(3, 7, 5), (3, 8, 5)]]
+    assert torch.allclose(split, whole, rtol=0, atol=1e-6), (split, whole)
+
+
+def test_a_batch_whose_parts_agree_on_no_sample_count_is_refused_not_cut_by_channel():
+    images = tuple(torch.randn(3, 5 + i, 5) for i in range(4))
+    targets = tuple({"boxes": torch.randn(i + 1, 1)} for i in range(5))  # five targets for four images
+    rt = redline.Runtime(devices="cpu", compile="off", micro_batch=2)
+    model, _ = rt.setup(nn.Linear(3, 1), lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(TaskError, match=r"cannot tell how many samples(.|\n)*torch.stack\(images\)"):
+        rt.train_step(detection_step(model, []), (images, targets))
+
+
+def test_a_pair_of_dicts_holding_the_batch_is_read_as_its_fields():
+    ids, labels = torch.zeros(8, 5, dtype=torch.long), torch.zeros(8, dtype=torch.long)
+    assert batch_length(({"input_ids": ids}, {"labels": labels})) == 8  # not two samples
+    assert batch_length([{"input_ids": ids[i], "label": 1} for i in range(8)]) == 8
 
 
 # -- the memory snapshot ------------------------------------------------------------------------
