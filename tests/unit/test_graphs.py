@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random as py_random
 
 import pytest
 import torch
@@ -145,6 +146,37 @@ def test_graphs_that_match_say_by_how_much_and_a_random_forward_is_held_by_its_s
     net(torch.randn(3, 4))
     assert record.compared == "outputs and gradients match the model's own forward within 0"
     dropout = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+    random = GraphRecord(dropout, dropout.forward, capture=Capture())
+    random.use_graphed()
+    dropout(torch.randn(16, 4))
+    assert random.failed is None and "not compared by value" in random.compared
+
+
+class HostRandom(nn.Module):
+    """Teacher forcing by Python's ``random`` (or a step counter): a graph would capture one branch and replay it."""
+
+    def __init__(self, counter: bool) -> None:
+        super().__init__()
+        self.layer, self.counter, self.calls = nn.Linear(4, 4), counter, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.counter:
+            return self.layer(x) * self.calls
+        return self.layer(x) if py_random.random() < 0.5 else self.layer(x).relu()
+
+
+@pytest.mark.parametrize("counter", [False, True])
+def test_a_forward_random_on_the_host_is_refused_and_device_dropout_is_not(counter, caplog):
+    py_random.seed(1)  # draws 0.13, 0.85, 0.76: the second and third forwards take the other branch than the first
+    net = HostRandom(counter)
+    record = GraphRecord(net, net.forward, capture=Capture())
+    record.use_graphed()
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        net(torch.randn(3, 4))
+    assert record.failed is not None and "its randomness is the host's" in record.failed
+    assert "by inf" not in record.failed and "are not used" in caplog.text
+    dropout = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))  # draws from the device's generator: allowed
     random = GraphRecord(dropout, dropout.forward, capture=Capture())
     random.use_graphed()
     dropout(torch.randn(16, 4))

@@ -94,6 +94,11 @@ def forward_hooks_aside(module: nn.Module) -> Iterator[None]:
 # relative to the largest magnitude: kernels chosen apart round apart (TF32, bf16), a graph that reads or writes
 # the wrong memory differs by far more.
 TOLERANCE = 1e-2
+HOST_RANDOM = (
+    "the model's own forward gives another result each time even from the same random draws of the device: its "
+    "randomness is the host's (Python's random, a CPU tensor's draws, a step counter), which a graph would capture "
+    "once and replay forever"
+)
 
 
 def compare_with_eager(
@@ -102,13 +107,23 @@ def compare_with_eager(
     """Run ``sample`` through the module's own forward and through the graphs, each with its backward; return the
     largest relative difference of their outputs and gradients, and what it means (None: not comparable).
 
-    The own forward runs twice first: where those two differ (dropout draws anew), so would the graphs, and
-    only the shapes can be held against each other.
+    The own forward runs twice first: where those two differ (dropout draws anew), so would the graphs, and only the
+    shapes can be held against each other. It then runs a third time from the first's state of the random generator
+    of the sample's device: where that one differs too, the forward's randomness is not the device's (Python's
+    ``random``, a CPU tensor's draws, a step counter): a graph captures one branch of it and replays it forever, so
+    it is refused.
     """
+    generator = device_generator(sample)
+    drawn = generator.get_state()
     with kept_buffers(module):
         first = _outputs_and_grads(module, eager, sample)
         again = _outputs_and_grads(module, eager, sample)
         random = _difference(first, again)
+        if random is None or random > TOLERANCE:
+            generator.set_state(drawn)
+            host = _difference(first, _outputs_and_grads(module, eager, sample))
+            if host is None or host > TOLERANCE:
+                return float("inf"), HOST_RANDOM
         got = _outputs_and_grads(module, graphed, sample)
     if random is None or random > TOLERANCE:
         shapes = [tuple(t.shape) if t is not None else None for t in first]
@@ -119,6 +134,14 @@ def compare_with_eager(
     if worst is None or worst > TOLERANCE:
         return float("inf") if worst is None else worst, "their outputs or gradients differ from the model's own"
     return worst, f"outputs and gradients match the model's own forward within {worst:.1g}"
+
+
+def device_generator(sample: tuple[torch.Tensor, ...]) -> torch.Generator:
+    """The random generator of the device ``sample`` is on: the one dropout draws from, which a graph replays anew."""
+    device = sample[0].device
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def _outputs_and_grads(
@@ -343,7 +366,8 @@ class GraphRecord:
         self.seconds += time.perf_counter() - start
         self.captures += 1
         if worst is not None and worst > TOLERANCE:  # a graph that would train the model wrong is never used
-            self.stop(f"the graphs were captured, but {said} (by {worst:.3g} at most, more than {TOLERANCE:g})")
+            by = "" if said == HOST_RANDOM else f" (by {worst:.3g} at most, more than {TOLERANCE:g})"
+            self.stop(f"the graphs were captured, but {said}{by}")
             log.warning("CUDA graphs of %s are not used: %s", type(self.module).__name__, self.failed)
             return
         self.compared = said
