@@ -102,6 +102,49 @@ def test_a_batch_of_strings_counts_its_strings_as_its_samples_and_evaluation_wei
     assert summary.val_loss == pytest.approx(sum(per_sample) / len(val))
 
 
+class Boxes(nn.Module):
+    """A detection-shaped model: a tuple of 3-channel images of their own sizes in, one score per image out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, images: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.cat([self.head(image.mean((1, 2))) for image in images])
+
+
+def test_a_detection_batch_counts_its_images_as_its_samples_not_their_channels(tmp_path):
+    # torchvision's detection collation, tuple(zip(*samples)): the first image's 3 channels were counted as the
+    # batch's samples, so samples (and samples/s) read 3 per batch of 5 images, and evaluation weighed a batch of 2
+    # images as 3.
+    gen = torch.Generator().manual_seed(0)
+
+    def images(count: int, scale: float) -> list:
+        return [
+            (torch.randn(3, 4 + i % 3, 5, generator=gen), {"score": torch.tensor([scale * i])}) for i in range(count)
+        ]
+
+    def loss(outputs: torch.Tensor, targets: tuple[dict, ...]) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs, torch.cat([t["score"] for t in targets]))
+
+    val = images(7, 1.0)  # batches of 5 and 2
+    task = redline.Task(
+        model=Boxes, loss_fn=loss, train_data=images(10, 0.1), val_data=val,
+        collate_fn=lambda b: tuple(zip(*b, strict=True)), batch_size=5,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.0), name="boxes",
+    )  # fmt: skip
+    config = redline.TrainerConfig(
+        max_epochs=1, out_dir=tmp_path, progress=False, runtime=redline.RuntimeOptions(devices="cpu", precision="fp32")
+    )
+    with redline.Trainer(task, config) as trainer:
+        summary = trainer.fit()
+        model = trainer.model
+    with torch.no_grad():  # lr 0: the model is as built, and each image's squared error weighs one
+        errors = [(model((image,)) - target["score"]).square().item() for image, target in val]
+    assert summary.samples == 10
+    assert summary.val_loss == pytest.approx(sum(errors) / len(val), rel=1e-5)
+
+
 def test_the_bench_and_the_memory_estimate_collate_with_it_too():
     result = benchmark(sentences_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=1)
     assert [row.error for row in result.rows] == ["", "", ""]

@@ -24,8 +24,9 @@ import redline
 from redline.errors import OutOfMemory, TaskError, TrainingError
 from redline.plan import Choice
 from redline.runtime import snapshot
-from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent, batch_length
+from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
 from redline.runtime.precision import Precision
+from redline.runtime.samples import batch_length
 from redline.runtime.strategy.single import SingleDevice
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer

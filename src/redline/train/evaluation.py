@@ -15,10 +15,11 @@ from redline.config import positive_int
 from redline.errors import TaskError, describe_error, invalid
 from redline.parallel.collectives import all_reduce_sum, peers_said
 from redline.parallel.env import DistEnv
-from redline.runtime.contract import check_loss, count_samples, describe, metric_value, split_batch, user_code
+from redline.runtime.contract import check_loss, describe, metric_value, split_batch, user_code
 from redline.runtime.loading import read_batches
 from redline.runtime.oom import is_oom
 from redline.runtime.runtime import Runtime
+from redline.runtime.samples import count_batch
 from redline.task import Task
 from redline.task.definition import is_array
 from redline.train.data import eval_loader
@@ -58,7 +59,7 @@ def evaluate_model(
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)
             with user_code(where, outputs, targets, metric=True):
                 metric = metric_value(_numpy_read(task.metric(outputs, targets))) if task.metric is not None else 0.0
-            n = count_samples(inputs)
+            n = count_batch(inputs, targets)
             total_loss += loss.item() * n
             total_metric += metric * n
             count += n

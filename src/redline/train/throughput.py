@@ -14,8 +14,8 @@ from torch import nn
 from redline.hardware.catalog import GPUSpec, find_gpu, peak_tflops
 from redline.hardware.flops import count_train_flops, mfu, share_of_peak
 from redline.hardware.memory import WindowPeak
-from redline.runtime.contract import count_samples
 from redline.runtime.runtime import Runtime
+from redline.runtime.samples import count_batch
 from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
 
@@ -99,7 +99,8 @@ class Throughput:
             return
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
         self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
-        rows = count_samples(inputs)  # the FLOPs of a sample: a first batch may be an epoch's short last one (a resume)
+        # the FLOPs of a sample: a first batch may be an epoch's short last one (a resume)
+        rows = count_batch(inputs, targets)
         self._flops_per_sample = flops / rows if flops is not None and rows else None
         self._sync()
         self.start = self.clock()

@@ -32,11 +32,12 @@ from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote
 from redline.parallel.env import join_process_group, mark_finished, read_env
 from redline.plan.device import resolve_device
-from redline.runtime.contract import check_loss, count_samples, count_tokens, split_batch, user_code, users_failure
+from redline.runtime.contract import check_loss, count_tokens, split_batch, user_code, users_failure
 from redline.runtime.cycle import hang_watchdog
 from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
+from redline.runtime.samples import count_batch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
 from redline.train import resume
@@ -179,7 +180,7 @@ class Trainer:
         loss = self._forward_backward(run.rt, run.model, inputs, targets, run.pos).detach().reshape(())
         run.micro_loss = loss if run.micro_loss is None else run.micro_loss + loss
         run.pos.batches_in_epoch += 1
-        samples, tokens = count_samples(inputs), count_tokens(targets)
+        samples, tokens = count_batch(inputs, targets), count_tokens(targets)
         run.pos.samples += samples * self.env.world_size  # every rank takes an equal share of the global batch
         run.meter.count(samples, tokens)
         lr = float(run.optimizer.param_groups[0]["lr"])  # the rate this step applies, before the scheduler moves it
