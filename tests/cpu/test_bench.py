@@ -300,6 +300,20 @@ def test_the_matmul_a_row_is_measured_against_runs_with_its_own_tf32(monkeypatch
     assert explicit.mfu_measured == pytest.approx(explicit.tflops / 4.0)
 
 
+def test_a_bfloat16_model_in_fp32_rows_is_measured_against_a_bfloat16_matmul(monkeypatch):
+    # A model trained as it is in bfloat16 runs bf16 matmuls under fp32: its "of matmul" ratio was over an fp32 one.
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 16, generator=generator).bfloat16(), torch.randint(0, 4, (256,), generator=generator)
+    task = Task(model=lambda: nn.Linear(16, 4).bfloat16(), loss_fn=nn.functional.cross_entropy,
+                train_data=TensorDataset(x, y), batch_size=32, name="bf16")  # fmt: skip
+    asked: list[str] = []
+    monkeypatch.setattr(
+        "redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: asked.append(precision) or 4.0
+    )
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2, auto=False)
+    assert all(not row.error for row in result.rows) and set(asked) == {"bf16-mixed"}
+
+
 def test_a_row_that_outpaced_its_stalled_matmul_peak_gives_no_share(monkeypatch):
     monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: 1e-9)  # stalled
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,

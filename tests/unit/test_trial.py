@@ -3,6 +3,7 @@ that cover training steps only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -544,6 +545,46 @@ def test_a_run_without_mfu_says_why():
     assert meter._no_mfu(None, 1e9) == "unknown GPU: NVIDIA Imaginary 9000"
     h100 = find_gpu("NVIDIA H100 80GB HBM3")
     assert h100 is not None and meter._no_mfu(h100, None) == "the step's FLOPs could not be counted"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "peak", "matmul"),
+    [(torch.bfloat16, 989.4, "bf16-mixed"), (torch.float16, 989.4, "fp16-mixed"), (torch.float32, 494.7, "fp32"),
+     (torch.float64, None, None)],
+)  # fmt: skip
+def test_a_model_trained_as_it_is_in_fp32_is_measured_against_the_peak_of_its_parameters_dtype(
+    monkeypatch, dtype, peak, matmul
+):
+    # A bfloat16 model trained under precision="fp32" runs bf16 matmuls: its MFU was over the H100's TF32 peak
+    # (494.7), twice its true share, and its "of matmul" ratio over an fp32 matmul.
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=gen).to(dtype), torch.randn(64, 1, generator=gen).to(dtype))
+    task, clock = tiny_task(model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(dtype),
+                            train_data=data), FakeClock()  # fmt: skip
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    asked: list[str] = []
+    monkeypatch.setattr(
+        "redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: asked.append(precision)
+    )
+    meter = Throughput(rt, task, clock=clock)
+    inputs, targets = data.tensors[0][:16], data.tensors[1][:16]
+    meter.first_step_done(inputs, targets, model)
+    meter.count(16, 0)
+    clock.now += 0.1
+    meter.first_step_done(inputs, targets, model)
+    plan = rt.explain()
+    meter.rt = SimpleNamespace(device=torch.device("cuda"), facts=H100, precision=rt.precision,  # type: ignore[assignment]
+                               explain=lambda: dataclasses.replace(plan, tf32=Choice(True, "on")),
+                               training_compile_seconds=0.0)  # fmt: skip
+    monkeypatch.setattr(meter, "_sync", lambda: None)
+    figures = meter.totals()
+    assert figures.peak_tflops == peak
+    assert set(asked) == ({matmul} if matmul else set())  # the matmul is timed in the parameters' dtype, or not at all
+    if dtype == torch.float64:
+        assert figures.mfu_note == "the model trains float64 parameters, and no datasheet gives a float64 matmul peak"
 
 
 @pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])

@@ -16,7 +16,7 @@ from redline.bench.result import BenchRow
 from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
-from redline.hardware.flops import mfu, share_of_peak
+from redline.hardware.flops import matmul_precision, mfu, share_of_peak
 from redline.runtime.contract import count_tokens
 from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
@@ -35,7 +35,7 @@ def bench_rows(
     """The rows of one batch size's ``group``: each with its figures, or the error that failed it."""
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
-    peaks: dict[tuple[str, str, bool], float | None] = {}
+    peaks: dict[tuple[str, str | None, bool], float | None] = {}
     for setting in group:
         base = base_row(setting)
         if setting in failed:
@@ -88,7 +88,7 @@ def _figures(
     window: int,
     memory: PeakMemory,
     flops: int | None,
-    peaks: dict[tuple[str, str, bool], float | None],
+    peaks: dict[tuple[str, str | None, bool], float | None],
     loss: float | None,
 ) -> BenchRow:
     plan = runner.plan()
@@ -105,10 +105,11 @@ def _figures(
     achieved = flops * samples / base.batch_size if flops and samples else None
     facts = probe_device(torch.device(base.device))
     spec = find_gpu(facts.name) if facts.type == "cuda" else None
-    key = (base.device, precision, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
-    if achieved is not None and key not in peaks:
+    matmuls = matmul_precision(precision, runner.model)  # a bfloat16 model trained in fp32 runs at the bf16 peak
+    key = (base.device, matmuls, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
+    if achieved is not None and matmuls is not None and key not in peaks:
         with runner.scope():
-            peaks[key] = best_matmul_peak(torch.device(base.device), facts, precision)
+            peaks[key] = best_matmul_peak(torch.device(base.device), facts, matmuls)
     measured_peak = peaks.get(key)
     p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
     return dataclasses.replace(
@@ -123,7 +124,7 @@ def _figures(
         peak_mem_bytes=memory.peak,
         peak_mem_kind=memory.kind if memory.peak is not None else "",
         tflops=achieved / 1e12 if achieved is not None else None,
-        mfu=mfu(achieved, peak_tflops(spec, precision, tf32=tf32)) if achieved is not None and spec else None,
+        mfu=mfu(achieved, peak_tflops(spec, matmuls, tf32=tf32)) if achieved is not None and spec and matmuls else None,
         mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
         compile_s=runner.compile_seconds() if compiled else None,
         compile_cached=runner.compile_cached if compiled else None,

@@ -98,6 +98,27 @@ def measure_matmul_tflops(
 
 
 _MATMUL_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp32": torch.float32}
+_BY_DTYPE = {dtype: precision for precision, dtype in _MATMUL_DTYPES.items()}
+
+
+def matmul_precision(precision: str, model: nn.Module) -> str | None:
+    """The precision whose peak ``model``'s matmuls run at, under the run's ``precision``: its own under autocast
+    (bf16-mixed, fp16-mixed); under fp32, that of the dtype most of the trained parameters hold, since a bfloat16 or
+    float16 model trained as it is runs bf16 or fp16 matmuls, not fp32 ones. None where that dtype has no peak in
+    the catalog (float64): no datasheet and no matmul peak then stand for the run."""
+    if precision != "fp32":
+        return precision
+    dtype = trained_dtype(model)
+    return _BY_DTYPE.get(dtype) if dtype is not None else precision
+
+
+def trained_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype most of ``model``'s trained parameters hold, by element count; None where it trains none."""
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=lambda dtype: counts[dtype]) if counts else None
 
 
 def matmul_peak(device: torch.device, precision: str, *, blocks: int = 5) -> float | None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from redline.hardware.catalog import GPUSpec, find_gpu, peak_tflops
-from redline.hardware.flops import count_train_flops, mfu, share_of_peak
+from redline.hardware.flops import count_train_flops, matmul_precision, mfu, share_of_peak, trained_dtype
 from redline.hardware.memory import WindowPeak
 from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
@@ -63,6 +63,7 @@ class Throughput:
         self._compiled = 0.0  # the Runtime's training compile seconds at ``start``
         self._window_from = (0.0, 0, 0, 0)  # timed seconds, steps, samples and tokens at the log window's start
         self._memory = WindowPeak(rt.device)  # the first window starts here
+        self._model: nn.Module | None = None  # the trained model, whose parameters' dtype the matmuls may run in
 
     @contextlib.contextmanager
     def excluded(self, kind: str) -> Iterator[None]:
@@ -97,6 +98,7 @@ class Throughput:
         if self.start is not None:
             self.steps += 1
             return
+        self._model = model
         flops = count_train_flops(model, self.task.loss_fn, (inputs, targets))
         self.flops_per_step = flops * self.rt.options.grad_accum * self.world_size if flops is not None else None
         # the FLOPs of a sample: a first batch may be an epoch's short last one (a resume)
@@ -153,10 +155,11 @@ class Throughput:
         achieved = flops / elapsed if flops is not None else None
         plan = self.rt.explain()
         spec = find_gpu(self.rt.facts.name) if self.rt.device.type == "cuda" else None
-        peak = peak_tflops(spec, self.rt.precision.name, tf32=plan.tf32.value) if spec else None
+        precision = self._matmul_precision()  # a bfloat16 model trained in fp32 runs at the bf16 peak
+        peak = peak_tflops(spec, precision, tf32=plan.tf32.value) if spec and precision else None
         measured = None
-        if achieved is not None:
-            device, facts, precision = self.rt.device, self.rt.facts, self.rt.precision.name
+        if achieved is not None and precision is not None:
+            device, facts = self.rt.device, self.rt.facts
             measured = share_of_peak(achieved, best_matmul_peak(device, facts, precision))
             if measured is None:  # stalled, or the GPU is full: once more, over more blocks
                 measured = share_of_peak(achieved, best_matmul_peak(device, facts, precision, blocks=20))
@@ -170,11 +173,19 @@ class Throughput:
             mfu_note=None if peak is not None and achieved is not None else self._no_mfu(spec, flops),
         )
 
+    def _matmul_precision(self) -> str | None:
+        """The precision whose peak the run's matmuls run at (``matmul_precision``); the run's own before a step."""
+        name = self.rt.precision.name
+        return name if self._model is None else matmul_precision(name, self._model)
+
     def _no_mfu(self, spec: GPUSpec | None, flops: float | None) -> str:
         """Why the run has no MFU: no datasheet peak for its device and precision, or no FLOPs counted."""
-        device, precision = self.rt.device.type, self.rt.precision.name
+        device, precision = self.rt.device.type, self._matmul_precision()
         if device != "cuda":
             return f"no datasheet peak for {'a CPU' if device == 'cpu' else device.upper()}"
+        if precision is None and self._model is not None:
+            dtype = str(trained_dtype(self._model)).removeprefix("torch.")
+            return f"the model trains {dtype} parameters, and no datasheet gives a {dtype} matmul peak"
         if spec is None:
             return f"unknown GPU: {self.rt.facts.name}"
         if flops is None:
