@@ -95,6 +95,8 @@ def test_dense_not_sparse_peaks():
         ("NVIDIA L4", "l4"),
         ("NVIDIA L40S", "l40s"),
         ("AMD Instinct MI300X", "mi300x"),  # a ROCm build of torch names it so, as a "cuda" device
+        ("AMD Instinct MI300X VF", "mi300x"),  # the whole card in a cloud VM (Azure's ND MI300X v5)
+        ("NVIDIA A100-SXM-80GB", "a100-sxm4-80gb"),  # a driver's name for it, as MLPerf and collect_env log it
         ("Tesla T4", "t4"),
         ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
         ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
