@@ -104,7 +104,9 @@ def test_a_catalog_gpu_is_weighed_at_the_memory_torch_reads_on_it(name, reads, n
      ("GH200 144GB", "gh200-144gb"), ("tesla t4", "t4"), ("a10", "a10"),
      ("RTX 6000 Ada", "rtx-6000-ada"), ("MI300X", "mi300x"), ("AMD MI300X", "mi300x"),
      # a card's memory, and the words of the name torch reports, are words a person types too
-     ("T4 16GB", "t4"), ("L40S 48GB", "l40s"), ("B200 180GB", "b200"), ("a10 24gb", "a10")],
+     ("T4 16GB", "t4"), ("L40S 48GB", "l40s"), ("B200 180GB", "b200"), ("a10 24gb", "a10"),
+     # "sxm" for the A100's SXM4, the one SXM form it is sold in, as for the H100's SXM5
+     ("a100 sxm 80gb", "a100-sxm4-80gb"), ("A100 SXM 40GB", "a100-sxm4-40gb"), ("h100 sxm5", "h100-sxm")],
 )  # fmt: skip
 def test_a_gpu_is_found_by_the_words_a_person_types(name, expected) -> None:
     assert gpu_facts(name)[0].id == expected
@@ -121,7 +123,8 @@ def test_a_name_in_no_row_names_the_nearest_rows(name, nearest) -> None:
 
 @pytest.mark.parametrize(
     ("name", "row"),
-    [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("H100 80GB HBM3", "h100-sxm"), ("4090 24GB", "rtx-4090")],
+    [("4090", "rtx-4090"), ("rtx 6000", "rtx-6000-ada"), ("H100 80GB HBM3", "h100-sxm"), ("4090 24GB", "rtx-4090"),
+     ("v100 sxm 32gb", "v100-sxm2-32gb")],  # the V100 came in SXM2 and SXM3 (the DGX-2's), and the catalog lacks SXM3
 )  # fmt: skip
 def test_a_name_that_is_only_part_of_a_row_s_names_the_row_instead_of_taking_it(name, row) -> None:
     # "rtx 6000" is the 48 GB Ada card of the catalog, or the 24 GB Quadro RTX 6000 it lacks: weighing a model

@@ -187,10 +187,12 @@ def names_whole(name: str, spec: GPUSpec) -> bool:
     reported = (find_gpu(given, catalog=[spec]) for given in (name, _without_memory(name)))
     if set(_words(name)) == set(_words(spec.id)) or spec in reported:
         return True
-    typed = _compact(name)
+    typed, terms = _compact(name), _terms(name)
+    if "sxm" in terms:  # the A100 is sold in SXM4 form only and the H100 in SXM5; the V100 in SXM2 and SXM3 both
+        terms |= {"sxm4", "sxm5"}
     for label in (spec.id, spec.name):
         words = [word for word in _words(label) if word != "nvidia"]
-        if words and (set(words) <= _terms(name) or "".join(words) in typed):
+        if words and (set(words) <= terms or "".join(words) in typed):
             return True
     return False
 
