@@ -146,6 +146,19 @@ def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> N
 
 
 @pytest.mark.parametrize(
+    ("name", "family", "rows"),
+    [("hopper", "Hopper", "h200-sxm, h200-nvl, h100-sxm, h100-nvl, gh200-96gb, gh200-144gb, h100-pcie"),
+     ("ada", "Ada Lovelace", "l40s, l4, rtx-6000-ada, rtx-4090"), ("Ada Lovelace", "Ada Lovelace", "l40s, l4"),
+     ("volta", "Volta", "v100-sxm2-16gb"), ("cdna3", "CDNA 3", "mi300x"), ("blackwell", "Blackwell", "b200")],
+)  # fmt: skip
+def test_an_architecture_lists_every_card_of_it_not_those_that_hold_its_word(name, family, rows) -> None:
+    # "hopper" listed only the GH200s ("Grace Hopper" in their names), "ada" named rtx-6000-ada only in part
+    with pytest.raises(ConfigError, match=rf"(?s)--gpu '{name}' names the {family} architecture, not a card; "
+                       rf"the catalog's {family} cards: {rows}.*hint: name one"):  # fmt: skip
+        gpu_facts(name)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"batch_size": 0}, "batch_size=0"),

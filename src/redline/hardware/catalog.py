@@ -172,6 +172,9 @@ def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[G
     found = by_id or [s for s in [find_gpu(name, catalog=specs)] if s is not None]
     if found:
         return found
+    family = architecture_named(name, catalog=specs)
+    if family is not None:  # every row of it: "hopper" is in the GH200's name ("Grace Hopper") but not the H100's
+        return [s for s in specs if s.architecture == family]
     sizes = {w for w in wanted if _MEMORY.fullmatch(w)}
     reported = find_gpu(_without_memory(name), catalog=specs) if sizes else None
     if reported is not None and all(_its_memory(w, reported) for w in sizes):
@@ -179,6 +182,18 @@ def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[G
     held = [s for s in specs if wanted and all(_holds(s, w) for w in wanted)]
     whole = [s for s in held if names_whole(name, s)]
     return whole or held
+
+
+def architecture_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> str | None:
+    """The architecture of the catalog that ``name`` is made of the words of ("hopper", "Ada", "ada lovelace",
+    "cdna3"), or None where it names none."""
+    wanted = set(_words(name))
+    if not any(char.isalpha() for word in wanted for char in word):  # "3" is a word of "CDNA 3", not its name
+        return None
+    for family in dict.fromkeys(s.architecture for s in (load_catalog() if catalog is None else catalog)):
+        if wanted <= _terms(family):
+            return family
+    return None
 
 
 def names_whole(name: str, spec: GPUSpec) -> bool:

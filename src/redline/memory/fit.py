@@ -16,7 +16,14 @@ from torch import nn
 
 from redline.config import one_of, positive_int, positive_number
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
-from redline.hardware.catalog import GPUSpec, gpus_named, load_catalog, names_whole, nearest_gpus
+from redline.hardware.catalog import (
+    GPUSpec,
+    architecture_named,
+    gpus_named,
+    load_catalog,
+    names_whole,
+    nearest_gpus,
+)
 from redline.hardware.device import DeviceFacts
 from redline.memory.estimate import MemoryEstimate, estimate_memory, meta_model
 from redline.parallel.blocks import find_blocks
@@ -141,6 +148,13 @@ def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
     """Find a GPU in the catalog by id (``h100-sxm``), by the name torch reports, or by words of either
     (``RTX 4090``); a clear error for a name that fits no row, or several."""
     found = gpus_named(name)
+    family = architecture_named(name)
+    if family is not None:
+        ids = ", ".join(s.id for s in found)
+        raise ConfigError(
+            f"--gpu {name!r} names the {family} architecture, not a card; the catalog's {family} cards: {ids}\n"
+            f"hint: name one, e.g. --gpu {found[0].id}, or give the card's memory with --mem-gib"
+        )
     if len(found) > 1:
         ids = ", ".join(s.id for s in found)
         raise ConfigError(f"--gpu {name!r} could be any of: {ids}\nhint: name one, e.g. --gpu {found[0].id}")
