@@ -343,3 +343,14 @@ def test_a_row_whose_least_batch_is_more_than_the_training_set_predicts_none_and
     assert "FSDP over 8 GPUs: train_data holds 5 items, and a batch needs at least 8 (1 on each of 8 devices)" in (
         result.notes
     )
+    # and its table does not say "fits: yes" beside "largest batch: none": it has no batch to weigh
+    from rich.console import Console
+
+    from redline.render.memory import memory_tables
+
+    console = Console(width=200, record=True)
+    console.print(memory_tables(result)[-1])
+    fsdp = next(line for line in console.export_text().splitlines() if "FSDP over 8 GPUs" in line)
+    assert [cell.strip() for cell in fsdp.split("│")[4:6]] == ["n/a", "n/a"]
+    assert (result.rows[1].fits, result.rows[0].fits) == (None, True)
+    assert result.rows[1].to_dict()["fits"] is None

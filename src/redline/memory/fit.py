@@ -54,17 +54,20 @@ _SEARCHES = 16
 class Fit:
     """One way to run the step (``label``) weighed against ``available`` bytes: the estimate at the batch asked
     for, whether it fits, and the largest batch predicted to fit (None when not even one sample does), no
-    larger than ``cap``: the training set's size, the largest batch a run has."""
+    larger than ``cap``: the training set's size, the largest batch a run has. ``trains`` is False where
+    train_data holds too few samples for one batch of this way (a sample on each of several GPUs): it has no
+    batch to weigh, so ``fits`` is None."""
 
     label: str
     estimate: MemoryEstimate
     available: int
     largest_batch: int | None
     cap: int | None = None
+    trains: bool = True
 
     @property
-    def fits(self) -> bool:
-        return self.estimate.total <= self.available
+    def fits(self) -> bool | None:
+        return self.estimate.total <= self.available if self.trains else None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -355,7 +358,9 @@ def fit_memory(
             notes.append(f"{label}: train_data holds {_items(cap or 0)}, and a batch needs at least {least} ({each})")
         else:
             largest = largest_batch(estimate_at, first, available, multiple=world, cap=row_cap, smallest=least)
-        rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap))
+        trains = row_cap is None or row_cap >= least
+        rows.append(Fit(label=label, estimate=first, available=available, largest_batch=largest, cap=row_cap,
+                        trains=trains))  # fmt: skip
     notes += _batch_notes(batch, cap, grad_accum)
     weighed = ", ".join(f"{row.estimate.batch_size} ({row.label})" for row in rows if row.estimate.batch_size > batch)
     if one_sample:  # the table's batch column would differ, or its largest batch stop at 2, unexplained

@@ -48,7 +48,7 @@ def memory_tables(result: MemoryFit) -> list[Table]:
             row.label,
             str(row.estimate.batch_size),
             size(row.estimate.total),
-            "yes" if row.fits else "no",
+            "n/a" if row.fits is None else "yes" if row.fits else "no",  # n/a: too little data, as a note says
             _largest(row),
         )
     tables.append(fits)
@@ -56,6 +56,8 @@ def memory_tables(result: MemoryFit) -> list[Table]:
 
 
 def _largest(row: Fit) -> str:
+    if not row.trains:
+        return "n/a"
     if not row.largest_batch:
         return "none"
     if row.largest_batch != row.cap:
