@@ -145,6 +145,14 @@ def test_a_name_several_gpus_fit_lists_them_instead_of_guessing(name, rows) -> N
         gpu_facts(name)
 
 
+def test_a_mig_slice_or_several_gpus_say_what_to_give_instead() -> None:
+    # a MIG slice said "not in the GPU catalog", and "h100,l4" was looked up as one name
+    with pytest.raises(ConfigError, match=r"(?s)is a MIG slice of an NVIDIA H100 SXM5 80GB.*--mem-gib .*'10gb'"):
+        gpu_facts("NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    with pytest.raises(ConfigError, match=r"(?s)--gpu 'h100,l4' names several GPUs; a call weighs one.*per call"):
+        gpu_facts("h100,l4")
+
+
 @pytest.mark.parametrize(
     ("name", "family", "rows"),
     [("hopper", "Hopper", "h200-sxm, h200-nvl, h100-sxm, h100-nvl, gh200-96gb, gh200-144gb, h100-pcie"),

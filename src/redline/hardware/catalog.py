@@ -157,6 +157,16 @@ def find_gpu(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec 
     return best[0][1]
 
 
+_MIG = re.compile(r"(.+?)\s+MIG\s+\d+g\.\d+gb", re.IGNORECASE)  # "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+
+
+def mig_parent(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> GPUSpec | None:
+    """The catalog row of the card that ``name``, a MIG slice's name as torch reports it, is a slice of; None where
+    ``name`` is no MIG slice or its card is unknown. A slice's share of the card's peak is not in any datasheet."""
+    slice_of = _MIG.fullmatch(" ".join(name.split()))
+    return find_gpu(slice_of.group(1), catalog=catalog) if slice_of else None
+
+
 def gpus_named(name: str, *, catalog: Iterable[GPUSpec] | None = None) -> list[GPUSpec]:
     """Return the rows a person may mean by ``name``: the row of that id, the row of the name torch reports,
     else every row whose id, name or reported name holds each of ``name``'s words ("RTX 4090", "h200", "Tesla V100"),

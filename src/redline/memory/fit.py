@@ -21,6 +21,7 @@ from redline.hardware.catalog import (
     architecture_named,
     gpus_named,
     load_catalog,
+    mig_parent,
     names_whole,
     nearest_gpus,
 )
@@ -150,6 +151,14 @@ def _next_size(
 def gpu_facts(name: str) -> tuple[GPUSpec, DeviceFacts]:
     """Find a GPU in the catalog by id (``h100-sxm``), by the name torch reports, or by words of either
     (``RTX 4090``); a clear error for a name that fits no row, or several."""
+    if "," in name:
+        raise ConfigError(f"--gpu {name!r} names several GPUs; a call weighs one\nhint: one --gpu per call")
+    if (card := mig_parent(name)) is not None:
+        raise ConfigError(
+            f"--gpu {name!r} is a MIG slice of an {card.name}: it holds a share of the card's memory, which the "
+            f"catalog does not give\nhint: give the memory torch reports on the slice with --mem-gib (a little under "
+            f"the '{name.split('.')[-1]}' of its name)"
+        )
     found = gpus_named(name)
     family = architecture_named(name)
     if family is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.hardware.catalog import GPUSpec, find_gpu, peak_tflops
+from redline.hardware.catalog import GPUSpec, find_gpu, mig_parent, peak_tflops
 from redline.hardware.flops import count_train_flops, matmul_precision, mfu, share_of_peak, trained_dtype
 from redline.hardware.memory import WindowPeak
 from redline.runtime.runtime import Runtime
@@ -186,6 +186,8 @@ class Throughput:
         if precision is None and self._model is not None:
             dtype = str(trained_dtype(self._model)).removeprefix("torch.")
             return f"the model trains {dtype} parameters, and no datasheet gives a {dtype} matmul peak"
+        if spec is None and (card := mig_parent(self.rt.facts.name)) is not None:
+            return f"{self.rt.facts.name} is a MIG slice of an {card.name}, whose share of the card's peak is unknown"
         if spec is None:
             return f"unknown GPU: {self.rt.facts.name}"
         if flops is None:
