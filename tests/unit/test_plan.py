@@ -173,6 +173,24 @@ def test_tf32(facts, expected):
     assert resolve_tf32(facts).value is expected
 
 
+def test_tf32_on_rocm_is_on_only_where_hipblaslt_is_allowed_it(monkeypatch):
+    # torch ignores allow_tf32 on ROCm without HIPBLASLT_ALLOW_TF32=1: an MI300X's fp32 matmuls then run in full
+    # fp32, and an MFU over its TF32 peak (653.7 TFLOP/s, 4x the fp32 one) read a quarter of the truth
+    import redline.hardware.device as device
+
+    mi300x = DeviceFacts(type="cuda", name="AMD Instinct MI300X", capability=(9, 4), mem_gib=192, rocm_tf32=False)
+    off = resolve_tf32(mi300x)
+    assert off.value is False and "HIPBLASLT_ALLOW_TF32=1" in off.reason
+    assert resolve_tf32(dataclasses.replace(mi300x, rocm_tf32=True)).value is True
+    monkeypatch.setattr(device.torch, "__version__", "2.9.1+rocm6.4")
+    monkeypatch.delenv("HIPBLASLT_ALLOW_TF32", raising=False)
+    assert device.rocm_tf32() is False
+    monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", "1")
+    assert device.rocm_tf32() is True
+    monkeypatch.setattr(device.torch, "__version__", "2.5.1+rocm6.2")  # before torch turned TF32 on for ROCm
+    assert device.rocm_tf32() is False
+
+
 # -- compile ------------------------------------------------------------------------------------
 
 

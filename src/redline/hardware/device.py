@@ -44,6 +44,7 @@ class DeviceFacts:
     cpu_count: int = 1
     cpu_isa: CpuIsa = "other"  # of the host CPU, whichever device the facts describe
     cpu_isa_faked: bool = False  # True when REDLINE_CPU set cpu_isa instead of the probe
+    rocm_tf32: bool | None = None  # on a ROCm build of torch, whether its fp32 matmuls may run as TF32; None on CUDA
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
@@ -96,6 +97,14 @@ def usable_cpu_count() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def rocm_tf32() -> bool:
+    """Whether a ROCm build of torch runs fp32 matmuls as TF32 when asked: from torch 2.6 on, and only with
+    HIPBLASLT_ALLOW_TF32=1 in the environment; without it torch's allow_tf32 is ignored and they run in full fp32
+    (aten/src/ATen/Context.cpp, allowTF32CuBLAS; https://github.com/pytorch/pytorch/pull/143549)."""
+    allowed = os.environ.get("HIPBLASLT_ALLOW_TF32") == "1"  # c10's check_env: "1" on, "0" off, else ignored
+    return allowed and torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
+
+
 def probe_device(device: torch.device) -> DeviceFacts:
     """Read the facts of ``device``; for CUDA this initialises the CUDA runtime.
 
@@ -115,6 +124,7 @@ def probe_device(device: torch.device) -> DeviceFacts:
             cpu_count=cpus,
             cpu_isa=isa,
             cpu_isa_faked=faked,
+            rocm_tf32=rocm_tf32() if torch.version.hip else None,
         )
     if device.type == "mps":
         return DeviceFacts(type="mps", name="Apple MPS", cpu_count=cpus, cpu_isa=isa, cpu_isa_faked=faked)

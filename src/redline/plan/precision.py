@@ -84,6 +84,8 @@ def resolve_tf32(facts: DeviceFacts) -> Choice[bool]:
         return Choice(False, f"not available on {facts.type}")
     if facts.capability is None or facts.capability < (8, 0):
         return Choice(False, f"{facts.name} predates Ampere; no TF32 units")
+    if facts.rocm_tf32 is False:  # torch ignores allow_tf32 there: the fp32 peak is the one its matmuls reach
+        return Choice(False, "ROCm runs fp32 matmuls in full fp32 unless HIPBLASLT_ALLOW_TF32=1 is set (torch 2.6+)")
     return Choice(True, f"{facts.name} has TF32 tensor cores; fp32 matmuls run on them")
 
 
