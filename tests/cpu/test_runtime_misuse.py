@@ -39,6 +39,43 @@ def test_a_closed_runtime_refuses_to_train_on():
         rt.train_step(lambda batch: loss_of(model, 2), None)
 
 
+def test_a_closed_runtime_leaves_no_hook_on_the_users_optimizer_and_runtimes_built_again_pile_none_up():
+    # A notebook re-running its cell builds a Runtime again on the same optimizer: each one left a step hook on it.
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        with redline.Runtime(devices="cpu", compile="off", precision="fp32") as rt:
+            trained, stepped = rt.setup(model, optimizer)
+            rt.backward(loss_of(trained, step))
+            rt.step(stepped)
+            assert len(optimizer._optimizer_step_pre_hooks) >= 1  # the run watches its optimizer's steps
+        assert len(optimizer._optimizer_step_pre_hooks) == 0, step
+
+
+def test_an_fp16_guard_stopped_amid_a_step_stops_refusing_once_its_runtime_closes():
+    # Interrupted between rt.backward and rt.step (a notebook's Ctrl-C), a fp16 Runtime's guard stayed armed on the
+    # user's optimizer for good: every later step, a plain loop's or the next Runtime's, was refused as unscaled.
+    # fp16-mixed runs on CUDA; its Precision runs on a CPU grad scaler here, as the Runtime builds it.
+    from redline.plan import Choice
+    from redline.runtime.precision import Precision
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision("fp16-mixed", "cpu")
+    precision.guard(optimizer, Choice("fp16-mixed", "asked for"))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    precision.backward(loss)
+    with pytest.raises(ConfigError, match="called directly under fp16-mixed"):
+        optimizer.step()  # armed while its Runtime lives
+    precision.release()  # what Runtime.close does
+    optimizer.step()
+    with redline.Runtime(devices="cpu", compile="off", precision="fp32") as rt:
+        trained, stepped = rt.setup(model, optimizer)
+        rt.backward(loss_of(trained, 0))
+        rt.step(stepped)
+
+
 def test_a_backward_before_setup_and_a_model_given_to_step_are_refused_with_the_fix():
     # the backward ran, with no precision, accumulation or sync applied; step(model) spoke of "an optimizer (Linear)"
     rt = redline.Runtime(devices="cpu", compile="off", precision="fp32")

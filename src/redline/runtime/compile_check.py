@@ -450,14 +450,12 @@ class CompileCheck:
             return record.turned_off(planned)
         missed = self._graphs_missed()
         if missed:
-            record.use_eager()
-            record.release()
+            record.drop()
             return Choice(False, f"{planned}, but off: {missed}")
         if kept == GRAPHS:
             record.use_graphed()
             captured = f"captured in {record.seconds:.2f} s; {record.compared}"
             return Choice(True, f"{planned}; confirmed on this run: {figures[GRAPHS]} ({captured})")
-        record.use_eager()
-        record.release()
+        record.drop()
         instead = "the compiled forward" if kept == COMPILED else "the model's own forward"
         return Choice(False, f"{planned}, but on this run {figures[GRAPHS]}: {instead} {after}")

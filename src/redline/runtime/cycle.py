@@ -63,6 +63,7 @@ class Cycle:
         self._paces: dict[int, list[tuple[weakref.ref[LRScheduler], int]]] = {}  # each scheduler's last step seen
         self._pace_warned = False
         self.closed = False  # the Runtime was closed: no more training calls
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # on the set-up optimizers: removed at close
         # amid a cycle, with gradients at their last step call: each gradient's identity and version, which
         # optimizer.zero_grad(set_to_none=False) changes (it zeroes them in place) as surely as freeing them
         self._holding: dict[int, tuple[torch.optim.Optimizer, list[tuple[int, int]]]] = {}
@@ -72,11 +73,19 @@ class Cycle:
         self.direct_step: Callable[[], None] | None = None
         self._stepping = False  # rt.step is stepping an optimizer now
 
+    def close(self) -> None:
+        """Refuse training calls from now on, and take the hooks off the set-up optimizers: a notebook that builds a
+        Runtime again on the same optimizer would pile up one per run."""
+        self.closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     def adopt(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
         """Record ``optimizer`` as one that ``setup`` returned (for ``model``: the latest setup's optimizer is its, and
         the one an earlier setup gave it steps no more)."""
         if optimizer not in self._set_up:  # held weakly: a copy of the optimizer's state carries no Runtime
-            optimizer.register_step_pre_hook(WeakHook(self, "_optimizer_step"))
+            self._hooks.append(optimizer.register_step_pre_hook(WeakHook(self, "_optimizer_step")))
         self._set_up.add(optimizer)
         if model is not None:
             _, before = self._trains.get(id(model), (model, optimizer))

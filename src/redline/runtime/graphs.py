@@ -248,8 +248,7 @@ class GraphRecord:
     def stop(self, reason: str) -> None:
         """Turn graphs off for the rest of the run, for ``reason`` (the Plan says it), and free their memory."""
         self.failed = reason
-        self.use_eager()
-        self.release()
+        self.drop()
 
     def use_eager(self) -> None:
         """Have the module run its own forward from now on."""
@@ -257,6 +256,11 @@ class GraphRecord:
             self.module.forward = self.eager
             self.on = False
         self._disarm()
+
+    def drop(self) -> None:
+        """Have the module run its own forward for good, and let go of the graphs and their memory."""
+        self.use_eager()
+        self.release()
 
     def release(self) -> None:
         """Let go of the captured graphs and their memory pool (a later eligible call captures anew)."""

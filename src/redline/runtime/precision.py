@@ -23,6 +23,7 @@ import torch
 from redline.errors import ConfigError
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
+from redline.runtime.weak_hook import WeakHook
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _NOTHING = contextlib.nullcontext()
@@ -42,6 +43,7 @@ class Precision:
         self._scaled = False  # a scaled backward ran that no step has unscaled yet
         self._stepping = False
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the guarded ones
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # on the guarded ones: removed at close
         self._stepped: set[int] = set()  # optimizers stepped since the scale was last updated
         self._unscaled: set[int] = set()  # optimizers whose gradients were unscaled for the coming step
 
@@ -132,9 +134,17 @@ class Precision:
             refuse_half_parameters(optimizer, self.name)
         if self.scaler is not None:
             self._optimizers.add(optimizer)
-            optimizer.register_step_pre_hook(self._refuse_scaled_step)
+            # held weakly and removed at close: a Runtime stopped amid a step (a notebook's interrupt after
+            # rt.backward) would otherwise refuse every later step of the user's optimizer, another Runtime's too
+            self._hooks.append(optimizer.register_step_pre_hook(WeakHook(self, "_refuse_scaled_step")))
         said = parameter_dtypes(optimizer)
         return chosen if not said or said in chosen.reason else Choice(chosen.value, f"{chosen.reason}; {said}")
+
+    def release(self) -> None:
+        """Take this precision's hooks off the optimizers it guarded (a closed Runtime's)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _refuse_scaled_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._scaled and not self._stepping:

@@ -151,7 +151,7 @@ class Runtime(RunState):
         self._built_options = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
-        self._closed, self._entered = False, 0
+        self._entered = 0
         self._compile_records: list[CompileRecord] = []
         self._compile_check: CompileCheck | None = None  # auto compile, graphs and precision, checked on first steps
         self._graphs: GraphRecord | None = None  # the model whose training forward and backward may replay CUDA graphs
@@ -167,7 +167,7 @@ class Runtime(RunState):
         only); nothing happens twice. ``setup()`` starts it if it was not; ``close()`` undoes it."""
         if self._started is not None:
             return self
-        if self._closed:
+        if self._cycle.closed:
             raise ConfigError(
                 "this Runtime was closed: its process-wide settings were put back and its process group left\n"
                 "hint: build a new Runtime for another run"
@@ -200,11 +200,11 @@ class Runtime(RunState):
 
     def close(self) -> None:
         """Put back the process-wide settings and leave the process group this Runtime joined (idempotent)."""
-        self._closed = self._cycle.closed = True  # started, paused or never started: it neither starts nor trains again
+        self._cycle.close()  # started, paused or never started: it neither starts nor trains, nor hooks an optimizer
+        self.precision.release()  # nor does the fp16 guard
         self.pause()
         if self._graphs is not None:  # the model runs its own forward again, and the graphs' memory is let go
-            self._graphs.use_eager()
-            self._graphs.release()
+            self._graphs.drop()
         if self._compile_check is not None:  # the model keeps no hook of the run's
             self._compile_check.close()
         self._layout.close()
@@ -232,7 +232,7 @@ class Runtime(RunState):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
         check_trainable(model)
         check_materialized(model)
-        if self.settings.seed is not None and not self._closed:  # not started yet: the seed comes now
+        if self.settings.seed is not None and not self._cycle.closed:  # not started yet: the seed comes now
             warn_seeded_late(self.settings.seed)
         self.start()
         again = any(model is known for known in self._models)  # the set-up model, with a new optimizer

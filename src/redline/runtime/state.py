@@ -211,7 +211,7 @@ class RunState:
     ) -> tuple[Strategy, nn.Module, torch.optim.Optimizer]:
         """The set-up strategy, model and optimizer, refused where there are none (or several models); ``collective``:
         the call that needs every rank, refused on a closed Runtime of several processes, which left their group."""
-        if collective is not None and self._closed and self.env.world_size > 1:
+        if collective is not None and self._cycle.closed and self.env.world_size > 1:
             raise ConfigError(
                 f"{collective} on a closed Runtime of {self.env.world_size} processes: it left the process group, so "
                 "each rank would write alone, at once, into one checkpoint\nhint: call it inside the `with` block (or "

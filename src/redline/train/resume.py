@@ -320,7 +320,7 @@ def ended_run(
     elif max_steps is not None and max_steps < pos.step:  # a count taken as "more steps", as above
         further = f"to train {max_steps} more, pass --max-steps {pos.step + max_steps} (it counts from the start)"
     else:
-        further = "to train it further, raise --max-steps or --epochs"
+        further = "to train it further, raise --max-steps or --epochs (max_steps or max_epochs in Python)"
     if ended.stopped.startswith("signal"):  # stopped early, and this run asks for no more steps than it has
         log.warning(
             "the run in %s was stopped at step %d (by %s), as far as this run's --max-steps or --epochs goes or "
