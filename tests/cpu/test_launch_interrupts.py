@@ -37,10 +37,12 @@ def wait_for(condition, seconds: float) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers in /proc")
 def test_torchruns_handler_stops_on_the_first_signal_and_each_later_sigint_goes_to_the_workers(tmp_path):
+    """Copies of the first SIGINT within SAME_CTRL_C_S are that one; a later SIGINT is a second."""
     from torch.distributed.elastic.multiprocessing import api
 
     torchruns = api._terminate_process_handler
-    interrupts = Interrupts(tmp_path / "finished")
+    now = [100.0]
+    interrupts = Interrupts(tmp_path / "finished", clock=lambda: now[0])
     worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert worker.stdout.readline() == "ready\n"
@@ -49,6 +51,10 @@ def test_torchruns_handler_stops_on_the_first_signal_and_each_later_sigint_goes_
             with pytest.raises(api.SignalException):  # the first: torchrun's agent sends it on and waits
                 handle(signal.SIGINT, None)
             assert interrupts.aborted is None and not (tmp_path / "finished.interrupted").exists()
+            now[0] += 0.01
+            handle(signal.SIGINT, None)  # the first again (`timeout` passes the terminal's on): no second
+            assert interrupts.aborted is None and not (tmp_path / "finished.interrupted").exists()
+            now[0] += 1.0
             handle(signal.SIGINT, None)  # the second: to the workers, and the agent's wait goes on
             assert worker.stdout.readline() == "SIGINT 1\n"
             assert interrupts.aborted == "stopping" and (tmp_path / "finished.interrupted").exists()

@@ -8,7 +8,9 @@ evaluation and results. Here every SIGINT after the first stopping signal is pas
 itself, whose own rule is that a second one aborts them, and the agent's wait goes on until they exit.
 
 The terminal's Ctrl-C reaches the launcher alone: torchrun starts each worker in a session of its own, so
-each Ctrl-C reaches a worker once, through the launcher.
+each Ctrl-C reaches a worker once, through the launcher. One Ctrl-C may still reach the launcher several times
+within milliseconds (``timeout`` passes on the SIGINT the terminal sent its whole group): a SIGINT within
+SAME_CTRL_C_S of the first stopping signal is that one again, not a second.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
 from redline.launch.stopped import Aborted
 from redline.parallel.env import FINISHING, interrupted_mark
+
+SAME_CTRL_C_S = 0.5  # a person's second Ctrl-C comes later; copies of one signal come within milliseconds
 
 
 class Interrupts:
@@ -32,9 +37,11 @@ class Interrupts:
     (rank 1 is not told of rank 0's checkpoints), and marks whether the run's steps were done (``finishing``).
     """
 
-    def __init__(self, finished: Path) -> None:
+    def __init__(self, finished: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.mark = interrupted_mark(finished)
+        self.clock = clock
         self.stopping = False  # torchrun's agent is stopping the workers, for a first signal
+        self.first_at = 0.0  # when the first stopping signal came, on ``clock``
         self.count = 0  # the SIGINTs received from the first stopping signal on (the first among them)
 
     @property
@@ -63,6 +70,8 @@ class Interrupts:
             return
 
         def handle(signum: int, frame: FrameType | None) -> None:
+            if self.stopping and signum == signal.SIGINT and self.clock() - self.first_at < SAME_CTRL_C_S:
+                return  # the first one again, passed on by a process between the terminal and the launcher
             self.count += signum == signal.SIGINT
             if self.stopping and signum == signal.SIGINT:
                 with contextlib.suppress(OSError):
@@ -71,7 +80,7 @@ class Interrupts:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(worker, signal.SIGINT)  # its group, as torchrun signals it: its loader workers too
                 return  # the agent's wait for the workers goes on
-            self.stopping = True
+            self.stopping, self.first_at = True, self.clock()
             original(signum, frame)  # raises SignalException: the agent sends the signal on and waits
 
         api._terminate_process_handler = handle
