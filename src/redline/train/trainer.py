@@ -454,8 +454,9 @@ class Trainer:
         """
         run.beat("evaluate")
         where = f"evaluation at step {run.pos.step}"
-        with run.meter.excluded("eval"):
-            run.metrics = evaluate_model(self.task, run.model, run.rt, self.batch_size, self.env, where=where)
+        with run.meter.excluded("eval"):  # each rank in batches of its share of a training batch, as a step holds
+            size = self.batch_size // self.env.world_size
+            run.metrics = evaluate_model(self.task, run.model, run.rt, size, self.env, where=where)
         self._evaluated_at = run.pos.step
         run.scheduler.after_evaluation(run.metrics)  # a ReduceLROnPlateau steps on it
         run.loggers.log_eval(run.pos.step, run.metrics)
@@ -476,7 +477,7 @@ class Trainer:
         if self.task.val_data is None:
             raise ConfigError(f"task {self.task.name!r} has no val_data to evaluate on")
         rt, model = self._ready()
-        return evaluate_model(self.task, model, rt, self.batch_size, self.env)
+        return evaluate_model(self.task, model, rt, max(1, self.batch_size // self.env.world_size), self.env)
 
     def predict(self, data: Any, batch_size: int | None = None) -> Any:
         """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
