@@ -66,6 +66,15 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         _each_bucket(tensors, lambda flat: torch_dist.broadcast(flat, src=src))
 
 
+def share_buffers(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers of ``model`` (BatchNorm's running statistics), in place (no-op alone).
+
+    DDP broadcasts them at each training forward; FSDP never does, so each rank's drift apart with its own
+    batches. Collective: every rank calls it, before it evaluates or saves a sharded checkpoint.
+    """
+    broadcast_tensors([buffer.data for buffer in model.buffers()])
+
+
 def _each_bucket(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
     """Run ``collective`` on each bucket of ``tensors`` flattened into one tensor, then copy the result back."""
     for bucket in _buckets(tensors):

@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from redline.config import positive_int
 from redline.errors import TaskError, describe_error, invalid
-from redline.parallel.collectives import all_reduce_sum, peers_said
+from redline.parallel.collectives import all_reduce_sum, peers_said, share_buffers
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, describe, metric_value, split_batch, user_code
 from redline.runtime.loading import read_batches
@@ -38,7 +38,8 @@ def evaluate_model(
 ) -> dict[str, float | None]:
     """Return the mean validation loss and metric, weighting each batch by its size.
 
-    Under several processes each rank evaluates its own contiguous shard and the sums are added
+    Under several processes each rank evaluates its own contiguous shard, with rank 0's buffers (BatchNorm's
+    running statistics), and the sums are added
     over the ranks, so every sample counts exactly once. A compiled model evaluates through its own
     (eager) forward, under the run's autocast: a partial last batch would otherwise compile again.
     ``where`` starts an error's message.
@@ -48,6 +49,7 @@ def evaluate_model(
     total_loss, total_metric, count = 0.0, 0.0, 0
     # a rank that stopped first breaks the sums' all-reduce (or FSDP's gathers in the forward): said as a step says it
     with peers_said(where, PEER_STOPPED), _eval_mode(model), _out_of_memory(where, batch_size):
+        share_buffers(model)  # FSDP keeps each rank's own; the model evaluated is rank 0's, as a checkpoint holds it
         val = eval_loader(
             task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
         )

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from redline.checkpoint import Checkpoint, whole
 from redline.checkpoint.sharded import load_sharded, save_sharded
 from redline.errors import ConfigError
-from redline.parallel.collectives import rank_and_world, run_on_rank0
+from redline.parallel.collectives import rank_and_world, run_on_rank0, share_buffers
 from redline.parallel.fsdp import full_state, full_weights, load_full_state, shard
 from redline.plan.precision import PrecisionName
 from redline.plan.strategy import StrategyName
@@ -88,6 +88,7 @@ class FSDP:
         self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, runtime_state: dict[str, Any],
         extra: dict[str, Any], plan: dict[str, Any], step: int | None,
     ) -> Checkpoint:  # fmt: skip
+        share_buffers(model)  # each rank's own running statistics: DCP would keep any one rank's
         return save_sharded(path, model, optimizer, runtime_state=runtime_state, extra=extra, plan=plan, step=step)
 
     def load(
