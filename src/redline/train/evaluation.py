@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -13,7 +14,7 @@ from torch.utils.data import IterableDataset, default_collate
 
 from redline.config import positive_int
 from redline.errors import TaskError, describe_error, invalid
-from redline.parallel.collectives import all_reduce_sum, peers_said, share_buffers
+from redline.parallel.collectives import all_reduce_max, all_reduce_sum, peers_said, share_buffers
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, describe, metric_value, split_batch, user_code
 from redline.runtime.loading import read_batches
@@ -22,7 +23,7 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
 from redline.task import Task
 from redline.task.definition import is_array
-from redline.train.data import eval_loader
+from redline.train.data import eval_loader, is_stream
 from redline.train.failures import PEER_STOPPED, EvaluationOutOfMemory
 
 
@@ -38,11 +39,11 @@ def evaluate_model(
 ) -> dict[str, float | None]:
     """Return the mean validation loss and metric, weighting each batch by its size.
 
-    Under several processes each rank evaluates its own contiguous shard, with rank 0's buffers (BatchNorm's
-    running statistics), and the sums are added
-    over the ranks, so every sample counts exactly once. A compiled model evaluates through its own
-    (eager) forward, under the run's autocast: a partial last batch would otherwise compile again.
-    ``where`` starts an error's message.
+    Under several processes each rank evaluates its own contiguous shard, in batches of ``batch_size`` (its
+    share of a training batch), with rank 0's buffers (BatchNorm's running statistics), and the sums are added
+    over the ranks, so every sample counts exactly once. Every rank runs as many forwards (``_in_step``). A
+    compiled model evaluates through its own (eager) forward, under the run's autocast: a partial last batch
+    would otherwise compile again. ``where`` starts an error's message.
     """
     env = env or DistEnv()
     assert task.val_data is not None
@@ -54,10 +55,12 @@ def evaluate_model(
             task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
         )
         collate = task.collate_fn or default_collate  # what a batch that is no pair is blamed on
-        for batch in read_batches(val):  # an error in the dataset shows the user's line
+        for batch, counted in _in_step(task, val, env, summed_on(rt.device)):
             inputs, targets = split_batch(rt.to_device(batch), "val_data", collate_fn=collate)
             with user_code(where, inputs, targets) as forward, rt.eager(), rt.autocast():  # eager: one graph
                 outputs = forward.outputs = model(inputs)
+                if not counted:
+                    continue
                 loss = check_loss(task.loss_fn(outputs, targets), training=False)
             with user_code(where, outputs, targets, metric=True):
                 metric = metric_value(_numpy_read(task.metric(outputs, targets))) if task.metric is not None else 0.0
@@ -76,6 +79,50 @@ def evaluate_model(
             "__iter__ start a fresh pass each time it is called (write it as a generator, with yield)"
         )
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
+
+
+def _in_step(task: Task, loader: Any, env: DistEnv, device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """Yield this rank's batches of ``loader``, each with True, then padding batches, each with False (not
+    counted), until every rank has run as many forwards.
+
+    Under FSDP every forward gathers the parameters, and DDP's broadcasts a model's buffers: a rank with fewer
+    batches (a shard one item shorter, or none at all) left the others waiting in their next forward. A padding
+    batch is the rank's last batch again, or, where it had none, val_data's first item. The ranks agree once on
+    the largest number of batches of a map-style dataset, and before each batch whether any rank has one of a
+    stream.
+    """
+    batches = read_batches(loader)  # an error in the dataset shows the user's line
+    if not env.distributed:
+        yield from ((batch, True) for batch in batches)
+        return
+    assert task.val_data is not None
+    largest = None if is_stream(task.val_data) else all_reduce_max(len(loader), device)
+    last = None
+    for index in itertools.count():
+        if largest is not None and index >= largest:
+            return
+        batch = next(batches, None)
+        if largest is None and not all_reduce_max(int(batch is not None), device):
+            return
+        if batch is not None:
+            last = batch
+            yield batch, True
+            continue
+        last = last if last is not None else _first_item(task, env)
+        yield last, False
+
+
+def _first_item(task: Task, env: DistEnv) -> Any:
+    """val_data's first item as a batch: the padding forward of a rank whose share of val_data is empty."""
+    assert task.val_data is not None
+    first = next(read_batches(eval_loader(task.val_data, batch_size=1, collate_fn=task.collate_fn)), None)
+    if first is None:  # a stream that yields each rank its own share yielded this one none
+        raise TaskError(
+            f"evaluation: val_data yielded rank {env.rank} no item while another rank's share has some, and every rank "
+            "runs as many forwards (a sharded model's forward gathers its weights from every rank)\nhint: have "
+            "val_data's __iter__ yield each rank at least one item"
+        )
+    return first
 
 
 @contextlib.contextmanager
