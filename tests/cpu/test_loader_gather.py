@@ -85,3 +85,34 @@ def test_the_trainers_evaluation_reads_a_tensor_dataset_gathered_in_order():
     assert_same_batches(DataLoader(data(), batch_size=8), val)
     own = eval_loader(data(), batch_size=8, collate_fn=lambda items: torch.utils.data.default_collate(items))
     assert type(own.dataset) is TensorDataset  # a collate_fn of the task's own is left to collate
+
+
+class Batches(torch.utils.data.Sampler):
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_negative_indices_count_from_the_end_as_a_tensor_datasets_own_do():
+    """A batch sampler yielding [-1, -2] failed with IndexError in the gathering, where TensorDataset takes them."""
+    with redline.Runtime(devices="cpu", seed=0) as rt:
+        plain, tuned = (
+            DataLoader(data(), batch_sampler=Batches([[-1, -2], [3, -50]])),
+            rt.setup_loader(DataLoader(data(), batch_sampler=Batches([[-1, -2], [3, -50]]))),
+        )
+        assert_same_batches(plain, tuned)
+        for index in (50, -51):  # out of range: the error indexing the tensor gives, as without gathering
+            with pytest.raises(IndexError) as torchs:
+                list(DataLoader(data(), batch_sampler=Batches([[0, index]])))
+            with pytest.raises(IndexError) as gathered:
+                list(rt.setup_loader(DataLoader(data(), batch_sampler=Batches([[0, index]]))))
+            assert (
+                str(gathered.value)
+                == str(torchs.value)
+                == f"index {index} is out of bounds for dimension 0 with size 50"
+            )

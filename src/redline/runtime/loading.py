@@ -162,7 +162,7 @@ class GatheredTensors(Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
-        index = torch.as_tensor(indices, dtype=torch.long)
+        index = _in_range(torch.as_tensor(indices, dtype=torch.long), len(self))
         # On one thread: split over the process's threads, a copy this small waits for a busy core (an epoch of
         # 3x32x32 images took 0.2-1.2 s on 2 threads of a loaded machine, 46 ms on one; DataLoader's stack, 100 ms).
         threads = torch.get_num_threads()
@@ -171,6 +171,17 @@ class GatheredTensors(Dataset[Any]):
             return [torch.index_select(tensor, 0, index) for tensor in self.dataset.tensors]
         finally:
             torch.set_num_threads(threads)
+
+
+def _in_range(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``index`` with negative indices counted from the end, as TensorDataset's ``dataset[-1]`` takes them (where
+    index_select refuses them); one out of range is refused with the IndexError that indexing a tensor gives."""
+    if not index.numel() or (int(index.min()) >= 0 and int(index.max()) < size):
+        return index
+    outside = index[(index < -size) | (index >= size)]
+    if outside.numel():
+        raise IndexError(f"index {int(outside[0])} is out of bounds for dimension 0 with size {size}")
+    return torch.where(index < 0, index + size, index)
 
 
 def can_gather(dataset: Any, collate_fn: Any) -> bool:
