@@ -173,6 +173,18 @@ def test_cores_are_shared_between_the_local_devices(local_devices: int, workers:
     assert choice.value.prefetch_factor == 4
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 7 worker processes")  # built, never started
+def test_setup_loader_shares_the_cores_among_the_processes_launched_on_the_machine() -> None:
+    """Under `redline launch --nproc 8` on 16 cores each rank took 8 workers (64 in all): local_devices stayed 1."""
+    import redline
+
+    rt = redline.Runtime(devices="cpu", compile="off")
+    rt.facts, rt.env = H100, dataclasses.replace(rt.env, local_world_size=8)  # one of 8 ranks on a 16-core GPU machine
+    assert rt.setup_loader(DataLoader(Squares(8), batch_size=2)).loader.num_workers == 1  # 16 // 8 cores, one kept
+    assert "2 cores per device" in rt.explain().loader.reason
+    assert rt.setup_loader(DataLoader(Squares(8), batch_size=2), local_devices=2).loader.num_workers == 7
+
+
 def test_a_worker_without_a_core_of_its_own_is_not_said_to_leave_one() -> None:
     choice = resolve_loader(facts(local_devices=32), H100)  # 16 cores for 32 devices
     assert choice.value.num_workers == 1

@@ -19,7 +19,10 @@ from torch.utils.data import (
 )
 
 from redline.errors import RedlineError, invalid
-from redline.plan.loader import LoaderFacts, LoaderSettings
+from redline.hardware.device import DeviceFacts
+from redline.parallel.env import DistEnv
+from redline.plan import Choice
+from redline.plan.loader import LoaderFacts, LoaderSettings, resolve_loader
 from redline.runtime.contract import users_failure
 from redline.runtime.sampling import EpochSampler, GlobalBatchSampler
 from redline.runtime.transfer import move_batch, tensors_in
@@ -57,6 +60,15 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
         limit_reason=str(getattr(dataset, "limit_reason", "")),
         subclass=subclass,
     )
+
+
+def plan_loader(
+    loader: Iterable[Any], facts: DeviceFacts, env: DistEnv, local_devices: int | None, *, workers: int | None
+) -> Choice[LoaderSettings]:
+    """The loader axis for ``loader``: ``workers`` as asked for, or by ``facts``' cores shared among
+    ``local_devices`` processes (by default the launch's processes on this machine, ``env.local_world_size``)."""
+    devices = env.local_world_size if local_devices is None else local_devices
+    return resolve_loader(loader_facts(loader, devices), facts, workers=workers)
 
 
 def tuned_dataloader(

@@ -38,7 +38,6 @@ from redline.plan import Choice, Plan
 from redline.plan.attention import DEFAULT, KERNELS, resolve_attention
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
-from redline.plan.loader import resolve_loader
 from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
@@ -52,7 +51,7 @@ from redline.runtime.forms import check_forms, explain_forms
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
-from redline.runtime.loading import DeviceLoader, loader_facts, tuned_dataloader
+from redline.runtime.loading import DeviceLoader, plan_loader, tuned_dataloader
 from redline.runtime.loss import check_loss
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
 from redline.runtime.oom import peak_memory_share
@@ -315,9 +314,10 @@ class Runtime(RunState):
             cast(contextlib.ExitStack, self._started).enter_context(prefer_kernel(attention.value))
         self._plan = dataclasses.replace(self._plan, precision=chosen, attention=attention)
 
-    def setup_loader(self, loader: Iterable[Any], *, local_devices: int = 1) -> DeviceLoader:
-        """Return ``loader`` tuned for the device, yielding batches already on it; the Plan tells the first set up."""
-        chosen = resolve_loader(loader_facts(loader, local_devices), self.facts, workers=self.options.loader_workers)
+    def setup_loader(self, loader: Iterable[Any], *, local_devices: int | None = None) -> DeviceLoader:
+        """Return ``loader`` tuned for the device, yielding batches already on it; the Plan tells the first set up.
+        ``local_devices``, the processes sharing this machine's cores, is by default those launched on it."""
+        chosen = plan_loader(loader, self.facts, self.env, local_devices, workers=self.options.loader_workers)
         batches = global_batches(loader, self.env, seed=self.options.seed)
         loader = tuned_dataloader(loader, chosen.value, batches, workers=self.options.loader_workers)
         shown = self._plan.loader or split_reason(self.tuned_loader(chosen), loader, self._split_caveats, self.env)
