@@ -630,3 +630,35 @@ def test_a_stream_that_yields_more_than_its_length_is_cut_there_each_epoch_and_s
     assert seen == [*range(20), *range(20)] and summary.steps == 6  # batches of 8, 8 and 4, twice
     said = [r.getMessage() for r in caplog.records if "more items in one pass" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("train_data (LongerThanSaid) yields more items in one pass than its")
+
+
+class Noisy(Dataset):
+    """An augmentation drawn in the loader worker: each item's target is its noise."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((4,), float(index)), torch.rand(())
+
+
+def test_a_resumed_runs_loader_workers_do_not_replay_the_first_epochs_random_streams(tmp_path):
+    """The loader's generator was seeded by the seed alone: resumed mid-epoch, its worker drew again the noise the
+    first epoch had drawn, now over the samples left."""
+    from test_trainer import tiny_task
+
+    import redline
+    from redline.train.trainer import Trainer
+
+    def fit(max_steps: int, **kwargs: Any) -> list[float]:
+        seen: list[float] = []
+        task = tiny_task(train_data=Noisy(), val_data=None, metric=None, loss_fn=recording_loss(seen), epochs=3)
+        options = redline.RuntimeOptions(devices="cpu", seed=0, loader_workers=1)
+        Trainer(task, runtime=options, progress=False, trial="off", max_steps=max_steps, **kwargs).fit()
+        return seen
+
+    first = fit(7, out_dir=tmp_path)  # 5 batches of 8 an epoch: stopped in the second
+    resumed = fit(10, out_dir=tmp_path, resume="auto")
+    assert len(first) == 56 and len(resumed) == 24
+    assert not set(first) & set(resumed), "the resumed run drew the same noise again"
+    assert first == fit(7, out_dir=tmp_path / "again")  # a seeded run draws the same again

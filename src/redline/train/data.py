@@ -236,16 +236,17 @@ def train_loader(
     world_size: int = 1,
     drop_last: bool = False,
     collate_fn: CollateFn | None = None,
+    start_step: int = 0,
 ) -> tuple[DataLoader[Any], EpochSampler | StreamShard]:
     """Return a DataLoader over ``dataset`` (this rank's share of each global batch) and what sets its epoch.
 
     A map-style dataset is shuffled by (seed, epoch); a stream keeps its own order (one that yields each rank its
     own share is batched as it comes). With ``drop_last`` a partial last batch is left out (a compiled model then
-    keeps one shape).
+    keeps one shape). Loader workers are seeded by (seed, ``start_step``, the step the run starts at).
     """
     # A DataLoader draws its workers' base seed from this generator, not from torch's global RNG,
     # so starting an epoch (or a resumed one) leaves the model's random stream (dropout) untouched.
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(worker_seed(seed, start_step))
     if is_stream(dataset):
         stream = StreamShard(dataset, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last)
         loader = DataLoader(stream, batch_size=batch_size // world_size, generator=generator, collate_fn=collate_fn)
@@ -255,6 +256,14 @@ def train_loader(
         sampler, global_batch=batch_size, rank=rank, world_size=world_size, drop_last=drop_last
     )
     return DataLoader(dataset, batch_sampler=batches, generator=generator, collate_fn=collate_fn), sampler
+
+
+def worker_seed(seed: int, start_step: int) -> int:
+    """The seed of a run's loader workers' random streams (numpy, random and torch in each worker): ``seed`` for a
+    run from its start, so its workers draw as they always did; another for a run resumed at ``start_step``, whose
+    workers would otherwise replay the first epoch's draws (its augmentations) over the samples left. Workers resumed
+    mid-epoch cannot draw what the unbroken run's drew: their positions in the streams were not saved."""
+    return (seed + start_step * 0x9E3779B97F4A7C15) % 2**64  # the golden-ratio step of splitmix64: seeds far apart
 
 
 def eval_loader(

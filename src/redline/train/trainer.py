@@ -334,7 +334,7 @@ class Trainer:
             )  # fmt: skip
         loader, sampler = train_loader(
             self.task.train_data, batch_size=self.batch_size, seed=self.seed, rank=self.env.rank,
-            world_size=self.env.world_size, drop_last=drop_last, collate_fn=self.task.collate_fn,
+            world_size=self.env.world_size, drop_last=drop_last, collate_fn=self.task.collate_fn, start_step=pos.step,
         )  # fmt: skip
         model.train()
         main = self.env.is_main
