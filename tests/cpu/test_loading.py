@@ -33,6 +33,21 @@ class Squares(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return torch.tensor([float(i)]), torch.tensor(i * i)
 
 
+class Curriculum(Dataset[torch.Tensor]):
+    """Items that change with the epoch set (a curriculum, an augmentation's strength)."""
+
+    epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(float(self.epoch))
+
+
 class Counting(IterableDataset[torch.Tensor]):
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(torch.arange(6))
@@ -173,6 +188,46 @@ def test_cores_are_shared_between_the_local_devices(local_devices: int, workers:
     assert choice.value.prefetch_factor == 4
 
 
+def test_a_worker_without_a_core_of_its_own_is_not_said_to_leave_one() -> None:
+    choice = resolve_loader(facts(local_devices=32), H100)  # 16 cores for 32 devices
+    assert choice.value.num_workers == 1
+    assert "one left for the training process" not in choice.reason
+    assert "shares" in choice.reason and "1 workers" not in choice.reason
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_set_by_the_user_are_kept_on_cuda_persistent_or_not_as_set(persistent: bool) -> None:
+    """Made persistent, a user's workers kept the dataset of the first epoch: what set_epoch changed never reached
+    them, where the user had asked for persistent_workers=False."""
+    choice = resolve_loader(facts(num_workers=3, persistent_workers=persistent), H100)
+    assert choice.value == LoaderSettings(
+        num_workers=3, pin_memory=True, persistent_workers=persistent, prefetch_factor=4, rebuild=True
+    )
+    assert "user" in choice.reason and "persistent:" not in choice.reason
+
+
+@pytest.mark.parametrize(("device", "workers"), [(H100, None), (H100, 2), (SMALL_CPU, 2)])
+def test_workers_redline_adds_are_persistent_and_the_plan_says_what_that_means(device, workers) -> None:
+    choice = resolve_loader(facts(), device, workers=workers)
+    assert choice.value.persistent_workers
+    assert "persistent: the workers keep the dataset as it was at the first epoch" in choice.reason
+    assert "loader_workers=0" in choice.reason and "persistent_workers=False" in choice.reason
+
+
+def test_a_users_loader_with_workers_not_persistent_sees_each_epochs_dataset_with_workers_requested() -> None:
+    import redline
+
+    dataset = Curriculum()
+    with redline.Runtime(devices="cpu", loader_workers=2) as rt:
+        loader = rt.setup_loader(DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=False))
+        seen = []
+        for epoch in range(3):
+            dataset.set_epoch(epoch)
+            seen.append(sorted({float(v) for batch in loader for v in batch}))
+        assert seen == [[0.0], [1.0], [2.0]]  # persistent workers saw [0.0] each epoch
+        assert "persistent:" not in rt.explain().loader.reason
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 7 worker processes")  # built, never started
 def test_setup_loader_shares_the_cores_among_the_processes_launched_on_the_machine() -> None:
     """Under `redline launch --nproc 8` on 16 cores each rank took 8 workers (64 in all): local_devices stayed 1."""
@@ -183,21 +238,6 @@ def test_setup_loader_shares_the_cores_among_the_processes_launched_on_the_machi
     assert rt.setup_loader(DataLoader(Squares(8), batch_size=2)).loader.num_workers == 1  # 16 // 8 cores, one kept
     assert "2 cores per device" in rt.explain().loader.reason
     assert rt.setup_loader(DataLoader(Squares(8), batch_size=2), local_devices=2).loader.num_workers == 7
-
-
-def test_a_worker_without_a_core_of_its_own_is_not_said_to_leave_one() -> None:
-    choice = resolve_loader(facts(local_devices=32), H100)  # 16 cores for 32 devices
-    assert choice.value.num_workers == 1
-    assert "one left for the training process" not in choice.reason
-    assert "shares" in choice.reason and "1 workers" not in choice.reason
-
-
-def test_workers_set_by_the_user_are_kept_on_cuda() -> None:
-    choice = resolve_loader(facts(num_workers=3), H100)
-    assert choice.value == LoaderSettings(
-        num_workers=3, pin_memory=True, persistent_workers=True, prefetch_factor=4, rebuild=True
-    )
-    assert "user" in choice.reason
 
 
 @pytest.mark.parametrize(

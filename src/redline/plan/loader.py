@@ -48,6 +48,12 @@ class LoaderSettings:
 MAX_WORKERS = 8
 PREFETCH = 4
 
+PERSISTENT = (
+    "persistent: the workers keep the dataset as it was at the first epoch; a change made to it between epochs "
+    "(set_epoch, a curriculum, an augmentation's strength) does not reach them (to have it reach them: "
+    "loader_workers=0, or a DataLoader with workers of its own and persistent_workers=False, which is kept)"
+)
+
 
 GATHER = (
     "whole batches gathered from the in-memory tensors (one index per tensor, not one per sample and a stack; "
@@ -78,21 +84,20 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
         return Choice(keep, "not a DataLoader: batches are moved to the device as they come")
     if loader.subclass:
         return Choice(keep, _kept_subclass(loader, workers))
-    # A persistent worker keeps the copy of an iterable dataset it started with: the next epoch's set_epoch
-    # (a new shuffle, a resumed run's position) would never reach it. Those workers start again each epoch.
-    persist = loader.map_style
     if workers is not None:
         limited = loader.worker_limit is not None and workers > loader.worker_limit
         workers = min(workers, loader.worker_limit) if loader.worker_limit is not None else workers
+        persist = _persistent(loader, workers)
         asked = LoaderSettings(
             num_workers=workers,
             pin_memory=facts.type == "cuda",
-            persistent_workers=workers > 0 and persist,
+            persistent_workers=persist,
             prefetch_factor=PREFETCH if workers else None,
             rebuild=True,
         )
         why = f"{workers} of the workers asked for: {loader.limit_reason}" if limited else "requested"
-        return Choice(asked, why + ("; pinned for non-blocking copies" if facts.type == "cuda" else ""))
+        why += "; pinned for non-blocking copies" if facts.type == "cuda" else ""
+        return Choice(asked, why + (f"; {PERSISTENT}" if persist and not loader.num_workers else ""))
     if facts.type != "cuda":
         return Choice(keep, f"kept: on {facts.type} workers would compete with the model for cores")
     if not loader.map_style:
@@ -117,14 +122,26 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
         else:  # no core to spare: one worker still overlaps loading with the GPU's work
             why = f"1 worker, which shares a core with the training process ({facts.cpu_count} CPU core(s) "
             why += f"for {loader.local_devices} device(s))"
+    persist = _persistent(loader, workers)
     settings = LoaderSettings(
         num_workers=workers,
         pin_memory=True,
-        persistent_workers=workers > 0,
+        persistent_workers=persist,
         prefetch_factor=PREFETCH if workers else None,
         rebuild=True,
     )
-    return Choice(settings, f"pinned memory for non-blocking copies; {why}")
+    persistent = f"; {PERSISTENT}" if persist and not loader.num_workers else ""
+    return Choice(settings, f"pinned memory for non-blocking copies; {why}{persistent}")
+
+
+def _persistent(loader: LoaderFacts, workers: int) -> bool:
+    """Whether ``workers`` should outlive an epoch: as the user set them where their loader has workers of its own;
+    for workers redline adds, yes over a map-style dataset (no restart each epoch)."""
+    if loader.num_workers > 0:
+        return workers > 0 and loader.persistent_workers
+    # A persistent worker keeps the copy of an iterable dataset it started with: the next epoch's set_epoch
+    # (a new shuffle, a resumed run's position) would never reach it. Those workers start again each epoch.
+    return workers > 0 and loader.map_style
 
 
 def _kept_subclass(loader: LoaderFacts, workers: int | None) -> str:
