@@ -145,6 +145,15 @@ def test_cpu_keeps_the_users_loader() -> None:
         num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=3, rebuild=False
     )
     assert "kept" in choice.reason
+    assert "a rule, not measured" in choice.reason  # it said workers "would compete", as if measured
+
+
+@pytest.mark.parametrize("device", [H100, SMALL_CPU])
+def test_workers_asked_for_over_in_memory_tensors_are_given_and_said_to_be_unneeded(device) -> None:
+    choice = resolve_loader(facts(in_memory=True), device, workers=2)
+    assert choice.value.num_workers == 2
+    assert "in-memory tensors need no workers" in choice.reason
+    assert "need no workers" not in resolve_loader(facts(), device, workers=2).reason
 
 
 def test_a_loader_rebuilt_to_gather_its_batches_keeps_every_worker_setting_the_user_made() -> None:

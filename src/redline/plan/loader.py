@@ -53,6 +53,10 @@ PERSISTENT = (
     "(set_epoch, a curriculum, an augmentation's strength) does not reach them (to have it reach them: "
     "loader_workers=0, or a DataLoader with workers of its own and persistent_workers=False, which is kept)"
 )
+NO_WORKERS_NEEDED = (
+    "in-memory tensors need no workers: indexed in the training process, they read faster than workers send them "
+    "(~4x in one measurement)"
+)
 
 
 GATHER = (
@@ -96,10 +100,12 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
             rebuild=True,
         )
         why = f"{workers} of the workers asked for: {loader.limit_reason}" if limited else "requested"
+        why += f"; {NO_WORKERS_NEEDED}" if workers and loader.in_memory else ""
         why += "; pinned for non-blocking copies" if facts.type == "cuda" else ""
         return Choice(asked, why + (f"; {PERSISTENT}" if persist and not loader.num_workers else ""))
     if facts.type != "cuda":
-        return Choice(keep, f"kept: on {facts.type} workers would compete with the model for cores")
+        rule = "a rule, not measured: workers could compete with the model for cores"
+        return Choice(keep, f"kept: no workers added on {facts.type} ({rule})")
     if not loader.map_style:
         pinned = LoaderSettings(
             num_workers=loader.num_workers,
