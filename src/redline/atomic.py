@@ -139,6 +139,33 @@ def _through_link(path: Path) -> Path:
     return path.resolve() if path.is_symlink() else path
 
 
+HEAD_BYTES = 1 << 16  # what ``read_head`` reads: a file's kind shows in its first bytes
+
+
+def read_head(path: Path) -> bytes:
+    """The first ``HEAD_BYTES`` of the file ``path``, for telling what it holds."""
+    with path.open("rb") as file:
+        return file.read(HEAD_BYTES)
+
+
+def refuse_replacing(path: Path, name: str, *, kind: str, holds: Callable[[Path], bool], example: str) -> None:
+    """Refuse an output ``path`` (the argument ``name``) that holds a file other than an earlier ``kind`` (a run's
+    model.safetensors, a script): the output would replace what it holds. An earlier output of the same kind
+    (``holds(path)`` is true), an empty file, a missing one, a device or a pipe are written as they should be.
+    A file ``holds`` cannot read is kept: what it holds is unknown. ``example`` is another file name to suggest."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        ours = holds(path)
+    except (OSError, EOFError, ValueError):  # unreadable, or not the format it names (a .gz that is not gzip)
+        ours = False
+    if not ours:
+        raise invalid(
+            name, str(path), f"a new file, or an earlier {kind} to replace; this one holds something else",
+            f"name another file, e.g. {name}={str(path.with_name(example))!r}, or delete {str(path)!r} first",
+        )  # fmt: skip
+
+
 def is_stream(path: Path) -> bool:
     """Whether ``path`` exists and is neither a regular file nor a directory: a device or a named pipe."""
     return path.exists() and not path.is_file() and not path.is_dir()

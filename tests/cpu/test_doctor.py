@@ -209,3 +209,24 @@ def test_the_doctor_never_starts_cuda_in_its_own_process():
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"calls": [], "initialized": False, "types": ["DoctorReport", "DoctorReport"], "exit": 1}
+
+
+def test_a_save_probe_path_holding_another_file_is_refused_and_kept_an_earlier_snapshot_replaced(tmp_path, monkeypatch):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    script = tmp_path / "train.py"
+    script.write_text('print("format_version")\n')
+    monkeypatch.setattr("redline.cli.doctor.take_snapshot", lambda **kwargs: pytest.fail("probed before refusing"))
+    for kept in (weights, script):
+        before = kept.read_bytes()
+        with pytest.raises(ConfigError, match=r"an earlier snapshot of --save-probe to replace; this one holds some"):
+            doctor_command(save_probe=kept)
+        assert kept.read_bytes() == before
+    result = CliRunner().invoke(app, ["doctor", "--save-probe", str(script)])
+    assert f"hint: name another file, e.g. --save-probe={str(tmp_path / 'probe.json')!r}" in str(result.exception)
+    monkeypatch.undo()
+    saved = tmp_path / "probe.json"
+    for _ in range(2):  # the second run replaces the first one's snapshot
+        result = CliRunner().invoke(app, ["doctor", "--json", "--quick", "--save-probe", str(saved)])
+        assert result.exit_code == 0, result.output
+    assert load_snapshot(saved).quick is True

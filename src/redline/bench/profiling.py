@@ -27,7 +27,7 @@ from typing import Any, get_args
 import torch
 from torch.profiler import ProfilerActivity, schedule
 
-from redline.atomic import check_output, write_or_refuse
+from redline.atomic import HEAD_BYTES, check_output, refuse_replacing, write_or_refuse
 from redline.bench.advice import advise
 from redline.bench.loops import Runner, phase
 from redline.bench.matrix import Setting
@@ -282,18 +282,14 @@ def _wait_for_device(device: torch.device) -> None:
 def _check_replaceable(path: Path) -> None:
     """Refuse a trace ``path`` that holds a file other than a trace (a run's summary.json, a bench's result): an
     earlier trace there is replaced, anything else would be lost."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    try:
-        with gzip.open(path) if path.name.endswith(".gz") else path.open("rb") as file:
-            head = file.read(1 << 16)
-    except (OSError, EOFError):  # not gzip, unreadable: not a trace this command wrote
-        head = b""
-    if b'"traceEvents"' not in head and b'"schemaVersion"' not in head:
-        raise invalid(
-            "trace", str(path), "a new file, or an earlier Chrome trace to replace; this one holds something else",
-            f"name another file, e.g. trace={str(path.with_name('trace.json.gz'))!r}",
-        )  # fmt: skip
+    refuse_replacing(path, "trace", kind="Chrome trace", holds=_is_trace, example="trace.json.gz")
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether ``path`` holds a Chrome trace (gzipped for ``.gz``), as torch.profiler writes one."""
+    with gzip.open(path) if path.name.endswith(".gz") else path.open("rb") as file:
+        head = file.read(HEAD_BYTES)
+    return b'"traceEvents"' in head or b'"schemaVersion"' in head
 
 
 def _keep(written: Path, path: Path) -> None:

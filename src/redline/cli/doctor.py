@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from redline.atomic import check_writable, make_parent
+from redline.atomic import check_writable, make_parent, read_head, refuse_replacing
 from redline.cli.options import given_file, given_path
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import ConfigError, invalid
@@ -75,7 +75,8 @@ def doctor(
 
 
 def _check_save_probe(path: Path) -> None:
-    """Refuse a snapshot file that could not be written before the probes run, not after them."""
+    """Refuse a snapshot file that could not be written, or that holds something else (a run's weights, a script),
+    before the probes run, not after them."""
     if path.is_dir():
         raise invalid("--save-probe", str(path), "a file, not a directory", f"e.g. --save-probe {path / 'probe.json'}")
     try:
@@ -83,6 +84,13 @@ def _check_save_probe(path: Path) -> None:
         check_writable(path)
     except OSError as exc:
         raise _unwritable(path, exc) from exc
+    refuse_replacing(path, "--save-probe", kind="snapshot of --save-probe", holds=_is_snapshot, example="probe.json")
+
+
+def _is_snapshot(path: Path) -> bool:
+    """Whether ``path`` holds a snapshot that --save-probe wrote (``Snapshot.save``'s JSON): one is replaced."""
+    head = read_head(path)
+    return head.lstrip().startswith(b"{") and b'"format_version"' in head and b'"redline_version"' in head
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
