@@ -714,6 +714,31 @@ def test_an_output_that_is_the_weights_or_the_models_code_is_refused_and_the_fil
     assert target.read_bytes() == before
 
 
+def test_an_output_holding_a_file_that_is_no_npy_array_is_refused_before_the_model_loads_and_kept(tmp_path, spec):
+    """Before, --output another run's model.safetensors (--weights and --output swapped) replaced it, exit 0."""
+    other = tmp_path / "run" / "model.safetensors"
+    other.parent.mkdir()
+    other.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(other))
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == (
+        f"--output={str(other)!r} is not allowed; expected a new file, or an earlier .npy array to replace; this one "
+        f"holds something else\nhint: name another file, e.g. --output={str(other.parent / 'outputs.npy')!r}, or "
+        f"delete {str(other)!r} first"
+    )
+    assert other.read_bytes() == b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "
+    assert "Predicting with" not in result.output
+
+
+def test_an_earlier_npy_output_is_replaced(tmp_path, spec):
+    out = tmp_path / "y.npy"
+    np.save(out, np.arange(3))  # a previous run's outputs
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert np.load(out).shape == (2, 2)
+
+
 def test_an_output_ending_with_a_slash_is_refused_as_a_directory_not_written_as_a_file(tmp_path, spec):
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
                      "--output", f"{tmp_path / 'results'}/")  # fmt: skip

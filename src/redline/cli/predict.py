@@ -28,7 +28,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from redline.atomic import check_output, write_atomic
+from redline.atomic import check_output, read_head, refuse_replacing, write_atomic
 from redline.cli.options import (
     ENGINE_FLAGS,
     EngineCompile,
@@ -114,6 +114,9 @@ def predict(
                 f"--output {str(output_path)!r} is {named}: the outputs would replace {what}\n"
                 f"hint: write the outputs to another file, e.g. --output {output_path.with_suffix('.out.npy')}"
             )
+    # Swapping --weights and --output, or a slip of the tab key, names a file of the user's: an earlier run's outputs
+    # are replaced, anything else would be lost.
+    refuse_replacing(output_path, "--output", kind=".npy array", holds=_is_npy, example="outputs.npy")
     with stopped_by_signal("loading the model", NOT_WRITTEN):  # which can take minutes, compiles included
         with as_model_spec(spec):  # not a task spec, as the loader would say
             servable = load_given_servable(spec, task_arg, weights)
@@ -436,6 +439,11 @@ class NpyWriter:
 
 
 NOT_WRITTEN = "--output was not written (a file there is kept)"
+
+
+def _is_npy(path: Path) -> bool:
+    """Whether ``path`` holds a .npy array (an earlier run's outputs, say): it starts with numpy's magic bytes."""
+    return read_head(path).startswith(NPY_MAGIC)
 
 
 def _unwritable(path: Path, exc: OSError) -> ConfigError:
