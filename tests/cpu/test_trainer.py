@@ -20,6 +20,7 @@ import redline
 from redline import checkpoint as ckpt
 from redline.errors import ConfigError
 from redline.train.callbacks import EarlyStopping
+from redline.train.failures import check_finite
 from redline.train.trainer import Trainer, TrainingError
 
 JOB = Path(__file__).with_name("trainer_job.py")
@@ -164,6 +165,34 @@ def test_a_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 11))
     assert [math.isnan(row["loss"]) for row in rows[7:]] == [False, True, True]
+    assert "lower the learning rate, or clip gradients (--clip-grad-norm 1.0)" in str(err.value)
+
+
+def test_a_nan_loss_at_the_first_step_points_at_the_data_not_the_learning_rate():
+    """Before, every NaN said "lower the learning rate": at step 1 no update has run; the batch or the loss did it."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randn(64, 4, generator=gen)
+    inputs[:, 1] = math.nan  # a feature missing in every record, as a bad join leaves it
+    data = TensorDataset(inputs, torch.randint(0, 2, (64,), generator=gen))
+    with pytest.raises(TrainingError, match=r"step 1: the loss is nan") as err:
+        quiet(tiny_task(train_data=data, val_data=None, metric=None), max_steps=3, log_every=1).fit()
+    said = str(err.value)
+    assert "hint: no optimizer step ran before it, so the learning rate is not the cause: look for NaN or inf" in said
+    assert "the first batch's inputs or targets, and at task.loss_fn" in said
+    assert "lower the learning rate" not in said
+
+
+@pytest.mark.parametrize("precision", ["fp16-mixed", "bf16-mixed", "fp32", None])
+@pytest.mark.parametrize("step", [1, 9])
+def test_a_nan_hint_names_bf16_only_for_an_fp16_run(step, precision):
+    with pytest.raises(TrainingError) as err:
+        check_finite([0.5, math.inf], step - 1, None, precision=precision)
+    said = str(err.value)
+    assert said.startswith(f"step {step}: the loss is inf; training stopped (no checkpoint was written yet)\nhint: ")
+    assert ("lower the learning rate" in said) == (step > 1)
+    assert ("first batch's inputs or targets" in said) == (step == 1)
+    fp16 = {"fp16-mixed": "; or use bf16-mixed instead of fp16-mixed", None: "; if the run is fp16-mixed, try bf16"}
+    assert (precision in fp16 and fp16[precision] in said) or (precision not in fp16 and "fp16" not in said)
 
 
 def test_callbacks_the_loop_could_not_call_are_refused_before_training():

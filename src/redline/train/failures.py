@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from redline.errors import OutOfMemory, RedlineError, TrainingError, describe_error, first_line
+from redline.errors import ONE_STEP, OutOfMemory, RedlineError, TrainingError, describe_error, first_line
 from redline.parallel.collectives import failed_collective, is_collective_failure
 from redline.plan.micro_batch import MicroBatch
 from redline.runtime.oom import is_oom
@@ -72,20 +72,43 @@ OPTIMIZER_STEP_HINT = (
 )
 
 
-def check_finite(losses: list[float], first_step: int, last: Checkpoint | None) -> None:
+def check_finite(
+    losses: list[float], first_step: int, last: Checkpoint | None, *, precision: str | None = None
+) -> None:
     """Raise TrainingError at the first of ``losses`` (of the steps from ``first_step`` on) that is not finite.
 
     A NaN spreads to every weight in the next step: the run stops there, naming ``last``, the newest
-    checkpoint (none holds a NaN: the losses are read before each one is written).
+    checkpoint (none holds a NaN: the losses are read before each one is written). ``precision`` is the run's
+    (None: not known), which decides whether bf16-mixed is worth a try.
     """
     for offset, value in enumerate(losses):
         if not math.isfinite(value):
             where = f"the last good checkpoint is {last.path}" if last else "no checkpoint was written yet"
+            step = first_step + offset
             raise TrainingError(
-                f"step {first_step + offset}: the loss is {value}; training stopped ({where})\n"
-                "hint: lower the learning rate, clip gradients (--clip-grad-norm 1.0), or use bf16-mixed "
-                "instead of fp16-mixed"
+                f"step {step}: the loss is {value}; training stopped ({where})\nhint: {nan_hint(step, precision)}"
             )
+
+
+def nan_hint(step: int, precision: str | None) -> str:
+    """What to try for a loss that is not finite at ``step``. At the first no optimizer step has run: the weights
+    are as the model made them, so the batch or the loss made it, and a lower learning rate would not help."""
+    if step == 1:
+        hint = (
+            "no optimizer step ran before it, so the learning rate is not the cause: look for NaN or inf in the "
+            "first batch's inputs or targets, and at task.loss_fn (a log or a division of 0) and the model's "
+            f"initial weights; `{ONE_STEP}` runs this step alone"
+        )
+    else:
+        hint = "lower the learning rate, or clip gradients (--clip-grad-norm 1.0)"
+    if precision == "fp16-mixed":
+        return hint + f"; or use bf16-mixed instead of fp16-mixed {OVERFLOW}"
+    if precision is None:
+        return hint + f"; if the run is fp16-mixed, try bf16-mixed {OVERFLOW}"
+    return hint
+
+
+OVERFLOW = "(fp16 overflows above 65504; bf16 has fp32's range)"
 
 
 RESUME_AGAIN = "then run the same command with --resume auto (in Python: resume='auto')"
