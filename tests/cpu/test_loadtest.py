@@ -326,6 +326,16 @@ def test_cli_json_round_trip_and_table(server, loadtest):
     assert "note: closed loop:" in table.stdout
 
 
+def test_cli_exits_2_when_no_request_got_a_2xx_answer_after_printing_the_report(server, loadtest):
+    """Before, 5 x 422 exited 0: a script or CI job read a load test of refusals as a passed one."""
+    refused = loadtest(f"{server.url}/refuse/cli", "--rate", "20", "--duration", "0.25", "--json")
+    assert refused.returncode == 2, refused.stderr
+    assert json.loads(refused.stdout)["status_counts"] == {"422": 5}, "the report is printed whole first"
+    assert refused.stderr.startswith("error: no request of the 5 measured got a 2xx answer: the service was not")
+    table = loadtest(f"{server.url}/drop/cli", "--rate", "20", "--duration", "0.25")
+    assert table.returncode == 2 and "note: no request got a 2xx answer (5 x connection_reset)" in table.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--rate", "5", "--concurrency", "2"], "error: --concurrency=2 is not allowed; expected no concurrency beside "

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from redline.cli.options import build, command, flags, said_by_flags
+from redline.errors import RedlineError
 from redline.render.console import output_console, print_uncut, transient_bar
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
@@ -26,7 +27,7 @@ def _loadtest(
 
     Open loop (--rate) times each request from its scheduled send time, so a stalling server shows
     in the tail; closed loop (--concurrency) finds peak throughput but hides queueing. Progress goes
-    to stderr.
+    to stderr. Exits 2 when no measured request got a 2xx answer, after printing the report.
     """
     options = build(LoadOptions, parsed)
     check_url(url)
@@ -50,12 +51,18 @@ def _loadtest(
         result = load_test(url, options, payload=payload, progress=tell)
     if json_output:
         print(json.dumps(result.to_dict(), indent=2))
-        return
-    out = output_console()
-    for table in loadtest_tables(result):
-        print_uncut(out, table)
-    for note in result.notes:
-        out.print(f"note: {note}", highlight=False, markup=False)
+    else:
+        out = output_console()
+        for table in loadtest_tables(result):
+            print_uncut(out, table)
+        for note in result.notes:
+            out.print(f"note: {note}", highlight=False, markup=False)
+    if result.requests_sent and not any(200 <= status < 300 for status in result.status_counts):
+        # printed first, but a load test that measured errors alone has failed (bench's and tune's exit 2 alike)
+        raise RedlineError(
+            f"no request of the {result.requests_sent} measured got a 2xx answer: the service was not measured, "
+            "its refusals or the client's errors were; the report's note says what they got"
+        )
 
 
 loadtest_command = command(_loadtest, flags(LoadOptions))
