@@ -681,6 +681,13 @@ def test_redline_serve_pads_to_the_batch_buckets_given_and_refuses_bad_ones_befo
     for given, said in [("1,4", "--batch-buckets=(1, 4) is not allowed; expected positive sizes, the largest "
                                 "equal to --max-batch-size 8\nhint: add 8 as the largest size, or pass "
                                 "--max-batch-size 4 to make it the largest"),
+                        ("1,8,16", "--batch-buckets=(1, 8, 16) is not allowed; expected positive sizes, the largest "
+                                   "equal to --max-batch-size 8\nhint: drop 16 (above --max-batch-size 8), or pass "
+                                   "--max-batch-size 16 to make it the largest"),  # not "add 8 as the largest": it is
+                        ("1,4,16,32", "--batch-buckets=(1, 4, 16, 32) is not allowed; expected positive sizes, the "
+                                      "largest equal to --max-batch-size 8\nhint: drop 16, 32 (above --max-batch-size "
+                                      "8) and add 8 as the largest size, or pass --max-batch-size 32 to make it the "
+                                      "largest"),
                         ("0,8", "--batch-buckets=(0, 8) is not allowed; expected positive whole batch sizes\n"
                                 "hint: drop 0, keeping 8"),  # not "add 8 as the largest": it is
                         ("1,four,8", "--batch-buckets='1,four,8' is not allowed; expected auto, or batch "

@@ -82,8 +82,11 @@ def bucket_sizes(max_batch_size: int, requested: Sequence[int] | str = "auto") -
         hint = f"drop {', '.join(map(repr, bad))}" + (f", keeping {', '.join(map(str, sizes))}" if sizes else "")
         raise invalid("batch_buckets", requested, "positive whole batch sizes", hint)
     if sizes[-1] != max_batch_size:
-        largest = sizes[-1]
-        hint = f"add {max_batch_size} as the largest size, or pass max_batch_size={largest} to make it the largest"
+        largest, above = sizes[-1], [str(size) for size in sizes if size > max_batch_size]
+        add = "" if max_batch_size in sizes else f"add {max_batch_size} as the largest size"
+        drop = f"drop {', '.join(above)} (above max_batch_size={max_batch_size})" if above else ""
+        fix = " and ".join(part for part in (drop, add) if part)
+        hint = f"{fix}, or pass max_batch_size={largest} to make it the largest"
         raise invalid(
             "batch_buckets", requested, f"positive sizes, the largest equal to max_batch_size={max_batch_size}", hint
         )
