@@ -482,6 +482,19 @@ def test_an_example_spec_with_a_second_colon_names_the_example_meant() -> None:
         load_task("example:digits:extra")
 
 
+@pytest.mark.parametrize(
+    ("spec", "meant"),
+    [("tasks/good.py:make:x", "tasks/good.py:make"), ("pkg.tasks:make:x", "pkg.tasks:make"),
+     ("C:\\tasks.py:make:x", "C:\\tasks.py:make")],
+)  # fmt: skip
+def test_a_spec_with_a_second_colon_is_refused_naming_the_factory_meant(spec: str, meant: str) -> None:
+    # it said "file 'tasks/good.py:make' does not exist ... did you mean 'tasks/good.py:x'"
+    with pytest.raises(TaskSpecError) as info:
+        load_task(spec)
+    assert str(info.value).startswith(f"task spec {spec!r} has more than one ':'; expected ")
+    assert str(info.value).endswith(f"\nhint: did you mean '{meant}'?")
+
+
 def test_spec_without_colon_is_rejected_with_the_allowed_forms() -> None:
     with pytest.raises(TaskSpecError) as info:
         load_task("just_a_name")

@@ -114,6 +114,12 @@ def _split_spec(spec: str) -> tuple[str, str]:
         name = head.split(":")[1]
         hint = f"\nhint: did you mean 'example:{name}'?" if name in EXAMPLES else ""
         raise TaskSpecError(f"task spec {spec!r} has more than one ':'; expected {forms}{hint}")
+    start = 2 if len(head) > 2 and head[0].isalpha() and head[1] == ":" and head[2] in "\\/" else 0  # C:\ (Windows)
+    if ":" in head[start:]:  # 'tasks.py:make:x': the file was looked for as 'tasks.py:make', and not found
+        where, _, rest = head[start:].partition(":")
+        meant = rest.partition(":")[0]
+        hint = f"\nhint: did you mean '{head[:start]}{where}:{meant}'?" if where and meant.isidentifier() else ""
+        raise TaskSpecError(f"task spec {spec!r} has more than one ':'; expected {forms}{hint}")
     if head == "example":
         if tail not in EXAMPLES:
             near = nearest(tail, EXAMPLES)
