@@ -228,6 +228,36 @@ def test_task_arg_false_reaches_a_bool_option_as_false(tmp_path, redline_here):
     assert json.loads(result.stdout)["task"] == "123"  # str option: the text as typed, not the number
 
 
+CHATTY_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+print("task file imported")
+
+
+def make():
+    print("loading 64 samples")
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8, name="chatty")
+"""
+
+
+def test_what_a_task_file_prints_goes_to_stderr_under_json_and_stdout_holds_the_json_alone(tmp_path, redline_here):
+    """Before, the factory's print came first on stdout: `train --json | jq` read no JSON."""
+    (tmp_path / "chatty.py").write_text(CHATTY_TASK)
+    result = redline_here("train", "--task", f"{tmp_path / 'chatty.py'}:make", "--max-steps", "1", "--no-progress",
+                          "--devices", "cpu", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["task"] == "chatty"
+    assert "task file imported\nloading 64 samples\n" in result.stderr
+    table = redline_here("train", "--task", f"{tmp_path / 'chatty.py'}:make", "--max-steps", "1", "--no-progress",
+                         "--devices", "cpu")  # fmt: skip
+    assert table.returncode == 0 and table.stdout.startswith("task file imported\nloading 64 samples\n")
+
+
 def test_task_arg_that_does_not_convert_is_one_clear_line(tmp_path, redline_here):
     (tmp_path / "flag_task.py").write_text(FLAG_TASK)
     spec = f"{tmp_path / 'flag_task.py'}:make"

@@ -144,6 +144,15 @@ def test_json_prints_the_plan_and_the_summary_as_data_and_nothing_else_on_stdout
     assert np.load(out).shape == (11, 2)
 
 
+def test_json_holds_stdout_alone_when_the_models_file_prints_as_it_loads(tmp_path, spec, redline_here):
+    """Before, a print in the factory's file came first on stdout: `predict --json | jq` read no JSON."""
+    (tmp_path / "tiny.py").write_text('print("building the model")\n' + FACTORY)
+    result = redline_here("predict", spec, "--input", samples(tmp_path, np.ones((3, 3), np.float32)), "--output",
+                          str(tmp_path / "y.npy"), "--precision", "fp32", "--compile", "off", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["samples"] == 3 and "building the model\n" in result.stderr
+
+
 def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_going_to_stderr(tmp_path, spec):
     # redline predict ... --output /dev/stdout | consumer: the plan table printed on stdout went into the array
     inputs = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)

@@ -64,7 +64,7 @@ def bench(
     if planned_steps is not None and not auto:  # only auto's compile reads it: the matrix's rows set theirs
         hint = "--planned-steps decides whether the auto row compiles; drop it, or drop --no-auto"
         raise invalid("--planned-steps", planned_steps, "only with the auto row", hint)
-    loaded = load_given_task(task, task_arg)
+    loaded = load_given_task(task, task_arg, stdout_kept=json_output)
     if html is not None:
         _check_html(html, task)
     console = Console(stderr=True)

@@ -100,7 +100,7 @@ def memory(
             f"--gpus {gpus} sizes the FSDP rows of a GPU's estimate, but this machine has no GPU and none was named, "
             "so nothing would read it\nhint: name the GPU with --gpu NAME or --mem-gib G, or drop --gpus"
         )
-    loaded = load_given_task(task, task_arg)
+    loaded = load_given_task(task, task_arg, stdout_kept=json_output)
     if weighed is None:
         _measure(loaded, precision, attention, start or 1, max_batch_size, json_output)
         return

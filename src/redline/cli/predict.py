@@ -119,7 +119,7 @@ def predict(
     refuse_replacing(output_path, "--output", kind=".npy array", holds=_is_npy, example="outputs.npy")
     with stopped_by_signal("loading the model", NOT_WRITTEN):  # which can take minutes, compiles included
         with as_model_spec(spec):  # not a task spec, as the loader would say
-            servable = load_given_servable(spec, task_arg, weights)
+            servable = load_given_servable(spec, task_arg, weights, stdout_kept=json_output or to_stdout)
         check_samples(samples, servable, input_path)
         batch_size = min(batch_size, len(samples))  # no bucket larger than the file is warmed up (or compiled)
         warming = "warming up, before any row of --input ran (on zeros of the Servable's input shape)"

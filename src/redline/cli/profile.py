@@ -56,7 +56,7 @@ def profile_command(
     """Profile a Task's training steps: each phase's time, the heaviest operators, and what to try."""
     if compile is not None and compile.lower() not in ("auto", "on", "off"):
         raise invalid("--compile", compile, "auto, on or off", "e.g. --compile on")
-    loaded = load_given_task(task, task_arg)
+    loaded = load_given_task(task, task_arg, stdout_kept=json_output)
     flags = {"devices": "--devices", "precision": "--precision", "trace": "--trace", "compile_mode": "--compile-mode",
              "compile": "--compile", "cuda_graphs": "--cuda-graphs"}  # fmt: skip
     with (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import shlex
+import sys
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -45,12 +46,24 @@ def one_step_named(
         )
 
 
-def load_given_task(spec: str, pairs: list[str] | None) -> Task:
+def load_given_task(spec: str, pairs: list[str] | None, *, stdout_kept: bool = False) -> Task:
     """The Task ``--task SPEC --task-arg KEY=VALUE ...`` names; SIGTERM or Ctrl-C while its factory runs (reading a
-    dataset can take minutes) stops the command with a line saying so, not a bare exit code."""
-    with stopped_by_signal("loading the task", "nothing had run yet"):
+    dataset can take minutes) stops the command with a line saying so, not a bare exit code. ``stdout_kept``: what
+    the task's file prints as it loads goes to stderr (``prints_to_stderr``)."""
+    with stopped_by_signal("loading the task", "nothing had run yet"), prints_to_stderr(stdout_kept):
         factory, options = given_factory(spec, pairs or [])
         return call_factory(spec, factory, options)
+
+
+@contextlib.contextmanager
+def prints_to_stderr(asked: bool) -> Iterator[None]:
+    """Where ``asked`` (stdout carries --json's result, or predict's array), send what the user's code prints meanwhile
+    (a factory's word on its data) to stderr: on stdout it made the JSON unreadable."""
+    if not asked:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def check_given_task(spec: str, pairs: list[str] | None) -> None:
@@ -60,10 +73,14 @@ def check_given_task(spec: str, pairs: list[str] | None) -> None:
     check_options(spec, factory, options)
 
 
-def load_given_servable(spec: str, pairs: list[str] | None, weights: Path | None) -> Servable:
-    """The Servable ``SPEC --task-arg KEY=VALUE ...`` names, with ``weights`` loaded into its model."""
+def load_given_servable(
+    spec: str, pairs: list[str] | None, weights: Path | None, *, stdout_kept: bool = False
+) -> Servable:
+    """The Servable ``SPEC --task-arg KEY=VALUE ...`` names, with ``weights`` loaded into its model; ``stdout_kept``
+    as for ``load_given_task``."""
     texts = task_arg_texts(pairs or [])
-    return load_servable_with(spec, lambda factory: convert_task_args(factory, texts), weights=weights)
+    with prints_to_stderr(stdout_kept):
+        return load_servable_with(spec, lambda factory: convert_task_args(factory, texts), weights=weights)
 
 
 def given_factory(spec: str, pairs: list[str]) -> tuple[Callable[..., Any], dict[str, Any]]:

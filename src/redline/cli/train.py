@@ -77,7 +77,7 @@ def _train(
     seed = parsed["seed"] if seed is None else seed
     if seed is not None:  # a factory that builds its model or data draws from it too
         seed_everything(seed)
-    loaded = load_given_task(task, task_arg)
+    loaded = load_given_task(task, task_arg, stdout_kept=json_output)
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
     flagged = said_by_flags(**spellings(TrainerConfig), **spellings(RuntimeOptions))
