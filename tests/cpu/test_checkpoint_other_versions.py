@@ -50,6 +50,7 @@ def test_another_versions_checkpoints_are_counted_before_a_run_mixes_its_own_wit
         f"out_dir={str(tmp_path)!r} is not allowed; expected a directory of its own: it holds an earlier run's "
         "checkpoints (the newest at step 2, written by another version of redline), and a new run there would mix "
         "its checkpoints and logs with that run's\nhint: continue that run with the version of redline that wrote "
-        f"it, or pass another out_dir=DIR; to start over, delete {root}"
+        f"it, or pass another out_dir=DIR; to start over, delete {root} and the logs beside it (metrics.csv, "
+        "metrics.jsonl)"
     )
     assert files(tmp_path) == before

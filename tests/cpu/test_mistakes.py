@@ -445,8 +445,52 @@ def test_a_new_run_among_the_checkpoints_of_a_run_that_had_not_ended_says_to_con
         f"out_dir={str(tmp_path)!r} is not allowed; expected a directory of its own: it holds an earlier run's "
         "checkpoints (the newest at step 2), and a new run there would mix its checkpoints and logs with that run's"
         "\nhint: continue that run with resume='auto', or pass another out_dir=DIR; to start over, delete "
-        f"{tmp_path / 'checkpoints'}"
+        f"{tmp_path / 'checkpoints'} and the logs beside it (metrics.csv, metrics.jsonl)"
     )
+
+
+def killed_run(out: Path, rows: int) -> dict[str, bytes]:
+    """An out_dir a SIGKILLed run left before its first checkpoint: ``rows`` steps logged, and its lock; its files."""
+    out.mkdir(parents=True)
+    (out / ".lock").write_text("")
+    (out / "metrics.csv").write_text("step,loss\n" + "".join(f"{i},2.3\n" for i in range(1, rows + 1)))
+    (out / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "loss": 2.3}}\n' for i in range(1, rows + 1)))
+    (out / "eval.csv").write_text("step,val_loss,val_metric\n")
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_a_new_run_among_the_logs_of_a_run_killed_before_its_first_checkpoint_is_refused_and_leaves_them(tmp_path):
+    """Before, the new run replaced metrics.csv's 70 rows with its own 5, with no word."""
+    files = killed_run(tmp_path / "run", 70)
+    with pytest.raises(ConfigError) as refused:
+        Trainer(mistake(), max_steps=5, out_dir=tmp_path / "run", progress=False).fit()
+    assert str(refused.value) == (
+        f"out_dir={str(tmp_path / 'run')!r} is not allowed; expected a directory of its own: it holds an earlier "
+        "run's logs (metrics.csv, metrics.jsonl) and no checkpoint (that run stopped before its first, or its "
+        "checkpoints were deleted), which a new run there would replace\nhint: pass another out_dir=DIR, or to start "
+        "over delete those logs (nothing was written: they are as they were)"
+    )
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == files
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    (tmp_path / "tasks.py").write_text(TINY_TASK)
+    said = CliRunner().invoke(app, ["train", "--task", f"{tmp_path / 'tasks.py'}:make", "--max-steps", "2",
+                                    "--out", str(tmp_path / "run"), "--no-progress"])  # fmt: skip
+    assert isinstance(said.exception, ConfigError), said.output
+    assert str(said.exception).startswith(f"--out={str(tmp_path / 'run')!r} is not allowed")
+    assert "hint: pass another --out DIR, or to start over delete those logs" in str(said.exception)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == files
+
+
+def test_logs_of_a_header_alone_are_replaced_and_resume_auto_starts_over_among_a_killed_runs_logs(tmp_path):
+    killed_run(tmp_path / "header", 0)  # a run that failed before its first log
+    assert Trainer(mistake(), max_steps=2, out_dir=tmp_path / "header", progress=False).fit().steps == 2
+    killed_run(tmp_path / "auto", 70)  # --resume auto, as a requeued job runs: it finds no checkpoint, starts over
+    assert Trainer(mistake(), max_steps=2, out_dir=tmp_path / "auto", resume="auto", progress=False).fit().steps == 2
+    for out in ("header", "auto"):
+        assert [row["step"] for row in csv.DictReader((tmp_path / out / "metrics.csv").open())] == ["1", "2"]
 
 
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_leaves_them(tmp_path):

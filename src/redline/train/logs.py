@@ -182,6 +182,24 @@ LOG_FILES = {
 }
 
 
+def logs_with_rows(out_dir: Path) -> list[str]:
+    """The CSV and JSONL logs in ``out_dir`` that hold a row: an earlier run's steps, which a new run would replace.
+    One of a header alone (a run that failed before its first log) holds none; an unreadable one is said to."""
+    held = []
+    for name in (*LOG_FILES["csv"], *LOG_FILES["jsonl"]):
+        path = out_dir / name
+        if not path.is_file():
+            continue
+        try:
+            with path.open("rb") as file:
+                lines = [line for line in (file.readline() for _ in range(2)) if line.strip()]
+        except OSError:
+            lines = [b"?", b"?"]  # what it holds is unknown: it is kept
+        if len(lines) > (1 if name.endswith(".csv") else 0):  # a CSV's first line is its header
+            held.append(name)
+    return held
+
+
 def _warn_unwritten(out_dir: Path, chosen: Sequence[str], resume_step: int) -> None:
     """Warn that the logs an earlier run wrote in ``out_dir``, and a resumed run does not, miss its steps."""
     left = [name for logger, names in LOG_FILES.items() if logger not in chosen for name in names]

@@ -19,7 +19,7 @@ from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions, same_kind, stored_reason
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.logs import LOG_FILES, Loggers, open_loggers
+from redline.train.logs import LOG_FILES, Loggers, logs_with_rows, open_loggers
 from redline.train.output import read_summary
 from redline.train.state import Position
 from redline.train.summary import TrainSummary
@@ -144,13 +144,14 @@ def prepare_checkpoint_dir(root: Path, env: DistEnv, *, resume: str | None, foun
     A new run (no ``resume``, not a restarted worker) among an earlier run's checkpoints would prune
     by step number, deleting its own when the earlier run had gone further, and a later
     ``resume="auto"`` would continue the earlier run. So would a run resumed from a path (``found``)
-    where ``root`` holds checkpoints of another run, or of its own run past ``found``'s step.
+    where ``root`` holds checkpoints of another run, or of its own run past ``found``'s step. A new run where no
+    checkpoint is but logs with rows are (a run killed before its first checkpoint) would replace those logs.
     Collective: rank 0 lists, every rank refuses alike.
     """
     explicit = resume not in (None, "auto") and found is not None
     if env.restart_count == 0 and (resume is None or explicit):
-        steps, others = run_on_rank0(lambda: _repaired_steps(root), "listing the checkpoints")
-        _refuse(root, found, steps, others)
+        steps, others, logs = run_on_rank0(lambda: _listed(root), "listing the checkpoints")
+        _refuse(root, found, steps, others, logs)
     if env.is_main:
         checkpoint.clean_staging(root)
 
@@ -171,10 +172,17 @@ def refuse_before_launch(root: Path | None, resume: str | None) -> None:
                 raise
             return  # the workers say what is wrong with it
     if root is not None:
-        _refuse(root, found, *_repaired_steps(root))
+        _refuse(root, found, *_listed(root))
 
 
-def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list[int]) -> None:
+def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list[int], logs: list[str]) -> None:
+    if not steps and found is None and logs:  # a run killed before its first checkpoint, or one whose were deleted
+        raise invalid(
+            "out_dir", str(root.parent),
+            f"a directory of its own: it holds an earlier run's logs ({', '.join(logs)}) and no checkpoint (that run "
+            "stopped before its first, or its checkpoints were deleted), which a new run there would replace",
+            "pass another out_dir=DIR, or to start over delete those logs (nothing was written: they are as they were)",
+        )  # fmt: skip
     if not steps and found is not None and found.path.resolve().parent != root.resolve():
         logs = [name for names in LOG_FILES.values() for name in names if (root.parent / name).exists()]
         if logs:  # a run killed before its first checkpoint: the resumed run's steps would follow that run's
@@ -184,12 +192,12 @@ def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list
                 f"hint: pass another --out for it, or move those logs out of {root.parent}"
             )
     if steps and found is None:
-        raise _earlier_run(root, steps[-1], other_version=steps[-1] in others)
+        raise _earlier_run(root, steps[-1], logs, other_version=steps[-1] in others)
     if steps and found is not None:
         _refuse_a_mix(root, found, steps, others)
 
 
-def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError:
+def _earlier_run(root: Path, newest: int, logs: list[str], *, other_version: bool) -> ConfigError:
     """The error of a new run in an out_dir whose checkpoints under ``root`` go up to step ``newest``; where
     ``other_version`` wrote that one, --resume auto stops there: only the version that wrote it goes on. A run that
     ended there (its checkpoint's ``stopped``) is said to be finished: --resume auto alone would train no step, and
@@ -212,8 +220,13 @@ def _earlier_run(root: Path, newest: int, *, other_version: bool) -> ConfigError
     return invalid(
         "out_dir", str(root.parent),
         f"a directory of its own: it holds {held}, and a new run there would mix its checkpoints and logs with "
-        "that run's", f"{hint}; to start over, delete {root}",
+        "that run's", f"{hint}; to start over, delete {root}{_logs_too(logs)}",
     )  # fmt: skip
+
+
+def _logs_too(logs: list[str]) -> str:
+    """What else a new run needs deleted, once the checkpoints are: ``logs``, those with rows beside them."""
+    return f" and the logs beside it ({', '.join(logs)})" if logs else ""
 
 
 def _ended_at(found: Path) -> str:
@@ -224,6 +237,11 @@ def _ended_at(found: Path) -> str:
     except (CheckpointError, OSError, RuntimeError, EOFError):  # a layout without extra.pt, or a damaged one
         return ""
     return "" if not isinstance(stopped, str) or stopped.startswith("signal") else stopped
+
+
+def _listed(root: Path) -> tuple[list[int], list[int], list[str]]:
+    """``_repaired_steps``, and the logs beside ``root`` that hold rows (``logs_with_rows``)."""
+    return (*_repaired_steps(root), logs_with_rows(root.parent))
 
 
 def _repaired_steps(root: Path) -> tuple[list[int], list[int]]:
