@@ -66,7 +66,13 @@ def test_an_earlier_runs_directory_is_still_resumed_or_written_over(tmp_path: Pa
     shutil.rmtree(killed / "checkpoints")
     (killed / "model.safetensors").unlink()
     (killed / "summary.json").unlink()
-    assert trainer(killed).fit().steps == 2  # a new run there starts over, as before
+    logged = (killed / "metrics.csv").read_text()
+    with pytest.raises(
+        ConfigError, match=r"holds an earlier run's logs \(metrics\.csv, eval\.csv, metrics\.jsonl, eval\.jsonl\) and"
+    ):
+        trainer(killed).fit()  # a new run there replaced that run's logs with its own
+    assert (killed / "metrics.csv").read_text() == logged
+    assert trainer(killed, resume="auto").fit().steps == 2  # --resume auto finds no checkpoint: it starts over
 
 
 def test_train_with_nproc_refuses_the_users_files_before_any_worker_starts(tmp_path, monkeypatch) -> None:
