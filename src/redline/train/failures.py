@@ -72,14 +72,12 @@ OPTIMIZER_STEP_HINT = (
 )
 
 
-def check_finite(
-    losses: list[float], first_step: int, last: Checkpoint | None, *, precision: str | None = None
-) -> None:
+def check_finite(losses: list[float], first_step: int, last: Checkpoint | None, *, precision: str) -> None:
     """Raise TrainingError at the first of ``losses`` (of the steps from ``first_step`` on) that is not finite.
 
     A NaN spreads to every weight in the next step: the run stops there, naming ``last``, the newest
-    checkpoint (none holds a NaN: the losses are read before each one is written). ``precision`` is the run's
-    (None: not known), which decides whether bf16-mixed is worth a try.
+    checkpoint (none holds a NaN: the losses are read before each one is written). ``precision`` is the run's,
+    which decides whether bf16-mixed is worth a try.
     """
     for offset, value in enumerate(losses):
         if not math.isfinite(value):
@@ -90,7 +88,7 @@ def check_finite(
             )
 
 
-def nan_hint(step: int, precision: str | None) -> str:
+def nan_hint(step: int, precision: str) -> str:
     """What to try for a loss that is not finite at ``step``. At the first no optimizer step has run: the weights
     are as the model made them, so the batch or the loss made it, and a lower learning rate would not help."""
     if step == 1:
@@ -102,13 +100,8 @@ def nan_hint(step: int, precision: str | None) -> str:
     else:
         hint = "lower the learning rate, or clip gradients (--clip-grad-norm 1.0)"
     if precision == "fp16-mixed":
-        return hint + f"; or use bf16-mixed instead of fp16-mixed {OVERFLOW}"
-    if precision is None:
-        return hint + f"; if the run is fp16-mixed, try bf16-mixed {OVERFLOW}"
+        return hint + "; or use bf16-mixed instead of fp16-mixed (fp16 overflows above 65504; bf16 has fp32's range)"
     return hint
-
-
-OVERFLOW = "(fp16 overflows above 65504; bf16 has fp32's range)"
 
 
 RESUME_AGAIN = "then run the same command with --resume auto (in Python: resume='auto')"

@@ -435,7 +435,8 @@ class Trainer:
         if not window.logged:  # a window that fails the check is flushed again (the steps kept): logged once
             run.loggers.log(rows)
         window.logged = True
-        check_finite(losses, rows[0]["step"], run.last_ckpt)  # after the log: the steps up to a NaN show in it
+        # after the log: the steps up to a NaN show in it
+        check_finite(losses, rows[0]["step"], run.last_ckpt, precision=run.rt.precision.name)
         rates = rows[-1]  # the window's, on each of its rows
         run.progress.update(
             pos.step, loss=losses[-1], samples_per_s=rates["samples_per_s"], epoch=pos.epoch + 1,
