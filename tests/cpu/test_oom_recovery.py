@@ -26,7 +26,7 @@ from redline.plan import Choice
 from redline.runtime import snapshot
 from redline.runtime.micro import BatchRun, MicroBatcher, OomEvent
 from redline.runtime.precision import Precision
-from redline.runtime.samples import batch_length
+from redline.runtime.samples import batch_length, take
 from redline.runtime.strategy.single import SingleDevice
 from redline.train.summary import TrainSummary
 from redline.train.trainer import Trainer
@@ -370,6 +370,29 @@ def test_a_pair_of_dicts_holding_the_batch_is_read_as_its_fields():
     ids, labels = torch.zeros(8, 5, dtype=torch.long), torch.zeros(8, dtype=torch.long)
     assert batch_length(({"input_ids": ids}, {"labels": labels})) == 8  # not two samples
     assert batch_length([{"input_ids": ids[i], "label": 1} for i in range(8)]) == 8
+
+
+def test_a_tensor_shared_by_the_samples_beside_the_inputs_is_given_whole_not_refused():
+    # A tuple of inputs holding a tensor that is not per sample (a position table, a temperature, class embeddings)
+    # read as a list of one tensor per sample of another length: the batch was refused at step 1.
+    x, y = torch.zeros(8, 5), torch.zeros(8)
+    for shared in (torch.arange(5), torch.tensor(0.5), torch.zeros(10, 3)):
+        batch = ((x, shared), y)
+        assert batch_length(batch) == 8
+        (cut_x, cut_shared), cut_y = take(batch, 2, 6, 8)
+        assert cut_x.shape[0] == cut_y.shape[0] == 4 and cut_shared is shared
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_detection_batch_whose_targets_have_as_many_boxes_as_the_images_channels_counts_its_images(channels):
+    # Every target holding `channels` boxes: the images' shared first axis (their channels) fitted every part, so
+    # a batch of 8 was read as 3 (or 1) samples and cut by channel.
+    images = tuple(torch.zeros(channels, 6 + i, 6) for i in range(8))
+    targets = tuple({"boxes": torch.zeros(channels, 4), "labels": torch.zeros(channels)} for _ in range(8))
+    assert batch_length((images, targets)) == 8
+    cut_images, cut_targets = take((images, targets), 0, 4, 8)
+    assert [tuple(i.shape) for i in cut_images] == [(channels, 6 + i, 6) for i in range(4)]
+    assert len(cut_targets) == 4 and cut_targets[0]["boxes"].shape == (channels, 4)
 
 
 # -- the memory snapshot ------------------------------------------------------------------------

@@ -31,44 +31,66 @@ def count_batch(inputs: Any, targets: Any) -> int:
 
 
 def batch_length(batch: Any) -> int:
-    """Return the number of samples in ``batch``: the first axis of its first tensor that has one, where every list of
-    one tensor or one dict per sample in it agrees; else the one count every part agrees on (a detection batch collated
-    as ``tuple(zip(*samples))``: a tuple of images of their own sizes and one of target dicts). A batch whose parts
-    agree on no count, or on several, is a TaskError: slicing it would cut an image's channels, not its samples."""
+    """Return the number of samples in ``batch``.
+
+    Read first as its tensors' first axis, where every list of tensors or dicts in it fits that count (as its
+    length, one per sample, or as its tensors' shared first axis, fields of the batch); else as the length of a list
+    of one dict per sample (a detection batch collated as ``tuple(zip(*samples))``: a tuple of images and one of
+    target dicts, whose images' shared first axis is their channels); else as any count every part fits. Where none
+    fits, the first axis of the first tensor (a shared scale or mask beside the inputs is given whole to each part),
+    but where a list of one dict per sample disagrees, a TaskError: slicing would cut an image's channels.
+    """
     stacked, lists = _evidence(batch)
-    first = next((t.shape[0] for t in stacked if t.dim() and t.shape[0]), None)
-    if not lists:
-        if first is not None:
-            return int(first)
+    first = next((int(t.shape[0]) for t in stacked if t.dim() and t.shape[0]), None)
+    counts = [first] if first is not None else []
+    counts += [s.length for s in lists if s.samples] + [s.axis for s in lists if s.axis is not None]
+    counts += [s.length for s in lists]
+    for n in counts:
+        if (first is None or first == n) and all(s.fits(n) for s in lists):
+            return n
+    if any(s.samples for s in lists):
         raise TaskError(
-            f"train_step(step_fn, batch) got a batch without samples to split ({type(batch).__name__}); expected "
-            "tensors whose first axis is the batch, alone or in tuples, lists or dicts\n"
-            "hint: pass the batch itself, e.g. rt.train_step(step_fn, (inputs, targets))"
+            "train_step(step_fn, batch) cannot tell how many samples the batch holds: its lists of one dict per "
+            f"sample are {sorted({s.length for s in lists if s.samples})} long, and its tensors' first axes say "
+            f"{first if first is not None else 'nothing'}\nhint: keep one list of per-sample targets as long as "
+            "the images, e.g. (torch.stack(images), list(targets)), or pass micro_batch=None"
         )
-    fields = [first] if first is not None else [uniform for _, uniform in lists if uniform is not None][:1]
-    for n in fields + [length for length, _ in lists]:  # the batch's own fields first, as a batch without lists
-        if all(length == n or uniform == n for length, uniform in lists) and (first is None or first == n):
-            return int(n)
+    anywhere = next((int(t.shape[0]) for t in tensors_in(batch) if t.dim() and t.shape[0]), None)
+    if anywhere is not None:
+        return anywhere
     raise TaskError(
-        "train_step(step_fn, batch) cannot tell how many samples the batch holds: its lists of one tensor or one "
-        f"dict per sample are {sorted({length for length, _ in lists})} long, and its tensors' first axes say "
-        f"{first if first is not None else 'nothing'}\nhint: stack the images into one tensor (N, C, H, W) and "
-        "keep one list of per-sample targets, e.g. (torch.stack(images), list(targets)), or pass micro_batch=None"
+        f"train_step(step_fn, batch) got a batch without samples to split ({type(batch).__name__}); expected "
+        "tensors whose first axis is the batch, alone or in tuples, lists or dicts\n"
+        "hint: pass the batch itself, e.g. rt.train_step(step_fn, (inputs, targets))"
     )
 
 
-def _evidence(batch: Any) -> tuple[list[torch.Tensor], list[tuple[int, int | None]]]:
-    """The tensors of ``batch`` outside its lists of one tensor or one dict per sample, and each such list's length
-    with the first axis all its tensors share (None where they share none: then it can only be one per sample). At
-    the top of the batch only a list of dicts counts: a top-level (inputs, targets) pair is the batch's fields."""
+@dataclass(frozen=True)
+class _List:
+    """A list (or tuple) of tensors or dicts in a batch: its length, the first axis all its tensors share (None where
+    they share none), and whether it can only be one dict per sample."""
+
+    length: int
+    axis: int | None
+    samples: bool
+
+    def fits(self, n: int) -> bool:
+        """Whether the batch can hold ``n`` samples with this list in it: one entry per sample or, where its dicts are
+        not the samples', every tensor of it holding them all."""
+        return self.length == n or (not self.samples and self.axis == n)
+
+
+def _evidence(batch: Any) -> tuple[list[torch.Tensor], list[_List]]:
+    """The tensors of ``batch`` outside its lists of tensors or dicts, and those lists. At the top of the batch only a
+    list of dicts counts: a top-level (inputs, targets) pair is the batch's fields."""
     stacked: list[torch.Tensor] = []
-    lists: list[tuple[int, int | None]] = []
+    lists: list[_List] = []
 
     def visit(item: Any, top: bool) -> None:
         if isinstance(item, torch.Tensor):
             stacked.append(item)
         elif (entries := _sample_list(item, top)) is not None:
-            lists.append((len(item), _shared_axis(entries)))
+            lists.append(_List(len(entries), _shared_axis(entries), _dict_per_sample(entries)))
         elif isinstance(item, list | tuple):
             for x in item:
                 visit(x, False)
@@ -90,6 +112,17 @@ def _sample_list(item: Any, top: bool) -> list[Any] | None:
     if all(isinstance(x, Mapping) for x in item) or (not top and all(isinstance(x, torch.Tensor) for x in item)):
         return list(item)
     return None
+
+
+def _dict_per_sample(entries: list[Any]) -> bool:
+    """Whether ``entries`` can only be one dict per sample: dicts holding a plain number or string (a sample's label;
+    a batch's field would hold every sample's), or at least two dicts of the same keys (a batch's
+    fields are one dict, or differ in their keys: {'input_ids'} and {'labels'})."""
+    if not all(isinstance(entry, Mapping) for entry in entries):
+        return False
+    if any(isinstance(v, int | float | str) for entry in entries for v in entry.values()):
+        return True
+    return len(entries) > 1 and len({tuple(entry) for entry in entries}) == 1
 
 
 def _shared_axis(entries: list[Any]) -> int | None:
@@ -139,7 +172,10 @@ class _Cut:
 
 
 def _per_sample(item: Any, total: int, *, top: bool = False) -> bool:
-    """Whether ``item`` is a list (or tuple) of one tensor or one dict per sample: ``total`` of them, whose tensors do
-    not all have a first axis of ``total`` (which would make them fields of the batch, each holding every sample)."""
+    """Whether ``item`` is a list (or tuple) of one tensor or one dict per sample: ``total`` of them, dicts that can
+    only be the samples' or entries whose tensors do not all have a first axis of ``total`` (which would make them
+    fields of the batch, each holding every sample)."""
     entries = _sample_list(item, top)
-    return entries is not None and len(entries) == total and _shared_axis(entries) != total
+    if entries is None or len(entries) != total:
+        return False
+    return _dict_per_sample(entries) or _shared_axis(entries) != total
