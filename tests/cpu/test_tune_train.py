@@ -620,3 +620,30 @@ def test_a_budget_that_decides_no_axis_is_refused_and_caches_nothing(tmp_path, m
     with pytest.raises(ConfigError, match=r"budget_s=.* is not allowed; expected enough seconds to measure one axis"):
         tune(mlp_task(), devices="cpu", planned_steps=100, budget_s=60)
     assert cached_plans(tmp_path) == []
+
+
+CHATTY_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+def make():
+    print("loading 64 samples")
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8, name="chatty")
+"""
+
+
+def test_tune_json_holds_the_json_alone_when_the_task_file_prints(tmp_path, monkeypatch, redline_here):
+    """Before, the factory's print came first on stdout: `tune --json | jq` read no JSON."""
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: [("grad_accum", [1, 2])])
+    monkeypatch.setattr(
+        "redline.bench.tune._measure", lambda task, device, candidates, *args: [Trial(c, 0.01) for c in candidates]
+    )
+    (tmp_path / "chatty.py").write_text(CHATTY_TASK)
+    result = redline_here("tune", "--task", f"{tmp_path / 'chatty.py'}:make", "--devices", "cpu", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["task"] == "chatty"
+    assert "loading 64 samples\n" in result.stderr

@@ -47,7 +47,7 @@ def tune_command(
     """
     with said_by_flags(budget_s="--budget"):  # before the task loads, which can take minutes
         positive_number("budget_s", budget)
-    loaded = load_given_task(task, task_arg)
+    loaded = load_given_task(task, task_arg, stdout_kept=json_output)
     console = Console(stderr=True)
     if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
