@@ -495,6 +495,36 @@ def test_a_spec_with_a_second_colon_is_refused_naming_the_factory_meant(spec: st
     assert str(info.value).endswith(f"\nhint: did you mean '{meant}'?")
 
 
+TINY_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+def make():
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=4, name="tiny")
+"""
+
+
+def test_a_file_in_a_folder_with_a_colon_in_its_name_loads(tmp_path: Path) -> None:
+    # a timestamped run folder (run:1, 2026-12-06T16:36): it was refused as a spec with two ':'
+    folder = tmp_path / "run:1"
+    folder.mkdir()
+    (folder / "tasks.py").write_text(TINY_TASK)
+    assert load_task(f"{folder / 'tasks.py'}:make").name == "tiny"
+    with pytest.raises(TaskSpecError) as info:  # a second ':' after the file is still refused as such
+        load_task(f"{folder / 'tasks.py'}:make:x")
+    assert str(info.value).endswith(f"\nhint: did you mean '{folder / 'tasks.py'}:make'?")
+
+
+def test_a_missing_file_in_a_folder_with_a_colon_in_its_name_is_said_missing(tmp_path: Path) -> None:
+    spec = f"{tmp_path / 'run:1' / 'tasks.py'}:make"
+    with pytest.raises(TaskSpecError, match=r"tasks\.py' does not exist"):
+        load_task(spec)
+
+
 def test_spec_without_colon_is_rejected_with_the_allowed_forms() -> None:
     with pytest.raises(TaskSpecError) as info:
         load_task("just_a_name")

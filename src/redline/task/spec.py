@@ -114,12 +114,8 @@ def _split_spec(spec: str) -> tuple[str, str]:
         name = head.split(":")[1]
         hint = f"\nhint: did you mean 'example:{name}'?" if name in EXAMPLES else ""
         raise TaskSpecError(f"task spec {spec!r} has more than one ':'; expected {forms}{hint}")
-    start = 2 if len(head) > 2 and head[0].isalpha() and head[1] == ":" and head[2] in "\\/" else 0  # C:\ (Windows)
-    if ":" in head[start:]:  # 'tasks.py:make:x': the file was looked for as 'tasks.py:make', and not found
-        where, _, rest = head[start:].partition(":")
-        meant = rest.partition(":")[0]
-        hint = f"\nhint: did you mean '{head[:start]}{where}:{meant}'?" if where and meant.isidentifier() else ""
-        raise TaskSpecError(f"task spec {spec!r} has more than one ':'; expected {forms}{hint}")
+    if _names_a_factory_twice(head):  # 'tasks.py:make:x': the file was looked for as 'tasks.py:make', and not found
+        raise TaskSpecError(f"task spec {spec!r} has more than one ':'; expected {forms}{_meant_hint(head)}")
     if head == "example":
         if tail not in EXAMPLES:
             near = nearest(tail, EXAMPLES)
@@ -130,6 +126,29 @@ def _split_spec(spec: str) -> tuple[str, str]:
         near = f"\nhint: did you mean '{head.strip()}:{tail.strip()}'?" if head and tail.strip().isidentifier() else ""
         raise TaskSpecError(f"task spec {spec!r} is malformed; expected {forms}{near or _spec_hint(head.strip())}")
     return head, tail
+
+
+def _names_a_factory_twice(head: str) -> bool:
+    """Whether ``head``, a spec before its last ':', ends in a factory of its own ('tasks.py:make'), not in a path
+    with a ':' ('run:1/tasks.py', a timestamped run folder, which is looked for as a file)."""
+    if ":" not in head[_drive(head) :] or Path(os.path.expanduser(head)).is_file():
+        return False
+    return head.rpartition(":")[2].isidentifier()
+
+
+def _meant_hint(head: str) -> str:
+    """The spec meant by one with a second factory, ``head`` the part before its last ':'."""
+    where = head.rpartition(":")[0]
+    if ":" in where[_drive(where) :] and not Path(os.path.expanduser(where)).is_file():  # 'tasks.py:make:x:y'
+        drive = _drive(head)
+        where, _, rest = head[drive:].partition(":")
+        head = f"{head[:drive]}{where}:{rest.partition(':')[0]}"
+    return f"\nhint: did you mean '{head}'?" if where and head.rpartition(":")[2].isidentifier() else ""
+
+
+def _drive(path: str) -> int:
+    """How many characters of ``path`` a Windows drive takes (2 for C:\\ or C:/), whose ':' is no spec's."""
+    return 2 if len(path) > 2 and path[0].isalpha() and path[1] == ":" and path[2] in "\\/" else 0
 
 
 def _spec_hint(spec: object) -> str:
