@@ -568,6 +568,24 @@ def test_a_closed_runtime_gives_autos_nhwc_model_back_nchw_and_keeps_a_layout_as
     assert out.view(2, -1).shape == (2, 64)
 
 
+def test_a_loader_set_up_in_the_run_gives_nchw_batches_once_the_runtime_closed(monkeypatch):
+    # its batches came NHWC after `with rt:`, and so did the NCHW model's conv outputs on them: a .view failed
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 3, padding=1))  # 4-d outputs
+    data = TensorDataset(torch.randn(8, 3, 4, 4), torch.randn(8, 3, 4, 4))
+    with bf16_nhwc(compile="off") as rt:
+        model, optimizer = rt.setup(net, lambda params: torch.optim.SGD(params, lr=0.1))
+        batches = rt.setup_loader(DataLoader(data, batch_size=4))
+        x, _ = next(iter(batches))
+        step(rt, model, optimizer, x)
+        assert is_nhwc(net[0].weight) and is_nhwc(next(iter(batches))[0])
+    x, _ = next(iter(batches))
+    assert x.is_contiguous() and rt.to_device(torch.randn(2, 3, 4, 4)).is_contiguous()
+    with torch.no_grad():
+        assert net(x).view(4, -1).shape == (4, 48)
+
+
 class EncodesDecodes(nn.Module):
     """A convolutional autoencoder a loop trains through its methods, not its forward (``decode(encode(x))``), its
     encoder flattening a convolution's output with ``view``."""

@@ -20,9 +20,9 @@ and NCHW runs, the model goes back to NCHW for the rest of the run, the Plan say
 later forward of the model gets its 4-d inputs in NCHW (a batch moved before, a micro-batch cut from it, another
 model's output: a convolution given one NHWC operand computes in NHWC). A layout given (``channels_last="on"``) is
 not checked: the forward's own error says what failed. When the Runtime closes, the model keeps no hook of it: it
-pickles and scripts as it did, a model "auto" laid out NHWC is laid back out NCHW (its outputs and saved weights
-as they came; a layout given stays), and a copy (``copy.deepcopy``, an EMA's) made during the run gets none of the
-check, nor the Runtime.
+pickles and scripts as it did, a model "auto" laid out NHWC is laid back out NCHW (its outputs, saved weights and
+the batches of the loaders set up in the run as they came; a layout given stays), and a copy (``copy.deepcopy``, an
+EMA's) made during the run gets none of the check, nor the Runtime.
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ class Layout:
         """Take the hooks off the set-up models (the check of a forward still to come, a refused model's conversion,
         auto's NCHW outputs), and lay a model "auto" laid out NHWC back out NCHW, with its optimizer's state: without
         the hook its outputs would come out NHWC (``.view`` fails on them), and its non-contiguous weights would not
-        save (safetensors refuses them). A layout given (``channels_last="on"``) stays as asked."""
+        save (safetensors refuses them). The loaders set up in the run, and ``move``, give their batches NCHW with it
+        (on an NHWC batch, a convolution of the NCHW model computes NHWC again). A layout given
+        (``channels_last="on"``) stays as asked."""
         auto = parse_switch("channels_last", self.requested) is None
         for model, laid in list(self._laid.items()):
             for handle in (laid.hook, laid.nchw, laid.outputs, laid.stepping):
@@ -170,6 +172,8 @@ class Layout:
             if auto and laid.channels_last:
                 lay_out(model, laid.optimizer, channels_last=False)
                 laid.channels_last = False
+        if self.choice is not None:
+            self._set(self.choice)  # the loaders' batches as the models are now
 
     def follow(self, precision: str, *, step: int) -> None:
         """Lay the set-up models (with their optimizers' state) and the loaders' batches out as the rule would for
