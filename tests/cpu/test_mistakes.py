@@ -467,8 +467,9 @@ def test_a_new_run_among_the_logs_of_a_run_killed_before_its_first_checkpoint_is
     assert str(refused.value) == (
         f"out_dir={str(tmp_path / 'run')!r} is not allowed; expected a directory of its own: it holds an earlier "
         "run's logs (metrics.csv, metrics.jsonl) and no checkpoint (that run stopped before its first, or its "
-        "checkpoints were deleted), which a new run there would replace\nhint: pass another out_dir=DIR, or to start "
-        "over delete those logs (nothing was written: they are as they were)"
+        "checkpoints were deleted), which a new run there would replace\nhint: pass another out_dir=DIR; to start "
+        "over there, pass resume='auto' (it finds no checkpoint and replaces those logs) or delete them (nothing was "
+        "written: they are as they were)"
     )
     assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == files
     from typer.testing import CliRunner
@@ -480,8 +481,28 @@ def test_a_new_run_among_the_logs_of_a_run_killed_before_its_first_checkpoint_is
                                     "--out", str(tmp_path / "run"), "--no-progress"])  # fmt: skip
     assert isinstance(said.exception, ConfigError), said.output
     assert str(said.exception).startswith(f"--out={str(tmp_path / 'run')!r} is not allowed")
-    assert "hint: pass another --out DIR, or to start over delete those logs" in str(said.exception)
+    assert "hint: pass another --out DIR; to start over there, pass --resume 'auto' (it finds" in str(said.exception)
     assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == files
+
+
+@pytest.mark.parametrize("logger", ["csv", "jsonl"])
+def test_a_rerun_where_a_run_stopped_on_a_nan_loss_replaces_its_logs(tmp_path, logger):
+    """The NaN's hint says to lower the learning rate and run again: that rerun was refused as among a killed run's logs
+    (the stopped run wrote rows and no checkpoint)."""
+    steps = {"n": 0}
+
+    def diverging(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        steps["n"] += out.device.type != "meta" and torch.is_grad_enabled()
+        loss = nn.functional.mse_loss(out, y)
+        # an inf of finite gradients: the window's later rows are finite, its last row among them
+        return loss + (math.inf - loss.detach()) if steps["n"] == 3 else loss
+
+    task = dataclasses.replace(mistake(), loss_fn=diverging)
+    with pytest.raises(TrainingError, match="step 3: the loss is inf"):
+        Trainer(task, max_steps=5, log_every=5, loggers=[logger], out_dir=tmp_path, progress=False).fit()
+    assert Trainer(mistake(), max_steps=2, loggers=[logger], out_dir=tmp_path, progress=False).fit().steps == 2
+    log = (tmp_path / f"metrics.{logger}").read_text().splitlines()
+    assert len(log) == (3 if logger == "csv" else 2) and "inf" not in "".join(log).lower()
 
 
 def test_logs_of_a_header_alone_are_replaced_and_resume_auto_starts_over_among_a_killed_runs_logs(tmp_path):

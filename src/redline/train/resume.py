@@ -19,6 +19,7 @@ from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions, same_kind, stored_reason
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
+from redline.train.failures import stopped_on_nonfinite
 from redline.train.logs import LOG_FILES, Loggers, logs_with_rows, open_loggers
 from redline.train.output import read_summary
 from redline.train.state import Position
@@ -176,12 +177,14 @@ def refuse_before_launch(root: Path | None, resume: str | None) -> None:
 
 
 def _refuse(root: Path, found: Checkpoint | None, steps: list[int], others: list[int], logs: list[str]) -> None:
-    if not steps and found is None and logs:  # a run killed before its first checkpoint, or one whose were deleted
+    # a run killed before its first checkpoint, or one whose were deleted; not one stopped on a NaN, rerun as told
+    if not steps and found is None and logs and not stopped_on_nonfinite(root.parent):
         raise invalid(
             "out_dir", str(root.parent),
             f"a directory of its own: it holds an earlier run's logs ({', '.join(logs)}) and no checkpoint (that run "
             "stopped before its first, or its checkpoints were deleted), which a new run there would replace",
-            "pass another out_dir=DIR, or to start over delete those logs (nothing was written: they are as they were)",
+            "pass another out_dir=DIR; to start over there, pass resume='auto' (it finds no checkpoint and replaces "
+            "those logs) or delete them (nothing was written: they are as they were)",
         )  # fmt: skip
     if not steps and found is not None and found.path.resolve().parent != root.resolve():
         logs = [name for names in LOG_FILES.values() for name in names if (root.parent / name).exists()]
