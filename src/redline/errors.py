@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
+import functools
 import hashlib
 import os
 import re
 import signal
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
+from typing import ParamSpec, TypeVar, cast
 
 # The folder where the workers of one launcher mark the errors they printed, so that an error every
 # rank meets alike (a bug in the model, a wrong option) is printed once, not once per GPU.
@@ -84,6 +88,49 @@ class ServableError(RedlineError, ValueError):
 
 class OutOfMemory(TrainingError):
     """The device ran out of memory and the run could not go on: not even one sample fits, or no recovery was asked."""
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def wrapping_errors(func: Callable[P, Iterator[T]]) -> Callable[P, contextlib.AbstractContextManager[T]]:
+    """``contextlib.contextmanager`` for a generator that raises redline's error ``from`` the user's exception.
+
+    contextlib takes a RuntimeError (a TrainingError is one) whose __cause__ is the StopIteration thrown in for
+    PEP 479's wrapping of it, and re-raises the user's StopIteration raw, the TrainingError lost (CPython's
+    ``_GeneratorContextManager.__exit__``); PEP 479's own wrapping is a RuntimeError itself, and that alone is it.
+    """
+
+    @functools.wraps(func)
+    def manager(*args: P.args, **kwargs: P.kwargs) -> _Wrapping[T]:
+        return _Wrapping(cast(Generator[T, None, None], func(*args, **kwargs)))
+
+    return manager
+
+
+class _Wrapping(contextlib.AbstractContextManager[T]):
+    def __init__(self, gen: Generator[T, None, None]) -> None:
+        self._gen = gen
+
+    def __enter__(self) -> T:
+        return next(self._gen)
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> bool:
+        if value is None:
+            next(self._gen, None)  # the code after the yield: the generator yields once
+            return False
+        try:
+            self._gen.throw(value)
+        except StopIteration:  # the generator returned: the exception is suppressed
+            return True
+        except BaseException as exc:
+            wrapped = type(exc) is RuntimeError and exc.__cause__ is value  # PEP 479's: the StopIteration re-raised
+            if exc is value or wrapped:
+                value.__traceback__ = tb
+                return False  # raised on as it came
+            raise
+        raise RuntimeError("a wrapping_errors generator yielded again after throw()")
 
 
 def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigError:

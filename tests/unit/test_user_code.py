@@ -56,3 +56,52 @@ def test_an_evaluation_whose_metric_raises_blames_the_metric_with_the_outputs_it
     message = str(got.value)
     assert "evaluation: task.metric raised ZeroDivisionError" in message and "model or loss" not in message
     assert "batch: outputs Tensor(4, 3) float32, targets Tensor(4,) int64" in message
+
+
+def test_a_stopiteration_from_the_users_code_is_a_training_error_not_a_raw_stopiteration():
+    # contextlib re-raises a StopIteration bare where the error raised from it is a RuntimeError (a TrainingError)
+    from redline.cli.predict import model_raising
+    from redline.errors import InferenceError
+    from redline.runtime.contract import users_failure
+    from redline.train.callbacks import Callback, call_hooks
+
+    class Sampler(Callback):
+        def on_evaluate(self, trainer, step, metrics):
+            next(iter([]))  # the prompts used up at the second evaluation
+
+    with pytest.raises(TrainingError, match=r"callback Sampler.on_evaluate raised StopIteration") as got:
+        call_hooks([Sampler()], "on_evaluate", None, 4, {})
+    assert "in on_evaluate: next(iter([]))" in str(got.value) and isinstance(got.value.__cause__, StopIteration)
+    metric = user_code("evaluation", torch.zeros(2), torch.zeros(2), metric=True)
+    with pytest.raises(TrainingError, match=r"task\.metric raised StopIteration"), metric:
+        next(iter([]))
+    with pytest.raises(TrainingError, match="build raised StopIteration"), users_failure("build", "fix"):
+        next(iter([]))
+    predicting = model_raising("predicting", "check the model")
+    with pytest.raises(InferenceError, match="the model raised while predicting: StopIteration"), predicting:
+        next(iter([]))
+
+
+def test_wrapping_errors_passes_on_what_the_generator_raises_again_and_runs_its_end():
+    from redline.errors import wrapping_errors
+
+    ended = []
+
+    @wrapping_errors
+    def passing(wrap):
+        try:
+            yield "inside"
+        except Exception as exc:
+            if wrap:
+                raise TrainingError("wrapped") from exc
+            raise
+        finally:
+            ended.append(True)
+
+    with passing(wrap=False) as value:
+        assert value == "inside"
+    with pytest.raises(StopIteration, match="not the user's"), passing(wrap=False):
+        raise StopIteration("not the user's")  # raised again: itself, not PEP 479's RuntimeError
+    with pytest.raises(TrainingError, match="wrapped") as got, passing(wrap=True):
+        raise StopIteration("the user's")
+    assert str(got.value.__cause__) == "the user's" and ended == [True, True, True]

@@ -12,7 +12,6 @@ the model, and ends the command with its traceback.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -53,6 +52,7 @@ from redline.errors import (
     RedlineError,
     ServableError,
     describe_error,
+    wrapping_errors,
 )
 from redline.plan import Choice
 from redline.plan.inference import MIXED_OF
@@ -358,7 +358,7 @@ def check_hint(servable: Servable, samples: np.ndarray | None = None, *, precisi
     )
 
 
-@contextlib.contextmanager
+@wrapping_errors
 def model_raising(running: str, check: str) -> Iterator[None]:
     """Turn the model's exception into an InferenceError naming what was ``running``, the user's line and the fix.
 

@@ -52,7 +52,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_leaves, tree_map
 
 from redline.config import boolean, one_of, positive_int
-from redline.errors import ConfigError, RedlineError, TrainingError, invalid
+from redline.errors import ConfigError, RedlineError, TrainingError, invalid, wrapping_errors
 from redline.hardware.device import CPU_ISAS, CpuIsa, DeviceFacts
 from redline.memory.cpu_ops import CpuKernels, cpu_layout, device_facts, to_channels_last
 from redline.memory.cuda_ops import CudaOps
@@ -294,7 +294,7 @@ def trace_step(
     }
 
 
-@contextmanager
+@wrapping_errors
 def _tracing(task: Task) -> Iterator[None]:
     """Turn an error of the Task's own code on fake tensors into a TrainingError that names the way out."""
     # torch logs an op that fails on fake tensors with its whole traceback before raising; the error

@@ -8,7 +8,6 @@ that shows the user's line, so a genuine bug there is not passed off as a data m
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -24,6 +23,7 @@ from redline.errors import (
     raised_in_redline,
     user_line,
     worker_failure,
+    wrapping_errors,
 )
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.cuda_errors import is_sticky_cuda_error
@@ -140,7 +140,7 @@ def blames_user_code(exc: BaseException) -> bool:
     return is_oom(exc) or is_sticky_cuda_error(exc) or not raised_in_redline(exc)
 
 
-@contextlib.contextmanager
+@wrapping_errors
 def users_failure(what: str, hint: str) -> Iterator[None]:
     """Say an exception from the user's code inside (or torch's under it) as a TrainingError showing their line:
     "{what} raised Type: first line". redline's own errors and bugs, and an out-of-memory, pass as they are."""
@@ -187,7 +187,7 @@ def one_sample_refusal(exc: BaseException) -> BaseException | None:
     return cause if isinstance(cause, ValueError) and "more than 1 value per channel" in str(cause) else None
 
 
-@contextlib.contextmanager
+@wrapping_errors
 def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) -> Iterator[Forward]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
 
