@@ -132,3 +132,25 @@ def test_a_metric_without_val_data_never_runs_and_the_trainer_says_so(caplog):
         quiet(tiny_task(), max_steps=2)
         quiet(tiny_task(val_data=None, metric=None), max_steps=2)
     assert "no metric is computed" not in caplog.text
+
+
+def test_a_branch_into_a_new_out_dir_takes_the_best_along_or_starts_it_afresh(tmp_path, monkeypatch, caplog):
+    """The summary named NEW/best.safetensors for the checkpoint's best, which stayed in the old out_dir, and no
+    later evaluation beat it: a file never written."""
+    scripted(monkeypatch, {2: 0.5, 4: 0.2, 6: 0.4, 8: 0.3, 10: 0.35})
+    old, new = tmp_path / "old", tmp_path / "new"
+    keep = dict(eval_every=2, checkpoint_every=4, keep_best="val_loss")
+    assert quiet(tiny_task(), max_steps=8, out_dir=old, **keep).fit().best["step"] == 4
+    branch = quiet(tiny_task(), max_steps=10, out_dir=new, resume=str(old / "checkpoints" / "step-00000008"), **keep)
+    summary = branch.fit()  # 0.35 at step 10 does not beat step 4's 0.2: the old run's file comes along
+    assert summary.best == {"monitor": "val_loss", "value": 0.2, "step": 4, "path": str(new / "best.safetensors")}
+    assert (new / "best.safetensors").read_bytes() == (old / "best.safetensors").read_bytes()
+    assert json.loads((new / "best.json").read_text()) == summary.best
+
+    scripted(monkeypatch, {2: 0.5, 4: 0.2, 6: 0.4, 8: 0.1})
+    old, new = tmp_path / "old2", tmp_path / "new2"
+    assert quiet(tiny_task(), max_steps=8, out_dir=old, **keep).fit().best["step"] == 8  # step 4's weights replaced
+    branch = quiet(tiny_task(), max_steps=6, out_dir=new, resume=str(old / "checkpoints" / "step-00000004"), **keep)
+    summary = branch.fit()  # step 4's best is gone: step 6's 0.4 is the branch's first
+    assert (summary.best["step"], summary.best["value"]) == (6, 0.4) and (new / "best.safetensors").is_file()
+    assert "best weights" in caplog.text and "are gone: --keep-best starts afresh" in caplog.text

@@ -8,17 +8,23 @@ metrics are the job's (summed over the ranks), and under FSDP writing the weight
 A checkpoint stores the best so far, so a resumed run only replaces the file with better weights.
 An evaluation after that checkpoint, in the part of the run a crash lost, may have written
 better weights still; its best.json (of the same metric, at a later step) then stands as the best.
+A run resumed into a new out_dir copies the checkpoint's best there, or, where the old out_dir's file
+now holds a later best, starts afresh.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from redline.atomic import write_or_refuse
+from redline.errors import TrainingError
 from redline.parallel.collectives import run_on_rank0
 from redline.runtime.runtime import Runtime
 from redline.train.output import write_json
@@ -27,6 +33,7 @@ log = logging.getLogger("redline")
 
 WEIGHTS = "best.safetensors"
 RECORD = "best.json"
+NO_SPACE = "free space on that disk (or make it writable again), then resume again"
 Monitor = Literal["val_loss", "val_metric"]
 
 
@@ -85,22 +92,55 @@ class BestWeights:
             self.value, self.step = None, None
             return
         self.value, self.step = float(state["value"]), int(state["step"])
+        stored = Path(state.get("path") or self.path)  # another run's out_dir, where a resume branches into a new one
+        if not run_on_rank0(functools.partial(self._bring, stored), f"copying {stored} into {self.out_dir}"):
+            self.value, self.step = None, None
+            return
         later = run_on_rank0(self._read_record, "reading best.json") or {}
         ours = later.get("monitor") == self.monitor and later["step"] >= self.step
         if ours and (later["value"] == self.value or self.better(later["value"])):
             self.value, self.step = float(later["value"]), int(later["step"])
 
-    def _read_record(self) -> dict[str, Any] | None:
-        """best.json beside best.safetensors, or None where either is missing or the record is unreadable."""
+    def _bring(self, stored: Path) -> bool:
+        """Whether the checkpoint's best weights (at ``stored``) are at ``self.path``: copied there, with best.json,
+        from another run's out_dir where need be; False where they are lost (a later best replaced them there)."""
+        elsewhere = stored.resolve() != self.path.resolve()
+        if elsewhere and self._holds_ours(self._read_record(stored.parent)):
+            # the run goes on in a new out_dir; the old one's file holds the checkpoint's best, not a later one
+            write_or_refuse(self.path, functools.partial(_copy, stored), error=TrainingError, hint=NO_SPACE)
+            write_json(self.out_dir / RECORD, self.to_dict())
+            return True
+        if (not elsewhere and self.path.is_file()) or self._holds_ours(self._read_record(), later=True):
+            return True  # here, or here since the out_dir moved: of this step or a later one (load_state_dict picks)
+        log.warning(
+            "the checkpoint's best weights (%s, of step %s) are gone: --keep-best starts afresh, and the next "
+            "evaluation writes %s", stored, self.step, self.path,
+        )  # fmt: skip
+        return False  # the summary must never name a missing file
+
+    def _holds_ours(self, record: dict[str, Any] | None, *, later: bool = False) -> bool:
+        """Whether best.json's ``record`` is of this best (of a ``later`` step too): its file holds those weights."""
+        if not record or record["monitor"] != self.monitor or self.step is None:
+            return False
+        return record["step"] >= self.step if later else (record["step"], record["value"]) == (self.step, self.value)
+
+    def _read_record(self, out_dir: Path | None = None) -> dict[str, Any] | None:
+        """best.json beside best.safetensors (in this ``out_dir``), or None where either is missing or the record is
+        unreadable."""
+        out_dir = out_dir or self.out_dir
         try:
-            record = json.loads((self.out_dir / RECORD).read_text(encoding="utf-8"))
+            record = json.loads((out_dir / RECORD).read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            log.warning("%s cannot be read (%s); the best is the checkpoint's", self.out_dir / RECORD, exc)
+            log.warning("%s cannot be read (%s); the best is the checkpoint's", out_dir / RECORD, exc)
             return None
         fields = isinstance(record, dict) and {"monitor", "value", "step"} <= set(record)
         if not fields or not isinstance(record["value"], float | int) or not isinstance(record["step"], int):
-            log.warning("%s is not a best.json; the best is the checkpoint's", self.out_dir / RECORD)
+            log.warning("%s is not a best.json; the best is the checkpoint's", out_dir / RECORD)
             return None
-        return record if self.path.is_file() else None
+        return record if (out_dir / WEIGHTS).is_file() else None
+
+
+def _copy(source: Path, target: Path) -> None:
+    shutil.copyfile(source, target)
