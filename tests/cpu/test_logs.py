@@ -197,6 +197,27 @@ def test_tensorboard_gets_numeric_scalars_and_purges_on_resume(tmp_path, monkeyp
     assert FakeSummaryWriter.made[-1].purge_step == 7  # events after the checkpoint are hidden
 
 
+def test_tensorboard_after_a_resume_that_evaluates_its_step_again_shows_that_evaluation_once(tmp_path):
+    """Killed in step 4's evaluation, after its checkpoint: eval.csv drops the row and the resumed run evaluates
+    step 4 again, but TensorBoard's purge from step 5 kept the first run's point beside the new one."""
+    pytest.importorskip("tensorboard", reason="a run logs to TensorBoard with the tensorboard extra")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open_loggers(["csv", "tensorboard"], tmp_path) as logs:
+        logs.log([{"step": s, "loss": 10.0 + s} for s in range(1, 5)])
+        logs.log_eval(4, {"val_loss": 9.0})  # a half-written evaluation's row, say
+    with open_loggers(["csv", "tensorboard"], tmp_path, resume_step=4, eval_resume_step=3) as logs:
+        logs.log_eval(4, {"val_loss": 1.0})
+        logs.log([{"step": s, "loss": 1.0 + s} for s in (5, 6)])
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(4, 1.0)]
+    losses = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert losses == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 6.0), (6, 7.0)]  # step 4's kept, not redone
+    with (tmp_path / "eval.csv").open() as file:
+        assert [row["step"] for row in csv.DictReader(file)] == ["4"]
+
+
 def test_plain_lines_show_step_loss_rate_and_eta():
     out = io.StringIO()
     progress = Progress(1000, stream=out)

@@ -170,7 +170,7 @@ def open_loggers(
         evals.append(_JsonlLog(out_dir / "eval.jsonl", eval_resume_step))
     tensorboard = None
     if writer_class is not None:
-        tensorboard = _open_tensorboard(writer_class, out_dir / "tensorboard", resume_step)
+        tensorboard = _open_tensorboard(writer_class, out_dir / "tensorboard", resume_step, eval_resume_step)
     return Loggers(train, evals, tensorboard)
 
 
@@ -356,11 +356,40 @@ def _summary_writer_class() -> type[SummaryWriter]:
     return SummaryWriter
 
 
-def _open_tensorboard(writer_class: type[SummaryWriter], log_dir: Path, resume_step: int | None) -> SummaryWriter:
+def _open_tensorboard(
+    writer_class: type[SummaryWriter], log_dir: Path, resume_step: int | None, eval_resume_step: int | None
+) -> SummaryWriter:
     if resume_step is None:
         # A new run: TensorBoard would draw the old run's event files as part of this one.
         for old in log_dir.glob("events.out.tfevents.*"):
             old.unlink()
         return writer_class(log_dir=str(log_dir))
-    # purge_step hides the events the interrupted run wrote at or after it (torch SummaryWriter docs).
-    return writer_class(log_dir=str(log_dir), purge_step=resume_step + 1)
+    # purge_step hides the events the interrupted run wrote at or after it, of every tag (torch SummaryWriter docs):
+    # where the resumed run evaluates its first step again, that step's evaluation goes, and its training row (not
+    # written again) is put back after the purge
+    again = eval_resume_step is not None and eval_resume_step < resume_step
+    kept = _training_scalars(log_dir, resume_step) if again else None
+    writer = writer_class(log_dir=str(log_dir), purge_step=resume_step if kept is not None else resume_step + 1)
+    for tag, value, wall_time in kept or ():
+        writer.add_scalar(tag, value, resume_step, walltime=wall_time)
+    return writer
+
+
+def _training_scalars(log_dir: Path, step: int) -> list[tuple[str, float, float]] | None:
+    """The training scalars (not val/) the events in ``log_dir`` hold at ``step``: (tag, value, wall time); None
+    where they cannot be read (the resumed run's evaluation of ``step`` is then shown twice)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: every scalar, none sampled away
+    tensorboard_log = logging.getLogger("tensorboard")  # it warns of each purge, which is a resume doing its job
+    disabled, tensorboard_log.disabled = tensorboard_log.disabled, True
+    try:
+        events.Reload()
+    except Exception as exc:  # a file the tensorboard package cannot parse: the events are left as they are
+        log.warning("%s cannot be read (%s): its evaluation at step %d is shown twice", log_dir, exc, step)
+        return None
+    finally:
+        tensorboard_log.disabled = disabled
+    tags = [tag for tag in events.Tags().get("scalars", []) if not tag.startswith("val/")]
+    at_step = {tag: [event for event in events.Scalars(tag) if event.step == step][-1:] for tag in tags}
+    return [(tag, event.value, event.wall_time) for tag, found in at_step.items() for event in found]
