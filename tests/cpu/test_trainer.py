@@ -451,8 +451,17 @@ def test_early_stopping_at_an_epochs_end_is_in_the_checkpoint_of_that_step(tmp_p
     def stopping() -> list[EarlyStopping]:
         return [EarlyStopping(monitor="val_loss", patience=2)]
 
-    first = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, callbacks=stopping()).fit()
+    class Told(redline.Callback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_checkpoint(self, trainer, step, path):
+            self.steps.append(step)
+
+    told = Told()
+    first = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, callbacks=[*stopping(), told]).fit()
     assert (first.steps, first.stopped) == (24, "early stopping")  # a checkpoint was due at 24 before the evaluation
+    assert told.steps == [4, 8, 12, 16, 20, 24]  # step 24's written again to hold the stop, and told of once
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     again = quiet(frozen, checkpoint_every=4, out_dir=tmp_path, resume="auto", callbacks=stopping()).fit()
     assert again.to_dict() == json.loads(files["summary.json"])

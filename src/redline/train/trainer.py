@@ -415,13 +415,15 @@ class Trainer:
             "recent_losses": run.losses[-LOSS_WINDOW:],
             **states,  # put back to a step's start (held_back): as they were before its evaluation
         }
-        root = self._checkpoint_root()
+        root, last = self._checkpoint_root(), run.last_ckpt
         with run.meter.excluded("checkpoint"):
             written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
         run.checkpointed_at = time.perf_counter()
         run.last_ckpt = written  # before the hooks: one that raises leaves it committed, not to be written again
         if self.env.is_main:
             checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
+        # a step's checkpoint this run wrote again (to hold the epoch's early stop, _after_epoch) is told of once
+        if self.env.is_main and (last is None or last is run.resumed or last.step != pos.step):
             with run.meter.excluded("callbacks"):
                 call_hooks(self.callbacks, "on_checkpoint", self, pos.step, str(written.path))
         return written
