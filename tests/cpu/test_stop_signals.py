@@ -117,7 +117,8 @@ def test_a_signal_while_the_model_loads_says_what_was_left(tmp_path, signum, sai
 def test_a_signal_while_predicting_leaves_the_older_output_and_no_temporary_file(tmp_path, signum, said, code):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "y.npy").write_bytes(b"an older result")
+    np.save(out / "y.npy", np.arange(3.0))  # an older result: predict replaces only an earlier array
+    older = (out / "y.npy").read_bytes()
     np.save(tmp_path / "x.npy", np.ones((400, 3), np.float32))
     argv = ["predict", "--input", str(tmp_path / "x.npy"), "--output", str(out / "y.npy"), "--batch-size", "4",
             "--measure", "off", "--compile", "off"]  # fmt: skip
@@ -126,7 +127,7 @@ def test_a_signal_while_predicting_leaves_the_older_output_and_no_temporary_file
     assert f"error: stopped by {said} while predicting: --output was not written" in ended.stderr
     assert "Traceback" not in ended.stderr
     assert sorted(p.name for p in out.iterdir()) == ["y.npy"], "the temporary file of the outputs was left"
-    assert (out / "y.npy").read_bytes() == b"an older result"
+    assert (out / "y.npy").read_bytes() == older
 
 
 @pytest.mark.parametrize("command", ["train", "memory", "bench", "tune", "profile"])
