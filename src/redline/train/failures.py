@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,36 +86,6 @@ def check_finite(losses: list[float], first_step: int, last: Checkpoint | None, 
             raise TrainingError(
                 f"step {step}: the loss is {value}; training stopped ({where})\nhint: {nan_hint(step, precision)}"
             )
-
-
-def stopped_on_nonfinite(out_dir: Path) -> bool:
-    """Whether the training log in ``out_dir`` (metrics.csv, else metrics.jsonl) holds a loss that is not finite: a
-    run stops at the first (``check_finite``, once its window is logged), so those are the logs of a run that failed
-    (its hint says to run again), not the only record of one killed. An unreadable log is not known to."""
-    for name, rows in (("metrics.csv", csv.DictReader), ("metrics.jsonl", _json_rows)):
-        try:
-            with (out_dir / name).open(newline="") as file:
-                return any(not _finite(row.get("loss")) for row in rows(file) if isinstance(row, dict))
-        except FileNotFoundError:
-            continue
-        except (OSError, UnicodeDecodeError, csv.Error):
-            return False
-    return False
-
-
-def _json_rows(lines: Iterable[str]) -> Iterator[object]:
-    """The rows of a JSONL log, a line cut short (a killed write) left out."""
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            yield json.loads(line)
-
-
-def _finite(value: object) -> bool:
-    """Whether a logged loss is a finite number; a cell left empty or unreadable counts as one."""
-    try:
-        return math.isfinite(float(value))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return True
 
 
 def nan_hint(step: int, precision: str) -> str:

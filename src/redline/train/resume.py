@@ -19,8 +19,7 @@ from redline.plan.device import resolve_device
 from redline.runtime.options import RuntimeOptions, same_kind, stored_reason
 from redline.train.callbacks import EarlyStopping
 from redline.train.config import TrainerConfig
-from redline.train.failures import stopped_on_nonfinite
-from redline.train.logs import LOG_FILES, Loggers, logs_with_rows, open_loggers
+from redline.train.logs import LOG_FILES, Loggers, logs_with_rows, open_loggers, stopped_on_nonfinite
 from redline.train.output import read_summary
 from redline.train.state import Position
 from redline.train.summary import TrainSummary
