@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from redline.errors import ConfigError
 from redline.examples.gpt import GPT, GPTConfig
-from redline.hardware.flops import count_train_flops, measure_matmul_tflops, mfu, share_of_peak
+from redline.hardware.flops import count_train_flops, matmul_precision, measure_matmul_tflops, mfu, share_of_peak
 
 
 def mse(outputs, targets):
@@ -301,6 +301,20 @@ def test_a_share_of_a_peak_the_run_outpaced_is_none_not_above_100_percent():
     assert share_of_peak(5e12, 10.0) == 0.5
     assert share_of_peak(11e12, 10.0) is None  # no model beats a plain matmul: the peak was stalled
     assert share_of_peak(5e12, None) is None and share_of_peak(5e12, 0.0) is None
+
+
+def test_a_frozen_bf16_base_with_fp32_adapters_runs_at_the_bf16_peak():
+    # Most of the matmuls run through the frozen base's bfloat16 weights: the fp32 peak of the adapters, which
+    # train, held such a run to half of its true share on an H100.
+    base, adapter = nn.Linear(64, 64).to(torch.bfloat16), nn.Linear(64, 4)
+    base.requires_grad_(False)
+    model = nn.Sequential(base, adapter)
+    assert matmul_precision("fp32", model) == "bf16-mixed"
+    mostly_bf16 = nn.Sequential(nn.Linear(4, 4), nn.Linear(64, 64).to(torch.bfloat16))
+    assert matmul_precision("fp32", mostly_bf16) == "bf16-mixed"
+    assert matmul_precision("fp32", nn.Linear(64, 64).double()) is None  # no float64 peak in any datasheet
+    assert matmul_precision("fp16-mixed", model) == "fp16-mixed"  # autocast decides the matmuls' dtype
+    assert matmul_precision("fp32", nn.ReLU()) == "fp32"
 
 
 def test_mfu():

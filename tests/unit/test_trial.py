@@ -589,7 +589,7 @@ def test_a_model_trained_as_it_is_in_fp32_is_measured_against_the_peak_of_its_pa
     assert figures.peak_tflops == peak
     assert set(asked) == ({matmul} if matmul else set())  # the matmul is timed in the parameters' dtype, or not at all
     if dtype == torch.float64:
-        assert figures.mfu_note == "the model trains float64 parameters, and no datasheet gives a float64 matmul peak"
+        assert figures.mfu_note == "the model holds float64 parameters, and no datasheet gives a float64 matmul peak"
 
 
 @pytest.mark.parametrize(("peaks", "expected"), [([1e-9, 1.0], "second"), ([1e-9, 1e-9], None), ([1.0], "first")])

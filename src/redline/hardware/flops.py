@@ -103,21 +103,21 @@ _BY_DTYPE = {dtype: precision for precision, dtype in _MATMUL_DTYPES.items()}
 
 def matmul_precision(precision: str, model: nn.Module) -> str | None:
     """The precision whose peak ``model``'s matmuls run at, under the run's ``precision``: its own under autocast
-    (bf16-mixed, fp16-mixed); under fp32, that of the dtype most of the trained parameters hold, since a bfloat16 or
-    float16 model trained as it is runs bf16 or fp16 matmuls, not fp32 ones. None where that dtype has no peak in
-    the catalog (float64): no datasheet and no matmul peak then stand for the run."""
+    (bf16-mixed, fp16-mixed); under fp32, that of the dtype most of the parameters hold, since a bfloat16 or float16
+    model trained as it is runs bf16 or fp16 matmuls, not fp32 ones. Frozen parameters count too: a frozen bf16 base
+    with fp32 adapters runs most of its matmuls in bf16. None where that dtype has no peak in the catalog (float64):
+    no datasheet and no matmul peak then stand for the run."""
     if precision != "fp32":
         return precision
-    dtype = trained_dtype(model)
+    dtype = weights_dtype(model)
     return _BY_DTYPE.get(dtype) if dtype is not None else precision
 
 
-def trained_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype most of ``model``'s trained parameters hold, by element count; None where it trains none."""
+def weights_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype most of ``model``'s parameters hold, frozen or trained, by element count; None without any."""
     counts: dict[torch.dtype, int] = {}
     for param in model.parameters():
-        if param.requires_grad:
-            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+        counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
     return max(counts, key=lambda dtype: counts[dtype]) if counts else None
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from redline.hardware.catalog import GPUSpec, find_gpu, mig_parent, peak_tflops
-from redline.hardware.flops import count_train_flops, matmul_precision, mfu, share_of_peak, trained_dtype
+from redline.hardware.flops import count_train_flops, matmul_precision, mfu, share_of_peak, weights_dtype
 from redline.hardware.memory import WindowPeak
 from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
@@ -184,8 +184,8 @@ class Throughput:
         if device != "cuda":
             return f"no datasheet peak for {'a CPU' if device == 'cpu' else device.upper()}"
         if precision is None and self._model is not None:
-            dtype = str(trained_dtype(self._model)).removeprefix("torch.")
-            return f"the model trains {dtype} parameters, and no datasheet gives a {dtype} matmul peak"
+            dtype = str(weights_dtype(self._model)).removeprefix("torch.")
+            return f"the model holds {dtype} parameters, and no datasheet gives a {dtype} matmul peak"
         if spec is None and (card := mig_parent(self.rt.facts.name)) is not None:
             return f"{self.rt.facts.name} is a MIG slice of an {card.name}, whose share of the card's peak is unknown"
         if spec is None:
