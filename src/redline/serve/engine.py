@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from redline.config import positive_int
-from redline.errors import DeviceUnavailableError, ServableError, describe_error
+from redline.errors import DeviceUnavailableError, describe_error
 from redline.hardware.device import probe_device
 from redline.hardware.memory import host_memory_bytes
 from redline.plan import Choice
@@ -60,7 +60,7 @@ from redline.runtime.compile import (
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
 from redline.serve.batcher import bucket_for, bucket_sizes
-from redline.serve.inputs import as_batch
+from redline.serve.inputs import as_batch, model_inputs
 from redline.serve.measure import (
     load_measured,
     measure_key,
@@ -192,7 +192,7 @@ class InferenceEngine:
                 f"the engine's device is unusable: {self.broken}\nhint: only a new process recovers it; restart"
             )
         inputs = as_batch(batch, self.servable)
-        inputs = self._guarded(lambda: self._model_inputs(inputs.to(self.servable.torch_dtype)))
+        inputs = self._guarded(lambda: model_inputs(self.servable, inputs.to(self.servable.torch_dtype)))
         if not self.ready:
             self.warm_up()
         with self._lock:
@@ -302,20 +302,7 @@ class InferenceEngine:
             raise
 
     def _zeros(self, bucket: int) -> torch.Tensor:
-        return self._model_inputs(torch.zeros((bucket, *self.input_shape), dtype=self.servable.torch_dtype))
-
-    def _model_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's batch for ``inputs``: the Servable's ``preprocess`` applied, its row count checked."""
-        preprocess = self.servable.preprocess
-        if preprocess is None:
-            return inputs
-        made = preprocess(inputs)
-        if not isinstance(made, torch.Tensor) or made.ndim == 0 or made.shape[0] != inputs.shape[0]:
-            got = f"shape {tuple(made.shape)}" if isinstance(made, torch.Tensor) else type(made).__name__
-            raise ServableError(
-                f"preprocess returned {got} for {inputs.shape[0]} samples; expected a tensor of as many rows"
-            )
-        return made
+        return model_inputs(self.servable, torch.zeros((bucket, *self.input_shape), dtype=self.servable.torch_dtype))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -483,7 +470,7 @@ class InferenceEngine:
         if not dtype.is_floating_point:
             return self._zeros(bucket)
         generator = torch.Generator().manual_seed(PROBE_SEED)
-        return self._model_inputs(torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
+        return model_inputs(self.servable, torch.randn((bucket, *self.input_shape), generator=generator).to(dtype))
 
 
 def _kept(chosen: dict[str, Choice[Any]]) -> Setting:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from redline.errors import invalid
+from redline.errors import ServableError, invalid
 from redline.serve.refused import Refused
 from redline.serve.servable import Servable, shape_text
 
@@ -303,6 +303,18 @@ def refuse_changed_by_cast(inputs: torch.Tensor, dtype: torch.dtype) -> None:
         f"the cast to the input dtype {str(dtype).removeprefix('torch.')} would change it without a word; check the "
         "inputs, or give the model a wider input_dtype",
     )  # fmt: skip
+
+
+def model_inputs(servable: Servable, inputs: torch.Tensor) -> torch.Tensor:
+    """The model's batch for ``inputs``: the Servable's ``preprocess`` applied, its row count checked."""
+    if servable.preprocess is None:
+        return inputs
+    made = servable.preprocess(inputs)
+    if not isinstance(made, torch.Tensor) or made.ndim == 0 or made.shape[0] != inputs.shape[0]:
+        got = f"shape {tuple(made.shape)}" if isinstance(made, torch.Tensor) else type(made).__name__
+        rows = inputs.shape[0]
+        raise ServableError(f"preprocess returned {got} for {rows} samples; expected a tensor of as many rows")
+    return made
 
 
 def as_batch(batch: Any, servable: Servable) -> torch.Tensor:
