@@ -3,6 +3,7 @@ a measured winner timed on a copy becomes the engine's own model."""
 
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -302,3 +303,53 @@ def test_on_a_cpu_the_setting_kept_is_timed_compiled_and_the_compile_kept_where_
     made.warm_up()
     inputs = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(made.predict(inputs), reference(inputs), rtol=1e-4, atol=1e-5)
+
+
+def split_until_compiled(slow_at_one):
+    """``time_settings`` with made-up times (the outputs still compared): eager, as ``Split`` (bf16 weights in
+    channels_last fastest on 2 or more samples, fp32 NCHW weights on one); compiled, faster than either, or slower
+    on one sample with ``slow_at_one``."""
+    real = engine_module.time_settings
+
+    def cost(setting, bucket):
+        if setting.compiled:
+            return 0.004 if slow_at_one and bucket == 1 else 0.001
+        fastest = ("bf16-true", True) if bucket > 1 else ("fp32", False)
+        return 0.002 if (setting.precision, setting.channels_last) == fastest else 0.006
+
+    def timed(runners, zeros, probe, **options):
+        measured = real(runners, zeros, probe, **options)
+        return [replace(t, block_s=(cost(t.setting, len(zeros)),) * 5) if t.block_s else t for t in measured]
+
+    return timed
+
+
+@pytest.mark.parametrize("slow_at_one", [False, True])
+def test_buckets_split_off_eager_are_timed_again_against_the_compile_kept(cache, monkeypatch, slow_at_one):
+    # On a CPU the split is timed eager and the compile after it, on the buckets kept: the buckets split off ran
+    # the other setting eager even where the setting kept, compiled, beat it (digits on a Xeon with AMX, at 16).
+    monkeypatch.setenv(FAKE_CPU_ENV, "amx")
+    monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # compiles nothing, patches all the same
+    monkeypatch.setattr(engine_module, "time_settings", split_until_compiled(slow_at_one))
+    made = InferenceEngine(Conv(), input_shape=(1, 8, 8), device="cpu", max_batch_size=4)
+    assert made.plan["compile"].value is True, made.plan["compile"].reason
+    assert (made.plan["precision"].value, made.plan["channels_last"].value) == ("bf16-true", True)
+    small = made.plan["small_batches"]
+    assert small.reason.startswith("with the compile, ") and "measured now" in small.reason
+    one = torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    if slow_at_one:
+        assert small.value == "fp32 at 1" and len(made._variants) == 1, "fp32 eager still wins one sample"
+        torch.testing.assert_close(made.predict(one), reference(one), rtol=1e-5, atol=1e-6)
+    else:
+        assert small.value is None and "one setting serves every bucket, bf16-true" in small.reason
+        assert made._variants == {}, "no second copy for buckets no other setting runs"
+        assert not torch.equal(made.predict(one), reference(one)), "one sample runs the compiled bf16 weights"
+    made._fall_back("compile", "compile failed, ran eagerly: x")  # as the warm-up does when a compile fails
+    small = made.plan["small_batches"]
+    if slow_at_one:
+        assert small.value == "fp32 at 1" and "2 run bf16" not in small.reason, "the split timed eager is back"
+        torch.testing.assert_close(made.predict(one), reference(one), rtol=1e-5, atol=1e-6)
+    else:  # the fp32 weights were let go: the bf16 ones serve every bucket
+        assert small.value is None and "the compile, faster on every bucket, fell back" in small.reason
+        torch.testing.assert_close(made.predict(one), reference(one), rtol=0.05, atol=0.02)

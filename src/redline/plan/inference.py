@@ -395,9 +395,10 @@ def split_of(
 
 def split_buckets(
     large: Setting, small: Setting, timings: Mapping[int, Sequence[Timing]]
-) -> tuple[frozenset[int], Choice[str]]:
+) -> tuple[frozenset[int], Choice[str | None]]:
     """The buckets ``small`` runs, and the plan's entry saying so: the smallest buckets up to the one where
-    ``small``'s gains, summed from the smallest bucket up (in log terms), are the greatest.
+    ``small``'s gains, summed from the smallest bucket up (in log terms), are the greatest; none where it gains on
+    none (``large`` compiled, timed again on the buckets ``small`` won against it eager).
 
     ``timings`` holds each timed bucket's timings of both settings (and perhaps others). The buckets
     ``small`` runs are the smallest ones, with no gap: two settings' times on a bucket between often
@@ -415,6 +416,8 @@ def split_buckets(
         if gain > best:
             best, runs = gain, frozenset(b for b in speedups if b <= bucket)
     shown = ", ".join(f"{times(x)} at {b}" for b, x in speedups.items())
+    if not runs:
+        return runs, Choice(None, f"one setting serves every bucket, {large.label}; {small.label} against it: {shown}")
     buckets = ", ".join(map(str, sorted(runs)))
     copy = " on a second copy of the model" if small.variant != large.variant else ""
     reason = (

@@ -142,6 +142,7 @@ class InferenceEngine:
         self._kept = proposal.reference  # the setting the model is converted for
         self._variants: dict[tuple[str, bool], nn.Module] = {}  # copies other settings are timed (or run) on
         self._split: tuple[Setting, frozenset[int]] | None = None  # another setting for these (small) buckets
+        self._eager_split: tuple[tuple[Setting, frozenset[int]], Choice[Any]] | None = None  # split before a compile
         self.ready = False
         self.broken: str | None = None  # set when an error left the device unusable (a sticky CUDA error)
         self._lock = threading.Lock()
@@ -274,7 +275,7 @@ class InferenceEngine:
                         raise WarmUpStopped(f"the warm-up was stopped before the bucket of {bucket}")
                     self._runner_of(bucket).prepare(bucket, self._zeros(bucket))
         except CaptureFailed as exc:
-            self._fall_back("cuda_graphs", _without_graphs(exc))
+            self._fall_back("cuda_graphs", exc.without_graphs())
             self._warm_buckets()
         except Exception as exc:
             if self._record is None or not is_compiler_error(exc):
@@ -285,6 +286,10 @@ class InferenceEngine:
     def _fall_back(self, axis: str, reason: str) -> None:
         log.warning("InferenceEngine: %s; %s off", reason, axis)
         self.plan[axis] = Choice(False, reason)
+        if axis == "compile" and self._eager_split is not None:  # split again against the compile (_split_again)
+            eager, self._eager_split = self._eager_split, None
+            gone = Choice(None, "one setting serves every bucket: the compile, faster on every bucket, fell back")
+            self._split, self.plan["small_batches"] = eager if self._split is not None else (None, gone)  # copy held?
         if self._split is not None and (axis == "cuda_graphs" or self._split[0].compiled):  # timed with it
             self._split = None
             self.plan["small_batches"] = Choice(None, f"one setting serves every bucket: the split was timed with "
@@ -364,6 +369,21 @@ class InferenceEngine:
         record = self._record
         took = f"; its compile took {record.seconds:.1f} s" if record is not None and record.seconds else ""
         self.plan["compile"] = Choice(compiled.value, f"{compiled.reason}{took}; {note}")
+        if compiled.value and split:
+            self._split_again(replace(kept, compiled=True), split)
+
+    def _split_again(self, compiled: Setting, split: frozenset[int]) -> None:
+        """Time the buckets split off the setting kept eager against it compiled; the other setting keeps those it
+        still wins (on a Xeon with AMX, digits in bf16 compiled beat the fp32 split off at 16). The eager split is
+        put back if the compile falls back, where its copy is still held."""
+        assert self._split is not None
+        small = self._split[0]
+        if (found := self._timings([small, compiled], sorted(split))) is None:  # no CUDA graphs on a CPU
+            return
+        self._eager_split = (self._split, self.plan["small_batches"])
+        runs, choice = split_buckets(compiled, small, found[0])
+        self._split = (small, runs) if runs else None
+        self.plan["small_batches"] = Choice(choice.value, f"with the compile, {choice.reason}; {found[1]}")
 
     def _timings(
         self, settings: Sequence[Setting], buckets: Sequence[int]
@@ -394,9 +414,9 @@ class InferenceEngine:
             with self._compile_room():
                 timings = {bucket: self._time(settings, bucket) for bucket in buckets}
         except CaptureFailed as exc:
-            self.plan["cuda_graphs"] = Choice(False, _without_graphs(exc))
+            self.plan["cuda_graphs"] = Choice(False, exc.without_graphs())
             if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
-                store_capture_failure(key, _without_graphs(exc))
+                store_capture_failure(key, exc.without_graphs())
             return None
         store_measured(key, timings)
         return timings, "measured now"
@@ -476,8 +496,3 @@ class InferenceEngine:
 def _kept(chosen: dict[str, Choice[Any]]) -> Setting:
     """The setting the plan entries ``choose`` returned keep for the largest bucket."""
     return Setting(chosen["precision"].value, bool(chosen["compile"].value), chosen["channels_last"].value)
-
-
-def _without_graphs(exc: CaptureFailed) -> str:
-    """The reason CUDA graphs were turned off."""
-    return f"capture failed, running without graphs: {describe_error(exc)}"

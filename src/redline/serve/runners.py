@@ -38,6 +38,10 @@ MOST_SAID = 4  # values of a tuple or dict a model returned, named in the error
 class CaptureFailed(RuntimeError):
     """The forward ran but could not be captured as a CUDA graph (it synchronises with the CPU, say)."""
 
+    def without_graphs(self) -> str:
+        """The reason CUDA graphs were turned off."""
+        return f"capture failed, running without graphs: {describe_error(self)}"
+
 
 WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}  # the precisions that cast the weights
 
