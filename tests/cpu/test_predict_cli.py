@@ -220,8 +220,13 @@ def test_a_wrong_sample_shape_exits_2_naming_expected_and_got(tmp_path, spec, re
       "hint: save it as a batch of one: numpy.save(path, array[None])"),
      ((5, 1, 3), "samples of shape (1, 3) (array (5, 1, 3)) do not fit tiny; expected (N, 3)",
       "hint: each row holds one sample's values; add or drop its axes of size 1: "
-      "numpy.save(path, array.reshape(-1, 3))")],
-    ids=["one-sample", "extra-axis"],
+      "numpy.save(path, array.reshape(-1, 3))"),
+     ((12,), "the array (12,) is flat (one value a sample) and does not fit tiny; expected (N, 3)",
+      "hint: the first dimension counts the samples; each sample has the model's input shape; the array holds the "
+      "values of 4 such samples: numpy.save(path, array.reshape(-1, 3)), if they are in order"),
+     ((4, 2), "samples of shape (2,) (array (4, 2)) do not fit tiny; expected (N, 3)",
+      "hint: the first dimension counts the samples; each sample has the model's input shape")],
+    ids=["one-sample", "extra-axis", "flat", "short-rows"],
 )  # fmt: skip
 def test_an_array_that_is_one_sample_or_a_reshape_away_is_told_the_fix(tmp_path, spec, shape, said, hint):
     result = predict(spec, "--input", samples(tmp_path, np.zeros(shape, np.float32)), "--output",

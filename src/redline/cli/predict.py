@@ -257,9 +257,15 @@ def _misfit(shape: tuple[int, ...], expected: tuple[int, ...], name: str) -> str
             "hint: save it as a batch of one: numpy.save(path, array[None])"
         )
     said = f"samples of shape {shape[1:]} (array {shape}) do not fit {name}; expected {batch}"
-    if math.prod(shape[1:]) != math.prod(expected):
-        return f"{said}\nhint: the first dimension counts the samples; each sample has the model's input shape"
+    if len(shape) == 1:  # a flat array: one value a sample, or samples flattened together
+        said = f"the array {shape} is flat (one value a sample) and does not fit {name}; expected {batch}"
     reshape = f"numpy.save(path, array.reshape(-1, {dims}))"
+    if math.prod(shape[1:]) != math.prod(expected):
+        hint = "the first dimension counts the samples; each sample has the model's input shape"
+        if math.prod(shape) % math.prod(expected) == 0 and math.prod(shape[1:]) < math.prod(expected):
+            count = math.prod(shape) // math.prod(expected)  # the samples flattened together: (64,) for (1, 8, 8)
+            hint += f"; the array holds the values of {count:,} such samples: {reshape}, if they are in order"
+        return f"{said}\nhint: {hint}"
     if tuple(d for d in shape[1:] if d != 1) == tuple(d for d in expected if d != 1):  # only axes of size 1 differ
         return f"{said}\nhint: each row holds one sample's values; add or drop its axes of size 1: {reshape}"
     return (
