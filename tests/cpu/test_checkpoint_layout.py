@@ -514,3 +514,28 @@ def test_a_corrupt_checkpoint_resumed_by_path_names_the_earlier_one_beside_it(tm
         f"hint: the checkpoint is corrupt; resume from an earlier one beside it, --resume {step_dir(root, 2)}, or with "
         f"--resume auto --out {run} (which skips it)"
     )
+
+
+def test_a_run_killed_while_pruning_leaves_no_half_removed_checkpoint(tmp_path, monkeypatch):
+    """The removal deleted files of a checkpoint in place: a kill amid it left one with its manifest, so corrupt."""
+    with redline.Runtime(devices="cpu") as rt:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))
+        for step in (1, 2, 3):
+            rt.save(step_dir(tmp_path, step), step=step)
+    removing = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):  # the weights gone, then the process killed (SIGKILL)
+        if (path / "manifest.json").is_file():
+            (path / "model.safetensors").unlink()
+            raise KeyboardInterrupt
+        removing(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        prune(tmp_path, keep=2)
+    monkeypatch.undo()
+    assert [c.step for c in find_checkpoints(tmp_path)] == [2, 3]  # step 1 is no longer a checkpoint at all
+    found = open_checkpoint("auto", tmp_path)
+    assert found is not None and found.step == 3 and not found.skipped
+    clean_staging(tmp_path)  # what the next run does first: the leftover goes
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]

@@ -28,6 +28,7 @@ from redline.parallel.collectives import gather_objects, rank_and_world
 
 PREFIX = "step-"
 STAGING = ".tmp-"  # a checkpoint being written: .tmp-step-00000100
+PRUNED = ".pruned-"  # a checkpoint being removed, renamed out of the run's view first: .pruned-step-00000100
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 # The formats a manifest may name: whole (one process wrote it) and sharded (every rank its shards),
@@ -294,17 +295,31 @@ def prune(root: Path, keep: int, *, corrupt: Collection[Checkpoint] = ()) -> Non
             continue
         kept.append(candidate)
     for old in found[: found.index(kept[-1])] if kept else ():
-        shutil.rmtree(old.path, ignore_errors=True)
+        _remove(old.path)
     if kept:  # one whose manifest no longer reads (damaged since its commit), once the run has gone past it
         listed = {c.path for c in found}
         for path in run_dirs(root):
             if path not in listed and _other_version(path) is None and step_of(path, {}) < kept[-1].step:
-                shutil.rmtree(path, ignore_errors=True)
+                _remove(path)
     clean_staging(root)
 
 
+def _remove(path: Path) -> None:
+    """Remove the checkpoint directory ``path`` as one change a reader sees: renamed out of the run's names first,
+    so a run killed amid the removal leaves no half of a checkpoint that still has its manifest (a corrupt one),
+    only a ``.pruned-`` directory that ``clean_staging`` removes."""
+    doomed = path.with_name(f"{PRUNED}{path.name}")
+    try:
+        shutil.rmtree(doomed, ignore_errors=True)  # a killed removal's leftover of the same step
+        path.rename(doomed)
+    except OSError:  # not renamed (a file system that refuses it): removed in place, as before
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def clean_staging(root: Path) -> int:
-    """Remove the staging directories of writes that never committed (a killed run's) under ``root``; return how many.
+    """Remove the staging directories of writes that never committed (a killed run's) under ``root``, and what a
+    killed run's pruning had begun to remove; return how many staging directories.
 
     Call it only where no checkpoint is being written under ``root``: at the start of the run that
     writes there, or after its commit (``prune`` does), on one rank.
@@ -312,6 +327,9 @@ def clean_staging(root: Path) -> int:
     recover(root)
     leftovers = sorted(path for path in root.glob(f"{STAGING}{PREFIX}*") if path.is_dir()) if root.is_dir() else []
     for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    pruned = root.glob(f"{PRUNED}{PREFIX}*") if root.is_dir() else ()  # a removal a killed run had begun
+    for path in pruned:
         shutil.rmtree(path, ignore_errors=True)
     if leftovers:
         count = f"{len(leftovers)} staging director{'y' if len(leftovers) == 1 else 'ies'}"
