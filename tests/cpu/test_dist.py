@@ -679,3 +679,27 @@ def test_ctrl_c_stops_a_launcher_waiting_for_the_other_machines(tmp_path, node_r
     assert waiting.returncode == 128 + signum, rest[-3000:]
     assert f"stopped by {stop} while waiting for the other machines of --nnodes 2: no worker had started" in rest
     assert "hello" not in rest
+
+
+def test_predict_loads_the_weights_of_a_two_process_fsdp_checkpoint_in_one_process(tmp_path):
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    assert launch("--nproc", "2", JOB, str(tmp_path / "run"), "6", "--strategy", "fsdp").returncode == 0
+    step = tmp_path / "run" / "checkpoints" / "step-00000006"
+    assert not (step / "model.safetensors").exists() and (step / "__1_0.distcp").is_file()
+    (tmp_path / "mlp.py").write_text(
+        "from torch import nn\nfrom redline.serve.servable import Servable\n\n\ndef make():\n"
+        "    return Servable(model=nn.Sequential(nn.Linear(10, 24), nn.Tanh(), nn.Linear(24, 4)), input_shape=(10,))\n"
+    )
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(5, 10)).astype(np.float32))
+    outputs = {}
+    for name, weights in (("checkpoint", step), ("final", tmp_path / "run" / "model.safetensors")):
+        result = CliRunner().invoke(app, ["predict", f"{tmp_path / 'mlp.py'}:make", "--input", str(tmp_path / "x.npy"),
+                                          "--output", str(tmp_path / f"{name}.npy"), "--weights", str(weights),
+                                          "--precision", "fp32", "--compile", "off"])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        outputs[name] = np.load(tmp_path / f"{name}.npy")
+    np.testing.assert_array_equal(outputs["checkpoint"], outputs["final"])  # the run's last step, gathered alike

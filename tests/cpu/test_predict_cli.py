@@ -508,19 +508,19 @@ def test_weights_of_another_model_are_refused_naming_the_tensors_that_differ(tmp
     assert "hint: pass the weights written by a run of this same model" in message
 
 
-def test_weights_given_as_a_run_directory_name_the_file_inside(tmp_path, spec):
+def test_weights_given_as_a_run_directory_load_the_final_weights_inside(tmp_path, spec):
     from safetensors.torch import save_model
 
     run = tmp_path / "run"
     run.mkdir()
     save_model(load_servable(spec).model, str(run / "model.safetensors"))
-    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
-                     "--output", str(tmp_path / "y.npy"), "--weights", str(run))  # fmt: skip
-    assert isinstance(result.exception, ConfigError), result.exception
-    assert str(result.exception) == (
-        f"--weights {str(run)!r} is a directory; expected a .safetensors file\n"
-        f"hint: pass the weights file inside it: --weights {run / 'model.safetensors'}"
-    )
+    given = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                    "--output", str(tmp_path / "y.npy"), "--weights", str(run))  # fmt: skip
+    assert given.exit_code == 0, given.output
+    inside = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "z.npy"), "--weights", str(run / "model.safetensors"))  # fmt: skip
+    assert inside.exit_code == 0, inside.output
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), np.load(tmp_path / "z.npy"))
 
 
 @pytest.mark.parametrize("weights", ["run", "run/model.safetensors"])

@@ -372,7 +372,7 @@ def _whole(tmp: Path) -> bool:
         staged = read_checkpoint(tmp)
     except CheckpointError:  # no manifest yet: the write never finished
         return False
-    return bool(staged.manifest["files"]) and not any(_check_file(staged, name) for name in staged.manifest["files"])
+    return bool(staged.manifest["files"]) and not any(check_file(staged, name) for name in staged.manifest["files"])
 
 
 def verify(checkpoint: Checkpoint) -> None:
@@ -384,7 +384,7 @@ def verify(checkpoint: Checkpoint) -> None:
     """
     rank, world = rank_and_world()
     names = sorted(checkpoint.manifest["files"])
-    _agree(checkpoint.path, [p for name in names[rank::world] if (p := _check_file(checkpoint, name))])
+    _agree(checkpoint.path, [p for name in names[rank::world] if (p := check_file(checkpoint, name))])
 
 
 def _agree(path: Path, problems: list[str]) -> None:
@@ -415,7 +415,7 @@ def _check_size(checkpoint: Checkpoint, name: str) -> str | None:
     return f"{name} {what} ({size} bytes where its manifest says {expected})"
 
 
-def _check_file(checkpoint: Checkpoint, name: str) -> str | None:
+def check_file(checkpoint: Checkpoint, name: str) -> str | None:
     sized = _check_size(checkpoint, name)
     if sized is not None:
         return sized

@@ -256,6 +256,27 @@ def load_sharded(
     return _load(checkpoint, RUNTIME), _load(checkpoint, EXTRA)
 
 
+def load_sharded_model(checkpoint: Checkpoint, model: nn.Module) -> None:
+    """Load the model's weights of the sharded ``checkpoint`` into the plain ``model``, in one process without a
+    process group (DCP reads every rank's pieces into whole tensors); its optimizer state is left unread.
+
+    A checkpoint of another model (a tensor's name or shape) is a CheckpointError before anything is read.
+    """
+    if not checkpoint.sharded:
+        raise CheckpointError(f"{checkpoint.path}: format {checkpoint.format!r} is not a sharded checkpoint")
+    state = model.state_dict()
+    check_same_model(checkpoint.path, saved_shapes(checkpoint), shapes_of(state))
+    try:
+        with _single_process_is_intended():
+            dcp.load({"model": state}, checkpoint_id=checkpoint.path)  # into the model's own tensors
+    except CheckpointException as exc:
+        _, (cause, _) = min(exc.failures.items())
+        raise CheckpointError(
+            f"{checkpoint.path}: the checkpoint's weights could not be read: {describe_error(cause)}"
+        ) from cause
+    model.load_state_dict(state, strict=True)
+
+
 def _check_same_optimizer(checkpoint: Checkpoint, live: Mapping[str, Any]) -> None:
     """Raise CheckpointError if the checkpoint lacks state this run's optimizer keeps: another optimizer wrote it.
 

@@ -258,7 +258,12 @@ ModelSpec = Annotated[
     str, typer.Argument(metavar="SPEC", help="Model spec: example:digits, pkg.module:factory or file.py:factory.")
 ]
 Weights = Annotated[
-    Path | None, typer.Option(metavar="FILE", parser=given_path, help="A safetensors file to load into the model.")
+    Path | None,
+    typer.Option(
+        metavar="PATH",
+        parser=given_path,
+        help="A safetensors file to load into the model, or a checkpoint directory (step-NNNNNNNN, FSDP ones too).",
+    ),
 ]
 EngineDevice = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 EnginePrecision = Annotated[

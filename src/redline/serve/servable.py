@@ -24,10 +24,9 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from redline.checkpoint.layout import find_checkpoints
-from redline.checkpoint.shapes import differences, safetensors_shapes, shapes_of
 from redline.errors import ConfigError, TaskError, TaskSpecError, describe_error, invalid, user_line
 from redline.runtime.contract import PAIR_HINT, describe, split_batch
+from redline.serve.weights import load_weights
 from redline.task import Task, find_factory, run_factory
 
 log = logging.getLogger("redline")
@@ -124,7 +123,8 @@ _MODEL_WORDS = {
 
 
 def load_servable(spec: str, *, weights: str | Path | None = None, **options: Any) -> Servable:
-    """Load the Servable a spec names, with ``weights`` (a safetensors file) loaded into its model."""
+    """Load the Servable a spec names, with ``weights`` (a safetensors file or a checkpoint directory) loaded into its
+    model."""
     return load_servable_with(spec, lambda factory: options, weights=weights)
 
 
@@ -339,120 +339,6 @@ def _first_item(task: Task) -> Any:
             "redline.Servable(model=..., input_shape=(...), input_dtype='float32')"
         )
     return item
-
-
-WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
-FIT_HINT = "hint: pass the weights written by a run of this same model (and the same task options)"
-
-
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Load a safetensors file into ``model``; a missing file or a mismatch is a ConfigError naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_model
-
-    if path.is_dir():  # a run's --out, or one of its checkpoints: each holds a model.safetensors
-        inside = path / "model.safetensors"
-        raise ConfigError(
-            f"--weights {str(path)!r} is a directory; expected a .safetensors file\n"
-            + (f"hint: pass the weights file inside it: --weights {inside}" if inside.is_file() else _run_hint(path))
-        )
-    if not path.is_file():
-        raise ConfigError(f"--weights {str(path)!r} does not exist\n{_run_hint(path.parent)}")
-    try:
-        saved, expected = safetensors_shapes(path), shapes_of(model.state_dict())
-    except SafetensorError as exc:  # not a safetensors file
-        raise _unreadable(path, exc) from exc
-    found = differences(saved, expected)
-    if found:  # named here: torch's own error lists every key of both models
-        raise ConfigError(
-            f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n"
-            + (_renamed_hint(path, saved, expected) or FIT_HINT)
-        )
-    try:
-        load_model(model, str(path), strict=True)
-    except SafetensorError as exc:  # a damaged one
-        raise _unreadable(path, exc) from exc
-    except (RuntimeError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"--weights {str(path)!r} does not fit the model: {first}\n{FIT_HINT}") from exc
-
-
-def _run_hint(run: Path) -> str:
-    """The fix for weights asked of directory ``run``: where it is a run's --out that stopped before writing its
-    final weights (killed, or failed), its newest checkpoint's weights file; else where a run writes them."""
-    for root in (run / "checkpoints", run):  # the run's --out, or its checkpoints directory
-        kept = [c for c in find_checkpoints(root) if (c.path / "model.safetensors").is_file()]
-        if kept:
-            return (
-                f"hint: the run stopped before writing its final weights; its newest checkpoint holds those of step "
-                f"{kept[-1].step}: --weights {kept[-1].path / 'model.safetensors'}"
-            )
-    return WEIGHTS_HINT
-
-
-def _renamed_hint(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str:
-    """The fix where the same tensors differ only by a prefix of every name ("" where they do not): ``module.``
-    of a model saved wrapped in DDP or DataParallel, ``_orig_mod.`` of one saved compiled, in either file."""
-    if not saved or not expected:
-        return ""
-    extra = _prefix(saved, expected)
-    if extra:
-        strip = f"{{k.removeprefix({extra!r}): v for k, v in load_file({str(path)!r}).items()}}"
-        return (
-            f"hint: the file's names all start with {extra!r} (a model saved wrapped: DDP's 'module.', "
-            f"torch.compile's '_orig_mod.'), the model's do not; save them without it once: python -c \"from "
-            f"safetensors.torch import load_file, save_file; save_file({strip}, 'model.safetensors')\""
-        )
-    missing = _prefix(expected, saved)
-    if missing:
-        return (
-            f"hint: the model's names all start with {missing!r}, the file's do not: the factory wraps the model "
-            "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
-        )
-    return ""
-
-
-def _prefix(longer: dict[str, tuple[int, ...]], shorter: dict[str, tuple[int, ...]]) -> str:
-    """The prefix that turns every name of ``shorter`` into ``longer``'s, shapes alike ("" where none does)."""
-    first = next(iter(shorter))
-    for name in longer:
-        if name.endswith(first) and len(name) > len(first):
-            prefix = name[: -len(first)]
-            if {prefix + key: shape for key, shape in shorter.items()} == longer:
-                return prefix
-    return ""
-
-
-def _unreadable(path: Path, exc: Exception) -> ConfigError:
-    beside = path.parent / "model.safetensors"
-    if _saved_by_torch(path) and beside.is_file():  # a checkpoint's optimizer.pt, say: its model is beside it
-        return ConfigError(
-            f"--weights {str(path)!r} was written by torch.save (a pickle), not safetensors: it is not read, as "
-            f"unpickling runs code\nhint: pass the model's weights beside it: --weights {beside}"
-        )
-    if _saved_by_torch(path):  # the commonest mistake: a .pt or .bin file, which safetensors calls a "too large header"
-        return ConfigError(
-            f"--weights {str(path)!r} was written by torch.save (a pickle), not safetensors: it is not read, as "
-            "unpickling runs code\n"
-            'hint: convert it once where you trust it: python -c "import torch; from safetensors.torch import '
-            f"save_file; save_file(torch.load({str(path)!r}), 'model.safetensors')\" (for a file of the model's "
-            "state_dict), then pass --weights model.safetensors"
-        )
-    return ConfigError(
-        f"--weights {str(path)!r} cannot be read as a safetensors file: {exc}\n"
-        "hint: pass the model.safetensors that redline train --out DIR wrote, or save with safetensors.torch"
-    )
-
-
-def _saved_by_torch(path: Path) -> bool:
-    """Whether ``path`` starts as torch.save writes: a zip archive (torch >= 1.6), or a bare pickle (older, or
-    ``_use_new_zipfile_serialization=False``)."""
-    try:
-        with path.open("rb") as file:
-            start = file.read(4)
-    except OSError:
-        return False
-    return start.startswith(b"PK\x03\x04") or (len(start) >= 2 and start[0] == 0x80 and 2 <= start[1] <= 5)
 
 
 def as_servable(model: Servable | nn.Module, input_shape: Sequence[int] | None, input_dtype: str | None) -> Servable:
