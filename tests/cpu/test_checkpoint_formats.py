@@ -155,7 +155,9 @@ def test_loading_the_checkpoint_of_another_model_names_the_differences(tmp_path,
         f"{path}: the checkpoint's model differs from this run's model: missing from the checkpoint: 4.weight, "
         "4.bias; shapes differ: 0.weight ([16, 4] in the checkpoint, [8, 4] in this model), 0.bias ([16] in the "
         "checkpoint, [8] in this model), 1.weight ([16, 16] in the checkpoint, [8, 8] in this model) and 4 more\n"
-        "hint: this run's model is not the one that wrote the checkpoint: load a checkpoint of this model "
+        "hint: this run's model is not the one that wrote the checkpoint (another --task-arg, or changed model "
+        "code, changes its shapes): resume with the same --task-arg values as the run that wrote it, or load a "
+        "checkpoint of this model "
         "(redline train: --resume one of this model, or another --out)"
     )
     assert all(torch.equal(before[name], after[name]) for name in before), "nothing is loaded"

@@ -316,7 +316,9 @@ def test_resuming_into_the_run_of_another_model_says_so_in_one_message(tmp_path,
         "checkpoint, [8] in this model), 2.weight ([2, 16] in the checkpoint, [2, 8] in this model)" in message
     )
     assert (
-        "hint: this run's model is not the one that wrote the checkpoint: load a checkpoint of this model "
+        "hint: this run's model is not the one that wrote the checkpoint (another --task-arg, or changed model "
+        "code, changes its shapes): resume with the same --task-arg values as the run that wrote it, or load a "
+        "checkpoint of this model "
         "(redline train: --resume one of this model, or another --out)" in message
     )
 

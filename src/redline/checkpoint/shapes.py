@@ -41,8 +41,9 @@ def check_same_model(path: Path, saved: Mapping[str, tuple[int, ...]], expected:
     if found:
         raise CheckpointError(
             f"{path}: the checkpoint's model differs from this run's model: {'; '.join(found)}\n"
-            "hint: this run's model is not the one that wrote the checkpoint: load a checkpoint of this model "
-            "(redline train: --resume one of this model, or another --out)"
+            "hint: this run's model is not the one that wrote the checkpoint (another --task-arg, or changed model "
+            "code, changes its shapes): resume with the same --task-arg values as the run that wrote it, or load a "
+            "checkpoint of this model (redline train: --resume one of this model, or another --out)"
         )
 
 
