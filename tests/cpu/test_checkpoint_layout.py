@@ -168,6 +168,7 @@ def test_a_resumed_run_names_the_options_its_stored_plan_overrides_and_honours_a
     assert summary.plan.precision.value == "fp32"  # the numerics it was started with
     [warning] = [r.getMessage() for r in caplog.records if "under the Plan" in r.getMessage()]
     assert "under the Plan it was written with: --precision bf16-mixed asked, the checkpoint's fp32 kept" in warning
+    assert "start a run without --resume" in warning and "another --out" not in warning  # which kept it fp32 too
     if not torch.cuda.is_available():  # a device asked for now is used, not the stored one
         with pytest.raises(redline.DeviceUnavailableError, match="devices='cuda' was requested"):
             trainer(6, devices="cuda").fit()

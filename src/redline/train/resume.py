@@ -40,8 +40,9 @@ def resumed_options(options: RuntimeOptions, found: Checkpoint | None, env: Dist
     overridden = overridden_requests(options, plan)
     if overridden and env.is_main:  # rank 0 speaks for the job
         log.warning(
-            "resuming %s under the Plan it was written with: %s\nhint: to train with other numerics, start a new "
-            "run (another --out); drop the flag to silence this", found.path, "; ".join(overridden)
+            "resuming %s under the Plan it was written with: %s\nhint: a resumed run keeps its checkpoint's Plan, "
+            "whatever its --out; to train with other settings, start a run without --resume (from step 0); drop "
+            "the flag to silence this", found.path, "; ".join(overridden)
         )  # fmt: skip
     resumed = options.with_plan(plan)
     if env.distributed:  # the process group is already on this run's device: keep it
