@@ -19,7 +19,7 @@ from redline.checkpoint.layout import (
     step_of,
     verify,
 )
-from redline.parallel.collectives import gather_objects, run_on_rank0
+from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 log = logging.getLogger("redline")
 
@@ -69,7 +69,7 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
             with contextlib.suppress(CheckpointError):  # its manifest reads: a checkpoint pruning would count
                 skipped.append(read_checkpoint(Path(path)))
             continue
-        for problem in problems:
+        for problem in problems if rank_and_world()[0] == 0 else ():  # every rank found them: rank 0 says so
             log.warning("skipping a corrupt checkpoint: %s", problem)
         return replace(found, skipped=tuple(skipped))
     if problems:
