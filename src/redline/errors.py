@@ -20,6 +20,11 @@ from typing import ParamSpec, TypeVar, cast
 # The folder where the workers of one launcher mark the errors they printed, so that an error every
 # rank meets alike (a bug in the model, a wrong option) is printed once, not once per GPU.
 SAID_ERRORS_ENV = "REDLINE_SAID_ERRORS"
+# The hint of a rank whose collective broke because another rank had stopped (failed, or was killed) first
+PEER_STOPPED = (
+    "another rank stopped first; its log says why (with --max-restarts K the job restarts from the last checkpoint)"
+)
+PEER_STOPPED_MARK = "peer-stopped-rank"  # in SAID_ERRORS_ENV's folder, + the rank: its error was PEER_STOPPED
 ONE_STEP = "redline train --task SPEC --max-steps 1"  # a failing task's one-step run; the command line says it as typed
 
 
@@ -276,6 +281,15 @@ def users_file(filename: str) -> bool:
 def _at(filename: str, lineno: int | str | None, name: str, code: str | None) -> str:
     """A frame as the indented 'at FILE:LINE in NAME: code' line messages end with."""
     return f"\n  at {filename}:{lineno} in {name}" + (f": {code.strip()}" if code else "")
+
+
+def mark_peer_stopped(message: str) -> None:
+    """Tell the launcher that this worker's error says another rank stopped first (``PEER_STOPPED``): where every
+    failed rank of a machine says so, the cause was on another machine, whose output says why."""
+    folder, rank = os.environ.get(SAID_ERRORS_ENV), os.environ.get("RANK")
+    if folder and rank is not None and PEER_STOPPED in message:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"{PEER_STOPPED_MARK}{rank}").touch()
 
 
 def first_to_say(message: str) -> bool:

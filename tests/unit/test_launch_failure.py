@@ -207,3 +207,26 @@ def test_more_cpu_workers_than_cores_is_warned_before_they_start(tmp_path, monke
     assert started == ["40"], "a warning, not a refusal: the user may mean it"
     assert warnings(2, gpus=0) == []  # as many as the cores
     assert warnings(8, gpus=8) == []  # GPU workers: the cores only feed them
+
+
+def test_a_machine_whose_ranks_only_saw_another_machines_rank_stop_says_the_cause_is_elsewhere(tmp_path, monkeypatch):
+    """Before, the machine that did not crash said 'rank 0 exited with 2' and pointed at errors above, which only
+    said that another rank stopped first: the cause was printed on the other machine."""
+    from redline.cli.main import _say
+    from redline.errors import PEER_STOPPED, SAID_ERRORS_ENV, TrainingError
+    from redline.launch.torchrun import _peers_stopped
+
+    monkeypatch.setenv(SAID_ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    _say(TrainingError(f"step 3: a collective with the other ranks failed: closed\nhint: {PEER_STOPPED}"))
+    monkeypatch.setenv("RANK", "2")
+    _say(TrainingError("step 3: the model or loss raised RuntimeError: boom"))  # a failure of its own
+    assert _peers_stopped(tmp_path) == {0}
+    error = _failure(failed(r0=2), hang_exit_code=86, printed=True, peers={0})
+    assert str(error).startswith(
+        "the launched job stopped because a rank on another machine failed: this machine's rank 0 only saw a "
+        "collective with it break\nhint: the other machine's output says why"
+    )
+    assert error.exit_code == 2
+    own = str(_failure(failed(r0=2, r2=1), hang_exit_code=86, printed=True, peers={0}))  # rank 2 failed here
+    assert "another machine" not in own and "rank 2 exited with 1" in own

@@ -22,7 +22,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from redline.errors import ConfigError, RedlineError, first_to_say, invalid, traceback_asked
+from redline.errors import ConfigError, RedlineError, first_to_say, invalid, mark_peer_stopped, traceback_asked
 from redline.render.log import show_logs
 
 
@@ -337,6 +337,7 @@ def _run() -> None:
 
 def _say(exc: RedlineError) -> int:
     """Print ``exc`` (once among the launched workers that met it alike); return the exit status it asks for."""
+    mark_peer_stopped(str(exc))
     if not first_to_say(str(exc)):  # under the launcher, the workers that failed alike print it once
         return exc.exit_code
     if traceback_asked():  # the cause's traceback: the message follows

@@ -16,13 +16,13 @@ import signal
 import sys
 import tempfile
 from argparse import Namespace
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redline.config import non_negative_int, option, positive_int, positive_number
-from redline.errors import SAID_ERRORS_ENV, ConfigError, first_line, invalid
+from redline.errors import PEER_STOPPED_MARK, SAID_ERRORS_ENV, ConfigError, first_line, invalid
 from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.interrupts import Interrupts
@@ -247,8 +247,10 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             stopped = stopped_by(int(exc.sigval), finished, trainer=trainer, aborted=interrupts.aborted)
         except ChildFailedError as exc:
             printed = any(said.iterdir())  # a worker of redline's command line printed an error there
-            done = finished.exists()
-            raise _failure(exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done) from None
+            done, peers = finished.exists(), _peers_stopped(said) if config.nnodes > 1 else set()
+            raise _failure(
+                exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done, peers=peers
+            ) from None
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
         else:  # `redline train --help` exits 0 without training: nothing was stopped
@@ -358,15 +360,24 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
+def _peers_stopped(said: Path) -> set[int]:
+    """The ranks of this machine whose error said another rank stopped first (``mark_peer_stopped``)."""
+    marks = (path.name.removeprefix(PEER_STOPPED_MARK) for path in said.glob(PEER_STOPPED_MARK + "*"))
+    return {int(rank) for rank in marks if rank.isdigit()}
+
+
 def _failure(
-    exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, printed: bool = False, finished: bool = False
-) -> LaunchError:
+    exc: ChildFailedError, hang_exit_code: int, *, restarts: int = 0, printed: bool = False, finished: bool = False,
+    peers: Collection[int] = (),
+) -> LaunchError:  # fmt: skip
     """The error of a job whose workers failed: the hang watchdog's diagnosis, or each failed rank's exit code.
 
     torchrun gives up only once ``restarts`` (--max-restarts) are used up: every attempt failed, and the
     ranks named are the last attempt's. ``printed``: a worker marked an error it printed (``first_to_say``);
     else the hint says what the first failed rank's exit code or signal tells, and points at no error above.
     ``finished``: the workers' Trainer had marked its work finished (``mark_finished``) before they failed.
+    ``peers``: the ranks (of a job on several machines) whose error said another rank stopped first: where every
+    rank of this machine that failed is one of them, the cause is on another machine, and the error says so.
     """
     hangs = [f.message for f in exc.failures.values() if f.exitcode == hang_exit_code and f.message]
     if hangs:  # the watchdog's diagnosis, once
@@ -374,6 +385,8 @@ def _failure(
         said = str(message).removeprefix("HangError: ")  # torchelastic's error file prefixes the type
         return _with_exit_code(LaunchError(said), hang_exit_code)
     codes = sorted((rank, failure.exitcode) for rank, failure in exc.failures.items())
+    if peers and all(rank in peers or code in _STOPPED for rank, code in codes) and not finished:
+        return _with_exit_code(_stopped_elsewhere(codes, peers, restarts), next(c for r, c in codes if r in peers))
     stopped = [rank for rank, code in codes if code in _STOPPED]
     own = [(rank, code) for rank, code in codes if code not in _STOPPED]
     if own and stopped:  # the launcher ends the other workers once one fails: they did not fail themselves
@@ -391,6 +404,18 @@ def _failure(
         )
     error = LaunchError(f"the launched job failed{attempts}: {failures}\nhint: {hint}")
     return _with_exit_code(error, first[1].exitcode)
+
+
+def _stopped_elsewhere(codes: Sequence[tuple[int, int]], peers: Collection[int], restarts: int) -> LaunchError:
+    """The error of a machine whose ranks stopped because a rank on another machine stopped first."""
+    ranks = [rank for rank, _ in codes if rank in peers]
+    which = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    attempts = f" in all {restarts + 1} attempts (--max-restarts {restarts} used up)" if restarts else ""
+    return LaunchError(
+        f"the launched job stopped{attempts} because a rank on another machine failed: this machine's {which} "
+        "only saw a collective with it break\nhint: the other machine's output says why (its launcher names the "
+        "rank that failed); fix that, then start the same command on every machine again"
+    )
 
 
 _CRASHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)

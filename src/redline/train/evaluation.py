@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from redline.config import positive_int
-from redline.errors import TaskError, describe_error, invalid
+from redline.errors import PEER_STOPPED, TaskError, describe_error, invalid
 from redline.parallel.collectives import all_reduce_max, all_reduce_sum, peers_said, share_buffers
 from redline.parallel.env import DistEnv
 from redline.runtime.contract import check_loss, describe, metric_value, split_batch, user_code
@@ -24,7 +24,7 @@ from redline.runtime.samples import count_batch
 from redline.task import Task
 from redline.task.definition import is_array
 from redline.train.data import eval_loader, is_stream
-from redline.train.failures import PEER_STOPPED, EvaluationOutOfMemory
+from redline.train.failures import EvaluationOutOfMemory
 
 
 def summed_on(device: torch.device) -> torch.device:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from redline.errors import ONE_STEP, OutOfMemory, RedlineError, TrainingError, describe_error, first_line
+from redline.errors import ONE_STEP, PEER_STOPPED, OutOfMemory, RedlineError, TrainingError, describe_error, first_line
 from redline.parallel.collectives import failed_collective, is_collective_failure
 from redline.plan.micro_batch import MicroBatch
 from redline.runtime.oom import is_oom
@@ -51,11 +51,6 @@ def peer_failure(exc: BaseException, where: str) -> TrainingError:
     return TrainingError(
         f"{where}: a collective with the other ranks failed: {failed_collective(exc)}\nhint: {PEER_STOPPED}"
     )
-
-
-PEER_STOPPED = (
-    "another rank stopped first; its log says why (with --max-restarts K the job restarts from the last checkpoint)"
-)
 
 
 SPLIT_HINT = (
