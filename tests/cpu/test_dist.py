@@ -353,7 +353,9 @@ def test_torchrun_arguments():
         "--nproc-per-node=8", "--max-restarts=3", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
         "--master-port=29500",
     ]  # fmt: skip
+    assert "--rdzv-conf=timeout=930" in torchrun_args(two_nodes, 8, ["t.py"])  # after --join-timeout's own end
     rdzv = torchrun_args(LaunchConfig(nnodes=2, rdzv_endpoint="host:29400"), 1, ["redline", "train"], module=True)
+    assert "--rdzv-conf=join_timeout=930" in rdzv
     assert "--rdzv-endpoint=host:29400" in rdzv and rdzv[-3:] == ["--module", "redline", "train"]
     assert processes_per_node("auto", 8) == (8, "auto: one process per visible GPU (8)")
     assert processes_per_node("auto", 0)[0] == 1
@@ -376,7 +378,7 @@ def test_one_machine_hosts_the_rendezvous_at_its_own_endpoint_and_others_may_hos
     assert "--rdzv-conf=is_host=1" in torchrun_args(LaunchConfig(rdzv_endpoint="127.0.0.1:29400"), 2, ["t.py"])
     assert "--rdzv-conf=is_host=1" in torchrun_args(LaunchConfig(rdzv_endpoint="localhost:29400"), 2, ["t.py"])
     several = torchrun_args(LaunchConfig(nnodes=2, rdzv_endpoint="127.0.0.1:29400"), 1, ["t.py"])
-    assert not any(arg.startswith("--rdzv-conf") for arg in several)  # two launchers here: either one hosts it
+    assert not any("is_host" in arg for arg in several)  # two launchers here: either one hosts it
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
@@ -650,6 +652,41 @@ def test_launch_help_names_the_script_and_its_arguments():
     usage = " ".join(result.stdout.split())  # as wrapped at any width
     assert "launch [OPTIONS] {SCRIPT}" in usage and "target" not in usage
     assert "every argument after it is the script's own" in usage
+
+
+def test_a_machine_whose_others_never_join_ends_after_the_join_timeout_naming_the_fix(tmp_path):
+    """Before, node 0 waited 15 minutes in silence, then told itself to check that node rank 0 was up; node 1 alone
+    printed a C++ error and stack after 15 minutes, then retried for ever."""
+    import time
+
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    command = [sys.executable, "-m", "redline", "launch", "--nproc", "1", "--nnodes", "2", "--join-timeout", "3"]
+    started = time.monotonic()
+    where = ["--master-addr", "127.0.0.1"]
+    alone = {
+        rank: subprocess.Popen(
+            [*command, "--node-rank", rank, *where, "--master-port", str(free_port()), str(script)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in ("0", "1")
+    }
+    try:
+        said = {rank: process.communicate(timeout=60)[1] for rank, process in alone.items()}
+    finally:
+        for process in alone.values():
+            process.kill()
+    assert time.monotonic() - started < 40
+    for rank, process in alone.items():
+        assert process.returncode == 2, said[rank][-3000:]
+        assert f"(node rank {rank}) waits for the other machine of --nnodes 2 at 127.0.0.1:" in said[rank]
+        assert "up to 3 s (--join-timeout)" in said[rank]
+        waited = f"(node rank {rank}) waited 3 s (--join-timeout) for the other machine of --nnodes 2, which did not"
+        assert waited in said[rank]
+        assert "all with the same --nnodes, --master-addr and --master-port" in said[rank]
+        assert "frame #" not in said[rank] and "Traceback" not in said[rank] and "hello" not in said[rank]
+    assert "check that node rank 0 runs" in said["1"] and "node rank 0 machine is up" not in said["0"]
 
 
 @pytest.mark.parametrize(("node_rank", "stop"), [("0", "SIGINT"), ("1", "SIGINT"), ("0", "SIGTERM")])

@@ -79,7 +79,8 @@ def test_a_machine_of_a_job_on_several_says_whom_it_waits_for_before_torchrun_wa
     import torch.distributed.run
 
     from redline.launch import torchrun
-    from redline.launch.torchrun import LaunchConfig, waiting_note
+    from redline.launch.torchrun import LaunchConfig
+    from redline.launch.waiting import waiting_note
 
     logged_before_the_wait: list[str] = []
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: logged_before_the_wait.extend(caplog.messages))
@@ -87,12 +88,13 @@ def test_a_machine_of_a_job_on_several_says_whom_it_waits_for_before_torchrun_wa
     with caplog.at_level(logging.INFO, logger="redline"):
         torchrun.launch(config, [__file__])
     assert (
-        "this machine (node rank 0) waits for the other machine of --nnodes 2 at 10.0.0.1:29500: run the same "
-        "command on each with its own --node-rank"
+        "this machine (node rank 0) waits for the other machine of --nnodes 2 at 10.0.0.1:29500, up to 900 s "
+        "(--join-timeout): run the same command on each with its own --node-rank"
     ) in logged_before_the_wait
     endpoint = LaunchConfig(nproc=1, nnodes=3, rdzv_endpoint="head:29400")
     assert waiting_note(endpoint) == (
-        "this machine waits for the other 2 machines of --nnodes 3 at head:29400: run the same command on each"
+        "this machine waits for the other 2 machines of --nnodes 3 at head:29400, up to 900 s (--join-timeout): run "
+        "the same command on each"
     )
     assert waiting_note(LaunchConfig(nproc=1)) is None  # one machine meets at once: nothing to say
 

@@ -27,13 +27,14 @@ from redline.launch import tethered
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.interrupts import Interrupts
 from redline.launch.stopped import LaunchError, LaunchStopped, stopped_by, unfinished
-from redline.launch.waiting import stoppable_while_waiting
+from redline.launch.waiting import not_joined, stoppable_while_waiting, waiting_note
 from redline.parallel.env import FINISHED_ENV, HANG_START_TIMEOUT_ENV, HANG_TIMEOUT_ENV, check_hang_env
 
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d+$")
 _MAX_PORT = 65535
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default for --master-port
 log = logging.getLogger("redline")
+JOIN_MARGIN_S = 30  # torchrun's rendezvous timeout past --join-timeout, at which the launcher ends itself first
 TRAIN = ("redline", "train")  # the module and first argument of the workers `redline train --nproc` launches
 
 if TYPE_CHECKING:  # torch's launcher is imported when a launch runs, not with this module
@@ -52,6 +53,9 @@ class LaunchConfig:
         None, f"A free port on the node-rank 0 machine ({DEFAULT_MASTER_PORT} with --master-addr on one machine)."
     )
     rdzv_endpoint: str | None = option(None, "HOST:PORT of a c10d rendezvous (instead of the three above).")
+    join_timeout_s: int = option(
+        900, "Seconds a machine of a job on several waits for the others to join.", flag="--join-timeout", min=1
+    )
     max_restarts: int = option(0, "Restart failed workers up to K times (from the last checkpoint).", min=0)
     hang_timeout_s: float | None = option(
         None, "Seconds without progress before a hang report names the stalled rank.", flag="--hang-timeout"
@@ -71,6 +75,7 @@ class LaunchConfig:
                 "nproc=N starts N workers on this machine; nproc='auto' one per GPU (one in all without a GPU)",
             )  # fmt: skip
         positive_int("nnodes", self.nnodes)
+        positive_int("join_timeout", self.join_timeout_s)
         non_negative_int("max_restarts", self.max_restarts)
         _check_hang_timeouts(self.hang_timeout_s, self.hang_start_timeout_s)
         if self.rdzv_endpoint is not None and not _ENDPOINT.match(self.rdzv_endpoint):
@@ -134,9 +139,12 @@ def torchrun_args(config: LaunchConfig, nproc: int, target: Sequence[str], *, mo
             # No other machine will host the store: where this one cannot (the port is taken), torchrun would
             # wait as a client of whatever holds the port, silently, for its whole rendezvous timeout.
             args.append("--rdzv-conf=is_host=1")
+        else:  # torch's timeout comes after the launcher's own (``waiting``), which says what to do in its place
+            args.append(f"--rdzv-conf=join_timeout={config.join_timeout_s + JOIN_MARGIN_S}")
     elif config.nnodes > 1:
         args += [f"--nnodes={config.nnodes}", f"--node-rank={config.node_rank}",
-                 f"--master-addr={config.master_addr}", f"--master-port={config.master_port}"]  # fmt: skip
+                 f"--master-addr={config.master_addr}", f"--master-port={config.master_port}",
+                 f"--rdzv-conf=timeout={config.join_timeout_s + JOIN_MARGIN_S}"]  # fmt: skip
     elif config.master_port == 0:  # one machine, any free port: torchrun's static rendezvous would hand its
         # workers MASTER_PORT=0, where they wait for the store until it times out; its c10d one takes a free port
         host = _master(config)[0]
@@ -232,7 +240,12 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         log.info("%s", note)
     with tempfile.TemporaryDirectory(prefix="redline-launch-") as scratch:
         others = f"the other machines of --nnodes {config.nnodes}"
-        waiting = stoppable_while_waiting(others, lambda: shutil.rmtree(scratch)) if note else contextlib.nullcontext()
+        limit = (config.join_timeout_s, not_joined(config))
+        waiting = (
+            stoppable_while_waiting(others, lambda: shutil.rmtree(scratch), limit=limit)
+            if note
+            else contextlib.nullcontext()
+        )
         finished = Path(scratch) / "finished"  # the workers' mark that the run finished its work
         workers[FINISHED_ENV] = str(finished)
         said = Path(scratch) / "said"  # where the workers mark the errors printed, to print each once
@@ -293,18 +306,6 @@ def tether(args: Namespace, launcher: int) -> None:
     module = ["-m"] if args.module else []
     args.training_script_args = [str(launcher), *module, args.training_script, *args.training_script_args]
     args.training_script, args.module = tethered.__file__, False
-
-
-def waiting_note(config: LaunchConfig) -> str | None:
-    """What a machine of a job on several waits for before its workers start, said before torchrun waits silently
-    (up to its rendezvous timeout, minutes)."""
-    if config.nnodes == 1:
-        return None
-    where = config.rdzv_endpoint or f"{config.master_addr}:{config.master_port}"
-    who = "this machine" if config.node_rank is None else f"this machine (node rank {config.node_rank})"
-    others = "the other machine" if config.nnodes == 2 else f"the other {config.nnodes - 1} machines"
-    each = " with its own --node-rank" if config.node_rank is not None else ""
-    return f"{who} waits for {others} of --nnodes {config.nnodes} at {where}: run the same command on each{each}"
 
 
 def crowding(nproc: int, cores: int, cuda_count: int) -> str | None:
