@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from redline.errors import RedlineError, StoppedBySignal
-from redline.parallel.env import stopped_mark
+from redline.parallel.env import received_mark, stopped_mark
 
 log = logging.getLogger("redline")
 
@@ -27,25 +27,33 @@ class LaunchStopped(LaunchError, StoppedBySignal):
 
     def __init__(
         self, signum: int, *, trainer: bool = True, workers_only: bool = False, newest: tuple[int, Path] | None = None,
-        looked: bool = False, aborted: Aborted | None = None,
+        looked: bool = False, aborted: Aborted | None = None, elsewhere: bool = False,
     ) -> None:  # fmt: skip
         """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
         ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher.
         ``looked``: the run's --out was looked in after the stop (``named``), and ``newest`` is the step and path of
         the newest checkpoint there, None where there is none. ``aborted``: what a second SIGINT aborted (``Aborted``),
-        which `redline train` says in one process's words (cli/train.py's ``aborted``)."""
+        which `redline train` says in one process's words (cli/train.py's ``aborted``). ``elsewhere`` (with
+        ``workers_only``): the signal reached no rank of this machine, but one on another machine of the job."""
         self.signum, self.trainer, self.workers_only, self.aborted = signum, trainer, workers_only, aborted
+        self.elsewhere = elsewhere
         if aborted:
             super().__init__(signum, _aborted(trainer))
             return
-        if workers_only:
+        if elsewhere:
+            said = (
+                "stopped on another machine of the job: a signal reached a rank there (Ctrl-C or SIGTERM to its "
+                "launcher, say), and this machine's ranks stopped with it, at the same step"
+            )
+        elif workers_only:
             said = (
                 "stopped by a signal sent to the workers, not to the launcher: the Trainer's ranks stopped together "
                 "before the run had finished its work"
             )
         else:
             said = f"stopped by {signal.Signals(signum).name}: the launcher passed it to every worker"
-        other = _SIGNAL_THE_LAUNCHER if workers_only else ""
+        other = _SIGNAL_THE_LAUNCHER if workers_only and not elsewhere else ""
+        other += " (on every machine)" if elsewhere else ""
         if looked and newest is not None:
             message = (
                 f"{said}; the newest checkpoint under --out is step {newest[0]}, at {newest[1]}\n"
@@ -84,7 +92,9 @@ class LaunchStopped(LaunchError, StoppedBySignal):
     def named(self, newest: tuple[int, Path] | None) -> LaunchStopped:
         """This stop of the Trainer's workers, naming the newest checkpoint they left under --out (``newest``: its
         step and path, the one --resume auto takes), or that they left none."""
-        return LaunchStopped(self.signum, workers_only=self.workers_only, newest=newest, looked=True)
+        return LaunchStopped(
+            self.signum, workers_only=self.workers_only, newest=newest, looked=True, elsewhere=self.elsewhere
+        )
 
 
 def _aborted(trainer: bool) -> str:
@@ -120,7 +130,7 @@ def stopped_by(
     return None
 
 
-def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
+def unfinished(finished: Path, *, trainer: bool, several: bool = False) -> LaunchStopped | None:
     """Return the error of a launch whose Trainer's workers all exited 0 before the run finished its work.
 
     The Trainer stops on a signal that reaches any one rank (``kill`` of a worker's process, a scheduler that
@@ -128,8 +138,11 @@ def unfinished(finished: Path, *, trainer: bool) -> LaunchStopped | None:
     reports success. Without the workers' ``finished`` mark the run is not done, and the launch says so as a
     launcher sent the signal would: 143, and how to continue. ``trainer``: the workers run ``redline train``,
     which marks a finished run; a script of the user's is stopped where its Trainer left the stopped mark
-    (``stopped_mark``). None for a finished run, or a script that ran no Trainer.
+    (``stopped_mark``). None for a finished run, or a script that ran no Trainer. ``several``: the job runs on
+    several machines, where a run stopped without a signal reaching a rank here (``received_mark``) was stopped by
+    one that reached another machine.
     """
     if finished.exists() or not (trainer or stopped_mark(finished).exists()):
         return None
-    return LaunchStopped(signal.SIGTERM, trainer=trainer, workers_only=True)  # the workers' signal: 143, kill's
+    elsewhere = several and stopped_mark(finished).exists() and not received_mark(finished).exists()
+    return LaunchStopped(signal.SIGTERM, trainer=trainer, workers_only=True, elsewhere=elsewhere)  # kill's 143

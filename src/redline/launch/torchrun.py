@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from redline.config import non_negative_int, option, positive_int, positive_number
 from redline.errors import PEER_STOPPED_MARK, SAID_ERRORS_ENV, ConfigError, first_line, invalid
 from redline.launch import tethered
+from redline.launch.barrier import polled_exit_barrier
 from redline.launch.checks import check_master_addr, check_module, check_script
 from redline.launch.interrupts import Interrupts
 from redline.launch.stopped import LaunchError, LaunchStopped, stopped_by, unfinished
@@ -251,9 +252,10 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         said = Path(scratch) / "said"  # where the workers mark the errors printed, to print each once
         said.mkdir()
         workers[SAID_ERRORS_ENV] = str(said)
+        exit_barrier = polled_exit_barrier(finished)
         interrupts = Interrupts(finished)  # a second Ctrl-C goes on to the workers as SIGINT: they abort
         try:
-            with worker_environment(workers), waiting, _launcher_unsaid(), interrupts.passing_on():
+            with worker_environment(workers), waiting, _launcher_unsaid(), interrupts.passing_on(), exit_barrier:
                 run(args)
         except SignalException as exc:  # torchrun's agent has already sent the signal on and waited for the workers
             trainer = module and tuple(target[:2]) == TRAIN
@@ -267,7 +269,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
         except (DistError, RendezvousError) as exc:  # the rendezvous could not listen, connect or gather the nodes
             raise _rendezvous_failure(config, exc) from None
         else:  # `redline train --help` exits 0 without training: nothing was stopped
-            stopped = unfinished(finished, trainer=module and tuple(target[:2]) == TRAIN and "--help" not in target)
+            trainer = module and tuple(target[:2]) == TRAIN and "--help" not in target
+            stopped = unfinished(finished, trainer=trainer, several=config.nnodes > 1)
     # Out of the except block the signal's traceback is gone, and with it torchrun's agent, which keeps its
     # rendezvous open on a signal. Collecting it stops the rendezvous' keep-alive thread, which would
     # otherwise run into the interpreter's exit inside a store call and abort the launcher (SIGABRT,

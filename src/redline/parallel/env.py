@@ -109,16 +109,25 @@ def check_hang_env(env: Mapping[str, str]) -> None:
         _seconds(env, name)
 
 
-def mark_finished(env: DistEnv, *, signalled: bool = False) -> None:
+def mark_finished(env: DistEnv, *, signalled: bool = False, received: bool = False) -> None:
     """Tell this machine's launcher how the Trainer's run ended: its work finished, so a signal that reaches the
     launcher now stops nothing; or, ``signalled``, a signal stopped it first (``stopped_mark``).
 
     Every rank calls it once the run has ended; the first worker of each machine writes the file the launcher
-    named, or the stopped mark beside it (nothing without a launcher).
+    named, or the stopped mark beside it (nothing without a launcher). A rank that ``received`` the signal itself
+    (not only the other ranks' vote to stop) marks it too (``received_mark``).
     """
     path = os.environ.get(FINISHED_ENV)
+    if path and signalled and received:
+        received_mark(Path(path)).touch()
     if path and env.local_rank == 0:
         (stopped_mark(Path(path)) if signalled else Path(path)).touch()
+
+
+def received_mark(finished: Path) -> Path:
+    """Where a worker marks that the signal that stopped the run reached it: without it, on a machine of a job on
+    several, the signal came to another machine (its launcher, Ctrl-C there) and this one's ranks stopped with it."""
+    return finished.with_name(finished.name + ".received")
 
 
 def stopped_mark(finished: Path) -> Path:
