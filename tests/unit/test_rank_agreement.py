@@ -27,9 +27,13 @@ def rank(config: TrainerConfig, lr: float = 1e-3, width: int = 4, **data: Any) -
     return config, task, model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-def check_beside(monkeypatch: pytest.MonkeyPatch, mine: tuple, theirs: tuple) -> None:
-    """Run rank 0's checks with rank 1's settings gathered as all_gather_object would gather them."""
-    gathered = iter([agreement.settings(*theirs[:3]), agreement.optimizer_settings(theirs[3])])
+def check_beside(
+    monkeypatch: pytest.MonkeyPatch, mine: tuple, theirs: tuple, launched: dict[str, str] | None = None
+) -> None:
+    """Run rank 0's checks with rank 1's settings gathered as all_gather_object would gather them (``launched``:
+    rank 1's launcher's flags, as rank 0's where not given)."""
+    launched = agreement.launch_settings(TWO_RANKS) if launched is None else launched
+    gathered = iter([agreement.settings(*theirs[:3]) | launched, agreement.optimizer_settings(theirs[3])])
     monkeypatch.setattr(agreement, "gather_objects", lambda obj: [obj, next(gathered)])
     agreement.check_ranks_agree(*mine[:3], TWO_RANKS)
     agreement.check_optimizers_agree(mine[3], TWO_RANKS)
@@ -51,6 +55,24 @@ def test_a_rank_given_other_settings_is_refused_naming_the_setting_and_both_valu
             monkeypatch, rank(TrainerConfig(max_steps=60)), rank(**{"config": TrainerConfig(max_steps=60), **other})
         )
     assert named in str(refused.value) and "hint: start every node with the same arguments" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("theirs", "environ", "named"),
+    [
+        (60.0, {"GROUP_WORLD_SIZE": "2"}, "the launcher's --hang-timeout is none on rank 0 and 60 on rank 1"),
+        (None, {"GROUP_WORLD_SIZE": "3"}, "the launcher's --nnodes is 2 on rank 0 and 3 on rank 1"),
+    ],
+)
+def test_machines_whose_launchers_were_given_other_flags_are_refused_naming_both(monkeypatch, theirs, environ, named):
+    """Before, --hang-timeout on node 0 alone had its watchdog report that rank 1 never started one while rank 1
+    trained; a node started with --nnodes 3 joined a job of 2 without a word."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    launched = agreement.launch_settings(dataclasses.replace(TWO_RANKS, rank=1, hang_timeout_s=theirs), environ)
+    config = TrainerConfig(max_steps=60)
+    with pytest.raises(ConfigError, match="the ranks of this job were given different settings") as refused:
+        check_beside(monkeypatch, rank(config), rank(config), launched)
+    assert named in str(refused.value)
 
 
 def test_ranks_that_differ_only_in_what_a_host_sets_for_itself_train(monkeypatch):

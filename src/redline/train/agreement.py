@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,7 +142,18 @@ def check_ranks_agree(config: TrainerConfig, task: Task, model: nn.Module, env: 
     (DDP's wrap compares the shapes of the parameters with its own raw error). Collective under several processes,
     where every rank calls it; one process has nothing to compare."""
     if env.distributed:
-        _refuse_differences(gather_objects(settings(config, task, model)))
+        _refuse_differences(gather_objects(settings(config, task, model) | launch_settings(env)))
+
+
+def launch_settings(env: DistEnv, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The launcher's flags every machine of a job must share: its count of machines (torchrun's GROUP_WORLD_SIZE,
+    from --nnodes), and its hang watchdog's timeouts (a machine without --hang-timeout starts no watchdog, which the
+    others' then report as never started)."""
+    return {
+        "the launcher's --nnodes": environ.get("GROUP_WORLD_SIZE", "1"),
+        "the launcher's --hang-timeout": f"{env.hang_timeout_s:g}" if env.hang_timeout_s else "none",
+        "the launcher's --hang-start-timeout": f"{env.hang_start_timeout_s:g}" if env.hang_start_timeout_s else "none",
+    }
 
 
 def check_optimizers_agree(optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
