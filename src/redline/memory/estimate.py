@@ -56,7 +56,7 @@ from redline.errors import ConfigError, RedlineError, TrainingError, invalid, wr
 from redline.hardware.device import CPU_ISAS, CpuIsa, DeviceFacts
 from redline.memory.cpu_ops import CpuKernels, cpu_layout, device_facts, to_channels_last
 from redline.memory.cuda_ops import CudaOps
-from redline.memory.meta import fake_model, meta_copy
+from redline.memory.meta import fake_model, model_on_meta
 from redline.memory.search import real_batch
 from redline.memory.states import States, as_run
 from redline.memory.trace import LiveBytes, retained_by_module
@@ -73,7 +73,6 @@ from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import check_trainable, rebuild_optimizer
 from redline.runtime.precision import refuse_half_parameters
 from redline.task import CollateFn, OptimizerFactory, Task, require_task
-from redline.task.meta import on_meta
 
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
@@ -245,12 +244,12 @@ def trace_step(
     sample, rows = _sample(task.train_data, batch_size, task.collate_fn)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
-        built = meta_copy(task.model) if isinstance(task.model, nn.Module) else on_meta(task.build_model)
-    if built is not None:  # a lazy module's parameters have no shape to fake: refused as a run refuses them
-        check_trainable(built)
+        built = model_on_meta(task)
+    # a lazy module's parameters have no shape to fake, and a model with nothing to train gives the optimizer an
+    # "empty parameter list": refused with the errors a run gives
+    check_trainable(built)
     with mode, tracker, _device_kernels(device, threads, attention), _tracing(task):
-        model = fake_model(built, mode) if built is not None else task.build_model()  # fake already
-        check_trainable(model)  # the errors a real run gives, not the optimizer's "empty parameter list"
+        model = fake_model(built, mode)
         layout = cpu_layout(model, precision, device)
         if layout.value:
             to_channels_last(model)
@@ -469,12 +468,5 @@ def _uneven(batch_size: int, world_size: int, local_batch: int) -> tuple[str, ..
 
 
 def meta_model(task: Task) -> nn.Module:
-    """The Task's model for looking at its structure: the given module, or one built on the meta device (on
-    fake tensors where the factory cannot build on meta)."""
-    if isinstance(task.model, nn.Module):
-        return task.model
-    built = on_meta(task.build_model)
-    if built is None:
-        with FakeTensorMode(), _tracing(task):  # an error of the factory's own, said as the trace says it
-            built = task.build_model()
-    return built
+    """The Task's model for looking at its structure: the given module, or the factory's on the meta device."""
+    return task.model if isinstance(task.model, nn.Module) else model_on_meta(task)

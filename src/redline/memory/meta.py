@@ -2,14 +2,17 @@
 
 A module given to the Task is copied with its tensors replaced by empty meta ones, never copied itself: a
 model that lives on a GPU would be copied there, taking the memory being estimated. A factory's model is built
-on meta by ``redline.task.meta.on_meta``, its moves to a device kept there.
+on meta by ``redline.task.meta.on_meta``, its moves to a device kept there; where it reads a tensor's value
+while it builds (timm's stochastic depth: ``[x.item() for x in torch.linspace(0, rate, depth)]``), neither
+meta nor fake tensors hold one, and it is built for real on the CPU and copied, as a module given is.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,7 +20,59 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from redline.errors import RedlineError, TrainingError, user_line
+from redline.runtime.oom import is_oom
+from redline.task.meta import on_meta
+
+if TYPE_CHECKING:
+    from redline.task import Task
+
+log = logging.getLogger("redline")
+
 _HELD = ("_parameters", "_buffers", "_modules")  # a module's own dicts, each tensor in them faked as what it is
+
+
+def model_on_meta(task: Task) -> nn.Module:
+    """The Task's model with every tensor an empty one on the meta device: the given module copied, or the
+    factory's built on meta, else on fake tensors, else (it reads a tensor's value as it builds) for real on the
+    CPU and copied, its weights freed once copied. Raises a TrainingError naming the user's line where the factory
+    cannot build at all."""
+    if isinstance(task.model, nn.Module):
+        return meta_copy(task.model)
+    built = on_meta(task.build_model)
+    if built is not None:
+        return built
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            faked = task.build_model()
+        return meta_copy(faked)
+    except Exception:  # it reads a value fake tensors do not hold, or fails for real too: said below if so
+        pass
+    log.info(
+        "task %r: its model cannot be built on the meta device or on fake tensors (its factory reads a tensor's "
+        "value); building it for real on the CPU to read its shapes, which takes its weights' memory meanwhile",
+        task.name,
+    )
+    return meta_copy(_built_for_real(task))
+
+
+def _built_for_real(task: Task) -> nn.Module:
+    try:
+        return task.build_model()
+    except RedlineError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        hint = "fix the factory's error (`redline train --max-steps 1` builds the model the same way)"
+        if is_oom(exc):
+            hint = (
+                "the model does not fit this machine's memory when built for real; compute the values the factory "
+                "reads in plain Python (a list, not a tensor's .item() or .tolist()), so it builds on the meta device"
+            )
+        raise TrainingError(
+            f"task {task.name!r}: building the model failed: {type(exc).__name__}: {first}{user_line(exc)}\n"
+            f"hint: {hint}"
+        ) from exc
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
