@@ -198,6 +198,7 @@ def estimate_memory(
     )
     sparse = trace.pop("sparse_gradients")
     layout = trace.pop("channels_last")
+    casts = trace.pop("parameter_casts")  # autocast's copies of the parameters, among the activations
     # The model's structure (parameter sizes, blocks), built once and only when asked about.
     structure = meta_model(task) if strategy != "single" or grad_accum > 1 else None
     estimate = MemoryEstimate(
@@ -213,8 +214,8 @@ def estimate_memory(
         + _uneven(batch_size, world_size, local_batch),
         **trace,
     )
-    traced = States(estimate.params, estimate.gradients, estimate.optimizer_state, estimate.peak)
-    held = as_run(traced, structure, strategy, world_size, precision, grad_accum)
+    traced = States(estimate.params, estimate.gradients, estimate.optimizer_state, estimate.activations, estimate.peak)
+    held = as_run(traced, structure, strategy, world_size, precision, grad_accum, casts)
     return dataclasses.replace(estimate, **dataclasses.asdict(held))
 
 
@@ -255,6 +256,7 @@ def trace_step(
             to_channels_last(model)
         for tensor in [*model.parameters(), *model.buffers()]:
             tracker.track(tensor)
+        tracker.cast_from = {tracker.track(p) for p in model.parameters()}  # to tell autocast's copies of them
         if activation_checkpointing:
             _checkpoint_blocks(model, cuda, attention)
         model.train()
@@ -277,6 +279,7 @@ def trace_step(
         states = [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         opt_state = tracker.bytes_at_peak(tracker.track(t) for t in states)
         peak = tracker.peak
+        casts = tracker.bytes_at_peak(tracker.casts)
         sparse = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse for m in model.modules())
     top = sorted(retained.items(), key=lambda item: item[1], reverse=True)[:_TOP_MODULES]
     return {
@@ -290,6 +293,7 @@ def trace_step(
         "top_modules": tuple(top),
         "sparse_gradients": sparse,
         "channels_last": layout,
+        "parameter_casts": casts,
     }
 
 

@@ -22,16 +22,25 @@ class States:
     params: int
     gradients: int
     optimizer_state: int
+    activations: int
     peak: int
 
 
 def as_run(
-    traced: States, model: nn.Module | None, strategy: str, world_size: int, precision: str, grad_accum: int
+    traced: States,
+    model: nn.Module | None,
+    strategy: str,
+    world_size: int,
+    precision: str,
+    grad_accum: int,
+    casts: int = 0,
 ) -> States:
     """Adjust a one-process trace of one plain step for what a run holds besides: the gradients for the whole step
     (DDP's buckets; every micro-batch of an accumulating step), or the model states sharded (FSDP), its gradients
     whole while micro-batches accumulate them unsynced; ``model`` is the Task's model for its structure
-    (``meta_model``)."""
+    (``meta_model``). ``casts`` are the bytes of autocast's copies of the parameters alive at the traced peak,
+    among its activations: FSDP under mixed precision gathers the parameters in the compute dtype already
+    (parallel/fsdp.py's MixedPrecisionPolicy), so autocast copies none of them."""
     if model is None:
         return traced
     fsdp = strategy == "fsdp" and world_size > 1
@@ -44,11 +53,13 @@ def as_run(
     grads = trainable_bytes(model) if grad_accum > 1 else math.ceil(traced.gradients / world_size)
     sharded = [math.ceil(traced.params / world_size), grads, math.ceil(traced.optimizer_state / world_size)]
     gathered = gathered_bytes(model, precision)
+    uncast = casts if precision in AUTOCAST_DTYPES else 0
     return States(
         params=sharded[0] + gathered,
         gradients=sharded[1],
         optimizer_state=sharded[2],
-        peak=traced.peak - states + sum(sharded) + gathered,
+        activations=traced.activations - uncast,
+        peak=traced.peak - states + sum(sharded) + gathered - uncast,
     )
 
 

@@ -35,13 +35,19 @@ class LiveBytes(TorchDispatchMode):
         self.at_peak: dict[int, int] = {}  # the storages alive at the peak, once reset_peak asked for them
         self._snapshots = False
         self._parts: dict[int, int] = {}  # a sparse tensor's key (its values') -> its indices' key
+        self.cast_from: set[int] = set()  # the keys of the tensors whose dtype copies are noted (the parameters)
+        self.casts: set[int] = set()  # the keys of those copies (autocast's low-precision weights)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
+        keys = [self.track(leaf) for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        if func is torch.ops.aten._to_copy.default and self._key(args[0]) in self.cast_from:
+            self.casts.update(keys)
         return out
+
+    def _key(self, tensor: torch.Tensor) -> int | None:
+        """The key of ``tensor``'s storage where it is tracked and alive."""
+        return self._keys.get(int(tensor.untyped_storage()._cdata)) if tensor.layout == torch.strided else None
 
     def track(self, tensor: torch.Tensor) -> int:
         """Count ``tensor``'s storage once, until it is freed; return its key."""
