@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from redline.hardware.cgroup import memory_headroom_bytes
 from redline.hardware.memory import memory_limit_bytes
 
 GIB = 2**30
@@ -48,3 +49,25 @@ def test_no_limit_is_none(tmp_path: Path) -> None:
     v2 = machine(tmp_path / "v2", "0::/user.slice\n", {"sys/fs/cgroup/user.slice/memory.max": "max"})
     assert memory_limit_bytes(v2) is None
     assert memory_limit_bytes(tmp_path / "no-proc") is None  # macOS, Windows
+
+
+def test_a_v2_group_s_headroom_is_its_limit_less_what_it_holds_its_reclaimable_cache_not_counted(
+    tmp_path: Path,
+) -> None:
+    files = {
+        "sys/fs/cgroup/memory.max": str(8 * GIB),
+        "sys/fs/cgroup/memory.current": str(5 * GIB),  # 1 GiB of it inactive page cache, which the kernel drops first
+        "sys/fs/cgroup/memory.stat": f"anon {3 * GIB}\nfile {2 * GIB}\ninactive_file {GIB}\nactive_file {GIB}",
+    }
+    assert memory_headroom_bytes(machine(tmp_path, "0::/\n", files)) == 4 * GIB
+
+
+def test_a_v1_group_s_headroom_and_none_without_a_limit(tmp_path: Path) -> None:
+    files = {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": str(4 * GIB),
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": str(3 * GIB),
+        "sys/fs/cgroup/memory/memory.stat": f"cache {GIB}\ntotal_inactive_file {GIB // 2}",
+    }
+    assert memory_headroom_bytes(machine(tmp_path / "v1", "4:memory:/docker/abc\n", files)) == GIB + GIB // 2
+    unlimited = {"sys/fs/cgroup/memory.max": "max", "sys/fs/cgroup/memory.current": str(GIB)}
+    assert memory_headroom_bytes(machine(tmp_path / "v2", "0::/\n", unlimited)) is None

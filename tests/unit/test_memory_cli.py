@@ -84,6 +84,21 @@ def test_a_cpu_estimate_weighs_against_the_container_s_limit_not_the_host_s_memo
     assert name == "this machine's CPU" and mem_gib > 0
 
 
+def test_a_cpu_estimate_says_and_weighs_what_is_free_now_of_the_machine_s_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memory_cli, "probe_accelerators", lambda: Accelerators(cuda_count=0))
+    monkeypatch.setattr(memory_cli, "memory_limit_bytes", lambda: None)
+    monkeypatch.setattr(memory_cli, "machine_memory_bytes", lambda: 32 * 2**30)
+    monkeypatch.setattr(memory_cli, "free_bytes", lambda: 20 * 2**30)  # other processes hold the rest
+    args = ["memory", "--task", "example:digits", "--precision", "fp32"]
+    found = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert found["mem_gib"] == 32 and found["free_gib"] == 20
+    assert {row["available"] for row in found["rows"]} == {int(20 * 2**30 * 0.95)}
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert "on this machine's CPU (20 GiB available now, of 32 GiB; 19.00 GiB for tensors)" in result.stdout
+
+
 def test_a_ctrl_c_while_the_model_is_traced_says_what_it_stopped(monkeypatch):
     # It exited 130 with nothing after the "tracing ..." line.
     from redline.errors import StoppedBySignal

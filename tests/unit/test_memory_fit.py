@@ -342,6 +342,22 @@ def test_a_cpu_search_is_weighed_against_the_memory_the_machine_has_free(monkeyp
     assert host.host_budget() == int(3 * GIB * host.HOST_SHARE)
 
 
+def test_a_cpu_estimate_is_weighed_against_what_is_free_now_not_the_machine_s_total(monkeypatch, tmp_path) -> None:
+    """Before, a CPU was weighed against 0.95 x MemTotal, though other processes held some of it."""
+    import redline.memory.host as host
+
+    (tmp_path / "meminfo").write_text("MemTotal:  33554432 kB\nMemFree:  1048576 kB\nMemAvailable:  4194304 kB\n")
+    monkeypatch.setattr(host, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(host, "memory_headroom_bytes", lambda: None)
+    assert host.free_bytes() == 4 * GIB  # this process's own memory not added: the run needs as much again
+    monkeypatch.setattr(host, "memory_headroom_bytes", lambda: 3 * GIB)  # a container's limit less its use binds
+    assert host.free_bytes() == 3 * GIB
+    task = Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy,
+                train_data=TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)  # fmt: skip
+    result = fit_memory(task, device="a CPU", mem_gib=32, free_gib=3, target="cpu")
+    assert result.rows[0].available == int(3 * GIB * 0.95) and result.to_dict()["free_gib"] == 3
+
+
 def test_a_row_whose_least_batch_is_more_than_the_training_set_predicts_none_and_says_why() -> None:
     """Before, FSDP over 8 GPUs on 5 items predicted a largest batch of 8, "train_data's most 8 ranks share"."""
     data = TensorDataset(torch.randn(5, 4), torch.randint(0, 2, (5,)))

@@ -22,6 +22,7 @@ from redline.errors import ConfigError, invalid
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes
 from redline.memory.fit import MAX_MEM_GIB, MemoryFit, catalog_memory_note, fit_choices, fit_memory, gpu_facts
+from redline.memory.host import free_bytes
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
 from redline.render.console import output_console, print_uncut
@@ -116,11 +117,14 @@ def memory(
     err.print(f"tracing {loaded.name} on fake tensors ({said})", highlight=False, markup=False)
     if weighing.note:
         err.print(f"note: {weighing.note}", highlight=False, markup=False)
+    # a CPU's step is weighed against the memory free now: its run will need an interpreter and torch as this
+    # process holds them, and what other processes hold (MemTotal counts it) is not the run's to take
+    free = free_bytes() / 2**30 if facts.type == "cpu" else None
     with stopped_by_signal("tracing the model", "nothing was estimated"):
         result = fit_memory(
             loaded, device=device, mem_gib=mem, target=facts.type, batch_size=weighing.micro_batch or batch_size,
             precision=chosen.value, gpus=8 if gpus is None else gpus, attention=kernel.value,
-            grad_accum=weighing.grad_accum,
+            grad_accum=weighing.grad_accum, free_gib=free,
         )  # fmt: skip
     if told:  # which figure of a catalog GPU's memory it was weighed against
         result = dataclasses.replace(result, notes=(told, *result.notes))

@@ -59,6 +59,26 @@ def memory_limit_bytes(root: Path = Path("/")) -> int | None:
     return min(limits) if limits else None
 
 
+def memory_headroom_bytes(root: Path = Path("/")) -> int | None:
+    """What this process's cgroup, or one above it, lets its processes take now: its limit less what the group
+    holds, page cache the kernel reclaims first (inactive files) not counted as held, as ``docker stats`` and
+    cAdvisor count a container's working set; None when no group has a limit.
+
+    cgroup v2 keeps the usage in ``memory.current`` and ``inactive_file`` in ``memory.stat``, v1 in
+    ``memory.usage_in_bytes`` and ``total_inactive_file``.
+    """
+    room = []
+    for hierarchy, folder in group_folders("memory", root):
+        v2 = hierarchy == "v2"
+        limit = _integer(folder / ("memory.max" if v2 else "memory.limit_in_bytes"))
+        used = _integer(folder / ("memory.current" if v2 else "memory.usage_in_bytes"))
+        if limit is None or limit >= 2**60 or used is None:  # no limit here (v1's "unlimited" is near 2**63)
+            continue
+        cache = _stat(folder / "memory.stat", "inactive_file" if v2 else "total_inactive_file")
+        room.append(max(limit - (used - min(cache, used)), 0))
+    return min(room) if room else None
+
+
 def cpu_limit_cores(root: Path = Path("/")) -> float | None:
     """The CPU limit of this process's cgroup or of one above it, in cores (``docker run --cpus 4``, a pod's
     CPU limit, systemd's CPUQuota=), or None when none is set.
@@ -87,6 +107,15 @@ def _text(path: Path) -> str:
         return path.read_text(encoding="ascii").strip()
     except (OSError, ValueError):  # no such file, or not text
         return ""
+
+
+def _stat(path: Path, key: str) -> int:
+    """A ``key value`` line of a cgroup's memory.stat, 0 where it is not there."""
+    for line in _text(path).splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def _integer(path: Path) -> int | None:

@@ -14,7 +14,7 @@ from typing import cast
 
 from torch import nn
 
-from redline.config import one_of, positive_int, positive_number
+from redline.config import non_negative_number, one_of, positive_int, positive_number
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.hardware.catalog import (
     GPUSpec,
@@ -43,7 +43,9 @@ GIB = 2**30
 # reference notes gpu-choice-and-memory.md 2.5: HF "Model memory anatomy"), kept out of the budget.
 CUDA_CONTEXT = GIB
 # The caching allocator reserves more than it allocates (rounded blocks, fragmentation): the peak may
-# use this share of what is left.
+# use this share of what is left. On a CPU, a run's resident memory grew past the traced peak by about as much
+# (an MLP in fp32: 60 MiB over a 1.1 GiB peak, 25-35 MiB over 0.1-0.2 GiB ones; the interpreter and torch, which
+# this process holds too, not counted).
 ALLOCATOR_SHARE = 0.95
 # The most memory a device is weighed against: 1 PiB, past any GPU or host, where a larger figure overflows
 # the byte count (1e308 GiB is infinite bytes).
@@ -82,8 +84,8 @@ class Fit:
 
 
 def available_bytes(mem_gib: float, target: str) -> int:
-    """The bytes a training step's tensors may use on a device of ``mem_gib``: the CUDA context left out, and
-    the allocator's share of the rest."""
+    """The bytes a training step's tensors may use on a device of ``mem_gib`` (on a CPU, what is free of it): the
+    CUDA context left out, and the allocator's share of the rest."""
     usable = mem_gib * GIB - (CUDA_CONTEXT if target == "cuda" else 0)
     return max(int(usable * ALLOCATOR_SHARE), 0)
 
@@ -213,12 +215,14 @@ class MemoryFit:
     target: str
     rows: tuple[Fit, ...]
     notes: tuple[str, ...] = ()
+    free_gib: float | None = None  # of mem_gib, what was free when weighed (a CPU's), the rows' budget
 
     def to_dict(self) -> dict[str, object]:
         return {
             "task": self.task,
             "device": self.device,
             "mem_gib": self.mem_gib,
+            "free_gib": self.free_gib,
             "target": self.target,
             "rows": [row.to_dict() for row in self.rows],
             "notes": list(self.notes),
@@ -322,8 +326,10 @@ def fit_memory(
     gpus: int = 8,
     attention: str = "auto",
     grad_accum: int = 1,
+    free_gib: float | None = None,
 ) -> MemoryFit:
-    """Weigh ``task``'s step on a device of ``mem_gib`` as it stands, with activation checkpointing, and (on
+    """Weigh ``task``'s step on a device of ``mem_gib`` (of which ``free_gib`` is free now, where given: a CPU's
+    memory that other processes do not hold) as it stands, with activation checkpointing, and (on
     GPUs) sharded by FSDP over ``gpus``, its attention on the ``attention`` kernel, each step ``grad_accum``
     micro-batches of ``batch_size`` (the gradients held through them); each with the largest batch
     predicted to fit, up to the training set's size (a batch never holds more, and tracing far past it can take
@@ -336,7 +342,9 @@ def fit_memory(
         raise invalid("mem_gib", mem_gib, f"at most {MAX_MEM_GIB} GiB (1 PiB)", "give the device's memory in GiB")
     positive_int("gpus", gpus)
     one_of("target", target, ("cuda", "cpu"))
-    available = available_bytes(mem_gib, target)
+    if free_gib is not None:
+        non_negative_number("free_gib", free_gib)
+    available = available_bytes(mem_gib if free_gib is None else min(free_gib, mem_gib), target)
     cap = data_size(task.train_data)
     step_cap = None if cap is None else cap // grad_accum  # a step's micro-batches share the data: none is larger
     model = meta_model(task)
@@ -382,14 +390,17 @@ def fit_memory(
             f"batch {batch} leaves some of the {gpus} GPUs without a sample, so the FSDP rows weigh a batch of {gpus}, "
             "one sample on each"
         )
-    if available == 0:  # nothing fits, and the table alone would not say why
+    if available == 0 and target == "cpu":
+        notes.append(f"of the machine's {mem_gib:g} GiB none is free now: other processes hold it")
+    elif available == 0:  # nothing fits, and the table alone would not say why
         notes.append(
             f"a {mem_gib:g} GiB GPU leaves no memory for tensors: the CUDA context takes about "
             f"{CUDA_CONTEXT / GIB:g} GiB of it before any tensor"
         )
     return MemoryFit(
-        task=task.name, device=device, mem_gib=mem_gib, target=target, rows=tuple(rows), notes=tuple(notes)
-    )
+        task=task.name, device=device, mem_gib=mem_gib, free_gib=free_gib, target=target, rows=tuple(rows),
+        notes=tuple(notes),
+    )  # fmt: skip
 
 
 def _batch_notes(batch: int, cap: int | None, grad_accum: int) -> list[str]:

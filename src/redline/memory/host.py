@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from redline.hardware.cgroup import memory_headroom_bytes
 from redline.hardware.memory import WindowPeak, machine_memory_bytes, memory_limit_bytes, proc_bytes, resident_bytes
 
 GIB = 2**30
@@ -75,3 +76,11 @@ def _available_bytes() -> int:
     that cannot be read (macOS, Windows), all of the machine's memory."""
     available = proc_bytes(MEMINFO, "MemAvailable")
     return available if available is not None else machine_memory_bytes()
+
+
+def free_bytes() -> int:
+    """The memory a new process could take now, beside this one and every other: what the machine has free
+    (MemAvailable), or what its cgroup's limit leaves where that is less. ``redline memory`` weighs a CPU's step
+    against it: the run will need an interpreter and torch as this process holds them, which it stands in for."""
+    room = memory_headroom_bytes()
+    return min(_available_bytes(), room) if room is not None else _available_bytes()

@@ -40,6 +40,8 @@ def memory_tables(result: MemoryFit) -> list[Table]:
     mem = result.mem_gib
     total = f"{mem:.4g} GiB" if mem < 1000 else f"{mem:.0f} GiB"
     said = "" if any(text in result.device for text in (total, f"{mem:.10g} GiB")) else f"{total}, "
+    if result.free_gib is not None:  # a CPU's: the rows are weighed against what is free of it now
+        said = f"{result.free_gib:.4g} GiB available now, of {total}; "
     fits = titled_table(f"on {result.device} ({said}{size(result.rows[0].available)} for tensors)")
     for column in ("way", "batch", "peak", "fits", "largest batch"):
         fits.add_column(column, justify="left" if column == "way" else "right")
