@@ -147,3 +147,9 @@ def test_the_text_prints_the_notes_of_every_row_naming_the_rows_not_all_carry(ca
             "note: the fit's",
         ]
     )
+
+
+def test_mem_gib_s_help_says_it_is_gib_as_torch_reads_a_gpu_not_the_size_it_is_sold_with() -> None:
+    result = CliRunner().invoke(app, ["memory", "--help"], env={"COLUMNS": "300"})
+    help_text = " ".join(result.stdout.replace("│", " ").split())
+    assert "this many GiB (2^30 bytes) instead, as torch reports its memory: a 24 GB L4 shows 22.03 GiB" in help_text

@@ -52,7 +52,13 @@ def memory(
             metavar="NAME", help='A GPU of the catalog to weigh against, by id or name (h100-sxm, "RTX 4090", l4, ...).'
         ),
     ] = None,
-    mem_gib: Annotated[float | None, typer.Option(help="Weigh against a GPU with this much memory instead.")] = None,
+    mem_gib: Annotated[
+        float | None,
+        typer.Option(
+            help="Weigh against a GPU with this many GiB (2^30 bytes) instead, as torch reports its memory: a 24 GB "
+            "L4 shows 22.03 GiB, not 24."
+        ),
+    ] = None,
     gpus: Annotated[int | None, count("GPUs for the FSDP rows of a GPU's estimate (default: 8).")] = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Find the largest batch by running training steps on this machine.")
