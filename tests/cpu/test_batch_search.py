@@ -246,6 +246,20 @@ def test_a_model_that_cannot_train_on_one_sample_is_searched_from_two():
         redline.find_batch_size(task, options=CPU, start=1, max_batch_size=1)  # 1 is all there is to try
 
 
+class NormedReadingAValue(Normed):
+    """Normed whose constructor reads a tensor's value (timm's stochastic depth), which the meta device refuses."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(int(torch.tensor(limit).item()))
+
+
+def test_a_model_that_reads_a_value_as_it_builds_and_cannot_train_on_one_sample_is_searched_from_two():
+    # its BatchNorm went unseen (the meta build failed), and the search raised BatchNorm's refusal of one sample
+    task = dataclasses.replace(limited_task(5), model=lambda: NormedReadingAValue(5))
+    search = redline.find_batch_size(task, options=CPU, start=1, max_batch_size=64)
+    assert search.largest == 5 and "batch size 1 cannot train" in search.notes[-1]
+
+
 def test_on_a_cpu_a_size_predicted_past_the_process_s_memory_is_not_run(monkeypatch):
     # a CPU has no out-of-memory error: past its memory the kernel kills the process, and the search with it
     import redline.memory.host as host

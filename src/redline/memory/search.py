@@ -59,7 +59,6 @@ from redline.runtime.sampling import data_size
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.tuned import auto_tuned
 from redline.task import CollateFn, Task, require_task
-from redline.task.meta import on_meta
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
 
@@ -422,8 +421,8 @@ class _Probe:
 
 def _batch_norm(task: Task) -> bool:
     """Whether the Task's model has BatchNorm layers, which in training refuse one sample of one value per channel."""
-    model = task.model if isinstance(task.model, nn.Module) else on_meta(task.build_model)
-    return model is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    model = task.outline()  # built for real where its factory reads a value (it runs here anyway)
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _build(task: Task) -> nn.Module:
