@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from redline.task import Task
 
 log = logging.getLogger("redline")
+_BUILT_FOR_REAL: weakref.WeakSet[Any] = weakref.WeakSet()  # the factories said to be built for real
 
 _HELD = ("_parameters", "_buffers", "_modules")  # a module's own dicts, each tensor in them faked as what it is
 
@@ -48,12 +50,24 @@ def model_on_meta(task: Task) -> nn.Module:
         return meta_copy(faked)
     except Exception:  # it reads a value fake tensors do not hold, or fails for real too: said below if so
         pass
-    log.info(
-        "task %r: its model cannot be built on the meta device or on fake tensors (its factory reads a tensor's "
-        "value); building it for real on the CPU to read its shapes, which takes its weights' memory meanwhile",
-        task.name,
-    )
+    if _first_time(task.model):  # said once: a fit builds it again for each trace
+        log.info(
+            "task %r: its model cannot be built on the meta device or on fake tensors (its factory reads a tensor's "
+            "value); building it for real on the CPU to read its shapes, which takes its weights' memory meanwhile",
+            task.name,
+        )
     return meta_copy(_built_for_real(task))
+
+
+def _first_time(factory: object) -> bool:
+    """Whether ``factory`` was not yet said to be built for real (always, for one that takes no weak reference)."""
+    try:
+        if factory in _BUILT_FOR_REAL:
+            return False
+        _BUILT_FOR_REAL.add(factory)
+    except TypeError:
+        pass
+    return True
 
 
 def _built_for_real(task: Task) -> nn.Module:
