@@ -4,7 +4,13 @@ The naive loop is the way a tutorial writes it: eager fp32, ``.to(device)`` per 
 DataLoader. The auto run is ``redline.Runtime()`` with every option on "auto" and the run's length
 given as ``planned_steps``. Each pair runs in alternating order; the figures are the medians of the
 ratios naive/auto (above 1 means redline is faster): end to end (model set-up, compile and all
-steps) and at steady state (samples/s after the first tenth of the steps).
+steps) and at steady state (samples/s after the first tenth of the steps, and never before step
+STEADY_FROM: the Runtime's own check of its precision runs the first 35 steps).
+
+Every run, naive and auto alike, is a process of its own with empty compile and trial caches
+(environment.fresh_caches): each pays its own cold compile, as a user's first run does, and no run
+reads what an earlier one cached (torch's FX graphs, a tuned Plan) or inherits its process-wide
+settings (TF32, deterministic algorithms, the attention kernel).
 
     python benchmarks/speedup.py [--device cpu|cuda] [--steps 300] [--repeats 5] [--write NAME]
         [--options precision=bf16-mixed] [--against precision=bf16-mixed,attention=flash]
@@ -16,11 +22,13 @@ those options in the naive loop's place, to time one choice of redline's against
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -28,6 +36,12 @@ from torch.utils.data import DataLoader
 
 import environment
 import redline
+from redline.runtime.compile_check import STEPS as CHECK_STEPS
+
+# The steady window starts after the Runtime's check of its precision (18 steps in the rule's precision, 17 in the
+# other: runtime/compile_check.py), so no step of the slower precision is counted; a check of compile or CUDA
+# graphs too (on a GPU) runs 17 steps more for each.
+STEADY_FROM = CHECK_STEPS + 1
 
 
 @dataclass
@@ -38,7 +52,7 @@ class Timing:
 
 
 def _timed_steps(steps: int, batches: Iterable[Any], step_fn: Any, device: torch.device, start: float) -> Timing:
-    warm = max(1, steps // 10)
+    warm = max(steps // 10, STEADY_FROM)
     samples = 0
     mark = start
     for i, (inputs, targets) in enumerate(itertools.islice(batches, steps)):
@@ -73,19 +87,43 @@ def naive(task: redline.Task, device: torch.device, steps: int) -> Timing:
 def auto(task: redline.Task, device: torch.device, steps: int, options: dict[str, Any] | None = None) -> Timing:
     start = time.perf_counter()
     torch.manual_seed(0)
-    rt = redline.Runtime(**{"devices": str(device), "planned_steps": steps, **(options or {})})
-    model, optimizer = rt.setup(task.build_model(), task.optimizer)
-    loader = rt.setup_loader(DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True, drop_last=True))
+    # `with`: closing puts the process-wide settings back (TF32, deterministic, the attention kernel)
+    with redline.Runtime(**{"devices": str(device), "planned_steps": steps, **(options or {})}) as rt:
+        model, optimizer = rt.setup(task.build_model(), task.optimizer)
+        batches = DataLoader(task.train_data, batch_size=task.batch_size, shuffle=True, drop_last=True)
+        loader = rt.setup_loader(batches)
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        with rt.autocast():
-            loss = task.loss_fn(model(inputs), targets)
-        rt.backward(loss)
-        rt.step(optimizer)
+        def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+            with rt.autocast():
+                loss = task.loss_fn(model(inputs), targets)
+            rt.backward(loss)
+            rt.step(optimizer)
 
-    timing = _timed_steps(steps, _forever(loader), step, device, start)
-    timing.plan = "; ".join(f"{axis}={value}" for axis, value, _ in rt.explain().rows())
+        timing = _timed_steps(steps, _forever(loader), step, device, start)
+        timing.plan = "; ".join(f"{axis}={value}" for axis, value, _ in rt.explain().rows())
     return timing
+
+
+def run_alone(kind: str, spec: str, device: str, steps: int, options: str) -> Timing:
+    """Run one timed run (``kind``: naive or auto) in a process of its own with fresh caches; return its Timing."""
+    command = [sys.executable, __file__, "--alone", kind, "--tasks", spec, "--device", device, "--steps", str(steps)]
+    with environment.fresh_caches() as env:
+        done = subprocess.run([*command, "--options", options], capture_output=True, text=True, env=env, check=False)
+    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not found:
+        raise SystemExit(f"the {kind} run of {spec} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return Timing(**json.loads(found[-1].removeprefix("RESULT ")))
+
+
+def alone(args: argparse.Namespace) -> None:
+    """The child's side of run_alone: one run, its Timing printed as a RESULT line."""
+    task, device = redline.load_task(args.tasks), torch.device(args.device)
+    timing = (
+        naive(task, device, args.steps)
+        if args.alone == "naive"
+        else auto(task, device, args.steps, _options(args.options))
+    )
+    print("RESULT " + json.dumps(asdict(timing)), flush=True)
 
 
 def _options(text: str) -> dict[str, Any]:
@@ -118,25 +156,39 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
-    parser.add_argument("--options", type=_options, default={}, help="the Runtime run's options: K=V,K=V")
-    parser.add_argument("--against", type=_options, default=None, help="a Runtime run in the naive loop's place")
+    parser.add_argument("--options", default="", help="the Runtime run's options: K=V,K=V")
+    parser.add_argument("--against", default=None, help="a Runtime run in the naive loop's place")
+    parser.add_argument("--alone", choices=["naive", "auto"], help=argparse.SUPPRESS)  # one run, in a child
     args = parser.parse_args()
-    device = torch.device(args.device)
-    ours = functools.partial(auto, options=args.options)
-    baseline = naive if args.against is None else functools.partial(auto, options=args.against)
-    against = args.against is not None
-    base_name = "naive" if args.against is None else f"Runtime({_said(args.against)})"
+    if args.steps <= STEADY_FROM:
+        parser.error(
+            f"--steps={args.steps} leaves no steady steps; expected more than {STEADY_FROM} (the first "
+            f"{STEADY_FROM - 1} are the Runtime's precision check). hint: --steps 300"
+        )
+    if args.alone:
+        return alone(args)
+    options, against = _options(args.options), args.against is not None
+    base_name = "naive" if args.against is None else f"Runtime({_said(_options(args.against))})"
+
+    def ours(spec: str, steps: int) -> Timing:
+        return run_alone("auto", spec, args.device, steps, args.options)
+
+    def baseline(spec: str, steps: int) -> Timing:
+        if args.against is None:
+            return run_alone("naive", spec, args.device, steps, "")
+        return run_alone("auto", spec, args.device, steps, args.against)
 
     body = [
         f"{args.steps} steps per run, {args.repeats} pairs per task in alternating order after one uncounted "
         "warm-up pair. Speed-ups are naive/auto time (above 1: redline faster): the ratio of the medians, "
-        "and in brackets the median of the per-pair ratios.",
-        *(
-            [f"auto is Runtime({_said(args.options)}); the naive loop's place is taken by {base_name}."]
-            if against
-            else []
-        ),
-        *([f"auto is Runtime({_said(args.options)})."] if args.options and not against else []),
+        "and in brackets the median of the per-pair ratios. Every run is a process of its own with empty "
+        "TORCHINDUCTOR_CACHE_DIR and REDLINE_CACHE_DIR: each pays its own cold compile, and none reads a tuned "
+        "Plan or measured choice an earlier run cached. Totals run from the model's set-up to the last step "
+        f"(process start-up and imports left out); steady samples/s counts the steps after step "
+        f"{max(args.steps // 10, STEADY_FROM)} (the first tenth, and never the Runtime's {STEADY_FROM - 1}-step "
+        "precision check).",
+        *([f"auto is Runtime({_said(options)}); the naive loop's place is taken by {base_name}."] if against else []),
+        *([f"auto is Runtime({_said(options)})."] if options and not against else []),
         "",
         "| task | naive total (s) | auto total (s) | end-to-end speed-up | naive samples/s | auto samples/s "
         "| steady-state speed-up |",
@@ -144,14 +196,14 @@ def main() -> None:
     ]
     plans = []
     for spec in args.tasks.split(","):
-        task = redline.load_task(spec)
         runs: dict[str, list[Timing]] = {"naive": [], "auto": []}
-        baseline(task, device, max(10, args.steps // 10))  # warm-up, not counted: first-touch costs
-        ours(task, device, max(10, args.steps // 10))
+        warm_up = max(STEADY_FROM + 1, args.steps // 10)
+        baseline(spec, warm_up)  # not counted: the disk's first reads of torch and the data
+        ours(spec, warm_up)
         for i in range(args.repeats):
             order = [("naive", baseline), ("auto", ours)]
             for name, fn in order if i % 2 == 0 else order[::-1]:
-                runs[name].append(fn(task, device, args.steps))
+                runs[name].append(fn(spec, args.steps))
         end_to_end = [n.total_s / a.total_s for n, a in zip(runs["naive"], runs["auto"], strict=True)]
         steady = [
             a.steady_samples_per_s / n.steady_samples_per_s for n, a in zip(runs["naive"], runs["auto"], strict=True)
@@ -171,10 +223,10 @@ def main() -> None:
         print(body[-1], flush=True)
     body += ["", "The auto Plan chose:", *plans]
     title = "Speed-up of the auto Plan over the naive loop"
-    if args.options:
-        title = f"Speed-up of Runtime({_said(args.options)}) over the naive loop"
-    if args.against is not None:
-        title = f"Runtime({_said(args.options)}) against {base_name}, in a user's own loop"
+    if options:
+        title = f"Speed-up of Runtime({_said(options)}) over the naive loop"
+    if against:
+        title = f"Runtime({_said(options)}) against {base_name}, in a user's own loop"
     environment.publish(args.write, title, body, args.device)
 
 
