@@ -14,7 +14,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/results/gpu-run}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1 REDLINE_CACHE_DIR="$OUT/cache"
+# Caches start empty in every run (the trials, tunes and compiles of this run only; step 2's tuned run reads step
+# 2's tune): $OUT persists, and a cache kept there gave the next run's auto row the last run's tuned Plan.
+CACHE=$(mktemp -d "${TMPDIR:-/tmp}/redline-bench-XXXXXX")
+trap 'rm -rf "$CACHE"' EXIT
+export PYTHONPATH=src PYTHONUNBUFFERED=1 REDLINE_CACHE_DIR="$CACHE/redline" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 START=$SECONDS
