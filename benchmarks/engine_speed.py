@@ -2,7 +2,7 @@
 once), channels_last and compile, and auto.
 
 Each setting gets its own engine over the same model (serve_models.py), warmed up on every bucket;
-then the engines take turns, round after round, each timing a block of ``predict`` calls on the
+then the engines take turns, round after round in rotated order, each timing a block of ``predict`` calls on the
 same batch (outputs come back on the CPU, so each call ends synchronised). The table gives the
 median ms per call, samples/s and the ratio to eager fp32 measured in the same rounds, and how far
 each setting's outputs are from eager fp32's. Settings that need CUDA are left out on a CPU, and compiles
@@ -61,10 +61,17 @@ def build(model: str, device: str, settings: dict[str, Any], max_batch: int) -> 
 
 
 def time_rounds(engines: dict[str, InferenceEngine], batch: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each engine, the engines taking turns in every round."""
+    """Median seconds per call of each engine, the engines taking turns in every round.
+
+    The order rotates from round to round (as runtime/trial.py's time_steps does), so a machine whose speed drifts
+    weighs on every engine alike, and no engine always follows the same one.
+    """
     per_call: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
+    names = list(engines)
+    for round_ in range(rounds):
+        for offset in range(len(names)):
+            name = names[(round_ + offset) % len(names)]
+            engine = engines[name]
             engine.predict(batch)  # settle: the first call after another engine's block
             started = time.perf_counter()
             for _ in range(calls):
@@ -92,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     lines = [
         f"Each engine warmed up on every bucket (powers of two up to {max(sizes)}); then {args.rounds} rounds, "
-        f"each engine timing {args.calls} `predict` calls per round in turn; median ms per call. Ratios are "
+        f"each engine timing {args.calls} `predict` calls per round in turn, the order rotated each round; "
+        "median ms per call. Ratios are "
         "to eager fp32 in the same rounds; `max |diff|` is the largest output difference from eager fp32 "
         "on a seeded random batch.",
         "",
