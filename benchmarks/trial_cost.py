@@ -6,13 +6,17 @@ order, ``--pairs`` times each after one uncounted trial that pays the process's 
 The figures are medians: the trial's wall time, that time in fp32 steps (the trial's own fastest
 fp32 step), the timed steps per candidate, and the choice. A trial that finds nothing is a cost the
 plain loop does not pay; one that finds a winner repays itself over the run.
+The counted trials follow one in the same process, so they leave out the first-use costs a real
+run's one trial pays (the first optimizer imports torch._dynamo, the first bf16 step builds its
+kernels): each entry's first trial in a fresh process (empty caches, ``--firsts`` processes,
+rotated like the rounds) is timed too, and its median reported beside them.
 Each precision is timed in the layout the run gives it (plan/layout.py), where a version's trial
 takes a layout.
 
 ``--baseline-src DIR`` times another version's trial.py too (DIR is that checkout's src/), in the
 same rounds, so two versions are compared side by side on the same noisy machine.
 
-    python benchmarks/trial_cost.py [--tasks example:digits,example:chargpt] [--pairs 5]
+    python benchmarks/trial_cost.py [--tasks example:digits,example:chargpt] [--pairs 5] [--firsts 3]
         [--baseline-src /tmp/before/src] [--write NAME]
 """
 
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -77,11 +83,44 @@ def trial_runner(task: Any, module: ModuleType, stop_early: bool) -> Callable[[]
     return run
 
 
+def entries_of(task: Any, versions: list[tuple[str, ModuleType]]) -> list[tuple[str, str, Callable[[], Any]]]:
+    """Every (version, kind of trial, runner) timed for ``task``: each version with and without early decisions."""
+    return [
+        (version, "early decisions" if early else "every round", trial_runner(task, module, early))
+        for version, module in versions
+        for early in (True, False)
+    ]
+
+
+def first_in_fresh_process(spec: str, index: int, baseline_src: str | None) -> float:
+    """Entry ``index``'s first trial in a process of its own with empty caches: its wall seconds."""
+    command = [sys.executable, __file__, "--tasks", spec, "--first", str(index)]
+    command += ["--baseline-src", baseline_src] if baseline_src else []
+    with environment.fresh_caches() as env:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not found:
+        raise SystemExit(f"the first trial of {spec} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return float(json.loads(found[-1].removeprefix("RESULT "))["wall_s"])
+
+
+def first_trials(spec: str, count: int, processes: int, baseline_src: str | None) -> list[list[float]]:
+    """Each of ``count`` entries' first trial in ``processes`` fresh processes, the entries' order rotated."""
+    walls: list[list[float]] = [[] for _ in range(count)]
+    for round_ in range(processes):
+        for offset in range(count):
+            index = (round_ + offset) % count
+            walls[index].append(first_in_fresh_process(spec, index, baseline_src))
+    return walls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="example:digits,example:chargpt")
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--firsts", type=int, default=3, help="fresh processes timing each entry's first trial")
     parser.add_argument("--baseline-src", default=None, help="another checkout's src/, timed side by side")
+    parser.add_argument("--first", type=int, default=None, help=argparse.SUPPRESS)  # a child: one first trial
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
     versions = [("this version", current)]
@@ -90,23 +129,28 @@ def main() -> None:
     candidates = fast_precisions(probe_device(torch.device("cpu")))
     if not candidates:
         raise SystemExit("this CPU has no bf16 arithmetic: auto runs no trial here, there is nothing to time")
+    if args.first is not None:  # the child of first_in_fresh_process
+        wall, _ = entries_of(load_task(args.tasks), versions)[args.first][2]()
+        print("RESULT " + json.dumps({"wall_s": wall}), flush=True)
+        return
     body = [
-        f"`python benchmarks/trial_cost.py --tasks {args.tasks} --pairs {args.pairs}"
+        f"`python benchmarks/trial_cost.py --tasks {args.tasks} --pairs {args.pairs} --firsts {args.firsts}"
         + (" --baseline-src DIR" if args.baseline_src else "")
         + "`. Per task, every entry below runs in turn, in rotated order, "
         f'{args.pairs} times after an uncounted trial each; medians. "in fp32 steps" divides the trial\'s '
-        "wall time by its own fastest fp32 step: what the trial costs a run that keeps fp32.",
+        "wall time by its own fastest fp32 step: what the trial costs a run that keeps fp32. The counted trials "
+        'leave out the first-use costs a real run\'s one trial pays; "first trial" is the median wall time of '
+        f"each entry's first trial in {args.firsts} fresh processes (empty TORCHINDUCTOR_CACHE_DIR and "
+        "REDLINE_CACHE_DIR), what a run pays.",
         "",
-        "| task | version | trial | wall s | in fp32 steps | timed steps per candidate | choice |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| task | version | trial | wall s | first trial, fresh process: wall s | in fp32 steps "
+        "| timed steps per candidate | choice |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for spec in args.tasks.split(","):
         task = load_task(spec)
-        entries = [
-            (version, "early decisions" if early else "every round", trial_runner(task, module, early))
-            for version, module in versions
-            for early in (True, False)
-        ]
+        entries = entries_of(task, versions)
+        firsts = first_trials(spec, len(entries), args.firsts, args.baseline_src)
         for _, _, run in entries:
             run()  # uncounted: the first optimizer imports torch._dynamo, the first bf16 step builds its kernels
         walls: list[list[float]] = [[] for _ in entries]
@@ -122,10 +166,12 @@ def main() -> None:
                 timed[index].append(len(measured[0].step_times))
                 choices[index].append(current.choose(measured, "this CPU").value)
             print(f"{spec}: round {round_ + 1}/{args.pairs} done", flush=True)
-        for (version, kind, _), wall, step, count, chose in zip(entries, walls, steps, timed, choices, strict=True):
+        rows = zip(entries, walls, firsts, steps, timed, choices, strict=True)
+        for (version, kind, _), wall, first, step, count, chose in rows:
             told = ", ".join(f"{name} x{chose.count(name)}" for name in dict.fromkeys(chose))
             body.append(
-                f"| `{spec}` | {version} | {kind} | {environment.median(wall):.3f} | {environment.median(step):.1f} | "
+                f"| `{spec}` | {version} | {kind} | {environment.median(wall):.3f} | {environment.median(first):.3f} | "
+                f"{environment.median(step):.1f} | "
                 f"{'/'.join(str(c) for c in sorted(set(count)))} | {told} |"
             )
     environment.publish(args.write, "What auto's precision trial costs", body)
