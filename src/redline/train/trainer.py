@@ -160,8 +160,7 @@ class Trainer:
             summary = summarize(self.task.name, run, self._batches_per_epoch, take_sample(self.task, run), self.best)
             if self.out_dir:
                 write_results(run.rt, self.out_dir, summary.to_dict(), main=self.env.is_main)
-        signalled = summary.stopped.startswith("signal")
-        mark_finished(self.env, signalled=signalled, received=self.signalled)  # the launch's exit: 0 or 143
+        mark_finished(self.env, signalled=summary.stopped.startswith("signal"), received=self.signalled)  # 0 or 143
         call_hooks(self.callbacks, "on_fit_end", self, summary)
         return summary
 
