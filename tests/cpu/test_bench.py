@@ -752,3 +752,38 @@ def test_a_compiled_row_whose_calls_ran_eagerly_past_the_recompile_limit_is_not_
     runner = SimpleNamespace(model=record.module, runtime=None, plan=lambda: plan)
     assert ran_eagerly(runner, compiled=True).endswith("2 of 3 call(s) ran eagerly, so it would time the eager model")
     assert ran_eagerly(runner, compiled=False) == ""
+
+
+def test_the_auto_rows_precision_trial_is_timed_and_recorded_on_its_row(monkeypatch):
+    # "compile included" charged compiled rows their compile, not the auto row its trial: it ran unrecorded.
+    def slow_trial(task, options, batch_size, planned, env, **_):
+        if options.precision != "auto":
+            return {}  # a precision given: nothing to measure
+        time.sleep(0.3)
+        return {"precision": Choice("fp32", "measured: fp32 ran 1.10x bf16-mixed (made up)")}
+
+    monkeypatch.setattr("redline.bench.run.measure_auto", slow_trial)
+    monkeypatch.setenv("REDLINE_CPU", "amx")  # a CPU with bf16 arithmetic: auto's precision is measured
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    auto, eager = result.row("auto cpu b32"), result.row("cpu fp32 eager b32")
+    assert auto.trial_s >= 0.3 and auto.trial_cached is False
+    assert eager.trial_s is None and result.row("naive cpu fp32 b32").trial_s is None
+    assert result.to_dict()["rows"][-1]["trial_s"] == auto.trial_s
+
+
+def test_a_trial_read_from_redlines_cache_is_marked_cached_and_a_run_too_short_has_none(monkeypatch):
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    read = {"precision": Choice("fp32", "measured: fp32 ran 1.10x bf16-mixed; cached from 2026-12-01 06:00 UTC")}
+    monkeypatch.setattr(
+        "redline.bench.run.measure_auto", lambda task, options, *a, **k: read if options.precision == "auto" else {}
+    )
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    assert result.row("auto cpu b32").trial_cached is True
+    monkeypatch.undo()
+    monkeypatch.setenv("REDLINE_CACHE_DIR", os.environ["REDLINE_CACHE_DIR"] + "-short")
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,
+                       planned_steps=40)  # fmt: skip  # too short to repay a trial: none ran, none is charged
+    auto = result.row("auto cpu b32")
+    assert "not measured" in auto.plan["precision"]["reason"] and auto.trial_s is None and auto.trial_cached is None
+

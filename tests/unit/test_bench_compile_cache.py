@@ -50,3 +50,17 @@ def test_a_row_given_an_earlier_rows_compile_is_given_whether_the_caches_served_
 
     rows = _with_shared_compiles([row("cpu fp32 compiled b32", 0.3, True), row("auto cpu b32", 0.0, None)])
     assert [(r.compile_s, r.compile_cached) for r in rows] == [(0.3, True), (0.3, True)]
+
+
+def test_a_compiled_auto_rows_break_even_counts_its_trial_as_it_counts_its_compile():
+    from redline.bench.rows import _with_break_even
+
+    def row(name, kind, compile, step_ms, **extra):
+        return BenchRow(name, kind, "cpu", "fp32", compile, False, 32, step_ms_p50=step_ms, **extra)
+
+    eager = row("cpu fp32 eager b32", "explicit", False, 20.0)
+    compiled = row("cpu fp32 compiled b32", "explicit", True, 10.0, compile_s=10.0)
+    auto = row("auto cpu b32", "auto", True, 10.0, compile_s=10.0, trial_s=5.0)
+    out = {r.name: r.break_even_steps for r in _with_break_even([eager, compiled, auto])}
+    assert out["cpu fp32 compiled b32"] == pytest.approx(1000)  # 10 ms saved a step repays 10 s
+    assert out["auto cpu b32"] == pytest.approx(1500)  # and 5 s more of trial

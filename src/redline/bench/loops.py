@@ -50,6 +50,8 @@ class Runner:
     micro_steps: int = 1  # micro-batches per optimizer step (a tune's grad_accum): a step is all of them
     optimizer: torch.optim.Optimizer | None = None
     compile_cached: bool | None = None  # its warm-up's compile was served from torch's on-disk caches (compile_cache)
+    trial_s: float | None = None  # the seconds auto's precision trial took before the row was built (or read it)
+    trial_cached: bool | None = None  # the trial was read from redline's trial cache: a fresh machine pays it
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:

@@ -30,7 +30,9 @@ class BenchRow:
     mfu_measured: float | None = None  # over a matmul measured on this device in the row's precision
     compile_s: float | None = None
     compile_cached: bool | None = None  # the compile was served from torch's on-disk caches: less than a cold one's
-    break_even_steps: float | None = None  # steps after which the compile has paid for itself
+    trial_s: float | None = None  # auto's precision trial before the row ran (None: no trial was asked)
+    trial_cached: bool | None = None  # the trial was read from redline's trial cache: a fresh machine pays it
+    break_even_steps: float | None = None  # steps after which the compile (and the trial) has paid for itself
     speedup_naive: float | None = None  # over the naive loop on the same device and batch size
     speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
     loss: float | None = None  # of one more step after the timing (its micro-batches' mean), None if not finite

@@ -128,6 +128,8 @@ def _figures(
         mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
         compile_s=runner.compile_seconds() if compiled else None,
         compile_cached=runner.compile_cached if compiled else None,
+        trial_s=runner.trial_s,
+        trial_cached=runner.trial_cached,
         loss=loss,
         plan=plan.to_dict() if plan is not None else None,
     )
@@ -140,13 +142,16 @@ def _last_loss(runner: Runner) -> float | None:
 
 
 def _with_break_even(rows: list[BenchRow]) -> list[BenchRow]:
-    """Give each compiled row the steps its compile takes to repay, against the eager row of its precision."""
+    """Give each compiled row the steps its compile takes to repay, against the eager row of its precision: its
+    compile and auto's trial, where one ran, as both are paid before the run's first step and the eager row pays
+    neither."""
     eager = {(r.device, r.precision): r for r in rows if r.kind == "explicit" and r.compile is False and not r.error}
     out = []
     for row in rows:
         twin = eager.get((row.device, row.precision))
         if row.compile and twin is not None and row.step_ms_p50 and twin.step_ms_p50:
-            steps = break_even(row.compile_s, twin.step_ms_p50 / 1e3, row.step_ms_p50 / 1e3)
+            paid = row.compile_s + (row.trial_s or 0.0) if row.compile_s is not None else None
+            steps = break_even(paid, twin.step_ms_p50 / 1e3, row.step_ms_p50 / 1e3)
             row = dataclasses.replace(row, break_even_steps=steps)
         out.append(row)
     return out

@@ -44,7 +44,7 @@ from redline.parallel.env import read_env
 from redline.plan import Choice
 from redline.plan.device import resolve_device
 from redline.runtime.contract import ONE_SAMPLE_HINT, one_sample_refusal
-from redline.runtime.measure import measure_auto
+from redline.runtime.measure import CACHED, NOT_MEASURED, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
 from redline.runtime.seed import keeps_rng
@@ -276,11 +276,13 @@ def warm_up(
     """
     device = torch.device(setting.device)
     measured, tuning = None, None
+    started = time.perf_counter()  # auto's trial is part of what its run pays, as a compile is
     if setting.kind == "auto":
         options, measured, tuning = _auto(task, setting, planned)
     elif setting.kind == "explicit":  # a precision left to auto (a profile's, compile given) is auto's, measured
         options = options or row_options(setting)
         measured = _measured(task, options, setting.batch_size, planned)
+    trial_s = time.perf_counter() - started
     lookups = cache_lookups()
     with PeakMemory(device) as memory:  # after auto's trial: the copies it trains are not the row's
         if setting.kind == "naive":
@@ -294,9 +296,17 @@ def warm_up(
             while runner.runtime is not None and runner.runtime.compile_checking:
                 runner.run(1)
     runner.compile_cached = served_from_cache(lookups, cache_lookups())
+    if trialled(measured):
+        runner.trial_s, runner.trial_cached = trial_s, any(CACHED in c.reason for c in (measured or {}).values())
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
     return runner, memory, flops * runner.micro_steps if flops is not None else None
+
+
+def trialled(measured: dict[str, Choice[str]] | None) -> bool:
+    """Whether auto's choices came from a precision trial, run or read from redline's cache (not the rule's alone,
+    where no trial was asked: the precision given, or a run too short to repay one)."""
+    return any(NOT_MEASURED not in choice.reason for choice in (measured or {}).values())
 
 
 def _auto(

@@ -65,6 +65,8 @@ REPAY = 10  # a trial's rounds are as many as keep its steps within this share o
 # The fewest rounds a trial runs: one round can only keep fp32; at two, a trial that finds nothing (about 12 of the
 # run's steps for one candidate) would cost a run of 180 steps 7%, more than the whole-trial rule ever let it cost.
 LEAST_ROUNDS = 3
+NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run nor read (the rule's, and why)
+CACHED = "; cached from "  # in a choice's reason where the trial was read from the cache, not run
 
 
 def measure_auto(
@@ -89,7 +91,7 @@ def measure_auto(
         return {}  # a precision given, or none worth trying here: the rule's reason says why
     if trial == "off":
         rule = resolve_precision("auto", work.facts)
-        return {"precision": Choice(rule.value, f"{rule.reason}; not measured: the trial is off")}
+        return {"precision": Choice(rule.value, f"{rule.reason}; {NOT_MEASURED} the trial is off")}
 
     def rounds_for(names: Sequence[str]) -> int:  # a trial of these candidates: as many rounds as the run repays
         return repaid_rounds(names, planned_steps) if trial == "auto" else ROUNDS
@@ -105,7 +107,7 @@ def measure_auto(
         rule = resolve_precision("auto", work.facts)
         cost = trial_steps(work.candidates, LEAST_ROUNDS)
         why = (
-            f"not measured: a trial costs {cost} steps or more, which a run of {REPAY * cost} repays, not this one "
+            f"{NOT_MEASURED} a trial costs {cost} steps or more, which a run of {REPAY * cost} repays, not this one "
             f"of {planned_steps:g}"
         )
         return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
@@ -243,7 +245,7 @@ def _measure_or_recall(
         if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
             measured, when = cached
             choice = choose(measured, where)
-            return Choice(choice.value, f"{choice.reason}; cached from {when}"), _kernels_timed(measured)
+            return Choice(choice.value, f"{choice.reason}{CACHED}{when}"), _kernels_timed(measured)
     if recall_only:
         return None
     model = task.build_model()
