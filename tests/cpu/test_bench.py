@@ -787,3 +787,30 @@ def test_a_trial_read_from_redlines_cache_is_marked_cached_and_a_run_too_short_h
     auto = result.row("auto cpu b32")
     assert "not measured" in auto.plan["precision"]["reason"] and auto.trial_s is None and auto.trial_cached is None
 
+
+def test_a_runtime_fp32_row_with_tf32_on_is_labelled_so_and_the_naive_loop_is_not(monkeypatch):
+    # On an Ampere GPU every Runtime fp32 row runs TF32 while the naive loop runs true fp32; both read "fp32".
+    real_plan = Runner.plan
+
+    def plan_with_tf32(self):
+        plan = real_plan(self)
+        return None if plan is None else dataclasses.replace(plan, tf32=Choice(True, "on, as on a GPU"))
+
+    monkeypatch.setattr(Runner, "plan", plan_with_tf32)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    rows = {row["name"]: row for row in result.to_dict()["rows"]}
+    assert rows["cpu fp32 eager b32"]["plan"]["tf32"]["value"] is True  # in the JSON, where a reader finds it
+    shown = " ".join(bench_table_text(result.to_dict()).split())
+    assert "cpu fp32 (TF32) eager b32" in shown and "naive cpu fp32 b32" in shown
+    assert "naive cpu fp32 (TF32)" not in shown and "fp32 (TF32): the row's fp32 matmuls ran in TF32" in shown
+
+
+def bench_table_text(result: dict) -> str:
+    from rich.console import Console
+
+    from redline.render.bench import bench_table, best_line
+
+    console = Console(width=300, record=True)
+    console.print(bench_table(result))
+    console.print(best_line(result))
+    return console.export_text()

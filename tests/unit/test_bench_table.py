@@ -234,3 +234,30 @@ def test_the_shares_and_a_gpus_memory_say_what_they_are_of_under_the_table():
     cpu = " ".join(shown(result_of(_row("cpu fp32 eager b32", "explicit", 60.0, mfu_measured=0.2))).split())
     assert "of matmul: the achieved FLOP/s as a share of a square matmul's FLOP/s" in cpu and "MFU/" not in cpu
     assert "memory on a GPU" not in cpu
+
+
+def test_auto_rows_trial_is_said_under_the_table_marked_where_redlines_cache_served_it():
+    eager = _row("cpu fp32 eager b64", "explicit", 6500.0)
+    auto = _row("auto cpu b64", "auto", 7000.0, compile=True, compile_s=2.0, trial_s=1.13, trial_cached=False)
+    text = " ".join(shown(result_of(eager, auto)).split())
+    assert "auto cpu b64's precision trial: 1.1 s before its first step, counted in its repaid steps" in text
+    assert "*" not in text
+    text = " ".join(shown(result_of(eager, dict(auto, trial_s=0.01, trial_cached=True))).split())
+    assert "auto cpu b64's precision trial: 0.0* s" in text
+    assert "* beside a trial's seconds: redline's trial cache" in text and "a fresh machine the whole trial" in text
+    assert "precision trial" not in shown(result_of(eager, dict(auto, trial_s=None)))
+
+
+def test_an_fp32_row_whose_matmuls_ran_in_tf32_is_labelled_so_in_the_table_and_the_best_line():
+    tf32 = {"tf32": {"value": True, "reason": "NVIDIA H100 has TF32 tensor cores"}}
+    naive = _row("naive cuda fp32 b64", "naive", 5000.0, device="cuda")
+    eager = _row("cuda fp32 eager b64", "explicit", 6500.0, device="cuda", plan=tf32)
+    auto = _row("auto cuda b64", "auto", 7000.0, device="cuda", plan=tf32)
+    result = result_of(naive, eager, auto)
+    text = " ".join(shown(result).split())
+    assert "cuda fp32 (TF32) eager b64" in text and "naive cuda fp32 b64" in text
+    assert "fp32 (TF32): the row's fp32 matmuls ran in TF32" in text and "naive loop's ran in true fp32" in text
+    assert "what `redline train` runs: fp32 (TF32), eager" in best_line(result)
+    off = {"tf32": {"value": False, "reason": "not available on cpu"}}
+    text = shown(result_of(_row("cpu fp32 eager b64", "explicit", 6500.0, plan=off)))
+    assert "TF32" not in text

@@ -697,3 +697,13 @@ def test_write_report_refuses_a_file_that_is_no_page_or_a_page_redline_did_not_m
     ours = write_report(tmp_path / "bench.html", bench_report(bench_result()))
     again = write_report(ours, bench_report(bench_result()))
     assert again == ours, "a page of redline's is replaced, as a new report should"
+
+
+def test_a_trial_redlines_cache_served_and_an_fp32_row_run_in_tf32_say_so_in_the_table():
+    result = bench_result()
+    auto = result["rows"][-1]
+    auto.update(trial_s=0.01, trial_cached=True, precision="fp32", plan={**auto["plan"], "tf32": {"value": True}})
+    table = bench_report(result).split("<h2>Every configuration</h2>", 1)[1]
+    assert '<td class="num">0.01 (cached)</td>' in table and "<th>trial_cached</th>" not in table
+    assert "trial_s (cached): redline&#x27;s trial cache" in table
+    assert "<td>fp32 (TF32)</td>" in table and "fp32 (TF32): the row&#x27;s fp32 matmuls ran in TF32" in table

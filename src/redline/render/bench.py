@@ -33,7 +33,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     )
     rows = [row for row in result["rows"] if not row["error"]]
     columns: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
-        ("config", lambda r: r["name"]),
+        ("config", shown_name),
         ("samples/s", lambda r: _number(r["samples_per_s"])),
     ]
     if any(r["tokens_per_s"] for r in rows):
@@ -98,6 +98,11 @@ def _notes(rows: list[Mapping[str, Any]]) -> Text:
         notes.append(f"compile/repaid: {COMPILE_TOLD}")
     if any(r.get("compile_cached") for r in rows):
         notes.append(f"* beside a compile's seconds: {CACHED_TOLD}")
+    notes += [trial_told(r) for r in rows if r.get("trial_s") is not None]
+    if any(r.get("trial_s") is not None and r.get("trial_cached") for r in rows):
+        notes.append(f"* beside a trial's seconds: {TRIAL_CACHED_TOLD}")
+    if any(precision_label(r) != r["precision"] for r in rows):
+        notes.append(f"fp32 (TF32): {TF32_TOLD}")
     if any(diverged(r) for r in rows):
         notes.append(f"loss not finite: {DIVERGED}")
     return Text("\n".join(notes))
@@ -164,7 +169,7 @@ def _versus_naive(row: Mapping[str, Any], lead: str = ",") -> str:
 
 def _auto_settings(auto: Mapping[str, Any]) -> str:
     """What the auto row ran: its precision, compile and micro-batches, and whether a tuned Plan set them."""
-    settings = f"{auto['precision']}, {'compiled' if auto['compile'] else 'eager'}"
+    settings = f"{precision_label(auto)}, {'compiled' if auto['compile'] else 'eager'}"
     plan = auto.get("plan") or {}
     accum = (plan.get("grad_accum") or {}).get("value") or 1
     if accum > 1:
@@ -246,3 +251,35 @@ def repaid_after(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> s
         for r in rows
     )
     return "never" if eager else "-"
+
+
+def precision_label(row: Mapping[str, Any]) -> str:
+    """A row's precision as it ran: "fp32 (TF32)" where its Plan let fp32's matmuls run in TF32 (a GPU from Ampere
+    on), which the naive loop's true fp32 does not; else the precision as the row names it."""
+    tf32 = ((row.get("plan") or {}).get("tf32") or {}).get("value")
+    return "fp32 (TF32)" if row.get("precision") == "fp32" and tf32 is True else str(row.get("precision"))
+
+
+def shown_name(row: Mapping[str, Any]) -> str:
+    """A row's name with its precision as it ran: "cuda fp32 (TF32) eager b64" (the name itself stays the key)."""
+    label = precision_label(row)
+    if label == row.get("precision"):
+        return str(row["name"])
+    return " ".join(label if part == row["precision"] else part for part in str(row["name"]).split(" "))
+
+
+def trial_told(row: Mapping[str, Any]) -> str:
+    """What a row's precision trial cost before its first step, and where the bench counts it."""
+    cached = "*" if row.get("trial_cached") else ""
+    told = f"{shown_name(row)}'s precision trial: {row['trial_s']:.1f}{cached} s before its first step"
+    return told + (", counted in its repaid steps" if row.get("compile_s") is not None else "")
+
+
+TRIAL_CACHED_TOLD = (
+    "redline's trial cache, which an earlier run here filled, served the precision trial: the next run here pays as "
+    "little, a fresh machine the whole trial (run with REDLINE_CACHE_DIR set to a new empty folder to time one)"
+)
+TF32_TOLD = (
+    "the row's fp32 matmuls ran in TF32 (a 10-bit mantissa, on Ampere GPUs and later, as `redline train` runs them), "
+    "while the naive loop's ran in true fp32, torch's default"
+)

@@ -19,7 +19,18 @@ from typing import Any
 from redline.atomic import make_parent, write_atomic
 from redline.errors import ConfigError, invalid
 from redline.render import run_files
-from redline.render.bench import CACHED_TOLD, DIVERGED, diverged, percent, repaid_after, steps_told
+from redline.render.bench import (
+    CACHED_TOLD,
+    DIVERGED,
+    TF32_TOLD,
+    TRIAL_CACHED_TOLD,
+    diverged,
+    percent,
+    precision_label,
+    repaid_after,
+    shown_name,
+    steps_told,
+)
 from redline.render.memory import size as size_text
 from redline.render.page_path import MADE_BY, page_target, refuse_replacing
 from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
@@ -221,7 +232,7 @@ def _best_line(ok: Sequence[Mapping[str, Any]], failed: int) -> str:
     speedup = _number(best.get("speedup_naive"))
     versus = f", {speedup:.2f}x the naive loop" if speedup is not None else ""
     return (
-        f"Best configuration: <strong>{escape(str(best.get('name', '?')))}</strong>{escape(versus)} "
+        f"Best configuration: <strong>{escape(shown_name(best) if 'name' in best else '?')}</strong>{escape(versus)} "
         f"({escape(_format('samples_per_s', best['samples_per_s']))} samples/s).{escape(failures)}"
     )
 
@@ -287,22 +298,30 @@ def _bars(
 
 
 def _rows_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Every row with every figure; a compile the on-disk caches served says so in its cell, and a note why."""
-    columns = list(dict.fromkeys(k for row in rows for k in row if k not in ("plan", "error", "compile_cached")))
+    """Every row with every figure; a compile the on-disk caches served, or a trial redline's cache did, says so in
+    its cell, and a note why; an fp32 row whose matmuls ran in TF32 says that too."""
+    hidden = ("plan", "error", "compile_cached", "trial_cached")
+    columns = list(dict.fromkeys(k for row in rows for k in row if k not in hidden))
     columns.append("error")
     cells = []
     for row in rows:
         said = {**row, "loss": "not finite"} if diverged(row) else dict(row)
+        said["precision"] = precision_label(row)
         if row.get("compile_s") is not None:  # "never" repaid, told apart from no eager row to compare with
             said["break_even_steps"] = repaid_after(row, rows)
-            if row.get("compile_cached"):
-                said["compile_s"] = f"{_format('compile_s', row['compile_s'])} (cached)"
+        for key in ("compile", "trial"):
+            if row.get(f"{key}_s") is not None and row.get(f"{key}_cached"):
+                said[f"{key}_s"] = f"{_format(f'{key}_s', row[f'{key}_s'])} (cached)"
         cells.append([escape(_format(key, said.get(key))) for key in columns])
     classes = ["failed" if row.get("error") else "" for row in rows]
     numeric = {i for i, key in enumerate(columns) if any(_number(row.get(key)) is not None for row in rows)}
     table = f'<div class="wide">{_table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
-    cached = any(row.get("compile_cached") for row in rows)
-    return [table, _p("note", escape(f"compile_s (cached): {CACHED_TOLD}."))] if cached else [table]
+    notes = [f"compile_s (cached): {CACHED_TOLD}."] if any(row.get("compile_cached") for row in rows) else []
+    if any(row.get("trial_s") is not None and row.get("trial_cached") for row in rows):
+        notes.append(f"trial_s (cached): {TRIAL_CACHED_TOLD}.")
+    if any(precision_label(row) != row.get("precision") for row in rows):
+        notes.append(f"fp32 (TF32): {TF32_TOLD}.")
+    return [table, *(_p("note", escape(note)) for note in notes)]
 
 
 def _failures(rows: Sequence[Mapping[str, Any]]) -> list[str]:
