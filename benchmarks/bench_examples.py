@@ -3,9 +3,9 @@
 For each task the bench times the naive loop, fp32 and the device's fast reduced precision, each
 eager and compiled, and auto, side by side in rotating windows (see docs/bench.md). The verdict
 lines compare auto with the fastest explicit row at steady state (goal: within 5%), with every
-row over the task's own planned run, compile included, and with the naive loop (goal: never
-slower). Rows that run the same configuration (auto and the explicit row it chose) show how much
-of a difference is noise.
+row over the task's own planned run, compile and auto's precision trial included, and with the
+naive loop (goal: never slower). Rows that run the same configuration (auto and the explicit row
+it chose) show how much of a difference is noise.
 
     python benchmarks/bench_examples.py [--tasks example:digits,example:chargpt] [--steps 200] [--window 10]
                                         [--device cpu] [--planned-steps N] [--write bench-cpu]
@@ -20,41 +20,64 @@ import environment
 import redline
 from redline.bench import benchmark
 from redline.bench.run import task_steps
+from redline.render.bench import CACHED_TOLD, TF32_TOLD, TRIAL_CACHED_TOLD, precision_label
 
 
 def table(result: redline.BenchResult) -> list[str]:
     lines = [
         "| row | precision | compile | samples/s | step p50 / p90 ms | vs naive | of matmul peak | compile s "
-        "| break-even steps | loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trial s | break-even steps | loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result.rows:
+        label = precision_label(r.to_dict())
         if r.error:
-            lines.append(f"| {r.name} | {r.precision} | {r.compile} | failed: {r.error} | | | | | | |")
+            lines.append(f"| {r.name} | {label} | {r.compile} | failed: {r.error} | | | | | | | |")
             continue
         lines.append(
-            f"| {r.name} | {r.precision} | {'yes' if r.compile else 'no'} | {r.samples_per_s:,.0f} "
+            f"| {r.name} | {label} | {'yes' if r.compile else 'no'} | {r.samples_per_s:,.0f} "
             f"| {r.step_ms_p50:.3g} / {r.step_ms_p90:.3g} | **{r.speedup_naive:.3f}x** "
             f"| {'' if r.mfu_measured is None else f'{r.mfu_measured:.0%}'} "
-            f"| {'' if r.compile_s is None else f'{r.compile_s:.1f}'} "
+            f"| {seconds(r.compile_s, r.compile_cached)} | {seconds(r.trial_s, r.trial_cached)} "
             f"| {'' if r.break_even_steps is None else f'{r.break_even_steps:,.0f}'} | {r.loss:.4g} |"
         )
-    return lines
+    return [*lines, *footnotes([r.to_dict() for r in result.rows if not r.error])]
+
+
+def seconds(value: float | None, cached: bool | None) -> str:
+    """A compile's or a trial's seconds, "0.3*" where a cache an earlier process filled served it."""
+    return "" if value is None else f"{value:.1f}{'*' if cached else ''}"
+
+
+def footnotes(rows: list[dict]) -> list[str]:
+    """What a table's marks mean, as `redline bench` says them under its own: cached seconds, fp32 run in TF32."""
+    notes = []
+    if any(r["compile_s"] is not None and r["compile_cached"] for r in rows):
+        notes.append(f"- `*` beside a compile's seconds: {CACHED_TOLD}.")
+    if any(r["trial_s"] is not None and r["trial_cached"] for r in rows):
+        notes.append(f"- `*` beside a trial's seconds: {TRIAL_CACHED_TOLD}.")
+    if any(precision_label(r) != r["precision"] for r in rows):
+        notes.append(f"- fp32 (TF32): {TF32_TOLD}.")
+    return ["", *notes] if notes else []
 
 
 def planned_run(result: redline.BenchResult, planned: int) -> list[str]:
-    """Each row's time for the task's own run (compile + planned steps x its p50 step), and auto's share of the best."""
+    """Each row's time for the task's own run (compile + auto's trial + planned steps x its p50 step), and auto's
+    share of the best."""
     rows = [r for r in result.rows if not r.error and r.kind != "naive"]
 
     def total(r: redline.bench.BenchRow) -> float:
-        return (r.compile_s or 0.0) + planned * r.step_ms_p50 / 1e3
+        return (r.compile_s or 0.0) + (r.trial_s or 0.0) + planned * r.step_ms_p50 / 1e3
+
+    def trial(r: redline.bench.BenchRow) -> str:
+        return "" if r.trial_s is None else f" (its trial {seconds(r.trial_s, r.trial_cached)} s included)"
 
     best = min(rows, key=total)
     auto = next(r for r in rows if r.kind == "auto")
-    told = "; ".join(f"{r.name} {total(r):.1f} s" for r in sorted(rows, key=total))
+    told = "; ".join(f"{r.name} {total(r):.1f} s{trial(r)}" for r in sorted(rows, key=total))
     share = total(best) / total(auto)
     return [
-        f"- for the task's own run of {planned} steps, compile included: {told}. Auto takes "
+        f"- for the task's own run of {planned} steps, compile and auto's trial included: {told}. Auto takes "
         f"{share:.1%} of the best's speed (goal: >= 95%, {'met' if share >= 0.95 else 'NOT met'})."
     ]
 
@@ -84,7 +107,7 @@ def verdict(result: redline.BenchResult) -> list[str]:
     never_slower = "met" if auto.speedup_naive >= 1 else "NOT met"
     near_fastest = "met" if share >= 0.95 else "NOT met"
     lines = [
-        f"- auto ran {auto.precision}{_kernel(auto)}, {'compiled' if auto.compile else 'eager'}: "
+        f"- auto ran {precision_label(auto.to_dict())}{_kernel(auto)}, {'compiled' if auto.compile else 'eager'}: "
         f"**{auto.speedup_naive:.3f}x** the naive loop (goal: >= 1, {never_slower}); "
         f"{share:.1%} of the fastest explicit row, {fastest.name} (goal: >= 95%, {near_fastest}).",
         f"- auto's precision: {auto.plan['precision']['reason']}" if auto.plan else "",

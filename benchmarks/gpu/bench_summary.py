@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from redline.render.bench import CACHED_TOLD, TF32_TOLD, TRIAL_CACHED_TOLD, precision_label, shown_name
+
 
 def load(path: Path) -> Any:
     try:
@@ -30,19 +32,39 @@ def goal(name: str, value: float | None, target: float, fmt: str, *, at_most: bo
 def bench_lines(out: Path) -> list[str]:
     data = load(out / "bench-digits.json")
     rows = {r["name"]: r for r in data.get("rows", [])}
-    lines = ["### bench, digits", "", "| row | samples/s | vs naive | p50 ms | compile s | break-even | error |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["### bench, digits", "",
+             "| row | samples/s | vs naive | p50 ms | compile s | trial s | break-even | error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows.values():
         lines.append(
-            f"| {r['name']} | {r['samples_per_s'] or 0:,.0f} | {r['speedup_naive'] or 0:.2f}x | "
-            f"{r['step_ms_p50'] or 0:.3g} | {_num(r['compile_s'], '{:.1f}')} | "
+            f"| {shown_name(r)} | {r['samples_per_s'] or 0:,.0f} | {r['speedup_naive'] or 0:.2f}x | "
+            f"{r['step_ms_p50'] or 0:.3g} | {_seconds(r, 'compile')} | {_seconds(r, 'trial')} | "
             f"{_num(r['break_even_steps'], '{:,.0f}')} | {r['error']} |"
         )
-    return [*lines, ""] if rows else [f"bench: {data.get('missing')}", ""]
+    return [*lines, *_footnotes(list(rows.values())), ""] if rows else [f"bench: {data.get('missing')}", ""]
 
 
 def _num(value: float | None, fmt: str) -> str:
     return "" if value is None else fmt.format(value)
+
+
+def _seconds(row: dict[str, Any], what: str) -> str:
+    """A compile's or a trial's seconds, "0.3*" where a cache an earlier process filled served it (as the CLI marks
+    them); a bench written before trials were recorded has none."""
+    value = row.get(f"{what}_s")
+    return "" if value is None else f"{value:.1f}{'*' if row.get(f'{what}_cached') else ''}"
+
+
+def _footnotes(rows: list[dict[str, Any]]) -> list[str]:
+    """What the table's marks mean, as `redline bench` says them under its own."""
+    notes = []
+    if any(r.get("compile_s") is not None and r.get("compile_cached") for r in rows):
+        notes.append(f"- `*` beside a compile's seconds: {CACHED_TOLD}.")
+    if any(r.get("trial_s") is not None and r.get("trial_cached") for r in rows):
+        notes.append(f"- `*` beside a trial's seconds: {TRIAL_CACHED_TOLD}.")
+    if any(precision_label(r) != r.get("precision") for r in rows):
+        notes.append(f"- fp32 (TF32): {TF32_TOLD}.")
+    return ["", *notes] if notes else []
 
 
 def logged_tokens(run: Path) -> float | None:

@@ -1,13 +1,15 @@
 """benchmarks/bench_examples.py's verdict: auto's twin is an explicit row that runs exactly what auto ran."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
+from redline.bench.result import BenchResult
 from redline.bench.run import BenchRow
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
-from bench_examples import runs_alike
+from bench_examples import planned_run, runs_alike, table, verdict
 
 
 def row(kind: str = "explicit", micro_batches: int = 1, **changes) -> BenchRow:
@@ -26,3 +28,41 @@ def test_an_explicit_row_is_autos_twin_only_when_it_runs_the_same_configuration(
 
 def test_a_micro_batched_auto_has_no_twin_among_rows_that_take_the_batch_whole():
     assert not runs_alike(row(), row("auto", micro_batches=2))
+
+
+def timed(name: str, kind: str, step_ms: float, **changes) -> BenchRow:
+    fields = dict(name=name, kind=kind, device="cuda", precision="fp32", compile=False, channels_last=False)
+    figures = dict(samples_per_s=64e3 / step_ms, step_ms_p50=step_ms, step_ms_p90=step_ms, speedup_naive=1.0, loss=1.0)
+    return BenchRow(**{**fields, **figures, **changes}, batch_size=64)
+
+
+def bench(*rows: BenchRow) -> BenchResult:
+    return BenchResult("t", 10, 5, "2026-12-06", {}, {}, rows)
+
+
+def test_the_planned_run_charges_auto_its_trial_as_it_charges_compiled_rows_their_compile():
+    # auto within 5% of the best, "compile included": auto's 30 s trial was left out, so it read as met.
+    eager = timed("cuda fp32 eager b64", "explicit", 10.0)
+    auto = timed("auto cuda b64", "auto", 10.0, trial_s=30.0, trial_cached=False)
+    told = " ".join(planned_run(bench(eager, auto), 1000))
+    assert "auto cuda b64 40.0 s (its trial 30.0 s included)" in told and "NOT met" in told
+    cached = " ".join(planned_run(bench(eager, dataclasses.replace(auto, trial_s=0.01, trial_cached=True)), 1000))
+    assert "(its trial 0.0* s included)" in cached and "goal: >= 95%, met" in cached
+
+
+def test_the_table_marks_cached_compiles_and_trials_and_fp32_run_in_tf32_as_the_cli_does():
+    tf32 = {axis: {"value": True, "reason": f"{axis} (made up)"} for axis in ("tf32", "precision", "compile")}
+    naive = timed("naive cuda fp32 b64", "naive", 20.0)
+    compiled = timed("cuda fp32 compiled b64", "explicit", 8.0, compile=True, compile_s=0.3, compile_cached=True,
+                     plan=tf32)  # fmt: skip
+    auto = timed("auto cuda b64", "auto", 8.0, compile=True, compile_s=0.3, compile_cached=True, trial_s=0.02,
+                 trial_cached=True, plan=tf32)  # fmt: skip
+    text = "\n".join(table(bench(naive, compiled, auto)))
+    assert "| cuda fp32 compiled b64 | fp32 (TF32) | yes |" in text and "| naive cuda fp32 b64 | fp32 | no |" in text
+    assert "| 0.3* | 0.0* |" in text and "| 0.3* |  |" in text
+    assert "- `*` beside a compile's seconds: torch's on-disk compile caches" in text
+    assert "- `*` beside a trial's seconds: redline's trial cache" in text
+    assert "- fp32 (TF32): the row's fp32 matmuls ran in TF32" in text
+    assert "auto ran fp32 (TF32), compiled" in verdict(bench(naive, compiled, auto))[0]
+    plain = "\n".join(table(bench(naive, timed("cuda fp32 eager b64", "explicit", 8.0))))
+    assert "*" not in plain.replace("**", "") and "TF32" not in plain  # bold speed-ups aside, no mark
