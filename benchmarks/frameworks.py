@@ -77,8 +77,11 @@ ENTRIES = [
 
 
 def child_env(cache: str) -> dict[str, str]:
+    """A child's environment: this checkout's src/, and redline's trial cache and torch's compile caches in
+    ``cache``, so a run pays its own cold compile as it pays its own trial."""
     path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "REDLINE_CACHE_DIR": cache}
+    inductor = str(Path(cache) / "inductor")
+    return {**os.environ, "PYTHONPATH": path, "REDLINE_CACHE_DIR": cache, "TORCHINDUCTOR_CACHE_DIR": inductor}
 
 
 def tune_once(python: str, task: str, steps: int, device: str, into: Path) -> str:
@@ -98,8 +101,8 @@ def run_entry(
 ) -> dict[str, Any]:
     """Run one entry in a fresh process; return its RESULT with the process's wall seconds added.
 
-    Each run starts with an empty redline cache (it pays its trial); ``tuned``, a cache holding a
-    tune, is copied in first for the tuned entry.
+    Each run starts with empty redline and compile caches (it pays its trial and compile); ``tuned``, a cache
+    holding a tune, is copied in first for the tuned entry.
     """
     command = [python, str(RUNNER), "--framework", name, "--task", task, "--steps", str(steps), "--device", device]
     with tempfile.TemporaryDirectory() as cache:
@@ -326,7 +329,7 @@ def main() -> None:
         f"Children ran with {child_versions(args.python)}. Each entry is its own process; {args.rounds} rounds, the "
         "entries in rotated order each round. Steady samples/s counts the steps after the first 10% (device "
         "synced); loop s runs from the model's first forward to the last optimizer step; process s is the whole "
-        "process, launch to exit (imports, setup, redline's precision trial with a cold cache). Ratios to the plain "
+        "process, launch to exit (imports, setup, redline's precision trial and any compile, with cold caches). Ratios to the plain "
         "loop (above 1: faster than plain) divide the medians, and in brackets the fastest runs: a busy machine "
         "only slows a run, so the fastest run is the least disturbed. "
         "Final loss: the mean of the last 20 steps' losses.",
