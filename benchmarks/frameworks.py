@@ -330,8 +330,8 @@ def main() -> None:
         "entries in rotated order each round. Steady samples/s counts the steps after the first 10% (device "
         "synced); loop s runs from the model's first forward to the last optimizer step; process s is the whole "
         "process, launch to exit (imports, setup, redline's precision trial and any compile, with cold caches). "
-        "Ratios to the plain loop (above 1: faster than plain) divide the medians, and in brackets the fastest runs: a busy machine "
-        "only slows a run, so the fastest run is the least disturbed. "
+        "Ratios to the plain loop (above 1: faster than plain) divide the medians, and in brackets the fastest "
+        "runs: a busy machine only slows a run, so the fastest run is the least disturbed. "
         "Final loss: the mean of the last 20 steps' losses.",
         "",
     ]
