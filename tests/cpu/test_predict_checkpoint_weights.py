@@ -142,3 +142,27 @@ def test_a_file_of_a_sharded_checkpoint_names_its_directory(tmp_path, spec, name
         f"--weights {str(step / name)!r} is one file of a sharded (FSDP) checkpoint, whose weights its files hold "
         f"together\nhint: pass the checkpoint directory itself: --weights {step}"
     )
+
+
+def test_another_tools_manifest_beside_the_weights_is_not_read_as_a_checkpoints(tmp_path, spec):
+    # An export bundle's manifest.json: read as a redline checkpoint's, it refused weights that loaded before.
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    save_model(trained(7), str(bundle / "model.safetensors"))
+    (bundle / "manifest.json").write_text('{"name": "my exported model", "version": 2}')
+    result, outputs = predict(tmp_path, spec, bundle / "model.safetensors")
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(outputs, expected(tmp_path, spec, 7))
+
+
+def test_a_checkpoint_kept_under_another_name_is_still_checked_and_its_other_files_refused(tmp_path, spec):
+    whole_run(tmp_path / "run", steps=(7,))
+    kept = tmp_path / "best"
+    (tmp_path / "run" / "checkpoints" / "step-00000007").rename(kept)  # its manifest names redline's format
+    result, _ = predict(tmp_path, spec, kept / "optimizer.pt")
+    assert isinstance(result.exception, ConfigError), result.output  # before: its model.safetensors, silently
+    assert "written by torch.save" in str(result.exception)
+    flip_near_the_end(kept / "model.safetensors")
+    result, _ = predict(tmp_path, spec, kept / "model.safetensors")
+    assert isinstance(result.exception, ConfigError), result.output
+    assert "model.safetensors does not match its checksum" in str(result.exception)

@@ -8,6 +8,7 @@ holds no single weights file, read into the plain model in this one process.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from torch import nn
@@ -39,7 +40,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
         if checkpoint.sharded:
             _load_sharded(model, path, checkpoint)
             return
-        path = checkpoint.path / WEIGHTS
+        if path.is_dir():  # another of its files (optimizer.pt) is refused below, as any file not of weights
+            path = checkpoint.path / WEIGHTS
     if path.is_dir() and (path / WEIGHTS).is_file():  # a run's --out, once the run has finished
         path = path / WEIGHTS
     if path.is_dir():
@@ -96,7 +98,7 @@ def _checkpoint_holding(path: Path) -> Checkpoint | None:
     """The committed checkpoint ``path`` is, or whose manifest lists the file ``path`` (there or not); else None.
     A manifest there that cannot be read is a ConfigError: what it holds cannot be checked."""
     directory = path if path.is_dir() else path.parent
-    if not (directory / MANIFEST).is_file():
+    if not (directory / MANIFEST).is_file() or not _ours(directory):
         return None
     try:
         checkpoint = read_checkpoint(directory)
@@ -106,6 +108,19 @@ def _checkpoint_holding(path: Path) -> Checkpoint | None:
             f"{_earlier_hint(directory.parent, step_of(directory, {}))}"
         ) from None
     return checkpoint if path.is_dir() or path.name in checkpoint.manifest["files"] else None
+
+
+def _ours(directory: Path) -> bool:
+    """Whether the manifest.json in ``directory`` is a redline checkpoint's: the directory is named as a step's, or
+    the manifest names a redline format. Another tool's manifest beside a safetensors file (an export bundle's) is
+    not, and the file loads as any other."""
+    if directory.name.startswith(PREFIX):
+        return True
+    try:
+        found = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and str(found.get("format", "")).startswith("redline-")
 
 
 def _check_against_manifest(path: Path, checkpoint: Checkpoint) -> None:
