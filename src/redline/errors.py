@@ -24,7 +24,7 @@ SAID_ERRORS_ENV = "REDLINE_SAID_ERRORS"
 PEER_STOPPED = (
     "another rank stopped first; its log says why (with --max-restarts K the job restarts from the last checkpoint)"
 )
-PEER_STOPPED_MARK = "peer-stopped-rank"  # in SAID_ERRORS_ENV's folder, + the rank: its error was PEER_STOPPED
+PEER_STOPPED_MARK = "peer-stopped-"  # in SAID_ERRORS_ENV's folder, + "ATTEMPT-RANK": its error was PEER_STOPPED
 ONE_STEP = "redline train --task SPEC --max-steps 1"  # a failing task's one-step run; the command line says it as typed
 
 
@@ -287,9 +287,10 @@ def mark_peer_stopped(message: str) -> None:
     """Tell the launcher that this worker's error says another rank stopped first (``PEER_STOPPED``): where every
     failed rank of a machine says so, the cause was on another machine, whose output says why."""
     folder, rank = os.environ.get(SAID_ERRORS_ENV), os.environ.get("RANK")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier attempt's marks tell nothing of the last
     if folder and rank is not None and PEER_STOPPED in message:
         with contextlib.suppress(OSError):
-            (Path(folder) / f"{PEER_STOPPED_MARK}{rank}").touch()
+            (Path(folder) / f"{PEER_STOPPED_MARK}{attempt}-{rank}").touch()
 
 
 def first_to_say(message: str) -> bool:

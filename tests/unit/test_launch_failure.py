@@ -223,7 +223,11 @@ def test_a_machine_whose_ranks_only_saw_another_machines_rank_stop_says_the_caus
     _say(TrainingError(f"step 3: a collective with the other ranks failed: closed\nhint: {PEER_STOPPED}"))
     monkeypatch.setenv("RANK", "2")
     _say(TrainingError("step 3: the model or loss raised RuntimeError: boom"))  # a failure of its own
-    assert _peers_stopped(tmp_path) == {0}
+    assert _peers_stopped(tmp_path, attempt=0) == {0}
+    assert _peers_stopped(tmp_path, attempt=1) == set(), "with --max-restarts 1, the last attempt's ranks said none"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _say(TrainingError(f"step 5: a collective with the other ranks failed: closed\nhint: {PEER_STOPPED}"))
+    assert _peers_stopped(tmp_path, attempt=1) == {2}
     error = _failure(failed(r0=2), hang_exit_code=86, printed=True, peers={0})
     assert str(error).startswith(
         "the launched job stopped because a rank on another machine failed: this machine's rank 0 only saw a "

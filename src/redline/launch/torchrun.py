@@ -262,7 +262,8 @@ def launch(config: LaunchConfig, target: Sequence[str], *, module: bool = False)
             stopped = stopped_by(int(exc.sigval), finished, trainer=trainer, aborted=interrupts.aborted)
         except ChildFailedError as exc:
             printed = any(said.iterdir())  # a worker of redline's command line printed an error there
-            done, peers = finished.exists(), _peers_stopped(said) if config.nnodes > 1 else set()
+            done = finished.exists()
+            peers = _peers_stopped(said, attempt=config.max_restarts) if config.nnodes > 1 else set()  # the last
             raise _failure(
                 exc, HANG_EXIT_CODE, restarts=config.max_restarts, printed=printed, finished=done, peers=peers
             ) from None
@@ -364,9 +365,10 @@ def _rendezvous_failure(config: LaunchConfig, exc: Exception) -> LaunchError:
     return LaunchError(f"the workers' rendezvous at {where} could not be set up: {reason}\nhint: {hint}")
 
 
-def _peers_stopped(said: Path) -> set[int]:
-    """The ranks of this machine whose error said another rank stopped first (``mark_peer_stopped``)."""
-    marks = (path.name.removeprefix(PEER_STOPPED_MARK) for path in said.glob(PEER_STOPPED_MARK + "*"))
+def _peers_stopped(said: Path, *, attempt: int) -> set[int]:
+    """The ranks of this machine whose error in ``attempt`` said another rank stopped first (``mark_peer_stopped``).
+    torchrun gives up after its last attempt, --max-restarts: the exit codes it reports are that attempt's."""
+    marks = (path.name.removeprefix(f"{PEER_STOPPED_MARK}{attempt}-") for path in said.glob(f"{PEER_STOPPED_MARK}*"))
     return {int(rank) for rank in marks if rank.isdigit()}
 
 
