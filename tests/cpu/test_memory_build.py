@@ -68,3 +68,16 @@ def test_a_factory_that_cannot_be_built_at_all_says_building_failed_with_its_lin
     assert message.startswith("task 'droppath': building the model failed: ValueError: no such checkpoint\n  at ")
     assert 'in __init__: raise ValueError("no such checkpoint")' in message
     assert "fake tensors" not in message
+
+
+class MissingFile(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        raise FileNotFoundError("weights.pt")  # no value read: meta and fake tensors fail as the real build does
+
+
+def test_a_factory_failing_for_its_own_reason_is_not_said_to_read_a_value(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="redline"), pytest.raises(TrainingError) as caught:
+        estimate_memory(task_of(MissingFile), target="cpu")
+    assert str(caught.value).startswith("task 'droppath': building the model failed: FileNotFoundError: weights.pt")
+    assert "reads a tensor's value" not in caplog.text and "built for real" not in caplog.text

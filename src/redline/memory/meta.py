@@ -48,15 +48,18 @@ def model_on_meta(task: Task) -> nn.Module:
         with FakeTensorMode(allow_non_fake_inputs=True):
             faked = task.build_model()
         return meta_copy(faked)
-    except Exception:  # it reads a value fake tensors do not hold, or fails for real too: said below if so
-        pass
-    if _first_time(task.model):  # said once: a fit builds it again for each trace
+    except Exception as exc:  # it reads a value fake tensors do not hold, or fails for real too (said then)
+        reads_value = type(exc).__module__.startswith("torch._subclasses")  # DataDependentOutputException, ...
+    if reads_value and _first_time(task.model):  # said once: a fit builds it again for each trace
         log.info(
             "task %r: its model cannot be built on the meta device or on fake tensors (its factory reads a tensor's "
             "value); building it for real on the CPU to read its shapes, which takes its weights' memory meanwhile",
             task.name,
         )
-    return meta_copy(_built_for_real(task))
+    model = _built_for_real(task)  # a factory that fails for real too is reported here, with its line
+    if not reads_value and _first_time(task.model):
+        log.info("task %r: its model could not be built on fake tensors; it was built for real on the CPU", task.name)
+    return meta_copy(model)
 
 
 def _first_time(factory: object) -> bool:
