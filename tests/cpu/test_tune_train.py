@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import logging
 import re
 import signal
 import time
@@ -161,6 +162,19 @@ def test_auto_takes_a_cached_tuned_plan_unless_an_axis_was_chosen():
     chosen = TrainerConfig(max_steps=2, progress=False, runtime=RuntimeOptions(compile="off"))
     mine = Trainer(task, chosen).fit()
     assert mine.plan.grad_accum.value == 1 and "tuned" not in json.dumps(mine.plan.to_dict())
+
+
+@pytest.mark.parametrize("trial", ["on", "fresh"])
+def test_trial_on_or_fresh_measures_instead_of_taking_a_cached_tuned_plan(caplog, trial):
+    # Before, --trial fresh under a cached tune ran the tune's Plan and measured nothing, without a word.
+    task = mlp_task()
+    cache_plan(task, precision="fp32", grad_accum=2)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        summary = Trainer(task, TrainerConfig(max_steps=2, progress=False, trial=trial)).fit()
+    assert summary.plan.grad_accum.value == 1 and "tuned" not in json.dumps(summary.plan.to_dict())
+    assert f"--trial {trial}: auto measures now instead of running the tuned Plan (tuned " in caplog.text
+    tuned = Trainer(task, TrainerConfig(max_steps=2, progress=False, plan="tuned", trial=trial)).fit()
+    assert tuned.plan.grad_accum.value == 2, "--plan tuned asks for the tune's Plan: it runs"
 
 
 def test_tune_measures_the_axes_and_caches_what_train_then_runs(monkeypatch):

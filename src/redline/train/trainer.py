@@ -298,7 +298,7 @@ class Trainer:
         options = resume.resumed_options(self.options, resumed, self.env)
         self.seed = options.seed if options.seed is not None else 0  # a resumed run's data order goes on as it was
         self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
-        tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, plan=self.config.plan)
+        tuned = None if resumed else use_tuned(self.task, options, self.batch_size, self.env, config=self.config)
         if tuned is not None:  # the tuned settings, maybe the same batch as micro-batches
             options, self.batch_size = tuned.options, tuned.batch_size
         length = functools.partial(

@@ -10,6 +10,9 @@ resumed run keeps its stored Plan instead.
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 from redline.checkpoint import Checkpoint, load_plan
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
@@ -19,13 +22,26 @@ from redline.runtime.trial import cache_dir
 from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned
 from redline.task import Task
 
+if TYPE_CHECKING:
+    from redline.train.config import TrainerConfig
+
+log = logging.getLogger("redline")
 TUNE_COMMAND = "redline tune --task SPEC"  # the command line says SPEC as typed (cli/train.py)
 
 
-def use_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, plan: str) -> TunedRun | None:
-    """The tuned Plan's settings for this run, or None where none applies (auto without a cached one)."""
-    if plan == "auto":
-        return auto_tuned(task, options, batch_size, env)
+def use_tuned(
+    task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, config: TrainerConfig
+) -> TunedRun | None:
+    """The tuned Plan's settings for this run, or None where none applies (auto without a cached one, or with
+    ``--trial on`` or ``fresh``: the user asked auto to measure, and the trial does, in the tune's stead)."""
+    if config.plan == "auto":
+        found = auto_tuned(task, options, batch_size, env)
+        if found is not None and config.trial in ("on", "fresh"):
+            if env.is_main:
+                log.info("--trial %s: auto measures now instead of running the tuned Plan (%s)", config.trial,
+                         found.tuning.note)  # fmt: skip
+            return None
+        return found
     found = find_tuned(task, options, batch_size, env)
     if found is None:
         _, facts = worker_device(options, env)
