@@ -86,7 +86,7 @@ def test_the_readme_examples_run_in_order(tmp_path, monkeypatch):
     (tmp_path / "path" / "to").mkdir(parents=True)
     (tmp_path / "path" / "to" / "file.py").write_text(TASK_FILE)  # path/to/file.py:factory
     blocks = examples("README.md")
-    assert len(blocks) == 5, "an example was added or removed: give it stand-ins here"
+    assert len(blocks) == 6, "an example was added or removed: give it stand-ins here"
     names = stand_ins()
     for code in blocks:
         run(code, names, "README.md")
@@ -95,6 +95,8 @@ def test_the_readme_examples_run_in_order(tmp_path, monkeypatch):
     assert names["summary"].steps == 2000 and (tmp_path / "runs" / "gpt" / "metrics.csv").is_file()
     assert names["search"].largest is not None
     assert names["outputs"].shape == (5, 10)
+    groups = names["adamw"](torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).parameters())
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups.param_groups] == [(1, 0.1), (3, 0.0)]
 
 
 def test_the_engine_example_runs():
