@@ -49,7 +49,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from redline.config import boolean, one_of, positive_int
 from redline.errors import ConfigError, RedlineError, TrainingError, invalid, wrapping_errors
@@ -57,7 +57,7 @@ from redline.hardware.device import CPU_ISAS, CpuIsa, DeviceFacts
 from redline.memory.cpu_ops import CpuKernels, cpu_layout, device_facts, to_channels_last
 from redline.memory.cuda_ops import CudaOps
 from redline.memory.meta import fake_model, model_on_meta
-from redline.memory.search import real_batch
+from redline.memory.sample import trace_batch
 from redline.memory.states import States, as_run
 from redline.memory.trace import LiveBytes, retained_by_module
 from redline.memory.workspace import MatmulThreads
@@ -72,7 +72,7 @@ from redline.runtime.contract import split_batch, user_line
 from redline.runtime.loss import check_loss
 from redline.runtime.optimizer import check_trainable, rebuild_optimizer
 from redline.runtime.precision import refuse_half_parameters
-from redline.task import CollateFn, OptimizerFactory, Task, require_task
+from redline.task import OptimizerFactory, Task, require_task
 
 Target = Literal["cuda", "cpu"]
 Strategy = Literal["single", "ddp", "fsdp"]
@@ -199,6 +199,7 @@ def estimate_memory(
     sparse = trace.pop("sparse_gradients")
     layout = trace.pop("channels_last")
     casts = trace.pop("parameter_casts")  # autocast's copies of the parameters, among the activations
+    sampled = trace.pop("sampled")  # which items the traced batch holds, where not simply the first ones
     # The model's structure (parameter sizes, blocks), built once and only when asked about.
     structure = meta_model(task) if strategy != "single" or grad_accum > 1 else None
     estimate = MemoryEstimate(
@@ -211,7 +212,8 @@ def estimate_memory(
         attention=attention,
         grad_accum=grad_accum,
         notes=_notes(precision, target, strategy, sparse, layout, grad_accum)
-        + _uneven(batch_size, world_size, local_batch),
+        + _uneven(batch_size, world_size, local_batch)
+        + sampled,
         **trace,
     )
     traced = States(estimate.params, estimate.gradients, estimate.optimizer_state, estimate.activations, estimate.peak)
@@ -234,7 +236,8 @@ def trace_step(
     """Run two training steps of ``task`` on fake tensors, as the Runtime would run them on ``device`` (its
     optimizer implementation, its moment to free gradients, on a CPU its layout and the copies its kernels make,
     on CUDA its kernels and autocast, and the ``attention`` kernel it prefers); return the second step's peak and
-    its parts, the workspaces the device holds beside them, and the layout chosen (``channels_last``)."""
+    its parts, the workspaces the device holds beside them, the layout chosen (``channels_last``) and a note on the
+    items traced where they are the largest found (memory/sample.py)."""
     grads_through_forward = resolve_zero_grad(device).value == "before backward"
     tracker = LiveBytes()
     threads = MatmulThreads()
@@ -242,7 +245,7 @@ def trace_step(
     # a real tensor the model's code reads (a module-level constant, MASK.to(x.device)) is faked where an op meets
     # it; the model's own tensors are faked before the trace (_fake_model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    sample, rows = _sample(task.train_data, batch_size, task.collate_fn)
+    sample, rows, sampled = trace_batch(task.train_data, batch_size, task.collate_fn)
     autocast = _AUTOCAST.get(precision)
     with _tracing(task):  # the user's module copied onto meta (it stays as it was), or the factory's built there
         built = model_on_meta(task)
@@ -294,6 +297,7 @@ def trace_step(
         "sparse_gradients": sparse,
         "channels_last": layout,
         "parameter_casts": casts,
+        "sampled": sampled,
     }
 
 
@@ -372,16 +376,6 @@ def _unread_optimizer(task: Task, opt: torch.optim.Optimizer, exc: Exception) ->
         f"(redline.find_batch_size); the estimate traces optimizers that only compute on tensors (AdamW, SGD), "
         f"not {name}"
     )
-
-
-def _sample(data: Any, size: int, collate: CollateFn | None) -> tuple[Any, int]:
-    """The batch to trace, collated from real items, and its rows: one item when every leaf is a tensor (its
-    shapes and dtypes are the batch's, grown to ``size`` rows on fake tensors), else all ``size`` items. A
-    task's own collate (padding to the longest item, say) shapes the batch by its items: all are collated."""
-    one, _ = real_batch(data, 1, collate)
-    if collate is None and all(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(one)):
-        return one, 1  # a large batch would be a large real allocation, and collating it a long wait
-    return real_batch(data, size, collate)[0], size
 
 
 def _faked(mode: FakeTensorMode, tracker: LiveBytes, rows: int, size: int, channels_last: bool) -> Callable[[Any], Any]:

@@ -1,0 +1,102 @@
+"""The memory estimate traces the largest items' batch, where items differ in size: a dataset whose first items
+are short is weighed as its long ones make a padded batch, not 30 times under."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+import redline
+from redline.memory.estimate import estimate_memory
+from redline.memory.fit import fit_memory
+
+
+class Texts(Dataset):  # type: ignore[type-arg]
+    """Token-id sequences of the lengths given, in that order."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.items = [
+            torch.randint(1, 50, (n,), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.items[index]
+        return ids, ids[0] % 2
+
+
+class Stream(IterableDataset):  # type: ignore[type-arg]
+    def __init__(self, texts: Texts) -> None:
+        self.texts = texts
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.texts[i] for i in range(len(self.texts)))
+
+
+def pad(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    longest = max(len(ids) for ids, _ in items)
+    padded = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, (ids, _) in enumerate(items):
+        padded[row, : len(ids)] = ids
+    return {"input_ids": padded}, torch.stack([label for _, label in items])
+
+
+class Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mlp, self.head = nn.Embedding(50, 64), nn.Linear(64, 256), nn.Linear(256, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(torch.relu(self.mlp(self.embed(batch["input_ids"]))).mean(1))
+
+
+def texts_task(data: Dataset | IterableDataset) -> redline.Task:  # type: ignore[type-arg]
+    return redline.Task(model=Pooled, loss_fn=nn.functional.cross_entropy, train_data=data, collate_fn=pad,
+                        batch_size=16, name="texts")  # fmt: skip
+
+
+def weighed(estimate: redline.MemoryEstimate) -> dict[str, object]:
+    return {key: value for key, value in dataclasses.asdict(estimate).items() if key != "notes"}
+
+
+def test_a_dataset_of_short_items_first_is_weighed_as_its_long_ones_make_a_batch():
+    short_first = estimate_memory(texts_task(Texts([4] * 16 + [512] * 240)), batch_size=16)
+    all_long = estimate_memory(texts_task(Texts([512] * 256)), batch_size=16)
+    assert weighed(short_first) == weighed(all_long)
+    said = "samples differ in size: traced on the 16 largest of 256 samples: input_ids (16, 512)"
+    assert said in short_first.notes and not any("differ in size" in note for note in all_long.notes)
+
+
+def test_the_largest_batch_predicted_to_fit_is_the_long_items_one():
+    short_first = fit_memory(texts_task(Texts([4] * 1024 + [512] * 1024)), device="a GPU", mem_gib=1.5, target="cuda")
+    all_long = fit_memory(texts_task(Texts([512] * 2048)), device="a GPU", mem_gib=1.5, target="cuda")
+    assert short_first.rows[0].largest_batch == all_long.rows[0].largest_batch < 1024  # a batch of long items
+
+
+def test_items_of_one_size_are_weighed_on_the_first_ones_as_before():
+    texts = Texts([64] * 256)
+    first = estimate_memory(texts_task(texts), batch_size=16)
+    assert first == estimate_memory(texts_task(Texts([64] * 16)), batch_size=16)  # the first batch alone
+
+
+def test_a_stream_is_weighed_on_its_first_batch_and_says_so():
+    estimate = estimate_memory(texts_task(Stream(Texts([4] * 16 + [512] * 16))), batch_size=16)
+    assert estimate.activations < estimate_memory(texts_task(Texts([512] * 16)), batch_size=16).activations
+    said = "train_data is a stream: traced on its first batch (input_ids (16, 4)); later items of other "
+    assert said + "sizes are not searched for the largest" in estimate.notes
+
+
+def test_a_large_dataset_is_looked_at_through_an_even_sample():
+    from redline.memory.sample import LOOKED_AT, _looked_at
+
+    assert _looked_at(10) == list(range(10))
+    spread = _looked_at(3 * LOOKED_AT)
+    assert len(spread) == LOOKED_AT and spread[:2] == [0, 3] and spread[-1] == 3 * LOOKED_AT - 3
+    estimate = estimate_memory(texts_task(Texts([4] * LOOKED_AT + [64] * LOOKED_AT)), batch_size=16)
+    said = f"traced on the 16 largest of {LOOKED_AT:,} samples spread evenly over {2 * LOOKED_AT:,}: input_ids (16, 64)"
+    assert any(note.endswith(said) for note in estimate.notes)
