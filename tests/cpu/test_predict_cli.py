@@ -2,8 +2,10 @@
 
 import io
 import json
+import logging
 import os
 import re
+import runpy
 import stat
 import subprocess
 import sys
@@ -817,6 +819,66 @@ def test_weights_for_a_model_the_factory_wrapped_say_to_serve_the_plain_model(tm
         "hint: the model's names all start with 'module.', the file's do not: the factory wraps the model "
         "(torch.compile, DDP); give the Servable the plain model (the engine compiles it itself, --compile)"
     )
+
+
+DICT_INPUTS = """
+import torch
+from torch import nn
+from redline.serve.servable import Servable
+
+
+class Classifier(nn.Module):
+    \"\"\"A Hugging Face-style model: its forward takes a dict of tensors and returns one.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (self.embed(batch["input_ids"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return {"logits": self.head(pooled)}
+
+
+class IdsOnly(nn.Module):
+    \"\"\"Serve the Classifier one tensor of token ids: the dict is built here, the logits returned.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Classifier()
+
+    def forward(self, input_ids):
+        return self.inner({"input_ids": input_ids, "attention_mask": (input_ids != 0).long()})["logits"]
+
+
+def make():
+    return Servable(model=IdsOnly(), input_shape=(5,), input_dtype="int64", name="ids")
+"""
+
+
+def test_weights_of_the_model_a_wrapper_holds_load_into_it_and_say_so(tmp_path, caplog):
+    """Before, the trained Classifier's weights (its names without the wrapper's 'inner.') were refused, with a hint
+    to serve the plain model, which takes a dict the engine cannot pass."""
+    (tmp_path / "ids.py").write_text(DICT_INPUTS)
+    caplog.set_level(logging.INFO, logger="redline")
+    torch.manual_seed(1)
+    trained = runpy.run_path(str(tmp_path / "ids.py"))["Classifier"]()
+    save_model(trained, str(tmp_path / "model.safetensors"))  # as redline train --out writes it: plain model's names
+    ids = np.random.default_rng(0).integers(0, 10, size=(6, 5))
+    result = predict(f"{tmp_path / 'ids.py'}:make", "--input", samples(tmp_path, ids), "--output",
+                     str(tmp_path / "y.npy"), "--weights", str(tmp_path / "model.safetensors"),
+                     "--precision", "fp32", "--compile", "off")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    tokens = torch.as_tensor(ids)
+    with torch.no_grad():
+        expected = trained({"input_ids": tokens, "attention_mask": (tokens != 0).long()})["logits"]
+    torch.testing.assert_close(torch.as_tensor(np.load(tmp_path / "y.npy")), expected)
+    assert any(
+        message.endswith("'inner' (Classifier), every name of the model being one of the file's with 'inner.' "
+                         "before it: loaded into it")
+        for message in caplog.messages
+    ), caplog.messages  # fmt: skip
 
 
 def test_outputs_go_to_disk_batch_by_batch_not_held_whole(tmp_path):

@@ -9,6 +9,7 @@ holds no single weights file, read into the plain model in this one process.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from torch import nn
@@ -29,6 +30,9 @@ from redline.errors import ConfigError
 WEIGHTS = "model.safetensors"
 WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
 FIT_HINT = "hint: pass the weights written by a run of this same model (and the same task options)"
+WRAPPED = ("module.", "_orig_mod.")  # the prefixes of a model wrapped by DDP or DataParallel, by torch.compile
+
+log = logging.getLogger("redline")
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
@@ -59,10 +63,11 @@ def _load_file(model: nn.Module, path: Path) -> None:
     from safetensors.torch import load_model
 
     try:
-        saved, expected = safetensors_shapes(path), shapes_of(model.state_dict())
+        saved = safetensors_shapes(path)
     except SafetensorError as exc:  # not a safetensors file
         raise _unreadable(path, exc) from exc
-    _check_fits(model, path, saved, expected)
+    model = _holding(model, path, saved)
+    _check_fits(model, path, saved, shapes_of(model.state_dict()))
     try:
         load_model(model, str(path), strict=True)
     except SafetensorError as exc:  # a damaged one
@@ -81,13 +86,36 @@ def _check_fits(model: nn.Module, path: Path, saved: Shapes, expected: Shapes) -
         )
 
 
+def _holding(model: nn.Module, path: Path, saved: Shapes) -> nn.Module:
+    """The module the weights ``saved`` load into: ``model``, or its submodule that holds them all, where every name
+    of ``model`` is one of the file's with that submodule's name before it. A wrapper that builds a model's inputs
+    (a dict of tensors from the one tensor served) holds the trained model as a child, and the file is the trained
+    model's. A prefix of a wrapped model's (DDP's, torch.compile's) is not taken: that model is refused, as before."""
+    expected = shapes_of(model.state_dict())
+    prefix = _prefix(expected, saved) if saved and expected else ""
+    if not prefix.endswith(".") or prefix in WRAPPED:
+        return model
+    try:
+        inner = model.get_submodule(prefix[:-1])
+    except AttributeError:
+        return model
+    log.info(
+        "--weights %r holds the weights of %s's submodule %r (%s), every name of the model being one of the "
+        "file's with %r before it: loaded into it",
+        str(path), type(model).__name__, prefix[:-1], type(inner).__name__, prefix,
+    )  # fmt: skip
+    return inner
+
+
 def _load_sharded(model: nn.Module, path: Path, checkpoint: Checkpoint) -> None:
     """Read a sharded checkpoint's weights into ``model``: DCP joins every rank's pieces, without a process group."""
     from redline.checkpoint.sharded import load_sharded_model, saved_shapes
 
     if path != checkpoint.path:  # one of its files: its shards hold the weights together, none alone
         raise _unreadable(path, None)
-    _check_fits(model, path, saved_shapes(checkpoint), shapes_of(model.state_dict()))
+    saved = saved_shapes(checkpoint)
+    model = _holding(model, path, saved)
+    _check_fits(model, path, saved, shapes_of(model.state_dict()))
     try:
         load_sharded_model(checkpoint, model)
     except CheckpointError as exc:
