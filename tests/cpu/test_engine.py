@@ -642,3 +642,19 @@ def test_a_preprocess_that_loses_rows_is_refused_naming_it():
         engine.warm_up()
     with pytest.raises(ConfigError, match="preprocess"):
         Servable(model=Pixels(), input_shape=(8, 8), preprocess="scale")
+
+
+def test_a_preprocess_that_returns_a_dict_is_told_how_to_serve_a_model_taking_one():
+    """Before, the refusal named the dict and stopped there: no word of why, nor of the wrapper that serves it."""
+    ids = Servable(model=Pixels(), input_shape=(5,), input_dtype="int64",
+                   preprocess=lambda x: {"input_ids": x, "attention_mask": (x != 0).long()})  # fmt: skip
+    engine = InferenceEngine(ids, device="cpu", precision="fp32", compile="off", max_batch_size=2)
+    with pytest.raises(ServableError) as refused:
+        engine.warm_up()
+    assert str(refused.value).startswith(
+        "preprocess returned dict for 2 samples; expected a tensor of as many rows\n"
+        "hint: the engine passes the model one tensor per request batch, so preprocess returns one tensor; to "
+        "serve a model that takes a dict of tensors, give the Servable a wrapper module that holds it as a child "
+        "(self.inner = model) and whose forward builds the dict from the one tensor and returns the logits"
+    )
+    assert "--weights of the plain model (redline train --out's) load into that child" in str(refused.value)

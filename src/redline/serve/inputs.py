@@ -14,6 +14,7 @@ import json
 import math
 import re
 import tokenize
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -313,8 +314,26 @@ def model_inputs(servable: Servable, inputs: torch.Tensor) -> torch.Tensor:
     if not isinstance(made, torch.Tensor) or made.ndim == 0 or made.shape[0] != inputs.shape[0]:
         got = f"shape {tuple(made.shape)}" if isinstance(made, torch.Tensor) else type(made).__name__
         rows = inputs.shape[0]
-        raise ServableError(f"preprocess returned {got} for {rows} samples; expected a tensor of as many rows")
+        raise ServableError(
+            f"preprocess returned {got} for {rows} samples; expected a tensor of as many rows{_preprocess_hint(made)}"
+        )
     return made
+
+
+def _preprocess_hint(made: Any) -> str:
+    """The fix for a preprocess that returned no tensor ("" where it returned one, of other rows): the engine
+    passes the model one tensor per request batch; a model taking a dict of tensors is served through a wrapper."""
+    if isinstance(made, torch.Tensor):
+        return ""
+    hint = "\nhint: the engine passes the model one tensor per request batch, so preprocess returns one tensor"
+    if not isinstance(made, Mapping):
+        return hint
+    return (
+        f"{hint}; to serve a model that takes a dict of tensors, give the Servable a wrapper module that holds it "
+        "as a child (self.inner = model) and whose forward builds the dict from the one tensor and returns the "
+        "logits (return self.inner({'input_ids': x, 'attention_mask': (x != 0).long()})['logits']); --weights "
+        "of the plain model (redline train --out's) load into that child"
+    )
 
 
 def as_batch(batch: Any, servable: Servable) -> torch.Tensor:
