@@ -1035,7 +1035,9 @@ def test_a_task_whose_inputs_are_not_one_array_of_numbers_is_one_clear_error(tmp
     assert str(raised.value) == (
         f"task 'inputs': the inputs of train_data's first item are {found}, not one tensor or array of numbers, so a "
         "request cannot hold them\nhint: have the factory return redline.Servable(model=..., input_shape=(...), "
-        "input_dtype=...) around a module that takes one tensor per sample and builds the model's inputs from it"
+        "input_dtype=...) around a module that takes one tensor per sample and builds the model's inputs from it, "
+        "holding the task's model as a child (self.inner = model): --weights of a run of this task load into that "
+        "child"
     )
 
 

@@ -301,7 +301,8 @@ def _shape_and_dtype(task: Task, sample: Any) -> tuple[tuple[int, ...], str]:
             f"task {task.name!r}: the inputs of train_data's first item are {describe(sample)}, not one tensor or "
             "array of numbers, so a request cannot hold them\nhint: have the factory return redline.Servable("
             "model=..., input_shape=(...), input_dtype=...) around a module that takes one tensor per sample "
-            "and builds the model's inputs from it"
+            "and builds the model's inputs from it, holding the task's model as a child (self.inner = model): "
+            "--weights of a run of this task load into that child"
         )
     return shape, name if name in DTYPES else ("int64" if kind in "iu" else "float32")
 
