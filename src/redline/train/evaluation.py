@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
+import logging
 import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -25,6 +27,8 @@ from redline.task import Task
 from redline.task.definition import is_array
 from redline.train.data import eval_loader, is_stream
 from redline.train.failures import EvaluationOutOfMemory
+
+log = logging.getLogger("redline")
 
 
 def summed_on(device: torch.device) -> torch.device:
@@ -156,7 +160,10 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int, t
     """Return ``model``'s outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU.
 
     A model that returns a tensor gives one tensor; one that returns a tuple, list or dict of them
-    (logits and a hidden state, say) gives the same structure, each tensor holding every batch.
+    (logits and a hidden state, say) gives the same structure, each tensor holding every batch; a dataclass
+    (Hugging Face's ModelOutput) gives a dict of its fields that are not None. A tensor of shape () in such a
+    structure (a loss computed inside forward, next to per-sample logits) is one number for its batch: it is left
+    out (a namedtuple's field is None), and a log line names it.
     Floating-point outputs come back as float32; integer ones (token ids) keep their dtype.
     The ``task``'s collate_fn batches the items, as in training, unless they are bare inputs where the Task's
     data holds other items (``_bare_inputs``): a tensor or array each, or ``(inputs,)`` (``((a, b),)``), which
@@ -167,6 +174,7 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int, t
     positive_int("batch_size", batch_size)  # 0 is no batch, not "the default"
     outputs: list[Any] = []
     first: dict[str, tuple[int, ...]] | None = None  # the first batch's output shapes
+    left_out: list[str] = []  # the places of the outputs with no batch axis
     collate_fn, hint = task.collate_fn if task is not None else None, ""
     if task is not None and collate_fn is not None:
         kinds = _task_item_kinds(task)
@@ -179,7 +187,9 @@ def predict_outputs(model: nn.Module, rt: Runtime, data: Any, batch_size: int, t
             pair = isinstance(batch, list | tuple)  # (inputs, targets), or (inputs,): items of several inputs nest
             inputs, rest = (batch[0], batch[1] if len(batch) > 1 else None) if pair else (batch, None)
             with user_code("predict", inputs, rest), rt.autocast(), rt.eager():  # the user's line, if it raises
-                output = _on_cpu(model(rt.to_device(inputs)))
+                output = _per_sample(_on_cpu(model(rt.to_device(inputs))), left_out)
+            if first is None and left_out:
+                _say_left_out(left_out, _shapes(output))
             first = _check_joinable(_shapes(output), first, len(outputs) + 1)
             outputs.append(output)
     if not outputs:
@@ -191,8 +201,7 @@ def _predict_collate_hint(kinds: list[str]) -> str:
     held = f", {' or '.join(kinds)}" if kinds else ""
     return (
         f"predict batches the items with the Task's collate_fn, as training does: give items as the Task's data "
-        f"holds them{held} (predict(val_data) works), or fix the collate_fn; REDLINE_TRACEBACK=1 prints the whole "
-        "traceback"
+        f"holds them{held}, or fix the collate_fn; REDLINE_TRACEBACK=1 prints the whole traceback"
     )
 
 
@@ -200,7 +209,7 @@ def _predict_bare_hint(kinds: list[str]) -> str:
     held = " or ".join(kinds) if kinds else "items of another kind"
     return (
         f"predict stacks bare inputs itself; the Task's collate_fn batches the items its data holds, {held}: give "
-        "predict such items (any targets: predict(val_data) works) to have it batch them"
+        "predict such items (with any targets) to have it batch them"
     )
 
 
@@ -242,8 +251,48 @@ def _item_kind(item: Any) -> str:
     return "tensors or arrays" if is_array(item) else f"{type(item).__name__} items"
 
 
+def _per_sample(output: Any, left_out: list[str], place: str = "output") -> Any:
+    """``output`` (on the CPU) without the tensors of shape () inside it, their places added to ``left_out`` (once):
+    a loss a model computes in forward is one number for the batch, with no batch axis to join the batches' along.
+    A namedtuple keeps None in such a field; an output that is one such tensor stays, for _check_joinable to refuse."""
+    if isinstance(output, torch.Tensor) or output is None:
+        return output
+    parts = output.items() if isinstance(output, Mapping) else enumerate(output)
+    kept = []
+    for key, value in parts:
+        where = f"{place}[{key!r}]"
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            if where not in left_out:
+                left_out.append(where)
+            if hasattr(output, "_fields"):
+                kept.append((key, None))
+            continue
+        kept.append((key, _per_sample(value, left_out, where)))
+    if isinstance(output, Mapping):
+        return dict(kept)
+    values = [value for _, value in kept]
+    return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)
+
+
+def _say_left_out(left_out: list[str], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Log the outputs left out of predict's (``left_out``), or refuse an output with nothing else to join."""
+    if not shapes:
+        raise TaskError(
+            f"predict: the model's {' and '.join(left_out)} is a tensor of shape (), with no batch axis to join the "
+            "batches' outputs along, and its output holds no other tensor\nhint: return one row per sample from "
+            "forward (shape (batch, ...)), the logits, say"
+        )
+    log.info(
+        "predict leaves out the model's %s: a tensor of shape () is one number for the whole batch (a loss computed "
+        "in forward), with no batch axis to join the batches' outputs along",
+        " and ".join(left_out),
+    )
+
+
 def _shapes(output: Any, place: str = "output") -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor of a batch's ``output`` (on the CPU), by its place in the structure."""
+    """The shape of each tensor of a batch's ``output`` (on the CPU), by its place in the structure (None: none)."""
+    if output is None:
+        return {}
     if isinstance(output, torch.Tensor):
         return {place: tuple(output.shape)}
     parts = output.items() if isinstance(output, Mapping) else enumerate(output)
@@ -291,11 +340,15 @@ def _on_cpu(output: Any) -> Any:
         return (output.float() if output.is_floating_point() else output).cpu()
     if isinstance(output, Mapping):
         return {key: _on_cpu(value) for key, value in output.items()}
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):  # Hugging Face's outputs, without a loss
+        fields = ((field.name, getattr(output, field.name)) for field in dataclasses.fields(output))
+        return {name: _on_cpu(value) for name, value in fields if value is not None}
     if isinstance(output, tuple | list):
         parts = [_on_cpu(value) for value in output]
         return type(output)(*parts) if hasattr(output, "_fields") else type(output)(parts)  # a namedtuple's fields
     raise TaskError(
-        f"the model returned {describe(output)}; predict collects tensors, alone or in tuples, lists and dicts\n"
+        f"the model returned {describe(output)}; predict collects tensors, alone or in tuples, lists, dicts and "
+        "dataclasses\n"
         "hint: return the outputs as tensors from forward (a Python number or text cannot be joined over batches)"
     )
 
@@ -303,6 +356,8 @@ def _on_cpu(output: Any) -> Any:
 def _joined(parts: list[Any]) -> Any:
     """The outputs of every batch joined along the batch axis, each tensor of the structure on its own."""
     first = parts[0]
+    if first is None:  # a namedtuple's field of shape (), left out
+        return None
     if isinstance(first, torch.Tensor):
         return torch.cat(parts)
     if isinstance(first, Mapping):
