@@ -105,3 +105,33 @@ def test_wrapping_errors_passes_on_what_the_generator_raises_again_and_runs_its_
     with pytest.raises(TrainingError, match="wrapped") as got, passing(wrap=True):
         raise StopIteration("the user's")
     assert str(got.value.__cause__) == "the user's" and ended == [True, True, True]
+
+
+class KeywordModel(nn.Module):
+    """A Hugging Face-style forward: the batch's tensors as keyword arguments, not one dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 2)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return self.embed(input_ids) * mask.unsqueeze(-1)
+
+
+class TwoTensors(nn.Module):
+    def forward(self, input_ids, attention_mask):
+        return input_ids * attention_mask
+
+
+@pytest.mark.parametrize("model", [KeywordModel(), TwoTensors(), lambda ids: ids.shape])
+def test_a_dict_of_inputs_given_to_a_forward_of_tensors_is_told_to_wrap_the_model(model):
+    """The hint was "check that the dataset's items are (inputs, targets) shaped as the model expects", which they
+    were: redline calls model(inputs), the dict as one argument."""
+    inputs = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    with pytest.raises(TrainingError) as got, user_code("step 1", inputs, torch.zeros(2)):
+        model(inputs)
+    message = str(got.value)
+    assert "model(inputs), here the whole dict" in message
+    assert "def forward(self, batch): return self.model(**batch)" in message
+    assert "check that the dataset's items" not in message

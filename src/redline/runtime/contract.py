@@ -233,12 +233,8 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
                 ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
             )
             found = "; the line above is the .view"
-        elif isinstance(exc, TypeError) and isinstance(inputs, tuple | list) and FORWARD_WANTS_MORE.search(first):
-            hint = (
-                "the model is called with the batch's inputs as one argument, model(inputs): a model of several "
-                "inputs takes them as one tuple (def forward(self, inputs): a, b = inputs), its items ((a, b), targets)"
-            )
-            found = "; the line above is the model's call"
+        elif one_argument := one_argument_hint(exc, first, inputs):
+            hint, found = one_argument
         elif DTYPE_TROUBLE.search(first):
             hint = (
                 "a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__ (or collate_fn), "
@@ -282,6 +278,28 @@ def unused_before(where: str, text: str) -> str:
 
 
 FORWARD_WANTS_MORE = re.compile(r"forward\(\) missing \d+ required positional argument")  # forward(self, a, b)
+
+
+def one_argument_hint(exc: Exception, first: str, inputs: Any) -> tuple[str, str] | None:
+    """The hint, and where the user's line is, for a forward that wants the batch's ``inputs`` as several arguments:
+    a tuple's (forward() missing an argument), or a dict's, taken for a tensor ("ones_like(): ... must be Tensor, not
+    dict", "'dict' object has no attribute 'shape'"); None for any other ``exc`` (its first line ``first``)."""
+    wants_more = isinstance(exc, TypeError) and bool(FORWARD_WANTS_MORE.search(first))
+    took_dict = isinstance(exc, TypeError | AttributeError) and "dict" in first
+    if isinstance(inputs, tuple | list) and wants_more:
+        return (
+            "the model is called with the batch's inputs as one argument, model(inputs): a model of several "
+            "inputs takes them as one tuple (def forward(self, inputs): a, b = inputs), its items ((a, b), targets)"
+        ), "; the line above is the model's call"
+    if isinstance(inputs, Mapping) and (wants_more or took_dict):
+        return (
+            "the model is called with the batch's inputs as one argument, model(inputs), here the whole dict: give "
+            "the model a forward that takes the dict, a wrapper's, say (def forward(self, batch): return "
+            "self.model(**batch))"
+        ), "; the line above is where the dict was read"
+    return None
+
+
 # torch's words for operands of the wrong dtype: "mat1 and mat2 must have the same dtype", "expected target dtype to be
 # Long", "result type Float can't be cast to the desired output type Long", "expected scalar type Long but found Int"
 DTYPE_TROUBLE = re.compile(r"dtype|scalar type|can't be cast to the desired|not implemented for '")
