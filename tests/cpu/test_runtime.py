@@ -454,6 +454,20 @@ def test_an_engines_graph_per_bucket_is_told_as_planned_not_as_recompiles(caplog
     assert "again" not in told[True][1], "a bucket's own graph is no news"
 
 
+def test_a_recompile_for_a_length_beyond_the_batch_axis_says_to_pad_to_fixed_lengths(caplog):
+    """A collate_fn that pads each batch to its longest item recompiled the step, with torch's reason alone."""
+    torch._dynamo.reset()  # graphs left by earlier tests would change which calls compile
+    record = compile_module(nn.Sequential(nn.Linear(3, 3)), backend="eager")
+    with caplog.at_level(logging.INFO, logger="redline"):
+        for shape in ((2, 5, 3), (2, 7, 3), (4, 7, 3)):  # a new length, then a new batch size
+            record.module(torch.zeros(shape)).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "compiled Sequential again" in r.getMessage()]
+    assert len(said) == 2 and "size mismatch at index 1" in said[0] and "size mismatch at index 0" in said[1]
+    assert "hint: a length beyond the batch axis changed from one batch to the next: pad the data" in said[0]
+    assert "in the collate_fn, so the compiled step sees fixed shapes" in said[0]
+    assert "hint" not in said[1], "a batch size that changed is no padding's to fix"
+
+
 @pytest.mark.parametrize("cpu", ["amx", "avx2"])  # with the run's precision check, and without
 @pytest.mark.parametrize("asked", ["auto", "off"])
 def test_a_model_the_caller_compiled_is_said_to_run_compiled(monkeypatch, cpu, asked):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import re
 import shutil
 import sys
 import time
@@ -244,6 +245,21 @@ def _graphs_held(code: Any) -> int:
 NEW_FRAME = "no guard failed: another frame of the forward, past a graph break (DDP's own code, say), compiled once"
 
 
+# torch's guard for a tensor whose length changed: "tensor 'args[0]' size mismatch at index 1. expected 5, actual 7"
+OTHER_AXIS_CHANGED = re.compile(r"size mismatch at index [1-9]")
+
+
+def recompile_hint(cause: str) -> str:
+    """A hint for a recompile's ``cause`` where its remedy is the data's (a length beyond the batch axis that
+    changes from batch to batch: a collate_fn that pads each batch to its longest item), else ""."""
+    if not OTHER_AXIS_CHANGED.search(cause):
+        return ""
+    return (
+        "\nhint: a length beyond the batch axis changed from one batch to the next: pad the data to a fixed length "
+        "(or a few bucket lengths) in the collate_fn, so the compiled step sees fixed shapes"
+    )
+
+
 def _last_guard_failure() -> str:
     """The newest reason torch gave for a recompile (a guard that failed), or "" if it gave none."""
     try:
@@ -329,7 +345,8 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
                 again = training and record.training > 1 and cause != NEW_FRAME  # a frame's first compile is no repeat
                 level = logging.WARNING if again else logging.INFO
                 level = logging.DEBUG if per_bucket else level
-                log.log(level, "torch.compile compiled %s again: %s", type(model).__name__, record.recompiles[-1])
+                name, cause = type(model).__name__, record.recompiles[-1]
+                log.log(level, "torch.compile compiled %s again: %s%s", name, cause, recompile_hint(cause))
         return out
 
     model.forward = first_call

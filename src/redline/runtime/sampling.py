@@ -79,7 +79,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self, sampler: EpochSampler, *, global_batch: int, rank: int = 0, world_size: int = 1, drop_last: bool = False
     ) -> None:
         check_split(global_batch, world_size)
-        self.drop_last = drop_last  # the loader drops it, or a compiled model keeps one shape (no recompile)
+        self.drop_last = drop_last  # the loader drops it, or a compiled model keeps one batch size (no recompile)
         self.sampler = sampler
         self.global_batch = global_batch
         self.rank = rank
@@ -247,7 +247,7 @@ def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str], e
     split = loader.batch_sampler
     reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
     if split.drop_last:
-        reason += "; a partial last batch is dropped (drop_last): every batch has one shape"
+        reason += "; a partial last batch is dropped (drop_last), so every batch holds the same number of samples"
     elif dropped := split.dropped():
         reason += f"; the last {dropped} samples do not split across the {split.world_size} processes: left out"
     return Choice(chosen.value, "; ".join([reason, *caveats]))
