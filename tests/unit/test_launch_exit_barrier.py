@@ -63,3 +63,17 @@ def test_a_machine_whose_ranks_stopped_for_another_machines_signal_says_so(tmp_p
     assert "stopped by a signal sent to the workers, not to the launcher" in str(
         unfinished(finished, trainer=True, several=True)
     )
+
+
+def test_a_torch_without_the_private_names_keeps_its_own_barrier(tmp_path, monkeypatch):
+    # torch>=2.6 is supported: where the names the polled barrier uses are gone, torch's own barrier runs.
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.utils import store
+
+    called = []
+    monkeypatch.setattr(api.SimpleElasticAgent, "_exit_barrier", lambda agent: called.append(agent))
+    monkeypatch.delattr(store, "_barrier_nonblocking")
+    agent = agent_alone(300)
+    with barrier.polled_exit_barrier(tmp_path / "finished"):
+        api.SimpleElasticAgent._exit_barrier(agent)
+    assert called == [agent]

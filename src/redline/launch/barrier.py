@@ -30,8 +30,10 @@ def polled_exit_barrier(finished: Path) -> Iterator[None]:
     original = api.SimpleElasticAgent._exit_barrier
 
     def barrier(agent: Any) -> None:
-        if not all(hasattr(agent, name) for name in ("_store", "_worker_group", "_exit_barrier_timeout")):
-            original(agent)  # torch's private attributes changed: its own barrier
+        if not _private_names_here() or not all(
+            hasattr(agent, name) for name in ("_store", "_worker_group", "_exit_barrier_timeout")
+        ):
+            original(agent)  # torch's private names changed (torch>=2.6 is supported): its own barrier
             return
         _exit_barrier(agent, finished)
 
@@ -40,6 +42,16 @@ def polled_exit_barrier(finished: Path) -> Iterator[None]:
         yield
     finally:
         api.SimpleElasticAgent._exit_barrier = original  # type: ignore[method-assign]
+
+
+def _private_names_here() -> bool:
+    """Whether this torch has the private names the polled barrier uses."""
+    try:
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID  # noqa: F401
+        from torch.distributed.elastic.utils.store import _barrier_nonblocking  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _exit_barrier(agent: Any, finished: Path) -> None:
