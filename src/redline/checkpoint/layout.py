@@ -119,10 +119,20 @@ def _refuse_to_replace(final: Path) -> None:
 
 def _other_version(path: Path) -> str | None:
     """What the directory ``path`` holds where it is a checkpoint of another version of redline, else None."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no manifest, or a damaged one
-        found = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format")
-        if _another_version(found):
-            return f"a checkpoint of another version of redline (format {found!r})"
+    found = manifest_format(path)
+    if found is not None and _another_version(found):
+        return f"a checkpoint of another version of redline (format {found!r})"
+    return None
+
+
+def manifest_format(path: Path) -> object:
+    """The format the manifest in directory ``path`` names where it is redline's, of this version or another; None
+    without a manifest, with a damaged one, or with another tool's (an export bundle's manifest.json)."""
+    with contextlib.suppress(OSError, ValueError):
+        found = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        named = found.get("format") if isinstance(found, dict) else None
+        if named in (*WHOLE_FORMATS, *SHARDED_FORMATS) or str(named).startswith("redline-"):
+            return named
     return None
 
 

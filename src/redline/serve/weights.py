@@ -8,7 +8,6 @@ holds no single weights file, read into the plain model in this one process.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from redline.checkpoint.layout import (
     CheckpointError,
     check_file,
     find_checkpoints,
+    manifest_format,
     read_checkpoint,
     step_of,
 )
@@ -142,13 +142,7 @@ def _ours(directory: Path) -> bool:
     """Whether the manifest.json in ``directory`` is a redline checkpoint's: the directory is named as a step's, or
     the manifest names a redline format. Another tool's manifest beside a safetensors file (an export bundle's) is
     not, and the file loads as any other."""
-    if directory.name.startswith(PREFIX):
-        return True
-    try:
-        found = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and str(found.get("format", "")).startswith("redline-")
+    return directory.name.startswith(PREFIX) or manifest_format(directory) is not None
 
 
 def _check_against_manifest(path: Path, checkpoint: Checkpoint) -> None:
