@@ -8,7 +8,7 @@ naive loop (goal: never slower). Rows that run the same configuration (auto and 
 it chose) show how much of a difference is noise.
 
     python benchmarks/bench_examples.py [--tasks example:digits,example:chargpt] [--steps 200] [--window 10]
-                                        [--device cpu] [--planned-steps N] [--write bench-cpu]
+                                        [--device cpu] [--planned-steps N] [--isolate] [--write bench-cpu]
 """
 
 from __future__ import annotations
@@ -121,6 +121,12 @@ def verdict(result: redline.BenchResult) -> list[str]:
     return [line for line in lines if line]
 
 
+ISOLATED = (
+    ", each row in a process of its own (`--isolate`: its own memory allocator and compile caches; its CPU "
+    "memory its own process's)"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="example:digits,example:chargpt")
@@ -128,12 +134,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--planned-steps", type=int, default=None, help="the run auto plans for (default: the task's)")
+    parser.add_argument("--isolate", action="store_true", help="each row in a process of its own (docs/bench.md)")
     parser.add_argument("--json", default=None, help="also write every result as JSON to this file")
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
     body = [
         f"`redline bench` per task: {args.steps} timed steps per row in windows of {args.window}, rows taking "
-        "turns in rotating rounds after a warm-up window each. samples/s is the median window; speed-ups "
+        f"turns in rotating rounds after a warm-up window each{ISOLATED if args.isolate else ''}. samples/s is the "
+        "median window; speed-ups "
         "are against the naive loop's median in the same run. Peak memory is left out here: on a CPU it "
         "is the whole process's (see the JSON).",
         "",
@@ -142,8 +150,9 @@ def main() -> None:
     for spec in args.tasks.split(","):
         task = redline.load_task(spec)
         result = benchmark(
-            task, devices=args.device, steps=args.steps, window=args.window, planned_steps=args.planned_steps
-        )
+            task, devices=args.device, steps=args.steps, window=args.window, planned_steps=args.planned_steps,
+            isolate=args.isolate,
+        )  # fmt: skip
         results.append(result.to_dict())
         planned = args.planned_steps or task_steps(task, task.batch_size) or 1000
         body += [f"### `{spec}` at batch {task.batch_size}", "", *table(result), "", *verdict(result)]

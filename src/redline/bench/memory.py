@@ -11,6 +11,7 @@ growth alone would mislead, since the allocator reuses what earlier rows freed.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from types import TracebackType
 
 import torch
@@ -18,6 +19,14 @@ import torch
 from redline.hardware.memory import resident_bytes
 
 INTERVAL_S = 0.002
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A row's peak in bytes (None if unknown) and its ``kind``, as ``PeakMemory`` read it (in the row's process)."""
+
+    peak: int | None
+    kind: str
 
 
 class PeakMemory:
@@ -57,3 +66,7 @@ class PeakMemory:
             rss = resident_bytes()
             if rss is not None and rss > self._highest:
                 self._highest = rss
+
+    def read(self) -> Peak:
+        """The peak read, as data that travels from a row's own process."""
+        return Peak(self.peak, self.kind)

@@ -57,6 +57,7 @@ class BenchResult:
     steps_asked: int | None = None  # the ``steps`` given: ``steps`` differs where whole windows round it up
     stopped_early: bool = False  # ``max_seconds`` ended the timing before every round ran
     interrupted: str = ""  # where a Ctrl-C stopped the bench; its rows are the batch sizes finished before
+    isolated: bool = False  # each row ran in a process of its own
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -5,27 +5,75 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
 from redline.bench.figures import break_even, percentile, rate, speedup, step_times
+from redline.bench.isolate import RowProcess
 from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
-from redline.bench.memory import PeakMemory
+from redline.bench.memory import Peak
 from redline.bench.result import BenchRow
 from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
 from redline.hardware.flops import matmul_precision, mfu, share_of_peak
+from redline.plan import Plan
 from redline.runtime.contract import count_tokens
 from redline.runtime.trial import best_matmul_peak
-from redline.task import Task
 
-Built = dict[Setting, tuple[Runner, PeakMemory, int | None]]  # each row's runner, its warm-up's peak, its FLOPs
+Built = dict[Setting, tuple[Runner | RowProcess, Peak, int | None]]  # each row's runner, warm-up peak and FLOPs
+Peaks = dict[tuple[str, str | None, bool], float | None]  # measured matmul TFLOP/s by (device, precision, TF32)
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What a row's figures read from its runner once timed, where the runner lives (this process, or the row's own
+    under ``isolate``): its Plan, compile and trial, the first batch's tokens, the precision its matmuls run in and
+    their measured peak, and why it ran eagerly where it was to compile ("" when it did not)."""
+
+    plan: Plan | None
+    compile_s: float | None
+    compile_cached: bool | None
+    trial_s: float | None
+    trial_cached: bool | None
+    micro_steps: int
+    tokens: int | None  # of the first batch, as its samples are: each row's batches are alike
+    matmuls: str | None
+    matmul_peak: float | None
+    eager: str
+
+
+def row_facts(runner: Runner, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:
+    """``runner``'s facts, measuring its matmuls' peak where ``want_peak`` and ``peaks`` has none for its key (and
+    adding it there)."""
+    plan = runner.plan()
+    precision = plan.precision.value if plan is not None else "fp32"
+    tf32 = bool(plan.tf32.value) if plan is not None else False
+    matmuls = matmul_precision(precision, runner.model)  # a bfloat16 model trained in fp32 runs at the bf16 peak
+    key = (runner.setting.device, matmuls, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
+    if want_peak and matmuls is not None and key not in peaks:
+        device = torch.device(runner.setting.device)
+        with runner.scope():
+            peaks[key] = best_matmul_peak(device, probe_device(device), matmuls)
+    assert runner.first_batch is not None
+    counted = count_tokens(runner.first_batch[1])
+    return RowFacts(
+        plan=plan,
+        compile_s=runner.compile_seconds(),
+        compile_cached=runner.compile_cached,
+        trial_s=runner.trial_s,
+        trial_cached=runner.trial_cached,
+        micro_steps=runner.micro_steps,
+        tokens=int(counted) if counted is not None else None,
+        matmuls=matmuls,
+        matmul_peak=peaks.get(key),
+        eager=ran_eagerly(runner, compiled=compiled),
+    )
 
 
 def bench_rows(
-    task: Task,
     group: list[Setting],
     built: Built,
     timed: dict[int, tuple[list[float], str]],
@@ -35,7 +83,7 @@ def bench_rows(
     """The rows of one batch size's ``group``: each with its figures, or the error that failed it."""
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
-    peaks: dict[tuple[str, str | None, bool], float | None] = {}
+    peaks: Peaks = {}
     for setting in group:
         base = base_row(setting)
         if setting in failed:
@@ -43,18 +91,29 @@ def bench_rows(
             continue
         runner, memory, flops = built[setting]
         windows, error = timed[position[setting]]
+        compiled = setting.compile is True
         try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
             loss = None if error else _last_loss(runner)
+            facts = _facts(runner, compiled=compiled, peaks=peaks, want_peak=flops is not None)
         except RedlineError:
             raise
         except Exception as exc:
-            error = describe_error(exc)
-        error = error or ran_eagerly(runner, compiled=setting.compile is True)  # "compiled" must mean compiled
-        if error:
+            error, facts = describe_error(exc), None
+        error = error or (facts.eager if facts is not None else "")  # "compiled" must mean compiled
+        if error or facts is None:
             rows.append(dataclasses.replace(base, error=error))
             continue
-        rows.append(_figures(task, base, runner, windows, window, memory, flops, peaks, loss))
+        rows.append(_figures(base, facts, windows, window, memory, flops, loss))
     return _with_break_even(_with_shared_compiles(rows))
+
+
+def _facts(runner: Runner | RowProcess, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:
+    if isinstance(runner, RowProcess):  # measured in the row's own process; its peak is kept for the rows after it
+        facts = runner.facts(compiled=compiled, peaks=peaks, want_peak=want_peak)
+        tf32 = bool(facts.plan.tf32.value) if facts.plan is not None else False
+        peaks.setdefault((runner.setting.device, facts.matmuls, tf32), facts.matmul_peak)
+        return facts
+    return row_facts(runner, compiled=compiled, peaks=peaks, want_peak=want_peak)
 
 
 def base_row(setting: Setting) -> BenchRow:
@@ -81,36 +140,26 @@ def _with_shared_compiles(rows: list[BenchRow]) -> list[BenchRow]:
 
 
 def _figures(
-    task: Task,
     base: BenchRow,
-    runner: Runner,
+    facts: RowFacts,
     windows: list[float],
     window: int,
-    memory: PeakMemory,
+    memory: Peak,
     flops: int | None,
-    peaks: dict[tuple[str, str | None, bool], float | None],
     loss: float | None,
 ) -> BenchRow:
-    plan = runner.plan()
+    plan = facts.plan
     precision = plan.precision.value if plan is not None else "fp32"
     compiled = bool(plan.compile.value) if plan is not None and plan.compile is not None else False
     layout = bool(plan.channels_last.value) if plan is not None and plan.channels_last is not None else False
     tf32 = bool(plan.tf32.value) if plan is not None else False
     samples = rate(windows, base.batch_size * window)
-    assert runner.first_batch is not None
-    targets = runner.first_batch[1]
-    counted = count_tokens(targets)  # the first batch's, as its samples are: each row's batches are alike
-    tokens = rate(windows, int(counted) * runner.micro_steps * window) if counted is not None else None
+    tokens = rate(windows, facts.tokens * facts.micro_steps * window) if facts.tokens is not None else None
     per_step = step_times(windows, window)
     achieved = flops * samples / base.batch_size if flops and samples else None
-    facts = probe_device(torch.device(base.device))
-    spec = find_gpu(facts.name) if facts.type == "cuda" else None
-    matmuls = matmul_precision(precision, runner.model)  # a bfloat16 model trained in fp32 runs at the bf16 peak
-    key = (base.device, matmuls, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
-    if achieved is not None and matmuls is not None and key not in peaks:
-        with runner.scope():
-            peaks[key] = best_matmul_peak(torch.device(base.device), facts, matmuls)
-    measured_peak = peaks.get(key)
+    facts_of_device = probe_device(torch.device(base.device))
+    spec = find_gpu(facts_of_device.name) if facts_of_device.type == "cuda" else None
+    matmuls = facts.matmuls
     p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
     return dataclasses.replace(
         base,
@@ -125,17 +174,17 @@ def _figures(
         peak_mem_kind=memory.kind if memory.peak is not None else "",
         tflops=achieved / 1e12 if achieved is not None else None,
         mfu=mfu(achieved, peak_tflops(spec, matmuls, tf32=tf32)) if achieved is not None and spec and matmuls else None,
-        mfu_measured=share_of_peak(achieved, measured_peak) if achieved is not None else None,
-        compile_s=runner.compile_seconds() if compiled else None,
-        compile_cached=runner.compile_cached if compiled else None,
-        trial_s=runner.trial_s,
-        trial_cached=runner.trial_cached,
+        mfu_measured=share_of_peak(achieved, facts.matmul_peak) if achieved is not None else None,
+        compile_s=facts.compile_s if compiled else None,
+        compile_cached=facts.compile_cached if compiled else None,
+        trial_s=facts.trial_s,
+        trial_cached=facts.trial_cached,
         loss=loss,
         plan=plan.to_dict() if plan is not None else None,
     )
 
 
-def _last_loss(runner: Runner) -> float | None:
+def _last_loss(runner: Runner | RowProcess) -> float | None:
     """The loss of one more step (outside the timing), as a check that the row trains."""
     value = runner.run(1)
     return value if math.isfinite(value) else None

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from redline.bench.compile_cache import cache_lookups, served_from_cache
+from redline.bench.isolate import RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, row_options, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
-from redline.bench.memory import PeakMemory
+from redline.bench.memory import Peak, PeakMemory
 from redline.bench.result import BenchResult, BenchRow
 from redline.bench.rows import Built, base_row, bench_rows, with_speedups
 from redline.config import positive_int, positive_number, seed_number
@@ -50,7 +51,7 @@ from redline.runtime.sampling import data_size
 from redline.runtime.seed import keeps_rng
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Tuning, auto_tuned
-from redline.task import Task, require_task
+from redline.task import Task, require_task, task_origin
 from redline.version import __version__
 
 log = logging.getLogger("redline")
@@ -74,6 +75,7 @@ def benchmark(
     seed: int = 0,
     progress: Progress | None = None,
     estimate: Estimate | None = None,
+    isolate: bool = False,
 ) -> BenchResult:
     """Time the naive loop, each setting of the matrix and auto on ``task``, side by side; return the rows.
 
@@ -86,6 +88,10 @@ def benchmark(
     precision, device_type)`` returns a predicted step peak in bytes (or None) to show beside each
     row's measured peak, e.g. ``lambda b, p, d: redline.estimate_memory(task, batch_size=b,
     precision=p, target=d).total``; it is asked once per batch size, precision and device.
+
+    ``isolate`` runs each row in a process of its own (redline/bench/isolate.py), which loads the task again from
+    the spec that loaded it (``redline.load_task``): rows that share a process share its memory allocator, and
+    the order they take turns in weighs on their speed.
 
     A Ctrl-C (KeyboardInterrupt) raises ``BenchInterrupted`` (exit 130 on the command line), whose
     ``result`` holds the rows of the batch sizes finished before it.
@@ -100,6 +106,7 @@ def benchmark(
     compiles = listed("compiles", compiles, "[False, True]")
     sizes = (listed("batch_sizes", batch_sizes, "[32, 64]") if batch_sizes is not None else []) or [task.batch_size]
     check_sizes(task, sizes)
+    origin = _origin(task) if isolate else None
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
     settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
     rounds = timed_steps(steps, window) // window
@@ -120,15 +127,21 @@ def benchmark(
         planned = planned_steps or task_steps(task, size)
         try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
             compiling = {s.device for s in group if s.compile is not False}  # auto's rows may compile too
-            if compiling:  # each compile is timed as a fresh run's, not served from an earlier graph
+            if compiling and origin is None:  # each compile is timed as a fresh run's, not served from an earlier graph
                 reset_compiler(compiling)
             warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
-            built, failed = _warm_up_all(task, group, window, planned, seed, warming)
-            done += len(group)
-            runners = [runner for runner, _, _ in built.values()]
-            timed = time_runners(runners, window, rounds, max_seconds, functools.partial(_timing, tell, done, total))
-            done += rounds
-            group_rows = bench_rows(task, group, built, timed, failed, window)
+            with contextlib.ExitStack() as processes:  # each row's own, under isolate: ended with the batch size
+                if origin is None:
+                    built, failed = _warm_up_all(task, group, window, planned, seed, warming)
+                else:
+                    job = {"window": window, "planned": planned, "seed": seed}
+                    built, failed = _warm_up_isolated(origin, group, job, warming, processes)
+                done += len(group)
+                runners = [runner for runner, _, _ in built.values()]
+                tell_round = functools.partial(_timing, tell, done, total)
+                timed = time_runners(runners, window, rounds, max_seconds, tell_round)
+                done += rounds
+                group_rows = bench_rows(group, built, timed, failed, window)
             timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
         except KeyboardInterrupt as exc:  # Ctrl-C, or a scheduler's SIGTERM where the command line takes it so
             signum = interrupting_signal(exc)
@@ -157,6 +170,7 @@ def benchmark(
         steps_asked=steps,
         stopped_early=timed_rounds < rounds,
         interrupted=interrupted,
+        isolated=isolate,
     )
     if interrupted:
         raise BenchInterrupted(result, signum)
@@ -239,7 +253,7 @@ def task_steps(task: Task, batch_size: int) -> int | None:
     return max(1, size // batch_size) * task.epochs if size is not None else None
 
 
-def _row_error(exc: BaseException) -> str:
+def row_error(exc: BaseException) -> str:
     """A failed row's error, with the fix where redline knows the cause (a batch norm given one sample)."""
     return describe_error(exc) + (f" ({ONE_SAMPLE_HINT})" if one_sample_refusal(exc) else "")
 
@@ -260,13 +274,55 @@ def _warm_up_all(
         except RedlineError:  # the task's own (its data, its loss): every row would fail alike
             raise
         except Exception as exc:  # a setting this machine cannot run: its row says why
-            failed[setting] = _row_error(exc)
+            failed[setting] = row_error(exc)
     return built, failed
+
+
+def _warm_up_isolated(
+    origin: tuple[str, dict[str, Any]],
+    group: list[Setting],
+    job: dict[str, Any],
+    tell: Callable[[int, str], None],
+    processes: contextlib.ExitStack,
+) -> tuple[Built, dict[Setting, str]]:
+    """``_warm_up_all``, each row in a process of its own (``processes`` ends them): one warms up at a time, as
+    the rows are timed, so no row's warm-up (its compile) runs beside another's."""
+    built: Built = {}
+    failed: dict[Setting, str] = {}
+    job = {**job, "threads": torch.get_num_threads(), "log_level": log.getEffectiveLevel()}
+    for index, setting in enumerate(group):
+        tell(index, f"warming up {setting.name}")
+        row = RowProcess(origin, setting, job)
+        processes.push(lambda kind, *_, row=row: row.close(now=kind is not None))  # stopped: ended mid-step
+        try:
+            memory, flops = row.warm_up()
+        except RedlineError as exc:
+            if not isinstance(exc, ConfigError):  # the task's own: every row would fail alike
+                raise
+            failed[setting] = str(exc)
+        except (RowFailed, RowEnded) as exc:
+            failed[setting] = str(exc)
+        else:
+            built[setting] = (row, memory, flops)
+    return built, failed
+
+
+def _origin(task: Task) -> tuple[str, dict[str, Any]]:
+    """The spec and options that load ``task`` again, in each row's process; a Task built in Python has none."""
+    origin = task_origin(task)
+    if origin is None:
+        raise ConfigError(
+            "isolate=True runs each row in a process of its own, which loads the task again from the spec that "
+            "loaded it; this Task was built in Python (or copied with other fields), so no process can load it\n"
+            "hint: load it with redline.load_task('path/to/file.py:make_task', ...), as `redline bench --task` "
+            "does, or bench without isolate"
+        )
+    return origin
 
 
 def warm_up(
     task: Task, setting: Setting, window: int, planned: int | None, seed: int, options: RuntimeOptions | None = None
-) -> tuple[Runner, PeakMemory, int | None]:
+) -> tuple[Runner, Peak, int | None]:
     """Build a row's runner and run one untimed window (compiling, if it compiles); read its peak memory.
 
     An automatic compile's check (its first 35 steps, eager then compiled) runs to its end here too, so the timed
@@ -300,7 +356,7 @@ def warm_up(
         runner.trial_s, runner.trial_cached = trial_s, any(CACHED in c.reason for c in (measured or {}).values())
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
-    return runner, memory, flops * runner.micro_steps if flops is not None else None
+    return runner, memory.read(), flops * runner.micro_steps if flops is not None else None
 
 
 def trialled(measured: dict[str, Choice[str]] | None) -> bool:
@@ -332,7 +388,7 @@ def _measured(task: Task, options: RuntimeOptions, batch_size: int, planned: int
 
 
 def time_runners(
-    built: list[Runner],
+    built: Sequence[Runner | RowProcess],
     window: int,
     rounds: int,
     max_seconds: float,
@@ -354,7 +410,7 @@ def time_runners(
             except RedlineError:
                 raise
             except Exception as exc:
-                errors[index] = _row_error(exc)
+                errors[index] = str(exc) if isinstance(exc, RowFailed | RowEnded) else row_error(exc)
                 return math.nan
 
         return run
@@ -370,7 +426,8 @@ def time_runners(
 
         return first_of_block
 
-    sync = functools.partial(_synchronize, list(dict.fromkeys(torch.device(r.setting.device) for r in built)))
+    here = [r for r in built if isinstance(r, Runner)]  # a row's own process waits for its device itself
+    sync = functools.partial(_synchronize, list(dict.fromkeys(torch.device(r.setting.device) for r in here)))
     times, _ = time_steps(
         [guarded(i, window) for i in range(len(built))],
         settle=[settle(i) for i in range(len(built))],

@@ -55,6 +55,9 @@ def bench(
     estimate: Annotated[
         bool, typer.Option("--estimate/--no-estimate", help="Show the predicted step peak beside the measured one.")
     ] = True,
+    isolate: Annotated[
+        bool, typer.Option("--isolate", help="Run each row in a process of its own (no shared memory allocator).")
+    ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     html: Annotated[
         Path | None, typer.Option(metavar="FILE", parser=given_file, help="Write a self-contained HTML report.")
@@ -85,7 +88,7 @@ def bench(
                     loaded, devices=devices, precisions=_names(precision), compiles=_switches(compile),
                     batch_sizes=_sizes(batch_size), steps=steps, window=window, planned_steps=planned_steps,
                     max_seconds=max_seconds, auto=auto, progress=tell,
-                    estimate=_estimator(loaded, console) if estimate else None,
+                    estimate=_estimator(loaded, console) if estimate else None, isolate=isolate,
                 )  # fmt: skip
         except BenchInterrupted as stopped:  # show (and write) the batch sizes it finished, then exit 130 (143)
             if not stopped.result.rows:

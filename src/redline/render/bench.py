@@ -54,7 +54,7 @@ def bench_table(result: Mapping[str, Any]) -> Table:
     if any(r["compile_s"] is not None for r in rows):  # "12/1,234" as p50/p90: a cell that never wraps
         columns.append(("compile/repaid", lambda r: _compile(r, rows)))
     columns.append(("loss", lambda r: "not finite" if diverged(r) else "" if r["loss"] is None else f"{r['loss']:.3g}"))
-    caption = _notes(rows)
+    caption = _notes(rows, isolated=bool(result.get("isolated")))
     for name, _ in columns:
         _add_column(table, name)
     for row in result["rows"]:
@@ -78,7 +78,7 @@ def diverged(row: Mapping[str, Any]) -> bool:
     return not row.get("error") and row.get("samples_per_s") is not None and "loss" in row and row["loss"] is None
 
 
-def _notes(rows: list[Mapping[str, Any]]) -> Text:
+def _notes(rows: list[Mapping[str, Any]], *, isolated: bool = False) -> Text:
     """What the table's columns mean where a header cannot say it: the shares' peaks, the memory, the compile cell."""
     notes = []
     if any(r["mfu"] is not None for r in rows):
@@ -91,6 +91,8 @@ def _notes(rows: list[Mapping[str, Any]]) -> Text:
         )
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
         note = "memory on a CPU: the whole process's resident set at its peak"
+        if isolated:
+            note += " (each row's own process: torch, the data and the row)"
         if any(r.get("estimate_bytes") is not None for r in rows):
             note += "; the estimate counts the step's own tensors, as a GPU's allocator would"
         notes.append(note)
@@ -112,6 +114,8 @@ def steps_told(result: Mapping[str, Any]) -> str:
     """The steps each row was timed for, and why they are not the steps asked where they differ."""
     steps, window, asked = result["steps"], result["window"], result.get("steps_asked")
     told = f"{steps} timed steps per row, in windows of {window}"
+    if result.get("isolated"):
+        told += ", each row in a process of its own"
     if result.get("interrupted"):  # a Ctrl-C: the rows are the batch sizes finished before it
         estimating = result["interrupted"].endswith("while estimating memory")  # after every row was timed
         told += f"; {result['interrupted']}, so " + (

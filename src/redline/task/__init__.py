@@ -13,7 +13,16 @@ from redline.task.definition import (
     model_fingerprint,
     require_task,
 )
-from redline.task.spec import EXAMPLES, FORMS, call_factory, check_options, find_factory, load_task, run_factory
+from redline.task.spec import (
+    EXAMPLES,
+    FORMS,
+    call_factory,
+    check_options,
+    find_factory,
+    load_task,
+    run_factory,
+    task_origin,
+)
 
 __all__ = [
     "EXAMPLES",
@@ -29,4 +38,5 @@ __all__ = [
     "model_fingerprint",
     "require_task",
     "run_factory",
+    "task_origin",
 ]

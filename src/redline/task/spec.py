@@ -78,7 +78,15 @@ def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]
             f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task\n"
             f"hint: {_returned_hint(task)}"
         )
+    object.__setattr__(task, "_origin", (spec, dict(options)))  # frozen: set as a dataclass's __post_init__ would
     return task
+
+
+def task_origin(task: Task) -> tuple[str, dict[str, Any]] | None:
+    """The spec and options that loaded ``task`` (None for a Task built in Python, or copied with other fields): what
+    loads the same Task again in another process (`redline bench --isolate`'s rows)."""
+    origin = vars(task).get("_origin")
+    return origin if isinstance(origin, tuple) else None
 
 
 def _returned_hint(made: object) -> str:

@@ -1,0 +1,160 @@
+"""A bench row in a process of its own (`redline bench --isolate`), driven from the bench's process.
+
+Rows that share a process share its memory allocator and torch.compile's caches: the order they take turns in
+then weighs on their speed (on a CPU the naive loop's fp32 eager steps and a Runtime's same configuration measured
+3% apart one way in one process, and at parity or the other way as processes of their own). Under ``isolate`` each
+row is a process that loads the task from its spec again, builds and warms up its row, then runs the windows the
+bench asks for, in the same rotating rounds: one row runs at a time, and no row's memory is another's. This is
+how pyperf runs benchmarks: https://pyperf.readthedocs.io/en/latest/run_benchmark.html
+
+``RowProcess`` is the bench's side; ``redline.bench.row_process`` is the row's (``python -m``). They talk over a
+socket pair: each message one pickled object with its length before it. The row's log records come back as they
+are made, and are logged here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from redline.bench.matrix import Setting
+from redline.bench.memory import Peak
+from redline.errors import ConfigError, RedlineError
+
+if TYPE_CHECKING:
+    from redline.bench.rows import Peaks, RowFacts
+
+_LENGTH = struct.Struct("!Q")
+STOP_WAIT_S = 10.0  # how long a row's process is given to end after it was asked to, before it is killed
+
+
+class RowFailed(Exception):
+    """A row's step failed in its own process; the message is the row's error as the bench shows it."""
+
+
+class RowEnded(Exception):
+    """A row's process ended without an answer (killed for memory, say)."""
+
+
+class Channel:
+    """Pickled objects over a socket, each after its length."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, message: object) -> None:
+        data = pickle.dumps(message)
+        self.sock.sendall(_LENGTH.pack(len(data)) + data)
+
+    def recv(self) -> Any:
+        (size,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
+        return pickle.loads(self._exactly(size))
+
+    def _exactly(self, size: int) -> bytes:
+        chunks, left = [], size
+        while left:
+            chunk = self.sock.recv(min(left, 1 << 20))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+
+class RowProcess:
+    """One bench row, built, warmed up and timed in a process of its own; ``run`` and ``facts`` as a Runner's."""
+
+    def __init__(self, origin: tuple[str, dict[str, Any]], setting: Setting, job: dict[str, Any]) -> None:
+        self.setting = setting
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_paths())}
+        try:  # what the task prints goes to stderr: never into --json's stdout
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "redline.bench.row_process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=2, env=env,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self._channel = Channel(ours)
+        spec, options = origin
+        self._channel.send({**job, "spec": spec, "options": options, "setting": setting, "sys_path": sys.path})
+
+    def warm_up(self) -> tuple[Peak, int | None]:
+        """Wait for the row to be built and warmed up: its warm-up's peak memory and its step's FLOPs."""
+        peak, flops = self._answer()
+        return peak, flops
+
+    def run(self, steps: int) -> float:
+        """Run ``steps`` steps in the row's process; their last loss (a Runner's ``run``)."""
+        self._channel.send(("run", steps))
+        return float(self._answer())
+
+    def facts(self, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:
+        self._channel.send(("facts", compiled, peaks, want_peak))
+        facts: RowFacts = self._answer()
+        return facts
+
+    def close(self, *, now: bool = False) -> None:
+        """End the row's process: asked first, killed if it does not end in time (one stuck in a step); ``now``
+        (the bench was stopped) terminates it at once, mid-step."""
+        if now:
+            self._proc.terminate()
+        with contextlib.suppress(OSError):
+            self._channel.send(("stop",))
+        self._channel.sock.close()
+        try:
+            self._proc.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _answer(self) -> Any:
+        """The row's answer to the last request, logging the records it sent before it; what failed there raises."""
+        while True:
+            try:
+                kind, value = self._channel.recv()
+            except (EOFError, OSError) as exc:
+                raise RowEnded(self._ended()) from exc
+            if kind == "log":
+                logging.getLogger(value.name).handle(value)
+            elif kind == "ok":
+                return value
+            elif kind == "interrupted":
+                raise KeyboardInterrupt
+            else:
+                raise _raised(kind, value)
+
+    def _ended(self) -> str:
+        try:
+            code = self._proc.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return "the row's process stopped answering"
+        told = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        hint = "; killed for memory?" if code == -9 else ""
+        return f"the row's process ended without an answer ({told}{hint})"
+
+
+def _raised(kind: str, value: Any) -> BaseException:
+    """The exception the row's process reported: redline's own as raised there, a row's failure as its message."""
+    if kind == "redline" and isinstance(value, RedlineError):
+        return value
+    if kind == "redline":  # one whose class does not travel: its message does
+        return RedlineError(str(value))
+    if kind == "config":
+        return ConfigError(str(value))
+    return RowFailed(str(value))
+
+
+def _import_paths() -> list[str]:
+    """Where the row's process finds redline as this process found it, then what PYTHONPATH already says."""
+    package = Path(__file__).resolve().parents[2]  # the folder that holds redline/
+    given = os.environ.get("PYTHONPATH", "")
+    return [str(package), *(p for p in given.split(os.pathsep) if p)]

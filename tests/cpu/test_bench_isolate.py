@@ -1,0 +1,116 @@
+"""`redline bench --isolate`: each row built, warmed up and timed in a process of its own, as the table says."""
+
+import json
+import logging
+import os
+import signal
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import redline
+from redline.bench import benchmark
+from redline.bench.isolate import RowEnded, RowProcess
+from redline.bench.matrix import Setting
+from redline.errors import ConfigError
+from redline.task import task_origin
+
+TASK_FILE = """
+import logging, os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+
+class Picky(nn.Module):
+    def __init__(self, pids):
+        super().__init__()
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        logging.getLogger("redline.test_isolate").warning("model built in process %d", os.getpid())
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("no bf16 here (made up by the test)")
+        return self.net(x)
+
+
+def make_task(pids: str) -> redline.Task:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+    return redline.Task(
+        model=lambda: Picky(pids), loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y),
+        batch_size=32, name="picky",
+    )
+"""
+
+
+@pytest.fixture
+def task_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "picky_task.py"
+    path.write_text(textwrap.dedent(TASK_FILE))
+    return path
+
+
+def test_each_row_runs_in_a_process_of_its_own_and_a_failing_row_keeps_its_error(task_file, tmp_path, caplog):
+    pids = tmp_path / "pids.txt"
+    task = redline.load_task(f"{task_file}:make_task", pids=str(pids))
+    pids.write_text("")  # the factory built no model; a row's process builds its own
+    caplog.set_level(logging.WARNING, logger="redline")
+    result = benchmark(
+        task, devices="cpu", precisions=["fp32", "bf16-mixed"], compiles=[False], steps=10, window=5, auto=False,
+        isolate=True,
+    )  # fmt: skip
+    assert result.isolated
+    naive, fp32, bf16 = (result.row(name) for name in ("naive cpu fp32 b32", "cpu fp32 eager b32",
+                                                       "cpu bf16-mixed eager b32"))  # fmt: skip
+    for row in (naive, fp32):
+        assert not row.error and row.samples_per_s > 0 and row.peak_mem_bytes > 0
+        assert row.loss is not None
+    assert naive.loss == pytest.approx(fp32.loss, rel=1e-5)  # same seed, same steps: the rows train alike
+    assert "no bf16 here" in bf16.error and bf16.samples_per_s is None
+    built_in = [int(line) for line in pids.read_text().split()]
+    assert len(set(built_in)) == 3 and os.getpid() not in built_in  # one process per row, none of them this one
+    said = [r.getMessage() for r in caplog.records if r.name == "redline.test_isolate"]
+    assert sorted(said) == sorted(f"model built in process {pid}" for pid in built_in)  # each row's log came back
+
+
+def test_a_task_built_in_python_cannot_be_isolated_and_the_error_says_how_to_load_one():
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    task = redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=TensorDataset(x, y), batch_size=16)  # fmt: skip
+    assert task_origin(task) is None
+    with pytest.raises(ConfigError, match="load_task"):
+        benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=10, window=5, isolate=True)
+
+
+def test_a_row_whose_process_dies_fails_with_how_it_ended_not_a_hang(task_file, tmp_path):
+    origin = (f"{task_file}:make_task", {"pids": str(tmp_path / "pids.txt")})
+    row = RowProcess(origin, Setting("explicit", "cpu", "fp32", False, 32), {
+        "window": 2, "planned": 10, "seed": 0, "threads": 1, "log_level": logging.WARNING,
+    })  # fmt: skip
+    try:
+        row.warm_up()
+        row._proc.send_signal(signal.SIGKILL)
+        with pytest.raises(RowEnded, match="killed by signal 9"):
+            row.run(2)
+    finally:
+        row.close()
+
+
+def test_the_command_line_isolates_and_its_json_says_so(task_file, tmp_path, redline_here):
+    pids = tmp_path / "pids.txt"
+    result = redline_here(
+        "bench", "--task", f"{task_file}:make_task", "--task-arg", f"pids={pids}", "--devices", "cpu",
+        "--precision", "fp32", "--compile", "off", "--steps", "10", "--no-auto", "--no-estimate", "--isolate", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["isolated"] is True and [row["error"] for row in data["rows"]] == ["", ""]
+    assert len(set(pids.read_text().split())) == 2  # each row built its model in its own process, not the command's
