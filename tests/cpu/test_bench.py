@@ -64,9 +64,9 @@ def tiny_task(mode: str = "") -> Task:
 
 
 def test_every_row_is_measured_against_the_naive_loop():
-    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=8, window=2)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=12, window=2)
     assert [row.name for row in result.rows] == ["naive cpu fp32 b32", "cpu fp32 eager b32", "auto cpu b32"]
-    assert result.steps == 8 and result.window == 2
+    assert result.steps == 12 and result.window == 2
     for row in result.rows:
         assert not row.error
         assert row.samples_per_s > 0 and row.tokens_per_s is None  # class labels, not tokens
@@ -77,6 +77,10 @@ def test_every_row_is_measured_against_the_naive_loop():
         assert row.peak_mem_kind == "resident" and row.peak_mem_bytes > 0
         assert row.speedup_naive == pytest.approx(row.samples_per_s / result.rows[0].samples_per_s)
     assert result.rows[0].speedup_naive == 1.0 and result.rows[0].plan is None
+    assert result.rows[0].speedup_naive_interval is None  # the naive loop against itself
+    for row in result.rows[1:]:  # six rounds: the lowest and highest of the rounds' ratios, which hold the medians'
+        low, high = row.speedup_naive_interval
+        assert 0 < low <= row.speedup_naive <= high
     auto = result.row("auto cpu b32")
     assert auto.plan["precision"]["value"] == auto.precision and auto.plan["compile"]["value"] is False
     # CUDA graphs left to auto, as `redline train` leaves them (the auto row had them off, "requested"), and an

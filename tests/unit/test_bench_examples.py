@@ -66,3 +66,16 @@ def test_the_table_marks_cached_compiles_and_trials_and_fp32_run_in_tf32_as_the_
     assert "auto ran fp32 (TF32), compiled" in verdict(bench(naive, compiled, auto))[0]
     plain = "\n".join(table(bench(naive, timed("cuda fp32 eager b64", "explicit", 8.0))))
     assert "*" not in plain.replace("**", "") and "TF32" not in plain  # bold speed-ups aside, no mark
+
+
+def test_auto_a_hair_below_the_naive_loop_is_slower_only_where_its_interval_lies_wholly_below():
+    naive = timed("naive cuda fp32 b64", "naive", 10.0)
+    eager = timed("cuda fp32 eager b64", "explicit", 10.1, speedup_naive=0.99)
+    auto = timed("auto cuda b64", "auto", 10.1, speedup_naive=0.99, speedup_naive_interval=(0.97, 1.01))
+    said = verdict(bench(naive, eager, auto))[0]
+    assert "**0.990x** the naive loop (round by round: 0.970-1.010x, the median's 95% interval)" in said
+    assert "(goal: >= 1, met: not measurably slower)" in said
+    slower = dataclasses.replace(auto, speedup_naive_interval=(0.96, 0.995))
+    assert "(goal: >= 1, NOT met)" in verdict(bench(naive, eager, slower))[0]
+    unsure = dataclasses.replace(auto, speedup_naive_interval=None)  # too few rounds to say: the point alone decides
+    assert "(goal: >= 1, NOT met)" in verdict(bench(naive, eager, unsure))[0]

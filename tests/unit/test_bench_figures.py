@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from redline.bench.figures import break_even, percentile, rate, speedup, step_times
+from redline.bench.figures import break_even, paired_interval, percentile, rate, speedup, step_times
 from redline.bench.matrix import Setting, expand
 from redline.bench.result import BenchRow
 from redline.bench.run import _with_estimates
@@ -47,6 +47,23 @@ def test_break_even_counts_the_steps_a_compile_takes_to_repay():
 def test_speedup_needs_both_rates():
     assert speedup(300.0, 100.0) == 3.0
     assert speedup(None, 100.0) is None and speedup(1.0, None) is None and speedup(1.0, 0.0) is None
+
+
+def test_the_median_speedups_interval_is_read_off_the_rounds_ranks_a_binomial_gives():
+    # 20 rounds at 95%: between the 6th smallest and the 6th largest of the round-by-round ratios
+    baseline = [2.0] * 20
+    windows = [2.0 / r for r in (13, 1, 7, 20, 4, 16, 10, 2, 19, 5, 8, 11, 14, 17, 3, 6, 9, 12, 15, 18)]  # ratios 1-20
+    low, high = paired_interval(baseline, windows)
+    assert (low, high) == (pytest.approx(6.0), pytest.approx(15.0))
+    # a round's ratio is its own: a slow round of the baseline is a slow round of the row too, and cancels
+    assert paired_interval([1.0, 3.0, 1.0, 3.0, 1.0, 3.0], [0.5, 1.5, 0.5, 1.5, 0.5, 1.5]) == (2.0, 2.0)
+
+
+def test_too_few_rounds_give_no_interval_and_rounds_one_side_lacks_are_left_out():
+    assert paired_interval([1.0] * 5, [1.0] * 5) is None  # P(all five on one side) = 1/16 > 5%
+    assert paired_interval([1.0] * 6, [0.5] * 6) == (2.0, 2.0)
+    assert paired_interval([1.0] * 9, [0.5] * 5) is None  # a row that failed after five rounds: five pairs
+    assert paired_interval([1.0, 0.0] * 3, [0.5] * 6) is None  # a window of no time is no measurement
 
 
 def test_expand_gives_naive_then_the_matrix_then_auto_per_device_and_size():

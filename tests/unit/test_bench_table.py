@@ -146,6 +146,15 @@ def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
     assert "75% of the fastest" in line
 
 
+def test_the_best_line_gives_auto_its_round_by_round_interval_where_enough_rounds_ran():
+    naive = _row("naive cpu fp32 b64", "naive", 5000.0)
+    auto = _row("auto cpu b64", "auto", 4950.0)
+    line = best_line(result_of(naive, dict(auto, speedup_naive_interval=[0.97, 1.02])))
+    assert "auto cpu b64 (what `redline train` runs: fp32, eager): 0.99x the naive loop (round by round: " in line
+    assert "0.97-1.02x, the median's 95% interval), 99% of the fastest" in line
+    assert "round by round" not in best_line(result_of(naive, dict(auto, speedup_naive_interval=None)))
+
+
 def test_the_best_line_where_the_naive_loop_failed_says_so_not_na():
     # fp32 out of memory where bf16 fits: the line read "cpu bf16-mixed eager b64, n/a the naive loop".
     naive = _row("naive cpu fp32 b64", "naive", None, error="OutOfMemoryError: CUDA out of memory")

@@ -52,3 +52,27 @@ def speedup(rate_: float | None, baseline: float | None) -> float | None:
     if rate_ is None or baseline is None or baseline <= 0:
         return None
     return rate_ / baseline
+
+
+def paired_interval(
+    baseline: Sequence[float], windows: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float] | None:
+    """Where the median speed-up over ``baseline`` lies, with ``confidence``: from each round's own ratio (the
+    baseline's window time over this row's, timed in the same round, so a drift of the machine's speed weighs on
+    both), by the order statistics a binomial gives the median of any distribution. None with too few rounds
+    (six at 95%)."""
+    ratios = sorted(b / w for b, w in zip(baseline, windows, strict=False) if b > 0 and w > 0)
+    rank = _order_rank(len(ratios), (1 - confidence) / 2)
+    return (ratios[rank - 1], ratios[len(ratios) - rank]) if rank else None
+
+
+def _order_rank(n: int, tail: float) -> int:
+    """The largest rank k (1-based; 0 if none) with P(Binomial(n, 1/2) < k) <= ``tail``: the median lies between
+    the k-th smallest and the k-th largest of n values with confidence 1 - 2 x that probability."""
+    below, rank = 0.0, 0
+    for i in range(n + 1):
+        below += math.comb(n, i) / 2**n
+        if below > tail:
+            break
+        rank = i + 1
+    return min(rank, (n + 1) // 2)

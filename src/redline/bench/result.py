@@ -34,6 +34,7 @@ class BenchRow:
     trial_cached: bool | None = None  # the trial was read from redline's trial cache: a fresh machine pays it
     break_even_steps: float | None = None  # steps after which the compile (and the trial) has paid for itself
     speedup_naive: float | None = None  # over the naive loop on the same device and batch size
+    speedup_naive_interval: tuple[float, float] | None = None  # where its median lies, 95% (paired rounds)
     speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
     loss: float | None = None  # of one more step after the timing (its micro-batches' mean), None if not finite
     plan: dict[str, dict[str, Any]] | None = None

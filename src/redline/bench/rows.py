@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redline.bench.figures import break_even, percentile, rate, speedup, step_times
+from redline.bench.figures import break_even, paired_interval, percentile, rate, speedup, step_times
 from redline.bench.isolate import RowProcess
 from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
@@ -84,6 +84,7 @@ def bench_rows(
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
     peaks: Peaks = {}
+    naive = {s.device: timed[position[s]][0] for s in group if s.kind == "naive" and s in position}
     for setting in group:
         base = base_row(setting)
         if setting in failed:
@@ -103,7 +104,10 @@ def bench_rows(
         if error or facts is None:
             rows.append(dataclasses.replace(base, error=error))
             continue
-        rows.append(_figures(base, facts, windows, window, memory, flops, loss))
+        row = _figures(base, facts, windows, window, memory, flops, loss)
+        if setting.kind != "naive" and setting.device in naive:  # round by round against the naive loop's windows
+            row = dataclasses.replace(row, speedup_naive_interval=paired_interval(naive[setting.device], windows))
+        rows.append(row)
     return _with_break_even(_with_shared_compiles(rows))
 
 

@@ -155,6 +155,7 @@ def best_line(result: Mapping[str, Any]) -> str:
             settings = _auto_settings(auto)
             share = auto["samples_per_s"] / best["samples_per_s"]
             line += f"\n{auto['name']} (what `redline train` runs: {settings}){_versus_naive(auto, ':')}"
+            line += interval_told(auto)
             if diverged(auto):
                 line += ", but its loss was not finite"
             else:
@@ -169,6 +170,15 @@ def _versus_naive(row: Mapping[str, Any], lead: str = ",") -> str:
     if row["speedup_naive"] is None:
         return f"{lead} no naive loop ran to compare with"
     return f"{lead} {_times(row['speedup_naive'])} the naive loop"
+
+
+def interval_told(row: Mapping[str, Any]) -> str:
+    """`` (round by round: 1.41-1.47x, the median's 95% interval)``: where the row's median speed-up over the naive
+    loop lies, from the rounds' paired windows ("" where too few rounds ran to say)."""
+    interval = row.get("speedup_naive_interval")
+    if not interval:
+        return ""
+    return f" (round by round: {interval[0]:.2f}-{interval[1]:.2f}x, the median's 95% interval)"
 
 
 def _auto_settings(auto: Mapping[str, Any]) -> str:
