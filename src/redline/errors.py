@@ -287,10 +287,15 @@ def mark_peer_stopped(message: str) -> None:
     """Tell the launcher that this worker's error says another rank stopped first (``PEER_STOPPED``): where every
     failed rank of a machine says so, the cause was on another machine, whose output says why."""
     folder, rank = os.environ.get(SAID_ERRORS_ENV), os.environ.get("RANK")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier attempt's marks tell nothing of the last
+    attempt = _attempt()  # an earlier attempt's marks tell nothing of the last
     if folder and rank is not None and PEER_STOPPED in message:
         with contextlib.suppress(OSError):
             (Path(folder) / f"{PEER_STOPPED_MARK}{attempt}-{rank}").touch()
+
+
+def _attempt() -> str:
+    """Which of torchrun's attempts this worker belongs to (0 before any restart)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def first_to_say(message: str) -> bool:
@@ -303,7 +308,7 @@ def first_to_say(message: str) -> bool:
     folder = os.environ.get(SAID_ERRORS_ENV)
     if not folder:
         return True
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = _attempt()
     mark = Path(folder) / hashlib.sha256(f"{attempt}\n{message}".encode()).hexdigest()[:32]
     try:
         mark.open("x").close()

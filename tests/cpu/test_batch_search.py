@@ -367,10 +367,10 @@ def test_a_search_stopped_by_ctrl_c_keeps_the_sizes_it_ran_and_the_command_says_
 
     real_probe = search_module._probe
 
-    def probe(task, options, measured, size, steps):
+    def probe(task, options, measured, size, steps, order=None):
         if size == 8:
             raise KeyboardInterrupt
-        return real_probe(task, options, measured, size, steps)
+        return real_probe(task, options, measured, size, steps, order)
 
     monkeypatch.setattr(search_module, "_probe", probe)
     with pytest.raises(search_module.SearchStopped) as stopped:

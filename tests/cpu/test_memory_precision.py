@@ -141,9 +141,9 @@ def test_the_measured_search_runs_its_steps_as_the_tuned_plan_does_but_whole(tmp
     probed: list[RuntimeOptions] = []
     probe_init = search_module._Probe.__init__
 
-    def spy(self, task, options, measured, size):
+    def spy(self, task, options, measured, size, order=None):
         probed.append(options)
-        probe_init(self, task, options, measured, size)
+        probe_init(self, task, options, measured, size, order)
 
     monkeypatch.setattr(search_module._Probe, "__init__", spy)
     result = CliRunner().invoke(app, ["memory", "--task", spec, "--measure", "--max-batch-size", "8", "--json"])

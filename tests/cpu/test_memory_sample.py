@@ -4,6 +4,7 @@ are short is weighed as its long ones make a padded batch, not 30 times under.""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -100,3 +101,28 @@ def test_a_large_dataset_is_looked_at_through_an_even_sample():
     estimate = estimate_memory(texts_task(Texts([4] * LOOKED_AT + [64] * LOOKED_AT)), batch_size=16)
     said = f"traced on the 16 largest of {LOOKED_AT:,} samples spread evenly over {2 * LOOKED_AT:,}: input_ids (16, 64)"
     assert any(note.endswith(said) for note in estimate.notes)
+
+
+class Seen(Pooled):
+    """Pooled, noting the sequence length of each batch it trains on."""
+
+    lengths: ClassVar[list[int]] = []
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        Seen.lengths.append(batch["input_ids"].shape[1])
+        return super().forward(batch)
+
+
+def test_the_measured_search_tries_each_batch_size_on_the_largest_items_not_the_first():
+    # `redline memory --measure` ran its steps on the first items: four tokens long, where the run's batches hold 512
+    Seen.lengths = []
+    task = dataclasses.replace(texts_task(Texts([4] * 16 + [512] * 240)), model=Seen)
+    fp32 = redline.RuntimeOptions(devices="cpu", precision="fp32")
+    found = redline.find_batch_size(task, options=fp32, max_batch_size=4)
+    assert found.largest == 4 and Seen.lengths and set(Seen.lengths) == {512}
+    assert "samples differ in size: each batch size was tried on the largest of 256 samples" in found.notes
+    Seen.lengths = []
+    even = redline.find_batch_size(
+        dataclasses.replace(task, train_data=Texts([64] * 32)), options=fp32, max_batch_size=4
+    )
+    assert set(Seen.lengths) == {64} and not any("differ in size" in note for note in even.notes)

@@ -8,17 +8,18 @@ the largest, by their number of elements, is traced. A stream cannot be read ahe
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from redline.errors import TaskError
-from redline.memory.search import real_batch
 from redline.runtime.contract import split_batch
 from redline.task import CollateFn
 
@@ -38,15 +39,57 @@ def trace_batch(data: Any, size: int, collate: CollateFn | None) -> tuple[Any, i
         batch = real_batch(data, size, collate)[0]
         note = f"train_data is a stream: traced on its first batch ({_shapes(batch)}); later items of other sizes "
         return batch, size, (note + "are not searched for the largest",)
+    order = largest_first(data)
+    batch, distinct = real_batch(data, size, collate, order)
+    if order is None:  # every item weighs the same: the first ones are as large as any
+        return batch, size, ()
+    return batch, size, (f"samples differ in size: traced on the {distinct} largest of {looked_at(data)}: "
+                         f"{_shapes(batch)}",)  # fmt: skip
+
+
+def largest_first(data: Dataset[Any]) -> list[int] | None:
+    """The indices of the items read (all of a dataset of up to ``LOOKED_AT``, else an even sample), largest first
+    by their elements; None for a stream, or where every item read weighs the same (the first are as large as any)."""
+    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        return None
     indices = _looked_at(len(data))
     sizes = [_elements(data[i]) for i in indices]
-    if len(set(sizes)) <= 1:  # every item weighs the same: the first ones are as large as any
-        return real_batch(data, size, collate)[0], size, ()
-    largest = sorted(range(len(indices)), key=lambda k: sizes[k], reverse=True)[:size]
-    items = [data[indices[k]] for k in largest]
-    batch = (collate or default_collate)([items[i % len(items)] for i in range(size)])
-    looked = f"{len(indices):,} samples" + (f" spread evenly over {len(data):,}" if len(indices) < len(data) else "")
-    return batch, size, (f"samples differ in size: traced on the {len(items)} largest of {looked}: {_shapes(batch)}",)
+    if len(set(sizes)) <= 1:
+        return None
+    return [indices[k] for k in sorted(range(len(indices)), key=lambda k: sizes[k], reverse=True)]
+
+
+def largest_told(data: Dataset[Any]) -> tuple[list[int] | None, list[str]]:
+    """``largest_first``'s order, and the note that says each batch size was tried on those items (none without)."""
+    order = largest_first(data)
+    return order, ([] if order is None else [f"samples differ in size: each batch size was tried on the largest of "
+                                             f"{looked_at(data)}"])  # fmt: skip
+
+
+def looked_at(data: Any) -> str:
+    """How many samples ``largest_first`` read, and of how many."""
+    count = len(_looked_at(len(data)))
+    return f"{count:,} samples" + (f" spread evenly over {len(data):,}" if count < len(data) else "")
+
+
+def real_batch(
+    data: Dataset[Any], size: int, collate: CollateFn | None = None, order: Sequence[int] | None = None
+) -> tuple[Any, int]:
+    """Collate a batch of ``size`` items, the first ``size`` of ``order`` (``largest_first``'s) where given, else from
+    the start of ``data``, repeating them when there are fewer (by the task's ``collate`` when it has one).
+
+    Returns the batch (as the Trainer's DataLoader collates it) and the number of distinct items in it.
+    """
+    if order is not None:
+        items = [data[i] for i in order[:size]]
+    elif isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+        items = list(itertools.islice(iter(data), size))
+    else:
+        items = [data[i] for i in range(min(size, len(data)))]
+    if not items:
+        raise TaskError("train_data gave no item: there is nothing to build a batch from\nhint: check the dataset")
+    distinct = len(items)
+    return (collate or default_collate)([items[i % distinct] for i in range(size)]), distinct
 
 
 def _looked_at(count: int) -> list[int]:

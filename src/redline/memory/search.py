@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset, default_collate
+from torch.utils.data import Dataset
 
 from redline.config import positive_int
 from redline.errors import (
@@ -47,6 +46,7 @@ from redline.errors import (
     invalid,
 )
 from redline.memory.host import NOT_RUN, HostGuard
+from redline.memory.sample import largest_told, real_batch
 from redline.parallel.collectives import gather_objects, is_collective_failure, run_on_rank0
 from redline.parallel.env import DistEnv, join_process_group, read_env
 from redline.plan import Choice
@@ -58,7 +58,7 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import data_size
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.tuned import auto_tuned
-from redline.task import CollateFn, Task, require_task
+from redline.task import Task, require_task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")
 
@@ -178,6 +178,8 @@ def find_batch_size(
         hint = f"pass start={cap} or less, or max_batch_size={start} or more"
         raise invalid("start", start, f"at most {cap} ({where})", hint)
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
+    order, told = largest_told(task.train_data)  # a batch padded to its longest item: the largest items make the peak
+    notes += told
     env = read_env()
     tried: list[Tried] = []
     smallest = 1  # the smallest batch the model trains on
@@ -197,7 +199,7 @@ def find_batch_size(
                     tried.append((size, False, refused))
                     continue
                 try:
-                    error, samples = _probe(task, options, measured, size, steps)
+                    error, samples = _probe(task, options, measured, size, steps, order)
                 except TrainingError as exc:  # BatchNorm refuses one value per channel: no run trains on 1 sample
                     if size != 1 or cap == 1 or isinstance(exc, OutOfMemory) or not _batch_norm(task):
                         raise
@@ -332,7 +334,12 @@ def _cap(data: Dataset[Any], device: torch.device, max_batch_size: int | None) -
 
 
 def _probe(
-    task: Task, options: RuntimeOptions, measured: Mapping[str, Choice[str]], size: int, steps: int
+    task: Task,
+    options: RuntimeOptions,
+    measured: Mapping[str, Choice[str]],
+    size: int,
+    steps: int,
+    order: Sequence[int] | None = None,
 ) -> tuple[str, int]:
     """Run ``steps`` training steps at ``size``; return the out-of-memory error ("" if it fitted) and the samples used.
 
@@ -341,7 +348,7 @@ def _probe(
     same stages, so none waits in a collective that a rank which failed before it skips. Whatever the
     probe held is freed before it returns.
     """
-    probe = _Probe(task, options, measured, size)
+    probe = _Probe(task, options, measured, size, order)
     device = probe.rt.device
     try:
         for stage in range(_PLACE, steps + 1):
@@ -363,8 +370,15 @@ _PLACE, _WRAP = -1, 0  # a probe's stages before its training steps (1, 2, ...)
 class _Probe:
     """One try of a batch size: a fresh Runtime, model, optimizer and batch, all dropped with it."""
 
-    def __init__(self, task: Task, options: RuntimeOptions, measured: Mapping[str, Choice[str]], size: int) -> None:
-        self.task, self.size = task, size
+    def __init__(
+        self,
+        task: Task,
+        options: RuntimeOptions,
+        measured: Mapping[str, Choice[str]],
+        size: int,
+        order: Sequence[int] | None = None,
+    ) -> None:
+        self.task, self.size, self.order = task, size, order
         self.rt = Runtime(options, measured=measured)
         self.samples = 0
         self.placed: nn.Module | None = None
@@ -399,7 +413,9 @@ class _Probe:
                 "the model fits on one device, or find the batch size by hand"
             )
         self.model.train()
-        batch, self.samples = real_batch(task.train_data, self.size, task.collate_fn)
+        batch, self.samples = real_batch(task.train_data, self.size, task.collate_fn, self.order)
+        if self.order is not None:  # the largest of the items read, repeated past them: short only of a short dataset
+            self.samples = min(self.size, len(task.train_data))  # type: ignore[arg-type]  # an order: a length
         self.batch = split_batch(rt.to_device(batch), "train_data")
 
     def _step(self, step: int) -> None:
@@ -436,22 +452,6 @@ def _build(task: Task) -> nn.Module:
         raise TrainingError(
             f"task {task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
         ) from exc
-
-
-def real_batch(data: Dataset[Any], size: int, collate: CollateFn | None = None) -> tuple[Any, int]:
-    """Collate a batch of ``size`` items from the start of ``data``, repeating them when it holds fewer (by the
-    task's ``collate`` when it has one).
-
-    Returns the batch (as the Trainer's DataLoader collates it) and the number of distinct items in it.
-    """
-    if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
-        items = list(itertools.islice(iter(data), size))
-    else:
-        items = [data[i] for i in range(min(size, len(data)))]
-    if not items:
-        raise TaskError("train_data gave no item: there is nothing to build a batch from\nhint: check the dataset")
-    distinct = len(items)
-    return (collate or default_collate)([items[i % distinct] for i in range(size)]), distinct
 
 
 def _agree(size: int, oom: str, error: Exception | None) -> str:
