@@ -40,6 +40,26 @@ class Picky(nn.Module):
         return self.net(x)
 
 
+class Dying(nn.Linear):  # killed, as the kernel kills a process out of memory, at its forward call number after
+
+    def __init__(self, after):
+        super().__init__(16, 4)
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.after:
+            os.kill(os.getpid(), 9)
+        return super().forward(x)
+
+
+def make_dying_task(after: int) -> redline.Task:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+    return redline.Task(model=lambda: Dying(after), loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y),
+                        batch_size=32, name="dying")
+
+
 def make_task(pids: str) -> redline.Task:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
@@ -81,6 +101,15 @@ def test_each_row_runs_in_a_process_of_its_own_and_a_failing_row_keeps_its_error
     assert sorted(said) == sorted(f"model built in process {pid}" for pid in built_in)  # each row's log came back
 
 
+def test_a_row_whose_process_is_killed_while_it_is_timed_says_how_it_ended(task_file):
+    task = redline.load_task(f"{task_file}:make_dying_task", after=12)  # past the warm-up, within the timing
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=20, window=5, auto=False,
+                       isolate=True)  # fmt: skip
+    for row in result.rows:
+        assert row.error.startswith("the row's process ended without an answer (killed by signal 9; killed for memory")
+        assert row.samples_per_s is None
+
+
 def test_a_task_built_in_python_cannot_be_isolated_and_the_error_says_how_to_load_one():
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     task = redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy,
@@ -99,6 +128,8 @@ def test_a_row_whose_process_dies_fails_with_how_it_ended_not_a_hang(task_file, 
         row.warm_up()
         row._proc.send_signal(signal.SIGKILL)
         with pytest.raises(RowEnded, match="killed by signal 9"):
+            row.run(2)
+        with pytest.raises(RowEnded, match="killed by signal 9"):  # asked again: the request itself finds it gone
             row.run(2)
     finally:
         row.close()

@@ -94,12 +94,10 @@ class RowProcess:
 
     def run(self, steps: int) -> float:
         """Run ``steps`` steps in the row's process; their last loss (a Runner's ``run``)."""
-        self._channel.send(("run", steps))
-        return float(self._answer())
+        return float(self._ask(("run", steps)))
 
     def facts(self, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:
-        self._channel.send(("facts", compiled, peaks, want_peak))
-        facts: RowFacts = self._answer()
+        facts: RowFacts = self._ask(("facts", compiled, peaks, want_peak))
         return facts
 
     def close(self, *, now: bool = False) -> None:
@@ -115,6 +113,13 @@ class RowProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+    def _ask(self, request: tuple[Any, ...]) -> Any:
+        try:
+            self._channel.send(request)
+        except OSError as exc:  # the process ended since its last answer
+            raise RowEnded(self._ended()) from exc
+        return self._answer()
 
     def _answer(self) -> Any:
         """The row's answer to the last request, logging the records it sent before it; what failed there raises."""

@@ -18,8 +18,8 @@ import torch
 
 from redline.bench.isolate import Channel
 from redline.bench.loops import Runner
-from redline.bench.rows import row_facts
-from redline.bench.run import reset_compiler, row_error, warm_up
+from redline.bench.rows import row_error, row_facts
+from redline.bench.run import reset_compiler, warm_up
 from redline.errors import ConfigError, RedlineError
 from redline.task import load_task
 

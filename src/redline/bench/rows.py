@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from redline.bench.figures import break_even, paired_interval, percentile, rate, speedup, step_times
-from redline.bench.isolate import RowProcess
+from redline.bench.isolate import RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
 from redline.bench.memory import Peak
@@ -20,7 +20,7 @@ from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
 from redline.hardware.flops import matmul_precision, mfu, share_of_peak
 from redline.plan import Plan
-from redline.runtime.contract import count_tokens
+from redline.runtime.contract import ONE_SAMPLE_HINT, count_tokens, one_sample_refusal
 from redline.runtime.trial import best_matmul_peak
 
 Built = dict[Setting, tuple[Runner | RowProcess, Peak, int | None]]  # each row's runner, warm-up peak and FLOPs
@@ -95,11 +95,11 @@ def bench_rows(
         compiled = setting.compile is True
         try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
             loss = None if error else _last_loss(runner)
-            facts = _facts(runner, compiled=compiled, peaks=peaks, want_peak=flops is not None)
+            facts = None if error else _facts(runner, compiled=compiled, peaks=peaks, want_peak=flops is not None)
         except RedlineError:
             raise
         except Exception as exc:
-            error, facts = describe_error(exc), None
+            error, facts = row_error(exc), None
         error = error or (facts.eager if facts is not None else "")  # "compiled" must mean compiled
         if error or facts is None:
             rows.append(dataclasses.replace(base, error=error))
@@ -109,6 +109,14 @@ def bench_rows(
             row = dataclasses.replace(row, speedup_naive_interval=paired_interval(naive[setting.device], windows))
         rows.append(row)
     return _with_break_even(_with_shared_compiles(rows))
+
+
+def row_error(exc: BaseException) -> str:
+    """A failed row's error, with the fix where redline knows the cause (a batch norm given one sample); a row's
+    own process said its error whole."""
+    if isinstance(exc, RowFailed | RowEnded):
+        return str(exc)
+    return describe_error(exc) + (f" ({ONE_SAMPLE_HINT})" if one_sample_refusal(exc) else "")
 
 
 def _facts(runner: Runner | RowProcess, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:

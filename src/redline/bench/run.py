@@ -28,14 +28,13 @@ from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, row_opti
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import Peak, PeakMemory
 from redline.bench.result import BenchResult, BenchRow
-from redline.bench.rows import Built, base_row, bench_rows, with_speedups
+from redline.bench.rows import Built, base_row, bench_rows, row_error, with_speedups
 from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     ConfigError,
     RedlineError,
     StoppedBySignal,
     TaskError,
-    describe_error,
     interrupting_signal,
     invalid,
 )
@@ -44,7 +43,6 @@ from redline.hardware.flops import count_train_flops
 from redline.parallel.env import read_env
 from redline.plan import Choice
 from redline.plan.device import resolve_device
-from redline.runtime.contract import ONE_SAMPLE_HINT, one_sample_refusal
 from redline.runtime.measure import CACHED, NOT_MEASURED, measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
@@ -253,11 +251,6 @@ def task_steps(task: Task, batch_size: int) -> int | None:
     return max(1, size // batch_size) * task.epochs if size is not None else None
 
 
-def row_error(exc: BaseException) -> str:
-    """A failed row's error, with the fix where redline knows the cause (a batch norm given one sample)."""
-    return describe_error(exc) + (f" ({ONE_SAMPLE_HINT})" if one_sample_refusal(exc) else "")
-
-
 def _warm_up_all(
     task: Task, group: list[Setting], window: int, planned: int | None, seed: int, tell: Callable[[int, str], None]
 ) -> tuple[Built, dict[Setting, str]]:
@@ -410,7 +403,7 @@ def time_runners(
             except RedlineError:
                 raise
             except Exception as exc:
-                errors[index] = str(exc) if isinstance(exc, RowFailed | RowEnded) else row_error(exc)
+                errors[index] = row_error(exc)
                 return math.nan
 
         return run
