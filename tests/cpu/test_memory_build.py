@@ -81,3 +81,13 @@ def test_a_factory_failing_for_its_own_reason_is_not_said_to_read_a_value(caplog
         estimate_memory(task_of(MissingFile), target="cpu")
     assert str(caught.value).startswith("task 'droppath': building the model failed: FileNotFoundError: weights.pt")
     assert "reads a tensor's value" not in caplog.text and "built for real" not in caplog.text
+
+
+def test_the_measured_search_says_a_factorys_error_as_the_estimate_does() -> None:
+    from redline import RuntimeOptions, find_batch_size
+
+    with pytest.raises(TrainingError) as caught:
+        find_batch_size(task_of(MissingFile), options=RuntimeOptions(devices="cpu", precision="fp32"), max_batch_size=2)
+    message = str(caught.value)
+    assert message.startswith("task 'droppath': building the model failed: FileNotFoundError: weights.pt")
+    assert "hint: fix the factory's error (`redline train --max-steps 1` builds the model the same way)" in message

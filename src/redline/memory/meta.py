@@ -56,7 +56,7 @@ def model_on_meta(task: Task) -> nn.Module:
             "value); building it for real on the CPU to read its shapes, which takes its weights' memory meanwhile",
             task.name,
         )
-    model = _built_for_real(task)  # a factory that fails for real too is reported here, with its line
+    model = built_for_real(task)  # a factory that fails for real too is reported here, with its line
     if not reads_value and _first_time(task.model):
         log.info("task %r: its model could not be built on fake tensors; it was built for real on the CPU", task.name)
     return meta_copy(model)
@@ -73,12 +73,16 @@ def _first_time(factory: object) -> bool:
     return True
 
 
-def _built_for_real(task: Task) -> nn.Module:
+def built_for_real(task: Task, *, out_of_memory_passes: bool = False) -> nn.Module:
+    """``task``'s model, built on the device its factory picks; a factory's error named with its line and the fix.
+    ``out_of_memory_passes``: an out-of-memory error is raised as it came (the batch-size search's to handle)."""
     try:
         return task.build_model()
     except RedlineError:
         raise
     except Exception as exc:
+        if out_of_memory_passes and is_oom(exc):
+            raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         hint = "fix the factory's error (`redline train --max-steps 1` builds the model the same way)"
         if is_oom(exc):

@@ -46,6 +46,7 @@ from redline.errors import (
     invalid,
 )
 from redline.memory.host import NOT_RUN, HostGuard
+from redline.memory.meta import built_for_real
 from redline.memory.sample import largest_told, real_batch
 from redline.parallel.collectives import gather_objects, is_collective_failure, run_on_rank0
 from redline.parallel.env import DistEnv, join_process_group, read_env
@@ -391,7 +392,7 @@ class _Probe:
         try:
             if stage == _PLACE:
                 self.rt.start()  # before the model is built, so a seed applies to its weights
-                self.placed = _build(self.task).to(self.rt.device)
+                self.placed = built_for_real(self.task, out_of_memory_passes=True).to(self.rt.device)
             elif stage == _WRAP:
                 self._wrap()
             else:
@@ -437,21 +438,11 @@ class _Probe:
 
 def _batch_norm(task: Task) -> bool:
     """Whether the Task's model has BatchNorm layers, which in training refuse one sample of one value per channel."""
-    model = task.outline()  # built for real where its factory reads a value (it runs here anyway)
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
-def _build(task: Task) -> nn.Module:
     try:
-        return task.build_model()
-    except RedlineError:
-        raise
-    except Exception as exc:
-        if is_oom(exc):
-            raise
-        raise TrainingError(
-            f"task {task.name!r}: building the model raised {type(exc).__name__}: {exc}{user_line(exc)}"
-        ) from exc
+        model = task.outline()  # built for real where its factory reads a value (it runs here anyway)
+    except Exception:  # a factory that fails: the error the search is handling says so, with its line
+        return False
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _agree(size: int, oom: str, error: Exception | None) -> str:
