@@ -36,12 +36,18 @@ def table(result: redline.BenchResult) -> list[str]:
             continue
         lines.append(
             f"| {r.name} | {label} | {'yes' if r.compile else 'no'} | {r.samples_per_s:,.0f} "
-            f"| {r.step_ms_p50:.3g} / {r.step_ms_p90:.3g} | **{r.speedup_naive:.3f}x** "
+            f"| {r.step_ms_p50:.3g} / {r.step_ms_p90:.3g} | **{r.speedup_naive:.3f}x**{spread(r)} "
             f"| {'' if r.mfu_measured is None else f'{r.mfu_measured:.0%}'} "
             f"| {seconds(r.compile_s, r.compile_cached)} | {seconds(r.trial_s, r.trial_cached)} "
             f"| {'' if r.break_even_steps is None else f'{r.break_even_steps:,.0f}'} | {r.loss:.4g} |"
         )
     return [*lines, *footnotes([r.to_dict() for r in result.rows if not r.error])]
+
+
+def spread(row: redline.bench.BenchRow) -> str:
+    """ " (0.94-1.02)": where the median of the row's round-by-round speed-up lies, 95% (docs/bench.md)."""
+    interval = row.speedup_naive_interval
+    return f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else ""
 
 
 def seconds(value: float | None, cached: bool | None) -> str:
@@ -145,7 +151,8 @@ def main() -> None:
         f"`redline bench` per task: {args.steps} timed steps per row in windows of {args.window}, rows taking "
         f"turns in rotating rounds after a warm-up window each{ISOLATED if args.isolate else ''}. samples/s is the "
         "median window; speed-ups "
-        "are against the naive loop's median in the same run. Peak memory is left out here: on a CPU it "
+        "are against the naive loop's median in the same run (in brackets, the 95% interval of the median of "
+        "the round-by-round speed-ups). Peak memory is left out here: on a CPU it "
         "is the whole process's (see the JSON).",
         "",
     ]

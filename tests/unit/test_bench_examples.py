@@ -79,3 +79,10 @@ def test_auto_a_hair_below_the_naive_loop_is_slower_only_where_its_interval_lies
     assert "(goal: >= 1, NOT met)" in verdict(bench(naive, eager, slower))[0]
     unsure = dataclasses.replace(auto, speedup_naive_interval=None)  # too few rounds to say: the point alone decides
     assert "(goal: >= 1, NOT met)" in verdict(bench(naive, eager, unsure))[0]
+
+
+def test_each_rows_speedup_shows_its_interval_where_the_bench_gave_one():
+    naive = timed("naive cuda fp32 b64", "naive", 10.0)
+    eager = timed("cuda fp32 eager b64", "explicit", 9.0, speedup_naive=1.111, speedup_naive_interval=(1.05, 1.17))
+    text = "\n".join(table(bench(naive, eager)))
+    assert "| **1.111x** (1.05-1.17) |" in text and "| **1.000x** |" in text  # the naive loop has none
