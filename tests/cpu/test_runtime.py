@@ -219,10 +219,15 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(initial, caplog):
     assert initial.forward == type(initial).forward.__get__(initial)  # later calls stay eager
 
 
-def test_a_user_error_inside_a_compiled_model_is_not_swallowed(initial):
-    compile_module(initial, backend="eager")
-    with pytest.raises(RuntimeError):
+def test_a_user_error_inside_a_compiled_model_is_not_swallowed(initial, caplog):
+    record = compile_module(initial, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="redline"), pytest.raises(RuntimeError) as raised:
         initial(torch.ones(2, 3, 8, 8))  # wrong channel count: the user's error, raised as such
+    # dynamo wraps it as its own TorchRuntimeError: it was taken for a compile failure, said so, and compile turned off
+    assert type(raised.value) is RuntimeError and "channels" in str(raised.value)
+    assert record.fell_back is None and "torch.compile failed" not in caplog.text
+    initial(torch.ones(2, 1, 8, 8))  # the right input then compiles, as the first call would have
+    assert record.compiles == 1 and record.fell_back is None
 
 
 @pytest.mark.slow

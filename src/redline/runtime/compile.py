@@ -276,6 +276,28 @@ def is_compiler_error(exc: BaseException) -> bool:
     return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx"))
 
 
+def _eager_instead(
+    record: CompileRecord, exc: Exception, start: float, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The first call's output from the eager model after the compiler raised ``exc``; the model runs eagerly from
+    then on, and says so once. dynamo wraps an error of the model's own ops (a shape mismatch) as its own: where the
+    eager call fails too, the error is the user's, raised as the eager model raises it, and the next call compiles."""
+    try:
+        out = record.eager(*args, **kwargs)
+    except Exception as user_error:
+        raise user_error from None
+    model = record.module
+    assert model is not None  # compile_module's record holds its module
+    record.fell_back, record.seconds = describe_error(exc), time.perf_counter() - start
+    log.warning(
+        "torch.compile failed for %s (%s); running eagerly\nhint: pass compile='off' to skip the attempt",
+        type(model).__name__,
+        record.fell_back,
+    )
+    model.forward = record.eager
+    return out
+
+
 def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any) -> CompileRecord:
     """Compile ``model``'s forward in place and return its record (``per_bucket``: an inference engine's, whose
     batch buckets each compile a graph as planned, told at debug level, not as recompiles).
@@ -314,15 +336,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
         except Exception as exc:
             if not is_compiler_error(exc):
                 raise
-            record.fell_back = describe_error(exc)
-            record.seconds = time.perf_counter() - start
-            log.warning(
-                "torch.compile failed for %s (%s); running eagerly\nhint: pass compile='off' to skip the attempt",
-                type(model).__name__,
-                record.fell_back,
-            )
-            model.forward = eager
-            return eager(*args, **kwargs)
+            return _eager_instead(record, exc, start, args, kwargs)
         model.forward = counted
         return out
 
