@@ -432,6 +432,15 @@ def test_figures_a_json_holds_as_nan_or_infinity_are_no_figures_and_sizes_keep_t
     saved.write_text(json.dumps(result))
     doc = report(saved).read_text()
     assert '<td class="num">3.9 MiB</td>' in doc and "0.00 GiB" not in doc
+    assert ">inf<" not in doc and ">nan<" not in doc  # the cells read "inf" and "nan"
+    assert doc.count('<td class="num">—</td>') >= 2
+
+
+def test_a_rows_speedup_interval_reads_as_a_range_not_a_json_list():
+    result = bench_result()
+    result["rows"][1]["speedup_naive_interval"] = [0.9712, 1.0234]
+    doc = bench_report(result)
+    assert ">0.97-1.02x</td>" in doc and "[0.9712" not in doc
 
 
 def test_the_bench_page_names_no_row_whose_loss_went_not_finite_the_best():

@@ -479,8 +479,13 @@ def _format(key: str, value: object) -> str:
         return "—"
     if isinstance(value, bool):
         return "on" if value else "off"
+    if key.endswith("_interval") and isinstance(value, list | tuple) and len(value) == 2:
+        low, high = (_number(v) for v in value)
+        return "—" if low is None or high is None else f"{low:.2f}-{high:.2f}x"
     if isinstance(value, dict | list):
         return json.dumps(value)
+    if isinstance(value, float) and number is None:  # a JSON's NaN or Infinity: no figure
+        return "—"
     if number is None:
         return str(value)
     if key.endswith("_bytes"):  # in the unit the terminal's table uses: a small model's is no "0.00 GiB"
