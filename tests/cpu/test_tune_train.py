@@ -14,12 +14,16 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+import redline.runtime.graphs as graphs_home
+import redline.runtime.runtime as runtime_home
+from graph_standins import Capture
 from redline.bench.tune import UNMEASURED, _measure, decide, tune
 from redline.bench.tune_cache import TuneInterrupted
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, Terminated, TrainingError
 from redline.hardware.device import FAKE_CPU_ENV, probe_device
 from redline.parallel.env import DistEnv
+from redline.plan import Choice
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import time_steps
@@ -486,6 +490,26 @@ def test_a_compile_that_fell_back_to_eager_is_not_tuned_as_compiled(broken_compi
     assert "backend exploded" in compiled.rejected
     shown = tuned.reasons["compile"]  # what the tune's table prints
     assert shown.startswith("compile off kept") and "compiled (default): rejected, torch.compile fell back" in shown
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_a_graphs_candidate_that_never_replayed_is_rejected_not_timed_as_graphs(monkeypatch, fails):
+    # Graphs proposed as on a CUDA device, and each capture fails: the Runtime runs the model's own forward, so the
+    # graphs candidate would time the eager model and could win by noise, leaving a tuned Plan with graphs on.
+    # One whose graphs replayed is timed.
+    capture = Capture(fail=RuntimeError("capture exploded") if fails else None)
+    monkeypatch.setattr(graphs_home, "resolve_graphs", lambda requested, facts, **_: Choice(requested != "off", "x"))
+    monkeypatch.setattr(runtime_home, "check_cuda_graphs", lambda requested, device_type: None)
+    monkeypatch.setattr(graphs_home, "GraphRecord", functools.partial(graphs_home.GraphRecord, capture=capture))
+    eager, graphs = _measure(mlp_task(), "cpu", [Candidate(), Candidate(cuda_graphs=True)], 100, steps=4, window=2,
+                             seed=0, budget_s=60.0)  # fmt: skip
+    assert capture.samples  # a capture was tried
+    assert not eager.rejected and eager.step_s is not None
+    if not fails:
+        assert not graphs.rejected and graphs.step_s is not None and capture.replays > 0
+        return
+    assert graphs.step_s is None and graphs.rejected.startswith("the CUDA graphs never replayed, so it would time the")
+    assert "capture exploded" in graphs.rejected
 
 
 def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_path, monkeypatch, capsys):

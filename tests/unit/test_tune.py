@@ -328,7 +328,8 @@ def test_a_file_where_the_cache_directory_goes_is_no_tune_and_is_named_once_wher
     assert "run `redline tune` again" in caplog.records[-1].getMessage()
 
 
-def test_a_graphs_candidate_that_never_replayed_is_rejected_not_timed_as_graphs():
+def test_a_graphs_run_that_never_replayed_is_said_to_have_run_its_eager_model():
+    # the tune rejects such a candidate: tests/cpu/test_tune_train.py
     from types import SimpleNamespace
 
     from redline.bench.loops import ran_eagerly
