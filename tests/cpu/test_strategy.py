@@ -1,17 +1,25 @@
 """The Strategy objects on their own: wrap, gradient sync, the user's module, state, checkpoints, weights.
 
-DDP and FSDP run here on a one-rank gloo group inside the test process; tests/cpu/test_dist.py and
-test_fsdp.py run them on two processes.
+DDP and FSDP run here on a one-rank gloo group inside the test process, but for FSDP's load of a whole checkpoint,
+which runs this file as two ranks; tests/cpu/test_dist.py and test_fsdp.py run them on two processes.
 """
+
+import datetime
+import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from redline.checkpoint import read_checkpoint, verify
+from redline.checkpoint import whole as whole_format
 from redline.errors import ConfigError, TrainingError
 from redline.runtime.contract import user_code
 from redline.runtime.runtime import Runtime
@@ -167,19 +175,50 @@ def test_a_runtime_under_fsdp_trains_a_convolutional_model_nchw_where_nhwc_would
     assert layout.value is False and "FSDP shards contiguous parameters only" in layout.reason
 
 
-@pytest.mark.usefixtures("one_rank_group")
+def load_whole_on_one_of_two_ranks(rank: int, out: Path) -> None:
+    """One rank of a two-rank FSDP job loading OUT/whole: publish which checkpoint files this rank read, the loaded
+    weights and states, and the weights after one more step (the Adam moments loaded too)."""
+    torch.set_num_threads(1)  # two ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    reads: list[str] = []
+    for name in ("read_weights", "read_optimizer"):
+        original = getattr(whole_format, name)
+        setattr(whole_format, name, lambda *args, _name=name, _read=original: (reads.append(_name), _read(*args))[1])
+    try:
+        fsdp = build_strategy("fsdp")
+        sharded, optimizer = fsdp.wrap(make_model(), adamw, device=CPU, precision="fp32")
+        states = fsdp.load(read_checkpoint(out / "whole"), sharded, optimizer)
+        loaded = plain_state(sharded)
+        train_steps(sharded, optimizer, fsdp, 1)
+        result = {"reads": reads, "states": states, "loaded": loaded, "stepped": plain_state(sharded)}
+        torch.save(result, out / f"rank{rank}.pt")
+    finally:
+        gc.collect()  # FSDP modules sit in reference cycles; free them while gloo still runs
+        dist.destroy_process_group()
+
+
 def test_fsdp_loads_a_whole_checkpoint_read_once_on_rank_0(tmp_path):
     single = SingleDevice()
     model, optimizer = single.wrap(make_model(), adamw, device=CPU, precision="fp32")
     train_steps(model, optimizer, single)
-    written = single.save(tmp_path / "whole", model, optimizer, runtime_state={}, extra={"z": 3}, plan={}, step=2)
-    fsdp = build_strategy("fsdp")
-    sharded, sharded_optimizer = fsdp.wrap(make_model(), adamw, device=CPU, precision="fp32")
-    assert fsdp.load(written, sharded, sharded_optimizer) == ({}, {"z": 3})
-    assert all(torch.equal(plain_state(sharded)[k], v) for k, v in model.state_dict().items())
+    single.save(tmp_path / "whole", model, optimizer, runtime_state={}, extra={"z": 3}, plan={}, step=2)
+    saved = plain_state(model)
     train_steps(model, optimizer, single, 1)
-    train_steps(sharded, sharded_optimizer, fsdp, 1)  # the Adam moments were loaded too: the next step agrees
-    assert all(torch.allclose(plain_state(sharded)[k], v, atol=1e-6) for k, v in model.state_dict().items())
+    ranks = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path)]) for rank in range(2)]
+    try:
+        codes = [p.wait(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert codes == [0, 0]
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["reads"] == (["read_weights", "read_optimizer"] if rank == 0 else []), rank
+        assert result["states"] == ({}, {"z": 3})
+        assert all(torch.equal(result["loaded"][k], v) for k, v in saved.items())
+        stepped = result["stepped"]  # the same batch on both ranks: the step of one process
+        assert all(torch.allclose(stepped[k], v, atol=1e-6) for k, v in model.state_dict().items())
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -267,3 +306,7 @@ def test_ddp_s_refusal_of_the_step_after_one_that_left_a_parameter_unused_names_
         "left some without one (DDP numbers them 6 7, counting from 0 those that require one)"
     )
     assert "--find-unused-parameters (find_unused_parameters=True)" in message and "dataset's items" not in message
+
+
+if __name__ == "__main__":
+    load_whole_on_one_of_two_ranks(int(sys.argv[1]), Path(sys.argv[2]))
