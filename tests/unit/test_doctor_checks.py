@@ -282,9 +282,12 @@ def test_the_companions_that_match_torch_are_said_in_a_sentence():
     assert two.detail == "torchvision 0.28.0+cpu, torchaudio 2.13.0+cpu match torch 2.13.0+cpu"
 
 
-def test_a_warn_or_fail_without_a_fix_is_refused():
-    with pytest.raises(ValueError, match="without a fix"):
-        Check(id="x", status="fail", detail="broken", fix=None)
+@pytest.mark.parametrize("status", ["warn", "fail"])
+def test_a_warn_or_fail_without_a_fix_is_refused(status):
+    with pytest.raises(ValueError, match=f"check 'x' is {status} without a fix"):
+        Check(id="x", status=status, detail="broken", fix=None)
+    assert Check(id="x", status=status, detail="broken", fix="do this").fix == "do this"
+    assert Check(id="x", status="ok", detail="fine", fix=None).fix is None
 
 
 def test_visible_devices_cuda_stops_at_the_first_bad_entry():
