@@ -516,6 +516,7 @@ def test_a_second_backward_through_one_graphed_forward_counts_both(monkeypatch):
         if graphs:
             record.use_graphed()
         out = net(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)))
+        assert (record.captures, record.replays) == ((1, 1) if graphs else (0, 0))  # the forward replayed the graph
         out.pow(2).sum().backward(retain_graph=True)
         out.sum().backward()
         return [p.grad.clone() for p in net.parameters()]
