@@ -62,10 +62,13 @@ def test_training_goes_on_alike_after_the_layout_changes():
         for index, batch in enumerate(batches):
             if relay and index == 2:  # between two optimizer steps, as the precision check switches
                 lay_out(net, optimizer, channels_last=True)
+                weight = net[0].weight  # the momentum laid out with it: the steps after go on alike
+                assert is_nhwc(weight) and is_nhwc(optimizer.state[weight]["momentum_buffer"])
                 batch = batch.contiguous(memory_format=NHWC)
             optimizer.zero_grad()
             net(batch).square().mean().backward()
             optimizer.step()
+        assert is_nhwc(net[0].weight) == relay  # the steps after kept the layout
         return [p.detach().clone() for p in net.parameters()]
 
     for kept, relaid in zip(run(False), run(True), strict=True):
