@@ -90,6 +90,32 @@ def test_every_row_is_measured_against_the_naive_loop():
     json.dumps(result.to_dict(), allow_nan=False)  # strict JSON: what --json prints
 
 
+class FailsOutsideAutocast(nn.Module):
+    """Fails, once past its first ``after`` forward calls, where autocast is off: the naive loop's row fails in its
+    timing while a bf16 row goes on."""
+
+    def __init__(self, after: int = 6) -> None:
+        super().__init__()
+        self.after, self.calls = after, 0
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.after and not torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("fp32 gave out (made up by the test)")
+        return self.net(x)
+
+
+def test_a_naive_loop_that_failed_in_its_timing_gives_the_others_no_interval_from_its_windows():
+    task = dataclasses.replace(tiny_task(), model=FailsOutsideAutocast)
+    result = benchmark(task, devices="cpu", precisions=["bf16-mixed"], compiles=[False], steps=16, window=2,
+                       auto=False)  # fmt: skip
+    naive, bf16 = result.rows
+    assert "fp32 gave out" in naive.error and not bf16.error
+    # the failed loop's later windows were no time at all: the interval read 0.00-0.59x against a null speed-up
+    assert bf16.speedup_naive is None and bf16.speedup_naive_interval is None
+
+
 class SizedStream(IterableDataset):
     """A stream that knows its length, as many do: a DataLoader refuses to shuffle it."""
 

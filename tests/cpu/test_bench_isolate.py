@@ -60,6 +60,15 @@ def make_dying_task(after: int) -> redline.Task:
                         batch_size=32, name="dying")
 
 
+def make_unseeded(transform=None) -> redline.Task:  # data drawn from NumPy's global stream, as a quick script does
+    import numpy as np
+
+    x = torch.from_numpy(np.random.rand(256, 16).astype("float32"))
+    y = torch.from_numpy(np.random.randint(0, 4, 256))
+    return redline.Task(model=lambda: nn.Linear(16, 4), loss_fn=nn.functional.cross_entropy,
+                        train_data=TensorDataset(x, y), batch_size=32, name="unseeded")
+
+
 def make_task(pids: str) -> redline.Task:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
@@ -108,6 +117,29 @@ def test_a_row_whose_process_is_killed_while_it_is_timed_says_how_it_ended(task_
     for row in result.rows:
         assert row.error.startswith("the row's process ended without an answer (killed by signal 9; killed for memory")
         assert row.samples_per_s is None
+
+
+def test_rows_build_the_same_data_from_an_unseeded_factory_in_a_folder_that_shadows_the_standard_library(
+    task_file, tmp_path, monkeypatch
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "profile.py").write_text("raise RuntimeError('the project\\'s own profile.py was imported')\n")
+    monkeypatch.chdir(project)  # `python -m` put the working directory before the standard library: every row died
+    task = redline.load_task(f"{os.path.relpath(task_file)}:make_unseeded")  # a relative path, read from here
+    monkeypatch.chdir(tmp_path)  # ... and still the same file once the working directory changed
+    result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=10, window=5, auto=False,
+                       isolate=True)  # fmt: skip
+    naive, fp32 = result.rows
+    assert not naive.error and not fp32.error, (naive.error, fp32.error)
+    assert naive.loss == pytest.approx(fp32.loss, rel=1e-6)  # each process drew the factory's data from one seed
+
+
+def test_options_that_cannot_travel_to_a_rows_process_are_refused_before_any_row_starts(task_file):
+    task = redline.load_task(f"{task_file}:make_unseeded", transform=lambda x: x)
+    with pytest.raises(ConfigError, match="do not pickle") as refused:
+        benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=10, window=5, isolate=True)
+    assert "hint: pass the task's options as plain values" in str(refused.value)
 
 
 def test_a_task_built_in_python_cannot_be_isolated_and_the_error_says_how_to_load_one():

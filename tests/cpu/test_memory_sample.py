@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
@@ -126,3 +127,33 @@ def test_the_measured_search_tries_each_batch_size_on_the_largest_items_not_the_
         dataclasses.replace(task, train_data=Texts([64] * 32)), options=fp32, max_batch_size=4
     )
     assert set(Seen.lengths) == {64} and not any("differ in size" in note for note in even.notes)
+
+
+class Augmented(Texts):
+    """Texts whose items draw from torch's global stream as they are read (an augmentation), or fail at ``bad``."""
+
+    def __init__(self, lengths: list[int], bad: int | None = None) -> None:
+        super().__init__(lengths)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == self.bad:
+            raise ValueError(f"corrupt item {index}")
+        torch.rand(1)
+        return super().__getitem__(index)
+
+
+def test_the_measured_search_leaves_the_callers_random_streams_where_they_were():
+    task = texts_task(Augmented([4] * 16 + [64] * 48))
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    redline.find_batch_size(task, options=redline.RuntimeOptions(devices="cpu", precision="fp32"), max_batch_size=2)
+    assert torch.equal(torch.get_rng_state(), before)  # ranking the items read them, and their draws, inside the save
+
+
+def test_an_item_that_fails_as_the_largest_are_looked_for_is_named_with_the_datasets_hint():
+    task = texts_task(Augmented([4] * 16 + [64] * 48, bad=50))
+    with pytest.raises(redline.TaskError, match="reading item 50 of train_data, to find its largest items, raised "
+                                                "ValueError: corrupt item 50") as failed:  # fmt: skip
+        redline.find_batch_size(task, options=redline.RuntimeOptions(devices="cpu", precision="fp32"), max_batch_size=2)
+    assert "hint: the error is in the dataset's own code" in str(failed.value)

@@ -59,6 +59,25 @@ def test_the_median_speedups_interval_is_read_off_the_rounds_ranks_a_binomial_gi
     assert paired_interval([1.0, 3.0, 1.0, 3.0, 1.0, 3.0], [0.5, 1.5, 0.5, 1.5, 0.5, 1.5]) == (2.0, 2.0)
 
 
+def test_the_ranks_of_thousands_of_rounds_agree_with_exact_binomial_sums():
+    from fractions import Fraction
+    from math import comb
+
+    from redline.bench.figures import _order_rank
+
+    def exact(n: int) -> int:
+        below, rank = Fraction(0), 0
+        for i in range(n + 1):
+            below += Fraction(comb(n, i), 2**n)
+            if below > Fraction(1, 40):
+                break
+            rank = i + 1
+        return rank
+
+    assert [_order_rank(n, 0.025) for n in (20, 400, 1500)] == [exact(n) for n in (20, 400, 1500)]
+    assert abs(_order_rank(40_000, 0.025) - (20_000 - 1.96 * 100)) <= 1  # 2**40000 overflowed a float's range
+
+
 def test_too_few_rounds_give_no_interval_and_rounds_one_side_lacks_are_left_out():
     assert paired_interval([1.0] * 5, [1.0] * 5) is None  # P(all five on one side) = 1/16 > 5%
     assert paired_interval([1.0] * 6, [0.5] * 6) == (2.0, 2.0)

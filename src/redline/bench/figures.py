@@ -69,9 +69,9 @@ def paired_interval(
 def _order_rank(n: int, tail: float) -> int:
     """The largest rank k (1-based; 0 if none) with P(Binomial(n, 1/2) < k) <= ``tail``: the median lies between
     the k-th smallest and the k-th largest of n values with confidence 1 - 2 x that probability."""
-    below, rank = 0.0, 0
-    for i in range(n + 1):
-        below += math.comb(n, i) / 2**n
+    below, rank, half = 0.0, 0, n * math.log(2)
+    for i in range(n + 1):  # each term in logs: 2**n and the binomial coefficients of thousands of rounds overflow
+        below += math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - half)
         if below > tail:
             break
         rank = i + 1

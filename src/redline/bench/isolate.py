@@ -33,6 +33,13 @@ if TYPE_CHECKING:
     from redline.bench.rows import Peaks, RowFacts
 
 _LENGTH = struct.Struct("!Q")
+# `python -m` would put the working directory first on sys.path, before torch is imported: a profile.py or queue.py
+# of the user's would stand for the standard library's. The row takes the bench's sys.path once started.
+_START = "import sys; del sys.path[0]; from redline.bench.row_process import main; sys.exit(main(int(sys.argv[1])))"
+OPTIONS_HINT = (
+    "pass the task's options as plain values (numbers, text, lists of them) that its factory turns into objects, "
+    "or bench without isolate"
+)
 STOP_WAIT_S = 10.0  # how long a row's process is given to end after it was asked to, before it is killed
 
 
@@ -78,7 +85,7 @@ class RowProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_paths())}
         try:  # what the task prints goes to stderr: never into --json's stdout
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "redline.bench.row_process", str(theirs.fileno())],
+                [sys.executable, "-c", _START, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=2, env=env,
             )  # fmt: skip
         finally:

@@ -1,4 +1,4 @@
-"""One bench row's process under ``isolate`` (bench/isolate.py): ``python -m redline.bench.row_process FD``.
+"""One bench row's process under ``isolate``, started by bench/isolate.py with the socket ``FD`` it reads.
 
 It reads its job from the socket ``FD``, loads the task from its spec, builds and warms up its row as the bench does
 in its own process (``warm_up``), then answers the bench's requests (run N steps, the row's facts) until asked to
@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from redline.bench.isolate import Channel
+from redline.bench.isolate import OPTIONS_HINT, Channel
 from redline.bench.loops import Runner
 from redline.bench.rows import row_error, row_facts
 from redline.bench.run import reset_compiler, warm_up
-from redline.errors import ConfigError, RedlineError
+from redline.errors import ConfigError, RedlineError, TaskSpecError, describe_error
+from redline.runtime.seed import seed_everything
 from redline.task import load_task
 
 
@@ -46,7 +47,11 @@ def main(fd: int) -> int:
     channel = Channel(socket.socket(fileno=fd))
     try:
         job = channel.recv()
-    except EOFError:
+    except (EOFError, OSError):  # the bench ended before it sent the job
+        return 1
+    except Exception as exc:  # an option of the task this process cannot rebuild (a class of the bench's __main__)
+        said = f"the task's options could not be rebuilt in a row's process ({describe_error(exc)})"
+        _tell(channel, "redline", TaskSpecError(f"{said}\nhint: {OPTIONS_HINT}"))
         return 1
     redline_log = logging.getLogger("redline")
     redline_log.handlers, redline_log.propagate = [_Forward(channel)], False
@@ -58,15 +63,18 @@ def main(fd: int) -> int:
     except KeyboardInterrupt:  # a Ctrl-C reaches every process of the terminal's: the bench says it, once
         _tell(channel, "interrupted", None)
         return 130
+    except OSError:  # the bench is gone (killed): nothing is left to answer
+        return 1
     return 0
 
 
 def _warmed(job: dict[str, Any], channel: Channel) -> Runner | None:
     """Load the task and warm up the row; tell the bench its peak and FLOPs, or why it failed (None then)."""
-    sys.path[:0] = [path for path in job["sys_path"] if path not in sys.path]  # the user's modules, as the bench saw
+    sys.path[:] = job["sys_path"]  # the user's modules, found as the bench found them
     torch.set_num_threads(job["threads"])
     setting = job["setting"]
     try:
+        seed_everything(job["seed"])  # a factory's unseeded data: each row's process builds the same
         task = load_task(job["spec"], **job["options"])
         if setting.compile is not False:  # compiled, or auto's row, which may compile: timed as a fresh run's
             reset_compiler([setting.device])
@@ -120,7 +128,3 @@ def _travels(exc: BaseException) -> bool:
 def _tell(channel: Channel, kind: str, value: object) -> None:
     with contextlib.suppress(OSError):  # the bench is gone
         channel.send((kind, value))
-
-
-if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))

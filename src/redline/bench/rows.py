@@ -84,7 +84,7 @@ def bench_rows(
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
     peaks: Peaks = {}
-    naive = {s.device: timed[position[s]][0] for s in group if s.kind == "naive" and s in position}
+    naive: dict[str, list[float]] = {}
     for setting in group:
         base = base_row(setting)
         if setting in failed:
@@ -104,11 +104,28 @@ def bench_rows(
         if error or facts is None:
             rows.append(dataclasses.replace(base, error=error))
             continue
-        row = _figures(base, facts, windows, window, memory, flops, loss)
-        if setting.kind != "naive" and setting.device in naive:  # round by round against the naive loop's windows
-            row = dataclasses.replace(row, speedup_naive_interval=paired_interval(naive[setting.device], windows))
-        rows.append(row)
-    return _with_break_even(_with_shared_compiles(rows))
+        rows.append(_figures(base, facts, windows, window, memory, flops, loss))
+        if setting.kind == "naive":  # it ran whole: the others' rounds pair with its windows
+            naive[setting.device] = windows
+    return _with_break_even(_with_shared_compiles(_with_intervals(rows, group, timed, position, naive)))
+
+
+def _with_intervals(
+    rows: list[BenchRow],
+    group: list[Setting],
+    timed: dict[int, tuple[list[float], str]],
+    position: dict[Setting, int],
+    naive: dict[str, list[float]],
+) -> list[BenchRow]:
+    """Give each row that ran the interval of its round-by-round speed-up over the naive loop of its device, where
+    that loop ran whole (a failed one's windows are no measurement)."""
+    out = []
+    for setting, row in zip(group, rows, strict=True):
+        if setting.kind != "naive" and not row.error and setting.device in naive:
+            interval = paired_interval(naive[setting.device], timed[position[setting]][0])
+            row = dataclasses.replace(row, speedup_naive_interval=interval)
+        out.append(row)
+    return out
 
 
 def row_error(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
+import pickle
 import platform
 import signal
 import time
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from redline.bench.compile_cache import cache_lookups, served_from_cache
-from redline.bench.isolate import RowEnded, RowFailed, RowProcess
+from redline.bench.isolate import OPTIONS_HINT, RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, row_options, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import Peak, PeakMemory
@@ -35,6 +36,7 @@ from redline.errors import (
     RedlineError,
     StoppedBySignal,
     TaskError,
+    describe_error,
     interrupting_signal,
     invalid,
 )
@@ -310,6 +312,13 @@ def _origin(task: Task) -> tuple[str, dict[str, Any]]:
             "hint: load it with redline.load_task('path/to/file.py:make_task', ...), as `redline bench --task` "
             "does, or bench without isolate"
         )
+    try:
+        pickle.dumps(origin)
+    except Exception as exc:  # a lambda, or an object that does not pickle
+        raise ConfigError(
+            "isolate=True sends the task's options to each row's process, and they do not pickle "
+            f"({describe_error(exc)})\nhint: {OPTIONS_HINT}"
+        ) from exc
     return origin
 
 

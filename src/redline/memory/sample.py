@@ -19,8 +19,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from redline.errors import TaskError
-from redline.runtime.contract import split_batch
+from redline.errors import TaskError, describe_error
+from redline.runtime.contract import split_batch, user_line
 from redline.task import CollateFn
 
 LOOKED_AT = 4096  # items read to find the largest: an in-memory dataset's are read in well under a second
@@ -53,10 +53,21 @@ def largest_first(data: Dataset[Any]) -> list[int] | None:
     if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
         return None
     indices = _looked_at(len(data))
-    sizes = [_elements(data[i]) for i in indices]
+    sizes = [_elements(_item(data, i)) for i in indices]
     if len(set(sizes)) <= 1:
         return None
     return [indices[k] for k in sorted(range(len(indices)), key=lambda k: sizes[k], reverse=True)]
+
+
+def _item(data: Dataset[Any], index: int) -> Any:
+    try:
+        return data[index]
+    except Exception as exc:  # the dataset's own code: a missing file, a corrupt record
+        raise TaskError(
+            f"reading item {index} of train_data, to find its largest items, raised {describe_error(exc)}"
+            f"{user_line(exc)}\nhint: the error is in the dataset's own code; REDLINE_TRACEBACK=1 prints the whole "
+            "traceback"
+        ) from exc
 
 
 def largest_told(data: Dataset[Any]) -> tuple[list[int] | None, list[str]]:

@@ -179,8 +179,6 @@ def find_batch_size(
         hint = f"pass start={cap} or less, or max_batch_size={start} or more"
         raise invalid("start", start, f"at most {cap} ({where})", hint)
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
-    order, told = largest_told(task.train_data)  # a batch padded to its longest item: the largest items make the peak
-    notes += told
     env = read_env()
     tried: list[Tried] = []
     smallest = 1  # the smallest batch the model trains on
@@ -191,6 +189,8 @@ def find_batch_size(
     saved = capture_rng()  # each probe draws a model's weights (and applies a seed): the caller's streams stay put
     # one process group for every probe's Runtime; a training step needs autograd, whatever the caller's mode
     try:
+        order, told = largest_told(task.train_data)  # a batch padded to its longest item: the largest make the peak
+        notes += told  # (read within the RNG's save: an item's augmentation draws from it)
         with _told(tried), join_process_group(env, device.type), torch.inference_mode(False), torch.enable_grad():
             options, measured, precision = _as_trained(task, given, options, env, cap, notes)
             while (size := next_batch_size([(s, ok) for s, ok, _ in tried], start=start, cap=cap)) is not None:

@@ -78,8 +78,16 @@ def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]
             f"task spec {spec!r}: the factory returned {type(task).__name__}, expected a redline.Task\n"
             f"hint: {_returned_hint(task)}"
         )
-    object.__setattr__(task, "_origin", (spec, dict(options)))  # frozen: set as a dataclass's __post_init__ would
+    object.__setattr__(task, "_origin", (_absolute(spec), dict(options)))  # frozen: as a __post_init__ would set it
     return task
+
+
+def _absolute(spec: str) -> str:
+    """``spec`` with a task file's path made absolute: loaded again after a chdir, it names the same file."""
+    module_name, _, factory = spec.rpartition(":")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        return f"{Path(os.path.expanduser(module_name)).resolve()}:{factory}"
+    return spec
 
 
 def task_origin(task: Task) -> tuple[str, dict[str, Any]] | None:
