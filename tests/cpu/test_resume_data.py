@@ -148,3 +148,54 @@ def test_hashes_unknown_on_either_side_are_not_checked() -> None:
         position.check_resume(found, batch_size=8, split=1, world_size=1, task="pairs", train_samples=64,  # type: ignore[arg-type]
                               data_hashes=now)  # fmt: skip
         assert position.data_hashes == now  # its next checkpoint holds this run's
+
+
+SPLIT_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+
+def make(split_seed: int = 0, lr: float = 0.1) -> redline.Task:
+    data = torch.randn(96, 4, generator=torch.Generator().manual_seed(7))
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(split_seed))  # the split moves with the option
+    x, y = data[order[:64]], (data[order[:64], 0] > 0).long()
+    return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy,
+                        train_data=TensorDataset(x, y), batch_size=8,
+                        optimizer=lambda params: torch.optim.SGD(params, lr=lr), name="split")
+"""
+
+
+def unseeded_fit(task: redline.Task, out: Path, steps: int, **kwargs: object) -> redline.TrainSummary:
+    with Trainer(task, runtime=redline.RuntimeOptions(devices="cpu"), progress=False, max_steps=steps, out_dir=out,
+                 **kwargs) as trainer:  # fmt: skip
+        return trainer.fit()
+
+
+def test_a_resume_whose_task_option_moved_the_data_is_refused_naming_the_option_though_the_run_had_no_seed(
+    tmp_path: Path,
+) -> None:
+    # A run without --seed was only warned of ("that run had no seed ... give --seed"), though --task-arg
+    # split_seed=1, not the seed, drew the other samples, and the run's own options draw them again.
+    spec = tmp_path / "split_task.py"
+    spec.write_text(SPLIT_TASK)
+    unseeded_fit(redline.load_task(f"{spec}:make"), tmp_path / "run", 4)
+    with pytest.raises(ConfigError) as refused:
+        unseeded_fit(redline.load_task(f"{spec}:make", split_seed=1), tmp_path / "run", 8, resume="auto")
+    said = str(refused.value)
+    assert "the task's options differ from that run's: split_seed=1 (the run began without it: the factory's " in said
+    assert "hint: resume with the --task-arg values the run began with" in said
+    # an option that leaves the data alone is not the data's business: a changed lr resumes (as train warns it)
+    summary = unseeded_fit(redline.load_task(f"{spec}:make", lr=0.05), tmp_path / "run", 8, resume="auto")
+    assert summary.steps == 8
+
+
+def test_changed_options_name_each_side():
+    from redline.train.state import changed_options
+
+    assert changed_options({"seed": "0", "n": "3"}, {"seed": "1", "m": "'a'"}) == (
+        "m='a' (the run began without it: the factory's default), "
+        "n left to the factory's default (the run began with n=3), seed=1 (the run began with seed=0)"
+    )
+    assert changed_options(None, {"seed": "1"}) == "" and changed_options({"seed": "0"}, {"seed": "0"}) == ""

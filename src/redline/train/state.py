@@ -21,6 +21,7 @@ from redline.parallel.watchdog import Watchdog
 from redline.runtime.loading import DeviceLoader
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import EpochSampler
+from redline.task import Task, task_origin
 from redline.train.data import StreamShard
 from redline.train.logs import Loggers
 from redline.train.progress import Progress
@@ -42,6 +43,7 @@ class Stateful(Protocol):
 
 _DATA = ("train_samples", "task")  # a Position's fields saved apart from the rest: see Position.to_state
 _HASHES = "data_hashes"  # saved apart from _DATA too: a redline from before it builds Position(**data), no more
+_OPTIONS = "task_options"  # apart too, for the same reason
 
 
 def _unseeded(found: Checkpoint) -> bool:
@@ -51,6 +53,28 @@ def _unseeded(found: Checkpoint) -> bool:
         return load_plan(found).get("seed", {}).get("value", 0) is None
     except (CheckpointError, OSError, ValueError, AttributeError):
         return False
+
+
+def option_texts(task: Task) -> dict[str, str] | None:
+    """The options that loaded ``task`` (``--task-arg``), each as its repr; None for a Task built in Python."""
+    origin = task_origin(task)
+    return {key: repr(value) for key, value in origin[1].items()} if origin is not None else None
+
+
+def changed_options(then: dict[str, str] | None, now: dict[str, str] | None) -> str:
+    """The options that differ between a checkpoint's run and this one ("seed=1 (the run began with seed=0)"); ""
+    where they agree, or either side's are unknown."""
+    if then is None or now is None:
+        return ""
+    said = []
+    for key in sorted(then.keys() | now.keys()):
+        if key not in then:
+            said.append(f"{key}={now[key]} (the run began without it: the factory's default)")
+        elif key not in now:
+            said.append(f"{key} left to the factory's default (the run began with {key}={then[key]})")
+        elif then[key] != now[key]:
+            said.append(f"{key}={now[key]} (the run began with {key}={then[key]})")
+    return ", ".join(said)
 
 
 @dataclass
@@ -66,19 +90,30 @@ class Position:
     task: str = ""  # the task's name; "" in checkpoints from before it was saved
     # a hash of a few items of the task's train_data and val_data (``data_digests``); {} in older checkpoints
     data_hashes: dict[str, str] = field(default_factory=dict)
+    # the options the task was loaded with (--task-arg), each as its repr; None for a Task built in Python, or older
+    task_options: dict[str, str] | None = None
 
     def to_state(self) -> dict[str, dict[str, Any]]:
         """The checkpoint's entries for this position: where the run stands ("position"), and what it trains on
         ("data", "data_hashes"), kept apart so that a redline from before each was saved reads the rest it knows."""
         known = vars(self).copy()
-        hashes = known.pop(_HASHES)
-        return {"data": {name: known.pop(name) for name in _DATA}, _HASHES: hashes, "position": known}
+        hashes, options = known.pop(_HASHES), known.pop(_OPTIONS)
+        return {
+            "data": {name: known.pop(name) for name in _DATA},
+            _HASHES: hashes,
+            _OPTIONS: options,
+            "position": known,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Position:
         """The position a checkpoint's extra state holds (``to_state``'s entries; "data" and "data_hashes" are absent
         from older ones)."""
-        return cls(**state["position"], **(state.get("data") or {}), data_hashes=dict(state.get(_HASHES) or {}))
+        options = state.get(_OPTIONS)
+        return cls(
+            **state["position"], **(state.get("data") or {}), data_hashes=dict(state.get(_HASHES) or {}),
+            task_options=dict(options) if isinstance(options, dict) else None,
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def next_epoch(self) -> Iterator[None]:
@@ -99,18 +134,26 @@ class Position:
         batch_size: int,
         split: int,
         world_size: int,
-        task: str,
+        task: Task | str,
         train_samples: int | None,
         data_hashes: dict[str, str],
     ) -> None:
         """Refuse to continue this position (of checkpoint ``found``; None for a new run) where the batches or the
-        training set differ (``check_batch_size``, ``check_data``), then hold this run's task, length and hashes."""
+        training set differ (``check_batch_size``, ``check_data``), then hold this run's task (its name and the
+        options it was loaded with; a name alone says no options), length and hashes."""
+        name, options = (task, None) if isinstance(task, str) else (task.name, option_texts(task))
         self.check_batch_size(batch_size, found, split=split, world_size=world_size)
-        self.check_data(task, train_samples, found, data_hashes)
-        self.task, self.train_samples, self.data_hashes = task, train_samples, dict(data_hashes)
+        self.check_data(name, train_samples, found, data_hashes, options)
+        self.task, self.train_samples, self.data_hashes = name, train_samples, dict(data_hashes)
+        self.task_options = options
 
     def check_data(
-        self, task: str, train_samples: int | None, found: Checkpoint | None, data_hashes: dict[str, str]
+        self,
+        task: str,
+        train_samples: int | None,
+        found: Checkpoint | None,
+        data_hashes: dict[str, str],
+        options: dict[str, str] | None = None,
     ) -> None:
         """Refuse to continue this position (of checkpoint ``found``) on a training set of another length, or of other
         items (``data_hashes``, this run's ``data_digests``, differ in train_data's); warn where the validation set's
@@ -133,6 +176,14 @@ class Position:
                 "run (another --out)"
             )
         moved = [name for name, digest in self.data_hashes.items() if data_hashes.get(name, digest) != digest]
+        changed = changed_options(self.task_options, options)
+        if "train_data" in moved and changed:  # the options the run began with draw its data again: refused, named
+            raise ConfigError(
+                f"{found.path} was written training on other samples{named} than this run's train_data holds (a "
+                f"hash of a few of their items differs), and the task's options differ from that run's: {changed}; "
+                "resumed, the run would train on other samples, and validate on some it trained on\nhint: resume "
+                "with the --task-arg values the run began with; to train on this data, start a new run (another --out)"
+            )
         if "train_data" in moved and _unseeded(found):  # no command could draw that run's data again: said, not refused
             log.warning(
                 "resuming %s, written training on other samples than this run's train_data holds (a hash of a few of "

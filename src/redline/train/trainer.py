@@ -320,7 +320,7 @@ class Trainer:
             return ended
         split = (self.config.batch_size or self.task.batch_size) // self.batch_size  # a tuned run's micro-batches
         pos.check_resume(
-            resumed, batch_size=self.batch_size, split=split, world_size=self.env.world_size, task=self.task.name,
+            resumed, batch_size=self.batch_size, split=split, world_size=self.env.world_size, task=self.task,
             train_samples=job_size(self.task.train_data, self.env.world_size), data_hashes=data_digests(self.task),
         )  # fmt: skip
         compiled = rt.explain().compile  # a compiled model keeps one shape: a partial batch would compile again
