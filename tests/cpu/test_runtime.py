@@ -487,3 +487,16 @@ def test_a_model_the_caller_compiled_is_said_to_run_compiled(monkeypatch, cpu, a
     assert compile_choice is not None and compile_choice.value is True
     assert compile_choice.reason.startswith("compiled by the caller (torch.compile before setup): run as given")
     assert ("cannot undo it" in compile_choice.reason) == (asked == "off")
+
+
+def test_a_compile_mode_auto_does_not_use_is_said_in_a_warning_and_the_plan_not_dropped(initial, caplog):
+    # --compile-mode max-autotune with compile left to auto ran eager on a CPU with no word of the mode
+    with caplog.at_level(logging.WARNING, logger="redline"), redline.Runtime(
+        devices="cpu", precision="fp32", compile_mode="max-autotune"
+    ) as rt:  # fmt: skip
+        rt.setup(initial, torch.optim.SGD(initial.parameters(), lr=0.1))
+        plan = rt.explain()
+    assert plan.compile.value is False
+    assert plan.compile.reason.endswith("; compile_mode='max-autotune' unused (compile='on' compiles in it)")
+    assert "compile_mode='max-autotune' is not used: auto: on cpu" in caplog.text
+    assert "hint: pass compile='on' to compile in it" in caplog.text

@@ -128,9 +128,12 @@ def compile_planned(
     planned = resolve_compile(
         options.compile, facts, planned_steps=planned_steps, supported=lambda: compile_supported(facts.type)
     )
+    mode = options.compile_mode
+    if not planned.value and mode != "default" and options.compile == "auto":  # asked for a mode: said, not dropped
+        log.warning("compile_mode=%r is not used: %s\nhint: pass compile='on' to compile in it", mode, planned.reason)
+        return Choice(False, f"{planned.reason}; compile_mode={mode!r} unused (compile='on' compiles in it)")
     if not planned.value:
         return planned
-    mode = options.compile_mode
     if not any(record.module is model for record in records):  # set up again: its forward is compiled already
         options_of_mode: dict[str, Any] = {} if mode == "default" else {"mode": mode}
         records.append(compile_module(model, **options_of_mode))

@@ -76,7 +76,7 @@ class RuntimeOptions:
         if self.compile == "off" and self.compile_mode != "default":
             raise invalid(
                 "compile_mode", self.compile_mode, "'default' when compile is off (a mode is how a compiled step runs)",
-                f"pass compile='on' (or 'auto') to compile in {self.compile_mode}, or compile_mode='default' for an "
+                f"pass compile='on' to compile in {self.compile_mode}, or compile_mode='default' for an "
                 "eager step; for CUDA graphs without a compile, cuda_graphs='on'",
             )  # fmt: skip
         one_of("attention", self.attention, get_args(AttentionRequest))
