@@ -23,14 +23,12 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redline.bench.matrix import Setting
 from redline.bench.memory import Peak
+from redline.bench.result import Peaks, RowFacts
 from redline.errors import ConfigError, RedlineError
-
-if TYPE_CHECKING:
-    from redline.bench.rows import Peaks, RowFacts
 
 _LENGTH = struct.Struct("!Q")
 # `python -m` would put the working directory first on sys.path, before torch is imported: a profile.py or queue.py

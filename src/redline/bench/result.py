@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from redline.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -71,3 +74,24 @@ class BenchResult:
             if row.name == name:
                 return row
         raise KeyError(name)
+
+
+Peaks = dict[tuple[str, str | None, bool], float | None]  # measured matmul TFLOP/s by (device, precision, TF32)
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What a row's figures read from its runner once timed, where the runner lives (this process, or the row's own
+    under ``isolate``): its Plan, compile and trial, the first batch's tokens, the precision its matmuls run in and
+    their measured peak, and why it ran eagerly where it was to compile ("" when it did not)."""
+
+    plan: Plan | None
+    compile_s: float | None
+    compile_cached: bool | None
+    trial_s: float | None
+    trial_cached: bool | None
+    micro_steps: int
+    tokens: int | None  # of the first batch, as its samples are: each row's batches are alike
+    matmuls: str | None
+    matmul_peak: float | None
+    eager: str

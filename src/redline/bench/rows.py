@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -14,35 +13,15 @@ from redline.bench.isolate import RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
 from redline.bench.memory import Peak
-from redline.bench.result import BenchRow
+from redline.bench.result import BenchRow, Peaks, RowFacts
 from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
 from redline.hardware.flops import matmul_precision, mfu, share_of_peak
-from redline.plan import Plan
 from redline.runtime.contract import ONE_SAMPLE_HINT, count_tokens, one_sample_refusal
 from redline.runtime.trial import best_matmul_peak
 
 Built = dict[Setting, tuple[Runner | RowProcess, Peak, int | None]]  # each row's runner, warm-up peak and FLOPs
-Peaks = dict[tuple[str, str | None, bool], float | None]  # measured matmul TFLOP/s by (device, precision, TF32)
-
-
-@dataclass(frozen=True)
-class RowFacts:
-    """What a row's figures read from its runner once timed, where the runner lives (this process, or the row's own
-    under ``isolate``): its Plan, compile and trial, the first batch's tokens, the precision its matmuls run in and
-    their measured peak, and why it ran eagerly where it was to compile ("" when it did not)."""
-
-    plan: Plan | None
-    compile_s: float | None
-    compile_cached: bool | None
-    trial_s: float | None
-    trial_cached: bool | None
-    micro_steps: int
-    tokens: int | None  # of the first batch, as its samples are: each row's batches are alike
-    matmuls: str | None
-    matmul_peak: float | None
-    eager: str
 
 
 def row_facts(runner: Runner, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:
