@@ -177,3 +177,15 @@ def test_the_command_line_isolates_and_its_json_says_so(task_file, tmp_path, red
     data = json.loads(result.stdout)
     assert data["isolated"] is True and [row["error"] for row in data["rows"]] == ["", ""]
     assert len(set(pids.read_text().split())) == 2  # each row built its model in its own process, not the command's
+
+
+def test_an_installed_redline_puts_no_site_packages_before_the_standard_library(monkeypatch):
+    from pathlib import Path
+
+    from redline.bench import isolate
+
+    holder = str(Path(isolate.__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", "/opt/mine")
+    assert isolate._import_paths() == [os.path.realpath(holder), "/opt/mine"]  # a source tree: found through it
+    monkeypatch.setattr(isolate.site, "getsitepackages", lambda: [holder])  # installed: its process finds it anyway
+    assert isolate._import_paths() == ["/opt/mine"]

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import pickle
+import site
 import socket
 import struct
 import subprocess
@@ -80,7 +81,8 @@ class RowProcess:
     def __init__(self, origin: tuple[str, dict[str, Any]], setting: Setting, job: dict[str, Any]) -> None:
         self.setting = setting
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_paths())}
+        paths = _import_paths()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)} if paths else None
         try:  # what the task prints goes to stderr: never into --json's stdout
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _START, str(theirs.fileno())],
@@ -164,7 +166,10 @@ def _raised(kind: str, value: Any) -> BaseException:
 
 
 def _import_paths() -> list[str]:
-    """Where the row's process finds redline as this process found it, then what PYTHONPATH already says."""
-    package = Path(__file__).resolve().parents[2]  # the folder that holds redline/
-    given = os.environ.get("PYTHONPATH", "")
-    return [str(package), *(p for p in given.split(os.pathsep) if p)]
+    """Where the row's process finds redline as this process found it (a source tree's folder; an installed
+    redline's site-packages is found without it, and put first it would stand before the standard library), then
+    what PYTHONPATH already says."""
+    package = os.path.realpath(Path(__file__).resolve().parents[2])  # the folder that holds redline/
+    sites = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return given if package in sites else [package, *given]
