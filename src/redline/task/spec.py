@@ -85,9 +85,15 @@ def call_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any]
 def _absolute(spec: str) -> str:
     """``spec`` with a task file's path made absolute: loaded again after a chdir, it names the same file."""
     module_name, _, factory = spec.rpartition(":")
+    path = _task_file(module_name)
+    return f"{path.resolve()}:{factory}" if path is not None else spec
+
+
+def _task_file(module_name: str) -> Path | None:
+    """The file a spec's module part names (``path/to/tasks.py``, ``~/tasks.py``); None for a dotted module."""
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        return f"{Path(os.path.expanduser(module_name)).resolve()}:{factory}"
-    return spec
+        return Path(os.path.expanduser(module_name))  # ~nosuchuser stays as given
+    return None
 
 
 def task_origin(task: Task) -> tuple[str, dict[str, Any]] | None:
@@ -215,8 +221,8 @@ def _functions_in(path: Path) -> list[str]:
 
 
 def _import_module(spec: str, module_name: str) -> Any:
-    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        path = Path(os.path.expanduser(module_name))  # ~nosuchuser stays as given
+    path = _task_file(module_name)
+    if path is not None:
         if not path.is_file():
             factory = spec.rpartition(":")[2]
             files = sorted(f"'{f}:{factory}'" for f in path.glob("*.py")) if path.is_dir() else []
