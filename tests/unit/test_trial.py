@@ -107,7 +107,8 @@ def test_time_steps_counts_the_settling_steps_against_its_budget():
         (1.5, 1),  # slower than fp32 after the first round: decided there
         (1.0, 1),  # as fast is not 10% faster
         (0.97, 2),  # 3% faster: given up on after two rounds
-        (0.5, 2),  # twice as fast: the winner after two rounds
+        (0.5, 1),  # twice as fast: the winner after one round
+        (0.75, 2),  # 1.33x: the winner after two rounds, not one
         (0.92, 4),  # 8.7% faster: may yet reach the 10% margin, so every round runs
     ],
 )
@@ -135,7 +136,9 @@ def test_time_steps_stops_once_the_trial_is_decided(candidate, rounds):
         ([[1.0], []], 1, True),  # a candidate with nothing timed cannot win either
         ([[1.0], []], 3, True),
         ([[1.0]], 1, False),  # no candidate: nothing to decide early
-        ([[1.0], [0.85]], 1, False),  # 18% faster: one round never picks a winner
+        ([[1.0], [0.85]], 1, False),  # 18% faster: one round does not pick this winner
+        ([[1.0], [0.7]], 1, False),  # ... nor one 1.43x faster
+        ([[1.0], [1.3], [0.66]], 1, True),  # ... but one 1.5x faster has won
         ([[1.0], [0.85]], 2, False),  # ... two rounds do at 21%, not at 18%
         ([[1.0], [1.3], [0.8]], 2, True),  # 25% faster: the winner
     ],

@@ -45,6 +45,9 @@ TIMED_STEPS = ROUNDS * BLOCK
 MARGIN = 1.10  # a candidate must run this much faster than fp32 to be chosen: the trial's error on whole runs
 REACH = 1 + (MARGIN - 1) / 2  # after two rounds, a candidate not this much faster than fp32 is given up on
 CLEAR = MARGIN * 1.1  # after two rounds, a candidate this much faster than fp32 has won: its lead dwarfs the noise
+# After one round, a candidate this much faster than fp32 has won: the rounds after the first moved a lead by
+# 0.80-1.33x over 60 whole trials (benchmarks/results/trial-rounds-cpu.md), and 1.5 x 0.80 still clears MARGIN.
+DECISIVE = 1.5
 TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's that rejects it
 MAX_SECONDS = 30.0  # the whole trial; a candidate that would exceed it is timed on fewer steps
 # How a trial measures, in its cache key: a change to it leaves what the old way measured unread. 2: a candidate
@@ -298,21 +301,22 @@ def _guarded(name: str, trainer: TrainingCopy) -> Callable[[], float]:
     return step
 
 
-def decided(times: list[list[float]], rounds: int) -> bool:
+def decided(times: list[list[float]], rounds: int, *, decisive: float = DECISIVE) -> bool:
     """Whether the rounds left could hardly change the choice, from the fastest steps so far: fp32's in
     ``times[0]``, the candidates' after it, ``rounds`` rounds in.
 
     Chosen, a candidate must run ``MARGIN`` (10%) faster than fp32, and more rounds of the same steps
     move a candidate's lead by less than that: after one round, a trial where no candidate is faster
-    than fp32 at all is decided (fp32 stays, the choice that is never slower than the plain loop);
-    after two, one where none is ``REACH`` (5%) faster, or where one is ``CLEAR`` (21%) faster and wins.
+    than fp32 at all is decided (fp32 stays, the choice that is never slower than the plain loop), and
+    one where a candidate is ``decisive`` (``DECISIVE``, 1.5x) faster (it wins); after two, one where
+    none is ``REACH`` (5%) faster, or where one is ``CLEAR`` (21%) faster and wins.
     """
     reference, *others = times
     if not reference or not others:
         return False
     best = max((min(reference) / min(t) for t in others if t), default=0.0)
     if rounds < 2:
-        return best <= 1.0
+        return best <= 1.0 or best >= decisive
     return best < REACH or best >= CLEAR
 
 
