@@ -95,3 +95,14 @@ class RowFacts:
     matmuls: str | None
     matmul_peak: float | None
     eager: str
+
+    @property
+    def tf32(self) -> bool:
+        """Whether the row's fp32 matmuls ran in TF32: ``uses_tf32`` of its Plan."""
+        return uses_tf32(self.plan)
+
+
+def uses_tf32(plan: Plan | None) -> bool:
+    """Whether a row with ``plan`` runs its fp32 matmuls in TF32 (its Plan's choice); the naive loop, which has no
+    Plan, never does."""
+    return bool(plan.tf32.value) if plan is not None else False

@@ -13,7 +13,7 @@ from redline.bench.isolate import RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
 from redline.bench.memory import Peak
-from redline.bench.result import BenchRow, Peaks, RowFacts
+from redline.bench.result import BenchRow, Peaks, RowFacts, uses_tf32
 from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
@@ -29,9 +29,9 @@ def row_facts(runner: Runner, *, compiled: bool, peaks: Peaks, want_peak: bool) 
     adding it there)."""
     plan = runner.plan()
     precision = plan.precision.value if plan is not None else "fp32"
-    tf32 = bool(plan.tf32.value) if plan is not None else False
     matmuls = matmul_precision(precision, runner.model)  # a bfloat16 model trained in fp32 runs at the bf16 peak
-    key = (runner.setting.device, matmuls, tf32)  # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
+    # the naive loop's fp32 matmul runs without TF32, a Runtime row's with
+    key = (runner.setting.device, matmuls, uses_tf32(plan))
     if want_peak and matmuls is not None and key not in peaks:
         device = torch.device(runner.setting.device)
         with runner.scope():
@@ -118,8 +118,7 @@ def row_error(exc: BaseException) -> str:
 def _facts(runner: Runner | RowProcess, *, compiled: bool, peaks: Peaks, want_peak: bool) -> RowFacts:
     if isinstance(runner, RowProcess):  # measured in the row's own process; its peak is kept for the rows after it
         facts = runner.facts(compiled=compiled, peaks=peaks, want_peak=want_peak)
-        tf32 = bool(facts.plan.tf32.value) if facts.plan is not None else False
-        peaks.setdefault((runner.setting.device, facts.matmuls, tf32), facts.matmul_peak)
+        peaks.setdefault((runner.setting.device, facts.matmuls, facts.tf32), facts.matmul_peak)
         return facts
     return row_facts(runner, compiled=compiled, peaks=peaks, want_peak=want_peak)
 
@@ -160,7 +159,6 @@ def _figures(
     precision = plan.precision.value if plan is not None else "fp32"
     compiled = bool(plan.compile.value) if plan is not None and plan.compile is not None else False
     layout = bool(plan.channels_last.value) if plan is not None and plan.channels_last is not None else False
-    tf32 = bool(plan.tf32.value) if plan is not None else False
     samples = rate(windows, base.batch_size * window)
     tokens = rate(windows, facts.tokens * facts.micro_steps * window) if facts.tokens is not None else None
     per_step = step_times(windows, window)
@@ -168,6 +166,7 @@ def _figures(
     facts_of_device = probe_device(torch.device(base.device))
     spec = find_gpu(facts_of_device.name) if facts_of_device.type == "cuda" else None
     matmuls = facts.matmuls
+    peak = peak_tflops(spec, matmuls, tf32=facts.tf32) if spec and matmuls else None
     p50, p90 = percentile(per_step, 50), percentile(per_step, 90)
     return dataclasses.replace(
         base,
@@ -181,7 +180,7 @@ def _figures(
         peak_mem_bytes=memory.peak,
         peak_mem_kind=memory.kind if memory.peak is not None else "",
         tflops=achieved / 1e12 if achieved is not None else None,
-        mfu=mfu(achieved, peak_tflops(spec, matmuls, tf32=tf32)) if achieved is not None and spec and matmuls else None,
+        mfu=mfu(achieved, peak) if achieved is not None else None,
         mfu_measured=share_of_peak(achieved, facts.matmul_peak) if achieved is not None else None,
         compile_s=facts.compile_s if compiled else None,
         compile_cached=facts.compile_cached if compiled else None,
