@@ -28,6 +28,7 @@ from redline.runtime import runtime as runtime_module
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
 from redline.train.config import TrainerConfig
+from redline.train.data import plan_length
 from redline.train.trainer import Trainer
 
 
@@ -844,3 +845,14 @@ def bench_table_text(result: dict) -> str:
     console.print(bench_table(result))
     console.print(best_line(result))
     return console.export_text()
+
+
+@pytest.mark.parametrize(("items", "batch_size", "steps"), [(256, 32, 24), (250, 32, 24), (10, 32, 3), (1438, 64, 69)])
+def test_the_task_run_bench_and_tune_plan_for_is_the_one_train_plans(items, batch_size, steps):
+    # digits' 1,438 items in batches of 64 over 15 epochs: train runs 345 steps, a partial batch an epoch included;
+    # bench and tune counted full batches only (330) and measured auto's trial for a shorter run than train's
+    data = TensorDataset(torch.zeros(items, 2), torch.zeros(items, dtype=torch.long))
+    task = Task(model=lambda: nn.Linear(2, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                batch_size=batch_size, epochs=3)  # fmt: skip
+    planned, _ = plan_length(data, batch_size=batch_size, world_size=1, grad_accum=1, max_epochs=3, max_steps=None)
+    assert bench_run.task_steps(task, batch_size) == planned == steps

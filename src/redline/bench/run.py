@@ -47,7 +47,7 @@ from redline.plan import Choice
 from redline.plan.device import resolve_device
 from redline.runtime.measure import CACHED, NOT_MEASURED, measure_auto
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.sampling import data_size
+from redline.runtime.sampling import batches_per_epoch, data_size
 from redline.runtime.seed import keeps_rng
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Tuning, auto_tuned
@@ -248,9 +248,10 @@ def check_sizes(task: Task, sizes: Sequence[int]) -> None:
 
 
 def task_steps(task: Task, batch_size: int) -> int | None:
-    """The optimizer steps of the task's own run (its epochs of full batches); None for a stream."""
+    """The optimizer steps `redline train` plans for the task's own run, and measures auto's trial by: its epochs'
+    batches, a partial last one included (a run that compiles leaves it out, after the trial); None for a stream."""
     size = data_size(task.train_data)
-    return max(1, size // batch_size) * task.epochs if size is not None else None
+    return max(1, batches_per_epoch(size, batch_size)) * task.epochs if size is not None else None
 
 
 def _warm_up_all(
