@@ -856,3 +856,14 @@ def test_the_task_run_bench_and_tune_plan_for_is_the_one_train_plans(items, batc
                 batch_size=batch_size, epochs=3)  # fmt: skip
     planned, _ = plan_length(data, batch_size=batch_size, world_size=1, grad_accum=1, max_epochs=3, max_steps=None)
     assert bench_run.task_steps(task, batch_size) == planned == steps
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="auto picks the CPU here")
+def test_the_auto_row_of_a_device_left_to_auto_says_why_auto_picked_it_as_train_does():
+    # its Plan said "requested" of the CPU that auto picked; a device the user named stays "requested"
+    kept = {"precisions": ["fp32"], "compiles": [False], "steps": 4, "window": 2}
+    left = benchmark(tiny_task(), **kept)
+    assert left.row("auto cpu b32").plan["device"]["reason"].startswith("auto: no CUDA or MPS device visible")
+    assert left.row("cpu fp32 eager b32").plan["device"]["reason"].startswith("requested")
+    named = benchmark(tiny_task(), devices="cpu", **kept)
+    assert named.row("auto cpu b32").plan["device"]["reason"].startswith("requested")

@@ -340,3 +340,13 @@ def test_auto_said_is_auto_left_out_what_redline_train_would_run(monkeypatch):
             redline.profile(small_task(), devices="cpu", **said)
         setting, options = asked.pop()
         assert (setting.kind, setting.precision, setting.compile, options) == ("auto", "auto", None, None), said
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="auto picks the CPU here")
+@pytest.mark.parametrize("given", [{}, {"precision": "fp32"}])
+def test_a_profile_of_a_device_left_to_auto_says_why_auto_picked_it(given):
+    # its Plan said "requested" of the CPU that auto picked, with or without flags; a device named stays "requested"
+    left = redline.profile(small_task(), steps=1, warmup=1, **given)
+    assert left.plan.device.reason.startswith("auto: no CUDA or MPS device visible"), left.plan.device
+    named = redline.profile(small_task(), devices="cpu", steps=1, warmup=1, **given)
+    assert named.plan.device.reason.startswith("requested"), named.plan.device

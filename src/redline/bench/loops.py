@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from redline.bench.matrix import Setting
 from redline.errors import TaskError
+from redline.hardware.device import probe_accelerators
 from redline.plan import Choice, Plan
+from redline.plan.device import resolve_device
 from redline.runtime.compile import gave_up_on_model
 from redline.runtime.contract import split_batch
 from redline.runtime.optimizer import check_trainable
@@ -227,11 +229,20 @@ def runtime_runner(
 
 def row_options(setting: Setting) -> RuntimeOptions:
     """The Runtime options of a row: its device, precision and compile (None: auto). CUDA graphs are auto's in the
-    auto row, as `redline train` leaves them, and off in an explicit row (an "eager" row runs eager)."""
+    auto row, as `redline train` leaves them, and off in an explicit row (an "eager" row runs eager); its device as
+    ``as_train_asks``."""
     compile_: Switch = "auto" if setting.compile is None else "on" if setting.compile else "off"
     precision = cast(PrecisionRequest, setting.precision)
     graphs: Switch = "auto" if setting.kind == "auto" else "off"
-    return RuntimeOptions(devices=setting.device, precision=precision, compile=compile_, cuda_graphs=graphs)
+    return RuntimeOptions(devices=as_train_asks(setting), precision=precision, compile=compile_, cuda_graphs=graphs)
+
+
+def as_train_asks(setting: Setting) -> str:
+    """The devices a row's run is given: "auto" for the auto row of a device the user left to auto, where auto picks
+    that device (its Plan then says why, as train's does, not "requested"); else the row's device."""
+    if setting.kind != "auto" or setting.asked != "auto":
+        return setting.device
+    return "auto" if resolve_device("auto", probe_accelerators()).value == setting.device else setting.device
 
 
 def _loader(task: Task, batch_size: int, seed: int) -> DataLoader[Any]:

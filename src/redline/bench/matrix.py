@@ -10,7 +10,7 @@ precisions x compile x batch sizes, each run through the Runtime.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from redline.errors import ConfigError, invalid, nearest
@@ -30,6 +30,9 @@ class Setting:
     precision: str  # "fp32", "bf16-mixed", "fp16-mixed", or "auto"
     compile: bool | None  # None: auto
     batch_size: int
+    # The auto row of a device the user left to auto ("auto" then, else ""): its run is given devices="auto" where
+    # auto picks this device, so its Plan says why, as train's does (loops.py row_options), not "requested"
+    asked: str = field(default="", compare=False)
 
     @property
     def name(self) -> str:
@@ -59,11 +62,13 @@ def expand(
     compiles: Sequence[bool],
     batch_sizes: Sequence[int],
     auto: bool = True,
+    asked: str = "",
 ) -> list[Setting]:
     """The rows to measure, per batch size and device: naive first, then the matrix, then auto.
 
     ``precisions`` None gives fp32 and whichever reduced precision the device has fast arithmetic
-    for (``fast_precisions``), the candidates auto's own trial weighs.
+    for (``fast_precisions``), the candidates auto's own trial weighs. ``asked`` "auto": the devices were left to
+    auto (``Setting.asked``).
     """
     if not devices:
         raise ConfigError("no device to bench\nhint: pass --devices cpu (or cuda, mps)")
@@ -92,5 +97,5 @@ def expand(
                 for flag in dict.fromkeys(compiles)
             ]
             if auto:
-                rows.append(Setting("auto", device, "auto", None, size))
+                rows.append(Setting("auto", device, "auto", None, size, asked=asked))
     return rows

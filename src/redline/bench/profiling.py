@@ -153,7 +153,8 @@ def profile(
         _check_replaceable(trace_path)
     graphs_given = cuda_graphs not in (None, "auto")
     explicit = precision is not None or compile is not None or compile_mode != "default" or graphs_given
-    setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size)
+    asked = "auto" if devices.strip() == "auto" else ""
+    setting = Setting("explicit" if explicit else "auto", device, precision or "auto", compile, size, asked=asked)
     options = None
     if explicit:  # as `redline train` runs these flags: CUDA graphs left to auto unless given
         given: dict[str, Any] = {"precision": precision or "auto", "cuda_graphs": cuda_graphs or "auto"}
@@ -163,7 +164,8 @@ def profile(
             given["compile"] = "off" if cuda_graphs == "on" else "auto"  # graphs replay an uncompiled step
         else:
             given["compile"] = "on" if compile else "off"
-        options = RuntimeOptions(devices=device, **given)  # each checked there, its error naming it
+        # each checked there, its error naming it; the device as the user asked for it, as train would be given it
+        options = RuntimeOptions(devices=devices if asked else device, **given)
     planned = planned_steps or task_steps(task, size)
     with users_failure(f"profiling task {task.name!r}: its model, loss or optimizer", STEP_HINT):
         runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)

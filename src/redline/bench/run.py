@@ -108,7 +108,8 @@ def benchmark(
     check_sizes(task, sizes)
     origin = _origin(task) if isolate else None
     facts = [probe_device(torch.device(name)) for name in _devices(devices)]
-    settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto)
+    asked = "auto" if isinstance(devices, str) and devices.strip() == "auto" else ""
+    settings = expand(facts, precisions=precisions, compiles=compiles, batch_sizes=sizes, auto=auto, asked=asked)
     rounds = timed_steps(steps, window) // window
     running = ["setting up"]  # what runs now, for the message of a Ctrl-C (before the first row warms up: its set-up)
 
@@ -375,7 +376,7 @@ def _auto(
     cached tuned Plan (its options, micro-batches included, and its reasons), else auto's rules with
     the precision a trial measured, where the planned run repays one or a measurement is cached. A
     precision the tuned Plan left to the run's auto (its budget spent first) is measured so too."""
-    options = RuntimeOptions(devices=setting.device)
+    options = row_options(setting)
     tuned = auto_tuned(task, options, setting.batch_size, read_env())
     if tuned is not None:
         return tuned.options, _measured(task, tuned.options, tuned.batch_size, planned), tuned.tuning
