@@ -4,6 +4,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -189,3 +191,20 @@ def test_an_installed_redline_puts_no_site_packages_before_the_standard_library(
     assert isolate._import_paths() == [os.path.realpath(holder), "/opt/mine"]  # a source tree: found through it
     monkeypatch.setattr(isolate.site, "getsitepackages", lambda: [holder])  # installed: its process finds it anyway
     assert isolate._import_paths() == ["/opt/mine"]
+
+
+def test_redline_traceback_prints_a_failing_rows_own_traceback_from_its_process(task_file, tmp_path):
+    # the bench's process printed its own stack only: the row's, where the user's line is, stayed in the row's
+    pids = tmp_path / "pids.txt"
+    command = [
+        sys.executable, "-m", "redline", "bench", "--task", f"{task_file}:make_task", "--task-arg", f"pids={pids}",
+        "--devices", "cpu", "--precision", "bf16-mixed", "--compile", "off", "--steps", "4", "--no-auto",
+        "--no-estimate", "--isolate", "--json",
+    ]  # fmt: skip
+    for asked in ("1", "0"):
+        env = {**os.environ, "REDLINE_TRACEBACK": asked}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240, check=False)
+        assert done.returncode == 0, done.stderr
+        assert "no bf16 here" in json.loads(done.stdout)["rows"][1]["error"]
+        printed = 'raise RuntimeError("no bf16 here' in done.stderr
+        assert printed == (asked == "1") and ("Traceback" in done.stderr) == (asked == "1"), done.stderr

@@ -12,6 +12,7 @@ import logging
 import pickle
 import socket
 import sys
+import traceback
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from redline.bench.isolate import OPTIONS_HINT, Channel
 from redline.bench.loops import Runner
 from redline.bench.rows import row_error, row_facts
 from redline.bench.run import reset_compiler, warm_up
-from redline.errors import ConfigError, RedlineError, TaskSpecError, describe_error
+from redline.errors import ConfigError, RedlineError, TaskSpecError, describe_error, traceback_asked
 from redline.runtime.seed import seed_everything
 from redline.task import load_task
 
@@ -108,7 +109,10 @@ def _serve(runner: Runner, channel: Channel) -> None:
 
 def _failed(channel: Channel, exc: Exception) -> None:
     """Tell the bench what failed: redline's own error as raised (its message, where its class cannot travel), a
-    setting this device refuses as a ConfigError's message, anything else as the row's error line."""
+    setting this device refuses as a ConfigError's message, anything else as the row's error line. With
+    REDLINE_TRACEBACK=1 the row's traceback is printed here first: the bench's process has only its own stack."""
+    if traceback_asked():
+        traceback.print_exception(exc, file=sys.stderr)
     if isinstance(exc, ConfigError):
         _tell(channel, "config", str(exc))
     elif isinstance(exc, RedlineError):
