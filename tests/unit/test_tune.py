@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 from redline.bench.tune import _alternatives, decide, search_space, skipped_axes
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
+from redline.runtime import trial as trial_module
 from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
 from redline.runtime.trial import write_cache
 from redline.runtime.tuned import (
@@ -342,3 +343,18 @@ def test_a_graphs_run_that_never_replayed_is_said_to_have_run_its_eager_model():
     replayed = SimpleNamespace(plan=lambda: plan, runtime=SimpleNamespace(graphed_forwards=12))
     assert ran_eagerly(replayed, compiled=False, graphs=True) == ""
     assert ran_eagerly(idle, compiled=False) == ""  # an uncompiled, ungraphed candidate is what it says
+
+
+def test_a_cache_that_cannot_be_written_is_named_once_whichever_kinds_a_run_caches(tmp_path, monkeypatch, caplog):
+    # a read-only cache warned once for peaks/ and again for trials/, where the docs say once
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "readonly"))
+
+    def refuse(path):
+        raise PermissionError(30, "Read-only file system", str(path.parent))
+
+    monkeypatch.setattr(trial_module, "make_parent", refuse)
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        write_cache("peaks", "key", [0.2])
+        write_cache("trials", "key", [])
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert f"could not cache the measurement in {tmp_path / 'readonly'}/peaks/key.json" in warning

@@ -445,7 +445,7 @@ def write_cache(kind: str, key: str, entries: list[Any]) -> None:
         write_atomic(path, write)
     except OSError as exc:
         blocked = isinstance(exc, NotADirectoryError) and exc.filename  # make_parent names the file in the way
-        cause = Path(exc.filename) if blocked else path.parent
+        cause = Path(exc.filename) if blocked else cache_dir()  # a read-only cache fails in each kind's folder
         if cause in _UNWRITABLE:  # said once: a run measures a stalled peak again, and caches its trial beside it
             return
         _UNWRITABLE.add(cause)
@@ -458,7 +458,7 @@ def write_cache(kind: str, key: str, entries: list[Any]) -> None:
             log.warning("could not cache the measurement in %s (%s); the next run measures again", path, exc)
 
 
-_UNWRITABLE: set[Path] = set()  # the cache's folders a write failed in (or the file in their way), in this process
+_UNWRITABLE: set[Path] = set()  # the caches a write failed in (or the file in their way), in this process
 
 
 def best_matmul_peak(device: torch.device, facts: DeviceFacts, precision: str, *, blocks: int = 5) -> float | None:
