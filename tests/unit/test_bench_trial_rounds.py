@@ -9,7 +9,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
 import trial_rounds  # the benchmarks folder is not a package
-
 from redline.runtime.trial import Measured
 
 
