@@ -254,15 +254,15 @@ def test_each_precision_is_timed_in_the_layout_the_run_would_give_it():
 def test_the_cache_is_keyed_by_the_workload_and_the_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
     key = trial_key("abc", CPUS["amx"], 16, ["bf16-mixed"])
-    assert load_cached(key) is None
+    assert load_cached(key, ["bf16-mixed"]) is None
     store(key, [measured("fp32", 10.0), measured("bf16-mixed", 7.0)])
-    found, when = load_cached(key)
+    found, when = load_cached(key, ["bf16-mixed"])
     assert [m.precision for m in found] == ["fp32", "bf16-mixed"] and when.endswith("UTC")
     assert trial_key("abd", CPUS["amx"], 16, ["bf16-mixed"]) != key  # another model
     assert trial_key("abc", CPUS["avx512_bf16"], 16, ["bf16-mixed"]) != key  # another machine
     assert trial_key("abc", CPUS["amx"], 32, ["bf16-mixed"]) != key  # another batch
     (tmp_path / "trials" / f"{key}.json").write_text("{not json")
-    assert load_cached(key) is None  # measured again, not an error
+    assert load_cached(key, ["bf16-mixed"]) is None  # measured again, not an error
 
 
 @pytest.mark.parametrize(
@@ -275,6 +275,14 @@ def test_the_cache_is_keyed_by_the_workload_and_the_machine(tmp_path, monkeypatc
         lambda m: [{**m[0], "losses": [True]}, m[1]],
         lambda m: [{**m[0], "precision": 32}, m[1]],
         lambda m: {"fp32": m[0]},
+        # precisions no trial of this key times: the run would refuse the choice, or run what the rule never offers
+        lambda m: [m[0], {**m[1], "precision": "bogus"}],
+        lambda m: [m[0], {**m[1], "precision": "fp16-mixed"}],
+        lambda m: [m[0], {**m[1], "precision": "fp32"}],
+        lambda m: [m[0]],
+        lambda m: [m[0], m[1], m[1]],
+        lambda m: [m[0], {**m[1], "precision": "bf16-mixed with math attention"}],  # in place of the candidate
+        lambda m: [m[0], m[1], {**m[1], "precision": "bf16-mixed with math attention"}],  # kernels not asked for
     ],
 )
 def test_a_cached_trial_edited_or_damaged_on_disk_is_measured_again_not_a_crash(tmp_path, monkeypatch, damage):
@@ -284,7 +292,44 @@ def test_a_cached_trial_edited_or_damaged_on_disk_is_measured_again_not_a_crash(
     path = tmp_path / "trials" / f"{key}.json"
     entry = json.loads(path.read_text())
     path.write_text(json.dumps({**entry, "measured": damage(entry["measured"])}))
-    assert load_cached(key) is None
+    assert load_cached(key, ["bf16-mixed"]) is None
+
+
+@pytest.mark.parametrize(
+    ("names", "readable"),
+    [
+        (["fp32", "bf16-mixed"], True),  # a model that calls no attention: no kernel to time
+        (["fp32", "bf16-mixed", "bf16-mixed with math attention"], True),
+        (["fp32", "bf16-mixed", "bf16-mixed with flash attention", "bf16-mixed with math attention"], True),
+        (["fp32", "bf16-mixed with math attention"], False),  # the candidate itself is missing
+        (["fp32", "bf16-mixed", "fp16-mixed with math attention"], False),  # a precision not asked for
+        (["fp32", "bf16-mixed", "bf16-mixed with fast attention"], False),  # no such kernel
+        (["fp32", "bf16-mixed", "bf16-mixed with math"], False),  # not a name ``form`` writes
+        (["fp32", "bf16-mixed", "bf16-mixed with math attention", "bf16-mixed with math attention"], False),
+    ],
+)
+def test_a_cached_trial_of_kernels_reads_the_forms_its_candidates_take(tmp_path, monkeypatch, names, readable):
+    """A trial that timed the kernels names each candidate with each (``form``): those, and only those, read back."""
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    key = trial_key("abc", CPUS["amx"], 16, ["bf16-mixed", "attention kernels timed"])
+    store(key, [measured(name, 10.0) for name in names])
+    assert (load_cached(key, ["bf16-mixed"], kernels=True) is not None) is readable
+    assert load_cached(key, ["bf16-mixed"]) is None or names == ["fp32", "bf16-mixed"]
+
+
+def test_a_cached_trial_of_a_precision_not_asked_for_is_measured_again_not_run(counted_trials):
+    """An entry edited to a precision the rule does not offer here stopped every run ("measured precision='bogus' is
+    not allowed"), or ran fp16-mixed on a CPU; it is measured again, as a damaged one is."""
+    options, env = RuntimeOptions(devices="cpu"), DistEnv()
+    measure_auto(tiny_task(), options, 16, 1000, env, trial="auto")
+    for precision in ("bogus", "fp16-mixed"):
+        (path,) = (cache_dir() / "trials").glob("*.json")
+        entry = json.loads(path.read_text())
+        entry["measured"][1] |= {"precision": precision, "step_times": [1e-6]}  # the fastest by far
+        path.write_text(json.dumps(entry))
+        again = measure_auto(tiny_task(), options, 16, 1000, env, trial="auto")["precision"]
+        assert again.value == "bf16-mixed" and "cached" not in again.reason
+    assert len(counted_trials) == 3
 
 
 def test_the_cache_directory_variable_reads_a_tilde_as_the_home_directory(tmp_path, monkeypatch):

@@ -239,9 +239,9 @@ def _measure_or_recall(
     fingerprint = fingerprint_of(task)
     with_kernels = trial_key(fingerprint, facts, local_batch, [*parts, "attention kernels timed"])
     plain = trial_key(fingerprint, facts, local_batch, [*parts, f"attention {work.attention}"])
-    keys = [with_kernels, plain] if work.attention == "auto" else [plain]
-    for key in [] if fresh else keys:
-        cached = load_cached(key)
+    keys = [(with_kernels, True), (plain, False)] if work.attention == "auto" else [(plain, False)]
+    for key, kernels in [] if fresh else keys:  # an entry of other precisions than these (edited) is measured anew
+        cached = load_cached(key, work.candidates, kernels=kernels)
         if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
             measured, when = cached
             choice = choose(measured, where)

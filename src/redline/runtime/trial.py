@@ -33,6 +33,7 @@ from redline.errors import RedlineError, TaskError, describe_error, first_line
 from redline.hardware.device import DeviceFacts
 from redline.hardware.flops import matmul_peak
 from redline.plan import Choice, times
+from redline.plan.attention import KERNELS
 from redline.runtime.contract import blames_user_code
 from redline.runtime.oom import free_memory, is_oom
 from redline.runtime.seed import capture_rng, restore_rng
@@ -405,16 +406,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "redline").expanduser()
 
 
-def load_cached(key: str) -> tuple[list[Measured], str] | None:
-    """A cached trial and when it was measured, or None (an unreadable entry is measured again)."""
+def load_cached(key: str, candidates: Sequence[str], *, kernels: bool = False) -> tuple[list[Measured], str] | None:
+    """A cached trial of ``candidates`` and when it was measured, or None: an unreadable entry is measured again, as
+    is one whose precisions are not fp32 followed by ``candidates`` (and, with ``kernels``, forms of them that prefer
+    an attention kernel: ``_names_asked``), which no trial of this key wrote (an edit, or a damaged file)."""
     found = read_cache("trials", key)
     try:
         measured = [Measured.from_dict(m) for m in found[0]] if found else None
     except (ValueError, KeyError, TypeError):
         return None
-    if not found or not measured or measured[0].precision != "fp32":  # every trial times its fp32 reference first
+    if not found or not measured or not _names_asked([m.precision for m in measured], candidates, kernels=kernels):
         return None
     return measured, found[1]
+
+
+def _names_asked(names: Sequence[str], candidates: Sequence[str], *, kernels: bool = False) -> bool:
+    """Whether ``names`` are what a trial of ``candidates`` times: fp32 first (the reference), the candidates, and
+    with ``kernels`` any of them preferring an attention kernel (``form``), each once."""
+    head, tail = list(names[: len(candidates) + 1]), names[len(candidates) + 1 :]
+    if head != ["fp32", *candidates] or len(set(tail)) < len(tail) or (tail and not kernels):
+        return False
+    parts = [form_parts(name) for name in tail]
+    return all(p in candidates and k in KERNELS and form(p, k) == n for n, (p, k) in zip(tail, parts, strict=True))
 
 
 def store(key: str, measured: Sequence[Measured]) -> None:
