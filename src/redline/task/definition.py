@@ -7,6 +7,7 @@ import functools
 import hashlib
 import inspect
 import os
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,10 @@ class Task:
     def fingerprint(self) -> str:
         """Return a short hash of what shapes the workload: model structure, parameters, loss, optimizer, data.
 
+        The model counts by its structure, its own modules' forward code and settings (``model_fingerprint``); the loss
+        and the collate_fn by their name and their code (``_code_digest``): two lambdas of one file, or a loss whose
+        body was edited, are two workloads. Neither counts by the code they call (a helper, a method), nor by values
+        they keep elsewhere (a closure's, a tensor's).
         The data counts by its size and the shapes and dtypes of its first sample (not its values): a
         model that takes any image size runs another workload on larger images. A stream (no length)
         is not read here. The optimizer counts by its kind and its switches (fused, foreach, amsgrad,
@@ -117,9 +122,9 @@ class Task:
         model = self.outline()
         digest = hashlib.sha256()
         digest.update(model_fingerprint(model).encode())
-        digest.update(f"loss={_function_name(self.loss_fn)}".encode())
+        digest.update(f"loss={_function_identity(self.loss_fn)}".encode())
         if self.collate_fn is not None:  # padding to the longest item shapes the batch: another workload
-            digest.update(f"collate={_function_name(self.collate_fn)}".encode())
+            digest.update(f"collate={_function_identity(self.collate_fn)}".encode())
         digest.update(f"optimizer={_optimizer_kind(self.optimizer, model)}".encode())
         size = len(self.train_data) if hasattr(self.train_data, "__len__") else -1
         digest.update(f"train={size}".encode())
@@ -129,13 +134,16 @@ class Task:
 
 
 def model_fingerprint(model: nn.Module, *, settings: bool = True) -> str:
-    """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), its modules'
-    settings (``_settings``; left out with ``settings=False``), and which of its parameters are frozen: a linear
-    probe of a model has little of its full fine-tuning's backward and optimizer."""
+    """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), the code of its
+    own modules' forwards (``_forward_code``), its modules' settings (``_settings``; left out with ``settings=False``),
+    and which of its parameters are frozen: a linear probe of a model has little of its full fine-tuning's backward
+    and optimizer."""
     digest = hashlib.sha256()
     digest.update(repr(model).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{_forward_code(module)}".encode())
     for name, module in model.named_modules() if settings else ():
         digest.update(f"{name}:{_settings(module)}".encode())
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
@@ -155,20 +163,66 @@ def _settings(module: nn.Module) -> str:
     )
 
 
+def _own_class(module: nn.Module) -> bool:
+    """Whether ``module``'s class is not one of torch's own (nn.Linear's is ``torch.nn.modules.linear``)."""
+    return not type(module).__module__.startswith("torch.")
+
+
+def _forward_code(module: nn.Module) -> str:
+    """The digest of the code of ``module``'s class's forward, for a class not torch's own ("" for torch's, whose
+    code the cache keys' torch version names, and for a forward with no Python code)."""
+    code = getattr(type(module).forward, "__code__", None) if _own_class(module) else None
+    return _code_digest(code) if isinstance(code, types.CodeType) else ""
+
+
 def _plain(value: object) -> bool:
     if isinstance(value, tuple | list):
         return all(_plain(item) for item in value)
     return isinstance(value, bool | int | float | str | None)
 
 
-def _function_name(fn: object) -> str:
-    """A loss function's name as it stays from run to run: its module and qualified name, or a module's repr."""
+def _function_identity(fn: object) -> str:
+    """A loss function's name and code as they stay from run to run: its module, qualified name and ``_code_digest``
+    (a callable object's by its ``__call__``), or a module's repr and forward's code."""
     if isinstance(fn, nn.Module):
-        return repr(fn)
+        return f"{fn!r}{_forward_code(fn)}"
     if isinstance(fn, functools.partial):
-        return f"partial({_function_name(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
+        return f"partial({_function_identity(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+    code = _code_of(fn)
+    digest = f"@{_code_digest(code)}" if code is not None else ""
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}{digest}"
+
+
+def _code_of(fn: object) -> types.CodeType | None:
+    """The Python code a call of ``fn`` runs: a function's or a method's own, a callable object's ``__call__``; None
+    for a builtin."""
+    call = inspect.getattr_static(type(fn), "__call__", None)
+    code = getattr(fn, "__code__", None) or getattr(call, "__code__", None)
+    return code if isinstance(code, types.CodeType) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_digest(code: types.CodeType) -> str:
+    """A short hash of what ``code`` does, the same in every process of this Python: its bytecode, the names it reads
+    and its constants, nested code (a lambda, a comprehension) included; not where it sits (its file and lines) nor
+    its variables' names. A code object's repr holds a memory address, so it is never hashed."""
+    digest = hashlib.sha256(code.co_code)
+    digest.update(f"\x00{code.co_names!r}\x00{_constant(code.co_consts)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _constant(value: object) -> str:
+    """A code object's constant as text that no process's memory addresses or string hashes change."""
+    if isinstance(value, types.CodeType):
+        return f"<code {_code_digest(value)}>"
+    if isinstance(value, tuple):
+        return "(" + ",".join(_constant(item) for item in value) + ")"
+    if isinstance(value, frozenset):  # ``x in {"a", "b"}``: its order follows string hashes, seeded per process
+        return "frozenset(" + ",".join(sorted(_constant(item) for item in value)) + ")"
+    if value is None or value is Ellipsis or isinstance(value, bool | int | float | complex | str | bytes | slice):
+        return repr(value)
+    return type(value).__qualname__  # none other that Python writes; its repr could hold an address
 
 
 def _optimizer_kind(factory: OptimizerFactory, model: nn.Module) -> str:
