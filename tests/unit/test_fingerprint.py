@@ -51,6 +51,7 @@ def gelu_net() -> nn.Module:
         (lambda: Activated(act="relu"), lambda: Activated(act="tanh")),
         (lambda: Activated(heads=2), lambda: Activated(heads=4)),
         (lambda: nn.Sequential(Activated(heads=2)), lambda: nn.Sequential(Activated(heads=4))),  # in a submodule
+        (lambda: Activated(shift=0.0), lambda: Activated(shift=1e5)),  # a private setting of the user's module
         (relu_net, gelu_net),  # F.relu edited into F.gelu
     ],
 )
@@ -61,11 +62,13 @@ def test_the_fingerprint_tells_apart_models_of_the_same_shapes_whose_settings_di
     assert model_fingerprint(one()) == model_fingerprint(one())
 
 
-def test_the_fingerprint_leaves_out_the_training_switch_private_state_and_what_is_not_a_plain_value():
+def test_the_fingerprint_leaves_out_the_training_switch_torchs_bookkeeping_and_what_is_not_a_plain_value():
     model = nn.Sequential(Activated())
     before = model_fingerprint(model)
     model.eval()
-    model[0]._calls = 3  # private state
+    model[0].register_full_backward_hook(lambda *_: None)  # nn.Module's own _is_full_backward_hook, on every module
+    model[0].linear.register_full_backward_hook(lambda *_: None)
+    model[0].linear._private = 3  # torch's own module: its internals stay out
     model[0].optimizer_hint = object()  # neither a number, a text, a switch nor None: no stable text to hash
     for _ in range(10):  # the interpreter specialises the forward's bytecode as it runs: not what is hashed
         model(torch.zeros(1, 8))
