@@ -15,6 +15,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset, default_collate
 
 from redline.task import Task, model_fingerprint
+from redline.train import agreement
+from redline.train.config import TrainerConfig
 
 
 class Activated(nn.Module):
@@ -122,3 +124,13 @@ def test_a_tasks_fingerprint_tells_apart_losses_and_collate_fns_by_their_code():
     stacked = [lambda items: default_collate(items), lambda items: default_collate(items[::-1])]
     assert len({task(collate_fn=collate).fingerprint() for collate in stacked}) == 2
     assert task(loss_fn=losses[0]).fingerprint() == task(loss_fn=losses[0]).fingerprint()
+
+
+def test_the_ranks_model_check_leaves_the_forward_code_out_which_other_python_versions_compile_apart():
+    assert model_fingerprint(relu_net()) != model_fingerprint(gelu_net())
+    assert model_fingerprint(relu_net(), code=False) == model_fingerprint(gelu_net(), code=False)
+    shared, other = (
+        agreement.settings(TrainerConfig(), Task(model=net, loss_fn=F.cross_entropy, train_data=[0]), net())
+        for net in (relu_net, gelu_net)
+    )
+    assert shared["model (structure and shapes)"] == other["model (structure and shapes)"]

@@ -133,16 +133,16 @@ class Task:
         return digest.hexdigest()[:16]
 
 
-def model_fingerprint(model: nn.Module, *, settings: bool = True) -> str:
+def model_fingerprint(model: nn.Module, *, settings: bool = True, code: bool = True) -> str:
     """A short hash of a model's structure, its tensors' names, shapes and dtypes (not their values), the code of its
-    own modules' forwards (``_forward_code``), its modules' settings (``_settings``; left out with ``settings=False``),
-    and which of its parameters are frozen: a linear probe of a model has little of its full fine-tuning's backward
-    and optimizer."""
+    own modules' forwards (``_forward_code``; left out with ``code=False``: bytecode differs between Python
+    versions), its modules' settings (``_settings``; left out with ``settings=False``), and which of its parameters
+    are frozen: a linear probe of a model has little of its full fine-tuning's backward and optimizer."""
     digest = hashlib.sha256()
     digest.update(repr(model).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    for name, module in model.named_modules():
+    for name, module in model.named_modules() if code else ():
         digest.update(f"{name}:{_forward_code(module)}".encode())
     for name, module in model.named_modules() if settings else ():
         digest.update(f"{name}:{_settings(module)}".encode())

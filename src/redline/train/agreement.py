@@ -45,8 +45,9 @@ def settings(config: TrainerConfig, task: Task, model: nn.Module) -> dict[str, s
     shared = {name: repr(value) for name, value in options.items() if name not in _PER_HOST}
     shared |= {"task": task.name, "task batch_size": repr(task.batch_size), "task epochs": repr(task.epochs)}
     shared |= data_settings(task)
-    # not the modules' plain attributes, which a model may set per rank (self.device = f"cuda:{rank}")
-    shared["model (structure and shapes)"] = model_fingerprint(model, settings=False)
+    # not the modules' plain attributes, which a model may set per rank (self.device = f"cuda:{rank}"), nor the
+    # bytecode of their forwards, which hosts on other Python versions compile apart
+    shared["model (structure and shapes)"] = model_fingerprint(model, settings=False, code=False)
     return shared
 
 
