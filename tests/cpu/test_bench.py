@@ -519,10 +519,10 @@ def test_a_precision_the_tuned_plan_left_to_auto_is_measured_in_the_auto_row_as_
 def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
     # After `redline tune`, `redline train` runs the tuned Plan: the auto row shows that run, not auto's rules.
     task = tiny_task()
-    tuned = TunedPlan(
-        task=task.name, device="cpu", batch_size=32, planned_steps=500, measured_at="2026-12-01 06:00 UTC",
+    tuned = TunedPlan(  # weighed for the task's own run: 8 steps of 32 of its 256 samples
+        task=task.name, device="cpu", batch_size=32, planned_steps=8, measured_at="2026-12-01 06:00 UTC",
         best=Candidate(precision="fp32", grad_accum=2),
-        reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 500 steps (made up)"},
+        reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 8 steps (made up)"},
         trials=(Trial(Candidate(), 0.002),),
     )  # fmt: skip
     store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
@@ -530,12 +530,15 @@ def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
     auto, eager = result.row("auto cpu b32"), result.row("cpu fp32 eager b32")
     assert not auto.error and auto.precision == "fp32"
     assert auto.plan["grad_accum"]["value"] == 2 and eager.plan["grad_accum"]["value"] == 1
-    assert auto.plan["grad_accum"]["reason"].startswith("tuned 2026-12-01 06:00 UTC for 500 steps")
-    trained = Trainer(task, TrainerConfig(max_steps=1, progress=False)).fit().plan.to_dict()
+    assert auto.plan["grad_accum"]["reason"].startswith("tuned 2026-12-01 06:00 UTC for 8 steps")
+    trained = Trainer(task, TrainerConfig(max_steps=4, progress=False)).fit().plan.to_dict()
     for axis in ("precision", "compile", "grad_accum"):
         assert auto.plan[axis] == trained[axis]
     # a step is still the row's batch of 32, as two micro-batches of 16: the FLOPs per sample are the eager row's
     assert auto.tflops / auto.samples_per_s == pytest.approx(eager.tflops / eager.samples_per_s)
+    # a run of another length (--planned-steps 100) leaves the tune to auto's rules, as train does
+    longer = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2, planned_steps=100)
+    assert longer.row("auto cpu b32").plan["grad_accum"]["value"] == 1
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from redline.bench.tune_cache import TuneInterrupted
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, Terminated, TrainingError
 from redline.hardware.device import FAKE_CPU_ENV, probe_device
-from redline.parallel.env import DistEnv
+from redline.parallel.env import DistEnv, read_env
 from redline.plan import Choice
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
@@ -31,6 +31,7 @@ from redline.runtime.tuned import Candidate, Trial, TunedPlan, find_tuned, store
 from redline.task import Task, load_task
 from redline.train.config import TrainerConfig
 from redline.train.trainer import Trainer
+from redline.train.tuned import use_tuned
 
 
 @pytest.fixture(autouse=True)
@@ -84,10 +85,10 @@ def test_a_cache_the_tune_cannot_be_stored_in_is_refused_before_the_search(tmp_p
         tune(mlp_task(), devices="cpu", budget_s=5)
 
 
-def cache_plan(task: Task, **best) -> TunedPlan:
+def cache_plan(task: Task, planned_steps: int = 500, **best) -> TunedPlan:
     """A tuned Plan as `redline tune` would cache it for this machine, with made-up numbers."""
     tuned = TunedPlan(
-        task=task.name, device="cpu", batch_size=task.batch_size, planned_steps=500,
+        task=task.name, device="cpu", batch_size=task.batch_size, planned_steps=planned_steps,
         measured_at="2026-12-01 06:00 UTC", best=Candidate(**best),
         reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 500 steps (made up)"},
         trials=(Trial(Candidate(), 0.002),),
@@ -160,7 +161,7 @@ def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_t
 
 def test_auto_takes_a_cached_tuned_plan_unless_an_axis_was_chosen():
     task = mlp_task()
-    cache_plan(task, precision="fp32", grad_accum=2)
+    cache_plan(task, planned_steps=2, precision="fp32", grad_accum=2)
     auto = Trainer(task, TrainerConfig(max_steps=2, progress=False)).fit()
     assert auto.plan.grad_accum.value == 2 and "tuned" in auto.plan.grad_accum.reason
     chosen = TrainerConfig(max_steps=2, progress=False, runtime=RuntimeOptions(compile="off"))
@@ -172,13 +173,31 @@ def test_auto_takes_a_cached_tuned_plan_unless_an_axis_was_chosen():
 def test_trial_on_or_fresh_measures_instead_of_taking_a_cached_tuned_plan(caplog, trial):
     # Before, --trial fresh under a cached tune ran the tune's Plan and measured nothing, without a word.
     task = mlp_task()
-    cache_plan(task, precision="fp32", grad_accum=2)
+    cache_plan(task, planned_steps=2, precision="fp32", grad_accum=2)
     with caplog.at_level(logging.INFO, logger="redline"):
         summary = Trainer(task, TrainerConfig(max_steps=2, progress=False, trial=trial)).fit()
     assert summary.plan.grad_accum.value == 1 and "tuned" not in json.dumps(summary.plan.to_dict())
     assert f"--trial {trial}: auto measures now instead of running the tuned Plan (tuned " in caplog.text
     tuned = Trainer(task, TrainerConfig(max_steps=2, progress=False, plan="tuned", trial=trial)).fit()
     assert tuned.plan.grad_accum.value == 2, "--plan tuned asks for the tune's Plan: it runs"
+
+
+@pytest.mark.parametrize(("steps", "taken"), [(2, False), (250, True), (500, True), (1000, True), (1001, False)])
+def test_auto_leaves_a_tune_weighed_for_a_run_of_another_length_to_its_own_rules(caplog, steps, taken):
+    # a compile that did not repay 500 steps may repay 100,000: auto took the tune whatever the run's length
+    task = mlp_task()
+    cache_plan(task, planned_steps=500, precision="fp32", grad_accum=2)
+    config = TrainerConfig(max_steps=steps, progress=False)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        found = use_tuned(task, config.runtime, task.batch_size, read_env(), config=config)
+    assert (found is not None) == taken
+    told = f"a tune of task 'mlp' is cached (tuned 2026-12-01 06:00 UTC for 500 steps), but this run plans {steps} "
+    assert (told in caplog.text) == (not taken), caplog.text
+    asked = TrainerConfig(max_steps=steps, progress=False, plan="tuned")  # --plan tuned runs it whatever the length
+    assert use_tuned(task, asked.runtime, task.batch_size, read_env(), config=asked) is not None
+    if steps == 2:
+        summary = Trainer(task, config).fit()
+        assert summary.plan.grad_accum.value == 1 and "tuned" not in json.dumps(summary.plan.to_dict())
 
 
 def test_tune_measures_the_axes_and_caches_what_train_then_runs(monkeypatch):

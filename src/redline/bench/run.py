@@ -377,7 +377,7 @@ def _auto(
     the precision a trial measured, where the planned run repays one or a measurement is cached. A
     precision the tuned Plan left to the run's auto (its budget spent first) is measured so too."""
     options = row_options(setting)
-    tuned = auto_tuned(task, options, setting.batch_size, read_env())
+    tuned = auto_tuned(task, options, setting.batch_size, read_env(), planned_steps=planned)
     if tuned is not None:
         return tuned.options, _measured(task, tuned.options, tuned.batch_size, planned), tuned.tuning
     return None, _measured(task, options, setting.batch_size, planned), None

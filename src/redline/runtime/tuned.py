@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,6 +379,12 @@ class TunedRun:
     options: RuntimeOptions
     batch_size: int  # per micro-batch: a tuned grad_accum runs the same batch per step as that many parts
     tuning: Tuning
+    planned_steps: int = 0  # the run length the tune weighed compile by (0: not known)
+
+
+# A run this many times longer or shorter than the one a tune weighed does not take it under plain auto: a compile
+# that did not repay 345 steps may repay 100,000, and one that repaid 100,000 costs a 100-step run its whole length.
+TUNED_REACH = 2.0
 
 
 def left_to_auto(options: RuntimeOptions) -> bool:
@@ -386,9 +393,24 @@ def left_to_auto(options: RuntimeOptions) -> bool:
     return all(getattr(options, axis) == getattr(defaults, axis) for axis in TUNED_AXES)
 
 
-def auto_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> TunedRun | None:
-    """What "auto" takes from a tune: the cached tuned Plan's run when every tuned axis was left to auto, else None."""
-    return find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
+def auto_tuned(
+    task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, planned_steps: float | None = None
+) -> TunedRun | None:
+    """What "auto" takes from a tune: the cached tuned Plan's run when every tuned axis was left to auto, else None;
+    and None where the run's ``planned_steps`` are more than ``TUNED_REACH`` times the tune's, or less than a
+    ``TUNED_REACH``th of them (said once, with how to take the tune anyway)."""
+    found = find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
+    if found is None or not planned_steps or not found.planned_steps or math.isinf(planned_steps):
+        return found
+    if 1 / TUNED_REACH <= planned_steps / found.planned_steps <= TUNED_REACH:
+        return found
+    if env.is_main:
+        log.info(
+            "a tune of task %r is cached (%s), but this run plans %d steps: auto's own rules decide (--plan tuned "
+            "runs the tune anyway; `redline tune --planned-steps %d` weighs one for this run)",
+            task.name, found.tuning.note, planned_steps, planned_steps,
+        )  # fmt: skip
+    return None
 
 
 def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> TunedRun | None:
@@ -413,7 +435,7 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
     if not split:  # --grad-accum K runs K whole batches a step, the tune's K parts of one: its reason is not this run's
         reasons.pop("grad_accum", None)
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
-    return TunedRun(applied, micro, Tuning(reasons, note))
+    return TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
 
 
 def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -120,6 +121,11 @@ class TrainerConfig:
                 f"logger {chosen[0]!r} writes its files under out_dir, and out_dir is None; expected an out_dir "
                 f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
             )
+
+    def epochs_for(self, task: Task) -> float:
+        """The epochs a run of ``task`` plans: --epochs, else unbounded where --max-steps alone decides the length,
+        else the task's own."""
+        return self.max_epochs or (math.inf if self.max_steps else task.epochs)
 
     def check_task(self, task: Task) -> None:
         """Refuse what would do nothing unnoticed for this task: evaluating every N steps, or keeping the best

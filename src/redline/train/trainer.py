@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,8 +81,7 @@ class Trainer:
         self.config = TrainerConfig.build(config, **fields)
         self.config.check_task(self.task)
         self.options = self.config.runtime
-        # --max-steps alone decides the length; the task's own epochs apply when neither is given
-        self.max_epochs: float = self.config.max_epochs or (math.inf if self.config.max_steps else task.epochs)
+        self.max_epochs = self.config.epochs_for(self.task)
         self.batch_size = self.config.batch_size or task.batch_size
         self.out_dir = prepare_out_dir(self.config.out_dir) if self.config.out_dir is not None else None
         self.callbacks, self.early_stopping = check_callbacks(callbacks, self.task)

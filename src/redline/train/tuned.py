@@ -14,13 +14,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from redline.checkpoint import Checkpoint, load_plan
-from redline.errors import ConfigError
+from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import cache_dir
 from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned
 from redline.task import Task
+from redline.train.data import plan_length
 
 if TYPE_CHECKING:
     from redline.train.config import TrainerConfig
@@ -35,7 +36,8 @@ def use_tuned(
     """The tuned Plan's settings for this run, or None where none applies (auto without a cached one, or with
     ``--trial on`` or ``fresh``: the user asked auto to measure, and the trial does, in the tune's stead)."""
     if config.plan == "auto":
-        found = auto_tuned(task, options, batch_size, env)
+        planned = _planned(task, options, batch_size, env, config)
+        found = auto_tuned(task, options, batch_size, env, planned_steps=planned)
         if found is not None and config.trial in ("on", "fresh"):
             if env.is_main:
                 log.info("--trial %s: auto measures now instead of running the tuned Plan (%s)", config.trial,
@@ -52,6 +54,17 @@ def use_tuned(
             f"{cache_dir()}), or use --plan auto"
         )
     return found
+
+
+def _planned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, config: TrainerConfig) -> float | None:
+    """The optimizer steps the run plans, as the Trainer counts them (None where it cannot: it says why next)."""
+    try:
+        return plan_length(
+            task.train_data, batch_size=batch_size, world_size=env.world_size, grad_accum=options.grad_accum,
+            max_epochs=config.epochs_for(task), max_steps=config.max_steps, warn=False,
+        )[0]  # fmt: skip
+    except RedlineError:
+        return None
 
 
 def resumed_batch(found: Checkpoint | None, batch_size: int) -> int:
