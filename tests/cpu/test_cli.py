@@ -258,6 +258,58 @@ def test_what_a_task_file_prints_goes_to_stderr_under_json_and_stdout_holds_the_
     assert table.returncode == 0 and table.stdout.startswith("task file imported\nloading 64 samples\n")
 
 
+LOUD_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+
+class Loud(nn.Linear):
+    def forward(self, x):
+        print("debug: forward of", tuple(x.shape))
+        return super().forward(x)
+
+
+def make():
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return redline.Task(model=lambda: Loud(4, 2), loss_fn=nn.functional.cross_entropy, train_data=data,
+                        batch_size=8, name="loud")
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--devices", "cpu", "--max-steps", "2", "--no-progress"],
+        ["profile", "--devices", "cpu", "--steps", "1", "--warmup", "1"],
+        [
+            "bench",
+            "--devices",
+            "cpu",
+            "--steps",
+            "2",
+            "--precision",
+            "fp32",
+            "--compile",
+            "off",
+            "--no-auto",
+            "--no-estimate",
+        ],
+        ["memory", "--measure", "--start", "8", "--max-batch-size", "8"],
+    ],
+)
+def test_what_the_model_prints_as_it_runs_goes_to_stderr_under_json(tmp_path, redline_here, command):
+    """Before, only what the task file printed as it loaded went to stderr: a model printing in its forward put its
+    lines before the JSON on stdout, for train, memory, profile, bench and tune alike."""
+    (tmp_path / "loud.py").write_text(LOUD_TASK)
+    name, *flags = command
+    result = redline_here(name, "--task", f"{tmp_path / 'loud.py'}:make", *flags, "--json")
+    assert result.returncode == 0, result.stderr
+    json.loads(result.stdout)
+    assert "debug: forward of (8, 4)" in result.stderr
+
+
 def test_task_arg_that_does_not_convert_is_one_clear_line(tmp_path, redline_here):
     (tmp_path / "flag_task.py").write_text(FLAG_TASK)
     spec = f"{tmp_path / 'flag_task.py'}:make"

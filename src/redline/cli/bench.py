@@ -22,7 +22,7 @@ from redline.cli.task_args import load_given_task, one_step
 from redline.errors import ConfigError, TrainingError, describe_error, invalid
 from redline.memory.estimate import estimate_memory
 from redline.render.bench import bench_table, best_line
-from redline.render.console import output_console, print_uncut, transient_bar
+from redline.render.console import output_console, print_uncut, result_out, transient_bar
 from redline.render.page_path import refuse_replacing
 from redline.render.plots import require_matplotlib
 from redline.task import Task
@@ -119,7 +119,7 @@ def _show(data: dict[str, Any], json_output: bool, html: Path | None) -> None:
     """Print the result (a table, or JSON), then write its page: one that fails to write loses nothing printed."""
     out = output_console()
     if json_output:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2), file=result_out())
     else:
         print_uncut(out, bench_table(data))
         out.print(best_line(data), highlight=False, markup=False)  # a task's name is text

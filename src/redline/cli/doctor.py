@@ -13,7 +13,7 @@ from redline.atomic import check_writable, make_parent, read_head, refuse_replac
 from redline.cli.options import given_file, given_path
 from redline.doctor import judge, load_snapshot, take_snapshot
 from redline.errors import ConfigError, invalid
-from redline.render.console import output_console, print_uncut
+from redline.render.console import output_console, print_uncut, result_out
 from redline.render.doctor import checks_table, devices_table, summary_line
 
 
@@ -65,7 +65,7 @@ def doctor(
         Console(stderr=True).print(said, highlight=False, markup=False)
     report = judge(snapshot)
     if json_output:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(report.to_dict(), indent=2), file=result_out())
     else:
         console = output_console()
         print_uncut(console, checks_table(report))

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from redline.cli.options import build, command, flags, said_by_flags
 from redline.errors import RedlineError
-from redline.render.console import output_console, print_uncut, transient_bar
+from redline.render.console import output_console, print_uncut, result_out, transient_bar
 from redline.render.loadtest import loadtest_tables
 from redline.serve.loadtest import LoadOptions, Payload, check_url, load_test
 from redline.serve.loadtest import Progress as LoadProgress
@@ -50,7 +50,7 @@ def _loadtest(
 
         result = load_test(url, options, payload=payload, progress=tell)
     if json_output:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(), indent=2), file=result_out())
     else:
         out = output_console()
         for table in loadtest_tables(result):

@@ -23,6 +23,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from redline.errors import ConfigError, RedlineError, first_to_say, invalid, mark_peer_stopped, traceback_asked
+from redline.render.console import results_apart
 from redline.render.log import show_logs
 
 
@@ -322,7 +323,8 @@ def main() -> None:
 
 def _run() -> None:
     try:
-        app()
+        with results_apart("--json" in sys.argv[1:]):  # the JSON alone on stdout, whatever the task prints
+            app()
     except RedlineError as exc:
         status = _say(exc)
     else:

@@ -25,7 +25,7 @@ from redline.memory.fit import MAX_MEM_GIB, MemoryFit, catalog_memory_note, fit_
 from redline.memory.host import free_bytes
 from redline.memory.search import find_batch_size
 from redline.parallel.env import read_env
-from redline.render.console import output_console, print_uncut
+from redline.render.console import output_console, print_uncut, result_out
 from redline.render.memory import memory_tables
 from redline.render.memory_search import batch_search_table
 from redline.runtime.options import RuntimeOptions
@@ -154,7 +154,7 @@ def _measure(
     flagged = [re.sub(r"(?<![\w-])max_batch_size[= ]", "--max-batch-size ", t) for t in (search.reason, *search.notes)]
     search = dataclasses.replace(search, reason=flagged[0], notes=tuple(flagged[1:]))
     if json_output:
-        print(json.dumps(search.to_dict(), indent=2))
+        print(json.dumps(search.to_dict(), indent=2), file=result_out())
     else:
         output_console().print(batch_search_table(search.to_dict()))
 
@@ -191,7 +191,7 @@ def _device(gpu: str | None, mem_gib: float | None) -> tuple[str, DeviceFacts, f
 
 def _print(result: MemoryFit, json_output: bool) -> None:
     if json_output:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(), indent=2), file=result_out())
         return
     out = output_console()
     for table in memory_tables(result):

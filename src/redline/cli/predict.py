@@ -16,7 +16,6 @@ import io
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ from redline.errors import (
 )
 from redline.plan import Choice
 from redline.plan.inference import MIXED_OF
-from redline.render.console import output_console, plan_table, print_uncut, transient_bar
+from redline.render.console import output_console, plan_table, print_uncut, result_out, transient_bar
 from redline.runtime.contract import blames_user_code, user_line
 from redline.runtime.oom import is_oom
 from redline.serve.engine import InferenceEngine
@@ -163,7 +162,7 @@ def predict(
             "batch_size": batch_size,
             "plan": engine.plan_dict(),
         }  # fmt: skip
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summary, indent=2), file=result_out())
         return
     console.print(
         f"{len(samples)} samples in {seconds:.2f} s ({rate or math.inf:,.1f} samples/s; set-up {setup_s:.1f} s, "
@@ -177,7 +176,7 @@ def predict(
 def same_as_stdout(path: Path) -> bool:
     """Whether ``path`` is the file this process's stdout writes to (``/dev/stdout``, ``/dev/fd/1``)."""
     try:
-        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+        return os.path.samestat(os.stat(path), os.fstat(result_out().fileno()))  # not stderr, where --json sent it
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no such file yet, or no real stdout
         return False
 

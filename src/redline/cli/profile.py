@@ -13,7 +13,7 @@ from redline.cli.options import TaskArgs, TaskSpec, count, given_file, said_by_f
 from redline.cli.signals import stopped_by_signal
 from redline.cli.task_args import load_given_task, one_step_named
 from redline.errors import invalid
-from redline.render.console import output_console, plan_table, print_uncut
+from redline.render.console import output_console, plan_table, print_uncut, result_out
 from redline.render.profile import header_line, ops_table, phases_table, summary_lines
 
 
@@ -71,7 +71,7 @@ def profile_command(
         )  # fmt: skip
     data = found.to_dict()
     if json_output:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2), file=result_out())
         return
     out = output_console()
     print_uncut(out, plan_table(found.plan))

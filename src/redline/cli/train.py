@@ -29,7 +29,7 @@ from redline.launch.stopped import LaunchStopped
 from redline.launch.torchrun import LaunchConfig, launch
 from redline.parallel.env import is_launched, launcher_interrupted
 from redline.plan.device import resolve_device
-from redline.render.console import key_value_table, output_console, plan_table, print_uncut
+from redline.render.console import key_value_table, output_console, plan_table, print_uncut, result_out
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import check_split
 from redline.runtime.seed import seed_everything
@@ -93,7 +93,7 @@ def _train(
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
     if json_output:
-        print(strict_json(summary.to_dict()))
+        print(strict_json(summary.to_dict()), file=result_out())
     else:
         console = output_console()
         print_uncut(console, plan_table(summary.plan))

@@ -17,7 +17,7 @@ from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import load_given_task, one_step_named
 from redline.config import positive_number
-from redline.render.console import key_value_table, output_console, print_uncut, transient_bar
+from redline.render.console import key_value_table, output_console, print_uncut, result_out, transient_bar
 from redline.runtime.tuned import TunedPlan
 
 
@@ -91,7 +91,7 @@ def _show(
     kept: bool = False,
 ) -> None:
     if json_output:
-        print(json.dumps({**tuned.to_dict(), "cached": path, "kept_earlier": kept}, indent=2))
+        print(json.dumps({**tuned.to_dict(), "cached": path, "kept_earlier": kept}, indent=2), file=result_out())
         return
     out = output_console()
     title = f"Tuned {tuned.task} on {tuned.device} for {tuned.planned_steps} steps at batch {tuned.batch_size}"

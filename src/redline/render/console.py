@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
-from typing import Any
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.measure import Measurement
@@ -103,3 +105,27 @@ def transient_bar(*columns: ProgressColumn | str, console: Console, **options: A
     """A progress bar that leaves nothing behind: drawn in a terminal, and in a file or pipe not even the blank
     line a transient bar ends with there (the first line of a log, or before the error a run stopped with)."""
     return Progress(*columns, console=console, transient=True, disable=not console.is_terminal, **options)
+
+
+_RESULT: list[TextIO] = []  # the stdout a command's result goes to while the rest of its output is on stderr
+
+
+@contextlib.contextmanager
+def results_apart(asked: bool) -> Iterator[None]:
+    """Where ``asked`` (the command prints its result as --json), send all else it prints to stderr for the whole
+    command: the user's model, loss or data printing as they train or are timed made the JSON unreadable.
+    ``result_out`` is the stdout the result goes to."""
+    if not asked:
+        yield
+        return
+    _RESULT.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _RESULT.pop()
+
+
+def result_out() -> TextIO:
+    """Where a command prints its result: stdout, as it was before ``results_apart`` sent the rest to stderr."""
+    return _RESULT[-1] if _RESULT else sys.stdout
