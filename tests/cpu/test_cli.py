@@ -552,6 +552,37 @@ def test_a_ctrl_c_after_the_last_step_says_the_results_are_being_written_and_a_s
     assert json.loads((run / "summary.json").read_text())["steps"] == 3 and (run / "model.safetensors").is_file()
 
 
+SIGTERM_AS_THE_MODEL_IS_BUILT_TASK = """
+import os
+import signal
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import redline
+
+
+def model():  # a scheduler's SIGTERM while the run sets up (a large model loading), before the run takes signals
+    os.kill(os.getpid(), signal.SIGTERM)
+    return nn.Linear(4, 2)
+
+
+def make():
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return redline.Task(model=model, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8, name="t")
+"""
+
+
+def test_a_sigterm_while_the_run_sets_up_says_so_and_exits_143(tmp_path):
+    """The process ended by the signal with no word (status -15)."""
+    (tmp_path / "term.py").write_text(SIGTERM_AS_THE_MODEL_IS_BUILT_TASK)
+    run = tmp_path / "run"
+    done = redline_cli("train", "--task", f"{tmp_path / 'term.py'}:make", "--max-steps", "3", "--out", str(run))
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert f"error: interrupted by SIGTERM, before its first checkpoint: nothing was saved under {run}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_ctrl_c_before_the_loop_says_it_was_not_a_second_one_and_what_is_saved(tmp_path):
     from redline.cli.train import LastCheckpoint, aborted
 

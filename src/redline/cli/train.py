@@ -22,8 +22,9 @@ from rich.text import Text
 
 from redline.checkpoint import CheckpointError, find_checkpoints, load_plan, read_checkpoint
 from redline.cli.options import TaskArgs, TaskSpec, build, command, flags, said_by_flags, spellings, values
+from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import check_given_task, load_given_task
-from redline.errors import ConfigError, StoppedBySignal
+from redline.errors import ConfigError, StoppedBySignal, interrupting_signal
 from redline.hardware.device import probe_accelerators
 from redline.launch.stopped import LaunchStopped
 from redline.launch.torchrun import LaunchConfig, launch
@@ -81,14 +82,22 @@ def _train(
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
     flagged = said_by_flags(**spellings(TrainerConfig), **spellings(RuntimeOptions))
-    with flagged, spec_named(task, task_arg), Trainer(loaded, config, callbacks=[*callbacks, last]) as trainer:
+    # a SIGTERM before the run takes signals itself (building the model, its trial) stops it as a Ctrl-C does
+    watched = [*callbacks, last]
+    with (
+        terminate_as_interrupt(),
+        flagged,
+        spec_named(task, task_arg),
+        Trainer(loaded, config, callbacks=watched) as trainer,
+    ):
         try:
             summary = trainer.fit()
         except KeyboardInterrupt as exc:  # a second Ctrl-C as the run stopped (or one before it trained): what is saved
             finishing = isinstance(exc, ResultsSkipped)
             if trainer.env.launched and launcher_interrupted(finishing=finishing):  # it says what was saved, once
                 raise typer.Exit(128 + signal.SIGINT) from None
-            raise aborted(last, config.out_dir, second=trainer.signalled, finishing=finishing) from None
+            signum = interrupting_signal(exc)
+            raise aborted(last, config.out_dir, second=trainer.signalled, finishing=finishing, signum=signum) from None
     by_signal = summary.stopped.startswith("signal") and trainer.signalled  # not a stored summary's
     if not trainer.env.is_main:
         return  # rank 0 reports for the job
@@ -218,13 +227,17 @@ def newest_checkpoint(out_dir: Path | None) -> LastCheckpoint:
     return last
 
 
-def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool, finishing: bool = False) -> StoppedBySignal:
-    """The error a run a SIGINT aborted exits with (130), naming the last checkpoint committed, or none.
+def aborted(
+    last: LastCheckpoint, out_dir: Path | None, *, second: bool, finishing: bool = False, signum: int = signal.SIGINT
+) -> StoppedBySignal:
+    """The error a run a SIGINT aborted exits with (130), naming the last checkpoint committed, or none; a SIGTERM
+    (``signum``) while the run set up, before its own handler took the signal, exits so with 143.
 
     ``second``: a second SIGINT, while the run stopped on the first; else one outside the loop (setting up).
     ``finishing``: the second came once the steps were done, as the run wrote its results (``ResultsSkipped``).
     """
-    what = "aborted by a second SIGINT while the run was stopping" if second else "interrupted by SIGINT"
+    name = signal.Signals(signum).name
+    what = f"aborted by a second {name} while the run was stopping" if second else f"interrupted by {name}"
     resume = "hint: run the same command again with --resume auto to continue from it"
     if finishing:
         what = "aborted by a second SIGINT after the run's last step, before its results were written"
@@ -234,20 +247,20 @@ def aborted(last: LastCheckpoint, out_dir: Path | None, *, second: bool, finishi
         )
     if out_dir is None:
         return StoppedBySignal(
-            signal.SIGINT,
+            signum,
             f"{what}; nothing was saved: the run has no --out\nhint: pass --out DIR to write checkpoints there that "
             "the run can continue from (--resume auto)",
         )
     if last.path is not None:
         saved = f"its last checkpoint is {last.path} (step {last.step})"
-        return StoppedBySignal(signal.SIGINT, f"{what}; {saved}\n{resume}")
+        return StoppedBySignal(signum, f"{what}; {saved}\n{resume}")
     found = find_checkpoints(out_dir / "checkpoints")  # none written by this run: the one it resumed from, if any
     if found:
         return StoppedBySignal(
-            signal.SIGINT, f"{what}, before it wrote a checkpoint; the newest there is {found[-1].path}\n{resume}"
+            signum, f"{what}, before it wrote a checkpoint; the newest there is {found[-1].path}\n{resume}"
         )
     return StoppedBySignal(
-        signal.SIGINT,
+        signum,
         f"{what}, before its first checkpoint: nothing was saved under {out_dir}\nhint: once it trains, one Ctrl-C "
         "stops the run after its step with a checkpoint; wait for it to be written",
     )
