@@ -61,3 +61,30 @@ def test_in_a_narrow_terminal_the_reasons_keep_a_fair_share_of_the_width():
         value, why = next(line for line in lines if "value" in line).split("┃")[2:4]
         assert abs(len(value) - len(why)) <= 1, lines  # each wants more than the terminal leaves: halves
         assert "a reason long enough to wrap" in " ".join(" ".join(line.split("│")[3] for line in lines[4:-1]).split())
+
+
+def loader_plan() -> dict:
+    return {
+        "activation_checkpointing": Choice(False, "auto: memory suffices without recomputing"),
+        "loader": Choice("workers=0 pin_memory=off gather=on", "kept: " + "a reason long enough to wrap " * 3),
+    }
+
+
+def test_a_terminal_narrower_than_the_plan_cuts_no_value_and_no_header():
+    """Before, at 60 columns a value read `pin_memory=o…`; at 40 the header read `va…`."""
+    for width in (30, 40, 60):
+        console = Console(width=width, record=True, force_terminal=True)
+        print_uncut(console, plan_table(loader_plan()))
+        text = console.export_text()
+        assert "…" not in text, text
+        assert "pin_memory=off" in text and "value" in text and "activation_checkpointing" in text
+        header = next(line for line in text.splitlines() if "value" in line)
+        assert len(header.split("┃")[3]) >= 10, text  # "why" folds eight letters a line (and its padding), not one
+
+
+def test_a_word_longer_than_the_value_column_widens_it_in_a_wide_terminal():
+    """The value column wraps at 24 characters; a longer word was cut there even with 200 columns to spare."""
+    console = Console(width=200, record=True, force_terminal=True)
+    print_uncut(console, plan_table({"compile": Choice("max-autotune-no-cudagraphs", "asked for")}))
+    text = console.export_text()
+    assert "max-autotune-no-cudagraphs" in text and "…" not in text, text

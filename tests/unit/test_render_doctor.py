@@ -6,7 +6,7 @@ from rich.console import Console
 
 from redline.doctor import check_machine
 from redline.render.console import print_uncut
-from redline.render.doctor import devices_table
+from redline.render.doctor import checks_table, devices_table
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "doctor"
 
@@ -31,3 +31,15 @@ def test_an_amd_gpu_is_named_by_its_target_not_a_cuda_capability():
     report = check_machine(probe_file=FIXTURES / "healthy-mi300x8.json")
     assert report.to_dict()["devices"][1]["arch"] == "gfx942"
     assert check_machine(probe_file=FIXTURES / "healthy-h200.json").to_dict()["devices"][1]["arch"] is None
+
+
+def test_a_narrow_terminal_cuts_no_word_of_a_check_or_its_fix():
+    """Before, at 40 columns the detail read `CP…` `3.…` and the header `de…`."""
+    report = check_machine(probe_file=FIXTURES / "driver-too-old.json")
+    for width in (40, 60):
+        console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+        print_uncut(console, checks_table(report))
+        shown_words = set(console.export_text().split())
+        for check in report.checks:
+            words = f"{check.id} {check.status} {check.detail} fix: {check.fix or ''} detail and fix".split()
+            assert set(words) <= shown_words, (width, check.id, set(words) - shown_words)

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.measure import Measurement
 from rich.progress import Progress, ProgressColumn
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from redline.plan import Choice, Plan, show_value
@@ -22,6 +22,9 @@ UNBOUNDED_WIDTH = 200
 # ...but a table's wrapping text (a Plan's reasons) wraps there at this width, as in a wide terminal, rather
 # than stretching every row of the table to UNBOUNDED_WIDTH.
 READABLE_WIDTH = 120
+# A column that folds a word too long for it (a Plan's reasons) keeps this much of the word a line, where the
+# terminal is narrower than the table: a reason one letter a line cannot be read.
+FOLDED_WIDTH = 8
 
 
 def output_console() -> Console:
@@ -33,16 +36,33 @@ def output_console() -> Console:
 
 
 def print_uncut(console: Console, table: Table) -> None:
-    """Print a table whole, its ``no_wrap`` columns never cut (rich would cut a figure to "8,…" or drop
-    a column to fit a narrow terminal): the wrapping columns share what the terminal leaves evenly, down
-    to their ``min_width``; where even that is too wide, the table prints wider than the terminal. In a file
-    or pipe (no terminal, no $COLUMNS) they share ``READABLE_WIDTH``."""
+    """Print a table whole, never a cell cut to "…" (rich would cut a figure to "8,…", a word to "pin_memory=o…",
+    or drop a column to fit a narrow terminal): the wrapping columns share what the terminal leaves evenly, down
+    to their ``min_width`` and, in a column that would cut rather than fold, its longest word; where even that
+    is too wide, the table prints wider than the terminal. In a file or pipe (no terminal, no $COLUMNS) they
+    share ``READABLE_WIDTH``."""
     target = READABLE_WIDTH if _unbounded(console) else console.width
     flexible = [column for column in table.columns if not column.no_wrap and column.width is None]
-    if _width_of(console, table) <= target or not flexible:
+    least = {id(column): _least_width(console, table, column) for column in flexible}
+    max_widths = {id(column): column.max_width for column in flexible}
+    for column in flexible:  # a cap on a wrapping column (the Plan's values) wraps its words, never cuts one
+        if column.max_width is not None:
+            column.max_width = max(column.max_width, least[id(column)])
+    width = console.width
+    try:
+        if _width_of(console, table) > target:
+            _share(console, table, flexible, least, target)
+        console.width = max(width, _width_of(console, table))  # print(width=...) would not go past the console's
         console.print(table)
-        return
-    least = {id(column): column.min_width or 1 for column in flexible}
+    finally:
+        console.width = width
+        for column in flexible:
+            column.width = None
+            column.max_width = max_widths[id(column)]
+
+
+def _share(console: Console, table: Table, flexible: list[Column], least: dict[int, int], target: int) -> None:
+    """Set the width of each ``flexible`` column so that ``table`` takes ``target`` columns, or its least."""
     for column in flexible:
         column.width = least[id(column)]
     fixed = _width_of(console, table)
@@ -59,14 +79,16 @@ def print_uncut(console: Console, table: Table) -> None:
         given = min(wants[id(column)], spare // left)
         column.width = least[id(column)] + given
         spare -= given
-    width = console.width
-    console.width = max(width, _width_of(console, table))  # print(width=...) would not go past the console's
-    try:
-        console.print(table)
-    finally:
-        console.width = width
-        for column in flexible:
-            column.width = None
+
+
+def _least_width(console: Console, table: Table, column: Column) -> int:
+    """The narrowest ``column`` may be: its ``min_width`` and its longest word, header included, where it cuts
+    what overflows (rich's default, "ellipsis"); where it folds a word onto the next line, up to
+    ``FOLDED_WIDTH`` of that word."""
+    cells = [*column.cells, column.header] if table.show_header else list(column.cells)
+    options = console.options.update(max_width=10_000)
+    longest = max((Measurement.get(console, options, cell).minimum for cell in cells), default=1)
+    return max(column.min_width or 1, min(longest, FOLDED_WIDTH) if column.overflow == "fold" else longest)
 
 
 def _unbounded(console: Console) -> bool:
