@@ -156,3 +156,23 @@ def test_torchruns_agent_does_not_narrate_the_stop_the_launcher_says_itself(tmp_
     said = [r.getMessage() for r in caplog.records if r.name.startswith("torch")]
     assert said == ["failed (exitcode: -9) local_rank: 1"]
     assert logging.getLogger("torch.distributed.elastic.agent.server.api").level == logging.WARNING  # put back
+
+
+def test_a_stopped_launch_without_out_says_nothing_was_saved_rather_than_to_resume(tmp_path):
+    """`redline train --nproc 2` without --out, stopped: it was told to rerun with --resume auto, which is refused
+    without --out."""
+    from redline.cli.train import launch_stopped
+
+    stops = [
+        LaunchStopped(signal.SIGINT),  # Ctrl-C to the launcher
+        LaunchStopped(signal.SIGTERM, workers_only=True),  # a kill of the workers alone
+        LaunchStopped(signal.SIGINT, aborted="stopping"),  # a second Ctrl-C
+    ]
+    for stopped in stops:
+        for node_rank in (None, 0, 1):
+            said = str(launch_stopped(stopped, None, node_rank))
+            assert "nothing was saved: the run has no --out\nhint: pass --out DIR" in said, said
+            assert "run the same command again with --resume auto" not in said, said
+            assert launch_stopped(stopped, None, node_rank).exit_code == stopped.exit_code
+    with_out = str(launch_stopped(LaunchStopped(signal.SIGINT), tmp_path, 0))  # --out, stopped before its first
+    assert "no checkpoint was written under --out" in with_out and "run the same command again" in with_out

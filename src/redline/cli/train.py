@@ -145,14 +145,22 @@ def _launch_workers(config: TrainerConfig, launch_config: LaunchConfig, task: Ta
         )  # fmt: skip
     try:
         launch(launch_config, ["redline", *without_launch_options(sys.argv[1:])], module=True)
-    except LaunchStopped as stopped:  # rank 0's machine holds --out: name the checkpoint a resume goes on from
-        if stopped.aborted and not launch_config.node_rank:  # a second Ctrl-C: in the words of one process
-            raise aborted(newest_checkpoint(config.out_dir), config.out_dir, second=True,
-                          finishing=stopped.aborted == "finishing") from None  # fmt: skip
-        if config.out_dir is None or launch_config.node_rank:
-            raise
-        found = find_checkpoints(config.out_dir / "checkpoints")
-        raise stopped.named((found[-1].step, found[-1].path) if found else None) from None
+    except LaunchStopped as stopped:
+        raise launch_stopped(stopped, config.out_dir, launch_config.node_rank) from None
+
+
+def launch_stopped(stopped: LaunchStopped, out_dir: Path | None, node_rank: int | None) -> StoppedBySignal:
+    """The error `redline train --nproc N` exits with when a signal stopped its workers (``stopped``): on the machine
+    that holds rank 0's ``out_dir``, naming the checkpoint a resume goes on from; without --out, that nothing was
+    saved, as one process says it (--resume auto is refused there)."""
+    if stopped.aborted and (out_dir is None or not node_rank):  # a second Ctrl-C: in the words of one process
+        return aborted(newest_checkpoint(out_dir), out_dir, second=True, finishing=stopped.aborted == "finishing")
+    if out_dir is None:
+        return stopped.unsaved()
+    if node_rank:  # another machine's --out holds the checkpoints
+        return stopped
+    found = find_checkpoints(out_dir / "checkpoints")
+    return stopped.named((found[-1].step, found[-1].path) if found else None)
 
 
 def stored_seed(config: TrainerConfig) -> int | None:

@@ -27,14 +27,15 @@ class LaunchStopped(LaunchError, StoppedBySignal):
 
     def __init__(
         self, signum: int, *, trainer: bool = True, workers_only: bool = False, newest: tuple[int, Path] | None = None,
-        looked: bool = False, aborted: Aborted | None = None, elsewhere: bool = False,
+        looked: bool = False, aborted: Aborted | None = None, elsewhere: bool = False, unsaved: bool = False,
     ) -> None:  # fmt: skip
         """``trainer``: the workers run ``redline train``; a script of the user's may take no --resume.
         ``workers_only``: a signal sent to the workers alone stopped the Trainer, not one to the launcher.
         ``looked``: the run's --out was looked in after the stop (``named``), and ``newest`` is the step and path of
         the newest checkpoint there, None where there is none. ``aborted``: what a second SIGINT aborted (``Aborted``),
         which `redline train` says in one process's words (cli/train.py's ``aborted``). ``elsewhere`` (with
-        ``workers_only``): the signal reached no rank of this machine, but one on another machine of the job."""
+        ``workers_only``): the signal reached no rank of this machine, but one on another machine of the job.
+        ``unsaved``: `redline train` ran without --out, so nothing was saved to resume from (``unsaved()``)."""
         self.signum, self.trainer, self.workers_only, self.aborted = signum, trainer, workers_only, aborted
         self.elsewhere = elsewhere
         if aborted:
@@ -54,7 +55,12 @@ class LaunchStopped(LaunchError, StoppedBySignal):
             said = f"stopped by {signal.Signals(signum).name}: the launcher passed it to every worker"
         other = _SIGNAL_THE_LAUNCHER if workers_only and not elsewhere else ""
         other += " (on every machine)" if elsewhere else ""
-        if looked and newest is not None:
+        if unsaved:  # as one process stopped so says it (cli/train.py's ``stopped_early``): --resume auto is refused
+            message = (
+                f"{said}; nothing was saved: the run has no --out\nhint: pass --out DIR to write checkpoints there "
+                f"that the run can continue from (--resume auto){other}"
+            )
+        elif looked and newest is not None:
             message = (
                 f"{said}; the newest checkpoint under --out is step {newest[0]}, at {newest[1]}\n"
                 f"hint: run the same command again with --resume auto to continue from it{other}"
@@ -95,6 +101,10 @@ class LaunchStopped(LaunchError, StoppedBySignal):
         return LaunchStopped(
             self.signum, workers_only=self.workers_only, newest=newest, looked=True, elsewhere=self.elsewhere
         )
+
+    def unsaved(self) -> LaunchStopped:
+        """This stop of the Trainer's workers, run without --out: nothing was saved, and no --resume goes on."""
+        return LaunchStopped(self.signum, workers_only=self.workers_only, unsaved=True, elsewhere=self.elsewhere)
 
 
 def _aborted(trainer: bool) -> str:
