@@ -761,7 +761,7 @@ def test_an_output_ending_with_a_slash_is_refused_as_a_directory_not_written_as_
     assert isinstance(result.exception, ConfigError), result.output
     assert str(result.exception) == (
         f"--output={str(tmp_path / 'results') + '/'!r} is not allowed; expected a file, not a directory (it ends "
-        f"with /)\nhint: name a file in it, e.g. {tmp_path / 'results'}/out.npy"
+        f"with /)\nhint: name a file in it, e.g. {tmp_path / 'results'}/outputs.npy"
     )
     assert not (tmp_path / "results").exists()
 

@@ -16,7 +16,7 @@ from redline.errors import ConfigError
 WHERE = {
     "serve": ["example:digits"], "loadtest": ["http://127.0.0.1:9/"], "predict": ["example:digits"],
     "launch": ["train.py"],  # the script comes last: every argument after it is its own
-    "doctor": [],
+    "doctor": [], "report": ["runs/x"],
 }  # fmt: skip
 
 
@@ -218,6 +218,24 @@ def test_an_empty_path_is_refused_by_its_flag_not_read_as_the_current_directory(
     assert refusal(*args) == (
         f"{flag}='' is not allowed; expected a path, not an empty one\n"
         "hint: name the file or folder; an empty value is often a shell variable that is not set"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["profile", "--trace", "traces/"], "traces/trace.json.gz"),  # was traces/out, which --trace refuses again
+        (["bench", "--html", "pages/"], "pages/bench.html"),
+        (["report", "--html", "pages/"], "pages/report.html"),
+        (["doctor", "--save-probe", "probes/"], "probes/probe.json"),
+        (["predict", "--input", "x.npy", "--output", "outs/"], "outs/outputs.npy"),
+    ],
+)
+def test_a_file_flag_given_a_directory_names_a_file_the_flag_takes_in_it(args, named):
+    flag, value = args[-2:]
+    assert refusal(*args) == (
+        f"{flag}={value!r} is not allowed; expected a file, not a directory (it ends with /)\n"
+        f"hint: name a file in it, e.g. {named}"
     )
 
 

@@ -129,4 +129,4 @@ def test_an_out_dir_under_an_unknown_users_home_stays_as_given(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     assert TrainerConfig(out_dir="~nosuchuser/run").out_dir == Path("~nosuchuser/run"), "as the shell leaves it"
-    assert given_file("~nosuchuser/x.json") == Path("~nosuchuser/x.json")
+    assert given_file("x.json")("~nosuchuser/x.json") == Path("~nosuchuser/x.json")

@@ -60,7 +60,8 @@ def bench(
     ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     html: Annotated[
-        Path | None, typer.Option(metavar="FILE", parser=given_file, help="Write a self-contained HTML report.")
+        Path | None,
+        typer.Option(metavar="FILE", parser=given_file("bench.html"), help="Write a self-contained HTML report."),
     ] = None,
 ) -> None:
     """Time the naive loop, a matrix of settings and auto side by side, and report speed-ups and MFU."""

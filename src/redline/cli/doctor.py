@@ -28,7 +28,7 @@ def doctor(
         typer.Option(
             "--save-probe",
             metavar="FILE",
-            parser=given_file,
+            parser=given_file("probe.json"),
             help="Also write the machine's snapshot here, for a bug report.",
         ),
     ] = None,

@@ -122,9 +122,9 @@ def unparsed(error: typer.BadParameter) -> ConfigError | None:
     if param is None or kind not in (*_NUMBER_WORDS, Path) or not problems or "input" not in problems[0]:
         return None
     flag, value = max(param.opts, key=len), problems[0]["input"]
-    if kind is Path and str(value).endswith("/"):  # refused by cli.options.given_file
-        named = f"{value}out{Path(str(param.metavar or '')).suffix}"
-        return invalid(flag, value, "a file, not a directory (it ends with /)", f"name a file in it, e.g. {named}")
+    refused = problems[0].get("ctx", {}).get("error")  # the parser's own error, as pydantic keeps it
+    if isinstance(refused, ConfigError) and refused.parts:  # a parser's refusal (cli.options.given_file's)
+        return invalid(flag, value, *refused.parts[2:])
     if kind is Path:
         return invalid(flag, value, *_EMPTY_PATH)
     example = param.default if type(param.default) is kind else 1

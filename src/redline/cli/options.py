@@ -88,13 +88,19 @@ def given_path(text: str | Path) -> Path:
     return Path(os.path.expanduser(text))  # Path.expanduser raises for ~nosuchuser
 
 
-def given_file(text: str | Path) -> Path:
-    """Read a file flag's value (an output's), as ``given_path``; one that ends with a slash names a directory
-    (``Path`` would drop the slash, and the file be written under the directory's name): refused by its flag."""
-    path = given_path(text)
-    if str(text).endswith("/"):
-        raise ValueError("a directory")
-    return path
+def given_file(example: str) -> Callable[[str | Path], Path]:
+    """The parser of a file flag (an output's), reading its value as ``given_path``; one that ends with a slash names
+    a directory (``Path`` would drop the slash, and the file be written under the directory's name): refused by its
+    flag (cli.main.unparsed), the hint naming ``example`` in it, a file name the flag takes (``trace.json.gz``)."""
+
+    def parse(text: str | Path) -> Path:
+        path = given_path(text)
+        if str(text).endswith("/"):
+            allowed = "a file, not a directory (it ends with /)"
+            raise invalid("path", str(text), allowed, f"name a file in it, e.g. {text}{example}")
+        return path
+
+    return parse
 
 
 def count(help: str, *, least: bool = True, **kwargs: Any) -> Any:

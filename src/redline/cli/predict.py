@@ -75,7 +75,8 @@ def predict(
         Path, typer.Option("--input", metavar="FILE.npy", parser=given_path, help="The samples, one per row.")
     ],
     output_path: Annotated[
-        Path, typer.Option("--output", metavar="FILE.npy", parser=given_file, help="Where the outputs go.")
+        Path,
+        typer.Option("--output", metavar="FILE.npy", parser=given_file("outputs.npy"), help="Where the outputs go."),
     ],
     batch_size: Annotated[int, count("Samples per batch (the largest bucket; at most the samples in --input).")] = 32,
     weights: Weights = None,

@@ -49,7 +49,9 @@ def profile_command(
     ] = None,
     trace: Annotated[
         Path | None,
-        typer.Option(metavar="FILE", parser=given_file, help="Write the Chrome trace there (.json or .json.gz)."),
+        typer.Option(
+            metavar="FILE", parser=given_file("trace.json.gz"), help="Write the Chrome trace there (.json or .json.gz)."
+        ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
 ) -> None:

@@ -25,7 +25,7 @@ def report(
         typer.Option(
             "--html",
             metavar="FILE",
-            parser=given_file,
+            parser=given_file("report.html"),
             help="Where to write the page [default: RUN_DIR/report.html, or FILE.html].",
         ),
     ] = None,
