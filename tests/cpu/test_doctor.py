@@ -64,6 +64,15 @@ def test_json_quick_save_probe_and_probe_file_give_the_same_checks(tmp_path):
     assert json.loads(second.stdout) == report
 
 
+def test_the_saved_snapshots_path_is_said_on_one_line_in_a_log(tmp_path, monkeypatch):
+    """Before, stderr in a pipe broke the line at 80 columns, and the path with it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    saved = tmp_path / "a-folder-whose-name-takes-the-line-past-eighty-columns" / "snapshot.json"
+    result = CliRunner().invoke(app, ["doctor", "--json", "--quick", "--save-probe", str(saved)])
+    assert result.exit_code == 0, result.output
+    assert f"snapshot written to {saved}: attach it to your bug report\n" in result.stderr, result.stderr
+
+
 def test_a_broken_snapshot_prints_the_fix_and_exits_1():
     result = CliRunner().invoke(app, ["doctor", "--probe-file", str(FIXTURES / "shm-64mb-docker.json")])
     assert result.exit_code == 1

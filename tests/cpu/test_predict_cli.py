@@ -160,13 +160,16 @@ def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_goin
     inputs = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
     command = [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, inputs), "--output",
                "/dev/stdout", "--precision", "fp32", "--compile", "off"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, timeout=300, env={**os.environ})
+    environ = {name: value for name, value in os.environ.items() if name != "COLUMNS"}  # stderr is a pipe: no width
+    result = subprocess.run(command, capture_output=True, timeout=300, env=environ)
     assert result.returncode == 0, result.stderr.decode()
     written = np.load(io.BytesIO(result.stdout))  # the whole of stdout is one .npy array
     with torch.no_grad():
         plain = load_servable(spec).model(torch.from_numpy(inputs)).numpy()
     np.testing.assert_allclose(written, plain, rtol=0, atol=1e-6)
     assert b"precision" in result.stderr and b"5 samples in" in result.stderr
+    summary = next(line for line in result.stderr.decode().splitlines() if line.startswith("5 samples in"))
+    assert summary.endswith(" -> /dev/stdout") and len(summary) > 80, "one line, not broken at 80 columns"
     both = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, env={**os.environ})
     assert both.returncode == 2 and both.stdout == ""
     assert both.stderr.startswith("error: --output '/dev/stdout' is stdout, where --json prints too")

@@ -153,3 +153,17 @@ def test_mem_gib_s_help_says_it_is_gib_as_torch_reads_a_gpu_not_the_size_it_is_s
     result = CliRunner().invoke(app, ["memory", "--help"], env={"COLUMNS": "300"})
     help_text = " ".join(result.stdout.replace("│", " ").split())
     assert "this many GiB (2^30 bytes) instead, as torch reports its memory: a 24 GB L4 shows 22.03 GiB" in help_text
+
+
+def test_the_tracing_line_is_one_line_in_a_log_not_broken_at_80_columns(monkeypatch):
+    """Before, stderr in a pipe broke "tracing digits on fake tensors (bf16-mixed: auto: ..." mid-sentence."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memory_cli, "fit_memory", interrupted)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    result = CliRunner().invoke(app, ["memory", "--task", "example:digits", "--gpu", "h100-sxm"])
+    line = result.stderr.splitlines()[0]
+    assert line.startswith("tracing digits on fake tensors (bf16-mixed: auto: ") and line.endswith(")"), result.stderr
+    assert len(line) > 80

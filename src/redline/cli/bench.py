@@ -74,7 +74,7 @@ def bench(
     console = Console(stderr=True)
     if timed_steps(steps, window) != steps:  # said before the run, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, window)} steps per row: whole windows of {window}"
-        console.print(f"{told} (--window), two at least", highlight=False, markup=False)
+        console.print(f"{told} (--window), two at least", highlight=False, markup=False, soft_wrap=True)
     with transient_bar(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as bar:
@@ -193,7 +193,7 @@ def _estimator(task: Task, console: Console) -> Estimate:
         except Exception as exc:  # the estimate is an extra: its failure must not lose the measurements
             console.print(  # the error's `[...]` is text, not markup
                 f"warning: no memory estimate for batch {batch_size}, {precision}: {describe_error(exc)}",
-                markup=False, highlight=False,
+                markup=False, highlight=False, soft_wrap=True,
             )  # fmt: skip
             return None
 

@@ -62,7 +62,7 @@ def doctor(
         except OSError as exc:
             raise _unwritable(save_probe, exc) from exc
         said = f"snapshot written to {save_probe}: attach it to your bug report"
-        Console(stderr=True).print(said, highlight=False, markup=False)
+        Console(stderr=True).print(said, highlight=False, markup=False, soft_wrap=True)  # a path is never broken
     report = judge(snapshot)
     if json_output:
         print(json.dumps(report.to_dict(), indent=2), file=result_out())

@@ -119,7 +119,7 @@ def memory(
     said = f"{chosen.value}: {chosen.reason}"
     if kernel.value != "auto" and kernel.reason != chosen.reason:  # a trial's one reason says both
         said += f"; {kernel.value} attention: {kernel.reason}"
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # a log or pipe keeps each line whole; a terminal wraps it
     err.print(f"tracing {loaded.name} on fake tensors ({said})", highlight=False, markup=False)
     if weighing.note:
         err.print(f"note: {weighing.note}", highlight=False, markup=False)
@@ -141,7 +141,7 @@ def _measure(
     task: Task, precision: str, attention: str, start: int, max_batch_size: int | None, json_output: bool
 ) -> None:
     """Search this machine's device for the largest batch that trains; every rank searches, the first prints."""
-    Console(stderr=True).print(f"running training steps of {task.name} at growing batch sizes")
+    Console(stderr=True, soft_wrap=True).print(f"running training steps of {task.name} at growing batch sizes")
     flags = said_by_flags(
         start="--start", max_batch_size="--max-batch-size", precision="--precision", attention="--attention"
     )

@@ -171,6 +171,7 @@ def predict(
         f"{output_path}",
         highlight=False,
         markup=False,  # a path's `[...]` is text
+        soft_wrap=True,  # in a log or pipe the line is whole, `-> PATH` never broken; a terminal wraps it
     )
 
 

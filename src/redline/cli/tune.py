@@ -51,7 +51,7 @@ def tune_command(
     console = Console(stderr=True)
     if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
-        console.print(f"{told}: whole windows of {WINDOW}, two at least", highlight=False, markup=False)
+        console.print(f"{told}: whole windows of {WINDOW}, two at least", highlight=False, markup=False, soft_wrap=True)
     with transient_bar(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
         job = bar.add_task("tune", total=None)
 
