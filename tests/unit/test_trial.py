@@ -27,6 +27,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import (
     Measured,
+    _settled_by_the_accepted,
     cache_dir,
     choose,
     decided,
@@ -842,3 +843,13 @@ def test_auto_nhwc_hands_the_trials_loss_nchw_outputs_as_it_does_the_runs():
     assert all(m.step_times for m in results) and not any(m.rejected for m in results)
     assert {autocast for autocast, _ in Images.seen} == {True, False}
     assert all(nhwc == autocast for autocast, nhwc in Images.seen)  # bf16 timed in NHWC only, fp32 in NCHW
+
+
+@pytest.mark.parametrize(("fp16_first_loss", "settled"), [(2.4, False), (2.0, True)])
+def test_a_lead_of_a_candidate_its_first_loss_rejects_does_not_end_the_trial(fp16_first_loss, settled):
+    # fp16's 1.67x lead ended the trial after one round, then fp16 was rejected (its first loss 20% off) and bf16
+    # chosen at 1.14x on three steps, where the one-round rule's reason covers 1.5x leads only
+    timed = ["fp32", "fp16-mixed", "bf16-mixed"]
+    steps = {"fp32": (None, 2.0), "fp16-mixed": (None, fp16_first_loss), "bf16-mixed": (None, 2.0)}
+    times = [[0.010] * 3, [0.006] * 3, [0.0088] * 3]
+    assert _settled_by_the_accepted(timed, steps)(times, 1) is settled

@@ -255,7 +255,7 @@ def run_trial(
                 free_memory(device)  # what the failed step held, in a traceback's cycles
         timed = [name for name in names if name in steps]
         while True:  # a step out of memory takes its candidate out (rejected so), and the others are timed anew
-            settled = decided if stop_early and timed[:1] == ["fp32"] else None
+            settled = _settled_by_the_accepted(timed, steps) if stop_early and timed[:1] == ["fp32"] else None
             try:
                 times, losses = time_steps(
                     [_guarded(name, steps[name][0]) for name in timed], warmup=WARMUP_STEPS - 1, rounds=rounds,
@@ -278,6 +278,14 @@ def run_trial(
     results.update({name: Measured(name, (), (), why, name in short_of_memory) for name, why in failed.items()})
     reference = results["fp32"]
     return [reference, *(_with_verdict(reference, results[name]) for name in candidates)]
+
+
+def _settled_by_the_accepted(timed: list[str], steps: dict[str, tuple[Any, float]]) -> Callable[..., bool]:
+    """``decided`` over fp32 and the candidates whose first loss passes ``judge``: a lead of one rejected after
+    the timing (its first loss 20% off fp32's) must not end the trial for another candidate's three steps."""
+    first = {name: Measured(name, (), (steps[name][1],)) for name in timed}
+    kept = [i for i, name in enumerate(timed) if i == 0 or not judge(first["fp32"], first[name])]
+    return lambda times, rounds: decided([times[i] for i in kept], rounds)
 
 
 class _OutOfMemory(Exception):
