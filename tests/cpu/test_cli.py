@@ -881,3 +881,15 @@ def test_a_resume_path_with_nothing_there_under_nproc_is_refused_once_before_any
                           str(missing), "--max-steps", "1")  # fmt: skip
     assert result.returncode != 0 and result.stderr.count(f"{missing}: no such checkpoint") == 1, result.stderr
     assert "launched job" not in result.stderr and "torch.distributed" not in result.stderr
+
+
+@pytest.mark.parametrize(("environ", "taken"), [({}, True), ({"RANK": "1", "MASTER_ADDR": "10.0.0.1"}, False)])
+def test_a_launched_worker_leaves_a_sigterm_in_set_up_to_its_launcher(environ, taken):
+    # a worker the launcher stopped (another rank failed) said "interrupted by SIGTERM" and exited 143, which the
+    # launcher read as that rank's own failure: two errors and a hint about --out for a signal nobody sent
+    from redline.cli.train import setting_up_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with setting_up_signals(environ):
+        assert (signal.getsignal(signal.SIGTERM) is not before) == taken
+    assert signal.getsignal(signal.SIGTERM) is before

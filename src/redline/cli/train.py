@@ -82,10 +82,9 @@ def _train(
     last = LastCheckpoint()
     # what the run refuses later (a batch that does not split across the ranks), said by its flag too
     flagged = said_by_flags(**spellings(TrainerConfig), **spellings(RuntimeOptions))
-    # a SIGTERM before the run takes signals itself (building the model, its trial) stops it as a Ctrl-C does
     watched = [*callbacks, last]
     with (
-        terminate_as_interrupt(),
+        setting_up_signals(os.environ),
         flagged,
         spec_named(task, task_arg),
         Trainer(loaded, config, callbacks=watched) as trainer,
@@ -161,6 +160,13 @@ def launch_stopped(stopped: LaunchStopped, out_dir: Path | None, node_rank: int 
         return stopped
     found = find_checkpoints(out_dir / "checkpoints")
     return stopped.named((found[-1].step, found[-1].path) if found else None)
+
+
+def setting_up_signals(environ: Mapping[str, str]) -> contextlib.AbstractContextManager[None]:
+    """How a SIGTERM before the run takes signals itself (the model built, the trial) is met: as a Ctrl-C there,
+    said and exited 143, in a process of its own; a launched worker leaves it to its launcher, which stopped the
+    job (it reads a worker the signal ended as stopped, and says so once)."""
+    return contextlib.nullcontext() if is_launched(environ) else terminate_as_interrupt()
 
 
 def stored_seed(config: TrainerConfig) -> int | None:
