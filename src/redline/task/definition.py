@@ -153,25 +153,14 @@ def model_fingerprint(model: nn.Module, *, settings: bool = True, code: bool = T
 
 
 def _settings(module: nn.Module) -> str:
-    """A module's plain attributes by name (numbers, texts, switches, None, and tuples or lists of them), not
+    """A module's public plain attributes by name (numbers, texts, switches, None, and tuples or lists of them), not
     ``training``: the same shapes split into 2 heads or 4 (``self.n_head``, which nn.MultiheadAttention's repr does
-    not show either), or through another activation (``self.act = "tanh"``, ``self._act = "gelu"``), are another
-    workload to time. A private one (``_name``) counts in a module of the user's (or a library's) class, where it
-    switches the computation as a public one does; torch's own modules keep their internals out, and no module counts
-    nn.Module's own bookkeeping (``_is_full_backward_hook``, which a hook sets)."""
-    own = _own_class(module)
+    not show either), or through another activation (``self.act = "tanh"``), are another workload to time."""
     return ",".join(
         f"{name}={value!r}"
         for name, value in sorted(vars(module).items())
-        if (own or not name.startswith("_")) and name not in _module_bookkeeping() and _plain(value)
+        if not name.startswith("_") and name != "training" and _plain(value)
     )
-
-
-@functools.cache
-def _module_bookkeeping() -> frozenset[str]:
-    """The attributes every nn.Module holds for torch (``training``, hooks, a compiled call), as its version names
-    them."""
-    return frozenset(vars(nn.Module()))
 
 
 def _own_class(module: nn.Module) -> bool:
