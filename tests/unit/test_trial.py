@@ -302,7 +302,9 @@ def test_a_cached_trial_edited_or_damaged_on_disk_is_measured_again_not_a_crash(
         (["fp32", "bf16-mixed"], True),  # a model that calls no attention: no kernel to time
         (["fp32", "bf16-mixed", "bf16-mixed with math attention"], True),
         (["fp32", "bf16-mixed", "bf16-mixed with flash attention", "bf16-mixed with math attention"], True),
-        (["fp32", "bf16-mixed with math attention"], False),  # the candidate itself is missing
+        (["fp32", "bf16-mixed with math attention"], True),  # a kernel picked before the steps, in its place
+        (["fp32"], False),  # the candidate is missing
+        (["bf16-mixed with math attention", "fp32"], False),  # fp32, the reference, is not first
         (["fp32", "bf16-mixed", "fp16-mixed with math attention"], False),  # a precision not asked for
         (["fp32", "bf16-mixed", "bf16-mixed with fast attention"], False),  # no such kernel
         (["fp32", "bf16-mixed", "bf16-mixed with math"], False),  # not a name ``form`` writes
@@ -310,7 +312,8 @@ def test_a_cached_trial_edited_or_damaged_on_disk_is_measured_again_not_a_crash(
     ],
 )
 def test_a_cached_trial_of_kernels_reads_the_forms_its_candidates_take(tmp_path, monkeypatch, names, readable):
-    """A trial that timed the kernels names each candidate with each (``form``): those, and only those, read back."""
+    """A trial that timed the kernels names each candidate with each (``form``), or with the one its attention calls
+    picked: those, and only those, read back."""
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
     key = trial_key("abc", CPUS["amx"], 16, ["bf16-mixed", "attention kernels timed"])
     store(key, [measured(name, 10.0) for name in names])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import time
@@ -140,6 +141,12 @@ class AttentionCall:
         mask = torch.ones(self.mask[0], device=device, dtype=self.mask[1]) if self.mask is not None else None
         return {"query": query, "key": key, "value": value, "attn_mask": mask}
 
+    def under(self, dtype: torch.dtype) -> AttentionCall:
+        """The call as autocast to ``dtype`` makes it: its floating-point inputs (float64 apart) in ``dtype``."""
+        cast = _cast_to(dtype)
+        mask = (self.mask[0], cast(self.mask[1])) if self.mask is not None else None
+        return dataclasses.replace(self, dtype=cast(self.dtype), mask=mask)
+
 
 class _Recorder(AttentionMode):
     def __init__(self) -> None:
@@ -171,7 +178,10 @@ def _autocast_to(tensor: torch.Tensor) -> Callable[[torch.dtype], torch.dtype]:
     device = tensor.device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return lambda dtype: dtype
-    low = torch.get_autocast_dtype(device)
+    return _cast_to(torch.get_autocast_dtype(device))
+
+
+def _cast_to(low: torch.dtype) -> Callable[[torch.dtype], torch.dtype]:
     return lambda dtype: low if dtype.is_floating_point and dtype != torch.float64 else dtype
 
 

@@ -69,7 +69,7 @@ class KernelCheck:
             return
         began, self.timed_in = time.perf_counter(), precision
         try:
-            kernels = [None, *attention_kernels(calls, self.device, precision)]
+            kernels, timed = time_against_pick(calls, self.device, precision, budget_s=self.budget_s)
             if len(kernels) == 1:  # nothing to set against torch's pick (on a CPU, math alone takes dropout)
                 self.chosen = Choice(
                     self.default.value,
@@ -77,7 +77,6 @@ class KernelCheck:
                     f"{precision}",
                 )
                 return
-            timed = time_kernels(calls, self.device, kernels, budget_s=self.budget_s)
         except Exception as exc:  # never the user's step's failure: torch's pick stays, and the Plan says why
             why = describe_error(exc)
             self.chosen = Choice(self.default.value, f"{self.default.reason}; the kernels could not be timed ({why})")
@@ -90,8 +89,7 @@ class KernelCheck:
                 f"({len(calls)}) would take longer than the {self.budget_s or 0:.2g} s the check left for it",
             )
             return
-        best = min(timed, key=lambda k: timed[k])
-        ratio = timed[None] / timed[best]
+        best, ratio = preferred(timed)
         told = ", ".join(f"{k or 'torch pick'} {_ms(timed[k])}" for k in timed)
         untimed = [k for k in kernels if k not in timed]
         if untimed:
@@ -100,7 +98,7 @@ class KernelCheck:
             f"the model's attention calls ({len(calls)}) under {precision}, forward and backward, timed alone in "
             f"{spent:.2g} s: {told}"
         )
-        if best is None or ratio < KEEP:
+        if best is None:
             self.chosen = Choice(
                 self.default.value, f"{self.default.reason}; measured on this run, torch's pick kept: {what}"
             )
@@ -145,6 +143,28 @@ class KernelCheck:
             self.chosen = Choice(self.default.value, f"{self.default.reason}; {self.chosen.reason}, but {why}")
         elif not self.chosen.reason.endswith(why):
             self.chosen = Choice(self.chosen.value, f"{self.chosen.reason}; {why}")
+
+
+def time_against_pick(
+    calls: Sequence[AttentionCall], device: torch.device, precision: str, *, budget_s: float | None = None
+) -> tuple[list[str | None], dict[str | None, float]]:
+    """The kernels worth setting against torch's pick for ``calls`` (made in ``precision``'s dtype), torch's pick
+    (None) first, and the seconds each took on them (``time_kernels``, within ``budget_s``); nothing is timed where no
+    other kernel takes the calls."""
+    kernels: list[str | None] = [None, *attention_kernels(calls, device, precision)]
+    if len(kernels) == 1:
+        return kernels, {}
+    return kernels, time_kernels(calls, device, kernels, budget_s=budget_s)
+
+
+def preferred(timed: dict[str | None, float]) -> tuple[str | None, float]:
+    """The kernel to prefer from ``timed`` (None: torch's pick) and how many times faster than torch's pick it ran:
+    the fastest, where it beat torch's pick by ``KEEP``; else torch's pick, and the fastest's ratio."""
+    if None not in timed:
+        return None, 1.0
+    best = min(timed, key=lambda kernel: timed[kernel])
+    ratio = timed[None] / timed[best]
+    return (best, ratio) if best is not None and ratio >= KEEP else (None, ratio)
 
 
 class _Watched:

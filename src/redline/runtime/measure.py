@@ -3,8 +3,10 @@
 The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
 is long enough to repay it: a trial of r rounds costs at most ``trial_steps(candidates, r)``
 training steps, and runs with as many rounds (four at most) as keep that within a ``REPAY``-th of
-the planned run; where not even ``LEAST_ROUNDS`` (three) fit, it does not run. Its result is cached on disk, keyed
-by the Task's fingerprint and this machine, so a second run pays nothing, a short one included.
+the planned run; where not even ``LEAST_ROUNDS`` (three) fit, it does not run. Where the attention kernel is left to
+auto, each reduced precision is timed with each kernel that takes the model's calls too, or, where the run does not
+repay those steps, on the one kernel its calls ran fastest on alone (``picked_forms``). Its result is cached on disk,
+keyed by the Task's fingerprint and this machine, so a second run pays nothing, a short one included.
 Under several processes rank 0 measures and every rank runs its choice.
 
 Whatever the trial did, the choice it hands the Runtime is final: the Runtime checks on the run's own steps
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
@@ -33,13 +36,15 @@ from redline.plan.device import resolve_worker_device
 from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
-from redline.runtime.attention import attention_kernels, model_attention
+from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.contract import split_batch, users_failure
+from redline.runtime.kernel_check import KEEP, preferred, time_against_pick
 from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.precision import half_model_keeps_fp32
+from redline.runtime.precision import AUTOCAST_DTYPES, half_model_keeps_fp32
+from redline.runtime.precision_check import KERNELS_ALONE_S
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
@@ -159,17 +164,39 @@ class _Workload:
             found["attention"] = Choice(plan_kernel(kernel), chosen.reason)
         return found
 
-    def kernel_forms(self, task: Task, inputs: Any) -> list[str]:
-        """Each reduced precision with every other attention kernel that takes the model's calls on ``inputs`` in it.
+    def kernel_forms(self, calls: Sequence[AttentionCall]) -> list[str]:
+        """Each reduced precision with every other attention kernel that takes the model's ``calls`` in it.
 
         torch's pick can be what loses a precision: on a 2-core Xeon with AMX, chargpt's bf16 step ran 1.62x faster
         with math attention than with the CPU flash kernel torch picks, and 1.35x fp32's, where it had lost to fp32.
         Math is left out on CUDA, and where it would not fit (``attention_kernels``).
         """
-        calls = model_attention(task, self.device, inputs)
-        if not calls:
-            return []
         return [form(p, k) for p in self.candidates for k in attention_kernels(calls, self.device, p)]
+
+    def picked_forms(self, calls: Sequence[AttentionCall]) -> tuple[list[str], str]:
+        """Each reduced precision with the attention kernel it prefers, picked by timing the model's ``calls`` alone
+        on each kernel that takes them (runtime/kernel_check.py: one ``KEEP`` faster than torch's pick, else torch's
+        pick), and how each was picked, for the Plan. For a run that does not repay whole steps on every kernel: a
+        precision then costs the trial no more steps than alone, and is timed on the kernel it runs fastest on, not on
+        torch's pick (which lost chargpt's bf16 to fp32 on a CPU with AMX, 300 steps:
+        benchmarks/results/frameworks-xeon-amx.md).
+        """
+        picked, told = [], []
+        for precision in self.candidates:
+            cast = [call.under(AUTOCAST_DTYPES[precision]) for call in calls]
+            try:
+                _, timed = time_against_pick(cast, self.device, precision, budget_s=KERNELS_ALONE_S)
+            except Exception as exc:  # torch's pick, as a run that cannot time them keeps it
+                timed, failed = {}, describe_error(exc)
+                told.append(f"{precision}'s attention kernels could not be timed ({failed}): torch's pick")
+            kernel, ratio = preferred(timed)
+            picked.append(form(precision, kernel or "auto"))
+            alone = f"the model's attention calls ({len(calls)}), timed alone under {precision}"
+            if kernel is not None:
+                told.append(f"{kernel} attention picked for {precision}: {alone}, ran {ratio:.2f}x torch's pick")
+            elif timed:
+                told.append(f"torch's attention kernel kept for {precision}: no other ran {alone}, {KEEP}x faster")
+        return picked, "; ".join(told)
 
 
 def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
@@ -257,10 +284,13 @@ def _measure_or_recall(
     batch = split_batch(next(read_batches(loader)), "train_data", collate_fn=loader.collate_fn)
     names: list[str] = list(work.candidates)
     key = plain
-    if work.attention == "auto" and rounds_for([*names, ""]) >= LEAST_ROUNDS:  # a run that repays one kernel more
-        forms = work.kernel_forms(task, batch[0])
-        if rounds_for([*names, *forms]) >= LEAST_ROUNDS:  # else the precisions alone, as before kernels were timed
-            names, key = [*names, *forms], with_kernels
+    calls = model_attention(task, work.device, batch[0]) if work.attention == "auto" else []
+    forms = work.kernel_forms(calls) if calls else []
+    picking = ""
+    if forms and rounds_for([*names, *forms]) >= LEAST_ROUNDS:  # every kernel timed in whole steps
+        names, key = [*names, *forms], with_kernels
+    elif forms:  # too many for the run to repay: each precision's kernel picked by its attention calls alone
+        (names, picking), key = work.picked_forms(calls), with_kernels
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     kernel = None if work.attention == "auto" else work.attention
     with ProcessSettings(tf32=resolve_tf32(facts).value, attention=kernel).enter():  # fp32 as the run will have it
@@ -274,6 +304,8 @@ def _measure_or_recall(
         return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})"), False
     _log(measured)
     choice = choose(measured, where)
+    if picking:
+        choice = Choice(choice.value, f"{choice.reason}; {picking}")
     short_of_memory = [m.precision for m in measured if m.out_of_memory]
     if short_of_memory:  # the machine's free memory at the time, not the model's: the next run measures again
         told = f"not cached: {', '.join(short_of_memory)} ran out of memory, which a run with more free may not"

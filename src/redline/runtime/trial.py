@@ -52,8 +52,9 @@ DECISIVE = 1.5
 TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's that rejects it
 MAX_SECONDS = 30.0  # the whole trial; a candidate that would exceed it is timed on fewer steps
 # How a trial measures, in its cache key: a change to it leaves what the old way measured unread. 2: a candidate
-# whose step fails laid out NHWC is timed in NCHW, where the run would go back to (it was rejected).
-METHOD = 2
+# whose step fails laid out NHWC is timed in NCHW, where the run would go back to (it was rejected). 3: a run that
+# does not repay whole steps on every attention kernel times each precision on the kernel its calls prefer.
+METHOD = 3
 
 log = logging.getLogger("redline")
 
@@ -416,8 +417,7 @@ def cache_dir() -> Path:
 
 def load_cached(key: str, candidates: Sequence[str], *, kernels: bool = False) -> tuple[list[Measured], str] | None:
     """A cached trial of ``candidates`` and when it was measured, or None: an unreadable entry is measured again, as
-    is one whose precisions are not fp32 followed by ``candidates`` (and, with ``kernels``, forms of them that prefer
-    an attention kernel: ``_names_asked``), which no trial of this key wrote (an edit, or a damaged file)."""
+    is one naming what no trial of this key times (``_names_asked``: an edit, or a damaged file)."""
     found = read_cache("trials", key)
     try:
         measured = [Measured.from_dict(m) for m in found[0]] if found else None
@@ -429,13 +429,16 @@ def load_cached(key: str, candidates: Sequence[str], *, kernels: bool = False) -
 
 
 def _names_asked(names: Sequence[str], candidates: Sequence[str], *, kernels: bool = False) -> bool:
-    """Whether ``names`` are what a trial of ``candidates`` times: fp32 first (the reference), the candidates, and
-    with ``kernels`` any of them preferring an attention kernel (``form``), each once."""
-    head, tail = list(names[: len(candidates) + 1]), names[len(candidates) + 1 :]
-    if head != ["fp32", *candidates] or len(set(tail)) < len(tail) or (tail and not kernels):
+    """Whether ``names`` are what a trial of ``candidates`` times: fp32 first (the reference), then each candidate, each
+    name once; with ``kernels``, forms of them that prefer an attention kernel (``form``), beside the candidate or in
+    its place (a kernel picked before the steps: runtime/measure.py)."""
+    tail, parts = names[1:], [form_parts(name) for name in names[1:]]
+    if names[:1] != ["fp32"] or len(set(tail)) < len(tail) or {p for p, _ in parts} != set(candidates):
         return False
-    parts = [form_parts(name) for name in tail]
-    return all(p in candidates and k in KERNELS and form(p, k) == n for n, (p, k) in zip(tail, parts, strict=True))
+    return all(
+        p in candidates and (k == "auto" or (kernels and k in KERNELS)) and form(p, k) == n
+        for n, (p, k) in zip(tail, parts, strict=True)
+    )
 
 
 def store(key: str, measured: Sequence[Measured]) -> None:
