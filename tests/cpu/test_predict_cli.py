@@ -155,11 +155,12 @@ def test_json_holds_stdout_alone_when_the_models_file_prints_as_it_loads(tmp_pat
     assert json.loads(result.stdout)["samples"] == 3 and "building the model\n" in result.stderr
 
 
-def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_going_to_stderr(tmp_path, spec):
+@pytest.mark.parametrize("stdout", ["/dev/stdout", "-"])  # "-" wrote a file named "-"
+def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_going_to_stderr(tmp_path, spec, stdout):
     # redline predict ... --output /dev/stdout | consumer: the plan table printed on stdout went into the array
     inputs = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
     command = [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, inputs), "--output",
-               "/dev/stdout", "--precision", "fp32", "--compile", "off"]  # fmt: skip
+               stdout, "--precision", "fp32", "--compile", "off"]  # fmt: skip
     environ = {name: value for name, value in os.environ.items() if name != "COLUMNS"}  # stderr is a pipe: no width
     result = subprocess.run(command, capture_output=True, timeout=300, env=environ)
     assert result.returncode == 0, result.stderr.decode()
@@ -173,6 +174,7 @@ def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_goin
     both = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, env={**os.environ})
     assert both.returncode == 2 and both.stdout == ""
     assert both.stderr.startswith("error: --output '/dev/stdout' is stdout, where --json prints too")
+    assert not os.path.exists("-"), "a file named - was written"
 
 
 def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):

@@ -76,7 +76,7 @@ def predict(
     ],
     output_path: Annotated[
         Path,
-        typer.Option("--output", metavar="FILE.npy", parser=given_file("outputs.npy"), help="Where the outputs go."),
+        typer.Option("--output", metavar="FILE.npy", parser=_output_file, help="Where the outputs go (- for stdout)."),
     ],
     batch_size: Annotated[int, count("Samples per batch (the largest bucket; at most the samples in --input).")] = 32,
     weights: Weights = None,
@@ -173,6 +173,16 @@ def predict(
         markup=False,  # a path's `[...]` is text
         soft_wrap=True,  # in a log or pipe the line is whole, `-> PATH` never broken; a terminal wraps it
     )
+
+
+def _output_file(text: str | Path) -> Path:
+    """``--output``'s value: a file, or ``-``, stdout (as ``/dev/stdout``), where the array alone goes."""
+    if str(text) != "-":
+        return given_file("outputs.npy")(text)
+    stdout = Path("/dev/stdout")
+    if not stdout.exists():
+        raise ConfigError("--output - is stdout, which this system has no file for\nhint: write the outputs to a file")
+    return stdout
 
 
 def same_as_stdout(path: Path) -> bool:
