@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,6 +176,34 @@ def test_outputs_written_to_stdout_are_the_array_alone_the_plan_and_summary_goin
     assert both.returncode == 2 and both.stdout == ""
     assert both.stderr.startswith("error: --output '/dev/stdout' is stdout, where --json prints too")
     assert not os.path.exists("-"), "a file named - was written"
+
+
+@pytest.mark.parametrize("stdout", ["/dev/stdout", "-"])
+def test_outputs_to_stdout_on_a_terminal_are_refused_before_the_model_loads(tmp_path, spec, stdout):
+    """The .npy bytes printed on a terminal (which alters them, too), where a pipe or a file was meant."""
+    pty = pytest.importorskip("pty")
+    leader, follower = pty.openpty()
+    try:
+        command = [sys.executable, "-m", "redline", "predict", spec, "--input", samples(tmp_path, np.ones((2, 3))),
+                   "--output", stdout]  # fmt: skip
+        result = subprocess.run(command, stdout=follower, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --output '/dev/stdout' is stdout, which is a terminal"), result.stderr
+    assert "hint: pipe it" in result.stderr and "building the model" not in result.stderr
+
+
+def test_output_dash_on_a_system_without_dev_stdout_is_refused_by_its_flag(tmp_path, spec, monkeypatch):
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda self: False if str(self) == "/dev/stdout" else exists(self))
+    result = predict(spec, "--input", samples(tmp_path, np.ones((2, 3))), "--output", "-")
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == (
+        "--output='-' is not allowed; expected a file: this system has no /dev/stdout\n"
+        "hint: name a file, e.g. outputs.npy"
+    )
 
 
 def test_a_batch_size_beyond_the_samples_warms_up_no_bucket_larger_than_the_file(tmp_path, spec, monkeypatch):

@@ -30,11 +30,12 @@ def trial(tmp_path, monkeypatch):
         seen["rounds"].append(rounds)
         return [Measured(name, (STEPS_MS[name] / 1e3,) * 12, (2.0, 1.8)) for name in ("fp32", *candidates)]
 
-    def fake_timing(calls, device, kernels, **_):
+    def fake_timing(calls, device, kernels, *, budget_s=None, **_):
         seen["timed"].append((list(calls), list(kernels)))
+        seen["budget"] = budget_s
         if isinstance(seen["times"], Exception):
             raise seen["times"]
-        return {k: seen["times"].get(k, 0.05) for k in kernels}
+        return {k: seen["times"][k] for k in kernels if k in seen["times"]}  # one left out: its passes overran
 
     monkeypatch.setattr(measure, "run_trial", fake_trial)
     monkeypatch.setattr(kernel_check, "time_kernels", fake_timing)
@@ -69,7 +70,7 @@ def test_a_run_too_short_for_every_kernel_times_bf16_on_the_kernel_its_calls_ran
 def test_torchs_pick_stays_where_no_kernel_runs_the_calls_keep_faster(trial):
     trial["times"] = {None: 0.02, "math": 0.02 / (KEEP - 0.05)}  # math not KEEP faster
     found = auto()
-    assert trial["trials"] == [["bf16-mixed"]] and set(found) == {"precision"}
+    assert trial["trials"] == [["bf16-mixed"]] and found["attention"].value == "default"  # the kernels were timed
     assert found["precision"].value == "fp32"  # bf16 on torch's pick lost to fp32, and no kernel was picked to help
     assert "torch's attention kernel kept for bf16-mixed: no other ran the model's attention calls (1)" in (
         found["precision"].reason
@@ -79,10 +80,20 @@ def test_torchs_pick_stays_where_no_kernel_runs_the_calls_keep_faster(trial):
 def test_kernels_that_cannot_be_timed_leave_torchs_pick_and_the_precision_is_still_measured(trial):
     trial["times"] = RuntimeError("no kernel for you")
     found = auto()
-    assert trial["trials"] == [["bf16-mixed"]] and set(found) == {"precision"}
+    assert trial["trials"] == [["bf16-mixed"]] and found["attention"].value == "default"
     assert "bf16-mixed's attention kernels could not be timed (RuntimeError: no kernel for you): torch's pick" in (
         found["precision"].reason
     )
+
+
+@pytest.mark.parametrize("times", [{None: 0.3}, {}])  # math, or every kernel, left untimed by the budget
+def test_a_kernel_the_budget_left_untimed_is_never_said_to_have_lost(trial, times):
+    trial["times"] = times
+    found = auto()
+    assert trial["trials"] == [["bf16-mixed"]] and trial["budget"] == measure.KERNELS_TRIAL_S
+    reason = found["attention"].reason
+    assert "would take longer than 10 s on math (--attention KERNEL runs one)" in reason
+    assert "no other ran" not in reason
 
 
 def test_a_run_that_repays_every_kernel_in_whole_steps_times_no_call_alone(trial):

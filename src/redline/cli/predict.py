@@ -51,6 +51,7 @@ from redline.errors import (
     RedlineError,
     ServableError,
     describe_error,
+    invalid,
     wrapping_errors,
 )
 from redline.plan import Choice
@@ -104,6 +105,11 @@ def predict(
         raise ConfigError(
             f"--output {str(output_path)!r} is stdout, where --json prints too: the two would mix in one stream\n"
             "hint: drop --json (the plan and the summary then go to stderr), or write the outputs to a file"
+        )
+    if to_stdout and result_out().isatty():  # the array's bytes would print as noise, and a terminal alters them
+        raise ConfigError(
+            f"--output {str(output_path)!r} is stdout, which is a terminal: the .npy array is binary\n"
+            "hint: pipe it (`| consumer`) or redirect it (`> outputs.npy`), or name a file: --output outputs.npy"
         )
     code_file = Path(spec.rsplit(":", 1)[0]) if spec.rsplit(":", 1)[0].endswith(".py") else None
     kept = [(input_path, "the --input file", "the samples"), (weights, "the --weights file", "the model's weights"),
@@ -181,7 +187,7 @@ def _output_file(text: str | Path) -> Path:
         return given_file("outputs.npy")(text)
     stdout = Path("/dev/stdout")
     if not stdout.exists():
-        raise ConfigError("--output - is stdout, which this system has no file for\nhint: write the outputs to a file")
+        raise invalid("path", "-", "a file: this system has no /dev/stdout", "name a file, e.g. outputs.npy")
     return stdout
 
 

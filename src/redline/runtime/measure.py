@@ -44,7 +44,6 @@ from redline.runtime.loading import read_batches
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import AUTOCAST_DTYPES, half_model_keeps_fp32
-from redline.runtime.precision_check import KERNELS_ALONE_S
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
@@ -70,6 +69,9 @@ REPAY = 10  # a trial's rounds are as many as keep its steps within this share o
 # The fewest rounds a trial runs: one round can only keep fp32; at two, a trial that finds nothing (about 12 of the
 # run's steps for one candidate) would cost a run of 180 steps 7%, more than the whole-trial rule ever let it cost.
 LEAST_ROUNDS = 3
+# The most seconds a trial's timing of the model's attention calls alone may take (``picked_forms``): each kernel's
+# four passes of the calls cost less than the thirteen whole steps a trial of that kernel's form would.
+KERNELS_TRIAL_S = 10.0
 NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run nor read (the rule's, and why)
 CACHED = "; cached from "  # in a choice's reason where the trial was read from the cache, not run
 
@@ -185,15 +187,21 @@ class _Workload:
         for precision in self.candidates:
             cast = [call.under(AUTOCAST_DTYPES[precision]) for call in calls]
             try:
-                _, timed = time_against_pick(cast, self.device, precision, budget_s=KERNELS_ALONE_S)
+                kernels, timed = time_against_pick(cast, self.device, precision, budget_s=KERNELS_TRIAL_S)
             except Exception as exc:  # torch's pick, as a run that cannot time them keeps it
-                timed, failed = {}, describe_error(exc)
-                told.append(f"{precision}'s attention kernels could not be timed ({failed}): torch's pick")
+                kernels, timed = [], {}
+                told.append(f"{precision}'s attention kernels could not be timed ({describe_error(exc)}): torch's pick")
             kernel, ratio = preferred(timed)
             picked.append(form(precision, kernel or "auto"))
             alone = f"the model's attention calls ({len(calls)}), timed alone under {precision}"
+            untimed = [str(k) for k in kernels if k is not None and k not in timed]
             if kernel is not None:
                 told.append(f"{kernel} attention picked for {precision}: {alone}, ran {ratio:.2f}x torch's pick")
+            elif kernels and (None not in timed or untimed):  # never a kernel said to lose that was not timed
+                told.append(
+                    f"torch's attention kernel kept for {precision}: {alone}, would take longer than "
+                    f"{KERNELS_TRIAL_S:g} s on {', '.join(untimed) or 'any kernel'} (--attention KERNEL runs one)"
+                )
             elif timed:
                 told.append(f"torch's attention kernel kept for {precision}: no other ran {alone}, {KEEP}x faster")
         return picked, "; ".join(told)
@@ -272,7 +280,7 @@ def _measure_or_recall(
         if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
             measured, when = cached
             choice = choose(measured, where)
-            return Choice(choice.value, f"{choice.reason}{CACHED}{when}"), _kernels_timed(measured)
+            return Choice(choice.value, f"{choice.reason}{CACHED}{when}"), kernels
     if recall_only:
         return None
     model = task.build_model()
@@ -309,13 +317,9 @@ def _measure_or_recall(
     short_of_memory = [m.precision for m in measured if m.out_of_memory]
     if short_of_memory:  # the machine's free memory at the time, not the model's: the next run measures again
         told = f"not cached: {', '.join(short_of_memory)} ran out of memory, which a run with more free may not"
-        return Choice(choice.value, f"{choice.reason}; {told}"), _kernels_timed(measured)
+        return Choice(choice.value, f"{choice.reason}; {told}"), key == with_kernels
     store(key, measured)
-    return choice, _kernels_timed(measured)
-
-
-def _kernels_timed(measured: list[Measured]) -> bool:
-    return any(form_parts(m.precision)[1] != "auto" for m in measured)
+    return choice, key == with_kernels
 
 
 def unusable(measured: list[Measured]) -> str:
