@@ -65,6 +65,10 @@ def test_a_run_too_short_for_every_kernel_times_bf16_on_the_kernel_its_calls_ran
     again = auto()
     assert len(trial["trials"]) == 1 and len(trial["timed"]) == 1  # the second run reads the cache: nothing timed
     assert again["attention"].value == "math" and "cached from" in again["attention"].reason
+    assert again["precision"].reason.split("; cached from")[0] == reason  # how math was picked, too
+    fresh = measure_auto(gpt_task(), RuntimeOptions(devices="cpu"), 4, 5000, DistEnv(), trial="fresh")
+    assert trial["trials"][-1] == ["bf16-mixed", "bf16-mixed with math attention"]  # every kernel in whole steps
+    assert "picked for" not in fresh["precision"].reason and "picked for" not in auto()["precision"].reason
 
 
 def test_torchs_pick_stays_where_no_kernel_runs_the_calls_keep_faster(trial):

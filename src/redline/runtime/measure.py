@@ -53,10 +53,12 @@ from redline.runtime.trial import (
     form,
     form_parts,
     load_cached,
+    read_cache,
     run_trial,
     store,
     trial_key,
     trial_steps,
+    write_cache,
 )
 from redline.task import Task
 
@@ -73,6 +75,7 @@ LEAST_ROUNDS = 3
 # four passes of the calls cost less than the thirteen whole steps a trial of that kernel's form would.
 KERNELS_TRIAL_S = 10.0
 NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run nor read (the rule's, and why)
+PICKED = "trial-kernels"  # the cache's kind that keeps, beside a trial, how ``picked_forms`` picked its kernels
 CACHED = "; cached from "  # in a choice's reason where the trial was read from the cache, not run
 
 
@@ -280,7 +283,9 @@ def _measure_or_recall(
         if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
             measured, when = cached
             choice = choose(measured, where)
-            return Choice(choice.value, f"{choice.reason}{CACHED}{when}"), kernels
+            picked = read_cache(PICKED, key) if kernels else None  # how a kernel was picked, where it was so
+            told = "".join(f"; {line}" for line in picked[0] if isinstance(line, str)) if picked else ""
+            return Choice(choice.value, f"{choice.reason}{told}{CACHED}{when}"), kernels
     if recall_only:
         return None
     model = task.build_model()
@@ -319,6 +324,8 @@ def _measure_or_recall(
         told = f"not cached: {', '.join(short_of_memory)} ran out of memory, which a run with more free may not"
         return Choice(choice.value, f"{choice.reason}; {told}"), key == with_kernels
     store(key, measured)
+    if key == with_kernels:  # beside it, how each kernel was picked (none: written over an earlier pick's)
+        write_cache(PICKED, key, [picking] if picking else [])
     return choice, key == with_kernels
 
 
