@@ -200,7 +200,7 @@ class _Workload:
             untimed = [str(k) for k in kernels if k is not None and k not in timed]
             if kernel is not None:
                 told.append(f"{kernel} attention picked for {precision}: {alone}, ran {ratio:.2f}x torch's pick")
-            elif kernels and (None not in timed or untimed):  # never a kernel said to lose that was not timed
+            elif len(kernels) > 1 and (None not in timed or untimed):  # never said to lose where it was not timed
                 told.append(
                     f"torch's attention kernel kept for {precision}: {alone}, would take longer than "
                     f"{KERNELS_TRIAL_S:g} s on {', '.join(untimed) or 'any kernel'} (--attention KERNEL runs one)"
