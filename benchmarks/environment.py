@@ -18,11 +18,19 @@ import torch
 
 import redline
 from redline.hardware.device import probe_accelerators, probe_device, usable_cpu_count
+from redline.plan.precision import fast_precisions
 
 ROOT = Path(__file__).resolve().parent.parent
 # A GPU run writes under $OUT so its results travel back; by default they land in results/.
 RESULTS = Path(os.environ.get("REDLINE_RESULTS", Path(__file__).parent / "results"))
 CACHES = ("TORCHINDUCTOR_CACHE_DIR", "REDLINE_CACHE_DIR")  # torch's compile caches; redline's trials and tunes
+
+
+def exit_without_cpu_trials() -> None:
+    """Exit, saying why, where auto's trial has no reduced precision to time on this CPU: a script timing trials
+    would have nothing to time."""
+    if not fast_precisions(probe_device(torch.device("cpu"))):
+        raise SystemExit("this CPU has no bf16 arithmetic: auto runs no trial here, there is nothing to time")
 
 
 def describe(device: str = "cpu") -> list[str]:

@@ -22,9 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import environment
-from redline.hardware.device import probe_device
 from redline.parallel.env import DistEnv
-from redline.plan.precision import fast_precisions
 from redline.runtime import trial
 from redline.runtime.attention import model_attention
 from redline.runtime.contract import split_batch
@@ -85,8 +83,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
-    if not fast_precisions(probe_device(torch.device("cpu"))):
-        raise SystemExit("this CPU has no bf16 arithmetic: auto runs no trial here, there is nothing to time")
+    environment.exit_without_cpu_trials()
     body = [
         f"`python benchmarks/kernel_pick.py --trials {args.trials}`. Per trial: the kernel for bf16-mixed picked by "
         "timing the model's attention calls alone (`picked_forms`, as a run too short for whole steps on every "

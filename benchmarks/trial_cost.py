@@ -126,9 +126,7 @@ def main() -> None:
     versions = [("this version", current)]
     if args.baseline_src:
         versions.append((f"baseline ({args.baseline_src})", load_baseline(args.baseline_src)))
-    candidates = fast_precisions(probe_device(torch.device("cpu")))
-    if not candidates:
-        raise SystemExit("this CPU has no bf16 arithmetic: auto runs no trial here, there is nothing to time")
+    environment.exit_without_cpu_trials()
     if args.first is not None:  # the child of first_in_fresh_process
         wall, _ = entries_of(load_task(args.tasks), versions)[args.first][2]()
         print("RESULT " + json.dumps({"wall_s": wall}), flush=True)

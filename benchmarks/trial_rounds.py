@@ -92,8 +92,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
-    if not fast_precisions(probe_device(torch.device("cpu"))):
-        raise SystemExit("this CPU has no bf16 arithmetic: auto runs no trial here, there is nothing to time")
+    environment.exit_without_cpu_trials()
     body = [
         f"`python benchmarks/trial_rounds.py --trials {args.trials}`. Each workload's trial runs whole "
         f"({trial.ROUNDS} rounds of {trial.BLOCK} timed steps per candidate, after a settling step each) "
