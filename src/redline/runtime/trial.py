@@ -436,7 +436,7 @@ def _names_asked(names: Sequence[str], candidates: Sequence[str], *, kernels: bo
     if names[:1] != ["fp32"] or len(set(tail)) < len(tail) or {p for p, _ in parts} != set(candidates):
         return False
     return all(
-        p in candidates and (k == "auto" or (kernels and k in KERNELS)) and form(p, k) == n
+        (k == "auto" or (kernels and k in KERNELS)) and form(p, k) == n  # each p a candidate: the set check above
         for n, (p, k) in zip(tail, parts, strict=True)
     )
 
