@@ -76,6 +76,7 @@ def test_every_row_is_measured_against_the_naive_loop():
         assert row.tflops > 0 and row.mfu is None  # a CPU has no datasheet peak in the catalog
         assert row.mfu_measured > 0
         assert row.peak_mem_kind == "resident" and row.peak_mem_bytes > 0
+        assert row.first_step_s > 0 and row.compile_s is None  # eager: the first step is all its one-off work
         assert row.speedup_naive == pytest.approx(row.samples_per_s / result.rows[0].samples_per_s)
     assert result.rows[0].speedup_naive == 1.0 and result.rows[0].plan is None
     assert result.rows[0].speedup_naive_interval is None  # the naive loop against itself

@@ -103,7 +103,7 @@ def test_each_row_runs_in_a_process_of_its_own_and_a_failing_row_keeps_its_error
                                                        "cpu bf16-mixed eager b32"))  # fmt: skip
     for row in (naive, fp32):
         assert not row.error and row.samples_per_s > 0 and row.peak_mem_bytes > 0
-        assert row.loss is not None
+        assert row.loss is not None and row.first_step_s > 0  # timed in the row's process, sent back
     assert naive.loss == pytest.approx(fp32.loss, rel=1e-5)  # same seed, same steps: the rows train alike
     assert "no bf16 here" in bf16.error and bf16.samples_per_s is None
     built_in = [int(line) for line in pids.read_text().split()]

@@ -50,6 +50,18 @@ def test_the_planned_run_charges_auto_its_trial_as_it_charges_compiled_rows_thei
     assert "(its trial 0.0* s included)" in cached and "goal: >= 95%, met" in cached
 
 
+def test_the_planned_run_charges_each_row_its_own_first_step_as_it_charges_auto_its_trial():
+    # auto's trial built its bf16 kernels, so its first step was cheap; the explicit bf16 row's warm-up built them
+    # unrecorded: auto read 91.6% of the best where both pay the same one-off work.
+    eager = timed("cpu bf16-mixed eager b64", "explicit", 4.0, first_step_s=0.2)
+    auto = timed("auto cpu b64", "auto", 4.0, trial_s=0.2, trial_cached=False, first_step_s=0.004)
+    told = " ".join(planned_run(bench(eager, auto), 100))
+    assert "compile, auto's trial and each row's first step included" in told
+    assert "cpu bf16-mixed eager b64 0.6 s; auto cpu b64 0.6 s" in told and "Auto takes 99.3%" in told
+    unknown = dataclasses.replace(eager, first_step_s=None)  # a row without one: its first step as its p50
+    assert "cpu bf16-mixed eager b64 0.4 s" in " ".join(planned_run(bench(unknown, auto), 100))
+
+
 def test_the_table_marks_cached_compiles_and_trials_and_fp32_run_in_tf32_as_the_cli_does():
     tf32 = {axis: {"value": True, "reason": f"{axis} (made up)"} for axis in ("tf32", "precision", "compile")}
     naive = timed("naive cuda fp32 b64", "naive", 20.0)

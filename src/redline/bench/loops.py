@@ -54,6 +54,7 @@ class Runner:
     compile_cached: bool | None = None  # its warm-up's compile was served from torch's on-disk caches (compile_cache)
     trial_s: float | None = None  # the seconds auto's precision trial took before the row was built (or read it)
     trial_cached: bool | None = None  # the trial was read from redline's trial cache: a fresh machine pays it
+    first_step_s: float | None = None  # its first step's seconds, any compile in it excepted (warm_up times it)
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:

@@ -35,6 +35,9 @@ class BenchRow:
     compile_cached: bool | None = None  # the compile was served from torch's on-disk caches: less than a cold one's
     trial_s: float | None = None  # auto's precision trial before the row ran (None: no trial was asked)
     trial_cached: bool | None = None  # the trial was read from redline's trial cache: a fresh machine pays it
+    # the first step's seconds, less any compile in it: the one-off work (kernels built, memory taken) a run pays
+    # once, as its trial and compile are; a row after others in one process may find theirs done
+    first_step_s: float | None = None
     break_even_steps: float | None = None  # steps after which the compile (and the trial) has paid for itself
     speedup_naive: float | None = None  # over the naive loop on the same device and batch size
     speedup_naive_interval: tuple[float, float] | None = None  # where its median lies, 95% (paired rounds)
@@ -90,6 +93,7 @@ class RowFacts:
     compile_cached: bool | None
     trial_s: float | None
     trial_cached: bool | None
+    first_step_s: float | None
     micro_steps: int
     tokens: int | None  # of the first batch, as its samples are: each row's batches are alike
     matmuls: str | None

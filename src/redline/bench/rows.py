@@ -44,6 +44,7 @@ def row_facts(runner: Runner, *, compiled: bool, peaks: Peaks, want_peak: bool) 
         compile_cached=runner.compile_cached,
         trial_s=runner.trial_s,
         trial_cached=runner.trial_cached,
+        first_step_s=runner.first_step_s,
         micro_steps=runner.micro_steps,
         tokens=int(counted) if counted is not None else None,
         matmuls=matmuls,
@@ -186,6 +187,7 @@ def _figures(
         compile_cached=facts.compile_cached if compiled else None,
         trial_s=facts.trial_s,
         trial_cached=facts.trial_cached,
+        first_step_s=facts.first_step_s,
         loss=loss,
         plan=plan.to_dict() if plan is not None else None,
     )
