@@ -78,12 +78,14 @@ def planned_run(result: redline.BenchResult, planned: int) -> list[str]:
         first = r.first_step_s if r.first_step_s is not None else step
         return (r.compile_s or 0.0) + (r.trial_s or 0.0) + first + (planned - 1) * step
 
-    def trial(r: redline.bench.BenchRow) -> str:
-        return "" if r.trial_s is None else f" (its trial {seconds(r.trial_s, r.trial_cached)} s included)"
+    def paid(r: redline.bench.BenchRow) -> str:  # the one-off parts of its total
+        parts = [] if r.first_step_s is None else [f"first step {r.first_step_s:.2f} s"]
+        parts += [] if r.trial_s is None else [f"trial {seconds(r.trial_s, r.trial_cached)} s"]
+        return f" ({', '.join(parts)} included)" if parts else ""
 
     best = min(rows, key=total)
     auto = next(r for r in rows if r.kind == "auto")
-    told = "; ".join(f"{r.name} {total(r):.1f} s{trial(r)}" for r in sorted(rows, key=total))
+    told = "; ".join(f"{r.name} {total(r):.1f} s{paid(r)}" for r in sorted(rows, key=total))
     share = total(best) / total(auto)
     return [
         f"- for the task's own run of {planned} steps, compile, auto's trial and each row's first step included: "
