@@ -601,6 +601,15 @@ def test_a_tensorboard_logger_without_out_is_refused_with_the_fix(redline_here):
     assert "hint: pass --out DIR" in result.stderr
 
 
+def test_a_checkpoint_flag_typed_with_its_default_value_without_out_is_refused_too(redline_here):
+    # --keep-checkpoints 3 (the default's value) without --out was accepted, and kept nothing, unsaid
+    for flag, value, said in (("--keep-checkpoints", "3", "3"), ("--checkpoint-minutes", "30", "30.0")):
+        result = redline_here("train", "--task", "example:digits", "--max-steps", "1", flag, value)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"{flag}={said} is not allowed; expected it with --out DIR" in result.stderr
+        assert "hint: add --out DIR" in result.stderr
+
+
 # What pip writes as the `redline` console script: sys.path starts with the script's folder, not the
 # working directory (where `python -m redline` would put it).
 CONSOLE_SCRIPT = "import sys\nfrom redline.cli.main import main\nsys.exit(main())\n"

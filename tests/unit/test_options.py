@@ -162,7 +162,9 @@ def test_trainer_config_checks_and_normalises():
     with pytest.raises(ConfigError, match="max_steps=0"):
         TrainerConfig(max_steps=0)
     # asked for without out_dir, each would do nothing, unnoticed
-    asking = ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}, {"checkpoint_minutes": 5})
+    # (the defaults' own values included: --keep-checkpoints 3 or --checkpoint-minutes 30 typed is asked for too)
+    asking = ({"resume": "auto"}, {"checkpoint_every": 5}, {"keep_checkpoints": 1}, {"checkpoint_minutes": 5},
+              {"keep_checkpoints": 3}, {"checkpoint_minutes": 30})  # fmt: skip
     for asked in (*asking, {"memory_history": True}):  # an out-of-memory wrote its snapshot nowhere
         with pytest.raises(ConfigError, match=f"{next(iter(asked))}=.* expected it with out_dir=DIR"):
             TrainerConfig(**asked)  # type: ignore[arg-type]
@@ -171,6 +173,9 @@ def test_trainer_config_checks_and_normalises():
         TrainerConfig(loggers=("csv", "wandb"))
     config = TrainerConfig(out_dir="runs/x", loggers="csv")  # type: ignore[arg-type]
     assert config.out_dir == Path("runs/x") and config.loggers == ("csv",)
+    assert (config.checkpoints_kept, config.checkpoint_period_minutes) == (3, 30.0)  # the defaults, not given
+    never = TrainerConfig(out_dir="runs/x", keep_checkpoints=1, checkpoint_minutes=0)
+    assert (never.checkpoints_kept, never.checkpoint_period_minutes) == (1, 0.0)  # 0 is "never", not "not given"
     with pytest.raises(ConfigError, match=r"(?s)precision=.*hint: precision is a Runtime option: pass runtime="):
         TrainerConfig.build(precision="fp32")
 

@@ -41,10 +41,11 @@ class TrainerConfig:
     batch_size: int | None = option(None, "Batch size (default: the task's own).", min=1)
     eval_every: int | None = option(None, "Evaluate every N steps (default: each epoch).", min=1)
     checkpoint_every: int | None = option(None, "Checkpoint every N steps (and at the end).", min=1)
-    checkpoint_minutes: float = option(
-        CHECKPOINT_MINUTES, "Also checkpoint when this many minutes passed since the last one (0: never)."
+    # None where not given (30 and 3 then): given without out_dir, either would do nothing, and is refused
+    checkpoint_minutes: float | None = option(
+        None, "Also checkpoint when this many minutes passed since the last one (default: 30; 0: never)."
     )
-    keep_checkpoints: int = option(KEEP_CHECKPOINTS, "Keep the newest K checkpoints.", min=1)
+    keep_checkpoints: int | None = option(None, "Keep the newest K checkpoints (default: 3).", min=1)
     keep_best: Literal["off", "val_loss", "val_metric"] = option(
         "off",
         "Keep the best evaluation's weights in OUT/best.safetensors: off, val_loss (lowest) or val_metric (highest).",
@@ -80,8 +81,10 @@ class TrainerConfig:
             raise invalid("runtime", type(self.runtime).__name__, "a RuntimeOptions")
         for name in ("max_steps", "max_epochs", "batch_size", "eval_every", "checkpoint_every"):
             positive_int(name, getattr(self, name), optional=True)
-        positive_int("keep_checkpoints", self.keep_checkpoints)
-        non_negative_number("checkpoint_minutes", self.checkpoint_minutes)
+        if self.keep_checkpoints is not None:
+            positive_int("keep_checkpoints", self.keep_checkpoints)
+        if self.checkpoint_minutes is not None:
+            non_negative_number("checkpoint_minutes", self.checkpoint_minutes)
         positive_int("log_every", self.log_every)
         positive_number("hang_timeout_s", self.hang_timeout_s, optional=True)
         positive_number("hang_start_timeout_s", self.hang_start_timeout_s, optional=True)
@@ -102,8 +105,8 @@ class TrainerConfig:
             needs_out_dir = {
                 "resume": (self.resume == "auto", "'auto' looks for the checkpoints in DIR/checkpoints"),
                 "checkpoint_every": (self.checkpoint_every is not None, "the checkpoints are written in DIR"),
-                "keep_checkpoints": (self.keep_checkpoints != KEEP_CHECKPOINTS, "it counts the checkpoints in DIR"),
-                "checkpoint_minutes": (self.checkpoint_minutes != CHECKPOINT_MINUTES, "the checkpoints go in DIR"),
+                "keep_checkpoints": (self.keep_checkpoints is not None, "it counts the checkpoints in DIR"),
+                "checkpoint_minutes": (self.checkpoint_minutes is not None, "the checkpoints go in DIR"),
                 "keep_best": (self.keep_best != "off", "the best weights are written to DIR/best.safetensors"),
                 "memory_history": (self.memory_history is True, "an out-of-memory writes its snapshot in DIR"),
             }
@@ -121,6 +124,16 @@ class TrainerConfig:
                 f"logger {chosen[0]!r} writes its files under out_dir, and out_dir is None; expected an out_dir "
                 f"with it\nhint: pass --out DIR (out_dir=... in Python), or drop --logger {chosen[0]}"
             )
+
+    @property
+    def checkpoints_kept(self) -> int:
+        """How many checkpoints the run keeps: ``keep_checkpoints``, else 3."""
+        return KEEP_CHECKPOINTS if self.keep_checkpoints is None else self.keep_checkpoints
+
+    @property
+    def checkpoint_period_minutes(self) -> float:
+        """The minutes after which a checkpoint is written whatever the steps: ``checkpoint_minutes``, else 30."""
+        return CHECKPOINT_MINUTES if self.checkpoint_minutes is None else self.checkpoint_minutes
 
     def epochs_for(self, task: Task) -> float:
         """The epochs a run of ``task`` plans: --epochs, else unbounded where --max-steps alone decides the length,

@@ -197,7 +197,7 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due (where the work is done, _finish does); return why the run stops."""
         step = run.pos.step
-        period_s = 60 * self.config.checkpoint_minutes if self.out_dir else 0.0
+        period_s = 60 * self.config.checkpoint_period_minutes if self.out_dir else 0.0
         timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
         agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
         stopped = run.stopped = self._stop_reason(step, run.total, agreed.stop)  # what steps kept from here hold
@@ -419,7 +419,7 @@ class Trainer:
         run.checkpointed_at = time.perf_counter()
         run.last_ckpt = written  # before the hooks: one that raises leaves it committed, not to be written again
         if self.env.is_main:
-            checkpoint.prune(root, self.config.keep_checkpoints, corrupt=run.resumed.skipped if run.resumed else ())
+            checkpoint.prune(root, self.config.checkpoints_kept, corrupt=run.resumed.skipped if run.resumed else ())
         # a step's checkpoint this run wrote again (to hold the epoch's early stop, _after_epoch) is told of once
         if self.env.is_main and (last is None or last is run.resumed or last.step != pos.step):
             with run.meter.excluded("callbacks"):
