@@ -102,6 +102,12 @@ class CompileRecord:
         if self.compiles > 1:
             self.recompiles.append(cause)
 
+    def add_backward(self, seconds: float) -> None:
+        """Count the first backward through a training compile's graph: torch compiles the backward when it first
+        runs, not with the forward (a second or more on a CPU), so it is that compile's time too."""
+        self.seconds = (self.seconds or 0.0) + seconds
+        self.training_seconds += seconds
+
 
 def compiled_by_user(model: nn.Module) -> bool:
     """Whether the user compiled ``model`` (``torch.compile(model)``, or ``model.compile()`` on it or a part)."""
@@ -301,6 +307,40 @@ def _eager_instead(
     return out
 
 
+def time_first_backward(record: CompileRecord, out: Any) -> None:
+    """Have the first backward through the graph that produced ``out`` add its time to ``record``
+    (``add_backward``): the span of the compiled graph's backward node, from its pre-hook to its hook. Nothing is
+    added where that node is not found among ``out``'s first autograd nodes."""
+    node = _compiled_node(out)
+    if node is None:
+        return
+    started: list[float] = []
+
+    def begin(grad_outputs: Any) -> None:
+        started.append(time.perf_counter())
+
+    def end(grad_inputs: Any, grad_outputs: Any) -> None:
+        if started:
+            record.add_backward(time.perf_counter() - started[0])
+
+    node.register_prehook(begin)
+    node.register_hook(end)
+
+
+def _compiled_node(out: Any, depth: int = 4) -> Any:
+    """The autograd node of a compiled graph's backward (torch names it ``CompiledFunctionBackward``) among the
+    first ``depth`` levels of nodes behind ``out``'s tensors (a view or a cast of an output sits before it); None
+    where there is none."""
+    leaves = torch.utils._pytree.tree_leaves(out)
+    level = list(dict.fromkeys(t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None))
+    for _ in range(depth):
+        for node in level:
+            if node.name().startswith("CompiledFunction"):
+                return node
+        level = list(dict.fromkeys(n for node in level for n, _ in node.next_functions if n is not None))
+    return None
+
+
 def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any) -> CompileRecord:
     """Compile ``model``'s forward in place and return its record (``per_bucket``: an inference engine's, whose
     batch buckets each compile a graph as planned, told at debug level, not as recompiles).
@@ -358,6 +398,8 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
             training = torch.is_grad_enabled()
             cause = (_last_guard_failure() or NEW_FRAME) if record.compiles else ""
             record.add(time.perf_counter() - start, cause, training=training)
+            if training:
+                time_first_backward(record, out)
             if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
                 again = training and record.training > 1 and cause != NEW_FRAME  # a frame's first compile is no repeat
                 level = logging.WARNING if again else logging.INFO
