@@ -1,15 +1,33 @@
-"""A training compile's time includes its backward's: torch compiles a graph's backward when it first runs."""
+"""A training compile's time includes its backward's: torch compiles a graph's backward when it first runs, and
+times that compile in its own metrics, which the compile records read."""
 
 import time
 
+import pytest
 import torch
+import torch._dynamo.utils as dynamo_utils
+import torch._functorch.config as functorch_config
 from torch import nn
 
-from redline.runtime.compile import compile_module
+from redline.runtime import compile as compiling
+from redline.runtime.compile import compile_module, compile_seconds
+
+KEY = "compile_fx.<locals>.bw_compiler"  # the name torch's inductor times its backward compiles under
 
 
-def slow_backward_backend(seconds: float):
-    """A torch.compile backend that runs the graphs as traced, its backward compiler taking ``seconds``."""
+@pytest.fixture
+def metrics(monkeypatch):
+    """torch's compile-time metrics, fresh for the test, and the records' view of them reset."""
+    fresh: dict[str, list[float]] = {}
+    monkeypatch.setattr(dynamo_utils, "compilation_time_metrics", fresh)
+    for name, value in (("seen", 0.0), ("latest", None), ("keys", []), ("size", -1)):
+        monkeypatch.setattr(compiling._BackwardCompiles, name, value)
+    return fresh
+
+
+def backend(metrics: dict[str, list[float]], seconds: float):
+    """A torch.compile backend that runs the graphs as traced; its backward compiler, which torch calls at the
+    first backward, takes ``seconds`` and records them as inductor's does."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -17,36 +35,79 @@ def slow_backward_backend(seconds: float):
         return make_boxed_func(graph.forward)
 
     def backward_compiler(graph, example_inputs):
-        time.sleep(seconds)  # a backward compile of this length, paid at the first backward
+        time.sleep(seconds)
+        metrics.setdefault(KEY, []).append(seconds)
         return make_boxed_func(graph.forward)
 
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
 
 
-def test_the_first_backward_after_a_training_compile_is_counted_as_compile_time():
-    # The summary's compile time counted the forward's call only: on a CPU inductor spent a second more compiling
+# dynamic=False: torch compiles a backward at its first backward unless the graph saves sizes for it (dynamic shapes,
+# which torch turns on for a forward it saw at other shapes before); then with the forward, in the call timed
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+@functorch_config.patch(donated_buffer=False)  # else torch refuses a second backward through the graph
+def test_the_backward_compile_at_the_first_backward_is_the_training_compiles_time(metrics):
+    # The summary's compile time counted the forward's call alone: on a CPU inductor spent a second more compiling
     # the backward at the first backward, counted as a training step's time.
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    record = compile_module(model, backend=slow_backward_backend(0.3))
+    model = mlp()
+    record = compile_module(model, backend=backend(metrics, 0.3), dynamic=False)
     x = torch.randn(4, 8)
     loss = model(x).sum()
-    forward_only = record.seconds
-    assert forward_only is not None and record.training_seconds == forward_only
-    loss.backward()
-    assert record.seconds - forward_only >= 0.3 and record.training_seconds == record.seconds
+    forward_only = compile_seconds([record])
+    assert forward_only == record.training_seconds
+    loss.backward(retain_graph=True)
+    assert compile_seconds([record]) == pytest.approx(forward_only + 0.3)
+    assert compile_seconds([record], training=True) == pytest.approx(forward_only + 0.3)
     assert record.compiles == 1 and record.recompiles == []  # the same compile, not another
-    counted = record.seconds
-    model(x).sum().backward()  # the graph and its backward are built: nothing more
+    time.sleep(0.2)
+    loss.backward()  # through the same graph again, as a second loss of the batch does: nothing compiles
+    model(x).sum().backward()
+    assert compile_seconds([record]) == pytest.approx(forward_only + 0.3)
+
+
+def test_several_forwards_before_one_backward_count_it_once_and_evaluation_has_none(metrics):
+    model = mlp()
+    record = compile_module(model, backend=backend(metrics, 0.2), dynamic=False)
+    sum(model(torch.randn(4, 8)).sum() for _ in range(3)).backward()  # accumulated, one backward
+    counted = compile_seconds([record], training=True)
+    assert counted >= 0.2 and record.compiles == 1
     with torch.no_grad():
-        model(x)  # an evaluation's graph: its own compile, no backward to wait for
-    assert record.compiles == 2 and record.training_seconds == counted
+        model(torch.randn(4, 8))  # an evaluation's graph: compiled, with no backward
+    assert record.compiles == 2 and compile_seconds([record], training=True) == counted
 
 
-def test_a_forward_under_grad_whose_output_is_never_back_propagated_adds_nothing_later():
-    model = nn.Linear(8, 2)
-    record = compile_module(model, backend=slow_backward_backend(0.0))
-    model(torch.randn(4, 8))  # under grad, its loss dropped (a validation without no_grad)
-    seconds = record.seconds
-    other = nn.Linear(8, 2)
-    other(torch.randn(4, 8)).sum().backward()  # another model's backward: not this record's
-    assert record.seconds == seconds
+def test_each_backward_compile_goes_to_the_model_that_compiled_for_training_last(metrics):
+    first, second = mlp(), mlp()
+    one, other = (compile_module(m, backend=backend(metrics, 0.1), dynamic=False) for m in (first, second))
+    first(torch.randn(4, 8)).sum().backward()
+    alone = compile_seconds([one])
+    second(torch.randn(4, 8)).sum().backward()
+    assert compile_seconds([one]) == alone  # the second model's backward compile is not the first's
+    assert compile_seconds([other], training=True) >= 0.1
+
+
+def test_torchs_inductor_still_times_its_backward_compiles_under_the_name_read():
+    # The records read torch's own metrics: a torch that renamed them would leave the backward's compile uncounted.
+    def backward_compiles() -> float:
+        return sum(
+            t for key, ts in dynamo_utils.compilation_time_metrics.items() if key.endswith("bw_compiler") for t in ts
+        )
+
+    import torch._inductor.config as inductor_config
+
+    model = mlp()
+    record = compile_module(model)
+    before = backward_compiles()
+    # compiled, not served from torch's on-disk caches (an earlier run's), where nothing compiles to be timed
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        loss = model(torch.randn(4, 8)).sum()
+        forward_only, after_forward = compile_seconds([record]), backward_compiles()
+        loss.backward()
+    assert backward_compiles() > before  # inductor compiled the backward, and timed it under the name read
+    # at the first backward, as it does by default (else with the forward, whose call's time holds it)
+    assert compile_seconds([record]) == pytest.approx(forward_only + backward_compiles() - after_forward)

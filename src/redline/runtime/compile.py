@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -103,8 +103,7 @@ class CompileRecord:
             self.recompiles.append(cause)
 
     def add_backward(self, seconds: float) -> None:
-        """Count the first backward through a training compile's graph: torch compiles the backward when it first
-        runs, not with the forward (a second or more on a CPU), so it is that compile's time too."""
+        """Count a backward compile of this record's training graph (``collect_backward_compiles``)."""
         self.seconds = (self.seconds or 0.0) + seconds
         self.training_seconds += seconds
 
@@ -152,9 +151,11 @@ def compile_counts(records: list[CompileRecord]) -> tuple[int, int, list[str]]:
     return sum(r.compiles for r in records), sum(r.training for r in records), recompiles
 
 
-def compile_seconds(records: list[CompileRecord]) -> float | None:
-    """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
-    seconds = [r.seconds for r in records if r.seconds is not None]
+def compile_seconds(records: list[CompileRecord], *, training: bool = False) -> float | None:
+    """Seconds spent compiling (the first compile and every recompile, the backward's included), once a compiled
+    model has run; ``training``: those inside training steps (under autograd) alone."""
+    collect_backward_compiles()
+    seconds = [r.training_seconds if training else r.seconds for r in records if r.seconds is not None]
     return sum(seconds) if seconds else None
 
 
@@ -307,38 +308,52 @@ def _eager_instead(
     return out
 
 
-def time_first_backward(record: CompileRecord, out: Any) -> None:
-    """Have the first backward through the graph that produced ``out`` add its time to ``record``
-    (``add_backward``): the span of the compiled graph's backward node, from its pre-hook to its hook. Nothing is
-    added where that node is not found among ``out``'s first autograd nodes."""
-    node = _compiled_node(out)
-    if node is None:
-        return
-    started: list[float] = []
+class _BackwardCompiles:
+    """torch compiles a training graph's backward when it first runs, not with its forward (a second or more on a
+    CPU), and times each such compile in its own metrics. The seconds they gained since the last look go to the
+    record that compiled for training last: each backward compile follows its forward's."""
 
-    def begin(grad_outputs: Any) -> None:
-        started.append(time.perf_counter())
+    seen: ClassVar[float] = 0.0  # torch's total when last looked at
+    latest: ClassVar[weakref.ref[CompileRecord] | None] = None
+    keys: ClassVar[list[str]] = []  # the metrics' names of backward compiles
+    size: ClassVar[int] = -1  # how many metrics torch kept when ``keys`` were found
 
-    def end(grad_inputs: Any, grad_outputs: Any) -> None:
-        if started:
-            record.add_backward(time.perf_counter() - started[0])
+    @classmethod
+    def total(cls) -> float:
+        """The seconds torch spent compiling backward graphs in this process, by its own metrics (0 where it keeps
+        none): read before each call of a compiled forward, so cheap."""
+        try:
+            from torch._dynamo.utils import compilation_time_metrics as metrics
+        except Exception:
+            return 0.0
+        if len(metrics) != cls.size:  # a new metric: look again for the backward compiler's
+            cls.keys, cls.size = [key for key in list(metrics) if key.endswith("bw_compiler")], len(metrics)
+        return sum(sum(metrics.get(key, ())) for key in cls.keys)
 
-    node.register_prehook(begin)
-    node.register_hook(end)
+    @classmethod
+    def collect(cls, upto: float | None = None) -> None:
+        """Add the backward compiles since the last look (up to the total ``upto``, else all) to the latest training
+        compile's record."""
+        total = cls.total() if upto is None else upto
+        gained = total - cls.seen if total >= cls.seen else total  # torch._dynamo.reset() clears its metrics
+        cls.seen = total
+        record = cls.latest() if cls.latest is not None else None
+        if gained > 0 and record is not None:
+            record.add_backward(gained)
+
+    @classmethod
+    def compiled_for_training(cls, record: CompileRecord, before: float) -> None:
+        """``record`` just compiled a training forward, in a call that began with torch's total at ``before``: the
+        backward compiles from now on are its. Any in that call (a backward compiled with its forward) were timed
+        with the call."""
+        cls.collect(upto=before)
+        cls.seen, cls.latest = cls.total(), weakref.ref(record)
 
 
-def _compiled_node(out: Any, depth: int = 4) -> Any:
-    """The autograd node of a compiled graph's backward (torch names it ``CompiledFunctionBackward``) among the
-    first ``depth`` levels of nodes behind ``out``'s tensors (a view or a cast of an output sits before it); None
-    where there is none."""
-    leaves = torch.utils._pytree.tree_leaves(out)
-    level = list(dict.fromkeys(t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None))
-    for _ in range(depth):
-        for node in level:
-            if node.name().startswith("CompiledFunction"):
-                return node
-        level = list(dict.fromkeys(n for node in level for n, _ in node.next_functions if n is not None))
-    return None
+def collect_backward_compiles() -> None:
+    """Bring the backward compiles torch ran since the last look into their records (``CompileRecord.seconds``,
+    ``training_seconds``): call before reading them."""
+    _BackwardCompiles.collect()
 
 
 def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any) -> CompileRecord:
@@ -386,6 +401,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     def counted(*args: Any, **kwargs: Any) -> Any:
         """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles)."""
         before, tried, start = _compiled_frames(), _frames("total"), time.perf_counter()
+        backward_before = _BackwardCompiles.total()
         record.calls += 1
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -397,9 +413,9 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
         elif compiled_now:
             training = torch.is_grad_enabled()
             cause = (_last_guard_failure() or NEW_FRAME) if record.compiles else ""
-            record.add(time.perf_counter() - start, cause, training=training)
             if training:
-                time_first_backward(record, out)
+                _BackwardCompiles.compiled_for_training(record, backward_before)
+            record.add(time.perf_counter() - start, cause, training=training)
             if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
                 again = training and record.training > 1 and cause != NEW_FRAME  # a frame's first compile is no repeat
                 level = logging.WARNING if again else logging.INFO

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice, times
-from redline.runtime.compile import CompileRecord
+from redline.runtime.compile import CompileRecord, compile_seconds
 from redline.runtime.graphs import GraphRecord
 from redline.runtime.precision_check import PrecisionSwitch
 from redline.runtime.stopwatch import StepTimer
@@ -421,7 +421,7 @@ class CompileCheck:
         if kept != COMPILED and COMPILED in self.phases:
             for record in self.records:
                 record.use_eager()
-            spent = sum(record.seconds or 0.0 for record in self.records)
+            spent = compile_seconds(self.records) or 0.0
             beaten = f", and {figures[kept]}" if kept != "eager" else ""
             self.choice = Choice(
                 False,

@@ -456,7 +456,7 @@ class Runtime(RunState):
     @property
     def training_compile_seconds(self) -> float:
         """Seconds spent compiling inside training steps (under autograd): a throughput leaves them out."""
-        return sum(record.training_seconds for record in self._compile_records)
+        return compile_seconds(self._compile_records, training=True) or 0.0
 
     @property
     def compiles(self) -> tuple[int, int, list[str]]:
