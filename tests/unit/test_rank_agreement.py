@@ -81,6 +81,14 @@ def test_ranks_that_differ_only_in_what_a_host_sets_for_itself_train(monkeypatch
     agreement.check_ranks_agree(*rank(TrainerConfig(max_steps=60))[:3], DistEnv())  # one process: nothing gathered
 
 
+def test_ranks_given_the_default_number_of_checkpoints_in_two_spellings_train(monkeypatch):
+    # --keep-checkpoints 3 typed on one node, left out on the other: both keep 3
+    left_out, typed = TrainerConfig(out_dir="/run"), TrainerConfig(out_dir="/run", keep_checkpoints=3)
+    check_beside(monkeypatch, rank(left_out), rank(typed))
+    with pytest.raises(ConfigError, match="keep_checkpoints is 3 on rank 0 and 2 on rank 1"):
+        check_beside(monkeypatch, rank(left_out), rank(TrainerConfig(out_dir="/run", keep_checkpoints=2)))
+
+
 def test_ranks_whose_models_keep_a_setting_of_their_own_train(monkeypatch):
     # a plain attribute a model sets per rank (its device's name, say) is no other model to agree on
     mine, theirs = rank(TrainerConfig(max_steps=60)), rank(TrainerConfig(max_steps=60))

@@ -42,6 +42,7 @@ def settings(config: TrainerConfig, task: Task, model: nn.Module) -> dict[str, s
     the task's, its data (``data_settings``) and the model's structure."""
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "runtime"}
     options |= {f"runtime.{f.name}": getattr(config.runtime, f.name) for f in dataclasses.fields(config.runtime)}
+    options["keep_checkpoints"] = config.checkpoints_kept  # left out reads 3, as --keep-checkpoints 3 does
     shared = {name: repr(value) for name, value in options.items() if name not in _PER_HOST}
     shared |= {"task": task.name, "task batch_size": repr(task.batch_size), "task epochs": repr(task.epochs)}
     shared |= data_settings(task)
