@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import logging
 import re
 import shutil
@@ -26,6 +27,7 @@ from redline.runtime.options import RuntimeOptions
 log = logging.getLogger("redline")
 # Each compiled module's record, for a bench or a tune to tell a row that ran eagerly (kept no longer than the module)
 _RECORDS: weakref.WeakKeyDictionary[nn.Module, CompileRecord] = weakref.WeakKeyDictionary()
+_COMPILES = itertools.count(1)  # numbers each compiled forward's code name
 
 
 def compile_supported(device_type: str) -> tuple[bool, str]:
@@ -394,8 +396,10 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     # torch.compile keeps a forward's graphs, and counts them against its recompile limit, per code object.
     # Given torch.nn's own forward (an nn.Sequential's), it wraps it in a function whose code every such
     # module in the process shares (pytorch#124269): a second model's graphs then ran eagerly past the
-    # limit. A code object of the model's own keeps its graphs apart.
-    forward.__code__ = forward.__code__.replace(co_name=f"{type(model).__name__}_forward")
+    # limit. A code object of the model's own keeps its graphs apart. Its name is its own too: torch keys the
+    # shapes it has seen by a code's file, line and name, and a second model of a class, compiled at another batch
+    # size (a bench's or a tune's next row), got a graph for dynamic shapes as though its own shape had changed.
+    forward.__code__ = forward.__code__.replace(co_name=f"{type(model).__name__}_forward_{next(_COMPILES)}")
     compiled = torch.compile(forward, **options)
     # CUDA graphs (mode="reduce-overhead") replay into the same output buffers: each forward starts a
     # new step, so the last step's outputs are never mistaken for live ones (a no-op without CUDA graphs).
