@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from redline.bench.run import _first_step
+from redline.bench.loops import first_step_seconds
 
 
 class FakeRunner:
@@ -37,16 +37,16 @@ def clock(monkeypatch):
 
 def test_the_first_step_is_one_step_and_its_compile_is_left_to_the_compile_column(clock):
     runner = FakeRunner(clock, step_s=0.25, compile_s=7.0)
-    assert _first_step(runner) == pytest.approx(0.25)  # the 7 s compile is the row's compile_s, counted once
+    assert first_step_seconds(runner) == pytest.approx(0.25)  # the 7 s compile is the row's compile_s, counted once
     assert runner.steps == 1 and runner.compiled == 7.0
 
 
 def test_an_eager_rows_first_step_is_its_whole_time(clock):
     runner = FakeRunner(clock, step_s=0.5)
-    assert _first_step(runner) == pytest.approx(0.5) and runner.steps == 1
+    assert first_step_seconds(runner) == pytest.approx(0.5) and runner.steps == 1
 
 
 def test_a_compile_counted_longer_than_the_step_took_gives_no_negative_time(clock):
     runner = FakeRunner(clock, step_s=0.1)
     counted = SimpleNamespace(run=runner.run, compile_seconds=lambda: 3.0 if runner.steps else None)
-    assert _first_step(counted) == 0.0
+    assert first_step_seconds(counted) == 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -276,3 +277,13 @@ def ran_eagerly(runner: Runner, *, compiled: bool, graphs: bool = False) -> str:
         return f"torch.compile fell back to eager, so it would time the eager model ({planned.reason})"
     gave_up = gave_up_on_model(runner.model)  # past its recompile limit torch runs every later call eagerly
     return f"{gave_up}, so it would time the eager model" if gave_up else ""
+
+
+def first_step_seconds(runner: Runner) -> float:
+    """Run the row's first step and return its seconds, any compile in it excepted (the row's compile seconds say
+    that): what a run of the row pays once besides, as kernels are built and memory taken."""
+    before = runner.compile_seconds() or 0.0
+    started = time.perf_counter()
+    runner.run(1)  # it reads the step's loss: the step's work is done, on a GPU too
+    elapsed = time.perf_counter() - started
+    return max(0.0, elapsed - ((runner.compile_seconds() or 0.0) - before))

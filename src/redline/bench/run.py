@@ -25,7 +25,7 @@ import torch
 
 from redline.bench.compile_cache import cache_lookups, served_from_cache
 from redline.bench.isolate import OPTIONS_HINT, RowEnded, RowFailed, RowProcess
-from redline.bench.loops import Runner, naive_runner, quiet_failed_ops, row_options, runtime_runner
+from redline.bench.loops import Runner, first_step_seconds, naive_runner, quiet_failed_ops, row_options, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import Peak, PeakMemory
 from redline.bench.result import BenchResult, BenchRow
@@ -352,7 +352,7 @@ def warm_up(
                 task, setting, seed=seed, planned_steps=planned, measured=measured, options=options, tuning=tuning
             )
         with quiet_failed_ops():  # the warm-up compiles
-            runner.first_step_s = _first_step(runner)
+            runner.first_step_s = first_step_seconds(runner)
             runner.run(window - 1)
             while runner.runtime is not None and runner.runtime.compile_checking:
                 runner.run(1)
@@ -362,16 +362,6 @@ def warm_up(
     assert runner.first_batch is not None
     flops = count_train_flops(runner.model, task.loss_fn, runner.first_batch)  # of one micro-batch
     return runner, memory.read(), flops * runner.micro_steps if flops is not None else None
-
-
-def _first_step(runner: Runner) -> float:
-    """Run the row's first step and return its seconds, any compile in it excepted (the row's compile seconds say
-    that): what a run of the row pays once besides, as kernels are built and memory taken."""
-    before = runner.compile_seconds() or 0.0
-    started = time.perf_counter()
-    runner.run(1)  # it reads the step's loss: the step's work is done, on a GPU too
-    elapsed = time.perf_counter() - started
-    return max(0.0, elapsed - ((runner.compile_seconds() or 0.0) - before))
 
 
 def trialled(measured: dict[str, Choice[str]] | None) -> bool:
