@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import itertools
 import logging
@@ -287,13 +288,16 @@ def recompile_hint(cause: str) -> str:
     )
 
 
-def _last_guard_failure() -> str:
-    """The newest reason torch gave for a recompile (a guard that failed), or "" if it gave none."""
+def _last_guard_failure(code: Any) -> str:
+    """The newest reason torch gave for a recompile (a guard that failed) of ``code``, else of any frame (one past a
+    graph break, whose code is a submodule's), or "" if it gave none."""
     try:
         from torch._dynamo.utils import guard_failures
     except Exception:
         return ""
-    reasons = [reason for failures in guard_failures.values() for reason in failures]
+    reasons = list(guard_failures.get(code, ())) or [
+        reason for failures in guard_failures.values() for reason in failures
+    ]
     return str(reasons[-1]).strip() if reasons else ""
 
 
@@ -373,6 +377,31 @@ def collect_backward_compiles() -> None:
     _BackwardCompiles.collect()
 
 
+class CompiledForward:
+    """What ``compile_module`` puts in place of a module's forward: ``call``, its compiled forward.
+
+    A copy of the module (an EMA or a teacher, by ``copy.deepcopy``) runs its own forward (``eager``), eagerly: the
+    compiled graphs and their counts are the original's, and would run the original's parameters. Pickled (a
+    ``torch.save`` of the whole module), it is the module's own forward too.
+    """
+
+    def __init__(self, call: Callable[..., Any], eager: Any) -> None:
+        self.call, self.eager = call, eager
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.eager, memo)  # bound to the module's copy, which the memo holds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _same, (self.eager,)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
 def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any) -> CompileRecord:
     """Compile ``model``'s forward in place and return its record (``per_bucket``: an inference engine's, whose
     batch buckets each compile a graph as planned, told at debug level, not as recompiles).
@@ -399,6 +428,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     # limit. A code object of the model's own keeps its graphs apart. Its name is its own too: torch keys the
     # shapes it has seen by a code's file, line and name, and a second model of a class, compiled at another batch
     # size (a bench's or a tune's next row), got a graph for dynamic shapes as though its own shape had changed.
+    # (A frame past a graph break inside a submodule's forward has that class's code, shared still.)
     forward.__code__ = forward.__code__.replace(co_name=f"{type(model).__name__}_forward_{next(_COMPILES)}")
     compiled = torch.compile(forward, **options)
     # CUDA graphs (mode="reduce-overhead") replay into the same output buffers: each forward starts a
@@ -414,7 +444,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
             if not is_compiler_error(exc):
                 raise
             return _eager_instead(record, exc, start, args, kwargs)
-        model.forward = counted
+        model.forward = CompiledForward(counted, eager)
         return out
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -431,7 +461,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
             log.warning("torch.compile ran %s eagerly: it gave up compiling this call", type(model).__name__)
         elif compiled_now:
             training = torch.is_grad_enabled()
-            cause = (_last_guard_failure() or NEW_FRAME) if record.compiles else ""
+            cause = (_last_guard_failure(record.code) or NEW_FRAME) if record.compiles else ""
             if training:
                 _BackwardCompiles.compiled_for_training(record, backward_before)
             record.add(time.perf_counter() - start, cause, training=training)
@@ -443,6 +473,6 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
                 log.log(level, "torch.compile compiled %s again: %s%s", name, cause, recompile_hint(cause))
         return out
 
-    model.forward = first_call
+    model.forward = CompiledForward(first_call, eager)
     _RECORDS[model] = record
     return record
