@@ -52,3 +52,42 @@ def test_a_ddp_wrapped_torch_nn_model_compiles_its_own_forward_and_a_users_class
     lines = done.stdout.split("\n")
     assert "sequential True compiled inner" in lines
     assert "own True compiled wrapper" in lines  # the wrapper compiled: torch splits its graph at DDP's buckets
+
+
+AGAIN = """
+import functools, os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+
+torch.compile = functools.partial(torch.compile, backend="aot_eager")
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+import redline
+
+rt = redline.Runtime(redline.RuntimeOptions(strategy="ddp", devices="cpu", compile="on", precision="fp32"))
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+for phase in range(2):
+    for _ in range(2):
+        with rt.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        rt.backward(loss)
+        rt.step(optimizer)
+    print("phase", phase, type(model).__name__, type(model.module).__name__, rt.compiles[0])
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))  # a second phase
+dist.destroy_process_group()
+"""
+
+
+def test_a_ddp_model_set_up_again_for_a_second_phase_keeps_its_one_wrapper_and_compile(tmp_path):
+    # The returned DDP model, set up again with a new optimizer (as the README allows), was wrapped in a second
+    # DDP: its first backward failed ("parameter gradient is not the expected DDP bucket view").
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(AGAIN), str(tmp_path / "rendezvous")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "phase 0 DistributedDataParallel Sequential 1" in done.stdout
+    assert "phase 1 DistributedDataParallel Sequential 1" in done.stdout  # one compile, not a second

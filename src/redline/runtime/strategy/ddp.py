@@ -40,6 +40,8 @@ class DDP(SingleDevice):
     def wrap(
         self, model: nn.Module, optimizer: OptimizerLike, *, device: torch.device, precision: PrecisionName
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if isinstance(model, DistributedDataParallel):  # the set-up model, set up again with a new optimizer: a
+            return model, build_optimizer(optimizer, model)  # second wrapper would reduce the same gradients twice
         wrapped = wrap_ddp(model, device, find_unused_parameters=self.find_unused)
         return wrapped, build_optimizer(optimizer, model)
 
