@@ -41,15 +41,20 @@ dist.destroy_process_group()
 """
 
 
-def test_a_ddp_wrapped_torch_nn_model_compiles_its_own_forward_and_a_users_class_the_wrapper(tmp_path):
-    # torch.compile skips DDP's own frames and then torch.nn's: a 2-process run of an nn.Sequential "compiled 2
-    # time(s) in 0.3 s" and ran eagerly, while the Plan said compiled.
+def one_rank(script: str, tmp_path) -> str:
+    """Run ``script`` as the one rank of a gloo group that meets in ``tmp_path``; return what it printed."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path / "rendezvous")],
+        [sys.executable, "-c", textwrap.dedent(script), str(tmp_path / "rendezvous")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.split("\n")
+    return done.stdout
+
+
+def test_a_ddp_wrapped_torch_nn_model_compiles_its_own_forward_and_a_users_class_the_wrapper(tmp_path):
+    # torch.compile skips DDP's own frames and then torch.nn's: a 2-process run of an nn.Sequential "compiled 2
+    # time(s) in 0.3 s" and ran eagerly, while the Plan said compiled.
+    lines = one_rank(SCRIPT, tmp_path).split("\n")
     assert "sequential True compiled inner" in lines
     assert "own True compiled wrapper" in lines  # the wrapper compiled: torch splits its graph at DDP's buckets
 
@@ -84,10 +89,6 @@ dist.destroy_process_group()
 def test_a_ddp_model_set_up_again_for_a_second_phase_keeps_its_one_wrapper_and_compile(tmp_path):
     # The returned DDP model, set up again with a new optimizer (as the README allows), was wrapped in a second
     # DDP: its first backward failed ("parameter gradient is not the expected DDP bucket view").
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(AGAIN), str(tmp_path / "rendezvous")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "phase 0 DistributedDataParallel Sequential 1" in done.stdout
-    assert "phase 1 DistributedDataParallel Sequential 1" in done.stdout  # one compile, not a second
+    said = one_rank(AGAIN, tmp_path)
+    assert "phase 0 DistributedDataParallel Sequential 1" in said
+    assert "phase 1 DistributedDataParallel Sequential 1" in said  # one compile, not a second
