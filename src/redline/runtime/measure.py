@@ -3,7 +3,10 @@
 The rule of thumb (plan/precision.py) proposes; a trial (runtime/trial.py) decides, when the run
 is long enough to repay it: a trial of r rounds costs at most ``trial_steps(candidates, r)``
 training steps, and runs with as many rounds (four at most) as keep that within a ``REPAY``-th of
-the planned run; where not even ``LEAST_ROUNDS`` (three) fit, it does not run. Where the attention kernel is left to
+the planned run; where not even ``LEAST_ROUNDS`` (three) fit, it does not run. A Trainer's run too short for one
+counts its steps toward the workload's runs on this machine (``RUNS``): once they add up to what repays a trial, the
+next run that is no shorter than the trial itself measures, so a sweep of short runs of one model is measured once.
+Where the attention kernel is left to
 auto, each reduced precision is timed with each kernel that takes the model's calls too, or, where the run does not
 repay those steps, on the one kernel its calls ran fastest on alone (``picked_forms``). Its result is cached on disk,
 keyed by the Task's fingerprint and this machine, so a second run pays nothing, a short one included.
@@ -76,6 +79,7 @@ LEAST_ROUNDS = 3
 KERNELS_TRIAL_S = 10.0
 NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run nor read (the rule's, and why)
 PICKED = "trial-kernels"  # the cache's kind that keeps, beside a trial, how ``picked_forms`` picked its kernels
+RUNS = "trial-runs"  # the cache's kind that keeps the planned steps of a workload's runs that did not measure
 CACHED = "; cached from "  # in a choice's reason where the trial was read from the cache, not run
 
 
@@ -88,48 +92,81 @@ def measure_auto(
     *,
     trial: str,
     insist: str = "--trial on measures anyway",
+    counts: bool = False,
 ) -> dict[str, Choice[str]]:
     """The "auto" choices a trial measured for this run (``{"precision": ...}``: the rule's where it did not
     measure, with why; and ``"attention"`` where it timed the kernels too), or {} where none applies.
 
     ``trial`` is a ``TrialRequest``: "auto" (measure when the run repays it), "on", "fresh" (measured again, the
     cached measurement replaced) or "off"; ``insist`` tells, in the reason of a run too short to repay a trial, how
-    the command at hand would measure anyway.
+    the command at hand would measure anyway. Under "auto" the steps of the workload's earlier runs here that did not
+    measure count toward repaying a trial; ``counts`` (a run's, not a bench's) adds this run's to them where it does
+    not measure either.
     """
     work = _workload(options, batch_size, env)
     if work is None:
         return {}  # a precision given, or none worth trying here: the rule's reason says why
+    rule = resolve_precision("auto", work.facts)
     if trial == "off":
-        rule = resolve_precision("auto", work.facts)
         return {"precision": Choice(rule.value, f"{rule.reason}; {NOT_MEASURED} the trial is off")}
 
-    def rounds_for(names: Sequence[str]) -> int:  # a trial of these candidates: as many rounds as the run repays
-        return repaid_rounds(names, planned_steps) if trial == "auto" else ROUNDS
+    def trial_on_rank0() -> tuple[str, str, bool]:
+        keys = _keys(task, work)
+        earlier = earlier_steps(keys.runs) if trial == "auto" else 0.0
 
-    short = rounds_for(work.candidates) < LEAST_ROUNDS  # too short to repay a trial, not a cached one
+        def rounds_for(names: Sequence[str]) -> int:  # a trial of these candidates: as many rounds as the runs repay
+            return repaid_rounds(names, planned_steps, earlier) if trial == "auto" else ROUNDS
 
-    def trial_on_rank0() -> tuple[str, str, bool] | None:
-        found = _measure(task, work, short, rounds_for, fresh=trial == "fresh")
-        return (found[0].value, found[0].reason, found[1]) if found is not None else None
+        short = rounds_for(work.candidates) < LEAST_ROUNDS  # too short to repay a trial, not a cached one
+        found = _measure(task, work, keys, short, rounds_for, fresh=trial == "fresh")
+        if found is None:
+            if counts:
+                write_cache(RUNS, keys.runs, [earlier + planned_steps])
+            why = unrepaid(work.candidates, planned_steps, earlier, counted=counts)
+            return rule.value, f"{rule.reason}; {NOT_MEASURED} {why} ({insist})", False
+        chosen, kernels = found
+        ran = chosen.reason.startswith("measured:") and CACHED not in chosen.reason  # a trial's, not the cache's
+        if trial == "auto" and ran and repaid_rounds(work.candidates, planned_steps) == 0:
+            runs = f"{earlier + planned_steps:g} steps with the earlier ones' {earlier:g}"
+            paid = f"; measured by this run of {planned_steps:g} steps, as this workload's runs here add up to {runs}"
+            chosen = Choice(chosen.value, chosen.reason + paid)
+        return chosen.value, chosen.reason, kernels
 
-    shared = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure stops all
-    if shared is None:
-        rule = resolve_precision("auto", work.facts)
-        cost = trial_steps(work.candidates, LEAST_ROUNDS)
-        why = (
-            f"{NOT_MEASURED} a trial costs {cost} steps or more, which a run of {REPAY * cost} repays, not this one "
-            f"of {planned_steps:g}"
-        )
-        return {"precision": Choice(rule.value, f"{rule.reason}; {why} ({insist})")}
-    value, reason, kernels = shared
-    return work.choices(Choice(value, reason), kernels=kernels)
+    value, reason, kernels = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure
+    return work.choices(Choice(value, reason), kernels=kernels)  # stops all
 
 
-def repaid_rounds(candidates: Sequence[Any], planned_steps: float) -> int:
-    """The most rounds (``ROUNDS`` at most) of a trial whose steps stay within a ``REPAY``-th of the planned run;
-    0 where even ``LEAST_ROUNDS`` would not."""
-    fits = [r for r in range(LEAST_ROUNDS, ROUNDS + 1) if REPAY * trial_steps(candidates, r) <= planned_steps]
+def repaid_rounds(candidates: Sequence[Any], planned_steps: float, earlier: float = 0.0) -> int:
+    """The most rounds (``ROUNDS`` at most) of a trial whose steps stay within a ``REPAY``-th of the planned run and
+    the ``earlier`` steps of the workload's runs here that did not measure, and within the planned run itself (a run
+    of 30 steps does not pay for a trial of 26); 0 where even ``LEAST_ROUNDS`` would not."""
+    fits = [
+        r for r in range(LEAST_ROUNDS, ROUNDS + 1)
+        if REPAY * trial_steps(candidates, r) <= planned_steps + earlier and trial_steps(candidates, r) <= planned_steps
+    ]  # fmt: skip
     return max(fits, default=0)
+
+
+def unrepaid(candidates: Sequence[Any], planned_steps: float, earlier: float, *, counted: bool) -> str:
+    """Why a run of ``planned_steps`` does not measure ``candidates`` (``earlier``: the steps of the workload's runs
+    here that did not measure either; ``counted``: whether this run's are added to them)."""
+    cost = trial_steps(candidates, LEAST_ROUNDS)
+    if planned_steps < cost:
+        return f"a trial costs {cost} steps or more, more than this run of {planned_steps:g}"
+    runs = f" with the earlier runs' {earlier:g} of this workload here" if earlier else ""
+    later = f"; this workload's next run here to bring them to {REPAY * cost} measures" if counted else ""
+    repaid = f"which a run of {REPAY * cost} repays, not this one of {planned_steps:g}"
+    return f"a trial costs {cost} steps or more, {repaid}{runs}{later}"
+
+
+def earlier_steps(key: str) -> float:
+    """The planned steps of the runs of a workload (``key``: its ``_Keys.runs``) here that did not measure."""
+    found = read_cache(RUNS, key)
+    try:
+        steps = float(found[0][0]) if found else 0.0
+    except (IndexError, TypeError, ValueError):  # an unreadable tally counts nothing: a run's own steps start it again
+        return 0.0
+    return steps if math.isfinite(steps) and steps > 0 else 0.0
 
 
 def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> dict[str, Choice[str]]:
@@ -137,7 +174,7 @@ def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistE
     ``"attention"`` where it timed the kernels), else {}: a reader that must not run steps (an estimate of memory,
     made before the step is known to fit) takes no more."""
     work = _workload(options, batch_size, env)
-    found = _measure(task, work, True, lambda names: ROUNDS) if work is not None else None
+    found = _measure(task, work, _keys(task, work), True, lambda names: ROUNDS) if work is not None else None
     return work.choices(found[0], kernels=found[1]) if work is not None and found is not None else {}
 
 
@@ -247,8 +284,36 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
 Found = tuple[Choice[str], bool]  # the trial's choice of form, and whether it timed attention kernels
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """Where a workload's trial is cached: timed with the attention kernels, or plain (the kernel the run asks for),
+    and the tally of its runs that did not measure (``RUNS``)."""
+
+    with_kernels: str
+    plain: str
+    runs: str
+
+
+def _keys(task: Task, work: _Workload) -> _Keys:
+    facts, local_batch = work.facts, work.local_batch
+    parts = [*work.candidates, f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
+    fingerprint = fingerprint_of(task)
+    plain = [*parts, f"attention {work.attention}"]
+    return _Keys(
+        with_kernels=trial_key(fingerprint, facts, local_batch, [*parts, "attention kernels timed"]),
+        plain=trial_key(fingerprint, facts, local_batch, plain),
+        runs=trial_key(fingerprint, facts, local_batch, [*plain, "runs"]),
+    )
+
+
 def _measure(
-    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int], *, fresh: bool = False
+    task: Task,
+    work: _Workload,
+    keys: _Keys,
+    recall_only: bool,
+    rounds_for: Callable[[Sequence[str]], int],
+    *,
+    fresh: bool = False,
 ) -> Found | None:
     """Time fp32 and the candidates on the task's model and first batch, in ``rounds_for(candidates)`` rounds at most
     (or read the cache, but with ``fresh``); return the choice. With ``recall_only``, only read the cache: None when
@@ -259,13 +324,18 @@ def _measure(
     """
     saved = capture_rng()
     try:
-        return _measure_or_recall(task, work, recall_only, rounds_for, fresh)
+        return _measure_or_recall(task, work, keys, recall_only, rounds_for, fresh)
     finally:
         restore_rng(saved)
 
 
 def _measure_or_recall(
-    task: Task, work: _Workload, recall_only: bool, rounds_for: Callable[[Sequence[str]], int], fresh: bool
+    task: Task,
+    work: _Workload,
+    keys: _Keys,
+    recall_only: bool,
+    rounds_for: Callable[[Sequence[str]], int],
+    fresh: bool,
 ) -> Found | None:
     """As ``_measure``. Where the attention kernel is left to auto, the kernels are looked for (and timed) only when a
     trial is about to run, and the run repays a trial of them too; its cache entry, kernels and all (or none found),
@@ -273,12 +343,9 @@ def _measure_or_recall(
     no cache: the kernels are looked for, as its rounds repay them, and the entry a later run reads first replaced."""
     facts, local_batch = work.facts, work.local_batch
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
-    parts = [*work.candidates, f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
-    fingerprint = fingerprint_of(task)
-    with_kernels = trial_key(fingerprint, facts, local_batch, [*parts, "attention kernels timed"])
-    plain = trial_key(fingerprint, facts, local_batch, [*parts, f"attention {work.attention}"])
-    keys = [(with_kernels, True), (plain, False)] if work.attention == "auto" else [(plain, False)]
-    for key, kernels in [] if fresh else keys:  # an entry of other precisions than these (edited) is measured anew
+    with_kernels, plain = keys.with_kernels, keys.plain
+    kinds = [(with_kernels, True), (plain, False)] if work.attention == "auto" else [(plain, False)]
+    for key, kernels in [] if fresh else kinds:  # an entry of other precisions than these (edited) is measured anew
         cached = load_cached(key, work.candidates, kernels=kernels)
         if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
             measured, when = cached

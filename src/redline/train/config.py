@@ -57,7 +57,8 @@ class TrainerConfig:
     progress: bool = option(True, "Show progress on stderr.")
     trial: TrialRequest = option(
         "auto",
-        "Time auto's choices on this model first: auto (when the run repays it), on (whatever its length), fresh "
+        "Time auto's choices on this model first: auto (when the run repays it, its model's earlier short runs here "
+        "counted), on (whatever its length), fresh "
         "(as on, measured again in place of a cached measurement) or off.",
     )
     plan: Literal["auto", "tuned"] = option(

@@ -306,7 +306,7 @@ class Trainer:
         )  # fmt: skip
         total, self._batches_per_epoch = length()
         trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
-        measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial)
+        measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial, counts=True)
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
