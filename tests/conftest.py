@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from redline.errors import ConfigError
+from redline.hardware.contention import ENV as CONTENTION_ENV
 from redline.hardware.device import CPU_ISAS, FAKE_CPU_ENV, probe_cpu_isa
 from redline.runtime.trial import CACHE_ENV
 
@@ -50,6 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
     # Measured choices are never cached in the developer's own cache (each test has its own: own_measurement_cache).
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="redline-test-cache-")
+    # A trial's verdict does not hang on the load of the tests beside it (xdist's other worker): measured as on a quiet
+    # machine, cached as final (tests/unit/test_contention.py turns the check on).
+    os.environ[CONTENTION_ENV] = "off"
     try:
         probe_cpu_isa()
     except ConfigError as exc:  # a bad REDLINE_CPU would otherwise fail every test that plans

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from redline.errors import describe_error
+from redline.hardware.contention import Sampler
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
@@ -80,6 +81,7 @@ KERNELS_TRIAL_S = 10.0
 NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run nor read (the rule's, and why)
 PICKED = "trial-kernels"  # the cache's kind that keeps, beside a trial, how ``picked_forms`` picked its kernels
 RUNS = "trial-runs"  # the cache's kind that keeps the planned steps of a workload's runs that did not measure
+BUSY = "trial-busy"  # the cache's kind that keeps, beside a trial measured while other work took its CPUs, the note
 CACHED = "; cached from "  # in a choice's reason where the trial was read from the cache, not run
 
 
@@ -344,17 +346,9 @@ def _measure_or_recall(
     facts, local_batch = work.facts, work.local_batch
     where = f"this {facts.type.upper() if facts.type == 'cpu' else facts.name}"
     with_kernels, plain = keys.with_kernels, keys.plain
-    kinds = [(with_kernels, True), (plain, False)] if work.attention == "auto" else [(plain, False)]
-    for key, kernels in [] if fresh else kinds:  # an entry of other precisions than these (edited) is measured anew
-        cached = load_cached(key, work.candidates, kernels=kernels)
-        if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
-            measured, when = cached
-            choice = choose(measured, where)
-            picked = read_cache(PICKED, key) if kernels else None  # how a kernel was picked, where it was so
-            told = "".join(f"; {line}" for line in picked[0] if isinstance(line, str)) if picked else ""
-            return Choice(choice.value, f"{choice.reason}{told}{CACHED}{when}"), kernels
-    if recall_only:
-        return None
+    found = None if fresh else _recall(work, keys, where, busy_too=recall_only)
+    if found is not None or recall_only:
+        return found
     model = task.build_model()
     kept = half_model_keeps_fp32(model, work.candidates[0], "auto")  # nothing to time: mixed would refuse the model
     if kept is not None:
@@ -373,11 +367,16 @@ def _measure_or_recall(
         (names, picking), key = work.picked_forms(calls), with_kernels
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     kernel = None if work.attention == "auto" else work.attention
+    sampler = Sampler().start() if work.device.type == "cpu" else None  # other work on the CPUs it times
     with ProcessSettings(tf32=resolve_tf32(facts).value, attention=kernel).enter():  # fp32 as the run will have it
         measured = run_trial(
             model, task.optimizer, task.loss_fn, batch, work.device, names, zero_after_step=zero_after_step,
             rounds=rounds_for(names), layout=work.layout(model), nchw_fallback=work.fallback,
         )  # fmt: skip
+    contention = sampler.stop(torch.get_num_threads()) if sampler is not None else None
+    busy = f"; measured while {contention}, so a run that repays a trial measures again" if (
+        contention is not None and contention.contended
+    ) else ""  # fmt: skip
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)
@@ -386,6 +385,7 @@ def _measure_or_recall(
     choice = choose(measured, where)
     if picking:
         choice = Choice(choice.value, f"{choice.reason}; {picking}")
+    choice = Choice(choice.value, choice.reason + busy)
     short_of_memory = [m.precision for m in measured if m.out_of_memory]
     if short_of_memory:  # the machine's free memory at the time, not the model's: the next run measures again
         told = f"not cached: {', '.join(short_of_memory)} ran out of memory, which a run with more free may not"
@@ -393,7 +393,34 @@ def _measure_or_recall(
     store(key, measured)
     if key == with_kernels:  # beside it, how each kernel was picked (none: written over an earlier pick's)
         write_cache(PICKED, key, [picking] if picking else [])
+    if busy or read_cache(BUSY, key):  # a quiet trial's entry clears a busy one's note
+        write_cache(BUSY, key, [busy] if busy else [])
     return choice, key == with_kernels
+
+
+def _recall(work: _Workload, keys: _Keys, where: str, *, busy_too: bool) -> Found | None:
+    """The trial cached for this workload, with its reason; None where none is, or where the one cached was measured
+    on a busy machine (``busy_note``) and not ``busy_too``: a run that repays a trial measures again."""
+    kinds = [(keys.with_kernels, True), (keys.plain, False)] if work.attention == "auto" else [(keys.plain, False)]
+    for key, kernels in kinds:  # an entry of other precisions than these (edited) is measured anew
+        cached = load_cached(key, work.candidates, kernels=kernels)
+        if cached is not None and not unusable(cached[0]):  # one an earlier version cached from a diverging fp32: anew
+            measured, when = cached
+            busy = busy_note(key)
+            if busy and not busy_too:
+                return None
+            choice = choose(measured, where)
+            picked = read_cache(PICKED, key) if kernels else None  # how a kernel was picked, where it was so
+            told = "".join(f"; {line}" for line in picked[0] if isinstance(line, str)) if picked else ""
+            return Choice(choice.value, f"{choice.reason}{told}{busy}{CACHED}{when}"), kernels
+    return None
+
+
+def busy_note(key: str) -> str:
+    """What the reason of a trial cached under ``key`` says of a busy machine ("" where it was measured quiet)."""
+    found = read_cache(BUSY, key)
+    note = found[0][0] if found and found[0] else ""
+    return note if isinstance(note, str) else ""
 
 
 def unusable(measured: list[Measured]) -> str:

@@ -1,0 +1,121 @@
+"""How much of this process's CPUs other work took while it timed something, read from /proc without torch.
+
+A trial on a CPU (runtime/measure.py) times fp32 against bf16 by their fastest steps, which a neighbour's load
+cannot make faster; but it does not slow all forms alike. On a 2-core Xeon with AMX and three other processes
+running, chargpt's bf16 step timed 0.18x fp32's, where on the quiet machine bf16 with math attention ran 1.3x: a
+step whose threads wait for each other loses most when one of them is descheduled. Such a verdict, cached, would
+decide every later run. ``Sampler`` tells how many of the process's CPUs other processes kept busy over an
+interval (the kernel's own counts: /proc/stat per CPU, steal time included, less /proc/self/stat's), so the
+measurement can say so and a later run can measure again.
+
+Linux only: elsewhere, or where /proc cannot be read, nothing is known and nothing is said.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "REDLINE_CONTENTION"  # "off": a measurement is taken as quiet whatever the machine's load (tests pin it so)
+# Under this many seconds the kernel's counts (in ticks of 10 ms) are too coarse to tell a neighbour from rounding.
+LEAST_SECONDS = 0.5
+# A measurement counts as contended where other work left this process fewer free CPUs than this share of the
+# threads it runs: a neighbour on a CPU the process does not use takes nothing from it.
+ROOM = 0.8
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The kernel's counts at one moment: ticks the process's CPUs spent busy (every process's), the process's own."""
+
+    busy: int
+    own: int
+    at: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Over an interval: the CPUs (in cores) other work kept busy, of ``cpus`` this process may run on, while it ran
+    ``threads`` threads."""
+
+    others: float
+    cpus: int
+    threads: int
+
+    @property
+    def contended(self) -> bool:
+        """Whether other work left fewer free CPUs than the process's threads need (``ROOM``)."""
+        return self.cpus - self.others < ROOM * min(self.threads, self.cpus)
+
+    def __str__(self) -> str:
+        return f"other processes kept {self.others:.1f} of this machine's {self.cpus} CPUs busy"
+
+
+class Sampler:
+    """Reads the counts before and after: ``Sampler().start()``, then ``.stop(threads)`` gives the ``Contention``
+    over the interval, or None where it cannot be known (no /proc, an interval too short, ``ENV`` off).
+
+    ``root`` stands for / in tests, ``clock`` for time.monotonic, ``cpus`` for the CPUs the process may run on.
+    """
+
+    def __init__(
+        self, root: Path = Path("/"), clock: Callable[[], float] = time.monotonic, cpus: set[int] | None = None
+    ) -> None:
+        self.root, self.clock = root, clock
+        self.cpus = _affinity() if cpus is None else cpus
+        self.before: CpuTimes | None = None
+
+    def start(self) -> Sampler:
+        self.before = self.read()
+        return self
+
+    def stop(self, threads: int) -> Contention | None:
+        after = self.read()
+        before = self.before
+        if before is None or after is None or after.at - before.at < LEAST_SECONDS:
+            return None
+        ticks = (after.at - before.at) * _ticks_per_second()
+        others = max(0, (after.busy - before.busy) - (after.own - before.own)) / ticks
+        return Contention(others=min(others, len(self.cpus)), cpus=len(self.cpus), threads=max(1, threads))
+
+    def read(self) -> CpuTimes | None:
+        """The counts now; None where they cannot be read (or the check is off)."""
+        if os.environ.get(ENV, "").lower() == "off":
+            return None
+        try:
+            stat = (self.root / "proc/stat").read_text(encoding="utf-8")
+            own = (self.root / "proc/self/stat").read_text(encoding="utf-8")
+            busy = sum(_busy(line) for line in stat.splitlines() if _cpu_of(line) in self.cpus)
+            fields = own[own.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
+            return CpuTimes(busy=busy, own=int(fields[11]) + int(fields[12]), at=self.clock())
+        except (OSError, ValueError, IndexError):
+            return None
+
+
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def _cpu_of(line: str) -> int | None:
+    """The CPU a /proc/stat line counts ("cpu3 ..." is 3); None for the total line and the others."""
+    name = line.split(maxsplit=1)[0] if line else ""
+    return int(name[3:]) if name.startswith("cpu") and name[3:].isdigit() else None
+
+
+def _busy(line: str) -> int:
+    """A CPU's busy ticks: user, nice, system, irq, softirq and steal (another guest's turn on a VM's CPU)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in line.split()[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+def _ticks_per_second() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100
