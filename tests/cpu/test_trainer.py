@@ -594,3 +594,20 @@ def test_a_last_batch_of_one_sample_is_left_out_for_a_model_with_batch_norm(capl
     assert len(said) == 1 and said[0].startswith("train_data's 17 items leave a last batch of 1 per epoch"), said
     plain = quiet(tiny_task(train_data=data, val_data=None, metric=None, batch_size=16, epochs=2), trial="off").fit()
     assert plain.steps == 4  # no batch norm: every sample kept
+
+
+def test_removing_older_checkpoints_counts_as_checkpointing_not_as_training_steps(tmp_path, monkeypatch):
+    """Pruning ran outside the checkpoint's timing: its seconds lowered samples/s and were not in checkpoint_seconds."""
+    pruned = []
+    prune = ckpt.prune
+
+    def slow_prune(*args, **kwargs):
+        time.sleep(0.2)
+        pruned.append(args[1])
+        return prune(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "prune", slow_prune)
+    summary = quiet(tiny_task(), max_steps=4, checkpoint_every=1, keep_checkpoints=1, out_dir=tmp_path / "run").fit()
+    assert pruned == [1] * 4 and len(list((tmp_path / "run/checkpoints").glob("step-*"))) == 1
+    assert summary.checkpoint_seconds is not None and summary.checkpoint_seconds >= 0.8
+    assert summary.samples_per_s is not None and summary.samples_per_s > 100  # 24 samples in 0.6 s of pruning: 40/s

@@ -70,3 +70,15 @@ def test_a_summary_without_rates_or_mfu_says_why():
     assert dict(summary_rows(TrainSummary.from_dict(figures)))["MFU"] == "n/a (no datasheet peak for a CPU)"
     del figures["mfu_note"]  # a summary.json from before the note
     assert dict(summary_rows(TrainSummary.from_dict(figures)))["MFU"] == "n/a"
+
+
+def test_the_train_time_says_what_of_it_the_precision_trial_took_unless_the_cache_answered():
+    figures = {"task": "t", "plan": PLAN.to_dict(), "steps": 5, "epochs": 1.0, "samples": 40, "stopped": "epochs"}
+    figures.update(train_seconds=52.4, trial_seconds=23.0, eval_seconds=1.0, checkpoint_seconds=0.25)
+    said = dict(summary_rows(TrainSummary.from_dict(figures)))["train time"]
+    assert said == "52.4 s end to end, of which 23 s in the precision trial, 1 s evaluating and 0.25 s checkpointing"
+    figures.update(trial_seconds=0.004, checkpoint_seconds=None)  # read from the cache: not worth a word
+    assert (
+        dict(summary_rows(TrainSummary.from_dict(figures)))["train time"]
+        == "52.4 s end to end, of which 1 s evaluating"
+    )

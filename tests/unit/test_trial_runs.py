@@ -1,6 +1,7 @@
 """Short runs of one workload add up: the run that brings them to what repays a trial measures (runtime/measure.py)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -97,3 +98,22 @@ def test_the_trainer_counts_its_runs_and_the_second_short_one_measures(trials):
     assert [p.value for p in plans] == ["fp32", "bf16-mixed"] and trials == [4]
     assert "next run here to bring them to 260 measures" in plans[0].reason
     assert "measured by this run of 176 steps" in plans[1].reason
+
+
+def test_the_fits_end_to_end_time_counts_its_trial_and_says_how_long_the_trial_took(trials, monkeypatch):
+    """The clock started after the trial: a fit of 52 s said 29 s end to end, its 23 s of trial said nowhere."""
+    timed = measure.run_trial
+
+    def slow_trial(*args, **kwargs):
+        time.sleep(0.4)
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "run_trial", slow_trial)
+    began = time.perf_counter()
+    with Trainer(tiny_task(), max_steps=3, trial="on", progress=False) as trainer:
+        summary = trainer.fit()
+    fit_seconds = time.perf_counter() - began
+    assert trials == [4] and summary.trial_seconds is not None and summary.trial_seconds >= 0.4
+    assert summary.trial_seconds < summary.train_seconds <= fit_seconds
+    with Trainer(tiny_task(), max_steps=3, progress=False, runtime=RuntimeOptions(precision="fp32")) as trainer:
+        assert trainer.fit().trial_seconds is None  # a precision given: nothing to try

@@ -313,14 +313,26 @@ def spec_named(task: str, task_arg: list[str] | None) -> Iterator[None]:
 
 
 def _spent(summary: TrainSummary) -> str:
-    """What of the run's time went to evaluation and checkpoints (left out of samples/s)."""
-    spent = {"evaluating": summary.eval_seconds, "checkpointing": summary.checkpoint_seconds}
+    """What of the run's time went to the precision trial, evaluation and checkpoints (left out of samples/s); a
+    trial read from the cache (milliseconds) is not said."""
+    trial = summary.trial_seconds if summary.trial_seconds and summary.trial_seconds >= TRIAL_SAID_S else None
+    spent = {"in the precision trial": trial, "evaluating": summary.eval_seconds,
+             "checkpointing": summary.checkpoint_seconds}  # fmt: skip
     parts = [
         f"{seconds:.2g} s {what}" if seconds >= 0.01 else f"<0.01 s {what}"
         for what, seconds in spent.items()
         if seconds
     ]
-    return f", of which {' and '.join(parts)}" if parts else ""
+    return (
+        f", of which {', '.join(parts[:-1])} and {parts[-1]}"
+        if len(parts) > 1
+        else f", of which {parts[0]}"
+        if parts
+        else ""
+    )
+
+
+TRIAL_SAID_S = 0.05  # a trial's seconds the summary says: one read from the cache takes a few milliseconds
 
 
 def _share(ratio: float) -> str:

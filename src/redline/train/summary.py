@@ -33,7 +33,10 @@ class TrainSummary:
     val_metric: float | None
     samples_per_s: float | None  # training steps only, after the first; None when no step ran after it
     tokens_per_s: float | None
-    train_seconds: float  # the whole fit, end to end: steps, evaluation, checkpoints and compiles
+    train_seconds: (
+        float  # the whole fit, end to end: setting up (the trial too), steps, evaluation, checkpoints, compiles
+    )
+    trial_seconds: float | None  # the precision trial's, run or read from the cache; None where no precision was tried
     eval_seconds: float | None  # spent evaluating (left out of the rates)
     checkpoint_seconds: float | None  # spent writing checkpoints (left out of the rates)
     callback_seconds: float | None  # spent in the callbacks' hooks (left out of the rates)
@@ -114,6 +117,7 @@ def summarize(
         samples_per_s=figures.samples_per_s,
         tokens_per_s=figures.tokens_per_s,
         train_seconds=time.perf_counter() - run.start,
+        trial_seconds=run.trial_seconds,
         eval_seconds=run.meter.seconds["eval"],
         checkpoint_seconds=run.meter.seconds["checkpoint"],
         callback_seconds=run.meter.seconds["callbacks"],

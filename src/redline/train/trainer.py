@@ -285,6 +285,7 @@ class Trainer:
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> Run | TrainSummary:
+        begun = time.perf_counter()  # the fit's time, end to end, counts its setting up: the trial, the model built
         self._evaluated_at, self._stored_stop, self._stored_losses = None, "", []  # nothing of a first fit()'s
         if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
             self.early_stopping.reset()
@@ -306,7 +307,9 @@ class Trainer:
         )  # fmt: skip
         total, self._batches_per_epoch = length()
         trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
+        trial_began = time.perf_counter()
         measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial, counts=True)
+        trial_seconds = time.perf_counter() - trial_began if measured else None  # None: no precision left to auto
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
@@ -360,6 +363,8 @@ class Trainer:
             stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
             losses=list(self._stored_losses),
             keeps_steps=self.out_dir is not None,
+            start=begun,
+            trial_seconds=trial_seconds,
         )
 
     def _setup(
@@ -414,12 +419,12 @@ class Trainer:
             **states,  # put back to a step's start (held_back): as they were before its evaluation
         }
         root, last = self._checkpoint_root(), run.last_ckpt
-        with run.meter.excluded("checkpoint"):
+        with run.meter.excluded("checkpoint"):  # the older ones' removal too: on a network disk it takes seconds
             written = run.rt.save(checkpoint.step_dir(root, pos.step), extra=extra, step=pos.step)
+            run.last_ckpt = written  # before the hooks: one that raises leaves it committed, not to be written again
+            if self.env.is_main:
+                checkpoint.prune(root, self.config.checkpoints_kept, corrupt=run.resumed.skipped if run.resumed else ())
         run.checkpointed_at = time.perf_counter()
-        run.last_ckpt = written  # before the hooks: one that raises leaves it committed, not to be written again
-        if self.env.is_main:
-            checkpoint.prune(root, self.config.checkpoints_kept, corrupt=run.resumed.skipped if run.resumed else ())
         # a step's checkpoint this run wrote again (to hold the epoch's early stop, _after_epoch) is told of once
         if self.env.is_main and (last is None or last is run.resumed or last.step != pos.step):
             with run.meter.excluded("callbacks"):
