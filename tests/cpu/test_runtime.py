@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -442,6 +443,17 @@ def test_a_call_torch_compile_gave_up_on_is_counted_and_told():
     assert told.endswith(
         "torch.compile gave up compiling (its recompile limit, or a frame it cannot trace): 4 of 5 call(s) ran eagerly"
     )
+
+
+def test_a_resumed_runs_compile_row_counts_its_own_stretch_in_place_of_the_checkpoints():
+    """The stored reason's count stayed, and each resume added its own: three counts, none saying whose."""
+    record = compile_module(nn.Sequential(nn.ReLU()), backend="eager", dynamic=False)
+    record.module(torch.ones(2))
+    stored = "from checkpoint step 20: requested; compiled 2 time(s) in 15.6 s (recompiled: a new shape)"
+    told = explain_compile(Choice(True, stored), [record]).reason
+    assert re.fullmatch(r"from checkpoint step 20: requested; compiled 1 time\(s\) in \d+\.\d s since the resume", told)
+    fresh = explain_compile(Choice(True, "requested"), [record]).reason
+    assert re.fullmatch(r"requested; compiled 1 time\(s\) in \d+\.\d s", fresh)
 
 
 def test_an_engines_graph_per_bucket_is_told_as_planned_not_as_recompiles(caplog):

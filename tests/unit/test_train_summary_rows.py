@@ -45,6 +45,9 @@ def test_a_resumed_runs_rates_and_time_say_they_are_the_stretch_since_the_resume
     rows = dict(summary_rows(TrainSummary.from_dict(figures)))
     assert rows["samples/s"] == "9,000 (training steps after the first since the resume from step-00000022)"
     assert rows["train time"].startswith("0.7 s end to end since the resume from step-00000022")
+    figures["compile_seconds"] = 4.04
+    compiled = dict(summary_rows(TrainSummary.from_dict(figures)))["compile time"]
+    assert compiled == "4.0 s since the resume from step-00000022"
     del figures["resumed_from"]
     assert dict(summary_rows(TrainSummary.from_dict(figures)))["samples/s"] == "9,000 (training steps after the first)"
 

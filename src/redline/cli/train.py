@@ -367,7 +367,7 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         rows.append(("of measured matmul peak", _share(summary.measured_peak_ratio)))
     rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{stretch}{_spent(summary)}"))
     if summary.compile_seconds is not None:
-        rows.append(("compile time", f"{summary.compile_seconds:.1f} s"))
+        rows.append(("compile time", f"{summary.compile_seconds:.1f} s{stretch}"))
     if summary.skipped_steps:
         rows.append(("fp16 steps skipped", str(summary.skipped_steps)))
     if summary.oom_recoveries:

@@ -23,7 +23,7 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.compile import resolve_compile
-from redline.runtime.options import RuntimeOptions
+from redline.runtime.options import RESUMED, RuntimeOptions
 
 log = logging.getLogger("redline")
 # Each compiled module's record, for a bench or a tune to tell a row that ran eagerly (kept no longer than the module)
@@ -177,6 +177,9 @@ def compile_seconds(records: list[CompileRecord], *, training: bool = False) -> 
     return sum(seconds) if seconds else None
 
 
+COMPILED = "; compiled "  # in the compile row's reason, before the count of compiles
+
+
 def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choice[bool]:
     """The compile axis as it turned out: a fall back to eager, or every compile counted with its time and cause."""
     fell_back = [r.fell_back for r in records if r.fell_back]
@@ -187,7 +190,10 @@ def explain_compile(planned: Choice[bool], records: list[CompileRecord]) -> Choi
         return planned
     count, training = sum(r.compiles for r in records), sum(r.training for r in records)
     causes = [c for r in records if not r.per_bucket for c in r.recompiles]
-    reason = f"{planned.reason}; compiled {count} time(s) in {seconds:.1f} s"
+    # A resumed run's planned reason is its checkpoint's, which counted that stretch's compiles: this one's replace it
+    planned_reason = planned.reason.split(COMPILED, 1)[0]
+    since = " since the resume" if RESUMED.match(planned_reason) else ""
+    reason = f"{planned_reason}{COMPILED}{count} time(s) in {seconds:.1f} s{since}"
     if all(r.per_bucket for r in records):
         reason += " (a graph per batch bucket)"
     elif count > training:
