@@ -357,21 +357,6 @@ def counted_trials(tmp_path, monkeypatch):
     return calls
 
 
-@pytest.fixture
-def asked_rounds(tmp_path, monkeypatch):
-    """Plan as on an AMX CPU; record the rounds each trial was given (bf16 at 0.7 of fp32's step)."""
-    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("REDLINE_CPU", "amx")
-    asked = []
-
-    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, *, rounds=4, **_):
-        asked.append(rounds)
-        return [measured("fp32", 10.0), measured("bf16-mixed", 7.0)]
-
-    monkeypatch.setattr(measure, "run_trial", fake_trial)
-    return asked
-
-
 @pytest.mark.parametrize(
     ("planned", "rounds"),
     [(180, None), (259, None), (260, 3), (339, 3), (340, 4), (5000, 4)],  # 26 and 34 steps for 3 and 4 rounds
