@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -136,6 +137,16 @@ def measure_auto(
 
     value, reason, kernels = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure
     return work.choices(Choice(value, reason), kernels=kernels)  # stops all
+
+
+def measure_run(
+    task: Task, options: RuntimeOptions, batch_size: int, planned_steps: float, env: DistEnv, *, trial: str
+) -> tuple[dict[str, Choice[str]], float | None]:
+    """``measure_auto`` for a Trainer's run, whose steps count toward its workload's later runs (``counts``), and the
+    seconds it took, the trial run or read from the cache (None where no precision was left to try)."""
+    began = time.perf_counter()
+    measured = measure_auto(task, options, batch_size, planned_steps, env, trial=trial, counts=True)
+    return measured, time.perf_counter() - began if measured else None
 
 
 def repaid_rounds(candidates: Sequence[Any], planned_steps: float, earlier: float = 0.0) -> int:

@@ -33,7 +33,7 @@ from redline.parallel.env import join_process_group, mark_finished, read_env
 from redline.plan.device import resolve_device
 from redline.runtime.contract import check_loss, count_tokens, split_batch, user_code, users_failure
 from redline.runtime.cycle import hang_watchdog
-from redline.runtime.measure import FINGERPRINT_HINT, measure_auto
+from redline.runtime.measure import FINGERPRINT_HINT, measure_run
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
@@ -120,7 +120,7 @@ class Trainer:
     def fit(self) -> TrainSummary:
         """Train a fresh model from the task until max_steps, max_epochs, early stopping or a signal (or go on from
         the checkpoint ``resume`` names); return the summary."""
-        self.env = read_env()
+        self.env, self._began = read_env(), time.perf_counter()  # the fit's time end to end counts its setting up
         self._join_group()  # the ranks meet first: rank 0 holds out_dir for them all
         with holding_out_dir(self.out_dir):  # one run at a time writes there: a second is refused at once
             return self._fit()
@@ -285,7 +285,6 @@ class Trainer:
     # -- setup and resume -----------------------------------------------------------------------
 
     def _start(self) -> Run | TrainSummary:
-        begun = time.perf_counter()  # the fit's time, end to end, counts its setting up: the trial, the model built
         self._evaluated_at, self._stored_stop, self._stored_losses = None, "", []  # nothing of a first fit()'s
         if self.early_stopping is not None:  # nor does it watch the first's evaluations (a resumed run loads its own)
             self.early_stopping.reset()
@@ -307,9 +306,7 @@ class Trainer:
         )  # fmt: skip
         total, self._batches_per_epoch = length()
         trial = "off" if resumed is not None else self.config.trial  # a resumed run keeps its stored Plan
-        trial_began = time.perf_counter()
-        measured = measure_auto(self.task, options, self.batch_size, total, self.env, trial=trial, counts=True)
-        trial_seconds = time.perf_counter() - trial_began if measured else None  # None: no precision left to auto
+        measured, trial_seconds = measure_run(self.task, options, self.batch_size, total, self.env, trial=trial)
         rt, model, optimizer, scheduler, pos = self._setup(options, resumed, int(total), measured)
         if tuned is not None:
             rt.adopt_reasons(tuned.tuning.reasons, tuned.tuning.note)
@@ -363,7 +360,7 @@ class Trainer:
             stopped=done,  # a resumed run with nothing left to train (its summary lost) writes its results again
             losses=list(self._stored_losses),
             keeps_steps=self.out_dir is not None,
-            start=begun,
+            start=self._began,
             trial_seconds=trial_seconds,
         )
 
