@@ -56,6 +56,7 @@ class Runner:
     trial_s: float | None = None  # the seconds auto's precision trial took before the row was built (or read it)
     trial_cached: bool | None = None  # the trial was read from redline's trial cache: a fresh machine pays it
     first_step_s: float | None = None  # its first step's seconds, any compile in it excepted (warm_up times it)
+    steps_run: int = 0  # optimizer steps run so far, the warm-up's included
     _iterator: Iterator[Any] | None = field(default=None, repr=False)
 
     def next_batch(self) -> tuple[Any, Any]:
@@ -95,6 +96,8 @@ class Runner:
                     first.append(float(loss.detach()))
                     if len(first) == self.micro_steps:
                         self.first_loss = sum(first) / len(first)
+                if index % self.micro_steps == self.micro_steps - 1:
+                    self.steps_run += 1
         return float(torch.stack(last).float().mean()) if last else float("nan")
 
     def plan(self) -> Plan | None:

@@ -42,7 +42,8 @@ class BenchRow:
     speedup_naive: float | None = None  # over the naive loop on the same device and batch size
     speedup_naive_interval: tuple[float, float] | None = None  # where its median lies, 95% (paired rounds)
     speedup_cpu_fp32: float | None = None  # over the naive loop on the CPU
-    loss: float | None = None  # of one more step after the timing (its micro-batches' mean), None if not finite
+    loss: float | None = None  # of step ``loss_step``, after the timing (its micro-batches' mean); None: not finite
+    loss_step: int | None = None  # the optimizer step ``loss`` is of: the same for every row of a batch size
     plan: dict[str, dict[str, Any]] | None = None
     error: str = ""
 
@@ -94,6 +95,7 @@ class RowFacts:
     trial_s: float | None
     trial_cached: bool | None
     first_step_s: float | None
+    steps_run: int  # optimizer steps run so far: warm-up and timing
     micro_steps: int
     tokens: int | None  # of the first batch, as its samples are: each row's batches are alike
     matmuls: str | None

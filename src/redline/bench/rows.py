@@ -45,6 +45,7 @@ def row_facts(runner: Runner, *, compiled: bool, peaks: Peaks, want_peak: bool) 
         trial_s=runner.trial_s,
         trial_cached=runner.trial_cached,
         first_step_s=runner.first_step_s,
+        steps_run=runner.steps_run,
         micro_steps=runner.micro_steps,
         tokens=int(counted) if counted is not None else None,
         matmuls=matmuls,
@@ -60,34 +61,54 @@ def bench_rows(
     failed: dict[Setting, str],
     window: int,
 ) -> list[BenchRow]:
-    """The rows of one batch size's ``group``: each with its figures, or the error that failed it."""
+    """The rows of one batch size's ``group``: each with its figures, or the error that failed it.
+
+    Every row's loss is of the same optimizer step, one past the most any row has run: an auto row's warm-up runs
+    on until the run's check of its compile or CUDA graphs decides (35 steps), and the rows it left behind catch
+    up, untimed, so that the rows' losses compare.
+    """
     rows = []
     position = {setting: i for i, setting in enumerate(built)}
     peaks: Peaks = {}
     naive: dict[str, list[float]] = {}
+    ran = {s: _facts_or_error(built[s][0], s, timed[position[s]][1], peaks, built[s][2]) for s in built}
+    last = max((facts.steps_run for facts in ran.values() if isinstance(facts, RowFacts)), default=0)
     for setting in group:
         base = base_row(setting)
-        if setting in failed:
-            rows.append(dataclasses.replace(base, error=failed[setting]))
+        facts = ran[setting] if setting in ran else failed[setting]
+        if isinstance(facts, RowFacts):
+            try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
+                loss = _loss_at(built[setting][0], last + 1 - facts.steps_run)
+            except RedlineError:
+                raise
+            except Exception as exc:
+                facts = row_error(exc)
+        if isinstance(facts, str):
+            rows.append(dataclasses.replace(base, error=facts))
             continue
-        runner, memory, flops = built[setting]
-        windows, error = timed[position[setting]]
-        compiled = setting.compile is True
-        try:  # a step that fails after the timing fails its row, as one within it does: the others keep theirs
-            loss = None if error else _last_loss(runner)
-            facts = None if error else _facts(runner, compiled=compiled, peaks=peaks, want_peak=flops is not None)
-        except RedlineError:
-            raise
-        except Exception as exc:
-            error, facts = row_error(exc), None
-        error = error or (facts.eager if facts is not None else "")  # "compiled" must mean compiled
-        if error or facts is None:
-            rows.append(dataclasses.replace(base, error=error))
-            continue
-        rows.append(_figures(base, facts, windows, window, memory, flops, loss))
+        _, memory, flops = built[setting]
+        windows = timed[position[setting]][0]
+        row = _figures(base, facts, windows, window, memory, flops, loss)
+        rows.append(dataclasses.replace(row, loss_step=last + 1))
         if setting.kind == "naive":  # it ran whole: the others' rounds pair with its windows
             naive[setting.device] = windows
     return _with_break_even(_with_shared_compiles(_with_intervals(rows, group, timed, position, naive)))
+
+
+def _facts_or_error(
+    runner: Runner | RowProcess, setting: Setting, error: str, peaks: Peaks, flops: int | None
+) -> RowFacts | str:
+    """A timed row's facts, or why it failed: in its timing, reading them, or running eagerly where it was to
+    compile ("compiled" must mean compiled)."""
+    if error:
+        return error
+    try:
+        facts = _facts(runner, compiled=setting.compile is True, peaks=peaks, want_peak=flops is not None)
+    except RedlineError:
+        raise
+    except Exception as exc:
+        return row_error(exc)
+    return facts.eager or facts
 
 
 def _with_intervals(
@@ -193,9 +214,9 @@ def _figures(
     )
 
 
-def _last_loss(runner: Runner | RowProcess) -> float | None:
-    """The loss of one more step (outside the timing), as a check that the row trains."""
-    value = runner.run(1)
+def _loss_at(runner: Runner | RowProcess, steps: int) -> float | None:
+    """The loss of the last of ``steps`` more steps (outside the timing), as a check that the row trains."""
+    value = runner.run(steps)
     return value if math.isfinite(value) else None
 
 
