@@ -570,6 +570,29 @@ def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_compile_the_auto_rows_check_paid_and_then_dropped_for_eager_shows_its_seconds(monkeypatch):
+    # The check compiled the model, found it no faster and kept eager: the row's compile_s was None (it had not
+    # compiled), so the seconds the run paid for the compile never showed.
+    from redline.plan import compile as plan_compile
+
+    real = plan_compile.resolve_compile
+    monkeypatch.setenv("REDLINE_CPU", "avx2")  # auto keeps fp32: no trial
+    monkeypatch.setattr(  # auto compiles here, as it does on a GPU for a long run
+        "redline.runtime.compile.resolve_compile",
+        lambda requested, *a, **k: Choice(True, "auto (test)") if requested == "auto" else real(requested, *a, **k),
+    )
+    monkeypatch.setattr("redline.runtime.compile_check.LEAST_COMPILE_S", 0.0)  # a run long enough to try compiling
+    monkeypatch.setattr("redline.runtime.compile_check.KEEP", math.inf)  # and its check keeps eager, whatever it saw
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=2)
+    auto, eager = result.row("auto cpu b32"), result.row("cpu fp32 eager b32")
+    assert auto.compile is False and auto.compile_s > 0 and auto.break_even_steps is None
+    assert eager.compile_s is None and eager.compile_cached is None  # nothing compiled there
+    line = next(line for line in bench_table_text(result.to_dict()).splitlines() if line.startswith("auto cpu"))
+    assert re.search(rf" {auto.compile_s:.1f}\*?/kept eager ", line)  # the HTML's repaid steps cell says it too
+    assert len({row.loss_step for row in result.rows}) == 1  # the 35 steps of its check: every row caught up
+
+
+@pytest.mark.slow
 def test_cli_bench_json_and_html_with_a_compiled_row(tmp_path, redline_here):
     page = tmp_path / "bench.html"
     result = redline_here(

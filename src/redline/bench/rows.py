@@ -204,8 +204,8 @@ def _figures(
         tflops=achieved / 1e12 if achieved is not None else None,
         mfu=mfu(achieved, peak) if achieved is not None else None,
         mfu_measured=share_of_peak(achieved, facts.matmul_peak) if achieved is not None else None,
-        compile_s=facts.compile_s if compiled else None,
-        compile_cached=facts.compile_cached if compiled else None,
+        compile_s=facts.compile_s,  # an auto row's check may compile, then keep eager: the run pays it all the same
+        compile_cached=facts.compile_cached if facts.compile_s is not None else None,
         trial_s=facts.trial_s,
         trial_cached=facts.trial_cached,
         first_step_s=facts.first_step_s,

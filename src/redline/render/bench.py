@@ -234,8 +234,10 @@ SHARES_TOLD = (
 MATMUL_TOLD = "the achieved FLOP/s as a share of a square matmul's FLOP/s timed on the device in the row's precision"
 COMPILE_TOLD = (
     "the seconds the compile took/the steps whose time saved against the eager row of its precision repays "
-    "them (never: the compiled step is not faster; -: no eager row to compare)"
+    "them (never: the compiled step is not faster; -: no eager row to compare; kept eager: the run's check compiled "
+    "the model, then kept the eager one, as the compiled was not faster, so the compile is paid and never repaid)"
 )
+KEPT_EAGER = "kept eager"  # a compile paid, then dropped: in the compile cell, and the page's repaid steps
 CACHED_TOLD = (
     "torch's on-disk compile caches, which an earlier process filled, served the compile: the next run here pays as "
     "little, a cold compile more (run with TORCHINDUCTOR_CACHE_DIR set to a new empty folder to time one)"
@@ -255,10 +257,13 @@ def _compile(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
 
 def repaid_after(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
     """A compiled row's break-even as a person reads it: its steps ("1,234"), "never" (the compiled step is not
-    faster than the eager row of its precision), or "-" (no such eager row to compare with)."""
+    faster than the eager row of its precision), "-" (no such eager row to compare with), or "kept eager" (a
+    compile the run's check paid, then dropped)."""
     steps = row.get("break_even_steps")
     if steps is not None:
         return f"{steps:,.0f}"
+    if row.get("compile") is False:  # an auto row whose check compiled, then kept the eager model
+        return KEPT_EAGER
     same = ("device", "precision", "batch_size")
     eager = any(
         r["kind"] == "explicit" and r["compile"] is False and r["step_ms_p50"] and all(r[k] == row[k] for k in same)
@@ -286,7 +291,7 @@ def trial_told(row: Mapping[str, Any]) -> str:
     """What a row's precision trial cost before its first step, and where the bench counts it."""
     cached = "*" if row.get("trial_cached") else ""
     told = f"{shown_name(row)}'s precision trial: {row['trial_s']:.1f}{cached} s before its first step"
-    return told + (", counted in its repaid steps" if row.get("compile_s") is not None else "")
+    return told + (", counted in its repaid steps" if row.get("compile") and row.get("compile_s") is not None else "")
 
 
 TRIAL_CACHED_TOLD = (
