@@ -1,17 +1,14 @@
 """Results as one self-contained HTML page: a bench result or a training run, with charts.
 
-The page loads nothing: its style is inline, its charts are PNGs inside ``data:`` URLs, it has no
-script, and its Content-Security-Policy forbids anything else, so it reads the same offline, attached
-to an issue, or years later. Every string that comes from a result is escaped.
+The page loads nothing (render/page.py: inline style, charts as ``data:`` PNGs, no script), so it reads the
+same offline, attached to an issue, or years later. Every string that comes from a result is escaped.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -31,41 +28,14 @@ from redline.render.bench import (
     shown_name,
     steps_told,
 )
-from redline.render.memory import size as size_text
-from redline.render.page_path import MADE_BY, page_target, refuse_replacing
-from redline.render.plots import Chart, Series, bar_chart, line_chart, number_text, require_matplotlib
+from redline.render.page import figure, figure_text, finite, page, paragraph, plan_table, table
+from redline.render.page_path import page_target, refuse_replacing
+from redline.render.plots import Chart, Series, bar_chart, line_chart, require_matplotlib
 from redline.render.run_files import LOGS, RunFiles, has_values, read_run, run_above, values
-from redline.version import __version__
 
 GIB = 2**30
 KIND_COLORS = {"naive": "#9aa0a6", "explicit": "#4c78a8", "auto": "#f58518"}
 KIND_LEGEND = "Grey: the naive loop; blue: a configuration set by hand; orange: auto (redline's Plan)."
-CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
-CSS = """
-body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222; background: #fff;
-       max-width: 60rem; margin: 2rem auto; padding: 0 1rem; }
-h1 { font-size: 1.6rem; margin: 0 0 .2rem; }
-h2 { font-size: 1.2rem; margin: 2rem 0 .6rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
-h3 { font-size: 1rem; margin: 1.2rem 0 .4rem; }
-.sub { color: #666; margin: 0 0 1rem; }
-.lead { font-size: 1.1rem; background: #f4f7fb; border-left: 4px solid #4c78a8; padding: .6rem .9rem; }
-.note { color: #555; font-style: italic; }
-figure { margin: 1rem 0 1.6rem; }
-figure img { max-width: 100%; height: auto; display: block; }
-figcaption { color: #666; font-size: .85rem; }
-.wide { overflow-x: auto; }
-.wide td { white-space: nowrap; }
-.wide td:last-child { white-space: normal; min-width: 16rem; }
-table { border-collapse: collapse; font-size: .85rem; margin: .4rem 0 1rem; }
-th, td { border: 1px solid #ddd; padding: .25rem .5rem; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-tr:nth-child(even) td { background: #fafafa; }
-tr.failed td { background: #fdecea; }
-.failures li { color: #a4262c; }
-pre { background: #f6f6f6; padding: .6rem; overflow-x: auto; white-space: pre-wrap; }
-footer { color: #888; font-size: .8rem; margin-top: 2.5rem; }
-"""
 
 
 def bench_report(result: Mapping[str, Any] | Any) -> str:
@@ -89,7 +59,7 @@ def bench_report(result: Mapping[str, Any] | Any) -> str:
     sub = f"{len(rows)} configuration(s) of the same task, side by side in one run"
     if result.get("steps") is not None:
         sub += f"; {steps_told({'window': '?', **result})}"
-    body = [_p("lead", _best_line(ok, failed=len(rows) - len(ok))), "<h2>Machine</h2>", _machine(result)]
+    body = [paragraph("lead", _best_line(ok, failed=len(rows) - len(ok))), "<h2>Machine</h2>", _machine(result)]
     body += ["<h2>Throughput and speed-up</h2>", *_bench_charts(ok)]
     body += ["<h2>Every configuration</h2>", *_rows_table(rows), *_failures(rows)]
     planned = [row for row in rows if row.get("plan")]
@@ -97,7 +67,7 @@ def bench_report(result: Mapping[str, Any] | Any) -> str:
         body.append("<h2>Plans</h2>")
         for row in planned:
             body += [f"<h3>{escape(str(row.get('name', '?')))}</h3>", plan_table(row["plan"])]
-    return _page(title, sub, body)
+    return page(title, sub, body)
 
 
 def run_report(run_dir: str | os.PathLike[str]) -> str:
@@ -123,7 +93,7 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
         sub += "a resume), so this run is still going or was stopped before it ended"
     else:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
-    body = [_p("lead", _run_line(files)), *_run_charts(files)]
+    body = [paragraph("lead", _run_line(files)), *_run_charts(files)]
     if summary:
         body += ["<h2>Summary</h2>", _summary_table(summary, files.evals)]
         if summary.get("sample"):
@@ -131,7 +101,7 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
         if summary.get("plan"):
             body += ["<h2>Plan</h2>", plan_table(summary["plan"])]
     sources = " and ".join(dict.fromkeys(n for n in (files.train_file, files.eval_file) if n)) or "summary.json"
-    return _page(f"redline run: {task}", sub, body, footer=f"Read from {sources} in {run_dir}.")
+    return page(f"redline run: {task}", sub, body, footer=f"Read from {sources} in {run_dir}.")
 
 
 def write_report(path: str | os.PathLike[str], html: str) -> Path:
@@ -206,47 +176,35 @@ VAL_NOT_FINITE = (
 BENCH_HINT = "pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
 
 
-def plan_table(plan: object) -> str:
-    """Return a Plan's data (``{axis: {"value", "reason"}}``) as an HTML table: axis, value, why; anything else
-    (a file edited by hand, another tool's) as its JSON text."""
-    if not isinstance(plan, Mapping):
-        return f"<pre>{escape(json.dumps(plan))}</pre>"
-    rows = []
-    for axis, choice in plan.items():
-        value, reason = (choice.get("value"), choice.get("reason", "")) if isinstance(choice, Mapping) else (choice, "")
-        rows.append([escape(str(axis)), escape(_plan_value(value)), escape(str(reason))])
-    return _table(["axis", "value", "why"], rows)
-
-
 # Bench
 
 
 def _best_line(ok: Sequence[Mapping[str, Any]], failed: int) -> str:
     failures = f" {failed} configuration(s) failed: see the table." if failed else ""
-    measured = [row for row in ok if _number(row.get("samples_per_s")) is not None]
+    measured = [row for row in ok if finite(row.get("samples_per_s")) is not None]
     if not measured:
         return escape("No configuration completed, so there is nothing to compare." + failures)
     if all(diverged(row) for row in measured):
         return escape(f"No configuration kept a finite loss: {DIVERGED}.{failures}")
     best = max((row for row in measured if not diverged(row)), key=lambda row: row["samples_per_s"])
-    speedup = _number(best.get("speedup_naive"))
+    speedup = finite(best.get("speedup_naive"))
     versus = f", {speedup:.2f}x the naive loop" if speedup is not None else ""
     return (
         f"Best configuration: <strong>{escape(shown_name(best) if 'name' in best else '?')}</strong>{escape(versus)} "
-        f"({escape(_format('samples_per_s', best['samples_per_s']))} samples/s).{escape(failures)}"
+        f"({escape(figure_text('samples_per_s', best['samples_per_s']))} samples/s).{escape(failures)}"
     )
 
 
 def _machine(result: Mapping[str, Any]) -> str:
     machine = dict(result.get("machine") or {})
     versions = {f"{name} version": value for name, value in (result.get("versions") or {}).items()}
-    pairs = [(key, _format(key, value)) for key, value in {**machine, **versions}.items()]
-    return _table(None, [[f"<strong>{escape(k)}</strong>", escape(v)] for k, v in pairs])
+    pairs = [(key, figure_text(key, value)) for key, value in {**machine, **versions}.items()]
+    return table(None, [[f"<strong>{escape(k)}</strong>", escape(v)] for k, v in pairs])
 
 
 def _bench_charts(ok: Sequence[Mapping[str, Any]]) -> list[str]:
     if not ok:
-        return [_p("note", "No chart: no configuration completed.")]
+        return [paragraph("note", "No chart: no configuration completed.")]
     out = []
     for key, title, unit in (
         ("samples_per_s", "Throughput", "samples/s"),
@@ -254,22 +212,23 @@ def _bench_charts(ok: Sequence[Mapping[str, Any]]) -> list[str]:
     ):
         chart = _bars(ok, key, title=title, xlabel=f"{unit} (median over windows; higher is faster)")
         if chart is not None:
-            out.append(_figure(chart, KIND_LEGEND))
+            out.append(figure(chart, KIND_LEGEND))
         elif key == "samples_per_s":
-            out.append(_p("note", "No configuration measured samples/s."))
+            out.append(paragraph("note", "No configuration measured samples/s."))
     speedup = _bars(ok, "speedup_naive", title="Speed-up over the naive loop", reference=1.0,
                     xlabel="x the naive loop, timed side by side in the same rounds")  # fmt: skip
     if speedup is not None:
-        out.append(_figure(speedup, "The dashed line is the naive loop (1.0x); a bar past it is faster."))
+        out.append(figure(speedup, "The dashed line is the naive loop (1.0x); a bar past it is faster."))
     mfu = _bars(ok, "mfu", title="Model FLOP utilisation (MFU)", xlabel="% of the device's peak FLOP/s")
     if mfu is not None:
-        out.append(_figure(mfu, "Rows whose device has no known peak FLOP/s are left out."))
+        out.append(figure(mfu, "Rows whose device has no known peak FLOP/s are left out."))
     else:
-        out.append(_p("note", "MFU: not available for any configuration (a CPU, or a GPU without a known peak)."))
+        none = "MFU: not available for any configuration (a CPU, or a GPU without a known peak)."
+        out.append(paragraph("note", none))
     resident = all(row.get("peak_mem_kind") == "resident" for row in ok)  # a CPU's: the process's, growing by row
     at = "the process held at its peak (on a CPU: it only grows, row by row)" if resident else "at a step's peak"
     memory = _bars(ok, "peak_mem_bytes", title="Peak memory", xlabel=f"GiB {at}")
-    out.append(_figure(memory, KIND_LEGEND) if memory else _p("note", "Peak memory: not measured."))
+    out.append(figure(memory, KIND_LEGEND) if memory else paragraph("note", "Peak memory: not measured."))
     return out
 
 
@@ -282,7 +241,7 @@ def _bars(
     reference: float | None = None,
 ) -> Chart | None:
     """Bars of ``key`` for the rows that have it; None when none has."""
-    have = [(row, value) for row in rows if (value := _number(row.get(key))) is not None]
+    have = [(row, value) for row in rows if (value := finite(row.get(key))) is not None]
     if not have:
         return None
     scale = {"peak_mem_bytes": 1 / GIB, "mfu": 100.0}.get(key, 1.0)  # bars drawn in GiB and in percent
@@ -291,7 +250,7 @@ def _bars(
         [value * scale for _, value in have],
         title=title,
         xlabel=xlabel,
-        value_text=lambda v: _format(key, v / scale),
+        value_text=lambda v: figure_text(key, v / scale),
         colors=[KIND_COLORS.get(str(row.get("kind")), KIND_COLORS["explicit"]) for row, _ in have],
         reference=reference,
     )
@@ -311,17 +270,17 @@ def _rows_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             said["break_even_steps"] = repaid_after(row, rows)
         for key in ("compile", "trial"):
             if row.get(f"{key}_s") is not None and row.get(f"{key}_cached"):
-                said[f"{key}_s"] = f"{_format(f'{key}_s', row[f'{key}_s'])} (cached)"
-        cells.append([escape(_format(key, said.get(key))) for key in columns])
+                said[f"{key}_s"] = f"{figure_text(f'{key}_s', row[f'{key}_s'])} (cached)"
+        cells.append([escape(figure_text(key, said.get(key))) for key in columns])
     classes = ["failed" if row.get("error") else "" for row in rows]
-    numeric = {i for i, key in enumerate(columns) if any(_number(row.get(key)) is not None for row in rows)}
-    table = f'<div class="wide">{_table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
+    numeric = {i for i, key in enumerate(columns) if any(finite(row.get(key)) is not None for row in rows)}
+    shown = f'<div class="wide">{table(columns, cells, numeric=numeric, row_classes=classes)}</div>'
     notes = [f"compile_s (cached): {CACHED_TOLD}."] if any(row.get("compile_cached") for row in rows) else []
     if any(row.get("trial_s") is not None and row.get("trial_cached") for row in rows):
         notes.append(f"trial_s (cached): {TRIAL_CACHED_TOLD}.")
     if any(precision_label(row) != row.get("precision") for row in rows):
         notes.append(f"fp32 (TF32): {TF32_TOLD}.")
-    return [table, *(_p("note", escape(note)) for note in notes)]
+    return [shown, *(paragraph("note", escape(note)) for note in notes)]
 
 
 def _failures(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -342,19 +301,19 @@ def _run_line(files: RunFiles) -> str:
     last = files.train[-1] if files.train else {}
     steps = summary.get("steps", last.get("step"))
     parts = [f"{steps} step{'' if steps == 1 else 's'}" if steps is not None else "no step logged"]
-    if _number(summary.get("final_loss")) is not None:  # not the last point of the loss chart: say what it is
+    if finite(summary.get("final_loss")) is not None:  # not the last point of the loss chart: say what it is
         parts.append(f"final loss {summary['final_loss']:.4g} (mean of the last steps)")
     for key, label in (("val_loss", "val loss"), ("val_metric", "val metric")):
-        if _number(summary.get(key)) is not None:
+        if finite(summary.get(key)) is not None:
             parts.append(f"{label} {summary[key]:.4g}")
         elif run_files.ends_not_finite(files.evals, key):  # summary.json stores a NaN as null; the eval log keeps it
             parts.append(f"{label} not finite")
     for key, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")):
-        if _number(summary.get(key)) is not None:
-            parts.append(f"{_format(key, summary[key])} {unit}")
-    if _number(summary.get("mfu")) is not None:
+        if finite(summary.get(key)) is not None:
+            parts.append(f"{figure_text(key, summary[key])} {unit}")
+    if finite(summary.get("mfu")) is not None:
         parts.append(f"MFU {percent(summary['mfu'], 1)}")
-    if isinstance(summary.get("resumed_from"), str) and _number(summary.get("samples_per_s")) is not None:
+    if isinstance(summary.get("resumed_from"), str) and finite(summary.get("samples_per_s")) is not None:
         parts.append(f"the rates since the resume from {Path(summary['resumed_from']).name}")  # its process timed them
     return escape(", ".join(parts) + ".")
 
@@ -364,18 +323,18 @@ def _run_charts(files: RunFiles) -> list[str]:
     steps = [float(row["step"]) for row in train]
     if not train:  # no log named: the run's summary alone, a run with no logger (loggers=())
         said = f"{files.train_file} holds no step yet" if files.train_file else "The run logged no metrics (no logger)"
-        return [_p("note", f"{said}, so there is no curve to draw.")]
+        return [paragraph("note", f"{said}, so there is no curve to draw.")]
     out = []
     loss = [Series("train loss", steps, values(train, "loss"))]
     if has_values(evals, "val_loss"):
         loss.append(Series("val loss", [float(r["step"]) for r in evals], values(evals, "val_loss"), points=True))
     if has_values(train, "loss") or len(loss) > 1:
-        out.append(_figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
+        out.append(figure(line_chart(loss, title="Loss", ylabel="loss", log_y=True)))
     notes = [run_files.not_finite(train, "loss", "train loss", files.train_file, "the run diverged there")]
     notes.append(run_files.not_finite(evals, "val_loss", "validation loss", files.eval_file or "", VAL_NOT_FINITE))
-    gaps = [_p("note", note) for note in notes if note]
+    gaps = [paragraph("note", note) for note in notes if note]
     if not gaps and not has_values(train, "loss"):  # a log without the key: what it lacks, as for the charts below
-        gaps = [_p("note", f"Loss: {files.train_file} holds no loss value.")]
+        gaps = [paragraph("note", f"Loss: {files.train_file} holds no loss value.")]
     out += gaps
     for key, title, ylabel in (
         ("samples_per_s", "Throughput", "samples/s"),
@@ -384,9 +343,9 @@ def _run_charts(files: RunFiles) -> list[str]:
         ("step_time_ms", "Step time", "ms per optimizer step"),
     ):
         if has_values(train, key):
-            out.append(_figure(line_chart([Series(ylabel, steps, values(train, key))], title=title, ylabel=ylabel)))
+            out.append(figure(line_chart([Series(ylabel, steps, values(train, key))], title=title, ylabel=ylabel)))
         elif key != "tokens_per_s":  # a task without tokens has no token rate to miss
-            out.append(_p("note", f"{title}: {files.train_file} holds no {key} value."))
+            out.append(paragraph("note", f"{title}: {files.train_file} holds no {key} value."))
     return out
 
 
@@ -395,105 +354,4 @@ def _summary_table(summary: Mapping[str, Any], evals: list[dict[str, Any]]) -> s
         if summary.get(key) is None and run_files.ends_not_finite(evals, key):  # a NaN is stored as null
             summary = {**summary, key: "not finite"}
     pairs = [(key, value) for key, value in summary.items() if key not in ("plan", "sample")]
-    return _table(None, [[f"<strong>{escape(k)}</strong>", escape(_format(k, v))] for k, v in pairs])
-
-
-# Page
-
-
-def _page(title: str, subtitle: str, body: Iterable[str], footer: str = "") -> str:
-    made = f"{MADE_BY} {__version__}. {footer}".strip()
-    return "\n".join(
-        [
-            "<!DOCTYPE html>",
-            '<html lang="en">',
-            "<head>",
-            '<meta charset="utf-8">',
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
-            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-            '<link rel="icon" href="data:,">',  # a browser asks for /favicon.ico otherwise
-            f"<title>{escape(title)}</title>",
-            f"<style>{CSS}</style>",
-            "</head>",
-            "<body>",
-            f"<h1>{escape(title)}</h1>",
-            _p("sub", escape(subtitle)),
-            *body,
-            f"<footer>{escape(made)}</footer>",
-            "</body>",
-            "</html>",
-            "",
-        ]
-    )
-
-
-def _p(css_class: str, inner_html: str) -> str:
-    return f'<p class="{css_class}">{inner_html}</p>'
-
-
-def _figure(chart: Chart, caption: str = "") -> str:
-    data = base64.b64encode(chart.png).decode("ascii")
-    img = (
-        f'<img src="data:image/png;base64,{data}" alt="{escape(chart.alt)}" '
-        f'width="{chart.width_px}" height="{chart.height_px}">'
-    )
-    return f"<figure>{img}<figcaption>{escape(caption)}</figcaption></figure>" if caption else f"<figure>{img}</figure>"
-
-
-def _table(
-    headers: Sequence[str] | None,
-    rows: Sequence[Sequence[str]],
-    *,
-    numeric: set[int] | None = None,
-    row_classes: Sequence[str] | None = None,
-) -> str:
-    """An HTML table of cells that are already HTML (escaped by the caller); headers are escaped here."""
-    numeric = numeric or set()
-    head = "<tr>" + "".join(f"<th>{escape(h)}</th>" for h in headers) + "</tr>" if headers else ""
-    lines = []
-    for index, cells in enumerate(rows):
-        css = row_classes[index] if row_classes else ""
-        tds = "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>" for i, c in enumerate(cells))
-        lines.append(f'<tr class="{css}">{tds}</tr>' if css else f"<tr>{tds}</tr>")
-    return f"<table>{head}{''.join(lines)}</table>"
-
-
-def _number(value: object) -> float | None:
-    """``value`` as a float when it is a finite number (not a bool); None otherwise: a JSON's NaN or Infinity
-    (Python's json writes them) is no figure to chart."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _plan_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return "none" if value is None else str(value)
-
-
-def _format(key: str, value: object) -> str:
-    """A figure as a person reads it: units from the key's name, thousands separated, None as a dash."""
-    number = _number(value)
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if key.endswith("_interval") and isinstance(value, list | tuple) and len(value) == 2:
-        low, high = (_number(v) for v in value)
-        return "—" if low is None or high is None else f"{low:.2f}-{high:.2f}x"
-    if isinstance(value, dict | list):
-        return json.dumps(value)
-    if isinstance(value, float) and number is None:  # a JSON's NaN or Infinity: no figure
-        return "—"
-    if number is None:
-        return str(value)
-    if key.endswith("_bytes"):  # in the unit the terminal's table uses: a small model's is no "0.00 GiB"
-        return size_text(int(number))
-    if key in ("mfu", "mfu_measured") or key.endswith("_ratio"):
-        return percent(number, 1)
-    if key.startswith("speedup"):
-        return f"{number:.2f}x"
-    if isinstance(value, int):
-        return f"{value:,}" if key != "step" else str(value)
-    return number_text(number)
+    return table(None, [[f"<strong>{escape(k)}</strong>", escape(figure_text(k, v))] for k, v in pairs])

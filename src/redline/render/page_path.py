@@ -7,7 +7,7 @@ from pathlib import Path
 
 from redline.errors import ConfigError
 
-MADE_BY = "Made by redline"  # how every page's footer starts (render/html.py): what tells a page redline made
+MADE_BY = "Made by redline"  # how every page's footer starts (render/page.py): what tells a page redline made
 TAIL_BYTES = 64 * 1024  # the footer ends a page; a run's names its directory, a path of up to 4 KiB
 
 
