@@ -661,6 +661,29 @@ def test_the_page_tells_a_compile_never_repaid_from_one_with_nothing_to_compare_
     assert dict(labels)["peak_mem_bytes"] == "GiB the process held at its peak (on a CPU: it only grows, row by row)"
 
 
+def test_the_memory_chart_of_an_isolated_bench_says_each_row_is_its_own_process_not_that_memory_grows(monkeypatch):
+    # Under --isolate each row's CPU memory is its own process's: the page said it "only grows, row by row", as one
+    # process's peak does, where the terminal's table says each row's own process
+    from redline.render import html
+
+    labels = []
+    real = html._bars
+
+    def drawn(rows, key, **options):
+        labels.append((key, options["xlabel"]))
+        return real(rows, key, **options)
+
+    monkeypatch.setattr(html, "_bars", drawn)
+    result = bench_result()
+    for row in result["rows"]:
+        row["peak_mem_kind"] = "resident"  # a CPU's rows: the process's resident set
+    bench_report({**result, "isolated": True})
+    told = "GiB the process held at its peak (on a CPU: each row's own process: torch, the data and the row)"
+    assert dict(labels)["peak_mem_bytes"] == told
+    bench_report(result)
+    assert dict(labels)["peak_mem_bytes"].endswith("(on a CPU: it only grows, row by row)")
+
+
 def test_a_series_of_one_logged_step_is_drawn():
     # A run of --max-steps 1 drew empty axes (a line through one point), alt "over 1 points"
     import io

@@ -92,7 +92,7 @@ def _notes(rows: list[Mapping[str, Any]], *, isolated: bool = False) -> Text:
     if any(r.get("peak_mem_kind") == "resident" for r in rows):
         note = "memory on a CPU: the whole process's resident set at its peak"
         if isolated:
-            note += " (each row's own process: torch, the data and the row)"
+            note += f" ({ISOLATED_MEMORY})"
         if any(r.get("estimate_bytes") is not None for r in rows):
             note += "; the estimate counts the step's own tensors, as a GPU's allocator would"
         notes.append(note)
@@ -237,6 +237,7 @@ COMPILE_TOLD = (
     "them (never: the compiled step is not faster; -: no eager row to compare; kept eager: the run's check compiled "
     "the model, then kept the eager one, as the compiled was not faster, so the compile is paid and never repaid)"
 )
+ISOLATED_MEMORY = "each row's own process: torch, the data and the row"  # a CPU row's memory under --isolate
 KEPT_EAGER = "kept eager"  # a compile paid, then dropped: in the compile cell, and the page's repaid steps
 CACHED_TOLD = (
     "torch's on-disk compile caches, which an earlier process filled, served the compile: the next run here pays as "

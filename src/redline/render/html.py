@@ -19,6 +19,7 @@ from redline.render import run_files
 from redline.render.bench import (
     CACHED_TOLD,
     DIVERGED,
+    ISOLATED_MEMORY,
     TF32_TOLD,
     TRIAL_CACHED_TOLD,
     diverged,
@@ -60,7 +61,7 @@ def bench_report(result: Mapping[str, Any] | Any) -> str:
     if result.get("steps") is not None:
         sub += f"; {steps_told({'window': '?', **result})}"
     body = [paragraph("lead", _best_line(ok, failed=len(rows) - len(ok))), "<h2>Machine</h2>", _machine(result)]
-    body += ["<h2>Throughput and speed-up</h2>", *_bench_charts(ok)]
+    body += ["<h2>Throughput and speed-up</h2>", *_bench_charts(ok, isolated=bool(result.get("isolated")))]
     body += ["<h2>Every configuration</h2>", *_rows_table(rows), *_failures(rows)]
     planned = [row for row in rows if row.get("plan")]
     if planned:
@@ -202,7 +203,7 @@ def _machine(result: Mapping[str, Any]) -> str:
     return table(None, [[f"<strong>{escape(k)}</strong>", escape(v)] for k, v in pairs])
 
 
-def _bench_charts(ok: Sequence[Mapping[str, Any]]) -> list[str]:
+def _bench_charts(ok: Sequence[Mapping[str, Any]], *, isolated: bool) -> list[str]:
     if not ok:
         return [paragraph("note", "No chart: no configuration completed.")]
     out = []
@@ -225,8 +226,9 @@ def _bench_charts(ok: Sequence[Mapping[str, Any]]) -> list[str]:
     else:
         none = "MFU: not available for any configuration (a CPU, or a GPU without a known peak)."
         out.append(paragraph("note", none))
-    resident = all(row.get("peak_mem_kind") == "resident" for row in ok)  # a CPU's: the process's, growing by row
-    at = "the process held at its peak (on a CPU: it only grows, row by row)" if resident else "at a step's peak"
+    resident = all(row.get("peak_mem_kind") == "resident" for row in ok)  # a CPU's: the process's
+    held = ISOLATED_MEMORY if isolated else "it only grows, row by row"  # one process: each row's peak holds the last's
+    at = f"the process held at its peak (on a CPU: {held})" if resident else "at a step's peak"
     memory = _bars(ok, "peak_mem_bytes", title="Peak memory", xlabel=f"GiB {at}")
     out.append(figure(memory, KIND_LEGEND) if memory else paragraph("note", "Peak memory: not measured."))
     return out
