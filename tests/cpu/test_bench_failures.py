@@ -159,6 +159,16 @@ def test_a_bench_that_ran_nothing_names_the_one_step_run_at_its_batch_size_and_d
     assert "failed" in capsys.readouterr().out  # the rows were shown first
 
 
+def test_a_bench_whose_every_row_failed_says_no_step_was_timed(capsys):
+    # It said "10 timed steps per row" in its title, its JSON's steps and its page's subtitle: the rounds asked
+    result = benchmark(late_task(32, 1), devices="cpu", precisions=["fp32"], compiles=[False], steps=10, window=5)
+    assert all(row.error for row in result.rows) and result.steps == 0 and result.steps_asked == 10
+    from redline.render.bench import steps_told
+
+    told = steps_told(result.to_dict())
+    assert told.startswith("no row was timed (10 steps asked, in windows of 5)") and "timed steps per row" not in told
+
+
 def test_with_json_the_page_written_is_said_on_stderr_and_stdout_stays_json(tmp_path, capsys):
     # With --json the page was written without a word: stdout must stay JSON, so it is said on stderr.
     page = tmp_path / "pages" / "bench.html"

@@ -56,7 +56,7 @@ class BenchResult:
     """A bench's rows, with what they ran on."""
 
     task: str
-    steps: int  # timed steps per row: the fewest of any batch size, where --max-seconds stopped one early
+    steps: int  # timed steps per row: the fewest of any batch size, where --max-seconds stopped one early; 0: none ran
     window: int
     measured_at: str
     machine: dict[str, Any]

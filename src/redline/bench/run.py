@@ -161,7 +161,7 @@ def benchmark(
         interrupted = interrupted or f"interrupted ({signal.Signals(signum).name}) while estimating memory"
     result = BenchResult(
         task=task.name,
-        steps=timed_rounds * window,
+        steps=timed_rounds * window if any(not row.error for row in rows) else 0,  # 0: every row failed
         window=window,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         machine=_machine(facts),

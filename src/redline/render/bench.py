@@ -114,6 +114,8 @@ def steps_told(result: Mapping[str, Any]) -> str:
     """The steps each row was timed for, and why they are not the steps asked where they differ."""
     steps, window, asked = result["steps"], result["window"], result.get("steps_asked")
     told = f"{steps} timed steps per row, in windows of {window}"
+    if steps == 0:  # every row failed: the steps asked are no row's
+        told = "no row was timed" + (f" ({asked} steps asked, in windows of {window})" if asked else "")
     if result.get("isolated"):
         told += ", each row in a process of its own"
     if result.get("interrupted"):  # a Ctrl-C: the rows are the batch sizes finished before it
@@ -123,7 +125,7 @@ def steps_told(result: Mapping[str, Any]) -> str:
         )
     if result.get("stopped_early"):
         return told + f" (of {asked} asked: the time limit ended the timing early)"
-    if asked is not None and asked != steps:
+    if asked is not None and asked != steps and steps:
         return told + f" ({asked} asked, rounded up to whole windows, two at least)"
     return told
 
