@@ -620,12 +620,13 @@ def test_a_run_reported_as_the_current_directory_is_named_by_it(tmp_path, monkey
 
 
 def test_a_finished_run_that_logged_nothing_gets_its_summary_and_plan(tmp_path):
-    """Trained with no logger (loggers=()), it could not be reported: 'has no metrics.jsonl or metrics.csv'."""
+    """Trained with no logger (loggers=()), it could not be reported: 'has no metrics.jsonl or metrics.csv'. Its
+    page said "The run logged no metrics (no logger)", of a run whose log was removed since as well."""
     run = write_run(tmp_path / "run")
     for log in ("metrics.jsonl", "metrics.csv", "eval.jsonl", "eval.csv"):
         (run / log).unlink()
     doc = run_report(run)
-    assert "The run logged no metrics (no logger), so there is no curve to draw." in doc
+    assert "No metrics file was found (a run with no logger writes none), so there is no curve to draw." in doc
     assert "<h2>Summary</h2>" in doc and "Read from summary.json in" in doc
 
 

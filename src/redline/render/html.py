@@ -174,6 +174,7 @@ VAL_NOT_FINITE = (
     "where the train loss stays finite, the model is sound: check val_data for NaN, and loss_fn on its batches "
     "(one whose every target is ignored weighs nothing: NaN)"
 )
+NO_METRICS = "No metrics file was found (a run with no logger writes none)"
 BENCH_HINT = "pass the file `redline bench --json > FILE.json` wrote, or the directory a run wrote with --out"
 
 
@@ -323,8 +324,8 @@ def _run_line(files: RunFiles) -> str:
 def _run_charts(files: RunFiles) -> list[str]:
     train, evals = files.train, files.evals
     steps = [float(row["step"]) for row in train]
-    if not train:  # no log named: the run's summary alone, a run with no logger (loggers=())
-        said = f"{files.train_file} holds no step yet" if files.train_file else "The run logged no metrics (no logger)"
+    if not train:  # no log: the run's summary alone, of a run with no logger (loggers=()) or a log removed since
+        said = f"{files.train_file} holds no step yet" if files.train_file else NO_METRICS
         return [paragraph("note", f"{said}, so there is no curve to draw.")]
     out = []
     loss = [Series("train loss", steps, values(train, "loss"))]
