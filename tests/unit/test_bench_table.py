@@ -169,7 +169,15 @@ def test_the_best_line_where_the_naive_loop_failed_says_so_not_na():
 def test_a_slow_step_is_shown_in_whole_milliseconds_not_in_e_notation():
     slow = _row("naive cpu fp32 b64", "naive", 24.0, step_ms_p50=2662.4, step_ms_p90=3661.0)
     text = shown(result_of(slow, _row("cpu fp32 eager b64", "explicit", 5000.0, step_ms_p50=99.96, step_ms_p90=0.5)))
-    assert "2662/3661" in text and "100/0.5" in text and "e+" not in text, text
+    assert "2662/3661" in text and "100/0.500" in text and "e+" not in text, text
+
+
+def test_a_steps_p50_and_p90_keep_their_trailing_zeros_so_they_read_alike():
+    # "4.98/5": the p90 of exactly 5 ms lost its digits beside the p50's
+    text = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0, step_ms_p50=4.98, step_ms_p90=5.0)))
+    assert "4.98/5.00" in text, text
+    text = shown(result_of(_row("naive cpu fp32 b64", "naive", 5000.0, step_ms_p50=0.57, step_ms_p90=12.0)))
+    assert "0.570/12.0" in text, text
 
 
 def test_the_title_says_why_the_steps_timed_are_not_the_steps_asked():

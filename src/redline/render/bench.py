@@ -200,11 +200,12 @@ def _number(value: float | None) -> str:
 
 
 def _ms(value: float | None) -> str:
-    """Three significant digits, never "2.66e+03": from 100 ms on, whole milliseconds ("2660"; paired as
-    "1076/1331", a thousands comma would only widen the column)."""
+    """Three significant digits, trailing zeros kept ("5.00", as "4.98" beside it), never "2.66e+03": from 100 ms
+    on, whole milliseconds ("2660"; paired as "1076/1331", a thousands comma would only widen the column)."""
     if value is None:
         return "n/a"
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+    digits = f"{value:#.3g}"
+    return f"{value:.0f}" if value >= 100 or digits.endswith(".") else digits  # 99.96: "100", not "100."
 
 
 def _share(value: float | None, decimals: int = 0, missing: str = "-") -> str:
