@@ -144,6 +144,12 @@ def test_the_best_line_says_what_auto_ran_and_whether_a_tuned_plan_set_it():
     line = best_line(result_of(naive, eager, dict(auto, plan=plan)))
     assert "(what `redline train` runs: the tuned Plan: bf16-mixed, eager, 2 micro-batches a step)" in line
     assert "75% of the fastest" in line
+    # a tuned channels_last (in the JSON's plan) went unsaid: "the tuned Plan: bf16-mixed, eager"
+    plan = {"precision": {"value": "bf16-mixed", "reason": f"{tuned}: 1.31x fp32"},
+            "channels_last": {"value": True, "reason": f"{tuned}: 1.12x NCHW"},
+            "cuda_graphs": {"value": True, "reason": f"{tuned}: 1.05x eager"}}  # fmt: skip
+    line = best_line(result_of(naive, dict(auto, plan=plan, channels_last=True)))
+    assert "(what `redline train` runs: the tuned Plan: bf16-mixed, eager, CUDA graphs, channels_last)" in line
 
 
 def test_the_best_line_gives_auto_its_round_by_round_interval_where_enough_rounds_ran():

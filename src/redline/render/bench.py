@@ -184,9 +184,14 @@ def interval_told(row: Mapping[str, Any]) -> str:
 
 
 def _auto_settings(auto: Mapping[str, Any]) -> str:
-    """What the auto row ran: its precision, compile and micro-batches, and whether a tuned Plan set them."""
+    """What the auto row ran: its precision, compile, CUDA graphs, layout and micro-batches, and whether a tuned Plan
+    set them."""
     settings = f"{precision_label(auto)}, {'compiled' if auto['compile'] else 'eager'}"
     plan = auto.get("plan") or {}
+    if (plan.get("cuda_graphs") or {}).get("value") is True:
+        settings += ", CUDA graphs"
+    if auto.get("channels_last"):
+        settings += ", channels_last"
     accum = (plan.get("grad_accum") or {}).get("value") or 1
     if accum > 1:
         settings += f", {accum} micro-batches a step"
