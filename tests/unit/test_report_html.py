@@ -456,6 +456,26 @@ def test_the_bench_page_names_no_row_whose_loss_went_not_finite_the_best():
     assert "No configuration kept a finite loss" in bench_report(result)
 
 
+def test_the_bench_page_names_the_fastest_of_each_batch_size_as_the_terminal_does():
+    # It named the highest samples/s of every batch size, where the terminal's best line names one per size: a
+    # larger batch's rows outrun a smaller one's without being a better configuration
+    from redline.render.bench import best_line
+    from report_samples import _row
+
+    result = bench_result()
+    result["rows"] = [
+        _row("naive cpu fp32 b32", "naive", 3000.0, batch_size=32),
+        _row("cpu fp32 eager b32", "explicit", 3600.0, batch_size=32, speedup_naive=1.2),
+        _row("naive cpu fp32 b64", "naive", 5000.0),
+        _row("auto cpu b64", "auto", 5500.0, speedup_naive=1.1),
+    ]
+    doc = bench_report(result)
+    assert "Best configuration at batch 32: <strong>cpu fp32 eager b32</strong>, 1.20x the naive loop" in doc
+    assert "Best configuration at batch 64: <strong>auto cpu b64</strong>, 1.10x the naive loop" in doc
+    terminal = best_line(result)
+    assert "fastest at batch 32: cpu fp32 eager b32" in terminal and "fastest at batch 64: auto cpu b64" in terminal
+
+
 def test_a_bench_json_that_is_missing_or_has_rows_that_are_not_objects_is_refused_as_a_bench_result(tmp_path):
     with pytest.raises(ConfigError, match=r"'.*gone\.json' does not exist\nhint: pass the file `redline bench --json"):
         report(tmp_path / "gone.json")  # it said "run directory '.../gone.json' does not exist"

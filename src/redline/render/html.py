@@ -182,18 +182,28 @@ BENCH_HINT = "pass the file `redline bench --json > FILE.json` wrote, or the dir
 
 
 def _best_line(ok: Sequence[Mapping[str, Any]], failed: int) -> str:
+    """The fastest configuration of each batch size, as the terminal's best line names them: a larger batch's
+    samples/s is no like-for-like win over a smaller one's."""
     failures = f" {failed} configuration(s) failed: see the table." if failed else ""
     measured = [row for row in ok if finite(row.get("samples_per_s")) is not None]
     if not measured:
         return escape("No configuration completed, so there is nothing to compare." + failures)
-    if all(diverged(row) for row in measured):
-        return escape(f"No configuration kept a finite loss: {DIVERGED}.{failures}")
-    best = max((row for row in measured if not diverged(row)), key=lambda row: row["samples_per_s"])
+    sizes = list(dict.fromkeys(row.get("batch_size") for row in measured))
+    best = [_best_of([r for r in measured if r.get("batch_size") == size], size, len(sizes) > 1) for size in sizes]
+    return " ".join(best) + escape(failures)
+
+
+def _best_of(rows: Sequence[Mapping[str, Any]], size: object, named: bool) -> str:
+    """The fastest of one batch size's rows that kept a finite loss (``named``: "at batch N")."""
+    at = f" at batch {size}" if named else ""
+    if all(diverged(row) for row in rows):
+        return escape(f"No configuration{at} kept a finite loss: {DIVERGED}.")
+    best = max((row for row in rows if not diverged(row)), key=lambda row: row["samples_per_s"])
     speedup = finite(best.get("speedup_naive"))
     versus = f", {speedup:.2f}x the naive loop" if speedup is not None else ""
     return (
-        f"Best configuration: <strong>{escape(shown_name(best) if 'name' in best else '?')}</strong>{escape(versus)} "
-        f"({escape(figure_text('samples_per_s', best['samples_per_s']))} samples/s).{escape(failures)}"
+        f"Best configuration{escape(at)}: <strong>{escape(shown_name(best) if 'name' in best else '?')}</strong>"
+        f"{escape(versus)} ({escape(figure_text('samples_per_s', best['samples_per_s']))} samples/s)."
     )
 
 
