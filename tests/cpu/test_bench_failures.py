@@ -3,6 +3,7 @@ refused before it runs leaves nothing behind, nor writes its page over the task'
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,28 @@ def test_a_page_asked_over_the_tasks_own_file_is_refused_before_the_bench_and_th
     with pytest.raises(ConfigError, match=told):
         bench_command(task=f"{source}:mlp", devices="cpu", html=Path("tasks.py"))
     assert source.read_text() == code
+
+
+def test_a_page_asked_where_stdout_goes_is_refused_before_the_bench(tmp_path):
+    # `redline bench --json --html out.html > out.html`: the shell empties out.html and sends stdout there, the
+    # page was written in its place, and the JSON printed to it was lost
+    source = tmp_path / "tasks.py"
+    source.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
+        "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
+        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
+    )
+    page, kept = tmp_path / "out.html", os.dup(1)
+    try:
+        with page.open("w") as out:
+            os.dup2(out.fileno(), 1)
+            with pytest.raises(ConfigError, match=r"the file stdout goes to \(`> .*out.html`\).*\nhint: .*out.json"):
+                bench_command(task=f"{source}:mlp", devices="cpu", json_output=True, html=page)
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
+    assert page.read_text() == ""  # refused before the bench ran
 
 
 def test_a_bench_that_ran_nothing_names_the_one_step_run_at_its_batch_size_and_device(tmp_path, capsys):

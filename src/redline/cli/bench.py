@@ -155,6 +155,11 @@ def _check_html(path: Path, spec: str) -> None:
             f"--html {str(path)!r} is the task's own file ({spec}): the page would replace its code\n"
             f"hint: name another file, e.g. --html {path.with_suffix('.html')}"
         )
+    if _is_stdout(path):
+        raise ConfigError(
+            f"--html {str(path)!r} is the file stdout goes to (`> {path}`): the page would replace what is printed "
+            f"there\nhint: send stdout to another file, e.g. `> {path.with_suffix('.json')}`"
+        )
     refuse_replacing(path)
     try:
         existing = next(parent for parent in path.parents if parent.exists())  # "." at least
@@ -172,6 +177,16 @@ def _check_html(path: Path, spec: str) -> None:
             f"--html {str(path)!r} cannot be written ({exc.strerror or exc})\n"
             "hint: pass a file in a directory you can write to"
         ) from exc
+
+
+def _is_stdout(path: Path) -> bool:
+    """Whether stdout is ``path`` itself (`--html out.html > out.html`: the shell emptied it first, so it passes as
+    an empty file), which the page, written anew, would take the place of, and with it the JSON or table printed."""
+    try:
+        out, page = os.fstat(1), path.stat()
+    except OSError:  # no stdout, or no such file yet
+        return False
+    return (out.st_dev, out.st_ino) == (page.st_dev, page.st_ino)
 
 
 def _task_file(spec: str) -> Path | None:
