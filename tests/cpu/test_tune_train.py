@@ -148,6 +148,29 @@ def test_grad_accum_asked_as_the_tune_chose_it_runs_whole_batches_and_resumes_so
     assert again.batch_size == 32 and resumed.steps == 4 and resumed.samples == 4 * 64
 
 
+def test_a_tuned_micro_batch_the_processes_cannot_share_is_not_taken_and_the_plan_says_why(caplog):
+    # A one-process tune split a batch of 18 in two; `train --nproc 2` found it (its key has no thread count) and
+    # halved the batch to 9, which two processes cannot share: refused as if --batch-size 9 were the user's flag.
+    task = dataclasses.replace(mlp_task(), batch_size=18)
+    cache_plan(task, grad_accum=2)
+    config = TrainerConfig(max_steps=2, plan="tuned", progress=False)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        found = use_tuned(task, config.runtime, 18, DistEnv(rank=0, world_size=2), config=config)
+    assert found is not None and (found.batch_size, found.options.grad_accum) == (18, 1)
+    told = (
+        "the tune's 2 micro-batches per step of batch 18 not taken: its micro-batch of 9 does not split across the 2 "
+        "processes; each step runs the whole batch"
+    )
+    assert found.tuning.reasons["grad_accum"] == {"value": 1, "reason": told}
+    assert f"tuned 2026-12-01 06:00 UTC for 500 steps: {told}" in caplog.text
+    one = use_tuned(task, config.runtime, 18, DistEnv(), config=config)  # one process runs the tune's micro-batches
+    assert one is not None and (one.batch_size, one.options.grad_accum) == (9, 2)
+    twenty = dataclasses.replace(task, batch_size=20)
+    cache_plan(twenty, grad_accum=2)  # micro-batches of 10: two processes share them
+    shared = use_tuned(twenty, config.runtime, 20, DistEnv(rank=0, world_size=2), config=config)
+    assert shared is not None and (shared.batch_size, shared.options.grad_accum) == (10, 2)
+
+
 def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):
     task = mlp_task()
     cache_plan(task, grad_accum=2)

@@ -435,7 +435,23 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
     if not split:  # --grad-accum K runs K whole batches a step, the tune's K parts of one: its reason is not this run's
         reasons.pop("grad_accum", None)
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
-    return TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
+    found = TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
+    if split and micro % env.world_size:  # a one-process tune is found by `train --nproc N` too: its key has no threads
+        why = f"its micro-batch of {micro} does not split across the {env.world_size} processes"
+        return whole_batch(found, options, batch_size, why, env)
+    return found
+
+
+def whole_batch(found: TunedRun, options: RuntimeOptions, batch_size: int, why: str, env: DistEnv) -> TunedRun:
+    """``found`` without the tune's micro-batching: each step runs the whole batch of ``batch_size``, as ``options``
+    ask (a run that does not take the tune does so too); the Plan's grad_accum row, and an info line, say ``why``."""
+    k = found.options.grad_accum
+    told = f"the tune's {k} {MICRO_BATCHES} of batch {batch_size} not taken: {why}; each step runs the whole batch"
+    if env.is_main:
+        log.info("%s: %s", found.tuning.note, told)
+    reasons = {**found.tuning.reasons, "grad_accum": {"value": options.grad_accum, "reason": told}}
+    applied = dataclasses.replace(found.options, grad_accum=options.grad_accum)
+    return dataclasses.replace(found, options=applied, batch_size=batch_size, tuning=Tuning(reasons, found.tuning.note))
 
 
 def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
