@@ -171,6 +171,18 @@ def test_a_tuned_micro_batch_the_processes_cannot_share_is_not_taken_and_the_pla
     assert shared is not None and (shared.batch_size, shared.options.grad_accum) == (10, 2)
 
 
+@pytest.mark.parametrize("plan", ["tuned", "auto"])
+def test_grad_accum_given_as_1_wins_over_a_tuned_micro_batching(plan):
+    # an explicit flag wins: --grad-accum 1, the default's value, read as left to auto, and the tune split the batch
+    task = mlp_task()
+    cache_plan(task, planned_steps=2, precision="fp32", grad_accum=2)
+    config = TrainerConfig(max_steps=2, plan=plan, progress=False, runtime=RuntimeOptions(grad_accum=1))
+    with Trainer(task, config) as trainer:
+        summary = trainer.fit()
+    assert trainer.batch_size == 32 and summary.plan.grad_accum.value == 1 and summary.samples == 2 * 32
+    assert "tuned" not in summary.plan.grad_accum.reason
+
+
 def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):
     task = mlp_task()
     cache_plan(task, grad_accum=2)

@@ -116,6 +116,17 @@ def test_a_tune_that_chose_eager_drops_a_compile_mode_asked_with_compile_left_to
     assert (asked.compile, asked.compile_mode) == ("on", "max-autotune")
 
 
+def test_a_compile_mode_given_as_the_default_wins_over_a_tuned_one():
+    from redline.runtime.tuned import Candidate, TunedPlan
+
+    best = Candidate(precision="bf16-mixed", compile=True, compile_mode="reduce-overhead")
+    tuned = TunedPlan(task="t", device="cuda", batch_size=8, planned_steps=100, measured_at="then", best=best,
+                      reasons={}, trials=())  # fmt: skip
+    assert tuned.apply(RuntimeOptions()).compile_mode == "reduce-overhead"
+    given = tuned.apply(RuntimeOptions(compile_mode="default"))  # --compile-mode default: it read as left to auto
+    assert (given.compile, given.compile_mode, given.precision) == ("on", "default", "bf16-mixed")
+
+
 def test_a_device_asked_for_now_moves_a_resumed_run_and_auto_keeps_the_stored_one():
     plan = {
         "device": {"value": "cuda:0"}, "precision": {"value": "fp32"}, "compile": {"value": False},
@@ -244,7 +255,8 @@ def test_every_field_of_the_trainer_and_runtime_is_a_train_flag_with_its_default
         assert default == field.default, f"--{field.name}: default {default!r}, field {field.default!r}"
         assert params[field.name].help.startswith(field.metadata["help"].rstrip("."))  # a bound is added to it
     uncovered = [f.name for f in dataclasses.fields(owner) if f.init and not f.metadata.get("cli")]
-    assert set(uncovered) <= {"runtime", "hang_timeout_s", "hang_start_timeout_s"}  # nested; the launcher's job
+    # nested; the launcher's job; which options were left out, which __post_init__ notes
+    assert set(uncovered) <= {"runtime", "hang_timeout_s", "hang_start_timeout_s", "left_out"}
 
 
 def test_every_launch_field_is_a_launch_flag_and_train_takes_the_one_machine_ones():
@@ -255,8 +267,8 @@ def test_every_launch_field_is_a_launch_flag_and_train_takes_the_one_machine_one
     assert {f"early_stopping_{f.name}" for f in cli_fields(EarlyStopping)} <= set(train_params)
 
 
-def test_a_command_line_parses_into_the_options_objects(monkeypatch):
-    """Run the real `redline train` command with the Trainer replaced: it receives the objects the flags say."""
+def parsed_train(monkeypatch, argv: list[str]) -> dict:
+    """Run the real `redline train` command with the Trainer replaced: what it receives."""
     built = {}
 
     class Stop(Exception):
@@ -277,14 +289,20 @@ def test_a_command_line_parses_into_the_options_objects(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     app = typer.Typer()
     app.command()(train_cli.train)
+    with pytest.raises(Stop):
+        typer.main.get_command(app).main(argv, standalone_mode=False)
+    return built
+
+
+def test_a_command_line_parses_into_the_options_objects(monkeypatch):
+    """The real `redline train` command receives the objects the flags say."""
     argv = [
         "--task", "example:digits", "--task-arg", "width=8", "--max-steps", "7", "--epochs", "2", "--out", "runs/a",
         "--logger", "csv", "--logger", "tensorboard", "--no-progress", "--precision", "bf16-mixed",
         "--compile", "off", "--grad-accum", "2", "--seed", "4", "--deterministic", "--early-stopping-patience", "5",
         "--activation-checkpointing", "on",
     ]  # fmt: skip
-    with pytest.raises(Stop):
-        typer.main.get_command(app).main(argv, standalone_mode=False)
+    built = parsed_train(monkeypatch, argv)
     assert built["task"] == ("example:digits", {"width": 8})
     assert built["config"] == TrainerConfig(
         max_steps=7, max_epochs=2, out_dir=Path("runs/a"), loggers=("csv", "tensorboard"), progress=False,
@@ -295,6 +313,19 @@ def test_a_command_line_parses_into_the_options_objects(monkeypatch):
     )  # fmt: skip
     assert built["callbacks"][:-1] == [EarlyStopping(patience=5)]
     assert isinstance(built["callbacks"][-1], train_cli.LastCheckpoint)  # for the message of a second Ctrl-C
+
+
+def test_grad_accum_and_compile_mode_given_their_defaults_are_told_from_left_out(monkeypatch):
+    # --grad-accum 1 read as left out, being the default's value, and a tuned Plan's micro-batches replaced it
+    left = parsed_train(monkeypatch, ["--task", "example:digits"])["config"].runtime
+    assert (left.grad_accum, left.compile_mode) == (1, "default")
+    assert not left.given("grad_accum") and not left.given("compile_mode")
+    given = parsed_train(monkeypatch, ["--task", "example:digits", "--grad-accum", "1", "--compile-mode", "default"])
+    assert given["config"].runtime.given("grad_accum") and given["config"].runtime.given("compile_mode")
+    assert RuntimeOptions(grad_accum=1).given("grad_accum") and not RuntimeOptions().given("grad_accum")
+    built = RuntimeOptions.build(RuntimeOptions(), precision="bf16-mixed")  # options built from others keep them out
+    assert not built.given("grad_accum") and built.given("precision") and not built.given("compile")
+    assert RuntimeOptions.build(built, grad_accum=2).given("grad_accum")
 
 
 def test_launch_options_are_removed_for_the_workers():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ PrecisionRequest = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"]
 StrategyRequest = Literal["auto", "single", "ddp", "fsdp"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]  # torch.compile's modes
 SWITCHES: tuple[str, ...] = get_args(Switch)
+# The fields whose default is a value, not "auto": None leaves one out, read as this value, and a tuned Plan may set it
+# where a value given, the default's too, wins (``--grad-accum 1`` over a tune's micro-batches).
+LEFT_OUT = {"grad_accum": 1, "compile_mode": "default"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +36,7 @@ class RuntimeOptions:
     precision: PrecisionRequest = option("auto", "auto, fp32, bf16-mixed or fp16-mixed.")
     compile: Switch = option("auto", "torch.compile: auto, on or off.")
     compile_mode: CompileMode = option(
-        "default", "torch.compile mode: default, reduce-overhead (CUDA graphs) or max-autotune."
+        None, "torch.compile mode: default (when left out), reduce-overhead (CUDA graphs) or max-autotune."
     )
     cuda_graphs: Switch = option(
         "auto",
@@ -46,7 +50,7 @@ class RuntimeOptions:
         "named runs every call it takes, math the rest.",
     )
     loader_workers: int | None = option(None, "DataLoader worker processes (default: chosen for the device).")
-    grad_accum: int = option(1, "Micro-batches per optimizer step.", min=1)
+    grad_accum: int = option(None, "Micro-batches per optimizer step; 1 when left out.", min=1)
     micro_batch: MicroBatch = option(
         None, "Split each batch into micro-batches of N samples, or auto: halve on out-of-memory and redo the batch."
     )
@@ -62,8 +66,19 @@ class RuntimeOptions:
     activation_checkpointing: Switch = option(
         "auto", "Recompute the repeated blocks' activations in backward: auto (when memory runs short), on or off."
     )
+    # Which of LEFT_OUT's fields were left out (None), as their defaults now read: dataclasses.replace passes it on,
+    # so options built from these keep them left out unless given another value. Set by __post_init__, not by hand.
+    left_out: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
+        left = set(self.left_out)
+        for name, default in LEFT_OUT.items():
+            if getattr(self, name) is None:
+                left.add(name)
+                object.__setattr__(self, name, default)
+            elif getattr(self, name) != default:
+                left.discard(name)
+        object.__setattr__(self, "left_out", tuple(sorted(left)))  # sorted: the ranks compare its repr
         for name in ("compile", "cuda_graphs", "channels_last", "activation_checkpointing"):
             value = getattr(self, name)
             if isinstance(value, bool):
@@ -90,6 +105,13 @@ class RuntimeOptions:
         seed_number("seed", self.seed, optional=True)
         boolean("deterministic", self.deterministic)
         boolean("find_unused_parameters", self.find_unused_parameters)
+
+    def given(self, name: str) -> bool:
+        """Whether option ``name`` was asked for: set to another value than its default, or, for LEFT_OUT's, given at
+        all (``grad_accum=1``); a tuned Plan sets the options not given."""
+        if name in LEFT_OUT:
+            return name not in self.left_out
+        return bool(getattr(self, name) != _DEFAULTS[name])
 
     @classmethod
     def build(cls, options: RuntimeOptions | None = None, **changes: Any) -> RuntimeOptions:
@@ -144,6 +166,7 @@ class RuntimeOptions:
         )
 
 
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(RuntimeOptions)}
 RESUMED = re.compile(r"^(?:from checkpoint step \d+: )+")  # the notes a resume puts before a stored Plan's reasons
 
 

@@ -167,14 +167,13 @@ class TunedPlan:
         first steps confirm them, where "on" would refuse a run the tune's one process did not see (several
         processes, micro-batches after running out of memory, a compile asked for).
         """
-        defaults = RuntimeOptions()
         base = self.best.options(options, facts)
-        other_precision = options.precision not in (defaults.precision, self.best.precision)
+        other_precision = options.given("precision") and options.precision != self.best.precision
         kept = {
             axis: getattr(options, axis)
             for axis in TUNED_AXES
             if axis in self.unmeasured
-            or getattr(options, axis) != getattr(defaults, axis)
+            or options.given(axis)
             or (axis == "cuda_graphs" and self.best.cuda_graphs)
             # a kernel and a layout are tuned for their precision: another precision runs auto's (NHWC pays in bf16)
             or (axis in ("attention", "channels_last") and other_precision)
@@ -357,7 +356,7 @@ def tuned_for_model(model: nn.Module, facts: DeviceFacts, options: RuntimeOption
         ) from None
     applied = dataclasses.replace(tuned.apply(options, facts), grad_accum=options.grad_accum)
     reasons = tuned.plan_reasons(applied)
-    if (k := tuned.best.grad_accum) > 1 and options.grad_accum == 1:
+    if (k := tuned.best.grad_accum) > 1 and not options.given("grad_accum"):
         told = f"not applied: the tune ran {k} {MICRO_BATCHES} faster; your loop owns the batches: "
         reasons["grad_accum"] = {"value": 1, "reason": told + f"split each in {k} and pass grad_accum={k} to use it"}
     note = f"tuned {tuned.measured_at} at batch {tuned.batch_size} for {tuned.planned_steps} steps"
@@ -389,8 +388,7 @@ TUNED_REACH = 2.0
 
 def left_to_auto(options: RuntimeOptions) -> bool:
     """Whether every axis a tune sets was left to auto: else auto does not mix a tune's choices into the user's."""
-    defaults = RuntimeOptions()
-    return all(getattr(options, axis) == getattr(defaults, axis) for axis in TUNED_AXES)
+    return not any(options.given(axis) for axis in TUNED_AXES)
 
 
 def auto_tuned(
