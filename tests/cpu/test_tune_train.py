@@ -183,6 +183,25 @@ def test_grad_accum_given_as_1_wins_over_a_tuned_micro_batching(plan):
     assert "tuned" not in summary.plan.grad_accum.reason
 
 
+def test_a_tuned_micro_batching_that_would_leave_samples_untrained_is_not_taken(caplog):
+    # 24 samples at batch 16 split in two: 3 micro-batches, 1 step, the last 8 samples untrained each epoch, and the
+    # warning told the user to pass a --grad-accum that divides 3, a flag they had never passed
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, 8, generator=generator), torch.randint(0, 3, (24,), generator=generator))
+    task = dataclasses.replace(mlp_task(), train_data=data, batch_size=16, epochs=1)
+    cache_plan(task, planned_steps=2, precision="fp32", grad_accum=2)
+    with caplog.at_level(logging.INFO, logger="redline"), Trainer(task, TrainerConfig(progress=False)) as trainer:
+        summary = trainer.fit()
+    assert trainer.batch_size == 16 and summary.samples == 24 and summary.plan.grad_accum.value == 1
+    told = "2 micro-batches per step of batch 16 not taken: 1 epoch(s) of 3 micro-batches of 8 leave the last 1 in no "
+    assert told in summary.plan.grad_accum.reason and told in caplog.text
+    assert "--grad-accum" not in caplog.text
+    two = dataclasses.replace(task, epochs=2)  # 6 micro-batches: 3 whole steps, every sample trained
+    with Trainer(two, TrainerConfig(progress=False)) as trainer:
+        summary = trainer.fit()
+    assert trainer.batch_size == 8 and summary.plan.grad_accum.value == 2 and summary.samples == 48
+
+
 def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):
     task = mlp_task()
     cache_plan(task, grad_accum=2)

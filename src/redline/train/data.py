@@ -179,14 +179,24 @@ def plan_length(
             "hint: lower --grad-accum or the batch size, or train more epochs"
         )
     batches = int(max_epochs * per_epoch) if math.isfinite(steps) else 0
-    if steps <= (max_steps or math.inf) and batches % grad_accum and not drop_last:  # the epochs end the run
+    left = untrained_batches(per_epoch, grad_accum=grad_accum, max_epochs=max_epochs, max_steps=max_steps)
+    if left and not drop_last:  # the epochs end the run, its last batches in no step
         log.warning(
             "grad_accum=%d: the run's %d batches (%g epoch(s) of %d) make %d optimizer steps, and its last %d "
             "batch(es) complete none, so they are not trained on\nhint: pass a --grad-accum that divides %d, or a "
             "--batch-size or --epochs that makes the batches a multiple of it",
-            grad_accum, batches, max_epochs, per_epoch, steps, batches % grad_accum, batches,
+            grad_accum, batches, max_epochs, per_epoch, steps, left, batches,
         )  # fmt: skip
     return min(steps, max_steps or math.inf), per_epoch
+
+
+def untrained_batches(per_epoch: int, *, grad_accum: int, max_epochs: float, max_steps: int | None) -> int:
+    """The batches at a run's end that complete no optimizer step of ``grad_accum`` (the Runtime counts them across
+    an epoch's end): the last of its epochs' batches, where the epochs end the run (not ``max_steps``)."""
+    if math.isinf(max_epochs):
+        return 0
+    batches = int(max_epochs * per_epoch)
+    return batches % grad_accum if batches // grad_accum <= (max_steps or math.inf) else 0
 
 
 def no_batch(epoch: int, world_size: int) -> TaskError:

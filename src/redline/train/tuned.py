@@ -18,10 +18,11 @@ from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.trial import cache_dir
-from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned
+from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned, whole_batch
 from redline.task import Task
-from redline.train.data import plan_length
+from redline.train.data import job_size, plan_length, untrained_batches
 
 if TYPE_CHECKING:
     from redline.train.config import TrainerConfig
@@ -43,7 +44,7 @@ def use_tuned(
                 log.info("--trial %s: auto measures now instead of running the tuned Plan (%s)", config.trial,
                          found.tuning.note)  # fmt: skip
             return None
-        return found
+        return _whole_where_untrained(task, found, options, batch_size, env, config)
     found = find_tuned(task, options, batch_size, env)
     if found is None:
         _, facts = worker_device(options, env)
@@ -53,7 +54,27 @@ def use_tuned(
             f"hint: run `{TUNE_COMMAND} --batch-size {batch_size}{devices}` first (it caches the Plan under "
             f"{cache_dir()}), or use --plan auto"
         )
-    return found
+    return _whole_where_untrained(task, found, options, batch_size, env, config)
+
+
+def _whole_where_untrained(
+    task: Task, found: TunedRun | None, options: RuntimeOptions, batch_size: int, env: DistEnv, config: TrainerConfig
+) -> TunedRun | None:
+    """``found``, its micro-batching not taken where the run's last micro-batches would complete no step: their
+    samples, which the whole batches of a run without the tune train on, would go untrained."""
+    size = job_size(task.train_data, env.world_size)
+    if found is None or found.batch_size == batch_size or size is None:  # no split; a stream's steps end its run
+        return found
+    k, epochs = found.options.grad_accum, config.epochs_for(task)
+    per_epoch = batches_per_epoch(size, found.batch_size, env.world_size, drop_last=False)
+    left = untrained_batches(per_epoch, grad_accum=k, max_epochs=epochs, max_steps=config.max_steps)
+    if not left:
+        return found
+    why = (
+        f"{epochs:g} epoch(s) of {per_epoch} micro-batches of {found.batch_size} leave the last {left} in no step, "
+        f"untrained, where the whole batches train on every sample"
+    )
+    return whole_batch(found, options, batch_size, why, env)
 
 
 def _planned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, config: TrainerConfig) -> float | None:
