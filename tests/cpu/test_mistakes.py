@@ -21,7 +21,9 @@ from torch.utils.data import IterableDataset
 from redline import Runtime, RuntimeOptions
 from redline.errors import ConfigError, RedlineError, TaskError, TrainingError
 from redline.runtime.loss import check_loss
+from redline.task import Task
 from redline.train.callbacks import Callback, EarlyStopping
+from redline.train.config import TrainerConfig
 from redline.train.data import plan_length
 from redline.train.trainer import Trainer
 
@@ -237,6 +239,19 @@ def test_batches_grad_accum_leaves_without_a_step_at_the_runs_end_are_said(caplo
     plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=1)  # max_steps ends it
     plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=math.inf, max_steps=3)
     assert caplog.text == ""
+
+
+def test_batches_grad_accum_leaves_without_a_step_are_said_once_by_rank_0(caplog):
+    # the warning came twice (the tuned Plan's look-up counts the steps first, asking for no warning) and on every rank
+    data = torch.utils.data.TensorDataset(torch.zeros(40, 2), torch.zeros(40))  # 5 batches of 8 an epoch
+    with caplog.at_level("WARNING", logger="redline"):
+        plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=None, warn=False)
+    assert caplog.text == ""
+    task = Task(model=lambda: nn.Linear(2, 1), loss_fn=nn.functional.mse_loss, train_data=data, batch_size=8, epochs=1)
+    config = TrainerConfig(runtime=RuntimeOptions(grad_accum=2), trial="off", progress=False)
+    with caplog.at_level("WARNING", logger="redline"):
+        Trainer(task, config).fit()
+    assert caplog.text.count("are not trained on") == 1
 
 
 def test_samples_count_the_batch_axis_of_the_inputs_not_the_keys_of_the_targets():

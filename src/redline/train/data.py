@@ -147,6 +147,7 @@ def plan_length(
 
     The epochs' steps are cut at ``max_steps``; a stream without ``__len__`` needs ``max_steps``, and one with
     it plans its epochs by that length, as torch's DataLoader reports it (one rank's, where each reads its own).
+    ``warn``: say what the run leaves out (rank 0's call says it; a count taken beside it, none).
     """
     size = job_size(data, world_size)
     if size is None:
@@ -180,7 +181,7 @@ def plan_length(
         )
     batches = int(max_epochs * per_epoch) if math.isfinite(steps) else 0
     left = untrained_batches(per_epoch, grad_accum=grad_accum, max_epochs=max_epochs, max_steps=max_steps)
-    if left and not drop_last:  # the epochs end the run, its last batches in no step
+    if left and not drop_last and warn:  # the epochs end the run, its last batches in no step
         log.warning(
             "grad_accum=%d: the run's %d batches (%g epoch(s) of %d) make %d optimizer steps, and its last %d "
             "batch(es) complete none, so they are not trained on\nhint: pass a --grad-accum that divides %d, or a "
