@@ -127,6 +127,7 @@ def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_
     assert trainer.batch_size == 16 and first.samples == 3 * 32  # two micro-batches of 16 per step
     grad_accum = first.plan.to_dict()["grad_accum"]
     assert grad_accum["value"] == 2 and grad_accum["reason"].startswith("tuned 2026-12-01 06:00 UTC for 500 steps")
+    assert "; global batch 32 = 2 micro-batches x 1 x 16" in first.plan.loader.reason  # it said "global batch 16"
     with Trainer(task, dataclasses.replace(config, max_steps=5, resume="auto")) as again:
         resumed = again.fit()
     assert again.batch_size == 16 and resumed.steps == 5 and resumed.samples == 5 * 32
@@ -142,6 +143,7 @@ def test_grad_accum_asked_as_the_tune_chose_it_runs_whole_batches_and_resumes_so
     with Trainer(task, config) as trainer:
         first = trainer.fit()
     assert trainer.batch_size == 32 and first.samples == 2 * 64
+    assert "; global batch 64 = 2 micro-batches x 1 x 32" in first.plan.loader.reason
     assert "tuned" not in first.plan.to_dict()["grad_accum"]["reason"]
     with Trainer(task, dataclasses.replace(config, max_steps=4, resume="auto")) as again:
         resumed = again.fit()

@@ -320,8 +320,8 @@ class Runtime(RunState):
         chosen = plan_loader(loader, self.facts, self.env, local_devices, workers=self.options.loader_workers)
         batches = global_batches(loader, self.env, seed=self.options.seed)
         loader = tuned_dataloader(loader, chosen.value, batches, workers=self.options.loader_workers)
-        shown = self._plan.loader or split_reason(self.tuned_loader(chosen), loader, self._split_caveats, self.env)
-        self._plan = dataclasses.replace(self._plan, loader=shown)
+        told = split_reason(self.tuned_loader(chosen), loader, self._split_caveats, self.env, self.options.grad_accum)
+        self._plan = dataclasses.replace(self._plan, loader=self._plan.loader or told)  # the first loader's
         return self._layout.loader(loader, self.device)
 
     def to_device(self, batch: Any) -> Any:

@@ -238,14 +238,20 @@ def _warn_kept_whole(loader: DataLoader[Any], env: DistEnv) -> None:
         )  # fmt: skip
 
 
-def split_reason(chosen: Choice[T], loader: Iterable[Any], caveats: list[str], env: DistEnv) -> Choice[T]:
+def split_reason(
+    chosen: Choice[T], loader: Iterable[Any], caveats: list[str], env: DistEnv, grad_accum: int = 1
+) -> Choice[T]:
     """The loader axis with how a launched job's global batch is split over its ranks, and the model's layers that
-    depend on that split (``caveats``); under several processes, a loader kept whole says that every rank reads it."""
+    depend on that split (``caveats``); under several processes, a loader kept whole says that every rank reads it.
+    With ``grad_accum`` micro-batches a step, the global batch is the step's, that many of the loader's batches."""
     if not (isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, GlobalBatchSampler)):
         unsplit = _unsplit(loader) if env.distributed else ""  # one process reads each batch once
         return Choice(chosen.value, f"{chosen.reason}; {unsplit}") if unsplit else chosen
     split = loader.batch_sampler
-    reason = f"{chosen.reason}; global batch {split.global_batch} = {split.world_size} x {split.local_batch}"
+    parts = f"{split.world_size} x {split.local_batch}"
+    if grad_accum > 1:  # the loader's batch of 8 was "global batch 8" where a step trains on 2 of them
+        parts = f"{grad_accum} micro-batches x {parts}"
+    reason = f"{chosen.reason}; global batch {split.global_batch * grad_accum} = {parts}"
     if split.drop_last:
         reason += "; a partial last batch is dropped (drop_last), so every batch holds the same number of samples"
     elif dropped := split.dropped():
