@@ -5,6 +5,7 @@ import functools
 import json
 import logging
 import re
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -760,3 +761,50 @@ def test_tune_json_holds_the_json_alone_when_the_task_file_prints(tmp_path, monk
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["task"] == "chatty"
     assert "loading 64 samples\n" in result.stderr
+
+
+STREAM_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+from redline import Task
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(10_000):
+            yield torch.randn(8, generator=generator), torch.randint(0, 3, (), generator=generator)
+
+def stream():
+    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy, train_data=Stream(),
+                batch_size=8, name="stream")
+"""
+
+
+def test_the_command_tune_prints_for_a_stream_runs_the_steps_it_weighed(tmp_path, monkeypatch, capsys):
+    # `use it: redline train --task ... --plan tuned` failed for a stream: "train_data is a stream ... pass --max-steps"
+    from typer.testing import CliRunner
+
+    from redline.cli.main import app
+
+    (tmp_path / "tasks.py").write_text(STREAM_TASK)
+    spec = f"{tmp_path / 'tasks.py'}:stream"
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: [("grad_accum", [1, 2])])
+    monkeypatch.setattr("redline.bench.tune._measure", lambda task, device, candidates, *_: [
+        Trial(c, 0.010 / c.grad_accum) for c in candidates
+    ])  # fmt: skip
+    common = dict(task_arg=None, devices="cpu", budget=60.0, batch_size=None, steps=10, json_output=False)
+    tune_command(task=spec, planned_steps=None, **common)
+    said = capsys.readouterr()
+    assert "note: train_data is a stream without a length: the search weighs a run of 1000 steps" in said.err
+    use = f"use it: redline train --task {spec} --devices cpu --max-steps 1000 --plan tuned"
+    assert said.out.rstrip().endswith(use)
+    tune_command(task=spec, planned_steps=6, **common)
+    said = capsys.readouterr()
+    assert "note: train_data is a stream" not in said.err
+    use = said.out.rstrip().rsplit("use it: redline ", 1)[1]
+    assert use.endswith("--max-steps 6 --plan tuned")
+    result = CliRunner().invoke(app, [*shlex.split(use), "--no-progress", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 6 and summary["plan"]["grad_accum"]["value"] == 2

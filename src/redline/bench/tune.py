@@ -70,6 +70,7 @@ MARGIN = 1.05  # an alternative replaces the current setting where the current's
 UNMEASURED = "not measured: the budget was spent"
 LEFT = "left to the run's auto"  # what a run that uses the tune does with an axis the tune did not decide
 WINDOW = 5  # timed steps between two device syncs
+STREAM_STEPS = 1000  # the run weighed for a stream without a length (no epochs to count), unless planned_steps says
 # A candidate that leaves the kernel to auto runs torch's pick per call, untimed: the other kernels are candidates
 _PICK_OWN = {"attention": Choice(DEFAULT, "torch's pick per call: the tune times each other kernel as a candidate")}
 Progress = Callable[[int, int, str], None]
@@ -91,10 +92,11 @@ def tune(
 
     Returns the tuned Plan and the path of its cache entry, which ``redline train --plan tuned``
     (and auto) read. ``planned_steps`` is the run the total time is weighed for (default: the
-    task's epochs); ``budget_s`` bounds the whole search: no candidate starts once it is spent, and
-    ``reasons["budget"]`` says how long the search took (by how much past the budget, and why: a compile
-    begun is not cut short). ``batch_size`` tunes at another batch size
-    than the task's, for a run given the same (``TrainerConfig(batch_size=...)``, ``--batch-size``).
+    task's epochs, or ``STREAM_STEPS`` for a stream without a length); ``budget_s`` bounds the whole
+    search: no candidate starts once it is spent, and ``reasons["budget"]`` says how long the search
+    took (by how much past the budget, and why: a compile begun is not cut short). ``batch_size`` tunes at
+    another batch size than the task's, for a run given the same (``TrainerConfig(batch_size=...)``,
+    ``--batch-size``).
 
     An axis not measured in full (the budget spent before it, or before its alternatives) is cached
     in ``unmeasured``: a run that uses the tune decides it as auto. A Ctrl-C (KeyboardInterrupt) caches
@@ -116,7 +118,7 @@ def tune(
     check_sizes(task, [task.batch_size])  # before the search: the hint names the largest that fits
     device = _one_device(devices)
     facts = probe_device(torch.device(device))
-    planned = planned_steps or task_steps(task, task.batch_size) or 1000  # a stream: weigh a thousand steps
+    planned = planned_steps or task_steps(task, task.batch_size) or STREAM_STEPS
     calls = model_attention(task, device)
     skipped = skipped_axes(task, facts, calls=calls)
     axes = search_space(task, facts, calls=calls, skipped=skipped)

@@ -11,13 +11,14 @@ from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
 from redline.bench.run import timed_steps
-from redline.bench.tune import WINDOW, tune
+from redline.bench.tune import STREAM_STEPS, WINDOW, tune
 from redline.bench.tune_cache import TuneInterrupted
 from redline.cli.options import TaskArgs, TaskSpec, count, said_by_flags
 from redline.cli.signals import terminate_as_interrupt
 from redline.cli.task_args import load_given_task, one_step_named
 from redline.config import positive_number
 from redline.render.console import key_value_table, output_console, print_uncut, result_out, transient_bar
+from redline.runtime.sampling import data_size
 from redline.runtime.tuned import TunedPlan
 
 
@@ -52,6 +53,10 @@ def tune_command(
     if timed_steps(steps, WINDOW) != steps:  # said before the search, which it lengthens
         told = f"note: --steps {steps} times {timed_steps(steps, WINDOW)} steps per candidate"
         console.print(f"{told}: whole windows of {WINDOW}, two at least", highlight=False, markup=False, soft_wrap=True)
+    stream = data_size(loaded.train_data) is None  # `redline train` runs it for --max-steps, which the use line says
+    if stream and planned_steps is None:
+        told = f"note: train_data is a stream without a length: the search weighs a run of {STREAM_STEPS} steps"
+        console.print(f"{told} (--planned-steps N weighs yours)", highlight=False, markup=False, soft_wrap=True)
     with transient_bar(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
         job = bar.add_task("tune", total=None)
 
@@ -74,7 +79,7 @@ def tune_command(
             else:
                 stopped = None
     kept = stopped is not None and stopped.kept is not None
-    _show(tuned, path, task, task_arg, devices, batch_size, json_output, kept=kept)
+    _show(tuned, path, task, task_arg, devices, batch_size, json_output, kept=kept, stream=stream)
     if stopped is not None:
         raise stopped
 
@@ -89,6 +94,7 @@ def _show(
     json_output: bool,
     *,
     kept: bool = False,
+    stream: bool = False,
 ) -> None:
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path, "kept_earlier": kept}, indent=2), file=result_out())
@@ -103,6 +109,7 @@ def _show(
     same = [f"--task-arg {shlex.quote(arg)}" for arg in task_arg or []]  # the run must match the tune's key
     same += [f"--batch-size {batch_size}"] if batch_size is not None else []
     same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []
+    same += [f"--max-steps {tuned.planned_steps}"] if stream else []  # a stream's run is as long as --max-steps says
     use = " ".join(["redline train --task", shlex.quote(task), *same, "--plan tuned"])
     # a command to copy: unbroken, and its `[...]` printed as text
     cached = f"nothing new: the earlier tune above, which measured more, stays at {path}" if kept else path
