@@ -644,6 +644,32 @@ def test_every_compiled_candidate_is_charged_the_compile_a_fresh_run_pays():
     assert again[0].compile_s > 0 and again[1].compile_s == again[0].compile_s
 
 
+def test_a_graph_an_earlier_axis_compiled_is_charged_its_first_compile_not_its_warm_load(monkeypatch):
+    # Each axis clears torch.compile's in-process cache, but the best's graph sits in inductor's on-disk cache from an
+    # earlier axis: it was charged a warm 0.4 s where a new compiled alternative paid a cold 5.6 s, and lost to it.
+    compiled_before = set()
+
+    def measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        trials = []
+        for candidate in candidates:
+            warm = candidate in compiled_before  # served from the on-disk caches
+            compiled_before.add(candidate)
+            compile_s = (0.4 if warm else 5.6) if candidate.compile else 0.0
+            step_s = 0.008 if candidate.grad_accum == 2 else 0.010 if candidate.compile else 0.020
+            trials.append(Trial(candidate, step_s, compile_s, compile_cached=warm))
+        return trials
+
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: [
+        ("compile", [False, True]), ("grad_accum", [1, 2])
+    ])  # fmt: skip
+    monkeypatch.setattr("redline.bench.tune._measure", measure)
+    tuned, _ = tune(mlp_task(), devices="cpu", planned_steps=1000, budget_s=60)
+    assert tuned.best == Candidate(compile=True, grad_accum=2)  # 5.6 + 8 s against 5.6 + 10 s: not 0.4 + 10 s
+    current = "fp32, compiled (default): 10 ms/step + 5.6 s compile (as first compiled in this tune) = 15.6 s"
+    assert current in tuned.reasons["grad_accum"]
+    assert TunedPlan.from_dict(json.loads(json.dumps(tuned.to_dict()))) == tuned  # the mark is cached, and read back
+
+
 def test_an_explicit_flag_that_overrides_the_tune_keeps_its_own_reason():
     task = mlp_task()
     tuned = TunedPlan(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from redline.bench.compile_cache import cache_lookups, served_from_cache
+from redline.bench.compile_cache import cache_lookups, charged_first, served_from_cache
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, ran_eagerly, runtime_runner
 from redline.bench.matrix import Setting
@@ -156,7 +156,7 @@ def tune(
             unmeasured.append(axis)
             reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
             continue
-        trials += measured
+        trials += (measured := charged_first(measured, trials))  # the best's graph as first compiled, cold
         before = best
         best, reasons[axis] = decide(axis, measured, planned)
         if any(trial.rejected == UNMEASURED for trial in measured) and getattr(best, axis) == getattr(before, axis):
@@ -448,7 +448,8 @@ def _told(trial: Trial, planned: int) -> str:
         return f"{label}: rejected, {trial.rejected}"
     assert trial.step_s is not None
     # a compile torch's on-disk caches served costs a machine that never compiled the model more
-    cached = " (cached on disk)" if trial.compile_cached else ""
+    notes = ["as first compiled in this tune"] * trial.first_compile + ["cached on disk"] * trial.compile_cached
+    cached = f" ({', '.join(notes)})" if notes else ""
     compile_ = f" + {trial.compile_s:.1f} s compile{cached}" if trial.candidate.compile else ""
     return f"{label}: {_figure(trial.step_s * 1e3)} ms/step{compile_} = {_figure(trial.total_s(planned))} s"
 

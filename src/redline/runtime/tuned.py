@@ -94,13 +94,15 @@ class Candidate:
 @dataclass(frozen=True)
 class Trial:
     """A candidate's measurement: seconds per optimizer step (median window) and compile seconds, and whether
-    torch's on-disk compile caches served that compile (a machine that never compiled the model pays more)."""
+    torch's on-disk compile caches served that compile (a machine that never compiled the model pays more), or the
+    seconds are those its graph's first compile in the tune took (``first_compile``: a later axis loads it warm)."""
 
     candidate: Candidate
     step_s: float | None
     compile_s: float = 0.0
     rejected: str = ""
     compile_cached: bool = False
+    first_compile: bool = False
 
     def total_s(self, planned_steps: int) -> float:
         """The planned run's time under this candidate: its compile, then every step."""
@@ -140,7 +142,8 @@ class TunedPlan:
             compile_s = _kind(f"{what}'s 'compile_s'", trial.get("compile_s", 0.0), (float, int))
             rejected = _kind(f"{what}'s 'rejected'", trial.get("rejected", ""), (str,))
             cached = _kind(f"{what}'s 'compile_cached'", trial.get("compile_cached", False), (bool,))
-            trials.append(Trial(candidate, step_s, compile_s, rejected, cached))
+            first = _kind(f"{what}'s 'first_compile'", trial.get("first_compile", False), (bool,))
+            trials.append(Trial(candidate, step_s, compile_s, rejected, cached, first))
         best = _candidate("the best setting", _field(entry, "best"))
         reasons = _typed("'reasons'", _field(entry, "reasons"), dict)
         for axis, why in reasons.items():
