@@ -322,16 +322,18 @@ def test_a_tuned_worker_count_is_told_as_the_tunes_not_as_requested(tmp_path):
         assert asked.fit().plan.to_dict()["loader"]["reason"].startswith("requested"), "a request wins, and says so"
 
 
-def test_no_candidate_starts_once_the_budget_is_spent():
-    # A compile cannot be cut short, so the budget is kept by not starting one (nor any warm-up) past it:
-    # the axis's current setting is measured, the alternative is said to be unmeasured, not rejected.
+def test_no_candidate_starts_once_the_budget_is_spent(monkeypatch):
+    # A compile cannot be cut short, so the budget is kept by not starting one (nor any warm-up) past it: the axis's
+    # current setting is warmed up, the alternative is said to be unmeasured, not rejected; and the current is not
+    # timed alone, two rounds past the budget that decided nothing.
+    monkeypatch.setattr("redline.bench.tune.time_runners", lambda *args: pytest.fail("the current was timed alone"))
     current, compiled = _measure(mlp_task(), "cpu", [Candidate(), Candidate(compile=True)], 100, steps=2, window=1,
                                  seed=0, budget_s=1e-9)  # fmt: skip
-    assert current.step_s is not None and not current.rejected
+    assert current.step_s is None and current.rejected == UNMEASURED
     assert compiled.step_s is None and compiled.rejected == "not measured: the budget was spent"
     _, reason = decide("compile", [current, compiled], 100)
-    assert reason.startswith("compile off kept") and "compiled (default): not measured: the budget" in reason
-    assert "rejected" not in reason
+    assert reason.startswith("compile off kept (fp32, eager: not measured: the budget was spent; fp32, compiled")
+    assert "compiled (default): not measured: the budget" in reason and "rejected" not in reason
 
 
 def test_a_search_that_ran_past_its_budget_says_by_how_much_and_why(monkeypatch):

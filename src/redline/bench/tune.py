@@ -377,8 +377,8 @@ def _measure(
     torch.compile's cache is process-wide, so it is cleared first: a candidate pays its compile as a
     fresh run would, not a graph an earlier axis compiled. Within the axis, a candidate whose graph
     an earlier one compiled (loader workers leave the model as it is) is charged that compile.
-    Once ``budget_s`` is spent, the candidates not yet warmed up are not measured (the first always
-    is); a warm-up begun, compile included, is not cut short, nor are the two rounds of timing.
+    Once ``budget_s`` is spent, the candidates not yet warmed up are not measured (the first always is, and timed
+    where an alternative started); a warm-up begun, compile included, is not cut short, nor are the timed rounds.
     """
     deadline = time.perf_counter() + budget_s
     reset_compiler([device] if any(c.compile for c in candidates) else [])
@@ -410,7 +410,8 @@ def _measure(
         else:
             runners.append(runner)
     left = max(0.0, deadline - time.perf_counter())  # the warm-ups (compiles) spent the rest
-    timed = time_runners(runners, window, timed_steps(steps, window) // window, left)
+    alone = 0 not in failed and len(runners) == 1 and UNMEASURED in failed.values()  # no alternative to time against
+    timed = {} if alone else time_runners(runners, window, timed_steps(steps, window) // window, left)
     reference = next((r.first_loss for r in runners if r.setting.precision == "fp32"), None)
     trials, position = [], 0
     compiles: dict[Candidate, tuple[float, bool]] = {}  # a graph's compile (seconds, from the on-disk caches)
@@ -419,7 +420,7 @@ def _measure(
             trials.append(Trial(candidate, None, rejected=failed[index]))
             continue
         runner = runners[position]
-        windows, error = timed[position]
+        windows, error = timed.get(position, ([], UNMEASURED))  # a current setting left alone is not timed
         position += 1
         per_s = rate(windows, window)  # optimizer steps per second (a runner's step is all its micro-batches)
         step_s = 1 / per_s if per_s and not error else None
