@@ -243,7 +243,7 @@ def test_batches_grad_accum_leaves_without_a_step_at_the_runs_end_are_said(caplo
 
 def test_batches_grad_accum_leaves_without_a_step_are_said_once_by_rank_0(caplog):
     # the warning came twice (the tuned Plan's look-up counts the steps first, asking for no warning) and on every rank
-    data = torch.utils.data.TensorDataset(torch.zeros(40, 2), torch.zeros(40))  # 5 batches of 8 an epoch
+    data = torch.utils.data.TensorDataset(torch.zeros(40, 2), torch.zeros(40, 1))  # 5 batches of 8 an epoch
     with caplog.at_level("WARNING", logger="redline"):
         plan_length(data, batch_size=8, world_size=1, grad_accum=2, max_epochs=1, max_steps=None, warn=False)
     assert caplog.text == ""
