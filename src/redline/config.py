@@ -128,7 +128,8 @@ def with_changes(owner: type[T], base: T | None, changes: Mapping[str, Any], *, 
     """
     if base is not None and not isinstance(base, owner):
         raise invalid("options", type(base).__name__, f"a {owner.__name__}, or its fields as keywords")
-    known = {field.name for field in dataclasses.fields(owner) if field.init}  # type: ignore[arg-type]
+    fields = dataclasses.fields(owner)  # type: ignore[arg-type]
+    known = {field.name for field in fields if field.init and not field.metadata.get("internal")}  # not the user's
     unknown = sorted(set(changes) - known)
     if unknown:
         near = errors.nearest(unknown[0], sorted(known))

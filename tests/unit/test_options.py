@@ -487,3 +487,11 @@ def test_a_choice_shows_its_values_in_the_help():
     assert "[auto|fp32|bf16-mixed|fp16-mixed]" in result.output and "[auto|on|off]" in result.output
     assert "--logger <str>" in result.output  # a repeatable flag shows its item, not the Python type
     assert "list[" not in result.output
+
+
+def test_the_record_of_options_left_out_is_not_an_option_a_user_names_or_is_offered():
+    with pytest.raises(ConfigError) as refused:
+        RuntimeOptions.build(None, bogus=1)
+    assert "grad_accum" in str(refused.value) and "left_out" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"left_out=.* is not allowed"):
+        RuntimeOptions.build(None, left_out=("grad_accum",))

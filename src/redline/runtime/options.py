@@ -68,7 +68,7 @@ class RuntimeOptions:
     )
     # Which of LEFT_OUT's fields were left out (None), as their defaults now read: dataclasses.replace passes it on,
     # so options built from these keep them left out unless given another value. Set by __post_init__, not by hand.
-    left_out: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False, metadata={"cli": False})
+    left_out: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         left = set(self.left_out)
