@@ -21,9 +21,11 @@ from redline.bench.matrix import Setting
 from redline.bench.run import BenchInterrupted, time_runners, warm_up
 from redline.cli.bench import bench as bench_command
 from redline.errors import ConfigError, TaskError
+from redline.hardware.contention import Contention
 from redline.hardware.device import DeviceFacts, probe_device
 from redline.plan import Choice
 from redline.plan.precision import resolve_precision
+from redline.render.bench import bench_table
 from redline.runtime import runtime as runtime_module
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
 from redline.task import Task
@@ -897,3 +899,22 @@ def test_the_auto_row_of_a_device_left_to_auto_says_why_auto_picked_it_as_train_
     assert left.row("cpu fp32 eager b32").plan["device"]["reason"].startswith("requested")
     named = benchmark(tiny_task(), devices="cpu", **kept)
     assert named.row("auto cpu b32").plan["device"]["reason"].startswith("requested")
+
+
+def test_a_bench_on_cpus_other_work_kept_busy_says_so_in_its_title_and_json(monkeypatch):
+    class Busy:  # the machine as hardware/contention.py would read it with three other processes running
+        def start(self):
+            return self
+
+        def stop(self, threads):
+            return Contention(others=1.63, cpus=2, threads=2)
+
+    monkeypatch.setattr(bench_run, "Sampler", Busy)
+    result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=1, auto=False)
+    assert result.machine["others_cpus"] == 1.63 and result.machine["busy"] is True
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["machine"]["busy"] is True
+    told = bench_table(data).title.plain
+    assert "; other processes kept 1.63 CPUs busy meanwhile, fewer free than the rows' threads need" in told
+    quiet = dataclasses.replace(result, machine={**result.machine, "others_cpus": 0.02, "busy": False})
+    assert "other processes" not in bench_table(quiet.to_dict()).title.plain

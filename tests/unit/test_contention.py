@@ -83,6 +83,22 @@ def test_nothing_is_known_from_too_short_an_interval_unreadable_counts_or_with_t
     assert Sampler(root=machine.root / "nowhere").start().stop(threads=2) is None
 
 
+def test_the_processs_children_and_their_children_are_counted_as_its_own_work_and_others_not(machine):
+    def process(pid, parent, ticks):  # a /proc/PID/stat of a process that ran ``ticks`` (utime alone)
+        (machine.root / f"proc/{pid}").mkdir(exist_ok=True)
+        fields = ["R", str(parent), *["0"] * 9, str(ticks), "0", "0", "0", *["0"] * 30]
+        (machine.root / f"proc/{pid}/stat").write_text(f"{pid} (row (1)) {' '.join(fields)}\n")
+
+    for pid, parent in ((42, 1), (43, 42), (44, 43), (99, 1)):  # this process, a row, its compile worker, a stranger
+        process(pid, parent, 0)
+    sampler = machine.sampler().start()
+    machine.run(2.0, own_cores=0.0, other_cores=2.0)  # both CPUs busy: 400 ticks, none of them this process's own
+    for pid, ticks in ((43, 250), (44, 100), (99, 50)):
+        process(pid, 42 if pid == 43 else 43 if pid == 44 else 1, ticks)
+    found = sampler.stop(threads=2)
+    assert found is not None and found.others == pytest.approx(0.25)  # the stranger's 50 ticks, of 200 a CPU
+
+
 @pytest.fixture
 def busy_then_quiet(tmp_path, monkeypatch):
     """Plan as on an AMX CPU, fake the trial (bf16 at 0.7 of fp32), and the machine: the first trial's CPUs shared

@@ -40,6 +40,7 @@ from redline.errors import (
     interrupting_signal,
     invalid,
 )
+from redline.hardware.contention import Contention, Sampler
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.hardware.flops import count_train_flops
 from redline.parallel.env import read_env
@@ -119,6 +120,7 @@ def benchmark(
             progress(done, total, what)
 
     total, done = len(settings) + rounds * len(sizes), 0
+    sampler = Sampler().start()  # other processes' load on the CPUs while the rows run (theirs counted as ours)
     rows: list[BenchRow] = []
     timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
     interrupted, signum = "", int(signal.SIGINT)
@@ -164,7 +166,7 @@ def benchmark(
         steps=timed_rounds * window if any(not row.error for row in rows) else 0,  # 0: every row failed
         window=window,
         measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=_machine(facts),
+        machine=_machine(facts, sampler.stop(torch.get_num_threads())),
         versions={"python": platform.python_version(), "torch": torch.__version__, "redline": __version__},
         rows=tuple(rows),
         steps_asked=steps,
@@ -449,13 +451,17 @@ def _synchronize(devices: list[torch.device]) -> None:
             torch.mps.synchronize()
 
 
-def _machine(facts: list[DeviceFacts]) -> dict[str, Any]:
+def _machine(facts: list[DeviceFacts], contention: Contention | None) -> dict[str, Any]:
+    """The machine's facts, with how many CPUs other processes kept busy while the bench ran (``others_cpus``; None
+    where it cannot be read), and ``busy`` where that left fewer free than the rows' threads need."""
     cpu = probe_device(torch.device("cpu"))
     gpus = [f.name for f in facts if f.type != "cpu"]
     return {
         "cpu": f"{cpu.name} ({cpu.cpu_count} cores, {cpu.cpu_isa})",
         "gpu": ", ".join(gpus) or None,
         "threads": torch.get_num_threads(),
+        "others_cpus": round(contention.others, 2) if contention is not None else None,
+        "busy": contention.contended if contention is not None else None,
     }
 
 

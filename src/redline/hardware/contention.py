@@ -13,6 +13,7 @@ Linux only: elsewhere, or where /proc cannot be read, nothing is known and nothi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -87,12 +88,32 @@ class Sampler:
             return None
         try:
             stat = (self.root / "proc/stat").read_text(encoding="utf-8")
-            own = (self.root / "proc/self/stat").read_text(encoding="utf-8")
             busy = sum(_busy(line) for line in stat.splitlines() if _cpu_of(line) in self.cpus)
-            fields = own[own.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
-            return CpuTimes(busy=busy, own=int(fields[11]) + int(fields[12]), at=self.clock())
+            return CpuTimes(busy=busy, own=self._own_ticks(), at=self.clock())
         except (OSError, ValueError, IndexError):
             return None
+
+    def _own_ticks(self) -> int:
+        """The ticks this process and its descendants ran: its own, its waited-for children's (cutime, cstime), and
+        those of every live descendant (a bench's row processes, torch.compile's compile workers)."""
+        pid, _, own = _process((self.root / "proc/self/stat").read_text(encoding="utf-8"))
+        processes: dict[int, tuple[int, int]] = {}  # pid -> (its parent's pid, its ticks)
+        for entry in self.root.glob("proc/[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # one that ended meanwhile, or unreadable
+                other, parent, ticks = _process(entry.read_text(encoding="utf-8"))
+                processes[other] = (parent, ticks)
+        processes.pop(pid, None)
+        ticks, frontier = own, {pid}
+        while frontier:  # a generation of descendants at a time
+            frontier = {other for other, (parent, _) in processes.items() if parent in frontier}
+            ticks += sum(processes.pop(other)[1] for other in frontier)
+        return ticks
+
+
+def _process(stat: str) -> tuple[int, int, int]:
+    """A /proc/PID/stat line's pid, parent pid, and ticks run: utime, stime, cutime and cstime (fields 14-17)."""
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": the state is field 3, the parent field 4
+    return int(stat.split(maxsplit=1)[0]), int(fields[1]), sum(int(v) for v in fields[11:15])
 
 
 def _affinity() -> set[int]:

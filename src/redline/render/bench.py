@@ -118,6 +118,12 @@ def steps_told(result: Mapping[str, Any]) -> str:
         told = "no row was timed" + (f" ({asked} steps asked, in windows of {window})" if asked else "")
     if result.get("isolated"):
         told += ", each row in a process of its own"
+    machine = result.get("machine") or {}
+    if machine.get("busy"):  # other work took CPUs the rows' threads wanted: every row ran slower, not all alike
+        told += (
+            f"; other processes kept {machine.get('others_cpus')} CPUs busy meanwhile, fewer free than the rows' "
+            "threads need, so the timings carry their load (a quiet machine's may rank the rows otherwise)"
+        )
     if result.get("interrupted"):  # a Ctrl-C: the rows are the batch sizes finished before it
         estimating = result["interrupted"].endswith("while estimating memory")  # after every row was timed
         told += f"; {result['interrupted']}, so " + (
