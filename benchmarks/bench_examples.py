@@ -142,6 +142,15 @@ ISOLATED = (
 )
 
 
+def load(result: redline.BenchResult) -> str:
+    """What other processes took of the CPUs while the task's bench ran (hardware/contention.py)."""
+    others = result.machine.get("others_cpus")
+    if others is None:
+        return "- Other processes' load on the CPUs: not read (no /proc, or REDLINE_CONTENTION=off)."
+    busy = "fewer free than the rows' threads need: the timings carry it" if result.machine.get("busy") else "quiet"
+    return f"- Other processes kept {others:g} CPUs busy while this bench ran ({busy})."
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="example:digits,example:chargpt")
@@ -156,9 +165,9 @@ def main() -> None:
     body = [
         f"`redline bench` per task: {args.steps} timed steps per row in windows of {args.window}, rows taking "
         f"turns in rotating rounds after a warm-up window each{ISOLATED if args.isolate else ''}. samples/s is the "
-        "median window; speed-ups "
-        "are against the naive loop's median in the same run (in brackets, the 95% interval of the median of "
-        "the round-by-round speed-ups). Peak memory is left out here: on a CPU it "
+        "median window; a speed-up "
+        "is the median of the round-by-round speed-ups over the naive loop in the same run (in brackets, its 95% "
+        "interval). Peak memory is left out here: on a CPU it "
         "is the whole process's (see the JSON).",
         "",
     ]
@@ -171,7 +180,7 @@ def main() -> None:
         )  # fmt: skip
         results.append(result.to_dict())
         planned = args.planned_steps or task_steps(task, task.batch_size) or 1000
-        body += [f"### `{spec}` at batch {task.batch_size}", "", *table(result), "", *verdict(result)]
+        body += [f"### `{spec}` at batch {task.batch_size}", "", *table(result), "", *verdict(result), load(result)]
         body += [*planned_run(result, planned), ""]
         print("\n".join(body[-12:]), flush=True)
     if args.json:
