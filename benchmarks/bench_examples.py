@@ -165,9 +165,9 @@ def main() -> None:
     body = [
         f"`redline bench` per task: {args.steps} timed steps per row in windows of {args.window}, rows taking "
         f"turns in rotating rounds after a warm-up window each{ISOLATED if args.isolate else ''}. samples/s is the "
-        "median window; a speed-up "
-        "is the median of the round-by-round speed-ups over the naive loop in the same run (in brackets, its 95% "
-        "interval). Peak memory is left out here: on a CPU it "
+        "median window; speed-ups "
+        "are against the naive loop's median in the same run (in brackets, the 95% interval of the median of "
+        "the round-by-round speed-ups). Peak memory is left out here: on a CPU it "
         "is the whole process's (see the JSON).",
         "",
     ]

@@ -4,10 +4,9 @@ import dataclasses
 
 import pytest
 
-from redline.bench.figures import break_even, paired_interval, paired_speedup, percentile, rate, speedup, step_times
+from redline.bench.figures import break_even, paired_interval, percentile, rate, speedup, step_times
 from redline.bench.matrix import Setting, expand
 from redline.bench.result import BenchRow
-from redline.bench.rows import _with_speedups
 from redline.bench.run import _with_estimates
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
@@ -84,33 +83,6 @@ def test_too_few_rounds_give_no_interval_and_rounds_one_side_lacks_are_left_out(
     assert paired_interval([1.0] * 6, [0.5] * 6) == (2.0, 2.0)
     assert paired_interval([1.0] * 9, [0.5] * 5) is None  # a row that failed after five rounds: five pairs
     assert paired_interval([1.0, 0.0] * 3, [0.5] * 6) is None  # a window of no time is no measurement
-
-
-def test_the_speedup_shown_is_the_center_of_its_own_interval_where_the_rounds_give_one():
-    # Bimodal windows (stalls, a small --window): the ratio of the medians said 9.09x, the paired interval
-    # [0.909, 0.909], printed on one line. Seven rounds: the median of their own ratios is the headline.
-    naive, row = [10.0] * 7 + [1.0] * 5, [11.0] * 5 + [1.1] * 7
-    assert speedup(rate(row, 1), rate(naive, 1)) == pytest.approx(9.09, rel=1e-3)  # the ratio of the medians
-    value, interval = paired_speedup(naive, row)
-    assert value == pytest.approx(10 / 11) and interval == (pytest.approx(10 / 11), pytest.approx(10 / 11))
-    # too few rounds for an interval: the ratio of the median windows, and no interval
-    assert paired_speedup([2.0, 4.0, 2.0], [1.0, 1.0, 1.0]) == (2.0, None)
-    assert paired_speedup([], []) == (None, None)
-
-
-def test_each_rows_speedups_over_its_devices_naive_loop_and_the_cpus_lie_in_their_intervals():
-    settings = [Setting("naive", "cpu", "fp32", False, 32), Setting("explicit", "cpu", "bf16-mixed", False, 32)]
-    settings.append(Setting("naive", "cuda", "fp32", False, 32))
-    rows = [BenchRow(s.name, s.kind, s.device, s.precision, s.compile, False, 32) for s in settings]
-    cpu_naive, cuda_naive = [10.0] * 7 + [1.0] * 5, [1.0] * 12
-    timed = {0: (cpu_naive, ""), 1: ([11.0] * 5 + [1.1] * 7, ""), 2: (cuda_naive, "")}
-    position = {s: i for i, s in enumerate(settings)}
-    naive, bf16, cuda = _with_speedups(rows, settings, timed, position, {"cpu": cpu_naive, "cuda": cuda_naive})
-    assert naive.speedup_naive == 1.0 and naive.speedup_naive_interval is None and naive.speedup_cpu_fp32 == 1.0
-    low, high = bf16.speedup_naive_interval
-    assert low <= bf16.speedup_naive <= high and bf16.speedup_naive == pytest.approx(10 / 11)
-    assert bf16.speedup_cpu_fp32 == bf16.speedup_naive  # the same naive loop: the same figure
-    assert cuda.speedup_naive == 1.0 and cuda.speedup_cpu_fp32 == pytest.approx(10.0)  # 7 rounds of 12 at 10x
 
 
 def test_expand_gives_naive_then_the_matrix_then_auto_per_device_and_size():

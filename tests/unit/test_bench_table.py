@@ -159,6 +159,12 @@ def test_the_best_line_gives_auto_its_round_by_round_interval_where_enough_round
     assert "auto cpu b64 (what `redline train` runs: fp32, eager): 0.99x the naive loop (round by round: " in line
     assert "0.97-1.02x, the median's 95% interval), 99% of the fastest" in line
     assert "round by round" not in best_line(result_of(naive, dict(auto, speedup_naive_interval=None)))
+    # bimodal windows on a loaded machine: the median windows' ratio fell outside the rounds' own interval, said as is
+    unsteady = best_line(result_of(naive, dict(auto, speedup_naive_interval=[0.64, 0.97], speedup_naive=1.84)))
+    assert "(round by round: 0.64-0.97x, the median's 95% interval; the median windows' 1.84x lies outside it: " in (
+        unsteady
+    )
+    assert "the machine's speed changed while the rounds ran" in unsteady and "outside" not in line
 
 
 def test_the_best_line_where_the_naive_loop_failed_says_so_not_na():

@@ -54,19 +54,6 @@ def speedup(rate_: float | None, baseline: float | None) -> float | None:
     return rate_ / baseline
 
 
-def paired_speedup(
-    baseline: Sequence[float], windows: Sequence[float], confidence: float = 0.95
-) -> tuple[float | None, tuple[float, float] | None]:
-    """How many times faster ``windows`` ran than ``baseline``, timed in the same rounds, and where that lies with
-    ``confidence``: the median of the rounds' own ratios, the center of ``paired_interval``, with that interval;
-    with too few rounds for one, the ratio of the median windows and None. One estimate, so the speed-up shown
-    always lies in the interval shown beside it (with bimodal windows the ratio of medians can lie outside)."""
-    interval = paired_interval(baseline, windows, confidence)
-    if interval is None:
-        return speedup(rate(windows, 1.0), rate(baseline, 1.0)), None
-    return statistics.median(_paired_ratios(baseline, windows)), interval
-
-
 def paired_interval(
     baseline: Sequence[float], windows: Sequence[float], confidence: float = 0.95
 ) -> tuple[float, float] | None:
@@ -74,14 +61,9 @@ def paired_interval(
     baseline's window time over this row's, timed in the same round, so a drift of the machine's speed weighs on
     both), by the order statistics a binomial gives the median of any distribution. None with too few rounds
     (six at 95%)."""
-    ratios = _paired_ratios(baseline, windows)
+    ratios = sorted(b / w for b, w in zip(baseline, windows, strict=False) if b > 0 and w > 0)
     rank = _order_rank(len(ratios), (1 - confidence) / 2)
     return (ratios[rank - 1], ratios[len(ratios) - rank]) if rank else None
-
-
-def _paired_ratios(baseline: Sequence[float], windows: Sequence[float]) -> list[float]:
-    """Each round's baseline window time over this row's, in order; a window of no time is no measurement."""
-    return sorted(b / w for b, w in zip(baseline, windows, strict=False) if b > 0 and w > 0)
 
 
 def _order_rank(n: int, tail: float) -> int:

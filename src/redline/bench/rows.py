@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from redline.bench.figures import break_even, paired_speedup, percentile, rate, step_times
+from redline.bench.figures import break_even, paired_interval, percentile, rate, speedup, step_times
 from redline.bench.isolate import RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, ran_eagerly
 from redline.bench.matrix import Setting
@@ -92,7 +92,7 @@ def bench_rows(
         rows.append(dataclasses.replace(row, loss_step=last + 1))
         if setting.kind == "naive":  # it ran whole: the others' rounds pair with its windows
             naive[setting.device] = windows
-    return _with_break_even(_with_shared_compiles(_with_speedups(rows, group, timed, position, naive)))
+    return _with_break_even(_with_shared_compiles(_with_intervals(rows, group, timed, position, naive)))
 
 
 def _facts_or_error(
@@ -111,25 +111,20 @@ def _facts_or_error(
     return facts.eager or facts
 
 
-def _with_speedups(
+def _with_intervals(
     rows: list[BenchRow],
     group: list[Setting],
     timed: dict[int, tuple[list[float], str]],
     position: dict[Setting, int],
     naive: dict[str, list[float]],
 ) -> list[BenchRow]:
-    """Give each row that ran its speed-ups over the naive loop of its device and over the CPU's, where that loop
-    ran whole (a failed one's windows are no measurement): the median of the rounds' paired ratios, with its 95%
-    interval where enough rounds ran for one (``paired_speedup``), else the ratio of the median windows."""
+    """Give each row that ran the interval of its round-by-round speed-up over the naive loop of its device, where
+    that loop ran whole (a failed one's windows are no measurement)."""
     out = []
     for setting, row in zip(group, rows, strict=True):
-        if not row.error:
-            windows = timed[position[setting]][0]
-            own, interval = paired_speedup(naive[setting.device], windows) if setting.device in naive else (None, None)
-            cpu, _ = paired_speedup(naive["cpu"], windows) if "cpu" in naive else (None, None)
-            if setting.kind == "naive":  # against itself: 1.0, and no interval
-                own, interval = 1.0, None
-            row = dataclasses.replace(row, speedup_naive=own, speedup_naive_interval=interval, speedup_cpu_fp32=cpu)
+        if setting.kind != "naive" and not row.error and setting.device in naive:
+            interval = paired_interval(naive[setting.device], timed[position[setting]][0])
+            row = dataclasses.replace(row, speedup_naive_interval=interval)
         out.append(row)
     return out
 
@@ -239,3 +234,15 @@ def _with_break_even(rows: list[BenchRow]) -> list[BenchRow]:
             row = dataclasses.replace(row, break_even_steps=steps)
         out.append(row)
     return out
+
+
+def with_speedups(rows: list[BenchRow]) -> list[BenchRow]:
+    naive = {(r.device, r.batch_size): r.samples_per_s for r in rows if r.kind == "naive" and not r.error}
+    return [
+        dataclasses.replace(
+            row,
+            speedup_naive=speedup(row.samples_per_s, naive.get((row.device, row.batch_size))),
+            speedup_cpu_fp32=speedup(row.samples_per_s, naive.get(("cpu", row.batch_size))),
+        )
+        for row in rows
+    ]

@@ -29,7 +29,7 @@ from redline.bench.loops import Runner, first_step_seconds, naive_runner, quiet_
 from redline.bench.matrix import Setting, expand, listed
 from redline.bench.memory import Peak, PeakMemory
 from redline.bench.result import BenchResult, BenchRow
-from redline.bench.rows import Built, base_row, bench_rows, row_error
+from redline.bench.rows import Built, base_row, bench_rows, row_error, with_speedups
 from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     ConfigError,
@@ -156,6 +156,7 @@ def benchmark(
             task_error = task_error or exc  # say so, and the sizes measured before it stay
             group_rows = [dataclasses.replace(base_row(setting), error=str(exc)) for setting in group]
         rows += group_rows
+    rows = with_speedups(rows)
     try:
         rows = list(_with_estimates(rows, estimate))
     except KeyboardInterrupt as exc:  # the rows are timed: shown and written without the estimates still to come

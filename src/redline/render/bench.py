@@ -186,7 +186,14 @@ def interval_told(row: Mapping[str, Any]) -> str:
     interval = row.get("speedup_naive_interval")
     if not interval:
         return ""
-    return f" (round by round: {interval[0]:.2f}-{interval[1]:.2f}x, the median's 95% interval)"
+    told = f" (round by round: {interval[0]:.2f}-{interval[1]:.2f}x, the median's 95% interval"
+    speedup = row.get("speedup_naive")
+    if speedup is not None and not interval[0] <= round(speedup, 2) <= interval[1]:  # as printed
+        told += (
+            f"; the median windows' {speedup:.2f}x lies outside it: the machine's speed changed while the rounds ran, "
+            "so these figures are unsteady (run it again on a quiet machine, or with a larger --window)"
+        )
+    return told + ")"
 
 
 def _auto_settings(auto: Mapping[str, Any]) -> str:

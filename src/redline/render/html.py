@@ -227,8 +227,8 @@ def _bench_charts(ok: Sequence[Mapping[str, Any]], *, isolated: bool) -> list[st
             out.append(figure(chart, KIND_LEGEND))
         elif key == "samples_per_s":
             out.append(paragraph("note", "No configuration measured samples/s."))
-    speedup = _bars(ok, "speedup_naive", title="Speed-up over the naive loop", reference=1.0,
-                    xlabel="x the naive loop, timed side by side in the same rounds")  # fmt: skip
+    speedup = _bars(ok, "speedup_naive", title="Speed-up over the naive loop", xlabel="x the naive loop's samples/s",
+                    reference=1.0)  # fmt: skip
     if speedup is not None:
         out.append(figure(speedup, "The dashed line is the naive loop (1.0x); a bar past it is faster."))
     mfu = _bars(ok, "mfu", title="Model FLOP utilisation (MFU)", xlabel="% of the device's peak FLOP/s")
