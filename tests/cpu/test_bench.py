@@ -220,7 +220,7 @@ def test_the_auto_row_of_a_run_too_short_to_repay_a_trial_keeps_the_rule_as_trai
     assert auto["value"] == trained.value
     # The same reason, but for the way to measure anyway (bench has no --trial flag), and the run's steps counted
     # toward its workload's later runs: a bench reads that count, and adds nothing to it.
-    counted = "; this workload's next run here to bring them to 260 measures"
+    counted = "; this workload's next run here to bring them to 260, of 26 steps or more, measures"
     assert counted in trained.reason and counted not in auto["reason"]
     assert auto["reason"] == trained.reason.replace(counted, "").replace(
         "--trial on measures anyway", "--planned-steps with your run's length measures it where that repays it"

@@ -7,7 +7,7 @@ from redline.hardware import contention
 from redline.hardware.contention import ENV, Contention, Sampler
 from redline.parallel.env import DistEnv
 from redline.runtime import measure
-from redline.runtime.measure import measure_auto
+from redline.runtime.measure import measure_auto, measure_run
 from redline.runtime.options import RuntimeOptions
 
 
@@ -59,7 +59,7 @@ def test_other_work_on_the_processs_cpus_is_counted_and_on_others_is_not(machine
     machine.run(2.0, own_cores=0.4, other_cores=1.6)  # three other processes squeezed ours
     busy = sampler.stop(threads=2)
     assert busy is not None and busy.others == pytest.approx(1.6) and busy.contended
-    assert str(busy) == "other processes kept 1.6 of this machine's 2 CPUs busy"
+    assert str(busy) == "other processes kept 1.6 of the 2 CPU(s) it may run on busy"
 
 
 def test_a_neighbour_on_a_cpu_the_process_does_not_need_takes_nothing_from_it(machine):
@@ -127,9 +127,9 @@ def busy_then_quiet(tmp_path, monkeypatch):
 def test_a_trial_on_a_busy_machine_says_so_and_the_next_run_that_repays_one_measures_again(busy_then_quiet):
     def run(planned):
         options = RuntimeOptions(devices="cpu")
-        return measure_auto(tiny_task(), options, 16, planned, DistEnv(), trial="auto", counts=True)["precision"]
+        return measure_run(tiny_task(), options, 16, planned, DistEnv(), trial="auto")[0]["precision"]
 
-    note = "; measured while other processes kept 1.6 of this machine's 2 CPUs busy, so a run that repays a trial"
+    note = "; measured while other processes kept 1.6 of the 2 CPU(s) it may run on busy, so a run that repays a trial"
     first = run(1000)
     assert first.value == "bf16-mixed" and first.reason.endswith(f"{note} measures again")
     short = run(50)  # too short to measure: takes the busy verdict, and says how it was measured
@@ -138,3 +138,14 @@ def test_a_trial_on_a_busy_machine_says_so_and_the_next_run_that_repays_one_meas
     assert len(busy_then_quiet) == 2 and "measured while" not in again.reason and "cached" not in again.reason
     quiet = run(1000)  # the quiet verdict is final
     assert len(busy_then_quiet) == 2 and "cached from" in quiet.reason and "measured while" not in quiet.reason
+
+
+def test_a_trial_whose_load_could_not_be_read_leaves_an_earlier_busy_note_standing(busy_then_quiet, monkeypatch):
+    def run(trial):
+        return measure_auto(tiny_task(), RuntimeOptions(devices="cpu"), 16, 1000, DistEnv(), trial=trial)["precision"]
+
+    assert "measured while" in run("auto").reason
+    monkeypatch.setattr(measure.Sampler, "stop", lambda self, threads: None)  # too short to tell, or no /proc
+    assert "measured while" not in run("fresh").reason and len(busy_then_quiet) == 2
+    run("auto")  # the fresh trial was not known to be quiet: the busy note stands, and a run that repays one measures
+    assert len(busy_then_quiet) == 3

@@ -8,15 +8,17 @@ from test_trial import tiny_task  # the same tiny task
 
 from redline.parallel.env import DistEnv
 from redline.runtime import measure
-from redline.runtime.measure import RUNS, measure_auto
+from redline.runtime.measure import RUNS, measure_auto, measure_run
 from redline.runtime.options import RuntimeOptions
 from redline.train.trainer import Trainer
 
 
 def run(planned: float, *, counts: bool = True, trial: str = "auto", batch: int = 16):
     """The precision the Trainer's run of ``planned`` steps of the tiny task would take."""
-    options = RuntimeOptions(devices="cpu")
-    return measure_auto(tiny_task(), options, batch, planned, DistEnv(), trial=trial, counts=counts)["precision"]
+    options, env = RuntimeOptions(devices="cpu"), DistEnv()
+    if counts:  # a Trainer's run
+        return measure_run(tiny_task(), options, batch, planned, env, trial=trial)[0]["precision"]
+    return measure_auto(tiny_task(), options, batch, planned, env, trial=trial)["precision"]  # a bench's
 
 
 def test_the_run_that_brings_a_workloads_runs_to_what_repays_a_trial_measures(asked_rounds):
@@ -24,7 +26,7 @@ def test_the_run_that_brings_a_workloads_runs_to_what_repays_a_trial_measures(as
     assert first.value == "fp32" and asked_rounds == []
     assert first.reason.endswith(
         "not measured: a trial costs 26 steps or more, which a run of 260 repays, not this one of 176; this workload's "
-        "next run here to bring them to 260 measures (--trial on measures anyway)"
+        "next run here to bring them to 260, of 26 steps or more, measures (--trial on measures anyway)"
     )
     second = run(176)  # 352 steps in all: four rounds (34 steps) fit
     assert second.value == "bf16-mixed" and asked_rounds == [4]
@@ -38,11 +40,25 @@ def test_the_run_that_brings_a_workloads_runs_to_what_repays_a_trial_measures(as
     assert asked_rounds == [4]  # the third paid nothing
 
 
+def test_the_steps_that_paid_for_a_trial_pay_for_no_other(asked_rounds, tmp_path):
+    """The tally stayed at what it was: with no final verdict cached (a busy machine's, one out of memory), every run
+    as long as a trial measured again, each saying the same earlier steps paid for it."""
+    run(176)
+    assert run(176).value == "bf16-mixed" and asked_rounds == [4]
+    (tally,) = (tmp_path / RUNS).iterdir()
+    assert json.loads(tally.read_text())["measured"] == [0]
+    for entry in (tmp_path / "trials").iterdir():  # as though the trial had not been cached
+        entry.unlink()
+    again = run(40)
+    assert again.value == "fp32" and asked_rounds == [4] and "not this one of 40;" in again.reason
+
+
 def test_runs_add_up_by_workload_and_a_run_shorter_than_the_trial_never_pays_for_it(asked_rounds):
     for _ in range(20):  # 400 steps: enough to repay a trial, but each run is shorter than one
         short = run(20)
     assert short.value == "fp32" and asked_rounds == []
-    assert "a trial costs 26 steps or more, more than this run of 20 (" in short.reason
+    assert "more than this run of 20; this workload's runs here add up to 400 steps: " in short.reason
+    assert short.reason.endswith("its next of 26 steps or more measures (--trial on measures anyway)")
     other = run(176, batch=32)  # another batch is another workload: its runs start from none
     assert other.value == "fp32" and "not this one of 176; this workload's next run" in other.reason
     assert run(30).value == "bf16-mixed" and asked_rounds == [3]  # 430 steps repay four rounds; this run pays for three
@@ -82,7 +98,7 @@ def test_the_trainer_counts_its_runs_and_the_second_short_one_measures(asked_rou
         with Trainer(task, max_epochs=1, progress=False) as trainer:
             plans.append(trainer.fit().plan.precision)
     assert [p.value for p in plans] == ["fp32", "bf16-mixed"] and asked_rounds == [4]
-    assert "next run here to bring them to 260 measures" in plans[0].reason
+    assert "next run here to bring them to 260, of 26 steps or more, measures" in plans[0].reason
     assert "measured by this run of 176 steps" in plans[1].reason
 
 
@@ -101,5 +117,7 @@ def test_the_fits_end_to_end_time_counts_its_trial_and_says_how_long_the_trial_t
     fit_seconds = time.perf_counter() - began
     assert asked_rounds == [4] and summary.trial_seconds is not None and summary.trial_seconds >= 0.4
     assert summary.trial_seconds < summary.train_seconds <= fit_seconds
+    with Trainer(tiny_task(), max_steps=3, trial="on", progress=False) as trainer:
+        assert trainer.fit().trial_seconds is None  # read from the cache: no trial ran
     with Trainer(tiny_task(), max_steps=3, progress=False, runtime=RuntimeOptions(precision="fp32")) as trainer:
         assert trainer.fit().trial_seconds is None  # a precision given: nothing to try

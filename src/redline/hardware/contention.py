@@ -52,7 +52,7 @@ class Contention:
         return self.cpus - self.others < ROOM * min(self.threads, self.cpus)
 
     def __str__(self) -> str:
-        return f"other processes kept {self.others:.1f} of this machine's {self.cpus} CPUs busy"
+        return f"other processes kept {self.others:.1f} of the {self.cpus} CPU(s) it may run on busy"
 
 
 class Sampler:

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -95,7 +95,6 @@ def measure_auto(
     *,
     trial: str,
     insist: str = "--trial on measures anyway",
-    counts: bool = False,
 ) -> dict[str, Choice[str]]:
     """The "auto" choices a trial measured for this run (``{"precision": ...}``: the rule's where it did not
     measure, with why; and ``"attention"`` where it timed the kernels too), or {} where none applies.
@@ -103,17 +102,39 @@ def measure_auto(
     ``trial`` is a ``TrialRequest``: "auto" (measure when the run repays it), "on", "fresh" (measured again, the
     cached measurement replaced) or "off"; ``insist`` tells, in the reason of a run too short to repay a trial, how
     the command at hand would measure anyway. Under "auto" the steps of the workload's earlier runs here that did not
-    measure count toward repaying a trial; ``counts`` (a run's, not a bench's) adds this run's to them where it does
-    not measure either.
+    measure count toward repaying a trial (a bench reads them, as the run it stands for would; ``measure_run`` adds a
+    run's own).
     """
+    return _measured(task, options, batch_size, planned_steps, env, trial=trial, insist=insist, counts=False)[0]
+
+
+def measure_run(
+    task: Task, options: RuntimeOptions, batch_size: int, planned_steps: float, env: DistEnv, *, trial: str
+) -> tuple[dict[str, Choice[str]], float | None]:
+    """``measure_auto`` for a Trainer's run, whose steps, where it does not measure, count toward its workload's later
+    runs; and the seconds its trial took where one ran (None where it read the cache, or none ran)."""
+    return _measured(task, options, batch_size, planned_steps, env, trial=trial, counts=True)
+
+
+def _measured(
+    task: Task,
+    options: RuntimeOptions,
+    batch_size: int,
+    planned_steps: float,
+    env: DistEnv,
+    *,
+    trial: str,
+    counts: bool,
+    insist: str = "--trial on measures anyway",
+) -> tuple[dict[str, Choice[str]], float | None]:
     work = _workload(options, batch_size, env)
     if work is None:
-        return {}  # a precision given, or none worth trying here: the rule's reason says why
+        return {}, None  # a precision given, or none worth trying here: the rule's reason says why
     rule = resolve_precision("auto", work.facts)
     if trial == "off":
-        return {"precision": Choice(rule.value, f"{rule.reason}; {NOT_MEASURED} the trial is off")}
+        return {"precision": Choice(rule.value, f"{rule.reason}; {NOT_MEASURED} the trial is off")}, None
 
-    def trial_on_rank0() -> tuple[str, str, bool]:
+    def trial_on_rank0() -> tuple[str, str, bool, float | None]:
         keys = _keys(task, work)
         earlier = earlier_steps(keys.runs) if trial == "auto" else 0.0
 
@@ -126,27 +147,16 @@ def measure_auto(
             if counts:
                 write_cache(RUNS, keys.runs, [earlier + planned_steps])
             why = unrepaid(work.candidates, planned_steps, earlier, counted=counts)
-            return rule.value, f"{rule.reason}; {NOT_MEASURED} {why} ({insist})", False
-        chosen, kernels = found
-        ran = chosen.reason.startswith("measured:") and CACHED not in chosen.reason  # a trial's, not the cache's
-        if trial == "auto" and ran and repaid_rounds(work.candidates, planned_steps) == 0:
+            return rule.value, f"{rule.reason}; {NOT_MEASURED} {why} ({insist})", False, None
+        chosen = found.choice
+        if trial == "auto" and found.seconds is not None and repaid_rounds(work.candidates, planned_steps) == 0:
             runs = f"{earlier + planned_steps:g} steps with the earlier ones' {earlier:g}"
             paid = f"; measured by this run of {planned_steps:g} steps, as this workload's runs here add up to {runs}"
             chosen = Choice(chosen.value, chosen.reason + paid)
-        return chosen.value, chosen.reason, kernels
+        return chosen.value, chosen.reason, found.kernels, found.seconds
 
-    value, reason, kernels = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its failure
-    return work.choices(Choice(value, reason), kernels=kernels)  # stops all
-
-
-def measure_run(
-    task: Task, options: RuntimeOptions, batch_size: int, planned_steps: float, env: DistEnv, *, trial: str
-) -> tuple[dict[str, Choice[str]], float | None]:
-    """``measure_auto`` for a Trainer's run, whose steps count toward its workload's later runs (``counts``), and the
-    seconds it took, the trial run or read from the cache (None where no precision was left to try)."""
-    began = time.perf_counter()
-    measured = measure_auto(task, options, batch_size, planned_steps, env, trial=trial, counts=True)
-    return measured, time.perf_counter() - began if measured else None
+    value, reason, kernels, seconds = run_on_rank0(trial_on_rank0, "the precision trial")  # rank 0's, on all; its
+    return work.choices(Choice(value, reason), kernels=kernels), seconds  # failure stops all
 
 
 def repaid_rounds(candidates: Sequence[Any], planned_steps: float, earlier: float = 0.0) -> int:
@@ -162,14 +172,20 @@ def repaid_rounds(candidates: Sequence[Any], planned_steps: float, earlier: floa
 
 def unrepaid(candidates: Sequence[Any], planned_steps: float, earlier: float, *, counted: bool) -> str:
     """Why a run of ``planned_steps`` does not measure ``candidates`` (``earlier``: the steps of the workload's runs
-    here that did not measure either; ``counted``: whether this run's are added to them)."""
+    here that did not measure either; ``counted``: whether this run's are added to them), and which run will."""
     cost = trial_steps(candidates, LEAST_ROUNDS)
+    repays = REPAY * cost
     if planned_steps < cost:
-        return f"a trial costs {cost} steps or more, more than this run of {planned_steps:g}"
-    runs = f" with the earlier runs' {earlier:g} of this workload here" if earlier else ""
-    later = f"; this workload's next run here to bring them to {REPAY * cost} measures" if counted else ""
-    repaid = f"which a run of {REPAY * cost} repays, not this one of {planned_steps:g}"
-    return f"a trial costs {cost} steps or more, {repaid}{runs}{later}"
+        why = f"a trial costs {cost} steps or more, more than this run of {planned_steps:g}"
+    else:
+        why = f"a trial costs {cost} steps or more, which a run of {repays} repays, not this one of {planned_steps:g}"
+        why += f" with the earlier runs' {earlier:g} of this workload here" if earlier else ""
+    if not counted:
+        return why
+    total = earlier + planned_steps
+    if total >= repays:
+        return f"{why}; this workload's runs here add up to {total:g} steps: its next of {cost} steps or more measures"
+    return f"{why}; this workload's next run here to bring them to {repays}, of {cost} steps or more, measures"
 
 
 def earlier_steps(key: str) -> float:
@@ -294,7 +310,12 @@ def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, 
     return device, probe_device(device)
 
 
-Found = tuple[Choice[str], bool]  # the trial's choice of form, and whether it timed attention kernels
+class Found(NamedTuple):
+    """A trial's choice of form, whether it timed attention kernels, and its seconds where it ran (not the cache's)."""
+
+    choice: Choice[str]
+    kernels: bool
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -360,10 +381,12 @@ def _measure_or_recall(
     found = None if fresh else _recall(work, keys, where, busy_too=recall_only)
     if found is not None or recall_only:
         return found
+    began = time.perf_counter()
     model = task.build_model()
     kept = half_model_keeps_fp32(model, work.candidates[0], "auto")  # nothing to time: mixed would refuse the model
     if kept is not None:
-        return kept, False
+        return Found(kept, False)
+    sampler = Sampler().start() if work.device.type == "cpu" else None  # other work on the CPUs it times
     check_trainable(model)  # as setup refuses it: the trial's optimizer would raise torch's bare error
     loader = DataLoader(task.train_data, batch_size=local_batch, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data", collate_fn=loader.collate_fn)
@@ -378,7 +401,6 @@ def _measure_or_recall(
         (names, picking), key = work.picked_forms(calls), with_kernels
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     kernel = None if work.attention == "auto" else work.attention
-    sampler = Sampler().start() if work.device.type == "cpu" else None  # other work on the CPUs it times
     with ProcessSettings(tf32=resolve_tf32(facts).value, attention=kernel).enter():  # fp32 as the run will have it
         measured = run_trial(
             model, task.optimizer, task.loss_fn, batch, work.device, names, zero_after_step=zero_after_step,
@@ -388,10 +410,13 @@ def _measure_or_recall(
     busy = f"; measured while {contention}, so a run that repays a trial measures again" if (
         contention is not None and contention.contended
     ) else ""  # fmt: skip
+    if earlier_steps(keys.runs):  # the short runs' steps paid for this trial: a later one is paid for anew
+        write_cache(RUNS, keys.runs, [0])
+    seconds = time.perf_counter() - began
     reason = unusable(measured)
     if reason:  # nothing cached: the same model with a working loss or learning rate is measured next time
         rule = resolve_precision("auto", facts)
-        return Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})"), False
+        return Found(Choice(rule.value, f"{rule.reason}; the trial could not measure fp32 ({reason})"), False, seconds)
     _log(measured)
     choice = choose(measured, where)
     if picking:
@@ -400,13 +425,13 @@ def _measure_or_recall(
     short_of_memory = [m.precision for m in measured if m.out_of_memory]
     if short_of_memory:  # the machine's free memory at the time, not the model's: the next run measures again
         told = f"not cached: {', '.join(short_of_memory)} ran out of memory, which a run with more free may not"
-        return Choice(choice.value, f"{choice.reason}; {told}"), key == with_kernels
+        return Found(Choice(choice.value, f"{choice.reason}; {told}"), key == with_kernels, seconds)
     store(key, measured)
     if key == with_kernels:  # beside it, how each kernel was picked (none: written over an earlier pick's)
         write_cache(PICKED, key, [picking] if picking else [])
-    if busy or read_cache(BUSY, key):  # a quiet trial's entry clears a busy one's note
+    if busy or (contention is not None and read_cache(BUSY, key)):  # a trial known quiet clears a busy one's note
         write_cache(BUSY, key, [busy] if busy else [])
-    return choice, key == with_kernels
+    return Found(choice, key == with_kernels, seconds)
 
 
 def _recall(work: _Workload, keys: _Keys, where: str, *, busy_too: bool) -> Found | None:
@@ -423,7 +448,7 @@ def _recall(work: _Workload, keys: _Keys, where: str, *, busy_too: bool) -> Foun
             choice = choose(measured, where)
             picked = read_cache(PICKED, key) if kernels else None  # how a kernel was picked, where it was so
             told = "".join(f"; {line}" for line in picked[0] if isinstance(line, str)) if picked else ""
-            return Choice(choice.value, f"{choice.reason}{told}{busy}{CACHED}{when}"), kernels
+            return Found(Choice(choice.value, f"{choice.reason}{told}{busy}{CACHED}{when}"), kernels)
     return None
 
 

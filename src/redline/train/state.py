@@ -277,7 +277,7 @@ class Run:
     resumed: Checkpoint | None
     last_ckpt: Checkpoint | None
     start: float = field(default_factory=time.perf_counter)  # when fit() began setting up: the run's end-to-end time
-    trial_seconds: float | None = None  # the precision trial's, run or read from the cache; None: no precision to try
+    trial_seconds: float | None = None  # the precision trial's where one ran (not read from the cache), else None
     checkpointed_at: float = field(default_factory=time.perf_counter)  # the clock of --checkpoint-minutes
     window: Window = field(default_factory=Window)
     micro_loss: torch.Tensor | None = None  # the step's micro-batches' summed loss, until the step completes

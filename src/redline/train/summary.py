@@ -36,7 +36,7 @@ class TrainSummary:
     train_seconds: (
         float  # the whole fit, end to end: setting up (the trial too), steps, evaluation, checkpoints, compiles
     )
-    trial_seconds: float | None  # the precision trial's, run or read from the cache; None where no precision was tried
+    trial_seconds: float | None  # the precision trial's where one ran; None where none did, or the cache answered
     eval_seconds: float | None  # spent evaluating (left out of the rates)
     checkpoint_seconds: float | None  # spent writing checkpoints (left out of the rates)
     callback_seconds: float | None  # spent in the callbacks' hooks (left out of the rates)
