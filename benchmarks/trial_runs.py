@@ -1,0 +1,86 @@
+"""Short runs of one workload add up: chargpt's default run, three times in a row, with auto against fp32.
+
+chargpt's default run (176 steps) is too short to repay a precision trial alone, so before its runs added up every
+run kept fp32. Now the first run counts its steps and the second, which brings them to 352, measures. For each
+repeat, `redline train --task example:chargpt` runs three times in a row on an empty trial cache with every option
+on auto, and three times with `--trial off` (the rule: fp32), the two series in alternating order. The table gives
+each run's wall time, the precision and attention kernel it ran, and the trial's seconds; the ratio is fp32's wall
+time over auto's for the same run of the series (above 1: auto faster), its median over the repeats. Every run has
+empty compile caches of its own.
+
+    python benchmarks/trial_runs.py [--repeats 2] [--write NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+import environment
+
+SPEC, RUNS = "example:chargpt", 3
+
+
+def train(cache: str, *flags: str) -> tuple[dict, float]:
+    """Run `redline train` once on the trial cache ``cache``; return its summary and the process's wall seconds."""
+    command = [sys.executable, "-m", "redline", "train", "--task", SPEC, "--json", "--no-progress", *flags]
+    with environment.fresh_caches() as env:
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env={**env, "REDLINE_CACHE_DIR": cache})
+        wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-2000:])
+    return json.loads(done.stdout), wall
+
+
+def series(*flags: str) -> list[tuple[dict, float]]:
+    """Three runs in a row on one empty trial cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        return [train(cache, *flags) for _ in range(RUNS)]
+
+
+def ran(summary: dict) -> str:
+    plan = summary["plan"]
+    return f"{plan['precision']['value']}, {plan['attention']['value']} attention"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
+    args = parser.parse_args()
+    ratios: list[list[float]] = [[] for _ in range(RUNS)]
+    rows = []
+    for repeat in range(args.repeats):
+        order = [("auto", ()), ("fp32", ("--trial", "off"))]
+        done = {name: series(*flags) for name, flags in (order if repeat % 2 == 0 else order[::-1])}
+        for i, ((auto, auto_s), (fp32, fp32_s)) in enumerate(zip(done["auto"], done["fp32"], strict=True)):
+            ratios[i].append(fp32_s / auto_s)
+            trial = auto.get("trial_seconds")
+            rows.append(
+                f"| {repeat + 1} | {i + 1} | {ran(auto)} | {'' if trial is None else f'{trial:.1f}'} | {auto_s:.1f} "
+                f"| {ran(fp32)} | {fp32_s:.1f} | {fp32_s / auto_s:.3f}x |"
+            )
+            print(rows[-1], flush=True)
+            if repeat == 0:
+                print("   auto's precision reason:", auto["plan"]["precision"]["reason"], flush=True)
+    body = [
+        __doc__.split("\n\n")[1].replace("\n", " "),
+        "",
+        "| repeat | run | auto ran | trial s | auto wall s | `--trial off` ran | wall s | fp32/auto wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        "Median fp32/auto wall time by run: "
+        + ", ".join(f"run {i + 1} **{environment.median(r):.3f}x**" for i, r in enumerate(ratios))
+        + ".",
+    ]
+    environment.publish(args.write, "Short runs of one workload add up to a trial", body)
+
+
+if __name__ == "__main__":
+    main()
