@@ -6,7 +6,8 @@ repeat, `redline train --task example:chargpt` runs three times in a row on an e
 on auto, and three times with `--trial off` (the rule: fp32), the two series in alternating order. The table gives
 each run's wall time, the precision and attention kernel it ran, and the trial's seconds; the ratio is fp32's wall
 time over auto's for the same run of the series (above 1: auto faster), its median over the repeats. Every run has
-empty compile caches of its own.
+empty compile caches of its own. "others' CPUs" is how many CPUs other processes kept busy while the run ran (steal
+time on a virtual machine included): a run beside other work times that work too.
 
     python benchmarks/trial_runs.py [--repeats 2] [--write NAME]
 """
@@ -21,26 +22,34 @@ import tempfile
 import time
 
 import environment
+from redline.hardware.contention import Sampler
 
 SPEC, RUNS = "example:chargpt", 3
 
 
-def train(cache: str, *flags: str) -> tuple[dict, float]:
-    """Run `redline train` once on the trial cache ``cache``; return its summary and the process's wall seconds."""
+def train(cache: str, *flags: str) -> tuple[dict, float, float | None]:
+    """Run `redline train` once on the trial cache ``cache``; return its summary, the process's wall seconds, and how
+    many CPUs other processes kept busy meanwhile (hardware/contention.py; None where it cannot be read)."""
     command = [sys.executable, "-m", "redline", "train", "--task", SPEC, "--json", "--no-progress", *flags]
     with environment.fresh_caches() as env:
+        sampler = Sampler().start()
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, env={**env, "REDLINE_CACHE_DIR": cache})
         wall = time.perf_counter() - start
+        load = sampler.stop(threads=1)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-2000:])
-    return json.loads(done.stdout), wall
+    return json.loads(done.stdout), wall, load.others if load is not None else None
 
 
-def series(*flags: str) -> list[tuple[dict, float]]:
+def series(*flags: str) -> list[tuple[dict, float, float | None]]:
     """Three runs in a row on one empty trial cache."""
     with tempfile.TemporaryDirectory() as cache:
         return [train(cache, *flags) for _ in range(RUNS)]
+
+
+def load(others: float | None) -> str:
+    return "?" if others is None else f"{others:.2f}"
 
 
 def ran(summary: dict) -> str:
@@ -58,12 +67,14 @@ def main() -> None:
     for repeat in range(args.repeats):
         order = [("auto", ()), ("fp32", ("--trial", "off"))]
         done = {name: series(*flags) for name, flags in (order if repeat % 2 == 0 else order[::-1])}
-        for i, ((auto, auto_s), (fp32, fp32_s)) in enumerate(zip(done["auto"], done["fp32"], strict=True)):
+        for i, ((auto, auto_s, auto_load), (fp32, fp32_s, fp32_load)) in enumerate(
+            zip(done["auto"], done["fp32"], strict=True)
+        ):
             ratios[i].append(fp32_s / auto_s)
             trial = auto.get("trial_seconds")
             rows.append(
                 f"| {repeat + 1} | {i + 1} | {ran(auto)} | {'' if trial is None else f'{trial:.1f}'} | {auto_s:.1f} "
-                f"| {ran(fp32)} | {fp32_s:.1f} | {fp32_s / auto_s:.3f}x |"
+                f"| {load(auto_load)} | {ran(fp32)} | {fp32_s:.1f} | {load(fp32_load)} | {fp32_s / auto_s:.3f}x |"
             )
             print(rows[-1], flush=True)
             if repeat == 0:
@@ -71,8 +82,9 @@ def main() -> None:
     body = [
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
-        "| repeat | run | auto ran | trial s | auto wall s | `--trial off` ran | wall s | fp32/auto wall |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| repeat | run | auto ran | trial s | auto wall s | others' CPUs | `--trial off` ran | wall s | others' CPUs "
+        "| fp32/auto wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
         "Median fp32/auto wall time by run: "
