@@ -9,13 +9,22 @@ depend on the number of processes.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from redline.errors import ConfigError, invalid
 from redline.parallel.collectives import run_on_rank0
@@ -140,6 +149,33 @@ def batches_per_epoch(size: int, global_batch: int, world_size: int = 1, drop_la
     (unless ``drop_last``)."""
     full, rest = divmod(size, global_batch)
     return full + (1 if rest and rest % world_size == 0 and not drop_last else 0)
+
+
+def is_stream(dataset: Dataset[Any]) -> bool:
+    """Whether ``dataset`` is read as a stream: an IterableDataset, or anything without a length."""
+    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")
+
+
+def reads_apart(dataset: Dataset[Any], world_size: int) -> bool:
+    """Whether each of ``world_size`` ranks reads its own share of ``dataset``: a stream that says it yields one
+    (``splits_across_ranks = True``), whose ``__len__``, if it has one, is then that share's."""
+    return world_size > 1 and is_stream(dataset) and splits_across_ranks(dataset)
+
+
+def job_size(dataset: Dataset[Any], world_size: int) -> int | None:
+    """The items one pass of ``dataset`` holds over the job's ``world_size`` ranks (None for a stream without a
+    length): a stream read apart states one rank's share, the same on every rank."""
+    size = data_size(dataset)
+    return size * world_size if size is not None and reads_apart(dataset, world_size) else size
+
+
+def untrained_batches(per_epoch: int, *, grad_accum: int, max_epochs: float, max_steps: int | None) -> int:
+    """The batches at a run's end that complete no optimizer step of ``grad_accum`` (the Runtime counts them across
+    an epoch's end): the last of its epochs' batches, where the epochs end the run (not ``max_steps``)."""
+    if math.isinf(max_epochs):
+        return 0
+    batches = int(max_epochs * per_epoch)
+    return batches % grad_accum if batches // grad_accum <= (max_steps or math.inf) else 0
 
 
 def split_caveats(model: nn.Module, world_size: int) -> list[str]:

@@ -27,7 +27,11 @@ from redline.runtime.sampling import (
     batches_per_epoch,
     check_split,
     data_size,
+    is_stream,
+    job_size,
+    reads_apart,
     splits_across_ranks,
+    untrained_batches,
 )
 from redline.task import CollateFn
 
@@ -35,24 +39,6 @@ log = logging.getLogger("redline")
 
 
 _END = object()
-
-
-def is_stream(dataset: Dataset[Any]) -> bool:
-    """Whether ``dataset`` is read as a stream: an IterableDataset, or anything without a length."""
-    return isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__")
-
-
-def reads_apart(dataset: Dataset[Any], world_size: int) -> bool:
-    """Whether each of ``world_size`` ranks reads its own share of ``dataset``: a stream that says it yields one
-    (``splits_across_ranks = True``), whose ``__len__``, if it has one, is then that share's."""
-    return world_size > 1 and is_stream(dataset) and splits_across_ranks(dataset)
-
-
-def job_size(dataset: Dataset[Any], world_size: int) -> int | None:
-    """The items one pass of ``dataset`` holds over the job's ``world_size`` ranks (None for a stream without a
-    length): a stream read apart states one rank's share, the same on every rank."""
-    size = data_size(dataset)
-    return size * world_size if size is not None and reads_apart(dataset, world_size) else size
 
 
 class StreamShard(IterableDataset[Any]):
@@ -189,15 +175,6 @@ def plan_length(
             grad_accum, batches, max_epochs, per_epoch, steps, left, batches,
         )  # fmt: skip
     return min(steps, max_steps or math.inf), per_epoch
-
-
-def untrained_batches(per_epoch: int, *, grad_accum: int, max_epochs: float, max_steps: int | None) -> int:
-    """The batches at a run's end that complete no optimizer step of ``grad_accum`` (the Runtime counts them across
-    an epoch's end): the last of its epochs' batches, where the epochs end the run (not ``max_steps``)."""
-    if math.isinf(max_epochs):
-        return 0
-    batches = int(max_epochs * per_epoch)
-    return batches % grad_accum if batches // grad_accum <= (max_steps or math.inf) else 0
 
 
 def no_batch(epoch: int, world_size: int) -> TaskError:
