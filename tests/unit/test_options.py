@@ -495,3 +495,14 @@ def test_the_record_of_options_left_out_is_not_an_option_a_user_names_or_is_offe
     assert "grad_accum" in str(refused.value) and "left_out" not in str(refused.value)
     with pytest.raises(ConfigError, match=r"left_out=.* is not allowed"):
         RuntimeOptions.build(None, left_out=("grad_accum",))
+
+
+def test_a_default_value_changed_into_options_built_from_others_is_given_as_at_their_making():
+    # build(RuntimeOptions(), grad_accum=1) kept grad_accum left out, where build(None, grad_accum=1) gave it: a
+    # Runtime(options, grad_accum=1) lost to a tune's micro-batches
+    assert RuntimeOptions.build(RuntimeOptions(), grad_accum=1).given("grad_accum")
+    assert RuntimeOptions.build(RuntimeOptions(precision="fp32"), compile_mode="default").given("compile_mode")
+    kept = RuntimeOptions.build(RuntimeOptions(grad_accum=1), precision="fp32")  # built on: given stays given
+    assert kept.given("grad_accum") and not kept.given("compile_mode")
+    assert not RuntimeOptions.build(RuntimeOptions(grad_accum=1), grad_accum=None).given("grad_accum")
+    assert not dataclasses.replace(RuntimeOptions(), grad_accum=1).given("grad_accum")  # a reset, as code makes one

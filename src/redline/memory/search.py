@@ -168,7 +168,7 @@ def find_batch_size(
     positive_int("max_batch_size", max_batch_size, optional=True)
     positive_int("steps", steps)
     given = RuntimeOptions.build(options)
-    options = RuntimeOptions.build(given, compile="off", compile_mode="default", grad_accum=1)
+    options = dataclasses.replace(given, compile="off", compile_mode="default", grad_accum=1)  # reset, not asked for
     began = time.perf_counter()
     device = Runtime(options).device  # resolves the device; starts nothing
     cap, notes = _cap(task.train_data, device, max_batch_size)

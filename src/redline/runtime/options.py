@@ -67,7 +67,8 @@ class RuntimeOptions:
         "auto", "Recompute the repeated blocks' activations in backward: auto (when memory runs short), on or off."
     )
     # Which of LEFT_OUT's fields were left out (None), as their defaults now read: dataclasses.replace passes it on,
-    # so options built from these keep them left out unless given another value. Set by __post_init__, not by hand.
+    # so options built from these keep them left out unless given another value (``build``: any value). Set by
+    # __post_init__ and ``build``, not by hand.
     left_out: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
@@ -115,8 +116,13 @@ class RuntimeOptions:
 
     @classmethod
     def build(cls, options: RuntimeOptions | None = None, **changes: Any) -> RuntimeOptions:
-        """Return ``options`` (or the defaults) with ``changes``; an unknown name is a clear error."""
-        return with_changes(cls, options, changes, what="a Runtime option")
+        """Return ``options`` (or the defaults) with ``changes``; an unknown name is a clear error. A LEFT_OUT field
+        changed to a value, its default's too, is given (``Runtime(options, grad_accum=1)`` wins over a tune)."""
+        built = with_changes(cls, options, changes, what="a Runtime option")
+        named = {name for name in LEFT_OUT if changes.get(name) is not None}
+        if not named & set(built.left_out):
+            return built
+        return dataclasses.replace(built, left_out=tuple(sorted(set(built.left_out) - named)))
 
     def with_plan(self, plan: Mapping[str, Mapping[str, Any]]) -> RuntimeOptions:
         """Return these options with the axes a stored Plan fixed (``Plan.to_dict()``), for a resumed run.
@@ -150,7 +156,7 @@ class RuntimeOptions:
         graphs = self.cuda_graphs
         if mode != self.compile_mode and graphs == "auto" and plan.get("cuda_graphs", {}).get("value") is False:
             graphs = "off"
-        return RuntimeOptions.build(
+        return dataclasses.replace(  # the stored Plan's values, not the user's: left out stays left out
             self,
             devices=str(plan["device"]["value"]) if self.devices == "auto" else self.devices,
             precision=plan["precision"]["value"],

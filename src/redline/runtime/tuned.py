@@ -78,17 +78,17 @@ class Candidate:
         outputs to a loss or metric that views them (runtime/layout.py)."""
         rule = resolve_channels_last("auto", facts, has_conv2d=True, precision=self.precision) if facts else None
         auto = rule is not None and rule.value
-        return RuntimeOptions.build(
-            base,
-            precision=self.precision,
-            compile="on" if self.compile else "off",
-            compile_mode=self.compile_mode,
-            cuda_graphs="on" if self.cuda_graphs else "off",
-            channels_last=("auto" if auto else "on") if self.channels_last else "off",
-            attention=self.attention,
-            loader_workers=self.loader_workers,
-            grad_accum=self.grad_accum,
-        )
+        values: dict[str, Any] = {
+            "precision": self.precision,
+            "compile": "on" if self.compile else "off",
+            "compile_mode": self.compile_mode,
+            "cuda_graphs": "on" if self.cuda_graphs else "off",
+            "channels_last": ("auto" if auto else "on") if self.channels_last else "off",
+            "attention": self.attention,
+            "loader_workers": self.loader_workers,
+            "grad_accum": self.grad_accum,
+        }
+        return dataclasses.replace(base, **values)  # the tune's values: a field left out at its default stays so
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class TunedPlan:
         }
         if kept.get("compile", base.compile) == "off":  # a mode asked for says how a compile runs: eager takes none
             kept["compile_mode"] = "default"
-        return RuntimeOptions.build(base, **kept)
+        return dataclasses.replace(base, **kept)  # an axis left out and kept at its default stays left out
 
     def plan_reasons(self, options: RuntimeOptions) -> dict[str, dict[str, Any]]:
         """The Plan axes the tune decided, as ``Plan.to_dict()`` rows, for ``Runtime.adopt_reasons``.
