@@ -20,7 +20,7 @@ import redline
 import redline.runtime.measure as measure
 from redline.parallel.env import read_env
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.tuned import find_tuned
+from redline.runtime.tuned_run import find_tuned
 
 
 def broken_on_rank0() -> nn.Module:

@@ -547,6 +547,31 @@ def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
     assert longer.row("auto cpu b32").plan["grad_accum"]["value"] == 1
 
 
+def test_the_auto_row_leaves_out_a_tuned_micro_batching_that_train_leaves_out(caplog):
+    # 240 samples in micro-batches of 16 make 15 an epoch: 7 steps, the last one untrained, so `redline train` ran
+    # whole batches; the auto row ran the tune's two micro-batches, labelled "what `redline train` runs".
+    x, y = tiny_task().train_data.tensors
+    task = dataclasses.replace(tiny_task(), train_data=TensorDataset(x[:240], y[:240]))
+    tuned = TunedPlan(  # weighed for the task's own run: 8 batches of 32
+        task=task.name, device="cpu", batch_size=32, planned_steps=8, measured_at="2026-12-01 06:00 UTC",
+        best=Candidate(precision="fp32", grad_accum=2),
+        reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 8 steps (made up)"},
+        trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
+    auto = result.row("auto cpu b32")
+    assert not auto.error and auto.plan["grad_accum"]["value"] == 1
+    told = "not taken: 1 epoch(s) of 15 micro-batches of 16 leave the last 1 in no step"
+    assert told in auto.plan["grad_accum"]["reason"] and told in caplog.text
+    trained = Trainer(task, TrainerConfig(progress=False)).fit().plan.to_dict()
+    assert auto.plan["grad_accum"] == trained["grad_accum"]
+    # a run of 16 steps (--planned-steps 16, as `train --max-steps 16`) goes on past the epoch: it takes them
+    longer = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2, planned_steps=16)
+    assert longer.row("auto cpu b32").plan["grad_accum"]["value"] == 2
+
+
 @pytest.mark.slow
 def test_each_compiled_row_shows_the_compile_a_fresh_run_pays(monkeypatch):
     # torch.compile's cache is process-wide: a model of the same structure compiled before (an earlier

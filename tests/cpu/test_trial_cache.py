@@ -16,7 +16,8 @@ from redline.runtime import measure
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured
-from redline.runtime.tuned import Candidate, Trial, TunedPlan, find_tuned, store_tuned
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
+from redline.runtime.tuned_run import find_tuned
 from redline.task import Task
 from redline.train.trainer import Trainer
 

@@ -28,7 +28,8 @@ from redline.plan import Choice
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import time_steps
-from redline.runtime.tuned import Candidate, Trial, TunedPlan, find_tuned, store_tuned
+from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
+from redline.runtime.tuned_run import find_tuned
 from redline.task import Task, load_task
 from redline.train.config import TrainerConfig
 from redline.train.trainer import Trainer
@@ -203,6 +204,37 @@ def test_a_tuned_micro_batching_that_would_leave_samples_untrained_is_not_taken(
     with Trainer(two, TrainerConfig(progress=False)) as trainer:
         summary = trainer.fit()
     assert trainer.batch_size == 8 and summary.plan.grad_accum.value == 2 and summary.samples == 48
+
+
+def untrained_task(size: int, batch_size: int = 16) -> Task:
+    """mlp_task's samples cut to ``size``, for one epoch at ``batch_size``."""
+    x, y = mlp_task().train_data.tensors
+    data = TensorDataset(x[:size], y[:size])
+    return dataclasses.replace(mlp_task(), train_data=data, batch_size=batch_size, epochs=1)
+
+
+def test_a_tune_does_not_offer_micro_batches_the_run_it_prints_would_leave_out(monkeypatch, capsys):
+    # digits' 1438 samples in micro-batches of 32 make 45 an epoch: `train --plan tuned` runs whole batches, yet the
+    # tune measured and chose 2 micro-batches and printed "use it: redline train --plan tuned".
+    measured = []
+
+    def split_faster(task, device, candidates, planned, steps, window, seed, budget_s):
+        measured.extend(candidates)
+        return [Trial(c, 0.010 / c.grad_accum) for c in candidates]
+
+    monkeypatch.setattr(
+        "redline.bench.tune.search_space", lambda task, facts, **_: [("compile", [False, True]), ("grad_accum", [1, 2])]
+    )
+    monkeypatch.setattr("redline.bench.tune._measure", split_faster)
+    tuned, _ = tune(untrained_task(24), devices="cpu", budget_s=60)  # 3 micro-batches of 8: 1 step, 8 samples left
+    assert tuned.best.grad_accum == 1 and all(c.grad_accum == 1 for c in measured)
+    assert tuned.reasons["grad_accum"] == (
+        "one batch per step kept, 2 micro-batches per step not tried: `redline train --plan tuned` would not take "
+        "them, as for the task's 1 epoch(s) they would leave samples untrained (1 epoch(s) of 3 micro-batches of 8 "
+        "leave the last 1 in no step, untrained, where the whole batches train on every sample)"
+    )
+    split, _ = tune(untrained_task(32), devices="cpu", budget_s=60)  # 4 micro-batches of 8: 2 whole steps
+    assert split.best.grad_accum == 2
 
 
 def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):

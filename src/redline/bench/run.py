@@ -51,7 +51,8 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import batches_per_epoch, data_size
 from redline.runtime.seed import keeps_rng
 from redline.runtime.trial import time_steps
-from redline.runtime.tuned import Tuning, auto_tuned
+from redline.runtime.tuned import Tuning
+from redline.runtime.tuned_run import auto_tuned, whole_where_untrained
 from redline.task import Task, require_task, task_origin
 from redline.version import __version__
 
@@ -376,11 +377,15 @@ def _auto(
     task: Task, setting: Setting, planned: int | None
 ) -> tuple[RuntimeOptions | None, dict[str, Choice[str]] | None, Tuning | None]:
     """What `redline train` would run on the row's device at its batch size, by train's own rules: the
-    cached tuned Plan (its options, micro-batches included, and its reasons), else auto's rules with
+    cached tuned Plan (its options, micro-batches included where a run of the task's epochs, or of ``planned`` steps
+    where --planned-steps said another length, would take them; and its reasons), else auto's rules with
     the precision a trial measured, where the planned run repays one or a measurement is cached. A
     precision the tuned Plan left to the run's auto (its budget spent first) is measured so too."""
-    options = row_options(setting)
-    tuned = auto_tuned(task, options, setting.batch_size, read_env(), planned_steps=planned)
+    options, env = row_options(setting), read_env()
+    tuned = auto_tuned(task, options, setting.batch_size, env, planned_steps=planned)
+    own = planned == task_steps(task, setting.batch_size)  # else as `train --max-steps N`: no end of epochs ends it
+    epochs, steps = (task.epochs, None) if own else (math.inf, planned)
+    tuned = whole_where_untrained(task, tuned, options, setting.batch_size, env, epochs=epochs, max_steps=steps)
     if tuned is not None:
         return tuned.options, _measured(task, tuned.options, tuned.batch_size, planned), tuned.tuning
     return None, _measured(task, options, setting.batch_size, planned), None

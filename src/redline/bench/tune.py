@@ -5,9 +5,8 @@ The search goes one axis at a time, in the order their gains usually rank: preci
 batch per optimizer step, as several micro-batches with gradient accumulation). Each axis times
 the current best against its alternatives side by side (the bench's rotating windows) and keeps
 the one whose planned run, compile included, is shortest; a change must win by ``MARGIN``, so
-noise never swaps a setting for an equal one. Alternatives that cannot win are not tried:
-channels_last without a convolution, loader workers for data already in memory, CUDA graphs off
-CUDA, a reduced precision the device has no fast arithmetic for. A compiled candidate whose
+noise never swaps a setting for an equal one. Alternatives that cannot win, or that a run would not
+take, are not tried (bench/tune_space.py). A compiled candidate whose
 compile fell back to eager is rejected, its reason said: it ran the eager model. When the
 budget is spent, no candidate starts. A warm-up already begun (a compile) is not cut short, so a
 search can end past its budget; the "budget" reason says by how much, and why. An axis the search
@@ -25,7 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.bench.compile_cache import cache_lookups, charged_first, served_from_cache
 from redline.bench.figures import rate
@@ -33,6 +31,7 @@ from redline.bench.loops import Runner, quiet_failed_ops, ran_eagerly, runtime_r
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
 from redline.bench.tune_cache import TuneInterrupted, cache_tune
+from redline.bench.tune_space import refused_split, search_space, skipped_axes
 from redline.config import positive_int, positive_number, seed_number
 from redline.errors import (
     ONE_STEP,
@@ -44,15 +43,11 @@ from redline.errors import (
     interrupting_signal,
     invalid,
 )
-from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
+from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice
-from redline.plan.attention import DEFAULT, KERNELS
+from redline.plan.attention import DEFAULT
 from redline.plan.device import resolve_device
-from redline.plan.layout import has_conv2d
-from redline.plan.loader import resolve_loader
-from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
-from redline.runtime.loading import loader_facts
 from redline.runtime.measure import fingerprint_of
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
@@ -144,6 +139,9 @@ def tune(
         if left <= 0:
             unmeasured.append(axis)
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
+            continue
+        if axis == "grad_accum" and (refused := refused_split(task, max(values))):  # a run would not take it
+            reasons[axis] = refused
             continue
         candidates = _candidates(best, axis, values, calls, device)
         if len(candidates) == 1:  # nothing else runs here: no other attention kernel takes the model's calls
@@ -239,67 +237,6 @@ def _one_device(devices: str) -> str:
         allowed = "one device: 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
         raise invalid("devices", devices, allowed, f"tune one at a time, e.g. devices={first!r}")
     return resolve_device(devices, probe_accelerators()).value
-
-
-def search_space(
-    task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCall] = (), skipped: dict[str, str] | None = None
-) -> list[tuple[str, list[Any]]]:
-    """The axes worth measuring for this task on this device, each with the values to try; ``calls`` are the model's
-    calls to the attention function (``model_attention``): the attention kernels are searched only where it has some,
-    and only those that take them in the precision chosen before (``attention_kernels``); ``skipped``: the
-    ``skipped_axes`` found before (it builds the model)."""
-    axes: list[tuple[str, list[Any]]] = []
-    skipped = skipped_axes(task, facts, calls=calls) if skipped is None else skipped
-    if "precision" not in skipped:
-        axes.append(("precision", ["fp32", *fast_precisions(facts)]))
-    axes.append(("compile", [False, True]))
-    if "compile_mode" not in skipped:
-        axes.append(("compile_mode", ["default", "reduce-overhead"]))
-    if "cuda_graphs" not in skipped:
-        axes.append(("cuda_graphs", [False, True]))
-    if "channels_last" not in skipped:
-        axes.append(("channels_last", [False, True]))
-    if "attention" not in skipped:
-        axes.append(("attention", ["auto", *(KERNELS if facts.type == "cuda" else ("flash", "math"))]))
-    if "loader_workers" not in skipped:
-        axes.append(("loader_workers", [None, *_worker_counts(task, facts)]))
-    if "grad_accum" not in skipped:
-        axes.append(("grad_accum", [1, 2]))
-    return axes
-
-
-def skipped_axes(task: Task, facts: DeviceFacts, *, calls: Sequence[AttentionCall] = ()) -> dict[str, str]:
-    """The axes that cannot win for this task here, and why (``calls``: as ``search_space``'s)."""
-    skipped = {}
-    if facts.type not in ("cpu", "cuda"):
-        skipped["attention"] = f"torch picks the attention kernel on {facts.type}"
-    elif not calls:
-        skipped["attention"] = "the model made no call to F.scaled_dot_product_attention (nor nn.MultiheadAttention)"
-    if not fast_precisions(facts):
-        skipped["precision"] = "this device has no reduced precision faster than fp32 to try"
-    if not has_conv2d(task.outline()):
-        skipped["channels_last"] = "the model has no 2-d convolution"
-    if isinstance(task.train_data, TensorDataset):
-        skipped["loader_workers"] = "the data are tensors in memory, which index faster than workers send them"
-    if task.batch_size % 2 or task.batch_size < 2:
-        skipped["grad_accum"] = f"batch {task.batch_size} does not split into two equal micro-batches"
-    if facts.type != "cuda":
-        skipped["compile_mode"] = "CUDA graphs (reduce-overhead) need a CUDA device"
-        skipped["cuda_graphs"] = "CUDA graphs need a CUDA device"
-    return skipped
-
-
-def _worker_counts(task: Task, facts: DeviceFacts) -> list[int]:
-    """The loader worker counts to time against the device's rule, leaving out the count the rule itself resolves to
-    (on a CPU it keeps the loader's 0 workers, and 0 timed against itself "won" 4.60x once, by noise).
-
-    A stream is read through one worker at most: more would each read the whole of it (a plain DataLoader gives every
-    sample once per worker, and the Trainer's split keeps one worker's share of each), so its time is not the run's.
-    """
-    stream = isinstance(task.train_data, IterableDataset)
-    most = 1 if stream else max(1, min(8, facts.cpu_count // 2))
-    rule = resolve_loader(loader_facts(DataLoader(task.train_data, batch_size=task.batch_size)), facts).value
-    return [count for count in dict.fromkeys((0, most)) if count != rule.num_workers]
 
 
 def _candidates(

@@ -35,7 +35,7 @@ from redline.plan.precision import resolve_precision
 from redline.runtime.measure import recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
-from redline.runtime.tuned import TunedRun, auto_tuned
+from redline.runtime.tuned_run import TunedRun, auto_tuned
 from redline.task import Task, require_task
 
 GIB = 2**30

@@ -58,7 +58,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.sampling import data_size
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.tuned import auto_tuned
+from redline.runtime.tuned_run import auto_tuned
 from redline.task import Task, require_task
 
 Tried = tuple[int, bool, str]  # a batch size, whether it fitted, and the out-of-memory error if not ("")

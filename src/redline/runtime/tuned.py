@@ -5,8 +5,8 @@ size), so ``redline train --plan tuned`` and auto find it again, and a changed m
 misses it. A tuned Plan fixes the axes it measured (precision, compile and its mode, layout,
 loader workers, micro-batching) and keeps the numbers that decided each, which become the
 Plan's reasons for the run that uses it. An axis a tune left unmeasured (its budget spent, or a
-Ctrl-C) is not fixed: the run decides it as auto would. ``auto_tuned`` is the one rule for when "auto" takes
-it: the Trainer's runs and the bench's auto row both ask it, so the row shows what a run does.
+Ctrl-C) is not fixed: the run decides it as auto would. What a run takes from a tune, and when auto takes one,
+is runtime/tuned_run.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,15 +24,11 @@ from torch import nn
 from redline.atomic import check_writable, make_parent, write_atomic
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
-from redline.parallel.collectives import run_on_rank0
-from redline.parallel.env import DistEnv
 from redline.plan.attention import plan_kernel
 from redline.plan.layout import resolve_channels_last
-from redline.runtime.measure import fingerprint_of, worker_device
 from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
-from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.trial import CACHE_ENV, cache_dir, cache_key
-from redline.task import Task, model_fingerprint
+from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
@@ -372,92 +367,3 @@ class Tuning:
 
     reasons: dict[str, dict[str, Any]]
     note: str
-
-
-@dataclass(frozen=True)
-class TunedRun:
-    """What a tuned Plan changes in a run of a Task: its options, its micro-batch, and the reasons for the Plan."""
-
-    options: RuntimeOptions
-    batch_size: int  # per micro-batch: a tuned grad_accum runs the same batch per step as that many parts
-    tuning: Tuning
-    planned_steps: int = 0  # the run length the tune weighed compile by (0: not known)
-
-
-# A run this many times longer or shorter than the one a tune weighed does not take it under plain auto: a compile
-# that did not repay 345 steps may repay 100,000, and one that repaid 100,000 costs a 100-step run its whole length.
-TUNED_REACH = 2.0
-
-
-def left_to_auto(options: RuntimeOptions) -> bool:
-    """Whether every axis a tune sets was left to auto: else auto does not mix a tune's choices into the user's."""
-    return not any(options.given(axis) for axis in TUNED_AXES)
-
-
-def auto_tuned(
-    task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, planned_steps: float | None = None
-) -> TunedRun | None:
-    """What "auto" takes from a tune: the cached tuned Plan's run when every tuned axis was left to auto, else None;
-    and None where the run's ``planned_steps`` are more than ``TUNED_REACH`` times the tune's, or less than a
-    ``TUNED_REACH``th of them (said once, with how to take the tune anyway)."""
-    found = find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
-    if found is None or not planned_steps or not found.planned_steps or math.isinf(planned_steps):
-        return found
-    if 1 / TUNED_REACH <= planned_steps / found.planned_steps <= TUNED_REACH:
-        return found
-    if env.is_main:
-        log.info(
-            "a tune of task %r is cached (%s), but this run plans %d steps: auto's own rules decide (--plan tuned "
-            "runs the tune anyway; `redline tune --planned-steps %d` weighs one for this run)",
-            task.name, found.tuning.note, planned_steps, planned_steps,
-        )  # fmt: skip
-    return None
-
-
-def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> TunedRun | None:
-    """The cached tuned Plan of ``task`` at ``batch_size`` on this process's device, applied to ``options``, or None.
-
-    An axis ``options`` sets keeps its value. Rank 0 reads the cache, and every rank runs its answer.
-    """
-    _, facts = worker_device(options, env)
-
-    def load_on_rank0() -> dict[str, Any] | None:
-        found = _load(task, facts, batch_size)
-        return found.to_dict() if found is not None else None
-
-    data = run_on_rank0(load_on_rank0, "looking up the tuned Plan")  # rank 0's, on all; its failure stops all
-    if data is None:
-        return None
-    tuned = TunedPlan.from_dict(data)
-    applied = tuned.apply(options, facts)
-    split = applied.grad_accum != options.grad_accum  # the tune's micro-batches split the batch; a user's add batches
-    micro = batch_size // applied.grad_accum if split else batch_size
-    reasons = tuned.plan_reasons(applied)
-    if not split:  # --grad-accum K runs K whole batches a step, the tune's K parts of one: its reason is not this run's
-        reasons.pop("grad_accum", None)
-    note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
-    found = TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
-    if split and micro % env.world_size:  # a one-process tune is found by `train --nproc N` too: its key has no threads
-        why = f"its micro-batch of {micro} does not split across the {env.world_size} processes"
-        return whole_batch(found, options, batch_size, why, env)
-    return found
-
-
-def whole_batch(found: TunedRun, options: RuntimeOptions, batch_size: int, why: str, env: DistEnv) -> TunedRun:
-    """``found`` without the tune's micro-batching: each step runs the whole batch of ``batch_size``, as ``options``
-    ask (a run that does not take the tune does so too); the Plan's grad_accum row, and an info line, say ``why``."""
-    k = found.options.grad_accum
-    told = f"the tune's {k} {MICRO_BATCHES} of batch {batch_size} not taken: {why}; each step runs the whole batch"
-    if env.is_main:
-        log.info("%s: %s", found.tuning.note, told)
-    reasons = {**found.tuning.reasons, "grad_accum": {"value": options.grad_accum, "reason": told}}
-    applied = dataclasses.replace(found.options, grad_accum=options.grad_accum)
-    return dataclasses.replace(found, options=applied, batch_size=batch_size, tuning=Tuning(reasons, found.tuning.note))
-
-
-def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
-    saved = capture_rng()  # a model factory draws its weights for the fingerprint: the run's streams stay put
-    try:
-        return load_tuned(fingerprint_of(task), facts, batch_size)
-    finally:
-        restore_rng(saved)

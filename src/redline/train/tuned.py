@@ -4,8 +4,9 @@
 (runtime/tuned.py). ``--plan tuned`` runs them, and fails with the command that makes them when
 there are none; ``--plan auto`` runs them too when every tuned axis was left to auto, so a tuned
 machine's later runs gain without asking (``auto_tuned``, the rule the bench's auto row follows
-too). Either way the Plan's reasons say the values were tuned, when, and by which numbers. A
-resumed run keeps its stored Plan instead.
+too). A tuned micro-batching that would leave samples untrained is not taken (``whole_where_untrained``, the
+bench's rule too). Either way the Plan's reasons say the values were tuned, when, and by which numbers. A resumed
+run keeps its stored Plan instead.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.sampling import batches_per_epoch
 from redline.runtime.trial import cache_dir
-from redline.runtime.tuned import MICRO_BATCHES, TunedRun, auto_tuned, find_tuned, whole_batch
+from redline.runtime.tuned import MICRO_BATCHES
+from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, whole_where_untrained
 from redline.task import Task
-from redline.train.data import job_size, plan_length, untrained_batches
+from redline.train.data import plan_length
 
 if TYPE_CHECKING:
     from redline.train.config import TrainerConfig
@@ -36,6 +37,7 @@ def use_tuned(
 ) -> TunedRun | None:
     """The tuned Plan's settings for this run, or None where none applies (auto without a cached one, or with
     ``--trial on`` or ``fresh``: the user asked auto to measure, and the trial does, in the tune's stead)."""
+    epochs, steps = config.epochs_for(task), config.max_steps  # the run's length: a split may leave samples out
     if config.plan == "auto":
         planned = _planned(task, options, batch_size, env, config)
         found = auto_tuned(task, options, batch_size, env, planned_steps=planned)
@@ -44,7 +46,7 @@ def use_tuned(
                 log.info("--trial %s: auto measures now instead of running the tuned Plan (%s)", config.trial,
                          found.tuning.note)  # fmt: skip
             return None
-        return _whole_where_untrained(task, found, options, batch_size, env, config)
+        return whole_where_untrained(task, found, options, batch_size, env, epochs=epochs, max_steps=steps)
     found = find_tuned(task, options, batch_size, env)
     if found is None:
         _, facts = worker_device(options, env)
@@ -54,27 +56,7 @@ def use_tuned(
             f"hint: run `{TUNE_COMMAND} --batch-size {batch_size}{devices}` first (it caches the Plan under "
             f"{cache_dir()}), or use --plan auto"
         )
-    return _whole_where_untrained(task, found, options, batch_size, env, config)
-
-
-def _whole_where_untrained(
-    task: Task, found: TunedRun | None, options: RuntimeOptions, batch_size: int, env: DistEnv, config: TrainerConfig
-) -> TunedRun | None:
-    """``found``, its micro-batching not taken where the run's last micro-batches would complete no step: their
-    samples, which the whole batches of a run without the tune train on, would go untrained."""
-    size = job_size(task.train_data, env.world_size)
-    if found is None or found.batch_size == batch_size or size is None:  # no split; a stream's steps end its run
-        return found
-    k, epochs = found.options.grad_accum, config.epochs_for(task)
-    per_epoch = batches_per_epoch(size, found.batch_size, env.world_size, drop_last=False)
-    left = untrained_batches(per_epoch, grad_accum=k, max_epochs=epochs, max_steps=config.max_steps)
-    if not left:
-        return found
-    why = (
-        f"{epochs:g} epoch(s) of {per_epoch} micro-batches of {found.batch_size} leave the last {left} in no step, "
-        f"untrained, where the whole batches train on every sample"
-    )
-    return whole_batch(found, options, batch_size, why, env)
+    return whole_where_untrained(task, found, options, batch_size, env, epochs=epochs, max_steps=steps)
 
 
 def _planned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, config: TrainerConfig) -> float | None:

@@ -1,0 +1,165 @@
+"""What a run takes from a cached tune (runtime/tuned.py): auto's rule for taking one, and the micro-batching a run
+refuses.
+
+``auto_tuned`` is the one rule for when "auto" takes a tune, and ``whole_where_untrained`` the one rule for when a
+run of a planned length leaves a tune's micro-batches out: the Trainer's runs and the bench's auto row both ask them,
+so the row shows what a run does, and `redline tune` does not offer micro-batches a run would leave out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from redline.hardware.device import DeviceFacts
+from redline.parallel.collectives import run_on_rank0
+from redline.parallel.env import DistEnv
+from redline.runtime.measure import fingerprint_of, worker_device
+from redline.runtime.options import RuntimeOptions
+from redline.runtime.sampling import batches_per_epoch, job_size, untrained_batches
+from redline.runtime.seed import capture_rng, restore_rng
+from redline.runtime.tuned import MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
+from redline.task import Task
+
+log = logging.getLogger("redline")
+
+
+@dataclass(frozen=True)
+class TunedRun:
+    """What a tuned Plan changes in a run of a Task: its options, its micro-batch, and the reasons for the Plan."""
+
+    options: RuntimeOptions
+    batch_size: int  # per micro-batch: a tuned grad_accum runs the same batch per step as that many parts
+    tuning: Tuning
+    planned_steps: int = 0  # the run length the tune weighed compile by (0: not known)
+
+
+# A run this many times longer or shorter than the one a tune weighed does not take it under plain auto: a compile
+# that did not repay 345 steps may repay 100,000, and one that repaid 100,000 costs a 100-step run its whole length.
+TUNED_REACH = 2.0
+
+
+def left_to_auto(options: RuntimeOptions) -> bool:
+    """Whether every axis a tune sets was left to auto: else auto does not mix a tune's choices into the user's."""
+    return not any(options.given(axis) for axis in TUNED_AXES)
+
+
+def auto_tuned(
+    task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, *, planned_steps: float | None = None
+) -> TunedRun | None:
+    """What "auto" takes from a tune: the cached tuned Plan's run when every tuned axis was left to auto, else None;
+    and None where the run's ``planned_steps`` are more than ``TUNED_REACH`` times the tune's, or less than a
+    ``TUNED_REACH``th of them (said once, with how to take the tune anyway)."""
+    found = find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
+    if found is None or not planned_steps or not found.planned_steps or math.isinf(planned_steps):
+        return found
+    if 1 / TUNED_REACH <= planned_steps / found.planned_steps <= TUNED_REACH:
+        return found
+    if env.is_main:
+        log.info(
+            "a tune of task %r is cached (%s), but this run plans %d steps: auto's own rules decide (--plan tuned "
+            "runs the tune anyway; `redline tune --planned-steps %d` weighs one for this run)",
+            task.name, found.tuning.note, planned_steps, planned_steps,
+        )  # fmt: skip
+    return None
+
+
+def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> TunedRun | None:
+    """The cached tuned Plan of ``task`` at ``batch_size`` on this process's device, applied to ``options``, or None.
+
+    An axis ``options`` sets keeps its value. Rank 0 reads the cache, and every rank runs its answer.
+    """
+    _, facts = worker_device(options, env)
+
+    def load_on_rank0() -> dict[str, Any] | None:
+        found = _load(task, facts, batch_size)
+        return found.to_dict() if found is not None else None
+
+    data = run_on_rank0(load_on_rank0, "looking up the tuned Plan")  # rank 0's, on all; its failure stops all
+    if data is None:
+        return None
+    tuned = TunedPlan.from_dict(data)
+    applied = tuned.apply(options, facts)
+    split = applied.grad_accum != options.grad_accum  # the tune's micro-batches split the batch; a user's add batches
+    micro = batch_size // applied.grad_accum if split else batch_size
+    reasons = tuned.plan_reasons(applied)
+    if not split:  # --grad-accum K runs K whole batches a step, the tune's K parts of one: its reason is not this run's
+        reasons.pop("grad_accum", None)
+    note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
+    found = TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
+    if split and micro % env.world_size:  # a one-process tune is found by `train --nproc N` too: its key has no threads
+        why = f"its micro-batch of {micro} does not split across the {env.world_size} processes"
+        return whole_batch(found, options, batch_size, why, env)
+    return found
+
+
+def whole_batch(found: TunedRun, options: RuntimeOptions, batch_size: int, why: str, env: DistEnv) -> TunedRun:
+    """``found`` without the tune's micro-batching: each step runs the whole batch of ``batch_size``, as ``options``
+    ask (a run that does not take the tune does so too); the Plan's grad_accum row, and an info line, say ``why``."""
+    k = found.options.grad_accum
+    told = f"the tune's {k} {MICRO_BATCHES} of batch {batch_size} not taken: {why}; each step runs the whole batch"
+    if env.is_main:
+        log.info("%s: %s", found.tuning.note, told)
+    reasons = {**found.tuning.reasons, "grad_accum": {"value": options.grad_accum, "reason": told}}
+    applied = dataclasses.replace(found.options, grad_accum=options.grad_accum)
+    return dataclasses.replace(found, options=applied, batch_size=batch_size, tuning=Tuning(reasons, found.tuning.note))
+
+
+def whole_where_untrained(
+    task: Task,
+    found: TunedRun | None,
+    options: RuntimeOptions,
+    batch_size: int,
+    env: DistEnv,
+    *,
+    epochs: float,
+    max_steps: int | None,
+) -> TunedRun | None:
+    """``found``, its micro-batching not taken (``whole_batch``) where a run of ``epochs`` (cut at ``max_steps``) would
+    leave samples untrained that its whole batches train on (``untrained_split``): `redline train`'s rule, and the
+    bench's auto row's."""
+    if found is None or found.batch_size == batch_size:  # no split
+        return found
+    why = untrained_split(
+        task.train_data, batch_size, found.options.grad_accum, env.world_size, epochs=epochs, max_steps=max_steps
+    )
+    return whole_batch(found, options, batch_size, why, env) if why else found
+
+
+def untrained_split(
+    data: Dataset[Any],
+    batch_size: int,
+    grad_accum: int,
+    world_size: int,
+    *,
+    epochs: float,
+    max_steps: int | None,
+) -> str:
+    """Why splitting each batch of ``batch_size`` into ``grad_accum`` micro-batches would leave samples untrained
+    that the whole batches train on: the epochs' last micro-batches complete no step. "" where none would (a stream's
+    steps end its run)."""
+    size = job_size(data, world_size)
+    if grad_accum == 1 or size is None:
+        return ""
+    micro = batch_size // grad_accum
+    per_epoch = batches_per_epoch(size, micro, world_size, drop_last=False)
+    left = untrained_batches(per_epoch, grad_accum=grad_accum, max_epochs=epochs, max_steps=max_steps)
+    if not left:
+        return ""
+    return (
+        f"{epochs:g} epoch(s) of {per_epoch} micro-batches of {micro} leave the last {left} in no step, untrained, "
+        "where the whole batches train on every sample"
+    )
+
+
+def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:
+    saved = capture_rng()  # a model factory draws its weights for the fingerprint: the run's streams stay put
+    try:
+        return load_tuned(fingerprint_of(task), facts, batch_size)
+    finally:
+        restore_rng(saved)
