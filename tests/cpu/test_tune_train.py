@@ -237,6 +237,28 @@ def test_a_tune_does_not_offer_micro_batches_the_run_it_prints_would_leave_out(m
     assert split.best.grad_accum == 2
 
 
+def test_a_flag_given_its_defaults_value_under_auto_says_the_cached_tune_is_not_taken(caplog):
+    # --grad-accum 1 counts as given, so auto left the whole tune (its compile, workers, precision) without a word
+    task = mlp_task()
+    config = TrainerConfig(max_steps=2, progress=False, runtime=RuntimeOptions(grad_accum=1, compile_mode="default"))
+    with caplog.at_level(logging.INFO, logger="redline"):
+        assert use_tuned(task, config.runtime, 32, read_env(), config=config) is None
+    assert "is cached" not in caplog.text  # no tune: nothing to say
+    cache_plan(task, planned_steps=2, precision="fp32", grad_accum=2)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        summary = Trainer(task, config).fit()
+    assert summary.plan.grad_accum.value == 1 and summary.plan.grad_accum.reason == "requested"
+    assert (
+        "a tune of task 'mlp' is cached (tuned 2026-12-01 06:00 UTC for 2 steps), but --compile-mode default and "
+        "--grad-accum 1 were given: auto takes a tune only where every axis it tunes is left to auto, so auto's own "
+        "rules decide (--plan tuned runs the tune, your flags winning)"
+    ) in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="redline"):
+        left = Trainer(task, TrainerConfig(max_steps=2, progress=False, runtime=RuntimeOptions(grad_accum=None))).fit()
+    assert left.plan.grad_accum.value == 2 and "is cached" not in caplog.text  # left out: the tune runs
+
+
 def test_a_resume_of_a_tuned_micro_batch_at_another_batch_size_names_the_batch_to_pass(tmp_path):
     task = mlp_task()
     cache_plan(task, grad_accum=2)

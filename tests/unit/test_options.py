@@ -506,3 +506,11 @@ def test_a_default_value_changed_into_options_built_from_others_is_given_as_at_t
     assert kept.given("grad_accum") and not kept.given("compile_mode")
     assert not RuntimeOptions.build(RuntimeOptions(grad_accum=1), grad_accum=None).given("grad_accum")
     assert not dataclasses.replace(RuntimeOptions(), grad_accum=1).given("grad_accum")  # a reset, as code makes one
+
+
+def test_the_plan_says_grad_accum_1_given_was_requested():
+    from redline.runtime.runtime import Runtime
+
+    assert Runtime(RuntimeOptions(devices="cpu", grad_accum=1)).explain().grad_accum.reason == "requested"
+    assert Runtime(RuntimeOptions(devices="cpu"), grad_accum=1).explain().grad_accum.reason == "requested"
+    assert Runtime(RuntimeOptions(devices="cpu")).explain().grad_accum.reason == "default: a step per batch"

@@ -139,7 +139,7 @@ class Runtime(RunState):
             attention=attention,
             deterministic=resolve_deterministic(self.options.deterministic),
             seed=resolve_seed(self.options.seed),
-            grad_accum=Choice(accum, "requested" if accum > 1 else "default: a step per batch"),
+            grad_accum=Choice(accum, "requested" if self.options.given("grad_accum") else "default: a step per batch"),
             micro_batch=self._micro.choice,
             clip_grad_norm=Choice(clip, "requested" if clip else "default: no clipping"),
             zero_grad=zero_grad,

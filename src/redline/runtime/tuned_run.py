@@ -46,7 +46,39 @@ TUNED_REACH = 2.0
 
 def left_to_auto(options: RuntimeOptions) -> bool:
     """Whether every axis a tune sets was left to auto: else auto does not mix a tune's choices into the user's."""
-    return not any(options.given(axis) for axis in TUNED_AXES)
+    return not given_axes(options)
+
+
+def given_axes(options: RuntimeOptions) -> list[str]:
+    """The axes a tune sets that ``options`` give (``--grad-accum 1`` too: a default's value given is given)."""
+    return [axis for axis in TUNED_AXES if options.given(axis)]
+
+
+def say_given_over_tune(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> None:
+    """Say (rank 0, info) that auto leaves a cached tune of ``task`` at ``batch_size`` alone because ``options`` give
+    some of the axes it tunes, naming their flags: else a flag given its default's value drops the tune unseen."""
+    given = given_axes(options)
+    if not given:
+        return
+    _, facts = worker_device(options, env)
+
+    def note_on_rank0() -> str | None:
+        found = _load(task, facts, batch_size)
+        return f"tuned {found.measured_at} for {found.planned_steps} steps" if found is not None else None
+
+    note = run_on_rank0(note_on_rank0, "looking up the tuned Plan")
+    if note is None or not env.is_main:
+        return
+    flags = " and ".join(f"--{axis.replace('_', '-')} {_flag_value(getattr(options, axis))}" for axis in given)
+    log.info(
+        "a tune of task %r is cached (%s), but %s %s given: auto takes a tune only where every axis it tunes is left "
+        "to auto, so auto's own rules decide (--plan tuned runs the tune, your flags winning)",
+        task.name, note, flags, "was" if len(given) == 1 else "were",
+    )  # fmt: skip
+
+
+def _flag_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def auto_tuned(

@@ -4,9 +4,9 @@
 (runtime/tuned.py). ``--plan tuned`` runs them, and fails with the command that makes them when
 there are none; ``--plan auto`` runs them too when every tuned axis was left to auto, so a tuned
 machine's later runs gain without asking (``auto_tuned``, the rule the bench's auto row follows
-too). A tuned micro-batching that would leave samples untrained is not taken (``whole_where_untrained``, the
-bench's rule too). Either way the Plan's reasons say the values were tuned, when, and by which numbers. A resumed
-run keeps its stored Plan instead.
+too), and it says so where a flag given keeps the tune out. A tuned micro-batching that would leave samples
+untrained is not taken (``whole_where_untrained``, the bench's rule too). Either way the Plan's reasons say the
+values were tuned, when, and by which numbers. A resumed run keeps its stored Plan instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import cache_dir
 from redline.runtime.tuned import MICRO_BATCHES
-from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, whole_where_untrained
+from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, say_given_over_tune, whole_where_untrained
 from redline.task import Task
 from redline.train.data import plan_length
 
@@ -39,6 +39,7 @@ def use_tuned(
     ``--trial on`` or ``fresh``: the user asked auto to measure, and the trial does, in the tune's stead)."""
     epochs, steps = config.epochs_for(task), config.max_steps  # the run's length: a split may leave samples out
     if config.plan == "auto":
+        say_given_over_tune(task, options, batch_size, env)
         planned = _planned(task, options, batch_size, env, config)
         found = auto_tuned(task, options, batch_size, env, planned_steps=planned)
         if found is not None and config.trial in ("on", "fresh"):
