@@ -20,6 +20,7 @@ import redline.runtime.runtime as runtime_home
 from graph_standins import Capture
 from redline.bench.tune import UNMEASURED, _measure, decide, tune
 from redline.bench.tune_cache import TuneInterrupted
+from redline.bench.tune_space import refused_split
 from redline.cli.tune import tune_command
 from redline.errors import ConfigError, StoppedBySignal, TaskError, Terminated, TrainingError
 from redline.hardware.device import FAKE_CPU_ENV, probe_device
@@ -211,6 +212,22 @@ def untrained_task(size: int, batch_size: int = 16) -> Task:
     x, y = mlp_task().train_data.tensors
     data = TensorDataset(x[:size], y[:size])
     return dataclasses.replace(mlp_task(), train_data=data, batch_size=batch_size, epochs=1)
+
+
+def test_a_compiled_tuned_micro_batching_is_taken_where_whole_batches_drop_the_same_samples():
+    # A compiled run keeps one shape, dropping its partial last batch: 36 samples train as 2 whole batches of 16 (32
+    # samples) or 4 micro-batches of 8 (2 steps, the same 32). The split was refused, as if 5 micro-batches of 8
+    # left the last one untrained "where the whole batches train on every sample".
+    task = untrained_task(36)
+    cache_plan(task, precision="fp32", compile=True, grad_accum=2)
+    config = TrainerConfig(plan="tuned", progress=False)
+    found = use_tuned(task, config.runtime, 16, DistEnv(), config=config)
+    assert found is not None and (found.batch_size, found.options.grad_accum) == (8, 2)
+    eager = RuntimeOptions(compile="off")  # eager keeps the partial batch: the split would leave 4 samples out
+    kept = use_tuned(task, eager, 16, DistEnv(), config=dataclasses.replace(config, runtime=eager))
+    assert kept is not None and (kept.batch_size, kept.options.grad_accum) == (16, 1)
+    assert "5 micro-batches of 8 leave the last 1 in no step" in kept.tuning.reasons["grad_accum"]["reason"]
+    assert not refused_split(task, Candidate(compile=True), 2) and refused_split(task, Candidate(), 2)  # the tune's too
 
 
 def test_a_tune_does_not_offer_micro_batches_the_run_it_prints_would_leave_out(monkeypatch, capsys):

@@ -140,7 +140,7 @@ def tune(
             unmeasured.append(axis)
             reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
             continue
-        if axis == "grad_accum" and (refused := refused_split(task, max(values))):  # a run would not take it
+        if axis == "grad_accum" and (refused := refused_split(task, best, max(values))):  # a run would not take it
             reasons[axis] = refused
             continue
         candidates = _candidates(best, axis, values, calls, device)

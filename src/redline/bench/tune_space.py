@@ -19,7 +19,7 @@ from redline.plan.loader import resolve_loader
 from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall
 from redline.runtime.loading import loader_facts
-from redline.runtime.tuned import MICRO_BATCHES
+from redline.runtime.tuned import MICRO_BATCHES, Candidate
 from redline.runtime.tuned_run import untrained_split
 from redline.task import Task
 
@@ -85,11 +85,13 @@ def _worker_counts(task: Task, facts: DeviceFacts) -> list[int]:
     return [count for count in dict.fromkeys((0, most)) if count != rule.num_workers]
 
 
-def refused_split(task: Task, parts: int) -> str:
-    """Why each batch split into ``parts`` micro-batches is not tried: the run the tune's "use it" line
+def refused_split(task: Task, best: Candidate, parts: int) -> str:
+    """Why ``best`` with each batch split into ``parts`` micro-batches is not tried: the run the tune's "use it" line
     prints (`redline train --plan tuned`, the task's epochs) would not take them, as they would leave samples
     untrained (runtime/tuned_run.py, train's rule). "" where it would take them."""
-    why = untrained_split(task.train_data, task.batch_size, parts, 1, epochs=task.epochs, max_steps=None)
+    why = untrained_split(
+        task.train_data, task.batch_size, parts, 1, epochs=task.epochs, max_steps=None, drop_last=best.compile
+    )
     if not why:
         return ""
     return (

@@ -158,8 +158,9 @@ def whole_where_untrained(
     if found is None or found.batch_size == batch_size:  # no split
         return found
     why = untrained_split(
-        task.train_data, batch_size, found.options.grad_accum, env.world_size, epochs=epochs, max_steps=max_steps
-    )
+        task.train_data, batch_size, found.options.grad_accum, env.world_size, epochs=epochs, max_steps=max_steps,
+        drop_last=found.options.compile == "on",
+    )  # fmt: skip
     return whole_batch(found, options, batch_size, why, env) if why else found
 
 
@@ -171,12 +172,14 @@ def untrained_split(
     *,
     epochs: float,
     max_steps: int | None,
+    drop_last: bool,
 ) -> str:
     """Why splitting each batch of ``batch_size`` into ``grad_accum`` micro-batches would leave samples untrained
-    that the whole batches train on: the epochs' last micro-batches complete no step. "" where none would (a stream's
-    steps end its run)."""
+    that the whole batches train on: the epochs' last micro-batches complete no step. "" where none would: a stream's
+    steps end its run, and a run that drops its partial last batch (``drop_last``: a compiled one keeps one shape)
+    trains as many samples split, its whole batches dropping theirs too."""
     size = job_size(data, world_size)
-    if grad_accum == 1 or size is None:
+    if grad_accum == 1 or size is None or drop_last:
         return ""
     micro = batch_size // grad_accum
     per_epoch = batches_per_epoch(size, micro, world_size, drop_last=False)
