@@ -495,6 +495,10 @@ def test_the_record_of_options_left_out_is_not_an_option_a_user_names_or_is_offe
     assert "grad_accum" in str(refused.value) and "left_out" not in str(refused.value)
     with pytest.raises(ConfigError, match=r"left_out=.* is not allowed"):
         RuntimeOptions.build(None, left_out=("grad_accum",))
+    with pytest.raises(ConfigError) as trainer:  # it said "left_out is a Runtime option: pass runtime=..."
+        TrainerConfig.build(left_out=("grad_accum",))
+    assert "left_out=('grad_accum',) is not allowed" in str(trainer.value)
+    assert "Runtime option" not in str(trainer.value) and "runtime=" not in str(trainer.value)
 
 
 def test_a_default_value_changed_into_options_built_from_others_is_given_as_at_their_making():

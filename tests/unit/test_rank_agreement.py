@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, TensorDataset, random_split
 
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
+from redline.runtime.options import RuntimeOptions
 from redline.task import Task
 from redline.train import agreement
 from redline.train.config import TrainerConfig
@@ -87,6 +88,20 @@ def test_ranks_given_the_default_number_of_checkpoints_in_two_spellings_train(mo
     check_beside(monkeypatch, rank(left_out), rank(typed))
     with pytest.raises(ConfigError, match="keep_checkpoints is 3 on rank 0 and 2 on rank 1"):
         check_beside(monkeypatch, rank(left_out), rank(TrainerConfig(out_dir="/run", keep_checkpoints=2)))
+
+
+def test_ranks_that_differ_in_giving_grad_accum_its_default_are_refused_by_the_option_not_its_record(monkeypatch):
+    # --grad-accum 1 on one node wins over a tune the other node runs; the refusal named the internal record:
+    # "runtime.left_out is ('compile_mode', 'grad_accum') on rank 0 and ('compile_mode',) on rank 1"
+    given = TrainerConfig(max_steps=60, runtime=RuntimeOptions(grad_accum=1))
+    with pytest.raises(ConfigError, match="the ranks of this job were given different settings") as refused:
+        check_beside(monkeypatch, rank(TrainerConfig(max_steps=60)), rank(given))
+    assert "runtime.grad_accum is 1 (left out) on rank 0 and 1 (given) on rank 1" in str(refused.value)
+    assert "left_out" not in str(refused.value) and "compile_mode" not in str(refused.value)
+    check_beside(monkeypatch, rank(given), rank(given))
+    two = TrainerConfig(max_steps=60, runtime=RuntimeOptions(grad_accum=2))
+    with pytest.raises(ConfigError, match=r"runtime\.grad_accum is 2 on rank 0 and 1 \(left out\) on rank 1"):
+        check_beside(monkeypatch, rank(two), rank(TrainerConfig(max_steps=60)))
 
 
 def test_ranks_whose_models_keep_a_setting_of_their_own_train(monkeypatch):

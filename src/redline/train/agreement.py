@@ -24,6 +24,7 @@ from redline.errors import ConfigError
 from redline.parallel.collectives import gather_objects
 from redline.parallel.env import DistEnv
 from redline.runtime.optimizer import group_options
+from redline.runtime.options import LEFT_OUT
 from redline.runtime.sampling import data_size
 from redline.task import Task, model_fingerprint
 from redline.train.config import TrainerConfig
@@ -41,9 +42,16 @@ def settings(config: TrainerConfig, task: Task, model: nn.Module) -> dict[str, s
     """The settings every rank must share before the model is wrapped, by name: the Trainer's and Runtime's options,
     the task's, its data (``data_settings``) and the model's structure."""
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "runtime"}
-    options |= {f"runtime.{f.name}": getattr(config.runtime, f.name) for f in dataclasses.fields(config.runtime)}
+    options |= {
+        f"runtime.{f.name}": getattr(config.runtime, f.name)
+        for f in dataclasses.fields(config.runtime)
+        if not f.metadata.get("internal")  # the record of what was left out: said with its options below
+    }
     options["keep_checkpoints"] = config.checkpoints_kept  # left out reads 3, as --keep-checkpoints 3 does
     shared = {name: repr(value) for name, value in options.items() if name not in _PER_HOST}
+    for name, default in LEFT_OUT.items():  # given its default's value, it wins over a tune where left out does not
+        if getattr(config.runtime, name) == default:
+            shared[f"runtime.{name}"] += " (given)" if config.runtime.given(name) else " (left out)"
     shared |= {"task": task.name, "task batch_size": repr(task.batch_size), "task epochs": repr(task.epochs)}
     shared |= data_settings(task)
     # not the modules' plain attributes, which a model may set per rank (self.device = f"cuda:{rank}"), nor the

@@ -168,7 +168,7 @@ class TrainerConfig:
         return with_changes(cls, config, changes, what="a Trainer option", hint=hint)
 
 
-_RUNTIME_FIELDS = {f.name for f in fields(RuntimeOptions)}
+_RUNTIME_FIELDS = {f.name for f in fields(RuntimeOptions) if not f.metadata.get("internal")}  # the user's options
 
 
 def _named_path(name: str, value: object, allowed: str) -> None:
