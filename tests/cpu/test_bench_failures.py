@@ -164,6 +164,34 @@ def test_a_page_asked_where_stdout_goes_is_refused_before_the_bench(tmp_path):
     assert page.read_text() == ""  # refused before the bench ran
 
 
+def test_a_page_asked_to_dev_null_where_stdout_goes_too_is_not_refused(tmp_path, monkeypatch):
+    # `redline bench --html /dev/null > /dev/null` was refused as "the file stdout goes to": a device is written
+    # into, not replaced, so only a regular file is guarded
+    class Ran(Exception):
+        pass
+
+    def ran(*args, **kwargs):
+        raise Ran
+
+    source = tmp_path / "tasks.py"
+    source.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+        "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
+        "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
+        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
+    )
+    monkeypatch.setattr("redline.cli.bench.benchmark", ran)
+    kept = os.dup(1)
+    try:
+        with open(os.devnull, "w") as out:
+            os.dup2(out.fileno(), 1)
+            with pytest.raises(Ran):
+                bench_command(task=f"{source}:mlp", devices="cpu", json_output=True, html=Path(os.devnull))
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
+
+
 def test_a_bench_that_ran_nothing_names_the_one_step_run_at_its_batch_size_and_device(tmp_path, capsys):
     # The one-step run left out --batch-size: at the task's own size a batch too large to run ran, and showed
     # no failing line.

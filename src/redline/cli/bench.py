@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -185,6 +186,8 @@ def _is_stdout(path: Path) -> bool:
     try:
         out, page = os.fstat(1), path.stat()
     except OSError:  # no stdout, or no such file yet
+        return False
+    if not stat.S_ISREG(page.st_mode):  # /dev/null, a pipe: written into, not replaced (``write_report``)
         return False
     return (out.st_dev, out.st_ino) == (page.st_dev, page.st_ino)
 
