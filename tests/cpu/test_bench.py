@@ -522,16 +522,21 @@ def test_a_precision_the_tuned_plan_left_to_auto_is_measured_in_the_auto_row_as_
     assert auto.precision == "bf16-mixed" and auto.plan["precision"]["reason"].startswith("measured: bf16-mixed")
 
 
-def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
-    # After `redline tune`, `redline train` runs the tuned Plan: the auto row shows that run, not auto's rules.
-    task = tiny_task()
-    tuned = TunedPlan(  # weighed for the task's own run: 8 steps of 32 of its 256 samples
+def cache_two_micro_batches(task: Task) -> None:
+    """Cache a made-up tune of ``task`` at batch 32 for 8 steps: fp32, two micro-batches a step."""
+    tuned = TunedPlan(
         task=task.name, device="cpu", batch_size=32, planned_steps=8, measured_at="2026-12-01 06:00 UTC",
         best=Candidate(precision="fp32", grad_accum=2),
         reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 8 steps (made up)"},
         trials=(Trial(Candidate(), 0.002),),
     )  # fmt: skip
     store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+
+
+def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
+    # After `redline tune`, `redline train` runs the tuned Plan: the auto row shows that run, not auto's rules.
+    task = tiny_task()
+    cache_two_micro_batches(task)  # weighed for the task's own run: 8 steps of 32 of its 256 samples
     result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
     auto, eager = result.row("auto cpu b32"), result.row("cpu fp32 eager b32")
     assert not auto.error and auto.precision == "fp32"
@@ -552,13 +557,7 @@ def test_the_auto_row_leaves_out_a_tuned_micro_batching_that_train_leaves_out(ca
     # whole batches; the auto row ran the tune's two micro-batches, labelled "what `redline train` runs".
     x, y = tiny_task().train_data.tensors
     task = dataclasses.replace(tiny_task(), train_data=TensorDataset(x[:240], y[:240]))
-    tuned = TunedPlan(  # weighed for the task's own run: 8 batches of 32
-        task=task.name, device="cpu", batch_size=32, planned_steps=8, measured_at="2026-12-01 06:00 UTC",
-        best=Candidate(precision="fp32", grad_accum=2),
-        reasons={"grad_accum": "2 micro-batches per step, 1.20x less time for 8 steps (made up)"},
-        trials=(Trial(Candidate(), 0.002),),
-    )  # fmt: skip
-    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    cache_two_micro_batches(task)  # weighed for the task's own run: 8 batches of 32
     with caplog.at_level(logging.INFO, logger="redline"):
         result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
     auto = result.row("auto cpu b32")

@@ -119,18 +119,21 @@ def test_a_bench_refused_before_it_runs_leaves_no_directory_for_its_page(tmp_pat
     assert not (tmp_path / "reports").exists()
 
 
+MLP_TASK_FILE = (  # a task file of one small task, `mlp`
+    "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
+    "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
+    "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
+    "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
+)
+
+
 def test_a_page_asked_over_the_tasks_own_file_is_refused_before_the_bench_and_the_file_kept(tmp_path, monkeypatch):
     # `--html tasks.py` for `--task tasks.py:mlp` replaced the task's code with the bench's page.
     def no_bench(*args, **kwargs):
         raise AssertionError("the bench ran, and its page would replace the task's file")
 
     source = tmp_path / "tasks.py"
-    source.write_text(
-        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
-        "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
-        "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
-        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
-    )
+    source.write_text(MLP_TASK_FILE)
     code = source.read_text()
     monkeypatch.setattr("redline.cli.bench.benchmark", no_bench)
     told = r"--html '.*tasks\.py' is the task's own file \(.*tasks\.py:mlp\): the page would replace its code\nhint: "
@@ -146,12 +149,7 @@ def test_a_page_asked_where_stdout_goes_is_refused_before_the_bench(tmp_path):
     # `redline bench --json --html out.html > out.html`: the shell empties out.html and sends stdout there, the
     # page was written in its place, and the JSON printed to it was lost
     source = tmp_path / "tasks.py"
-    source.write_text(
-        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
-        "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
-        "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
-        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
-    )
+    source.write_text(MLP_TASK_FILE)
     page, kept = tmp_path / "out.html", os.dup(1)
     try:
         with page.open("w") as out:
@@ -174,12 +172,7 @@ def test_a_page_asked_to_dev_null_where_stdout_goes_too_is_not_refused(tmp_path,
         raise Ran
 
     source = tmp_path / "tasks.py"
-    source.write_text(
-        "import torch\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\nfrom redline import Task\n"
-        "def mlp():\n    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
-        "    return Task(model=lambda: nn.Linear(8, 3), loss_fn=nn.functional.cross_entropy,\n"
-        "                train_data=TensorDataset(x, y), batch_size=16, name='mlp')\n"
-    )
+    source.write_text(MLP_TASK_FILE)
     monkeypatch.setattr("redline.cli.bench.benchmark", ran)
     kept = os.dup(1)
     try:
