@@ -781,17 +781,17 @@ def test_a_compiled_row_whose_compile_fell_back_is_a_failed_row_not_the_fastest(
 def test_torch_compiles_start_up_is_paid_once_before_the_first_compiled_row(monkeypatch):
     """The first compiled row paid the process's compiler start-up (1.47 s against 0.11 s for the next, in either
     order), and its break-even with it: every compiled row is now charged alike."""
-    from redline.bench import run
+    from redline.bench import compile_cache
 
     compiled = []
     real = torch.compile
-    monkeypatch.setattr(run, "_STARTED", set())
+    monkeypatch.setattr(compile_cache, "_STARTED", set())
     monkeypatch.setattr(torch, "compile", lambda fn, **options: compiled.append(fn) or real(fn, **options))
-    run.reset_compiler(["cpu"])
-    run.reset_compiler(["cpu"])
-    assert compiled == [run._doubled], "once a process and device, before the cache is cleared"
-    run.reset_compiler()
-    assert compiled == [run._doubled], "no compiled row, no start-up"
+    compile_cache.reset_compiler(["cpu"])
+    compile_cache.reset_compiler(["cpu"])
+    assert compiled == [compile_cache._doubled], "once a process and device, before the cache is cleared"
+    compile_cache.reset_compiler()
+    assert compiled == [compile_cache._doubled], "no compiled row, no start-up"
 
 
 def test_a_row_on_a_tuned_plan_of_micro_batches_is_estimated_at_its_micro_batch():

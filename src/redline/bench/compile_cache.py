@@ -6,14 +6,24 @@ graphs, AOTAutograd graphs and kernels on disk (``TORCHINDUCTOR_CACHE_DIR``, def
 of its cold compile (digits on a 2-core CPU: 0.25 s, against 4.1 s and 5.9 s in fresh folders). The
 next run on this machine pays that warm compile too; a machine that never compiled the model pays the
 cold one. So a compiled row says which it measured.
+
+``reset_compiler`` clears the in-process cache before a bench's or a tune's compiles are timed, after paying
+torch.compile's own start-up once a process and device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 
+import torch
+
+from redline.bench.loops import quiet_failed_ops
 from redline.runtime.tuned import Candidate, Trial
+
+log = logging.getLogger("redline")
 
 # torch's counters of its on-disk cache lookups (torch._dynamo.utils.counters; named so from torch 2.4 on)
 HITS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))
@@ -74,3 +84,30 @@ def charged_first(measured: Sequence[Trial], earlier: Sequence[Trial]) -> list[T
             )
         charged.append(trial)
     return charged
+
+
+def reset_compiler(devices: Iterable[str] = ()) -> None:
+    """Clear torch.compile's process-wide cache, so that the next compile is timed as a fresh run's; first, once a
+    process and device, pay torch.compile's own start-up on ``devices`` (its compiler stack loaded and checked:
+    seconds), which would otherwise fall on whichever compiled row or candidate came first and make every later
+    one look 10-20x cheaper to compile."""
+    for device in devices:
+        if device not in _STARTED:
+            _STARTED.add(device)
+            # a compiler that cannot run here fails the rows, with its reason; quiet as a warm-up is (a Ctrl-C's too)
+            with contextlib.suppress(Exception), quiet_failed_ops():
+                x = torch.ones(2, device=device, requires_grad=True)  # a forward and backward, as a training step's
+                torch.compile(_doubled, dynamic=False)(x).sum().backward()
+    try:
+        from torch import _dynamo
+
+        _dynamo.reset()
+    except Exception as exc:  # only a cache: a failure costs a recompile at most
+        log.debug("torch._dynamo.reset() failed: %s", exc)
+
+
+_STARTED: set[str] = set()  # the devices whose compiler start-up this process has paid
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from redline.bench.compile_cache import reset_compiler
 from redline.bench.isolate import OPTIONS_HINT, Channel
 from redline.bench.loops import Runner
 from redline.bench.rows import row_error, row_facts
-from redline.bench.run import reset_compiler, warm_up
+from redline.bench.run import warm_up
 from redline.errors import ConfigError, RedlineError, TaskSpecError, describe_error, traceback_asked
 from redline.runtime.seed import seed_everything
 from redline.task import load_task

@@ -18,12 +18,12 @@ import pickle
 import platform
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from redline.bench.compile_cache import cache_lookups, served_from_cache
+from redline.bench.compile_cache import cache_lookups, reset_compiler, served_from_cache
 from redline.bench.isolate import OPTIONS_HINT, RowEnded, RowFailed, RowProcess
 from redline.bench.loops import Runner, first_step_seconds, naive_runner, quiet_failed_ops, row_options, runtime_runner
 from redline.bench.matrix import Setting, expand, listed
@@ -469,30 +469,3 @@ def _machine(facts: list[DeviceFacts], contention: Contention | None) -> dict[st
         "others_cpus": round(contention.others, 2) if contention is not None else None,
         "busy": contention.contended if contention is not None else None,
     }
-
-
-def reset_compiler(devices: Iterable[str] = ()) -> None:
-    """Clear torch.compile's process-wide cache, so that the next compile is timed as a fresh run's; first, once a
-    process and device, pay torch.compile's own start-up on ``devices`` (its compiler stack loaded and checked:
-    seconds), which would otherwise fall on whichever compiled row or candidate came first and make every later
-    one look 10-20x cheaper to compile."""
-    for device in devices:
-        if device not in _STARTED:
-            _STARTED.add(device)
-            # a compiler that cannot run here fails the rows, with its reason; quiet as a warm-up is (a Ctrl-C's too)
-            with contextlib.suppress(Exception), quiet_failed_ops():
-                x = torch.ones(2, device=device, requires_grad=True)  # a forward and backward, as a training step's
-                torch.compile(_doubled, dynamic=False)(x).sum().backward()
-    try:
-        from torch import _dynamo
-
-        _dynamo.reset()
-    except Exception as exc:  # only a cache: a failure costs a recompile at most
-        log.debug("torch._dynamo.reset() failed: %s", exc)
-
-
-_STARTED: set[str] = set()  # the devices whose compiler start-up this process has paid
-
-
-def _doubled(x: torch.Tensor) -> torch.Tensor:
-    return x * 2

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from redline.bench.compile_cache import cache_lookups, charged_first, served_from_cache
+from redline.bench.compile_cache import cache_lookups, charged_first, reset_compiler, served_from_cache
 from redline.bench.figures import rate
 from redline.bench.loops import Runner, quiet_failed_ops, ran_eagerly, runtime_runner
 from redline.bench.matrix import Setting
-from redline.bench.run import check_sizes, reset_compiler, task_steps, time_runners, timed_steps
+from redline.bench.run import check_sizes, task_steps, time_runners, timed_steps
 from redline.bench.tune_cache import TuneInterrupted, cache_tune
 from redline.bench.tune_space import refused_split, search_space, skipped_axes
 from redline.config import positive_int, positive_number, seed_number
