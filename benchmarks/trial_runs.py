@@ -5,7 +5,8 @@ run kept fp32. Now the first run counts its steps and the second, which brings t
 repeat, `redline train --task example:chargpt` runs three times in a row on an empty trial cache with every option
 on auto, and three times with `--trial off` (the rule: fp32), the two series in alternating order. The table gives
 each run's wall time, the precision and attention kernel it ran, and the trial's seconds; the ratio is fp32's wall
-time over auto's for the same run of the series (above 1: auto faster), its median over the repeats. Every run has
+time over auto's for the same run of the series (above 1: auto faster), its median over the repeats, beside the
+ratio of the summaries' training samples/s (steps only, the first excluded). Every run has
 empty compile caches of its own. "others' CPUs" is how many CPUs other processes kept busy while the run ran (steal
 time on a virtual machine included): a run beside other work times that work too.
 
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
     ratios: list[list[float]] = [[] for _ in range(RUNS)]
+    steps: list[list[float]] = [[] for _ in range(RUNS)]
     rows = []
     for repeat in range(args.repeats):
         order = [("auto", ()), ("fp32", ("--trial", "off"))]
@@ -71,10 +73,12 @@ def main() -> None:
             zip(done["auto"], done["fp32"], strict=True)
         ):
             ratios[i].append(fp32_s / auto_s)
+            steps[i].append(auto["samples_per_s"] / fp32["samples_per_s"])
             trial = auto.get("trial_seconds")
             rows.append(
                 f"| {repeat + 1} | {i + 1} | {ran(auto)} | {'' if trial is None else f'{trial:.1f}'} | {auto_s:.1f} "
-                f"| {load(auto_load)} | {ran(fp32)} | {fp32_s:.1f} | {load(fp32_load)} | {fp32_s / auto_s:.3f}x |"
+                f"| {load(auto_load)} | {ran(fp32)} | {fp32_s:.1f} | {load(fp32_load)} | {steps[i][-1]:.3f}x "
+                f"| {fp32_s / auto_s:.3f}x |"
             )
             print(rows[-1], flush=True)
             if repeat == 0:
@@ -83,12 +87,14 @@ def main() -> None:
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
         "| repeat | run | auto ran | trial s | auto wall s | others' CPUs | `--trial off` ran | wall s | others' CPUs "
-        "| fp32/auto wall |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| steps: auto/fp32 samples/s | fp32/auto wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
         "Median fp32/auto wall time by run: "
         + ", ".join(f"run {i + 1} **{environment.median(r):.3f}x**" for i, r in enumerate(ratios))
+        + "; median auto/fp32 training samples/s (the summary's, steps only): "
+        + ", ".join(f"run {i + 1} **{environment.median(r):.3f}x**" for i, r in enumerate(steps))
         + ".",
     ]
     environment.publish(args.write, "Short runs of one workload add up to a trial", body)
