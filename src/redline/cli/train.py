@@ -314,7 +314,7 @@ def spec_named(task: str, task_arg: list[str] | None) -> Iterator[None]:
 
 def _spent(summary: TrainSummary) -> str:
     """What of the run's time went to the precision trial, evaluation and checkpoints (left out of samples/s); a
-    trial read from the cache (milliseconds) is not said."""
+    trial under ``TRIAL_SAID_S`` is not said."""
     trial = summary.trial_seconds if summary.trial_seconds and summary.trial_seconds >= TRIAL_SAID_S else None
     spent = {"in the precision trial": trial, "evaluating": summary.eval_seconds,
              "checkpointing": summary.checkpoint_seconds}  # fmt: skip
@@ -323,16 +323,13 @@ def _spent(summary: TrainSummary) -> str:
         for what, seconds in spent.items()
         if seconds
     ]
-    return (
-        f", of which {', '.join(parts[:-1])} and {parts[-1]}"
-        if len(parts) > 1
-        else f", of which {parts[0]}"
-        if parts
-        else ""
-    )
+    if not parts:
+        return ""
+    head = ", ".join(parts[:-1])
+    return f", of which {head} and {parts[-1]}" if head else f", of which {parts[0]}"
 
 
-TRIAL_SAID_S = 0.05  # a trial's seconds the summary says: one read from the cache takes a few milliseconds
+TRIAL_SAID_S = 0.05  # the least trial seconds the summary says: fewer are no share of a run worth a word
 
 
 def _share(ratio: float) -> str:

@@ -204,7 +204,7 @@ def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistE
     made before the step is known to fit) takes no more."""
     work = _workload(options, batch_size, env)
     found = _measure(task, work, _keys(task, work), True, lambda names: ROUNDS) if work is not None else None
-    return work.choices(found[0], kernels=found[1]) if work is not None and found is not None else {}
+    return work.choices(found.choice, kernels=found.kernels) if work is not None and found is not None else {}
 
 
 @dataclass(frozen=True)
