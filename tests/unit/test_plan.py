@@ -276,7 +276,7 @@ def facts_of(**overrides):
     return OptimizerFacts(**{**base, **overrides})
 
 
-def test_optimizer_fused_on_cuda_only():
+def test_optimizer_fused_on_cuda_by_rule_and_kept_where_untimed():
     assert resolve_optimizer(facts_of(), H100).value == "fused"
     assert resolve_optimizer(facts_of(), CPU).value == "as given"
     assert resolve_optimizer(facts_of(), MPS).value == "as given"

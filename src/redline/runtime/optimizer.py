@@ -152,7 +152,19 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.op
     arguments the optimizer keeps nowhere in its ``defaults`` are lost: pass a factory to keep them.
     """
     check_stateless(optimizer)
-    groups = [{**group, **impl} for group in optimizer.param_groups]
+    rebuilt = same_kind(optimizer, [group["params"] for group in optimizer.param_groups], **impl)
+    for name in _HOOKS:  # a post-step hook (an EMA update, a log) would otherwise stop running, silently
+        hooks, into = getattr(optimizer, name, None), getattr(rebuilt, name, None)
+        if hooks and into is not None:
+            into.update(hooks)
+    return rebuilt
+
+
+def same_kind(optimizer: torch.optim.Optimizer, params: list[list[torch.Tensor]], **impl: Any) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and hyperparameters over ``params`` (a list per parameter group; an
+    empty one drops its group), with ``impl`` changed, and none of its hooks."""
+    paired = zip(optimizer.param_groups, params, strict=True)
+    groups = [{**group, "params": kept, **impl} for group, kept in paired if kept]
     defaults = {**optimizer.defaults, **impl}
     if impl.get("fused"):  # fused and foreach are exclusive
         for options in (defaults, *groups):
@@ -161,12 +173,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.op
     # defaults may hold keys the constructor sets itself (AdamW's decoupled_weight_decay): pass only
     # the ones it takes; every group keeps all of its own keys.
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    rebuilt = type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})
-    for name in _HOOKS:  # a post-step hook (an EMA update, a log) would otherwise stop running, silently
-        hooks, into = getattr(optimizer, name, None), getattr(rebuilt, name, None)
-        if hooks and into is not None:
-            into.update(hooks)
-    return rebuilt
+    return type(optimizer)(groups, **{k: v for k, v in defaults.items() if k in accepted})
 
 
 # how an optimizer steps, not what it does: the Plan may choose them, and a checkpoint keeps no promise of them

@@ -38,7 +38,7 @@ from redline.plan import Choice, Plan
 from redline.plan.attention import DEFAULT, KERNELS, resolve_attention
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
-from redline.plan.optimizer import optimizer_facts, resolve_optimizer, resolve_zero_grad
+from redline.plan.optimizer import optimizer_facts, resolve_zero_grad
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
@@ -48,6 +48,7 @@ from redline.runtime.compile import CompileRecord, compile_counts, compile_plann
 from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.forms import check_forms, explain_forms
+from redline.runtime.fused import pick_implementation
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
@@ -60,7 +61,6 @@ from redline.runtime.optimizer import (
     check_materialized,
     check_trainable,
     group_options,
-    rebuild_optimizer,
 )
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.precision import Precision, half_model_keeps_fp32
@@ -265,9 +265,7 @@ class Runtime(RunState):
         facts = optimizer_facts(built, model, device=self.facts)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
-        impl = resolve_optimizer(facts, self.facts, sharded=strategy.value == "fsdp")
-        if impl.value == "fused":
-            built = rebuild_optimizer(built, fused=True)
+        impl, built = pick_implementation(built, facts, self.facts, sharded=strategy.value == "fsdp")
         planned = compile_planned(
             model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
         )

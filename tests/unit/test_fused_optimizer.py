@@ -1,0 +1,127 @@
+"""On a CPU the optimizer is rebuilt fused only where its step, timed on a copy of the parameters, ran faster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import redline.runtime.fused as fused
+from devices import CPU, H100, MPS
+from redline import Runtime, RuntimeOptions
+from redline.plan.optimizer import FUSED_MARGIN, OptimizerFacts, StepTiming, resolve_optimizer, wants_timing
+
+
+def facts_of(**overrides):
+    base = {"name": "AdamW", "has_fused": True, "has_state": False, "impl_set_by_user": False}
+    return OptimizerFacts(**{**base, **overrides})
+
+
+def timing(given_ms: float, fused_ms: float, timed: int = 1000, of: int = 1000) -> StepTiming:
+    return StepTiming(given_s=given_ms / 1e3, fused_s=fused_ms / 1e3, timed=timed, of=of)
+
+
+def test_a_cpu_takes_fused_where_its_timed_step_is_faster_and_says_by_how_much():
+    taken = resolve_optimizer(facts_of(), CPU, timed=timing(1.13, 0.36, 417_536, 417_536))
+    assert taken.value == "fused"
+    assert "3.14x as fast" in taken.reason and "0.36 ms against 1.13 ms a step" in taken.reason
+    assert "a copy of its 417,536 parameters" in taken.reason
+    kept = resolve_optimizer(facts_of(), CPU, timed=timing(1.0, 1.0 / (FUSED_MARGIN - 0.02)))
+    assert kept.value == "as given" and f"not {FUSED_MARGIN}x" in kept.reason
+    slower = resolve_optimizer(facts_of(), CPU, timed=timing(1.0, 2.0, 2_097_152, 124_000_000))
+    assert slower.value == "as given" and "0.50x as fast" in slower.reason
+    assert "2,097,152 of 124,000,000 parameters" in slower.reason
+
+
+def test_a_cpu_keeps_the_optimizer_where_fused_failed_or_was_not_timed():
+    failed = resolve_optimizer(facts_of(), CPU, timed="`fused=True` requires all the params to be floating point")
+    assert failed.value == "as given" and "failed on a copy (`fused=True` requires" in failed.reason
+    untimed = resolve_optimizer(facts_of(), CPU)
+    assert untimed.value == "as given" and "not timed" in untimed.reason
+    assert resolve_optimizer(facts_of(), MPS, timed=timing(1.0, 0.1)).value == "as given"
+
+
+def test_only_a_cpu_optimizer_that_could_be_rebuilt_is_timed():
+    assert wants_timing(facts_of(), CPU)
+    assert not wants_timing(facts_of(), H100)  # fused by rule
+    assert not wants_timing(facts_of(), MPS)
+    assert not wants_timing(facts_of(impl_set_by_user=True), CPU)
+    assert not wants_timing(facts_of(has_state=True), CPU)
+    assert not wants_timing(facts_of(has_scheduler=True), CPU)
+    assert not wants_timing(facts_of(name="Lion", has_fused=False), CPU)
+    assert not wants_timing(facts_of(unfusable="the model has layers with sparse gradients"), CPU)
+    assert not wants_timing(facts_of(), CPU, sharded=True)
+    # the reasons that keep it are the same on every device that could fuse it
+    for facts in (facts_of(has_state=True), facts_of(has_scheduler=True)):
+        assert resolve_optimizer(facts, CPU).reason == resolve_optimizer(facts, H100).reason
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[0].bias.requires_grad_(False)  # frozen: no gradient, no step, not timed
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def test_the_timing_steps_copies_and_leaves_the_model_its_optimizer_and_hooks_alone():
+    model, optimizer = model_and_optimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+    optimizer.register_step_post_hook(lambda *args: seen.append(args))
+    timed = fused.time_fused(optimizer)
+    assert isinstance(timed, StepTiming)
+    assert timed.given_s > 0 and timed.fused_s > 0
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert timed.timed == timed.of == trained == 16 * 32 + 32 * 4 + 4
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not any(optimizer.state.values()) and seen == [] and all(p.grad is None for p in model.parameters())
+
+
+def test_a_large_model_is_timed_on_a_copy_of_its_first_elements(monkeypatch):
+    monkeypatch.setattr(fused, "TIMED_ELEMENTS", 100)
+    _, optimizer = model_and_optimizer()
+    timed = fused.time_fused(optimizer)
+    assert isinstance(timed, StepTiming)
+    assert timed.timed == 100 and timed.of == 16 * 32 + 32 * 4 + 4  # the first weight, cut short
+
+
+def test_a_fused_kernel_that_fails_on_the_copy_is_said_and_the_optimizer_kept(monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError("no fused AdamW kernel for this CPU\nsecond line")
+
+    monkeypatch.setattr(torch, "_fused_adamw_", refused)
+    model, optimizer = model_and_optimizer()
+    assert fused.time_fused(optimizer) == "no fused AdamW kernel for this CPU"
+    with Runtime(RuntimeOptions(devices="cpu")) as rt:
+        _, built = rt.setup(model, optimizer)
+        row = rt.explain().optimizer
+    assert built is optimizer and row.value == "as given" and "no fused AdamW kernel for this CPU" in row.reason
+
+
+@pytest.mark.parametrize(("fused_ms", "expected"), [(0.3, "fused"), (0.99, "as given")])
+def test_the_runtime_rebuilds_the_optimizer_fused_only_where_the_timing_says(monkeypatch, fused_ms, expected):
+    monkeypatch.setattr(fused, "time_fused", lambda optimizer: timing(1.0, fused_ms))
+    model, optimizer = model_and_optimizer()
+    hooked = []
+    optimizer.register_step_post_hook(lambda *args: hooked.append(1))
+    with Runtime(RuntimeOptions(devices="cpu")) as rt:
+        model, built = rt.setup(model, optimizer)
+        assert rt.explain().optimizer.value == expected
+        assert (built is optimizer) == (expected == "as given")
+        assert bool(built.defaults.get("fused")) == (expected == "fused")
+        loss = model(torch.randn(8, 16)).square().mean()
+        rt.backward(loss)
+        rt.step(built)
+    assert hooked == [1]  # a rebuilt optimizer keeps the user's hooks
+
+
+def test_an_implementation_the_user_set_is_not_timed(monkeypatch):
+    def untimed(optimizer):
+        raise AssertionError("timed an optimizer whose implementation the user set")
+
+    monkeypatch.setattr(fused, "time_fused", untimed)
+    model = nn.Linear(4, 2)
+    with Runtime(RuntimeOptions(devices="cpu")) as rt:
+        _, built = rt.setup(model, given := torch.optim.AdamW(model.parameters(), foreach=False))
+        assert built is given
+        assert rt.explain().optimizer.value == "as given" and "set by the user" in rt.explain().optimizer.reason
