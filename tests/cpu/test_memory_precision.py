@@ -101,9 +101,12 @@ def task():
 TUNED_REASONS = {"precision": "tuned: 1.3x less time", "attention": "tuned: 1.3x less time", "grad_accum": "tuned"}
 
 
-def tuned_gpt(tmp_path, best: Candidate, reasons=TUNED_REASONS, unmeasured=()) -> tuple[str, redline.Task, TunedPlan]:
-    """The small GPT task written as a file (its spec, the task), with ``best`` cached as its tuned Plan at batch 8."""
-    (tmp_path / "gpt_task.py").write_text(GPT_TASK)
+def tuned_gpt(
+    tmp_path, best: Candidate, reasons=TUNED_REASONS, unmeasured=(), samples: int = 64
+) -> tuple[str, redline.Task, TunedPlan]:
+    """The small GPT task written as a file (its spec, the task; ``samples`` of them), with ``best`` cached as its
+    tuned Plan at batch 8."""
+    (tmp_path / "gpt_task.py").write_text(GPT_TASK.replace("(64, 17)", f"({samples}, 17)"))
     spec = f"{tmp_path / 'gpt_task.py'}:task"
     task = redline.load_task(spec)
     plan = TunedPlan(task="gpt", device="cpu", batch_size=8, planned_steps=100, measured_at="2026-12-05",
@@ -130,6 +133,22 @@ def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batch
     assert asked.exit_code == 0, asked.output
     estimate = json.loads(asked.stdout)["rows"][0]["estimate"]
     assert (estimate["precision"], estimate["attention"], estimate["batch_size"]) == ("fp32", "flash", 8)
+
+
+def test_a_tuned_split_a_run_would_leave_out_is_not_weighed(tmp_path):
+    """60 samples in micro-batches of 4 are 15 a epoch: split in two, the last would complete no step, so
+    `redline train` runs the tune's batch of 8 whole (tuned_run.whole_where_untrained). The estimate weighs that."""
+    spec, _, _ = tuned_gpt(tmp_path, Candidate(precision="bf16-mixed", attention="math", grad_accum=2), samples=60)
+    result = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
+    assert result.exit_code == 0, result.output
+    estimate = json.loads(result.stdout)["rows"][0]["estimate"]
+    assert (estimate["precision"], estimate["attention"], estimate["batch_size"]) == ("bf16-mixed", "math", 8)
+    assert estimate["grad_accum"] == 1
+    said = " ".join(result.stderr.split())
+    assert (
+        "the tune's 2 micro-batches per step of batch 8 not taken" in said and "leave the last 1 in no step" in said
+    ), said
+    assert "splits each batch" not in said
 
 
 def test_the_measured_search_runs_its_steps_as_the_tuned_plan_does_but_whole(tmp_path, monkeypatch):
