@@ -11,11 +11,26 @@ from pathlib import Path
 JOB = Path(__file__).with_name("fused_rank_job.py")
 
 
-def test_every_rank_takes_rank_zeros_implementation(tmp_path):
+def run_job(tmp_path: Path, mode: str) -> list[str]:
+    tmp_path = tmp_path / mode  # a store of its own: a file store another job wrote would answer this one's keys
+    tmp_path.mkdir()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(JOB), str(tmp_path)], env=env))
+        procs.append(subprocess.Popen([sys.executable, str(JOB), str(tmp_path), mode], env=env))
     for p in procs:
         p.wait(timeout=120)
-    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)] == ["fused True"] * 2
+    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+
+
+def test_every_rank_takes_rank_zeros_implementation(tmp_path):
+    assert run_job(tmp_path, "fresh") == ["fused True"] * 2
+
+
+def test_a_rank_whose_optimizer_stepped_is_told_at_once_and_none_waits(tmp_path):
+    """Each rank deciding by its own optimizer, one that had stepped kept it as given and skipped the timing's
+    collective, while the other waited in it until the process group's timeout (30 s here, 30 minutes by default)."""
+    assert run_job(tmp_path, "stepped0") == ["as given False"] * 2  # rank 0's optimizer decides: kept, on both
+    rank0, rank1 = run_job(tmp_path, "stepped1")
+    assert rank0 == "fused True"
+    assert rank1 == "ConfigError: cannot rebuild AdamW: it already holds state"

@@ -31,11 +31,13 @@ def test_a_cpu_takes_fused_where_its_timed_step_is_faster_and_says_by_how_much()
     slower = resolve_optimizer(facts_of(), CPU, timed=timing(1.0, 2.0, 2_097_152, 124_000_000))
     assert slower.value == "as given" and "0.50x as fast" in slower.reason
     assert "2,097,152 of 124,000,000 parameters" in slower.reason
+    tiny = resolve_optimizer(facts_of(), CPU, timed=timing(0.031, 0.027))
+    assert "27.0 us against 31.0 us a step" in tiny.reason  # not "0.03 ms against 0.03 ms"
 
 
 def test_a_cpu_keeps_the_optimizer_where_fused_failed_or_was_not_timed():
-    failed = resolve_optimizer(facts_of(), CPU, timed="`fused=True` requires all the params to be floating point")
-    assert failed.value == "as given" and "failed on a copy (`fused=True` requires" in failed.reason
+    failed = resolve_optimizer(facts_of(), CPU, timed="its fused kernel failed on a copy (`fused=True` requires ...)")
+    assert failed.value == "as given" and "as its fused kernel failed on a copy (`fused=True` requires" in failed.reason
     untimed = resolve_optimizer(facts_of(), CPU)
     assert untimed.value == "as given" and "not timed" in untimed.reason
     assert resolve_optimizer(facts_of(), MPS, timed=timing(1.0, 0.1)).value == "as given"
@@ -78,11 +80,41 @@ def test_the_timing_steps_copies_and_leaves_the_model_its_optimizer_and_hooks_al
 
 
 def test_a_large_model_is_timed_on_a_copy_of_its_first_elements(monkeypatch):
-    monkeypatch.setattr(fused, "TIMED_ELEMENTS", 100)
+    monkeypatch.setattr(fused, "TIMED_BYTES", 400)  # 100 fp32 elements
     _, optimizer = model_and_optimizer()
     timed = fused.time_fused(optimizer)
     assert isinstance(timed, StepTiming)
     assert timed.timed == 100 and timed.of == 16 * 32 + 32 * 4 + 4  # the first weight, cut short
+
+
+def test_an_empty_parameter_group_is_kept_by_the_rebuild_and_the_timing(monkeypatch):
+    """Decay and no-decay groups, the second empty for a model without biases: torch takes an empty group, and so do
+    the timing's copies and the fused rebuild (code indexing param_groups[1], or loading a plain torch state, needs
+    it)."""
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 4, bias=False))
+    optimizer = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}])
+    assert isinstance(fused.time_fused(optimizer), StepTiming)
+    monkeypatch.setattr(fused, "time_fused", lambda optimizer: timing(1.0, 0.3))
+    with Runtime(RuntimeOptions(devices="cpu")) as rt:
+        _, built = rt.setup(model, optimizer)
+        assert built is not optimizer and built.defaults["fused"]
+        assert [len(group["params"]) for group in built.param_groups] == [2, 0]
+        assert built.param_groups[1]["weight_decay"] == 0.0
+        built.load_state_dict(optimizer.state_dict())  # a plain torch state of the same groups loads
+
+
+def test_a_deterministic_run_is_not_timed_and_keeps_the_optimizer(monkeypatch):
+    """Two deterministic runs must train alike: a timing near the margin could choose otherwise the next time."""
+
+    def untimed(optimizer):
+        raise AssertionError("timed the optimizer of a deterministic run")
+
+    monkeypatch.setattr(fused, "time_fused", untimed)
+    model, optimizer = model_and_optimizer()
+    with Runtime(RuntimeOptions(devices="cpu", deterministic=True)) as rt:
+        _, built = rt.setup(model, optimizer)
+        row = rt.explain().optimizer
+    assert built is optimizer and row.value == "as given" and "deterministic run takes no timed choice" in row.reason
 
 
 def test_a_fused_kernel_that_fails_on_the_copy_is_said_and_the_optimizer_kept(monkeypatch):
@@ -91,11 +123,13 @@ def test_a_fused_kernel_that_fails_on_the_copy_is_said_and_the_optimizer_kept(mo
 
     monkeypatch.setattr(torch, "_fused_adamw_", refused)
     model, optimizer = model_and_optimizer()
-    assert fused.time_fused(optimizer) == "no fused AdamW kernel for this CPU"
+    assert fused.time_fused(optimizer) == "its fused kernel failed on a copy (no fused AdamW kernel for this CPU)"
     with Runtime(RuntimeOptions(devices="cpu")) as rt:
         _, built = rt.setup(model, optimizer)
         row = rt.explain().optimizer
     assert built is optimizer and row.value == "as given" and "no fused AdamW kernel for this CPU" in row.reason
+    capturable = torch.optim.Adam(nn.Linear(4, 2).parameters(), capturable=True)  # torch's for-loop refuses it on CPU
+    assert fused.time_fused(capturable).startswith("its step as given failed on a copy (")
 
 
 @pytest.mark.parametrize(("fused_ms", "expected"), [(0.3, "fused"), (0.99, "as given")])

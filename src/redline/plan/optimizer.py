@@ -37,10 +37,13 @@ class StepTiming:
     def told(self) -> str:
         """The timing in words: "0.36 ms against 1.13 ms a step, timed on a copy of its 417,536 parameters"."""
         copied = f"{self.of:,}" if self.timed >= self.of else f"{self.timed:,} of {self.of:,}"
-        return (
-            f"{self.fused_s * 1e3:.2f} ms against {self.given_s * 1e3:.2f} ms a step, timed on a copy of its "
-            f"{copied} parameters"
-        )
+        fused, given = _duration(self.fused_s), _duration(self.given_s)
+        return f"{fused} against {given} a step, timed on a copy of its {copied} parameters"
+
+
+def _duration(seconds: float) -> str:
+    """A step's time, in ms, or in us where a hundredth of a ms would round it away."""
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,13 +119,19 @@ def _scheduler_dict(holder: object, optimizer: torch.optim.Optimizer) -> bool:
 
 
 def resolve_optimizer(
-    optimizer: OptimizerFacts, facts: DeviceFacts, *, sharded: bool = False, timed: StepTiming | str | None = None
+    optimizer: OptimizerFacts,
+    facts: DeviceFacts,
+    *,
+    sharded: bool = False,
+    timed: StepTiming | str | None = None,
+    deterministic: bool = False,
 ) -> Choice[OptimizerImpl]:
     """Use a fused kernel on CUDA where the optimizer has one, and on a CPU where ``timed`` found it faster; keep it
     as given everywhere else.
 
     ``sharded``: the parameters are FSDP2's DTensors, for which torch's default implementation is kept. ``timed``:
-    on a CPU, the two implementations' step timed (``wants_timing``), or why the fused one could not step there.
+    on a CPU, the two implementations' step timed (``wants_timing``), or why they could not be (a clause).
+    ``deterministic``: a CPU run that must repeat itself keeps the optimizer as given, untimed.
     """
     if optimizer.impl_set_by_user:
         return Choice("as given", f"{optimizer.name}: implementation set by the user")
@@ -133,10 +142,12 @@ def resolve_optimizer(
         return Choice("as given", kept)
     if facts.type == "cuda":
         return Choice("fused", f"{optimizer.name} rebuilt fused: one kernel updates every parameter")
+    if deterministic:  # the two round differently, and a timing may choose otherwise on the next run
+        return Choice("as given", f"{optimizer.name}: kept as given, as a deterministic run takes no timed choice")
     if timed is None:
         return Choice("as given", f"{optimizer.name}: kept as given, its fused kernel not timed on this {facts.type}")
     if isinstance(timed, str):
-        return Choice("as given", f"{optimizer.name}: kept as given, as its fused kernel failed on a copy ({timed})")
+        return Choice("as given", f"{optimizer.name}: kept as given, as {timed}")
     speedup = timed.given_s / timed.fused_s if timed.fused_s > 0 else 0.0
     if speedup >= FUSED_MARGIN:
         return Choice("fused", f"{optimizer.name} rebuilt fused: it stepped {speedup:.2f}x as fast ({timed.told()})")

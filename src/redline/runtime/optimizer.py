@@ -161,10 +161,10 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.op
 
 
 def same_kind(optimizer: torch.optim.Optimizer, params: list[list[torch.Tensor]], **impl: Any) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and hyperparameters over ``params`` (a list per parameter group; an
-    empty one drops its group), with ``impl`` changed, and none of its hooks."""
+    """A new optimizer of ``optimizer``'s class and hyperparameters over ``params`` (a list per parameter group, each
+    group kept, an empty one too, as torch allows it), with ``impl`` changed, and none of its hooks."""
     paired = zip(optimizer.param_groups, params, strict=True)
-    groups = [{**group, "params": kept, **impl} for group, kept in paired if kept]
+    groups = [{**group, "params": kept, **impl} for group, kept in paired]
     defaults = {**optimizer.defaults, **impl}
     if impl.get("fused"):  # fused and foreach are exclusive
         for options in (defaults, *groups):

@@ -265,7 +265,9 @@ class Runtime(RunState):
         facts = optimizer_facts(built, model, device=self.facts)
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
-        impl, built = pick_implementation(built, facts, self.facts, sharded=strategy.value == "fsdp")
+        impl, built = pick_implementation(
+            built, facts, self.facts, sharded=strategy.value == "fsdp", deterministic=self.options.deterministic
+        )
         planned = compile_planned(
             model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
         )

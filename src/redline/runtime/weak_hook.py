@@ -6,8 +6,9 @@ model for a few steps. A hook that is a bound method holds its check, and throug
 too, or fail on what it holds. ``WeakHook`` calls its owner's method while the owner lives, and a copy of the
 model gets a hook that does nothing in its place: the copy was made outside the checks' steps. A model the user
 compiles (``torch.compile(model)`` after setup) runs the hook eagerly: dynamo would trace its probe forwards and fail.
-Only a call under compile goes through dynamo's ``disable``: importing torch._dynamo takes about 1.5 s, which a run
-that never compiles would pay at its first forward (at import, when the method was decorated with it).
+Only a call under compile goes through dynamo's ``disable``: decorated with it, the method imported torch._dynamo
+(about 1.5 s) with this module, which a command that trains nothing paid too (`redline report --help`); a run pays it
+anyway, as torch's optimizers import dynamo when built.
 """
 
 from __future__ import annotations
