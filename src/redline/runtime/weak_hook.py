@@ -6,9 +6,6 @@ model for a few steps. A hook that is a bound method holds its check, and throug
 too, or fail on what it holds. ``WeakHook`` calls its owner's method while the owner lives, and a copy of the
 model gets a hook that does nothing in its place: the copy was made outside the checks' steps. A model the user
 compiles (``torch.compile(model)`` after setup) runs the hook eagerly: dynamo would trace its probe forwards and fail.
-Only a call under compile goes through dynamo's ``disable``: decorated with it, the method imported torch._dynamo
-(about 1.5 s) with this module, which a command that trains nothing paid too (`redline report --help`); a run pays it
-anyway, as torch's optimizers import dynamo when built.
 """
 
 from __future__ import annotations
@@ -27,18 +24,10 @@ class WeakHook:
     def __init__(self, owner: object, name: str) -> None:
         self._owner, self._name = weakref.ref(owner), name
 
+    @torch.compiler.disable  # a model the user compiled runs its checks eagerly: dynamo traces no probe forward
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling():  # a model the user compiled: dynamo breaks its graph at the eager call
-            return self._eagerly(*args)
-        return self._call(*args)
-
-    def _call(self, *args: Any) -> Any:
         owner = self._owner()
         return getattr(owner, self._name)(*args) if owner is not None else None
-
-    # torch's own lazy form of torch.compiler.disable: dynamo, already imported where a compile traces this call, is
-    # looked up when it runs, not when the class is defined
-    _eagerly = torch._disable_dynamo(_call)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
         return unchecked
