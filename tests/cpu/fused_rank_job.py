@@ -8,7 +8,6 @@ or the error it raised, to OUT/rank{R}.txt.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import sys
 from pathlib import Path
@@ -16,21 +15,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from two_ranks import join_group
 
 import redline.runtime.fused as fused
 from redline import Runtime, RuntimeOptions
-from redline.parallel.env import read_env
 from redline.plan.optimizer import StepTiming
 
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    env = read_env()
+    env = join_group(out, timeout_s=30)
     torch.set_num_threads(1)
-    store = dist.FileStore(str(out / "store"), env.world_size)
-    dist.init_process_group(
-        "gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=dt.timedelta(seconds=30)
-    )
     fused_ms = 0.3 if env.rank == 0 else 3.0  # each rank, left to itself, would choose otherwise
     fused.time_fused = lambda optimizer: StepTiming(given_s=1e-3, fused_s=fused_ms / 1e3, timed=10, of=10)
     model = nn.Linear(4, 2)

@@ -6,7 +6,6 @@ set; writes what this rank raised to OUT/rank{R}.txt.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import sys
 from pathlib import Path
@@ -15,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
+from two_ranks import join_group
 
 import redline
 import redline.runtime.measure as measure
-from redline.parallel.env import read_env
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.tuned_run import find_tuned
 
@@ -31,13 +30,8 @@ def broken_on_rank0() -> nn.Module:
 
 def main() -> None:
     out, lookup = Path(sys.argv[1]), sys.argv[2]
-    env = read_env()
+    env = join_group(out, timeout_s=20)
     torch.set_num_threads(1)
-    store = dist.FileStore(str(out / "store"), env.world_size)
-    # gloo's timeout ends a rank left waiting in the collective: without it a hang would outlive the test
-    dist.init_process_group(
-        "gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=dt.timedelta(seconds=20)
-    )
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     task = redline.Task(model=broken_on_rank0, loss_fn=nn.functional.cross_entropy, train_data=data, batch_size=8)
     options = RuntimeOptions(devices="cpu")

@@ -3,24 +3,17 @@ implementations round differently, so replicas stepping each their own way would
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from two_ranks import run_two_ranks
 
 JOB = Path(__file__).with_name("fused_rank_job.py")
 
 
 def run_job(tmp_path: Path, mode: str) -> list[str]:
-    tmp_path = tmp_path / mode  # a store of its own: a file store another job wrote would answer this one's keys
-    tmp_path.mkdir()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(JOB), str(tmp_path), mode], env=env))
-    for p in procs:
-        p.wait(timeout=120)
-    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    out = tmp_path / mode  # a store of its own: a file store another job wrote would answer this one's keys
+    out.mkdir()
+    return run_two_ranks(JOB, out, mode)
 
 
 def test_every_rank_takes_rank_zeros_implementation(tmp_path):
