@@ -7,7 +7,7 @@ it rebuilds anything (plan/optimizer.py decides): each steps a copy of the same 
 gradients, in rounds whose order rotates, after a first step that builds its state. The user's parameters, state
 and hooks are not touched. A large model is timed on a copy of its first ``TIMED_BYTES`` of parameters: the check
 costs a tenth of a second or so, and its copies (two, each with gradients and state) about 80 MiB at most.
-Under ``deterministic=True`` nothing is timed (a run that must repeat itself cannot hang on a timing), and under
+Under ``deterministic=True`` nothing is timed (a run that must repeat itself cannot depend on a timing), and under
 several processes rank 0 times and every rank takes its choice: the two implementations round differently, and
 replicas must step alike.
 """
