@@ -25,14 +25,14 @@ from redline.bench import loops
 from redline.bench.matrix import Setting
 from redline.runtime.fused import time_fused
 from redline.runtime.optimizer import rebuild_optimizer
+from redline.task import Task
 from redline.task.spec import load_task
 
 EXAMPLES = (("example:chargpt", 32, 10), ("example:digits", 64, 50))  # task, batch size, steps a window
 
 
-def loops_side_by_side(spec: str, batch_size: int, window: int, rounds: int) -> tuple[float, float, float, float]:
+def loops_side_by_side(task: Task, batch_size: int, window: int, rounds: int) -> tuple[float, float, float, float]:
     """The naive loop's median seconds a step as given and fused, and the round-by-round ratio's quartiles."""
-    task = load_task(spec)
     runners = []
     for fused in (False, True):
         runner = loops.naive_runner(task, Setting("naive", "cpu", "fp32", False, batch_size), seed=0)
@@ -59,8 +59,7 @@ def loops_side_by_side(spec: str, batch_size: int, window: int, rounds: int) -> 
     return statistics.median(times[0]), statistics.median(times[1]), ratios[len(ratios) // 4], ratios[-len(ratios) // 4]
 
 
-def plan_row(spec: str) -> str:
-    task = load_task(spec)
+def plan_row(task: Task) -> str:
     with Runtime(RuntimeOptions(devices="cpu", precision="fp32", compile="off")) as rt:
         rt.setup(task.build_model(), task.optimizer)
         row = rt.explain().optimizer
@@ -78,12 +77,12 @@ def main() -> None:
         optimizer = task.optimizer(task.build_model().parameters())
         timed = time_fused(optimizer)
         setup = "failed" if isinstance(timed, str) else f"{timed.given_s / timed.fused_s:.2f}x ({timed.told()})"
-        given, fused, low, high = loops_side_by_side(spec, batch_size, window, args.rounds)
+        given, fused, low, high = loops_side_by_side(task, batch_size, window, args.rounds)
         rows.append(
             f"| {spec} | {type(optimizer).__name__} | {batch_size} | {setup} | {given * 1e3:.2f} | {fused * 1e3:.2f} "
             f"| **{given / fused:.3f}x** | {low:.3f}-{high:.3f} |"
         )
-        plans.append(f"- {spec}: {plan_row(spec)}")
+        plans.append(f"- {spec}: {plan_row(task)}")
         print(rows[-1], plans[-1], sep="\n", flush=True)
     body = [
         __doc__.split("\n\n")[1].replace("\n", " "),

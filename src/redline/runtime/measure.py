@@ -83,6 +83,7 @@ NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run no
 PICKED = "trial-kernels"  # the cache's kind that keeps, beside a trial, how ``picked_forms`` picked its kernels
 RUNS = "trial-runs"  # the cache's kind that keeps the planned steps of a workload's runs that did not measure
 BUSY = "trial-busy"  # the cache's kind that keeps, beside a trial measured while other work took its CPUs, the note
+INSIST = "--trial on measures anyway"  # how a command measures a run too short to repay a trial, by default
 CACHED = "; cached from "  # in a choice's reason where the trial was read from the cache, not run
 
 
@@ -94,7 +95,7 @@ def measure_auto(
     env: DistEnv,
     *,
     trial: str,
-    insist: str = "--trial on measures anyway",
+    insist: str = INSIST,
 ) -> dict[str, Choice[str]]:
     """The "auto" choices a trial measured for this run (``{"precision": ...}``: the rule's where it did not
     measure, with why; and ``"attention"`` where it timed the kernels too), or {} where none applies.
@@ -125,7 +126,7 @@ def _measured(
     *,
     trial: str,
     counts: bool,
-    insist: str = "--trial on measures anyway",
+    insist: str = INSIST,
 ) -> tuple[dict[str, Choice[str]], float | None]:
     work = _workload(options, batch_size, env)
     if work is None:
