@@ -13,7 +13,7 @@ import torch
 from redline.errors import ConfigError
 from redline.hardware.contention import ENV as CONTENTION_ENV
 from redline.hardware.device import CPU_ISAS, FAKE_CPU_ENV, probe_cpu_isa
-from redline.runtime.trial import CACHE_ENV
+from redline.runtime.cache import CACHE_ENV
 
 # The device fixtures in devices.py are shared by the unit and CPU tiers.
 sys.path.insert(0, str(Path(__file__).parent))

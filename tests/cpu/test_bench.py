@@ -329,7 +329,7 @@ def test_the_matmul_a_row_is_measured_against_runs_with_its_own_tf32(monkeypatch
 
     peaks = iter([1.0, 4.0])  # TFLOP/s, far above what a tiny model achieves on a CPU
     monkeypatch.setattr(Runner, "plan", plan_with_tf32)
-    monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: next(peaks))
+    monkeypatch.setattr("redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: next(peaks))
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,
                        auto=False)  # fmt: skip
     naive, explicit = result.row("naive cpu fp32 b32"), result.row("cpu fp32 eager b32")
@@ -345,14 +345,14 @@ def test_a_bfloat16_model_in_fp32_rows_is_measured_against_a_bfloat16_matmul(mon
                 train_data=TensorDataset(x, y), batch_size=32, name="bf16")  # fmt: skip
     asked: list[str] = []
     monkeypatch.setattr(
-        "redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: asked.append(precision) or 4.0
+        "redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: asked.append(precision) or 4.0
     )
     result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2, auto=False)
     assert all(not row.error for row in result.rows) and set(asked) == {"bf16-mixed"}
 
 
 def test_a_row_that_outpaced_its_stalled_matmul_peak_gives_no_share(monkeypatch):
-    monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: 1e-9)  # stalled
+    monkeypatch.setattr("redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: 1e-9)  # stalled
     result = benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2,
                        auto=False)  # fmt: skip
     assert all(row.tflops > 1e-9 and row.mfu_measured is None for row in result.rows)

@@ -16,7 +16,7 @@ import redline
 from redline.errors import ConfigError, DeviceUnavailableError, ServableError
 from redline.hardware.device import FAKE_CPU_ENV
 from redline.plan import Choice
-from redline.runtime.trial import CACHE_ENV
+from redline.runtime.cache import CACHE_ENV
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine, WarmUpStopped
 from redline.serve.runners import CaptureFailed, EagerRunner, GraphRunner, copy_out, pad_to

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from redline.cli.main import app
 from redline.hardware.device import FAKE_CPU_ENV, DeviceFacts
 from redline.plan import inference
-from redline.runtime.trial import CACHE_ENV
+from redline.runtime.cache import CACHE_ENV
 from redline.serve import engine as engine_module
 from redline.serve.engine import InferenceEngine
 

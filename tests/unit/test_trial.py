@@ -21,6 +21,7 @@ from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.precision import fast_precisions
 from redline.runtime import measure
+from redline.runtime.cache import cache_dir
 from redline.runtime.compile import CompileRecord, compile_module
 from redline.runtime.measure import measure_auto
 from redline.runtime.options import RuntimeOptions
@@ -28,7 +29,6 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.trial import (
     Measured,
     _settled_by_the_accepted,
-    cache_dir,
     choose,
     decided,
     judge,
@@ -609,7 +609,7 @@ def test_a_model_trained_as_it_is_in_fp32_is_measured_against_the_peak_of_its_pa
     model, _ = rt.setup(task.build_model(), task.optimizer)
     asked: list[str] = []
     monkeypatch.setattr(
-        "redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: asked.append(precision)
+        "redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: asked.append(precision)
     )
     meter = Throughput(rt, task, clock=clock)
     inputs, targets = data.tensors[0][:16], data.tensors[1][:16]
@@ -638,7 +638,7 @@ def test_a_stalled_matmul_peak_is_measured_again_and_never_reported_above_100_pe
         measured.append(blocks)
         return peaks[len(measured) - 1]  # TFLOP/s: 1e-9 is below any run's speed, a measurement stalled
 
-    monkeypatch.setattr("redline.runtime.trial.matmul_peak", matmul_peak)
+    monkeypatch.setattr("redline.runtime.cache.matmul_peak", matmul_peak)
     meter = Throughput(rt, task, clock=clock)
     meter.first_step_done(inputs, targets, model)
     meter.count(16, 0)
@@ -654,7 +654,7 @@ def test_a_run_whose_first_step_is_an_epochs_short_last_batch_counts_the_flops_i
     # A resume at an epoch's last step counted the FLOPs of its 30-sample batch for every 64-sample step after it.
     from redline.hardware.flops import count_train_flops
 
-    monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: 1.0)
+    monkeypatch.setattr("redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: 1.0)
     task, clock = tiny_task(), FakeClock()
     rt = Runtime(devices="cpu", precision="fp32")
     model, _ = rt.setup(task.build_model(), task.optimizer)
@@ -675,14 +675,14 @@ def test_the_matmul_peak_is_the_best_this_machine_has_shown_so_a_stall_does_not_
     # On a busy 2-core machine one summary said 52.9% of the matmul peak and others 0.7-1.5%: the peak measured at
     # the summary had stalled. A measurement only comes out low, so the best one seen (cached) is the device's.
     from redline.hardware.device import probe_device
-    from redline.runtime.trial import best_matmul_peak
+    from redline.runtime.cache import best_matmul_peak
 
     timed = iter([2.0, 0.01, 3.0, None])  # TFLOP/s; None: a GPU left full, nothing measured now
-    monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: next(timed))
+    monkeypatch.setattr("redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: next(timed))
     cpu = torch.device("cpu")
     facts = probe_device(cpu)
     assert [best_matmul_peak(cpu, facts, "fp32") for _ in range(4)] == [2.0, 2.0, 3.0, 3.0]
-    monkeypatch.setattr("redline.runtime.trial.matmul_peak", lambda device, precision, blocks=5: 0.5)
+    monkeypatch.setattr("redline.runtime.cache.matmul_peak", lambda device, precision, blocks=5: 0.5)
     assert best_matmul_peak(cpu, facts, "bf16-mixed") == 0.5  # each precision has its own peak
     for path in (cache_dir() / "peaks").glob("*.json"):  # edited by hand: no peak a matmul can reach
         path.write_text(json.dumps({"measured_at": "then", "measured": [float("inf"), True, -1.0]}))

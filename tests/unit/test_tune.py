@@ -14,9 +14,9 @@ from torch.utils.data import TensorDataset
 from redline.bench.tune import _alternatives, decide, search_space, skipped_axes
 from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
-from redline.runtime import trial as trial_module
+from redline.runtime import cache as cache_module
+from redline.runtime.cache import write_cache
 from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
-from redline.runtime.trial import write_cache
 from redline.runtime.tuned import (
     Candidate,
     Trial,
@@ -352,7 +352,7 @@ def test_a_cache_that_cannot_be_written_is_named_once_whichever_kinds_a_run_cach
     def refuse(path):
         raise PermissionError(30, "Read-only file system", str(path.parent))
 
-    monkeypatch.setattr(trial_module, "make_parent", refuse)
+    monkeypatch.setattr(cache_module, "make_parent", refuse)
     with caplog.at_level(logging.WARNING, logger="redline"):
         write_cache("peaks", "key", [0.2])
         write_cache("trials", "key", [])

@@ -18,8 +18,8 @@ from redline.errors import RedlineError, describe_error
 from redline.hardware.catalog import find_gpu, peak_tflops
 from redline.hardware.device import probe_device
 from redline.hardware.flops import matmul_precision, mfu, share_of_peak
+from redline.runtime.cache import best_matmul_peak
 from redline.runtime.contract import ONE_SAMPLE_HINT, count_tokens, one_sample_refusal
-from redline.runtime.trial import best_matmul_peak
 
 Built = dict[Setting, tuple[Runner | RowProcess, Peak, int | None]]  # each row's runner, warm-up peak and FLOPs
 

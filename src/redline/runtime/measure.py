@@ -42,6 +42,7 @@ from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
+from redline.runtime.cache import read_cache, write_cache
 from redline.runtime.contract import split_batch, users_failure
 from redline.runtime.kernel_check import KEEP, preferred, time_against_pick
 from redline.runtime.layout import falls_back
@@ -58,12 +59,10 @@ from redline.runtime.trial import (
     form,
     form_parts,
     load_cached,
-    read_cache,
     run_trial,
     store,
     trial_key,
     trial_steps,
-    write_cache,
 )
 from redline.task import Task
 

@@ -26,8 +26,8 @@ from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.plan.attention import plan_kernel
 from redline.plan.layout import resolve_channels_last
+from redline.runtime.cache import CACHE_ENV, cache_dir, cache_key
 from redline.runtime.options import LAID_OUT_BY_AUTO, RuntimeOptions
-from redline.runtime.trial import CACHE_ENV, cache_dir, cache_key
 from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")

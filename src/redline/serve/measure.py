@@ -25,8 +25,9 @@ import torch
 from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan.inference import Setting, Timing
+from redline.runtime.cache import cache_key, read_cache, write_cache
 from redline.runtime.cuda_errors import is_sticky_cuda_error
-from redline.runtime.trial import cache_key, read_cache, time_steps, write_cache
+from redline.runtime.trial import time_steps
 
 WARMUP_CALLS = 3
 ROUNDS, BLOCK = 5, 3  # timed blocks per setting, and calls per block

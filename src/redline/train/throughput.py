@@ -14,9 +14,9 @@ from torch import nn
 from redline.hardware.catalog import GPUSpec, find_gpu, mig_parent, peak_tflops
 from redline.hardware.flops import count_train_flops, matmul_precision, mfu, share_of_peak, weights_dtype
 from redline.hardware.memory import WindowPeak
+from redline.runtime.cache import best_matmul_peak
 from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
-from redline.runtime.trial import best_matmul_peak
 from redline.task import Task
 
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from redline.checkpoint import Checkpoint, load_plan
 from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
+from redline.runtime.cache import cache_dir
 from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.trial import cache_dir
 from redline.runtime.tuned import MICRO_BATCHES
 from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, say_given_over_tune, whole_where_untrained
 from redline.task import Task
