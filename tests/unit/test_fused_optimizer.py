@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import redline.runtime.fused as fused
-from devices import CPU, H100, MPS
+from devices import CPU, CPU_AMX, H100, MPS
 from redline import Runtime, RuntimeOptions
 from redline.plan.optimizer import FUSED_MARGIN, OptimizerFacts, StepTiming, resolve_optimizer, wants_timing
 
@@ -159,3 +159,79 @@ def test_an_implementation_the_user_set_is_not_timed(monkeypatch):
         _, built = rt.setup(model, given := torch.optim.AdamW(model.parameters(), foreach=False))
         assert built is given
         assert rt.explain().optimizer.value == "as given" and "set by the user" in rt.explain().optimizer.reason
+
+
+def counting_timer(monkeypatch, fused_ms: float = 0.3) -> list[int]:
+    """Replace the timing with one that counts its calls; return the count."""
+    calls: list[int] = []
+
+    def timed(optimizer):
+        calls.append(1)
+        trained = sum(p.numel() for p in optimizer.param_groups[0]["params"] if p.requires_grad)
+        return timing(1.0, fused_ms, timed=trained, of=trained)
+
+    monkeypatch.setattr(fused, "time_fused", timed)
+    return calls
+
+
+def test_a_second_run_reads_the_timing_from_the_cache_and_the_plan_says_when_it_was_measured(monkeypatch):
+    calls = counting_timer(monkeypatch)
+    reasons = []
+    for _ in range(2):
+        model, optimizer = model_and_optimizer()
+        with Runtime(RuntimeOptions(devices="cpu")) as rt:
+            _, built = rt.setup(model, optimizer)
+            reasons.append(rt.explain().optimizer.reason)
+        assert built is not optimizer and built.defaults["fused"]
+    assert calls == [1]  # timed once: the second run paid nothing
+    assert "cached from" not in reasons[0]
+    assert "(1.00 ms against" not in reasons[1] and "0.30 ms against 1.00 ms a step" in reasons[1]
+    assert "parameters; cached from 20" in reasons[1]
+
+
+def test_the_cache_keys_what_a_step_takes_and_not_the_learning_rate(monkeypatch):
+    calls = counting_timer(monkeypatch)
+
+    def timed_once(optimizer: torch.optim.Optimizer, device=CPU) -> bool:
+        before = len(calls)
+        fused.timed_or_cached(optimizer, device)
+        return len(calls) > before
+
+    def adamw(model: nn.Module, **options) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), **{"lr": 1e-3, **options})
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    assert timed_once(adamw(model))
+    assert not timed_once(adamw(model, lr=0.5))  # a schedule moves it: the step takes as long
+    assert not timed_once(adamw(nn.Linear(16, 4)))  # another model of the same shapes
+    assert timed_once(adamw(model, amsgrad=True))  # an option the step reads
+    assert timed_once(adamw(nn.Linear(16, 8)))  # other shapes
+    assert timed_once(adamw(nn.Linear(16, 4).double()))  # another dtype
+    assert timed_once(torch.optim.Adam(model.parameters(), lr=1e-3))  # another kind
+    assert timed_once(adamw(model), CPU_AMX)  # another machine
+    frozen = nn.Linear(16, 4)
+    frozen.bias.requires_grad_(False)
+    assert timed_once(adamw(frozen))  # other parameters train
+
+
+def test_a_damaged_entry_is_timed_again_and_a_failed_timing_is_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path))
+    calls = counting_timer(monkeypatch)
+    _, optimizer = model_and_optimizer()
+    first = fused.timed_or_cached(optimizer, CPU)
+    assert isinstance(first, StepTiming) and not first.cached_from and calls == [1]
+    (entry,) = (tmp_path / fused.CACHED).iterdir()
+    assert isinstance(fused.timed_or_cached(optimizer, CPU), StepTiming) and calls == [1]
+    for damaged in ("[1.0, 0.3, 10, 10]", '{"measured_at": "x", "measured": [0.001, -1.0, 10, 10]}', "not json"):
+        entry.write_text(damaged, encoding="utf-8")
+        assert isinstance(fused.timed_or_cached(optimizer, CPU), StepTiming)
+    assert len(calls) == 4  # each damaged entry timed again, and written whole
+    (entry,) = (tmp_path / fused.CACHED).iterdir()
+    entry.unlink()
+    monkeypatch.setattr(
+        fused, "time_fused", lambda optimizer: calls.append(1) or "its fused kernel failed on a copy (x)"
+    )
+    assert fused.timed_or_cached(optimizer, CPU) == "its fused kernel failed on a copy (x)"
+    assert fused.timed_or_cached(optimizer, CPU) == "its fused kernel failed on a copy (x)"
+    assert len(calls) == 6 and not any((tmp_path / fused.CACHED).iterdir())  # tried again, nothing cached

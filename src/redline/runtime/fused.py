@@ -7,9 +7,12 @@ it rebuilds anything (plan/optimizer.py decides): each steps a copy of the same 
 gradients, in rounds whose order rotates, after a first step that builds its state. The user's parameters, state
 and hooks are not touched. A large model is timed on a copy of its first ``TIMED_BYTES`` of parameters: the check
 costs a tenth of a second or so, and its copies (two, each with gradients and state) about 80 MiB at most.
-Under ``deterministic=True`` nothing is timed (a run that must repeat itself cannot depend on a timing), and under
-several processes rank 0 times and every rank takes its choice: the two implementations round differently, and
-replicas must step alike.
+A timing is cached (runtime/cache.py), keyed by the optimizer's kind, its options but the learning rate, the shapes
+and dtypes of its parameters, and the machine: a second run here pays nothing and takes the same implementation,
+where a fresh timing of two implementations a few percent apart could go either way. Under ``deterministic=True``
+nothing is timed nor read (a run that must repeat itself anywhere cannot depend on a timing), and under several
+processes rank 0 times and every rank takes its choice: the two implementations round differently, and replicas
+must step alike.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ from redline.plan.optimizer import (
     resolve_optimizer,
     wants_timing,
 )
+from redline.runtime.cache import cache_key, read_cache, write_cache
 from redline.runtime.optimizer import rebuild_optimizer, same_kind
 
 TIMED_BYTES = 8 << 20  # of parameters copied at most: 2M fp32 elements; with gradients and Adam's state, 64 MiB
 ROUNDS = 5
 LEAST_ROUND_S = 0.002  # each round steps each implementation for at least this long (a step may take microseconds)
 MOST_STEPS = 100  # steps per round at most
+CACHED = "optimizer-steps"  # the cache's kind that keeps the timings
+METHOD = 1  # how the timing measures, in its cache key: a change to it leaves what the old way measured unread
 
 
 def pick_implementation(
@@ -51,18 +57,65 @@ def pick_implementation(
     else:
 
         def decided_on_rank0() -> Choice[OptimizerImpl]:
-            timed = time_fused(optimizer) if wants_timing(facts, device, sharded=sharded) else None
+            timed = timed_or_cached(optimizer, device) if wants_timing(facts, device, sharded=sharded) else None
             return resolve_optimizer(facts, device, sharded=sharded, timed=timed)
 
         impl = run_on_rank0(decided_on_rank0, "timing the optimizer's fused kernel")
     return impl, rebuild_optimizer(optimizer, fused=True) if impl.value == "fused" else optimizer
 
 
+def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> StepTiming | str:
+    """``time_fused``'s answer for ``optimizer`` on this machine: cached, or timed now and cached (a timing that could
+    not be made is not: the next run tries again)."""
+    key = cache_key(_fingerprint(optimizer), device, f"{TIMED_BYTES} bytes", f"method {METHOD}")
+    cached = _read(key, of=_trained(optimizer))
+    if cached is not None:
+        return cached
+    timed = time_fused(optimizer)
+    if isinstance(timed, StepTiming):
+        write_cache(CACHED, key, [timed.given_s, timed.fused_s, timed.timed, timed.of])
+    return timed
+
+
+def _fingerprint(optimizer: torch.optim.Optimizer) -> str:
+    """What a step's time depends on: the optimizer's kind, each group's options (its learning rates aside, which a
+    schedule moves) and the shapes and dtypes of the parameters that train."""
+    groups = [
+        (
+            sorted(
+                (name, repr(value)) for name, value in group.items() if name != "params" and not name.endswith("lr")
+            ),
+            [(tuple(p.shape), str(p.dtype)) for p in group["params"] if p.requires_grad],
+        )
+        for group in optimizer.param_groups
+    ]
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__} {groups!r}"
+
+
+def _read(key: str, *, of: int) -> StepTiming | None:
+    """The timing cached under ``key``, or None where none is, or where the entry holds what no timing of an optimizer
+    of ``of`` parameter elements writes (an edit, a damaged file): it is timed again."""
+    found = read_cache(CACHED, key)
+    if found is None or len(found[0]) != 4:
+        return None
+    (given_s, fused_s, timed, total), when = found
+    seconds_ok = all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in (given_s, fused_s))
+    counts_ok = all(isinstance(n, int) and not isinstance(n, bool) for n in (timed, total))
+    if not seconds_ok or not counts_ok or total != of or not 0 < timed <= total:
+        return None
+    return StepTiming(given_s=given_s, fused_s=fused_s, timed=timed, of=total, cached_from=when)
+
+
+def _trained(optimizer: torch.optim.Optimizer) -> int:
+    """The parameter elements ``optimizer`` steps (those that train)."""
+    return sum(p.numel() for group in optimizer.param_groups for p in group["params"] if p.requires_grad)
+
+
 def time_fused(optimizer: torch.optim.Optimizer) -> StepTiming | str:
     """Time ``optimizer``'s step as given and fused on a copy of its parameters; return the seconds a step, or why
     they could not be timed (as a clause: "its fused kernel failed on a copy (...)")."""
     params = [list(group["params"]) for group in optimizer.param_groups]
-    total = sum(p.numel() for group in params for p in group if p.requires_grad)
+    total = _trained(optimizer)
     copies = [_copies(params), _copies(params)]
     timed = sum(p.numel() for group in copies[0] for p in group)
     if not timed:
