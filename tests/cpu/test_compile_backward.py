@@ -1,6 +1,11 @@
-"""A training compile's time includes its backward's: torch compiles a graph's backward when it first runs, and
-times that compile in its own metrics, which the compile records read."""
+"""A training compile's time includes its backward's, and a backward that fails to compile runs the model eagerly.
 
+torch compiles a graph's backward when it first runs, and times that compile in its own metrics, which the compile
+records read; redline has it compile the first training graph's backward with its forward, so that a failure falls
+back to eager like the forward's own."""
+
+import copy
+import logging
 import time
 
 import pytest
@@ -10,6 +15,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 from redline.runtime import compile as compiling
+from redline.runtime import compiler_facts
 from redline.runtime.compile import compile_module, compile_seconds
 
 KEY = "compile_fx.<locals>.bw_compiler"  # the name torch's inductor times its backward compiles under
@@ -42,28 +48,48 @@ def backend(metrics: dict[str, list[float]], seconds: float):
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
 
 
-# dynamic=False: torch compiles a backward at its first backward unless the graph saves sizes for it (dynamic shapes,
-# which torch turns on for a forward it saw at other shapes before); then with the forward, in the call timed
+# dynamic=False: a recompile at another shape is a graph of fixed shapes too, whose backward torch compiles at its
+# first backward (unless the graph saves sizes for it, as under dynamic shapes: then with the forward, in the call)
 
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 
 
-@functorch_config.patch(donated_buffer=False)  # else torch refuses a second backward through the graph
-def test_the_backward_compile_at_the_first_backward_is_the_training_compiles_time(metrics):
-    # The summary's compile time counted the forward's call alone: on a CPU inductor spent a second more compiling
-    # the backward at the first backward, counted as a training step's time.
+def lowers_backward_with_forward() -> bool:
+    return hasattr(functorch_config, compiler_facts.LOWER_BACKWARD)
+
+
+def test_the_first_training_graph_compiles_its_backward_in_the_forwards_call(metrics):
+    if not lowers_backward_with_forward():
+        pytest.skip("this torch compiles a backward at its first backward only")
     model = mlp()
     record = compile_module(model, backend=backend(metrics, 0.3), dynamic=False)
-    x = torch.randn(4, 8)
+    loss = model(torch.randn(4, 8)).sum()
+    assert metrics[KEY] == [0.3]  # compiled with the forward
+    with_forward = compile_seconds([record], training=True)
+    assert with_forward >= 0.3 and record.compiles == 1
+    loss.backward()
+    assert compile_seconds([record]) == with_forward  # timed in the call, not counted again
+    assert not getattr(functorch_config, compiler_facts.LOWER_BACKWARD)  # torch's setting is put back after the call
+
+
+@functorch_config.patch(donated_buffer=False)  # else torch refuses a second backward through the graph
+def test_a_backward_compiled_at_its_first_backward_is_the_training_compiles_time(metrics):
+    # The summary's compile time counted the forward's call alone: on a CPU inductor spent a second more compiling
+    # the backward at the first backward, counted as a training step's time. The first training graph's backward
+    # compiles with its forward now; a recompile's (another shape) still at its first backward.
+    model = mlp()
+    record = compile_module(model, backend=backend(metrics, 0.3), dynamic=False)
+    model(torch.randn(4, 8)).sum().backward()
+    x = torch.randn(5, 8)
     loss = model(x).sum()
     forward_only = compile_seconds([record])
     assert forward_only == record.training_seconds
     loss.backward(retain_graph=True)
     assert compile_seconds([record]) == pytest.approx(forward_only + 0.3)
     assert compile_seconds([record], training=True) == pytest.approx(forward_only + 0.3)
-    assert record.compiles == 1 and record.recompiles == []  # the same compile, not another
+    assert record.compiles == 2 and len(record.recompiles) == 1  # the recompile, and its backward no other
     time.sleep(0.2)
     loss.backward()  # through the same graph again, as a second loss of the batch does: nothing compiles
     model(x).sum().backward()
@@ -84,11 +110,57 @@ def test_several_forwards_before_one_backward_count_it_once_and_evaluation_has_n
 def test_each_backward_compile_goes_to_the_model_that_compiled_for_training_last(metrics):
     first, second = mlp(), mlp()
     one, other = (compile_module(m, backend=backend(metrics, 0.1), dynamic=False) for m in (first, second))
-    first(torch.randn(4, 8)).sum().backward()
+    for model in (first, second):
+        model(torch.randn(4, 8)).sum().backward()  # each one's first training graph
+    first(torch.randn(5, 8)).sum().backward()  # recompiled, its backward compiled at the backward
     alone = compile_seconds([one])
-    second(torch.randn(4, 8)).sum().backward()
+    second(torch.randn(5, 8)).sum().backward()
     assert compile_seconds([one]) == alone  # the second model's backward compile is not the first's
-    assert compile_seconds([other], training=True) >= 0.1
+    assert compile_seconds([other], training=True) >= 0.2
+
+
+def failing_backward(calls: list[str]):
+    """A torch.compile backend whose forward compiler works and whose backward compiler raises."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(graph, example_inputs):
+        calls.append("forward")
+        return make_boxed_func(graph.forward)
+
+    def backward_compiler(graph, example_inputs):
+        calls.append("backward")
+        raise RuntimeError("no kernel for this backward")
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+
+
+@pytest.mark.parametrize("evaluated_first", [False, True])
+def test_a_backward_that_fails_to_compile_runs_the_model_eagerly_instead_of_failing_the_step(evaluated_first, caplog):
+    # The backward compiled at the first backward, where a failure raised the compiler's error out of the user's
+    # loss.backward(), past the fall back to eager that a forward's failure gets. With the forward's call now.
+    if not lowers_backward_with_forward():
+        pytest.skip("this torch compiles a backward at its first backward only")
+    torch.manual_seed(0)
+    model, calls = mlp(), []
+    reference = copy.deepcopy(model)
+    record = compile_module(model, backend=failing_backward(calls), dynamic=False)
+    x = torch.randn(4, 8)
+    if evaluated_first:
+        with torch.no_grad():
+            model(x)  # an evaluation's graph, compiled: there is no backward to fail
+        assert record.compiles == 1 and record.fell_back is None
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    assert "backward" in calls and "no kernel for this backward" in (record.fell_back or "")
+    assert "running eagerly" in caplog.text
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, expected.grad)  # the step's gradients, from the eager forward
+    calls.clear()
+    model(x).sum().backward()
+    assert calls == [] and record.calls == 1 + evaluated_first  # eager from then on: nothing compiled or called
+    assert record.seconds is not None and record.seconds > 0
 
 
 def test_torchs_inductor_still_times_its_backward_compiles_under_the_name_read():
@@ -109,5 +181,5 @@ def test_torchs_inductor_still_times_its_backward_compiles_under_the_name_read()
         forward_only, after_forward = compile_seconds([record]), backward_compiles()
         loss.backward()
     assert backward_compiles() > before  # inductor compiled the backward, and timed it under the name read
-    # at the first backward, as it does by default (else with the forward, whose call's time holds it)
+    # with the forward, whose call's time holds it (or at the first backward, where this torch compiles it then)
     assert compile_seconds([record]) == pytest.approx(forward_only + backward_compiles() - after_forward)

@@ -734,7 +734,7 @@ def test_a_compile_no_guard_caused_is_said_as_another_frame_and_not_warned_of(mo
     DistributedDataParallel again: ", each with nothing after the colon."""
     from redline.runtime import compile as compile_home
 
-    monkeypatch.setattr(compile_home, "_last_guard_failure", lambda code: "")  # torch gave no guard's failure
+    monkeypatch.setattr(compile_home, "last_guard_failure", lambda code: "")  # torch gave no guard's failure
     torch._dynamo.reset()
     model = OwnForward()
     record = compile_module(model, backend="eager")

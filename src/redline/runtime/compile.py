@@ -7,7 +7,6 @@ import copy
 import importlib.util
 import itertools
 import logging
-import re
 import shutil
 import sys
 import time
@@ -23,6 +22,16 @@ from redline.errors import describe_error
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 from redline.plan.compile import resolve_compile
+from redline.runtime.compiler_facts import (
+    NEW_FRAME,
+    compiled_frames,
+    frames,
+    graphs_held,
+    is_compiler_error,
+    last_guard_failure,
+    lower_backward_now,
+    recompile_hint,
+)
 from redline.runtime.options import RESUMED, RuntimeOptions
 
 log = logging.getLogger("redline")
@@ -232,20 +241,6 @@ def gave_up_on_model(model: nn.Module) -> str:
     return _gave_up(*eager_calls_of(model))
 
 
-def _compiled_frames() -> int:
-    """How many frames torch.compile has compiled in this process: it grows by one per compile or recompile."""
-    return _frames("ok")
-
-
-def _frames(kind: str) -> int:
-    """torch.compile's count of frames in this process: "ok" (compiled) or "total" (tried: compiled, or given up on)."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:
-        return 0
-    return int(counters["frames"][kind])
-
-
 @contextlib.contextmanager
 def recompile_room(record: CompileRecord | None, graphs: int) -> Iterator[None]:
     """Let torch.compile keep ``graphs`` more graphs of ``record``'s forward than it holds now, inside.
@@ -259,73 +254,25 @@ def recompile_room(record: CompileRecord | None, graphs: int) -> Iterator[None]:
     import torch._dynamo.config as dynamo_config
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    need = max(int(getattr(dynamo_config, name)), _graphs_held(record.code) + graphs)
+    need = max(int(getattr(dynamo_config, name)), graphs_held(record.code) + graphs)
     with dynamo_config.patch(name, need):
         yield
-
-
-def _graphs_held(code: Any) -> int:
-    """How many graphs torch.compile holds for ``code`` (0 where torch cannot say)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(code))
-    except Exception:
-        return 0
-
-
-# A compile after the first that no guard's failure caused: another frame of the forward compiled for the first time,
-# past a graph break (under several processes, DDP's forward calls its own logging code between two graphs).
-NEW_FRAME = "no guard failed: another frame of the forward, past a graph break (DDP's own code, say), compiled once"
-
-
-# torch's guard for a tensor whose length changed: "tensor 'args[0]' size mismatch at index 1. expected 5, actual 7"
-OTHER_AXIS_CHANGED = re.compile(r"size mismatch at index [1-9]")
-
-
-def recompile_hint(cause: str) -> str:
-    """A hint for a recompile's ``cause`` where its remedy is the data's (a length beyond the batch axis that
-    changes from batch to batch: a collate_fn that pads each batch to its longest item), else ""."""
-    if not OTHER_AXIS_CHANGED.search(cause):
-        return ""
-    return (
-        "\nhint: a length beyond the batch axis changed from one batch to the next: pad the data to a fixed length "
-        "(or a few bucket lengths) in the collate_fn, so the compiled step sees fixed shapes"
-    )
-
-
-def _last_guard_failure(code: Any) -> str:
-    """The newest reason torch gave for a recompile (a guard that failed) of ``code``, else of any frame (one past a
-    graph break, whose code is a submodule's), or "" if it gave none."""
-    try:
-        from torch._dynamo.utils import guard_failures
-    except Exception:
-        return ""
-    reasons = list(guard_failures.get(code, ())) or [
-        reason for failures in guard_failures.values() for reason in failures
-    ]
-    return str(reasons[-1]).strip() if reasons else ""
-
-
-def is_compiler_error(exc: BaseException) -> bool:
-    # Errors raised by the compiler stack itself; a user's own bug re-raises from the eager rerun.
-    module = type(exc).__module__
-    return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx"))
 
 
 def _eager_instead(
     record: CompileRecord, exc: Exception, start: float, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The first call's output from the eager model after the compiler raised ``exc``; the model runs eagerly from
-    then on, and says so once. dynamo wraps an error of the model's own ops (a shape mismatch) as its own: where the
-    eager call fails too, the error is the user's, raised as the eager model raises it, and the next call compiles."""
+    """A call's output from the eager model after the compiler raised ``exc``; the model runs eagerly from then on,
+    and says so once. dynamo wraps an error of the model's own ops (a shape mismatch) as its own: where the eager call
+    fails too, the error is the user's, raised as the eager model raises it, and the next call compiles."""
     try:
         out = record.eager(*args, **kwargs)
     except Exception as user_error:
         raise user_error from None
     model = record.module
     assert model is not None  # compile_module's record holds its module
-    record.fell_back, record.seconds = describe_error(exc), time.perf_counter() - start
+    record.fell_back = describe_error(exc)
+    record.seconds = (record.seconds or 0.0) + time.perf_counter() - start  # with the compiles before it, if any
     log.warning(
         "torch.compile failed for %s (%s); running eagerly\nhint: pass compile='off' to skip the attempt",
         type(model).__name__,
@@ -442,32 +389,32 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     graphs = options.get("mode") == "reduce-overhead"
     record = CompileRecord(module=model, eager=eager, code=forward.__code__, per_bucket=per_bucket)
 
-    def first_call(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            out = counted(*args, **kwargs)
-        except Exception as exc:
-            if not is_compiler_error(exc):
-                raise
-            return _eager_instead(record, exc, start, args, kwargs)
-        model.forward = CompiledForward(counted, eager)
-        return out
-
     def counted(*args: Any, **kwargs: Any) -> Any:
-        """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles)."""
-        before, tried, start = _compiled_frames(), _frames("total"), time.perf_counter()
+        """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles); where
+        the compiler fails, this call and every later one run the model's own forward."""
+        before, tried, start = compiled_frames(), frames("total"), time.perf_counter()
         backward_before = _BackwardCompiles.total()
         record.calls += 1
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        out = compiled(*args, **kwargs)
-        compiled_now = _compiled_frames() != before
-        if not compiled_now and _frames("total") != tried:  # tried, gave up, ran eagerly
+        # until a training graph has compiled (a graph under no_grad has no backward)
+        lowered = None if record.training or not torch.is_grad_enabled() else lower_backward_now(True)
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as exc:
+            if not is_compiler_error(exc):
+                raise
+            return _eager_instead(record, exc, start, args, kwargs)
+        finally:
+            if lowered is not None:
+                lower_backward_now(lowered)
+        compiled_now = compiled_frames() != before
+        if not compiled_now and frames("total") != tried:  # tried, gave up, ran eagerly
             record.uncompiled += 1
             log.warning("torch.compile ran %s eagerly: it gave up compiling this call", type(model).__name__)
         elif compiled_now:
             training = torch.is_grad_enabled()
-            cause = (_last_guard_failure(record.code) or NEW_FRAME) if record.compiles else ""
+            cause = (last_guard_failure(record.code) or NEW_FRAME) if record.compiles else ""
             if training:
                 _BackwardCompiles.compiled_for_training(record, backward_before)
             record.add(time.perf_counter() - start, cause, training=training)
@@ -479,6 +426,6 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
                 log.log(level, "torch.compile compiled %s again: %s%s", name, cause, recompile_hint(cause))
         return out
 
-    model.forward = CompiledForward(first_call, eager)
+    model.forward = CompiledForward(counted, eager)
     _RECORDS[model] = record
     return record

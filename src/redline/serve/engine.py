@@ -54,9 +54,9 @@ from redline.runtime.compile import (
     compile_module,
     compile_supported,
     explain_compile,
-    is_compiler_error,
     recompile_room,
 )
+from redline.runtime.compiler_facts import is_compiler_error
 from redline.runtime.cuda_errors import is_sticky_cuda_error
 from redline.runtime.oom import is_oom
 from redline.serve.batcher import bucket_for, bucket_sizes
