@@ -4,8 +4,10 @@ torch compiles a graph's backward when it first runs, and times that compile in 
 records read; redline has it compile the first training graph's backward with its forward, so that a failure falls
 back to eager like the forward's own."""
 
+import contextlib
 import copy
 import logging
+import threading
 import time
 
 import pytest
@@ -163,7 +165,7 @@ def test_a_backward_that_fails_to_compile_runs_the_model_eagerly_instead_of_fail
     assert record.seconds is not None and record.seconds > 0
 
 
-def test_torchs_inductor_still_times_its_backward_compiles_under_the_name_read():
+def test_torchs_inductor_still_times_its_backward_compiles_under_the_name_read(monkeypatch):
     # The records read torch's own metrics: a torch that renamed them would leave the backward's compile uncounted.
     def backward_compiles() -> float:
         return sum(
@@ -174,12 +176,108 @@ def test_torchs_inductor_still_times_its_backward_compiles_under_the_name_read()
 
     model = mlp()
     record = compile_module(model)
+    # at the first backward, as torch compiles a recompile's (its first training graph's compiles with the forward)
+    monkeypatch.setattr(compiling, "backward_with_forward", contextlib.nullcontext)
     before = backward_compiles()
     # compiled, not served from torch's on-disk caches (an earlier run's), where nothing compiles to be timed
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         loss = model(torch.randn(4, 8)).sum()
         forward_only, after_forward = compile_seconds([record]), backward_compiles()
         loss.backward()
-    assert backward_compiles() > before  # inductor compiled the backward, and timed it under the name read
-    # with the forward, whose call's time holds it (or at the first backward, where this torch compiles it then)
+    assert after_forward == before and backward_compiles() > before  # compiled at the backward, timed by this name
     assert compile_seconds([record]) == pytest.approx(forward_only + backward_compiles() - after_forward)
+
+
+def failing_at_call(calls: list[int], failing: int):
+    """A torch.compile backend (no AOTAutograd: the graph's backward is eager) that fails its ``failing``-th compile."""
+
+    def compiler(graph, example_inputs):
+        calls.append(1)
+        if len(calls) == failing:
+            raise RuntimeError("no kernel for this shape")
+        return graph.forward
+
+    return compiler
+
+
+def test_a_recompile_that_fails_mid_run_runs_eagerly_and_its_time_is_a_training_compiles(caplog):
+    model, calls = mlp(), []
+    record = compile_module(model, backend=failing_at_call(calls, failing=2), dynamic=False)
+    model(torch.randn(4, 8)).sum().backward()  # the first training graph
+    first = compile_seconds([record])
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        model(torch.randn(5, 8)).sum().backward()  # another shape: the recompile fails, this call runs eagerly
+    assert "no kernel for this shape" in (record.fell_back or "") and "running eagerly" in caplog.text
+    assert record.compiles == 1 and compile_seconds([record]) > first
+    # the failed compile is a training step's, left out of its speed as a compile is
+    assert compile_seconds([record], training=True) == pytest.approx(compile_seconds([record]))
+    model(torch.randn(4, 8)).sum().backward()
+    assert len(calls) == 2 and record.calls == 2  # eager from then on, the shape that compiled too
+
+
+def test_a_backward_that_fails_in_one_models_call_is_not_counted_to_another(metrics):
+    if not lowers_backward_with_forward():
+        pytest.skip("this torch compiles a backward at its first backward only")
+    first, second = mlp(), mlp()
+    one = compile_module(first, backend=backend(metrics, 0.1), dynamic=False)
+    compile_module(second, backend=failing_backward([]), dynamic=False)
+    first(torch.randn(4, 8)).sum().backward()
+    alone = compile_seconds([one])
+
+    def failing_timed(graph, example_inputs):  # as inductor's, timed in torch's metrics even where it fails
+        metrics.setdefault(KEY, []).append(0.3)
+        raise RuntimeError("no kernel for this backward")
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    third = mlp()
+    compile_module(third, backend=aot_autograd(fw_compiler=lambda g, e: make_boxed_func(g.forward),
+                                                bw_compiler=failing_timed), dynamic=False)  # fmt: skip
+    third(torch.randn(4, 8)).sum().backward()  # fails with its forward, runs eagerly
+    first(torch.randn(4, 8)).sum().backward()
+    assert compile_seconds([one]) == alone  # the 0.3 s the third model's failure took is not the first's
+
+
+def test_torchs_setting_is_put_back_after_an_error_or_an_interrupt_and_is_this_threads_alone():
+    if not lowers_backward_with_forward():
+        pytest.skip("this torch compiles a backward at its first backward only")
+    setting = compiler_facts.LOWER_BACKWARD
+    assert getattr(functorch_config, setting) is False
+    for raised in (ValueError("the user's"), KeyboardInterrupt()):
+        with pytest.raises(type(raised)), compiler_facts.backward_with_forward():
+            assert getattr(functorch_config, setting) is True
+            raise raised
+        assert getattr(functorch_config, setting) is False
+    # torch keeps it per thread: a thread inside leaves another thread's compiles as they were
+    seen: list[bool] = []
+
+    def other_thread():
+        seen.append(getattr(functorch_config, setting))
+
+    with compiler_facts.backward_with_forward():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(10)
+        seen.append(getattr(functorch_config, setting))
+    assert seen == [False, True] and getattr(functorch_config, setting) is False
+
+
+def test_a_compiled_model_inside_another_compiled_model_is_compiled_with_it():
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.head = mlp(), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.head(self.inner(x))
+
+    torch.manual_seed(0)
+    model = Outer()
+    reference = copy.deepcopy(model)
+    inner = compile_module(model.inner, backend="eager", dynamic=False)
+    outer = compile_module(model, backend="eager", dynamic=False)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), reference(x))
+    assert outer.compiles == 1 and outer.fell_back is None and outer.eager_calls == 0
+    assert inner.calls == 0 and inner.fell_back is None  # traced into the outer graph, not called on its own

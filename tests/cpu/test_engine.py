@@ -375,6 +375,36 @@ def test_a_compile_that_fails_falls_back_to_eager_with_the_reason(monkeypatch):
     assert "compile failed, ran eagerly" in compile_choice.reason and "no C++ compiler" in compile_choice.reason
 
 
+def test_a_compile_that_fails_on_a_later_bucket_is_the_engines_own_fall_back(monkeypatch):
+    # The first bucket's failure falls back inside the compiled forward; a later one's is the engine's, which sets
+    # its split and runners up again without the compile (a compiled forward that swallowed it left them so).
+    calls = []
+
+    def failing_later(fn, **options):
+        def run(*args, **kwargs):
+            calls.append(len(args[0]))
+            if len(calls) > 1:
+                raise CompilerFailure("no kernel for this bucket")
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_later)
+    monkeypatch.setattr(engine_module, "compile_supported", lambda device_type: (True, ""))
+    fell_back = []
+    monkeypatch.setattr(
+        InferenceEngine, "_fall_back", lambda self, axis, reason, own=InferenceEngine._fall_back: (
+            fell_back.append(axis), own(self, axis, reason)
+        )[1],
+    )  # fmt: skip
+    model = Spy()
+    engine = InferenceEngine(model, input_shape=(3,), device="cpu", precision="fp32", compile="on", max_batch_size=4)
+    inputs = torch.randn(2, 3)
+    torch.testing.assert_close(engine.predict(inputs), model.linear(inputs).detach(), rtol=0, atol=1e-6)
+    assert calls[:2] == [4, 2] and fell_back == ["compile"]  # the largest bucket compiled, the next one failed
+    assert engine.plan["compile"].value is False and "no kernel for this bucket" in engine.plan["compile"].reason
+
+
 def test_compile_on_compiles_every_bucket_at_warm_up_and_matches_eager():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     engine = InferenceEngine(model, input_shape=(3,), device="cpu", precision="fp32", compile="on", max_batch_size=2)

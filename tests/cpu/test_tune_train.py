@@ -588,7 +588,7 @@ def test_a_ctrl_c_before_the_first_axis_was_measured_caches_nothing(tmp_path, mo
         "redline.bench.tune.search_space", lambda task, facts, **_: [("precision", ["fp32", "bf16-mixed"])]
     )
     monkeypatch.setattr("redline.bench.tune._measure", interrupted_at("precision"))
-    with pytest.raises(StoppedBySignal, match="while it measured precision, its first axis: nothing was cached") as e:
+    with pytest.raises(StoppedBySignal, match="while it measured precision, its first axis: no Plan was cached") as e:
         tune(mlp_task(), devices="cpu")
     assert e.value.exit_code == 130 and not measured_entries(tmp_path / "cache")
 
@@ -791,7 +791,7 @@ def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, mon
     with pytest.raises(TuneInterrupted) as stopped:
         tune(mlp_task(), devices="cpu", planned_steps=100)
     assert stopped.value.path == path and stopped.value.kept == complete
-    assert f"nothing was cached: the earlier tune of {complete.measured_at}, which measured every axis, is kept" in (
+    assert f"no Plan was cached: the earlier tune of {complete.measured_at}, which measured every axis, is kept" in (
         str(stopped.value)
     )
     assert Path(path).read_text() == before

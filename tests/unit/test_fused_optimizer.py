@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -223,10 +225,31 @@ def test_a_damaged_entry_is_timed_again_and_a_failed_timing_is_not_cached(monkey
     assert isinstance(first, StepTiming) and not first.cached_from and calls == [1]
     (entry,) = (tmp_path / fused.CACHED).iterdir()
     assert isinstance(fused.timed_or_cached(optimizer, CPU), StepTiming) and calls == [1]
-    for damaged in ("[1.0, 0.3, 10, 10]", '{"measured_at": "x", "measured": [0.001, -1.0, 10, 10]}', "not json"):
-        entry.write_text(damaged, encoding="utf-8")
-        assert isinstance(fused.timed_or_cached(optimizer, CPU), StepTiming)
-    assert len(calls) == 4  # each damaged entry timed again, and written whole
+    of = first.of
+
+    def entry_of(*measured) -> str:
+        return json.dumps({"measured_at": "2026-12-07 10:52 UTC", "measured": list(measured)})
+
+    read = fused.timed_or_cached(optimizer, CPU)
+    assert isinstance(read, StepTiming) and read.cached_from and calls == [1]
+    entry.write_text(entry_of(0.002, 0.001, of, of), encoding="utf-8")  # a well-formed entry is read as it is
+    assert fused.timed_or_cached(optimizer, CPU) == StepTiming(0.002, 0.001, of, of, "2026-12-07 10:52 UTC")
+    damaged = [
+        "[1.0, 0.3, 10, 10]",  # not the cache's form
+        "not json",
+        entry_of(0.001, -1.0, of, of),  # a step that took no time
+        entry_of(0.001, float("nan"), of, of),
+        entry_of(0.001, 0.002, of - 1, of - 1),  # another optimizer's count
+        entry_of(0.001, 0.002, of + 1, of),  # more timed than it has
+        entry_of(0.001, 0.002, True, of),
+        entry_of(0.001, 0.002, of),
+    ]
+    for text in damaged:
+        entry.write_text(text, encoding="utf-8")
+        timed, before = fused.timed_or_cached(optimizer, CPU), len(calls)
+        assert isinstance(timed, StepTiming) and not timed.cached_from, text  # timed again
+        assert fused.timed_or_cached(optimizer, CPU).cached_from and len(calls) == before, text  # and written whole
+    assert len(calls) == 1 + len(damaged)
     (entry,) = (tmp_path / fused.CACHED).iterdir()
     entry.unlink()
     monkeypatch.setattr(
@@ -234,4 +257,6 @@ def test_a_damaged_entry_is_timed_again_and_a_failed_timing_is_not_cached(monkey
     )
     assert fused.timed_or_cached(optimizer, CPU) == "its fused kernel failed on a copy (x)"
     assert fused.timed_or_cached(optimizer, CPU) == "its fused kernel failed on a copy (x)"
-    assert len(calls) == 6 and not any((tmp_path / fused.CACHED).iterdir())  # tried again, nothing cached
+    assert len(calls) == 3 + len(damaged) and not any(
+        (tmp_path / fused.CACHED).iterdir()
+    )  # tried again, nothing cached

@@ -205,7 +205,7 @@ def _check_measured(
         raise StoppedBySignal(
             signum,
             f"tune interrupted by {signal.Signals(signum).name} while it measured {interrupted}, its first axis: "
-            "nothing was cached\n"
+            "no Plan was cached\n"
             "hint: run it again; --budget SECONDS bounds the search instead, showing what it measured",
         )
     if not trials or not (decided or interrupted):  # the budget ran out before an axis was measured in full

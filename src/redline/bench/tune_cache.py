@@ -61,6 +61,6 @@ class TuneInterrupted(StoppedBySignal):
             said = f"the axes measured before it were cached, and {few(unmeasured, 4)} left to auto"
         else:
             left = f"left {few(kept.unmeasured, 4)} to auto" if kept.unmeasured else "measured every axis"
-            said = f"nothing was cached: the earlier tune of {kept.measured_at}, which {left}, is kept"
+            said = f"no Plan was cached: the earlier tune of {kept.measured_at}, which {left}, is kept"
         super().__init__(signum, f"{stopped}: {said}\nhint: {hint}")
         self.tuned, self.path, self.kept = tuned, path, kept

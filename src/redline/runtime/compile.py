@@ -24,12 +24,12 @@ from redline.plan import Choice
 from redline.plan.compile import resolve_compile
 from redline.runtime.compiler_facts import (
     NEW_FRAME,
+    backward_with_forward,
     compiled_frames,
     frames,
     graphs_held,
     is_compiler_error,
     last_guard_failure,
-    lower_backward_now,
     recompile_hint,
 )
 from redline.runtime.options import RESUMED, RuntimeOptions
@@ -265,6 +265,7 @@ def _eager_instead(
     """A call's output from the eager model after the compiler raised ``exc``; the model runs eagerly from then on,
     and says so once. dynamo wraps an error of the model's own ops (a shape mismatch) as its own: where the eager call
     fails too, the error is the user's, raised as the eager model raises it, and the next call compiles."""
+    spent, training = time.perf_counter() - start, torch.is_grad_enabled()
     try:
         out = record.eager(*args, **kwargs)
     except Exception as user_error:
@@ -272,7 +273,8 @@ def _eager_instead(
     model = record.module
     assert model is not None  # compile_module's record holds its module
     record.fell_back = describe_error(exc)
-    record.seconds = (record.seconds or 0.0) + time.perf_counter() - start  # with the compiles before it, if any
+    record.seconds = (record.seconds or 0.0) + spent  # with the compiles before it, if any
+    record.training_seconds += spent if training else 0.0  # a training step's compile, left out of its speed
     log.warning(
         "torch.compile failed for %s (%s); running eagerly\nhint: pass compile='off' to skip the attempt",
         type(model).__name__,
@@ -314,6 +316,13 @@ class _BackwardCompiles:
         record = cls.latest() if cls.latest is not None else None
         if gained > 0 and record is not None:
             record.add_backward(gained)
+
+    @classmethod
+    def failed_in_call(cls, before: float) -> None:
+        """A call that began with torch's total at ``before`` failed to compile: the backward compiles it timed (one
+        that failed, with the forward) are that call's record's, counted with the call, not the latest's."""
+        cls.collect(upto=before)
+        cls.seen = cls.total()
 
     @classmethod
     def compiled_for_training(cls, record: CompileRecord, before: float) -> None:
@@ -392,22 +401,24 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
     def counted(*args: Any, **kwargs: Any) -> Any:
         """The compiled forward, counting the calls that compiled (a new shape, grad mode or dtype recompiles); where
         the compiler fails, this call and every later one run the model's own forward."""
+        if torch.compiler.is_compiling():  # traced inside another compiled model's forward: that one compiles it
+            return eager(*args, **kwargs)
         before, tried, start = compiled_frames(), frames("total"), time.perf_counter()
         backward_before = _BackwardCompiles.total()
         record.calls += 1
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        # until a training graph has compiled (a graph under no_grad has no backward)
-        lowered = None if record.training or not torch.is_grad_enabled() else lower_backward_now(True)
+        # until a training graph has compiled, its backward with it (a graph under no_grad has none)
+        lowering = record.training or not torch.is_grad_enabled()
         try:
-            out = compiled(*args, **kwargs)
+            with contextlib.nullcontext() if lowering else backward_with_forward():
+                out = compiled(*args, **kwargs)
         except Exception as exc:
-            if not is_compiler_error(exc):
+            # an inference engine's later bucket: the engine falls back itself (its split, its runners)
+            if not is_compiler_error(exc) or (per_bucket and record.calls > 1):
                 raise
+            _BackwardCompiles.failed_in_call(backward_before)
             return _eager_instead(record, exc, start, args, kwargs)
-        finally:
-            if lowered is not None:
-                lower_backward_now(lowered)
         compiled_now = compiled_frames() != before
         if not compiled_now and frames("total") != tried:  # tried, gave up, ran eagerly
             record.uncompiled += 1

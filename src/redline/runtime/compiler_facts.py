@@ -3,7 +3,9 @@ it compiled a graph again, whether an error is the compiler's, and when it compi
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -64,18 +66,24 @@ def last_guard_failure(code: Any) -> str:
     return str(reasons[-1]).strip() if reasons else ""
 
 
-def lower_backward_now(now: bool) -> bool | None:
-    """Have torch compile a training graph's backward with its forward (``now``), not at its first backward (as it
-    does by default), and return the setting this replaced (None where this torch has no such setting). A backward
-    that fails to compile then fails the forward's call, which runs the model's own forward in its place, where at
-    the backward it failed the step with the compiler's error; this is asked until a training graph has compiled."""
+@contextlib.contextmanager
+def backward_with_forward() -> Iterator[None]:
+    """Have torch compile a training graph's backward with its forward inside, not at its first backward (as it does
+    by default), where this torch has the setting for it. A backward that fails to compile then fails the forward's
+    call, which can run the model's own forward in its place, where at the backward it failed the step with the
+    compiler's error. torch keeps its settings per thread (2.13 does): another thread's compiles are left as they
+    were."""
     import torch._functorch.config as functorch_config
 
     if not hasattr(functorch_config, LOWER_BACKWARD):
-        return None
-    before = bool(getattr(functorch_config, LOWER_BACKWARD))
-    setattr(functorch_config, LOWER_BACKWARD, now)
-    return before
+        yield
+        return
+    saved = getattr(functorch_config, LOWER_BACKWARD)
+    setattr(functorch_config, LOWER_BACKWARD, True)
+    try:
+        yield
+    finally:
+        setattr(functorch_config, LOWER_BACKWARD, saved)
 
 
 LOWER_BACKWARD = "force_non_lazy_backward_lowering"  # torch's setting (2.13 has it; older ones may not)
