@@ -11,6 +11,7 @@ from torch import nn
 import redline.runtime.fused as fused
 from devices import CPU, CPU_AMX, H100, MPS
 from redline import Runtime, RuntimeOptions
+from redline.hardware.device import probe_device
 from redline.plan.optimizer import FUSED_MARGIN, OptimizerFacts, StepTiming, resolve_optimizer, wants_timing
 
 
@@ -260,3 +261,65 @@ def test_a_damaged_entry_is_timed_again_and_a_failed_timing_is_not_cached(monkey
     assert len(calls) == 3 + len(damaged) and not any(
         (tmp_path / fused.CACHED).iterdir()
     )  # tried again, nothing cached
+
+
+@pytest.mark.parametrize(("fused_ms", "deterministic", "expected"), [(0.3, False, True), (0.99, False, False),
+                                                                      (0.3, True, False)])  # fmt: skip
+def test_a_trials_copies_step_as_the_run_will(monkeypatch, fused_ms, deterministic, expected):
+    calls = counting_timer(monkeypatch, fused_ms)
+    model, _ = model_and_optimizer()
+    here = probe_device(torch.device("cpu"))  # the machine the Runtime below sets up on: the cache's key holds it
+    factory = fused.as_the_run_steps(
+        lambda params: torch.optim.AdamW(params, lr=1e-3), model, here, sharded=False, deterministic=deterministic
+    )
+    built = [factory(model.parameters()) for _ in range(2)]  # a copy's optimizer is built again at each turn
+    assert all(bool(b.defaults.get("fused")) == expected for b in built)
+    assert calls == ([] if deterministic else [1])  # timed once, then read from the cache (which the run reads too)
+    with Runtime(RuntimeOptions(devices="cpu", deterministic=deterministic)) as rt:
+        _, run = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert bool(run.defaults.get("fused")) == expected and len(calls) == (0 if deterministic else 1)
+
+
+def test_a_trials_copies_keep_what_the_run_keeps_untimed(monkeypatch):
+    calls = counting_timer(monkeypatch)
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    as_given = [
+        fused.as_the_run_steps(lambda p: torch.optim.SGD(p, lr=0.1), sparse, CPU, sharded=False, deterministic=False),
+        fused.as_the_run_steps(
+            lambda p: torch.optim.AdamW(p, foreach=False), nn.Linear(4, 2), CPU, sharded=False, deterministic=False
+        ),
+        fused.as_the_run_steps(torch.optim.AdamW, nn.Linear(4, 2), CPU, sharded=True, deterministic=False),
+        fused.as_the_run_steps(torch.optim.AdamW, nn.Linear(4, 2), MPS, sharded=False, deterministic=False),
+    ]
+    for factory, model in zip(as_given, (sparse, nn.Linear(4, 2), nn.Linear(4, 2), nn.Linear(4, 2)), strict=True):
+        assert not factory(model.parameters()).defaults.get("fused")
+    assert calls == []
+    assert fused.as_the_run_steps(lambda p: torch.optim.SGD(p, lr=0.1), nn.Linear(4, 2), H100, sharded=False,
+                                  deterministic=False)(nn.Linear(4, 2).parameters()).defaults["fused"]  # fmt: skip
+    not_one = fused.as_the_run_steps(lambda p: "an optimizer", nn.Linear(4, 2), CPU, sharded=False, deterministic=False)
+    assert not_one(nn.Linear(4, 2).parameters()) == "an optimizer"  # refused where it is built, as the run refuses it
+
+
+def test_the_trainers_trial_builds_its_copies_optimizers_as_the_run_will(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    import redline.runtime.measure as measure
+    from redline.parallel.env import DistEnv
+    from redline.runtime.trial import Measured
+    from redline.task import Task
+
+    monkeypatch.setenv("REDLINE_CPU", "amx")
+    counting_timer(monkeypatch)
+    seen = []
+
+    def fake_trial(model, optimizer, loss_fn, batch, device, candidates, **_):
+        seen.append(optimizer(model.parameters()).defaults.get("fused"))
+        return [Measured("fp32", (0.01,) * 3, (1.0,)), Measured("bf16-mixed", (0.007,) * 3, (1.0,))]
+
+    monkeypatch.setattr(measure, "run_trial", fake_trial)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    task = Task(model=lambda: nn.Linear(8, 1), loss_fn=nn.functional.mse_loss, train_data=data, batch_size=16)
+    for deterministic in (False, True):
+        options = RuntimeOptions(devices="cpu", deterministic=deterministic)
+        measure.measure_auto(task, options, 16, 5000, DistEnv(), trial="fresh")
+    assert seen == [True, None]

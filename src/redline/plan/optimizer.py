@@ -62,12 +62,17 @@ class OptimizerFacts:
 
 
 def optimizer_facts(
-    optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, device: DeviceFacts | None = None
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module | None = None,
+    *,
+    device: DeviceFacts | None = None,
+    scan: bool = True,
 ) -> OptimizerFacts:
     """Read the facts of a built optimizer (and of the ``model`` it updates, whose layers may give sparse gradients).
 
     ``device``: where it will train. Given, the heap is scanned for a ReduceLROnPlateau (see ``scheduled``) only
     where resolve_optimizer's answer depends on it: not off CUDA, nor for an optimizer it keeps as given anyway.
+    ``scan=False`` never scans: for an optimizer a factory has just built, on which no scheduler can be yet.
     """
     cls = type(optimizer)
     from_torch = cls.__module__.startswith("torch.optim")
@@ -82,7 +87,8 @@ def optimizer_facts(
     has_state = any(bool(s) for s in optimizer.state.values())
     # None is torch's "not given"; fused=False turns fused off on purpose, like foreach=False.
     impl_set_by_user = defaults.get("fused") is not None or defaults.get("foreach") is not None
-    decides = has_fused and not has_state and not impl_set_by_user and (device is None or device.type in FUSABLE)
+    decides = scan and has_fused and not has_state and not impl_set_by_user
+    decides = decides and (device is None or device.type in FUSABLE)
     return OptimizerFacts(
         name=cls.__name__,
         has_fused=has_fused,

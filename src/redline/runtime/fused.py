@@ -20,8 +20,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
@@ -31,6 +34,7 @@ from redline.plan.optimizer import (
     OptimizerFacts,
     OptimizerImpl,
     StepTiming,
+    optimizer_facts,
     resolve_optimizer,
     wants_timing,
 )
@@ -62,6 +66,31 @@ def pick_implementation(
 
         impl = run_on_rank0(decided_on_rank0, "timing the optimizer's fused kernel")
     return impl, rebuild_optimizer(optimizer, fused=True) if impl.value == "fused" else optimizer
+
+
+def as_the_run_steps(
+    factory: Callable[[Any], torch.optim.Optimizer],
+    model: nn.Module,
+    device: DeviceFacts,
+    *,
+    sharded: bool,
+    deterministic: bool,
+) -> Callable[[Any], torch.optim.Optimizer]:
+    """``factory``, its optimizers rebuilt fused where a Runtime's setup would rebuild the run's: for a trial's copies
+    of ``model`` (whose layers tell sparse gradients), so that each form is timed stepping as the run will (on a CPU
+    by the cached timing, taken here where none is, and read again by the run's setup)."""
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):  # refused where it is built (build_optimizer), named
+            return optimizer
+        facts = optimizer_facts(optimizer, model, device=device, scan=False)  # new: no scheduler on it yet
+        timing = not deterministic and wants_timing(facts, device, sharded=sharded)
+        timed = timed_or_cached(optimizer, device) if timing else None
+        impl = resolve_optimizer(facts, device, sharded=sharded, timed=timed, deterministic=deterministic)
+        return rebuild_optimizer(optimizer, scan=False, fused=True) if impl.value == "fused" else optimizer
+
+    return build
 
 
 def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> StepTiming | str:

@@ -44,6 +44,7 @@ from redline.plan.precision import PrecisionName, fast_precisions, resolve_preci
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.cache import read_cache, write_cache
 from redline.runtime.contract import split_batch, users_failure
+from redline.runtime.fused import as_the_run_steps
 from redline.runtime.kernel_check import KEEP, preferred, time_against_pick
 from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
@@ -218,6 +219,8 @@ class _Workload:
     channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
     fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
     attention: str  # the run's request: "auto" times the kernels (``kernel_forms``); a kernel named runs every step
+    sharded: bool = False  # FSDP asked: the run keeps its optimizer as given, and the trial's copies step so
+    deterministic: bool = False  # a deterministic run keeps its optimizer as given, untimed: the copies too
 
     def layout(self, model: nn.Module) -> Callable[[str], bool]:
         """Whether the run would lay ``model`` out channels_last under each precision."""
@@ -286,7 +289,10 @@ def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Worklo
         return None
     layout = "off" if options.strategy == "fsdp" else options.channels_last  # FSDP's models stay NCHW (plan/layout.py)
     fallback = falls_back(layout, env.world_size)
-    return _Workload(device, facts, batch_size // env.world_size, candidates, layout, fallback, options.attention)
+    return _Workload(
+        device, facts, batch_size // env.world_size, candidates, layout, fallback, options.attention,
+        sharded=options.strategy == "fsdp", deterministic=options.deterministic,
+    )  # fmt: skip
 
 
 def fingerprint_of(task: Task) -> str:
@@ -402,8 +408,11 @@ def _measure_or_recall(
     zero_after_step = resolve_zero_grad(facts).value == "after step"  # where the run will free gradients
     kernel = None if work.attention == "auto" else work.attention
     with ProcessSettings(tf32=resolve_tf32(facts).value, attention=kernel).enter():  # fp32 as the run will have it
+        stepping = as_the_run_steps(
+            task.optimizer, model, facts, sharded=work.sharded, deterministic=work.deterministic
+        )  # each copy's optimizer steps as the run's will: fused where its setup would rebuild it so
         measured = run_trial(
-            model, task.optimizer, task.loss_fn, batch, work.device, names, zero_after_step=zero_after_step,
+            model, stepping, task.loss_fn, batch, work.device, names, zero_after_step=zero_after_step,
             rounds=rounds_for(names), layout=work.layout(model), nchw_fallback=work.fallback,
         )  # fmt: skip
     contention = sampler.stop(torch.get_num_threads()) if sampler is not None else None

@@ -114,18 +114,19 @@ def _check_params(optimizer: torch.optim.Optimizer, model: nn.Module, *, factory
             )
 
 
-def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "") -> None:
+def check_stateless(optimizer: torch.optim.Optimizer, onto: str = "", *, scan: bool = True) -> None:
     """Refuse to rebuild an optimizer that has stepped (its moments would be lost) or that an LR scheduler holds.
 
     ``onto``: what it is rebuilt on. The scheduler would go on setting the learning rate of the optimizer
-    it was built on, which no longer trains anything.
+    it was built on, which no longer trains anything. ``scan=False``: the heap is not scanned for a scheduler
+    (``scheduled``), for an optimizer a factory has just built.
     """
     if any(optimizer.state.values()):
         raise ConfigError(
             f"cannot rebuild {type(optimizer).__name__}{onto}: it already holds state\n"
             "hint: pass the optimizer before its first step, or as a factory"
         )
-    if scheduled(optimizer):
+    if scheduled(optimizer, scan=scan):
         raise ConfigError(
             f"cannot rebuild {type(optimizer).__name__}{onto}: an LR scheduler was built on it, and would go on "
             "setting the learning rate of this optimizer, which the rebuilt one replaces\n"
@@ -145,13 +146,15 @@ _HOOKS = (
 )
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, **impl: Any) -> torch.optim.Optimizer:
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, *, scan: bool = True, **impl: Any) -> torch.optim.Optimizer:
     """Return a new optimizer of the same class, groups, hyperparameters and hooks, with ``impl`` changed.
 
     Only an optimizer that holds no state yet can be rebuilt without changing the run. Constructor
     arguments the optimizer keeps nowhere in its ``defaults`` are lost: pass a factory to keep them.
+    ``scan=False``: one a factory has just built, which no LR scheduler can hold yet (a scan of the heap for one
+    takes milliseconds to tens of them).
     """
-    check_stateless(optimizer)
+    check_stateless(optimizer, scan=scan)
     rebuilt = same_kind(optimizer, [group["params"] for group in optimizer.param_groups], **impl)
     for name in _HOOKS:  # a post-step hook (an EMA update, a log) would otherwise stop running, silently
         hooks, into = getattr(optimizer, name, None), getattr(rebuilt, name, None)

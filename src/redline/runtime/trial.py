@@ -48,8 +48,9 @@ TOLERANCE = 0.05  # relative departure of a candidate's first loss from fp32's t
 MAX_SECONDS = 30.0  # the whole trial; a candidate that would exceed it is timed on fewer steps
 # How a trial measures, in its cache key: a change to it leaves what the old way measured unread. 2: a candidate
 # whose step fails laid out NHWC is timed in NCHW, where the run would go back to (it was rejected). 3: a run that
-# does not repay whole steps on every attention kernel times each precision on the kernel its calls prefer.
-METHOD = 3
+# does not repay whole steps on every attention kernel times each precision on the kernel its calls prefer. 4: each
+# copy's optimizer steps as the run's will, fused where the Runtime's setup rebuilds it so (runtime/fused.py).
+METHOD = 4
 
 log = logging.getLogger("redline")
 
