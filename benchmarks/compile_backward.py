@@ -102,16 +102,13 @@ def main() -> None:
             )
         losses = {form: f"{runs[form][0]['first']:.4f} -> {runs[form][0]['last']:.4f}" for form in FORMS}
         rows.append(f"| {spec} | {batch_size} | {' | '.join(cells)} | {losses['lowered']} | {losses['lazy']} |")
-    body = [
-        __doc__.split("\n\n")[1].replace("\n", " "),
-        "",
+    body = environment.table_page(
+        __doc__,
         f"rounds: {args.rounds}; steps a run: {args.steps}; precision fp32; each run in its own process.",
-        "",
-        "| task | batch | compile s, lowered / lazy | compile ratio (range) | step, lowered / lazy "
-        "| step ratio (range) | loss, lowered (round 1) | loss, lazy (round 1) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        *rows,
-    ]
+        ["task", "batch", "compile s, lowered / lazy", "compile ratio (range)", "step, lowered / lazy",
+         "step ratio (range)", "loss, lowered (round 1)", "loss, lazy (round 1)"],
+        rows,
+    )  # fmt: skip
     environment.publish(args.write, "Backward compiled with the forward", body)
 
 

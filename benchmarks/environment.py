@@ -115,6 +115,20 @@ def fresh_caches() -> Iterator[dict[str, str]]:
         }
 
 
+def table_page(doc: str, settings: str, header: Sequence[str], rows: Sequence[str]) -> list[str]:
+    """A result's body: what the script measures (its docstring's second paragraph), a line of its settings, and a
+    table of ``header`` (the columns' names) and ``rows`` (markdown lines)."""
+    return [
+        doc.split("\n\n")[1].replace("\n", " "),
+        "",
+        settings,
+        "",
+        f"| {' | '.join(header)} |",
+        f"|{' --- |' * len(header)}",
+        *rows,
+    ]
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

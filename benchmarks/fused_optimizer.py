@@ -84,15 +84,13 @@ def main() -> None:
         )
         plans.append(f"- {spec}: {plan_row(task)}")
         print(rows[-1], plans[-1], sep="\n", flush=True)
+    header = [
+        "task", "optimizer", "batch", "setup timing: fused's step, as fast", "naive step as given (ms)", "fused (ms)",
+        "whole step: given/fused", "rounds' quartiles",
+    ]  # fmt: skip
+    settings = f"torch threads: {torch.get_num_threads()}; rounds: {args.rounds}."
     body = [
-        __doc__.split("\n\n")[1].replace("\n", " "),
-        "",
-        f"torch threads: {torch.get_num_threads()}; rounds: {args.rounds}.",
-        "",
-        "| task | optimizer | batch | setup timing: fused's step, as fast | naive step as given (ms) "
-        "| fused (ms) | whole step: given/fused | rounds' quartiles |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        *rows,
+        *environment.table_page(__doc__, settings, header, rows),
         "",
         "The Runtime's Plan, set up on each model (fp32, eager):",
         "",
