@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -22,7 +23,16 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from redline.errors import ConfigError, RedlineError, first_to_say, invalid, mark_peer_stopped, traceback_asked
+from redline.errors import (
+    ConfigError,
+    RedlineError,
+    StoppedBySignal,
+    first_to_say,
+    interrupting_signal,
+    invalid,
+    mark_peer_stopped,
+    traceback_asked,
+)
 from redline.render.console import results_apart
 from redline.render.log import show_logs
 
@@ -202,12 +212,25 @@ EXTRAS = {
 }
 
 
+def interrupted(command: LazyCommand, exc: KeyboardInterrupt) -> StoppedBySignal:
+    """A Ctrl-C (or a SIGTERM taken as one) that no step of ``command`` said: one while it started (torch's import,
+    a second or more, before anything ran), or in a part of its run that tells no outcome of its own."""
+    signum = interrupting_signal(exc)
+    said = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    if not command.parsed:
+        doing, outcome = "it started (importing torch and its modules)", "nothing was run"
+    else:
+        doing, outcome = "it ran", "it did not finish"
+    return StoppedBySignal(signum, f"`redline {command.name}` stopped by {said} while {doing}: {outcome}")
+
+
 class LazyCommand(TyperCommand):
     """A subcommand known by its name and summary until it runs; then its module is imported."""
 
     def __init__(self, name: str, spec: Subcommand) -> None:
         super().__init__(name=name, short_help=spec.summary)
         self.spec = spec
+        self.parsed = False  # its module imported and its arguments read: it runs from here
 
     def load(self) -> Any:
         """Import the subcommand's module and return its command, as typer builds it."""
@@ -232,7 +255,9 @@ class LazyCommand(TyperCommand):
         # The group invokes the command of the context made here: the real one, loaded now.
         command = self.load()
         try:
-            return command.make_context(info_name, args, parent=parent, **extra)
+            made = command.make_context(info_name, args, parent=parent, **extra)
+            self.parsed = True
+            return made
         except typer.BadParameter as error:  # a value the parser cannot read (--epochs ten): said as any refusal
             raise unparsed(error) or error from None
         except _USAGE_ERROR as error:  # a misspelt flag: said as any refusal, with the nearest flags
@@ -249,6 +274,15 @@ class LazyGroup(TyperGroup):
         super().__init__(**attrs)
         for name, spec in SUBCOMMANDS.items():
             self.add_command(LazyCommand(name, spec))
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:  # typer would exit 130 without a word
+            command = self.commands.get(ctx.invoked_subcommand or "")
+            if not isinstance(command, LazyCommand) or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
+                raise  # a launched worker's (parallel/env.py is_launched): its launcher says it, once for the job
+            raise interrupted(command, exc) from None
 
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         try:
