@@ -323,3 +323,12 @@ def test_the_trainers_trial_builds_its_copies_optimizers_as_the_run_will(monkeyp
         options = RuntimeOptions(devices="cpu", deterministic=deterministic)
         measure.measure_auto(task, options, 16, 5000, DistEnv(), trial="fresh")
     assert seen == [True, None]
+
+
+def test_a_trials_copies_take_the_first_builds_decision_even_where_no_timing_was_cached(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused, "time_fused", lambda optimizer: calls.append(1) or "its fused kernel failed (x)")
+    model = nn.Linear(4, 2)
+    factory = fused.as_the_run_steps(torch.optim.AdamW, model, CPU, sharded=False, deterministic=False)
+    assert not any(factory(model.parameters()).defaults.get("fused") for _ in range(3))
+    assert calls == [1]  # a copy's optimizer is built at every turn: the failed timing is not taken again each time

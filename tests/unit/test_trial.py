@@ -841,3 +841,12 @@ def test_a_lead_of_a_candidate_its_first_loss_rejects_does_not_end_the_trial(fp1
     steps = {"fp32": (None, 2.0), "fp16-mixed": (None, fp16_first_loss), "bf16-mixed": (None, 2.0)}
     times = [[0.010] * 3, [0.006] * 3, [0.0088] * 3]
     assert _settled_by_the_accepted(timed, steps)(times, 1) is settled
+
+
+def test_a_trial_whose_copies_kept_the_optimizer_as_given_is_not_read_by_a_run_that_rebuilds_it(counted_trials):
+    # a deterministic run's (or an FSDP run's) copies step the optimizer as given; another run's step it as it will
+    env = DistEnv()
+    for deterministic in (True, False, True, False):
+        measure_auto(tiny_task(), RuntimeOptions(devices="cpu", deterministic=deterministic), 16, 1000, env,
+                     trial="auto")  # fmt: skip
+    assert len(counted_trials) == 2  # one of each, then each read from the cache

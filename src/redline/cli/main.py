@@ -213,15 +213,16 @@ EXTRAS = {
 
 
 def interrupted(command: LazyCommand, exc: KeyboardInterrupt) -> StoppedBySignal:
-    """A Ctrl-C (or a SIGTERM taken as one) that no step of ``command`` said: one while it started (torch's import,
-    a second or more, before anything ran), or in a part of its run that tells no outcome of its own."""
+    """A Ctrl-C that no step of ``command`` said: one while it started (torch's import, a second or more, before
+    anything ran), or in a part of its run that tells no outcome of its own; or a SIGTERM such a part took as one
+    (cli/signals.py: outside those parts, SIGTERM still ends the process as Python leaves it to)."""
     signum = interrupting_signal(exc)
     said = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     if not command.parsed:
-        doing, outcome = "it started (importing torch and its modules)", "nothing was run"
+        told = "while it started (importing its modules, torch's among them for most): nothing was run"
     else:
-        doing, outcome = "it ran", "it did not finish"
-    return StoppedBySignal(signum, f"`redline {command.name}` stopped by {said} while {doing}: {outcome}")
+        told = "while it ran, before it said it was done"
+    return StoppedBySignal(signum, f"`redline {command.name}` stopped by {said} {told}")
 
 
 class LazyCommand(TyperCommand):

@@ -220,7 +220,7 @@ class _Workload:
     fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
     attention: str  # the run's request: "auto" times the kernels (``kernel_forms``); a kernel named runs every step
     sharded: bool = False  # FSDP asked: the run keeps its optimizer as given, and the trial's copies step so
-    deterministic: bool = False  # a deterministic run keeps its optimizer as given, untimed: the copies too
+    deterministic: bool = False  # on a CPU a deterministic run keeps its optimizer as given, untimed: the copies too
 
     def layout(self, model: nn.Module) -> Callable[[str], bool]:
         """Whether the run would lay ``model`` out channels_last under each precision."""
@@ -337,6 +337,7 @@ class _Keys:
 def _keys(task: Task, work: _Workload) -> _Keys:
     facts, local_batch = work.facts, work.local_batch
     parts = [*work.candidates, f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
+    parts += ["optimizer as given"] if work.sharded or work.deterministic else []  # the copies step it so (fused.py)
     fingerprint = fingerprint_of(task)
     plain = [*parts, f"attention {work.attention}"]
     return _Keys(
