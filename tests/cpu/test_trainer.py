@@ -430,6 +430,24 @@ def test_a_signal_handler_writes_nothing_and_the_loop_reports_it_once(caplog):
     assert [r.getMessage() for r in caplog.records] == ["SIGTERM: stopping after this step, then writing a checkpoint"]
 
 
+def test_a_signal_the_process_was_started_ignoring_stays_ignored_while_the_run_takes_the_others():
+    # a shell's background job (`redline train ... &` in a script) ignores SIGINT, so that a Ctrl-C to the job in
+    # front spares it; the run took SIGINT over and stopped
+    from redline.train.signals import StopOnSignal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopOnSignal() as stop:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            assert stop.received is None
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.received == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_the_workers_a_signal_reaches_together_say_so_once_and_without_out_promise_no_checkpoint(
     caplog, tmp_path, monkeypatch
 ):

@@ -19,7 +19,8 @@ UNSAVED = "the final evaluation, sample and summary"  # a run without out_dir's:
 
 
 class StopOnSignal:
-    """While fit() runs, SIGTERM/SIGINT ask the loop to stop after the current step (a second SIGINT aborts).
+    """While fit() runs, SIGTERM/SIGINT ask the loop to stop after the current step (a second SIGINT aborts); one
+    the process ignores (it was started so) stays ignored.
 
     The handler only records the signal: writing from it (a log line) could land inside a write the
     main thread was making to the same stream, which Python refuses with "reentrant call"
@@ -38,8 +39,11 @@ class StopOnSignal:
     def __enter__(self) -> StopOnSignal:
         self.received, self.previous, self._announced, self._finishing, self._late = None, {}, None, None, None
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            # one the process was started ignoring stays ignored, as Python leaves it: a shell's background job
+            # (`redline train ... &` in a script) ignores SIGINT, so that a Ctrl-C to the job in front spares it
             for signum in (signal.SIGTERM, signal.SIGINT):
-                self.previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) != signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
