@@ -409,9 +409,9 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         # until a training graph has compiled, its backward with it (a graph under no_grad has none)
-        lowering = record.training or not torch.is_grad_enabled()
+        lazy = record.training or not torch.is_grad_enabled()
         try:
-            with contextlib.nullcontext() if lowering else backward_with_forward():
+            with contextlib.nullcontext() if lazy else backward_with_forward():
                 out = compiled(*args, **kwargs)
         except Exception as exc:
             # an inference engine's later bucket: the engine falls back itself (its split, its runners)

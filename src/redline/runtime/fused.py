@@ -56,16 +56,25 @@ def pick_implementation(
     two are timed first, unless the run is ``deterministic``. Under several processes rank 0 decides, by its own
     optimizer, and every rank takes its choice: a rank whose optimizer cannot be rebuilt (it has stepped) is refused
     at once, where a rank deciding alone would step otherwise, or wait in a collective the others never enter."""
-    if device.type not in TIMED_DEVICES or deterministic:
-        impl = resolve_optimizer(facts, device, sharded=sharded, deterministic=deterministic)
+
+    def decided() -> Choice[OptimizerImpl]:
+        return _decide(optimizer, facts, device, sharded=sharded, deterministic=deterministic)
+
+    if device.type not in TIMED_DEVICES or deterministic:  # nothing timed: every rank decides alike, by rule
+        impl = decided()
     else:
-
-        def decided_on_rank0() -> Choice[OptimizerImpl]:
-            timed = timed_or_cached(optimizer, device) if wants_timing(facts, device, sharded=sharded) else None
-            return resolve_optimizer(facts, device, sharded=sharded, timed=timed)
-
-        impl = run_on_rank0(decided_on_rank0, "timing the optimizer's fused kernel")
+        impl = run_on_rank0(decided, "timing the optimizer's fused kernel")
     return impl, rebuild_optimizer(optimizer, fused=True) if impl.value == "fused" else optimizer
+
+
+def _decide(
+    optimizer: torch.optim.Optimizer, facts: OptimizerFacts, device: DeviceFacts, *, sharded: bool, deterministic: bool
+) -> Choice[OptimizerImpl]:
+    """resolve_optimizer's answer for ``optimizer``, with its step timed (or the timing read from the cache) where
+    the answer depends on a timing: a run's setup and a trial's copies decide so alike."""
+    timing = not deterministic and wants_timing(facts, device, sharded=sharded)
+    timed = timed_or_cached(optimizer, device) if timing else None
+    return resolve_optimizer(facts, device, sharded=sharded, timed=timed, deterministic=deterministic)
 
 
 def as_the_run_steps(
@@ -90,9 +99,7 @@ def as_the_run_steps(
             return optimizer
         if not decided:
             facts = optimizer_facts(optimizer, model, device=device, scan=False)
-            timing = not deterministic and wants_timing(facts, device, sharded=sharded)
-            timed = timed_or_cached(optimizer, device) if timing else None
-            impl = resolve_optimizer(facts, device, sharded=sharded, timed=timed, deterministic=deterministic)
+            impl = _decide(optimizer, facts, device, sharded=sharded, deterministic=deterministic)
             decided.append(impl.value == "fused")
         return rebuild_optimizer(optimizer, scan=False, fused=True) if decided[0] else optimizer
 

@@ -287,11 +287,12 @@ def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Worklo
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    layout = "off" if options.strategy == "fsdp" else options.channels_last  # FSDP's models stay NCHW (plan/layout.py)
+    sharded = options.strategy == "fsdp"
+    layout = "off" if sharded else options.channels_last  # FSDP's models stay NCHW (plan/layout.py)
     fallback = falls_back(layout, env.world_size)
     return _Workload(
         device, facts, batch_size // env.world_size, candidates, layout, fallback, options.attention,
-        sharded=options.strategy == "fsdp", deterministic=options.deterministic,
+        sharded=sharded, deterministic=options.deterministic,
     )  # fmt: skip
 
 
