@@ -68,6 +68,24 @@ def test_torchruns_handler_stops_on_the_first_signal_and_each_later_sigint_goes_
         worker.wait()
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers in /proc")
+def test_a_launcher_started_ignoring_ctrl_c_leaves_it_ignored_once_its_workers_start(tmp_path):
+    """A script's background job (`redline launch ... &`) ignores SIGINT; torchrun's handler would take it over."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    interrupts = Interrupts(tmp_path / "finished")
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts.passing_on():
+            handle = api._terminate_process_handler
+            handle(signal.SIGINT, None)  # ignored: no stop, nothing counted
+            assert not interrupts.stopping and interrupts.count == 0
+            with pytest.raises(api.SignalException):  # SIGTERM, not ignored, stops the workers as before
+                handle(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_to_a_launched_run_aborts_it_at_once_with_exit_130(tmp_path):
     out = tmp_path / "run"

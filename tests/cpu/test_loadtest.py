@@ -457,6 +457,25 @@ def test_run_load_gives_the_signal_handlers_back_as_it_found_them(server):
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_load_test_started_ignoring_ctrl_c_runs_its_window_whole_and_leaves_it_ignored(server):
+    """A script's background job ignores SIGINT: a Ctrl-C to the job in front of it does not stop this one."""
+    sent = []
+
+    def ctrl_c_mid_window(now):
+        if now.elapsed_s > 0.1 and not sent:
+            sent.append(now.elapsed_s)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = run_load(f"{server.url}/pattern/ignored", rate=20, duration=0.5, progress=ctrl_c_mid_window)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert sent and result.duration_s == 0.5 and result.requests_sent == 10
+    assert not any("stopped by Ctrl-C" in note for note in result.notes), result.notes
+
+
 def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of a shell's `&` would ignore Ctrl-C
 

@@ -18,6 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+import uvicorn
 from serve_client import eventually, fill_the_queue, metrics, ready, reference, running
 from serve_engines import POISON, FakeEngine, Slow, linear_engine
 from torch import nn
@@ -388,6 +389,23 @@ def test_redline_serve_naming_no_function_hints_at_what_the_function_may_return(
     assert said.startswith("model spec") and said.endswith("hint: name a function that returns a Servable (or a Task)")
 
 
+def test_a_server_started_ignoring_ctrl_c_leaves_it_ignored_and_stops_on_sigterm():
+    """A script's background server (`redline serve ... &`) ignores SIGINT: a Ctrl-C to the script spares it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stops = []
+        server = server_module._Server(uvicorn.Config(app=None), lambda: stops.append(True), lambda: 0)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    server.handle_exit(signal.SIGINT, None)
+    assert not server.should_exit and stops == []
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and stops == [True]
+    server = server_module._Server(uvicorn.Config(app=None), lambda: stops.append(True), lambda: 0)
+    server.handle_exit(signal.SIGINT, None)  # where Ctrl-C was not ignored, it stops the server
+    assert server.should_exit
+
+
 def test_serve_freezes_the_heap_once_warmed_up_then_says_ready(monkeypatch):
     said = []
 
@@ -538,6 +556,7 @@ def test_redline_serve_answers_and_on_sigterm_finishes_its_queued_request_then_e
 SLOW_AFTER_WARM_UP = """
 import time
 import torch
+import uvicorn
 from torch import nn
 from redline.serve.servable import Servable
 

@@ -65,3 +65,20 @@ def test_a_launched_workers_interrupt_is_left_to_its_launcher(monkeypatch):
     interrupted_import(monkeypatch, KeyboardInterrupt())
     result = CliRunner().invoke(app, ["train", "--task", "example:digits"])
     assert not isinstance(result.exception, StoppedBySignal) and result.exit_code == 130  # typer's, without a word
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_the_process_was_started_ignoring_stays_ignored_in_a_command(signum):
+    from redline.cli.signals import terminate_as_interrupt
+
+    before = signal.signal(signum, signal.SIG_IGN)  # a parent that ignores it (nohup for SIGHUP)
+    try:
+        with terminate_as_interrupt():
+            assert signal.getsignal(signum) is signal.SIG_IGN
+        assert signal.getsignal(signum) is signal.SIG_IGN
+        signal.signal(signum, signal.SIG_DFL)
+        with terminate_as_interrupt(), pytest.raises(Terminated):  # one left at its default is taken as an interrupt
+            signal.raise_signal(signum)
+        assert signal.getsignal(signum) is signal.SIG_DFL
+    finally:
+        signal.signal(signum, before)

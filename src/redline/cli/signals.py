@@ -23,7 +23,8 @@ def terminate_as_interrupt() -> Iterator[None]:
     """Inside, SIGTERM raises Terminated, a KeyboardInterrupt: what a command does on Ctrl-C it does on SIGTERM.
 
     So does SIGHUP (the terminal closed, an ssh session dropped), whose default ends the process without a
-    word and leaves a temporary file behind; not where it is ignored (``nohup``), which is the user's choice.
+    word and leaves a temporary file behind. A signal the process was started ignoring (SIGHUP under ``nohup``,
+    SIGTERM from a parent that ignores it) stays ignored: that is the user's choice, as Python leaves it.
     Outside the main thread signals are not ours to take, and the handlers stay as they are.
     """
 
@@ -33,7 +34,8 @@ def terminate_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    taken = [signal.SIGTERM] + [signal.SIGHUP] * (signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)
+    taken = [signal.SIGTERM] * (signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
+    taken += [signal.SIGHUP] * (signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)
     previous = {signum: signal.signal(signum, terminate) for signum in taken}
     try:
         yield

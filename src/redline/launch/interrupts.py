@@ -26,6 +26,7 @@ from types import FrameType
 from redline.launch.stopped import Aborted
 from redline.parallel.env import FINISHING, interrupted_mark
 
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 SAME_CTRL_C_S = 0.5  # a person's second Ctrl-C comes later; copies of one signal come within milliseconds
 
 
@@ -69,7 +70,13 @@ class Interrupts:
             yield
             return
 
+        # one the launcher was started ignoring stays ignored, as Python leaves it: a script's background job
+        # (`redline launch ... &`) ignores SIGINT, where torchrun would take it over as it starts the workers
+        ignored = {signum for signum in _STOPPING if signal.getsignal(signum) is signal.SIG_IGN}
+
         def handle(signum: int, frame: FrameType | None) -> None:
+            if signum in ignored:
+                return
             if self.stopping and signum == signal.SIGINT and self.clock() - self.first_at < SAME_CTRL_C_S:
                 return  # the first one again, passed on by a process between the terminal and the launcher
             self.count += signum == signal.SIGINT

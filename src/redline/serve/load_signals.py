@@ -26,14 +26,17 @@ def on_stop_signals(stop: Callable[[signal.Signals], None]) -> dict[signal.Signa
 
     def on_signal(signum: signal.Signals) -> None:
         nonlocal stopped
-        loop.remove_signal_handler(signal.SIGINT)
+        if signal.SIGINT in before:
+            loop.remove_signal_handler(signal.SIGINT)
         if not stopped:
             stopped = True
             stop(signum)
 
+    # one the process was started ignoring stays ignored, as Python leaves it (a script's background job)
     before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    before = {signum: handler for signum, handler in before.items() if handler is not signal.SIG_IGN}
     try:
-        for signum in STOP_SIGNALS:
+        for signum in before:
             loop.add_signal_handler(signum, on_signal, signum)
     except (RuntimeError, ValueError, NotImplementedError):  # the first fails where the second would
         return {}

@@ -53,8 +53,13 @@ class _Server(uvicorn.Server):
         self._on_stop = on_stop
         self._on_force = on_force
         self.abandoned = 0  # requests answered 503 unrun, when a second Ctrl-C stopped the server at once
+        # a signal the process was started ignoring stays ignored, as Python leaves it: a script's background
+        # server (`redline serve ... &`) ignores SIGINT, so that a Ctrl-C to the script's job in front spares it
+        self._ignored = {sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is signal.SIG_IGN}
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig in self._ignored:
+            return
         # uvicorn's own handler would raise the signal again after the graceful stop, ending the process
         # as killed (-15); a server that drained as asked exits with 0.
         self._on_stop()
