@@ -397,6 +397,35 @@ def test_a_trial_is_keyed_by_the_layout_asked_and_given_the_rule_layout_of_each_
     assert layouts[-1] == {"fp32": False, "bf16-mixed": False}  # no convolution: NCHW under every precision
 
 
+def test_a_trial_steps_as_a_sharded_run_where_auto_will_pick_fsdp_by_the_models_size(monkeypatch):
+    """Where "auto" resolves to FSDP (several processes, a model whose state passes half a device), the run keeps its
+    optimizer as given and its models NCHW: the trial's copies do so, and its cache key says so."""
+    counted = []
+    outline = Task.outline
+    monkeypatch.setattr(Task, "outline", lambda self: counted.append(self) or outline(self))
+    cnn = tiny_task(model=Recording)
+    state_bytes = 16 * sum(p.numel() for p in Recording().parameters())  # weights, grads, Adam's moments in fp32
+
+    def work(mem_gib, world_size=2, strategy="auto"):
+        facts = dataclasses.replace(CPUS["amx"], mem_gib=mem_gib)
+        monkeypatch.setattr(measure, "worker_device", lambda options, env: (torch.device("cpu"), facts))
+        env = DistEnv(world_size=world_size)
+        found = measure._workload(cnn, RuntimeOptions(devices="cpu", strategy=strategy), 16, env)
+        assert found is not None
+        return found
+
+    sharded = work(mem_gib=state_bytes / 2**30)  # the state passes half the device: FSDP
+    assert sharded.sharded and not sharded.layout(Recording())("bf16-mixed")
+    replicated = work(mem_gib=4 * state_bytes / 2**30)  # a quarter of the device: DDP, fused and channels_last
+    assert not replicated.sharded and replicated.layout(Recording())("bf16-mixed")
+    assert len(counted) == 2
+    assert measure._keys(cnn, sharded).plain != measure._keys(cnn, replicated).plain
+    counted.clear()
+    assert not work(mem_gib=1e-9, strategy="ddp").sharded and work(mem_gib=1.0, strategy="fsdp").sharded
+    assert not work(mem_gib=1e-9, world_size=1).sharded
+    assert counted == []  # a strategy given, or one process, needs no count of the model's parameters
+
+
 def test_measure_auto_measures_once_then_reads_the_cache(counted_trials):
     options, env = RuntimeOptions(devices="cpu"), DistEnv()
     first = measure_auto(tiny_task(), options, 16, 1000, env, trial="auto")

@@ -127,7 +127,7 @@ def test_a_call_under_a_dtype_casts_its_floating_inputs_but_float64_and_keeps_a_
 def test_the_kernels_are_picked_on_the_models_real_calls_with_torchs_own_timing(monkeypatch):
     """No fake: the calls of a small GPT, cast to bf16 and timed on this CPU's kernels, name one form of bf16-mixed."""
     monkeypatch.setenv("REDLINE_CPU", "amx")
-    work = _workload(RuntimeOptions(devices="cpu"), 4, DistEnv())
+    work = _workload(gpt_task(), RuntimeOptions(devices="cpu"), 4, DistEnv())
     assert work is not None and work.candidates == ["bf16-mixed"]
     calls = model_attention(gpt_task(), "cpu")
     forms, told = work.picked_forms(calls)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, cast, get_args
 
 from redline.errors import invalid, one_of
@@ -44,6 +45,16 @@ def resolve_strategy(
         "fsdp",
         f"auto: weights+grads+Adam state {state_gib:.1f} GiB exceed half of {device_mem_gib:.0f} GiB; "
         f"sharded over {world_size} devices ({state_gib / world_size:.1f} GiB each)",
+    )
+
+
+def will_shard(requested: str, *, world_size: int, params: Callable[[], int], device_mem_gib: float | None) -> bool:
+    """Whether ``resolve_strategy`` picks FSDP for this run, before its model is built: ``params`` (the model's count)
+    is called only where "auto" needs it, several processes on devices that say their memory."""
+    if requested != "auto" or world_size == 1 or device_mem_gib is None:
+        return requested == "fsdp"
+    return resolve_strategy(requested, world_size=world_size, params=params(), device_mem_gib=device_mem_gib).value == (
+        "fsdp"
     )
 
 

@@ -41,6 +41,7 @@ from redline.plan.device import resolve_worker_device
 from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
 from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
+from redline.plan.strategy import will_shard
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.cache import read_cache, write_cache
 from redline.runtime.contract import split_batch, users_failure
@@ -128,7 +129,7 @@ def _measured(
     counts: bool,
     insist: str = INSIST,
 ) -> tuple[dict[str, Choice[str]], float | None]:
-    work = _workload(options, batch_size, env)
+    work = _workload(task, options, batch_size, env)
     if work is None:
         return {}, None  # a precision given, or none worth trying here: the rule's reason says why
     rule = resolve_precision("auto", work.facts)
@@ -203,7 +204,7 @@ def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistE
     """The "auto" choices a trial cached for this run (as ``measure_auto`` would read them: ``"precision"``, and
     ``"attention"`` where it timed the kernels), else {}: a reader that must not run steps (an estimate of memory,
     made before the step is known to fit) takes no more."""
-    work = _workload(options, batch_size, env)
+    work = _workload(task, options, batch_size, env)
     found = _measure(task, work, _keys(task, work), True, lambda names: ROUNDS) if work is not None else None
     return work.choices(found.choice, kernels=found.kernels) if work is not None and found is not None else {}
 
@@ -219,7 +220,7 @@ class _Workload:
     channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
     fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
     attention: str  # the run's request: "auto" times the kernels (``kernel_forms``); a kernel named runs every step
-    sharded: bool = False  # FSDP asked: the run keeps its optimizer as given, and the trial's copies step so
+    sharded: bool = False  # FSDP, asked or auto's: the run keeps its optimizer as given, and the trial's copies step so
     deterministic: bool = False  # on a CPU a deterministic run keeps its optimizer as given, untimed: the copies too
 
     def layout(self, model: nn.Module) -> Callable[[str], bool]:
@@ -279,7 +280,7 @@ class _Workload:
         return picked, "; ".join(told)
 
 
-def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
+def _workload(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
     """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying."""
     if options.precision != "auto":
         return None
@@ -287,7 +288,10 @@ def _workload(options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Worklo
     candidates = fast_precisions(facts)
     if not candidates:
         return None
-    sharded = options.strategy == "fsdp"
+    sharded = will_shard(  # FSDP asked, or "auto" picking it as the run's setup will, by the model's size
+        options.strategy, world_size=env.world_size, device_mem_gib=facts.mem_gib,
+        params=lambda: sum(p.numel() for p in task.outline().parameters()),
+    )  # fmt: skip
     layout = "off" if sharded else options.channels_last  # FSDP's models stay NCHW (plan/layout.py)
     fallback = falls_back(layout, env.world_size)
     return _Workload(
