@@ -207,6 +207,8 @@ def test_the_cache_keys_what_a_step_takes_and_not_the_learning_rate(monkeypatch)
     model = nn.Linear(16, 4)
     assert timed_once(adamw(model))
     assert not timed_once(adamw(model, lr=0.5))  # a schedule moves it: the step takes as long
+    assert timed_once(adamw(model, lr=torch.tensor(1e-3)))  # a tensor's step takes other kernels
+    assert not timed_once(adamw(model, lr=torch.tensor(0.5)))
     assert not timed_once(adamw(nn.Linear(16, 4)))  # another model of the same shapes
     assert timed_once(adamw(model, amsgrad=True))  # an option the step reads
     assert timed_once(adamw(nn.Linear(16, 8)))  # other shapes

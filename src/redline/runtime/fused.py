@@ -120,18 +120,25 @@ def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> St
 
 
 def _fingerprint(optimizer: torch.optim.Optimizer) -> str:
-    """What a step's time depends on: the optimizer's kind, each group's options (its learning rates aside, which a
-    schedule moves) and the shapes and dtypes of the parameters that train."""
+    """What a step's time depends on: the optimizer's kind, each group's options (of its learning rates only whether
+    each is a tensor, whose step takes other kernels: a schedule moves their values) and the shapes and dtypes of
+    the parameters that train."""
     groups = [
         (
             sorted(
-                (name, repr(value)) for name, value in group.items() if name != "params" and not name.endswith("lr")
+                (name, _lr_kind(value) if name.endswith("lr") else repr(value))
+                for name, value in group.items()
+                if name != "params"
             ),
             [(tuple(p.shape), str(p.dtype)) for p in group["params"] if p.requires_grad],
         )
         for group in optimizer.param_groups
     ]
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__} {groups!r}"
+
+
+def _lr_kind(value: object) -> str:
+    return f"tensor {value.dtype}" if isinstance(value, torch.Tensor) else "number"
 
 
 def _read(key: str, *, of: int) -> StepTiming | None:
